@@ -1,0 +1,55 @@
+//! Collects figures and prints them as a table and as JSON lines.
+
+use serde::Serialize;
+
+/// One measured figure.
+#[derive(Clone, Debug, Serialize)]
+pub struct Figure {
+    /// Dotted name, e.g. `comm.allreduce_8b_us`.
+    pub name: String,
+    /// The value.
+    pub value: f64,
+    /// Its unit (`ratio`, `us`, `GB/s`, `bytes`).
+    pub unit: String,
+    /// The goal, as text, when there is one (`<= 2.0`).
+    #[serde(skip)]
+    pub goal: Option<String>,
+}
+
+/// The figures of one benchmark run.
+#[derive(Debug, Default)]
+pub struct Report {
+    figures: Vec<Figure>,
+}
+
+impl Report {
+    /// Records a figure.
+    pub fn add(&mut self, name: &str, value: f64, unit: &str, goal: Option<&str>) {
+        self.figures.push(Figure {
+            name: name.to_string(),
+            value,
+            unit: unit.to_string(),
+            goal: goal.map(str::to_string),
+        });
+    }
+
+    /// Prints the human table, then one JSON object per figure per line.
+    pub fn print(&self) {
+        println!("{:<36} {:>14} {:<8} goal", "figure", "value", "unit");
+        for f in &self.figures {
+            println!(
+                "{:<36} {:>14.4} {:<8} {}",
+                f.name,
+                f.value,
+                f.unit,
+                f.goal.as_deref().unwrap_or("")
+            );
+        }
+        for f in &self.figures {
+            match serde_json::to_string(f) {
+                Ok(line) => println!("{line}"),
+                Err(e) => eprintln!("cannot serialize figure {}: {e}", f.name),
+            }
+        }
+    }
+}

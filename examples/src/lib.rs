@@ -1,0 +1,3 @@
+//! Shared code of the zero-rs trainers and benchmarks.
+
+pub mod bench;

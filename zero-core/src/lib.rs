@@ -1,0 +1,28 @@
+//! # zero-core
+//!
+//! ZeRO (Zero Redundancy Optimizer) sharded data parallelism without a
+//! framework: the [`Communicator`], [`Partitioner`] and
+//! [`FunctionalOptimizer`] traits, the engine for stages 0-2, built-in
+//! optimizers that match `torch.optim`, checkpoints, and [`ThreadGroup`], an
+//! in-process backend that needs nothing installed.
+#![warn(missing_docs)]
+
+pub mod comm;
+mod dtype;
+mod error;
+pub mod optim;
+pub mod partition;
+
+pub use comm::{Communicator, Host, MemoryKind, ReduceOp, ThreadComm, ThreadGroup, Work};
+pub use dtype::{DType, Element};
+pub use error::{Error, Result};
+pub use optim::FunctionalOptimizer;
+pub use partition::{Flat, Greedy, ParamInfo, PartitionPlan, Partitioner};
+
+/// The most used items, for `use zero_core::prelude::*`.
+pub mod prelude {
+    pub use crate::comm::{Communicator, ReduceOp, ThreadGroup};
+    pub use crate::optim::FunctionalOptimizer;
+    pub use crate::partition::{Flat, Greedy, ParamInfo, Partitioner};
+    pub use crate::{DType, Element, Error, Result};
+}

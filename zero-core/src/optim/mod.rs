@@ -1,0 +1,104 @@
+//! Functional optimizers: the [`FunctionalOptimizer`] trait and the built-ins,
+//! which follow `torch.optim`'s documented algorithms and state names.
+//!
+//! An optimizer knows nothing of sharding. It is called with the pieces of
+//! parameters a rank owns, each named by a [`ParamKey`] (parameter name,
+//! offset of the piece within the parameter, group), and one gradient slot
+//! per piece; `None` means "do not touch": no update, no state change, and
+//! the piece's step count does not advance. State is kept per key, so a
+//! parameter split into two pieces on one rank steps exactly like the whole.
+
+use crate::{Element, Result};
+use serde_json::{Map, Value};
+use std::collections::BTreeMap;
+
+/// Hyperparameters of a parameter group, under PyTorch's names (`lr`,
+/// `momentum`, `betas`, `eps`, `weight_decay`, `amsgrad`, `maximize`, ...).
+pub type Hyperparams = Map<String, Value>;
+
+/// Identifies a piece of a parameter an optimizer steps.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ParamKey {
+    /// The parameter's name.
+    pub name: String,
+    /// Offset of the piece within the (flattened) parameter.
+    pub offset: usize,
+    /// The parameter group whose hyperparameters apply.
+    pub group: usize,
+}
+
+impl ParamKey {
+    /// A key for the piece of `name` starting at `offset`, in group `group`.
+    pub fn new(name: impl Into<String>, offset: usize, group: usize) -> Self {
+        Self {
+            name: name.into(),
+            offset,
+            group,
+        }
+    }
+}
+
+/// A piece of a parameter to update in place.
+#[derive(Debug)]
+pub struct ParamMut<'a, T> {
+    /// Which piece this is.
+    pub key: &'a ParamKey,
+    /// Its values.
+    pub data: &'a mut [T],
+}
+
+/// The state of one parameter piece: named scalars (`step`) and named
+/// element-wise tensors (`exp_avg`, `momentum_buffer`, ...), each as long as
+/// the piece.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ParamState<T> {
+    /// Scalar state, e.g. `step`.
+    pub scalars: BTreeMap<String, f64>,
+    /// Element-wise state, e.g. `exp_avg`.
+    pub tensors: BTreeMap<String, Vec<T>>,
+}
+
+/// An optimizer's state: per parameter piece, keyed by (name, offset).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct OptimizerState<T> {
+    /// State per `(parameter name, offset of the piece)`.
+    pub params: BTreeMap<(String, usize), ParamState<T>>,
+}
+
+/// An optimizer that updates parameter pieces from gradients, with
+/// parameter groups and exportable state.
+///
+/// Implement it for your own optimizer (see the crate's `examples/` for Lion).
+pub trait FunctionalOptimizer<T: Element>: Send {
+    /// A short name, e.g. `"adam"` (recorded in checkpoints).
+    fn kind(&self) -> &str;
+
+    /// Updates every `params[i]` whose `grads[i]` is `Some`; the two slices
+    /// have the same length and each gradient is as long as its piece.
+    fn step(&mut self, params: &mut [ParamMut<'_, T>], grads: &[Option<&[T]>]) -> Result<()>;
+
+    /// Number of parameter groups.
+    fn num_groups(&self) -> usize;
+
+    /// Adds a group; keys missing from `hyper` take group 0's values.
+    /// Returns the new group's index.
+    fn add_group(&mut self, hyper: &Hyperparams) -> Result<usize>;
+
+    /// The hyperparameters of `group`, under PyTorch's names.
+    fn hyperparams(&self, group: usize) -> Hyperparams;
+
+    /// Replaces the hyperparameters of `group` (keys not given are kept).
+    fn set_hyperparams(&mut self, group: usize, hyper: &Hyperparams) -> Result<()>;
+
+    /// The learning rate of `group`.
+    fn learning_rate(&self, group: usize) -> f64;
+
+    /// Sets the learning rate of `group`.
+    fn set_learning_rate(&mut self, group: usize, lr: f64);
+
+    /// A copy of the state of every piece stepped so far.
+    fn export_state(&self) -> OptimizerState<T>;
+
+    /// Replaces the state of the pieces in `state` (others are kept).
+    fn import_state(&mut self, state: OptimizerState<T>) -> Result<()>;
+}

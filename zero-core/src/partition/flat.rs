@@ -1,0 +1,4 @@
+//! The flat partitioner. (stub, being written)
+
+/// Placeholder.
+pub struct Flat;

@@ -1,0 +1,4 @@
+//! The greedy partitioner. (stub, being written)
+
+/// Placeholder.
+pub struct Greedy;
