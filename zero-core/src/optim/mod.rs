@@ -101,4 +101,17 @@ pub trait FunctionalOptimizer<T: Element>: Send {
 
     /// Replaces the state of the pieces in `state` (others are kept).
     fn import_state(&mut self, state: OptimizerState<T>) -> Result<()>;
+
+    /// Bytes of state held for all pieces (the engine's memory report).
+    /// The default exports the state to count it; built-ins count directly.
+    fn state_bytes(&self) -> usize {
+        self.export_state()
+            .params
+            .values()
+            .map(|p| {
+                p.tensors.values().map(Vec::len).sum::<usize>() * std::mem::size_of::<T>()
+                    + p.scalars.len() * std::mem::size_of::<f64>()
+            })
+            .sum()
+    }
 }

@@ -1,4 +1,13 @@
 //! The greedy partitioner. (stub, being written)
 
+use super::{ParamInfo, PartitionPlan, Partitioner};
+
 /// Placeholder.
+#[derive(Clone, Debug, Default)]
 pub struct Greedy;
+
+impl Partitioner for Greedy {
+    fn partition(&self, _: &[ParamInfo], _: usize, _: usize) -> crate::Result<PartitionPlan> {
+        Err(crate::Error::Config("not yet".into()))
+    }
+}

@@ -1,0 +1,222 @@
+//! Engine configuration.
+
+use crate::optim::Hyperparams;
+use crate::partition::{Flat, Greedy, Partitioner};
+use crate::{Error, Result};
+use serde::{Deserialize, Serialize};
+
+/// What ZeRO partitions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Stage {
+    /// Stage 0, the DDP baseline: gradients all-reduced, every rank steps
+    /// the whole model.
+    Ddp,
+    /// Stage 1: optimizer state partitioned.
+    OptimizerState,
+    /// Stage 2: optimizer state and gradients partitioned.
+    Gradients,
+}
+
+impl Stage {
+    /// The stage from its number, 0 to 2.
+    pub fn from_number(stage: u8) -> Result<Self> {
+        match stage {
+            0 => Ok(Stage::Ddp),
+            1 => Ok(Stage::OptimizerState),
+            2 => Ok(Stage::Gradients),
+            other => Err(Error::Config(format!(
+                "stage {other} is not supported; use 0 (DDP), 1 (optimizer state) or 2 (+ gradients)"
+            ))),
+        }
+    }
+
+    /// The stage's number.
+    pub fn number(self) -> u8 {
+        match self {
+            Stage::Ddp => 0,
+            Stage::OptimizerState => 1,
+            Stage::Gradients => 2,
+        }
+    }
+}
+
+/// Which partitioner assigns elements to ranks.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PartitionerKind {
+    /// [`Flat`]: equal contiguous ranges of the concatenated parameters.
+    #[default]
+    Flat,
+    /// [`Greedy`]: whole parameters, PyTorch ZeroRedundancyOptimizer style.
+    Greedy,
+}
+
+impl PartitionerKind {
+    /// The partitioner.
+    pub fn partitioner(self) -> Box<dyn Partitioner> {
+        match self {
+            PartitionerKind::Flat => Box::new(Flat::default()),
+            PartitionerKind::Greedy => Box::new(Greedy::default()),
+        }
+    }
+}
+
+/// The norm used for gradient clipping.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub enum NormType {
+    /// Sum of absolute values.
+    L1,
+    /// Euclidean norm.
+    L2,
+    /// Largest absolute value.
+    Inf,
+}
+
+impl NormType {
+    /// Parses `1`, `2` or `inf`.
+    pub fn parse(s: &str) -> Result<Self> {
+        match s {
+            "1" => Ok(NormType::L1),
+            "2" => Ok(NormType::L2),
+            "inf" | "Inf" | "INF" => Ok(NormType::Inf),
+            other => Err(Error::Config(format!(
+                "norm type {other:?} is not supported; use 1, 2 or inf"
+            ))),
+        }
+    }
+}
+
+/// Gradient clipping by the global norm across shards.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ClipConfig {
+    /// The largest allowed total norm.
+    pub max_norm: f64,
+    /// Which norm.
+    pub norm_type: NormType,
+}
+
+/// A parameter group given up front: the parameters (by name) and the
+/// hyperparameters that differ from the optimizer's group 0.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ParamGroupSpec {
+    /// Names of the parameters in the group.
+    pub params: Vec<String>,
+    /// Hyperparameters (PyTorch names); missing ones take group 0's.
+    pub hyperparams: Hyperparams,
+}
+
+/// How the engine shards, buckets, accumulates and clips.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct EngineConfig {
+    /// What to partition.
+    pub stage: Stage,
+    /// Which partitioner.
+    pub partitioner: PartitionerKind,
+    /// Bytes per bucket per rank segment; collectives move one bucket.
+    pub bucket_bytes: usize,
+    /// Micro-steps per optimizer step; communication happens on the last.
+    pub grad_accum_steps: usize,
+    /// Clip gradients by their global norm.
+    pub clip: Option<ClipConfig>,
+    /// Compute the global gradient norm every step even without clipping.
+    pub compute_grad_norm: bool,
+    /// Compare the trainable mask every step (one small all-reduce) and
+    /// rebuild communication when it changes. When off, call
+    /// `refresh_trainability` after changing it.
+    pub check_trainability: bool,
+    /// Parameter groups beyond group 0.
+    pub param_groups: Vec<ParamGroupSpec>,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            stage: Stage::Gradients,
+            partitioner: PartitionerKind::Flat,
+            bucket_bytes: 25 << 20,
+            grad_accum_steps: 1,
+            clip: None,
+            compute_grad_norm: false,
+            check_trainability: true,
+            param_groups: Vec::new(),
+        }
+    }
+}
+
+impl EngineConfig {
+    /// Sets the stage.
+    pub fn with_stage(mut self, stage: Stage) -> Self {
+        self.stage = stage;
+        self
+    }
+
+    /// Sets the partitioner.
+    pub fn with_partitioner(mut self, partitioner: PartitionerKind) -> Self {
+        self.partitioner = partitioner;
+        self
+    }
+
+    /// Sets the bucket size in bytes.
+    pub fn with_bucket_bytes(mut self, bucket_bytes: usize) -> Self {
+        self.bucket_bytes = bucket_bytes;
+        self
+    }
+
+    /// Sets the number of micro-steps per optimizer step.
+    pub fn with_grad_accum_steps(mut self, steps: usize) -> Self {
+        self.grad_accum_steps = steps;
+        self
+    }
+
+    /// Clips gradients to `max_norm` in the given norm.
+    pub fn with_clip(mut self, max_norm: f64, norm_type: NormType) -> Self {
+        self.clip = Some(ClipConfig {
+            max_norm,
+            norm_type,
+        });
+        self
+    }
+
+    /// Computes the global gradient norm every step.
+    pub fn with_grad_norm(mut self, on: bool) -> Self {
+        self.compute_grad_norm = on;
+        self
+    }
+
+    /// Turns the per-step trainability check on or off.
+    pub fn with_trainability_check(mut self, on: bool) -> Self {
+        self.check_trainability = on;
+        self
+    }
+
+    /// Adds a parameter group.
+    pub fn with_param_group(mut self, params: Vec<String>, hyperparams: Hyperparams) -> Self {
+        self.param_groups.push(ParamGroupSpec {
+            params,
+            hyperparams,
+        });
+        self
+    }
+
+    pub(crate) fn validate(&self) -> Result<()> {
+        if self.bucket_bytes == 0 {
+            return Err(Error::Config(
+                "bucket_bytes is 0; use a positive size such as 25 MiB".into(),
+            ));
+        }
+        if self.grad_accum_steps == 0 {
+            return Err(Error::Config(
+                "grad_accum_steps is 0; use 1 for no accumulation".into(),
+            ));
+        }
+        if let Some(clip) = &self.clip {
+            if !(clip.max_norm.is_finite() && clip.max_norm > 0.0) {
+                return Err(Error::Config(format!(
+                    "clip max_norm {} must be a positive finite number",
+                    clip.max_norm
+                )));
+            }
+        }
+        Ok(())
+    }
+}
