@@ -1,0 +1,291 @@
+//! `ZeroOptimizer`: the engine behind `candle_nn::Optimizer`.
+
+use crate::{Error, Result};
+use candle_core::backprop::GradStore;
+use candle_core::{Storage, Tensor, Var, WithDType};
+use candle_nn::VarMap;
+use zero_core::comm::Host;
+use zero_core::engine::{Engine, EngineConfig, MemoryReport, StepReport};
+use zero_core::optim::{FunctionalOptimizer, Hyperparams};
+use zero_core::{Communicator, DType, Element, ParamInfo};
+
+use crate::params::VarStore;
+
+/// What [`ZeroOptimizer`] needs besides the variables, for
+/// [`candle_nn::Optimizer::new`].
+pub struct ZeroConfig<C, T: Element> {
+    /// The communicator of this rank.
+    pub comm: C,
+    /// Stage, partitioner, buckets, accumulation, clipping.
+    pub engine: EngineConfig,
+    /// The functional optimizer that steps the shard.
+    pub optimizer: Box<dyn FunctionalOptimizer<T>>,
+}
+
+/// A ZeRO sharded optimizer for Candle models.
+///
+/// Built from a [`VarMap`] (variable names give the order of every
+/// collective), a communicator, an [`EngineConfig`] and a functional
+/// optimizer; every rank must build it alike. Each [`ZeroOptimizer::step`]
+/// is one micro-step: with `grad_accum_steps = k`, every k-th call reduces
+/// the gradients and updates the variables. Variables absent from the
+/// `GradStore` get no update; integer variables are ignored.
+///
+/// ```no_run
+/// use candle_core::{DType, Device};
+/// use candle_nn::{VarBuilder, VarMap, Optimizer};
+/// use zero_core::{ThreadGroup, engine::EngineConfig, optim::{Adam, AdamConfig}};
+/// use zero_candle::ZeroOptimizer;
+///
+/// ThreadGroup::new(2).run(|comm| {
+///     let varmap = VarMap::new();
+///     let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+///     let layer = candle_nn::linear(4, 2, vb.pp("layer")).unwrap();
+///     let mut opt = ZeroOptimizer::<_, f32>::new(
+///         &varmap, comm, EngineConfig::default(), Box::new(Adam::new(AdamConfig::default()).unwrap()),
+///     ).unwrap();
+///     // forward, loss, then: opt.backward_step(&loss)
+/// });
+/// ```
+pub struct ZeroOptimizer<C: Communicator<Memory = Host>, T: Element + WithDType = f32> {
+    engine: Engine<T, C>,
+    names: Vec<String>,
+    vars: Vec<Var>,
+    last: Option<StepReport>,
+}
+
+impl<C: Communicator<Memory = Host>, T: Element + WithDType> ZeroOptimizer<C, T> {
+    /// Builds the optimizer over every floating-point variable of `varmap`,
+    /// ordered by name. A collective: every rank calls it.
+    pub fn new(
+        varmap: &VarMap,
+        comm: C,
+        config: EngineConfig,
+        optimizer: Box<dyn FunctionalOptimizer<T>>,
+    ) -> Result<Self> {
+        let named: Vec<(String, Var)> = {
+            let data = varmap.data().lock().map_err(|_| Error::Variable {
+                name: "<varmap>".into(),
+                detail: "the VarMap's lock is poisoned by a panic in another thread".into(),
+            })?;
+            data.iter().map(|(n, v)| (n.clone(), v.clone())).collect()
+        };
+        Self::from_named_vars(named, comm, config, optimizer)
+    }
+
+    /// Builds the optimizer over named variables (sorted by name here).
+    pub fn from_named_vars(
+        mut named: Vec<(String, Var)>,
+        comm: C,
+        config: EngineConfig,
+        optimizer: Box<dyn FunctionalOptimizer<T>>,
+    ) -> Result<Self> {
+        named.retain(|(_, v)| v.dtype().is_float());
+        named.sort_by(|a, b| a.0.cmp(&b.0));
+        let mut params = Vec::with_capacity(named.len());
+        for (name, var) in &named {
+            let dtype = match var.dtype() {
+                candle_core::DType::F32 => DType::F32,
+                candle_core::DType::F64 => DType::F64,
+                candle_core::DType::BF16 => DType::BF16,
+                candle_core::DType::F16 => DType::F16,
+                other => {
+                    return Err(Error::Variable {
+                        name: name.clone(),
+                        detail: format!("dtype {other:?} is not supported by zero-rs"),
+                    })
+                }
+            };
+            params.push(ParamInfo::new(name.clone(), var.dims().to_vec(), dtype));
+        }
+        let engine = Engine::new(comm, params, optimizer, config)?;
+        let (names, vars) = named.into_iter().unzip();
+        Ok(Self {
+            engine,
+            names,
+            vars,
+            last: None,
+        })
+    }
+
+    /// One micro-step with the gradients of `grads`; returns the step's
+    /// report when it completed an optimizer step.
+    pub fn step(&mut self, grads: &GradStore) -> Result<Option<StepReport>> {
+        let report = with_grad_slices::<T, _>(&self.names, &self.vars, grads, |slices| {
+            let mut store = VarStore { vars: &self.vars };
+            Ok(self.engine.step(slices, &mut store)?)
+        })?;
+        if report.is_some() {
+            self.last = report;
+        }
+        Ok(report)
+    }
+
+    /// Adds a micro-step's gradients without communicating or updating.
+    pub fn accumulate(&mut self, grads: &GradStore) -> Result<()> {
+        with_grad_slices::<T, _>(&self.names, &self.vars, grads, |slices| {
+            Ok(self.engine.accumulate(slices)?)
+        })
+    }
+
+    /// Reduces the accumulated micro-steps and updates the variables.
+    pub fn step_accumulated(&mut self) -> Result<StepReport> {
+        let mut store = VarStore { vars: &self.vars };
+        let report = self.engine.step_accumulated(&mut store)?;
+        self.last = Some(report);
+        Ok(report)
+    }
+
+    /// The report of the last completed optimizer step.
+    pub fn last_report(&self) -> Option<StepReport> {
+        self.last
+    }
+
+    /// The variable names, in collective order.
+    pub fn names(&self) -> &[String] {
+        &self.names
+    }
+
+    /// The variables, in collective order.
+    pub fn vars(&self) -> &[Var] {
+        &self.vars
+    }
+
+    /// The engine.
+    pub fn engine(&self) -> &Engine<T, C> {
+        &self.engine
+    }
+
+    /// The engine, mutably.
+    pub fn engine_mut(&mut self) -> &mut Engine<T, C> {
+        &mut self.engine
+    }
+
+    /// Freezes or unfreezes a variable (see [`Engine::set_trainable`]).
+    pub fn set_trainable(&mut self, name: &str, trainable: bool) -> Result<()> {
+        Ok(self.engine.set_trainable(name, trainable)?)
+    }
+
+    /// Applies trainability changes now (when the per-step check is off).
+    pub fn refresh_trainability(&mut self) -> Result<()> {
+        Ok(self.engine.refresh_trainability()?)
+    }
+
+    /// Adds a parameter group (see [`Engine::add_param_group`]).
+    pub fn add_param_group(&mut self, names: &[&str], hyperparams: &Hyperparams) -> Result<usize> {
+        Ok(self.engine.add_param_group(names, hyperparams)?)
+    }
+
+    /// Bytes held per category on this rank.
+    pub fn memory_report(&self) -> MemoryReport {
+        self.engine.memory_report()
+    }
+
+    /// Bytes this rank has sent.
+    pub fn bytes_sent(&self) -> u64 {
+        self.engine.comm().bytes_sent()
+    }
+}
+
+/// Borrows every variable's gradient as a host slice (CPU storage directly,
+/// other devices through a copy) and calls `f` with one slot per variable.
+fn with_grad_slices<T: Element + WithDType, R>(
+    names: &[String],
+    vars: &[Var],
+    grads: &GradStore,
+    f: impl FnOnce(&[Option<&[T]>]) -> Result<R>,
+) -> Result<R> {
+    enum Held<'a, T> {
+        None,
+        Storage(candle_core::StorageRef<'a>, usize, usize),
+        Owned(Vec<T>),
+    }
+    let mut held = Vec::with_capacity(vars.len());
+    for (name, var) in names.iter().zip(vars) {
+        let Some(grad) = grads.get(var.as_tensor()) else {
+            held.push(Held::None);
+            continue;
+        };
+        if grad.dtype() != <T as WithDType>::DTYPE {
+            return Err(Error::Variable {
+                name: name.clone(),
+                detail: format!(
+                    "gradient dtype {:?} differs from the optimizer's {:?}",
+                    grad.dtype(),
+                    <T as WithDType>::DTYPE
+                ),
+            });
+        }
+        if grad.dims() != var.dims() {
+            return Err(Error::Variable {
+                name: name.clone(),
+                detail: format!(
+                    "gradient shape {:?} differs from the variable's {:?}",
+                    grad.dims(),
+                    var.dims()
+                ),
+            });
+        }
+        let (storage, layout) = grad.storage_and_layout();
+        match (&*storage, layout.contiguous_offsets()) {
+            (Storage::Cpu(_), Some((start, end))) => held.push(Held::Storage(storage, start, end)),
+            _ => {
+                drop(storage);
+                held.push(Held::Owned(owned_values::<T>(grad)?));
+            }
+        }
+    }
+    let mut slices: Vec<Option<&[T]>> = Vec::with_capacity(held.len());
+    for h in &held {
+        slices.push(match h {
+            Held::None => None,
+            Held::Storage(storage, start, end) => match &**storage {
+                Storage::Cpu(cpu) => Some(&T::cpu_storage_as_slice(cpu)?[*start..*end]),
+                _ => None,
+            },
+            Held::Owned(v) => Some(v.as_slice()),
+        });
+    }
+    f(&slices)
+}
+
+fn owned_values<T: WithDType>(t: &Tensor) -> Result<Vec<T>> {
+    Ok(t.flatten_all()?.to_vec1::<T>()?)
+}
+
+impl<C: Communicator<Memory = Host>, T: Element + WithDType> candle_nn::Optimizer
+    for ZeroOptimizer<C, T>
+{
+    type Config = ZeroConfig<C, T>;
+
+    /// Builds the optimizer over `vars`, named `param.{i}` by position: every
+    /// rank must pass them in the same order. Prefer [`ZeroOptimizer::new`]
+    /// with a `VarMap`, whose names are stable.
+    fn new(vars: Vec<Var>, config: Self::Config) -> candle_core::Result<Self> {
+        let width = vars.len().to_string().len();
+        let named = vars
+            .into_iter()
+            .enumerate()
+            .map(|(i, v)| (format!("param.{i:0width$}"), v))
+            .collect();
+        Ok(Self::from_named_vars(
+            named,
+            config.comm,
+            config.engine,
+            config.optimizer,
+        )?)
+    }
+
+    fn step(&mut self, grads: &GradStore) -> candle_core::Result<()> {
+        ZeroOptimizer::step(self, grads)?;
+        Ok(())
+    }
+
+    fn learning_rate(&self) -> f64 {
+        self.engine.learning_rate()
+    }
+
+    fn set_learning_rate(&mut self, lr: f64) {
+        self.engine.set_learning_rate(lr)
+    }
+}

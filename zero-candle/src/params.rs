@@ -1,0 +1,49 @@
+//! Moving values between Candle variables and the engine's host buffers.
+
+use candle_core::{Storage, Tensor, Var, WithDType};
+use std::ops::Range;
+use zero_core::{Element, ParamStore};
+
+/// The model's variables as the engine's [`ParamStore`].
+pub(crate) struct VarStore<'a> {
+    pub vars: &'a [Var],
+}
+
+fn candle_err(e: candle_core::Error) -> zero_core::Error {
+    zero_core::Error::State(format!("candle: {e}"))
+}
+
+impl<T: Element + WithDType> ParamStore<T> for VarStore<'_> {
+    fn read(&mut self, param: usize, range: Range<usize>, out: &mut [T]) -> zero_core::Result<()> {
+        let var = &self.vars[param];
+        {
+            let (storage, layout) = var.storage_and_layout();
+            if let (Storage::Cpu(cpu), Some((start, _))) = (&*storage, layout.contiguous_offsets())
+            {
+                let data = T::cpu_storage_as_slice(cpu).map_err(candle_err)?;
+                out.copy_from_slice(&data[start + range.start..start + range.end]);
+                return Ok(());
+            }
+        }
+        // Other devices (and non-contiguous variables): through a host copy.
+        let values = var
+            .as_tensor()
+            .flatten_all()
+            .and_then(|t| t.narrow(0, range.start, range.len()))
+            .and_then(|t| t.to_vec1::<T>())
+            .map_err(candle_err)?;
+        out.copy_from_slice(&values);
+        Ok(())
+    }
+
+    fn write(&mut self, param: usize, range: Range<usize>, values: &[T]) -> zero_core::Result<()> {
+        let var = &self.vars[param];
+        let src = Tensor::from_slice(values, values.len(), var.device()).map_err(candle_err)?;
+        // A contiguous variable's flattened view shares its storage, so
+        // `slice_set` writes the range in place.
+        var.as_tensor()
+            .flatten_all()
+            .and_then(|flat| flat.slice_set(&src, 0, range.start))
+            .map_err(candle_err)
+    }
+}
