@@ -1,0 +1,18 @@
+//! The trainer: an MLP classifier trained with ZeRO sharded data parallelism.
+//!
+//! `cargo run --release -p zero-examples --bin train -- --world-size 4 --stage 2`
+
+use clap::Parser;
+use zero_examples::trainer::{self, Args};
+
+fn main() {
+    let args = Args::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_writer(std::io::stderr)
+        .init();
+    if let Err(e) = trainer::run(&args) {
+        eprintln!("error: {e}");
+        std::process::exit(1);
+    }
+}

@@ -1,0 +1,138 @@
+//! Command-line flags of the `train` binary.
+
+use clap::{Parser, ValueEnum};
+use std::path::PathBuf;
+
+/// Which communicator runs the ranks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Backend {
+    /// N threads of this process (no installation needed).
+    Threads,
+    /// One MPI process per rank (`mpirun -n N train --backend mpi`); needs
+    /// the `mpi` feature.
+    Mpi,
+    /// One process per GPU over NCCL; needs the `nccl` feature.
+    Nccl,
+}
+
+/// Which built-in optimizer steps the shard.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum OptimizerKind {
+    /// SGD with optional momentum, nesterov and weight decay.
+    Sgd,
+    /// Adam (weight decay as L2).
+    Adam,
+    /// AdamW (decoupled weight decay).
+    Adamw,
+    /// Adagrad.
+    Adagrad,
+    /// RMSprop.
+    Rmsprop,
+}
+
+/// Which partitioner assigns elements to ranks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum PartitionerArg {
+    /// Equal contiguous ranges of the concatenated parameters.
+    Flat,
+    /// Whole parameters, greedily balanced.
+    Greedy,
+}
+
+/// The model to train.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum ModelKind {
+    /// A multi-layer perceptron (`--hidden`).
+    Mlp,
+}
+
+/// Train an MLP classifier with ZeRO sharded data parallelism.
+#[derive(Clone, Debug, Parser)]
+#[command(name = "train", version, about)]
+pub struct Args {
+    /// Communication backend.
+    #[arg(long, value_enum, default_value_t = Backend::Threads)]
+    pub backend: Backend,
+    /// Number of ranks (threads backend; MPI and NCCL take it from the launcher).
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u64).range(1..=1024))]
+    pub world_size: u64,
+    /// ZeRO stage: 0 (DDP), 1 (optimizer state), 2 (+ gradients).
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u8).range(0..=2))]
+    pub stage: u8,
+    /// Partitioner.
+    #[arg(long, value_enum, default_value_t = PartitionerArg::Flat)]
+    pub partitioner: PartitionerArg,
+    /// Optimizer.
+    #[arg(long, value_enum, default_value_t = OptimizerKind::Adamw)]
+    pub optimizer: OptimizerKind,
+    /// Learning rate.
+    #[arg(long, default_value_t = 1e-2)]
+    pub lr: f64,
+    /// Momentum (SGD, RMSprop).
+    #[arg(long, default_value_t = 0.0)]
+    pub momentum: f64,
+    /// Nesterov momentum (SGD).
+    #[arg(long)]
+    pub nesterov: bool,
+    /// Weight decay (default: 0.01 for AdamW, 0 otherwise).
+    #[arg(long)]
+    pub weight_decay: Option<f64>,
+    /// Adam betas, as `beta1,beta2`.
+    #[arg(long, value_delimiter = ',', num_args = 2, default_values_t = [0.9, 0.999])]
+    pub betas: Vec<f64>,
+    /// Epsilon (Adam, AdamW, Adagrad, RMSprop; default: the optimizer's own).
+    #[arg(long)]
+    pub eps: Option<f64>,
+    /// Optimizer steps to run.
+    #[arg(long, default_value_t = 100)]
+    pub steps: u64,
+    /// Rows per rank per micro-step.
+    #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u64).range(1..))]
+    pub batch_size: u64,
+    /// Seed of the synthetic data and the initial weights.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Micro-steps per optimizer step.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
+    pub grad_accum: u64,
+    /// Clip gradients to this global L2 norm.
+    #[arg(long)]
+    pub clip_norm: Option<f64>,
+    /// Bucket size in MiB.
+    #[arg(long, default_value_t = 25.0)]
+    pub bucket_mb: f64,
+    /// Model.
+    #[arg(long, value_enum, default_value_t = ModelKind::Mlp)]
+    pub model: ModelKind,
+    /// Hidden layer widths, comma-separated.
+    #[arg(long, value_delimiter = ',', default_values_t = [64, 64])]
+    pub hidden: Vec<usize>,
+    /// Training data: a safetensors file with `inputs` (f32 [n, d]) and
+    /// `targets` (i64 [n]). Without it, a synthetic task from `--seed`.
+    #[arg(long)]
+    pub data: Option<PathBuf>,
+    /// Initial weights by name (safetensors).
+    #[arg(long)]
+    pub init: Option<PathBuf>,
+    /// Write the final weights here (safetensors).
+    #[arg(long)]
+    pub save: Option<PathBuf>,
+    /// Write one JSON object per step here.
+    #[arg(long)]
+    pub metrics: Option<PathBuf>,
+    /// Write a sharded checkpoint here every `--checkpoint-every` steps.
+    #[arg(long)]
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Steps between checkpoints (with `--checkpoint-dir`).
+    #[arg(long, default_value_t = 0)]
+    pub checkpoint_every: u64,
+    /// Resume from a checkpoint directory (any world size and stage).
+    #[arg(long)]
+    pub resume: Option<PathBuf>,
+    /// Collective deadline in seconds.
+    #[arg(long, default_value_t = 300.0)]
+    pub timeout_s: f64,
+    /// No progress bar or log lines, only errors.
+    #[arg(long)]
+    pub quiet: bool,
+}

@@ -1,0 +1,145 @@
+//! Training data: a safetensors file or a synthetic classification task.
+
+use crate::trainer::TrainError;
+use rand::{rngs::StdRng, Rng, SeedableRng};
+use std::path::Path;
+
+/// Rows of inputs and integer class targets.
+#[derive(Clone, Debug)]
+pub struct Dataset {
+    /// Row-major `[rows, width]`.
+    pub inputs: Vec<f32>,
+    /// One class per row.
+    pub targets: Vec<i64>,
+    /// Input width.
+    pub width: usize,
+    /// Number of classes (largest target + 1).
+    pub classes: usize,
+}
+
+impl Dataset {
+    /// Number of rows.
+    pub fn rows(&self) -> usize {
+        self.targets.len()
+    }
+
+    /// A learnable task: targets are the argmax of a fixed random linear map
+    /// of the inputs, so a model can reach low loss.
+    pub fn synthetic(seed: u64) -> Self {
+        let (rows, width, classes) = (1024, 16, 4);
+        let mut rng = StdRng::seed_from_u64(seed ^ 0x5eed_da7a);
+        let teacher: Vec<f32> = (0..width * classes)
+            .map(|_| rng.gen_range(-1.0..1.0))
+            .collect();
+        let inputs: Vec<f32> = (0..rows * width)
+            .map(|_| rng.gen_range(-1.0..1.0))
+            .collect();
+        let targets = inputs
+            .chunks(width)
+            .map(|x| {
+                (0..classes)
+                    .map(|c| {
+                        let w = &teacher[c * width..(c + 1) * width];
+                        x.iter().zip(w).map(|(a, b)| a * b).sum::<f32>()
+                    })
+                    .enumerate()
+                    .fold((0, f32::NEG_INFINITY), |best, (c, v)| {
+                        if v > best.1 {
+                            (c, v)
+                        } else {
+                            best
+                        }
+                    })
+                    .0 as i64
+            })
+            .collect();
+        Self {
+            inputs,
+            targets,
+            width,
+            classes,
+        }
+    }
+
+    /// Loads `inputs` (f32 `[n, d]`) and `targets` (i64 `[n]`).
+    pub fn load(path: &Path) -> Result<Self, TrainError> {
+        let bad = |detail: String| TrainError::Data {
+            path: path.to_path_buf(),
+            detail,
+        };
+        let bytes = std::fs::read(path).map_err(|e| bad(format!("cannot read: {e}")))?;
+        let st = safetensors::SafeTensors::deserialize(&bytes)
+            .map_err(|e| bad(format!("not a safetensors file: {e}")))?;
+        let inputs = st
+            .tensor("inputs")
+            .map_err(|_| bad("has no tensor named `inputs` (f32 [n, d])".into()))?;
+        let targets = st
+            .tensor("targets")
+            .map_err(|_| bad("has no tensor named `targets` (i64 [n])".into()))?;
+        if inputs.dtype() != safetensors::Dtype::F32 || inputs.shape().len() != 2 {
+            return Err(bad(format!(
+                "`inputs` is {:?} {:?}; expected f32 [n, d]",
+                inputs.dtype(),
+                inputs.shape()
+            )));
+        }
+        if targets.dtype() != safetensors::Dtype::I64 || targets.shape().len() != 1 {
+            return Err(bad(format!(
+                "`targets` is {:?} {:?}; expected i64 [n]",
+                targets.dtype(),
+                targets.shape()
+            )));
+        }
+        let (rows, width) = (inputs.shape()[0], inputs.shape()[1]);
+        if targets.shape()[0] != rows || rows == 0 || width == 0 {
+            return Err(bad(format!(
+                "`inputs` has {rows} rows of width {width} and `targets` {} rows; \
+                 they must agree and be non-empty",
+                targets.shape()[0]
+            )));
+        }
+        let inputs: Vec<f32> = inputs
+            .data()
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        let targets: Vec<i64> = targets
+            .data()
+            .chunks_exact(8)
+            .map(|b| i64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]))
+            .collect();
+        if let Some((row, t)) = targets.iter().enumerate().find(|(_, &t)| t < 0) {
+            return Err(bad(format!(
+                "`targets`[{row}] is {t}; classes must be >= 0"
+            )));
+        }
+        let classes = targets.iter().copied().max().unwrap_or(0) as usize + 1;
+        Ok(Self {
+            inputs,
+            targets,
+            width,
+            classes,
+        })
+    }
+
+    /// The rows rank `rank` trains on at global micro-step `micro_step`:
+    /// `(micro_step * W * B + rank * B + i) mod n` for `i < B`.
+    pub fn batch(
+        &self,
+        micro_step: u64,
+        world_size: usize,
+        rank: usize,
+        batch: usize,
+    ) -> (Vec<f32>, Vec<i64>) {
+        let n = self.rows() as u64;
+        let first = micro_step * (world_size * batch) as u64 + (rank * batch) as u64;
+        let mut x = Vec::with_capacity(batch * self.width);
+        let mut y = Vec::with_capacity(batch);
+        for i in 0..batch as u64 {
+            let row = ((first + i) % n) as usize;
+            x.extend_from_slice(&self.inputs[row * self.width..(row + 1) * self.width]);
+            y.push(self.targets[row]);
+        }
+        (x, y)
+    }
+}

@@ -1,0 +1,383 @@
+//! The `train` binary's logic: flags, data, model and the per-rank loop,
+//! kept in the library so tests can run it in-process.
+
+mod args;
+mod data;
+mod model;
+
+pub use args::{Args, Backend, ModelKind, OptimizerKind, PartitionerArg};
+pub use data::Dataset;
+pub use model::{load_weights, save_weights, Mlp};
+
+use candle_core::{Device, Tensor};
+use candle_nn::VarMap;
+use indicatif::{ProgressBar, ProgressStyle};
+use serde::Serialize;
+use std::io::{IsTerminal, Write};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use zero_candle::ZeroOptimizer;
+use zero_core::comm::Host;
+use zero_core::engine::{EngineConfig, MemoryReport, NormType, PartitionerKind, Stage};
+use zero_core::optim::FunctionalOptimizer;
+use zero_core::{Communicator, ReduceOp, ThreadGroup};
+
+/// Why training stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum TrainError {
+    /// Bad flags.
+    #[error("{0}")]
+    Usage(String),
+    /// A data, weights or metrics file is unusable.
+    #[error("{path}: {detail}")]
+    Data {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        detail: String,
+    },
+    /// The engine, a communicator or a checkpoint failed.
+    #[error(transparent)]
+    Zero(#[from] zero_core::Error),
+    /// The Candle adapter failed.
+    #[error(transparent)]
+    Adapter(#[from] zero_candle::Error),
+    /// Candle failed.
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+    /// A rank failed; the message says which and why.
+    #[error("rank {rank}: {detail}")]
+    Rank {
+        /// The rank.
+        rank: usize,
+        /// What happened.
+        detail: String,
+    },
+    /// A broken internal invariant.
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+/// One line of `--metrics`.
+#[derive(Debug, Serialize)]
+pub struct StepMetrics {
+    /// Optimizer step, from 1.
+    pub step: u64,
+    /// Mean loss over the global batch of the step.
+    pub loss: f64,
+    /// Learning rate used.
+    pub lr: f64,
+    /// Global gradient norm (L2) before clipping.
+    pub grad_norm: Option<f64>,
+    /// Wall time of the step in seconds.
+    pub step_time_s: f64,
+    /// Bytes rank 0 sent during the step.
+    pub bytes_sent: u64,
+    /// Rank 0's memory report.
+    pub memory: MemoryReport,
+}
+
+/// What a finished run reports.
+#[derive(Debug, Clone)]
+pub struct Summary {
+    /// Loss of the last step.
+    pub final_loss: f64,
+    /// Steps run (including those before a resume).
+    pub steps: u64,
+    /// Final weights by name (rank 0).
+    pub weights: Vec<(String, Vec<f32>)>,
+}
+
+/// Runs training as the flags say; the backend decides how ranks start.
+pub fn run(args: &Args) -> Result<Summary, TrainError> {
+    validate(args)?;
+    let data = Arc::new(match &args.data {
+        Some(path) => Dataset::load(path)?,
+        None => Dataset::synthetic(args.seed),
+    });
+    match args.backend {
+        Backend::Threads => {
+            let world_size = args.world_size as usize;
+            let group =
+                ThreadGroup::new(world_size).with_timeout(Duration::from_secs_f64(args.timeout_s));
+            let results = group.run(|comm| train_rank(args, comm, &data));
+            collect(results)
+        }
+        Backend::Mpi => run_mpi(args, &data),
+        Backend::Nccl => Err(TrainError::Usage(
+            "--backend nccl trains on GPUs and needs a build with `--features nccl` \
+             on a machine with CUDA"
+                .into(),
+        )),
+    }
+}
+
+#[cfg(feature = "mpi")]
+fn run_mpi(args: &Args, data: &Arc<Dataset>) -> Result<Summary, TrainError> {
+    let comm = zero_mpi_gloo::MpiComm::init()?;
+    zero_mpi_gloo::MpiComm::abort_on_panic();
+    let rank = comm.rank();
+    train_rank(args, comm, data).map_err(|e| TrainError::Rank {
+        rank,
+        detail: e.to_string(),
+    })
+}
+
+#[cfg(not(feature = "mpi"))]
+fn run_mpi(_: &Args, _: &Arc<Dataset>) -> Result<Summary, TrainError> {
+    Err(TrainError::Usage(
+        "--backend mpi needs a build with `--features mpi` (and Open MPI installed); \
+         launch with `mpirun -n N target/release/train --backend mpi ...`"
+            .into(),
+    ))
+}
+
+/// Turns per-rank results into one: the first failure (by rank), else rank
+/// 0's summary.
+fn collect(
+    results: Vec<std::thread::Result<Result<Summary, TrainError>>>,
+) -> Result<Summary, TrainError> {
+    let mut first = None;
+    let mut summary = None;
+    for (rank, result) in results.into_iter().enumerate() {
+        match result {
+            Ok(Ok(s)) => {
+                if rank == 0 {
+                    summary = Some(s);
+                }
+            }
+            Ok(Err(e)) => {
+                first.get_or_insert(TrainError::Rank {
+                    rank,
+                    detail: e.to_string(),
+                });
+            }
+            Err(panic) => {
+                let detail = panic
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "panicked".into());
+                first.get_or_insert(TrainError::Rank {
+                    rank,
+                    detail: format!("panicked: {detail}"),
+                });
+            }
+        }
+    }
+    match (first, summary) {
+        (Some(e), _) => Err(e),
+        (None, Some(s)) => Ok(s),
+        (None, None) => Err(TrainError::Internal("no rank returned".into())),
+    }
+}
+
+fn validate(args: &Args) -> Result<(), TrainError> {
+    if args.hidden.contains(&0) {
+        return Err(TrainError::Usage("--hidden widths must be positive".into()));
+    }
+    if !(args.lr.is_finite() && args.lr >= 0.0) {
+        return Err(TrainError::Usage(format!("--lr {} must be >= 0", args.lr)));
+    }
+    if !(args.bucket_mb.is_finite() && args.bucket_mb > 0.0) {
+        return Err(TrainError::Usage(format!(
+            "--bucket-mb {} must be positive",
+            args.bucket_mb
+        )));
+    }
+    if let Some(c) = args.clip_norm {
+        if !(c.is_finite() && c > 0.0) {
+            return Err(TrainError::Usage(format!(
+                "--clip-norm {c} must be positive"
+            )));
+        }
+    }
+    if !(args.timeout_s.is_finite() && args.timeout_s > 0.0) {
+        return Err(TrainError::Usage("--timeout-s must be positive".into()));
+    }
+    if args.checkpoint_every > 0 && args.checkpoint_dir.is_none() {
+        return Err(TrainError::Usage(
+            "--checkpoint-every needs --checkpoint-dir".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// The optimizer the flags describe.
+pub fn build_optimizer(args: &Args) -> Result<Box<dyn FunctionalOptimizer<f32>>, TrainError> {
+    crate::optimizers::build(args)
+}
+
+/// The engine configuration the flags describe.
+pub fn engine_config(args: &Args) -> EngineConfig {
+    let mut config = EngineConfig::default()
+        .with_stage(match args.stage {
+            0 => Stage::Ddp,
+            1 => Stage::OptimizerState,
+            _ => Stage::Gradients,
+        })
+        .with_partitioner(match args.partitioner {
+            PartitionerArg::Flat => PartitionerKind::Flat,
+            PartitionerArg::Greedy => PartitionerKind::Greedy,
+        })
+        .with_bucket_bytes(((args.bucket_mb * (1 << 20) as f64) as usize).max(1))
+        .with_grad_accum_steps(args.grad_accum as usize)
+        .with_grad_norm(true);
+    if let Some(max_norm) = args.clip_norm {
+        config = config.with_clip(max_norm, NormType::L2);
+    }
+    config
+}
+
+/// One rank's training loop.
+pub fn train_rank<C: Communicator<Memory = Host>>(
+    args: &Args,
+    comm: C,
+    data: &Dataset,
+) -> Result<Summary, TrainError> {
+    let rank = comm.rank();
+    let world_size = comm.world_size();
+    let mut widths = vec![data.width];
+    widths.extend(&args.hidden);
+    widths.push(data.classes);
+
+    let varmap = VarMap::new();
+    let model = Mlp::new(&varmap, &widths, args.seed)?;
+    if let Some(path) = &args.init {
+        load_weights(&varmap, path)?;
+    }
+    let mut opt =
+        ZeroOptimizer::<C, f32>::new(&varmap, comm, engine_config(args), build_optimizer(args)?)?;
+
+    let first_step = 0;
+    let mut metrics = match (&args.metrics, rank) {
+        (Some(path), 0) => Some(std::io::BufWriter::new(
+            std::fs::File::create(path).map_err(|e| TrainError::Data {
+                path: path.clone(),
+                detail: format!("cannot create metrics file: {e}"),
+            })?,
+        )),
+        _ => None,
+    };
+    let progress = Progress::new(rank == 0 && !args.quiet, args.steps);
+
+    let batch = args.batch_size as usize;
+    let accum = args.grad_accum;
+    let mut final_loss = f64::NAN;
+    for step in first_step..args.steps {
+        let started = Instant::now();
+        let bytes_before = opt.bytes_sent();
+        let lr = opt.engine().learning_rate();
+        let mut loss_sum = 0.0;
+        let mut report = None;
+        for micro in 0..accum {
+            let (x, y) = data.batch(step * accum + micro, world_size, rank, batch);
+            let x = Tensor::from_vec(x, (batch, data.width), &Device::Cpu)?;
+            let y = Tensor::from_vec(y, batch, &Device::Cpu)?;
+            let logits = model.forward(&x)?;
+            let loss = candle_nn::loss::cross_entropy(&logits, &y)?;
+            loss_sum += loss.to_scalar::<f32>()? as f64;
+            let grads = loss.backward()?;
+            report = opt.step(&grads)?;
+        }
+        let report = report.ok_or_else(|| {
+            TrainError::Internal("the last micro-step did not complete a step".into())
+        })?;
+        let mut loss = [loss_sum / accum as f64];
+        opt.engine()
+            .comm()
+            .all_reduce(&mut loss[..], ReduceOp::Avg)?;
+        final_loss = loss[0];
+        let step_time_s = started.elapsed().as_secs_f64();
+        if let Some(out) = metrics.as_mut() {
+            let line = StepMetrics {
+                step: step + 1,
+                loss: final_loss,
+                lr,
+                grad_norm: report.grad_norm,
+                step_time_s,
+                bytes_sent: opt.bytes_sent() - bytes_before,
+                memory: opt.memory_report(),
+            };
+            let path = args.metrics.clone().unwrap_or_default();
+            serde_json::to_writer(&mut *out, &line)
+                .map_err(std::io::Error::from)
+                .and_then(|_| out.write_all(b"\n"))
+                .map_err(|e| TrainError::Data {
+                    path,
+                    detail: format!("cannot write metrics: {e}"),
+                })?;
+        }
+        let samples_per_s = (world_size * batch) as f64 * accum as f64 / step_time_s;
+        progress.step(step + 1, final_loss, samples_per_s);
+    }
+    progress.finish(final_loss);
+    if let Some(out) = metrics.as_mut() {
+        out.flush().map_err(|e| TrainError::Data {
+            path: args.metrics.clone().unwrap_or_default(),
+            detail: format!("cannot write metrics: {e}"),
+        })?;
+    }
+
+    let mut weights = Vec::new();
+    if rank == 0 {
+        if let Some(path) = &args.save {
+            save_weights(&varmap, path)?;
+        }
+        for (name, var) in opt.names().iter().zip(opt.vars()) {
+            weights.push((
+                name.clone(),
+                var.as_tensor().flatten_all()?.to_vec1::<f32>()?,
+            ));
+        }
+    }
+    Ok(Summary {
+        final_loss,
+        steps: args.steps,
+        weights,
+    })
+}
+
+/// A progress bar on a terminal, plain log lines otherwise.
+struct Progress {
+    bar: Option<ProgressBar>,
+    enabled: bool,
+    every: u64,
+}
+
+impl Progress {
+    fn new(enabled: bool, steps: u64) -> Self {
+        let bar = (enabled && std::io::stderr().is_terminal()).then(|| {
+            let bar = ProgressBar::new(steps);
+            if let Ok(style) = ProgressStyle::with_template(
+                "{bar:40} {pos}/{len} steps  {msg}  [{elapsed_precise} < {eta_precise}]",
+            ) {
+                bar.set_style(style);
+            }
+            bar
+        });
+        Self {
+            bar,
+            enabled,
+            every: (steps / 10).max(1),
+        }
+    }
+
+    fn step(&self, step: u64, loss: f64, samples_per_s: f64) {
+        if let Some(bar) = &self.bar {
+            bar.set_position(step);
+            bar.set_message(format!("loss {loss:.4}  {samples_per_s:.0} samples/s"));
+        } else if self.enabled && (step % self.every == 0 || step == 1) {
+            eprintln!("step {step}: loss {loss:.4}, {samples_per_s:.0} samples/s");
+        }
+    }
+
+    fn finish(&self, loss: f64) {
+        if let Some(bar) = &self.bar {
+            bar.finish_with_message(format!("final loss {loss:.4}"));
+        } else if self.enabled {
+            eprintln!("done: final loss {loss:.4}");
+        }
+    }
+}

@@ -1,0 +1,98 @@
+//! The MLP: `layers.{i}.weight` `[out, in]`, `layers.{i}.bias` `[out]`, ReLU
+//! between layers.
+
+use crate::trainer::TrainError;
+use candle_core::{Device, Tensor, Var};
+use candle_nn::VarMap;
+use rand::{rngs::StdRng, Rng, SeedableRng};
+use std::path::Path;
+
+/// A multi-layer perceptron over variables of a [`VarMap`].
+pub struct Mlp {
+    layers: Vec<(Var, Var)>,
+}
+
+impl Mlp {
+    /// Creates the variables in `varmap`, initialized from `seed` like
+    /// PyTorch's `nn.Linear` (uniform in ±1/sqrt(fan_in)), identically on
+    /// every rank.
+    pub fn new(varmap: &VarMap, widths: &[usize], seed: u64) -> Result<Self, TrainError> {
+        let mut rng = StdRng::seed_from_u64(seed);
+        let mut data = varmap
+            .data()
+            .lock()
+            .map_err(|_| TrainError::Internal("VarMap lock poisoned".into()))?;
+        let mut layers = Vec::new();
+        for (i, pair) in widths.windows(2).enumerate() {
+            let (fan_in, fan_out) = (pair[0], pair[1]);
+            let bound = 1.0 / (fan_in as f32).sqrt();
+            let w: Vec<f32> = (0..fan_in * fan_out)
+                .map(|_| rng.gen_range(-bound..bound))
+                .collect();
+            let b: Vec<f32> = (0..fan_out).map(|_| rng.gen_range(-bound..bound)).collect();
+            let w = Var::from_tensor(&Tensor::from_vec(w, (fan_out, fan_in), &Device::Cpu)?)?;
+            let b = Var::from_tensor(&Tensor::from_vec(b, fan_out, &Device::Cpu)?)?;
+            data.insert(format!("layers.{i}.weight"), w.clone());
+            data.insert(format!("layers.{i}.bias"), b.clone());
+            layers.push((w, b));
+        }
+        Ok(Self { layers })
+    }
+
+    /// Logits for `x` `[rows, in]`.
+    pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let mut h = x.clone();
+        for (i, (w, b)) in self.layers.iter().enumerate() {
+            h = h
+                .matmul(&w.as_tensor().t()?)?
+                .broadcast_add(b.as_tensor())?;
+            if i + 1 < self.layers.len() {
+                h = h.relu()?;
+            }
+        }
+        Ok(h)
+    }
+}
+
+/// Loads every variable of `varmap` by name from a safetensors file; a
+/// missing or mis-shaped tensor is an error naming it.
+pub fn load_weights(varmap: &VarMap, path: &Path) -> Result<(), TrainError> {
+    let bad = |detail: String| TrainError::Data {
+        path: path.to_path_buf(),
+        detail,
+    };
+    let tensors = candle_core::safetensors::load(path, &Device::Cpu)
+        .map_err(|e| bad(format!("cannot load weights: {e}")))?;
+    let data = varmap
+        .data()
+        .lock()
+        .map_err(|_| TrainError::Internal("VarMap lock poisoned".into()))?;
+    let mut names: Vec<&String> = data.keys().collect();
+    names.sort();
+    for name in names {
+        let var = &data[name];
+        let Some(t) = tensors.get(name) else {
+            return Err(bad(format!(
+                "has no tensor {name:?} (shape {:?})",
+                var.dims()
+            )));
+        };
+        if t.dims() != var.dims() {
+            return Err(bad(format!(
+                "tensor {name:?} has shape {:?}, the model needs {:?}",
+                t.dims(),
+                var.dims()
+            )));
+        }
+        var.set(&t.to_dtype(var.dtype())?)?;
+    }
+    Ok(())
+}
+
+/// Writes every variable of `varmap` under its name (safetensors).
+pub fn save_weights(varmap: &VarMap, path: &Path) -> Result<(), TrainError> {
+    varmap.save(path).map_err(|e| TrainError::Data {
+        path: path.to_path_buf(),
+        detail: format!("cannot write weights: {e}"),
+    })
+}
