@@ -7,6 +7,7 @@
 //! in-process backend that needs nothing installed.
 #![warn(missing_docs)]
 
+pub mod checkpoint;
 pub mod comm;
 mod dtype;
 pub mod engine;

@@ -15,6 +15,7 @@
 
 mod flat;
 mod greedy;
+mod layout;
 
 pub use flat::Flat;
 pub use greedy::Greedy;
@@ -22,6 +23,11 @@ pub use greedy::Greedy;
 use crate::{DType, Result};
 use serde::{Deserialize, Serialize};
 use std::ops::Range;
+
+/// The default alignment of [`Flat`] and [`Greedy`], in elements: 32 elements
+/// are 128 bytes of f32 (64 of bf16/f16), enough for any SIMD width and for
+/// NCCL's preferred buffer alignment at f32.
+pub const DEFAULT_ALIGNMENT: usize = 32;
 
 /// A parameter as the partitioner sees it.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]

@@ -1,0 +1,6 @@
+//! Checkpoints: atomic, checksummed files, safetensors tensors and the
+//! manifest that indexes a checkpoint directory.
+
+mod io;
+
+pub use io::*;
