@@ -483,7 +483,6 @@ impl Communicator for ThreadComm {
             send: send.as_ptr() as *const u8,
             send_len: per_rank,
             recv: dst,
-            recv_len,
         };
         self.blocking(&desc, Some(raw), true, |peers| {
             for (k, peer) in peers.iter().enumerate() {
