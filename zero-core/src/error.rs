@@ -52,6 +52,14 @@ pub enum Error {
         /// What the other rank called.
         other: String,
     },
+    /// A rank of a [`crate::ThreadGroup::run`] panicked.
+    #[error("rank {rank} panicked: {message}")]
+    RankPanicked {
+        /// The rank.
+        rank: usize,
+        /// The panic message.
+        message: String,
+    },
     /// A buffer has the wrong length for a collective.
     #[error("{op}: {what} has {got} elements, expected {expected}")]
     BufferSize {
