@@ -12,7 +12,7 @@ pub fn main() {
     } else {
         which.iter().map(String::as_str).collect()
     };
-    let mut report = Report::default();
+    let report = Report::default();
     for name in selected {
         match name {
             "comm" => {}

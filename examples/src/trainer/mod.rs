@@ -47,12 +47,12 @@ pub enum TrainError {
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
     /// A rank failed; the message says which and why.
-    #[error("rank {rank}: {detail}")]
+    #[error("rank {rank}: {source}")]
     Rank {
         /// The rank.
         rank: usize,
         /// What happened.
-        detail: String,
+        source: Box<TrainError>,
     },
     /// A broken internal invariant.
     #[error("internal error: {0}")]
@@ -120,7 +120,7 @@ fn run_mpi(args: &Args, data: &Arc<Dataset>) -> Result<Summary, TrainError> {
     let rank = comm.rank();
     train_rank(args, comm, data).map_err(|e| TrainError::Rank {
         rank,
-        detail: e.to_string(),
+        source: Box::new(e),
     })
 }
 
@@ -133,40 +133,45 @@ fn run_mpi(_: &Args, _: &Arc<Dataset>) -> Result<Summary, TrainError> {
     ))
 }
 
-/// Turns per-rank results into one: the first failure (by rank), else rank
-/// 0's summary.
+/// Turns per-rank results into one: rank 0's summary, or the failure that
+/// caused the others (a rank's own error beats its peers' reports of it).
 fn collect(
-    results: Vec<std::thread::Result<Result<Summary, TrainError>>>,
+    results: Vec<zero_core::Result<Result<Summary, TrainError>>>,
 ) -> Result<Summary, TrainError> {
-    let mut first = None;
+    let mut failures = Vec::new();
     let mut summary = None;
     for (rank, result) in results.into_iter().enumerate() {
         match result {
-            Ok(Ok(s)) => {
-                if rank == 0 {
-                    summary = Some(s);
-                }
-            }
-            Ok(Err(e)) => {
-                first.get_or_insert(TrainError::Rank {
-                    rank,
-                    detail: e.to_string(),
-                });
-            }
-            Err(panic) => {
-                let detail = panic
-                    .downcast_ref::<&str>()
-                    .map(|s| s.to_string())
-                    .or_else(|| panic.downcast_ref::<String>().cloned())
-                    .unwrap_or_else(|| "panicked".into());
-                first.get_or_insert(TrainError::Rank {
-                    rank,
-                    detail: format!("panicked: {detail}"),
-                });
-            }
+            Ok(Ok(s)) if rank == 0 => summary = Some(s),
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => failures.push(TrainError::Rank {
+                rank,
+                source: Box::new(e),
+            }),
+            Err(e) => failures.push(TrainError::Rank {
+                rank,
+                source: Box::new(TrainError::Zero(e)),
+            }),
         }
     }
-    match (first, summary) {
+    // Peers of a failed rank report it as a failed peer or a timeout.
+    let is_echo = |e: &TrainError| {
+        let TrainError::Rank { source, .. } = e else {
+            return false;
+        };
+        let zero = match source.as_ref() {
+            TrainError::Zero(z) | TrainError::Adapter(zero_candle::Error::Zero(z)) => z,
+            _ => return false,
+        };
+        matches!(
+            zero,
+            zero_core::Error::PeerFailed { .. } | zero_core::Error::CollectiveTimeout { .. }
+        )
+    };
+    if let Some(i) = failures.iter().position(|e| !is_echo(e)) {
+        return Err(failures.swap_remove(i));
+    }
+    match (failures.into_iter().next(), summary) {
         (Some(e), _) => Err(e),
         (None, Some(s)) => Ok(s),
         (None, None) => Err(TrainError::Internal("no rank returned".into())),
