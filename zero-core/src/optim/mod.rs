@@ -8,6 +8,19 @@
 //! the piece's step count does not advance. State is kept per key, so a
 //! parameter split into two pieces on one rank steps exactly like the whole.
 
+mod adagrad;
+mod adam;
+mod core;
+mod float;
+mod rmsprop;
+mod sgd;
+
+pub use adagrad::{Adagrad, AdagradConfig};
+pub use adam::{Adam, AdamConfig, AdamW, AdamWConfig};
+pub use float::Float;
+pub use rmsprop::{RmsProp, RmsPropConfig};
+pub use sgd::{Sgd, SgdConfig};
+
 use crate::{Element, Result};
 use serde_json::{Map, Value};
 use std::collections::BTreeMap;
