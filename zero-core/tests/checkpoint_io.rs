@@ -3,8 +3,8 @@
 use std::io::Write;
 use std::path::Path;
 use zero_core::checkpoint::{
-    load_tensors, read_verified, save_tensors, write_atomic, write_tensors, FailAfter,
-    FileRecord, Manifest, TensorBytes, FORMAT_VERSION, MANIFEST_FILE,
+    load_tensors, read_verified, save_tensors, write_atomic, write_tensors, FailAfter, FileRecord,
+    Manifest, TensorBytes, FORMAT_VERSION, MANIFEST_FILE,
 };
 use zero_core::{DType, Error};
 
@@ -54,7 +54,10 @@ fn flipped_byte_is_a_checksum_error_naming_the_file() {
     std::fs::write(&path, &bytes).unwrap();
     let (at, detail) = ckpt_err(read_verified(&path, &record.sha256, record.len).unwrap_err());
     assert_eq!(at, path);
-    assert!(detail.starts_with("checksum mismatch: expected "), "{detail}");
+    assert!(
+        detail.starts_with("checksum mismatch: expected "),
+        "{detail}"
+    );
     assert!(detail.contains(&record.sha256), "{detail}");
     assert!(detail.contains("corrupted or was replaced"), "{detail}");
 }
@@ -117,7 +120,10 @@ fn injected_write_failure_leaves_previous_file_and_no_temp_files() {
         Err(std::io::Error::other(Error::Config("stop".into())))
     })
     .unwrap_err();
-    assert!(matches!(err, Error::Config(ref s) if s == "stop"), "{err:?}");
+    assert!(
+        matches!(err, Error::Config(ref s) if s == "stop"),
+        "{err:?}"
+    );
     assert_eq!(std::fs::read(&path).unwrap(), b"previous checkpoint");
     assert_eq!(listing(dir.path()), vec!["model.safetensors"]);
 }
@@ -209,7 +215,10 @@ fn bad_tensors_are_errors_naming_file_and_tensor() {
     .unwrap_err();
     let (at, detail) = ckpt_err(err);
     assert_eq!(at, path);
-    assert!(detail.contains("\"w\"") && detail.contains("7 bytes"), "{detail}");
+    assert!(
+        detail.contains("\"w\"") && detail.contains("7 bytes"),
+        "{detail}"
+    );
     assert!(!path.exists());
     assert!(listing(dir.path()).is_empty());
 
@@ -219,19 +228,22 @@ fn bad_tensors_are_errors_naming_file_and_tensor() {
 
     // An integer tensor written by another tool.
     let ints: Vec<u8> = bytemuck::cast_slice(&[1i64, 2]).to_vec();
-    let view = safetensors::tensor::TensorView::new(safetensors::Dtype::I64, vec![2], &ints)
-        .unwrap();
+    let view =
+        safetensors::tensor::TensorView::new(safetensors::Dtype::I64, vec![2], &ints).unwrap();
     let bytes = safetensors::serialize([("steps", view)], None).unwrap();
     let (_, detail) = ckpt_err(load_tensors(&path, &bytes).unwrap_err());
-    assert!(detail.contains("\"steps\"") && detail.contains("I64"), "{detail}");
+    assert!(
+        detail.contains("\"steps\"") && detail.contains("I64"),
+        "{detail}"
+    );
 }
 
 #[test]
 fn manifest_round_trips_and_verifies_files() {
     let dir = tempfile::tempdir().unwrap();
     let data = [3u8; 32];
-    let record = write_atomic(dir.path().join("model.safetensors"), |w| w.write_all(&data))
-        .unwrap();
+    let record =
+        write_atomic(dir.path().join("model.safetensors"), |w| w.write_all(&data)).unwrap();
     let mut manifest = Manifest::new();
     manifest.record("model.safetensors", record.clone());
     manifest
@@ -243,12 +255,25 @@ fn manifest_round_trips_and_verifies_files() {
     assert_eq!(loaded, manifest);
     assert_eq!(loaded.format_version, FORMAT_VERSION);
     assert_eq!(loaded.files["model.safetensors"], record);
-    assert_eq!(loaded.read_file(dir.path(), "model.safetensors").unwrap(), data);
+    assert_eq!(
+        loaded.read_file(dir.path(), "model.safetensors").unwrap(),
+        data
+    );
 
-    let (_, detail) = ckpt_err(loaded.read_file(dir.path(), "optimizer.safetensors").unwrap_err());
+    let (_, detail) = ckpt_err(
+        loaded
+            .read_file(dir.path(), "optimizer.safetensors")
+            .unwrap_err(),
+    );
     assert!(detail.contains("lists no file"), "{detail}");
     let mut evil = loaded.clone();
-    evil.record("../escape", FileRecord { sha256: String::new(), len: 0 });
+    evil.record(
+        "../escape",
+        FileRecord {
+            sha256: String::new(),
+            len: 0,
+        },
+    );
     let (_, detail) = ckpt_err(evil.read_file(dir.path(), "../escape").unwrap_err());
     assert!(detail.contains("plain relative path"), "{detail}");
 }

@@ -458,9 +458,8 @@ pub fn load_tensors<'a>(
     bytes: &'a [u8],
 ) -> Result<BTreeMap<String, TensorBytes<'a>>> {
     let path = path.as_ref();
-    let file = safetensors::SafeTensors::deserialize(bytes).map_err(|e| {
-        checkpoint_error(path, format!("not a valid safetensors file: {e}"))
-    })?;
+    let file = safetensors::SafeTensors::deserialize(bytes)
+        .map_err(|e| checkpoint_error(path, format!("not a valid safetensors file: {e}")))?;
     let mut tensors = BTreeMap::new();
     for (name, view) in file.iter() {
         let dtype = from_safetensors(view.dtype()).ok_or_else(|| {
@@ -534,18 +533,20 @@ impl Manifest {
     /// Loads `dir/manifest.json`, refusing unknown format versions.
     pub fn load(dir: impl AsRef<Path>) -> Result<Self> {
         let path = dir.as_ref().join(MANIFEST_FILE);
-        let bytes = match fs::read(&path) {
-            Ok(b) => b,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {
-                return Err(checkpoint_error(
+        let bytes =
+            match fs::read(&path) {
+                Ok(b) => b,
+                Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(checkpoint_error(
                     &path,
                     "no manifest; is this a zero-rs checkpoint directory, and did the save finish?",
-                ))
-            }
-            Err(e) => return Err(io_error(&path, e)),
-        };
+                )),
+                Err(e) => return Err(io_error(&path, e)),
+            };
         let version: VersionOnly = serde_json::from_slice(&bytes).map_err(|e| {
-            checkpoint_error(&path, format!("not a valid manifest (no format_version?): {e}"))
+            checkpoint_error(
+                &path,
+                format!("not a valid manifest (no format_version?): {e}"),
+            )
         })?;
         match version.format_version {
             0 => {
