@@ -77,9 +77,11 @@ static TEMP_COUNTER: AtomicU64 = AtomicU64::new(0);
 /// `write` fills a temporary file in the same directory (named
 /// `.<file name>.tmp.<pid>.<n>`); the file is then fsynced, renamed over
 /// `path`, and the directory fsynced so the rename survives a crash. If
-/// `write` or any step fails, the temporary file is removed and whatever was
-/// at `path` is untouched. Returns the SHA-256 and length of what was
-/// written, computed on the way through.
+/// `write` or any step up to the rename fails, the temporary file is removed
+/// and whatever was at `path` is untouched. (If only the final directory
+/// fsync fails, the new file is in place but may not survive a power loss;
+/// the error says so by naming the directory.) Returns the SHA-256 and
+/// length of what was written, computed on the way through.
 ///
 /// `write` returns an [`io::Result`]; wrap other failures with
 /// [`io::Error::other`]. A [`crate::Error`] wrapped that way comes back
