@@ -308,7 +308,10 @@ fn invalid_arguments_are_config_errors() {
         &Greedy::new(0),
     ];
     for (i, p) in partitioners.iter().enumerate() {
-        assert!(matches!(p.partition(&params, 0, 1024), Err(Error::Config(_))));
+        assert!(matches!(
+            p.partition(&params, 0, 1024),
+            Err(Error::Config(_))
+        ));
         assert!(matches!(p.partition(&params, 2, 0), Err(Error::Config(_))));
         if i >= 2 {
             let err = p.partition(&params, 2, 1024).unwrap_err();

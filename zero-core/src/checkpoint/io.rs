@@ -77,9 +77,11 @@ static TEMP_COUNTER: AtomicU64 = AtomicU64::new(0);
 /// `write` fills a temporary file in the same directory (named
 /// `.<file name>.tmp.<pid>.<n>`); the file is then fsynced, renamed over
 /// `path`, and the directory fsynced so the rename survives a crash. If
-/// `write` or any step fails, the temporary file is removed and whatever was
-/// at `path` is untouched. Returns the SHA-256 and length of what was
-/// written, computed on the way through.
+/// `write` or any step up to the rename fails, the temporary file is removed
+/// and whatever was at `path` is untouched. (If only the final directory
+/// fsync fails, the new file is in place but may not survive a power loss;
+/// the error says so by naming the directory.) Returns the SHA-256 and
+/// length of what was written, computed on the way through.
 ///
 /// `write` returns an [`io::Result`]; wrap other failures with
 /// [`io::Error::other`]. A [`crate::Error`] wrapped that way comes back
@@ -458,9 +460,8 @@ pub fn load_tensors<'a>(
     bytes: &'a [u8],
 ) -> Result<BTreeMap<String, TensorBytes<'a>>> {
     let path = path.as_ref();
-    let file = safetensors::SafeTensors::deserialize(bytes).map_err(|e| {
-        checkpoint_error(path, format!("not a valid safetensors file: {e}"))
-    })?;
+    let file = safetensors::SafeTensors::deserialize(bytes)
+        .map_err(|e| checkpoint_error(path, format!("not a valid safetensors file: {e}")))?;
     let mut tensors = BTreeMap::new();
     for (name, view) in file.iter() {
         let dtype = from_safetensors(view.dtype()).ok_or_else(|| {
@@ -534,18 +535,20 @@ impl Manifest {
     /// Loads `dir/manifest.json`, refusing unknown format versions.
     pub fn load(dir: impl AsRef<Path>) -> Result<Self> {
         let path = dir.as_ref().join(MANIFEST_FILE);
-        let bytes = match fs::read(&path) {
-            Ok(b) => b,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {
-                return Err(checkpoint_error(
+        let bytes =
+            match fs::read(&path) {
+                Ok(b) => b,
+                Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(checkpoint_error(
                     &path,
                     "no manifest; is this a zero-rs checkpoint directory, and did the save finish?",
-                ))
-            }
-            Err(e) => return Err(io_error(&path, e)),
-        };
+                )),
+                Err(e) => return Err(io_error(&path, e)),
+            };
         let version: VersionOnly = serde_json::from_slice(&bytes).map_err(|e| {
-            checkpoint_error(&path, format!("not a valid manifest (no format_version?): {e}"))
+            checkpoint_error(
+                &path,
+                format!("not a valid manifest (no format_version?): {e}"),
+            )
         })?;
         match version.format_version {
             0 => {

@@ -1,7 +1,7 @@
 //! The flat partitioner: DeepSpeed / FSDP semantics.
 
 use super::layout::{self, round_up};
-use super::{PartitionKind, PartitionPlan, ParamInfo, Partitioner, DEFAULT_ALIGNMENT};
+use super::{ParamInfo, PartitionKind, PartitionPlan, Partitioner, DEFAULT_ALIGNMENT};
 use crate::{Error, Result};
 
 /// Concatenates all trainable parameters, in the order given, into one flat
@@ -75,7 +75,10 @@ impl Partitioner for Flat {
             if p.trainable {
                 flat_offsets.push(Some(total));
                 total = total.checked_add(numel).ok_or_else(|| {
-                    Error::Config("Flat: the trainable parameters hold more elements than fit in usize".into())
+                    Error::Config(
+                        "Flat: the trainable parameters hold more elements than fit in usize"
+                            .into(),
+                    )
                 })?;
             } else {
                 flat_offsets.push(None);

@@ -1,7 +1,7 @@
 //! What both partitioners share: input validation, cutting a flat layout into
 //! per-rank pieces, and buckets.
 
-use super::{PartitionKind, PartitionPlan, ParamInfo, ShardPiece};
+use super::{ParamInfo, PartitionKind, PartitionPlan, ShardPiece};
 use crate::{bail_config, DType, Result};
 use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Range;
@@ -85,13 +85,11 @@ pub(super) fn validate(
 
 /// Rounds `n` up to a multiple of `alignment`.
 pub(super) fn round_up(partitioner: &str, n: usize, alignment: usize) -> Result<usize> {
-    n.div_ceil(alignment)
-        .checked_mul(alignment)
-        .ok_or_else(|| {
-            crate::Error::Config(format!(
-                "{partitioner}: {n} elements rounded up to a multiple of {alignment} overflow usize"
-            ))
-        })
+    n.div_ceil(alignment).checked_mul(alignment).ok_or_else(|| {
+        crate::Error::Config(format!(
+            "{partitioner}: {n} elements rounded up to a multiple of {alignment} overflow usize"
+        ))
+    })
 }
 
 /// Builds the plan from a finished flat layout: cuts every placed parameter
