@@ -62,9 +62,15 @@ fn missing_server_is_a_clear_error_after_the_deadline() {
         .expect_err("no server");
     assert!(start.elapsed() >= Duration::from_millis(500));
     assert!(start.elapsed() < Duration::from_secs(10));
-    assert!(matches!(err, Error::RendezvousTimeout { rank: 2, .. }), "{err:?}");
+    assert!(
+        matches!(err, Error::RendezvousTimeout { rank: 2, .. }),
+        "{err:?}"
+    );
     let msg = err.to_string();
-    assert!(msg.contains("timed out") && msg.contains("MASTER_ADDR"), "{msg}");
+    assert!(
+        msg.contains("timed out") && msg.contains("MASTER_ADDR"),
+        "{msg}"
+    );
     println!("{msg}");
 }
 
@@ -81,7 +87,10 @@ fn server_names_the_ranks_that_never_came() {
         .serve_on(listener, b"id")
         .expect_err("rank 1 never comes");
     assert!(err.to_string().contains("[1]"), "{err}");
-    assert_eq!(client.join().expect("client").expect("rank 2 got it"), b"id");
+    assert_eq!(
+        client.join().expect("client").expect("rank 2 got it"),
+        b"id"
+    );
 }
 
 #[test]

@@ -31,6 +31,13 @@ pub use optim::{
 /// The CUDA C source of every kernel.
 pub const SOURCE: &str = include_str!("source.cu");
 
+/// The pieces of a flatten/unflatten, uploaded, with the launch grid.
+struct PieceTable {
+    table: CudaSlice<u64>,
+    n_pieces: u32,
+    grid: (u32, u32, u32),
+}
+
 /// Threads per block of every launch.
 const BLOCK: u32 = 256;
 
@@ -156,7 +163,7 @@ impl FusedKernels {
         stream: &Arc<CudaStream>,
         entries: &[(u64, usize, usize)],
         flat_len: usize,
-    ) -> Result<Option<(CudaSlice<u64>, u32, (u32, u32, u32))>> {
+    ) -> Result<Option<PieceTable>> {
         let mut table = Vec::with_capacity(3 * entries.len());
         let mut longest = 0;
         for &(ptr, offset, len) in entries {
@@ -190,7 +197,11 @@ impl FusedKernels {
         }
         let x = longest.div_ceil(BLOCK as usize).clamp(1, 1024) as u32;
         let y = n_pieces.min(65535) as u32;
-        Ok(Some((device_table, n_pieces as u32, (x, y, 1))))
+        Ok(Some(PieceTable {
+            table: device_table,
+            n_pieces: n_pieces as u32,
+            grid: (x, y, 1),
+        }))
     }
 
     fn launch_copy<T: Element>(
@@ -201,7 +212,12 @@ impl FusedKernels {
         entries: &[(u64, usize, usize)],
         flat: &mut CudaSlice<T>,
     ) -> Result<()> {
-        let Some((table, n_pieces, grid)) = self.table(op, stream, entries, flat.len())? else {
+        let Some(PieceTable {
+            table,
+            n_pieces,
+            grid,
+        }) = self.table(op, stream, entries, flat.len())?
+        else {
             return Ok(());
         };
         let cfg = LaunchConfig {
@@ -227,7 +243,12 @@ impl FusedKernels {
         entries: &[(u64, usize, usize)],
         flat: &CudaSlice<T>,
     ) -> Result<()> {
-        let Some((table, n_pieces, grid)) = self.table(op, stream, entries, flat.len())? else {
+        let Some(PieceTable {
+            table,
+            n_pieces,
+            grid,
+        }) = self.table(op, stream, entries, flat.len())?
+        else {
             return Ok(());
         };
         let cfg = LaunchConfig {
