@@ -1,5 +1,49 @@
 //! # zero-nccl
 //!
-//! The CUDA fast path of zero-rs (feature `nccl`): an NCCL communicator over
-//! device buffers, and fused CUDA kernels for the engine. Being written.
+//! The CUDA fast path of zero-rs: [`NcclComm`], a
+//! [`Communicator`](zero_core::Communicator) over device buffers with NCCL
+//! (feature `nccl`), and fused CUDA kernels compiled at run time with NVRTC
+//! for the engine's flatten/unflatten and the built-in optimizers (feature
+//! `cuda`; see [`kernels`]).
+//!
+//! The crate builds without CUDA installed: the libraries are loaded at run
+//! time, and a missing `libcuda.so`, `libnvrtc.so` or `libnccl.so` is an
+//! [`Error::LibraryNotFound`], never a panic. Without features it holds the
+//! launcher plumbing only ([`LaunchEnv`], [`Rendezvous`]), which is pure Rust.
+//!
+//! ```no_run
+//! # #[cfg(feature = "nccl")]
+//! # fn main() -> zero_nccl::Result<()> {
+//! use zero_nccl::NcclComm;
+//! // Launched by `torchrun`-style variables or `mpirun`:
+//! let comm = NcclComm::from_env()?;
+//! # Ok(()) }
+//! # #[cfg(not(feature = "nccl"))] fn main() {}
+//! ```
 #![warn(missing_docs)]
+
+mod error;
+pub mod launch;
+pub mod rendezvous;
+
+#[cfg(feature = "cuda")]
+pub mod kernels;
+#[cfg(feature = "cuda")]
+pub mod probe;
+
+#[cfg(feature = "nccl")]
+mod comm;
+
+pub use error::{Error, Result};
+pub use launch::{LaunchEnv, Launcher};
+pub use rendezvous::Rendezvous;
+
+#[cfg(feature = "nccl")]
+pub use comm::{Cuda, NcclComm, UNIQUE_ID_BYTES};
+#[cfg(feature = "cuda")]
+pub use probe::cuda_device_count;
+
+/// Re-export of the `cudarc` this crate is built against, so that users
+/// name the same `CudaSlice`/`CudaStream` types.
+#[cfg(feature = "cuda")]
+pub use cudarc;

@@ -1,5 +1,7 @@
 //! Benchmark suites, one file each; `main` dispatches on the first argument.
 
+#[cfg(feature = "nccl")]
+mod gpu;
 mod report;
 pub use report::{Figure, Report};
 
@@ -18,7 +20,12 @@ pub fn main() {
             "comm" => {}
             "optim" => {}
             "step" => {}
-            "gpu" => {}
+            "gpu" => {
+                #[cfg(feature = "nccl")]
+                gpu::run(&mut report);
+                #[cfg(not(feature = "nccl"))]
+                println!("gpu benchmarks need --features nccl");
+            }
             other => {
                 eprintln!("unknown benchmark suite {other:?}; expected one of {all:?}");
                 std::process::exit(2);

@@ -1,0 +1,126 @@
+//! NcclComm at world size 1 against host references (NCCL refuses two ranks
+//! on one GPU; the multi-rank logic is tested on the thread backend). Needs a
+//! GPU and libnccl; skips with a printed reason otherwise.
+#![cfg(feature = "nccl")]
+
+use zero_core::{Communicator, ReduceOp};
+use zero_nccl::NcclComm;
+
+fn comm() -> Option<NcclComm> {
+    match zero_nccl::cuda_device_count() {
+        Ok(0) => {
+            println!("skipping: the CUDA driver reports no device");
+            return None;
+        }
+        Err(e) => {
+            println!("skipping: no CUDA driver found (libcuda.so): {e}");
+            return None;
+        }
+        Ok(_) => {}
+    }
+    match NcclComm::single(0) {
+        Ok(c) => Some(c),
+        Err(e @ zero_nccl::Error::LibraryNotFound { .. }) => {
+            println!("skipping: {e}");
+            None
+        }
+        Err(e) => panic!("NcclComm::single(0) failed: {e}"),
+    }
+}
+
+#[test]
+fn collectives_at_world_size_one() {
+    let Some(comm) = comm() else { return };
+    assert_eq!((comm.rank(), comm.world_size()), (0, 1));
+    let stream = comm.compute_stream().clone();
+    let host: Vec<f32> = (0..1000).map(|i| i as f32 * 0.5 - 3.0).collect();
+
+    for op in [
+        ReduceOp::Sum,
+        ReduceOp::Avg,
+        ReduceOp::Max,
+        ReduceOp::Min,
+        ReduceOp::Product,
+    ] {
+        let mut buf = stream.clone_htod(&host).expect("upload");
+        comm.all_reduce(&mut buf, op).expect("all_reduce");
+        assert_eq!(stream.clone_dtoh(&buf).expect("download"), host, "{op:?}");
+    }
+
+    let send = stream.clone_htod(&host).expect("upload");
+    let mut recv = stream.alloc_zeros::<f32>(1000).expect("alloc");
+    comm.reduce_scatter(&send, &mut recv, ReduceOp::Sum)
+        .expect("reduce_scatter");
+    assert_eq!(stream.clone_dtoh(&recv).expect("download"), host);
+
+    let mut gathered = stream.alloc_zeros::<f32>(1000).expect("alloc");
+    comm.all_gather(&send, &mut gathered).expect("all_gather");
+    assert_eq!(stream.clone_dtoh(&gathered).expect("download"), host);
+
+    let mut bad = stream.alloc_zeros::<f32>(999).expect("alloc");
+    assert!(
+        comm.all_gather(&send, &mut bad).is_err(),
+        "size mismatch must be an error"
+    );
+
+    let mut b = stream.clone_htod(&host).expect("upload");
+    comm.broadcast(&mut b, 0).expect("broadcast");
+    comm.reduce(&mut b, ReduceOp::Sum, 0).expect("reduce");
+    assert_eq!(stream.clone_dtoh(&b).expect("download"), host);
+    assert!(
+        comm.broadcast(&mut b, 1).is_err(),
+        "root 1 is outside a group of 1"
+    );
+
+    let mut all = stream.alloc_zeros::<f32>(1000).expect("alloc");
+    comm.all_gather_varlen(&send, &[1000], &mut all)
+        .expect("all_gather_varlen");
+    assert_eq!(stream.clone_dtoh(&all).expect("download"), host);
+    let mut root = stream.alloc_zeros::<f32>(1000).expect("alloc");
+    comm.gather_varlen(&send, &[1000], Some(&mut root), 0)
+        .expect("gather_varlen");
+    assert_eq!(stream.clone_dtoh(&root).expect("download"), host);
+
+    assert_eq!(
+        comm.all_gather_bytes(b"fingerprint").expect("bytes"),
+        vec![b"fingerprint".to_vec()]
+    );
+    comm.barrier().expect("barrier");
+    assert_eq!(comm.bytes_sent(), 0, "a group of one sends nothing");
+
+    let sub = comm.split(&[0]).expect("split").expect("member");
+    assert_eq!((sub.rank(), sub.world_size()), (0, 1));
+    let mut x = stream.clone_htod(&host).expect("upload");
+    sub.all_reduce(&mut x, ReduceOp::Sum)
+        .expect("sub all_reduce");
+    assert_eq!(stream.clone_dtoh(&x).expect("download"), host);
+}
+
+#[test]
+fn async_work_orders_the_compute_stream() {
+    let Some(comm) = comm() else { return };
+    let stream = comm.compute_stream().clone();
+    let host: Vec<half::bf16> = (0..4096).map(|i| half::bf16::from_f32(i as f32)).collect();
+    let mut buf = stream.clone_htod(&host).expect("upload");
+    let mut work = comm
+        .all_reduce_async(&mut buf, ReduceOp::Sum)
+        .expect("start");
+    let _ = work.test().expect("test");
+    work.wait().expect("wait");
+    assert_eq!(stream.clone_dtoh(&buf).expect("download"), host);
+}
+
+#[test]
+fn missing_driver_is_an_error_not_a_panic() {
+    if zero_nccl::cuda_device_count().is_ok() {
+        println!("skipping: a CUDA driver is present");
+        return;
+    }
+    let err = NcclComm::single(0).expect_err("no driver");
+    assert!(
+        matches!(err, zero_nccl::Error::LibraryNotFound { .. }),
+        "{err}"
+    );
+    let core: zero_core::Error = err.into();
+    assert!(core.to_string().contains("libcuda.so not found"), "{core}");
+}
