@@ -53,9 +53,19 @@ fn reference<T: Element>(inputs: &[Vec<T>], op: ReduceOp) -> Vec<T> {
             if op == ReduceOp::Avg {
                 acc = round_acc::<T>(acc / n as f64);
             }
-            T::from_f64(acc)
+            from_acc::<T>(acc)
         })
         .collect()
+}
+
+/// Rounds the accumulator to `T` the way `Element::from_acc` does: 16-bit
+/// types round from f32 (`half` rounds some f64 subnormals differently).
+fn from_acc<T: Element>(acc: f64) -> T {
+    match T::DTYPE {
+        DType::BF16 => bytemuck::cast(bf16::from_f32(acc as f32)),
+        DType::F16 => bytemuck::cast(f16::from_f32(acc as f32)),
+        _ => T::from_f64(acc),
+    }
 }
 
 fn bits<T: Element>(v: &[T]) -> &[u8] {
