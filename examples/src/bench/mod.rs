@@ -1,5 +1,6 @@
 //! Benchmark suites, one file each; `main` dispatches on the first argument.
 
+mod comm;
 mod report;
 pub use report::{Figure, Report};
 
@@ -15,7 +16,7 @@ pub fn main() {
     let mut report = Report::default();
     for name in selected {
         match name {
-            "comm" => {}
+            "comm" => comm::run(&mut report),
             "optim" => {}
             "step" => {}
             "gpu" => {}
