@@ -146,7 +146,13 @@ fn check_dtype<T: Element>(comm: &ThreadComm, case0: u64) -> Result<()> {
         // variable-length gathers, with some zero counts
         let mut rng = StdRng::seed_from_u64(case);
         let counts: Vec<usize> = (0..n)
-            .map(|_| if rng.gen_bool(0.3) { 0 } else { rng.gen_range(0..=len) })
+            .map(|_| {
+                if rng.gen_bool(0.3) {
+                    0
+                } else {
+                    rng.gen_range(0..=len)
+                }
+            })
             .collect();
         let inputs: Vec<Vec<T>> = (0..n).map(|r| data::<T>(case + 3, r, counts[r])).collect();
         let expected: Vec<T> = inputs.concat();
@@ -246,7 +252,9 @@ fn async_collectives_overlap_with_compute() {
         }
         assert!(grads.iter().all(|&g| g == 2.0), "avg of 1, 2, 3");
         for r in 0..3 {
-            assert!(gathered[r * len / 4..(r + 1) * len / 4].iter().all(|&x| x == r as f32));
+            assert!(gathered[r * len / 4..(r + 1) * len / 4]
+                .iter()
+                .all(|&x| x == r as f32));
         }
         let grads_copy = vec![rank as f32; len];
         comm.reduce_scatter_async(&grads_copy[..3 * len / 4], &mut shard, ReduceOp::Sum)?
@@ -257,7 +265,10 @@ fn async_collectives_overlap_with_compute() {
     for (rank, r) in results.into_iter().enumerate() {
         let (not_ready, slowest_test) = r.unwrap().unwrap();
         if rank != 2 {
-            assert!(not_ready > 0, "rank {rank} should have seen the work pending");
+            assert!(
+                not_ready > 0,
+                "rank {rank} should have seen the work pending"
+            );
         }
         assert!(slowest_test < 0.02, "test() blocked for {slowest_test} s");
     }
@@ -352,7 +363,8 @@ fn bytes_sent_follows_the_ring_model() {
     }
     let single = ThreadGroup::new(1).run(|comm| {
         let mut buf = vec![1.0f32; 10];
-        comm.all_reduce(&mut buf, ReduceOp::Sum).map(|()| comm.bytes_sent())
+        comm.all_reduce(&mut buf, ReduceOp::Sum)
+            .map(|()| comm.bytes_sent())
     });
     assert_eq!(single[0].as_ref().unwrap().as_ref().unwrap(), &0);
 }

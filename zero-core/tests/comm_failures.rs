@@ -31,7 +31,11 @@ fn a_rank_that_panics_fails_its_peers_fast() {
             }
             Ok(())
         });
-    assert!(t.elapsed() < Duration::from_secs(5), "took {:?}", t.elapsed());
+    assert!(
+        t.elapsed() < Duration::from_secs(5),
+        "took {:?}",
+        t.elapsed()
+    );
     for (rank, r) in results.iter().enumerate() {
         if rank == 2 {
             match r {
@@ -48,7 +52,10 @@ fn a_rank_that_panics_fails_its_peers_fast() {
             "rank {rank}: {e:?}"
         );
         let msg = e.to_string();
-        assert!(msg.contains("all_reduce #3") && msg.contains("[2]") && msg.contains("panicked"), "{msg}");
+        assert!(
+            msg.contains("all_reduce #3") && msg.contains("[2]") && msg.contains("panicked"),
+            "{msg}"
+        );
     }
 }
 
@@ -73,7 +80,9 @@ fn later_collectives_fail_too_after_a_peer_left() {
         let errors = r.unwrap().unwrap();
         for (seq, e) in errors.iter().enumerate() {
             assert!(
-                e.contains(&format!("barrier #{seq}")) && e.contains("[0]") && e.contains("dropped"),
+                e.contains(&format!("barrier #{seq}"))
+                    && e.contains("[0]")
+                    && e.contains("dropped"),
                 "rank {rank}: {e}"
             );
         }
@@ -133,7 +142,10 @@ fn a_rank_that_never_arrives_times_out() {
             "rank {rank}: {e:?}"
         );
         let msg = e.to_string();
-        assert!(msg.contains("reduce_scatter #1") && msg.contains("[3]"), "{msg}");
+        assert!(
+            msg.contains("reduce_scatter #1") && msg.contains("[3]"),
+            "{msg}"
+        );
     }
 }
 
@@ -149,11 +161,24 @@ fn timeout_is_reported_within_the_deadline() {
             }
             let t = Instant::now();
             let e = comm.barrier().unwrap_err();
-            assert!(matches!(e, Error::CollectiveTimeout { op: "barrier", seq: 0, .. }), "{e}");
+            assert!(
+                matches!(
+                    e,
+                    Error::CollectiveTimeout {
+                        op: "barrier",
+                        seq: 0,
+                        ..
+                    }
+                ),
+                "{e}"
+            );
             Ok(t.elapsed())
         });
     let waited = results[0].as_ref().unwrap().as_ref().unwrap();
-    assert!(*waited >= deadline && *waited < Duration::from_millis(500), "{waited:?}");
+    assert!(
+        *waited >= deadline && *waited < Duration::from_millis(500),
+        "{waited:?}"
+    );
 }
 
 #[test]
@@ -167,12 +192,26 @@ fn mismatched_sizes() {
         });
     for (rank, r) in results.iter().enumerate() {
         let e = healthy_error(r);
-        let Error::CollectiveMismatch { seq: 0, rank: me, this, other_rank, other } = e else {
+        let Error::CollectiveMismatch {
+            seq: 0,
+            rank: me,
+            this,
+            other_rank,
+            other,
+        } = e
+        else {
             panic!("rank {rank}: {e:?}");
         };
         assert_eq!(*me, rank);
-        let (mine, theirs) = if rank == 1 { ("10", "12") } else { ("12", "10") };
-        assert!(this.contains(&format!("all_reduce(f32, sum, {mine} elements)")), "{this}");
+        let (mine, theirs) = if rank == 1 {
+            ("10", "12")
+        } else {
+            ("12", "10")
+        };
+        assert!(
+            this.contains(&format!("all_reduce(f32, sum, {mine} elements)")),
+            "{this}"
+        );
         assert!(other.contains(&format!("{theirs} elements")), "{other}");
         assert_eq!(*other_rank == 1, rank != 1);
     }
@@ -194,7 +233,9 @@ fn mismatched_operations_and_dtypes() {
     for (rank, r) in results.iter().enumerate() {
         let msg = healthy_error(r).to_string();
         assert!(
-            msg.contains("#0") && msg.contains("all_gather(f32, 4 elements)") && msg.contains("all_reduce(f32, max, 4 elements)"),
+            msg.contains("#0")
+                && msg.contains("all_gather(f32, 4 elements)")
+                && msg.contains("all_reduce(f32, max, 4 elements)"),
             "rank {rank}: {msg}"
         );
     }
@@ -209,7 +250,10 @@ fn mismatched_operations_and_dtypes() {
         });
     for r in &results {
         let msg = healthy_error(r).to_string();
-        assert!(msg.contains("broadcast(f64") && msg.contains("broadcast(f32"), "{msg}");
+        assert!(
+            msg.contains("broadcast(f64") && msg.contains("broadcast(f32"),
+            "{msg}"
+        );
     }
 }
 
@@ -223,7 +267,10 @@ fn invalid_arguments_on_one_rank_fail_its_peers_fast() {
             comm.broadcast(&mut [0.0f32; 4], root)
         });
     assert!(t.elapsed() < Duration::from_secs(5));
-    assert!(matches!(healthy_error(&results[2]), Error::InvalidRank { rank: 7, .. }));
+    assert!(matches!(
+        healthy_error(&results[2]),
+        Error::InvalidRank { rank: 7, .. }
+    ));
     for r in &results[..2] {
         let e = healthy_error(r);
         assert!(

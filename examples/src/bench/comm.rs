@@ -38,7 +38,10 @@ fn two_thread_memcpy(bytes: usize, reps: usize) -> f64 {
                 })
             })
             .collect();
-        handles.into_iter().map(|h| h.join().unwrap_or_default()).collect()
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_default())
+            .collect()
     });
     median(times[0][1..].to_vec())
 }
@@ -61,7 +64,9 @@ fn rs_ag(bytes: usize, reps: usize) -> Result<f64> {
             times.push(t.elapsed().as_secs_f64());
         }
         if params[len - 1] != 3.0 {
-            return Err(Error::State("wrong reduce-scatter/all-gather result".into()));
+            return Err(Error::State(
+                "wrong reduce-scatter/all-gather result".into(),
+            ));
         }
         Ok(times)
     });
@@ -101,7 +106,12 @@ pub fn run(report: &mut Report) {
     let memcpy = two_thread_memcpy(bytes, reps);
     match rs_ag(bytes, reps) {
         Ok(t) => {
-            report.add("comm.rs_ag_over_memcpy", t / memcpy, "ratio", Some("<= 2.0"));
+            report.add(
+                "comm.rs_ag_over_memcpy",
+                t / memcpy,
+                "ratio",
+                Some("<= 2.0"),
+            );
             report.add("comm.rs_ag_64mib_ms", t * 1e3, "ms", None);
             report.add("comm.memcpy_64mib_2threads_ms", memcpy * 1e3, "ms", None);
             // Algorithm bandwidth: the full buffer through RS + AG.
