@@ -1,5 +1,6 @@
 //! Benchmark suites, one file each; `main` dispatches on the first argument.
 
+mod comm;
 #[cfg(feature = "nccl")]
 mod gpu;
 mod report;
@@ -14,10 +15,10 @@ pub fn main() {
     } else {
         which.iter().map(String::as_str).collect()
     };
-    let report = Report::default();
+    let mut report = Report::default();
     for name in selected {
         match name {
-            "comm" => {}
+            "comm" => comm::run(&mut report),
             "optim" => {}
             "step" => {}
             "gpu" => {

@@ -51,7 +51,11 @@ impl std::fmt::Display for OpDesc {
             parts.push(format!("{len} elements"));
         }
         if let Some(list) = &self.list {
-            let name = if self.op == "split" { "ranks" } else { "counts" };
+            let name = if self.op == "split" {
+                "ranks"
+            } else {
+                "counts"
+            };
             parts.push(format!("{name} {list:?}"));
         }
         if let Some(root) = self.root {
@@ -166,6 +170,10 @@ struct State {
     slots: HashMap<u64, Slot>,
     /// Why each rank left the group, once it has.
     left: Vec<Option<String>>,
+    /// Ranks that have been handed a collective error: if they leave
+    /// afterwards, that is a consequence, not a cause, and error messages
+    /// name the ranks that failed first.
+    errored: Vec<bool>,
     /// Threads parked on the condition variable.
     sleepers: usize,
 }
@@ -197,6 +205,7 @@ impl Shared {
             state: Mutex::new(State {
                 slots: HashMap::new(),
                 left: vec![None; world_size],
+                errored: vec![false; world_size],
                 sleepers: 0,
             }),
             cond: Condvar::new(),
@@ -276,32 +285,33 @@ impl Shared {
         let mut guard = self.lock();
         let st = &mut *guard;
         let n = self.world_size;
-        let slot = match st.slots.get_mut(&seq) {
-            Some(slot) => slot,
-            None => {
-                let failed: Vec<usize> = (0..n)
-                    .filter(|&r| r != rank && st.left[r].is_some())
-                    .collect();
-                if !failed.is_empty() {
-                    return Err(Error::PeerFailed {
-                        op: desc.op,
-                        seq,
-                        reason: left_reason(&st.left, &failed),
-                        failed,
-                    });
-                }
-                st.slots.entry(seq).or_insert_with(|| Slot {
+        if !st.slots.contains_key(&seq) {
+            // A rank that already left will never join: record the abort in
+            // the slot so every later arrival reports the same cause.
+            let left: Vec<usize> = (0..n).filter(|&r| r != rank).collect();
+            let failed = failed_ranks(st, &left);
+            let abort = (!failed.is_empty()).then(|| Abort::PeerFailed {
+                reason: left_reason(&st.left, &failed),
+                failed,
+            });
+            st.slots.insert(
+                seq,
+                Slot {
                     desc: desc.clone(),
                     first: rank,
                     arrived: vec![false; n],
                     n_arrived: 0,
                     n_done: 0,
                     contributions: vec![Contribution::Empty; n],
-                    abort: None,
-                })
-            }
+                    abort,
+                },
+            );
+        }
+        let Some(slot) = st.slots.get_mut(&seq) else {
+            return Err(vanished(desc.op, seq));
         };
         if let Some(abort) = &slot.abort {
+            st.errored[rank] = true;
             return Err(abort.to_error(rank, seq, desc, Duration::ZERO));
         }
         if slot.desc != *desc {
@@ -311,6 +321,7 @@ impl Shared {
             };
             let err = abort.to_error(rank, seq, desc, Duration::ZERO);
             slot.abort = Some(abort);
+            st.errored[rank] = true;
             self.changed(st);
             return Err(err);
         }
@@ -329,6 +340,7 @@ impl Shared {
         let mut guard = self.lock();
         let st = &mut *guard;
         let n = self.world_size;
+        st.errored[rank] = true;
         let slot = st.slots.entry(seq).or_insert_with(|| Slot {
             desc: desc.clone(),
             first: rank,
@@ -358,28 +370,27 @@ impl Shared {
         desc: &OpDesc,
         start: Instant,
     ) -> Option<Result<Vec<Contribution>>> {
-        let Some(slot) = st.slots.get_mut(&seq) else {
-            // Unreachable: a slot lives until every rank that joined it has
-            // departed, and this rank has not.
-            return Some(Err(Error::State(format!(
-                "{} #{seq}: internal error: collective state vanished",
-                desc.op
-            ))));
+        // A slot lives until every rank that joined it has departed, and
+        // this rank has not: a missing slot is an internal error.
+        let Some(slot) = st.slots.get(&seq) else {
+            st.errored[rank] = true;
+            return Some(Err(vanished(desc.op, seq)));
         };
         if let Some(abort) = &slot.abort {
+            st.errored[rank] = true;
             return Some(Err(abort.to_error(rank, seq, desc, start.elapsed())));
         }
         if slot.n_arrived == slot.arrived.len() {
             return Some(Ok(slot.contributions.clone()));
         }
-        let failed: Vec<usize> = slot
-            .missing()
-            .into_iter()
-            .filter(|&r| st.left[r].is_some())
-            .collect();
+        let failed = failed_ranks(st, &slot.missing());
         if failed.is_empty() {
             return None;
         }
+        st.errored[rank] = true;
+        let Some(slot) = st.slots.get_mut(&seq) else {
+            return Some(Err(vanished(desc.op, seq)));
+        };
         let abort = Abort::PeerFailed {
             reason: left_reason(&st.left, &failed),
             failed,
@@ -400,11 +411,9 @@ impl Shared {
         desc: &OpDesc,
         start: Instant,
     ) -> Error {
+        st.errored[rank] = true;
         let Some(slot) = st.slots.get_mut(&seq) else {
-            return Error::State(format!(
-                "{} #{seq}: internal error: collective state vanished",
-                desc.op
-            ));
+            return vanished(desc.op, seq);
         };
         let abort = Abort::Timeout {
             missing: slot.missing(),
@@ -485,6 +494,11 @@ impl Shared {
     /// Marks `rank` as gone: its peers' pending and later collectives fail.
     pub fn leave(&self, rank: usize, reason: String) {
         let mut st = self.lock();
+        let reason = if st.errored.get(rank) == Some(&true) {
+            format!("{reason} after an earlier collective error")
+        } else {
+            reason
+        };
         if let Some(slot) = st.left.get_mut(rank) {
             *slot = Some(reason);
         }
@@ -492,15 +506,32 @@ impl Shared {
     }
 }
 
+/// The ranks of `candidates` that left the group, preferring those that left
+/// before being handed an error (the cause rather than the consequence).
+fn failed_ranks(st: &State, candidates: &[usize]) -> Vec<usize> {
+    let left: Vec<usize> = candidates
+        .iter()
+        .copied()
+        .filter(|&r| st.left[r].is_some())
+        .collect();
+    let first: Vec<usize> = left.iter().copied().filter(|&r| !st.errored[r]).collect();
+    if first.is_empty() {
+        left
+    } else {
+        first
+    }
+}
+
+fn vanished(op: &'static str, seq: u64) -> Error {
+    Error::State(format!(
+        "{op} #{seq}: internal error: the collective's shared state vanished"
+    ))
+}
+
 fn left_reason(left: &[Option<String>], failed: &[usize]) -> String {
     failed
         .iter()
-        .map(|&r| {
-            format!(
-                "rank {r} {}",
-                left[r].as_deref().unwrap_or("did not join")
-            )
-        })
+        .map(|&r| format!("rank {r} {}", left[r].as_deref().unwrap_or("did not join")))
         .collect::<Vec<_>>()
         .join("; ")
 }
