@@ -45,7 +45,10 @@ fn as_vec(v: &Value) -> Vec<f64> {
 }
 
 /// Runs one case in `T`; returns the final parameters and the optimizer.
-fn run_case<T: Float>(golden: &Value, case: &Value) -> (Vec<Vec<T>>, Box<dyn FunctionalOptimizer<T>>) {
+fn run_case<T: Float>(
+    golden: &Value,
+    case: &Value,
+) -> (Vec<Vec<T>>, Box<dyn FunctionalOptimizer<T>>) {
     let steps = golden["steps"].as_u64().unwrap() as usize;
     let lr_change_step = golden["lr_change_step"].as_u64().unwrap() as usize;
     let lr_factor = golden["lr_factor"].as_f64().unwrap();
@@ -53,13 +56,23 @@ fn run_case<T: Float>(golden: &Value, case: &Value) -> (Vec<Vec<T>>, Box<dyn Fun
         .as_array()
         .unwrap()
         .iter()
-        .map(|p| (p[0].as_u64().unwrap() as usize, p[1].as_u64().unwrap() as usize))
+        .map(|p| {
+            (
+                p[0].as_u64().unwrap() as usize,
+                p[1].as_u64().unwrap() as usize,
+            )
+        })
         .collect();
     let specs: Vec<(String, usize)> = golden["params"]
         .as_array()
         .unwrap()
         .iter()
-        .map(|p| (p["name"].as_str().unwrap().to_string(), p["len"].as_u64().unwrap() as usize))
+        .map(|p| {
+            (
+                p["name"].as_str().unwrap().to_string(),
+                p["len"].as_u64().unwrap() as usize,
+            )
+        })
         .collect();
     let assignment: Vec<usize> = case["assignment"]
         .as_array()
@@ -161,10 +174,14 @@ fn check<T: Float>(dtype: &str, rtol: f64) {
             let want_state = &expected["state"][i];
             let got_state = state.params.get(&(param_name.clone(), 0));
             let want_tensors = want_state["tensors"].as_object().unwrap();
-            let got_tensor_names: Vec<&String> =
-                got_state.map(|s| s.tensors.keys().collect()).unwrap_or_default();
+            let got_tensor_names: Vec<&String> = got_state
+                .map(|s| s.tensors.keys().collect())
+                .unwrap_or_default();
             let want_tensor_names: Vec<&String> = want_tensors.keys().collect();
-            assert_eq!(got_tensor_names, want_tensor_names, "{name}: {param_name}: state names");
+            assert_eq!(
+                got_tensor_names, want_tensor_names,
+                "{name}: {param_name}: state names"
+            );
             for (key, want) in want_tensors {
                 let got: Vec<f64> = got_state.unwrap().tensors[key]
                     .iter()
@@ -211,6 +228,14 @@ fn hyperparams_use_torch_names() {
     let keys: Vec<&str> = h.keys().map(String::as_str).collect();
     assert_eq!(
         keys,
-        ["alpha", "centered", "eps", "lr", "maximize", "momentum", "weight_decay"]
+        [
+            "alpha",
+            "centered",
+            "eps",
+            "lr",
+            "maximize",
+            "momentum",
+            "weight_decay"
+        ]
     );
 }

@@ -12,7 +12,10 @@ type Factory<T> = Box<dyn Fn() -> Box<dyn FunctionalOptimizer<T>>>;
 /// Every built-in, with options that use every state tensor.
 fn factories<T: Float>() -> Vec<(&'static str, Factory<T>)> {
     vec![
-        ("sgd", Box::new(|| Box::new(Sgd::<T>::new(SgdConfig::default().with_lr(0.1)).unwrap()))),
+        (
+            "sgd",
+            Box::new(|| Box::new(Sgd::<T>::new(SgdConfig::default().with_lr(0.1)).unwrap())),
+        ),
         (
             "sgd_nesterov",
             Box::new(|| {
@@ -35,7 +38,9 @@ fn factories<T: Float>() -> Vec<(&'static str, Factory<T>)> {
         ),
         (
             "adamw",
-            Box::new(|| Box::new(AdamW::<T>::new(AdamWConfig::default().with_maximize(true)).unwrap())),
+            Box::new(|| {
+                Box::new(AdamW::<T>::new(AdamWConfig::default().with_maximize(true)).unwrap())
+            }),
         ),
         (
             "adagrad",
@@ -117,7 +122,10 @@ fn sharded_equals_whole<T: Float>() {
             let mut split = init.clone();
             let k = n / 3 + 1;
             run_pieces(&mut *make(), &mut split, &[0, k], 0..5);
-            assert!(bits(&whole) == bits(&split), "{name}, n = {n}: split differs from whole");
+            assert!(
+                bits(&whole) == bits(&split),
+                "{name}, n = {n}: split differs from whole"
+            );
             assert!(bits(&whole) != bits(&init), "{name}: nothing happened");
         }
     }
@@ -149,7 +157,10 @@ fn state_round_trip_is_exact() {
         second.import_state(state.clone()).unwrap();
         assert_eq!(second.export_state(), state, "{name}: export after import");
         run_pieces(&mut *second, &mut resumed, &[0, 40], 3..6);
-        assert!(bits(&straight) == bits(&resumed), "{name}: resumed run differs");
+        assert!(
+            bits(&straight) == bits(&resumed),
+            "{name}: resumed run differs"
+        );
         assert_eq!(first.kind(), second.kind());
     }
 }
@@ -163,8 +174,14 @@ fn step_counts_are_per_piece_and_skip_none() {
     for step in 0..5 {
         let grads = [Some(&g[..]), (step % 2 == 0).then_some(&g[..])];
         let mut pieces = [
-            ParamMut { key: &ka, data: &mut a },
-            ParamMut { key: &kb, data: &mut b },
+            ParamMut {
+                key: &ka,
+                data: &mut a,
+            },
+            ParamMut {
+                key: &kb,
+                data: &mut b,
+            },
         ];
         opt.step(&mut pieces, &grads).unwrap();
     }
@@ -194,10 +211,19 @@ fn imported_state_of_the_wrong_length_fails_at_the_next_step() {
     let mut data = vec![0.0f32; 6];
     let grad = vec![1.0f32; 6];
     let err = opt
-        .step(&mut [ParamMut { key: &key, data: &mut data }], &[Some(&grad)])
+        .step(
+            &mut [ParamMut {
+                key: &key,
+                data: &mut data,
+            }],
+            &[Some(&grad)],
+        )
         .unwrap_err();
     let m = message(err);
-    assert!(m.contains("layer.weight") && m.contains('5') && m.contains('6'), "{m}");
+    assert!(
+        m.contains("layer.weight") && m.contains('5') && m.contains('6'),
+        "{m}"
+    );
     assert_eq!(data, vec![0.0; 6], "nothing may change on error");
 }
 
@@ -218,8 +244,16 @@ fn inconsistent_or_foreign_state_is_rejected_on_import() {
 #[test]
 fn hyperparameters_are_validated_like_torch() {
     let bad = [
-        message(Sgd::<f32>::new(SgdConfig::default().with_lr(-1.0)).err().unwrap()),
-        message(Sgd::<f32>::new(SgdConfig::default().with_nesterov(true)).err().unwrap()),
+        message(
+            Sgd::<f32>::new(SgdConfig::default().with_lr(-1.0))
+                .err()
+                .unwrap(),
+        ),
+        message(
+            Sgd::<f32>::new(SgdConfig::default().with_nesterov(true))
+                .err()
+                .unwrap(),
+        ),
         message(
             Sgd::<f32>::new(
                 SgdConfig::default()
@@ -230,10 +264,26 @@ fn hyperparameters_are_validated_like_torch() {
             .err()
             .unwrap(),
         ),
-        message(Adam::<f32>::new(AdamConfig::default().with_betas(1.0, 0.9)).err().unwrap()),
-        message(AdamW::<f32>::new(AdamWConfig::default().with_betas(0.9, -0.1)).err().unwrap()),
-        message(Adagrad::<f32>::new(AdagradConfig::default().with_lr_decay(-1.0)).err().unwrap()),
-        message(RmsProp::<f32>::new(RmsPropConfig::default().with_alpha(-0.5)).err().unwrap()),
+        message(
+            Adam::<f32>::new(AdamConfig::default().with_betas(1.0, 0.9))
+                .err()
+                .unwrap(),
+        ),
+        message(
+            AdamW::<f32>::new(AdamWConfig::default().with_betas(0.9, -0.1))
+                .err()
+                .unwrap(),
+        ),
+        message(
+            Adagrad::<f32>::new(AdagradConfig::default().with_lr_decay(-1.0))
+                .err()
+                .unwrap(),
+        ),
+        message(
+            RmsProp::<f32>::new(RmsPropConfig::default().with_alpha(-0.5))
+                .err()
+                .unwrap(),
+        ),
     ];
     for m in &bad {
         assert!(m.contains("invalid") || m.contains("Nesterov"), "{m}");
@@ -241,16 +291,31 @@ fn hyperparameters_are_validated_like_torch() {
 
     let mut opt = Adam::<f32>::new(AdamConfig::default()).unwrap();
     let hyper = |json: serde_json::Value| -> Hyperparams { json.as_object().unwrap().clone() };
-    assert!(message(opt.set_hyperparams(0, &hyper(serde_json::json!({"lr": -0.1}))).unwrap_err())
-        .contains("learning rate"));
-    assert!(message(opt.add_group(&hyper(serde_json::json!({"betas": [0.9]}))).unwrap_err())
-        .contains("betas"));
-    assert!(message(opt.add_group(&hyper(serde_json::json!({"momentum": 0.9}))).unwrap_err())
-        .contains("momentum"));
-    assert_eq!(opt.learning_rate(0), 1e-3, "a failed update keeps the old values");
+    assert!(message(
+        opt.set_hyperparams(0, &hyper(serde_json::json!({"lr": -0.1})))
+            .unwrap_err()
+    )
+    .contains("learning rate"));
+    assert!(message(
+        opt.add_group(&hyper(serde_json::json!({"betas": [0.9]})))
+            .unwrap_err()
+    )
+    .contains("betas"));
+    assert!(message(
+        opt.add_group(&hyper(serde_json::json!({"momentum": 0.9})))
+            .unwrap_err()
+    )
+    .contains("momentum"));
+    assert_eq!(
+        opt.learning_rate(0),
+        1e-3,
+        "a failed update keeps the old values"
+    );
     // PyTorch's bookkeeping keys load unchanged.
     let g = opt
-        .add_group(&hyper(serde_json::json!({"lr": 0.5, "foreach": null, "initial_lr": 0.5})))
+        .add_group(&hyper(
+            serde_json::json!({"lr": 0.5, "foreach": null, "initial_lr": 0.5}),
+        ))
         .unwrap();
     assert_eq!(opt.learning_rate(g), 0.5);
     assert_eq!(opt.hyperparams(g)["betas"], serde_json::json!([0.9, 0.999]));
@@ -266,16 +331,40 @@ fn malformed_step_calls_are_errors() {
     let mut data = vec![1.0f64; 3];
     let short = vec![1.0f64; 2];
     let m = message(
-        opt.step(&mut [ParamMut { key: &key, data: &mut data }], &[Some(&short)])
-            .unwrap_err(),
+        opt.step(
+            &mut [ParamMut {
+                key: &key,
+                data: &mut data,
+            }],
+            &[Some(&short)],
+        )
+        .unwrap_err(),
     );
-    assert!(m.contains("\"w\"") && m.contains('2') && m.contains('3'), "{m}");
-    let m = message(opt.step(&mut [ParamMut { key: &key, data: &mut data }], &[]).unwrap_err());
+    assert!(
+        m.contains("\"w\"") && m.contains('2') && m.contains('3'),
+        "{m}"
+    );
+    let m = message(
+        opt.step(
+            &mut [ParamMut {
+                key: &key,
+                data: &mut data,
+            }],
+            &[],
+        )
+        .unwrap_err(),
+    );
     assert!(m.contains("gradient slots"), "{m}");
     let grad = vec![1.0f64; 3];
     let m = message(
-        opt.step(&mut [ParamMut { key: &other_group, data: &mut data }], &[Some(&grad)])
-            .unwrap_err(),
+        opt.step(
+            &mut [ParamMut {
+                key: &other_group,
+                data: &mut data,
+            }],
+            &[Some(&grad)],
+        )
+        .unwrap_err(),
     );
     assert!(m.contains("group 3"), "{m}");
     assert_eq!(data, vec![1.0; 3]);
