@@ -170,7 +170,7 @@ fn step_counts_are_per_piece_and_skip_none() {
     let mut opt = Adam::<f32>::new(AdamConfig::default()).unwrap();
     let (ka, kb) = (ParamKey::new("a", 0, 0), ParamKey::new("b", 0, 0));
     let (mut a, mut b) = (vec![1.0f32; 4], vec![1.0f32; 4]);
-    let g = vec![0.5f32; 4];
+    let g = [0.5f32; 4];
     for step in 0..5 {
         let grads = [Some(&g[..]), (step % 2 == 0).then_some(&g[..])];
         let mut pieces = [

@@ -1,5 +1,6 @@
 //! Benchmark suites, one file each; `main` dispatches on the first argument.
 
+mod optim;
 mod report;
 pub use report::{Figure, Report};
 
@@ -16,7 +17,7 @@ pub fn main() {
     for name in selected {
         match name {
             "comm" => {}
-            "optim" => {}
+            "optim" => optim::run(&mut report),
             "step" => {}
             "gpu" => {}
             other => {

@@ -18,7 +18,8 @@ pub struct AdagradConfig {
     /// L2 penalty added to the gradient (`weight_decay`, default 0).
     pub weight_decay: f64,
     /// Starting value of the sum of squares (`initial_accumulator_value`,
-    /// default 0).
+    /// default 0). Each group's own value applies (`torch.optim.Adagrad`
+    /// uses its constructor's value for every group).
     pub initial_accumulator_value: f64,
     /// Added to the denominator for stability (`eps`, default 1e-10).
     pub eps: f64,
