@@ -81,7 +81,12 @@ pub fn run(report: &mut Report) {
 
     report.add("optim.memcpy_1t_gbps", memcpy, "GB/s", None);
     report.add("optim.adam_1t_gbps", gbps(adam_1t), "GB/s", None);
-    report.add("optim.adam_1t_step_ms", adam_1t.as_secs_f64() * 1e3, "ms", None);
+    report.add(
+        "optim.adam_1t_step_ms",
+        adam_1t.as_secs_f64() * 1e3,
+        "ms",
+        None,
+    );
     report.add(
         "optim.adam_bw_over_memcpy",
         gbps(adam_1t) / memcpy,
@@ -89,7 +94,12 @@ pub fn run(report: &mut Report) {
         Some(">= 1.0"),
     );
     report.add("optim.adam_mt_gbps", gbps(adam_mt), "GB/s", None);
-    report.add("optim.adam_mt_step_ms", adam_mt.as_secs_f64() * 1e3, "ms", None);
+    report.add(
+        "optim.adam_mt_step_ms",
+        adam_mt.as_secs_f64() * 1e3,
+        "ms",
+        None,
+    );
     report.add(
         "optim.adam_mt_bw_over_memcpy",
         gbps(adam_mt) / memcpy,
