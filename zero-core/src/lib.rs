@@ -19,13 +19,19 @@ pub use comm::{Communicator, Host, MemoryKind, ReduceOp, ThreadComm, ThreadGroup
 pub use dtype::{DType, Element};
 pub use engine::{Engine, EngineConfig, MemoryReport, ParamStore, Stage, StepReport};
 pub use error::{Error, Result};
-pub use optim::FunctionalOptimizer;
+pub use optim::{
+    Adagrad, AdagradConfig, Adam, AdamConfig, AdamW, AdamWConfig, FunctionalOptimizer, RmsProp,
+    RmsPropConfig, Sgd, SgdConfig,
+};
 pub use partition::{Flat, Greedy, ParamInfo, PartitionPlan, Partitioner};
 
 /// The most used items, for `use zero_core::prelude::*`.
 pub mod prelude {
     pub use crate::comm::{Communicator, ReduceOp, ThreadGroup};
-    pub use crate::optim::FunctionalOptimizer;
+    pub use crate::optim::{
+        Adagrad, AdagradConfig, Adam, AdamConfig, AdamW, AdamWConfig, FunctionalOptimizer,
+        ParamKey, ParamMut, RmsProp, RmsPropConfig, Sgd, SgdConfig,
+    };
     pub use crate::partition::{Flat, Greedy, ParamInfo, Partitioner};
     pub use crate::{DType, Element, Error, Result};
 }

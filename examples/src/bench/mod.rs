@@ -3,7 +3,11 @@
 mod comm;
 #[cfg(feature = "nccl")]
 mod gpu;
+#[cfg(feature = "mpi")]
+mod mpi;
+mod optim;
 mod report;
+mod step;
 pub use report::{Figure, Report};
 
 /// Runs the suite named by the first command-line argument (all if none).
@@ -15,23 +19,41 @@ pub fn main() {
     } else {
         which.iter().map(String::as_str).collect()
     };
+    #[cfg(feature = "mpi")]
+    let under_mpirun = zero_mpi_gloo::launched_by_mpirun();
+    #[cfg(not(feature = "mpi"))]
+    let under_mpirun = false;
     let mut report = Report::default();
     for name in selected {
         match name {
-            "comm" => comm::run(&mut report),
-            "optim" => {}
-            "step" => {}
+            "comm" => {
+                // Under mpirun every process runs the suite; the thread
+                // backend's figures would only compete for the same cores.
+                if !under_mpirun {
+                    comm::run(&mut report);
+                }
+                #[cfg(feature = "mpi")]
+                mpi::run_if_launched(&mut report);
+            }
+            "optim" if !under_mpirun => optim::run(&mut report),
+            "step" if !under_mpirun => step::run(&mut report),
             "gpu" => {
                 #[cfg(feature = "nccl")]
                 gpu::run(&mut report);
                 #[cfg(not(feature = "nccl"))]
                 println!("gpu benchmarks need --features nccl");
             }
+            "optim" | "step" => {}
             other => {
                 eprintln!("unknown benchmark suite {other:?}; expected one of {all:?}");
                 std::process::exit(2);
             }
         }
+    }
+    // Under mpirun every rank runs the suites; one report is enough.
+    #[cfg(feature = "mpi")]
+    if !mpi::is_printing_rank() {
+        return;
     }
     report.print();
 }

@@ -18,7 +18,8 @@ pub struct AdagradConfig {
     /// L2 penalty added to the gradient (`weight_decay`, default 0).
     pub weight_decay: f64,
     /// Starting value of the sum of squares (`initial_accumulator_value`,
-    /// default 0).
+    /// default 0). Each group's own value applies (`torch.optim.Adagrad`
+    /// uses its constructor's value for every group).
     pub initial_accumulator_value: f64,
     /// Added to the denominator for stability (`eps`, default 1e-10).
     pub eps: f64,
@@ -107,8 +108,8 @@ impl GroupConfig for AdagradConfig {
         self.lr = get_f64(k, h, "lr")?.unwrap_or(self.lr);
         self.lr_decay = get_f64(k, h, "lr_decay")?.unwrap_or(self.lr_decay);
         self.weight_decay = get_f64(k, h, "weight_decay")?.unwrap_or(self.weight_decay);
-        self.initial_accumulator_value = get_f64(k, h, "initial_accumulator_value")?
-            .unwrap_or(self.initial_accumulator_value);
+        self.initial_accumulator_value =
+            get_f64(k, h, "initial_accumulator_value")?.unwrap_or(self.initial_accumulator_value);
         self.eps = get_f64(k, h, "eps")?.unwrap_or(self.eps);
         self.maximize = get_bool(k, h, "maximize")?.unwrap_or(self.maximize);
         Ok(())
@@ -230,9 +231,11 @@ impl<T: Float> FunctionalOptimizer<T> for Adagrad<T> {
                     neg_clr: T::from_f64(-clr),
                 };
                 let weight_decay = config.weight_decay != 0.0;
-                for_each_chunk(grad, [param, &mut state.sum], |g, [p, s]| {
-                    with_flags!(adagrad_kernel [] (&c, p, g, s) weight_decay)
-                });
+                for_each_chunk(
+                    grad,
+                    [param, &mut state.sum],
+                    |g, [p, s]| with_flags!(adagrad_kernel [] (&c, p, g, s) weight_decay),
+                );
             },
         )
     }

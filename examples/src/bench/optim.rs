@@ -1,0 +1,115 @@
+//! Optimizer step throughput: Adam on a 16M-element f32 shard, one thread and
+//! all cores, against memcpy bandwidth measured in the same run.
+
+use super::Report;
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+use zero_core::optim::{Adam, AdamConfig, FunctionalOptimizer, ParamKey, ParamMut};
+
+/// Elements in the benchmarked shard.
+const SHARD_LEN: usize = 16 << 20;
+/// Bytes one Adam step moves per element: parameter, exp_avg, exp_avg_sq
+/// read and written (24), gradient read (4).
+const ADAM_BYTES_PER_ELEMENT: f64 = 28.0;
+/// Size of the memcpy reference buffer.
+const MEMCPY_BYTES: usize = 64 << 20;
+
+/// The fastest of `reps` runs of `f` after one warm-up run.
+fn best_of(reps: usize, mut f: impl FnMut()) -> Duration {
+    f();
+    (0..reps)
+        .map(|_| {
+            let start = Instant::now();
+            f();
+            start.elapsed()
+        })
+        .min()
+        .unwrap_or_default()
+}
+
+/// Single-thread copy bandwidth in GB/s (bytes copied per second: a copy of
+/// N bytes counts N, as memcpy benchmarks report it).
+fn memcpy_gbps() -> f64 {
+    let src = vec![1u8; MEMCPY_BYTES];
+    let mut dst = vec![0u8; MEMCPY_BYTES];
+    let t = best_of(10, || {
+        dst.copy_from_slice(black_box(&src));
+        black_box(&mut dst);
+    });
+    MEMCPY_BYTES as f64 / t.as_secs_f64() / 1e9
+}
+
+/// The time of one Adam step over the shard, best of several.
+fn adam_step_time() -> Duration {
+    let mut adam = match Adam::<f32>::new(AdamConfig::default()) {
+        Ok(adam) => adam,
+        Err(e) => {
+            eprintln!("bench optim: {e}");
+            return Duration::MAX;
+        }
+    };
+    let key = ParamKey::new("shard", 0, 0);
+    let mut param: Vec<f32> = (0..SHARD_LEN).map(|i| (i % 1000) as f32 * 1e-3).collect();
+    let grad: Vec<f32> = (0..SHARD_LEN)
+        .map(|i| ((i * 7) % 1000) as f32 * 1e-3 - 0.5)
+        .collect();
+    best_of(8, || {
+        let mut pieces = [ParamMut {
+            key: &key,
+            data: &mut param,
+        }];
+        if let Err(e) = adam.step(&mut pieces, &[Some(&grad)]) {
+            eprintln!("bench optim: {e}");
+        }
+        black_box(&mut param);
+    })
+}
+
+/// Runs the optimizer benchmarks.
+pub fn run(report: &mut Report) {
+    let single = match rayon::ThreadPoolBuilder::new().num_threads(1).build() {
+        Ok(pool) => pool,
+        Err(e) => {
+            eprintln!("bench optim: cannot build a 1-thread pool: {e}");
+            return;
+        }
+    };
+    let memcpy = single.install(memcpy_gbps);
+    let adam_1t = single.install(adam_step_time);
+    let adam_mt = adam_step_time();
+    let gbps = |t: Duration| SHARD_LEN as f64 * ADAM_BYTES_PER_ELEMENT / t.as_secs_f64() / 1e9;
+
+    report.add("optim.memcpy_1t_gbps", memcpy, "GB/s", None);
+    report.add("optim.adam_1t_gbps", gbps(adam_1t), "GB/s", None);
+    report.add(
+        "optim.adam_1t_step_ms",
+        adam_1t.as_secs_f64() * 1e3,
+        "ms",
+        None,
+    );
+    report.add(
+        "optim.adam_bw_over_memcpy",
+        gbps(adam_1t) / memcpy,
+        "ratio",
+        Some(">= 1.0"),
+    );
+    report.add("optim.adam_mt_gbps", gbps(adam_mt), "GB/s", None);
+    report.add(
+        "optim.adam_mt_step_ms",
+        adam_mt.as_secs_f64() * 1e3,
+        "ms",
+        None,
+    );
+    report.add(
+        "optim.adam_mt_bw_over_memcpy",
+        gbps(adam_mt) / memcpy,
+        "ratio",
+        None,
+    );
+    report.add(
+        "optim.threads",
+        rayon::current_num_threads() as f64,
+        "count",
+        None,
+    );
+}

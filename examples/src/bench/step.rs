@@ -1,0 +1,98 @@
+//! `bench step`: one MLP training step at N=2 on the thread backend, stages
+//! 0, 1 and 2 timed in one run, and each stage's memory per rank.
+
+use super::Report;
+use crate::trainer::{Dataset, Mlp};
+use candle_core::{Device, Tensor};
+use candle_nn::VarMap;
+use std::time::Instant;
+use zero_candle::ZeroOptimizer;
+use zero_core::engine::{EngineConfig, MemoryReport, Stage};
+use zero_core::optim::{AdamW, AdamWConfig};
+use zero_core::ThreadGroup;
+
+const WORLD_SIZE: usize = 2;
+const HIDDEN: [usize; 2] = [1024, 1024];
+const BATCH: usize = 32;
+const WARMUP: usize = 3;
+const STEPS: usize = 15;
+
+/// Median step time and rank 0's memory for one stage.
+fn measure(stage: Stage, data: &Dataset) -> Result<(f64, MemoryReport), String> {
+    let results = ThreadGroup::new(WORLD_SIZE).run(|comm| {
+        let rank = zero_core::Communicator::rank(&comm);
+        let varmap = VarMap::new();
+        let mut widths = vec![data.width];
+        widths.extend(HIDDEN);
+        widths.push(data.classes);
+        let model = Mlp::new(&varmap, &widths, 0).map_err(|e| e.to_string())?;
+        let adamw = AdamW::new(AdamWConfig::default().with_lr(1e-3)).map_err(|e| e.to_string())?;
+        let config = EngineConfig::default().with_stage(stage);
+        let mut opt = ZeroOptimizer::<_, f32>::new(&varmap, comm, config, Box::new(adamw))
+            .map_err(|e| e.to_string())?;
+        let mut times = Vec::with_capacity(STEPS);
+        for step in 0..WARMUP + STEPS {
+            let started = Instant::now();
+            let (x, y) = data.batch(step as u64, WORLD_SIZE, rank, BATCH);
+            let run = || -> candle_core::Result<()> {
+                let x = Tensor::from_vec(x, (BATCH, data.width), &Device::Cpu)?;
+                let y = Tensor::from_vec(y, BATCH, &Device::Cpu)?;
+                let loss = candle_nn::loss::cross_entropy(&model.forward(&x)?, &y)?;
+                let grads = loss.backward()?;
+                opt.step(&grads)?;
+                Ok(())
+            };
+            run().map_err(|e| e.to_string())?;
+            if step >= WARMUP {
+                times.push(started.elapsed().as_secs_f64());
+            }
+        }
+        times.sort_by(f64::total_cmp);
+        Ok::<_, String>((times[times.len() / 2], opt.memory_report()))
+    });
+    match results.into_iter().next() {
+        Some(Ok(Ok(r))) => Ok(r),
+        Some(Ok(Err(e))) => Err(e),
+        Some(Err(e)) => Err(e.to_string()),
+        None => Err("no rank ran".into()),
+    }
+}
+
+/// Adds `step.s1_over_s0`, `step.s2_over_s0` and per-stage memory figures.
+pub fn run(report: &mut Report) {
+    let data = Dataset::synthetic(0);
+    let mut medians = Vec::new();
+    for (name, stage) in [
+        ("s0", Stage::Ddp),
+        ("s1", Stage::OptimizerState),
+        ("s2", Stage::Gradients),
+    ] {
+        match measure(stage, &data) {
+            Ok((median, memory)) => {
+                report.add(&format!("step.{name}_ms"), median * 1e3, "ms", None);
+                for (category, bytes) in [
+                    ("params", memory.params),
+                    ("grads", memory.grads),
+                    ("grad_shard", memory.grad_shard),
+                    ("optimizer_state", memory.optimizer_state),
+                    ("comm_buffers", memory.comm_buffers),
+                    ("total", memory.total()),
+                ] {
+                    report.add(
+                        &format!("step.{name}_memory_{category}"),
+                        bytes as f64,
+                        "bytes",
+                        None,
+                    );
+                }
+                medians.push(median);
+            }
+            Err(e) => {
+                eprintln!("bench step: stage {name} failed: {e}");
+                return;
+            }
+        }
+    }
+    report.add("step.s1_over_s0", medians[1] / medians[0], "ratio", Some("<= 1.0"));
+    report.add("step.s2_over_s0", medians[2] / medians[0], "ratio", Some("<= 1.0"));
+}
