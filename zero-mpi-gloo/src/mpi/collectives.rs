@@ -445,8 +445,18 @@ impl zero_core::Communicator for MpiComm {
             .all_gather_into(&(send.len() as u64), &mut lengths[..]);
         let counts: Vec<usize> = lengths.iter().map(|&l| l as usize).collect();
         let (c, d) = Self::displacements(OP, &counts)?;
-        let mut all = vec![0u8; counts.iter().sum()];
-        {
+        let total: usize = counts.iter().sum();
+        let mut all = vec![0u8; total];
+        // Every rank knows the lengths, so all skip an empty gather together.
+        // Open MPI defines MPI_IN_PLACE as the address 1, which is exactly
+        // where an empty `[u8]` points: an empty send must point elsewhere.
+        if total > 0 {
+            let placeholder = [0u8; 1];
+            let send = if send.is_empty() {
+                &placeholder[..0]
+            } else {
+                send
+            };
             let mut partition = PartitionMut::new(&mut all[..], &c[..], &d[..]);
             self.comm.all_gather_varcount_into(send, &mut partition);
         }
