@@ -27,9 +27,13 @@ mod error;
 pub use error::{Error, Result};
 
 #[cfg(feature = "mpi")]
-mod mpi;
+mod backend;
+/// The `mpi` crate (rsmpi) this backend is built on, for
+/// [`MpiComm::from_communicator`] and calls the backend does not wrap.
 #[cfg(feature = "mpi")]
-pub use crate::mpi::{Algorithm, MpiComm};
+pub use ::mpi;
+#[cfg(feature = "mpi")]
+pub use backend::{Algorithm, MpiComm};
 
 #[cfg(not(feature = "mpi"))]
 mod dummy;

@@ -303,7 +303,7 @@ mod with_mpi {
         }
 
         // Bad arguments are errors, not hangs (every rank makes the same mistake).
-        let mut small = vec![0f32; 3];
+        let mut small = [0f32; 3];
         c.fails(
             &format!("{label} reduce_scatter with a short send buffer"),
             comm.reduce_scatter(&[0f32; 1][..], &mut small[..], ReduceOp::Sum),

@@ -1,5 +1,7 @@
 //! Benchmark suites, one file each; `main` dispatches on the first argument.
 
+#[cfg(feature = "mpi")]
+mod mpi;
 mod report;
 pub use report::{Figure, Report};
 
@@ -15,7 +17,10 @@ pub fn main() {
     let mut report = Report::default();
     for name in selected {
         match name {
-            "comm" => {}
+            "comm" => {
+                #[cfg(feature = "mpi")]
+                mpi::run_if_launched(&mut report);
+            }
             "optim" => {}
             "step" => {}
             "gpu" => {}
@@ -24,6 +29,11 @@ pub fn main() {
                 std::process::exit(2);
             }
         }
+    }
+    // Under mpirun every rank runs the suites; one report is enough.
+    #[cfg(feature = "mpi")]
+    if !mpi::is_printing_rank() {
+        return;
     }
     report.print();
 }
