@@ -562,7 +562,7 @@ impl zero_core::Communicator for MpiComm {
         Ok(Some(MpiComm {
             rank: sub.rank() as usize,
             world_size: sub.size() as usize,
-            comm: sub,
+            comm: std::mem::ManuallyDrop::new(sub),
             world_rank: self.world_rank,
             threading: self.threading,
             algorithm: self.algorithm,

@@ -7,6 +7,7 @@ use crate::error::{Error, Result};
 use mpi::environment::{Threading, Universe};
 use mpi::topology::{Communicator as _, SimpleCommunicator};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::mem::ManuallyDrop;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// Every MPI call this crate makes holds this lock, so that the process needs
@@ -89,9 +90,9 @@ impl Algorithm {
 /// freed memory: not sound without owned staging buffers. Issue order, and
 /// with it the matching of collectives across ranks, stays the call order.
 pub struct MpiComm {
-    // Field order matters: `comm` is freed (MPI_Comm_free) before the
+    // Freed (MPI_Comm_free) under the MPI lock in `Drop`, before the
     // universe can finalize MPI.
-    comm: SimpleCommunicator,
+    comm: ManuallyDrop<SimpleCommunicator>,
     rank: usize,
     world_size: usize,
     world_rank: usize,
@@ -112,6 +113,18 @@ unsafe impl Send for MpiComm {}
 // SAFETY: as for `Send`: shared access only reaches MPI under `MPI_LOCK`;
 // the other fields are plain values or atomics.
 unsafe impl Sync for MpiComm {}
+
+impl Drop for MpiComm {
+    fn drop(&mut self) {
+        // Freeing the communicator and finalizing MPI (when this holds the
+        // last reference to the universe) are MPI calls too: make them under
+        // the lock, like every other.
+        let _guard = lock();
+        // SAFETY: `comm` is dropped exactly once, here, and not used after.
+        unsafe { ManuallyDrop::drop(&mut self.comm) };
+        self.universe.take();
+    }
+}
 
 impl std::fmt::Debug for MpiComm {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -167,7 +180,7 @@ impl MpiComm {
         threading: Threading,
         universe: Option<Arc<Universe>>,
     ) -> Self {
-        let comm = comm.duplicate();
+        let comm = ManuallyDrop::new(comm.duplicate());
         let world_rank = SimpleCommunicator::world().rank() as usize;
         Self {
             rank: comm.rank() as usize,
