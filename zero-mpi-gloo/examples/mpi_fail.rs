@@ -5,6 +5,8 @@
 //! - `panic` (default): rank 1 panics; `abort_on_panic` prints
 //!   `rank 1 failed: <message>` and aborts the job.
 //! - `error`: rank 1 gets an error and gives up with `ok_or_abort`.
+//! - `hang`: rank 1 sleeps without failing; the others' 2 s deadline ends
+//!   the job (`rank 0 failed: all_reduce #1 did not complete within ...`).
 //!
 //! The other ranks wait in an all-reduce that rank 1 never joins.
 
@@ -22,11 +24,13 @@ fn main() {
             std::process::exit(2);
         }
     };
+    let comm = comm.with_timeout(Some(std::time::Duration::from_secs(2)));
     comm.abort_on_panic();
     let mut buf = vec![1.0f32; 1024];
     comm.ok_or_abort(comm.all_reduce(&mut buf[..], ReduceOp::Sum));
     if comm.rank() == 1 {
         match mode.as_str() {
+            "hang" => std::thread::sleep(std::time::Duration::from_secs(3600)),
             "error" => {
                 let failed: Result<(), String> = Err("the loss is NaN at step 3".to_string());
                 comm.ok_or_abort(failed);

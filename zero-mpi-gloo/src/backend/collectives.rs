@@ -559,15 +559,15 @@ impl zero_core::Communicator for MpiComm {
         let Some(sub) = self.comm.split_by_color_with_key(color, key) else {
             return Ok(None);
         };
-        Ok(Some(MpiComm {
-            rank: sub.rank() as usize,
-            world_size: sub.size() as usize,
-            comm: std::mem::ManuallyDrop::new(sub),
-            world_rank: self.world_rank,
-            threading: self.threading,
-            algorithm: self.algorithm,
-            bytes_sent: Default::default(),
-            universe: self.universe.clone(),
-        }))
+        Ok(Some(
+            MpiComm::wrap(
+                std::mem::ManuallyDrop::new(sub),
+                self.world_rank,
+                self.threading,
+                self.universe.clone(),
+            )
+            .with_algorithm(self.algorithm)
+            .with_timeout(self.timeout),
+        ))
     }
 }

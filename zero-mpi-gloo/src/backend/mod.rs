@@ -1,14 +1,18 @@
 //! [`MpiComm`]: the [`Communicator`](zero_core::Communicator) over MPI.
 
 mod collectives;
+mod deadline;
 mod ring;
+
+use deadline::Watch;
 
 use crate::error::{Error, Result};
 use mpi::environment::{Threading, Universe};
 use mpi::topology::{Communicator as _, SimpleCommunicator};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::mem::ManuallyDrop;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
 
 /// Every MPI call this crate makes holds this lock, so that the process needs
 /// no more than `MPI_THREAD_SERIALIZED`. MPI is a per-process library; one
@@ -65,15 +69,18 @@ impl Algorithm {
 /// ```
 ///
 /// # Failures
-/// MPI has no deadline on a collective: a rank that returns early or hangs
-/// leaves the others waiting. Open MPI ends the whole job when one process
-/// exits without `MPI_Finalize` (a panic that unwinds out of `main`, a
-/// non-zero exit), but a rank that keeps running after an error does not.
+/// MPI cannot cancel a collective: a rank that returns early or hangs leaves
+/// the others waiting in their next one. Open MPI ends the whole job when one
+/// process exits without `MPI_Finalize` (a panic that unwinds out of `main`,
+/// a non-zero exit), but a rank that keeps running after an error does not.
 /// So a program should (1) call [`MpiComm::abort_on_panic`] once after
 /// construction, and (2) end the job with [`MpiComm::abort`] (or
 /// [`MpiComm::ok_or_abort`]) when it gives up on an error, instead of
 /// returning from a single rank. Both print `rank R failed: <reason>` and
 /// call `MPI_Abort`, which makes `mpirun` kill every rank and exit non-zero.
+/// As a last resort every collective has a deadline
+/// ([`MpiComm::with_timeout`], 300 s by default): a watchdog thread ends the
+/// job, naming the collective and its sequence number, when one runs longer.
 ///
 /// # Threads
 /// `MpiComm` is `Send + Sync`; every MPI call of this crate holds one
@@ -99,6 +106,9 @@ pub struct MpiComm {
     threading: Threading,
     algorithm: Algorithm,
     bytes_sent: AtomicU64,
+    timeout: Option<Duration>,
+    seq: AtomicU64,
+    watch: Arc<Watch>,
     universe: Option<Arc<Universe>>,
 }
 
@@ -135,6 +145,7 @@ impl std::fmt::Debug for MpiComm {
             .field("threading", &self.threading)
             .field("algorithm", &self.algorithm)
             .field("bytes_sent", &self.bytes_sent.load(Ordering::Relaxed))
+            .field("timeout", &self.timeout)
             .finish()
     }
 }
@@ -182,14 +193,29 @@ impl MpiComm {
     ) -> Self {
         let comm = ManuallyDrop::new(comm.duplicate());
         let world_rank = SimpleCommunicator::world().rank() as usize;
+        Self::wrap(comm, world_rank, threading, universe)
+    }
+
+    /// Wraps a communicator this crate owns (a duplicate or a split).
+    pub(crate) fn wrap(
+        comm: ManuallyDrop<SimpleCommunicator>,
+        world_rank: usize,
+        threading: Threading,
+        universe: Option<Arc<Universe>>,
+    ) -> Self {
+        let rank = comm.rank() as usize;
+        let world_size = comm.size() as usize;
         Self {
-            rank: comm.rank() as usize,
-            world_size: comm.size() as usize,
+            rank,
+            world_size,
             comm,
             world_rank,
             threading,
             algorithm: Algorithm::Auto,
             bytes_sent: AtomicU64::new(0),
+            timeout: Some(zero_core::comm::DEFAULT_TIMEOUT),
+            seq: AtomicU64::new(0),
+            watch: Watch::register(world_rank, rank, world_size),
             universe,
         }
     }
@@ -199,6 +225,22 @@ impl MpiComm {
     pub fn with_algorithm(mut self, algorithm: Algorithm) -> Self {
         self.algorithm = algorithm;
         self
+    }
+
+    /// Sets the deadline of every collective (default
+    /// [`DEFAULT_TIMEOUT`](zero_core::comm::DEFAULT_TIMEOUT), 300 s; `None`:
+    /// wait forever). A collective still running after it ends the job with
+    /// `MPI_Abort` and `rank R failed: <op> #<seq> did not complete within ...`:
+    /// MPI cannot cancel a collective, so an error return is not possible.
+    /// Communicators split from this one inherit it.
+    pub fn with_timeout(mut self, timeout: Option<Duration>) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// The deadline of every collective.
+    pub fn timeout(&self) -> Option<Duration> {
+        self.timeout
     }
 
     /// The algorithm of large collectives.
@@ -269,7 +311,7 @@ impl MpiComm {
 
     /// Takes the MPI lock for one collective `op`; refuses a call from a
     /// thread MPI does not allow at the provided thread level.
-    fn enter(&self, op: &'static str) -> Result<MutexGuard<'static, ()>> {
+    fn enter(&self, op: &'static str) -> Result<Entered<'_>> {
         let guard = lock();
         if matches!(self.threading, Threading::Single | Threading::Funneled) {
             let mut flag: std::os::raw::c_int = 0;
@@ -285,12 +327,30 @@ impl MpiComm {
                 });
             }
         }
-        Ok(guard)
+        let seq = self.seq.fetch_add(1, Ordering::Relaxed);
+        self.watch.start(op, seq, self.timeout);
+        Ok(Entered {
+            _lock: guard,
+            watch: &self.watch,
+        })
     }
 
     /// Adds to the bytes-sent counter.
     fn count_sent(&self, bytes: usize) {
         self.bytes_sent.fetch_add(bytes as u64, Ordering::Relaxed);
+    }
+}
+
+/// A collective in progress: holds the MPI lock and is watched for its
+/// deadline until dropped.
+struct Entered<'a> {
+    _lock: MutexGuard<'static, ()>,
+    watch: &'a Watch,
+}
+
+impl Drop for Entered<'_> {
+    fn drop(&mut self) {
+        self.watch.finish();
     }
 }
 
