@@ -49,6 +49,21 @@ impl MpiComm {
         match self.never {}
     }
 
+    /// Would return the value or end the job (unreachable without MPI).
+    pub fn ok_or_abort<T, E: std::fmt::Display>(&self, _result: Result<T, E>) -> T {
+        match self.never {}
+    }
+
+    /// Would choose the algorithm of large collectives (unreachable).
+    pub fn with_algorithm(self, _algorithm: Algorithm) -> Self {
+        match self.never {}
+    }
+
+    /// Would set the deadline of every collective (unreachable).
+    pub fn with_timeout(self, _timeout: Option<std::time::Duration>) -> Self {
+        match self.never {}
+    }
+
     /// Would install the abort-on-panic hook (unreachable without MPI).
     pub fn abort_on_panic(&self) {
         match self.never {}
