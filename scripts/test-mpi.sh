@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Builds the MPI tests with `--features mpi` and runs them under mpirun with
+# 2, 3 and 4 ranks, then checks the failure path: a rank that panics (or gives
+# up on an error) ends the whole job, non-zero, within seconds, naming itself.
+# Fails on the first error. Needs Open MPI (scripts/install-deps.sh).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+command -v mpirun >/dev/null || {
+    echo "test-mpi: mpirun not found; run scripts/install-deps.sh" >&2
+    exit 1
+}
+
+# Containers: no CMA/ptrace for vader's single-copy path; more ranks than cores.
+export OMPI_MCA_btl_vader_single_copy_mechanism=${OMPI_MCA_btl_vader_single_copy_mechanism:-none}
+export OMPI_MCA_rmaps_base_oversubscribe=1
+MPIRUN=(mpirun --oversubscribe --allow-run-as-root)
+TIMEOUT=${TEST_MPI_TIMEOUT:-600}
+
+# Unit tests, and the MPI tests run alone (they print why they skip).
+cargo test -p zero-mpi-gloo --features mpi
+
+# Test binaries (test profile, optimized) and the failure example.
+json=$(cargo test -p zero-mpi-gloo --features mpi --no-run --message-format=json)
+tests=$(printf '%s\n' "$json" | grep '"executable":"' | grep '"kind":\["test"\]' |
+    sed -E 's/.*"executable":"([^"]+)".*/\1/')
+[ -n "$tests" ] || { echo "test-mpi: no test binaries were built" >&2; exit 1; }
+cargo build -p zero-mpi-gloo --features mpi --example mpi_fail
+fail_bin=target/debug/examples/mpi_fail
+
+for n in 2 3 4; do
+    for t in $tests; do
+        echo "== mpirun -n $n $(basename "$t")"
+        timeout "$TIMEOUT" "${MPIRUN[@]}" -n "$n" "$t"
+    done
+done
+
+# The failure path: must exit non-zero, quickly, with the failed rank named.
+for mode in panic error hang; do
+    echo "== failure path ($mode): rank 1 fails, the job must end"
+    want="rank 1 failed"
+    # A hanging rank is caught by the others' deadline (2 s in mpi_fail).
+    [ "$mode" = hang ] && want="did not complete within"
+    set +e
+    out=$(timeout 60 "${MPIRUN[@]}" -n 3 "$fail_bin" "$mode" 2>&1)
+    status=$?
+    set -e
+    if [ "$status" -eq 0 ]; then
+        echo "$out"; echo "test-mpi: the job exited 0 after rank 1 failed" >&2; exit 1
+    fi
+    if [ "$status" -eq 124 ]; then
+        echo "$out"; echo "test-mpi: the job hung after rank 1 failed ($mode)" >&2; exit 1
+    fi
+    if ! grep -q "$want" <<<"$out"; then
+        echo "$out"; echo "test-mpi: no '$want' in the output ($mode)" >&2; exit 1
+    fi
+    echo "ok: exit $status, $(grep -m1 "$want" <<<"$out")"
+done
+
+echo "test-mpi: all passed"

@@ -1,0 +1,379 @@
+//! [`MpiComm`]: the [`Communicator`](zero_core::Communicator) over MPI.
+
+mod collectives;
+mod deadline;
+mod ring;
+
+use deadline::Watch;
+
+use crate::error::{Error, Result};
+use mpi::environment::{Threading, Universe};
+use mpi::topology::{Communicator as _, SimpleCommunicator};
+use std::mem::ManuallyDrop;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+/// Every MPI call this crate makes holds this lock, so that the process needs
+/// no more than `MPI_THREAD_SERIALIZED`. MPI is a per-process library; one
+/// lock per process is the honest shape of that, not a convenience global.
+static MPI_LOCK: Mutex<()> = Mutex::new(());
+
+/// Which algorithm the large reduce-scatter, all-gather and all-reduce use.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Algorithm {
+    /// The MPI library's collective below [`Algorithm::RING_MIN_BYTES`],
+    /// the send/receive ring at or above it (the default).
+    #[default]
+    Auto,
+    /// Always the MPI library's collective (`MPI_Reduce_scatter_block`,
+    /// `MPI_Allgather`, `MPI_Allreduce`).
+    Native,
+    /// Always the ring of `MPI_Sendrecv` (see the `ring` module).
+    Ring,
+}
+
+impl Algorithm {
+    /// Full-buffer size (bytes) from which [`Algorithm::Auto`] uses the ring.
+    ///
+    /// Below it the per-step latency of `N-1` send/receives is what counts
+    /// and the library's tuned small-message algorithms win; above it
+    /// bandwidth counts and the ring, which moves the minimum `(N-1)/N` of the
+    /// buffer, measured faster (`bench comm` under `mpirun -n 2` reports the
+    /// ratios; Open MPI 4.1 on shared memory).
+    pub const RING_MIN_BYTES: usize = 256 * 1024;
+
+    /// Whether a collective over a full buffer of `bytes` uses the ring.
+    pub(crate) fn use_ring(self, bytes: usize) -> bool {
+        match self {
+            Algorithm::Auto => bytes >= Self::RING_MIN_BYTES,
+            Algorithm::Native => false,
+            Algorithm::Ring => true,
+        }
+    }
+}
+
+/// A [`Communicator`](zero_core::Communicator) over an MPI communicator, for
+/// processes launched by `mpirun` (or `srun`). Buffers are host slices.
+///
+/// ```no_run
+/// use zero_core::{Communicator, ReduceOp};
+/// use zero_mpi_gloo::MpiComm;
+///
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let comm = MpiComm::init()?;
+/// comm.abort_on_panic();
+/// let mut grads = vec![1.0f32; 1024];
+/// comm.all_reduce(&mut grads[..], ReduceOp::Avg)?;
+/// # Ok(()) }
+/// ```
+///
+/// # Failures
+/// MPI cannot cancel a collective: a rank that returns early or hangs leaves
+/// the others waiting in their next one. Open MPI ends the whole job when one
+/// process exits without `MPI_Finalize` (a panic that unwinds out of `main`,
+/// a non-zero exit), but a rank that keeps running after an error does not.
+/// So a program should (1) call [`MpiComm::abort_on_panic`] once after
+/// construction, and (2) end the job with [`MpiComm::abort`] (or
+/// [`MpiComm::ok_or_abort`]) when it gives up on an error, instead of
+/// returning from a single rank. Both print `rank R failed: <reason>` and
+/// call `MPI_Abort`, which makes `mpirun` kill every rank and exit non-zero.
+/// As a last resort every collective has a deadline
+/// ([`MpiComm::with_timeout`], 300 s by default): a watchdog thread ends the
+/// job, naming the collective and its sequence number, when one runs longer.
+///
+/// # Threads
+/// `MpiComm` is `Send + Sync`; every MPI call of this crate holds one
+/// process-wide lock, so MPI needs `MPI_THREAD_SERIALIZED`, which
+/// [`MpiComm::init`] asks for. With a communicator from a program that
+/// initialized MPI at a lower level, collectives called from another thread
+/// than the initializing one return an error.
+///
+/// # Asynchronous forms
+/// The `*_async` collectives run to completion before they return and hand
+/// back [`Work::completed`](zero_core::Work::completed). Non-blocking MPI
+/// requests would write into the borrowed buffers after the call returns, and
+/// a `Work` can be leaked with `mem::forget`, which would leave MPI writing to
+/// freed memory: not sound without owned staging buffers. Issue order, and
+/// with it the matching of collectives across ranks, stays the call order.
+pub struct MpiComm {
+    // Freed (MPI_Comm_free) under the MPI lock in `Drop`, before the
+    // universe can finalize MPI.
+    comm: ManuallyDrop<SimpleCommunicator>,
+    rank: usize,
+    world_size: usize,
+    world_rank: usize,
+    threading: Threading,
+    algorithm: Algorithm,
+    bytes_sent: AtomicU64,
+    timeout: Option<Duration>,
+    seq: AtomicU64,
+    watch: Arc<Watch>,
+    universe: Option<Arc<Universe>>,
+}
+
+// SAFETY: `SimpleCommunicator` is `!Send + !Sync` only because it holds a raw
+// `MPI_Comm` handle (a pointer in Open MPI). Every MPI call made through
+// `MpiComm` holds `MPI_LOCK` (see `MpiComm::enter`), so no two threads are ever
+// inside MPI through this crate at once: that is `MPI_THREAD_SERIALIZED`
+// usage. `enter` refuses calls from a non-main thread when MPI provides less
+// than that. The handle itself is immutable after construction; `Universe`
+// is only dropped (finalizing MPI) after every `MpiComm` sharing it.
+unsafe impl Send for MpiComm {}
+// SAFETY: as for `Send`: shared access only reaches MPI under `MPI_LOCK`;
+// the other fields are plain values or atomics.
+unsafe impl Sync for MpiComm {}
+
+impl Drop for MpiComm {
+    fn drop(&mut self) {
+        // Freeing the communicator and finalizing MPI (when this holds the
+        // last reference to the universe) are MPI calls too: make them under
+        // the lock, like every other.
+        let _guard = lock();
+        // SAFETY: `comm` is dropped exactly once, here, and not used after.
+        unsafe { ManuallyDrop::drop(&mut self.comm) };
+        self.universe.take();
+    }
+}
+
+impl std::fmt::Debug for MpiComm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MpiComm")
+            .field("rank", &self.rank)
+            .field("world_size", &self.world_size)
+            .field("world_rank", &self.world_rank)
+            .field("threading", &self.threading)
+            .field("algorithm", &self.algorithm)
+            .field("bytes_sent", &self.bytes_sent.load(Ordering::Relaxed))
+            .field("timeout", &self.timeout)
+            .finish()
+    }
+}
+
+impl MpiComm {
+    /// Initializes MPI (asking for `MPI_THREAD_SERIALIZED`) and returns a
+    /// communicator over all processes of the job (a duplicate of
+    /// `MPI_COMM_WORLD`). MPI is finalized when this communicator and every
+    /// communicator split from it have been dropped.
+    ///
+    /// Errors with [`Error::AlreadyInitialized`] if MPI was initialized before
+    /// (use [`MpiComm::from_communicator`] then). Run without `mpirun`, MPI
+    /// starts a singleton job of one rank.
+    pub fn init() -> Result<Self> {
+        let _guard = lock();
+        if mpi::environment::is_initialized() {
+            return Err(Error::AlreadyInitialized);
+        }
+        let (universe, threading) = mpi::initialize_with_threading(Threading::Serialized)
+            .ok_or(Error::AlreadyInitialized)?;
+        let world = universe.world();
+        Ok(Self::build(&world, threading, Some(Arc::new(universe))))
+    }
+
+    /// Wraps an existing communicator of a program that initialized MPI
+    /// itself. The communicator is duplicated (`MPI_Comm_dup`, a collective
+    /// over `comm`), so the backend's messages never mix with the program's.
+    /// The program keeps MPI initialized for as long as this value lives.
+    pub fn from_communicator(comm: &SimpleCommunicator) -> Result<Self> {
+        let _guard = lock();
+        if !mpi::environment::is_initialized() || mpi::environment::is_finalized() {
+            return Err(Error::NotInitialized {
+                op: "MpiComm::from_communicator",
+            });
+        }
+        let threading = mpi::environment::threading_support();
+        Ok(Self::build(comm, threading, None))
+    }
+
+    /// The caller holds `MPI_LOCK`.
+    fn build(
+        comm: &SimpleCommunicator,
+        threading: Threading,
+        universe: Option<Arc<Universe>>,
+    ) -> Self {
+        let comm = ManuallyDrop::new(comm.duplicate());
+        let world_rank = SimpleCommunicator::world().rank() as usize;
+        Self::wrap(comm, world_rank, threading, universe)
+    }
+
+    /// Wraps a communicator this crate owns (a duplicate or a split).
+    pub(crate) fn wrap(
+        comm: ManuallyDrop<SimpleCommunicator>,
+        world_rank: usize,
+        threading: Threading,
+        universe: Option<Arc<Universe>>,
+    ) -> Self {
+        let rank = comm.rank() as usize;
+        let world_size = comm.size() as usize;
+        Self {
+            rank,
+            world_size,
+            comm,
+            world_rank,
+            threading,
+            algorithm: Algorithm::Auto,
+            bytes_sent: AtomicU64::new(0),
+            timeout: Some(zero_core::comm::DEFAULT_TIMEOUT),
+            seq: AtomicU64::new(0),
+            watch: Watch::register(world_rank, rank, world_size),
+            universe,
+        }
+    }
+
+    /// Chooses the algorithm of large collectives (default
+    /// [`Algorithm::Auto`]). Every rank must choose the same.
+    pub fn with_algorithm(mut self, algorithm: Algorithm) -> Self {
+        self.algorithm = algorithm;
+        self
+    }
+
+    /// Sets the deadline of every collective (default
+    /// [`DEFAULT_TIMEOUT`](zero_core::comm::DEFAULT_TIMEOUT), 300 s; `None`:
+    /// wait forever). A collective still running after it ends the job with
+    /// `MPI_Abort` and `rank R failed: <op> #<seq> did not complete within ...`:
+    /// MPI cannot cancel a collective, so an error return is not possible.
+    /// Communicators split from this one inherit it.
+    pub fn with_timeout(mut self, timeout: Option<Duration>) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// The deadline of every collective.
+    pub fn timeout(&self) -> Option<Duration> {
+        self.timeout
+    }
+
+    /// The algorithm of large collectives.
+    pub fn algorithm(&self) -> Algorithm {
+        self.algorithm
+    }
+
+    /// This process's rank in `MPI_COMM_WORLD` (the rank failure messages
+    /// name).
+    pub fn world_rank(&self) -> usize {
+        self.world_rank
+    }
+
+    /// The thread support MPI provides.
+    pub fn threading(&self) -> Threading {
+        self.threading
+    }
+
+    /// The underlying MPI communicator, for calls this crate does not wrap.
+    ///
+    /// Calls made through it do not hold this crate's lock: make them from
+    /// one thread, never while another thread runs a collective of this crate
+    /// (unless MPI provides `MPI_THREAD_MULTIPLE`).
+    pub fn raw(&self) -> &SimpleCommunicator {
+        &self.comm
+    }
+
+    /// Installs a panic hook that, after the default report, prints
+    /// `rank R failed: <panic message>` and calls `MPI_Abort` on
+    /// `MPI_COMM_WORLD`, so that `mpirun` ends every rank and exits non-zero
+    /// instead of the surviving ranks waiting forever in a collective.
+    /// Call it once, right after construction.
+    pub fn abort_on_panic(&self) {
+        let world_rank = self.world_rank;
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            previous(info);
+            let message = if let Some(s) = info.payload().downcast_ref::<&str>() {
+                (*s).to_string()
+            } else if let Some(s) = info.payload().downcast_ref::<String>() {
+                s.clone()
+            } else {
+                "panic with a non-string payload".to_string()
+            };
+            let location = info
+                .location()
+                .map(|l| format!(" at {}:{}", l.file(), l.line()))
+                .unwrap_or_default();
+            abort_world(world_rank, &format!("{message}{location}"));
+        }));
+    }
+
+    /// Ends the whole MPI job: prints `rank R failed: <reason>` on stderr and
+    /// calls `MPI_Abort` on `MPI_COMM_WORLD` (exit code 1). Use it when a rank
+    /// gives up on an error, so that the other ranks do not wait for it.
+    pub fn abort(&self, reason: &str) -> ! {
+        abort_world(self.world_rank, reason)
+    }
+
+    /// Returns the value, or ends the job with [`MpiComm::abort`] naming the
+    /// error: `let step = comm.ok_or_abort(engine.step())`.
+    pub fn ok_or_abort<T, E: std::fmt::Display>(&self, result: Result<T, E>) -> T {
+        match result {
+            Ok(v) => v,
+            Err(e) => self.abort(&e.to_string()),
+        }
+    }
+
+    /// Takes the MPI lock for one collective `op`; refuses a call from a
+    /// thread MPI does not allow at the provided thread level.
+    fn enter(&self, op: &'static str) -> Result<Entered<'_>> {
+        let guard = lock();
+        if matches!(self.threading, Threading::Single | Threading::Funneled) {
+            let mut flag: std::os::raw::c_int = 0;
+            // SAFETY: MPI is initialized (checked at construction, and it stays
+            // so while `self` lives); `flag` is a valid out-pointer.
+            unsafe {
+                mpi::ffi::MPI_Is_thread_main(&mut flag);
+            }
+            if flag == 0 {
+                return Err(Error::ThreadLevel {
+                    op,
+                    provided: format!("{:?}", self.threading),
+                });
+            }
+        }
+        let seq = self.seq.fetch_add(1, Ordering::Relaxed);
+        self.watch.start(op, seq, self.timeout);
+        Ok(Entered {
+            _lock: guard,
+            watch: &self.watch,
+        })
+    }
+
+    /// Adds to the bytes-sent counter.
+    fn count_sent(&self, bytes: usize) {
+        self.bytes_sent.fetch_add(bytes as u64, Ordering::Relaxed);
+    }
+}
+
+/// A collective in progress: holds the MPI lock and is watched for its
+/// deadline until dropped.
+struct Entered<'a> {
+    _lock: MutexGuard<'static, ()>,
+    watch: &'a Watch,
+}
+
+impl Drop for Entered<'_> {
+    fn drop(&mut self) {
+        self.watch.finish();
+    }
+}
+
+fn lock() -> MutexGuard<'static, ()> {
+    // A panic while holding the lock leaves no broken state behind (the lock
+    // guards MPI calls, not data), so a poisoned lock is still usable.
+    MPI_LOCK
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+fn abort_world(world_rank: usize, reason: &str) -> ! {
+    use std::io::Write;
+    let mut stderr = std::io::stderr().lock();
+    let _ = writeln!(stderr, "rank {world_rank} failed: {reason}");
+    let _ = stderr.flush();
+    drop(stderr);
+    if mpi::environment::is_initialized() && !mpi::environment::is_finalized() {
+        // SAFETY: MPI is initialized and not finalized; MPI_Abort may be called
+        // from any thread in practice (Open MPI, MPICH) and does not return.
+        unsafe {
+            mpi::ffi::MPI_Abort(mpi::ffi::RSMPI_COMM_WORLD, 1);
+        }
+    }
+    std::process::exit(1)
+}
