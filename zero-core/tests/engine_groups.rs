@@ -65,7 +65,7 @@ fn check_groups(when: When, stage: Stage, partitioner: PartitionerKind, world: u
     });
 
     let mut reference = Reference::new(&model, adamw_no_decay());
-    let mut add_group = |reference: &mut Reference| {
+    let add_group = |reference: &mut Reference| {
         let group = reference.opt.add_group(&weight_decay(0.01)).unwrap();
         for (p, g) in reference.infos.iter().zip(reference.groups.iter_mut()) {
             if p.name.ends_with(".bias") {
