@@ -11,7 +11,13 @@ const STAGES: [Stage; 3] = [Stage::Ddp, Stage::OptimizerState, Stage::Gradients]
 /// DDP-ref of one large batch: per step, the mean over ranks of the mean of
 /// `micro` micro-batch gradients (micro-batch `m` of step `s` is data index
 /// `s * micro + m`).
-fn reference_trajectory(model: &dyn Model, opt: Opt, world: usize, micro: usize, steps: usize) -> Vec<Vec<Vec<f64>>> {
+fn reference_trajectory(
+    model: &dyn Model,
+    opt: Opt,
+    world: usize,
+    micro: usize,
+    steps: usize,
+) -> Vec<Vec<Vec<f64>>> {
     let mut reference = Reference::new(model, common::make_opt(opt, false));
     let mut out = Vec::new();
     for s in 0..steps {
@@ -97,7 +103,9 @@ fn manual_accumulation_matches() {
         // accumulate x2 + step_accumulated: two micro-batches per step.
         let two = run(world, |comm| {
             let rank = comm.rank();
-            let config = EngineConfig::default().with_stage(stage).with_bucket_bytes(8);
+            let config = EngineConfig::default()
+                .with_stage(stage)
+                .with_bucket_bytes(8);
             let mut e = engine(comm, &model, make_opt(Opt::Adam, false), config)?;
             let mut params = model.init();
             let mut out = Vec::new();
@@ -131,7 +139,9 @@ fn manual_accumulation_matches() {
         // accumulate x2 + step (grad_accum_steps = 1): three micro-batches.
         let three = run(world, |comm| {
             let rank = comm.rank();
-            let config = EngineConfig::default().with_stage(stage).with_bucket_bytes(8);
+            let config = EngineConfig::default()
+                .with_stage(stage)
+                .with_bucket_bytes(8);
             let mut e = engine(comm, &model, make_opt(Opt::Adam, false), config)?;
             let mut params = model.init();
             let mut out = Vec::new();
@@ -205,10 +215,17 @@ fn adam_step_count_equals_applied_steps() {
                 } else {
                     steps
                 };
-                assert_eq!(*step, expected as f64, "{stage:?} rank {rank} {name}@{offset}");
+                assert_eq!(
+                    *step, expected as f64,
+                    "{stage:?} rank {rank} {name}@{offset}"
+                );
                 seen.insert(name.clone());
             }
         }
-        assert_eq!(seen.len(), infos.len(), "{stage:?}: some parameter has no state");
+        assert_eq!(
+            seen.len(),
+            infos.len(),
+            "{stage:?}: some parameter has no state"
+        );
     }
 }

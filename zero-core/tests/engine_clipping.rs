@@ -22,7 +22,13 @@ fn first_trainable(step: usize) -> bool {
 
 /// Runs with clipping at `max_norm` and checks the reported norm and the
 /// parameters against DDP-ref with `torch.nn.utils.clip_grad_norm_`.
-fn check_clip(stage: Stage, partitioner: PartitionerKind, world: usize, norm_type: NormType, max_norm: f64) {
+fn check_clip(
+    stage: Stage,
+    partitioner: PartitionerKind,
+    world: usize,
+    norm_type: NormType,
+    max_norm: f64,
+) {
     let model = Synthetic::medium();
     let first = model.infos()[0].name.clone();
     let steps = 4;
@@ -60,14 +66,21 @@ fn check_clip(stage: Stage, partitioner: PartitionerKind, world: usize, norm_typ
             .map(|g| g.map(|g| g.into_iter().map(|x| x * coef).collect()))
             .collect();
         reference.step(&g);
-        let what = format!("{stage:?} {partitioner:?} world {world} {norm_type:?} max {max_norm} step {s}");
+        let what = format!(
+            "{stage:?} {partitioner:?} world {world} {norm_type:?} max {max_norm} step {s}"
+        );
         for (rank, t) in trajectories.iter().enumerate() {
             let (reported, params) = &t[s];
             assert!(
                 (reported - total).abs() <= 1e-9 * total.max(1.0),
                 "{what} rank {rank}: norm {reported} vs {total}"
             );
-            assert_close(params, &reference.params, 1e-9, &format!("{what} rank {rank}"));
+            assert_close(
+                params,
+                &reference.params,
+                1e-9,
+                &format!("{what} rank {rank}"),
+            );
         }
     }
     if max_norm < 1.0 {
@@ -96,7 +109,9 @@ fn grad_norm_without_clipping_is_l2_and_leaves_the_step_alone() {
     let model = Synthetic::medium();
     let world = 3;
     for stage in [Stage::OptimizerState, Stage::Gradients] {
-        let config = EngineConfig::default().with_stage(stage).with_grad_norm(true);
+        let config = EngineConfig::default()
+            .with_stage(stage)
+            .with_grad_norm(true);
         let out = run(world, |comm| {
             let rank = comm.rank();
             let mut e = engine(comm, &model, make_opt(Opt::Adam, false), config.clone())?;

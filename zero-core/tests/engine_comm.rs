@@ -27,7 +27,8 @@ fn stages_1_and_2_send_exactly_reduce_scatter_plus_all_gather() {
                             .with_trainability_check(check);
                         let out = run(world, |comm| {
                             let rank = comm.rank();
-                            let mut e = engine(comm, &model, make_opt(Opt::Adam, false), config.clone())?;
+                            let mut e =
+                                engine(comm, &model, make_opt(Opt::Adam, false), config.clone())?;
                             let mut params = model.init();
                             let mut deltas = Vec::new();
                             for s in 0..3 {
@@ -121,7 +122,9 @@ fn subgroup_trains_while_the_others_idle() {
     let model = Synthetic::medium();
     let steps = 5;
     for stage in [Stage::Ddp, Stage::OptimizerState, Stage::Gradients] {
-        let config = EngineConfig::default().with_stage(stage).with_bucket_bytes(8);
+        let config = EngineConfig::default()
+            .with_stage(stage)
+            .with_bucket_bytes(8);
         let out = run(4, |comm| {
             let Some(sub) = comm.split(&[0, 2])? else {
                 return Ok(None);
@@ -181,7 +184,10 @@ fn ranks_that_own_nothing_do_not_hang() {
                     Ok((owned, traj))
                 });
                 let empty = out.iter().filter(|(owned, _)| *owned == 0).count();
-                assert!(empty >= 2, "{stage:?} {partitioner:?}: only {empty} empty ranks");
+                assert!(
+                    empty >= 2,
+                    "{stage:?} {partitioner:?}: only {empty} empty ranks"
+                );
 
                 let mut reference = Reference::new(&model, make_opt(Opt::Adam, false));
                 for s in 0..steps {
@@ -195,7 +201,13 @@ fn ranks_that_own_nothing_do_not_hang() {
                         .collect();
                     let g: Vec<Option<Vec<f64>>> = mean(&per_rank).into_iter().map(Some).collect();
                     let g = if clip {
-                        let total = g.iter().flatten().flatten().map(|x| x * x).sum::<f64>().sqrt();
+                        let total = g
+                            .iter()
+                            .flatten()
+                            .flatten()
+                            .map(|x| x * x)
+                            .sum::<f64>()
+                            .sqrt();
                         let coef = (0.5 / (total + 1e-6)).min(1.0);
                         g.into_iter()
                             .map(|g| g.map(|g| g.into_iter().map(|x| x * coef).collect()))

@@ -31,7 +31,10 @@ fn expect_mismatch(
         match r.expect("no panic") {
             Err(e @ Error::RankMismatch { .. }) => {
                 let msg = e.to_string();
-                assert!(msg.contains(needle), "rank {rank}: {msg:?} does not name {needle:?}");
+                assert!(
+                    msg.contains(needle),
+                    "rank {rank}: {msg:?} does not name {needle:?}"
+                );
             }
             other => panic!("rank {rank}: expected RankMismatch, got {other:?}"),
         }
@@ -56,7 +59,25 @@ fn rank_with_a_different_shape_name_or_config_is_named() {
                 .clone()
                 .with_param_group(vec!["a.bias".into()], common::weight_decay(0.1))
         },
-        "optimizer group 1",
+        "parameter group 1",
+    );
+}
+
+#[test]
+fn rank_with_an_invalid_config_gets_rank_mismatch_everywhere() {
+    // Invalid only on rank 1: every rank learns of the difference instead of
+    // rank 1 failing alone and its peers waiting in the first collective.
+    expect_mismatch(|_, c, _| c.bucket_bytes = 0, "bucket_bytes");
+    expect_mismatch(|_, c, _| c.grad_accum_steps = 0, "grad_accum_steps");
+    expect_mismatch(|p, _, _| p[2].dtype = DType::F32, "f32");
+    expect_mismatch(|p, _, _| p[2].name = p[1].name.clone(), "parameter #2");
+    expect_mismatch(
+        |_, c, _| {
+            *c = c
+                .clone()
+                .with_param_group(vec!["missing".into()], common::weight_decay(0.1))
+        },
+        "missing",
     );
 }
 
@@ -92,7 +113,10 @@ fn wrong_gradients_are_config_errors_naming_the_parameter() {
         assert_eq!(params, model.init(), "a rejected step changed parameters");
 
         // Unknown names.
-        assert!(matches!(e.set_trainable("nope", false), Err(Error::Config(_))));
+        assert!(matches!(
+            e.set_trainable("nope", false),
+            Err(Error::Config(_))
+        ));
         assert!(matches!(
             e.add_param_group(&["nope"], &common::weight_decay(0.1)),
             Err(Error::Config(_))
@@ -118,7 +142,10 @@ fn parameter_frozen_at_build_cannot_be_unfrozen() {
         infos[1].trainable = false;
         let opt = make_opt(Opt::Sgd, false);
         let mut e = Engine::<f64, _>::new(comm, infos.clone(), opt, EngineConfig::default())?;
-        assert!(matches!(e.set_trainable(&infos[1].name, true), Err(Error::Config(_))));
+        assert!(matches!(
+            e.set_trainable(&infos[1].name, true),
+            Err(Error::Config(_))
+        ));
         e.set_trainable(&infos[1].name, false)?;
         Ok(())
     });
@@ -128,8 +155,13 @@ fn parameter_frozen_at_build_cannot_be_unfrozen() {
 fn wrong_engine_dtype_is_a_config_error() {
     let out = ThreadGroup::new(1).run(|comm| {
         let infos = vec![ParamInfo::new("w", [4], DType::F32)];
-        Engine::<f64, _>::new(comm, infos, make_opt(Opt::Sgd, false), EngineConfig::default())
-            .map(|_| ())
+        Engine::<f64, _>::new(
+            comm,
+            infos,
+            make_opt(Opt::Sgd, false),
+            EngineConfig::default(),
+        )
+        .map(|_| ())
     });
     assert!(matches!(out[0], Ok(Err(Error::Config(_)))));
 }
@@ -205,7 +237,12 @@ fn trainability_opt_out_applies_at_refresh_only() {
                 .collect();
             reference.step(&g);
             for (rank, t) in out.iter().enumerate() {
-                assert_close(&t[s], &reference.params, 0.0, &format!("{stage:?} step {s} rank {rank}"));
+                assert_close(
+                    &t[s],
+                    &reference.params,
+                    0.0,
+                    &format!("{stage:?} step {s} rank {rank}"),
+                );
             }
         }
     }

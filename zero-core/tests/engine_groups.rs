@@ -8,7 +8,9 @@ use zero_core::optim::{AdamW, AdamWConfig};
 use zero_core::{Communicator, FunctionalOptimizer};
 
 fn adamw_no_decay() -> Box<dyn FunctionalOptimizer<f64>> {
-    Box::new(AdamW::<f64>::new(AdamWConfig::default().with_lr(0.01).with_weight_decay(0.0)).unwrap())
+    Box::new(
+        AdamW::<f64>::new(AdamWConfig::default().with_lr(0.01).with_weight_decay(0.0)).unwrap(),
+    )
 }
 
 fn bias_names(model: &dyn Model) -> Vec<String> {
@@ -93,16 +95,36 @@ fn check_groups(when: When, stage: Stage, partitioner: PartitionerKind, world: u
 
 #[test]
 fn groups_up_front_match_plain_adamw() {
-    check_groups(When::UpFront, Stage::OptimizerState, PartitionerKind::Flat, 3);
+    check_groups(
+        When::UpFront,
+        Stage::OptimizerState,
+        PartitionerKind::Flat,
+        3,
+    );
     check_groups(When::UpFront, Stage::Gradients, PartitionerKind::Greedy, 4);
     check_groups(When::UpFront, Stage::Ddp, PartitionerKind::Flat, 2);
 }
 
 #[test]
 fn groups_added_later_match_plain_adamw() {
-    check_groups(When::AfterConstruction, Stage::Gradients, PartitionerKind::Flat, 3);
-    check_groups(When::AfterConstruction, Stage::OptimizerState, PartitionerKind::Greedy, 2);
-    check_groups(When::BeforeStep(3), Stage::Gradients, PartitionerKind::Flat, 4);
+    check_groups(
+        When::AfterConstruction,
+        Stage::Gradients,
+        PartitionerKind::Flat,
+        3,
+    );
+    check_groups(
+        When::AfterConstruction,
+        Stage::OptimizerState,
+        PartitionerKind::Greedy,
+        2,
+    );
+    check_groups(
+        When::BeforeStep(3),
+        Stage::Gradients,
+        PartitionerKind::Flat,
+        4,
+    );
     check_groups(When::BeforeStep(3), Stage::Ddp, PartitionerKind::Greedy, 3);
 }
 

@@ -37,7 +37,12 @@ fn check_parity(model: &dyn Model, case: &Case, steps: usize) -> f64 {
         .with_bucket_bytes(case.bucket_bytes);
     let trajectories = run(case.world, |comm| {
         let rank = zero_core::Communicator::rank(&comm);
-        let mut e = engine(comm, model, make_opt(case.opt, case.maximize), config.clone())?;
+        let mut e = engine(
+            comm,
+            model,
+            make_opt(case.opt, case.maximize),
+            config.clone(),
+        )?;
         let mut params = model.init();
         let mut out = Vec::new();
         for s in 0..steps {
@@ -188,7 +193,12 @@ fn stages_agree_with_one_process_on_the_global_batch() {
         })
         .remove(0);
         for s in 0..steps {
-            assert_close(&t[s], &single[s], 1e-9, &format!("{stage:?} vs one process, step {s}"));
+            assert_close(
+                &t[s],
+                &single[s],
+                1e-9,
+                &format!("{stage:?} vs one process, step {s}"),
+            );
         }
         per_stage.push(t);
     }

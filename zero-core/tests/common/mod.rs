@@ -139,9 +139,7 @@ impl Model for Mlp {
             .map(|(i, p)| {
                 let mut r = rng(self.seed, 0, 0, 1000 + i);
                 let scale = 1.0 / (p.shape.last().copied().unwrap_or(1) as f64).sqrt();
-                (0..p.numel())
-                    .map(|_| r.gen_range(-scale..scale))
-                    .collect()
+                (0..p.numel()).map(|_| r.gen_range(-scale..scale)).collect()
             })
             .collect()
     }
@@ -243,12 +241,8 @@ pub fn make_opt(opt: Opt, maximize: bool) -> Box<dyn FunctionalOptimizer<f64>> {
             .unwrap(),
         ),
         Opt::AdamW => Box::new(
-            AdamW::<f64>::new(
-                AdamWConfig::default()
-                    .with_lr(0.01)
-                    .with_maximize(maximize),
-            )
-            .unwrap(),
+            AdamW::<f64>::new(AdamWConfig::default().with_lr(0.01).with_maximize(maximize))
+                .unwrap(),
         ),
     }
 }
