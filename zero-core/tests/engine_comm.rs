@@ -145,10 +145,10 @@ fn subgroup_trains_while_the_others_idle() {
         let (a, b) = (out[0].as_ref().unwrap(), out[2].as_ref().unwrap());
         assert_eq!(a, b, "{stage:?}: subgroup ranks differ");
         let mut reference = Reference::new(&model, make_opt(Opt::AdamW, false));
-        for s in 0..steps {
+        for (s, params) in a.iter().enumerate() {
             let g = mean(&reference.rank_grads(&model, 2, s));
             reference.step(&g.into_iter().map(Some).collect::<Vec<_>>());
-            assert_eq!(a[s], reference.params, "{stage:?} step {s}");
+            assert_eq!(*params, reference.params, "{stage:?} step {s}");
         }
     }
 }
