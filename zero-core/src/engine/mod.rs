@@ -30,7 +30,7 @@ use crate::optim::{FunctionalOptimizer, Hyperparams, ParamKey, ParamMut};
 use crate::partition::{ParamInfo, PartitionPlan, ShardPiece};
 use crate::{Element, Error, Result};
 use layout::Layout;
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::ops::Range;
 
 /// Access to the full parameter replica a framework holds.
@@ -110,6 +110,7 @@ impl<T: Element, C: Communicator<Memory = Host>> Engine<T, C> {
         mut optimizer: Box<dyn FunctionalOptimizer<T>>,
         config: EngineConfig,
     ) -> Result<Self> {
+        check_rank_consistency(&comm, &params, &config, optimizer.as_ref())?;
         config.validate()?;
         let mut index = BTreeMap::new();
         for (i, p) in params.iter().enumerate() {
@@ -205,7 +206,6 @@ impl<T: Element, C: Communicator<Memory = Host>> Engine<T, C> {
         if engine.config.stage != Stage::Gradients {
             engine.full_grads = Some(vec![T::default(); engine.plan.flat_numel()]);
         }
-        engine.check_rank_consistency()?;
         Ok(engine)
     }
 
@@ -729,81 +729,98 @@ impl<T: Element, C: Communicator<Memory = Host>> Engine<T, C> {
             .map(|(&m, p)| m > 0.5 && p.trainable)
             .collect())
     }
+}
 
-    /// All-gathers a description of the parameters and configuration and
-    /// names the first difference from rank 0.
-    fn check_rank_consistency(&self) -> Result<()> {
-        let mine = self.fingerprint();
-        let bytes = serde_json::to_vec(&mine)?;
-        let all = self.comm.all_gather_bytes(&bytes)?;
-        for (other_rank, other) in all.iter().enumerate() {
-            let other: Vec<(String, String)> = serde_json::from_slice(other)?;
-            if other == mine {
-                continue;
-            }
-            let at = mine
-                .iter()
-                .zip(&other)
-                .position(|(a, b)| a != b)
-                .unwrap_or(mine.len().min(other.len()));
-            let describe = |list: &[(String, String)]| match list.get(at) {
-                Some((field, value)) => format!("{field} = {value}"),
-                None => format!("no entry #{at} (only {} entries)", list.len()),
-            };
-            return Err(Error::RankMismatch {
-                rank: self.comm.rank(),
-                this: describe(&mine),
-                other_rank,
-                other: describe(&other),
-            });
+/// All-gathers a description of every rank's parameters, configuration and
+/// optimizer and names the first difference with another rank.
+///
+/// `Engine::new` runs it before validating anything locally: every check
+/// after it depends only on these inputs, so ranks either all fail alike or
+/// all pass. A rank that failed alone would skip this collective and leave
+/// its peers waiting until their timeout.
+fn check_rank_consistency<T: Element, C: Communicator<Memory = Host>>(
+    comm: &C,
+    params: &[ParamInfo],
+    config: &EngineConfig,
+    optimizer: &dyn FunctionalOptimizer<T>,
+) -> Result<()> {
+    let mine = fingerprint(params, config, optimizer);
+    let bytes = serde_json::to_vec(&mine)?;
+    let all = comm.all_gather_bytes(&bytes)?;
+    for (other_rank, other) in all.iter().enumerate() {
+        let other: Vec<(String, String)> = serde_json::from_slice(other)?;
+        if other == mine {
+            continue;
         }
-        Ok(())
-    }
-
-    fn fingerprint(&self) -> Vec<(String, String)> {
-        let mut out = vec![
-            ("element type".to_string(), T::DTYPE.to_string()),
-            ("parameter count".to_string(), self.params.len().to_string()),
-        ];
-        for (i, p) in self.params.iter().enumerate() {
-            out.push((
-                format!("parameter #{i}"),
-                format!(
-                    "{} {:?} {}{}",
-                    p.name,
-                    p.shape,
-                    p.dtype,
-                    if p.trainable { "" } else { " frozen" }
-                ),
-            ));
-        }
-        let c = &self.config;
-        out.push(("stage".into(), c.stage.number().to_string()));
-        out.push(("partitioner".into(), format!("{:?}", c.partitioner)));
-        out.push(("bucket_bytes".into(), c.bucket_bytes.to_string()));
-        out.push(("grad_accum_steps".into(), c.grad_accum_steps.to_string()));
-        out.push(("clip".into(), format!("{:?}", c.clip)));
-        out.push(("compute_grad_norm".into(), c.compute_grad_norm.to_string()));
-        out.push((
-            "check_trainability".into(),
-            c.check_trainability.to_string(),
-        ));
-        out.push(("optimizer".into(), self.optimizer.kind().to_string()));
-        for g in 0..self.optimizer.num_groups() {
-            out.push((
-                format!("optimizer group {g}"),
-                serde_json::Value::Object(self.optimizer.hyperparams(g)).to_string(),
-            ));
-        }
-        let groups: BTreeSet<(usize, &str)> = self
-            .group_of
+        let at = mine
             .iter()
-            .zip(&self.params)
-            .map(|(&g, p)| (g, p.name.as_str()))
-            .collect();
-        out.push(("parameter groups".into(), format!("{groups:?}")));
-        out
+            .zip(&other)
+            .position(|(a, b)| a != b)
+            .unwrap_or(mine.len().min(other.len()));
+        let describe = |list: &[(String, String)]| match list.get(at) {
+            Some((field, value)) => format!("{field} = {value}"),
+            None => format!("no entry #{at} (only {} entries)", list.len()),
+        };
+        return Err(Error::RankMismatch {
+            rank: comm.rank(),
+            this: describe(&mine),
+            other_rank,
+            other: describe(&other),
+        });
     }
+    Ok(())
+}
+
+fn fingerprint<T: Element>(
+    params: &[ParamInfo],
+    config: &EngineConfig,
+    optimizer: &dyn FunctionalOptimizer<T>,
+) -> Vec<(String, String)> {
+    let mut out = vec![
+        ("element type".to_string(), T::DTYPE.to_string()),
+        ("parameter count".to_string(), params.len().to_string()),
+    ];
+    for (i, p) in params.iter().enumerate() {
+        out.push((
+            format!("parameter #{i}"),
+            format!(
+                "{} {:?} {}{}",
+                p.name,
+                p.shape,
+                p.dtype,
+                if p.trainable { "" } else { " frozen" }
+            ),
+        ));
+    }
+    let c = config;
+    out.push(("stage".into(), c.stage.number().to_string()));
+    out.push(("partitioner".into(), format!("{:?}", c.partitioner)));
+    out.push(("bucket_bytes".into(), c.bucket_bytes.to_string()));
+    out.push(("grad_accum_steps".into(), c.grad_accum_steps.to_string()));
+    out.push(("clip".into(), format!("{:?}", c.clip)));
+    out.push(("compute_grad_norm".into(), c.compute_grad_norm.to_string()));
+    out.push((
+        "check_trainability".into(),
+        c.check_trainability.to_string(),
+    ));
+    out.push(("optimizer".into(), optimizer.kind().to_string()));
+    for g in 0..optimizer.num_groups() {
+        out.push((
+            format!("optimizer group {g}"),
+            serde_json::Value::Object(optimizer.hyperparams(g)).to_string(),
+        ));
+    }
+    for (k, spec) in c.param_groups.iter().enumerate() {
+        out.push((
+            format!("parameter group {}", k + 1),
+            format!(
+                "{:?} {}",
+                spec.params,
+                serde_json::Value::Object(spec.hyperparams.clone())
+            ),
+        ));
+    }
+    out
 }
 
 /// The reduced gradients of the owned pieces: the full buffer in stage 0
