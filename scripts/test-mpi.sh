@@ -57,4 +57,33 @@ for mode in panic error hang; do
     echo "ok: exit $status, $(grep -m1 "$want" <<<"$out")"
 done
 
+# The trainer under mpirun trains the same weights as the thread backend at
+# the same world size (the ring adds in another order: float noise only).
+cargo build -p zero-examples --features mpi --bin train --bin weights-diff
+train=target/debug/train
+diff=target/debug/weights-diff
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+common=(--steps 8 --hidden 16 --optimizer adam --lr 0.01 --batch-size 8 --seed 3 --quiet)
+for n in 2 3 4; do
+    for stage in 0 1 2; do
+        echo "== trainer parity: mpirun -n $n vs threads, stage $stage"
+        timeout "$TIMEOUT" "${MPIRUN[@]}" -n "$n" "$train" --backend mpi --stage "$stage" \
+            "${common[@]}" --save "$work/mpi.safetensors"
+        "$train" --backend threads --world-size "$n" --stage "$stage" "${common[@]}" \
+            --save "$work/threads.safetensors"
+        "$diff" "$work/mpi.safetensors" "$work/threads.safetensors" --tol 1e-5
+    done
+done
+
+# A failing rank under the trainer ends the job with its reason.
+echo "== trainer: a bad --init on every rank ends the job with the reason"
+set +e
+out=$(timeout 120 "${MPIRUN[@]}" -n 2 "$train" --backend mpi --init /nonexistent.safetensors 2>&1)
+status=$?
+set -e
+if [ "$status" -eq 0 ] || [ "$status" -eq 124 ] || ! grep -q "nonexistent.safetensors" <<<"$out"; then
+    echo "$out"; echo "test-mpi: the trainer did not fail cleanly (exit $status)" >&2; exit 1
+fi
+
 echo "test-mpi: all passed"

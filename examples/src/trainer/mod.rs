@@ -115,13 +115,20 @@ pub fn run(args: &Args) -> Result<Summary, TrainError> {
 
 #[cfg(feature = "mpi")]
 fn run_mpi(args: &Args, data: &Arc<Dataset>) -> Result<Summary, TrainError> {
-    let comm = zero_mpi_gloo::MpiComm::init()?;
-    zero_mpi_gloo::MpiComm::abort_on_panic();
-    let rank = comm.rank();
-    train_rank(args, comm, data).map_err(|e| TrainError::Rank {
-        rank,
-        source: Box::new(e),
-    })
+    use zero_mpi_gloo::MpiComm;
+    let comm = MpiComm::init().map_err(zero_core::Error::from)?;
+    comm.abort_on_panic();
+    // A second handle on the same ranks outlives the optimizer, so a rank
+    // that fails can end the whole job (naming itself) instead of leaving
+    // its peers waiting in a collective.
+    let everyone: Vec<usize> = (0..comm.world_size()).collect();
+    let keeper = comm
+        .split(&everyone)?
+        .ok_or_else(|| TrainError::Internal("this rank is missing from its own world".into()))?;
+    match train_rank(args, comm, data) {
+        Ok(summary) => Ok(summary),
+        Err(e) => keeper.abort(&e.to_string()),
+    }
 }
 
 #[cfg(not(feature = "mpi"))]

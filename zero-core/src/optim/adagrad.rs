@@ -135,6 +135,9 @@ pub(crate) struct AdagradPiece<T> {
 }
 
 impl<T: Float> PieceState<T> for AdagradPiece<T> {
+    fn bytes(&self) -> usize {
+        self.sum.len() * std::mem::size_of::<T>() + std::mem::size_of::<f64>()
+    }
     fn len(&self) -> Option<usize> {
         Some(self.sum.len())
     }

@@ -175,6 +175,11 @@ impl<T: Float> AdamPiece<T> {
 }
 
 impl<T: Float> PieceState<T> for AdamPiece<T> {
+    fn bytes(&self) -> usize {
+        (self.exp_avg.len() + self.exp_avg_sq.len() + self.max_exp_avg_sq.as_ref().map_or(0, Vec::len))
+            * std::mem::size_of::<T>()
+            + std::mem::size_of::<f64>()
+    }
     fn len(&self) -> Option<usize> {
         Some(self.exp_avg.len())
     }

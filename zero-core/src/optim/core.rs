@@ -118,6 +118,9 @@ pub(crate) fn check_unit_interval(kind: &str, what: &str, value: f64) -> Result<
 pub(crate) trait PieceState<T>: Sized + Send {
     /// The number of elements each tensor holds, `None` while it holds none.
     fn len(&self) -> Option<usize>;
+    /// Bytes held: tensors at `size_of::<T>()` per element, scalars as f64
+    /// (the same count as the trait's default `state_bytes`).
+    fn bytes(&self) -> usize;
     /// The state under PyTorch's names.
     fn export(&self) -> ParamState<T>;
     /// Builds the state from PyTorch's names; `name` is for messages.
@@ -329,6 +332,13 @@ impl<C: GroupConfig, S> Core<C, S> {
         Ok(())
     }
 
+    pub(crate) fn state_bytes<T>(&self) -> usize
+    where
+        S: PieceState<T>,
+    {
+        self.state.values().map(PieceState::bytes).sum()
+    }
+
     pub(crate) fn export_state<T>(&self) -> OptimizerState<T>
     where
         S: PieceState<T>,
@@ -464,6 +474,9 @@ macro_rules! forward_to_core {
         }
         fn export_state(&self) -> $crate::optim::OptimizerState<T> {
             self.core.export_state()
+        }
+        fn state_bytes(&self) -> usize {
+            self.core.state_bytes()
         }
         fn import_state(&mut self, state: $crate::optim::OptimizerState<T>) -> $crate::Result<()> {
             self.core.import_state(state)

@@ -139,6 +139,13 @@ pub(crate) struct RmsPropPiece<T> {
 }
 
 impl<T: Float> PieceState<T> for RmsPropPiece<T> {
+    fn bytes(&self) -> usize {
+        (self.square_avg.len()
+            + self.momentum_buffer.as_ref().map_or(0, Vec::len)
+            + self.grad_avg.as_ref().map_or(0, Vec::len))
+            * std::mem::size_of::<T>()
+            + std::mem::size_of::<f64>()
+    }
     fn len(&self) -> Option<usize> {
         Some(self.square_avg.len())
     }

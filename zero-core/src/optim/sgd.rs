@@ -137,6 +137,9 @@ pub(crate) struct SgdPiece<T> {
 }
 
 impl<T: Float> PieceState<T> for SgdPiece<T> {
+    fn bytes(&self) -> usize {
+        self.momentum_buffer.as_ref().map_or(0, Vec::len) * std::mem::size_of::<T>()
+    }
     fn len(&self) -> Option<usize> {
         self.momentum_buffer.as_ref().map(Vec::len)
     }
