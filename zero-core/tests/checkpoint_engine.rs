@@ -14,8 +14,8 @@ use zero_core::checkpoint::{
 use zero_core::engine::PartitionerKind;
 use zero_core::optim::{Adam, AdamConfig, Sgd, SgdConfig};
 use zero_core::{
-    DType, Engine, EngineConfig, Error, FunctionalOptimizer, ParamInfo, SaveOptions, Stage,
-    ThreadComm, ThreadGroup,
+    Communicator, DType, Engine, EngineConfig, Error, FunctionalOptimizer, ParamInfo, SaveOptions,
+    Stage, ThreadComm, ThreadGroup,
 };
 
 const GLOBAL_BATCH: usize = 12;
@@ -87,7 +87,11 @@ fn engine(
 }
 
 /// Steps `from..to` with the synthetic gradients.
-fn train(engine: &mut Engine<f32, ThreadComm>, weights: &mut Weights, steps: std::ops::Range<usize>) {
+fn train(
+    engine: &mut Engine<f32, ThreadComm>,
+    weights: &mut Weights,
+    steps: std::ops::Range<usize>,
+) {
     let rank = engine.comm().rank();
     let world = engine.comm().world_size();
     for step in steps {
@@ -204,7 +208,10 @@ fn consolidation_gathers_full_state_and_loads_on_every_rank() {
     assert_eq!(dict.optimizer, "sgd");
     assert_eq!(dict.steps, 3);
     for p in mlp() {
-        assert_eq!(dict.state[&p.name].tensors["momentum_buffer"].len(), p.numel());
+        assert_eq!(
+            dict.state[&p.name].tensors["momentum_buffer"].len(),
+            p.numel()
+        );
     }
     assert_eq!(dict.param_groups.len(), 1);
     assert_eq!(dict.param_groups[0].params.len(), 4);
@@ -236,7 +243,10 @@ fn consolidation_gathers_full_state_and_loads_on_every_rank() {
     // ... and into the plain optimizer, and back.
     let mut plain = Sgd::<f32>::new(SgdConfig::default().with_lr(0.3)).unwrap();
     load_into_plain(&dict, &mut plain).unwrap();
-    assert_eq!(FunctionalOptimizer::<f32>::hyperparams(&plain, 0)["lr"], 0.1);
+    assert_eq!(
+        FunctionalOptimizer::<f32>::hyperparams(&plain, 0)["lr"],
+        0.1
+    );
     let names: Vec<String> = mlp().into_iter().map(|p| p.name).collect();
     let back = state_dict_from_plain(&plain, &[names]).unwrap();
     assert_eq!(back.state, dict.state);
@@ -268,7 +278,10 @@ fn load_state_dict_rejects_unknown_names_and_wrong_lengths() {
     });
     for r in results {
         let (a, b) = r.unwrap();
-        assert!(a.contains("\"2.bias\"") && a.contains("not a parameter"), "{a}");
+        assert!(
+            a.contains("\"2.bias\"") && a.contains("not a parameter"),
+            "{a}"
+        );
         assert!(b.contains("has 3 elements") && b.contains("10"), "{b}");
     }
 }
@@ -360,7 +373,12 @@ fn save_right_after_construction_and_frozen_weights() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path();
     let saved = all(2, |comm| {
-        let mut e = engine(comm, params.clone(), momentum(), config(2, PartitionerKind::Flat));
+        let mut e = engine(
+            comm,
+            params.clone(),
+            momentum(),
+            config(2, PartitionerKind::Flat),
+        );
         let mut w = init(&params);
         e.save_checkpoint(path, &mut w).unwrap();
         w
@@ -371,7 +389,12 @@ fn save_right_after_construction_and_frozen_weights() {
     assert_eq!(info.world_size, 2);
     assert!(!info.params[0].trainable);
     let out = all(3, |comm| {
-        let mut e = engine(comm, params.clone(), momentum(), config(1, PartitionerKind::Greedy));
+        let mut e = engine(
+            comm,
+            params.clone(),
+            momentum(),
+            config(1, PartitionerKind::Greedy),
+        );
         let mut w: Weights = params.iter().map(|p| vec![9.0; p.numel()]).collect();
         e.load_checkpoint(path, &mut w).unwrap();
         assert_eq!(w, saved[0]);
@@ -406,7 +429,10 @@ fn save_mid_accumulation_is_refused() {
     });
     for err in out {
         assert!(matches!(err, Error::State(_)), "{err}");
-        assert!(err.to_string().contains("finish the optimizer step first"), "{err}");
+        assert!(
+            err.to_string().contains("finish the optimizer step first"),
+            "{err}"
+        );
     }
 }
 
@@ -424,9 +450,15 @@ fn failed_save_leaves_previous_checkpoint_loadable() {
             fail_after: Some((1, 100)),
             ..SaveOptions::default()
         };
-        e.save_checkpoint_with(path, &mut w, &options).unwrap_err().to_string()
+        e.save_checkpoint_with(path, &mut w, &options)
+            .unwrap_err()
+            .to_string()
     });
-    assert!(errors[1].contains("injected write failure"), "{}", errors[1]);
+    assert!(
+        errors[1].contains("injected write failure"),
+        "{}",
+        errors[1]
+    );
     for e in [&errors[0], &errors[2], &errors[3]] {
         assert!(e.contains("failed on rank 1"), "{e}");
     }
@@ -469,7 +501,12 @@ fn corrupted_file_unknown_version_and_other_model_are_clear_errors() {
     let load = |params: Vec<ParamInfo>| {
         ThreadGroup::new(2)
             .run(|comm| {
-                let mut e = engine(comm, params.clone(), momentum(), config(2, PartitionerKind::Flat));
+                let mut e = engine(
+                    comm,
+                    params.clone(),
+                    momentum(),
+                    config(2, PartitionerKind::Flat),
+                );
                 let mut w = init(&params);
                 e.load_checkpoint(path, &mut w).unwrap_err()
             })
@@ -484,7 +521,10 @@ fn corrupted_file_unknown_version_and_other_model_are_clear_errors() {
     for err in load(other) {
         let (at, detail) = ckpt_err(err);
         assert_eq!(at, path.join(MANIFEST_FILE));
-        assert!(detail.contains("another model") && detail.contains("0.weight"), "{detail}");
+        assert!(
+            detail.contains("another model") && detail.contains("0.weight"),
+            "{detail}"
+        );
     }
 
     // One flipped byte in a rank file: a checksum error naming it.

@@ -1,8 +1,8 @@
 //! File primitives for checkpoints: atomic writes, verified reads,
 //! safetensors files and the manifest.
 
-use crate::partition::{ParamInfo, PartitionKind};
 use super::state_dict::GroupState;
+use crate::partition::{ParamInfo, PartitionKind};
 use crate::{DType, Element, Error, Result};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};

@@ -142,9 +142,10 @@ impl<T: Element> StateDict<T> {
         let dir = dir.as_ref();
         let manifest = Manifest::load(dir)?;
         let manifest_path = dir.join(MANIFEST_FILE);
-        let info = manifest.checkpoint.as_ref().ok_or_else(|| {
-            checkpoint_error(&manifest_path, "has no checkpoint description")
-        })?;
+        let info = manifest
+            .checkpoint
+            .as_ref()
+            .ok_or_else(|| checkpoint_error(&manifest_path, "has no checkpoint description"))?;
         if info.kind != CheckpointKind::Consolidated {
             return Err(checkpoint_error(
                 &manifest_path,
@@ -169,9 +170,9 @@ impl<T: Element> StateDict<T> {
                 used += 1;
                 let entry = state.entry(p.name.clone()).or_default();
                 if t.shape.is_empty() {
-                    let v = t.to_vec::<f64>().map_err(|e| {
-                        checkpoint_error(&path, format!("scalar {name:?}: {e}"))
-                    })?;
+                    let v = t
+                        .to_vec::<f64>()
+                        .map_err(|e| checkpoint_error(&path, format!("scalar {name:?}: {e}")))?;
                     let value = v.first().copied().ok_or_else(|| {
                         checkpoint_error(&path, format!("scalar {name:?} is empty"))
                     })?;

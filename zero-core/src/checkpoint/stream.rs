@@ -2,9 +2,7 @@
 //! the tensors' names, dtypes and shapes, and data is written at element
 //! offsets as it arrives, so the writer never holds a whole tensor.
 
-use super::io::{
-    checkpoint_error, hex, io_error, sync_dir, temp_path, to_safetensors, FileRecord,
-};
+use super::io::{checkpoint_error, hex, io_error, sync_dir, temp_path, to_safetensors, FileRecord};
 use crate::{DType, Result};
 use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
@@ -94,7 +92,10 @@ impl StreamingTensorFile {
     /// at element `elem_offset`.
     pub(crate) fn write_at(&mut self, name: &str, elem_offset: usize, data: &[u8]) -> Result<()> {
         let &(start, len, dtype) = self.slots.get(name).ok_or_else(|| {
-            checkpoint_error(&self.path, format!("internal: no tensor {name:?} in the header"))
+            checkpoint_error(
+                &self.path,
+                format!("internal: no tensor {name:?} in the header"),
+            )
         })?;
         let at = elem_offset * dtype.size_in_bytes();
         if at + data.len() > len {
@@ -107,7 +108,10 @@ impl StreamingTensorFile {
             ));
         }
         let Some(file) = self.file.as_mut() else {
-            return Err(checkpoint_error(&self.path, "internal: file already closed"));
+            return Err(checkpoint_error(
+                &self.path,
+                "internal: file already closed",
+            ));
         };
         file.seek(SeekFrom::Start(start + at as u64))
             .and_then(|_| file.write_all(data))
@@ -117,7 +121,10 @@ impl StreamingTensorFile {
     /// Syncs the file, hashes it, and renames it into place.
     pub(crate) fn finish(mut self) -> Result<FileRecord> {
         let Some(mut file) = self.file.take() else {
-            return Err(checkpoint_error(&self.path, "internal: file already closed"));
+            return Err(checkpoint_error(
+                &self.path,
+                "internal: file already closed",
+            ));
         };
         let temp = self.temp.clone();
         let record = (|| -> std::io::Result<FileRecord> {

@@ -67,7 +67,10 @@ trait PieceSink<T> {
 
 /// Coverage bookkeeping shared by both sinks: elements received per
 /// parameter, checked against its length at the end.
-fn check_coverage(numel: &BTreeMap<String, usize>, covered: &BTreeMap<String, usize>) -> Result<()> {
+fn check_coverage(
+    numel: &BTreeMap<String, usize>,
+    covered: &BTreeMap<String, usize>,
+) -> Result<()> {
     for (name, &got) in covered {
         let want = numel.get(name).copied().unwrap_or(0);
         if got != want {
@@ -392,7 +395,11 @@ impl<T: Element, C: Communicator<Memory = Host>> Engine<T, C> {
         let rank = self.comm.rank();
 
         // Rank 0 picks a tag unused by the directory's current checkpoint.
-        let old = if rank == 0 { Manifest::load(dir).ok() } else { None };
+        let old = if rank == 0 {
+            Manifest::load(dir).ok()
+        } else {
+            None
+        };
         let old_tag = old
             .as_ref()
             .and_then(|m| m.checkpoint.as_ref())
@@ -634,9 +641,10 @@ impl<T: Element, C: Communicator<Memory = Host>> Engine<T, C> {
         }
 
         // Weights.
-        let model_file = info.model_file.as_deref().ok_or_else(|| {
-            checkpoint_error(&manifest_path, "names no model file")
-        })?;
+        let model_file = info
+            .model_file
+            .as_deref()
+            .ok_or_else(|| checkpoint_error(&manifest_path, "names no model file"))?;
         let model_path = dir.join(model_file);
         let bytes = manifest.read_file(dir, model_file)?;
         let tensors = load_tensors(&model_path, &bytes)?;

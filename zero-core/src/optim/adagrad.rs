@@ -107,8 +107,8 @@ impl GroupConfig for AdagradConfig {
         self.lr = get_f64(k, h, "lr")?.unwrap_or(self.lr);
         self.lr_decay = get_f64(k, h, "lr_decay")?.unwrap_or(self.lr_decay);
         self.weight_decay = get_f64(k, h, "weight_decay")?.unwrap_or(self.weight_decay);
-        self.initial_accumulator_value = get_f64(k, h, "initial_accumulator_value")?
-            .unwrap_or(self.initial_accumulator_value);
+        self.initial_accumulator_value =
+            get_f64(k, h, "initial_accumulator_value")?.unwrap_or(self.initial_accumulator_value);
         self.eps = get_f64(k, h, "eps")?.unwrap_or(self.eps);
         self.maximize = get_bool(k, h, "maximize")?.unwrap_or(self.maximize);
         Ok(())
@@ -230,9 +230,11 @@ impl<T: Float> FunctionalOptimizer<T> for Adagrad<T> {
                     neg_clr: T::from_f64(-clr),
                 };
                 let weight_decay = config.weight_decay != 0.0;
-                for_each_chunk(grad, [param, &mut state.sum], |g, [p, s]| {
-                    with_flags!(adagrad_kernel [] (&c, p, g, s) weight_decay)
-                });
+                for_each_chunk(
+                    grad,
+                    [param, &mut state.sum],
+                    |g, [p, s]| with_flags!(adagrad_kernel [] (&c, p, g, s) weight_decay),
+                );
             },
         )
     }

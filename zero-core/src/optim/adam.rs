@@ -324,13 +324,17 @@ fn adam_update<T: Float, C: AdamHyper>(
     if config_adam.amsgrad {
         // Created here too when AMSGrad is switched on mid-training.
         let v_max = max_exp_avg_sq.get_or_insert_with(|| vec![T::ZERO; grad.len()]);
-        for_each_chunk(grad, [param, exp_avg, exp_avg_sq, v_max], |g, [p, m, v, x]| {
-            with_flags!(adam_kernel [] (&c, p, g, m, v, x) l2, small, true)
-        });
+        for_each_chunk(
+            grad,
+            [param, exp_avg, exp_avg_sq, v_max],
+            |g, [p, m, v, x]| with_flags!(adam_kernel [] (&c, p, g, m, v, x) l2, small, true),
+        );
     } else {
-        for_each_chunk(grad, [param, exp_avg, exp_avg_sq], |g, [p, m, v]| {
-            with_flags!(adam_kernel [] (&c, p, g, m, v, &mut []) l2, small, false)
-        });
+        for_each_chunk(
+            grad,
+            [param, exp_avg, exp_avg_sq],
+            |g, [p, m, v]| with_flags!(adam_kernel [] (&c, p, g, m, v, &mut []) l2, small, false),
+        );
     }
 }
 

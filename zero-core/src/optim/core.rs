@@ -50,7 +50,9 @@ pub(crate) fn get_f64(kind: &str, hyper: &Hyperparams, key: &str) -> Result<Opti
     match hyper.get(key) {
         None => Ok(None),
         Some(v) => v.as_f64().map(Some).ok_or_else(|| {
-            Error::Optimizer(format!("{kind}: hyperparameter {key:?} must be a number, got {v}"))
+            Error::Optimizer(format!(
+                "{kind}: hyperparameter {key:?} must be a number, got {v}"
+            ))
         }),
     }
 }
@@ -60,7 +62,9 @@ pub(crate) fn get_bool(kind: &str, hyper: &Hyperparams, key: &str) -> Result<Opt
     match hyper.get(key) {
         None => Ok(None),
         Some(v) => v.as_bool().map(Some).ok_or_else(|| {
-            Error::Optimizer(format!("{kind}: hyperparameter {key:?} must be true or false, got {v}"))
+            Error::Optimizer(format!(
+                "{kind}: hyperparameter {key:?} must be true or false, got {v}"
+            ))
         }),
     }
 }
@@ -93,7 +97,9 @@ pub(crate) fn check_non_negative(kind: &str, what: &str, value: f64) -> Result<(
     if value >= 0.0 {
         Ok(())
     } else {
-        Err(Error::Optimizer(format!("{kind}: invalid {what} value: {value} (must be >= 0)")))
+        Err(Error::Optimizer(format!(
+            "{kind}: invalid {what} value: {value} (must be >= 0)"
+        )))
     }
 }
 
@@ -102,7 +108,9 @@ pub(crate) fn check_unit_interval(kind: &str, what: &str, value: f64) -> Result<
     if (0.0..1.0).contains(&value) {
         Ok(())
     } else {
-        Err(Error::Optimizer(format!("{kind}: invalid {what}: {value} (must be in [0, 1))")))
+        Err(Error::Optimizer(format!(
+            "{kind}: invalid {what}: {value} (must be in [0, 1))"
+        )))
     }
 }
 
@@ -173,7 +181,9 @@ pub(crate) fn take_step<T>(kind: &str, name: &str, state: &mut ParamState<T>) ->
 
 /// A missing required tensor.
 pub(crate) fn missing(kind: &str, name: &str, key: &str) -> Error {
-    Error::Optimizer(format!("{kind}: state of parameter {name:?} has no {key:?}"))
+    Error::Optimizer(format!(
+        "{kind}: state of parameter {name:?} has no {key:?}"
+    ))
 }
 
 /// Groups and per-piece state of one optimizer.

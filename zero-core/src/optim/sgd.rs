@@ -2,8 +2,8 @@
 //! weight decay and maximize, as `torch.optim.SGD`.
 
 use super::core::{
-    check_non_negative, for_each_chunk, forward_to_core, get_bool, get_f64, num,
-    reject_leftovers, take_tensor, with_flags, Core, GroupConfig, PieceState,
+    check_non_negative, for_each_chunk, forward_to_core, get_bool, get_f64, num, reject_leftovers,
+    take_tensor, with_flags, Core, GroupConfig, PieceState,
 };
 use super::{Float, FunctionalOptimizer, Hyperparams, ParamMut, ParamState};
 use crate::{Error, Result};

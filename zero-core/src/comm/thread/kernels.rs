@@ -145,9 +145,7 @@ unsafe fn reduce_typed<E: Arith>(
             }
             ReduceOp::Max => combine::<E, _>(srcs, src_off, dsts, dst_off, len, E::max, None),
             ReduceOp::Min => combine::<E, _>(srcs, src_off, dsts, dst_off, len, E::min, None),
-            ReduceOp::Product => {
-                combine::<E, _>(srcs, src_off, dsts, dst_off, len, E::mul, None)
-            }
+            ReduceOp::Product => combine::<E, _>(srcs, src_off, dsts, dst_off, len, E::mul, None),
         }
     }
 }
@@ -177,9 +175,8 @@ unsafe fn combine<E: Arith, F: Fn(E::A, E::A) -> E::A>(
         // the same time.
         {
             // SAFETY: in bounds and readable per the contract; E is aligned.
-            let s = unsafe {
-                std::slice::from_raw_parts((first as *const E).add(src_off + start), m)
-            };
+            let s =
+                unsafe { std::slice::from_raw_parts((first as *const E).add(src_off + start), m) };
             for (a, &x) in acc.iter_mut().zip(s) {
                 *a = x.up();
             }
@@ -200,9 +197,8 @@ unsafe fn combine<E: Arith, F: Fn(E::A, E::A) -> E::A>(
         for &dst in dsts {
             // SAFETY: in bounds and writable per the contract; no source
             // slice is alive.
-            let d = unsafe {
-                std::slice::from_raw_parts_mut((dst as *mut E).add(dst_off + start), m)
-            };
+            let d =
+                unsafe { std::slice::from_raw_parts_mut((dst as *mut E).add(dst_off + start), m) };
             for (y, &a) in d.iter_mut().zip(acc.iter()) {
                 *y = E::down(a);
             }

@@ -537,7 +537,8 @@ impl Communicator for ThreadComm {
             root: Some(root),
             ..typed::<T>("reduce")
         };
-        let check = kernels::check_layout::<T>(desc.op).and_then(|()| self.check_root(desc.op, root));
+        let check =
+            kernels::check_layout::<T>(desc.op).and_then(|()| self.check_root(desc.op, root));
         self.validate(&desc, check)?;
         let n = self.shared.world_size;
         let len = buf.len();
@@ -638,17 +639,19 @@ impl Communicator for ThreadComm {
             list: Some(counts.to_vec()),
             ..typed::<T>("all_gather_varlen")
         };
-        let check = self.check_counts(desc.op, counts, send.len()).and_then(|()| {
-            if recv.len() != total {
-                return Err(Error::BufferSize {
-                    op: desc.op,
-                    what: "recv",
-                    got: recv.len(),
-                    expected: total,
-                });
-            }
-            Ok(())
-        });
+        let check = self
+            .check_counts(desc.op, counts, send.len())
+            .and_then(|()| {
+                if recv.len() != total {
+                    return Err(Error::BufferSize {
+                        op: desc.op,
+                        what: "recv",
+                        got: recv.len(),
+                        expected: total,
+                    });
+                }
+                Ok(())
+            });
         self.validate(&desc, check)?;
         let dst = recv.as_mut_ptr() as *mut u8;
         let raw = RawBuf {
@@ -865,10 +868,12 @@ impl Communicator for ThreadComm {
         self.shared
             .join(self.rank, seq, &desc, Contribution::Owned(offer))?;
         let contributions = self.shared.wait_arrived(self.rank, seq, &desc, start)?;
-        let adopted = ranks.first().and_then(|&first| match &contributions[first] {
-            Contribution::Owned(any) => any.downcast_ref::<Arc<Shared>>().cloned(),
-            _ => None,
-        });
+        let adopted = ranks
+            .first()
+            .and_then(|&first| match &contributions[first] {
+                Contribution::Owned(any) => any.downcast_ref::<Arc<Shared>>().cloned(),
+                _ => None,
+            });
         self.shared.depart(seq, false);
         let Some(position) = ranks.iter().position(|&r| r == self.rank) else {
             return Ok(None);

@@ -51,7 +51,11 @@ impl std::fmt::Display for OpDesc {
             parts.push(format!("{len} elements"));
         }
         if let Some(list) = &self.list {
-            let name = if self.op == "split" { "ranks" } else { "counts" };
+            let name = if self.op == "split" {
+                "ranks"
+            } else {
+                "counts"
+            };
             parts.push(format!("{name} {list:?}"));
         }
         if let Some(root) = self.root {
@@ -495,12 +499,7 @@ impl Shared {
 fn left_reason(left: &[Option<String>], failed: &[usize]) -> String {
     failed
         .iter()
-        .map(|&r| {
-            format!(
-                "rank {r} {}",
-                left[r].as_deref().unwrap_or("did not join")
-            )
-        })
+        .map(|&r| format!("rank {r} {}", left[r].as_deref().unwrap_or("did not join")))
         .collect::<Vec<_>>()
         .join("; ")
 }
