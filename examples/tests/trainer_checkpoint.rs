@@ -32,15 +32,46 @@ fn path(p: &Path) -> &str {
     p.to_str().unwrap()
 }
 
+/// The steps a `--metrics` file records.
+fn steps_run(metrics: &Path) -> Vec<u64> {
+    std::fs::read_to_string(metrics)
+        .unwrap()
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["step"]
+                .as_u64()
+                .unwrap()
+        })
+        .collect()
+}
+
 #[test]
 fn resume_at_same_world_size_is_bitwise_identical() {
     let dir = tempfile::tempdir().unwrap();
     let ckpt = dir.path().join("ckpt");
     let common = ["--world-size", "2", "--stage", "2", "--batch-size", "8"];
     let full = train(&[&common[..], &["--steps", "6"]].concat());
-    let ckpt_args = ["--steps", "3", "--checkpoint-dir", path(&ckpt), "--checkpoint-every", "3"];
+    let ckpt_args = [
+        "--steps",
+        "3",
+        "--checkpoint-dir",
+        path(&ckpt),
+        "--checkpoint-every",
+        "3",
+    ];
     train(&[&common[..], &ckpt_args[..]].concat());
-    let resumed = train(&[&common[..], &["--steps", "6", "--resume", path(&ckpt)]].concat());
+    let metrics = dir.path().join("metrics.jsonl");
+    let resume_args = [
+        "--steps",
+        "6",
+        "--resume",
+        path(&ckpt),
+        "--metrics",
+        path(&metrics),
+    ];
+    let resumed = train(&[&common[..], &resume_args[..]].concat());
+    // Only steps 4..=6 ran after the resume.
+    assert_eq!(steps_run(&metrics), vec![4, 5, 6]);
     assert_eq!(resumed.steps, 6);
     assert_eq!(max_diff(&resumed, &full), 0.0);
 }
@@ -51,11 +82,29 @@ fn resume_at_another_world_size_and_stage() {
     let ckpt = dir.path().join("ckpt");
     let w4 = ["--world-size", "4", "--stage", "2", "--batch-size", "8"];
     let full = train(&[&w4[..], &["--steps", "6"]].concat());
-    let ckpt_args = ["--steps", "3", "--checkpoint-dir", path(&ckpt), "--checkpoint-every", "3"];
+    let ckpt_args = [
+        "--steps",
+        "3",
+        "--checkpoint-dir",
+        path(&ckpt),
+        "--checkpoint-every",
+        "3",
+    ];
     train(&[&w4[..], &ckpt_args[..]].concat());
     // The same global batch: half the ranks, twice the rows each.
     let w2 = ["--world-size", "2", "--stage", "1", "--batch-size", "16"];
-    let resumed = train(&[&w2[..], &["--steps", "6", "--resume", path(&ckpt)]].concat());
+    let metrics = dir.path().join("metrics.jsonl");
+    let resume_args = [
+        "--steps",
+        "6",
+        "--resume",
+        path(&ckpt),
+        "--metrics",
+        path(&metrics),
+    ];
+    let resumed = train(&[&w2[..], &resume_args[..]].concat());
+    // Only steps 4..=6 ran after the resume.
+    assert_eq!(steps_run(&metrics), vec![4, 5, 6]);
     let diff = max_diff(&resumed, &full);
     assert!(diff < 1e-4, "{diff}");
 }

@@ -152,9 +152,7 @@ impl<C: Communicator<Memory = Host>, T: Element + WithDType> ZeroOptimizer<C, T>
         options: &SaveOptions,
     ) -> Result<Manifest> {
         let mut store = VarStore { vars: &self.vars };
-        Ok(self
-            .engine
-            .save_checkpoint_with(dir, &mut store, options)?)
+        Ok(self.engine.save_checkpoint_with(dir, &mut store, options)?)
     }
 
     /// Loads a checkpoint saved at any world size, stage and partitioner:
