@@ -13,3 +13,4 @@ mod params;
 
 pub use error::{Error, Result};
 pub use optimizer::{ZeroConfig, ZeroOptimizer};
+pub use params::VarStore;

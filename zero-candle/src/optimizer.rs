@@ -4,8 +4,10 @@ use crate::{Error, Result};
 use candle_core::backprop::GradStore;
 use candle_core::{Storage, Tensor, Var, WithDType};
 use candle_nn::VarMap;
+use std::path::Path;
+use zero_core::checkpoint::Manifest;
 use zero_core::comm::Host;
-use zero_core::engine::{Engine, EngineConfig, MemoryReport, StepReport};
+use zero_core::engine::{Engine, EngineConfig, MemoryReport, SaveOptions, StepReport};
 use zero_core::optim::{FunctionalOptimizer, Hyperparams};
 use zero_core::{Communicator, DType, Element, ParamInfo};
 
@@ -134,6 +136,32 @@ impl<C: Communicator<Memory = Host>, T: Element + WithDType> ZeroOptimizer<C, T>
         let report = self.engine.step_accumulated(&mut store)?;
         self.last = Some(report);
         Ok(report)
+    }
+
+    /// Saves a sharded checkpoint of the optimizer state and the weights
+    /// into `dir` (see [`Engine::save_checkpoint_with`]). A collective.
+    pub fn save_checkpoint(&mut self, dir: impl AsRef<Path>) -> Result<Manifest> {
+        self.save_checkpoint_with(dir, &SaveOptions::default())
+    }
+
+    /// [`ZeroOptimizer::save_checkpoint`] with options: `options.user` is
+    /// stored in the manifest (data position, learning rate, ...).
+    pub fn save_checkpoint_with(
+        &mut self,
+        dir: impl AsRef<Path>,
+        options: &SaveOptions,
+    ) -> Result<Manifest> {
+        let mut store = VarStore { vars: &self.vars };
+        Ok(self.engine.save_checkpoint_with(dir, &mut store, options)?)
+    }
+
+    /// Loads a checkpoint saved at any world size, stage and partitioner:
+    /// the weights into the variables, this rank's optimizer state, the
+    /// hyperparameters and the step counter (see
+    /// [`Engine::load_checkpoint`]). A collective.
+    pub fn load_checkpoint(&mut self, dir: impl AsRef<Path>) -> Result<Manifest> {
+        let mut store = VarStore { vars: &self.vars };
+        Ok(self.engine.load_checkpoint(dir, &mut store)?)
     }
 
     /// The report of the last completed optimizer step.

@@ -4,8 +4,11 @@ use candle_core::{Storage, Tensor, Var, WithDType};
 use std::ops::Range;
 use zero_core::{Element, ParamStore};
 
-/// The model's variables as the engine's [`ParamStore`].
-pub(crate) struct VarStore<'a> {
+/// Candle variables as the engine's [`ParamStore`] (parameter `i` is
+/// `vars[i]`, in the engine's parameter order), for calling the engine's
+/// checkpoint functions directly.
+pub struct VarStore<'a> {
+    /// The variables, in the engine's parameter order.
     pub vars: &'a [Var],
 }
 

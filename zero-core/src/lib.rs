@@ -17,7 +17,7 @@ pub mod partition;
 
 pub use comm::{Communicator, Host, MemoryKind, ReduceOp, ThreadComm, ThreadGroup, Work};
 pub use dtype::{DType, Element};
-pub use engine::{Engine, EngineConfig, MemoryReport, ParamStore, Stage, StepReport};
+pub use engine::{Engine, EngineConfig, MemoryReport, ParamStore, SaveOptions, Stage, StepReport};
 pub use error::{Error, Result};
 pub use optim::{
     Adagrad, AdagradConfig, Adam, AdamConfig, AdamW, AdamWConfig, FunctionalOptimizer, RmsProp,

@@ -19,7 +19,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use zero_candle::ZeroOptimizer;
 use zero_core::comm::Host;
-use zero_core::engine::{EngineConfig, MemoryReport, NormType, PartitionerKind, Stage};
+use zero_core::engine::{
+    EngineConfig, MemoryReport, NormType, PartitionerKind, SaveOptions, Stage,
+};
 use zero_core::optim::FunctionalOptimizer;
 use zero_core::{Communicator, ReduceOp, ThreadGroup};
 
@@ -262,7 +264,24 @@ pub fn train_rank<C: Communicator<Memory = Host>>(
     let mut opt =
         ZeroOptimizer::<C, f32>::new(&varmap, comm, engine_config(args), build_optimizer(args)?)?;
 
-    let first_step = 0;
+    // Resuming: weights, optimizer state, step counter, data position and
+    // learning rate come from the checkpoint (any world size and stage).
+    let mut first_step = 0;
+    let mut data_position = 0;
+    if let Some(dir) = &args.resume {
+        let manifest = opt.load_checkpoint(dir)?;
+        let user = manifest.checkpoint.map(|c| c.user).unwrap_or_default();
+        first_step = user["step"].as_u64().ok_or_else(|| TrainError::Data {
+            path: dir.clone(),
+            detail: "the checkpoint records no trainer step; was it saved by `train`?".into(),
+        })?;
+        data_position = user["data_position"]
+            .as_u64()
+            .unwrap_or(first_step * args.grad_accum);
+        if let Some(lr) = user["lr"].as_f64() {
+            opt.engine_mut().set_learning_rate(lr);
+        }
+    }
     let mut metrics = match (&args.metrics, rank) {
         (Some(path), 0) => Some(std::io::BufWriter::new(
             std::fs::File::create(path).map_err(|e| TrainError::Data {
@@ -284,7 +303,9 @@ pub fn train_rank<C: Communicator<Memory = Host>>(
         let mut loss_sum = 0.0;
         let mut report = None;
         for micro in 0..accum {
-            let (x, y) = data.batch(step * accum + micro, world_size, rank, batch);
+            // The data position counts micro-batches of the global batch.
+            let position = data_position + (step - first_step) * accum + micro;
+            let (x, y) = data.batch(position, world_size, rank, batch);
             let x = Tensor::from_vec(x, (batch, data.width), &Device::Cpu)?;
             let y = Tensor::from_vec(y, batch, &Device::Cpu)?;
             let logits = model.forward(&x)?;
@@ -323,6 +344,19 @@ pub fn train_rank<C: Communicator<Memory = Host>>(
         }
         let samples_per_s = (world_size * batch) as f64 * accum as f64 / step_time_s;
         progress.step(step + 1, final_loss, samples_per_s);
+        if let Some(dir) = &args.checkpoint_dir {
+            if args.checkpoint_every > 0 && (step + 1) % args.checkpoint_every == 0 {
+                let options = SaveOptions {
+                    user: serde_json::json!({
+                        "step": step + 1,
+                        "data_position": data_position + (step + 1 - first_step) * accum,
+                        "lr": opt.engine().learning_rate(),
+                    }),
+                    ..SaveOptions::default()
+                };
+                opt.save_checkpoint_with(dir, &options)?;
+            }
+        }
     }
     progress.finish(final_loss);
     if let Some(out) = metrics.as_mut() {

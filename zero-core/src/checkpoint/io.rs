@@ -1,6 +1,8 @@
 //! File primitives for checkpoints: atomic writes, verified reads,
 //! safetensors files and the manifest.
 
+use super::state_dict::GroupState;
+use crate::partition::{ParamInfo, PartitionKind};
 use crate::{DType, Element, Error, Result};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -26,21 +28,21 @@ pub struct FileRecord {
     pub len: u64,
 }
 
-fn io_error(path: &Path, source: io::Error) -> Error {
+pub(crate) fn io_error(path: &Path, source: io::Error) -> Error {
     Error::Io {
         path: path.to_path_buf(),
         source,
     }
 }
 
-fn checkpoint_error(path: &Path, detail: impl Into<String>) -> Error {
+pub(crate) fn checkpoint_error(path: &Path, detail: impl Into<String>) -> Error {
     Error::Checkpoint {
         path: path.to_path_buf(),
         detail: detail.into(),
     }
 }
 
-fn hex(digest: &[u8]) -> String {
+pub(crate) fn hex(digest: &[u8]) -> String {
     use std::fmt::Write as _;
     digest.iter().fold(String::with_capacity(64), |mut s, b| {
         let _ = write!(s, "{b:02x}");
@@ -70,6 +72,18 @@ impl<W: Write> Write for HashingWriter<W> {
 
 /// Distinguishes temporary files of concurrent writes in one process.
 static TEMP_COUNTER: AtomicU64 = AtomicU64::new(0);
+
+/// A fresh temporary file name next to `file_name` in `dir`.
+pub(crate) fn temp_path(dir: &Path, file_name: &std::ffi::OsStr) -> std::path::PathBuf {
+    let mut temp_name = std::ffi::OsString::from(".");
+    temp_name.push(file_name);
+    temp_name.push(format!(
+        ".tmp.{}.{}",
+        std::process::id(),
+        TEMP_COUNTER.fetch_add(1, Ordering::Relaxed)
+    ));
+    dir.join(temp_name)
+}
 
 /// Writes a file atomically: readers see the previous file or the complete
 /// new one, never a partial write.
@@ -111,14 +125,7 @@ where
         Some(d) if !d.as_os_str().is_empty() => d,
         _ => Path::new("."),
     };
-    let mut temp_name = std::ffi::OsString::from(".");
-    temp_name.push(file_name);
-    temp_name.push(format!(
-        ".tmp.{}.{}",
-        std::process::id(),
-        TEMP_COUNTER.fetch_add(1, Ordering::Relaxed)
-    ));
-    let temp = dir.join(temp_name);
+    let temp = temp_path(dir, file_name);
 
     let file = OpenOptions::new()
         .write(true)
@@ -182,7 +189,7 @@ fn from_write_error(path: &Path, e: io::Error) -> Error {
 /// Makes a rename in `dir` durable. Directories cannot be opened for syncing
 /// on every platform; where they cannot, the rename is as durable as the
 /// file system makes it.
-fn sync_dir(dir: &Path) -> Result<()> {
+pub(crate) fn sync_dir(dir: &Path) -> Result<()> {
     #[cfg(unix)]
     {
         File::open(dir)
@@ -346,7 +353,7 @@ impl TensorBytes<'_> {
     }
 }
 
-fn to_safetensors(dtype: DType) -> safetensors::Dtype {
+pub(crate) fn to_safetensors(dtype: DType) -> safetensors::Dtype {
     match dtype {
         DType::F32 => safetensors::Dtype::F32,
         DType::F64 => safetensors::Dtype::F64,
@@ -355,7 +362,7 @@ fn to_safetensors(dtype: DType) -> safetensors::Dtype {
     }
 }
 
-fn from_safetensors(dtype: safetensors::Dtype) -> Option<DType> {
+pub(crate) fn from_safetensors(dtype: safetensors::Dtype) -> Option<DType> {
     match dtype {
         safetensors::Dtype::F32 => Some(DType::F32),
         safetensors::Dtype::F64 => Some(DType::F64),
@@ -504,6 +511,10 @@ pub struct Manifest {
     /// directory, with its checksum and length.
     #[serde(default)]
     pub files: BTreeMap<String, FileRecord>,
+    /// What the checkpoint holds and how it was saved (written by the
+    /// engine's saves; `None` for a bare manifest).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoint: Option<CheckpointInfo>,
     /// Fields this build does not know, kept as they were.
     #[serde(flatten)]
     pub extra: BTreeMap<String, serde_json::Value>,
@@ -528,6 +539,7 @@ impl Manifest {
         Self {
             format_version: FORMAT_VERSION,
             files: BTreeMap::new(),
+            checkpoint: None,
             extra: BTreeMap::new(),
         }
     }
@@ -611,4 +623,76 @@ impl Manifest {
         }
         read_verified(dir.join(relative), &record.sha256, record.len)
     }
+}
+
+/// Whether a checkpoint holds per-rank optimizer shards or one consolidated
+/// optimizer state.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CheckpointKind {
+    /// One optimizer file per saving rank, plus the model weights
+    /// (`Engine::save_checkpoint`).
+    Sharded,
+    /// One unsharded optimizer file (`Engine::save_consolidated`).
+    Consolidated,
+}
+
+/// A piece of a parameter whose optimizer state a per-rank file holds.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct PieceRecord {
+    /// The parameter's name.
+    pub name: String,
+    /// Offset of the piece within the flattened parameter.
+    pub offset: usize,
+    /// Number of elements.
+    pub len: usize,
+}
+
+/// One rank's optimizer file in a sharded checkpoint.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct ShardRecord {
+    /// The rank (of the partition plan) that wrote it.
+    pub rank: usize,
+    /// The file, relative to the checkpoint directory.
+    pub file: String,
+    /// The pieces whose state it holds, as tensors named
+    /// `state.<name>.<offset>.<state name>` (scalars such as `step` as f64
+    /// tensors of shape `[]`). Pieces never stepped have no tensors.
+    pub pieces: Vec<PieceRecord>,
+}
+
+/// The typed description of a checkpoint in its [`Manifest`].
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CheckpointInfo {
+    /// Sharded or consolidated.
+    pub kind: CheckpointKind,
+    /// Distinguishes the files of this save from those of earlier saves
+    /// into the same directory (e.g. `step12`).
+    #[serde(default)]
+    pub tag: String,
+    /// The communicator's world size at save.
+    pub world_size: usize,
+    /// The ZeRO stage at save (0, 1 or 2).
+    pub stage: u8,
+    /// The partitioner at save.
+    pub partition: PartitionKind,
+    /// The model's parameters: names, shapes, dtypes, trainability.
+    pub params: Vec<ParamInfo>,
+    /// The optimizer's kind, e.g. `"adam"`.
+    pub optimizer: String,
+    /// Hyperparameters and members of each parameter group.
+    pub param_groups: Vec<GroupState>,
+    /// Optimizer steps taken at save.
+    pub steps: u64,
+    /// The model weights under parameter names (sharded checkpoints).
+    #[serde(default)]
+    pub model_file: Option<String>,
+    /// Per saving rank, its optimizer file and pieces (sharded
+    /// checkpoints).
+    #[serde(default)]
+    pub shards: Vec<ShardRecord>,
+    /// What the user stored with the checkpoint (e.g. data position and
+    /// learning rate); `null` when nothing.
+    #[serde(default)]
+    pub user: serde_json::Value,
 }

@@ -1,6 +1,13 @@
-//! Checkpoints: atomic, checksummed files, safetensors tensors and the
-//! manifest that indexes a checkpoint directory.
+//! Checkpoints: atomic, checksummed files, safetensors tensors, the manifest
+//! that indexes a checkpoint directory, and the unsharded [`StateDict`].
+//!
+//! The engine's side (consolidation, sharded save and load) lives in
+//! `Engine::consolidate_state_dict`, `Engine::save_checkpoint` and
+//! `Engine::load_checkpoint`.
 
 mod io;
+mod state_dict;
+pub(crate) mod stream;
 
 pub use io::*;
+pub use state_dict::*;

@@ -21,9 +21,11 @@
 mod config;
 mod layout;
 mod memory;
+mod state;
 
 pub use config::{ClipConfig, EngineConfig, NormType, ParamGroupSpec, PartitionerKind, Stage};
 pub use memory::MemoryReport;
+pub use state::SaveOptions;
 
 use crate::comm::{Communicator, Host, ReduceOp};
 use crate::optim::{FunctionalOptimizer, Hyperparams, ParamKey, ParamMut};
@@ -94,6 +96,8 @@ pub struct Engine<T: Element, C: Communicator<Memory = Host>> {
     active: Vec<bool>,
     bucket_active: Vec<bool>,
     steps: u64,
+    /// The state gathered by the last `consolidate_state_dict` (receiver only).
+    consolidated: Option<crate::checkpoint::StateDict<T>>,
 }
 
 impl<T: Element, C: Communicator<Memory = Host>> Engine<T, C> {
@@ -190,6 +194,7 @@ impl<T: Element, C: Communicator<Memory = Host>> Engine<T, C> {
             bucket_active: Vec::new(),
             trainable,
             steps: 0,
+            consolidated: None,
             comm,
             config,
             index,

@@ -1,0 +1,110 @@
+//! The trainer's `--checkpoint-dir/--checkpoint-every` and `--resume`:
+//! an interrupted run continues as if it never stopped, at the same or
+//! another world size and stage.
+
+use clap::Parser;
+use std::path::Path;
+use zero_examples::trainer::{run, Args, Summary};
+
+fn args(extra: &[&str]) -> Args {
+    let mut all = vec!["train", "--quiet", "--hidden", "16,16", "--seed", "3"];
+    all.extend_from_slice(extra);
+    Args::parse_from(all)
+}
+
+fn train(extra: &[&str]) -> Summary {
+    run(&args(extra)).unwrap()
+}
+
+fn max_diff(a: &Summary, b: &Summary) -> f32 {
+    assert_eq!(a.weights.len(), b.weights.len());
+    let mut diff = 0.0f32;
+    for ((na, wa), (nb, wb)) in a.weights.iter().zip(&b.weights) {
+        assert_eq!(na, nb);
+        for (x, y) in wa.iter().zip(wb) {
+            diff = diff.max((x - y).abs());
+        }
+    }
+    diff
+}
+
+fn path(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+/// The steps a `--metrics` file records.
+fn steps_run(metrics: &Path) -> Vec<u64> {
+    std::fs::read_to_string(metrics)
+        .unwrap()
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["step"]
+                .as_u64()
+                .unwrap()
+        })
+        .collect()
+}
+
+#[test]
+fn resume_at_same_world_size_is_bitwise_identical() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("ckpt");
+    let common = ["--world-size", "2", "--stage", "2", "--batch-size", "8"];
+    let full = train(&[&common[..], &["--steps", "6"]].concat());
+    let ckpt_args = [
+        "--steps",
+        "3",
+        "--checkpoint-dir",
+        path(&ckpt),
+        "--checkpoint-every",
+        "3",
+    ];
+    train(&[&common[..], &ckpt_args[..]].concat());
+    let metrics = dir.path().join("metrics.jsonl");
+    let resume_args = [
+        "--steps",
+        "6",
+        "--resume",
+        path(&ckpt),
+        "--metrics",
+        path(&metrics),
+    ];
+    let resumed = train(&[&common[..], &resume_args[..]].concat());
+    // Only steps 4..=6 ran after the resume.
+    assert_eq!(steps_run(&metrics), vec![4, 5, 6]);
+    assert_eq!(resumed.steps, 6);
+    assert_eq!(max_diff(&resumed, &full), 0.0);
+}
+
+#[test]
+fn resume_at_another_world_size_and_stage() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("ckpt");
+    let w4 = ["--world-size", "4", "--stage", "2", "--batch-size", "8"];
+    let full = train(&[&w4[..], &["--steps", "6"]].concat());
+    let ckpt_args = [
+        "--steps",
+        "3",
+        "--checkpoint-dir",
+        path(&ckpt),
+        "--checkpoint-every",
+        "3",
+    ];
+    train(&[&w4[..], &ckpt_args[..]].concat());
+    // The same global batch: half the ranks, twice the rows each.
+    let w2 = ["--world-size", "2", "--stage", "1", "--batch-size", "16"];
+    let metrics = dir.path().join("metrics.jsonl");
+    let resume_args = [
+        "--steps",
+        "6",
+        "--resume",
+        path(&ckpt),
+        "--metrics",
+        path(&metrics),
+    ];
+    let resumed = train(&[&w2[..], &resume_args[..]].concat());
+    // Only steps 4..=6 ran after the resume.
+    assert_eq!(steps_run(&metrics), vec![4, 5, 6]);
+    let diff = max_diff(&resumed, &full);
+    assert!(diff < 1e-4, "{diff}");
+}

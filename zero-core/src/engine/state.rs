@@ -1,0 +1,1042 @@
+//! Checkpoints from the engine's side: consolidating the sharded optimizer
+//! state into a [`StateDict`], loading one, and sharded save and load at any
+//! world size, stage and partitioner.
+//!
+//! Every function here is a collective unless it says otherwise. Failures
+//! on one rank are shared with the others through one small
+//! `all_gather_bytes` of a status, so a rank that fails to write a file
+//! makes every rank return an error naming it instead of leaving them
+//! waiting.
+
+use super::{Engine, ParamStore, Stage};
+use crate::checkpoint::stream::StreamingTensorFile;
+use crate::checkpoint::{
+    checkpoint_error, load_tensors, piece_name, write_atomic, write_tensors, CheckpointInfo,
+    CheckpointKind, FailAfter, FileRecord, GroupState, Manifest, PieceRecord, ShardRecord,
+    StateDict, TensorBytes, CONSOLIDATED_FILE, MANIFEST_FILE,
+};
+use crate::comm::{Communicator, Host};
+use crate::optim::{OptimizerState, ParamState};
+use crate::partition::ParamInfo;
+use crate::{DType, Element, Error, Result};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::ops::Range;
+use std::path::Path;
+
+/// Options of [`Engine::save_checkpoint_with`].
+#[derive(Clone, Debug, Default)]
+pub struct SaveOptions {
+    /// Stored in the manifest ([`CheckpointInfo::user`]) and given back by
+    /// [`Engine::load_checkpoint`]: data position, learning rate, ...
+    pub user: serde_json::Value,
+    /// Fault injection for tests: `(rank, bytes)` makes that rank's
+    /// optimizer file write fail after `bytes` bytes.
+    #[doc(hidden)]
+    pub fail_after: Option<(usize, usize)>,
+}
+
+/// What a rank tells the receiver about one piece before sending its state.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct PieceMeta {
+    name: String,
+    offset: usize,
+    len: usize,
+    /// Scalars as `f64::to_bits`, so they cross JSON exactly.
+    scalars: Vec<(String, u64)>,
+    /// Names of the element-wise tensors, in the order they are sent.
+    tensors: Vec<String>,
+    /// Set when an exported tensor is not as long as the piece.
+    bad_len: Option<usize>,
+}
+
+/// A rank's outcome of a step of a save or load, shared with every rank.
+#[derive(Serialize, Deserialize)]
+struct RankStatus {
+    error: Option<String>,
+    files: Vec<(String, FileRecord)>,
+}
+
+/// What the receiver of a consolidation does with the pieces.
+trait PieceSink<T> {
+    /// Called once with every rank's piece list, before any data.
+    fn begin(&mut self, all: &[Vec<PieceMeta>]) -> Result<()>;
+    /// One piece's tensors, concatenated in `meta.tensors` order.
+    fn piece(&mut self, meta: &PieceMeta, data: &[T]) -> Result<()>;
+}
+
+/// Coverage bookkeeping shared by both sinks: elements received per
+/// parameter, checked against its length at the end.
+fn check_coverage(
+    numel: &BTreeMap<String, usize>,
+    covered: &BTreeMap<String, usize>,
+) -> Result<()> {
+    for (name, &got) in covered {
+        let want = numel.get(name).copied().unwrap_or(0);
+        if got != want {
+            return Err(Error::State(format!(
+                "consolidation: the state of parameter {name:?} covers {got} of its {want} elements; \
+                 the ranks' optimizer states are inconsistent"
+            )));
+        }
+    }
+    Ok(())
+}
+
+fn check_meta(numel: &BTreeMap<String, usize>, meta: &PieceMeta) -> Result<usize> {
+    let total = numel.get(&meta.name).copied().ok_or_else(|| {
+        Error::State(format!(
+            "consolidation: a rank holds state for {:?}, which is not a parameter of the model",
+            meta.name
+        ))
+    })?;
+    if let Some(bad) = meta.bad_len {
+        return Err(Error::State(format!(
+            "consolidation: a state tensor of the piece of {:?} at {} has {bad} elements, the piece {}",
+            meta.name, meta.offset, meta.len
+        )));
+    }
+    if meta.offset + meta.len > total {
+        return Err(Error::State(format!(
+            "consolidation: piece {}..{} of {:?} is outside its {total} elements",
+            meta.offset,
+            meta.offset + meta.len,
+            meta.name
+        )));
+    }
+    Ok(total)
+}
+
+/// Assembles the pieces into full tensors in memory.
+struct MemorySink<'a, T> {
+    numel: &'a BTreeMap<String, usize>,
+    state: BTreeMap<String, ParamState<T>>,
+    covered: BTreeMap<String, usize>,
+}
+
+impl<T: Element> PieceSink<T> for MemorySink<'_, T> {
+    fn begin(&mut self, _all: &[Vec<PieceMeta>]) -> Result<()> {
+        Ok(())
+    }
+
+    fn piece(&mut self, meta: &PieceMeta, data: &[T]) -> Result<()> {
+        let total = check_meta(self.numel, meta)?;
+        let entry = self
+            .state
+            .entry(meta.name.clone())
+            .or_insert_with(|| ParamState {
+                scalars: meta
+                    .scalars
+                    .iter()
+                    .map(|(n, bits)| (n.clone(), f64::from_bits(*bits)))
+                    .collect(),
+                tensors: meta
+                    .tensors
+                    .iter()
+                    .map(|n| (n.clone(), vec![T::default(); total]))
+                    .collect(),
+            });
+        for (i, tensor) in meta.tensors.iter().enumerate() {
+            let dst = entry.tensors.get_mut(tensor).ok_or_else(|| {
+                Error::State(format!(
+                    "consolidation: pieces of {:?} disagree on their state tensors ({tensor:?})",
+                    meta.name
+                ))
+            })?;
+            dst[meta.offset..meta.offset + meta.len]
+                .copy_from_slice(&data[i * meta.len..(i + 1) * meta.len]);
+        }
+        *self.covered.entry(meta.name.clone()).or_default() += meta.len;
+        Ok(())
+    }
+}
+
+/// Writes the pieces straight into the consolidated file as they arrive.
+struct FileSink<'a> {
+    numel: &'a BTreeMap<String, usize>,
+    path: &'a Path,
+    dtype: DType,
+    file: Option<StreamingTensorFile>,
+    covered: BTreeMap<String, usize>,
+}
+
+impl<T: Element> PieceSink<T> for FileSink<'_> {
+    fn begin(&mut self, all: &[Vec<PieceMeta>]) -> Result<()> {
+        let mut specs: BTreeMap<String, (DType, Vec<usize>)> = BTreeMap::new();
+        let mut scalars: BTreeMap<String, f64> = BTreeMap::new();
+        for meta in all.iter().flatten() {
+            let total = check_meta(self.numel, meta)?;
+            for t in &meta.tensors {
+                specs.insert(
+                    crate::checkpoint::consolidated_name(&meta.name, t),
+                    (self.dtype, vec![total]),
+                );
+            }
+            for (s, bits) in &meta.scalars {
+                let name = crate::checkpoint::consolidated_name(&meta.name, s);
+                specs.insert(name.clone(), (DType::F64, Vec::new()));
+                scalars.entry(name).or_insert(f64::from_bits(*bits));
+            }
+        }
+        if let Some(dir) = self.path.parent() {
+            std::fs::create_dir_all(dir).map_err(|e| Error::Io {
+                path: dir.to_path_buf(),
+                source: e,
+            })?;
+        }
+        let specs: Vec<(String, DType, Vec<usize>)> =
+            specs.into_iter().map(|(n, (d, s))| (n, d, s)).collect();
+        let mut file = StreamingTensorFile::create(self.path, &specs)?;
+        for (name, value) in scalars {
+            file.write_at(&name, 0, bytemuck::bytes_of(&value))?;
+        }
+        self.file = Some(file);
+        Ok(())
+    }
+
+    fn piece(&mut self, meta: &PieceMeta, data: &[T]) -> Result<()> {
+        check_meta(self.numel, meta)?;
+        let file = self
+            .file
+            .as_mut()
+            .ok_or_else(|| checkpoint_error(self.path, "internal: file not created"))?;
+        for (i, tensor) in meta.tensors.iter().enumerate() {
+            file.write_at(
+                &crate::checkpoint::consolidated_name(&meta.name, tensor),
+                meta.offset,
+                bytemuck::cast_slice(&data[i * meta.len..(i + 1) * meta.len]),
+            )?;
+        }
+        *self.covered.entry(meta.name.clone()).or_default() += meta.len;
+        Ok(())
+    }
+}
+
+impl<T: Element, C: Communicator<Memory = Host>> Engine<T, C> {
+    /// Gathers the full (unsharded) optimizer state on rank `to`; read it
+    /// there with [`Engine::state_dict`]. A collective: every rank calls it.
+    ///
+    /// It streams shard by shard: for each rank in order, that rank's
+    /// pieces go to `to` alone (a `gather_varlen` where only the source
+    /// sends), so `to` holds at most one other rank's shard besides the
+    /// result. Ranks that own nothing send nothing. The result is a
+    /// snapshot: later steps do not update it.
+    pub fn consolidate_state_dict(&mut self, to: usize) -> Result<()> {
+        self.consolidated = None;
+        let numel = self.numel_by_name();
+        let mut sink = MemorySink {
+            numel: &numel,
+            state: BTreeMap::new(),
+            covered: BTreeMap::new(),
+        };
+        self.stream_pieces(to, "consolidate_state_dict", &mut sink)?;
+        if self.comm.rank() == to {
+            check_coverage(&numel, &sink.covered)?;
+            self.consolidated = Some(StateDict {
+                optimizer: self.optimizer.kind().to_string(),
+                state: sink.state,
+                param_groups: self.group_states(),
+                steps: self.steps,
+            });
+        }
+        Ok(())
+    }
+
+    /// The state gathered by the last [`Engine::consolidate_state_dict`]
+    /// on this rank (only its `to` rank has one). Not a collective.
+    pub fn state_dict(&self) -> Result<&StateDict<T>> {
+        self.consolidated.as_ref().ok_or_else(|| {
+            Error::State(format!(
+                "rank {} holds no consolidated optimizer state; \
+                 call consolidate_state_dict(to) on every rank first, then state_dict() on rank `to`",
+                self.comm.rank()
+            ))
+        })
+    }
+
+    /// Writes the full optimizer state into `dir` as one
+    /// [`CONSOLIDATED_FILE`] (tensors `state.<param>.<state>`, scalars as
+    /// f64 tensors of shape `[]`) plus the manifest, streaming shard by
+    /// shard to rank `to`, which writes each piece as it arrives (it never
+    /// holds more than one shard). Read it back with [`StateDict::load`].
+    /// A collective; an error on `to` is returned on every rank.
+    pub fn save_consolidated(&mut self, dir: impl AsRef<Path>, to: usize) -> Result<()> {
+        let dir = dir.as_ref();
+        let path = dir.join(CONSOLIDATED_FILE);
+        let numel = self.numel_by_name();
+        let mut sink = FileSink {
+            numel: &numel,
+            path: &path,
+            dtype: T::DTYPE,
+            file: None,
+            covered: BTreeMap::new(),
+        };
+        let streamed = self.stream_pieces(to, "save_consolidated", &mut sink);
+        let local = streamed.and_then(|()| {
+            if self.comm.rank() != to {
+                return Ok(Vec::new());
+            }
+            check_coverage(&numel, &sink.covered)?;
+            let record = match sink.file.take() {
+                Some(file) => file.finish()?,
+                None => return Err(checkpoint_error(&path, "internal: file not created")),
+            };
+            let mut manifest = Manifest::new();
+            manifest.record(CONSOLIDATED_FILE, record);
+            manifest.checkpoint = Some(self.checkpoint_info(
+                CheckpointKind::Consolidated,
+                String::new(),
+                serde_json::Value::Null,
+            ));
+            manifest.save(dir)?;
+            Ok(Vec::new())
+        });
+        self.agree(local, dir, "save_consolidated").map(|_| ())
+    }
+
+    /// Loads an unsharded optimizer state: each rank slices its pieces out
+    /// of the full tensors, and every group takes the dict's
+    /// hyperparameters (an optimizer built with another learning rate takes
+    /// the saved one). Works at any world size, stage and partitioner. Not
+    /// a collective; call it on every rank with the same dict.
+    ///
+    /// Errors: another optimizer kind, other parameter groups, state for a
+    /// name that is not a parameter, or a tensor whose length is not the
+    /// parameter's. Parameters without state in the dict keep theirs (a
+    /// fresh engine has none). Sets the step counter to the dict's.
+    pub fn load_state_dict(&mut self, dict: &StateDict<T>) -> Result<()> {
+        self.refuse_mid_accumulation("load_state_dict")?;
+        if dict.optimizer != self.optimizer.kind() {
+            return Err(Error::Optimizer(format!(
+                "load_state_dict: the state dict is of a {:?} optimizer, this engine's is {:?}",
+                dict.optimizer,
+                self.optimizer.kind()
+            )));
+        }
+        self.check_groups(&dict.param_groups)
+            .map_err(|detail| Error::Optimizer(format!("load_state_dict: {detail}")))?;
+        for (name, piece) in &dict.state {
+            let Some(&i) = self.index.get(name) else {
+                return Err(Error::Optimizer(format!(
+                    "load_state_dict: the state dict holds state for {name:?}, which is not a \
+                     parameter of the model; is it the state of another model?"
+                )));
+            };
+            let numel = self.params[i].numel();
+            for (tensor, values) in &piece.tensors {
+                if values.len() != numel {
+                    return Err(Error::Optimizer(format!(
+                        "load_state_dict: state {tensor:?} of {name:?} has {} elements, the \
+                         parameter has {numel}",
+                        values.len()
+                    )));
+                }
+            }
+        }
+        let mut imported = OptimizerState::default();
+        for (piece, key) in self.owned.iter().zip(&self.keys) {
+            if let Some(full) = dict.state.get(&key.name) {
+                imported.params.insert(
+                    (key.name.clone(), key.offset),
+                    ParamState {
+                        scalars: full.scalars.clone(),
+                        tensors: full
+                            .tensors
+                            .iter()
+                            .map(|(n, v)| (n.clone(), v[piece.param_range.clone()].to_vec()))
+                            .collect(),
+                    },
+                );
+            }
+        }
+        for (g, group) in dict.param_groups.iter().enumerate() {
+            self.optimizer.set_hyperparams(g, &group.hyperparams)?;
+        }
+        self.optimizer.import_state(imported)?;
+        self.steps = dict.steps;
+        Ok(())
+    }
+
+    /// Saves a sharded checkpoint into `dir`; see
+    /// [`Engine::save_checkpoint_with`].
+    pub fn save_checkpoint(
+        &mut self,
+        dir: impl AsRef<Path>,
+        weights: &mut dyn ParamStore<T>,
+    ) -> Result<Manifest> {
+        self.save_checkpoint_with(dir, weights, &SaveOptions::default())
+    }
+
+    /// Saves a sharded checkpoint into `dir` (created if needed). A
+    /// collective.
+    ///
+    /// Each rank that owns a shard writes `optim.<tag>.rank<r>.safetensors`
+    /// (its pieces' state, tensors `state.<param>.<offset>.<state>`; in
+    /// stage 0 only rank 0, as every rank holds everything); rank 0 writes
+    /// `model.<tag>.safetensors` (the weights of the parameters of the
+    /// engine's dtype, read from `weights`, under their names: Candle's
+    /// `safetensors::load` and Python's `safetensors` read it) and, once
+    /// every rank reports success, `manifest.json`, the commit point. The
+    /// tag is `step<N>` (with a suffix if the directory's current checkpoint
+    /// already uses it), so a save that fails part-way leaves the previous
+    /// checkpoint of the directory loadable; files of older checkpoints are
+    /// removed once the new manifest is in place.
+    ///
+    /// Refused inside a gradient-accumulation window (the accumulated
+    /// gradients are not part of a checkpoint): finish the step first.
+    pub fn save_checkpoint_with(
+        &mut self,
+        dir: impl AsRef<Path>,
+        weights: &mut dyn ParamStore<T>,
+        options: &SaveOptions,
+    ) -> Result<Manifest> {
+        self.refuse_mid_accumulation("save_checkpoint")?;
+        let dir = dir.as_ref();
+        let rank = self.comm.rank();
+
+        // Rank 0 picks a tag unused by the directory's current checkpoint.
+        let old = if rank == 0 {
+            Manifest::load(dir).ok()
+        } else {
+            None
+        };
+        let old_tag = old
+            .as_ref()
+            .and_then(|m| m.checkpoint.as_ref())
+            .map(|c| c.tag.clone());
+        let mut tag = format!("step{}", self.steps);
+        let mut k = 0;
+        while old_tag.as_deref() == Some(tag.as_str()) {
+            k += 1;
+            tag = format!("step{}.{k}", self.steps);
+        }
+        let tags = self.comm.all_gather_bytes(tag.as_bytes())?;
+        let tag = tags
+            .first()
+            .map(|t| String::from_utf8_lossy(t).into_owned())
+            .unwrap_or(tag);
+
+        let shard_file = |p: usize| format!("optim.{tag}.rank{p}.safetensors");
+        let model_file = format!("model.{tag}.safetensors");
+        let local = (|| -> Result<Vec<(String, FileRecord)>> {
+            std::fs::create_dir_all(dir).map_err(|e| Error::Io {
+                path: dir.to_path_buf(),
+                source: e,
+            })?;
+            let mut files = Vec::new();
+            let writes_shard = self.config.stage != Stage::Ddp || rank == 0;
+            if writes_shard {
+                let name = shard_file(self.plan_rank);
+                let fail = options
+                    .fail_after
+                    .and_then(|(r, bytes)| (r == rank).then_some(bytes));
+                let record = self.write_shard(&dir.join(&name), fail)?;
+                files.push((name, record));
+            }
+            if rank == 0 {
+                let record = self.write_model(&dir.join(&model_file), weights)?;
+                files.push((model_file.clone(), record));
+            }
+            Ok(files)
+        })();
+        let files = self.agree(local, dir, "save_checkpoint")?;
+
+        let mut manifest = Manifest::new();
+        for (name, record) in files {
+            manifest.record(name, record);
+        }
+        let mut info =
+            self.checkpoint_info(CheckpointKind::Sharded, tag.clone(), options.user.clone());
+        info.model_file = Some(model_file);
+        info.shards = self
+            .plan
+            .shards
+            .iter()
+            .enumerate()
+            .map(|(p, pieces)| ShardRecord {
+                rank: p,
+                file: shard_file(p),
+                pieces: pieces
+                    .iter()
+                    .map(|piece| PieceRecord {
+                        name: self.params[piece.param].name.clone(),
+                        offset: piece.param_range.start,
+                        len: piece.len(),
+                    })
+                    .collect(),
+            })
+            .collect();
+        manifest.checkpoint = Some(info);
+        let written = if rank == 0 {
+            manifest.save(dir).map(|_| Vec::new())
+        } else {
+            Ok(Vec::new())
+        };
+        self.agree(written, dir, "writing the manifest")?;
+
+        if rank == 0 {
+            remove_stale_files(dir, &manifest, old.as_ref());
+        }
+        Ok(manifest)
+    }
+
+    /// Loads a sharded checkpoint saved at any world size, stage and
+    /// partitioner: weights from the model file into `weights`, and this
+    /// rank's optimizer state, read from just the rank files whose pieces
+    /// overlap its own (each verified against its checksum). Also restores
+    /// the hyperparameters of every group and the step counter. Returns the
+    /// manifest ([`CheckpointInfo::user`] holds what the save stored). A
+    /// collective: a failure on any rank is returned on every rank (the
+    /// engine's state is then unspecified; load again).
+    ///
+    /// Errors ([`Error::Checkpoint`] naming the file): missing, truncated or
+    /// corrupted files, an unknown format version, a checkpoint of another
+    /// model (parameter names, shapes, dtypes) or optimizer.
+    pub fn load_checkpoint(
+        &mut self,
+        dir: impl AsRef<Path>,
+        weights: &mut dyn ParamStore<T>,
+    ) -> Result<Manifest> {
+        self.refuse_mid_accumulation("load_checkpoint")?;
+        let dir = dir.as_ref();
+        let (status, manifest) = match self.load_checkpoint_local(dir, weights) {
+            Ok(m) => (Ok(Vec::new()), Some(m)),
+            Err(e) => (Err(e), None),
+        };
+        self.agree(status, dir, "load_checkpoint")?;
+        manifest.ok_or_else(|| Error::State("load_checkpoint: internal: no manifest".into()))
+    }
+
+    fn load_checkpoint_local(
+        &mut self,
+        dir: &Path,
+        weights: &mut dyn ParamStore<T>,
+    ) -> Result<Manifest> {
+        let manifest = Manifest::load(dir)?;
+        let manifest_path = dir.join(MANIFEST_FILE);
+        let info = manifest.checkpoint.as_ref().ok_or_else(|| {
+            checkpoint_error(
+                &manifest_path,
+                "describes no engine checkpoint (no \"checkpoint\" section)",
+            )
+        })?;
+        if info.kind != CheckpointKind::Sharded {
+            return Err(checkpoint_error(
+                &manifest_path,
+                "holds a consolidated optimizer state without weights; \
+                 load it with StateDict::load and Engine::load_state_dict",
+            ));
+        }
+        self.check_same_model(&info.params)
+            .map_err(|detail| checkpoint_error(&manifest_path, detail))?;
+        if info.optimizer != self.optimizer.kind() {
+            return Err(checkpoint_error(
+                &manifest_path,
+                format!(
+                    "was saved with a {:?} optimizer, this engine uses {:?}",
+                    info.optimizer,
+                    self.optimizer.kind()
+                ),
+            ));
+        }
+        self.check_groups(&info.param_groups)
+            .map_err(|detail| checkpoint_error(&manifest_path, detail))?;
+
+        // This rank's pieces, and the state assembled for each.
+        let mine: Vec<(String, Range<usize>)> = self
+            .owned
+            .iter()
+            .map(|p| (self.params[p.param].name.clone(), p.param_range.clone()))
+            .collect();
+        let mut assembled: Vec<ParamState<T>> = vec![ParamState::default(); mine.len()];
+        let mut covered: Vec<BTreeMap<String, usize>> = vec![BTreeMap::new(); mine.len()];
+        let overlap = |saved: &PieceRecord, name: &str, range: &Range<usize>| {
+            let lo = saved.offset.max(range.start);
+            let hi = (saved.offset + saved.len).min(range.end);
+            (saved.name == name && lo < hi).then_some(lo..hi)
+        };
+        for shard in &info.shards {
+            let needed = shard
+                .pieces
+                .iter()
+                .any(|s| mine.iter().any(|(n, r)| overlap(s, n, r).is_some()));
+            if !needed {
+                continue;
+            }
+            let path = dir.join(&shard.file);
+            let bytes = manifest.read_file(dir, &shard.file)?;
+            let tensors = load_tensors(&path, &bytes)?;
+            for saved in &shard.pieces {
+                let prefix = format!("state.{}.{}.", saved.name, saved.offset);
+                for (i, (name, range)) in mine.iter().enumerate() {
+                    let Some(common) = overlap(saved, name, range) else {
+                        continue;
+                    };
+                    for (tensor_name, t) in tensors.range(prefix.clone()..) {
+                        let Some(state) = tensor_name.strip_prefix(&prefix) else {
+                            break;
+                        };
+                        if state.contains('.') {
+                            continue;
+                        }
+                        if t.shape.is_empty() {
+                            let v = t.to_vec::<f64>().map_err(|e| {
+                                checkpoint_error(&path, format!("scalar {tensor_name:?}: {e}"))
+                            })?;
+                            let value = v.first().copied().ok_or_else(|| {
+                                checkpoint_error(&path, format!("scalar {tensor_name:?} is empty"))
+                            })?;
+                            assembled[i].scalars.insert(state.to_string(), value);
+                            continue;
+                        }
+                        if t.shape != [saved.len] || t.dtype != T::DTYPE {
+                            return Err(checkpoint_error(
+                                &path,
+                                format!(
+                                    "tensor {tensor_name:?} is {} {:?}, the manifest says {} [{}]",
+                                    t.dtype,
+                                    t.shape,
+                                    T::DTYPE,
+                                    saved.len
+                                ),
+                            ));
+                        }
+                        let size = T::DTYPE.size_in_bytes();
+                        let from = common.start - saved.offset;
+                        let part = TensorBytes {
+                            dtype: t.dtype,
+                            shape: vec![common.len()],
+                            data: &t.data[from * size..(from + common.len()) * size],
+                        }
+                        .to_vec::<T>()?;
+                        let dst = assembled[i]
+                            .tensors
+                            .entry(state.to_string())
+                            .or_insert_with(|| vec![T::default(); range.len()]);
+                        let at = common.start - range.start;
+                        dst[at..at + common.len()].copy_from_slice(&part);
+                        *covered[i].entry(state.to_string()).or_default() += common.len();
+                    }
+                }
+            }
+        }
+
+        let mut imported = OptimizerState::default();
+        for (((name, range), state), covered) in mine.iter().zip(assembled).zip(&covered) {
+            for (tensor, &got) in covered {
+                if got != range.len() {
+                    return Err(checkpoint_error(
+                        &manifest_path,
+                        format!(
+                            "the rank files cover {got} of the {} elements of state {tensor:?} \
+                             of {name:?} {range:?}; the checkpoint is incomplete",
+                            range.len()
+                        ),
+                    ));
+                }
+            }
+            if !state.tensors.is_empty() || !state.scalars.is_empty() {
+                imported.params.insert((name.clone(), range.start), state);
+            }
+        }
+
+        // Weights.
+        let model_file = info
+            .model_file
+            .as_deref()
+            .ok_or_else(|| checkpoint_error(&manifest_path, "names no model file"))?;
+        let model_path = dir.join(model_file);
+        let bytes = manifest.read_file(dir, model_file)?;
+        let tensors = load_tensors(&model_path, &bytes)?;
+        for (i, p) in self.params.iter().enumerate() {
+            if p.dtype != T::DTYPE {
+                continue;
+            }
+            let t = tensors.get(&p.name).ok_or_else(|| {
+                checkpoint_error(&model_path, format!("has no tensor {:?}", p.name))
+            })?;
+            if t.shape != p.shape || t.dtype != p.dtype {
+                return Err(checkpoint_error(
+                    &model_path,
+                    format!(
+                        "tensor {:?} is {} {:?}, the model's parameter is {} {:?}",
+                        p.name, t.dtype, t.shape, p.dtype, p.shape
+                    ),
+                ));
+            }
+            let values = t
+                .to_vec::<T>()
+                .map_err(|e| checkpoint_error(&model_path, format!("{:?}: {e}", p.name)))?;
+            weights.write(i, 0..p.numel(), &values)?;
+        }
+
+        for (g, group) in info.param_groups.iter().enumerate() {
+            self.optimizer.set_hyperparams(g, &group.hyperparams)?;
+        }
+        self.optimizer.import_state(imported)?;
+        self.steps = info.steps;
+        Ok(manifest)
+    }
+
+    /// Sends every rank's pieces to `to`, one source rank at a time, into
+    /// `sink`. A sink error on `to` does not stop the collectives (the other
+    /// ranks would hang); it is returned at the end.
+    fn stream_pieces(
+        &self,
+        to: usize,
+        op: &'static str,
+        sink: &mut dyn PieceSink<T>,
+    ) -> Result<()> {
+        let rank = self.comm.rank();
+        let world = self.comm.world_size();
+        if to >= world {
+            return Err(Error::InvalidRank {
+                op,
+                rank: to,
+                world_size: world,
+            });
+        }
+        // In stage 0 every rank holds everything: only `to` contributes.
+        let contributes = self.config.stage != Stage::Ddp || rank == to;
+        let mut exported = if contributes {
+            self.optimizer.export_state().params
+        } else {
+            BTreeMap::new()
+        };
+        let lengths: BTreeMap<(&str, usize), usize> = self
+            .keys
+            .iter()
+            .zip(&self.owned)
+            .map(|(k, p)| ((k.name.as_str(), k.offset), p.len()))
+            .collect();
+        let metas: Vec<PieceMeta> = exported
+            .iter()
+            .map(|((name, offset), state)| {
+                let len = lengths
+                    .get(&(name.as_str(), *offset))
+                    .copied()
+                    .or_else(|| state.tensors.values().next().map(Vec::len))
+                    .unwrap_or(0);
+                PieceMeta {
+                    name: name.clone(),
+                    offset: *offset,
+                    len,
+                    scalars: state
+                        .scalars
+                        .iter()
+                        .map(|(n, v)| (n.clone(), v.to_bits()))
+                        .collect(),
+                    tensors: state.tensors.keys().cloned().collect(),
+                    bad_len: state.tensors.values().map(Vec::len).find(|&l| l != len),
+                }
+            })
+            .collect();
+        let all = self.comm.all_gather_bytes(&serde_json::to_vec(&metas)?)?;
+        let all: Vec<Vec<PieceMeta>> = all
+            .iter()
+            .map(|b| serde_json::from_slice(b))
+            .collect::<std::result::Result<_, _>>()?;
+
+        let mut failure = None;
+        if rank == to {
+            failure = sink.begin(&all).err();
+        }
+        let mut recv: Vec<T> = Vec::new();
+        for (src, metas) in all.iter().enumerate() {
+            let count: usize = metas.iter().map(|m| m.len * m.tensors.len()).sum();
+            if count == 0 {
+                continue;
+            }
+            let mut counts = vec![0; world];
+            counts[src] = count;
+            let mut send: Vec<T> = Vec::new();
+            if rank == src {
+                send.reserve(count);
+                for meta in metas {
+                    let state = exported
+                        .remove(&(meta.name.clone(), meta.offset))
+                        .unwrap_or_default();
+                    for t in &meta.tensors {
+                        let start = send.len();
+                        if let Some(values) = state.tensors.get(t) {
+                            send.extend_from_slice(&values[..values.len().min(meta.len)]);
+                        }
+                        // Keep the agreed count even for a malformed tensor
+                        // (flagged in `bad_len`), so no rank waits forever.
+                        send.resize(start + meta.len, T::default());
+                    }
+                }
+            }
+            if rank == to {
+                recv.clear();
+                recv.resize(count, T::default());
+            }
+            let recv_buf = if rank == to {
+                Some(&mut recv[..])
+            } else {
+                None
+            };
+            self.comm.gather_varlen(&send[..], &counts, recv_buf, to)?;
+            drop(send);
+            if rank == to && failure.is_none() {
+                let mut at = 0;
+                for meta in metas {
+                    let n = meta.len * meta.tensors.len();
+                    if let Err(e) = sink.piece(meta, &recv[at..at + n]) {
+                        failure = Some(e);
+                        break;
+                    }
+                    at += n;
+                }
+            }
+        }
+        failure.map_or(Ok(()), Err)
+    }
+
+    /// Shares every rank's outcome; returns the files all ranks wrote, or
+    /// this rank's error, or an error naming the first rank that failed.
+    fn agree(
+        &self,
+        local: Result<Vec<(String, FileRecord)>>,
+        dir: &Path,
+        what: &str,
+    ) -> Result<Vec<(String, FileRecord)>> {
+        let status = match &local {
+            Ok(files) => RankStatus {
+                error: None,
+                files: files.clone(),
+            },
+            Err(e) => RankStatus {
+                error: Some(e.to_string()),
+                files: Vec::new(),
+            },
+        };
+        let all = self.comm.all_gather_bytes(&serde_json::to_vec(&status)?)?;
+        let mut files = Vec::new();
+        let mut failed = None;
+        for (r, bytes) in all.iter().enumerate() {
+            let status: RankStatus = serde_json::from_slice(bytes)?;
+            if let (Some(msg), None) = (status.error, &failed) {
+                failed = Some((r, msg));
+            }
+            files.extend(status.files);
+        }
+        match (local, failed) {
+            (Err(e), _) => Err(e),
+            (Ok(_), Some((r, msg))) => Err(Error::Checkpoint {
+                path: dir.to_path_buf(),
+                detail: format!("{what} failed on rank {r}: {msg}"),
+            }),
+            (Ok(_), None) => Ok(files),
+        }
+    }
+
+    fn write_shard(&self, path: &Path, fail_after: Option<usize>) -> Result<FileRecord> {
+        let exported = self.optimizer.export_state();
+        let mut scalars: Vec<(String, f64)> = Vec::new();
+        let mut tensors: Vec<(String, TensorBytes<'_>)> = Vec::new();
+        for ((name, offset), state) in &exported.params {
+            for (s, v) in &state.scalars {
+                scalars.push((piece_name(name, *offset, s), *v));
+            }
+            for (t, values) in &state.tensors {
+                tensors.push((
+                    piece_name(name, *offset, t),
+                    TensorBytes {
+                        dtype: T::DTYPE,
+                        shape: vec![values.len()],
+                        data: bytemuck::cast_slice(values),
+                    },
+                ));
+            }
+        }
+        for (name, value) in &scalars {
+            tensors.push((
+                name.clone(),
+                TensorBytes {
+                    dtype: DType::F64,
+                    shape: Vec::new(),
+                    data: bytemuck::bytes_of(value),
+                },
+            ));
+        }
+        write_atomic(path, |w| {
+            let result = match fail_after {
+                Some(bytes) => write_tensors(path, &mut FailAfter::new(w, bytes), &tensors),
+                None => write_tensors(path, w, &tensors),
+            };
+            result.map_err(std::io::Error::other)
+        })
+    }
+
+    fn write_model(&self, path: &Path, weights: &mut dyn ParamStore<T>) -> Result<FileRecord> {
+        let mut values: Vec<(usize, Vec<T>)> = Vec::new();
+        for (i, p) in self.params.iter().enumerate() {
+            if p.dtype != T::DTYPE {
+                continue;
+            }
+            let mut buf = vec![T::default(); p.numel()];
+            weights.read(i, 0..p.numel(), &mut buf)?;
+            values.push((i, buf));
+        }
+        let tensors: Vec<(&str, TensorBytes<'_>)> = values
+            .iter()
+            .map(|(i, v)| {
+                (
+                    self.params[*i].name.as_str(),
+                    TensorBytes {
+                        dtype: T::DTYPE,
+                        shape: self.params[*i].shape.clone(),
+                        data: bytemuck::cast_slice(v),
+                    },
+                )
+            })
+            .collect();
+        write_atomic(path, |w| {
+            write_tensors(path, w, &tensors).map_err(std::io::Error::other)
+        })
+    }
+
+    fn checkpoint_info(
+        &self,
+        kind: CheckpointKind,
+        tag: String,
+        user: serde_json::Value,
+    ) -> CheckpointInfo {
+        CheckpointInfo {
+            kind,
+            tag,
+            world_size: self.comm.world_size(),
+            stage: self.config.stage.number(),
+            partition: self.plan.kind,
+            params: self.params.clone(),
+            optimizer: self.optimizer.kind().to_string(),
+            param_groups: self.group_states(),
+            steps: self.steps,
+            model_file: None,
+            shards: Vec::new(),
+            user,
+        }
+    }
+
+    fn group_states(&self) -> Vec<GroupState> {
+        (0..self.optimizer.num_groups())
+            .map(|g| {
+                let mut params: Vec<String> = self
+                    .params
+                    .iter()
+                    .zip(&self.group_of)
+                    .filter(|(_, &group)| group == g)
+                    .map(|(p, _)| p.name.clone())
+                    .collect();
+                params.sort();
+                GroupState {
+                    hyperparams: self.optimizer.hyperparams(g),
+                    params,
+                }
+            })
+            .collect()
+    }
+
+    fn numel_by_name(&self) -> BTreeMap<String, usize> {
+        self.params
+            .iter()
+            .map(|p| (p.name.clone(), p.numel()))
+            .collect()
+    }
+
+    /// The first difference between `saved` groups and the engine's.
+    fn check_groups(&self, saved: &[GroupState]) -> std::result::Result<(), String> {
+        let ours = self.group_states();
+        if saved.len() != ours.len() {
+            return Err(format!(
+                "it has {} parameter group(s), the optimizer {}; build the optimizer with the \
+                 same parameter groups",
+                saved.len(),
+                ours.len()
+            ));
+        }
+        for (g, (s, o)) in saved.iter().zip(&ours).enumerate() {
+            let mut names = s.params.clone();
+            names.sort();
+            if names != o.params {
+                let differ = names
+                    .iter()
+                    .find(|n| !o.params.contains(n))
+                    .or_else(|| o.params.iter().find(|n| !names.contains(n)))
+                    .cloned()
+                    .unwrap_or_default();
+                return Err(format!(
+                    "parameter group {g} differs from the optimizer's (first difference: {differ:?}); \
+                     build the optimizer with the same parameter groups"
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The first difference between the saved parameters and the model's.
+    fn check_same_model(&self, saved: &[ParamInfo]) -> std::result::Result<(), String> {
+        let by_name: BTreeMap<&str, &ParamInfo> =
+            saved.iter().map(|p| (p.name.as_str(), p)).collect();
+        for p in &self.params {
+            let Some(s) = by_name.get(p.name.as_str()) else {
+                return Err(format!(
+                    "has no parameter {:?}; is it a checkpoint of another model?",
+                    p.name
+                ));
+            };
+            if s.shape != p.shape || s.dtype != p.dtype {
+                return Err(format!(
+                    "parameter {:?} is {} {:?} in the checkpoint but {} {:?} in the model; \
+                     is it a checkpoint of another model?",
+                    p.name, s.dtype, s.shape, p.dtype, p.shape
+                ));
+            }
+        }
+        if let Some(extra) = saved.iter().find(|s| !self.index.contains_key(&s.name)) {
+            return Err(format!(
+                "parameter {:?} of the checkpoint is not in the model; \
+                 is it a checkpoint of another model?",
+                extra.name
+            ));
+        }
+        Ok(())
+    }
+
+    fn refuse_mid_accumulation(&self, op: &str) -> Result<()> {
+        if self.micro_steps > 0 {
+            return Err(Error::State(format!(
+                "{op} called with {} micro-step(s) accumulated; their gradients are not part of \
+                 a checkpoint: finish the optimizer step first",
+                self.micro_steps
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Removes the data files of older checkpoints (those of `old` and any
+/// `model.step*` / `optim.step*` left by failed saves) that `current` does
+/// not use. Best effort: a file left behind wastes space, nothing more.
+fn remove_stale_files(dir: &Path, current: &Manifest, old: Option<&Manifest>) {
+    let keep = |name: &str| current.files.contains_key(name) || name == MANIFEST_FILE;
+    if let Some(old) = old {
+        for name in old.files.keys().filter(|n| !keep(n)) {
+            if !name.contains('/') && !name.contains('\\') && !name.starts_with('.') {
+                let _ = std::fs::remove_file(dir.join(name));
+            }
+        }
+    }
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let ours = (name.starts_with("model.step") || name.starts_with("optim.step"))
+            && name.ends_with(".safetensors");
+        if ours && !keep(&name) {
+            let _ = std::fs::remove_file(entry.path());
+        }
+    }
+}
