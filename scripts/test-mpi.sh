@@ -64,17 +64,29 @@ train=target/debug/train
 diff=target/debug/weights-diff
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-common=(--steps 8 --hidden 16 --optimizer adam --lr 0.01 --batch-size 8 --seed 3 --quiet)
+common=(--hidden 16 --optimizer adam --lr 0.01 --seed 3 --quiet)
 for n in 2 3 4; do
     for stage in 0 1 2; do
         echo "== trainer parity: mpirun -n $n vs threads, stage $stage"
         timeout "$TIMEOUT" "${MPIRUN[@]}" -n "$n" "$train" --backend mpi --stage "$stage" \
-            "${common[@]}" --save "$work/mpi.safetensors"
+            "${common[@]}" --steps 8 --batch-size 8 --save "$work/mpi.safetensors"
         "$train" --backend threads --world-size "$n" --stage "$stage" "${common[@]}" \
-            --save "$work/threads.safetensors"
+            --steps 8 --batch-size 8 --save "$work/threads.safetensors"
         "$diff" "$work/mpi.safetensors" "$work/threads.safetensors" --tol 1e-5
     done
 done
+
+# A checkpoint saved under MPI resumes under threads, at another world size
+# and stage with the same global batch, within float noise of a run that
+# never stopped.
+echo "== checkpoint: saved by mpirun -n 4 (stage 2), resumed on 2 threads (stage 1)"
+timeout "$TIMEOUT" "${MPIRUN[@]}" -n 4 "$train" --backend mpi --stage 2 "${common[@]}" \
+    --steps 4 --batch-size 8 --checkpoint-dir "$work/ckpt" --checkpoint-every 4
+"$train" --backend threads --world-size 2 --stage 1 "${common[@]}" --steps 8 --batch-size 16 \
+    --resume "$work/ckpt" --save "$work/resumed.safetensors"
+"$train" --backend threads --world-size 4 --stage 2 "${common[@]}" --steps 8 --batch-size 8 \
+    --save "$work/straight.safetensors"
+"$diff" "$work/resumed.safetensors" "$work/straight.safetensors" --tol 1e-4
 
 # A failing rank under the trainer ends the job with its reason.
 echo "== trainer: a bad --init on every rank ends the job with the reason"
