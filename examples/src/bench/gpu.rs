@@ -69,6 +69,11 @@ fn adam_bandwidth(report: &mut Report) -> zero_nccl::Result<()> {
     let copy_gbs = 8.0 * SHARD as f64 / (copy_ms * 1e6);
     report.add("gpu.adam_gbs", adam_gbs, "GB/s", None);
     report.add("gpu.d2d_gbs", copy_gbs, "GB/s", None);
-    report.add("gpu.adam_bw_over_d2d", adam_gbs / copy_gbs, "ratio", Some(">= 0.7"));
+    report.add(
+        "gpu.adam_bw_over_d2d",
+        adam_gbs / copy_gbs,
+        "ratio",
+        Some(">= 0.7"),
+    );
     Ok(())
 }

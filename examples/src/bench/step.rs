@@ -93,6 +93,16 @@ pub fn run(report: &mut Report) {
             }
         }
     }
-    report.add("step.s1_over_s0", medians[1] / medians[0], "ratio", Some("<= 1.0"));
-    report.add("step.s2_over_s0", medians[2] / medians[0], "ratio", Some("<= 1.0"));
+    report.add(
+        "step.s1_over_s0",
+        medians[1] / medians[0],
+        "ratio",
+        Some("<= 1.0"),
+    );
+    report.add(
+        "step.s2_over_s0",
+        medians[2] / medians[0],
+        "ratio",
+        Some("<= 1.0"),
+    );
 }

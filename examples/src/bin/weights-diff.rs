@@ -23,8 +23,7 @@ struct Args {
 
 fn run(args: &Args) -> Result<f64, String> {
     let load = |p: &PathBuf| {
-        candle_core::safetensors::load(p, &Device::Cpu)
-            .map_err(|e| format!("{}: {e}", p.display()))
+        candle_core::safetensors::load(p, &Device::Cpu).map_err(|e| format!("{}: {e}", p.display()))
     };
     let (a, b) = (load(&args.a)?, load(&args.b)?);
     let mut names: Vec<&String> = a.keys().collect();
@@ -68,7 +67,9 @@ fn run(args: &Args) -> Result<f64, String> {
 fn main() {
     let args = Args::parse();
     match run(&args) {
-        Ok(worst) if worst <= args.tol => println!("max abs difference {worst:e} <= {:e}", args.tol),
+        Ok(worst) if worst <= args.tol => {
+            println!("max abs difference {worst:e} <= {:e}", args.tol)
+        }
         Ok(worst) => {
             eprintln!("max abs difference {worst:e} exceeds {:e}", args.tol);
             std::process::exit(1);

@@ -176,7 +176,9 @@ impl<T: Float> AdamPiece<T> {
 
 impl<T: Float> PieceState<T> for AdamPiece<T> {
     fn bytes(&self) -> usize {
-        (self.exp_avg.len() + self.exp_avg_sq.len() + self.max_exp_avg_sq.as_ref().map_or(0, Vec::len))
+        (self.exp_avg.len()
+            + self.exp_avg_sq.len()
+            + self.max_exp_avg_sq.as_ref().map_or(0, Vec::len))
             * std::mem::size_of::<T>()
             + std::mem::size_of::<f64>()
     }
