@@ -108,3 +108,51 @@ fn resume_at_another_world_size_and_stage() {
     let diff = max_diff(&resumed, &full);
     assert!(diff < 1e-4, "{diff}");
 }
+
+#[test]
+fn checkpoint_weights_load_with_candle_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("ckpt");
+    let summary = train(&[
+        "--steps",
+        "2",
+        "--world-size",
+        "2",
+        "--checkpoint-dir",
+        path(&ckpt),
+        "--checkpoint-every",
+        "2",
+    ]);
+    let manifest: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(ckpt.join("manifest.json")).unwrap())
+            .unwrap();
+    let model_file = manifest["checkpoint"]["model_file"].as_str().unwrap();
+    let device = candle_core::Device::Cpu;
+    // SAFETY: the file is not modified while mapped (the test owns it).
+    let vb = unsafe {
+        candle_nn::VarBuilder::from_mmaped_safetensors(
+            &[ckpt.join(model_file)],
+            candle_core::DType::F32,
+            &device,
+        )
+    }
+    .unwrap();
+    for (name, values) in &summary.weights {
+        let shape = if name.ends_with("bias") {
+            vec![values.len()]
+        } else {
+            let out = if name.starts_with("layers.0") || name.starts_with("layers.1") {
+                16
+            } else {
+                4
+            };
+            vec![out, values.len() / out]
+        };
+        let tensor = vb.get(shape, name).unwrap();
+        assert_eq!(
+            &tensor.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            values,
+            "{name}"
+        );
+    }
+}
