@@ -13,9 +13,12 @@ use zero_core::ThreadGroup;
 
 const WORLD_SIZE: usize = 2;
 const HIDDEN: [usize; 2] = [1024, 1024];
-const BATCH: usize = 32;
+const BATCH: usize = 8;
 const WARMUP: usize = 3;
-const STEPS: usize = 15;
+const STEPS: usize = 25;
+const ROUNDS: usize = 3;
+/// Smaller than the model, so stage 2's bucket buffer is a fraction of it.
+const BUCKET_BYTES: usize = 1 << 20;
 
 /// Median step time and rank 0's memory for one stage.
 fn measure(stage: Stage, data: &Dataset) -> Result<(f64, MemoryReport), String> {
@@ -27,7 +30,9 @@ fn measure(stage: Stage, data: &Dataset) -> Result<(f64, MemoryReport), String> 
         widths.push(data.classes);
         let model = Mlp::new(&varmap, &widths, 0).map_err(|e| e.to_string())?;
         let adamw = AdamW::new(AdamWConfig::default().with_lr(1e-3)).map_err(|e| e.to_string())?;
-        let config = EngineConfig::default().with_stage(stage);
+        let config = EngineConfig::default()
+            .with_stage(stage)
+            .with_bucket_bytes(BUCKET_BYTES);
         let mut opt = ZeroOptimizer::<_, f32>::new(&varmap, comm, config, Box::new(adamw))
             .map_err(|e| e.to_string())?;
         let mut times = Vec::with_capacity(STEPS);
@@ -61,14 +66,44 @@ fn measure(stage: Stage, data: &Dataset) -> Result<(f64, MemoryReport), String> 
 /// Adds `step.s1_over_s0`, `step.s2_over_s0` and per-stage memory figures.
 pub fn run(report: &mut Report) {
     let data = Dataset::synthetic(0);
-    let mut medians = Vec::new();
-    for (name, stage) in [
+    println!(
+        "bench step: MLP {}-{HIDDEN:?}-{}, AdamW, {BATCH} rows per rank, N={WORLD_SIZE} threads, \
+         {} KiB buckets, \
+         median of {STEPS} steps after {WARMUP}, rounds interleaved",
+        data.width,
+        data.classes,
+        BUCKET_BYTES >> 10
+    );
+    let stages = [
         ("s0", Stage::Ddp),
         ("s1", Stage::OptimizerState),
         ("s2", Stage::Gradients),
-    ] {
-        match measure(stage, &data) {
-            Ok((median, memory)) => {
+    ];
+    // Stages alternate over rounds so that drift in the machine's load
+    // affects each alike; each stage's figure is the median of its rounds.
+    let mut rounds: Vec<Vec<f64>> = vec![Vec::new(); stages.len()];
+    let mut memories = vec![MemoryReport::default(); stages.len()];
+    for _ in 0..ROUNDS {
+        for (i, (name, stage)) in stages.iter().enumerate() {
+            match measure(*stage, &data) {
+                Ok((median, memory)) => {
+                    rounds[i].push(median);
+                    memories[i] = memory;
+                }
+                Err(e) => {
+                    eprintln!("bench step: stage {name} failed: {e}");
+                    return;
+                }
+            }
+        }
+    }
+    let mut medians = Vec::new();
+    for (i, (name, _)) in stages.iter().enumerate() {
+        rounds[i].sort_by(f64::total_cmp);
+        let median = rounds[i][rounds[i].len() / 2];
+        let memory = memories[i];
+        {
+            {
                 report.add(&format!("step.{name}_ms"), median * 1e3, "ms", None);
                 for (category, bytes) in [
                     ("params", memory.params),
@@ -86,10 +121,6 @@ pub fn run(report: &mut Report) {
                     );
                 }
                 medians.push(median);
-            }
-            Err(e) => {
-                eprintln!("bench step: stage {name} failed: {e}");
-                return;
             }
         }
     }

@@ -690,20 +690,29 @@ impl<T: Element, C: Communicator<Memory = Host>> Engine<T, C> {
                 continue;
             }
             let range = self.layout.bucket_range(k);
-            let len = range.len();
-            if self.bucket_buf.len() < len {
-                self.bucket_buf.resize(len, T::default());
-            }
             let shard_range = self.layout.buckets[k].clone();
+            // The gradients are consumed by now: gather into the full
+            // gradient buffer where one exists (stage 1), so the gather
+            // needs no buffer of its own.
+            let gathered = match self.full_grads.as_mut() {
+                Some(full) => &mut full[range.clone()],
+                None => {
+                    let len = range.len();
+                    if self.bucket_buf.len() < len {
+                        self.bucket_buf.resize(len, T::default());
+                    }
+                    &mut self.bucket_buf[..len]
+                }
+            };
             self.comm
-                .all_gather(&self.param_shard[shard_range], &mut self.bucket_buf[..len])?;
+                .all_gather(&self.param_shard[shard_range], gathered)?;
             for run in self.layout.runs_of(k) {
                 if self.active[run.param] {
                     let at = run.pos - range.start;
                     params.write(
                         run.param,
                         run.param_range.clone(),
-                        &self.bucket_buf[at..at + run.param_range.len()],
+                        &gathered[at..at + run.param_range.len()],
                     )?;
                 }
             }
