@@ -131,8 +131,26 @@ impl Dataset {
         rank: usize,
         batch: usize,
     ) -> (Vec<f32>, Vec<i64>) {
+        self.batch_at(
+            micro_step * (world_size * batch) as u64,
+            world_size,
+            rank,
+            batch,
+        )
+    }
+
+    /// The rows rank `rank` trains on in the global micro-batch starting at
+    /// row `first_row`: `(first_row + rank * B + i) mod n` for `i < B`.
+    pub fn batch_at(
+        &self,
+        first_row: u64,
+        world_size: usize,
+        rank: usize,
+        batch: usize,
+    ) -> (Vec<f32>, Vec<i64>) {
+        debug_assert!(rank < world_size);
         let n = self.rows() as u64;
-        let first = micro_step * (world_size * batch) as u64 + (rank * batch) as u64;
+        let first = first_row + (rank * batch) as u64;
         let mut x = Vec::with_capacity(batch * self.width);
         let mut y = Vec::with_capacity(batch);
         for i in 0..batch as u64 {

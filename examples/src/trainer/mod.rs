@@ -267,7 +267,9 @@ pub fn train_rank<C: Communicator<Memory = Host>>(
     // Resuming: weights, optimizer state, step counter, data position and
     // learning rate come from the checkpoint (any world size and stage).
     let mut first_step = 0;
-    let mut data_position = 0;
+    // Rows of the dataset consumed before this run (counted in rows, so a
+    // resume with another world size or batch size continues at the same row).
+    let mut rows_consumed = 0;
     if let Some(dir) = &args.resume {
         let manifest = opt.load_checkpoint(dir)?;
         let user = manifest.checkpoint.map(|c| c.user).unwrap_or_default();
@@ -275,9 +277,12 @@ pub fn train_rank<C: Communicator<Memory = Host>>(
             path: dir.clone(),
             detail: "the checkpoint records no trainer step; was it saved by `train`?".into(),
         })?;
-        data_position = user["data_position"]
+        rows_consumed = user["rows_consumed"]
             .as_u64()
-            .unwrap_or(first_step * args.grad_accum);
+            .ok_or_else(|| TrainError::Data {
+                path: dir.clone(),
+                detail: "the checkpoint records no data position (`rows_consumed`)".into(),
+            })?;
         if let Some(lr) = user["lr"].as_f64() {
             opt.engine_mut().set_learning_rate(lr);
         }
@@ -303,9 +308,9 @@ pub fn train_rank<C: Communicator<Memory = Host>>(
         let mut loss_sum = 0.0;
         let mut report = None;
         for micro in 0..accum {
-            // The data position counts micro-batches of the global batch.
-            let position = data_position + (step - first_step) * accum + micro;
-            let (x, y) = data.batch(position, world_size, rank, batch);
+            let micro_steps_done = (step - first_step) * accum + micro;
+            let first_row = rows_consumed + micro_steps_done * (world_size * batch) as u64;
+            let (x, y) = data.batch_at(first_row, world_size, rank, batch);
             let x = Tensor::from_vec(x, (batch, data.width), &Device::Cpu)?;
             let y = Tensor::from_vec(y, batch, &Device::Cpu)?;
             let logits = model.forward(&x)?;
@@ -349,7 +354,8 @@ pub fn train_rank<C: Communicator<Memory = Host>>(
                 let options = SaveOptions {
                     user: serde_json::json!({
                         "step": step + 1,
-                        "data_position": data_position + (step + 1 - first_step) * accum,
+                        "rows_consumed": rows_consumed
+                            + (step + 1 - first_step) * accum * (world_size * batch) as u64,
                         "lr": opt.engine().learning_rate(),
                     }),
                     ..SaveOptions::default()
