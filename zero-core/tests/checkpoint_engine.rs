@@ -328,12 +328,21 @@ fn consolidated_file_streams_pieces_that_straddle_ranks() {
         train(&mut e, &mut w, 0..2);
         e.consolidate_state_dict(0).unwrap();
         e.save_consolidated(path, 3).unwrap();
+        // Saving again into the same directory writes a new file, never the
+        // one the current manifest points to, and removes the old one after.
+        e.save_consolidated(path, 3).unwrap();
         e.state_dict().ok().cloned()
     });
     let dict = out[0].clone().unwrap();
     assert_eq!(StateDict::<f32>::load(path).unwrap(), dict);
+    let mut files: Vec<String> = std::fs::read_dir(path)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    files.sort();
+    assert_eq!(files, ["manifest.json", "optimizer.step2.1.safetensors"]);
     // The file is plain safetensors with PyTorch-like names.
-    let bytes = std::fs::read(path.join("optimizer.safetensors")).unwrap();
+    let bytes = std::fs::read(path.join("optimizer.step2.1.safetensors")).unwrap();
     let tensors = zero_core::checkpoint::load_tensors("optimizer.safetensors", &bytes).unwrap();
     assert_eq!(tensors["state.0.weight.exp_avg_sq"].shape, vec![200]);
     assert!(tensors["state.1.bias.step"].shape.is_empty());

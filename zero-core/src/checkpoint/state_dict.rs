@@ -8,9 +8,21 @@ use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::Path;
 
-/// The consolidated optimizer file of a checkpoint written by
-/// `Engine::save_consolidated`.
+/// The consolidated optimizer file of a checkpoint without a tag.
 pub const CONSOLIDATED_FILE: &str = "optimizer.safetensors";
+
+/// The consolidated optimizer file of the checkpoint tagged `tag`
+/// (`optimizer.<tag>.safetensors`; [`CONSOLIDATED_FILE`] when `tag` is
+/// empty). Saves into a directory use a tag the directory's current
+/// checkpoint does not, so a failed save never touches the file the current
+/// manifest points to.
+pub fn consolidated_file_name(tag: &str) -> String {
+    if tag.is_empty() {
+        CONSOLIDATED_FILE.to_string()
+    } else {
+        format!("optimizer.{tag}.safetensors")
+    }
+}
 
 /// One parameter group: its hyperparameters (PyTorch's names) and the names
 /// of its parameters.
@@ -153,8 +165,9 @@ impl<T: Element> StateDict<T> {
                  load it with Engine::load_checkpoint",
             ));
         }
-        let bytes = manifest.read_file(dir, CONSOLIDATED_FILE)?;
-        let path = dir.join(CONSOLIDATED_FILE);
+        let file = consolidated_file_name(&info.tag);
+        let bytes = manifest.read_file(dir, &file)?;
+        let path = dir.join(&file);
         let tensors = load_tensors(&path, &bytes)?;
         let mut state: BTreeMap<String, ParamState<T>> = BTreeMap::new();
         let mut used = 0;

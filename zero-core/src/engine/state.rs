@@ -13,7 +13,7 @@ use crate::checkpoint::stream::StreamingTensorFile;
 use crate::checkpoint::{
     checkpoint_error, load_tensors, piece_name, write_atomic, write_tensors, CheckpointInfo,
     CheckpointKind, FailAfter, FileRecord, GroupState, Manifest, PieceRecord, ShardRecord,
-    StateDict, TensorBytes, CONSOLIDATED_FILE, MANIFEST_FILE,
+    StateDict, TensorBytes, MANIFEST_FILE,
 };
 use crate::comm::{Communicator, Host};
 use crate::optim::{OptimizerState, ParamState};
@@ -255,14 +255,22 @@ impl<T: Element, C: Communicator<Memory = Host>> Engine<T, C> {
     }
 
     /// Writes the full optimizer state into `dir` as one
-    /// [`CONSOLIDATED_FILE`] (tensors `state.<param>.<state>`, scalars as
+    /// `optimizer.<tag>.safetensors` (tensors `state.<param>.<state>`, scalars as
     /// f64 tensors of shape `[]`) plus the manifest, streaming shard by
     /// shard to rank `to`, which writes each piece as it arrives (it never
     /// holds more than one shard). Read it back with [`StateDict::load`].
     /// A collective; an error on `to` is returned on every rank.
     pub fn save_consolidated(&mut self, dir: impl AsRef<Path>, to: usize) -> Result<()> {
         let dir = dir.as_ref();
-        let path = dir.join(CONSOLIDATED_FILE);
+        // Only `to` writes, so only `to` needs the name.
+        let old = if self.comm.rank() == to {
+            Manifest::load(dir).ok()
+        } else {
+            None
+        };
+        let tag = fresh_tag(old.as_ref(), self.steps);
+        let file_name = crate::checkpoint::consolidated_file_name(&tag);
+        let path = dir.join(&file_name);
         let numel = self.numel_by_name();
         let mut sink = FileSink {
             numel: &numel,
@@ -282,13 +290,14 @@ impl<T: Element, C: Communicator<Memory = Host>> Engine<T, C> {
                 None => return Err(checkpoint_error(&path, "internal: file not created")),
             };
             let mut manifest = Manifest::new();
-            manifest.record(CONSOLIDATED_FILE, record);
+            manifest.record(file_name.clone(), record);
             manifest.checkpoint = Some(self.checkpoint_info(
                 CheckpointKind::Consolidated,
-                String::new(),
+                tag.clone(),
                 serde_json::Value::Null,
             ));
             manifest.save(dir)?;
+            remove_stale_files(dir, &manifest, old.as_ref());
             Ok(Vec::new())
         });
         self.agree(local, dir, "save_consolidated").map(|_| ())
@@ -400,16 +409,7 @@ impl<T: Element, C: Communicator<Memory = Host>> Engine<T, C> {
         } else {
             None
         };
-        let old_tag = old
-            .as_ref()
-            .and_then(|m| m.checkpoint.as_ref())
-            .map(|c| c.tag.clone());
-        let mut tag = format!("step{}", self.steps);
-        let mut k = 0;
-        while old_tag.as_deref() == Some(tag.as_str()) {
-            k += 1;
-            tag = format!("step{}.{k}", self.steps);
-        }
+        let tag = fresh_tag(old.as_ref(), self.steps);
         let tags = self.comm.all_gather_bytes(tag.as_bytes())?;
         let tag = tags
             .first()
@@ -1016,9 +1016,23 @@ impl<T: Element, C: Communicator<Memory = Host>> Engine<T, C> {
     }
 }
 
+/// `step<steps>`, suffixed (`.1`, `.2`, ...) while the directory's current
+/// checkpoint `old` uses it: a new save never writes a file the current
+/// manifest points to.
+fn fresh_tag(old: Option<&Manifest>, steps: u64) -> String {
+    let old_tag = old.and_then(|m| m.checkpoint.as_ref()).map(|c| c.tag.as_str());
+    let mut tag = format!("step{steps}");
+    let mut k = 0;
+    while old_tag == Some(tag.as_str()) {
+        k += 1;
+        tag = format!("step{steps}.{k}");
+    }
+    tag
+}
+
 /// Removes the data files of older checkpoints (those of `old` and any
-/// `model.step*` / `optim.step*` left by failed saves) that `current` does
-/// not use. Best effort: a file left behind wastes space, nothing more.
+/// `model.step*` / `optim.step*` / `optimizer.step*` left by failed saves)
+/// that `current` does not use. Best effort: a file left behind wastes space, nothing more.
 fn remove_stale_files(dir: &Path, current: &Manifest, old: Option<&Manifest>) {
     let keep = |name: &str| current.files.contains_key(name) || name == MANIFEST_FILE;
     if let Some(old) = old {
@@ -1033,7 +1047,9 @@ fn remove_stale_files(dir: &Path, current: &Manifest, old: Option<&Manifest>) {
     };
     for entry in entries.flatten() {
         let name = entry.file_name().to_string_lossy().into_owned();
-        let ours = (name.starts_with("model.step") || name.starts_with("optim.step"))
+        let ours = (name.starts_with("model.step")
+            || name.starts_with("optim.step")
+            || name.starts_with("optimizer.step"))
             && name.ends_with(".safetensors");
         if ours && !keep(&name) {
             let _ = std::fs::remove_file(entry.path());
