@@ -1020,7 +1020,9 @@ impl<T: Element, C: Communicator<Memory = Host>> Engine<T, C> {
 /// checkpoint `old` uses it: a new save never writes a file the current
 /// manifest points to.
 fn fresh_tag(old: Option<&Manifest>, steps: u64) -> String {
-    let old_tag = old.and_then(|m| m.checkpoint.as_ref()).map(|c| c.tag.as_str());
+    let old_tag = old
+        .and_then(|m| m.checkpoint.as_ref())
+        .map(|c| c.tag.as_str());
     let mut tag = format!("step{steps}");
     let mut k = 0;
     while old_tag == Some(tag.as_str()) {
