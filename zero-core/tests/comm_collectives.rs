@@ -223,8 +223,10 @@ fn async_collectives_overlap_with_compute() {
         let params = vec![rank as f32; len / 4];
         let mut gathered = vec![0.0f32; 3 * len / 4];
         if rank == 2 {
-            // Make the others see an incomplete collective first.
-            std::thread::sleep(Duration::from_millis(50));
+            // Make the others see an incomplete collective first; long
+            // enough that a blocking test() would show next to scheduling
+            // noise.
+            std::thread::sleep(Duration::from_millis(1000));
         }
         let mut not_ready = 0;
         let mut slowest_test = 0.0f64;
@@ -270,7 +272,7 @@ fn async_collectives_overlap_with_compute() {
                 "rank {rank} should have seen the work pending"
             );
         }
-        assert!(slowest_test < 0.02, "test() blocked for {slowest_test} s");
+        assert!(slowest_test < 0.5, "test() blocked for {slowest_test} s");
     }
 }
 
