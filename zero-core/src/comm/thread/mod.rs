@@ -301,23 +301,8 @@ impl ThreadComm {
     }
 
     fn check_counts(&self, op: &'static str, counts: &[usize], send_len: usize) -> Result<()> {
-        if counts.len() != self.shared.world_size {
-            return Err(Error::BufferSize {
-                op,
-                what: "counts",
-                got: counts.len(),
-                expected: self.shared.world_size,
-            });
-        }
-        if send_len != counts[self.rank] {
-            return Err(Error::BufferSize {
-                op,
-                what: "send",
-                got: send_len,
-                expected: counts[self.rank],
-            });
-        }
-        Ok(())
+        expect_len(op, "counts", counts.len(), self.shared.world_size)?;
+        expect_len(op, "send", send_len, counts[self.rank])
     }
 
     /// Runs a blocking zero-copy collective: joins with `raw`, waits for all
@@ -428,17 +413,8 @@ impl Communicator for ThreadComm {
         };
         let n = self.shared.world_size;
         let per_rank = recv.len();
-        let check = kernels::check_layout::<T>(desc.op).and_then(|()| {
-            if send.len() != n * per_rank {
-                return Err(Error::BufferSize {
-                    op: desc.op,
-                    what: "send",
-                    got: send.len(),
-                    expected: n * per_rank,
-                });
-            }
-            Ok(())
-        });
+        let check = kernels::check_layout::<T>(desc.op)
+            .and_then(|()| expect_len(desc.op, "send", send.len(), n * per_rank));
         self.validate(&desc, check)?;
         let raw = RawBuf {
             send: send.as_ptr() as *const u8,
@@ -466,16 +442,7 @@ impl Communicator for ThreadComm {
         };
         let n = self.shared.world_size;
         let per_rank = send.len();
-        let check = if recv.len() != n * per_rank {
-            Err(Error::BufferSize {
-                op: desc.op,
-                what: "recv",
-                got: recv.len(),
-                expected: n * per_rank,
-            })
-        } else {
-            Ok(())
-        };
+        let check = expect_len(desc.op, "recv", recv.len(), n * per_rank);
         self.validate(&desc, check)?;
         let recv_len = recv.len();
         let dst = recv.as_mut_ptr() as *mut u8;
@@ -641,17 +608,7 @@ impl Communicator for ThreadComm {
         };
         let check = self
             .check_counts(desc.op, counts, send.len())
-            .and_then(|()| {
-                if recv.len() != total {
-                    return Err(Error::BufferSize {
-                        op: desc.op,
-                        what: "recv",
-                        got: recv.len(),
-                        expected: total,
-                    });
-                }
-                Ok(())
-            });
+            .and_then(|()| expect_len(desc.op, "recv", recv.len(), total));
         self.validate(&desc, check)?;
         let dst = recv.as_mut_ptr() as *mut u8;
         let raw = RawBuf {
@@ -745,17 +702,8 @@ impl Communicator for ThreadComm {
         };
         let n = self.shared.world_size;
         let per_rank = recv.len();
-        let check = kernels::check_layout::<T>(desc.op).and_then(|()| {
-            if send.len() != n * per_rank {
-                return Err(Error::BufferSize {
-                    op: desc.op,
-                    what: "send",
-                    got: send.len(),
-                    expected: n * per_rank,
-                });
-            }
-            Ok(())
-        });
+        let check = kernels::check_layout::<T>(desc.op)
+            .and_then(|()| expect_len(desc.op, "send", send.len(), n * per_rank));
         self.validate(&desc, check)?;
         self.count(self.ring_bytes(size_of_bytes::<T>(send.len())));
         let copy: Arc<dyn Any + Send + Sync> = Arc::new(send.to_vec());
@@ -784,16 +732,7 @@ impl Communicator for ThreadComm {
         };
         let n = self.shared.world_size;
         let per_rank = send.len();
-        let check = if recv.len() != n * per_rank {
-            Err(Error::BufferSize {
-                op: desc.op,
-                what: "recv",
-                got: recv.len(),
-                expected: n * per_rank,
-            })
-        } else {
-            Ok(())
-        };
+        let check = expect_len(desc.op, "recv", recv.len(), n * per_rank);
         self.validate(&desc, check)?;
         self.count(self.ring_bytes(size_of_bytes::<T>(recv.len())));
         let copy: Arc<dyn Any + Send + Sync> = Arc::new(send.to_vec());
@@ -882,5 +821,19 @@ impl Communicator for ThreadComm {
             Some(shared) => Ok(Some(ThreadComm::new(shared, position))),
             None => Err(internal("split")),
         }
+    }
+}
+
+/// [`Error::BufferSize`] unless buffer `what` of `op` has `expected` elements.
+fn expect_len(op: &'static str, what: &'static str, got: usize, expected: usize) -> Result<()> {
+    if got == expected {
+        Ok(())
+    } else {
+        Err(Error::BufferSize {
+            op,
+            what,
+            got,
+            expected,
+        })
     }
 }
