@@ -493,10 +493,10 @@ impl<T: Element, C: Communicator<Memory = Host>> Engine<T, C> {
 
         self.micro_steps = 0;
         self.present.fill(false);
+        // Stages 0 and 1 keep the buffer; it is zeroed where the next window
+        // starts (`accumulate`, or per bucket in `reduce_gradients`).
         if self.config.stage == Stage::Gradients {
             self.full_grads = None;
-        } else if let Some(full) = self.full_grads.as_mut() {
-            full.fill(T::default());
         }
         self.steps += 1;
         Ok(StepReport {
@@ -568,19 +568,7 @@ impl<T: Element, C: Communicator<Memory = Host>> Engine<T, C> {
             }
         }
         if micro_steps > 1 {
-            let scale = 1.0 / micro_steps as f64;
-            let base = self.plan_rank * self.plan.shard_numel;
-            let source = grad_source(
-                self.config.stage,
-                &mut self.full_grads,
-                &mut self.grad_shard,
-            );
-            for piece in &self.owned {
-                let off = piece.flat_range.start - base;
-                for g in &mut source[off..off + piece.len()] {
-                    *g = T::from_f64(g.to_f64() * scale);
-                }
-            }
+            self.scale_grads(1.0 / micro_steps as f64);
         }
         Ok(())
     }
@@ -594,11 +582,9 @@ impl<T: Element, C: Communicator<Memory = Host>> Engine<T, C> {
         };
         let stage = self.config.stage;
         let base = self.plan_rank * self.plan.shard_numel;
-        let owned = std::mem::take(&mut self.owned);
-        let active = std::mem::take(&mut self.active);
         let source = grad_source(stage, &mut self.full_grads, &mut self.grad_shard);
         let mut local = 0.0f64;
-        for piece in owned.iter().filter(|p| active[p.param]) {
+        for piece in self.owned.iter().filter(|p| self.active[p.param]) {
             let off = piece.flat_range.start - base;
             let g = &source[off..off + piece.len()];
             match norm_type {
@@ -610,19 +596,14 @@ impl<T: Element, C: Communicator<Memory = Host>> Engine<T, C> {
             }
         }
         let mut total = [local];
-        let result = if stage == Stage::Ddp {
-            Ok(())
-        } else {
+        // Stage 0 ranks hold the whole reduced gradient: the local norm is
+        // the global one.
+        if stage != Stage::Ddp {
             let op = match norm_type {
                 NormType::Inf => ReduceOp::Max,
                 _ => ReduceOp::Sum,
             };
-            self.comm.all_reduce(&mut total[..], op)
-        };
-        if let Err(e) = result {
-            self.owned = owned;
-            self.active = active;
-            return Err(e);
+            self.comm.all_reduce(&mut total[..], op)?;
         }
         let norm = match norm_type {
             NormType::L2 => total[0].sqrt(),
@@ -632,18 +613,26 @@ impl<T: Element, C: Communicator<Memory = Host>> Engine<T, C> {
             // torch.nn.utils.clip_grad_norm_: coefficient clamped to 1.
             let coef = clip.max_norm / (norm + 1e-6);
             if coef < 1.0 {
-                let source = grad_source(stage, &mut self.full_grads, &mut self.grad_shard);
-                for piece in owned.iter().filter(|p| active[p.param]) {
-                    let off = piece.flat_range.start - base;
-                    for g in &mut source[off..off + piece.len()] {
-                        *g = T::from_f64(g.to_f64() * coef);
-                    }
-                }
+                self.scale_grads(coef);
             }
         }
-        self.owned = owned;
-        self.active = active;
         Ok(Some(norm))
+    }
+
+    /// Multiplies the reduced gradients of the owned pieces by `factor`.
+    fn scale_grads(&mut self, factor: f64) {
+        let base = self.plan_rank * self.plan.shard_numel;
+        let source = grad_source(
+            self.config.stage,
+            &mut self.full_grads,
+            &mut self.grad_shard,
+        );
+        for piece in &self.owned {
+            let off = piece.flat_range.start - base;
+            for g in &mut source[off..off + piece.len()] {
+                *g = T::from_f64(g.to_f64() * factor);
+            }
+        }
     }
 
     fn run_optimizer(&mut self) -> Result<()> {
