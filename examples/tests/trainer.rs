@@ -190,3 +190,70 @@ fn init_with_a_missing_tensor_names_it() {
         "{stderr}"
     );
 }
+
+#[test]
+fn trains_on_a_data_file_and_rejects_a_malformed_one() {
+    use candle_core::{Device, Tensor};
+    use std::collections::HashMap;
+    let dir = tempfile::tempdir().unwrap();
+    let good = dir.path().join("data.safetensors");
+    // Class = sign of the first input: learnable.
+    let rows = 64;
+    let x: Vec<f32> = (0..rows * 3)
+        .map(|i| ((i * 37 % 23) as f32 - 11.0) / 11.0)
+        .collect();
+    let y: Vec<i64> = x.chunks(3).map(|r| i64::from(r[0] > 0.0)).collect();
+    let tensors = HashMap::from([
+        (
+            "inputs".to_string(),
+            Tensor::from_vec(x, (rows, 3), &Device::Cpu).unwrap(),
+        ),
+        (
+            "targets".to_string(),
+            Tensor::from_vec(y, rows, &Device::Cpu).unwrap(),
+        ),
+    ]);
+    candle_core::safetensors::save(&tensors, &good).unwrap();
+    let good_s = good.to_str().unwrap();
+    let first = train(&["--data", good_s, "--steps", "1", "--hidden", "8"]);
+    let trained = train(&[
+        "--data", good_s, "--steps", "80", "--hidden", "8", "--lr", "0.05",
+    ]);
+    // The model's shape comes from the file: 3 inputs, 2 classes.
+    let names: Vec<(&str, usize)> = trained
+        .weights
+        .iter()
+        .map(|(n, w)| (n.as_str(), w.len()))
+        .collect();
+    assert_eq!(
+        names,
+        [
+            ("layers.0.bias", 8),
+            ("layers.0.weight", 24),
+            ("layers.1.bias", 2),
+            ("layers.1.weight", 16)
+        ]
+    );
+    assert!(
+        trained.final_loss < first.final_loss * 0.5,
+        "{} vs {}",
+        trained.final_loss,
+        first.final_loss
+    );
+
+    let bad = dir.path().join("bad.safetensors");
+    let tensors = HashMap::from([
+        (
+            "inputs".to_string(),
+            Tensor::zeros((4, 3), candle_core::DType::F32, &Device::Cpu).unwrap(),
+        ),
+        (
+            "targets".to_string(),
+            Tensor::zeros(4, candle_core::DType::F32, &Device::Cpu).unwrap(),
+        ),
+    ]);
+    candle_core::safetensors::save(&tensors, &bad).unwrap();
+    let (ok, stderr) = train_binary(&["--steps", "1", "--data", bad.to_str().unwrap()]);
+    assert!(!ok);
+    assert!(stderr.contains("expected i64 [n]"), "{stderr}");
+}

@@ -67,47 +67,45 @@ impl Dataset {
             path: path.to_path_buf(),
             detail,
         };
-        let bytes = std::fs::read(path).map_err(|e| bad(format!("cannot read: {e}")))?;
-        let st = safetensors::SafeTensors::deserialize(&bytes)
+        if !path.is_file() {
+            return Err(bad("cannot read: no such file".into()));
+        }
+        let tensors = candle_core::safetensors::load(path, &candle_core::Device::Cpu)
             .map_err(|e| bad(format!("not a safetensors file: {e}")))?;
-        let inputs = st
-            .tensor("inputs")
-            .map_err(|_| bad("has no tensor named `inputs` (f32 [n, d])".into()))?;
-        let targets = st
-            .tensor("targets")
-            .map_err(|_| bad("has no tensor named `targets` (i64 [n])".into()))?;
-        if inputs.dtype() != safetensors::Dtype::F32 || inputs.shape().len() != 2 {
+        let inputs = tensors
+            .get("inputs")
+            .ok_or_else(|| bad("has no tensor named `inputs` (f32 [n, d])".into()))?;
+        let targets = tensors
+            .get("targets")
+            .ok_or_else(|| bad("has no tensor named `targets` (i64 [n])".into()))?;
+        let (rows, width) = match (inputs.dtype(), inputs.dims()) {
+            (candle_core::DType::F32, &[rows, width]) => (rows, width),
+            (dtype, dims) => {
+                return Err(bad(format!(
+                    "`inputs` is {dtype:?} {dims:?}; expected f32 [n, d]"
+                )))
+            }
+        };
+        let target_rows = match (targets.dtype(), targets.dims()) {
+            (candle_core::DType::I64, &[n]) => n,
+            (dtype, dims) => {
+                return Err(bad(format!(
+                    "`targets` is {dtype:?} {dims:?}; expected i64 [n]"
+                )))
+            }
+        };
+        if target_rows != rows || rows == 0 || width == 0 {
             return Err(bad(format!(
-                "`inputs` is {:?} {:?}; expected f32 [n, d]",
-                inputs.dtype(),
-                inputs.shape()
+                "`inputs` has {rows} rows of width {width} and `targets` {target_rows} rows; \
+                 they must agree and be non-empty"
             )));
         }
-        if targets.dtype() != safetensors::Dtype::I64 || targets.shape().len() != 1 {
-            return Err(bad(format!(
-                "`targets` is {:?} {:?}; expected i64 [n]",
-                targets.dtype(),
-                targets.shape()
-            )));
-        }
-        let (rows, width) = (inputs.shape()[0], inputs.shape()[1]);
-        if targets.shape()[0] != rows || rows == 0 || width == 0 {
-            return Err(bad(format!(
-                "`inputs` has {rows} rows of width {width} and `targets` {} rows; \
-                 they must agree and be non-empty",
-                targets.shape()[0]
-            )));
-        }
-        let inputs: Vec<f32> = inputs
-            .data()
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect();
-        let targets: Vec<i64> = targets
-            .data()
-            .chunks_exact(8)
-            .map(|b| i64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]))
-            .collect();
+        let read = |e: candle_core::Error| bad(format!("cannot read its tensors: {e}"));
+        let inputs = inputs
+            .flatten_all()
+            .and_then(|t| t.to_vec1::<f32>())
+            .map_err(read)?;
+        let targets = targets.to_vec1::<i64>().map_err(read)?;
         if let Some((row, t)) = targets.iter().enumerate().find(|(_, &t)| t < 0) {
             return Err(bad(format!(
                 "`targets`[{row}] is {t}; classes must be >= 0"

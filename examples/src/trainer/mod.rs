@@ -22,7 +22,6 @@ use zero_core::comm::Host;
 use zero_core::engine::{
     EngineConfig, MemoryReport, NormType, PartitionerKind, SaveOptions, Stage,
 };
-use zero_core::optim::FunctionalOptimizer;
 use zero_core::{Communicator, ReduceOp, ThreadGroup};
 
 /// Why training stopped.
@@ -218,11 +217,6 @@ fn validate(args: &Args) -> Result<(), TrainError> {
     Ok(())
 }
 
-/// The optimizer the flags describe.
-pub fn build_optimizer(args: &Args) -> Result<Box<dyn FunctionalOptimizer<f32>>, TrainError> {
-    crate::optimizers::build(args)
-}
-
 /// The engine configuration the flags describe.
 pub fn engine_config(args: &Args) -> EngineConfig {
     let mut config = EngineConfig::default()
@@ -261,8 +255,12 @@ pub fn train_rank<C: Communicator<Memory = Host>>(
     if let Some(path) = &args.init {
         load_weights(&varmap, path)?;
     }
-    let mut opt =
-        ZeroOptimizer::<C, f32>::new(&varmap, comm, engine_config(args), build_optimizer(args)?)?;
+    let mut opt = ZeroOptimizer::<C, f32>::new(
+        &varmap,
+        comm,
+        engine_config(args),
+        crate::optimizers::build(args)?,
+    )?;
 
     // Resuming: weights, optimizer state, step counter, data position and
     // learning rate come from the checkpoint (any world size and stage).
