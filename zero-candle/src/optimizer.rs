@@ -94,7 +94,10 @@ impl<C: Communicator<Memory = Host>, T: Element + WithDType> ZeroOptimizer<C, T>
                 other => {
                     return Err(Error::Variable {
                         name: name.clone(),
-                        detail: format!("dtype {other:?} is not supported by zero-rs"),
+                        detail: format!(
+                            "dtype {other:?} is not supported by zero-rs; convert it to f32, \
+                             f64, bf16 or f16, or keep it out of the VarMap given to the optimizer"
+                        ),
                     })
                 }
             };

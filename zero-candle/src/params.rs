@@ -12,8 +12,14 @@ pub struct VarStore<'a> {
     pub vars: &'a [Var],
 }
 
-fn candle_err(e: candle_core::Error) -> zero_core::Error {
-    zero_core::Error::State(format!("candle: {e}"))
+/// A Candle failure on variable `param`, with what the engine needs of it.
+fn var_error(action: &str, param: usize, var: &Var, e: candle_core::Error) -> zero_core::Error {
+    zero_core::Error::State(format!(
+        "cannot {action} parameter #{param} ({:?} {:?}) through Candle: {e}; \
+         the optimizer's variables must keep the dtype and shape they had when it was built",
+        var.dtype(),
+        var.dims()
+    ))
 }
 
 impl<T: Element + WithDType> ParamStore<T> for VarStore<'_> {
@@ -23,7 +29,8 @@ impl<T: Element + WithDType> ParamStore<T> for VarStore<'_> {
             let (storage, layout) = var.storage_and_layout();
             if let (Storage::Cpu(cpu), Some((start, _))) = (&*storage, layout.contiguous_offsets())
             {
-                let data = T::cpu_storage_as_slice(cpu).map_err(candle_err)?;
+                let data =
+                    T::cpu_storage_as_slice(cpu).map_err(|e| var_error("read", param, var, e))?;
                 out.copy_from_slice(&data[start + range.start..start + range.end]);
                 return Ok(());
             }
@@ -34,19 +41,20 @@ impl<T: Element + WithDType> ParamStore<T> for VarStore<'_> {
             .flatten_all()
             .and_then(|t| t.narrow(0, range.start, range.len()))
             .and_then(|t| t.to_vec1::<T>())
-            .map_err(candle_err)?;
+            .map_err(|e| var_error("read", param, var, e))?;
         out.copy_from_slice(&values);
         Ok(())
     }
 
     fn write(&mut self, param: usize, range: Range<usize>, values: &[T]) -> zero_core::Result<()> {
         let var = &self.vars[param];
-        let src = Tensor::from_slice(values, values.len(), var.device()).map_err(candle_err)?;
+        let src = Tensor::from_slice(values, values.len(), var.device())
+            .map_err(|e| var_error("write", param, var, e))?;
         // A contiguous variable's flattened view shares its storage, so
         // `slice_set` writes the range in place.
         var.as_tensor()
             .flatten_all()
             .and_then(|flat| flat.slice_set(&src, 0, range.start))
-            .map_err(candle_err)
+            .map_err(|e| var_error("write", param, var, e))
     }
 }
