@@ -365,6 +365,41 @@ impl NcclComm {
         }
     }
 
+    /// [`Communicator::all_reduce`] over a device view (a range of a larger
+    /// buffer, such as one bucket of the engine's flat gradients). Complete
+    /// in compute-stream order when it returns; the host does not wait.
+    pub fn all_reduce_view<T: Element>(
+        &self,
+        buf: &mut (impl DevicePtrMut<T> + ?Sized),
+        op: ReduceOp,
+    ) -> Result<()> {
+        let done = self.all_reduce_event(buf, op)?;
+        Ok(self.compute.wait(&done)?)
+    }
+
+    /// [`Communicator::reduce_scatter`] over device views; see
+    /// [`NcclComm::all_reduce_view`].
+    pub fn reduce_scatter_view<T: Element>(
+        &self,
+        send: &(impl DevicePtr<T> + ?Sized),
+        recv: &mut (impl DevicePtrMut<T> + ?Sized),
+        op: ReduceOp,
+    ) -> Result<()> {
+        let done = self.reduce_scatter_event(send, recv, op)?;
+        Ok(self.compute.wait(&done)?)
+    }
+
+    /// [`Communicator::all_gather`] over device views; see
+    /// [`NcclComm::all_reduce_view`].
+    pub fn all_gather_view<T: Element>(
+        &self,
+        send: &(impl DevicePtr<T> + ?Sized),
+        recv: &mut (impl DevicePtrMut<T> + ?Sized),
+    ) -> Result<()> {
+        let done = self.all_gather_event(send, recv)?;
+        Ok(self.compute.wait(&done)?)
+    }
+
     /// Aborts the communicator: queued and future collectives fail instead of hanging.
     pub fn abort(&self) {
         let mut comm = self.comm.lock().unwrap_or_else(|p| p.into_inner());
@@ -412,7 +447,7 @@ impl NcclComm {
 
     fn all_reduce_event<T: Element>(
         &self,
-        buf: &mut CudaSlice<T>,
+        buf: &mut (impl DevicePtrMut<T> + ?Sized),
         op: ReduceOp,
     ) -> Result<CudaEvent> {
         let count = buf.len();
@@ -440,8 +475,8 @@ impl NcclComm {
 
     fn reduce_scatter_event<T: Element>(
         &self,
-        send: &CudaSlice<T>,
-        recv: &mut CudaSlice<T>,
+        send: &(impl DevicePtr<T> + ?Sized),
+        recv: &mut (impl DevicePtrMut<T> + ?Sized),
         op: ReduceOp,
     ) -> Result<CudaEvent> {
         let count = recv.len();
@@ -477,8 +512,8 @@ impl NcclComm {
 
     fn all_gather_event<T: Element>(
         &self,
-        send: &CudaSlice<T>,
-        recv: &mut CudaSlice<T>,
+        send: &(impl DevicePtr<T> + ?Sized),
+        recv: &mut (impl DevicePtrMut<T> + ?Sized),
     ) -> Result<CudaEvent> {
         let count = send.len();
         if recv.len() != count * self.world_size {

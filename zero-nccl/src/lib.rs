@@ -22,6 +22,7 @@
 //! ```
 #![warn(missing_docs)]
 
+pub mod engine;
 mod error;
 pub mod launch;
 pub mod rendezvous;
@@ -40,6 +41,8 @@ pub use rendezvous::Rendezvous;
 
 #[cfg(feature = "nccl")]
 pub use comm::{Cuda, NcclComm, UNIQUE_ID_BYTES};
+#[cfg(feature = "nccl")]
+pub use engine::{DeviceEngine, DeviceParams};
 #[cfg(feature = "cuda")]
 pub use probe::cuda_device_count;
 

@@ -13,7 +13,7 @@ use std::ops::Range;
 
 /// A contiguous piece of a parameter at a position of the bucket-major order.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) struct Run {
+pub struct Run {
     /// Index of the parameter.
     pub param: usize,
     /// Element range within the parameter.
@@ -24,7 +24,7 @@ pub(crate) struct Run {
 
 /// Bucket-major positions of every parameter piece of a plan.
 #[derive(Clone, Debug)]
-pub(crate) struct Layout {
+pub struct Layout {
     /// Ranks of the plan.
     pub world_size: usize,
     /// Buckets in shard space.
@@ -36,6 +36,7 @@ pub(crate) struct Layout {
 }
 
 impl Layout {
+    /// The bucket-major layout of `plan`.
     pub fn new(plan: &PartitionPlan) -> Self {
         let world_size = plan.world_size;
         let mut runs = Vec::new();

@@ -21,17 +21,19 @@
 mod config;
 mod layout;
 mod memory;
+mod setup;
 mod state;
 
 pub use config::{ClipConfig, EngineConfig, NormType, ParamGroupSpec, PartitionerKind, Stage};
+pub use layout::{Layout, Run};
 pub use memory::MemoryReport;
+pub use setup::ShardSetup;
 pub use state::SaveOptions;
 
 use crate::comm::{Communicator, Host, ReduceOp};
 use crate::optim::{FunctionalOptimizer, Hyperparams, ParamKey, ParamMut};
 use crate::partition::{ParamInfo, PartitionPlan, ShardPiece};
 use crate::{Element, Error, Result};
-use layout::Layout;
 use std::collections::BTreeMap;
 use std::ops::Range;
 
@@ -115,59 +117,20 @@ impl<T: Element, C: Communicator<Memory = Host>> Engine<T, C> {
         config: EngineConfig,
     ) -> Result<Self> {
         check_rank_consistency(&comm, &params, &config, optimizer.as_ref())?;
-        config.validate()?;
-        let mut index = BTreeMap::new();
-        for (i, p) in params.iter().enumerate() {
-            if index.insert(p.name.clone(), i).is_some() {
-                return Err(Error::Config(format!(
-                    "parameter name {:?} appears twice; names must be unique",
-                    p.name
-                )));
-            }
-            if p.trainable && p.dtype != T::DTYPE {
-                return Err(Error::Config(format!(
-                    "parameter {:?} is {} but the engine was built for {}; \
-                     build it for the model's dtype or freeze the parameter",
-                    p.name,
-                    p.dtype,
-                    T::DTYPE
-                )));
-            }
-        }
-
-        let mut group_of = vec![0; params.len()];
-        for spec in &config.param_groups {
-            let group = optimizer.add_group(&spec.hyperparams)?;
-            for name in &spec.params {
-                let Some(&i) = index.get(name) else {
-                    return Err(Error::Config(format!(
-                        "parameter group names {name:?}, which is not a parameter of the model"
-                    )));
-                };
-                if group_of[i] != 0 {
-                    return Err(Error::Config(format!(
-                        "parameter {name:?} is in two parameter groups"
-                    )));
-                }
-                group_of[i] = group;
-            }
-        }
-
-        let plan_world = match config.stage {
-            Stage::Ddp => 1,
-            Stage::OptimizerState | Stage::Gradients => comm.world_size(),
-        };
-        let plan_rank = match config.stage {
-            Stage::Ddp => 0,
-            Stage::OptimizerState | Stage::Gradients => comm.rank(),
-        };
-        let plan =
-            config
-                .partitioner
-                .partitioner()
-                .partition(&params, plan_world, config.bucket_bytes)?;
-        let layout = Layout::new(&plan);
-        let owned = plan.shards[plan_rank].clone();
+        let ShardSetup {
+            index,
+            group_of,
+            plan,
+            layout,
+            plan_rank,
+            owned,
+        } = ShardSetup::new(
+            &params,
+            &config,
+            optimizer.as_mut(),
+            comm.world_size(),
+            comm.rank(),
+        )?;
         let keys = owned
             .iter()
             .map(|p| {
@@ -733,13 +696,14 @@ impl<T: Element, C: Communicator<Memory = Host>> Engine<T, C> {
 }
 
 /// All-gathers a description of every rank's parameters, configuration and
-/// optimizer and names the first difference with another rank.
+/// optimizer and names the first difference with another rank. A
+/// collective; engines run it first thing in their constructor.
 ///
 /// `Engine::new` runs it before validating anything locally: every check
 /// after it depends only on these inputs, so ranks either all fail alike or
 /// all pass. A rank that failed alone would skip this collective and leave
 /// its peers waiting until their timeout.
-fn check_rank_consistency<T: Element, C: Communicator<Memory = Host>>(
+pub fn check_rank_consistency<T: Element, C: Communicator>(
     comm: &C,
     params: &[ParamInfo],
     config: &EngineConfig,

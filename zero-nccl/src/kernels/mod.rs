@@ -20,6 +20,7 @@ use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig,
     PushKernelArg, SyncOnDrop,
 };
+use std::ops::Range;
 use std::sync::Arc;
 use zero_core::Element;
 
@@ -38,6 +39,49 @@ struct PieceTable {
     grid: (u32, u32, u32),
 }
 
+/// Which norm [`FusedKernels::norm_partial`] accumulates.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NormKind {
+    /// Sum of absolute values.
+    L1 = 0,
+    /// Sum of squares (the caller takes the square root).
+    L2 = 1,
+    /// Largest absolute value.
+    Inf = 2,
+}
+
+/// Device accumulators of [`FusedKernels::norm_partial`].
+#[derive(Debug)]
+pub struct NormAccumulator {
+    sum: CudaSlice<f64>,
+    max: CudaSlice<u32>,
+}
+
+impl NormAccumulator {
+    /// Zeroed accumulators.
+    pub fn new(stream: &Arc<CudaStream>) -> Result<Self> {
+        Ok(Self {
+            sum: stream.alloc_zeros(1)?,
+            max: stream.alloc_zeros(1)?,
+        })
+    }
+
+    /// Zeroes both accumulators (asynchronously).
+    pub fn reset(&mut self, stream: &Arc<CudaStream>) -> Result<()> {
+        stream.memset_zeros(&mut self.sum)?;
+        stream.memset_zeros(&mut self.max)?;
+        Ok(())
+    }
+
+    /// The accumulated value of `kind` (waits for the stream: a host sync).
+    pub fn read(&self, stream: &Arc<CudaStream>, kind: NormKind) -> Result<f64> {
+        Ok(match kind {
+            NormKind::Inf => f32::from_bits(stream.clone_dtoh(&self.max)?[0]) as f64,
+            _ => stream.clone_dtoh(&self.sum)?[0],
+        })
+    }
+}
+
 /// Threads per block of every launch.
 const BLOCK: u32 = 256;
 
@@ -47,6 +91,9 @@ pub struct FusedKernels {
     ctx: Arc<CudaContext>,
     gather: [CudaFunction; 3],
     scatter: [CudaFunction; 3],
+    gather_add: CudaFunction,
+    scale: CudaFunction,
+    norm: CudaFunction,
     sgd: CudaFunction,
     adam: CudaFunction,
     adagrad: CudaFunction,
@@ -62,7 +109,13 @@ impl FusedKernels {
         ensure_library(Library::Cuda)?;
         ensure_library(Library::Nvrtc)?;
         guarded("compiling the fused kernels", || {
-            let ptx = cudarc::nvrtc::compile_ptx(SOURCE)?;
+            // compute_60: double-precision atomicAdd (norms); the driver
+            // JIT-compiles the PTX for newer devices.
+            let options = cudarc::nvrtc::CompileOptions {
+                arch: Some("compute_60"),
+                ..Default::default()
+            };
+            let ptx = cudarc::nvrtc::compile_ptx_with_opts(SOURCE, options)?;
             let module = ctx.load_module(ptx)?;
             let f = |name: &str| module.load_function(name);
             let sms = ctx.attribute(
@@ -80,6 +133,9 @@ impl FusedKernels {
                     f("scatter_pieces_b32")?,
                     f("scatter_pieces_b64")?,
                 ],
+                gather_add: f("gather_add_pieces_f32")?,
+                scale: f("scale_f32")?,
+                norm: f("norm_partial_f32")?,
                 sgd: f("sgd_f32")?,
                 adam: f("adam_f32")?,
                 adagrad: f("adagrad_f32")?,
@@ -132,6 +188,92 @@ impl FusedKernels {
         let kernel = Self::copy_kernel::<T>(&self.gather);
         self.launch_copy("flatten", stream, kernel, &entries, flat)?;
         drop(guards);
+        Ok(())
+    }
+
+    /// Copies (or with `add`, adds) element range `range` of each `src` into
+    /// `flat[offset..offset + range.len()]`, for pieces `(offset, src, range)`,
+    /// in one launch on `stream`: the engine's gradient flatten (and
+    /// accumulation) of one bucket.
+    pub fn flatten_ranges(
+        &self,
+        stream: &Arc<CudaStream>,
+        pieces: &[(usize, &dyn DevicePtr<f32>, Range<usize>)],
+        flat: &mut (impl DevicePtrMut<f32> + ?Sized),
+        add: bool,
+    ) -> Result<()> {
+        let mut guards: Vec<SyncOnDrop<'_>> = Vec::with_capacity(pieces.len());
+        let mut entries = Vec::with_capacity(pieces.len());
+        for (offset, src, range) in pieces {
+            if range.end > src.len() {
+                return Err(Error::BufferSize {
+                    op: "flatten_ranges",
+                    what: "source piece",
+                    got: src.len(),
+                    expected: range.end,
+                });
+            }
+            let (ptr, guard) = src.device_ptr(stream);
+            guards.push(guard);
+            let start = ptr + (range.start * std::mem::size_of::<f32>()) as u64;
+            entries.push((start, *offset, range.len()));
+        }
+        let kernel = if add {
+            &self.gather_add
+        } else {
+            Self::copy_kernel::<f32>(&self.gather)
+        };
+        self.launch_copy("flatten_ranges", stream, kernel, &entries, flat)?;
+        drop(guards);
+        Ok(())
+    }
+
+    /// Multiplies every element of `buf` by `factor`.
+    pub fn scale(
+        &self,
+        stream: &Arc<CudaStream>,
+        buf: &mut dyn DevicePtrMut<f32>,
+        factor: f32,
+    ) -> Result<()> {
+        let n = buf.len();
+        if n == 0 {
+            return Ok(());
+        }
+        let (x, _guard) = buf.device_ptr_mut(stream);
+        let n64 = n as u64;
+        let mut launch = stream.launch_builder(&self.scale);
+        launch.arg(&x).arg(&n64).arg(&factor);
+        // SAFETY: x addresses n f32; the arguments match `scale_f32`.
+        unsafe { launch.launch(self.config(n)) }?;
+        Ok(())
+    }
+
+    /// Adds the partial norm of `buf` into `out` without synchronizing:
+    /// [`NormKind::L1`] adds `sum |x|` and [`NormKind::L2`] `sum x^2` to
+    /// `out.sum[0]`; [`NormKind::Inf`] raises `out.max[0]` (float bits) to
+    /// `max |x|`.
+    pub fn norm_partial(
+        &self,
+        stream: &Arc<CudaStream>,
+        buf: &dyn DevicePtr<f32>,
+        kind: NormKind,
+        out: &mut NormAccumulator,
+    ) -> Result<()> {
+        let n = buf.len();
+        if n == 0 {
+            return Ok(());
+        }
+        let (x, _gx) = buf.device_ptr(stream);
+        let (sum, _gs) = out.sum.device_ptr_mut(stream);
+        let (max, _gm) = out.max.device_ptr_mut(stream);
+        let n64 = n as u64;
+        let kind = kind as i32;
+        let mut launch = stream.launch_builder(&self.norm);
+        launch.arg(&x).arg(&n64).arg(&kind).arg(&sum).arg(&max);
+        // SAFETY: x addresses n f32, sum one f64 and max one u32; the block
+        // size is the 256 the kernel's shared array assumes; the arguments
+        // match `norm_partial_f32`.
+        unsafe { launch.launch(self.config(n)) }?;
         Ok(())
     }
 
@@ -210,7 +352,7 @@ impl FusedKernels {
         stream: &Arc<CudaStream>,
         kernel: &CudaFunction,
         entries: &[(u64, usize, usize)],
-        flat: &mut CudaSlice<T>,
+        flat: &mut (impl DevicePtrMut<T> + ?Sized),
     ) -> Result<()> {
         let Some(PieceTable {
             table,
@@ -225,8 +367,9 @@ impl FusedKernels {
             block_dim: (BLOCK, 1, 1),
             shared_mem_bytes: 0,
         };
+        let (flat_ptr, _flat_guard) = flat.device_ptr_mut(stream);
         let mut launch = stream.launch_builder(kernel);
-        launch.arg(&table).arg(&n_pieces).arg(flat);
+        launch.arg(&table).arg(&n_pieces).arg(&flat_ptr);
         // SAFETY: the table's pointers and lengths come from live device
         // buffers of `T` whose guards the caller holds across this launch;
         // offsets + lengths were checked against `flat`; the kernel's element

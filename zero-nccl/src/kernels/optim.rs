@@ -279,23 +279,76 @@ fn check_len(op: &'static str, what: &'static str, got: usize, expected: usize) 
     Ok(())
 }
 
-/// The device address of an optional state buffer (null when absent; the
-/// kernels do not touch it then), with its event guard.
-fn opt_ptr<'a>(
+fn flag(b: bool) -> i32 {
+    i32::from(b)
+}
+
+/// The address of element `at` of a state buffer of at least `at + n`
+/// elements, with its event guard.
+fn state_ptr<'a>(
+    op: &'static str,
+    what: &'static str,
+    buf: &'a mut CudaSlice<f32>,
+    stream: &'a CudaStream,
+    at: usize,
+    n: usize,
+) -> Result<(u64, SyncOnDrop<'a>)> {
+    if at + n > buf.len() {
+        return Err(Error::BufferSize {
+            op,
+            what,
+            got: buf.len(),
+            expected: at + n,
+        });
+    }
+    let (ptr, guard) = buf.device_ptr_mut(stream);
+    Ok((ptr + (at * std::mem::size_of::<f32>()) as u64, guard))
+}
+
+/// [`state_ptr`] for an optional buffer: null when absent (the kernels do
+/// not touch it then).
+fn opt_state_ptr<'a>(
+    op: &'static str,
+    what: &'static str,
     buf: &'a mut Option<CudaSlice<f32>>,
     stream: &'a CudaStream,
-) -> (u64, Option<SyncOnDrop<'a>>) {
+    at: usize,
+    n: usize,
+) -> Result<(u64, Option<SyncOnDrop<'a>>)> {
     match buf.as_mut() {
         Some(b) => {
-            let (ptr, guard) = b.device_ptr_mut(stream);
-            (ptr, Some(guard))
+            let (ptr, guard) = state_ptr(op, what, b, stream, at, n)?;
+            Ok((ptr, Some(guard)))
         }
-        None => (0, None),
+        None => Ok((0, None)),
     }
 }
 
-fn flag(b: bool) -> i32 {
-    i32::from(b)
+/// Allocates a zeroed optional state buffer of `len` elements when `wanted`
+/// and absent; returns whether it did.
+fn ensure_buffer(
+    stream: &Arc<CudaStream>,
+    buf: &mut Option<CudaSlice<f32>>,
+    wanted: bool,
+    len: usize,
+) -> Result<bool> {
+    if wanted && buf.is_none() {
+        *buf = Some(stream.alloc_zeros(len)?);
+        return Ok(true);
+    }
+    Ok(false)
+}
+
+/// Parameters and gradients of one launch: `n` elements each.
+fn param_grad_ptrs<'a>(
+    op: &'static str,
+    stream: &'a CudaStream,
+    params: &'a mut dyn DevicePtrMut<f32>,
+    grads: &'a dyn DevicePtr<f32>,
+) -> Result<(usize, [(u64, SyncOnDrop<'a>); 2])> {
+    let n = params.len();
+    check_len(op, "grads", grads.len(), n)?;
+    Ok((n, [params.device_ptr_mut(stream), grads.device_ptr(stream)]))
 }
 
 impl FusedKernels {
@@ -308,20 +361,47 @@ impl FusedKernels {
         state: &mut SgdState,
         hyper: &SgdHyper,
     ) -> Result<()> {
+        let step = state.step + 1;
+        let len = params.len();
+        self.sgd_step_at(stream, params, grads, state, 0, len, step, hyper)?;
+        state.step = step;
+        Ok(())
+    }
+
+    /// One SGD step of `params` (`n` elements) with the state elements
+    /// `at..at + n` of a state covering `state_len` elements; `step` is the
+    /// step being taken (1 for the first). The step count is the caller's.
+    #[allow(clippy::too_many_arguments)]
+    pub fn sgd_step_at(
+        &self,
+        stream: &Arc<CudaStream>,
+        params: &mut dyn DevicePtrMut<f32>,
+        grads: &dyn DevicePtr<f32>,
+        state: &mut SgdState,
+        at: usize,
+        state_len: usize,
+        step: u64,
+        hyper: &SgdHyper,
+    ) -> Result<()> {
         const OP: &str = "sgd_step";
-        let n = params.len();
-        check_len(OP, "grads", grads.len(), n)?;
-        let first_step = state.momentum_buffer.is_none();
-        if hyper.momentum != 0.0 && first_step {
-            // SAFETY: the kernel writes every element before reading (first_step).
-            state.momentum_buffer = Some(unsafe { stream.alloc::<f32>(n) }?);
-        }
-        if let Some(buf) = &state.momentum_buffer {
-            check_len(OP, "momentum_buffer", buf.len(), n)?;
-        }
-        let (p, _gp) = params.device_ptr_mut(stream);
-        let (g, _gg) = grads.device_ptr(stream);
-        let (buf, _gb) = opt_ptr(&mut state.momentum_buffer, stream);
+        // torch keeps the buffer None until the first step with momentum,
+        // which copies the gradient into it.
+        let allocated = ensure_buffer(
+            stream,
+            &mut state.momentum_buffer,
+            hyper.momentum != 0.0,
+            state_len,
+        )?;
+        let first_step = step == 1 || allocated;
+        let (n, [(p, _gp), (g, _gg)]) = param_grad_ptrs(OP, stream, params, grads)?;
+        let (buf, _gb) = opt_state_ptr(
+            OP,
+            "momentum_buffer",
+            &mut state.momentum_buffer,
+            stream,
+            at,
+            n,
+        )?;
         let n64 = n as u64;
         let (lr, momentum, dampening, wd) = (
             hyper.lr as f32,
@@ -347,7 +427,6 @@ impl FusedKernels {
         // SAFETY: p, g and buf (when momentum != 0) address n f32 each (checked
         // above), and the argument list matches `sgd_f32`'s signature.
         unsafe { launch.launch(self.config(n)) }?;
-        state.step += 1;
         Ok(())
     }
 
@@ -360,28 +439,45 @@ impl FusedKernels {
         state: &mut AdamState,
         hyper: &AdamHyper,
     ) -> Result<()> {
-        const OP: &str = "adam_step";
-        let n = params.len();
-        check_len(OP, "grads", grads.len(), n)?;
-        check_len(OP, "exp_avg", state.exp_avg.len(), n)?;
-        check_len(OP, "exp_avg_sq", state.exp_avg_sq.len(), n)?;
-        if hyper.amsgrad {
-            match &state.max_exp_avg_sq {
-                Some(v) => check_len(OP, "max_exp_avg_sq", v.len(), n)?,
-                None => state.max_exp_avg_sq = Some(stream.alloc_zeros(n)?),
-            }
-        }
         let step = state.step + 1;
+        self.adam_step_at(stream, params, grads, state, 0, step, hyper)?;
+        state.step = step;
+        Ok(())
+    }
+
+    /// One Adam step of `params` with the state elements `at..at + n`;
+    /// `step` is the step being taken (1 for the first; it sets the bias
+    /// corrections). The step count is the caller's.
+    #[allow(clippy::too_many_arguments)]
+    pub fn adam_step_at(
+        &self,
+        stream: &Arc<CudaStream>,
+        params: &mut dyn DevicePtrMut<f32>,
+        grads: &dyn DevicePtr<f32>,
+        state: &mut AdamState,
+        at: usize,
+        step: u64,
+        hyper: &AdamHyper,
+    ) -> Result<()> {
+        const OP: &str = "adam_step";
+        let state_len = state.exp_avg.len();
+        ensure_buffer(stream, &mut state.max_exp_avg_sq, hyper.amsgrad, state_len)?;
         let (beta1, beta2) = hyper.betas;
         let bias_correction1 = 1.0 - beta1.powf(step as f64);
         let bias_correction2 = 1.0 - beta2.powf(step as f64);
         let step_size = (hyper.lr / bias_correction1) as f32;
         let bc2_sqrt = bias_correction2.sqrt() as f32;
-        let (p, _gp) = params.device_ptr_mut(stream);
-        let (g, _gg) = grads.device_ptr(stream);
-        let (m, _gm) = state.exp_avg.device_ptr_mut(stream);
-        let (v, _gv) = state.exp_avg_sq.device_ptr_mut(stream);
-        let (vmax, _gvm) = opt_ptr(&mut state.max_exp_avg_sq, stream);
+        let (n, [(p, _gp), (g, _gg)]) = param_grad_ptrs(OP, stream, params, grads)?;
+        let (m, _gm) = state_ptr(OP, "exp_avg", &mut state.exp_avg, stream, at, n)?;
+        let (v, _gv) = state_ptr(OP, "exp_avg_sq", &mut state.exp_avg_sq, stream, at, n)?;
+        let (vmax, _gvm) = opt_state_ptr(
+            OP,
+            "max_exp_avg_sq",
+            &mut state.max_exp_avg_sq,
+            stream,
+            at,
+            n,
+        )?;
         let n64 = n as u64;
         let (lr, b1, b2, eps, wd) = (
             hyper.lr as f32,
@@ -416,7 +512,6 @@ impl FusedKernels {
         // SAFETY: every buffer addresses n f32 (checked above; vmax exists when
         // amsgrad), and the argument list matches `adam_f32`'s signature.
         unsafe { launch.launch(self.config(n)) }?;
-        state.step = step;
         Ok(())
     }
 
@@ -429,15 +524,28 @@ impl FusedKernels {
         state: &mut AdagradState,
         hyper: &AdagradHyper,
     ) -> Result<()> {
-        const OP: &str = "adagrad_step";
-        let n = params.len();
-        check_len(OP, "grads", grads.len(), n)?;
-        check_len(OP, "sum", state.sum.len(), n)?;
         let step = state.step + 1;
+        self.adagrad_step_at(stream, params, grads, state, 0, step, hyper)?;
+        state.step = step;
+        Ok(())
+    }
+
+    /// One Adagrad step of `params` with the state elements `at..at + n`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn adagrad_step_at(
+        &self,
+        stream: &Arc<CudaStream>,
+        params: &mut dyn DevicePtrMut<f32>,
+        grads: &dyn DevicePtr<f32>,
+        state: &mut AdagradState,
+        at: usize,
+        step: u64,
+        hyper: &AdagradHyper,
+    ) -> Result<()> {
+        const OP: &str = "adagrad_step";
         let clr = (hyper.lr / (1.0 + (step as f64 - 1.0) * hyper.lr_decay)) as f32;
-        let (p, _gp) = params.device_ptr_mut(stream);
-        let (g, _gg) = grads.device_ptr(stream);
-        let (s, _gs) = state.sum.device_ptr_mut(stream);
+        let (n, [(p, _gp), (g, _gg)]) = param_grad_ptrs(OP, stream, params, grads)?;
+        let (s, _gs) = state_ptr(OP, "sum", &mut state.sum, stream, at, n)?;
         let n64 = n as u64;
         let (wd, eps, maximize) = (
             hyper.weight_decay as f32,
@@ -457,7 +565,6 @@ impl FusedKernels {
         // SAFETY: every buffer addresses n f32 (checked above), and the
         // argument list matches `adagrad_f32`'s signature.
         unsafe { launch.launch(self.config(n)) }?;
-        state.step = step;
         Ok(())
     }
 
@@ -470,29 +577,42 @@ impl FusedKernels {
         state: &mut RmspropState,
         hyper: &RmspropHyper,
     ) -> Result<()> {
+        self.rmsprop_step_at(stream, params, grads, state, 0, hyper)?;
+        state.step += 1;
+        Ok(())
+    }
+
+    /// One RMSprop step of `params` with the state elements `at..at + n`
+    /// (RMSprop's update does not depend on the step count).
+    pub fn rmsprop_step_at(
+        &self,
+        stream: &Arc<CudaStream>,
+        params: &mut dyn DevicePtrMut<f32>,
+        grads: &dyn DevicePtr<f32>,
+        state: &mut RmspropState,
+        at: usize,
+        hyper: &RmspropHyper,
+    ) -> Result<()> {
         const OP: &str = "rmsprop_step";
-        let n = params.len();
-        check_len(OP, "grads", grads.len(), n)?;
-        check_len(OP, "square_avg", state.square_avg.len(), n)?;
-        for (wanted, buf, what) in [
-            (hyper.centered, &mut state.grad_avg, "grad_avg"),
-            (
-                hyper.momentum > 0.0,
-                &mut state.momentum_buffer,
-                "momentum_buffer",
-            ),
-        ] {
-            match buf {
-                Some(b) => check_len(OP, what, b.len(), n)?,
-                None if wanted => *buf = Some(stream.alloc_zeros(n)?),
-                None => {}
-            }
-        }
-        let (p, _gp) = params.device_ptr_mut(stream);
-        let (g, _gg) = grads.device_ptr(stream);
-        let (sq, _gsq) = state.square_avg.device_ptr_mut(stream);
-        let (ga, _gga) = opt_ptr(&mut state.grad_avg, stream);
-        let (buf, _gb) = opt_ptr(&mut state.momentum_buffer, stream);
+        let state_len = state.square_avg.len();
+        ensure_buffer(stream, &mut state.grad_avg, hyper.centered, state_len)?;
+        ensure_buffer(
+            stream,
+            &mut state.momentum_buffer,
+            hyper.momentum > 0.0,
+            state_len,
+        )?;
+        let (n, [(p, _gp), (g, _gg)]) = param_grad_ptrs(OP, stream, params, grads)?;
+        let (sq, _gsq) = state_ptr(OP, "square_avg", &mut state.square_avg, stream, at, n)?;
+        let (ga, _gga) = opt_state_ptr(OP, "grad_avg", &mut state.grad_avg, stream, at, n)?;
+        let (buf, _gb) = opt_state_ptr(
+            OP,
+            "momentum_buffer",
+            &mut state.momentum_buffer,
+            stream,
+            at,
+            n,
+        )?;
         let n64 = n as u64;
         let (lr, alpha, eps, wd, momentum) = (
             hyper.lr as f32,
@@ -521,7 +641,6 @@ impl FusedKernels {
         // the momentum buffer exist when used), and the argument list
         // matches `rmsprop_f32`'s signature.
         unsafe { launch.launch(self.config(n)) }?;
-        state.step += 1;
         Ok(())
     }
 }

@@ -45,6 +45,19 @@ DEFINE_COPY(unsigned short, b16)
 DEFINE_COPY(unsigned int, b32)
 DEFINE_COPY(u64, b64)
 
+// Accumulating flatten for gradient accumulation: flat[offset + i] += src[i].
+extern "C" __global__ void gather_add_pieces_f32(const u64* table, unsigned int n_pieces, float* flat) {
+    for (unsigned int p = blockIdx.y; p < n_pieces; p += gridDim.y) {
+        const float* src = (const float*)table[3 * p];
+        float* dst = flat + table[3 * p + 1];
+        u64 len = table[3 * p + 2];
+        for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < len;
+             i += (u64)gridDim.x * blockDim.x) {
+            dst[i] += src[i];
+        }
+    }
+}
+
 #define GRID_STRIDE(i, n) \
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (u64)gridDim.x * blockDim.x)
 
@@ -138,5 +151,41 @@ extern "C" __global__ void rmsprop_f32(float* p, const float* g, float* square_a
         } else {
             p[i] = param + (-lr) * (grad / avg);
         }
+    }
+}
+
+// ---- gradient scaling and norms --------------------------------------------
+// x *= factor (micro-step averaging, clipping).
+extern "C" __global__ void scale_f32(float* x, u64 n, float factor) {
+    GRID_STRIDE(i, n) { x[i] = x[i] * factor; }
+}
+
+// Partial norms of x: kind 0 adds sum |x| to *out_sum, kind 1 adds sum x^2;
+// kind 2 takes max |x| into *out_max as float bits (non-negative floats order
+// like their bit patterns). Each block reduces in shared memory first, so
+// there is one atomic per block. Launched with 256 threads per block.
+extern "C" __global__ void norm_partial_f32(const float* x, u64 n, int kind, double* out_sum,
+                                            unsigned int* out_max) {
+    __shared__ double partial[256];
+    double acc = 0.0;
+    GRID_STRIDE(i, n) {
+        double v = fabs((double)x[i]);
+        if (kind == 0) acc += v;
+        else if (kind == 1) acc += v * v;
+        else acc = fmax(acc, v);
+    }
+    partial[threadIdx.x] = acc;
+    __syncthreads();
+    for (unsigned int s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s) {
+            double other = partial[threadIdx.x + s];
+            partial[threadIdx.x] = kind == 2 ? fmax(partial[threadIdx.x], other)
+                                             : partial[threadIdx.x] + other;
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+        if (kind == 2) atomicMax(out_max, __float_as_uint((float)partial[0]));
+        else atomicAdd(out_sum, partial[0]);
     }
 }

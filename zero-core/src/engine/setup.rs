@@ -1,0 +1,106 @@
+//! What every engine derives from its parameters and configuration before
+//! the first step: parameter groups, the partition plan, the bucket-major
+//! layout and the pieces this rank steps. Shared by the host [`Engine`] and
+//! device engines (`zero-nccl`), so both cut and order work identically.
+//!
+//! [`Engine`]: super::Engine
+
+use super::{EngineConfig, Layout, Stage};
+use crate::optim::FunctionalOptimizer;
+use crate::partition::{ParamInfo, PartitionPlan, ShardPiece};
+use crate::{Element, Error, Result};
+use std::collections::BTreeMap;
+
+/// Parameter groups, plan, layout and owned pieces of one rank.
+#[derive(Clone, Debug)]
+pub struct ShardSetup {
+    /// Parameter index by name.
+    pub index: BTreeMap<String, usize>,
+    /// The optimizer group of each parameter.
+    pub group_of: Vec<usize>,
+    /// The partition plan: over one rank in stage 0 (every rank steps
+    /// everything), over the world otherwise.
+    pub plan: PartitionPlan,
+    /// The bucket-major layout of `plan`.
+    pub layout: Layout,
+    /// This rank's index in the plan (0 in stage 0).
+    pub plan_rank: usize,
+    /// The pieces this rank steps, in shard order.
+    pub owned: Vec<ShardPiece>,
+}
+
+impl ShardSetup {
+    /// Validates `config` and the parameters, adds `config.param_groups` to
+    /// `optimizer` and partitions. Local: run the rank-consistency check
+    /// before it, so that every rank fails alike or passes alike.
+    pub fn new<T: Element>(
+        params: &[ParamInfo],
+        config: &EngineConfig,
+        optimizer: &mut dyn FunctionalOptimizer<T>,
+        world_size: usize,
+        rank: usize,
+    ) -> Result<Self> {
+        config.validate()?;
+        let mut index = BTreeMap::new();
+        for (i, p) in params.iter().enumerate() {
+            if index.insert(p.name.clone(), i).is_some() {
+                return Err(Error::Config(format!(
+                    "parameter name {:?} appears twice; names must be unique",
+                    p.name
+                )));
+            }
+            if p.trainable && p.dtype != T::DTYPE {
+                return Err(Error::Config(format!(
+                    "parameter {:?} is {} but the engine was built for {}; \
+                     build it for the model's dtype or freeze the parameter",
+                    p.name,
+                    p.dtype,
+                    T::DTYPE
+                )));
+            }
+        }
+
+        let mut group_of = vec![0; params.len()];
+        for spec in &config.param_groups {
+            let group = optimizer.add_group(&spec.hyperparams)?;
+            for name in &spec.params {
+                let Some(&i) = index.get(name) else {
+                    return Err(Error::Config(format!(
+                        "parameter group names {name:?}, which is not a parameter of the model"
+                    )));
+                };
+                if group_of[i] != 0 {
+                    return Err(Error::Config(format!(
+                        "parameter {name:?} is in two parameter groups"
+                    )));
+                }
+                group_of[i] = group;
+            }
+        }
+
+        let (plan_world, plan_rank) = match config.stage {
+            Stage::Ddp => (1, 0),
+            Stage::OptimizerState | Stage::Gradients => (world_size, rank),
+        };
+        let plan =
+            config
+                .partitioner
+                .partitioner()
+                .partition(params, plan_world, config.bucket_bytes)?;
+        let layout = Layout::new(&plan);
+        let owned = plan.shards[plan_rank].clone();
+        Ok(Self {
+            index,
+            group_of,
+            plan,
+            layout,
+            plan_rank,
+            owned,
+        })
+    }
+
+    /// Where piece `piece` of `owned` starts in this rank's shard.
+    pub fn shard_offset(&self, piece: &ShardPiece) -> usize {
+        piece.flat_range.start - self.plan_rank * self.plan.shard_numel
+    }
+}
