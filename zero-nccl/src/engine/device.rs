@@ -36,7 +36,7 @@ pub trait DeviceParams {
     ) -> Result<()>;
 }
 
-impl DeviceParams for [CudaSlice<f32>] {
+impl DeviceParams for Vec<CudaSlice<f32>> {
     fn with_param(
         &mut self,
         param: usize,
