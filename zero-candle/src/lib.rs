@@ -4,13 +4,20 @@
 //! [`candle_nn::Optimizer`], so a ZeRO sharded optimizer drops into any
 //! Candle training loop. Backends come with features: the in-process
 //! thread backend always, `mpi` for processes across machines, `nccl` for
-//! GPUs.
+//! GPUs: [`NcclZeroOptimizer`] (feature `nccl`) trains a Candle model on
+//! CUDA with the device engine of `zero-nccl`, gradients and parameters
+//! staying on the GPU.
 #![warn(missing_docs)]
 
 mod error;
+#[cfg(feature = "nccl")]
+mod nccl;
 mod optimizer;
 mod params;
 
 pub use error::{Error, Result};
 pub use optimizer::{ZeroConfig, ZeroOptimizer};
 pub use params::VarStore;
+
+#[cfg(feature = "nccl")]
+pub use nccl::{NcclZeroConfig, NcclZeroOptimizer};

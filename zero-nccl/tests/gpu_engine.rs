@@ -44,9 +44,14 @@ fn params() -> Vec<ParamInfo> {
     ]
 }
 
+/// Per step, one gradient slot per parameter.
+type StepGrads = Vec<Vec<Option<Vec<f32>>>>;
+/// Builds a fresh optimizer for each engine of a comparison.
+type MakeOptimizer = Box<dyn Fn() -> Box<dyn FunctionalOptimizer<f32>> + Sync>;
+
 /// Initial weights and per-step gradients; parameter 2 has no gradient on
 /// odd steps (its step count falls behind, splitting the fused launches).
-fn data(steps: usize) -> (Vec<Vec<f32>>, Vec<Vec<Option<Vec<f32>>>>) {
+fn data(steps: usize) -> (Vec<Vec<f32>>, StepGrads) {
     let mut rng = rand::rngs::StdRng::seed_from_u64(7);
     let ps = params();
     let init = ps
@@ -128,10 +133,7 @@ fn assert_close(device: &[Vec<f32>], host: &[Vec<f32>], what: &str) {
 fn device_engine_matches_the_host_engine_at_world_size_one() {
     let Some(_probe) = comm() else { return };
     drop(_probe);
-    let cases: Vec<(
-        &str,
-        Box<dyn Fn() -> Box<dyn FunctionalOptimizer<f32>> + Sync>,
-    )> = vec![
+    let cases: Vec<(&str, MakeOptimizer)> = vec![
         (
             "adam",
             Box::new(|| Box::new(Adam::new(AdamConfig::default().with_lr(1e-2)).unwrap())),

@@ -27,6 +27,9 @@ pub fn run(report: &mut Report) {
     if let Err(e) = adam_bandwidth(report) {
         eprintln!("gpu.adam_bw_over_d2d failed: {e}");
     }
+    if let Err(e) = stage2_over_plain_adamw(report) {
+        eprintln!("gpu.s2_over_plain_adamw failed: {e}");
+    }
 }
 
 /// Milliseconds per call of `f` on `stream`, averaged over `ITERS` after a warm-up.
@@ -74,6 +77,87 @@ fn adam_bandwidth(report: &mut Report) -> zero_nccl::Result<()> {
         adam_gbs / copy_gbs,
         "ratio",
         Some(">= 0.7"),
+    );
+    Ok(())
+}
+
+/// Widths of the step benchmark's MLP (about 50M f32 parameters).
+const MODEL: [usize; 5] = [1024, 4096, 4096, 4096, 1024];
+const BATCH: usize = 64;
+
+/// `gpu.s2_over_plain_adamw`: one training step (forward, backward,
+/// optimizer) of the same Candle model on the GPU with `NcclZeroOptimizer`
+/// at stage 2 and world size 1, over the same step with candle-nn's AdamW.
+/// Timed on the host around a device synchronization, alternating the two
+/// so drift hits both. Goal: at most 1.05.
+fn stage2_over_plain_adamw(report: &mut Report) -> Result<(), Box<dyn std::error::Error>> {
+    use crate::trainer::Mlp;
+    use candle_core::{Device, Tensor};
+    use candle_nn::{Optimizer, VarMap};
+    use std::time::Instant;
+    use zero_candle::NcclZeroOptimizer;
+    use zero_core::engine::{EngineConfig, Stage};
+    use zero_core::optim::{AdamW, AdamWConfig};
+    use zero_nccl::NcclComm;
+
+    let device = Device::new_cuda(0)?;
+    let x = Tensor::randn(0f32, 1.0, (BATCH, MODEL[0]), &device)?;
+    let y = Tensor::zeros(BATCH, candle_core::DType::U32, &device)?;
+    let build = || -> Result<(VarMap, Mlp), Box<dyn std::error::Error>> {
+        let varmap = VarMap::new();
+        let model = Mlp::new(&varmap, &MODEL, 0, &device).map_err(|e| e.to_string())?;
+        Ok((varmap, model))
+    };
+    let step_with =
+        |model: &Mlp,
+         opt: &mut dyn FnMut(&candle_core::backprop::GradStore) -> candle_core::Result<()>|
+         -> candle_core::Result<()> {
+            let loss = candle_nn::loss::cross_entropy(&model.forward(&x)?, &y)?;
+            opt(&loss.backward()?)
+        };
+
+    let (plain_vars, plain_model) = build()?;
+    let mut plain =
+        candle_nn::AdamW::new(plain_vars.all_vars(), candle_nn::ParamsAdamW::default())?;
+    let (zero_vars, zero_model) = build()?;
+    let comm = NcclComm::single(0)?;
+    let mut zero = NcclZeroOptimizer::new(
+        &zero_vars,
+        comm,
+        EngineConfig::default().with_stage(Stage::Gradients),
+        Box::new(AdamW::new(AdamWConfig::default())?),
+    )?;
+
+    let mut plain_s = Vec::new();
+    let mut zero_s = Vec::new();
+    for i in 0..(WARMUP + ITERS) {
+        let t = Instant::now();
+        step_with(&plain_model, &mut |g| plain.step(g))?;
+        device.synchronize()?;
+        let plain_t = t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        step_with(&zero_model, &mut |g| {
+            zero.step(g).map(drop).map_err(Into::into)
+        })?;
+        device.synchronize()?;
+        let zero_t = t.elapsed().as_secs_f64();
+        if i >= WARMUP {
+            plain_s.push(plain_t);
+            zero_s.push(zero_t);
+        }
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let (plain_ms, zero_ms) = (median(&mut plain_s) * 1e3, median(&mut zero_s) * 1e3);
+    report.add("gpu.plain_adamw_step_ms", plain_ms, "ms", None);
+    report.add("gpu.s2_step_ms", zero_ms, "ms", None);
+    report.add(
+        "gpu.s2_over_plain_adamw",
+        zero_ms / plain_ms,
+        "ratio",
+        Some("<= 1.05"),
     );
     Ok(())
 }

@@ -28,7 +28,8 @@ fn measure(stage: Stage, data: &Dataset) -> Result<(f64, MemoryReport), String> 
         let mut widths = vec![data.width];
         widths.extend(HIDDEN);
         widths.push(data.classes);
-        let model = Mlp::new(&varmap, &widths, 0).map_err(|e| e.to_string())?;
+        let model =
+            Mlp::new(&varmap, &widths, 0, &candle_core::Device::Cpu).map_err(|e| e.to_string())?;
         let adamw = AdamW::new(AdamWConfig::default().with_lr(1e-3)).map_err(|e| e.to_string())?;
         let config = EngineConfig::default()
             .with_stage(stage)

@@ -18,9 +18,10 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use zero_candle::ZeroOptimizer;
+use zero_core::checkpoint::Manifest;
 use zero_core::comm::Host;
 use zero_core::engine::{
-    EngineConfig, MemoryReport, NormType, PartitionerKind, SaveOptions, Stage,
+    EngineConfig, MemoryReport, NormType, PartitionerKind, SaveOptions, Stage, StepReport,
 };
 use zero_core::{Communicator, ReduceOp, ThreadGroup};
 
@@ -106,12 +107,56 @@ pub fn run(args: &Args) -> Result<Summary, TrainError> {
             collect(results)
         }
         Backend::Mpi => run_mpi(args, &data),
-        Backend::Nccl => Err(TrainError::Usage(
-            "--backend nccl trains on GPUs and needs a build with `--features nccl` \
-             on a machine with CUDA"
-                .into(),
-        )),
+        Backend::Nccl => run_nccl(args, &data),
     }
+}
+
+#[cfg(feature = "nccl")]
+fn run_nccl(args: &Args, data: &Arc<Dataset>) -> Result<Summary, TrainError> {
+    use zero_candle::NcclZeroOptimizer;
+    use zero_nccl::NcclComm;
+    if args.checkpoint_dir.is_some() || args.resume.is_some() {
+        return Err(TrainError::Usage(
+            "--checkpoint-dir and --resume are not supported with --backend nccl yet \
+             (the device engine has no checkpoint format); use --save for the final weights"
+                .into(),
+        ));
+    }
+    let comm = NcclComm::from_env()
+        .map_err(zero_core::Error::from)?
+        .with_timeout(Duration::from_secs_f64(args.timeout_s));
+    let device = Device::new_cuda(comm.context().ordinal())?;
+    let (rank, world_size) = (comm.rank(), comm.world_size());
+    let varmap = VarMap::new();
+    let model = Mlp::new(&varmap, &widths(args, data), args.seed, &device)?;
+    if let Some(path) = &args.init {
+        load_weights(&varmap, path)?;
+    }
+    let mut opt = NcclZeroOptimizer::new(
+        &varmap,
+        comm,
+        engine_config(args),
+        crate::optimizers::build(args)?,
+    )?;
+    let ctx = LoopContext {
+        args,
+        data,
+        rank,
+        world_size,
+        device: &device,
+        varmap: &varmap,
+        model: &model,
+    };
+    train_loop(&ctx, &mut opt)
+}
+
+#[cfg(not(feature = "nccl"))]
+fn run_nccl(_: &Args, _: &Arc<Dataset>) -> Result<Summary, TrainError> {
+    Err(TrainError::Usage(
+        "--backend nccl trains on GPUs and needs a build with `--features nccl` on a machine \
+         with CUDA; launch one process per GPU with `torchrun`-style variables or `mpirun`"
+            .into(),
+    ))
 }
 
 #[cfg(feature = "mpi")]
@@ -238,20 +283,129 @@ pub fn engine_config(args: &Args) -> EngineConfig {
     config
 }
 
-/// One rank's training loop.
+/// The model's layer widths: data width, `--hidden`, classes.
+fn widths(args: &Args, data: &Dataset) -> Vec<usize> {
+    let mut widths = vec![data.width];
+    widths.extend(&args.hidden);
+    widths.push(data.classes);
+    widths
+}
+
+/// What the training loop needs of a rank's optimizer: the host engine
+/// ([`ZeroOptimizer`]) or the device engine (`NcclZeroOptimizer`).
+trait RankOptimizer {
+    fn step(
+        &mut self,
+        grads: &candle_core::backprop::GradStore,
+    ) -> Result<Option<StepReport>, TrainError>;
+    fn learning_rate(&self) -> f64;
+    fn set_learning_rate(&mut self, lr: f64);
+    fn bytes_sent(&self) -> u64;
+    fn memory_report(&self) -> MemoryReport;
+    /// The mean of `value` over ranks (a collective).
+    fn mean_over_ranks(&self, value: f64) -> Result<f64, TrainError>;
+    fn save_checkpoint(
+        &mut self,
+        dir: &std::path::Path,
+        options: &SaveOptions,
+    ) -> Result<(), TrainError>;
+    fn load_checkpoint(&mut self, dir: &std::path::Path) -> Result<Manifest, TrainError>;
+    fn names_and_vars(&self) -> (&[String], &[candle_core::Var]);
+}
+
+impl<C: Communicator<Memory = Host>> RankOptimizer for ZeroOptimizer<C, f32> {
+    fn step(
+        &mut self,
+        grads: &candle_core::backprop::GradStore,
+    ) -> Result<Option<StepReport>, TrainError> {
+        Ok(ZeroOptimizer::step(self, grads)?)
+    }
+    fn learning_rate(&self) -> f64 {
+        self.engine().learning_rate()
+    }
+    fn set_learning_rate(&mut self, lr: f64) {
+        self.engine_mut().set_learning_rate(lr)
+    }
+    fn bytes_sent(&self) -> u64 {
+        ZeroOptimizer::bytes_sent(self)
+    }
+    fn memory_report(&self) -> MemoryReport {
+        ZeroOptimizer::memory_report(self)
+    }
+    fn mean_over_ranks(&self, value: f64) -> Result<f64, TrainError> {
+        let mut v = [value];
+        self.engine().comm().all_reduce(&mut v[..], ReduceOp::Avg)?;
+        Ok(v[0])
+    }
+    fn save_checkpoint(
+        &mut self,
+        dir: &std::path::Path,
+        options: &SaveOptions,
+    ) -> Result<(), TrainError> {
+        self.save_checkpoint_with(dir, options)?;
+        Ok(())
+    }
+    fn load_checkpoint(&mut self, dir: &std::path::Path) -> Result<Manifest, TrainError> {
+        Ok(ZeroOptimizer::load_checkpoint(self, dir)?)
+    }
+    fn names_and_vars(&self) -> (&[String], &[candle_core::Var]) {
+        (self.names(), self.vars())
+    }
+}
+
+#[cfg(feature = "nccl")]
+impl RankOptimizer for zero_candle::NcclZeroOptimizer {
+    fn step(
+        &mut self,
+        grads: &candle_core::backprop::GradStore,
+    ) -> Result<Option<StepReport>, TrainError> {
+        Ok(zero_candle::NcclZeroOptimizer::step(self, grads)?)
+    }
+    fn learning_rate(&self) -> f64 {
+        self.engine().learning_rate()
+    }
+    fn set_learning_rate(&mut self, lr: f64) {
+        self.engine_mut().set_learning_rate(lr)
+    }
+    fn bytes_sent(&self) -> u64 {
+        zero_candle::NcclZeroOptimizer::bytes_sent(self)
+    }
+    fn memory_report(&self) -> MemoryReport {
+        zero_candle::NcclZeroOptimizer::memory_report(self)
+    }
+    fn mean_over_ranks(&self, value: f64) -> Result<f64, TrainError> {
+        let comm = self.engine().comm();
+        let stream = comm.compute_stream();
+        let cuda = |e| TrainError::Zero(zero_nccl::Error::from(e).into());
+        let mut buf = stream.clone_htod(&[value]).map_err(cuda)?;
+        comm.all_reduce_view(&mut buf, ReduceOp::Avg)
+            .map_err(zero_core::Error::from)?;
+        Ok(stream.clone_dtoh(&buf).map_err(cuda)?[0])
+    }
+    fn save_checkpoint(&mut self, _: &std::path::Path, _: &SaveOptions) -> Result<(), TrainError> {
+        Err(TrainError::Usage(
+            "checkpoints are not supported with --backend nccl yet".into(),
+        ))
+    }
+    fn load_checkpoint(&mut self, _: &std::path::Path) -> Result<Manifest, TrainError> {
+        Err(TrainError::Usage(
+            "checkpoints are not supported with --backend nccl yet".into(),
+        ))
+    }
+    fn names_and_vars(&self) -> (&[String], &[candle_core::Var]) {
+        (self.names(), self.vars())
+    }
+}
+
+/// One rank's training loop on a host backend (threads or MPI).
 pub fn train_rank<C: Communicator<Memory = Host>>(
     args: &Args,
     comm: C,
     data: &Dataset,
 ) -> Result<Summary, TrainError> {
-    let rank = comm.rank();
-    let world_size = comm.world_size();
-    let mut widths = vec![data.width];
-    widths.extend(&args.hidden);
-    widths.push(data.classes);
-
+    let (rank, world_size) = (comm.rank(), comm.world_size());
     let varmap = VarMap::new();
-    let model = Mlp::new(&varmap, &widths, args.seed)?;
+    let model = Mlp::new(&varmap, &widths(args, data), args.seed, &Device::Cpu)?;
     if let Some(path) = &args.init {
         load_weights(&varmap, path)?;
     }
@@ -261,7 +415,39 @@ pub fn train_rank<C: Communicator<Memory = Host>>(
         engine_config(args),
         crate::optimizers::build(args)?,
     )?;
+    let ctx = LoopContext {
+        args,
+        data,
+        rank,
+        world_size,
+        device: &Device::Cpu,
+        varmap: &varmap,
+        model: &model,
+    };
+    train_loop(&ctx, &mut opt)
+}
 
+/// What the loop runs on besides the optimizer.
+struct LoopContext<'a> {
+    args: &'a Args,
+    data: &'a Dataset,
+    rank: usize,
+    world_size: usize,
+    device: &'a Device,
+    varmap: &'a VarMap,
+    model: &'a Mlp,
+}
+
+fn train_loop(ctx: &LoopContext<'_>, opt: &mut dyn RankOptimizer) -> Result<Summary, TrainError> {
+    let LoopContext {
+        args,
+        data,
+        rank,
+        world_size,
+        device,
+        varmap,
+        model,
+    } = *ctx;
     // Resuming: weights, optimizer state, step counter, data position and
     // learning rate come from the checkpoint (any world size and stage).
     let mut first_step = 0;
@@ -282,7 +468,7 @@ pub fn train_rank<C: Communicator<Memory = Host>>(
                 detail: "the checkpoint records no data position (`rows_consumed`)".into(),
             })?;
         if let Some(lr) = user["lr"].as_f64() {
-            opt.engine_mut().set_learning_rate(lr);
+            opt.set_learning_rate(lr);
         }
     }
     let mut metrics = match (&args.metrics, rank) {
@@ -302,15 +488,15 @@ pub fn train_rank<C: Communicator<Memory = Host>>(
     for step in first_step..args.steps {
         let started = Instant::now();
         let bytes_before = opt.bytes_sent();
-        let lr = opt.engine().learning_rate();
+        let lr = opt.learning_rate();
         let mut loss_sum = 0.0;
         let mut report = None;
         for micro in 0..accum {
             let micro_steps_done = (step - first_step) * accum + micro;
             let first_row = rows_consumed + micro_steps_done * (world_size * batch) as u64;
             let (x, y) = data.batch_at(first_row, world_size, rank, batch);
-            let x = Tensor::from_vec(x, (batch, data.width), &Device::Cpu)?;
-            let y = Tensor::from_vec(y, batch, &Device::Cpu)?;
+            let x = Tensor::from_vec(x, (batch, data.width), device)?;
+            let y = Tensor::from_vec(y, batch, device)?;
             let logits = model.forward(&x)?;
             let loss = candle_nn::loss::cross_entropy(&logits, &y)?;
             loss_sum += loss.to_scalar::<f32>()? as f64;
@@ -320,11 +506,7 @@ pub fn train_rank<C: Communicator<Memory = Host>>(
         let report = report.ok_or_else(|| {
             TrainError::Internal("the last micro-step did not complete a step".into())
         })?;
-        let mut loss = [loss_sum / accum as f64];
-        opt.engine()
-            .comm()
-            .all_reduce(&mut loss[..], ReduceOp::Avg)?;
-        final_loss = loss[0];
+        final_loss = opt.mean_over_ranks(loss_sum / accum as f64)?;
         let step_time_s = started.elapsed().as_secs_f64();
         if let Some(out) = metrics.as_mut() {
             let line = StepMetrics {
@@ -354,11 +536,11 @@ pub fn train_rank<C: Communicator<Memory = Host>>(
                         "step": step + 1,
                         "rows_consumed": rows_consumed
                             + (step + 1 - first_step) * accum * (world_size * batch) as u64,
-                        "lr": opt.engine().learning_rate(),
+                        "lr": opt.learning_rate(),
                     }),
                     ..SaveOptions::default()
                 };
-                opt.save_checkpoint_with(dir, &options)?;
+                opt.save_checkpoint(dir, &options)?;
             }
         }
     }
@@ -373,9 +555,10 @@ pub fn train_rank<C: Communicator<Memory = Host>>(
     let mut weights = Vec::new();
     if rank == 0 {
         if let Some(path) = &args.save {
-            save_weights(&varmap, path)?;
+            save_weights(varmap, path)?;
         }
-        for (name, var) in opt.names().iter().zip(opt.vars()) {
+        let (names, vars) = opt.names_and_vars();
+        for (name, var) in names.iter().zip(vars) {
             weights.push((
                 name.clone(),
                 var.as_tensor().flatten_all()?.to_vec1::<f32>()?,

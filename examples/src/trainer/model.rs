@@ -13,10 +13,15 @@ pub struct Mlp {
 }
 
 impl Mlp {
-    /// Creates the variables in `varmap`, initialized from `seed` like
-    /// PyTorch's `nn.Linear` (uniform in ±1/sqrt(fan_in)), identically on
-    /// every rank.
-    pub fn new(varmap: &VarMap, widths: &[usize], seed: u64) -> Result<Self, TrainError> {
+    /// Creates the variables in `varmap` on `device`, initialized from
+    /// `seed` like PyTorch's `nn.Linear` (uniform in ±1/sqrt(fan_in)),
+    /// identically on every rank.
+    pub fn new(
+        varmap: &VarMap,
+        widths: &[usize],
+        seed: u64,
+        device: &Device,
+    ) -> Result<Self, TrainError> {
         let mut rng = StdRng::seed_from_u64(seed);
         let mut data = varmap
             .data()
@@ -30,8 +35,8 @@ impl Mlp {
                 .map(|_| rng.gen_range(-bound..bound))
                 .collect();
             let b: Vec<f32> = (0..fan_out).map(|_| rng.gen_range(-bound..bound)).collect();
-            let w = Var::from_tensor(&Tensor::from_vec(w, (fan_out, fan_in), &Device::Cpu)?)?;
-            let b = Var::from_tensor(&Tensor::from_vec(b, fan_out, &Device::Cpu)?)?;
+            let w = Var::from_tensor(&Tensor::from_vec(w, (fan_out, fan_in), device)?)?;
+            let b = Var::from_tensor(&Tensor::from_vec(b, fan_out, device)?)?;
             data.insert(format!("layers.{i}.weight"), w.clone());
             data.insert(format!("layers.{i}.bias"), b.clone());
             layers.push((w, b));
@@ -84,7 +89,7 @@ pub fn load_weights(varmap: &VarMap, path: &Path) -> Result<(), TrainError> {
                 var.dims()
             )));
         }
-        var.set(&t.to_dtype(var.dtype())?)?;
+        var.set(&t.to_dtype(var.dtype())?.to_device(var.device())?)?;
     }
     Ok(())
 }

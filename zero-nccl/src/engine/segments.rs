@@ -98,7 +98,8 @@ mod tests {
     #[test]
     fn a_bucket_of_alike_pieces_is_one_launch_across_padding() {
         let pieces = [slot(0..10, 0, 3, true), slot(32..50, 0, 3, true)];
-        let got = plan_segments(&[0..64], &[true], &pieces);
+        let buckets = std::slice::from_ref(&(0..64));
+        let got = plan_segments(buckets, &[true], &pieces);
         assert_eq!(got, vec![seg(0..50, 0, 3)]);
     }
 
@@ -118,7 +119,8 @@ mod tests {
             slot(24..32, 1, 1, false),
             slot(32..40, 1, 1, true),
         ];
-        let got = plan_segments(&[0..40], &[true], &pieces);
+        let buckets = std::slice::from_ref(&(0..40));
+        let got = plan_segments(buckets, &[true], &pieces);
         assert_eq!(
             got,
             vec![

@@ -1,0 +1,417 @@
+//! [`NcclZeroOptimizer`]: Candle models on GPUs, trained with the device
+//! engine of `zero-nccl` (feature `nccl`).
+//!
+//! Gradients and parameters never leave the GPU: the engine reads each
+//! gradient's `CudaSlice` in place (under Candle's read lock) and writes
+//! updated parameters through an in-place op, on Candle's own stream, so no
+//! host round trip and no host synchronization happen on the step path.
+
+use crate::{Error, Result};
+use candle_core::backprop::GradStore;
+use candle_core::cuda_backend::CudaStorage;
+use candle_core::{CpuStorage, Device, Layout, Storage, Tensor, Var};
+use candle_nn::VarMap;
+use std::cell::RefCell;
+use std::sync::Arc;
+use zero_core::engine::{EngineConfig, MemoryReport, StepReport};
+use zero_core::optim::FunctionalOptimizer;
+use zero_core::{Communicator, DType, ParamInfo};
+use zero_nccl::cudarc::driver::{DevicePtr, DevicePtrMut};
+use zero_nccl::{DeviceEngine, DeviceParams, NcclComm};
+
+/// What [`NcclZeroOptimizer`] needs besides the variables, for
+/// [`candle_nn::Optimizer::new`].
+pub struct NcclZeroConfig {
+    /// The NCCL communicator of this rank (its GPU must be the variables').
+    pub comm: NcclComm,
+    /// Stage, partitioner, buckets, accumulation, clipping.
+    pub engine: EngineConfig,
+    /// A built-in optimizer of `zero-core` (SGD, Adam, AdamW, Adagrad,
+    /// RMSprop): its hyperparameters drive the fused CUDA kernels.
+    pub optimizer: Box<dyn FunctionalOptimizer<f32>>,
+}
+
+/// A ZeRO sharded optimizer for Candle models on CUDA, over NCCL.
+///
+/// Same contract as [`ZeroOptimizer`](crate::ZeroOptimizer): built from a
+/// [`VarMap`] (names give the collective order), every rank alike; each
+/// [`NcclZeroOptimizer::step`] is one micro-step. Variables must be f32 on
+/// the communicator's GPU.
+///
+/// ```no_run
+/// use candle_core::{DType, Device};
+/// use candle_nn::{Optimizer, VarBuilder, VarMap};
+/// use zero_candle::NcclZeroOptimizer;
+/// use zero_core::{engine::{EngineConfig, Stage}, optim::{AdamW, AdamWConfig}};
+/// use zero_nccl::NcclComm;
+///
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let comm = NcclComm::from_env()?; // mpirun or torchrun-style variables
+/// let device = Device::new_cuda(comm.context().ordinal())?;
+/// let varmap = VarMap::new();
+/// let vb = VarBuilder::from_varmap(&varmap, DType::F32, &device);
+/// let layer = candle_nn::linear(1024, 1024, vb.pp("layer"))?;
+/// let mut opt = NcclZeroOptimizer::new(
+///     &varmap,
+///     comm,
+///     EngineConfig::default().with_stage(Stage::Gradients),
+///     Box::new(AdamW::new(AdamWConfig::default())?),
+/// )?;
+/// // forward, loss, then: opt.backward_step(&loss)?
+/// # Ok(()) }
+/// ```
+pub struct NcclZeroOptimizer {
+    engine: DeviceEngine,
+    names: Vec<String>,
+    vars: Vec<Var>,
+    last: Option<StepReport>,
+}
+
+impl NcclZeroOptimizer {
+    /// Builds the optimizer over every floating-point variable of `varmap`,
+    /// ordered by name. A collective: every rank calls it.
+    pub fn new(
+        varmap: &VarMap,
+        comm: NcclComm,
+        config: EngineConfig,
+        optimizer: Box<dyn FunctionalOptimizer<f32>>,
+    ) -> Result<Self> {
+        let named: Vec<(String, Var)> = {
+            let data = varmap.data().lock().map_err(|_| Error::Variable {
+                name: "<varmap>".into(),
+                detail: "the VarMap's lock is poisoned by a panic in another thread".into(),
+            })?;
+            data.iter().map(|(n, v)| (n.clone(), v.clone())).collect()
+        };
+        Self::from_named_vars(named, comm, config, optimizer)
+    }
+
+    /// Builds the optimizer over named variables (sorted by name here).
+    pub fn from_named_vars(
+        mut named: Vec<(String, Var)>,
+        comm: NcclComm,
+        config: EngineConfig,
+        optimizer: Box<dyn FunctionalOptimizer<f32>>,
+    ) -> Result<Self> {
+        named.retain(|(_, v)| v.dtype().is_float());
+        named.sort_by(|a, b| a.0.cmp(&b.0));
+        let mut stream = None;
+        let mut params = Vec::with_capacity(named.len());
+        for (name, var) in &named {
+            if var.dtype() != candle_core::DType::F32 {
+                return Err(Error::Variable {
+                    name: name.clone(),
+                    detail: format!(
+                        "dtype {:?}: the NCCL device engine trains f32 variables; convert it \
+                         or keep it out of the VarMap given to the optimizer",
+                        var.dtype()
+                    ),
+                });
+            }
+            let Device::Cuda(device) = var.device() else {
+                return Err(Error::Variable {
+                    name: name.clone(),
+                    detail: format!(
+                        "lives on {:?}; NcclZeroOptimizer trains variables on the \
+                         communicator's GPU (build the model on `Device::new_cuda`)",
+                        var.device().location()
+                    ),
+                });
+            };
+            let s = device.cuda_stream();
+            if s.context() != comm.context() {
+                return Err(Error::Variable {
+                    name: name.clone(),
+                    detail: format!(
+                        "lives on GPU {}, the communicator on GPU {}; build the model on \
+                         `Device::new_cuda(comm.context().ordinal())`",
+                        s.context().ordinal(),
+                        comm.context().ordinal()
+                    ),
+                });
+            }
+            stream.get_or_insert(s);
+            params.push(ParamInfo::new(
+                name.clone(),
+                var.dims().to_vec(),
+                DType::F32,
+            ));
+        }
+        // Collectives and kernels follow Candle's stream, so the step is
+        // ordered after the backward pass and before the next forward
+        // without any host synchronization.
+        let comm = match stream {
+            Some(s) if !Arc::ptr_eq(&s, comm.compute_stream()) => comm
+                .with_compute_stream(s)
+                .map_err(zero_core::Error::from)?,
+            _ => comm,
+        };
+        let engine = DeviceEngine::new(comm, params, optimizer, config)?;
+        let (names, vars) = named.into_iter().unzip();
+        Ok(Self {
+            engine,
+            names,
+            vars,
+            last: None,
+        })
+    }
+
+    /// One micro-step with the gradients of `grads`; returns the step's
+    /// report when it completed an optimizer step.
+    pub fn step(&mut self, grads: &GradStore) -> Result<Option<StepReport>> {
+        let grads = contiguous_grads(&self.names, &self.vars, grads)?;
+        let report = with_device_grads(&self.names, &grads, |slots| {
+            let mut params = CandleParams { vars: &self.vars };
+            Ok(self.engine.step(slots, &mut params)?)
+        })?;
+        if report.is_some() {
+            self.last = report;
+        }
+        Ok(report)
+    }
+
+    /// Adds a micro-step's gradients without communicating or updating.
+    pub fn accumulate(&mut self, grads: &GradStore) -> Result<()> {
+        let grads = contiguous_grads(&self.names, &self.vars, grads)?;
+        with_device_grads(&self.names, &grads, |slots| {
+            Ok(self.engine.accumulate(slots)?)
+        })
+    }
+
+    /// Reduces the accumulated micro-steps and updates the variables.
+    pub fn step_accumulated(&mut self) -> Result<StepReport> {
+        let mut params = CandleParams { vars: &self.vars };
+        let report = self.engine.step_accumulated(&mut params)?;
+        self.last = Some(report);
+        Ok(report)
+    }
+
+    /// The report of the last completed optimizer step.
+    pub fn last_report(&self) -> Option<StepReport> {
+        self.last
+    }
+
+    /// The variable names, in collective order.
+    pub fn names(&self) -> &[String] {
+        &self.names
+    }
+
+    /// The variables, in collective order.
+    pub fn vars(&self) -> &[Var] {
+        &self.vars
+    }
+
+    /// The device engine.
+    pub fn engine(&self) -> &DeviceEngine {
+        &self.engine
+    }
+
+    /// The device engine, mutably.
+    pub fn engine_mut(&mut self) -> &mut DeviceEngine {
+        &mut self.engine
+    }
+
+    /// Freezes or unfreezes a variable.
+    pub fn set_trainable(&mut self, name: &str, trainable: bool) -> Result<()> {
+        Ok(self.engine.set_trainable(name, trainable)?)
+    }
+
+    /// Device bytes held per category on this rank.
+    pub fn memory_report(&self) -> MemoryReport {
+        self.engine.memory_report()
+    }
+
+    /// Bytes this rank has sent.
+    pub fn bytes_sent(&self) -> u64 {
+        self.engine.comm().bytes_sent()
+    }
+}
+
+/// Each variable's gradient, contiguous (a no-op for the usual contiguous
+/// gradient), checked against the variable.
+fn contiguous_grads(
+    names: &[String],
+    vars: &[Var],
+    grads: &GradStore,
+) -> Result<Vec<Option<Tensor>>> {
+    names
+        .iter()
+        .zip(vars)
+        .map(|(name, var)| {
+            let Some(grad) = grads.get(var.as_tensor()) else {
+                return Ok(None);
+            };
+            if grad.dtype() != candle_core::DType::F32 || grad.dims() != var.dims() {
+                return Err(Error::Variable {
+                    name: name.clone(),
+                    detail: format!(
+                        "gradient {:?} {:?} does not match the f32 variable's shape {:?}",
+                        grad.dtype(),
+                        grad.dims(),
+                        var.dims()
+                    ),
+                });
+            }
+            Ok(Some(grad.contiguous()?))
+        })
+        .collect()
+}
+
+/// Holds every gradient's storage read lock and calls `f` with device views
+/// of them, one slot per variable.
+fn with_device_grads<R>(
+    names: &[String],
+    grads: &[Option<Tensor>],
+    f: impl FnOnce(&[Option<&dyn DevicePtr<f32>>]) -> Result<R>,
+) -> Result<R> {
+    let guards: Vec<_> = grads
+        .iter()
+        .map(|g| g.as_ref().map(|t| t.storage_and_layout()))
+        .collect();
+    let mut views = Vec::with_capacity(guards.len());
+    for (name, guard) in names.iter().zip(&guards) {
+        views.push(match guard {
+            None => None,
+            Some((storage, layout)) => {
+                let Storage::Cuda(cuda) = &**storage else {
+                    return Err(Error::Variable {
+                        name: name.clone(),
+                        detail: "its gradient is not on a CUDA device".into(),
+                    });
+                };
+                let (start, end) = contiguous(layout, name)?;
+                Some(cuda.as_cuda_slice::<f32>()?.slice(start..end))
+            }
+        });
+    }
+    let slots: Vec<Option<&dyn DevicePtr<f32>>> = views
+        .iter()
+        .map(|v| v.as_ref().map(|v| v as &dyn DevicePtr<f32>))
+        .collect();
+    f(&slots)
+}
+
+fn contiguous(layout: &Layout, name: &str) -> Result<(usize, usize)> {
+    layout.contiguous_offsets().ok_or_else(|| Error::Variable {
+        name: name.to_string(),
+        detail: "is not contiguous; the device engine reads and writes contiguous memory".into(),
+    })
+}
+
+/// Candle variables as the device engine's [`DeviceParams`].
+struct CandleParams<'a> {
+    vars: &'a [Var],
+}
+
+fn candle_failure(param: usize, e: impl std::fmt::Display) -> zero_core::Error {
+    zero_core::Error::State(format!(
+        "cannot access parameter #{param} on the GPU through Candle: {e}"
+    ))
+}
+
+impl DeviceParams for CandleParams<'_> {
+    fn with_param(
+        &mut self,
+        param: usize,
+        f: &mut dyn FnMut(&dyn DevicePtr<f32>) -> zero_core::Result<()>,
+    ) -> zero_core::Result<()> {
+        let var = &self.vars[param];
+        let (storage, layout) = var.storage_and_layout();
+        let Storage::Cuda(cuda) = &*storage else {
+            return Err(candle_failure(
+                param,
+                "the variable is not on a CUDA device",
+            ));
+        };
+        let (start, end) = layout
+            .contiguous_offsets()
+            .ok_or_else(|| candle_failure(param, "the variable is not contiguous"))?;
+        let slice = cuda
+            .as_cuda_slice::<f32>()
+            .map_err(|e| candle_failure(param, e))?;
+        f(&slice.slice(start..end))
+    }
+
+    fn with_param_mut(
+        &mut self,
+        param: usize,
+        f: &mut dyn FnMut(&mut dyn DevicePtrMut<f32>) -> zero_core::Result<()>,
+    ) -> zero_core::Result<()> {
+        // Candle hands out its storage mutably only to an in-place op; the
+        // op runs `f` under the variable's write lock.
+        let op = WriteParam {
+            f: RefCell::new(f),
+            failure: RefCell::new(None),
+        };
+        let outcome = self.vars[param].as_tensor().inplace_op1(&op);
+        if let Some(e) = op.failure.into_inner() {
+            return Err(e);
+        }
+        outcome.map_err(|e| candle_failure(param, e))
+    }
+}
+
+/// The in-place op of [`CandleParams::with_param_mut`].
+struct WriteParam<'f, 'g> {
+    f: RefCell<&'f mut (dyn FnMut(&mut dyn DevicePtrMut<f32>) -> zero_core::Result<()> + 'g)>,
+    /// The engine's own error, kept whole instead of through Candle's.
+    failure: RefCell<Option<zero_core::Error>>,
+}
+
+impl candle_core::InplaceOp1 for WriteParam<'_, '_> {
+    fn name(&self) -> &'static str {
+        "zero-rs parameter write"
+    }
+
+    fn cpu_fwd(&self, _: &mut CpuStorage, _: &Layout) -> candle_core::Result<()> {
+        candle_core::bail!("the device engine writes CUDA variables only")
+    }
+
+    fn cuda_fwd(&self, storage: &mut CudaStorage, layout: &Layout) -> candle_core::Result<()> {
+        let Some((start, end)) = layout.contiguous_offsets() else {
+            candle_core::bail!("the variable is not contiguous")
+        };
+        let slice = storage.as_cuda_slice_mut::<f32>()?;
+        let mut view = slice.slice_mut(start..end);
+        let mut f = self.f.borrow_mut();
+        if let Err(e) = (*f)(&mut view) {
+            *self.failure.borrow_mut() = Some(e);
+            candle_core::bail!("the device engine's write failed");
+        }
+        Ok(())
+    }
+}
+
+impl candle_nn::Optimizer for NcclZeroOptimizer {
+    type Config = NcclZeroConfig;
+
+    /// Builds the optimizer over `vars`, named `param.{i}` by position: every
+    /// rank must pass them in the same order.
+    fn new(vars: Vec<Var>, config: Self::Config) -> candle_core::Result<Self> {
+        let width = vars.len().to_string().len();
+        let named = vars
+            .into_iter()
+            .enumerate()
+            .map(|(i, v)| (format!("param.{i:0width$}"), v))
+            .collect();
+        Ok(Self::from_named_vars(
+            named,
+            config.comm,
+            config.engine,
+            config.optimizer,
+        )?)
+    }
+
+    fn step(&mut self, grads: &GradStore) -> candle_core::Result<()> {
+        NcclZeroOptimizer::step(self, grads)?;
+        Ok(())
+    }
+
+    fn learning_rate(&self) -> f64 {
+        self.engine.learning_rate()
+    }
+
+    fn set_learning_rate(&mut self, lr: f64) {
+        self.engine.set_learning_rate(lr)
+    }
+}
