@@ -175,6 +175,14 @@ fn bad_flags_and_files_are_clear_errors_not_panics() {
     }
 }
 
+#[cfg(not(feature = "nccl"))]
+#[test]
+fn the_nccl_backend_without_its_feature_says_how_to_build_it() {
+    let (ok, stderr) = train_binary(&["--steps", "1", "--backend", "nccl"]);
+    assert!(!ok);
+    assert!(stderr.contains("--features nccl"), "{stderr}");
+}
+
 #[test]
 fn init_with_a_missing_tensor_names_it() {
     let dir = tempfile::tempdir().unwrap();
