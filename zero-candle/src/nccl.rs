@@ -6,6 +6,7 @@
 //! updated parameters through an in-place op, on Candle's own stream, so no
 //! host round trip and no host synchronization happen on the step path.
 
+use crate::optimizer::{named_vars, positional_names};
 use crate::{Error, Result};
 use candle_core::backprop::GradStore;
 use candle_core::cuda_backend::CudaStorage;
@@ -76,14 +77,7 @@ impl NcclZeroOptimizer {
         config: EngineConfig,
         optimizer: Box<dyn FunctionalOptimizer<f32>>,
     ) -> Result<Self> {
-        let named: Vec<(String, Var)> = {
-            let data = varmap.data().lock().map_err(|_| Error::Variable {
-                name: "<varmap>".into(),
-                detail: "the VarMap's lock is poisoned by a panic in another thread".into(),
-            })?;
-            data.iter().map(|(n, v)| (n.clone(), v.clone())).collect()
-        };
-        Self::from_named_vars(named, comm, config, optimizer)
+        Self::from_named_vars(named_vars(varmap)?, comm, config, optimizer)
     }
 
     /// Builds the optimizer over named variables (sorted by name here).
@@ -388,14 +382,8 @@ impl candle_nn::Optimizer for NcclZeroOptimizer {
     /// Builds the optimizer over `vars`, named `param.{i}` by position: every
     /// rank must pass them in the same order.
     fn new(vars: Vec<Var>, config: Self::Config) -> candle_core::Result<Self> {
-        let width = vars.len().to_string().len();
-        let named = vars
-            .into_iter()
-            .enumerate()
-            .map(|(i, v)| (format!("param.{i:0width$}"), v))
-            .collect();
         Ok(Self::from_named_vars(
-            named,
+            positional_names(vars),
             config.comm,
             config.engine,
             config.optimizer,

@@ -65,14 +65,7 @@ impl<C: Communicator<Memory = Host>, T: Element + WithDType> ZeroOptimizer<C, T>
         config: EngineConfig,
         optimizer: Box<dyn FunctionalOptimizer<T>>,
     ) -> Result<Self> {
-        let named: Vec<(String, Var)> = {
-            let data = varmap.data().lock().map_err(|_| Error::Variable {
-                name: "<varmap>".into(),
-                detail: "the VarMap's lock is poisoned by a panic in another thread".into(),
-            })?;
-            data.iter().map(|(n, v)| (n.clone(), v.clone())).collect()
-        };
-        Self::from_named_vars(named, comm, config, optimizer)
+        Self::from_named_vars(named_vars(varmap)?, comm, config, optimizer)
     }
 
     /// Builds the optimizer over named variables (sorted by name here).
@@ -280,6 +273,25 @@ fn with_grad_slices<T: Element + WithDType, R>(
     f(&slices)
 }
 
+/// The variables of `varmap` with their names.
+pub(crate) fn named_vars(varmap: &VarMap) -> Result<Vec<(String, Var)>> {
+    let data = varmap.data().lock().map_err(|_| Error::Variable {
+        name: "<varmap>".into(),
+        detail: "the VarMap's lock is poisoned by a panic in another thread".into(),
+    })?;
+    Ok(data.iter().map(|(n, v)| (n.clone(), v.clone())).collect())
+}
+
+/// Names variables `param.{i}` by position, zero-padded so that name order
+/// is position order (`candle_nn::Optimizer::new` gets no names).
+pub(crate) fn positional_names(vars: Vec<Var>) -> Vec<(String, Var)> {
+    let width = vars.len().to_string().len();
+    vars.into_iter()
+        .enumerate()
+        .map(|(i, v)| (format!("param.{i:0width$}"), v))
+        .collect()
+}
+
 fn owned_values<T: WithDType>(t: &Tensor) -> Result<Vec<T>> {
     Ok(t.flatten_all()?.to_vec1::<T>()?)
 }
@@ -293,14 +305,8 @@ impl<C: Communicator<Memory = Host>, T: Element + WithDType> candle_nn::Optimize
     /// rank must pass them in the same order. Prefer [`ZeroOptimizer::new`]
     /// with a `VarMap`, whose names are stable.
     fn new(vars: Vec<Var>, config: Self::Config) -> candle_core::Result<Self> {
-        let width = vars.len().to_string().len();
-        let named = vars
-            .into_iter()
-            .enumerate()
-            .map(|(i, v)| (format!("param.{i:0width$}"), v))
-            .collect();
         Ok(Self::from_named_vars(
-            named,
+            positional_names(vars),
             config.comm,
             config.engine,
             config.optimizer,

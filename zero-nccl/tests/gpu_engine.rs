@@ -6,6 +6,8 @@
 //! Needs a GPU and libnccl; skips with a printed reason otherwise.
 #![cfg(feature = "nccl")]
 
+mod common;
+
 use rand::{Rng, SeedableRng};
 use zero_core::engine::{EngineConfig, NormType, Stage};
 use zero_core::optim::{Adam, AdamConfig, AdamW, AdamWConfig, FunctionalOptimizer, Sgd, SgdConfig};
@@ -14,25 +16,7 @@ use zero_nccl::cudarc::driver::{CudaSlice, DevicePtr};
 use zero_nccl::{DeviceEngine, NcclComm};
 
 fn comm() -> Option<NcclComm> {
-    match zero_nccl::cuda_device_count() {
-        Ok(0) => {
-            println!("skipping: the CUDA driver reports no device");
-            return None;
-        }
-        Err(e) => {
-            println!("skipping: no CUDA driver found (libcuda.so): {e}");
-            return None;
-        }
-        Ok(_) => {}
-    }
-    match NcclComm::single(0) {
-        Ok(c) => Some(c),
-        Err(e @ zero_nccl::Error::LibraryNotFound { .. }) => {
-            println!("skipping: {e}");
-            None
-        }
-        Err(e) => panic!("NcclComm::single(0) failed: {e}"),
-    }
+    common::single_comm()
 }
 
 fn params() -> Vec<ParamInfo> {

@@ -3,6 +3,8 @@
 //! Needs a GPU and NVRTC; skips with a printed reason otherwise.
 #![cfg(feature = "cuda")]
 
+mod common;
+
 use std::sync::Arc;
 use zero_nccl::cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use zero_nccl::kernels::*;
@@ -11,16 +13,8 @@ const N: usize = 1000;
 const STEPS: usize = 10;
 
 fn setup() -> Option<(Arc<CudaStream>, FusedKernels)> {
-    match zero_nccl::cuda_device_count() {
-        Ok(0) => {
-            println!("skipping: the CUDA driver reports no device");
-            return None;
-        }
-        Err(e) => {
-            println!("skipping: no CUDA driver found (libcuda.so): {e}");
-            return None;
-        }
-        Ok(_) => {}
+    if !common::gpu_present() {
+        return None;
     }
     let ctx = CudaContext::new(0).expect("context on GPU 0");
     let kernels = match FusedKernels::new(&ctx) {

@@ -3,29 +3,13 @@
 //! GPU and libnccl; skips with a printed reason otherwise.
 #![cfg(feature = "nccl")]
 
+mod common;
+
 use zero_core::{Communicator, ReduceOp};
 use zero_nccl::NcclComm;
 
 fn comm() -> Option<NcclComm> {
-    match zero_nccl::cuda_device_count() {
-        Ok(0) => {
-            println!("skipping: the CUDA driver reports no device");
-            return None;
-        }
-        Err(e) => {
-            println!("skipping: no CUDA driver found (libcuda.so): {e}");
-            return None;
-        }
-        Ok(_) => {}
-    }
-    match NcclComm::single(0) {
-        Ok(c) => Some(c),
-        Err(e @ zero_nccl::Error::LibraryNotFound { .. }) => {
-            println!("skipping: {e}");
-            None
-        }
-        Err(e) => panic!("NcclComm::single(0) failed: {e}"),
-    }
+    common::single_comm()
 }
 
 #[test]
