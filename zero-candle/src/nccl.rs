@@ -345,9 +345,12 @@ impl DeviceParams for CandleParams<'_> {
     }
 }
 
+/// What the device engine does with a writable parameter.
+type ParamWriter<'g> = dyn FnMut(&mut dyn DevicePtrMut<f32>) -> zero_core::Result<()> + 'g;
+
 /// The in-place op of [`CandleParams::with_param_mut`].
 struct WriteParam<'f, 'g> {
-    f: RefCell<&'f mut (dyn FnMut(&mut dyn DevicePtrMut<f32>) -> zero_core::Result<()> + 'g)>,
+    f: RefCell<&'f mut ParamWriter<'g>>,
     /// The engine's own error, kept whole instead of through Candle's.
     failure: RefCell<Option<zero_core::Error>>,
 }
