@@ -317,7 +317,8 @@ impl DeviceEngine {
             if let Some(g) = g {
                 if g.len() != p.numel() {
                     return Err(Error::Config(format!(
-                        "gradient of {:?} has {} elements, the parameter {}",
+                        "gradient of {:?} has {} elements, the parameter {}; pass each \
+                         parameter's whole, contiguous gradient in parameter order",
                         p.name,
                         g.len(),
                         p.numel()
@@ -471,8 +472,6 @@ impl DeviceEngine {
     ) -> Result<()> {
         let stream = self.stream();
         let layout = &self.setup.layout;
-        let no_grads: Vec<Option<&dyn DevicePtr<f32>>> = vec![None; self.params.len()];
-        let grads = last.unwrap_or(&no_grads);
         if self.full_grads.is_none() {
             let longest = (0..layout.buckets.len())
                 .map(|k| layout.bucket_range(k).len())
@@ -488,7 +487,10 @@ impl DeviceEngine {
             }
             let range = layout.bucket_range(k);
             let shard_range = layout.buckets[k].clone();
-            let pieces = Self::bucket_pieces(layout, k, grads);
+            let pieces = match last {
+                Some(grads) => Self::bucket_pieces(layout, k, grads),
+                None => Vec::new(),
+            };
             let (mut bucket, add) = match self.full_grads.as_mut() {
                 Some(full) => (full.slice_mut(range.clone()), self.micro_steps > 0),
                 None => match self.bucket_buf.as_mut() {
@@ -519,17 +521,24 @@ impl DeviceEngine {
         Ok(())
     }
 
-    /// The owned pieces that train this step, as shard ranges.
+    /// The owned pieces that train this step, as shard ranges; neighbours
+    /// that both train are merged across the padding between them (zero in
+    /// every gradient buffer), so scaling and norms take few launches.
     fn active_ranges(&self) -> Vec<Range<usize>> {
-        self.setup
-            .owned
-            .iter()
-            .filter(|p| self.active[p.param])
-            .map(|p| {
-                let at = self.setup.shard_offset(p);
-                at..at + p.len()
-            })
-            .collect()
+        let mut ranges: Vec<Range<usize>> = Vec::new();
+        let mut previous_active = false;
+        for piece in &self.setup.owned {
+            let active = self.active[piece.param];
+            if active {
+                let at = self.setup.shard_offset(piece);
+                match ranges.last_mut() {
+                    Some(last) if previous_active => last.end = at + piece.len(),
+                    _ => ranges.push(at..at + piece.len()),
+                }
+            }
+            previous_active = active;
+        }
+        ranges
     }
 
     fn scale_grads(&mut self, factor: f64) -> Result<()> {
