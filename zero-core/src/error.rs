@@ -111,6 +111,20 @@ pub enum Error {
     /// The call is not valid in the engine's current state.
     #[error("{0}")]
     State(String),
+    /// Clipping met a gradient norm that is infinite or NaN: the step was
+    /// refused on every rank, leaving parameters and optimizer state as
+    /// they were.
+    #[error(
+        "optimizer step {step} refused on every rank: the global gradient norm is {norm}, so \
+         clipping cannot scale it; an inf or NaN gradient came out of backward. Lower the \
+         learning rate, check the loss for overflow, or skip this batch and step again"
+    )]
+    NonFiniteGradNorm {
+        /// The norm (inf or NaN).
+        norm: f64,
+        /// The number of the refused optimizer step (1 for the first).
+        step: u64,
+    },
     /// A checkpoint file is missing, corrupted, or does not match the model.
     #[error("checkpoint {path}: {detail}")]
     Checkpoint {

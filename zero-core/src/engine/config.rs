@@ -101,7 +101,8 @@ pub struct ClipConfig {
 pub struct ParamGroupSpec {
     /// Names of the parameters in the group.
     pub params: Vec<String>,
-    /// Hyperparameters (PyTorch names); missing ones take group 0's.
+    /// Hyperparameters (PyTorch names); missing ones take the optimizer's
+    /// constructor values.
     pub hyperparams: Hyperparams,
 }
 

@@ -22,42 +22,24 @@ mod config;
 mod layout;
 mod memory;
 mod setup;
+mod shard_memory;
 mod state;
 
 pub use config::{ClipConfig, EngineConfig, NormType, ParamGroupSpec, PartitionerKind, Stage};
 pub use layout::{Layout, Run};
 pub use memory::MemoryReport;
 pub use setup::ShardSetup;
+pub use shard_memory::{
+    GradPiece, HostMemory, ParamCopy, ParamStore, ShardMemory, StepPiece, StepPlan,
+};
 pub use state::SaveOptions;
 
 use crate::comm::{Communicator, Host, ReduceOp};
-use crate::optim::{FunctionalOptimizer, Hyperparams, ParamKey, ParamMut};
+use crate::optim::{FunctionalOptimizer, Hyperparams, ParamKey};
 use crate::partition::{ParamInfo, PartitionPlan, ShardPiece};
 use crate::{Element, Error, Result};
 use std::collections::BTreeMap;
 use std::ops::Range;
-
-/// Access to the full parameter replica a framework holds.
-///
-/// Ranges are element ranges of the flattened (row-major) parameter.
-pub trait ParamStore<T> {
-    /// Copies `range` of parameter `param` into `out`.
-    fn read(&mut self, param: usize, range: Range<usize>, out: &mut [T]) -> Result<()>;
-    /// Overwrites `range` of parameter `param` with `values`.
-    fn write(&mut self, param: usize, range: Range<usize>, values: &[T]) -> Result<()>;
-}
-
-impl<T: Copy> ParamStore<T> for Vec<Vec<T>> {
-    fn read(&mut self, param: usize, range: Range<usize>, out: &mut [T]) -> Result<()> {
-        out.copy_from_slice(&self[param][range]);
-        Ok(())
-    }
-
-    fn write(&mut self, param: usize, range: Range<usize>, values: &[T]) -> Result<()> {
-        self[param][range].copy_from_slice(values);
-        Ok(())
-    }
-}
 
 /// What one optimizer step did.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -69,9 +51,11 @@ pub struct StepReport {
     pub micro_steps: usize,
 }
 
-/// The ZeRO engine for one rank.
-pub struct Engine<T: Element, C: Communicator<Memory = Host>> {
+/// The ZeRO engine for one rank, over communicator `C`, with its buffers in
+/// memory `M` ([`HostMemory`] by default; `zero-nccl` has `CudaMemory`).
+pub struct Engine<T: Element, C: Communicator, M: ShardMemory<T, C> = HostMemory> {
     comm: C,
+    memory: M,
     config: EngineConfig,
     params: Vec<ParamInfo>,
     index: BTreeMap<String, usize>,
@@ -84,17 +68,19 @@ pub struct Engine<T: Element, C: Communicator<Memory = Host>> {
     group_of: Vec<usize>,
     optimizer: Box<dyn FunctionalOptimizer<T>>,
     /// Working copy of the owned parameter pieces, at their shard offsets.
-    param_shard: Vec<T>,
+    param_shard: M::Buffer,
     /// The reduced gradient shard (stages 1 and 2).
-    grad_shard: Vec<T>,
+    grad_shard: Option<M::Buffer>,
     /// Full gradients in bucket-major order (stages 0 and 1 always; stage 2
     /// only inside an accumulation window).
-    full_grads: Option<Vec<T>>,
-    /// Reused buffer for one bucket (stage-2 reduce-scatter, all-gathers).
-    bucket_buf: Vec<T>,
+    full_grads: Option<M::Buffer>,
+    /// One bucket (stage 2 without accumulation: reduce-scatter source and
+    /// all-gather destination), as long as the longest bucket.
+    bucket_buf: Option<M::Buffer>,
     micro_steps: usize,
     present: Vec<bool>,
     trainable: Vec<bool>,
+    /// The mask the buckets were built for (what is reduced and gathered).
     active: Vec<bool>,
     bucket_active: Vec<bool>,
     steps: u64,
@@ -102,16 +88,30 @@ pub struct Engine<T: Element, C: Communicator<Memory = Host>> {
     consolidated: Option<crate::checkpoint::StateDict<T>>,
 }
 
-impl<T: Element, C: Communicator<Memory = Host>> Engine<T, C> {
-    /// Builds the engine: partitions `params`, assigns parameter groups,
-    /// and checks that every rank has the same parameters and configuration
-    /// (a collective: every rank must call it).
+impl<T: Element, C: Communicator<Memory = Host>> Engine<T, C, HostMemory> {
+    /// Builds the engine on host memory; see [`Engine::with_memory`]. A
+    /// collective: every rank must call it.
+    pub fn new(
+        comm: C,
+        params: Vec<ParamInfo>,
+        optimizer: Box<dyn FunctionalOptimizer<T>>,
+        config: EngineConfig,
+    ) -> Result<Self> {
+        Self::with_memory(comm, HostMemory, params, optimizer, config)
+    }
+}
+
+impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
+    /// Builds the engine with its buffers in `memory`: partitions `params`,
+    /// assigns parameter groups, and checks that every rank has the same
+    /// parameters and configuration (a collective: every rank must call it).
     ///
     /// `params` must have unique names; their order is the order of every
     /// collective, so give it sorted by name (adapters do). Only parameters
     /// with `trainable` set are ever updated.
-    pub fn new(
+    pub fn with_memory(
         comm: C,
+        mut memory: M,
         params: Vec<ParamInfo>,
         mut optimizer: Box<dyn FunctionalOptimizer<T>>,
         config: EngineConfig,
@@ -142,15 +142,21 @@ impl<T: Element, C: Communicator<Memory = Host>> Engine<T, C> {
             })
             .collect();
 
+        let param_shard = memory.alloc_zeroed(plan.shard_numel)?;
+        let grad_shard = match config.stage {
+            Stage::Ddp => None,
+            _ => Some(memory.alloc_zeroed(plan.shard_numel)?),
+        };
+        let full_grads = match config.stage {
+            Stage::Gradients => None,
+            _ => Some(memory.alloc_zeroed(plan.flat_numel())?),
+        };
         let trainable: Vec<bool> = params.iter().map(|p| p.trainable).collect();
         let mut engine = Self {
-            param_shard: vec![T::default(); plan.shard_numel],
-            grad_shard: match config.stage {
-                Stage::Ddp => Vec::new(),
-                _ => vec![T::default(); plan.shard_numel],
-            },
-            full_grads: None,
-            bucket_buf: Vec::new(),
+            param_shard,
+            grad_shard,
+            full_grads,
+            bucket_buf: None,
             micro_steps: 0,
             present: vec![false; params.len()],
             active: trainable.clone(),
@@ -159,6 +165,7 @@ impl<T: Element, C: Communicator<Memory = Host>> Engine<T, C> {
             steps: 0,
             consolidated: None,
             comm,
+            memory,
             config,
             index,
             layout,
@@ -171,15 +178,17 @@ impl<T: Element, C: Communicator<Memory = Host>> Engine<T, C> {
             params,
         };
         engine.rebuild_buckets();
-        if engine.config.stage != Stage::Gradients {
-            engine.full_grads = Some(vec![T::default(); engine.plan.flat_numel()]);
-        }
         Ok(engine)
     }
 
     /// The communicator.
     pub fn comm(&self) -> &C {
         &self.comm
+    }
+
+    /// The memory the buffers live in.
+    pub fn memory(&self) -> &M {
+        &self.memory
     }
 
     /// The configuration.
@@ -198,12 +207,17 @@ impl<T: Element, C: Communicator<Memory = Host>> Engine<T, C> {
         &self.plan
     }
 
+    /// The bucket-major layout of the plan.
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+
     /// The pieces this rank steps, with their optimizer keys.
     pub fn owned_pieces(&self) -> impl Iterator<Item = (&ShardPiece, &ParamKey)> {
         self.owned.iter().zip(&self.keys)
     }
 
-    /// The functional optimizer.
+    /// The functional optimizer (hyperparameters; on the host, the state).
     pub fn optimizer(&self) -> &dyn FunctionalOptimizer<T> {
         self.optimizer.as_ref()
     }
@@ -251,8 +265,10 @@ impl<T: Element, C: Communicator<Memory = Host>> Engine<T, C> {
     }
 
     /// Adds a parameter group for the named parameters, which leave their
-    /// current group (their optimizer state is kept). Every rank must call it
-    /// alike. Returns the group's index.
+    /// current group (their optimizer state is kept). Hyperparameters not
+    /// in `hyperparams` take the optimizer's constructor values (as
+    /// `torch.optim`'s `add_param_group`), not group 0's current ones. Every
+    /// rank must call it alike. Returns the group's index.
     pub fn add_param_group(&mut self, names: &[&str], hyperparams: &Hyperparams) -> Result<usize> {
         let mut members = Vec::with_capacity(names.len());
         for name in names {
@@ -316,40 +332,51 @@ impl<T: Element, C: Communicator<Memory = Host>> Engine<T, C> {
         Ok(())
     }
 
-    /// Bytes this rank holds, per category.
+    /// Bytes this rank holds, per category (in the engine's memory).
     pub fn memory_report(&self) -> MemoryReport {
         let size = std::mem::size_of::<T>();
+        let len = |b: &Option<M::Buffer>| b.as_ref().map_or(0, M::buffer_len);
         let replica: usize = self
             .params
             .iter()
             .map(|p| p.numel() * p.dtype.size_in_bytes())
             .sum();
         MemoryReport {
-            params: replica + self.param_shard.len() * size,
-            grads: self.full_grads.as_ref().map_or(0, Vec::len) * size,
-            grad_shard: self.grad_shard.len() * size,
-            optimizer_state: self.optimizer.state_bytes(),
-            comm_buffers: self.bucket_buf.capacity() * size,
+            params: replica + M::buffer_len(&self.param_shard) * size,
+            grads: len(&self.full_grads) * size,
+            grad_shard: len(&self.grad_shard) * size,
+            optimizer_state: self.memory.state_bytes(self.optimizer.as_ref()),
+            comm_buffers: len(&self.bucket_buf) * size,
         }
     }
 
     /// Adds one micro-step's gradients without communicating. `grads` has
     /// one slot per parameter, each as long as the parameter.
-    pub fn accumulate(&mut self, grads: &[Option<&[T]>]) -> Result<()> {
+    pub fn accumulate(&mut self, grads: &[Option<M::Grad<'_>>]) -> Result<()> {
         self.check_grads(grads)?;
-        let numel = self.plan.flat_numel();
-        let full = self
-            .full_grads
-            .get_or_insert_with(|| vec![T::default(); numel]);
-        if self.micro_steps == 0 {
-            full.fill(T::default());
+        let full = match self.full_grads.take() {
+            Some(full) => full,
+            None => self.memory.alloc_zeroed(self.plan.flat_numel())?,
+        };
+        let full = self.full_grads.insert(full);
+        let add = self.micro_steps > 0;
+        if !add {
+            let numel = M::buffer_len(full);
+            self.memory.zero(full, 0..numel)?;
         }
-        for run in &self.layout.runs {
-            if let Some(g) = grads[run.param] {
-                let dst = &mut full[run.pos..run.pos + run.param_range.len()];
-                add_assign(dst, &g[run.param_range.clone()]);
-            }
-        }
+        let pieces: Vec<GradPiece<M::Grad<'_>>> = self
+            .layout
+            .runs
+            .iter()
+            .filter_map(|run| {
+                grads[run.param].map(|grad| GradPiece {
+                    at: run.pos,
+                    grad,
+                    range: run.param_range.clone(),
+                })
+            })
+            .collect();
+        self.memory.flatten(full, &pieces, add)?;
         for (present, g) in self.present.iter_mut().zip(grads) {
             *present |= g.is_some();
         }
@@ -362,8 +389,8 @@ impl<T: Element, C: Communicator<Memory = Host>> Engine<T, C> {
     /// (returning `Some`); before that it only accumulates.
     pub fn step(
         &mut self,
-        grads: &[Option<&[T]>],
-        params: &mut dyn ParamStore<T>,
+        grads: &[Option<M::Grad<'_>>],
+        params: &mut M::Params<'_>,
     ) -> Result<Option<StepReport>> {
         if self.micro_steps + 1 < self.config.grad_accum_steps {
             self.accumulate(grads)?;
@@ -375,7 +402,7 @@ impl<T: Element, C: Communicator<Memory = Host>> Engine<T, C> {
 
     /// Finishes an optimizer step from the micro-steps accumulated so far
     /// (manual accumulation).
-    pub fn step_accumulated(&mut self, params: &mut dyn ParamStore<T>) -> Result<StepReport> {
+    pub fn step_accumulated(&mut self, params: &mut M::Params<'_>) -> Result<StepReport> {
         if self.micro_steps == 0 {
             return Err(Error::State(
                 "step_accumulated called without accumulated gradients; call accumulate first"
@@ -385,7 +412,7 @@ impl<T: Element, C: Communicator<Memory = Host>> Engine<T, C> {
         self.reduce_and_update(None, params)
     }
 
-    fn check_grads(&self, grads: &[Option<&[T]>]) -> Result<()> {
+    fn check_grads(&self, grads: &[Option<M::Grad<'_>>]) -> Result<()> {
         if grads.len() != self.params.len() {
             return Err(Error::Config(format!(
                 "got {} gradient slots for {} parameters; pass one slot per parameter (None to skip)",
@@ -395,11 +422,12 @@ impl<T: Element, C: Communicator<Memory = Host>> Engine<T, C> {
         }
         for (p, g) in self.params.iter().zip(grads) {
             if let Some(g) = g {
-                if g.len() != p.numel() {
+                let len = M::grad_len(g);
+                if len != p.numel() {
                     return Err(Error::Config(format!(
-                        "gradient of {:?} has {} elements, the parameter has {} ({:?})",
+                        "gradient of {:?} has {len} elements, the parameter has {} ({:?}); pass \
+                         each parameter's whole, contiguous gradient in parameter order",
                         p.name,
-                        g.len(),
                         p.numel(),
                         p.shape
                     )));
@@ -411,8 +439,8 @@ impl<T: Element, C: Communicator<Memory = Host>> Engine<T, C> {
 
     fn reduce_and_update(
         &mut self,
-        last: Option<&[Option<&[T]>]>,
-        params: &mut dyn ParamStore<T>,
+        last: Option<&[Option<M::Grad<'_>>]>,
+        params: &mut M::Params<'_>,
     ) -> Result<StepReport> {
         let micro_steps = self.micro_steps + usize::from(last.is_some());
         if let Some(grads) = last {
@@ -420,8 +448,36 @@ impl<T: Element, C: Communicator<Memory = Host>> Engine<T, C> {
                 *present |= g.is_some();
             }
         }
+        // Whatever happens below, this window is over: a failed step must
+        // not leak its micro-steps into the next one.
+        let result = self.reduce_and_update_window(last, micro_steps, params);
+        self.micro_steps = 0;
+        self.present.fill(false);
+        // Stages 0 and 1 keep the buffer; it is zeroed where the next window
+        // starts (`accumulate`, or per bucket in `reduce_gradients`).
+        if self.config.stage == Stage::Gradients {
+            self.full_grads = None;
+        }
+        let grad_norm = result?;
+        self.steps += 1;
+        Ok(StepReport {
+            grad_norm,
+            micro_steps,
+        })
+    }
 
-        // Which parameters train this step: the same answer on every rank.
+    fn reduce_and_update_window(
+        &mut self,
+        last: Option<&[Option<M::Grad<'_>>]>,
+        micro_steps: usize,
+        params: &mut M::Params<'_>,
+    ) -> Result<Option<f64>> {
+        // Which parameters train this step. Checked: the same answer on
+        // every rank, from one all-reduce. Unchecked: the flags decide what
+        // is reduced and gathered (the same collectives on every rank), and
+        // a parameter with no gradient is still left untouched, which is
+        // exact when every rank leaves out the same parameters (as the same
+        // model on every rank does).
         if self.config.check_trainability {
             let local: Vec<bool> = self
                 .trainable
@@ -436,204 +492,220 @@ impl<T: Element, C: Communicator<Memory = Host>> Engine<T, C> {
                 self.rebuild_buckets();
             }
         }
+        let stepping: Vec<bool> = self
+            .active
+            .iter()
+            .zip(&self.present)
+            .map(|(&a, &p)| a && p)
+            .collect();
 
         // The owned pieces' current values (the replica may have been changed
         // by the user since the last step).
-        let base = self.plan_rank * self.plan.shard_numel;
-        for piece in &self.owned {
-            let off = piece.flat_range.start - base;
-            params.read(
-                piece.param,
-                piece.param_range.clone(),
-                &mut self.param_shard[off..off + piece.len()],
-            )?;
-        }
+        let copies: Vec<ParamCopy> = self
+            .owned
+            .iter()
+            .map(|piece| ParamCopy {
+                param: piece.param,
+                param_range: piece.param_range.clone(),
+                at: self.shard_offset(piece),
+            })
+            .collect();
+        self.memory
+            .read_params(params, &copies, &mut self.param_shard)?;
 
-        self.reduce_gradients(last, micro_steps)?;
-        let grad_norm = self.clip_gradients()?;
-        self.run_optimizer()?;
+        self.reduce_gradients(last, micro_steps, &stepping)?;
+        let grad_norm = self.clip_gradients(&stepping)?;
+        self.run_optimizer(&stepping)?;
         self.write_back(params)?;
+        Ok(grad_norm)
+    }
 
-        self.micro_steps = 0;
-        self.present.fill(false);
-        // Stages 0 and 1 keep the buffer; it is zeroed where the next window
-        // starts (`accumulate`, or per bucket in `reduce_gradients`).
-        if self.config.stage == Stage::Gradients {
-            self.full_grads = None;
-        }
-        self.steps += 1;
-        Ok(StepReport {
-            grad_norm,
-            micro_steps,
-        })
+    /// Where an owned piece starts in this rank's shard.
+    fn shard_offset(&self, piece: &ShardPiece) -> usize {
+        piece.flat_range.start - self.plan_rank * self.plan.shard_numel
     }
 
     /// Reduces every active bucket: all-reduce in stage 0, reduce-scatter
     /// into the gradient shard otherwise; then averages over micro-steps.
     fn reduce_gradients(
         &mut self,
-        last: Option<&[Option<&[T]>]>,
+        last: Option<&[Option<M::Grad<'_>>]>,
         micro_steps: usize,
+        stepping: &[bool],
     ) -> Result<()> {
+        if self.full_grads.is_none() && self.bucket_buf.is_none() {
+            let longest = (0..self.layout.buckets.len())
+                .map(|k| self.layout.bucket_range(k).len())
+                .max()
+                .unwrap_or(0);
+            self.bucket_buf = Some(self.memory.alloc_zeroed(longest)?);
+        }
         for k in 0..self.layout.buckets.len() {
             if !self.bucket_active[k] {
                 continue;
             }
             let range = self.layout.bucket_range(k);
             let shard_range = self.layout.buckets[k].clone();
-            if let Some(full) = self.full_grads.as_mut() {
-                let bucket = &mut full[range.clone()];
-                if self.micro_steps == 0 {
-                    bucket.fill(T::default());
-                }
-                if let Some(grads) = last {
-                    for run in self.layout.runs_of(k) {
-                        if let Some(g) = grads[run.param] {
-                            let at = run.pos - range.start;
-                            add_assign(
-                                &mut bucket[at..at + run.param_range.len()],
-                                &g[run.param_range.clone()],
-                            );
-                        }
-                    }
-                }
-                match self.config.stage {
-                    Stage::Ddp => self.comm.all_reduce(bucket, ReduceOp::Avg)?,
-                    _ => self.comm.reduce_scatter(
-                        bucket,
-                        &mut self.grad_shard[shard_range],
-                        ReduceOp::Avg,
-                    )?,
-                }
-            } else {
-                // Stage 2 without accumulation: flatten straight from the
-                // caller's gradients into one bucket-sized buffer.
-                let len = range.len();
-                if self.bucket_buf.len() < len {
-                    self.bucket_buf.resize(len, T::default());
-                }
-                let bucket = &mut self.bucket_buf[..len];
-                bucket.fill(T::default());
-                if let Some(grads) = last {
-                    for run in self.layout.runs_of(k) {
-                        if let Some(g) = grads[run.param] {
-                            let at = run.pos - range.start;
-                            bucket[at..at + run.param_range.len()]
-                                .copy_from_slice(&g[run.param_range.clone()]);
-                        }
-                    }
-                }
-                self.comm.reduce_scatter(
+            // Stages 0 and 1 (and stage 2 inside an accumulation window)
+            // reduce in place in the full buffer; stage 2 otherwise flattens
+            // straight from the caller's gradients into one bucket buffer.
+            let (buffer, at, add) = match (self.full_grads.as_mut(), self.bucket_buf.as_mut()) {
+                (Some(full), _) => (full, range.start, self.micro_steps > 0),
+                (None, Some(buf)) => (buf, 0, false),
+                (None, None) => unreachable!("the bucket buffer is allocated above"),
+            };
+            let bucket = at..at + range.len();
+            if !add {
+                self.memory.zero(buffer, bucket.clone())?;
+            }
+            if let Some(grads) = last {
+                let pieces: Vec<GradPiece<M::Grad<'_>>> = self
+                    .layout
+                    .runs_of(k)
+                    .iter()
+                    .filter_map(|run| {
+                        grads[run.param].map(|grad| GradPiece {
+                            at: at + run.pos - range.start,
+                            grad,
+                            range: run.param_range.clone(),
+                        })
+                    })
+                    .collect();
+                self.memory.flatten(buffer, &pieces, add)?;
+            }
+            match self.grad_shard.as_mut() {
+                None => self
+                    .memory
+                    .all_reduce(&self.comm, buffer, bucket, ReduceOp::Avg)?,
+                Some(shard) => self.memory.reduce_scatter(
+                    &self.comm,
+                    buffer,
                     bucket,
-                    &mut self.grad_shard[shard_range],
+                    shard,
+                    shard_range,
                     ReduceOp::Avg,
-                )?;
+                )?,
             }
         }
         if micro_steps > 1 {
-            self.scale_grads(1.0 / micro_steps as f64);
+            self.scale_grads(1.0 / micro_steps as f64, stepping)?;
         }
         Ok(())
     }
 
+    /// The owned pieces that step now, as shard ranges; neighbours that
+    /// both step are merged across the alignment padding between them
+    /// (zero in every reduced gradient), so a device takes few launches.
+    fn stepping_ranges(&self, stepping: &[bool]) -> Vec<Range<usize>> {
+        let mut ranges: Vec<Range<usize>> = Vec::new();
+        let mut previous = false;
+        for piece in &self.owned {
+            let steps = stepping[piece.param];
+            if steps {
+                let at = self.shard_offset(piece);
+                match ranges.last_mut() {
+                    Some(last) if previous => last.end = at + piece.len(),
+                    _ => ranges.push(at..at + piece.len()),
+                }
+            }
+            previous = steps;
+        }
+        ranges
+    }
+
+    /// Multiplies the reduced gradients of the stepping pieces by `factor`.
+    fn scale_grads(&mut self, factor: f64, stepping: &[bool]) -> Result<()> {
+        let ranges = self.stepping_ranges(stepping);
+        let grads = reduced_grads(&mut self.grad_shard, &mut self.full_grads)?;
+        self.memory.scale(grads, &ranges, factor)
+    }
+
     /// Computes the global gradient norm if asked for, and clips.
-    fn clip_gradients(&mut self) -> Result<Option<f64>> {
+    ///
+    /// With clipping on, a non-finite norm (an inf or NaN gradient on any
+    /// rank) refuses the step on every rank alike (`torch`'s
+    /// `clip_grad_norm_(error_if_nonfinite=True)`): the parameters and the
+    /// optimizer state are left as they were, and the error says so.
+    fn clip_gradients(&mut self, stepping: &[bool]) -> Result<Option<f64>> {
         let norm_type = match (&self.config.clip, self.config.compute_grad_norm) {
             (Some(clip), _) => clip.norm_type,
             (None, true) => NormType::L2,
             (None, false) => return Ok(None),
         };
-        let stage = self.config.stage;
-        let base = self.plan_rank * self.plan.shard_numel;
-        let source = grad_source(stage, &mut self.full_grads, &mut self.grad_shard);
-        let mut local = 0.0f64;
-        for piece in self.owned.iter().filter(|p| self.active[p.param]) {
-            let off = piece.flat_range.start - base;
-            let g = &source[off..off + piece.len()];
-            match norm_type {
-                NormType::L1 => local += g.iter().map(|x| x.to_f64().abs()).sum::<f64>(),
-                NormType::L2 => local += g.iter().map(|x| x.to_f64().powi(2)).sum::<f64>(),
-                NormType::Inf => {
-                    local = g.iter().fold(local, |m, x| m.max(x.to_f64().abs()));
-                }
-            }
-        }
-        let mut total = [local];
+        let ranges = self.stepping_ranges(stepping);
+        let grads = reduced_grads(&mut self.grad_shard, &mut self.full_grads)?;
+        let local = self
+            .memory
+            .norm_partial(&self.comm, grads, &ranges, norm_type)?;
         // Stage 0 ranks hold the whole reduced gradient: the local norm is
         // the global one.
-        if stage != Stage::Ddp {
+        let total = if self.config.stage == Stage::Ddp {
+            local
+        } else {
             let op = match norm_type {
                 NormType::Inf => ReduceOp::Max,
                 _ => ReduceOp::Sum,
             };
-            self.comm.all_reduce(&mut total[..], op)?;
-        }
+            let mut total = [local];
+            self.memory
+                .all_reduce_host(&self.comm, &mut total[..], op)?;
+            total[0]
+        };
         let norm = match norm_type {
-            NormType::L2 => total[0].sqrt(),
-            _ => total[0],
+            NormType::L2 => total.sqrt(),
+            _ => total,
         };
         if let Some(clip) = self.config.clip {
+            if !norm.is_finite() {
+                return Err(Error::NonFiniteGradNorm {
+                    norm,
+                    step: self.steps + 1,
+                });
+            }
             // torch.nn.utils.clip_grad_norm_: coefficient clamped to 1.
             let coef = clip.max_norm / (norm + 1e-6);
             if coef < 1.0 {
-                self.scale_grads(coef);
+                self.scale_grads(coef, stepping)?;
             }
         }
         Ok(Some(norm))
     }
 
-    /// Multiplies the reduced gradients of the owned pieces by `factor`.
-    fn scale_grads(&mut self, factor: f64) {
+    fn run_optimizer(&mut self, stepping: &[bool]) -> Result<()> {
         let base = self.plan_rank * self.plan.shard_numel;
-        let source = grad_source(
-            self.config.stage,
-            &mut self.full_grads,
-            &mut self.grad_shard,
-        );
-        for piece in &self.owned {
-            let off = piece.flat_range.start - base;
-            for g in &mut source[off..off + piece.len()] {
-                *g = T::from_f64(g.to_f64() * factor);
-            }
-        }
-    }
-
-    fn run_optimizer(&mut self) -> Result<()> {
-        let base = self.plan_rank * self.plan.shard_numel;
-        let grad_source: &[T] = match self.config.stage {
-            Stage::Ddp => self.full_grads.as_deref().unwrap_or_default(),
-            _ => &self.grad_shard,
+        let pieces = step_pieces(&self.owned, &self.keys, base, |param| stepping[param]);
+        let plan = StepPlan {
+            pieces: &pieces,
+            buckets: &self.layout.buckets,
+            bucket_active: &self.bucket_active,
         };
-        let mut pieces = Vec::with_capacity(self.owned.len());
-        let mut grads = Vec::with_capacity(self.owned.len());
-        let mut rest: &mut [T] = &mut self.param_shard;
-        let mut consumed = 0;
-        for (piece, key) in self.owned.iter().zip(&self.keys) {
-            let off = piece.flat_range.start - base;
-            let (_, tail) = std::mem::take(&mut rest).split_at_mut(off - consumed);
-            let (data, tail) = tail.split_at_mut(piece.len());
-            rest = tail;
-            consumed = off + piece.len();
-            pieces.push(ParamMut { key, data });
-            grads.push(self.active[piece.param].then(|| &grad_source[off..off + piece.len()]));
-        }
-        self.optimizer.step(&mut pieces, &grads)
+        let grads = match (self.grad_shard.as_ref(), self.full_grads.as_ref()) {
+            (Some(g), _) | (None, Some(g)) => g,
+            (None, None) => {
+                return Err(Error::State(
+                    "internal: no reduced gradient buffer in this stage".into(),
+                ))
+            }
+        };
+        self.memory
+            .step(self.optimizer.as_mut(), &mut self.param_shard, grads, plan)
     }
 
     /// Puts the updated values into the replica: stage 0 writes its own
     /// (whole) parameters; stages 1 and 2 all-gather each active bucket.
-    fn write_back(&mut self, params: &mut dyn ParamStore<T>) -> Result<()> {
-        let base = self.plan_rank * self.plan.shard_numel;
+    fn write_back(&mut self, params: &mut M::Params<'_>) -> Result<()> {
         if self.config.stage == Stage::Ddp {
-            for piece in self.owned.iter().filter(|p| self.active[p.param]) {
-                let off = piece.flat_range.start - base;
-                params.write(
-                    piece.param,
-                    piece.param_range.clone(),
-                    &self.param_shard[off..off + piece.len()],
-                )?;
-            }
-            return Ok(());
+            let copies: Vec<ParamCopy> = self
+                .owned
+                .iter()
+                .filter(|p| self.active[p.param])
+                .map(|piece| ParamCopy {
+                    param: piece.param,
+                    param_range: piece.param_range.clone(),
+                    at: self.shard_offset(piece),
+                })
+                .collect();
+            return self.memory.write_params(params, &copies, &self.param_shard);
         }
         for k in 0..self.layout.buckets.len() {
             if !self.bucket_active[k] {
@@ -644,28 +716,34 @@ impl<T: Element, C: Communicator<Memory = Host>> Engine<T, C> {
             // The gradients are consumed by now: gather into the full
             // gradient buffer where one exists (stage 1), so the gather
             // needs no buffer of its own.
-            let gathered = match self.full_grads.as_mut() {
-                Some(full) => &mut full[range.clone()],
-                None => {
-                    let len = range.len();
-                    if self.bucket_buf.len() < len {
-                        self.bucket_buf.resize(len, T::default());
-                    }
-                    &mut self.bucket_buf[..len]
+            let (gathered, at) = match (self.full_grads.as_mut(), self.bucket_buf.as_mut()) {
+                (Some(full), _) => (full, range.start),
+                (None, Some(buf)) => (buf, 0),
+                (None, None) => {
+                    return Err(Error::State(
+                        "internal: no buffer to gather the parameters into".into(),
+                    ))
                 }
             };
-            self.comm
-                .all_gather(&self.param_shard[shard_range], gathered)?;
-            for run in self.layout.runs_of(k) {
-                if self.active[run.param] {
-                    let at = run.pos - range.start;
-                    params.write(
-                        run.param,
-                        run.param_range.clone(),
-                        &gathered[at..at + run.param_range.len()],
-                    )?;
-                }
-            }
+            self.memory.all_gather(
+                &self.comm,
+                &self.param_shard,
+                shard_range,
+                gathered,
+                at..at + range.len(),
+            )?;
+            let copies: Vec<ParamCopy> = self
+                .layout
+                .runs_of(k)
+                .iter()
+                .filter(|run| self.active[run.param])
+                .map(|run| ParamCopy {
+                    param: run.param,
+                    param_range: run.param_range.clone(),
+                    at: at + run.pos - range.start,
+                })
+                .collect();
+            self.memory.write_params(params, &copies, gathered)?;
         }
         Ok(())
     }
@@ -683,15 +761,53 @@ impl<T: Element, C: Communicator<Memory = Host>> Engine<T, C> {
             .collect();
     }
 
-    /// ORs a per-parameter mask across ranks.
-    fn global_mask(&self, local: &[bool]) -> Result<Vec<bool>> {
+    /// ORs a per-parameter mask across ranks (one `f32` per parameter).
+    fn global_mask(&mut self, local: &[bool]) -> Result<Vec<bool>> {
         let mut mask: Vec<f32> = local.iter().map(|&b| f32::from(u8::from(b))).collect();
-        self.comm.all_reduce(&mut mask[..], ReduceOp::Max)?;
+        self.memory
+            .all_reduce_host(&self.comm, &mut mask[..], ReduceOp::Max)?;
         Ok(mask
             .iter()
             .zip(&self.params)
             .map(|(&m, p)| m > 0.5 && p.trainable)
             .collect())
+    }
+}
+
+/// The owned pieces with their keys and shard ranges (`base`: where this
+/// rank's shard starts in the flat plan), active where `active` says.
+fn step_pieces<'a>(
+    owned: &[ShardPiece],
+    keys: &'a [ParamKey],
+    base: usize,
+    active: impl Fn(usize) -> bool,
+) -> Vec<StepPiece<'a>> {
+    owned
+        .iter()
+        .zip(keys)
+        .map(|(piece, key)| {
+            let at = piece.flat_range.start - base;
+            StepPiece {
+                key,
+                range: at..at + piece.len(),
+                active: active(piece.param),
+            }
+        })
+        .collect()
+}
+
+/// The reduced gradients of the owned pieces: the gradient shard, or in
+/// stage 0 the full buffer (whose plan has one rank, so shard offsets are
+/// flat offsets).
+fn reduced_grads<'a, B>(
+    grad_shard: &'a mut Option<B>,
+    full_grads: &'a mut Option<B>,
+) -> Result<&'a mut B> {
+    match (grad_shard.as_mut(), full_grads.as_mut()) {
+        (Some(g), _) | (None, Some(g)) => Ok(g),
+        (None, None) => Err(Error::State(
+            "internal: no reduced gradient buffer in this stage".into(),
+        )),
     }
 }
 
@@ -786,25 +902,4 @@ fn fingerprint<T: Element>(
         ));
     }
     out
-}
-
-/// The reduced gradients of the owned pieces: the full buffer in stage 0
-/// (whose plan has one rank, so positions are flat offsets), the gradient
-/// shard otherwise.
-fn grad_source<'a, T>(
-    stage: Stage,
-    full_grads: &'a mut Option<Vec<T>>,
-    grad_shard: &'a mut [T],
-) -> &'a mut [T] {
-    match stage {
-        Stage::Ddp => full_grads.as_deref_mut().unwrap_or_default(),
-        _ => grad_shard,
-    }
-}
-
-/// `dst += src`, element-wise, in the accumulator type.
-fn add_assign<T: Element>(dst: &mut [T], src: &[T]) {
-    for (d, s) in dst.iter_mut().zip(src) {
-        *d = T::from_acc(d.to_acc() + s.to_acc());
-    }
 }

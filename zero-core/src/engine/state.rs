@@ -8,14 +8,14 @@
 //! makes every rank return an error naming it instead of leaving them
 //! waiting.
 
-use super::{Engine, ParamStore, Stage};
+use super::{Engine, ShardMemory, Stage};
 use crate::checkpoint::stream::StreamingTensorFile;
 use crate::checkpoint::{
     checkpoint_error, load_tensors, piece_name, write_atomic, write_tensors, CheckpointInfo,
     CheckpointKind, FailAfter, FileRecord, GroupState, Manifest, PieceRecord, ShardRecord,
     StateDict, TensorBytes, MANIFEST_FILE,
 };
-use crate::comm::{Communicator, Host};
+use crate::comm::Communicator;
 use crate::optim::{OptimizerState, ParamState};
 use crate::partition::ParamInfo;
 use crate::{DType, Element, Error, Result};
@@ -212,7 +212,7 @@ impl<T: Element> PieceSink<T> for FileSink<'_> {
     }
 }
 
-impl<T: Element, C: Communicator<Memory = Host>> Engine<T, C> {
+impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// Gathers the full (unsharded) optimizer state on rank `to`; read it
     /// there with [`Engine::state_dict`]. A collective: every rank calls it.
     ///
@@ -361,7 +361,10 @@ impl<T: Element, C: Communicator<Memory = Host>> Engine<T, C> {
         for (g, group) in dict.param_groups.iter().enumerate() {
             self.optimizer.set_hyperparams(g, &group.hyperparams)?;
         }
-        self.optimizer.import_state(imported)?;
+        let base = self.plan_rank * self.plan.shard_numel;
+        let pieces = super::step_pieces(&self.owned, &self.keys, base, |_| true);
+        self.memory
+            .import_state(self.optimizer.as_mut(), &pieces, imported)?;
         self.steps = dict.steps;
         Ok(())
     }
@@ -371,7 +374,7 @@ impl<T: Element, C: Communicator<Memory = Host>> Engine<T, C> {
     pub fn save_checkpoint(
         &mut self,
         dir: impl AsRef<Path>,
-        weights: &mut dyn ParamStore<T>,
+        weights: &mut M::Params<'_>,
     ) -> Result<Manifest> {
         self.save_checkpoint_with(dir, weights, &SaveOptions::default())
     }
@@ -396,7 +399,7 @@ impl<T: Element, C: Communicator<Memory = Host>> Engine<T, C> {
     pub fn save_checkpoint_with(
         &mut self,
         dir: impl AsRef<Path>,
-        weights: &mut dyn ParamStore<T>,
+        weights: &mut M::Params<'_>,
         options: &SaveOptions,
     ) -> Result<Manifest> {
         self.refuse_mid_accumulation("save_checkpoint")?;
@@ -495,7 +498,7 @@ impl<T: Element, C: Communicator<Memory = Host>> Engine<T, C> {
     pub fn load_checkpoint(
         &mut self,
         dir: impl AsRef<Path>,
-        weights: &mut dyn ParamStore<T>,
+        weights: &mut M::Params<'_>,
     ) -> Result<Manifest> {
         self.refuse_mid_accumulation("load_checkpoint")?;
         let dir = dir.as_ref();
@@ -510,7 +513,7 @@ impl<T: Element, C: Communicator<Memory = Host>> Engine<T, C> {
     fn load_checkpoint_local(
         &mut self,
         dir: &Path,
-        weights: &mut dyn ParamStore<T>,
+        weights: &mut M::Params<'_>,
     ) -> Result<Manifest> {
         let manifest = Manifest::load(dir)?;
         let manifest_path = dir.join(MANIFEST_FILE);
@@ -667,13 +670,16 @@ impl<T: Element, C: Communicator<Memory = Host>> Engine<T, C> {
             let values = t
                 .to_vec::<T>()
                 .map_err(|e| checkpoint_error(&model_path, format!("{:?}: {e}", p.name)))?;
-            weights.write(i, 0..p.numel(), &values)?;
+            self.memory.write_param_host(weights, i, &values)?;
         }
 
         for (g, group) in info.param_groups.iter().enumerate() {
             self.optimizer.set_hyperparams(g, &group.hyperparams)?;
         }
-        self.optimizer.import_state(imported)?;
+        let base = self.plan_rank * self.plan.shard_numel;
+        let pieces = super::step_pieces(&self.owned, &self.keys, base, |_| true);
+        self.memory
+            .import_state(self.optimizer.as_mut(), &pieces, imported)?;
         self.steps = info.steps;
         Ok(manifest)
     }
@@ -682,7 +688,7 @@ impl<T: Element, C: Communicator<Memory = Host>> Engine<T, C> {
     /// `sink`. A sink error on `to` does not stop the collectives (the other
     /// ranks would hang); it is returned at the end.
     fn stream_pieces(
-        &self,
+        &mut self,
         to: usize,
         op: &'static str,
         sink: &mut dyn PieceSink<T>,
@@ -699,7 +705,11 @@ impl<T: Element, C: Communicator<Memory = Host>> Engine<T, C> {
         // In stage 0 every rank holds everything: only `to` contributes.
         let contributes = self.config.stage != Stage::Ddp || rank == to;
         let mut exported = if contributes {
-            self.optimizer.export_state().params
+            let base = self.plan_rank * self.plan.shard_numel;
+            let pieces = super::step_pieces(&self.owned, &self.keys, base, |_| true);
+            self.memory
+                .export_state(&self.comm, self.optimizer.as_ref(), &pieces)?
+                .params
         } else {
             BTreeMap::new()
         };
@@ -776,7 +786,8 @@ impl<T: Element, C: Communicator<Memory = Host>> Engine<T, C> {
             } else {
                 None
             };
-            self.comm.gather_varlen(&send[..], &counts, recv_buf, to)?;
+            self.memory
+                .gather_varlen_host(&self.comm, &send[..], &counts, recv_buf, to)?;
             drop(send);
             if rank == to && failure.is_none() {
                 let mut at = 0;
@@ -831,8 +842,12 @@ impl<T: Element, C: Communicator<Memory = Host>> Engine<T, C> {
         }
     }
 
-    fn write_shard(&self, path: &Path, fail_after: Option<usize>) -> Result<FileRecord> {
-        let exported = self.optimizer.export_state();
+    fn write_shard(&mut self, path: &Path, fail_after: Option<usize>) -> Result<FileRecord> {
+        let base = self.plan_rank * self.plan.shard_numel;
+        let pieces = super::step_pieces(&self.owned, &self.keys, base, |_| true);
+        let exported = self
+            .memory
+            .export_state(&self.comm, self.optimizer.as_ref(), &pieces)?;
         let mut scalars: Vec<(String, f64)> = Vec::new();
         let mut tensors: Vec<(String, TensorBytes<'_>)> = Vec::new();
         for ((name, offset), state) in &exported.params {
@@ -869,14 +884,15 @@ impl<T: Element, C: Communicator<Memory = Host>> Engine<T, C> {
         })
     }
 
-    fn write_model(&self, path: &Path, weights: &mut dyn ParamStore<T>) -> Result<FileRecord> {
+    fn write_model(&mut self, path: &Path, weights: &mut M::Params<'_>) -> Result<FileRecord> {
         let mut values: Vec<(usize, Vec<T>)> = Vec::new();
         for (i, p) in self.params.iter().enumerate() {
             if p.dtype != T::DTYPE {
                 continue;
             }
             let mut buf = vec![T::default(); p.numel()];
-            weights.read(i, 0..p.numel(), &mut buf)?;
+            self.memory
+                .read_param_host(&self.comm, weights, i, &mut buf)?;
             values.push((i, buf));
         }
         let tensors: Vec<(&str, TensorBytes<'_>)> = values

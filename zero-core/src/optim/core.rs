@@ -192,6 +192,10 @@ pub(crate) fn missing(kind: &str, name: &str, key: &str) -> Error {
 /// Groups and per-piece state of one optimizer.
 pub(crate) struct Core<C, S> {
     pub(crate) groups: Vec<C>,
+    /// The constructor's hyperparameters: what a group added later takes
+    /// for the keys it does not give (`torch.optim`'s `defaults`), whatever
+    /// a schedule has done to group 0 since.
+    defaults: C,
     pub(crate) state: BTreeMap<(String, usize), S>,
 }
 
@@ -200,6 +204,7 @@ impl<C: GroupConfig, S> Core<C, S> {
     pub(crate) fn new(config: C) -> Result<Self> {
         config.validate()?;
         Ok(Self {
+            defaults: config.clone(),
             groups: vec![config],
             state: BTreeMap::new(),
         })
@@ -243,7 +248,7 @@ impl<C: GroupConfig, S> Core<C, S> {
     }
 
     pub(crate) fn add_group(&mut self, hyper: &Hyperparams) -> Result<usize> {
-        let config = Self::updated(&self.groups[0], hyper)?;
+        let config = Self::updated(&self.defaults, hyper)?;
         self.groups.push(config);
         Ok(self.groups.len() - 1)
     }

@@ -168,7 +168,8 @@ pub trait FunctionalOptimizer<T: Element>: Send {
     /// Number of parameter groups.
     fn num_groups(&self) -> usize;
 
-    /// Adds a group; keys missing from `hyper` take group 0's values.
+    /// Adds a group; keys missing from `hyper` take the constructor's values
+    /// (`torch.optim`'s `defaults`, not group 0's current ones).
     /// Returns the new group's index.
     fn add_group(&mut self, hyper: &Hyperparams) -> Result<usize>;
 

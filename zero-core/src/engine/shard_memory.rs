@@ -1,0 +1,508 @@
+//! [`ShardMemory`]: the seam between the engine and the memory its buffers
+//! live in.
+//!
+//! The engine's stage logic (plan, buckets, trainability, accumulation,
+//! clipping, gradient checks, checkpoints) is written once. What depends on
+//! where the flat buffers live is this trait: allocate and zero a buffer,
+//! flatten gradients into a bucket, move parameter pieces between the
+//! framework and a flat buffer, scale, partial norms, the collectives over
+//! ranges of a buffer, and the optimizer step on the shard. [`HostMemory`]
+//! implements it over `Vec<T>` (the optimizer steps through
+//! [`FunctionalOptimizer`], so custom optimizers work); `zero-nccl`'s
+//! `CudaMemory` over device buffers with fused kernels.
+//!
+//! Every method is local except the collectives, which every rank calls in
+//! the same order (the engine guarantees it), and which must honour the
+//! communicator's deadline: a dead peer is an error, never a hang.
+
+use super::NormType;
+use crate::comm::{Communicator, Host, ReduceOp};
+use crate::optim::{FunctionalOptimizer, OptimizerState, ParamKey, ParamMut};
+use crate::{Element, Result};
+use std::ops::Range;
+
+/// One gradient piece to flatten: `grad[range]` goes to
+/// `buffer[at..at + range.len()]`.
+#[derive(Clone, Debug)]
+pub struct GradPiece<G> {
+    /// Position in the destination buffer.
+    pub at: usize,
+    /// The parameter's whole gradient.
+    pub grad: G,
+    /// Element range of the gradient.
+    pub range: Range<usize>,
+}
+
+/// One copy between a framework parameter and a flat buffer:
+/// `param[param_range]` and `buffer[at..at + param_range.len()]`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ParamCopy {
+    /// Index of the parameter.
+    pub param: usize,
+    /// Element range within the parameter.
+    pub param_range: Range<usize>,
+    /// Position in the flat buffer.
+    pub at: usize,
+}
+
+/// An owned piece as the optimizer step sees it.
+#[derive(Clone, Debug)]
+pub struct StepPiece<'a> {
+    /// The piece's optimizer key (name, offset, group).
+    pub key: &'a ParamKey,
+    /// Its range in the shard buffers.
+    pub range: Range<usize>,
+    /// Whether it steps now (`false`: untouched, its state does not advance).
+    pub active: bool,
+}
+
+/// What one optimizer step covers.
+#[derive(Clone, Copy, Debug)]
+pub struct StepPlan<'a> {
+    /// Every owned piece, in shard order.
+    pub pieces: &'a [StepPiece<'a>],
+    /// The buckets, as shard ranges (a device implementation launches per
+    /// bucket).
+    pub buckets: &'a [Range<usize>],
+    /// Which buckets hold an active piece.
+    pub bucket_active: &'a [bool],
+}
+
+/// What the engine needs from the memory its buffers live in, for
+/// communicator `C` and element type `T`. See the [module docs](self).
+///
+/// Ranges are element ranges of a buffer. The engine only passes ranges
+/// inside the buffers it allocated through [`ShardMemory::alloc_zeroed`]
+/// (and gradients it checked against the parameters' sizes); a range out of
+/// bounds is a broken internal invariant. Device implementations still check
+/// before handing a pointer to a kernel.
+pub trait ShardMemory<T: Element, C: Communicator>: Send {
+    /// An owned flat buffer of `T`.
+    type Buffer: Send;
+    /// One parameter's whole gradient as the framework hands it over.
+    type Grad<'g>: Copy
+    where
+        Self: 'g;
+    /// The framework's parameters (the replica the engine reads owned
+    /// pieces from and writes updated values into).
+    type Params<'p>: ?Sized
+    where
+        Self: 'p;
+
+    /// The number of elements of a gradient.
+    fn grad_len(grad: &Self::Grad<'_>) -> usize;
+
+    /// A buffer of `numel` zeros.
+    fn alloc_zeroed(&mut self, numel: usize) -> Result<Self::Buffer>;
+
+    /// The number of elements of `buffer`.
+    fn buffer_len(buffer: &Self::Buffer) -> usize;
+
+    /// Sets `buffer[range]` to zero.
+    fn zero(&mut self, buffer: &mut Self::Buffer, range: Range<usize>) -> Result<()>;
+
+    /// Copies every piece's gradient range into `buffer` (`add`: adds it to
+    /// what is there). Pieces never overlap.
+    fn flatten(
+        &mut self,
+        buffer: &mut Self::Buffer,
+        pieces: &[GradPiece<Self::Grad<'_>>],
+        add: bool,
+    ) -> Result<()>;
+
+    /// Copies parameter pieces from the framework into `buffer`.
+    fn read_params(
+        &mut self,
+        params: &mut Self::Params<'_>,
+        copies: &[ParamCopy],
+        buffer: &mut Self::Buffer,
+    ) -> Result<()>;
+
+    /// Copies pieces of `buffer` into the framework's parameters.
+    fn write_params(
+        &mut self,
+        params: &mut Self::Params<'_>,
+        copies: &[ParamCopy],
+        buffer: &Self::Buffer,
+    ) -> Result<()>;
+
+    /// Multiplies `buffer[range]` by `factor` for every range.
+    fn scale(
+        &mut self,
+        buffer: &mut Self::Buffer,
+        ranges: &[Range<usize>],
+        factor: f64,
+    ) -> Result<()>;
+
+    /// This rank's part of a norm over `buffer[range]` for every range: the
+    /// sum of `|x|` (L1), of `x²` (L2) or the largest `|x|` (inf). A NaN
+    /// anywhere makes the result NaN (L1, L2) or infinite (inf), never a
+    /// finite number. Waits for the value within `comm`'s deadline.
+    fn norm_partial(
+        &mut self,
+        comm: &C,
+        buffer: &Self::Buffer,
+        ranges: &[Range<usize>],
+        norm: NormType,
+    ) -> Result<f64>;
+
+    /// All-reduces `buffer[range]` in place.
+    fn all_reduce(
+        &mut self,
+        comm: &C,
+        buffer: &mut Self::Buffer,
+        range: Range<usize>,
+        op: ReduceOp,
+    ) -> Result<()>;
+
+    /// Reduce-scatters `send[send_range]` into `recv[recv_range]`.
+    fn reduce_scatter(
+        &mut self,
+        comm: &C,
+        send: &Self::Buffer,
+        send_range: Range<usize>,
+        recv: &mut Self::Buffer,
+        recv_range: Range<usize>,
+        op: ReduceOp,
+    ) -> Result<()>;
+
+    /// All-gathers `send[send_range]` into `recv[recv_range]`.
+    fn all_gather(
+        &mut self,
+        comm: &C,
+        send: &Self::Buffer,
+        send_range: Range<usize>,
+        recv: &mut Self::Buffer,
+        recv_range: Range<usize>,
+    ) -> Result<()>;
+
+    /// All-reduces a few host values (the trainable mask, a norm) and waits
+    /// for the result, within the communicator's deadline.
+    fn all_reduce_host<V: Element>(
+        &mut self,
+        comm: &C,
+        values: &mut [V],
+        op: ReduceOp,
+    ) -> Result<()>;
+
+    /// [`Communicator::gather_varlen`] of host values (checkpoints).
+    fn gather_varlen_host(
+        &mut self,
+        comm: &C,
+        send: &[T],
+        counts: &[usize],
+        recv: Option<&mut [T]>,
+        root: usize,
+    ) -> Result<()>;
+
+    /// Steps the active pieces of `plan`: `params[piece.range]` from
+    /// `grads[piece.range]`. `optimizer` holds the hyperparameters (and, on
+    /// the host, the state).
+    fn step(
+        &mut self,
+        optimizer: &mut dyn FunctionalOptimizer<T>,
+        params: &mut Self::Buffer,
+        grads: &Self::Buffer,
+        plan: StepPlan<'_>,
+    ) -> Result<()>;
+
+    /// The optimizer state of the owned pieces, in host memory under
+    /// `torch.optim`'s names (checkpoints). Waits within `comm`'s deadline.
+    fn export_state(
+        &mut self,
+        comm: &C,
+        optimizer: &dyn FunctionalOptimizer<T>,
+        pieces: &[StepPiece<'_>],
+    ) -> Result<OptimizerState<T>>;
+
+    /// Replaces the state of the pieces in `state` (checkpoints).
+    fn import_state(
+        &mut self,
+        optimizer: &mut dyn FunctionalOptimizer<T>,
+        pieces: &[StepPiece<'_>],
+        state: OptimizerState<T>,
+    ) -> Result<()>;
+
+    /// Bytes of optimizer state held.
+    fn state_bytes(&self, optimizer: &dyn FunctionalOptimizer<T>) -> usize;
+
+    /// Copies parameter `param` (whole) into host memory (checkpoints).
+    /// Waits within `comm`'s deadline.
+    fn read_param_host(
+        &mut self,
+        comm: &C,
+        params: &mut Self::Params<'_>,
+        param: usize,
+        out: &mut [T],
+    ) -> Result<()>;
+
+    /// Overwrites parameter `param` (whole) from host memory (checkpoints).
+    fn write_param_host(
+        &mut self,
+        params: &mut Self::Params<'_>,
+        param: usize,
+        values: &[T],
+    ) -> Result<()>;
+}
+
+/// Access to the full parameter replica a framework holds in host memory.
+///
+/// Ranges are element ranges of the flattened (row-major) parameter.
+pub trait ParamStore<T> {
+    /// Copies `range` of parameter `param` into `out`.
+    fn read(&mut self, param: usize, range: Range<usize>, out: &mut [T]) -> Result<()>;
+    /// Overwrites `range` of parameter `param` with `values`.
+    fn write(&mut self, param: usize, range: Range<usize>, values: &[T]) -> Result<()>;
+}
+
+impl<T: Copy> ParamStore<T> for Vec<Vec<T>> {
+    fn read(&mut self, param: usize, range: Range<usize>, out: &mut [T]) -> Result<()> {
+        out.copy_from_slice(&self[param][range]);
+        Ok(())
+    }
+
+    fn write(&mut self, param: usize, range: Range<usize>, values: &[T]) -> Result<()> {
+        self[param][range].copy_from_slice(values);
+        Ok(())
+    }
+}
+
+/// Host memory: buffers are `Vec<T>`, gradients slices, parameters a
+/// [`ParamStore`], and the optimizer a [`FunctionalOptimizer`] that keeps
+/// its own state.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct HostMemory;
+
+impl<T: Element, C: Communicator<Memory = Host>> ShardMemory<T, C> for HostMemory {
+    type Buffer = Vec<T>;
+    type Grad<'g> = &'g [T];
+    type Params<'p> = dyn ParamStore<T> + 'p;
+
+    fn grad_len(grad: &&[T]) -> usize {
+        grad.len()
+    }
+
+    fn alloc_zeroed(&mut self, numel: usize) -> Result<Vec<T>> {
+        Ok(vec![T::default(); numel])
+    }
+
+    fn buffer_len(buffer: &Vec<T>) -> usize {
+        buffer.len()
+    }
+
+    fn zero(&mut self, buffer: &mut Vec<T>, range: Range<usize>) -> Result<()> {
+        buffer[range].fill(T::default());
+        Ok(())
+    }
+
+    fn flatten(
+        &mut self,
+        buffer: &mut Vec<T>,
+        pieces: &[GradPiece<&[T]>],
+        add: bool,
+    ) -> Result<()> {
+        for piece in pieces {
+            let dst = &mut buffer[piece.at..piece.at + piece.range.len()];
+            let src = &piece.grad[piece.range.clone()];
+            if add {
+                for (d, s) in dst.iter_mut().zip(src) {
+                    *d = T::from_acc(d.to_acc() + s.to_acc());
+                }
+            } else {
+                dst.copy_from_slice(src);
+            }
+        }
+        Ok(())
+    }
+
+    fn read_params(
+        &mut self,
+        params: &mut (dyn ParamStore<T> + '_),
+        copies: &[ParamCopy],
+        buffer: &mut Vec<T>,
+    ) -> Result<()> {
+        for c in copies {
+            params.read(
+                c.param,
+                c.param_range.clone(),
+                &mut buffer[c.at..c.at + c.param_range.len()],
+            )?;
+        }
+        Ok(())
+    }
+
+    fn write_params(
+        &mut self,
+        params: &mut (dyn ParamStore<T> + '_),
+        copies: &[ParamCopy],
+        buffer: &Vec<T>,
+    ) -> Result<()> {
+        for c in copies {
+            params.write(
+                c.param,
+                c.param_range.clone(),
+                &buffer[c.at..c.at + c.param_range.len()],
+            )?;
+        }
+        Ok(())
+    }
+
+    fn scale(&mut self, buffer: &mut Vec<T>, ranges: &[Range<usize>], factor: f64) -> Result<()> {
+        for range in ranges {
+            for g in &mut buffer[range.clone()] {
+                *g = T::from_f64(g.to_f64() * factor);
+            }
+        }
+        Ok(())
+    }
+
+    fn norm_partial(
+        &mut self,
+        _comm: &C,
+        buffer: &Vec<T>,
+        ranges: &[Range<usize>],
+        norm: NormType,
+    ) -> Result<f64> {
+        let mut local = 0.0f64;
+        for range in ranges {
+            let g = &buffer[range.clone()];
+            match norm {
+                NormType::L1 => local += g.iter().map(|x| x.to_f64().abs()).sum::<f64>(),
+                NormType::L2 => local += g.iter().map(|x| x.to_f64().powi(2)).sum::<f64>(),
+                // `f64::max` would drop a NaN: count it as infinite instead.
+                NormType::Inf => {
+                    local = g.iter().fold(local, |m, x| {
+                        let a = x.to_f64().abs();
+                        if a.is_nan() {
+                            f64::INFINITY
+                        } else {
+                            m.max(a)
+                        }
+                    })
+                }
+            }
+        }
+        Ok(local)
+    }
+
+    fn all_reduce(
+        &mut self,
+        comm: &C,
+        buffer: &mut Vec<T>,
+        range: Range<usize>,
+        op: ReduceOp,
+    ) -> Result<()> {
+        comm.all_reduce(&mut buffer[range], op)
+    }
+
+    fn reduce_scatter(
+        &mut self,
+        comm: &C,
+        send: &Vec<T>,
+        send_range: Range<usize>,
+        recv: &mut Vec<T>,
+        recv_range: Range<usize>,
+        op: ReduceOp,
+    ) -> Result<()> {
+        comm.reduce_scatter(&send[send_range], &mut recv[recv_range], op)
+    }
+
+    fn all_gather(
+        &mut self,
+        comm: &C,
+        send: &Vec<T>,
+        send_range: Range<usize>,
+        recv: &mut Vec<T>,
+        recv_range: Range<usize>,
+    ) -> Result<()> {
+        comm.all_gather(&send[send_range], &mut recv[recv_range])
+    }
+
+    fn all_reduce_host<V: Element>(
+        &mut self,
+        comm: &C,
+        values: &mut [V],
+        op: ReduceOp,
+    ) -> Result<()> {
+        comm.all_reduce(values, op)
+    }
+
+    fn gather_varlen_host(
+        &mut self,
+        comm: &C,
+        send: &[T],
+        counts: &[usize],
+        recv: Option<&mut [T]>,
+        root: usize,
+    ) -> Result<()> {
+        comm.gather_varlen(send, counts, recv, root)
+    }
+
+    fn step(
+        &mut self,
+        optimizer: &mut dyn FunctionalOptimizer<T>,
+        params: &mut Vec<T>,
+        grads: &Vec<T>,
+        plan: StepPlan<'_>,
+    ) -> Result<()> {
+        // Split the shard into disjoint mutable pieces (in shard order).
+        let mut pieces = Vec::with_capacity(plan.pieces.len());
+        let mut slots = Vec::with_capacity(plan.pieces.len());
+        let mut rest: &mut [T] = params;
+        let mut consumed = 0;
+        for piece in plan.pieces {
+            let (_, tail) = std::mem::take(&mut rest).split_at_mut(piece.range.start - consumed);
+            let (data, tail) = tail.split_at_mut(piece.range.len());
+            rest = tail;
+            consumed = piece.range.end;
+            pieces.push(ParamMut {
+                key: piece.key,
+                data,
+            });
+            slots.push(piece.active.then(|| &grads[piece.range.clone()]));
+        }
+        optimizer.step(&mut pieces, &slots)
+    }
+
+    fn export_state(
+        &mut self,
+        _comm: &C,
+        optimizer: &dyn FunctionalOptimizer<T>,
+        _pieces: &[StepPiece<'_>],
+    ) -> Result<OptimizerState<T>> {
+        Ok(optimizer.export_state())
+    }
+
+    fn import_state(
+        &mut self,
+        optimizer: &mut dyn FunctionalOptimizer<T>,
+        _pieces: &[StepPiece<'_>],
+        state: OptimizerState<T>,
+    ) -> Result<()> {
+        optimizer.import_state(state)
+    }
+
+    fn state_bytes(&self, optimizer: &dyn FunctionalOptimizer<T>) -> usize {
+        optimizer.state_bytes()
+    }
+
+    fn read_param_host(
+        &mut self,
+        _comm: &C,
+        params: &mut (dyn ParamStore<T> + '_),
+        param: usize,
+        out: &mut [T],
+    ) -> Result<()> {
+        let len = out.len();
+        params.read(param, 0..len, out)
+    }
+
+    fn write_param_host(
+        &mut self,
+        params: &mut (dyn ParamStore<T> + '_),
+        param: usize,
+        values: &[T],
+    ) -> Result<()> {
+        params.write(param, 0..values.len(), values)
+    }
+}

@@ -1,0 +1,155 @@
+//! Engine semantics that match `torch.optim`: `None` gradients leave a
+//! parameter untouched in every mode, added groups take the constructor's
+//! hyperparameters, and a non-finite norm under clipping refuses the step
+//! on every rank.
+
+mod common;
+
+use common::{assert_close, engine, make_opt, mean, run, Model, Opt, Reference, Synthetic};
+use zero_core::engine::{EngineConfig, NormType, PartitionerKind, Stage};
+use zero_core::optim::Hyperparams;
+use zero_core::{Communicator, Error};
+
+const STAGES: [Stage; 3] = [Stage::Ddp, Stage::OptimizerState, Stage::Gradients];
+
+/// Parameter 1 has a gradient on no rank from step 2 on.
+fn has_grad(param: usize, step: usize) -> bool {
+    param != 1 || step < 2
+}
+
+#[test]
+fn none_leaves_a_parameter_untouched_with_the_trainability_check_off() {
+    let model = Synthetic::medium();
+    let steps = 5;
+    for stage in STAGES {
+        for world in [1, 3] {
+            let config = EngineConfig::default()
+                .with_stage(stage)
+                .with_partitioner(PartitionerKind::Flat)
+                .with_bucket_bytes(64)
+                .with_trainability_check(false);
+            // SGD with momentum and weight decay: a zero gradient would
+            // still move the parameter.
+            let decay: Hyperparams = common::weight_decay(0.1);
+            let params_of_rank = run(world, |comm| {
+                let rank = comm.rank();
+                let mut opt = make_opt(Opt::Sgd, false);
+                opt.set_hyperparams(0, &decay)?;
+                let mut e = engine(comm, &model, opt, config.clone())?;
+                let mut params = model.init();
+                let mut frozen_at = None;
+                for s in 0..steps {
+                    let g = model.grads(&params, rank, s);
+                    let slots: Vec<Option<&[f64]>> = g
+                        .iter()
+                        .enumerate()
+                        .map(|(i, g)| has_grad(i, s).then_some(g.as_slice()))
+                        .collect();
+                    e.step(&slots, &mut params)?;
+                    if s == 1 {
+                        frozen_at = Some(params[1].clone());
+                    }
+                }
+                assert_eq!(
+                    Some(&params[1]),
+                    frozen_at.as_ref(),
+                    "stage {stage:?} world {world}: a parameter without gradients moved"
+                );
+                Ok(params)
+            });
+            let mut opt = make_opt(Opt::Sgd, false);
+            opt.set_hyperparams(0, &decay).unwrap();
+            let mut reference = Reference::new(&model, opt);
+            for s in 0..steps {
+                let g: Vec<Option<Vec<f64>>> = mean(&reference.rank_grads(&model, world, s))
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, g)| has_grad(i, s).then_some(g))
+                    .collect();
+                reference.step(&g);
+            }
+            for params in &params_of_rank {
+                assert_close(
+                    params,
+                    &reference.params,
+                    1e-12,
+                    &format!("stage {stage:?} world {world}"),
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn an_added_group_takes_the_constructor_values_not_the_scheduled_ones() {
+    let model = Synthetic::medium();
+    let lrs = run(2, |comm| {
+        // make_opt's SGD is built with lr 0.05.
+        let mut e = engine(
+            comm,
+            &model,
+            make_opt(Opt::Sgd, false),
+            EngineConfig::default(),
+        )?;
+        e.set_learning_rate(0.01);
+        let group = e.add_param_group(&["a.bias"], &Hyperparams::new())?;
+        Ok((
+            e.optimizer().learning_rate(0),
+            e.optimizer().learning_rate(group),
+        ))
+    });
+    for (lr0, lr1) in lrs {
+        assert_eq!(lr0, 0.01);
+        assert_eq!(
+            lr1, 0.05,
+            "torch.optim's add_param_group takes the defaults"
+        );
+    }
+}
+
+#[test]
+fn a_non_finite_norm_under_clipping_refuses_the_step_on_every_rank() {
+    let model = Synthetic::medium();
+    for stage in STAGES {
+        for norm_type in [NormType::L2, NormType::Inf, NormType::L1] {
+            for bad in [f64::NAN, f64::INFINITY] {
+                let config = EngineConfig::default()
+                    .with_stage(stage)
+                    .with_bucket_bytes(64)
+                    .with_clip(1.0, norm_type);
+                let outcomes = run(3, |comm| {
+                    let rank = comm.rank();
+                    let mut e = engine(comm, &model, make_opt(Opt::Adam, false), config.clone())?;
+                    let mut params = model.init();
+                    let mut outcome = Vec::new();
+                    for s in 0..3 {
+                        let before = params.clone();
+                        let mut g = model.grads(&params, rank, s);
+                        // One element on one rank at step 1.
+                        if s == 1 && rank == 1 {
+                            g[2][3] = bad;
+                        }
+                        let slots = common::slots(&g);
+                        match e.step(&slots, &mut params) {
+                            Ok(_) => outcome.push(None),
+                            Err(Error::NonFiniteGradNorm { step, .. }) => {
+                                assert_eq!(params, before, "a refused step changed parameters");
+                                outcome.push(Some(step));
+                            }
+                            Err(other) => return Err(other),
+                        }
+                        assert_eq!(e.pending_micro_steps(), 0);
+                    }
+                    assert!(params.iter().flatten().all(|x| x.is_finite()));
+                    Ok((outcome, params, e.steps()))
+                });
+                let what = format!("stage {stage:?} {norm_type:?} {bad}");
+                for (outcome, params, steps) in &outcomes {
+                    assert_eq!(outcome, &[None, Some(2), None], "{what}");
+                    assert_eq!(*steps, 2, "{what}: refused steps are not counted");
+                    assert_eq!(params, &outcomes[0].1, "{what}: replicas differ");
+                }
+            }
+        }
+    }
+}
