@@ -1,7 +1,13 @@
 //! Fused CUDA kernels, compiled once at run time with NVRTC: flatten and
 //! unflatten of gradient buckets (one launch per bucket, driven by a table of
-//! pieces in device memory) and the built-in optimizers' steps over a flat
-//! f32 shard (one launch per shard; see [`optim`]).
+//! pieces in device memory), gradient scaling and norms, and the built-in
+//! optimizers' steps over a flat f32 shard (one launch per shard; see
+//! [`optim`]).
+//!
+//! NVRTC compiles for the device's architecture, or the newest one below it
+//! that this NVRTC still targets ([`nvrtc_arch`]). `tests/nvrtc_ptx.rs`
+//! compiles [`SOURCE`] with the same options and assembles the PTX with
+//! `ptxas` on a machine without a GPU (`scripts/check-nvrtc.sh`).
 //!
 //! ```no_run
 //! # fn main() -> zero_nccl::Result<()> {
@@ -74,12 +80,144 @@ impl NormAccumulator {
     }
 
     /// The accumulated value of `kind` (waits for the stream: a host sync).
+    /// A NaN anywhere in the inputs reads as NaN for every kind, an infinity
+    /// (and no NaN) as +inf, so a caller can refuse a non-finite norm.
     pub fn read(&self, stream: &Arc<CudaStream>, kind: NormKind) -> Result<f64> {
         Ok(match kind {
             NormKind::Inf => f32::from_bits(stream.clone_dtoh(&self.max)?[0]) as f64,
             _ => stream.clone_dtoh(&self.sum)?[0],
         })
     }
+}
+
+/// Every kernel [`FusedKernels::new`] loads from [`SOURCE`], in the order it
+/// loads them.
+pub const KERNEL_NAMES: [&str; 13] = [
+    "gather_pieces_b16",
+    "gather_pieces_b32",
+    "gather_pieces_b64",
+    "scatter_pieces_b16",
+    "scatter_pieces_b32",
+    "scatter_pieces_b64",
+    "gather_add_pieces_f32",
+    "scale_f32",
+    "norm_partial_f32",
+    "sgd_f32",
+    "adam_f32",
+    "adagrad_f32",
+    "rmsprop_f32",
+];
+
+/// The oldest compute capability the kernels run on, as `10 * major + minor`:
+/// the norms use `atomicAdd` on `double`, which arrived with sm_60.
+pub const MIN_COMPUTE_CAPABILITY: i32 = 60;
+
+/// The virtual architecture (`compute_XY`) to compile the kernels for, on a
+/// device of compute capability `device` = `(major, minor)`, given the real
+/// architectures NVRTC reports (`supported`, as `10 * major + minor`; see
+/// [`nvrtc_supported_archs`]).
+///
+/// The highest supported architecture not above the device's: its PTX runs
+/// on the device (the driver compiles it for newer ones), and each CUDA
+/// release drops old targets (NVRTC 13 rejects everything below
+/// `compute_75`). Without a list, the device's own architecture. An error
+/// when the device is older than [`MIN_COMPUTE_CAPABILITY`] or than every
+/// architecture this NVRTC supports.
+///
+/// ```
+/// use zero_nccl::kernels::nvrtc_arch;
+/// assert_eq!(nvrtc_arch((9, 0), Some(&[75, 80, 90, 100])).unwrap(), "compute_90");
+/// assert_eq!(nvrtc_arch((8, 6), Some(&[75, 80, 90])).unwrap(), "compute_80");
+/// assert!(nvrtc_arch((6, 0), Some(&[75, 80, 90])).is_err());
+/// ```
+pub fn nvrtc_arch(device: (i32, i32), supported: Option<&[i32]>) -> Result<String> {
+    const OP: &str = "compiling the fused kernels";
+    let (major, minor) = device;
+    let capability = 10 * major + minor;
+    if capability < MIN_COMPUTE_CAPABILITY {
+        return Err(Error::Unsupported {
+            op: OP,
+            detail: format!(
+                "the GPU has compute capability {major}.{minor}; the fused kernels need 6.0 \
+                 or newer (double-precision atomicAdd). Use a newer GPU"
+            ),
+        });
+    }
+    let Some(supported) = supported else {
+        return Ok(format!("compute_{capability}"));
+    };
+    let best = supported
+        .iter()
+        .copied()
+        .filter(|&arch| (MIN_COMPUTE_CAPABILITY..=capability).contains(&arch))
+        .max();
+    match best {
+        Some(arch) => Ok(format!("compute_{arch}")),
+        None => Err(Error::Unsupported {
+            op: OP,
+            detail: format!(
+                "the GPU has compute capability {major}.{minor}, too old for this NVRTC, which \
+                 compiles for sm_{} and newer (it supports {supported:?}). Put an older CUDA \
+                 toolkit's libnvrtc first on LD_LIBRARY_PATH (CUDA 12 still targets sm_60 and \
+                 up: pip install nvidia-cuda-nvrtc-cu12), or use a newer GPU",
+                supported.iter().min().copied().unwrap_or_default()
+            ),
+        }),
+    }
+}
+
+/// The real architectures the loaded NVRTC compiles for, ascending, as
+/// `10 * major + minor` (`nvrtcGetSupportedArchs`), or `None` when this NVRTC
+/// cannot say (releases before CUDA 11.2 lack the call).
+pub fn nvrtc_supported_archs() -> Result<Option<Vec<i32>>> {
+    use cudarc::nvrtc::sys::{self, nvrtcResult};
+    ensure_library(Library::Nvrtc)?;
+    let asked = guarded("asking NVRTC for its architectures", || {
+        let mut count: std::ffi::c_int = 0;
+        // SAFETY: the call writes one int through the pointer.
+        let status = unsafe { sys::nvrtcGetNumSupportedArchs(&mut count) };
+        if status != nvrtcResult::NVRTC_SUCCESS || count <= 0 {
+            return Ok(None);
+        }
+        let mut archs: Vec<std::ffi::c_int> = vec![0; count as usize];
+        // SAFETY: the call writes `count` ints, the length of `archs`.
+        let status = unsafe { sys::nvrtcGetSupportedArchs(archs.as_mut_ptr()) };
+        if status != nvrtcResult::NVRTC_SUCCESS {
+            return Ok(None);
+        }
+        archs.sort_unstable();
+        Ok(Some(archs))
+    });
+    match asked {
+        // cudarc panics on a symbol the library lacks: an NVRTC too old to
+        // list its targets, which then gets the device's own.
+        Err(Error::Panicked { .. }) => Ok(None),
+        other => other,
+    }
+}
+
+/// NVRTC's options for the kernels on virtual architecture `arch`
+/// (`compute_90`, ...): what [`FusedKernels::new`] passes, and what the PTX
+/// check in `tests/nvrtc_ptx.rs` passes.
+pub fn compile_options(arch: &str) -> cudarc::nvrtc::CompileOptions {
+    cudarc::nvrtc::CompileOptions {
+        // `arch` only takes a &'static str; the option is the same.
+        options: vec![format!("--gpu-architecture={arch}")],
+        ..Default::default()
+    }
+}
+
+/// Compiles [`SOURCE`] to PTX for `arch` with [`compile_options`], as
+/// [`FusedKernels::new`] does (which picks `arch` with [`nvrtc_arch`]).
+/// Needs libnvrtc, not a GPU.
+pub fn compile_ptx_for(arch: &str) -> Result<cudarc::nvrtc::Ptx> {
+    ensure_library(Library::Nvrtc)?;
+    guarded("compiling the fused kernels", || {
+        Ok(cudarc::nvrtc::compile_ptx_with_opts(
+            SOURCE,
+            compile_options(arch),
+        )?)
+    })
 }
 
 /// Threads per block of every launch.
@@ -89,6 +227,8 @@ const BLOCK: u32 = 256;
 #[derive(Debug)]
 pub struct FusedKernels {
     ctx: Arc<CudaContext>,
+    /// The `compute_XY` NVRTC compiled for.
+    arch: String,
     gather: [CudaFunction; 3],
     scatter: [CudaFunction; 3],
     gather_add: CudaFunction,
@@ -103,46 +243,56 @@ pub struct FusedKernels {
 }
 
 impl FusedKernels {
-    /// Compiles [`SOURCE`] with NVRTC and loads it into `ctx`. Do it once and
-    /// share the result: compilation takes a few hundred milliseconds.
+    /// Compiles [`SOURCE`] with NVRTC for `ctx`'s device (see [`nvrtc_arch`])
+    /// and loads it into `ctx`. Do it once and share the result: compilation
+    /// takes a few hundred milliseconds.
     pub fn new(ctx: &Arc<CudaContext>) -> Result<Self> {
         ensure_library(Library::Cuda)?;
         ensure_library(Library::Nvrtc)?;
-        guarded("compiling the fused kernels", || {
-            // compute_60: double-precision atomicAdd (norms); the driver
-            // JIT-compiles the PTX for newer devices.
-            let options = cudarc::nvrtc::CompileOptions {
-                arch: Some("compute_60"),
-                ..Default::default()
-            };
-            let ptx = cudarc::nvrtc::compile_ptx_with_opts(SOURCE, options)?;
-            let module = ctx.load_module(ptx)?;
-            let f = |name: &str| module.load_function(name);
-            let sms = ctx.attribute(
-                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
-            )?;
+        use cudarc::driver::sys::{CUdevice_attribute as Attribute, CUresult};
+        let major = ctx.attribute(Attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
+        let minor = ctx.attribute(Attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
+        let supported = nvrtc_supported_archs()?;
+        let arch = nvrtc_arch((major, minor), supported.as_deref())?;
+        let ptx = compile_ptx_for(&arch)?;
+        guarded("loading the fused kernels", || {
+            let module = ctx.load_module(ptx).map_err(|e| match e.0 {
+                // PTX carries the ISA version of the NVRTC that wrote it.
+                CUresult::CUDA_ERROR_UNSUPPORTED_PTX_VERSION => Error::Unsupported {
+                    op: "loading the fused kernels",
+                    detail: format!(
+                        "the driver cannot read the PTX NVRTC wrote for {arch}: libnvrtc is \
+                         newer than the NVIDIA driver. Update the driver, or put an NVRTC no \
+                         newer than the driver's CUDA version first on LD_LIBRARY_PATH"
+                    ),
+                },
+                _ => Error::from(e),
+            })?;
+            // In KERNEL_NAMES order.
+            let loaded = KERNEL_NAMES.map(|name| module.load_function(name));
+            let [g16, g32, g64, s16, s32, s64, rest @ ..] = loaded;
+            let [gather_add, scale, norm, sgd, adam, adagrad, rmsprop] = rest;
+            let sms = ctx.attribute(Attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
             Ok(Self {
                 ctx: ctx.clone(),
-                gather: [
-                    f("gather_pieces_b16")?,
-                    f("gather_pieces_b32")?,
-                    f("gather_pieces_b64")?,
-                ],
-                scatter: [
-                    f("scatter_pieces_b16")?,
-                    f("scatter_pieces_b32")?,
-                    f("scatter_pieces_b64")?,
-                ],
-                gather_add: f("gather_add_pieces_f32")?,
-                scale: f("scale_f32")?,
-                norm: f("norm_partial_f32")?,
-                sgd: f("sgd_f32")?,
-                adam: f("adam_f32")?,
-                adagrad: f("adagrad_f32")?,
-                rmsprop: f("rmsprop_f32")?,
+                arch,
+                gather: [g16?, g32?, g64?],
+                scatter: [s16?, s32?, s64?],
+                gather_add: gather_add?,
+                scale: scale?,
+                norm: norm?,
+                sgd: sgd?,
+                adam: adam?,
+                adagrad: adagrad?,
+                rmsprop: rmsprop?,
                 max_blocks: (sms.max(1) as u32).saturating_mul(16),
             })
         })
+    }
+
+    /// The virtual architecture the kernels were compiled for (`compute_90`, ...).
+    pub fn arch(&self) -> &str {
+        &self.arch
     }
 
     /// The context the kernels are loaded in.
@@ -252,6 +402,10 @@ impl FusedKernels {
     /// [`NormKind::L1`] adds `sum |x|` and [`NormKind::L2`] `sum x^2` to
     /// `out.sum[0]`; [`NormKind::Inf`] raises `out.max[0]` (float bits) to
     /// `max |x|`.
+    ///
+    /// Non-finite values propagate as `torch.linalg.vector_norm` does: a NaN
+    /// makes every kind NaN (the inf-norm included: its maximum keeps NaN
+    /// instead of skipping it as `fmax` would), an infinity makes it +inf.
     pub fn norm_partial(
         &self,
         stream: &Arc<CudaStream>,
@@ -404,5 +558,92 @@ impl FusedKernels {
         // SAFETY: as in `launch_copy`, with the roles of flat and pieces swapped.
         unsafe { launch.launch(cfg) }?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What NVRTC 13.5 (the nvidia-cuda-nvrtc wheel) lists.
+    const NVRTC_13: [i32; 13] = [75, 80, 86, 87, 88, 89, 90, 100, 103, 107, 110, 120, 121];
+
+    #[test]
+    fn arch_is_the_device_s_when_nvrtc_supports_it() {
+        assert_eq!(
+            nvrtc_arch((9, 0), Some(&[75, 80, 90, 100])).unwrap(),
+            "compute_90"
+        );
+        assert_eq!(nvrtc_arch((8, 9), Some(&NVRTC_13)).unwrap(), "compute_89");
+        assert_eq!(nvrtc_arch((7, 5), Some(&NVRTC_13)).unwrap(), "compute_75");
+    }
+
+    #[test]
+    fn arch_falls_back_to_the_newest_supported_below_the_device() {
+        // A device newer than the toolkit runs older PTX through the driver's JIT.
+        assert_eq!(
+            nvrtc_arch((12, 1), Some(&[75, 80, 90])).unwrap(),
+            "compute_90"
+        );
+        assert_eq!(
+            nvrtc_arch((8, 6), Some(&[75, 80, 90, 100])).unwrap(),
+            "compute_80"
+        );
+        // The list need not be sorted.
+        assert_eq!(
+            nvrtc_arch((9, 0), Some(&[100, 90, 75, 80])).unwrap(),
+            "compute_90"
+        );
+    }
+
+    #[test]
+    fn arch_without_a_list_is_the_device_s() {
+        assert_eq!(nvrtc_arch((9, 0), None).unwrap(), "compute_90");
+        assert_eq!(nvrtc_arch((6, 1), None).unwrap(), "compute_61");
+    }
+
+    #[test]
+    fn a_gpu_older_than_the_toolkit_is_a_clear_error() {
+        let err = nvrtc_arch((6, 0), Some(&NVRTC_13)).unwrap_err().to_string();
+        assert!(err.contains("compute capability 6.0"), "{err}");
+        assert!(err.contains("too old for this NVRTC"), "{err}");
+        assert!(err.contains("sm_75 and newer"), "{err}");
+        assert!(err.contains("nvidia-cuda-nvrtc-cu12"), "{err}");
+        let err = nvrtc_arch((7, 0), Some(&[])).unwrap_err().to_string();
+        assert!(err.contains("too old for this NVRTC"), "{err}");
+    }
+
+    #[test]
+    fn a_gpu_older_than_the_kernels_is_a_clear_error() {
+        // Even when the toolkit still compiles for it: double atomicAdd needs sm_60.
+        for supported in [None, Some(&[35, 50, 52, 60, 70][..])] {
+            let err = nvrtc_arch((5, 2), supported).unwrap_err().to_string();
+            assert!(err.contains("need 6.0 or newer"), "{err}");
+        }
+        // An old arch in the list is never picked below sm_60.
+        assert_eq!(
+            nvrtc_arch((6, 1), Some(&[35, 50, 60, 70])).unwrap(),
+            "compute_60"
+        );
+    }
+
+    #[test]
+    fn compile_options_name_the_arch() {
+        let options = compile_options("compute_90");
+        assert_eq!(options.options, ["--gpu-architecture=compute_90"]);
+        assert_eq!(options.arch, None);
+    }
+
+    #[test]
+    fn nan_outranks_every_magnitude_as_bits() {
+        // The inf-norm keeps max |x| as float bits under an unsigned atomicMax:
+        // non-negative floats order like their bits, and a NaN with the sign
+        // cleared (fabs) sits above +inf, so it survives the maximum.
+        let nan = f32::NAN.abs().to_bits();
+        for x in [0.0f32, 1e-30, 1.0, f32::MAX, f32::INFINITY] {
+            assert!(nan > x.to_bits(), "{x}");
+        }
+        assert!(f32::from_bits(nan).is_nan());
+        assert!(f32::INFINITY.to_bits() > f32::MAX.to_bits());
     }
 }

@@ -5,10 +5,17 @@
 //! device state (`*State`) that exports to and imports from
 //! `zero_core::optim::ParamState` under PyTorch's state names, for
 //! checkpoints. The step count lives in the state, as in PyTorch.
+//!
+//! Scalars that torch derives from Python floats (`1 - beta2`, `1 - alpha`,
+//! `1 - dampening`, AdamW's `1 - lr * weight_decay`, the bias corrections)
+//! are derived here in f64 and rounded to f32 once, where they meet the f32
+//! tensors, as zero-core's host optimizers do; the kernels never compute
+//! them in f32 (`1.0f - 0.999f` is 1.3e-5 away from `0.001f`).
 
 use super::FusedKernels;
 use crate::{Error, Result};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, PushKernelArg, SyncOnDrop};
+use std::ops::Range;
 use std::sync::Arc;
 use zero_core::optim::ParamState;
 
@@ -161,12 +168,23 @@ pub trait DeviceState: Sized {
 }
 
 /// SGD's state: the momentum buffer (allocated on the first step with momentum).
+///
+/// torch keeps one buffer per parameter and starts it as a copy of the
+/// gradient on that parameter's first step with momentum. Here one flat
+/// buffer covers the whole shard, allocated by the first step with momentum
+/// of any part of it, so the state also remembers which elements no step
+/// with momentum has written yet: those start from the gradient whenever
+/// they are first stepped with momentum, whether later in the same step (the
+/// engine steps a shard segment by segment), after a step without a gradient,
+/// or when their group switches momentum on later.
 #[derive(Debug)]
 pub struct SgdState {
     /// `momentum_buffer`, once a step with momentum has run.
     pub momentum_buffer: Option<CudaSlice<f32>>,
     /// Steps taken.
     pub step: u64,
+    /// Elements of `momentum_buffer` that no step with momentum has written.
+    unstarted: UnstartedRanges,
 }
 
 /// Adam's and AdamW's state.
@@ -210,7 +228,85 @@ impl SgdState {
         Self {
             momentum_buffer: None,
             step: 0,
+            unstarted: UnstartedRanges::default(),
         }
+    }
+
+    /// The element ranges of `momentum_buffer` that no step with momentum
+    /// has written (ascending, disjoint): torch has no `momentum_buffer` for
+    /// their parameters yet, so an exporter should leave them out.
+    pub fn momentum_unstarted(&self) -> &[Range<usize>] {
+        &self.unstarted.0
+    }
+
+    /// Marks `range` of the momentum buffer as not started: its next step
+    /// with momentum copies the gradient into it. For importers whose
+    /// checkpoint has no `momentum_buffer` for some parameters ([`DeviceState::import`]
+    /// treats an imported buffer as started everywhere).
+    pub fn mark_momentum_unstarted(&mut self, range: Range<usize>) {
+        self.unstarted.insert(range);
+    }
+}
+
+/// Sorted, disjoint, non-empty element ranges: the parts of a lazily
+/// allocated buffer that no step has written yet.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+struct UnstartedRanges(Vec<Range<usize>>);
+
+impl UnstartedRanges {
+    /// All of a buffer of `len` elements.
+    fn all(len: usize) -> Self {
+        let mut ranges = Self::default();
+        ranges.insert(0..len);
+        ranges
+    }
+
+    /// Adds `range`, merging it with its neighbours.
+    fn insert(&mut self, range: Range<usize>) {
+        if range.is_empty() {
+            return;
+        }
+        self.0.push(range);
+        self.0.sort_unstable_by_key(|r| r.start);
+        let mut merged: Vec<Range<usize>> = Vec::with_capacity(self.0.len());
+        for r in self.0.drain(..) {
+            match merged.last_mut() {
+                Some(last) if r.start <= last.end => last.end = last.end.max(r.end),
+                _ => merged.push(r),
+            }
+        }
+        self.0 = merged;
+    }
+
+    /// Cuts `range` into consecutive non-empty pieces, each wholly unstarted
+    /// (`true`) or wholly started (`false`), and marks all of it started.
+    fn take(&mut self, range: Range<usize>) -> Vec<(Range<usize>, bool)> {
+        let mut pieces = Vec::new();
+        let mut cursor = range.start;
+        let mut kept = Vec::with_capacity(self.0.len() + 1);
+        for r in self.0.drain(..) {
+            let (start, end) = (r.start.max(range.start), r.end.min(range.end));
+            if start >= end {
+                kept.push(r);
+                continue;
+            }
+            if cursor < start {
+                pieces.push((cursor..start, false));
+            }
+            pieces.push((start..end, true));
+            cursor = end;
+            if r.start < start {
+                kept.push(r.start..start);
+            }
+            if end < r.end {
+                kept.push(end..r.end);
+            }
+        }
+        if cursor < range.end {
+            pieces.push((cursor..range.end, false));
+        }
+        self.0 = kept;
+        pieces
     }
 }
 
@@ -281,6 +377,60 @@ fn check_len(op: &'static str, what: &'static str, got: usize, expected: usize) 
 
 fn flag(b: bool) -> i32 {
     i32::from(b)
+}
+
+/// `1 - x` as torch computes it from a Python float: in f64, then rounded to
+/// f32 once where it meets the f32 tensors.
+fn complement(x: f64) -> f32 {
+    (1.0 - x) as f32
+}
+
+/// The scalars of one Adam step as `adam_f32` takes them, in the order
+/// torch's `_single_tensor_adam` derives them.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct AdamScalars {
+    /// The L2 penalty added to the gradient (Adam); 0 for AdamW.
+    weight_decay: f32,
+    /// AdamW's `1 - lr * weight_decay`; exactly 1 otherwise.
+    param_decay: f32,
+    /// The weight of `exp_avg.lerp_(grad, 1 - beta1)`.
+    one_minus_beta1: f32,
+    beta2: f32,
+    one_minus_beta2: f32,
+    eps: f32,
+    /// `-lr / (1 - beta1^t)`.
+    neg_step_size: f32,
+    /// `sqrt(1 - beta2^t)`.
+    bias_correction2_sqrt: f32,
+}
+
+impl AdamScalars {
+    fn new(hyper: &AdamHyper, step: u64) -> Self {
+        let (beta1, beta2) = hyper.betas;
+        let step = step as f64;
+        let bias_correction1 = 1.0 - beta1.powf(step);
+        let bias_correction2 = 1.0 - beta2.powf(step);
+        let step_size = hyper.lr / bias_correction1;
+        let decoupled = hyper.decoupled_weight_decay;
+        Self {
+            weight_decay: if decoupled {
+                0.0
+            } else {
+                hyper.weight_decay as f32
+            },
+            param_decay: if decoupled && hyper.weight_decay != 0.0 {
+                complement(hyper.lr * hyper.weight_decay)
+            } else {
+                1.0
+            },
+            one_minus_beta1: complement(beta1),
+            beta2: beta2 as f32,
+            one_minus_beta2: complement(beta2),
+            eps: hyper.eps as f32,
+            neg_step_size: (-step_size) as f32,
+            bias_correction2_sqrt: bias_correction2.sqrt() as f32,
+        }
+    }
 }
 
 /// The address of element `at` of a state buffer of at least `at + n`
@@ -369,8 +519,11 @@ impl FusedKernels {
     }
 
     /// One SGD step of `params` (`n` elements) with the state elements
-    /// `at..at + n` of a state covering `state_len` elements; `step` is the
-    /// step being taken (1 for the first). The step count is the caller's.
+    /// `at..at + n` of a state covering `state_len` elements. SGD's update
+    /// does not depend on the step count (`_step`, kept so that every
+    /// `*_step_at` reads alike): the momentum buffer starts from the
+    /// gradient wherever no step with momentum has written it yet (see
+    /// [`SgdState`]), which can split the call into a few launches.
     #[allow(clippy::too_many_arguments)]
     pub fn sgd_step_at(
         &self,
@@ -380,19 +533,16 @@ impl FusedKernels {
         state: &mut SgdState,
         at: usize,
         state_len: usize,
-        step: u64,
+        _step: u64,
         hyper: &SgdHyper,
     ) -> Result<()> {
         const OP: &str = "sgd_step";
         // torch keeps the buffer None until the first step with momentum,
-        // which copies the gradient into it.
-        let allocated = ensure_buffer(
-            stream,
-            &mut state.momentum_buffer,
-            hyper.momentum != 0.0,
-            state_len,
-        )?;
-        let first_step = step == 1 || allocated;
+        // and without momentum neither creates nor touches it.
+        let momentum = hyper.momentum != 0.0;
+        if ensure_buffer(stream, &mut state.momentum_buffer, momentum, state_len)? {
+            state.unstarted = UnstartedRanges::all(state_len);
+        }
         let (n, [(p, _gp), (g, _gg)]) = param_grad_ptrs(OP, stream, params, grads)?;
         let (buf, _gb) = opt_state_ptr(
             OP,
@@ -402,31 +552,43 @@ impl FusedKernels {
             at,
             n,
         )?;
-        let n64 = n as u64;
-        let (lr, momentum, dampening, wd) = (
+        let pieces = if momentum {
+            state.unstarted.take(at..at + n)
+        } else {
+            vec![(at..at + n, false)]
+        };
+        let (lr, momentum, one_minus_dampening, wd) = (
             hyper.lr as f32,
             hyper.momentum as f32,
-            hyper.dampening as f32,
+            complement(hyper.dampening),
             hyper.weight_decay as f32,
         );
-        let (nesterov, maximize, first) =
-            (flag(hyper.nesterov), flag(hyper.maximize), flag(first_step));
-        let mut launch = stream.launch_builder(&self.sgd);
-        launch
-            .arg(&p)
-            .arg(&g)
-            .arg(&buf)
-            .arg(&n64)
-            .arg(&lr)
-            .arg(&momentum)
-            .arg(&dampening)
-            .arg(&wd)
-            .arg(&nesterov)
-            .arg(&maximize)
-            .arg(&first);
-        // SAFETY: p, g and buf (when momentum != 0) address n f32 each (checked
-        // above), and the argument list matches `sgd_f32`'s signature.
-        unsafe { launch.launch(self.config(n)) }?;
+        let (nesterov, maximize) = (flag(hyper.nesterov), flag(hyper.maximize));
+        for (range, unstarted) in pieces {
+            let skip = ((range.start - at) * std::mem::size_of::<f32>()) as u64;
+            let (p, g) = (p + skip, g + skip);
+            let buf = if buf == 0 { 0 } else { buf + skip };
+            let len = range.len();
+            let (len64, first) = (len as u64, flag(unstarted));
+            let mut launch = stream.launch_builder(&self.sgd);
+            launch
+                .arg(&p)
+                .arg(&g)
+                .arg(&buf)
+                .arg(&len64)
+                .arg(&lr)
+                .arg(&momentum)
+                .arg(&one_minus_dampening)
+                .arg(&wd)
+                .arg(&nesterov)
+                .arg(&maximize)
+                .arg(&first);
+            // SAFETY: p, g and buf (when momentum != 0) address n f32 each
+            // (checked above) and `range` lies within those n, whose guards
+            // live until the end of the function; the argument list matches
+            // `sgd_f32`'s signature.
+            unsafe { launch.launch(self.config(len)) }?;
+        }
         Ok(())
     }
 
@@ -460,13 +622,11 @@ impl FusedKernels {
         hyper: &AdamHyper,
     ) -> Result<()> {
         const OP: &str = "adam_step";
+        // AMSGrad switched on mid-run starts its maximum from zeros, as
+        // zero-core's host Adam does.
         let state_len = state.exp_avg.len();
         ensure_buffer(stream, &mut state.max_exp_avg_sq, hyper.amsgrad, state_len)?;
-        let (beta1, beta2) = hyper.betas;
-        let bias_correction1 = 1.0 - beta1.powf(step as f64);
-        let bias_correction2 = 1.0 - beta2.powf(step as f64);
-        let step_size = (hyper.lr / bias_correction1) as f32;
-        let bc2_sqrt = bias_correction2.sqrt() as f32;
+        let c = AdamScalars::new(hyper, step);
         let (n, [(p, _gp), (g, _gg)]) = param_grad_ptrs(OP, stream, params, grads)?;
         let (m, _gm) = state_ptr(OP, "exp_avg", &mut state.exp_avg, stream, at, n)?;
         let (v, _gv) = state_ptr(OP, "exp_avg_sq", &mut state.exp_avg_sq, stream, at, n)?;
@@ -479,18 +639,7 @@ impl FusedKernels {
             n,
         )?;
         let n64 = n as u64;
-        let (lr, b1, b2, eps, wd) = (
-            hyper.lr as f32,
-            beta1 as f32,
-            beta2 as f32,
-            hyper.eps as f32,
-            hyper.weight_decay as f32,
-        );
-        let (decoupled, amsgrad, maximize) = (
-            flag(hyper.decoupled_weight_decay),
-            flag(hyper.amsgrad),
-            flag(hyper.maximize),
-        );
+        let (amsgrad, maximize) = (flag(hyper.amsgrad), flag(hyper.maximize));
         let mut launch = stream.launch_builder(&self.adam);
         launch
             .arg(&p)
@@ -499,14 +648,14 @@ impl FusedKernels {
             .arg(&v)
             .arg(&vmax)
             .arg(&n64)
-            .arg(&lr)
-            .arg(&b1)
-            .arg(&b2)
-            .arg(&eps)
-            .arg(&wd)
-            .arg(&step_size)
-            .arg(&bc2_sqrt)
-            .arg(&decoupled)
+            .arg(&c.weight_decay)
+            .arg(&c.param_decay)
+            .arg(&c.one_minus_beta1)
+            .arg(&c.beta2)
+            .arg(&c.one_minus_beta2)
+            .arg(&c.eps)
+            .arg(&c.neg_step_size)
+            .arg(&c.bias_correction2_sqrt)
             .arg(&amsgrad)
             .arg(&maximize);
         // SAFETY: every buffer addresses n f32 (checked above; vmax exists when
@@ -594,6 +743,9 @@ impl FusedKernels {
         hyper: &RmspropHyper,
     ) -> Result<()> {
         const OP: &str = "rmsprop_step";
+        // torch creates these zeroed with the rest of the state, on the
+        // first step; switched on later (where torch raises a KeyError)
+        // they start from zeros too, as in zero-core's host RMSprop.
         let state_len = state.square_avg.len();
         ensure_buffer(stream, &mut state.grad_avg, hyper.centered, state_len)?;
         ensure_buffer(
@@ -614,9 +766,10 @@ impl FusedKernels {
             n,
         )?;
         let n64 = n as u64;
-        let (lr, alpha, eps, wd, momentum) = (
+        let (lr, alpha, one_minus_alpha, eps, wd, momentum) = (
             hyper.lr as f32,
             hyper.alpha as f32,
+            complement(hyper.alpha),
             hyper.eps as f32,
             hyper.weight_decay as f32,
             hyper.momentum as f32,
@@ -632,6 +785,7 @@ impl FusedKernels {
             .arg(&n64)
             .arg(&lr)
             .arg(&alpha)
+            .arg(&one_minus_alpha)
             .arg(&eps)
             .arg(&wd)
             .arg(&momentum)
@@ -708,9 +862,12 @@ impl DeviceState for SgdState {
     }
 
     fn import(stream: &Arc<CudaStream>, state: &ParamState<f32>, len: usize) -> Result<Self> {
+        // An imported buffer counts as started everywhere; see
+        // `SgdState::mark_momentum_unstarted` for parameters that had none.
         Ok(Self {
             momentum_buffer: upload(stream, state, "momentum_buffer", len)?,
             step: step_of(state),
+            unstarted: UnstartedRanges::default(),
         })
     }
 }
@@ -775,5 +932,134 @@ impl DeviceState for RmspropState {
             momentum_buffer: upload(stream, state, "momentum_buffer", len)?,
             step: step_of(state),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn complements_round_once_from_f64() {
+        // What torch passes for 1 - beta2 = 1 - 0.999, 1 - alpha = 1 - 0.99, ...
+        for x in [0.9, 0.99, 0.999, 0.3, 0.5] {
+            assert_eq!(complement(x), (1.0 - x) as f32, "{x}");
+        }
+        assert_eq!(complement(0.999), 0.001f32);
+        // The float complement the kernels used to take is off by 1.3e-5 relative.
+        let in_float = 1.0f32 - 0.999f32;
+        assert_ne!(in_float, complement(0.999));
+        assert!(((in_float - 0.001) / 0.001).abs() > 1e-5);
+    }
+
+    #[test]
+    fn adam_scalars_follow_torch() {
+        let adam = AdamHyper {
+            lr: 1e-3,
+            betas: (0.9, 0.999),
+            weight_decay: 0.01,
+            ..AdamHyper::default()
+        };
+        let c = AdamScalars::new(&adam, 3);
+        assert_eq!(c.weight_decay, 0.01f32);
+        assert_eq!(c.param_decay, 1.0);
+        assert_eq!(c.one_minus_beta1, (1.0f64 - 0.9) as f32);
+        assert_eq!(c.beta2, 0.999f32);
+        assert_eq!(c.one_minus_beta2, 0.001f32);
+        assert_eq!(c.eps, 1e-8f32);
+        // step_size = lr / (1 - beta1^t), bias_correction2_sqrt = (1 - beta2^t) ** 0.5
+        assert_eq!(c.neg_step_size, (-(1e-3 / (1.0 - 0.9f64.powi(3)))) as f32);
+        assert_eq!(
+            c.bias_correction2_sqrt,
+            (1.0 - 0.999f64.powi(3)).sqrt() as f32
+        );
+
+        let adamw = AdamHyper {
+            lr: 1e-3,
+            ..AdamHyper::adamw()
+        };
+        let c = AdamScalars::new(&adamw, 1);
+        assert_eq!(c.weight_decay, 0.0, "AdamW adds no L2 term");
+        assert_eq!(c.param_decay, (1.0 - 1e-3 * 1e-2) as f32);
+        let plain = AdamScalars::new(
+            &AdamHyper {
+                weight_decay: 0.0,
+                ..adamw
+            },
+            1,
+        );
+        assert_eq!(plain.param_decay, 1.0);
+    }
+
+    #[test]
+    fn unstarted_ranges_split_and_shrink() {
+        let mut r = UnstartedRanges::all(100);
+        assert_eq!(r.take(10..20), vec![(10..20, true)]);
+        assert_eq!(r.0, vec![0..10, 20..100]);
+        assert_eq!(
+            r.take(5..30),
+            vec![(5..10, true), (10..20, false), (20..30, true)]
+        );
+        assert_eq!(r.0, vec![0..5, 30..100]);
+        assert_eq!(r.take(0..5), vec![(0..5, true)]);
+        assert_eq!(r.take(0..5), vec![(0..5, false)]);
+        assert_eq!(r.take(40..40), vec![]);
+        assert_eq!(r.take(30..100), vec![(30..100, true)]);
+        assert!(r.0.is_empty());
+        assert_eq!(UnstartedRanges::all(0).0, Vec::<Range<usize>>::new());
+    }
+
+    #[test]
+    fn unstarted_ranges_merge_on_insert() {
+        let mut r = UnstartedRanges::default();
+        r.insert(10..20);
+        r.insert(30..40);
+        r.insert(5..10);
+        assert_eq!(r.0, vec![5..20, 30..40]);
+        r.insert(15..35);
+        assert_eq!(r.0, vec![5..40]);
+        r.insert(50..50);
+        assert_eq!(r.0, vec![5..40]);
+    }
+
+    /// The engine steps a shard segment by segment over one state: the
+    /// first segment's call allocates the buffer, and every other segment
+    /// of that step must still start from its gradient, as each torch
+    /// parameter does on its first step with momentum.
+    #[test]
+    fn momentum_switched_on_mid_run_starts_every_segment_from_the_gradient() {
+        let segments = [0..300, 320..500, 512..600];
+        let mut state = SgdState::new();
+        // Steps 1-3 without momentum allocate nothing; step 4 allocates.
+        state.unstarted = UnstartedRanges::all(600);
+        for s in &segments {
+            assert_eq!(state.unstarted.take(s.clone()), vec![(s.clone(), true)]);
+        }
+        // Step 5 continues every segment's buffer.
+        for s in &segments {
+            assert_eq!(state.unstarted.take(s.clone()), vec![(s.clone(), false)]);
+        }
+        // Padding between segments was never stepped.
+        assert_eq!(state.momentum_unstarted(), &[300..320, 500..512]);
+    }
+
+    /// A parameter without a gradient in the step that allocated the buffer
+    /// (or in a group whose momentum comes on later) starts from its
+    /// gradient when it is first stepped; a segment merging it with a
+    /// started neighbour splits in two launches.
+    #[test]
+    fn a_piece_first_stepped_later_starts_from_its_gradient() {
+        let mut state = SgdState::new();
+        state.unstarted = UnstartedRanges::all(500);
+        assert_eq!(state.unstarted.take(0..300), vec![(0..300, true)]);
+        assert_eq!(
+            state.unstarted.take(0..500),
+            vec![(0..300, false), (300..500, true)]
+        );
+        state.mark_momentum_unstarted(100..200);
+        assert_eq!(
+            state.unstarted.take(0..500),
+            vec![(0..100, false), (100..200, true), (200..500, false)]
+        );
     }
 }

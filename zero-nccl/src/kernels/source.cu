@@ -3,7 +3,8 @@
 // Every kernel is a grid-stride loop, so one launch covers a whole bucket or
 // shard whatever its size. Optimizer formulas follow torch.optim's
 // single-tensor implementations operation by operation (including lerp's
-// two-branch form), so that results agree to float rounding.
+// two-branch form), so that results agree to float rounding. The kernels
+// need sm_60 or newer (double-precision atomicAdd in the norms).
 
 typedef unsigned long long u64;
 
@@ -61,18 +62,28 @@ extern "C" __global__ void gather_add_pieces_f32(const u64* table, unsigned int 
 #define GRID_STRIDE(i, n) \
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (u64)gridDim.x * blockDim.x)
 
+// ---- optimizers -------------------------------------------------------------
+// Scalars that torch derives from Python floats (1 - beta2, 1 - alpha,
+// 1 - dampening, 1 - lr * weight_decay, bias corrections) arrive from the
+// host, computed in double and rounded to float once, as they are when they
+// meet torch's float tensors: computing them here in float rounds twice
+// (1.0f - 0.999f is 1.3e-5 away from 0.001f). Products and quotients go in
+// the order of torch's CPU kernels, as zero-core's host optimizers do:
+// addcmul is self + (value * t1) * t2, addcdiv self + (value * t1) / t2.
+
 // ---- SGD (torch.optim.SGD) -----------------------------------------------
-// buf may be null when momentum == 0. first_step: the buffer is still None in
-// torch, so it becomes a copy of the gradient.
+// buf may be null when momentum == 0. first_step: torch's buffer is still
+// None for these elements (no step with momentum has written them), so it
+// becomes a copy of the gradient.
 extern "C" __global__ void sgd_f32(float* p, const float* g, float* buf, u64 n,
-                                   float lr, float momentum, float dampening, float weight_decay,
-                                   int nesterov, int maximize, int first_step) {
+                                   float lr, float momentum, float one_minus_dampening,
+                                   float weight_decay, int nesterov, int maximize, int first_step) {
     GRID_STRIDE(i, n) {
         float grad = maximize ? -g[i] : g[i];
         float param = p[i];
         if (weight_decay != 0.0f) grad = grad + weight_decay * param;
         if (momentum != 0.0f) {
-            float b = first_step ? grad : buf[i] * momentum + (1.0f - dampening) * grad;
+            float b = first_step ? grad : buf[i] * momentum + one_minus_dampening * grad;
             buf[i] = b;
             grad = nesterov ? grad + momentum * b : b;
         }
@@ -81,22 +92,21 @@ extern "C" __global__ void sgd_f32(float* p, const float* g, float* buf, u64 n,
 }
 
 // ---- Adam / AdamW (torch.optim.Adam, torch.optim.AdamW) -------------------
-// step_size = lr / (1 - beta1^t) and bc2_sqrt = sqrt(1 - beta2^t) come from the
-// host in double precision, as torch computes them in Python floats.
+// weight_decay is the L2 penalty (Adam; 0 for AdamW). param_decay is AdamW's
+// 1 - lr * weight_decay, exactly 1 otherwise (and multiplying by 1 is exact).
+// neg_step_size = -lr / (1 - beta1^t), bc2_sqrt = sqrt(1 - beta2^t).
 // vmax may be null unless amsgrad.
 extern "C" __global__ void adam_f32(float* p, const float* g, float* m, float* v, float* vmax, u64 n,
-                                    float lr, float beta1, float beta2, float eps, float weight_decay,
-                                    float step_size, float bc2_sqrt,
-                                    int decoupled, int amsgrad, int maximize) {
+                                    float weight_decay, float param_decay, float one_minus_beta1,
+                                    float beta2, float one_minus_beta2, float eps,
+                                    float neg_step_size, float bc2_sqrt, int amsgrad, int maximize) {
     GRID_STRIDE(i, n) {
         float grad = maximize ? -g[i] : g[i];
         float param = p[i];
-        if (weight_decay != 0.0f) {
-            if (decoupled) param = param * (1.0f - lr * weight_decay);
-            else grad = grad + weight_decay * param;
-        }
-        float mi = lerp_torch(m[i], grad, 1.0f - beta1);
-        float vi = v[i] * beta2 + (1.0f - beta2) * (grad * grad);
+        if (weight_decay != 0.0f) grad = grad + weight_decay * param;
+        param = param * param_decay;
+        float mi = lerp_torch(m[i], grad, one_minus_beta1);
+        float vi = v[i] * beta2 + one_minus_beta2 * grad * grad;
         m[i] = mi;
         v[i] = vi;
         float second = vi;
@@ -105,7 +115,7 @@ extern "C" __global__ void adam_f32(float* p, const float* g, float* m, float* v
             vmax[i] = second;
         }
         float denom = sqrtf(second) / bc2_sqrt + eps;
-        p[i] = param + (-step_size) * (mi / denom);
+        p[i] = param + neg_step_size * mi / denom;
     }
 }
 
@@ -120,26 +130,27 @@ extern "C" __global__ void adagrad_f32(float* p, const float* g, float* sum, u64
         float s = sum[i] + grad * grad;
         sum[i] = s;
         float std_ = sqrtf(s) + eps;
-        p[i] = param + (-clr) * (grad / std_);
+        p[i] = param + (-clr) * grad / std_;
     }
 }
 
 // ---- RMSprop (torch.optim.RMSprop) ---------------------------------------
 // grad_avg may be null unless centered, buf unless momentum > 0.
 extern "C" __global__ void rmsprop_f32(float* p, const float* g, float* square_avg, float* grad_avg,
-                                       float* buf, u64 n, float lr, float alpha, float eps,
-                                       float weight_decay, float momentum, int centered, int maximize) {
+                                       float* buf, u64 n, float lr, float alpha, float one_minus_alpha,
+                                       float eps, float weight_decay, float momentum, int centered,
+                                       int maximize) {
     GRID_STRIDE(i, n) {
         float grad = maximize ? -g[i] : g[i];
         float param = p[i];
         if (weight_decay != 0.0f) grad = grad + weight_decay * param;
-        float sq = square_avg[i] * alpha + (1.0f - alpha) * (grad * grad);
+        float sq = square_avg[i] * alpha + one_minus_alpha * grad * grad;
         square_avg[i] = sq;
         float avg;
         if (centered) {
-            float ga = lerp_torch(grad_avg[i], grad, 1.0f - alpha);
+            float ga = lerp_torch(grad_avg[i], grad, one_minus_alpha);
             grad_avg[i] = ga;
-            avg = sqrtf(sq + (-1.0f) * (ga * ga));
+            avg = sqrtf(sq + (-1.0f) * ga * ga);
         } else {
             avg = sqrtf(sq);
         }
@@ -149,7 +160,7 @@ extern "C" __global__ void rmsprop_f32(float* p, const float* g, float* square_a
             buf[i] = b;
             p[i] = param + (-lr) * b;
         } else {
-            p[i] = param + (-lr) * (grad / avg);
+            p[i] = param + (-lr) * grad / avg;
         }
     }
 }
@@ -160,10 +171,19 @@ extern "C" __global__ void scale_f32(float* x, u64 n, float factor) {
     GRID_STRIDE(i, n) { x[i] = x[i] * factor; }
 }
 
+// max that keeps NaN: fmax(NaN, x) is x, which would hide a NaN gradient
+// from the inf-norm (and so from clipping and the engine's finite check).
+__device__ __forceinline__ double max_keep_nan(double a, double b) {
+    return (a > b || a != a) ? a : b;
+}
+
 // Partial norms of x: kind 0 adds sum |x| to *out_sum, kind 1 adds sum x^2;
 // kind 2 takes max |x| into *out_max as float bits (non-negative floats order
 // like their bit patterns). Each block reduces in shared memory first, so
 // there is one atomic per block. Launched with 256 threads per block.
+// Non-finite values propagate: a NaN makes the sums NaN, and the maximum
+// NaN too, since fabs clears its sign and a positive NaN's bits lie above
+// +inf's under the unsigned atomicMax; an infinity makes each kind +inf.
 extern "C" __global__ void norm_partial_f32(const float* x, u64 n, int kind, double* out_sum,
                                             unsigned int* out_max) {
     __shared__ double partial[256];
@@ -172,14 +192,14 @@ extern "C" __global__ void norm_partial_f32(const float* x, u64 n, int kind, dou
         double v = fabs((double)x[i]);
         if (kind == 0) acc += v;
         else if (kind == 1) acc += v * v;
-        else acc = fmax(acc, v);
+        else acc = max_keep_nan(acc, v);
     }
     partial[threadIdx.x] = acc;
     __syncthreads();
     for (unsigned int s = blockDim.x / 2; s > 0; s >>= 1) {
         if (threadIdx.x < s) {
             double other = partial[threadIdx.x + s];
-            partial[threadIdx.x] = kind == 2 ? fmax(partial[threadIdx.x], other)
+            partial[threadIdx.x] = kind == 2 ? max_keep_nan(partial[threadIdx.x], other)
                                              : partial[threadIdx.x] + other;
         }
         __syncthreads();

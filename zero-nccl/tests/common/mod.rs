@@ -1,8 +1,42 @@
-//! What the GPU tests share: the skip with a printed reason when there is no
-//! GPU or library.
+//! What the GPU tests share: a context or a communicator on GPU 0 for tests
+//! marked `#[ignore = "needs a CUDA GPU"]`, which fail saying why when run
+//! (`-- --ignored`) without a GPU, rather than pass having checked nothing.
 #![allow(dead_code)] // each test file uses part of it
 
-/// Whether the CUDA driver reports a device; prints why not otherwise.
+/// Panics, naming what is missing, unless the CUDA driver reports a device.
+pub fn require_gpu() {
+    match zero_nccl::cuda_device_count() {
+        Ok(0) => panic!(
+            "this test needs a CUDA GPU, and the driver reports none; run the ignored tests \
+             on a GPU machine"
+        ),
+        Err(e) => panic!(
+            "this test needs a CUDA GPU, and there is no usable driver ({e}); run the ignored \
+             tests on a GPU machine"
+        ),
+        Ok(_) => {}
+    }
+}
+
+/// A context on GPU 0; panics saying why when there is none.
+#[cfg(feature = "cuda")]
+pub fn cuda_context() -> std::sync::Arc<zero_nccl::cudarc::driver::CudaContext> {
+    require_gpu();
+    zero_nccl::cudarc::driver::CudaContext::new(0)
+        .unwrap_or_else(|e| panic!("creating a CUDA context on GPU 0 failed: {e}"))
+}
+
+/// An NCCL communicator of one rank on GPU 0; panics saying why when there
+/// is no GPU or no libnccl.
+#[cfg(feature = "nccl")]
+pub fn nccl_comm() -> zero_nccl::NcclComm {
+    require_gpu();
+    zero_nccl::NcclComm::single(0).unwrap_or_else(|e| panic!("NcclComm::single(0) failed: {e}"))
+}
+
+/// Whether the CUDA driver reports a device; prints why not otherwise. For
+/// tests that still skip by returning early (they pass having checked
+/// nothing): prefer `#[ignore = "needs a CUDA GPU"]` with [`require_gpu`].
 pub fn gpu_present() -> bool {
     match zero_nccl::cuda_device_count() {
         Ok(0) => {
@@ -18,7 +52,8 @@ pub fn gpu_present() -> bool {
 }
 
 /// An NCCL communicator of one rank on GPU 0, or `None` (printed) when there
-/// is no GPU or no libnccl.
+/// is no GPU or no libnccl: the skipping form of [`nccl_comm`], kept for
+/// tests not yet marked `#[ignore]`.
 #[cfg(feature = "nccl")]
 pub fn single_comm() -> Option<zero_nccl::NcclComm> {
     if !gpu_present() {

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Compiles the fused CUDA kernels (zero-nccl/src/kernels/source.cu) with
+# NVRTC exactly as FusedKernels::new does, and assembles the PTX with ptxas
+# for sm_80 and sm_90, on a machine without a GPU: catches a kernel that
+# NVRTC or ptxas rejects, and a target architecture the toolkit dropped.
+# Installs NVRTC and ptxas (CUDA 13) from PyPI wheels into $CUDA_WHEELS
+# (default /opt/cuda-wheels, shared with check-cuda.sh), then runs
+# zero-nccl's tests/nvrtc_ptx.rs, which a plain `cargo test` leaves ignored.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+wheels="${CUDA_WHEELS:-/opt/cuda-wheels}"
+root="$wheels/nvidia/cu13"
+
+# pip --target replaces a top-level folder that is already there (nvidia/),
+# which would drop the wheels check-cuda.sh put there: install aside, merge.
+install_wheels() {
+    local aside
+    aside="$(mktemp -d)"
+    python3 -m pip install --quiet --target "$aside" "$@"
+    mkdir -p "$wheels"
+    cp -a "$aside"/. "$wheels"/
+    rm -rf "$aside"
+}
+
+if ! compgen -G "$root/lib/libnvrtc.so*" >/dev/null || [[ ! -x "$root/bin/ptxas" ]]; then
+    install_wheels "nvidia-cuda-nvrtc==13.*" "nvidia-cuda-nvcc==13.*"
+fi
+
+# libnvrtc is loaded at run time (and finds its builtins library next to
+# it); ptxas is named by path, so that no nvcc lands on PATH, where cudarc's
+# build would pick its version up and rebuild.
+export LD_LIBRARY_PATH="$root/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export PTXAS="$root/bin/ptxas"
+
+cargo test -p zero-nccl --features cuda --test nvrtc_ptx -- --ignored
