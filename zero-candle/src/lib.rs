@@ -10,12 +10,14 @@
 #![warn(missing_docs)]
 
 mod error;
+pub mod memory;
 #[cfg(feature = "nccl")]
 mod nccl;
 mod optimizer;
 mod params;
 
 pub use error::{Error, Result};
+pub use memory::CandleMemory;
 pub use optimizer::{ZeroConfig, ZeroOptimizer};
 pub use params::VarStore;
 

@@ -1,43 +1,26 @@
-//! [`NcclZeroOptimizer`]: Candle models on GPUs, trained with the device
-//! engine of `zero-nccl` (feature `nccl`).
+//! `ZeroOptimizer<NcclComm>`: Candle models on GPUs, with the engine's
+//! buffers in GPU memory (`zero_nccl::CudaMemory`, feature `nccl`).
 //!
 //! Gradients and parameters never leave the GPU: the engine reads each
 //! gradient's `CudaSlice` in place (under Candle's read lock) and writes
 //! updated parameters through an in-place op, on Candle's own stream, so no
 //! host round trip and no host synchronization happen on the step path.
 
-use crate::optimizer::{named_vars, positional_names};
-use crate::{Error, Result};
+use crate::memory::{CandleMemory, Grad, Params};
+use crate::optimizer::ZeroConfig;
+use crate::{Error, Result, ZeroOptimizer};
 use candle_core::backprop::GradStore;
 use candle_core::cuda_backend::CudaStorage;
 use candle_core::{CpuStorage, Device, Layout, Storage, Tensor, Var};
-use candle_nn::VarMap;
 use std::cell::RefCell;
 use std::sync::Arc;
-use zero_core::engine::{EngineConfig, MemoryReport, StepReport};
 use zero_core::optim::FunctionalOptimizer;
-use zero_core::{Communicator, DType, ParamInfo};
 use zero_nccl::cudarc::driver::{DevicePtr, DevicePtrMut};
-use zero_nccl::{DeviceEngine, DeviceParams, NcclComm};
+use zero_nccl::{Cuda, CudaMemory, DeviceParams, NcclComm};
 
-/// What [`NcclZeroOptimizer`] needs besides the variables, for
-/// [`candle_nn::Optimizer::new`].
-pub struct NcclZeroConfig {
-    /// The NCCL communicator of this rank (its GPU must be the variables').
-    pub comm: NcclComm,
-    /// Stage, partitioner, buckets, accumulation, clipping.
-    pub engine: EngineConfig,
-    /// A built-in optimizer of `zero-core` (SGD, Adam, AdamW, Adagrad,
-    /// RMSprop): its hyperparameters drive the fused CUDA kernels.
-    pub optimizer: Box<dyn FunctionalOptimizer<f32>>,
-}
-
-/// A ZeRO sharded optimizer for Candle models on CUDA, over NCCL.
-///
-/// Same contract as [`ZeroOptimizer`](crate::ZeroOptimizer): built from a
-/// [`VarMap`] (names give the collective order), every rank alike; each
-/// [`NcclZeroOptimizer::step`] is one micro-step. Variables must be f32 on
-/// the communicator's GPU.
+/// [`ZeroOptimizer`] on GPUs over NCCL: f32 variables on the
+/// communicator's GPU, a built-in optimizer of `zero-core` (SGD, Adam,
+/// AdamW, Adagrad, RMSprop) whose hyperparameters drive fused CUDA kernels.
 ///
 /// ```no_run
 /// use candle_core::{DType, Device};
@@ -61,42 +44,26 @@ pub struct NcclZeroConfig {
 /// // forward, loss, then: opt.backward_step(&loss)?
 /// # Ok(()) }
 /// ```
-pub struct NcclZeroOptimizer {
-    engine: DeviceEngine,
-    names: Vec<String>,
-    vars: Vec<Var>,
-    last: Option<StepReport>,
-}
+pub type NcclZeroOptimizer = ZeroOptimizer<NcclComm, f32>;
 
-impl NcclZeroOptimizer {
-    /// Builds the optimizer over every floating-point variable of `varmap`,
-    /// ordered by name. A collective: every rank calls it.
-    pub fn new(
-        varmap: &VarMap,
-        comm: NcclComm,
-        config: EngineConfig,
-        optimizer: Box<dyn FunctionalOptimizer<f32>>,
-    ) -> Result<Self> {
-        Self::from_named_vars(named_vars(varmap)?, comm, config, optimizer)
-    }
+/// [`ZeroConfig`] of [`NcclZeroOptimizer`], for [`candle_nn::Optimizer::new`].
+pub type NcclZeroConfig = ZeroConfig<NcclComm, f32>;
 
-    /// Builds the optimizer over named variables (sorted by name here).
-    pub fn from_named_vars(
-        mut named: Vec<(String, Var)>,
+impl CandleMemory<f32, NcclComm> for Cuda {
+    type Memory = CudaMemory;
+
+    fn build(
+        named: &[(String, Var)],
         comm: NcclComm,
-        config: EngineConfig,
-        optimizer: Box<dyn FunctionalOptimizer<f32>>,
-    ) -> Result<Self> {
-        named.retain(|(_, v)| v.dtype().is_float());
-        named.sort_by(|a, b| a.0.cmp(&b.0));
+        optimizer: &dyn FunctionalOptimizer<f32>,
+    ) -> Result<(NcclComm, CudaMemory)> {
         let mut stream = None;
-        let mut params = Vec::with_capacity(named.len());
-        for (name, var) in &named {
+        for (name, var) in named {
             if var.dtype() != candle_core::DType::F32 {
                 return Err(Error::Variable {
                     name: name.clone(),
                     detail: format!(
-                        "dtype {:?}: the NCCL device engine trains f32 variables; convert it \
+                        "dtype {:?}: the CUDA engine trains f32 variables; convert it \
                          or keep it out of the VarMap given to the optimizer",
                         var.dtype()
                     ),
@@ -106,7 +73,7 @@ impl NcclZeroOptimizer {
                 return Err(Error::Variable {
                     name: name.clone(),
                     detail: format!(
-                        "lives on {:?}; NcclZeroOptimizer trains variables on the \
+                        "lives on {:?}; an NCCL optimizer trains variables on the \
                          communicator's GPU (build the model on `Device::new_cuda`)",
                         var.device().location()
                     ),
@@ -125,11 +92,6 @@ impl NcclZeroOptimizer {
                 });
             }
             stream.get_or_insert(s);
-            params.push(ParamInfo::new(
-                name.clone(),
-                var.dims().to_vec(),
-                DType::F32,
-            ));
         }
         // Collectives and kernels follow Candle's stream, so the step is
         // ordered after the backward pass and before the next forward
@@ -140,84 +102,26 @@ impl NcclZeroOptimizer {
                 .map_err(zero_core::Error::from)?,
             _ => comm,
         };
-        let engine = DeviceEngine::new(comm, params, optimizer, config)?;
-        let (names, vars) = named.into_iter().unzip();
-        Ok(Self {
-            engine,
-            names,
-            vars,
-            last: None,
-        })
+        let memory = CudaMemory::new(&comm, optimizer)?;
+        Ok((comm, memory))
     }
 
-    /// One micro-step with the gradients of `grads`; returns the step's
-    /// report when it completed an optimizer step.
-    pub fn step(&mut self, grads: &GradStore) -> Result<Option<StepReport>> {
-        let grads = contiguous_grads(&self.names, &self.vars, grads)?;
-        let report = with_device_grads(&self.names, &grads, |slots| {
-            let mut params = CandleParams { vars: &self.vars };
-            Ok(self.engine.step(slots, &mut params)?)
-        })?;
-        if report.is_some() {
-            self.last = report;
-        }
-        Ok(report)
+    fn with_grads<R>(
+        names: &[String],
+        vars: &[Var],
+        grads: &GradStore,
+        f: &mut dyn FnMut(&[Option<Grad<'_, f32, NcclComm, Self>>]) -> Result<R>,
+    ) -> Result<R> {
+        let grads = contiguous_grads(names, vars, grads)?;
+        with_device_grads(names, &grads, f)
     }
 
-    /// Adds a micro-step's gradients without communicating or updating.
-    pub fn accumulate(&mut self, grads: &GradStore) -> Result<()> {
-        let grads = contiguous_grads(&self.names, &self.vars, grads)?;
-        with_device_grads(&self.names, &grads, |slots| {
-            Ok(self.engine.accumulate(slots)?)
-        })
-    }
-
-    /// Reduces the accumulated micro-steps and updates the variables.
-    pub fn step_accumulated(&mut self) -> Result<StepReport> {
-        let mut params = CandleParams { vars: &self.vars };
-        let report = self.engine.step_accumulated(&mut params)?;
-        self.last = Some(report);
-        Ok(report)
-    }
-
-    /// The report of the last completed optimizer step.
-    pub fn last_report(&self) -> Option<StepReport> {
-        self.last
-    }
-
-    /// The variable names, in collective order.
-    pub fn names(&self) -> &[String] {
-        &self.names
-    }
-
-    /// The variables, in collective order.
-    pub fn vars(&self) -> &[Var] {
-        &self.vars
-    }
-
-    /// The device engine.
-    pub fn engine(&self) -> &DeviceEngine {
-        &self.engine
-    }
-
-    /// The device engine, mutably.
-    pub fn engine_mut(&mut self) -> &mut DeviceEngine {
-        &mut self.engine
-    }
-
-    /// Freezes or unfreezes a variable.
-    pub fn set_trainable(&mut self, name: &str, trainable: bool) -> Result<()> {
-        Ok(self.engine.set_trainable(name, trainable)?)
-    }
-
-    /// Device bytes held per category on this rank.
-    pub fn memory_report(&self) -> MemoryReport {
-        self.engine.memory_report()
-    }
-
-    /// Bytes this rank has sent.
-    pub fn bytes_sent(&self) -> u64 {
-        self.engine.comm().bytes_sent()
+    fn with_params<R>(
+        vars: &[Var],
+        f: &mut dyn FnMut(&mut Params<'_, f32, NcclComm, Self>) -> Result<R>,
+    ) -> Result<R> {
+        let mut params = CandleParams { vars };
+        f(&mut params)
     }
 }
 
@@ -256,7 +160,7 @@ fn contiguous_grads(
 fn with_device_grads<R>(
     names: &[String],
     grads: &[Option<Tensor>],
-    f: impl FnOnce(&[Option<&dyn DevicePtr<f32>>]) -> Result<R>,
+    f: &mut dyn FnMut(&[Option<&dyn DevicePtr<f32>>]) -> Result<R>,
 ) -> Result<R> {
     let guards: Vec<_> = grads
         .iter()
@@ -288,11 +192,11 @@ fn with_device_grads<R>(
 fn contiguous(layout: &Layout, name: &str) -> Result<(usize, usize)> {
     layout.contiguous_offsets().ok_or_else(|| Error::Variable {
         name: name.to_string(),
-        detail: "is not contiguous; the device engine reads and writes contiguous memory".into(),
+        detail: "is not contiguous; the CUDA engine reads and writes contiguous memory".into(),
     })
 }
 
-/// Candle variables as the device engine's [`DeviceParams`].
+/// Candle variables as the CUDA engine's [`DeviceParams`].
 struct CandleParams<'a> {
     vars: &'a [Var],
 }
@@ -345,7 +249,7 @@ impl DeviceParams for CandleParams<'_> {
     }
 }
 
-/// What the device engine does with a writable parameter.
+/// What the CUDA engine does with a writable parameter.
 type ParamWriter<'g> = dyn FnMut(&mut dyn DevicePtrMut<f32>) -> zero_core::Result<()> + 'g;
 
 /// The in-place op of [`CandleParams::with_param_mut`].
@@ -361,7 +265,7 @@ impl candle_core::InplaceOp1 for WriteParam<'_, '_> {
     }
 
     fn cpu_fwd(&self, _: &mut CpuStorage, _: &Layout) -> candle_core::Result<()> {
-        candle_core::bail!("the device engine writes CUDA variables only")
+        candle_core::bail!("the CUDA engine writes CUDA variables only")
     }
 
     fn cuda_fwd(&self, storage: &mut CudaStorage, layout: &Layout) -> candle_core::Result<()> {
@@ -373,36 +277,8 @@ impl candle_core::InplaceOp1 for WriteParam<'_, '_> {
         let mut f = self.f.borrow_mut();
         if let Err(e) = (*f)(&mut view) {
             *self.failure.borrow_mut() = Some(e);
-            candle_core::bail!("the device engine's write failed");
+            candle_core::bail!("the CUDA engine's write failed");
         }
         Ok(())
-    }
-}
-
-impl candle_nn::Optimizer for NcclZeroOptimizer {
-    type Config = NcclZeroConfig;
-
-    /// Builds the optimizer over `vars`, named `param.{i}` by position: every
-    /// rank must pass them in the same order.
-    fn new(vars: Vec<Var>, config: Self::Config) -> candle_core::Result<Self> {
-        Ok(Self::from_named_vars(
-            positional_names(vars),
-            config.comm,
-            config.engine,
-            config.optimizer,
-        )?)
-    }
-
-    fn step(&mut self, grads: &GradStore) -> candle_core::Result<()> {
-        NcclZeroOptimizer::step(self, grads)?;
-        Ok(())
-    }
-
-    fn learning_rate(&self) -> f64 {
-        self.engine.learning_rate()
-    }
-
-    fn set_learning_rate(&mut self, lr: f64) {
-        self.engine.set_learning_rate(lr)
     }
 }

@@ -1,17 +1,15 @@
 //! `ZeroOptimizer`: the engine behind `candle_nn::Optimizer`.
 
+use crate::memory::{CandleMemory, MemoryOf};
 use crate::{Error, Result};
 use candle_core::backprop::GradStore;
 use candle_core::{Storage, Tensor, Var, WithDType};
 use candle_nn::VarMap;
 use std::path::Path;
 use zero_core::checkpoint::Manifest;
-use zero_core::comm::Host;
 use zero_core::engine::{Engine, EngineConfig, MemoryReport, SaveOptions, StepReport};
 use zero_core::optim::{FunctionalOptimizer, Hyperparams};
 use zero_core::{Communicator, DType, Element, ParamInfo};
-
-use crate::params::VarStore;
 
 /// What [`ZeroOptimizer`] needs besides the variables, for
 /// [`candle_nn::Optimizer::new`].
@@ -24,14 +22,23 @@ pub struct ZeroConfig<C, T: Element> {
     pub optimizer: Box<dyn FunctionalOptimizer<T>>,
 }
 
-/// A ZeRO sharded optimizer for Candle models.
+/// A ZeRO sharded optimizer for Candle models, on any backend.
 ///
 /// Built from a [`VarMap`] (variable names give the order of every
 /// collective), a communicator, an [`EngineConfig`] and a functional
 /// optimizer; every rank must build it alike. Each [`ZeroOptimizer::step`]
 /// is one micro-step: with `grad_accum_steps = k`, every k-th call reduces
 /// the gradients and updates the variables. Variables absent from the
-/// `GradStore` get no update; integer variables are ignored.
+/// `GradStore` get no update (their optimizer state does not advance);
+/// integer variables are ignored.
+///
+/// The communicator picks where the engine's buffers live (see
+/// [`CandleMemory`]): host memory for the thread and MPI backends (any
+/// [`FunctionalOptimizer`], any float dtype); GPU memory for NCCL
+/// (`ZeroOptimizer<NcclComm>`, alias [`NcclZeroOptimizer`](crate::NcclZeroOptimizer)
+/// with feature `nccl`: f32 variables on the communicator's GPU, a built-in
+/// optimizer, gradients and weights never leaving the device). Checkpoints
+/// have one format: a GPU run resumes on threads or MPI and back.
 ///
 /// ```no_run
 /// use candle_core::{DType, Device};
@@ -49,14 +56,24 @@ pub struct ZeroConfig<C, T: Element> {
 ///     // forward, loss, then: opt.backward_step(&loss)
 /// });
 /// ```
-pub struct ZeroOptimizer<C: Communicator<Memory = Host>, T: Element + WithDType = f32> {
-    engine: Engine<T, C>,
+pub struct ZeroOptimizer<C, T = f32>
+where
+    C: Communicator + 'static,
+    T: Element + WithDType,
+    C::Memory: CandleMemory<T, C>,
+{
+    engine: Engine<T, C, MemoryOf<T, C>>,
     names: Vec<String>,
     vars: Vec<Var>,
     last: Option<StepReport>,
 }
 
-impl<C: Communicator<Memory = Host>, T: Element + WithDType> ZeroOptimizer<C, T> {
+impl<C, T> ZeroOptimizer<C, T>
+where
+    C: Communicator + 'static,
+    T: Element + WithDType,
+    C::Memory: CandleMemory<T, C>,
+{
     /// Builds the optimizer over every floating-point variable of `varmap`,
     /// ordered by name. A collective: every rank calls it.
     pub fn new(
@@ -96,7 +113,8 @@ impl<C: Communicator<Memory = Host>, T: Element + WithDType> ZeroOptimizer<C, T>
             };
             params.push(ParamInfo::new(name.clone(), var.dims().to_vec(), dtype));
         }
-        let engine = Engine::new(comm, params, optimizer, config)?;
+        let (comm, memory) = C::Memory::build(&named, comm, optimizer.as_ref())?;
+        let engine = Engine::with_memory(comm, memory, params, optimizer, config)?;
         let (names, vars) = named.into_iter().unzip();
         Ok(Self {
             engine,
@@ -109,9 +127,9 @@ impl<C: Communicator<Memory = Host>, T: Element + WithDType> ZeroOptimizer<C, T>
     /// One micro-step with the gradients of `grads`; returns the step's
     /// report when it completed an optimizer step.
     pub fn step(&mut self, grads: &GradStore) -> Result<Option<StepReport>> {
-        let report = with_grad_slices::<T, _>(&self.names, &self.vars, grads, |slices| {
-            let mut store = VarStore { vars: &self.vars };
-            Ok(self.engine.step(slices, &mut store)?)
+        let (engine, vars) = (&mut self.engine, &self.vars);
+        let report = C::Memory::with_grads(&self.names, vars, grads, &mut |slots| {
+            C::Memory::with_params(vars, &mut |params| Ok(engine.step(slots, params)?))
         })?;
         if report.is_some() {
             self.last = report;
@@ -121,15 +139,18 @@ impl<C: Communicator<Memory = Host>, T: Element + WithDType> ZeroOptimizer<C, T>
 
     /// Adds a micro-step's gradients without communicating or updating.
     pub fn accumulate(&mut self, grads: &GradStore) -> Result<()> {
-        with_grad_slices::<T, _>(&self.names, &self.vars, grads, |slices| {
-            Ok(self.engine.accumulate(slices)?)
+        let engine = &mut self.engine;
+        C::Memory::with_grads(&self.names, &self.vars, grads, &mut |slots| {
+            Ok(engine.accumulate(slots)?)
         })
     }
 
     /// Reduces the accumulated micro-steps and updates the variables.
     pub fn step_accumulated(&mut self) -> Result<StepReport> {
-        let mut store = VarStore { vars: &self.vars };
-        let report = self.engine.step_accumulated(&mut store)?;
+        let engine = &mut self.engine;
+        let report = C::Memory::with_params(&self.vars, &mut |params| {
+            Ok(engine.step_accumulated(params)?)
+        })?;
         self.last = Some(report);
         Ok(report)
     }
@@ -147,8 +168,10 @@ impl<C: Communicator<Memory = Host>, T: Element + WithDType> ZeroOptimizer<C, T>
         dir: impl AsRef<Path>,
         options: &SaveOptions,
     ) -> Result<Manifest> {
-        let mut store = VarStore { vars: &self.vars };
-        Ok(self.engine.save_checkpoint_with(dir, &mut store, options)?)
+        let (engine, dir) = (&mut self.engine, dir.as_ref());
+        C::Memory::with_params(&self.vars, &mut |params| {
+            Ok(engine.save_checkpoint_with(dir, params, options)?)
+        })
     }
 
     /// Loads a checkpoint saved at any world size, stage and partitioner:
@@ -156,8 +179,10 @@ impl<C: Communicator<Memory = Host>, T: Element + WithDType> ZeroOptimizer<C, T>
     /// hyperparameters and the step counter (see
     /// [`Engine::load_checkpoint`]). A collective.
     pub fn load_checkpoint(&mut self, dir: impl AsRef<Path>) -> Result<Manifest> {
-        let mut store = VarStore { vars: &self.vars };
-        Ok(self.engine.load_checkpoint(dir, &mut store)?)
+        let (engine, dir) = (&mut self.engine, dir.as_ref());
+        C::Memory::with_params(&self.vars, &mut |params| {
+            Ok(engine.load_checkpoint(dir, params)?)
+        })
     }
 
     /// The report of the last completed optimizer step.
@@ -176,12 +201,12 @@ impl<C: Communicator<Memory = Host>, T: Element + WithDType> ZeroOptimizer<C, T>
     }
 
     /// The engine.
-    pub fn engine(&self) -> &Engine<T, C> {
+    pub fn engine(&self) -> &Engine<T, C, MemoryOf<T, C>> {
         &self.engine
     }
 
     /// The engine, mutably.
-    pub fn engine_mut(&mut self) -> &mut Engine<T, C> {
+    pub fn engine_mut(&mut self) -> &mut Engine<T, C, MemoryOf<T, C>> {
         &mut self.engine
     }
 
@@ -213,11 +238,11 @@ impl<C: Communicator<Memory = Host>, T: Element + WithDType> ZeroOptimizer<C, T>
 
 /// Borrows every variable's gradient as a host slice (CPU storage directly,
 /// other devices through a copy) and calls `f` with one slot per variable.
-fn with_grad_slices<T: Element + WithDType, R>(
+pub(crate) fn with_grad_slices<T: Element + WithDType, R>(
     names: &[String],
     vars: &[Var],
     grads: &GradStore,
-    f: impl FnOnce(&[Option<&[T]>]) -> Result<R>,
+    f: &mut dyn FnMut(&[Option<&[T]>]) -> Result<R>,
 ) -> Result<R> {
     enum Held<'a, T> {
         None,
@@ -296,8 +321,11 @@ fn owned_values<T: WithDType>(t: &Tensor) -> Result<Vec<T>> {
     Ok(t.flatten_all()?.to_vec1::<T>()?)
 }
 
-impl<C: Communicator<Memory = Host>, T: Element + WithDType> candle_nn::Optimizer
-    for ZeroOptimizer<C, T>
+impl<C, T> candle_nn::Optimizer for ZeroOptimizer<C, T>
+where
+    C: Communicator + 'static,
+    T: Element + WithDType,
+    C::Memory: CandleMemory<T, C>,
 {
     type Config = ZeroConfig<C, T>;
 

@@ -13,7 +13,10 @@ use crate::launch::LaunchEnv;
 use crate::probe::{cuda_device_count, ensure_library, guarded, Library};
 use crate::rendezvous::Rendezvous;
 use crate::{Error, Result};
-use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use cudarc::driver::{
+    CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr,
+    ValidAsZeroBits,
+};
 use cudarc::nccl::{result as nccl, sys};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -400,6 +403,73 @@ impl NcclComm {
         Ok(self.compute.wait(&done)?)
     }
 
+    /// Blocks the host until everything queued on the compute stream so far
+    /// has run, within the communicator's deadline: a collective stuck on a
+    /// dead or frozen peer becomes [`Error::Timeout`] (and the communicator
+    /// is aborted) instead of a hang. Call it before any host read of device
+    /// memory that the compute stream writes (a plain device-to-host copy
+    /// would wait forever).
+    pub fn wait_compute(&self, op: &'static str) -> Result<()> {
+        self.ctx.bind_to_thread()?;
+        let done = self.compute.record_event(None)?;
+        self.host_wait(op, &done)
+    }
+
+    /// All-reduces a few host values (a mask, a norm) through device memory
+    /// and waits for the result within the deadline.
+    pub fn all_reduce_host(&self, values: &mut [f64], op: ReduceOp) -> Result<()> {
+        if values.is_empty() {
+            return Ok(());
+        }
+        self.ctx.bind_to_thread()?;
+        let mut buf = self.compute.clone_htod(values)?;
+        let done = self.all_reduce_event(&mut buf, op)?;
+        self.host_wait("all_reduce (host values)", &done)?;
+        self.compute.wait(&done)?;
+        self.compute.memcpy_dtoh(&buf, values)?;
+        Ok(())
+    }
+
+    /// [`Communicator::gather_varlen`] of host values, staged through device
+    /// memory; waits for the result within the deadline.
+    pub fn gather_varlen_host<T: Element + DeviceRepr + ValidAsZeroBits>(
+        &self,
+        send: &[T],
+        counts: &[usize],
+        recv: Option<&mut [T]>,
+        root: usize,
+    ) -> Result<()> {
+        self.ctx.bind_to_thread()?;
+        self.check_root("gather_varlen", root)?;
+        // cudarc cannot allocate zero bytes: stage through one spare element.
+        let mut send_dev = self.compute.alloc_zeros::<T>(send.len().max(1))?;
+        let mut recv_dev = self
+            .compute
+            .alloc_zeros::<T>(recv.as_ref().map_or(1, |r| r.len().max(1)))?;
+        if !send.is_empty() {
+            self.compute
+                .memcpy_htod(send, &mut send_dev.slice_mut(0..send.len()))?;
+        }
+        let recv_len = recv.as_ref().map(|r| r.len());
+        let done = {
+            let mut recv_view = recv_len.map(|len| recv_dev.slice_mut(0..len));
+            self.varlen_event(
+                "gather_varlen",
+                &send_dev.slice(0..send.len()),
+                counts,
+                recv_view.as_mut(),
+                Receivers::Root(root),
+            )?
+        };
+        self.host_wait("gather_varlen", &done)?;
+        self.compute.wait(&done)?;
+        if let Some(out) = recv {
+            let len = out.len();
+            self.compute.memcpy_dtoh(&recv_dev.slice(0..len), out)?;
+        }
+        Ok(())
+    }
+
     /// Aborts the communicator: queued and future collectives fail instead of hanging.
     pub fn abort(&self) {
         let mut comm = self.comm.lock().unwrap_or_else(|p| p.into_inner());
@@ -575,12 +645,12 @@ impl NcclComm {
     /// Gathers the ranks' contributions with grouped point-to-point calls:
     /// rank `r`'s `counts[r]` elements land at offset `sum(counts[..r])` of
     /// `recv` on every rank in `receivers`.
-    fn varlen_event<T: Element>(
+    fn varlen_event<T: Element, R: DevicePtrMut<T> + ?Sized>(
         &self,
         op: &'static str,
-        send: &CudaSlice<T>,
+        send: &(impl DevicePtr<T> + ?Sized),
         counts: &[usize],
-        recv: Option<&mut CudaSlice<T>>,
+        recv: Option<&mut R>,
         receivers: Receivers,
     ) -> Result<CudaEvent> {
         self.check_counts(op, counts, send.len())?;

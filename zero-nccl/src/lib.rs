@@ -22,9 +22,9 @@
 //! ```
 #![warn(missing_docs)]
 
-pub mod engine;
 mod error;
 pub mod launch;
+pub mod memory;
 pub mod rendezvous;
 
 #[cfg(feature = "cuda")]
@@ -42,7 +42,7 @@ pub use rendezvous::Rendezvous;
 #[cfg(feature = "nccl")]
 pub use comm::{Cuda, NcclComm, UNIQUE_ID_BYTES};
 #[cfg(feature = "nccl")]
-pub use engine::{DeviceEngine, DeviceParams};
+pub use memory::{cuda_engine, CudaEngine, CudaMemory, DeviceParams};
 #[cfg(feature = "cuda")]
 pub use probe::cuda_device_count;
 

@@ -1,22 +1,23 @@
-//! The device engine at world size 1 on NCCL against the host engine on the
-//! thread backend: same parameters, gradients, optimizer and stage, so the
-//! weights must agree to float rounding (the fused kernels follow
-//! `torch.optim` operation by operation, as the host optimizers do; the GPU
-//! may contract multiply-adds, hence a tolerance rather than bitwise).
-//! Needs a GPU and libnccl; skips with a printed reason otherwise.
+//! The engine on CUDA memory at world size 1 on NCCL against the engine on
+//! host memory on the thread backend: same parameters, gradients, optimizer
+//! and stage, so the weights must agree to float rounding (the fused kernels
+//! follow `torch.optim` operation by operation, as the host optimizers do;
+//! the GPU may contract multiply-adds, hence a tolerance rather than
+//! bitwise). Checkpoints cross between the two memories both ways.
+//!
+//! Needs a GPU and libnccl: `cargo test -p zero-nccl --features nccl --
+//! --ignored` on a GPU machine.
 #![cfg(feature = "nccl")]
-
-mod common;
 
 use rand::{Rng, SeedableRng};
 use zero_core::engine::{EngineConfig, NormType, Stage};
 use zero_core::optim::{Adam, AdamConfig, AdamW, AdamWConfig, FunctionalOptimizer, Sgd, SgdConfig};
 use zero_core::{DType, Engine, ParamInfo, ThreadGroup};
 use zero_nccl::cudarc::driver::{CudaSlice, DevicePtr};
-use zero_nccl::{DeviceEngine, NcclComm};
+use zero_nccl::{cuda_engine, NcclComm};
 
-fn comm() -> Option<NcclComm> {
-    common::single_comm()
+fn comm() -> NcclComm {
+    NcclComm::single(0).unwrap_or_else(|e| panic!("this test needs a CUDA GPU and libnccl: {e}"))
 }
 
 fn params() -> Vec<ParamInfo> {
@@ -82,7 +83,7 @@ fn device_result(
 ) -> Vec<Vec<f32>> {
     let stream = comm.compute_stream().clone();
     let (init, grads) = data(steps);
-    let mut engine = DeviceEngine::new(comm, params(), optimizer, config.clone()).unwrap();
+    let mut engine = cuda_engine(comm, params(), optimizer, config.clone()).unwrap();
     let mut weights: Vec<CudaSlice<f32>> =
         init.iter().map(|w| stream.clone_htod(w).unwrap()).collect();
     for step in &grads {
@@ -114,9 +115,8 @@ fn assert_close(device: &[Vec<f32>], host: &[Vec<f32>], what: &str) {
 }
 
 #[test]
-fn device_engine_matches_the_host_engine_at_world_size_one() {
-    let Some(_probe) = comm() else { return };
-    drop(_probe);
+#[ignore = "needs a CUDA GPU"]
+fn cuda_memory_matches_host_memory_at_world_size_one() {
     let cases: Vec<(&str, MakeOptimizer)> = vec![
         (
             "adam",
@@ -140,16 +140,16 @@ fn device_engine_matches_the_host_engine_at_world_size_one() {
                 .with_bucket_bytes(256)
                 .with_clip(0.5, NormType::L2);
             let host = host_result(&config, optimizer, 6);
-            let comm = comm().expect("the GPU was there a moment ago");
-            let device = device_result(comm, &config, optimizer(), 6);
+            let device = device_result(comm(), &config, optimizer(), 6);
             assert_close(&device, &host, &format!("{name}, {stage:?}"));
         }
     }
 }
 
 #[test]
-fn device_engine_accumulates_like_the_host_engine() {
-    let Some(comm) = comm() else { return };
+#[ignore = "needs a CUDA GPU"]
+fn cuda_memory_accumulates_like_host_memory() {
+    let comm = comm();
     let config = EngineConfig::default()
         .with_stage(Stage::Gradients)
         .with_grad_accum_steps(3);
@@ -162,8 +162,9 @@ fn device_engine_accumulates_like_the_host_engine() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU"]
 fn an_optimizer_without_a_kernel_is_a_clear_error() {
-    let Some(comm) = comm() else { return };
+    let comm = comm();
     // Adagrad has a kernel; the same update under a custom kind does not.
     let inner = zero_core::optim::Adagrad::new(Default::default()).unwrap();
     struct Custom(zero_core::optim::Adagrad<f32>);
@@ -210,7 +211,7 @@ fn an_optimizer_without_a_kernel_is_a_clear_error() {
             self.0.import_state(s)
         }
     }
-    let err = DeviceEngine::new(
+    let err = cuda_engine(
         comm,
         params(),
         Box::new(Custom(inner)),
@@ -219,4 +220,99 @@ fn an_optimizer_without_a_kernel_is_a_clear_error() {
     .err()
     .expect("a custom optimizer kind must be refused");
     assert!(err.to_string().contains("no fused CUDA kernel"), "{err}");
+}
+
+/// Steps `engine` (CUDA memory) through `grads`.
+fn device_steps(
+    engine: &mut zero_nccl::CudaEngine,
+    weights: &mut Vec<CudaSlice<f32>>,
+    grads: &[Vec<Option<Vec<f32>>>],
+) {
+    let stream = engine.comm().compute_stream().clone();
+    for step in grads {
+        let device: Vec<Option<CudaSlice<f32>>> = step
+            .iter()
+            .map(|g| g.as_ref().map(|g| stream.clone_htod(g).unwrap()))
+            .collect();
+        let slots: Vec<Option<&dyn DevicePtr<f32>>> = device
+            .iter()
+            .map(|g| g.as_ref().map(|g| g as &dyn DevicePtr<f32>))
+            .collect();
+        engine.step(&slots, weights).unwrap();
+    }
+}
+
+/// Two host ranks (threads) step through `grads` (the same on both, so the
+/// mean is the gradient itself), loading `resume` first when given and
+/// saving into `save` at the end when given.
+fn host_steps_two_ranks(
+    config: &EngineConfig,
+    init: &[Vec<f32>],
+    grads: &[Vec<Option<Vec<f32>>>],
+    resume: Option<&std::path::Path>,
+    save: Option<&std::path::Path>,
+) -> Vec<Vec<f32>> {
+    let mut out = ThreadGroup::new(2).run(|comm| {
+        let adam: Box<dyn FunctionalOptimizer<f32>> =
+            Box::new(Adam::new(AdamConfig::default().with_lr(1e-2)).unwrap());
+        let mut engine = Engine::new(comm, params(), adam, config.clone()).unwrap();
+        let mut weights = init.to_vec();
+        if let Some(dir) = resume {
+            engine.load_checkpoint(dir, &mut weights).unwrap();
+        }
+        for step in grads {
+            let slots: Vec<Option<&[f32]>> = step.iter().map(|g| g.as_deref()).collect();
+            engine.step(&slots, &mut weights).unwrap();
+        }
+        if let Some(dir) = save {
+            engine.save_checkpoint(dir, &mut weights).unwrap();
+        }
+        weights
+    });
+    out.remove(0).unwrap()
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn checkpoints_cross_between_cuda_and_host_memory() {
+    let (init, grads) = data(6);
+    let (first, second) = grads.split_at(3);
+    let config = EngineConfig::default()
+        .with_stage(Stage::Gradients)
+        .with_bucket_bytes(256);
+    let adam = || -> Box<dyn FunctionalOptimizer<f32>> {
+        Box::new(Adam::new(AdamConfig::default().with_lr(1e-2)).unwrap())
+    };
+    let uninterrupted = host_steps_two_ranks(&config, &init, &grads, None, None);
+
+    // GPU for three steps, then two host ranks resume.
+    let dir = std::env::temp_dir().join(format!("zero-nccl-ckpt-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let comm = comm();
+    let stream = comm.compute_stream().clone();
+    let mut engine = cuda_engine(comm, params(), adam(), config.clone()).unwrap();
+    let mut weights: Vec<CudaSlice<f32>> =
+        init.iter().map(|w| stream.clone_htod(w).unwrap()).collect();
+    device_steps(&mut engine, &mut weights, first);
+    engine.save_checkpoint(&dir, &mut weights).unwrap();
+    let resumed_on_host = host_steps_two_ranks(&config, &init, second, Some(&dir), None);
+    assert_close(&resumed_on_host, &uninterrupted, "GPU save, host resume");
+
+    // Two host ranks for three steps, then the GPU resumes (stage 1 here).
+    let _ = std::fs::remove_dir_all(&dir);
+    host_steps_two_ranks(&config, &init, first, None, Some(&dir));
+    let comm = NcclComm::single(0).unwrap();
+    let stream = comm.compute_stream().clone();
+    let stage1 = config.clone().with_stage(Stage::OptimizerState);
+    let mut engine = cuda_engine(comm, params(), adam(), stage1).unwrap();
+    let mut weights: Vec<CudaSlice<f32>> =
+        init.iter().map(|w| stream.clone_htod(w).unwrap()).collect();
+    engine.load_checkpoint(&dir, &mut weights).unwrap();
+    device_steps(&mut engine, &mut weights, second);
+    let resumed_on_gpu: Vec<Vec<f32>> = weights
+        .iter()
+        .map(|w| stream.clone_dtoh(w).unwrap())
+        .collect();
+    assert_close(&resumed_on_gpu, &uninterrupted, "host save, GPU resume");
+    let _ = std::fs::remove_dir_all(&dir);
 }

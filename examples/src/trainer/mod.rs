@@ -17,7 +17,7 @@ use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use zero_candle::ZeroOptimizer;
+use zero_candle::{CandleMemory, ZeroOptimizer};
 use zero_core::checkpoint::Manifest;
 use zero_core::comm::Host;
 use zero_core::engine::{
@@ -115,13 +115,6 @@ pub fn run(args: &Args) -> Result<Summary, TrainError> {
 fn run_nccl(args: &Args, data: &Arc<Dataset>) -> Result<Summary, TrainError> {
     use zero_candle::NcclZeroOptimizer;
     use zero_nccl::NcclComm;
-    if args.checkpoint_dir.is_some() || args.resume.is_some() {
-        return Err(TrainError::Usage(
-            "--checkpoint-dir and --resume are not supported with --backend nccl yet \
-             (the device engine has no checkpoint format); use --save for the final weights"
-                .into(),
-        ));
-    }
     let comm = NcclComm::from_env()
         .map_err(zero_core::Error::from)?
         .with_timeout(Duration::from_secs_f64(args.timeout_s));
@@ -291,8 +284,8 @@ fn widths(args: &Args, data: &Dataset) -> Vec<usize> {
     widths
 }
 
-/// What the training loop needs of a rank's optimizer: the host engine
-/// ([`ZeroOptimizer`]) or the device engine (`NcclZeroOptimizer`).
+/// What the training loop needs of a rank's optimizer ([`ZeroOptimizer`]
+/// on any backend), so the loop is compiled once.
 trait RankOptimizer {
     fn step(
         &mut self,
@@ -303,7 +296,7 @@ trait RankOptimizer {
     fn bytes_sent(&self) -> u64;
     fn memory_report(&self) -> MemoryReport;
     /// The mean of `value` over ranks (a collective).
-    fn mean_over_ranks(&self, value: f64) -> Result<f64, TrainError>;
+    fn mean_over_ranks(&mut self, value: f64) -> Result<f64, TrainError>;
     fn save_checkpoint(
         &mut self,
         dir: &std::path::Path,
@@ -313,7 +306,11 @@ trait RankOptimizer {
     fn names_and_vars(&self) -> (&[String], &[candle_core::Var]);
 }
 
-impl<C: Communicator<Memory = Host>> RankOptimizer for ZeroOptimizer<C, f32> {
+impl<C> RankOptimizer for ZeroOptimizer<C, f32>
+where
+    C: Communicator + 'static,
+    C::Memory: CandleMemory<f32, C>,
+{
     fn step(
         &mut self,
         grads: &candle_core::backprop::GradStore,
@@ -332,9 +329,10 @@ impl<C: Communicator<Memory = Host>> RankOptimizer for ZeroOptimizer<C, f32> {
     fn memory_report(&self) -> MemoryReport {
         ZeroOptimizer::memory_report(self)
     }
-    fn mean_over_ranks(&self, value: f64) -> Result<f64, TrainError> {
+    fn mean_over_ranks(&mut self, value: f64) -> Result<f64, TrainError> {
         let mut v = [value];
-        self.engine().comm().all_reduce(&mut v[..], ReduceOp::Avg)?;
+        self.engine_mut()
+            .all_reduce_host(&mut v[..], ReduceOp::Avg)?;
         Ok(v[0])
     }
     fn save_checkpoint(
@@ -353,52 +351,8 @@ impl<C: Communicator<Memory = Host>> RankOptimizer for ZeroOptimizer<C, f32> {
     }
 }
 
-#[cfg(feature = "nccl")]
-impl RankOptimizer for zero_candle::NcclZeroOptimizer {
-    fn step(
-        &mut self,
-        grads: &candle_core::backprop::GradStore,
-    ) -> Result<Option<StepReport>, TrainError> {
-        Ok(zero_candle::NcclZeroOptimizer::step(self, grads)?)
-    }
-    fn learning_rate(&self) -> f64 {
-        self.engine().learning_rate()
-    }
-    fn set_learning_rate(&mut self, lr: f64) {
-        self.engine_mut().set_learning_rate(lr)
-    }
-    fn bytes_sent(&self) -> u64 {
-        zero_candle::NcclZeroOptimizer::bytes_sent(self)
-    }
-    fn memory_report(&self) -> MemoryReport {
-        zero_candle::NcclZeroOptimizer::memory_report(self)
-    }
-    fn mean_over_ranks(&self, value: f64) -> Result<f64, TrainError> {
-        let comm = self.engine().comm();
-        let stream = comm.compute_stream();
-        let cuda = |e| TrainError::Zero(zero_nccl::Error::from(e).into());
-        let mut buf = stream.clone_htod(&[value]).map_err(cuda)?;
-        comm.all_reduce_view(&mut buf, ReduceOp::Avg)
-            .map_err(zero_core::Error::from)?;
-        Ok(stream.clone_dtoh(&buf).map_err(cuda)?[0])
-    }
-    fn save_checkpoint(&mut self, _: &std::path::Path, _: &SaveOptions) -> Result<(), TrainError> {
-        Err(TrainError::Usage(
-            "checkpoints are not supported with --backend nccl yet".into(),
-        ))
-    }
-    fn load_checkpoint(&mut self, _: &std::path::Path) -> Result<Manifest, TrainError> {
-        Err(TrainError::Usage(
-            "checkpoints are not supported with --backend nccl yet".into(),
-        ))
-    }
-    fn names_and_vars(&self) -> (&[String], &[candle_core::Var]) {
-        (self.names(), self.vars())
-    }
-}
-
 /// One rank's training loop on a host backend (threads or MPI).
-pub fn train_rank<C: Communicator<Memory = Host>>(
+pub fn train_rank<C: Communicator<Memory = Host> + 'static>(
     args: &Args,
     comm: C,
     data: &Dataset,

@@ -332,6 +332,13 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         Ok(())
     }
 
+    /// All-reduces a few host values with the engine's communicator and
+    /// memory (metrics such as a loss; a collective, within the
+    /// communicator's deadline).
+    pub fn all_reduce_host<V: Element>(&mut self, values: &mut [V], op: ReduceOp) -> Result<()> {
+        self.memory.all_reduce_host(&self.comm, values, op)
+    }
+
     /// Bytes this rank holds, per category (in the engine's memory).
     pub fn memory_report(&self) -> MemoryReport {
         let size = std::mem::size_of::<T>();

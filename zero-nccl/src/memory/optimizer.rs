@@ -4,12 +4,15 @@
 
 use super::segments::Segment;
 use crate::kernels::{
-    AdagradHyper, AdagradState, AdamHyper, AdamState, FusedKernels, RmspropHyper, RmspropState,
-    SgdHyper, SgdState,
+    AdagradHyper, AdagradState, AdamHyper, AdamState, DeviceState, FusedKernels, RmspropHyper,
+    RmspropState, SgdHyper, SgdState,
 };
 use cudarc::driver::{CudaSlice, CudaStream};
+use std::collections::BTreeMap;
+use std::ops::Range;
 use std::sync::Arc;
-use zero_core::optim::{FunctionalOptimizer, Hyperparams};
+use zero_core::engine::StepPiece;
+use zero_core::optim::{FunctionalOptimizer, Hyperparams, OptimizerState, ParamState};
 use zero_core::{Error, Result};
 
 /// Kernels, hyperparameters per group and the flat state of one optimizer.
@@ -98,14 +101,193 @@ impl DeviceOptimizer {
                     step: 0,
                 },
             ),
-            other => {
-                return Err(Error::Config(format!(
-                    "optimizer {other:?} has no fused CUDA kernel; the device engine runs {}. \
-                     Use one of them, or train through the host engine (threads or MPI backend)",
-                    DEVICE_KINDS.join(", ")
-                )))
-            }
+            _ => return Err(Self::unsupported(host.kind())),
         })
+    }
+
+    fn unsupported(kind: &str) -> Error {
+        Error::Config(format!(
+            "optimizer {kind:?} has no fused CUDA kernel; the CUDA engine runs {}. Use one of \
+             them, or train through host memory (threads or MPI backend), which runs any \
+             FunctionalOptimizer",
+            DEVICE_KINDS.join(", ")
+        ))
+    }
+
+    /// Fails unless `host` is of a kind the fused kernels implement.
+    pub fn check_kind(host: &dyn FunctionalOptimizer<f32>) -> Result<()> {
+        if DEVICE_KINDS.contains(&host.kind()) {
+            Ok(())
+        } else {
+            Err(Self::unsupported(host.kind()))
+        }
+    }
+
+    /// The state names this kind exports (torch's).
+    fn state_names(&self) -> &'static [&'static str] {
+        match self {
+            Self::Sgd(..) => &["momentum_buffer"],
+            Self::Adam(..) => &["exp_avg", "exp_avg_sq", "max_exp_avg_sq"],
+            Self::Adagrad(..) => &["sum"],
+            Self::Rmsprop(..) => &["square_avg", "momentum_buffer", "grad_avg"],
+        }
+    }
+
+    /// The whole flat state on the host (blocks: wait for the stream
+    /// within the deadline first).
+    fn export_whole(&self, stream: &Arc<CudaStream>) -> Result<ParamState<f32>> {
+        let whole = match self {
+            Self::Sgd(_, s) => s.export(stream),
+            Self::Adam(_, s) => s.export(stream),
+            Self::Adagrad(_, s) => s.export(stream),
+            Self::Rmsprop(_, s) => s.export(stream),
+        };
+        whole.map_err(Error::from)
+    }
+
+    /// The state of every stepped piece, in the host optimizers' format:
+    /// per piece `step` (all but SGD, which has none) and the tensors over
+    /// its range. Pieces never stepped have no state, as on the host; an
+    /// SGD piece never stepped with momentum has no `momentum_buffer`.
+    pub fn export(
+        &self,
+        stream: &Arc<CudaStream>,
+        pieces: &[StepPiece<'_>],
+        piece_steps: &BTreeMap<(String, usize), u64>,
+    ) -> Result<OptimizerState<f32>> {
+        let whole = self.export_whole(stream)?;
+        let unstarted: &[Range<usize>] = match self {
+            Self::Sgd(_, s) => s.momentum_unstarted(),
+            _ => &[],
+        };
+        let mut out = OptimizerState::default();
+        for piece in pieces {
+            let key = (piece.key.name.clone(), piece.key.offset);
+            let step = piece_steps.get(&key).copied().unwrap_or(0);
+            if step == 0 {
+                continue;
+            }
+            let mut state = ParamState::default();
+            if !matches!(self, Self::Sgd(..)) {
+                state.scalars.insert("step".into(), step as f64);
+            }
+            let range = piece.range.clone();
+            let overlaps_unstarted = unstarted
+                .iter()
+                .any(|u| u.start < range.end && range.start < u.end);
+            for (name, values) in &whole.tensors {
+                if name == "momentum_buffer" && overlaps_unstarted {
+                    continue;
+                }
+                state
+                    .tensors
+                    .insert(name.clone(), values[range.clone()].to_vec());
+            }
+            out.params.insert(key, state);
+        }
+        Ok(out)
+    }
+
+    /// Replaces the state of the pieces in `state` (the others keep theirs)
+    /// and returns their step counts.
+    pub fn import(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        pieces: &[StepPiece<'_>],
+        mut state: OptimizerState<f32>,
+    ) -> Result<Vec<((String, usize), u64)>> {
+        let kind = match self {
+            Self::Sgd(..) => "sgd",
+            Self::Adam(..) => "adam",
+            Self::Adagrad(..) => "adagrad",
+            Self::Rmsprop(..) => "rmsprop",
+        };
+        let len = pieces.iter().map(|p| p.range.end).max().unwrap_or(0);
+        let mut whole = self.export_whole(stream)?;
+        // SGD: the ranges no step with momentum has written yet.
+        let old_unstarted: Vec<Range<usize>> = match self {
+            Self::Sgd(_, s) if s.momentum_buffer.is_some() => s.momentum_unstarted().to_vec(),
+            Self::Sgd(..) => std::iter::once(0..len).collect(),
+            _ => Vec::new(),
+        };
+        let was_unstarted = |range: &Range<usize>| {
+            old_unstarted
+                .iter()
+                .any(|u| u.start < range.end && range.start < u.end)
+        };
+        let mut unstarted = Vec::new();
+        let mut steps = Vec::new();
+        for piece in pieces {
+            let key = (piece.key.name.clone(), piece.key.offset);
+            let Some(mut piece_state) = state.params.remove(&key) else {
+                if was_unstarted(&piece.range) {
+                    unstarted.push(piece.range.clone());
+                }
+                continue;
+            };
+            let step = match piece_state.scalars.remove("step") {
+                Some(step) if step >= 0.0 && step.fract() == 0.0 => step as u64,
+                Some(step) => {
+                    return Err(Error::Optimizer(format!(
+                    "{kind}: state of parameter {:?}: step {step} is not a non-negative integer",
+                    key.0
+                )))
+                }
+                // SGD keeps no step; its state means "stepped".
+                None if kind == "sgd" => 1,
+                None => {
+                    return Err(Error::Optimizer(format!(
+                        "{kind}: state of parameter {:?} has no \"step\"",
+                        key.0
+                    )))
+                }
+            };
+            if kind == "sgd" && !piece_state.tensors.contains_key("momentum_buffer") {
+                unstarted.push(piece.range.clone());
+            }
+            for (name, values) in piece_state.tensors {
+                if !self.state_names().contains(&name.as_str()) {
+                    return Err(Error::Optimizer(format!(
+                        "{kind}: state of parameter {:?} has {name:?}, which a {kind} optimizer \
+                         does not use; was it exported by another optimizer?",
+                        key.0
+                    )));
+                }
+                if values.len() != piece.range.len() {
+                    return Err(Error::Optimizer(format!(
+                        "{kind}: state {name:?} of parameter {:?} at offset {} has {} elements, \
+                         the piece has {}; was it imported from a different partitioning?",
+                        key.0,
+                        key.1,
+                        values.len(),
+                        piece.range.len()
+                    )));
+                }
+                whole.tensors.entry(name).or_insert_with(|| vec![0.0; len])[piece.range.clone()]
+                    .copy_from_slice(&values);
+            }
+            steps.push((key, step));
+        }
+        if let Some(((name, offset), _)) = state.params.iter().next() {
+            return Err(Error::Optimizer(format!(
+                "{kind}: state for parameter {name:?} at offset {offset}, a piece this rank does \
+                 not own"
+            )));
+        }
+        match self {
+            Self::Sgd(_, s) => {
+                *s = SgdState::import(stream, &whole, len)?;
+                if s.momentum_buffer.is_some() {
+                    for range in unstarted {
+                        s.mark_momentum_unstarted(range);
+                    }
+                }
+            }
+            Self::Adam(_, s) => *s = AdamState::import(stream, &whole, len)?,
+            Self::Adagrad(_, s) => *s = AdagradState::import(stream, &whole, len)?,
+            Self::Rmsprop(_, s) => *s = RmspropState::import(stream, &whole, len)?,
+        }
+        Ok(steps)
     }
 
     /// Reads every group's hyperparameters from the host optimizer (after

@@ -1,0 +1,574 @@
+//! The CUDA implementation of the engine's memory seam.
+
+use super::optimizer::DeviceOptimizer;
+use super::segments::{plan_segments, PieceSlot};
+use crate::kernels::{FusedKernels, NormAccumulator, NormKind};
+use crate::NcclComm;
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DriverError};
+use std::collections::BTreeMap;
+use std::ops::Range;
+use std::sync::Arc;
+use std::thread::ThreadId;
+use zero_core::engine::{
+    EngineConfig, GradPiece, NormType, ParamCopy, ShardMemory, StepPiece, StepPlan,
+};
+use zero_core::optim::{FunctionalOptimizer, OptimizerState};
+use zero_core::partition::ParamInfo;
+use zero_core::{Engine, Error, ReduceOp, Result};
+
+/// The engine on one GPU over NCCL (f32 parameters).
+pub type CudaEngine = Engine<f32, NcclComm, CudaMemory>;
+
+/// Builds the engine with its buffers on `comm`'s GPU; see
+/// [`Engine::with_memory`]. A collective. `optimizer` must be a built-in of
+/// `zero-core` (SGD, Adam, AdamW, Adagrad or RMSprop): its hyperparameters
+/// drive the fused kernels.
+pub fn cuda_engine(
+    comm: NcclComm,
+    params: Vec<ParamInfo>,
+    optimizer: Box<dyn FunctionalOptimizer<f32>>,
+    config: EngineConfig,
+) -> Result<CudaEngine> {
+    let memory = CudaMemory::new(&comm, optimizer.as_ref())?;
+    Engine::with_memory(comm, memory, params, optimizer, config)
+}
+
+/// Device memory of the parameters a framework holds (f32, contiguous, one
+/// buffer per parameter, in the engine's parameter order).
+///
+/// The engine asks for one parameter at a time and only queues work on the
+/// compute stream while it holds it.
+pub trait DeviceParams {
+    /// Calls `f` with parameter `param`'s device memory.
+    fn with_param(
+        &mut self,
+        param: usize,
+        f: &mut dyn FnMut(&dyn DevicePtr<f32>) -> Result<()>,
+    ) -> Result<()>;
+
+    /// Calls `f` with parameter `param`'s device memory, writable.
+    fn with_param_mut(
+        &mut self,
+        param: usize,
+        f: &mut dyn FnMut(&mut dyn DevicePtrMut<f32>) -> Result<()>,
+    ) -> Result<()>;
+}
+
+impl DeviceParams for Vec<CudaSlice<f32>> {
+    fn with_param(
+        &mut self,
+        param: usize,
+        f: &mut dyn FnMut(&dyn DevicePtr<f32>) -> Result<()>,
+    ) -> Result<()> {
+        f(&self[param])
+    }
+
+    fn with_param_mut(
+        &mut self,
+        param: usize,
+        f: &mut dyn FnMut(&mut dyn DevicePtrMut<f32>) -> Result<()>,
+    ) -> Result<()> {
+        f(&mut self[param])
+    }
+}
+
+fn cuda(e: DriverError) -> Error {
+    Error::from(crate::Error::from(e))
+}
+
+fn nccl(e: crate::Error) -> Error {
+    Error::from(e)
+}
+
+/// The stream handle CUDA reads as "the calling thread's default stream"
+/// (`cudaStreamPerThread`), which Candle's `Device::new_cuda` uses.
+const PER_THREAD_STREAM: usize = 0x2;
+
+/// Copies `len` elements from `src[src_at..]` to `dst[dst_at..]` on `stream`
+/// (asynchronously, device to device).
+fn copy_range(
+    stream: &Arc<CudaStream>,
+    src: &dyn DevicePtr<f32>,
+    src_at: usize,
+    dst: &mut dyn DevicePtrMut<f32>,
+    dst_at: usize,
+    len: usize,
+) -> Result<()> {
+    if len == 0 {
+        return Ok(());
+    }
+    for (what, at, have) in [
+        ("source", src_at, src.len()),
+        ("destination", dst_at, dst.len()),
+    ] {
+        if at + len > have {
+            return Err(nccl(crate::Error::BufferSize {
+                op: "device copy",
+                what,
+                got: have,
+                expected: at + len,
+            }));
+        }
+    }
+    let size = std::mem::size_of::<f32>();
+    let (s, _gs) = src.device_ptr(stream);
+    let (d, _gd) = dst.device_ptr_mut(stream);
+    // SAFETY: both ranges lie inside live device buffers of f32 (checked
+    // above) whose guards are held until the copy is queued; they belong to
+    // different buffers (a parameter and an engine buffer).
+    unsafe {
+        cudarc::driver::result::memcpy_dtod_async(
+            d + (dst_at * size) as u64,
+            s + (src_at * size) as u64,
+            len * size,
+            stream.cu_stream(),
+        )
+    }
+    .map_err(cuda)
+}
+
+fn check_range(op: &'static str, range: &Range<usize>, len: usize) -> Result<()> {
+    if range.end > len || range.start > range.end {
+        return Err(nccl(crate::Error::BufferSize {
+            op,
+            what: "range",
+            got: len,
+            expected: range.end,
+        }));
+    }
+    Ok(())
+}
+
+/// The engine's buffers on one GPU: fused kernels, the norm accumulator,
+/// and the optimizer's device state.
+pub struct CudaMemory {
+    kernels: FusedKernels,
+    stream: Arc<CudaStream>,
+    norm: NormAccumulator,
+    /// Created at the first step or state import, when the pieces are known.
+    optimizer: Option<DeviceOptimizer>,
+    /// Steps taken by each owned piece, by `(name, offset)` (bias
+    /// corrections and Adagrad's decay are per piece).
+    piece_steps: BTreeMap<(String, usize), u64>,
+    /// The thread that built it, when the stream is the per-thread default
+    /// stream (work queued from another thread would not be ordered).
+    owner: Option<ThreadId>,
+}
+
+impl std::fmt::Debug for CudaMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaMemory")
+            .field("arch", &self.kernels.arch())
+            .field(
+                "state_bytes",
+                &self.optimizer.as_ref().map(DeviceOptimizer::state_bytes),
+            )
+            .finish()
+    }
+}
+
+impl CudaMemory {
+    /// Compiles the fused kernels for `comm`'s GPU (a few hundred
+    /// milliseconds) and checks that `optimizer` has a device kernel.
+    pub fn new(comm: &NcclComm, optimizer: &dyn FunctionalOptimizer<f32>) -> Result<Self> {
+        DeviceOptimizer::check_kind(optimizer)?;
+        let kernels = FusedKernels::new(comm.context()).map_err(nccl)?;
+        let stream = comm.compute_stream().clone();
+        let owner =
+            (stream.cu_stream() as usize == PER_THREAD_STREAM).then(|| std::thread::current().id());
+        Ok(Self {
+            norm: NormAccumulator::new(&stream).map_err(nccl)?,
+            kernels,
+            stream,
+            optimizer: None,
+            piece_steps: BTreeMap::new(),
+            owner,
+        })
+    }
+
+    /// The compiled kernels.
+    pub fn kernels(&self) -> &FusedKernels {
+        &self.kernels
+    }
+
+    /// The stream to queue work on, after checking that this thread may.
+    fn stream(&self) -> Result<Arc<CudaStream>> {
+        if let Some(owner) = self.owner {
+            let here = std::thread::current().id();
+            if here != owner {
+                return Err(Error::State(format!(
+                    "the CUDA engine was built on thread {owner:?} and is used from {here:?}; \
+                     its stream is CUDA's per-thread default stream (Candle's \
+                     `Device::new_cuda`), so work queued here would not be ordered after the \
+                     backward pass. Run forward, backward and the step on the thread that built \
+                     the optimizer, or build the model on `Device::new_cuda_with_stream` \
+                     (a stream of its own, usable from any thread)"
+                )));
+            }
+        }
+        Ok(self.stream.clone())
+    }
+
+    /// The device optimizer, created for `pieces` on first use.
+    fn device_optimizer(
+        &mut self,
+        optimizer: &dyn FunctionalOptimizer<f32>,
+        pieces: &[StepPiece<'_>],
+    ) -> Result<&mut DeviceOptimizer> {
+        if self.optimizer.is_none() {
+            let stream = self.stream()?;
+            let ranges: Vec<(Range<usize>, usize)> = pieces
+                .iter()
+                .map(|p| (p.range.clone(), p.key.group))
+                .collect();
+            let len = pieces.iter().map(|p| p.range.end).max().unwrap_or(0);
+            self.optimizer = Some(DeviceOptimizer::new(optimizer, &stream, len, &ranges)?);
+        }
+        match self.optimizer.as_mut() {
+            Some(o) => Ok(o),
+            None => unreachable!("created above"),
+        }
+    }
+}
+
+impl ShardMemory<f32, NcclComm> for CudaMemory {
+    type Buffer = CudaSlice<f32>;
+    type Grad<'g> = &'g dyn DevicePtr<f32>;
+    type Params<'p> = dyn DeviceParams + 'p;
+
+    fn grad_len(grad: &&dyn DevicePtr<f32>) -> usize {
+        grad.len()
+    }
+
+    fn alloc_zeroed(&mut self, numel: usize) -> Result<CudaSlice<f32>> {
+        // cudarc cannot allocate zero bytes; an empty buffer gets one spare
+        // element that no range ever reaches.
+        self.stream()?.alloc_zeros(numel.max(1)).map_err(cuda)
+    }
+
+    fn buffer_len(buffer: &CudaSlice<f32>) -> usize {
+        buffer.len()
+    }
+
+    fn zero(&mut self, buffer: &mut CudaSlice<f32>, range: Range<usize>) -> Result<()> {
+        check_range("zero", &range, buffer.len())?;
+        if range.is_empty() {
+            return Ok(());
+        }
+        self.stream()?
+            .memset_zeros(&mut buffer.slice_mut(range))
+            .map_err(cuda)
+    }
+
+    fn flatten(
+        &mut self,
+        buffer: &mut CudaSlice<f32>,
+        pieces: &[GradPiece<&dyn DevicePtr<f32>>],
+        add: bool,
+    ) -> Result<()> {
+        if pieces.is_empty() {
+            return Ok(());
+        }
+        let stream = self.stream()?;
+        let entries: Vec<(usize, &dyn DevicePtr<f32>, Range<usize>)> = pieces
+            .iter()
+            .map(|p| (p.at, p.grad, p.range.clone()))
+            .collect();
+        self.kernels
+            .flatten_ranges(&stream, &entries, buffer, add)
+            .map_err(nccl)
+    }
+
+    fn read_params(
+        &mut self,
+        params: &mut (dyn DeviceParams + '_),
+        copies: &[ParamCopy],
+        buffer: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let stream = self.stream()?;
+        for c in copies {
+            params.with_param(c.param, &mut |src| {
+                copy_range(
+                    &stream,
+                    src,
+                    c.param_range.start,
+                    buffer,
+                    c.at,
+                    c.param_range.len(),
+                )
+            })?;
+        }
+        Ok(())
+    }
+
+    fn write_params(
+        &mut self,
+        params: &mut (dyn DeviceParams + '_),
+        copies: &[ParamCopy],
+        buffer: &CudaSlice<f32>,
+    ) -> Result<()> {
+        let stream = self.stream()?;
+        for c in copies {
+            params.with_param_mut(c.param, &mut |dst| {
+                copy_range(
+                    &stream,
+                    buffer,
+                    c.at,
+                    dst,
+                    c.param_range.start,
+                    c.param_range.len(),
+                )
+            })?;
+        }
+        Ok(())
+    }
+
+    fn scale(
+        &mut self,
+        buffer: &mut CudaSlice<f32>,
+        ranges: &[Range<usize>],
+        factor: f64,
+    ) -> Result<()> {
+        let stream = self.stream()?;
+        for range in ranges {
+            check_range("scale", range, buffer.len())?;
+            self.kernels
+                .scale(&stream, &mut buffer.slice_mut(range.clone()), factor as f32)
+                .map_err(nccl)?;
+        }
+        Ok(())
+    }
+
+    fn norm_partial(
+        &mut self,
+        comm: &NcclComm,
+        buffer: &CudaSlice<f32>,
+        ranges: &[Range<usize>],
+        norm: NormType,
+    ) -> Result<f64> {
+        let kind = match norm {
+            NormType::L1 => NormKind::L1,
+            NormType::L2 => NormKind::L2,
+            NormType::Inf => NormKind::Inf,
+        };
+        let stream = self.stream()?;
+        self.norm.reset(&stream).map_err(nccl)?;
+        for range in ranges {
+            check_range("norm", range, buffer.len())?;
+            self.kernels
+                .norm_partial(&stream, &buffer.slice(range.clone()), kind, &mut self.norm)
+                .map_err(nccl)?;
+        }
+        // The norm is needed on the host (the clipping coefficient, the
+        // report): one synchronization, as with any clipping. The kernels
+        // may sit behind a reduction stuck on a dead peer: wait within the
+        // deadline before the copy blocks.
+        comm.wait_compute("gradient norm").map_err(nccl)?;
+        self.norm.read(&stream, kind).map_err(nccl)
+    }
+
+    fn all_reduce(
+        &mut self,
+        comm: &NcclComm,
+        buffer: &mut CudaSlice<f32>,
+        range: Range<usize>,
+        op: ReduceOp,
+    ) -> Result<()> {
+        check_range("all_reduce", &range, buffer.len())?;
+        self.stream()?;
+        comm.all_reduce_view(&mut buffer.slice_mut(range), op)
+            .map_err(nccl)
+    }
+
+    fn reduce_scatter(
+        &mut self,
+        comm: &NcclComm,
+        send: &CudaSlice<f32>,
+        send_range: Range<usize>,
+        recv: &mut CudaSlice<f32>,
+        recv_range: Range<usize>,
+        op: ReduceOp,
+    ) -> Result<()> {
+        check_range("reduce_scatter", &send_range, send.len())?;
+        check_range("reduce_scatter", &recv_range, recv.len())?;
+        self.stream()?;
+        comm.reduce_scatter_view(&send.slice(send_range), &mut recv.slice_mut(recv_range), op)
+            .map_err(nccl)
+    }
+
+    fn all_gather(
+        &mut self,
+        comm: &NcclComm,
+        send: &CudaSlice<f32>,
+        send_range: Range<usize>,
+        recv: &mut CudaSlice<f32>,
+        recv_range: Range<usize>,
+    ) -> Result<()> {
+        check_range("all_gather", &send_range, send.len())?;
+        check_range("all_gather", &recv_range, recv.len())?;
+        self.stream()?;
+        comm.all_gather_view(&send.slice(send_range), &mut recv.slice_mut(recv_range))
+            .map_err(nccl)
+    }
+
+    fn all_reduce_host<V: zero_core::Element>(
+        &mut self,
+        comm: &NcclComm,
+        values: &mut [V],
+        op: ReduceOp,
+    ) -> Result<()> {
+        self.stream()?;
+        // Through f64, exact for the f32 masks and f64 norms the engine sends.
+        let mut wide: Vec<f64> = values.iter().map(|v| v.to_f64()).collect();
+        comm.all_reduce_host(&mut wide, op).map_err(nccl)?;
+        for (v, w) in values.iter_mut().zip(&wide) {
+            *v = V::from_f64(*w);
+        }
+        Ok(())
+    }
+
+    fn gather_varlen_host(
+        &mut self,
+        comm: &NcclComm,
+        send: &[f32],
+        counts: &[usize],
+        recv: Option<&mut [f32]>,
+        root: usize,
+    ) -> Result<()> {
+        self.stream()?;
+        comm.gather_varlen_host(send, counts, recv, root)
+            .map_err(nccl)
+    }
+
+    fn step(
+        &mut self,
+        optimizer: &mut dyn FunctionalOptimizer<f32>,
+        params: &mut CudaSlice<f32>,
+        grads: &CudaSlice<f32>,
+        plan: StepPlan<'_>,
+    ) -> Result<()> {
+        let stream = self.stream()?;
+        let slots: Vec<PieceSlot> = plan
+            .pieces
+            .iter()
+            .map(|p| PieceSlot {
+                range: p.range.clone(),
+                group: p.key.group,
+                step: self
+                    .piece_steps
+                    .get(&(p.key.name.clone(), p.key.offset))
+                    .copied()
+                    .unwrap_or(0)
+                    + 1,
+                active: p.active,
+            })
+            .collect();
+        let segments = plan_segments(plan.buckets, plan.bucket_active, &slots);
+        self.device_optimizer(optimizer, plan.pieces)?;
+        let Some(device) = self.optimizer.as_mut() else {
+            unreachable!("created above");
+        };
+        // Hyperparameters may have changed since the last step (a schedule,
+        // a new group): a few numbers per group.
+        device.refresh(optimizer)?;
+        device.step(&self.kernels, &stream, params, grads, &segments)?;
+        for p in plan.pieces.iter().filter(|p| p.active) {
+            *self
+                .piece_steps
+                .entry((p.key.name.clone(), p.key.offset))
+                .or_default() += 1;
+        }
+        Ok(())
+    }
+
+    fn export_state(
+        &mut self,
+        comm: &NcclComm,
+        _optimizer: &dyn FunctionalOptimizer<f32>,
+        pieces: &[StepPiece<'_>],
+    ) -> Result<OptimizerState<f32>> {
+        let stream = self.stream()?;
+        let Some(device) = self.optimizer.as_ref() else {
+            return Ok(OptimizerState::default());
+        };
+        comm.wait_compute("exporting the optimizer state")
+            .map_err(nccl)?;
+        device.export(&stream, pieces, &self.piece_steps)
+    }
+
+    fn import_state(
+        &mut self,
+        optimizer: &mut dyn FunctionalOptimizer<f32>,
+        pieces: &[StepPiece<'_>],
+        state: OptimizerState<f32>,
+    ) -> Result<()> {
+        let stream = self.stream()?;
+        let steps = {
+            let device = self.device_optimizer(optimizer, pieces)?;
+            device.refresh(optimizer)?;
+            device.import(&stream, pieces, state)?
+        };
+        for (key, step) in steps {
+            self.piece_steps.insert(key, step);
+        }
+        Ok(())
+    }
+
+    fn state_bytes(&self, _optimizer: &dyn FunctionalOptimizer<f32>) -> usize {
+        self.optimizer
+            .as_ref()
+            .map_or(0, DeviceOptimizer::state_bytes)
+    }
+
+    fn read_param_host(
+        &mut self,
+        comm: &NcclComm,
+        params: &mut (dyn DeviceParams + '_),
+        param: usize,
+        out: &mut [f32],
+    ) -> Result<()> {
+        let stream = self.stream()?;
+        comm.wait_compute("reading a parameter").map_err(nccl)?;
+        params.with_param(param, &mut |src| {
+            if src.len() != out.len() {
+                return Err(nccl(crate::Error::BufferSize {
+                    op: "reading a parameter",
+                    what: "parameter",
+                    got: src.len(),
+                    expected: out.len(),
+                }));
+            }
+            let mut staged = stream.alloc_zeros::<f32>(out.len().max(1)).map_err(cuda)?;
+            copy_range(&stream, src, 0, &mut staged, 0, out.len())?;
+            stream
+                .memcpy_dtoh(&staged.slice(0..out.len()), out)
+                .map_err(cuda)
+        })
+    }
+
+    fn write_param_host(
+        &mut self,
+        params: &mut (dyn DeviceParams + '_),
+        param: usize,
+        values: &[f32],
+    ) -> Result<()> {
+        let stream = self.stream()?;
+        params.with_param_mut(param, &mut |dst| {
+            if dst.len() != values.len() {
+                return Err(nccl(crate::Error::BufferSize {
+                    op: "writing a parameter",
+                    what: "parameter",
+                    got: dst.len(),
+                    expected: values.len(),
+                }));
+            }
+            let mut staged = stream
+                .alloc_zeros::<f32>(values.len().max(1))
+                .map_err(cuda)?;
+            stream
+                .memcpy_htod(values, &mut staged.slice_mut(0..values.len()))
+                .map_err(cuda)?;
+            copy_range(&stream, &staged, 0, dst, 0, values.len())
+        })
+    }
+}
