@@ -139,6 +139,26 @@ fn check_range(op: &'static str, range: &Range<usize>, len: usize) -> Result<()>
     Ok(())
 }
 
+/// Fails unless this is the `owner` thread (when there is one): work queued
+/// on the per-thread default stream from another thread would not be
+/// ordered after the backward pass that thread never saw.
+fn check_owner(owner: Option<ThreadId>) -> Result<()> {
+    let Some(owner) = owner else {
+        return Ok(());
+    };
+    let here = std::thread::current().id();
+    if here == owner {
+        return Ok(());
+    }
+    Err(Error::State(format!(
+        "the CUDA engine was built on thread {owner:?} and is used from {here:?}; its stream is \
+         CUDA's per-thread default stream (Candle's `Device::new_cuda`), so work queued here \
+         would not be ordered after the backward pass. Run forward, backward and the step on \
+         the thread that built the optimizer, or build the model on \
+         `Device::new_cuda_with_stream` (a stream of its own, usable from any thread)"
+    )))
+}
+
 /// The engine's buffers on one GPU: fused kernels, the norm accumulator,
 /// and the optimizer's device state.
 pub struct CudaMemory {
@@ -193,19 +213,7 @@ impl CudaMemory {
 
     /// The stream to queue work on, after checking that this thread may.
     fn stream(&self) -> Result<Arc<CudaStream>> {
-        if let Some(owner) = self.owner {
-            let here = std::thread::current().id();
-            if here != owner {
-                return Err(Error::State(format!(
-                    "the CUDA engine was built on thread {owner:?} and is used from {here:?}; \
-                     its stream is CUDA's per-thread default stream (Candle's \
-                     `Device::new_cuda`), so work queued here would not be ordered after the \
-                     backward pass. Run forward, backward and the step on the thread that built \
-                     the optimizer, or build the model on `Device::new_cuda_with_stream` \
-                     (a stream of its own, usable from any thread)"
-                )));
-            }
-        }
+        check_owner(self.owner)?;
         Ok(self.stream.clone())
     }
 
@@ -570,5 +578,24 @@ impl ShardMemory<f32, NcclComm> for CudaMemory {
                 .map_err(cuda)?;
             copy_range(&stream, &staged, 0, dst, 0, values.len())
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::check_owner;
+
+    #[test]
+    fn another_thread_than_the_owner_is_refused_with_what_to_do() {
+        let here = std::thread::current().id();
+        assert!(check_owner(None).is_ok());
+        assert!(check_owner(Some(here)).is_ok());
+        let err = std::thread::spawn(move || check_owner(Some(here)))
+            .join()
+            .expect("the check does not panic")
+            .expect_err("another thread is refused");
+        let msg = err.to_string();
+        assert!(msg.contains("per-thread default stream"), "{msg}");
+        assert!(msg.contains("new_cuda_with_stream"), "{msg}");
     }
 }

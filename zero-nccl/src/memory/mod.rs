@@ -28,6 +28,7 @@
 //! buffers over the shard, and crosses to the host only for checkpoints, in
 //! the host optimizers' format.
 
+pub mod pieces;
 pub mod segments;
 
 #[cfg(feature = "nccl")]

@@ -2,6 +2,7 @@
 //! host optimizer the user configured, state as flat buffers over the whole
 //! shard, steps as fused kernel launches over [`Segment`]s.
 
+use super::pieces::{merge_state, split_state, StateFormat};
 use super::segments::Segment;
 use crate::kernels::{
     AdagradHyper, AdagradState, AdamHyper, AdamState, DeviceState, FusedKernels, RmspropHyper,
@@ -123,13 +124,29 @@ impl DeviceOptimizer {
         }
     }
 
-    /// The state names this kind exports (torch's).
-    fn state_names(&self) -> &'static [&'static str] {
+    /// This kind's state format (torch's names).
+    fn format(&self) -> StateFormat {
         match self {
-            Self::Sgd(..) => &["momentum_buffer"],
-            Self::Adam(..) => &["exp_avg", "exp_avg_sq", "max_exp_avg_sq"],
-            Self::Adagrad(..) => &["sum"],
-            Self::Rmsprop(..) => &["square_avg", "momentum_buffer", "grad_avg"],
+            Self::Sgd(..) => StateFormat {
+                kind: "sgd",
+                has_step: false,
+                tensors: &["momentum_buffer"],
+            },
+            Self::Adam(..) => StateFormat {
+                kind: "adam",
+                has_step: true,
+                tensors: &["exp_avg", "exp_avg_sq", "max_exp_avg_sq"],
+            },
+            Self::Adagrad(..) => StateFormat {
+                kind: "adagrad",
+                has_step: true,
+                tensors: &["sum"],
+            },
+            Self::Rmsprop(..) => StateFormat {
+                kind: "rmsprop",
+                has_step: true,
+                tensors: &["square_avg", "momentum_buffer", "grad_avg"],
+            },
         }
     }
 
@@ -145,10 +162,8 @@ impl DeviceOptimizer {
         whole.map_err(Error::from)
     }
 
-    /// The state of every stepped piece, in the host optimizers' format:
-    /// per piece `step` (all but SGD, which has none) and the tensors over
-    /// its range. Pieces never stepped have no state, as on the host; an
-    /// SGD piece never stepped with momentum has no `momentum_buffer`.
+    /// The state of every stepped piece in the host optimizers' format
+    /// (see [`split_state`]).
     pub fn export(
         &self,
         stream: &Arc<CudaStream>,
@@ -160,48 +175,23 @@ impl DeviceOptimizer {
             Self::Sgd(_, s) => s.momentum_unstarted(),
             _ => &[],
         };
-        let mut out = OptimizerState::default();
-        for piece in pieces {
-            let key = (piece.key.name.clone(), piece.key.offset);
-            let step = piece_steps.get(&key).copied().unwrap_or(0);
-            if step == 0 {
-                continue;
-            }
-            let mut state = ParamState::default();
-            if !matches!(self, Self::Sgd(..)) {
-                state.scalars.insert("step".into(), step as f64);
-            }
-            let range = piece.range.clone();
-            let overlaps_unstarted = unstarted
-                .iter()
-                .any(|u| u.start < range.end && range.start < u.end);
-            for (name, values) in &whole.tensors {
-                if name == "momentum_buffer" && overlaps_unstarted {
-                    continue;
-                }
-                state
-                    .tensors
-                    .insert(name.clone(), values[range.clone()].to_vec());
-            }
-            out.params.insert(key, state);
-        }
-        Ok(out)
+        Ok(split_state(
+            self.format(),
+            &whole,
+            pieces,
+            piece_steps,
+            unstarted,
+        ))
     }
 
-    /// Replaces the state of the pieces in `state` (the others keep theirs)
-    /// and returns their step counts.
+    /// Replaces the state of the pieces in `state` (the others keep theirs;
+    /// see [`merge_state`]) and returns their step counts.
     pub fn import(
         &mut self,
         stream: &Arc<CudaStream>,
         pieces: &[StepPiece<'_>],
-        mut state: OptimizerState<f32>,
+        state: OptimizerState<f32>,
     ) -> Result<Vec<((String, usize), u64)>> {
-        let kind = match self {
-            Self::Sgd(..) => "sgd",
-            Self::Adam(..) => "adam",
-            Self::Adagrad(..) => "adagrad",
-            Self::Rmsprop(..) => "rmsprop",
-        };
         let len = pieces.iter().map(|p| p.range.end).max().unwrap_or(0);
         let mut whole = self.export_whole(stream)?;
         // SGD: the ranges no step with momentum has written yet.
@@ -210,75 +200,19 @@ impl DeviceOptimizer {
             Self::Sgd(..) => std::iter::once(0..len).collect(),
             _ => Vec::new(),
         };
-        let was_unstarted = |range: &Range<usize>| {
-            old_unstarted
-                .iter()
-                .any(|u| u.start < range.end && range.start < u.end)
-        };
-        let mut unstarted = Vec::new();
-        let mut steps = Vec::new();
-        for piece in pieces {
-            let key = (piece.key.name.clone(), piece.key.offset);
-            let Some(mut piece_state) = state.params.remove(&key) else {
-                if was_unstarted(&piece.range) {
-                    unstarted.push(piece.range.clone());
-                }
-                continue;
-            };
-            let step = match piece_state.scalars.remove("step") {
-                Some(step) if step >= 0.0 && step.fract() == 0.0 => step as u64,
-                Some(step) => {
-                    return Err(Error::Optimizer(format!(
-                    "{kind}: state of parameter {:?}: step {step} is not a non-negative integer",
-                    key.0
-                )))
-                }
-                // SGD keeps no step; its state means "stepped".
-                None if kind == "sgd" => 1,
-                None => {
-                    return Err(Error::Optimizer(format!(
-                        "{kind}: state of parameter {:?} has no \"step\"",
-                        key.0
-                    )))
-                }
-            };
-            if kind == "sgd" && !piece_state.tensors.contains_key("momentum_buffer") {
-                unstarted.push(piece.range.clone());
-            }
-            for (name, values) in piece_state.tensors {
-                if !self.state_names().contains(&name.as_str()) {
-                    return Err(Error::Optimizer(format!(
-                        "{kind}: state of parameter {:?} has {name:?}, which a {kind} optimizer \
-                         does not use; was it exported by another optimizer?",
-                        key.0
-                    )));
-                }
-                if values.len() != piece.range.len() {
-                    return Err(Error::Optimizer(format!(
-                        "{kind}: state {name:?} of parameter {:?} at offset {} has {} elements, \
-                         the piece has {}; was it imported from a different partitioning?",
-                        key.0,
-                        key.1,
-                        values.len(),
-                        piece.range.len()
-                    )));
-                }
-                whole.tensors.entry(name).or_insert_with(|| vec![0.0; len])[piece.range.clone()]
-                    .copy_from_slice(&values);
-            }
-            steps.push((key, step));
-        }
-        if let Some(((name, offset), _)) = state.params.iter().next() {
-            return Err(Error::Optimizer(format!(
-                "{kind}: state for parameter {name:?} at offset {offset}, a piece this rank does \
-                 not own"
-            )));
-        }
+        let merged = merge_state(
+            self.format(),
+            &mut whole,
+            len,
+            pieces,
+            state,
+            &old_unstarted,
+        )?;
         match self {
             Self::Sgd(_, s) => {
                 *s = SgdState::import(stream, &whole, len)?;
                 if s.momentum_buffer.is_some() {
-                    for range in unstarted {
+                    for range in merged.momentum_unstarted {
                         s.mark_momentum_unstarted(range);
                     }
                 }
@@ -287,7 +221,7 @@ impl DeviceOptimizer {
             Self::Adagrad(_, s) => *s = AdagradState::import(stream, &whole, len)?,
             Self::Rmsprop(_, s) => *s = RmspropState::import(stream, &whole, len)?,
         }
-        Ok(steps)
+        Ok(merged.steps)
     }
 
     /// Reads every group's hyperparameters from the host optimizer (after
