@@ -17,13 +17,21 @@ root="$wheels/nvidia/cu13"
 install_wheels() {
     local aside
     aside="$(mktemp -d)"
-    python3 -m pip install --quiet --target "$aside" "$@"
+    # --target writes outside any environment; Debian's pip asks to be told.
+    PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install --quiet --target "$aside" "$@"
     mkdir -p "$wheels"
     cp -a "$aside"/. "$wheels"/
     rm -rf "$aside"
 }
 
 if ! compgen -G "$root/lib/libnvrtc.so*" >/dev/null || [[ ! -x "$root/bin/ptxas" ]]; then
+    if ! python3 -m pip --version >/dev/null 2>&1; then
+        # A bare Debian/Ubuntu machine: pip comes from the distribution.
+        sudo=""
+        if [ "$(id -u)" -ne 0 ]; then sudo="sudo"; fi
+        $sudo apt-get update -q
+        DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q --no-install-recommends python3-pip
+    fi
     install_wheels "nvidia-cuda-nvrtc==13.*" "nvidia-cuda-nvcc==13.*"
 fi
 

@@ -8,8 +8,12 @@ cd "$(dirname "$0")/.."
 ./scripts/install-deps.sh
 cargo test --workspace --all-targets
 cargo test --workspace --doc
-# The NCCL crate with its features on: builds without CUDA; GPU tests print
-# why they skip when no GPU is present.
+# The NCCL crate with its features on: builds without CUDA; the tests that
+# need a GPU are #[ignore]d and reported as such (run them on a GPU machine
+# with `cargo test -p zero-nccl --features nccl -- --ignored`).
 cargo test -p zero-nccl --features nccl
+# The fused kernels through NVRTC and ptxas for sm_80 and sm_90, from PyPI
+# wheels (no GPU needed).
+./scripts/check-nvrtc.sh
 ./scripts/test-mpi.sh
 echo "all tests passed"
