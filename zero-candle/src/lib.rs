@@ -4,8 +4,8 @@
 //! [`candle_nn::Optimizer`], so a ZeRO sharded optimizer drops into any
 //! Candle training loop. Backends come with features: the in-process
 //! thread backend always, `mpi` for processes across machines, `nccl` for
-//! GPUs: [`NcclZeroOptimizer`] (feature `nccl`) trains a Candle model on
-//! CUDA with the device engine of `zero-nccl`, gradients and parameters
+//! GPUs: `ZeroOptimizer<NcclComm>` ([`NcclZeroOptimizer`], feature `nccl`) trains a Candle model on
+//! CUDA with the engine's buffers in GPU memory, gradients and parameters
 //! staying on the GPU.
 #![warn(missing_docs)]
 

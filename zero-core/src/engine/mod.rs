@@ -2,9 +2,12 @@
 //!
 //! The engine owns flat buffers, issues collectives in a fixed order, runs
 //! the optimizer on the rank's shard and reports its memory. A framework
-//! adapter hands it gradients as slices (one slot per parameter, `None` when
-//! a parameter has none) and gives it access to the parameter replica through
-//! [`ParamStore`].
+//! adapter hands it gradients (one slot per parameter, `None` when a
+//! parameter has none) and gives it access to the parameter replica. Where
+//! the buffers live is the memory `M` ([`ShardMemory`]): host memory
+//! ([`HostMemory`]: slices, a [`ParamStore`], any [`FunctionalOptimizer`])
+//! or GPU memory (`zero_nccl::CudaMemory`). Everything below is written
+//! once for both.
 //!
 //! Per optimizer step:
 //! - stage 0 all-reduces (mean) gradient buckets and steps every parameter;

@@ -1,7 +1,7 @@
 //! What every engine derives from its parameters and configuration before
 //! the first step: parameter groups, the partition plan, the bucket-major
-//! layout and the pieces this rank steps. Shared by the host [`Engine`] and
-//! device engines (`zero-nccl`), so both cut and order work identically.
+//! layout and the pieces this rank steps, whatever memory the [`Engine`]'s
+//! buffers live in.
 //!
 //! [`Engine`]: super::Engine
 

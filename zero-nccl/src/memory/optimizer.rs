@@ -28,7 +28,7 @@ pub(crate) enum DeviceOptimizer {
 fn number(kind: &str, h: &Hyperparams, key: &str) -> Result<f64> {
     h.get(key).and_then(|v| v.as_f64()).ok_or_else(|| {
         Error::Config(format!(
-            "{kind} hyperparameters lack a numeric {key:?}; the device engine reads the \
+            "{kind} hyperparameters lack a numeric {key:?}; the CUDA engine reads the \
              built-in optimizers' hyperparameters"
         ))
     })

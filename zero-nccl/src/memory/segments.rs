@@ -1,4 +1,4 @@
-//! Which optimizer launches one step of the device engine makes.
+//! Which optimizer launches one step on CUDA memory makes.
 //!
 //! The fused optimizer kernels step a contiguous shard range with one set of
 //! hyperparameters and one step count (Adam's bias corrections). A bucket's
