@@ -37,14 +37,11 @@ pub trait CandleMemory<T: Element + WithDType, C: Communicator + 'static>: Memor
         names: &[String],
         vars: &[Var],
         grads: &GradStore,
-        f: &mut dyn FnMut(&[Option<Grad<'_, T, C, Self>>]) -> Result<R>,
+        f: &mut GradsFn<'_, T, C, Self, R>,
     ) -> Result<R>;
 
     /// Calls `f` with the variables as the engine's parameters.
-    fn with_params<R>(
-        vars: &[Var],
-        f: &mut dyn FnMut(&mut Params<'_, T, C, Self>) -> Result<R>,
-    ) -> Result<R>;
+    fn with_params<R>(vars: &[Var], f: &mut ParamsFn<'_, T, C, Self, R>) -> Result<R>;
 }
 
 /// The gradient type of memory kind `K`.
@@ -52,6 +49,13 @@ pub type Grad<'g, T, C, K> = <<K as CandleMemory<T, C>>::Memory as ShardMemory<T
 
 /// The parameter type of memory kind `K`.
 pub type Params<'p, T, C, K> = <<K as CandleMemory<T, C>>::Memory as ShardMemory<T, C>>::Params<'p>;
+
+/// What [`CandleMemory::with_grads`] calls: one gradient slot per variable.
+pub type GradsFn<'f, T, C, K, R> =
+    dyn for<'g> FnMut(&[Option<Grad<'g, T, C, K>>]) -> Result<R> + 'f;
+
+/// What [`CandleMemory::with_params`] calls with the parameters.
+pub type ParamsFn<'f, T, C, K, R> = dyn for<'p> FnMut(&mut Params<'p, T, C, K>) -> Result<R> + 'f;
 
 /// The engine memory of communicator `C`.
 pub type MemoryOf<T, C> = <<C as Communicator>::Memory as CandleMemory<T, C>>::Memory;
@@ -71,15 +75,12 @@ impl<T: Element + WithDType, C: Communicator<Memory = Host> + 'static> CandleMem
         names: &[String],
         vars: &[Var],
         grads: &GradStore,
-        f: &mut dyn FnMut(&[Option<&[T]>]) -> Result<R>,
+        f: &mut GradsFn<'_, T, C, Self, R>,
     ) -> Result<R> {
         with_grad_slices::<T, R>(names, vars, grads, f)
     }
 
-    fn with_params<R>(
-        vars: &[Var],
-        f: &mut dyn FnMut(&mut (dyn zero_core::ParamStore<T> + '_)) -> Result<R>,
-    ) -> Result<R> {
+    fn with_params<R>(vars: &[Var], f: &mut ParamsFn<'_, T, C, Self, R>) -> Result<R> {
         let mut store = VarStore { vars };
         f(&mut store)
     }

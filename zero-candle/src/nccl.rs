@@ -6,7 +6,7 @@
 //! updated parameters through an in-place op, on Candle's own stream, so no
 //! host round trip and no host synchronization happen on the step path.
 
-use crate::memory::{CandleMemory, Grad, Params};
+use crate::memory::{CandleMemory, GradsFn, ParamsFn};
 use crate::optimizer::ZeroConfig;
 use crate::{Error, Result, ZeroOptimizer};
 use candle_core::backprop::GradStore;
@@ -110,16 +110,13 @@ impl CandleMemory<f32, NcclComm> for Cuda {
         names: &[String],
         vars: &[Var],
         grads: &GradStore,
-        f: &mut dyn FnMut(&[Option<Grad<'_, f32, NcclComm, Self>>]) -> Result<R>,
+        f: &mut GradsFn<'_, f32, NcclComm, Self, R>,
     ) -> Result<R> {
         let grads = contiguous_grads(names, vars, grads)?;
         with_device_grads(names, &grads, f)
     }
 
-    fn with_params<R>(
-        vars: &[Var],
-        f: &mut dyn FnMut(&mut Params<'_, f32, NcclComm, Self>) -> Result<R>,
-    ) -> Result<R> {
+    fn with_params<R>(vars: &[Var], f: &mut ParamsFn<'_, f32, NcclComm, Self, R>) -> Result<R> {
         let mut params = CandleParams { vars };
         f(&mut params)
     }
@@ -160,7 +157,7 @@ fn contiguous_grads(
 fn with_device_grads<R>(
     names: &[String],
     grads: &[Option<Tensor>],
-    f: &mut dyn FnMut(&[Option<&dyn DevicePtr<f32>>]) -> Result<R>,
+    f: &mut GradsFn<'_, f32, NcclComm, Cuda, R>,
 ) -> Result<R> {
     let guards: Vec<_> = grads
         .iter()

@@ -236,13 +236,16 @@ where
     }
 }
 
+/// What [`with_grad_slices`] calls: one host slice per variable, if any.
+pub(crate) type SlicesFn<'f, T, R> = dyn FnMut(&[Option<&[T]>]) -> Result<R> + 'f;
+
 /// Borrows every variable's gradient as a host slice (CPU storage directly,
 /// other devices through a copy) and calls `f` with one slot per variable.
 pub(crate) fn with_grad_slices<T: Element + WithDType, R>(
     names: &[String],
     vars: &[Var],
     grads: &GradStore,
-    f: &mut dyn FnMut(&[Option<&[T]>]) -> Result<R>,
+    f: &mut SlicesFn<'_, T, R>,
 ) -> Result<R> {
     enum Held<'a, T> {
         None,
