@@ -1,5 +1,6 @@
 //! Shared code of the zero-rs trainers and benchmarks.
 
 pub mod bench;
+pub mod heap;
 pub mod optimizers;
 pub mod trainer;

@@ -3,6 +3,7 @@
 mod comm;
 #[cfg(feature = "nccl")]
 mod gpu;
+mod memory;
 #[cfg(feature = "mpi")]
 mod mpi;
 mod optim;
@@ -13,7 +14,7 @@ pub use report::{Figure, Report};
 /// Runs the suite named by the first command-line argument (all if none).
 pub fn main() {
     let which: Vec<String> = std::env::args().skip(1).collect();
-    let all = ["comm", "optim", "step", "gpu"];
+    let all = ["comm", "optim", "step", "memory", "gpu"];
     let selected: Vec<&str> = if which.is_empty() {
         all.to_vec()
     } else {
@@ -37,13 +38,14 @@ pub fn main() {
             }
             "optim" if !under_mpirun => optim::run(&mut report),
             "step" if !under_mpirun => step::run(&mut report),
+            "memory" if !under_mpirun => memory::run(&mut report),
             "gpu" => {
                 #[cfg(feature = "nccl")]
                 gpu::run(&mut report);
                 #[cfg(not(feature = "nccl"))]
                 println!("gpu benchmarks need --features nccl");
             }
-            "optim" | "step" => {}
+            "optim" | "step" | "memory" => {}
             other => {
                 eprintln!("unknown benchmark suite {other:?}; expected one of {all:?}");
                 std::process::exit(2);

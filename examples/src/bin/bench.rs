@@ -1,8 +1,13 @@
 //! Benchmarks that print figures: a human table, then one JSON object per
 //! figure on its own line (`{"name": ..., "value": ..., "unit": ...}`).
 //!
-//! `bench comm`, `bench optim`, `bench step`, `bench gpu`; no argument runs all
+//! `bench comm`, `bench optim`, `bench step`, `bench memory`, `bench gpu`; no argument runs all
 //! that this build supports.
+
+/// Counts what the process allocates (`--metrics`' `peak_heap_bytes`,
+/// `bench memory`).
+#[global_allocator]
+static HEAP: zero_examples::heap::CountingAllocator = zero_examples::heap::CountingAllocator;
 
 fn main() {
     zero_examples::bench::main();

@@ -5,6 +5,11 @@
 use clap::Parser;
 use zero_examples::trainer::{self, Args};
 
+/// Counts what the process allocates (`--metrics`' `peak_heap_bytes`,
+/// `bench memory`).
+#[global_allocator]
+static HEAP: zero_examples::heap::CountingAllocator = zero_examples::heap::CountingAllocator;
+
 fn main() {
     let args = Args::parse();
     tracing_subscriber::fmt()
