@@ -153,3 +153,52 @@ fn a_non_finite_norm_under_clipping_refuses_the_step_on_every_rank() {
         }
     }
 }
+
+#[test]
+fn a_gradient_on_some_ranks_only_is_stepped_with_the_check_on() {
+    let model = Synthetic::medium();
+    let steps = 3;
+    // Parameter 1 has a gradient on rank 0 only; the others on every rank.
+    let present = |param: usize, rank: usize| param != 1 || rank == 0;
+    for stage in STAGES {
+        let world = 3;
+        let config = EngineConfig::default()
+            .with_stage(stage)
+            .with_bucket_bytes(64);
+        let params_of_rank = run(world, |comm| {
+            let rank = comm.rank();
+            let mut e = engine(comm, &model, make_opt(Opt::Adam, false), config.clone())?;
+            let mut params = model.init();
+            for s in 0..steps {
+                let g = model.grads(&params, rank, s);
+                let slots: Vec<Option<&[f64]>> = g
+                    .iter()
+                    .enumerate()
+                    .map(|(i, g)| present(i, rank).then_some(g.as_slice()))
+                    .collect();
+                e.step(&slots, &mut params)?;
+            }
+            Ok(params)
+        });
+        // DDP-ref: the absent ranks contribute zeros to the mean.
+        let mut reference = Reference::new(&model, make_opt(Opt::Adam, false));
+        for s in 0..steps {
+            let mut per_rank = reference.rank_grads(&model, world, s);
+            for (rank, grads) in per_rank.iter_mut().enumerate() {
+                if !present(1, rank) {
+                    grads[1].iter_mut().for_each(|x| *x = 0.0);
+                }
+            }
+            let g: Vec<Option<Vec<f64>>> = mean(&per_rank).into_iter().map(Some).collect();
+            reference.step(&g);
+        }
+        for params in &params_of_rank {
+            assert_close(
+                params,
+                &reference.params,
+                1e-12,
+                &format!("stage {stage:?}"),
+            );
+        }
+    }
+}

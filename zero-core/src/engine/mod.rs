@@ -364,13 +364,13 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// one slot per parameter, each as long as the parameter.
     pub fn accumulate(&mut self, grads: &[Option<M::Grad<'_>>]) -> Result<()> {
         self.check_grads(grads)?;
-        let full = match self.full_grads.take() {
-            Some(full) => full,
-            None => self.memory.alloc_zeroed(self.plan.flat_numel())?,
+        let (full, fresh) = match self.full_grads.take() {
+            Some(full) => (full, false),
+            None => (self.memory.alloc_zeroed(self.plan.flat_numel())?, true),
         };
         let full = self.full_grads.insert(full);
         let add = self.micro_steps > 0;
-        if !add {
+        if !add && !fresh {
             let numel = M::buffer_len(full);
             self.memory.zero(full, 0..numel)?;
         }
@@ -502,12 +502,16 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                 self.rebuild_buckets();
             }
         }
-        let stepping: Vec<bool> = self
-            .active
-            .iter()
-            .zip(&self.present)
-            .map(|(&a, &p)| a && p)
-            .collect();
+        let stepping: Vec<bool> = if self.config.check_trainability {
+            // A gradient on any rank counts: the reduced gradient holds it.
+            self.active.clone()
+        } else {
+            self.active
+                .iter()
+                .zip(&self.present)
+                .map(|(&a, &p)| a && p)
+                .collect()
+        };
 
         // The owned pieces' current values (the replica may have been changed
         // by the user since the last step).
