@@ -26,7 +26,8 @@ tests=$(printf '%s\n' "$json" | grep '"executable":"' | grep '"kind":\["test"\]'
     sed -E 's/.*"executable":"([^"]+)".*/\1/')
 [ -n "$tests" ] || { echo "test-mpi: no test binaries were built" >&2; exit 1; }
 cargo build -p zero-mpi-gloo --features mpi --example mpi_fail
-fail_bin=target/debug/examples/mpi_fail
+target_dir=${CARGO_TARGET_DIR:-target}
+fail_bin=$target_dir/debug/examples/mpi_fail
 
 for n in 2 3 4; do
     for t in $tests; do
@@ -36,11 +37,13 @@ for n in 2 3 4; do
 done
 
 # The failure path: must exit non-zero, quickly, with the failed rank named.
-for mode in panic error hang; do
+for mode in panic error hang hang-at-exit; do
     echo "== failure path ($mode): rank 1 fails, the job must end"
     want="rank 1 failed"
-    # A hanging rank is caught by the others' deadline (2 s in mpi_fail).
+    # A hanging rank is caught by the others' deadline (2 s in mpi_fail),
+    # in a collective or in MPI_Finalize.
     [ "$mode" = hang ] && want="did not complete within"
+    [ "$mode" = hang-at-exit ] && want="MPI_Finalize #[0-9]* did not complete within"
     set +e
     out=$(timeout 60 "${MPIRUN[@]}" -n 3 "$fail_bin" "$mode" 2>&1)
     status=$?
@@ -60,8 +63,8 @@ done
 # The trainer under mpirun trains the same weights as the thread backend at
 # the same world size (the ring adds in another order: float noise only).
 cargo build -p zero-examples --features mpi --bin train --bin weights-diff
-train=target/debug/train
-diff=target/debug/weights-diff
+train=$target_dir/debug/train
+diff=$target_dir/debug/weights-diff
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 common=(--hidden 16 --optimizer adam --lr 0.01 --seed 3 --quiet)

@@ -129,7 +129,11 @@ pub struct Args {
     /// Resume from a checkpoint directory (any world size and stage).
     #[arg(long)]
     pub resume: Option<PathBuf>,
-    /// Collective deadline in seconds.
+    /// How long, in seconds, a rank waits for its peers in any collective
+    /// before the job fails (every backend). A rank that crashed, hangs or
+    /// was stopped is detected after this long; raise it if a rank can
+    /// legitimately keep the others waiting longer (e.g. a slow checkpoint
+    /// write, or a long first step).
     #[arg(long, default_value_t = 300.0)]
     pub timeout_s: f64,
     /// No progress bar or log lines, only errors.

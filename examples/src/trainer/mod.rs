@@ -155,11 +155,20 @@ fn run_nccl(_: &Args, _: &Arc<Dataset>) -> Result<Summary, TrainError> {
 #[cfg(feature = "mpi")]
 fn run_mpi(args: &Args, data: &Arc<Dataset>) -> Result<Summary, TrainError> {
     use zero_mpi_gloo::MpiComm;
-    let comm = MpiComm::init().map_err(zero_core::Error::from)?;
+    let timeout = Duration::try_from_secs_f64(args.timeout_s).map_err(|e| {
+        TrainError::Usage(format!(
+            "--timeout-s {} is not a usable duration ({e}); give seconds, e.g. 300",
+            args.timeout_s
+        ))
+    })?;
+    let comm = MpiComm::init()
+        .map_err(zero_core::Error::from)?
+        .with_timeout(Some(timeout));
     comm.abort_on_panic();
     // A second handle on the same ranks outlives the optimizer, so a rank
     // that fails can end the whole job (naming itself) instead of leaving
-    // its peers waiting in a collective.
+    // its peers waiting in a collective. Split after the deadline is set:
+    // the split inherits it.
     let everyone: Vec<usize> = (0..comm.world_size()).collect();
     let keeper = comm
         .split(&everyone)?

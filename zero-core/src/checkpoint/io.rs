@@ -85,6 +85,41 @@ pub(crate) fn temp_path(dir: &Path, file_name: &std::ffi::OsStr) -> std::path::P
     dir.join(temp_name)
 }
 
+/// Whether `name` is one of [`temp_path`]'s names,
+/// `.<file name>.tmp.<pid>.<n>`.
+fn is_temp_name(name: &str) -> bool {
+    let Some(rest) = name.strip_prefix('.') else {
+        return false;
+    };
+    let number =
+        |s: Option<&str>| s.is_some_and(|s| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()));
+    let mut parts = rest.rsplitn(4, '.');
+    number(parts.next())
+        && number(parts.next())
+        && parts.next() == Some("tmp")
+        && parts.next().is_some_and(|s| !s.is_empty())
+}
+
+/// Removes the temporary files of interrupted writes from `dir`. A process
+/// killed mid-write (`kill -9`, a crash, a lost node) cannot remove its own,
+/// and nothing else ever would. Best effort: a file left behind wastes
+/// space, nothing more.
+fn remove_interrupted_writes(dir: &Path) {
+    let Ok(entries) = fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        if entry.file_name().to_str().is_some_and(is_temp_name) {
+            if let Err(e) = fs::remove_file(entry.path()) {
+                tracing::debug!(
+                    "cannot remove {}, left by an interrupted write: {e}",
+                    entry.path().display()
+                );
+            }
+        }
+    }
+}
+
 /// Writes a file atomically: readers see the previous file or the complete
 /// new one, never a partial write.
 ///
@@ -583,9 +618,21 @@ impl Manifest {
             .map_err(|e| checkpoint_error(&path, format!("not a valid manifest: {e}")))
     }
 
-    /// Writes `dir/manifest.json` atomically. Call it last in a save.
+    /// Writes `dir/manifest.json` atomically. Call it last in a save, once
+    /// every data file is in place and nothing else writes into `dir`.
+    ///
+    /// It first removes the temporary files (`.<name>.tmp.<pid>.<n>`) that
+    /// processes killed in the middle of an earlier save left in `dir`.
     pub fn save(&self, dir: impl AsRef<Path>) -> Result<FileRecord> {
-        let path = dir.as_ref().join(MANIFEST_FILE);
+        let dir = dir.as_ref();
+        // Every writer of this save has finished (the engine's ranks wait
+        // for the commit), so any temporary file here belongs to a write
+        // that will never finish. Removing them before the commit rather
+        // than after means a process killed just after the commit has none
+        // left to leak; one killed during the removal has not committed, and
+        // the save that redoes its step removes the rest.
+        remove_interrupted_writes(dir);
+        let path = dir.join(MANIFEST_FILE);
         write_atomic(&path, |w| {
             serde_json::to_writer_pretty(&mut *w, self)?;
             w.write_all(b"\n")
@@ -695,4 +742,58 @@ pub struct CheckpointInfo {
     /// learning rate); `null` when nothing.
     #[serde(default)]
     pub user: serde_json::Value,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn temp_names_are_recognized_and_nothing_else() {
+        let temp = temp_path(
+            Path::new("d"),
+            std::ffi::OsStr::new("model.step3.safetensors"),
+        );
+        let name = temp.file_name().and_then(|n| n.to_str()).unwrap();
+        assert!(is_temp_name(name), "{name}");
+        assert!(is_temp_name(".manifest.json.tmp.41.0"));
+        for other in [
+            "manifest.json",
+            "model.step3.safetensors",
+            ".hidden",
+            ".tmp.1.2",
+            ".x.tmp.1.",
+            ".x.tmp.a.2",
+            ".x.tmq.1.2",
+            "x.tmp.1.2",
+        ] {
+            assert!(!is_temp_name(other), "{other}");
+        }
+    }
+
+    #[test]
+    fn manifest_save_removes_what_killed_writes_left() {
+        let dir = tempfile::tempdir().unwrap();
+        let leftovers = [
+            ".model.step4.safetensors.tmp.999999.7",
+            ".manifest.json.tmp.999999.8",
+        ];
+        for name in leftovers {
+            fs::write(dir.path().join(name), b"partial").unwrap();
+        }
+        fs::write(dir.path().join(".keep"), b"not ours").unwrap();
+        let record = write_atomic(dir.path().join("model.step5.safetensors"), |w| {
+            w.write_all(b"weights")
+        })
+        .unwrap();
+        let mut manifest = Manifest::new();
+        manifest.record("model.step5.safetensors", record);
+        manifest.save(dir.path()).unwrap();
+        let mut names: Vec<String> = fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        assert_eq!(names, [".keep", MANIFEST_FILE, "model.step5.safetensors"]);
+    }
 }

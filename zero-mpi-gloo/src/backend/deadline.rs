@@ -3,6 +3,12 @@
 //! first communicator) checks every in-flight collective a few times a second
 //! and ends the job with `MPI_Abort`, naming the collective, when one has run
 //! past its communicator's deadline.
+//!
+//! The deadline counts time this process spent running. While the process is
+//! frozen (`kill -STOP`, a job suspended by the scheduler, a paused VM) the
+//! monotonic clock keeps going but nobody waits on anybody; counting that
+//! time would end a suspended job the moment it resumes, and make a stopped
+//! rank blame its peers for its own absence.
 
 use super::abort_world;
 use std::sync::{Arc, Mutex, Once, Weak};
@@ -10,6 +16,11 @@ use std::time::{Duration, Instant};
 
 /// How often the watchdog looks.
 const PERIOD: Duration = Duration::from_millis(200);
+
+/// A look this much later than planned means the process was frozen, not
+/// merely scheduled late (even an oversubscribed node runs every thread
+/// many times a second).
+const FROZEN_AFTER: Duration = Duration::from_secs(1);
 
 static WATCHED: Mutex<Vec<Weak<Watch>>> = Mutex::new(Vec::new());
 static START: Once = Once::new();
@@ -77,26 +88,46 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 fn watchdog() {
+    let mut last_look = Instant::now();
     loop {
         std::thread::sleep(PERIOD);
+        let now = Instant::now();
+        let late = now.duration_since(last_look).saturating_sub(PERIOD);
+        last_look = now;
+        let frozen = (late >= FROZEN_AFTER).then_some(late);
         let mut watched = lock(&WATCHED);
         watched.retain(|w| w.strong_count() > 0);
         for watch in watched.iter().filter_map(Weak::upgrade) {
-            let overdue = lock(&watch.in_flight)
-                .as_ref()
-                .filter(|f| f.since.elapsed() > f.timeout)
-                .map(|f| (f.op, f.seq, f.since.elapsed().as_secs_f64()));
-            if let Some((op, seq, waited)) = overdue {
+            let overdue = {
+                let mut in_flight = lock(&watch.in_flight);
+                let Some(f) = in_flight.as_mut() else {
+                    continue;
+                };
+                if let Some(frozen) = frozen {
+                    // Not waiting while frozen. A collective that began after
+                    // the thaw gets at most the rest of this period for free.
+                    f.since = (f.since + frozen).min(now);
+                }
+                let waited = now.saturating_duration_since(f.since);
+                (waited > f.timeout).then_some((f.op, f.seq, f.timeout))
+            };
+            if let Some((op, seq, timeout)) = overdue {
                 // MPI_Abort while the collective's thread is inside MPI: the
                 // standard asks MPI_THREAD_MULTIPLE for that, Open MPI and
                 // MPICH end the job either way, and the alternative is a hang.
                 abort_world(
                     watch.world_rank,
                     &format!(
-                        "{op} #{seq} did not complete within {waited:.1} s (rank {} of a \
-                         communicator of {} ranks): a peer rank failed, hangs, or issued a \
-                         different collective; ending the job",
-                        watch.rank, watch.world_size
+                        "{op} #{seq} did not complete within the {:.1} s deadline (rank {} \
+                         of {} in its communicator): a peer rank crashed, hangs, is stopped, \
+                         or issued a different collective; ending the job. Check that every \
+                         rank is still running (not stopped, swapped out or stuck in I/O) and \
+                         that all run the same program and configuration; if a rank can \
+                         legitimately keep the others waiting this long, raise the deadline \
+                         (`MpiComm::with_timeout`; `train --timeout-s`)",
+                        timeout.as_secs_f64(),
+                        watch.rank,
+                        watch.world_size
                     ),
                 );
             }

@@ -132,7 +132,19 @@ impl Drop for MpiComm {
         let _guard = lock();
         // SAFETY: `comm` is dropped exactly once, here, and not used after.
         unsafe { ManuallyDrop::drop(&mut self.comm) };
+        // MPI_Finalize, run when the last reference to the universe goes,
+        // waits for every process of the job (Open MPI fences): a peer that
+        // hangs at exit would hang this rank too. Watch it like a collective.
+        let finalizes = self
+            .universe
+            .as_ref()
+            .is_some_and(|u| Arc::strong_count(u) == 1);
+        if finalizes {
+            let seq = self.seq.fetch_add(1, Ordering::Relaxed);
+            self.watch.start("MPI_Finalize", seq, self.timeout);
+        }
         self.universe.take();
+        self.watch.finish();
     }
 }
 
