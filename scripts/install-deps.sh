@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Installs what the `mpi` feature needs to build and run: Open MPI (library,
 # headers, mpirun) and libclang/clang (bindgen, used by the `mpi` crate's
-# mpi-sys). Idempotent: installs only what is missing. Run as root on
+# mpi-sys), plus python3 and procps (pgrep) for the fault tests. Idempotent:
+# installs only what is missing. Run as root on
 # Debian/Ubuntu (or with sudo available).
 set -euo pipefail
 
-packages=(libopenmpi-dev openmpi-bin libclang-dev clang)
+packages=(libopenmpi-dev openmpi-bin libclang-dev clang python3 procps)
 missing=()
 for p in "${packages[@]}"; do
     if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then

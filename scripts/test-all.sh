@@ -16,4 +16,7 @@ cargo test -p zero-nccl --features nccl
 # wheels (no GPU needed).
 ./scripts/check-nvrtc.sh
 ./scripts/test-mpi.sh
+# Faults as users cause them: a killed or frozen rank, and the trainer
+# killed at random while it checkpoints; each bounded in time.
+./scripts/test-faults.sh
 echo "all tests passed"

@@ -164,6 +164,7 @@ fn bad_flags_and_files_are_clear_errors_not_panics() {
         (&["--lr=-1"], "--lr"),
         (&["--hidden", "0"], "--hidden"),
         (&["--checkpoint-every", "5"], "--checkpoint-dir"),
+        (&["--timeout-s", "1e300"], "--timeout-s"),
     ];
     for (flags, needle) in cases {
         let (ok, stderr) = train_binary(&[&["--steps", "1"], *flags].concat());
@@ -264,4 +265,41 @@ fn trains_on_a_data_file_and_rejects_a_malformed_one() {
     let (ok, stderr) = train_binary(&["--steps", "1", "--data", bad.to_str().unwrap()]);
     assert!(!ok);
     assert!(stderr.contains("expected i64 [n]"), "{stderr}");
+}
+
+#[test]
+fn metrics_report_the_process_peak_heap_counted_by_the_binary() {
+    let dir = tempfile::tempdir().unwrap();
+    let metrics = dir.path().join("metrics.jsonl");
+    let (ok, stderr) = train_binary(&[
+        "--steps",
+        "3",
+        "--world-size",
+        "2",
+        "--hidden",
+        "256,256",
+        "--metrics",
+        metrics.to_str().unwrap(),
+    ]);
+    assert!(ok, "{stderr}");
+    let text = std::fs::read_to_string(&metrics).unwrap();
+    let lines: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 3);
+    for line in &lines {
+        let peak = line["peak_heap_bytes"]
+            .as_u64()
+            .expect("the train binary counts its heap");
+        // At least both ranks' replicas of the weights exist at once.
+        let replica = line["memory"]["params"].as_u64().unwrap();
+        assert!(peak > replica, "peak {peak} <= one rank's params {replica}");
+    }
+    // A peak never goes down.
+    let peaks: Vec<u64> = lines
+        .iter()
+        .map(|l| l["peak_heap_bytes"].as_u64().unwrap())
+        .collect();
+    assert!(peaks.windows(2).all(|w| w[0] <= w[1]), "{peaks:?}");
 }

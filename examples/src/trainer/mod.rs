@@ -76,8 +76,11 @@ pub struct StepMetrics {
     pub step_time_s: f64,
     /// Bytes rank 0 sent during the step.
     pub bytes_sent: u64,
-    /// Rank 0's memory report.
+    /// Rank 0's engine buffers, per category (the engine's own count).
     pub memory: MemoryReport,
+    /// The process's peak heap bytes so far (all ranks of a threads run),
+    /// as counted by the binary's allocator; absent when not counted.
+    pub peak_heap_bytes: Option<usize>,
 }
 
 /// What a finished run reports.
@@ -91,6 +94,16 @@ pub struct Summary {
     pub weights: Vec<(String, Vec<f32>)>,
 }
 
+/// `--timeout-s` as a duration (every backend's collective deadline).
+fn timeout(args: &Args) -> Result<Duration, TrainError> {
+    Duration::try_from_secs_f64(args.timeout_s).map_err(|e| {
+        TrainError::Usage(format!(
+            "--timeout-s {} is not a usable duration ({e}); give seconds, e.g. 300",
+            args.timeout_s
+        ))
+    })
+}
+
 /// Runs training as the flags say; the backend decides how ranks start.
 pub fn run(args: &Args) -> Result<Summary, TrainError> {
     validate(args)?;
@@ -101,8 +114,7 @@ pub fn run(args: &Args) -> Result<Summary, TrainError> {
     match args.backend {
         Backend::Threads => {
             let world_size = args.world_size as usize;
-            let group =
-                ThreadGroup::new(world_size).with_timeout(Duration::from_secs_f64(args.timeout_s));
+            let group = ThreadGroup::new(world_size).with_timeout(timeout(args)?);
             let results = group.run(|comm| train_rank(args, comm, &data));
             collect(results)
         }
@@ -117,7 +129,7 @@ fn run_nccl(args: &Args, data: &Arc<Dataset>) -> Result<Summary, TrainError> {
     use zero_nccl::NcclComm;
     let comm = NcclComm::from_env()
         .map_err(zero_core::Error::from)?
-        .with_timeout(Duration::from_secs_f64(args.timeout_s));
+        .with_timeout(timeout(args)?);
     let device = Device::new_cuda(comm.context().ordinal())?;
     let (rank, world_size) = (comm.rank(), comm.world_size());
     let varmap = VarMap::new();
@@ -155,12 +167,7 @@ fn run_nccl(_: &Args, _: &Arc<Dataset>) -> Result<Summary, TrainError> {
 #[cfg(feature = "mpi")]
 fn run_mpi(args: &Args, data: &Arc<Dataset>) -> Result<Summary, TrainError> {
     use zero_mpi_gloo::MpiComm;
-    let timeout = Duration::try_from_secs_f64(args.timeout_s).map_err(|e| {
-        TrainError::Usage(format!(
-            "--timeout-s {} is not a usable duration ({e}); give seconds, e.g. 300",
-            args.timeout_s
-        ))
-    })?;
+    let timeout = timeout(args)?;
     let comm = MpiComm::init()
         .map_err(zero_core::Error::from)?
         .with_timeout(Some(timeout));
@@ -480,6 +487,7 @@ fn train_loop(ctx: &LoopContext<'_>, opt: &mut dyn RankOptimizer) -> Result<Summ
                 step_time_s,
                 bytes_sent: opt.bytes_sent() - bytes_before,
                 memory: opt.memory_report(),
+                peak_heap_bytes: crate::heap::peak_bytes(),
             };
             let path = args.metrics.clone().unwrap_or_default();
             serde_json::to_writer(&mut *out, &line)
