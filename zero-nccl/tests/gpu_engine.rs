@@ -86,17 +86,7 @@ fn device_result(
     let mut engine = cuda_engine(comm, params(), optimizer, config.clone()).unwrap();
     let mut weights: Vec<CudaSlice<f32>> =
         init.iter().map(|w| stream.clone_htod(w).unwrap()).collect();
-    for step in &grads {
-        let device: Vec<Option<CudaSlice<f32>>> = step
-            .iter()
-            .map(|g| g.as_ref().map(|g| stream.clone_htod(g).unwrap()))
-            .collect();
-        let slots: Vec<Option<&dyn DevicePtr<f32>>> = device
-            .iter()
-            .map(|g| g.as_ref().map(|g| g as &dyn DevicePtr<f32>))
-            .collect();
-        engine.step(&slots, &mut weights).unwrap();
-    }
+    device_steps(&mut engine, &mut weights, &grads);
     weights
         .iter()
         .map(|w| stream.clone_dtoh(w).unwrap())
