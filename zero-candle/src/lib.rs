@@ -6,13 +6,15 @@
 //! thread backend always, `mpi` for processes across machines, `nccl` for
 //! GPUs: `ZeroOptimizer<NcclComm>` ([`NcclZeroOptimizer`], feature `nccl`) trains a Candle model on
 //! CUDA with the engine's buffers in GPU memory, gradients and parameters
-//! staying on the GPU.
+//! staying on the GPU. [`nn`] has candle-nn's layers rebuilt so that their
+//! parameter gradients leave `backward()` through a hook as they are computed.
 #![warn(missing_docs)]
 
 mod error;
 pub mod memory;
 #[cfg(feature = "nccl")]
 mod nccl;
+pub mod nn;
 mod optimizer;
 mod params;
 

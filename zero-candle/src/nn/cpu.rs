@@ -1,0 +1,39 @@
+//! Reading CPU storage as typed slices, for the fused layers' CPU kernels.
+
+use candle_core::{bail, CpuStorage, Layout, Result, Storage, Tensor, WithDType};
+
+/// The elements of a contiguous `layout` in `storage`, as `T`.
+pub(crate) fn slice<'a, T: WithDType>(
+    storage: &'a CpuStorage,
+    layout: &Layout,
+    what: &str,
+) -> Result<&'a [T]> {
+    let data = T::cpu_storage_as_slice(storage)?;
+    match layout.contiguous_offsets() {
+        Some((start, end)) => Ok(&data[start..end]),
+        None => bail!(
+            "zero-candle: {what} must be contiguous here (got strides {:?} for shape {:?}); \
+             call .contiguous() on it first",
+            layout.stride(),
+            layout.shape()
+        ),
+    }
+}
+
+/// Runs `f` on the CPU storage of `tensor` and its layout; an error names
+/// `what` when the tensor is on another device.
+pub(crate) fn with_cpu<R>(
+    tensor: &Tensor,
+    what: &str,
+    f: impl FnOnce(&CpuStorage, &Layout) -> Result<R>,
+) -> Result<R> {
+    let (storage, layout) = tensor.storage_and_layout();
+    match &*storage {
+        Storage::Cpu(cpu) => f(cpu, layout),
+        _ => bail!(
+            "zero-candle: {what} is on {:?} but this kernel runs on the CPU; \
+             keep the layer's input and parameters on one device",
+            tensor.device().location()
+        ),
+    }
+}

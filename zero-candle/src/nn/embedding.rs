@@ -1,0 +1,227 @@
+//! `Embedding`: a row lookup as one custom op that reads the table in place
+//! and hands the table's gradient to the hook.
+
+use super::cpu;
+use super::hook::{route, GradHook};
+use candle_core::backend::BackendStorage;
+use candle_core::{
+    bail, CpuStorage, CudaStorage, CustomOp2, DType, Device, Layout, Module, Result, Shape, Tensor,
+    WithDType,
+};
+use candle_nn::VarBuilder;
+use std::sync::Arc;
+
+/// An embedding table `[vocab, hidden_size]` looked up by integer ids, as
+/// `candle_nn::Embedding`.
+///
+/// The forward is one custom op over `(table, ids)` that gathers rows from
+/// the table's storage. Its backward builds the `[vocab, hidden_size]`
+/// gradient in one pass (rows of the output gradient added at their ids) and
+/// hands it to the hook. The ids get no gradient.
+#[derive(Clone)]
+pub struct Embedding {
+    embeddings: Tensor,
+    hidden_size: usize,
+    hook: Option<Arc<dyn GradHook>>,
+}
+
+impl Embedding {
+    /// A layer over an existing `[vocab, hidden_size]` table, as
+    /// `candle_nn::Embedding::new`, plus the hook (`None`: the gradient goes
+    /// to the `GradStore`).
+    pub fn new(embeddings: Tensor, hidden_size: usize, hook: Option<Arc<dyn GradHook>>) -> Self {
+        Self {
+            embeddings,
+            hidden_size,
+            hook,
+        }
+    }
+
+    /// The `[vocab, hidden_size]` table.
+    pub fn embeddings(&self) -> &Tensor {
+        &self.embeddings
+    }
+
+    /// The width of a row.
+    pub fn hidden_size(&self) -> usize {
+        self.hidden_size
+    }
+
+    /// The hook the table's gradient goes to.
+    pub fn hook(&self) -> Option<&Arc<dyn GradHook>> {
+        self.hook.as_ref()
+    }
+}
+
+impl std::fmt::Debug for Embedding {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Embedding")
+            .field("embeddings", &self.embeddings.shape())
+            .field("hooked", &self.hook.is_some())
+            .finish()
+    }
+}
+
+impl Module for Embedding {
+    /// `ids` of any shape `[..]` give `[.., hidden_size]`.
+    fn forward(&self, ids: &Tensor) -> Result<Tensor> {
+        let mut out_dims = ids.dims().to_vec();
+        out_dims.push(self.hidden_size);
+        let ids = ids.flatten_all()?;
+        let rows = self.embeddings.apply_op2(
+            &ids,
+            FusedEmbedding {
+                hook: self.hook.clone(),
+            },
+        )?;
+        rows.reshape(out_dims)
+    }
+}
+
+/// An embedding layer created as `candle_nn::embedding` creates it: `weight`
+/// `[in_size, out_size]`, standard normal.
+pub fn embedding(
+    in_size: usize,
+    out_size: usize,
+    vb: VarBuilder,
+    hook: Option<Arc<dyn GradHook>>,
+) -> Result<Embedding> {
+    let layer = candle_nn::embedding(in_size, out_size, vb)?;
+    Ok(Embedding::new(layer.embeddings().clone(), out_size, hook))
+}
+
+/// The op `(table [vocab, dim], ids [n]) -> table[ids] [n, dim]`.
+struct FusedEmbedding {
+    hook: Option<Arc<dyn GradHook>>,
+}
+
+fn gather_rows<S: BackendStorage>(
+    table: &S,
+    table_layout: &Layout,
+    ids: &S,
+    ids_layout: &Layout,
+) -> Result<(S, Shape)> {
+    let (_vocab, dim) = table_layout.shape().dims2()?;
+    let count = ids_layout.shape().dims1()?;
+    // Checks every id against the vocabulary.
+    let rows = table.index_select(ids, table_layout, ids_layout, 0)?;
+    Ok((rows, Shape::from((count, dim))))
+}
+
+impl CustomOp2 for FusedEmbedding {
+    fn name(&self) -> &'static str {
+        "zero-embedding"
+    }
+
+    fn cpu_fwd(
+        &self,
+        table: &CpuStorage,
+        table_layout: &Layout,
+        ids: &CpuStorage,
+        ids_layout: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        gather_rows(table, table_layout, ids, ids_layout)
+    }
+
+    fn cuda_fwd(
+        &self,
+        table: &CudaStorage,
+        table_layout: &Layout,
+        ids: &CudaStorage,
+        ids_layout: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        gather_rows(table, table_layout, ids, ids_layout)
+    }
+
+    fn bwd(
+        &self,
+        table: &Tensor,
+        ids: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        if !table.track_op() {
+            return Ok((None, None));
+        }
+        let (vocab, dim) = table.dims2()?;
+        let grad_table = if table.device().is_cpu() {
+            scatter_rows_cpu(vocab, dim, ids, grad)?
+        } else {
+            // Other devices: Candle's own index_add, as candle-nn's backward.
+            Tensor::zeros((vocab, dim), grad.dtype(), grad.device())?.index_add(ids, grad, 0)?
+        };
+        Ok((route(self.hook.as_ref(), table, grad_table)?, None))
+    }
+}
+
+/// `out[ids[i]] += grad[i]` into a fresh zeroed `[vocab, dim]` table, in
+/// the order of `ids` (the order of Candle's `index_add`, so the sums are
+/// bitwise those of candle-nn).
+fn scatter_rows<T: WithDType>(grad: &[T], ids: &[usize], vocab: usize, dim: usize) -> Vec<T> {
+    let mut out = vec![T::from_f64(0.0); vocab * dim];
+    for (row, &id) in grad.chunks_exact(dim).zip(ids) {
+        for (o, g) in out[id * dim..(id + 1) * dim].iter_mut().zip(row) {
+            *o += *g;
+        }
+    }
+    out
+}
+
+/// The ids as row numbers, each checked against the vocabulary.
+fn row_numbers<I>(ids: &CpuStorage, layout: &Layout, vocab: usize) -> Result<Vec<usize>>
+where
+    I: WithDType + TryInto<usize> + std::fmt::Display,
+{
+    cpu::slice::<I>(ids, layout, "the embedding ids")?
+        .iter()
+        .map(|&id| match id.try_into() {
+            Ok(row) if row < vocab => Ok(row),
+            _ => bail!("zero-candle Embedding: id {id} is outside the vocabulary 0..{vocab}"),
+        })
+        .collect()
+}
+
+fn scatter_typed<T: WithDType>(
+    grad: &CpuStorage,
+    layout: &Layout,
+    rows: &[usize],
+    vocab: usize,
+    dim: usize,
+) -> Result<Tensor> {
+    let grad = cpu::slice::<T>(grad, layout, "the embedding gradient")?;
+    Tensor::from_vec(
+        scatter_rows(grad, rows, vocab, dim),
+        (vocab, dim),
+        &Device::Cpu,
+    )
+}
+
+fn scatter_rows_cpu(vocab: usize, dim: usize, ids: &Tensor, grad: &Tensor) -> Result<Tensor> {
+    if dim == 0 {
+        return Tensor::zeros((vocab, dim), grad.dtype(), &Device::Cpu);
+    }
+    let grad = grad.contiguous()?;
+    let rows = cpu::with_cpu(ids, "the embedding ids", |storage, layout| {
+        match storage.dtype() {
+            DType::U8 => row_numbers::<u8>(storage, layout, vocab),
+            DType::U32 => row_numbers::<u32>(storage, layout, vocab),
+            DType::I64 => row_numbers::<i64>(storage, layout, vocab),
+            other => bail!(
+                "zero-candle Embedding: ids of dtype {other:?} are not supported; use u8, u32 or i64"
+            ),
+        }
+    })?;
+    cpu::with_cpu(
+        &grad,
+        "the embedding gradient",
+        |storage, layout| match storage.dtype() {
+            DType::F32 => scatter_typed::<f32>(storage, layout, &rows, vocab, dim),
+            DType::F64 => scatter_typed::<f64>(storage, layout, &rows, vocab, dim),
+            DType::BF16 => scatter_typed::<half::bf16>(storage, layout, &rows, vocab, dim),
+            DType::F16 => scatter_typed::<half::f16>(storage, layout, &rows, vocab, dim),
+            other => bail!(
+                "zero-candle Embedding: dtype {other:?} is not supported; use f32, f64, bf16 or f16"
+            ),
+        },
+    )
+}

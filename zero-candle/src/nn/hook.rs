@@ -1,0 +1,197 @@
+//! The gradient hook: how a layer hands a parameter's gradient out of Candle's backward.
+
+use candle_core::backprop::GradStore;
+use candle_core::{Result, Tensor, TensorId, Var};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+/// Receives parameter gradients during `loss.backward()`, the moment each is
+/// computed.
+///
+/// The layers of [`crate::nn`] call [`GradHook::grad_ready`] from inside
+/// Candle's backward pass, once per use of a variable in the graph, with the
+/// gradient of that use. A variable used once (the usual case) gets exactly
+/// one call, carrying its complete gradient; a variable used by `k` hooked
+/// ops (a tied weight) gets `k` calls whose sum is its gradient, the last of
+/// them at the variable's place in `loss.sorted_nodes()`.
+///
+/// Gradients handed to a hook are **not** in the `GradStore` that
+/// `backward()` returns. An error returned here aborts the backward pass and
+/// comes out of `backward()`.
+///
+/// Closures `Fn(&Var, Tensor) -> candle_core::Result<()>` are hooks:
+///
+/// ```
+/// use std::sync::Arc;
+/// use zero_candle::nn::GradHook;
+/// let hook: Arc<dyn GradHook> = Arc::new(|var: &candle_core::Var, grad: candle_core::Tensor| {
+///     println!("{:?} ready: {:?}", var.id(), grad.shape());
+///     Ok(())
+/// });
+/// # let _ = hook;
+/// ```
+pub trait GradHook: Send + Sync {
+    /// `grad` is (a use's share of) the gradient of `var`: same shape and
+    /// dtype as `var`, contiguous, on its device. Called on the thread that
+    /// runs `backward()`, in the order backward computes the gradients.
+    fn grad_ready(&self, var: &Var, grad: Tensor) -> Result<()>;
+}
+
+impl<F> GradHook for F
+where
+    F: Fn(&Var, Tensor) -> Result<()> + Send + Sync,
+{
+    fn grad_ready(&self, var: &Var, grad: Tensor) -> Result<()> {
+        self(var, grad)
+    }
+}
+
+/// Sends the gradient `grad` of the op argument `param` where it belongs: to
+/// the hook when there is one and `param` is a variable (the op then returns
+/// `None` for it, leaving no `GradStore` entry), otherwise back to Candle.
+///
+/// A hooked op whose parameter is not itself a variable (say a transposed
+/// view of one) still works: Candle carries the gradient on to the variable.
+pub(crate) fn route(
+    hook: Option<&Arc<dyn GradHook>>,
+    param: &Tensor,
+    grad: Tensor,
+) -> Result<Option<Tensor>> {
+    match hook {
+        Some(hook) if param.is_variable() => {
+            // The promise to hooks is a contiguous gradient; upstream
+            // gradients can be broadcast views (the gradient of a sum).
+            let grad = grad.contiguous()?;
+            hook.grad_ready(&Var::from_tensor(param)?, grad)?;
+            Ok(None)
+        }
+        _ => Ok(Some(grad)),
+    }
+}
+
+/// A [`GradHook`] that keeps the gradients it receives, summing the calls
+/// for one variable, so that the existing `ZeroOptimizer::step(&GradStore)`
+/// can consume them after backward (no overlap).
+///
+/// ```
+/// use std::sync::Arc;
+/// use candle_core::{DType, Device, Module, Tensor};
+/// use candle_nn::{VarBuilder, VarMap};
+/// use zero_candle::nn::{self, GradCollector, GradHook};
+///
+/// # fn main() -> candle_core::Result<()> {
+/// let varmap = VarMap::new();
+/// let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+/// let collector = Arc::new(GradCollector::new());
+/// let hook: Arc<dyn GradHook> = collector.clone();
+/// let layer = nn::linear(4, 2, vb.pp("fc"), Some(hook))?;
+///
+/// let x = Tensor::ones((3, 4), DType::F32, &Device::Cpu)?;
+/// let mut grads = layer.forward(&x)?.sum_all()?.backward()?;
+/// collector.merge_into(&mut grads)?; // now grads holds fc.weight and fc.bias
+/// # assert_eq!(grads.get_ids().count(), 2);
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Default)]
+pub struct GradCollector {
+    collected: Mutex<Collected>,
+}
+
+/// The gradients received so far, in order of first arrival.
+#[derive(Default)]
+struct Collected {
+    position: HashMap<TensorId, usize>,
+    grads: Vec<(Var, Tensor)>,
+}
+
+impl GradCollector {
+    /// An empty collector. Share it as `Arc<GradCollector>` and pass a clone
+    /// of that `Arc` as each layer's hook.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Collected> {
+        // Every change to `Collected` is one insert or one replace made after
+        // the fallible work, so a panic elsewhere leaves it consistent.
+        self.collected
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The gradient collected for `var` so far (the sum of its calls).
+    pub fn get(&self, var: &Var) -> Option<Tensor> {
+        let collected = self.lock();
+        let position = *collected.position.get(&var.id())?;
+        Some(collected.grads[position].1.clone())
+    }
+
+    /// How many variables have a gradient.
+    pub fn len(&self) -> usize {
+        self.lock().grads.len()
+    }
+
+    /// Whether no variable has a gradient.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Removes the gradients, in the order the variables first got one.
+    pub fn drain(&self) -> Vec<(Var, Tensor)> {
+        let mut collected = self.lock();
+        collected.position.clear();
+        std::mem::take(&mut collected.grads)
+    }
+
+    /// Removes the gradients into a new `GradStore`, keyed by variable as
+    /// `loss.backward()`'s is.
+    pub fn take(&self) -> GradStore {
+        let mut store = GradStore::default();
+        for (var, grad) in self.drain() {
+            store.insert(var.as_tensor(), grad);
+        }
+        store
+    }
+
+    /// Removes the gradients and adds them to `grads` (typically what
+    /// `loss.backward()` returned): a variable already there gets the sum,
+    /// which covers a weight used both by a hooked layer and by a plain op.
+    pub fn merge_into(&self, grads: &mut GradStore) -> Result<()> {
+        grads.extend(self.take())
+    }
+}
+
+impl GradHook for GradCollector {
+    fn grad_ready(&self, var: &Var, grad: Tensor) -> Result<()> {
+        let mut collected = self.lock();
+        match collected.position.get(&var.id()).copied() {
+            Some(position) => {
+                let sum = collected.grads[position].1.add(&grad)?;
+                collected.grads[position].1 = sum;
+            }
+            None => {
+                let position = collected.grads.len();
+                collected.position.insert(var.id(), position);
+                collected.grads.push((var.clone(), grad));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl std::fmt::Debug for GradCollector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let collected = self.lock();
+        f.debug_struct("GradCollector")
+            .field(
+                "grads",
+                &collected
+                    .grads
+                    .iter()
+                    .map(|(var, grad)| (var.id(), grad.shape().clone()))
+                    .collect::<Vec<_>>(),
+            )
+            .finish()
+    }
+}

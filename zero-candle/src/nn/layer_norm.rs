@@ -1,0 +1,676 @@
+//! `LayerNorm` and `RmsNorm` with a real backward for their weight and bias.
+//!
+//! candle-nn 0.11's contiguous fast paths run with `apply_op*_no_bwd`: their
+//! output is not part of the graph, so neither the weight, the bias nor the
+//! input get a gradient through them. Here the normalization is one custom
+//! op over `(x, weight[, bias])` on the CPU, with a backward that computes
+//! all three gradients in one pass over the rows; on other devices it is
+//! candle-nn's slow path in plain tensor ops, the parameters [`tap`]ped.
+
+use super::cpu;
+use super::hook::{route, GradHook};
+use super::tap::tap;
+use candle_core::backend::BackendStorage;
+use candle_core::{
+    bail, CpuStorage, CustomOp2, CustomOp3, DType, Device, Layout, Module, Result, Shape, Tensor,
+    Var, WithDType, D,
+};
+use candle_nn::{LayerNormConfig, VarBuilder};
+use std::ops::{Add, AddAssign, Div, Mul, Sub};
+use std::sync::Arc;
+
+/// Layer normalization over the last dimension, as `candle_nn::LayerNorm`:
+/// `y = (x - mean) / √(var + eps) · weight + bias` (or, without
+/// `remove_mean`, RMS normalization `y = x / √(mean(x²) + eps) · weight`).
+///
+/// Statistics are accumulated in f32 for f16/bf16 inputs (and in the
+/// input's own type for f32/f64), as candle-nn does.
+#[derive(Clone)]
+pub struct LayerNorm {
+    weight: Tensor,
+    bias: Option<Tensor>,
+    remove_mean: bool,
+    eps: f64,
+    hook: Option<Arc<dyn GradHook>>,
+}
+
+impl LayerNorm {
+    /// A layer norm over existing tensors, as `candle_nn::LayerNorm::new`,
+    /// plus the hook (`None`: gradients go to the `GradStore`).
+    pub fn new(weight: Tensor, bias: Tensor, eps: f64, hook: Option<Arc<dyn GradHook>>) -> Self {
+        Self {
+            weight,
+            bias: Some(bias),
+            remove_mean: true,
+            eps,
+            hook,
+        }
+    }
+
+    /// A layer norm without bias, as `candle_nn::LayerNorm::new_no_bias`.
+    pub fn new_no_bias(weight: Tensor, eps: f64, hook: Option<Arc<dyn GradHook>>) -> Self {
+        Self {
+            weight,
+            bias: None,
+            remove_mean: true,
+            eps,
+            hook,
+        }
+    }
+
+    /// RMS normalization, as `candle_nn::LayerNorm::rms_norm`.
+    pub fn rms_norm(weight: Tensor, eps: f64, hook: Option<Arc<dyn GradHook>>) -> Self {
+        Self {
+            weight,
+            bias: None,
+            remove_mean: false,
+            eps,
+            hook,
+        }
+    }
+
+    /// The `[size]` weight.
+    pub fn weight(&self) -> &Tensor {
+        &self.weight
+    }
+
+    /// The `[size]` bias, if any.
+    pub fn bias(&self) -> Option<&Tensor> {
+        self.bias.as_ref()
+    }
+
+    /// The epsilon added to the variance.
+    pub fn eps(&self) -> f64 {
+        self.eps
+    }
+
+    /// Whether the mean is subtracted (false: RMS normalization).
+    pub fn remove_mean(&self) -> bool {
+        self.remove_mean
+    }
+
+    /// The hook the layer's parameter gradients go to.
+    pub fn hook(&self) -> Option<&Arc<dyn GradHook>> {
+        self.hook.as_ref()
+    }
+
+    /// Shapes and dtypes of the input against the parameters.
+    fn check_input(&self, x: &Tensor) -> Result<()> {
+        let size = x.dim(D::Minus1)?;
+        let weight_ok = self.weight.dims() == [size];
+        let bias_ok = self.bias.as_ref().is_none_or(|b| b.dims() == [size]);
+        if !weight_ok || !bias_ok || size == 0 {
+            bail!(
+                "zero-candle LayerNorm: the input is {:?} but the weight is {:?} and the bias {:?}; \
+                 the parameters must be [n] with n the input's last dimension, n > 0",
+                x.dims(),
+                self.weight.dims(),
+                self.bias.as_ref().map(|b| b.dims())
+            )
+        }
+        let dtypes_ok = self.weight.dtype() == x.dtype()
+            && self.bias.as_ref().is_none_or(|b| b.dtype() == x.dtype());
+        if !dtypes_ok {
+            bail!(
+                "zero-candle LayerNorm: the input is {:?} but the weight is {:?} and the bias {:?}; \
+                 convert the input (or build the layer) so that all three share one dtype",
+                x.dtype(),
+                self.weight.dtype(),
+                self.bias.as_ref().map(|b| b.dtype())
+            )
+        }
+        Ok(())
+    }
+
+    /// Devices without the fused kernel: candle-nn's slow path, which has a
+    /// backward through plain ops; a hook gets the parameters' gradients
+    /// through [`tap`].
+    fn forward_with_tensor_ops(&self, x: &Tensor) -> Result<Tensor> {
+        let param = |t: &Tensor| -> Result<Tensor> {
+            match &self.hook {
+                Some(hook) if t.is_variable() => tap(&Var::from_tensor(t)?, Some(hook.clone())),
+                _ => Ok(t.clone()),
+            }
+        };
+        let weight = param(&self.weight)?;
+        let bias = self.bias.as_ref().map(param).transpose()?;
+        let x_dtype = x.dtype();
+        let internal_dtype = match x_dtype {
+            DType::F16 | DType::BF16 => DType::F32,
+            dtype => dtype,
+        };
+        let size = x.dim(D::Minus1)?;
+        let x = x.to_dtype(internal_dtype)?;
+        let x = if self.remove_mean {
+            let mean = (x.sum_keepdim(D::Minus1)? / size as f64)?;
+            x.broadcast_sub(&mean)?
+        } else {
+            x
+        };
+        let variance = (x.sqr()?.sum_keepdim(D::Minus1)? / size as f64)?;
+        let normed = x.broadcast_div(&(variance + self.eps)?.sqrt()?)?;
+        let y = normed.to_dtype(x_dtype)?.broadcast_mul(&weight)?;
+        match bias {
+            Some(bias) => y.broadcast_add(&bias),
+            None => Ok(y),
+        }
+    }
+}
+
+impl std::fmt::Debug for LayerNorm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LayerNorm")
+            .field("weight", &self.weight.shape())
+            .field("bias", &self.bias.as_ref().map(|b| b.shape()))
+            .field("remove_mean", &self.remove_mean)
+            .field("eps", &self.eps)
+            .field("hooked", &self.hook.is_some())
+            .finish()
+    }
+}
+
+impl Module for LayerNorm {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.check_input(x)?;
+        if !x.device().is_cpu() {
+            return self.forward_with_tensor_ops(x);
+        }
+        let op = FusedNorm {
+            eps: self.eps,
+            remove_mean: self.remove_mean,
+            hook: self.hook.clone(),
+        };
+        // The kernels read rows directly; `contiguous` copies only when
+        // needed, and Candle carries gradients back through that copy.
+        let x = x.contiguous()?;
+        let weight = self.weight.contiguous()?;
+        match &self.bias {
+            Some(bias) => x.apply_op3(&weight, &bias.contiguous()?, op),
+            None => x.apply_op2(&weight, op),
+        }
+    }
+}
+
+/// A layer norm created as `candle_nn::layer_norm` creates it (`weight`
+/// ones and, when `config.affine`, `bias` zeros; `gamma`/`beta` names are
+/// accepted as aliases). `config` is an `eps` or a `LayerNormConfig`.
+pub fn layer_norm<C: Into<LayerNormConfig>>(
+    size: usize,
+    config: C,
+    vb: VarBuilder,
+    hook: Option<Arc<dyn GradHook>>,
+) -> Result<LayerNorm> {
+    let layer = candle_nn::layer_norm(size, config, vb)?;
+    Ok(LayerNorm {
+        weight: layer.weight().clone(),
+        bias: layer.bias().cloned(),
+        remove_mean: layer.remove_mean(),
+        eps: layer.eps(),
+        hook,
+    })
+}
+
+/// A layer norm without bias, as `candle_nn::layer_norm_no_bias`.
+pub fn layer_norm_no_bias(
+    size: usize,
+    eps: f64,
+    vb: VarBuilder,
+    hook: Option<Arc<dyn GradHook>>,
+) -> Result<LayerNorm> {
+    let config = LayerNormConfig {
+        eps,
+        remove_mean: true,
+        affine: false,
+    };
+    layer_norm(size, config, vb, hook)
+}
+
+/// RMS normalization over the last dimension, as `candle_nn::RmsNorm`:
+/// `y = x / √(mean(x²) + eps) · weight`, for contiguous and strided inputs
+/// alike, with a gradient for `weight`.
+#[derive(Clone, Debug)]
+pub struct RmsNorm(LayerNorm);
+
+impl RmsNorm {
+    /// RMS normalization with an existing weight, as `candle_nn::RmsNorm::new`.
+    pub fn new(weight: Tensor, eps: f64, hook: Option<Arc<dyn GradHook>>) -> Self {
+        Self(LayerNorm::rms_norm(weight, eps, hook))
+    }
+
+    /// The underlying [`LayerNorm`].
+    pub fn into_inner(self) -> LayerNorm {
+        self.0
+    }
+
+    /// The `[size]` weight.
+    pub fn weight(&self) -> &Tensor {
+        self.0.weight()
+    }
+
+    /// The epsilon added to the mean square.
+    pub fn eps(&self) -> f64 {
+        self.0.eps()
+    }
+}
+
+impl Module for RmsNorm {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.0.forward(x)
+    }
+}
+
+/// RMS normalization created as `candle_nn::rms_norm` creates it (`weight`
+/// ones).
+pub fn rms_norm(
+    size: usize,
+    eps: f64,
+    vb: VarBuilder,
+    hook: Option<Arc<dyn GradHook>>,
+) -> Result<RmsNorm> {
+    let config = LayerNormConfig {
+        eps,
+        remove_mean: false,
+        affine: false,
+    };
+    Ok(RmsNorm(layer_norm(size, config, vb, hook)?))
+}
+
+/// The op `(x [.., n], weight [n][, bias [n]])`, CPU only (other devices
+/// never reach it: see [`LayerNorm::forward`]).
+struct FusedNorm {
+    eps: f64,
+    remove_mean: bool,
+    hook: Option<Arc<dyn GradHook>>,
+}
+
+impl FusedNorm {
+    fn op_name(&self) -> &'static str {
+        if self.remove_mean {
+            "zero-layer-norm"
+        } else {
+            "zero-rms-norm"
+        }
+    }
+
+    fn forward(
+        &self,
+        x: (&CpuStorage, &Layout),
+        weight: (&CpuStorage, &Layout),
+        bias: Option<(&CpuStorage, &Layout)>,
+    ) -> Result<(CpuStorage, Shape)> {
+        let shape = x.1.shape().clone();
+        let out = match x.0.dtype() {
+            DType::F32 => self.forward_typed::<f32>(x, weight, bias)?,
+            DType::F64 => self.forward_typed::<f64>(x, weight, bias)?,
+            DType::BF16 => self.forward_typed::<half::bf16>(x, weight, bias)?,
+            DType::F16 => self.forward_typed::<half::f16>(x, weight, bias)?,
+            other => bail!(
+                "zero-candle LayerNorm: dtype {other:?} is not supported; use f32, f64, bf16 or f16"
+            ),
+        };
+        Ok((out, shape))
+    }
+
+    fn forward_typed<T: NormElem>(
+        &self,
+        x: (&CpuStorage, &Layout),
+        weight: (&CpuStorage, &Layout),
+        bias: Option<(&CpuStorage, &Layout)>,
+    ) -> Result<CpuStorage> {
+        let x = cpu::slice::<T>(x.0, x.1, "the LayerNorm input")?;
+        let weight = cpu::slice::<T>(weight.0, weight.1, "the LayerNorm weight")?;
+        let bias = match bias {
+            Some((storage, layout)) => {
+                Some(cpu::slice::<T>(storage, layout, "the LayerNorm bias")?)
+            }
+            None => None,
+        };
+        let y = norm_forward(x, weight, bias, self.eps, self.remove_mean);
+        Ok(T::to_cpu_storage_owned(y))
+    }
+
+    fn backward(
+        &self,
+        x: &Tensor,
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let want = Wanted {
+            x: x.track_op(),
+            weight: weight.track_op(),
+            bias: bias.is_some_and(|b| b.track_op()),
+        };
+        if !(want.x || want.weight || want.bias) {
+            return Ok((None, None, None));
+        }
+        let grad = grad.contiguous()?;
+        let grads = match x.dtype() {
+            DType::F32 => self.backward_typed::<f32>(x, weight, &grad, want)?,
+            DType::F64 => self.backward_typed::<f64>(x, weight, &grad, want)?,
+            DType::BF16 => self.backward_typed::<half::bf16>(x, weight, &grad, want)?,
+            DType::F16 => self.backward_typed::<half::f16>(x, weight, &grad, want)?,
+            other => bail!(
+                "zero-candle LayerNorm: dtype {other:?} is not supported; use f32, f64, bf16 or f16"
+            ),
+        };
+        let hook = self.hook.as_ref();
+        // Bias before weight: their order in `sorted_nodes`.
+        let grad_bias = match (bias, grads.bias) {
+            (Some(bias), Some(grad_bias)) => route(hook, bias, grad_bias)?,
+            _ => None,
+        };
+        let grad_weight = match grads.weight {
+            Some(grad_weight) => route(hook, weight, grad_weight)?,
+            None => None,
+        };
+        Ok((grads.x, grad_weight, grad_bias))
+    }
+
+    fn backward_typed<T: NormElem>(
+        &self,
+        x: &Tensor,
+        weight: &Tensor,
+        grad: &Tensor,
+        want: Wanted,
+    ) -> Result<NormGrads> {
+        let shape = x.shape().clone();
+        let size = x.dim(D::Minus1)?;
+        let (grad_x, grad_weight, grad_bias) =
+            cpu::with_cpu(x, "the LayerNorm input", |x_storage, x_layout| {
+                cpu::with_cpu(weight, "the LayerNorm weight", |w_storage, w_layout| {
+                    cpu::with_cpu(
+                        grad,
+                        "the LayerNorm output gradient",
+                        |g_storage, g_layout| {
+                            Ok(norm_backward(
+                                cpu::slice::<T>(x_storage, x_layout, "the LayerNorm input")?,
+                                cpu::slice::<T>(w_storage, w_layout, "the LayerNorm weight")?,
+                                cpu::slice::<T>(
+                                    g_storage,
+                                    g_layout,
+                                    "the LayerNorm output gradient",
+                                )?,
+                                self.eps,
+                                self.remove_mean,
+                                want.x,
+                            ))
+                        },
+                    )
+                })
+            })?;
+        let from_acc = |v: Vec<T::Acc>| -> Vec<T> { v.into_iter().map(T::from_acc).collect() };
+        Ok(NormGrads {
+            x: match grad_x {
+                Some(grad_x) if want.x => Some(Tensor::from_vec(grad_x, shape, &Device::Cpu)?),
+                _ => None,
+            },
+            weight: if want.weight {
+                Some(Tensor::from_vec(from_acc(grad_weight), size, &Device::Cpu)?)
+            } else {
+                None
+            },
+            bias: if want.bias {
+                Some(Tensor::from_vec(from_acc(grad_bias), size, &Device::Cpu)?)
+            } else {
+                None
+            },
+        })
+    }
+}
+
+/// Which of the op's arguments need a gradient.
+#[derive(Clone, Copy)]
+struct Wanted {
+    x: bool,
+    weight: bool,
+    bias: bool,
+}
+
+struct NormGrads {
+    x: Option<Tensor>,
+    weight: Option<Tensor>,
+    bias: Option<Tensor>,
+}
+
+impl CustomOp2 for FusedNorm {
+    fn name(&self) -> &'static str {
+        self.op_name()
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        x_layout: &Layout,
+        weight: &CpuStorage,
+        weight_layout: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        self.forward((x, x_layout), (weight, weight_layout), None)
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        weight: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let (grad_x, grad_weight, _) = self.backward(x, weight, None, grad)?;
+        Ok((grad_x, grad_weight))
+    }
+}
+
+impl CustomOp3 for FusedNorm {
+    fn name(&self) -> &'static str {
+        self.op_name()
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        x_layout: &Layout,
+        weight: &CpuStorage,
+        weight_layout: &Layout,
+        bias: &CpuStorage,
+        bias_layout: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        self.forward(
+            (x, x_layout),
+            (weight, weight_layout),
+            Some((bias, bias_layout)),
+        )
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        weight: &Tensor,
+        bias: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        self.backward(x, weight, Some(bias), grad)
+    }
+}
+
+/// The arithmetic the statistics are accumulated in.
+trait Accum:
+    Copy + Add<Output = Self> + Sub<Output = Self> + Mul<Output = Self> + Div<Output = Self> + AddAssign
+{
+    const ZERO: Self;
+    const ONE: Self;
+    fn from_f64(v: f64) -> Self;
+    fn sqrt(self) -> Self;
+}
+
+impl Accum for f32 {
+    const ZERO: Self = 0.0;
+    const ONE: Self = 1.0;
+    fn from_f64(v: f64) -> Self {
+        v as f32
+    }
+    fn sqrt(self) -> Self {
+        f32::sqrt(self)
+    }
+}
+
+impl Accum for f64 {
+    const ZERO: Self = 0.0;
+    const ONE: Self = 1.0;
+    fn from_f64(v: f64) -> Self {
+        v
+    }
+    fn sqrt(self) -> Self {
+        f64::sqrt(self)
+    }
+}
+
+/// An element type with the type its statistics are accumulated in: f32
+/// for the 16-bit types, itself otherwise.
+trait NormElem: WithDType {
+    type Acc: Accum;
+    fn acc(self) -> Self::Acc;
+    fn from_acc(v: Self::Acc) -> Self;
+}
+
+impl NormElem for f32 {
+    type Acc = f32;
+    fn acc(self) -> f32 {
+        self
+    }
+    fn from_acc(v: f32) -> Self {
+        v
+    }
+}
+
+impl NormElem for f64 {
+    type Acc = f64;
+    fn acc(self) -> f64 {
+        self
+    }
+    fn from_acc(v: f64) -> Self {
+        v
+    }
+}
+
+impl NormElem for half::bf16 {
+    type Acc = f32;
+    fn acc(self) -> f32 {
+        self.to_f32()
+    }
+    fn from_acc(v: f32) -> Self {
+        half::bf16::from_f32(v)
+    }
+}
+
+impl NormElem for half::f16 {
+    type Acc = f32;
+    fn acc(self) -> f32 {
+        self.to_f32()
+    }
+    fn from_acc(v: f32) -> Self {
+        half::f16::from_f32(v)
+    }
+}
+
+/// A row's mean (zero without `remove_mean`) and `1/√(var + eps)`, the
+/// variance taken around the mean in a second pass (no `E[x²] - mean²`
+/// cancellation).
+fn row_stats<T: NormElem>(row: &[T], eps: T::Acc, remove_mean: bool) -> (T::Acc, T::Acc) {
+    let n = T::Acc::from_f64(row.len() as f64);
+    let mean = if remove_mean {
+        let mut sum = T::Acc::ZERO;
+        for &v in row {
+            sum += v.acc();
+        }
+        sum / n
+    } else {
+        T::Acc::ZERO
+    };
+    let mut sum_sq = T::Acc::ZERO;
+    for &v in row {
+        let centered = v.acc() - mean;
+        sum_sq += centered * centered;
+    }
+    (mean, T::Acc::ONE / (sum_sq / n + eps).sqrt())
+}
+
+/// `y = (x - mean)·rstd·w + b` per row of `weight.len()` elements.
+fn norm_forward<T: NormElem>(
+    x: &[T],
+    weight: &[T],
+    bias: Option<&[T]>,
+    eps: f64,
+    remove_mean: bool,
+) -> Vec<T> {
+    let eps = T::Acc::from_f64(eps);
+    let mut y = Vec::with_capacity(x.len());
+    for row in x.chunks_exact(weight.len()) {
+        let (mean, rstd) = row_stats(row, eps, remove_mean);
+        match bias {
+            Some(bias) => y.extend(
+                row.iter()
+                    .zip(weight)
+                    .zip(bias)
+                    .map(|((&v, &w), &b)| T::from_acc((v.acc() - mean) * rstd * w.acc() + b.acc())),
+            ),
+            None => y.extend(
+                row.iter()
+                    .zip(weight)
+                    .map(|(&v, &w)| T::from_acc((v.acc() - mean) * rstd * w.acc())),
+            ),
+        }
+    }
+    y
+}
+
+/// The gradients of [`norm_forward`] given the output gradient `grad`:
+/// `∂x` (when `want_x`), and `∂w`, `∂b` accumulated over rows in `T::Acc`.
+///
+/// With `x̂ = (x - mean)·rstd` and `ĝ = g·w` per row of `n`:
+/// `∂x = rstd·(ĝ - mean(ĝ) - x̂·mean(ĝ·x̂))` (no `mean(ĝ)` term for RMS),
+/// `∂w = Σ_rows g·x̂`, `∂b = Σ_rows g`.
+#[allow(clippy::type_complexity)]
+fn norm_backward<T: NormElem>(
+    x: &[T],
+    weight: &[T],
+    grad: &[T],
+    eps: f64,
+    remove_mean: bool,
+    want_x: bool,
+) -> (Option<Vec<T>>, Vec<T::Acc>, Vec<T::Acc>) {
+    let size = weight.len();
+    let n = T::Acc::from_f64(size as f64);
+    let eps = T::Acc::from_f64(eps);
+    let mut grad_x = want_x.then(|| Vec::with_capacity(x.len()));
+    let mut grad_weight = vec![T::Acc::ZERO; size];
+    let mut grad_bias = vec![T::Acc::ZERO; size];
+    for (row, grad_row) in x.chunks_exact(size).zip(grad.chunks_exact(size)) {
+        let (mean, rstd) = row_stats(row, eps, remove_mean);
+        let mut sum_g_hat = T::Acc::ZERO;
+        let mut sum_g_hat_x_hat = T::Acc::ZERO;
+        for j in 0..size {
+            let x_hat = (row[j].acc() - mean) * rstd;
+            let g = grad_row[j].acc();
+            let g_hat = g * weight[j].acc();
+            sum_g_hat += g_hat;
+            sum_g_hat_x_hat += g_hat * x_hat;
+            grad_weight[j] += g * x_hat;
+            grad_bias[j] += g;
+        }
+        if let Some(grad_x) = grad_x.as_mut() {
+            let mean_g_hat = if remove_mean {
+                sum_g_hat / n
+            } else {
+                T::Acc::ZERO
+            };
+            let mean_g_hat_x_hat = sum_g_hat_x_hat / n;
+            grad_x.extend((0..size).map(|j| {
+                let x_hat = (row[j].acc() - mean) * rstd;
+                let g_hat = grad_row[j].acc() * weight[j].acc();
+                T::from_acc(rstd * (g_hat - mean_g_hat - x_hat * mean_g_hat_x_hat))
+            }));
+        }
+    }
+    (grad_x, grad_weight, grad_bias)
+}

@@ -1,0 +1,347 @@
+//! `Linear`: `y = x·Wᵀ + b` as one custom op that reads `W` in place and
+//! hands `∂W`, `∂b` to the hook.
+
+use super::cpu;
+use super::hook::{route, GradHook};
+use candle_core::backend::BackendStorage;
+use candle_core::op::Add;
+use candle_core::{
+    bail, CpuStorage, CudaStorage, CustomOp2, CustomOp3, Layout, Module, Result, Shape, Tensor,
+    WithDType,
+};
+use candle_nn::VarBuilder;
+use std::sync::Arc;
+
+/// A linear layer, `y = x·Wᵀ + b`, with candle-nn's weight layout
+/// (`weight` is `[out, in]`, `bias` is `[out]`).
+///
+/// The forward is one custom op over `(x, weight[, bias])`: the matmul reads
+/// the weight's storage directly and the bias is added into the matmul's
+/// output. Its backward computes `∂b = Σ g`, `∂W = gᵀ·x` (written straight
+/// out as `[out, in]`, no zero-filled accumulator) and hands both to the
+/// hook, then computes `∂x = g·W`. Inputs of any rank `[.., in]` are
+/// flattened to `[rows, in]` (a copy only when `x` is not contiguous).
+#[derive(Clone)]
+pub struct Linear {
+    weight: Tensor,
+    bias: Option<Tensor>,
+    hook: Option<Arc<dyn GradHook>>,
+}
+
+impl Linear {
+    /// A layer over existing tensors, as `candle_nn::Linear::new`, plus the
+    /// hook (`None`: gradients go to the `GradStore`). `weight` can be any
+    /// `[out, in]` tensor, for instance an embedding table to tie.
+    pub fn new(weight: Tensor, bias: Option<Tensor>, hook: Option<Arc<dyn GradHook>>) -> Self {
+        Self { weight, bias, hook }
+    }
+
+    /// The `[out, in]` weight.
+    pub fn weight(&self) -> &Tensor {
+        &self.weight
+    }
+
+    /// The `[out]` bias, if any.
+    pub fn bias(&self) -> Option<&Tensor> {
+        self.bias.as_ref()
+    }
+
+    /// The hook the layer's parameter gradients go to.
+    pub fn hook(&self) -> Option<&Arc<dyn GradHook>> {
+        self.hook.as_ref()
+    }
+}
+
+impl std::fmt::Debug for Linear {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Linear")
+            .field("weight", &self.weight.shape())
+            .field("bias", &self.bias.as_ref().map(|b| b.shape()))
+            .field("hooked", &self.hook.is_some())
+            .finish()
+    }
+}
+
+impl Module for Linear {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let dims = x.dims();
+        let Some((&in_dim, leading)) = dims.split_last() else {
+            bail!(
+                "zero-candle Linear: the input is a scalar; give it a last dimension of {} \
+                 features",
+                self.weight.dim(1)?
+            )
+        };
+        // One 2-d matmul whatever the rank, as candle-nn does for contiguous
+        // inputs; `reshape` copies a strided input first.
+        let rows: usize = leading.iter().product();
+        let x_rows = if dims.len() == 2 && x.is_contiguous() {
+            x.clone()
+        } else {
+            x.reshape((rows, in_dim))?
+        };
+        let op = FusedLinear {
+            hook: self.hook.clone(),
+        };
+        let y = match &self.bias {
+            Some(bias) => x_rows.apply_op3(&self.weight, bias, op)?,
+            None => x_rows.apply_op2(&self.weight, op)?,
+        };
+        if dims.len() == 2 {
+            return Ok(y);
+        }
+        let mut out_dims = leading.to_vec();
+        out_dims.push(y.dim(1)?);
+        y.reshape(out_dims)
+    }
+}
+
+/// A linear layer with a bias, created as `candle_nn::linear` creates it:
+/// `weight` `[out_dim, in_dim]` (Kaiming normal) and `bias` `[out_dim]`
+/// (uniform in `±1/√in_dim`).
+pub fn linear(
+    in_dim: usize,
+    out_dim: usize,
+    vb: VarBuilder,
+    hook: Option<Arc<dyn GradHook>>,
+) -> Result<Linear> {
+    let layer = candle_nn::linear(in_dim, out_dim, vb)?;
+    Ok(Linear::new(
+        layer.weight().clone(),
+        layer.bias().cloned(),
+        hook,
+    ))
+}
+
+/// A linear layer without bias, created as `candle_nn::linear_no_bias`.
+pub fn linear_no_bias(
+    in_dim: usize,
+    out_dim: usize,
+    vb: VarBuilder,
+    hook: Option<Arc<dyn GradHook>>,
+) -> Result<Linear> {
+    let layer = candle_nn::linear_no_bias(in_dim, out_dim, vb)?;
+    Ok(Linear::new(layer.weight().clone(), None, hook))
+}
+
+/// [`linear`] when `bias`, else [`linear_no_bias`], as `candle_nn::linear_b`.
+pub fn linear_b(
+    in_dim: usize,
+    out_dim: usize,
+    bias: bool,
+    vb: VarBuilder,
+    hook: Option<Arc<dyn GradHook>>,
+) -> Result<Linear> {
+    if bias {
+        linear(in_dim, out_dim, vb, hook)
+    } else {
+        linear_no_bias(in_dim, out_dim, vb, hook)
+    }
+}
+
+/// The op `(x [rows, in], W [out, in][, b [out]]) -> x·Wᵀ + b`.
+struct FusedLinear {
+    hook: Option<Arc<dyn GradHook>>,
+}
+
+/// `x·Wᵀ` on the storages, `W` read through a transposed layout (no copy);
+/// returns the product and its `(rows, out)`.
+fn matmul_xwt<S: BackendStorage>(
+    x: &S,
+    x_layout: &Layout,
+    w: &S,
+    w_layout: &Layout,
+) -> Result<(S, usize, usize)> {
+    let (rows, in_dim) = x_layout.shape().dims2()?;
+    let (out_dim, w_in) = w_layout.shape().dims2()?;
+    if in_dim != w_in {
+        bail!(
+            "zero-candle Linear: the input has {in_dim} features but the weight is \
+             [{out_dim}, {w_in}] ([out, in]); build the layer with in_dim = {in_dim}"
+        )
+    }
+    let product = x.matmul(
+        w,
+        (1, rows, out_dim, in_dim),
+        x_layout,
+        &w_layout.transpose(0, 1)?,
+    )?;
+    Ok((product, rows, out_dim))
+}
+
+fn check_bias(bias_layout: &Layout, out_dim: usize) -> Result<()> {
+    match bias_layout.shape().dims() {
+        [n] if *n == out_dim => Ok(()),
+        dims => bail!(
+            "zero-candle Linear: the bias has shape {dims:?} but the weight has {out_dim} \
+             outputs; give a bias of shape [{out_dim}]"
+        ),
+    }
+}
+
+/// Adds `bias` to every row of `out`, in place.
+fn add_rows<T: WithDType>(out: &mut [T], bias: &[T]) {
+    for row in out.chunks_exact_mut(bias.len()) {
+        for (o, b) in row.iter_mut().zip(bias) {
+            *o += *b;
+        }
+    }
+}
+
+fn add_bias_cpu(out: &mut CpuStorage, bias: &CpuStorage, bias_layout: &Layout) -> Result<()> {
+    const WHAT: &str = "the Linear bias";
+    match out {
+        CpuStorage::F32(out) => add_rows(out, cpu::slice(bias, bias_layout, WHAT)?),
+        CpuStorage::F64(out) => add_rows(out, cpu::slice(bias, bias_layout, WHAT)?),
+        CpuStorage::BF16(out) => add_rows(out, cpu::slice(bias, bias_layout, WHAT)?),
+        CpuStorage::F16(out) => add_rows(out, cpu::slice(bias, bias_layout, WHAT)?),
+        other => bail!(
+            "zero-candle Linear: dtype {:?} is not supported; use f32, f64, bf16 or f16",
+            other.dtype()
+        ),
+    }
+    Ok(())
+}
+
+/// The forward on any backend through its storage ops: the bias is added
+/// by a broadcast add into a new buffer.
+fn forward_generic<S: BackendStorage>(
+    x: (&S, &Layout),
+    w: (&S, &Layout),
+    bias: Option<(&S, &Layout)>,
+) -> Result<(S, Shape)> {
+    let (product, rows, out_dim) = matmul_xwt(x.0, x.1, w.0, w.1)?;
+    let out = match bias {
+        Some((b, b_layout)) => {
+            check_bias(b_layout, out_dim)?;
+            product.binary_impl::<Add>(
+                b,
+                &Layout::contiguous((rows, out_dim)),
+                &b_layout.broadcast_as((rows, out_dim))?,
+            )?
+        }
+        None => product,
+    };
+    Ok((out, Shape::from((rows, out_dim))))
+}
+
+impl FusedLinear {
+    fn backward(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        b: Option<&Tensor>,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let hook = self.hook.as_ref();
+        let grad = grad.contiguous()?;
+        // Parameters first, bias before weight (their order in
+        // `sorted_nodes`), so the hook can move them while ∂x is computed.
+        // Arguments that need no gradient (untracked input, frozen weight)
+        // cost nothing.
+        let grad_b = match b {
+            Some(b) if b.track_op() => route(hook, b, grad.sum(0)?)?,
+            _ => None,
+        };
+        let grad_w = if w.track_op() {
+            route(hook, w, grad.t()?.matmul(&x.detach())?)?
+        } else {
+            None
+        };
+        let grad_x = if x.track_op() {
+            Some(grad.matmul(&w.detach())?)
+        } else {
+            None
+        };
+        Ok((grad_x, grad_w, grad_b))
+    }
+}
+
+impl CustomOp2 for FusedLinear {
+    fn name(&self) -> &'static str {
+        "zero-linear"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        x_layout: &Layout,
+        w: &CpuStorage,
+        w_layout: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (product, rows, out_dim) = matmul_xwt(x, x_layout, w, w_layout)?;
+        Ok((product, Shape::from((rows, out_dim))))
+    }
+
+    fn cuda_fwd(
+        &self,
+        x: &CudaStorage,
+        x_layout: &Layout,
+        w: &CudaStorage,
+        w_layout: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        forward_generic((x, x_layout), (w, w_layout), None)
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let (grad_x, grad_w, _) = self.backward(x, w, None, grad)?;
+        Ok((grad_x, grad_w))
+    }
+}
+
+impl CustomOp3 for FusedLinear {
+    fn name(&self) -> &'static str {
+        "zero-linear"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        x_layout: &Layout,
+        w: &CpuStorage,
+        w_layout: &Layout,
+        b: &CpuStorage,
+        b_layout: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (mut out, rows, out_dim) = matmul_xwt(x, x_layout, w, w_layout)?;
+        check_bias(b_layout, out_dim)?;
+        if b.dtype() != out.dtype() {
+            bail!(
+                "zero-candle Linear: the bias is {:?} but the weight is {:?}; give both one dtype",
+                b.dtype(),
+                out.dtype()
+            )
+        }
+        add_bias_cpu(&mut out, b, b_layout)?;
+        Ok((out, Shape::from((rows, out_dim))))
+    }
+
+    fn cuda_fwd(
+        &self,
+        x: &CudaStorage,
+        x_layout: &Layout,
+        w: &CudaStorage,
+        w_layout: &Layout,
+        b: &CudaStorage,
+        b_layout: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        forward_generic((x, x_layout), (w, w_layout), Some((b, b_layout)))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        b: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        self.backward(x, w, Some(b), grad)
+    }
+}

@@ -1,0 +1,86 @@
+//! ZeRO-aware layers: candle-nn's layers whose parameter gradients leave
+//! Candle's backward pass the moment each is computed.
+//!
+//! A model written with candle-nn moves over by changing its imports and
+//! giving each constructor one more argument, the hook:
+//!
+//! ```
+//! use std::sync::Arc;
+//! use candle_core::{DType, Device, Module, Tensor};
+//! use candle_nn::{VarBuilder, VarMap};
+//! use zero_candle::nn::{self, GradCollector, GradHook};
+//!
+//! # fn main() -> candle_core::Result<()> {
+//! let varmap = VarMap::new();
+//! let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+//! let collector = Arc::new(GradCollector::new());
+//! let hook: Option<Arc<dyn GradHook>> = Some(collector.clone());
+//! let fc1 = nn::linear(8, 16, vb.pp("fc1"), hook.clone())?;
+//! let norm = nn::layer_norm(16, 1e-5, vb.pp("norm"), hook.clone())?;
+//! let fc2 = nn::linear_no_bias(16, 4, vb.pp("fc2"), hook.clone())?;
+//!
+//! let x = Tensor::randn(0f32, 1.0, (2, 8), &Device::Cpu)?;
+//! let loss = fc2.forward(&norm.forward(&fc1.forward(&x)?.relu()?)?)?.sqr()?.mean_all()?;
+//! let mut grads = loss.backward()?; // no parameter gradient in here
+//! collector.merge_into(&mut grads)?; // now all five are
+//! # assert_eq!(grads.get_ids().count(), 5);
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! # The hook
+//! Every constructor takes `hook: Option<Arc<dyn GradHook>>`.
+//! - **`Some(hook)`**: during `loss.backward()` the layer's backward calls
+//!   [`GradHook::grad_ready`] with each parameter variable and its gradient,
+//!   and returns `None` to Candle for it, so **the parameter gradients are
+//!   not in the `GradStore` that `backward()` returns**. The engine's hook
+//!   launches bucket reductions from there; [`GradCollector`] just keeps
+//!   them, for `ZeroOptimizer::step(&GradStore)` after backward. Only
+//!   variables go to the hook: a parameter that is a view of a variable, or
+//!   a tracked tensor, gets its gradient through Candle as usual.
+//! - **`None`**: the layer behaves like candle-nn's: every gradient goes to
+//!   the `GradStore`.
+//!
+//! A hooked parameter's gradient is complete when its call comes (Candle's
+//! backward reaches an op only after every consumer of its output). The
+//! order of the calls is the order of the variables in
+//! `loss.sorted_nodes()` (public in candle-core 0.11), computable before
+//! backward runs; a variable used by several hooked ops (a tied weight) gets
+//! one call per use, the last at its place in that order.
+//!
+//! # The layers
+//! - [`Linear`] ([`linear`], [`linear_no_bias`], [`linear_b`]) and
+//!   [`Embedding`] ([`embedding`]) are fused custom ops: the forward reads
+//!   the weight's storage in place, the backward computes the input
+//!   gradient and hands the weight (and bias) gradient to the hook.
+//! - [`LayerNorm`] ([`layer_norm`], [`layer_norm_no_bias`]) and [`RmsNorm`]
+//!   ([`rms_norm`]) have a real backward for their weight and bias (candle-nn
+//!   0.11's contiguous fast paths have none, and cut the graph there).
+//! - [`tap`] hands any other variable's gradient to the hook, at the cost of
+//!   a copy of the variable per forward.
+//!
+//! Constructors create their variables through the `VarBuilder` with
+//! candle-nn's names, shapes and initializations (they call candle-nn's own
+//! constructors), so checkpoints and seeded runs are interchangeable.
+//!
+//! Devices: everything runs on the CPU (f32, f64, bf16, f16). On CUDA,
+//! `Linear` and `Embedding` run through Candle's storage ops and
+//! `LayerNorm`/`RmsNorm` through plain tensor ops with tapped parameters;
+//! that path has not yet been run on a GPU.
+//!
+//! Unlike candle-nn, a fused op computes no gradient for an input that needs
+//! none (a plain, untracked tensor such as the model's input data), so such
+//! an input has no `GradStore` entry.
+
+mod cpu;
+mod embedding;
+mod hook;
+mod layer_norm;
+mod linear;
+mod tap;
+
+pub use embedding::{embedding, Embedding};
+pub use hook::{GradCollector, GradHook};
+pub use layer_norm::{layer_norm, layer_norm_no_bias, rms_norm, LayerNorm, RmsNorm};
+pub use linear::{linear, linear_b, linear_no_bias, Linear};
+pub use tap::tap;

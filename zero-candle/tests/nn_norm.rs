@@ -1,0 +1,223 @@
+//! `zero_candle::nn::{LayerNorm, RmsNorm}` against references.
+//!
+//! candle-nn 0.11's contiguous `LayerNorm`/`RmsNorm` run without backward
+//! (no gradient for the weight, the bias or the input), so gradients are
+//! checked against candle-nn's slow paths in plain tensor ops
+//! (`candle_nn::ops::layer_norm_slow`, `rms_norm_slow`), which do have a
+//! backward; outputs are also checked against candle-nn's layers. Our
+//! variance is taken around the mean in a second pass and the output is
+//! `(x - mean)·rstd·w + b`, so values agree to rounding, not bitwise.
+
+mod nn_support;
+
+use candle_core::{DType, Device, Module, Tensor, Var};
+use candle_nn::{LayerNormConfig, VarBuilder, VarMap};
+use nn_support::{assert_close, data, hook, var, weighted_sum, Recorder};
+use zero_candle::nn;
+
+const SIZE: usize = 16;
+const EPS: f64 = 1e-5;
+
+/// Sets the named variable of `varmap` to seeded values, so the weight and
+/// bias are not the trivial ones and zeros.
+fn randomize(varmap: &VarMap, name: &str, seed: u64) {
+    let data_map = varmap.data().lock().unwrap();
+    let var = &data_map[name];
+    let values = (data(seed, var.dims(), DType::F32) + 1.0).unwrap();
+    var.set(&values.to_dtype(var.dtype()).unwrap()).unwrap();
+}
+
+/// What a norm test compares: the output, and the gradients of the input,
+/// weight and bias.
+struct Outcome {
+    y: Tensor,
+    grad_x: Tensor,
+    grad_weight: Tensor,
+    grad_bias: Option<Tensor>,
+}
+
+fn assert_outcomes_close(got: &Outcome, want: &Outcome, tol: f64) {
+    assert_close("output", &got.y, &want.y, tol);
+    assert_close("∂x", &got.grad_x, &want.grad_x, tol);
+    assert_close("∂weight", &got.grad_weight, &want.grad_weight, tol);
+    if let (Some(g), Some(w)) = (&got.grad_bias, &want.grad_bias) {
+        assert_close("∂bias", g, w, tol);
+    }
+}
+
+/// Our layer norm (with or without bias, or RMS) on `x`, the parameters'
+/// gradients taken from the hook.
+fn ours(kind: Kind, dtype: DType, x: &Var, seed: u64) -> (Outcome, VarMap) {
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, dtype, &Device::Cpu);
+    let recorder = Recorder::new();
+    let layer: Box<dyn Module> = match kind {
+        Kind::LayerNorm => {
+            Box::new(nn::layer_norm(SIZE, EPS, vb.pp("ln"), hook(&recorder)).unwrap())
+        }
+        Kind::LayerNormNoBias => {
+            Box::new(nn::layer_norm_no_bias(SIZE, EPS, vb.pp("ln"), hook(&recorder)).unwrap())
+        }
+        Kind::RmsNorm => Box::new(nn::rms_norm(SIZE, EPS, vb.pp("ln"), hook(&recorder)).unwrap()),
+    };
+    randomize(&varmap, "ln.weight", seed);
+    if kind == Kind::LayerNorm {
+        randomize(&varmap, "ln.bias", seed + 1);
+    }
+    let y = layer.forward(x).unwrap();
+    let grads = weighted_sum(&y, seed + 2).backward().unwrap();
+    let weight = varmap.data().lock().unwrap()["ln.weight"].clone();
+    assert!(grads.get(&weight).is_none(), "the hook took ∂weight");
+    let grad_bias = (kind == Kind::LayerNorm).then(|| {
+        let bias = varmap.data().lock().unwrap()["ln.bias"].clone();
+        assert!(grads.get(&bias).is_none(), "the hook took ∂bias");
+        recorder.grad_of(&bias)
+    });
+    let outcome = Outcome {
+        y,
+        grad_x: grads.get(x).unwrap().clone(),
+        grad_weight: recorder.grad_of(&weight),
+        grad_bias,
+    };
+    (outcome, varmap)
+}
+
+/// candle-nn's slow path, in plain ops, over the parameters of `varmap`
+/// converted to `dtype`, on `x` converted to `dtype`.
+fn reference(kind: Kind, dtype: DType, x: &Var, varmap: &VarMap, seed: u64) -> Outcome {
+    let param = |name: &str| {
+        let t = varmap.data().lock().unwrap()[name].as_tensor().clone();
+        Var::from_tensor(&t.to_dtype(dtype).unwrap()).unwrap()
+    };
+    let x_ref = Var::from_tensor(&x.as_tensor().to_dtype(dtype).unwrap()).unwrap();
+    let weight = param("ln.weight");
+    let bias = match kind {
+        Kind::LayerNorm => Some(param("ln.bias")),
+        _ => None,
+    };
+    let eps = EPS as f32;
+    let y = match kind {
+        Kind::LayerNorm => {
+            candle_nn::ops::layer_norm_slow(&x_ref, &weight, bias.as_ref().unwrap(), eps)
+        }
+        Kind::LayerNormNoBias => {
+            let zeros = Tensor::zeros(SIZE, dtype, &Device::Cpu).unwrap();
+            candle_nn::ops::layer_norm_slow(&x_ref, &weight, &zeros, eps)
+        }
+        Kind::RmsNorm => candle_nn::ops::rms_norm_slow(&x_ref, &weight, eps),
+    }
+    .unwrap();
+    let grads = weighted_sum(&y, seed + 2).backward().unwrap();
+    Outcome {
+        grad_x: grads.get(&x_ref).unwrap().clone(),
+        grad_weight: grads.get(&weight).unwrap().clone(),
+        grad_bias: bias.map(|b| grads.get(&b).unwrap().clone()),
+        y,
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Kind {
+    LayerNorm,
+    LayerNormNoBias,
+    RmsNorm,
+}
+
+const KINDS: [Kind; 3] = [Kind::LayerNorm, Kind::LayerNormNoBias, Kind::RmsNorm];
+
+#[test]
+fn f32_and_f64_match_the_plain_ops_reference() {
+    for (dtype, tol) in [(DType::F32, 2e-5), (DType::F64, 1e-12)] {
+        for kind in KINDS {
+            for shape in [&[5, SIZE][..], &[2, 3, SIZE][..]] {
+                let x = var(10, shape, dtype);
+                let (got, varmap) = ours(kind, dtype, &x, 20);
+                let want = reference(kind, dtype, &x, &varmap, 20);
+                assert_outcomes_close(&got, &want, tol);
+            }
+        }
+    }
+}
+
+/// 16-bit inputs: statistics and parameter gradients are accumulated in f32
+/// and rounded once, so they are compared with the f32 computation on the
+/// same (rounded) values, to the 16-bit type's precision.
+#[test]
+fn half_precision_matches_the_f32_reference_to_its_precision() {
+    for (dtype, tol) in [(DType::BF16, 2e-2), (DType::F16, 2e-3)] {
+        for kind in KINDS {
+            let x = var(11, &[2, 3, SIZE], dtype);
+            let (got, varmap) = ours(kind, dtype, &x, 21);
+            let want = reference(kind, DType::F32, &x, &varmap, 21);
+            let up = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+            let got = Outcome {
+                y: up(&got.y),
+                grad_x: up(&got.grad_x),
+                grad_weight: up(&got.grad_weight),
+                grad_bias: got.grad_bias.as_ref().map(up),
+            };
+            // The reference's loss weights are f32 values, ours 16-bit ones.
+            assert_outcomes_close(&got, &want, tol);
+        }
+    }
+}
+
+#[test]
+fn outputs_match_candle_nn_layers() {
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+    let config = LayerNormConfig::from(EPS);
+    let theirs_ln = candle_nn::layer_norm(SIZE, config, vb.pp("ln")).unwrap();
+    let theirs_rms = candle_nn::rms_norm(SIZE, EPS, vb.pp("rms")).unwrap();
+    randomize(&varmap, "ln.weight", 30);
+    randomize(&varmap, "ln.bias", 31);
+    randomize(&varmap, "rms.weight", 32);
+    let ours_ln = nn::layer_norm(SIZE, config, vb.pp("ln"), None).unwrap();
+    let ours_rms = nn::rms_norm(SIZE, EPS, vb.pp("rms"), None).unwrap();
+    let x = data(33, &[4, 3, SIZE], DType::F32);
+    let x_strided = data(34, &[4, SIZE, 3], DType::F32).transpose(1, 2).unwrap();
+    for x in [&x, &x_strided] {
+        assert_close(
+            "layer norm",
+            &ours_ln.forward(x).unwrap(),
+            &theirs_ln.forward(x).unwrap(),
+            2e-6,
+        );
+        assert_close(
+            "rms norm",
+            &ours_rms.forward(x).unwrap(),
+            &theirs_rms.forward(x).unwrap(),
+            2e-6,
+        );
+    }
+}
+
+#[test]
+fn without_a_hook_the_gradients_are_in_the_grad_store() {
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+    let ln = nn::layer_norm(SIZE, EPS, vb.pp("ln"), None).unwrap();
+    let rms = nn::rms_norm(SIZE, EPS, vb.pp("rms"), None).unwrap();
+    let x = var(40, &[3, SIZE], DType::F32);
+    let y = rms.forward(&ln.forward(&x).unwrap()).unwrap();
+    let grads = weighted_sum(&y, 41).backward().unwrap();
+    for param in [ln.weight(), ln.bias().unwrap(), rms.weight(), x.as_tensor()] {
+        assert!(
+            grads.get(param).is_some(),
+            "{:?} has a gradient",
+            param.id()
+        );
+    }
+}
+
+#[test]
+fn mismatched_sizes_are_errors_not_panics() {
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+    let ln = nn::layer_norm(SIZE, EPS, vb.pp("ln"), None).unwrap();
+    let err = ln
+        .forward(&Tensor::zeros((2, SIZE + 1), DType::F32, &Device::Cpu).unwrap())
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("last dimension"), "{err}");
+}
