@@ -35,7 +35,7 @@ pub struct ZeroConfig<C, T: Element> {
 /// The communicator picks where the engine's buffers live (see
 /// [`CandleMemory`]): host memory for the thread and MPI backends (any
 /// [`FunctionalOptimizer`], any float dtype); GPU memory for NCCL
-/// (`ZeroOptimizer<NcclComm>`, alias [`NcclZeroOptimizer`](crate::NcclZeroOptimizer)
+/// (`ZeroOptimizer<NcclComm>`, alias `NcclZeroOptimizer`
 /// with feature `nccl`: f32 variables on the communicator's GPU, a built-in
 /// optimizer, gradients and weights never leaving the device). Checkpoints
 /// have one format: a GPU run resumes on threads or MPI and back.

@@ -1,10 +1,10 @@
 //! # zero-nccl
 //!
-//! The CUDA fast path of zero-rs: [`NcclComm`], a
+//! The CUDA fast path of zero-rs: `NcclComm`, a
 //! [`Communicator`](zero_core::Communicator) over device buffers with NCCL
 //! (feature `nccl`), and fused CUDA kernels compiled at run time with NVRTC
 //! for the engine's flatten/unflatten and the built-in optimizers (feature
-//! `cuda`; see [`kernels`]).
+//! `cuda`; see `kernels`).
 //!
 //! The crate builds without CUDA installed: the libraries are loaded at run
 //! time, and a missing `libcuda.so`, `libnvrtc.so` or `libnccl.so` is an

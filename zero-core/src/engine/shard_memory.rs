@@ -69,7 +69,9 @@ pub struct StepPlan<'a> {
 }
 
 /// What the engine needs from the memory its buffers live in, for
-/// communicator `C` and element type `T`. See the [module docs](self).
+/// communicator `C` and element type `T`: allocate and zero buffers,
+/// flatten gradients, move parameter pieces, scale, partial norms,
+/// collectives over ranges, and the optimizer step on the shard.
 ///
 /// Ranges are element ranges of a buffer. The engine only passes ranges
 /// inside the buffers it allocated through [`ShardMemory::alloc_zeroed`]

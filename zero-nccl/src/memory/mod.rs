@@ -1,4 +1,4 @@
-//! [`CudaMemory`]: the engine's buffers in GPU memory, over NCCL.
+//! `CudaMemory`: the engine's buffers in GPU memory, over NCCL.
 //!
 //! `zero-core`'s one [`Engine`](zero_core::Engine) runs the stage logic
 //! (plan, buckets, trainability, accumulation, clipping, checkpoints); this
