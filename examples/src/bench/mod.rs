@@ -3,6 +3,7 @@
 mod comm;
 #[cfg(feature = "nccl")]
 mod gpu;
+mod layers;
 mod memory;
 #[cfg(feature = "mpi")]
 mod mpi;
@@ -37,7 +38,10 @@ pub fn main() {
                 mpi::run_if_launched(&mut report);
             }
             "optim" if !under_mpirun => optim::run(&mut report),
-            "step" if !under_mpirun => step::run(&mut report),
+            "step" if !under_mpirun => {
+                step::run(&mut report);
+                layers::run(&mut report);
+            }
             "memory" if !under_mpirun => memory::run(&mut report),
             "gpu" => {
                 #[cfg(feature = "nccl")]

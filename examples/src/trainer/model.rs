@@ -1,15 +1,17 @@
 //! The MLP: `layers.{i}.weight` `[out, in]`, `layers.{i}.bias` `[out]`, ReLU
-//! between layers.
+//! between layers, built from `zero_candle::nn`'s fused Linear (which reads
+//! the weight in place and writes its gradient straight out).
 
 use crate::trainer::TrainError;
 use candle_core::{Device, Tensor, Var};
-use candle_nn::VarMap;
+use candle_nn::{Module, VarMap};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use std::path::Path;
+use zero_candle::nn::Linear;
 
 /// A multi-layer perceptron over variables of a [`VarMap`].
 pub struct Mlp {
-    layers: Vec<(Var, Var)>,
+    layers: Vec<Linear>,
 }
 
 impl Mlp {
@@ -39,7 +41,13 @@ impl Mlp {
             let b = Var::from_tensor(&Tensor::from_vec(b, fan_out, device)?)?;
             data.insert(format!("layers.{i}.weight"), w.clone());
             data.insert(format!("layers.{i}.bias"), b.clone());
-            layers.push((w, b));
+            // No gradient hook: the gradients land in backward's GradStore,
+            // for `ZeroOptimizer::step`.
+            layers.push(Linear::new(
+                w.as_tensor().clone(),
+                Some(b.as_tensor().clone()),
+                None,
+            ));
         }
         Ok(Self { layers })
     }
@@ -47,10 +55,8 @@ impl Mlp {
     /// Logits for `x` `[rows, in]`.
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let mut h = x.clone();
-        for (i, (w, b)) in self.layers.iter().enumerate() {
-            h = h
-                .matmul(&w.as_tensor().t()?)?
-                .broadcast_add(b.as_tensor())?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            h = layer.forward(&h)?;
             if i + 1 < self.layers.len() {
                 h = h.relu()?;
             }
