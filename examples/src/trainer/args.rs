@@ -42,11 +42,15 @@ pub enum PartitionerArg {
 /// The model to train.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum ModelKind {
-    /// A multi-layer perceptron (`--hidden`).
+    /// A multi-layer perceptron (`--hidden`) on rows of numbers.
     Mlp,
+    /// A byte-level decoder-only transformer (`--layers`, `--heads`,
+    /// `--d-model`, `--context`) on text.
+    Gpt,
 }
 
-/// Train an MLP classifier with ZeRO sharded data parallelism.
+/// Train a GPT on text, or an MLP classifier, with ZeRO sharded data
+/// parallelism.
 #[derive(Clone, Debug, Parser)]
 #[command(name = "train", version, about)]
 pub struct Args {
@@ -86,7 +90,8 @@ pub struct Args {
     /// Optimizer steps to run.
     #[arg(long, default_value_t = 100)]
     pub steps: u64,
-    /// Rows per rank per micro-step.
+    /// Rows (MLP) or sequences of `--context` bytes (GPT) per rank per
+    /// micro-step.
     #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u64).range(1..))]
     pub batch_size: u64,
     /// Seed of the synthetic data and the initial weights.
@@ -107,10 +112,48 @@ pub struct Args {
     /// Hidden layer widths, comma-separated.
     #[arg(long, value_delimiter = ',', default_values_t = [64, 64])]
     pub hidden: Vec<usize>,
-    /// Training data: a safetensors file with `inputs` (f32 [n, d]) and
-    /// `targets` (i64 [n]). Without it, a synthetic task from `--seed`.
+    /// Training data. MLP: a safetensors file with `inputs` (f32 [n, d])
+    /// and `targets` (i64 [n]); without it, a synthetic task from `--seed`.
+    /// GPT: a plain text file (bytes; the last 10% validate); without it,
+    /// the license texts in /usr/share/common-licenses that every Debian
+    /// and Ubuntu system has.
     #[arg(long)]
     pub data: Option<PathBuf>,
+    /// GPT: transformer blocks.
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u64).range(1..=1024))]
+    pub layers: u64,
+    /// GPT: attention heads per block (must divide `--d-model`).
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u64).range(1..=1024))]
+    pub heads: u64,
+    /// GPT: width of the residual stream.
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..=65536))]
+    pub d_model: u64,
+    /// GPT: sequence length in bytes (positions the model sees).
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..=65536))]
+    pub context: u64,
+    /// GPT: measure the validation loss every this many steps (and after
+    /// the last); 0 for never.
+    #[arg(long, default_value_t = 50)]
+    pub eval_every: u64,
+    /// GPT: validation windows of `--context` bytes per measurement, split
+    /// among the ranks.
+    #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u64).range(1..))]
+    pub eval_sequences: u64,
+    /// GPT: at the end, print this many bytes the model writes after
+    /// `--prompt` (rank 0).
+    #[arg(long, default_value_t = 0)]
+    pub sample: u64,
+    /// GPT: the text `--sample` continues.
+    #[arg(long, default_value = "The ")]
+    pub prompt: String,
+    /// GPT: sampling temperature of `--sample` (0: always the most likely
+    /// byte); the draws are seeded by `--seed`.
+    #[arg(long, default_value_t = 0.8)]
+    pub temperature: f64,
+    /// At the end, draw the training (and validation) loss against the step
+    /// into this PNG file (rank 0; `plot` draws one from a metrics file).
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
     /// Initial weights by name (safetensors).
     #[arg(long)]
     pub init: Option<PathBuf>,

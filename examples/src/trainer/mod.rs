@@ -1,13 +1,20 @@
-//! The `train` binary's logic: flags, data, model and the per-rank loop,
-//! kept in the library so tests can run it in-process.
+//! The `train` binary's logic: flags, data, models (an MLP on rows, a GPT
+//! on text) and the per-rank loop, kept in the library so tests can run it
+//! in-process.
 
 mod args;
 mod data;
+mod gpt;
 mod model;
+mod plot;
+mod text;
 
 pub use args::{Args, Backend, ModelKind, OptimizerKind, PartitionerArg};
 pub use data::Dataset;
+pub use gpt::{Gpt, GptConfig, VOCAB};
 pub use model::{load_weights, save_weights, Mlp};
+pub use plot::LossHistory;
+pub use text::{TextData, DEFAULT_CORPUS_DIR};
 
 use candle_core::{Device, Tensor};
 use candle_nn::VarMap;
@@ -68,12 +75,19 @@ pub struct StepMetrics {
     pub step: u64,
     /// Mean loss over the global batch of the step.
     pub loss: f64,
+    /// Mean loss over the validation windows (GPT, at `--eval-every`
+    /// steps).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub val_loss: Option<f64>,
     /// Learning rate used.
     pub lr: f64,
     /// Global gradient norm (L2) before clipping.
     pub grad_norm: Option<f64>,
     /// Wall time of the step in seconds.
     pub step_time_s: f64,
+    /// Tokens (bytes) of the global batch per second of step time (GPT).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tokens_per_s: Option<f64>,
     /// Bytes rank 0 sent during the step.
     pub bytes_sent: u64,
     /// Rank 0's engine buffers, per category (the engine's own count).
@@ -92,6 +106,38 @@ pub struct Summary {
     pub steps: u64,
     /// Final weights by name (rank 0).
     pub weights: Vec<(String, Vec<f32>)>,
+    /// The last validation loss measured (GPT with `--eval-every`).
+    pub val_loss: Option<f64>,
+    /// The bytes `--sample` generated (GPT, rank 0).
+    pub sample: Option<Vec<u8>>,
+}
+
+/// What a run trains on: rows for the MLP, text for the GPT.
+#[derive(Clone, Debug)]
+pub enum TrainingData {
+    /// Rows of inputs and class targets.
+    Rows(Dataset),
+    /// Bytes of text.
+    Text(TextData),
+}
+
+impl TrainingData {
+    /// The data `--model` and `--data` name.
+    pub fn from_args(args: &Args) -> Result<Self, TrainError> {
+        Ok(match args.model {
+            ModelKind::Mlp => Self::Rows(match &args.data {
+                Some(path) => Dataset::load(path)?,
+                None => Dataset::synthetic(args.seed),
+            }),
+            ModelKind::Gpt => {
+                let context = args.context as usize;
+                Self::Text(match &args.data {
+                    Some(path) => TextData::load(path, context)?,
+                    None => TextData::default_corpus(context)?,
+                })
+            }
+        })
+    }
 }
 
 /// `--timeout-s` as a duration (every backend's collective deadline).
@@ -107,10 +153,7 @@ fn timeout(args: &Args) -> Result<Duration, TrainError> {
 /// Runs training as the flags say; the backend decides how ranks start.
 pub fn run(args: &Args) -> Result<Summary, TrainError> {
     validate(args)?;
-    let data = Arc::new(match &args.data {
-        Some(path) => Dataset::load(path)?,
-        None => Dataset::synthetic(args.seed),
-    });
+    let data = Arc::new(TrainingData::from_args(args)?);
     match args.backend {
         Backend::Threads => {
             let world_size = args.world_size as usize;
@@ -124,7 +167,7 @@ pub fn run(args: &Args) -> Result<Summary, TrainError> {
 }
 
 #[cfg(feature = "nccl")]
-fn run_nccl(args: &Args, data: &Arc<Dataset>) -> Result<Summary, TrainError> {
+fn run_nccl(args: &Args, data: &Arc<TrainingData>) -> Result<Summary, TrainError> {
     use zero_candle::NcclZeroOptimizer;
     use zero_nccl::NcclComm;
     let comm = NcclComm::from_env()
@@ -133,7 +176,7 @@ fn run_nccl(args: &Args, data: &Arc<Dataset>) -> Result<Summary, TrainError> {
     let device = Device::new_cuda(comm.context().ordinal())?;
     let (rank, world_size) = (comm.rank(), comm.world_size());
     let varmap = VarMap::new();
-    let model = Mlp::new(&varmap, &widths(args, data), args.seed, &device)?;
+    let model = Model::new(args, data, &varmap, &device)?;
     if let Some(path) = &args.init {
         load_weights(&varmap, path)?;
     }
@@ -145,7 +188,6 @@ fn run_nccl(args: &Args, data: &Arc<Dataset>) -> Result<Summary, TrainError> {
     )?;
     let ctx = LoopContext {
         args,
-        data,
         rank,
         world_size,
         device: &device,
@@ -156,7 +198,7 @@ fn run_nccl(args: &Args, data: &Arc<Dataset>) -> Result<Summary, TrainError> {
 }
 
 #[cfg(not(feature = "nccl"))]
-fn run_nccl(_: &Args, _: &Arc<Dataset>) -> Result<Summary, TrainError> {
+fn run_nccl(_: &Args, _: &Arc<TrainingData>) -> Result<Summary, TrainError> {
     Err(TrainError::Usage(
         "--backend nccl trains on GPUs and needs a build with `--features nccl` on a machine \
          with CUDA; launch one process per GPU with `torchrun`-style variables or `mpirun`"
@@ -165,7 +207,7 @@ fn run_nccl(_: &Args, _: &Arc<Dataset>) -> Result<Summary, TrainError> {
 }
 
 #[cfg(feature = "mpi")]
-fn run_mpi(args: &Args, data: &Arc<Dataset>) -> Result<Summary, TrainError> {
+fn run_mpi(args: &Args, data: &Arc<TrainingData>) -> Result<Summary, TrainError> {
     use zero_mpi_gloo::MpiComm;
     let timeout = timeout(args)?;
     let comm = MpiComm::init()
@@ -187,7 +229,7 @@ fn run_mpi(args: &Args, data: &Arc<Dataset>) -> Result<Summary, TrainError> {
 }
 
 #[cfg(not(feature = "mpi"))]
-fn run_mpi(_: &Args, _: &Arc<Dataset>) -> Result<Summary, TrainError> {
+fn run_mpi(_: &Args, _: &Arc<TrainingData>) -> Result<Summary, TrainError> {
     Err(TrainError::Usage(
         "--backend mpi needs a build with `--features mpi` (and Open MPI installed); \
          launch with `mpirun -n N target/release/train --backend mpi ...`"
@@ -263,6 +305,15 @@ fn validate(args: &Args) -> Result<(), TrainError> {
     if !(args.timeout_s.is_finite() && args.timeout_s > 0.0) {
         return Err(TrainError::Usage("--timeout-s must be positive".into()));
     }
+    if args.model == ModelKind::Gpt {
+        gpt_config(args).validate()?;
+    }
+    if !(args.temperature.is_finite() && args.temperature >= 0.0) {
+        return Err(TrainError::Usage(format!(
+            "--temperature {} must be >= 0 (0 picks the most likely byte)",
+            args.temperature
+        )));
+    }
     if args.checkpoint_every > 0 && args.checkpoint_dir.is_none() {
         return Err(TrainError::Usage(
             "--checkpoint-every needs --checkpoint-dir".into(),
@@ -298,6 +349,108 @@ fn widths(args: &Args, data: &Dataset) -> Vec<usize> {
     widths.extend(&args.hidden);
     widths.push(data.classes);
     widths
+}
+
+/// The GPT shape the flags describe.
+fn gpt_config(args: &Args) -> GptConfig {
+    GptConfig {
+        layers: args.layers as usize,
+        heads: args.heads as usize,
+        d_model: args.d_model as usize,
+        context: args.context as usize,
+    }
+}
+
+/// The model a rank trains, with the data it reads.
+enum Model<'a> {
+    Mlp(Mlp, &'a Dataset),
+    Gpt(Gpt, &'a TextData),
+}
+
+impl<'a> Model<'a> {
+    /// Creates the variables in `varmap`, seeded identically on every rank.
+    fn new(
+        args: &Args,
+        data: &'a TrainingData,
+        varmap: &VarMap,
+        device: &Device,
+    ) -> Result<Self, TrainError> {
+        Ok(match data {
+            TrainingData::Rows(rows) => Self::Mlp(
+                Mlp::new(varmap, &widths(args, rows), args.seed, device)?,
+                rows,
+            ),
+            TrainingData::Text(text) => {
+                Self::Gpt(Gpt::new(varmap, gpt_config(args), args.seed, device)?, text)
+            }
+        })
+    }
+
+    /// The mean loss over this rank's part of the global micro-batch that
+    /// starts at row (MLP) or sequence (GPT) `first_row`.
+    fn batch_loss(
+        &self,
+        args: &Args,
+        first_row: u64,
+        world_size: usize,
+        rank: usize,
+        device: &Device,
+    ) -> Result<Tensor, TrainError> {
+        let batch = args.batch_size as usize;
+        Ok(match self {
+            Self::Mlp(model, data) => {
+                let (x, y) = data.batch_at(first_row, world_size, rank, batch);
+                let x = Tensor::from_vec(x, (batch, data.width), device)?;
+                let y = Tensor::from_vec(y, batch, device)?;
+                candle_nn::loss::cross_entropy(&model.forward(&x)?, &y)?
+            }
+            Self::Gpt(model, text) => {
+                let context = args.context as usize;
+                let ids = text.windows_at(first_row, rank, batch, context, args.seed);
+                model.loss(&Tensor::from_vec(ids, (batch, context + 1), device)?)?
+            }
+        })
+    }
+
+    /// The mean loss over `--eval-sequences` validation windows (GPT; None
+    /// for the MLP, which has no validation split). Rank `r` evaluates
+    /// windows `r, r + W, ...`; one collective mean makes every rank's
+    /// answer the same.
+    fn validation_loss(
+        &self,
+        args: &Args,
+        opt: &mut dyn RankOptimizer,
+        world_size: usize,
+        rank: usize,
+        device: &Device,
+    ) -> Result<Option<f64>, TrainError> {
+        let Self::Gpt(model, text) = self else {
+            return Ok(None);
+        };
+        let (count, context) = (args.eval_sequences as usize, args.context as usize);
+        let mine: Vec<usize> = (rank..count).step_by(world_size).collect();
+        let mut sum = 0.0;
+        for chunk in mine.chunks(args.batch_size as usize) {
+            let ids: Vec<u32> = chunk
+                .iter()
+                .flat_map(|&i| text.validation_window(i, count, context))
+                .collect();
+            let ids = Tensor::from_vec(ids, (chunk.len(), context + 1), device)?;
+            let loss = model.loss(&ids)?.to_scalar::<f32>()? as f64;
+            sum += loss * chunk.len() as f64;
+        }
+        // Avg over ranks of (sum * W / count) is the mean over all windows.
+        let mean = opt.mean_over_ranks(sum * world_size as f64 / count as f64)?;
+        Ok(Some(mean))
+    }
+
+    /// Tokens each sequence of a batch trains on (1 per row for the MLP).
+    fn tokens_per_row(&self, args: &Args) -> Option<usize> {
+        match self {
+            Self::Mlp(..) => None,
+            Self::Gpt(..) => Some(args.context as usize),
+        }
+    }
 }
 
 /// What the training loop needs of a rank's optimizer ([`ZeroOptimizer`]
@@ -371,11 +524,11 @@ where
 pub fn train_rank<C: Communicator<Memory = Host> + 'static>(
     args: &Args,
     comm: C,
-    data: &Dataset,
+    data: &TrainingData,
 ) -> Result<Summary, TrainError> {
     let (rank, world_size) = (comm.rank(), comm.world_size());
     let varmap = VarMap::new();
-    let model = Mlp::new(&varmap, &widths(args, data), args.seed, &Device::Cpu)?;
+    let model = Model::new(args, data, &varmap, &Device::Cpu)?;
     if let Some(path) = &args.init {
         load_weights(&varmap, path)?;
     }
@@ -387,7 +540,6 @@ pub fn train_rank<C: Communicator<Memory = Host> + 'static>(
     )?;
     let ctx = LoopContext {
         args,
-        data,
         rank,
         world_size,
         device: &Device::Cpu,
@@ -400,18 +552,16 @@ pub fn train_rank<C: Communicator<Memory = Host> + 'static>(
 /// What the loop runs on besides the optimizer.
 struct LoopContext<'a> {
     args: &'a Args,
-    data: &'a Dataset,
     rank: usize,
     world_size: usize,
     device: &'a Device,
     varmap: &'a VarMap,
-    model: &'a Mlp,
+    model: &'a Model<'a>,
 }
 
 fn train_loop(ctx: &LoopContext<'_>, opt: &mut dyn RankOptimizer) -> Result<Summary, TrainError> {
     let LoopContext {
         args,
-        data,
         rank,
         world_size,
         device,
@@ -421,8 +571,10 @@ fn train_loop(ctx: &LoopContext<'_>, opt: &mut dyn RankOptimizer) -> Result<Summ
     // Resuming: weights, optimizer state, step counter, data position and
     // learning rate come from the checkpoint (any world size and stage).
     let mut first_step = 0;
-    // Rows of the dataset consumed before this run (counted in rows, so a
-    // resume with another world size or batch size continues at the same row).
+    // Rows of the dataset (MLP) or sequences (GPT) consumed before this run
+    // (counted in rows, so a resume with another world size or batch size
+    // continues at the same row; a GPT sequence's text is a function of the
+    // seed and its index, so the count is its whole data position).
     let mut rows_consumed = 0;
     if let Some(dir) = &args.resume {
         let manifest = opt.load_checkpoint(dir)?;
@@ -450,7 +602,18 @@ fn train_loop(ctx: &LoopContext<'_>, opt: &mut dyn RankOptimizer) -> Result<Summ
         )),
         _ => None,
     };
-    let progress = Progress::new(rank == 0 && !args.quiet, args.steps);
+    let tokens_per_row = model.tokens_per_row(args);
+    let progress = Progress::new(
+        rank == 0 && !args.quiet,
+        args.steps,
+        if tokens_per_row.is_some() {
+            "tokens/s"
+        } else {
+            "samples/s"
+        },
+    );
+    let mut history = LossHistory::default();
+    let mut val_loss = None;
 
     let batch = args.batch_size as usize;
     let accum = args.grad_accum;
@@ -464,11 +627,7 @@ fn train_loop(ctx: &LoopContext<'_>, opt: &mut dyn RankOptimizer) -> Result<Summ
         for micro in 0..accum {
             let micro_steps_done = (step - first_step) * accum + micro;
             let first_row = rows_consumed + micro_steps_done * (world_size * batch) as u64;
-            let (x, y) = data.batch_at(first_row, world_size, rank, batch);
-            let x = Tensor::from_vec(x, (batch, data.width), device)?;
-            let y = Tensor::from_vec(y, batch, device)?;
-            let logits = model.forward(&x)?;
-            let loss = candle_nn::loss::cross_entropy(&logits, &y)?;
+            let loss = model.batch_loss(args, first_row, world_size, rank, device)?;
             loss_sum += loss.to_scalar::<f32>()? as f64;
             let grads = loss.backward()?;
             report = opt.step(&grads)?;
@@ -478,13 +637,34 @@ fn train_loop(ctx: &LoopContext<'_>, opt: &mut dyn RankOptimizer) -> Result<Summ
         })?;
         final_loss = opt.mean_over_ranks(loss_sum / accum as f64)?;
         let step_time_s = started.elapsed().as_secs_f64();
+        let samples_per_s = (world_size * batch) as f64 * accum as f64 / step_time_s;
+        let tokens_per_s = tokens_per_row.map(|t| samples_per_s * t as f64);
+        // Validation is timed apart from the step (it is not training).
+        let eval_now =
+            args.eval_every > 0 && ((step + 1) % args.eval_every == 0 || step + 1 == args.steps);
+        let step_val_loss = if eval_now {
+            model.validation_loss(args, opt, world_size, rank, device)?
+        } else {
+            None
+        };
+        if step_val_loss.is_some() {
+            val_loss = step_val_loss;
+        }
+        if rank == 0 {
+            history.train.push((step + 1, final_loss));
+            if let Some(v) = step_val_loss {
+                history.validation.push((step + 1, v));
+            }
+        }
         if let Some(out) = metrics.as_mut() {
             let line = StepMetrics {
                 step: step + 1,
                 loss: final_loss,
+                val_loss: step_val_loss,
                 lr,
                 grad_norm: report.grad_norm,
                 step_time_s,
+                tokens_per_s,
                 bytes_sent: opt.bytes_sent() - bytes_before,
                 memory: opt.memory_report(),
                 peak_heap_bytes: crate::heap::peak_bytes(),
@@ -498,8 +678,12 @@ fn train_loop(ctx: &LoopContext<'_>, opt: &mut dyn RankOptimizer) -> Result<Summ
                     detail: format!("cannot write metrics: {e}"),
                 })?;
         }
-        let samples_per_s = (world_size * batch) as f64 * accum as f64 / step_time_s;
-        progress.step(step + 1, final_loss, samples_per_s);
+        progress.step(
+            step + 1,
+            final_loss,
+            tokens_per_s.unwrap_or(samples_per_s),
+            step_val_loss,
+        );
         if let Some(dir) = &args.checkpoint_dir {
             if args.checkpoint_every > 0 && (step + 1) % args.checkpoint_every == 0 {
                 let options = SaveOptions {
@@ -524,7 +708,44 @@ fn train_loop(ctx: &LoopContext<'_>, opt: &mut dyn RankOptimizer) -> Result<Summ
     }
 
     let mut weights = Vec::new();
+    let mut sample = None;
     if rank == 0 {
+        if let (Model::Gpt(gpt, text), true) = (model, args.sample > 0) {
+            let bytes = gpt.generate(
+                args.prompt.as_bytes(),
+                args.sample as usize,
+                args.temperature,
+                args.seed,
+                device,
+            )?;
+            if !args.quiet {
+                println!(
+                    "--- sample ({} bytes after {:?}, trained on {}) ---\n{}{}\n---",
+                    bytes.len(),
+                    args.prompt,
+                    text.source,
+                    args.prompt,
+                    String::from_utf8_lossy(&bytes)
+                );
+            }
+            sample = Some(bytes);
+        }
+        if let Some(path) = &args.plot {
+            let title = match model {
+                Model::Gpt(gpt, _) => {
+                    let c = gpt.config();
+                    format!(
+                        "GPT (layers {}, d_model {}, context {}), world size {world_size}, stage {}",
+                        c.layers, c.d_model, c.context, args.stage
+                    )
+                }
+                Model::Mlp(..) => format!("MLP, world size {world_size}, stage {}", args.stage),
+            };
+            history.plot(path, &title)?;
+            if !args.quiet {
+                eprintln!("loss plot written to {}", path.display());
+            }
+        }
         if let Some(path) = &args.save {
             save_weights(varmap, path)?;
         }
@@ -540,6 +761,8 @@ fn train_loop(ctx: &LoopContext<'_>, opt: &mut dyn RankOptimizer) -> Result<Summ
         final_loss,
         steps: args.steps,
         weights,
+        val_loss,
+        sample,
     })
 }
 
@@ -548,10 +771,14 @@ struct Progress {
     bar: Option<ProgressBar>,
     enabled: bool,
     every: u64,
+    /// What the rate counts: samples/s (MLP) or tokens/s (GPT).
+    rate_unit: &'static str,
+    /// The last validation loss, shown until the next.
+    val_loss: std::cell::Cell<Option<f64>>,
 }
 
 impl Progress {
-    fn new(enabled: bool, steps: u64) -> Self {
+    fn new(enabled: bool, steps: u64, rate_unit: &'static str) -> Self {
         let bar = (enabled && std::io::stderr().is_terminal()).then(|| {
             let bar = ProgressBar::new(steps);
             if let Ok(style) = ProgressStyle::with_template(
@@ -565,15 +792,25 @@ impl Progress {
             bar,
             enabled,
             every: (steps / 10).max(1),
+            rate_unit,
+            val_loss: std::cell::Cell::new(None),
         }
     }
 
-    fn step(&self, step: u64, loss: f64, samples_per_s: f64) {
+    fn step(&self, step: u64, loss: f64, rate: f64, val_loss: Option<f64>) {
+        if val_loss.is_some() {
+            self.val_loss.set(val_loss);
+        }
+        let unit = self.rate_unit;
+        let val = match self.val_loss.get() {
+            Some(v) => format!("  val {v:.4}"),
+            None => String::new(),
+        };
         if let Some(bar) = &self.bar {
             bar.set_position(step);
-            bar.set_message(format!("loss {loss:.4}  {samples_per_s:.0} samples/s"));
-        } else if self.enabled && (step % self.every == 0 || step == 1) {
-            eprintln!("step {step}: loss {loss:.4}, {samples_per_s:.0} samples/s");
+            bar.set_message(format!("loss {loss:.4}{val}  {rate:.0} {unit}"));
+        } else if self.enabled && (step % self.every == 0 || step == 1 || val_loss.is_some()) {
+            eprintln!("step {step}: loss {loss:.4}{val}, {rate:.0} {unit}");
         }
     }
 

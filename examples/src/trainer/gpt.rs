@@ -1,0 +1,314 @@
+//! A small decoder-only transformer (GPT-2 layout) over bytes, built from
+//! `zero_candle::nn`'s layers.
+//!
+//! Parameter names, stable across runs and ranks (checkpoints and `--init`
+//! files use them): `wte.weight` `[256, d]`, `wpe.weight` `[context, d]`,
+//! for each block `i`: `blocks.{i}.ln1.{weight,bias}`,
+//! `blocks.{i}.attn.qkv.{weight,bias}` (`[3d, d]`),
+//! `blocks.{i}.attn.proj.{weight,bias}`, `blocks.{i}.ln2.{weight,bias}`,
+//! `blocks.{i}.mlp.fc.{weight,bias}` (`[4d, d]`),
+//! `blocks.{i}.mlp.proj.{weight,bias}`; then `ln_f.{weight,bias}`. The
+//! output head has no weight of its own: it is `wte.weight` again (tied),
+//! so that variable's gradient is the sum of its two uses.
+
+use crate::trainer::TrainError;
+use candle_core::{DType, Device, Module, Tensor, Var, D};
+use candle_nn::VarMap;
+use rand::{rngs::StdRng, Rng, SeedableRng};
+use zero_candle::nn::{Embedding, LayerNorm, Linear};
+
+/// Bytes: the vocabulary needs no tokenizer and no download.
+pub const VOCAB: usize = 256;
+
+/// The transformer's shape.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GptConfig {
+    /// Transformer blocks.
+    pub layers: usize,
+    /// Attention heads per block; must divide `d_model`.
+    pub heads: usize,
+    /// Width of the residual stream.
+    pub d_model: usize,
+    /// Longest sequence (positions) the model sees.
+    pub context: usize,
+}
+
+impl GptConfig {
+    /// Checks that the shape is buildable, naming the flag to change.
+    pub fn validate(&self) -> Result<(), TrainError> {
+        if self.layers == 0 || self.heads == 0 || self.d_model == 0 || self.context == 0 {
+            return Err(TrainError::Usage(
+                "--layers, --heads, --d-model and --context must be positive".into(),
+            ));
+        }
+        if self.d_model % self.heads != 0 {
+            return Err(TrainError::Usage(format!(
+                "--d-model {} is not a multiple of --heads {}; pick a width that the heads divide",
+                self.d_model, self.heads
+            )));
+        }
+        Ok(())
+    }
+}
+
+struct Block {
+    ln1: LayerNorm,
+    qkv: Linear,
+    attn_proj: Linear,
+    ln2: LayerNorm,
+    fc: Linear,
+    mlp_proj: Linear,
+}
+
+/// The model: embeddings, blocks, final norm and the tied head.
+pub struct Gpt {
+    config: GptConfig,
+    wte: Embedding,
+    wpe: Embedding,
+    blocks: Vec<Block>,
+    ln_f: LayerNorm,
+    /// `wte.weight` itself, used a second time as the output projection.
+    head: Tensor,
+}
+
+/// Creates variables in `varmap` in a fixed order from one seeded stream.
+struct Init<'a> {
+    data: std::sync::MutexGuard<'a, std::collections::HashMap<String, Var>>,
+    rng: StdRng,
+    device: &'a Device,
+}
+
+impl Init<'_> {
+    /// Uniform with standard deviation `std` (GPT-2 draws normal(0, 0.02);
+    /// uniform with the same spread trains alike and needs no extra crate).
+    fn uniform(&mut self, name: &str, shape: &[usize], std: f32) -> Result<Tensor, TrainError> {
+        let bound = std * 3f32.sqrt();
+        let n = shape.iter().product();
+        let values: Vec<f32> = (0..n).map(|_| self.rng.gen_range(-bound..bound)).collect();
+        self.insert(name, Tensor::from_vec(values, shape, self.device)?)
+    }
+
+    fn constant(&mut self, name: &str, size: usize, value: f32) -> Result<Tensor, TrainError> {
+        self.insert(name, Tensor::full(value, size, self.device)?)
+    }
+
+    fn insert(&mut self, name: &str, value: Tensor) -> Result<Tensor, TrainError> {
+        let var = Var::from_tensor(&value)?;
+        let tensor = var.as_tensor().clone();
+        self.data.insert(name.to_string(), var);
+        Ok(tensor)
+    }
+
+    fn linear(
+        &mut self,
+        name: &str,
+        d_in: usize,
+        d_out: usize,
+        std: f32,
+    ) -> Result<Linear, TrainError> {
+        let w = self.uniform(&format!("{name}.weight"), &[d_out, d_in], std)?;
+        let b = self.constant(&format!("{name}.bias"), d_out, 0.0)?;
+        // No gradient hook: gradients land in backward's GradStore, for
+        // `ZeroOptimizer::step`.
+        Ok(Linear::new(w, Some(b), None))
+    }
+
+    fn layer_norm(&mut self, name: &str, size: usize) -> Result<LayerNorm, TrainError> {
+        let w = self.constant(&format!("{name}.weight"), size, 1.0)?;
+        let b = self.constant(&format!("{name}.bias"), size, 0.0)?;
+        Ok(LayerNorm::new(w, b, 1e-5, None))
+    }
+}
+
+impl Gpt {
+    /// Creates the variables in `varmap` on `device`, initialized from
+    /// `seed` identically on every rank (GPT-2's scheme: weights with
+    /// standard deviation 0.02, residual projections scaled by
+    /// 1/sqrt(2 * layers), biases zero, norms one).
+    pub fn new(
+        varmap: &VarMap,
+        config: GptConfig,
+        seed: u64,
+        device: &Device,
+    ) -> Result<Self, TrainError> {
+        config.validate()?;
+        let data = varmap
+            .data()
+            .lock()
+            .map_err(|_| TrainError::Internal("VarMap lock poisoned".into()))?;
+        let mut init = Init {
+            data,
+            rng: StdRng::seed_from_u64(seed),
+            device,
+        };
+        let d = config.d_model;
+        let std = 0.02;
+        let residual_std = std / (2.0 * config.layers as f32).sqrt();
+        let wte = init.uniform("wte.weight", &[VOCAB, d], std)?;
+        let wpe = init.uniform("wpe.weight", &[config.context, d], std)?;
+        let mut blocks = Vec::with_capacity(config.layers);
+        for i in 0..config.layers {
+            let p = format!("blocks.{i}");
+            blocks.push(Block {
+                ln1: init.layer_norm(&format!("{p}.ln1"), d)?,
+                qkv: init.linear(&format!("{p}.attn.qkv"), d, 3 * d, std)?,
+                attn_proj: init.linear(&format!("{p}.attn.proj"), d, d, residual_std)?,
+                ln2: init.layer_norm(&format!("{p}.ln2"), d)?,
+                fc: init.linear(&format!("{p}.mlp.fc"), d, 4 * d, std)?,
+                mlp_proj: init.linear(&format!("{p}.mlp.proj"), 4 * d, d, residual_std)?,
+            });
+        }
+        let ln_f = init.layer_norm("ln_f", d)?;
+        Ok(Self {
+            config,
+            wte: Embedding::new(wte.clone(), d, None),
+            wpe: Embedding::new(wpe, d, None),
+            blocks,
+            ln_f,
+            head: wte,
+        })
+    }
+
+    /// The model's shape.
+    pub fn config(&self) -> GptConfig {
+        self.config
+    }
+
+    /// Logits `[batch * time, 256]` for byte ids `[batch, time]` (u32,
+    /// `time <= context`); row `b * time + t` predicts the byte after
+    /// position `t` of sequence `b`.
+    pub fn forward(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
+        let (batch, time) = ids.dims2()?;
+        let device = ids.device();
+        if time > self.config.context {
+            candle_core::bail!(
+                "a sequence of {time} bytes is longer than the model's context of {}",
+                self.config.context
+            );
+        }
+        let positions = Tensor::arange(0u32, time as u32, device)?;
+        let mut x = self
+            .wte
+            .forward(ids)?
+            .broadcast_add(&self.wpe.forward(&positions)?)?;
+        let mask = causal_mask(time, device)?;
+        for block in &self.blocks {
+            let h = self.attention(block, &block.ln1.forward(&x)?, &mask)?;
+            x = (x + h)?;
+            let h = block.fc.forward(&block.ln2.forward(&x)?)?.gelu()?;
+            x = (x + block.mlp_proj.forward(&h)?)?;
+        }
+        let x = self
+            .ln_f
+            .forward(&x)?
+            .reshape((batch * time, self.config.d_model))?;
+        // The tied head: the embedding table a second time; Candle adds this
+        // use's gradient to the embedding's.
+        x.matmul(&self.head.t()?)
+    }
+
+    fn attention(&self, block: &Block, x: &Tensor, mask: &Tensor) -> candle_core::Result<Tensor> {
+        let (batch, time, d) = x.dims3()?;
+        let heads = self.config.heads;
+        let head_dim = d / heads;
+        let qkv = block
+            .qkv
+            .forward(x)?
+            .reshape((batch, time, 3, heads, head_dim))?;
+        // [batch, heads, time, head_dim] each.
+        let part = |i: usize| -> candle_core::Result<Tensor> {
+            qkv.narrow(2, i, 1)?
+                .squeeze(2)?
+                .transpose(1, 2)?
+                .contiguous()
+        };
+        let (q, k, v) = (part(0)?, part(1)?, part(2)?);
+        let scores = (q.matmul(&k.t()?.contiguous()?)? / (head_dim as f64).sqrt())?;
+        let weights = candle_nn::ops::softmax(&scores.broadcast_add(mask)?, D::Minus1)?;
+        let y = weights
+            .matmul(&v)?
+            .transpose(1, 2)?
+            .reshape((batch, time, d))?;
+        block.attn_proj.forward(&y)
+    }
+
+    /// Mean cross-entropy of predicting each next byte of `ids` `[batch,
+    /// time + 1]`.
+    pub fn loss(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
+        let time = ids.dim(1)? - 1;
+        let inputs = ids.narrow(1, 0, time)?.contiguous()?;
+        let targets = ids.narrow(1, 1, time)?.flatten_all()?;
+        candle_nn::loss::cross_entropy(&self.forward(&inputs)?, &targets)
+    }
+
+    /// `count` bytes continuing `prompt`: greedy when `temperature` is 0,
+    /// otherwise sampled from the softmax at that temperature with a
+    /// generator seeded by `seed` (the same text for the same seed).
+    pub fn generate(
+        &self,
+        prompt: &[u8],
+        count: usize,
+        temperature: f64,
+        seed: u64,
+        device: &Device,
+    ) -> candle_core::Result<Vec<u8>> {
+        let mut rng = StdRng::seed_from_u64(seed);
+        // An empty prompt starts from a newline, a byte every text has.
+        let mut text: Vec<u8> = if prompt.is_empty() {
+            vec![b'\n']
+        } else {
+            prompt.to_vec()
+        };
+        let start = text.len();
+        for _ in 0..count {
+            let window = &text[text.len().saturating_sub(self.config.context)..];
+            let ids: Vec<u32> = window.iter().map(|&b| b as u32).collect();
+            let ids = Tensor::from_vec(ids, (1, window.len()), device)?;
+            let logits = self.forward(&ids)?;
+            let last = logits
+                .get(window.len() - 1)?
+                .to_dtype(DType::F64)?
+                .to_vec1::<f64>()?;
+            text.push(pick(&last, temperature, &mut rng));
+        }
+        Ok(text[start..].to_vec())
+    }
+}
+
+/// The most likely byte (temperature 0) or a sample at that temperature.
+fn pick(logits: &[f64], temperature: f64, rng: &mut StdRng) -> u8 {
+    let best = logits
+        .iter()
+        .enumerate()
+        .fold((0, f64::NEG_INFINITY), |best, (i, &v)| {
+            if v > best.1 {
+                (i, v)
+            } else {
+                best
+            }
+        });
+    if temperature <= 0.0 {
+        return best.0 as u8;
+    }
+    let weights: Vec<f64> = logits
+        .iter()
+        .map(|&v| ((v - best.1) / temperature).exp())
+        .collect();
+    let mut u = rng.gen_range(0.0..weights.iter().sum::<f64>());
+    for (i, w) in weights.iter().enumerate() {
+        if u < *w {
+            return i as u8;
+        }
+        u -= w;
+    }
+    best.0 as u8
+}
+
+/// `[time, time]`: 0 where a position may attend (itself and earlier),
+/// -inf after it.
+fn causal_mask(time: usize, device: &Device) -> candle_core::Result<Tensor> {
+    let mask: Vec<f32> = (0..time)
+        .flat_map(|i| (0..time).map(move |j| if j <= i { 0.0 } else { f32::NEG_INFINITY }))
+        .collect();
+    Tensor::from_vec(mask, (time, time), device)
+}
