@@ -229,6 +229,7 @@ impl CudaMemory {
                 .iter()
                 .map(|p| (p.range.clone(), p.key.group))
                 .collect();
+            // The same length at creation, import and lazy allocation.
             let len = pieces.iter().map(|p| p.range.end).max().unwrap_or(0);
             self.optimizer = Some(DeviceOptimizer::new(optimizer, &stream, len, &ranges)?);
         }
@@ -479,7 +480,8 @@ impl ShardMemory<f32, NcclComm> for CudaMemory {
         // Hyperparameters may have changed since the last step (a schedule,
         // a new group): a few numbers per group.
         device.refresh(optimizer)?;
-        device.step(&self.kernels, &stream, params, grads, &segments)?;
+        let state_len = plan.pieces.iter().map(|p| p.range.end).max().unwrap_or(0);
+        device.step(&self.kernels, &stream, params, grads, &segments, state_len)?;
         for p in plan.pieces.iter().filter(|p| p.active) {
             *self
                 .piece_steps

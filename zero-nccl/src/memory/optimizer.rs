@@ -293,7 +293,9 @@ impl DeviceOptimizer {
         Ok(())
     }
 
-    /// Steps every segment: one fused launch each.
+    /// Steps every segment: one fused launch each. `state_len`: the
+    /// elements the state covers (lazily allocated buffers get as many, as
+    /// at creation and import).
     pub fn step(
         &mut self,
         kernels: &FusedKernels,
@@ -301,8 +303,9 @@ impl DeviceOptimizer {
         params: &mut CudaSlice<f32>,
         grads: &CudaSlice<f32>,
         segments: &[Segment],
+        state_len: usize,
     ) -> Result<()> {
-        let shard_numel = params.len();
+        let shard_numel = state_len;
         for s in segments {
             let mut p = params.slice_mut(s.range.clone());
             let g = grads.slice(s.range.clone());
