@@ -1,6 +1,7 @@
-//! The trainer: an MLP classifier trained with ZeRO sharded data parallelism.
+//! The trainer: a byte-level GPT on text (`--model gpt`) or an MLP
+//! classifier, trained with ZeRO sharded data parallelism.
 //!
-//! `cargo run --release -p zero-examples --bin train -- --world-size 4 --stage 2`
+//! `cargo run --release -p zero-examples --bin train -- --model gpt --sample 300 --plot loss.png`
 
 use clap::Parser;
 use zero_examples::trainer::{self, Args};

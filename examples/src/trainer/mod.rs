@@ -307,6 +307,10 @@ fn validate(args: &Args) -> Result<(), TrainError> {
     }
     if args.model == ModelKind::Gpt {
         gpt_config(args).validate()?;
+    } else if args.sample > 0 {
+        return Err(TrainError::Usage(
+            "--sample generates text and needs --model gpt".into(),
+        ));
     }
     if !(args.temperature.is_finite() && args.temperature >= 0.0) {
         return Err(TrainError::Usage(format!(
