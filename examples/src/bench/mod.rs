@@ -1,6 +1,7 @@
 //! Benchmark suites, one file each; `main` dispatches on the first argument.
 
 mod comm;
+mod gpt;
 #[cfg(feature = "nccl")]
 mod gpu;
 mod layers;
@@ -15,7 +16,7 @@ pub use report::{Figure, Report};
 /// Runs the suite named by the first command-line argument (all if none).
 pub fn main() {
     let which: Vec<String> = std::env::args().skip(1).collect();
-    let all = ["comm", "optim", "step", "memory", "gpu"];
+    let all = ["comm", "optim", "step", "memory", "gpt", "gpu"];
     let selected: Vec<&str> = if which.is_empty() {
         all.to_vec()
     } else {
@@ -43,13 +44,14 @@ pub fn main() {
                 layers::run(&mut report);
             }
             "memory" if !under_mpirun => memory::run(&mut report),
+            "gpt" if !under_mpirun => gpt::run(&mut report),
             "gpu" => {
                 #[cfg(feature = "nccl")]
                 gpu::run(&mut report);
                 #[cfg(not(feature = "nccl"))]
                 println!("gpu benchmarks need --features nccl");
             }
-            "optim" | "step" | "memory" => {}
+            "optim" | "step" | "memory" | "gpt" => {}
             other => {
                 eprintln!("unknown benchmark suite {other:?}; expected one of {all:?}");
                 std::process::exit(2);
