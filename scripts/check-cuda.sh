@@ -13,16 +13,8 @@ cd "$(dirname "$0")/.."
 
 wheels="${CUDA_WHEELS:-/opt/cuda-wheels}"
 root="$wheels/nvidia/cu13"
-# pip --target replaces a top-level folder that is already there (nvidia/),
-# which would drop the wheels check-nvrtc.sh put there: install aside, merge.
-install_wheels() {
-    local aside
-    aside="$(mktemp -d)"
-    python3 -m pip install --quiet --target "$aside" "$@"
-    mkdir -p "$wheels"
-    cp -a "$aside"/. "$wheels"/
-    rm -rf "$aside"
-}
+# shellcheck source=cuda-wheels.sh
+source scripts/cuda-wheels.sh
 
 if [[ ! -x "$root/bin/nvcc" || ! -e "$root/include/nv/target" ]]; then
     install_wheels "nvidia-cuda-nvcc==13.*" "nvidia-cuda-runtime==13.*" \

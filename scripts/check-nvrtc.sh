@@ -12,26 +12,10 @@ cd "$(dirname "$0")/.."
 wheels="${CUDA_WHEELS:-/opt/cuda-wheels}"
 root="$wheels/nvidia/cu13"
 
-# pip --target replaces a top-level folder that is already there (nvidia/),
-# which would drop the wheels check-cuda.sh put there: install aside, merge.
-install_wheels() {
-    local aside
-    aside="$(mktemp -d)"
-    # --target writes outside any environment; Debian's pip asks to be told.
-    PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install --quiet --target "$aside" "$@"
-    mkdir -p "$wheels"
-    cp -a "$aside"/. "$wheels"/
-    rm -rf "$aside"
-}
+# shellcheck source=cuda-wheels.sh
+source scripts/cuda-wheels.sh
 
 if ! compgen -G "$root/lib/libnvrtc.so*" >/dev/null || [[ ! -x "$root/bin/ptxas" ]]; then
-    if ! python3 -m pip --version >/dev/null 2>&1; then
-        # A bare Debian/Ubuntu machine: pip comes from the distribution.
-        sudo=""
-        if [ "$(id -u)" -ne 0 ]; then sudo="sudo"; fi
-        $sudo apt-get update -q
-        DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q --no-install-recommends python3-pip
-    fi
     install_wheels "nvidia-cuda-nvrtc==13.*" "nvidia-cuda-nvcc==13.*"
 fi
 
