@@ -56,12 +56,7 @@ fn measure() -> candle_core::Result<(f64, f64)> {
             Some(b.as_tensor().clone()),
         )));
     }
-    let x: Vec<f32> = (0..BATCH * WIDTHS[0])
-        .map(|_| rng.gen_range(-1.0..1.0))
-        .collect();
-    let y: Vec<i64> = (0..BATCH).map(|_| rng.gen_range(0..10)).collect();
-    let x = Tensor::from_vec(x, (BATCH, WIDTHS[0]), &Device::Cpu)?;
-    let y = Tensor::from_vec(y, BATCH, &Device::Cpu)?;
+    let (x, y) = super::random_batch(&mut rng, BATCH, WIDTHS[0], 10)?;
     let (mut a, mut b) = (Vec::new(), Vec::new());
     for round in 0..WARMUP + ROUNDS {
         let ta = forward_backward(&ours, &x, &y)?;

@@ -6,9 +6,9 @@
 use super::Report;
 use crate::heap;
 use crate::trainer::Mlp;
-use candle_core::{Device, Tensor};
+use candle_core::Device;
 use candle_nn::VarMap;
-use rand::{Rng, SeedableRng};
+use rand::SeedableRng;
 use zero_candle::ZeroOptimizer;
 use zero_core::engine::{EngineConfig, Stage};
 use zero_core::optim::{AdamW, AdamWConfig};
@@ -35,12 +35,7 @@ fn peak_above_baseline(stage: Stage) -> Result<usize, String> {
             let mut opt = ZeroOptimizer::<_, f32>::new(&varmap, comm, config, Box::new(adamw))?;
             let mut rng = rand::rngs::StdRng::seed_from_u64(rank as u64);
             for _ in 0..STEPS {
-                let x: Vec<f32> = (0..BATCH * WIDTHS[0])
-                    .map(|_| rng.gen_range(-1.0..1.0))
-                    .collect();
-                let y: Vec<i64> = (0..BATCH).map(|_| rng.gen_range(0..10)).collect();
-                let x = Tensor::from_vec(x, (BATCH, WIDTHS[0]), &Device::Cpu)?;
-                let y = Tensor::from_vec(y, BATCH, &Device::Cpu)?;
+                let (x, y) = super::random_batch(&mut rng, BATCH, WIDTHS[0], 10)?;
                 let loss = candle_nn::loss::cross_entropy(&model.forward(&x)?, &y)?;
                 let grads = loss.backward()?;
                 opt.step(&grads)?;

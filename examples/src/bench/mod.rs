@@ -13,6 +13,25 @@ mod report;
 mod step;
 pub use report::{Figure, Report};
 
+/// `rows` random inputs in [-1, 1) of `width` and class labels below
+/// `classes`, on the CPU (benchmarks whose data does not matter).
+fn random_batch(
+    rng: &mut impl rand::Rng,
+    rows: usize,
+    width: usize,
+    classes: i64,
+) -> candle_core::Result<(candle_core::Tensor, candle_core::Tensor)> {
+    use candle_core::{Device, Tensor};
+    let x: Vec<f32> = (0..rows * width)
+        .map(|_| rng.gen_range(-1.0..1.0))
+        .collect();
+    let y: Vec<i64> = (0..rows).map(|_| rng.gen_range(0..classes)).collect();
+    Ok((
+        Tensor::from_vec(x, (rows, width), &Device::Cpu)?,
+        Tensor::from_vec(y, rows, &Device::Cpu)?,
+    ))
+}
+
 /// Runs the suite named by the first command-line argument (all if none).
 pub fn main() {
     let which: Vec<String> = std::env::args().skip(1).collect();

@@ -112,8 +112,8 @@ pub struct Args {
     /// Hidden layer widths, comma-separated.
     #[arg(long, value_delimiter = ',', default_values_t = [64, 64])]
     pub hidden: Vec<usize>,
-    /// Training data. MLP: a safetensors file with `inputs` (f32 [n, d])
-    /// and `targets` (i64 [n]); without it, a synthetic task from `--seed`.
+    /// Training data. MLP: a safetensors file with `inputs` (f32, n x d)
+    /// and `targets` (i64, n); without it, a synthetic task from `--seed`.
     /// GPT: a plain text file (bytes; the last 10% validate); without it,
     /// the license texts in /usr/share/common-licenses that every Debian
     /// and Ubuntu system has.
