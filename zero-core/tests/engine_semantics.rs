@@ -202,3 +202,79 @@ fn a_gradient_on_some_ranks_only_is_stepped_with_the_check_on() {
         }
     }
 }
+
+#[test]
+fn gradients_handed_over_one_by_one_equal_passing_them_to_step() {
+    let model = Synthetic::medium();
+    for stage in STAGES {
+        for accum in [1, 2] {
+            let config = EngineConfig::default()
+                .with_stage(stage)
+                .with_bucket_bytes(64)
+                .with_grad_accum_steps(accum)
+                .with_clip(5.0, NormType::L2);
+            let outcomes = run(3, |comm| {
+                let rank = comm.rank();
+                let split = comm.split(&[0, 1, 2])?.expect("every rank is a member");
+                let mut whole = engine(comm, &model, make_opt(Opt::Adam, false), config.clone())?;
+                let mut handed = engine(split, &model, make_opt(Opt::Adam, false), config.clone())?;
+                let (mut a, mut b) = (model.init(), model.init());
+                for s in 0..3 * accum {
+                    let g = model.grads(&a, rank, s);
+                    whole.step(&common::slots(&g), &mut a)?;
+                    // In reverse order, as backward produces them; parameter
+                    // 2 in two halves (a weight used twice); parameter 1
+                    // through `step` as usual.
+                    let mut slots: Vec<Option<&[f64]>> = vec![None; g.len()];
+                    let halves: Vec<f64> = g[2].iter().map(|x| x / 2.0).collect();
+                    for i in (0..g.len()).rev() {
+                        match i {
+                            1 => slots[1] = Some(&g[1]),
+                            2 => {
+                                handed.accumulate_param(2, &halves)?;
+                                handed.accumulate_param(2, &halves)?;
+                            }
+                            _ => handed.accumulate_param(i, &g[i])?,
+                        }
+                    }
+                    handed.step(&slots, &mut b)?;
+                }
+                assert_eq!(handed.pending_micro_steps(), 0);
+                Ok((a, b))
+            });
+            for (a, b) in outcomes {
+                assert_eq!(
+                    a, b,
+                    "stage {stage:?}, {accum} micro-step(s): not bitwise equal"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn a_checkpoint_with_gradients_handed_over_but_not_stepped_is_refused() {
+    let model = Synthetic::medium();
+    let dir = tempfile::tempdir().unwrap();
+    run(2, |comm| {
+        let mut e = engine(
+            comm,
+            &model,
+            make_opt(Opt::Sgd, false),
+            EngineConfig::default(),
+        )?;
+        let mut params = model.init();
+        let g = model.grads(&params, 0, 0);
+        e.accumulate_param(0, &g[0])?;
+        let err = e
+            .save_checkpoint(dir.path(), &mut params)
+            .expect_err("pending gradients are not part of a checkpoint");
+        assert!(
+            err.to_string().contains("finish the optimizer step"),
+            "{err}"
+        );
+        e.discard_window();
+        e.save_checkpoint(dir.path(), &mut params)?;
+        Ok(())
+    });
+}

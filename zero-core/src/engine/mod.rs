@@ -81,6 +81,12 @@ pub struct Engine<T: Element, C: Communicator, M: ShardMemory<T, C> = HostMemory
     /// all-gather destination), as long as the longest bucket.
     bucket_buf: Option<M::Buffer>,
     micro_steps: usize,
+    /// Whether the full gradient buffer holds contributions of the current
+    /// window (accumulated micro-steps, or gradients handed over one by one
+    /// during backward with [`Engine::accumulate_param`]).
+    window_open: bool,
+    /// For each parameter, the indices of its runs in the layout.
+    runs_of_param: Vec<Vec<usize>>,
     present: Vec<bool>,
     trainable: Vec<bool>,
     /// The mask the buckets were built for (what is reduced and gathered).
@@ -155,7 +161,13 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             _ => Some(memory.alloc_zeroed(plan.flat_numel())?),
         };
         let trainable: Vec<bool> = params.iter().map(|p| p.trainable).collect();
+        let mut runs_of_param = vec![Vec::new(); params.len()];
+        for (i, run) in layout.runs.iter().enumerate() {
+            runs_of_param[run.param].push(i);
+        }
         let mut engine = Self {
+            window_open: false,
+            runs_of_param,
             param_shard,
             grad_shard,
             full_grads,
@@ -319,7 +331,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// A collective. Refusing inside gradient accumulation: the pending
     /// gradients were bucketed for the old mask.
     pub fn refresh_trainability(&mut self) -> Result<()> {
-        if self.micro_steps > 0 {
+        if self.micro_steps > 0 || self.window_open {
             return Err(Error::State(format!(
                 "refresh_trainability called with {} micro-step(s) accumulated; \
                  finish the optimizer step first, or their gradients would be lost",
@@ -369,7 +381,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             None => (self.memory.alloc_zeroed(self.plan.flat_numel())?, true),
         };
         let full = self.full_grads.insert(full);
-        let add = self.micro_steps > 0;
+        let add = self.window_open;
         if !add && !fresh {
             let numel = M::buffer_len(full);
             self.memory.zero(full, 0..numel)?;
@@ -387,10 +399,62 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             })
             .collect();
         self.memory.flatten(full, &pieces, add)?;
+        self.window_open = true;
         for (present, g) in self.present.iter_mut().zip(grads) {
             *present |= g.is_some();
         }
         self.micro_steps += 1;
+        Ok(())
+    }
+
+    /// Adds one parameter's gradient to the current micro-step, before its
+    /// [`Engine::step`] (or [`Engine::accumulate`]) call completes it: how
+    /// a framework hands gradients over during backward, the moment each is
+    /// final, instead of keeping them all until the end. The gradient goes
+    /// straight into the engine's flat gradient buffer (which in stage 2
+    /// then lives until the step, as during accumulation); a parameter
+    /// handed over twice (a tied weight) gets the sum, as does one also
+    /// passed to `step`. Local: no communication.
+    pub fn accumulate_param(&mut self, param: usize, grad: M::Grad<'_>) -> Result<()> {
+        let Some(info) = self.params.get(param) else {
+            return Err(Error::Config(format!(
+                "accumulate_param: parameter #{param} does not exist (there are {})",
+                self.params.len()
+            )));
+        };
+        let len = M::grad_len(&grad);
+        if len != info.numel() {
+            return Err(Error::Config(format!(
+                "gradient of {:?} has {len} elements, the parameter has {} ({:?}); pass the \
+                 parameter's whole, contiguous gradient",
+                info.name,
+                info.numel(),
+                info.shape
+            )));
+        }
+        let (full, fresh) = match self.full_grads.take() {
+            Some(full) => (full, false),
+            None => (self.memory.alloc_zeroed(self.plan.flat_numel())?, true),
+        };
+        let full = self.full_grads.insert(full);
+        if !self.window_open && !fresh {
+            let numel = M::buffer_len(full);
+            self.memory.zero(full, 0..numel)?;
+        }
+        self.window_open = true;
+        let pieces: Vec<GradPiece<M::Grad<'_>>> = self.runs_of_param[param]
+            .iter()
+            .map(|&r| {
+                let run = &self.layout.runs[r];
+                GradPiece {
+                    at: run.pos,
+                    grad,
+                    range: run.param_range.clone(),
+                }
+            })
+            .collect();
+        self.memory.flatten(full, &pieces, true)?;
+        self.present[param] = true;
         Ok(())
     }
 
@@ -461,19 +525,28 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         // Whatever happens below, this window is over: a failed step must
         // not leak its micro-steps into the next one.
         let result = self.reduce_and_update_window(last, micro_steps, params);
-        self.micro_steps = 0;
-        self.present.fill(false);
-        // Stages 0 and 1 keep the buffer; it is zeroed where the next window
-        // starts (`accumulate`, or per bucket in `reduce_gradients`).
-        if self.config.stage == Stage::Gradients {
-            self.full_grads = None;
-        }
+        self.discard_window();
         let grad_norm = result?;
         self.steps += 1;
         Ok(StepReport {
             grad_norm,
             micro_steps,
         })
+    }
+
+    /// Drops whatever the current window holds (micro-steps accumulated,
+    /// gradients handed over during a backward pass that then failed), so
+    /// the next micro-step starts a fresh window.
+    pub fn discard_window(&mut self) {
+        self.micro_steps = 0;
+        self.window_open = false;
+        self.present.fill(false);
+        // Stages 0 and 1 keep the buffer; it is zeroed where the next window
+        // starts (`accumulate`, `accumulate_param`, or per bucket in
+        // `reduce_gradients`).
+        if self.config.stage == Stage::Gradients {
+            self.full_grads = None;
+        }
     }
 
     fn reduce_and_update_window(
@@ -564,7 +637,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             // reduce in place in the full buffer; stage 2 otherwise flattens
             // straight from the caller's gradients into one bucket buffer.
             let (buffer, at, add) = match (self.full_grads.as_mut(), self.bucket_buf.as_mut()) {
-                (Some(full), _) => (full, range.start, self.micro_steps > 0),
+                (Some(full), _) => (full, range.start, self.window_open),
                 (None, Some(buf)) => (buf, 0, false),
                 (None, None) => unreachable!("the bucket buffer is allocated above"),
             };

@@ -1021,7 +1021,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     }
 
     fn refuse_mid_accumulation(&self, op: &str) -> Result<()> {
-        if self.micro_steps > 0 {
+        if self.micro_steps > 0 || self.window_open {
             return Err(Error::State(format!(
                 "{op} called with {} micro-step(s) accumulated; their gradients are not part of \
                  a checkpoint: finish the optimizer step first",
