@@ -11,6 +11,7 @@
 #![warn(missing_docs)]
 
 mod error;
+mod hook;
 pub mod memory;
 #[cfg(feature = "nccl")]
 mod nccl;
@@ -19,6 +20,7 @@ mod optimizer;
 mod params;
 
 pub use error::{Error, Result};
+pub use hook::ZeroHook;
 pub use memory::CandleMemory;
 pub use optimizer::{ZeroConfig, ZeroOptimizer};
 pub use params::VarStore;

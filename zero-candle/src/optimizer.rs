@@ -1,11 +1,13 @@
 //! `ZeroOptimizer`: the engine behind `candle_nn::Optimizer`.
 
+use crate::hook::ZeroHook;
 use crate::memory::{CandleMemory, MemoryOf};
 use crate::{Error, Result};
 use candle_core::backprop::GradStore;
 use candle_core::{Storage, Tensor, Var, WithDType};
 use candle_nn::VarMap;
 use std::path::Path;
+use std::sync::Arc;
 use zero_core::checkpoint::Manifest;
 use zero_core::engine::{Engine, EngineConfig, MemoryReport, SaveOptions, StepReport};
 use zero_core::optim::{FunctionalOptimizer, Hyperparams};
@@ -62,7 +64,11 @@ where
     T: Element + WithDType,
     C::Memory: CandleMemory<T, C>,
 {
-    engine: Engine<T, C, MemoryOf<T, C>>,
+    /// The engine; lent to the gradient hook during
+    /// [`ZeroOptimizer::backward_step`] and back before it returns.
+    engine: Option<Engine<T, C, MemoryOf<T, C>>>,
+    /// The hook the model's `zero_candle::nn` layers report to, if any.
+    hook: Option<Arc<ZeroHook<C, T>>>,
     names: Vec<String>,
     vars: Vec<Var>,
     last: Option<StepReport>,
@@ -117,17 +123,91 @@ where
         let engine = Engine::with_memory(comm, memory, params, optimizer, config)?;
         let (names, vars) = named.into_iter().unzip();
         Ok(Self {
-            engine,
+            engine: Some(engine),
+            hook: None,
             names,
             vars,
             last: None,
         })
     }
 
+    /// Connects `hook`, which the model's `zero_candle::nn` layers were
+    /// built with: [`ZeroOptimizer::backward_step`] then receives their
+    /// parameter gradients during backward (see [`ZeroHook`]). A hook serves
+    /// one optimizer.
+    pub fn with_hook(mut self, hook: &Arc<ZeroHook<C, T>>) -> Result<Self> {
+        if !hook.connect(&self.names, &self.vars) {
+            return Err(Error::Variable {
+                name: "<hook>".into(),
+                detail: "this ZeroHook is already connected to another optimizer; build a hook \
+                         per optimizer"
+                    .into(),
+            });
+        }
+        self.hook = Some(hook.clone());
+        Ok(self)
+    }
+
+    /// Runs `loss.backward()` and one micro-step. With a [`ZeroHook`]
+    /// connected, the hooked layers hand their parameter gradients to the
+    /// engine as backward computes them (none of them stays in the
+    /// `GradStore`); without one, this is `step(&loss.backward()?)`.
+    /// Either way the result is the same, bitwise, except for a weight used
+    /// both by a hooked layer and by a plain op under gradient
+    /// accumulation: its per-micro-step sum is formed in another order
+    /// (float rounding). Communication still happens in the step, after
+    /// backward; overlapping it with backward is the next step.
+    pub fn backward_step(&mut self, loss: &Tensor) -> Result<Option<StepReport>> {
+        let Some(hook) = self.hook.clone() else {
+            let grads = loss.backward()?;
+            return self.step(&grads);
+        };
+        let grads = {
+            /// Takes the engine back from the hook however backward ends
+            /// (an error, or a panic unwinding through it).
+            struct Return<'a, C, T>
+            where
+                C: Communicator + 'static,
+                T: Element + WithDType,
+                C::Memory: CandleMemory<T, C>,
+            {
+                hook: &'a ZeroHook<C, T>,
+                slot: &'a mut Option<Engine<T, C, MemoryOf<T, C>>>,
+            }
+            impl<C, T> Drop for Return<'_, C, T>
+            where
+                C: Communicator + 'static,
+                T: Element + WithDType,
+                C::Memory: CandleMemory<T, C>,
+            {
+                fn drop(&mut self) {
+                    *self.slot = self.hook.take_back();
+                }
+            }
+            if let Some(engine) = self.engine.take() {
+                hook.lend(engine);
+            }
+            let _return = Return {
+                hook: &hook,
+                slot: &mut self.engine,
+            };
+            loss.backward()
+        };
+        match grads {
+            Ok(grads) => self.step(&grads),
+            Err(e) => {
+                // Part of this micro-step reached the engine: drop it, so
+                // the next one starts clean.
+                self.engine_mut().discard_window();
+                Err(e.into())
+            }
+        }
+    }
+
     /// One micro-step with the gradients of `grads`; returns the step's
     /// report when it completed an optimizer step.
     pub fn step(&mut self, grads: &GradStore) -> Result<Option<StepReport>> {
-        let (engine, vars) = (&mut self.engine, &self.vars);
+        let (engine, vars) = (lent(&mut self.engine), &self.vars);
         let report = C::Memory::with_grads(&self.names, vars, grads, &mut |slots| {
             C::Memory::with_params(vars, &mut |params| Ok(engine.step(slots, params)?))
         })?;
@@ -139,7 +219,7 @@ where
 
     /// Adds a micro-step's gradients without communicating or updating.
     pub fn accumulate(&mut self, grads: &GradStore) -> Result<()> {
-        let engine = &mut self.engine;
+        let engine = lent(&mut self.engine);
         C::Memory::with_grads(&self.names, &self.vars, grads, &mut |slots| {
             Ok(engine.accumulate(slots)?)
         })
@@ -147,7 +227,7 @@ where
 
     /// Reduces the accumulated micro-steps and updates the variables.
     pub fn step_accumulated(&mut self) -> Result<StepReport> {
-        let engine = &mut self.engine;
+        let engine = lent(&mut self.engine);
         let report = C::Memory::with_params(&self.vars, &mut |params| {
             Ok(engine.step_accumulated(params)?)
         })?;
@@ -168,7 +248,7 @@ where
         dir: impl AsRef<Path>,
         options: &SaveOptions,
     ) -> Result<Manifest> {
-        let (engine, dir) = (&mut self.engine, dir.as_ref());
+        let (engine, dir) = (lent(&mut self.engine), dir.as_ref());
         C::Memory::with_params(&self.vars, &mut |params| {
             Ok(engine.save_checkpoint_with(dir, params, options)?)
         })
@@ -179,7 +259,7 @@ where
     /// hyperparameters and the step counter (see
     /// [`Engine::load_checkpoint`]). A collective.
     pub fn load_checkpoint(&mut self, dir: impl AsRef<Path>) -> Result<Manifest> {
-        let (engine, dir) = (&mut self.engine, dir.as_ref());
+        let (engine, dir) = (lent(&mut self.engine), dir.as_ref());
         C::Memory::with_params(&self.vars, &mut |params| {
             Ok(engine.load_checkpoint(dir, params)?)
         })
@@ -202,37 +282,49 @@ where
 
     /// The engine.
     pub fn engine(&self) -> &Engine<T, C, MemoryOf<T, C>> {
-        &self.engine
+        match &self.engine {
+            Some(engine) => engine,
+            None => unreachable!("the engine is back before backward_step returns"),
+        }
     }
 
     /// The engine, mutably.
     pub fn engine_mut(&mut self) -> &mut Engine<T, C, MemoryOf<T, C>> {
-        &mut self.engine
+        lent(&mut self.engine)
     }
 
     /// Freezes or unfreezes a variable (see [`Engine::set_trainable`]).
     pub fn set_trainable(&mut self, name: &str, trainable: bool) -> Result<()> {
-        Ok(self.engine.set_trainable(name, trainable)?)
+        Ok(self.engine_mut().set_trainable(name, trainable)?)
     }
 
     /// Applies trainability changes now (when the per-step check is off).
     pub fn refresh_trainability(&mut self) -> Result<()> {
-        Ok(self.engine.refresh_trainability()?)
+        Ok(self.engine_mut().refresh_trainability()?)
     }
 
     /// Adds a parameter group (see [`Engine::add_param_group`]).
     pub fn add_param_group(&mut self, names: &[&str], hyperparams: &Hyperparams) -> Result<usize> {
-        Ok(self.engine.add_param_group(names, hyperparams)?)
+        Ok(self.engine_mut().add_param_group(names, hyperparams)?)
     }
 
     /// Bytes held per category on this rank.
     pub fn memory_report(&self) -> MemoryReport {
-        self.engine.memory_report()
+        self.engine().memory_report()
     }
 
     /// Bytes this rank has sent.
     pub fn bytes_sent(&self) -> u64 {
-        self.engine.comm().bytes_sent()
+        self.engine().comm().bytes_sent()
+    }
+}
+
+/// The engine, which is only away during `backward_step` (an internal
+/// invariant: every path there puts it back, panics included).
+fn lent<E>(slot: &mut Option<E>) -> &mut E {
+    match slot {
+        Some(engine) => engine,
+        None => unreachable!("the engine is back before backward_step returns"),
     }
 }
 
@@ -349,11 +441,18 @@ where
         Ok(())
     }
 
+    /// [`ZeroOptimizer::backward_step`]: with a [`ZeroHook`] connected,
+    /// gradients reach the engine during backward.
+    fn backward_step(&mut self, loss: &Tensor) -> candle_core::Result<()> {
+        ZeroOptimizer::backward_step(self, loss)?;
+        Ok(())
+    }
+
     fn learning_rate(&self) -> f64 {
-        self.engine.learning_rate()
+        self.engine().learning_rate()
     }
 
     fn set_learning_rate(&mut self, lr: f64) {
-        self.engine.set_learning_rate(lr)
+        self.engine_mut().set_learning_rate(lr)
     }
 }

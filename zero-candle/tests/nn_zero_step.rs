@@ -6,7 +6,7 @@
 mod nn_support;
 
 use candle_core::{DType, Device, Module, Tensor};
-use candle_nn::{Optimizer, VarBuilder, VarMap};
+use candle_nn::{VarBuilder, VarMap};
 use std::sync::Arc;
 use zero_candle::nn::{self, GradCollector, GradHook};
 use zero_candle::ZeroOptimizer;
@@ -106,7 +106,9 @@ fn train(path: Path, steps: usize) -> Vec<Vec<(String, Vec<f64>)>> {
                     collector.merge_into(&mut grads).unwrap();
                     opt.step(&grads).unwrap();
                 }
-                _ => opt.backward_step(&loss).unwrap(),
+                _ => {
+                    opt.backward_step(&loss).unwrap();
+                }
             }
         }
         weights(&varmap)

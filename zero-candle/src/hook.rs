@@ -1,0 +1,164 @@
+//! [`ZeroHook`]: the gradient hook that hands each parameter gradient of
+//! a `zero_candle::nn` model to the engine the moment backward computes it.
+
+use crate::memory::{CandleMemory, MemoryOf};
+use crate::nn::GradHook;
+use candle_core::backprop::GradStore;
+use candle_core::{Tensor, TensorId, Var, WithDType};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+use zero_core::{Communicator, Element, Engine};
+
+/// The engine of communicator `C` for elements `T`.
+type EngineOf<C, T> = Engine<T, C, MemoryOf<T, C>>;
+
+/// A gradient hook connected to a [`ZeroOptimizer`](crate::ZeroOptimizer).
+///
+/// Build the model's `zero_candle::nn` layers with it, connect it with
+/// [`ZeroOptimizer::with_hook`](crate::ZeroOptimizer::with_hook), and train
+/// with [`ZeroOptimizer::backward_step`](crate::ZeroOptimizer::backward_step):
+/// during backward each hooked parameter gradient goes straight into the
+/// engine's flat gradient buffer and is dropped, so the `GradStore` never
+/// holds it. Gradients of parameters used outside hooked layers still come
+/// through the `GradStore`; a weight used both ways gets the sum.
+///
+/// ```no_run
+/// use std::sync::Arc;
+/// use candle_core::{DType, Device, Module, Tensor};
+/// use candle_nn::{VarBuilder, VarMap};
+/// use zero_candle::{nn, ZeroHook, ZeroOptimizer};
+/// use zero_core::{ThreadGroup, ThreadComm, engine::EngineConfig, optim::{Adam, AdamConfig}};
+///
+/// ThreadGroup::new(2).run(|comm| -> zero_candle::Result<()> {
+///     let hook = ZeroHook::<ThreadComm, f32>::new();
+///     let varmap = VarMap::new();
+///     let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+///     let layer = nn::linear(4, 2, vb.pp("layer"), Some(hook.clone()))?;
+///     let adam = Adam::new(AdamConfig::default())?;
+///     let mut opt = ZeroOptimizer::new(&varmap, comm, EngineConfig::default(), Box::new(adam))?
+///         .with_hook(&hook)?;
+///     let x = Tensor::ones((3, 4), DType::F32, &Device::Cpu)?;
+///     let loss = layer.forward(&x)?.sqr()?.mean_all()?;
+///     opt.backward_step(&loss)?;
+///     Ok(())
+/// });
+/// ```
+pub struct ZeroHook<C, T>
+where
+    C: Communicator + 'static,
+    T: Element + WithDType,
+    C::Memory: CandleMemory<T, C>,
+{
+    inner: Mutex<Inner<C, T>>,
+}
+
+struct Inner<C, T>
+where
+    C: Communicator + 'static,
+    T: Element + WithDType,
+    C::Memory: CandleMemory<T, C>,
+{
+    /// The engine, lent by the optimizer for the length of a backward pass.
+    engine: Option<EngineOf<C, T>>,
+    /// Parameter index by variable (a lookup only: nothing iterates it).
+    index: HashMap<TensorId, usize>,
+    names: Vec<String>,
+    vars: Vec<Var>,
+}
+
+impl<C, T> ZeroHook<C, T>
+where
+    C: Communicator + 'static,
+    T: Element + WithDType,
+    C::Memory: CandleMemory<T, C>,
+{
+    /// A hook not yet connected to an optimizer: give it to the layers, then
+    /// to [`ZeroOptimizer::with_hook`](crate::ZeroOptimizer::with_hook).
+    pub fn new() -> Arc<Self> {
+        Arc::new(Self {
+            inner: Mutex::new(Inner {
+                engine: None,
+                index: HashMap::new(),
+                names: Vec::new(),
+                vars: Vec::new(),
+            }),
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner<C, T>> {
+        // A poisoned lock means a panic during a backward pass; what it
+        // guards (the lent engine, a lookup table) is still consistent.
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Connects the hook to an optimizer's parameters; `false` if it is
+    /// already connected.
+    pub(crate) fn connect(&self, names: &[String], vars: &[Var]) -> bool {
+        let mut inner = self.lock();
+        if !inner.vars.is_empty() {
+            return false;
+        }
+        inner.index = vars
+            .iter()
+            .enumerate()
+            .map(|(i, v)| (v.as_tensor().id(), i))
+            .collect();
+        inner.names = names.to_vec();
+        inner.vars = vars.to_vec();
+        true
+    }
+
+    /// Lends the engine for a backward pass.
+    pub(crate) fn lend(&self, engine: EngineOf<C, T>) {
+        self.lock().engine = Some(engine);
+    }
+
+    /// Takes the lent engine back.
+    pub(crate) fn take_back(&self) -> Option<EngineOf<C, T>> {
+        self.lock().engine.take()
+    }
+}
+
+impl<C, T> GradHook for ZeroHook<C, T>
+where
+    C: Communicator + 'static,
+    T: Element + WithDType,
+    C::Memory: CandleMemory<T, C>,
+{
+    fn grad_ready(&self, var: &Var, grad: Tensor) -> candle_core::Result<()> {
+        let mut inner = self.lock();
+        let Inner {
+            engine,
+            index,
+            names,
+            vars,
+        } = &mut *inner;
+        let Some(&i) = index.get(&var.as_tensor().id()) else {
+            candle_core::bail!(
+                "a layer reported the gradient of a variable ({:?}) that its ZeroHook's optimizer \
+                 does not train; connect the hook to the optimizer built from the model's \
+                 VarMap (ZeroOptimizer::with_hook)",
+                var.dims()
+            )
+        };
+        let Some(engine) = engine.as_mut() else {
+            candle_core::bail!(
+                "a layer built with a ZeroHook ran backward outside ZeroOptimizer::backward_step; \
+                 call opt.backward_step(&loss) (it runs loss.backward() with the engine ready) \
+                 instead of loss.backward()"
+            )
+        };
+        let mut store = GradStore::default();
+        store.insert(var.as_tensor(), grad);
+        C::Memory::with_grads(
+            &names[i..=i],
+            &vars[i..=i],
+            &store,
+            &mut |slots| match slots.first().copied().flatten() {
+                Some(grad) => Ok(engine.accumulate_param(i, grad)?),
+                None => Ok(()),
+            },
+        )?;
+        Ok(())
+    }
+}
