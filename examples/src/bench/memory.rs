@@ -1,4 +1,6 @@
 //! `bench memory`: the heap a training process really holds at each stage,
+//! with gradients through Candle's `GradStore` and with the layers handing
+//! them to the engine during backward (`hooked_*`),
 //! counted by the binary's allocator (see [`crate::heap`]), not computed
 //! from buffer sizes: the replica, Candle's gradients and activations, the
 //! engine's buffers and every temporary copy.
@@ -9,10 +11,12 @@ use crate::trainer::Mlp;
 use candle_core::Device;
 use candle_nn::VarMap;
 use rand::SeedableRng;
-use zero_candle::ZeroOptimizer;
+use std::sync::Arc;
+use zero_candle::nn::GradHook;
+use zero_candle::{ZeroHook, ZeroOptimizer};
 use zero_core::engine::{EngineConfig, Stage};
 use zero_core::optim::{AdamW, AdamWConfig};
-use zero_core::{Communicator, ThreadGroup};
+use zero_core::{Communicator, ThreadComm, ThreadGroup};
 
 const WORLD_SIZE: usize = 2;
 /// MLP 1024-4x2048-10: 14.7M f32 parameters.
@@ -21,24 +25,35 @@ const BATCH: usize = 8;
 /// Enough steps for every buffer to exist (Adam's state after the first).
 const STEPS: usize = 3;
 
-/// Process peak heap bytes above what was live before, for one stage.
-fn peak_above_baseline(stage: Stage) -> Result<usize, String> {
+/// Process peak heap bytes above what was live before, for one stage;
+/// `hooked`: the layers hand their gradients to the engine during backward
+/// (`ZeroHook`, `backward_step`) instead of through the `GradStore`.
+fn peak_above_baseline(stage: Stage, hooked: bool) -> Result<usize, String> {
     heap::reset_peak();
     let baseline = heap::current_bytes().ok_or("the counting allocator is not installed")?;
     let results = ThreadGroup::new(WORLD_SIZE).run(|comm| {
         let rank = comm.rank();
         let run = || -> Result<(), crate::trainer::TrainError> {
             let varmap = VarMap::new();
-            let model = Mlp::new(&varmap, &WIDTHS, 0, &Device::Cpu)?;
+            let hook = ZeroHook::<ThreadComm, f32>::new();
+            let model = Mlp::with_hook(
+                &varmap,
+                &WIDTHS,
+                0,
+                &Device::Cpu,
+                hooked.then(|| hook.clone() as Arc<dyn GradHook>),
+            )?;
             let adamw = AdamW::new(AdamWConfig::default().with_lr(1e-3))?;
             let config = EngineConfig::default().with_stage(stage);
             let mut opt = ZeroOptimizer::<_, f32>::new(&varmap, comm, config, Box::new(adamw))?;
+            if hooked {
+                opt = opt.with_hook(&hook)?;
+            }
             let mut rng = rand::rngs::StdRng::seed_from_u64(rank as u64);
             for _ in 0..STEPS {
                 let (x, y) = super::random_batch(&mut rng, BATCH, WIDTHS[0], 10)?;
                 let loss = candle_nn::loss::cross_entropy(&model.forward(&x)?, &y)?;
-                let grads = loss.backward()?;
-                opt.step(&grads)?;
+                opt.backward_step(&loss)?;
             }
             Ok(())
         };
@@ -66,26 +81,52 @@ pub fn run(report: &mut Report) {
         params as f64 / 1e6
     );
     let mut peaks = Vec::new();
+    let mut hooked_peaks = Vec::new();
     for (name, stage) in [
         ("s0", Stage::Ddp),
         ("s1", Stage::OptimizerState),
         ("s2", Stage::Gradients),
     ] {
-        match peak_above_baseline(stage) {
-            Ok(peak) => {
-                report.add(
-                    &format!("memory.{name}_peak_bytes"),
-                    peak as f64,
-                    "bytes",
-                    None,
-                );
-                peaks.push(peak as f64);
-            }
-            Err(e) => {
-                eprintln!("bench memory: stage {name}: {e}");
-                return;
+        for (hooked, prefix, out) in [
+            (false, "", &mut peaks),
+            (true, "hooked_", &mut hooked_peaks),
+        ] {
+            match peak_above_baseline(stage, hooked) {
+                Ok(peak) => {
+                    report.add(
+                        &format!("memory.{prefix}{name}_peak_bytes"),
+                        peak as f64,
+                        "bytes",
+                        None,
+                    );
+                    out.push(peak as f64);
+                }
+                Err(e) => {
+                    eprintln!("bench memory: stage {name}: {e}");
+                    return;
+                }
             }
         }
+    }
+    report.add(
+        "memory.hooked_s0_peak_bytes_per_param",
+        hooked_peaks[0] / WORLD_SIZE as f64 / params as f64,
+        "bytes",
+        Some("<= 18"),
+    );
+    report.add(
+        "memory.hooked_s2_peak_over_hooked_s0_peak",
+        hooked_peaks[2] / hooked_peaks[0],
+        "ratio",
+        Some("<= 0.70"),
+    );
+    for (i, name) in ["s0", "s1", "s2"].iter().enumerate() {
+        report.add(
+            &format!("memory.hooked_{name}_peak_over_grad_store_{name}_peak"),
+            hooked_peaks[i] / peaks[i],
+            "ratio",
+            None,
+        );
     }
     report.add(
         "memory.s0_peak_bytes_per_param",

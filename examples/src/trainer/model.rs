@@ -24,6 +24,18 @@ impl Mlp {
         seed: u64,
         device: &Device,
     ) -> Result<Self, TrainError> {
+        Self::with_hook(varmap, widths, seed, device, None)
+    }
+
+    /// [`Mlp::new`] with layers that hand their gradients to `hook` during
+    /// backward (a `zero_candle::ZeroHook`, for `ZeroOptimizer::backward_step`).
+    pub fn with_hook(
+        varmap: &VarMap,
+        widths: &[usize],
+        seed: u64,
+        device: &Device,
+        hook: Option<std::sync::Arc<dyn zero_candle::nn::GradHook>>,
+    ) -> Result<Self, TrainError> {
         let mut rng = StdRng::seed_from_u64(seed);
         let mut data = varmap
             .data()
@@ -41,12 +53,12 @@ impl Mlp {
             let b = Var::from_tensor(&Tensor::from_vec(b, fan_out, device)?)?;
             data.insert(format!("layers.{i}.weight"), w.clone());
             data.insert(format!("layers.{i}.bias"), b.clone());
-            // No gradient hook: the gradients land in backward's GradStore,
+            // Without a hook the gradients land in backward's GradStore,
             // for `ZeroOptimizer::step`.
             layers.push(Linear::new(
                 w.as_tensor().clone(),
                 Some(b.as_tensor().clone()),
-                None,
+                hook.clone(),
             ));
         }
         Ok(Self { layers })
