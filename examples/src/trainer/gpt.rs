@@ -15,7 +15,8 @@ use crate::trainer::TrainError;
 use candle_core::{DType, Device, Module, Tensor, Var, D};
 use candle_nn::VarMap;
 use rand::{rngs::StdRng, Rng, SeedableRng};
-use zero_candle::nn::{Embedding, LayerNorm, Linear};
+use std::sync::Arc;
+use zero_candle::nn::{Embedding, GradHook, LayerNorm, Linear};
 
 /// Bytes: the vocabulary needs no tokenizer and no download.
 pub const VOCAB: usize = 256;
@@ -76,6 +77,9 @@ struct Init<'a> {
     data: std::sync::MutexGuard<'a, std::collections::HashMap<String, Var>>,
     rng: StdRng,
     device: &'a Device,
+    /// Where the layers hand their gradients during backward (`None`: to
+    /// backward's GradStore).
+    hook: Option<Arc<dyn GradHook>>,
 }
 
 impl Init<'_> {
@@ -108,15 +112,13 @@ impl Init<'_> {
     ) -> Result<Linear, TrainError> {
         let w = self.uniform(&format!("{name}.weight"), &[d_out, d_in], std)?;
         let b = self.constant(&format!("{name}.bias"), d_out, 0.0)?;
-        // No gradient hook: gradients land in backward's GradStore, for
-        // `ZeroOptimizer::step`.
-        Ok(Linear::new(w, Some(b), None))
+        Ok(Linear::new(w, Some(b), self.hook.clone()))
     }
 
     fn layer_norm(&mut self, name: &str, size: usize) -> Result<LayerNorm, TrainError> {
         let w = self.constant(&format!("{name}.weight"), size, 1.0)?;
         let b = self.constant(&format!("{name}.bias"), size, 0.0)?;
-        Ok(LayerNorm::new(w, b, 1e-5, None))
+        Ok(LayerNorm::new(w, b, 1e-5, self.hook.clone()))
     }
 }
 
@@ -131,6 +133,20 @@ impl Gpt {
         seed: u64,
         device: &Device,
     ) -> Result<Self, TrainError> {
+        Self::with_hook(varmap, config, seed, device, None)
+    }
+
+    /// [`Gpt::new`] with layers that hand their gradients to `hook` during
+    /// backward (a `zero_candle::ZeroHook`, for `ZeroOptimizer::backward_step`);
+    /// the tied head's use of `wte.weight` still reaches it through the
+    /// GradStore, and the engine adds both.
+    pub fn with_hook(
+        varmap: &VarMap,
+        config: GptConfig,
+        seed: u64,
+        device: &Device,
+        hook: Option<Arc<dyn GradHook>>,
+    ) -> Result<Self, TrainError> {
         config.validate()?;
         let data = varmap
             .data()
@@ -140,6 +156,7 @@ impl Gpt {
             data,
             rng: StdRng::seed_from_u64(seed),
             device,
+            hook: hook.clone(),
         };
         let d = config.d_model;
         let std = 0.02;
@@ -161,8 +178,8 @@ impl Gpt {
         let ln_f = init.layer_norm("ln_f", d)?;
         Ok(Self {
             config,
-            wte: Embedding::new(wte.clone(), d, None),
-            wpe: Embedding::new(wpe, d, None),
+            wte: Embedding::new(wte.clone(), d, hook.clone()),
+            wpe: Embedding::new(wpe, d, hook),
             blocks,
             ln_f,
             head: wte,

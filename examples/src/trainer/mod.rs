@@ -24,7 +24,8 @@ use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use zero_candle::{CandleMemory, ZeroOptimizer};
+use zero_candle::nn::GradHook;
+use zero_candle::{CandleMemory, ZeroHook, ZeroOptimizer};
 use zero_core::checkpoint::Manifest;
 use zero_core::comm::Host;
 use zero_core::engine::{
@@ -176,7 +177,8 @@ fn run_nccl(args: &Args, data: &Arc<TrainingData>) -> Result<Summary, TrainError
     let device = Device::new_cuda(comm.context().ordinal())?;
     let (rank, world_size) = (comm.rank(), comm.world_size());
     let varmap = VarMap::new();
-    let model = Model::new(args, data, &varmap, &device)?;
+    let hook = zero_candle::ZeroHook::<NcclComm, f32>::new();
+    let model = Model::new(args, data, &varmap, &device, hook.clone())?;
     if let Some(path) = &args.init {
         load_weights(&varmap, path)?;
     }
@@ -185,7 +187,8 @@ fn run_nccl(args: &Args, data: &Arc<TrainingData>) -> Result<Summary, TrainError
         comm,
         engine_config(args),
         crate::optimizers::build(args)?,
-    )?;
+    )?
+    .with_hook(&hook)?;
     let ctx = LoopContext {
         args,
         rank,
@@ -373,20 +376,24 @@ enum Model<'a> {
 
 impl<'a> Model<'a> {
     /// Creates the variables in `varmap`, seeded identically on every rank.
+    /// The layers hand their gradients to `hook` during backward.
     fn new(
         args: &Args,
         data: &'a TrainingData,
         varmap: &VarMap,
         device: &Device,
+        hook: Arc<dyn GradHook>,
     ) -> Result<Self, TrainError> {
+        let hook = Some(hook);
         Ok(match data {
             TrainingData::Rows(rows) => Self::Mlp(
-                Mlp::new(varmap, &widths(args, rows), args.seed, device)?,
+                Mlp::with_hook(varmap, &widths(args, rows), args.seed, device, hook)?,
                 rows,
             ),
-            TrainingData::Text(text) => {
-                Self::Gpt(Gpt::new(varmap, gpt_config(args), args.seed, device)?, text)
-            }
+            TrainingData::Text(text) => Self::Gpt(
+                Gpt::with_hook(varmap, gpt_config(args), args.seed, device, hook)?,
+                text,
+            ),
         })
     }
 
@@ -460,10 +467,8 @@ impl<'a> Model<'a> {
 /// What the training loop needs of a rank's optimizer ([`ZeroOptimizer`]
 /// on any backend), so the loop is compiled once.
 trait RankOptimizer {
-    fn step(
-        &mut self,
-        grads: &candle_core::backprop::GradStore,
-    ) -> Result<Option<StepReport>, TrainError>;
+    /// `loss.backward()` and one micro-step.
+    fn backward_step(&mut self, loss: &Tensor) -> Result<Option<StepReport>, TrainError>;
     fn learning_rate(&self) -> f64;
     fn set_learning_rate(&mut self, lr: f64);
     fn bytes_sent(&self) -> u64;
@@ -484,11 +489,8 @@ where
     C: Communicator + 'static,
     C::Memory: CandleMemory<f32, C>,
 {
-    fn step(
-        &mut self,
-        grads: &candle_core::backprop::GradStore,
-    ) -> Result<Option<StepReport>, TrainError> {
-        Ok(ZeroOptimizer::step(self, grads)?)
+    fn backward_step(&mut self, loss: &Tensor) -> Result<Option<StepReport>, TrainError> {
+        Ok(ZeroOptimizer::backward_step(self, loss)?)
     }
     fn learning_rate(&self) -> f64 {
         self.engine().learning_rate()
@@ -532,7 +534,8 @@ pub fn train_rank<C: Communicator<Memory = Host> + 'static>(
 ) -> Result<Summary, TrainError> {
     let (rank, world_size) = (comm.rank(), comm.world_size());
     let varmap = VarMap::new();
-    let model = Model::new(args, data, &varmap, &Device::Cpu)?;
+    let hook = ZeroHook::<C, f32>::new();
+    let model = Model::new(args, data, &varmap, &Device::Cpu, hook.clone())?;
     if let Some(path) = &args.init {
         load_weights(&varmap, path)?;
     }
@@ -541,7 +544,8 @@ pub fn train_rank<C: Communicator<Memory = Host> + 'static>(
         comm,
         engine_config(args),
         crate::optimizers::build(args)?,
-    )?;
+    )?
+    .with_hook(&hook)?;
     let ctx = LoopContext {
         args,
         rank,
@@ -633,8 +637,9 @@ fn train_loop(ctx: &LoopContext<'_>, opt: &mut dyn RankOptimizer) -> Result<Summ
             let first_row = rows_consumed + micro_steps_done * (world_size * batch) as u64;
             let loss = model.batch_loss(args, first_row, world_size, rank, device)?;
             loss_sum += loss.to_scalar::<f32>()? as f64;
-            let grads = loss.backward()?;
-            report = opt.step(&grads)?;
+            // The layers hand their gradients to the engine during
+            // backward (none stays in Candle's GradStore).
+            report = opt.backward_step(&loss)?;
         }
         let report = report.ok_or_else(|| {
             TrainError::Internal("the last micro-step did not complete a step".into())
