@@ -67,6 +67,9 @@ pub struct Engine<T: Element, C: Communicator, M: ShardMemory<T, C> = HostMemory
     /// This rank's index in the plan (0 in stage 0, whose plan has one rank).
     plan_rank: usize,
     owned: Vec<ShardPiece>,
+    /// The owned pieces as copies between the replica and the shard (fixed
+    /// for the engine's life).
+    owned_copies: Vec<ParamCopy>,
     keys: Vec<ParamKey>,
     group_of: Vec<usize>,
     optimizer: Box<dyn FunctionalOptimizer<T>>,
@@ -151,6 +154,15 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             })
             .collect();
 
+        let base = plan_rank * plan.shard_numel;
+        let owned_copies = owned
+            .iter()
+            .map(|piece| ParamCopy {
+                param: piece.param,
+                param_range: piece.param_range.clone(),
+                at: piece.flat_range.start - base,
+            })
+            .collect();
         let param_shard = memory.alloc_zeroed(plan.shard_numel)?;
         let grad_shard = match config.stage {
             Stage::Ddp => None,
@@ -186,6 +198,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             layout,
             plan_rank,
             owned,
+            owned_copies,
             keys,
             group_of,
             optimizer,
@@ -588,20 +601,12 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
 
         // The owned pieces' current values (the replica may have been changed
         // by the user since the last step).
-        let copies: Vec<ParamCopy> = self
-            .owned
-            .iter()
-            .map(|piece| ParamCopy {
-                param: piece.param,
-                param_range: piece.param_range.clone(),
-                at: self.shard_offset(piece),
-            })
-            .collect();
         self.memory
-            .read_params(params, &copies, &mut self.param_shard)?;
+            .read_params(params, &self.owned_copies, &mut self.param_shard)?;
 
-        self.reduce_gradients(last, micro_steps, &stepping)?;
-        let grad_norm = self.clip_gradients(&stepping)?;
+        let ranges = self.stepping_ranges(&stepping);
+        self.reduce_gradients(last, micro_steps, &ranges)?;
+        let grad_norm = self.clip_gradients(&ranges)?;
         self.run_optimizer(&stepping)?;
         self.write_back(params)?;
         Ok(grad_norm)
@@ -618,7 +623,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         &mut self,
         last: Option<&[Option<M::Grad<'_>>]>,
         micro_steps: usize,
-        stepping: &[bool],
+        ranges: &[Range<usize>],
     ) -> Result<()> {
         if self.full_grads.is_none() && self.bucket_buf.is_none() {
             let longest = (0..self.layout.buckets.len())
@@ -675,7 +680,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             }
         }
         if micro_steps > 1 {
-            self.scale_grads(1.0 / micro_steps as f64, stepping)?;
+            self.scale_grads(1.0 / micro_steps as f64, ranges)?;
         }
         Ok(())
     }
@@ -700,11 +705,11 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         ranges
     }
 
-    /// Multiplies the reduced gradients of the stepping pieces by `factor`.
-    fn scale_grads(&mut self, factor: f64, stepping: &[bool]) -> Result<()> {
-        let ranges = self.stepping_ranges(stepping);
+    /// Multiplies the reduced gradients in `ranges` (the stepping pieces)
+    /// by `factor`.
+    fn scale_grads(&mut self, factor: f64, ranges: &[Range<usize>]) -> Result<()> {
         let grads = reduced_grads(&mut self.grad_shard, &mut self.full_grads)?;
-        self.memory.scale(grads, &ranges, factor)
+        self.memory.scale(grads, ranges, factor)
     }
 
     /// Computes the global gradient norm if asked for, and clips.
@@ -713,17 +718,16 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// rank) refuses the step on every rank alike (`torch`'s
     /// `clip_grad_norm_(error_if_nonfinite=True)`): the parameters and the
     /// optimizer state are left as they were, and the error says so.
-    fn clip_gradients(&mut self, stepping: &[bool]) -> Result<Option<f64>> {
+    fn clip_gradients(&mut self, ranges: &[Range<usize>]) -> Result<Option<f64>> {
         let norm_type = match (&self.config.clip, self.config.compute_grad_norm) {
             (Some(clip), _) => clip.norm_type,
             (None, true) => NormType::L2,
             (None, false) => return Ok(None),
         };
-        let ranges = self.stepping_ranges(stepping);
         let grads = reduced_grads(&mut self.grad_shard, &mut self.full_grads)?;
         let local = self
             .memory
-            .norm_partial(&self.comm, grads, &ranges, norm_type)?;
+            .norm_partial(&self.comm, grads, ranges, norm_type)?;
         // Stage 0 ranks hold the whole reduced gradient: the local norm is
         // the global one.
         let total = if self.config.stage == Stage::Ddp {
@@ -752,7 +756,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             // torch.nn.utils.clip_grad_norm_: coefficient clamped to 1.
             let coef = clip.max_norm / (norm + 1e-6);
             if coef < 1.0 {
-                self.scale_grads(coef, stepping)?;
+                self.scale_grads(coef, ranges)?;
             }
         }
         Ok(Some(norm))
@@ -783,14 +787,10 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     fn write_back(&mut self, params: &mut M::Params<'_>) -> Result<()> {
         if self.config.stage == Stage::Ddp {
             let copies: Vec<ParamCopy> = self
-                .owned
+                .owned_copies
                 .iter()
-                .filter(|p| self.active[p.param])
-                .map(|piece| ParamCopy {
-                    param: piece.param,
-                    param_range: piece.param_range.clone(),
-                    at: self.shard_offset(piece),
-                })
+                .filter(|c| self.active[c.param])
+                .cloned()
                 .collect();
             return self.memory.write_params(params, &copies, &self.param_shard);
         }
