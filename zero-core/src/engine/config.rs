@@ -86,6 +86,45 @@ impl NormType {
     }
 }
 
+/// When gradient reductions run, for gradients handed to the engine during
+/// backward ([`Engine::begin_backward`](super::Engine::begin_backward), then
+/// [`Engine::accumulate_param`](super::Engine::accumulate_param): what
+/// `zero_candle`'s `backward_step` does). The overlapped schedules are those
+/// of PyTorch's `ddp_zero_hook`; all three give the same weights, bitwise.
+/// Gradients given as slots to [`Engine::step`](super::Engine::step) after
+/// a plain backward are reduced in the step.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Overlap {
+    /// Every reduction runs after backward, in the step (the serial
+    /// baseline).
+    None,
+    /// Bucket `k`'s reduction starts on a communication thread as soon as
+    /// its last gradient arrives and every lower bucket has started; the
+    /// optimizer steps once every reduction is done (`hook_with_zero_step`).
+    #[default]
+    AfterBackward,
+    /// As `AfterBackward`, but each bucket's shard is stepped as soon as its
+    /// reduction completes, during backward
+    /// (`hook_with_zero_step_interleaved`). Global-norm clipping needs every
+    /// gradient first, so it cannot be combined with this schedule.
+    Interleaved,
+}
+
+impl Overlap {
+    /// Parses `none`, `after-backward` or `interleaved`.
+    pub fn parse(s: &str) -> Result<Self> {
+        match s {
+            "none" => Ok(Overlap::None),
+            "after-backward" => Ok(Overlap::AfterBackward),
+            "interleaved" => Ok(Overlap::Interleaved),
+            other => Err(Error::Config(format!(
+                "overlap schedule {other:?} is not known; use none, after-backward or interleaved"
+            ))),
+        }
+    }
+}
+
 /// Gradient clipping by the global norm across shards.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ClipConfig {
@@ -127,6 +166,9 @@ pub struct EngineConfig {
     pub check_trainability: bool,
     /// Parameter groups beyond group 0.
     pub param_groups: Vec<ParamGroupSpec>,
+    /// When reductions of gradients handed over during backward run.
+    #[serde(default)]
+    pub overlap: Overlap,
 }
 
 impl Default for EngineConfig {
@@ -140,6 +182,7 @@ impl Default for EngineConfig {
             compute_grad_norm: false,
             check_trainability: true,
             param_groups: Vec::new(),
+            overlap: Overlap::default(),
         }
     }
 }
@@ -190,6 +233,12 @@ impl EngineConfig {
         self
     }
 
+    /// Sets the overlap schedule.
+    pub fn with_overlap(mut self, overlap: Overlap) -> Self {
+        self.overlap = overlap;
+        self
+    }
+
     /// Adds a parameter group.
     pub fn with_param_group(mut self, params: Vec<String>, hyperparams: Hyperparams) -> Self {
         self.param_groups.push(ParamGroupSpec {
@@ -208,6 +257,14 @@ impl EngineConfig {
         if self.grad_accum_steps == 0 {
             return Err(Error::Config(
                 "grad_accum_steps is 0; use 1 for no accumulation".into(),
+            ));
+        }
+        if self.overlap == Overlap::Interleaved && (self.clip.is_some() || self.compute_grad_norm) {
+            return Err(Error::Config(
+                "the interleaved overlap schedule steps each bucket before the other gradients \
+                 exist, so it cannot clip by (or compute) the global gradient norm; use overlap \
+                 after-backward (the default) with clipping"
+                    .into(),
             ));
         }
         if let Some(clip) = &self.clip {

@@ -24,13 +24,17 @@
 mod config;
 mod layout;
 mod memory;
+mod overlap;
 mod setup;
 mod shard_memory;
 mod state;
 
-pub use config::{ClipConfig, EngineConfig, NormType, ParamGroupSpec, PartitionerKind, Stage};
+pub use config::{
+    ClipConfig, EngineConfig, NormType, Overlap, ParamGroupSpec, PartitionerKind, Stage,
+};
 pub use layout::{Layout, Run};
 pub use memory::MemoryReport;
+pub use overlap::ReductionProgress;
 pub use setup::ShardSetup;
 pub use shard_memory::{
     GradPiece, HostMemory, ParamCopy, ParamStore, ShardMemory, StepPiece, StepPlan,
@@ -43,6 +47,7 @@ use crate::partition::{ParamInfo, PartitionPlan, ShardPiece};
 use crate::{Element, Error, Result};
 use std::collections::BTreeMap;
 use std::ops::Range;
+use std::sync::Arc;
 
 /// What one optimizer step did.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -57,7 +62,8 @@ pub struct StepReport {
 /// The ZeRO engine for one rank, over communicator `C`, with its buffers in
 /// memory `M` ([`HostMemory`] by default; `zero-nccl` has `CudaMemory`).
 pub struct Engine<T: Element, C: Communicator, M: ShardMemory<T, C> = HostMemory> {
-    comm: C,
+    /// Shared with the communication thread during an overlapped backward.
+    comm: Arc<C>,
     memory: M,
     config: EngineConfig,
     params: Vec<ParamInfo>,
@@ -80,9 +86,22 @@ pub struct Engine<T: Element, C: Communicator, M: ShardMemory<T, C> = HostMemory
     /// Full gradients in bucket-major order (stages 0 and 1 always; stage 2
     /// only inside an accumulation window).
     full_grads: Option<M::Buffer>,
-    /// One bucket (stage 2 without accumulation: reduce-scatter source and
-    /// all-gather destination), as long as the longest bucket.
-    bucket_buf: Option<M::Buffer>,
+    /// Bucket buffers, each as long as the longest bucket: filled by
+    /// gradients during an overlapped backward, and in stage 2 the
+    /// reduce-scatter source and all-gather destination.
+    pool: Vec<M::Buffer>,
+    /// Elements of the longest bucket (bucket-major).
+    longest_bucket: usize,
+    /// Stage 2's reduce-scatter destination when adding a micro-step.
+    scratch: Option<M::Buffer>,
+    /// The backward pass whose gradients are being handed over.
+    window: Option<overlap::Window<M::Buffer>>,
+    /// Whether the gradient shard holds reduced micro-steps of the current
+    /// window (stage 2, overlapped).
+    shard_accumulated: bool,
+    progress: ReductionProgress,
+    /// The parameter order the plan was built for (`None`: names).
+    planned_order: Option<Vec<usize>>,
     micro_steps: usize,
     /// Whether the full gradient buffer holds contributions of the current
     /// window (accumulated micro-steps, or gradients handed over one by one
@@ -90,6 +109,8 @@ pub struct Engine<T: Element, C: Communicator, M: ShardMemory<T, C> = HostMemory
     window_open: bool,
     /// For each parameter, the indices of its runs in the layout.
     runs_of_param: Vec<Vec<usize>>,
+    /// For each run, its bucket.
+    bucket_of_run: Vec<usize>,
     present: Vec<bool>,
     trainable: Vec<bool>,
     /// The mask the buckets were built for (what is reduced and gathered).
@@ -133,9 +154,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             index,
             group_of,
             plan,
-            layout,
-            plan_rank,
-            owned,
+            ..
         } = ShardSetup::new(
             &params,
             &config,
@@ -143,47 +162,22 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             comm.world_size(),
             comm.rank(),
         )?;
-        let keys = owned
-            .iter()
-            .map(|p| {
-                ParamKey::new(
-                    params[p.param].name.clone(),
-                    p.param_range.start,
-                    group_of[p.param],
-                )
-            })
-            .collect();
-
-        let base = plan_rank * plan.shard_numel;
-        let owned_copies = owned
-            .iter()
-            .map(|piece| ParamCopy {
-                param: piece.param,
-                param_range: piece.param_range.clone(),
-                at: piece.flat_range.start - base,
-            })
-            .collect();
-        let param_shard = memory.alloc_zeroed(plan.shard_numel)?;
-        let grad_shard = match config.stage {
-            Stage::Ddp => None,
-            _ => Some(memory.alloc_zeroed(plan.shard_numel)?),
-        };
-        let full_grads = match config.stage {
-            Stage::Gradients => None,
-            _ => Some(memory.alloc_zeroed(plan.flat_numel())?),
-        };
         let trainable: Vec<bool> = params.iter().map(|p| p.trainable).collect();
-        let mut runs_of_param = vec![Vec::new(); params.len()];
-        for (i, run) in layout.runs.iter().enumerate() {
-            runs_of_param[run.param].push(i);
-        }
+        // The plan-derived fields are filled by `install_plan` below.
         let mut engine = Self {
             window_open: false,
-            runs_of_param,
-            param_shard,
-            grad_shard,
-            full_grads,
-            bucket_buf: None,
+            runs_of_param: Vec::new(),
+            bucket_of_run: Vec::new(),
+            param_shard: memory.alloc_zeroed(0)?,
+            grad_shard: None,
+            full_grads: None,
+            pool: Vec::new(),
+            longest_bucket: 0,
+            scratch: None,
+            window: None,
+            shard_accumulated: false,
+            progress: ReductionProgress::default(),
+            planned_order: None,
             micro_steps: 0,
             present: vec![false; params.len()],
             active: trainable.clone(),
@@ -191,22 +185,82 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             trainable,
             steps: 0,
             consolidated: None,
-            comm,
+            comm: Arc::new(comm),
             memory,
             config,
             index,
-            layout,
-            plan_rank,
-            owned,
-            owned_copies,
-            keys,
+            layout: Layout::new(&plan),
+            plan_rank: 0,
+            owned: Vec::new(),
+            owned_copies: Vec::new(),
+            keys: Vec::new(),
             group_of,
             optimizer,
-            plan,
+            plan: plan.clone(),
             params,
         };
-        engine.rebuild_buckets();
+        engine.install_plan(plan)?;
         Ok(engine)
+    }
+
+    /// Derives everything that depends on the partition plan (layout, owned
+    /// pieces, keys, buffers) and allocates the buffers afresh.
+    fn install_plan(&mut self, plan: PartitionPlan) -> Result<()> {
+        let stage = self.config.stage;
+        let plan_rank = match stage {
+            Stage::Ddp => 0,
+            _ => self.comm.rank(),
+        };
+        let layout = Layout::new(&plan);
+        let owned = plan.shards[plan_rank].clone();
+        let base = plan_rank * plan.shard_numel;
+        self.keys = owned
+            .iter()
+            .map(|p| {
+                ParamKey::new(
+                    self.params[p.param].name.clone(),
+                    p.param_range.start,
+                    self.group_of[p.param],
+                )
+            })
+            .collect();
+        self.owned_copies = owned
+            .iter()
+            .map(|piece| ParamCopy {
+                param: piece.param,
+                param_range: piece.param_range.clone(),
+                at: piece.flat_range.start - base,
+            })
+            .collect();
+        self.param_shard = self.memory.alloc_zeroed(plan.shard_numel)?;
+        self.grad_shard = match stage {
+            Stage::Ddp => None,
+            _ => Some(self.memory.alloc_zeroed(plan.shard_numel)?),
+        };
+        self.full_grads = match stage {
+            Stage::Gradients => None,
+            _ => Some(self.memory.alloc_zeroed(plan.flat_numel())?),
+        };
+        self.runs_of_param = vec![Vec::new(); self.params.len()];
+        for (i, run) in layout.runs.iter().enumerate() {
+            self.runs_of_param[run.param].push(i);
+        }
+        self.bucket_of_run = vec![0; layout.runs.len()];
+        for (k, runs) in layout.bucket_runs.iter().enumerate() {
+            self.bucket_of_run[runs.clone()].fill(k);
+        }
+        self.longest_bucket = (0..layout.buckets.len())
+            .map(|k| layout.bucket_range(k).len())
+            .max()
+            .unwrap_or(0);
+        self.pool.clear();
+        self.scratch = None;
+        self.layout = layout;
+        self.owned = owned;
+        self.plan = plan;
+        self.plan_rank = plan_rank;
+        self.rebuild_buckets();
+        Ok(())
     }
 
     /// The communicator.
@@ -381,7 +435,9 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             grads: len(&self.full_grads) * size,
             grad_shard: len(&self.grad_shard) * size,
             optimizer_state: self.memory.state_bytes(self.optimizer.as_ref()),
-            comm_buffers: len(&self.bucket_buf) * size,
+            comm_buffers: (self.pool.iter().map(M::buffer_len).sum::<usize>()
+                + len(&self.scratch))
+                * size,
         }
     }
 
@@ -389,6 +445,27 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// one slot per parameter, each as long as the parameter.
     pub fn accumulate(&mut self, grads: &[Option<M::Grad<'_>>]) -> Result<()> {
         self.check_grads(grads)?;
+        if self.window_is_open() {
+            if self.config.stage != Stage::Gradients {
+                return Err(Error::State(
+                    "begin_backward opened the last micro-step of this window (its reductions \
+                     have started); finish it with step, not accumulate"
+                        .into(),
+                ));
+            }
+            // Stage 2 reduce-scatters every micro-step into the shard.
+            let result = self.finish_window(Some(grads));
+            if result.is_err() {
+                self.discard_window();
+            }
+            result?;
+            for (present, g) in self.present.iter_mut().zip(grads) {
+                *present |= g.is_some();
+            }
+            self.shard_accumulated = true;
+            self.micro_steps += 1;
+            return Ok(());
+        }
         let (full, fresh) = match self.full_grads.take() {
             Some(full) => (full, false),
             None => (self.memory.alloc_zeroed(self.plan.flat_numel())?, true),
@@ -423,11 +500,15 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// Adds one parameter's gradient to the current micro-step, before its
     /// [`Engine::step`] (or [`Engine::accumulate`]) call completes it: how
     /// a framework hands gradients over during backward, the moment each is
-    /// final, instead of keeping them all until the end. The gradient goes
-    /// straight into the engine's flat gradient buffer (which in stage 2
-    /// then lives until the step, as during accumulation); a parameter
-    /// handed over twice (a tied weight) gets the sum, as does one also
-    /// passed to `step`. Local: no communication.
+    /// final, instead of keeping them all until the end. A parameter handed
+    /// over twice (a tied weight) gets the sum, as does one also passed to
+    /// `step`.
+    ///
+    /// After [`Engine::begin_backward`] the gradient goes into its bucket's
+    /// buffer and may launch that bucket's reduction (see
+    /// [`overlap`](self::overlap)); without it, it goes into the full flat
+    /// gradient buffer (which in stage 2 then lives until the step, as
+    /// during accumulation) and nothing is communicated.
     pub fn accumulate_param(&mut self, param: usize, grad: M::Grad<'_>) -> Result<()> {
         let Some(info) = self.params.get(param) else {
             return Err(Error::Config(format!(
@@ -444,6 +525,9 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                 info.numel(),
                 info.shape
             )));
+        }
+        if self.window_is_open() {
+            return self.window_accumulate(param, grad, true);
         }
         let (full, fresh) = match self.full_grads.take() {
             Some(full) => (full, false),
@@ -551,6 +635,12 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// gradients handed over during a backward pass that then failed), so
     /// the next micro-step starts a fresh window.
     pub fn discard_window(&mut self) {
+        // Waits for reductions already launched (a failed peer makes them
+        // fail within the deadline) to get the buffers back.
+        if let Err(e) = self.finish_window(None) {
+            tracing::debug!("discarding a backward pass whose reductions failed: {e}");
+        }
+        self.shard_accumulated = false;
         self.micro_steps = 0;
         self.window_open = false;
         self.present.fill(false);
@@ -568,6 +658,16 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         micro_steps: usize,
         params: &mut M::Params<'_>,
     ) -> Result<Option<f64>> {
+        // Reductions launched during backward end here, before any other
+        // collective of this rank.
+        let reduced = self.finish_window(last)?;
+        if !reduced && self.shard_accumulated {
+            return Err(Error::State(
+                "this accumulation window began with begin_backward; hand every micro-step's \
+                 gradients over the same way (zero_candle: backward_step for every micro-step)"
+                    .into(),
+            ));
+        }
         // Which parameters train this step. Checked: the same answer on
         // every rank, from one all-reduce. Unchecked: the flags decide what
         // is reduced and gathered (the same collectives on every rank), and
@@ -605,7 +705,12 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             .read_params(params, &self.owned_copies, &mut self.param_shard)?;
 
         let ranges = self.stepping_ranges(&stepping);
-        self.reduce_gradients(last, micro_steps, &ranges)?;
+        if !reduced {
+            self.reduce_gradients(last)?;
+        }
+        if micro_steps > 1 {
+            self.scale_grads(1.0 / micro_steps as f64, &ranges)?;
+        }
         let grad_norm = self.clip_gradients(&ranges)?;
         self.run_optimizer(&stepping)?;
         self.write_back(params)?;
@@ -618,20 +723,31 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     }
 
     /// Reduces every active bucket: all-reduce in stage 0, reduce-scatter
-    /// into the gradient shard otherwise; then averages over micro-steps.
-    fn reduce_gradients(
+    /// into the gradient shard otherwise (the serial path: gradients given
+    /// after backward).
+    fn reduce_gradients(&mut self, last: Option<&[Option<M::Grad<'_>>]>) -> Result<()> {
+        let mut bucket_buf = match self.full_grads {
+            Some(_) => None,
+            None => Some(self.take_pooled()?),
+        };
+        let result = self.reduce_buckets(last, bucket_buf.as_mut());
+        self.pool.extend(bucket_buf);
+        result
+    }
+
+    /// A bucket buffer from the pool, or a new one.
+    fn take_pooled(&mut self) -> Result<M::Buffer> {
+        match self.pool.pop() {
+            Some(buffer) => Ok(buffer),
+            None => self.memory.alloc_zeroed(self.longest_bucket),
+        }
+    }
+
+    fn reduce_buckets(
         &mut self,
         last: Option<&[Option<M::Grad<'_>>]>,
-        micro_steps: usize,
-        ranges: &[Range<usize>],
+        mut bucket_buf: Option<&mut M::Buffer>,
     ) -> Result<()> {
-        if self.full_grads.is_none() && self.bucket_buf.is_none() {
-            let longest = (0..self.layout.buckets.len())
-                .map(|k| self.layout.bucket_range(k).len())
-                .max()
-                .unwrap_or(0);
-            self.bucket_buf = Some(self.memory.alloc_zeroed(longest)?);
-        }
         for k in 0..self.layout.buckets.len() {
             if !self.bucket_active[k] {
                 continue;
@@ -641,10 +757,14 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             // Stages 0 and 1 (and stage 2 inside an accumulation window)
             // reduce in place in the full buffer; stage 2 otherwise flattens
             // straight from the caller's gradients into one bucket buffer.
-            let (buffer, at, add) = match (self.full_grads.as_mut(), self.bucket_buf.as_mut()) {
+            let (buffer, at, add) = match (self.full_grads.as_mut(), bucket_buf.as_deref_mut()) {
                 (Some(full), _) => (full, range.start, self.window_open),
                 (None, Some(buf)) => (buf, 0, false),
-                (None, None) => unreachable!("the bucket buffer is allocated above"),
+                (None, None) => {
+                    return Err(Error::State(
+                        "internal: no buffer to reduce the gradients in".into(),
+                    ))
+                }
             };
             let bucket = at..at + range.len();
             if !add {
@@ -678,9 +798,6 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                     ReduceOp::Avg,
                 )?,
             }
-        }
-        if micro_steps > 1 {
-            self.scale_grads(1.0 / micro_steps as f64, ranges)?;
         }
         Ok(())
     }
@@ -794,16 +911,30 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                 .collect();
             return self.memory.write_params(params, &copies, &self.param_shard);
         }
+        let mut bucket_buf = match self.full_grads {
+            Some(_) => None,
+            None => Some(self.take_pooled()?),
+        };
+        let result = self.gather_buckets(params, bucket_buf.as_mut());
+        self.pool.extend(bucket_buf);
+        result
+    }
+
+    /// All-gathers every active bucket into the full gradient buffer (its
+    /// gradients are consumed by now) or into `bucket_buf`, and writes the
+    /// updated parameters into the replica.
+    fn gather_buckets(
+        &mut self,
+        params: &mut M::Params<'_>,
+        mut bucket_buf: Option<&mut M::Buffer>,
+    ) -> Result<()> {
         for k in 0..self.layout.buckets.len() {
             if !self.bucket_active[k] {
                 continue;
             }
             let range = self.layout.bucket_range(k);
             let shard_range = self.layout.buckets[k].clone();
-            // The gradients are consumed by now: gather into the full
-            // gradient buffer where one exists (stage 1), so the gather
-            // needs no buffer of its own.
-            let (gathered, at) = match (self.full_grads.as_mut(), self.bucket_buf.as_mut()) {
+            let (gathered, at) = match (self.full_grads.as_mut(), bucket_buf.as_deref_mut()) {
                 (Some(full), _) => (full, range.start),
                 (None, Some(buf)) => (buf, 0),
                 (None, None) => {
@@ -971,6 +1102,7 @@ fn fingerprint<T: Element>(
         "check_trainability".into(),
         c.check_trainability.to_string(),
     ));
+    out.push(("overlap".into(), format!("{:?}", c.overlap)));
     out.push(("optimizer".into(), optimizer.kind().to_string()));
     for g in 0..optimizer.num_groups() {
         out.push((
