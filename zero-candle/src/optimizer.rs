@@ -191,7 +191,10 @@ where
                 }
             }
             let expected = hook.expected(loss);
-            self.engine_mut().begin_backward(&expected)?;
+            let (engine, vars) = (lent(&mut self.engine), &self.vars);
+            C::Memory::with_params(vars, &mut |params| {
+                Ok(engine.begin_backward(&expected, params)?)
+            })?;
             if let Some(engine) = self.engine.take() {
                 hook.lend(engine);
             }

@@ -95,7 +95,12 @@ pub struct Engine<T: Element, C: Communicator, M: ShardMemory<T, C> = HostMemory
     /// Stage 2's reduce-scatter destination when adding a micro-step.
     scratch: Option<M::Buffer>,
     /// The backward pass whose gradients are being handed over.
-    window: Option<overlap::Window<M::Buffer>>,
+    window: Option<overlap::Window<T, M::Buffer>>,
+    /// Whether `begin_backward` read the owned pieces for this step.
+    params_read: bool,
+    /// Per bucket, whether the interleaved schedule stepped it during
+    /// backward this step.
+    early_stepped: Vec<bool>,
     /// Whether the gradient shard holds reduced micro-steps of the current
     /// window (stage 2, overlapped).
     shard_accumulated: bool,
@@ -175,6 +180,8 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             longest_bucket: 0,
             scratch: None,
             window: None,
+            params_read: false,
+            early_stepped: Vec::new(),
             shard_accumulated: false,
             progress: ReductionProgress::default(),
             planned_order: None,
@@ -435,8 +442,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             grads: len(&self.full_grads) * size,
             grad_shard: len(&self.grad_shard) * size,
             optimizer_state: self.memory.state_bytes(self.optimizer.as_ref()),
-            comm_buffers: (self.pool.iter().map(M::buffer_len).sum::<usize>()
-                + len(&self.scratch))
+            comm_buffers: (self.pool.iter().map(M::buffer_len).sum::<usize>() + len(&self.scratch))
                 * size,
         }
     }
@@ -641,6 +647,8 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             tracing::debug!("discarding a backward pass whose reductions failed: {e}");
         }
         self.shard_accumulated = false;
+        self.params_read = false;
+        self.early_stepped.clear();
         self.micro_steps = 0;
         self.window_open = false;
         self.present.fill(false);
@@ -700,9 +708,12 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         };
 
         // The owned pieces' current values (the replica may have been changed
-        // by the user since the last step).
-        self.memory
-            .read_params(params, &self.owned_copies, &mut self.param_shard)?;
+        // by the user since the last step), unless `begin_backward` read
+        // them (and the interleaved schedule may have stepped some since).
+        if !self.params_read {
+            self.memory
+                .read_params(params, &self.owned_copies, &mut self.param_shard)?;
+        }
 
         let ranges = self.stepping_ranges(&stepping);
         if !reduced {
@@ -713,6 +724,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         }
         let grad_norm = self.clip_gradients(&ranges)?;
         self.run_optimizer(&stepping)?;
+        self.early_stepped.clear();
         self.write_back(params)?;
         Ok(grad_norm)
     }
@@ -881,7 +893,19 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
 
     fn run_optimizer(&mut self, stepping: &[bool]) -> Result<()> {
         let base = self.plan_rank * self.plan.shard_numel;
-        let pieces = step_pieces(&self.owned, &self.keys, base, |param| stepping[param]);
+        let mut pieces = step_pieces(&self.owned, &self.keys, base, |param| stepping[param]);
+        if self.early_stepped.contains(&true) {
+            // The interleaved schedule stepped these buckets during backward.
+            for piece in &mut pieces {
+                let k = self
+                    .layout
+                    .buckets
+                    .partition_point(|b| b.end <= piece.range.start);
+                if self.early_stepped.get(k) == Some(&true) {
+                    piece.active = false;
+                }
+            }
+        }
         let plan = StepPlan {
             pieces: &pieces,
             buckets: &self.layout.buckets,

@@ -28,9 +28,10 @@
 //! buffer, locally, and reduce on the last one, folding the sum into each
 //! bucket as it is launched.
 
-use super::{Engine, Overlap, ShardMemory, Stage};
+use super::{Engine, Overlap, ShardMemory, Stage, StepPiece, StepPlan};
 use crate::comm::{Communicator, ReduceOp};
-use crate::partition::{Interleaved, Partitioner};
+use crate::optim::{FunctionalOptimizer, Hyperparams, OptimizerState, ParamKey, ParamMut};
+use crate::partition::Interleaved;
 use crate::{Element, Error, Result};
 use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -67,9 +68,9 @@ impl ReductionProgress {
     }
 }
 
-/// Where reduced buckets land; lent to the communication thread for a
-/// backward pass.
-pub(super) struct Targets<B> {
+/// Where reduced buckets land (and, interleaved, what steps them); lent to
+/// the communication thread for a backward pass.
+pub(super) struct Targets<T: Element, B> {
     /// The full gradient buffer: stage 0's reduced gradients; in stages 0
     /// and 1 also the earlier micro-steps to fold into each bucket.
     pub full: Option<B>,
@@ -77,6 +78,26 @@ pub(super) struct Targets<B> {
     pub shard: Option<B>,
     /// A shard-bucket-sized buffer to reduce-scatter into when adding.
     pub scratch: Option<B>,
+    /// The optimizer step of buckets reduced during backward.
+    pub early: Option<EarlyStep<T, B>>,
+}
+
+/// The optimizer step of the buckets whose reduction completes during
+/// backward ([`Overlap::Interleaved`]), lent to the communication thread.
+pub(super) struct EarlyStep<T: Element, B> {
+    optimizer: Box<dyn FunctionalOptimizer<T>>,
+    /// The parameter shard.
+    params: B,
+    keys: Vec<ParamKey>,
+    /// Per owned piece, its shard range and whether it steps.
+    pieces: Vec<(Range<usize>, bool)>,
+    /// Per bucket, its range of `pieces`.
+    bucket_pieces: Vec<Range<usize>>,
+    buckets: Vec<Range<usize>>,
+    /// `1/m` for `m > 1` micro-steps: the average, taken before stepping.
+    scale: Option<f64>,
+    /// Per bucket, whether it was stepped.
+    stepped: Vec<bool>,
 }
 
 /// One bucket reduction.
@@ -87,6 +108,8 @@ pub(super) struct Job<B> {
     fold_full: bool,
     /// Add the reduced bucket into the target instead of overwriting it.
     add: bool,
+    /// Step the bucket's shard once reduced (interleaved).
+    step: bool,
 }
 
 /// What the communication thread needs to know about the buckets.
@@ -104,7 +127,55 @@ fn reduce_bucket<T, C, M>(
     comm: &C,
     memory: &mut M,
     map: &BucketMap,
-    targets: &mut Targets<M::Buffer>,
+    targets: &mut Targets<T, M::Buffer>,
+    job: &mut Job<M::Buffer>,
+) -> Result<()>
+where
+    T: Element,
+    C: Communicator,
+    M: ShardMemory<T, C>,
+{
+    reduce_only(comm, memory, map, targets, job)?;
+    if !job.step {
+        return Ok(());
+    }
+    let Some(early) = targets.early.as_mut() else {
+        return Ok(());
+    };
+    let k = job.bucket;
+    let grads = match map.stage {
+        Stage::Ddp => targets.full.as_mut(),
+        _ => targets.shard.as_mut(),
+    }
+    .ok_or_else(|| Error::State("internal: a reduction target is missing".into()))?;
+    if let Some(factor) = early.scale {
+        memory.scale(grads, &[map.shard[k].clone()], factor)?;
+    }
+    let pieces: Vec<StepPiece<'_>> = early.pieces[early.bucket_pieces[k].clone()]
+        .iter()
+        .zip(&early.keys[early.bucket_pieces[k].clone()])
+        .map(|((range, steps), key)| StepPiece {
+            key,
+            range: range.clone(),
+            active: *steps,
+        })
+        .collect();
+    let bucket_active: Vec<bool> = (0..early.buckets.len()).map(|b| b == k).collect();
+    let plan = StepPlan {
+        pieces: &pieces,
+        buckets: &early.buckets,
+        bucket_active: &bucket_active,
+    };
+    memory.step(early.optimizer.as_mut(), &mut early.params, grads, plan)?;
+    early.stepped[k] = true;
+    Ok(())
+}
+
+fn reduce_only<T, C, M>(
+    comm: &C,
+    memory: &mut M,
+    map: &BucketMap,
+    targets: &mut Targets<T, M::Buffer>,
     job: &mut Job<M::Buffer>,
 ) -> Result<()>
 where
@@ -127,14 +198,7 @@ where
     let shard_range = map.shard[job.bucket].clone();
     let shard = targets.shard.as_mut().ok_or_else(missing)?;
     if !job.add {
-        return memory.reduce_scatter(
-            comm,
-            &job.buffer,
-            0..len,
-            shard,
-            shard_range,
-            ReduceOp::Avg,
-        );
+        return memory.reduce_scatter(comm, &job.buffer, 0..len, shard, shard_range, ReduceOp::Avg);
     }
     let scratch = targets.scratch.as_mut().ok_or_else(missing)?;
     let n = shard_range.len();
@@ -142,23 +206,27 @@ where
     memory.copy_range(shard, shard_range.start, scratch, 0..n, true)
 }
 
+/// What the communication thread gives back: the targets and the first
+/// failure (`None` if it never got the targets).
+type Returned<T, B> = Option<(Targets<T, B>, Result<()>)>;
+
 /// Who runs the reductions of a backward pass.
-enum Reducer<B> {
+enum Reducer<T: Element, B> {
     /// Queued until the end of backward, then run on the caller's thread.
     Deferred {
-        targets: Targets<B>,
+        targets: Targets<T, B>,
         queue: Vec<Job<B>>,
     },
     /// Sent to a communication thread as each bucket is launched.
     Thread {
         jobs: mpsc::Sender<Job<B>>,
         returned: mpsc::Receiver<B>,
-        handle: JoinHandle<(Targets<B>, Result<()>)>,
+        handle: JoinHandle<Returned<T, B>>,
     },
 }
 
 /// The state of one backward pass whose gradients are being handed over.
-pub(super) struct Window<B> {
+pub(super) struct Window<T: Element, B> {
     /// Per parameter, the calls predicted and seen.
     expected_calls: Vec<usize>,
     seen_calls: Vec<usize>,
@@ -175,7 +243,9 @@ pub(super) struct Window<B> {
     next: usize,
     fold_full: bool,
     add: bool,
-    reducer: Reducer<B>,
+    /// Buckets completed during backward are stepped by the reducer.
+    step_early: bool,
+    reducer: Reducer<T, B>,
 }
 
 /// The order hash as exactly representable `f64` pieces, then their
@@ -219,8 +289,17 @@ where
     /// is reduced on a communication thread as soon as it is complete (see
     /// the [module docs](self)). The step (or [`Engine::accumulate`]) that
     /// follows closes the pass. A prediction that turns out wrong costs
-    /// overlap, never correctness.
-    pub fn begin_backward(&mut self, expected: &[(usize, usize)]) -> Result<()> {
+    /// overlap, never correctness, except with [`Overlap::Interleaved`]: a
+    /// gradient that arrives after its bucket was stepped is an error.
+    ///
+    /// On the last micro-step the owned pieces are read from `params` here
+    /// (the step does not read them again): change no parameter between
+    /// this call and the step.
+    pub fn begin_backward(
+        &mut self,
+        expected: &[(usize, usize)],
+        params: &mut M::Params<'_>,
+    ) -> Result<()> {
         if self.window.is_some() {
             return Err(Error::State(
                 "begin_backward called while the previous backward pass's gradients are still \
@@ -284,6 +363,16 @@ where
         if stage == Stage::Ddp && self.full_grads.is_none() {
             self.full_grads = Some(self.memory.alloc_zeroed(self.plan.flat_numel())?);
         }
+        if last_micro_step {
+            self.memory
+                .read_params(params, &self.owned_copies, &mut self.param_shard)?;
+            self.params_read = true;
+        }
+        let early = match self.config.overlap {
+            Overlap::Interleaved if last_micro_step => self.lend_early_step(&expected_calls)?,
+            _ => None,
+        };
+        let step_early = early.is_some();
         let targets = Targets {
             full: if stage == Stage::Ddp || fold_full {
                 self.full_grads.take()
@@ -292,6 +381,7 @@ where
             },
             shard: self.grad_shard.take(),
             scratch: self.scratch.take(),
+            early,
         };
         let reducer = match self.config.overlap {
             Overlap::None => Reducer::Deferred {
@@ -299,7 +389,7 @@ where
                 queue: Vec::new(),
             },
             Overlap::AfterBackward | Overlap::Interleaved => {
-                self.spawn_reducer(worker_memory, targets)?
+                self.spawn_reducer(worker_memory, targets)
             }
         };
         self.window = Some(Window {
@@ -312,6 +402,7 @@ where
             next: 0,
             fold_full,
             add,
+            step_early,
             reducer,
         });
         // A model whose first buckets get no hooked gradient launches
@@ -320,20 +411,76 @@ where
         Ok(())
     }
 
-    /// Starts the communication thread of one backward pass.
+    /// Lends the optimizer and the parameter shard for the interleaved
+    /// schedule: the pieces of predicted parameters step with their bucket.
+    /// `None` when a piece straddles buckets (a partition not made in
+    /// gradient order): then everything steps after backward, with the same
+    /// result.
+    fn lend_early_step(
+        &mut self,
+        expected_calls: &[usize],
+    ) -> Result<Option<EarlyStep<T, M::Buffer>>> {
+        let base = self.plan_rank * self.plan.shard_numel;
+        let mut pieces = Vec::with_capacity(self.owned.len());
+        let mut bucket_pieces = Vec::with_capacity(self.layout.buckets.len());
+        let mut next = 0;
+        for bucket in &self.layout.buckets {
+            let first = next;
+            while let Some(piece) = self.owned.get(next) {
+                let at = piece.flat_range.start - base;
+                if at >= bucket.end {
+                    break;
+                }
+                if at + piece.len() > bucket.end {
+                    return Ok(None);
+                }
+                let p = piece.param;
+                let trains = if self.config.check_trainability {
+                    self.trainable[p]
+                } else {
+                    self.active[p]
+                };
+                pieces.push((at..at + piece.len(), trains && expected_calls[p] > 0));
+                next += 1;
+            }
+            bucket_pieces.push(first..next);
+        }
+        let micro_steps = self.micro_steps + 1;
+        let kind = self.optimizer.kind().to_string();
+        let optimizer = std::mem::replace(&mut self.optimizer, Box::new(LentOptimizer(kind)));
+        let params = std::mem::replace(&mut self.param_shard, self.memory.alloc_zeroed(0)?);
+        Ok(Some(EarlyStep {
+            optimizer,
+            params,
+            keys: self.keys.clone(),
+            pieces,
+            bucket_pieces,
+            buckets: self.layout.buckets.clone(),
+            scale: (micro_steps > 1).then(|| 1.0 / micro_steps as f64),
+            stepped: vec![false; self.layout.buckets.len()],
+        }))
+    }
+
+    /// Starts the communication thread of one backward pass; if no thread
+    /// can be started, the reductions run after backward instead (the same
+    /// result, without overlap).
     fn spawn_reducer(
         &mut self,
         mut memory: M,
-        mut targets: Targets<M::Buffer>,
-    ) -> Result<Reducer<M::Buffer>> {
+        targets: Targets<T, M::Buffer>,
+    ) -> Reducer<T, M::Buffer> {
         let (jobs, job_rx) = mpsc::channel::<Job<M::Buffer>>();
         let (returned_tx, returned) = mpsc::channel();
+        // The targets travel once the thread exists, so a failed start
+        // loses nothing.
+        let (targets_tx, targets_rx) = mpsc::channel::<Targets<T, M::Buffer>>();
         let comm = Arc::clone(&self.comm);
         let map = self.bucket_map();
         let progress = self.progress.clone();
-        let handle = std::thread::Builder::new()
+        let spawned = std::thread::Builder::new()
             .name(format!("zero-comm-{}", self.comm.rank()))
             .spawn(move || {
+                let mut targets = targets_rx.recv().ok()?;
                 let mut result = Ok(());
                 for mut job in job_rx {
                     // After a failure, issue nothing more: the peers fail
@@ -347,18 +494,26 @@ where
                     // The engine may have finished with the pool already.
                     let _ = returned_tx.send(job.buffer);
                 }
-                (targets, result)
-            })
-            .map_err(|e| {
-                Error::State(format!(
-                    "could not start the communication thread ({e}); set overlap to none"
-                ))
-            })?;
-        Ok(Reducer::Thread {
-            jobs,
-            returned,
-            handle,
-        })
+                Some((targets, result))
+            });
+        match spawned {
+            Ok(handle) => {
+                // The thread waits for this message: it cannot be gone.
+                let _ = targets_tx.send(targets);
+                Reducer::Thread {
+                    jobs,
+                    returned,
+                    handle,
+                }
+            }
+            Err(e) => {
+                tracing::warn!("no communication thread ({e}); reducing after backward");
+                Reducer::Deferred {
+                    targets,
+                    queue: Vec::new(),
+                }
+            }
+        }
     }
 
     /// Re-partitions in the order of `expected` (then the other parameters,
@@ -394,8 +549,16 @@ where
             Stage::Ddp => 1,
             _ => self.comm.world_size(),
         };
-        let mut plan =
-            Interleaved::default().partition(&permuted, world, self.config.bucket_bytes)?;
+        // The parameters no gradient was predicted for start a bucket of
+        // their own: a bucket launched on its predicted gradients then never
+        // waits for, or misses, one of them.
+        let predicted = placed.iter().filter(|&&p| p).count();
+        let mut plan = Interleaved::default().partition_with_breaks(
+            &permuted,
+            world,
+            self.config.bucket_bytes,
+            &[predicted],
+        )?;
         for shard in &mut plan.shards {
             for piece in shard.iter_mut() {
                 piece.param = order[piece.param];
@@ -438,6 +601,14 @@ where
             let run = &self.layout.runs[r];
             let k = self.bucket_of_run[r];
             let start = self.layout.bucket_range(k).start;
+            if k < window.next && window.step_early {
+                return Err(Error::State(format!(
+                    "{:?} got a gradient after its bucket had been reduced and stepped (overlap \
+                     interleaved): it is used outside the hooked layers, or more often than \
+                     predicted. Use overlap after-backward for this model",
+                    self.params[param].name
+                )));
+            }
             let slot = if k < window.next {
                 &mut window.late[k]
             } else {
@@ -493,6 +664,8 @@ where
                 buffer,
                 fold_full: window.fold_full,
                 add: window.add,
+                // What is launched at the end waits for the step's mask.
+                step: window.step_early && !all,
             };
             submit(&mut window.reducer, job);
             window.next += 1;
@@ -535,6 +708,7 @@ where
                     buffer,
                     fold_full: false,
                     add: true,
+                    step: false,
                 };
                 submit(&mut window.reducer, job);
             }
@@ -581,8 +755,8 @@ where
                 let joined = handle.join();
                 self.pool.extend(returned.try_iter());
                 match joined {
-                    Ok(done) => done,
-                    Err(_) => {
+                    Ok(Some(done)) => done,
+                    Ok(None) | Err(_) => {
                         return Err(Error::State(
                             "the communication thread panicked; the engine's gradient buffers \
                              are lost, rebuild the optimizer"
@@ -597,6 +771,11 @@ where
         }
         self.grad_shard = targets.shard;
         self.scratch = targets.scratch;
+        if let Some(early) = targets.early {
+            self.optimizer = early.optimizer;
+            self.param_shard = early.params;
+            self.early_stepped = early.stepped;
+        }
         result
     }
 
@@ -626,7 +805,7 @@ where
 fn take_buffer<T, C, M>(
     memory: &mut M,
     pool: &mut Vec<M::Buffer>,
-    reducer: &Reducer<M::Buffer>,
+    reducer: &Reducer<T, M::Buffer>,
     len: usize,
 ) -> Result<M::Buffer>
 where
@@ -646,7 +825,7 @@ where
     }
 }
 
-fn submit<B>(reducer: &mut Reducer<B>, job: Job<B>) {
+fn submit<T: Element, B>(reducer: &mut Reducer<T, B>, job: Job<B>) {
     match reducer {
         Reducer::Deferred { queue, .. } => queue.push(job),
         // A send fails only if the thread is gone (it panicked); joining
@@ -654,5 +833,55 @@ fn submit<B>(reducer: &mut Reducer<B>, job: Job<B>) {
         Reducer::Thread { jobs, .. } => {
             let _ = jobs.send(job);
         }
+    }
+}
+
+/// Stands in for the optimizer while the communication thread has it (the
+/// engine is lent to the backward pass then, so nothing calls this).
+struct LentOptimizer(String);
+
+impl LentOptimizer {
+    fn lent() -> Error {
+        Error::State("internal: the optimizer is lent to the communication thread".into())
+    }
+}
+
+impl<T: Element> FunctionalOptimizer<T> for LentOptimizer {
+    fn kind(&self) -> &str {
+        &self.0
+    }
+
+    fn step(&mut self, _: &mut [ParamMut<'_, T>], _: &[Option<&[T]>]) -> Result<()> {
+        Err(Self::lent())
+    }
+
+    fn num_groups(&self) -> usize {
+        0
+    }
+
+    fn add_group(&mut self, _: &Hyperparams) -> Result<usize> {
+        Err(Self::lent())
+    }
+
+    fn hyperparams(&self, _: usize) -> Hyperparams {
+        Hyperparams::new()
+    }
+
+    fn set_hyperparams(&mut self, _: usize, _: &Hyperparams) -> Result<()> {
+        Err(Self::lent())
+    }
+
+    fn learning_rate(&self, _: usize) -> f64 {
+        f64::NAN
+    }
+
+    fn set_learning_rate(&mut self, _: usize, _: f64) {}
+
+    fn export_state(&self) -> OptimizerState<T> {
+        OptimizerState::default()
+    }
+
+    fn import_state(&mut self, _: OptimizerState<T>) -> Result<()> {
+        Err(Self::lent())
     }
 }

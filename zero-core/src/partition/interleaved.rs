@@ -2,9 +2,7 @@
 //! each split evenly over the ranks (for overlapping reductions with backward).
 
 use super::layout::{self, round_up};
-use super::{
-    ParamInfo, PartitionKind, PartitionPlan, Partitioner, ShardPiece, DEFAULT_ALIGNMENT,
-};
+use super::{ParamInfo, PartitionKind, PartitionPlan, Partitioner, ShardPiece, DEFAULT_ALIGNMENT};
 use crate::{Error, Result};
 
 /// Concatenates the trainable parameters in the order given, cuts that
@@ -65,6 +63,21 @@ impl Partitioner for Interleaved {
         world_size: usize,
         bucket_bytes: usize,
     ) -> Result<PartitionPlan> {
+        self.partition_with_breaks(params, world_size, bucket_bytes, &[])
+    }
+}
+
+impl Interleaved {
+    /// As [`Partitioner::partition`], and every parameter index in `breaks`
+    /// starts a new bucket (the previous one is padded), so that the
+    /// parameters before and after it never share one.
+    pub fn partition_with_breaks(
+        &self,
+        params: &[ParamInfo],
+        world_size: usize,
+        bucket_bytes: usize,
+        breaks: &[usize],
+    ) -> Result<PartitionPlan> {
         let (numels, dtype) = layout::validate(
             "Interleaved",
             params,
@@ -72,9 +85,23 @@ impl Partitioner for Interleaved {
             bucket_bytes,
             self.alignment,
         )?;
+        // Elements per rank of a full bucket, as the other partitioners count
+        // bucket sizes (per rank segment).
+        let elem_bytes = dtype.map_or(1, |d| d.size_in_bytes());
+        let chunk = (bucket_bytes / elem_bytes).max(1);
+        let chunk = (chunk / self.alignment * self.alignment).max(self.alignment);
+        let span = chunk.checked_mul(world_size).ok_or_else(|| {
+            Error::Config(format!(
+                "Interleaved: buckets of {world_size} x {chunk} elements overflow usize"
+            ))
+        })?;
+
         let mut sequence = Vec::with_capacity(params.len());
         let mut total = 0usize;
-        for (p, &numel) in params.iter().zip(&numels) {
+        for (i, (p, &numel)) in params.iter().zip(&numels).enumerate() {
+            if breaks.contains(&i) {
+                total = total.div_ceil(span).saturating_mul(span);
+            }
             if p.trainable {
                 sequence.push(Some(total));
                 total = total.checked_add(numel).ok_or_else(|| {
@@ -89,16 +116,6 @@ impl Partitioner for Interleaved {
             }
         }
 
-        // Elements per rank of a full bucket, as the other partitioners count
-        // bucket sizes (per rank segment).
-        let elem_bytes = dtype.map_or(1, |d| d.size_in_bytes());
-        let chunk = (bucket_bytes / elem_bytes).max(1);
-        let chunk = (chunk / self.alignment * self.alignment).max(self.alignment);
-        let span = chunk.checked_mul(world_size).ok_or_else(|| {
-            Error::Config(format!(
-                "Interleaved: buckets of {world_size} x {chunk} elements overflow usize"
-            ))
-        })?;
         let num_buckets = total.div_ceil(span);
         let last_chunk = match num_buckets {
             0 => 0,
@@ -108,7 +125,13 @@ impl Partitioner for Interleaved {
                 self.alignment,
             )?,
         };
-        let chunk_of = |k: usize| if k + 1 == num_buckets { last_chunk } else { chunk };
+        let chunk_of = |k: usize| {
+            if k + 1 == num_buckets {
+                last_chunk
+            } else {
+                chunk
+            }
+        };
         let shard_numel = num_buckets.saturating_sub(1) * chunk + last_chunk;
         let buckets = (0..num_buckets)
             .map(|k| k * chunk..k * chunk + chunk_of(k))
@@ -191,6 +214,22 @@ mod tests {
                     assert_eq!(plan.buckets[k].len() % 4, 0);
                 }
             }
+        }
+    }
+
+    #[test]
+    fn a_break_starts_a_new_bucket() {
+        let ps = params(&[6, 6, 6]);
+        let plan = Interleaved::new(2)
+            .partition_with_breaks(&ps, 2, 4 * 4, &[2])
+            .unwrap();
+        // Buckets of 8 elements: p0 and p1 share buckets 0-1, p2 starts
+        // bucket 2 after padding.
+        assert_eq!(plan.flat_offsets, vec![Some(0), Some(6), Some(16)]);
+        let layout = Layout::new(&plan);
+        for k in 0..plan.buckets.len() {
+            let has = |p| layout.runs_of(k).iter().any(|r| r.param == p);
+            assert!(!(has(2) && (has(0) || has(1))), "bucket {k}");
         }
     }
 
