@@ -9,7 +9,7 @@ mod model;
 mod plot;
 mod text;
 
-pub use args::{Args, Backend, ModelKind, OptimizerKind, PartitionerArg};
+pub use args::{Args, Backend, ModelKind, OptimizerKind, OverlapArg, PartitionerArg};
 pub use data::Dataset;
 pub use gpt::{Gpt, GptConfig, VOCAB};
 pub use model::{load_weights, save_weights, Mlp};
@@ -29,7 +29,7 @@ use zero_candle::{CandleMemory, ZeroHook, ZeroOptimizer};
 use zero_core::checkpoint::Manifest;
 use zero_core::comm::Host;
 use zero_core::engine::{
-    EngineConfig, MemoryReport, NormType, PartitionerKind, SaveOptions, Stage, StepReport,
+    EngineConfig, MemoryReport, NormType, Overlap, PartitionerKind, SaveOptions, Stage, StepReport,
 };
 use zero_core::{Communicator, ReduceOp, ThreadGroup};
 
@@ -298,6 +298,13 @@ fn validate(args: &Args) -> Result<(), TrainError> {
             args.bucket_mb
         )));
     }
+    if args.overlap == OverlapArg::Interleaved && args.clip_norm.is_some() {
+        return Err(TrainError::Usage(
+            "--overlap interleaved steps each bucket before the other gradients exist, so it \
+             cannot clip by the global norm; drop --clip-norm or use --overlap after-backward"
+                .into(),
+        ));
+    }
     if let Some(c) = args.clip_norm {
         if !(c.is_finite() && c > 0.0) {
             return Err(TrainError::Usage(format!(
@@ -343,7 +350,13 @@ pub fn engine_config(args: &Args) -> EngineConfig {
         })
         .with_bucket_bytes(((args.bucket_mb * (1 << 20) as f64) as usize).max(1))
         .with_grad_accum_steps(args.grad_accum as usize)
-        .with_grad_norm(true);
+        .with_overlap(match args.overlap {
+            OverlapArg::None => Overlap::None,
+            OverlapArg::AfterBackward => Overlap::AfterBackward,
+            OverlapArg::Interleaved => Overlap::Interleaved,
+        })
+        // The norm needs every gradient: the interleaved schedule has none.
+        .with_grad_norm(args.overlap != OverlapArg::Interleaved);
     if let Some(max_norm) = args.clip_norm {
         config = config.with_clip(max_norm, NormType::L2);
     }
