@@ -239,7 +239,11 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                 at: piece.flat_range.start - base,
             })
             .collect();
-        self.param_shard = self.memory.alloc_zeroed(plan.shard_numel)?;
+        // Stage 0 steps the replica itself (`step_replica`).
+        self.param_shard = match stage {
+            Stage::Ddp => self.memory.alloc_zeroed(0)?,
+            _ => self.memory.alloc_zeroed(plan.shard_numel)?,
+        };
         self.grad_shard = match stage {
             Stage::Ddp => None,
             _ => Some(self.memory.alloc_zeroed(plan.shard_numel)?),
@@ -710,7 +714,8 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         // The owned pieces' current values (the replica may have been changed
         // by the user since the last step), unless `begin_backward` read
         // them (and the interleaved schedule may have stepped some since).
-        if !self.params_read {
+        // Stage 0 steps the replica bucket by bucket instead.
+        if !self.params_read && self.config.stage != Stage::Ddp {
             self.memory
                 .read_params(params, &self.owned_copies, &mut self.param_shard)?;
         }
@@ -723,10 +728,103 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             self.scale_grads(1.0 / micro_steps as f64, &ranges)?;
         }
         let grad_norm = self.clip_gradients(&ranges)?;
+        if self.config.stage == Stage::Ddp {
+            self.step_replica(&stepping, params)?;
+            return Ok(grad_norm);
+        }
         self.run_optimizer(&stepping)?;
         self.early_stepped.clear();
         self.write_back(params)?;
         Ok(grad_norm)
+    }
+
+    /// Stage 0: steps every parameter through two small buffers (values and
+    /// gradients of a few whole pieces at a time, about a bucket), so that
+    /// no second copy of the parameters lives beside the replica.
+    fn step_replica(&mut self, stepping: &[bool], params: &mut M::Params<'_>) -> Result<()> {
+        let Some(grads) = self.full_grads.take() else {
+            return Err(Error::State(
+                "internal: no reduced gradient buffer in stage 0".into(),
+            ));
+        };
+        let mut values = self.take_pooled()?;
+        let mut piece_grads = self.take_pooled()?;
+        let result = self.step_windows(stepping, params, &grads, &mut values, &mut piece_grads);
+        self.full_grads = Some(grads);
+        self.pool.push(values);
+        self.pool.push(piece_grads);
+        result
+    }
+
+    fn step_windows(
+        &mut self,
+        stepping: &[bool],
+        params: &mut M::Params<'_>,
+        grads: &M::Buffer,
+        values: &mut M::Buffer,
+        piece_grads: &mut M::Buffer,
+    ) -> Result<()> {
+        let mut first = 0;
+        while first < self.owned.len() {
+            // Whole pieces (their optimizer state is per piece), as many as
+            // fit the pooled buffers; a longer piece gets buffers of its own.
+            let start = self.owned[first].flat_range.start;
+            let mut end = first + 1;
+            while end < self.owned.len()
+                && self.owned[end].flat_range.end - start <= self.longest_bucket
+            {
+                end += 1;
+            }
+            let len = self.owned[end - 1].flat_range.end - start;
+            let (mut own_values, mut own_grads);
+            let (values, piece_grads) = if len <= M::buffer_len(values) {
+                (&mut *values, &mut *piece_grads)
+            } else {
+                own_values = self.memory.alloc_zeroed(len)?;
+                own_grads = self.memory.alloc_zeroed(len)?;
+                (&mut own_values, &mut own_grads)
+            };
+            let window = first..end;
+            first = end;
+            if !self.owned[window.clone()].iter().any(|p| stepping[p.param]) {
+                continue;
+            }
+            let copies: Vec<ParamCopy> = self.owned_copies[window.clone()]
+                .iter()
+                .map(|c| ParamCopy {
+                    at: c.at - start,
+                    ..c.clone()
+                })
+                .collect();
+            self.memory.read_params(params, &copies, values)?;
+            self.memory
+                .copy_range(piece_grads, 0, grads, start..start + len, false)?;
+            let pieces: Vec<StepPiece<'_>> = self.owned[window.clone()]
+                .iter()
+                .zip(&self.keys[window])
+                .map(|(piece, key)| {
+                    let at = piece.flat_range.start - start;
+                    StepPiece {
+                        key,
+                        range: at..at + piece.len(),
+                        active: stepping[piece.param],
+                    }
+                })
+                .collect();
+            let plan = StepPlan {
+                pieces: &pieces,
+                buckets: &[0..len],
+                bucket_active: &[true],
+            };
+            self.memory
+                .step(self.optimizer.as_mut(), values, piece_grads, plan)?;
+            let written: Vec<ParamCopy> = copies
+                .into_iter()
+                .filter(|c| self.active[c.param])
+                .collect();
+            self.memory.write_params(params, &written, values)?;
+        }
+        Ok(())
     }
 
     /// Where an owned piece starts in this rank's shard.
@@ -923,18 +1021,9 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             .step(self.optimizer.as_mut(), &mut self.param_shard, grads, plan)
     }
 
-    /// Puts the updated values into the replica: stage 0 writes its own
-    /// (whole) parameters; stages 1 and 2 all-gather each active bucket.
+    /// Puts the updated values into the replica (stages 1 and 2): all-gathers
+    /// each active bucket.
     fn write_back(&mut self, params: &mut M::Params<'_>) -> Result<()> {
-        if self.config.stage == Stage::Ddp {
-            let copies: Vec<ParamCopy> = self
-                .owned_copies
-                .iter()
-                .filter(|c| self.active[c.param])
-                .cloned()
-                .collect();
-            return self.memory.write_params(params, &copies, &self.param_shard);
-        }
         let mut bucket_buf = match self.full_grads {
             Some(_) => None,
             None => Some(self.take_pooled()?),

@@ -363,13 +363,16 @@ where
         if stage == Stage::Ddp && self.full_grads.is_none() {
             self.full_grads = Some(self.memory.alloc_zeroed(self.plan.flat_numel())?);
         }
-        if last_micro_step {
-            self.memory
-                .read_params(params, &self.owned_copies, &mut self.param_shard)?;
-            self.params_read = true;
-        }
+        // Stage 0 steps the replica after backward, bucket by bucket, with
+        // no parameter copy to step early: there the interleaved schedule
+        // steps after backward.
         let early = match self.config.overlap {
-            Overlap::Interleaved if last_micro_step => self.lend_early_step(&expected_calls)?,
+            Overlap::Interleaved if last_micro_step && stage != Stage::Ddp => {
+                self.memory
+                    .read_params(params, &self.owned_copies, &mut self.param_shard)?;
+                self.params_read = true;
+                self.lend_early_step(&expected_calls)?
+            }
             _ => None,
         };
         let step_early = early.is_some();
