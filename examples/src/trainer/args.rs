@@ -116,8 +116,9 @@ pub struct Args {
     /// Clip gradients to this global L2 norm.
     #[arg(long)]
     pub clip_norm: Option<f64>,
-    /// Bucket size in MiB.
-    #[arg(long, default_value_t = 25.0)]
+    /// Bucket size in MiB (per rank: a collective moves world-size times
+    /// this).
+    #[arg(long, default_value_t = 4.0)]
     pub bucket_mb: f64,
     /// When gradient reductions run: overlapped with backward or after it.
     #[arg(long, value_enum, default_value_t = OverlapArg::AfterBackward)]

@@ -176,7 +176,7 @@ impl Default for EngineConfig {
         Self {
             stage: Stage::Gradients,
             partitioner: PartitionerKind::Flat,
-            bucket_bytes: 25 << 20,
+            bucket_bytes: 4 << 20,
             grad_accum_steps: 1,
             clip: None,
             compute_grad_norm: false,
@@ -251,7 +251,7 @@ impl EngineConfig {
     pub(crate) fn validate(&self) -> Result<()> {
         if self.bucket_bytes == 0 {
             return Err(Error::Config(
-                "bucket_bytes is 0; use a positive size such as 25 MiB".into(),
+                "bucket_bytes is 0; use a positive size such as 4 MiB".into(),
             ));
         }
         if self.grad_accum_steps == 0 {

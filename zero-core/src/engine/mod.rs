@@ -248,9 +248,12 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             Stage::Ddp => None,
             _ => Some(self.memory.alloc_zeroed(plan.shard_numel)?),
         };
+        // Stage 0 reduces into its full gradient buffer; stage 1 makes one
+        // when it accumulates micro-steps (and keeps it); stage 2 only for
+        // the micro-steps of one window given after backward.
         self.full_grads = match stage {
-            Stage::Gradients => None,
-            _ => Some(self.memory.alloc_zeroed(plan.flat_numel())?),
+            Stage::Ddp => Some(self.memory.alloc_zeroed(plan.flat_numel())?),
+            _ => None,
         };
         self.runs_of_param = vec![Vec::new(); self.params.len()];
         for (i, run) in layout.runs.iter().enumerate() {
@@ -845,11 +848,12 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         result
     }
 
-    /// A bucket buffer from the pool, or a new one.
+    /// A buffer as long as the longest bucket, from the pool or new.
     fn take_pooled(&mut self) -> Result<M::Buffer> {
-        match self.pool.pop() {
-            Some(buffer) => Ok(buffer),
-            None => self.memory.alloc_zeroed(self.longest_bucket),
+        let longest = self.longest_bucket;
+        match self.pool.iter().position(|b| M::buffer_len(b) >= longest) {
+            Some(i) => Ok(self.pool.swap_remove(i)),
+            None => self.memory.alloc_zeroed(longest),
         }
     }
 

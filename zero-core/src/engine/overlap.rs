@@ -618,11 +618,12 @@ where
                 &mut window.open[k]
             };
             if slot.is_none() {
+                let len = self.layout.bucket_range(k).len();
                 *slot = Some(take_buffer(
                     &mut self.memory,
                     &mut self.pool,
                     &window.reducer,
-                    self.longest_bucket,
+                    len,
                 )?);
             }
             let buffer = slot.as_mut().expect("filled above");
@@ -659,7 +660,7 @@ where
                     &mut self.memory,
                     &mut self.pool,
                     &window.reducer,
-                    self.longest_bucket,
+                    self.layout.bucket_range(k).len(),
                 )?,
             };
             let job = Job {
@@ -803,8 +804,9 @@ where
     }
 }
 
-/// A zeroed bucket buffer: from the pool (after collecting what the
-/// communication thread has returned), or new.
+/// A buffer of at least `len` elements, zeroed there: the shortest that
+/// fits from the pool (after collecting what the communication thread has
+/// returned), or a new one of exactly `len`.
 fn take_buffer<T, C, M>(
     memory: &mut M,
     pool: &mut Vec<M::Buffer>,
@@ -819,8 +821,15 @@ where
     if let Reducer::Thread { returned, .. } = reducer {
         pool.extend(returned.try_iter());
     }
-    match pool.pop() {
-        Some(mut buffer) => {
+    let fits = pool
+        .iter()
+        .enumerate()
+        .filter(|(_, b)| M::buffer_len(b) >= len)
+        .min_by_key(|(_, b)| M::buffer_len(b))
+        .map(|(i, _)| i);
+    match fits {
+        Some(i) => {
+            let mut buffer = pool.swap_remove(i);
             memory.zero(&mut buffer, 0..len)?;
             Ok(buffer)
         }
