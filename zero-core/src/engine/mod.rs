@@ -735,9 +735,11 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             self.step_replica(&stepping, params)?;
             return Ok(grad_norm);
         }
-        self.run_optimizer(&stepping)?;
+        if !self.step_and_gather_overlapped(&stepping, params)? {
+            self.run_optimizer(&stepping)?;
+            self.write_back(params)?;
+        }
         self.early_stepped.clear();
-        self.write_back(params)?;
         Ok(grad_norm)
     }
 
@@ -814,9 +816,10 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                     }
                 })
                 .collect();
+            let whole = [0..len];
             let plan = StepPlan {
                 pieces: &pieces,
-                buckets: &[0..len],
+                buckets: &whole,
                 bucket_active: &[true],
             };
             self.memory
