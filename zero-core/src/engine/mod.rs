@@ -816,7 +816,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                     }
                 })
                 .collect();
-            let whole = [0..len];
+            let whole = [Range { start: 0, end: len }];
             let plan = StepPlan {
                 pieces: &pieces,
                 buckets: &whole,

@@ -297,11 +297,7 @@ impl ShardMemory<f32, NcclComm> for CudaMemory {
         add: bool,
     ) -> Result<()> {
         check_range("copy_range", &src_range, src.len())?;
-        check_range(
-            "copy_range",
-            &(dst_at..dst_at + src_range.len()),
-            dst.len(),
-        )?;
+        check_range("copy_range", &(dst_at..dst_at + src_range.len()), dst.len())?;
         if src_range.is_empty() {
             return Ok(());
         }
