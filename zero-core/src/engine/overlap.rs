@@ -287,14 +287,14 @@ where
     /// in this order, so that buckets complete one after another during
     /// backward. Then, unless the schedule is [`Overlap::None`], each bucket
     /// is reduced on a communication thread as soon as it is complete (see
-    /// the [module docs](self)). The step (or [`Engine::accumulate`]) that
+    /// [`Overlap`]). The step (or [`Engine::accumulate`]) that
     /// follows closes the pass. A prediction that turns out wrong costs
     /// overlap, never correctness, except with [`Overlap::Interleaved`]: a
     /// gradient that arrives after its bucket was stepped is an error.
     ///
-    /// On the last micro-step the owned pieces are read from `params` here
-    /// (the step does not read them again): change no parameter between
-    /// this call and the step.
+    /// With [`Overlap::Interleaved`], on the last micro-step, the owned
+    /// pieces are read from `params` here (the step does not read them
+    /// again): change no parameter between this call and the step.
     pub fn begin_backward(
         &mut self,
         expected: &[(usize, usize)],
