@@ -39,12 +39,14 @@ for n in 2 3 4; do
 done
 
 # The failure path: must exit non-zero, quickly, with the failed rank named.
-for mode in panic error hang hang-at-exit; do
+for mode in panic error hang hang-async hang-at-exit; do
     echo "== failure path ($mode): rank 1 fails, the job must end"
     want="rank 1 failed"
     # A hanging rank is caught by the others' deadline (2 s in mpi_fail),
-    # in a collective or in MPI_Finalize.
+    # in a collective (blocking, or asynchronous on the progress thread) or
+    # in MPI_Finalize.
     [ "$mode" = hang ] && want="did not complete within"
+    [ "$mode" = hang-async ] && want="all_reduce_async #[0-9]* did not complete within"
     [ "$mode" = hang-at-exit ] && want="MPI_Finalize #[0-9]* did not complete within"
     set +e
     out=$(timeout 60 "${MPIRUN[@]}" -n 3 "$fail_bin" "$mode" 2>&1)
