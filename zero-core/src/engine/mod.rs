@@ -24,6 +24,8 @@
 mod config;
 mod layout;
 mod memory;
+mod precision;
+mod scaler;
 mod setup;
 mod shard_memory;
 mod state;
@@ -31,6 +33,8 @@ mod state;
 pub use config::{ClipConfig, EngineConfig, NormType, ParamGroupSpec, PartitionerKind, Stage};
 pub use layout::{Layout, Run};
 pub use memory::MemoryReport;
+pub use precision::{convert_slice, CastParams};
+pub use scaler::{DynamicLossScale, LossScale, LossScalerState};
 pub use setup::ShardSetup;
 pub use shard_memory::{
     GradPiece, HostMemory, ParamCopy, ParamStore, ShardMemory, StepPiece, StepPlan,
@@ -52,6 +56,12 @@ pub struct StepReport {
     pub grad_norm: Option<f64>,
     /// How many micro-steps were averaged into this step.
     pub micro_steps: usize,
+    /// With loss scaling: the step was skipped on every rank because a
+    /// gradient was inf or NaN on some rank (weights and optimizer state
+    /// unchanged; the scale backed off).
+    pub skipped: bool,
+    /// With loss scaling: the scale this step's gradients were divided by.
+    pub loss_scale: Option<f64>,
 }
 
 /// The ZeRO engine for one rank, over communicator `C`, with its buffers in
@@ -98,6 +108,11 @@ pub struct Engine<T: Element, C: Communicator, M: ShardMemory<T, C> = HostMemory
     steps: u64,
     /// The state gathered by the last `consolidate_state_dict` (receiver only).
     consolidated: Option<crate::checkpoint::StateDict<T>>,
+    /// With master weights: whether `param_shard` holds them (see
+    /// `precision.rs`); until then the next step reads the replica.
+    masters_fresh: bool,
+    /// The loss scaler, when the configuration asks for loss scaling.
+    scaler: Option<scaler::LossScaler>,
 }
 
 impl<T: Element, C: Communicator<Memory = Host>> Engine<T, C, HostMemory> {
@@ -191,6 +206,8 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             trainable,
             steps: 0,
             consolidated: None,
+            masters_fresh: false,
+            scaler: scaler::LossScaler::new(config.loss_scale),
             comm,
             memory,
             config,
@@ -540,10 +557,15 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         let result = self.reduce_and_update_window(last, micro_steps, params);
         self.discard_window();
         let grad_norm = result?;
-        self.steps += 1;
+        let (skipped, loss_scale) = self.scaler_outcome();
+        if !skipped {
+            self.steps += 1;
+        }
         Ok(StepReport {
             grad_norm,
             micro_steps,
+            skipped,
+            loss_scale,
         })
     }
 
@@ -600,12 +622,14 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         };
 
         // The owned pieces' current values (the replica may have been changed
-        // by the user since the last step).
-        self.memory
-            .read_params(params, &self.owned_copies, &mut self.param_shard)?;
+        // by the user since the last step; master weights are the truth).
+        self.refresh_param_shard(params)?;
 
         let ranges = self.stepping_ranges(&stepping);
         self.reduce_gradients(last, micro_steps, &ranges)?;
+        if self.unscale_or_skip(&ranges)? {
+            return Ok(None);
+        }
         let grad_norm = self.clip_gradients(&ranges)?;
         self.run_optimizer(&stepping)?;
         self.write_back(params)?;
@@ -794,6 +818,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                 .collect();
             return self.memory.write_params(params, &copies, &self.param_shard);
         }
+        let gather_dtype = self.gather_dtype();
         for k in 0..self.layout.buckets.len() {
             if !self.bucket_active[k] {
                 continue;
@@ -812,12 +837,13 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                     ))
                 }
             };
-            self.memory.all_gather(
+            self.memory.all_gather_as(
                 &self.comm,
                 &self.param_shard,
                 shard_range,
                 gathered,
                 at..at + range.len(),
+                gather_dtype,
             )?;
             let copies: Vec<ParamCopy> = self
                 .layout
@@ -970,6 +996,11 @@ fn fingerprint<T: Element>(
     out.push((
         "check_trainability".into(),
         c.check_trainability.to_string(),
+    ));
+    out.push(("loss_scale".into(), format!("{:?}", c.loss_scale)));
+    out.push((
+        "gather_in_param_dtype".into(),
+        c.gather_in_param_dtype.to_string(),
     ));
     out.push(("optimizer".into(), optimizer.kind().to_string()));
     for g in 0..optimizer.num_groups() {
