@@ -29,10 +29,17 @@ impl<T: Element + WithDType> ParamStore<T> for VarStore<'_> {
             let (storage, layout) = var.storage_and_layout();
             if let (Storage::Cpu(cpu), Some((start, _))) = (&*storage, layout.contiguous_offsets())
             {
-                let data =
-                    T::cpu_storage_as_slice(cpu).map_err(|e| var_error("read", param, var, e))?;
-                out.copy_from_slice(&data[start + range.start..start + range.end]);
-                return Ok(());
+                let values = start + range.start..start + range.end;
+                if var.dtype() == <T as WithDType>::DTYPE {
+                    let data = T::cpu_storage_as_slice(cpu)
+                        .map_err(|e| var_error("read", param, var, e))?;
+                    out.copy_from_slice(&data[values]);
+                    return Ok(());
+                }
+                // A 16-bit variable under f32 master weights: widened.
+                if crate::precision::convert_cpu(cpu, values, out) {
+                    return Ok(());
+                }
             }
         }
         // Other devices (and non-contiguous variables): through a host copy.
@@ -40,6 +47,7 @@ impl<T: Element + WithDType> ParamStore<T> for VarStore<'_> {
             .as_tensor()
             .flatten_all()
             .and_then(|t| t.narrow(0, range.start, range.len()))
+            .and_then(|t| t.to_dtype(<T as WithDType>::DTYPE))
             .and_then(|t| t.to_vec1::<T>())
             .map_err(|e| var_error("read", param, var, e))?;
         out.copy_from_slice(&values);
@@ -48,7 +56,10 @@ impl<T: Element + WithDType> ParamStore<T> for VarStore<'_> {
 
     fn write(&mut self, param: usize, range: Range<usize>, values: &[T]) -> zero_core::Result<()> {
         let var = &self.vars[param];
+        // Rounded to the variable's dtype (to nearest, ties to even) where
+        // the engine keeps wider master weights.
         let src = Tensor::from_slice(values, values.len(), var.device())
+            .and_then(|t| t.to_dtype(var.dtype()))
             .map_err(|e| var_error("write", param, var, e))?;
         // A contiguous variable's flattened view shares its storage, so
         // `slice_set` writes the range in place.
