@@ -9,6 +9,7 @@ mod memory;
 #[cfg(feature = "mpi")]
 mod mpi;
 mod optim;
+mod precision;
 mod report;
 mod step;
 pub use report::{Figure, Report};
@@ -35,7 +36,7 @@ fn random_batch(
 /// Runs the suite named by the first command-line argument (all if none).
 pub fn main() {
     let which: Vec<String> = std::env::args().skip(1).collect();
-    let all = ["comm", "optim", "step", "memory", "gpt", "gpu"];
+    let all = ["comm", "optim", "step", "memory", "precision", "gpt", "gpu"];
     let selected: Vec<&str> = if which.is_empty() {
         all.to_vec()
     } else {
@@ -64,13 +65,14 @@ pub fn main() {
             }
             "memory" if !under_mpirun => memory::run(&mut report),
             "gpt" if !under_mpirun => gpt::run(&mut report),
+            "precision" if !under_mpirun => precision::run(&mut report),
             "gpu" => {
                 #[cfg(feature = "nccl")]
                 gpu::run(&mut report);
                 #[cfg(not(feature = "nccl"))]
                 println!("gpu benchmarks need --features nccl");
             }
-            "optim" | "step" | "memory" | "gpt" => {}
+            "optim" | "step" | "memory" | "precision" | "gpt" => {}
             other => {
                 eprintln!("unknown benchmark suite {other:?}; expected one of {all:?}");
                 std::process::exit(2);

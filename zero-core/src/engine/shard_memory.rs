@@ -597,7 +597,10 @@ impl<T: Element, C: Communicator<Memory = Host>> ShardMemory<T, C> for HostMemor
 }
 
 /// All-gathers `send` as `L` (rounded to nearest) and widens what arrives
-/// back into `recv`.
+/// back into `recv`. The narrow values are received into the tail of
+/// `recv`'s own bytes and widened front to back in place (element `i` is
+/// read before anything is written over it, since `T` is at least as wide
+/// as `L`), so the gather needs no bucket-sized buffer of its own.
 fn gather_narrow<T: Element, L: Element, C: Communicator<Memory = Host>>(
     comm: &C,
     send: &[T],
@@ -605,8 +608,26 @@ fn gather_narrow<T: Element, L: Element, C: Communicator<Memory = Host>>(
 ) -> Result<()> {
     let mut narrow_send = vec![L::default(); send.len()];
     super::precision::convert_slice(send, &mut narrow_send);
-    let mut narrow_recv = vec![L::default(); recv.len()];
-    comm.all_gather(&narrow_send, &mut narrow_recv)?;
-    super::precision::convert_slice(&narrow_recv, recv);
+    let (wide, narrow) = (std::mem::size_of::<T>(), std::mem::size_of::<L>());
+    let len = recv.len();
+    let bytes: &mut [u8] = bytemuck::cast_slice_mut(recv);
+    let tail = len * (wide - narrow);
+    match bytemuck::try_cast_slice_mut::<u8, L>(&mut bytes[tail..]) {
+        Ok(narrow_recv) => comm.all_gather(&narrow_send, narrow_recv)?,
+        // Not aligned for `L` (never for the f32/bf16 pairs used): a buffer.
+        Err(_) => {
+            let mut narrow_recv = vec![L::default(); len];
+            comm.all_gather(&narrow_send, &mut narrow_recv)?;
+            let recv: &mut [T] = bytemuck::cast_slice_mut(bytes);
+            super::precision::convert_slice(&narrow_recv, recv);
+            return Ok(());
+        }
+    }
+    for i in 0..len {
+        let at = tail + i * narrow;
+        let value: L = bytemuck::pod_read_unaligned(&bytes[at..at + narrow]);
+        let value = T::from_f64(value.to_f64());
+        bytes[i * wide..(i + 1) * wide].copy_from_slice(bytemuck::bytes_of(&value));
+    }
     Ok(())
 }
