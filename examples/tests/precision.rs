@@ -46,11 +46,21 @@ fn bf16_and_f16_training_follow_f32_on_the_mlp() {
     for precision in ["f32", "bf16", "f16"] {
         let m = metrics(precision);
         let common = ["--stage", "2", "--steps", "200", "--metrics"];
-        let s = train(&[&common[..], &[m.to_str().unwrap(), "--precision", precision]].concat());
+        let s = train(
+            &[
+                &common[..],
+                &[m.to_str().unwrap(), "--precision", precision],
+            ]
+            .concat(),
+        );
         runs.push((precision, s, losses(&m)));
     }
     let (_, f32_run, f32_losses) = &runs[0];
-    assert!(f32_run.final_loss < 0.05, "f32 trains: {}", f32_run.final_loss);
+    assert!(
+        f32_run.final_loss < 0.05,
+        "f32 trains: {}",
+        f32_run.final_loss
+    );
     for (precision, run, trace) in &runs[1..] {
         assert!(
             (run.final_loss - f32_run.final_loss).abs() < 0.01,
@@ -58,7 +68,10 @@ fn bf16_and_f16_training_follow_f32_on_the_mlp() {
             run.final_loss,
             f32_run.final_loss
         );
-        assert!(trace.iter().all(|(_, skipped)| !skipped), "{precision}: no step skipped");
+        assert!(
+            trace.iter().all(|(_, skipped)| !skipped),
+            "{precision}: no step skipped"
+        );
         // Single steps wander (a spike at one step in one run, a step later
         // in the other); the mean over the run does not.
         let mean = |t: &[(f64, bool)]| t.iter().map(|l| l.0).sum::<f64>() / t.len() as f64;
@@ -144,7 +157,11 @@ fn a_bf16_gpt_trains() {
         "--grad-accum",
         "2",
     ]);
-    assert!(s.final_loss.is_finite() && s.final_loss < 5.0, "{}", s.final_loss);
+    assert!(
+        s.final_loss.is_finite() && s.final_loss < 5.0,
+        "{}",
+        s.final_loss
+    );
 }
 
 #[test]
@@ -154,18 +171,39 @@ fn bf16_runs_resume_bitwise_and_f32_runs_resume_from_them() {
     let ckpt = ckpt.to_str().unwrap();
     let common = ["--stage", "2", "--precision", "f16", "--batch-size", "8"];
     let full = train(&[&common[..], &["--steps", "8"]].concat());
-    train(&[
-        &common[..],
-        &["--steps", "4", "--checkpoint-dir", ckpt, "--checkpoint-every", "4"],
-    ]
-    .concat());
+    train(
+        &[
+            &common[..],
+            &[
+                "--steps",
+                "4",
+                "--checkpoint-dir",
+                ckpt,
+                "--checkpoint-every",
+                "4",
+            ],
+        ]
+        .concat(),
+    );
     let resumed = train(&[&common[..], &["--steps", "8", "--resume", ckpt]].concat());
-    assert_eq!(full.weights, resumed.weights, "f16 resume (masters, loss scale)");
+    assert_eq!(
+        full.weights, resumed.weights,
+        "f16 resume (masters, loss scale)"
+    );
 
     // An f32 run at another world size and stage (the same global batch)
     // from the f16 checkpoint.
     let f32_run = train(&[
-        "--stage", "1", "--world-size", "4", "--batch-size", "4", "--steps", "8", "--resume", ckpt,
+        "--stage",
+        "1",
+        "--world-size",
+        "4",
+        "--batch-size",
+        "4",
+        "--steps",
+        "8",
+        "--resume",
+        ckpt,
     ]);
     assert!(f32_run.final_loss.is_finite());
     let max_diff = f32_run

@@ -15,7 +15,11 @@ use zero_core::Element;
 
 /// The elements of `values` (contiguous CPU storage of any float dtype)
 /// converted into `out`; `false` if the storage is of another kind.
-pub(crate) fn convert_cpu<T: Element>(storage: &CpuStorage, values: std::ops::Range<usize>, out: &mut [T]) -> bool {
+pub(crate) fn convert_cpu<T: Element>(
+    storage: &CpuStorage,
+    values: std::ops::Range<usize>,
+    out: &mut [T],
+) -> bool {
     match storage {
         CpuStorage::BF16(v) => convert_slice::<bf16, T>(&v[values], out),
         CpuStorage::F16(v) => convert_slice::<f16, T>(&v[values], out),

@@ -45,7 +45,12 @@ struct Run {
 /// Trains Linear(6, 16), ReLU, Linear(16, 3) of `dtype` on two ranks at
 /// stage 2 with an engine of element type `T`; the loss (MSE) is computed
 /// in f32, as autocast would. `blow_up`: (step, rank) whose inputs overflow.
-fn train<T>(dtype: DType, hooked: bool, loss_scale: LossScale, blow_up: Option<(usize, usize)>) -> Run
+fn train<T>(
+    dtype: DType,
+    hooked: bool,
+    loss_scale: LossScale,
+    blow_up: Option<(usize, usize)>,
+) -> Run
 where
     T: Element + WithDType + zero_core::optim::Float,
     <ThreadComm as Communicator>::Memory: CandleMemory<T, ThreadComm>,
@@ -133,8 +138,14 @@ fn f16_model_with_dynamic_loss_scale_skips_an_overflowing_step_on_every_rank() {
             let want = if step <= 3 { 256.0 } else { 128.0 };
             assert_eq!(report.loss_scale, Some(want), "rank {rank} step {step}");
         }
-        assert_eq!(run.weights[rank][3], run.weights[rank][2], "rank {rank}: skipped step");
-        assert_ne!(run.weights[rank][4], run.weights[rank][3], "rank {rank}: next step");
+        assert_eq!(
+            run.weights[rank][3], run.weights[rank][2],
+            "rank {rank}: skipped step"
+        );
+        assert_ne!(
+            run.weights[rank][4], run.weights[rank][3],
+            "rank {rank}: next step"
+        );
     }
     assert_eq!(run.weights[0], run.weights[1], "ranks agree");
 }
@@ -144,7 +155,10 @@ fn f16_model_with_f32_masters_follows_the_f32_model() {
     let f16 = train::<f32>(DType::F16, true, scale_from_256(), None);
     assert!(f16.reports[0].iter().all(|r| !r.unwrap().skipped));
     let f32 = train::<f32>(DType::F32, true, LossScale::None, None);
-    for (a, b) in f16.weights[0][STEPS - 1].iter().zip(&f32.weights[0][STEPS - 1]) {
+    for (a, b) in f16.weights[0][STEPS - 1]
+        .iter()
+        .zip(&f32.weights[0][STEPS - 1])
+    {
         assert!((a - b).abs() < 2e-2, "f16 {a} vs f32 {b}");
     }
 }
@@ -188,7 +202,9 @@ fn an_engine_narrower_than_the_variables_is_an_error_at_construction() {
         .map(|_| ())
     });
     match &out[0] {
-        Ok(Err(zero_candle::Error::Zero(zero_core::Error::ParamDType { param, engine, .. }))) => {
+        Ok(Err(zero_candle::Error::Zero(zero_core::Error::ParamDType {
+            param, engine, ..
+        }))) => {
             assert_eq!(*param, zero_core::DType::F32);
             assert_eq!(*engine, zero_core::DType::BF16);
         }

@@ -12,8 +12,8 @@ use zero_core::checkpoint::Manifest;
 use zero_core::engine::{CastParams, DynamicLossScale, LossScale};
 use zero_core::optim::{Adam, AdamConfig, Sgd, SgdConfig};
 use zero_core::{
-    Communicator, DType, Engine, EngineConfig, FunctionalOptimizer, ParamInfo, Result, Stage, ThreadComm,
-    ThreadGroup,
+    Communicator, DType, Engine, EngineConfig, FunctionalOptimizer, ParamInfo, Result, Stage,
+    ThreadComm, ThreadGroup,
 };
 
 /// Runs `f` on `world` ranks and unwraps every rank's result.
@@ -123,7 +123,10 @@ fn dynamic_loss_scale_matches_torch_grad_scaler_on_every_rank() {
                 let slots: Vec<Option<&[f32]>> = grads.iter().map(|g| Some(&g[..])).collect();
                 let report = engine.step(&slots, &mut weights)?.unwrap();
                 if report.skipped {
-                    assert_eq!(weights, before, "rank {rank}: a skipped step changed weights");
+                    assert_eq!(
+                        weights, before,
+                        "rank {rank}: a skipped step changed weights"
+                    );
                 }
                 seen.push((report.loss_scale.unwrap(), report.skipped));
             }
@@ -133,8 +136,14 @@ fn dynamic_loss_scale_matches_torch_grad_scaler_on_every_rank() {
             let scales: Vec<f64> = seen.iter().map(|s| s.0).collect();
             let skipped: Vec<bool> = seen.iter().map(|s| s.1).collect();
             assert_eq!(scales, golden.scales, "stage {stage} rank {rank}: scales");
-            assert_eq!(skipped, golden.skipped, "stage {stage} rank {rank}: skipped");
-            assert_eq!(*final_scale, golden.final_scale, "stage {stage} rank {rank}");
+            assert_eq!(
+                skipped, golden.skipped,
+                "stage {stage} rank {rank}: skipped"
+            );
+            assert_eq!(
+                *final_scale, golden.final_scale,
+                "stage {stage} rank {rank}"
+            );
             for (p, (ours, theirs)) in weights.iter().zip(&golden.weights).enumerate() {
                 for (i, (a, b)) in ours.iter().zip(theirs).enumerate() {
                     assert!(
@@ -181,9 +190,7 @@ fn grad_of(weights: &[f32], step: usize, rank: usize, p: usize) -> Vec<f32> {
     weights
         .iter()
         .enumerate()
-        .map(|(i, w)| {
-            0.3 * w + (((i * 5 + p * 3 + step * 7 + rank * 11) % 17) as f32 - 8.0) * 0.05
-        })
+        .map(|(i, w)| 0.3 * w + (((i * 5 + p * 3 + step * 7 + rank * 11) % 17) as f32 - 8.0) * 0.05)
         .collect()
 }
 
@@ -212,17 +219,9 @@ fn f32_masters_keep_updates_that_a_bf16_engine_loses() {
         let plain = run(2, |comm| {
             let sgd: Box<dyn FunctionalOptimizer<bf16>> =
                 Box::new(Sgd::new(SgdConfig::default().with_lr(lr))?);
-            let mut engine = Engine::<bf16, _>::new(
-                comm,
-                infos.clone(),
-                sgd,
-                config(stage),
-            )?;
+            let mut engine = Engine::<bf16, _>::new(comm, infos.clone(), sgd, config(stage))?;
             let mut replica = bf16_init(&infos);
-            let grads: Vec<Vec<bf16>> = infos
-                .iter()
-                .map(|p| vec![bf16::ONE; p.numel()])
-                .collect();
+            let grads: Vec<Vec<bf16>> = infos.iter().map(|p| vec![bf16::ONE; p.numel()]).collect();
             for _ in 0..steps {
                 let slots: Vec<Option<&[bf16]>> = grads.iter().map(|g| Some(&g[..])).collect();
                 engine.step(&slots, &mut replica)?;
@@ -230,7 +229,10 @@ fn f32_masters_keep_updates_that_a_bf16_engine_loses() {
             Ok(replica)
         });
         let init = bf16_init(&infos);
-        assert_eq!(plain[0], init, "stage {stage}: bf16 updates are rounded away");
+        assert_eq!(
+            plain[0], init,
+            "stage {stage}: bf16 updates are rounded away"
+        );
         // With masters: the f32 sum of 100 updates, rounded once.
         for (p, w0) in init.iter().enumerate() {
             for (i, w) in w0.iter().enumerate() {
@@ -242,7 +244,10 @@ fn f32_masters_keep_updates_that_a_bf16_engine_loses() {
                 for replica in &masters {
                     assert_eq!(replica[p][i], want, "stage {stage}: {p}[{i}]");
                 }
-                assert_ne!(want, *w, "the test's updates must add up to a visible change");
+                assert_ne!(
+                    want, *w,
+                    "the test's updates must add up to a visible change"
+                );
             }
         }
     }
@@ -370,7 +375,10 @@ fn master_weights_and_loss_scale_survive_save_and_resume_bitwise() {
         // The same 12 steps without a break.
         let straight = train_bf16_masters(2, stage, 0, 12, None, &full);
         let again = train_bf16_masters(2, stage, 6, 6, Some(&mid), &resumed);
-        assert_eq!(straight, again, "stage {stage}: replica and loss scale after resume");
+        assert_eq!(
+            straight, again,
+            "stage {stage}: replica and loss scale after resume"
+        );
         // The model file holds the f32 masters: bitwise the same, and finer
         // than bf16 (so a resume from the bf16 replica would lose them).
         let (a, b) = (model_file(&full), model_file(&resumed));
@@ -405,7 +413,11 @@ fn checkpoints_load_across_precisions_world_sizes_and_stages() {
         engine.save_checkpoint(&f32_ckpt, &mut weights)?;
         Ok(())
     });
-    assert_eq!(model_file(&f32_ckpt), masters, "f32 run: weights are the masters");
+    assert_eq!(
+        model_file(&f32_ckpt),
+        masters,
+        "f32 run: weights are the masters"
+    );
 
     // And back: a bf16 run with masters (1 rank, stage 0) from the f32
     // checkpoint: its masters are the f32 weights, bitwise, its replica
@@ -420,11 +432,18 @@ fn checkpoints_load_across_precisions_world_sizes_and_stages() {
         engine.save_checkpoint(&back, &mut replica)?;
         Ok(replica.0)
     });
-    assert_eq!(model_file(&back), masters, "bf16 run: masters from the f32 weights");
+    assert_eq!(
+        model_file(&back),
+        masters,
+        "bf16 run: masters from the f32 weights"
+    );
     for (p, (_, _, data)) in masters.iter().enumerate() {
         let values = bytemuck::cast_slice::<u8, f32>(&data.clone()).to_vec();
         let rounded: Vec<bf16> = values.iter().map(|x| bf16::from_f32(*x)).collect();
-        assert_eq!(replicas[0][p], rounded, "replica {p} is the masters rounded");
+        assert_eq!(
+            replicas[0][p], rounded,
+            "replica {p} is the masters rounded"
+        );
     }
 
     // A bf16 engine without masters (2 ranks, stage 2) loads it too: the

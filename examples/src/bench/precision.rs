@@ -120,8 +120,18 @@ pub fn run(report: &mut Report) {
     // 2/4 (bf16 gradient shard) + 12/4 (f32 masters and moments).
     let ideal = 2.0 + 2.0 / 4.0 + 12.0 / 4.0;
     for (name, dtype, hooked, goal) in [
-        ("memory.bf16_s2_bytes_per_param", DType::BF16, true, Some("<= 7.15 (1.3 x 5.5)")),
-        ("memory.bf16_s2_grad_store_bytes_per_param", DType::BF16, false, None),
+        (
+            "memory.bf16_s2_bytes_per_param",
+            DType::BF16,
+            true,
+            Some("<= 7.15 (1.3 x 5.5)"),
+        ),
+        (
+            "memory.bf16_s2_grad_store_bytes_per_param",
+            DType::BF16,
+            false,
+            None,
+        ),
         ("memory.f32_s2_bytes_per_param", DType::F32, true, None),
     ] {
         match peak_bytes_per_param(dtype, hooked) {

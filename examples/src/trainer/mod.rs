@@ -332,12 +332,14 @@ fn validate(args: &Args) -> Result<(), TrainError> {
     }
     loss_scale(args)?;
     if args.precision != Precision::F32 && args.backend == Backend::Nccl {
-        return Err(TrainError::Usage(format!(
-            "--precision {:?} is not built for --backend nccl yet (its GPU memory trains f32 \
+        return Err(TrainError::Usage(
+            format!(
+                "--precision {:?} is not built for --backend nccl yet (its GPU memory trains f32 \
              models); use --backend threads or mpi, or --precision f32",
-            args.precision
-        )
-        .to_lowercase()));
+                args.precision
+            )
+            .to_lowercase(),
+        ));
     }
     if args.no_master_weights && args.precision == Precision::F32 {
         return Err(TrainError::Usage(

@@ -97,7 +97,8 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             return Ok((self.comm.rank() == root).then_some(mine));
         }
         let counts = vec![shard_numel; self.comm.world_size()];
-        let mut all = (self.comm.rank() == root).then(|| vec![T::default(); self.plan.flat_numel()]);
+        let mut all =
+            (self.comm.rank() == root).then(|| vec![T::default(); self.plan.flat_numel()]);
         self.memory
             .gather_varlen_host(&self.comm, &mine, &counts, all.as_deref_mut(), root)?;
         Ok(all)

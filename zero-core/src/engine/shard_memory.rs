@@ -214,7 +214,12 @@ pub trait ShardMemory<T: Element, C: Communicator>: Send {
     /// Overwrites `buffer[at..at + values.len()]` from host memory (master
     /// weights from a checkpoint). Memories that cannot keep master
     /// weights keep the default, an error.
-    fn buffer_from_host(&mut self, buffer: &mut Self::Buffer, at: usize, values: &[T]) -> Result<()> {
+    fn buffer_from_host(
+        &mut self,
+        buffer: &mut Self::Buffer,
+        at: usize,
+        values: &[T],
+    ) -> Result<()> {
         let _ = (buffer, at, values);
         Err(no_master_weights("buffer_from_host"))
     }
