@@ -64,6 +64,12 @@ where
     index: HashMap<TensorId, usize>,
     names: Vec<String>,
     vars: Vec<Var>,
+    /// Per variable, how many layers announced they report it.
+    announced: HashMap<TensorId, usize>,
+    /// Per parameter, the calls of the backward pass under way, and of the
+    /// last one that completed (`None`: no pass completed yet).
+    calls: Vec<usize>,
+    last_calls: Option<Vec<usize>>,
 }
 
 impl<C, T> ZeroHook<C, T>
@@ -81,6 +87,9 @@ where
                 index: HashMap::new(),
                 names: Vec::new(),
                 vars: Vec::new(),
+                announced: HashMap::new(),
+                calls: Vec::new(),
+                last_calls: None,
             }),
         })
     }
@@ -105,7 +114,45 @@ where
             .collect();
         inner.names = names.to_vec();
         inner.vars = vars.to_vec();
+        inner.calls = vec![0; vars.len()];
         true
+    }
+
+    /// The hooked gradients `loss.backward()` will hand over, in the order
+    /// it will (the variables' order in `loss.sorted_nodes()`), each with
+    /// its number of calls: as counted in the last backward pass, or, for a
+    /// variable that got none then, as many as layers announced it.
+    pub(crate) fn expected(&self, loss: &Tensor) -> Vec<(usize, usize)> {
+        let mut inner = self.lock();
+        // A pass that failed halfway counted some calls; start afresh.
+        inner.calls.fill(0);
+        let mut expected = Vec::new();
+        for node in loss.sorted_nodes() {
+            if !node.is_variable() {
+                continue;
+            }
+            let id = node.id();
+            let Some(&i) = inner.index.get(&id) else {
+                continue;
+            };
+            let seen = inner.last_calls.as_ref().map_or(0, |calls| calls[i]);
+            let calls = match seen {
+                0 => inner.announced.get(&id).copied().unwrap_or(0),
+                seen => seen,
+            };
+            if calls > 0 {
+                expected.push((i, calls));
+            }
+        }
+        expected
+    }
+
+    /// Records that a backward pass completed: its calls predict the next.
+    pub(crate) fn backward_done(&self) {
+        let mut inner = self.lock();
+        let calls = vec![0; inner.calls.len()];
+        let done = std::mem::replace(&mut inner.calls, calls);
+        inner.last_calls = Some(done);
     }
 
     /// Lends the engine for a backward pass.
@@ -132,6 +179,8 @@ where
             index,
             names,
             vars,
+            calls,
+            ..
         } = &mut *inner;
         let Some(&i) = index.get(&var.as_tensor().id()) else {
             candle_core::bail!(
@@ -148,6 +197,7 @@ where
                  instead of loss.backward()"
             )
         };
+        calls[i] += 1;
         let mut store = GradStore::default();
         store.insert(var.as_tensor(), grad);
         C::Memory::with_grads(
@@ -160,5 +210,9 @@ where
             },
         )?;
         Ok(())
+    }
+
+    fn will_report(&self, var: &Var) {
+        *self.lock().announced.entry(var.id()).or_default() += 1;
     }
 }

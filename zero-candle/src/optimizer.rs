@@ -151,12 +151,18 @@ where
     /// Runs `loss.backward()` and one micro-step. With a [`ZeroHook`]
     /// connected, the hooked layers hand their parameter gradients to the
     /// engine as backward computes them (none of them stays in the
-    /// `GradStore`); without one, this is `step(&loss.backward()?)`.
-    /// Either way the result is the same, bitwise, except for a weight used
-    /// both by a hooked layer and by a plain op under gradient
-    /// accumulation: its per-micro-step sum is formed in another order
-    /// (float rounding). Communication still happens in the step, after
-    /// backward; overlapping it with backward is the next step.
+    /// `GradStore`), and the engine reduces each gradient bucket as soon as
+    /// it is complete, on a communication thread, while backward goes on
+    /// (the [`Overlap`](zero_core::engine::Overlap) schedule of the
+    /// configuration; see `zero_core::engine::Engine::begin_backward`).
+    /// Without a hook, this is `step(&loss.backward()?)`.
+    ///
+    /// The three schedules give the same weights, bitwise. Against the
+    /// plain path the result agrees up to float rounding: the hooked path
+    /// partitions the parameters in gradient order (norms are summed in
+    /// another order), stage 2 reduces every micro-step of an accumulation
+    /// window, and a weight used both by a hooked layer and by a plain op
+    /// gets its plain part in a second reduction.
     pub fn backward_step(&mut self, loss: &Tensor) -> Result<Option<StepReport>> {
         let scaled = crate::precision::scale_loss(loss, self.engine().loss_scale())?;
         let loss = &scaled;
@@ -186,6 +192,11 @@ where
                     *self.slot = self.hook.take_back();
                 }
             }
+            let expected = hook.expected(loss);
+            let (engine, vars) = (lent(&mut self.engine), &self.vars);
+            C::Memory::with_params(vars, &mut |params| {
+                Ok(engine.begin_backward(&expected, params)?)
+            })?;
             if let Some(engine) = self.engine.take() {
                 hook.lend(engine);
             }
@@ -196,7 +207,10 @@ where
             loss.backward()
         };
         match grads {
-            Ok(grads) => self.step(&grads),
+            Ok(grads) => {
+                hook.backward_done();
+                self.step(&grads)
+            }
             Err(e) => {
                 // Part of this micro-step reached the engine: drop it, so
                 // the next one starts clean.

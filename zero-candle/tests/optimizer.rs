@@ -205,5 +205,8 @@ fn memory_shrinks_with_the_stage() {
     assert!(s1.optimizer_state * 4 <= s0.optimizer_state + 4 * 32 * 8 + 4 * 16);
     assert_eq!(s2.grads, 0);
     assert!(s2.grads + s2.grad_shard < (s0.grads + s0.grad_shard) / 3);
-    assert!(s2.total() < s1.total() && s1.total() < s0.total());
+    // Without accumulation stages 1 and 2 hold the same buffers: stage 1
+    // keeps a full gradient buffer only across an accumulation window.
+    assert_eq!(s1.grads, 0);
+    assert!(s2.total() <= s1.total() && s1.total() < s0.total());
 }

@@ -9,7 +9,7 @@ use candle_nn::{VarBuilder, VarMap};
 use std::sync::Arc;
 use zero_candle::nn::{self, GradHook};
 use zero_candle::{CandleMemory, ZeroHook, ZeroOptimizer};
-use zero_core::engine::{DynamicLossScale, EngineConfig, LossScale, Stage, StepReport};
+use zero_core::engine::{DynamicLossScale, EngineConfig, LossScale, Overlap, Stage, StepReport};
 use zero_core::optim::{AdamW, AdamWConfig};
 use zero_core::{Communicator, Element, ThreadComm, ThreadGroup};
 
@@ -55,6 +55,21 @@ where
     T: Element + WithDType + zero_core::optim::Float,
     <ThreadComm as Communicator>::Memory: CandleMemory<T, ThreadComm>,
 {
+    train_with::<T>(dtype, hooked, loss_scale, blow_up, Overlap::default())
+}
+
+/// [`train`] with an overlap schedule.
+fn train_with<T>(
+    dtype: DType,
+    hooked: bool,
+    loss_scale: LossScale,
+    blow_up: Option<(usize, usize)>,
+    overlap: Overlap,
+) -> Run
+where
+    T: Element + WithDType + zero_core::optim::Float,
+    <ThreadComm as Communicator>::Memory: CandleMemory<T, ThreadComm>,
+{
     let out = ThreadGroup::new(2).run(|comm| -> zero_candle::Result<_> {
         let rank = comm.rank();
         let varmap = VarMap::new();
@@ -75,7 +90,8 @@ where
         let adamw = AdamW::new(AdamWConfig::default().with_lr(1e-2))?;
         let config = EngineConfig::default()
             .with_stage(Stage::Gradients)
-            .with_loss_scale(loss_scale);
+            .with_loss_scale(loss_scale)
+            .with_overlap(overlap);
         let mut opt = ZeroOptimizer::<ThreadComm, T>::new(&varmap, comm, config, Box::new(adamw))?;
         if hooked {
             opt = opt.with_hook(&hook)?;
@@ -123,6 +139,37 @@ fn bf16_model_with_f32_masters_trains_alike_through_the_hook_and_the_grad_store(
     let first: f64 = hooked.losses.iter().map(|l| l[0]).sum();
     let last: f64 = hooked.losses.iter().map(|l| l[STEPS - 1]).sum();
     assert!(last < first, "the loss falls: {first} -> {last}");
+}
+
+#[test]
+fn master_weights_step_alike_under_every_overlap_schedule() {
+    // The interleaved schedule steps buckets during backward: the masters
+    // must not be re-read from the bf16 replica there either.
+    let after = train::<f32>(DType::BF16, true, LossScale::None, None);
+    for overlap in [Overlap::None, Overlap::Interleaved] {
+        let run = train_with::<f32>(DType::BF16, true, LossScale::None, None, overlap);
+        assert_eq!(run.weights, after.weights, "{overlap:?}");
+    }
+}
+
+#[test]
+fn loss_scaling_with_the_interleaved_schedule_is_an_error_at_construction() {
+    let out = ThreadGroup::new(1).run(|comm| {
+        let varmap = VarMap::new();
+        let vb = VarBuilder::from_varmap(&varmap, DType::F16, &Device::Cpu);
+        let _layer = candle_nn::linear(2, 2, vb.pp("l")).unwrap();
+        let adamw = AdamW::new(AdamWConfig::default()).unwrap();
+        let config = EngineConfig::default()
+            .with_loss_scale(LossScale::dynamic())
+            .with_overlap(Overlap::Interleaved);
+        ZeroOptimizer::<ThreadComm, f32>::new(&varmap, comm, config, Box::new(adamw)).map(|_| ())
+    });
+    match &out[0] {
+        Ok(Err(zero_candle::Error::Zero(zero_core::Error::Config(message)))) => {
+            assert!(message.contains("after-backward"), "{message}");
+        }
+        other => panic!("expected a configuration error, got {other:?}"),
+    }
 }
 
 #[test]

@@ -23,7 +23,7 @@ pub use optim::{
     Adagrad, AdagradConfig, Adam, AdamConfig, AdamW, AdamWConfig, FunctionalOptimizer, RmsProp,
     RmsPropConfig, Sgd, SgdConfig,
 };
-pub use partition::{Flat, Greedy, ParamInfo, PartitionPlan, Partitioner};
+pub use partition::{Flat, Greedy, Interleaved, ParamInfo, PartitionPlan, Partitioner};
 
 /// The most used items, for `use zero_core::prelude::*`.
 pub mod prelude {
@@ -32,6 +32,6 @@ pub mod prelude {
         Adagrad, AdagradConfig, Adam, AdamConfig, AdamW, AdamWConfig, FunctionalOptimizer,
         ParamKey, ParamMut, RmsProp, RmsPropConfig, Sgd, SgdConfig,
     };
-    pub use crate::partition::{Flat, Greedy, ParamInfo, Partitioner};
+    pub use crate::partition::{Flat, Greedy, Interleaved, ParamInfo, Partitioner};
     pub use crate::{DType, Element, Error, Result};
 }

@@ -58,6 +58,19 @@ pub enum Error {
         /// The largest value MPI accepts.
         max: usize,
     },
+    /// An asynchronous collective ended without a result: its job panicked
+    /// on the progress thread.
+    #[error(
+        "{op} #{seq} ended without a result: it panicked on the MPI progress thread \
+         (the panic message is printed above); this is a bug in zero-mpi-gloo, please \
+         report it with that message"
+    )]
+    AsyncLost {
+        /// The operation.
+        op: &'static str,
+        /// Its sequence number on the communicator.
+        seq: u64,
+    },
     /// An error from `zero-core` (buffer sizes, ranks, mismatches).
     #[error(transparent)]
     Core(#[from] zero_core::Error),
@@ -77,7 +90,9 @@ impl From<Error> for zero_core::Error {
             Error::NotInitialized { op } => {
                 zero_core::Error::State(Error::NotInitialized { op }.to_string())
             }
-            e @ Error::AlreadyInitialized => zero_core::Error::State(e.to_string()),
+            e @ (Error::AlreadyInitialized | Error::AsyncLost { .. }) => {
+                zero_core::Error::State(e.to_string())
+            }
             e @ Error::ThreadLevel { op, .. } | e @ Error::CountOverflow { op, .. } => {
                 zero_core::Error::Unsupported {
                     op,

@@ -16,11 +16,15 @@
 //! - large reduce-scatter, all-gather and all-reduce run as a ring of
 //!   `MPI_Sendrecv` (faster than Open MPI's `MPI_Reduce_scatter_block` on
 //!   shared memory), small ones as the library's collective: [`Algorithm`];
+//! - asynchronous collectives that return before they complete: staged
+//!   copies run by a progress thread in call order (see "Asynchronous forms"
+//!   on [`MpiComm`]);
 //! - failures end the job instead of hanging it: [`MpiComm::abort_on_panic`],
 //!   [`MpiComm::abort`], [`MpiComm::ok_or_abort`].
 //!
-//! Tests: `scripts/test-mpi.sh` runs `tests/mpi_collectives.rs` under
-//! `mpirun -n 2`, `3` and `4`, and checks that a panicking rank ends the job.
+//! Tests: `scripts/test-mpi.sh` runs `tests/mpi_collectives.rs` and
+//! `tests/mpi_async.rs` under `mpirun -n 2`, `3` and `4`, checks that a
+//! panicking rank ends the job, and runs the trainer under `mpirun`.
 #![warn(missing_docs)]
 
 mod error;

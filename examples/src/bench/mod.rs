@@ -9,6 +9,7 @@ mod memory;
 #[cfg(feature = "mpi")]
 mod mpi;
 mod optim;
+mod overlap;
 mod precision;
 mod report;
 mod step;
@@ -36,7 +37,16 @@ fn random_batch(
 /// Runs the suite named by the first command-line argument (all if none).
 pub fn main() {
     let which: Vec<String> = std::env::args().skip(1).collect();
-    let all = ["comm", "optim", "step", "memory", "precision", "gpt", "gpu"];
+    let all = [
+        "comm",
+        "optim",
+        "step",
+        "overlap",
+        "memory",
+        "precision",
+        "gpt",
+        "gpu",
+    ];
     let selected: Vec<&str> = if which.is_empty() {
         all.to_vec()
     } else {
@@ -63,6 +73,7 @@ pub fn main() {
                 step::run(&mut report);
                 layers::run(&mut report);
             }
+            "overlap" if !under_mpirun => overlap::run(&mut report),
             "memory" if !under_mpirun => memory::run(&mut report),
             "gpt" if !under_mpirun => gpt::run(&mut report),
             "precision" if !under_mpirun => precision::run(&mut report),
@@ -72,7 +83,7 @@ pub fn main() {
                 #[cfg(not(feature = "nccl"))]
                 println!("gpu benchmarks need --features nccl");
             }
-            "optim" | "step" | "memory" | "precision" | "gpt" => {}
+            "optim" | "step" | "overlap" | "memory" | "precision" | "gpt" => {}
             other => {
                 eprintln!("unknown benchmark suite {other:?}; expected one of {all:?}");
                 std::process::exit(2);

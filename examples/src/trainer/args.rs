@@ -30,6 +30,19 @@ pub enum OptimizerKind {
     Rmsprop,
 }
 
+/// When gradient reductions run (`zero_core::engine::Overlap`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum OverlapArg {
+    /// After backward, in the step (the serial baseline).
+    None,
+    /// During backward, each bucket as soon as it is complete; the
+    /// optimizer steps after the last.
+    AfterBackward,
+    /// During backward, and each bucket's shard is stepped as soon as it is
+    /// reduced (no clipping, no gradient norm).
+    Interleaved,
+}
+
 /// Which partitioner assigns elements to ranks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum PartitionerArg {
@@ -141,9 +154,13 @@ pub struct Args {
     /// lost; for comparison).
     #[arg(long)]
     pub no_master_weights: bool,
-    /// Bucket size in MiB.
-    #[arg(long, default_value_t = 25.0)]
+    /// Bucket size in MiB (per rank: a collective moves world-size times
+    /// this).
+    #[arg(long, default_value_t = 4.0)]
     pub bucket_mb: f64,
+    /// When gradient reductions run: overlapped with backward or after it.
+    #[arg(long, value_enum, default_value_t = OverlapArg::AfterBackward)]
+    pub overlap: OverlapArg,
     /// Model.
     #[arg(long, value_enum, default_value_t = ModelKind::Mlp)]
     pub model: ModelKind,

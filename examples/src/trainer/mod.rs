@@ -9,7 +9,7 @@ mod model;
 mod plot;
 mod text;
 
-pub use args::{Args, Backend, ModelKind, OptimizerKind, PartitionerArg, Precision};
+pub use args::{Args, Backend, ModelKind, OptimizerKind, OverlapArg, PartitionerArg, Precision};
 pub use data::Dataset;
 pub use gpt::{Gpt, GptConfig, VOCAB};
 pub use model::{load_weights, save_weights, Mlp};
@@ -29,7 +29,7 @@ use zero_candle::{CandleMemory, ZeroHook, ZeroOptimizer};
 use zero_core::checkpoint::Manifest;
 use zero_core::comm::Host;
 use zero_core::engine::{
-    EngineConfig, LossScale, MemoryReport, NormType, PartitionerKind, SaveOptions, Stage,
+    EngineConfig, LossScale, MemoryReport, NormType, Overlap, PartitionerKind, SaveOptions, Stage,
     StepReport,
 };
 use zero_core::optim::Float;
@@ -307,6 +307,13 @@ fn validate(args: &Args) -> Result<(), TrainError> {
             args.bucket_mb
         )));
     }
+    if args.overlap == OverlapArg::Interleaved && args.clip_norm.is_some() {
+        return Err(TrainError::Usage(
+            "--overlap interleaved steps each bucket before the other gradients exist, so it \
+             cannot clip by the global norm; drop --clip-norm or use --overlap after-backward"
+                .into(),
+        ));
+    }
     if let Some(c) = args.clip_norm {
         if !(c.is_finite() && c > 0.0) {
             return Err(TrainError::Usage(format!(
@@ -330,7 +337,14 @@ fn validate(args: &Args) -> Result<(), TrainError> {
             args.temperature
         )));
     }
-    loss_scale(args)?;
+    if loss_scale(args)? != LossScale::None && args.overlap == OverlapArg::Interleaved {
+        return Err(TrainError::Usage(
+            "loss scaling (--loss-scale, on by default for --precision f16) decides after \
+             backward whether to step; --overlap interleaved steps during backward: use \
+             --overlap after-backward"
+                .into(),
+        ));
+    }
     if args.precision != Precision::F32 && args.backend == Backend::Nccl {
         return Err(TrainError::Usage(
             format!(
@@ -387,7 +401,13 @@ pub fn engine_config(args: &Args) -> EngineConfig {
         })
         .with_bucket_bytes(((args.bucket_mb * (1 << 20) as f64) as usize).max(1))
         .with_grad_accum_steps(args.grad_accum as usize)
-        .with_grad_norm(true)
+        .with_overlap(match args.overlap {
+            OverlapArg::None => Overlap::None,
+            OverlapArg::AfterBackward => Overlap::AfterBackward,
+            OverlapArg::Interleaved => Overlap::Interleaved,
+        })
+        // The norm needs every gradient: the interleaved schedule has none.
+        .with_grad_norm(args.overlap != OverlapArg::Interleaved)
         // Validated by `run` before any rank starts.
         .with_loss_scale(loss_scale(args).unwrap_or_default());
     if let Some(max_norm) = args.clip_norm {

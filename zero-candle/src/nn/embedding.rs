@@ -2,7 +2,7 @@
 //! and hands the table's gradient to the hook.
 
 use super::cpu;
-use super::hook::{route, GradHook};
+use super::hook::{announce, route, GradHook};
 use candle_core::backend::BackendStorage;
 use candle_core::{
     bail, CpuStorage, CudaStorage, CustomOp2, DType, Device, Layout, Module, Result, Shape, Tensor,
@@ -30,6 +30,7 @@ impl Embedding {
     /// `candle_nn::Embedding::new`, plus the hook (`None`: the gradient goes
     /// to the `GradStore`).
     pub fn new(embeddings: Tensor, hidden_size: usize, hook: Option<Arc<dyn GradHook>>) -> Self {
+        announce(hook.as_ref(), &[Some(&embeddings)]);
         Self {
             embeddings,
             hidden_size,

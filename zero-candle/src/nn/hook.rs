@@ -35,6 +35,15 @@ pub trait GradHook: Send + Sync {
     /// dtype as `var`, contiguous, on its device. Called on the thread that
     /// runs `backward()`, in the order backward computes the gradients.
     fn grad_ready(&self, var: &Var, grad: Tensor) -> Result<()>;
+
+    /// Told once per layer built with this hook, for each of the layer's
+    /// parameters that is a variable: the layer will report that variable's
+    /// gradient once per use. A hook that reduces gradients during backward
+    /// uses it to know, before the first backward, which gradients will
+    /// come (no warm-up step). The default ignores it.
+    fn will_report(&self, var: &Var) {
+        let _ = var;
+    }
 }
 
 impl<F> GradHook for F
@@ -43,6 +52,19 @@ where
 {
     fn grad_ready(&self, var: &Var, grad: Tensor) -> Result<()> {
         self(var, grad)
+    }
+}
+
+/// Tells `hook` (if any) that a layer will report the gradients of those of
+/// `params` that are variables.
+pub(crate) fn announce(hook: Option<&Arc<dyn GradHook>>, params: &[Option<&Tensor>]) {
+    let Some(hook) = hook else { return };
+    for param in params.iter().flatten() {
+        if param.is_variable() {
+            if let Ok(var) = Var::from_tensor(param) {
+                hook.will_report(&var);
+            }
+        }
     }
 }
 

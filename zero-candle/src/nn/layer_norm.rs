@@ -8,7 +8,7 @@
 //! candle-nn's slow path in plain tensor ops, the parameters [`tap`]ped.
 
 use super::cpu;
-use super::hook::{route, GradHook};
+use super::hook::{announce, route, GradHook};
 use super::tap::tap;
 use candle_core::backend::BackendStorage;
 use candle_core::{
@@ -38,6 +38,7 @@ impl LayerNorm {
     /// A layer norm over existing tensors, as `candle_nn::LayerNorm::new`,
     /// plus the hook (`None`: gradients go to the `GradStore`).
     pub fn new(weight: Tensor, bias: Tensor, eps: f64, hook: Option<Arc<dyn GradHook>>) -> Self {
+        announce(hook.as_ref(), &[Some(&weight), Some(&bias)]);
         Self {
             weight,
             bias: Some(bias),
@@ -49,6 +50,7 @@ impl LayerNorm {
 
     /// A layer norm without bias, as `candle_nn::LayerNorm::new_no_bias`.
     pub fn new_no_bias(weight: Tensor, eps: f64, hook: Option<Arc<dyn GradHook>>) -> Self {
+        announce(hook.as_ref(), &[Some(&weight)]);
         Self {
             weight,
             bias: None,
@@ -60,6 +62,7 @@ impl LayerNorm {
 
     /// RMS normalization, as `candle_nn::LayerNorm::rms_norm`.
     pub fn rms_norm(weight: Tensor, eps: f64, hook: Option<Arc<dyn GradHook>>) -> Self {
+        announce(hook.as_ref(), &[Some(&weight)]);
         Self {
             weight,
             bias: None,
@@ -201,6 +204,7 @@ pub fn layer_norm<C: Into<LayerNormConfig>>(
     hook: Option<Arc<dyn GradHook>>,
 ) -> Result<LayerNorm> {
     let layer = candle_nn::layer_norm(size, config, vb)?;
+    announce(hook.as_ref(), &[Some(layer.weight()), layer.bias()]);
     Ok(LayerNorm {
         weight: layer.weight().clone(),
         bias: layer.bias().cloned(),

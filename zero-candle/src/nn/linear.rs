@@ -2,7 +2,7 @@
 //! hands `∂W`, `∂b` to the hook.
 
 use super::cpu;
-use super::hook::{route, GradHook};
+use super::hook::{announce, route, GradHook};
 use candle_core::backend::BackendStorage;
 use candle_core::op::Add;
 use candle_core::{
@@ -33,6 +33,7 @@ impl Linear {
     /// hook (`None`: gradients go to the `GradStore`). `weight` can be any
     /// `[out, in]` tensor, for instance an embedding table to tie.
     pub fn new(weight: Tensor, bias: Option<Tensor>, hook: Option<Arc<dyn GradHook>>) -> Self {
+        announce(hook.as_ref(), &[Some(&weight), bias.as_ref()]);
         Self { weight, bias, hook }
     }
 

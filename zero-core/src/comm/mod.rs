@@ -11,9 +11,11 @@
 //! sizes. Backends check what they can (the thread backend checks everything)
 //! and turn a rank that never arrives into an error after a deadline.
 
+mod delayed;
 mod thread;
 mod work;
 
+pub use delayed::Delayed;
 pub use thread::{ThreadComm, ThreadGroup};
 pub use work::Work;
 

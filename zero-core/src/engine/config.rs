@@ -87,6 +87,45 @@ impl NormType {
     }
 }
 
+/// When gradient reductions run, for gradients handed to the engine during
+/// backward ([`Engine::begin_backward`](super::Engine::begin_backward), then
+/// [`Engine::accumulate_param`](super::Engine::accumulate_param): what
+/// `zero_candle`'s `backward_step` does). The overlapped schedules are those
+/// of PyTorch's `ddp_zero_hook`; all three give the same weights, bitwise.
+/// Gradients given as slots to [`Engine::step`](super::Engine::step) after
+/// a plain backward are reduced in the step.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Overlap {
+    /// Every reduction runs after backward, in the step (the serial
+    /// baseline).
+    None,
+    /// Bucket `k`'s reduction starts on a communication thread as soon as
+    /// its last gradient arrives and every lower bucket has started; the
+    /// optimizer steps once every reduction is done (`hook_with_zero_step`).
+    #[default]
+    AfterBackward,
+    /// As `AfterBackward`, but each bucket's shard is stepped as soon as its
+    /// reduction completes, during backward
+    /// (`hook_with_zero_step_interleaved`). Global-norm clipping needs every
+    /// gradient first, so it cannot be combined with this schedule.
+    Interleaved,
+}
+
+impl Overlap {
+    /// Parses `none`, `after-backward` or `interleaved`.
+    pub fn parse(s: &str) -> Result<Self> {
+        match s {
+            "none" => Ok(Overlap::None),
+            "after-backward" => Ok(Overlap::AfterBackward),
+            "interleaved" => Ok(Overlap::Interleaved),
+            other => Err(Error::Config(format!(
+                "overlap schedule {other:?} is not known; use none, after-backward or interleaved"
+            ))),
+        }
+    }
+}
+
 /// Gradient clipping by the global norm across shards.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ClipConfig {
@@ -140,6 +179,9 @@ pub struct EngineConfig {
     /// bytes). No effect without master weights.
     #[serde(default = "default_true")]
     pub gather_in_param_dtype: bool,
+    /// When reductions of gradients handed over during backward run.
+    #[serde(default)]
+    pub overlap: Overlap,
 }
 
 fn default_true() -> bool {
@@ -151,7 +193,7 @@ impl Default for EngineConfig {
         Self {
             stage: Stage::Gradients,
             partitioner: PartitionerKind::Flat,
-            bucket_bytes: 25 << 20,
+            bucket_bytes: 4 << 20,
             grad_accum_steps: 1,
             clip: None,
             compute_grad_norm: false,
@@ -159,6 +201,7 @@ impl Default for EngineConfig {
             param_groups: Vec::new(),
             loss_scale: LossScale::None,
             gather_in_param_dtype: true,
+            overlap: Overlap::default(),
         }
     }
 }
@@ -209,6 +252,12 @@ impl EngineConfig {
         self
     }
 
+    /// Sets the overlap schedule.
+    pub fn with_overlap(mut self, overlap: Overlap) -> Self {
+        self.overlap = overlap;
+        self
+    }
+
     /// Adds a parameter group.
     pub fn with_param_group(mut self, params: Vec<String>, hyperparams: Hyperparams) -> Self {
         self.param_groups.push(ParamGroupSpec {
@@ -235,12 +284,28 @@ impl EngineConfig {
         self.loss_scale.validate()?;
         if self.bucket_bytes == 0 {
             return Err(Error::Config(
-                "bucket_bytes is 0; use a positive size such as 25 MiB".into(),
+                "bucket_bytes is 0; use a positive size such as 4 MiB".into(),
             ));
         }
         if self.grad_accum_steps == 0 {
             return Err(Error::Config(
                 "grad_accum_steps is 0; use 1 for no accumulation".into(),
+            ));
+        }
+        if self.overlap == Overlap::Interleaved && self.loss_scale != LossScale::None {
+            return Err(Error::Config(
+                "loss scaling decides after backward whether a step runs (an inf or NaN on any \
+                 rank skips it), but the interleaved overlap steps buckets during backward; use \
+                 the after-backward overlap with loss scaling"
+                    .into(),
+            ));
+        }
+        if self.overlap == Overlap::Interleaved && (self.clip.is_some() || self.compute_grad_norm) {
+            return Err(Error::Config(
+                "the interleaved overlap schedule steps each bucket before the other gradients \
+                 exist, so it cannot clip by (or compute) the global gradient norm; use overlap \
+                 after-backward (the default) with clipping"
+                    .into(),
             ));
         }
         if let Some(clip) = &self.clip {

@@ -24,15 +24,19 @@
 mod config;
 mod layout;
 mod memory;
+mod overlap;
 mod precision;
 mod scaler;
 mod setup;
 mod shard_memory;
 mod state;
 
-pub use config::{ClipConfig, EngineConfig, NormType, ParamGroupSpec, PartitionerKind, Stage};
+pub use config::{
+    ClipConfig, EngineConfig, NormType, Overlap, ParamGroupSpec, PartitionerKind, Stage,
+};
 pub use layout::{Layout, Run};
 pub use memory::MemoryReport;
+pub use overlap::ReductionProgress;
 pub use precision::{convert_slice, CastParams};
 pub use scaler::{DynamicLossScale, LossScale, LossScalerState};
 pub use setup::ShardSetup;
@@ -47,6 +51,7 @@ use crate::partition::{ParamInfo, PartitionPlan, ShardPiece};
 use crate::{Element, Error, Result};
 use std::collections::BTreeMap;
 use std::ops::Range;
+use std::sync::Arc;
 
 /// What one optimizer step did.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -67,7 +72,8 @@ pub struct StepReport {
 /// The ZeRO engine for one rank, over communicator `C`, with its buffers in
 /// memory `M` ([`HostMemory`] by default; `zero-nccl` has `CudaMemory`).
 pub struct Engine<T: Element, C: Communicator, M: ShardMemory<T, C> = HostMemory> {
-    comm: C,
+    /// Shared with the communication thread during an overlapped backward.
+    comm: Arc<C>,
     memory: M,
     config: EngineConfig,
     params: Vec<ParamInfo>,
@@ -90,9 +96,27 @@ pub struct Engine<T: Element, C: Communicator, M: ShardMemory<T, C> = HostMemory
     /// Full gradients in bucket-major order (stages 0 and 1 always; stage 2
     /// only inside an accumulation window).
     full_grads: Option<M::Buffer>,
-    /// One bucket (stage 2 without accumulation: reduce-scatter source and
-    /// all-gather destination), as long as the longest bucket.
-    bucket_buf: Option<M::Buffer>,
+    /// Bucket buffers, each as long as the longest bucket: filled by
+    /// gradients during an overlapped backward, and in stage 2 the
+    /// reduce-scatter source and all-gather destination.
+    pool: Vec<M::Buffer>,
+    /// Elements of the longest bucket (bucket-major).
+    longest_bucket: usize,
+    /// Stage 2's reduce-scatter destination when adding a micro-step.
+    scratch: Option<M::Buffer>,
+    /// The backward pass whose gradients are being handed over.
+    window: Option<overlap::Window<T, M::Buffer>>,
+    /// Whether `begin_backward` read the owned pieces for this step.
+    params_read: bool,
+    /// Per bucket, whether the interleaved schedule stepped it during
+    /// backward this step.
+    early_stepped: Vec<bool>,
+    /// Whether the gradient shard holds reduced micro-steps of the current
+    /// window (stage 2, overlapped).
+    shard_accumulated: bool,
+    progress: ReductionProgress,
+    /// The parameter order the plan was built for (`None`: names).
+    planned_order: Option<Vec<usize>>,
     micro_steps: usize,
     /// Whether the full gradient buffer holds contributions of the current
     /// window (accumulated micro-steps, or gradients handed over one by one
@@ -100,6 +124,8 @@ pub struct Engine<T: Element, C: Communicator, M: ShardMemory<T, C> = HostMemory
     window_open: bool,
     /// For each parameter, the indices of its runs in the layout.
     runs_of_param: Vec<Vec<usize>>,
+    /// For each run, its bucket.
+    bucket_of_run: Vec<usize>,
     present: Vec<bool>,
     trainable: Vec<bool>,
     /// The mask the buckets were built for (what is reduced and gathered).
@@ -148,9 +174,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             index,
             group_of,
             plan,
-            layout,
-            plan_rank,
-            owned,
+            ..
         } = ShardSetup::new(
             &params,
             &config,
@@ -158,47 +182,24 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             comm.world_size(),
             comm.rank(),
         )?;
-        let keys = owned
-            .iter()
-            .map(|p| {
-                ParamKey::new(
-                    params[p.param].name.clone(),
-                    p.param_range.start,
-                    group_of[p.param],
-                )
-            })
-            .collect();
-
-        let base = plan_rank * plan.shard_numel;
-        let owned_copies = owned
-            .iter()
-            .map(|piece| ParamCopy {
-                param: piece.param,
-                param_range: piece.param_range.clone(),
-                at: piece.flat_range.start - base,
-            })
-            .collect();
-        let param_shard = memory.alloc_zeroed(plan.shard_numel)?;
-        let grad_shard = match config.stage {
-            Stage::Ddp => None,
-            _ => Some(memory.alloc_zeroed(plan.shard_numel)?),
-        };
-        let full_grads = match config.stage {
-            Stage::Gradients => None,
-            _ => Some(memory.alloc_zeroed(plan.flat_numel())?),
-        };
         let trainable: Vec<bool> = params.iter().map(|p| p.trainable).collect();
-        let mut runs_of_param = vec![Vec::new(); params.len()];
-        for (i, run) in layout.runs.iter().enumerate() {
-            runs_of_param[run.param].push(i);
-        }
+        // The plan-derived fields are filled by `install_plan` below.
         let mut engine = Self {
             window_open: false,
-            runs_of_param,
-            param_shard,
-            grad_shard,
-            full_grads,
-            bucket_buf: None,
+            runs_of_param: Vec::new(),
+            bucket_of_run: Vec::new(),
+            param_shard: memory.alloc_zeroed(0)?,
+            grad_shard: None,
+            full_grads: None,
+            pool: Vec::new(),
+            longest_bucket: 0,
+            scratch: None,
+            window: None,
+            params_read: false,
+            early_stepped: Vec::new(),
+            shard_accumulated: false,
+            progress: ReductionProgress::default(),
+            planned_order: None,
             micro_steps: 0,
             present: vec![false; params.len()],
             active: trainable.clone(),
@@ -208,22 +209,91 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             consolidated: None,
             masters_fresh: false,
             scaler: scaler::LossScaler::new(config.loss_scale),
-            comm,
+            comm: Arc::new(comm),
             memory,
             config,
             index,
-            layout,
-            plan_rank,
-            owned,
-            owned_copies,
-            keys,
+            layout: Layout::new(&plan),
+            plan_rank: 0,
+            owned: Vec::new(),
+            owned_copies: Vec::new(),
+            keys: Vec::new(),
             group_of,
             optimizer,
-            plan,
+            plan: plan.clone(),
             params,
         };
-        engine.rebuild_buckets();
+        engine.install_plan(plan)?;
         Ok(engine)
+    }
+
+    /// Derives everything that depends on the partition plan (layout, owned
+    /// pieces, keys, buffers) and allocates the buffers afresh.
+    fn install_plan(&mut self, plan: PartitionPlan) -> Result<()> {
+        let stage = self.config.stage;
+        let plan_rank = match stage {
+            Stage::Ddp => 0,
+            _ => self.comm.rank(),
+        };
+        let layout = Layout::new(&plan);
+        let owned = plan.shards[plan_rank].clone();
+        let base = plan_rank * plan.shard_numel;
+        self.keys = owned
+            .iter()
+            .map(|p| {
+                ParamKey::new(
+                    self.params[p.param].name.clone(),
+                    p.param_range.start,
+                    self.group_of[p.param],
+                )
+            })
+            .collect();
+        self.owned_copies = owned
+            .iter()
+            .map(|piece| ParamCopy {
+                param: piece.param,
+                param_range: piece.param_range.clone(),
+                at: piece.flat_range.start - base,
+            })
+            .collect();
+        // Stage 0 steps the replica itself (`step_replica`), unless it
+        // keeps master weights (all of them: its plan has one rank).
+        self.param_shard = match stage {
+            Stage::Ddp if !self.has_master_weights() => self.memory.alloc_zeroed(0)?,
+            _ => self.memory.alloc_zeroed(plan.shard_numel)?,
+        };
+        self.masters_fresh = false;
+        self.grad_shard = match stage {
+            Stage::Ddp => None,
+            _ => Some(self.memory.alloc_zeroed(plan.shard_numel)?),
+        };
+        // Stage 0 reduces into its full gradient buffer; stage 1 makes one
+        // when it accumulates micro-steps (and keeps it); stage 2 only for
+        // the micro-steps of one window given after backward.
+        self.full_grads = match stage {
+            Stage::Ddp => Some(self.memory.alloc_zeroed(plan.flat_numel())?),
+            _ => None,
+        };
+        self.runs_of_param = vec![Vec::new(); self.params.len()];
+        for (i, run) in layout.runs.iter().enumerate() {
+            self.runs_of_param[run.param].push(i);
+        }
+        self.bucket_of_run = vec![0; layout.runs.len()];
+        for (k, runs) in layout.bucket_runs.iter().enumerate() {
+            self.bucket_of_run[runs.clone()].fill(k);
+        }
+        self.longest_bucket = (0..layout.buckets.len())
+            .map(|k| layout.bucket_range(k).len())
+            .max()
+            .unwrap_or(0);
+        self.pool.clear();
+        self.scratch = None;
+        self.layout = layout;
+        self.owned = owned;
+        self.plan = plan;
+        self.plan_rank = plan_rank;
+        self.rebuild_buckets();
+        Ok(())
     }
 
     /// The communicator.
@@ -398,7 +468,8 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             grads: len(&self.full_grads) * size,
             grad_shard: len(&self.grad_shard) * size,
             optimizer_state: self.memory.state_bytes(self.optimizer.as_ref()),
-            comm_buffers: len(&self.bucket_buf) * size,
+            comm_buffers: (self.pool.iter().map(M::buffer_len).sum::<usize>() + len(&self.scratch))
+                * size,
         }
     }
 
@@ -406,6 +477,27 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// one slot per parameter, each as long as the parameter.
     pub fn accumulate(&mut self, grads: &[Option<M::Grad<'_>>]) -> Result<()> {
         self.check_grads(grads)?;
+        if self.window_is_open() {
+            if self.config.stage != Stage::Gradients {
+                return Err(Error::State(
+                    "begin_backward opened the last micro-step of this window (its reductions \
+                     have started); finish it with step, not accumulate"
+                        .into(),
+                ));
+            }
+            // Stage 2 reduce-scatters every micro-step into the shard.
+            let result = self.finish_window(Some(grads));
+            if result.is_err() {
+                self.discard_window();
+            }
+            result?;
+            for (present, g) in self.present.iter_mut().zip(grads) {
+                *present |= g.is_some();
+            }
+            self.shard_accumulated = true;
+            self.micro_steps += 1;
+            return Ok(());
+        }
         let (full, fresh) = match self.full_grads.take() {
             Some(full) => (full, false),
             None => (self.memory.alloc_zeroed(self.plan.flat_numel())?, true),
@@ -440,11 +532,15 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// Adds one parameter's gradient to the current micro-step, before its
     /// [`Engine::step`] (or [`Engine::accumulate`]) call completes it: how
     /// a framework hands gradients over during backward, the moment each is
-    /// final, instead of keeping them all until the end. The gradient goes
-    /// straight into the engine's flat gradient buffer (which in stage 2
-    /// then lives until the step, as during accumulation); a parameter
-    /// handed over twice (a tied weight) gets the sum, as does one also
-    /// passed to `step`. Local: no communication.
+    /// final, instead of keeping them all until the end. A parameter handed
+    /// over twice (a tied weight) gets the sum, as does one also passed to
+    /// `step`.
+    ///
+    /// After [`Engine::begin_backward`] the gradient goes into its bucket's
+    /// buffer and may launch that bucket's reduction (see
+    /// [`overlap`](self::overlap)); without it, it goes into the full flat
+    /// gradient buffer (which in stage 2 then lives until the step, as
+    /// during accumulation) and nothing is communicated.
     pub fn accumulate_param(&mut self, param: usize, grad: M::Grad<'_>) -> Result<()> {
         let Some(info) = self.params.get(param) else {
             return Err(Error::Config(format!(
@@ -461,6 +557,9 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                 info.numel(),
                 info.shape
             )));
+        }
+        if self.window_is_open() {
+            return self.window_accumulate(param, grad, true);
         }
         let (full, fresh) = match self.full_grads.take() {
             Some(full) => (full, false),
@@ -573,6 +672,14 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// gradients handed over during a backward pass that then failed), so
     /// the next micro-step starts a fresh window.
     pub fn discard_window(&mut self) {
+        // Waits for reductions already launched (a failed peer makes them
+        // fail within the deadline) to get the buffers back.
+        if let Err(e) = self.finish_window(None) {
+            tracing::debug!("discarding a backward pass whose reductions failed: {e}");
+        }
+        self.shard_accumulated = false;
+        self.params_read = false;
+        self.early_stepped.clear();
         self.micro_steps = 0;
         self.window_open = false;
         self.present.fill(false);
@@ -590,6 +697,16 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         micro_steps: usize,
         params: &mut M::Params<'_>,
     ) -> Result<Option<f64>> {
+        // Reductions launched during backward end here, before any other
+        // collective of this rank.
+        let reduced = self.finish_window(last)?;
+        if !reduced && self.shard_accumulated {
+            return Err(Error::State(
+                "this accumulation window began with begin_backward; hand every micro-step's \
+                 gradients over the same way (zero_candle: backward_step for every micro-step)"
+                    .into(),
+            ));
+        }
         // Which parameters train this step. Checked: the same answer on
         // every rank, from one all-reduce. Unchecked: the flags decide what
         // is reduced and gathered (the same collectives on every rank), and
@@ -622,18 +739,123 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         };
 
         // The owned pieces' current values (the replica may have been changed
-        // by the user since the last step; master weights are the truth).
-        self.refresh_param_shard(params)?;
+        // by the user since the last step; master weights are the truth),
+        // unless `begin_backward` read them (and the interleaved schedule
+        // may have stepped some since). Stage 0 without master weights steps
+        // the replica bucket by bucket instead.
+        let masters = self.has_master_weights();
+        if !self.params_read && (self.config.stage != Stage::Ddp || masters) {
+            self.refresh_param_shard(params)?;
+        }
 
         let ranges = self.stepping_ranges(&stepping);
-        self.reduce_gradients(last, micro_steps, &ranges)?;
+        if !reduced {
+            self.reduce_gradients(last)?;
+        }
+        if micro_steps > 1 {
+            self.scale_grads(1.0 / micro_steps as f64, &ranges)?;
+        }
         if self.unscale_or_skip(&ranges)? {
             return Ok(None);
         }
         let grad_norm = self.clip_gradients(&ranges)?;
+        if self.config.stage == Stage::Ddp && !masters {
+            self.step_replica(&stepping, params)?;
+            return Ok(grad_norm);
+        }
         self.run_optimizer(&stepping)?;
+        self.early_stepped.clear();
         self.write_back(params)?;
         Ok(grad_norm)
+    }
+
+    /// Stage 0: steps every parameter through two small buffers (values and
+    /// gradients of a few whole pieces at a time, about a bucket), so that
+    /// no second copy of the parameters lives beside the replica.
+    fn step_replica(&mut self, stepping: &[bool], params: &mut M::Params<'_>) -> Result<()> {
+        let Some(grads) = self.full_grads.take() else {
+            return Err(Error::State(
+                "internal: no reduced gradient buffer in stage 0".into(),
+            ));
+        };
+        let mut values = self.take_pooled()?;
+        let mut piece_grads = self.take_pooled()?;
+        let result = self.step_windows(stepping, params, &grads, &mut values, &mut piece_grads);
+        self.full_grads = Some(grads);
+        self.pool.push(values);
+        self.pool.push(piece_grads);
+        result
+    }
+
+    fn step_windows(
+        &mut self,
+        stepping: &[bool],
+        params: &mut M::Params<'_>,
+        grads: &M::Buffer,
+        values: &mut M::Buffer,
+        piece_grads: &mut M::Buffer,
+    ) -> Result<()> {
+        let mut first = 0;
+        while first < self.owned.len() {
+            // Whole pieces (their optimizer state is per piece), as many as
+            // fit the pooled buffers; a longer piece gets buffers of its own.
+            let start = self.owned[first].flat_range.start;
+            let mut end = first + 1;
+            while end < self.owned.len()
+                && self.owned[end].flat_range.end - start <= self.longest_bucket
+            {
+                end += 1;
+            }
+            let len = self.owned[end - 1].flat_range.end - start;
+            let (mut own_values, mut own_grads);
+            let (values, piece_grads) = if len <= M::buffer_len(values) {
+                (&mut *values, &mut *piece_grads)
+            } else {
+                own_values = self.memory.alloc_zeroed(len)?;
+                own_grads = self.memory.alloc_zeroed(len)?;
+                (&mut own_values, &mut own_grads)
+            };
+            let window = first..end;
+            first = end;
+            if !self.owned[window.clone()].iter().any(|p| stepping[p.param]) {
+                continue;
+            }
+            let copies: Vec<ParamCopy> = self.owned_copies[window.clone()]
+                .iter()
+                .map(|c| ParamCopy {
+                    at: c.at - start,
+                    ..c.clone()
+                })
+                .collect();
+            self.memory.read_params(params, &copies, values)?;
+            self.memory
+                .copy_range(piece_grads, 0, grads, start..start + len, false)?;
+            let pieces: Vec<StepPiece<'_>> = self.owned[window.clone()]
+                .iter()
+                .zip(&self.keys[window])
+                .map(|(piece, key)| {
+                    let at = piece.flat_range.start - start;
+                    StepPiece {
+                        key,
+                        range: at..at + piece.len(),
+                        active: stepping[piece.param],
+                    }
+                })
+                .collect();
+            let plan = StepPlan {
+                pieces: &pieces,
+                buckets: &[0..len],
+                bucket_active: &[true],
+            };
+            self.memory
+                .step(self.optimizer.as_mut(), values, piece_grads, plan)?;
+            let written: Vec<ParamCopy> = copies
+                .into_iter()
+                .filter(|c| self.active[c.param])
+                .collect();
+            self.memory.write_params(params, &written, values)?;
+        }
+        Ok(())
     }
 
     /// Where an owned piece starts in this rank's shard.
@@ -642,20 +864,32 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     }
 
     /// Reduces every active bucket: all-reduce in stage 0, reduce-scatter
-    /// into the gradient shard otherwise; then averages over micro-steps.
-    fn reduce_gradients(
+    /// into the gradient shard otherwise (the serial path: gradients given
+    /// after backward).
+    fn reduce_gradients(&mut self, last: Option<&[Option<M::Grad<'_>>]>) -> Result<()> {
+        let mut bucket_buf = match self.full_grads {
+            Some(_) => None,
+            None => Some(self.take_pooled()?),
+        };
+        let result = self.reduce_buckets(last, bucket_buf.as_mut());
+        self.pool.extend(bucket_buf);
+        result
+    }
+
+    /// A buffer as long as the longest bucket, from the pool or new.
+    fn take_pooled(&mut self) -> Result<M::Buffer> {
+        let longest = self.longest_bucket;
+        match self.pool.iter().position(|b| M::buffer_len(b) >= longest) {
+            Some(i) => Ok(self.pool.swap_remove(i)),
+            None => self.memory.alloc_zeroed(longest),
+        }
+    }
+
+    fn reduce_buckets(
         &mut self,
         last: Option<&[Option<M::Grad<'_>>]>,
-        micro_steps: usize,
-        ranges: &[Range<usize>],
+        mut bucket_buf: Option<&mut M::Buffer>,
     ) -> Result<()> {
-        if self.full_grads.is_none() && self.bucket_buf.is_none() {
-            let longest = (0..self.layout.buckets.len())
-                .map(|k| self.layout.bucket_range(k).len())
-                .max()
-                .unwrap_or(0);
-            self.bucket_buf = Some(self.memory.alloc_zeroed(longest)?);
-        }
         for k in 0..self.layout.buckets.len() {
             if !self.bucket_active[k] {
                 continue;
@@ -665,10 +899,14 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             // Stages 0 and 1 (and stage 2 inside an accumulation window)
             // reduce in place in the full buffer; stage 2 otherwise flattens
             // straight from the caller's gradients into one bucket buffer.
-            let (buffer, at, add) = match (self.full_grads.as_mut(), self.bucket_buf.as_mut()) {
+            let (buffer, at, add) = match (self.full_grads.as_mut(), bucket_buf.as_deref_mut()) {
                 (Some(full), _) => (full, range.start, self.window_open),
                 (None, Some(buf)) => (buf, 0, false),
-                (None, None) => unreachable!("the bucket buffer is allocated above"),
+                (None, None) => {
+                    return Err(Error::State(
+                        "internal: no buffer to reduce the gradients in".into(),
+                    ))
+                }
             };
             let bucket = at..at + range.len();
             if !add {
@@ -702,9 +940,6 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                     ReduceOp::Avg,
                 )?,
             }
-        }
-        if micro_steps > 1 {
-            self.scale_grads(1.0 / micro_steps as f64, ranges)?;
         }
         Ok(())
     }
@@ -788,7 +1023,19 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
 
     fn run_optimizer(&mut self, stepping: &[bool]) -> Result<()> {
         let base = self.plan_rank * self.plan.shard_numel;
-        let pieces = step_pieces(&self.owned, &self.keys, base, |param| stepping[param]);
+        let mut pieces = step_pieces(&self.owned, &self.keys, base, |param| stepping[param]);
+        if self.early_stepped.contains(&true) {
+            // The interleaved schedule stepped these buckets during backward.
+            for piece in &mut pieces {
+                let k = self
+                    .layout
+                    .buckets
+                    .partition_point(|b| b.end <= piece.range.start);
+                if self.early_stepped.get(k) == Some(&true) {
+                    piece.active = false;
+                }
+            }
+        }
         let plan = StepPlan {
             pieces: &pieces,
             buckets: &self.layout.buckets,
@@ -806,18 +1053,30 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             .step(self.optimizer.as_mut(), &mut self.param_shard, grads, plan)
     }
 
-    /// Puts the updated values into the replica: stage 0 writes its own
-    /// (whole) parameters; stages 1 and 2 all-gather each active bucket.
+    /// Puts the updated values into the replica: all-gathers each active
+    /// bucket (stages 1 and 2), or writes the master weights (stage 0).
     fn write_back(&mut self, params: &mut M::Params<'_>) -> Result<()> {
         if self.config.stage == Stage::Ddp {
-            let copies: Vec<ParamCopy> = self
-                .owned_copies
-                .iter()
-                .filter(|c| self.active[c.param])
-                .cloned()
-                .collect();
-            return self.memory.write_params(params, &copies, &self.param_shard);
+            // Stage 0 with master weights: every rank holds all of them.
+            return self.write_masters(params);
         }
+        let mut bucket_buf = match self.full_grads {
+            Some(_) => None,
+            None => Some(self.take_pooled()?),
+        };
+        let result = self.gather_buckets(params, bucket_buf.as_mut());
+        self.pool.extend(bucket_buf);
+        result
+    }
+
+    /// All-gathers every active bucket into the full gradient buffer (its
+    /// gradients are consumed by now) or into `bucket_buf`, and writes the
+    /// updated parameters into the replica.
+    fn gather_buckets(
+        &mut self,
+        params: &mut M::Params<'_>,
+        mut bucket_buf: Option<&mut M::Buffer>,
+    ) -> Result<()> {
         let gather_dtype = self.gather_dtype();
         for k in 0..self.layout.buckets.len() {
             if !self.bucket_active[k] {
@@ -825,10 +1084,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             }
             let range = self.layout.bucket_range(k);
             let shard_range = self.layout.buckets[k].clone();
-            // The gradients are consumed by now: gather into the full
-            // gradient buffer where one exists (stage 1), so the gather
-            // needs no buffer of its own.
-            let (gathered, at) = match (self.full_grads.as_mut(), self.bucket_buf.as_mut()) {
+            let (gathered, at) = match (self.full_grads.as_mut(), bucket_buf.as_deref_mut()) {
                 (Some(full), _) => (full, range.start),
                 (None, Some(buf)) => (buf, 0),
                 (None, None) => {
@@ -997,6 +1253,7 @@ fn fingerprint<T: Element>(
         "check_trainability".into(),
         c.check_trainability.to_string(),
     ));
+    out.push(("overlap".into(), format!("{:?}", c.overlap)));
     out.push(("loss_scale".into(), format!("{:?}", c.loss_scale)));
     out.push((
         "gather_in_param_dtype".into(),

@@ -23,7 +23,7 @@
 //! [`ParamStore`]: super::ParamStore
 //! [`EngineConfig::gather_in_param_dtype`]: super::EngineConfig::gather_in_param_dtype
 
-use super::{Engine, ParamStore, ShardMemory, Stage};
+use super::{Engine, ParamCopy, ParamStore, ShardMemory, Stage};
 use crate::comm::Communicator;
 use crate::{DType, Element, Result};
 use std::ops::Range;
@@ -82,6 +82,18 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             Some(first) if trainable.all(|p| p.dtype == first.dtype) => first.dtype,
             _ => T::DTYPE,
         }
+    }
+
+    /// Stage 0 with master weights: writes the active parameters' updated
+    /// masters (every rank holds all of them) into the replica, rounded.
+    pub(super) fn write_masters(&mut self, params: &mut M::Params<'_>) -> Result<()> {
+        let copies: Vec<ParamCopy> = self
+            .owned_copies
+            .iter()
+            .filter(|c| self.active[c.param])
+            .cloned()
+            .collect();
+        self.memory.write_params(params, &copies, &self.param_shard)
     }
 
     /// The master weights of every trainable parameter, on rank `root` as

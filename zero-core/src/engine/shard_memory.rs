@@ -113,6 +113,29 @@ pub trait ShardMemory<T: Element, C: Communicator>: Send {
         add: bool,
     ) -> Result<()>;
 
+    /// Adds `src[src_range]` into `dst[dst_at..]` (`add`), or copies it
+    /// there. The overlapped reductions use it to fold a bucket into the
+    /// gradients already accumulated.
+    fn copy_range(
+        &mut self,
+        dst: &mut Self::Buffer,
+        dst_at: usize,
+        src: &Self::Buffer,
+        src_range: Range<usize>,
+        add: bool,
+    ) -> Result<()>;
+
+    /// A handle on this memory for the engine's communication thread, which
+    /// reduces gradient buckets while backward goes on; `None` when this
+    /// memory cannot run collectives off the thread that built it (then
+    /// gradients handed over during backward are reduced in the step).
+    fn fork(&self) -> Option<Self>
+    where
+        Self: Sized,
+    {
+        None
+    }
+
     /// Copies parameter pieces from the framework into `buffer`.
     fn read_params(
         &mut self,
@@ -372,6 +395,30 @@ impl<T: Element, C: Communicator<Memory = Host>> ShardMemory<T, C> for HostMemor
             }
         }
         Ok(())
+    }
+
+    fn copy_range(
+        &mut self,
+        dst: &mut Vec<T>,
+        dst_at: usize,
+        src: &Vec<T>,
+        src_range: Range<usize>,
+        add: bool,
+    ) -> Result<()> {
+        let dst = &mut dst[dst_at..dst_at + src_range.len()];
+        let src = &src[src_range];
+        if add {
+            for (d, s) in dst.iter_mut().zip(src) {
+                *d = T::from_acc(d.to_acc() + s.to_acc());
+            }
+        } else {
+            dst.copy_from_slice(src);
+        }
+        Ok(())
+    }
+
+    fn fork(&self) -> Option<Self> {
+        Some(HostMemory)
     }
 
     fn read_params(

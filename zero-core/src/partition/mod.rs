@@ -15,10 +15,12 @@
 
 mod flat;
 mod greedy;
+mod interleaved;
 mod layout;
 
 pub use flat::Flat;
 pub use greedy::Greedy;
+pub use interleaved::Interleaved;
 
 use crate::{DType, Result};
 use serde::{Deserialize, Serialize};
@@ -97,6 +99,8 @@ pub enum PartitionKind {
     Flat,
     /// [`Greedy`].
     Greedy,
+    /// [`Interleaved`].
+    Interleaved,
 }
 
 /// The result of partitioning: ownership, flat layout and buckets.
@@ -114,7 +118,9 @@ pub struct PartitionPlan {
     /// Per rank, its pieces sorted by flat offset.
     pub shards: Vec<Vec<ShardPiece>>,
     /// Per parameter, its offset in the flat buffer (`None` if frozen). A
-    /// parameter occupies `offset .. offset + numel` contiguously.
+    /// parameter occupies `offset .. offset + numel` contiguously. For
+    /// [`Interleaved`] plans, the offset is in bucket-major order instead
+    /// (see [`Interleaved`]).
     pub flat_offsets: Vec<Option<usize>>,
     /// Buckets as ranges of shard offsets, covering `0..shard_numel` in order.
     pub buckets: Vec<Range<usize>>,

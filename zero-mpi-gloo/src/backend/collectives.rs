@@ -9,7 +9,7 @@ use super::ring::{
     balanced_bounds, equal_bounds, finish_avg, ring_all_gather_in_place, ring_reduce_scatter,
     system_op, Real,
 };
-use super::MpiComm;
+use super::{Group, MpiComm};
 use crate::error::Error;
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
@@ -174,17 +174,64 @@ macro_rules! as_words {
     };
 }
 
-impl MpiComm {
-    fn check_root(&self, op: &'static str, root: usize) -> Result<()> {
-        if root < self.world_size {
-            Ok(())
-        } else {
-            Err(zero_core::Error::InvalidRank {
-                op,
-                rank: root,
-                world_size: self.world_size,
-            })
+impl Group {
+    /// All-reduces `buf` (the caller holds the MPI lock).
+    pub(crate) fn all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        with_real("all_reduce", buf, true, |b| match b {
+            RealMut::F32(b) => self.all_reduce_real(b, op),
+            RealMut::F64(b) => self.all_reduce_real(b, op),
+        })
+    }
+
+    /// Reduce-scatters `send` into `recv`, whose sizes the caller has checked
+    /// (and holds the MPI lock).
+    pub(crate) fn reduce_scatter<T: Element>(
+        &self,
+        send: &[T],
+        recv: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
+        with_real_pair("reduce_scatter", send, recv, |p| match p {
+            RealPair::F32(s, r) => self.reduce_scatter_real(s, r, op),
+            RealPair::F64(s, r) => self.reduce_scatter_real(s, r, op),
+        })
+    }
+
+    /// All-gathers `send` into `recv`, whose sizes the caller has checked
+    /// (and holds the MPI lock).
+    pub(crate) fn all_gather<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
+        const OP: &str = "all_gather";
+        let w = self.world_size;
+        let n = send.len();
+        if w == 1 || n == 0 {
+            recv.copy_from_slice(send);
+            return Ok(());
         }
+        count(OP, "send length", n)?;
+        let ring = self.algorithm.use_ring(std::mem::size_of_val(recv));
+        as_words!(T, OP; shared s = send; unique r = &mut *recv; => {
+            if ring {
+                r[self.rank * n..(self.rank + 1) * n].copy_from_slice(s);
+                ring_all_gather_in_place(&self.comm, r, &equal_bounds(n, w));
+            } else {
+                self.comm.all_gather_into(s, r);
+            }
+            Ok(())
+        })
+    }
+
+    /// Broadcasts `buf` from `root`, which the caller has checked (and holds
+    /// the MPI lock).
+    pub(crate) fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
+        const OP: &str = "broadcast";
+        if self.world_size == 1 || buf.is_empty() {
+            return Ok(());
+        }
+        count(OP, "buffer length", buf.len())?;
+        as_words!(T, OP; unique b = &mut *buf; => {
+            self.comm.process_at_rank(root as Rank).broadcast_into(b);
+            Ok(())
+        })
     }
 
     fn all_reduce_real<R: Real>(&self, buf: &mut [R], op: ReduceOp) -> Result<()> {
@@ -249,6 +296,20 @@ impl MpiComm {
         }
         Ok(())
     }
+}
+
+impl MpiComm {
+    pub(crate) fn check_root(&self, op: &'static str, root: usize) -> Result<()> {
+        if root < self.group.world_size {
+            Ok(())
+        } else {
+            Err(zero_core::Error::InvalidRank {
+                op,
+                rank: root,
+                world_size: self.group.world_size,
+            })
+        }
+    }
 
     /// Prefix offsets of `counts` as MPI counts; checks they fit.
     fn displacements(op: &'static str, counts: &[usize]) -> Result<(Vec<Count>, Vec<Count>)> {
@@ -265,9 +326,49 @@ impl MpiComm {
     }
 
     fn check_counts(&self, op: &'static str, send_len: usize, counts: &[usize]) -> Result<usize> {
-        buffer_size(op, "counts", counts.len(), self.world_size)?;
-        buffer_size(op, "send", send_len, counts[self.rank])?;
+        buffer_size(op, "counts", counts.len(), self.group.world_size)?;
+        buffer_size(op, "send", send_len, counts[self.group.rank])?;
         Ok(counts.iter().sum())
+    }
+
+    pub(crate) fn check_reduce_scatter<T>(
+        &self,
+        op: &'static str,
+        send: &[T],
+        recv: &[T],
+    ) -> Result<()> {
+        buffer_size(op, "send", send.len(), self.group.world_size * recv.len())
+    }
+
+    pub(crate) fn check_all_gather<T>(
+        &self,
+        op: &'static str,
+        send: &[T],
+        recv: &[T],
+    ) -> Result<()> {
+        buffer_size(op, "recv", recv.len(), self.group.world_size * send.len())
+    }
+
+    // The ring cost model of `bytes_sent`, shared by the blocking and the
+    // asynchronous forms.
+
+    pub(crate) fn count_all_reduce<T>(&self, buf: &[T]) {
+        let w = self.group.world_size;
+        self.count_sent(2 * (w - 1) * std::mem::size_of_val(buf) / w);
+    }
+
+    pub(crate) fn count_reduce_scatter<T>(&self, recv: &[T]) {
+        self.count_sent((self.group.world_size - 1) * std::mem::size_of_val(recv));
+    }
+
+    pub(crate) fn count_all_gather<T>(&self, send: &[T]) {
+        self.count_sent((self.group.world_size - 1) * std::mem::size_of_val(send));
+    }
+
+    pub(crate) fn count_broadcast<T>(&self, buf: &[T], root: usize) {
+        if self.group.rank == root && self.group.world_size > 1 {
+            self.count_sent(std::mem::size_of_val(buf));
+        }
     }
 }
 
@@ -275,11 +376,11 @@ impl zero_core::Communicator for MpiComm {
     type Memory = Host;
 
     fn rank(&self) -> usize {
-        self.rank
+        self.group.rank
     }
 
     fn world_size(&self) -> usize {
-        self.world_size
+        self.group.world_size
     }
 
     /// Ring cost model in bytes of the element type (16-bit reductions are
@@ -293,59 +394,32 @@ impl zero_core::Communicator for MpiComm {
 
     fn barrier(&self) -> Result<()> {
         let _guard = self.enter("barrier")?;
-        self.comm.barrier();
+        self.group.comm.barrier();
         Ok(())
     }
 
     fn all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
         let _guard = self.enter("all_reduce")?;
-        with_real("all_reduce", buf, true, |b| match b {
-            RealMut::F32(b) => self.all_reduce_real(b, op),
-            RealMut::F64(b) => self.all_reduce_real(b, op),
-        })?;
-        let w = self.world_size;
-        self.count_sent(2 * (w - 1) * std::mem::size_of_val(buf) / w);
+        self.group.all_reduce(buf, op)?;
+        self.count_all_reduce(buf);
         Ok(())
     }
 
     fn reduce_scatter<T: Element>(&self, send: &[T], recv: &mut [T], op: ReduceOp) -> Result<()> {
-        let _guard = self.enter("reduce_scatter")?;
-        buffer_size(
-            "reduce_scatter",
-            "send",
-            send.len(),
-            self.world_size * recv.len(),
-        )?;
-        with_real_pair("reduce_scatter", send, recv, |p| match p {
-            RealPair::F32(s, r) => self.reduce_scatter_real(s, r, op),
-            RealPair::F64(s, r) => self.reduce_scatter_real(s, r, op),
-        })?;
-        self.count_sent((self.world_size - 1) * std::mem::size_of_val(recv));
+        const OP: &str = "reduce_scatter";
+        let _guard = self.enter(OP)?;
+        self.check_reduce_scatter(OP, send, recv)?;
+        self.group.reduce_scatter(send, recv, op)?;
+        self.count_reduce_scatter(recv);
         Ok(())
     }
 
     fn all_gather<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
         const OP: &str = "all_gather";
         let _guard = self.enter(OP)?;
-        let w = self.world_size;
-        let n = send.len();
-        buffer_size(OP, "recv", recv.len(), w * n)?;
-        if w == 1 || n == 0 {
-            recv.copy_from_slice(send);
-            return Ok(());
-        }
-        count(OP, "send length", n)?;
-        let ring = self.algorithm.use_ring(std::mem::size_of_val(recv));
-        as_words!(T, OP; shared s = send; unique r = &mut *recv; => {
-            if ring {
-                r[self.rank * n..(self.rank + 1) * n].copy_from_slice(s);
-                ring_all_gather_in_place(&self.comm, r, &equal_bounds(n, w));
-            } else {
-                self.comm.all_gather_into(s, r);
-            }
-            Ok(())
-        })?;
-        self.count_sent((w - 1) * std::mem::size_of_val(send));
+        self.check_all_gather(OP, send, recv)?;
+        self.group.all_gather(send, recv)?;
+        self.count_all_gather(send);
         Ok(())
     }
 
@@ -353,17 +427,8 @@ impl zero_core::Communicator for MpiComm {
         const OP: &str = "broadcast";
         let _guard = self.enter(OP)?;
         self.check_root(OP, root)?;
-        if self.world_size == 1 || buf.is_empty() {
-            return Ok(());
-        }
-        count(OP, "buffer length", buf.len())?;
-        as_words!(T, OP; unique b = &mut *buf; => {
-            self.comm.process_at_rank(root as Rank).broadcast_into(b);
-            Ok(())
-        })?;
-        if self.rank == root {
-            self.count_sent(std::mem::size_of_val(buf));
-        }
+        self.group.broadcast(buf, root)?;
+        self.count_broadcast(buf, root);
         Ok(())
     }
 
@@ -371,11 +436,11 @@ impl zero_core::Communicator for MpiComm {
         const OP: &str = "reduce";
         let _guard = self.enter(OP)?;
         self.check_root(OP, root)?;
-        with_real(OP, buf, self.rank == root, |b| match b {
-            RealMut::F32(b) => self.reduce_real(b, op, root),
-            RealMut::F64(b) => self.reduce_real(b, op, root),
+        with_real(OP, buf, self.group.rank == root, |b| match b {
+            RealMut::F32(b) => self.group.reduce_real(b, op, root),
+            RealMut::F64(b) => self.group.reduce_real(b, op, root),
         })?;
-        if self.rank != root {
+        if self.group.rank != root {
             self.count_sent(std::mem::size_of_val(buf));
         }
         Ok(())
@@ -393,8 +458,8 @@ impl zero_core::Communicator for MpiComm {
         self.check_root(OP, root)?;
         let total = self.check_counts(OP, send.len(), counts)?;
         let (c, d) = Self::displacements(OP, counts)?;
-        let root_process = self.comm.process_at_rank(root as Rank);
-        if self.rank == root {
+        let root_process = self.group.comm.process_at_rank(root as Rank);
+        if self.group.rank == root {
             let Some(recv) = recv else {
                 return Err(zero_core::Error::Config(format!(
                     "{OP}: the root (rank {root}) must pass a receive buffer of {total} elements"
@@ -429,19 +494,20 @@ impl zero_core::Communicator for MpiComm {
         let (c, d) = Self::displacements(OP, counts)?;
         as_words!(T, OP; shared s = send; unique r = recv; => {
             let mut partition = PartitionMut::new(r, &c[..], &d[..]);
-            self.comm.all_gather_varcount_into(s, &mut partition);
+            self.group.comm.all_gather_varcount_into(s, &mut partition);
             Ok(())
         })?;
-        self.count_sent((self.world_size - 1) * std::mem::size_of_val(send));
+        self.count_sent((self.group.world_size - 1) * std::mem::size_of_val(send));
         Ok(())
     }
 
     fn all_gather_bytes(&self, send: &[u8]) -> Result<Vec<Vec<u8>>> {
         const OP: &str = "all_gather_bytes";
         let _guard = self.enter(OP)?;
-        let w = self.world_size;
+        let w = self.group.world_size;
         let mut lengths = vec![0u64; w];
-        self.comm
+        self.group
+            .comm
             .all_gather_into(&(send.len() as u64), &mut lengths[..]);
         let counts: Vec<usize> = lengths.iter().map(|&l| l as usize).collect();
         let (c, d) = Self::displacements(OP, &counts)?;
@@ -458,7 +524,9 @@ impl zero_core::Communicator for MpiComm {
                 send
             };
             let mut partition = PartitionMut::new(&mut all[..], &c[..], &d[..]);
-            self.comm.all_gather_varcount_into(send, &mut partition);
+            self.group
+                .comm
+                .all_gather_varcount_into(send, &mut partition);
         }
         self.count_sent((w - 1) * (send.len() + 8));
         let mut out = Vec::with_capacity(w);
@@ -475,8 +543,7 @@ impl zero_core::Communicator for MpiComm {
         buf: &'a mut [T],
         op: ReduceOp,
     ) -> Result<Work<'a>> {
-        self.all_reduce(buf, op)?;
-        Ok(Work::completed())
+        self.start_all_reduce(buf, op)
     }
 
     fn reduce_scatter_async<'a, T: Element>(
@@ -485,8 +552,7 @@ impl zero_core::Communicator for MpiComm {
         recv: &'a mut [T],
         op: ReduceOp,
     ) -> Result<Work<'a>> {
-        self.reduce_scatter(send, recv, op)?;
-        Ok(Work::completed())
+        self.start_reduce_scatter(send, recv, op)
     }
 
     fn all_gather_async<'a, T: Element>(
@@ -494,8 +560,7 @@ impl zero_core::Communicator for MpiComm {
         send: &'a [T],
         recv: &'a mut [T],
     ) -> Result<Work<'a>> {
-        self.all_gather(send, recv)?;
-        Ok(Work::completed())
+        self.start_all_gather(send, recv)
     }
 
     fn broadcast_async<'a, T: Element>(
@@ -503,8 +568,7 @@ impl zero_core::Communicator for MpiComm {
         buf: &'a mut [T],
         root: usize,
     ) -> Result<Work<'a>> {
-        self.broadcast(buf, root)?;
-        Ok(Work::completed())
+        self.start_broadcast(buf, root)
     }
 
     /// `MPI_Comm_split` with color 0 for members (key: position in `ranks`)
@@ -513,7 +577,7 @@ impl zero_core::Communicator for MpiComm {
     /// rather than a hang.
     fn split(&self, ranks: &[usize]) -> Result<Option<Self>> {
         const OP: &str = "split";
-        let w = self.world_size;
+        let w = self.group.world_size;
         if let Some(&bad) = ranks.iter().find(|&&r| r >= w) {
             return Err(zero_core::Error::InvalidRank {
                 op: OP,
@@ -543,30 +607,30 @@ impl zero_core::Communicator for MpiComm {
             };
             return Err(zero_core::Error::CollectiveMismatch {
                 seq: 0,
-                rank: self.rank,
+                rank: self.group.rank,
                 this: format!("split({ranks:?})"),
                 other_rank,
                 other: format!("split({:?})", decode(&everyone[other_rank])),
             });
         }
         let _guard = self.enter(OP)?;
-        let position = ranks.iter().position(|&r| r == self.rank);
+        let position = ranks.iter().position(|&r| r == self.group.rank);
         let color = match position {
             Some(_) => Color::with_value(0),
             None => Color::undefined(),
         };
         let key = count(OP, "key", position.unwrap_or(0))?;
-        let Some(sub) = self.comm.split_by_color_with_key(color, key) else {
+        let Some(sub) = self.group.comm.split_by_color_with_key(color, key) else {
             return Ok(None);
         };
         Ok(Some(
             MpiComm::wrap(
-                std::mem::ManuallyDrop::new(sub),
+                super::Handle::new(sub),
                 self.world_rank,
                 self.threading,
                 self.universe.clone(),
             )
-            .with_algorithm(self.algorithm)
+            .with_algorithm(self.group.algorithm)
             .with_timeout(self.timeout),
         ))
     }

@@ -1,7 +1,9 @@
 //! [`MpiComm`]: the [`Communicator`](zero_core::Communicator) over MPI.
 
+mod asynchronous;
 mod collectives;
 mod deadline;
+mod progress;
 mod ring;
 
 use deadline::Watch;
@@ -10,6 +12,7 @@ use crate::error::{Error, Result};
 use mpi::environment::{Threading, Universe};
 use mpi::topology::{Communicator as _, SimpleCommunicator};
 use std::mem::ManuallyDrop;
+use std::ops::Deref;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -90,21 +93,37 @@ impl Algorithm {
 /// than the initializing one return an error.
 ///
 /// # Asynchronous forms
-/// The `*_async` collectives run to completion before they return and hand
-/// back [`Work::completed`](zero_core::Work::completed). Non-blocking MPI
-/// requests would write into the borrowed buffers after the call returns, and
-/// a `Work` can be leaked with `mem::forget`, which would leave MPI writing to
-/// freed memory: not sound without owned staging buffers. Issue order, and
-/// with it the matching of collectives across ranks, stays the call order.
+/// `all_reduce_async`, `reduce_scatter_async`, `all_gather_async` and
+/// `broadcast_async` return while the collective is still running. Each
+/// copies its input into buffers it owns and queues the collective on the
+/// process's progress thread, which runs queued collectives one at a time in
+/// the order they were started (on every communicator of the process); the
+/// returned [`Work`](zero_core::Work) copies the result into the caller's
+/// buffers when it is waited, or tested and found complete. The cost is one
+/// copy in and one copy out.
+///
+/// Order, and with it the matching of collectives across ranks, stays the
+/// call order: a blocking collective (on any communicator of the process)
+/// first waits for every asynchronous one started before it, and so does
+/// dropping a communicator. The deadline runs from the moment the progress
+/// thread issues the collective; errors are returned by the call (bad
+/// arguments) or by `wait`/`test`.
+///
+/// Leaking a `Work` (`mem::forget`) is safe: MPI only ever writes to the
+/// staged buffers, which the queued job owns; the collective still runs (the
+/// peers issue it too) and its result is dropped. MPI immediate collectives
+/// (`MPI_Iallreduce`) on the caller's buffers would keep writing to them
+/// after a leaked `Work` let them go.
+///
+/// Where MPI provides less than `MPI_THREAD_SERIALIZED` (a communicator from
+/// [`MpiComm::from_communicator`]), no other thread may call MPI: the
+/// asynchronous forms then run to completion before returning.
 pub struct MpiComm {
-    // Freed (MPI_Comm_free) under the MPI lock in `Drop`, before the
-    // universe can finalize MPI.
-    comm: ManuallyDrop<SimpleCommunicator>,
-    rank: usize,
-    world_size: usize,
+    // Dropped in `Drop` (freeing the MPI communicator) before the universe
+    // can finalize MPI.
+    group: ManuallyDrop<Group>,
     world_rank: usize,
     threading: Threading,
-    algorithm: Algorithm,
     bytes_sent: AtomicU64,
     timeout: Option<Duration>,
     seq: AtomicU64,
@@ -112,26 +131,71 @@ pub struct MpiComm {
     universe: Option<Arc<Universe>>,
 }
 
+/// An MPI communicator this crate owns (a duplicate or a split), shared by
+/// an [`MpiComm`] and the asynchronous collectives it has queued. Freed
+/// (`MPI_Comm_free`) under the MPI lock when the last holder drops it, which
+/// is the `MpiComm`: its `Drop` waits for the queued jobs first.
+pub(crate) struct Handle(ManuallyDrop<SimpleCommunicator>);
+
 // SAFETY: `SimpleCommunicator` is `!Send + !Sync` only because it holds a raw
-// `MPI_Comm` handle (a pointer in Open MPI). Every MPI call made through
-// `MpiComm` holds `MPI_LOCK` (see `MpiComm::enter`), so no two threads are ever
-// inside MPI through this crate at once: that is `MPI_THREAD_SERIALIZED`
-// usage. `enter` refuses calls from a non-main thread when MPI provides less
-// than that. The handle itself is immutable after construction; `Universe`
-// is only dropped (finalizing MPI) after every `MpiComm` sharing it.
-unsafe impl Send for MpiComm {}
-// SAFETY: as for `Send`: shared access only reaches MPI under `MPI_LOCK`;
-// the other fields are plain values or atomics.
-unsafe impl Sync for MpiComm {}
+// `MPI_Comm` handle (a pointer in Open MPI). Every MPI call this crate makes
+// through it holds `MPI_LOCK` (`Entered::begin`, `Handle::drop`), so no two
+// threads are ever inside MPI through this crate at once: that is
+// `MPI_THREAD_SERIALIZED` usage. `Entered::begin` refuses calls from a
+// non-main thread when MPI provides less than that, and asynchronous
+// collectives only move to the progress thread when it provides at least
+// that. The handle itself is immutable after construction.
+unsafe impl Send for Handle {}
+// SAFETY: as for `Send`: shared access only reaches MPI under `MPI_LOCK`.
+unsafe impl Sync for Handle {}
+
+impl Handle {
+    /// Takes ownership of `comm` (the caller holds `MPI_LOCK`).
+    pub(crate) fn new(comm: SimpleCommunicator) -> Self {
+        Self(ManuallyDrop::new(comm))
+    }
+}
+
+impl Deref for Handle {
+    type Target = SimpleCommunicator;
+
+    fn deref(&self) -> &SimpleCommunicator {
+        &self.0
+    }
+}
+
+impl Drop for Handle {
+    fn drop(&mut self) {
+        let _guard = lock();
+        // SAFETY: the communicator is dropped exactly once, here, and not
+        // used after.
+        unsafe { ManuallyDrop::drop(&mut self.0) };
+    }
+}
+
+/// What a collective needs of its communicator; a clone travels with each
+/// asynchronous collective to the progress thread.
+#[derive(Clone)]
+pub(crate) struct Group {
+    pub(crate) comm: Arc<Handle>,
+    pub(crate) rank: usize,
+    pub(crate) world_size: usize,
+    pub(crate) algorithm: Algorithm,
+}
 
 impl Drop for MpiComm {
     fn drop(&mut self) {
-        // Freeing the communicator and finalizing MPI (when this holds the
-        // last reference to the universe) are MPI calls too: make them under
-        // the lock, like every other.
+        // Queued collectives hold the communicator: once every job queued
+        // before now has run and been dropped, this is its last holder.
+        progress::wait_idle();
+        debug_assert_eq!(Arc::strong_count(&self.group.comm), 1);
+        // SAFETY: `group` is dropped exactly once, here, and not used after.
+        // Dropping the last `Handle` frees the communicator (under the lock).
+        unsafe { ManuallyDrop::drop(&mut self.group) };
+        // Finalizing MPI (when this holds the last reference to the
+        // universe) is an MPI call too: make it under the lock, like every
+        // other.
         let _guard = lock();
-        // SAFETY: `comm` is dropped exactly once, here, and not used after.
-        unsafe { ManuallyDrop::drop(&mut self.comm) };
         // MPI_Finalize, run when the last reference to the universe goes,
         // waits for every process of the job (Open MPI fences): a peer that
         // hangs at exit would hang this rank too. Watch it like a collective.
@@ -151,11 +215,11 @@ impl Drop for MpiComm {
 impl std::fmt::Debug for MpiComm {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("MpiComm")
-            .field("rank", &self.rank)
-            .field("world_size", &self.world_size)
+            .field("rank", &self.group.rank)
+            .field("world_size", &self.group.world_size)
             .field("world_rank", &self.world_rank)
             .field("threading", &self.threading)
-            .field("algorithm", &self.algorithm)
+            .field("algorithm", &self.group.algorithm)
             .field("bytes_sent", &self.bytes_sent.load(Ordering::Relaxed))
             .field("timeout", &self.timeout)
             .finish()
@@ -187,6 +251,8 @@ impl MpiComm {
     /// over `comm`), so the backend's messages never mix with the program's.
     /// The program keeps MPI initialized for as long as this value lives.
     pub fn from_communicator(comm: &SimpleCommunicator) -> Result<Self> {
+        // The duplicate is a collective: issue it after any queued one.
+        progress::wait_idle();
         let _guard = lock();
         if !mpi::environment::is_initialized() || mpi::environment::is_finalized() {
             return Err(Error::NotInitialized {
@@ -203,14 +269,15 @@ impl MpiComm {
         threading: Threading,
         universe: Option<Arc<Universe>>,
     ) -> Self {
-        let comm = ManuallyDrop::new(comm.duplicate());
+        let comm = Handle::new(comm.duplicate());
         let world_rank = SimpleCommunicator::world().rank() as usize;
         Self::wrap(comm, world_rank, threading, universe)
     }
 
-    /// Wraps a communicator this crate owns (a duplicate or a split).
+    /// Wraps a communicator this crate owns (a duplicate or a split). The
+    /// caller holds `MPI_LOCK`.
     pub(crate) fn wrap(
-        comm: ManuallyDrop<SimpleCommunicator>,
+        comm: Handle,
         world_rank: usize,
         threading: Threading,
         universe: Option<Arc<Universe>>,
@@ -218,12 +285,14 @@ impl MpiComm {
         let rank = comm.rank() as usize;
         let world_size = comm.size() as usize;
         Self {
-            rank,
-            world_size,
-            comm,
+            group: ManuallyDrop::new(Group {
+                comm: Arc::new(comm),
+                rank,
+                world_size,
+                algorithm: Algorithm::Auto,
+            }),
             world_rank,
             threading,
-            algorithm: Algorithm::Auto,
             bytes_sent: AtomicU64::new(0),
             timeout: Some(zero_core::comm::DEFAULT_TIMEOUT),
             seq: AtomicU64::new(0),
@@ -235,7 +304,7 @@ impl MpiComm {
     /// Chooses the algorithm of large collectives (default
     /// [`Algorithm::Auto`]). Every rank must choose the same.
     pub fn with_algorithm(mut self, algorithm: Algorithm) -> Self {
-        self.algorithm = algorithm;
+        self.group.algorithm = algorithm;
         self
     }
 
@@ -257,7 +326,7 @@ impl MpiComm {
 
     /// The algorithm of large collectives.
     pub fn algorithm(&self) -> Algorithm {
-        self.algorithm
+        self.group.algorithm
     }
 
     /// This process's rank in `MPI_COMM_WORLD` (the rank failure messages
@@ -275,9 +344,11 @@ impl MpiComm {
     ///
     /// Calls made through it do not hold this crate's lock: make them from
     /// one thread, never while another thread runs a collective of this crate
-    /// (unless MPI provides `MPI_THREAD_MULTIPLE`).
+    /// (unless MPI provides `MPI_THREAD_MULTIPLE`), and never while an
+    /// asynchronous collective of this crate is in flight (wait its `Work`
+    /// first): the progress thread runs it.
     pub fn raw(&self) -> &SimpleCommunicator {
-        &self.comm
+        &self.group.comm
     }
 
     /// Installs a panic hook that, after the default report, prints
@@ -321,30 +392,22 @@ impl MpiComm {
         }
     }
 
-    /// Takes the MPI lock for one collective `op`; refuses a call from a
-    /// thread MPI does not allow at the provided thread level.
+    /// Enters MPI for one blocking collective `op`: waits for the
+    /// asynchronous collectives started before it, then takes the MPI lock.
     fn enter(&self, op: &'static str) -> Result<Entered<'_>> {
-        let guard = lock();
-        if matches!(self.threading, Threading::Single | Threading::Funneled) {
-            let mut flag: std::os::raw::c_int = 0;
-            // SAFETY: MPI is initialized (checked at construction, and it stays
-            // so while `self` lives); `flag` is a valid out-pointer.
-            unsafe {
-                mpi::ffi::MPI_Is_thread_main(&mut flag);
-            }
-            if flag == 0 {
-                return Err(Error::ThreadLevel {
-                    op,
-                    provided: format!("{:?}", self.threading),
-                });
-            }
-        }
-        let seq = self.seq.fetch_add(1, Ordering::Relaxed);
-        self.watch.start(op, seq, self.timeout);
-        Ok(Entered {
-            _lock: guard,
-            watch: &self.watch,
-        })
+        progress::wait_idle();
+        Entered::begin(
+            self.threading,
+            &self.watch,
+            op,
+            self.next_seq(),
+            self.timeout,
+        )
+    }
+
+    /// The sequence number of the next collective (failure messages name it).
+    fn next_seq(&self) -> u64 {
+        self.seq.fetch_add(1, Ordering::Relaxed)
     }
 
     /// Adds to the bytes-sent counter.
@@ -358,6 +421,46 @@ impl MpiComm {
 struct Entered<'a> {
     _lock: MutexGuard<'static, ()>,
     watch: &'a Watch,
+}
+
+impl<'a> Entered<'a> {
+    /// Takes the MPI lock for collective `op` #`seq` and starts its deadline;
+    /// refuses a call from a thread MPI does not allow at the provided thread
+    /// level.
+    fn begin(
+        threading: Threading,
+        watch: &'a Watch,
+        op: &'static str,
+        seq: u64,
+        timeout: Option<Duration>,
+    ) -> Result<Self> {
+        let guard = lock();
+        if !other_threads_allowed(threading) {
+            let mut flag: std::os::raw::c_int = 0;
+            // SAFETY: MPI is initialized (checked at construction, and it stays
+            // so while a communicator lives); `flag` is a valid out-pointer.
+            unsafe {
+                mpi::ffi::MPI_Is_thread_main(&mut flag);
+            }
+            if flag == 0 {
+                return Err(Error::ThreadLevel {
+                    op,
+                    provided: format!("{threading:?}"),
+                });
+            }
+        }
+        watch.start(op, seq, timeout);
+        Ok(Entered {
+            _lock: guard,
+            watch,
+        })
+    }
+}
+
+/// Whether MPI may be called from another thread than the main one (one at
+/// a time): `MPI_THREAD_SERIALIZED` or more.
+fn other_threads_allowed(threading: Threading) -> bool {
+    !matches!(threading, Threading::Single | Threading::Funneled)
 }
 
 impl Drop for Entered<'_> {

@@ -288,6 +288,26 @@ impl ShardMemory<f32, NcclComm> for CudaMemory {
             .map_err(nccl)
     }
 
+    fn copy_range(
+        &mut self,
+        dst: &mut CudaSlice<f32>,
+        dst_at: usize,
+        src: &CudaSlice<f32>,
+        src_range: Range<usize>,
+        add: bool,
+    ) -> Result<()> {
+        check_range("copy_range", &src_range, src.len())?;
+        check_range("copy_range", &(dst_at..dst_at + src_range.len()), dst.len())?;
+        if src_range.is_empty() {
+            return Ok(());
+        }
+        let stream = self.stream()?;
+        let entries: [(usize, &dyn DevicePtr<f32>, Range<usize>); 1] = [(dst_at, src, src_range)];
+        self.kernels
+            .flatten_ranges(&stream, &entries, dst, add)
+            .map_err(nccl)
+    }
+
     fn read_params(
         &mut self,
         params: &mut (dyn DeviceParams + '_),

@@ -1,0 +1,295 @@
+//! Reductions overlapped with backward: the three schedules give the same
+//! weights bitwise; overlap is shown to happen (without timing); a rank
+//! whose graph differs is a clear error on every rank.
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp1, DType, Device, Layout, Module, Shape, Tensor, Var};
+use candle_nn::{VarBuilder, VarMap};
+use rand::{Rng, SeedableRng};
+use std::sync::Arc;
+use std::time::Duration;
+use zero_candle::nn::{self, GradHook};
+use zero_candle::{ZeroHook, ZeroOptimizer};
+use zero_core::engine::{EngineConfig, NormType, Overlap, ReductionProgress, Stage};
+use zero_core::optim::{AdamW, AdamWConfig};
+use zero_core::{Communicator, ThreadComm, ThreadGroup};
+
+const VOCAB: usize = 11;
+const HIDDEN: usize = 8;
+const SEQ: usize = 5;
+
+/// A small language model with every case the bucketing must handle.
+struct Model {
+    /// Tied: the embedding table is also the output projection (two hooked
+    /// uses of one variable).
+    embedding: nn::Embedding,
+    head: nn::Linear,
+    l1: nn::Linear,
+    norm: nn::LayerNorm,
+    l2: nn::Linear,
+    /// Never used: gets no gradient on any rank.
+    _unused: nn::Linear,
+    /// A `[SEQ, SEQ]` mixing matrix used as the left operand of a matmul,
+    /// through `tap` (not announced: predicted from the second step on).
+    mix: Var,
+    hook: Option<Arc<dyn GradHook>>,
+    varmap: VarMap,
+}
+
+impl Model {
+    fn new(hook: Option<Arc<dyn GradHook>>) -> candle_core::Result<Self> {
+        let varmap = VarMap::new();
+        let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+        let embedding = nn::embedding(VOCAB, HIDDEN, vb.pp("emb"), hook.clone())?;
+        let head = nn::Linear::new(embedding.embeddings().clone(), None, hook.clone());
+        let l1 = nn::linear(HIDDEN, 16, vb.pp("l1"), hook.clone())?;
+        let norm = nn::layer_norm(16, 1e-5, vb.pp("norm"), hook.clone())?;
+        let l2 = nn::linear(16, HIDDEN, vb.pp("l2"), hook.clone())?;
+        let unused = nn::linear(HIDDEN, 3, vb.pp("unused"), hook.clone())?;
+        vb.get_with_hints((SEQ, SEQ), "mix", candle_nn::Init::Const(0.2))?;
+        let mix = varmap.data().lock().unwrap()["mix"].clone();
+        // The same values on every rank and in every run.
+        let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+        let data = varmap.data().lock().unwrap();
+        let mut names: Vec<&String> = data.keys().collect();
+        names.sort();
+        for name in names {
+            let var = &data[name];
+            let values: Vec<f32> = (0..var.elem_count())
+                .map(|_| rng.gen_range(-0.5..0.5))
+                .collect();
+            var.set(&Tensor::from_vec(values, var.dims(), &Device::Cpu)?)?;
+        }
+        drop(data);
+        Ok(Self {
+            embedding,
+            head,
+            l1,
+            norm,
+            l2,
+            _unused: unused,
+            mix,
+            hook,
+            varmap,
+        })
+    }
+
+    fn loss(&self, tokens: &Tensor, targets: &Tensor) -> candle_core::Result<Tensor> {
+        let h = self.embedding.forward(tokens)?; // [B, SEQ, HIDDEN]
+        let h = self.l1.forward(&h)?.relu()?;
+        let h = self.l2.forward(&self.norm.forward(&h)?)?;
+        let mix = nn::tap(&self.mix, self.hook.clone())?;
+        let h = mix.broadcast_matmul(&h)?; // left operand
+        let logits = self.head.forward(&h)?.flatten_to(1)?;
+        candle_nn::loss::cross_entropy(&logits, &targets.flatten_all()?)
+    }
+}
+
+fn batch(rng: &mut rand::rngs::StdRng) -> candle_core::Result<(Tensor, Tensor)> {
+    let tokens: Vec<u32> = (0..3 * SEQ)
+        .map(|_| rng.gen_range(0..VOCAB as u32))
+        .collect();
+    let targets: Vec<u32> = (0..3 * SEQ)
+        .map(|_| rng.gen_range(0..VOCAB as u32))
+        .collect();
+    Ok((
+        Tensor::from_vec(tokens, (3, SEQ), &Device::Cpu)?,
+        Tensor::from_vec(targets, (3, SEQ), &Device::Cpu)?,
+    ))
+}
+
+fn train(comm: ThreadComm, config: &EngineConfig) -> zero_candle::Result<Vec<Vec<f32>>> {
+    let rank = comm.rank();
+    let hook = ZeroHook::<ThreadComm, f32>::new();
+    let model = Model::new(Some(hook.clone()))?;
+    let adamw = AdamW::new(AdamWConfig::default().with_lr(1e-2))?;
+    let mut opt = ZeroOptimizer::new(&model.varmap, comm, config.clone(), Box::new(adamw))?
+        .with_hook(&hook)?;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(100 + rank as u64);
+    for _ in 0..3 * config.grad_accum_steps {
+        let (tokens, targets) = batch(&mut rng)?;
+        opt.backward_step(&model.loss(&tokens, &targets)?)?;
+    }
+    opt.vars()
+        .iter()
+        .map(|v| Ok(v.flatten_all()?.to_vec1::<f32>()?))
+        .collect()
+}
+
+fn run(world: usize, config: &EngineConfig) -> Vec<Vec<Vec<f32>>> {
+    ThreadGroup::new(world)
+        .run(|comm| train(comm, config))
+        .into_iter()
+        .map(|r| r.expect("no panic").expect("training works"))
+        .collect()
+}
+
+#[test]
+fn every_schedule_gives_the_same_weights_bitwise() {
+    for stage in [Stage::Ddp, Stage::OptimizerState, Stage::Gradients] {
+        for (accum, clip) in [(1, false), (2, false), (2, true)] {
+            let mut config = EngineConfig::default()
+                .with_stage(stage)
+                .with_bucket_bytes(64)
+                .with_grad_accum_steps(accum);
+            if clip {
+                config = config.with_clip(0.5, NormType::L2);
+            }
+            let serial = run(2, &config.clone().with_overlap(Overlap::None));
+            let mut schedules = vec![Overlap::AfterBackward];
+            if !clip {
+                schedules.push(Overlap::Interleaved);
+            }
+            for overlap in schedules {
+                let overlapped = run(2, &config.clone().with_overlap(overlap));
+                assert_eq!(
+                    serial, overlapped,
+                    "stage {stage:?}, {accum} micro-step(s), clip {clip}, {overlap:?}"
+                );
+            }
+            // Training moved every used parameter; the unused one stayed.
+            let fresh = ThreadGroup::new(1)
+                .run(|_| -> candle_core::Result<Vec<Vec<f32>>> {
+                    let model = Model::new(None)?;
+                    let data = model.varmap.data().lock().unwrap();
+                    let mut names: Vec<&String> = data.keys().collect();
+                    names.sort();
+                    names
+                        .iter()
+                        .map(|n| data[*n].flatten_all()?.to_vec1::<f32>())
+                        .collect()
+                })
+                .remove(0)
+                .unwrap()
+                .unwrap();
+            for (i, (before, after)) in fresh.iter().zip(&serial[0]).enumerate() {
+                // Name order: emb, l1.bias, l1.weight, l2.bias, l2.weight,
+                // mix, norm.bias, norm.weight, unused.bias, unused.weight.
+                let unused = i >= 8;
+                assert_eq!(before == after, unused, "parameter #{i}, stage {stage:?}");
+            }
+        }
+    }
+}
+
+#[test]
+fn three_ranks_and_large_buckets_agree_too() {
+    for bucket_bytes in [32, 1 << 20] {
+        let config = EngineConfig::default().with_bucket_bytes(bucket_bytes);
+        let serial = run(3, &config.clone().with_overlap(Overlap::None));
+        let overlapped = run(3, &config.clone().with_overlap(Overlap::Interleaved));
+        assert_eq!(serial, overlapped, "bucket_bytes {bucket_bytes}");
+    }
+}
+
+/// An identity whose backward, the last thing backward runs when applied
+/// to the model's input, waits for the first bucket reduction of the step.
+struct Probe {
+    progress: ReductionProgress,
+    before: usize,
+}
+
+impl CustomOp1 for Probe {
+    fn name(&self) -> &'static str {
+        "overlap-probe"
+    }
+
+    fn cpu_fwd(
+        &self,
+        storage: &CpuStorage,
+        layout: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        Ok((
+            storage.to_dtype(layout, storage.dtype())?,
+            layout.shape().clone(),
+        ))
+    }
+
+    fn bwd(
+        &self,
+        _arg: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<Option<Tensor>> {
+        if !self
+            .progress
+            .wait_for(self.before + 1, Duration::from_secs(3))
+        {
+            candle_core::bail!("probe: no bucket reduction completed during backward");
+        }
+        Ok(Some(grad.clone()))
+    }
+}
+
+fn probe_run(comm: ThreadComm, overlap: Overlap) -> zero_candle::Result<()> {
+    let hook = ZeroHook::<ThreadComm, f32>::new();
+    let h: Option<Arc<dyn GradHook>> = Some(hook.clone());
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+    let l1 = nn::linear(6, 32, vb.pp("l1"), h.clone())?;
+    let l2 = nn::linear(32, 32, vb.pp("l2"), h.clone())?;
+    let l3 = nn::linear(32, 4, vb.pp("l3"), h)?;
+    let config = EngineConfig::default()
+        .with_bucket_bytes(256)
+        .with_overlap(overlap);
+    let adamw = AdamW::new(AdamWConfig::default())?;
+    let mut opt = ZeroOptimizer::new(&varmap, comm, config, Box::new(adamw))?.with_hook(&hook)?;
+    // A variable input, so that backward reaches the probe, after every
+    // layer.
+    let x = Var::ones((3, 6), DType::F32, &Device::Cpu)?;
+    let progress = opt.engine().reduction_progress();
+    let probe = Probe {
+        before: progress.completed(),
+        progress,
+    };
+    let input = x.as_tensor().apply_op1(probe)?;
+    let loss = l3
+        .forward(&l2.forward(&l1.forward(&input)?.relu()?)?.relu()?)?
+        .sqr()?
+        .mean_all()?;
+    opt.backward_step(&loss)?;
+    Ok(())
+}
+
+#[test]
+fn reductions_run_during_backward_only_when_overlapped() {
+    for overlap in [Overlap::AfterBackward, Overlap::Interleaved] {
+        for result in ThreadGroup::new(2).run(|comm| probe_run(comm, overlap)) {
+            result
+                .expect("no panic")
+                .expect("bucket 0 reduced before backward ended");
+        }
+    }
+    for result in ThreadGroup::new(2).run(|comm| probe_run(comm, Overlap::None)) {
+        let err = result
+            .expect("no panic")
+            .expect_err("nothing reduced during backward");
+        assert!(err.to_string().contains("probe"), "{err}");
+    }
+}
+
+#[test]
+fn a_rank_with_another_graph_is_an_error_on_every_rank() {
+    let results = ThreadGroup::new(2).run(|comm| -> zero_candle::Result<()> {
+        let rank = comm.rank();
+        let hook = ZeroHook::<ThreadComm, f32>::new();
+        let h: Option<Arc<dyn GradHook>> = Some(hook.clone());
+        let varmap = VarMap::new();
+        let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+        let l1 = nn::linear(4, 4, vb.pp("l1"), h.clone())?;
+        let l2 = nn::linear(4, 4, vb.pp("l2"), h)?;
+        let adamw = AdamW::new(AdamWConfig::default())?;
+        let mut opt = ZeroOptimizer::new(&varmap, comm, EngineConfig::default(), Box::new(adamw))?
+            .with_hook(&hook)?;
+        let x = Tensor::ones((2, 4), DType::F32, &Device::Cpu)?;
+        // Rank 1 skips a layer.
+        let h = l1.forward(&x)?;
+        let h = if rank == 0 { l2.forward(&h)? } else { h };
+        opt.backward_step(&h.sqr()?.mean_all()?)?;
+        Ok(())
+    });
+    for result in results {
+        let err = result.expect("no panic").expect_err("the graphs differ");
+        assert!(err.to_string().contains("graphs differ"), "{err}");
+    }
+}

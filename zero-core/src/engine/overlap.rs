@@ -1,0 +1,902 @@
+//! Gradient reductions that overlap backward.
+//!
+//! A framework that hands gradients over during backward first calls
+//! [`Engine::begin_backward`] with the order in which they will arrive (for
+//! Candle, the variables' order in `loss.sorted_nodes()`). On the first call
+//! the engine re-partitions its parameters in that order
+//! ([`Interleaved`](crate::partition::Interleaved)), so that bucket `k` is
+//! one contiguous stretch of the order. Then, for this backward pass:
+//! - each gradient is flattened into its bucket's buffer, taken from a small
+//!   pool (no full gradient buffer in stage 2);
+//! - a bucket is complete when every gradient predicted for it has arrived;
+//!   bucket `k` is launched once it is complete and every lower bucket has
+//!   been, so every rank issues the same collectives in the same order;
+//! - launched buckets are reduced (all-reduce in stage 0, reduce-scatter into
+//!   the gradient shard in stages 1 and 2) on a communication thread while
+//!   backward goes on ([`Overlap::AfterBackward`]), or all after backward on
+//!   the caller's thread ([`Overlap::None`]): the same operations in the same
+//!   order, so both give the same bits;
+//! - the step flushes what was not predicted (parameters used outside hooked
+//!   layers, unused ones) in bucket order, then adds, in a second reduction
+//!   of their bucket, gradients that arrived after their bucket had been
+//!   launched (a weight also used by a plain op). Reduction is linear, so the
+//!   result is the same up to float rounding.
+//!
+//! Stage 2 reduce-scatters every micro-step into the shard (sums, averaged
+//! at the step), so no full gradient buffer lives across an accumulation
+//! window. Stages 0 and 1 accumulate earlier micro-steps in their full
+//! buffer, locally, and reduce on the last one, folding the sum into each
+//! bucket as it is launched.
+
+use super::{Engine, Overlap, ShardMemory, Stage, StepPiece, StepPlan};
+use crate::comm::{Communicator, ReduceOp};
+use crate::optim::{FunctionalOptimizer, Hyperparams, OptimizerState, ParamKey, ParamMut};
+use crate::partition::Interleaved;
+use crate::{Element, Error, Result};
+use std::ops::Range;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// Counts the bucket reductions an engine has completed, across steps: a
+/// handle to watch overlap happen (tests, probes, progress displays).
+#[derive(Clone, Debug, Default)]
+pub struct ReductionProgress(Arc<AtomicUsize>);
+
+impl ReductionProgress {
+    /// Reductions completed so far.
+    pub fn completed(&self) -> usize {
+        self.0.load(Ordering::Acquire)
+    }
+
+    /// Waits until at least `count` reductions have completed; `false` if
+    /// `timeout` passed first.
+    pub fn wait_for(&self, count: usize, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        while self.completed() < count {
+            if Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_micros(100));
+        }
+        true
+    }
+
+    fn add_one(&self) {
+        self.0.fetch_add(1, Ordering::AcqRel);
+    }
+}
+
+/// Where reduced buckets land (and, interleaved, what steps them); lent to
+/// the communication thread for a backward pass.
+pub(super) struct Targets<T: Element, B> {
+    /// The full gradient buffer: stage 0's reduced gradients; in stages 0
+    /// and 1 also the earlier micro-steps to fold into each bucket.
+    pub full: Option<B>,
+    /// The gradient shard (stages 1 and 2).
+    pub shard: Option<B>,
+    /// A shard-bucket-sized buffer to reduce-scatter into when adding.
+    pub scratch: Option<B>,
+    /// The optimizer step of buckets reduced during backward.
+    pub early: Option<EarlyStep<T, B>>,
+}
+
+/// The optimizer step of the buckets whose reduction completes during
+/// backward ([`Overlap::Interleaved`]), lent to the communication thread.
+pub(super) struct EarlyStep<T: Element, B> {
+    optimizer: Box<dyn FunctionalOptimizer<T>>,
+    /// The parameter shard.
+    params: B,
+    keys: Vec<ParamKey>,
+    /// Per owned piece, its shard range and whether it steps.
+    pieces: Vec<(Range<usize>, bool)>,
+    /// Per bucket, its range of `pieces`.
+    bucket_pieces: Vec<Range<usize>>,
+    buckets: Vec<Range<usize>>,
+    /// `1/m` for `m > 1` micro-steps: the average, taken before stepping.
+    scale: Option<f64>,
+    /// Per bucket, whether it was stepped.
+    stepped: Vec<bool>,
+}
+
+/// One bucket reduction.
+pub(super) struct Job<B> {
+    bucket: usize,
+    buffer: B,
+    /// Add the accumulated micro-steps (`Targets::full`) before reducing.
+    fold_full: bool,
+    /// Add the reduced bucket into the target instead of overwriting it.
+    add: bool,
+    /// Step the bucket's shard once reduced (interleaved).
+    step: bool,
+}
+
+/// What the communication thread needs to know about the buckets.
+#[derive(Clone, Debug)]
+pub(super) struct BucketMap {
+    stage: Stage,
+    /// Per bucket, its range in bucket-major order.
+    full: Vec<Range<usize>>,
+    /// Per bucket, its range in the shard.
+    shard: Vec<Range<usize>>,
+}
+
+/// Runs one bucket reduction with `comm` and `memory` into `targets`.
+fn reduce_bucket<T, C, M>(
+    comm: &C,
+    memory: &mut M,
+    map: &BucketMap,
+    targets: &mut Targets<T, M::Buffer>,
+    job: &mut Job<M::Buffer>,
+) -> Result<()>
+where
+    T: Element,
+    C: Communicator,
+    M: ShardMemory<T, C>,
+{
+    reduce_only(comm, memory, map, targets, job)?;
+    if !job.step {
+        return Ok(());
+    }
+    let Some(early) = targets.early.as_mut() else {
+        return Ok(());
+    };
+    let k = job.bucket;
+    let grads = match map.stage {
+        Stage::Ddp => targets.full.as_mut(),
+        _ => targets.shard.as_mut(),
+    }
+    .ok_or_else(|| Error::State("internal: a reduction target is missing".into()))?;
+    if let Some(factor) = early.scale {
+        memory.scale(grads, &[map.shard[k].clone()], factor)?;
+    }
+    let pieces: Vec<StepPiece<'_>> = early.pieces[early.bucket_pieces[k].clone()]
+        .iter()
+        .zip(&early.keys[early.bucket_pieces[k].clone()])
+        .map(|((range, steps), key)| StepPiece {
+            key,
+            range: range.clone(),
+            active: *steps,
+        })
+        .collect();
+    let bucket_active: Vec<bool> = (0..early.buckets.len()).map(|b| b == k).collect();
+    let plan = StepPlan {
+        pieces: &pieces,
+        buckets: &early.buckets,
+        bucket_active: &bucket_active,
+    };
+    memory.step(early.optimizer.as_mut(), &mut early.params, grads, plan)?;
+    early.stepped[k] = true;
+    Ok(())
+}
+
+fn reduce_only<T, C, M>(
+    comm: &C,
+    memory: &mut M,
+    map: &BucketMap,
+    targets: &mut Targets<T, M::Buffer>,
+    job: &mut Job<M::Buffer>,
+) -> Result<()>
+where
+    T: Element,
+    C: Communicator,
+    M: ShardMemory<T, C>,
+{
+    let missing = || Error::State("internal: a reduction target is missing".into());
+    let range = map.full[job.bucket].clone();
+    let len = range.len();
+    if job.fold_full {
+        let full = targets.full.as_ref().ok_or_else(missing)?;
+        memory.copy_range(&mut job.buffer, 0, full, range.clone(), true)?;
+    }
+    if map.stage == Stage::Ddp {
+        memory.all_reduce(comm, &mut job.buffer, 0..len, ReduceOp::Avg)?;
+        let full = targets.full.as_mut().ok_or_else(missing)?;
+        return memory.copy_range(full, range.start, &job.buffer, 0..len, job.add);
+    }
+    let shard_range = map.shard[job.bucket].clone();
+    let shard = targets.shard.as_mut().ok_or_else(missing)?;
+    if !job.add {
+        return memory.reduce_scatter(comm, &job.buffer, 0..len, shard, shard_range, ReduceOp::Avg);
+    }
+    let scratch = targets.scratch.as_mut().ok_or_else(missing)?;
+    let n = shard_range.len();
+    memory.reduce_scatter(comm, &job.buffer, 0..len, scratch, 0..n, ReduceOp::Avg)?;
+    memory.copy_range(shard, shard_range.start, scratch, 0..n, true)
+}
+
+/// What the communication thread gives back: the targets and the first
+/// failure (`None` if it never got the targets).
+type Returned<T, B> = Option<(Targets<T, B>, Result<()>)>;
+
+/// Who runs the reductions of a backward pass.
+enum Reducer<T: Element, B> {
+    /// Queued until the end of backward, then run on the caller's thread.
+    Deferred {
+        targets: Targets<T, B>,
+        queue: Vec<Job<B>>,
+    },
+    /// Sent to a communication thread as each bucket is launched.
+    Thread {
+        jobs: mpsc::Sender<Job<B>>,
+        returned: mpsc::Receiver<B>,
+        handle: JoinHandle<Returned<T, B>>,
+    },
+}
+
+/// The state of one backward pass whose gradients are being handed over.
+pub(super) struct Window<T: Element, B> {
+    /// Per parameter, the calls predicted and seen.
+    expected_calls: Vec<usize>,
+    seen_calls: Vec<usize>,
+    /// Per bucket, the predicted pieces still to arrive.
+    remaining: Vec<usize>,
+    /// Per bucket, whether any arrival was predicted (a bucket with none
+    /// waits for the end of backward).
+    predicted: Vec<bool>,
+    /// Per bucket, the buffer being filled, and one for gradients that
+    /// arrived after the bucket was launched.
+    open: Vec<Option<B>>,
+    late: Vec<Option<B>>,
+    /// The lowest bucket not launched yet.
+    next: usize,
+    fold_full: bool,
+    add: bool,
+    /// Buckets completed during backward are stepped by the reducer.
+    step_early: bool,
+    reducer: Reducer<T, B>,
+}
+
+/// The order hash as exactly representable `f64` pieces, then their
+/// negatives: one `Max` all-reduce tells whether every rank agrees.
+fn order_fingerprint(expected: &[(usize, usize)]) -> [f64; 8] {
+    // FNV-1a: stable across processes and builds (std's hasher is not).
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for &(param, calls) in expected {
+        for word in [param as u64, calls as u64] {
+            for byte in word.to_le_bytes() {
+                hash ^= u64::from(byte);
+                hash = hash.wrapping_mul(0x0100_0000_01b3);
+            }
+        }
+    }
+    let mut out = [0.0; 8];
+    for i in 0..4 {
+        let piece = ((hash >> (16 * i)) & 0xffff) as f64;
+        out[i] = piece;
+        out[i + 4] = -piece;
+    }
+    out
+}
+
+impl<T, C, M> Engine<T, C, M>
+where
+    T: Element,
+    C: Communicator + 'static,
+    M: ShardMemory<T, C> + 'static,
+{
+    /// Opens the hand-over of one backward pass's gradients: `expected`
+    /// lists, in the order their gradients will arrive, the parameters whose
+    /// gradients will be handed over with [`Engine::accumulate_param`] and
+    /// how many calls each gets (2 for a weight used by two hooked ops). A
+    /// collective (one small all-reduce checks that every rank predicts the
+    /// same order; a rank whose graph differs is an error on every rank).
+    ///
+    /// On the first call, before any step, the parameters are re-partitioned
+    /// in this order, so that buckets complete one after another during
+    /// backward. Then, unless the schedule is [`Overlap::None`], each bucket
+    /// is reduced on a communication thread as soon as it is complete (see
+    /// the [module docs](self)). The step (or [`Engine::accumulate`]) that
+    /// follows closes the pass. A prediction that turns out wrong costs
+    /// overlap, never correctness, except with [`Overlap::Interleaved`]: a
+    /// gradient that arrives after its bucket was stepped is an error.
+    ///
+    /// On the last micro-step the owned pieces are read from `params` here
+    /// (the step does not read them again): change no parameter between
+    /// this call and the step.
+    pub fn begin_backward(
+        &mut self,
+        expected: &[(usize, usize)],
+        params: &mut M::Params<'_>,
+    ) -> Result<()> {
+        if self.window.is_some() {
+            return Err(Error::State(
+                "begin_backward called while the previous backward pass's gradients are still \
+                 pending; finish it with step (or accumulate) first"
+                    .into(),
+            ));
+        }
+        if let Some(&(param, _)) = expected.iter().find(|(p, _)| *p >= self.params.len()) {
+            return Err(Error::Config(format!(
+                "begin_backward: parameter #{param} does not exist (there are {})",
+                self.params.len()
+            )));
+        }
+        let mut agreed = order_fingerprint(expected);
+        self.memory
+            .all_reduce_host(&self.comm, &mut agreed[..], ReduceOp::Max)?;
+        let mine = order_fingerprint(expected);
+        if (0..4).any(|i| agreed[i] != mine[i] || -agreed[i + 4] != mine[i]) {
+            return Err(Error::Config(format!(
+                "rank {} predicts another gradient order than some other rank ({} hooked \
+                 gradient(s) here): the ranks' backward graphs differ. Every rank must run the \
+                 same model on the same kind of input (no rank-dependent branches or layers)",
+                self.comm.rank(),
+                expected.len()
+            )));
+        }
+        let Some(worker_memory) = self.memory.fork() else {
+            // This memory reduces in the step; the gradients go to the full
+            // buffer as before.
+            return Ok(());
+        };
+        self.plan_in_order(expected)?;
+        let last_micro_step = self.micro_steps + 1 >= self.config.grad_accum_steps;
+        if self.config.stage != Stage::Gradients && !last_micro_step {
+            // Stages 0 and 1 accumulate locally until the last micro-step.
+            return Ok(());
+        }
+
+        let buckets = self.layout.buckets.len();
+        let mut expected_calls = vec![0; self.params.len()];
+        for &(param, calls) in expected {
+            expected_calls[param] = calls;
+        }
+        let mut remaining = vec![0usize; buckets];
+        for (param, &calls) in expected_calls.iter().enumerate() {
+            for &run in &self.runs_of_param[param] {
+                remaining[self.bucket_of_run[run]] += calls;
+            }
+        }
+        let predicted = remaining.iter().map(|&r| r > 0).collect();
+
+        let stage = self.config.stage;
+        let fold_full = stage != Stage::Gradients && self.window_open;
+        let add = stage == Stage::Gradients && self.micro_steps > 0;
+        // Adding into the shard (later micro-steps, and gradients that come
+        // after their bucket was launched) reduce-scatters into `scratch`.
+        if stage != Stage::Ddp && self.scratch.is_none() {
+            let longest = self.layout.buckets.iter().map(Range::len).max();
+            self.scratch = Some(self.memory.alloc_zeroed(longest.unwrap_or(0))?);
+        }
+        if stage == Stage::Ddp && self.full_grads.is_none() {
+            self.full_grads = Some(self.memory.alloc_zeroed(self.plan.flat_numel())?);
+        }
+        // Stage 0 steps the replica after backward, bucket by bucket, with
+        // no parameter copy to step early: there the interleaved schedule
+        // steps after backward.
+        let early = match self.config.overlap {
+            Overlap::Interleaved if last_micro_step && stage != Stage::Ddp => {
+                // Master weights, when kept, are not read again.
+                self.refresh_param_shard(params)?;
+                self.params_read = true;
+                self.lend_early_step(&expected_calls)?
+            }
+            _ => None,
+        };
+        let step_early = early.is_some();
+        let targets = Targets {
+            full: if stage == Stage::Ddp || fold_full {
+                self.full_grads.take()
+            } else {
+                None
+            },
+            shard: self.grad_shard.take(),
+            scratch: self.scratch.take(),
+            early,
+        };
+        let reducer = match self.config.overlap {
+            Overlap::None => Reducer::Deferred {
+                targets,
+                queue: Vec::new(),
+            },
+            Overlap::AfterBackward | Overlap::Interleaved => {
+                self.spawn_reducer(worker_memory, targets)
+            }
+        };
+        self.window = Some(Window {
+            expected_calls,
+            seen_calls: vec![0; self.params.len()],
+            remaining,
+            predicted,
+            open: (0..buckets).map(|_| None).collect(),
+            late: (0..buckets).map(|_| None).collect(),
+            next: 0,
+            fold_full,
+            add,
+            step_early,
+            reducer,
+        });
+        // A model whose first buckets get no hooked gradient launches
+        // nothing until the end; one whose buckets are all predicted starts
+        // with the first arrival.
+        Ok(())
+    }
+
+    /// Lends the optimizer and the parameter shard for the interleaved
+    /// schedule: the pieces of predicted parameters step with their bucket.
+    /// `None` when a piece straddles buckets (a partition not made in
+    /// gradient order): then everything steps after backward, with the same
+    /// result.
+    fn lend_early_step(
+        &mut self,
+        expected_calls: &[usize],
+    ) -> Result<Option<EarlyStep<T, M::Buffer>>> {
+        let base = self.plan_rank * self.plan.shard_numel;
+        let mut pieces = Vec::with_capacity(self.owned.len());
+        let mut bucket_pieces = Vec::with_capacity(self.layout.buckets.len());
+        let mut next = 0;
+        for bucket in &self.layout.buckets {
+            let first = next;
+            while let Some(piece) = self.owned.get(next) {
+                let at = piece.flat_range.start - base;
+                if at >= bucket.end {
+                    break;
+                }
+                if at + piece.len() > bucket.end {
+                    return Ok(None);
+                }
+                let p = piece.param;
+                let trains = if self.config.check_trainability {
+                    self.trainable[p]
+                } else {
+                    self.active[p]
+                };
+                pieces.push((at..at + piece.len(), trains && expected_calls[p] > 0));
+                next += 1;
+            }
+            bucket_pieces.push(first..next);
+        }
+        let micro_steps = self.micro_steps + 1;
+        let kind = self.optimizer.kind().to_string();
+        let optimizer = std::mem::replace(&mut self.optimizer, Box::new(LentOptimizer(kind)));
+        let params = std::mem::replace(&mut self.param_shard, self.memory.alloc_zeroed(0)?);
+        Ok(Some(EarlyStep {
+            optimizer,
+            params,
+            keys: self.keys.clone(),
+            pieces,
+            bucket_pieces,
+            buckets: self.layout.buckets.clone(),
+            scale: (micro_steps > 1).then(|| 1.0 / micro_steps as f64),
+            stepped: vec![false; self.layout.buckets.len()],
+        }))
+    }
+
+    /// Starts the communication thread of one backward pass; if no thread
+    /// can be started, the reductions run after backward instead (the same
+    /// result, without overlap).
+    fn spawn_reducer(
+        &mut self,
+        mut memory: M,
+        targets: Targets<T, M::Buffer>,
+    ) -> Reducer<T, M::Buffer> {
+        let (jobs, job_rx) = mpsc::channel::<Job<M::Buffer>>();
+        let (returned_tx, returned) = mpsc::channel();
+        // The targets travel once the thread exists, so a failed start
+        // loses nothing.
+        let (targets_tx, targets_rx) = mpsc::channel::<Targets<T, M::Buffer>>();
+        let comm = Arc::clone(&self.comm);
+        let map = self.bucket_map();
+        let progress = self.progress.clone();
+        let spawned = std::thread::Builder::new()
+            .name(format!("zero-comm-{}", self.comm.rank()))
+            .spawn(move || {
+                let mut targets = targets_rx.recv().ok()?;
+                let mut result = Ok(());
+                for mut job in job_rx {
+                    // After a failure, issue nothing more: the peers fail
+                    // their pending collectives within the deadline too.
+                    if result.is_ok() {
+                        result = reduce_bucket(&*comm, &mut memory, &map, &mut targets, &mut job);
+                        if result.is_ok() {
+                            progress.add_one();
+                        }
+                    }
+                    // The engine may have finished with the pool already.
+                    let _ = returned_tx.send(job.buffer);
+                }
+                Some((targets, result))
+            });
+        match spawned {
+            Ok(handle) => {
+                // The thread waits for this message: it cannot be gone.
+                let _ = targets_tx.send(targets);
+                Reducer::Thread {
+                    jobs,
+                    returned,
+                    handle,
+                }
+            }
+            Err(e) => {
+                tracing::warn!("no communication thread ({e}); reducing after backward");
+                Reducer::Deferred {
+                    targets,
+                    queue: Vec::new(),
+                }
+            }
+        }
+    }
+
+    /// Re-partitions in the order of `expected` (then the other parameters,
+    /// by name) if nothing depends on the current partition yet: no step
+    /// taken, no state, nothing accumulated. Later changes of the order keep
+    /// the partition (overlap may suffer; results do not).
+    fn plan_in_order(&mut self, expected: &[(usize, usize)]) -> Result<()> {
+        let mut order = Vec::with_capacity(self.params.len());
+        let mut placed = vec![false; self.params.len()];
+        for &(param, _) in expected {
+            if !placed[param] {
+                placed[param] = true;
+                order.push(param);
+            }
+        }
+        order.extend((0..self.params.len()).filter(|&p| !placed[p]));
+        if self.planned_order.as_deref() == Some(&order[..]) {
+            return Ok(());
+        }
+        let fresh = self.steps == 0
+            && self.micro_steps == 0
+            && !self.window_open
+            && self.memory.state_bytes(self.optimizer.as_ref()) == 0
+            // Master weights loaded from a checkpoint live in this plan's
+            // shard.
+            && !self.masters_fresh;
+        if !fresh || self.config.partitioner != super::PartitionerKind::Flat {
+            if self.planned_order.is_some() {
+                tracing::debug!("gradient-ready order changed; keeping the partition");
+            }
+            self.planned_order = Some(order);
+            return Ok(());
+        }
+        let permuted: Vec<_> = order.iter().map(|&p| self.params[p].clone()).collect();
+        let world = match self.config.stage {
+            Stage::Ddp => 1,
+            _ => self.comm.world_size(),
+        };
+        // The parameters no gradient was predicted for start a bucket of
+        // their own: a bucket launched on its predicted gradients then never
+        // waits for, or misses, one of them.
+        let predicted = placed.iter().filter(|&&p| p).count();
+        let mut plan = Interleaved::default().partition_with_breaks(
+            &permuted,
+            world,
+            self.config.bucket_bytes,
+            &[predicted],
+        )?;
+        for shard in &mut plan.shards {
+            for piece in shard.iter_mut() {
+                piece.param = order[piece.param];
+            }
+        }
+        let mut offsets = vec![None; self.params.len()];
+        for (j, offset) in plan.flat_offsets.iter().enumerate() {
+            offsets[order[j]] = *offset;
+        }
+        plan.flat_offsets = offsets;
+        plan.params = self.params.clone();
+        self.install_plan(plan)?;
+        self.planned_order = Some(order);
+        Ok(())
+    }
+}
+
+impl<T, C, M> Engine<T, C, M>
+where
+    T: Element,
+    C: Communicator,
+    M: ShardMemory<T, C>,
+{
+    /// Hands one gradient to the open backward pass: flattens it into its
+    /// buckets and launches the buckets it completes.
+    pub(super) fn window_accumulate(
+        &mut self,
+        param: usize,
+        grad: M::Grad<'_>,
+        predicted: bool,
+    ) -> Result<()> {
+        let Some(window) = self.window.as_mut() else {
+            return Err(Error::State("internal: no backward pass is open".into()));
+        };
+        let counts = predicted && {
+            window.seen_calls[param] += 1;
+            window.seen_calls[param] <= window.expected_calls[param]
+        };
+        for &r in &self.runs_of_param[param] {
+            let run = &self.layout.runs[r];
+            let k = self.bucket_of_run[r];
+            let start = self.layout.bucket_range(k).start;
+            if k < window.next && window.step_early {
+                return Err(Error::State(format!(
+                    "{:?} got a gradient after its bucket had been reduced and stepped (overlap \
+                     interleaved): it is used outside the hooked layers, or more often than \
+                     predicted. Use overlap after-backward for this model",
+                    self.params[param].name
+                )));
+            }
+            let slot = if k < window.next {
+                &mut window.late[k]
+            } else {
+                &mut window.open[k]
+            };
+            if slot.is_none() {
+                let len = self.layout.bucket_range(k).len();
+                *slot = Some(take_buffer(
+                    &mut self.memory,
+                    &mut self.pool,
+                    &window.reducer,
+                    len,
+                )?);
+            }
+            let buffer = slot.as_mut().expect("filled above");
+            self.memory.flatten(
+                buffer,
+                &[super::GradPiece {
+                    at: run.pos - start,
+                    grad,
+                    range: run.param_range.clone(),
+                }],
+                true,
+            )?;
+            if counts && k >= window.next {
+                window.remaining[k] = window.remaining[k].saturating_sub(1);
+            }
+        }
+        self.present[param] = true;
+        self.launch_ready(false)
+    }
+
+    /// Launches every bucket that is due: complete ones in order, or (at the
+    /// end of backward, `all`) every one left.
+    fn launch_ready(&mut self, all: bool) -> Result<()> {
+        let Some(window) = self.window.as_mut() else {
+            return Ok(());
+        };
+        while window.next < window.open.len()
+            && (all || (window.predicted[window.next] && window.remaining[window.next] == 0))
+        {
+            let k = window.next;
+            let buffer = match window.open[k].take() {
+                Some(buffer) => buffer,
+                None => take_buffer(
+                    &mut self.memory,
+                    &mut self.pool,
+                    &window.reducer,
+                    self.layout.bucket_range(k).len(),
+                )?,
+            };
+            let job = Job {
+                bucket: k,
+                buffer,
+                fold_full: window.fold_full,
+                add: window.add,
+                // What is launched at the end waits for the step's mask.
+                step: window.step_early && !all,
+            };
+            submit(&mut window.reducer, job);
+            window.next += 1;
+        }
+        Ok(())
+    }
+
+    /// Closes the open backward pass: hands over `grads` (the gradients
+    /// that came after backward, one slot per parameter), launches every
+    /// bucket left, adds the late gradients, waits for every reduction and
+    /// takes the buffers back. `Ok(true)` if a pass was open.
+    pub(super) fn finish_window(&mut self, grads: Option<&[Option<M::Grad<'_>>]>) -> Result<bool> {
+        if self.window.is_none() {
+            return Ok(false);
+        }
+        let flushed = self.flush_window(grads);
+        let joined = self.join_window();
+        flushed.and(joined)?;
+        Ok(true)
+    }
+
+    fn flush_window(&mut self, grads: Option<&[Option<M::Grad<'_>>]>) -> Result<()> {
+        if let Some(grads) = grads {
+            for (param, grad) in grads.iter().enumerate() {
+                if let Some(grad) = *grad {
+                    self.window_accumulate(param, grad, false)?;
+                }
+            }
+        }
+        self.launch_ready(true)?;
+        let Some(window) = self.window.as_mut() else {
+            return Ok(());
+        };
+        // The same on every rank running the same model: which gradients
+        // come after their bucket is a property of the graph.
+        for k in 0..window.late.len() {
+            if let Some(buffer) = window.late[k].take() {
+                let job = Job {
+                    bucket: k,
+                    buffer,
+                    fold_full: false,
+                    add: true,
+                    step: false,
+                };
+                submit(&mut window.reducer, job);
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits for every reduction of the open pass (running them here if
+    /// they were deferred), puts the buffers back and closes the pass.
+    fn join_window(&mut self) -> Result<()> {
+        let Some(mut window) = self.window.take() else {
+            return Ok(());
+        };
+        // Buffers still open (a pass abandoned halfway) go back to the pool.
+        self.pool.extend(window.open.drain(..).flatten());
+        self.pool.extend(window.late.drain(..).flatten());
+        let (targets, result) = match window.reducer {
+            Reducer::Deferred { mut targets, queue } => {
+                let map = self.bucket_map();
+                let mut result = Ok(());
+                for mut job in queue {
+                    if result.is_ok() {
+                        result = reduce_bucket(
+                            &*self.comm,
+                            &mut self.memory,
+                            &map,
+                            &mut targets,
+                            &mut job,
+                        );
+                        if result.is_ok() {
+                            self.progress.add_one();
+                        }
+                    }
+                    self.pool.push(job.buffer);
+                }
+                (targets, result)
+            }
+            Reducer::Thread {
+                jobs,
+                returned,
+                handle,
+            } => {
+                drop(jobs);
+                let joined = handle.join();
+                self.pool.extend(returned.try_iter());
+                match joined {
+                    Ok(Some(done)) => done,
+                    Ok(None) | Err(_) => {
+                        return Err(Error::State(
+                            "the communication thread panicked; the engine's gradient buffers \
+                             are lost, rebuild the optimizer"
+                                .into(),
+                        ))
+                    }
+                }
+            }
+        };
+        if targets.full.is_some() {
+            self.full_grads = targets.full;
+        }
+        self.grad_shard = targets.shard;
+        self.scratch = targets.scratch;
+        if let Some(early) = targets.early {
+            self.optimizer = early.optimizer;
+            self.param_shard = early.params;
+            self.early_stepped = early.stepped;
+        }
+        result
+    }
+
+    /// Whether a backward pass's gradients are being handed over.
+    pub(super) fn window_is_open(&self) -> bool {
+        self.window.is_some()
+    }
+
+    fn bucket_map(&self) -> BucketMap {
+        BucketMap {
+            stage: self.config.stage,
+            full: (0..self.layout.buckets.len())
+                .map(|k| self.layout.bucket_range(k))
+                .collect(),
+            shard: self.layout.buckets.clone(),
+        }
+    }
+
+    /// A handle on the count of completed bucket reductions.
+    pub fn reduction_progress(&self) -> ReductionProgress {
+        self.progress.clone()
+    }
+}
+
+/// A buffer of at least `len` elements, zeroed there: the shortest that
+/// fits from the pool (after collecting what the communication thread has
+/// returned), or a new one of exactly `len`.
+fn take_buffer<T, C, M>(
+    memory: &mut M,
+    pool: &mut Vec<M::Buffer>,
+    reducer: &Reducer<T, M::Buffer>,
+    len: usize,
+) -> Result<M::Buffer>
+where
+    T: Element,
+    C: Communicator,
+    M: ShardMemory<T, C>,
+{
+    if let Reducer::Thread { returned, .. } = reducer {
+        pool.extend(returned.try_iter());
+    }
+    let fits = pool
+        .iter()
+        .enumerate()
+        .filter(|(_, b)| M::buffer_len(b) >= len)
+        .min_by_key(|(_, b)| M::buffer_len(b))
+        .map(|(i, _)| i);
+    match fits {
+        Some(i) => {
+            let mut buffer = pool.swap_remove(i);
+            memory.zero(&mut buffer, 0..len)?;
+            Ok(buffer)
+        }
+        None => memory.alloc_zeroed(len),
+    }
+}
+
+fn submit<T: Element, B>(reducer: &mut Reducer<T, B>, job: Job<B>) {
+    match reducer {
+        Reducer::Deferred { queue, .. } => queue.push(job),
+        // A send fails only if the thread is gone (it panicked); joining
+        // reports that.
+        Reducer::Thread { jobs, .. } => {
+            let _ = jobs.send(job);
+        }
+    }
+}
+
+/// Stands in for the optimizer while the communication thread has it (the
+/// engine is lent to the backward pass then, so nothing calls this).
+struct LentOptimizer(String);
+
+impl LentOptimizer {
+    fn lent() -> Error {
+        Error::State("internal: the optimizer is lent to the communication thread".into())
+    }
+}
+
+impl<T: Element> FunctionalOptimizer<T> for LentOptimizer {
+    fn kind(&self) -> &str {
+        &self.0
+    }
+
+    fn step(&mut self, _: &mut [ParamMut<'_, T>], _: &[Option<&[T]>]) -> Result<()> {
+        Err(Self::lent())
+    }
+
+    fn num_groups(&self) -> usize {
+        0
+    }
+
+    fn add_group(&mut self, _: &Hyperparams) -> Result<usize> {
+        Err(Self::lent())
+    }
+
+    fn hyperparams(&self, _: usize) -> Hyperparams {
+        Hyperparams::new()
+    }
+
+    fn set_hyperparams(&mut self, _: usize, _: &Hyperparams) -> Result<()> {
+        Err(Self::lent())
+    }
+
+    fn learning_rate(&self, _: usize) -> f64 {
+        f64::NAN
+    }
+
+    fn set_learning_rate(&mut self, _: usize, _: f64) {}
+
+    fn export_state(&self) -> OptimizerState<T> {
+        OptimizerState::default()
+    }
+
+    fn import_state(&mut self, _: OptimizerState<T>) -> Result<()> {
+        Err(Self::lent())
+    }
+}
