@@ -2,6 +2,8 @@
 # Builds the MPI tests with `--features mpi` and runs them under mpirun with
 # 2, 3 and 4 ranks, then checks the failure path: a rank that panics (or gives
 # up on an error) ends the whole job, non-zero, within seconds, naming itself.
+# Then the trainer under mpirun: parity with the thread backend, the overlap
+# schedules bitwise equal, checkpoints across backends, failing cleanly.
 # Fails on the first error. Needs Open MPI (scripts/install-deps.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -37,12 +39,14 @@ for n in 2 3 4; do
 done
 
 # The failure path: must exit non-zero, quickly, with the failed rank named.
-for mode in panic error hang hang-at-exit; do
+for mode in panic error hang hang-async hang-at-exit; do
     echo "== failure path ($mode): rank 1 fails, the job must end"
     want="rank 1 failed"
     # A hanging rank is caught by the others' deadline (2 s in mpi_fail),
-    # in a collective or in MPI_Finalize.
+    # in a collective (blocking, or asynchronous on the progress thread) or
+    # in MPI_Finalize.
     [ "$mode" = hang ] && want="did not complete within"
+    [ "$mode" = hang-async ] && want="all_reduce_async #[0-9]* did not complete within"
     [ "$mode" = hang-at-exit ] && want="MPI_Finalize #[0-9]* did not complete within"
     set +e
     out=$(timeout 60 "${MPIRUN[@]}" -n 3 "$fail_bin" "$mode" 2>&1)
@@ -76,6 +80,31 @@ for n in 2 3 4; do
         "$train" --backend threads --world-size "$n" --stage "$stage" "${common[@]}" \
             --steps 8 --batch-size 8 --save "$work/threads.safetensors"
         "$diff" "$work/mpi.safetensors" "$work/threads.safetensors" --tol 1e-5
+    done
+done
+
+# The three overlap schedules train bitwise-identical weights under mpirun:
+# the same collectives over the same buckets, issued at other times and from
+# the engine's communication thread. Tiny buckets (--bucket-mb 0.0002, about
+# 50 elements) make many of them; with 3 ranks, --grad-accum 2 (stage 2
+# reduce-scatters every micro-step). Interleaved cannot clip, so no case
+# clips. `cmp` holds the files to the bit (`--tol 0` lets -0.0 equal 0.0).
+overlap_common=(--hidden 16,16 --optimizer adam --lr 0.01 --seed 5 --quiet --steps 4
+    --batch-size 6 --bucket-mb 0.0002)
+for n in 2 3; do
+    accum=1
+    [ "$n" = 3 ] && accum=2
+    for stage in 0 1 2; do
+        echo "== overlap schedules: mpirun -n $n, stage $stage, --grad-accum $accum, bitwise"
+        for overlap in none after-backward interleaved; do
+            timeout "$TIMEOUT" "${MPIRUN[@]}" -n "$n" "$train" --backend mpi --stage "$stage" \
+                "${overlap_common[@]}" --grad-accum "$accum" --overlap "$overlap" \
+                --save "$work/overlap-$overlap.safetensors"
+        done
+        for overlap in after-backward interleaved; do
+            "$diff" "$work/overlap-none.safetensors" "$work/overlap-$overlap.safetensors" --tol 0
+            cmp "$work/overlap-none.safetensors" "$work/overlap-$overlap.safetensors"
+        done
     done
 done
 

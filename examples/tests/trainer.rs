@@ -303,3 +303,51 @@ fn metrics_report_the_process_peak_heap_counted_by_the_binary() {
         .collect();
     assert!(peaks.windows(2).all(|w| w[0] <= w[1]), "{peaks:?}");
 }
+
+#[test]
+fn every_overlap_schedule_trains_the_same_weights_bitwise() {
+    let common = [
+        "--steps",
+        "6",
+        "--hidden",
+        "16,16",
+        "--world-size",
+        "2",
+        "--batch-size",
+        "8",
+        "--bucket-mb",
+        "0.001",
+        "--grad-accum",
+        "2",
+    ];
+    for stage in ["0", "1", "2"] {
+        let with = |overlap: &str| {
+            train(&[&common[..], &["--stage", stage, "--overlap", overlap]].concat())
+        };
+        let serial = with("none");
+        for overlap in ["after-backward", "interleaved"] {
+            assert_eq!(
+                max_abs_diff(&serial, &with(overlap)),
+                0.0,
+                "stage {stage}, --overlap {overlap}"
+            );
+        }
+    }
+}
+
+#[test]
+fn interleaved_overlap_with_clipping_is_a_usage_error() {
+    let argv = [
+        "train",
+        "--quiet",
+        "--overlap",
+        "interleaved",
+        "--clip-norm",
+        "1",
+    ];
+    let err = run(&Args::parse_from(argv)).expect_err("interleaved cannot clip");
+    assert!(
+        err.to_string().contains("--overlap after-backward"),
+        "{err}"
+    );
+}

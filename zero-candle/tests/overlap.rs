@@ -173,6 +173,38 @@ fn every_schedule_gives_the_same_weights_bitwise() {
 }
 
 #[test]
+fn stage_2_keeps_no_full_gradient_across_an_accumulation_window() {
+    for (stage, full) in [(Stage::OptimizerState, true), (Stage::Gradients, false)] {
+        let results = ThreadGroup::new(2).run(|comm| -> zero_candle::Result<usize> {
+            let hook = ZeroHook::<ThreadComm, f32>::new();
+            let model = Model::new(Some(hook.clone()))?;
+            let adamw = AdamW::new(AdamWConfig::default())?;
+            let config = EngineConfig::default()
+                .with_stage(stage)
+                .with_bucket_bytes(64)
+                .with_grad_accum_steps(2);
+            let mut opt = ZeroOptimizer::new(&model.varmap, comm, config, Box::new(adamw))?
+                .with_hook(&hook)?;
+            let mut rng = rand::rngs::StdRng::seed_from_u64(1);
+            let (tokens, targets) = batch(&mut rng)?;
+            // The first micro-step: accumulated, not stepped.
+            assert!(opt
+                .backward_step(&model.loss(&tokens, &targets)?)?
+                .is_none());
+            Ok(opt.memory_report().grads)
+        });
+        for grads in results {
+            let grads = grads.expect("no panic").expect("micro-step works");
+            assert_eq!(
+                grads > 0,
+                full,
+                "{stage:?}: {grads} bytes of full gradients"
+            );
+        }
+    }
+}
+
+#[test]
 fn three_ranks_and_large_buckets_agree_too() {
     for bucket_bytes in [32, 1 << 20] {
         let config = EngineConfig::default().with_bucket_bytes(bucket_bytes);

@@ -10,6 +10,9 @@
 //! - `hang-at-exit`: every collective completes, then rank 1 sleeps before
 //!   finalizing; the others' deadline on `MPI_Finalize`, which waits for
 //!   every process, ends the job.
+//! - `hang-async`: as `hang`, but the others wait in an asynchronous
+//!   all-reduce; the deadline runs on the progress thread
+//!   (`rank 0 failed: all_reduce_async #1 did not complete within ...`).
 //!
 //! In the first three, the other ranks wait in an all-reduce that rank 1
 //! never joins.
@@ -41,7 +44,7 @@ fn main() {
     }
     if comm.rank() == 1 {
         match mode.as_str() {
-            "hang" => std::thread::sleep(std::time::Duration::from_secs(3600)),
+            "hang" | "hang-async" => std::thread::sleep(std::time::Duration::from_secs(3600)),
             "error" => {
                 let failed: Result<(), String> = Err("the loss is NaN at step 3".to_string());
                 comm.ok_or_abort(failed);
@@ -50,6 +53,11 @@ fn main() {
         }
     }
     // Rank 1 never gets here: without the abort the others would wait forever.
-    comm.ok_or_abort(comm.all_reduce(&mut buf[..], ReduceOp::Sum));
+    if mode == "hang-async" {
+        let work = comm.ok_or_abort(comm.all_reduce_async(&mut buf[..], ReduceOp::Sum));
+        comm.ok_or_abort(work.wait());
+    } else {
+        comm.ok_or_abort(comm.all_reduce(&mut buf[..], ReduceOp::Sum));
+    }
     println!("rank {}: unreachable for a world of 2+ ranks", comm.rank());
 }

@@ -10,11 +10,20 @@
 //! once for both.
 //!
 //! Per optimizer step:
-//! - stage 0 all-reduces (mean) gradient buckets and steps every parameter;
+//! - stage 0 all-reduces (mean) gradient buckets into its full gradient
+//!   buffer and steps every parameter of the replica, a few at a time;
 //! - stage 1 reduce-scatters (mean) gradient buckets into the rank's gradient
-//!   shard, steps the shard, and all-gathers the updated parameters;
-//! - stage 2 does the same without a persistent full gradient buffer: each
-//!   bucket is flattened into a bucket-sized buffer and reduce-scattered.
+//!   shard, steps the shard, and all-gathers the updated parameters; across
+//!   an accumulation window it sums micro-steps in a full gradient buffer
+//!   and reduces once;
+//! - stage 2 does the same, and when gradients are handed over during
+//!   backward it reduce-scatters every micro-step, so no full gradient
+//!   buffer lives across the window.
+//!
+//! Gradients handed over during backward ([`Engine::begin_backward`],
+//! [`Engine::accumulate_param`]) are reduced bucket by bucket as backward
+//! produces them, on a communication thread ([`Overlap`]; see the
+//! `overlap` module).
 //!
 //! Stages 1 and 2 move `2(N-1)/N` times the (padded) parameter bytes per
 //! rank and step, plus one all-reduce of the trainable mask (one `f32` per
@@ -537,8 +546,8 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// `step`.
     ///
     /// After [`Engine::begin_backward`] the gradient goes into its bucket's
-    /// buffer and may launch that bucket's reduction (see
-    /// [`overlap`](self::overlap)); without it, it goes into the full flat
+    /// buffer and may launch that bucket's reduction (see [`Overlap`]);
+    /// without it, it goes into the full flat
     /// gradient buffer (which in stage 2 then lives until the step, as
     /// during accumulation) and nothing is communicated.
     pub fn accumulate_param(&mut self, param: usize, grad: M::Grad<'_>) -> Result<()> {
@@ -763,9 +772,11 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             self.step_replica(&stepping, params)?;
             return Ok(grad_norm);
         }
-        self.run_optimizer(&stepping)?;
+        if !self.step_and_gather_overlapped(&stepping, params)? {
+            self.run_optimizer(&stepping)?;
+            self.write_back(params)?;
+        }
         self.early_stepped.clear();
-        self.write_back(params)?;
         Ok(grad_norm)
     }
 
@@ -842,9 +853,10 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                     }
                 })
                 .collect();
+            let whole = [Range { start: 0, end: len }];
             let plan = StepPlan {
                 pieces: &pieces,
-                buckets: &[0..len],
+                buckets: &whole,
                 bucket_active: &[true],
             };
             self.memory

@@ -287,14 +287,14 @@ where
     /// in this order, so that buckets complete one after another during
     /// backward. Then, unless the schedule is [`Overlap::None`], each bucket
     /// is reduced on a communication thread as soon as it is complete (see
-    /// the [module docs](self)). The step (or [`Engine::accumulate`]) that
+    /// [`Overlap`]). The step (or [`Engine::accumulate`]) that
     /// follows closes the pass. A prediction that turns out wrong costs
     /// overlap, never correctness, except with [`Overlap::Interleaved`]: a
     /// gradient that arrives after its bucket was stepped is an error.
     ///
-    /// On the last micro-step the owned pieces are read from `params` here
-    /// (the step does not read them again): change no parameter between
-    /// this call and the step.
+    /// With [`Overlap::Interleaved`], on the last micro-step, the owned
+    /// pieces are read from `params` here (the step does not read them
+    /// again): change no parameter between this call and the step.
     pub fn begin_backward(
         &mut self,
         expected: &[(usize, usize)],
@@ -423,31 +423,24 @@ where
         &mut self,
         expected_calls: &[usize],
     ) -> Result<Option<EarlyStep<T, M::Buffer>>> {
+        let Some(bucket_pieces) = self.pieces_by_bucket() else {
+            return Ok(None);
+        };
         let base = self.plan_rank * self.plan.shard_numel;
-        let mut pieces = Vec::with_capacity(self.owned.len());
-        let mut bucket_pieces = Vec::with_capacity(self.layout.buckets.len());
-        let mut next = 0;
-        for bucket in &self.layout.buckets {
-            let first = next;
-            while let Some(piece) = self.owned.get(next) {
+        let pieces = self
+            .owned
+            .iter()
+            .map(|piece| {
                 let at = piece.flat_range.start - base;
-                if at >= bucket.end {
-                    break;
-                }
-                if at + piece.len() > bucket.end {
-                    return Ok(None);
-                }
                 let p = piece.param;
                 let trains = if self.config.check_trainability {
                     self.trainable[p]
                 } else {
                     self.active[p]
                 };
-                pieces.push((at..at + piece.len(), trains && expected_calls[p] > 0));
-                next += 1;
-            }
-            bucket_pieces.push(first..next);
-        }
+                (at..at + piece.len(), trains && expected_calls[p] > 0)
+            })
+            .collect();
         let micro_steps = self.micro_steps + 1;
         let kind = self.optimizer.kind().to_string();
         let optimizer = std::mem::replace(&mut self.optimizer, Box::new(LentOptimizer(kind)));
@@ -799,6 +792,173 @@ where
                 .collect(),
             shard: self.layout.buckets.clone(),
         }
+    }
+
+    /// Per bucket, its range of the owned pieces; `None` when a piece
+    /// straddles buckets (a partition not made in gradient order), which
+    /// then cannot be stepped bucket by bucket.
+    pub(super) fn pieces_by_bucket(&self) -> Option<Vec<Range<usize>>> {
+        let base = self.plan_rank * self.plan.shard_numel;
+        let mut groups = Vec::with_capacity(self.layout.buckets.len());
+        let mut next = 0;
+        for bucket in &self.layout.buckets {
+            let first = next;
+            while let Some(piece) = self.owned.get(next) {
+                let at = piece.flat_range.start - base;
+                if at >= bucket.end {
+                    break;
+                }
+                if at + piece.len() > bucket.end {
+                    return None;
+                }
+                next += 1;
+            }
+            groups.push(first..next);
+        }
+        Some(groups)
+    }
+
+    /// Stages 1 and 2, overlapped: steps the shard bucket by bucket and
+    /// all-gathers each bucket on a communication thread as soon as it is
+    /// stepped, writing the gathered parameters into the replica as they
+    /// arrive: the optimizer runs while earlier buckets are on the wire.
+    /// `Ok(false)` (nothing done) when this memory or partition cannot.
+    pub(super) fn step_and_gather_overlapped(
+        &mut self,
+        stepping: &[bool],
+        params: &mut M::Params<'_>,
+    ) -> Result<bool> {
+        if self.config.overlap == Overlap::None || self.config.stage == Stage::Ddp {
+            return Ok(false);
+        }
+        let Some(groups) = self.pieces_by_bucket() else {
+            return Ok(false);
+        };
+        let Some(mut worker_memory) = self.memory.fork() else {
+            return Ok(false);
+        };
+        let base = self.plan_rank * self.plan.shard_numel;
+        let pieces = super::step_pieces(&self.owned, &self.keys, base, |p| stepping[p]);
+        let grads = match self.grad_shard.as_ref() {
+            Some(grads) => grads,
+            None => {
+                return Err(Error::State(
+                    "internal: no gradient shard in stage 1 or 2".into(),
+                ))
+            }
+        };
+        let comm = &*self.comm;
+        let memory = &mut self.memory;
+        let pool = &mut self.pool;
+        let optimizer = &mut self.optimizer;
+        let param_shard = &mut self.param_shard;
+        let layout = &self.layout;
+        let active = &self.active;
+        let early_stepped = &self.early_stepped;
+        let bucket_active = &self.bucket_active;
+        let (jobs, job_rx) = mpsc::channel::<(usize, M::Buffer, M::Buffer)>();
+        let (done_tx, done) = mpsc::channel::<(usize, M::Buffer, M::Buffer, Result<()>)>();
+        std::thread::scope(|scope| -> Result<bool> {
+            scope.spawn(move || {
+                let mut failed = false;
+                for (k, send, mut recv) in job_rx {
+                    let result = if failed {
+                        Err(Error::State("an earlier all-gather failed".into()))
+                    } else {
+                        let n = layout.buckets[k].len();
+                        let all = layout.bucket_range(k).len();
+                        worker_memory.all_gather(comm, &send, 0..n, &mut recv, 0..all)
+                    };
+                    failed |= result.is_err();
+                    if done_tx.send((k, send, recv, result)).is_err() {
+                        break;
+                    }
+                }
+            });
+            let mut write = |k: usize,
+                             send: M::Buffer,
+                             recv: M::Buffer,
+                             result: Result<()>,
+                             memory: &mut M,
+                             pool: &mut Vec<M::Buffer>|
+             -> Result<()> {
+                let written = result.and_then(|()| {
+                    let copies: Vec<super::ParamCopy> = layout
+                        .runs_of(k)
+                        .iter()
+                        .filter(|run| active[run.param])
+                        .map(|run| super::ParamCopy {
+                            param: run.param,
+                            param_range: run.param_range.clone(),
+                            at: run.pos - layout.bucket_range(k).start,
+                        })
+                        .collect();
+                    memory.write_params(params, &copies, &recv)
+                });
+                pool.push(send);
+                pool.push(recv);
+                written
+            };
+            let mut outcome = Ok(());
+            let mut pending = 0usize;
+            for (k, group) in groups.iter().enumerate() {
+                if !bucket_active[k] {
+                    continue;
+                }
+                if early_stepped.get(k) != Some(&true) {
+                    let plan = StepPlan {
+                        pieces: &pieces[group.clone()],
+                        buckets: &layout.buckets,
+                        bucket_active,
+                    };
+                    outcome = memory.step(optimizer.as_mut(), param_shard, grads, plan);
+                    if outcome.is_err() {
+                        break;
+                    }
+                }
+                let shard_range = layout.buckets[k].clone();
+                let take = |memory: &mut M, pool: &mut Vec<M::Buffer>, len: usize| match pool
+                    .iter()
+                    .position(|b| M::buffer_len(b) >= len)
+                {
+                    Some(i) => Ok(pool.swap_remove(i)),
+                    None => memory.alloc_zeroed(len),
+                };
+                let staged = take(memory, pool, shard_range.len()).and_then(|mut send| {
+                    memory.copy_range(&mut send, 0, param_shard, shard_range.clone(), false)?;
+                    let recv = take(memory, pool, layout.bucket_range(k).len())?;
+                    Ok((send, recv))
+                });
+                match staged {
+                    Ok((send, recv)) => {
+                        // The thread is alive while `jobs` is: it stops
+                        // only when the channel closes.
+                        let _ = jobs.send((k, send, recv));
+                        pending += 1;
+                    }
+                    Err(e) => {
+                        outcome = Err(e);
+                        break;
+                    }
+                }
+                // Write back what has arrived meanwhile.
+                while let Ok((k, send, recv, result)) = done.try_recv() {
+                    pending -= 1;
+                    let written = write(k, send, recv, result, memory, pool);
+                    outcome = outcome.and(written);
+                }
+            }
+            drop(jobs);
+            while pending > 0 {
+                let Ok((k, send, recv, result)) = done.recv() else {
+                    break;
+                };
+                pending -= 1;
+                let written = write(k, send, recv, result, memory, pool);
+                outcome = outcome.and(written);
+            }
+            outcome.map(|()| true)
+        })
     }
 
     /// A handle on the count of completed bucket reductions.

@@ -1,4 +1,4 @@
-//! The [`Communicator`] implementation of [`MpiComm`].
+//! The [`Communicator`](zero_core::Communicator) implementation of [`MpiComm`].
 //!
 //! Data movement (broadcast, gathers) goes through MPI as same-size unsigned
 //! integers, so that bf16/f16 need no MPI datatype. Reductions run on f32 and

@@ -150,7 +150,7 @@ unsafe impl Send for Handle {}
 unsafe impl Sync for Handle {}
 
 impl Handle {
-    /// Takes ownership of `comm` (the caller holds `MPI_LOCK`).
+    /// Takes ownership of `comm`, a communicator this crate created.
     pub(crate) fn new(comm: SimpleCommunicator) -> Self {
         Self(ManuallyDrop::new(comm))
     }

@@ -102,3 +102,32 @@ fn lock() -> MutexGuard<'static, Queue> {
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    /// Jobs run in the order they were queued, a panicking one does not stop
+    /// the thread, and `wait_idle` returns only after every earlier job.
+    #[test]
+    fn jobs_run_in_order_and_survive_a_panic() {
+        let ran = Arc::new(Mutex::new(Vec::new()));
+        for k in 0..50 {
+            let ran = Arc::clone(&ran);
+            let job: Job = Box::new(move || {
+                if k == 10 {
+                    panic!("a job that panics on purpose");
+                }
+                ran.lock().unwrap_or_else(|p| p.into_inner()).push(k);
+            });
+            if let Err(job) = submit(job) {
+                job();
+            }
+        }
+        wait_idle();
+        let ran = ran.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let expected: Vec<i32> = (0..50).filter(|&k| k != 10).collect();
+        assert_eq!(ran, expected);
+    }
+}
