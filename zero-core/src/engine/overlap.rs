@@ -847,6 +847,7 @@ where
                 ))
             }
         };
+        let gather_dtype = self.gather_dtype();
         let comm = &*self.comm;
         let memory = &mut self.memory;
         let pool = &mut self.pool;
@@ -867,7 +868,16 @@ where
                     } else {
                         let n = layout.buckets[k].len();
                         let all = layout.bucket_range(k).len();
-                        worker_memory.all_gather(comm, &send, 0..n, &mut recv, 0..all)
+                        // The parameters' dtype on the wire where master
+                        // weights are kept (as `gather_buckets`).
+                        worker_memory.all_gather_as(
+                            comm,
+                            &send,
+                            0..n,
+                            &mut recv,
+                            0..all,
+                            gather_dtype,
+                        )
                     };
                     failed |= result.is_err();
                     if done_tx.send((k, send, recv, result)).is_err() {
