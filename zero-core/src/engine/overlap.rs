@@ -39,6 +39,9 @@ use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+/// All-gathers of stepped buckets allowed in flight at once after backward.
+const GATHERS_IN_FLIGHT: usize = 1;
+
 /// Counts the bucket reductions an engine has completed, across steps: a
 /// handle to watch overlap happen (tests, probes, progress displays).
 #[derive(Clone, Debug, Default)]
@@ -925,6 +928,16 @@ where
                     if outcome.is_err() {
                         break;
                     }
+                }
+                // One gather in flight (the next bucket steps meanwhile): its
+                // buffers are what this overlap costs in memory.
+                while pending >= GATHERS_IN_FLIGHT {
+                    let Ok((k, send, recv, result)) = done.recv() else {
+                        break;
+                    };
+                    pending -= 1;
+                    let written = write(k, send, recv, result, memory, pool);
+                    outcome = outcome.and(written);
                 }
                 let shard_range = layout.buckets[k].clone();
                 let take = |memory: &mut M, pool: &mut Vec<M::Buffer>, len: usize| match pool
