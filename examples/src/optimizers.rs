@@ -2,13 +2,14 @@
 
 use crate::trainer::{Args, OptimizerKind, TrainError};
 use zero_core::optim::{
-    Adagrad, AdagradConfig, Adam, AdamConfig, AdamW, AdamWConfig, FunctionalOptimizer, RmsProp,
-    RmsPropConfig, Sgd, SgdConfig,
+    Adagrad, AdagradConfig, Adam, AdamConfig, AdamW, AdamWConfig, Float, FunctionalOptimizer,
+    RmsProp, RmsPropConfig, Sgd, SgdConfig,
 };
 
-/// The optimizer `args` describes; invalid hyperparameters are an error
-/// naming the flag's value.
-pub fn build(args: &Args) -> Result<Box<dyn FunctionalOptimizer<f32>>, TrainError> {
+/// The optimizer `args` describes, stepping elements `T` (f32, or a
+/// 16-bit type without master weights); invalid hyperparameters are an
+/// error naming the flag's value.
+pub fn build<T: Float>(args: &Args) -> Result<Box<dyn FunctionalOptimizer<T>>, TrainError> {
     let (beta1, beta2) = match args.betas.as_slice() {
         [b1, b2] => (*b1, *b2),
         other => {
@@ -17,7 +18,7 @@ pub fn build(args: &Args) -> Result<Box<dyn FunctionalOptimizer<f32>>, TrainErro
             )))
         }
     };
-    let built: zero_core::Result<Box<dyn FunctionalOptimizer<f32>>> = match args.optimizer {
+    let built: zero_core::Result<Box<dyn FunctionalOptimizer<T>>> = match args.optimizer {
         OptimizerKind::Sgd => Sgd::new(
             SgdConfig::default()
                 .with_lr(args.lr)

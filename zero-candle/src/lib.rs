@@ -18,12 +18,14 @@ mod nccl;
 pub mod nn;
 mod optimizer;
 mod params;
+mod precision;
 
 pub use error::{Error, Result};
 pub use hook::ZeroHook;
 pub use memory::CandleMemory;
 pub use optimizer::{ZeroConfig, ZeroOptimizer};
 pub use params::VarStore;
+pub use precision::is_half;
 
 #[cfg(feature = "nccl")]
 pub use nccl::{NcclZeroConfig, NcclZeroOptimizer};

@@ -63,8 +63,10 @@ impl CandleMemory<f32, NcclComm> for Cuda {
                 return Err(Error::Variable {
                     name: name.clone(),
                     detail: format!(
-                        "dtype {:?}: the CUDA engine trains f32 variables; convert it \
-                         or keep it out of the VarMap given to the optimizer",
+                        "dtype {:?}: the CUDA engine trains f32 variables only (16-bit \
+                         models with f32 master weights run on the thread and MPI backends; \
+                         on the GPU they are not built yet); convert it to f32 or keep it \
+                         out of the VarMap given to the optimizer",
                         var.dtype()
                     ),
                 });

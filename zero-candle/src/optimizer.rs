@@ -164,6 +164,8 @@ where
     /// window, and a weight used both by a hooked layer and by a plain op
     /// gets its plain part in a second reduction.
     pub fn backward_step(&mut self, loss: &Tensor) -> Result<Option<StepReport>> {
+        let scaled = crate::precision::scale_loss(loss, self.engine().loss_scale())?;
+        let loss = &scaled;
         let Some(hook) = self.hook.clone() else {
             let grads = loss.backward()?;
             return self.step(&grads);
@@ -279,6 +281,27 @@ where
         })
     }
 
+    /// `loss` multiplied by the loss scale, for a loop that runs backward
+    /// itself and hands the gradients to [`ZeroOptimizer::step`]
+    /// ([`ZeroOptimizer::backward_step`] scales for you); `loss` itself
+    /// without loss scaling. See [`EngineConfig::loss_scale`].
+    pub fn scale_loss(&self, loss: &Tensor) -> Result<Tensor> {
+        crate::precision::scale_loss(loss, self.engine().loss_scale())
+    }
+
+    /// The current loss scale (`None` without loss scaling).
+    pub fn loss_scale(&self) -> Option<f64> {
+        self.engine().loss_scale()
+    }
+
+    /// After changing the variables by hand in a model with f32 master
+    /// weights (16-bit variables, `ZeroOptimizer<_, f32>`): makes the next
+    /// step take the weights from the variables again. Without master
+    /// weights the engine reads them at every step anyway.
+    pub fn reload_master_weights(&mut self) {
+        self.engine_mut().reload_master_weights()
+    }
+
     /// The report of the last completed optimizer step.
     pub fn last_report(&self) -> Option<StepReport> {
         self.last
@@ -364,13 +387,13 @@ pub(crate) fn with_grad_slices<T: Element + WithDType, R>(
             held.push(Held::None);
             continue;
         };
-        if grad.dtype() != <T as WithDType>::DTYPE {
+        if grad.dtype() != var.dtype() {
             return Err(Error::Variable {
                 name: name.clone(),
                 detail: format!(
-                    "gradient dtype {:?} differs from the optimizer's {:?}",
+                    "gradient dtype {:?} differs from the variable's {:?}",
                     grad.dtype(),
-                    <T as WithDType>::DTYPE
+                    var.dtype()
                 ),
             });
         }
@@ -386,7 +409,9 @@ pub(crate) fn with_grad_slices<T: Element + WithDType, R>(
         }
         let (storage, layout) = grad.storage_and_layout();
         match (&*storage, layout.contiguous_offsets()) {
-            (Storage::Cpu(_), Some((start, end))) => held.push(Held::Storage(storage, start, end)),
+            (Storage::Cpu(_), Some((start, end))) if grad.dtype() == <T as WithDType>::DTYPE => {
+                held.push(Held::Storage(storage, start, end))
+            }
             _ => {
                 drop(storage);
                 held.push(Held::Owned(owned_values::<T>(grad)?));
@@ -426,8 +451,10 @@ pub(crate) fn positional_names(vars: Vec<Var>) -> Vec<(String, Var)> {
         .collect()
 }
 
-fn owned_values<T: WithDType>(t: &Tensor) -> Result<Vec<T>> {
-    Ok(t.flatten_all()?.to_vec1::<T>()?)
+/// A gradient's values as `T`: copied from another device, widened from a
+/// 16-bit gradient under f32 master weights (reductions then add in `T`).
+fn owned_values<T: Element + WithDType>(t: &Tensor) -> Result<Vec<T>> {
+    crate::precision::values_as::<T>(t)
 }
 
 impl<C, T> candle_nn::Optimizer for ZeroOptimizer<C, T>

@@ -102,6 +102,22 @@ pub enum Error {
         /// Its value.
         other: String,
     },
+    /// A parameter's dtype cannot be trained by an engine of this element
+    /// type: the engine's type must be the parameter's, or wider (master
+    /// weights for a 16-bit parameter).
+    #[error(
+        "parameter {name:?} is {param} but the engine's element type is {engine}; an engine \
+         steps parameters of its own type, or keeps wider master weights of bf16/f16 ones: \
+         build it with the parameters' type (no master weights) or with f32 (f32 masters)"
+    )]
+    ParamDType {
+        /// The parameter.
+        name: String,
+        /// Its dtype.
+        param: crate::DType,
+        /// The engine's element type.
+        engine: crate::DType,
+    },
     /// Invalid configuration or arguments.
     #[error("invalid configuration: {0}")]
     Config(String),

@@ -152,7 +152,7 @@ fn parameter_frozen_at_build_cannot_be_unfrozen() {
 }
 
 #[test]
-fn wrong_engine_dtype_is_a_config_error() {
+fn wrong_engine_dtype_is_an_error_naming_both_dtypes() {
     let out = ThreadGroup::new(1).run(|comm| {
         let infos = vec![ParamInfo::new("w", [4], DType::F32)];
         Engine::<f64, _>::new(
@@ -163,7 +163,14 @@ fn wrong_engine_dtype_is_a_config_error() {
         )
         .map(|_| ())
     });
-    assert!(matches!(out[0], Ok(Err(Error::Config(_)))));
+    assert!(matches!(
+        out[0],
+        Ok(Err(Error::ParamDType {
+            param: DType::F32,
+            engine: DType::F64,
+            ..
+        }))
+    ));
 }
 
 #[test]

@@ -10,6 +10,7 @@ mod memory;
 mod mpi;
 mod optim;
 mod overlap;
+mod precision;
 mod report;
 mod step;
 pub use report::{Figure, Report};
@@ -36,7 +37,16 @@ fn random_batch(
 /// Runs the suite named by the first command-line argument (all if none).
 pub fn main() {
     let which: Vec<String> = std::env::args().skip(1).collect();
-    let all = ["comm", "optim", "step", "overlap", "memory", "gpt", "gpu"];
+    let all = [
+        "comm",
+        "optim",
+        "step",
+        "overlap",
+        "memory",
+        "precision",
+        "gpt",
+        "gpu",
+    ];
     let selected: Vec<&str> = if which.is_empty() {
         all.to_vec()
     } else {
@@ -66,13 +76,14 @@ pub fn main() {
             "overlap" if !under_mpirun => overlap::run(&mut report),
             "memory" if !under_mpirun => memory::run(&mut report),
             "gpt" if !under_mpirun => gpt::run(&mut report),
+            "precision" if !under_mpirun => precision::run(&mut report),
             "gpu" => {
                 #[cfg(feature = "nccl")]
                 gpu::run(&mut report);
                 #[cfg(not(feature = "nccl"))]
                 println!("gpu benchmarks need --features nccl");
             }
-            "optim" | "step" | "overlap" | "memory" | "gpt" => {}
+            "optim" | "step" | "overlap" | "memory" | "precision" | "gpt" => {}
             other => {
                 eprintln!("unknown benchmark suite {other:?}; expected one of {all:?}");
                 std::process::exit(2);

@@ -1,7 +1,8 @@
 //! Benchmarks that print figures: a human table, then one JSON object per
 //! figure on its own line (`{"name": ..., "value": ..., "unit": ...}`).
 //!
-//! `bench comm`, `bench optim`, `bench step`, `bench memory`, `bench gpu`; no argument runs all
+//! `bench comm`, `bench optim`, `bench step`, `bench memory`, `bench precision`, `bench gpt`,
+//! `bench gpu`; no argument runs all
 //! that this build supports.
 
 /// Counts what the process allocates (`--metrics`' `peak_heap_bytes`,

@@ -52,6 +52,30 @@ pub enum PartitionerArg {
     Greedy,
 }
 
+/// The dtype of the model's weights, activations and gradients.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Precision {
+    /// 32-bit floats everywhere.
+    F32,
+    /// bfloat16 model; f32 master weights and optimizer state in the engine
+    /// (unless `--no-master-weights`).
+    Bf16,
+    /// IEEE half-precision model; f32 master weights, and a dynamic loss
+    /// scale unless `--loss-scale` says otherwise.
+    F16,
+}
+
+impl Precision {
+    /// The model's Candle dtype.
+    pub fn dtype(self) -> candle_core::DType {
+        match self {
+            Precision::F32 => candle_core::DType::F32,
+            Precision::Bf16 => candle_core::DType::BF16,
+            Precision::F16 => candle_core::DType::F16,
+        }
+    }
+}
+
 /// The model to train.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum ModelKind {
@@ -116,6 +140,20 @@ pub struct Args {
     /// Clip gradients to this global L2 norm.
     #[arg(long)]
     pub clip_norm: Option<f64>,
+    /// The model's dtype: f32, or bf16/f16 with f32 master weights and
+    /// optimizer state (16-bit layers; norms and losses in f32).
+    #[arg(long, value_enum, default_value_t = Precision::F32)]
+    pub precision: Precision,
+    /// Loss scaling: `dynamic` (torch's GradScaler: 2^16, x2 every 2000
+    /// clean steps, x0.5 and a skipped step on an inf/NaN gradient), a fixed
+    /// factor, or `none`. Default: dynamic for f16, none otherwise.
+    #[arg(long)]
+    pub loss_scale: Option<String>,
+    /// With a 16-bit `--precision`: step the model's own dtype, without f32
+    /// master weights (updates smaller than the weights' precision are
+    /// lost; for comparison).
+    #[arg(long)]
+    pub no_master_weights: bool,
     /// Bucket size in MiB (per rank: a collective moves world-size times
     /// this).
     #[arg(long, default_value_t = 4.0)]

@@ -80,6 +80,8 @@ struct Init<'a> {
     /// Where the layers hand their gradients during backward (`None`: to
     /// backward's GradStore).
     hook: Option<Arc<dyn GradHook>>,
+    /// The variables' dtype (values drawn in f32, then rounded).
+    dtype: DType,
 }
 
 impl Init<'_> {
@@ -97,7 +99,7 @@ impl Init<'_> {
     }
 
     fn insert(&mut self, name: &str, value: Tensor) -> Result<Tensor, TrainError> {
-        let var = Var::from_tensor(&value)?;
+        let var = Var::from_tensor(&value.to_dtype(self.dtype)?)?;
         let tensor = var.as_tensor().clone();
         self.data.insert(name.to_string(), var);
         Ok(tensor)
@@ -147,6 +149,20 @@ impl Gpt {
         device: &Device,
         hook: Option<Arc<dyn GradHook>>,
     ) -> Result<Self, TrainError> {
+        Self::with_hook_in(varmap, config, seed, device, hook, DType::F32)
+    }
+
+    /// [`Gpt::with_hook`] with variables of `dtype`: a 16-bit model computes
+    /// in its dtype, with the norms' statistics, the attention softmax and
+    /// the loss in f32 (as autocast does).
+    pub fn with_hook_in(
+        varmap: &VarMap,
+        config: GptConfig,
+        seed: u64,
+        device: &Device,
+        hook: Option<Arc<dyn GradHook>>,
+        dtype: DType,
+    ) -> Result<Self, TrainError> {
         config.validate()?;
         let data = varmap
             .data()
@@ -157,6 +173,7 @@ impl Gpt {
             rng: StdRng::seed_from_u64(seed),
             device,
             hook: hook.clone(),
+            dtype,
         };
         let d = config.d_model;
         let std = 0.02;
@@ -209,8 +226,9 @@ impl Gpt {
             .forward(ids)?
             .broadcast_add(&self.wpe.forward(&positions)?)?;
         let mask = causal_mask(time, device)?;
+        let dtype = self.head.dtype();
         for block in &self.blocks {
-            let h = self.attention(block, &block.ln1.forward(&x)?, &mask)?;
+            let h = self.attention(block, &block.ln1.forward(&x)?, &mask, dtype)?;
             x = (x + h)?;
             let h = block.fc.forward(&block.ln2.forward(&x)?)?.gelu()?;
             x = (x + block.mlp_proj.forward(&h)?)?;
@@ -224,7 +242,13 @@ impl Gpt {
         x.matmul(&self.head.t()?)
     }
 
-    fn attention(&self, block: &Block, x: &Tensor, mask: &Tensor) -> candle_core::Result<Tensor> {
+    fn attention(
+        &self,
+        block: &Block,
+        x: &Tensor,
+        mask: &Tensor,
+        dtype: DType,
+    ) -> candle_core::Result<Tensor> {
         let (batch, time, d) = x.dims3()?;
         let heads = self.config.heads;
         let head_dim = d / heads;
@@ -241,7 +265,10 @@ impl Gpt {
         };
         let (q, k, v) = (part(0)?, part(1)?, part(2)?);
         let scores = (q.matmul(&k.t()?.contiguous()?)? / (head_dim as f64).sqrt())?;
-        let weights = candle_nn::ops::softmax(&scores.broadcast_add(mask)?, D::Minus1)?;
+        // The softmax in f32 (the mask is f32): exact for an f32 model, and
+        // what autocast does for a 16-bit one.
+        let scores = scores.to_dtype(DType::F32)?.broadcast_add(mask)?;
+        let weights = candle_nn::ops::softmax(&scores, D::Minus1)?.to_dtype(dtype)?;
         let y = weights
             .matmul(&v)?
             .transpose(1, 2)?
@@ -255,7 +282,10 @@ impl Gpt {
         let time = ids.dim(1)? - 1;
         let inputs = ids.narrow(1, 0, time)?.contiguous()?;
         let targets = ids.narrow(1, 1, time)?.flatten_all()?;
-        candle_nn::loss::cross_entropy(&self.forward(&inputs)?, &targets)
+        // In f32 whatever the model's dtype (a 16-bit loss would also
+        // overflow under loss scaling).
+        let logits = self.forward(&inputs)?.to_dtype(DType::F32)?;
+        candle_nn::loss::cross_entropy(&logits, &targets)
     }
 
     /// `count` bytes continuing `prompt`: greedy when `temperature` is 0,

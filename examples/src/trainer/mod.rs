@@ -9,14 +9,14 @@ mod model;
 mod plot;
 mod text;
 
-pub use args::{Args, Backend, ModelKind, OptimizerKind, OverlapArg, PartitionerArg};
+pub use args::{Args, Backend, ModelKind, OptimizerKind, OverlapArg, PartitionerArg, Precision};
 pub use data::Dataset;
 pub use gpt::{Gpt, GptConfig, VOCAB};
 pub use model::{load_weights, save_weights, Mlp};
 pub use plot::LossHistory;
 pub use text::{TextData, DEFAULT_CORPUS_DIR};
 
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor, WithDType};
 use candle_nn::VarMap;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
@@ -29,9 +29,11 @@ use zero_candle::{CandleMemory, ZeroHook, ZeroOptimizer};
 use zero_core::checkpoint::Manifest;
 use zero_core::comm::Host;
 use zero_core::engine::{
-    EngineConfig, MemoryReport, NormType, Overlap, PartitionerKind, SaveOptions, Stage, StepReport,
+    EngineConfig, LossScale, MemoryReport, NormType, Overlap, PartitionerKind, SaveOptions, Stage,
+    StepReport,
 };
-use zero_core::{Communicator, ReduceOp, ThreadGroup};
+use zero_core::optim::Float;
+use zero_core::{Communicator, Element, ReduceOp, ThreadGroup};
 
 /// Why training stopped.
 #[derive(Debug, thiserror::Error)]
@@ -93,6 +95,13 @@ pub struct StepMetrics {
     pub bytes_sent: u64,
     /// Rank 0's engine buffers, per category (the engine's own count).
     pub memory: MemoryReport,
+    /// The loss scale the step's gradients were divided by (with loss
+    /// scaling).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub loss_scale: Option<f64>,
+    /// Whether the step was skipped for an inf/NaN gradient (loss scaling).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub skipped: bool,
     /// The process's peak heap bytes so far (all ranks of a threads run),
     /// as counted by the binary's allocator; absent when not counted.
     pub peak_heap_bytes: Option<usize>,
@@ -328,12 +337,54 @@ fn validate(args: &Args) -> Result<(), TrainError> {
             args.temperature
         )));
     }
+    if loss_scale(args)? != LossScale::None && args.overlap == OverlapArg::Interleaved {
+        return Err(TrainError::Usage(
+            "loss scaling (--loss-scale, on by default for --precision f16) decides after \
+             backward whether to step; --overlap interleaved steps during backward: use \
+             --overlap after-backward"
+                .into(),
+        ));
+    }
+    if args.precision != Precision::F32 && args.backend == Backend::Nccl {
+        return Err(TrainError::Usage(
+            format!(
+                "--precision {:?} is not built for --backend nccl yet (its GPU memory trains f32 \
+             models); use --backend threads or mpi, or --precision f32",
+                args.precision
+            )
+            .to_lowercase(),
+        ));
+    }
+    if args.no_master_weights && args.precision == Precision::F32 {
+        return Err(TrainError::Usage(
+            "--no-master-weights applies to --precision bf16 or f16".into(),
+        ));
+    }
     if args.checkpoint_every > 0 && args.checkpoint_dir.is_none() {
         return Err(TrainError::Usage(
             "--checkpoint-every needs --checkpoint-dir".into(),
         ));
     }
     Ok(())
+}
+
+/// The loss scaling `--loss-scale` asks for (by default dynamic for f16,
+/// none otherwise).
+fn loss_scale(args: &Args) -> Result<LossScale, TrainError> {
+    let scale = match args.loss_scale.as_deref() {
+        None if args.precision == Precision::F16 => LossScale::dynamic(),
+        None | Some("none") => LossScale::None,
+        Some("dynamic") => LossScale::dynamic(),
+        Some(fixed) => match fixed.parse::<f64>() {
+            Ok(v) if v.is_finite() && v > 0.0 => LossScale::Fixed(v),
+            _ => {
+                return Err(TrainError::Usage(format!(
+                    "--loss-scale {fixed:?}: use dynamic, none, or a positive number"
+                )))
+            }
+        },
+    };
+    Ok(scale)
 }
 
 /// The engine configuration the flags describe.
@@ -356,7 +407,9 @@ pub fn engine_config(args: &Args) -> EngineConfig {
             OverlapArg::Interleaved => Overlap::Interleaved,
         })
         // The norm needs every gradient: the interleaved schedule has none.
-        .with_grad_norm(args.overlap != OverlapArg::Interleaved);
+        .with_grad_norm(args.overlap != OverlapArg::Interleaved)
+        // Validated by `run` before any rank starts.
+        .with_loss_scale(loss_scale(args).unwrap_or_default());
     if let Some(max_norm) = args.clip_norm {
         config = config.with_clip(max_norm, NormType::L2);
     }
@@ -398,13 +451,14 @@ impl<'a> Model<'a> {
         hook: Arc<dyn GradHook>,
     ) -> Result<Self, TrainError> {
         let hook = Some(hook);
+        let dtype = args.precision.dtype();
         Ok(match data {
             TrainingData::Rows(rows) => Self::Mlp(
-                Mlp::with_hook(varmap, &widths(args, rows), args.seed, device, hook)?,
+                Mlp::with_hook_in(varmap, &widths(args, rows), args.seed, device, hook, dtype)?,
                 rows,
             ),
             TrainingData::Text(text) => Self::Gpt(
-                Gpt::with_hook(varmap, gpt_config(args), args.seed, device, hook)?,
+                Gpt::with_hook_in(varmap, gpt_config(args), args.seed, device, hook, dtype)?,
                 text,
             ),
         })
@@ -424,9 +478,12 @@ impl<'a> Model<'a> {
         Ok(match self {
             Self::Mlp(model, data) => {
                 let (x, y) = data.batch_at(first_row, world_size, rank, batch);
-                let x = Tensor::from_vec(x, (batch, data.width), device)?;
+                let x = Tensor::from_vec(x, (batch, data.width), device)?
+                    .to_dtype(args.precision.dtype())?;
                 let y = Tensor::from_vec(y, batch, device)?;
-                candle_nn::loss::cross_entropy(&model.forward(&x)?, &y)?
+                // The loss in f32 whatever the model's dtype (as autocast).
+                let logits = model.forward(&x)?.to_dtype(DType::F32)?;
+                candle_nn::loss::cross_entropy(&logits, &y)?
             }
             Self::Gpt(model, text) => {
                 let context = args.context as usize;
@@ -497,10 +554,11 @@ trait RankOptimizer {
     fn names_and_vars(&self) -> (&[String], &[candle_core::Var]);
 }
 
-impl<C> RankOptimizer for ZeroOptimizer<C, f32>
+impl<C, T> RankOptimizer for ZeroOptimizer<C, T>
 where
     C: Communicator + 'static,
-    C::Memory: CandleMemory<f32, C>,
+    T: Element + WithDType,
+    C::Memory: CandleMemory<T, C>,
 {
     fn backward_step(&mut self, loss: &Tensor) -> Result<Option<StepReport>, TrainError> {
         Ok(ZeroOptimizer::backward_step(self, loss)?)
@@ -545,14 +603,29 @@ pub fn train_rank<C: Communicator<Memory = Host> + 'static>(
     comm: C,
     data: &TrainingData,
 ) -> Result<Summary, TrainError> {
+    // The engine's element type: f32 (the master weights of a 16-bit
+    // model), or the model's own without master weights.
+    match (args.precision, args.no_master_weights) {
+        (Precision::Bf16, true) => train_rank_as::<C, half::bf16>(args, comm, data),
+        (Precision::F16, true) => train_rank_as::<C, half::f16>(args, comm, data),
+        _ => train_rank_as::<C, f32>(args, comm, data),
+    }
+}
+
+/// [`train_rank`] with an engine of element type `T`.
+fn train_rank_as<C, T>(args: &Args, comm: C, data: &TrainingData) -> Result<Summary, TrainError>
+where
+    C: Communicator<Memory = Host> + 'static,
+    T: Float + WithDType,
+{
     let (rank, world_size) = (comm.rank(), comm.world_size());
     let varmap = VarMap::new();
-    let hook = ZeroHook::<C, f32>::new();
+    let hook = ZeroHook::<C, T>::new();
     let model = Model::new(args, data, &varmap, &Device::Cpu, hook.clone())?;
     if let Some(path) = &args.init {
         load_weights(&varmap, path)?;
     }
-    let mut opt = ZeroOptimizer::<C, f32>::new(
+    let mut opt = ZeroOptimizer::<C, T>::new(
         &varmap,
         comm,
         engine_config(args),
@@ -689,6 +762,8 @@ fn train_loop(ctx: &LoopContext<'_>, opt: &mut dyn RankOptimizer) -> Result<Summ
                 tokens_per_s,
                 bytes_sent: opt.bytes_sent() - bytes_before,
                 memory: opt.memory_report(),
+                loss_scale: report.loss_scale,
+                skipped: report.skipped,
                 peak_heap_bytes: crate::heap::peak_bytes(),
             };
             let path = args.metrics.clone().unwrap_or_default();
@@ -775,7 +850,10 @@ fn train_loop(ctx: &LoopContext<'_>, opt: &mut dyn RankOptimizer) -> Result<Summ
         for (name, var) in names.iter().zip(vars) {
             weights.push((
                 name.clone(),
-                var.as_tensor().flatten_all()?.to_vec1::<f32>()?,
+                var.as_tensor()
+                    .flatten_all()?
+                    .to_dtype(DType::F32)?
+                    .to_vec1::<f32>()?,
             ));
         }
     }

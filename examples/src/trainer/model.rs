@@ -3,7 +3,7 @@
 //! the weight in place and writes its gradient straight out).
 
 use crate::trainer::TrainError;
-use candle_core::{Device, Tensor, Var};
+use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{Module, VarMap};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use std::path::Path;
@@ -36,6 +36,19 @@ impl Mlp {
         device: &Device,
         hook: Option<std::sync::Arc<dyn zero_candle::nn::GradHook>>,
     ) -> Result<Self, TrainError> {
+        Self::with_hook_in(varmap, widths, seed, device, hook, DType::F32)
+    }
+
+    /// [`Mlp::with_hook`] with variables of `dtype` (the same seeded f32
+    /// values, rounded): a 16-bit model for mixed precision.
+    pub fn with_hook_in(
+        varmap: &VarMap,
+        widths: &[usize],
+        seed: u64,
+        device: &Device,
+        hook: Option<std::sync::Arc<dyn zero_candle::nn::GradHook>>,
+        dtype: DType,
+    ) -> Result<Self, TrainError> {
         let mut rng = StdRng::seed_from_u64(seed);
         let mut data = varmap
             .data()
@@ -49,8 +62,9 @@ impl Mlp {
                 .map(|_| rng.gen_range(-bound..bound))
                 .collect();
             let b: Vec<f32> = (0..fan_out).map(|_| rng.gen_range(-bound..bound)).collect();
-            let w = Var::from_tensor(&Tensor::from_vec(w, (fan_out, fan_in), device)?)?;
-            let b = Var::from_tensor(&Tensor::from_vec(b, fan_out, device)?)?;
+            let w = Tensor::from_vec(w, (fan_out, fan_in), device)?.to_dtype(dtype)?;
+            let b = Tensor::from_vec(b, fan_out, device)?.to_dtype(dtype)?;
+            let (w, b) = (Var::from_tensor(&w)?, Var::from_tensor(&b)?);
             data.insert(format!("layers.{i}.weight"), w.clone());
             data.insert(format!("layers.{i}.bias"), b.clone());
             // Without a hook the gradients land in backward's GradStore,

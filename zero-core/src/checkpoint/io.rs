@@ -388,6 +388,27 @@ impl TensorBytes<'_> {
     }
 }
 
+impl TensorBytes<'_> {
+    /// Copies the elements out converted to `T` from any float dtype
+    /// (exact when widening, rounded to nearest when narrowing): a
+    /// checkpoint of one precision loads into an engine of another.
+    pub fn to_vec_as<T: Element>(&self) -> Result<Vec<T>> {
+        fn convert<S: Element, T: Element>(t: &TensorBytes<'_>) -> Result<Vec<T>> {
+            let src = t.to_vec::<S>()?;
+            let mut out = vec![T::default(); src.len()];
+            crate::engine::convert_slice(&src, &mut out);
+            Ok(out)
+        }
+        match self.dtype {
+            dtype if dtype == T::DTYPE => self.to_vec::<T>(),
+            DType::F32 => convert::<f32, T>(self),
+            DType::F64 => convert::<f64, T>(self),
+            DType::BF16 => convert::<half::bf16, T>(self),
+            DType::F16 => convert::<half::f16, T>(self),
+        }
+    }
+}
+
 pub(crate) fn to_safetensors(dtype: DType) -> safetensors::Dtype {
     match dtype {
         DType::F32 => safetensors::Dtype::F32,
@@ -731,6 +752,9 @@ pub struct CheckpointInfo {
     pub param_groups: Vec<GroupState>,
     /// Optimizer steps taken at save.
     pub steps: u64,
+    /// The loss scaler's state at save (runs with loss scaling).
+    #[serde(default)]
+    pub loss_scaler: Option<crate::engine::LossScalerState>,
     /// The model weights under parameter names (sharded checkpoints).
     #[serde(default)]
     pub model_file: Option<String>,

@@ -1,5 +1,6 @@
 //! Engine configuration.
 
+use super::scaler::LossScale;
 use crate::optim::Hyperparams;
 use crate::partition::{Flat, Greedy, Partitioner};
 use crate::{Error, Result};
@@ -166,9 +167,25 @@ pub struct EngineConfig {
     pub check_trainability: bool,
     /// Parameter groups beyond group 0.
     pub param_groups: Vec<ParamGroupSpec>,
+    /// Loss scaling for 16-bit models (f16 needs it; see [`LossScale`]).
+    /// Off by default.
+    #[serde(default)]
+    pub loss_scale: LossScale,
+    /// With master weights (the engine's element type wider than the
+    /// parameters', e.g. an `Engine<f32>` over a bf16 model), all-gather
+    /// the updated shard in the parameters' dtype: half the bytes, and
+    /// exact, since the replica holds that dtype anyway. Off: gather the
+    /// master dtype and round on write-back (the same values, twice the
+    /// bytes). No effect without master weights.
+    #[serde(default = "default_true")]
+    pub gather_in_param_dtype: bool,
     /// When reductions of gradients handed over during backward run.
     #[serde(default)]
     pub overlap: Overlap,
+}
+
+fn default_true() -> bool {
+    true
 }
 
 impl Default for EngineConfig {
@@ -182,6 +199,8 @@ impl Default for EngineConfig {
             compute_grad_norm: false,
             check_trainability: true,
             param_groups: Vec::new(),
+            loss_scale: LossScale::None,
+            gather_in_param_dtype: true,
             overlap: Overlap::default(),
         }
     }
@@ -248,7 +267,21 @@ impl EngineConfig {
         self
     }
 
+    /// Sets the loss scaling.
+    pub fn with_loss_scale(mut self, loss_scale: LossScale) -> Self {
+        self.loss_scale = loss_scale;
+        self
+    }
+
+    /// Gathers updated master shards in the parameters' dtype (`true`, the
+    /// default) or in the master dtype.
+    pub fn with_gather_in_param_dtype(mut self, on: bool) -> Self {
+        self.gather_in_param_dtype = on;
+        self
+    }
+
     pub(crate) fn validate(&self) -> Result<()> {
+        self.loss_scale.validate()?;
         if self.bucket_bytes == 0 {
             return Err(Error::Config(
                 "bucket_bytes is 0; use a positive size such as 4 MiB".into(),
@@ -257,6 +290,14 @@ impl EngineConfig {
         if self.grad_accum_steps == 0 {
             return Err(Error::Config(
                 "grad_accum_steps is 0; use 1 for no accumulation".into(),
+            ));
+        }
+        if self.overlap == Overlap::Interleaved && self.loss_scale != LossScale::None {
+            return Err(Error::Config(
+                "loss scaling decides after backward whether a step runs (an inf or NaN on any \
+                 rank skips it), but the interleaved overlap steps buckets during backward; use \
+                 the after-backward overlap with loss scaling"
+                    .into(),
             ));
         }
         if self.overlap == Overlap::Interleaved && (self.clip.is_some() || self.compute_grad_norm) {

@@ -34,6 +34,8 @@ mod config;
 mod layout;
 mod memory;
 mod overlap;
+mod precision;
+mod scaler;
 mod setup;
 mod shard_memory;
 mod state;
@@ -44,6 +46,8 @@ pub use config::{
 pub use layout::{Layout, Run};
 pub use memory::MemoryReport;
 pub use overlap::ReductionProgress;
+pub use precision::{convert_slice, CastParams};
+pub use scaler::{DynamicLossScale, LossScale, LossScalerState};
 pub use setup::ShardSetup;
 pub use shard_memory::{
     GradPiece, HostMemory, ParamCopy, ParamStore, ShardMemory, StepPiece, StepPlan,
@@ -66,6 +70,12 @@ pub struct StepReport {
     pub grad_norm: Option<f64>,
     /// How many micro-steps were averaged into this step.
     pub micro_steps: usize,
+    /// With loss scaling: the step was skipped on every rank because a
+    /// gradient was inf or NaN on some rank (weights and optimizer state
+    /// unchanged; the scale backed off).
+    pub skipped: bool,
+    /// With loss scaling: the scale this step's gradients were divided by.
+    pub loss_scale: Option<f64>,
 }
 
 /// The ZeRO engine for one rank, over communicator `C`, with its buffers in
@@ -133,6 +143,11 @@ pub struct Engine<T: Element, C: Communicator, M: ShardMemory<T, C> = HostMemory
     steps: u64,
     /// The state gathered by the last `consolidate_state_dict` (receiver only).
     consolidated: Option<crate::checkpoint::StateDict<T>>,
+    /// With master weights: whether `param_shard` holds them (see
+    /// `precision.rs`); until then the next step reads the replica.
+    masters_fresh: bool,
+    /// The loss scaler, when the configuration asks for loss scaling.
+    scaler: Option<scaler::LossScaler>,
 }
 
 impl<T: Element, C: Communicator<Memory = Host>> Engine<T, C, HostMemory> {
@@ -201,6 +216,8 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             trainable,
             steps: 0,
             consolidated: None,
+            masters_fresh: false,
+            scaler: scaler::LossScaler::new(config.loss_scale),
             comm: Arc::new(comm),
             memory,
             config,
@@ -248,11 +265,13 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                 at: piece.flat_range.start - base,
             })
             .collect();
-        // Stage 0 steps the replica itself (`step_replica`).
+        // Stage 0 steps the replica itself (`step_replica`), unless it
+        // keeps master weights (all of them: its plan has one rank).
         self.param_shard = match stage {
-            Stage::Ddp => self.memory.alloc_zeroed(0)?,
+            Stage::Ddp if !self.has_master_weights() => self.memory.alloc_zeroed(0)?,
             _ => self.memory.alloc_zeroed(plan.shard_numel)?,
         };
+        self.masters_fresh = false;
         self.grad_shard = match stage {
             Stage::Ddp => None,
             _ => Some(self.memory.alloc_zeroed(plan.shard_numel)?),
@@ -646,10 +665,15 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         let result = self.reduce_and_update_window(last, micro_steps, params);
         self.discard_window();
         let grad_norm = result?;
-        self.steps += 1;
+        let (skipped, loss_scale) = self.scaler_outcome();
+        if !skipped {
+            self.steps += 1;
+        }
         Ok(StepReport {
             grad_norm,
             micro_steps,
+            skipped,
+            loss_scale,
         })
     }
 
@@ -724,12 +748,13 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         };
 
         // The owned pieces' current values (the replica may have been changed
-        // by the user since the last step), unless `begin_backward` read
-        // them (and the interleaved schedule may have stepped some since).
-        // Stage 0 steps the replica bucket by bucket instead.
-        if !self.params_read && self.config.stage != Stage::Ddp {
-            self.memory
-                .read_params(params, &self.owned_copies, &mut self.param_shard)?;
+        // by the user since the last step; master weights are the truth),
+        // unless `begin_backward` read them (and the interleaved schedule
+        // may have stepped some since). Stage 0 without master weights steps
+        // the replica bucket by bucket instead.
+        let masters = self.has_master_weights();
+        if !self.params_read && (self.config.stage != Stage::Ddp || masters) {
+            self.refresh_param_shard(params)?;
         }
 
         let ranges = self.stepping_ranges(&stepping);
@@ -739,8 +764,11 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         if micro_steps > 1 {
             self.scale_grads(1.0 / micro_steps as f64, &ranges)?;
         }
+        if self.unscale_or_skip(&ranges)? {
+            return Ok(None);
+        }
         let grad_norm = self.clip_gradients(&ranges)?;
-        if self.config.stage == Stage::Ddp {
+        if self.config.stage == Stage::Ddp && !masters {
             self.step_replica(&stepping, params)?;
             return Ok(grad_norm);
         }
@@ -1037,9 +1065,13 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             .step(self.optimizer.as_mut(), &mut self.param_shard, grads, plan)
     }
 
-    /// Puts the updated values into the replica (stages 1 and 2): all-gathers
-    /// each active bucket.
+    /// Puts the updated values into the replica: all-gathers each active
+    /// bucket (stages 1 and 2), or writes the master weights (stage 0).
     fn write_back(&mut self, params: &mut M::Params<'_>) -> Result<()> {
+        if self.config.stage == Stage::Ddp {
+            // Stage 0 with master weights: every rank holds all of them.
+            return self.write_masters(params);
+        }
         let mut bucket_buf = match self.full_grads {
             Some(_) => None,
             None => Some(self.take_pooled()?),
@@ -1057,6 +1089,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         params: &mut M::Params<'_>,
         mut bucket_buf: Option<&mut M::Buffer>,
     ) -> Result<()> {
+        let gather_dtype = self.gather_dtype();
         for k in 0..self.layout.buckets.len() {
             if !self.bucket_active[k] {
                 continue;
@@ -1072,12 +1105,13 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                     ))
                 }
             };
-            self.memory.all_gather(
+            self.memory.all_gather_as(
                 &self.comm,
                 &self.param_shard,
                 shard_range,
                 gathered,
                 at..at + range.len(),
+                gather_dtype,
             )?;
             let copies: Vec<ParamCopy> = self
                 .layout
@@ -1232,6 +1266,11 @@ fn fingerprint<T: Element>(
         c.check_trainability.to_string(),
     ));
     out.push(("overlap".into(), format!("{:?}", c.overlap)));
+    out.push(("loss_scale".into(), format!("{:?}", c.loss_scale)));
+    out.push((
+        "gather_in_param_dtype".into(),
+        c.gather_in_param_dtype.to_string(),
+    ));
     out.push(("optimizer".into(), optimizer.kind().to_string()));
     for g in 0..optimizer.num_groups() {
         out.push((

@@ -371,8 +371,8 @@ where
         // steps after backward.
         let early = match self.config.overlap {
             Overlap::Interleaved if last_micro_step && stage != Stage::Ddp => {
-                self.memory
-                    .read_params(params, &self.owned_copies, &mut self.param_shard)?;
+                // Master weights, when kept, are not read again.
+                self.refresh_param_shard(params)?;
                 self.params_read = true;
                 self.lend_early_step(&expected_calls)?
             }
@@ -535,7 +535,10 @@ where
         let fresh = self.steps == 0
             && self.micro_steps == 0
             && !self.window_open
-            && self.memory.state_bytes(self.optimizer.as_ref()) == 0;
+            && self.memory.state_bytes(self.optimizer.as_ref()) == 0
+            // Master weights loaded from a checkpoint live in this plan's
+            // shard.
+            && !self.masters_fresh;
         if !fresh || self.config.partitioner != super::PartitionerKind::Flat {
             if self.planned_order.is_some() {
                 tracing::debug!("gradient-ready order changed; keeping the partition");
@@ -847,6 +850,7 @@ where
                 ))
             }
         };
+        let gather_dtype = self.gather_dtype();
         let comm = &*self.comm;
         let memory = &mut self.memory;
         let pool = &mut self.pool;
@@ -867,7 +871,16 @@ where
                     } else {
                         let n = layout.buckets[k].len();
                         let all = layout.bucket_range(k).len();
-                        worker_memory.all_gather(comm, &send, 0..n, &mut recv, 0..all)
+                        // The parameters' dtype on the wire where master
+                        // weights are kept (as `gather_buckets`).
+                        worker_memory.all_gather_as(
+                            comm,
+                            &send,
+                            0..n,
+                            &mut recv,
+                            0..all,
+                            gather_dtype,
+                        )
                     };
                     failed |= result.is_err();
                     if done_tx.send((k, send, recv, result)).is_err() {

@@ -49,14 +49,12 @@ impl ShardSetup {
                     p.name
                 )));
             }
-            if p.trainable && p.dtype != T::DTYPE {
-                return Err(Error::Config(format!(
-                    "parameter {:?} is {} but the engine was built for {}; \
-                     build it for the model's dtype or freeze the parameter",
-                    p.name,
-                    p.dtype,
-                    T::DTYPE
-                )));
+            if p.trainable && !super::precision::engine_steps::<T>(p.dtype) {
+                return Err(Error::ParamDType {
+                    name: p.name.clone(),
+                    param: p.dtype,
+                    engine: T::DTYPE,
+                });
             }
         }
 

@@ -18,7 +18,8 @@
 use super::NormType;
 use crate::comm::{Communicator, Host, ReduceOp};
 use crate::optim::{FunctionalOptimizer, OptimizerState, ParamKey, ParamMut};
-use crate::{Element, Result};
+use crate::{DType, Element, Error, Result};
+use half::{bf16, f16};
 use std::ops::Range;
 
 /// One gradient piece to flatten: `grad[range]` goes to
@@ -201,6 +202,51 @@ pub trait ShardMemory<T: Element, C: Communicator>: Send {
         recv_range: Range<usize>,
     ) -> Result<()>;
 
+    /// [`ShardMemory::all_gather`] with the values on the wire rounded to
+    /// `wire` (the parameters' dtype, narrower than `T`, when the engine
+    /// keeps master weights); `recv` receives them widened back into `T`.
+    /// The default sends `T` (the same values after the write-back rounds
+    /// them, twice the bytes).
+    fn all_gather_as(
+        &mut self,
+        comm: &C,
+        send: &Self::Buffer,
+        send_range: Range<usize>,
+        recv: &mut Self::Buffer,
+        recv_range: Range<usize>,
+        wire: DType,
+    ) -> Result<()> {
+        let _ = wire;
+        self.all_gather(comm, send, send_range, recv, recv_range)
+    }
+
+    /// Copies `buffer[range]` into host memory (master weights for a
+    /// checkpoint). Memories that cannot keep master weights keep the
+    /// default, an error.
+    fn buffer_to_host(
+        &mut self,
+        comm: &C,
+        buffer: &Self::Buffer,
+        range: Range<usize>,
+        out: &mut [T],
+    ) -> Result<()> {
+        let _ = (comm, buffer, range, out);
+        Err(no_master_weights("buffer_to_host"))
+    }
+
+    /// Overwrites `buffer[at..at + values.len()]` from host memory (master
+    /// weights from a checkpoint). Memories that cannot keep master
+    /// weights keep the default, an error.
+    fn buffer_from_host(
+        &mut self,
+        buffer: &mut Self::Buffer,
+        at: usize,
+        values: &[T],
+    ) -> Result<()> {
+        let _ = (buffer, at, values);
+        Err(no_master_weights("buffer_from_host"))
+    }
+
     /// All-reduces a few host values (the trainable mask, a norm) and waits
     /// for the result, within the communicator's deadline.
     fn all_reduce_host<V: Element>(
@@ -268,6 +314,17 @@ pub trait ShardMemory<T: Element, C: Communicator>: Send {
         param: usize,
         values: &[T],
     ) -> Result<()>;
+}
+
+/// The error of a memory without master weights asked for them.
+fn no_master_weights(op: &'static str) -> Error {
+    Error::Unsupported {
+        op,
+        detail: "this engine memory does not keep master weights; train the model in the \
+                 engine's element type (e.g. f32), or use host memory (threads, MPI) for \
+                 16-bit models with f32 master weights"
+            .into(),
+    }
 }
 
 /// Access to the full parameter replica a framework holds in host memory.
@@ -467,6 +524,41 @@ impl<T: Element, C: Communicator<Memory = Host>> ShardMemory<T, C> for HostMemor
         comm.all_gather(&send[send_range], &mut recv[recv_range])
     }
 
+    fn all_gather_as(
+        &mut self,
+        comm: &C,
+        send: &Vec<T>,
+        send_range: Range<usize>,
+        recv: &mut Vec<T>,
+        recv_range: Range<usize>,
+        wire: DType,
+    ) -> Result<()> {
+        let (send, recv) = (&send[send_range], &mut recv[recv_range]);
+        match wire {
+            _ if wire == T::DTYPE => comm.all_gather(send, recv),
+            DType::BF16 => gather_narrow::<T, bf16, C>(comm, send, recv),
+            DType::F16 => gather_narrow::<T, f16, C>(comm, send, recv),
+            // Never narrower than `T`: nothing to gain.
+            DType::F32 | DType::F64 => comm.all_gather(send, recv),
+        }
+    }
+
+    fn buffer_to_host(
+        &mut self,
+        _comm: &C,
+        buffer: &Vec<T>,
+        range: Range<usize>,
+        out: &mut [T],
+    ) -> Result<()> {
+        out.copy_from_slice(&buffer[range]);
+        Ok(())
+    }
+
+    fn buffer_from_host(&mut self, buffer: &mut Vec<T>, at: usize, values: &[T]) -> Result<()> {
+        buffer[at..at + values.len()].copy_from_slice(values);
+        Ok(())
+    }
+
     fn all_reduce_host<V: Element>(
         &mut self,
         comm: &C,
@@ -554,4 +646,40 @@ impl<T: Element, C: Communicator<Memory = Host>> ShardMemory<T, C> for HostMemor
     ) -> Result<()> {
         params.write(param, 0..values.len(), values)
     }
+}
+
+/// All-gathers `send` as `L` (rounded to nearest) and widens what arrives
+/// back into `recv`. The narrow values are received into the tail of
+/// `recv`'s own bytes and widened front to back in place (element `i` is
+/// read before anything is written over it, since `T` is at least as wide
+/// as `L`), so the gather needs no bucket-sized buffer of its own.
+fn gather_narrow<T: Element, L: Element, C: Communicator<Memory = Host>>(
+    comm: &C,
+    send: &[T],
+    recv: &mut [T],
+) -> Result<()> {
+    let mut narrow_send = vec![L::default(); send.len()];
+    super::precision::convert_slice(send, &mut narrow_send);
+    let (wide, narrow) = (std::mem::size_of::<T>(), std::mem::size_of::<L>());
+    let len = recv.len();
+    let bytes: &mut [u8] = bytemuck::cast_slice_mut(recv);
+    let tail = len * (wide - narrow);
+    match bytemuck::try_cast_slice_mut::<u8, L>(&mut bytes[tail..]) {
+        Ok(narrow_recv) => comm.all_gather(&narrow_send, narrow_recv)?,
+        // Not aligned for `L` (never for the f32/bf16 pairs used): a buffer.
+        Err(_) => {
+            let mut narrow_recv = vec![L::default(); len];
+            comm.all_gather(&narrow_send, &mut narrow_recv)?;
+            let recv: &mut [T] = bytemuck::cast_slice_mut(bytes);
+            super::precision::convert_slice(&narrow_recv, recv);
+            return Ok(());
+        }
+    }
+    for i in 0..len {
+        let at = tail + i * narrow;
+        let value: L = bytemuck::pod_read_unaligned(&bytes[at..at + narrow]);
+        let value = T::from_f64(value.to_f64());
+        bytes[i * wide..(i + 1) * wide].copy_from_slice(bytemuck::bytes_of(&value));
+    }
+    Ok(())
 }

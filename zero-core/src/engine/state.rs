@@ -421,6 +421,13 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
 
         let shard_file = |p: usize| format!("optim.{tag}.rank{p}.safetensors");
         let model_file = format!("model.{tag}.safetensors");
+        // The model file holds the master weights where the engine keeps
+        // them (a collective: every rank's shard goes to rank 0).
+        let masters = if self.has_master_weights() {
+            self.gather_masters(0)?
+        } else {
+            None
+        };
         let local = (|| -> Result<Vec<(String, FileRecord)>> {
             std::fs::create_dir_all(dir).map_err(|e| Error::Io {
                 path: dir.to_path_buf(),
@@ -437,7 +444,8 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                 files.push((name, record));
             }
             if rank == 0 {
-                let record = self.write_model(&dir.join(&model_file), weights)?;
+                let record =
+                    self.write_model(&dir.join(&model_file), weights, masters.as_deref())?;
                 files.push((model_file.clone(), record));
             }
             Ok(files)
@@ -592,7 +600,9 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                             assembled[i].scalars.insert(state.to_string(), value);
                             continue;
                         }
-                        if t.shape != [saved.len] || t.dtype != T::DTYPE {
+                        // The state may have been saved by an engine of
+                        // another precision: converted below.
+                        if t.shape != [saved.len] {
                             return Err(checkpoint_error(
                                 &path,
                                 format!(
@@ -604,14 +614,14 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                                 ),
                             ));
                         }
-                        let size = T::DTYPE.size_in_bytes();
+                        let size = t.dtype.size_in_bytes();
                         let from = common.start - saved.offset;
                         let part = TensorBytes {
                             dtype: t.dtype,
                             shape: vec![common.len()],
                             data: &t.data[from * size..(from + common.len()) * size],
                         }
-                        .to_vec::<T>()?;
+                        .to_vec_as::<T>()?;
                         let dst = assembled[i]
                             .tensors
                             .entry(state.to_string())
@@ -651,14 +661,19 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         let model_path = dir.join(model_file);
         let bytes = manifest.read_file(dir, model_file)?;
         let tensors = load_tensors(&model_path, &bytes)?;
-        for (i, p) in self.params.iter().enumerate() {
-            if p.dtype != T::DTYPE {
+        // Any float dtype loads into any precision: a bf16 run's f32
+        // masters into an f32 run, an f32 run's weights into the masters of
+        // a bf16 run (the replica gets them rounded).
+        let masters = self.has_master_weights();
+        for i in 0..self.params.len() {
+            let p = &self.params[i];
+            if !super::precision::engine_steps::<T>(p.dtype) {
                 continue;
             }
             let t = tensors.get(&p.name).ok_or_else(|| {
                 checkpoint_error(&model_path, format!("has no tensor {:?}", p.name))
             })?;
-            if t.shape != p.shape || t.dtype != p.dtype {
+            if t.shape != p.shape {
                 return Err(checkpoint_error(
                     &model_path,
                     format!(
@@ -668,9 +683,16 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                 ));
             }
             let values = t
-                .to_vec::<T>()
+                .to_vec_as::<T>()
                 .map_err(|e| checkpoint_error(&model_path, format!("{:?}: {e}", p.name)))?;
             self.memory.write_param_host(weights, i, &values)?;
+            if masters {
+                self.set_masters_of(i, &values)?;
+            }
+        }
+        self.masters_fresh = masters;
+        if let Some(state) = info.loss_scaler {
+            self.set_loss_scaler_state(state);
         }
 
         for (g, group) in info.param_groups.iter().enumerate() {
@@ -884,15 +906,32 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         })
     }
 
-    fn write_model(&mut self, path: &Path, weights: &mut M::Params<'_>) -> Result<FileRecord> {
+    /// Writes every parameter in the engine's element type: a trainable
+    /// one from `masters` (the flat plan buffer of master weights) when
+    /// given, anything else from the replica (widened where it is
+    /// narrower).
+    fn write_model(
+        &mut self,
+        path: &Path,
+        weights: &mut M::Params<'_>,
+        masters: Option<&[T]>,
+    ) -> Result<FileRecord> {
         let mut values: Vec<(usize, Vec<T>)> = Vec::new();
-        for (i, p) in self.params.iter().enumerate() {
-            if p.dtype != T::DTYPE {
+        for i in 0..self.params.len() {
+            // A frozen parameter of a dtype the engine does not step is not
+            // the engine's to save (nor to load).
+            if !super::precision::engine_steps::<T>(self.params[i].dtype) {
                 continue;
             }
-            let mut buf = vec![T::default(); p.numel()];
-            self.memory
-                .read_param_host(&self.comm, weights, i, &mut buf)?;
+            let buf = match masters {
+                Some(flat) if self.params[i].trainable => self.master_values(flat, i),
+                _ => {
+                    let mut buf = vec![T::default(); self.params[i].numel()];
+                    self.memory
+                        .read_param_host(&self.comm, weights, i, &mut buf)?;
+                    buf
+                }
+            };
             values.push((i, buf));
         }
         let tensors: Vec<(&str, TensorBytes<'_>)> = values
@@ -929,6 +968,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             optimizer: self.optimizer.kind().to_string(),
             param_groups: self.group_states(),
             steps: self.steps,
+            loss_scaler: self.loss_scaler_state(),
             model_file: None,
             shards: Vec::new(),
             user,
@@ -1002,7 +1042,8 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                     p.name
                 ));
             };
-            if s.shape != p.shape || s.dtype != p.dtype {
+            // Another dtype is another precision of the same model: allowed.
+            if s.shape != p.shape {
                 return Err(format!(
                     "parameter {:?} is {} {:?} in the checkpoint but {} {:?} in the model; \
                      is it a checkpoint of another model?",

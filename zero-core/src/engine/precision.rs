@@ -1,0 +1,169 @@
+//! Master weights: an engine whose element type is wider than its
+//! parameters' (an `Engine<f32>` over a bf16 or f16 model) keeps its shard
+//! of the weights in the wider type, and that shard, not the replica, is
+//! the truth.
+//!
+//! The engine's buffers and optimizer state are all in `T`, so with `T =
+//! f32` over a 16-bit model the gradients are reduced in f32, the optimizer
+//! state is f32 and the optimizer steps the f32 master shard; the replica
+//! (the model's 16-bit variables) receives the updated values rounded to
+//! its dtype. The adapter converts at the seam: its [`ParamStore`] reads and
+//! writes the 16-bit variables as `T`, and its gradients arrive as `T`.
+//!
+//! What changes in the engine:
+//! - the owned pieces are read from the replica only when the masters are
+//!   stale (before the first step, after [`Engine::reload_master_weights`]);
+//!   re-reading the rounded replica every step, as an engine without
+//!   masters does, would throw the master precision away;
+//! - the all-gather of the updated shard sends the parameters' dtype (see
+//!   [`EngineConfig::gather_in_param_dtype`]);
+//! - checkpoints store the weights in `T`, the trainable ones from the
+//!   masters, so a resume loses nothing, and load into any precision.
+//!
+//! [`ParamStore`]: super::ParamStore
+//! [`EngineConfig::gather_in_param_dtype`]: super::EngineConfig::gather_in_param_dtype
+
+use super::{Engine, ParamCopy, ParamStore, ShardMemory, Stage};
+use crate::comm::Communicator;
+use crate::{DType, Element, Result};
+use std::ops::Range;
+
+/// Whether an engine of element type `T` can step a parameter of `dtype`:
+/// its own type, or a 16-bit type narrower than `T` (then `T` holds its
+/// master weights). Frozen parameters may have any dtype; the ones this
+/// rejects are left out of checkpoints.
+pub(super) fn engine_steps<T: Element>(dtype: DType) -> bool {
+    dtype == T::DTYPE
+        || (matches!(dtype, DType::BF16 | DType::F16)
+            && T::DTYPE.size_in_bytes() > dtype.size_in_bytes())
+}
+
+impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
+    /// Whether this engine keeps master weights: some trainable parameter
+    /// has a narrower dtype than the engine's element type.
+    pub fn has_master_weights(&self) -> bool {
+        self.params
+            .iter()
+            .any(|p| p.trainable && p.dtype != T::DTYPE)
+    }
+
+    /// Makes the next step read the owned pieces of the weights from the
+    /// replica again, replacing the master weights: call it after changing
+    /// the model's weights by hand (an engine without master weights reads
+    /// them at every step anyway). Loading a checkpoint sets the masters
+    /// from the checkpoint; no call needed.
+    pub fn reload_master_weights(&mut self) {
+        self.masters_fresh = false;
+    }
+
+    /// Brings the owned pieces of the shard up to date before a step:
+    /// without master weights, from the replica (a user may have changed
+    /// it since the last step); with them, only when they are stale.
+    pub(super) fn refresh_param_shard(&mut self, params: &mut M::Params<'_>) -> Result<()> {
+        let masters = self.has_master_weights();
+        if masters && self.masters_fresh {
+            return Ok(());
+        }
+        self.memory
+            .read_params(params, &self.owned_copies, &mut self.param_shard)?;
+        self.masters_fresh = masters;
+        Ok(())
+    }
+
+    /// The dtype the updated shard travels in: the parameters' when they
+    /// share one narrower than `T` (their replica holds nothing finer, so
+    /// rounding before sending is exact), `T` otherwise.
+    pub(super) fn gather_dtype(&self) -> DType {
+        if !self.config.gather_in_param_dtype {
+            return T::DTYPE;
+        }
+        let mut trainable = self.params.iter().filter(|p| p.trainable);
+        match trainable.next() {
+            Some(first) if trainable.all(|p| p.dtype == first.dtype) => first.dtype,
+            _ => T::DTYPE,
+        }
+    }
+
+    /// Stage 0 with master weights: writes the active parameters' updated
+    /// masters (every rank holds all of them) into the replica, rounded.
+    pub(super) fn write_masters(&mut self, params: &mut M::Params<'_>) -> Result<()> {
+        let copies: Vec<ParamCopy> = self
+            .owned_copies
+            .iter()
+            .filter(|c| self.active[c.param])
+            .cloned()
+            .collect();
+        self.memory.write_params(params, &copies, &self.param_shard)
+    }
+
+    /// The master weights of every trainable parameter, on rank `root` as
+    /// the flat plan buffer (other ranks: `None`). A collective in stages 1
+    /// and 2 (one gather of every rank's shard); in stage 0 every rank
+    /// holds all of them.
+    pub(super) fn gather_masters(&mut self, root: usize) -> Result<Option<Vec<T>>> {
+        let shard_numel = self.plan.shard_numel;
+        let mut mine = vec![T::default(); shard_numel];
+        self.memory
+            .buffer_to_host(&self.comm, &self.param_shard, 0..shard_numel, &mut mine)?;
+        if self.config.stage == Stage::Ddp {
+            return Ok((self.comm.rank() == root).then_some(mine));
+        }
+        let counts = vec![shard_numel; self.comm.world_size()];
+        let mut all =
+            (self.comm.rank() == root).then(|| vec![T::default(); self.plan.flat_numel()]);
+        self.memory
+            .gather_varlen_host(&self.comm, &mine, &counts, all.as_deref_mut(), root)?;
+        Ok(all)
+    }
+
+    /// Parameter `param`'s values out of a flat plan buffer of masters.
+    pub(super) fn master_values(&self, flat: &[T], param: usize) -> Vec<T> {
+        let mut out = vec![T::default(); self.params[param].numel()];
+        for piece in self.plan.shards.iter().flatten() {
+            if piece.param == param {
+                out[piece.param_range.clone()].copy_from_slice(&flat[piece.flat_range.clone()]);
+            }
+        }
+        out
+    }
+
+    /// Sets the owned pieces of parameter `param`'s master weights from its
+    /// whole `values` (a checkpoint load).
+    pub(super) fn set_masters_of(&mut self, param: usize, values: &[T]) -> Result<()> {
+        for copy in self.owned_copies.iter().filter(|c| c.param == param) {
+            self.memory.buffer_from_host(
+                &mut self.param_shard,
+                copy.at,
+                &values[copy.param_range.clone()],
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// Converts between element types through f64 (exact when widening; one
+/// rounding to nearest, ties to even, when narrowing).
+pub fn convert_slice<S: Element, D: Element>(src: &[S], dst: &mut [D]) {
+    for (d, s) in dst.iter_mut().zip(src) {
+        *d = D::from_f64(s.to_f64());
+    }
+}
+
+/// A host replica of 16-bit (or any) parameters read and written as another
+/// element type: the [`ParamStore`] of an `Engine<f32>` with master weights
+/// over a model kept as `Vec<Vec<bf16>>` (tests, and adapters with host
+/// replicas).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct CastParams<S>(pub Vec<Vec<S>>);
+
+impl<S: Element, T: Element> ParamStore<T> for CastParams<S> {
+    fn read(&mut self, param: usize, range: Range<usize>, out: &mut [T]) -> Result<()> {
+        convert_slice(&self.0[param][range], out);
+        Ok(())
+    }
+
+    fn write(&mut self, param: usize, range: Range<usize>, values: &[T]) -> Result<()> {
+        convert_slice(values, &mut self.0[param][range]);
+        Ok(())
+    }
+}

@@ -1,0 +1,462 @@
+//! Mixed precision in the engine: f32 master weights over a bf16 model,
+//! loss scaling against `torch.amp.GradScaler`, and checkpoints across
+//! precisions.
+//!
+//! The golden values of the loss-scaling test come from
+//! `tests/golden/gen_scaler_golden.py` (torch.amp.GradScaler on the same
+//! schedule of planted infs and NaNs).
+
+use half::bf16;
+use std::path::Path;
+use zero_core::checkpoint::Manifest;
+use zero_core::engine::{CastParams, DynamicLossScale, LossScale};
+use zero_core::optim::{Adam, AdamConfig, Sgd, SgdConfig};
+use zero_core::{
+    Communicator, DType, Engine, EngineConfig, FunctionalOptimizer, ParamInfo, Result, Stage,
+    ThreadComm, ThreadGroup,
+};
+
+/// Runs `f` on `world` ranks and unwraps every rank's result.
+fn run<R: Send>(world: usize, f: impl Fn(ThreadComm) -> Result<R> + Sync) -> Vec<R> {
+    ThreadGroup::new(world)
+        .with_timeout(std::time::Duration::from_secs(60))
+        .run(f)
+        .into_iter()
+        .enumerate()
+        .map(|(rank, r)| match r {
+            Ok(Ok(v)) => v,
+            Ok(Err(e)) => panic!("rank {rank} failed: {e}"),
+            Err(e) => panic!("rank {rank}: {e}"),
+        })
+        .collect()
+}
+
+fn config(stage: u8) -> EngineConfig {
+    EngineConfig::default()
+        .with_stage(Stage::from_number(stage).unwrap())
+        .with_bucket_bytes(64)
+}
+
+// ---------------------------------------------------------------- scaling
+
+#[derive(serde::Deserialize)]
+struct ScalerGolden {
+    steps: usize,
+    world: usize,
+    params: Vec<(String, usize)>,
+    planted: Vec<(usize, usize, usize, usize, String)>,
+    lr: f64,
+    momentum: f64,
+    scales: Vec<f64>,
+    skipped: Vec<bool>,
+    final_scale: f64,
+    weights: Vec<Vec<f32>>,
+}
+
+fn scaler_golden() -> ScalerGolden {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden/scaler_golden.json");
+    serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap()
+}
+
+/// The unscaled gradient formula of `gen_scaler_golden.py`.
+fn golden_grad(step: usize, rank: usize, p: usize, i: usize) -> f64 {
+    ((i % 7) + 1) as f64 * (rank + 1) as f64 * ((step % 5) + 1) as f64 / 64.0 - 0.5
+        + p as f64 * 0.125
+}
+
+fn golden_init(p: usize, i: usize) -> f32 {
+    ((i % 11) as f64 * 0.25 - 1.0 + p as f64 * 0.5) as f32
+}
+
+#[test]
+fn dynamic_loss_scale_matches_torch_grad_scaler_on_every_rank() {
+    let golden = scaler_golden();
+    let infos: Vec<ParamInfo> = golden
+        .params
+        .iter()
+        .map(|(name, n)| ParamInfo::new(name.clone(), [*n], DType::F32))
+        .collect();
+    let scale = LossScale::Dynamic(DynamicLossScale {
+        growth_interval: 3,
+        ..DynamicLossScale::default()
+    });
+    for stage in 0..=2u8 {
+        let out = run(golden.world, |comm| {
+            let rank = comm.rank();
+            let sgd = Sgd::new(
+                SgdConfig::default()
+                    .with_lr(golden.lr)
+                    .with_momentum(golden.momentum),
+            )?;
+            let mut engine = Engine::<f32, _>::new(
+                comm,
+                infos.clone(),
+                Box::new(sgd),
+                config(stage).with_loss_scale(scale),
+            )?;
+            let mut weights: Vec<Vec<f32>> = golden
+                .params
+                .iter()
+                .enumerate()
+                .map(|(p, (_, n))| (0..*n).map(|i| golden_init(p, i)).collect())
+                .collect();
+            let mut seen = Vec::new();
+            for step in 0..golden.steps {
+                let scale = engine.loss_scale().unwrap();
+                // What backward of the scaled loss would give.
+                let mut grads: Vec<Vec<f32>> = golden
+                    .params
+                    .iter()
+                    .enumerate()
+                    .map(|(p, (_, n))| {
+                        (0..*n)
+                            .map(|i| (golden_grad(step, rank, p, i) * scale) as f32)
+                            .collect()
+                    })
+                    .collect();
+                for (s, r, p, i, v) in &golden.planted {
+                    if (*s, *r) == (step, rank) {
+                        grads[*p][*i] = v.parse().unwrap();
+                    }
+                }
+                let before = weights.clone();
+                let slots: Vec<Option<&[f32]>> = grads.iter().map(|g| Some(&g[..])).collect();
+                let report = engine.step(&slots, &mut weights)?.unwrap();
+                if report.skipped {
+                    assert_eq!(
+                        weights, before,
+                        "rank {rank}: a skipped step changed weights"
+                    );
+                }
+                seen.push((report.loss_scale.unwrap(), report.skipped));
+            }
+            Ok((seen, engine.loss_scale().unwrap(), weights))
+        });
+        for (rank, (seen, final_scale, weights)) in out.iter().enumerate() {
+            let scales: Vec<f64> = seen.iter().map(|s| s.0).collect();
+            let skipped: Vec<bool> = seen.iter().map(|s| s.1).collect();
+            assert_eq!(scales, golden.scales, "stage {stage} rank {rank}: scales");
+            assert_eq!(
+                skipped, golden.skipped,
+                "stage {stage} rank {rank}: skipped"
+            );
+            assert_eq!(
+                *final_scale, golden.final_scale,
+                "stage {stage} rank {rank}"
+            );
+            for (p, (ours, theirs)) in weights.iter().zip(&golden.weights).enumerate() {
+                for (i, (a, b)) in ours.iter().zip(theirs).enumerate() {
+                    assert!(
+                        (a - b).abs() <= 1e-6 * (1.0 + b.abs()),
+                        "stage {stage} rank {rank}: weight {p}[{i}]: {a} vs torch {b}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------- master weights
+
+/// Two parameters, bf16, of 50 and 30 elements (they straddle ranks).
+fn bf16_infos() -> Vec<ParamInfo> {
+    vec![
+        ParamInfo::new("a", [5, 10], DType::BF16),
+        ParamInfo::new("b", [30], DType::BF16),
+    ]
+}
+
+fn as_dtype(infos: &[ParamInfo], dtype: DType) -> Vec<ParamInfo> {
+    infos
+        .iter()
+        .map(|p| ParamInfo::new(p.name.clone(), p.shape.clone(), dtype))
+        .collect()
+}
+
+fn bf16_init(infos: &[ParamInfo]) -> Vec<Vec<bf16>> {
+    infos
+        .iter()
+        .enumerate()
+        .map(|(p, info)| {
+            (0..info.numel())
+                .map(|i| bf16::from_f64(1.0 + ((p * 7 + i * 3) % 13) as f64 / 16.0))
+                .collect()
+        })
+        .collect()
+}
+
+/// A gradient that depends on the step, the rank and the weights.
+fn grad_of(weights: &[f32], step: usize, rank: usize, p: usize) -> Vec<f32> {
+    weights
+        .iter()
+        .enumerate()
+        .map(|(i, w)| 0.3 * w + (((i * 5 + p * 3 + step * 7 + rank * 11) % 17) as f32 - 8.0) * 0.05)
+        .collect()
+}
+
+#[test]
+fn f32_masters_keep_updates_that_a_bf16_engine_loses() {
+    // SGD with lr 1e-4 on weights in [1, 2): each update is below half a
+    // bf16 ulp there (2^-8), so a bf16 engine rounds every update away;
+    // f32 masters add them up.
+    let infos = bf16_infos();
+    let steps = 100;
+    let lr = 1e-4;
+    let sgd = || -> Box<dyn FunctionalOptimizer<f32>> {
+        Box::new(Sgd::new(SgdConfig::default().with_lr(lr)).unwrap())
+    };
+    for stage in 0..=2u8 {
+        let masters = run(2, |comm| {
+            let mut engine = Engine::<f32, _>::new(comm, infos.clone(), sgd(), config(stage))?;
+            let mut replica = CastParams(bf16_init(&infos));
+            let grads: Vec<Vec<f32>> = infos.iter().map(|p| vec![1.0; p.numel()]).collect();
+            for _ in 0..steps {
+                let slots: Vec<Option<&[f32]>> = grads.iter().map(|g| Some(&g[..])).collect();
+                engine.step(&slots, &mut replica)?;
+            }
+            Ok(replica.0)
+        });
+        let plain = run(2, |comm| {
+            let sgd: Box<dyn FunctionalOptimizer<bf16>> =
+                Box::new(Sgd::new(SgdConfig::default().with_lr(lr))?);
+            let mut engine = Engine::<bf16, _>::new(comm, infos.clone(), sgd, config(stage))?;
+            let mut replica = bf16_init(&infos);
+            let grads: Vec<Vec<bf16>> = infos.iter().map(|p| vec![bf16::ONE; p.numel()]).collect();
+            for _ in 0..steps {
+                let slots: Vec<Option<&[bf16]>> = grads.iter().map(|g| Some(&g[..])).collect();
+                engine.step(&slots, &mut replica)?;
+            }
+            Ok(replica)
+        });
+        let init = bf16_init(&infos);
+        assert_eq!(
+            plain[0], init,
+            "stage {stage}: bf16 updates are rounded away"
+        );
+        // With masters: the f32 sum of 100 updates, rounded once.
+        for (p, w0) in init.iter().enumerate() {
+            for (i, w) in w0.iter().enumerate() {
+                let mut master = w.to_f32();
+                for _ in 0..steps {
+                    master -= lr as f32;
+                }
+                let want = bf16::from_f32(master);
+                for replica in &masters {
+                    assert_eq!(replica[p][i], want, "stage {stage}: {p}[{i}]");
+                }
+                assert_ne!(
+                    want, *w,
+                    "the test's updates must add up to a visible change"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn gathering_in_bf16_halves_the_bytes_and_gives_the_same_weights() {
+    let infos = bf16_infos();
+    let train = |in_bf16: bool| {
+        run(2, |comm| {
+            let adam: Box<dyn FunctionalOptimizer<f32>> =
+                Box::new(Adam::new(AdamConfig::default().with_lr(1e-2))?);
+            let cfg = config(2).with_gather_in_param_dtype(in_bf16);
+            let mut engine = Engine::<f32, _>::new(comm, infos.clone(), adam, cfg)?;
+            let mut replica = CastParams(bf16_init(&infos));
+            let rank = engine.comm().rank();
+            let mut sent = 0;
+            for step in 0..5 {
+                let grads: Vec<Vec<f32>> = replica
+                    .0
+                    .iter()
+                    .enumerate()
+                    .map(|(p, w)| {
+                        let w: Vec<f32> = w.iter().map(|x| x.to_f32()).collect();
+                        grad_of(&w, step, rank, p)
+                    })
+                    .collect();
+                let slots: Vec<Option<&[f32]>> = grads.iter().map(|g| Some(&g[..])).collect();
+                let before = engine.comm().bytes_sent();
+                engine.step(&slots, &mut replica)?;
+                sent += engine.comm().bytes_sent() - before;
+            }
+            Ok((replica.0, sent))
+        })
+    };
+    let (wide, narrow) = (train(false), train(true));
+    for rank in 0..2 {
+        assert_eq!(wide[rank].0, narrow[rank].0, "rank {rank}: same weights");
+        assert!(
+            narrow[rank].1 < wide[rank].1,
+            "rank {rank}: {} bytes in bf16, {} in f32",
+            narrow[rank].1,
+            wide[rank].1
+        );
+    }
+}
+
+/// Trains `steps` steps of Adam on the bf16 model with f32 masters and a
+/// dynamic loss scale (an inf planted every 4th step on rank 0), from a
+/// checkpoint if `resume`, then saves into `save`. Returns each rank's
+/// replica and loss scale.
+fn train_bf16_masters(
+    world: usize,
+    stage: u8,
+    first_step: usize,
+    steps: usize,
+    resume: Option<&Path>,
+    save: &Path,
+) -> Vec<(Vec<Vec<bf16>>, Option<f64>)> {
+    let infos = bf16_infos();
+    run(world, |comm| {
+        let adam: Box<dyn FunctionalOptimizer<f32>> =
+            Box::new(Adam::new(AdamConfig::default().with_lr(3e-3))?);
+        let cfg = config(stage).with_loss_scale(LossScale::Dynamic(DynamicLossScale {
+            growth_interval: 2,
+            ..DynamicLossScale::default()
+        }));
+        let mut engine = Engine::<f32, _>::new(comm, infos.clone(), adam, cfg)?;
+        let mut replica = CastParams(bf16_init(&infos));
+        if let Some(dir) = resume {
+            engine.load_checkpoint(dir, &mut replica)?;
+        }
+        let rank = engine.comm().rank();
+        for step in first_step..first_step + steps {
+            let scale = engine.loss_scale().unwrap_or(1.0) as f32;
+            let mut grads: Vec<Vec<f32>> = replica
+                .0
+                .iter()
+                .enumerate()
+                .map(|(p, w)| {
+                    let w: Vec<f32> = w.iter().map(|x| x.to_f32()).collect();
+                    grad_of(&w, step, rank, p)
+                        .into_iter()
+                        .map(|g| g * scale)
+                        .collect()
+                })
+                .collect();
+            if step % 4 == 3 && rank == 0 {
+                grads[1][2] = f32::INFINITY;
+            }
+            let slots: Vec<Option<&[f32]>> = grads.iter().map(|g| Some(&g[..])).collect();
+            let report = engine.step(&slots, &mut replica)?.unwrap();
+            assert_eq!(report.skipped, step % 4 == 3);
+        }
+        engine.save_checkpoint(save, &mut replica)?;
+        Ok((replica.0, engine.loss_scale()))
+    })
+}
+
+/// The model file of the checkpoint in `dir`: (name, dtype, raw bytes).
+fn model_file(dir: &Path) -> Vec<(String, String, Vec<u8>)> {
+    let manifest = Manifest::load(dir).unwrap();
+    let file = manifest.checkpoint.unwrap().model_file.unwrap();
+    let bytes = std::fs::read(dir.join(file)).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut out: Vec<(String, String, Vec<u8>)> = st
+        .tensors()
+        .into_iter()
+        .map(|(name, t)| (name, format!("{:?}", t.dtype()), t.data().to_vec()))
+        .collect();
+    out.sort();
+    out
+}
+
+#[test]
+fn master_weights_and_loss_scale_survive_save_and_resume_bitwise() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (mid, full, resumed) = (
+        tmp.path().join("mid"),
+        tmp.path().join("full"),
+        tmp.path().join("resumed"),
+    );
+    for stage in 0..=2u8 {
+        train_bf16_masters(2, stage, 0, 6, None, &mid);
+        // The same 12 steps without a break.
+        let straight = train_bf16_masters(2, stage, 0, 12, None, &full);
+        let again = train_bf16_masters(2, stage, 6, 6, Some(&mid), &resumed);
+        assert_eq!(
+            straight, again,
+            "stage {stage}: replica and loss scale after resume"
+        );
+        // The model file holds the f32 masters: bitwise the same, and finer
+        // than bf16 (so a resume from the bf16 replica would lose them).
+        let (a, b) = (model_file(&full), model_file(&resumed));
+        assert_eq!(a, b, "stage {stage}: master weights after resume");
+        assert!(a.iter().all(|(_, dtype, _)| dtype == "F32"));
+        let finer = a.iter().any(|(_, _, data)| {
+            bytemuck::cast_slice::<u8, f32>(&data.clone())
+                .iter()
+                .any(|x| bf16::from_f32(*x).to_f32() != *x)
+        });
+        assert!(finer, "stage {stage}: the masters must hold more than bf16");
+    }
+}
+
+#[test]
+fn checkpoints_load_across_precisions_world_sizes_and_stages() {
+    let tmp = tempfile::tempdir().unwrap();
+    let bf16_ckpt = tmp.path().join("bf16");
+    train_bf16_masters(2, 2, 0, 5, None, &bf16_ckpt);
+    let masters = model_file(&bf16_ckpt);
+
+    // An f32 run (3 ranks, stage 1) from the bf16 run's checkpoint: its
+    // weights are the masters, bitwise; it trains, and saves f32.
+    let f32_ckpt = tmp.path().join("f32");
+    let f32_infos = as_dtype(&bf16_infos(), DType::F32);
+    run(3, |comm| {
+        let adam: Box<dyn FunctionalOptimizer<f32>> =
+            Box::new(Adam::new(AdamConfig::default().with_lr(3e-3))?);
+        let mut engine = Engine::<f32, _>::new(comm, f32_infos.clone(), adam, config(1))?;
+        let mut weights: Vec<Vec<f32>> = f32_infos.iter().map(|p| vec![0.0; p.numel()]).collect();
+        engine.load_checkpoint(&bf16_ckpt, &mut weights)?;
+        engine.save_checkpoint(&f32_ckpt, &mut weights)?;
+        Ok(())
+    });
+    assert_eq!(
+        model_file(&f32_ckpt),
+        masters,
+        "f32 run: weights are the masters"
+    );
+
+    // And back: a bf16 run with masters (1 rank, stage 0) from the f32
+    // checkpoint: its masters are the f32 weights, bitwise, its replica
+    // them rounded.
+    let back = tmp.path().join("back");
+    let replicas = run(1, |comm| {
+        let adam: Box<dyn FunctionalOptimizer<f32>> =
+            Box::new(Adam::new(AdamConfig::default().with_lr(3e-3))?);
+        let mut engine = Engine::<f32, _>::new(comm, bf16_infos(), adam, config(0))?;
+        let mut replica = CastParams(bf16_init(&bf16_infos()));
+        engine.load_checkpoint(&f32_ckpt, &mut replica)?;
+        engine.save_checkpoint(&back, &mut replica)?;
+        Ok(replica.0)
+    });
+    assert_eq!(
+        model_file(&back),
+        masters,
+        "bf16 run: masters from the f32 weights"
+    );
+    for (p, (_, _, data)) in masters.iter().enumerate() {
+        let values = bytemuck::cast_slice::<u8, f32>(&data.clone()).to_vec();
+        let rounded: Vec<bf16> = values.iter().map(|x| bf16::from_f32(*x)).collect();
+        assert_eq!(
+            replicas[0][p], rounded,
+            "replica {p} is the masters rounded"
+        );
+    }
+
+    // A bf16 engine without masters (2 ranks, stage 2) loads it too: the
+    // weights and the optimizer state rounded to bf16, and it trains.
+    run(2, |comm| {
+        let adam: Box<dyn FunctionalOptimizer<bf16>> =
+            Box::new(Adam::new(AdamConfig::default().with_lr(3e-3))?);
+        let mut engine = Engine::<bf16, _>::new(comm, bf16_infos(), adam, config(2))?;
+        let mut replica = bf16_init(&bf16_infos());
+        engine.load_checkpoint(&bf16_ckpt, &mut replica)?;
+        let grads: Vec<Vec<bf16>> = replica.iter().map(|w| vec![bf16::ONE; w.len()]).collect();
+        let slots: Vec<Option<&[bf16]>> = grads.iter().map(|g| Some(&g[..])).collect();
+        engine.step(&slots, &mut replica)?;
+        Ok(())
+    });
+}
