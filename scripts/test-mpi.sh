@@ -108,6 +108,19 @@ for n in 2 3; do
     done
 done
 
+# 16-bit models with f32 master weights (and f16 loss scaling) train under
+# mpirun as on threads (the ring adds in another order: a 16-bit rounding
+# step at most).
+for precision in "bf16 --stage 2" "f16 --stage 1"; do
+    read -r p stage_flag stage <<<"$precision"
+    echo "== trainer parity, --precision $p: mpirun -n 2 vs threads, stage $stage"
+    timeout "$TIMEOUT" "${MPIRUN[@]}" -n 2 "$train" --backend mpi "$stage_flag" "$stage" \
+        --precision "$p" "${common[@]}" --steps 8 --batch-size 8 --save "$work/mpi16.safetensors"
+    "$train" --backend threads --world-size 2 "$stage_flag" "$stage" --precision "$p" \
+        "${common[@]}" --steps 8 --batch-size 8 --save "$work/threads16.safetensors"
+    "$diff" "$work/mpi16.safetensors" "$work/threads16.safetensors" --tol 0.02
+done
+
 # A checkpoint saved under MPI resumes under threads, at another world size
 # and stage with the same global batch, within float noise of a run that
 # never stopped.

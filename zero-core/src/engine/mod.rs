@@ -879,11 +879,20 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// into the gradient shard otherwise (the serial path: gradients given
     /// after backward).
     fn reduce_gradients(&mut self, last: Option<&[Option<M::Grad<'_>>]>) -> Result<()> {
+        self.with_bucket_buffer(|engine, buffer| engine.reduce_buckets(last, buffer))
+    }
+
+    /// Runs `f` with a pooled bucket buffer when there is no full gradient
+    /// buffer to work in (`None` when there is), and pools it again.
+    fn with_bucket_buffer<R>(
+        &mut self,
+        f: impl FnOnce(&mut Self, Option<&mut M::Buffer>) -> Result<R>,
+    ) -> Result<R> {
         let mut bucket_buf = match self.full_grads {
             Some(_) => None,
             None => Some(self.take_pooled()?),
         };
-        let result = self.reduce_buckets(last, bucket_buf.as_mut());
+        let result = f(self, bucket_buf.as_mut());
         self.pool.extend(bucket_buf);
         result
     }
@@ -1072,13 +1081,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             // Stage 0 with master weights: every rank holds all of them.
             return self.write_masters(params);
         }
-        let mut bucket_buf = match self.full_grads {
-            Some(_) => None,
-            None => Some(self.take_pooled()?),
-        };
-        let result = self.gather_buckets(params, bucket_buf.as_mut());
-        self.pool.extend(bucket_buf);
-        result
+        self.with_bucket_buffer(|engine, buffer| engine.gather_buckets(params, buffer))
     }
 
     /// All-gathers every active bucket into the full gradient buffer (its
