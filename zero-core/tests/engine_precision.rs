@@ -295,6 +295,56 @@ fn gathering_in_bf16_halves_the_bytes_and_gives_the_same_weights() {
     }
 }
 
+#[test]
+fn reducing_in_bf16_halves_the_reduction_bytes_and_stays_close() {
+    let infos = bf16_infos();
+    let train = |in_bf16: bool| {
+        run(2, |comm| {
+            let adam: Box<dyn FunctionalOptimizer<f32>> =
+                Box::new(Adam::new(AdamConfig::default().with_lr(1e-2))?);
+            let cfg = config(2).with_reduce_in_param_dtype(in_bf16);
+            let mut engine = Engine::<f32, _>::new(comm, infos.clone(), adam, cfg)?;
+            let mut replica = CastParams(bf16_init(&infos));
+            let rank = engine.comm().rank();
+            let mut sent = 0;
+            for step in 0..5 {
+                let grads: Vec<Vec<f32>> = replica
+                    .0
+                    .iter()
+                    .enumerate()
+                    .map(|(p, w)| {
+                        let w: Vec<f32> = w.iter().map(|x| x.to_f32()).collect();
+                        grad_of(&w, step, rank, p)
+                    })
+                    .collect();
+                let slots: Vec<Option<&[f32]>> = grads.iter().map(|g| Some(&g[..])).collect();
+                let before = engine.comm().bytes_sent();
+                engine.step(&slots, &mut replica)?;
+                sent += engine.comm().bytes_sent() - before;
+            }
+            Ok((replica.0, sent))
+        })
+    };
+    let (wide, narrow) = (train(false), train(true));
+    for rank in 0..2 {
+        // The gathers are bf16 either way: the reductions alone differ.
+        assert!(
+            narrow[rank].1 < wide[rank].1,
+            "rank {rank}: {} bytes reducing in bf16, {} in f32",
+            narrow[rank].1,
+            wide[rank].1
+        );
+        for (p, (a, b)) in wide[rank].0.iter().zip(&narrow[rank].0).enumerate() {
+            for (x, y) in a.iter().zip(b) {
+                let (x, y) = (x.to_f32(), y.to_f32());
+                // Adam's steps are about lr = 1e-2 each; rounding each
+                // gradient to bf16 (8 bits) moves them by a small fraction.
+                assert!((x - y).abs() <= 1e-2, "rank {rank}, param {p}: {x} vs {y}");
+            }
+        }
+    }
+}
+
 /// Trains `steps` steps of Adam on the bf16 model with f32 masters and a
 /// dynamic loss scale (an inf planted every 4th step on rank 0), from a
 /// checkpoint if `resume`, then saves into `save`. Returns each rank's

@@ -154,6 +154,11 @@ pub struct Args {
     /// lost; for comparison).
     #[arg(long)]
     pub no_master_weights: bool,
+    /// With a 16-bit `--precision` and master weights: reduce gradients in
+    /// the model's dtype on the wire (half the bytes; rounds each rank's
+    /// gradient). Default: reduce in f32.
+    #[arg(long)]
+    pub reduce_in_param_dtype: bool,
     /// Bucket size in MiB (per rank: a collective moves world-size times
     /// this).
     #[arg(long, default_value_t = 4.0)]

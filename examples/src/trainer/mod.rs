@@ -355,6 +355,11 @@ fn validate(args: &Args) -> Result<(), TrainError> {
             .to_lowercase(),
         ));
     }
+    if args.reduce_in_param_dtype && (args.precision == Precision::F32 || args.no_master_weights) {
+        return Err(TrainError::Usage(
+            "--reduce-in-param-dtype applies to --precision bf16 or f16 with master weights".into(),
+        ));
+    }
     if args.no_master_weights && args.precision == Precision::F32 {
         return Err(TrainError::Usage(
             "--no-master-weights applies to --precision bf16 or f16".into(),
@@ -409,7 +414,8 @@ pub fn engine_config(args: &Args) -> EngineConfig {
         // The norm needs every gradient: the interleaved schedule has none.
         .with_grad_norm(args.overlap != OverlapArg::Interleaved)
         // Validated by `run` before any rank starts.
-        .with_loss_scale(loss_scale(args).unwrap_or_default());
+        .with_loss_scale(loss_scale(args).unwrap_or_default())
+        .with_reduce_in_param_dtype(args.reduce_in_param_dtype);
     if let Some(max_norm) = args.clip_norm {
         config = config.with_clip(max_norm, NormType::L2);
     }

@@ -179,6 +179,13 @@ pub struct EngineConfig {
     /// bytes). No effect without master weights.
     #[serde(default = "default_true")]
     pub gather_in_param_dtype: bool,
+    /// With master weights, reduce gradients in the parameters' dtype on
+    /// the wire (half the bytes; each rank's gradient is rounded to it
+    /// before the reduction and the result after, though the backends
+    /// still add in f32). Off by default: the reductions carry the master
+    /// dtype, the accurate choice. No effect without master weights.
+    #[serde(default)]
+    pub reduce_in_param_dtype: bool,
     /// When reductions of gradients handed over during backward run.
     #[serde(default)]
     pub overlap: Overlap,
@@ -201,6 +208,7 @@ impl Default for EngineConfig {
             param_groups: Vec::new(),
             loss_scale: LossScale::None,
             gather_in_param_dtype: true,
+            reduce_in_param_dtype: false,
             overlap: Overlap::default(),
         }
     }
@@ -277,6 +285,13 @@ impl EngineConfig {
     /// default) or in the master dtype.
     pub fn with_gather_in_param_dtype(mut self, on: bool) -> Self {
         self.gather_in_param_dtype = on;
+        self
+    }
+
+    /// Reduces gradients in the parameters' dtype (`true`) or in the
+    /// master dtype (`false`, the default, accurate).
+    pub fn with_reduce_in_param_dtype(mut self, on: bool) -> Self {
+        self.reduce_in_param_dtype = on;
         self
     }
 

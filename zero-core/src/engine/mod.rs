@@ -911,6 +911,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         last: Option<&[Option<M::Grad<'_>>]>,
         mut bucket_buf: Option<&mut M::Buffer>,
     ) -> Result<()> {
+        let wire = self.reduce_dtype();
         for k in 0..self.layout.buckets.len() {
             if !self.bucket_active[k] {
                 continue;
@@ -949,16 +950,18 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                 self.memory.flatten(buffer, &pieces, add)?;
             }
             match self.grad_shard.as_mut() {
-                None => self
-                    .memory
-                    .all_reduce(&self.comm, buffer, bucket, ReduceOp::Avg)?,
-                Some(shard) => self.memory.reduce_scatter(
+                None => {
+                    self.memory
+                        .all_reduce_as(&self.comm, buffer, bucket, ReduceOp::Avg, wire)?
+                }
+                Some(shard) => self.memory.reduce_scatter_as(
                     &self.comm,
                     buffer,
                     bucket,
                     shard,
                     shard_range,
                     ReduceOp::Avg,
+                    wire,
                 )?,
             }
         }
@@ -1273,6 +1276,10 @@ fn fingerprint<T: Element>(
     out.push((
         "gather_in_param_dtype".into(),
         c.gather_in_param_dtype.to_string(),
+    ));
+    out.push((
+        "reduce_in_param_dtype".into(),
+        c.reduce_in_param_dtype.to_string(),
     ));
     out.push(("optimizer".into(), optimizer.kind().to_string()));
     for g in 0..optimizer.num_groups() {

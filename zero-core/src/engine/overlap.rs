@@ -32,7 +32,7 @@ use super::{Engine, Overlap, ShardMemory, Stage, StepPiece, StepPlan};
 use crate::comm::{Communicator, ReduceOp};
 use crate::optim::{FunctionalOptimizer, Hyperparams, OptimizerState, ParamKey, ParamMut};
 use crate::partition::Interleaved;
-use crate::{Element, Error, Result};
+use crate::{DType, Element, Error, Result};
 use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
@@ -123,6 +123,8 @@ pub(super) struct BucketMap {
     full: Vec<Range<usize>>,
     /// Per bucket, its range in the shard.
     shard: Vec<Range<usize>>,
+    /// The dtype gradients travel in.
+    wire: DType,
 }
 
 /// Runs one bucket reduction with `comm` and `memory` into `targets`.
@@ -194,18 +196,34 @@ where
         memory.copy_range(&mut job.buffer, 0, full, range.clone(), true)?;
     }
     if map.stage == Stage::Ddp {
-        memory.all_reduce(comm, &mut job.buffer, 0..len, ReduceOp::Avg)?;
+        memory.all_reduce_as(comm, &mut job.buffer, 0..len, ReduceOp::Avg, map.wire)?;
         let full = targets.full.as_mut().ok_or_else(missing)?;
         return memory.copy_range(full, range.start, &job.buffer, 0..len, job.add);
     }
     let shard_range = map.shard[job.bucket].clone();
     let shard = targets.shard.as_mut().ok_or_else(missing)?;
     if !job.add {
-        return memory.reduce_scatter(comm, &job.buffer, 0..len, shard, shard_range, ReduceOp::Avg);
+        return memory.reduce_scatter_as(
+            comm,
+            &job.buffer,
+            0..len,
+            shard,
+            shard_range,
+            ReduceOp::Avg,
+            map.wire,
+        );
     }
     let scratch = targets.scratch.as_mut().ok_or_else(missing)?;
     let n = shard_range.len();
-    memory.reduce_scatter(comm, &job.buffer, 0..len, scratch, 0..n, ReduceOp::Avg)?;
+    memory.reduce_scatter_as(
+        comm,
+        &job.buffer,
+        0..len,
+        scratch,
+        0..n,
+        ReduceOp::Avg,
+        map.wire,
+    )?;
     memory.copy_range(shard, shard_range.start, scratch, 0..n, true)
 }
 
@@ -794,6 +812,7 @@ where
                 .map(|k| self.layout.bucket_range(k))
                 .collect(),
             shard: self.layout.buckets.clone(),
+            wire: self.reduce_dtype(),
         }
     }
 

@@ -77,6 +77,20 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         if !self.config.gather_in_param_dtype {
             return T::DTYPE;
         }
+        self.param_dtype()
+    }
+
+    /// The dtype gradients travel in: the master dtype unless the
+    /// configuration asks for the parameters' (`reduce_in_param_dtype`).
+    pub(super) fn reduce_dtype(&self) -> DType {
+        if !self.config.reduce_in_param_dtype {
+            return T::DTYPE;
+        }
+        self.param_dtype()
+    }
+
+    /// The trainable parameters' dtype when they share one, else `T`'s.
+    fn param_dtype(&self) -> DType {
         let mut trainable = self.params.iter().filter(|p| p.trainable);
         match trainable.next() {
             Some(first) if trainable.all(|p| p.dtype == first.dtype) => first.dtype,

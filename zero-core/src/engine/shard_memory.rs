@@ -202,6 +202,39 @@ pub trait ShardMemory<T: Element, C: Communicator>: Send {
         recv_range: Range<usize>,
     ) -> Result<()>;
 
+    /// [`ShardMemory::all_reduce`] with the values on the wire rounded to
+    /// `wire` (the parameters' dtype when the engine keeps master weights
+    /// and is asked to reduce in it); the result is widened back into `T`.
+    /// The default reduces in `T`.
+    fn all_reduce_as(
+        &mut self,
+        comm: &C,
+        buffer: &mut Self::Buffer,
+        range: Range<usize>,
+        op: ReduceOp,
+        wire: DType,
+    ) -> Result<()> {
+        let _ = wire;
+        self.all_reduce(comm, buffer, range, op)
+    }
+
+    /// [`ShardMemory::reduce_scatter`] with the values on the wire rounded
+    /// to `wire`, as [`ShardMemory::all_reduce_as`].
+    #[allow(clippy::too_many_arguments)]
+    fn reduce_scatter_as(
+        &mut self,
+        comm: &C,
+        send: &Self::Buffer,
+        send_range: Range<usize>,
+        recv: &mut Self::Buffer,
+        recv_range: Range<usize>,
+        op: ReduceOp,
+        wire: DType,
+    ) -> Result<()> {
+        let _ = wire;
+        self.reduce_scatter(comm, send, send_range, recv, recv_range, op)
+    }
+
     /// [`ShardMemory::all_gather`] with the values on the wire rounded to
     /// `wire` (the parameters' dtype, narrower than `T`, when the engine
     /// keeps master weights); `recv` receives them widened back into `T`.
@@ -524,6 +557,42 @@ impl<T: Element, C: Communicator<Memory = Host>> ShardMemory<T, C> for HostMemor
         comm.all_gather(&send[send_range], &mut recv[recv_range])
     }
 
+    fn all_reduce_as(
+        &mut self,
+        comm: &C,
+        buffer: &mut Vec<T>,
+        range: Range<usize>,
+        op: ReduceOp,
+        wire: DType,
+    ) -> Result<()> {
+        let buffer = &mut buffer[range];
+        match wire {
+            _ if wire == T::DTYPE => comm.all_reduce(buffer, op),
+            DType::BF16 => all_reduce_narrow::<T, bf16, C>(comm, buffer, op),
+            DType::F16 => all_reduce_narrow::<T, f16, C>(comm, buffer, op),
+            _ => comm.all_reduce(buffer, op),
+        }
+    }
+
+    fn reduce_scatter_as(
+        &mut self,
+        comm: &C,
+        send: &Vec<T>,
+        send_range: Range<usize>,
+        recv: &mut Vec<T>,
+        recv_range: Range<usize>,
+        op: ReduceOp,
+        wire: DType,
+    ) -> Result<()> {
+        let (send, recv) = (&send[send_range], &mut recv[recv_range]);
+        match wire {
+            _ if wire == T::DTYPE => comm.reduce_scatter(send, recv, op),
+            DType::BF16 => reduce_scatter_narrow::<T, bf16, C>(comm, send, recv, op),
+            DType::F16 => reduce_scatter_narrow::<T, f16, C>(comm, send, recv, op),
+            _ => comm.reduce_scatter(send, recv, op),
+        }
+    }
+
     fn all_gather_as(
         &mut self,
         comm: &C,
@@ -653,6 +722,34 @@ impl<T: Element, C: Communicator<Memory = Host>> ShardMemory<T, C> for HostMemor
 /// `recv`'s own bytes and widened front to back in place (element `i` is
 /// read before anything is written over it, since `T` is at least as wide
 /// as `L`), so the gather needs no bucket-sized buffer of its own.
+/// All-reduces `buffer` rounded to `L`, and widens the result back.
+fn all_reduce_narrow<T: Element, L: Element, C: Communicator<Memory = Host>>(
+    comm: &C,
+    buffer: &mut [T],
+    op: ReduceOp,
+) -> Result<()> {
+    let mut narrow = vec![L::default(); buffer.len()];
+    super::precision::convert_slice(buffer, &mut narrow);
+    comm.all_reduce(&mut narrow, op)?;
+    super::precision::convert_slice(&narrow, buffer);
+    Ok(())
+}
+
+/// Reduce-scatters `send` rounded to `L` into `recv`, widened back.
+fn reduce_scatter_narrow<T: Element, L: Element, C: Communicator<Memory = Host>>(
+    comm: &C,
+    send: &[T],
+    recv: &mut [T],
+    op: ReduceOp,
+) -> Result<()> {
+    let mut narrow = vec![L::default(); send.len()];
+    super::precision::convert_slice(send, &mut narrow);
+    let mut narrow_recv = vec![L::default(); recv.len()];
+    comm.reduce_scatter(&narrow, &mut narrow_recv, op)?;
+    super::precision::convert_slice(&narrow_recv, recv);
+    Ok(())
+}
+
 fn gather_narrow<T: Element, L: Element, C: Communicator<Memory = Host>>(
     comm: &C,
     send: &[T],
