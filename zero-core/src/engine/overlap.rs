@@ -373,8 +373,12 @@ where
         let predicted = remaining.iter().map(|&r| r > 0).collect();
 
         let stage = self.config.stage;
-        let fold_full = stage != Stage::Gradients && self.window_open;
-        let add = stage == Stage::Gradients && self.micro_steps > 0;
+        // Micro-steps given earlier in this window without a pass (slots,
+        // or `accumulate_param` alone) are in the full buffer: fold them
+        // into each bucket once. Stage 2 then adds to what earlier passes
+        // reduced into the shard.
+        let fold_full = self.window_open;
+        let add = stage == Stage::Gradients && self.shard_accumulated;
         // Adding into the shard (later micro-steps, and gradients that come
         // after their bucket was launched) reduce-scatters into `scratch`.
         if stage != Stage::Ddp && self.scratch.is_none() {
@@ -397,6 +401,11 @@ where
             _ => None,
         };
         let step_early = early.is_some();
+        if stage == Stage::Gradients && fold_full {
+            // Folded into this pass's reductions: the next pass must not
+            // fold them again.
+            self.window_open = false;
+        }
         let targets = Targets {
             full: if stage == Stage::Ddp || fold_full {
                 self.full_grads.take()

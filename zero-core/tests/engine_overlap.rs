@@ -1,0 +1,80 @@
+//! Gradients handed over during backward (`begin_backward` +
+//! `accumulate_param`) give what slots given to `step` give, however the
+//! micro-steps of a window are mixed, at every stage and schedule.
+
+mod common;
+
+use common::{assert_close, engine, make_opt, mean, run, slots, Model, Opt, Reference, Synthetic};
+use zero_core::engine::{EngineConfig, Overlap, Stage};
+use zero_core::Communicator;
+
+#[test]
+fn handed_over_micro_steps_mix_with_slot_micro_steps() {
+    let model = Synthetic::medium();
+    let (world, micro, steps) = (2, 3, 3);
+    // Per step: the mean over ranks of the mean of the micro-batches.
+    let mut reference = Reference::new(&model, make_opt(Opt::Adam, false));
+    let mut expected = Vec::new();
+    for s in 0..steps {
+        let per_rank: Vec<Vec<Vec<f64>>> = (0..world)
+            .map(|r| {
+                let micros: Vec<Vec<Vec<f64>>> = (0..micro)
+                    .map(|m| model.grads(&reference.params, r, s * micro + m))
+                    .collect();
+                mean(&micros)
+            })
+            .collect();
+        reference.step(&mean(&per_rank).into_iter().map(Some).collect::<Vec<_>>());
+        expected.push(reference.params.clone());
+    }
+    // Which micro-steps are handed over during "backward".
+    let patterns: [[bool; 3]; 3] = [[false, true, true], [true, false, true], [true, true, true]];
+    for stage in [Stage::Ddp, Stage::OptimizerState, Stage::Gradients] {
+        for overlap in [Overlap::None, Overlap::AfterBackward, Overlap::Interleaved] {
+            for pattern in patterns {
+                let config = EngineConfig::default()
+                    .with_stage(stage)
+                    .with_bucket_bytes(8)
+                    .with_grad_accum_steps(micro)
+                    .with_overlap(overlap);
+                let trajectories = run(world, |comm| {
+                    let rank = comm.rank();
+                    let mut e = engine(comm, &model, make_opt(Opt::Adam, false), config.clone())?;
+                    let n = e.params().len();
+                    let mut params = model.init();
+                    let mut out = Vec::new();
+                    for s in 0..steps {
+                        for (m, &handed) in pattern.iter().enumerate() {
+                            let g = model.grads(&params, rank, s * micro + m);
+                            if !handed {
+                                e.step(&slots(&g), &mut params)?;
+                                continue;
+                            }
+                            // Reverse order, as backward produces them.
+                            let order: Vec<(usize, usize)> = (0..n).rev().map(|p| (p, 1)).collect();
+                            e.begin_backward(&order, &mut params)?;
+                            for p in (0..n).rev() {
+                                e.accumulate_param(p, &g[p])?;
+                            }
+                            let none: Vec<Option<&[f64]>> = vec![None; n];
+                            e.step(&none, &mut params)?;
+                        }
+                        out.push(params.clone());
+                    }
+                    assert_eq!(e.steps(), steps as u64);
+                    Ok(out)
+                });
+                for t in &trajectories {
+                    for s in 0..steps {
+                        assert_close(
+                            &t[s],
+                            &expected[s],
+                            1e-9,
+                            &format!("{stage:?} {overlap:?} {pattern:?} step {s}"),
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
