@@ -2,39 +2,13 @@
 
 mod common;
 
-use common::{assert_close, engine, make_opt, mean, run, slots, Model, Opt, Reference, Synthetic};
+use common::{
+    assert_close, engine, make_opt, reference_trajectory, run, slots, Model, Opt, Synthetic,
+};
 use zero_core::engine::{EngineConfig, PartitionerKind, Stage};
 use zero_core::Communicator;
 
 const STAGES: [Stage; 3] = [Stage::Ddp, Stage::OptimizerState, Stage::Gradients];
-
-/// DDP-ref of one large batch: per step, the mean over ranks of the mean of
-/// `micro` micro-batch gradients (micro-batch `m` of step `s` is data index
-/// `s * micro + m`).
-fn reference_trajectory(
-    model: &dyn Model,
-    opt: Opt,
-    world: usize,
-    micro: usize,
-    steps: usize,
-) -> Vec<Vec<Vec<f64>>> {
-    let mut reference = Reference::new(model, common::make_opt(opt, false));
-    let mut out = Vec::new();
-    for s in 0..steps {
-        let per_rank: Vec<Vec<Vec<f64>>> = (0..world)
-            .map(|r| {
-                let micros: Vec<Vec<Vec<f64>>> = (0..micro)
-                    .map(|m| model.grads(&reference.params, r, s * micro + m))
-                    .collect();
-                mean(&micros)
-            })
-            .collect();
-        let g = mean(&per_rank);
-        reference.step(&g.into_iter().map(Some).collect::<Vec<_>>());
-        out.push(reference.params.clone());
-    }
-    out
-}
 
 #[test]
 fn three_micro_batches_equal_one_large_batch() {

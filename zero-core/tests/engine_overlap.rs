@@ -4,7 +4,9 @@
 
 mod common;
 
-use common::{assert_close, engine, make_opt, mean, run, slots, Model, Opt, Reference, Synthetic};
+use common::{
+    assert_close, engine, make_opt, reference_trajectory, run, slots, Model, Opt, Synthetic,
+};
 use zero_core::engine::{EngineConfig, Overlap, Stage};
 use zero_core::Communicator;
 
@@ -12,21 +14,7 @@ use zero_core::Communicator;
 fn handed_over_micro_steps_mix_with_slot_micro_steps() {
     let model = Synthetic::medium();
     let (world, micro, steps) = (2, 3, 3);
-    // Per step: the mean over ranks of the mean of the micro-batches.
-    let mut reference = Reference::new(&model, make_opt(Opt::Adam, false));
-    let mut expected = Vec::new();
-    for s in 0..steps {
-        let per_rank: Vec<Vec<Vec<f64>>> = (0..world)
-            .map(|r| {
-                let micros: Vec<Vec<Vec<f64>>> = (0..micro)
-                    .map(|m| model.grads(&reference.params, r, s * micro + m))
-                    .collect();
-                mean(&micros)
-            })
-            .collect();
-        reference.step(&mean(&per_rank).into_iter().map(Some).collect::<Vec<_>>());
-        expected.push(reference.params.clone());
-    }
+    let expected = reference_trajectory(&model, Opt::Adam, world, micro, steps);
     // Which micro-steps are handed over during "backward".
     let patterns: [[bool; 3]; 3] = [[false, true, true], [true, false, true], [true, true, true]];
     for stage in [Stage::Ddp, Stage::OptimizerState, Stage::Gradients] {

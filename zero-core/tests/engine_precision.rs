@@ -253,36 +253,39 @@ fn f32_masters_keep_updates_that_a_bf16_engine_loses() {
     }
 }
 
+/// Five Adam steps of the bf16 model with f32 masters on 2 ranks under
+/// `cfg`: each rank's replica and the bytes it sent in the steps.
+fn train_bf16(cfg: EngineConfig) -> Vec<(Vec<Vec<bf16>>, u64)> {
+    let infos = bf16_infos();
+    run(2, |comm| {
+        let adam: Box<dyn FunctionalOptimizer<f32>> =
+            Box::new(Adam::new(AdamConfig::default().with_lr(1e-2))?);
+        let mut engine = Engine::<f32, _>::new(comm, infos.clone(), adam, cfg.clone())?;
+        let mut replica = CastParams(bf16_init(&infos));
+        let rank = engine.comm().rank();
+        let mut sent = 0;
+        for step in 0..5 {
+            let grads: Vec<Vec<f32>> = replica
+                .0
+                .iter()
+                .enumerate()
+                .map(|(p, w)| {
+                    let w: Vec<f32> = w.iter().map(|x| x.to_f32()).collect();
+                    grad_of(&w, step, rank, p)
+                })
+                .collect();
+            let slots: Vec<Option<&[f32]>> = grads.iter().map(|g| Some(&g[..])).collect();
+            let before = engine.comm().bytes_sent();
+            engine.step(&slots, &mut replica)?;
+            sent += engine.comm().bytes_sent() - before;
+        }
+        Ok((replica.0, sent))
+    })
+}
+
 #[test]
 fn gathering_in_bf16_halves_the_bytes_and_gives_the_same_weights() {
-    let infos = bf16_infos();
-    let train = |in_bf16: bool| {
-        run(2, |comm| {
-            let adam: Box<dyn FunctionalOptimizer<f32>> =
-                Box::new(Adam::new(AdamConfig::default().with_lr(1e-2))?);
-            let cfg = config(2).with_gather_in_param_dtype(in_bf16);
-            let mut engine = Engine::<f32, _>::new(comm, infos.clone(), adam, cfg)?;
-            let mut replica = CastParams(bf16_init(&infos));
-            let rank = engine.comm().rank();
-            let mut sent = 0;
-            for step in 0..5 {
-                let grads: Vec<Vec<f32>> = replica
-                    .0
-                    .iter()
-                    .enumerate()
-                    .map(|(p, w)| {
-                        let w: Vec<f32> = w.iter().map(|x| x.to_f32()).collect();
-                        grad_of(&w, step, rank, p)
-                    })
-                    .collect();
-                let slots: Vec<Option<&[f32]>> = grads.iter().map(|g| Some(&g[..])).collect();
-                let before = engine.comm().bytes_sent();
-                engine.step(&slots, &mut replica)?;
-                sent += engine.comm().bytes_sent() - before;
-            }
-            Ok((replica.0, sent))
-        })
-    };
+    let train = |in_bf16: bool| train_bf16(config(2).with_gather_in_param_dtype(in_bf16));
     let (wide, narrow) = (train(false), train(true));
     for rank in 0..2 {
         assert_eq!(wide[rank].0, narrow[rank].0, "rank {rank}: same weights");
@@ -297,34 +300,7 @@ fn gathering_in_bf16_halves_the_bytes_and_gives_the_same_weights() {
 
 #[test]
 fn reducing_in_bf16_halves_the_reduction_bytes_and_stays_close() {
-    let infos = bf16_infos();
-    let train = |in_bf16: bool| {
-        run(2, |comm| {
-            let adam: Box<dyn FunctionalOptimizer<f32>> =
-                Box::new(Adam::new(AdamConfig::default().with_lr(1e-2))?);
-            let cfg = config(2).with_reduce_in_param_dtype(in_bf16);
-            let mut engine = Engine::<f32, _>::new(comm, infos.clone(), adam, cfg)?;
-            let mut replica = CastParams(bf16_init(&infos));
-            let rank = engine.comm().rank();
-            let mut sent = 0;
-            for step in 0..5 {
-                let grads: Vec<Vec<f32>> = replica
-                    .0
-                    .iter()
-                    .enumerate()
-                    .map(|(p, w)| {
-                        let w: Vec<f32> = w.iter().map(|x| x.to_f32()).collect();
-                        grad_of(&w, step, rank, p)
-                    })
-                    .collect();
-                let slots: Vec<Option<&[f32]>> = grads.iter().map(|g| Some(&g[..])).collect();
-                let before = engine.comm().bytes_sent();
-                engine.step(&slots, &mut replica)?;
-                sent += engine.comm().bytes_sent() - before;
-            }
-            Ok((replica.0, sent))
-        })
-    };
+    let train = |in_bf16: bool| train_bf16(config(2).with_reduce_in_param_dtype(in_bf16));
     let (wide, narrow) = (train(false), train(true));
     for rank in 0..2 {
         // The gathers are bf16 either way: the reductions alone differ.

@@ -100,7 +100,6 @@ pub(super) struct EarlyStep<T: Element, B> {
     pieces: Vec<(Range<usize>, bool)>,
     /// Per bucket, its range of `pieces`.
     bucket_pieces: Vec<Range<usize>>,
-    buckets: Vec<Range<usize>>,
     /// `1/m` for `m > 1` micro-steps: the average, taken before stepping.
     scale: Option<f64>,
     /// Per bucket, whether it was stepped.
@@ -169,11 +168,10 @@ where
             active: *steps,
         })
         .collect();
-    let bucket_active: Vec<bool> = (0..early.buckets.len()).map(|b| b == k).collect();
     let plan = StepPlan {
         pieces: &pieces,
-        buckets: &early.buckets,
-        bucket_active: &bucket_active,
+        buckets: &map.shard[k..=k],
+        bucket_active: &[true],
     };
     memory.step(early.optimizer.as_mut(), &mut early.params, grads, plan)?;
     early.stepped[k] = true;
@@ -340,10 +338,10 @@ where
                 self.params.len()
             )));
         }
-        let mut agreed = order_fingerprint(expected);
+        let mine = order_fingerprint(expected);
+        let mut agreed = mine;
         self.memory
             .all_reduce_host(&self.comm, &mut agreed[..], ReduceOp::Max)?;
-        let mine = order_fingerprint(expected);
         if (0..4).any(|i| agreed[i] != mine[i] || -agreed[i + 4] != mine[i]) {
             return Err(Error::Config(format!(
                 "rank {} predicts another gradient order than some other rank ({} hooked \
@@ -484,10 +482,11 @@ where
         Ok(Some(EarlyStep {
             optimizer,
             params,
-            keys: self.keys.clone(),
+            // Lent like the optimizer (the engine is lent to backward, so
+            // nothing reads them meanwhile); back at the join.
+            keys: std::mem::take(&mut self.keys),
             pieces,
             bucket_pieces,
-            buckets: self.layout.buckets.clone(),
             scale: (micro_steps > 1).then(|| 1.0 / micro_steps as f64),
             stepped: vec![false; self.layout.buckets.len()],
         }))
@@ -812,6 +811,7 @@ where
         if let Some(early) = targets.early {
             self.optimizer = early.optimizer;
             self.param_shard = early.params;
+            self.keys = early.keys;
             self.early_stepped = early.stepped;
         }
         result

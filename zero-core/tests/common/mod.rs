@@ -366,3 +366,31 @@ pub fn assert_close(a: &[Vec<f64>], b: &[Vec<f64>], atol: f64, what: &str) {
         }
     }
 }
+
+/// DDP-ref of one large batch: per step, the mean over ranks of the mean of
+/// `micro` micro-batch gradients (micro-batch `m` of step `s` is data index
+/// `s * micro + m`).
+pub fn reference_trajectory(
+    model: &dyn Model,
+    opt: Opt,
+    world: usize,
+    micro: usize,
+    steps: usize,
+) -> Vec<Vec<Vec<f64>>> {
+    let mut reference = Reference::new(model, make_opt(opt, false));
+    let mut out = Vec::new();
+    for s in 0..steps {
+        let per_rank: Vec<Vec<Vec<f64>>> = (0..world)
+            .map(|r| {
+                let micros: Vec<Vec<Vec<f64>>> = (0..micro)
+                    .map(|m| model.grads(&reference.params, r, s * micro + m))
+                    .collect();
+                mean(&micros)
+            })
+            .collect();
+        let g = mean(&per_rank);
+        reference.step(&g.into_iter().map(Some).collect::<Vec<_>>());
+        out.push(reference.params.clone());
+    }
+    out
+}
