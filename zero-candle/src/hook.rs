@@ -2,11 +2,12 @@
 //! a `zero_candle::nn` model to the engine the moment backward computes it.
 
 use crate::memory::{CandleMemory, MemoryOf};
-use crate::nn::GradHook;
+use crate::nn::{GatheredParam, GradHook};
 use candle_core::backprop::GradStore;
-use candle_core::{Tensor, TensorId, Var, WithDType};
+use candle_core::{Layout, Tensor, TensorId, Var, WithDType};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
+use zero_core::engine::Fetcher;
 use zero_core::{Communicator, Element, Engine};
 
 /// The engine of communicator `C` for elements `T`.
@@ -70,6 +71,17 @@ where
     /// last one that completed (`None`: no pass completed yet).
     calls: Vec<usize>,
     last_calls: Option<Vec<usize>>,
+    /// Per variable, how many layers announced they can gather it.
+    gathering: HashMap<TensorId, usize>,
+    /// Stage 3: the gathers of the sharded parameters, once sharded.
+    fetcher: Option<Arc<Fetcher<T>>>,
+    /// Until then, the parameters the layers asked for, in the forward and
+    /// backward of the last step (they plan the first sharded step's
+    /// prefetches).
+    used: [Vec<usize>; 2],
+    in_backward: bool,
+    /// The next forward use starts a new forward.
+    forward_done: bool,
 }
 
 impl<C, T> ZeroHook<C, T>
@@ -90,6 +102,11 @@ where
                 announced: HashMap::new(),
                 calls: Vec::new(),
                 last_calls: None,
+                gathering: HashMap::new(),
+                fetcher: None,
+                used: [Vec::new(), Vec::new()],
+                in_backward: false,
+                forward_done: false,
             }),
         })
     }
@@ -126,6 +143,8 @@ where
         let mut inner = self.lock();
         // A pass that failed halfway counted some calls; start afresh.
         inner.calls.fill(0);
+        inner.in_backward = true;
+        inner.used[1].clear();
         let mut expected = Vec::new();
         for node in loss.sorted_nodes() {
             if !node.is_variable() {
@@ -150,9 +169,46 @@ where
     /// Records that a backward pass completed: its calls predict the next.
     pub(crate) fn backward_done(&self) {
         let mut inner = self.lock();
+        inner.in_backward = false;
+        inner.forward_done = true;
         let calls = vec![0; inner.calls.len()];
         let done = std::mem::replace(&mut inner.calls, calls);
         inner.last_calls = Some(done);
+    }
+
+    /// Stage 3: which parameters the model's layers can gather on use:
+    /// every layer that uses the variable announced it can (a norm or a
+    /// tap reads its parameters itself), on the CPU, in the engine's dtype.
+    pub(crate) fn gatherable(&self) -> Vec<bool> {
+        let inner = self.lock();
+        inner
+            .vars
+            .iter()
+            .map(|var| {
+                let id = var.as_tensor().id();
+                let gathering = inner.gathering.get(&id).copied().unwrap_or(0);
+                let announced = inner.announced.get(&id).copied().unwrap_or(0);
+                gathering > 0
+                    && gathering == announced
+                    && var.device().is_cpu()
+                    && var.dtype() == <T as WithDType>::DTYPE
+            })
+            .collect()
+    }
+
+    /// Stage 3: from now on the layers gather the sharded parameters
+    /// through `fetcher`, whose first passes are planned from the uses
+    /// recorded so far.
+    pub(crate) fn set_fetcher(&self, fetcher: Arc<Fetcher<T>>) {
+        let mut inner = self.lock();
+        let [forward, backward] = std::mem::take(&mut inner.used);
+        fetcher.seed(&forward, &backward);
+        inner.fetcher = Some(fetcher);
+    }
+
+    /// The fetcher of the sharded parameters (stage 3).
+    pub(crate) fn fetcher(&self) -> Option<Arc<Fetcher<T>>> {
+        self.lock().fetcher.clone()
     }
 
     /// Lends the engine for a backward pass.
@@ -214,5 +270,42 @@ where
 
     fn will_report(&self, var: &Var) {
         *self.lock().announced.entry(var.id()).or_default() += 1;
+    }
+
+    fn will_gather(&self, var: &Var) {
+        *self.lock().gathering.entry(var.id()).or_default() += 1;
+    }
+
+    fn gather(&self, var: &Var) -> candle_core::Result<Option<GatheredParam>> {
+        let (fetcher, i) = {
+            let mut inner = self.lock();
+            let Some(&i) = inner.index.get(&var.as_tensor().id()) else {
+                return Ok(None);
+            };
+            let Some(fetcher) = inner.fetcher.clone() else {
+                // Not sharded yet: remember the order of use.
+                let pass = usize::from(inner.in_backward);
+                if pass == 0 && inner.forward_done {
+                    inner.forward_done = false;
+                    inner.used[0].clear();
+                }
+                inner.used[pass].push(i);
+                return Ok(None);
+            };
+            (fetcher, i)
+        };
+        if !fetcher.is_sharded(i) {
+            return Ok(None);
+        }
+        let mut gathered = fetcher.acquire(i).map_err(candle_core::Error::wrap)?;
+        let layout = Layout::contiguous_with_offset(var.shape(), gathered.range().start);
+        let storage = T::to_cpu_storage_owned(std::mem::take(gathered.buffer_mut()));
+        Ok(Some(GatheredParam::new(storage, layout, move |storage| {
+            // The storage comes back as it was lent (same dtype).
+            if let Ok(buffer) = T::cpu_storage_data(storage) {
+                *gathered.buffer_mut() = buffer;
+            }
+            fetcher.release(gathered);
+        })))
     }
 }

@@ -19,6 +19,7 @@ pub mod nn;
 mod optimizer;
 mod params;
 mod precision;
+mod stage3;
 
 pub use error::{Error, Result};
 pub use hook::ZeroHook;

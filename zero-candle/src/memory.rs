@@ -11,8 +11,9 @@ use crate::params::VarStore;
 use crate::Result;
 use candle_core::backprop::GradStore;
 use candle_core::{Var, WithDType};
+use std::sync::Arc;
 use zero_core::comm::{Host, MemoryKind};
-use zero_core::engine::{HostMemory, ShardMemory};
+use zero_core::engine::{Engine, Fetcher, HostMemory, ShardMemory};
 use zero_core::optim::FunctionalOptimizer;
 use zero_core::{Communicator, Element};
 
@@ -42,6 +43,20 @@ pub trait CandleMemory<T: Element + WithDType, C: Communicator + 'static>: Memor
 
     /// Calls `f` with the variables as the engine's parameters.
     fn with_params<R>(vars: &[Var], f: &mut ParamsFn<'_, T, C, Self, R>) -> Result<R>;
+
+    /// Stage 3: shards the parameters `mask` marks (see
+    /// `Engine::shard_parameters`). Host memory only for now.
+    fn shard_parameters(
+        engine: &mut Engine<T, C, Self::Memory>,
+        mask: &[bool],
+        vars: &[Var],
+    ) -> Result<Arc<Fetcher<T>>> {
+        let _ = (engine, mask, vars);
+        Err(zero_core::Error::Config(
+            "stage 3 runs on host memory (threads, MPI) for now; on NCCL use stage 2".into(),
+        )
+        .into())
+    }
 }
 
 /// The gradient type of memory kind `K`.
@@ -83,5 +98,14 @@ impl<T: Element + WithDType, C: Communicator<Memory = Host> + 'static> CandleMem
     fn with_params<R>(vars: &[Var], f: &mut ParamsFn<'_, T, C, Self, R>) -> Result<R> {
         let mut store = VarStore { vars };
         f(&mut store)
+    }
+
+    fn shard_parameters(
+        engine: &mut Engine<T, C, HostMemory>,
+        mask: &[bool],
+        vars: &[Var],
+    ) -> Result<Arc<Fetcher<T>>> {
+        let mut store = VarStore { vars };
+        Ok(engine.shard_parameters(mask, &mut store)?)
     }
 }

@@ -9,7 +9,7 @@ use candle_nn::VarMap;
 use std::path::Path;
 use std::sync::Arc;
 use zero_core::checkpoint::Manifest;
-use zero_core::engine::{Engine, EngineConfig, MemoryReport, SaveOptions, StepReport};
+use zero_core::engine::{Engine, EngineConfig, FetchStats, MemoryReport, SaveOptions, StepReport};
 use zero_core::optim::{FunctionalOptimizer, Hyperparams};
 use zero_core::{Communicator, DType, Element, ParamInfo};
 
@@ -209,7 +209,17 @@ where
         match grads {
             Ok(grads) => {
                 hook.backward_done();
-                self.step(&grads)
+                let report = self.step(&grads)?;
+                if report.is_some() {
+                    // Stage 3: the first step ran on whole weights; shard now.
+                    crate::stage3::shard_after_step(
+                        lent(&mut self.engine),
+                        &hook,
+                        &self.vars,
+                        &grads,
+                    )?;
+                }
+                Ok(report)
             }
             Err(e) => {
                 // Part of this micro-step reached the engine: drop it, so
@@ -300,6 +310,23 @@ where
     /// weights the engine reads them at every step anyway.
     pub fn reload_master_weights(&mut self) {
         self.engine_mut().reload_master_weights()
+    }
+
+    /// Every variable's full values, by name (a copy). At stage 3 the
+    /// sharded variables hold no values of their own (see
+    /// `zero_candle`'s stage 3 notes); this gathers them, so it is a
+    /// collective there: every rank calls it.
+    pub fn full_weights(&self) -> Result<Vec<(String, Tensor)>> {
+        crate::stage3::full_weights(self.hook.as_deref(), &self.names, &self.vars)
+    }
+
+    /// Stage 3: the counters of the parameter gathers, once the parameters
+    /// are sharded (after the first optimizer step of `backward_step`).
+    pub fn fetch_stats(&self) -> Option<FetchStats> {
+        self.hook
+            .as_ref()
+            .and_then(|h| h.fetcher())
+            .map(|f| f.stats())
     }
 
     /// The report of the last completed optimizer step.

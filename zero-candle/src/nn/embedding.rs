@@ -2,14 +2,14 @@
 //! and hands the table's gradient to the hook.
 
 use super::cpu;
-use super::hook::{announce, route, GradHook};
+use super::hook::{announce, announce_gather, gather, route, GatheredParam, GradHook};
 use candle_core::backend::BackendStorage;
 use candle_core::{
     bail, CpuStorage, CudaStorage, CustomOp2, DType, Device, Layout, Module, Result, Shape, Tensor,
     WithDType,
 };
 use candle_nn::VarBuilder;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 
 /// An embedding table `[vocab, hidden_size]` looked up by integer ids, as
 /// `candle_nn::Embedding`.
@@ -31,6 +31,7 @@ impl Embedding {
     /// to the `GradStore`).
     pub fn new(embeddings: Tensor, hidden_size: usize, hook: Option<Arc<dyn GradHook>>) -> Self {
         announce(hook.as_ref(), &[Some(&embeddings)]);
+        announce_gather(hook.as_ref(), &[Some(&embeddings)]);
         Self {
             embeddings,
             hidden_size,
@@ -69,10 +70,14 @@ impl Module for Embedding {
         let mut out_dims = ids.dims().to_vec();
         out_dims.push(self.hidden_size);
         let ids = ids.flatten_all()?;
+        // Stage 3: the table the hook keeps sharded, gathered for this
+        // forward only (the backward does not need it).
+        let lent = gather(self.hook.as_ref(), Some(&self.embeddings))?;
         let rows = self.embeddings.apply_op2(
             &ids,
             FusedEmbedding {
                 hook: self.hook.clone(),
+                lent: Mutex::new(lent),
             },
         )?;
         rows.reshape(out_dims)
@@ -94,6 +99,8 @@ pub fn embedding(
 /// The op `(table [vocab, dim], ids [n]) -> table[ids] [n, dim]`.
 struct FusedEmbedding {
     hook: Option<Arc<dyn GradHook>>,
+    /// The gathered table (stage 3), taken and dropped by the forward.
+    lent: Mutex<Option<GatheredParam>>,
 }
 
 fn gather_rows<S: BackendStorage>(
@@ -121,6 +128,15 @@ impl CustomOp2 for FusedEmbedding {
         ids: &CpuStorage,
         ids_layout: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
+        let lent = self
+            .lent
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        let (table, table_layout) = match &lent {
+            Some(gathered) => gathered.storage(),
+            None => (table, table_layout),
+        };
         gather_rows(table, table_layout, ids, ids_layout)
     }
 

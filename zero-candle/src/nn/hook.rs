@@ -1,7 +1,7 @@
 //! The gradient hook: how a layer hands a parameter's gradient out of Candle's backward.
 
 use candle_core::backprop::GradStore;
-use candle_core::{Result, Tensor, TensorId, Var};
+use candle_core::{CpuStorage, Layout, Result, Tensor, TensorId, Var};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
@@ -43,6 +43,100 @@ pub trait GradHook: Send + Sync {
     /// come (no warm-up step). The default ignores it.
     fn will_report(&self, var: &Var) {
         let _ = var;
+    }
+
+    /// Told once per layer that can compute with a parameter it does not
+    /// hold ([`GradHook::gather`]): `var` may then be sharded (ZeRO stage
+    /// 3). The default ignores it.
+    fn will_gather(&self, var: &Var) {
+        let _ = var;
+    }
+
+    /// The full values of `var` when the hook keeps it sharded (ZeRO stage
+    /// 3: the variable's own storage is then empty), lent for one
+    /// computation; `None` when the variable holds its values. Layers that
+    /// announced `var` with [`GradHook::will_gather`] call it in their
+    /// forward (and backward, if it needs the weight) and drop the result
+    /// as soon as they are done. The default keeps nothing sharded.
+    fn gather(&self, var: &Var) -> Result<Option<GatheredParam>> {
+        let _ = var;
+        Ok(None)
+    }
+}
+
+/// The full values of a sharded parameter, lent by a [`GradHook`] for one
+/// computation: a CPU storage and the layout of the parameter in it. They
+/// go back to the hook's pool when this is dropped.
+pub struct GatheredParam {
+    storage: Option<CpuStorage>,
+    layout: Layout,
+    give_back: Option<Box<dyn FnOnce(CpuStorage) + Send + Sync>>,
+}
+
+impl GatheredParam {
+    /// Lends `storage`, where the parameter lies at `layout`; `give_back`
+    /// receives the storage when the borrower is done.
+    pub fn new(
+        storage: CpuStorage,
+        layout: Layout,
+        give_back: impl FnOnce(CpuStorage) + Send + Sync + 'static,
+    ) -> Self {
+        Self {
+            storage: Some(storage),
+            layout,
+            give_back: Some(Box::new(give_back)),
+        }
+    }
+
+    /// The storage and the parameter's layout in it.
+    pub fn storage(&self) -> (&CpuStorage, &Layout) {
+        let storage = self
+            .storage
+            .as_ref()
+            .expect("the storage is only taken when dropped");
+        (storage, &self.layout)
+    }
+}
+
+impl Drop for GatheredParam {
+    fn drop(&mut self) {
+        if let (Some(storage), Some(give_back)) = (self.storage.take(), self.give_back.take()) {
+            give_back(storage);
+        }
+    }
+}
+
+impl std::fmt::Debug for GatheredParam {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GatheredParam")
+            .field("shape", self.layout.shape())
+            .finish()
+    }
+}
+
+/// Tells `hook` (if any) that a layer can compute with those of `params`
+/// that are variables without holding them (they may be sharded).
+pub(crate) fn announce_gather(hook: Option<&Arc<dyn GradHook>>, params: &[Option<&Tensor>]) {
+    let Some(hook) = hook else { return };
+    for param in params.iter().flatten() {
+        if param.is_variable() {
+            if let Ok(var) = Var::from_tensor(param) {
+                hook.will_gather(&var);
+            }
+        }
+    }
+}
+
+/// The full values of `param` if the hook keeps it sharded.
+pub(crate) fn gather(
+    hook: Option<&Arc<dyn GradHook>>,
+    param: Option<&Tensor>,
+) -> Result<Option<GatheredParam>> {
+    match (hook, param) {
+        (Some(hook), Some(param)) if param.is_variable() && param.device().is_cpu() => {
+            hook.gather(&Var::from_tensor(param)?)
+        }
+        _ => Ok(None),
     }
 }
 

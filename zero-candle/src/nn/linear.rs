@@ -2,15 +2,15 @@
 //! hands `∂W`, `∂b` to the hook.
 
 use super::cpu;
-use super::hook::{announce, route, GradHook};
+use super::hook::{announce, announce_gather, gather, route, GatheredParam, GradHook};
 use candle_core::backend::BackendStorage;
 use candle_core::op::Add;
 use candle_core::{
-    bail, CpuStorage, CudaStorage, CustomOp2, CustomOp3, Layout, Module, Result, Shape, Tensor,
-    WithDType,
+    bail, CpuStorage, CudaStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Module, Result, Shape,
+    Tensor, WithDType,
 };
 use candle_nn::VarBuilder;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 
 /// A linear layer, `y = x·Wᵀ + b`, with candle-nn's weight layout
 /// (`weight` is `[out, in]`, `bias` is `[out]`).
@@ -34,6 +34,7 @@ impl Linear {
     /// `[out, in]` tensor, for instance an embedding table to tie.
     pub fn new(weight: Tensor, bias: Option<Tensor>, hook: Option<Arc<dyn GradHook>>) -> Self {
         announce(hook.as_ref(), &[Some(&weight), bias.as_ref()]);
+        announce_gather(hook.as_ref(), &[Some(&weight), bias.as_ref()]);
         Self { weight, bias, hook }
     }
 
@@ -81,8 +82,15 @@ impl Module for Linear {
         } else {
             x.reshape((rows, in_dim))?
         };
+        // Stage 3: the weights the hook keeps sharded, gathered for this
+        // forward only (the op gives them back as soon as it has run).
+        let lent = Lent {
+            weight: gather(self.hook.as_ref(), Some(&self.weight))?,
+            bias: gather(self.hook.as_ref(), self.bias.as_ref())?,
+        };
         let op = FusedLinear {
             hook: self.hook.clone(),
+            lent: Mutex::new(Some(lent)),
         };
         let y = match &self.bias {
             Some(bias) => x_rows.apply_op3(&self.weight, bias, op)?,
@@ -143,6 +151,57 @@ pub fn linear_b(
 /// The op `(x [rows, in], W [out, in][, b [out]]) -> x·Wᵀ + b`.
 struct FusedLinear {
     hook: Option<Arc<dyn GradHook>>,
+    /// The forward's gathered weights (stage 3), taken and dropped by the
+    /// forward: the op lives on in the graph until backward, they must not.
+    lent: Mutex<Option<Lent>>,
+}
+
+/// Gathered values of a layer's sharded parameters.
+struct Lent {
+    weight: Option<GatheredParam>,
+    bias: Option<GatheredParam>,
+}
+
+impl FusedLinear {
+    fn take_lent(&self) -> Lent {
+        self.lent
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
+            .unwrap_or(Lent {
+                weight: None,
+                bias: None,
+            })
+    }
+}
+
+/// The storage to compute with: the gathered one when there is one.
+fn pick<'a>(
+    lent: &'a Option<GatheredParam>,
+    own: (&'a CpuStorage, &'a Layout),
+) -> (&'a CpuStorage, &'a Layout) {
+    match lent {
+        Some(gathered) => gathered.storage(),
+        None => own,
+    }
+}
+
+/// `g·W` with a gathered `W` (stage 3's backward): `g [rows, out]`,
+/// `W [out, in]`, as `Tensor::matmul` computes it.
+struct MatmulGathered(GatheredParam);
+
+impl CustomOp1 for MatmulGathered {
+    fn name(&self) -> &'static str {
+        "zero-linear-grad-input"
+    }
+
+    fn cpu_fwd(&self, g: &CpuStorage, g_layout: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (w, w_layout) = self.0.storage();
+        let (rows, out_dim) = g_layout.shape().dims2()?;
+        let (_, in_dim) = w_layout.shape().dims2()?;
+        let product = g.matmul(w, (1, rows, in_dim, out_dim), g_layout, w_layout)?;
+        Ok((product, Shape::from((rows, in_dim))))
+    }
 }
 
 /// `x·Wᵀ` on the storages, `W` read through a transposed layout (no copy);
@@ -249,8 +308,13 @@ impl FusedLinear {
         } else {
             None
         };
+        // Stage 3 gathers the weight again for ∂x, after ∂W has gone to the
+        // hook, and gives it back at once.
         let grad_x = if x.track_op() {
-            Some(grad.matmul(&w.detach())?)
+            match gather(hook, Some(w))? {
+                Some(gathered) => Some(grad.apply_op1_no_bwd(&MatmulGathered(gathered))?),
+                None => Some(grad.matmul(&w.detach())?),
+            }
         } else {
             None
         };
@@ -270,6 +334,8 @@ impl CustomOp2 for FusedLinear {
         w: &CpuStorage,
         w_layout: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
+        let lent = self.take_lent();
+        let (w, w_layout) = pick(&lent.weight, (w, w_layout));
         let (product, rows, out_dim) = matmul_xwt(x, x_layout, w, w_layout)?;
         Ok((product, Shape::from((rows, out_dim))))
     }
@@ -310,6 +376,9 @@ impl CustomOp3 for FusedLinear {
         b: &CpuStorage,
         b_layout: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
+        let lent = self.take_lent();
+        let (w, w_layout) = pick(&lent.weight, (w, w_layout));
+        let (b, b_layout) = pick(&lent.bias, (b, b_layout));
         let (mut out, rows, out_dim) = matmul_xwt(x, x_layout, w, w_layout)?;
         check_bias(b_layout, out_dim)?;
         if b.dtype() != out.dtype() {

@@ -178,6 +178,10 @@ impl<C: Communicator<Memory = Host>> Communicator for Delayed<C> {
         self.inner.broadcast_async(buf, root)
     }
 
+    fn concurrent_groups(&self) -> bool {
+        self.inner.concurrent_groups()
+    }
+
     fn split(&self, ranks: &[usize]) -> Result<Option<Self>> {
         Ok(self.inner.split(ranks)?.map(|inner| Self {
             inner,

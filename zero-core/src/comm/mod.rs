@@ -172,6 +172,16 @@ pub trait Communicator: Send + Sync {
         root: usize,
     ) -> Result<Work<'a>>;
 
+    /// Whether this communicator and another of the same process (one made
+    /// by [`Communicator::split`]) may each run a collective at the same
+    /// time, from two threads. Stage 3 then gathers parameters on a thread
+    /// of its own while gradients are reduced on another. MPI says no: it
+    /// serializes every call of a process, so two collectives waiting on
+    /// each other's peers could deadlock.
+    fn concurrent_groups(&self) -> bool {
+        true
+    }
+
     /// Creates a communicator over a subset of this group's ranks.
     ///
     /// A collective: every rank of this group calls it with the same sorted

@@ -16,19 +16,33 @@ pub enum Stage {
     OptimizerState,
     /// Stage 2: optimizer state and gradients partitioned.
     Gradients,
+    /// Stage 3: optimizer state, gradients and parameters partitioned. The
+    /// gradient path is stage 2's; parameters above
+    /// [`EngineConfig::persist_numel`] that the framework gathers on use
+    /// (see [`Engine::shard_parameters`](super::Engine::shard_parameters))
+    /// then live only as this rank's shard.
+    Parameters,
 }
 
 impl Stage {
-    /// The stage from its number, 0 to 2.
+    /// The stage from its number, 0 to 3.
     pub fn from_number(stage: u8) -> Result<Self> {
         match stage {
             0 => Ok(Stage::Ddp),
             1 => Ok(Stage::OptimizerState),
             2 => Ok(Stage::Gradients),
+            3 => Ok(Stage::Parameters),
             other => Err(Error::Config(format!(
-                "stage {other} is not supported; use 0 (DDP), 1 (optimizer state) or 2 (+ gradients)"
+                "stage {other} is not supported; use 0 (DDP), 1 (optimizer state), 2 (+ gradients) \
+                 or 3 (+ parameters)"
             ))),
         }
+    }
+
+    /// Whether gradients are partitioned: reduce-scattered into the shard
+    /// and their full buffers freed bucket by bucket (stages 2 and 3).
+    pub fn shards_gradients(self) -> bool {
+        matches!(self, Stage::Gradients | Stage::Parameters)
     }
 
     /// The stage's number.
@@ -37,6 +51,7 @@ impl Stage {
             Stage::Ddp => 0,
             Stage::OptimizerState => 1,
             Stage::Gradients => 2,
+            Stage::Parameters => 3,
         }
     }
 }
@@ -189,6 +204,32 @@ pub struct EngineConfig {
     /// When reductions of gradients handed over during backward run.
     #[serde(default)]
     pub overlap: Overlap,
+    /// Stage 3: parameters with at most this many elements stay replicated
+    /// on every rank and take the stage-2 path (biases, norms; DeepSpeed's
+    /// `stage3_param_persistence_threshold`). `0` shards every parameter
+    /// the framework can gather.
+    #[serde(default = "default_persist_numel")]
+    pub persist_numel: usize,
+    /// Stage 3: how many gathered bytes may be issued ahead of the layer
+    /// being computed (the prefetch; `0` gathers each layer when it is used).
+    #[serde(default = "default_prefetch_bytes")]
+    pub prefetch_bytes: usize,
+    /// Stage 3: the most gathered parameter bytes alive at once (in use
+    /// plus prefetched). A layer larger than this on its own is an error.
+    #[serde(default = "default_max_live_bytes")]
+    pub max_live_bytes: usize,
+}
+
+fn default_persist_numel() -> usize {
+    100_000
+}
+
+fn default_prefetch_bytes() -> usize {
+    64 << 20
+}
+
+fn default_max_live_bytes() -> usize {
+    1 << 30
 }
 
 fn default_true() -> bool {
@@ -210,6 +251,9 @@ impl Default for EngineConfig {
             gather_in_param_dtype: true,
             reduce_in_param_dtype: false,
             overlap: Overlap::default(),
+            persist_numel: default_persist_numel(),
+            prefetch_bytes: default_prefetch_bytes(),
+            max_live_bytes: default_max_live_bytes(),
         }
     }
 }
@@ -295,6 +339,24 @@ impl EngineConfig {
         self
     }
 
+    /// Stage 3: parameters of at most `numel` elements stay replicated.
+    pub fn with_persist_numel(mut self, numel: usize) -> Self {
+        self.persist_numel = numel;
+        self
+    }
+
+    /// Stage 3: bytes of gathers issued ahead of use (`0`: no prefetch).
+    pub fn with_prefetch_bytes(mut self, bytes: usize) -> Self {
+        self.prefetch_bytes = bytes;
+        self
+    }
+
+    /// Stage 3: the most gathered bytes alive at once.
+    pub fn with_max_live_bytes(mut self, bytes: usize) -> Self {
+        self.max_live_bytes = bytes;
+        self
+    }
+
     pub(crate) fn validate(&self) -> Result<()> {
         self.loss_scale.validate()?;
         if self.bucket_bytes == 0 {
@@ -320,6 +382,29 @@ impl EngineConfig {
                 "the interleaved overlap schedule steps each bucket before the other gradients \
                  exist, so it cannot clip by (or compute) the global gradient norm; use overlap \
                  after-backward (the default) with clipping"
+                    .into(),
+            ));
+        }
+        if self.stage == Stage::Parameters && self.overlap == Overlap::Interleaved {
+            return Err(Error::Config(
+                "stage 3 gathers each layer's weights again during backward, from the shard the \
+                 interleaved schedule would be stepping at the same time; use overlap \
+                 after-backward (the default) at stage 3"
+                    .into(),
+            ));
+        }
+        if self.stage == Stage::Parameters && self.partitioner == PartitionerKind::Greedy {
+            return Err(Error::Config(
+                "stage 3 splits every parameter evenly over the ranks (so one layer is gathered \
+                 by one collective per bucket); the greedy partitioner keeps parameters whole; \
+                 use the flat partitioner (the default) at stage 3"
+                    .into(),
+            ));
+        }
+        if self.stage == Stage::Parameters && self.max_live_bytes == 0 {
+            return Err(Error::Config(
+                "max_live_bytes is 0: stage 3 must hold at least one gathered layer; use a size \
+                 above the largest layer, such as 1 GiB"
                     .into(),
             ));
         }

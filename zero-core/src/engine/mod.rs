@@ -31,6 +31,7 @@
 //! single `f64` when a gradient norm is asked for.
 
 mod config;
+mod fetch;
 mod layout;
 mod memory;
 mod overlap;
@@ -38,11 +39,13 @@ mod precision;
 mod scaler;
 mod setup;
 mod shard_memory;
+mod stage3;
 mod state;
 
 pub use config::{
     ClipConfig, EngineConfig, NormType, Overlap, ParamGroupSpec, PartitionerKind, Stage,
 };
+pub use fetch::{FetchStats, Fetcher, Gathered};
 pub use layout::{Layout, Run};
 pub use memory::MemoryReport;
 pub use overlap::ReductionProgress;
@@ -148,6 +151,11 @@ pub struct Engine<T: Element, C: Communicator, M: ShardMemory<T, C> = HostMemory
     masters_fresh: bool,
     /// The loss scaler, when the configuration asks for loss scaling.
     scaler: Option<scaler::LossScaler>,
+    /// Stage 3: per parameter, whether it lives only as shards (see
+    /// `stage3.rs`); empty before `shard_parameters`.
+    sharded: Vec<bool>,
+    /// Stage 3: the gathers of the sharded parameters.
+    fetcher: Option<Arc<Fetcher<T>>>,
 }
 
 impl<T: Element, C: Communicator<Memory = Host>> Engine<T, C, HostMemory> {
@@ -218,6 +226,8 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             consolidated: None,
             masters_fresh: false,
             scaler: scaler::LossScaler::new(config.loss_scale),
+            sharded: Vec::new(),
+            fetcher: None,
             comm: Arc::new(comm),
             memory,
             config,
@@ -486,8 +496,17 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// one slot per parameter, each as long as the parameter.
     pub fn accumulate(&mut self, grads: &[Option<M::Grad<'_>>]) -> Result<()> {
         self.check_grads(grads)?;
+        self.fetch_end_pass()?;
+        self.accumulate_window(grads)?;
+        if let Some(fetcher) = &self.fetcher {
+            fetcher.resume();
+        }
+        Ok(())
+    }
+
+    fn accumulate_window(&mut self, grads: &[Option<M::Grad<'_>>]) -> Result<()> {
         if self.window_is_open() {
-            if self.config.stage != Stage::Gradients {
+            if !self.config.stage.shards_gradients() {
                 return Err(Error::State(
                     "begin_backward opened the last micro-step of this window (its reductions \
                      have started); finish it with step, not accumulate"
@@ -662,9 +681,12 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         }
         // Whatever happens below, this window is over: a failed step must
         // not leak its micro-steps into the next one.
-        let result = self.reduce_and_update_window(last, micro_steps, params);
+        let result = self
+            .fetch_end_pass()
+            .and_then(|()| self.reduce_and_update_window(last, micro_steps, params));
         self.discard_window();
         let grad_norm = result?;
+        self.fetch_refresh()?;
         let (skipped, loss_scale) = self.scaler_outcome();
         if !skipped {
             self.steps += 1;
@@ -695,7 +717,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         // Stages 0 and 1 keep the buffer; it is zeroed where the next window
         // starts (`accumulate`, `accumulate_param`, or per bucket in
         // `reduce_gradients`).
-        if self.config.stage == Stage::Gradients {
+        if self.config.stage.shards_gradients() {
             self.full_grads = None;
         }
     }
@@ -913,7 +935,13 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     ) -> Result<()> {
         let wire = self.reduce_dtype();
         for k in 0..self.layout.buckets.len() {
-            if !self.bucket_active[k] {
+            // Stage 3: a bucket of sharded parameters only stays sharded.
+            let replicated = self
+                .layout
+                .runs_of(k)
+                .iter()
+                .any(|run| self.active[run.param] && !self.is_sharded(run.param));
+            if !self.bucket_active[k] || !replicated {
                 continue;
             }
             let range = self.layout.bucket_range(k);
@@ -1097,11 +1125,19 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     ) -> Result<()> {
         let gather_dtype = self.gather_dtype();
         for k in 0..self.layout.buckets.len() {
-            if !self.bucket_active[k] {
+            // Stage 3: a bucket of sharded parameters only stays sharded.
+            let replicated = self
+                .layout
+                .runs_of(k)
+                .iter()
+                .any(|run| self.active[run.param] && !self.is_sharded(run.param));
+            if !self.bucket_active[k] || !replicated {
                 continue;
             }
             let range = self.layout.bucket_range(k);
             let shard_range = self.layout.buckets[k].clone();
+            let (active, sharded_mask) = (&self.active, &self.sharded);
+            let sharded = |p: usize| sharded_mask.get(p).copied().unwrap_or(false);
             let (gathered, at) = match (self.full_grads.as_mut(), bucket_buf.as_deref_mut()) {
                 (Some(full), _) => (full, range.start),
                 (None, Some(buf)) => (buf, 0),
@@ -1123,7 +1159,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                 .layout
                 .runs_of(k)
                 .iter()
-                .filter(|run| self.active[run.param])
+                .filter(|run| active[run.param] && !sharded(run.param))
                 .map(|run| ParamCopy {
                     param: run.param,
                     param_range: run.param_range.clone(),

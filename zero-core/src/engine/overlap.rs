@@ -286,6 +286,12 @@ fn order_fingerprint(expected: &[(usize, usize)]) -> [f64; 8] {
             }
         }
     }
+    hash_fingerprint(hash)
+}
+
+/// A 64-bit hash as 4 exact 16-bit pieces and their negations: one Max
+/// all-reduce then tells whether every rank has the same hash.
+fn hash_fingerprint(hash: u64) -> [f64; 8] {
     let mut out = [0.0; 8];
     for i in 0..4 {
         let piece = ((hash >> (16 * i)) & 0xffff) as f64;
@@ -351,6 +357,24 @@ where
                 expected.len()
             )));
         }
+        if let Some(fetcher) = self.fetcher.clone() {
+            // Stage 3: the forward's gathers are done; plan the backward's.
+            let predicted: Vec<usize> = expected.iter().map(|&(p, _)| p).collect();
+            let forward = fetcher.begin_backward(&predicted)?;
+            let mine = hash_fingerprint(forward);
+            let mut agreed = mine;
+            self.memory
+                .all_reduce_host(&self.comm, &mut agreed[..], ReduceOp::Max)?;
+            if (0..4).any(|i| agreed[i] != mine[i] || -agreed[i + 4] != mine[i]) {
+                return Err(Error::Config(format!(
+                    "rank {}'s forward pass used other sharded layers (or used them in another \
+                     order) than some other rank's: the ranks' models differ. Every rank must \
+                     run the same model on the same kind of input (no rank-dependent branches \
+                     or layers)",
+                    self.comm.rank()
+                )));
+            }
+        }
         let Some(worker_memory) = self.memory.fork() else {
             // This memory reduces in the step; the gradients go to the full
             // buffer as before.
@@ -358,7 +382,7 @@ where
         };
         self.plan_in_order(expected)?;
         let last_micro_step = self.micro_steps + 1 >= self.config.grad_accum_steps;
-        if self.config.stage != Stage::Gradients && !last_micro_step {
+        if !self.config.stage.shards_gradients() && !last_micro_step {
             // Stages 0 and 1 accumulate locally until the last micro-step.
             return Ok(());
         }
@@ -382,7 +406,7 @@ where
         // into each bucket once. Stage 2 then adds to what earlier passes
         // reduced into the shard.
         let fold_full = self.window_open;
-        let add = stage == Stage::Gradients && self.shard_accumulated;
+        let add = stage.shards_gradients() && self.shard_accumulated;
         // Adding into the shard (later micro-steps, and gradients that come
         // after their bucket was launched) reduce-scatters into `scratch`.
         if stage != Stage::Ddp && self.scratch.is_none() {
@@ -405,7 +429,7 @@ where
             _ => None,
         };
         let step_early = early.is_some();
-        if stage == Stage::Gradients && fold_full {
+        if stage.shards_gradients() && fold_full {
             // Folded into this pass's reductions: the next pass must not
             // fold them again.
             self.window_open = false;
@@ -420,7 +444,15 @@ where
             scratch: self.scratch.take(),
             early,
         };
+        // Stage 3 on a communicator that must not run two collectives at
+        // once (MPI) gathers on this thread during backward: the
+        // reductions wait until after it.
+        let serial = self.fetcher.as_ref().is_some_and(|f| !f.threaded());
         let reducer = match self.config.overlap {
+            _ if serial => Reducer::Deferred {
+                targets,
+                queue: Vec::new(),
+            },
             Overlap::None => Reducer::Deferred {
                 targets,
                 queue: Vec::new(),
@@ -555,12 +587,20 @@ where
     fn plan_in_order(&mut self, expected: &[(usize, usize)]) -> Result<()> {
         let mut order = Vec::with_capacity(self.params.len());
         let mut placed = vec![false; self.params.len()];
-        for &(param, _) in expected {
-            if !placed[param] {
-                placed[param] = true;
-                order.push(param);
+        // Stage 3: the parameters that may be sharded first, the persistent
+        // ones after a break, so that no bucket holds both kinds.
+        let persist = self.config.persist_numel;
+        let small =
+            |p: usize| self.config.stage == Stage::Parameters && self.params[p].numel() <= persist;
+        for pass_small in [false, true] {
+            for &(param, _) in expected {
+                if !placed[param] && small(param) == pass_small {
+                    placed[param] = true;
+                    order.push(param);
+                }
             }
         }
+        let large = order.iter().filter(|&&p| !small(p)).count();
         order.extend((0..self.params.len()).filter(|&p| !placed[p]));
         if self.planned_order.as_deref() == Some(&order[..]) {
             return Ok(());
@@ -579,7 +619,6 @@ where
             self.planned_order = Some(order);
             return Ok(());
         }
-        let permuted: Vec<_> = order.iter().map(|&p| self.params[p].clone()).collect();
         let world = match self.config.stage {
             Stage::Ddp => 1,
             _ => self.comm.world_size(),
@@ -588,23 +627,21 @@ where
         // their own: a bucket launched on its predicted gradients then never
         // waits for, or misses, one of them.
         let predicted = placed.iter().filter(|&&p| p).count();
-        let mut plan = Interleaved::default().partition_with_breaks(
-            &permuted,
+        let mut breaks = vec![large, predicted];
+        if self.config.stage == Stage::Parameters {
+            breaks.extend(super::setup::stage3_breaks(
+                &self.params,
+                &order[..large],
+                &self.config,
+            ));
+        }
+        let plan = Interleaved::default().partition_in_order(
+            &self.params,
+            &order,
             world,
             self.config.bucket_bytes,
-            &[predicted],
+            &breaks,
         )?;
-        for shard in &mut plan.shards {
-            for piece in shard.iter_mut() {
-                piece.param = order[piece.param];
-            }
-        }
-        let mut offsets = vec![None; self.params.len()];
-        for (j, offset) in plan.flat_offsets.iter().enumerate() {
-            offsets[order[j]] = *offset;
-        }
-        plan.flat_offsets = offsets;
-        plan.params = self.params.clone();
         self.install_plan(plan)?;
         self.planned_order = Some(order);
         Ok(())
@@ -870,9 +907,11 @@ where
         // With master weights this path raised the bf16 peak heap by about
         // a fifth (`train --precision bf16`, N=4: 782 MB against 648 MB
         // serial), for a reason not found yet: they gather serially.
+        // Stage 3 gathers only the replicated parameters' few buckets.
         if self.config.overlap == Overlap::None
             || self.config.stage == Stage::Ddp
             || self.has_master_weights()
+            || self.fetcher.is_some()
         {
             return Ok(false);
         }

@@ -60,13 +60,25 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// without master weights, from the replica (a user may have changed
     /// it since the last step); with them, only when they are stale.
     pub(super) fn refresh_param_shard(&mut self, params: &mut M::Params<'_>) -> Result<()> {
-        let masters = self.has_master_weights();
-        if masters && self.masters_fresh {
+        let truth = self.shard_is_truth();
+        if truth && self.masters_fresh {
             return Ok(());
         }
-        self.memory
-            .read_params(params, &self.owned_copies, &mut self.param_shard)?;
-        self.masters_fresh = masters;
+        if self.sharded.iter().any(|&s| s) {
+            // Stage 3: a sharded parameter's replica is gone.
+            let copies: Vec<ParamCopy> = self
+                .owned_copies
+                .iter()
+                .filter(|c| !self.is_sharded(c.param))
+                .cloned()
+                .collect();
+            self.memory
+                .read_params(params, &copies, &mut self.param_shard)?;
+        } else {
+            self.memory
+                .read_params(params, &self.owned_copies, &mut self.param_shard)?;
+        }
+        self.masters_fresh = truth;
         Ok(())
     }
 

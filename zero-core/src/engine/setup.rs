@@ -7,7 +7,7 @@
 
 use super::{EngineConfig, Layout, Stage};
 use crate::optim::FunctionalOptimizer;
-use crate::partition::{ParamInfo, PartitionPlan, ShardPiece};
+use crate::partition::{Interleaved, ParamInfo, PartitionPlan, ShardPiece};
 use crate::{Element, Error, Result};
 use std::collections::BTreeMap;
 
@@ -78,13 +78,35 @@ impl ShardSetup {
 
         let (plan_world, plan_rank) = match config.stage {
             Stage::Ddp => (1, 0),
-            Stage::OptimizerState | Stage::Gradients => (world_size, rank),
+            Stage::OptimizerState | Stage::Gradients | Stage::Parameters => (world_size, rank),
         };
-        let plan =
+        let plan = if config.stage == Stage::Parameters {
+            // Stage 3 gathers a parameter as one stretch of buckets: split
+            // every bucket evenly (by name until the first hooked backward
+            // orders them by gradient), the parameters that may be sharded
+            // first and the persistent ones after a break, so that no
+            // bucket mixes the two.
+            let small = |p: &ParamInfo| p.numel() <= config.persist_numel;
+            let order: Vec<usize> = (0..params.len())
+                .filter(|&p| !small(&params[p]))
+                .chain((0..params.len()).filter(|&p| small(&params[p])))
+                .collect();
+            let large = params.iter().filter(|p| !small(p)).count();
+            let mut breaks = stage3_breaks(params, &order[..large], config);
+            breaks.push(large);
+            Interleaved::default().partition_in_order(
+                params,
+                &order,
+                plan_world,
+                config.bucket_bytes,
+                &breaks,
+            )?
+        } else {
             config
                 .partitioner
                 .partitioner()
-                .partition(params, plan_world, config.bucket_bytes)?;
+                .partition(params, plan_world, config.bucket_bytes)?
+        };
         let layout = Layout::new(&plan);
         let owned = plan.shards[plan_rank].clone();
         Ok(Self {
@@ -101,4 +123,25 @@ impl ShardSetup {
     pub fn shard_offset(&self, piece: &ShardPiece) -> usize {
         piece.flat_range.start - self.plan_rank * self.plan.shard_numel
     }
+}
+
+/// Stage 3: the positions in `order` (the parameters that may be sharded)
+/// of those at least a bucket large. Each starts a bucket of its own, so
+/// that a gather of one layer never spans its neighbours (buckets shared
+/// at the boundaries would chain every layer into one gather); smaller
+/// ones pack into the buckets before them and travel with them.
+pub(super) fn stage3_breaks(
+    params: &[ParamInfo],
+    order: &[usize],
+    config: &EngineConfig,
+) -> Vec<usize> {
+    order
+        .iter()
+        .enumerate()
+        .filter(|&(_, &p)| {
+            let bytes = params[p].numel() * params[p].dtype.size_in_bytes();
+            bytes >= config.bucket_bytes
+        })
+        .map(|(j, _)| j)
+        .collect()
 }

@@ -423,7 +423,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         let model_file = format!("model.{tag}.safetensors");
         // The model file holds the master weights where the engine keeps
         // them (a collective: every rank's shard goes to rank 0).
-        let masters = if self.has_master_weights() {
+        let masters = if self.shard_is_truth() {
             self.gather_masters(0)?
         } else {
             None
@@ -664,7 +664,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         // Any float dtype loads into any precision: a bf16 run's f32
         // masters into an f32 run, an f32 run's weights into the masters of
         // a bf16 run (the replica gets them rounded).
-        let masters = self.has_master_weights();
+        let masters = self.shard_is_truth();
         for i in 0..self.params.len() {
             let p = &self.params[i];
             if !super::precision::engine_steps::<T>(p.dtype) {
@@ -685,12 +685,16 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             let values = t
                 .to_vec_as::<T>()
                 .map_err(|e| checkpoint_error(&model_path, format!("{:?}: {e}", p.name)))?;
-            self.memory.write_param_host(weights, i, &values)?;
+            // Stage 3: a sharded parameter has no replica to write.
+            if !self.is_sharded(i) {
+                self.memory.write_param_host(weights, i, &values)?;
+            }
             if masters {
                 self.set_masters_of(i, &values)?;
             }
         }
         self.masters_fresh = masters;
+        self.fetch_refresh()?;
         if let Some(state) = info.loss_scaler {
             self.set_loss_scaler_state(state);
         }
@@ -924,7 +928,9 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                 continue;
             }
             let buf = match masters {
-                Some(flat) if self.params[i].trainable => self.master_values(flat, i),
+                Some(flat) if self.params[i].trainable || self.is_sharded(i) => {
+                    self.master_values(flat, i)
+                }
                 _ => {
                     let mut buf = vec![T::default(); self.params[i].numel()];
                     self.memory
@@ -1061,7 +1067,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         Ok(())
     }
 
-    fn refuse_mid_accumulation(&self, op: &str) -> Result<()> {
+    pub(super) fn refuse_mid_accumulation(&self, op: &str) -> Result<()> {
         if self.micro_steps > 0 || self.window_open {
             return Err(Error::State(format!(
                 "{op} called with {} micro-step(s) accumulated; their gradients are not part of \

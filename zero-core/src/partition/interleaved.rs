@@ -68,6 +68,33 @@ impl Partitioner for Interleaved {
 }
 
 impl Interleaved {
+    /// As [`Interleaved::partition_with_breaks`] over the parameters taken
+    /// in `order` (a permutation of their indices; `breaks` are positions
+    /// in `order`); the plan names the parameters by their own indices.
+    pub fn partition_in_order(
+        &self,
+        params: &[ParamInfo],
+        order: &[usize],
+        world_size: usize,
+        bucket_bytes: usize,
+        breaks: &[usize],
+    ) -> Result<PartitionPlan> {
+        let permuted: Vec<ParamInfo> = order.iter().map(|&p| params[p].clone()).collect();
+        let mut plan = self.partition_with_breaks(&permuted, world_size, bucket_bytes, breaks)?;
+        for shard in &mut plan.shards {
+            for piece in shard.iter_mut() {
+                piece.param = order[piece.param];
+            }
+        }
+        let mut offsets = vec![None; params.len()];
+        for (j, offset) in plan.flat_offsets.iter().enumerate() {
+            offsets[order[j]] = *offset;
+        }
+        plan.flat_offsets = offsets;
+        plan.params = params.to_vec();
+        Ok(plan)
+    }
+
     /// As [`Partitioner::partition`], and every parameter index in `breaks`
     /// starts a new bucket (the previous one is padded), so that the
     /// parameters before and after it never share one.

@@ -1,0 +1,679 @@
+//! Stage 3's parameter gathers: each sharded parameter is all-gathered from
+//! the ranks' shards just before a layer uses it, into a pooled buffer that
+//! goes back to the pool right after, with the next layers' gathers issued
+//! ahead (prefetch) on a thread of their own.
+//!
+//! A *unit* is what one gather brings: the buckets of the plan that hold a
+//! run of consecutive sharded parameters (parameters that share a bucket
+//! share a unit, so consecutive small layers travel in one collective per
+//! bucket). With the interleaved plan, bucket `k` is one stretch of the
+//! parameter sequence split evenly over the ranks, so all-gathering it
+//! yields that stretch in order: a parameter's values are one contiguous
+//! range of its unit's buffer.
+//!
+//! Every rank must issue the same gathers in the same order (they are
+//! collectives on a communicator of their own). Decisions to issue are
+//! therefore taken only on the caller's thread, from the plan and the bytes
+//! alive, never from how far a gather has got:
+//! - the forward plan replays the units the previous forward requested
+//!   (the trace), the backward plan the previous backward's, or before
+//!   there is one the order the engine predicts from the graph;
+//! - a request for a unit the plan holds further on takes it out of the
+//!   plan and issues it alone; one the plan does not hold is issued alone;
+//! - after each request (and after the optimizer step has refreshed the
+//!   shard) units are issued from the plan while at most `prefetch_bytes`
+//!   are issued and not yet taken, and at most `max_live_bytes` are
+//!   gathered in all.
+//!
+//! A rank whose model requests other units than its peers still issues the
+//! planned gathers, so the collectives stay matched; the engine compares a
+//! fingerprint of each forward's requests across ranks when backward
+//! begins, and a difference is an error on every rank.
+
+use crate::{Error, Result};
+use std::collections::VecDeque;
+use std::ops::Range;
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError, RwLock};
+
+/// All-gathers `send` (this rank's chunk of one bucket) into `recv` (the
+/// whole bucket, every rank's chunk in rank order).
+pub(super) type GatherFn<T> = dyn Fn(&[T], &mut [T]) -> Result<()> + Send + Sync;
+
+/// One bucket of a unit: this rank's chunk in the shard, and where the
+/// whole bucket goes in the unit's buffer.
+#[derive(Clone, Debug)]
+pub(super) struct UnitBucket {
+    pub shard: Range<usize>,
+    pub at: Range<usize>,
+}
+
+/// What one gather brings.
+#[derive(Clone, Debug)]
+pub(super) struct Unit {
+    pub buckets: Vec<UnitBucket>,
+    /// Elements of the unit's buffer.
+    pub len: usize,
+}
+
+/// The full values of a sharded parameter, gathered: give it back with
+/// [`Fetcher::release`] when the layer is done with it.
+#[derive(Debug)]
+pub struct Gathered<T> {
+    buffer: Vec<T>,
+    unit: usize,
+    range: Range<usize>,
+}
+
+impl<T> Gathered<T> {
+    /// The parameter's values (row-major, its shape's element count).
+    pub fn values(&self) -> &[T] {
+        &self.buffer[self.range.clone()]
+    }
+
+    /// Where the parameter's values lie in [`Gathered::buffer_mut`].
+    pub fn range(&self) -> Range<usize> {
+        self.range.clone()
+    }
+
+    /// The whole buffer of the gather (other parameters of the unit
+    /// around the range): a framework may move it into a tensor storage
+    /// for the length of one computation and put it back.
+    pub fn buffer_mut(&mut self) -> &mut Vec<T> {
+        &mut self.buffer
+    }
+}
+
+/// Counters of the gathers of one [`Fetcher`], since it was built.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct FetchStats {
+    /// Per parameter, how many times a gather that brings it was issued.
+    pub gathers: Vec<u64>,
+    /// Requests whose gather had been issued before the request (prefetched).
+    pub hits: u64,
+    /// Requests that had to issue their own gather.
+    pub misses: u64,
+    /// The most gathered bytes alive at once (issued or in use).
+    pub peak_live_bytes: usize,
+    /// Times a forward or backward pass requested another sequence than
+    /// the one recorded, and the new one replaced it.
+    pub retraces: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Phase {
+    Forward,
+    Backward,
+}
+
+/// A gather issued and not yet taken by a request.
+struct Issued<T> {
+    unit: usize,
+    /// `None` until the gather completes.
+    result: Option<Result<Vec<T>>>,
+    ticket: u64,
+}
+
+struct State<T> {
+    phase: Phase,
+    /// Units the last complete forward / backward requested, in order.
+    forward_trace: Vec<usize>,
+    backward_trace: Option<Vec<usize>>,
+    /// Units requested in the current pass.
+    log: Vec<usize>,
+    /// Units to issue ahead, in order.
+    plan: VecDeque<usize>,
+    issued: VecDeque<Issued<T>>,
+    next_ticket: u64,
+    /// Bytes issued and not taken; bytes issued or in use.
+    ahead_bytes: usize,
+    live_bytes: usize,
+    pool: Vec<Vec<T>>,
+    stats: FetchStats,
+}
+
+/// Stage 3's gathers for one rank (see the module documentation).
+///
+/// Shared between the engine (which refreshes the shard after each step
+/// and marks the passes) and the framework's layers (which
+/// [`acquire`](Fetcher::acquire) and [`release`](Fetcher::release) the
+/// full values of the parameters they compute with).
+pub struct Fetcher<T> {
+    units: Vec<Unit>,
+    /// Per parameter: its unit and range in the unit's buffer (`None`: not
+    /// sharded).
+    place: Vec<Option<(usize, Range<usize>)>>,
+    /// Per unit, the parameters it brings.
+    members: Vec<Vec<usize>>,
+    elem_bytes: usize,
+    prefetch_bytes: usize,
+    max_live_bytes: usize,
+    /// A copy of this rank's parameter shard, the gathers' source.
+    shard: Arc<RwLock<Vec<T>>>,
+    state: Mutex<State<T>>,
+    done: Condvar,
+    /// The gather thread's queue (`None`: gathers run on the caller's
+    /// thread, for communicators that must not run two collectives at once).
+    jobs: Option<Mutex<Sender<(u64, usize, Vec<T>)>>>,
+    gather: Arc<GatherFn<T>>,
+}
+
+impl<T: crate::Element> Fetcher<T> {
+    /// A fetcher for `units`; `place[p]` locates parameter `p`. With
+    /// `threaded`, gathers run on a thread of their own (a prefetch then
+    /// overlaps the caller's compute).
+    pub(super) fn new(
+        units: Vec<Unit>,
+        place: Vec<Option<(usize, Range<usize>)>>,
+        shard: Vec<T>,
+        gather: Arc<GatherFn<T>>,
+        budgets: (usize, usize),
+        threaded: bool,
+    ) -> Result<Arc<Self>> {
+        let (prefetch_bytes, max_live_bytes) = budgets;
+        let elem_bytes = std::mem::size_of::<T>();
+        let mut members = vec![Vec::new(); units.len()];
+        for (p, place) in place.iter().enumerate() {
+            if let Some((u, _)) = place {
+                members[*u].push(p);
+            }
+        }
+        if let Some(u) = units.iter().find(|u| u.len * elem_bytes > max_live_bytes) {
+            return Err(Error::Config(format!(
+                "stage 3: a layer's gathered parameters take {} bytes, more than max_live_bytes \
+                 ({max_live_bytes}); raise max_live_bytes above the largest layer",
+                u.len * elem_bytes
+            )));
+        }
+        let (jobs, receiver) = if threaded {
+            let (tx, rx) = mpsc::channel();
+            (Some(Mutex::new(tx)), Some(rx))
+        } else {
+            (None, None)
+        };
+        let gathers = vec![0; place.len()];
+        let fetcher = Arc::new(Self {
+            units,
+            place,
+            members,
+            elem_bytes,
+            prefetch_bytes,
+            max_live_bytes,
+            shard: Arc::new(RwLock::new(shard)),
+            state: Mutex::new(State {
+                phase: Phase::Forward,
+                forward_trace: Vec::new(),
+                backward_trace: None,
+                log: Vec::new(),
+                plan: VecDeque::new(),
+                issued: VecDeque::new(),
+                next_ticket: 0,
+                ahead_bytes: 0,
+                live_bytes: 0,
+                pool: Vec::new(),
+                stats: FetchStats {
+                    gathers,
+                    ..FetchStats::default()
+                },
+            }),
+            done: Condvar::new(),
+            jobs,
+            gather,
+        });
+        if let Some(receiver) = receiver {
+            let worker = Worker {
+                units: fetcher.units.clone(),
+                shard: fetcher.shard.clone(),
+                gather: fetcher.gather.clone(),
+                fetcher: Arc::downgrade(&fetcher),
+            };
+            std::thread::Builder::new()
+                .name("zero-gather".into())
+                .spawn(move || worker.run(receiver))
+                .map_err(|e| Error::State(format!("cannot start the gather thread: {e}")))?;
+        }
+        Ok(fetcher)
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State<T>> {
+        // Every change to the state is made after the fallible work, so a
+        // panic elsewhere leaves it consistent.
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Whether parameter `param` is sharded (gathered on use).
+    pub fn is_sharded(&self, param: usize) -> bool {
+        matches!(self.place.get(param), Some(Some(_)))
+    }
+
+    /// Whether gathers run on a thread of their own (they do unless the
+    /// communicator cannot run two collectives at once).
+    pub fn threaded(&self) -> bool {
+        self.jobs.is_some()
+    }
+
+    /// The counters so far.
+    pub fn stats(&self) -> FetchStats {
+        self.lock().stats.clone()
+    }
+
+    /// The full values of sharded parameter `param`: the prefetched gather
+    /// when one was issued, else one issued now. Issues the next planned
+    /// gathers before waiting for this one.
+    pub fn acquire(&self, param: usize) -> Result<Gathered<T>> {
+        let Some(Some((unit, range))) = self.place.get(param).cloned() else {
+            return Err(Error::Config(format!(
+                "stage 3: parameter #{param} is not sharded, so it has nothing to gather; read \
+                 it from the model"
+            )));
+        };
+        let mut st = self.lock();
+        let planned = st.plan.contains(&unit) || st.issued.iter().any(|i| i.unit == unit);
+        if st.phase == Phase::Forward
+            && !st.log.is_empty()
+            && st.forward_trace.first() == Some(&unit)
+            && !planned
+        {
+            // The trace's first layer again without a backward in between:
+            // a new forward (after an evaluation pass).
+            st = self.restart_forward(st)?;
+        }
+        st.log.push(unit);
+        let prefetched = st.issued.iter().find(|i| i.unit == unit).map(|i| i.ticket);
+        let ticket = match prefetched {
+            Some(ticket) => {
+                st.stats.hits += 1;
+                ticket
+            }
+            None => {
+                st.stats.misses += 1;
+                if let Some(j) = st.plan.iter().position(|&u| u == unit) {
+                    st.plan.remove(j);
+                }
+                st = self.make_room(st, unit)?;
+                self.issue(&mut st, unit)
+            }
+        };
+        self.top_up(&mut st);
+        let mut st = self
+            .done
+            .wait_while(st, |st| {
+                st.issued
+                    .iter()
+                    .any(|i| i.ticket == ticket && i.result.is_none())
+            })
+            .unwrap_or_else(PoisonError::into_inner);
+        let j = st
+            .issued
+            .iter()
+            .position(|i| i.ticket == ticket)
+            .ok_or_else(|| Error::State("internal: a gather vanished".into()))?;
+        let issued = st.issued.remove(j).expect("position found above");
+        let bytes = self.bytes(unit);
+        st.ahead_bytes -= bytes;
+        match issued.result {
+            Some(Ok(buffer)) => Ok(Gathered {
+                buffer,
+                unit,
+                range,
+            }),
+            Some(Err(e)) => {
+                st.live_bytes -= bytes;
+                Err(e)
+            }
+            None => Err(Error::State("internal: a gather had no result".into())),
+        }
+    }
+
+    /// Gives a gathered buffer back to the pool (and lets the prefetch go
+    /// on into the bytes it frees).
+    pub fn release(&self, gathered: Gathered<T>) {
+        let mut st = self.lock();
+        st.live_bytes -= self.bytes(gathered.unit);
+        st.pool.push(gathered.buffer);
+        self.top_up(&mut st);
+    }
+
+    /// Plans the first passes from parameters used before the fetcher
+    /// existed (a framework records what its layers used in the step that
+    /// ran on whole weights): `forward` and `backward` list parameters in
+    /// order of use. Then starts prefetching the next forward.
+    pub fn seed(&self, forward: &[usize], backward: &[usize]) {
+        let units = |params: &[usize]| {
+            let mut units: Vec<usize> = Vec::new();
+            for &p in params {
+                if let Some(Some((u, _))) = self.place.get(p) {
+                    units.push(*u);
+                }
+            }
+            units
+        };
+        let mut st = self.lock();
+        st.forward_trace = units(forward);
+        if !backward.is_empty() {
+            st.backward_trace = Some(units(backward));
+        }
+        if st.phase == Phase::Forward && st.log.is_empty() && st.issued.is_empty() {
+            st.plan = st.forward_trace.iter().copied().collect();
+        }
+        self.top_up(&mut st);
+    }
+
+    /// The full values of sharded parameter `param`, gathered now, outside
+    /// the passes' plans (to save or inspect weights). A collective: every
+    /// rank calls it for the same parameters in the same order, between
+    /// passes.
+    pub fn gather_full(&self, param: usize) -> Result<Vec<T>> {
+        let Some(Some((unit, range))) = self.place.get(param).cloned() else {
+            return Err(Error::Config(format!(
+                "stage 3: parameter #{param} is not sharded, so it has nothing to gather"
+            )));
+        };
+        let st = self.lock();
+        let mut st = self.drain(st)?;
+        let buffer = vec![T::default(); self.units[unit].len];
+        let buffer = gather_unit(&self.units[unit], &self.shard, &*self.gather, buffer)?;
+        // The drained prefetches are planned again.
+        if st.phase == Phase::Forward && st.log.is_empty() {
+            st.plan = st.forward_trace.iter().copied().collect();
+        }
+        Ok(buffer[range].to_vec())
+    }
+
+    /// Ends a forward pass and starts the backward one: `predicted` lists
+    /// the parameters in the order backward will use them (the first pass
+    /// plans from it; later ones replay the previous backward). Returns a
+    /// fingerprint of the units the forward requested, for the engine to
+    /// compare across ranks.
+    pub(super) fn begin_backward(&self, predicted: &[usize]) -> Result<u64> {
+        let st = self.lock();
+        let mut st = self.drain(st)?;
+        let fingerprint = fingerprint(&st.log);
+        if st.phase == Phase::Forward {
+            let log = std::mem::take(&mut st.log);
+            if log != st.forward_trace {
+                if !st.forward_trace.is_empty() {
+                    st.stats.retraces += 1;
+                }
+                st.forward_trace = log;
+            }
+        }
+        st.log.clear();
+        st.phase = Phase::Backward;
+        st.plan = match &st.backward_trace {
+            Some(trace) => trace.iter().copied().collect(),
+            None => {
+                let mut plan = VecDeque::new();
+                for &p in predicted {
+                    if let Some(Some((u, _))) = self.place.get(p) {
+                        if plan.back() != Some(u) {
+                            plan.push_back(*u);
+                        }
+                    }
+                }
+                plan
+            }
+        };
+        self.top_up(&mut st);
+        Ok(fingerprint)
+    }
+
+    /// Ends a pass before the shard changes (the step): waits for the
+    /// gathers in flight, records a finished backward's requests, and plans
+    /// the next forward from the trace. Nothing is issued until
+    /// [`Fetcher::refresh`] or [`Fetcher::resume`].
+    pub(super) fn end_pass(&self) -> Result<()> {
+        let st = self.lock();
+        let mut st = self.drain(st)?;
+        if st.phase == Phase::Backward {
+            let log = std::mem::take(&mut st.log);
+            if st.backward_trace.as_ref() != Some(&log) {
+                if st.backward_trace.is_some() {
+                    st.stats.retraces += 1;
+                }
+                st.backward_trace = Some(log);
+            }
+            st.phase = Phase::Forward;
+            st.plan = st.forward_trace.iter().copied().collect();
+        }
+        Ok(())
+    }
+
+    /// Replaces the shard copy the gathers read (after a step changed it),
+    /// then starts prefetching the next forward.
+    pub(super) fn refresh(&self, write: impl FnOnce(&mut [T]) -> Result<()>) -> Result<()> {
+        {
+            let mut shard = self.shard.write().unwrap_or_else(PoisonError::into_inner);
+            write(&mut shard)?;
+        }
+        self.resume();
+        Ok(())
+    }
+
+    /// Starts prefetching the next forward (after a micro-step that did
+    /// not change the shard).
+    pub(super) fn resume(&self) {
+        let mut st = self.lock();
+        self.top_up(&mut st);
+    }
+
+    fn bytes(&self, unit: usize) -> usize {
+        self.units[unit].len * self.elem_bytes
+    }
+
+    /// Issues the gather of `unit` (the caller decided, on every rank alike).
+    fn issue(&self, st: &mut State<T>, unit: usize) -> u64 {
+        let len = self.units[unit].len;
+        // The smallest pooled buffer that holds the unit, else a new one.
+        let pooled = st
+            .pool
+            .iter()
+            .enumerate()
+            .filter(|(_, b)| b.capacity() >= len)
+            .min_by_key(|(_, b)| b.capacity())
+            .map(|(i, _)| i);
+        let mut buffer = match pooled {
+            Some(i) => st.pool.swap_remove(i),
+            None => Vec::with_capacity(len),
+        };
+        buffer.resize(len, T::default());
+        let bytes = self.bytes(unit);
+        st.live_bytes += bytes;
+        st.ahead_bytes += bytes;
+        st.stats.peak_live_bytes = st.stats.peak_live_bytes.max(st.live_bytes);
+        for &p in &self.members[unit] {
+            st.stats.gathers[p] += 1;
+        }
+        let ticket = st.next_ticket;
+        st.next_ticket += 1;
+        let result = match &self.jobs {
+            Some(jobs) => {
+                let sent = jobs
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .send((ticket, unit, buffer));
+                match sent {
+                    Ok(()) => None,
+                    Err(_) => Some(Err(Error::State(
+                        "stage 3: the gather thread is gone (it panicked?)".into(),
+                    ))),
+                }
+            }
+            None => Some(gather_unit(
+                &self.units[unit],
+                &self.shard,
+                &*self.gather,
+                buffer,
+            )),
+        };
+        st.issued.push_back(Issued {
+            unit,
+            result,
+            ticket,
+        });
+        ticket
+    }
+
+    /// Issues planned units while the budgets allow.
+    fn top_up(&self, st: &mut State<T>) {
+        while let Some(&unit) = st.plan.front() {
+            let bytes = self.bytes(unit);
+            if st.ahead_bytes + bytes > self.prefetch_bytes
+                || st.live_bytes + bytes > self.max_live_bytes
+            {
+                break;
+            }
+            st.plan.pop_front();
+            self.issue(st, unit);
+        }
+    }
+
+    /// Makes room for `unit` under `max_live_bytes` by dropping the most
+    /// recently issued prefetches (they go back to the front of the plan).
+    fn make_room<'a>(
+        &'a self,
+        mut st: MutexGuard<'a, State<T>>,
+        unit: usize,
+    ) -> Result<MutexGuard<'a, State<T>>> {
+        let bytes = self.bytes(unit);
+        while st.live_bytes + bytes > self.max_live_bytes {
+            let Some(last) = st.issued.back().map(|i| i.ticket) else {
+                return Err(Error::Config(format!(
+                    "stage 3: {} gathered bytes are in use and the next layer needs {bytes} more, \
+                     beyond max_live_bytes ({}); raise max_live_bytes",
+                    st.live_bytes, self.max_live_bytes
+                )));
+            };
+            st = self.wait_for(st, last);
+            let dropped = st.issued.pop_back().expect("waited for it above");
+            let dropped_bytes = self.bytes(dropped.unit);
+            st.ahead_bytes -= dropped_bytes;
+            st.live_bytes -= dropped_bytes;
+            st.plan.push_front(dropped.unit);
+            match dropped.result {
+                Some(Ok(buffer)) => st.pool.push(buffer),
+                Some(Err(e)) => return Err(e),
+                None => {}
+            }
+        }
+        Ok(st)
+    }
+
+    fn wait_for<'a>(
+        &'a self,
+        st: MutexGuard<'a, State<T>>,
+        ticket: u64,
+    ) -> MutexGuard<'a, State<T>> {
+        self.done
+            .wait_while(st, |st| {
+                st.issued
+                    .iter()
+                    .any(|i| i.ticket == ticket && i.result.is_none())
+            })
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Waits for every issued gather and puts its buffer back in the pool.
+    fn drain<'a>(&'a self, st: MutexGuard<'a, State<T>>) -> Result<MutexGuard<'a, State<T>>> {
+        let mut st = self
+            .done
+            .wait_while(st, |st| st.issued.iter().any(|i| i.result.is_none()))
+            .unwrap_or_else(PoisonError::into_inner);
+        let mut first_error = None;
+        while let Some(issued) = st.issued.pop_front() {
+            let bytes = self.bytes(issued.unit);
+            st.ahead_bytes -= bytes;
+            st.live_bytes -= bytes;
+            match issued.result {
+                Some(Ok(buffer)) => st.pool.push(buffer),
+                Some(Err(e)) => {
+                    first_error.get_or_insert(e);
+                }
+                None => {}
+            }
+        }
+        match first_error {
+            Some(e) => Err(e),
+            None => Ok(st),
+        }
+    }
+
+    /// A new forward pass without a backward since the last one.
+    fn restart_forward<'a>(
+        &'a self,
+        st: MutexGuard<'a, State<T>>,
+    ) -> Result<MutexGuard<'a, State<T>>> {
+        let mut st = self.drain(st)?;
+        let log = std::mem::take(&mut st.log);
+        if log != st.forward_trace {
+            st.stats.retraces += 1;
+            st.forward_trace = log;
+        }
+        st.plan = st.forward_trace.iter().copied().collect();
+        Ok(st)
+    }
+}
+
+impl<T> std::fmt::Debug for Fetcher<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Fetcher")
+            .field("units", &self.units.len())
+            .field("prefetch_bytes", &self.prefetch_bytes)
+            .field("max_live_bytes", &self.max_live_bytes)
+            .field("threaded", &self.jobs.is_some())
+            .finish()
+    }
+}
+
+/// Runs the gathers of one unit, bucket by bucket, into `buffer`.
+fn gather_unit<T: crate::Element>(
+    unit: &Unit,
+    shard: &RwLock<Vec<T>>,
+    gather: &GatherFn<T>,
+    mut buffer: Vec<T>,
+) -> Result<Vec<T>> {
+    let shard = shard.read().unwrap_or_else(PoisonError::into_inner);
+    for bucket in &unit.buckets {
+        gather(&shard[bucket.shard.clone()], &mut buffer[bucket.at.clone()])?;
+    }
+    Ok(buffer)
+}
+
+/// FNV-1a of a sequence of units: stable across processes and builds.
+fn fingerprint(units: &[usize]) -> u64 {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for &unit in units {
+        for byte in (unit as u64).to_le_bytes() {
+            hash ^= u64::from(byte);
+            hash = hash.wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    hash
+}
+
+/// The gather thread: runs the queued gathers in order and hands each
+/// result to the fetcher. It holds the fetcher weakly, so dropping the
+/// fetcher closes the queue and ends the thread.
+struct Worker<T> {
+    units: Vec<Unit>,
+    shard: Arc<RwLock<Vec<T>>>,
+    gather: Arc<GatherFn<T>>,
+    fetcher: std::sync::Weak<Fetcher<T>>,
+}
+
+impl<T: crate::Element> Worker<T> {
+    fn run(self, jobs: Receiver<(u64, usize, Vec<T>)>) {
+        while let Ok((ticket, unit, buffer)) = jobs.recv() {
+            let result = gather_unit(&self.units[unit], &self.shard, &*self.gather, buffer);
+            let Some(fetcher) = self.fetcher.upgrade() else {
+                return;
+            };
+            let mut st = fetcher.lock();
+            if let Some(issued) = st.issued.iter_mut().find(|i| i.ticket == ticket) {
+                issued.result = Some(result);
+            }
+            drop(st);
+            fetcher.done.notify_all();
+        }
+    }
+}

@@ -1,0 +1,231 @@
+//! Stage 3: parameters that live only as this rank's shard.
+//!
+//! Until [`Engine::shard_parameters`] is called, a stage-3 engine is a
+//! stage-2 engine (the replica is whole and updated every step). The call
+//! marks the parameters the framework can gather on use (its ZeRO-aware
+//! layers) and that exceed [`EngineConfig::persist_numel`] as *sharded*:
+//! from then on the engine never reads or writes their replica (the
+//! framework may free it), its shard is their only copy, and the returned
+//! [`Fetcher`] all-gathers them for each use. The gradient path stays
+//! stage 2's: a sharded parameter's gradient is handed over during
+//! backward and reduce-scattered into the gradient shard. After the step,
+//! only the buckets of replicated parameters are all-gathered.
+//!
+//! Before `shard_parameters`, the first `begin_backward` partitions in
+//! gradient order as at stage 2, with one difference: parameters above the
+//! persistence threshold come first and the small ones after a break, so
+//! that buckets hold either kind and the post-step all-gather skips the
+//! sharded ones entirely.
+//!
+//! [`EngineConfig::persist_numel`]: super::EngineConfig::persist_numel
+
+use super::fetch::{Fetcher, GatherFn, Unit, UnitBucket};
+use super::{Engine, HostMemory, ParamStore, ShardMemory, Stage};
+use crate::comm::{Communicator, Host, ReduceOp};
+use crate::{Element, Error, Result};
+use std::sync::Arc;
+
+impl<T: Element, C: Communicator<Memory = Host> + 'static> Engine<T, C, HostMemory> {
+    /// Stage 3: from now on, keeps the parameters `gatherable` marks (those
+    /// the framework gathers on use) that are trainable and larger than
+    /// `persist_numel` only as shards, and returns the [`Fetcher`] that
+    /// gathers them. `params` is the replica, read once more for the
+    /// owned pieces if the shard is not current. A collective (every rank
+    /// passes the same mask; a difference is an error on every rank). Call
+    /// it between steps, once.
+    ///
+    /// After this the engine never touches the sharded parameters'
+    /// replica: the framework may free it, and must get their values from
+    /// the fetcher (checkpoints hold them; they are saved from the shards).
+    pub fn shard_parameters(
+        &mut self,
+        gatherable: &[bool],
+        params: &mut (dyn ParamStore<T> + '_),
+    ) -> Result<Arc<Fetcher<T>>> {
+        if self.config.stage != Stage::Parameters {
+            return Err(Error::Config(format!(
+                "shard_parameters needs stage 3; this engine runs stage {}",
+                self.config.stage.number()
+            )));
+        }
+        if self.fetcher.is_some() {
+            return Err(Error::State(
+                "shard_parameters was already called; the parameters are sharded".into(),
+            ));
+        }
+        if gatherable.len() != self.params.len() {
+            return Err(Error::Config(format!(
+                "shard_parameters: got {} flags for {} parameters; pass one per parameter",
+                gatherable.len(),
+                self.params.len()
+            )));
+        }
+        self.refuse_mid_accumulation("shard_parameters")?;
+        if self.has_master_weights() {
+            return Err(Error::Config(
+                "stage 3 with master weights (a 16-bit model under a wider engine) is not \
+                 built yet; use stage 2, or an engine of the model's own dtype"
+                    .into(),
+            ));
+        }
+        let persist = self.config.persist_numel;
+        let mask: Vec<bool> = self
+            .params
+            .iter()
+            .zip(gatherable)
+            .map(|(p, &g)| g && p.trainable && p.numel() > persist)
+            .collect();
+        self.check_same_mask(&mask)?;
+
+        // The shard must hold the current values before the replica goes.
+        self.refresh_param_shard(params)?;
+        let (units, place) = self.gather_units(&mask)?;
+        let world: Vec<usize> = (0..self.comm.world_size()).collect();
+        let gather_comm = self.comm.split(&world)?.ok_or_else(|| {
+            Error::State("internal: a split over every rank left this rank out".into())
+        })?;
+        let threaded = gather_comm.concurrent_groups();
+        let gather_comm = Arc::new(gather_comm);
+        let gather: Arc<GatherFn<T>> =
+            Arc::new(move |send: &[T], recv: &mut [T]| gather_comm.all_gather(send, recv));
+        let fetcher = Fetcher::new(
+            units,
+            place,
+            self.param_shard.clone(),
+            gather,
+            (self.config.prefetch_bytes, self.config.max_live_bytes),
+            threaded,
+        )?;
+        self.sharded = mask;
+        self.masters_fresh = true;
+        self.fetcher = Some(fetcher.clone());
+        Ok(fetcher)
+    }
+
+    /// Checks that every rank marks the same parameters (one all-reduce of
+    /// the mask and its negation).
+    fn check_same_mask(&mut self, mask: &[bool]) -> Result<()> {
+        let n = mask.len();
+        let mut agreed: Vec<f32> = mask.iter().map(|&m| f32::from(u8::from(m))).collect();
+        agreed.extend(mask.iter().map(|&m| -f32::from(u8::from(m))));
+        self.comm.all_reduce(&mut agreed[..], ReduceOp::Max)?;
+        let differs = (0..n).find(|&i| agreed[i] != -agreed[n + i]);
+        match differs {
+            None => Ok(()),
+            Some(i) => Err(Error::Config(format!(
+                "stage 3: the ranks disagree on whether {:?} is sharded (gathered on use by a \
+                 ZeRO-aware layer on some ranks only); every rank must build the same model",
+                self.params[i].name
+            ))),
+        }
+    }
+
+    /// The gather units of the sharded parameters: runs of buckets, one
+    /// per group of sharded parameters that share buckets; and where each
+    /// parameter lies in its unit's buffer.
+    #[allow(clippy::type_complexity)]
+    fn gather_units(
+        &self,
+        mask: &[bool],
+    ) -> Result<(Vec<Unit>, Vec<Option<(usize, std::ops::Range<usize>)>>)> {
+        // Each sharded parameter's bucket span and sequence position.
+        let mut spans = Vec::new();
+        for (p, &sharded) in mask.iter().enumerate() {
+            if !sharded {
+                continue;
+            }
+            let runs = &self.runs_of_param[p];
+            let Some(&first) = runs.first() else {
+                continue;
+            };
+            let run = &self.layout.runs[first];
+            let start = run.pos - run.param_range.start;
+            let contiguous = runs.iter().all(|&r| {
+                let run = &self.layout.runs[r];
+                run.pos - run.param_range.start == start
+            });
+            if !contiguous {
+                return Err(Error::State(format!(
+                    "stage 3 cannot shard {:?}: the partition does not lay it out in one stretch. Shard after a step whose gradients were handed over during backward (begin_backward lays the parameters out in gradient order), as zero_candle's backward_step does",
+                    self.params[p].name
+                )));
+            }
+            let buckets = runs.iter().map(|&r| self.bucket_of_run[r]);
+            let lo = buckets.clone().min().unwrap_or(0);
+            let hi = buckets.max().unwrap_or(0);
+            spans.push((lo, hi, p, start));
+        }
+        spans.sort_unstable();
+        let mut groups: Vec<(usize, usize, Vec<(usize, usize)>)> = Vec::new();
+        for (lo, hi, p, start) in spans {
+            match groups.last_mut() {
+                Some(group) if lo <= group.1 => {
+                    group.1 = group.1.max(hi);
+                    group.2.push((p, start));
+                }
+                _ => groups.push((lo, hi, vec![(p, start)])),
+            }
+        }
+        let mut units = Vec::with_capacity(groups.len());
+        let mut place = vec![None; self.params.len()];
+        for (u, (lo, hi, members)) in groups.into_iter().enumerate() {
+            let base = self.layout.bucket_range(lo).start;
+            let buckets: Vec<UnitBucket> = (lo..=hi)
+                .map(|k| {
+                    let at = self.layout.bucket_range(k);
+                    UnitBucket {
+                        shard: self.layout.buckets[k].clone(),
+                        at: at.start - base..at.end - base,
+                    }
+                })
+                .collect();
+            let len = self.layout.bucket_range(hi).end - base;
+            for (p, start) in members {
+                let at = start - base;
+                place[p] = Some((u, at..at + self.params[p].numel()));
+            }
+            units.push(Unit { buckets, len });
+        }
+        Ok((units, place))
+    }
+}
+
+impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
+    /// Stage 3: whether parameter `param` lives only as shards (see
+    /// [`Engine::shard_parameters`]).
+    pub fn is_sharded(&self, param: usize) -> bool {
+        self.sharded.get(param).copied().unwrap_or(false)
+    }
+
+    /// Stage 3: the fetcher of the sharded parameters, once
+    /// [`Engine::shard_parameters`] made one.
+    pub fn fetcher(&self) -> Option<&Arc<Fetcher<T>>> {
+        self.fetcher.as_ref()
+    }
+
+    /// Whether the shard, not the replica, holds the truth of the trained
+    /// parameters: with master weights, or sharded parameters.
+    pub(super) fn shard_is_truth(&self) -> bool {
+        self.has_master_weights() || self.sharded.iter().any(|&s| s)
+    }
+
+    /// Stage 3, at the end of a micro-step's backward: waits for the
+    /// gathers in flight (the step is about to change the shard).
+    pub(super) fn fetch_end_pass(&self) -> Result<()> {
+        match &self.fetcher {
+            Some(fetcher) => fetcher.end_pass(),
+            None => Ok(()),
+        }
+    }
+
+    /// Stage 3, after a step: gives the fetcher the updated shard (and it
+    /// starts prefetching the next forward).
+    pub(super) fn fetch_refresh(&mut self) -> Result<()> {
+        let Some(fetcher) = self.fetcher.clone() else {
+            return Ok(());
+        };
+        let numel = M::buffer_len(&self.param_shard);
+        let (memory, comm, shard) = (&mut self.memory, &self.comm, &self.param_shard);
+        fetcher.refresh(|copy| memory.buffer_to_host(&**comm, shard, 0..numel, copy))
+    }
+}
