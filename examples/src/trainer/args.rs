@@ -97,9 +97,20 @@ pub struct Args {
     /// Number of ranks (threads backend; MPI and NCCL take it from the launcher).
     #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u64).range(1..=1024))]
     pub world_size: u64,
-    /// ZeRO stage: 0 (DDP), 1 (optimizer state), 2 (+ gradients).
-    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u8).range(0..=2))]
+    /// ZeRO stage: 0 (DDP), 1 (optimizer state), 2 (+ gradients), 3 (+
+    /// parameters: gathered layer by layer on use, from the second step).
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u8).range(0..=3))]
     pub stage: u8,
+    /// Stage 3: parameters with at most this many elements stay replicated
+    /// (0: shard every layer weight).
+    #[arg(long, default_value_t = 100_000)]
+    pub persist_numel: usize,
+    /// Stage 3: MiB of parameter gathers issued ahead of use (0: none).
+    #[arg(long, default_value_t = 64.0)]
+    pub prefetch_mb: f64,
+    /// Stage 3: the most MiB of gathered parameters alive at once.
+    #[arg(long, default_value_t = 1024.0)]
+    pub max_live_mb: f64,
     /// Partitioner.
     #[arg(long, value_enum, default_value_t = PartitionerArg::Flat)]
     pub partitioner: PartitionerArg,

@@ -203,7 +203,6 @@ fn run_nccl(args: &Args, data: &Arc<TrainingData>) -> Result<Summary, TrainError
         rank,
         world_size,
         device: &device,
-        varmap: &varmap,
         model: &model,
     };
     train_loop(&ctx, &mut opt)
@@ -398,8 +397,12 @@ pub fn engine_config(args: &Args) -> EngineConfig {
         .with_stage(match args.stage {
             0 => Stage::Ddp,
             1 => Stage::OptimizerState,
-            _ => Stage::Gradients,
+            2 => Stage::Gradients,
+            _ => Stage::Parameters,
         })
+        .with_persist_numel(args.persist_numel)
+        .with_prefetch_bytes((args.prefetch_mb * (1 << 20) as f64) as usize)
+        .with_max_live_bytes(((args.max_live_mb * (1 << 20) as f64) as usize).max(1))
         .with_partitioner(match args.partitioner {
             PartitionerArg::Flat => PartitionerKind::Flat,
             PartitionerArg::Greedy => PartitionerKind::Greedy,
@@ -557,7 +560,8 @@ trait RankOptimizer {
         options: &SaveOptions,
     ) -> Result<(), TrainError>;
     fn load_checkpoint(&mut self, dir: &std::path::Path) -> Result<Manifest, TrainError>;
-    fn names_and_vars(&self) -> (&[String], &[candle_core::Var]);
+    /// Every trained variable's values by name (a collective at stage 3).
+    fn full_weights(&self) -> Result<Vec<(String, Tensor)>, TrainError>;
 }
 
 impl<C, T> RankOptimizer for ZeroOptimizer<C, T>
@@ -598,8 +602,8 @@ where
     fn load_checkpoint(&mut self, dir: &std::path::Path) -> Result<Manifest, TrainError> {
         Ok(ZeroOptimizer::load_checkpoint(self, dir)?)
     }
-    fn names_and_vars(&self) -> (&[String], &[candle_core::Var]) {
-        (self.names(), self.vars())
+    fn full_weights(&self) -> Result<Vec<(String, Tensor)>, TrainError> {
+        Ok(ZeroOptimizer::full_weights(self)?)
     }
 }
 
@@ -643,7 +647,6 @@ where
         rank,
         world_size,
         device: &Device::Cpu,
-        varmap: &varmap,
         model: &model,
     };
     train_loop(&ctx, &mut opt)
@@ -655,7 +658,6 @@ struct LoopContext<'a> {
     rank: usize,
     world_size: usize,
     device: &'a Device,
-    varmap: &'a VarMap,
     model: &'a Model<'a>,
 }
 
@@ -665,7 +667,6 @@ fn train_loop(ctx: &LoopContext<'_>, opt: &mut dyn RankOptimizer) -> Result<Summ
         rank,
         world_size,
         device,
-        varmap,
         model,
     } = *ctx;
     // Resuming: weights, optimizer state, step counter, data position and
@@ -810,9 +811,13 @@ fn train_loop(ctx: &LoopContext<'_>, opt: &mut dyn RankOptimizer) -> Result<Summ
         })?;
     }
 
+    // Every rank: at stage 3 gathering the sharded weights is a collective,
+    // and so is every forward (the sample).
+    let full_weights = opt.full_weights()?;
     let mut weights = Vec::new();
     let mut sample = None;
-    if rank == 0 {
+    let sharded = args.stage == 3;
+    if rank == 0 || sharded {
         if let (Model::Gpt(gpt, text), true) = (model, args.sample > 0) {
             let bytes = gpt.generate(
                 args.prompt.as_bytes(),
@@ -821,7 +826,7 @@ fn train_loop(ctx: &LoopContext<'_>, opt: &mut dyn RankOptimizer) -> Result<Summ
                 args.seed,
                 device,
             )?;
-            if !args.quiet {
+            if !args.quiet && rank == 0 {
                 println!(
                     "--- sample ({} bytes after {:?}, trained on {}) ---\n{}{}\n---",
                     bytes.len(),
@@ -831,8 +836,10 @@ fn train_loop(ctx: &LoopContext<'_>, opt: &mut dyn RankOptimizer) -> Result<Summ
                     String::from_utf8_lossy(&bytes)
                 );
             }
-            sample = Some(bytes);
+            sample = (rank == 0).then_some(bytes);
         }
+    }
+    if rank == 0 {
         if let Some(path) = &args.plot {
             let title = match model {
                 Model::Gpt(gpt, _) => {
@@ -850,13 +857,12 @@ fn train_loop(ctx: &LoopContext<'_>, opt: &mut dyn RankOptimizer) -> Result<Summ
             }
         }
         if let Some(path) = &args.save {
-            save_weights(varmap, path)?;
+            save_weights(&full_weights, path)?;
         }
-        let (names, vars) = opt.names_and_vars();
-        for (name, var) in names.iter().zip(vars) {
+        for (name, tensor) in full_weights {
             weights.push((
-                name.clone(),
-                var.as_tensor()
+                name,
+                tensor
                     .flatten_all()?
                     .to_dtype(DType::F32)?
                     .to_vec1::<f32>()?,

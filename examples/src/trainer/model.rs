@@ -126,9 +126,13 @@ pub fn load_weights(varmap: &VarMap, path: &Path) -> Result<(), TrainError> {
     Ok(())
 }
 
-/// Writes every variable of `varmap` under its name (safetensors).
-pub fn save_weights(varmap: &VarMap, path: &Path) -> Result<(), TrainError> {
-    varmap.save(path).map_err(|e| TrainError::Data {
+/// Writes the weights under their names (safetensors, as `VarMap::save`).
+pub fn save_weights(weights: &[(String, Tensor)], path: &Path) -> Result<(), TrainError> {
+    let tensors: std::collections::HashMap<&str, Tensor> = weights
+        .iter()
+        .map(|(n, t)| (n.as_str(), t.clone()))
+        .collect();
+    candle_core::safetensors::save(&tensors, path).map_err(|e| TrainError::Data {
         path: path.to_path_buf(),
         detail: format!("cannot write weights: {e}"),
     })
