@@ -108,6 +108,23 @@ for n in 2 3; do
     done
 done
 
+# Stage 3 under mpirun (gathers on the caller's thread, reductions after
+# backward: MPI runs one collective at a time per process) trains the
+# weights of stage 2 under mpirun, bitwise, and agrees with the threads.
+for n in 2 3; do
+    echo "== stage 3: mpirun -n $n vs stage 2 (bitwise) and vs threads"
+    s3_common=(--hidden 16,16 --optimizer adam --lr 0.01 --seed 4 --quiet --steps 5
+        --batch-size 6 --bucket-mb 0.0005 --persist-numel 64)
+    for stage in 2 3; do
+        timeout "$TIMEOUT" "${MPIRUN[@]}" -n "$n" "$train" --backend mpi --stage "$stage" \
+            "${s3_common[@]}" --save "$work/mpi-s$stage.safetensors"
+    done
+    "$diff" "$work/mpi-s2.safetensors" "$work/mpi-s3.safetensors" --tol 0
+    "$train" --backend threads --world-size "$n" --stage 3 "${s3_common[@]}" \
+        --save "$work/threads-s3.safetensors"
+    "$diff" "$work/mpi-s3.safetensors" "$work/threads-s3.safetensors" --tol 1e-5
+done
+
 # 16-bit models with f32 master weights (and f16 loss scaling) train under
 # mpirun as on threads (the ring adds in another order: a 16-bit rounding
 # step at most).

@@ -336,6 +336,49 @@ fn every_overlap_schedule_trains_the_same_weights_bitwise() {
 }
 
 #[test]
+fn stage_3_trains_the_weights_of_stage_2_bitwise() {
+    // Weights of 16x16 and 16x8 elements: sharded with --persist-numel 64,
+    // biases replicated; accumulation and tiny buckets on three ranks; and
+    // the GPT (a tied embedding, layer norms, sampling on every rank).
+    let mlp = [
+        "--steps",
+        "5",
+        "--hidden",
+        "16,16",
+        "--world-size",
+        "3",
+        "--batch-size",
+        "6",
+        "--bucket-mb",
+        "0.0005",
+        "--grad-accum",
+        "2",
+        "--persist-numel",
+        "64",
+    ];
+    let gpt = [
+        "--model",
+        "gpt",
+        "--steps",
+        "3",
+        "--world-size",
+        "2",
+        "--persist-numel",
+        "1000",
+        "--sample",
+        "8",
+    ];
+    for common in [&mlp[..], &gpt[..]] {
+        let stage2 = train(&[common, &["--stage", "2"]].concat());
+        for extra in [&["--prefetch-mb", "64"][..], &["--prefetch-mb", "0"][..]] {
+            let stage3 = train(&[common, &["--stage", "3"], extra].concat());
+            assert_eq!(max_abs_diff(&stage2, &stage3), 0.0, "{common:?} {extra:?}");
+            assert_eq!(stage2.sample, stage3.sample);
+        }
+    }
+}
+
+#[test]
 fn interleaved_overlap_with_clipping_is_a_usage_error() {
     let argv = [
         "train",

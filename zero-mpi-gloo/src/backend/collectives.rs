@@ -575,6 +575,13 @@ impl zero_core::Communicator for MpiComm {
     /// and `MPI_UNDEFINED` for the others. Before splitting, ranks compare
     /// `ranks` (an all-gather), so a disagreement is an error on every rank
     /// rather than a hang.
+    /// No: every MPI call of the process holds one lock, so a collective
+    /// blocked on a peer would keep another communicator's collective (on
+    /// which that peer may be waiting) from starting.
+    fn concurrent_groups(&self) -> bool {
+        false
+    }
+
     fn split(&self, ranks: &[usize]) -> Result<Option<Self>> {
         const OP: &str = "split";
         let w = self.group.world_size;
