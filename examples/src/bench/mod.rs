@@ -12,6 +12,7 @@ mod optim;
 mod overlap;
 mod precision;
 mod report;
+mod stage3;
 mod step;
 pub use report::{Figure, Report};
 
@@ -44,6 +45,7 @@ pub fn main() {
         "overlap",
         "memory",
         "precision",
+        "stage3",
         "gpt",
         "gpu",
     ];
@@ -77,13 +79,14 @@ pub fn main() {
             "memory" if !under_mpirun => memory::run(&mut report),
             "gpt" if !under_mpirun => gpt::run(&mut report),
             "precision" if !under_mpirun => precision::run(&mut report),
+            "stage3" if !under_mpirun => stage3::run(&mut report),
             "gpu" => {
                 #[cfg(feature = "nccl")]
                 gpu::run(&mut report);
                 #[cfg(not(feature = "nccl"))]
                 println!("gpu benchmarks need --features nccl");
             }
-            "optim" | "step" | "overlap" | "memory" | "precision" | "gpt" => {}
+            "optim" | "step" | "overlap" | "memory" | "precision" | "stage3" | "gpt" => {}
             other => {
                 eprintln!("unknown benchmark suite {other:?}; expected one of {all:?}");
                 std::process::exit(2);

@@ -1,0 +1,243 @@
+//! `bench stage3`: stage 3 against stage 2 on the same hooked MLP, side by
+//! side in one run: the step time at N=2 threads (plain, and over a
+//! [`Delayed`] link where gathers cost what a network would), and the
+//! process's peak heap at N=4 (MLP 1024-4x2048-10, AdamW).
+//!
+//! Stage 3 runs its first step on the whole weights the model was built
+//! with and shards them after it, so both figures are taken from the
+//! second step on: the time as the median of the later steps, the memory
+//! as the peak after every rank has finished its first step (the whole
+//! run's peak is reported beside it; it includes the model as built).
+
+use super::Report;
+use crate::heap;
+use crate::trainer::Mlp;
+use candle_core::Device;
+use candle_nn::VarMap;
+use rand::SeedableRng;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use zero_candle::nn::GradHook;
+use zero_candle::{ZeroHook, ZeroOptimizer};
+use zero_core::comm::{Delayed, Host};
+use zero_core::engine::{EngineConfig, Stage};
+use zero_core::optim::{AdamW, AdamWConfig};
+use zero_core::{Communicator, ThreadGroup};
+
+/// The step figure's model: the overlap benchmark's MLP (1M-element
+/// weights, sharded; biases persist).
+const STEP_WORLD: usize = 2;
+const STEP_WIDTHS: [usize; 5] = [784, 1024, 1024, 1024, 10];
+const STEP_BATCH: usize = 64;
+const WARMUP: usize = 3;
+const STEPS: usize = 12;
+const ROUNDS: usize = 3;
+/// The memory figure's model: 14.7M f32 parameters.
+const MEMORY_WORLD: usize = 4;
+const MEMORY_WIDTHS: [usize; 6] = [1024, 2048, 2048, 2048, 2048, 10];
+const MEMORY_BATCH: usize = 8;
+const MEMORY_STEPS: usize = 4;
+/// The simulated link of `bench overlap`: 50 µs per collective, 1 GB/s.
+const LATENCY: Duration = Duration::from_micros(50);
+const BYTES_PER_SEC: f64 = 1e9;
+
+/// The process's peak heap over the first step (memory runs), read by rank
+/// 0 before it starts counting the steady state.
+static FIRST_STEP_PEAK: AtomicUsize = AtomicUsize::new(0);
+
+/// What one rank measures: the median step time, and (`memory`) the peak
+/// heap from its second step on.
+fn train<C>(
+    comm: C,
+    stage: Stage,
+    widths: &[usize],
+    batch: usize,
+    steps: usize,
+    memory: bool,
+) -> Result<f64, String>
+where
+    C: Communicator<Memory = Host> + 'static,
+{
+    let rank = comm.rank();
+    let varmap = VarMap::new();
+    let hook = ZeroHook::<C, f32>::new();
+    let model = Mlp::with_hook(
+        &varmap,
+        widths,
+        0,
+        &Device::Cpu,
+        Some(hook.clone() as Arc<dyn GradHook>),
+    )
+    .map_err(|e| e.to_string())?;
+    let adamw = AdamW::new(AdamWConfig::default().with_lr(1e-3)).map_err(|e| e.to_string())?;
+    let config = EngineConfig::default().with_stage(stage);
+    let mut opt = ZeroOptimizer::<C, f32>::new(&varmap, comm, config, Box::new(adamw))
+        .and_then(|o| o.with_hook(&hook))
+        .map_err(|e| e.to_string())?;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(rank as u64);
+    let mut times = Vec::with_capacity(steps);
+    for step in 0..steps {
+        if memory && step == 1 {
+            // Every rank has sharded (stage 3): the steady state starts.
+            let barrier = || opt.engine().comm().barrier().map_err(|e| e.to_string());
+            barrier()?;
+            if rank == 0 {
+                if let Some(peak) = heap::peak_bytes() {
+                    FIRST_STEP_PEAK.store(peak, Ordering::Relaxed);
+                }
+                heap::reset_peak();
+            }
+            barrier()?;
+        }
+        let started = Instant::now();
+        let (x, y) = super::random_batch(
+            &mut rng,
+            batch,
+            widths[0],
+            *widths.last().unwrap_or(&1) as i64,
+        )
+        .map_err(|e| e.to_string())?;
+        let loss = model
+            .forward(&x)
+            .and_then(|logits| candle_nn::loss::cross_entropy(&logits, &y))
+            .map_err(|e| e.to_string())?;
+        opt.backward_step(&loss).map_err(|e| e.to_string())?;
+        if step >= WARMUP.min(steps - 1) {
+            times.push(started.elapsed().as_secs_f64());
+        }
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(times[times.len() / 2])
+}
+
+/// Rank 0's median step time at `STEP_WORLD` threads.
+fn step_time(stage: Stage, delayed: bool) -> Result<f64, String> {
+    let results = ThreadGroup::new(STEP_WORLD).run(|comm| {
+        let steps = WARMUP + STEPS;
+        if delayed {
+            let comm = Delayed::new(comm, LATENCY, BYTES_PER_SEC);
+            train(comm, stage, &STEP_WIDTHS, STEP_BATCH, steps, false)
+        } else {
+            train(comm, stage, &STEP_WIDTHS, STEP_BATCH, steps, false)
+        }
+    });
+    match results.into_iter().next() {
+        Some(Ok(r)) => r,
+        Some(Err(e)) => Err(e.to_string()),
+        None => Err("no rank ran".into()),
+    }
+}
+
+/// The process's peak heap above its baseline: (from the second step on,
+/// over the whole run).
+fn peaks(stage: Stage) -> Result<(usize, usize), String> {
+    heap::reset_peak();
+    let baseline = heap::current_bytes().ok_or("the counting allocator is not installed")?;
+    FIRST_STEP_PEAK.store(0, Ordering::Relaxed);
+    let results = ThreadGroup::new(MEMORY_WORLD).run(|comm| {
+        train(
+            comm,
+            stage,
+            &MEMORY_WIDTHS,
+            MEMORY_BATCH,
+            MEMORY_STEPS,
+            true,
+        )
+    });
+    for result in results {
+        result.map_err(|e| e.to_string())??;
+    }
+    let steady = heap::peak_bytes().ok_or("the counting allocator is not installed")?;
+    let run_peak = steady.max(FIRST_STEP_PEAK.load(Ordering::Relaxed));
+    Ok((
+        steady.saturating_sub(baseline),
+        run_peak.saturating_sub(baseline),
+    ))
+}
+
+/// Adds `step.s3_over_s2`, `step.delayed_s3_over_s2` and
+/// `memory.s3_peak_over_s2_peak`.
+pub fn run(report: &mut Report) {
+    println!(
+        "bench stage3: MLP {STEP_WIDTHS:?} with ZeroHook, AdamW, {STEP_BATCH} rows per rank, \
+         N={STEP_WORLD} threads, default buckets and persistence (100k elements), plain and \
+         over a delayed link ({} us + {} GB/s); median of {STEPS} steps after {WARMUP}, \
+         rounds interleaved. Memory: MLP {MEMORY_WIDTHS:?}, N={MEMORY_WORLD}, {MEMORY_BATCH} \
+         rows per rank, process peak heap from the second step on",
+        LATENCY.as_micros(),
+        BYTES_PER_SEC / 1e9
+    );
+    let cases = [
+        ("s2", Stage::Gradients, false),
+        ("s3", Stage::Parameters, false),
+        ("delayed_s2", Stage::Gradients, true),
+        ("delayed_s3", Stage::Parameters, true),
+    ];
+    let mut rounds: Vec<Vec<f64>> = vec![Vec::new(); cases.len()];
+    for _ in 0..ROUNDS {
+        for (i, (name, stage, delayed)) in cases.iter().enumerate() {
+            match step_time(*stage, *delayed) {
+                Ok(median) => rounds[i].push(median),
+                Err(e) => {
+                    eprintln!("bench stage3: {name} failed: {e}");
+                    return;
+                }
+            }
+        }
+    }
+    let medians: Vec<f64> = rounds
+        .iter_mut()
+        .map(|r| {
+            r.sort_by(f64::total_cmp);
+            r[r.len() / 2]
+        })
+        .collect();
+    for ((name, _, _), median) in cases.iter().zip(&medians) {
+        report.add(&format!("step.{name}_ms"), median * 1e3, "ms", None);
+    }
+    report.add(
+        "step.s3_over_s2",
+        medians[1] / medians[0],
+        "ratio",
+        Some("<= 1.10"),
+    );
+    report.add(
+        "step.delayed_s3_over_s2",
+        medians[3] / medians[2],
+        "ratio",
+        Some("<= 1.10"),
+    );
+
+    let params: usize = MEMORY_WIDTHS.windows(2).map(|w| w[0] * w[1] + w[1]).sum();
+    let per_param = |bytes: usize| bytes as f64 / MEMORY_WORLD as f64 / params as f64;
+    match (peaks(Stage::Gradients), peaks(Stage::Parameters)) {
+        (Ok((s2, s2_run)), Ok((s3, s3_run))) => {
+            report.add(
+                "memory.s2_steady_bytes_per_param",
+                per_param(s2),
+                "B/param/rank",
+                None,
+            );
+            report.add(
+                "memory.s3_steady_bytes_per_param",
+                per_param(s3),
+                "B/param/rank",
+                None,
+            );
+            report.add(
+                "memory.s3_peak_over_s2_peak",
+                s3 as f64 / s2 as f64,
+                "ratio",
+                Some("<= 0.65"),
+            );
+            report.add(
+                "memory.s3_run_peak_over_s2_run_peak",
+                s3_run as f64 / s2_run as f64,
+                "ratio",
+                None,
+            );
+        }
+        (Err(e), _) | (_, Err(e)) => eprintln!("bench stage3: memory failed: {e}"),
+    }
+}
