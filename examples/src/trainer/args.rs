@@ -106,7 +106,7 @@ pub struct Args {
     #[arg(long, default_value_t = 100_000)]
     pub persist_numel: usize,
     /// Stage 3: MiB of parameter gathers issued ahead of use (0: none).
-    #[arg(long, default_value_t = 64.0)]
+    #[arg(long, default_value_t = 16.0)]
     pub prefetch_mb: f64,
     /// Stage 3: the most MiB of gathered parameters alive at once.
     #[arg(long, default_value_t = 1024.0)]

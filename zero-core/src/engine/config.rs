@@ -225,7 +225,7 @@ fn default_persist_numel() -> usize {
 }
 
 fn default_prefetch_bytes() -> usize {
-    64 << 20
+    16 << 20
 }
 
 fn default_max_live_bytes() -> usize {

@@ -20,10 +20,11 @@
 //!   there is one the order the engine predicts from the graph;
 //! - a request for a unit the plan holds further on takes it out of the
 //!   plan and issues it alone; one the plan does not hold is issued alone;
-//! - after each request (and after the optimizer step has refreshed the
+//! - after each request (and after the optimizer step has updated the
 //!   shard) units are issued from the plan while at most `prefetch_bytes`
-//!   are issued and not yet taken, and at most `max_live_bytes` are
-//!   gathered in all.
+//!   are issued and not yet taken (one unit always may, so that a layer
+//!   larger than the budget is still prefetched), and at most
+//!   `max_live_bytes` are gathered in all.
 //!
 //! A rank whose model requests other units than its peers still issues the
 //! planned gathers, so the collectives stay matched; the engine compares a
@@ -148,7 +149,8 @@ pub struct Fetcher<T> {
     elem_bytes: usize,
     prefetch_bytes: usize,
     max_live_bytes: usize,
-    /// A copy of this rank's parameter shard, the gathers' source.
+    /// This rank's parameter shard, the gathers' source: lent by the
+    /// engine between steps (the only copy).
     shard: Arc<RwLock<Vec<T>>>,
     state: Mutex<State<T>>,
     done: Condvar,
@@ -439,15 +441,30 @@ impl<T: crate::Element> Fetcher<T> {
         Ok(())
     }
 
-    /// Replaces the shard copy the gathers read (after a step changed it),
-    /// then starts prefetching the next forward.
-    pub(super) fn refresh(&self, write: impl FnOnce(&mut [T]) -> Result<()>) -> Result<()> {
-        {
-            let mut shard = self.shard.write().unwrap_or_else(PoisonError::into_inner);
-            write(&mut shard)?;
-        }
+    /// Takes the parameter shard the gathers read (for a step, a
+    /// checkpoint), after the gathers in flight.
+    pub(super) fn take_shard(&self) -> Result<Vec<T>> {
+        let st = self.lock();
+        let st = self.drain(st)?;
+        let shard =
+            std::mem::take(&mut *self.shard.write().unwrap_or_else(PoisonError::into_inner));
+        drop(st);
+        Ok(shard)
+    }
+
+    /// Gives the shard back (updated by a step), then starts prefetching
+    /// the next forward.
+    pub(super) fn put_shard(&self, shard: Vec<T>) {
+        *self.shard.write().unwrap_or_else(PoisonError::into_inner) = shard;
         self.resume();
-        Ok(())
+    }
+
+    /// Elements of the parameter shard the fetcher holds.
+    pub(super) fn shard_len(&self) -> usize {
+        self.shard
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .len()
     }
 
     /// Starts prefetching the next forward (after a micro-step that did
@@ -518,9 +535,11 @@ impl<T: crate::Element> Fetcher<T> {
     fn top_up(&self, st: &mut State<T>) {
         while let Some(&unit) = st.plan.front() {
             let bytes = self.bytes(unit);
-            if st.ahead_bytes + bytes > self.prefetch_bytes
-                || st.live_bytes + bytes > self.max_live_bytes
-            {
+            // One unit may always run ahead (when prefetching at all), or
+            // a layer larger than the budget would never be prefetched.
+            let ahead_full = self.prefetch_bytes == 0
+                || (st.ahead_bytes > 0 && st.ahead_bytes + bytes > self.prefetch_bytes);
+            if ahead_full || st.live_bytes + bytes > self.max_live_bytes {
                 break;
             }
             st.plan.pop_front();
@@ -633,6 +652,13 @@ fn gather_unit<T: crate::Element>(
     mut buffer: Vec<T>,
 ) -> Result<Vec<T>> {
     let shard = shard.read().unwrap_or_else(PoisonError::into_inner);
+    if unit.buckets.iter().any(|b| b.shard.end > shard.len()) {
+        return Err(Error::State(
+            "stage 3: a parameter gather ran while the engine held the shard (during a step); \
+             gather between steps"
+                .into(),
+        ));
+    }
     for bucket in &unit.buckets {
         gather(&shard[bucket.shard.clone()], &mut buffer[bucket.at.clone()])?;
     }

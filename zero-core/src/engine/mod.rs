@@ -156,6 +156,8 @@ pub struct Engine<T: Element, C: Communicator, M: ShardMemory<T, C> = HostMemory
     sharded: Vec<bool>,
     /// Stage 3: the gathers of the sharded parameters.
     fetcher: Option<Arc<Fetcher<T>>>,
+    /// Stage 3: the fetcher holds `param_shard` (between steps).
+    shard_lent: bool,
 }
 
 impl<T: Element, C: Communicator<Memory = Host>> Engine<T, C, HostMemory> {
@@ -228,6 +230,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             scaler: scaler::LossScaler::new(config.loss_scale),
             sharded: Vec::new(),
             fetcher: None,
+            shard_lent: false,
             comm: Arc::new(comm),
             memory,
             config,
@@ -483,7 +486,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             .map(|p| p.numel() * p.dtype.size_in_bytes())
             .sum();
         MemoryReport {
-            params: replica + M::buffer_len(&self.param_shard) * size,
+            params: replica + self.param_shard_len() * size,
             grads: len(&self.full_grads) * size,
             grad_shard: len(&self.grad_shard) * size,
             optimizer_state: self.memory.state_bytes(self.optimizer.as_ref()),
@@ -681,12 +684,13 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         }
         // Whatever happens below, this window is over: a failed step must
         // not leak its micro-steps into the next one.
-        let result = self
-            .fetch_end_pass()
-            .and_then(|()| self.reduce_and_update_window(last, micro_steps, params));
+        let result = self.fetch_end_pass().and_then(|()| {
+            self.with_shard_home(|engine| {
+                engine.reduce_and_update_window(last, micro_steps, params)
+            })
+        });
         self.discard_window();
         let grad_norm = result?;
-        self.fetch_refresh()?;
         let (skipped, loss_scale) = self.scaler_outcome();
         if !skipped {
             self.steps += 1;

@@ -101,6 +101,18 @@ pub trait ShardMemory<T: Element, C: Communicator>: Send {
     /// The number of elements of `buffer`.
     fn buffer_len(buffer: &Self::Buffer) -> usize;
 
+    /// `buffer` as a host vector, where buffers are host vectors (stage 3
+    /// lends the parameter shard to its gathers between steps); else the
+    /// buffer back.
+    fn into_host_vec(buffer: Self::Buffer) -> std::result::Result<Vec<T>, Self::Buffer> {
+        Err(buffer)
+    }
+
+    /// The inverse of [`ShardMemory::into_host_vec`].
+    fn from_host_vec(values: Vec<T>) -> std::result::Result<Self::Buffer, Vec<T>> {
+        Err(values)
+    }
+
     /// Sets `buffer[range]` to zero.
     fn zero(&mut self, buffer: &mut Self::Buffer, range: Range<usize>) -> Result<()>;
 
@@ -403,6 +415,14 @@ impl<T: Element, C: Communicator<Memory = Host>> ShardMemory<T, C> for HostMemor
 
     fn buffer_len(buffer: &Vec<T>) -> usize {
         buffer.len()
+    }
+
+    fn into_host_vec(buffer: Vec<T>) -> std::result::Result<Vec<T>, Vec<T>> {
+        Ok(buffer)
+    }
+
+    fn from_host_vec(values: Vec<T>) -> std::result::Result<Vec<T>, Vec<T>> {
+        Ok(values)
     }
 
     fn zero(&mut self, buffer: &mut Vec<T>, range: Range<usize>) -> Result<()> {

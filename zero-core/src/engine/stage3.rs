@@ -88,16 +88,18 @@ impl<T: Element, C: Communicator<Memory = Host> + 'static> Engine<T, C, HostMemo
         let gather_comm = Arc::new(gather_comm);
         let gather: Arc<GatherFn<T>> =
             Arc::new(move |send: &[T], recv: &mut [T]| gather_comm.all_gather(send, recv));
+        // The shard moves to the fetcher between steps: one copy.
         let fetcher = Fetcher::new(
             units,
             place,
-            self.param_shard.clone(),
+            std::mem::take(&mut self.param_shard),
             gather,
             (self.config.prefetch_bytes, self.config.max_live_bytes),
             threaded,
         )?;
         self.sharded = mask;
         self.masters_fresh = true;
+        self.shard_lent = true;
         self.fetcher = Some(fetcher.clone());
         Ok(fetcher)
     }
@@ -218,14 +220,40 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         }
     }
 
-    /// Stage 3, after a step: gives the fetcher the updated shard (and it
-    /// starts prefetching the next forward).
-    pub(super) fn fetch_refresh(&mut self) -> Result<()> {
+    /// Stage 3: runs `f` with the parameter shard home from the fetcher
+    /// (a step, a checkpoint), and lends it back after, whatever `f`
+    /// returned: between steps the fetcher holds the only copy.
+    pub(super) fn with_shard_home<R>(
+        &mut self,
+        f: impl FnOnce(&mut Self) -> Result<R>,
+    ) -> Result<R> {
         let Some(fetcher) = self.fetcher.clone() else {
-            return Ok(());
+            return f(self);
         };
-        let numel = M::buffer_len(&self.param_shard);
-        let (memory, comm, shard) = (&mut self.memory, &self.comm, &self.param_shard);
-        fetcher.refresh(|copy| memory.buffer_to_host(&**comm, shard, 0..numel, copy))
+        if !self.shard_lent {
+            return f(self);
+        }
+        let shard = fetcher.take_shard()?;
+        self.param_shard = M::from_host_vec(shard)
+            .map_err(|_| Error::State("internal: stage 3 runs on host memory only".into()))?;
+        self.shard_lent = false;
+        let result = f(self);
+        let shard = std::mem::replace(&mut self.param_shard, self.memory.alloc_zeroed(0)?);
+        match M::into_host_vec(shard) {
+            Ok(shard) => {
+                fetcher.put_shard(shard);
+                self.shard_lent = true;
+            }
+            Err(shard) => self.param_shard = shard,
+        }
+        result
+    }
+
+    /// Elements of the parameter shard, wherever it is.
+    pub(super) fn param_shard_len(&self) -> usize {
+        match &self.fetcher {
+            Some(fetcher) if self.shard_lent => fetcher.shard_len(),
+            _ => M::buffer_len(&self.param_shard),
+        }
     }
 }

@@ -404,6 +404,16 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     ) -> Result<Manifest> {
         self.refuse_mid_accumulation("save_checkpoint")?;
         let dir = dir.as_ref();
+        self.with_shard_home(|engine| engine.save_checkpoint_home(dir, weights, options))
+    }
+
+    /// [`Engine::save_checkpoint_with`] with the parameter shard at home.
+    fn save_checkpoint_home(
+        &mut self,
+        dir: &Path,
+        weights: &mut M::Params<'_>,
+        options: &SaveOptions,
+    ) -> Result<Manifest> {
         let rank = self.comm.rank();
 
         // Rank 0 picks a tag unused by the directory's current checkpoint.
@@ -510,7 +520,8 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     ) -> Result<Manifest> {
         self.refuse_mid_accumulation("load_checkpoint")?;
         let dir = dir.as_ref();
-        let (status, manifest) = match self.load_checkpoint_local(dir, weights) {
+        let local = self.with_shard_home(|engine| engine.load_checkpoint_local(dir, weights));
+        let (status, manifest) = match local {
             Ok(m) => (Ok(Vec::new()), Some(m)),
             Err(e) => (Err(e), None),
         };
@@ -694,7 +705,6 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             }
         }
         self.masters_fresh = masters;
-        self.fetch_refresh()?;
         if let Some(state) = info.loss_scaler {
             self.set_loss_scaler_state(state);
         }

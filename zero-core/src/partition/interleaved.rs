@@ -19,7 +19,10 @@ use crate::{Error, Result};
 /// [`Layout`](crate::engine::Layout)) is its position in the sequence.
 ///
 /// Every chunk is a multiple of [`alignment`](Interleaved::alignment)
-/// elements; only the last bucket is padded. [`PartitionPlan::flat_offsets`]
+/// elements. The elements of each stretch between breaks (the whole
+/// sequence without breaks) are spread evenly over as few buckets as hold
+/// them, so a bucket may be a little smaller than `bucket_bytes` and the
+/// padding is under one aligned chunk per rank and bucket. [`PartitionPlan::flat_offsets`]
 /// holds each parameter's sequence position (it is contiguous there, not in
 /// the rank-major buffer).
 ///
@@ -123,45 +126,64 @@ impl Interleaved {
             ))
         })?;
 
-        let mut sequence = Vec::with_capacity(params.len());
-        let mut total = 0usize;
+        // Each stretch between breaks is cut into as few buckets as hold it,
+        // and its elements spread evenly over them: padding stays below one
+        // aligned chunk per rank and bucket, not a whole bucket per break.
+        let overflow = || {
+            Error::Config(
+                "Interleaved: the trainable parameters hold more elements than fit in usize".into(),
+            )
+        };
+        let mut in_segment = Vec::with_capacity(params.len());
+        let mut segments = vec![0usize];
         for (i, (p, &numel)) in params.iter().zip(&numels).enumerate() {
-            if breaks.contains(&i) {
-                total = total.div_ceil(span).saturating_mul(span);
+            if breaks.contains(&i) && segments.last() != Some(&0) {
+                segments.push(0);
             }
+            let segment = segments.len() - 1;
             if p.trainable {
-                sequence.push(Some(total));
-                total = total.checked_add(numel).ok_or_else(|| {
-                    Error::Config(
-                        "Interleaved: the trainable parameters hold more elements than fit in \
-                         usize"
-                            .into(),
-                    )
-                })?;
+                in_segment.push(Some((segment, segments[segment])));
+                segments[segment] = segments[segment].checked_add(numel).ok_or_else(overflow)?;
             } else {
-                sequence.push(None);
+                in_segment.push(None);
             }
         }
-
-        let num_buckets = total.div_ceil(span);
-        let last_chunk = match num_buckets {
-            0 => 0,
-            n => round_up(
-                "Interleaved",
-                (total - (n - 1) * span).div_ceil(world_size),
-                self.alignment,
-            )?,
-        };
-        let chunk_of = |k: usize| {
-            if k + 1 == num_buckets {
-                last_chunk
-            } else {
-                chunk
+        // Per bucket: where it starts in the sequence, and its chunk.
+        let mut bucket_starts = Vec::new();
+        let mut chunks = Vec::new();
+        let mut segment_starts = Vec::with_capacity(segments.len());
+        let mut total = 0usize;
+        for &length in &segments {
+            segment_starts.push(total);
+            if length == 0 {
+                continue;
             }
-        };
-        let shard_numel = num_buckets.saturating_sub(1) * chunk + last_chunk;
-        let buckets = (0..num_buckets)
-            .map(|k| k * chunk..k * chunk + chunk_of(k))
+            let count = length.div_ceil(span);
+            let even = round_up(
+                "Interleaved",
+                length.div_ceil(count * world_size),
+                self.alignment,
+            )?;
+            for _ in 0..count {
+                bucket_starts.push(total);
+                chunks.push(even);
+                total = total.checked_add(even * world_size).ok_or_else(overflow)?;
+            }
+        }
+        let sequence: Vec<Option<usize>> = in_segment
+            .iter()
+            .map(|at| at.map(|(segment, offset)| segment_starts[segment] + offset))
+            .collect();
+        let mut chunk_starts = Vec::with_capacity(chunks.len());
+        let mut shard_numel = 0usize;
+        for &c in &chunks {
+            chunk_starts.push(shard_numel);
+            shard_numel += c;
+        }
+        let buckets = chunk_starts
+            .iter()
+            .zip(&chunks)
+            .map(|(&at, &c)| at..at + c)
             .collect();
 
         let mut shards: Vec<Vec<ShardPiece>> = vec![Vec::new(); world_size];
@@ -170,12 +192,12 @@ impl Interleaved {
             let end = start + numel;
             let mut at = start;
             while at < end {
-                let k = at / span;
-                let c = chunk_of(k);
-                let offset = at - k * span;
+                let k = bucket_starts.partition_point(|&b| b <= at) - 1;
+                let c = chunks[k];
+                let offset = at - bucket_starts[k];
                 let rank = offset / c;
-                let piece_end = end.min(k * span + (rank + 1) * c);
-                let flat = rank * shard_numel + k * chunk + offset % c;
+                let piece_end = end.min(bucket_starts[k] + (rank + 1) * c);
+                let flat = rank * shard_numel + chunk_starts[k] + offset % c;
                 shards[rank].push(ShardPiece {
                     param,
                     param_range: at - start..piece_end - start,
@@ -258,6 +280,27 @@ mod tests {
             let has = |p| layout.runs_of(k).iter().any(|r| r.param == p);
             assert!(!(has(2) && (has(0) || has(1))), "bucket {k}");
         }
+    }
+
+    #[test]
+    fn each_stretch_is_spread_evenly_over_as_few_buckets_as_hold_it() {
+        // Buckets of at most 2 x 32 elements. 100 elements need two: 2 x 25
+        // each, no padding (a fixed chunk would pad 28 in the second). The
+        // 10 after the break take one bucket of 2 x 5.
+        let ps = params(&[60, 40, 10]);
+        let plan = Interleaved::new(1)
+            .partition_with_breaks(&ps, 2, 32 * 4, &[2])
+            .unwrap();
+        assert_eq!(plan.buckets, vec![0..25, 25..50, 50..55]);
+        assert_eq!(plan.shard_numel, 55);
+        assert_eq!(plan.flat_offsets, vec![Some(0), Some(60), Some(100)]);
+        let layout = Layout::new(&plan);
+        assert_eq!(layout.bucket_range(2), 100..110);
+        // Alignment pads each chunk, never more.
+        let plan = Interleaved::new(8)
+            .partition_with_breaks(&ps, 2, 32 * 4, &[2])
+            .unwrap();
+        assert_eq!(plan.buckets, vec![0..32, 32..64, 64..72]);
     }
 
     #[test]
