@@ -1,8 +1,8 @@
 //! `Linear`: `y = x·Wᵀ + b` as one custom op that reads `W` in place and
 //! hands `∂W`, `∂b` to the hook.
 
-use super::cpu;
 use super::hook::{announce, route, GradHook};
+use super::{bf16_matmul, cpu};
 use candle_core::backend::BackendStorage;
 use candle_core::op::Add;
 use candle_core::{
@@ -245,12 +245,19 @@ impl FusedLinear {
             _ => None,
         };
         let grad_w = if w.track_op() {
-            route(hook, w, grad.t()?.matmul(&x.detach())?)?
+            let grad_w = match bf16_matmul::grad_weight(&grad, x)? {
+                Some(grad_w) => grad_w,
+                None => grad.t()?.matmul(&x.detach())?,
+            };
+            route(hook, w, grad_w)?
         } else {
             None
         };
         let grad_x = if x.track_op() {
-            Some(grad.matmul(&w.detach())?)
+            match bf16_matmul::grad_input(&grad, w)? {
+                Some(grad_x) => Some(grad_x),
+                None => Some(grad.matmul(&w.detach())?),
+            }
         } else {
             None
         };
@@ -270,7 +277,10 @@ impl CustomOp2 for FusedLinear {
         w: &CpuStorage,
         w_layout: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (product, rows, out_dim) = matmul_xwt(x, x_layout, w, w_layout)?;
+        let (product, rows, out_dim) = match bf16_matmul::xwt(x, x_layout, w, w_layout)? {
+            Some(done) => done,
+            None => matmul_xwt(x, x_layout, w, w_layout)?,
+        };
         Ok((product, Shape::from((rows, out_dim))))
     }
 
@@ -310,7 +320,10 @@ impl CustomOp3 for FusedLinear {
         b: &CpuStorage,
         b_layout: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (mut out, rows, out_dim) = matmul_xwt(x, x_layout, w, w_layout)?;
+        let (mut out, rows, out_dim) = match bf16_matmul::xwt(x, x_layout, w, w_layout)? {
+            Some(done) => done,
+            None => matmul_xwt(x, x_layout, w, w_layout)?,
+        };
         check_bias(b_layout, out_dim)?;
         if b.dtype() != out.dtype() {
             bail!(
