@@ -152,7 +152,9 @@ fn bad_flags_and_files_are_clear_errors_not_panics() {
     std::fs::write(&garbage, b"not a safetensors file").unwrap();
     let garbage = garbage.to_str().unwrap();
     let cases: &[(&[&str], &str)] = &[
-        (&["--stage", "3"], "stage"),
+        (&["--stage", "4"], "stage"),
+        (&["--stage", "3", "--overlap", "interleaved"], "stage 3"),
+        (&["--stage", "3", "--partitioner", "greedy"], "stage 3"),
         (&["--world-size", "0"], "world-size"),
         (&["--optimizer", "lamb"], "lamb"),
         (

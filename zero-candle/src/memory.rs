@@ -6,16 +6,20 @@
 //! engine's [`ShardMemory`] and how Candle's tensors are handed to it
 //! (host slices, or device memory read and written in place).
 
-use crate::optimizer::with_grad_slices;
 use crate::params::VarStore;
-use crate::Result;
+use crate::{Error, Result};
 use candle_core::backprop::GradStore;
-use candle_core::{Var, WithDType};
+use candle_core::{CpuStorage, Storage, Var, WithDType};
+use half::{bf16, f16};
+use std::ops::Range;
 use std::sync::Arc;
-use zero_core::comm::{Host, MemoryKind};
-use zero_core::engine::{Engine, Fetcher, HostMemory, ShardMemory};
-use zero_core::optim::FunctionalOptimizer;
-use zero_core::{Communicator, Element};
+use zero_core::comm::{Host, MemoryKind, ReduceOp};
+use zero_core::engine::{
+    Engine, Fetcher, GradPiece, HostMemory, NormType, ParamCopy, ParamStore, ShardMemory,
+    StepPiece, StepPlan,
+};
+use zero_core::optim::{FunctionalOptimizer, OptimizerState};
+use zero_core::{Communicator, DType, Element};
 
 /// The engine memory of communicator `C`'s memory kind, and the bridge
 /// between it and Candle.
@@ -76,14 +80,14 @@ pub type ParamsFn<'f, T, C, K, R> = dyn for<'p> FnMut(&mut Params<'p, T, C, K>) 
 pub type MemoryOf<T, C> = <<C as Communicator>::Memory as CandleMemory<T, C>>::Memory;
 
 impl<T: Element + WithDType, C: Communicator<Memory = Host> + 'static> CandleMemory<T, C> for Host {
-    type Memory = HostMemory;
+    type Memory = CandleHostMemory;
 
     fn build(
         _named: &[(String, Var)],
         comm: C,
         _optimizer: &dyn FunctionalOptimizer<T>,
-    ) -> Result<(C, HostMemory)> {
-        Ok((comm, HostMemory))
+    ) -> Result<(C, CandleHostMemory)> {
+        Ok((comm, CandleHostMemory))
     }
 
     fn with_grads<R>(
@@ -92,7 +96,7 @@ impl<T: Element + WithDType, C: Communicator<Memory = Host> + 'static> CandleMem
         grads: &GradStore,
         f: &mut GradsFn<'_, T, C, Self, R>,
     ) -> Result<R> {
-        with_grad_slices::<T, R>(names, vars, grads, f)
+        with_host_grads::<T, R>(names, vars, grads, f)
     }
 
     fn with_params<R>(vars: &[Var], f: &mut ParamsFn<'_, T, C, Self, R>) -> Result<R> {
@@ -101,11 +105,396 @@ impl<T: Element + WithDType, C: Communicator<Memory = Host> + 'static> CandleMem
     }
 
     fn shard_parameters(
-        engine: &mut Engine<T, C, HostMemory>,
+        engine: &mut Engine<T, C, CandleHostMemory>,
         mask: &[bool],
         vars: &[Var],
     ) -> Result<Arc<Fetcher<T>>> {
         let mut store = VarStore { vars };
         Ok(engine.shard_parameters(mask, &mut store)?)
+    }
+}
+
+/// One gradient as Candle's CPU storage holds it: in the engine's element
+/// type, or 16-bit under wider master weights.
+#[derive(Clone, Copy, Debug)]
+pub enum HostGrad<'g, T> {
+    /// In the engine's element type.
+    Same(&'g [T]),
+    /// A bf16 model's gradient.
+    Bf16(&'g [bf16]),
+    /// An f16 model's gradient.
+    F16(&'g [f16]),
+}
+
+impl<T> HostGrad<'_, T> {
+    fn len(&self) -> usize {
+        match self {
+            Self::Same(g) => g.len(),
+            Self::Bf16(g) => g.len(),
+            Self::F16(g) => g.len(),
+        }
+    }
+}
+
+/// What [`with_host_grads`] calls: one host gradient slot per variable.
+type HostGradsFn<'f, T, R> = dyn for<'g> FnMut(&[Option<HostGrad<'g, T>>]) -> Result<R> + 'f;
+
+/// Borrows every variable's gradient from CPU storage (other devices and
+/// strided gradients through a copy in `T`) and calls `f` with one slot per
+/// variable. A 16-bit gradient stays 16-bit: the memory widens it element
+/// by element as it flattens it into an f32 bucket, so no widened copy of a
+/// whole gradient exists.
+fn with_host_grads<T: Element + WithDType, R>(
+    names: &[String],
+    vars: &[Var],
+    grads: &GradStore,
+    f: &mut HostGradsFn<'_, T, R>,
+) -> Result<R> {
+    enum Held<'a, T> {
+        None,
+        Storage(candle_core::StorageRef<'a>, Range<usize>),
+        Owned(Vec<T>),
+    }
+    let mut held = Vec::with_capacity(vars.len());
+    for (name, var) in names.iter().zip(vars) {
+        let Some(grad) = grads.get(var.as_tensor()) else {
+            held.push(Held::None);
+            continue;
+        };
+        if grad.dtype() != var.dtype() {
+            return Err(Error::Variable {
+                name: name.clone(),
+                detail: format!(
+                    "gradient dtype {:?} differs from the variable's {:?}",
+                    grad.dtype(),
+                    var.dtype()
+                ),
+            });
+        }
+        if grad.dims() != var.dims() {
+            return Err(Error::Variable {
+                name: name.clone(),
+                detail: format!(
+                    "gradient shape {:?} differs from the variable's {:?}",
+                    grad.dims(),
+                    var.dims()
+                ),
+            });
+        }
+        let (storage, layout) = grad.storage_and_layout();
+        let borrowed = grad.dtype() == <T as WithDType>::DTYPE
+            || matches!(
+                grad.dtype(),
+                candle_core::DType::BF16 | candle_core::DType::F16
+            );
+        match (&*storage, layout.contiguous_offsets()) {
+            (Storage::Cpu(_), Some((start, end))) if borrowed => {
+                held.push(Held::Storage(storage, start..end))
+            }
+            _ => {
+                drop(storage);
+                held.push(Held::Owned(crate::precision::values_as::<T>(grad)?));
+            }
+        }
+    }
+    let mut slots: Vec<Option<HostGrad<'_, T>>> = Vec::with_capacity(held.len());
+    for h in &held {
+        slots.push(match h {
+            Held::None => None,
+            Held::Storage(storage, range) => match &**storage {
+                Storage::Cpu(CpuStorage::BF16(v)) if <T as Element>::DTYPE != DType::BF16 => {
+                    Some(HostGrad::Bf16(&v[range.clone()]))
+                }
+                Storage::Cpu(CpuStorage::F16(v)) if <T as Element>::DTYPE != DType::F16 => {
+                    Some(HostGrad::F16(&v[range.clone()]))
+                }
+                Storage::Cpu(cpu) => Some(HostGrad::Same(
+                    &T::cpu_storage_as_slice(cpu)?[range.clone()],
+                )),
+                _ => None,
+            },
+            Held::Owned(v) => Some(HostGrad::Same(v.as_slice())),
+        });
+    }
+    f(&slots)
+}
+
+/// Adds (or copies) `src`, converted to `T`, into `dst`: the same values
+/// a widened copy of `src` flattened by [`HostMemory`] gives, bit for bit.
+fn flatten_into<T: Element, S: Element>(dst: &mut [T], src: &[S], add: bool) {
+    for (d, s) in dst.iter_mut().zip(src) {
+        let s = T::from_f64(s.to_f64());
+        *d = if add {
+            T::from_acc(d.to_acc() + s.to_acc())
+        } else {
+            s
+        };
+    }
+}
+
+/// The engine memory of the host backends (threads, MPI) under Candle:
+/// [`HostMemory`], except that gradients are [`HostGrad`]s, so a 16-bit
+/// model's gradients are widened into the f32 buckets as they are
+/// flattened rather than copied whole into f32 first (a copy as large as
+/// the largest parameter in f32, alive at the peak).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CandleHostMemory;
+
+impl<T: Element, C: Communicator<Memory = Host>> ShardMemory<T, C> for CandleHostMemory {
+    type Buffer = Vec<T>;
+    type Grad<'g> = HostGrad<'g, T>;
+    type Params<'p> = dyn ParamStore<T> + 'p;
+
+    fn grad_len(grad: &HostGrad<'_, T>) -> usize {
+        grad.len()
+    }
+
+    fn alloc_zeroed(&mut self, numel: usize) -> zero_core::Result<Vec<T>> {
+        ShardMemory::<T, C>::alloc_zeroed(&mut HostMemory, numel)
+    }
+
+    fn buffer_len(buffer: &Vec<T>) -> usize {
+        buffer.len()
+    }
+
+    fn into_host_vec(buffer: Vec<T>) -> std::result::Result<Vec<T>, Vec<T>> {
+        Ok(buffer)
+    }
+
+    fn from_host_vec(values: Vec<T>) -> std::result::Result<Vec<T>, Vec<T>> {
+        Ok(values)
+    }
+
+    fn zero(&mut self, buffer: &mut Vec<T>, range: Range<usize>) -> zero_core::Result<()> {
+        ShardMemory::<T, C>::zero(&mut HostMemory, buffer, range)
+    }
+
+    fn flatten(
+        &mut self,
+        buffer: &mut Vec<T>,
+        pieces: &[GradPiece<HostGrad<'_, T>>],
+        add: bool,
+    ) -> zero_core::Result<()> {
+        for piece in pieces {
+            let dst = &mut buffer[piece.at..piece.at + piece.range.len()];
+            let range = piece.range.clone();
+            match piece.grad {
+                HostGrad::Same(g) => flatten_into(dst, &g[range], add),
+                HostGrad::Bf16(g) => flatten_into(dst, &g[range], add),
+                HostGrad::F16(g) => flatten_into(dst, &g[range], add),
+            }
+        }
+        Ok(())
+    }
+
+    fn copy_range(
+        &mut self,
+        dst: &mut Vec<T>,
+        dst_at: usize,
+        src: &Vec<T>,
+        src_range: Range<usize>,
+        add: bool,
+    ) -> zero_core::Result<()> {
+        ShardMemory::<T, C>::copy_range(&mut HostMemory, dst, dst_at, src, src_range, add)
+    }
+
+    fn fork(&self) -> Option<Self> {
+        Some(CandleHostMemory)
+    }
+
+    fn read_params(
+        &mut self,
+        params: &mut (dyn ParamStore<T> + '_),
+        copies: &[ParamCopy],
+        buffer: &mut Vec<T>,
+    ) -> zero_core::Result<()> {
+        ShardMemory::<T, C>::read_params(&mut HostMemory, params, copies, buffer)
+    }
+
+    fn write_params(
+        &mut self,
+        params: &mut (dyn ParamStore<T> + '_),
+        copies: &[ParamCopy],
+        buffer: &Vec<T>,
+    ) -> zero_core::Result<()> {
+        ShardMemory::<T, C>::write_params(&mut HostMemory, params, copies, buffer)
+    }
+
+    fn scale(
+        &mut self,
+        buffer: &mut Vec<T>,
+        ranges: &[Range<usize>],
+        factor: f64,
+    ) -> zero_core::Result<()> {
+        ShardMemory::<T, C>::scale(&mut HostMemory, buffer, ranges, factor)
+    }
+
+    fn norm_partial(
+        &mut self,
+        comm: &C,
+        buffer: &Vec<T>,
+        ranges: &[Range<usize>],
+        norm: NormType,
+    ) -> zero_core::Result<f64> {
+        HostMemory.norm_partial(comm, buffer, ranges, norm)
+    }
+
+    fn all_reduce(
+        &mut self,
+        comm: &C,
+        buffer: &mut Vec<T>,
+        range: Range<usize>,
+        op: ReduceOp,
+    ) -> zero_core::Result<()> {
+        HostMemory.all_reduce(comm, buffer, range, op)
+    }
+
+    fn reduce_scatter(
+        &mut self,
+        comm: &C,
+        send: &Vec<T>,
+        send_range: Range<usize>,
+        recv: &mut Vec<T>,
+        recv_range: Range<usize>,
+        op: ReduceOp,
+    ) -> zero_core::Result<()> {
+        HostMemory.reduce_scatter(comm, send, send_range, recv, recv_range, op)
+    }
+
+    fn all_gather(
+        &mut self,
+        comm: &C,
+        send: &Vec<T>,
+        send_range: Range<usize>,
+        recv: &mut Vec<T>,
+        recv_range: Range<usize>,
+    ) -> zero_core::Result<()> {
+        HostMemory.all_gather(comm, send, send_range, recv, recv_range)
+    }
+
+    fn all_reduce_as(
+        &mut self,
+        comm: &C,
+        buffer: &mut Vec<T>,
+        range: Range<usize>,
+        op: ReduceOp,
+        wire: DType,
+    ) -> zero_core::Result<()> {
+        HostMemory.all_reduce_as(comm, buffer, range, op, wire)
+    }
+
+    fn reduce_scatter_as(
+        &mut self,
+        comm: &C,
+        send: &Vec<T>,
+        send_range: Range<usize>,
+        recv: &mut Vec<T>,
+        recv_range: Range<usize>,
+        op: ReduceOp,
+        wire: DType,
+    ) -> zero_core::Result<()> {
+        HostMemory.reduce_scatter_as(comm, send, send_range, recv, recv_range, op, wire)
+    }
+
+    fn all_gather_as(
+        &mut self,
+        comm: &C,
+        send: &Vec<T>,
+        send_range: Range<usize>,
+        recv: &mut Vec<T>,
+        recv_range: Range<usize>,
+        wire: DType,
+    ) -> zero_core::Result<()> {
+        HostMemory.all_gather_as(comm, send, send_range, recv, recv_range, wire)
+    }
+
+    fn buffer_to_host(
+        &mut self,
+        comm: &C,
+        buffer: &Vec<T>,
+        range: Range<usize>,
+        out: &mut [T],
+    ) -> zero_core::Result<()> {
+        HostMemory.buffer_to_host(comm, buffer, range, out)
+    }
+
+    fn buffer_from_host(
+        &mut self,
+        buffer: &mut Vec<T>,
+        at: usize,
+        values: &[T],
+    ) -> zero_core::Result<()> {
+        ShardMemory::<T, C>::buffer_from_host(&mut HostMemory, buffer, at, values)
+    }
+
+    fn all_reduce_host<V: Element>(
+        &mut self,
+        comm: &C,
+        values: &mut [V],
+        op: ReduceOp,
+    ) -> zero_core::Result<()> {
+        ShardMemory::<T, C>::all_reduce_host(&mut HostMemory, comm, values, op)
+    }
+
+    fn gather_varlen_host(
+        &mut self,
+        comm: &C,
+        send: &[T],
+        counts: &[usize],
+        recv: Option<&mut [T]>,
+        root: usize,
+    ) -> zero_core::Result<()> {
+        HostMemory.gather_varlen_host(comm, send, counts, recv, root)
+    }
+
+    fn step(
+        &mut self,
+        optimizer: &mut dyn FunctionalOptimizer<T>,
+        params: &mut Vec<T>,
+        grads: &Vec<T>,
+        plan: StepPlan<'_>,
+    ) -> zero_core::Result<()> {
+        ShardMemory::<T, C>::step(&mut HostMemory, optimizer, params, grads, plan)
+    }
+
+    fn export_state(
+        &mut self,
+        comm: &C,
+        optimizer: &dyn FunctionalOptimizer<T>,
+        pieces: &[StepPiece<'_>],
+    ) -> zero_core::Result<OptimizerState<T>> {
+        HostMemory.export_state(comm, optimizer, pieces)
+    }
+
+    fn import_state(
+        &mut self,
+        optimizer: &mut dyn FunctionalOptimizer<T>,
+        pieces: &[StepPiece<'_>],
+        state: OptimizerState<T>,
+    ) -> zero_core::Result<()> {
+        ShardMemory::<T, C>::import_state(&mut HostMemory, optimizer, pieces, state)
+    }
+
+    fn state_bytes(&self, optimizer: &dyn FunctionalOptimizer<T>) -> usize {
+        ShardMemory::<T, C>::state_bytes(&HostMemory, optimizer)
+    }
+
+    fn read_param_host(
+        &mut self,
+        comm: &C,
+        params: &mut (dyn ParamStore<T> + '_),
+        param: usize,
+        out: &mut [T],
+    ) -> zero_core::Result<()> {
+        HostMemory.read_param_host(comm, params, param, out)
+    }
+
+    fn write_param_host(
+        &mut self,
+        params: &mut (dyn ParamStore<T> + '_),
+        param: usize,
+        values: &[T],
+    ) -> zero_core::Result<()> {
+        ShardMemory::<T, C>::write_param_host(&mut HostMemory, params, param, values)
     }
 }

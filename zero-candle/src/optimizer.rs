@@ -4,7 +4,7 @@ use crate::hook::ZeroHook;
 use crate::memory::{CandleMemory, MemoryOf};
 use crate::{Error, Result};
 use candle_core::backprop::GradStore;
-use candle_core::{Storage, Tensor, Var, WithDType};
+use candle_core::{Tensor, Var, WithDType};
 use candle_nn::VarMap;
 use std::path::Path;
 use std::sync::Arc;
@@ -392,73 +392,6 @@ fn lent<E>(slot: &mut Option<E>) -> &mut E {
     }
 }
 
-/// What [`with_grad_slices`] calls: one host slice per variable, if any.
-pub(crate) type SlicesFn<'f, T, R> = dyn FnMut(&[Option<&[T]>]) -> Result<R> + 'f;
-
-/// Borrows every variable's gradient as a host slice (CPU storage directly,
-/// other devices through a copy) and calls `f` with one slot per variable.
-pub(crate) fn with_grad_slices<T: Element + WithDType, R>(
-    names: &[String],
-    vars: &[Var],
-    grads: &GradStore,
-    f: &mut SlicesFn<'_, T, R>,
-) -> Result<R> {
-    enum Held<'a, T> {
-        None,
-        Storage(candle_core::StorageRef<'a>, usize, usize),
-        Owned(Vec<T>),
-    }
-    let mut held = Vec::with_capacity(vars.len());
-    for (name, var) in names.iter().zip(vars) {
-        let Some(grad) = grads.get(var.as_tensor()) else {
-            held.push(Held::None);
-            continue;
-        };
-        if grad.dtype() != var.dtype() {
-            return Err(Error::Variable {
-                name: name.clone(),
-                detail: format!(
-                    "gradient dtype {:?} differs from the variable's {:?}",
-                    grad.dtype(),
-                    var.dtype()
-                ),
-            });
-        }
-        if grad.dims() != var.dims() {
-            return Err(Error::Variable {
-                name: name.clone(),
-                detail: format!(
-                    "gradient shape {:?} differs from the variable's {:?}",
-                    grad.dims(),
-                    var.dims()
-                ),
-            });
-        }
-        let (storage, layout) = grad.storage_and_layout();
-        match (&*storage, layout.contiguous_offsets()) {
-            (Storage::Cpu(_), Some((start, end))) if grad.dtype() == <T as WithDType>::DTYPE => {
-                held.push(Held::Storage(storage, start, end))
-            }
-            _ => {
-                drop(storage);
-                held.push(Held::Owned(owned_values::<T>(grad)?));
-            }
-        }
-    }
-    let mut slices: Vec<Option<&[T]>> = Vec::with_capacity(held.len());
-    for h in &held {
-        slices.push(match h {
-            Held::None => None,
-            Held::Storage(storage, start, end) => match &**storage {
-                Storage::Cpu(cpu) => Some(&T::cpu_storage_as_slice(cpu)?[*start..*end]),
-                _ => None,
-            },
-            Held::Owned(v) => Some(v.as_slice()),
-        });
-    }
-    f(&slices)
-}
-
 /// The variables of `varmap` with their names.
 pub(crate) fn named_vars(varmap: &VarMap) -> Result<Vec<(String, Var)>> {
     let data = varmap.data().lock().map_err(|_| Error::Variable {
@@ -476,12 +409,6 @@ pub(crate) fn positional_names(vars: Vec<Var>) -> Vec<(String, Var)> {
         .enumerate()
         .map(|(i, v)| (format!("param.{i:0width$}"), v))
         .collect()
-}
-
-/// A gradient's values as `T`: copied from another device, widened from a
-/// 16-bit gradient under f32 master weights (reductions then add in `T`).
-fn owned_values<T: Element + WithDType>(t: &Tensor) -> Result<Vec<T>> {
-    crate::precision::values_as::<T>(t)
 }
 
 impl<C, T> candle_nn::Optimizer for ZeroOptimizer<C, T>

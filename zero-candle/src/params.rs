@@ -1,7 +1,10 @@
 //! Moving values between Candle variables and the engine's host buffers.
 
-use candle_core::{Storage, Tensor, Var, WithDType};
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, InplaceOp1, Layout, Storage, Tensor, Var, WithDType};
+use half::{bf16, f16};
 use std::ops::Range;
+use zero_core::engine::convert_slice;
 use zero_core::{Element, ParamStore};
 
 /// Candle variables as the engine's [`ParamStore`] (parameter `i` is
@@ -56,6 +59,15 @@ impl<T: Element + WithDType> ParamStore<T> for VarStore<'_> {
 
     fn write(&mut self, param: usize, range: Range<usize>, values: &[T]) -> zero_core::Result<()> {
         let var = &self.vars[param];
+        if var.device().is_cpu() && var.is_contiguous() {
+            // Straight into the variable's storage, rounded to its dtype
+            // where the engine keeps wider master weights: no copy of the
+            // range in either type.
+            return var
+                .as_tensor()
+                .inplace_op1(&WriteRange { range, values })
+                .map_err(|e| var_error("write", param, var, e));
+        }
         // Rounded to the variable's dtype (to nearest, ties to even) where
         // the engine keeps wider master weights, straight into a buffer of
         // that dtype (no copy in `T` first).
@@ -75,6 +87,55 @@ impl<T: Element + WithDType> ParamStore<T> for VarStore<'_> {
             .flatten_all()
             .and_then(|flat| flat.slice_set(&src, 0, range.start))
             .map_err(|e| var_error("write", param, var, e))
+    }
+}
+
+/// Overwrites elements `range` of a contiguous CPU tensor with `values`,
+/// converted to its dtype (to nearest, ties to even, when narrower).
+struct WriteRange<'a, T> {
+    range: Range<usize>,
+    values: &'a [T],
+}
+
+impl<T: Element + WithDType> InplaceOp1 for WriteRange<'_, T> {
+    fn name(&self) -> &'static str {
+        "zero-write-range"
+    }
+
+    fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
+        let Some((start, end)) = layout.contiguous_offsets() else {
+            candle_core::bail!("zero-write-range: the variable is not contiguous")
+        };
+        let (lo, hi) = (start + self.range.start, start + self.range.end);
+        if hi > end || self.values.len() != self.range.len() {
+            candle_core::bail!(
+                "zero-write-range: {} values for elements {:?} of a variable of {} elements",
+                self.values.len(),
+                self.range,
+                end - start
+            )
+        }
+        let values = self.values;
+        match storage {
+            CpuStorage::F32(v) => store::<T, f32>(values, &mut v[lo..hi]),
+            CpuStorage::F64(v) => store::<T, f64>(values, &mut v[lo..hi]),
+            CpuStorage::BF16(v) => store::<T, bf16>(values, &mut v[lo..hi]),
+            CpuStorage::F16(v) => store::<T, f16>(values, &mut v[lo..hi]),
+            other => candle_core::bail!(
+                "zero-write-range: a {:?} variable cannot receive float values",
+                other.dtype()
+            ),
+        }
+        Ok(())
+    }
+}
+
+/// `values` into `dst`: copied when of one type, else converted.
+fn store<T: Element, S: Element>(values: &[T], dst: &mut [S]) {
+    if T::DTYPE == S::DTYPE {
+        dst.copy_from_slice(bytemuck::cast_slice(values));
+    } else {
+        convert_slice(values, dst);
     }
 }
 

@@ -1,8 +1,8 @@
 //! `Linear`: `y = x·Wᵀ + b` as one custom op that reads `W` in place and
 //! hands `∂W`, `∂b` to the hook.
 
-use super::cpu;
 use super::hook::{announce, announce_gather, gather, route, GatheredParam, GradHook};
+use super::{bf16_matmul, cpu};
 use candle_core::backend::BackendStorage;
 use candle_core::op::Add;
 use candle_core::{
@@ -304,7 +304,11 @@ impl FusedLinear {
             _ => None,
         };
         let grad_w = if w.track_op() {
-            route(hook, w, grad.t()?.matmul(&x.detach())?)?
+            let grad_w = match bf16_matmul::grad_weight(&grad, x)? {
+                Some(grad_w) => grad_w,
+                None => grad.t()?.matmul(&x.detach())?,
+            };
+            route(hook, w, grad_w)?
         } else {
             None
         };
@@ -313,7 +317,10 @@ impl FusedLinear {
         let grad_x = if x.track_op() {
             match gather(hook, Some(w))? {
                 Some(gathered) => Some(grad.apply_op1_no_bwd(&MatmulGathered(gathered))?),
-                None => Some(grad.matmul(&w.detach())?),
+                None => match bf16_matmul::grad_input(&grad, w)? {
+                    Some(grad_x) => Some(grad_x),
+                    None => Some(grad.matmul(&w.detach())?),
+                },
             }
         } else {
             None
@@ -336,7 +343,10 @@ impl CustomOp2 for FusedLinear {
     ) -> Result<(CpuStorage, Shape)> {
         let lent = self.take_lent();
         let (w, w_layout) = pick(&lent.weight, (w, w_layout));
-        let (product, rows, out_dim) = matmul_xwt(x, x_layout, w, w_layout)?;
+        let (product, rows, out_dim) = match bf16_matmul::xwt(x, x_layout, w, w_layout)? {
+            Some(done) => done,
+            None => matmul_xwt(x, x_layout, w, w_layout)?,
+        };
         Ok((product, Shape::from((rows, out_dim))))
     }
 
@@ -379,7 +389,10 @@ impl CustomOp3 for FusedLinear {
         let lent = self.take_lent();
         let (w, w_layout) = pick(&lent.weight, (w, w_layout));
         let (b, b_layout) = pick(&lent.bias, (b, b_layout));
-        let (mut out, rows, out_dim) = matmul_xwt(x, x_layout, w, w_layout)?;
+        let (mut out, rows, out_dim) = match bf16_matmul::xwt(x, x_layout, w, w_layout)? {
+            Some(done) => done,
+            None => matmul_xwt(x, x_layout, w, w_layout)?,
+        };
         check_bias(b_layout, out_dim)?;
         if b.dtype() != out.dtype() {
             bail!(

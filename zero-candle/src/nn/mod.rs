@@ -72,6 +72,7 @@
 //! none (a plain, untracked tensor such as the model's input data), so such
 //! an input has no `GradStore` entry.
 
+mod bf16_matmul;
 mod cpu;
 mod embedding;
 mod hook;

@@ -20,12 +20,17 @@
 //! [`EngineConfig::persist_numel`]: super::EngineConfig::persist_numel
 
 use super::fetch::{Fetcher, GatherFn, Unit, UnitBucket};
-use super::{Engine, HostMemory, ParamStore, ShardMemory, Stage};
+use super::{Engine, ShardMemory, Stage};
 use crate::comm::{Communicator, Host, ReduceOp};
 use crate::{Element, Error, Result};
 use std::sync::Arc;
 
-impl<T: Element, C: Communicator<Memory = Host> + 'static> Engine<T, C, HostMemory> {
+impl<T, C, M> Engine<T, C, M>
+where
+    T: Element,
+    C: Communicator<Memory = Host> + 'static,
+    M: ShardMemory<T, C>,
+{
     /// Stage 3: from now on, keeps the parameters `gatherable` marks (those
     /// the framework gathers on use) that are trainable and larger than
     /// `persist_numel` only as shards, and returns the [`Fetcher`] that
@@ -40,7 +45,7 @@ impl<T: Element, C: Communicator<Memory = Host> + 'static> Engine<T, C, HostMemo
     pub fn shard_parameters(
         &mut self,
         gatherable: &[bool],
-        params: &mut (dyn ParamStore<T> + '_),
+        params: &mut M::Params<'_>,
     ) -> Result<Arc<Fetcher<T>>> {
         if self.config.stage != Stage::Parameters {
             return Err(Error::Config(format!(
@@ -89,10 +94,18 @@ impl<T: Element, C: Communicator<Memory = Host> + 'static> Engine<T, C, HostMemo
         let gather: Arc<GatherFn<T>> =
             Arc::new(move |send: &[T], recv: &mut [T]| gather_comm.all_gather(send, recv));
         // The shard moves to the fetcher between steps: one copy.
+        let empty = self.memory.alloc_zeroed(0)?;
+        let shard =
+            M::into_host_vec(std::mem::replace(&mut self.param_shard, empty)).map_err(|_| {
+                Error::Config(
+                    "stage 3 runs on host memory (threads, MPI) for now; on the GPU use stage 2"
+                        .into(),
+                )
+            })?;
         let fetcher = Fetcher::new(
             units,
             place,
-            std::mem::take(&mut self.param_shard),
+            shard,
             gather,
             (self.config.prefetch_bytes, self.config.max_live_bytes),
             threaded,
