@@ -36,6 +36,12 @@ const ROUNDS: usize = 3;
 /// The memory figure's model: 14.7M f32 parameters.
 const MEMORY_WORLD: usize = 4;
 const MEMORY_WIDTHS: [usize; 6] = [1024, 2048, 2048, 2048, 2048, 10];
+/// A deeper model of about the same size (17M), where one gathered layer
+/// is 1/16 of the weights rather than 2/7.
+const DEEP_WIDTHS: [usize; 18] = [
+    1024, 1024, 1024, 1024, 1024, 1024, 1024, 1024, 1024, 1024, 1024, 1024, 1024, 1024, 1024, 1024,
+    1024, 10,
+];
 const MEMORY_BATCH: usize = 8;
 const MEMORY_STEPS: usize = 4;
 /// The simulated link of `bench overlap`: 50 µs per collective, 1 GB/s.
@@ -131,7 +137,7 @@ fn step_time(stage: Stage, delayed: bool) -> Result<f64, String> {
 
 /// The process's peak heap above its baseline: (from the second step on,
 /// over the whole run).
-fn peaks(stage: Stage) -> Result<(usize, usize), String> {
+fn peaks(stage: Stage, widths: &[usize]) -> Result<(usize, usize), String> {
     heap::reset_peak();
     let baseline = heap::current_bytes().ok_or("the counting allocator is not installed")?;
     FIRST_STEP_PEAK.store(0, Ordering::Relaxed);
@@ -156,15 +162,16 @@ fn peaks(stage: Stage) -> Result<(usize, usize), String> {
     ))
 }
 
-/// Adds `step.s3_over_s2`, `step.delayed_s3_over_s2` and
-/// `memory.s3_peak_over_s2_peak`.
+/// Adds `step.s3_over_s2`, `step.delayed_s3_over_s2`,
+/// `memory.s3_peak_over_s2_peak` and the same for a deeper model.
 pub fn run(report: &mut Report) {
     println!(
         "bench stage3: MLP {STEP_WIDTHS:?} with ZeroHook, AdamW, {STEP_BATCH} rows per rank, \
          N={STEP_WORLD} threads, default buckets and persistence (100k elements), plain and \
          over a delayed link ({} us + {} GB/s); median of {STEPS} steps after {WARMUP}, \
-         rounds interleaved. Memory: MLP {MEMORY_WIDTHS:?}, N={MEMORY_WORLD}, {MEMORY_BATCH} \
-         rows per rank, process peak heap from the second step on",
+         rounds interleaved. Memory: MLP {MEMORY_WIDTHS:?} (and deep_: 16 hidden layers of 1024), \
+         N={MEMORY_WORLD}, {MEMORY_BATCH} rows per rank, process peak heap from the second step \
+         on",
         LATENCY.as_micros(),
         BYTES_PER_SEC / 1e9
     );
@@ -209,35 +216,54 @@ pub fn run(report: &mut Report) {
         Some("<= 1.10"),
     );
 
+    // Stages 0 and 1 on the same model and harness, for the README's table.
     let params: usize = MEMORY_WIDTHS.windows(2).map(|w| w[0] * w[1] + w[1]).sum();
-    let per_param = |bytes: usize| bytes as f64 / MEMORY_WORLD as f64 / params as f64;
-    match (peaks(Stage::Gradients), peaks(Stage::Parameters)) {
-        (Ok((s2, s2_run)), Ok((s3, s3_run))) => {
-            report.add(
-                "memory.s2_steady_bytes_per_param",
-                per_param(s2),
+    for (name, stage) in [("s0", Stage::Ddp), ("s1", Stage::OptimizerState)] {
+        match peaks(stage, &MEMORY_WIDTHS) {
+            Ok((steady, _)) => report.add(
+                &format!("memory.{name}_steady_bytes_per_param"),
+                steady as f64 / MEMORY_WORLD as f64 / params as f64,
                 "B/param/rank",
                 None,
-            );
-            report.add(
-                "memory.s3_steady_bytes_per_param",
-                per_param(s3),
-                "B/param/rank",
-                None,
-            );
-            report.add(
-                "memory.s3_peak_over_s2_peak",
-                s3 as f64 / s2 as f64,
-                "ratio",
-                Some("<= 0.65"),
-            );
-            report.add(
-                "memory.s3_run_peak_over_s2_run_peak",
-                s3_run as f64 / s2_run as f64,
-                "ratio",
-                None,
-            );
+            ),
+            Err(e) => eprintln!("bench stage3: memory {name} failed: {e}"),
         }
-        (Err(e), _) | (_, Err(e)) => eprintln!("bench stage3: memory failed: {e}"),
+    }
+    for (prefix, widths) in [("", &MEMORY_WIDTHS[..]), ("deep_", &DEEP_WIDTHS[..])] {
+        let params: usize = widths.windows(2).map(|w| w[0] * w[1] + w[1]).sum();
+        let per_param = |bytes: usize| bytes as f64 / MEMORY_WORLD as f64 / params as f64;
+        match (
+            peaks(Stage::Gradients, widths),
+            peaks(Stage::Parameters, widths),
+        ) {
+            (Ok((s2, s2_run)), Ok((s3, s3_run))) => {
+                let unit = "B/param/rank";
+                report.add(
+                    &format!("memory.{prefix}s2_steady_bytes_per_param"),
+                    per_param(s2),
+                    unit,
+                    None,
+                );
+                report.add(
+                    &format!("memory.{prefix}s3_steady_bytes_per_param"),
+                    per_param(s3),
+                    unit,
+                    None,
+                );
+                report.add(
+                    &format!("memory.{prefix}s3_peak_over_s2_peak"),
+                    s3 as f64 / s2 as f64,
+                    "ratio",
+                    Some("<= 0.65"),
+                );
+                report.add(
+                    &format!("memory.{prefix}s3_run_peak_over_s2_run_peak"),
+                    s3_run as f64 / s2_run as f64,
+                    "ratio",
+                    None,
+                );
+            }
+            (Err(e), _) | (_, Err(e)) => eprintln!("bench stage3: memory failed: {e}"),
+        }
     }
 }
