@@ -222,6 +222,14 @@ fn sharded_variables_give_their_memory_back_and_every_use_is_prefetched() {
         for name in ["l0.bias", "norm.weight"] {
             assert_eq!(stored(name), HIDDEN, "{name}");
         }
+        // The engine's report counts no replica for the sharded ones: less
+        // than the whole model (stage 2 holds it plus a shard).
+        let whole: usize = opt.vars().iter().map(|v| v.elem_count() * 4).sum();
+        assert!(
+            opt.memory_report().params < whole,
+            "{:?}",
+            opt.memory_report()
+        );
 
         // Per step: each layer is gathered for its forward and for its
         // backward (∂x needs the weight); the tied embedding for its

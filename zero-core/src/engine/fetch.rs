@@ -271,13 +271,12 @@ impl<T: crate::Element> Fetcher<T> {
         };
         let mut st = self.lock();
         let planned = st.plan.contains(&unit) || st.issued.iter().any(|i| i.unit == unit);
-        if st.phase == Phase::Forward
-            && !st.log.is_empty()
-            && st.forward_trace.first() == Some(&unit)
-            && !planned
-        {
-            // The trace's first layer again without a backward in between:
-            // a new forward (after an evaluation pass).
+        let starts_a_pass =
+            st.forward_trace.first() == Some(&unit) || st.log.first() == Some(&unit);
+        if st.phase == Phase::Forward && !st.log.is_empty() && starts_a_pass && !planned {
+            // The first layer of the trace (or of this pass) again, with no
+            // backward in between and nothing planned for it: a new forward
+            // (after an evaluation pass).
             st = self.restart_forward(st)?;
         }
         st.log.push(unit);
@@ -457,6 +456,13 @@ impl<T: crate::Element> Fetcher<T> {
     pub(super) fn put_shard(&self, shard: Vec<T>) {
         *self.shard.write().unwrap_or_else(PoisonError::into_inner) = shard;
         self.resume();
+    }
+
+    /// Bytes of the gather buffers: in use, issued, and pooled.
+    pub fn buffer_bytes(&self) -> usize {
+        let st = self.lock();
+        let pooled: usize = st.pool.iter().map(Vec::capacity).sum();
+        st.live_bytes + pooled * self.elem_bytes
     }
 
     /// Elements of the parameter shard the fetcher holds.
@@ -701,5 +707,103 @@ impl<T: crate::Element> Worker<T> {
             drop(st);
             fetcher.done.notify_all();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `count` units of `len` elements over one rank: unit `u`'s bucket is
+    /// shard range `u*len..(u+1)*len`, one parameter per unit.
+    fn fetcher(
+        count: usize,
+        len: usize,
+        budgets: (usize, usize),
+        threaded: bool,
+    ) -> Arc<Fetcher<f32>> {
+        let units = (0..count)
+            .map(|u| Unit {
+                buckets: vec![UnitBucket {
+                    shard: u * len..(u + 1) * len,
+                    at: 0..len,
+                }],
+                len,
+            })
+            .collect();
+        let place = (0..count).map(|u| Some((u, 0..len))).collect();
+        let shard = (0..count * len).map(|i| i as f32).collect();
+        // One rank: the all-gather is a copy.
+        let gather: Arc<GatherFn<f32>> = Arc::new(|send: &[f32], recv: &mut [f32]| {
+            recv.copy_from_slice(send);
+            Ok(())
+        });
+        Fetcher::new(units, place, shard, gather, budgets, threaded).unwrap()
+    }
+
+    fn use_units(f: &Fetcher<f32>, order: &[usize], len: usize) {
+        for &u in order {
+            let g = f.acquire(u).unwrap();
+            let want: Vec<f32> = (u * len..(u + 1) * len).map(|i| i as f32).collect();
+            assert_eq!(g.values(), &want[..], "unit {u}");
+            f.release(g);
+        }
+    }
+
+    #[test]
+    fn a_replayed_pass_is_all_hits_within_the_budgets() {
+        for threaded in [false, true] {
+            // 40-byte units; two may be ahead, three alive.
+            let f = fetcher(6, 10, (80, 120), threaded);
+            let order = [0, 1, 2, 3, 4, 5];
+            f.seed(&order, &[]);
+            use_units(&f, &order, 10);
+            let stats = f.stats();
+            assert_eq!((stats.hits, stats.misses), (6, 0), "{stats:?}");
+            assert!(stats.peak_live_bytes <= 120, "{stats:?}");
+            assert!(stats.peak_live_bytes >= 80, "prefetch ran ahead: {stats:?}");
+            assert_eq!(stats.gathers, vec![1; 6]);
+        }
+    }
+
+    #[test]
+    fn off_plan_requests_are_gathered_alone_and_a_new_pass_replays() {
+        let f = fetcher(4, 10, (40, 80), false);
+        f.seed(&[0, 1, 2, 3], &[]);
+        // Unit 3 before its turn: a miss, gathered alone; the rest follow.
+        use_units(&f, &[3, 0, 1, 2], 10);
+        assert_eq!(f.stats().misses, 1);
+        // The trace's first unit again without a backward: a new forward
+        // (evaluation passes). The first replays the pass just recorded
+        // (3, 0, 1, 2: misses); the next ones the order they used, where
+        // only each pass's first unit, not prefetched across passes, misses.
+        use_units(&f, &[0, 1, 2, 3], 10);
+        let before = f.stats().misses;
+        for _ in 0..3 {
+            use_units(&f, &[0, 1, 2, 3], 10);
+        }
+        let stats = f.stats();
+        assert_eq!(stats.misses - before, 3, "{stats:?}");
+        assert!(stats.retraces >= 2, "{stats:?}");
+        assert!(stats.peak_live_bytes <= 80, "{stats:?}");
+    }
+
+    #[test]
+    fn a_layer_above_max_live_bytes_is_a_configuration_error() {
+        let units = vec![Unit {
+            buckets: vec![],
+            len: 100,
+        }];
+        let gather: Arc<GatherFn<f32>> = Arc::new(|_: &[f32], _: &mut [f32]| Ok(()));
+        let e = Fetcher::new(
+            units,
+            vec![Some((0, 0..100))],
+            vec![],
+            gather,
+            (0, 200),
+            false,
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("max_live_bytes"), "{e}");
     }
 }

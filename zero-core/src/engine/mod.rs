@@ -480,18 +480,24 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     pub fn memory_report(&self) -> MemoryReport {
         let size = std::mem::size_of::<T>();
         let len = |b: &Option<M::Buffer>| b.as_ref().map_or(0, M::buffer_len);
+        // Stage 3: a sharded parameter has no replica; its gathers are
+        // communication buffers.
         let replica: usize = self
             .params
             .iter()
-            .map(|p| p.numel() * p.dtype.size_in_bytes())
+            .enumerate()
+            .filter(|&(i, _)| !self.is_sharded(i))
+            .map(|(_, p)| p.numel() * p.dtype.size_in_bytes())
             .sum();
+        let gathers = self.fetcher.as_ref().map_or(0, |f| f.buffer_bytes());
         MemoryReport {
             params: replica + self.param_shard_len() * size,
             grads: len(&self.full_grads) * size,
             grad_shard: len(&self.grad_shard) * size,
             optimizer_state: self.memory.state_bytes(self.optimizer.as_ref()),
             comm_buffers: (self.pool.iter().map(M::buffer_len).sum::<usize>() + len(&self.scratch))
-                * size,
+                * size
+                + gathers,
         }
     }
 
