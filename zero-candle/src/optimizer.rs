@@ -9,7 +9,9 @@ use candle_nn::VarMap;
 use std::path::Path;
 use std::sync::Arc;
 use zero_core::checkpoint::Manifest;
-use zero_core::engine::{Engine, EngineConfig, FetchStats, MemoryReport, SaveOptions, StepReport};
+use zero_core::engine::{
+    Engine, EngineConfig, FetchStats, MemoryReport, SaveOptions, Stage, StepReport,
+};
 use zero_core::optim::{FunctionalOptimizer, Hyperparams};
 use zero_core::{Communicator, DType, Element, ParamInfo};
 
@@ -233,6 +235,16 @@ where
     /// One micro-step with the gradients of `grads`; returns the step's
     /// report when it completed an optimizer step.
     pub fn step(&mut self, grads: &GradStore) -> Result<Option<StepReport>> {
+        if self.hook.is_none() && self.engine().config().stage == Stage::Parameters {
+            static WARNED: std::sync::Once = std::sync::Once::new();
+            WARNED.call_once(|| {
+                tracing::warn!(
+                    "stage 3 shards the parameters of zero_candle::nn layers built with a \
+                     ZeroHook (connected with with_hook, trained with backward_step); without \
+                     one it runs as stage 2"
+                )
+            });
+        }
         let (engine, vars) = (lent(&mut self.engine), &self.vars);
         let report = C::Memory::with_grads(&self.names, vars, grads, &mut |slots| {
             C::Memory::with_params(vars, &mut |params| Ok(engine.step(slots, params)?))
