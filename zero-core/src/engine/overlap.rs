@@ -344,11 +344,25 @@ where
                 self.params.len()
             )));
         }
-        let mine = order_fingerprint(expected);
+        // One all-reduce checks that every rank predicts the same gradient
+        // order and, at stage 3, that its forward gathered the same layers
+        // (the fetcher also plans the backward's gathers here).
+        let forward = match self.fetcher.clone() {
+            Some(fetcher) => {
+                let predicted: Vec<usize> = expected.iter().map(|&(p, _)| p).collect();
+                fetcher.begin_backward(&predicted)?
+            }
+            None => 0,
+        };
+        let mut mine = [0.0; 16];
+        mine[..8].copy_from_slice(&order_fingerprint(expected));
+        mine[8..].copy_from_slice(&hash_fingerprint(forward));
         let mut agreed = mine;
         self.memory
             .all_reduce_host(&self.comm, &mut agreed[..], ReduceOp::Max)?;
-        if (0..4).any(|i| agreed[i] != mine[i] || -agreed[i + 4] != mine[i]) {
+        let differs =
+            |at: usize| (at..at + 4).any(|i| agreed[i] != mine[i] || -agreed[i + 4] != mine[i]);
+        if differs(0) {
             return Err(Error::Config(format!(
                 "rank {} predicts another gradient order than some other rank ({} hooked \
                  gradient(s) here): the ranks' backward graphs differ. Every rank must run the \
@@ -357,23 +371,14 @@ where
                 expected.len()
             )));
         }
-        if let Some(fetcher) = self.fetcher.clone() {
-            // Stage 3: the forward's gathers are done; plan the backward's.
-            let predicted: Vec<usize> = expected.iter().map(|&(p, _)| p).collect();
-            let forward = fetcher.begin_backward(&predicted)?;
-            let mine = hash_fingerprint(forward);
-            let mut agreed = mine;
-            self.memory
-                .all_reduce_host(&self.comm, &mut agreed[..], ReduceOp::Max)?;
-            if (0..4).any(|i| agreed[i] != mine[i] || -agreed[i + 4] != mine[i]) {
-                return Err(Error::Config(format!(
-                    "rank {}'s forward pass used other sharded layers (or used them in another \
-                     order) than some other rank's: the ranks' models differ. Every rank must \
-                     run the same model on the same kind of input (no rank-dependent branches \
-                     or layers)",
-                    self.comm.rank()
-                )));
-            }
+        if differs(8) {
+            return Err(Error::Config(format!(
+                "rank {}'s forward pass used other sharded layers (or used them in another \
+                 order) than some other rank's: the ranks' models differ. Every rank must \
+                 run the same model on the same kind of input (no rank-dependent branches \
+                 or layers)",
+                self.comm.rank()
+            )));
         }
         let Some(worker_memory) = self.memory.fork() else {
             // This memory reduces in the step; the gradients go to the full
