@@ -35,6 +35,30 @@ fn random_batch(
     ))
 }
 
+/// Measures each of `names` `rounds` times with `measure(case)`, the cases
+/// alternating so that drift in the machine's load affects each alike, and
+/// returns each case's median; on a failure, the failing case's name and
+/// error.
+fn interleaved_medians(
+    names: &[&str],
+    rounds: usize,
+    mut measure: impl FnMut(usize) -> Result<f64, String>,
+) -> Result<Vec<f64>, String> {
+    let mut values: Vec<Vec<f64>> = vec![Vec::new(); names.len()];
+    for _ in 0..rounds {
+        for (case, name) in names.iter().enumerate() {
+            values[case].push(measure(case).map_err(|e| format!("{name} failed: {e}"))?);
+        }
+    }
+    Ok(values
+        .iter_mut()
+        .map(|v| {
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        })
+        .collect())
+}
+
 /// Runs the suite named by the first command-line argument (all if none).
 pub fn main() {
     let which: Vec<String> = std::env::args().skip(1).collect();

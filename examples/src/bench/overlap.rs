@@ -109,27 +109,16 @@ pub fn run(report: &mut Report) {
         ("delayed_overlapped", true, Overlap::AfterBackward),
         ("delayed_interleaved", true, Overlap::Interleaved),
     ];
-    // Cases alternate over rounds so that drift in the machine's load
-    // affects each alike; each figure is the median of its rounds.
-    let mut rounds: Vec<Vec<f64>> = vec![Vec::new(); cases.len()];
-    for _ in 0..ROUNDS {
-        for (i, (name, delayed, overlap)) in cases.iter().enumerate() {
-            match measure_group(*delayed, *overlap, &data) {
-                Ok(median) => rounds[i].push(median),
-                Err(e) => {
-                    eprintln!("bench overlap: {name} failed: {e}");
-                    return;
-                }
-            }
+    let names: Vec<&str> = cases.iter().map(|c| c.0).collect();
+    let medians = match super::interleaved_medians(&names, ROUNDS, |i| {
+        measure_group(cases[i].1, cases[i].2, &data)
+    }) {
+        Ok(medians) => medians,
+        Err(e) => {
+            eprintln!("bench overlap: {e}");
+            return;
         }
-    }
-    let medians: Vec<f64> = rounds
-        .iter_mut()
-        .map(|r| {
-            r.sort_by(f64::total_cmp);
-            r[r.len() / 2]
-        })
-        .collect();
+    };
     for ((name, _, _), median) in cases.iter().zip(&medians) {
         report.add(&format!("overlap.{name}_ms"), median * 1e3, "ms", None);
     }

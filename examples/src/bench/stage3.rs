@@ -141,16 +141,8 @@ fn peaks(stage: Stage, widths: &[usize]) -> Result<(usize, usize), String> {
     heap::reset_peak();
     let baseline = heap::current_bytes().ok_or("the counting allocator is not installed")?;
     FIRST_STEP_PEAK.store(0, Ordering::Relaxed);
-    let results = ThreadGroup::new(MEMORY_WORLD).run(|comm| {
-        train(
-            comm,
-            stage,
-            &MEMORY_WIDTHS,
-            MEMORY_BATCH,
-            MEMORY_STEPS,
-            true,
-        )
-    });
+    let results = ThreadGroup::new(MEMORY_WORLD)
+        .run(|comm| train(comm, stage, widths, MEMORY_BATCH, MEMORY_STEPS, true));
     for result in results {
         result.map_err(|e| e.to_string())??;
     }
@@ -181,25 +173,15 @@ pub fn run(report: &mut Report) {
         ("delayed_s2", Stage::Gradients, true),
         ("delayed_s3", Stage::Parameters, true),
     ];
-    let mut rounds: Vec<Vec<f64>> = vec![Vec::new(); cases.len()];
-    for _ in 0..ROUNDS {
-        for (i, (name, stage, delayed)) in cases.iter().enumerate() {
-            match step_time(*stage, *delayed) {
-                Ok(median) => rounds[i].push(median),
-                Err(e) => {
-                    eprintln!("bench stage3: {name} failed: {e}");
-                    return;
-                }
+    let names: Vec<&str> = cases.iter().map(|c| c.0).collect();
+    let medians =
+        match super::interleaved_medians(&names, ROUNDS, |i| step_time(cases[i].1, cases[i].2)) {
+            Ok(medians) => medians,
+            Err(e) => {
+                eprintln!("bench stage3: {e}");
+                return;
             }
-        }
-    }
-    let medians: Vec<f64> = rounds
-        .iter_mut()
-        .map(|r| {
-            r.sort_by(f64::total_cmp);
-            r[r.len() / 2]
-        })
-        .collect();
+        };
     for ((name, _, _), median) in cases.iter().zip(&medians) {
         report.add(&format!("step.{name}_ms"), median * 1e3, "ms", None);
     }

@@ -945,13 +945,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     ) -> Result<()> {
         let wire = self.reduce_dtype();
         for k in 0..self.layout.buckets.len() {
-            // Stage 3: a bucket of sharded parameters only stays sharded.
-            let replicated = self
-                .layout
-                .runs_of(k)
-                .iter()
-                .any(|run| self.active[run.param] && !self.is_sharded(run.param));
-            if !self.bucket_active[k] || !replicated {
+            if !self.bucket_active[k] {
                 continue;
             }
             let range = self.layout.bucket_range(k);
@@ -1135,19 +1129,15 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     ) -> Result<()> {
         let gather_dtype = self.gather_dtype();
         for k in 0..self.layout.buckets.len() {
-            // Stage 3: a bucket of sharded parameters only stays sharded.
-            let replicated = self
-                .layout
-                .runs_of(k)
-                .iter()
-                .any(|run| self.active[run.param] && !self.is_sharded(run.param));
-            if !self.bucket_active[k] || !replicated {
+            // Stage 3: a sharded parameter's replica is gone; a bucket of
+            // sharded parameters only is not gathered at all.
+            let (active, sharded) = (&self.active, &self.sharded);
+            let written = |p: usize| active[p] && !sharded.get(p).copied().unwrap_or(false);
+            if !self.bucket_active[k] || !self.layout.runs_of(k).iter().any(|r| written(r.param)) {
                 continue;
             }
             let range = self.layout.bucket_range(k);
             let shard_range = self.layout.buckets[k].clone();
-            let (active, sharded_mask) = (&self.active, &self.sharded);
-            let sharded = |p: usize| sharded_mask.get(p).copied().unwrap_or(false);
             let (gathered, at) = match (self.full_grads.as_mut(), bucket_buf.as_deref_mut()) {
                 (Some(full), _) => (full, range.start),
                 (None, Some(buf)) => (buf, 0),
@@ -1169,7 +1159,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                 .layout
                 .runs_of(k)
                 .iter()
-                .filter(|run| active[run.param] && !sharded(run.param))
+                .filter(|run| written(run.param))
                 .map(|run| ParamCopy {
                     param: run.param,
                     param_range: run.param_range.clone(),
