@@ -3,6 +3,8 @@
 //! `step(&loss.backward()?)` with the same layers unhooked (bitwise, except
 //! where the two add in another order).
 
+mod nn_support;
+
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{VarBuilder, VarMap};
 use rand::{Rng, SeedableRng};
@@ -27,19 +29,7 @@ impl Model {
         let l1 = nn::linear(6, 8, vb.pp("l1"), hook.clone())?;
         let norm = nn::layer_norm(8, 1e-5, vb.pp("norm"), hook.clone())?;
         let l2 = nn::linear(8, 3, vb.pp("l2"), hook)?;
-        // The same values on every rank and in every run.
-        let mut rng = rand::rngs::StdRng::seed_from_u64(5);
-        let data = varmap.data().lock().unwrap();
-        let mut names: Vec<&String> = data.keys().collect();
-        names.sort();
-        for name in names {
-            let var = &data[name];
-            let values: Vec<f32> = (0..var.elem_count())
-                .map(|_| rng.gen_range(-0.5..0.5))
-                .collect();
-            var.set(&Tensor::from_vec(values, var.dims(), &Device::Cpu)?)?;
-        }
-        drop(data);
+        nn_support::seed_varmap(&varmap, 5)?;
         Ok(Self {
             l1,
             l2,

@@ -2,6 +2,8 @@
 //! weights bitwise; overlap is shown to happen (without timing); a rank
 //! whose graph differs is a clear error on every rank.
 
+mod nn_support;
+
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, DType, Device, Layout, Module, Shape, Tensor, Var};
 use candle_nn::{VarBuilder, VarMap};
@@ -48,19 +50,7 @@ impl Model {
         let unused = nn::linear(HIDDEN, 3, vb.pp("unused"), hook.clone())?;
         vb.get_with_hints((SEQ, SEQ), "mix", candle_nn::Init::Const(0.2))?;
         let mix = varmap.data().lock().unwrap()["mix"].clone();
-        // The same values on every rank and in every run.
-        let mut rng = rand::rngs::StdRng::seed_from_u64(7);
-        let data = varmap.data().lock().unwrap();
-        let mut names: Vec<&String> = data.keys().collect();
-        names.sort();
-        for name in names {
-            let var = &data[name];
-            let values: Vec<f32> = (0..var.elem_count())
-                .map(|_| rng.gen_range(-0.5..0.5))
-                .collect();
-            var.set(&Tensor::from_vec(values, var.dims(), &Device::Cpu)?)?;
-        }
-        drop(data);
+        nn_support::seed_varmap(&varmap, 7)?;
         Ok(Self {
             embedding,
             head,

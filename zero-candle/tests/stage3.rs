@@ -7,6 +7,8 @@
 //! the bucket layout, and Adam steps element by element. So the weights
 //! agree bitwise; a tolerance would hide a gather of the wrong values.
 
+mod nn_support;
+
 use candle_core::{DType, Device, Module, Storage, Tensor};
 use candle_nn::{VarBuilder, VarMap};
 use rand::{Rng, SeedableRng};
@@ -48,19 +50,7 @@ impl Net {
             .collect::<candle_core::Result<Vec<_>>>()?;
         let norm = nn::layer_norm(HIDDEN, 1e-5, vb.pp("norm"), hook.clone())?;
         let head = nn::Linear::new(emb.embeddings().clone(), None, hook);
-        // The same values on every rank and in every run.
-        let mut rng = rand::rngs::StdRng::seed_from_u64(7);
-        let data = varmap.data().lock().unwrap();
-        let mut names: Vec<&String> = data.keys().collect();
-        names.sort();
-        for name in names {
-            let var = &data[name];
-            let values: Vec<f32> = (0..var.elem_count())
-                .map(|_| rng.gen_range(-0.5..0.5))
-                .collect();
-            var.set(&Tensor::from_vec(values, var.dims(), &Device::Cpu)?)?;
-        }
-        drop(data);
+        nn_support::seed_varmap(&varmap, 7)?;
         Ok(Self {
             emb,
             layers,

@@ -116,3 +116,20 @@ impl GradHook for Recorder {
 pub fn hook(recorder: &Arc<Recorder>) -> Option<Arc<dyn GradHook>> {
     Some(recorder.clone())
 }
+
+/// Sets every variable of `varmap` to values in [-0.5, 0.5) drawn in name
+/// order from `seed`: the same model on every rank and in every run.
+pub fn seed_varmap(varmap: &candle_nn::VarMap, seed: u64) -> candle_core::Result<()> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let data = varmap.data().lock().unwrap();
+    let mut names: Vec<&String> = data.keys().collect();
+    names.sort();
+    for name in names {
+        let var = &data[name];
+        let values: Vec<f32> = (0..var.elem_count())
+            .map(|_| rng.gen_range(-0.5..0.5))
+            .collect();
+        var.set(&Tensor::from_vec(values, var.dims(), &Device::Cpu)?)?;
+    }
+    Ok(())
+}

@@ -41,6 +41,9 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError, RwLock};
 /// whole bucket, every rank's chunk in rank order).
 pub(super) type GatherFn<T> = dyn Fn(&[T], &mut [T]) -> Result<()> + Send + Sync;
 
+/// A queued gather: its ticket, its unit, the buffer to gather into.
+type Job<T> = (u64, usize, Vec<T>);
+
 /// One bucket of a unit: this rank's chunk in the shard, and where the
 /// whole bucket goes in the unit's buffer.
 #[derive(Clone, Debug)]
@@ -156,7 +159,7 @@ pub struct Fetcher<T> {
     done: Condvar,
     /// The gather thread's queue (`None`: gathers run on the caller's
     /// thread, for communicators that must not run two collectives at once).
-    jobs: Option<Mutex<Sender<(u64, usize, Vec<T>)>>>,
+    jobs: Option<Mutex<Sender<Job<T>>>>,
     gather: Arc<GatherFn<T>>,
 }
 
@@ -694,7 +697,7 @@ struct Worker<T> {
 }
 
 impl<T: crate::Element> Worker<T> {
-    fn run(self, jobs: Receiver<(u64, usize, Vec<T>)>) {
+    fn run(self, jobs: Receiver<Job<T>>) {
         while let Ok((ticket, unit, buffer)) = jobs.recv() {
             let result = gather_unit(&self.units[unit], &self.shard, &*self.gather, buffer);
             let Some(fetcher) = self.fetcher.upgrade() else {
