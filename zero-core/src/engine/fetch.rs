@@ -540,8 +540,12 @@ impl<T: crate::Element> Fetcher<T> {
         ticket
     }
 
-    /// Issues planned units while the budgets allow.
+    /// Issues planned units while the budgets allow (with a gather thread:
+    /// on the caller's thread a gather ahead would only hold memory longer).
     fn top_up(&self, st: &mut State<T>) {
+        if self.jobs.is_none() {
+            return;
+        }
         while let Some(&unit) = st.plan.front() {
             let bytes = self.bytes(unit);
             // One unit may always run ahead (when prefetching at all), or
@@ -755,23 +759,32 @@ mod tests {
 
     #[test]
     fn a_replayed_pass_is_all_hits_within_the_budgets() {
-        for threaded in [false, true] {
-            // 40-byte units; two may be ahead, three alive.
-            let f = fetcher(6, 10, (80, 120), threaded);
-            let order = [0, 1, 2, 3, 4, 5];
-            f.seed(&order, &[]);
-            use_units(&f, &order, 10);
-            let stats = f.stats();
-            assert_eq!((stats.hits, stats.misses), (6, 0), "{stats:?}");
-            assert!(stats.peak_live_bytes <= 120, "{stats:?}");
-            assert!(stats.peak_live_bytes >= 80, "prefetch ran ahead: {stats:?}");
-            assert_eq!(stats.gathers, vec![1; 6]);
-        }
+        // 40-byte units; two may be ahead, three alive.
+        let f = fetcher(6, 10, (80, 120), true);
+        let order = [0, 1, 2, 3, 4, 5];
+        f.seed(&order, &[]);
+        use_units(&f, &order, 10);
+        let stats = f.stats();
+        assert_eq!((stats.hits, stats.misses), (6, 0), "{stats:?}");
+        assert!(stats.peak_live_bytes <= 120, "{stats:?}");
+        assert!(stats.peak_live_bytes >= 80, "prefetch ran ahead: {stats:?}");
+        assert_eq!(stats.gathers, vec![1; 6]);
+    }
+
+    #[test]
+    fn without_a_gather_thread_each_use_gathers_when_asked() {
+        let f = fetcher(6, 10, (80, 120), false);
+        let order = [0, 1, 2, 3, 4, 5];
+        f.seed(&order, &[]);
+        use_units(&f, &order, 10);
+        let stats = f.stats();
+        assert_eq!((stats.hits, stats.misses), (0, 6), "{stats:?}");
+        assert_eq!(stats.peak_live_bytes, 40, "one layer at a time");
     }
 
     #[test]
     fn off_plan_requests_are_gathered_alone_and_a_new_pass_replays() {
-        let f = fetcher(4, 10, (40, 80), false);
+        let f = fetcher(4, 10, (40, 80), true);
         f.seed(&[0, 1, 2, 3], &[]);
         // Unit 3 before its turn: a miss, gathered alone; the rest follow.
         use_units(&f, &[3, 0, 1, 2], 10);
