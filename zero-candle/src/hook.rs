@@ -2,9 +2,9 @@
 //! a `zero_candle::nn` model to the engine the moment backward computes it.
 
 use crate::memory::{CandleMemory, MemoryOf};
-use crate::nn::{GatheredParam, GradHook};
+use crate::nn::{GatheredParam, GiveBack, GradHook};
 use candle_core::backprop::GradStore;
-use candle_core::{Layout, Tensor, TensorId, Var, WithDType};
+use candle_core::{CpuStorage, Layout, Tensor, TensorId, Var, WithDType};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use zero_core::engine::Fetcher;
@@ -73,8 +73,9 @@ where
     last_calls: Option<Vec<usize>>,
     /// Per variable, how many layers announced they can gather it.
     gathering: HashMap<TensorId, usize>,
-    /// Stage 3: the gathers of the sharded parameters, once sharded.
-    fetcher: Option<Arc<Fetcher<T>>>,
+    /// Stage 3: the gathers of the sharded parameters, once sharded, and
+    /// the same as what takes their buffers back.
+    fetcher: Option<(Arc<Fetcher<T>>, Arc<dyn GiveBack>)>,
     /// Until then, the parameters the layers asked for, in the forward and
     /// backward of the last step (they plan the first sharded step's
     /// prefetches).
@@ -203,12 +204,13 @@ where
         let mut inner = self.lock();
         let [forward, backward] = std::mem::take(&mut inner.used);
         fetcher.seed(&forward, &backward);
-        inner.fetcher = Some(fetcher);
+        let lender: Arc<dyn GiveBack> = Arc::new(Lender(fetcher.clone()));
+        inner.fetcher = Some((fetcher, lender));
     }
 
     /// The fetcher of the sharded parameters (stage 3).
     pub(crate) fn fetcher(&self) -> Option<Arc<Fetcher<T>>> {
-        self.lock().fetcher.clone()
+        self.lock().fetcher.as_ref().map(|(f, _)| f.clone())
     }
 
     /// Lends the engine for a backward pass.
@@ -277,12 +279,12 @@ where
     }
 
     fn gather(&self, var: &Var) -> candle_core::Result<Option<GatheredParam>> {
-        let (fetcher, i) = {
+        let (fetcher, lender, i) = {
             let mut inner = self.lock();
             let Some(&i) = inner.index.get(&var.as_tensor().id()) else {
                 return Ok(None);
             };
-            let Some(fetcher) = inner.fetcher.clone() else {
+            let Some((fetcher, lender)) = inner.fetcher.clone() else {
                 // Not sharded yet: remember the order of use.
                 let pass = usize::from(inner.in_backward);
                 if pass == 0 && inner.forward_done {
@@ -292,7 +294,7 @@ where
                 inner.used[pass].push(i);
                 return Ok(None);
             };
-            (fetcher, i)
+            (fetcher, lender, i)
         };
         if !fetcher.is_sharded(i) {
             return Ok(None);
@@ -300,12 +302,18 @@ where
         let mut gathered = fetcher.acquire(i).map_err(candle_core::Error::wrap)?;
         let layout = Layout::contiguous_with_offset(var.shape(), gathered.range().start);
         let storage = T::to_cpu_storage_owned(std::mem::take(gathered.buffer_mut()));
-        Ok(Some(GatheredParam::new(storage, layout, move |storage| {
-            // The storage comes back as it was lent (same dtype).
-            if let Ok(buffer) = T::cpu_storage_data(storage) {
-                *gathered.buffer_mut() = buffer;
-            }
-            fetcher.release(gathered);
-        })))
+        Ok(Some(GatheredParam::new(storage, layout, i, lender)))
+    }
+}
+
+/// Takes the storages of stage 3's gathers back into the fetcher's pool.
+struct Lender<T>(Arc<Fetcher<T>>);
+
+impl<T: Element + WithDType> GiveBack for Lender<T> {
+    fn give_back(&self, param: usize, storage: CpuStorage) {
+        // The storage comes back as it was lent (same dtype); were it not,
+        // the pool would allocate a new buffer next time.
+        let buffer = T::cpu_storage_data(storage).unwrap_or_default();
+        self.0.release_buffer(param, buffer);
     }
 }

@@ -64,27 +64,36 @@ pub trait GradHook: Send + Sync {
     }
 }
 
+/// Takes back the storage a [`GatheredParam`] lent.
+pub trait GiveBack: Send + Sync {
+    /// `storage` (as lent) of the gather of parameter `param` is free again.
+    fn give_back(&self, param: usize, storage: CpuStorage);
+}
+
 /// The full values of a sharded parameter, lent by a [`GradHook`] for one
 /// computation: a CPU storage and the layout of the parameter in it. They
-/// go back to the hook's pool when this is dropped.
+/// go back to the lender when this is dropped.
 pub struct GatheredParam {
     storage: Option<CpuStorage>,
     layout: Layout,
-    give_back: Option<Box<dyn FnOnce(CpuStorage) + Send + Sync>>,
+    param: usize,
+    lender: Arc<dyn GiveBack>,
 }
 
 impl GatheredParam {
-    /// Lends `storage`, where the parameter lies at `layout`; `give_back`
-    /// receives the storage when the borrower is done.
+    /// Lends `storage`, where parameter `param` lies at `layout`; `lender`
+    /// receives it back when the borrower is done.
     pub fn new(
         storage: CpuStorage,
         layout: Layout,
-        give_back: impl FnOnce(CpuStorage) + Send + Sync + 'static,
+        param: usize,
+        lender: Arc<dyn GiveBack>,
     ) -> Self {
         Self {
             storage: Some(storage),
             layout,
-            give_back: Some(Box::new(give_back)),
+            param,
+            lender,
         }
     }
 
@@ -100,8 +109,8 @@ impl GatheredParam {
 
 impl Drop for GatheredParam {
     fn drop(&mut self) {
-        if let (Some(storage), Some(give_back)) = (self.storage.take(), self.give_back.take()) {
-            give_back(storage);
+        if let Some(storage) = self.storage.take() {
+            self.lender.give_back(self.param, storage);
         }
     }
 }

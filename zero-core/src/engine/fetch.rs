@@ -332,9 +332,21 @@ impl<T: crate::Element> Fetcher<T> {
     /// Gives a gathered buffer back to the pool (and lets the prefetch go
     /// on into the bytes it frees).
     pub fn release(&self, gathered: Gathered<T>) {
+        self.release_unit(gathered.unit, gathered.buffer);
+    }
+
+    /// Gives back the buffer of a gather of parameter `param` taken out of
+    /// its [`Gathered`] (the framework lent it on as a tensor storage).
+    pub fn release_buffer(&self, param: usize, buffer: Vec<T>) {
+        if let Some(Some((unit, _))) = self.place.get(param) {
+            self.release_unit(*unit, buffer);
+        }
+    }
+
+    fn release_unit(&self, unit: usize, buffer: Vec<T>) {
         let mut st = self.lock();
-        st.live_bytes -= self.bytes(gathered.unit);
-        st.pool.push(gathered.buffer);
+        st.live_bytes -= self.bytes(unit);
+        st.pool.push(buffer);
         self.top_up(&mut st);
     }
 
