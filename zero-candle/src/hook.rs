@@ -10,6 +10,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use zero_core::engine::Fetcher;
 use zero_core::{Communicator, Element, Engine};
 
+/// Stage 3's fetcher, and what takes its lent buffers back.
+type Sharded<T> = (Arc<Fetcher<T>>, Arc<dyn GiveBack>);
+
 /// The engine of communicator `C` for elements `T`.
 type EngineOf<C, T> = Engine<T, C, MemoryOf<T, C>>;
 
@@ -75,7 +78,7 @@ where
     gathering: HashMap<TensorId, usize>,
     /// Stage 3: the gathers of the sharded parameters, once sharded, and
     /// the same as what takes their buffers back.
-    fetcher: Option<(Arc<Fetcher<T>>, Arc<dyn GiveBack>)>,
+    fetcher: Option<Sharded<T>>,
     /// Until then, the parameters the layers asked for, in the forward and
     /// backward of the last step (they plan the first sharded step's
     /// prefetches).
