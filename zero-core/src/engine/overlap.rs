@@ -629,7 +629,7 @@ where
         let predicted = placed.iter().filter(|&&p| p).count();
         let mut breaks = vec![large, predicted];
         if self.config.stage == Stage::Parameters {
-            breaks.extend(super::setup::stage3_breaks(
+            breaks.extend(super::setup::stage3_breaks::<T>(
                 &self.params,
                 &order[..large],
                 &self.config,
@@ -639,7 +639,8 @@ where
             &self.params,
             &order,
             world,
-            self.config.bucket_bytes,
+            // Buckets hold `T`, not the parameters' dtype.
+            super::setup::partition_bucket_bytes::<T>(&self.params, self.config.bucket_bytes),
             &breaks,
         )?;
         self.install_plan(plan)?;
