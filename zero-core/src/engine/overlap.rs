@@ -83,7 +83,8 @@ pub(super) struct Targets<T: Element, B> {
     pub full: Option<B>,
     /// The gradient shard (stages 1 and 2).
     pub shard: Option<B>,
-    /// A shard-bucket-sized buffer to reduce-scatter into when adding.
+    /// A shard-bucket-sized buffer to reduce-scatter into when adding;
+    /// allocated only once something adds.
     pub scratch: Option<B>,
     /// The optimizer step of buckets reduced during backward.
     pub early: Option<EarlyStep<T, B>>,
@@ -215,8 +216,16 @@ where
             map.wire,
         );
     }
-    let scratch = targets.scratch.as_mut().ok_or_else(missing)?;
     let n = shard_range.len();
+    // Allocated on first need (a gradient that came after its bucket was
+    // launched), by whichever memory runs the reduction.
+    let scratch = match &mut targets.scratch {
+        Some(scratch) if M::buffer_len(scratch) >= n => scratch,
+        slot => {
+            let longest = map.shard.iter().map(Range::len).max().unwrap_or(0);
+            slot.insert(memory.alloc_zeroed(longest)?)
+        }
+    };
     memory.reduce_scatter_as(
         comm,
         &job.buffer,
@@ -412,9 +421,11 @@ where
         // reduced into the shard.
         let fold_full = self.window_open;
         let add = stage.shards_gradients() && self.shard_accumulated;
-        // Adding into the shard (later micro-steps, and gradients that come
-        // after their bucket was launched) reduce-scatters into `scratch`.
-        if stage != Stage::Ddp && self.scratch.is_none() {
+        // Adding into the shard reduce-scatters into `scratch`: later
+        // micro-steps need it from the start. Gradients that come after
+        // their bucket was launched get it where their reduction runs
+        // (`reduce_only`); a pass with neither never holds it.
+        if add && self.scratch.is_none() {
             let longest = self.layout.buckets.iter().map(Range::len).max();
             self.scratch = Some(self.memory.alloc_zeroed(longest.unwrap_or(0))?);
         }
@@ -634,7 +645,7 @@ where
         let predicted = placed.iter().filter(|&&p| p).count();
         let mut breaks = vec![large, predicted];
         if self.config.stage == Stage::Parameters {
-            breaks.extend(super::setup::stage3_breaks(
+            breaks.extend(super::setup::stage3_breaks::<T>(
                 &self.params,
                 &order[..large],
                 &self.config,
@@ -644,7 +655,8 @@ where
             &self.params,
             &order,
             world,
-            self.config.bucket_bytes,
+            // Buckets hold `T`, not the parameters' dtype.
+            super::setup::partition_bucket_bytes::<T>(&self.params, self.config.bucket_bytes),
             &breaks,
         )?;
         self.install_plan(plan)?;

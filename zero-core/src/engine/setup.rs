@@ -92,20 +92,21 @@ impl ShardSetup {
                 .chain((0..params.len()).filter(|&p| small(&params[p])))
                 .collect();
             let large = params.iter().filter(|p| !small(p)).count();
-            let mut breaks = stage3_breaks(params, &order[..large], config);
+            let mut breaks = stage3_breaks::<T>(params, &order[..large], config);
             breaks.push(large);
             Interleaved::default().partition_in_order(
                 params,
                 &order,
                 plan_world,
-                config.bucket_bytes,
+                partition_bucket_bytes::<T>(params, config.bucket_bytes),
                 &breaks,
             )?
         } else {
-            config
-                .partitioner
-                .partitioner()
-                .partition(params, plan_world, config.bucket_bytes)?
+            config.partitioner.partitioner().partition(
+                params,
+                plan_world,
+                partition_bucket_bytes::<T>(params, config.bucket_bytes),
+            )?
         };
         let layout = Layout::new(&plan);
         let owned = plan.shards[plan_rank].clone();
@@ -125,12 +126,36 @@ impl ShardSetup {
     }
 }
 
+/// The `bucket_bytes` to give the partitioners so that a bucket holds
+/// `bucket_bytes` of `T`. They count a bucket in the parameters' dtype, but
+/// the engine's bucket buffers hold `T`: f32 master weights over a bf16
+/// model would otherwise get buckets of twice the configured bytes, and
+/// the bucket buffers are most of what stage 2 holds besides the shard.
+/// Exact: the partitioners take `bytes / param_bytes` elements, which is
+/// `bucket_bytes / size_of::<T>()` again (so `T` as wide as the parameters
+/// changes nothing), and it cannot overflow, as `T` is never narrower than
+/// a trainable parameter.
+pub(super) fn partition_bucket_bytes<T: Element>(
+    params: &[ParamInfo],
+    bucket_bytes: usize,
+) -> usize {
+    let engine_bytes = std::mem::size_of::<T>();
+    let param_bytes = params
+        .iter()
+        .find(|p| p.trainable)
+        .map_or(engine_bytes, |p| p.dtype.size_in_bytes());
+    (bucket_bytes / engine_bytes)
+        .saturating_mul(param_bytes)
+        .max(1)
+}
+
 /// Stage 3: the positions in `order` (the parameters that may be sharded)
-/// of those at least a bucket large. Each starts a bucket of its own, so
-/// that a gather of one layer never spans its neighbours (buckets shared
-/// at the boundaries would chain every layer into one gather); smaller
-/// ones pack into the buckets before them and travel with them.
-pub(super) fn stage3_breaks(
+/// of those at least a bucket large (counted in `T`, as the bucket
+/// buffers; see [`partition_bucket_bytes`]). Each starts a bucket of its
+/// own, so that a gather of one layer never spans its neighbours (buckets
+/// shared at the boundaries would chain every layer into one gather);
+/// smaller ones pack into the buckets before them and travel with them.
+pub(super) fn stage3_breaks<T: Element>(
     params: &[ParamInfo],
     order: &[usize],
     config: &EngineConfig,
@@ -139,7 +164,7 @@ pub(super) fn stage3_breaks(
         .iter()
         .enumerate()
         .filter(|&(_, &p)| {
-            let bytes = params[p].numel() * params[p].dtype.size_in_bytes();
+            let bytes = params[p].numel().saturating_mul(std::mem::size_of::<T>());
             bytes >= config.bucket_bytes
         })
         .map(|(j, _)| j)
