@@ -921,13 +921,9 @@ where
         stepping: &[bool],
         params: &mut M::Params<'_>,
     ) -> Result<bool> {
-        // With master weights this path raised the bf16 peak heap by about
-        // a fifth (`train --precision bf16`, N=4: 782 MB against 648 MB
-        // serial), for a reason not found yet: they gather serially.
         // Stage 3 gathers only the replicated parameters' few buckets.
         if self.config.overlap == Overlap::None
             || self.config.stage == Stage::Ddp
-            || self.has_master_weights()
             || self.fetcher.is_some()
         {
             return Ok(false);
@@ -949,6 +945,17 @@ where
             }
         };
         let gather_dtype = self.gather_dtype();
+        // The optimizer writes the shard while the thread sends from it, so
+        // each bucket's chunk is first copied into a staging buffer of one
+        // chunk (the serial gather sends from the shard itself): the
+        // scratch bucket, which is that long, when it exists, else one for
+        // this step only. The gather itself takes one bucket buffer, as the
+        // serial one does (the next is taken after it came back).
+        let longest_chunk = self.layout.buckets.iter().map(Range::len).max();
+        let longest_chunk = longest_chunk.unwrap_or(0);
+        let scratch = &mut self.scratch;
+        let had_scratch = scratch.is_some();
+        let mut staging: Vec<M::Buffer> = scratch.take().into_iter().collect();
         let comm = &*self.comm;
         let memory = &mut self.memory;
         let pool = &mut self.pool;
@@ -960,7 +967,7 @@ where
         let bucket_active = &self.bucket_active;
         let (jobs, job_rx) = mpsc::channel::<(usize, M::Buffer, M::Buffer)>();
         let (done_tx, done) = mpsc::channel::<(usize, M::Buffer, M::Buffer, Result<()>)>();
-        std::thread::scope(|scope| -> Result<bool> {
+        let outcome = std::thread::scope(|scope| -> Result<bool> {
             scope.spawn(move || {
                 let mut failed = false;
                 for (k, send, mut recv) in job_rx {
@@ -991,7 +998,8 @@ where
                              recv: M::Buffer,
                              result: Result<()>,
                              memory: &mut M,
-                             pool: &mut Vec<M::Buffer>|
+                             pool: &mut Vec<M::Buffer>,
+                             staging: &mut Vec<M::Buffer>|
              -> Result<()> {
                 let written = result.and_then(|()| {
                     let copies: Vec<super::ParamCopy> = layout
@@ -1006,7 +1014,7 @@ where
                         .collect();
                     memory.write_params(params, &copies, &recv)
                 });
-                pool.push(send);
+                staging.push(send);
                 pool.push(recv);
                 written
             };
@@ -1034,20 +1042,18 @@ where
                         break;
                     };
                     pending -= 1;
-                    let written = write(k, send, recv, result, memory, pool);
+                    let written = write(k, send, recv, result, memory, pool, &mut staging);
                     outcome = outcome.and(written);
                 }
                 let shard_range = layout.buckets[k].clone();
-                let take = |memory: &mut M, pool: &mut Vec<M::Buffer>, len: usize| match pool
-                    .iter()
-                    .position(|b| M::buffer_len(b) >= len)
-                {
-                    Some(i) => Ok(pool.swap_remove(i)),
-                    None => memory.alloc_zeroed(len),
+                let send = match staging.pop() {
+                    Some(send) => Ok(send),
+                    None => memory.alloc_zeroed(longest_chunk),
                 };
-                let staged = take(memory, pool, shard_range.len()).and_then(|mut send| {
+                let staged = send.and_then(|mut send| {
                     memory.copy_range(&mut send, 0, param_shard, shard_range.clone(), false)?;
-                    let recv = take(memory, pool, layout.bucket_range(k).len())?;
+                    // Overwritten whole by the gather: no need to zero.
+                    let recv = take_shortest(memory, pool, layout.bucket_range(k).len())?.0;
                     Ok((send, recv))
                 });
                 match staged {
@@ -1065,7 +1071,7 @@ where
                 // Write back what has arrived meanwhile.
                 while let Ok((k, send, recv, result)) = done.try_recv() {
                     pending -= 1;
-                    let written = write(k, send, recv, result, memory, pool);
+                    let written = write(k, send, recv, result, memory, pool, &mut staging);
                     outcome = outcome.and(written);
                 }
             }
@@ -1075,11 +1081,15 @@ where
                     break;
                 };
                 pending -= 1;
-                let written = write(k, send, recv, result, memory, pool);
+                let written = write(k, send, recv, result, memory, pool, &mut staging);
                 outcome = outcome.and(written);
             }
             outcome.map(|()| true)
-        })
+        });
+        if had_scratch {
+            *scratch = staging.pop();
+        }
+        outcome
     }
 
     /// A handle on the count of completed bucket reductions.
@@ -1125,6 +1135,27 @@ where
             }
         }
     }
+    let (mut buffer, reused) = take_shortest(memory, pool, len)?;
+    if reused {
+        memory.zero(&mut buffer, 0..len)?;
+    }
+    Ok(buffer)
+}
+
+/// The shortest buffer of `pool` with at least `len` elements (`true`:
+/// reused, holding whatever it held), or a new zeroed one of exactly `len`.
+/// The shortest, not the first that fits: a short request must not take
+/// a bucket buffer that a later one then has to allocate again.
+fn take_shortest<T, C, M>(
+    memory: &mut M,
+    pool: &mut Vec<M::Buffer>,
+    len: usize,
+) -> Result<(M::Buffer, bool)>
+where
+    T: Element,
+    C: Communicator,
+    M: ShardMemory<T, C>,
+{
     let fits = pool
         .iter()
         .enumerate()
@@ -1132,12 +1163,8 @@ where
         .min_by_key(|(_, b)| M::buffer_len(b))
         .map(|(i, _)| i);
     match fits {
-        Some(i) => {
-            let mut buffer = pool.swap_remove(i);
-            memory.zero(&mut buffer, 0..len)?;
-            Ok(buffer)
-        }
-        None => memory.alloc_zeroed(len),
+        Some(i) => Ok((pool.swap_remove(i), true)),
+        None => Ok((memory.alloc_zeroed(len)?, false)),
     }
 }
 
