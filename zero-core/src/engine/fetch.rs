@@ -437,7 +437,7 @@ impl<T: crate::Element> Fetcher<T> {
     /// Ends a pass before the shard changes (the step): waits for the
     /// gathers in flight, records a finished backward's requests, and plans
     /// the next forward from the trace. Nothing is issued until
-    /// [`Fetcher::refresh`] or [`Fetcher::resume`].
+    /// the shard comes back (`put_shard`) or [`Fetcher::resume`].
     pub(super) fn end_pass(&self) -> Result<()> {
         let st = self.lock();
         let mut st = self.drain(st)?;
