@@ -381,6 +381,76 @@ fn stage_3_trains_the_weights_of_stage_2_bitwise() {
 }
 
 #[test]
+fn a_stage_3_run_resumes_at_another_world_size_and_stage() {
+    // Saved by stage 3 at two ranks after sharding (step 4), resumed at
+    // three ranks by stage 3 and by stage 2 with the same global batch:
+    // both follow a straight stage-2 run within float noise (three ranks
+    // sum the gradients in another grouping than two).
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("ckpt");
+    let ckpt = ckpt.to_str().unwrap();
+    let common = ["--hidden", "64,64", "--persist-numel", "256"];
+    train(
+        &[
+            &common[..],
+            &[
+                "--stage",
+                "3",
+                "--steps",
+                "4",
+                "--world-size",
+                "2",
+                "--batch-size",
+                "12",
+                "--checkpoint-dir",
+                ckpt,
+                "--checkpoint-every",
+                "4",
+            ],
+        ]
+        .concat(),
+    );
+    let straight = train(
+        &[
+            &common[..],
+            &[
+                "--stage",
+                "2",
+                "--steps",
+                "8",
+                "--world-size",
+                "2",
+                "--batch-size",
+                "12",
+            ],
+        ]
+        .concat(),
+    );
+    for stage in ["3", "2"] {
+        let resumed = train(
+            &[
+                &common[..],
+                &[
+                    "--stage",
+                    stage,
+                    "--steps",
+                    "8",
+                    "--world-size",
+                    "3",
+                    "--batch-size",
+                    "8",
+                    "--resume",
+                    ckpt,
+                ],
+            ]
+            .concat(),
+        );
+        let diff = max_abs_diff(&straight, &resumed);
+        assert!(diff < 1e-5, "stage {stage}: {diff}");
+    }
+}
+
+#[test]
 fn interleaved_overlap_with_clipping_is_a_usage_error() {
     let argv = [
         "train",
