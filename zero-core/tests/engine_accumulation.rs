@@ -3,7 +3,8 @@
 mod common;
 
 use common::{
-    assert_close, engine, make_opt, reference_trajectory, run, slots, Model, Opt, Synthetic,
+    assert_close, assert_trajectories, engine, make_opt, reference_trajectory, run, slots, Model,
+    Opt, Synthetic,
 };
 use zero_core::engine::{EngineConfig, PartitionerKind, Stage};
 use zero_core::Communicator;
@@ -54,16 +55,12 @@ fn three_micro_batches_equal_one_large_batch() {
                     assert_eq!(e.steps(), steps as u64);
                     Ok(out)
                 });
-                for t in &trajectories {
-                    for s in 0..steps {
-                        assert_close(
-                            &t[s],
-                            &expected[s],
-                            1e-9,
-                            &format!("{opt:?} {stage:?} {partitioner:?} step {s}"),
-                        );
-                    }
-                }
+                assert_trajectories(
+                    &trajectories,
+                    &expected[..steps],
+                    1e-9,
+                    &format!("{opt:?} {stage:?} {partitioner:?}"),
+                );
             }
         }
     }

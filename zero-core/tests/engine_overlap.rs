@@ -5,7 +5,7 @@
 mod common;
 
 use common::{
-    assert_close, engine, make_opt, reference_trajectory, run, slots, Model, Opt, Synthetic,
+    assert_trajectories, engine, make_opt, reference_trajectory, run, slots, Model, Opt, Synthetic,
 };
 use zero_core::engine::{EngineConfig, Overlap, Stage};
 use zero_core::Communicator;
@@ -52,16 +52,12 @@ fn handed_over_micro_steps_mix_with_slot_micro_steps() {
                     assert_eq!(e.steps(), steps as u64);
                     Ok(out)
                 });
-                for t in &trajectories {
-                    for s in 0..steps {
-                        assert_close(
-                            &t[s],
-                            &expected[s],
-                            1e-9,
-                            &format!("{stage:?} {overlap:?} {pattern:?} step {s}"),
-                        );
-                    }
-                }
+                assert_trajectories(
+                    &trajectories,
+                    &expected[..steps],
+                    1e-9,
+                    &format!("{stage:?} {overlap:?} {pattern:?}"),
+                );
             }
         }
     }

@@ -6,30 +6,15 @@
 //! `tests/golden/gen_scaler_golden.py` (torch.amp.GradScaler on the same
 //! schedule of planted infs and NaNs).
 
+mod common;
+
+use common::run;
 use half::bf16;
 use std::path::Path;
 use zero_core::checkpoint::Manifest;
 use zero_core::engine::{CastParams, DynamicLossScale, LossScale};
 use zero_core::optim::{Adam, AdamConfig, Sgd, SgdConfig};
-use zero_core::{
-    Communicator, DType, Engine, EngineConfig, FunctionalOptimizer, ParamInfo, Result, Stage,
-    ThreadComm, ThreadGroup,
-};
-
-/// Runs `f` on `world` ranks and unwraps every rank's result.
-fn run<R: Send>(world: usize, f: impl Fn(ThreadComm) -> Result<R> + Sync) -> Vec<R> {
-    ThreadGroup::new(world)
-        .with_timeout(std::time::Duration::from_secs(60))
-        .run(f)
-        .into_iter()
-        .enumerate()
-        .map(|(rank, r)| match r {
-            Ok(Ok(v)) => v,
-            Ok(Err(e)) => panic!("rank {rank} failed: {e}"),
-            Err(e) => panic!("rank {rank}: {e}"),
-        })
-        .collect()
-}
+use zero_core::{Communicator, DType, Engine, EngineConfig, FunctionalOptimizer, ParamInfo, Stage};
 
 fn config(stage: u8) -> EngineConfig {
     EngineConfig::default()

@@ -153,25 +153,20 @@ pub fn run(report: &mut Report) {
         }
     }
 
-    let mut times: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
-    for _ in 0..ROUNDS {
-        for (i, dtype) in [DType::F32, DType::BF16].into_iter().enumerate() {
-            match on_ranks(STEP_WORLD, |comm| {
-                train(comm, &STEP_WIDTHS, dtype, true, WARMUP, STEPS)
-            }) {
-                Ok(t) => times[i].push(t),
-                Err(e) => {
-                    eprintln!("bench precision: step {dtype:?}: {e}");
-                    return;
-                }
-            }
+    let dtypes = [DType::F32, DType::BF16];
+    let medians = super::interleaved_medians(&["step f32", "step bf16"], ROUNDS, |i| {
+        on_ranks(STEP_WORLD, |comm| {
+            train(comm, &STEP_WIDTHS, dtypes[i], true, WARMUP, STEPS)
+        })
+    });
+    let (f32_s, bf16_s) = match medians.as_deref() {
+        Ok([f32_s, bf16_s]) => (*f32_s, *bf16_s),
+        Ok(_) => return,
+        Err(e) => {
+            eprintln!("bench precision: {e}");
+            return;
         }
-    }
-    let median = |v: &mut Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
     };
-    let (f32_s, bf16_s) = (median(&mut times[0]), median(&mut times[1]));
     report.add("step.f32_s2_ms", f32_s * 1e3, "ms", None);
     report.add("step.bf16_s2_ms", bf16_s * 1e3, "ms", None);
     report.add("step.bf16_over_f32", bf16_s / f32_s, "ratio", None);

@@ -404,7 +404,7 @@ impl<T: crate::Element> Fetcher<T> {
     pub(super) fn begin_backward(&self, predicted: &[usize]) -> Result<u64> {
         let st = self.lock();
         let mut st = self.drain(st)?;
-        let fingerprint = fingerprint(&st.log);
+        let fingerprint = super::overlap::fnv1a(st.log.iter().map(|&u| u as u64));
         if st.phase == Phase::Forward {
             let log = std::mem::take(&mut st.log);
             if log != st.forward_trace {
@@ -688,18 +688,6 @@ fn gather_unit<T: crate::Element>(
         gather(&shard[bucket.shard.clone()], &mut buffer[bucket.at.clone()])?;
     }
     Ok(buffer)
-}
-
-/// FNV-1a of a sequence of units: stable across processes and builds.
-fn fingerprint(units: &[usize]) -> u64 {
-    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
-    for &unit in units {
-        for byte in (unit as u64).to_le_bytes() {
-            hash ^= u64::from(byte);
-            hash = hash.wrapping_mul(0x0100_0000_01b3);
-        }
-    }
-    hash
 }
 
 /// The gather thread: runs the queued gathers in order and hands each

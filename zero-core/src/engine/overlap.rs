@@ -285,17 +285,23 @@ pub(super) struct Window<T: Element, B> {
 /// The order hash as exactly representable `f64` pieces, then their
 /// negatives: one `Max` all-reduce tells whether every rank agrees.
 fn order_fingerprint(expected: &[(usize, usize)]) -> [f64; 8] {
-    // FNV-1a: stable across processes and builds (std's hasher is not).
+    let words = expected
+        .iter()
+        .flat_map(|&(param, calls)| [param as u64, calls as u64]);
+    hash_fingerprint(fnv1a(words))
+}
+
+/// FNV-1a of a sequence of words: stable across processes and builds
+/// (std's hasher is not), so ranks can compare what they computed.
+pub(super) fn fnv1a(words: impl IntoIterator<Item = u64>) -> u64 {
     let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
-    for &(param, calls) in expected {
-        for word in [param as u64, calls as u64] {
-            for byte in word.to_le_bytes() {
-                hash ^= u64::from(byte);
-                hash = hash.wrapping_mul(0x0100_0000_01b3);
-            }
+    for word in words {
+        for byte in word.to_le_bytes() {
+            hash ^= u64::from(byte);
+            hash = hash.wrapping_mul(0x0100_0000_01b3);
         }
     }
-    hash_fingerprint(hash)
+    hash
 }
 
 /// A 64-bit hash as 4 exact 16-bit pieces and their negations: one Max

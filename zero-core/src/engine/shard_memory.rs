@@ -737,19 +737,20 @@ impl<T: Element, C: Communicator<Memory = Host>> ShardMemory<T, C> for HostMemor
     }
 }
 
-/// All-gathers `send` as `L` (rounded to nearest) and widens what arrives
-/// back into `recv`. The narrow values are received into the tail of
-/// `recv`'s own bytes and widened front to back in place (element `i` is
-/// read before anything is written over it, since `T` is at least as wide
-/// as `L`), so the gather needs no bucket-sized buffer of its own.
+/// `values` rounded to `L` (to nearest).
+fn narrowed<T: Element, L: Element>(values: &[T]) -> Vec<L> {
+    let mut narrow = vec![L::default(); values.len()];
+    super::precision::convert_slice(values, &mut narrow);
+    narrow
+}
+
 /// All-reduces `buffer` rounded to `L`, and widens the result back.
 fn all_reduce_narrow<T: Element, L: Element, C: Communicator<Memory = Host>>(
     comm: &C,
     buffer: &mut [T],
     op: ReduceOp,
 ) -> Result<()> {
-    let mut narrow = vec![L::default(); buffer.len()];
-    super::precision::convert_slice(buffer, &mut narrow);
+    let mut narrow: Vec<L> = narrowed(buffer);
     comm.all_reduce(&mut narrow, op)?;
     super::precision::convert_slice(&narrow, buffer);
     Ok(())
@@ -762,21 +763,24 @@ fn reduce_scatter_narrow<T: Element, L: Element, C: Communicator<Memory = Host>>
     recv: &mut [T],
     op: ReduceOp,
 ) -> Result<()> {
-    let mut narrow = vec![L::default(); send.len()];
-    super::precision::convert_slice(send, &mut narrow);
+    let narrow: Vec<L> = narrowed(send);
     let mut narrow_recv = vec![L::default(); recv.len()];
     comm.reduce_scatter(&narrow, &mut narrow_recv, op)?;
     super::precision::convert_slice(&narrow_recv, recv);
     Ok(())
 }
 
+/// All-gathers `send` as `L` (rounded to nearest) and widens what arrives
+/// back into `recv`. The narrow values are received into the tail of
+/// `recv`'s own bytes and widened front to back in place (element `i` is
+/// read before anything is written over it, since `T` is at least as wide
+/// as `L`), so the gather needs no bucket-sized buffer of its own.
 fn gather_narrow<T: Element, L: Element, C: Communicator<Memory = Host>>(
     comm: &C,
     send: &[T],
     recv: &mut [T],
 ) -> Result<()> {
-    let mut narrow_send = vec![L::default(); send.len()];
-    super::precision::convert_slice(send, &mut narrow_send);
+    let narrow_send: Vec<L> = narrowed(send);
     let (wide, narrow) = (std::mem::size_of::<T>(), std::mem::size_of::<L>());
     let len = recv.len();
     let bytes: &mut [u8] = bytemuck::cast_slice_mut(recv);

@@ -353,6 +353,21 @@ pub fn slots(grads: &[Vec<f64>]) -> Vec<Option<&[f64]>> {
 
 /// Asserts `a` and `b` agree element-wise within `atol`.
 #[track_caller]
+/// Every rank's trajectory (parameters after each step) within `atol` of
+/// `expected`.
+pub fn assert_trajectories(
+    trajectories: &[Vec<Vec<Vec<f64>>>],
+    expected: &[Vec<Vec<f64>>],
+    atol: f64,
+    what: &str,
+) {
+    for t in trajectories {
+        for (s, want) in expected.iter().enumerate() {
+            assert_close(&t[s], want, atol, &format!("{what} step {s}"));
+        }
+    }
+}
+
 pub fn assert_close(a: &[Vec<f64>], b: &[Vec<f64>], atol: f64, what: &str) {
     assert_eq!(a.len(), b.len(), "{what}: parameter count");
     for (i, (x, y)) in a.iter().zip(b).enumerate() {
