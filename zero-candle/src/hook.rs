@@ -6,9 +6,16 @@ use crate::nn::{GatheredParam, GiveBack, GradHook};
 use candle_core::backprop::GradStore;
 use candle_core::{CpuStorage, Layout, Tensor, TensorId, Var, WithDType};
 use std::collections::HashMap;
+use std::ops::Range;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use zero_core::engine::Fetcher;
 use zero_core::{Communicator, Element, Engine};
+
+/// How much of a weight gradient a hooked layer computes at a time
+/// ([`GradHook::block_bytes`]): small next to a bucket, large enough that
+/// the blocks' matmuls run at full speed.
+const BLOCK_BYTES: usize = 1 << 20;
 
 /// Stage 3's fetcher, and what takes its lent buffers back.
 type Sharded<T> = (Arc<Fetcher<T>>, Arc<dyn GiveBack>);
@@ -54,6 +61,8 @@ where
     C::Memory: CandleMemory<T, C>,
 {
     inner: Mutex<Inner<C, T>>,
+    /// [`GradHook::block_bytes`]; 0: whole gradients.
+    block_bytes: AtomicUsize,
 }
 
 struct Inner<C, T>
@@ -112,7 +121,18 @@ where
                 in_backward: false,
                 forward_done: false,
             }),
+            block_bytes: AtomicUsize::new(BLOCK_BYTES),
         })
+    }
+
+    /// How much of a weight's gradient a hooked layer computes at a time
+    /// (Linear: blocks of its rows, handed to the engine one by one), or
+    /// `None` for whole gradients. Default 1 MiB: the peak then holds no
+    /// whole weight gradient. Blocks give the same bits as whole
+    /// gradients; `None` is there to compare.
+    pub fn set_block_bytes(&self, bytes: Option<usize>) {
+        self.block_bytes
+            .store(bytes.map_or(0, |b| b.max(1)), Ordering::Relaxed);
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner<C, T>> {
@@ -227,6 +247,54 @@ where
     }
 }
 
+impl<C, T> Inner<C, T>
+where
+    C: Communicator + 'static,
+    T: Element + WithDType,
+    C::Memory: CandleMemory<T, C>,
+{
+    /// Where `var`'s gradient goes: its parameter's index, the lent engine,
+    /// and the parameter's name, variable and count of calls.
+    fn receiver(&mut self, var: &Var) -> candle_core::Result<Receiver<'_, C, T>> {
+        let Some(&i) = self.index.get(&var.as_tensor().id()) else {
+            candle_core::bail!(
+                "a layer reported the gradient of a variable ({:?}) that its ZeroHook's optimizer \
+                 does not train; connect the hook to the optimizer built from the model's \
+                 VarMap (ZeroOptimizer::with_hook)",
+                var.dims()
+            )
+        };
+        let Some(engine) = self.engine.as_mut() else {
+            candle_core::bail!(
+                "a layer built with a ZeroHook ran backward outside ZeroOptimizer::backward_step; \
+                 call opt.backward_step(&loss) (it runs loss.backward() with the engine ready) \
+                 instead of loss.backward()"
+            )
+        };
+        Ok(Receiver {
+            param: i,
+            engine,
+            name: &self.names[i],
+            var: &self.vars[i],
+            calls: &mut self.calls[i],
+        })
+    }
+}
+
+/// Where one gradient goes (see [`Inner::receiver`]).
+struct Receiver<'a, C, T>
+where
+    C: Communicator + 'static,
+    T: Element + WithDType,
+    C::Memory: CandleMemory<T, C>,
+{
+    param: usize,
+    engine: &'a mut EngineOf<C, T>,
+    name: &'a String,
+    var: &'a Var,
+    calls: &'a mut usize,
+}
+
 impl<C, T> GradHook for ZeroHook<C, T>
 where
     C: Communicator + 'static,
@@ -235,41 +303,46 @@ where
 {
     fn grad_ready(&self, var: &Var, grad: Tensor) -> candle_core::Result<()> {
         let mut inner = self.lock();
-        let Inner {
-            engine,
-            index,
-            names,
-            vars,
-            calls,
-            ..
-        } = &mut *inner;
-        let Some(&i) = index.get(&var.as_tensor().id()) else {
-            candle_core::bail!(
-                "a layer reported the gradient of a variable ({:?}) that its ZeroHook's optimizer \
-                 does not train; connect the hook to the optimizer built from the model's \
-                 VarMap (ZeroOptimizer::with_hook)",
-                var.dims()
-            )
-        };
-        let Some(engine) = engine.as_mut() else {
-            candle_core::bail!(
-                "a layer built with a ZeroHook ran backward outside ZeroOptimizer::backward_step; \
-                 call opt.backward_step(&loss) (it runs loss.backward() with the engine ready) \
-                 instead of loss.backward()"
-            )
-        };
-        calls[i] += 1;
+        let to = inner.receiver(var)?;
+        *to.calls += 1;
         let mut store = GradStore::default();
         store.insert(var.as_tensor(), grad);
+        let (param, engine) = (to.param, to.engine);
         C::Memory::with_grads(
-            &names[i..=i],
-            &vars[i..=i],
+            std::slice::from_ref(to.name),
+            std::slice::from_ref(to.var),
             &store,
             &mut |slots| match slots.first().copied().flatten() {
-                Some(grad) => Ok(engine.accumulate_param(i, grad)?),
+                Some(grad) => Ok(engine.accumulate_param(param, grad)?),
                 None => Ok(()),
             },
         )?;
+        Ok(())
+    }
+
+    fn block_bytes(&self) -> Option<usize> {
+        let bytes = self.block_bytes.load(Ordering::Relaxed);
+        (C::Memory::TAKES_BLOCKS && bytes > 0).then_some(bytes)
+    }
+
+    fn grad_block_ready(
+        &self,
+        var: &Var,
+        rows: Range<usize>,
+        grad: Tensor,
+    ) -> candle_core::Result<()> {
+        let mut inner = self.lock();
+        let to = inner.receiver(var)?;
+        if rows.start == 0 {
+            *to.calls += 1;
+        }
+        let row_len = var.elem_count() / var.dim(0)?.max(1);
+        let start = rows.start * row_len;
+        let range = start..start + grad.elem_count();
+        let (param, engine) = (to.param, to.engine);
+        C::Memory::with_grad_block(to.name, var, &grad, &mut |grad| {
+            Ok(engine.accumulate_param_range(param, range.clone(), grad)?)
+        })?;
         Ok(())
     }
 

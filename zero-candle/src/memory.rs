@@ -9,7 +9,7 @@
 use crate::params::VarStore;
 use crate::{Error, Result};
 use candle_core::backprop::GradStore;
-use candle_core::{CpuStorage, Storage, Var, WithDType};
+use candle_core::{CpuStorage, Storage, Tensor, Var, WithDType};
 use half::{bf16, f16};
 use std::ops::Range;
 use std::sync::Arc;
@@ -45,6 +45,26 @@ pub trait CandleMemory<T: Element + WithDType, C: Communicator + 'static>: Memor
         f: &mut GradsFn<'_, T, C, Self, R>,
     ) -> Result<R>;
 
+    /// Whether [`CandleMemory::with_grad_block`] takes gradients in blocks
+    /// of rows (host memory); where it does not, layers hand whole
+    /// gradients over.
+    const TAKES_BLOCKS: bool = false;
+
+    /// Calls `f` with `grad`, a block of consecutive rows of `var`'s
+    /// gradient (`var`'s dims but the first), as the engine's gradient.
+    fn with_grad_block<R>(
+        name: &str,
+        var: &Var,
+        grad: &Tensor,
+        f: &mut GradFn<'_, T, C, Self, R>,
+    ) -> Result<R> {
+        let _ = (var, grad, f);
+        Err(Error::Variable {
+            name: name.to_string(),
+            detail: "this backend takes whole gradients, not blocks of rows".into(),
+        })
+    }
+
     /// Calls `f` with the variables as the engine's parameters.
     fn with_params<R>(vars: &[Var], f: &mut ParamsFn<'_, T, C, Self, R>) -> Result<R>;
 
@@ -73,6 +93,9 @@ pub type Params<'p, T, C, K> = <<K as CandleMemory<T, C>>::Memory as ShardMemory
 pub type GradsFn<'f, T, C, K, R> =
     dyn for<'g> FnMut(&[Option<Grad<'g, T, C, K>>]) -> Result<R> + 'f;
 
+/// What [`CandleMemory::with_grad_block`] calls: one gradient.
+pub type GradFn<'f, T, C, K, R> = dyn for<'g> FnMut(Grad<'g, T, C, K>) -> Result<R> + 'f;
+
 /// What [`CandleMemory::with_params`] calls with the parameters.
 pub type ParamsFn<'f, T, C, K, R> = dyn for<'p> FnMut(&mut Params<'p, T, C, K>) -> Result<R> + 'f;
 
@@ -97,6 +120,25 @@ impl<T: Element + WithDType, C: Communicator<Memory = Host> + 'static> CandleMem
         f: &mut GradsFn<'_, T, C, Self, R>,
     ) -> Result<R> {
         with_host_grads::<T, R>(names, vars, grads, f)
+    }
+
+    const TAKES_BLOCKS: bool = true;
+
+    fn with_grad_block<R>(
+        name: &str,
+        var: &Var,
+        grad: &Tensor,
+        f: &mut GradFn<'_, T, C, Self, R>,
+    ) -> Result<R> {
+        check_grad(name, var, grad, 1)?;
+        let held = hold::<T>(grad)?;
+        match slot(&held)? {
+            Some(grad) => f(grad),
+            None => Err(Error::Variable {
+                name: name.to_string(),
+                detail: "a gradient block is not on the CPU".into(),
+            }),
+        }
     }
 
     fn with_params<R>(vars: &[Var], f: &mut ParamsFn<'_, T, C, Self, R>) -> Result<R> {
@@ -150,73 +192,89 @@ fn with_host_grads<T: Element + WithDType, R>(
     grads: &GradStore,
     f: &mut HostGradsFn<'_, T, R>,
 ) -> Result<R> {
-    enum Held<'a, T> {
-        None,
-        Storage(candle_core::StorageRef<'a>, Range<usize>),
-        Owned(Vec<T>),
-    }
     let mut held = Vec::with_capacity(vars.len());
     for (name, var) in names.iter().zip(vars) {
-        let Some(grad) = grads.get(var.as_tensor()) else {
-            held.push(Held::None);
-            continue;
-        };
-        if grad.dtype() != var.dtype() {
-            return Err(Error::Variable {
-                name: name.clone(),
-                detail: format!(
-                    "gradient dtype {:?} differs from the variable's {:?}",
-                    grad.dtype(),
-                    var.dtype()
-                ),
-            });
-        }
-        if grad.dims() != var.dims() {
-            return Err(Error::Variable {
-                name: name.clone(),
-                detail: format!(
-                    "gradient shape {:?} differs from the variable's {:?}",
-                    grad.dims(),
-                    var.dims()
-                ),
-            });
-        }
-        let (storage, layout) = grad.storage_and_layout();
-        let borrowed = grad.dtype() == <T as WithDType>::DTYPE
-            || matches!(
-                grad.dtype(),
-                candle_core::DType::BF16 | candle_core::DType::F16
-            );
-        match (&*storage, layout.contiguous_offsets()) {
-            (Storage::Cpu(_), Some((start, end))) if borrowed => {
-                held.push(Held::Storage(storage, start..end))
+        match grads.get(var.as_tensor()) {
+            Some(grad) => {
+                check_grad(name, var, grad, 0)?;
+                held.push(Some(hold::<T>(grad)?));
             }
-            _ => {
-                drop(storage);
-                held.push(Held::Owned(crate::precision::values_as::<T>(grad)?));
-            }
+            None => held.push(None),
         }
     }
     let mut slots: Vec<Option<HostGrad<'_, T>>> = Vec::with_capacity(held.len());
     for h in &held {
         slots.push(match h {
-            Held::None => None,
-            Held::Storage(storage, range) => match &**storage {
-                Storage::Cpu(CpuStorage::BF16(v)) if <T as Element>::DTYPE != DType::BF16 => {
-                    Some(HostGrad::Bf16(&v[range.clone()]))
-                }
-                Storage::Cpu(CpuStorage::F16(v)) if <T as Element>::DTYPE != DType::F16 => {
-                    Some(HostGrad::F16(&v[range.clone()]))
-                }
-                Storage::Cpu(cpu) => Some(HostGrad::Same(
-                    &T::cpu_storage_as_slice(cpu)?[range.clone()],
-                )),
-                _ => None,
-            },
-            Held::Owned(v) => Some(HostGrad::Same(v.as_slice())),
+            Some(h) => slot(h)?,
+            None => None,
         });
     }
     f(&slots)
+}
+
+/// Checks that `grad` has `var`'s dtype and dims, the first `skip` of
+/// them aside (a block of rows).
+fn check_grad(name: &str, var: &Var, grad: &Tensor, skip: usize) -> Result<()> {
+    let detail = if grad.dtype() != var.dtype() {
+        format!(
+            "gradient dtype {:?} differs from the variable's {:?}",
+            grad.dtype(),
+            var.dtype()
+        )
+    } else if grad.rank() != var.rank() || grad.dims()[skip..] != var.dims()[skip..] {
+        format!(
+            "gradient shape {:?} differs from the variable's {:?}",
+            grad.dims(),
+            var.dims()
+        )
+    } else {
+        return Ok(());
+    };
+    Err(Error::Variable {
+        name: name.to_string(),
+        detail,
+    })
+}
+
+/// A gradient's values as the engine reads them: Candle's CPU storage
+/// borrowed, or a copy in `T` (another device, strided).
+enum Held<'a, T> {
+    Storage(candle_core::StorageRef<'a>, Range<usize>),
+    Owned(Vec<T>),
+}
+
+fn hold<T: Element + WithDType>(grad: &Tensor) -> Result<Held<'_, T>> {
+    let (storage, layout) = grad.storage_and_layout();
+    let borrowed = grad.dtype() == <T as WithDType>::DTYPE
+        || matches!(
+            grad.dtype(),
+            candle_core::DType::BF16 | candle_core::DType::F16
+        );
+    Ok(match (&*storage, layout.contiguous_offsets()) {
+        (Storage::Cpu(_), Some((start, end))) if borrowed => Held::Storage(storage, start..end),
+        _ => {
+            drop(storage);
+            Held::Owned(crate::precision::values_as::<T>(grad)?)
+        }
+    })
+}
+
+fn slot<'h, T: Element + WithDType>(held: &'h Held<'_, T>) -> Result<Option<HostGrad<'h, T>>> {
+    Ok(match held {
+        Held::Storage(storage, range) => match &**storage {
+            Storage::Cpu(CpuStorage::BF16(v)) if <T as Element>::DTYPE != DType::BF16 => {
+                Some(HostGrad::Bf16(&v[range.clone()]))
+            }
+            Storage::Cpu(CpuStorage::F16(v)) if <T as Element>::DTYPE != DType::F16 => {
+                Some(HostGrad::F16(&v[range.clone()]))
+            }
+            Storage::Cpu(cpu) => Some(HostGrad::Same(
+                &T::cpu_storage_as_slice(cpu)?[range.clone()],
+            )),
+            _ => None,
+        },
+        Held::Owned(v) => Some(HostGrad::Same(v.as_slice())),
+    })
 }
 
 /// Adds (or copies) `src`, converted to `T`, into `dst`: the same values

@@ -62,3 +62,67 @@ fn handed_over_micro_steps_mix_with_slot_micro_steps() {
         }
     }
 }
+
+/// `0..n` in three ranges of uneven lengths (fewer when `n < 3`).
+fn ranges(n: usize) -> Vec<std::ops::Range<usize>> {
+    let (a, b) = (n / 5, n / 2);
+    [0..a, a..b, b..n]
+        .into_iter()
+        .filter(|r| !r.is_empty())
+        .collect()
+}
+
+#[test]
+fn gradients_handed_over_in_ranges_count_as_whole_ones() {
+    let model = Synthetic::medium();
+    let (world, steps) = (2, 3);
+    let expected = reference_trajectory(&model, Opt::Adam, world, 1, steps);
+    for stage in [Stage::Ddp, Stage::OptimizerState, Stage::Gradients] {
+        for overlap in [Overlap::None, Overlap::AfterBackward, Overlap::Interleaved] {
+            // Without `begin_backward` too: the ranges then go to the full
+            // gradient buffer.
+            for open_pass in [true, false] {
+                let config = EngineConfig::default()
+                    .with_stage(stage)
+                    .with_bucket_bytes(8)
+                    .with_overlap(overlap);
+                let trajectories = run(world, |comm| {
+                    let rank = comm.rank();
+                    let mut e = engine(comm, &model, make_opt(Opt::Adam, false), config.clone())?;
+                    let n = e.params().len();
+                    let mut params = model.init();
+                    let mut out = Vec::new();
+                    for s in 0..steps {
+                        let g = model.grads(&params, rank, s);
+                        if open_pass {
+                            let order: Vec<(usize, usize)> =
+                                (0..n).rev().map(|p| (p, 1)).collect();
+                            e.begin_backward(&order, &mut params)?;
+                        }
+                        for p in (0..n).rev() {
+                            for range in ranges(g[p].len()) {
+                                e.accumulate_param_range(p, range.clone(), &g[p][range])?;
+                            }
+                        }
+                        let none: Vec<Option<&[f64]>> = vec![None; n];
+                        e.step(&none, &mut params)?;
+                        out.push(params.clone());
+                    }
+                    // A range past the parameter's end is refused.
+                    let len = e.params()[0].numel();
+                    let err = e
+                        .accumulate_param_range(0, len..len + 1, &[0.0])
+                        .expect_err("past the end");
+                    assert!(err.to_string().contains("range"), "{err}");
+                    Ok(out)
+                });
+                assert_trajectories(
+                    &trajectories,
+                    &expected[..steps],
+                    1e-9,
+                    &format!("{stage:?} {overlap:?} open pass {open_pass}"),
+                );
+            }
+        }
+    }
+}

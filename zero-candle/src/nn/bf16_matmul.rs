@@ -123,14 +123,18 @@ pub(super) fn xwt(
     Ok(Some((CpuStorage::BF16(out), rows, out_dim)))
 }
 
-/// `∂W = gᵀ·x` for `g` `[rows, out]` and `x` `[rows, in]`, both bf16,
-/// contiguous, on the CPU: `[out, in]`, a slice of its rows at a time (no
-/// f32 copy of the whole gradient). `None` when the tensors are not that.
-pub(super) fn grad_weight(g: &Tensor, x: &Tensor) -> Result<Option<Tensor>> {
+/// Rows `outs` of `∂W = gᵀ·x` for `g` `[rows, out]` and `x` `[rows, in]`,
+/// both bf16, contiguous, on the CPU: `[outs.len(), in]`, a slice of its
+/// rows at a time (no f32 copy of the whole gradient). `None` when the
+/// tensors are not that.
+pub(super) fn grad_weight(g: &Tensor, x: &Tensor, outs: Range<usize>) -> Result<Option<Tensor>> {
     let out = bf16_matrix(g, |g, (rows, out_dim)| {
         bf16_matrix(x, |x, (x_rows, in_dim)| {
             if x_rows != rows {
                 bail!("zero-candle Linear: {x_rows} input rows for {rows} gradient rows")
+            }
+            if outs.end > out_dim {
+                bail!("zero-candle Linear: rows {outs:?} of a gradient of {out_dim}")
             }
             let g32 = CpuStorage::F32(g.to_f32_vec());
             let x32 = CpuStorage::F32(x.to_f32_vec());
@@ -139,19 +143,31 @@ pub(super) fn grad_weight(g: &Tensor, x: &Tensor) -> Result<Option<Tensor>> {
             let len = if in_dim > 1 {
                 slice_len(in_dim)
             } else {
-                out_dim
+                outs.len()
             };
-            let mut grad = vec![bf16::ZERO; out_dim * in_dim];
-            for outs in slices(out_dim, len) {
-                let lhs_layout = gt_layout.narrow(0, outs.start, outs.len())?;
-                let bmnk = (1, outs.len(), in_dim, rows);
+            let mut grad = vec![bf16::ZERO; outs.len() * in_dim];
+            for part in slices(outs.len(), len) {
+                let lhs_layout = gt_layout.narrow(0, outs.start + part.start, part.len())?;
+                let bmnk = (1, part.len(), in_dim, rows);
                 let y = matmul_f32(&g32, &lhs_layout, &x32, &x32_layout, bmnk)?;
-                grad[outs.start * in_dim..outs.end * in_dim].convert_from_f32_slice(&y);
+                grad[part.start * in_dim..part.end * in_dim].convert_from_f32_slice(&y);
             }
-            Tensor::from_vec(grad, (out_dim, in_dim), &Device::Cpu)
+            Tensor::from_vec(grad, (outs.len(), in_dim), &Device::Cpu)
         })
     })?;
     Ok(out.flatten())
+}
+
+/// Blocks of the `out` rows of a weight gradient with rows of `in_dim`
+/// elements of `size` bytes, each of about `bytes` (never fewer than
+/// [`MIN_SLICE`] rows, so each block's product is bitwise that block of
+/// the whole product; see the module doc): the gradient a block at a time.
+pub(super) fn row_blocks(out: usize, in_dim: usize, size: usize, bytes: usize) -> Vec<Range<usize>> {
+    if in_dim <= 1 {
+        return vec![0..out];
+    }
+    let len = (bytes / size.max(1) / in_dim).max(MIN_SLICE) / 64 * 64;
+    slices(out, len).collect()
 }
 
 /// `∂x = g·W` for `g` `[rows, out]` and `W` `[out, in]`, both bf16,
@@ -261,9 +277,14 @@ mod tests {
             let reference = x.matmul(&w.t().unwrap()).unwrap();
             assert_eq!(bits(&y), bits(&reference), "x·Wᵀ, {shape}");
 
-            let dw = grad_weight(&g, &x).unwrap().expect("bf16 operands");
+            let dw = grad_weight(&g, &x, 0..out_dim).unwrap().expect("bf16 operands");
             let reference = g.t().unwrap().matmul(&x).unwrap();
             assert_eq!(bits(&dw), bits(&reference), "gᵀ·x, {shape}");
+            for rows in row_blocks(out_dim, in_dim, 2, 64 << 10) {
+                let block = grad_weight(&g, &x, rows.clone()).unwrap().expect("bf16");
+                let reference = reference.narrow(0, rows.start, rows.len()).unwrap();
+                assert_eq!(bits(&block), bits(&reference), "gᵀ·x rows {rows:?}, {shape}");
+            }
 
             let dx = grad_input(&g, &w).unwrap().expect("bf16 operands");
             let reference = g.matmul(&w).unwrap();
@@ -285,6 +306,6 @@ mod tests {
     #[test]
     fn other_dtypes_are_left_to_candle() {
         let x = Tensor::zeros((2, 3), DType::F32, &Device::Cpu).unwrap();
-        assert!(grad_weight(&x, &x).unwrap().is_none());
+        assert!(grad_weight(&x, &x, 0..3).unwrap().is_none());
     }
 }

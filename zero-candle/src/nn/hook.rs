@@ -3,6 +3,7 @@
 use candle_core::backprop::GradStore;
 use candle_core::{CpuStorage, Layout, Result, Tensor, TensorId, Var};
 use std::collections::HashMap;
+use std::ops::Range;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 /// Receives parameter gradients during `loss.backward()`, the moment each is
@@ -35,6 +36,31 @@ pub trait GradHook: Send + Sync {
     /// dtype as `var`, contiguous, on its device. Called on the thread that
     /// runs `backward()`, in the order backward computes the gradients.
     fn grad_ready(&self, var: &Var, grad: Tensor) -> Result<()>;
+
+    /// How many bytes of a weight's gradient the hook takes at a time, if
+    /// it takes gradients in blocks of rows ([`GradHook::grad_block_ready`]);
+    /// `None` (the default): whole gradients, through
+    /// [`GradHook::grad_ready`]. A layer that can compute a weight gradient
+    /// a block of rows at a time (Linear) then never holds it whole.
+    fn block_bytes(&self) -> Option<usize> {
+        None
+    }
+
+    /// Rows `rows` of (a use's share of) the gradient of `var`: `grad` is
+    /// `[rows.len(), ..]` with `var`'s other dims, contiguous. Called only
+    /// when [`GradHook::block_bytes`] is `Some`; one use's blocks come one
+    /// after another, in row order, and cover every row once. The default
+    /// takes a block that is the whole gradient and refuses others.
+    fn grad_block_ready(&self, var: &Var, rows: Range<usize>, grad: Tensor) -> Result<()> {
+        if rows.start == 0 && grad.dims() == var.dims() {
+            return self.grad_ready(var, grad);
+        }
+        candle_core::bail!(
+            "this gradient hook takes whole gradients: its block_bytes must be None (it got \
+             rows {rows:?} of a {:?} gradient)",
+            var.dims()
+        )
+    }
 
     /// Told once per layer built with this hook, for each of the layer's
     /// parameters that is a variable: the layer will report that variable's
@@ -191,6 +217,33 @@ pub(crate) fn route(
             Ok(None)
         }
         _ => Ok(Some(grad)),
+    }
+}
+
+/// [`route`] for a gradient the op can compute a block of rows at a time
+/// (`compute(rows)`): to a hook that takes blocks, in the blocks
+/// `blocks(block_bytes)` names, each handed over as it is computed, so the
+/// whole gradient never exists; otherwise whole.
+pub(crate) fn route_blocks(
+    hook: Option<&Arc<dyn GradHook>>,
+    param: &Tensor,
+    blocks: impl FnOnce(usize) -> Vec<Range<usize>>,
+    mut compute: impl FnMut(Range<usize>) -> Result<Tensor>,
+) -> Result<Option<Tensor>> {
+    let rows = param.dim(0)?;
+    match hook {
+        Some(hook) if param.is_variable() => match hook.block_bytes() {
+            Some(bytes) => {
+                let var = Var::from_tensor(param)?;
+                for block in blocks(bytes) {
+                    let grad = compute(block.clone())?.contiguous()?;
+                    hook.grad_block_ready(&var, block, grad)?;
+                }
+                Ok(None)
+            }
+            None => route(Some(hook), param, compute(0..rows)?),
+        },
+        _ => Ok(Some(compute(0..rows)?)),
     }
 }
 

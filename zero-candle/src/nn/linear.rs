@@ -1,7 +1,9 @@
 //! `Linear`: `y = x·Wᵀ + b` as one custom op that reads `W` in place and
 //! hands `∂W`, `∂b` to the hook.
 
-use super::hook::{announce, announce_gather, gather, route, GatheredParam, GradHook};
+use super::hook::{
+    announce, announce_gather, gather, route, route_blocks, GatheredParam, GradHook,
+};
 use super::{bf16_matmul, cpu};
 use candle_core::backend::BackendStorage;
 use candle_core::op::Add;
@@ -303,12 +305,23 @@ impl FusedLinear {
             Some(b) if b.track_op() => route(hook, b, grad.sum(0)?)?,
             _ => None,
         };
+        // ∂W a block of rows at a time where the hook takes blocks: the
+        // whole gradient (as large as the weight) never exists.
         let grad_w = if w.track_op() {
-            let grad_w = match bf16_matmul::grad_weight(&grad, x)? {
-                Some(grad_w) => grad_w,
-                None => grad.t()?.matmul(&x.detach())?,
-            };
-            route(hook, w, grad_w)?
+            let (out_dim, in_dim) = w.dims2()?;
+            let size = w.dtype().size_in_bytes();
+            route_blocks(
+                hook,
+                w,
+                |bytes| bf16_matmul::row_blocks(out_dim, in_dim, size, bytes),
+                |rows| match bf16_matmul::grad_weight(&grad, x, rows.clone())? {
+                    Some(grad_w) => Ok(grad_w),
+                    None => grad
+                        .narrow(1, rows.start, rows.len())?
+                        .t()?
+                        .matmul(&x.detach()),
+                },
+            )?
         } else {
             None
         };

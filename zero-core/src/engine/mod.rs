@@ -579,6 +579,22 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// gradient buffer (which in stage 2 then lives until the step, as
     /// during accumulation) and nothing is communicated.
     pub fn accumulate_param(&mut self, param: usize, grad: M::Grad<'_>) -> Result<()> {
+        let numel = self.params.get(param).map_or(0, ParamInfo::numel);
+        self.accumulate_param_range(param, 0..numel, grad)
+    }
+
+    /// [`Engine::accumulate_param`] for the elements `range` of the
+    /// parameter (in its row-major order): `grad` holds just those. A
+    /// gradient handed over in consecutive ranges that cover the parameter
+    /// once counts as one handover, and never exists whole: each range
+    /// goes into its buckets' buffers as it comes, and a bucket's reduction
+    /// can start as soon as its last range is in.
+    pub fn accumulate_param_range(
+        &mut self,
+        param: usize,
+        range: Range<usize>,
+        grad: M::Grad<'_>,
+    ) -> Result<()> {
         let Some(info) = self.params.get(param) else {
             return Err(Error::Config(format!(
                 "accumulate_param: parameter #{param} does not exist (there are {})",
@@ -586,17 +602,17 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             )));
         };
         let len = M::grad_len(&grad);
-        if len != info.numel() {
+        if len != range.len() || range.end > info.numel() {
             return Err(Error::Config(format!(
-                "gradient of {:?} has {len} elements, the parameter has {} ({:?}); pass the \
-                 parameter's whole, contiguous gradient",
+                "gradient of {:?}: {len} elements given for the range {range:?} of a parameter \
+                 of {} ({:?}); pass the gradient's elements of that range, contiguous",
                 info.name,
                 info.numel(),
                 info.shape
             )));
         }
         if self.window_is_open() {
-            return self.window_accumulate(param, grad, true);
+            return self.window_accumulate(param, range, grad, true);
         }
         let (full, fresh) = match self.full_grads.take() {
             Some(full) => (full, false),
@@ -610,14 +626,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         self.window_open = true;
         let pieces: Vec<GradPiece<M::Grad<'_>>> = self.runs_of_param[param]
             .iter()
-            .map(|&r| {
-                let run = &self.layout.runs[r];
-                GradPiece {
-                    at: run.pos,
-                    grad,
-                    range: run.param_range.clone(),
-                }
-            })
+            .filter_map(|&r| piece_of(&self.layout.runs[r], &range, grad, 0))
             .collect();
         self.memory.flatten(full, &pieces, true)?;
         self.present[param] = true;
@@ -1195,6 +1204,19 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             .map(|(&m, p)| m > 0.5 && p.trainable)
             .collect())
     }
+}
+
+/// The piece of run `run` that a gradient of the parameter's elements
+/// `range` covers, placed at the run's position less `base` (a bucket's
+/// start, for a bucket buffer); `None` if they do not overlap.
+fn piece_of<G: Copy>(run: &Run, range: &Range<usize>, grad: G, base: usize) -> Option<GradPiece<G>> {
+    let start = run.param_range.start.max(range.start);
+    let end = run.param_range.end.min(range.end);
+    (start < end).then(|| GradPiece {
+        at: run.pos - base + (start - run.param_range.start),
+        grad,
+        range: start - range.start..end - range.start,
+    })
 }
 
 /// The owned pieces with their keys and shard ranges (`base`: where this

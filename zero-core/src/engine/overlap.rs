@@ -261,9 +261,12 @@ enum Reducer<T: Element, B> {
 
 /// The state of one backward pass whose gradients are being handed over.
 pub(super) struct Window<T: Element, B> {
-    /// Per parameter, the calls predicted and seen.
+    /// Per parameter, the calls predicted.
     expected_calls: Vec<usize>,
+    /// Per run, the calls that covered it whole, and the elements of the
+    /// call under way (a gradient handed over in ranges).
     seen_calls: Vec<usize>,
+    filled: Vec<usize>,
     /// Per bucket, the predicted pieces still to arrive.
     remaining: Vec<usize>,
     /// Per bucket, whether any arrival was predicted (a bucket with none
@@ -485,7 +488,8 @@ where
         };
         self.window = Some(Window {
             expected_calls,
-            seen_calls: vec![0; self.params.len()],
+            seen_calls: vec![0; self.layout.runs.len()],
+            filled: vec![0; self.layout.runs.len()],
             remaining,
             predicted,
             open: (0..buckets).map(|_| None).collect(),
@@ -677,25 +681,27 @@ where
     C: Communicator,
     M: ShardMemory<T, C>,
 {
-    /// Hands one gradient to the open backward pass: flattens it into its
-    /// buckets and launches the buckets it completes.
+    /// Hands (the elements `range` of) one gradient to the open backward
+    /// pass: flattens it into its buckets and launches the buckets it
+    /// completes. A run counts towards its bucket once a call has covered
+    /// it whole, whether in one range or several.
     pub(super) fn window_accumulate(
         &mut self,
         param: usize,
+        range: Range<usize>,
         grad: M::Grad<'_>,
         predicted: bool,
     ) -> Result<()> {
         let Some(window) = self.window.as_mut() else {
             return Err(Error::State("internal: no backward pass is open".into()));
         };
-        let counts = predicted && {
-            window.seen_calls[param] += 1;
-            window.seen_calls[param] <= window.expected_calls[param]
-        };
         for &r in &self.runs_of_param[param] {
             let run = &self.layout.runs[r];
             let k = self.bucket_of_run[r];
             let start = self.layout.bucket_range(k).start;
+            let Some(piece) = super::piece_of(run, &range, grad, start) else {
+                continue;
+            };
             if k < window.next && window.step_early {
                 return Err(Error::State(format!(
                     "{:?} got a gradient after its bucket had been reduced and stepped (overlap \
@@ -719,16 +725,18 @@ where
                 )?);
             }
             let buffer = slot.as_mut().expect("filled above");
-            self.memory.flatten(
-                buffer,
-                &[super::GradPiece {
-                    at: run.pos - start,
-                    grad,
-                    range: run.param_range.clone(),
-                }],
-                true,
-            )?;
-            if counts && k >= window.next {
+            let covered = piece.range.len();
+            self.memory.flatten(buffer, &[piece], true)?;
+            window.filled[r] += covered;
+            if window.filled[r] < run.param_range.len() {
+                continue;
+            }
+            window.filled[r] = 0;
+            window.seen_calls[r] += 1;
+            if predicted
+                && window.seen_calls[r] <= window.expected_calls[param]
+                && k >= window.next
+            {
                 window.remaining[k] = window.remaining[k].saturating_sub(1);
             }
         }
@@ -787,7 +795,8 @@ where
         if let Some(grads) = grads {
             for (param, grad) in grads.iter().enumerate() {
                 if let Some(grad) = *grad {
-                    self.window_accumulate(param, grad, false)?;
+                    let numel = self.params[param].numel();
+                    self.window_accumulate(param, 0..numel, grad, false)?;
                 }
             }
         }
