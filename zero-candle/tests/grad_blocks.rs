@@ -30,7 +30,10 @@ struct BlockRecorder {
 
 impl GradHook for BlockRecorder {
     fn grad_ready(&self, var: &Var, _grad: Tensor) -> candle_core::Result<()> {
-        panic!("{:?}: a hook taking blocks got a whole gradient", var.dims())
+        panic!(
+            "{:?}: a hook taking blocks got a whole gradient",
+            var.dims()
+        )
     }
 
     fn block_bytes(&self) -> Option<usize> {
@@ -101,8 +104,8 @@ fn train(
     let head = nn::linear(400, 3, vb.pp("head"), as_hook)?;
     nn_support::seed_varmap(&varmap, 7)?;
     let adamw = AdamW::new(AdamWConfig::default().with_lr(1e-2))?;
-    let mut opt = ZeroOptimizer::new(&varmap, comm, config.clone(), Box::new(adamw))?
-        .with_hook(&hook)?;
+    let mut opt =
+        ZeroOptimizer::new(&varmap, comm, config.clone(), Box::new(adamw))?.with_hook(&hook)?;
     let mut rng = rand::rngs::StdRng::seed_from_u64(50 + rank as u64);
     for _ in 0..3 * config.grad_accum_steps {
         let x: Vec<f32> = (0..6 * 24).map(|_| rng.gen_range(-1.0..1.0)).collect();

@@ -95,8 +95,7 @@ fn gradients_handed_over_in_ranges_count_as_whole_ones() {
                     for s in 0..steps {
                         let g = model.grads(&params, rank, s);
                         if open_pass {
-                            let order: Vec<(usize, usize)> =
-                                (0..n).rev().map(|p| (p, 1)).collect();
+                            let order: Vec<(usize, usize)> = (0..n).rev().map(|p| (p, 1)).collect();
                             e.begin_backward(&order, &mut params)?;
                         }
                         for p in (0..n).rev() {

@@ -278,3 +278,39 @@ fn a_checkpoint_with_gradients_handed_over_but_not_stepped_is_refused() {
         Ok(())
     });
 }
+
+#[test]
+fn a_bucket_holds_bucket_bytes_whatever_the_world_size() {
+    // 128 f64 elements per bucket, all ranks together: a rank's bucket
+    // buffers (what one collective moves) must not grow with the world.
+    // (128 / 4 is still a whole number of the flat partitioner's 32-element
+    // alignment, below which a segment does not go.)
+    let model = Synthetic::medium();
+    let numel: usize = model.infos().iter().map(|p| p.numel()).sum();
+    for world in [1, 2, 4] {
+        for stage in [Stage::Ddp, Stage::OptimizerState, Stage::Gradients] {
+            let config = EngineConfig::default()
+                .with_stage(stage)
+                .with_bucket_bytes(128 * 8);
+            let lengths = run(world, |comm| {
+                let e = engine(comm, &model, make_opt(Opt::Adam, false), config.clone())?;
+                let layout = e.layout();
+                Ok((0..layout.buckets.len())
+                    .map(|k| layout.bucket_range(k).len())
+                    .collect::<Vec<_>>())
+            });
+            let lengths = &lengths[0];
+            let longest = lengths.iter().copied().max().unwrap_or(0);
+            assert!(
+                longest <= 128,
+                "world {world}, {stage:?}: a bucket of {longest}"
+            );
+            // Not cut finer than needed either: the model fills its buckets.
+            assert!(
+                lengths.len() <= numel.div_ceil(128) + 1,
+                "world {world}, {stage:?}: {} buckets for {numel} elements",
+                lengths.len()
+            );
+        }
+    }
+}

@@ -162,7 +162,12 @@ pub(super) fn grad_weight(g: &Tensor, x: &Tensor, outs: Range<usize>) -> Result<
 /// elements of `size` bytes, each of about `bytes` (never fewer than
 /// [`MIN_SLICE`] rows, so each block's product is bitwise that block of
 /// the whole product; see the module doc): the gradient a block at a time.
-pub(super) fn row_blocks(out: usize, in_dim: usize, size: usize, bytes: usize) -> Vec<Range<usize>> {
+pub(super) fn row_blocks(
+    out: usize,
+    in_dim: usize,
+    size: usize,
+    bytes: usize,
+) -> Vec<Range<usize>> {
     if in_dim <= 1 {
         return vec![0..out];
     }
@@ -277,13 +282,19 @@ mod tests {
             let reference = x.matmul(&w.t().unwrap()).unwrap();
             assert_eq!(bits(&y), bits(&reference), "x·Wᵀ, {shape}");
 
-            let dw = grad_weight(&g, &x, 0..out_dim).unwrap().expect("bf16 operands");
+            let dw = grad_weight(&g, &x, 0..out_dim)
+                .unwrap()
+                .expect("bf16 operands");
             let reference = g.t().unwrap().matmul(&x).unwrap();
             assert_eq!(bits(&dw), bits(&reference), "gᵀ·x, {shape}");
             for rows in row_blocks(out_dim, in_dim, 2, 64 << 10) {
                 let block = grad_weight(&g, &x, rows.clone()).unwrap().expect("bf16");
                 let reference = reference.narrow(0, rows.start, rows.len()).unwrap();
-                assert_eq!(bits(&block), bits(&reference), "gᵀ·x rows {rows:?}, {shape}");
+                assert_eq!(
+                    bits(&block),
+                    bits(&reference),
+                    "gᵀ·x rows {rows:?}, {shape}"
+                );
             }
 
             let dx = grad_input(&g, &w).unwrap().expect("bf16 operands");

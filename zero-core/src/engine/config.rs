@@ -168,7 +168,9 @@ pub struct EngineConfig {
     pub stage: Stage,
     /// Which partitioner.
     pub partitioner: PartitionerKind,
-    /// Bytes per bucket per rank segment; collectives move one bucket.
+    /// Bytes of one bucket, all ranks' segments together: what one
+    /// collective moves and one bucket buffer holds (in the engine's
+    /// element type), whatever the world size.
     pub bucket_bytes: usize,
     /// Micro-steps per optimizer step; communication happens on the last.
     pub grad_accum_steps: usize,

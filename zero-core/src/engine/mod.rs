@@ -1209,7 +1209,12 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
 /// The piece of run `run` that a gradient of the parameter's elements
 /// `range` covers, placed at the run's position less `base` (a bucket's
 /// start, for a bucket buffer); `None` if they do not overlap.
-fn piece_of<G: Copy>(run: &Run, range: &Range<usize>, grad: G, base: usize) -> Option<GradPiece<G>> {
+fn piece_of<G: Copy>(
+    run: &Run,
+    range: &Range<usize>,
+    grad: G,
+    base: usize,
+) -> Option<GradPiece<G>> {
     let start = run.param_range.start.max(range.start);
     let end = run.param_range.end.min(range.end);
     (start < end).then(|| GradPiece {

@@ -666,7 +666,11 @@ where
             &order,
             world,
             // Buckets hold `T`, not the parameters' dtype.
-            super::setup::partition_bucket_bytes::<T>(&self.params, self.config.bucket_bytes),
+            super::setup::partition_bucket_bytes::<T>(
+                &self.params,
+                self.config.bucket_bytes,
+                world,
+            ),
             &breaks,
         )?;
         self.install_plan(plan)?;
@@ -733,9 +737,7 @@ where
             }
             window.filled[r] = 0;
             window.seen_calls[r] += 1;
-            if predicted
-                && window.seen_calls[r] <= window.expected_calls[param]
-                && k >= window.next
+            if predicted && window.seen_calls[r] <= window.expected_calls[param] && k >= window.next
             {
                 window.remaining[k] = window.remaining[k].saturating_sub(1);
             }

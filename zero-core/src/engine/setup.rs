@@ -98,14 +98,14 @@ impl ShardSetup {
                 params,
                 &order,
                 plan_world,
-                partition_bucket_bytes::<T>(params, config.bucket_bytes),
+                partition_bucket_bytes::<T>(params, config.bucket_bytes, plan_world),
                 &breaks,
             )?
         } else {
             config.partitioner.partitioner().partition(
                 params,
                 plan_world,
-                partition_bucket_bytes::<T>(params, config.bucket_bytes),
+                partition_bucket_bytes::<T>(params, config.bucket_bytes, plan_world),
             )?
         };
         let layout = Layout::new(&plan);
@@ -126,27 +126,34 @@ impl ShardSetup {
     }
 }
 
-/// The `bucket_bytes` to give the partitioners so that a bucket holds
-/// `bucket_bytes` of `T`. They count a bucket in the parameters' dtype, but
-/// the engine's bucket buffers hold `T`: f32 master weights over a bf16
-/// model would otherwise get buckets of twice the configured bytes, and
-/// the bucket buffers are most of what stage 2 holds besides the shard.
-/// Exact: the partitioners take `bytes / param_bytes` elements, which is
-/// `bucket_bytes / size_of::<T>()` again (so `T` as wide as the parameters
-/// changes nothing), and it cannot overflow, as `T` is never narrower than
-/// a trainable parameter.
+/// The `bucket_bytes` to give the partitioners so that a bucket of
+/// `world` rank segments holds `bucket_bytes` of `T`.
+///
+/// - The partitioners count a bucket per rank segment; the configured size
+///   is the whole bucket (what one collective moves and one bucket buffer
+///   holds), so a rank's bucket buffers do not grow with the world size
+///   (at least one element per segment).
+/// - They count in the parameters' dtype, but the engine's bucket buffers
+///   hold `T`: f32 master weights over a bf16 model would otherwise get
+///   buckets of twice the configured bytes.
+///
+/// The bucket buffers are most of what stage 2 holds besides the shard.
+/// Exact: the partitioners take `bytes / param_bytes` elements, the
+/// segment's count of `T` again, and it cannot overflow, as `T` is never
+/// narrower than a trainable parameter.
 pub(super) fn partition_bucket_bytes<T: Element>(
     params: &[ParamInfo],
     bucket_bytes: usize,
+    world: usize,
 ) -> usize {
     let engine_bytes = std::mem::size_of::<T>();
     let param_bytes = params
         .iter()
         .find(|p| p.trainable)
         .map_or(engine_bytes, |p| p.dtype.size_in_bytes());
-    (bucket_bytes / engine_bytes)
-        .saturating_mul(param_bytes)
+    (bucket_bytes / engine_bytes / world.max(1))
         .max(1)
+        .saturating_mul(param_bytes)
 }
 
 /// Stage 3: the positions in `order` (the parameters that may be sharded)
