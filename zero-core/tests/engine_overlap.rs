@@ -125,3 +125,41 @@ fn gradients_handed_over_in_ranges_count_as_whole_ones() {
         }
     }
 }
+
+#[test]
+fn after_backward_stages_1_and_2_keep_no_copy_of_the_parameter_shard() {
+    let model = Synthetic::medium();
+    let replica: usize = model.infos().iter().map(|p| p.numel() * 8).sum();
+    for stage in [Stage::OptimizerState, Stage::Gradients] {
+        for overlap in [Overlap::None, Overlap::AfterBackward, Overlap::Interleaved] {
+            let config = EngineConfig::default()
+                .with_stage(stage)
+                .with_bucket_bytes(64)
+                .with_overlap(overlap);
+            let reports = run(2, |comm| {
+                let rank = comm.rank();
+                let mut e = engine(comm, &model, make_opt(Opt::Adam, false), config.clone())?;
+                let n = e.params().len();
+                let mut params = model.init();
+                for s in 0..2 {
+                    let g = model.grads(&params, rank, s);
+                    let order: Vec<(usize, usize)> = (0..n).rev().map(|p| (p, 1)).collect();
+                    e.begin_backward(&order, &mut params)?;
+                    for p in (0..n).rev() {
+                        e.accumulate_param(p, &g[p])?;
+                    }
+                    e.step(&vec![None; n], &mut params)?;
+                }
+                Ok((e.memory_report().params, e.plan().shard_numel * 8))
+            });
+            let (params, shard) = reports[0];
+            // The replica is the framework's; only the schedule that steps
+            // bucket by bucket from it after backward can do without a shard.
+            let want = match overlap {
+                Overlap::AfterBackward => replica,
+                _ => replica + shard,
+            };
+            assert_eq!(params, want, "{stage:?} {overlap:?}");
+        }
+    }
+}

@@ -279,9 +279,11 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             })
             .collect();
         // Stage 0 steps the replica itself (`step_replica`), unless it
-        // keeps master weights (all of them: its plan has one rank).
+        // keeps master weights (all of them: its plan has one rank); a lean
+        // shard is read from the replica as it is stepped.
         self.param_shard = match stage {
             Stage::Ddp if !self.has_master_weights() => self.memory.alloc_zeroed(0)?,
+            _ if self.lean_shard() => self.memory.alloc_zeroed(0)?,
             _ => self.memory.alloc_zeroed(plan.shard_numel)?,
         };
         self.masters_fresh = false;
@@ -794,7 +796,8 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         // may have stepped some since). Stage 0 without master weights steps
         // the replica bucket by bucket instead.
         let masters = self.has_master_weights();
-        if !self.params_read && (self.config.stage != Stage::Ddp || masters) {
+        let lean = self.lean_shard();
+        if !self.params_read && (self.config.stage != Stage::Ddp || masters) && !lean {
             self.refresh_param_shard(params)?;
         }
 
@@ -814,11 +817,33 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             return Ok(grad_norm);
         }
         if !self.step_and_gather_overlapped(&stepping, params)? {
+            if lean {
+                // This partition cannot be stepped bucket by bucket (a piece
+                // straddles buckets): a shard copy after all.
+                if M::buffer_len(&self.param_shard) < self.plan.shard_numel {
+                    self.param_shard = self.memory.alloc_zeroed(self.plan.shard_numel)?;
+                }
+                self.refresh_param_shard(params)?;
+            }
             self.run_optimizer(&stepping)?;
             self.write_back(params)?;
         }
         self.early_stepped.clear();
         Ok(grad_norm)
+    }
+
+    /// Whether stages 1 and 2 keep no copy of the parameter shard between
+    /// steps: without master weights the replica holds the owned pieces'
+    /// values already, and the after-backward schedule reads them bucket by
+    /// bucket as it steps and all-gathers (`step_and_gather_overlapped`).
+    /// The interleaved schedule steps on the communication thread during
+    /// backward, and stage 3's shard is the only copy of its parameters:
+    /// both keep the shard.
+    pub(super) fn lean_shard(&self) -> bool {
+        matches!(self.config.stage, Stage::OptimizerState | Stage::Gradients)
+            && self.config.overlap == Overlap::AfterBackward
+            && !self.has_master_weights()
+            && self.memory.fork().is_some()
     }
 
     /// Stage 0: steps every parameter through two small buffers (values and

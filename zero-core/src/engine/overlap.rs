@@ -970,6 +970,16 @@ where
         // serial one does (the next is taken after it came back).
         let longest_chunk = self.layout.buckets.iter().map(Range::len).max();
         let longest_chunk = longest_chunk.unwrap_or(0);
+        // Without a shard copy (`lean_shard`), each bucket's owned pieces
+        // are read from the replica into that staging buffer and stepped
+        // there, with their gradients copied beside them.
+        let lean = self.lean_shard();
+        let mut grad_chunk = None;
+        if lean {
+            self.param_shard = self.memory.alloc_zeroed(0)?;
+            grad_chunk = Some(self.memory.alloc_zeroed(longest_chunk)?);
+        }
+        let owned_copies = &self.owned_copies;
         let scratch = &mut self.scratch;
         let had_scratch = scratch.is_some();
         let mut staging: Vec<M::Buffer> = scratch.take().into_iter().collect();
@@ -1010,13 +1020,14 @@ where
                     }
                 }
             });
-            let mut write = |k: usize,
-                             send: M::Buffer,
-                             recv: M::Buffer,
-                             result: Result<()>,
-                             memory: &mut M,
-                             pool: &mut Vec<M::Buffer>,
-                             staging: &mut Vec<M::Buffer>|
+            let write = |k: usize,
+                         send: M::Buffer,
+                         recv: M::Buffer,
+                         result: Result<()>,
+                         params: &mut M::Params<'_>,
+                         memory: &mut M,
+                         pool: &mut Vec<M::Buffer>,
+                         staging: &mut Vec<M::Buffer>|
              -> Result<()> {
                 let written = result.and_then(|()| {
                     let copies: Vec<super::ParamCopy> = layout
@@ -1041,16 +1052,46 @@ where
                 if !bucket_active[k] {
                     continue;
                 }
-                if early_stepped.get(k) != Some(&true) {
-                    let plan = StepPlan {
-                        pieces: &pieces[group.clone()],
-                        buckets: &layout.buckets,
-                        bucket_active,
-                    };
-                    outcome = memory.step(optimizer.as_mut(), param_shard, grads, plan);
-                    if outcome.is_err() {
+                let shard_range = layout.buckets[k].clone();
+                let send = match staging.pop() {
+                    Some(send) => Ok(send),
+                    None => memory.alloc_zeroed(longest_chunk),
+                };
+                let mut send = match send {
+                    Ok(send) => send,
+                    Err(e) => {
+                        outcome = Err(e);
                         break;
                     }
+                };
+                outcome = match grad_chunk.as_mut() {
+                    Some(grad_chunk) => step_from_replica(
+                        memory,
+                        optimizer.as_mut(),
+                        params,
+                        (&owned_copies[group.clone()], &pieces[group.clone()]),
+                        shard_range.clone(),
+                        (&mut send, grad_chunk, grads),
+                    ),
+                    None => {
+                        let stepped = if early_stepped.get(k) != Some(&true) {
+                            let plan = StepPlan {
+                                pieces: &pieces[group.clone()],
+                                buckets: &layout.buckets,
+                                bucket_active,
+                            };
+                            memory.step(optimizer.as_mut(), param_shard, grads, plan)
+                        } else {
+                            Ok(())
+                        };
+                        stepped.and_then(|()| {
+                            memory.copy_range(&mut send, 0, param_shard, shard_range, false)
+                        })
+                    }
+                };
+                if outcome.is_err() {
+                    staging.push(send);
+                    break;
                 }
                 // One gather in flight (the next bucket steps meanwhile): its
                 // buffers are what this overlap costs in memory.
@@ -1059,28 +1100,20 @@ where
                         break;
                     };
                     pending -= 1;
-                    let written = write(k, send, recv, result, memory, pool, &mut staging);
+                    let written = write(k, send, recv, result, params, memory, pool, &mut staging);
                     outcome = outcome.and(written);
                 }
-                let shard_range = layout.buckets[k].clone();
-                let send = match staging.pop() {
-                    Some(send) => Ok(send),
-                    None => memory.alloc_zeroed(longest_chunk),
-                };
-                let staged = send.and_then(|mut send| {
-                    memory.copy_range(&mut send, 0, param_shard, shard_range.clone(), false)?;
-                    // Overwritten whole by the gather: no need to zero.
-                    let recv = take_shortest(memory, pool, layout.bucket_range(k).len())?.0;
-                    Ok((send, recv))
-                });
-                match staged {
-                    Ok((send, recv)) => {
+                // Overwritten whole by the gather: no need to zero.
+                let recv = take_shortest(memory, pool, layout.bucket_range(k).len());
+                match recv {
+                    Ok((recv, _)) => {
                         // The thread is alive while `jobs` is: it stops
                         // only when the channel closes.
                         let _ = jobs.send((k, send, recv));
                         pending += 1;
                     }
                     Err(e) => {
+                        staging.push(send);
                         outcome = Err(e);
                         break;
                     }
@@ -1088,7 +1121,7 @@ where
                 // Write back what has arrived meanwhile.
                 while let Ok((k, send, recv, result)) = done.try_recv() {
                     pending -= 1;
-                    let written = write(k, send, recv, result, memory, pool, &mut staging);
+                    let written = write(k, send, recv, result, params, memory, pool, &mut staging);
                     outcome = outcome.and(written);
                 }
             }
@@ -1098,7 +1131,7 @@ where
                     break;
                 };
                 pending -= 1;
-                let written = write(k, send, recv, result, memory, pool, &mut staging);
+                let written = write(k, send, recv, result, params, memory, pool, &mut staging);
                 outcome = outcome.and(written);
             }
             outcome.map(|()| true)
@@ -1113,6 +1146,49 @@ where
     pub fn reduction_progress(&self) -> ReductionProgress {
         self.progress.clone()
     }
+}
+
+/// Steps the owned pieces of one bucket without a shard copy: reads their
+/// values from the replica into `values` and their gradients (shard range
+/// `shard_range` of `grads`) into `grad_chunk`, and steps them there.
+/// `copies` and `pieces` are the bucket's owned pieces, at shard offsets.
+fn step_from_replica<T, C, M>(
+    memory: &mut M,
+    optimizer: &mut dyn FunctionalOptimizer<T>,
+    params: &mut M::Params<'_>,
+    (copies, pieces): (&[super::ParamCopy], &[super::StepPiece<'_>]),
+    shard_range: Range<usize>,
+    (values, grad_chunk, grads): (&mut M::Buffer, &mut M::Buffer, &M::Buffer),
+) -> Result<()>
+where
+    T: Element,
+    C: Communicator,
+    M: ShardMemory<T, C>,
+{
+    let start = shard_range.start;
+    let copies: Vec<super::ParamCopy> = copies
+        .iter()
+        .map(|c| super::ParamCopy {
+            at: c.at - start,
+            ..c.clone()
+        })
+        .collect();
+    memory.read_params(params, &copies, values)?;
+    memory.copy_range(grad_chunk, 0, grads, shard_range.clone(), false)?;
+    let pieces: Vec<super::StepPiece<'_>> = pieces
+        .iter()
+        .map(|p| super::StepPiece {
+            range: p.range.start - start..p.range.end - start,
+            ..*p
+        })
+        .collect();
+    let whole = [0..shard_range.len()];
+    let plan = StepPlan {
+        pieces: &pieces,
+        buckets: &whole,
+        bucket_active: &[true],
+    };
+    memory.step(optimizer, values, grad_chunk, plan)
 }
 
 /// A buffer of at least `len` elements, zeroed there: the shortest that
