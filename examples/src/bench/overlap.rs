@@ -1,14 +1,16 @@
 //! `bench overlap`: the trainer's MLP with its `ZeroHook`, stage 2 at N=2
 //! threads, stepped with every overlap schedule in one run, over the thread
-//! backend as it is and over a [`Delayed`] link (where communication costs
-//! what a network would, so hiding it behind backward shows).
+//! backend as it is and over a [`Delayed`] link calibrated in the same run so
+//! that a step's communication takes as long as its backward (the case
+//! hiding communication behind backward is for).
 
 use super::Report;
 use crate::trainer::{Dataset, Mlp};
-use candle_core::{Device, Tensor};
+use candle_core::{Device, Tensor, Var};
 use candle_nn::VarMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
+use zero_candle::nn::{GatheredParam, GradHook};
 use zero_candle::{ZeroHook, ZeroOptimizer};
 use zero_core::comm::{Delayed, Host};
 use zero_core::engine::{EngineConfig, Overlap, Stage};
@@ -22,12 +24,76 @@ const WARMUP: usize = 3;
 const STEPS: usize = 15;
 const ROUNDS: usize = 3;
 const BUCKET_BYTES: usize = 512 << 10;
-/// The simulated link: 50 µs per collective, 1 GB/s.
-const LATENCY: Duration = Duration::from_micros(50);
-const BYTES_PER_SEC: f64 = 1e9;
+/// A step's communication time on the simulated link over the backward time
+/// of a serial step without it.
+const COMM_OVER_BACKWARD: f64 = 1.0;
 
-/// Median step time (forward, `backward_step`) on rank 0.
-fn measure<C>(comm: C, overlap: Overlap, data: &Dataset) -> Result<f64, String>
+/// Medians of one case on rank 0, in seconds.
+#[derive(Clone, Copy, Debug, Default)]
+struct Times {
+    step: f64,
+    forward: f64,
+    /// From `backward_step` to the last gradient handed to the hook (the
+    /// first layer's: its input needs none, so backward ends there). With
+    /// overlap this includes waiting for a bucket buffer to come back.
+    backward: f64,
+    /// Of `backward`, the time spent handing gradients to the engine:
+    /// flattening them into bucket buffers and, with overlap, waiting for a
+    /// buffer while reductions are in flight.
+    handover: f64,
+}
+
+/// What one measured case saw.
+struct Measured {
+    times: Times,
+    /// What the last step's collectives sent from rank 0, counted the way
+    /// [`Delayed`] charges them (ring bytes).
+    bytes_per_step: u64,
+    /// The engine's buckets, and the longest one's ring bytes (what one
+    /// reduce-scatter or all-gather of it sends).
+    buckets: usize,
+    bucket_bytes_sent: usize,
+}
+
+/// Hands every gradient on to `inner` (the `ZeroHook`), noting when the
+/// last one was handed over and how long handing over took.
+struct Timed<H> {
+    inner: Arc<H>,
+    last: Mutex<Option<(Instant, Duration)>>,
+}
+
+impl<H: GradHook> GradHook for Timed<H> {
+    fn grad_ready(&self, var: &Var, grad: Tensor) -> candle_core::Result<()> {
+        let started = Instant::now();
+        self.inner.grad_ready(var, grad)?;
+        let now = Instant::now();
+        let mut last = self.last.lock().unwrap_or_else(PoisonError::into_inner);
+        let handover = last.map_or(Duration::ZERO, |(_, handover)| handover);
+        *last = Some((now, handover + (now - started)));
+        Ok(())
+    }
+
+    fn will_report(&self, var: &Var) {
+        self.inner.will_report(var);
+    }
+
+    fn will_gather(&self, var: &Var) {
+        self.inner.will_gather(var);
+    }
+
+    fn gather(&self, var: &Var) -> candle_core::Result<Option<GatheredParam>> {
+        self.inner.gather(var)
+    }
+}
+
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values[values.len() / 2]
+}
+
+/// Steps the MLP with a stage-2 `ZeroOptimizer` over `comm`; rank 0's
+/// medians.
+fn steps<C>(comm: C, overlap: Overlap, data: &Dataset) -> Result<Measured, String>
 where
     C: Communicator<Memory = Host> + 'static,
 {
@@ -37,12 +103,16 @@ where
     widths.extend(HIDDEN);
     widths.push(data.classes);
     let hook = ZeroHook::<C, f32>::new();
+    let timed = Arc::new(Timed {
+        inner: hook.clone(),
+        last: Mutex::new(None),
+    });
     let model = Mlp::with_hook(
         &varmap,
         &widths,
         0,
         &Device::Cpu,
-        Some(hook.clone() as Arc<dyn zero_candle::nn::GradHook>),
+        Some(timed.clone() as Arc<dyn GradHook>),
     )
     .map_err(|e| e.to_string())?;
     let adamw = AdamW::new(AdamWConfig::default().with_lr(1e-3)).map_err(|e| e.to_string())?;
@@ -53,8 +123,11 @@ where
     let mut opt = ZeroOptimizer::<C, f32>::new(&varmap, comm, config, Box::new(adamw))
         .and_then(|o| o.with_hook(&hook))
         .map_err(|e| e.to_string())?;
-    let mut times = Vec::with_capacity(STEPS);
+    let (mut step_times, mut forward, mut backward, mut handover) =
+        (vec![], vec![], vec![], vec![]);
+    let mut bytes_per_step = 0;
     for step in 0..WARMUP + STEPS {
+        let sent = opt.bytes_sent();
         let started = Instant::now();
         let (x, y) = data.batch(step as u64, WORLD_SIZE, rank, BATCH);
         let x =
@@ -64,22 +137,53 @@ where
             .forward(&x)
             .and_then(|logits| candle_nn::loss::cross_entropy(&logits, &y))
             .map_err(|e| e.to_string())?;
+        let forwarded = Instant::now();
         opt.backward_step(&loss).map_err(|e| e.to_string())?;
+        let done = Instant::now();
+        let (last_grad, handed_over) = timed
+            .last
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
+            .ok_or("no gradient reached the hook")?;
         if step >= WARMUP {
-            times.push(started.elapsed().as_secs_f64());
+            step_times.push((done - started).as_secs_f64());
+            forward.push((forwarded - started).as_secs_f64());
+            backward.push((last_grad - forwarded).as_secs_f64());
+            handover.push(handed_over.as_secs_f64());
         }
+        bytes_per_step = opt.bytes_sent() - sent;
     }
-    times.sort_by(f64::total_cmp);
-    Ok(times[times.len() / 2])
+    let layout = opt.engine().layout();
+    let longest = (0..layout.buckets.len())
+        .map(|k| layout.bucket_range(k).len())
+        .max()
+        .unwrap_or(0);
+    Ok(Measured {
+        times: Times {
+            step: median(step_times),
+            forward: median(forward),
+            backward: median(backward),
+            handover: median(handover),
+        },
+        bytes_per_step,
+        buckets: layout.buckets.len(),
+        bucket_bytes_sent: longest * std::mem::size_of::<f32>() * (WORLD_SIZE - 1) / WORLD_SIZE,
+    })
 }
 
-fn measure_group(delayed: bool, overlap: Overlap, data: &Dataset) -> Result<f64, String> {
-    let results = ThreadGroup::new(WORLD_SIZE).run(|comm| {
-        if delayed {
-            measure(Delayed::new(comm, LATENCY, BYTES_PER_SEC), overlap, data)
-        } else {
-            measure(comm, overlap, data)
-        }
+/// One case on a fresh thread group, over a link of `bytes_per_sec` when
+/// given (no latency: every bucket's collective is delayed alike, as they
+/// are about the same size, and a step's two small all-reduces, the
+/// gradient-order check and the trainable mask, hardly at all).
+fn measure(link: Option<f64>, overlap: Overlap, data: &Dataset) -> Result<Measured, String> {
+    let results = ThreadGroup::new(WORLD_SIZE).run(|comm| match link {
+        Some(bytes_per_sec) => steps(
+            Delayed::new(comm, Duration::ZERO, bytes_per_sec),
+            overlap,
+            data,
+        ),
+        None => steps(comm, overlap, data),
     });
     match results.into_iter().next() {
         Some(Ok(r)) => r,
@@ -88,19 +192,43 @@ fn measure_group(delayed: bool, overlap: Overlap, data: &Dataset) -> Result<f64,
     }
 }
 
-/// Adds `overlap.step_over_serial`, `overlap.delayed_step_over_serial` and
-/// `overlap.delayed_interleaved_over_serial`.
+/// Adds `overlap.step_over_serial` (over the calibrated link),
+/// `overlap.undelayed_step_over_serial`,
+/// `overlap.delayed_interleaved_over_serial`, and the times they come from.
 pub fn run(report: &mut Report) {
     let data = Dataset::synthetic(0);
+    // The link is calibrated on serial steps without delay: their backward
+    // time (the median of a few runs, as one can fall on a burst of other
+    // load), and what their collectives send.
+    let mut calibrations = Vec::with_capacity(ROUNDS);
+    for _ in 0..ROUNDS {
+        match measure(None, Overlap::None, &data) {
+            Ok(calibration) => calibrations.push(calibration),
+            Err(e) => {
+                eprintln!("bench overlap: calibration failed: {e}");
+                return;
+            }
+        }
+    }
+    calibrations.sort_by(|a, b| a.times.backward.total_cmp(&b.times.backward));
+    let calibration = &calibrations[calibrations.len() / 2];
+    let comm_time = COMM_OVER_BACKWARD * calibration.times.backward;
+    let bytes_per_sec = calibration.bytes_per_step as f64 / comm_time;
+    let bucket_delay = calibration.bucket_bytes_sent as f64 / bytes_per_sec;
     println!(
         "bench overlap: MLP {}-{HIDDEN:?}-{} with ZeroHook, AdamW, stage 2, {BATCH} rows per \
-         rank, N={WORLD_SIZE} threads, {} KiB buckets; plain threads and a delayed link \
-         ({} us + {} GB/s); median of {STEPS} steps after {WARMUP}, rounds interleaved",
+         rank, N={WORLD_SIZE} threads, {} KiB buckets ({} of them); plain threads and a link \
+         of {:.0} MB/s ({:.2} ms per bucket collective; a step's {:.1} MB in {:.1} ms, \
+         {COMM_OVER_BACKWARD} x the calibration's backward); median of {STEPS} steps after \
+         {WARMUP}, rounds interleaved",
         data.width,
         data.classes,
         BUCKET_BYTES >> 10,
-        LATENCY.as_micros(),
-        BYTES_PER_SEC / 1e9
+        calibration.buckets,
+        bytes_per_sec / 1e6,
+        bucket_delay * 1e3,
+        calibration.bytes_per_step as f64 / 1e6,
+        comm_time * 1e3,
     );
     let cases = [
         ("serial", false, Overlap::None),
@@ -110,8 +238,13 @@ pub fn run(report: &mut Report) {
         ("delayed_interleaved", true, Overlap::Interleaved),
     ];
     let names: Vec<&str> = cases.iter().map(|c| c.0).collect();
+    // The medians of the steps' parts, per case, beside the step medians.
+    let mut parts: Vec<Vec<Times>> = vec![Vec::new(); cases.len()];
     let medians = match super::interleaved_medians(&names, ROUNDS, |i| {
-        measure_group(cases[i].1, cases[i].2, &data)
+        let (_, delayed, overlap) = cases[i];
+        let measured = measure(delayed.then_some(bytes_per_sec), overlap, &data)?;
+        parts[i].push(measured.times);
+        Ok(measured.times.step)
     }) {
         Ok(medians) => medians,
         Err(e) => {
@@ -119,20 +252,54 @@ pub fn run(report: &mut Report) {
             return;
         }
     };
-    for ((name, _, _), median) in cases.iter().zip(&medians) {
+    let part = |case: usize, of: fn(&Times) -> f64| median(parts[case].iter().map(of).collect());
+    report.add(
+        "overlap.backward_ms",
+        calibration.times.backward * 1e3,
+        "ms",
+        None,
+    );
+    report.add("overlap.link_delay_ms", comm_time * 1e3, "ms", None);
+    report.add("overlap.bucket_delay_ms", bucket_delay * 1e3, "ms", None);
+    // What the link adds to a serial step (expected: `link_delay_ms`).
+    report.add(
+        "overlap.comm_ms",
+        (medians[2] - medians[0]) * 1e3,
+        "ms",
+        None,
+    );
+    report.add(
+        "overlap.forward_ms",
+        part(0, |t| t.forward) * 1e3,
+        "ms",
+        None,
+    );
+    for (case, ((name, _, _), median)) in cases.iter().zip(&medians).enumerate() {
         report.add(&format!("overlap.{name}_ms"), median * 1e3, "ms", None);
+        report.add(
+            &format!("overlap.{name}_backward_ms"),
+            part(case, |t| t.backward) * 1e3,
+            "ms",
+            None,
+        );
+        report.add(
+            &format!("overlap.{name}_handover_ms"),
+            part(case, |t| t.handover) * 1e3,
+            "ms",
+            None,
+        );
     }
     report.add(
         "overlap.step_over_serial",
+        medians[3] / medians[2],
+        "ratio",
+        Some("<= 0.75"),
+    );
+    report.add(
+        "overlap.undelayed_step_over_serial",
         medians[1] / medians[0],
         "ratio",
         Some("<= 1.0"),
-    );
-    report.add(
-        "overlap.delayed_step_over_serial",
-        medians[3] / medians[2],
-        "ratio",
-        Some("< 1.0"),
     );
     report.add(
         "overlap.delayed_interleaved_over_serial",
