@@ -62,15 +62,35 @@ struct Timed<H> {
     last: Mutex<Option<(Instant, Duration)>>,
 }
 
-impl<H: GradHook> GradHook for Timed<H> {
-    fn grad_ready(&self, var: &Var, grad: Tensor) -> candle_core::Result<()> {
+impl<H: GradHook> Timed<H> {
+    /// Runs one handover, adding its time to the pass's.
+    fn timed(&self, handover: impl FnOnce() -> candle_core::Result<()>) -> candle_core::Result<()> {
         let started = Instant::now();
-        self.inner.grad_ready(var, grad)?;
+        handover()?;
         let now = Instant::now();
         let mut last = self.last.lock().unwrap_or_else(PoisonError::into_inner);
         let handover = last.map_or(Duration::ZERO, |(_, handover)| handover);
         *last = Some((now, handover + (now - started)));
         Ok(())
+    }
+}
+
+impl<H: GradHook> GradHook for Timed<H> {
+    fn grad_ready(&self, var: &Var, grad: Tensor) -> candle_core::Result<()> {
+        self.timed(|| self.inner.grad_ready(var, grad))
+    }
+
+    fn block_bytes(&self) -> Option<usize> {
+        self.inner.block_bytes()
+    }
+
+    fn grad_block_ready(
+        &self,
+        var: &Var,
+        rows: std::ops::Range<usize>,
+        grad: Tensor,
+    ) -> candle_core::Result<()> {
+        self.timed(|| self.inner.grad_block_ready(var, rows, grad))
     }
 
     fn will_report(&self, var: &Var) {
