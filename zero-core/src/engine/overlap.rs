@@ -39,9 +39,13 @@ use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-/// Bucket reductions queued on the communication thread before a new
-/// bucket buffer waits for one to come back.
-const BUCKETS_IN_FLIGHT: usize = 2;
+/// Bucket buffers a backward pass holds (being filled, or queued on the
+/// communication thread) before it waits for a queued one to come back
+/// rather than allocate another: one filling while one reduces (double
+/// buffering, as DeepSpeed's stage 2). More are allocated only while
+/// nothing is queued (a gradient block spanning a bucket boundary fills
+/// two).
+const BUCKET_BUFFERS: usize = 2;
 
 /// All-gathers of stepped buckets allowed in flight at once after backward.
 const GATHERS_IN_FLIGHT: usize = 1;
@@ -283,6 +287,13 @@ pub(super) struct Window<T: Element, B> {
     /// Buckets completed during backward are stepped by the reducer.
     step_early: bool,
     reducer: Reducer<T, B>,
+}
+
+impl<T: Element, B> Window<T, B> {
+    /// How many bucket buffers are being filled.
+    fn holding(&self) -> usize {
+        self.open.iter().chain(&self.late).flatten().count()
+    }
 }
 
 /// The order hash as exactly representable `f64` pieces, then their
@@ -696,10 +707,11 @@ where
         grad: M::Grad<'_>,
         predicted: bool,
     ) -> Result<()> {
-        let Some(window) = self.window.as_mut() else {
-            return Err(Error::State("internal: no backward pass is open".into()));
-        };
-        for &r in &self.runs_of_param[param] {
+        for i in 0..self.runs_of_param[param].len() {
+            let r = self.runs_of_param[param][i];
+            let Some(window) = self.window.as_mut() else {
+                return Err(Error::State("internal: no backward pass is open".into()));
+            };
             let run = &self.layout.runs[r];
             let k = self.bucket_of_run[r];
             let start = self.layout.bucket_range(k).start;
@@ -714,6 +726,7 @@ where
                     self.params[param].name
                 )));
             }
+            let holding = window.holding();
             let slot = if k < window.next {
                 &mut window.late[k]
             } else {
@@ -725,6 +738,7 @@ where
                     &mut self.memory,
                     &mut self.pool,
                     &mut window.reducer,
+                    holding,
                     len,
                 )?);
             }
@@ -740,6 +754,11 @@ where
             if predicted && window.seen_calls[r] <= window.expected_calls[param] && k >= window.next
             {
                 window.remaining[k] = window.remaining[k].saturating_sub(1);
+                // Launched before the next bucket of a long gradient is
+                // opened, so that it can take this one's place.
+                if window.remaining[k] == 0 {
+                    self.launch_ready(false)?;
+                }
             }
         }
         self.present[param] = true;
@@ -756,12 +775,14 @@ where
             && (all || (window.predicted[window.next] && window.remaining[window.next] == 0))
         {
             let k = window.next;
+            let holding = window.holding();
             let buffer = match window.open[k].take() {
                 Some(buffer) => buffer,
                 None => take_buffer(
                     &mut self.memory,
                     &mut self.pool,
                     &mut window.reducer,
+                    holding,
                     self.layout.bucket_range(k).len(),
                 )?,
             };
@@ -1193,16 +1214,17 @@ where
 
 /// A buffer of at least `len` elements, zeroed there: the shortest that
 /// fits from the pool (after collecting what the communication thread has
-/// returned), or a new one of exactly `len`. With [`BUCKETS_IN_FLIGHT`]
-/// reductions queued, first waits for the oldest to come back, so the pool
-/// stays small when the communication thread falls behind. (It cannot wait
-/// forever: the oldest queued reduction needs only buckets every rank
-/// launches before waiting on anything, and a failed one still returns its
-/// buffer.)
+/// returned), or a new one of exactly `len`. With [`BUCKET_BUFFERS`] held
+/// (`holding` being filled, the rest queued), first waits for the oldest
+/// queued one to come back, so the pool stays small when the communication
+/// thread falls behind. (It cannot wait forever: the oldest queued
+/// reduction needs only buckets every rank launches before waiting on
+/// anything, and a failed one still returns its buffer.)
 fn take_buffer<T, C, M>(
     memory: &mut M,
     pool: &mut Vec<M::Buffer>,
     reducer: &mut Reducer<T, M::Buffer>,
+    holding: usize,
     len: usize,
 ) -> Result<M::Buffer>
 where
@@ -1220,7 +1242,7 @@ where
             pool.push(buffer);
             *in_flight = in_flight.saturating_sub(1);
         }
-        if *in_flight >= BUCKETS_IN_FLIGHT {
+        if *in_flight > 0 && *in_flight + holding >= BUCKET_BUFFERS {
             // `Err`: the thread is gone (it panicked); joining reports it.
             if let Ok(buffer) = returned.recv() {
                 pool.push(buffer);
