@@ -36,6 +36,7 @@ use std::collections::VecDeque;
 use std::ops::Range;
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError, RwLock};
+use std::thread::JoinHandle;
 
 /// All-gathers `send` (this rank's chunk of one bucket) into `recv` (the
 /// whole bucket, every rank's chunk in rank order).
@@ -161,6 +162,28 @@ pub struct Fetcher<T> {
     /// thread, for communicators that must not run two collectives at once).
     jobs: Option<Mutex<Sender<Job<T>>>>,
     gather: Arc<GatherFn<T>>,
+    /// The gather thread, joined when the fetcher goes (it holds the
+    /// shard and a gather's buffer until it has stopped).
+    worker: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl<T> Drop for Fetcher<T> {
+    fn drop(&mut self) {
+        // Closing the queue stops the thread after the gather under way.
+        self.jobs = None;
+        let worker = self
+            .worker
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(worker) = worker {
+            // The thread itself may hold the last handle (briefly, while
+            // it reports a gather): it is stopping anyway.
+            if worker.thread().id() != std::thread::current().id() {
+                let _ = worker.join();
+            }
+        }
+    }
 }
 
 impl<T: crate::Element> Fetcher<T> {
@@ -224,6 +247,7 @@ impl<T: crate::Element> Fetcher<T> {
             done: Condvar::new(),
             jobs,
             gather,
+            worker: Mutex::new(None),
         });
         if let Some(receiver) = receiver {
             let worker = Worker {
@@ -232,10 +256,14 @@ impl<T: crate::Element> Fetcher<T> {
                 gather: fetcher.gather.clone(),
                 fetcher: Arc::downgrade(&fetcher),
             };
-            std::thread::Builder::new()
+            let handle = std::thread::Builder::new()
                 .name("zero-gather".into())
                 .spawn(move || worker.run(receiver))
                 .map_err(|e| Error::State(format!("cannot start the gather thread: {e}")))?;
+            *fetcher
+                .worker
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner) = Some(handle);
         }
         Ok(fetcher)
     }

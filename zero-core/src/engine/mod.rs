@@ -837,10 +837,16 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// values already, and the after-backward schedule reads them bucket by
     /// bucket as it steps and all-gathers (`step_and_gather_overlapped`).
     /// The interleaved schedule steps on the communication thread during
-    /// backward, and stage 3's shard is the only copy of its parameters:
-    /// both keep the shard.
+    /// backward, and stage 3's shard, once sharded, is the only copy of its
+    /// parameters: both keep the shard.
     pub(super) fn lean_shard(&self) -> bool {
-        matches!(self.config.stage, Stage::OptimizerState | Stage::Gradients)
+        let replicated = match self.config.stage {
+            Stage::OptimizerState | Stage::Gradients => true,
+            // Until it shards, stage 3 runs as stage 2.
+            Stage::Parameters => self.fetcher.is_none(),
+            Stage::Ddp => false,
+        };
+        replicated
             && self.config.overlap == Overlap::AfterBackward
             && !self.has_master_weights()
             && self.memory.fork().is_some()

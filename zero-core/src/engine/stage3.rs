@@ -82,7 +82,14 @@ where
             .collect();
         self.check_same_mask(&mask)?;
 
-        // The shard must hold the current values before the replica goes.
+        // The shard must hold the current values before the replica goes
+        // (a lean shard, `lean_shard`, exists only from now on). The bucket
+        // buffers are let go first, so that the shard and the replica
+        // meeting here do not add to what a step holds.
+        if M::buffer_len(&self.param_shard) < self.plan.shard_numel {
+            self.pool.clear();
+            self.param_shard = self.memory.alloc_zeroed(self.plan.shard_numel)?;
+        }
         self.refresh_param_shard(params)?;
         let (units, place) = self.gather_units(&mask)?;
         let world: Vec<usize> = (0..self.comm.world_size()).collect();
