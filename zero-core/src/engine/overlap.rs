@@ -41,11 +41,14 @@ use std::time::{Duration, Instant};
 
 /// Bucket buffers a backward pass holds (being filled, or queued on the
 /// communication thread) before it waits for a queued one to come back
-/// rather than allocate another: one filling while one reduces (double
-/// buffering, as DeepSpeed's stage 2). More are allocated only while
-/// nothing is queued (a gradient block spanning a bucket boundary fills
-/// two).
-const BUCKET_BUFFERS: usize = 2;
+/// rather than allocate another: at least two (one filling while one
+/// reduces, DeepSpeed's double buffering), and as many as hold
+/// [`BUCKET_BUFFER_BYTES`] (small buckets need more in flight to keep the
+/// link busy). More are allocated only while nothing is queued (a gradient
+/// block spanning a bucket boundary fills two).
+const MIN_BUCKET_BUFFERS: usize = 2;
+/// See [`MIN_BUCKET_BUFFERS`]: two default buckets.
+const BUCKET_BUFFER_BYTES: usize = 8 << 20;
 
 /// All-gathers of stepped buckets allowed in flight at once after backward.
 const GATHERS_IN_FLIGHT: usize = 1;
@@ -287,6 +290,8 @@ pub(super) struct Window<T: Element, B> {
     /// Buckets completed during backward are stepped by the reducer.
     step_early: bool,
     reducer: Reducer<T, B>,
+    /// Bucket buffers held before a new one waits ([`MIN_BUCKET_BUFFERS`]).
+    buffer_limit: usize,
 }
 
 impl<T: Element, B> Window<T, B> {
@@ -497,6 +502,11 @@ where
                 self.spawn_reducer(worker_memory, targets)
             }
         };
+        let longest = (0..buckets)
+            .map(|k| self.layout.bucket_range(k).len())
+            .max();
+        let bucket_bytes = longest.unwrap_or(1).max(1) * std::mem::size_of::<T>();
+        let buffer_limit = (BUCKET_BUFFER_BYTES / bucket_bytes).max(MIN_BUCKET_BUFFERS);
         self.window = Some(Window {
             expected_calls,
             seen_calls: vec![0; self.layout.runs.len()],
@@ -510,6 +520,7 @@ where
             add,
             step_early,
             reducer,
+            buffer_limit,
         });
         // A model whose first buckets get no hooked gradient launches
         // nothing until the end; one whose buckets are all predicted starts
@@ -738,7 +749,7 @@ where
                     &mut self.memory,
                     &mut self.pool,
                     &mut window.reducer,
-                    holding,
+                    (holding, window.buffer_limit),
                     len,
                 )?);
             }
@@ -782,7 +793,7 @@ where
                     &mut self.memory,
                     &mut self.pool,
                     &mut window.reducer,
-                    holding,
+                    (holding, window.buffer_limit),
                     self.layout.bucket_range(k).len(),
                 )?,
             };
@@ -1214,7 +1225,7 @@ where
 
 /// A buffer of at least `len` elements, zeroed there: the shortest that
 /// fits from the pool (after collecting what the communication thread has
-/// returned), or a new one of exactly `len`. With [`BUCKET_BUFFERS`] held
+/// returned), or a new one of exactly `len`. With `limit` buffers held
 /// (`holding` being filled, the rest queued), first waits for the oldest
 /// queued one to come back, so the pool stays small when the communication
 /// thread falls behind. (It cannot wait forever: the oldest queued
@@ -1224,7 +1235,7 @@ fn take_buffer<T, C, M>(
     memory: &mut M,
     pool: &mut Vec<M::Buffer>,
     reducer: &mut Reducer<T, M::Buffer>,
-    holding: usize,
+    (holding, limit): (usize, usize),
     len: usize,
 ) -> Result<M::Buffer>
 where
@@ -1242,7 +1253,7 @@ where
             pool.push(buffer);
             *in_flight = in_flight.saturating_sub(1);
         }
-        if *in_flight > 0 && *in_flight + holding >= BUCKET_BUFFERS {
+        if *in_flight > 0 && *in_flight + holding >= limit {
             // `Err`: the thread is gone (it panicked); joining reports it.
             if let Ok(buffer) = returned.recv() {
                 pool.push(buffer);
