@@ -8,7 +8,7 @@ use common::{
     assert_trajectories, engine, make_opt, reference_trajectory, run, slots, Model, Opt, Synthetic,
 };
 use zero_core::engine::{EngineConfig, Overlap, Stage};
-use zero_core::Communicator;
+use zero_core::{Communicator, Engine, ThreadComm};
 
 #[test]
 fn handed_over_micro_steps_mix_with_slot_micro_steps() {
@@ -137,19 +137,8 @@ fn after_backward_stages_1_and_2_keep_no_copy_of_the_parameter_shard() {
                 .with_bucket_bytes(64)
                 .with_overlap(overlap);
             let reports = run(2, |comm| {
-                let rank = comm.rank();
                 let mut e = engine(comm, &model, make_opt(Opt::Adam, false), config.clone())?;
-                let n = e.params().len();
-                let mut params = model.init();
-                for s in 0..2 {
-                    let g = model.grads(&params, rank, s);
-                    let order: Vec<(usize, usize)> = (0..n).rev().map(|p| (p, 1)).collect();
-                    e.begin_backward(&order, &mut params)?;
-                    for p in (0..n).rev() {
-                        e.accumulate_param(p, &g[p])?;
-                    }
-                    e.step(&vec![None; n], &mut params)?;
-                }
+                hand_over_steps(&mut e, &model, 2)?;
                 Ok((e.memory_report().params, e.plan().shard_numel * 8))
             });
             let (params, shard) = reports[0];
@@ -180,19 +169,8 @@ fn a_backward_pass_holds_a_few_bucket_buffers_not_one_per_bucket() {
         .with_bucket_bytes(4 << 20)
         .with_overlap(Overlap::AfterBackward);
     let reports = run(2, |comm| {
-        let rank = comm.rank();
         let mut e = engine(comm, &model, make_opt(Opt::Adam, false), config.clone())?;
-        let n = e.params().len();
-        let mut params = model.init();
-        for s in 0..2 {
-            let g = model.grads(&params, rank, s);
-            let order: Vec<(usize, usize)> = (0..n).rev().map(|p| (p, 1)).collect();
-            e.begin_backward(&order, &mut params)?;
-            for p in (0..n).rev() {
-                e.accumulate_param(p, &g[p])?;
-            }
-            e.step(&vec![None; n], &mut params)?;
-        }
+        hand_over_steps(&mut e, &model, 2)?;
         let layout = e.layout();
         let longest = (0..layout.buckets.len())
             .map(|k| layout.bucket_range(k).len())
@@ -214,4 +192,26 @@ fn a_backward_pass_holds_a_few_bucket_buffers_not_one_per_bucket() {
             "rank {rank}: {bytes} bytes of bucket buffers for {buckets} buckets of {bucket}"
         );
     }
+}
+
+/// `steps` steps of `model` whose gradients are all handed over during
+/// "backward", in reverse order, as a hook hands them.
+fn hand_over_steps(
+    e: &mut Engine<f64, ThreadComm>,
+    model: &Synthetic,
+    steps: usize,
+) -> zero_core::Result<()> {
+    let rank = e.comm().rank();
+    let n = e.params().len();
+    let mut params = model.init();
+    for s in 0..steps {
+        let g = model.grads(&params, rank, s);
+        let order: Vec<(usize, usize)> = (0..n).rev().map(|p| (p, 1)).collect();
+        e.begin_backward(&order, &mut params)?;
+        for p in (0..n).rev() {
+            e.accumulate_param(p, &g[p])?;
+        }
+        e.step(&vec![None; n], &mut params)?;
+    }
+    Ok(())
 }

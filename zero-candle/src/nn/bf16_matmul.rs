@@ -169,7 +169,7 @@ pub(super) fn row_blocks(
     bytes: usize,
 ) -> Vec<Range<usize>> {
     if in_dim <= 1 {
-        return vec![0..out];
+        return vec![Range { start: 0, end: out }];
     }
     let len = (bytes / size.max(1) / in_dim).max(MIN_SLICE) / 64 * 64;
     slices(out, len).collect()

@@ -1214,7 +1214,10 @@ where
             ..*p
         })
         .collect();
-    let whole = [0..shard_range.len()];
+    let whole = [Range {
+        start: 0,
+        end: shard_range.len(),
+    }];
     let plan = StepPlan {
         pieces: &pieces,
         buckets: &whole,
