@@ -27,7 +27,7 @@ const SEQ: usize = 4;
 /// Weights (256 elements) and the embedding (208) are sharded, biases and
 /// norms (16) persist.
 const PERSIST: usize = 64;
-/// 64 f32 per rank: every weight spans several buckets.
+/// 64 f32 per bucket: every weight spans several buckets.
 const BUCKET_BYTES: usize = 256;
 
 /// Embedding, residual tanh layers, a norm, and an output head tied to the

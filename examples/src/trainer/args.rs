@@ -170,8 +170,8 @@ pub struct Args {
     /// gradient). Default: reduce in f32.
     #[arg(long)]
     pub reduce_in_param_dtype: bool,
-    /// Bucket size in MiB (per rank: a collective moves world-size times
-    /// this).
+    /// Bucket size in MiB: what one collective moves and one bucket
+    /// buffer holds, all ranks' chunks together.
     #[arg(long, default_value_t = 4.0)]
     pub bucket_mb: f64,
     /// When gradient reductions run: overlapped with backward or after it.
