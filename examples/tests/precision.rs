@@ -110,11 +110,15 @@ fn f32_master_weights_keep_the_small_updates_bf16_loses() {
 
 #[test]
 fn sixteen_bit_runs_train_at_every_stage_with_accumulation_and_loss_scaling() {
-    for stage in ["0", "1", "2"] {
+    for stage in ["0", "1", "2", "3"] {
         for (precision, scale) in [("f16", "dynamic"), ("bf16", "1024"), ("bf16", "none")] {
+            // Stage 3 shards every weight of this small model (the default
+            // keeps parameters of up to 100k elements whole).
             let s = train(&[
                 "--stage",
                 stage,
+                "--persist-numel",
+                "0",
                 "--steps",
                 "30",
                 "--grad-accum",
@@ -169,27 +173,36 @@ fn bf16_runs_resume_bitwise_and_f32_runs_resume_from_them() {
     let dir = tempfile::tempdir().unwrap();
     let ckpt = dir.path().join("ckpt");
     let ckpt = ckpt.to_str().unwrap();
-    let common = ["--stage", "2", "--precision", "f16", "--batch-size", "8"];
-    let full = train(&[&common[..], &["--steps", "8"]].concat());
-    train(
-        &[
-            &common[..],
+    // Stage 3 too: its checkpoint holds the masters of the sharded weights.
+    let stage3 = ["--stage", "3", "--persist-numel", "0"];
+    let stage3_ckpt = dir.path().join("ckpt3");
+    let stage3_ckpt = stage3_ckpt.to_str().unwrap();
+    let mut full = None;
+    for (stage, ckpt) in [(&["--stage", "2"][..], ckpt), (&stage3[..], stage3_ckpt)] {
+        let common = [stage, &["--precision", "f16", "--batch-size", "8"]].concat();
+        let whole = train(&[&common[..], &["--steps", "8"]].concat());
+        train(
             &[
-                "--steps",
-                "4",
-                "--checkpoint-dir",
-                ckpt,
-                "--checkpoint-every",
-                "4",
-            ],
-        ]
-        .concat(),
-    );
-    let resumed = train(&[&common[..], &["--steps", "8", "--resume", ckpt]].concat());
-    assert_eq!(
-        full.weights, resumed.weights,
-        "f16 resume (masters, loss scale)"
-    );
+                &common[..],
+                &[
+                    "--steps",
+                    "4",
+                    "--checkpoint-dir",
+                    ckpt,
+                    "--checkpoint-every",
+                    "4",
+                ],
+            ]
+            .concat(),
+        );
+        let resumed = train(&[&common[..], &["--steps", "8", "--resume", ckpt]].concat());
+        assert_eq!(
+            whole.weights, resumed.weights,
+            "{stage:?}: f16 resume (masters, loss scale)"
+        );
+        full.get_or_insert(whole);
+    }
+    let full = full.expect("stage 2 ran");
 
     // An f32 run at another world size and stage (the same global batch)
     // from the f16 checkpoint.

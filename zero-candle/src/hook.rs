@@ -215,7 +215,9 @@ where
                 gathering > 0
                     && gathering == announced
                     && var.device().is_cpu()
-                    && var.dtype() == <T as WithDType>::DTYPE
+                    // A 16-bit model under f32 masters: the gathered
+                    // masters are rounded to the model's dtype on use.
+                    && (var.dtype() == <T as WithDType>::DTYPE || crate::precision::is_half(var.dtype()))
             })
             .collect()
     }
@@ -376,10 +378,33 @@ where
             return Ok(None);
         }
         let mut gathered = fetcher.acquire(i).map_err(candle_core::Error::wrap)?;
-        let layout = Layout::contiguous_with_offset(var.shape(), gathered.range().start);
-        let storage = T::to_cpu_storage_owned(std::mem::take(gathered.buffer_mut()));
-        Ok(Some(GatheredParam::new(storage, layout, i, lender)))
+        let range = gathered.range();
+        let buffer = std::mem::take(gathered.buffer_mut());
+        if var.dtype() == <T as WithDType>::DTYPE {
+            let layout = Layout::contiguous_with_offset(var.shape(), range.start);
+            let storage = T::to_cpu_storage_owned(buffer);
+            return Ok(Some(GatheredParam::new(storage, layout, i, lender)));
+        }
+        // Master weights: the model computes with them rounded to its
+        // dtype (the values the write-back gives a replicated weight); the
+        // gathered masters go back at once.
+        let rounded = crate::precision::rounded(&buffer[range], var.dtype());
+        fetcher.release_buffer(i, buffer);
+        let layout = Layout::contiguous(var.shape());
+        Ok(Some(GatheredParam::new(
+            rounded?,
+            layout,
+            i,
+            Arc::new(LetGo),
+        )))
     }
+}
+
+/// Lets a lent storage go (a rounded copy of gathered master weights).
+struct LetGo;
+
+impl GiveBack for LetGo {
+    fn give_back(&self, _param: usize, _storage: CpuStorage) {}
 }
 
 /// Takes the storages of stage 3's gathers back into the fetcher's pool.

@@ -47,6 +47,29 @@ pub(crate) fn values_as<T: Element + WithDType>(t: &Tensor) -> Result<Vec<T>> {
         .to_vec1::<T>()?)
 }
 
+/// `values` rounded to the 16-bit `dtype`, as a CPU storage (the rounding
+/// the engine's write-back applies).
+pub(crate) fn rounded<T: Element>(values: &[T], dtype: DType) -> Result<CpuStorage> {
+    Ok(match dtype {
+        DType::BF16 => {
+            let mut out = vec![bf16::ZERO; values.len()];
+            convert_slice::<T, bf16>(values, &mut out);
+            CpuStorage::BF16(out)
+        }
+        DType::F16 => {
+            let mut out = vec![f16::ZERO; values.len()];
+            convert_slice::<T, f16>(values, &mut out);
+            CpuStorage::F16(out)
+        }
+        other => {
+            return Err(crate::Error::Variable {
+                name: "<gathered>".into(),
+                detail: format!("cannot round master weights to {other:?}; use bf16 or f16"),
+            })
+        }
+    })
+}
+
 /// `loss` multiplied by the engine's loss scale (`loss` itself without
 /// one). Compute the loss of an f16 model in f32 (as `autocast` does):
 /// the scaled loss of an f16 loss overflows f16 at the default scale.

@@ -100,7 +100,8 @@ where
         let tensor = match &fetcher {
             Some(fetcher) if fetcher.is_sharded(i) => {
                 let values = fetcher.gather_full(i)?;
-                Tensor::from_vec(values, var.shape(), var.device())?
+                // Master weights are rounded to the model's dtype.
+                Tensor::from_vec(values, var.shape(), var.device())?.to_dtype(var.dtype())?
             }
             _ => var.as_tensor().copy()?,
         };

@@ -58,6 +58,19 @@ where
     train_with::<T>(dtype, hooked, loss_scale, blow_up, Overlap::default())
 }
 
+/// Sets every variable of `varmap` to seeded values of `dtype`, in name
+/// order.
+fn seed(varmap: &VarMap, dtype: DType) -> candle_core::Result<()> {
+    let data = varmap.data().lock().unwrap();
+    let mut names: Vec<&String> = data.keys().collect();
+    names.sort();
+    for (i, name) in names.into_iter().enumerate() {
+        let var = &data[name];
+        var.set(&nn_support::data(100 + i as u64, var.dims(), dtype))?;
+    }
+    Ok(())
+}
+
 /// [`train`] with an overlap schedule.
 fn train_with<T>(
     dtype: DType,
@@ -78,15 +91,7 @@ where
         let as_hook: Option<Arc<dyn GradHook>> = hooked.then(|| hook.clone() as Arc<dyn GradHook>);
         let l1 = nn::linear(6, 16, vb.pp("l1"), as_hook.clone())?;
         let l2 = nn::linear(16, 3, vb.pp("l2"), as_hook)?;
-        {
-            let data = varmap.data().lock().unwrap();
-            let mut names: Vec<&String> = data.keys().collect();
-            names.sort();
-            for (i, name) in names.into_iter().enumerate() {
-                let var = &data[name];
-                var.set(&nn_support::data(100 + i as u64, var.dims(), dtype))?;
-            }
-        }
+        seed(&varmap, dtype)?;
         let adamw = AdamW::new(AdamWConfig::default().with_lr(1e-2))?;
         let config = EngineConfig::default()
             .with_stage(Stage::Gradients)
@@ -256,5 +261,64 @@ fn an_engine_narrower_than_the_variables_is_an_error_at_construction() {
             assert_eq!(*engine, zero_core::DType::BF16);
         }
         other => panic!("expected a ParamDType error, got {other:?}"),
+    }
+}
+
+/// The full weights after each step of a 16-bit model under an f32
+/// engine at `stage` (persistence 0: at stage 3 every weight and bias is
+/// sharded after the first step), and the gathers made.
+fn full_weights_per_step(dtype: DType, stage: Stage) -> (Vec<Vec<f64>>, u64) {
+    let out = ThreadGroup::new(2).run(|comm| -> zero_candle::Result<_> {
+        let rank = comm.rank();
+        let varmap = VarMap::new();
+        let vb = VarBuilder::from_varmap(&varmap, dtype, &Device::Cpu);
+        let hook = ZeroHook::<ThreadComm, f32>::new();
+        let as_hook: Option<Arc<dyn GradHook>> = Some(hook.clone());
+        let l1 = nn::linear(6, 16, vb.pp("l1"), as_hook.clone())?;
+        let l2 = nn::linear(16, 3, vb.pp("l2"), as_hook)?;
+        seed(&varmap, dtype)?;
+        let adamw = AdamW::new(AdamWConfig::default().with_lr(1e-2))?;
+        let config = EngineConfig::default()
+            .with_stage(stage)
+            .with_persist_numel(0)
+            .with_bucket_bytes(64);
+        let mut opt =
+            ZeroOptimizer::<ThreadComm, f32>::new(&varmap, comm, config, Box::new(adamw))?
+                .with_hook(&hook)?;
+        let mut weights = Vec::new();
+        for step in 0..STEPS {
+            let (x, y) = batch(step, rank, dtype, false);
+            let out = l2.forward(&l1.forward(&x)?.relu()?)?;
+            opt.backward_step(&out.to_dtype(DType::F32)?.sub(&y)?.sqr()?.mean_all()?)?;
+            let mut all = Vec::new();
+            for (_, w) in opt.full_weights()? {
+                assert_eq!(w.dtype(), dtype, "full weights in the model's dtype");
+                all.extend(nn_support::values(&w));
+            }
+            weights.push(all);
+        }
+        let gathers = opt.fetch_stats().map_or(0, |s| s.gathers.iter().sum());
+        Ok((weights, gathers))
+    });
+    let mut runs = out
+        .into_iter()
+        .map(|r| r.expect("no panic").expect("training works"));
+    let (first, gathers) = runs.next().expect("two ranks");
+    for (other, _) in runs {
+        assert_eq!(other, first, "ranks agree");
+    }
+    (first, gathers)
+}
+
+#[test]
+fn stage_3_over_a_16_bit_model_with_f32_masters_trains_the_weights_of_stage_2() {
+    // Stage 3 gathers the f32 masters and rounds them to the model's dtype
+    // on use, the values stage 2's write-back gives its replica: the same
+    // arithmetic, so the same bits.
+    for dtype in [DType::BF16, DType::F16] {
+        let (stage2, _) = full_weights_per_step(dtype, Stage::Gradients);
+        let (stage3, gathers) = full_weights_per_step(dtype, Stage::Parameters);
+        assert!(gathers > 0, "{dtype:?}: stage 3 sharded and gathered");
+        assert_eq!(stage3, stage2, "{dtype:?}: stage 3 against stage 2");
     }
 }

@@ -22,7 +22,7 @@
 //! the bits against Candle's own bf16 matmul.
 
 use candle_core::backend::BackendStorage;
-use candle_core::{bail, CpuStorage, Device, Layout, Result, Storage, Tensor};
+use candle_core::{bail, CpuStorage, Device, Layout, Result, Shape, Storage, Tensor};
 use half::bf16;
 use half::slice::HalfFloatSliceExt;
 use std::ops::Range;
@@ -185,34 +185,76 @@ pub(super) fn grad_input(g: &Tensor, w: &Tensor) -> Result<Option<Tensor>> {
             if w_out != out_dim {
                 bail!("zero-candle Linear: a gradient of {out_dim} outputs for a weight of {w_out}")
             }
-            let g32 = CpuStorage::F32(g.to_f32_vec());
-            let g32_layout = Layout::contiguous((rows, out_dim));
-            let len = if rows > 1 { slice_len(out_dim) } else { in_dim };
-            let mut grad = vec![bf16::ZERO; rows * in_dim];
-            let mut w32 = Vec::new();
-            for cols in slices(in_dim, len) {
-                w32.clear();
-                for row in w.chunks_exact(in_dim) {
-                    w32.extend(row[cols.clone()].iter().map(|v| v.to_f32()));
-                }
-                let w32_storage = CpuStorage::F32(std::mem::take(&mut w32));
-                let w32_layout = Layout::contiguous((out_dim, cols.len()));
-                let bmnk = (1, rows, cols.len(), out_dim);
-                let y = matmul_f32(&g32, &g32_layout, &w32_storage, &w32_layout, bmnk)?;
-                if let CpuStorage::F32(v) = w32_storage {
-                    w32 = v;
-                }
-                for (row, y) in grad
-                    .chunks_exact_mut(in_dim)
-                    .zip(y.chunks_exact(cols.len()))
-                {
-                    row[cols.clone()].convert_from_f32_slice(y);
-                }
-            }
+            let grad = grad_input_slices(g, rows, w, (out_dim, in_dim))?;
             Tensor::from_vec(grad, (rows, in_dim), &Device::Cpu)
         })
     })?;
     Ok(out.flatten())
+}
+
+/// [`grad_input`] on storages (stage 3's gathered weight): `g`
+/// `[rows, out]` and `W` `[out, in]`, both bf16 and contiguous; `None`
+/// when they are not that.
+pub(super) fn grad_input_storage(
+    g: &CpuStorage,
+    g_layout: &Layout,
+    w: &CpuStorage,
+    w_layout: &Layout,
+) -> Result<Option<(CpuStorage, Shape)>> {
+    let (CpuStorage::BF16(g), CpuStorage::BF16(w)) = (g, w) else {
+        return Ok(None);
+    };
+    let (Some((g_start, g_end)), Some((w_start, w_end))) =
+        (g_layout.contiguous_offsets(), w_layout.contiguous_offsets())
+    else {
+        return Ok(None);
+    };
+    let ((rows, out_dim), (w_out, in_dim)) = (g_layout.shape().dims2()?, w_layout.shape().dims2()?);
+    if w_out != out_dim {
+        bail!("zero-candle Linear: a gradient of {out_dim} outputs for a weight of {w_out}")
+    }
+    let grad = grad_input_slices(
+        &g[g_start..g_end],
+        rows,
+        &w[w_start..w_end],
+        (out_dim, in_dim),
+    )?;
+    Ok(Some((CpuStorage::BF16(grad), Shape::from((rows, in_dim)))))
+}
+
+/// `g·W` for `g` `[rows, out]` and `W` `[out, in]` (bf16 slices), a slice
+/// of `W`'s columns at a time, as `[rows, in]`.
+fn grad_input_slices(
+    g: &[bf16],
+    rows: usize,
+    w: &[bf16],
+    (out_dim, in_dim): (usize, usize),
+) -> Result<Vec<bf16>> {
+    let g32 = CpuStorage::F32(g.to_f32_vec());
+    let g32_layout = Layout::contiguous((rows, out_dim));
+    let len = if rows > 1 { slice_len(out_dim) } else { in_dim };
+    let mut grad = vec![bf16::ZERO; rows * in_dim];
+    let mut w32 = Vec::new();
+    for cols in slices(in_dim, len) {
+        w32.clear();
+        for row in w.chunks_exact(in_dim) {
+            w32.extend(row[cols.clone()].iter().map(|v| v.to_f32()));
+        }
+        let w32_storage = CpuStorage::F32(std::mem::take(&mut w32));
+        let w32_layout = Layout::contiguous((out_dim, cols.len()));
+        let bmnk = (1, rows, cols.len(), out_dim);
+        let y = matmul_f32(&g32, &g32_layout, &w32_storage, &w32_layout, bmnk)?;
+        if let CpuStorage::F32(v) = w32_storage {
+            w32 = v;
+        }
+        for (row, y) in grad
+            .chunks_exact_mut(in_dim)
+            .zip(y.chunks_exact(cols.len()))
+        {
+            row[cols.clone()].convert_from_f32_slice(y);
+        }
+    }
+    Ok(grad)
 }
 
 #[cfg(test)]

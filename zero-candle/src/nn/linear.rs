@@ -199,6 +199,9 @@ impl CustomOp1 for MatmulGathered {
 
     fn cpu_fwd(&self, g: &CpuStorage, g_layout: &Layout) -> Result<(CpuStorage, Shape)> {
         let (w, w_layout) = self.0.storage();
+        if let Some(done) = bf16_matmul::grad_input_storage(g, g_layout, w, w_layout)? {
+            return Ok(done);
+        }
         let (rows, out_dim) = g_layout.shape().dims2()?;
         let (_, in_dim) = w_layout.shape().dims2()?;
         let product = g.matmul(w, (1, rows, in_dim, out_dim), g_layout, w_layout)?;

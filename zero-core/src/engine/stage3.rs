@@ -66,13 +66,9 @@ where
             )));
         }
         self.refuse_mid_accumulation("shard_parameters")?;
-        if self.has_master_weights() {
-            return Err(Error::Config(
-                "stage 3 with master weights (a 16-bit model under a wider engine) is not \
-                 built yet; use stage 2, or an engine of the model's own dtype"
-                    .into(),
-            ));
-        }
+        // With master weights the shard holds them: the gathers carry the
+        // masters (in `T`), and the framework rounds what it computes with
+        // to the model's dtype, as the write-back would have.
         let persist = self.config.persist_numel;
         let mask: Vec<bool> = self
             .params
