@@ -82,6 +82,27 @@ fn bf16_matrix<R>(
     f(&data[start..end], (*a, *b)).map(Some)
 }
 
+/// Two 2-d CPU storages as their contiguous bf16 elements with their
+/// dims; `None` when either is not that.
+#[allow(clippy::type_complexity)]
+fn bf16_matrices<'a>(
+    storages: [(&'a CpuStorage, &Layout); 2],
+) -> Result<Option<[(&'a [bf16], (usize, usize)); 2]>> {
+    let [(a, a_layout), (b, b_layout)] = storages;
+    let (CpuStorage::BF16(a), CpuStorage::BF16(b)) = (a, b) else {
+        return Ok(None);
+    };
+    let (Some((a_start, a_end)), Some((b_start, b_end))) =
+        (a_layout.contiguous_offsets(), b_layout.contiguous_offsets())
+    else {
+        return Ok(None);
+    };
+    Ok(Some([
+        (&a[a_start..a_end], a_layout.shape().dims2()?),
+        (&b[b_start..b_end], b_layout.shape().dims2()?),
+    ]))
+}
+
 /// `x·Wᵀ` for `x` `[rows, in]` and `W` `[out, in]`, both bf16 and
 /// contiguous: `[rows, out]`, a slice of `W`'s rows at a time. `None`
 /// when the storages are not that (the caller takes Candle's matmul).
@@ -91,19 +112,14 @@ pub(super) fn xwt(
     w: &CpuStorage,
     w_layout: &Layout,
 ) -> Result<Option<(CpuStorage, usize, usize)>> {
-    let (CpuStorage::BF16(x), CpuStorage::BF16(w)) = (x, w) else {
-        return Ok(None);
-    };
-    let (Some((x_start, x_end)), Some((w_start, w_end))) =
-        (x_layout.contiguous_offsets(), w_layout.contiguous_offsets())
+    let Some([(x, (rows, in_dim)), (w, (out_dim, w_in))]) =
+        bf16_matrices([(x, x_layout), (w, w_layout)])?
     else {
         return Ok(None);
     };
-    let ((rows, in_dim), (out_dim, w_in)) = (x_layout.shape().dims2()?, w_layout.shape().dims2()?);
     if in_dim != w_in {
         return Ok(None);
     }
-    let (x, w) = (&x[x_start..x_end], &w[w_start..w_end]);
     let x32 = CpuStorage::F32(x.to_f32_vec());
     let x32_layout = Layout::contiguous((rows, in_dim));
     let len = if rows > 1 { slice_len(in_dim) } else { out_dim };
@@ -201,24 +217,15 @@ pub(super) fn grad_input_storage(
     w: &CpuStorage,
     w_layout: &Layout,
 ) -> Result<Option<(CpuStorage, Shape)>> {
-    let (CpuStorage::BF16(g), CpuStorage::BF16(w)) = (g, w) else {
-        return Ok(None);
-    };
-    let (Some((g_start, g_end)), Some((w_start, w_end))) =
-        (g_layout.contiguous_offsets(), w_layout.contiguous_offsets())
+    let Some([(g, (rows, out_dim)), (w, (w_out, in_dim))]) =
+        bf16_matrices([(g, g_layout), (w, w_layout)])?
     else {
         return Ok(None);
     };
-    let ((rows, out_dim), (w_out, in_dim)) = (g_layout.shape().dims2()?, w_layout.shape().dims2()?);
     if w_out != out_dim {
         bail!("zero-candle Linear: a gradient of {out_dim} outputs for a weight of {w_out}")
     }
-    let grad = grad_input_slices(
-        &g[g_start..g_end],
-        rows,
-        &w[w_start..w_end],
-        (out_dim, in_dim),
-    )?;
+    let grad = grad_input_slices(g, rows, w, (out_dim, in_dim))?;
     Ok(Some((CpuStorage::BF16(grad), Shape::from((rows, in_dim)))))
 }
 
