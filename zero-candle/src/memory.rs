@@ -10,15 +10,11 @@ use crate::params::VarStore;
 use crate::{Error, Result};
 use candle_core::backprop::GradStore;
 use candle_core::{CpuStorage, Storage, Tensor, Var, WithDType};
-use half::{bf16, f16};
 use std::ops::Range;
 use std::sync::Arc;
-use zero_core::comm::{Host, MemoryKind, ReduceOp};
-use zero_core::engine::{
-    Engine, Fetcher, GradPiece, HostMemory, NormType, ParamCopy, ParamStore, ShardMemory,
-    StepPiece, StepPlan,
-};
-use zero_core::optim::{FunctionalOptimizer, OptimizerState};
+use zero_core::comm::{Host, MemoryKind};
+use zero_core::engine::{Engine, Fetcher, HostGrad, HostMemory, ShardMemory};
+use zero_core::optim::FunctionalOptimizer;
 use zero_core::{Communicator, DType, Element};
 
 /// The engine memory of communicator `C`'s memory kind, and the bridge
@@ -103,14 +99,14 @@ pub type ParamsFn<'f, T, C, K, R> = dyn for<'p> FnMut(&mut Params<'p, T, C, K>) 
 pub type MemoryOf<T, C> = <<C as Communicator>::Memory as CandleMemory<T, C>>::Memory;
 
 impl<T: Element + WithDType, C: Communicator<Memory = Host> + 'static> CandleMemory<T, C> for Host {
-    type Memory = CandleHostMemory;
+    type Memory = HostMemory;
 
     fn build(
         _named: &[(String, Var)],
         comm: C,
         _optimizer: &dyn FunctionalOptimizer<T>,
-    ) -> Result<(C, CandleHostMemory)> {
-        Ok((comm, CandleHostMemory))
+    ) -> Result<(C, HostMemory)> {
+        Ok((comm, HostMemory))
     }
 
     fn with_grads<R>(
@@ -147,34 +143,12 @@ impl<T: Element + WithDType, C: Communicator<Memory = Host> + 'static> CandleMem
     }
 
     fn shard_parameters(
-        engine: &mut Engine<T, C, CandleHostMemory>,
+        engine: &mut Engine<T, C, HostMemory>,
         mask: &[bool],
         vars: &[Var],
     ) -> Result<Arc<Fetcher<T>>> {
         let mut store = VarStore { vars };
         Ok(engine.shard_parameters(mask, &mut store)?)
-    }
-}
-
-/// One gradient as Candle's CPU storage holds it: in the engine's element
-/// type, or 16-bit under wider master weights.
-#[derive(Clone, Copy, Debug)]
-pub enum HostGrad<'g, T> {
-    /// In the engine's element type.
-    Same(&'g [T]),
-    /// A bf16 model's gradient.
-    Bf16(&'g [bf16]),
-    /// An f16 model's gradient.
-    F16(&'g [f16]),
-}
-
-impl<T> HostGrad<'_, T> {
-    fn len(&self) -> usize {
-        match self {
-            Self::Same(g) => g.len(),
-            Self::Bf16(g) => g.len(),
-            Self::F16(g) => g.len(),
-        }
     }
 }
 
@@ -275,284 +249,4 @@ fn slot<'h, T: Element + WithDType>(held: &'h Held<'_, T>) -> Result<Option<Host
         },
         Held::Owned(v) => Some(HostGrad::Same(v.as_slice())),
     })
-}
-
-/// Adds (or copies) `src`, converted to `T`, into `dst`: the same values
-/// a widened copy of `src` flattened by [`HostMemory`] gives, bit for bit.
-fn flatten_into<T: Element, S: Element>(dst: &mut [T], src: &[S], add: bool) {
-    for (d, s) in dst.iter_mut().zip(src) {
-        let s = T::from_f64(s.to_f64());
-        *d = if add {
-            T::from_acc(d.to_acc() + s.to_acc())
-        } else {
-            s
-        };
-    }
-}
-
-/// The engine memory of the host backends (threads, MPI) under Candle:
-/// [`HostMemory`], except that gradients are [`HostGrad`]s, so a 16-bit
-/// model's gradients are widened into the f32 buckets as they are
-/// flattened rather than copied whole into f32 first (a copy as large as
-/// the largest parameter in f32, alive at the peak).
-#[derive(Clone, Copy, Debug, Default)]
-pub struct CandleHostMemory;
-
-impl<T: Element, C: Communicator<Memory = Host>> ShardMemory<T, C> for CandleHostMemory {
-    type Buffer = Vec<T>;
-    type Grad<'g> = HostGrad<'g, T>;
-    type Params<'p> = dyn ParamStore<T> + 'p;
-
-    fn grad_len(grad: &HostGrad<'_, T>) -> usize {
-        grad.len()
-    }
-
-    fn alloc_zeroed(&mut self, numel: usize) -> zero_core::Result<Vec<T>> {
-        ShardMemory::<T, C>::alloc_zeroed(&mut HostMemory, numel)
-    }
-
-    fn buffer_len(buffer: &Vec<T>) -> usize {
-        buffer.len()
-    }
-
-    fn into_host_vec(buffer: Vec<T>) -> std::result::Result<Vec<T>, Vec<T>> {
-        Ok(buffer)
-    }
-
-    fn from_host_vec(values: Vec<T>) -> std::result::Result<Vec<T>, Vec<T>> {
-        Ok(values)
-    }
-
-    fn zero(&mut self, buffer: &mut Vec<T>, range: Range<usize>) -> zero_core::Result<()> {
-        ShardMemory::<T, C>::zero(&mut HostMemory, buffer, range)
-    }
-
-    fn flatten(
-        &mut self,
-        buffer: &mut Vec<T>,
-        pieces: &[GradPiece<HostGrad<'_, T>>],
-        add: bool,
-    ) -> zero_core::Result<()> {
-        for piece in pieces {
-            let dst = &mut buffer[piece.at..piece.at + piece.range.len()];
-            let range = piece.range.clone();
-            match piece.grad {
-                HostGrad::Same(g) => flatten_into(dst, &g[range], add),
-                HostGrad::Bf16(g) => flatten_into(dst, &g[range], add),
-                HostGrad::F16(g) => flatten_into(dst, &g[range], add),
-            }
-        }
-        Ok(())
-    }
-
-    fn copy_range(
-        &mut self,
-        dst: &mut Vec<T>,
-        dst_at: usize,
-        src: &Vec<T>,
-        src_range: Range<usize>,
-        add: bool,
-    ) -> zero_core::Result<()> {
-        ShardMemory::<T, C>::copy_range(&mut HostMemory, dst, dst_at, src, src_range, add)
-    }
-
-    fn fork(&self) -> Option<Self> {
-        Some(CandleHostMemory)
-    }
-
-    fn read_params(
-        &mut self,
-        params: &mut (dyn ParamStore<T> + '_),
-        copies: &[ParamCopy],
-        buffer: &mut Vec<T>,
-    ) -> zero_core::Result<()> {
-        ShardMemory::<T, C>::read_params(&mut HostMemory, params, copies, buffer)
-    }
-
-    fn write_params(
-        &mut self,
-        params: &mut (dyn ParamStore<T> + '_),
-        copies: &[ParamCopy],
-        buffer: &Vec<T>,
-    ) -> zero_core::Result<()> {
-        ShardMemory::<T, C>::write_params(&mut HostMemory, params, copies, buffer)
-    }
-
-    fn scale(
-        &mut self,
-        buffer: &mut Vec<T>,
-        ranges: &[Range<usize>],
-        factor: f64,
-    ) -> zero_core::Result<()> {
-        ShardMemory::<T, C>::scale(&mut HostMemory, buffer, ranges, factor)
-    }
-
-    fn norm_partial(
-        &mut self,
-        comm: &C,
-        buffer: &Vec<T>,
-        ranges: &[Range<usize>],
-        norm: NormType,
-    ) -> zero_core::Result<f64> {
-        HostMemory.norm_partial(comm, buffer, ranges, norm)
-    }
-
-    fn all_reduce(
-        &mut self,
-        comm: &C,
-        buffer: &mut Vec<T>,
-        range: Range<usize>,
-        op: ReduceOp,
-    ) -> zero_core::Result<()> {
-        HostMemory.all_reduce(comm, buffer, range, op)
-    }
-
-    fn reduce_scatter(
-        &mut self,
-        comm: &C,
-        send: &Vec<T>,
-        send_range: Range<usize>,
-        recv: &mut Vec<T>,
-        recv_range: Range<usize>,
-        op: ReduceOp,
-    ) -> zero_core::Result<()> {
-        HostMemory.reduce_scatter(comm, send, send_range, recv, recv_range, op)
-    }
-
-    fn all_gather(
-        &mut self,
-        comm: &C,
-        send: &Vec<T>,
-        send_range: Range<usize>,
-        recv: &mut Vec<T>,
-        recv_range: Range<usize>,
-    ) -> zero_core::Result<()> {
-        HostMemory.all_gather(comm, send, send_range, recv, recv_range)
-    }
-
-    fn all_reduce_as(
-        &mut self,
-        comm: &C,
-        buffer: &mut Vec<T>,
-        range: Range<usize>,
-        op: ReduceOp,
-        wire: DType,
-    ) -> zero_core::Result<()> {
-        HostMemory.all_reduce_as(comm, buffer, range, op, wire)
-    }
-
-    fn reduce_scatter_as(
-        &mut self,
-        comm: &C,
-        send: &Vec<T>,
-        send_range: Range<usize>,
-        recv: &mut Vec<T>,
-        recv_range: Range<usize>,
-        op: ReduceOp,
-        wire: DType,
-    ) -> zero_core::Result<()> {
-        HostMemory.reduce_scatter_as(comm, send, send_range, recv, recv_range, op, wire)
-    }
-
-    fn all_gather_as(
-        &mut self,
-        comm: &C,
-        send: &Vec<T>,
-        send_range: Range<usize>,
-        recv: &mut Vec<T>,
-        recv_range: Range<usize>,
-        wire: DType,
-    ) -> zero_core::Result<()> {
-        HostMemory.all_gather_as(comm, send, send_range, recv, recv_range, wire)
-    }
-
-    fn buffer_to_host(
-        &mut self,
-        comm: &C,
-        buffer: &Vec<T>,
-        range: Range<usize>,
-        out: &mut [T],
-    ) -> zero_core::Result<()> {
-        HostMemory.buffer_to_host(comm, buffer, range, out)
-    }
-
-    fn buffer_from_host(
-        &mut self,
-        buffer: &mut Vec<T>,
-        at: usize,
-        values: &[T],
-    ) -> zero_core::Result<()> {
-        ShardMemory::<T, C>::buffer_from_host(&mut HostMemory, buffer, at, values)
-    }
-
-    fn all_reduce_host<V: Element>(
-        &mut self,
-        comm: &C,
-        values: &mut [V],
-        op: ReduceOp,
-    ) -> zero_core::Result<()> {
-        ShardMemory::<T, C>::all_reduce_host(&mut HostMemory, comm, values, op)
-    }
-
-    fn gather_varlen_host(
-        &mut self,
-        comm: &C,
-        send: &[T],
-        counts: &[usize],
-        recv: Option<&mut [T]>,
-        root: usize,
-    ) -> zero_core::Result<()> {
-        HostMemory.gather_varlen_host(comm, send, counts, recv, root)
-    }
-
-    fn step(
-        &mut self,
-        optimizer: &mut dyn FunctionalOptimizer<T>,
-        params: &mut Vec<T>,
-        grads: &Vec<T>,
-        plan: StepPlan<'_>,
-    ) -> zero_core::Result<()> {
-        ShardMemory::<T, C>::step(&mut HostMemory, optimizer, params, grads, plan)
-    }
-
-    fn export_state(
-        &mut self,
-        comm: &C,
-        optimizer: &dyn FunctionalOptimizer<T>,
-        pieces: &[StepPiece<'_>],
-    ) -> zero_core::Result<OptimizerState<T>> {
-        HostMemory.export_state(comm, optimizer, pieces)
-    }
-
-    fn import_state(
-        &mut self,
-        optimizer: &mut dyn FunctionalOptimizer<T>,
-        pieces: &[StepPiece<'_>],
-        state: OptimizerState<T>,
-    ) -> zero_core::Result<()> {
-        ShardMemory::<T, C>::import_state(&mut HostMemory, optimizer, pieces, state)
-    }
-
-    fn state_bytes(&self, optimizer: &dyn FunctionalOptimizer<T>) -> usize {
-        ShardMemory::<T, C>::state_bytes(&HostMemory, optimizer)
-    }
-
-    fn read_param_host(
-        &mut self,
-        comm: &C,
-        params: &mut (dyn ParamStore<T> + '_),
-        param: usize,
-        out: &mut [T],
-    ) -> zero_core::Result<()> {
-        HostMemory.read_param_host(comm, params, param, out)
-    }
-
-    fn write_param_host(
-        &mut self,
-        params: &mut (dyn ParamStore<T> + '_),
-        param: usize,
-        values: &[T],
-    ) -> zero_core::Result<()> {
-        ShardMemory::<T, C>::write_param_host(&mut HostMemory, params, param, values)
-    }
 }

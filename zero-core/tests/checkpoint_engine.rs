@@ -11,6 +11,7 @@ use std::path::Path;
 use zero_core::checkpoint::{
     load_into_plain, state_dict_from_plain, Manifest, StateDict, MANIFEST_FILE,
 };
+use zero_core::engine::HostGrad;
 use zero_core::engine::PartitionerKind;
 use zero_core::optim::{Adam, AdamConfig, Sgd, SgdConfig};
 use zero_core::{
@@ -96,10 +97,10 @@ fn train(
     let world = engine.comm().world_size();
     for step in steps {
         let g = grads(weights, step, rank, world);
-        let slots: Vec<Option<&[f32]>> = g
+        let slots: Vec<Option<HostGrad<'_, f32>>> = g
             .iter()
             .zip(engine.params())
-            .map(|(g, p)| p.trainable.then_some(g.as_slice()))
+            .map(|(g, p)| p.trainable.then_some(g.into()))
             .collect();
         engine.step(&slots, weights).unwrap().unwrap();
     }
@@ -304,7 +305,7 @@ fn consolidation_with_empty_shards_does_not_hang() {
         let mut w = init(&params);
         let rank = e.comm().rank();
         let g = grads(&w, 0, rank, 4);
-        let slots: Vec<Option<&[f32]>> = g.iter().map(|g| Some(g.as_slice())).collect();
+        let slots: Vec<Option<HostGrad<'_, f32>>> = g.iter().map(|g| Some(g.into())).collect();
         e.step(&slots, &mut w).unwrap();
         e.consolidate_state_dict(3).unwrap();
         e.save_consolidated(path, 2).unwrap();
@@ -428,7 +429,7 @@ fn save_mid_accumulation_is_refused() {
         );
         let mut w = init(&mlp());
         let g = grads(&w, 0, e.comm().rank(), 2);
-        let slots: Vec<Option<&[f32]>> = g.iter().map(|g| Some(g.as_slice())).collect();
+        let slots: Vec<Option<HostGrad<'_, f32>>> = g.iter().map(|g| Some(g.into())).collect();
         assert!(e.step(&slots, &mut w).unwrap().is_none());
         let err = e.save_checkpoint(path, &mut w).unwrap_err();
         // Finishing the step makes it possible.

@@ -101,7 +101,7 @@ fn wrong_gradients_are_config_errors_naming_the_parameter() {
 
         let short = g[3][1..].to_vec();
         let mut bad = slots(&g);
-        bad[3] = Some(&short);
+        bad[3] = Some((&short).into());
         for err in [
             e.step(&bad, &mut params).unwrap_err(),
             e.accumulate(&bad).unwrap_err(),

@@ -7,6 +7,7 @@ mod common;
 use common::{
     assert_trajectories, engine, make_opt, reference_trajectory, run, slots, Model, Opt, Synthetic,
 };
+use zero_core::engine::HostGrad;
 use zero_core::engine::{EngineConfig, Overlap, Stage};
 use zero_core::{Communicator, Engine, ThreadComm};
 
@@ -42,9 +43,9 @@ fn handed_over_micro_steps_mix_with_slot_micro_steps() {
                             let order: Vec<(usize, usize)> = (0..n).rev().map(|p| (p, 1)).collect();
                             e.begin_backward(&order, &mut params)?;
                             for p in (0..n).rev() {
-                                e.accumulate_param(p, &g[p])?;
+                                e.accumulate_param(p, (&g[p]).into())?;
                             }
-                            let none: Vec<Option<&[f64]>> = vec![None; n];
+                            let none: Vec<Option<HostGrad<'_, f64>>> = vec![None; n];
                             e.step(&none, &mut params)?;
                         }
                         out.push(params.clone());
@@ -100,17 +101,17 @@ fn gradients_handed_over_in_ranges_count_as_whole_ones() {
                         }
                         for p in (0..n).rev() {
                             for range in ranges(g[p].len()) {
-                                e.accumulate_param_range(p, range.clone(), &g[p][range])?;
+                                e.accumulate_param_range(p, range.clone(), g[p][range].into())?;
                             }
                         }
-                        let none: Vec<Option<&[f64]>> = vec![None; n];
+                        let none: Vec<Option<HostGrad<'_, f64>>> = vec![None; n];
                         e.step(&none, &mut params)?;
                         out.push(params.clone());
                     }
                     // A range past the parameter's end is refused.
                     let len = e.params()[0].numel();
                     let err = e
-                        .accumulate_param_range(0, len..len + 1, &[0.0])
+                        .accumulate_param_range(0, len..len + 1, [0.0][..].into())
                         .expect_err("past the end");
                     assert!(err.to_string().contains("range"), "{err}");
                     Ok(out)
@@ -209,7 +210,7 @@ fn hand_over_steps(
         let order: Vec<(usize, usize)> = (0..n).rev().map(|p| (p, 1)).collect();
         e.begin_backward(&order, &mut params)?;
         for p in (0..n).rev() {
-            e.accumulate_param(p, &g[p])?;
+            e.accumulate_param(p, (&g[p]).into())?;
         }
         e.step(&vec![None; n], &mut params)?;
     }

@@ -12,6 +12,7 @@ use common::run;
 use half::bf16;
 use std::path::Path;
 use zero_core::checkpoint::Manifest;
+use zero_core::engine::HostGrad;
 use zero_core::engine::{CastParams, DynamicLossScale, LossScale};
 use zero_core::optim::{Adam, AdamConfig, Sgd, SgdConfig};
 use zero_core::{Communicator, DType, Engine, EngineConfig, FunctionalOptimizer, ParamInfo, Stage};
@@ -105,7 +106,8 @@ fn dynamic_loss_scale_matches_torch_grad_scaler_on_every_rank() {
                     }
                 }
                 let before = weights.clone();
-                let slots: Vec<Option<&[f32]>> = grads.iter().map(|g| Some(&g[..])).collect();
+                let slots: Vec<Option<HostGrad<'_, f32>>> =
+                    grads.iter().map(|g| Some(g.into())).collect();
                 let report = engine.step(&slots, &mut weights)?.unwrap();
                 if report.skipped {
                     assert_eq!(
@@ -196,7 +198,8 @@ fn f32_masters_keep_updates_that_a_bf16_engine_loses() {
             let mut replica = CastParams(bf16_init(&infos));
             let grads: Vec<Vec<f32>> = infos.iter().map(|p| vec![1.0; p.numel()]).collect();
             for _ in 0..steps {
-                let slots: Vec<Option<&[f32]>> = grads.iter().map(|g| Some(&g[..])).collect();
+                let slots: Vec<Option<HostGrad<'_, f32>>> =
+                    grads.iter().map(|g| Some(g.into())).collect();
                 engine.step(&slots, &mut replica)?;
             }
             Ok(replica.0)
@@ -208,7 +211,8 @@ fn f32_masters_keep_updates_that_a_bf16_engine_loses() {
             let mut replica = bf16_init(&infos);
             let grads: Vec<Vec<bf16>> = infos.iter().map(|p| vec![bf16::ONE; p.numel()]).collect();
             for _ in 0..steps {
-                let slots: Vec<Option<&[bf16]>> = grads.iter().map(|g| Some(&g[..])).collect();
+                let slots: Vec<Option<HostGrad<'_, bf16>>> =
+                    grads.iter().map(|g| Some(g.into())).collect();
                 engine.step(&slots, &mut replica)?;
             }
             Ok(replica)
@@ -259,7 +263,8 @@ fn train_bf16(cfg: EngineConfig) -> Vec<(Vec<Vec<bf16>>, u64)> {
                     grad_of(&w, step, rank, p)
                 })
                 .collect();
-            let slots: Vec<Option<&[f32]>> = grads.iter().map(|g| Some(&g[..])).collect();
+            let slots: Vec<Option<HostGrad<'_, f32>>> =
+                grads.iter().map(|g| Some(g.into())).collect();
             let before = engine.comm().bytes_sent();
             engine.step(&slots, &mut replica)?;
             sent += engine.comm().bytes_sent() - before;
@@ -349,7 +354,8 @@ fn train_bf16_masters(
             if step % 4 == 3 && rank == 0 {
                 grads[1][2] = f32::INFINITY;
             }
-            let slots: Vec<Option<&[f32]>> = grads.iter().map(|g| Some(&g[..])).collect();
+            let slots: Vec<Option<HostGrad<'_, f32>>> =
+                grads.iter().map(|g| Some(g.into())).collect();
             let report = engine.step(&slots, &mut replica)?.unwrap();
             assert_eq!(report.skipped, step % 4 == 3);
         }
@@ -466,7 +472,7 @@ fn checkpoints_load_across_precisions_world_sizes_and_stages() {
         let mut replica = bf16_init(&bf16_infos());
         engine.load_checkpoint(&bf16_ckpt, &mut replica)?;
         let grads: Vec<Vec<bf16>> = replica.iter().map(|w| vec![bf16::ONE; w.len()]).collect();
-        let slots: Vec<Option<&[bf16]>> = grads.iter().map(|g| Some(&g[..])).collect();
+        let slots: Vec<Option<HostGrad<'_, bf16>>> = grads.iter().map(|g| Some(g.into())).collect();
         engine.step(&slots, &mut replica)?;
         Ok(())
     });

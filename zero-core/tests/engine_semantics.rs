@@ -6,6 +6,7 @@
 mod common;
 
 use common::{assert_close, engine, make_opt, mean, run, Model, Opt, Reference, Synthetic};
+use zero_core::engine::HostGrad;
 use zero_core::engine::{EngineConfig, NormType, PartitionerKind, Stage};
 use zero_core::optim::Hyperparams;
 use zero_core::{Communicator, Error};
@@ -40,10 +41,10 @@ fn none_leaves_a_parameter_untouched_with_the_trainability_check_off() {
                 let mut frozen_at = None;
                 for s in 0..steps {
                     let g = model.grads(&params, rank, s);
-                    let slots: Vec<Option<&[f64]>> = g
+                    let slots: Vec<Option<HostGrad<'_, f64>>> = g
                         .iter()
                         .enumerate()
-                        .map(|(i, g)| has_grad(i, s).then_some(g.as_slice()))
+                        .map(|(i, g)| has_grad(i, s).then_some(g.into()))
                         .collect();
                     e.step(&slots, &mut params)?;
                     if s == 1 {
@@ -171,10 +172,10 @@ fn a_gradient_on_some_ranks_only_is_stepped_with_the_check_on() {
             let mut params = model.init();
             for s in 0..steps {
                 let g = model.grads(&params, rank, s);
-                let slots: Vec<Option<&[f64]>> = g
+                let slots: Vec<Option<HostGrad<'_, f64>>> = g
                     .iter()
                     .enumerate()
-                    .map(|(i, g)| present(i, rank).then_some(g.as_slice()))
+                    .map(|(i, g)| present(i, rank).then_some(g.into()))
                     .collect();
                 e.step(&slots, &mut params)?;
             }
@@ -225,16 +226,16 @@ fn gradients_handed_over_one_by_one_equal_passing_them_to_step() {
                     // In reverse order, as backward produces them; parameter
                     // 2 in two halves (a weight used twice); parameter 1
                     // through `step` as usual.
-                    let mut slots: Vec<Option<&[f64]>> = vec![None; g.len()];
+                    let mut slots: Vec<Option<HostGrad<'_, f64>>> = vec![None; g.len()];
                     let halves: Vec<f64> = g[2].iter().map(|x| x / 2.0).collect();
                     for i in (0..g.len()).rev() {
                         match i {
-                            1 => slots[1] = Some(&g[1]),
+                            1 => slots[1] = Some((&g[1]).into()),
                             2 => {
-                                handed.accumulate_param(2, &halves)?;
-                                handed.accumulate_param(2, &halves)?;
+                                handed.accumulate_param(2, (&halves).into())?;
+                                handed.accumulate_param(2, (&halves).into())?;
                             }
-                            _ => handed.accumulate_param(i, &g[i])?,
+                            _ => handed.accumulate_param(i, (&g[i]).into())?,
                         }
                     }
                     handed.step(&slots, &mut b)?;
@@ -265,7 +266,7 @@ fn a_checkpoint_with_gradients_handed_over_but_not_stepped_is_refused() {
         )?;
         let mut params = model.init();
         let g = model.grads(&params, 0, 0);
-        e.accumulate_param(0, &g[0])?;
+        e.accumulate_param(0, (&g[0]).into())?;
         let err = e
             .save_checkpoint(dir.path(), &mut params)
             .expect_err("pending gradients are not part of a checkpoint");

@@ -10,7 +10,7 @@
 #![cfg(feature = "nccl")]
 
 use rand::{Rng, SeedableRng};
-use zero_core::engine::{EngineConfig, NormType, Stage};
+use zero_core::engine::{EngineConfig, HostGrad, NormType, Stage};
 use zero_core::optim::{Adam, AdamConfig, AdamW, AdamWConfig, FunctionalOptimizer, Sgd, SgdConfig};
 use zero_core::{DType, Engine, ParamInfo, ThreadGroup};
 use zero_nccl::cudarc::driver::{CudaSlice, DevicePtr};
@@ -67,7 +67,10 @@ fn host_result(
         let mut engine = Engine::new(comm, params(), optimizer(), config.clone()).unwrap();
         let mut weights = init.clone();
         for step in &grads {
-            let slots: Vec<Option<&[f32]>> = step.iter().map(|g| g.as_deref()).collect();
+            let slots: Vec<Option<HostGrad<'_, f32>>> = step
+                .iter()
+                .map(|g| g.as_deref().map(HostGrad::from))
+                .collect();
             engine.step(&slots, &mut weights).unwrap();
         }
         weights
@@ -251,7 +254,10 @@ fn host_steps_two_ranks(
             engine.load_checkpoint(dir, &mut weights).unwrap();
         }
         for step in grads {
-            let slots: Vec<Option<&[f32]>> = step.iter().map(|g| g.as_deref()).collect();
+            let slots: Vec<Option<HostGrad<'_, f32>>> = step
+                .iter()
+                .map(|g| g.as_deref().map(HostGrad::from))
+                .collect();
             engine.step(&slots, &mut weights).unwrap();
         }
         if let Some(dir) = save {

@@ -53,7 +53,7 @@ pub use precision::{convert_slice, CastParams};
 pub use scaler::{DynamicLossScale, LossScale, LossScalerState};
 pub use setup::ShardSetup;
 pub use shard_memory::{
-    GradPiece, HostMemory, ParamCopy, ParamStore, ShardMemory, StepPiece, StepPlan,
+    GradPiece, HostGrad, HostMemory, ParamCopy, ParamStore, ShardMemory, StepPiece, StepPlan,
 };
 pub use state::SaveOptions;
 

@@ -394,18 +394,73 @@ impl<T: Copy> ParamStore<T> for Vec<Vec<T>> {
     }
 }
 
-/// Host memory: buffers are `Vec<T>`, gradients slices, parameters a
-/// [`ParamStore`], and the optimizer a [`FunctionalOptimizer`] that keeps
-/// its own state.
+/// One gradient in host memory: in the engine's element type, or 16-bit
+/// under wider master weights. A 16-bit gradient is widened element by
+/// element as it is flattened into the buckets, so no widened copy of a
+/// whole gradient exists. `&[T]` and `&Vec<T>` convert with `into()`.
+#[derive(Clone, Copy, Debug)]
+pub enum HostGrad<'g, T> {
+    /// In the engine's element type.
+    Same(&'g [T]),
+    /// A bf16 model's gradient.
+    Bf16(&'g [bf16]),
+    /// An f16 model's gradient.
+    F16(&'g [f16]),
+}
+
+impl<T> HostGrad<'_, T> {
+    /// The number of elements.
+    pub fn len(&self) -> usize {
+        match self {
+            Self::Same(g) => g.len(),
+            Self::Bf16(g) => g.len(),
+            Self::F16(g) => g.len(),
+        }
+    }
+
+    /// Whether it has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl<'g, T> From<&'g [T]> for HostGrad<'g, T> {
+    fn from(grad: &'g [T]) -> Self {
+        Self::Same(grad)
+    }
+}
+
+impl<'g, T> From<&'g Vec<T>> for HostGrad<'g, T> {
+    fn from(grad: &'g Vec<T>) -> Self {
+        Self::Same(grad)
+    }
+}
+
+/// Adds (or copies) `src`, converted to `T`, into `dst`: for a 16-bit
+/// `src`, the values a widened copy of it would give, bit for bit.
+fn flatten_into<T: Element, S: Element>(dst: &mut [T], src: &[S], add: bool) {
+    for (d, s) in dst.iter_mut().zip(src) {
+        let s = T::from_f64(s.to_f64());
+        *d = if add {
+            T::from_acc(d.to_acc() + s.to_acc())
+        } else {
+            s
+        };
+    }
+}
+
+/// Host memory: buffers are `Vec<T>`, gradients [`HostGrad`]s, parameters
+/// a [`ParamStore`], and the optimizer a [`FunctionalOptimizer`] that
+/// keeps its own state.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct HostMemory;
 
 impl<T: Element, C: Communicator<Memory = Host>> ShardMemory<T, C> for HostMemory {
     type Buffer = Vec<T>;
-    type Grad<'g> = &'g [T];
+    type Grad<'g> = HostGrad<'g, T>;
     type Params<'p> = dyn ParamStore<T> + 'p;
 
-    fn grad_len(grad: &&[T]) -> usize {
+    fn grad_len(grad: &HostGrad<'_, T>) -> usize {
         grad.len()
     }
 
@@ -433,18 +488,17 @@ impl<T: Element, C: Communicator<Memory = Host>> ShardMemory<T, C> for HostMemor
     fn flatten(
         &mut self,
         buffer: &mut Vec<T>,
-        pieces: &[GradPiece<&[T]>],
+        pieces: &[GradPiece<HostGrad<'_, T>>],
         add: bool,
     ) -> Result<()> {
         for piece in pieces {
             let dst = &mut buffer[piece.at..piece.at + piece.range.len()];
-            let src = &piece.grad[piece.range.clone()];
-            if add {
-                for (d, s) in dst.iter_mut().zip(src) {
-                    *d = T::from_acc(d.to_acc() + s.to_acc());
-                }
-            } else {
-                dst.copy_from_slice(src);
+            let range = piece.range.clone();
+            match piece.grad {
+                HostGrad::Same(g) if !add => dst.copy_from_slice(&g[range]),
+                HostGrad::Same(g) => flatten_into(dst, &g[range], true),
+                HostGrad::Bf16(g) => flatten_into(dst, &g[range], add),
+                HostGrad::F16(g) => flatten_into(dst, &g[range], add),
             }
         }
         Ok(())

@@ -6,6 +6,7 @@
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde_json::json;
+use zero_core::engine::HostGrad;
 use zero_core::engine::{Engine, EngineConfig};
 use zero_core::optim::{
     Adam, AdamConfig, AdamW, AdamWConfig, Hyperparams, ParamKey, ParamMut, Sgd, SgdConfig,
@@ -347,8 +348,8 @@ pub fn engine(
 }
 
 /// Borrows owned gradients as engine slots.
-pub fn slots(grads: &[Vec<f64>]) -> Vec<Option<&[f64]>> {
-    grads.iter().map(|g| Some(g.as_slice())).collect()
+pub fn slots(grads: &[Vec<f64>]) -> Vec<Option<HostGrad<'_, f64>>> {
+    grads.iter().map(|g| Some(g.into())).collect()
 }
 
 /// Asserts `a` and `b` agree element-wise within `atol`.
