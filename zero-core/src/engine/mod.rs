@@ -930,6 +930,9 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                 pieces: &pieces,
                 buckets: &whole,
                 bucket_active: &[true],
+                origin: start,
+                // Stage 0's plan has one rank: its shard is the flat buffer.
+                shard_len: self.plan.shard_numel,
             };
             self.memory
                 .step(self.optimizer.as_mut(), values, piece_grads, plan)?;
@@ -1136,6 +1139,8 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             pieces: &pieces,
             buckets: &self.layout.buckets,
             bucket_active: &self.bucket_active,
+            origin: 0,
+            shard_len: self.plan.shard_numel,
         };
         let grads = match (self.grad_shard.as_ref(), self.full_grads.as_ref()) {
             (Some(g), _) | (None, Some(g)) => g,

@@ -180,6 +180,8 @@ where
         pieces: &pieces,
         buckets: &map.shard[k..=k],
         bucket_active: &[true],
+        origin: 0,
+        shard_len: map.shard.last().map_or(0, |b| b.end),
     };
     memory.step(early.optimizer.as_mut(), &mut early.params, grads, plan)?;
     early.stepped[k] = true;
@@ -983,7 +985,7 @@ where
         let Some(mut worker_memory) = self.memory.fork() else {
             return Ok(false);
         };
-        let base = self.plan_rank * self.plan.shard_numel;
+        let (base, shard_len) = (self.plan_rank * self.plan.shard_numel, self.plan.shard_numel);
         let pieces = super::step_pieces(&self.owned, &self.keys, base, |p| stepping[p]);
         let grads = match self.grad_shard.as_ref() {
             Some(grads) => grads,
@@ -1102,7 +1104,7 @@ where
                         optimizer.as_mut(),
                         params,
                         (&owned_copies[group.clone()], &pieces[group.clone()]),
-                        shard_range.clone(),
+                        (shard_range.clone(), shard_len),
                         (&mut send, grad_chunk, grads),
                     ),
                     None => {
@@ -1111,6 +1113,8 @@ where
                                 pieces: &pieces[group.clone()],
                                 buckets: &layout.buckets,
                                 bucket_active,
+                                origin: 0,
+                                shard_len,
                             };
                             memory.step(optimizer.as_mut(), param_shard, grads, plan)
                         } else {
@@ -1183,13 +1187,14 @@ where
 /// Steps the owned pieces of one bucket without a shard copy: reads their
 /// values from the replica into `values` and their gradients (shard range
 /// `shard_range` of `grads`) into `grad_chunk`, and steps them there.
-/// `copies` and `pieces` are the bucket's owned pieces, at shard offsets.
+/// `copies` and `pieces` are the bucket's owned pieces, at shard offsets;
+/// `shard_len` is the whole shard's length.
 fn step_from_replica<T, C, M>(
     memory: &mut M,
     optimizer: &mut dyn FunctionalOptimizer<T>,
     params: &mut M::Params<'_>,
     (copies, pieces): (&[super::ParamCopy], &[super::StepPiece<'_>]),
-    shard_range: Range<usize>,
+    (shard_range, shard_len): (Range<usize>, usize),
     (values, grad_chunk, grads): (&mut M::Buffer, &mut M::Buffer, &M::Buffer),
 ) -> Result<()>
 where
@@ -1222,6 +1227,8 @@ where
         pieces: &pieces,
         buckets: &whole,
         bucket_active: &[true],
+        origin: start,
+        shard_len,
     };
     memory.step(optimizer, values, grad_chunk, plan)
 }

@@ -57,16 +57,25 @@ pub struct StepPiece<'a> {
     pub active: bool,
 }
 
-/// What one optimizer step covers.
+/// What one optimizer step covers: some of the owned pieces (all of them,
+/// one bucket's, or a window of them), in buffers that hold a stretch of
+/// the shard.
 #[derive(Clone, Copy, Debug)]
 pub struct StepPlan<'a> {
-    /// Every owned piece, in shard order.
+    /// The pieces to step, in shard order, at their ranges in the buffers.
     pub pieces: &'a [StepPiece<'a>],
-    /// The buckets, as shard ranges (a device implementation launches per
-    /// bucket).
+    /// The buckets, as ranges of the buffers (a device implementation
+    /// launches per bucket).
     pub buckets: &'a [Range<usize>],
     /// Which buckets hold an active piece.
     pub bucket_active: &'a [bool],
+    /// Where the buffers' first element lies in the shard: the shard
+    /// position of `buffer[i]` is `origin + i`. A memory that keeps the
+    /// optimizer state as one flat buffer (CUDA) finds a piece's state there.
+    pub origin: usize,
+    /// Elements in the whole shard, what such a flat state must cover
+    /// however few pieces the first step passes.
+    pub shard_len: usize,
 }
 
 /// What the engine needs from the memory its buffers live in, for

@@ -218,20 +218,17 @@ impl CudaMemory {
     }
 
     /// The device optimizer, created for `pieces` on first use.
+    /// The device optimizer, created on first use with a state of
+    /// `state_len` elements (the whole shard: the first step may pass only
+    /// some of its pieces).
     fn device_optimizer(
         &mut self,
         optimizer: &dyn FunctionalOptimizer<f32>,
-        pieces: &[StepPiece<'_>],
+        state_len: usize,
     ) -> Result<&mut DeviceOptimizer> {
         if self.optimizer.is_none() {
             let stream = self.stream()?;
-            let ranges: Vec<(Range<usize>, usize)> = pieces
-                .iter()
-                .map(|p| (p.range.clone(), p.key.group))
-                .collect();
-            // The same length at creation, import and lazy allocation.
-            let len = pieces.iter().map(|p| p.range.end).max().unwrap_or(0);
-            self.optimizer = Some(DeviceOptimizer::new(optimizer, &stream, len, &ranges)?);
+            self.optimizer = Some(DeviceOptimizer::new(optimizer, &stream, state_len)?);
         }
         match self.optimizer.as_mut() {
             Some(o) => Ok(o),
@@ -493,15 +490,37 @@ impl ShardMemory<f32, NcclComm> for CudaMemory {
             })
             .collect();
         let segments = plan_segments(plan.buckets, plan.bucket_active, &slots);
-        self.device_optimizer(optimizer, plan.pieces)?;
+        // Positions in the state are shard positions.
+        let at_shard = |r: &Range<usize>| plan.origin + r.start..plan.origin + r.end;
+        let state_len = plan
+            .pieces
+            .iter()
+            .map(|p| at_shard(&p.range).end)
+            .fold(plan.shard_len, usize::max);
+        self.device_optimizer(optimizer, state_len)?;
         let Some(device) = self.optimizer.as_mut() else {
             unreachable!("created above");
         };
         // Hyperparameters may have changed since the last step (a schedule,
         // a new group): a few numbers per group.
         device.refresh(optimizer)?;
-        let state_len = plan.pieces.iter().map(|p| p.range.end).max().unwrap_or(0);
-        device.step(&self.kernels, &stream, params, grads, &segments, state_len)?;
+        let starting: Vec<(Range<usize>, usize)> = plan
+            .pieces
+            .iter()
+            .zip(&slots)
+            .filter(|(_, slot)| slot.active && slot.step == 1)
+            .map(|(p, _)| (at_shard(&p.range), p.key.group))
+            .collect();
+        device.start_pieces(&stream, &starting)?;
+        device.step(
+            &self.kernels,
+            &stream,
+            params,
+            grads,
+            &segments,
+            plan.origin,
+            state_len,
+        )?;
         for p in plan.pieces.iter().filter(|p| p.active) {
             *self
                 .piece_steps
@@ -534,7 +553,8 @@ impl ShardMemory<f32, NcclComm> for CudaMemory {
     ) -> Result<()> {
         let stream = self.stream()?;
         let steps = {
-            let device = self.device_optimizer(optimizer, pieces)?;
+            let len = pieces.iter().map(|p| p.range.end).max().unwrap_or(0);
+            let device = self.device_optimizer(optimizer, len)?;
             device.refresh(optimizer)?;
             device.import(&stream, pieces, state)?
         };

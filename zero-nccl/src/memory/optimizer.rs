@@ -57,13 +57,12 @@ pub const DEVICE_KINDS: [&str; 5] = ["sgd", "adam", "adamw", "adagrad", "rmsprop
 
 impl DeviceOptimizer {
     /// Allocates the state for a shard of `shard_numel` elements for the
-    /// optimizer `host` describes. `groups_of_range` gives each owned piece's
-    /// shard range and group (Adagrad starts its sums at the group's value).
+    /// optimizer `host` describes, zeroed ([`DeviceOptimizer::start_pieces`]
+    /// sets what starts elsewhere).
     pub fn new(
         host: &dyn FunctionalOptimizer<f32>,
         stream: &Arc<CudaStream>,
         shard_numel: usize,
-        groups_of_range: &[(std::ops::Range<usize>, usize)],
     ) -> Result<Self> {
         let cuda = |e: cudarc::driver::DriverError| Error::from(crate::Error::from(e));
         let zeros = |n: usize| -> Result<CudaSlice<f32>> { stream.alloc_zeros(n).map_err(cuda) };
@@ -78,21 +77,13 @@ impl DeviceOptimizer {
                     step: 0,
                 },
             ),
-            "adagrad" => {
-                let mut init = vec![0f32; shard_numel];
-                for (range, group) in groups_of_range {
-                    let h = host.hyperparams(*group);
-                    let value = number("adagrad", &h, "initial_accumulator_value")? as f32;
-                    init[range.clone()].fill(value);
-                }
-                Self::Adagrad(
-                    Vec::new(),
-                    AdagradState {
-                        sum: stream.clone_htod(&init).map_err(cuda)?,
-                        step: 0,
-                    },
-                )
-            }
+            "adagrad" => Self::Adagrad(
+                Vec::new(),
+                AdagradState {
+                    sum: zeros(shard_numel)?,
+                    step: 0,
+                },
+            ),
             "rmsprop" => Self::Rmsprop(
                 Vec::new(),
                 RmspropState {
@@ -293,9 +284,32 @@ impl DeviceOptimizer {
         Ok(())
     }
 
-    /// Steps every segment: one fused launch each. `state_len`: the
-    /// elements the state covers (lazily allocated buffers get as many, as
-    /// at creation and import).
+    /// Sets the state of pieces about to take their first step, given as
+    /// (state range, group): Adagrad starts its sums at the group's
+    /// `initial_accumulator_value`; the other kinds start from zeros.
+    pub fn start_pieces(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        pieces: &[(Range<usize>, usize)],
+    ) -> Result<()> {
+        let Self::Adagrad(hyper, state) = self else {
+            return Ok(());
+        };
+        for (range, group) in pieces {
+            let value = hyper[*group].initial_accumulator_value as f32;
+            let init = vec![value; range.len()];
+            stream
+                .memcpy_htod(&init, &mut state.sum.slice_mut(range.clone()))
+                .map_err(|e| Error::from(crate::Error::from(e)))?;
+        }
+        Ok(())
+    }
+
+    /// Steps every segment: one fused launch each. Segments are ranges of
+    /// `params` and `grads`, whose element 0 is the state's element
+    /// `origin`. `state_len`: the elements the state covers (lazily
+    /// allocated buffers get as many, as at creation).
+    #[allow(clippy::too_many_arguments)]
     pub fn step(
         &mut self,
         kernels: &FusedKernels,
@@ -303,13 +317,14 @@ impl DeviceOptimizer {
         params: &mut CudaSlice<f32>,
         grads: &CudaSlice<f32>,
         segments: &[Segment],
+        origin: usize,
         state_len: usize,
     ) -> Result<()> {
         let shard_numel = state_len;
         for s in segments {
             let mut p = params.slice_mut(s.range.clone());
             let g = grads.slice(s.range.clone());
-            let at = s.range.start;
+            let at = origin + s.range.start;
             let result = match self {
                 Self::Sgd(hyper, state) => kernels.sgd_step_at(
                     stream,
