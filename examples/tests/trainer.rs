@@ -167,6 +167,14 @@ fn bad_flags_and_files_are_clear_errors_not_panics() {
         (&["--hidden", "0"], "--hidden"),
         (&["--checkpoint-every", "5"], "--checkpoint-dir"),
         (&["--timeout-s", "1e300"], "--timeout-s"),
+        (
+            &["--backend", "nccl", "--precision", "bf16", "--no-master-weights"],
+            "f32 master weights",
+        ),
+        (
+            &["--backend", "nccl", "--precision", "f16", "--reduce-in-param-dtype"],
+            "reduces their gradients in f32",
+        ),
     ];
     for (flags, needle) in cases {
         let (ok, stderr) = train_binary(&[&["--steps", "1"], *flags].concat());

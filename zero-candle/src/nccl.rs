@@ -9,17 +9,21 @@
 use crate::memory::{CandleMemory, GradsFn, ParamsFn};
 use crate::optimizer::ZeroConfig;
 use crate::{Error, Result, ZeroOptimizer};
+use candle_core::backend::BackendStorage;
 use candle_core::backprop::GradStore;
 use candle_core::cuda_backend::CudaStorage;
-use candle_core::{CpuStorage, Device, Layout, Storage, Tensor, Var};
+use candle_core::{CpuStorage, DType, Device, Layout, Storage, Tensor, Var};
+use half::{bf16, f16};
 use std::cell::RefCell;
+use std::ops::Range;
 use std::sync::Arc;
 use zero_core::optim::FunctionalOptimizer;
-use zero_nccl::cudarc::driver::{DevicePtr, DevicePtrMut};
-use zero_nccl::{Cuda, CudaMemory, DeviceParams, NcclComm};
+use zero_nccl::cudarc::driver::CudaView;
+use zero_nccl::{Cuda, CudaMemory, DeviceParams, DeviceView, DeviceViewMut, NcclComm};
 
 /// [`ZeroOptimizer`] on GPUs over NCCL: f32 variables on the
-/// communicator's GPU, a built-in optimizer of `zero-core` (SGD, Adam,
+/// communicator's GPU (or bf16/f16 ones, with f32 master weights, f32
+/// optimizer state and gradients reduced in f32), a built-in optimizer of `zero-core` (SGD, Adam,
 /// AdamW, Adagrad, RMSprop) whose hyperparameters drive fused CUDA kernels.
 ///
 /// ```no_run
@@ -59,14 +63,13 @@ impl CandleMemory<f32, NcclComm> for Cuda {
     ) -> Result<(NcclComm, CudaMemory)> {
         let mut stream = None;
         for (name, var) in named {
-            if var.dtype() != candle_core::DType::F32 {
+            if !matches!(var.dtype(), DType::F32 | DType::BF16 | DType::F16) {
                 return Err(Error::Variable {
                     name: name.clone(),
                     detail: format!(
-                        "dtype {:?}: the CUDA engine trains f32 variables only (16-bit \
-                         models with f32 master weights run on the thread and MPI backends; \
-                         on the GPU they are not built yet); convert it to f32 or keep it \
-                         out of the VarMap given to the optimizer",
+                        "dtype {:?}: the CUDA engine trains f32 variables, and bf16 or f16 \
+                         ones with f32 master weights; convert it or keep it out of the \
+                         VarMap given to the optimizer",
                         var.dtype()
                     ),
                 });
@@ -138,13 +141,14 @@ fn contiguous_grads(
             let Some(grad) = grads.get(var.as_tensor()) else {
                 return Ok(None);
             };
-            if grad.dtype() != candle_core::DType::F32 || grad.dims() != var.dims() {
+            if grad.dtype() != var.dtype() || grad.dims() != var.dims() {
                 return Err(Error::Variable {
                     name: name.clone(),
                     detail: format!(
-                        "gradient {:?} {:?} does not match the f32 variable's shape {:?}",
+                        "gradient {:?} {:?} does not match the variable, {:?} {:?}",
                         grad.dtype(),
                         grad.dims(),
+                        var.dtype(),
                         var.dims()
                     ),
                 });
@@ -177,15 +181,40 @@ fn with_device_grads<R>(
                     });
                 };
                 let (start, end) = contiguous(layout, name)?;
-                Some(cuda.as_cuda_slice::<f32>()?.slice(start..end))
+                Some(TypedView::of(cuda, start..end)?)
             }
         });
     }
-    let slots: Vec<Option<&dyn DevicePtr<f32>>> = views
+    let slots: Vec<Option<DeviceView<'_>>> = views
         .iter()
-        .map(|v| v.as_ref().map(|v| v as &dyn DevicePtr<f32>))
+        .map(|v| v.as_ref().map(TypedView::view))
         .collect();
     f(&slots)
+}
+
+/// A range of a Candle CUDA storage, in its dtype.
+enum TypedView<'a> {
+    F32(CudaView<'a, f32>),
+    Bf16(CudaView<'a, bf16>),
+    F16(CudaView<'a, f16>),
+}
+
+impl<'a> TypedView<'a> {
+    fn of(storage: &'a CudaStorage, range: Range<usize>) -> candle_core::Result<Self> {
+        Ok(match storage.dtype() {
+            DType::BF16 => Self::Bf16(storage.as_cuda_slice::<bf16>()?.slice(range)),
+            DType::F16 => Self::F16(storage.as_cuda_slice::<f16>()?.slice(range)),
+            _ => Self::F32(storage.as_cuda_slice::<f32>()?.slice(range)),
+        })
+    }
+
+    fn view(&self) -> DeviceView<'_> {
+        match self {
+            Self::F32(v) => v.into(),
+            Self::Bf16(v) => v.into(),
+            Self::F16(v) => v.into(),
+        }
+    }
 }
 
 fn contiguous(layout: &Layout, name: &str) -> Result<(usize, usize)> {
@@ -210,7 +239,7 @@ impl DeviceParams for CandleParams<'_> {
     fn with_param(
         &mut self,
         param: usize,
-        f: &mut dyn FnMut(&dyn DevicePtr<f32>) -> zero_core::Result<()>,
+        f: &mut dyn FnMut(DeviceView<'_>) -> zero_core::Result<()>,
     ) -> zero_core::Result<()> {
         let var = &self.vars[param];
         let (storage, layout) = var.storage_and_layout();
@@ -223,16 +252,14 @@ impl DeviceParams for CandleParams<'_> {
         let (start, end) = layout
             .contiguous_offsets()
             .ok_or_else(|| candle_failure(param, "the variable is not contiguous"))?;
-        let slice = cuda
-            .as_cuda_slice::<f32>()
-            .map_err(|e| candle_failure(param, e))?;
-        f(&slice.slice(start..end))
+        let view = TypedView::of(cuda, start..end).map_err(|e| candle_failure(param, e))?;
+        f(view.view())
     }
 
     fn with_param_mut(
         &mut self,
         param: usize,
-        f: &mut dyn FnMut(&mut dyn DevicePtrMut<f32>) -> zero_core::Result<()>,
+        f: &mut dyn FnMut(DeviceViewMut<'_>) -> zero_core::Result<()>,
     ) -> zero_core::Result<()> {
         // Candle hands out its storage mutably only to an in-place op; the
         // op runs `f` under the variable's write lock.
@@ -249,7 +276,7 @@ impl DeviceParams for CandleParams<'_> {
 }
 
 /// What the CUDA engine does with a writable parameter.
-type ParamWriter<'g> = dyn FnMut(&mut dyn DevicePtrMut<f32>) -> zero_core::Result<()> + 'g;
+type ParamWriter<'g> = dyn FnMut(DeviceViewMut<'_>) -> zero_core::Result<()> + 'g;
 
 /// The in-place op of [`CandleParams::with_param_mut`].
 struct WriteParam<'f, 'g> {
@@ -271,10 +298,13 @@ impl candle_core::InplaceOp1 for WriteParam<'_, '_> {
         let Some((start, end)) = layout.contiguous_offsets() else {
             candle_core::bail!("the variable is not contiguous")
         };
-        let slice = storage.as_cuda_slice_mut::<f32>()?;
-        let mut view = slice.slice_mut(start..end);
         let mut f = self.f.borrow_mut();
-        if let Err(e) = (*f)(&mut view) {
+        let written = match storage.dtype() {
+            DType::BF16 => (*f)((&mut storage.as_cuda_slice_mut::<bf16>()?.slice_mut(start..end)).into()),
+            DType::F16 => (*f)((&mut storage.as_cuda_slice_mut::<f16>()?.slice_mut(start..end)).into()),
+            _ => (*f)((&mut storage.as_cuda_slice_mut::<f32>()?.slice_mut(start..end)).into()),
+        };
+        if let Err(e) = written {
             *self.failure.borrow_mut() = Some(e);
             candle_core::bail!("the CUDA engine's write failed");
         }

@@ -44,6 +44,8 @@ pub use comm::{Cuda, NcclComm, UNIQUE_ID_BYTES};
 #[cfg(feature = "nccl")]
 pub use memory::{cuda_engine, CudaEngine, CudaMemory, DeviceParams};
 #[cfg(feature = "cuda")]
+pub use memory::{DeviceView, DeviceViewMut, ViewElement};
+#[cfg(feature = "cuda")]
 pub use probe::cuda_device_count;
 
 /// Re-export of the `cudarc` this crate is built against, so that users

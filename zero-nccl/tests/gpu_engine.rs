@@ -11,10 +11,13 @@
 
 use rand::{Rng, SeedableRng};
 use zero_core::engine::{EngineConfig, HostGrad, NormType, Stage};
-use zero_core::optim::{Adam, AdamConfig, AdamW, AdamWConfig, FunctionalOptimizer, Sgd, SgdConfig};
+use zero_core::optim::{
+    Adagrad, AdagradConfig, Adam, AdamConfig, AdamW, AdamWConfig, FunctionalOptimizer, Sgd,
+    SgdConfig,
+};
 use zero_core::{DType, Engine, ParamInfo, ThreadGroup};
-use zero_nccl::cudarc::driver::{CudaSlice, DevicePtr};
-use zero_nccl::{cuda_engine, NcclComm};
+use zero_nccl::cudarc::driver::CudaSlice;
+use zero_nccl::{cuda_engine, DeviceView, NcclComm};
 
 fn comm() -> NcclComm {
     NcclComm::single(0).unwrap_or_else(|e| panic!("this test needs a CUDA GPU and libnccl: {e}"))
@@ -118,6 +121,21 @@ fn cuda_memory_matches_host_memory_at_world_size_one() {
         (
             "adamw",
             Box::new(|| Box::new(AdamW::new(AdamWConfig::default().with_lr(1e-2)).unwrap())),
+        ),
+        (
+            // Its sums start at the group's value the first time a piece
+            // steps, wherever the engine's plan for that step begins.
+            "adagrad from 0.1",
+            Box::new(|| {
+                Box::new(
+                    Adagrad::new(AdagradConfig {
+                        lr: 0.05,
+                        initial_accumulator_value: 0.1,
+                        ..Default::default()
+                    })
+                    .unwrap(),
+                )
+            }),
         ),
         (
             "sgd momentum",
@@ -227,10 +245,8 @@ fn device_steps(
             .iter()
             .map(|g| g.as_ref().map(|g| stream.clone_htod(g).unwrap()))
             .collect();
-        let slots: Vec<Option<&dyn DevicePtr<f32>>> = device
-            .iter()
-            .map(|g| g.as_ref().map(|g| g as &dyn DevicePtr<f32>))
-            .collect();
+        let slots: Vec<Option<DeviceView<'_>>> =
+            device.iter().map(|g| g.as_ref().map(Into::into)).collect();
         engine.step(&slots, weights).unwrap();
     }
 }

@@ -344,14 +344,11 @@ fn validate(args: &Args) -> Result<(), TrainError> {
                 .into(),
         ));
     }
-    if args.precision != Precision::F32 && args.backend == Backend::Nccl {
+    if args.backend == Backend::Nccl && (args.no_master_weights || args.reduce_in_param_dtype) {
         return Err(TrainError::Usage(
-            format!(
-                "--precision {:?} is not built for --backend nccl yet (its GPU memory trains f32 \
-             models); use --backend threads or mpi, or --precision f32",
-                args.precision
-            )
-            .to_lowercase(),
+            "--backend nccl trains 16-bit models with f32 master weights and reduces their \
+             gradients in f32; drop --no-master-weights and --reduce-in-param-dtype"
+                .into(),
         ));
     }
     if args.reduce_in_param_dtype && (args.precision == Precision::F32 || args.no_master_weights) {

@@ -38,11 +38,50 @@ pub use optim::{
 /// The CUDA C source of every kernel.
 pub const SOURCE: &str = include_str!("source.cu");
 
+/// The table entry `(address, offset, len)` of element range `range` of
+/// `src`, which must lie inside it; keeps the pointer's guard in `guards`.
+fn piece_entry<'a, T>(
+    op: &'static str,
+    stream: &'a Arc<CudaStream>,
+    src: &'a dyn DevicePtr<T>,
+    range: &Range<usize>,
+    offset: usize,
+    guards: &mut Vec<SyncOnDrop<'a>>,
+) -> Result<(u64, usize, usize)> {
+    if range.end > src.len() {
+        return Err(Error::BufferSize {
+            op,
+            what: "source piece",
+            got: src.len(),
+            expected: range.end,
+        });
+    }
+    let (ptr, guard) = src.device_ptr(stream);
+    guards.push(guard);
+    let start = ptr + (range.start * std::mem::size_of::<T>()) as u64;
+    Ok((start, offset, range.len()))
+}
+
 /// The pieces of a flatten/unflatten, uploaded, with the launch grid.
 struct PieceTable {
     table: CudaSlice<u64>,
     n_pieces: u32,
     grid: (u32, u32, u32),
+}
+
+/// A 16-bit float type of model weights and gradients (`bf16`, `f16`): the
+/// engine keeps them in f32 and converts on the way in and out.
+pub trait Half: cudarc::driver::DeviceRepr + Copy + 'static {
+    /// Its kernels' index in the conversion tables.
+    const INDEX: usize;
+}
+
+impl Half for half::bf16 {
+    const INDEX: usize = 0;
+}
+
+impl Half for half::f16 {
+    const INDEX: usize = 1;
 }
 
 /// Which norm [`FusedKernels::norm_partial`] accumulates.
@@ -92,7 +131,7 @@ impl NormAccumulator {
 
 /// Every kernel [`FusedKernels::new`] loads from [`SOURCE`], in the order it
 /// loads them.
-pub const KERNEL_NAMES: [&str; 13] = [
+pub const KERNEL_NAMES: [&str; 19] = [
     "gather_pieces_b16",
     "gather_pieces_b32",
     "gather_pieces_b64",
@@ -100,6 +139,12 @@ pub const KERNEL_NAMES: [&str; 13] = [
     "scatter_pieces_b32",
     "scatter_pieces_b64",
     "gather_add_pieces_f32",
+    "gather_widen_bf16",
+    "gather_widen_f16",
+    "gather_add_widen_bf16",
+    "gather_add_widen_f16",
+    "scatter_narrow_bf16",
+    "scatter_narrow_f16",
     "scale_f32",
     "norm_partial_f32",
     "sgd_f32",
@@ -232,6 +277,11 @@ pub struct FusedKernels {
     gather: [CudaFunction; 3],
     scatter: [CudaFunction; 3],
     gather_add: CudaFunction,
+    /// Per [`Half::INDEX`]: 16-bit pieces widened into an f32 flat buffer
+    /// (written, or added), and f32 narrowed into 16-bit pieces.
+    widen: [CudaFunction; 2],
+    widen_add: [CudaFunction; 2],
+    narrow: [CudaFunction; 2],
     scale: CudaFunction,
     norm: CudaFunction,
     sgd: CudaFunction,
@@ -271,7 +321,8 @@ impl FusedKernels {
             // In KERNEL_NAMES order.
             let loaded = KERNEL_NAMES.map(|name| module.load_function(name));
             let [g16, g32, g64, s16, s32, s64, rest @ ..] = loaded;
-            let [gather_add, scale, norm, sgd, adam, adagrad, rmsprop] = rest;
+            let [gather_add, wb, wh, wab, wah, nb, nh, rest @ ..] = rest;
+            let [scale, norm, sgd, adam, adagrad, rmsprop] = rest;
             let sms = ctx.attribute(Attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
             Ok(Self {
                 ctx: ctx.clone(),
@@ -279,6 +330,9 @@ impl FusedKernels {
                 gather: [g16?, g32?, g64?],
                 scatter: [s16?, s32?, s64?],
                 gather_add: gather_add?,
+                widen: [wb?, wh?],
+                widen_add: [wab?, wah?],
+                narrow: [nb?, nh?],
                 scale: scale?,
                 norm: norm?,
                 sgd: sgd?,
@@ -355,18 +409,14 @@ impl FusedKernels {
         let mut guards: Vec<SyncOnDrop<'_>> = Vec::with_capacity(pieces.len());
         let mut entries = Vec::with_capacity(pieces.len());
         for (offset, src, range) in pieces {
-            if range.end > src.len() {
-                return Err(Error::BufferSize {
-                    op: "flatten_ranges",
-                    what: "source piece",
-                    got: src.len(),
-                    expected: range.end,
-                });
-            }
-            let (ptr, guard) = src.device_ptr(stream);
-            guards.push(guard);
-            let start = ptr + (range.start * std::mem::size_of::<f32>()) as u64;
-            entries.push((start, *offset, range.len()));
+            entries.push(piece_entry(
+                "flatten_ranges",
+                stream,
+                *src,
+                range,
+                *offset,
+                &mut guards,
+            )?);
         }
         let kernel = if add {
             &self.gather_add
@@ -428,6 +478,89 @@ impl FusedKernels {
         // size is the 256 the kernel's shared array assumes; the arguments
         // match `norm_partial_f32`.
         unsafe { launch.launch(self.config(n)) }?;
+        Ok(())
+    }
+
+    /// [`FusedKernels::flatten_ranges`] from 16-bit pieces: widens (or with
+    /// `add`, adds) element range `range` of each `src` into
+    /// `flat[offset..offset + range.len()]`, in one launch on `stream`.
+    pub fn widen_ranges<H: Half>(
+        &self,
+        stream: &Arc<CudaStream>,
+        pieces: &[(usize, &dyn DevicePtr<H>, Range<usize>)],
+        flat: &mut (impl DevicePtrMut<f32> + ?Sized),
+        add: bool,
+    ) -> Result<()> {
+        let mut guards: Vec<SyncOnDrop<'_>> = Vec::with_capacity(pieces.len());
+        let mut entries = Vec::with_capacity(pieces.len());
+        for (offset, src, range) in pieces {
+            entries.push(piece_entry(
+                "widen_ranges",
+                stream,
+                *src,
+                range,
+                *offset,
+                &mut guards,
+            )?);
+        }
+        let kernel = if add {
+            &self.widen_add[H::INDEX]
+        } else {
+            &self.widen[H::INDEX]
+        };
+        self.launch_copy("widen_ranges", stream, kernel, &entries, flat)?;
+        drop(guards);
+        Ok(())
+    }
+
+    /// Narrows `flat[offset..offset + range.len()]` into element range
+    /// `range` of each piece `(offset, dst, range)`, rounding to nearest
+    /// even, in one launch on `stream`: the write-back of 16-bit weights
+    /// from f32 values.
+    pub fn narrow_ranges<H: Half>(
+        &self,
+        stream: &Arc<CudaStream>,
+        flat: &(impl DevicePtr<f32> + ?Sized),
+        pieces: &mut [(usize, &mut dyn DevicePtrMut<H>, Range<usize>)],
+    ) -> Result<()> {
+        let mut guards: Vec<SyncOnDrop<'_>> = Vec::with_capacity(pieces.len());
+        let mut entries = Vec::with_capacity(pieces.len());
+        for (offset, dst, range) in pieces.iter_mut() {
+            if range.end > dst.len() {
+                return Err(Error::BufferSize {
+                    op: "narrow_ranges",
+                    what: "destination piece",
+                    got: dst.len(),
+                    expected: range.end,
+                });
+            }
+            let (ptr, guard) = dst.device_ptr_mut(stream);
+            guards.push(guard);
+            let start = ptr + (range.start * std::mem::size_of::<H>()) as u64;
+            entries.push((start, *offset, range.len()));
+        }
+        let Some(PieceTable {
+            table,
+            n_pieces,
+            grid,
+        }) = self.table("narrow_ranges", stream, &entries, flat.len())?
+        else {
+            return Ok(());
+        };
+        let cfg = LaunchConfig {
+            grid_dim: grid,
+            block_dim: (BLOCK, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (flat_ptr, _flat_guard) = flat.device_ptr(stream);
+        let mut launch = stream.launch_builder(&self.narrow[H::INDEX]);
+        launch.arg(&table).arg(&n_pieces).arg(&flat_ptr);
+        // SAFETY: the table's pointers and lengths come from live device
+        // buffers of `H` (16 bits, as the kernel reads them) whose guards are
+        // held across this launch; offsets + lengths were checked against
+        // `flat`, which holds f32.
+        unsafe { launch.launch(cfg) }?;
+        drop(guards);
         Ok(())
     }
 

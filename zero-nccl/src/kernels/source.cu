@@ -59,6 +59,75 @@ extern "C" __global__ void gather_add_pieces_f32(const u64* table, unsigned int 
     }
 }
 
+// ---- 16-bit models: widening and narrowing copies ------------------------
+// bf16 and f16 are carried as their 16 bits (NVRTC has no headers here).
+// Widening is exact; narrowing rounds to nearest, ties to even, as the
+// `half` crate does on the host (a NaN stays a quiet NaN of its sign).
+__device__ __forceinline__ float widen_bf16(unsigned short b) {
+    return __uint_as_float(((unsigned int)b) << 16);
+}
+__device__ __forceinline__ unsigned short narrow_bf16(float f) {
+    unsigned int x = __float_as_uint(f);
+    if ((x & 0x7FFFFFFFu) > 0x7F800000u) {
+        return (unsigned short)((x >> 16) | 0x0040u);
+    }
+    const unsigned int round_bit = 0x00008000u;
+    if ((x & round_bit) != 0 && (x & (3 * round_bit - 1)) != 0) {
+        return (unsigned short)((x >> 16) + 1);
+    }
+    return (unsigned short)(x >> 16);
+}
+__device__ __forceinline__ float widen_f16(unsigned short h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+__device__ __forceinline__ unsigned short narrow_f16(float f) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+// gather_widen_*: flat[offset + i] = widen(src[i]) (or += with _add);
+// scatter_narrow_*: dst[i] = narrow(flat[offset + i]). Same table as above.
+#define DEFINE_CONVERT(SUFFIX)                                                   \
+extern "C" __global__ void gather_widen_##SUFFIX(const u64* table, unsigned int n_pieces, float* flat) { \
+    for (unsigned int p = blockIdx.y; p < n_pieces; p += gridDim.y) {            \
+        const unsigned short* src = (const unsigned short*)table[3 * p];         \
+        float* dst = flat + table[3 * p + 1];                                    \
+        u64 len = table[3 * p + 2];                                              \
+        for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < len;        \
+             i += (u64)gridDim.x * blockDim.x) {                                 \
+            dst[i] = widen_##SUFFIX(src[i]);                                     \
+        }                                                                        \
+    }                                                                            \
+}                                                                                \
+extern "C" __global__ void gather_add_widen_##SUFFIX(const u64* table, unsigned int n_pieces, float* flat) { \
+    for (unsigned int p = blockIdx.y; p < n_pieces; p += gridDim.y) {            \
+        const unsigned short* src = (const unsigned short*)table[3 * p];         \
+        float* dst = flat + table[3 * p + 1];                                    \
+        u64 len = table[3 * p + 2];                                              \
+        for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < len;        \
+             i += (u64)gridDim.x * blockDim.x) {                                 \
+            dst[i] += widen_##SUFFIX(src[i]);                                    \
+        }                                                                        \
+    }                                                                            \
+}                                                                                \
+extern "C" __global__ void scatter_narrow_##SUFFIX(const u64* table, unsigned int n_pieces, const float* flat) { \
+    for (unsigned int p = blockIdx.y; p < n_pieces; p += gridDim.y) {            \
+        unsigned short* dst = (unsigned short*)table[3 * p];                     \
+        const float* src = flat + table[3 * p + 1];                              \
+        u64 len = table[3 * p + 2];                                              \
+        for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < len;        \
+             i += (u64)gridDim.x * blockDim.x) {                                 \
+            dst[i] = narrow_##SUFFIX(src[i]);                                    \
+        }                                                                        \
+    }                                                                            \
+}
+
+DEFINE_CONVERT(bf16)
+DEFINE_CONVERT(f16)
+
 #define GRID_STRIDE(i, n) \
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (u64)gridDim.x * blockDim.x)
 

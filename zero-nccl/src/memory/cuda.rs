@@ -2,6 +2,7 @@
 
 use super::optimizer::DeviceOptimizer;
 use super::segments::{plan_segments, PieceSlot};
+use super::view::{DeviceView, DeviceViewMut, ViewElement};
 use crate::kernels::{FusedKernels, NormAccumulator, NormKind};
 use crate::NcclComm;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DriverError};
@@ -16,7 +17,8 @@ use zero_core::optim::{FunctionalOptimizer, OptimizerState};
 use zero_core::partition::ParamInfo;
 use zero_core::{Engine, Error, ReduceOp, Result};
 
-/// The engine on one GPU over NCCL (f32 parameters).
+/// The engine on one GPU over NCCL (f32 arithmetic; the parameters are
+/// f32, or bf16/f16 with f32 master weights).
 pub type CudaEngine = Engine<f32, NcclComm, CudaMemory>;
 
 /// Builds the engine with its buffers on `comm`'s GPU; see
@@ -33,8 +35,9 @@ pub fn cuda_engine(
     Engine::with_memory(comm, memory, params, optimizer, config)
 }
 
-/// Device memory of the parameters a framework holds (f32, contiguous, one
-/// buffer per parameter, in the engine's parameter order).
+/// Device memory of the parameters a framework holds (contiguous, one
+/// buffer per parameter, in the engine's parameter order): f32, or bf16/f16
+/// for a 16-bit model (the engine then keeps f32 master weights).
 ///
 /// The engine asks for one parameter at a time and only queues work on the
 /// compute stream while it holds it.
@@ -43,32 +46,32 @@ pub trait DeviceParams {
     fn with_param(
         &mut self,
         param: usize,
-        f: &mut dyn FnMut(&dyn DevicePtr<f32>) -> Result<()>,
+        f: &mut dyn FnMut(DeviceView<'_>) -> Result<()>,
     ) -> Result<()>;
 
     /// Calls `f` with parameter `param`'s device memory, writable.
     fn with_param_mut(
         &mut self,
         param: usize,
-        f: &mut dyn FnMut(&mut dyn DevicePtrMut<f32>) -> Result<()>,
+        f: &mut dyn FnMut(DeviceViewMut<'_>) -> Result<()>,
     ) -> Result<()>;
 }
 
-impl DeviceParams for Vec<CudaSlice<f32>> {
+impl<E: ViewElement> DeviceParams for Vec<CudaSlice<E>> {
     fn with_param(
         &mut self,
         param: usize,
-        f: &mut dyn FnMut(&dyn DevicePtr<f32>) -> Result<()>,
+        f: &mut dyn FnMut(DeviceView<'_>) -> Result<()>,
     ) -> Result<()> {
-        f(&self[param])
+        f(E::view(&self[param]))
     }
 
     fn with_param_mut(
         &mut self,
         param: usize,
-        f: &mut dyn FnMut(&mut dyn DevicePtrMut<f32>) -> Result<()>,
+        f: &mut dyn FnMut(DeviceViewMut<'_>) -> Result<()>,
     ) -> Result<()> {
-        f(&mut self[param])
+        f(E::view_mut(&mut self[param]))
     }
 }
 
@@ -125,6 +128,46 @@ fn copy_range(
         )
     }
     .map_err(cuda)
+}
+
+/// Copies `len` elements of parameter view `src` from `src_at` into the f32
+/// buffer `dst` at `dst_at`, widening 16-bit values.
+fn read_view(
+    kernels: &FusedKernels,
+    stream: &Arc<CudaStream>,
+    src: DeviceView<'_>,
+    src_at: usize,
+    dst: &mut CudaSlice<f32>,
+    dst_at: usize,
+    len: usize,
+) -> Result<()> {
+    let range = src_at..src_at + len;
+    match src {
+        DeviceView::F32(src) => return copy_range(stream, src, src_at, dst, dst_at, len),
+        DeviceView::Bf16(src) => kernels.widen_ranges(stream, &[(dst_at, src, range)], dst, false),
+        DeviceView::F16(src) => kernels.widen_ranges(stream, &[(dst_at, src, range)], dst, false),
+    }
+    .map_err(nccl)
+}
+
+/// Copies `len` elements of the f32 buffer `src` from `src_at` into
+/// parameter view `dst` at `dst_at`, rounding to 16 bits where it holds them.
+fn write_view(
+    kernels: &FusedKernels,
+    stream: &Arc<CudaStream>,
+    src: &CudaSlice<f32>,
+    src_at: usize,
+    dst: DeviceViewMut<'_>,
+    dst_at: usize,
+    len: usize,
+) -> Result<()> {
+    let range = dst_at..dst_at + len;
+    match dst {
+        DeviceViewMut::F32(dst) => return copy_range(stream, src, src_at, dst, dst_at, len),
+        DeviceViewMut::Bf16(dst) => kernels.narrow_ranges(stream, src, &mut [(src_at, dst, range)]),
+        DeviceViewMut::F16(dst) => kernels.narrow_ranges(stream, src, &mut [(src_at, dst, range)]),
+    }
+    .map_err(nccl)
 }
 
 fn check_range(op: &'static str, range: &Range<usize>, len: usize) -> Result<()> {
@@ -239,10 +282,10 @@ impl CudaMemory {
 
 impl ShardMemory<f32, NcclComm> for CudaMemory {
     type Buffer = CudaSlice<f32>;
-    type Grad<'g> = &'g dyn DevicePtr<f32>;
+    type Grad<'g> = DeviceView<'g>;
     type Params<'p> = dyn DeviceParams + 'p;
 
-    fn grad_len(grad: &&dyn DevicePtr<f32>) -> usize {
+    fn grad_len(grad: &DeviceView<'_>) -> usize {
         grad.len()
     }
 
@@ -269,20 +312,36 @@ impl ShardMemory<f32, NcclComm> for CudaMemory {
     fn flatten(
         &mut self,
         buffer: &mut CudaSlice<f32>,
-        pieces: &[GradPiece<&dyn DevicePtr<f32>>],
+        pieces: &[GradPiece<DeviceView<'_>>],
         add: bool,
     ) -> Result<()> {
         if pieces.is_empty() {
             return Ok(());
         }
         let stream = self.stream()?;
-        let entries: Vec<(usize, &dyn DevicePtr<f32>, Range<usize>)> = pieces
-            .iter()
-            .map(|p| (p.at, p.grad, p.range.clone()))
-            .collect();
-        self.kernels
-            .flatten_ranges(&stream, &entries, buffer, add)
-            .map_err(nccl)
+        // One launch per dtype present (a model has one, as a rule).
+        let mut f32s = Vec::new();
+        let mut bf16s = Vec::new();
+        let mut f16s = Vec::new();
+        for p in pieces {
+            let range = p.range.clone();
+            match p.grad {
+                DeviceView::F32(g) => f32s.push((p.at, g, range)),
+                DeviceView::Bf16(g) => bf16s.push((p.at, g, range)),
+                DeviceView::F16(g) => f16s.push((p.at, g, range)),
+            }
+        }
+        let k = &self.kernels;
+        if !f32s.is_empty() {
+            k.flatten_ranges(&stream, &f32s, buffer, add).map_err(nccl)?;
+        }
+        if !bf16s.is_empty() {
+            k.widen_ranges(&stream, &bf16s, buffer, add).map_err(nccl)?;
+        }
+        if !f16s.is_empty() {
+            k.widen_ranges(&stream, &f16s, buffer, add).map_err(nccl)?;
+        }
+        Ok(())
     }
 
     fn copy_range(
@@ -314,7 +373,8 @@ impl ShardMemory<f32, NcclComm> for CudaMemory {
         let stream = self.stream()?;
         for c in copies {
             params.with_param(c.param, &mut |src| {
-                copy_range(
+                read_view(
+                    &self.kernels,
                     &stream,
                     src,
                     c.param_range.start,
@@ -336,7 +396,8 @@ impl ShardMemory<f32, NcclComm> for CudaMemory {
         let stream = self.stream()?;
         for c in copies {
             params.with_param_mut(c.param, &mut |dst| {
-                copy_range(
+                write_view(
+                    &self.kernels,
                     &stream,
                     buffer,
                     c.at,
@@ -570,6 +631,37 @@ impl ShardMemory<f32, NcclComm> for CudaMemory {
             .map_or(0, DeviceOptimizer::state_bytes)
     }
 
+    fn buffer_to_host(
+        &mut self,
+        comm: &NcclComm,
+        buffer: &CudaSlice<f32>,
+        range: Range<usize>,
+        out: &mut [f32],
+    ) -> Result<()> {
+        check_range("buffer_to_host", &range, buffer.len())?;
+        let stream = self.stream()?;
+        comm.wait_compute("reading master weights").map_err(nccl)?;
+        stream
+            .memcpy_dtoh(&buffer.slice(range), out)
+            .map_err(cuda)
+    }
+
+    fn buffer_from_host(
+        &mut self,
+        buffer: &mut CudaSlice<f32>,
+        at: usize,
+        values: &[f32],
+    ) -> Result<()> {
+        let range = at..at + values.len();
+        check_range("buffer_from_host", &range, buffer.len())?;
+        if values.is_empty() {
+            return Ok(());
+        }
+        self.stream()?
+            .memcpy_htod(values, &mut buffer.slice_mut(range))
+            .map_err(cuda)
+    }
+
     fn read_param_host(
         &mut self,
         comm: &NcclComm,
@@ -578,22 +670,19 @@ impl ShardMemory<f32, NcclComm> for CudaMemory {
         out: &mut [f32],
     ) -> Result<()> {
         let stream = self.stream()?;
+        check_param_len(params, param, out.len(), "reading a parameter")?;
+        // Staged in f32 on the device (16-bit parameters widen there).
+        let mut staged = self.alloc_zeroed(out.len())?;
+        let whole = ParamCopy {
+            param,
+            param_range: 0..out.len(),
+            at: 0,
+        };
+        self.read_params(params, &[whole], &mut staged)?;
         comm.wait_compute("reading a parameter").map_err(nccl)?;
-        params.with_param(param, &mut |src| {
-            if src.len() != out.len() {
-                return Err(nccl(crate::Error::BufferSize {
-                    op: "reading a parameter",
-                    what: "parameter",
-                    got: src.len(),
-                    expected: out.len(),
-                }));
-            }
-            let mut staged = stream.alloc_zeros::<f32>(out.len().max(1)).map_err(cuda)?;
-            copy_range(&stream, src, 0, &mut staged, 0, out.len())?;
-            stream
-                .memcpy_dtoh(&staged.slice(0..out.len()), out)
-                .map_err(cuda)
-        })
+        stream
+            .memcpy_dtoh(&staged.slice(0..out.len()), out)
+            .map_err(cuda)
     }
 
     fn write_param_host(
@@ -603,24 +692,40 @@ impl ShardMemory<f32, NcclComm> for CudaMemory {
         values: &[f32],
     ) -> Result<()> {
         let stream = self.stream()?;
-        params.with_param_mut(param, &mut |dst| {
-            if dst.len() != values.len() {
-                return Err(nccl(crate::Error::BufferSize {
-                    op: "writing a parameter",
-                    what: "parameter",
-                    got: dst.len(),
-                    expected: values.len(),
-                }));
-            }
-            let mut staged = stream
-                .alloc_zeros::<f32>(values.len().max(1))
-                .map_err(cuda)?;
+        check_param_len(params, param, values.len(), "writing a parameter")?;
+        let mut staged = self.alloc_zeroed(values.len())?;
+        if !values.is_empty() {
             stream
                 .memcpy_htod(values, &mut staged.slice_mut(0..values.len()))
                 .map_err(cuda)?;
-            copy_range(&stream, &staged, 0, dst, 0, values.len())
-        })
+        }
+        let whole = ParamCopy {
+            param,
+            param_range: 0..values.len(),
+            at: 0,
+        };
+        self.write_params(params, &[whole], &staged)
     }
+}
+
+/// Fails unless parameter `param` holds `len` elements.
+fn check_param_len(
+    params: &mut (dyn DeviceParams + '_),
+    param: usize,
+    len: usize,
+    op: &'static str,
+) -> Result<()> {
+    params.with_param(param, &mut |view| {
+        if view.len() == len {
+            return Ok(());
+        }
+        Err(nccl(crate::Error::BufferSize {
+            op,
+            what: "parameter",
+            got: view.len(),
+            expected: len,
+        }))
+    })
 }
 
 #[cfg(test)]

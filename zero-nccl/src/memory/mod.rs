@@ -35,8 +35,12 @@ pub mod segments;
 mod cuda;
 #[cfg(feature = "cuda")]
 mod optimizer;
+#[cfg(feature = "cuda")]
+mod view;
 
 #[cfg(feature = "nccl")]
 pub use cuda::{cuda_engine, CudaEngine, CudaMemory, DeviceParams};
 #[cfg(feature = "cuda")]
 pub use optimizer::DEVICE_KINDS;
+#[cfg(feature = "cuda")]
+pub use view::{DeviceView, DeviceViewMut, ViewElement};

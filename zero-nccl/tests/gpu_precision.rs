@@ -1,0 +1,305 @@
+//! 16-bit models on the GPU: bf16/f16 weights and gradients, with the
+//! engine's f32 master weights, f32 optimizer state and f32 gradient
+//! reduction in CUDA memory. The host engine (threads) is the reference:
+//! it widens and rounds with the `half` crate.
+//!
+//! Needs a GPU and NVRTC: `#[ignore]`d, run with `-- --ignored` on a GPU
+//! machine.
+
+mod common;
+
+use half::{bf16, f16};
+use rand::{Rng, SeedableRng};
+use zero_core::engine::{CastParams, EngineConfig, HostGrad, Stage};
+use zero_core::optim::{Adam, AdamConfig, FunctionalOptimizer};
+use zero_core::{DType, Element, Engine, ParamInfo, ThreadGroup};
+use zero_nccl::cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
+use zero_nccl::kernels::{FusedKernels, Half};
+use zero_nccl::{cuda_engine, DeviceView, NcclComm, ViewElement};
+
+/// A 16-bit element type as both engines take it.
+trait Sixteen: Element + ViewElement + Half {
+    fn host(grad: &[Self]) -> HostGrad<'_, f32>;
+    /// Its unit in the last place at `x`, relative: 2^-7 or 2^-10.
+    const EPSILON: f32;
+}
+
+impl Sixteen for bf16 {
+    fn host(grad: &[Self]) -> HostGrad<'_, f32> {
+        HostGrad::Bf16(grad)
+    }
+    const EPSILON: f32 = 1.0 / 128.0;
+}
+
+impl Sixteen for f16 {
+    fn host(grad: &[Self]) -> HostGrad<'_, f32> {
+        HostGrad::F16(grad)
+    }
+    const EPSILON: f32 = 1.0 / 1024.0;
+}
+
+fn comm() -> NcclComm {
+    common::nccl_comm()
+}
+
+fn params(dtype: DType) -> Vec<ParamInfo> {
+    vec![
+        ParamInfo::new("a.bias", vec![7], dtype),
+        ParamInfo::new("a.weight", vec![7, 13], dtype),
+        ParamInfo::new("b.weight", vec![300], dtype),
+        ParamInfo::new("c.frozen", vec![5], dtype).with_trainable(false),
+    ]
+}
+
+/// Per step, one gradient slot per parameter.
+type StepGrads<H> = Vec<Vec<Option<Vec<H>>>>;
+
+/// Initial weights and per-step gradients in `H`; parameter 2 has no
+/// gradient on odd steps.
+fn data<H: Sixteen>(steps: usize) -> (Vec<Vec<H>>, StepGrads<H>) {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+    let ps = params(H::DTYPE);
+    let mut draw = |n: usize| -> Vec<H> {
+        (0..n)
+            .map(|_| H::from_f64(rng.gen_range(-1.0..1.0)))
+            .collect()
+    };
+    let init = ps.iter().map(|p| draw(p.numel())).collect();
+    let grads = (0..steps)
+        .map(|s| {
+            ps.iter()
+                .enumerate()
+                .map(|(i, p)| (!(i == 2 && s % 2 == 1)).then(|| draw(p.numel())))
+                .collect()
+        })
+        .collect();
+    (init, grads)
+}
+
+/// Adam with a learning rate small enough that most updates are below half
+/// a 16-bit ulp: without f32 master weights they would be lost.
+fn adam() -> Box<dyn FunctionalOptimizer<f32>> {
+    Box::new(Adam::new(AdamConfig::default().with_lr(1e-3)).unwrap())
+}
+
+fn host_run<H: Sixteen>(config: &EngineConfig, steps: usize) -> Vec<Vec<H>> {
+    let (init, grads) = data::<H>(steps);
+    let mut out = ThreadGroup::new(1).run(|comm| {
+        let mut engine = Engine::<f32, _>::new(comm, params(H::DTYPE), adam(), config.clone())?;
+        let mut replica = CastParams(init.clone());
+        for step in &grads {
+            let slots: Vec<Option<HostGrad<'_, f32>>> =
+                step.iter().map(|g| g.as_deref().map(H::host)).collect();
+            engine.step(&slots, &mut replica)?;
+        }
+        Ok::<_, zero_core::Error>(replica.0)
+    });
+    out.remove(0).unwrap().unwrap()
+}
+
+/// The CUDA engine through `grads`, from `weights` on the GPU.
+fn device_steps<H: Sixteen>(
+    engine: &mut zero_nccl::CudaEngine,
+    weights: &mut Vec<CudaSlice<H>>,
+    grads: &[Vec<Option<Vec<H>>>],
+) {
+    let stream = engine.comm().compute_stream().clone();
+    for step in grads {
+        let device: Vec<Option<CudaSlice<H>>> = step
+            .iter()
+            .map(|g| g.as_ref().map(|g| stream.clone_htod(g).unwrap()))
+            .collect();
+        let slots: Vec<Option<DeviceView<'_>>> = device
+            .iter()
+            .map(|g| g.as_ref().map(|g| H::view(g)))
+            .collect();
+        engine.step(&slots, weights).unwrap();
+    }
+}
+
+fn to_host<H: Sixteen>(comm: &NcclComm, weights: &[CudaSlice<H>]) -> Vec<Vec<H>> {
+    let stream = comm.compute_stream();
+    weights
+        .iter()
+        .map(|w| stream.clone_dtoh(w).unwrap())
+        .collect()
+}
+
+fn device_run<H: Sixteen>(config: &EngineConfig, steps: usize) -> Vec<Vec<H>> {
+    let (init, grads) = data::<H>(steps);
+    let comm = comm();
+    let stream = comm.compute_stream().clone();
+    let mut engine = cuda_engine(comm, params(H::DTYPE), adam(), config.clone()).unwrap();
+    let mut weights: Vec<CudaSlice<H>> =
+        init.iter().map(|w| stream.clone_htod(w).unwrap()).collect();
+    device_steps(&mut engine, &mut weights, &grads);
+    to_host(engine.comm(), &weights)
+}
+
+/// Within one ulp of the 16-bit type: the fused kernels agree with the host
+/// optimizer to f32 rounding, which can move a rounding to 16 bits by one.
+fn assert_within_an_ulp<H: Sixteen>(device: &[Vec<H>], host: &[Vec<H>], what: &str) {
+    let mut differing = 0;
+    for (i, (d, h)) in device.iter().zip(host).enumerate() {
+        for (j, (x, y)) in d.iter().zip(h).enumerate() {
+            let (x, y) = (x.to_f64() as f32, y.to_f64() as f32);
+            differing += usize::from(x != y);
+            assert!(
+                (x - y).abs() <= H::EPSILON * y.abs().max(1e-3),
+                "{what}: parameter {i} element {j}: device {x}, host {y}"
+            );
+        }
+    }
+    let total: usize = host.iter().map(Vec::len).sum();
+    assert!(
+        differing * 100 <= total,
+        "{what}: {differing} of {total} weights differ"
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn sixteen_bit_models_train_like_host_memory_at_stages_0_to_2() {
+    fn check<H: Sixteen>() {
+        for stage in [Stage::Ddp, Stage::OptimizerState, Stage::Gradients] {
+            let config = EngineConfig::default()
+                .with_stage(stage)
+                .with_bucket_bytes(256);
+            let host = host_run::<H>(&config, 8);
+            let device = device_run::<H>(&config, 8);
+            let what = format!("{:?} {stage:?}", H::DTYPE);
+            assert_within_an_ulp(&device, &host, &what);
+            // The master weights carried the small updates: the weights moved.
+            let (init, _) = data::<H>(0);
+            let moved = device
+                .iter()
+                .zip(&init)
+                .take(3)
+                .flat_map(|(d, i)| d.iter().zip(i))
+                .filter(|(d, i)| d != i)
+                .count();
+            assert!(moved > 300, "{what}: only {moved} weights moved");
+        }
+    }
+    check::<bf16>();
+    check::<f16>();
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn master_weights_on_the_gpu_survive_save_and_resume_bitwise() {
+    let (init, grads) = data::<bf16>(8);
+    let (first, second) = grads.split_at(4);
+    let config = EngineConfig::default()
+        .with_stage(Stage::Gradients)
+        .with_bucket_bytes(256);
+    let dir = std::env::temp_dir().join(format!("zero-nccl-bf16-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+
+    let uninterrupted = {
+        let comm = comm();
+        let stream = comm.compute_stream().clone();
+        let mut engine = cuda_engine(comm, params(DType::BF16), adam(), config.clone()).unwrap();
+        let mut weights: Vec<CudaSlice<bf16>> =
+            init.iter().map(|w| stream.clone_htod(w).unwrap()).collect();
+        device_steps(&mut engine, &mut weights, first);
+        engine.save_checkpoint(&dir, &mut weights).unwrap();
+        device_steps(&mut engine, &mut weights, second);
+        to_host(engine.comm(), &weights)
+    };
+    // A fresh engine from the 16-bit weights alone would have lost the
+    // masters' low bits; from the checkpoint it continues bitwise.
+    let comm = comm();
+    let stream = comm.compute_stream().clone();
+    let mut engine = cuda_engine(comm, params(DType::BF16), adam(), config).unwrap();
+    let mut weights: Vec<CudaSlice<bf16>> =
+        init.iter().map(|w| stream.clone_htod(w).unwrap()).collect();
+    engine.load_checkpoint(&dir, &mut weights).unwrap();
+    device_steps(&mut engine, &mut weights, second);
+    let resumed = to_host(engine.comm(), &weights);
+    assert_eq!(resumed, uninterrupted);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Every bf16 and f16 bit pattern widens exactly; f32 values around every
+/// rounding boundary (ties, subnormals, overflow, NaN) narrow as the `half`
+/// crate rounds them.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn widening_and_narrowing_kernels_match_the_half_crate() {
+    fn check<H: Sixteen + PartialEq>(from_bits: fn(u16) -> H, to_bits: fn(H) -> u16) {
+        let ctx = common::cuda_context();
+        let stream = ctx.default_stream();
+        let kernels = FusedKernels::new(&ctx).unwrap();
+        let all: Vec<H> = (0..=u16::MAX).map(from_bits).collect();
+        let src = stream.clone_htod(&all).unwrap();
+        // Widen into the middle of a buffer, then add the same again.
+        let mut flat = stream.alloc_zeros::<f32>(all.len() + 3).unwrap();
+        let entry = [(3, &src as &dyn DevicePtr<H>, 0..all.len())];
+        kernels.widen_ranges(&stream, &entry, &mut flat, false).unwrap();
+        let widened = stream.clone_dtoh(&flat).unwrap();
+        kernels.widen_ranges(&stream, &entry, &mut flat, true).unwrap();
+        let doubled = stream.clone_dtoh(&flat).unwrap();
+        for (bits, h) in all.iter().enumerate() {
+            let want = h.to_f64() as f32;
+            let got = widened[3 + bits];
+            assert!(
+                got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
+                "{:?} {bits:#06x} widened to {got}, not {want}",
+                H::DTYPE
+            );
+            let twice = doubled[3 + bits];
+            assert!(
+                twice == want + want || (twice.is_nan() && want.is_nan()),
+                "{:?} {bits:#06x} added to {twice}",
+                H::DTYPE
+            );
+        }
+        // Each 16-bit value, its neighbours at the f32 level, the exact
+        // midpoints to the next value, and one f32 ulp either side of them.
+        let mut values: Vec<f32> = Vec::new();
+        for h in &all {
+            let x = h.to_f64() as f32;
+            if !x.is_finite() {
+                values.push(x);
+                continue;
+            }
+            let b = x.to_bits();
+            values.extend([x, f32::from_bits(b + 1), f32::from_bits(b.wrapping_sub(1))]);
+        }
+        for w in all.windows(2) {
+            let (a, b) = (w[0].to_f64(), w[1].to_f64());
+            if a.is_finite() && b.is_finite() {
+                let mid = ((a + b) / 2.0) as f32;
+                let m = mid.to_bits();
+                values.extend([mid, f32::from_bits(m + 1), f32::from_bits(m - 1)]);
+            }
+        }
+        values.extend([f32::MAX, -f32::MAX, 1e-45, -1e-45, f32::NAN, -f32::NAN]);
+        let flat = stream.clone_htod(&values).unwrap();
+        let mut dst = stream.clone_htod(&vec![from_bits(0); values.len() + 5]).unwrap();
+        let mut pieces = [(
+            0,
+            &mut dst as &mut dyn DevicePtrMut<H>,
+            5..5 + values.len(),
+        )];
+        kernels.narrow_ranges(&stream, &flat, &mut pieces).unwrap();
+        let narrowed = stream.clone_dtoh(&dst).unwrap();
+        assert!(narrowed[..5].iter().all(|h| to_bits(*h) == 0));
+        for (x, got) in values.iter().zip(&narrowed[5..]) {
+            let want = H::from_f64(*x as f64);
+            let same = to_bits(*got) == to_bits(want)
+                || (got.to_f64().is_nan() && want.to_f64().is_nan());
+            assert!(
+                same,
+                "{:?}: {x:e} ({:#010x}) narrowed to {:#06x}, not {:#06x}",
+                H::DTYPE,
+                x.to_bits(),
+                to_bits(*got),
+                to_bits(want)
+            );
+        }
+    }
+    check::<bf16>(bf16::from_bits, bf16::to_bits);
+    check::<f16>(f16::from_bits, f16::to_bits);
+}
