@@ -113,7 +113,14 @@ impl Element for bf16 {
         self.to_f64()
     }
     fn from_f64(v: f64) -> Self {
-        bf16::from_f64(v)
+        // An f32 value (what the engine narrows) rounds from f32: `half`'s
+        // f64 route truncates some values in bf16's subnormal range.
+        let narrow = v as f32;
+        if narrow as f64 == v {
+            bf16::from_f32(narrow)
+        } else {
+            bf16::from_f64(v)
+        }
     }
 }
 
@@ -131,5 +138,24 @@ impl Element for f16 {
     }
     fn from_f64(v: f64) -> Self {
         f16::from_f64(v)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Element;
+    use half::bf16;
+
+    #[test]
+    fn f32_values_narrow_to_bf16_to_nearest_even_in_the_subnormal_range_too() {
+        // Just above the midpoint between two bf16 subnormals: rounds up.
+        let x = f32::from_bits(0x0020_8001);
+        assert_eq!(<bf16 as Element>::from_f64(x as f64).to_bits(), 0x0021);
+        assert_eq!(bf16::from_f32(x).to_bits(), 0x0021);
+        // An exact tie rounds to even, an f64 value between f32s still rounds.
+        let tie = f32::from_bits(0x3F80_8000);
+        assert_eq!(<bf16 as Element>::from_f64(tie as f64).to_bits(), 0x3F80);
+        let between = 1.0 + 3.0 * 2f64.powi(-9) + 2f64.powi(-40);
+        assert_eq!(<bf16 as Element>::from_f64(between), bf16::from_f64(between));
     }
 }

@@ -169,8 +169,11 @@ fn sixteen_bit_models_train_like_host_memory_at_stages_0_to_2() {
             let device = device_run::<H>(&config, 8);
             let what = format!("{:?} {stage:?}", H::DTYPE);
             assert_within_an_ulp(&device, &host, &what);
-            // The master weights carried the small updates: the weights moved.
+            // Adam's steps of 1e-3 are below half an ulp for every weight
+            // above 0.25 in magnitude, three in four of them: without f32
+            // master weights those never move. With them, most do.
             let (init, _) = data::<H>(0);
+            let trainable: usize = init.iter().take(3).map(Vec::len).sum();
             let moved = device
                 .iter()
                 .zip(&init)
@@ -178,7 +181,10 @@ fn sixteen_bit_models_train_like_host_memory_at_stages_0_to_2() {
                 .flat_map(|(d, i)| d.iter().zip(i))
                 .filter(|(d, i)| d != i)
                 .count();
-            assert!(moved > 300, "{what}: only {moved} weights moved");
+            assert!(
+                2 * moved > trainable,
+                "{what}: only {moved} of {trainable} weights moved"
+            );
         }
     }
     check::<bf16>();
@@ -222,8 +228,9 @@ fn master_weights_on_the_gpu_survive_save_and_resume_bitwise() {
 }
 
 /// Every bf16 and f16 bit pattern widens exactly; f32 values around every
-/// rounding boundary (ties, subnormals, overflow, NaN) narrow as the `half`
-/// crate rounds them.
+/// rounding boundary (ties, subnormals, overflow, NaN) narrow as the host
+/// engine rounds them (the `half` crate's f32 conversions: to nearest, ties
+/// to even).
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn widening_and_narrowing_kernels_match_the_half_crate() {
