@@ -4,9 +4,11 @@
 # and libcudart by name) link on a machine that has none of them. Each stub
 # exports every function cudarc declares for its library and carries the real
 # library's soname, so the binary loads the real one on the GPU machine.
-# Usage: cuda-link-stubs.sh DIR   (then put DIR on the CUDA root's lib/stubs)
+# Usage: cuda-link-stubs.sh DIR [CUDA_MAJOR]   (DIR: the CUDA root's lib/stubs,
+# where cudarc's build looks; CUDA_MAJOR: 13 unless given, the sonames' version)
 set -euo pipefail
 out="$1"
+major="${2:-13}"
 mkdir -p "$out"
 cudarc=$(ls -d "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/cudarc-0.19.* | sort -V | tail -1)/src
 tmp=$(mktemp -d)
@@ -15,13 +17,13 @@ trap 'rm -rf "$tmp"' EXIT
 while read -r lib soname sys; do
     grep -ohE '\bfn [A-Za-z_][A-Za-z0-9_]*\(' "$cudarc/$sys" | sed -E 's/fn (.*)\(/void \1(void) {}/' |
         sort -u >"$tmp/$lib.c"
-    cc -shared -fPIC -o "$out/lib$lib.so" -Wl,-soname,"$soname" "$tmp/$lib.c"
+    cc -shared -fPIC -o "$out/lib$lib.so" -Wl,-soname,"${soname/MAJOR/$major}" "$tmp/$lib.c"
 done <<'LIBS'
 cuda      libcuda.so.1      driver/sys/mod.rs
-nvrtc     libnvrtc.so.13    nvrtc/sys/mod.rs
-cublas    libcublas.so.13   cublas/sys/mod.rs
-cublasLt  libcublasLt.so.13 cublaslt/sys/mod.rs
-curand    libcurand.so.10   curand/sys/mod.rs
-nccl      libnccl.so.2      nccl/sys/mod.rs
-cudart    libcudart.so.13   runtime/sys/mod.rs
+nvrtc     libnvrtc.so.MAJOR    nvrtc/sys/mod.rs
+cublas    libcublas.so.MAJOR   cublas/sys/mod.rs
+cublasLt  libcublasLt.so.MAJOR cublaslt/sys/mod.rs
+curand    libcurand.so.10      curand/sys/mod.rs
+nccl      libnccl.so.2         nccl/sys/mod.rs
+cudart    libcudart.so.MAJOR   runtime/sys/mod.rs
 LIBS

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Builds the GPU test binaries, `train` and `bench` (feature `nccl`) on a
+# machine without CUDA, for a GPU machine without Rust, and packs them into
+# one archive: scripts/build-gpu-bundle.sh OUT.tar.xz
+#
+# - nvcc comes from PyPI wheels of CUDA $CUDA_WHEELS_VERSION (default 13.0)
+#   into /opt/cuda-wheels-$CUDA_WHEELS_VERSION. Pick the GPU driver's CUDA
+#   version (nvidia-smi's "CUDA Version"): Candle's kernels are PTX, and a
+#   driver cannot load PTX from a newer CUDA.
+# - Candle's `cuda` feature links libcuda, libcublas, libcurand, libnvrtc,
+#   libnccl and libcudart by name; scripts/cuda-link-stubs.sh stands in for
+#   those this machine lacks (the binaries load the real ones on the GPU
+#   machine; libcudart links against the wheel's own).
+#
+# On the GPU machine, unpack it and put the CUDA and NCCL libraries on
+# LD_LIBRARY_PATH; cudarc loads `libnccl.so` and `libnvrtc.so` by those
+# names, so link them there if only the versioned files exist. Then run
+# `t/<test> --include-ignored`, `./bench gpu` and `./train --backend nccl`.
+# The first build compiles Candle's kernels (tens of minutes on 2 cores).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out="$(realpath -m "${1:?usage: $0 OUT.tar.xz}")"
+
+version="${CUDA_WHEELS_VERSION:-13.0}"
+wheels="/opt/cuda-wheels-$version"
+root="$wheels/nvidia/cu${version%%.*}"
+# shellcheck source=cuda-wheels.sh
+source scripts/cuda-wheels.sh
+if [[ ! -x "$root/bin/nvcc" ]]; then
+    # nvvm pinned too: nvcc's wheel would take the newest, whose PTX the
+    # toolkit's own ptxas cannot read.
+    install_wheels "nvidia-cuda-nvcc==$version.*" "nvidia-nvvm==$version.*" \
+        "nvidia-cuda-runtime==$version.*" "nvidia-cuda-crt==$version.*" \
+        "nvidia-cuda-cccl==$version.*"
+fi
+scripts/cuda-link-stubs.sh "$root/lib/stubs" "${version%%.*}"
+ln -sf "../libcudart.so.${version%%.*}" "$root/lib/stubs/libcudart.so"
+
+export PATH="$root/bin:$PATH" CUDA_ROOT="$root" CUDA_PATH="$root"
+export CUDA_COMPUTE_CAP="${CUDA_COMPUTE_CAP:-90}"
+export CUDARC_CUDA_VERSION="${CUDARC_CUDA_VERSION:-${version%%.*}0${version#*.}0}"
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-target/cuda-$version}"
+
+cargo build -p zero-examples --features nccl --bin train --bin bench
+stage="$(mktemp -d)"
+trap 'rm -rf "$stage"' EXIT
+mkdir -p "$stage/t"
+cargo test --no-run -p zero-nccl --features nccl --message-format=json |
+    python3 -c '
+import json, sys
+for line in sys.stdin:
+    msg = json.loads(line)
+    if msg.get("reason") == "compiler-artifact" and msg.get("executable") and msg["profile"]["test"]:
+        print(msg["target"]["name"], msg["executable"])
+' | while read -r name exe; do cp "$exe" "$stage/t/$name"; done
+cp "$CARGO_TARGET_DIR/debug/train" "$CARGO_TARGET_DIR/debug/bench" "$stage/"
+strip "$stage"/t/* "$stage/train" "$stage/bench"
+tar -C "$stage" -cJf "$out" .
+ls -la "$out"
