@@ -168,11 +168,23 @@ fn bad_flags_and_files_are_clear_errors_not_panics() {
         (&["--checkpoint-every", "5"], "--checkpoint-dir"),
         (&["--timeout-s", "1e300"], "--timeout-s"),
         (
-            &["--backend", "nccl", "--precision", "bf16", "--no-master-weights"],
+            &[
+                "--backend",
+                "nccl",
+                "--precision",
+                "bf16",
+                "--no-master-weights",
+            ],
             "f32 master weights",
         ),
         (
-            &["--backend", "nccl", "--precision", "f16", "--reduce-in-param-dtype"],
+            &[
+                "--backend",
+                "nccl",
+                "--precision",
+                "f16",
+                "--reduce-in-param-dtype",
+            ],
             "reduces their gradients in f32",
         ),
     ];

@@ -300,8 +300,12 @@ impl candle_core::InplaceOp1 for WriteParam<'_, '_> {
         };
         let mut f = self.f.borrow_mut();
         let written = match storage.dtype() {
-            DType::BF16 => (*f)((&mut storage.as_cuda_slice_mut::<bf16>()?.slice_mut(start..end)).into()),
-            DType::F16 => (*f)((&mut storage.as_cuda_slice_mut::<f16>()?.slice_mut(start..end)).into()),
+            DType::BF16 => {
+                (*f)((&mut storage.as_cuda_slice_mut::<bf16>()?.slice_mut(start..end)).into())
+            }
+            DType::F16 => {
+                (*f)((&mut storage.as_cuda_slice_mut::<f16>()?.slice_mut(start..end)).into())
+            }
             _ => (*f)((&mut storage.as_cuda_slice_mut::<f32>()?.slice_mut(start..end)).into()),
         };
         if let Err(e) = written {

@@ -156,6 +156,9 @@ mod tests {
         let tie = f32::from_bits(0x3F80_8000);
         assert_eq!(<bf16 as Element>::from_f64(tie as f64).to_bits(), 0x3F80);
         let between = 1.0 + 3.0 * 2f64.powi(-9) + 2f64.powi(-40);
-        assert_eq!(<bf16 as Element>::from_f64(between), bf16::from_f64(between));
+        assert_eq!(
+            <bf16 as Element>::from_f64(between),
+            bf16::from_f64(between)
+        );
     }
 }

@@ -6,6 +6,8 @@
 //! Needs a GPU and NVRTC: `#[ignore]`d, run with `-- --ignored` on a GPU
 //! machine.
 
+#![cfg(feature = "nccl")]
+
 mod common;
 
 use half::{bf16, f16};
@@ -243,9 +245,13 @@ fn widening_and_narrowing_kernels_match_the_half_crate() {
         // Widen into the middle of a buffer, then add the same again.
         let mut flat = stream.alloc_zeros::<f32>(all.len() + 3).unwrap();
         let entry = [(3, &src as &dyn DevicePtr<H>, 0..all.len())];
-        kernels.widen_ranges(&stream, &entry, &mut flat, false).unwrap();
+        kernels
+            .widen_ranges(&stream, &entry, &mut flat, false)
+            .unwrap();
         let widened = stream.clone_dtoh(&flat).unwrap();
-        kernels.widen_ranges(&stream, &entry, &mut flat, true).unwrap();
+        kernels
+            .widen_ranges(&stream, &entry, &mut flat, true)
+            .unwrap();
         let doubled = stream.clone_dtoh(&flat).unwrap();
         for (bits, h) in all.iter().enumerate() {
             let want = h.to_f64() as f32;
@@ -284,19 +290,17 @@ fn widening_and_narrowing_kernels_match_the_half_crate() {
         }
         values.extend([f32::MAX, -f32::MAX, 1e-45, -1e-45, f32::NAN, -f32::NAN]);
         let flat = stream.clone_htod(&values).unwrap();
-        let mut dst = stream.clone_htod(&vec![from_bits(0); values.len() + 5]).unwrap();
-        let mut pieces = [(
-            0,
-            &mut dst as &mut dyn DevicePtrMut<H>,
-            5..5 + values.len(),
-        )];
+        let mut dst = stream
+            .clone_htod(&vec![from_bits(0); values.len() + 5])
+            .unwrap();
+        let mut pieces = [(0, &mut dst as &mut dyn DevicePtrMut<H>, 5..5 + values.len())];
         kernels.narrow_ranges(&stream, &flat, &mut pieces).unwrap();
         let narrowed = stream.clone_dtoh(&dst).unwrap();
         assert!(narrowed[..5].iter().all(|h| to_bits(*h) == 0));
         for (x, got) in values.iter().zip(&narrowed[5..]) {
             let want = H::from_f64(*x as f64);
-            let same = to_bits(*got) == to_bits(want)
-                || (got.to_f64().is_nan() && want.to_f64().is_nan());
+            let same =
+                to_bits(*got) == to_bits(want) || (got.to_f64().is_nan() && want.to_f64().is_nan());
             assert!(
                 same,
                 "{:?}: {x:e} ({:#010x}) narrowed to {:#06x}, not {:#06x}",

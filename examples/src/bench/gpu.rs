@@ -147,7 +147,9 @@ fn stage2_steps(report: &mut Report) -> Result<(), Box<dyn std::error::Error>> {
             }
             outcome
         };
-        timed(0, &mut || step_with(&plain_model, DType::F32, &mut |g| plain.step(g)))?;
+        timed(0, &mut || {
+            step_with(&plain_model, DType::F32, &mut |g| plain.step(g))
+        })?;
         timed(1, &mut || {
             step_with(&zero_model, DType::F32, &mut |g| {
                 zero.step(g).map(drop).map_err(Into::into)

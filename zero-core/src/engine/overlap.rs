@@ -985,7 +985,10 @@ where
         let Some(mut worker_memory) = self.memory.fork() else {
             return Ok(false);
         };
-        let (base, shard_len) = (self.plan_rank * self.plan.shard_numel, self.plan.shard_numel);
+        let (base, shard_len) = (
+            self.plan_rank * self.plan.shard_numel,
+            self.plan.shard_numel,
+        );
         let pieces = super::step_pieces(&self.owned, &self.keys, base, |p| stepping[p]);
         let grads = match self.grad_shard.as_ref() {
             Some(grads) => grads,

@@ -333,7 +333,8 @@ impl ShardMemory<f32, NcclComm> for CudaMemory {
         }
         let k = &self.kernels;
         if !f32s.is_empty() {
-            k.flatten_ranges(&stream, &f32s, buffer, add).map_err(nccl)?;
+            k.flatten_ranges(&stream, &f32s, buffer, add)
+                .map_err(nccl)?;
         }
         if !bf16s.is_empty() {
             k.widen_ranges(&stream, &bf16s, buffer, add).map_err(nccl)?;
@@ -641,9 +642,7 @@ impl ShardMemory<f32, NcclComm> for CudaMemory {
         check_range("buffer_to_host", &range, buffer.len())?;
         let stream = self.stream()?;
         comm.wait_compute("reading master weights").map_err(nccl)?;
-        stream
-            .memcpy_dtoh(&buffer.slice(range), out)
-            .map_err(cuda)
+        stream.memcpy_dtoh(&buffer.slice(range), out).map_err(cuda)
     }
 
     fn buffer_from_host(
