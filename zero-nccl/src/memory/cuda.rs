@@ -3,9 +3,13 @@
 use super::optimizer::DeviceOptimizer;
 use super::segments::{plan_segments, PieceSlot};
 use super::view::{DeviceView, DeviceViewMut, ViewElement};
+use crate::kernels::Half;
 use crate::kernels::{FusedKernels, NormAccumulator, NormKind};
 use crate::NcclComm;
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DriverError};
+use cudarc::driver::{
+    CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DriverError, ValidAsZeroBits,
+};
+use half::{bf16, f16};
 use std::collections::BTreeMap;
 use std::ops::Range;
 use std::sync::Arc;
@@ -254,6 +258,48 @@ impl CudaMemory {
         &self.kernels
     }
 
+    /// [`ShardMemory::all_gather`] with the values on the wire in `H`: the
+    /// chunk is rounded into a 16-bit staging buffer, gathered, and widened
+    /// into `recv` (the write-back rounds the same values again, a no-op).
+    /// Half the bytes of an f32 gather, two small launches and two
+    /// transient 16-bit buffers per bucket.
+    fn all_gather_narrow<H: Half + zero_core::Element + ValidAsZeroBits>(
+        &mut self,
+        comm: &NcclComm,
+        send: &CudaSlice<f32>,
+        send_range: Range<usize>,
+        recv: &mut CudaSlice<f32>,
+        recv_range: Range<usize>,
+    ) -> Result<()> {
+        check_range("all_gather", &send_range, send.len())?;
+        check_range("all_gather", &recv_range, recv.len())?;
+        let stream = self.stream()?;
+        let (n, all) = (send_range.len(), recv_range.len());
+        let mut narrow_send = stream.alloc_zeros::<H>(n.max(1)).map_err(cuda)?;
+        let mut narrow_recv = stream.alloc_zeros::<H>(all.max(1)).map_err(cuda)?;
+        self.kernels
+            .narrow_ranges(
+                &stream,
+                send,
+                &mut [(
+                    send_range.start,
+                    &mut narrow_send as &mut dyn DevicePtrMut<H>,
+                    0..n,
+                )],
+            )
+            .map_err(nccl)?;
+        comm.all_gather_view(&narrow_send.slice(0..n), &mut narrow_recv.slice_mut(0..all))
+            .map_err(nccl)?;
+        self.kernels
+            .widen_ranges(
+                &stream,
+                &[(recv_range.start, &narrow_recv as &dyn DevicePtr<H>, 0..all)],
+                recv,
+                false,
+            )
+            .map_err(nccl)
+    }
+
     /// The stream to queue work on, after checking that this thread may.
     fn stream(&self) -> Result<Arc<CudaStream>> {
         check_owner(self.owner)?;
@@ -497,6 +543,23 @@ impl ShardMemory<f32, NcclComm> for CudaMemory {
         self.stream()?;
         comm.all_gather_view(&send.slice(send_range), &mut recv.slice_mut(recv_range))
             .map_err(nccl)
+    }
+
+    fn all_gather_as(
+        &mut self,
+        comm: &NcclComm,
+        send: &CudaSlice<f32>,
+        send_range: Range<usize>,
+        recv: &mut CudaSlice<f32>,
+        recv_range: Range<usize>,
+        wire: zero_core::DType,
+    ) -> Result<()> {
+        use zero_core::DType;
+        match wire {
+            DType::BF16 => self.all_gather_narrow::<bf16>(comm, send, send_range, recv, recv_range),
+            DType::F16 => self.all_gather_narrow::<f16>(comm, send, send_range, recv, recv_range),
+            DType::F32 | DType::F64 => self.all_gather(comm, send, send_range, recv, recv_range),
+        }
     }
 
     fn all_reduce_host<V: zero_core::Element>(
