@@ -31,6 +31,8 @@ struct Seen {
     /// of the pieces: the cases a flat state gets wrong if the contract
     /// breaks.
     partial: usize,
+    /// Reductions issued while the memory deferred their completion.
+    deferred: usize,
     violations: Vec<String>,
 }
 
@@ -86,10 +88,34 @@ impl Seen {
     }
 }
 
-/// Host memory that records every step plan in `seen`.
+/// Host memory that records every step plan in `seen`. With `inline`, it
+/// poses as a device memory: no communication thread (no `fork`), and
+/// collectives "complete" only when settled (`launches_async`), so the
+/// engine reduces on the calling thread during backward.
 struct PlanCheck {
     inner: HostMemory,
     seen: Arc<Mutex<Seen>>,
+    inline: bool,
+    /// While deferring: reductions issued and not yet settled.
+    deferring: Option<usize>,
+}
+
+impl PlanCheck {
+    fn new(seen: Arc<Mutex<Seen>>, inline: bool) -> Self {
+        Self {
+            inner: HostMemory,
+            seen,
+            inline,
+            deferring: None,
+        }
+    }
+
+    /// Counts a reduction issued while deferring.
+    fn issued(&mut self) {
+        if let Some(n) = self.deferring.as_mut() {
+            *n += 1;
+        }
+    }
 }
 
 impl<T: Element, C: Communicator<Memory = Host>> ShardMemory<T, C> for PlanCheck {
@@ -112,10 +138,22 @@ impl<T: Element, C: Communicator<Memory = Host>> ShardMemory<T, C> for PlanCheck
     }
 
     fn fork(&self) -> Option<Self> {
-        Some(Self {
-            inner: HostMemory,
-            seen: self.seen.clone(),
-        })
+        (!self.inline).then(|| Self::new(self.seen.clone(), false))
+    }
+
+    fn launches_async(&self) -> bool {
+        self.inline
+    }
+
+    fn defer_completion(&mut self) {
+        self.deferring.get_or_insert(0);
+    }
+
+    fn settle(&mut self, _comm: &C) -> Result<()> {
+        if let Some(n) = self.deferring.take() {
+            self.seen.lock().expect("no test thread panicked").deferred += n;
+        }
+        Ok(())
     }
 
     fn grad_len(grad: &HostGrad<'_, T>) -> usize {
@@ -257,6 +295,7 @@ impl<T: Element, C: Communicator<Memory = Host>> ShardMemory<T, C> for PlanCheck
         op: ReduceOp,
         wire: DType,
     ) -> Result<()> {
+        self.issued();
         <HostMemory as ShardMemory<T, C>>::all_reduce_as(
             &mut self.inner,
             comm,
@@ -277,6 +316,7 @@ impl<T: Element, C: Communicator<Memory = Host>> ShardMemory<T, C> for PlanCheck
         op: ReduceOp,
         wire: DType,
     ) -> Result<()> {
+        self.issued();
         <HostMemory as ShardMemory<T, C>>::reduce_scatter_as(
             &mut self.inner,
             comm,
@@ -418,10 +458,7 @@ fn step_plans_keep_each_piece_at_its_shard_position() {
                 let seen: Vec<Arc<Mutex<Seen>>> = (0..world).map(|_| Arc::default()).collect();
                 let trajectories = run(world, |comm| {
                     let rank = comm.rank();
-                    let memory = PlanCheck {
-                        inner: HostMemory,
-                        seen: seen[rank].clone(),
-                    };
+                    let memory = PlanCheck::new(seen[rank].clone(), false);
                     let optimizer = make_opt(Opt::Adam, false);
                     let mut e = Engine::with_memory(
                         comm,
@@ -466,6 +503,70 @@ fn step_plans_keep_each_piece_at_its_shard_position() {
                         partial > 0,
                         "{what}: no plan stepped only part of the shard"
                     );
+                }
+            }
+        }
+    }
+}
+
+/// A memory with asynchronous collectives and no communication thread
+/// (the CUDA memory) gets its reductions launched on the calling thread as
+/// buckets fill, and trains what the reference trains, at every stage, with
+/// accumulation: the inline reducer settles before it uses a result.
+#[test]
+fn a_memory_with_asynchronous_collectives_reduces_during_backward_on_the_calling_thread() {
+    let model = Synthetic::medium();
+    let (micro, steps) = (2, 3);
+    let n = model.infos().len();
+    for world in [1, 2, 3] {
+        let expected = reference_trajectory(&model, Opt::Adam, world, micro, steps);
+        for stage in [Stage::Ddp, Stage::OptimizerState, Stage::Gradients] {
+            let what = format!("N={world} {stage:?}");
+            let config = EngineConfig::default()
+                .with_stage(stage)
+                .with_bucket_bytes(96)
+                .with_grad_accum_steps(micro);
+            let seen: Vec<Arc<Mutex<Seen>>> = (0..world).map(|_| Arc::default()).collect();
+            let trajectories = run(world, |comm| {
+                let rank = comm.rank();
+                let memory = PlanCheck::new(seen[rank].clone(), true);
+                let optimizer = make_opt(Opt::Adam, false);
+                let mut e =
+                    Engine::with_memory(comm, memory, model.infos(), optimizer, config.clone())?;
+                let progress = e.reduction_progress();
+                let mut params = model.init();
+                let mut out = Vec::new();
+                for s in 0..steps {
+                    for m in 0..micro {
+                        let g = model.grads(&params, rank, s * micro + m);
+                        let order: Vec<(usize, usize)> = (0..n).rev().map(|p| (p, 1)).collect();
+                        e.begin_backward(&order, &mut params)?;
+                        let before = progress.completed();
+                        for p in (0..n).rev() {
+                            e.accumulate_param(p, (&g[p]).into())?;
+                        }
+                        // Stage 2 reduces every micro-step, the others on
+                        // the last: every bucket is launched once its last
+                        // gradient is in, before the step closes the pass.
+                        if stage == Stage::Gradients || m + 1 == micro {
+                            assert!(
+                                progress.completed() > before,
+                                "{stage:?}: nothing reduced during backward"
+                            );
+                        }
+                        let none: Vec<Option<HostGrad<'_, f64>>> = vec![None; n];
+                        e.step(&none, &mut params)?;
+                    }
+                    out.push(params.clone());
+                }
+                Ok(out)
+            });
+            assert_trajectories(&trajectories, &expected[..steps], 1e-9, &what);
+            for seen in &seen {
+                let seen = seen.lock().expect("no test thread panicked");
+                seen.assert_kept(&what);
+                if stage != Stage::Ddp {
+                    assert!(seen.deferred > 0, "{what}: no reduction was deferred");
                 }
             }
         }

@@ -515,7 +515,7 @@ impl NcclComm {
         Ok(())
     }
 
-    fn all_reduce_event<T: Element>(
+    pub(crate) fn all_reduce_event<T: Element>(
         &self,
         buf: &mut (impl DevicePtrMut<T> + ?Sized),
         op: ReduceOp,
@@ -543,7 +543,7 @@ impl NcclComm {
         })
     }
 
-    fn reduce_scatter_event<T: Element>(
+    pub(crate) fn reduce_scatter_event<T: Element>(
         &self,
         send: &(impl DevicePtr<T> + ?Sized),
         recv: &mut (impl DevicePtrMut<T> + ?Sized),

@@ -10,7 +10,7 @@
 #![cfg(feature = "nccl")]
 
 use rand::{Rng, SeedableRng};
-use zero_core::engine::{EngineConfig, HostGrad, NormType, Stage};
+use zero_core::engine::{EngineConfig, HostGrad, NormType, Overlap, Stage};
 use zero_core::optim::{
     Adagrad, AdagradConfig, Adam, AdamConfig, AdamW, AdamWConfig, FunctionalOptimizer, Sgd,
     SgdConfig,
@@ -327,4 +327,72 @@ fn checkpoints_cross_between_cuda_and_host_memory() {
         .collect();
     assert_close(&resumed_on_gpu, &uninterrupted, "host save, GPU resume");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Gradients handed over during backward (`begin_backward` +
+/// `accumulate_param`): with `after-backward`, each bucket's reduction is
+/// queued on NCCL's stream as soon as the bucket fills, with no
+/// communication thread and no wait on the compute stream until the step;
+/// with `none`, nothing is reduced before the step. The weights are the
+/// same bitwise.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn reductions_start_during_backward_and_give_the_weights_of_the_serial_schedule() {
+    let (init, grads) = data(6);
+    let trainable: Vec<bool> = params().iter().map(|p| p.trainable).collect();
+    let run = |stage: Stage, overlap: Overlap| -> (Vec<Vec<f32>>, usize) {
+        let comm = comm();
+        let stream = comm.compute_stream().clone();
+        let config = EngineConfig::default()
+            .with_stage(stage)
+            .with_bucket_bytes(256)
+            .with_overlap(overlap);
+        let adam = Box::new(Adam::new(AdamConfig::default().with_lr(1e-2)).unwrap());
+        let mut engine = cuda_engine(comm, params(), adam, config).unwrap();
+        let progress = engine.reduction_progress();
+        let mut weights: Vec<CudaSlice<f32>> =
+            init.iter().map(|w| stream.clone_htod(w).unwrap()).collect();
+        let mut during_backward = 0;
+        for step in &grads {
+            let device: Vec<Option<CudaSlice<f32>>> = step
+                .iter()
+                .zip(&trainable)
+                .map(|(g, &t)| {
+                    g.as_ref()
+                        .filter(|_| t)
+                        .map(|g| stream.clone_htod(g).unwrap())
+                })
+                .collect();
+            // Reverse order, as backward produces them.
+            let order: Vec<(usize, usize)> = (0..device.len())
+                .rev()
+                .filter(|&p| device[p].is_some())
+                .map(|p| (p, 1))
+                .collect();
+            engine.begin_backward(&order, &mut weights).unwrap();
+            let before = progress.completed();
+            for &(p, _) in &order {
+                let grad = device[p].as_ref().expect("in the order");
+                engine.accumulate_param(p, grad.into()).unwrap();
+            }
+            during_backward += progress.completed() - before;
+            let none: Vec<Option<DeviceView<'_>>> = vec![None; device.len()];
+            engine.step(&none, &mut weights).unwrap();
+        }
+        let host = weights
+            .iter()
+            .map(|w| stream.clone_dtoh(w).unwrap())
+            .collect();
+        (host, during_backward)
+    };
+    for stage in [Stage::Ddp, Stage::OptimizerState, Stage::Gradients] {
+        let (serial, serial_during) = run(stage, Overlap::None);
+        let (overlapped, overlapped_during) = run(stage, Overlap::AfterBackward);
+        assert_eq!(serial_during, 0, "{stage:?}: none reduced during backward");
+        assert!(
+            overlapped_during > 0,
+            "{stage:?}: nothing reduced during backward"
+        );
+        assert_eq!(overlapped, serial, "{stage:?}");
+    }
 }

@@ -258,6 +258,16 @@ enum Reducer<T: Element, B> {
         targets: Targets<T, B>,
         queue: Vec<Job<B>>,
     },
+    /// Run on the caller's thread as each bucket is launched, by a memory
+    /// whose collectives complete after they return
+    /// ([`ShardMemory::launches_async`]): the buffers are held until the
+    /// memory settles at the end of backward.
+    Inline {
+        targets: Targets<T, B>,
+        queue: Vec<Job<B>>,
+        held: Vec<B>,
+        result: Result<()>,
+    },
     /// Sent to a communication thread as each bucket is launched.
     Thread {
         jobs: mpsc::Sender<Job<B>>,
@@ -416,11 +426,18 @@ where
                 self.comm.rank()
             )));
         }
-        let Some(worker_memory) = self.memory.fork() else {
+        let worker_memory = self.memory.fork();
+        // A memory whose collectives are asynchronous (a GPU stream) needs
+        // no thread: its reductions are queued as buckets fill.
+        let inline = worker_memory.is_none()
+            && self.memory.launches_async()
+            && self.config.overlap == Overlap::AfterBackward
+            && self.fetcher.is_none();
+        if worker_memory.is_none() && !inline {
             // This memory reduces in the step; the gradients go to the full
             // buffer as before.
             return Ok(());
-        };
+        }
         self.plan_in_order(expected)?;
         let last_micro_step = self.micro_steps + 1 >= self.config.grad_accum_steps;
         if !self.config.stage.shards_gradients() && !last_micro_step {
@@ -500,15 +517,28 @@ where
                 targets,
                 queue: Vec::new(),
             },
-            Overlap::AfterBackward | Overlap::Interleaved => {
-                self.spawn_reducer(worker_memory, targets)
-            }
+            Overlap::AfterBackward | Overlap::Interleaved => match worker_memory {
+                Some(worker_memory) => self.spawn_reducer(worker_memory, targets),
+                None => {
+                    self.memory.defer_completion();
+                    Reducer::Inline {
+                        targets,
+                        queue: Vec::new(),
+                        held: Vec::new(),
+                        result: Ok(()),
+                    }
+                }
+            },
         };
         let longest = (0..buckets)
             .map(|k| self.layout.bucket_range(k).len())
             .max();
         let bucket_bytes = longest.unwrap_or(1).max(1) * std::mem::size_of::<T>();
-        let buffer_limit = (BUCKET_BUFFER_BYTES / bucket_bytes).max(MIN_BUCKET_BUFFERS);
+        let buffer_limit = match reducer {
+            // Held until the end of backward: no buffer comes back earlier.
+            Reducer::Inline { .. } => usize::MAX,
+            _ => (BUCKET_BUFFER_BYTES / bucket_bytes).max(MIN_BUCKET_BUFFERS),
+        };
         self.window = Some(Window {
             expected_calls,
             seen_calls: vec![0; self.layout.runs.len()],
@@ -810,7 +840,48 @@ where
             submit(&mut window.reducer, job);
             window.next += 1;
         }
+        self.run_inline();
         Ok(())
+    }
+
+    /// Runs the reductions queued for an inline reducer, on this thread.
+    /// A reduction whose result is used right away (stage 0's copy into the
+    /// full buffer, a sum into the shard) runs with the memory settled;
+    /// the others complete when the memory settles. After a failure
+    /// nothing more is issued; joining the pass reports it.
+    fn run_inline(&mut self) {
+        let map = self.bucket_map();
+        let Some(window) = self.window.as_mut() else {
+            return;
+        };
+        let Reducer::Inline {
+            targets,
+            queue,
+            held,
+            result,
+        } = &mut window.reducer
+        else {
+            return;
+        };
+        for mut job in std::mem::take(queue) {
+            if result.is_ok() {
+                let consumed = map.stage == Stage::Ddp || job.add;
+                let comm = &*self.comm;
+                *result = if consumed {
+                    self.memory.settle(comm).and_then(|()| {
+                        let done = reduce_bucket(comm, &mut self.memory, &map, targets, &mut job);
+                        self.memory.defer_completion();
+                        done
+                    })
+                } else {
+                    reduce_bucket(comm, &mut self.memory, &map, targets, &mut job)
+                };
+                if result.is_ok() {
+                    self.progress.add_one();
+                }
+            }
+            held.push(job.buffer);
+        }
     }
 
     /// Closes the open backward pass: hands over `grads` (the gradients
@@ -854,6 +925,7 @@ where
                 submit(&mut window.reducer, job);
             }
         }
+        self.run_inline();
         Ok(())
     }
 
@@ -886,6 +958,19 @@ where
                     self.pool.push(job.buffer);
                 }
                 (targets, result)
+            }
+            Reducer::Inline {
+                targets,
+                queue,
+                held,
+                result,
+            } => {
+                // `flush_window` ran every queued job (none is left after a
+                // failure stopped it either: they were never issued).
+                self.pool.extend(queue.into_iter().map(|job| job.buffer));
+                let settled = self.memory.settle(&*self.comm);
+                self.pool.extend(held);
+                (targets, result.and(settled))
             }
             Reducer::Thread {
                 jobs,
@@ -1309,7 +1394,7 @@ where
 
 fn submit<T: Element, B>(reducer: &mut Reducer<T, B>, job: Job<B>) {
     match reducer {
-        Reducer::Deferred { queue, .. } => queue.push(job),
+        Reducer::Deferred { queue, .. } | Reducer::Inline { queue, .. } => queue.push(job),
         // A send fails only if the thread is gone (it panicked); joining
         // reports that.
         Reducer::Thread {

@@ -149,12 +149,37 @@ pub trait ShardMemory<T: Element, C: Communicator>: Send {
     /// A handle on this memory for the engine's communication thread, which
     /// reduces gradient buckets while backward goes on; `None` when this
     /// memory cannot run collectives off the thread that built it (then
-    /// gradients handed over during backward are reduced in the step).
+    /// gradients handed over during backward are reduced in the step,
+    /// unless [`ShardMemory::launches_async`]).
     fn fork(&self) -> Option<Self>
     where
         Self: Sized,
     {
         None
+    }
+
+    /// Whether collectives queued on the calling thread can complete after
+    /// they return (a device stream), once
+    /// [`ShardMemory::defer_completion`] asked for it. A memory without
+    /// [`ShardMemory::fork`] that says so gets a backward pass's reductions
+    /// launched on the calling thread as their buckets fill, overlapping
+    /// the rest of backward. Default `false`.
+    fn launches_async(&self) -> bool {
+        false
+    }
+
+    /// From now until [`ShardMemory::settle`], reductions may complete
+    /// after they return: the engine neither reads their results nor
+    /// reuses their buffers before settling. Default: nothing (collectives
+    /// complete before they return).
+    fn defer_completion(&mut self) {}
+
+    /// Orders everything after the reductions deferred since
+    /// [`ShardMemory::defer_completion`] (a device stream waits on their
+    /// events; the host does not wait) and ends the deferral.
+    fn settle(&mut self, comm: &C) -> Result<()> {
+        let _ = comm;
+        Ok(())
     }
 
     /// Copies parameter pieces from the framework into `buffer`.

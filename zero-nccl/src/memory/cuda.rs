@@ -7,7 +7,7 @@ use crate::kernels::Half;
 use crate::kernels::{FusedKernels, NormAccumulator, NormKind};
 use crate::NcclComm;
 use cudarc::driver::{
-    CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DriverError, ValidAsZeroBits,
+    CudaEvent, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DriverError, ValidAsZeroBits,
 };
 use half::{bf16, f16};
 use std::collections::BTreeMap;
@@ -220,6 +220,11 @@ pub struct CudaMemory {
     /// The thread that built it, when the stream is the per-thread default
     /// stream (work queued from another thread would not be ordered).
     owner: Option<ThreadId>,
+    /// While the engine defers completion (a backward pass whose buckets
+    /// are reduced as they fill): the reductions' completion events, which
+    /// the compute stream waits on only when the engine settles, so that
+    /// the rest of backward runs beside them.
+    deferred: Option<Vec<CudaEvent>>,
 }
 
 impl std::fmt::Debug for CudaMemory {
@@ -250,6 +255,7 @@ impl CudaMemory {
             optimizer: None,
             piece_steps: BTreeMap::new(),
             owner,
+            deferred: None,
         })
     }
 
@@ -343,6 +349,26 @@ impl ShardMemory<f32, NcclComm> for CudaMemory {
 
     fn buffer_len(buffer: &CudaSlice<f32>) -> usize {
         buffer.len()
+    }
+
+    fn launches_async(&self) -> bool {
+        true
+    }
+
+    fn defer_completion(&mut self) {
+        self.deferred.get_or_insert_with(Vec::new);
+    }
+
+    fn settle(&mut self, comm: &NcclComm) -> Result<()> {
+        let Some(events) = self.deferred.take() else {
+            return Ok(());
+        };
+        let stream = self.stream()?;
+        for event in &events {
+            stream.wait(event).map_err(cuda)?;
+        }
+        let _ = comm;
+        Ok(())
     }
 
     fn zero(&mut self, buffer: &mut CudaSlice<f32>, range: Range<usize>) -> Result<()> {
@@ -510,8 +536,14 @@ impl ShardMemory<f32, NcclComm> for CudaMemory {
     ) -> Result<()> {
         check_range("all_reduce", &range, buffer.len())?;
         self.stream()?;
-        comm.all_reduce_view(&mut buffer.slice_mut(range), op)
-            .map_err(nccl)
+        let mut view = buffer.slice_mut(range);
+        match self.deferred.as_mut() {
+            Some(events) => {
+                events.push(comm.all_reduce_event(&mut view, op).map_err(nccl)?);
+                Ok(())
+            }
+            None => comm.all_reduce_view(&mut view, op).map_err(nccl),
+        }
     }
 
     fn reduce_scatter(
@@ -526,8 +558,17 @@ impl ShardMemory<f32, NcclComm> for CudaMemory {
         check_range("reduce_scatter", &send_range, send.len())?;
         check_range("reduce_scatter", &recv_range, recv.len())?;
         self.stream()?;
-        comm.reduce_scatter_view(&send.slice(send_range), &mut recv.slice_mut(recv_range), op)
-            .map_err(nccl)
+        let (send, mut recv) = (send.slice(send_range), recv.slice_mut(recv_range));
+        match self.deferred.as_mut() {
+            Some(events) => {
+                events.push(
+                    comm.reduce_scatter_event(&send, &mut recv, op)
+                        .map_err(nccl)?,
+                );
+                Ok(())
+            }
+            None => comm.reduce_scatter_view(&send, &mut recv, op).map_err(nccl),
+        }
     }
 
     fn all_gather(
