@@ -16,6 +16,20 @@ pub enum Error {
         /// What to install or set.
         hint: &'static str,
     },
+    /// A shared library is there only under a versioned file name that
+    /// cudarc does not load (it loads `libnccl.so`, say, and finds only
+    /// `libnccl.so.2`, as pip's wheels and Debian's `libnccl2` install it).
+    #[error(
+        "{found} is installed, but cudarc loads the library as {wanted}, which is not there: \
+         link it in the same directory (ln -s {found} {wanted}), or install the development \
+         package that provides {wanted}"
+    )]
+    LibraryNeedsLink {
+        /// The file that loads, e.g. `libnccl.so.2`.
+        found: String,
+        /// The name cudarc asks for, e.g. `libnccl.so`.
+        wanted: &'static str,
+    },
     /// A CUDA driver call failed.
     #[cfg(feature = "cuda")]
     #[error("CUDA driver error: {0}")]
@@ -202,10 +216,12 @@ impl From<Error> for zero_core::Error {
                 missing: Vec::new(),
                 waited_s,
             },
-            e @ Error::LibraryNotFound { .. } => zero_core::Error::Unsupported {
-                op: "nccl",
-                detail: e.to_string(),
-            },
+            e @ (Error::LibraryNotFound { .. } | Error::LibraryNeedsLink { .. }) => {
+                zero_core::Error::Unsupported {
+                    op: "nccl",
+                    detail: e.to_string(),
+                }
+            }
             e @ (Error::Env { .. } | Error::NoLaunchEnv) => zero_core::Error::Config(e.to_string()),
             e @ (Error::Rendezvous { .. } | Error::RendezvousTimeout { .. }) => {
                 zero_core::Error::PeerFailed {

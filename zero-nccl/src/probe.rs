@@ -41,14 +41,19 @@ impl Library {
         }
     }
 
-    /// File names to try: a superset of what cudarc tries, so that a failed
-    /// probe means cudarc would fail too.
-    fn candidates(self) -> Vec<String> {
-        let stem = match self {
+    /// The stem cudarc names the library by.
+    fn stem(self) -> &'static str {
+        match self {
             Library::Cuda => "cuda",
             Library::Nvrtc => "nvrtc",
             Library::Nccl => "nccl",
-        };
+        }
+    }
+
+    /// File names to try: a superset of what cudarc tries, so that a failed
+    /// probe means cudarc would fail too.
+    fn candidates(self) -> Vec<String> {
+        let stem = self.stem();
         let mut names = Vec::new();
         if cfg!(windows) {
             let stem = if self == Library::Cuda {
@@ -83,27 +88,88 @@ impl Library {
     }
 }
 
-/// Returns `Ok` when `library` can be loaded, else [`Error::LibraryNotFound`]
-/// saying what to install. Success is remembered.
+/// Returns `Ok` when `library` can be loaded under a name cudarc loads,
+/// else [`Error::LibraryNotFound`] saying what to install, or
+/// [`Error::LibraryNeedsLink`] when it is there only under a versioned name
+/// cudarc does not try (unless the binary already links it: Candle's
+/// `cuda` feature links the libraries by their sonames). Success is
+/// remembered.
 pub fn ensure_library(library: Library) -> Result<()> {
     if library.flag().load(Ordering::Acquire) {
         return Ok(());
     }
     let tried = library.candidates();
-    for name in &tried {
-        // SAFETY: loading a CUDA library runs its initializers, which have no
-        // preconditions; the handle is dropped (refcount decremented) at once
-        // and cudarc loads it again for its own use.
-        if unsafe { libloading::Library::new(name) }.is_ok() {
+    let cudarc_loads = cudarc::get_lib_name_candidates(library.stem());
+    // SAFETY: loading a CUDA library runs its initializers, which have no
+    // preconditions; the handle is dropped (refcount decremented) at once
+    // and cudarc loads it again for its own use.
+    let loads = |name: &str| unsafe { libloading::Library::new(name) }.is_ok();
+    match find(&tried, &cudarc_loads, loads, already_loaded) {
+        Found::Usable => {
             library.flag().store(true, Ordering::Release);
-            return Ok(());
+            Ok(())
+        }
+        Found::NeedsLink(found) => Err(Error::LibraryNeedsLink {
+            found,
+            wanted: library.name(),
+        }),
+        Found::Nothing => Err(Error::LibraryNotFound {
+            library: library.name(),
+            tried,
+            hint: library.hint(),
+        }),
+    }
+}
+
+/// What [`find`] found.
+#[derive(Debug, PartialEq, Eq)]
+enum Found {
+    /// A name cudarc loads, or a library the binary already links.
+    Usable,
+    /// Only this versioned file, which cudarc does not load by that name.
+    NeedsLink(String),
+    Nothing,
+}
+
+/// Tries `tried` in order: a name cudarc also tries (`cudarc_loads`) that
+/// `loads` is usable; another one is usable only if `already_loaded` says
+/// the process links it, else it needs a link under cudarc's name.
+fn find(
+    tried: &[String],
+    cudarc_loads: &[String],
+    loads: impl Fn(&str) -> bool,
+    already_loaded: impl Fn(&str) -> bool,
+) -> Found {
+    let (by_cudarc, others): (Vec<&String>, Vec<&String>) =
+        tried.iter().partition(|name| cudarc_loads.contains(name));
+    if by_cudarc.iter().any(|name| loads(name)) {
+        return Found::Usable;
+    }
+    for name in others {
+        if already_loaded(name) {
+            return Found::Usable;
+        }
+        if loads(name) {
+            return Found::NeedsLink(name.clone());
         }
     }
-    Err(Error::LibraryNotFound {
-        library: library.name(),
-        tried,
-        hint: library.hint(),
-    })
+    Found::Nothing
+}
+
+/// Whether the library `name` is loaded into this process already (linked
+/// at build time), without loading it.
+#[cfg(target_os = "linux")]
+fn already_loaded(name: &str) -> bool {
+    use libloading::os::unix::{Library as UnixLibrary, RTLD_LAZY};
+    // glibc's and musl's value (libloading does not export it).
+    const RTLD_NOLOAD: std::os::raw::c_int = 0x4;
+    // SAFETY: RTLD_NOLOAD opens nothing new, so no initializer runs.
+    unsafe { UnixLibrary::open(Some(name), RTLD_LAZY | RTLD_NOLOAD) }.is_ok()
+}
+
+#[cfg(not(target_os = "linux"))]
+fn already_loaded(_name: &str) -> bool {
+    false
 }
 
 /// Runs `f`, turning a panic inside cudarc (a missing library or symbol)
@@ -132,4 +198,41 @@ pub fn cuda_device_count() -> Result<usize> {
         let n = cudarc::driver::CudaContext::device_count()?;
         Ok(n.max(0) as usize)
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{find, Found};
+
+    fn names(list: &[&str]) -> Vec<String> {
+        list.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn a_versioned_file_cudarc_does_not_load_needs_a_link_unless_linked() {
+        let tried = names(&["libnccl.so", "libnccl.so.2", "libnccl.so.1"]);
+        let cudarc = names(&["libnccl.so", "libnccl.so.1"]);
+        let none = |_: &str| false;
+        // cudarc's own name is there.
+        let only = |want: &'static str| move |name: &str| name == want;
+        assert_eq!(
+            find(&tried, &cudarc, only("libnccl.so"), none),
+            Found::Usable
+        );
+        assert_eq!(
+            find(&tried, &cudarc, only("libnccl.so.1"), none),
+            Found::Usable
+        );
+        // Only libnccl.so.2 (pip's wheel, Debian's libnccl2): a link is needed...
+        assert_eq!(
+            find(&tried, &cudarc, only("libnccl.so.2"), none),
+            Found::NeedsLink("libnccl.so.2".into())
+        );
+        // ...unless the binary links it already (Candle's `cuda` feature).
+        assert_eq!(
+            find(&tried, &cudarc, only("libnccl.so.2"), only("libnccl.so.2")),
+            Found::Usable
+        );
+        assert_eq!(find(&tried, &cudarc, none, none), Found::Nothing);
+    }
 }
