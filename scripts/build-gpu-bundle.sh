@@ -39,7 +39,10 @@ ln -sf "../libcudart.so.${version%%.*}" "$root/lib/stubs/libcudart.so"
 export PATH="$root/bin:$PATH" CUDA_ROOT="$root" CUDA_PATH="$root"
 export CUDA_COMPUTE_CAP="${CUDA_COMPUTE_CAP:-90}"
 export CUDARC_CUDA_VERSION="${CUDARC_CUDA_VERSION:-${version%%.*}0${version#*.}0}"
-export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-target/cuda-$version}"
+# Absolute: the tests keep it (CARGO_TARGET_TMPDIR, where nvrtc_ptx writes;
+# create `$CARGO_TARGET_DIR/tmp` on the GPU machine to run that one).
+CARGO_TARGET_DIR="$(realpath -m "${CARGO_TARGET_DIR:-target/cuda-$version}")"
+export CARGO_TARGET_DIR
 
 cargo build -p zero-examples --features nccl --bin train --bin bench
 stage="$(mktemp -d)"

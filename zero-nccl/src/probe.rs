@@ -99,7 +99,7 @@ pub fn ensure_library(library: Library) -> Result<()> {
         return Ok(());
     }
     let tried = library.candidates();
-    let cudarc_loads = cudarc::get_lib_name_candidates(library.stem());
+    let cudarc_loads = cudarc_names(library.stem());
     // SAFETY: loading a CUDA library runs its initializers, which have no
     // preconditions; the handle is dropped (refcount decremented) at once
     // and cudarc loads it again for its own use.
@@ -119,6 +119,20 @@ pub fn ensure_library(library: Library) -> Result<()> {
             hint: library.hint(),
         }),
     }
+}
+
+/// The file names cudarc's dynamic loading tries for `stem` on Linux: its
+/// `get_lib_name_candidates`, which is not there when another crate (Candle)
+/// makes cudarc link the libraries instead. The versioned names follow the
+/// CUDA version of the bindings.
+fn cudarc_names(stem: &str) -> Vec<String> {
+    let major = cudarc::driver::sys::CUDA_VERSION / 1000;
+    let mut names = vec![format!("lib{stem}.so")];
+    for version in [major.to_string(), "12".into(), "11".into(), "10".into(), "9".into()] {
+        names.push(format!("lib{stem}.so.{version}"));
+    }
+    names.push(format!("lib{stem}.so.1"));
+    names
 }
 
 /// What [`find`] found.
