@@ -128,7 +128,13 @@ pub fn ensure_library(library: Library) -> Result<()> {
 fn cudarc_names(stem: &str) -> Vec<String> {
     let major = cudarc::driver::sys::CUDA_VERSION / 1000;
     let mut names = vec![format!("lib{stem}.so")];
-    for version in [major.to_string(), "12".into(), "11".into(), "10".into(), "9".into()] {
+    for version in [
+        major.to_string(),
+        "12".into(),
+        "11".into(),
+        "10".into(),
+        "9".into(),
+    ] {
         names.push(format!("lib{stem}.so.{version}"));
     }
     names.push(format!("lib{stem}.so.1"));

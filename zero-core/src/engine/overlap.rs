@@ -203,14 +203,13 @@ where
     let missing = || Error::State("internal: a reduction target is missing".into());
     let range = map.full[job.bucket].clone();
     let len = range.len();
+    if map.stage == Stage::Ddp {
+        all_reduce_bucket(comm, memory, map, targets, job)?;
+        return write_full(memory, map, targets, job.bucket, &job.buffer, job.add);
+    }
     if job.fold_full {
         let full = targets.full.as_ref().ok_or_else(missing)?;
         memory.copy_range(&mut job.buffer, 0, full, range.clone(), true)?;
-    }
-    if map.stage == Stage::Ddp {
-        memory.all_reduce_as(comm, &mut job.buffer, 0..len, ReduceOp::Avg, map.wire)?;
-        let full = targets.full.as_mut().ok_or_else(missing)?;
-        return memory.copy_range(full, range.start, &job.buffer, 0..len, job.add);
     }
     let shard_range = map.shard[job.bucket].clone();
     let shard = targets.shard.as_mut().ok_or_else(missing)?;
@@ -247,6 +246,54 @@ where
     memory.copy_range(shard, shard_range.start, scratch, 0..n, true)
 }
 
+/// Stage 0's reduction of one bucket: adds the accumulated micro-steps
+/// when asked (`fold_full`), then all-reduces the bucket buffer in place.
+fn all_reduce_bucket<T, C, M>(
+    comm: &C,
+    memory: &mut M,
+    map: &BucketMap,
+    targets: &Targets<T, M::Buffer>,
+    job: &mut Job<M::Buffer>,
+) -> Result<()>
+where
+    T: Element,
+    C: Communicator,
+    M: ShardMemory<T, C>,
+{
+    let range = map.full[job.bucket].clone();
+    let len = range.len();
+    if job.fold_full {
+        let full = targets
+            .full
+            .as_ref()
+            .ok_or_else(|| Error::State("internal: no full gradient buffer".into()))?;
+        memory.copy_range(&mut job.buffer, 0, full, range, true)?;
+    }
+    memory.all_reduce_as(comm, &mut job.buffer, 0..len, ReduceOp::Avg, map.wire)
+}
+
+/// Stage 0: writes (`add`: adds) a reduced bucket into the full buffer.
+fn write_full<T, C, M>(
+    memory: &mut M,
+    map: &BucketMap,
+    targets: &mut Targets<T, M::Buffer>,
+    bucket: usize,
+    buffer: &M::Buffer,
+    add: bool,
+) -> Result<()>
+where
+    T: Element,
+    C: Communicator,
+    M: ShardMemory<T, C>,
+{
+    let range = map.full[bucket].clone();
+    let full = targets
+        .full
+        .as_mut()
+        .ok_or_else(|| Error::State("internal: no full gradient buffer".into()))?;
+    memory.copy_range(full, range.start, buffer, 0..range.len(), add)
+}
+
 /// What the communication thread gives back: the targets and the first
 /// failure (`None` if it never got the targets).
 type Returned<T, B> = Option<(Targets<T, B>, Result<()>)>;
@@ -265,7 +312,9 @@ enum Reducer<T: Element, B> {
     Inline {
         targets: Targets<T, B>,
         queue: Vec<Job<B>>,
-        held: Vec<B>,
+        /// Every buffer a reduction used, with, at stage 0, the bucket to
+        /// write into the full buffer once settled (and whether to add).
+        held: Vec<(Option<(usize, bool)>, B)>,
         result: Result<()>,
     },
     /// Sent to a communication thread as each bucket is launched.
@@ -844,11 +893,12 @@ where
         Ok(())
     }
 
-    /// Runs the reductions queued for an inline reducer, on this thread.
-    /// A reduction whose result is used right away (stage 0's copy into the
-    /// full buffer, a sum into the shard) runs with the memory settled;
-    /// the others complete when the memory settles. After a failure
-    /// nothing more is issued; joining the pass reports it.
+    /// Runs the reductions queued for an inline reducer, on this thread;
+    /// they complete when the memory settles at the end of the pass, and
+    /// stage 0 writes its buckets into the full buffer then. A sum into
+    /// the shard (accumulation at stage 2), whose result is used at once,
+    /// runs with the memory settled. After a failure nothing more is
+    /// issued; joining the pass reports it.
     fn run_inline(&mut self) {
         let map = self.bucket_map();
         let Some(window) = self.window.as_mut() else {
@@ -864,10 +914,14 @@ where
             return;
         };
         for mut job in std::mem::take(queue) {
+            let mut write = None;
             if result.is_ok() {
-                let consumed = map.stage == Stage::Ddp || job.add;
                 let comm = &*self.comm;
-                *result = if consumed {
+                *result = if map.stage == Stage::Ddp {
+                    // Written into the full buffer once settled.
+                    write = Some((job.bucket, job.add));
+                    all_reduce_bucket(comm, &mut self.memory, &map, targets, &mut job)
+                } else if job.add {
                     self.memory.settle(comm).and_then(|()| {
                         let done = reduce_bucket(comm, &mut self.memory, &map, targets, &mut job);
                         self.memory.defer_completion();
@@ -880,7 +934,7 @@ where
                     self.progress.add_one();
                 }
             }
-            held.push(job.buffer);
+            held.push((write, job.buffer));
         }
     }
 
@@ -960,7 +1014,7 @@ where
                 (targets, result)
             }
             Reducer::Inline {
-                targets,
+                mut targets,
                 queue,
                 held,
                 result,
@@ -968,9 +1022,16 @@ where
                 // `flush_window` ran every queued job (none is left after a
                 // failure stopped it either: they were never issued).
                 self.pool.extend(queue.into_iter().map(|job| job.buffer));
-                let settled = self.memory.settle(&*self.comm);
-                self.pool.extend(held);
-                (targets, result.and(settled))
+                let mut result = result.and(self.memory.settle(&*self.comm));
+                let map = self.bucket_map();
+                for (write, buffer) in held {
+                    if let (Some((bucket, add)), Ok(())) = (write, &result) {
+                        result =
+                            write_full(&mut self.memory, &map, &mut targets, bucket, &buffer, add);
+                    }
+                    self.pool.push(buffer);
+                }
+                (targets, result)
             }
             Reducer::Thread {
                 jobs,
