@@ -90,8 +90,11 @@ const BATCH: usize = 64;
 /// at stage 2 and world size 1, over the same step with candle-nn's AdamW.
 /// Goal: at most 1.05. `gpu.bf16_over_f32_s2`: the step of the model in
 /// bf16 (f32 master weights and AdamW state in the engine) over the f32
-/// one, both at stage 2. Timed on the host around a device synchronization,
-/// alternating the three so drift hits each.
+/// one, both at stage 2. `gpu.hooked_over_grad_store_s2`: the f32 step with
+/// the layers handing their gradients to a `ZeroHook` during backward
+/// (`backward_step`; each bucket's reduction queued as it fills) over the
+/// same step through Candle's `GradStore`. Timed on the host around a
+/// device synchronization, alternating the four so drift hits each.
 fn stage2_steps(report: &mut Report) -> Result<(), Box<dyn std::error::Error>> {
     use crate::trainer::Mlp;
     use candle_core::{DType, Device, Tensor};
@@ -105,9 +108,11 @@ fn stage2_steps(report: &mut Report) -> Result<(), Box<dyn std::error::Error>> {
     let device = Device::new_cuda(0)?;
     let x = Tensor::randn(0f32, 1.0, (BATCH, MODEL[0]), &device)?;
     let y = Tensor::zeros(BATCH, DType::U32, &device)?;
-    let build = |dtype: DType| -> Result<(VarMap, Mlp), Box<dyn std::error::Error>> {
+    let hook = zero_candle::ZeroHook::<NcclComm, f32>::new();
+    let build = |dtype: DType, hooked: bool| -> Result<(VarMap, Mlp), Box<dyn std::error::Error>> {
         let varmap = VarMap::new();
-        let model = Mlp::with_hook_in(&varmap, &MODEL, 0, &device, None, dtype)
+        let hook = hooked.then(|| hook.clone() as std::sync::Arc<dyn zero_candle::nn::GradHook>);
+        let model = Mlp::with_hook_in(&varmap, &MODEL, 0, &device, hook, dtype)
             .map_err(|e| e.to_string())?;
         Ok((varmap, model))
     };
@@ -129,15 +134,17 @@ fn stage2_steps(report: &mut Report) -> Result<(), Box<dyn std::error::Error>> {
         )?)
     };
 
-    let (plain_vars, plain_model) = build(DType::F32)?;
+    let (plain_vars, plain_model) = build(DType::F32, false)?;
     let mut plain =
         candle_nn::AdamW::new(plain_vars.all_vars(), candle_nn::ParamsAdamW::default())?;
-    let (zero_vars, zero_model) = build(DType::F32)?;
+    let (zero_vars, zero_model) = build(DType::F32, false)?;
     let mut zero = zero_optimizer(&zero_vars)?;
-    let (bf16_vars, bf16_model) = build(DType::BF16)?;
+    let (bf16_vars, bf16_model) = build(DType::BF16, false)?;
     let mut bf16 = zero_optimizer(&bf16_vars)?;
+    let (hooked_vars, hooked_model) = build(DType::F32, true)?;
+    let mut hooked = zero_optimizer(&hooked_vars)?.with_hook(&hook)?;
 
-    let mut times: [Vec<f64>; 3] = Default::default();
+    let mut times: [Vec<f64>; 4] = Default::default();
     for i in 0..(WARMUP + ITERS) {
         let mut timed = |k: usize, f: &mut dyn FnMut() -> candle_core::Result<()>| {
             let t = Instant::now();
@@ -160,8 +167,13 @@ fn stage2_steps(report: &mut Report) -> Result<(), Box<dyn std::error::Error>> {
                 bf16.step(g).map(drop).map_err(Into::into)
             })
         })?;
+        timed(3, &mut || {
+            let logits = hooked_model.forward(&x)?;
+            let loss = candle_nn::loss::cross_entropy(&logits, &y)?;
+            hooked.backward_step(&loss).map(drop).map_err(Into::into)
+        })?;
     }
-    let [plain_ms, zero_ms, bf16_ms] = times.map(|mut v| {
+    let [plain_ms, zero_ms, bf16_ms, hooked_ms] = times.map(|mut v| {
         v.sort_by(f64::total_cmp);
         v[v.len() / 2] * 1e3
     });
@@ -175,5 +187,12 @@ fn stage2_steps(report: &mut Report) -> Result<(), Box<dyn std::error::Error>> {
     );
     report.add("gpu.bf16_s2_step_ms", bf16_ms, "ms", None);
     report.add("gpu.bf16_over_f32_s2", bf16_ms / zero_ms, "ratio", None);
+    report.add("gpu.hooked_s2_step_ms", hooked_ms, "ms", None);
+    report.add(
+        "gpu.hooked_over_grad_store_s2",
+        hooked_ms / zero_ms,
+        "ratio",
+        None,
+    );
     Ok(())
 }

@@ -84,9 +84,11 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
 
     /// The dtype the updated shard travels in: the parameters' when they
     /// share one narrower than `T` (their replica holds nothing finer, so
-    /// rounding before sending is exact), `T` otherwise.
+    /// rounding before sending is exact), `T` otherwise. A single rank
+    /// sends nothing, so it gathers in `T` (rounding there would only add
+    /// two conversion passes; the write-back rounds the same).
     pub(super) fn gather_dtype(&self) -> DType {
-        if !self.config.gather_in_param_dtype {
+        if !self.config.gather_in_param_dtype || self.comm.world_size() == 1 {
             return T::DTYPE;
         }
         self.param_dtype()

@@ -6,9 +6,7 @@ use super::view::{DeviceView, DeviceViewMut, ViewElement};
 use crate::kernels::Half;
 use crate::kernels::{FusedKernels, NormAccumulator, NormKind};
 use crate::NcclComm;
-use cudarc::driver::{
-    CudaEvent, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DriverError, ValidAsZeroBits,
-};
+use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DriverError};
 use half::{bf16, f16};
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -225,6 +223,10 @@ pub struct CudaMemory {
     /// the compute stream waits on only when the engine settles, so that
     /// the rest of backward runs beside them.
     deferred: Option<Vec<CudaEvent>>,
+    /// The 16-bit staging of gathers in the model's dtype (the rounded
+    /// chunk, the gathered bucket), kept between buckets and steps: a
+    /// device allocation per bucket would cost more than the bytes saved.
+    wire16: Option<(CudaSlice<u16>, CudaSlice<u16>)>,
 }
 
 impl std::fmt::Debug for CudaMemory {
@@ -256,6 +258,7 @@ impl CudaMemory {
             piece_steps: BTreeMap::new(),
             owner,
             deferred: None,
+            wire16: None,
         })
     }
 
@@ -267,9 +270,9 @@ impl CudaMemory {
     /// [`ShardMemory::all_gather`] with the values on the wire in `H`: the
     /// chunk is rounded into a 16-bit staging buffer, gathered, and widened
     /// into `recv` (the write-back rounds the same values again, a no-op).
-    /// Half the bytes of an f32 gather, two small launches and two
-    /// transient 16-bit buffers per bucket.
-    fn all_gather_narrow<H: Half + zero_core::Element + ValidAsZeroBits>(
+    /// Half the bytes of an f32 gather, for two small launches per bucket;
+    /// the 16-bit staging stays allocated.
+    fn all_gather_narrow<H: Half + zero_core::Element>(
         &mut self,
         comm: &NcclComm,
         send: &CudaSlice<f32>,
@@ -281,8 +284,30 @@ impl CudaMemory {
         check_range("all_gather", &recv_range, recv.len())?;
         let stream = self.stream()?;
         let (n, all) = (send_range.len(), recv_range.len());
-        let mut narrow_send = stream.alloc_zeros::<H>(n.max(1)).map_err(cuda)?;
-        let mut narrow_recv = stream.alloc_zeros::<H>(all.max(1)).map_err(cuda)?;
+        let short = |b: &CudaSlice<u16>, len: usize| b.len() < len.max(1);
+        if self
+            .wire16
+            .as_ref()
+            .is_none_or(|(s, r)| short(s, n) || short(r, all))
+        {
+            let (old_send, old_recv) = self
+                .wire16
+                .take()
+                .map_or((0, 0), |(s, r)| (s.len(), r.len()));
+            // SAFETY: every element read is written first (the narrowing
+            // writes the chunk, the gather the bucket).
+            let alloc = |len: usize| unsafe { stream.alloc::<u16>(len.max(1)) };
+            self.wire16 = Some((
+                alloc(n.max(old_send)).map_err(cuda)?,
+                alloc(all.max(old_recv)).map_err(cuda)?,
+            ));
+        }
+        let Some((send16, recv16)) = self.wire16.as_mut() else {
+            unreachable!("allocated above");
+        };
+        let oversized = || Error::State("internal: 16-bit gather staging too short".into());
+        // SAFETY: bf16 and f16 are 16-bit plain data, as u16 is.
+        let mut narrow_send = unsafe { send16.transmute_mut::<H>(n) }.ok_or_else(oversized)?;
         self.kernels
             .narrow_ranges(
                 &stream,
@@ -294,8 +319,11 @@ impl CudaMemory {
                 )],
             )
             .map_err(nccl)?;
-        comm.all_gather_view(&narrow_send.slice(0..n), &mut narrow_recv.slice_mut(0..all))
+        let narrow_send = unsafe { send16.transmute::<H>(n) }.ok_or_else(oversized)?;
+        let mut narrow_recv = unsafe { recv16.transmute_mut::<H>(all) }.ok_or_else(oversized)?;
+        comm.all_gather_view(&narrow_send, &mut narrow_recv)
             .map_err(nccl)?;
+        let narrow_recv = unsafe { recv16.transmute::<H>(all) }.ok_or_else(oversized)?;
         self.kernels
             .widen_ranges(
                 &stream,
