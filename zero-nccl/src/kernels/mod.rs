@@ -38,28 +38,32 @@ pub use optim::{
 /// The CUDA C source of every kernel.
 pub const SOURCE: &str = include_str!("source.cu");
 
-/// The table entry `(address, offset, len)` of element range `range` of
-/// `src`, which must lie inside it; keeps the pointer's guard in `guards`.
-fn piece_entry<'a, T>(
+/// The table entries `(address, offset, len)` of pieces `(offset, src,
+/// range)`, each range inside its source, with the pointers' guards (held
+/// until the launch is queued).
+#[allow(clippy::type_complexity)]
+fn range_entries<'a, T>(
     op: &'static str,
     stream: &'a Arc<CudaStream>,
-    src: &'a dyn DevicePtr<T>,
-    range: &Range<usize>,
-    offset: usize,
-    guards: &mut Vec<SyncOnDrop<'a>>,
-) -> Result<(u64, usize, usize)> {
-    if range.end > src.len() {
-        return Err(Error::BufferSize {
-            op,
-            what: "source piece",
-            got: src.len(),
-            expected: range.end,
-        });
+    pieces: &'a [(usize, &'a dyn DevicePtr<T>, Range<usize>)],
+) -> Result<(Vec<(u64, usize, usize)>, Vec<SyncOnDrop<'a>>)> {
+    let mut guards = Vec::with_capacity(pieces.len());
+    let mut entries = Vec::with_capacity(pieces.len());
+    for (offset, src, range) in pieces {
+        if range.end > src.len() {
+            return Err(Error::BufferSize {
+                op,
+                what: "source piece",
+                got: src.len(),
+                expected: range.end,
+            });
+        }
+        let (ptr, guard) = src.device_ptr(stream);
+        guards.push(guard);
+        let start = ptr + (range.start * std::mem::size_of::<T>()) as u64;
+        entries.push((start, *offset, range.len()));
     }
-    let (ptr, guard) = src.device_ptr(stream);
-    guards.push(guard);
-    let start = ptr + (range.start * std::mem::size_of::<T>()) as u64;
-    Ok((start, offset, range.len()))
+    Ok((entries, guards))
 }
 
 /// The pieces of a flatten/unflatten, uploaded, with the launch grid.
@@ -406,18 +410,7 @@ impl FusedKernels {
         flat: &mut (impl DevicePtrMut<f32> + ?Sized),
         add: bool,
     ) -> Result<()> {
-        let mut guards: Vec<SyncOnDrop<'_>> = Vec::with_capacity(pieces.len());
-        let mut entries = Vec::with_capacity(pieces.len());
-        for (offset, src, range) in pieces {
-            entries.push(piece_entry(
-                "flatten_ranges",
-                stream,
-                *src,
-                range,
-                *offset,
-                &mut guards,
-            )?);
-        }
+        let (entries, guards) = range_entries("flatten_ranges", stream, pieces)?;
         let kernel = if add {
             &self.gather_add
         } else {
@@ -491,18 +484,7 @@ impl FusedKernels {
         flat: &mut (impl DevicePtrMut<f32> + ?Sized),
         add: bool,
     ) -> Result<()> {
-        let mut guards: Vec<SyncOnDrop<'_>> = Vec::with_capacity(pieces.len());
-        let mut entries = Vec::with_capacity(pieces.len());
-        for (offset, src, range) in pieces {
-            entries.push(piece_entry(
-                "widen_ranges",
-                stream,
-                *src,
-                range,
-                *offset,
-                &mut guards,
-            )?);
-        }
+        let (entries, guards) = range_entries("widen_ranges", stream, pieces)?;
         let kernel = if add {
             &self.widen_add[H::INDEX]
         } else {
