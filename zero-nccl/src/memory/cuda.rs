@@ -387,7 +387,9 @@ impl ShardMemory<f32, NcclComm> for CudaMemory {
         self.deferred.get_or_insert_with(Vec::new);
     }
 
-    fn settle(&mut self, comm: &NcclComm) -> Result<()> {
+    /// The compute stream (the communicator's, which is this memory's)
+    /// waits on every deferred collective; the host does not.
+    fn settle(&mut self, _comm: &NcclComm) -> Result<()> {
         let Some(events) = self.deferred.take() else {
             return Ok(());
         };
@@ -395,7 +397,6 @@ impl ShardMemory<f32, NcclComm> for CudaMemory {
         for event in &events {
             stream.wait(event).map_err(cuda)?;
         }
-        let _ = comm;
         Ok(())
     }
 
