@@ -311,6 +311,8 @@ enum Reducer<T: Element, B> {
     /// memory settles at the end of backward.
     Inline {
         targets: Targets<T, B>,
+        /// The buckets, built once for the pass.
+        map: BucketMap,
         queue: Vec<Job<B>>,
         /// Every buffer a reduction used, with, at stage 0, the bucket to
         /// write into the full buffer once settled (and whether to add).
@@ -572,6 +574,7 @@ where
                     self.memory.defer_completion();
                     Reducer::Inline {
                         targets,
+                        map: self.bucket_map(),
                         queue: Vec::new(),
                         held: Vec::new(),
                         result: Ok(()),
@@ -900,12 +903,12 @@ where
     /// runs with the memory settled. After a failure nothing more is
     /// issued; joining the pass reports it.
     fn run_inline(&mut self) {
-        let map = self.bucket_map();
         let Some(window) = self.window.as_mut() else {
             return;
         };
         let Reducer::Inline {
             targets,
+            map,
             queue,
             held,
             result,
@@ -920,15 +923,15 @@ where
                 *result = if map.stage == Stage::Ddp {
                     // Written into the full buffer once settled.
                     write = Some((job.bucket, job.add));
-                    all_reduce_bucket(comm, &mut self.memory, &map, targets, &mut job)
+                    all_reduce_bucket(comm, &mut self.memory, map, targets, &mut job)
                 } else if job.add {
                     self.memory.settle(comm).and_then(|()| {
-                        let done = reduce_bucket(comm, &mut self.memory, &map, targets, &mut job);
+                        let done = reduce_bucket(comm, &mut self.memory, map, targets, &mut job);
                         self.memory.defer_completion();
                         done
                     })
                 } else {
-                    reduce_bucket(comm, &mut self.memory, &map, targets, &mut job)
+                    reduce_bucket(comm, &mut self.memory, map, targets, &mut job)
                 };
                 if result.is_ok() {
                     self.progress.add_one();
@@ -1015,6 +1018,7 @@ where
             }
             Reducer::Inline {
                 mut targets,
+                map,
                 queue,
                 held,
                 result,
@@ -1023,7 +1027,6 @@ where
                 // failure stopped it either: they were never issued).
                 self.pool.extend(queue.into_iter().map(|job| job.buffer));
                 let mut result = result.and(self.memory.settle(&*self.comm));
-                let map = self.bucket_map();
                 for (write, buffer) in held {
                     if let (Some((bucket, add)), Ok(())) = (write, &result) {
                         result =

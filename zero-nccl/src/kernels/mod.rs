@@ -521,27 +521,8 @@ impl FusedKernels {
             let start = ptr + (range.start * std::mem::size_of::<H>()) as u64;
             entries.push((start, *offset, range.len()));
         }
-        let Some(PieceTable {
-            table,
-            n_pieces,
-            grid,
-        }) = self.table("narrow_ranges", stream, &entries, flat.len())?
-        else {
-            return Ok(());
-        };
-        let cfg = LaunchConfig {
-            grid_dim: grid,
-            block_dim: (BLOCK, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let (flat_ptr, _flat_guard) = flat.device_ptr(stream);
-        let mut launch = stream.launch_builder(&self.narrow[H::INDEX]);
-        launch.arg(&table).arg(&n_pieces).arg(&flat_ptr);
-        // SAFETY: the table's pointers and lengths come from live device
-        // buffers of `H` (16 bits, as the kernel reads them) whose guards are
-        // held across this launch; offsets + lengths were checked against
-        // `flat`, which holds f32.
-        unsafe { launch.launch(cfg) }?;
+        let kernel = &self.narrow[H::INDEX];
+        self.launch_copy_read("narrow_ranges", stream, kernel, &entries, flat)?;
         drop(guards);
         Ok(())
     }
@@ -647,13 +628,15 @@ impl FusedKernels {
         Ok(())
     }
 
-    fn launch_copy_read<T: Element>(
+    /// Launches `kernel` over the pieces `entries`, reading `flat` (of the
+    /// pieces' element type, or f32 for a narrowing kernel).
+    fn launch_copy_read<F>(
         &self,
         op: &'static str,
         stream: &Arc<CudaStream>,
         kernel: &CudaFunction,
         entries: &[(u64, usize, usize)],
-        flat: &CudaSlice<T>,
+        flat: &(impl DevicePtr<F> + ?Sized),
     ) -> Result<()> {
         let Some(PieceTable {
             table,
@@ -668,9 +651,12 @@ impl FusedKernels {
             block_dim: (BLOCK, 1, 1),
             shared_mem_bytes: 0,
         };
+        let (flat_ptr, _flat_guard) = flat.device_ptr(stream);
         let mut launch = stream.launch_builder(kernel);
-        launch.arg(&table).arg(&n_pieces).arg(flat);
-        // SAFETY: as in `launch_copy`, with the roles of flat and pieces swapped.
+        launch.arg(&table).arg(&n_pieces).arg(&flat_ptr);
+        // SAFETY: as in `launch_copy`, with the roles of flat and pieces
+        // swapped; the kernel reads `flat` as `F` and writes the pieces as
+        // the type their table entries were sized for.
         unsafe { launch.launch(cfg) }?;
         Ok(())
     }
