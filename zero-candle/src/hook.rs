@@ -2,9 +2,9 @@
 //! a `zero_candle::nn` model to the engine the moment backward computes it.
 
 use crate::memory::{CandleMemory, MemoryOf};
-use crate::nn::{GatheredParam, GiveBack, GradHook};
+use crate::nn::{GatheredParam, GiveBack, GradHook, Stretch};
 use candle_core::backprop::GradStore;
-use candle_core::{CpuStorage, Layout, Tensor, TensorId, Var, WithDType};
+use candle_core::{CpuStorage, Tensor, TensorId, Var, WithDType};
 use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -356,13 +356,16 @@ where
         *self.lock().gathering.entry(var.id()).or_default() += 1;
     }
 
-    fn gather(&self, var: &Var) -> candle_core::Result<Option<GatheredParam>> {
+    fn gather(&self, var: &Var, piece: usize) -> candle_core::Result<Option<GatheredParam>> {
         let (fetcher, lender, i) = {
             let mut inner = self.lock();
             let Some(&i) = inner.index.get(&var.as_tensor().id()) else {
                 return Ok(None);
             };
             let Some((fetcher, lender)) = inner.fetcher.clone() else {
+                if piece > 0 {
+                    return Ok(None);
+                }
                 // Not sharded yet: remember the order of use.
                 let pass = usize::from(inner.in_backward);
                 if pass == 0 && inner.forward_done {
@@ -374,27 +377,52 @@ where
             };
             (fetcher, lender, i)
         };
-        if !fetcher.is_sharded(i) {
+        if piece >= fetcher.pieces(i) {
             return Ok(None);
         }
-        let mut gathered = fetcher.acquire(i).map_err(candle_core::Error::wrap)?;
-        let range = gathered.range();
+        let mut gathered = fetcher
+            .acquire(i, piece)
+            .map_err(candle_core::Error::wrap)?;
+        let unit = gathered.unit();
+        let stretches: Vec<Stretch> = gathered
+            .spans()
+            .iter()
+            .map(|(at, values)| Stretch {
+                at: at.clone(),
+                values: values.clone(),
+            })
+            .collect();
         let buffer = std::mem::take(gathered.buffer_mut());
         if var.dtype() == <T as WithDType>::DTYPE {
-            let layout = Layout::contiguous_with_offset(var.shape(), range.start);
             let storage = T::to_cpu_storage_owned(buffer);
-            return Ok(Some(GatheredParam::new(storage, layout, i, lender)));
+            return Ok(Some(GatheredParam::new(
+                storage,
+                stretches,
+                var.shape(),
+                unit,
+                lender,
+            )));
         }
         // Master weights: the model computes with them rounded to its
         // dtype (the values the write-back gives a replicated weight); the
         // gathered masters go back at once.
-        let rounded = crate::precision::rounded(&buffer[range], var.dtype());
-        fetcher.release_buffer(i, buffer);
-        let layout = Layout::contiguous(var.shape());
+        let mut masters = Vec::with_capacity(stretches.iter().map(|s| s.at.len()).sum());
+        let mut packed = Vec::with_capacity(stretches.len());
+        for stretch in stretches {
+            let at = masters.len()..masters.len() + stretch.at.len();
+            masters.extend_from_slice(&buffer[stretch.at]);
+            packed.push(Stretch {
+                at,
+                values: stretch.values,
+            });
+        }
+        fetcher.release_buffer(unit, buffer);
+        let rounded = crate::precision::rounded(&masters, var.dtype())?;
         Ok(Some(GatheredParam::new(
-            rounded?,
-            layout,
-            i,
+            rounded,
+            packed,
+            var.shape(),
+            unit,
             Arc::new(LetGo),
         )))
     }
@@ -404,17 +432,17 @@ where
 struct LetGo;
 
 impl GiveBack for LetGo {
-    fn give_back(&self, _param: usize, _storage: CpuStorage) {}
+    fn give_back(&self, _tag: usize, _storage: CpuStorage) {}
 }
 
 /// Takes the storages of stage 3's gathers back into the fetcher's pool.
 struct Lender<T>(Arc<Fetcher<T>>);
 
 impl<T: Element + WithDType> GiveBack for Lender<T> {
-    fn give_back(&self, param: usize, storage: CpuStorage) {
+    fn give_back(&self, unit: usize, storage: CpuStorage) {
         // The storage comes back as it was lent (same dtype); were it not,
         // the pool would allocate a new buffer next time.
         let buffer = T::cpu_storage_data(storage).unwrap_or_default();
-        self.0.release_buffer(param, buffer);
+        self.0.release_buffer(unit, buffer);
     }
 }

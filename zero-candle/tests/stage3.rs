@@ -180,6 +180,98 @@ fn stage_3_trains_the_weights_of_stage_2() {
     assert_eq!(reference, sharded, "accumulation");
 }
 
+/// The largest difference between two runs' weights.
+fn max_difference(a: &[Weights], b: &[Weights]) -> f32 {
+    let mut most = 0f32;
+    for (a, b) in a.iter().zip(b) {
+        for ((name_a, a), (name_b, b)) in a.iter().zip(b) {
+            assert_eq!(name_a, name_b);
+            for (x, y) in a.iter().zip(b) {
+                most = most.max((x - y).abs());
+            }
+        }
+    }
+    most
+}
+
+#[test]
+fn layers_gathered_in_pieces_train_the_weights_of_stage_2() {
+    // 40-byte pieces: every sharded weight (1 KiB) and the tied embedding
+    // come in many pieces, most rows split over two pieces, so the
+    // forward, the input gradient and the lookup put rows together.
+    // Computed in pieces, the products of split rows and the input
+    // gradient's sum over the weight's rows add in another order than
+    // one matmul: the weights then differ by f32 rounding (1.2e-7 at
+    // most, measured). After four AdamW steps at lr 1e-2, a wrong or
+    // missing piece moves a weight by about a step (1e-2): 1e-5 separates
+    // the two.
+    let plan = Plan {
+        steps: 4,
+        ..Plan::default()
+    };
+    let pieces = config(Stage::Parameters).with_gather_bytes(40);
+    for world in 1..=3 {
+        let reference = run(world, &config(Stage::Gradients), plan);
+        for (what, config) in [
+            ("pieces", pieces.clone()),
+            ("pieces, no prefetch", pieces.clone().with_prefetch_bytes(0)),
+        ] {
+            let sharded = run(world, &config, plan);
+            let most = max_difference(&reference, &sharded);
+            assert!(
+                most < 1e-5,
+                "world {world}, {what}: weights differ by {most}"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_layer_gathered_in_pieces_never_exists_whole_and_every_piece_is_prefetched() {
+    let weight_bytes = HIDDEN * HIDDEN * 4;
+    let results = ThreadGroup::new(2).run(|comm| -> zero_candle::Result<()> {
+        let config = config(Stage::Parameters)
+            .with_gather_bytes(64)
+            .with_prefetch_bytes(128);
+        let (mut opt, net) = train(
+            comm,
+            &config,
+            Plan {
+                steps: 1,
+                ..Plan::default()
+            },
+        )?;
+        let index = |name: &str| opt.names().iter().position(|n| n == name).unwrap();
+        let (l1, emb) = (index("l1.weight"), index("emb.weight"));
+        let fetcher = opt.engine().fetcher().unwrap().clone();
+        let pieces = |param: usize| fetcher.pieces(param) as u64;
+        // 64-byte pieces at N=2: 8 elements of each rank's chunk.
+        assert_eq!(pieces(l1), (HIDDEN * HIDDEN / 16) as u64);
+        let before = opt.fetch_stats().unwrap();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+        for _ in 0..3 {
+            let (tokens, targets) = batch(&mut rng)?;
+            opt.backward_step(&net.loss(&tokens, &targets, None)?)?;
+        }
+        let stats = opt.fetch_stats().unwrap();
+        // Each piece twice per step (forward, input gradient); the tied
+        // embedding three times (lookup, head forward and backward).
+        assert_eq!(stats.gathers[l1] - before.gathers[l1], 3 * 2 * pieces(l1));
+        assert_eq!(
+            stats.gathers[emb] - before.gathers[emb],
+            3 * 3 * pieces(emb)
+        );
+        assert_eq!(stats.misses, 0, "{stats:?}");
+        // The piece in use and 128 bytes ahead: never a whole weight.
+        assert!(stats.peak_live_bytes <= 64 + 128, "{stats:?}");
+        assert!(stats.peak_live_bytes < weight_bytes, "{stats:?}");
+        Ok(())
+    });
+    for r in results {
+        r.expect("no panic").expect("stage 3 in pieces works");
+    }
+}
+
 #[test]
 fn sharded_variables_give_their_memory_back_and_every_use_is_prefetched() {
     let unit_bytes = HIDDEN * HIDDEN * 4;

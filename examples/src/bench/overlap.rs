@@ -101,8 +101,8 @@ impl<H: GradHook> GradHook for Timed<H> {
         self.inner.will_gather(var);
     }
 
-    fn gather(&self, var: &Var) -> candle_core::Result<Option<GatheredParam>> {
-        self.inner.gather(var)
+    fn gather(&self, var: &Var, piece: usize) -> candle_core::Result<Option<GatheredParam>> {
+        self.inner.gather(var, piece)
     }
 }
 

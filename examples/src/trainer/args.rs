@@ -106,8 +106,12 @@ pub struct Args {
     #[arg(long, default_value_t = 100_000)]
     pub persist_numel: usize,
     /// Stage 3: MiB of parameter gathers issued ahead of use (0: none).
-    #[arg(long, default_value_t = 16.0)]
+    #[arg(long, default_value_t = 2.0)]
     pub prefetch_mb: f64,
+    /// Stage 3: layers above this many MiB are gathered and computed in
+    /// pieces of about this size (0: whole layers).
+    #[arg(long, default_value_t = 1.0)]
+    pub gather_mb: f64,
     /// Stage 3: the most MiB of gathered parameters alive at once.
     #[arg(long, default_value_t = 1024.0)]
     pub max_live_mb: f64,

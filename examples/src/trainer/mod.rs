@@ -399,6 +399,7 @@ pub fn engine_config(args: &Args) -> EngineConfig {
         })
         .with_persist_numel(args.persist_numel)
         .with_prefetch_bytes((args.prefetch_mb * (1 << 20) as f64) as usize)
+        .with_gather_bytes((args.gather_mb * (1 << 20) as f64) as usize)
         .with_max_live_bytes(((args.max_live_mb * (1 << 20) as f64) as usize).max(1))
         .with_partitioner(match args.partitioner {
             PartitionerArg::Flat => PartitionerKind::Flat,

@@ -2,11 +2,14 @@
 //! and hands the table's gradient to the hook.
 
 use super::cpu;
-use super::hook::{announce, announce_gather, gather, route, GatheredParam, GradHook};
+use super::hook::{
+    announce, announce_gather, for_each_stretch, gather, route, row_parts, GatheredParam, GradHook,
+    RowPart,
+};
 use candle_core::backend::BackendStorage;
 use candle_core::{
-    bail, CpuStorage, CudaStorage, CustomOp2, DType, Device, Layout, Module, Result, Shape, Tensor,
-    WithDType,
+    bail, CpuStorage, CudaStorage, CustomOp2, DType, Device, Layout, Module, Result, Shape,
+    Storage, Tensor, WithDType,
 };
 use candle_nn::VarBuilder;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -71,8 +74,23 @@ impl Module for Embedding {
         out_dims.push(self.hidden_size);
         let ids = ids.flatten_all()?;
         // Stage 3: the table the hook keeps sharded, gathered for this
-        // forward only (the backward does not need it).
-        let lent = gather(self.hook.as_ref(), Some(&self.embeddings))?;
+        // forward only (the backward does not need it). A table gathered
+        // in pieces is looked up here, a piece at a time, and the op hands
+        // out the rows.
+        let hook = self.hook.as_ref();
+        let lent = match gather(hook, Some(&self.embeddings), 0)? {
+            Some(first) if first.whole().is_none() => {
+                let rows = lookup_in_pieces(hook, &self.embeddings, first, &ids)?;
+                let (storage, layout) = rows.storage_and_layout();
+                match &*storage {
+                    Storage::Cpu(cpu) if layout.start_offset() == 0 => {
+                        Some(Lent::Output(cpu.clone()))
+                    }
+                    _ => bail!("zero-candle Embedding: stage 3 gathers in pieces on the CPU only"),
+                }
+            }
+            table => table.map(Lent::Table),
+        };
         let rows = self.embeddings.apply_op2(
             &ids,
             FusedEmbedding {
@@ -99,8 +117,63 @@ pub fn embedding(
 /// The op `(table [vocab, dim], ids [n]) -> table[ids] [n, dim]`.
 struct FusedEmbedding {
     hook: Option<Arc<dyn GradHook>>,
-    /// The gathered table (stage 3), taken and dropped by the forward.
-    lent: Mutex<Option<GatheredParam>>,
+    /// The gathered table (stage 3), or the rows looked up in its pieces,
+    /// taken and dropped by the forward.
+    lent: Mutex<Option<Lent>>,
+}
+
+enum Lent {
+    Table(GatheredParam),
+    Output(CpuStorage),
+}
+
+/// `table[ids]` with the table gathered in pieces: each id's row is put
+/// together from the stretches that hold it.
+fn lookup_in_pieces(
+    hook: Option<&Arc<dyn GradHook>>,
+    table: &Tensor,
+    first: GatheredParam,
+    ids: &Tensor,
+) -> Result<Tensor> {
+    let (vocab, dim) = table.dims2()?;
+    let ids = row_ids(ids, vocab)?;
+    let wanted: std::collections::BTreeSet<usize> = ids.iter().copied().collect();
+    // Per wanted row, its parts: (first column, values), copied out of the
+    // piece so that the piece can go.
+    let mut parts: std::collections::BTreeMap<usize, Vec<(usize, Tensor)>> = Default::default();
+    for_each_stretch(hook, table, Some(first), |values, stretch| {
+        for part in row_parts(values, dim) {
+            match part {
+                RowPart::Rows { rows, at } => {
+                    for &id in wanted.range(rows.clone()) {
+                        let row = stretch.narrow(0, at + (id - rows.start) * dim, dim)?;
+                        parts.entry(id).or_default().push((0, row.copy()?));
+                    }
+                }
+                RowPart::Partial { row, cols, at } if wanted.contains(&row) => {
+                    let values = stretch.narrow(0, at, cols.len())?.copy()?;
+                    parts.entry(row).or_default().push((cols.start, values));
+                }
+                RowPart::Partial { .. } => {}
+            }
+        }
+        Ok(())
+    })?;
+    let mut rows = std::collections::BTreeMap::new();
+    for (id, mut row) in parts {
+        row.sort_by_key(|(col, _)| *col);
+        let row: Vec<Tensor> = row.into_iter().map(|(_, v)| v).collect();
+        let row = Tensor::cat(&row, 0)?;
+        if row.dim(0)? != dim {
+            bail!("zero-candle Embedding: the gathered pieces of the table miss part of row {id}")
+        }
+        rows.insert(id, row);
+    }
+    let looked_up: Vec<&Tensor> = ids.iter().filter_map(|id| rows.get(id)).collect();
+    if looked_up.is_empty() {
+        return Tensor::zeros((0, dim), table.dtype(), table.device());
+    }
+    Tensor::stack(&looked_up, 0)
 }
 
 fn gather_rows<S: BackendStorage>(
@@ -133,9 +206,20 @@ impl CustomOp2 for FusedEmbedding {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .take();
+        if let Some(Lent::Output(rows)) = lent {
+            let (_, dim) = table_layout.shape().dims2()?;
+            let count = ids_layout.shape().dims1()?;
+            return Ok((rows, Shape::from((count, dim))));
+        }
         let (table, table_layout) = match &lent {
-            Some(gathered) => gathered.storage(),
-            None => (table, table_layout),
+            Some(Lent::Table(gathered)) => gathered.whole().ok_or_else(|| {
+                candle_core::Error::Msg(
+                    "zero-candle Embedding: internal: a table gathered in pieces reached the \
+                     whole-table op"
+                        .into(),
+                )
+            })?,
+            _ => (table, table_layout),
         };
         gather_rows(table, table_layout, ids, ids_layout)
     }
@@ -213,12 +297,10 @@ fn scatter_typed<T: WithDType>(
     )
 }
 
-fn scatter_rows_cpu(vocab: usize, dim: usize, ids: &Tensor, grad: &Tensor) -> Result<Tensor> {
-    if dim == 0 {
-        return Tensor::zeros((vocab, dim), grad.dtype(), &Device::Cpu);
-    }
-    let grad = grad.contiguous()?;
-    let rows = cpu::with_cpu(ids, "the embedding ids", |storage, layout| {
+/// The ids (on the CPU) as row numbers, each checked against the
+/// vocabulary.
+fn row_ids(ids: &Tensor, vocab: usize) -> Result<Vec<usize>> {
+    cpu::with_cpu(ids, "the embedding ids", |storage, layout| {
         match storage.dtype() {
             DType::U8 => row_numbers::<u8>(storage, layout, vocab),
             DType::U32 => row_numbers::<u32>(storage, layout, vocab),
@@ -227,7 +309,15 @@ fn scatter_rows_cpu(vocab: usize, dim: usize, ids: &Tensor, grad: &Tensor) -> Re
                 "zero-candle Embedding: ids of dtype {other:?} are not supported; use u8, u32 or i64"
             ),
         }
-    })?;
+    })
+}
+
+fn scatter_rows_cpu(vocab: usize, dim: usize, ids: &Tensor, grad: &Tensor) -> Result<Tensor> {
+    if dim == 0 {
+        return Tensor::zeros((vocab, dim), grad.dtype(), &Device::Cpu);
+    }
+    let grad = grad.contiguous()?;
+    let rows = row_ids(ids, vocab)?;
     cpu::with_cpu(
         &grad,
         "the embedding gradient",

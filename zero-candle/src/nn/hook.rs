@@ -1,7 +1,7 @@
 //! The gradient hook: how a layer hands a parameter's gradient out of Candle's backward.
 
 use candle_core::backprop::GradStore;
-use candle_core::{CpuStorage, Layout, Result, Tensor, TensorId, Var};
+use candle_core::{CpuStorage, Device, Layout, Result, Shape, Tensor, TensorId, Var};
 use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -78,65 +78,113 @@ pub trait GradHook: Send + Sync {
         let _ = var;
     }
 
-    /// The full values of `var` when the hook keeps it sharded (ZeRO stage
-    /// 3: the variable's own storage is then empty), lent for one
-    /// computation; `None` when the variable holds its values. Layers that
-    /// announced `var` with [`GradHook::will_gather`] call it in their
-    /// forward (and backward, if it needs the weight) and drop the result
-    /// as soon as they are done. The default keeps nothing sharded.
-    fn gather(&self, var: &Var) -> Result<Option<GatheredParam>> {
-        let _ = var;
+    /// Piece `piece` of the full values of `var` when the hook keeps it
+    /// sharded (ZeRO stage 3: the variable's own storage is then empty),
+    /// lent for one computation; `None` when the variable holds its values
+    /// or has no such piece. A layer gathered whole comes in one piece
+    /// ([`GatheredParam::whole`]); a larger one in several, each a few
+    /// stretches of its values, so that it never exists whole. Layers that
+    /// announced `var` with [`GradHook::will_gather`] ask for pieces 0, 1,
+    /// ... until `None` in their forward (and backward, if it needs the
+    /// weight), dropping each as soon as they are done with it. The
+    /// default keeps nothing sharded.
+    fn gather(&self, var: &Var, piece: usize) -> Result<Option<GatheredParam>> {
+        let _ = (var, piece);
         Ok(None)
     }
 }
 
 /// Takes back the storage a [`GatheredParam`] lent.
 pub trait GiveBack: Send + Sync {
-    /// `storage` (as lent) of the gather of parameter `param` is free again.
-    fn give_back(&self, param: usize, storage: CpuStorage);
+    /// `storage` (as lent) of gather `tag` (the lender's own number) is
+    /// free again.
+    fn give_back(&self, tag: usize, storage: CpuStorage);
 }
 
-/// The full values of a sharded parameter, lent by a [`GradHook`] for one
-/// computation: a CPU storage and the layout of the parameter in it. They
-/// go back to the lender when this is dropped.
+/// A stretch of a parameter's values in a [`GatheredParam`]'s storage:
+/// `at` (elements of the storage) holds the parameter's row-major elements
+/// `values`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Stretch {
+    /// Elements of the storage.
+    pub at: Range<usize>,
+    /// Their places in the parameter.
+    pub values: Range<usize>,
+}
+
+/// A piece of the full values of a sharded parameter (all of them when it
+/// is gathered whole), lent by a [`GradHook`] for one computation: a CPU
+/// storage and where the parameter's values lie in it. The storage goes
+/// back to the lender when this is dropped.
 pub struct GatheredParam {
     storage: Option<CpuStorage>,
-    layout: Layout,
-    param: usize,
+    stretches: Vec<Stretch>,
+    /// The parameter's layout in the storage, when the piece is all of it.
+    whole: Option<Layout>,
+    tag: usize,
     lender: Arc<dyn GiveBack>,
 }
 
 impl GatheredParam {
-    /// Lends `storage`, where parameter `param` lies at `layout`; `lender`
-    /// receives it back when the borrower is done.
+    /// Lends `storage`, holding `stretches` of a parameter of shape
+    /// `shape`; `lender` receives it back (with `tag`) when the borrower is
+    /// done.
     pub fn new(
         storage: CpuStorage,
-        layout: Layout,
-        param: usize,
+        stretches: Vec<Stretch>,
+        shape: &Shape,
+        tag: usize,
         lender: Arc<dyn GiveBack>,
     ) -> Self {
+        let whole = match stretches.as_slice() {
+            [one] if one.values == (0..shape.elem_count()) => {
+                Some(Layout::contiguous_with_offset(shape, one.at.start))
+            }
+            _ => None,
+        };
         Self {
             storage: Some(storage),
-            layout,
-            param,
+            stretches,
+            whole,
+            tag,
             lender,
         }
     }
 
-    /// The storage and the parameter's layout in it.
-    pub fn storage(&self) -> (&CpuStorage, &Layout) {
-        let storage = self
-            .storage
-            .as_ref()
-            .expect("the storage is only taken when dropped");
-        (storage, &self.layout)
+    /// The storage and the parameter's layout in it, when this piece holds
+    /// the whole parameter.
+    pub fn whole(&self) -> Option<(&CpuStorage, &Layout)> {
+        Some((self.storage.as_ref()?, self.whole.as_ref()?))
+    }
+
+    /// The stretches of the parameter this piece holds.
+    pub fn stretches(&self) -> &[Stretch] {
+        &self.stretches
+    }
+
+    /// Stretch `i`'s values as a 1-d tensor on `device` (a copy).
+    pub fn stretch_tensor(&self, i: usize, device: &Device) -> Result<Tensor> {
+        let (Some(storage), Some(stretch)) = (self.storage.as_ref(), self.stretches.get(i)) else {
+            candle_core::bail!("a gathered piece has no stretch {i}")
+        };
+        let at = stretch.at.clone();
+        match storage {
+            CpuStorage::F32(v) => Tensor::from_slice(&v[at.clone()], at.len(), device),
+            CpuStorage::F64(v) => Tensor::from_slice(&v[at.clone()], at.len(), device),
+            CpuStorage::BF16(v) => Tensor::from_slice(&v[at.clone()], at.len(), device),
+            CpuStorage::F16(v) => Tensor::from_slice(&v[at.clone()], at.len(), device),
+            other => candle_core::bail!(
+                "a gathered parameter of dtype {:?}: stage 3 gathers f32, f64, bf16 or f16",
+                candle_core::backend::BackendStorage::dtype(other)
+            ),
+        }
     }
 }
 
 impl Drop for GatheredParam {
     fn drop(&mut self) {
         if let Some(storage) = self.storage.take() {
-            self.lender.give_back(self.param, storage);
+            self.lender.give_back(self.tag, storage);
         }
     }
 }
@@ -144,7 +192,8 @@ impl Drop for GatheredParam {
 impl std::fmt::Debug for GatheredParam {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("GatheredParam")
-            .field("shape", self.layout.shape())
+            .field("stretches", &self.stretches)
+            .field("whole", &self.whole.is_some())
             .finish()
     }
 }
@@ -162,17 +211,108 @@ pub(crate) fn announce_gather(hook: Option<&Arc<dyn GradHook>>, params: &[Option
     }
 }
 
-/// The full values of `param` if the hook keeps it sharded.
+/// Piece `piece` of the full values of `param` if the hook keeps it
+/// sharded.
 pub(crate) fn gather(
     hook: Option<&Arc<dyn GradHook>>,
     param: Option<&Tensor>,
+    piece: usize,
 ) -> Result<Option<GatheredParam>> {
     match (hook, param) {
         (Some(hook), Some(param)) if param.is_variable() && param.device().is_cpu() => {
-            hook.gather(&Var::from_tensor(param)?)
+            hook.gather(&Var::from_tensor(param)?, piece)
         }
         _ => Ok(None),
     }
+}
+
+/// Calls `f(values, stretch)` for every stretch of `param`'s values (their
+/// places in the row-major parameter, and a 1-d copy of them): a piece at
+/// a time from `first` (piece 0 of its gather) on, each piece given back
+/// before the next is asked for; or, with no `first`, once for the whole
+/// parameter as it is.
+pub(crate) fn for_each_stretch(
+    hook: Option<&Arc<dyn GradHook>>,
+    param: &Tensor,
+    first: Option<GatheredParam>,
+    mut f: impl FnMut(Range<usize>, Tensor) -> Result<()>,
+) -> Result<()> {
+    let Some(first) = first else {
+        return f(0..param.elem_count(), param.detach().flatten_all()?);
+    };
+    let mut piece = Some(first);
+    let mut next = 0;
+    while let Some(gathered) = piece {
+        for (i, stretch) in gathered.stretches().iter().enumerate() {
+            f(
+                stretch.values.clone(),
+                gathered.stretch_tensor(i, param.device())?,
+            )?;
+        }
+        drop(gathered);
+        next += 1;
+        piece = gather(hook, Some(param), next)?;
+    }
+    Ok(())
+}
+
+/// `param`'s whole values (shaped as `param`), assembled from its pieces
+/// as [`for_each_stretch`] visits them.
+pub(crate) fn assemble(
+    hook: Option<&Arc<dyn GradHook>>,
+    param: &Tensor,
+    first: Option<GatheredParam>,
+) -> Result<Tensor> {
+    let mut parts = Vec::new();
+    for_each_stretch(hook, param, first, |values, stretch| {
+        parts.push((values.start, stretch));
+        Ok(())
+    })?;
+    parts.sort_by_key(|(start, _)| *start);
+    let parts: Vec<Tensor> = parts.into_iter().map(|(_, t)| t).collect();
+    Tensor::cat(&parts, 0)?.reshape(param.shape())
+}
+
+/// A part of a row-major `[rows, row_len]` matrix that a stretch of its
+/// elements covers, at element `at` of the stretch.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum RowPart {
+    /// Whole rows.
+    Rows { rows: Range<usize>, at: usize },
+    /// Columns `cols` of one row.
+    Partial {
+        row: usize,
+        cols: Range<usize>,
+        at: usize,
+    },
+}
+
+/// The parts of a `row_len`-wide matrix that its elements `values` cover:
+/// a partial row at either end, whole rows between.
+pub(crate) fn row_parts(values: Range<usize>, row_len: usize) -> Vec<RowPart> {
+    let mut parts = Vec::new();
+    let mut pos = values.start;
+    while pos < values.end && row_len > 0 {
+        let (row, col) = (pos / row_len, pos % row_len);
+        let at = pos - values.start;
+        let whole = (values.end - pos) / row_len;
+        if col == 0 && whole > 0 {
+            parts.push(RowPart::Rows {
+                rows: row..row + whole,
+                at,
+            });
+            pos += whole * row_len;
+        } else {
+            let end = row_len.min(col + values.end - pos);
+            parts.push(RowPart::Partial {
+                row,
+                cols: col..end,
+                at,
+            });
+            pos += end - col;
+        }
+    }
+    parts
 }
 
 impl<F> GradHook for F
@@ -371,5 +511,44 @@ impl std::fmt::Debug for GradCollector {
                     .collect::<Vec<_>>(),
             )
             .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{row_parts, RowPart};
+
+    #[test]
+    fn a_stretch_splits_into_partial_rows_at_its_ends_and_whole_rows_between() {
+        use RowPart::{Partial, Rows};
+        // Rows of 4: elements 2..15 are the end of row 0, rows 1 and 2,
+        // and the start of row 3.
+        assert_eq!(
+            row_parts(2..15, 4),
+            vec![
+                Partial {
+                    row: 0,
+                    cols: 2..4,
+                    at: 0
+                },
+                Rows { rows: 1..3, at: 2 },
+                Partial {
+                    row: 3,
+                    cols: 0..3,
+                    at: 10
+                },
+            ]
+        );
+        // Inside one row; exactly whole rows; nothing.
+        assert_eq!(
+            row_parts(5..7, 4),
+            vec![Partial {
+                row: 1,
+                cols: 1..3,
+                at: 0
+            }]
+        );
+        assert_eq!(row_parts(8..16, 4), vec![Rows { rows: 2..4, at: 0 }]);
+        assert_eq!(row_parts(3..3, 4), vec![]);
     }
 }

@@ -2,7 +2,8 @@
 //! hands `∂W`, `∂b` to the hook.
 
 use super::hook::{
-    announce, announce_gather, gather, route, route_blocks, GatheredParam, GradHook,
+    announce, announce_gather, assemble, for_each_stretch, gather, route, route_blocks, row_parts,
+    GatheredParam, GradHook, RowPart,
 };
 use super::{bf16_matmul, cpu};
 use candle_core::backend::BackendStorage;
@@ -85,10 +86,25 @@ impl Module for Linear {
             x.reshape((rows, in_dim))?
         };
         // Stage 3: the weights the hook keeps sharded, gathered for this
-        // forward only (the op gives them back as soon as it has run).
-        let lent = Lent {
-            weight: gather(self.hook.as_ref(), Some(&self.weight))?,
-            bias: gather(self.hook.as_ref(), self.bias.as_ref())?,
+        // forward only (the op gives them back as soon as it has run). A
+        // weight gathered in pieces is computed with here, a piece at a
+        // time, and the op hands out the result.
+        let hook = self.hook.as_ref();
+        let lent = match gather(hook, Some(&self.weight), 0)? {
+            Some(first) if first.whole().is_none() => {
+                let x = x_rows.detach();
+                let mut y = forward_in_pieces(hook, &self.weight, first, &x)?;
+                if let Some(bias) = &self.bias {
+                    let bias = assemble(hook, bias, gather(hook, Some(bias), 0)?)?;
+                    y = y.broadcast_add(&bias)?;
+                }
+                Lent::output(y)?
+            }
+            weight => Lent {
+                weight,
+                bias: gather(hook, self.bias.as_ref(), 0)?,
+                output: None,
+            },
         };
         let op = FusedLinear {
             hook: self.hook.clone(),
@@ -158,10 +174,134 @@ struct FusedLinear {
     lent: Mutex<Option<Lent>>,
 }
 
-/// Gathered values of a layer's sharded parameters.
+/// Gathered values of a layer's sharded parameters, or the output
+/// computed from their pieces.
 struct Lent {
     weight: Option<GatheredParam>,
     bias: Option<GatheredParam>,
+    output: Option<CpuStorage>,
+}
+
+impl Lent {
+    /// The forward's result, computed before the op ran.
+    fn output(y: Tensor) -> Result<Self> {
+        let y = y.contiguous()?;
+        let (storage, layout) = y.storage_and_layout();
+        let output = match &*storage {
+            candle_core::Storage::Cpu(cpu) if layout.start_offset() == 0 => cpu.clone(),
+            _ => bail!("zero-candle Linear: stage 3 gathers in pieces on the CPU only"),
+        };
+        Ok(Self {
+            weight: None,
+            bias: None,
+            output: Some(output),
+        })
+    }
+}
+
+/// `x·Wᵀ` with `W` gathered in pieces: whole rows of `W` give columns of
+/// the product; a row split over two stretches gives the sum of its
+/// parts' products (accumulated in f32, or f64 for f64).
+fn forward_in_pieces(
+    hook: Option<&Arc<dyn GradHook>>,
+    w: &Tensor,
+    first: GatheredParam,
+    x: &Tensor,
+) -> Result<Tensor> {
+    let (out_dim, in_dim) = w.dims2()?;
+    let wide = wide_dtype(x.dtype());
+    let mut blocks: Vec<(usize, Tensor)> = Vec::new();
+    let mut partial: std::collections::BTreeMap<usize, Tensor> = Default::default();
+    for_each_stretch(hook, w, Some(first), |values, stretch| {
+        for part in row_parts(values, in_dim) {
+            match part {
+                RowPart::Rows { rows, at } => {
+                    let block = stretch
+                        .narrow(0, at, rows.len() * in_dim)?
+                        .reshape((rows.len(), in_dim))?;
+                    blocks.push((rows.start, x.matmul(&block.t()?)?));
+                }
+                RowPart::Partial { row, cols, at } => {
+                    let part = stretch
+                        .narrow(0, at, cols.len())?
+                        .reshape((cols.len(), 1))?;
+                    let product = x
+                        .narrow(1, cols.start, cols.len())?
+                        .matmul(&part)?
+                        .to_dtype(wide)?;
+                    let sum = match partial.remove(&row) {
+                        Some(sum) => (sum + product)?,
+                        None => product,
+                    };
+                    partial.insert(row, sum);
+                }
+            }
+        }
+        Ok(())
+    })?;
+    for (row, sum) in partial {
+        blocks.push((row, sum.to_dtype(x.dtype())?));
+    }
+    blocks.sort_by_key(|(start, _)| *start);
+    let mut next = 0;
+    for (start, block) in &blocks {
+        if *start != next {
+            bail!("zero-candle Linear: the gathered pieces of a weight miss rows {next}..{start}")
+        }
+        next += block.dim(1)?;
+    }
+    if next != out_dim {
+        bail!("zero-candle Linear: the gathered pieces of a weight cover {next} of {out_dim} rows")
+    }
+    let blocks: Vec<Tensor> = blocks.into_iter().map(|(_, b)| b).collect();
+    Tensor::cat(&blocks, 1)
+}
+
+/// `g·W` with `W` gathered in pieces: the sum over `W`'s rows of their
+/// products, accumulated in f32 (f64 for f64).
+fn grad_input_in_pieces(
+    hook: Option<&Arc<dyn GradHook>>,
+    w: &Tensor,
+    first: GatheredParam,
+    g: &Tensor,
+) -> Result<Tensor> {
+    let (rows, _) = g.dims2()?;
+    let in_dim = w.dim(1)?;
+    let wide = wide_dtype(g.dtype());
+    let mut sum = Tensor::zeros((rows, in_dim), wide, g.device())?;
+    for_each_stretch(hook, w, Some(first), |values, stretch| {
+        for part in row_parts(values, in_dim) {
+            let product = match part {
+                RowPart::Rows { rows, at } => {
+                    let block = stretch
+                        .narrow(0, at, rows.len() * in_dim)?
+                        .reshape((rows.len(), in_dim))?;
+                    g.narrow(1, rows.start, rows.len())?.matmul(&block)?
+                }
+                RowPart::Partial { row, cols, at } => {
+                    let part = stretch
+                        .narrow(0, at, cols.len())?
+                        .reshape((1, cols.len()))?;
+                    g.narrow(1, row, 1)?.matmul(&part)?.pad_with_zeros(
+                        1,
+                        cols.start,
+                        in_dim - cols.end,
+                    )?
+                }
+            };
+            sum = (&sum + product.to_dtype(wide)?)?;
+        }
+        Ok(())
+    })?;
+    sum.to_dtype(g.dtype())
+}
+
+/// What sums of a dtype's products accumulate in.
+fn wide_dtype(dtype: candle_core::DType) -> candle_core::DType {
+    match dtype {
+        candle_core::DType::F64 => candle_core::DType::F64,
+        _ => candle_core::DType::F32,
+    }
 }
 
 impl FusedLinear {
@@ -173,6 +313,7 @@ impl FusedLinear {
             .unwrap_or(Lent {
                 weight: None,
                 bias: None,
+                output: None,
             })
     }
 }
@@ -182,8 +323,8 @@ fn pick<'a>(
     lent: &'a Option<GatheredParam>,
     own: (&'a CpuStorage, &'a Layout),
 ) -> (&'a CpuStorage, &'a Layout) {
-    match lent {
-        Some(gathered) => gathered.storage(),
+    match lent.as_ref().and_then(GatheredParam::whole) {
+        Some(gathered) => gathered,
         None => own,
     }
 }
@@ -198,7 +339,9 @@ impl CustomOp1 for MatmulGathered {
     }
 
     fn cpu_fwd(&self, g: &CpuStorage, g_layout: &Layout) -> Result<(CpuStorage, Shape)> {
-        let (w, w_layout) = self.0.storage();
+        let Some((w, w_layout)) = self.0.whole() else {
+            bail!("zero-candle Linear: internal: a weight gathered in pieces reached the whole-weight op")
+        };
         if let Some(done) = bf16_matmul::grad_input_storage(g, g_layout, w, w_layout)? {
             return Ok(done);
         }
@@ -232,6 +375,13 @@ fn matmul_xwt<S: BackendStorage>(
         &w_layout.transpose(0, 1)?,
     )?;
     Ok((product, rows, out_dim))
+}
+
+/// The `[rows, out]` shape of the forward's result.
+fn computed_shape(x_layout: &Layout, w_layout: &Layout) -> Result<Shape> {
+    let (rows, _) = x_layout.shape().dims2()?;
+    let (out_dim, _) = w_layout.shape().dims2()?;
+    Ok(Shape::from((rows, out_dim)))
 }
 
 fn check_bias(bias_layout: &Layout, out_dim: usize) -> Result<()> {
@@ -331,8 +481,11 @@ impl FusedLinear {
         // Stage 3 gathers the weight again for ∂x, after ∂W has gone to the
         // hook, and gives it back at once.
         let grad_x = if x.track_op() {
-            match gather(hook, Some(w))? {
-                Some(gathered) => Some(grad.apply_op1_no_bwd(&MatmulGathered(gathered))?),
+            match gather(hook, Some(w), 0)? {
+                Some(gathered) if gathered.whole().is_some() => {
+                    Some(grad.apply_op1_no_bwd(&MatmulGathered(gathered))?)
+                }
+                Some(first) => Some(grad_input_in_pieces(hook, w, first, &grad)?),
                 None => match bf16_matmul::grad_input(&grad, w)? {
                     Some(grad_x) => Some(grad_x),
                     None => Some(grad.matmul(&w.detach())?),
@@ -358,6 +511,9 @@ impl CustomOp2 for FusedLinear {
         w_layout: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let lent = self.take_lent();
+        if let Some(output) = lent.output {
+            return Ok((output, computed_shape(x_layout, w_layout)?));
+        }
         let (w, w_layout) = pick(&lent.weight, (w, w_layout));
         let (product, rows, out_dim) = match bf16_matmul::xwt(x, x_layout, w, w_layout)? {
             Some(done) => done,
@@ -403,6 +559,9 @@ impl CustomOp3 for FusedLinear {
         b_layout: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let lent = self.take_lent();
+        if let Some(output) = lent.output {
+            return Ok((output, computed_shape(x_layout, w_layout)?));
+        }
         let (w, w_layout) = pick(&lent.weight, (w, w_layout));
         let (b, b_layout) = pick(&lent.bias, (b, b_layout));
         let (mut out, rows, out_dim) = match bf16_matmul::xwt(x, x_layout, w, w_layout)? {

@@ -81,7 +81,7 @@ mod linear;
 mod tap;
 
 pub use embedding::{embedding, Embedding};
-pub use hook::{GatheredParam, GiveBack, GradCollector, GradHook};
+pub use hook::{GatheredParam, GiveBack, GradCollector, GradHook, Stretch};
 pub use layer_norm::{layer_norm, layer_norm_no_bias, rms_norm, LayerNorm, RmsNorm};
 pub use linear::{linear, linear_b, linear_no_bias, Linear};
 pub use tap::tap;

@@ -212,10 +212,19 @@ pub struct EngineConfig {
     /// the framework can gather.
     #[serde(default = "default_persist_numel")]
     pub persist_numel: usize,
-    /// Stage 3: how many gathered bytes may be issued ahead of the layer
-    /// being computed (the prefetch; `0` gathers each layer when it is used).
+    /// Stage 3: how many gathered bytes may be issued ahead of the piece
+    /// being computed (the prefetch; `0` gathers each piece when it is
+    /// used). With layers gathered in pieces of [`EngineConfig::gather_bytes`],
+    /// two pieces ahead keep the link busy while a layer computes; more
+    /// only holds memory longer.
     #[serde(default = "default_prefetch_bytes")]
     pub prefetch_bytes: usize,
+    /// Stage 3: a layer whose sharded parameters take more than this many
+    /// bytes is gathered and computed in pieces of about this size (each
+    /// piece a slice of every rank's chunk of one bucket), so that its
+    /// whole weight never exists on a rank. `0` gathers whole layers.
+    #[serde(default = "default_gather_bytes")]
+    pub gather_bytes: usize,
     /// Stage 3: the most gathered parameter bytes alive at once (in use
     /// plus prefetched). A layer larger than this on its own is an error.
     #[serde(default = "default_max_live_bytes")]
@@ -227,7 +236,11 @@ fn default_persist_numel() -> usize {
 }
 
 fn default_prefetch_bytes() -> usize {
-    16 << 20
+    2 << 20
+}
+
+fn default_gather_bytes() -> usize {
+    1 << 20
 }
 
 fn default_max_live_bytes() -> usize {
@@ -255,6 +268,7 @@ impl Default for EngineConfig {
             overlap: Overlap::default(),
             persist_numel: default_persist_numel(),
             prefetch_bytes: default_prefetch_bytes(),
+            gather_bytes: default_gather_bytes(),
             max_live_bytes: default_max_live_bytes(),
         }
     }
@@ -350,6 +364,13 @@ impl EngineConfig {
     /// Stage 3: bytes of gathers issued ahead of use (`0`: no prefetch).
     pub fn with_prefetch_bytes(mut self, bytes: usize) -> Self {
         self.prefetch_bytes = bytes;
+        self
+    }
+
+    /// Stage 3: gather layers above `bytes` in pieces of about `bytes`
+    /// (`0`: whole layers).
+    pub fn with_gather_bytes(mut self, bytes: usize) -> Self {
+        self.gather_bytes = bytes;
         self
     }
 

@@ -11,6 +11,13 @@
 //! yields that stretch in order: a parameter's values are one contiguous
 //! range of its unit's buffer.
 //!
+//! A unit above the engine's `gather_bytes` is gathered in *pieces*
+//! instead: piece `j` of a bucket all-gathers slice `j` of every rank's
+//! chunk, so it brings `N` stretches of the sequence, one per rank. A
+//! parameter is then a list of [`Span`]s over several units, which the
+//! framework computes with one piece at a time: its whole values never
+//! exist on a rank.
+//!
 //! Every rank must issue the same gathers in the same order (they are
 //! collectives on a communicator of their own). Decisions to issue are
 //! therefore taken only on the caller's thread, from the plan and the bytes
@@ -53,6 +60,16 @@ pub(super) struct UnitBucket {
     pub at: Range<usize>,
 }
 
+/// Where a stretch of a parameter's values lies in a unit's buffer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) struct Span {
+    pub unit: usize,
+    /// Elements of the unit's buffer.
+    pub at: Range<usize>,
+    /// The same elements' places in the parameter (row-major).
+    pub values: Range<usize>,
+}
+
 /// What one gather brings.
 #[derive(Clone, Debug)]
 pub(super) struct Unit {
@@ -61,24 +78,44 @@ pub(super) struct Unit {
     pub len: usize,
 }
 
-/// The full values of a sharded parameter, gathered: give it back with
+/// One piece of a sharded parameter's values, gathered (all of them when
+/// the parameter is gathered whole): give it back with
 /// [`Fetcher::release`] when the layer is done with it.
 #[derive(Debug)]
 pub struct Gathered<T> {
     buffer: Vec<T>,
     unit: usize,
-    range: Range<usize>,
+    /// (elements of the buffer, their places in the parameter), in order.
+    spans: Vec<(Range<usize>, Range<usize>)>,
+    numel: usize,
 }
 
 impl<T> Gathered<T> {
-    /// The parameter's values (row-major, its shape's element count).
-    pub fn values(&self) -> &[T] {
-        &self.buffer[self.range.clone()]
+    /// Where the whole parameter lies in [`Gathered::buffer_mut`], when this
+    /// piece holds all of it (a parameter gathered whole).
+    pub fn whole(&self) -> Option<Range<usize>> {
+        match self.spans.as_slice() {
+            [(at, values)] if values.start == 0 && values.len() == self.numel => Some(at.clone()),
+            _ => None,
+        }
     }
 
-    /// Where the parameter's values lie in [`Gathered::buffer_mut`].
-    pub fn range(&self) -> Range<usize> {
-        self.range.clone()
+    /// The stretches of the parameter this piece brings: (elements of
+    /// [`Gathered::buffer_mut`], their places in the row-major parameter).
+    pub fn spans(&self) -> &[(Range<usize>, Range<usize>)] {
+        &self.spans
+    }
+
+    /// The gathered unit's buffer (the parameter's values lie in it at
+    /// [`Gathered::spans`]).
+    pub fn buffer(&self) -> &[T] {
+        &self.buffer
+    }
+
+    /// The gather unit the buffer belongs to (for
+    /// [`Fetcher::release_buffer`]).
+    pub fn unit(&self) -> usize {
+        self.unit
     }
 
     /// The whole buffer of the gather (other parameters of the unit
@@ -145,9 +182,11 @@ struct State<T> {
 /// full values of the parameters they compute with).
 pub struct Fetcher<T> {
     units: Vec<Unit>,
-    /// Per parameter: its unit and range in the unit's buffer (`None`: not
+    /// Per parameter: where its values lie, in unit order (empty: not
     /// sharded).
-    place: Vec<Option<(usize, Range<usize>)>>,
+    place: Vec<Vec<Span>>,
+    /// Per parameter: its units (pieces), in order.
+    pieces: Vec<Vec<usize>>,
     /// Per unit, the parameters it brings.
     members: Vec<Vec<usize>>,
     elem_bytes: usize,
@@ -192,7 +231,7 @@ impl<T: crate::Element> Fetcher<T> {
     /// overlaps the caller's compute).
     pub(super) fn new(
         units: Vec<Unit>,
-        place: Vec<Option<(usize, Range<usize>)>>,
+        place: Vec<Vec<Span>>,
         shard: Vec<T>,
         gather: Arc<GatherFn<T>>,
         budgets: (usize, usize),
@@ -200,10 +239,14 @@ impl<T: crate::Element> Fetcher<T> {
     ) -> Result<Arc<Self>> {
         let (prefetch_bytes, max_live_bytes) = budgets;
         let elem_bytes = std::mem::size_of::<T>();
-        let mut members = vec![Vec::new(); units.len()];
-        for (p, place) in place.iter().enumerate() {
-            if let Some((u, _)) = place {
-                members[*u].push(p);
+        let mut members: Vec<Vec<usize>> = vec![Vec::new(); units.len()];
+        let mut pieces: Vec<Vec<usize>> = vec![Vec::new(); place.len()];
+        for (p, spans) in place.iter().enumerate() {
+            for span in spans {
+                if pieces[p].last() != Some(&span.unit) {
+                    pieces[p].push(span.unit);
+                    members[span.unit].push(p);
+                }
             }
         }
         if let Some(u) = units.iter().find(|u| u.len * elem_bytes > max_live_bytes) {
@@ -223,6 +266,7 @@ impl<T: crate::Element> Fetcher<T> {
         let fetcher = Arc::new(Self {
             units,
             place,
+            pieces,
             members,
             elem_bytes,
             prefetch_bytes,
@@ -276,7 +320,29 @@ impl<T: crate::Element> Fetcher<T> {
 
     /// Whether parameter `param` is sharded (gathered on use).
     pub fn is_sharded(&self, param: usize) -> bool {
-        matches!(self.place.get(param), Some(Some(_)))
+        self.pieces(param) > 0
+    }
+
+    /// How many pieces sharded parameter `param` is gathered in (1: whole;
+    /// 0: not sharded).
+    pub fn pieces(&self, param: usize) -> usize {
+        self.pieces.get(param).map_or(0, Vec::len)
+    }
+
+    /// The units of `params`' pieces, in order: the gathers that
+    /// requesting them one after another makes. With `shared_once`, a unit
+    /// shared by consecutive parameters counts once (a prediction of
+    /// parameters, not of requests).
+    fn units_of(&self, params: &[usize], shared_once: bool) -> VecDeque<usize> {
+        let mut units = VecDeque::new();
+        for &p in params {
+            for &u in self.pieces.get(p).into_iter().flatten() {
+                if !(shared_once && units.back() == Some(&u)) {
+                    units.push_back(u);
+                }
+            }
+        }
+        units
     }
 
     /// Whether gathers run on a thread of their own (they do unless the
@@ -290,16 +356,24 @@ impl<T: crate::Element> Fetcher<T> {
         self.lock().stats.clone()
     }
 
-    /// The full values of sharded parameter `param`: the prefetched gather
-    /// when one was issued, else one issued now. Issues the next planned
-    /// gathers before waiting for this one.
-    pub fn acquire(&self, param: usize) -> Result<Gathered<T>> {
-        let Some(Some((unit, range))) = self.place.get(param).cloned() else {
+    /// Piece `piece` of sharded parameter `param` (see
+    /// [`Fetcher::pieces`]): the prefetched gather when one was issued,
+    /// else one issued now. Issues the next planned gathers before waiting
+    /// for this one.
+    pub fn acquire(&self, param: usize, piece: usize) -> Result<Gathered<T>> {
+        let Some(&unit) = self.pieces.get(param).and_then(|p| p.get(piece)) else {
             return Err(Error::Config(format!(
-                "stage 3: parameter #{param} is not sharded, so it has nothing to gather; read \
-                 it from the model"
+                "stage 3: parameter #{param} has {} gathered pieces, not a piece {piece}; a \
+                 parameter that is not sharded has nothing to gather: read it from the model",
+                self.pieces(param)
             )));
         };
+        let spans = self.place[param]
+            .iter()
+            .filter(|s| s.unit == unit)
+            .map(|s| (s.at.clone(), s.values.clone()))
+            .collect();
+        let numel = self.place[param].iter().map(|s| s.values.len()).sum();
         let mut st = self.lock();
         let planned = st.plan.contains(&unit) || st.issued.iter().any(|i| i.unit == unit);
         let starts_a_pass =
@@ -347,7 +421,8 @@ impl<T: crate::Element> Fetcher<T> {
             Some(Ok(buffer)) => Ok(Gathered {
                 buffer,
                 unit,
-                range,
+                spans,
+                numel,
             }),
             Some(Err(e)) => {
                 st.live_bytes -= bytes;
@@ -363,11 +438,12 @@ impl<T: crate::Element> Fetcher<T> {
         self.release_unit(gathered.unit, gathered.buffer);
     }
 
-    /// Gives back the buffer of a gather of parameter `param` taken out of
-    /// its [`Gathered`] (the framework lent it on as a tensor storage).
-    pub fn release_buffer(&self, param: usize, buffer: Vec<T>) {
-        if let Some(Some((unit, _))) = self.place.get(param) {
-            self.release_unit(*unit, buffer);
+    /// Gives back the buffer of a gather of `unit` ([`Gathered::unit`])
+    /// taken out of its [`Gathered`] (the framework lent it on as a tensor
+    /// storage).
+    pub fn release_buffer(&self, unit: usize, buffer: Vec<T>) {
+        if unit < self.units.len() {
+            self.release_unit(unit, buffer);
         }
     }
 
@@ -383,19 +459,10 @@ impl<T: crate::Element> Fetcher<T> {
     /// ran on whole weights): `forward` and `backward` list parameters in
     /// order of use. Then starts prefetching the next forward.
     pub fn seed(&self, forward: &[usize], backward: &[usize]) {
-        let units = |params: &[usize]| {
-            let mut units: Vec<usize> = Vec::new();
-            for &p in params {
-                if let Some(Some((u, _))) = self.place.get(p) {
-                    units.push(*u);
-                }
-            }
-            units
-        };
         let mut st = self.lock();
-        st.forward_trace = units(forward);
+        st.forward_trace = self.units_of(forward, false).into();
         if !backward.is_empty() {
-            st.backward_trace = Some(units(backward));
+            st.backward_trace = Some(self.units_of(backward, false).into());
         }
         if st.phase == Phase::Forward && st.log.is_empty() && st.issued.is_empty() {
             st.plan = st.forward_trace.iter().copied().collect();
@@ -408,20 +475,29 @@ impl<T: crate::Element> Fetcher<T> {
     /// rank calls it for the same parameters in the same order, between
     /// passes.
     pub fn gather_full(&self, param: usize) -> Result<Vec<T>> {
-        let Some(Some((unit, range))) = self.place.get(param).cloned() else {
+        if !self.is_sharded(param) {
             return Err(Error::Config(format!(
                 "stage 3: parameter #{param} is not sharded, so it has nothing to gather"
             )));
-        };
+        }
         let st = self.lock();
         let mut st = self.drain(st)?;
-        let buffer = vec![T::default(); self.units[unit].len];
-        let buffer = gather_unit(&self.units[unit], &self.shard, &*self.gather, buffer)?;
+        let numel = self.place[param].iter().map(|s| s.values.len()).sum();
+        let mut values = vec![T::default(); numel];
+        let mut buffer = Vec::new();
+        for &unit in &self.pieces[param] {
+            buffer.clear();
+            buffer.resize(self.units[unit].len, T::default());
+            buffer = gather_unit(&self.units[unit], &self.shard, &*self.gather, buffer)?;
+            for span in self.place[param].iter().filter(|s| s.unit == unit) {
+                values[span.values.clone()].copy_from_slice(&buffer[span.at.clone()]);
+            }
+        }
         // The drained prefetches are planned again.
         if st.phase == Phase::Forward && st.log.is_empty() {
             st.plan = st.forward_trace.iter().copied().collect();
         }
-        Ok(buffer[range].to_vec())
+        Ok(values)
     }
 
     /// Ends a forward pass and starts the backward one: `predicted` lists
@@ -446,17 +522,7 @@ impl<T: crate::Element> Fetcher<T> {
         st.phase = Phase::Backward;
         st.plan = match &st.backward_trace {
             Some(trace) => trace.iter().copied().collect(),
-            None => {
-                let mut plan = VecDeque::new();
-                for &p in predicted {
-                    if let Some(Some((u, _))) = self.place.get(p) {
-                        if plan.back() != Some(u) {
-                            plan.push_back(*u);
-                        }
-                    }
-                }
-                plan
-            }
+            None => self.units_of(predicted, true),
         };
         self.top_up(&mut st);
         Ok(fingerprint)
@@ -530,18 +596,32 @@ impl<T: crate::Element> Fetcher<T> {
     /// Issues the gather of `unit` (the caller decided, on every rank alike).
     fn issue(&self, st: &mut State<T>, unit: usize) -> u64 {
         let len = self.units[unit].len;
-        // The smallest pooled buffer that holds the unit, else a new one.
-        let pooled = st
+        // The smallest pooled buffer that holds the unit, else the largest
+        // one grown (so the pool never holds more buffers than were alive
+        // at once), else a new one.
+        let fits = st
             .pool
             .iter()
             .enumerate()
             .filter(|(_, b)| b.capacity() >= len)
             .min_by_key(|(_, b)| b.capacity())
             .map(|(i, _)| i);
-        let mut buffer = match pooled {
-            Some(i) => st.pool.swap_remove(i),
-            None => Vec::with_capacity(len),
+        let largest = || {
+            st.pool
+                .iter()
+                .enumerate()
+                .max_by_key(|(_, b)| b.capacity())
+                .map(|(i, _)| i)
         };
+        let mut buffer = match fits.or_else(largest) {
+            Some(i) => st.pool.swap_remove(i),
+            None => Vec::new(),
+        };
+        if buffer.capacity() < len {
+            // Freed before the larger one is made.
+            drop(std::mem::take(&mut buffer));
+            buffer = Vec::with_capacity(len);
+        }
         buffer.resize(len, T::default());
         let bytes = self.bytes(unit);
         st.live_bytes += bytes;
@@ -766,7 +846,15 @@ mod tests {
                 len,
             })
             .collect();
-        let place = (0..count).map(|u| Some((u, 0..len))).collect();
+        let place = (0..count)
+            .map(|u| {
+                vec![Span {
+                    unit: u,
+                    at: 0..len,
+                    values: 0..len,
+                }]
+            })
+            .collect();
         let shard = (0..count * len).map(|i| i as f32).collect();
         // One rank: the all-gather is a copy.
         let gather: Arc<GatherFn<f32>> = Arc::new(|send: &[f32], recv: &mut [f32]| {
@@ -778,9 +866,10 @@ mod tests {
 
     fn use_units(f: &Fetcher<f32>, order: &[usize], len: usize) {
         for &u in order {
-            let g = f.acquire(u).unwrap();
+            let g = f.acquire(u, 0).unwrap();
             let want: Vec<f32> = (u * len..(u + 1) * len).map(|i| i as f32).collect();
-            assert_eq!(g.values(), &want[..], "unit {u}");
+            let at = g.whole().expect("one piece");
+            assert_eq!(&g.buffer()[at], &want[..], "unit {u}");
             f.release(g);
         }
     }
@@ -841,7 +930,11 @@ mod tests {
         let gather: Arc<GatherFn<f32>> = Arc::new(|_: &[f32], _: &mut [f32]| Ok(()));
         let e = Fetcher::new(
             units,
-            vec![Some((0, 0..100))],
+            vec![vec![Span {
+                unit: 0,
+                at: 0..100,
+                values: 0..100,
+            }]],
             vec![],
             gather,
             (0, 200),

@@ -19,7 +19,7 @@
 //!
 //! [`EngineConfig::persist_numel`]: super::EngineConfig::persist_numel
 
-use super::fetch::{Fetcher, GatherFn, Unit, UnitBucket};
+use super::fetch::{Fetcher, GatherFn, Span, Unit, UnitBucket};
 use super::{Engine, ShardMemory, Stage};
 use crate::comm::{Communicator, Host, ReduceOp};
 use crate::{Element, Error, Result};
@@ -139,13 +139,10 @@ where
     }
 
     /// The gather units of the sharded parameters: runs of buckets, one
-    /// per group of sharded parameters that share buckets; and where each
-    /// parameter lies in its unit's buffer.
-    #[allow(clippy::type_complexity)]
-    fn gather_units(
-        &self,
-        mask: &[bool],
-    ) -> Result<(Vec<Unit>, Vec<Option<(usize, std::ops::Range<usize>)>>)> {
+    /// per group of sharded parameters that share buckets, or pieces of
+    /// those buckets when a group is above `gather_bytes`; and where each
+    /// parameter lies in the units' buffers.
+    fn gather_units(&self, mask: &[bool]) -> Result<(Vec<Unit>, Vec<Vec<Span>>)> {
         // Each sharded parameter's bucket span and sequence position.
         let mut spans = Vec::new();
         for (p, &sharded) in mask.iter().enumerate() {
@@ -184,27 +181,92 @@ where
                 _ => groups.push((lo, hi, vec![(p, start)])),
             }
         }
+        let piece_len = self.config.gather_bytes / std::mem::size_of::<T>();
         let mut units = Vec::with_capacity(groups.len());
-        let mut place = vec![None; self.params.len()];
-        for (u, (lo, hi, members)) in groups.into_iter().enumerate() {
+        let mut place = vec![Vec::new(); self.params.len()];
+        for (lo, hi, members) in groups {
             let base = self.layout.bucket_range(lo).start;
-            let buckets: Vec<UnitBucket> = (lo..=hi)
-                .map(|k| {
-                    let at = self.layout.bucket_range(k);
-                    UnitBucket {
-                        shard: self.layout.buckets[k].clone(),
-                        at: at.start - base..at.end - base,
-                    }
-                })
-                .collect();
             let len = self.layout.bucket_range(hi).end - base;
-            for (p, start) in members {
-                let at = start - base;
-                place[p] = Some((u, at..at + self.params[p].numel()));
+            if piece_len == 0 || len <= piece_len {
+                let buckets: Vec<UnitBucket> = (lo..=hi)
+                    .map(|k| {
+                        let at = self.layout.bucket_range(k);
+                        UnitBucket {
+                            shard: self.layout.buckets[k].clone(),
+                            at: at.start - base..at.end - base,
+                        }
+                    })
+                    .collect();
+                for (p, start) in members {
+                    let numel = self.params[p].numel();
+                    place[p].push(Span {
+                        unit: units.len(),
+                        at: start - base..start - base + numel,
+                        values: 0..numel,
+                    });
+                }
+                units.push(Unit { buckets, len });
+            } else {
+                for k in lo..=hi {
+                    self.piece_units(k, piece_len, &members, &mut units, &mut place)?;
+                }
             }
-            units.push(Unit { buckets, len });
         }
         Ok((units, place))
+    }
+
+    /// Gathers bucket `k` in pieces of about `piece_len` elements: piece
+    /// `j` all-gathers slice `j` of every rank's chunk, so its buffer holds
+    /// one stretch of the sequence per rank. `members` are the sharded
+    /// parameters around (index, sequence position of their first element).
+    fn piece_units(
+        &self,
+        k: usize,
+        piece_len: usize,
+        members: &[(usize, usize)],
+        units: &mut Vec<Unit>,
+        place: &mut [Vec<Span>],
+    ) -> Result<()> {
+        let world = self.comm.world_size();
+        let sequence = self.layout.bucket_range(k);
+        let chunk = self.layout.buckets[k].clone();
+        if sequence.len() != world * chunk.len() {
+            return Err(Error::State(format!(
+                "internal: bucket {k} spans {} elements but this rank's chunk is {} of {world}",
+                sequence.len(),
+                chunk.len()
+            )));
+        }
+        let slice_len = (piece_len / world).max(1);
+        let mut offset = 0;
+        while offset < chunk.len() {
+            let slice = slice_len.min(chunk.len() - offset);
+            let unit = units.len();
+            for rank in 0..world {
+                let from = sequence.start + rank * chunk.len() + offset;
+                for &(p, start) in members {
+                    let lo = from.max(start);
+                    let hi = (from + slice).min(start + self.params[p].numel());
+                    if lo < hi {
+                        let at = rank * slice + lo - from;
+                        place[p].push(Span {
+                            unit,
+                            at: at..at + hi - lo,
+                            values: lo - start..hi - start,
+                        });
+                    }
+                }
+            }
+            units.push(Unit {
+                buckets: vec![UnitBucket {
+                    shard: chunk.start + offset..chunk.start + offset + slice,
+                    at: 0..world * slice,
+                }],
+                len: world * slice,
+            });
+            offset += slice;
+        }
+        Ok(())
     }
 }
 
