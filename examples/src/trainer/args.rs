@@ -106,7 +106,7 @@ pub struct Args {
     #[arg(long, default_value_t = 100_000)]
     pub persist_numel: usize,
     /// Stage 3: MiB of parameter gathers issued ahead of use (0: none).
-    #[arg(long, default_value_t = 2.0)]
+    #[arg(long, default_value_t = 4.0)]
     pub prefetch_mb: f64,
     /// Stage 3: layers above this many MiB are gathered and computed in
     /// pieces of about this size (0: whole layers).

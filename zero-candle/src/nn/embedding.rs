@@ -139,19 +139,20 @@ fn lookup_in_pieces(
     let ids = row_ids(ids, vocab)?;
     let wanted: std::collections::BTreeSet<usize> = ids.iter().copied().collect();
     // Per wanted row, its parts: (first column, values), copied out of the
-    // piece so that the piece can go.
+    // piece (`tensor` copies) so that the piece can go.
     let mut parts: std::collections::BTreeMap<usize, Vec<(usize, Tensor)>> = Default::default();
     for_each_stretch(hook, table, Some(first), |values, stretch| {
         for part in row_parts(values, dim) {
             match part {
                 RowPart::Rows { rows, at } => {
                     for &id in wanted.range(rows.clone()) {
-                        let row = stretch.narrow(0, at + (id - rows.start) * dim, dim)?;
-                        parts.entry(id).or_default().push((0, row.copy()?));
+                        let from = at + (id - rows.start) * dim;
+                        let row = stretch.tensor(from..from + dim, table.device())?;
+                        parts.entry(id).or_default().push((0, row));
                     }
                 }
                 RowPart::Partial { row, cols, at } if wanted.contains(&row) => {
-                    let values = stretch.narrow(0, at, cols.len())?.copy()?;
+                    let values = stretch.tensor(at..at + cols.len(), table.device())?;
                     parts.entry(row).or_default().push((cols.start, values));
                 }
                 RowPart::Partial { .. } => {}

@@ -1,7 +1,8 @@
 //! The gradient hook: how a layer hands a parameter's gradient out of Candle's backward.
 
+use candle_core::backend::BackendStorage;
 use candle_core::backprop::GradStore;
-use candle_core::{CpuStorage, Device, Layout, Result, Shape, Tensor, TensorId, Var};
+use candle_core::{CpuStorage, CustomOp1, Device, Layout, Result, Shape, Tensor, TensorId, Var};
 use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -162,13 +163,19 @@ impl GatheredParam {
         &self.stretches
     }
 
-    /// Stretch `i`'s values as a 1-d tensor on `device` (a copy).
-    pub fn stretch_tensor(&self, i: usize, device: &Device) -> Result<Tensor> {
-        let (Some(storage), Some(stretch)) = (self.storage.as_ref(), self.stretches.get(i)) else {
-            candle_core::bail!("a gathered piece has no stretch {i}")
-        };
-        let at = stretch.at.clone();
-        match storage {
+    /// The storage the stretches lie in.
+    pub fn storage(&self) -> &CpuStorage {
+        self.storage
+            .as_ref()
+            .expect("the storage is only taken when dropped")
+    }
+
+    /// Elements `at` of the storage as a 1-d tensor on `device` (a copy).
+    pub fn tensor(&self, at: Range<usize>, device: &Device) -> Result<Tensor> {
+        if at.end > storage_len(self.storage()) {
+            candle_core::bail!("a gathered piece has no elements {at:?}")
+        }
+        match self.storage() {
             CpuStorage::F32(v) => Tensor::from_slice(&v[at.clone()], at.len(), device),
             CpuStorage::F64(v) => Tensor::from_slice(&v[at.clone()], at.len(), device),
             CpuStorage::BF16(v) => Tensor::from_slice(&v[at.clone()], at.len(), device),
@@ -226,28 +233,118 @@ pub(crate) fn gather(
     }
 }
 
+fn storage_len(storage: &CpuStorage) -> usize {
+    match storage {
+        CpuStorage::F32(v) => v.len(),
+        CpuStorage::F64(v) => v.len(),
+        CpuStorage::BF16(v) => v.len(),
+        CpuStorage::F16(v) => v.len(),
+        _ => 0,
+    }
+}
+
+/// One stretch of a parameter's values, as [`for_each_stretch`] lends it:
+/// in a gathered piece, or the parameter's own values.
+pub(crate) enum StretchView<'a> {
+    Piece {
+        piece: &'a GatheredParam,
+        at: Range<usize>,
+    },
+    Own(Tensor),
+}
+
+impl StretchView<'_> {
+    /// Elements `range` of the stretch as a 1-d tensor (a copy from a
+    /// piece).
+    pub(crate) fn tensor(&self, range: Range<usize>, device: &Device) -> Result<Tensor> {
+        match self {
+            Self::Piece { piece, at } => {
+                piece.tensor(at.start + range.start..at.start + range.end, device)
+            }
+            Self::Own(values) => values.narrow(0, range.start, range.len()),
+        }
+    }
+
+    /// `lhs·B`, where `B` is the `[rows, cols]` row-major block of the
+    /// stretch at element `offset`, transposed when `transpose`: read in
+    /// place from a piece.
+    pub(crate) fn matmul(
+        &self,
+        lhs: &Tensor,
+        offset: usize,
+        (rows, cols): (usize, usize),
+        transpose: bool,
+    ) -> Result<Tensor> {
+        match self {
+            Self::Piece { piece, at } => {
+                let block = Layout::contiguous_with_offset((rows, cols), at.start + offset);
+                let layout = if transpose {
+                    block.transpose(0, 1)?
+                } else {
+                    block
+                };
+                lhs.apply_op1_no_bwd(&BlockMatmul {
+                    storage: piece.storage(),
+                    layout,
+                })
+            }
+            Self::Own(values) => {
+                let block = values
+                    .narrow(0, offset, rows * cols)?
+                    .reshape((rows, cols))?;
+                let block = if transpose { block.t()? } else { block };
+                lhs.matmul(&block)
+            }
+        }
+    }
+}
+
+/// `lhs·B` with `B` read in place from a storage at `layout` (`[k, n]`).
+struct BlockMatmul<'a> {
+    storage: &'a CpuStorage,
+    layout: Layout,
+}
+
+impl CustomOp1 for BlockMatmul<'_> {
+    fn name(&self) -> &'static str {
+        "zero-block-matmul"
+    }
+
+    fn cpu_fwd(&self, lhs: &CpuStorage, lhs_layout: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (m, k) = lhs_layout.shape().dims2()?;
+        let (rhs_k, n) = self.layout.shape().dims2()?;
+        if k != rhs_k {
+            candle_core::bail!("zero-candle: a block product of [{m}, {k}] by [{rhs_k}, {n}]")
+        }
+        let product = lhs.matmul(self.storage, (1, m, n, k), lhs_layout, &self.layout)?;
+        Ok((product, Shape::from((m, n))))
+    }
+}
+
 /// Calls `f(values, stretch)` for every stretch of `param`'s values (their
-/// places in the row-major parameter, and a 1-d copy of them): a piece at
-/// a time from `first` (piece 0 of its gather) on, each piece given back
-/// before the next is asked for; or, with no `first`, once for the whole
+/// places in the row-major parameter, and the values): a piece at a time
+/// from `first` (piece 0 of its gather) on, each piece given back before
+/// the next is asked for; or, with no `first`, once for the whole
 /// parameter as it is.
 pub(crate) fn for_each_stretch(
     hook: Option<&Arc<dyn GradHook>>,
     param: &Tensor,
     first: Option<GatheredParam>,
-    mut f: impl FnMut(Range<usize>, Tensor) -> Result<()>,
+    mut f: impl FnMut(Range<usize>, &StretchView) -> Result<()>,
 ) -> Result<()> {
     let Some(first) = first else {
-        return f(0..param.elem_count(), param.detach().flatten_all()?);
+        let own = StretchView::Own(param.detach().flatten_all()?);
+        return f(0..param.elem_count(), &own);
     };
     let mut piece = Some(first);
     let mut next = 0;
     while let Some(gathered) = piece {
-        for (i, stretch) in gathered.stretches().iter().enumerate() {
-            f(
-                stretch.values.clone(),
-                gathered.stretch_tensor(i, param.device())?,
-            )?;
+        for stretch in gathered.stretches() {
+            let view = StretchView::Piece {
+                piece: &gathered,
+                at: stretch.at.clone(),
+            };
+            f(stretch.values.clone(), &view)?;
         }
         drop(gathered);
         next += 1;
@@ -265,7 +362,10 @@ pub(crate) fn assemble(
 ) -> Result<Tensor> {
     let mut parts = Vec::new();
     for_each_stretch(hook, param, first, |values, stretch| {
-        parts.push((values.start, stretch));
+        parts.push((
+            values.start,
+            stretch.tensor(0..values.len(), param.device())?,
+        ));
         Ok(())
     })?;
     parts.sort_by_key(|(start, _)| *start);

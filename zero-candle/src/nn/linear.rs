@@ -216,14 +216,12 @@ fn forward_in_pieces(
         for part in row_parts(values, in_dim) {
             match part {
                 RowPart::Rows { rows, at } => {
-                    let block = stretch
-                        .narrow(0, at, rows.len() * in_dim)?
-                        .reshape((rows.len(), in_dim))?;
-                    blocks.push((rows.start, x.matmul(&block.t()?)?));
+                    let product = stretch.matmul(x, at, (rows.len(), in_dim), true)?;
+                    blocks.push((rows.start, product));
                 }
                 RowPart::Partial { row, cols, at } => {
                     let part = stretch
-                        .narrow(0, at, cols.len())?
+                        .tensor(at..at + cols.len(), x.device())?
                         .reshape((cols.len(), 1))?;
                     let product = x
                         .narrow(1, cols.start, cols.len())?
@@ -273,14 +271,12 @@ fn grad_input_in_pieces(
         for part in row_parts(values, in_dim) {
             let product = match part {
                 RowPart::Rows { rows, at } => {
-                    let block = stretch
-                        .narrow(0, at, rows.len() * in_dim)?
-                        .reshape((rows.len(), in_dim))?;
-                    g.narrow(1, rows.start, rows.len())?.matmul(&block)?
+                    let g = g.narrow(1, rows.start, rows.len())?;
+                    stretch.matmul(&g, at, (rows.len(), in_dim), false)?
                 }
                 RowPart::Partial { row, cols, at } => {
                     let part = stretch
-                        .narrow(0, at, cols.len())?
+                        .tensor(at..at + cols.len(), g.device())?
                         .reshape((1, cols.len()))?;
                     g.narrow(1, row, 1)?.matmul(&part)?.pad_with_zeros(
                         1,
