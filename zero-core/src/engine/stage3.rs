@@ -25,6 +25,10 @@ use crate::comm::{Communicator, Host, ReduceOp};
 use crate::{Element, Error, Result};
 use std::sync::Arc;
 
+/// A run of buckets (first, last) and the sharded parameters in it (index,
+/// sequence position of the first element).
+type BucketRun = (usize, usize, Vec<(usize, usize)>);
+
 impl<T, C, M> Engine<T, C, M>
 where
     T: Element,
@@ -171,7 +175,7 @@ where
             spans.push((lo, hi, p, start));
         }
         spans.sort_unstable();
-        let mut groups: Vec<(usize, usize, Vec<(usize, usize)>)> = Vec::new();
+        let mut groups: Vec<BucketRun> = Vec::new();
         for (lo, hi, p, start) in spans {
             match groups.last_mut() {
                 Some(group) if lo <= group.1 => {
