@@ -262,6 +262,8 @@ fn a_layer_gathered_in_pieces_never_exists_whole_and_every_piece_is_prefetched()
             3 * 3 * pieces(emb)
         );
         assert_eq!(stats.misses, 0, "{stats:?}");
+        // The backward's first pieces were gathered during the forward.
+        assert!(stats.early - before.early >= 3, "{stats:?}");
         // The piece in use and 128 bytes ahead: never a whole weight.
         assert!(stats.peak_live_bytes <= 64 + 128, "{stats:?}");
         assert!(stats.peak_live_bytes < weight_bytes, "{stats:?}");

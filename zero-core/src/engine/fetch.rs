@@ -140,6 +140,8 @@ pub struct FetchStats {
     /// Times a forward or backward pass requested another sequence than
     /// the one recorded, and the new one replaced it.
     pub retraces: u64,
+    /// Gathers of a backward issued while its forward was finishing.
+    pub early: u64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -165,6 +167,10 @@ struct State<T> {
     log: Vec<usize>,
     /// Units to issue ahead, in order.
     plan: VecDeque<usize>,
+    /// Whether the forward has requested its whole trace and the plan
+    /// goes on with the backward trace (the backward's first gathers then
+    /// run during the end of the forward).
+    continued: bool,
     issued: VecDeque<Issued<T>>,
     next_ticket: u64,
     /// Bytes issued and not taken; bytes issued or in use.
@@ -278,6 +284,7 @@ impl<T: crate::Element> Fetcher<T> {
                 backward_trace: None,
                 log: Vec::new(),
                 plan: VecDeque::new(),
+                continued: false,
                 issued: VecDeque::new(),
                 next_ticket: 0,
                 ahead_bytes: 0,
@@ -375,7 +382,10 @@ impl<T: crate::Element> Fetcher<T> {
             .collect();
         let numel = self.place[param].iter().map(|s| s.values.len()).sum();
         let mut st = self.lock();
-        let planned = st.plan.contains(&unit) || st.issued.iter().any(|i| i.unit == unit);
+        // Once the forward went on into the backward's plan, nothing
+        // planned is for this forward any more.
+        let planned =
+            !st.continued && (st.plan.contains(&unit) || st.issued.iter().any(|i| i.unit == unit));
         let starts_a_pass =
             st.forward_trace.first() == Some(&unit) || st.log.first() == Some(&unit);
         if st.phase == Phase::Forward && !st.log.is_empty() && starts_a_pass && !planned {
@@ -385,6 +395,15 @@ impl<T: crate::Element> Fetcher<T> {
             st = self.restart_forward(st)?;
         }
         st.log.push(unit);
+        if st.phase == Phase::Forward && !st.continued && st.log == st.forward_trace {
+            // The forward's last request: the backward's first gathers may
+            // go ahead now (its first layer is usually this one).
+            if let Some(trace) = &st.backward_trace {
+                let trace = trace.clone();
+                st.plan.extend(trace);
+                st.continued = true;
+            }
+        }
         let prefetched = st.issued.iter().find(|i| i.unit == unit).map(|i| i.ticket);
         let ticket = match prefetched {
             Some(ticket) => {
@@ -507,7 +526,23 @@ impl<T: crate::Element> Fetcher<T> {
     /// compare across ranks.
     pub(super) fn begin_backward(&self, predicted: &[usize]) -> Result<u64> {
         let st = self.lock();
-        let mut st = self.drain(st)?;
+        // Gathers the forward issued ahead for this backward are kept when
+        // they and the plan are exactly the backward trace (the same
+        // decision on every rank: it depends on what was issued only).
+        let kept = st.continued && st.phase == Phase::Forward && {
+            let trace = st.backward_trace.as_deref().unwrap_or(&[]);
+            let ahead = st.issued.len().min(trace.len());
+            st.issued
+                .iter()
+                .map(|i| i.unit)
+                .eq(trace[..ahead].iter().copied())
+                && st.plan.iter().copied().eq(trace[ahead..].iter().copied())
+        };
+        let mut st = if kept { st } else { self.drain(st)? };
+        if kept {
+            st.stats.early += st.issued.len() as u64;
+        }
+        st.continued = false;
         let fingerprint = super::overlap::fnv1a(st.log.iter().map(|&u| u as u64));
         if st.phase == Phase::Forward {
             let log = std::mem::take(&mut st.log);
@@ -520,10 +555,12 @@ impl<T: crate::Element> Fetcher<T> {
         }
         st.log.clear();
         st.phase = Phase::Backward;
-        st.plan = match &st.backward_trace {
-            Some(trace) => trace.iter().copied().collect(),
-            None => self.units_of(predicted, true),
-        };
+        if !kept {
+            st.plan = match &st.backward_trace {
+                Some(trace) => trace.iter().copied().collect(),
+                None => self.units_of(predicted, true),
+            };
+        }
         self.top_up(&mut st);
         Ok(fingerprint)
     }
@@ -535,6 +572,7 @@ impl<T: crate::Element> Fetcher<T> {
     pub(super) fn end_pass(&self) -> Result<()> {
         let st = self.lock();
         let mut st = self.drain(st)?;
+        st.continued = false;
         if st.phase == Phase::Backward {
             let log = std::mem::take(&mut st.log);
             if st.backward_trace.as_ref() != Some(&log) {
@@ -756,6 +794,7 @@ impl<T: crate::Element> Fetcher<T> {
         st: MutexGuard<'a, State<T>>,
     ) -> Result<MutexGuard<'a, State<T>>> {
         let mut st = self.drain(st)?;
+        st.continued = false;
         let log = std::mem::take(&mut st.log);
         if log != st.forward_trace {
             st.stats.retraces += 1;
@@ -886,6 +925,36 @@ mod tests {
         assert!(stats.peak_live_bytes <= 120, "{stats:?}");
         assert!(stats.peak_live_bytes >= 80, "prefetch ran ahead: {stats:?}");
         assert_eq!(stats.gathers, vec![1; 6]);
+    }
+
+    #[test]
+    fn the_backward_s_first_gathers_run_during_the_end_of_the_forward() {
+        // Two units may be ahead. Once the forward has requested its whole
+        // trace, the backward's first two go ahead and are kept.
+        let f = fetcher(4, 10, (80, 1000), true);
+        f.seed(&[0, 1, 2, 3], &[3, 2, 1, 0]);
+        for _ in 0..2 {
+            use_units(&f, &[0, 1, 2, 3], 10);
+            f.begin_backward(&[]).unwrap();
+            use_units(&f, &[3, 2, 1, 0], 10);
+            f.end_pass().unwrap();
+            f.resume();
+        }
+        let stats = f.stats();
+        assert_eq!(stats.early, 2 * 2, "{stats:?}");
+        assert_eq!((stats.hits, stats.misses), (16, 0), "{stats:?}");
+        assert_eq!(stats.retraces, 0, "{stats:?}");
+        // An evaluation forward after a complete one restarts the plan
+        // (the backward's early gathers are let go) and is all hits but
+        // its first unit.
+        use_units(&f, &[0, 1, 2, 3], 10);
+        use_units(&f, &[0, 1, 2, 3], 10);
+        f.begin_backward(&[]).unwrap();
+        use_units(&f, &[3, 2, 1, 0], 10);
+        let stats = f.stats();
+        assert_eq!(stats.misses, 1, "{stats:?}");
+        assert_eq!(stats.early, 2 * 2 + 2, "{stats:?}");
+        assert_eq!(stats.retraces, 0, "{stats:?}");
     }
 
     #[test]
