@@ -37,3 +37,31 @@ pub(crate) fn with_cpu<R>(
         ),
     }
 }
+
+/// A copy of a CPU tensor's values as a storage of its own (contiguous,
+/// from offset 0): a result computed before a custom op runs, for the op
+/// to hand out.
+pub(crate) fn owned_storage(tensor: &Tensor, what: &str) -> Result<CpuStorage> {
+    let tensor = tensor.contiguous()?;
+    with_cpu(&tensor, what, |storage, layout| {
+        if layout.start_offset() == 0 && layout.shape().elem_count() == storage_len(storage) {
+            return Ok(storage.clone());
+        }
+        let copy = tensor.copy()?;
+        with_cpu(&copy, what, |storage, _| Ok(storage.clone()))
+    })
+}
+
+/// Elements of a CPU storage.
+pub(crate) fn storage_len(storage: &CpuStorage) -> usize {
+    match storage {
+        CpuStorage::U8(v) => v.len(),
+        CpuStorage::U32(v) => v.len(),
+        CpuStorage::I64(v) => v.len(),
+        CpuStorage::BF16(v) => v.len(),
+        CpuStorage::F16(v) => v.len(),
+        CpuStorage::F32(v) => v.len(),
+        CpuStorage::F64(v) => v.len(),
+        _ => 0,
+    }
+}

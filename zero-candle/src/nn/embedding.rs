@@ -8,8 +8,8 @@ use super::hook::{
 };
 use candle_core::backend::BackendStorage;
 use candle_core::{
-    bail, CpuStorage, CudaStorage, CustomOp2, DType, Device, Layout, Module, Result, Shape,
-    Storage, Tensor, WithDType,
+    bail, CpuStorage, CudaStorage, CustomOp2, DType, Device, Layout, Module, Result, Shape, Tensor,
+    WithDType,
 };
 use candle_nn::VarBuilder;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -81,13 +81,10 @@ impl Module for Embedding {
         let lent = match gather(hook, Some(&self.embeddings), 0)? {
             Some(first) if first.whole().is_none() => {
                 let rows = lookup_in_pieces(hook, &self.embeddings, first, &ids)?;
-                let (storage, layout) = rows.storage_and_layout();
-                match &*storage {
-                    Storage::Cpu(cpu) if layout.start_offset() == 0 => {
-                        Some(Lent::Output(cpu.clone()))
-                    }
-                    _ => bail!("zero-candle Embedding: stage 3 gathers in pieces on the CPU only"),
-                }
+                Some(Lent::Output(cpu::owned_storage(
+                    &rows,
+                    "the embedding rows",
+                )?))
             }
             table => table.map(Lent::Table),
         };

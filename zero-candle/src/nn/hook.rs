@@ -172,7 +172,7 @@ impl GatheredParam {
 
     /// Elements `at` of the storage as a 1-d tensor on `device` (a copy).
     pub fn tensor(&self, at: Range<usize>, device: &Device) -> Result<Tensor> {
-        if at.end > storage_len(self.storage()) {
+        if at.end > super::cpu::storage_len(self.storage()) {
             candle_core::bail!("a gathered piece has no elements {at:?}")
         }
         match self.storage() {
@@ -230,16 +230,6 @@ pub(crate) fn gather(
             hook.gather(&Var::from_tensor(param)?, piece)
         }
         _ => Ok(None),
-    }
-}
-
-fn storage_len(storage: &CpuStorage) -> usize {
-    match storage {
-        CpuStorage::F32(v) => v.len(),
-        CpuStorage::F64(v) => v.len(),
-        CpuStorage::BF16(v) => v.len(),
-        CpuStorage::F16(v) => v.len(),
-        _ => 0,
     }
 }
 
