@@ -90,21 +90,27 @@ impl Module for Linear {
         // weight gathered in pieces is computed with here, a piece at a
         // time, and the op hands out the result.
         let hook = self.hook.as_ref();
-        let lent = match gather(hook, Some(&self.weight), 0)? {
-            Some(first) if first.whole().is_none() => {
-                let x = x_rows.detach();
-                let mut y = forward_in_pieces(hook, &self.weight, first, &x)?;
-                if let Some(bias) = &self.bias {
-                    let bias = assemble(hook, bias, gather(hook, Some(bias), 0)?)?;
-                    y = y.broadcast_add(&bias)?;
+        let weight = gather(hook, Some(&self.weight), 0)?;
+        let bias = gather(hook, self.bias.as_ref(), 0)?;
+        let in_pieces = |g: &Option<GatheredParam>| g.as_ref().is_some_and(|g| g.whole().is_none());
+        let lent = if in_pieces(&weight) || in_pieces(&bias) {
+            let x = x_rows.detach();
+            let mut y = match weight {
+                Some(first) if first.whole().is_none() => {
+                    forward_in_pieces(hook, &self.weight, first, &x)?
                 }
-                Lent::output(&y)?
+                whole => x.matmul(&assemble(hook, &self.weight, whole)?.t()?)?,
+            };
+            if let Some(b) = &self.bias {
+                y = y.broadcast_add(&assemble(hook, b, bias)?)?;
             }
-            weight => Lent {
+            Lent::output(&y)?
+        } else {
+            Lent {
                 weight,
-                bias: gather(hook, self.bias.as_ref(), 0)?,
+                bias,
                 output: None,
-            },
+            }
         };
         let op = FusedLinear {
             hook: self.hook.clone(),
