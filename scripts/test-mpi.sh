@@ -123,6 +123,11 @@ for n in 2 3; do
     "$train" --backend threads --world-size "$n" --stage 3 "${s3_common[@]}" \
         --save "$work/threads-s3.safetensors"
     "$diff" "$work/mpi-s3.safetensors" "$work/threads-s3.safetensors" --tol 1e-5
+    # Layers gathered in 256-byte pieces (split rows sum in another order:
+    # f32 rounding apart).
+    timeout "$TIMEOUT" "${MPIRUN[@]}" -n "$n" "$train" --backend mpi --stage 3 \
+        "${s3_common[@]}" --gather-mb 0.000244140625 --save "$work/mpi-s3-pieces.safetensors"
+    "$diff" "$work/mpi-s2.safetensors" "$work/mpi-s3-pieces.safetensors" --tol 1e-5
 done
 
 # 16-bit models with f32 master weights (and f16 loss scaling) train under

@@ -182,7 +182,7 @@ impl GatheredParam {
             CpuStorage::F16(v) => Tensor::from_slice(&v[at.clone()], at.len(), device),
             other => candle_core::bail!(
                 "a gathered parameter of dtype {:?}: stage 3 gathers f32, f64, bf16 or f16",
-                candle_core::backend::BackendStorage::dtype(other)
+                other.dtype()
             ),
         }
     }
