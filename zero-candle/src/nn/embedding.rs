@@ -167,7 +167,16 @@ fn lookup_in_pieces(
         }
         rows.insert(id, row);
     }
-    let looked_up: Vec<&Tensor> = ids.iter().filter_map(|id| rows.get(id)).collect();
+    let looked_up = ids
+        .iter()
+        .map(|id| {
+            rows.get(id).ok_or_else(|| {
+                candle_core::Error::Msg(format!(
+                    "zero-candle Embedding: the gathered pieces of the table miss row {id}"
+                ))
+            })
+        })
+        .collect::<Result<Vec<&Tensor>>>()?;
     if looked_up.is_empty() {
         return Tensor::zeros((0, dim), table.dtype(), table.device());
     }
