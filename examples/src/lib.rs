@@ -5,17 +5,35 @@ pub mod heap;
 pub mod optimizers;
 pub mod trainer;
 
-/// Fixes Candle's CPU thread count for the process, at the value Candle
-/// would choose, unless `RAYON_NUM_THREADS` already does.
+/// Process settings for CPU training, applied by the `train` and `bench`
+/// binaries first thing in `main` (before any thread starts: both change
+/// process-wide state). A library must not change them behind its user's
+/// back; the README tells users what to set.
 ///
-/// Candle 0.11 works its thread count out again on every CPU matmul, and
-/// unless `RAYON_NUM_THREADS` is set that reads and parses `/proc/cpuinfo`:
-/// in `bench stage3` it was 8-15 ms of a 40-55 ms step on 2 cores, more
-/// for stage 3 in pieces (more, smaller matmuls). Call it first thing in
-/// `main`, before any thread starts (the environment is the process's).
-pub fn fix_candle_thread_count() {
+/// - Candle's CPU thread count is fixed at the value Candle would choose
+///   (`RAYON_NUM_THREADS`, unless already set). Candle 0.11 works it out
+///   again on every matmul, and without the variable that reads and parses
+///   `/proc/cpuinfo`: in `bench stage3` it was 8-15 ms of a 40-55 ms step
+///   on 2 cores, more for stage 3 in pieces (more, smaller matmuls).
+/// - glibc's allocator keeps freed blocks of up to 32 MiB for reuse
+///   (`M_MMAP_THRESHOLD` 32 MiB, `M_TRIM_THRESHOLD` 64 MiB). By default it
+///   maps blocks above a threshold that it adjusts as blocks are freed,
+///   and unmaps them when freed: a training step that frees and allocates
+///   the same multi-MB gradients and activations every time then pays page
+///   faults for all of them. In `bench step` that made stages 1 and 2
+///   1.3-1.9x stage 0 (whose pattern happened to raise the threshold);
+///   with it fixed they were 0.86-0.93x.
+pub fn tune_process() {
     if std::env::var_os("RAYON_NUM_THREADS").is_none() {
         let threads = candle_core::utils::get_num_threads();
         std::env::set_var("RAYON_NUM_THREADS", threads.to_string());
+    }
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only sets allocator parameters, with valid values;
+    // it is called before any other thread exists. A refusal (0) leaves
+    // glibc's defaults, which are correct, only slower.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, 64 << 20);
     }
 }

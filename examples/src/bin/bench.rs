@@ -11,6 +11,6 @@
 static HEAP: zero_examples::heap::CountingAllocator = zero_examples::heap::CountingAllocator;
 
 fn main() {
-    zero_examples::fix_candle_thread_count();
+    zero_examples::tune_process();
     zero_examples::bench::main();
 }

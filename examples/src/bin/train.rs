@@ -12,7 +12,7 @@ use zero_examples::trainer::{self, Args};
 static HEAP: zero_examples::heap::CountingAllocator = zero_examples::heap::CountingAllocator;
 
 fn main() {
-    zero_examples::fix_candle_thread_count();
+    zero_examples::tune_process();
     let args = Args::parse();
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
