@@ -22,7 +22,7 @@ pub mod trainer;
 ///   the same multi-MB gradients and activations every time then pays page
 ///   faults for all of them. In `bench step` that made stages 1 and 2
 ///   1.3-1.9x stage 0 (whose pattern happened to raise the threshold);
-///   with it fixed they were 0.86-0.93x.
+///   with it fixed they were 0.80-1.02x.
 pub fn tune_process() {
     if std::env::var_os("RAYON_NUM_THREADS").is_none() {
         let threads = candle_core::utils::get_num_threads();
