@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use zero_core::engine::Fetcher;
+use zero_core::engine::{Fetcher, Refresh};
 use zero_core::{Communicator, Element, Engine};
 
 /// How much of a weight gradient a hooked layer computes at a time
@@ -95,6 +95,9 @@ where
     in_backward: bool,
     /// The next forward use starts a new forward.
     forward_done: bool,
+    /// Which parameters the last step's deferred all-gathers have made
+    /// current (stages 1 and 2, `defer_gathers`).
+    refresh: Option<Arc<Refresh>>,
 }
 
 impl<C, T> ZeroHook<C, T>
@@ -120,6 +123,7 @@ where
                 used: [Vec::new(), Vec::new()],
                 in_backward: false,
                 forward_done: false,
+                refresh: None,
             }),
             block_bytes: AtomicUsize::new(BLOCK_BYTES),
         })
@@ -141,13 +145,14 @@ where
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Connects the hook to an optimizer's parameters; `false` if it is
-    /// already connected.
-    pub(crate) fn connect(&self, names: &[String], vars: &[Var]) -> bool {
+    /// Connects the hook to an optimizer's parameters (and what says when
+    /// they are current after a step); `false` if it is already connected.
+    pub(crate) fn connect(&self, names: &[String], vars: &[Var], refresh: Arc<Refresh>) -> bool {
         let mut inner = self.lock();
         if !inner.vars.is_empty() {
             return false;
         }
+        inner.refresh = Some(refresh);
         inner.index = vars
             .iter()
             .enumerate()
@@ -346,6 +351,20 @@ where
             Ok(engine.accumulate_param_range(param, range.clone(), grad)?)
         })?;
         Ok(())
+    }
+
+    fn before_read(&self, var: &Var) -> candle_core::Result<()> {
+        let (refresh, i) = {
+            let inner = self.lock();
+            let Some(&i) = inner.index.get(&var.as_tensor().id()) else {
+                return Ok(());
+            };
+            let Some(refresh) = inner.refresh.clone() else {
+                return Ok(());
+            };
+            (refresh, i)
+        };
+        refresh.wait(i).map_err(candle_core::Error::wrap)
     }
 
     fn will_report(&self, var: &Var) {

@@ -13,7 +13,9 @@ use candle_core::{CpuStorage, Storage, Tensor, Var, WithDType};
 use std::ops::Range;
 use std::sync::Arc;
 use zero_core::comm::{Host, MemoryKind};
-use zero_core::engine::{Engine, Fetcher, HostGrad, HostMemory, ShardMemory};
+use zero_core::engine::{
+    Engine, Fetcher, HostGrad, HostMemory, ParamCopy, ParamWriter, ShardMemory,
+};
 use zero_core::optim::FunctionalOptimizer;
 use zero_core::{Communicator, DType, Element};
 
@@ -249,4 +251,42 @@ fn slot<'h, T: Element + WithDType>(held: &'h Held<'_, T>) -> Result<Option<Host
         },
         Held::Owned(v) => Some(HostGrad::Same(v.as_slice())),
     })
+}
+
+/// Writes the gathers that a step deferred into the variables, from the
+/// gather thread (see `zero_core::engine::ParamWriter`).
+pub(crate) struct VarWriter<T, C> {
+    vars: Vec<Var>,
+    _types: std::marker::PhantomData<fn() -> (T, C)>,
+}
+
+impl<T, C> VarWriter<T, C> {
+    pub(crate) fn new(vars: Vec<Var>) -> Self {
+        Self {
+            vars,
+            _types: std::marker::PhantomData,
+        }
+    }
+}
+
+impl<T, C> ParamWriter<T, C, MemoryOf<T, C>> for VarWriter<T, C>
+where
+    T: Element + WithDType,
+    C: Communicator + 'static,
+    C::Memory: CandleMemory<T, C>,
+{
+    fn write(
+        &mut self,
+        memory: &mut MemoryOf<T, C>,
+        copies: &[ParamCopy],
+        values: &<MemoryOf<T, C> as ShardMemory<T, C>>::Buffer,
+    ) -> zero_core::Result<()> {
+        let mut written = Ok(());
+        let outer = C::Memory::with_params(&self.vars, &mut |params| {
+            written = memory.write_params(params, copies, values);
+            Ok(())
+        });
+        outer.map_err(|e| zero_core::Error::State(e.to_string()))?;
+        written
+    }
 }

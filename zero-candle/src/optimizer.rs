@@ -138,7 +138,8 @@ where
     /// parameter gradients during backward (see [`ZeroHook`]). A hook serves
     /// one optimizer.
     pub fn with_hook(mut self, hook: &Arc<ZeroHook<C, T>>) -> Result<Self> {
-        if !hook.connect(&self.names, &self.vars) {
+        let refresh = self.engine().refresh().clone();
+        if !hook.connect(&self.names, &self.vars, refresh) {
             return Err(Error::Variable {
                 name: "<hook>".into(),
                 detail: "this ZeroHook is already connected to another optimizer; build a hook \
@@ -147,7 +148,20 @@ where
             });
         }
         self.hook = Some(hook.clone());
+        // Hooked layers wait for their parameters, so the step may leave
+        // its all-gathers running (`EngineConfig::defer_gathers`).
+        let writer = crate::memory::VarWriter::<T, C>::new(self.vars.clone());
+        self.engine_mut().set_param_writer(Box::new(writer))?;
         Ok(self)
+    }
+
+    /// Waits until every variable holds the values of the last step.
+    /// Needed only with `EngineConfig::defer_gathers`, before reading
+    /// variables outside the hooked layers' forward (logging them, a plain
+    /// Candle model sharing them, `VarMap::save`); the optimizer's own
+    /// methods wait themselves.
+    pub fn sync_params(&mut self) -> Result<()> {
+        Ok(self.engine_mut().finish_gathers()?)
     }
 
     /// Runs `loss.backward()` and one micro-step. With a [`ZeroHook`]
@@ -329,6 +343,7 @@ where
     /// `zero_candle`'s stage 3 notes); this gathers them, so it is a
     /// collective there: every rank calls it.
     pub fn full_weights(&self) -> Result<Vec<(String, Tensor)>> {
+        self.engine().wait_for_params()?;
         crate::stage3::full_weights(self.hook.as_deref(), &self.names, &self.vars)
     }
 

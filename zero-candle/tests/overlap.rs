@@ -12,6 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use zero_candle::nn::{self, GradHook};
 use zero_candle::{ZeroHook, ZeroOptimizer};
+use zero_core::comm::{Delayed, Host};
 use zero_core::engine::{EngineConfig, NormType, Overlap, ReductionProgress, Stage};
 use zero_core::optim::{AdamW, AdamWConfig};
 use zero_core::{Communicator, ThreadComm, ThreadGroup};
@@ -34,6 +35,9 @@ struct Model {
     /// A `[SEQ, SEQ]` mixing matrix used as the left operand of a matmul,
     /// through `tap` (not announced: predicted from the second step on).
     mix: Var,
+    /// Read `mix` with a plain op instead (its gradient then comes through
+    /// the `GradStore`).
+    plain_mix: bool,
     hook: Option<Arc<dyn GradHook>>,
     varmap: VarMap,
 }
@@ -59,6 +63,7 @@ impl Model {
             l2,
             _unused: unused,
             mix,
+            plain_mix: false,
             hook,
             varmap,
         })
@@ -68,7 +73,10 @@ impl Model {
         let h = self.embedding.forward(tokens)?; // [B, SEQ, HIDDEN]
         let h = self.l1.forward(&h)?.relu()?;
         let h = self.l2.forward(&self.norm.forward(&h)?)?;
-        let mix = nn::tap(&self.mix, self.hook.clone())?;
+        let mix = match self.plain_mix {
+            true => self.mix.as_tensor().clone(),
+            false => nn::tap(&self.mix, self.hook.clone())?,
+        };
         let h = mix.broadcast_matmul(&h)?; // left operand
         let logits = self.head.forward(&h)?.flatten_to(1)?;
         candle_nn::loss::cross_entropy(&logits, &targets.flatten_all()?)
@@ -88,10 +96,20 @@ fn batch(rng: &mut rand::rngs::StdRng) -> candle_core::Result<(Tensor, Tensor)> 
     ))
 }
 
-fn train(comm: ThreadComm, config: &EngineConfig) -> zero_candle::Result<Vec<Vec<f32>>> {
+/// The weights after three steps, and how many steps deferred their
+/// all-gathers.
+fn train_model<C>(
+    comm: C,
+    config: &EngineConfig,
+    plain_mix: bool,
+) -> zero_candle::Result<(Vec<Vec<f32>>, u64)>
+where
+    C: Communicator<Memory = Host> + 'static,
+{
     let rank = comm.rank();
-    let hook = ZeroHook::<ThreadComm, f32>::new();
-    let model = Model::new(Some(hook.clone()))?;
+    let hook = ZeroHook::<C, f32>::new();
+    let mut model = Model::new(Some(hook.clone()))?;
+    model.plain_mix = plain_mix;
     let adamw = AdamW::new(AdamWConfig::default().with_lr(1e-2))?;
     let mut opt = ZeroOptimizer::new(&model.varmap, comm, config.clone(), Box::new(adamw))?
         .with_hook(&hook)?;
@@ -100,15 +118,41 @@ fn train(comm: ThreadComm, config: &EngineConfig) -> zero_candle::Result<Vec<Vec
         let (tokens, targets) = batch(&mut rng)?;
         opt.backward_step(&model.loss(&tokens, &targets)?)?;
     }
-    opt.vars()
+    // Read outside the model's forward: wait for deferred gathers.
+    opt.sync_params()?;
+    let weights = opt
+        .vars()
         .iter()
         .map(|v| Ok(v.flatten_all()?.to_vec1::<f32>()?))
-        .collect()
+        .collect::<zero_candle::Result<_>>()?;
+    Ok((weights, opt.engine().deferred_steps()))
+}
+
+fn train(comm: ThreadComm, config: &EngineConfig) -> zero_candle::Result<Vec<Vec<f32>>> {
+    Ok(train_model(comm, config, false)?.0)
 }
 
 fn run(world: usize, config: &EngineConfig) -> Vec<Vec<Vec<f32>>> {
     ThreadGroup::new(world)
         .run(|comm| train(comm, config))
+        .into_iter()
+        .map(|r| r.expect("no panic").expect("training works"))
+        .collect()
+}
+
+/// Like [`run`], over a link that delays every collective by `latency`,
+/// with `mix` read by a hooked tap or a plain op; with the deferred steps.
+fn run_delayed(
+    world: usize,
+    config: &EngineConfig,
+    latency: Duration,
+    plain_mix: bool,
+) -> Vec<(Vec<Vec<f32>>, u64)> {
+    ThreadGroup::new(world)
+        .run(|comm| {
+            let link = Delayed::new(comm, latency, f64::INFINITY);
+            train_model(link, config, plain_mix)
+        })
         .into_iter()
         .map(|r| r.expect("no panic").expect("training works"))
         .collect()
@@ -313,5 +357,64 @@ fn a_rank_with_another_graph_is_an_error_on_every_rank() {
     for result in results {
         let err = result.expect("no panic").expect_err("the graphs differ");
         assert!(err.to_string().contains("graphs differ"), "{err}");
+    }
+}
+
+#[test]
+fn deferred_gathers_give_the_same_weights_bitwise() {
+    // Over a slow link, a layer that did not wait for its parameters would
+    // compute with the previous step's: the weights would differ.
+    let latency = Duration::from_millis(2);
+    for (stage, overlap, accum) in [
+        (Stage::Gradients, Overlap::AfterBackward, 1),
+        (Stage::Gradients, Overlap::AfterBackward, 2),
+        (Stage::OptimizerState, Overlap::AfterBackward, 1),
+        (Stage::Gradients, Overlap::Interleaved, 1),
+    ] {
+        let config = EngineConfig::default()
+            .with_stage(stage)
+            .with_bucket_bytes(256)
+            .with_grad_accum_steps(accum)
+            .with_overlap(overlap);
+        for world in [2, 3] {
+            let gathered = run(world, &config);
+            let deferred = run_delayed(
+                world,
+                &config.clone().with_defer_gathers(true),
+                latency,
+                false,
+            );
+            for (rank, ((weights, deferred_steps), gathered)) in
+                deferred.iter().zip(&gathered).enumerate()
+            {
+                let case =
+                    format!("{stage:?} {overlap:?}, {accum} micro-step(s), rank {rank} of {world}");
+                assert_eq!(weights, gathered, "{case}");
+                assert_eq!(*deferred_steps, 3, "{case}: every step deferred");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_parameter_read_by_a_plain_op_keeps_the_gathers_in_the_step() {
+    let config = EngineConfig::default().with_bucket_bytes(256);
+    let gathered = ThreadGroup::new(2)
+        .run(|comm| train_model(comm, &config, true))
+        .into_iter()
+        .map(|r| r.expect("no panic").expect("training works").0)
+        .collect::<Vec<_>>();
+    let deferred = run_delayed(
+        2,
+        &config.clone().with_defer_gathers(true),
+        Duration::ZERO,
+        true,
+    );
+    for ((weights, deferred_steps), gathered) in deferred.iter().zip(&gathered) {
+        assert_eq!(weights, gathered);
+        assert_eq!(
+            *deferred_steps, 0,
+            "mix's gradient came through the GradStore"
+        );
     }
 }

@@ -181,6 +181,11 @@ pub struct Args {
     /// When gradient reductions run: overlapped with backward or after it.
     #[arg(long, value_enum, default_value_t = OverlapArg::AfterBackward)]
     pub overlap: OverlapArg,
+    /// Stages 1 and 2: leave a step's all-gathers running after it returns;
+    /// each layer of the next forward waits for its own parameters, so the
+    /// gathers hide behind that forward.
+    #[arg(long)]
+    pub defer_gathers: bool,
     /// Model.
     #[arg(long, value_enum, default_value_t = ModelKind::Mlp)]
     pub model: ModelKind,

@@ -313,6 +313,13 @@ fn validate(args: &Args) -> Result<(), TrainError> {
                 .into(),
         ));
     }
+    if args.defer_gathers && (args.stage == 0 || args.overlap == OverlapArg::None) {
+        return Err(TrainError::Usage(
+            "--defer-gathers defers the all-gathers of stages 1 and 2 after an overlapped step; \
+             use it with --stage 1 or 2 and --overlap after-backward or interleaved"
+                .into(),
+        ));
+    }
     if let Some(c) = args.clip_norm {
         if !(c.is_finite() && c > 0.0) {
             return Err(TrainError::Usage(format!(
@@ -416,7 +423,8 @@ pub fn engine_config(args: &Args) -> EngineConfig {
         .with_grad_norm(args.overlap != OverlapArg::Interleaved)
         // Validated by `run` before any rank starts.
         .with_loss_scale(loss_scale(args).unwrap_or_default())
-        .with_reduce_in_param_dtype(args.reduce_in_param_dtype);
+        .with_reduce_in_param_dtype(args.reduce_in_param_dtype)
+        .with_defer_gathers(args.defer_gathers);
     if let Some(max_norm) = args.clip_norm {
         config = config.with_clip(max_norm, NormType::L2);
     }

@@ -3,8 +3,8 @@
 
 use super::cpu;
 use super::hook::{
-    announce, announce_gather, for_each_stretch, gather, route, row_parts, GatheredParam, GradHook,
-    RowPart,
+    announce, announce_gather, before_read, for_each_stretch, gather, route, row_parts,
+    GatheredParam, GradHook, RowPart,
 };
 use candle_core::backend::BackendStorage;
 use candle_core::{
@@ -78,6 +78,7 @@ impl Module for Embedding {
         // in pieces is looked up here, a piece at a time, and the op hands
         // out the rows.
         let hook = self.hook.as_ref();
+        before_read(hook, &[Some(&self.embeddings)])?;
         let lent = match gather(hook, Some(&self.embeddings), 0)? {
             Some(first) if first.whole().is_none() => {
                 let rows = lookup_in_pieces(hook, &self.embeddings, first, &ids)?;

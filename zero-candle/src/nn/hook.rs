@@ -79,6 +79,15 @@ pub trait GradHook: Send + Sync {
         let _ = var;
     }
 
+    /// Called by a layer's forward before it reads `var`'s values. A hook
+    /// whose optimizer brings the parameters up to date in the background
+    /// (deferred all-gathers after a step) waits here until `var` holds the
+    /// last step's values. The default returns at once.
+    fn before_read(&self, var: &Var) -> Result<()> {
+        let _ = var;
+        Ok(())
+    }
+
     /// Piece `piece` of the full values of `var` when the hook keeps it
     /// sharded (ZeRO stage 3: the variable's own storage is then empty),
     /// lent for one computation; `None` when the variable holds its values
@@ -220,6 +229,22 @@ pub(crate) fn announce_gather(hook: Option<&Arc<dyn GradHook>>, params: &[Option
 
 /// Piece `piece` of the full values of `param` if the hook keeps it
 /// sharded.
+/// [`GradHook::before_read`] for each of `params` that is a variable.
+pub(crate) fn before_read(
+    hook: Option<&Arc<dyn GradHook>>,
+    params: &[Option<&Tensor>],
+) -> Result<()> {
+    let Some(hook) = hook else {
+        return Ok(());
+    };
+    for param in params.iter().flatten() {
+        if param.is_variable() {
+            hook.before_read(&Var::from_tensor(param)?)?;
+        }
+    }
+    Ok(())
+}
+
 pub(crate) fn gather(
     hook: Option<&Arc<dyn GradHook>>,
     param: Option<&Tensor>,

@@ -8,7 +8,7 @@
 //! candle-nn's slow path in plain tensor ops, the parameters [`tap`]ped.
 
 use super::cpu;
-use super::hook::{announce, route, GradHook};
+use super::hook::{announce, before_read, route, GradHook};
 use super::tap::tap;
 use candle_core::backend::BackendStorage;
 use candle_core::{
@@ -175,6 +175,10 @@ impl std::fmt::Debug for LayerNorm {
 impl Module for LayerNorm {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         self.check_input(x)?;
+        before_read(
+            self.hook.as_ref(),
+            &[Some(&self.weight), self.bias.as_ref()],
+        )?;
         if !x.device().is_cpu() {
             return self.forward_with_tensor_ops(x);
         }

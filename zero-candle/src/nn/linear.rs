@@ -2,8 +2,8 @@
 //! hands `∂W`, `∂b` to the hook.
 
 use super::hook::{
-    announce, announce_gather, assemble, for_each_stretch, gather, route, route_blocks, row_parts,
-    GatheredParam, GradHook, RowPart,
+    announce, announce_gather, assemble, before_read, for_each_stretch, gather, route,
+    route_blocks, row_parts, GatheredParam, GradHook, RowPart,
 };
 use super::{bf16_matmul, cpu};
 use candle_core::backend::BackendStorage;
@@ -90,6 +90,7 @@ impl Module for Linear {
         // weight gathered in pieces is computed with here, a piece at a
         // time, and the op hands out the result.
         let hook = self.hook.as_ref();
+        before_read(hook, &[Some(&self.weight), self.bias.as_ref()])?;
         let weight = gather(hook, Some(&self.weight), 0)?;
         let bias = gather(hook, self.bias.as_ref(), 0)?;
         let in_pieces = |g: &Option<GatheredParam>| g.as_ref().is_some_and(|g| g.whole().is_none());

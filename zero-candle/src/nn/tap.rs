@@ -38,7 +38,10 @@ use std::sync::Arc;
 /// ```
 pub fn tap(var: &Var, hook: Option<Arc<dyn GradHook>>) -> Result<Tensor> {
     match hook {
-        Some(hook) => var.as_tensor().apply_op1(Tap { hook }),
+        Some(hook) => {
+            hook.before_read(var)?;
+            var.as_tensor().apply_op1(Tap { hook })
+        }
         None => Ok(var.as_tensor().clone()),
     }
 }

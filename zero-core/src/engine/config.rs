@@ -230,6 +230,20 @@ pub struct EngineConfig {
     /// plus prefetched). A layer larger than this on its own is an error.
     #[serde(default = "default_max_live_bytes")]
     pub max_live_bytes: usize,
+    /// Stages 1 and 2 with an overlapped schedule: the all-gathers of a
+    /// step's updated parameters run on a thread after the step returns,
+    /// in forward order, and each `zero_candle::nn` layer waits in its
+    /// next forward until its own parameters are current (FSDP's lazy
+    /// gathers): the all-gathers hide behind the next forward instead of
+    /// ending the step. Only steps whose every gradient came through hooked
+    /// layers defer (a parameter read by a plain op would be read stale).
+    /// Between such a step and the next forward the replica is being
+    /// written: read it only after `Engine::wait_for_params` (the engine's
+    /// own checkpoints, consolidation and collectives wait themselves), and
+    /// issue collectives of your own through the engine, not the
+    /// communicator. Off by default.
+    #[serde(default)]
+    pub defer_gathers: bool,
 }
 
 fn default_persist_numel() -> usize {
@@ -271,6 +285,7 @@ impl Default for EngineConfig {
             prefetch_bytes: default_prefetch_bytes(),
             gather_bytes: default_gather_bytes(),
             max_live_bytes: default_max_live_bytes(),
+            defer_gathers: false,
         }
     }
 }
@@ -381,6 +396,13 @@ impl EngineConfig {
         self
     }
 
+    /// Stages 1 and 2: defer a step's all-gathers into the next forward
+    /// (see [`EngineConfig::defer_gathers`]).
+    pub fn with_defer_gathers(mut self, on: bool) -> Self {
+        self.defer_gathers = on;
+        self
+    }
+
     pub(crate) fn validate(&self) -> Result<()> {
         self.loss_scale.validate()?;
         if self.bucket_bytes == 0 {
@@ -429,6 +451,15 @@ impl EngineConfig {
             return Err(Error::Config(
                 "max_live_bytes is 0: stage 3 must hold at least one gathered layer; use a size \
                  above the largest layer, such as 1 GiB"
+                    .into(),
+            ));
+        }
+        if self.defer_gathers && (self.stage == Stage::Ddp || self.overlap == Overlap::None) {
+            return Err(Error::Config(
+                "defer_gathers defers the all-gathers that stages 1 and 2 run after an overlapped \
+                 step; stage 0 all-reduces gradients and gathers nothing, and overlap none runs \
+                 every collective in the step; use stage 1 or 2 with overlap after-backward, or \
+                 leave defer_gathers off"
                     .into(),
             ));
         }

@@ -31,6 +31,7 @@
 //! single `f64` when a gradient norm is asked for.
 
 mod config;
+mod deferred;
 mod fetch;
 mod layout;
 mod memory;
@@ -45,6 +46,7 @@ mod state;
 pub use config::{
     ClipConfig, EngineConfig, NormType, Overlap, ParamGroupSpec, PartitionerKind, Stage,
 };
+pub use deferred::{ParamWriter, Refresh};
 pub use fetch::{FetchStats, Fetcher, Gathered};
 pub use layout::{Layout, Run};
 pub use memory::MemoryReport;
@@ -158,6 +160,32 @@ pub struct Engine<T: Element, C: Communicator, M: ShardMemory<T, C> = HostMemory
     fetcher: Option<Arc<Fetcher<T>>>,
     /// Stage 3: the fetcher holds `param_shard` (between steps).
     shard_lent: bool,
+    /// `defer_gathers`: how the gather thread writes into the framework's
+    /// parameters (lent to it while it runs).
+    param_writer: Option<Box<dyn deferred::ParamWriter<T, C, M>>>,
+    /// Starts the gather thread (set with the writer).
+    spawner: Option<deferred::Spawner<T, C, M>>,
+    /// The last step's deferred all-gathers, while they may run.
+    deferred: Option<deferred::Pending<T, C, M>>,
+    /// Which parameters those all-gathers have made current.
+    refresh: Arc<deferred::Refresh>,
+    /// Steps that deferred their all-gathers.
+    deferred_steps: u64,
+    /// Whether a gradient of the current window came through a slot of
+    /// `accumulate` or `step` (a parameter a plain op reads, which a
+    /// deferred gather would leave stale in the next forward).
+    plain_in_window: bool,
+}
+
+impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Drop for Engine<T, C, M> {
+    fn drop(&mut self) {
+        // A gather thread still running writes into the framework's
+        // parameters: let it finish (its collectives end by their
+        // deadline if a peer is gone).
+        if let Some(pending) = self.deferred.take() {
+            let _ = pending.join();
+        }
+    }
 }
 
 impl<T: Element, C: Communicator<Memory = Host>> Engine<T, C, HostMemory> {
@@ -231,6 +259,12 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             sharded: Vec::new(),
             fetcher: None,
             shard_lent: false,
+            param_writer: None,
+            spawner: None,
+            deferred: None,
+            refresh: Arc::default(),
+            deferred_steps: 0,
+            plain_in_window: false,
             comm: Arc::new(comm),
             memory,
             config,
@@ -409,6 +443,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// `torch.optim`'s `add_param_group`), not group 0's current ones. Every
     /// rank must call it alike. Returns the group's index.
     pub fn add_param_group(&mut self, names: &[&str], hyperparams: &Hyperparams) -> Result<usize> {
+        self.finish_gathers()?;
         let mut members = Vec::with_capacity(names.len());
         for name in names {
             let Some(&i) = self.index.get(*name) else {
@@ -455,6 +490,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// A collective. Refusing inside gradient accumulation: the pending
     /// gradients were bucketed for the old mask.
     pub fn refresh_trainability(&mut self) -> Result<()> {
+        self.finish_gathers()?;
         if self.micro_steps > 0 || self.window_open {
             return Err(Error::State(format!(
                 "refresh_trainability called with {} micro-step(s) accumulated; \
@@ -475,6 +511,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// memory (metrics such as a loss; a collective, within the
     /// communicator's deadline).
     pub fn all_reduce_host<V: Element>(&mut self, values: &mut [V], op: ReduceOp) -> Result<()> {
+        self.finish_gathers()?;
         self.memory.all_reduce_host(&self.comm, values, op)
     }
 
@@ -507,6 +544,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// one slot per parameter, each as long as the parameter.
     pub fn accumulate(&mut self, grads: &[Option<M::Grad<'_>>]) -> Result<()> {
         self.check_grads(grads)?;
+        self.finish_gathers()?;
         self.fetch_end_pass()?;
         self.accumulate_window(grads)?;
         if let Some(fetcher) = &self.fetcher {
@@ -516,6 +554,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     }
 
     fn accumulate_window(&mut self, grads: &[Option<M::Grad<'_>>]) -> Result<()> {
+        self.plain_in_window |= grads.iter().any(Option::is_some);
         if self.window_is_open() {
             if !self.config.stage.shards_gradients() {
                 return Err(Error::State(
@@ -701,11 +740,14 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         }
         // Whatever happens below, this window is over: a failed step must
         // not leak its micro-steps into the next one.
-        let result = self.fetch_end_pass().and_then(|()| {
-            self.with_shard_home(|engine| {
-                engine.reduce_and_update_window(last, micro_steps, params)
-            })
-        });
+        let result = self
+            .finish_gathers()
+            .and_then(|()| self.fetch_end_pass())
+            .and_then(|()| {
+                self.with_shard_home(|engine| {
+                    engine.reduce_and_update_window(last, micro_steps, params)
+                })
+            });
         self.discard_window();
         let grad_norm = result?;
         let (skipped, loss_scale) = self.scaler_outcome();
@@ -730,6 +772,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             tracing::debug!("discarding a backward pass whose reductions failed: {e}");
         }
         self.shard_accumulated = false;
+        self.plain_in_window = false;
         self.params_read = false;
         self.early_stepped.clear();
         self.micro_steps = 0;
@@ -816,7 +859,13 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             self.step_replica(&stepping, params)?;
             return Ok(grad_norm);
         }
-        if !self.step_and_gather_overlapped(&stepping, params)? {
+        // Deferred gathers leave the replica stale until the layers' next
+        // forward waits for it: only when every gradient of the window came
+        // through hooked layers (which wait) and none through a slot.
+        let defer = self.config.defer_gathers
+            && !self.plain_in_window
+            && last.is_some_and(|grads| grads.iter().all(Option::is_none));
+        if !self.step_and_gather_overlapped(&stepping, params, defer)? {
             if lean {
                 // This partition cannot be stepped bucket by bucket (a piece
                 // straddles buckets): a shard copy after all.

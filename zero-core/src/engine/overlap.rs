@@ -428,6 +428,7 @@ where
         expected: &[(usize, usize)],
         params: &mut M::Params<'_>,
     ) -> Result<()> {
+        self.finish_gathers()?;
         if self.window.is_some() {
             return Err(Error::State(
                 "begin_backward called while the previous backward pass's gradients are still \
@@ -1116,10 +1117,14 @@ where
     /// stepped, writing the gathered parameters into the replica as they
     /// arrive: the optimizer runs while earlier buckets are on the wire.
     /// `Ok(false)` (nothing done) when this memory or partition cannot.
+    ///
+    /// With `defer`, and a [`ParamWriter`](super::ParamWriter) set, the
+    /// all-gathers run after this returns instead (see `deferred.rs`).
     pub(super) fn step_and_gather_overlapped(
         &mut self,
         stepping: &[bool],
         params: &mut M::Params<'_>,
+        defer: bool,
     ) -> Result<bool> {
         // Stage 3 gathers only the replicated parameters' few buckets.
         if self.config.overlap == Overlap::None
@@ -1165,7 +1170,55 @@ where
             self.param_shard = self.memory.alloc_zeroed(0)?;
             grad_chunk = Some(self.memory.alloc_zeroed(longest_chunk)?);
         }
-        let owned_copies = &self.owned_copies;
+        let stepper = BucketStep {
+            owned_copies: &self.owned_copies,
+            pieces: &pieces,
+            layout: &self.layout,
+            bucket_active: &self.bucket_active,
+            early_stepped: &self.early_stepped,
+            grads,
+            shard_len,
+        };
+        if defer {
+            if let Some(writer) = self.param_writer.take() {
+                let jobs = step_for_deferred_gathers(
+                    &mut self.memory,
+                    self.optimizer.as_mut(),
+                    params,
+                    (&mut self.param_shard, grad_chunk.as_mut()),
+                    &stepper,
+                    (&groups, &self.active),
+                );
+                let jobs = match jobs {
+                    Ok(jobs) => jobs,
+                    Err(e) => {
+                        self.param_writer = Some(writer);
+                        return Err(e);
+                    }
+                };
+                let recv = take_shortest(&mut self.memory, &mut self.pool, self.longest_bucket);
+                let recv = match recv {
+                    Ok((recv, _)) => recv,
+                    Err(e) => {
+                        self.param_writer = Some(writer);
+                        return Err(e);
+                    }
+                };
+                self.refresh
+                    .start(needed_per_param(self.params.len(), &jobs));
+                let payload = super::deferred::Payload {
+                    memory: worker_memory,
+                    comm: Arc::clone(&self.comm),
+                    jobs,
+                    recv,
+                    writer,
+                    refresh: Arc::clone(&self.refresh),
+                    dtype: gather_dtype,
+                };
+                self.spawn_gathers(payload)?;
+                return Ok(true);
+            }
+        }
         let scratch = &mut self.scratch;
         let had_scratch = scratch.is_some();
         let mut staging: Vec<M::Buffer> = scratch.take().into_iter().collect();
@@ -1176,7 +1229,6 @@ where
         let param_shard = &mut self.param_shard;
         let layout = &self.layout;
         let active = &self.active;
-        let early_stepped = &self.early_stepped;
         let bucket_active = &self.bucket_active;
         let (jobs, job_rx) = mpsc::channel::<(usize, M::Buffer, M::Buffer)>();
         let (done_tx, done) = mpsc::channel::<(usize, M::Buffer, M::Buffer, Result<()>)>();
@@ -1216,17 +1268,7 @@ where
                          staging: &mut Vec<M::Buffer>|
              -> Result<()> {
                 let written = result.and_then(|()| {
-                    let copies: Vec<super::ParamCopy> = layout
-                        .runs_of(k)
-                        .iter()
-                        .filter(|run| active[run.param])
-                        .map(|run| super::ParamCopy {
-                            param: run.param,
-                            param_range: run.param_range.clone(),
-                            at: run.pos - layout.bucket_range(k).start,
-                        })
-                        .collect();
-                    memory.write_params(params, &copies, &recv)
+                    memory.write_params(params, &bucket_copies(layout, active, k), &recv)
                 });
                 staging.push(send);
                 pool.push(recv);
@@ -1238,7 +1280,6 @@ where
                 if !bucket_active[k] {
                     continue;
                 }
-                let shard_range = layout.buckets[k].clone();
                 let send = match staging.pop() {
                     Some(send) => Ok(send),
                     None => memory.alloc_zeroed(longest_chunk),
@@ -1250,33 +1291,15 @@ where
                         break;
                     }
                 };
-                outcome = match grad_chunk.as_mut() {
-                    Some(grad_chunk) => step_from_replica(
-                        memory,
-                        optimizer.as_mut(),
-                        params,
-                        (&owned_copies[group.clone()], &pieces[group.clone()]),
-                        (shard_range.clone(), shard_len),
-                        (&mut send, grad_chunk, grads),
-                    ),
-                    None => {
-                        let stepped = if early_stepped.get(k) != Some(&true) {
-                            let plan = StepPlan {
-                                pieces: &pieces[group.clone()],
-                                buckets: &layout.buckets,
-                                bucket_active,
-                                origin: 0,
-                                shard_len,
-                            };
-                            memory.step(optimizer.as_mut(), param_shard, grads, plan)
-                        } else {
-                            Ok(())
-                        };
-                        stepped.and_then(|()| {
-                            memory.copy_range(&mut send, 0, param_shard, shard_range, false)
-                        })
-                    }
-                };
+                outcome = step_bucket(
+                    memory,
+                    optimizer.as_mut(),
+                    params,
+                    (&mut *param_shard, grad_chunk.as_mut()),
+                    &stepper,
+                    (k, group.clone()),
+                    &mut send,
+                );
                 if outcome.is_err() {
                     staging.push(send);
                     break;
@@ -1334,6 +1357,130 @@ where
     pub fn reduction_progress(&self) -> ReductionProgress {
         self.progress.clone()
     }
+}
+
+/// What stepping one bucket of the shard reads (see [`step_bucket`]).
+struct BucketStep<'a, B> {
+    /// The owned pieces as copies between the replica and the shard.
+    owned_copies: &'a [super::ParamCopy],
+    /// The owned pieces to step, at shard offsets.
+    pieces: &'a [StepPiece<'a>],
+    layout: &'a super::Layout,
+    bucket_active: &'a [bool],
+    /// Per bucket, whether the interleaved schedule stepped it already.
+    early_stepped: &'a [bool],
+    /// The reduced gradient shard.
+    grads: &'a B,
+    shard_len: usize,
+}
+
+/// Steps bucket `k` (owned pieces `group`) and leaves its updated chunk in
+/// `send`: from the parameter shard, or, without one (`grad_chunk` given,
+/// a lean shard), from the replica through `send` itself.
+fn step_bucket<T, C, M>(
+    memory: &mut M,
+    optimizer: &mut dyn FunctionalOptimizer<T>,
+    params: &mut M::Params<'_>,
+    (param_shard, grad_chunk): (&mut M::Buffer, Option<&mut M::Buffer>),
+    at: &BucketStep<'_, M::Buffer>,
+    (k, group): (usize, Range<usize>),
+    send: &mut M::Buffer,
+) -> Result<()>
+where
+    T: Element,
+    C: Communicator,
+    M: ShardMemory<T, C>,
+{
+    let shard_range = at.layout.buckets[k].clone();
+    if let Some(grad_chunk) = grad_chunk {
+        return step_from_replica(
+            memory,
+            optimizer,
+            params,
+            (&at.owned_copies[group.clone()], &at.pieces[group]),
+            (shard_range, at.shard_len),
+            (send, grad_chunk, at.grads),
+        );
+    }
+    if at.early_stepped.get(k) != Some(&true) {
+        let plan = StepPlan {
+            pieces: &at.pieces[group],
+            buckets: &at.layout.buckets,
+            bucket_active: at.bucket_active,
+            origin: 0,
+            shard_len: at.shard_len,
+        };
+        memory.step(optimizer, param_shard, at.grads, plan)?;
+    }
+    memory.copy_range(send, 0, param_shard, shard_range, false)
+}
+
+/// Steps every active bucket, each into a chunk of its own, and returns
+/// their all-gathers in forward order: buckets follow gradient order, so
+/// the last one holds the first layers.
+fn step_for_deferred_gathers<T, C, M>(
+    memory: &mut M,
+    optimizer: &mut dyn FunctionalOptimizer<T>,
+    params: &mut M::Params<'_>,
+    (param_shard, mut grad_chunk): (&mut M::Buffer, Option<&mut M::Buffer>),
+    at: &BucketStep<'_, M::Buffer>,
+    (groups, active): (&[Range<usize>], &[bool]),
+) -> Result<Vec<super::deferred::GatherJob<M::Buffer>>>
+where
+    T: Element,
+    C: Communicator,
+    M: ShardMemory<T, C>,
+{
+    let mut jobs = Vec::new();
+    for (k, group) in groups.iter().enumerate() {
+        if !at.bucket_active[k] {
+            continue;
+        }
+        let mut send = memory.alloc_zeroed(at.layout.buckets[k].len())?;
+        step_bucket(
+            memory,
+            optimizer,
+            params,
+            (&mut *param_shard, grad_chunk.as_deref_mut()),
+            at,
+            (k, group.clone()),
+            &mut send,
+        )?;
+        jobs.push(super::deferred::GatherJob {
+            send,
+            len: at.layout.bucket_range(k).len(),
+            copies: bucket_copies(at.layout, active, k),
+        });
+    }
+    jobs.reverse();
+    Ok(jobs)
+}
+
+/// Where bucket `k`'s active parameters lie in the gathered bucket.
+fn bucket_copies(layout: &super::Layout, active: &[bool], k: usize) -> Vec<super::ParamCopy> {
+    let start = layout.bucket_range(k).start;
+    layout
+        .runs_of(k)
+        .iter()
+        .filter(|run| active[run.param])
+        .map(|run| super::ParamCopy {
+            param: run.param,
+            param_range: run.param_range.clone(),
+            at: run.pos - start,
+        })
+        .collect()
+}
+
+/// Per parameter, how many of `jobs` (in order) must be written before it
+/// is current: one past the last job holding a piece of it.
+fn needed_per_param<B>(params: usize, jobs: &[super::deferred::GatherJob<B>]) -> Vec<usize> {
+    let mut needed = vec![0; params];
+    for (i, job) in jobs.iter().enumerate() {
+        for copy in &job.copies {
+            needed[copy.param] = i + 1;
+        }
+    }
+    needed
 }
 
 /// Steps the owned pieces of one bucket without a shard copy: reads their

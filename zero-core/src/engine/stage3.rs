@@ -51,6 +51,7 @@ where
         gatherable: &[bool],
         params: &mut M::Params<'_>,
     ) -> Result<Arc<Fetcher<T>>> {
+        self.finish_gathers()?;
         if self.config.stage != Stage::Parameters {
             return Err(Error::Config(format!(
                 "shard_parameters needs stage 3; this engine runs stage {}",

@@ -222,6 +222,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// result. Ranks that own nothing send nothing. The result is a
     /// snapshot: later steps do not update it.
     pub fn consolidate_state_dict(&mut self, to: usize) -> Result<()> {
+        self.finish_gathers()?;
         self.consolidated = None;
         let numel = self.numel_by_name();
         let mut sink = MemorySink {
@@ -261,6 +262,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// holds more than one shard). Read it back with [`StateDict::load`].
     /// A collective; an error on `to` is returned on every rank.
     pub fn save_consolidated(&mut self, dir: impl AsRef<Path>, to: usize) -> Result<()> {
+        self.finish_gathers()?;
         let dir = dir.as_ref();
         // Only `to` writes, so only `to` needs the name.
         let old = if self.comm.rank() == to {
@@ -314,6 +316,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// parameter's. Parameters without state in the dict keep theirs (a
     /// fresh engine has none). Sets the step counter to the dict's.
     pub fn load_state_dict(&mut self, dict: &StateDict<T>) -> Result<()> {
+        self.finish_gathers()?;
         self.refuse_mid_accumulation("load_state_dict")?;
         if dict.optimizer != self.optimizer.kind() {
             return Err(Error::Optimizer(format!(
@@ -402,6 +405,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         weights: &mut M::Params<'_>,
         options: &SaveOptions,
     ) -> Result<Manifest> {
+        self.finish_gathers()?;
         self.refuse_mid_accumulation("save_checkpoint")?;
         let dir = dir.as_ref();
         self.with_shard_home(|engine| engine.save_checkpoint_home(dir, weights, options))
@@ -519,6 +523,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         weights: &mut M::Params<'_>,
     ) -> Result<Manifest> {
         self.refuse_mid_accumulation("load_checkpoint")?;
+        self.finish_gathers()?;
         let dir = dir.as_ref();
         let local = self.with_shard_home(|engine| engine.load_checkpoint_local(dir, weights));
         let (status, manifest) = match local {

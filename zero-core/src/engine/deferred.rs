@@ -1,0 +1,317 @@
+//! Stages 1 and 2: a step's all-gathers deferred into the next forward
+//! ([`EngineConfig::defer_gathers`](super::EngineConfig::defer_gathers)).
+//!
+//! An overlapped step reduces during backward, but its all-gathers can
+//! only start once the shard is stepped, and the serial step waits for
+//! them: nothing else runs then. With deferral the step stops after the
+//! optimizer: each bucket's updated chunk goes to a thread of its own,
+//! which all-gathers the buckets in forward order (the last bucket in
+//! gradient order holds the first layer) and writes each into the replica.
+//! Layers wait for their own parameters ([`Refresh::wait`]), so the first
+//! layers compute while the later buckets are still on the wire (FSDP
+//! gathers the same way, on use).
+//!
+//! Every other collective of the engine, and every read of the replica or
+//! the shard, first waits for the thread (`Engine::finish_gathers`): two
+//! threads of one rank must never issue collectives at once, since the
+//! ranks would pair them differently.
+
+use super::{Engine, ParamCopy, ShardMemory};
+use crate::comm::Communicator;
+use crate::{DType, Element, Error, Result};
+use std::sync::mpsc::Sender;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+
+/// Writes gathered values into the framework's parameters from the
+/// gather thread: what deferral needs beyond the engine's memory, since a
+/// framework lends its parameters to each engine call only.
+pub trait ParamWriter<T: Element, C: Communicator, M: ShardMemory<T, C>>: Send {
+    /// [`ShardMemory::write_params`] on the framework's parameters.
+    fn write(&mut self, memory: &mut M, copies: &[ParamCopy], values: &M::Buffer) -> Result<()>;
+}
+
+/// Which parameters are current while a step's deferred all-gathers run:
+/// shared with the layers, which wait on it before reading their
+/// parameters.
+#[derive(Debug, Default)]
+pub struct Refresh {
+    state: Mutex<RefreshState>,
+    changed: Condvar,
+}
+
+#[derive(Debug, Default)]
+struct RefreshState {
+    /// Buckets written so far, in the order they are gathered.
+    written: usize,
+    /// Per parameter, how many buckets must be written before it is
+    /// current (0: it is).
+    needed: Vec<usize>,
+    /// The thread is done (every bucket written, or `failure`).
+    ended: bool,
+    failure: Option<String>,
+}
+
+impl Refresh {
+    fn lock(&self) -> MutexGuard<'_, RefreshState> {
+        // Plain counters: a panic elsewhere leaves them consistent.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Waits until parameter `param` holds the values of the last step.
+    /// An error when the all-gather that carries them failed.
+    pub fn wait(&self, param: usize) -> Result<()> {
+        let mut state = self.lock();
+        loop {
+            let needed = state.needed.get(param).copied().unwrap_or(0);
+            if state.written >= needed {
+                return Ok(());
+            }
+            if state.ended {
+                return Err(failed(&state));
+            }
+            state = self.changed.wait(state).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+
+    /// Waits until every parameter holds the values of the last step.
+    pub fn wait_all(&self) -> Result<()> {
+        let mut state = self.lock();
+        while !state.ended {
+            state = self.changed.wait(state).unwrap_or_else(|p| p.into_inner());
+        }
+        match state.failure {
+            Some(_) => Err(failed(&state)),
+            None => Ok(()),
+        }
+    }
+
+    /// Whether some parameter is still waiting for its all-gather.
+    pub fn pending(&self) -> bool {
+        let state = self.lock();
+        !state.ended && state.needed.iter().any(|&n| n > state.written)
+    }
+
+    /// A new step's gathers: `needed` as in [`RefreshState::needed`].
+    pub(super) fn start(&self, needed: Vec<usize>) {
+        *self.lock() = RefreshState {
+            needed,
+            ..RefreshState::default()
+        };
+    }
+
+    fn wrote_one(&self) {
+        self.lock().written += 1;
+        self.changed.notify_all();
+    }
+
+    fn end(&self, failure: Option<String>) {
+        let mut state = self.lock();
+        if !state.ended {
+            state.ended = true;
+            state.failure = failure;
+        }
+        drop(state);
+        self.changed.notify_all();
+    }
+}
+
+fn failed(state: &RefreshState) -> Error {
+    Error::State(format!(
+        "the all-gathers deferred from the last step failed ({}); this rank's parameters were \
+         not all updated, so the run cannot go on",
+        state
+            .failure
+            .as_deref()
+            .unwrap_or("the gather thread stopped")
+    ))
+}
+
+/// Ends a [`Refresh`] however the thread ends (a panic included), so that
+/// no layer waits forever.
+struct EndOnDrop(Arc<Refresh>);
+
+impl Drop for EndOnDrop {
+    fn drop(&mut self) {
+        self.0.end(Some("the gather thread panicked".into()));
+    }
+}
+
+/// One bucket to all-gather and write.
+pub(super) struct GatherJob<B> {
+    /// This rank's updated chunk (as long as the bucket's chunk).
+    pub send: B,
+    /// Elements of the whole bucket.
+    pub len: usize,
+    /// Where the bucket's active parameters lie in it.
+    pub copies: Vec<ParamCopy>,
+}
+
+/// What the gather thread takes.
+pub(super) struct Payload<T: Element, C: Communicator, M: ShardMemory<T, C>> {
+    pub memory: M,
+    pub comm: Arc<C>,
+    /// In the order to gather them.
+    pub jobs: Vec<GatherJob<M::Buffer>>,
+    /// A buffer as long as the longest bucket.
+    pub recv: M::Buffer,
+    pub writer: Box<dyn ParamWriter<T, C, M>>,
+    pub refresh: Arc<Refresh>,
+    /// The dtype on the wire.
+    pub dtype: DType,
+}
+
+/// What the gather thread gives back.
+pub(super) struct Finished<T: Element, C: Communicator, M: ShardMemory<T, C>> {
+    recv: M::Buffer,
+    writer: Box<dyn ParamWriter<T, C, M>>,
+    result: Result<()>,
+}
+
+/// The gather thread of the last step (`None`: it never got its payload).
+pub(super) type Pending<T, C, M> = JoinHandle<Option<Finished<T, C, M>>>;
+
+impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Payload<T, C, M> {
+    /// All-gathers and writes every job in order; after a failure, issues
+    /// nothing more (the peers' collectives fail within their deadline).
+    pub(super) fn run(self) -> Finished<T, C, M> {
+        let Self {
+            mut memory,
+            comm,
+            jobs,
+            mut recv,
+            mut writer,
+            refresh,
+            dtype,
+        } = self;
+        let guard = EndOnDrop(Arc::clone(&refresh));
+        let mut result = Ok(());
+        for job in jobs {
+            let chunk = M::buffer_len(&job.send).min(job.len);
+            result = memory
+                .all_gather_as(&*comm, &job.send, 0..chunk, &mut recv, 0..job.len, dtype)
+                .and_then(|()| writer.write(&mut memory, &job.copies, &recv));
+            if result.is_err() {
+                break;
+            }
+            refresh.wrote_one();
+        }
+        refresh.end(result.as_ref().err().map(ToString::to_string));
+        drop(guard);
+        Finished {
+            recv,
+            writer,
+            result,
+        }
+    }
+}
+
+/// Starts a gather thread, which waits for its payload on the returned
+/// channel; a plain function, made where `C` and `M` are `'static`, so that
+/// the step, generic without that bound, can start one.
+pub(super) type Spawner<T, C, M> =
+    fn(usize) -> std::io::Result<(Sender<Payload<T, C, M>>, Pending<T, C, M>)>;
+
+fn spawn_thread<T, C, M>(
+    rank: usize,
+) -> std::io::Result<(Sender<Payload<T, C, M>>, Pending<T, C, M>)>
+where
+    T: Element,
+    C: Communicator + 'static,
+    M: ShardMemory<T, C> + 'static,
+{
+    let (send, receive) = std::sync::mpsc::channel::<Payload<T, C, M>>();
+    let handle = std::thread::Builder::new()
+        .name(format!("zero-gather-{rank}"))
+        .spawn(move || receive.recv().ok().map(Payload::run))?;
+    Ok((send, handle))
+}
+
+impl<T, C, M> Engine<T, C, M>
+where
+    T: Element,
+    C: Communicator + 'static,
+    M: ShardMemory<T, C> + 'static,
+{
+    /// Lets steps defer their all-gathers
+    /// ([`EngineConfig::defer_gathers`](super::EngineConfig::defer_gathers)):
+    /// `writer` writes into the framework's parameters from the gather
+    /// thread. Without one, steps gather before they return.
+    pub fn set_param_writer(&mut self, writer: Box<dyn ParamWriter<T, C, M>>) -> Result<()> {
+        self.finish_gathers()?;
+        self.param_writer = Some(writer);
+        self.spawner = Some(spawn_thread::<T, C, M>);
+        Ok(())
+    }
+}
+
+impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
+    /// How many steps left their all-gathers running after they returned
+    /// (see [`EngineConfig::defer_gathers`](super::EngineConfig::defer_gathers):
+    /// a step with a gradient given in a slot gathers before it returns).
+    pub fn deferred_steps(&self) -> u64 {
+        self.deferred_steps
+    }
+
+    /// What layers wait on before reading their parameters after a step
+    /// that deferred its all-gathers.
+    pub fn refresh(&self) -> &Arc<Refresh> {
+        &self.refresh
+    }
+
+    /// Waits until the replica holds the last step's values (nothing to
+    /// wait for unless that step deferred its all-gathers). Read the
+    /// parameters outside hooked layers only after this.
+    pub fn wait_for_params(&self) -> Result<()> {
+        if self.deferred.is_none() {
+            return Ok(());
+        }
+        self.refresh.wait_all()
+    }
+
+    /// Waits for the last step's deferred all-gathers and takes back what
+    /// their thread held; the error of a failed one. Every engine call that
+    /// communicates or reads the parameters does this first.
+    pub fn finish_gathers(&mut self) -> Result<()> {
+        let Some(pending) = self.deferred.take() else {
+            return Ok(());
+        };
+        let finished = pending.join().ok().flatten().ok_or_else(|| {
+            Error::State(
+                "the thread of the deferred all-gathers panicked; this rank's parameters were \
+                 not all updated, so the run cannot go on"
+                    .into(),
+            )
+        })?;
+        self.take_back(finished)
+    }
+
+    fn take_back(&mut self, finished: Finished<T, C, M>) -> Result<()> {
+        self.pool.push(finished.recv);
+        self.param_writer = Some(finished.writer);
+        finished.result
+    }
+
+    /// Starts the gather thread on `payload`; runs it here, before
+    /// returning, if no thread can be started.
+    pub(super) fn spawn_gathers(&mut self, payload: Payload<T, C, M>) -> Result<()> {
+        let spawned = match self.spawner {
+            Some(spawn) => spawn(self.comm.rank()),
+            None => Err(std::io::Error::other("no thread starter was set")),
+        };
+        match spawned {
+            Ok((send, handle)) => {
+                // The thread waits for its payload: it cannot be gone.
+                let _ = send.send(payload);
+                self.deferred = Some(handle);
+                self.deferred_steps += 1;
+                Ok(())
+            }
+            Err(e) => {
+                tracing::warn!("no gather thread ({e}); gathering before the step returns");
+                let finished = payload.run();
+                self.take_back(finished)
+            }
+        }
+    }
+}
