@@ -209,12 +209,12 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Payload<T, C, M> {
 /// Starts a gather thread, which waits for its payload on the returned
 /// channel; a plain function, made where `C` and `M` are `'static`, so that
 /// the step, generic without that bound, can start one.
-pub(super) type Spawner<T, C, M> =
-    fn(usize) -> std::io::Result<(Sender<Payload<T, C, M>>, Pending<T, C, M>)>;
+pub(super) type Spawner<T, C, M> = fn(usize) -> std::io::Result<Started<T, C, M>>;
 
-fn spawn_thread<T, C, M>(
-    rank: usize,
-) -> std::io::Result<(Sender<Payload<T, C, M>>, Pending<T, C, M>)>
+/// A started gather thread: where to send its payload, and its handle.
+pub(super) type Started<T, C, M> = (Sender<Payload<T, C, M>>, Pending<T, C, M>);
+
+fn spawn_thread<T, C, M>(rank: usize) -> std::io::Result<Started<T, C, M>>
 where
     T: Element,
     C: Communicator + 'static,
