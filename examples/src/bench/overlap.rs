@@ -104,6 +104,10 @@ impl<H: GradHook> GradHook for Timed<H> {
     fn gather(&self, var: &Var, piece: usize) -> candle_core::Result<Option<GatheredParam>> {
         self.inner.gather(var, piece)
     }
+
+    fn before_read(&self, var: &Var) -> candle_core::Result<()> {
+        self.inner.before_read(var)
+    }
 }
 
 fn median(mut values: Vec<f64>) -> f64 {
@@ -111,9 +115,13 @@ fn median(mut values: Vec<f64>) -> f64 {
     values[values.len() / 2]
 }
 
+/// How one case steps: the overlap schedule, and whether the all-gathers
+/// are deferred into the next forward.
+type Schedule = (Overlap, bool);
+
 /// Steps the MLP with a stage-2 `ZeroOptimizer` over `comm`; rank 0's
 /// medians.
-fn steps<C>(comm: C, overlap: Overlap, data: &Dataset) -> Result<Measured, String>
+fn steps<C>(comm: C, (overlap, defer): Schedule, data: &Dataset) -> Result<Measured, String>
 where
     C: Communicator<Memory = Host> + 'static,
 {
@@ -139,7 +147,8 @@ where
     let config = EngineConfig::default()
         .with_stage(Stage::Gradients)
         .with_bucket_bytes(BUCKET_BYTES)
-        .with_overlap(overlap);
+        .with_overlap(overlap)
+        .with_defer_gathers(defer);
     let mut opt = ZeroOptimizer::<C, f32>::new(&varmap, comm, config, Box::new(adamw))
         .and_then(|o| o.with_hook(&hook))
         .map_err(|e| e.to_string())?;
@@ -196,14 +205,14 @@ where
 /// given (no latency: every bucket's collective is delayed alike, as they
 /// are about the same size, and a step's two small all-reduces, the
 /// gradient-order check and the trainable mask, hardly at all).
-fn measure(link: Option<f64>, overlap: Overlap, data: &Dataset) -> Result<Measured, String> {
+fn measure(link: Option<f64>, schedule: Schedule, data: &Dataset) -> Result<Measured, String> {
     let results = ThreadGroup::new(WORLD_SIZE).run(|comm| match link {
         Some(bytes_per_sec) => steps(
             Delayed::new(comm, Duration::ZERO, bytes_per_sec),
-            overlap,
+            schedule,
             data,
         ),
-        None => steps(comm, overlap, data),
+        None => steps(comm, schedule, data),
     });
     match results.into_iter().next() {
         Some(Ok(r)) => r,
@@ -214,7 +223,10 @@ fn measure(link: Option<f64>, overlap: Overlap, data: &Dataset) -> Result<Measur
 
 /// Adds `overlap.step_over_serial` (over the calibrated link),
 /// `overlap.undelayed_step_over_serial`,
-/// `overlap.delayed_interleaved_over_serial`, and the times they come from.
+/// `overlap.delayed_interleaved_over_serial`,
+/// `overlap.deferred_step_over_serial` (after-backward with the all-gathers
+/// deferred into the next forward, over the link),
+/// `overlap.undelayed_deferred_over_serial`, and the times they come from.
 pub fn run(report: &mut Report) {
     let data = Dataset::synthetic(0);
     // The link is calibrated on serial steps without delay: their backward
@@ -222,7 +234,7 @@ pub fn run(report: &mut Report) {
     // load), and what their collectives send.
     let mut calibrations = Vec::with_capacity(ROUNDS);
     for _ in 0..ROUNDS {
-        match measure(None, Overlap::None, &data) {
+        match measure(None, (Overlap::None, false), &data) {
             Ok(calibration) => calibrations.push(calibration),
             Err(e) => {
                 eprintln!("bench overlap: calibration failed: {e}");
@@ -251,18 +263,20 @@ pub fn run(report: &mut Report) {
         comm_time * 1e3,
     );
     let cases = [
-        ("serial", false, Overlap::None),
-        ("overlapped", false, Overlap::AfterBackward),
-        ("delayed_serial", true, Overlap::None),
-        ("delayed_overlapped", true, Overlap::AfterBackward),
-        ("delayed_interleaved", true, Overlap::Interleaved),
+        ("serial", false, (Overlap::None, false)),
+        ("overlapped", false, (Overlap::AfterBackward, false)),
+        ("delayed_serial", true, (Overlap::None, false)),
+        ("delayed_overlapped", true, (Overlap::AfterBackward, false)),
+        ("delayed_interleaved", true, (Overlap::Interleaved, false)),
+        ("delayed_deferred", true, (Overlap::AfterBackward, true)),
+        ("deferred", false, (Overlap::AfterBackward, true)),
     ];
     let names: Vec<&str> = cases.iter().map(|c| c.0).collect();
     // The medians of the steps' parts, per case, beside the step medians.
     let mut parts: Vec<Vec<Times>> = vec![Vec::new(); cases.len()];
     let medians = match super::interleaved_medians(&names, ROUNDS, |i| {
-        let (_, delayed, overlap) = cases[i];
-        let measured = measure(delayed.then_some(bytes_per_sec), overlap, &data)?;
+        let (_, delayed, schedule) = cases[i];
+        let measured = measure(delayed.then_some(bytes_per_sec), schedule, &data)?;
         parts[i].push(measured.times);
         Ok(measured.times.step)
     }) {
@@ -297,6 +311,12 @@ pub fn run(report: &mut Report) {
     for (case, ((name, _, _), median)) in cases.iter().zip(&medians).enumerate() {
         report.add(&format!("overlap.{name}_ms"), median * 1e3, "ms", None);
         report.add(
+            &format!("overlap.{name}_forward_ms"),
+            part(case, |t| t.forward) * 1e3,
+            "ms",
+            None,
+        );
+        report.add(
             &format!("overlap.{name}_backward_ms"),
             part(case, |t| t.backward) * 1e3,
             "ms",
@@ -326,5 +346,17 @@ pub fn run(report: &mut Report) {
         medians[4] / medians[2],
         "ratio",
         Some("< 1.0"),
+    );
+    report.add(
+        "overlap.deferred_step_over_serial",
+        medians[5] / medians[2],
+        "ratio",
+        Some("<= 0.75"),
+    );
+    report.add(
+        "overlap.undelayed_deferred_over_serial",
+        medians[6] / medians[0],
+        "ratio",
+        Some("<= 1.0"),
     );
 }

@@ -19,7 +19,7 @@
 use super::{Engine, ParamCopy, ShardMemory};
 use crate::comm::Communicator;
 use crate::{DType, Element, Error, Result};
-use std::sync::mpsc::Sender;
+use std::sync::mpsc::{Receiver, Sender};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
@@ -151,8 +151,9 @@ pub(super) struct GatherJob<B> {
 pub(super) struct Payload<T: Element, C: Communicator, M: ShardMemory<T, C>> {
     pub memory: M,
     pub comm: Arc<C>,
-    /// In the order to gather them.
-    pub jobs: Vec<GatherJob<M::Buffer>>,
+    /// The buckets to gather, in order, as they are stepped; the thread
+    /// ends when the channel closes.
+    pub jobs: Receiver<GatherJob<M::Buffer>>,
     /// A buffer as long as the longest bucket.
     pub recv: M::Buffer,
     pub writer: Box<dyn ParamWriter<T, C, M>>,
@@ -286,32 +287,39 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         self.take_back(finished)
     }
 
-    fn take_back(&mut self, finished: Finished<T, C, M>) -> Result<()> {
+    /// Takes back the recv buffer and writer of a finished gather run; its
+    /// result.
+    pub(super) fn take_back(&mut self, finished: Finished<T, C, M>) -> Result<()> {
         self.pool.push(finished.recv);
         self.param_writer = Some(finished.writer);
         finished.result
     }
+}
 
-    /// Starts the gather thread on `payload`; runs it here, before
-    /// returning, if no thread can be started.
-    pub(super) fn spawn_gathers(&mut self, payload: Payload<T, C, M>) -> Result<()> {
-        let spawned = match self.spawner {
-            Some(spawn) => spawn(self.comm.rank()),
-            None => Err(std::io::Error::other("no thread starter was set")),
-        };
-        match spawned {
-            Ok((send, handle)) => {
-                // The thread waits for its payload: it cannot be gone.
-                let _ = send.send(payload);
-                self.deferred = Some(handle);
-                self.deferred_steps += 1;
-                Ok(())
-            }
-            Err(e) => {
-                tracing::warn!("no gather thread ({e}); gathering before the step returns");
-                let finished = payload.run();
-                self.take_back(finished)
-            }
+/// Starts a gather thread on `payload` with `spawner`; the payload back if
+/// no thread could be started (run it on this thread then).
+pub(super) fn start<T, C, M>(
+    spawner: Option<Spawner<T, C, M>>,
+    rank: usize,
+    payload: Payload<T, C, M>,
+) -> std::result::Result<Pending<T, C, M>, Payload<T, C, M>>
+where
+    T: Element,
+    C: Communicator,
+    M: ShardMemory<T, C>,
+{
+    let Some(spawn) = spawner else {
+        return Err(payload);
+    };
+    match spawn(rank) {
+        Ok((send, handle)) => {
+            // The thread waits for its payload: it cannot be gone.
+            let _ = send.send(payload);
+            Ok(handle)
+        }
+        Err(e) => {
+            tracing::warn!("no gather thread ({e})");
+            Err(payload)
         }
     }
 }

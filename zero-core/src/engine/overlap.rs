@@ -1181,31 +1181,29 @@ where
         };
         if defer {
             if let Some(writer) = self.param_writer.take() {
-                let jobs = step_for_deferred_gathers(
-                    &mut self.memory,
-                    self.optimizer.as_mut(),
-                    params,
-                    (&mut self.param_shard, grad_chunk.as_mut()),
-                    &stepper,
-                    (&groups, &self.active),
-                );
-                let jobs = match jobs {
-                    Ok(jobs) => jobs,
-                    Err(e) => {
-                        self.param_writer = Some(writer);
-                        return Err(e);
-                    }
-                };
-                let recv = take_shortest(&mut self.memory, &mut self.pool, self.longest_bucket);
-                let recv = match recv {
-                    Ok((recv, _)) => recv,
-                    Err(e) => {
-                        self.param_writer = Some(writer);
-                        return Err(e);
-                    }
-                };
+                // Forward order: buckets follow gradient order, so the last
+                // one holds the first layers. Each bucket is stepped and
+                // handed to the gather thread in that order, so the first
+                // layers' parameters are on the wire while the rest step.
+                let order: Vec<usize> = (0..groups.len())
+                    .rev()
+                    .filter(|&k| self.bucket_active[k])
+                    .collect();
+                let copies: Vec<Vec<super::ParamCopy>> = order
+                    .iter()
+                    .map(|&k| bucket_copies(&self.layout, &self.active, k))
+                    .collect();
+                let recv =
+                    match take_shortest(&mut self.memory, &mut self.pool, self.longest_bucket) {
+                        Ok((recv, _)) => recv,
+                        Err(e) => {
+                            self.param_writer = Some(writer);
+                            return Err(e);
+                        }
+                    };
                 self.refresh
-                    .start(needed_per_param(self.params.len(), &jobs));
+                    .start(needed_per_param(self.params.len(), &copies));
+                let (job_tx, jobs) = mpsc::channel();
                 let payload = super::deferred::Payload {
                     memory: worker_memory,
                     comm: Arc::clone(&self.comm),
@@ -1215,8 +1213,51 @@ where
                     refresh: Arc::clone(&self.refresh),
                     dtype: gather_dtype,
                 };
-                self.spawn_gathers(payload)?;
-                return Ok(true);
+                let started = super::deferred::start(self.spawner, self.comm.rank(), payload);
+                let mut stepped = Ok(());
+                for (&k, copies) in order.iter().zip(copies) {
+                    stepped = self
+                        .memory
+                        .alloc_zeroed(self.layout.buckets[k].len())
+                        .and_then(|mut send| {
+                            step_bucket(
+                                &mut self.memory,
+                                self.optimizer.as_mut(),
+                                params,
+                                (&mut self.param_shard, grad_chunk.as_mut()),
+                                &stepper,
+                                (k, groups[k].clone()),
+                                &mut send,
+                            )?;
+                            Ok(send)
+                        })
+                        .map(|send| {
+                            // The thread runs until the channel closes.
+                            let _ = job_tx.send(super::deferred::GatherJob {
+                                send,
+                                len: self.layout.bucket_range(k).len(),
+                                copies,
+                            });
+                        });
+                    if stepped.is_err() {
+                        break;
+                    }
+                }
+                // Closing the channel ends the thread after the last job.
+                drop(job_tx);
+                let gathered = match started {
+                    Ok(handle) => {
+                        self.deferred = Some(handle);
+                        self.deferred_steps += 1;
+                        Ok(())
+                    }
+                    Err(payload) => {
+                        tracing::warn!("no gather thread; gathering before the step returns");
+                        let finished = payload.run();
+                        self.take_back(finished)
+                    }
+                };
+                return stepped.and(gathered).map(|()| true);
             }
         }
         let scratch = &mut self.scratch;
@@ -1415,47 +1456,6 @@ where
     memory.copy_range(send, 0, param_shard, shard_range, false)
 }
 
-/// Steps every active bucket, each into a chunk of its own, and returns
-/// their all-gathers in forward order: buckets follow gradient order, so
-/// the last one holds the first layers.
-fn step_for_deferred_gathers<T, C, M>(
-    memory: &mut M,
-    optimizer: &mut dyn FunctionalOptimizer<T>,
-    params: &mut M::Params<'_>,
-    (param_shard, mut grad_chunk): (&mut M::Buffer, Option<&mut M::Buffer>),
-    at: &BucketStep<'_, M::Buffer>,
-    (groups, active): (&[Range<usize>], &[bool]),
-) -> Result<Vec<super::deferred::GatherJob<M::Buffer>>>
-where
-    T: Element,
-    C: Communicator,
-    M: ShardMemory<T, C>,
-{
-    let mut jobs = Vec::new();
-    for (k, group) in groups.iter().enumerate() {
-        if !at.bucket_active[k] {
-            continue;
-        }
-        let mut send = memory.alloc_zeroed(at.layout.buckets[k].len())?;
-        step_bucket(
-            memory,
-            optimizer,
-            params,
-            (&mut *param_shard, grad_chunk.as_deref_mut()),
-            at,
-            (k, group.clone()),
-            &mut send,
-        )?;
-        jobs.push(super::deferred::GatherJob {
-            send,
-            len: at.layout.bucket_range(k).len(),
-            copies: bucket_copies(at.layout, active, k),
-        });
-    }
-    jobs.reverse();
-    Ok(jobs)
-}
-
 /// Where bucket `k`'s active parameters lie in the gathered bucket.
 fn bucket_copies(layout: &super::Layout, active: &[bool], k: usize) -> Vec<super::ParamCopy> {
     let start = layout.bucket_range(k).start;
@@ -1471,12 +1471,13 @@ fn bucket_copies(layout: &super::Layout, active: &[bool], k: usize) -> Vec<super
         .collect()
 }
 
-/// Per parameter, how many of `jobs` (in order) must be written before it
-/// is current: one past the last job holding a piece of it.
-fn needed_per_param<B>(params: usize, jobs: &[super::deferred::GatherJob<B>]) -> Vec<usize> {
+/// Per parameter, how many of the gathers (the buckets' `copies`, in
+/// order) must be written before it is current: one past the last that
+/// holds a piece of it.
+fn needed_per_param(params: usize, copies: &[Vec<super::ParamCopy>]) -> Vec<usize> {
     let mut needed = vec![0; params];
-    for (i, job) in jobs.iter().enumerate() {
-        for copy in &job.copies {
+    for (i, bucket) in copies.iter().enumerate() {
+        for copy in bucket {
             needed[copy.param] = i + 1;
         }
     }
