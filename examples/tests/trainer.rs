@@ -353,8 +353,45 @@ fn every_overlap_schedule_trains_the_same_weights_bitwise() {
                 0.0,
                 "stage {stage}, --overlap {overlap}"
             );
+            if stage != "0" {
+                let deferred = train(
+                    &[
+                        &common[..],
+                        &["--stage", stage, "--overlap", overlap, "--defer-gathers"],
+                    ]
+                    .concat(),
+                );
+                assert_eq!(
+                    max_abs_diff(&serial, &deferred),
+                    0.0,
+                    "stage {stage}, --overlap {overlap} --defer-gathers"
+                );
+            }
         }
     }
+}
+
+#[test]
+fn deferred_gathers_train_the_gpt_of_gathers_in_the_step_bitwise() {
+    // Every layer of the GPT waits for its own parameters (a tied
+    // embedding, layer norms), and sampling after training reads them.
+    let gpt = [
+        "--model",
+        "gpt",
+        "--steps",
+        "3",
+        "--world-size",
+        "2",
+        "--sample",
+        "8",
+    ];
+    let gathered = train(&gpt);
+    let deferred = train(&[&gpt[..], &["--defer-gathers"]].concat());
+    assert_eq!(max_abs_diff(&gathered, &deferred), 0.0);
+    assert_eq!(gathered.sample, deferred.sample);
+    let argv = ["train", "--quiet", "--stage", "0", "--defer-gathers"];
+    let err = run(&Args::parse_from(argv)).expect_err("nothing to defer at stage 0");
+    assert!(err.to_string().contains("--stage 1 or 2"), "{err}");
 }
 
 #[test]

@@ -68,8 +68,10 @@ pub struct Gpt {
     wpe: Embedding,
     blocks: Vec<Block>,
     ln_f: LayerNorm,
-    /// `wte.weight` itself, used a second time as the output projection.
-    head: Tensor,
+    /// `wte.weight` itself, used a second time as the output projection
+    /// (a second hooked use: its gradient is handed over too, and the
+    /// engine adds both).
+    head: Linear,
 }
 
 /// Creates variables in `varmap` in a fixed order from one seeded stream.
@@ -139,9 +141,8 @@ impl Gpt {
     }
 
     /// [`Gpt::new`] with layers that hand their gradients to `hook` during
-    /// backward (a `zero_candle::ZeroHook`, for `ZeroOptimizer::backward_step`);
-    /// the tied head's use of `wte.weight` still reaches it through the
-    /// GradStore, and the engine adds both.
+    /// backward (a `zero_candle::ZeroHook`, for `ZeroOptimizer::backward_step`),
+    /// the tied head's use of `wte.weight` included.
     pub fn with_hook(
         varmap: &VarMap,
         config: GptConfig,
@@ -196,10 +197,10 @@ impl Gpt {
         Ok(Self {
             config,
             wte: Embedding::new(wte.clone(), d, hook.clone()),
-            wpe: Embedding::new(wpe, d, hook),
+            wpe: Embedding::new(wpe, d, hook.clone()),
             blocks,
             ln_f,
-            head: wte,
+            head: Linear::new(wte, None, hook),
         })
     }
 
@@ -226,7 +227,7 @@ impl Gpt {
             .forward(ids)?
             .broadcast_add(&self.wpe.forward(&positions)?)?;
         let mask = causal_mask(time, device)?;
-        let dtype = self.head.dtype();
+        let dtype = self.head.weight().dtype();
         for block in &self.blocks {
             let h = self.attention(block, &block.ln1.forward(&x)?, &mask, dtype)?;
             x = (x + h)?;
@@ -237,9 +238,8 @@ impl Gpt {
             .ln_f
             .forward(&x)?
             .reshape((batch * time, self.config.d_model))?;
-        // The tied head: the embedding table a second time; Candle adds this
-        // use's gradient to the embedding's.
-        x.matmul(&self.head.t()?)
+        // The tied head: the embedding table a second time.
+        self.head.forward(&x)
     }
 
     fn attention(
