@@ -14,7 +14,7 @@ use std::ops::Range;
 use std::sync::Arc;
 use zero_core::comm::{Host, MemoryKind};
 use zero_core::engine::{
-    Engine, Fetcher, HostGrad, HostMemory, ParamCopy, ParamWriter, ShardMemory,
+    Engine, Fetcher, HostGrad, HostMemory, ParamAccess, ParamCopy, ShardMemory,
 };
 use zero_core::optim::FunctionalOptimizer;
 use zero_core::{Communicator, DType, Element};
@@ -253,40 +253,62 @@ fn slot<'h, T: Element + WithDType>(held: &'h Held<'_, T>) -> Result<Option<Host
     })
 }
 
-/// Writes the gathers that a step deferred into the variables, from the
-/// gather thread (see `zero_core::engine::ParamWriter`).
-pub(crate) struct VarWriter<T, C> {
+/// Reads and writes the variables from the gather thread of a step that
+/// deferred its all-gathers (see `zero_core::engine::ParamAccess`).
+pub(crate) struct VarAccess<T, C> {
     vars: Vec<Var>,
     _types: std::marker::PhantomData<fn() -> (T, C)>,
 }
 
-impl<T, C> VarWriter<T, C> {
+impl<T, C> VarAccess<T, C> {
     pub(crate) fn new(vars: Vec<Var>) -> Self {
         Self {
             vars,
             _types: std::marker::PhantomData,
         }
     }
+
+    /// Runs `f` on the variables as the engine's parameters.
+    fn with<R>(
+        &self,
+        mut f: impl FnMut(&mut Params<'_, T, C, C::Memory>) -> zero_core::Result<R>,
+    ) -> zero_core::Result<R>
+    where
+        T: Element + WithDType,
+        C: Communicator + 'static,
+        C::Memory: CandleMemory<T, C>,
+    {
+        let mut out = None;
+        C::Memory::with_params(&self.vars, &mut |params| {
+            out = Some(f(params));
+            Ok(())
+        })
+        .map_err(|e| zero_core::Error::State(e.to_string()))?;
+        out.unwrap_or_else(|| Err(zero_core::Error::State("internal: no parameters".into())))
+    }
 }
 
-impl<T, C> ParamWriter<T, C, MemoryOf<T, C>> for VarWriter<T, C>
+impl<T, C> ParamAccess<T, C, MemoryOf<T, C>> for VarAccess<T, C>
 where
     T: Element + WithDType,
     C: Communicator + 'static,
     C::Memory: CandleMemory<T, C>,
 {
+    fn read(
+        &mut self,
+        memory: &mut MemoryOf<T, C>,
+        copies: &[ParamCopy],
+        values: &mut <MemoryOf<T, C> as ShardMemory<T, C>>::Buffer,
+    ) -> zero_core::Result<()> {
+        self.with(|params| memory.read_params(params, copies, values))
+    }
+
     fn write(
         &mut self,
         memory: &mut MemoryOf<T, C>,
         copies: &[ParamCopy],
         values: &<MemoryOf<T, C> as ShardMemory<T, C>>::Buffer,
     ) -> zero_core::Result<()> {
-        let mut written = Ok(());
-        let outer = C::Memory::with_params(&self.vars, &mut |params| {
-            written = memory.write_params(params, copies, values);
-            Ok(())
-        });
-        outer.map_err(|e| zero_core::Error::State(e.to_string()))?;
-        written
+        self.with(|params| memory.write_params(params, copies, values))
     }
 }

@@ -150,8 +150,8 @@ where
         self.hook = Some(hook.clone());
         // Hooked layers wait for their parameters, so the step may leave
         // its all-gathers running (`EngineConfig::defer_gathers`).
-        let writer = crate::memory::VarWriter::<T, C>::new(self.vars.clone());
-        self.engine_mut().set_param_writer(Box::new(writer))?;
+        let writer = crate::memory::VarAccess::<T, C>::new(self.vars.clone());
+        self.engine_mut().set_param_access(Box::new(writer))?;
         Ok(self)
     }
 

@@ -10,10 +10,12 @@ mod common;
 use common::{
     assert_trajectories, engine, make_opt, reference_trajectory, run, Model, Opt, Synthetic,
 };
+use std::ops::Range;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 use zero_core::engine::{
-    EngineConfig, HostGrad, HostMemory, Overlap, ParamCopy, ParamWriter, ShardMemory, Stage,
+    EngineConfig, HostGrad, HostMemory, Overlap, ParamAccess, ParamCopy, ParamStore, ShardMemory,
+    Stage,
 };
 use zero_core::{Communicator, Engine, Error, Result, ThreadComm};
 
@@ -44,14 +46,40 @@ impl Gate {
     }
 }
 
-/// Writes gathered buckets into a store shared with the test, once the gate
-/// is open.
-struct GatedWriter {
-    store: Arc<Mutex<Vec<Vec<f64>>>>,
+/// The replica, shared by the test, the engine's calls and the gather
+/// thread.
+type Store = Arc<Mutex<Vec<Vec<f64>>>>;
+
+/// The store as the parameters of an engine call.
+struct Shared(Store);
+
+impl ParamStore<f64> for Shared {
+    fn read(&mut self, param: usize, range: Range<usize>, out: &mut [f64]) -> Result<()> {
+        self.0.lock().unwrap().read(param, range, out)
+    }
+
+    fn write(&mut self, param: usize, range: Range<usize>, values: &[f64]) -> Result<()> {
+        self.0.lock().unwrap().write(param, range, values)
+    }
+}
+
+/// The store as the gather thread reaches it; its writes wait at the gate.
+struct GatedAccess {
+    store: Store,
     gate: Arc<Gate>,
 }
 
-impl ParamWriter<f64, ThreadComm, HostMemory> for GatedWriter {
+impl ParamAccess<f64, ThreadComm, HostMemory> for GatedAccess {
+    fn read(
+        &mut self,
+        memory: &mut HostMemory,
+        copies: &[ParamCopy],
+        values: &mut Vec<f64>,
+    ) -> Result<()> {
+        let mut store = Shared(self.store.clone());
+        ShardMemory::<f64, ThreadComm>::read_params(memory, &mut store, copies, values)
+    }
+
     fn write(
         &mut self,
         memory: &mut HostMemory,
@@ -59,9 +87,25 @@ impl ParamWriter<f64, ThreadComm, HostMemory> for GatedWriter {
         values: &Vec<f64>,
     ) -> Result<()> {
         self.gate.pass()?;
-        let mut store = self.store.lock().unwrap();
-        ShardMemory::<f64, ThreadComm>::write_params(memory, &mut *store, copies, values)
+        let mut store = Shared(self.store.clone());
+        ShardMemory::<f64, ThreadComm>::write_params(memory, &mut store, copies, values)
     }
+}
+
+/// An engine whose gather thread reaches `store` through `gate`.
+fn gated_engine(
+    comm: ThreadComm,
+    model: &Synthetic,
+    config: &EngineConfig,
+    store: &Store,
+    gate: &Arc<Gate>,
+) -> Result<Engine<f64, ThreadComm>> {
+    let mut e = engine(comm, model, make_opt(Opt::Adam, false), config.clone())?;
+    e.set_param_access(Box::new(GatedAccess {
+        store: store.clone(),
+        gate: gate.clone(),
+    }))?;
+    Ok(e)
 }
 
 /// One step with every gradient handed over during "backward" (in reverse
@@ -69,16 +113,17 @@ impl ParamWriter<f64, ThreadComm, HostMemory> for GatedWriter {
 fn handed_over_step(
     e: &mut Engine<f64, ThreadComm>,
     grads: &[Vec<f64>],
-    params: &mut Vec<Vec<f64>>,
+    store: &Store,
 ) -> Result<()> {
     let n = grads.len();
+    let mut params = Shared(store.clone());
     let order: Vec<(usize, usize)> = (0..n).rev().map(|p| (p, 1)).collect();
-    e.begin_backward(&order, params)?;
+    e.begin_backward(&order, &mut params)?;
     for p in (0..n).rev() {
         e.accumulate_param(p, (&grads[p]).into())?;
     }
     let none: Vec<Option<HostGrad<'_, f64>>> = vec![None; n];
-    e.step(&none, params)?;
+    e.step(&none, &mut params)?;
     Ok(())
 }
 
@@ -99,28 +144,22 @@ fn deferred_gathers_give_the_parameters_of_gathers_in_the_step() {
                         .with_defer_gathers(true);
                     let trajectories = run(world, |comm| {
                         let rank = comm.rank();
-                        let mut e =
-                            engine(comm, &model, make_opt(Opt::Adam, false), config.clone())?;
-                        let store = Arc::new(Mutex::new(model.init()));
+                        let store: Store = Arc::new(Mutex::new(model.init()));
                         let gate = Arc::new(Gate::default());
                         gate.open();
-                        e.set_param_writer(Box::new(GatedWriter {
-                            store: store.clone(),
-                            gate,
-                        }))?;
-                        let mut params = model.init();
+                        let mut e = gated_engine(comm, &model, &config, &store, &gate)?;
                         let mut out = Vec::new();
                         for s in 0..steps {
                             for m in 0..micro {
+                                // The next micro-step's forward: after the
+                                // gathers (the layers wait for them).
+                                e.wait_for_params()?;
+                                let params = store.lock().unwrap().clone();
                                 let g = model.grads(&params, rank, s * micro + m);
-                                // The writer's store is the replica the
-                                // gathers update.
-                                *store.lock().unwrap() = params.clone();
-                                handed_over_step(&mut e, &g, &mut params)?;
+                                handed_over_step(&mut e, &g, &store)?;
                             }
                             e.finish_gathers()?;
-                            params = store.lock().unwrap().clone();
-                            out.push(params.clone());
+                            out.push(store.lock().unwrap().clone());
                         }
                         assert_eq!(e.deferred_steps(), steps as u64, "every step deferred");
                         Ok(out)
@@ -142,58 +181,47 @@ fn a_deferred_step_returns_before_its_gathers_and_one_with_slots_does_not() {
     let model = Synthetic::medium();
     let world = 2;
     let expected = reference_trajectory(&model, Opt::Adam, world, 1, 1);
+    let close = |a: &[Vec<f64>], b: &[Vec<f64>]| {
+        a.iter()
+            .flatten()
+            .zip(b.iter().flatten())
+            .all(|(x, y)| (x - y).abs() <= 1e-9)
+    };
     for defer in [true, false] {
         let config = EngineConfig::default()
             .with_bucket_bytes(64)
             .with_defer_gathers(defer);
         let results = run(world, |comm| {
             let rank = comm.rank();
-            let mut e = engine(comm, &model, make_opt(Opt::Adam, false), config.clone())?;
-            let store = Arc::new(Mutex::new(model.init()));
+            let store: Store = Arc::new(Mutex::new(model.init()));
             let gate = Arc::new(Gate::default());
-            e.set_param_writer(Box::new(GatedWriter {
-                store: store.clone(),
-                gate: gate.clone(),
-            }))?;
-            let mut params = model.init();
-            let g = model.grads(&params, rank, 0);
-            handed_over_step(&mut e, &g, &mut params)?;
-            // Returned with the gate shut: nothing gathered yet, unless
-            // the step gathered itself (into `params`).
+            let mut e = gated_engine(comm, &model, &config, &store, &gate)?;
+            let g = model.grads(&model.init(), rank, 0);
+            handed_over_step(&mut e, &g, &store)?;
+            // Returned with the gate shut: the other rank's pieces are not
+            // in yet, unless the step gathered them itself.
             let pending = e.refresh().pending();
-            let untouched = *store.lock().unwrap() == model.init();
-            let stepped_in_place = params != model.init();
+            let complete_at_return = close(&store.lock().unwrap(), &expected[0]);
             gate.open();
             e.wait_for_params()?;
             e.finish_gathers()?;
-            let result = if defer {
-                store.lock().unwrap().clone()
-            } else {
-                params.clone()
-            };
+            let result = store.lock().unwrap().clone();
             // A gradient in a slot (a parameter a plain op reads) keeps
             // the gathers in the step.
             let slots: Vec<Option<HostGrad<'_, f64>>> = g.iter().map(|g| Some(g.into())).collect();
             let before = e.deferred_steps();
-            e.step(&slots, &mut params)?;
+            e.step(&slots, &mut Shared(store.clone()))?;
             let slot_step_deferred = e.deferred_steps() > before;
-            Ok((
-                pending,
-                untouched,
-                stepped_in_place,
-                result,
-                slot_step_deferred,
-            ))
+            Ok((pending, complete_at_return, result, slot_step_deferred))
         });
-        for (pending, untouched, stepped_in_place, result, slot_step_deferred) in results {
+        for (pending, complete_at_return, result, slot_step_deferred) in results {
             assert_eq!(
                 pending, defer,
                 "gathers still to come when the step returned"
             );
-            assert!(untouched, "the writer wrote nothing before the gate opened");
             assert_eq!(
-                stepped_in_place, !defer,
-                "the step wrote the replica itself"
+                complete_at_return, !defer,
+                "the step gathered before returning"
             );
             common::assert_close(&result, &expected[0], 1e-9, &format!("defer {defer}"));
             assert!(

@@ -27,8 +27,9 @@ const STEPS: usize = 3;
 
 /// Process peak heap bytes above what was live before, for one stage;
 /// `hooked`: the layers hand their gradients to the engine during backward
-/// (`ZeroHook`, `backward_step`) instead of through the `GradStore`.
-fn peak_above_baseline(stage: Stage, hooked: bool) -> Result<usize, String> {
+/// (`ZeroHook`, `backward_step`) instead of through the `GradStore`;
+/// `defer`: with the all-gathers deferred into the next forward.
+fn peak_above_baseline(stage: Stage, hooked: bool, defer: bool) -> Result<usize, String> {
     heap::reset_peak();
     let baseline = heap::current_bytes().ok_or("the counting allocator is not installed")?;
     let results = ThreadGroup::new(WORLD_SIZE).run(|comm| {
@@ -44,7 +45,9 @@ fn peak_above_baseline(stage: Stage, hooked: bool) -> Result<usize, String> {
                 hooked.then(|| hook.clone() as Arc<dyn GradHook>),
             )?;
             let adamw = AdamW::new(AdamWConfig::default().with_lr(1e-3))?;
-            let config = EngineConfig::default().with_stage(stage);
+            let config = EngineConfig::default()
+                .with_stage(stage)
+                .with_defer_gathers(defer);
             let mut opt = ZeroOptimizer::<_, f32>::new(&varmap, comm, config, Box::new(adamw))?;
             if hooked {
                 opt = opt.with_hook(&hook)?;
@@ -91,7 +94,7 @@ pub fn run(report: &mut Report) {
             (false, "", &mut peaks),
             (true, "hooked_", &mut hooked_peaks),
         ] {
-            match peak_above_baseline(stage, hooked) {
+            match peak_above_baseline(stage, hooked, false) {
                 Ok(peak) => {
                     report.add(
                         &format!("memory.{prefix}{name}_peak_bytes"),
@@ -107,6 +110,18 @@ pub fn run(report: &mut Report) {
                 }
             }
         }
+    }
+    match peak_above_baseline(Stage::Gradients, true, true) {
+        Ok(peak) => {
+            report.add("memory.deferred_s2_peak_bytes", peak as f64, "bytes", None);
+            report.add(
+                "memory.deferred_s2_peak_over_hooked_s2_peak",
+                peak as f64 / hooked_peaks[2],
+                "ratio",
+                None,
+            );
+        }
+        Err(e) => eprintln!("bench memory: stage 2, deferred gathers: {e}"),
     }
     report.add(
         "memory.hooked_s0_peak_bytes_per_param",

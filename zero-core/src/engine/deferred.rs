@@ -23,10 +23,12 @@ use std::sync::mpsc::{Receiver, Sender};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
-/// Writes gathered values into the framework's parameters from the
-/// gather thread: what deferral needs beyond the engine's memory, since a
-/// framework lends its parameters to each engine call only.
-pub trait ParamWriter<T: Element, C: Communicator, M: ShardMemory<T, C>>: Send {
+/// The framework's parameters as the gather thread reaches them: a
+/// framework lends its parameters to each engine call only, so deferral
+/// needs its own way in.
+pub trait ParamAccess<T: Element, C: Communicator, M: ShardMemory<T, C>>: Send {
+    /// [`ShardMemory::read_params`] on the framework's parameters.
+    fn read(&mut self, memory: &mut M, copies: &[ParamCopy], values: &mut M::Buffer) -> Result<()>;
     /// [`ShardMemory::write_params`] on the framework's parameters.
     fn write(&mut self, memory: &mut M, copies: &[ParamCopy], values: &M::Buffer) -> Result<()>;
 }
@@ -138,9 +140,12 @@ impl Drop for EndOnDrop {
 }
 
 /// One bucket to all-gather and write.
-pub(super) struct GatherJob<B> {
-    /// This rank's updated chunk (as long as the bucket's chunk).
-    pub send: B,
+pub(super) struct GatherJob {
+    /// This rank's updated pieces, already in the parameters (the step
+    /// wrote them), at their places in the bucket's chunk.
+    pub owned: Vec<ParamCopy>,
+    /// Elements of one rank's chunk of the bucket.
+    pub chunk: usize,
     /// Elements of the whole bucket.
     pub len: usize,
     /// Where the bucket's active parameters lie in it.
@@ -153,10 +158,12 @@ pub(super) struct Payload<T: Element, C: Communicator, M: ShardMemory<T, C>> {
     pub comm: Arc<C>,
     /// The buckets to gather, in order, as they are stepped; the thread
     /// ends when the channel closes.
-    pub jobs: Receiver<GatherJob<M::Buffer>>,
+    pub jobs: Receiver<GatherJob>,
+    /// A buffer as long as the longest chunk, to send from.
+    pub send: M::Buffer,
     /// A buffer as long as the longest bucket.
     pub recv: M::Buffer,
-    pub writer: Box<dyn ParamWriter<T, C, M>>,
+    pub access: Box<dyn ParamAccess<T, C, M>>,
     pub refresh: Arc<Refresh>,
     /// The dtype on the wire.
     pub dtype: DType,
@@ -165,7 +172,7 @@ pub(super) struct Payload<T: Element, C: Communicator, M: ShardMemory<T, C>> {
 /// What the gather thread gives back.
 pub(super) struct Finished<T: Element, C: Communicator, M: ShardMemory<T, C>> {
     recv: M::Buffer,
-    writer: Box<dyn ParamWriter<T, C, M>>,
+    access: Box<dyn ParamAccess<T, C, M>>,
     result: Result<()>,
 }
 
@@ -180,18 +187,23 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Payload<T, C, M> {
             mut memory,
             comm,
             jobs,
+            mut send,
             mut recv,
-            mut writer,
+            mut access,
             refresh,
             dtype,
         } = self;
         let guard = EndOnDrop(Arc::clone(&refresh));
         let mut result = Ok(());
         for job in jobs {
-            let chunk = M::buffer_len(&job.send).min(job.len);
-            result = memory
-                .all_gather_as(&*comm, &job.send, 0..chunk, &mut recv, 0..job.len, dtype)
-                .and_then(|()| writer.write(&mut memory, &job.copies, &recv));
+            // Read here, as late as possible: no stepped chunk waits in a
+            // buffer of its own.
+            result = access
+                .read(&mut memory, &job.owned, &mut send)
+                .and_then(|()| {
+                    memory.all_gather_as(&*comm, &send, 0..job.chunk, &mut recv, 0..job.len, dtype)
+                })
+                .and_then(|()| access.write(&mut memory, &job.copies, &recv));
             if result.is_err() {
                 break;
             }
@@ -201,7 +213,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Payload<T, C, M> {
         drop(guard);
         Finished {
             recv,
-            writer,
+            access,
             result,
         }
     }
@@ -236,11 +248,11 @@ where
 {
     /// Lets steps defer their all-gathers
     /// ([`EngineConfig::defer_gathers`](super::EngineConfig::defer_gathers)):
-    /// `writer` writes into the framework's parameters from the gather
-    /// thread. Without one, steps gather before they return.
-    pub fn set_param_writer(&mut self, writer: Box<dyn ParamWriter<T, C, M>>) -> Result<()> {
+    /// `access` reads and writes the framework's parameters from the
+    /// gather thread. Without one, steps gather before they return.
+    pub fn set_param_access(&mut self, access: Box<dyn ParamAccess<T, C, M>>) -> Result<()> {
         self.finish_gathers()?;
-        self.param_writer = Some(writer);
+        self.param_access = Some(access);
         self.spawner = Some(spawn_thread::<T, C, M>);
         Ok(())
     }
@@ -287,11 +299,11 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         self.take_back(finished)
     }
 
-    /// Takes back the recv buffer and writer of a finished gather run; its
-    /// result.
+    /// Takes back the recv buffer and parameter access of a finished
+    /// gather run; its result.
     pub(super) fn take_back(&mut self, finished: Finished<T, C, M>) -> Result<()> {
         self.pool.push(finished.recv);
-        self.param_writer = Some(finished.writer);
+        self.param_access = Some(finished.access);
         finished.result
     }
 }

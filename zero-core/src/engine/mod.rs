@@ -46,7 +46,7 @@ mod state;
 pub use config::{
     ClipConfig, EngineConfig, NormType, Overlap, ParamGroupSpec, PartitionerKind, Stage,
 };
-pub use deferred::{ParamWriter, Refresh};
+pub use deferred::{ParamAccess, Refresh};
 pub use fetch::{FetchStats, Fetcher, Gathered};
 pub use layout::{Layout, Run};
 pub use memory::MemoryReport;
@@ -160,10 +160,10 @@ pub struct Engine<T: Element, C: Communicator, M: ShardMemory<T, C> = HostMemory
     fetcher: Option<Arc<Fetcher<T>>>,
     /// Stage 3: the fetcher holds `param_shard` (between steps).
     shard_lent: bool,
-    /// `defer_gathers`: how the gather thread writes into the framework's
-    /// parameters (lent to it while it runs).
-    param_writer: Option<Box<dyn deferred::ParamWriter<T, C, M>>>,
-    /// Starts the gather thread (set with the writer).
+    /// `defer_gathers`: how the gather thread reads and writes the
+    /// framework's parameters (lent to it while it runs).
+    param_access: Option<Box<dyn deferred::ParamAccess<T, C, M>>>,
+    /// Starts the gather thread (set with the access).
     spawner: Option<deferred::Spawner<T, C, M>>,
     /// The last step's deferred all-gathers, while they may run.
     deferred: Option<deferred::Pending<T, C, M>>,
@@ -259,7 +259,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             sharded: Vec::new(),
             fetcher: None,
             shard_lent: false,
-            param_writer: None,
+            param_access: None,
             spawner: None,
             deferred: None,
             refresh: Arc::default(),

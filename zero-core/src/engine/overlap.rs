@@ -1118,7 +1118,7 @@ where
     /// arrive: the optimizer runs while earlier buckets are on the wire.
     /// `Ok(false)` (nothing done) when this memory or partition cannot.
     ///
-    /// With `defer`, and a [`ParamWriter`](super::ParamWriter) set, the
+    /// With `defer`, and a [`ParamAccess`](super::ParamAccess) set, the
     /// all-gathers run after this returns instead (see `deferred.rs`).
     pub(super) fn step_and_gather_overlapped(
         &mut self,
@@ -1180,11 +1180,12 @@ where
             shard_len,
         };
         if defer {
-            if let Some(writer) = self.param_writer.take() {
+            if let Some(access) = self.param_access.take() {
                 // Forward order: buckets follow gradient order, so the last
-                // one holds the first layers. Each bucket is stepped and
-                // handed to the gather thread in that order, so the first
-                // layers' parameters are on the wire while the rest step.
+                // one holds the first layers. Each bucket is stepped, its
+                // owned pieces written into the parameters, and handed to
+                // the gather thread in that order, so the first layers'
+                // parameters are on the wire while the rest step.
                 let order: Vec<usize> = (0..groups.len())
                     .rev()
                     .filter(|&k| self.bucket_active[k])
@@ -1193,14 +1194,22 @@ where
                     .iter()
                     .map(|&k| bucket_copies(&self.layout, &self.active, k))
                     .collect();
-                let recv =
-                    match take_shortest(&mut self.memory, &mut self.pool, self.longest_bucket) {
-                        Ok((recv, _)) => recv,
-                        Err(e) => {
-                            self.param_writer = Some(writer);
-                            return Err(e);
-                        }
-                    };
+                let buffers = self
+                    .memory
+                    .alloc_zeroed(longest_chunk)
+                    .and_then(|thread_send| {
+                        let send = self.memory.alloc_zeroed(longest_chunk)?;
+                        let (recv, _) =
+                            take_shortest(&mut self.memory, &mut self.pool, self.longest_bucket)?;
+                        Ok((send, thread_send, recv))
+                    });
+                let (mut send, thread_send, recv) = match buffers {
+                    Ok(buffers) => buffers,
+                    Err(e) => {
+                        self.param_access = Some(access);
+                        return Err(e);
+                    }
+                };
                 self.refresh
                     .start(needed_per_param(self.params.len(), &copies));
                 let (job_tx, jobs) = mpsc::channel();
@@ -1208,40 +1217,43 @@ where
                     memory: worker_memory,
                     comm: Arc::clone(&self.comm),
                     jobs,
+                    send: thread_send,
                     recv,
-                    writer,
+                    access,
                     refresh: Arc::clone(&self.refresh),
                     dtype: gather_dtype,
                 };
                 let started = super::deferred::start(self.spawner, self.comm.rank(), payload);
                 let mut stepped = Ok(());
                 for (&k, copies) in order.iter().zip(copies) {
-                    stepped = self
-                        .memory
-                        .alloc_zeroed(self.layout.buckets[k].len())
-                        .and_then(|mut send| {
-                            step_bucket(
-                                &mut self.memory,
-                                self.optimizer.as_mut(),
-                                params,
-                                (&mut self.param_shard, grad_chunk.as_mut()),
-                                &stepper,
-                                (k, groups[k].clone()),
-                                &mut send,
-                            )?;
-                            Ok(send)
+                    let chunk = self.layout.buckets[k].clone();
+                    let owned: Vec<super::ParamCopy> = self.owned_copies[groups[k].clone()]
+                        .iter()
+                        .map(|c| super::ParamCopy {
+                            at: c.at - chunk.start,
+                            ..c.clone()
                         })
-                        .map(|send| {
-                            // The thread runs until the channel closes.
-                            let _ = job_tx.send(super::deferred::GatherJob {
-                                send,
-                                len: self.layout.bucket_range(k).len(),
-                                copies,
-                            });
-                        });
+                        .collect();
+                    stepped = step_bucket(
+                        &mut self.memory,
+                        self.optimizer.as_mut(),
+                        params,
+                        (&mut self.param_shard, grad_chunk.as_mut()),
+                        &stepper,
+                        (k, groups[k].clone()),
+                        &mut send,
+                    )
+                    .and_then(|()| self.memory.write_params(params, &owned, &send));
                     if stepped.is_err() {
                         break;
                     }
+                    // The thread runs until the channel closes.
+                    let _ = job_tx.send(super::deferred::GatherJob {
+                        owned,
+                        chunk: chunk.len(),
+                        len: self.layout.bucket_range(k).len(),
+                        copies,
+                    });
                 }
                 // Closing the channel ends the thread after the last job.
                 drop(job_tx);
