@@ -335,3 +335,52 @@ where
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn a_wait_returns_once_its_buckets_are_written_and_fails_if_the_thread_fails() {
+        let refresh = Arc::new(Refresh::default());
+        // Parameter 0 is in the first bucket, 1 in the second, 2 in none.
+        refresh.start(vec![1, 2, 0]);
+        assert!(refresh.pending());
+        refresh
+            .wait(2)
+            .expect("a parameter in no bucket is current");
+        let waiter = {
+            let refresh = refresh.clone();
+            std::thread::spawn(move || refresh.wait(1))
+        };
+        refresh.wrote_one();
+        refresh.wait(0).expect("its bucket is written");
+        std::thread::sleep(Duration::from_millis(20));
+        assert!(
+            !waiter.is_finished(),
+            "parameter 1 waits for the second bucket"
+        );
+        refresh.end(Some("peer 1 failed".into()));
+        let err = waiter.join().unwrap().expect_err("its bucket never came");
+        assert!(err.to_string().contains("peer 1 failed"), "{err}");
+        assert!(refresh.wait_all().is_err());
+        assert!(!refresh.pending());
+    }
+
+    #[test]
+    fn a_gather_thread_that_panics_ends_the_waits() {
+        let refresh = Arc::new(Refresh::default());
+        refresh.start(vec![1]);
+        let thread = {
+            let refresh = refresh.clone();
+            std::thread::spawn(move || {
+                let _guard = EndOnDrop(refresh);
+                panic!("a write failed hard");
+            })
+        };
+        assert!(thread.join().is_err());
+        let err = refresh.wait(0).expect_err("no layer waits forever");
+        assert!(err.to_string().contains("panicked"), "{err}");
+    }
+}
