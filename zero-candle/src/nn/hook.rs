@@ -82,7 +82,8 @@ pub trait GradHook: Send + Sync {
     /// Called by a layer's forward before it reads `var`'s values. A hook
     /// whose optimizer brings the parameters up to date in the background
     /// (deferred all-gathers after a step) waits here until `var` holds the
-    /// last step's values. The default returns at once.
+    /// last step's values. The default returns at once; a hook that wraps
+    /// another must pass this on, or its layers may read stale values.
     fn before_read(&self, var: &Var) -> Result<()> {
         let _ = var;
         Ok(())
