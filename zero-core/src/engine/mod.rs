@@ -23,7 +23,9 @@
 //! Gradients handed over during backward ([`Engine::begin_backward`],
 //! [`Engine::accumulate_param`]) are reduced bucket by bucket as backward
 //! produces them, on a communication thread ([`Overlap`]; see the
-//! `overlap` module).
+//! `overlap` module). With [`EngineConfig::defer_gathers`], stages 1 and 2
+//! leave the all-gathers to a thread that runs into the next forward,
+//! whose layers wait for their own parameters (the `deferred` module).
 //!
 //! Stages 1 and 2 move `2(N-1)/N` times the (padded) parameter bytes per
 //! rank and step, plus one all-reduce of the trainable mask (one `f32` per
