@@ -47,33 +47,38 @@ fn steps_run(metrics: &Path) -> Vec<u64> {
 
 #[test]
 fn resume_at_same_world_size_is_bitwise_identical() {
-    let dir = tempfile::tempdir().unwrap();
-    let ckpt = dir.path().join("ckpt");
     let common = ["--world-size", "2", "--stage", "2", "--batch-size", "8"];
     let full = train(&[&common[..], &["--steps", "6"]].concat());
-    let ckpt_args = [
-        "--steps",
-        "3",
-        "--checkpoint-dir",
-        path(&ckpt),
-        "--checkpoint-every",
-        "3",
-    ];
-    train(&[&common[..], &ckpt_args[..]].concat());
-    let metrics = dir.path().join("metrics.jsonl");
-    let resume_args = [
-        "--steps",
-        "6",
-        "--resume",
-        path(&ckpt),
-        "--metrics",
-        path(&metrics),
-    ];
-    let resumed = train(&[&common[..], &resume_args[..]].concat());
-    // Only steps 4..=6 ran after the resume.
-    assert_eq!(steps_run(&metrics), vec![4, 5, 6]);
-    assert_eq!(resumed.steps, 6);
-    assert_eq!(max_diff(&resumed, &full), 0.0);
+    // With --defer-gathers the checkpoint is saved right after a step whose
+    // all-gathers are still running: the save waits for them.
+    for extra in [&[][..], &["--defer-gathers"][..]] {
+        let dir = tempfile::tempdir().unwrap();
+        let ckpt = dir.path().join("ckpt");
+        let common = [&common[..], extra].concat();
+        let ckpt_args = [
+            "--steps",
+            "3",
+            "--checkpoint-dir",
+            path(&ckpt),
+            "--checkpoint-every",
+            "3",
+        ];
+        train(&[&common[..], &ckpt_args[..]].concat());
+        let metrics = dir.path().join("metrics.jsonl");
+        let resume_args = [
+            "--steps",
+            "6",
+            "--resume",
+            path(&ckpt),
+            "--metrics",
+            path(&metrics),
+        ];
+        let resumed = train(&[&common[..], &resume_args[..]].concat());
+        // Only steps 4..=6 ran after the resume.
+        assert_eq!(steps_run(&metrics), vec![4, 5, 6], "{extra:?}");
+        assert_eq!(resumed.steps, 6);
+        assert_eq!(max_diff(&resumed, &full), 0.0, "{extra:?}");
+    }
 }
 
 #[test]
