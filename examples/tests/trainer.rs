@@ -366,6 +366,11 @@ fn every_overlap_schedule_trains_the_same_weights_bitwise() {
                     0.0,
                     "stage {stage}, --overlap {overlap} --defer-gathers"
                 );
+                // Six steps of two micro-steps: every step deferred.
+                assert_eq!(
+                    deferred.deferred_steps, 6,
+                    "stage {stage}, --overlap {overlap}"
+                );
             }
         }
     }
@@ -387,6 +392,11 @@ fn deferred_gathers_train_the_gpt_of_gathers_in_the_step_bitwise() {
     ];
     let gathered = train(&gpt);
     let deferred = train(&[&gpt[..], &["--defer-gathers"]].concat());
+    assert_eq!(gathered.deferred_steps, 0);
+    assert_eq!(
+        deferred.deferred_steps, 3,
+        "the tied head is hooked: every step defers"
+    );
     assert_eq!(max_abs_diff(&gathered, &deferred), 0.0);
     assert_eq!(gathered.sample, deferred.sample);
     let argv = ["train", "--quiet", "--stage", "0", "--defer-gathers"];

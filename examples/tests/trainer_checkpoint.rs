@@ -77,6 +77,9 @@ fn resume_at_same_world_size_is_bitwise_identical() {
         // Only steps 4..=6 ran after the resume.
         assert_eq!(steps_run(&metrics), vec![4, 5, 6], "{extra:?}");
         assert_eq!(resumed.steps, 6);
+        // The resumed run's own steps (4..=6) deferred when asked to.
+        let deferring = if extra.is_empty() { 0 } else { 3 };
+        assert_eq!(resumed.deferred_steps, deferring, "{extra:?}");
         assert_eq!(max_diff(&resumed, &full), 0.0, "{extra:?}");
     }
 }

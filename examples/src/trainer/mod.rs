@@ -120,6 +120,9 @@ pub struct Summary {
     pub val_loss: Option<f64>,
     /// The bytes `--sample` generated (GPT, rank 0).
     pub sample: Option<Vec<u8>>,
+    /// Steps whose all-gathers ran into the next forward (rank 0;
+    /// `--defer-gathers`).
+    pub deferred_steps: u64,
 }
 
 /// What a run trains on: rows for the MLP, text for the GPT.
@@ -568,6 +571,8 @@ trait RankOptimizer {
     fn load_checkpoint(&mut self, dir: &std::path::Path) -> Result<Manifest, TrainError>;
     /// Every trained variable's values by name (a collective at stage 3).
     fn full_weights(&self) -> Result<Vec<(String, Tensor)>, TrainError>;
+    /// Steps that deferred their all-gathers.
+    fn deferred_steps(&self) -> u64;
 }
 
 impl<C, T> RankOptimizer for ZeroOptimizer<C, T>
@@ -610,6 +615,9 @@ where
     }
     fn full_weights(&self) -> Result<Vec<(String, Tensor)>, TrainError> {
         Ok(ZeroOptimizer::full_weights(self)?)
+    }
+    fn deferred_steps(&self) -> u64 {
+        self.engine().deferred_steps()
     }
 }
 
@@ -881,6 +889,7 @@ fn train_loop(ctx: &LoopContext<'_>, opt: &mut dyn RankOptimizer) -> Result<Summ
         weights,
         val_loss,
         sample,
+        deferred_steps: opt.deferred_steps(),
     })
 }
 

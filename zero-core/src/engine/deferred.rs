@@ -121,7 +121,7 @@ impl Refresh {
 fn failed(state: &RefreshState) -> Error {
     Error::State(format!(
         "the all-gathers deferred from the last step failed ({}); this rank's parameters were \
-         not all updated, so the run cannot go on",
+         not all updated: restart the run from its last checkpoint",
         state
             .failure
             .as_deref()
@@ -292,7 +292,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         let finished = pending.join().ok().flatten().ok_or_else(|| {
             Error::State(
                 "the thread of the deferred all-gathers panicked; this rank's parameters were \
-                 not all updated, so the run cannot go on"
+                 not all updated: restart the run from its last checkpoint"
                     .into(),
             )
         })?;
@@ -320,17 +320,18 @@ where
     C: Communicator,
     M: ShardMemory<T, C>,
 {
-    let Some(spawn) = spawner else {
-        return Err(payload);
+    let spawned = match spawner {
+        Some(spawn) => spawn(rank),
+        None => Err(std::io::Error::other("no parameter access was set")),
     };
-    match spawn(rank) {
+    match spawned {
         Ok((send, handle)) => {
             // The thread waits for its payload: it cannot be gone.
             let _ = send.send(payload);
             Ok(handle)
         }
         Err(e) => {
-            tracing::warn!("no gather thread ({e})");
+            tracing::warn!("no gather thread ({e}); gathering before the step returns");
             Err(payload)
         }
     }

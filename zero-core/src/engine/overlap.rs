@@ -1227,13 +1227,7 @@ where
                 let mut stepped = Ok(());
                 for (&k, copies) in order.iter().zip(copies) {
                     let chunk = self.layout.buckets[k].clone();
-                    let owned: Vec<super::ParamCopy> = self.owned_copies[groups[k].clone()]
-                        .iter()
-                        .map(|c| super::ParamCopy {
-                            at: c.at - chunk.start,
-                            ..c.clone()
-                        })
-                        .collect();
+                    let owned = copies_from(&self.owned_copies[groups[k].clone()], chunk.start);
                     stepped = step_bucket(
                         &mut self.memory,
                         self.optimizer.as_mut(),
@@ -1264,7 +1258,6 @@ where
                         Ok(())
                     }
                     Err(payload) => {
-                        tracing::warn!("no gather thread; gathering before the step returns");
                         let finished = payload.run();
                         self.take_back(finished)
                     }
@@ -1468,6 +1461,18 @@ where
     memory.copy_range(send, 0, param_shard, shard_range, false)
 }
 
+/// `copies` (at shard offsets) at their places in a buffer that holds the
+/// shard from `start` on (one bucket's chunk).
+fn copies_from(copies: &[super::ParamCopy], start: usize) -> Vec<super::ParamCopy> {
+    copies
+        .iter()
+        .map(|c| super::ParamCopy {
+            at: c.at - start,
+            ..c.clone()
+        })
+        .collect()
+}
+
 /// Where bucket `k`'s active parameters lie in the gathered bucket.
 fn bucket_copies(layout: &super::Layout, active: &[bool], k: usize) -> Vec<super::ParamCopy> {
     let start = layout.bucket_range(k).start;
@@ -1515,13 +1520,7 @@ where
     M: ShardMemory<T, C>,
 {
     let start = shard_range.start;
-    let copies: Vec<super::ParamCopy> = copies
-        .iter()
-        .map(|c| super::ParamCopy {
-            at: c.at - start,
-            ..c.clone()
-        })
-        .collect();
+    let copies = copies_from(copies, start);
     memory.read_params(params, &copies, values)?;
     memory.copy_range(grad_chunk, 0, grads, shard_range.clone(), false)?;
     let pieces: Vec<super::StepPiece<'_>> = pieces
