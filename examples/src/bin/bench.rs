@@ -11,6 +11,8 @@
 static HEAP: zero_examples::heap::CountingAllocator = zero_examples::heap::CountingAllocator;
 
 fn main() {
-    zero_examples::tune_process();
+    // Most benchmarks run their ranks as threads of this process; those
+    // at world size 1 compare two runs under the same settings.
+    zero_examples::tune_process(2);
     zero_examples::bench::main();
 }

@@ -12,8 +12,8 @@ use zero_examples::trainer::{self, Args};
 static HEAP: zero_examples::heap::CountingAllocator = zero_examples::heap::CountingAllocator;
 
 fn main() {
-    zero_examples::tune_process();
     let args = Args::parse();
+    zero_examples::tune_process(args.ranks_in_process());
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .with_writer(std::io::stderr)

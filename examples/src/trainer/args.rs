@@ -263,3 +263,14 @@ pub struct Args {
     #[arg(long)]
     pub quiet: bool,
 }
+
+impl Args {
+    /// How many ranks run as threads of this process: the world size with
+    /// the thread backend, one otherwise (a process per rank).
+    pub fn ranks_in_process(&self) -> usize {
+        match self.backend {
+            Backend::Threads => usize::try_from(self.world_size).unwrap_or(usize::MAX),
+            Backend::Mpi | Backend::Nccl => 1,
+        }
+    }
+}
