@@ -405,6 +405,26 @@ fn deferred_gathers_train_the_gpt_of_gathers_in_the_step_bitwise() {
 }
 
 #[test]
+fn stage_3_on_nccl_is_refused_before_anything_starts() {
+    // Refused by the flags' check, before any GPU or NCCL is touched (so
+    // also in this build, which has no `nccl` feature and would otherwise
+    // say so instead).
+    let argv = ["train", "--quiet", "--backend", "nccl", "--stage", "3"];
+    let err = run(&Args::parse_from(argv)).expect_err("stage 3 runs on host memory");
+    assert!(err.to_string().contains("use --stage 2"), "{err}");
+}
+
+#[test]
+fn the_ranks_in_this_process_decide_the_process_settings() {
+    let threads = Args::parse_from(["train", "--world-size", "3"]);
+    assert_eq!(threads.ranks_in_process(), 3);
+    for backend in ["mpi", "nccl"] {
+        let args = Args::parse_from(["train", "--world-size", "3", "--backend", backend]);
+        assert_eq!(args.ranks_in_process(), 1, "{backend}: a process per rank");
+    }
+}
+
+#[test]
 fn stage_3_trains_the_weights_of_stage_2_bitwise() {
     // Weights of 16x16 and 16x8 elements: sharded with --persist-numel 64,
     // biases replicated; accumulation and tiny buckets on three ranks; and

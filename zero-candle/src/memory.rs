@@ -66,6 +66,10 @@ pub trait CandleMemory<T: Element + WithDType, C: Communicator + 'static>: Memor
     /// Calls `f` with the variables as the engine's parameters.
     fn with_params<R>(vars: &[Var], f: &mut ParamsFn<'_, T, C, Self, R>) -> Result<R>;
 
+    /// Whether [`CandleMemory::shard_parameters`] can shard (stage 3): host
+    /// memory only for now. Checked when the optimizer is built.
+    const SHARDS_PARAMETERS: bool = false;
+
     /// Stage 3: shards the parameters `mask` marks (see
     /// `Engine::shard_parameters`). Host memory only for now.
     fn shard_parameters(
@@ -74,11 +78,16 @@ pub trait CandleMemory<T: Element + WithDType, C: Communicator + 'static>: Memor
         vars: &[Var],
     ) -> Result<Arc<Fetcher<T>>> {
         let _ = (engine, mask, vars);
-        Err(zero_core::Error::Config(
-            "stage 3 runs on host memory (threads, MPI) for now; on NCCL use stage 2".into(),
-        )
-        .into())
+        Err(stage_3_unsupported().into())
     }
+}
+
+/// Why stage 3 is refused where parameters cannot be sharded.
+pub(crate) fn stage_3_unsupported() -> zero_core::Error {
+    zero_core::Error::Config(
+        "stage 3 shards parameters on host memory (threads, MPI) for now; on NCCL use stage 2"
+            .into(),
+    )
 }
 
 /// The gradient type of memory kind `K`.
@@ -121,6 +130,8 @@ impl<T: Element + WithDType, C: Communicator<Memory = Host> + 'static> CandleMem
     }
 
     const TAKES_BLOCKS: bool = true;
+
+    const SHARDS_PARAMETERS: bool = true;
 
     fn with_grad_block<R>(
         name: &str,

@@ -354,6 +354,13 @@ fn validate(args: &Args) -> Result<(), TrainError> {
                 .into(),
         ));
     }
+    if args.backend == Backend::Nccl && args.stage == 3 {
+        return Err(TrainError::Usage(
+            "--stage 3 shards parameters on host memory (--backend threads or mpi) for now; \
+             with --backend nccl use --stage 2"
+                .into(),
+        ));
+    }
     if args.backend == Backend::Nccl && (args.no_master_weights || args.reduce_in_param_dtype) {
         return Err(TrainError::Usage(
             "--backend nccl trains 16-bit models with f32 master weights and reduces their \
