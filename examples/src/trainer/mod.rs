@@ -105,6 +105,21 @@ pub struct StepMetrics {
     /// The process's peak heap bytes so far (all ranks of a threads run),
     /// as counted by the binary's allocator; absent when not counted.
     pub peak_heap_bytes: Option<usize>,
+    /// Stage 3, once sharded: rank 0's parameter gathers so far.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gathers: Option<GatherMetrics>,
+}
+
+/// Rank 0's stage 3 parameter gathers so far (`--metrics`).
+#[derive(Debug, Serialize)]
+pub struct GatherMetrics {
+    /// Requests whose gather had been issued ahead (prefetched).
+    pub prefetch_hits: u64,
+    /// Requests that issued their own gather.
+    pub prefetch_misses: u64,
+    /// Whether gathers run on a thread of their own (only then can one be
+    /// issued ahead: not under MPI without `MPI_THREAD_MULTIPLE`).
+    pub on_thread: bool,
 }
 
 /// What a finished run reports.
@@ -580,6 +595,8 @@ trait RankOptimizer {
     fn full_weights(&self) -> Result<Vec<(String, Tensor)>, TrainError>;
     /// Steps that deferred their all-gathers.
     fn deferred_steps(&self) -> u64;
+    /// Stage 3, once sharded: the parameter gathers so far.
+    fn gather_metrics(&self) -> Option<GatherMetrics>;
 }
 
 impl<C, T> RankOptimizer for ZeroOptimizer<C, T>
@@ -625,6 +642,15 @@ where
     }
     fn deferred_steps(&self) -> u64 {
         self.engine().deferred_steps()
+    }
+    fn gather_metrics(&self) -> Option<GatherMetrics> {
+        let fetcher = self.engine().fetcher()?;
+        let stats = fetcher.stats();
+        Some(GatherMetrics {
+            prefetch_hits: stats.hits,
+            prefetch_misses: stats.misses,
+            on_thread: fetcher.threaded(),
+        })
     }
 }
 
@@ -793,6 +819,7 @@ fn train_loop(ctx: &LoopContext<'_>, opt: &mut dyn RankOptimizer) -> Result<Summ
                 loss_scale: report.loss_scale,
                 skipped: report.skipped,
                 peak_heap_bytes: crate::heap::peak_bytes(),
+                gathers: opt.gather_metrics(),
             };
             let path = args.metrics.clone().unwrap_or_default();
             serde_json::to_writer(&mut *out, &line)

@@ -175,9 +175,10 @@ pub trait Communicator: Send + Sync {
     /// Whether this communicator and another of the same process (one made
     /// by [`Communicator::split`]) may each run a collective at the same
     /// time, from two threads. Stage 3 then gathers parameters on a thread
-    /// of its own while gradients are reduced on another. MPI says no: it
-    /// serializes every call of a process, so two collectives waiting on
-    /// each other's peers could deadlock.
+    /// of its own while gradients are reduced on another. MPI says so only
+    /// under `MPI_THREAD_MULTIPLE`: below it every call of a process is
+    /// serialized, so two collectives waiting on each other's peers could
+    /// deadlock.
     fn concurrent_groups(&self) -> bool {
         true
     }

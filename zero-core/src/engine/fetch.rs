@@ -201,8 +201,8 @@ pub struct Fetcher<T> {
     /// This rank's parameter shard, the gathers' source: lent by the
     /// engine between steps (the only copy).
     shard: Arc<RwLock<Vec<T>>>,
-    state: Mutex<State<T>>,
-    done: Condvar,
+    /// The plan and the gathers issued, shared with the gather thread.
+    board: Arc<Board<T>>,
     /// The gather thread's queue (`None`: gathers run on the caller's
     /// thread, for communicators that must not run two collectives at once).
     jobs: Option<Mutex<Sender<Job<T>>>>,
@@ -212,9 +212,20 @@ pub struct Fetcher<T> {
     worker: Mutex<Option<JoinHandle<()>>>,
 }
 
+/// What the caller's thread and the gather thread share: the state, and
+/// the condition a request waits on for its gather.
+struct Board<T> {
+    state: Mutex<State<T>>,
+    done: Condvar,
+}
+
 impl<T> Drop for Fetcher<T> {
     fn drop(&mut self) {
         // Closing the queue stops the thread after the gather under way.
+        // The thread holds no handle on the fetcher, so this runs on
+        // another thread, and the communicator in `gather` is let go here
+        // after the thread's (MPI wants `MPI_Finalize`, which the last
+        // communicator's drop may call, on the thread that initialized it).
         self.jobs = None;
         let worker = self
             .worker
@@ -222,11 +233,7 @@ impl<T> Drop for Fetcher<T> {
             .unwrap_or_else(PoisonError::into_inner)
             .take();
         if let Some(worker) = worker {
-            // The thread itself may hold the last handle (briefly, while
-            // it reports a gather): it is stopping anyway.
-            if worker.thread().id() != std::thread::current().id() {
-                let _ = worker.join();
-            }
+            let _ = worker.join();
         }
     }
 }
@@ -278,24 +285,26 @@ impl<T: crate::Element> Fetcher<T> {
             prefetch_bytes,
             max_live_bytes,
             shard: Arc::new(RwLock::new(shard)),
-            state: Mutex::new(State {
-                phase: Phase::Forward,
-                forward_trace: Vec::new(),
-                backward_trace: None,
-                log: Vec::new(),
-                plan: VecDeque::new(),
-                continued: false,
-                issued: VecDeque::new(),
-                next_ticket: 0,
-                ahead_bytes: 0,
-                live_bytes: 0,
-                pool: Vec::new(),
-                stats: FetchStats {
-                    gathers,
-                    ..FetchStats::default()
-                },
+            board: Arc::new(Board {
+                state: Mutex::new(State {
+                    phase: Phase::Forward,
+                    forward_trace: Vec::new(),
+                    backward_trace: None,
+                    log: Vec::new(),
+                    plan: VecDeque::new(),
+                    continued: false,
+                    issued: VecDeque::new(),
+                    next_ticket: 0,
+                    ahead_bytes: 0,
+                    live_bytes: 0,
+                    pool: Vec::new(),
+                    stats: FetchStats {
+                        gathers,
+                        ..FetchStats::default()
+                    },
+                }),
+                done: Condvar::new(),
             }),
-            done: Condvar::new(),
             jobs,
             gather,
             worker: Mutex::new(None),
@@ -305,7 +314,7 @@ impl<T: crate::Element> Fetcher<T> {
                 units: fetcher.units.clone(),
                 shard: fetcher.shard.clone(),
                 gather: fetcher.gather.clone(),
-                fetcher: Arc::downgrade(&fetcher),
+                board: Arc::clone(&fetcher.board),
             };
             let handle = std::thread::Builder::new()
                 .name("zero-gather".into())
@@ -322,7 +331,10 @@ impl<T: crate::Element> Fetcher<T> {
     fn lock(&self) -> MutexGuard<'_, State<T>> {
         // Every change to the state is made after the fallible work, so a
         // panic elsewhere leaves it consistent.
-        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+        self.board
+            .state
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Whether parameter `param` is sharded (gathered on use).
@@ -421,6 +433,7 @@ impl<T: crate::Element> Fetcher<T> {
         };
         self.top_up(&mut st);
         let mut st = self
+            .board
             .done
             .wait_while(st, |st| {
                 st.issued
@@ -754,7 +767,8 @@ impl<T: crate::Element> Fetcher<T> {
         st: MutexGuard<'a, State<T>>,
         ticket: u64,
     ) -> MutexGuard<'a, State<T>> {
-        self.done
+        self.board
+            .done
             .wait_while(st, |st| {
                 st.issued
                     .iter()
@@ -766,6 +780,7 @@ impl<T: crate::Element> Fetcher<T> {
     /// Waits for every issued gather and puts its buffer back in the pool.
     fn drain<'a>(&'a self, st: MutexGuard<'a, State<T>>) -> Result<MutexGuard<'a, State<T>>> {
         let mut st = self
+            .board
             .done
             .wait_while(st, |st| st.issued.iter().any(|i| i.result.is_none()))
             .unwrap_or_else(PoisonError::into_inner);
@@ -844,22 +859,23 @@ struct Worker<T> {
     units: Vec<Unit>,
     shard: Arc<RwLock<Vec<T>>>,
     gather: Arc<GatherFn<T>>,
-    fetcher: std::sync::Weak<Fetcher<T>>,
+    board: Arc<Board<T>>,
 }
 
 impl<T: crate::Element> Worker<T> {
     fn run(self, jobs: Receiver<Job<T>>) {
         while let Ok((ticket, unit, buffer)) = jobs.recv() {
             let result = gather_unit(&self.units[unit], &self.shard, &*self.gather, buffer);
-            let Some(fetcher) = self.fetcher.upgrade() else {
-                return;
-            };
-            let mut st = fetcher.lock();
+            let mut st = self
+                .board
+                .state
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
             if let Some(issued) = st.issued.iter_mut().find(|i| i.ticket == ticket) {
                 issued.result = Some(result);
             }
             drop(st);
-            fetcher.done.notify_all();
+            self.board.done.notify_all();
         }
     }
 }

@@ -100,9 +100,10 @@ impl MpiComm {
         let (done, outcome) = mpsc::sync_channel::<Result<S>>(1);
         let job: progress::Job = Box::new(move || {
             let mut staged = staged;
-            let result = Entered::begin(threading, &watch, op, seq, timeout)
-                .map_err(zero_core::Error::from)
-                .and_then(|_entered| collective(&group, &mut staged));
+            let result =
+                Entered::begin(group.calls(threading), threading, &watch, op, seq, timeout)
+                    .map_err(zero_core::Error::from)
+                    .and_then(|_entered| collective(&group, &mut staged));
             // The receiver is gone when the `Work` was leaked or dropped
             // during a panic: nobody wants the result then.
             let _ = done.send(result.map(|()| staged));

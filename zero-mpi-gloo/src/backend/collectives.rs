@@ -15,6 +15,7 @@ use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 use mpi::collective::{CommunicatorCollectives, Root};
 use mpi::datatype::PartitionMut;
+use mpi::environment::Threading;
 use mpi::topology::{Color, Communicator as _, Rank};
 use mpi::Count;
 use zero_core::{DType, Element, Host, ReduceOp, Result, Work};
@@ -575,11 +576,13 @@ impl zero_core::Communicator for MpiComm {
     /// and `MPI_UNDEFINED` for the others. Before splitting, ranks compare
     /// `ranks` (an all-gather), so a disagreement is an error on every rank
     /// rather than a hang.
-    /// No: every MPI call of the process holds one lock, so a collective
-    /// blocked on a peer would keep another communicator's collective (on
-    /// which that peer may be waiting) from starting.
+    /// Where MPI provides `MPI_THREAD_MULTIPLE`: a collective holds its own
+    /// communicator's lock. Otherwise every MPI call of the process holds one
+    /// lock, so a collective blocked on a peer would keep another
+    /// communicator's collective (on which that peer may be waiting) from
+    /// starting.
     fn concurrent_groups(&self) -> bool {
-        false
+        self.threading == Threading::Multiple
     }
 
     fn split(&self, ranks: &[usize]) -> Result<Option<Self>> {

@@ -17,9 +17,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-/// Every MPI call this crate makes holds this lock, so that the process needs
-/// no more than `MPI_THREAD_SERIALIZED`. MPI is a per-process library; one
-/// lock per process is the honest shape of that, not a convenience global.
+/// Under `MPI_THREAD_SERIALIZED`, every MPI call this crate makes holds this
+/// lock. MPI is a per-process library; one lock per process is the honest
+/// shape of that, not a convenience global. Under `MPI_THREAD_MULTIPLE` a
+/// collective holds its communicator's own lock instead ([`Group::calls`]),
+/// so that collectives of two communicators run at once; the calls that
+/// create, free or finalize still hold this one.
 static MPI_LOCK: Mutex<()> = Mutex::new(());
 
 /// Which algorithm the large reduce-scatter, all-gather and all-reduce use.
@@ -86,18 +89,26 @@ impl Algorithm {
 /// job, naming the collective and its sequence number, when one runs longer.
 ///
 /// # Threads
-/// `MpiComm` is `Send + Sync`; every MPI call of this crate holds one
-/// process-wide lock, so MPI needs `MPI_THREAD_SERIALIZED`, which
-/// [`MpiComm::init`] asks for. With a communicator from a program that
-/// initialized MPI at a lower level, collectives called from another thread
-/// than the initializing one return an error.
+/// `MpiComm` is `Send + Sync`. [`MpiComm::init`] asks MPI for
+/// `MPI_THREAD_MULTIPLE`; where MPI provides it, a collective holds its
+/// communicator's lock, so collectives of two communicators (one
+/// [`split`](zero_core::Communicator::split) from the other) run at the same
+/// time from two threads ([`concurrent_groups`](zero_core::Communicator::concurrent_groups)
+/// is then `true`: stage 3 gathers on a thread of its own while gradients
+/// are reduced on another). Where MPI provides only
+/// `MPI_THREAD_SERIALIZED`, every MPI call of this crate holds one
+/// process-wide lock and such collectives run one after the other. With a
+/// communicator from a program that initialized MPI at a lower level,
+/// collectives called from another thread than the initializing one return
+/// an error.
 ///
 /// # Asynchronous forms
 /// `all_reduce_async`, `reduce_scatter_async`, `all_gather_async` and
 /// `broadcast_async` return while the collective is still running. Each
 /// copies its input into buffers it owns and queues the collective on the
 /// process's progress thread, which runs queued collectives one at a time in
-/// the order they were started (on every communicator of the process); the
+/// the order they were started (on every communicator of the process, also
+/// under `MPI_THREAD_MULTIPLE`); the
 /// returned [`Work`](zero_core::Work) copies the result into the caller's
 /// buffers when it is waited, or tested and found complete. The cost is one
 /// copy in and one copy out.
@@ -135,24 +146,35 @@ pub struct MpiComm {
 /// an [`MpiComm`] and the asynchronous collectives it has queued. Freed
 /// (`MPI_Comm_free`) under the MPI lock when the last holder drops it, which
 /// is the `MpiComm`: its `Drop` waits for the queued jobs first.
-pub(crate) struct Handle(ManuallyDrop<SimpleCommunicator>);
+pub(crate) struct Handle {
+    comm: ManuallyDrop<SimpleCommunicator>,
+    /// What a collective on this communicator holds under
+    /// `MPI_THREAD_MULTIPLE` ([`Group::calls`]).
+    calls: Mutex<()>,
+}
 
 // SAFETY: `SimpleCommunicator` is `!Send + !Sync` only because it holds a raw
 // `MPI_Comm` handle (a pointer in Open MPI). Every MPI call this crate makes
-// through it holds `MPI_LOCK` (`Entered::begin`, `Handle::drop`), so no two
-// threads are ever inside MPI through this crate at once: that is
-// `MPI_THREAD_SERIALIZED` usage. `Entered::begin` refuses calls from a
-// non-main thread when MPI provides less than that, and asynchronous
-// collectives only move to the progress thread when it provides at least
-// that. The handle itself is immutable after construction.
+// through it holds a lock (`Entered::begin`, `Handle::drop`): `MPI_LOCK`
+// where MPI provides `MPI_THREAD_SERIALIZED`, so no two threads are ever
+// inside MPI through this crate at once; the communicator's own where it
+// provides `MPI_THREAD_MULTIPLE`, so no two threads are ever inside MPI on
+// one communicator at once (MPI allows any threads in at once then).
+// `Entered::begin` refuses calls from a non-main thread when MPI provides
+// less than `MPI_THREAD_SERIALIZED`, and asynchronous collectives only move
+// to the progress thread when it provides at least that. The handle itself
+// is immutable after construction.
 unsafe impl Send for Handle {}
-// SAFETY: as for `Send`: shared access only reaches MPI under `MPI_LOCK`.
+// SAFETY: as for `Send`: shared access only reaches MPI under those locks.
 unsafe impl Sync for Handle {}
 
 impl Handle {
     /// Takes ownership of `comm`, a communicator this crate created.
     pub(crate) fn new(comm: SimpleCommunicator) -> Self {
-        Self(ManuallyDrop::new(comm))
+        Self {
+            comm: ManuallyDrop::new(comm),
+            calls: Mutex::new(()),
+        }
     }
 }
 
@@ -160,7 +182,7 @@ impl Deref for Handle {
     type Target = SimpleCommunicator;
 
     fn deref(&self) -> &SimpleCommunicator {
-        &self.0
+        &self.comm
     }
 }
 
@@ -169,7 +191,7 @@ impl Drop for Handle {
         let _guard = lock();
         // SAFETY: the communicator is dropped exactly once, here, and not
         // used after.
-        unsafe { ManuallyDrop::drop(&mut self.0) };
+        unsafe { ManuallyDrop::drop(&mut self.comm) };
     }
 }
 
@@ -181,6 +203,18 @@ pub(crate) struct Group {
     pub(crate) rank: usize,
     pub(crate) world_size: usize,
     pub(crate) algorithm: Algorithm,
+}
+
+impl Group {
+    /// The lock a collective on this communicator holds: its own where MPI
+    /// provides `MPI_THREAD_MULTIPLE`, the process's otherwise.
+    pub(crate) fn calls(&self, threading: Threading) -> &Mutex<()> {
+        if threading == Threading::Multiple {
+            &self.comm.calls
+        } else {
+            &MPI_LOCK
+        }
+    }
 }
 
 impl Drop for MpiComm {
@@ -227,7 +261,8 @@ impl std::fmt::Debug for MpiComm {
 }
 
 impl MpiComm {
-    /// Initializes MPI (asking for `MPI_THREAD_SERIALIZED`) and returns a
+    /// Initializes MPI (asking for `MPI_THREAD_MULTIPLE`, working with
+    /// `MPI_THREAD_SERIALIZED`; see "Threads" above) and returns a
     /// communicator over all processes of the job (a duplicate of
     /// `MPI_COMM_WORLD`). MPI is finalized when this communicator and every
     /// communicator split from it have been dropped.
@@ -240,8 +275,8 @@ impl MpiComm {
         if mpi::environment::is_initialized() {
             return Err(Error::AlreadyInitialized);
         }
-        let (universe, threading) = mpi::initialize_with_threading(Threading::Serialized)
-            .ok_or(Error::AlreadyInitialized)?;
+        let (universe, threading) =
+            mpi::initialize_with_threading(Threading::Multiple).ok_or(Error::AlreadyInitialized)?;
         let world = universe.world();
         Ok(Self::build(&world, threading, Some(Arc::new(universe))))
     }
@@ -397,6 +432,7 @@ impl MpiComm {
     fn enter(&self, op: &'static str) -> Result<Entered<'_>> {
         progress::wait_idle();
         Entered::begin(
+            self.group.calls(self.threading),
             self.threading,
             &self.watch,
             op,
@@ -416,25 +452,26 @@ impl MpiComm {
     }
 }
 
-/// A collective in progress: holds the MPI lock and is watched for its
-/// deadline until dropped.
+/// A collective in progress: holds its lock ([`Group::calls`]) and is
+/// watched for its deadline until dropped.
 struct Entered<'a> {
-    _lock: MutexGuard<'static, ()>,
+    _lock: MutexGuard<'a, ()>,
     watch: &'a Watch,
 }
 
 impl<'a> Entered<'a> {
-    /// Takes the MPI lock for collective `op` #`seq` and starts its deadline;
-    /// refuses a call from a thread MPI does not allow at the provided thread
-    /// level.
+    /// Takes `calls` (the lock [`Group::calls`] names) for collective `op`
+    /// #`seq` and starts its deadline; refuses a call from a thread MPI does
+    /// not allow at the provided thread level.
     fn begin(
+        calls: &'a Mutex<()>,
         threading: Threading,
         watch: &'a Watch,
         op: &'static str,
         seq: u64,
         timeout: Option<Duration>,
     ) -> Result<Self> {
-        let guard = lock();
+        let guard = hold(calls);
         if !other_threads_allowed(threading) {
             let mut flag: std::os::raw::c_int = 0;
             // SAFETY: MPI is initialized (checked at construction, and it stays
@@ -470,9 +507,13 @@ impl Drop for Entered<'_> {
 }
 
 fn lock() -> MutexGuard<'static, ()> {
+    hold(&MPI_LOCK)
+}
+
+fn hold(calls: &Mutex<()>) -> MutexGuard<'_, ()> {
     // A panic while holding the lock leaves no broken state behind (the lock
     // guards MPI calls, not data), so a poisoned lock is still usable.
-    MPI_LOCK
+    calls
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
