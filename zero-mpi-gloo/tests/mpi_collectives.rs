@@ -316,6 +316,79 @@ mod with_mpi {
         );
     }
 
+    /// Two communicators of the process at once, from two threads, entered
+    /// in opposite orders on even and odd ranks. With `MPI_THREAD_MULTIPLE`
+    /// each collective holds its own communicator's lock and both complete.
+    /// Under one process-wide lock each rank would sit inside one collective
+    /// waiting for a peer that waits for that lock (the short deadline
+    /// would then end the job naming the collective).
+    fn check_concurrent_groups(c: &mut Checker, world: &MpiComm) {
+        let (rank, w) = (world.rank(), world.world_size());
+        let multiple = world.threading() == mpi::environment::Threading::Multiple;
+        c.checks += 1;
+        if world.concurrent_groups() != multiple {
+            c.failures.push(format!(
+                "concurrent_groups() is {} at thread level {:?}",
+                world.concurrent_groups(),
+                world.threading()
+            ));
+        }
+        if !multiple || w == 1 {
+            if rank == 0 {
+                println!(
+                    "mpi_collectives: concurrent communicators not run (thread level {:?})",
+                    world.threading()
+                );
+            }
+            return;
+        }
+        let all: Vec<usize> = (0..w).collect();
+        let split = || match world.split(&all) {
+            Ok(Some(comm)) => comm.with_timeout(Some(std::time::Duration::from_secs(20))),
+            other => world.abort(&format!("split over every rank gave {other:?}")),
+        };
+        let (first, second) = (split(), split());
+        const LEN: usize = 1000;
+        let late = std::time::Duration::from_millis(200);
+        let (reduced, gathered) = std::thread::scope(|s| {
+            let reduce = s.spawn(|| {
+                if rank % 2 == 1 {
+                    std::thread::sleep(late);
+                }
+                let mut buf = data::<f32>(rank, LEN, 1);
+                first.all_reduce(&mut buf[..], ReduceOp::Sum).map(|()| buf)
+            });
+            let gather = s.spawn(|| {
+                if rank % 2 == 0 {
+                    std::thread::sleep(late);
+                }
+                let mut recv = vec![0f32; LEN * w];
+                second
+                    .all_gather(&data::<f32>(rank, LEN, 2)[..], &mut recv[..])
+                    .map(|()| recv)
+            });
+            (reduce.join(), gather.join())
+        });
+        match reduced.expect("the all-reduce thread panicked") {
+            Ok(buf) => c.close(
+                "concurrent all_reduce",
+                &buf,
+                |i| reference(ReduceOp::Sum, w, i, 1),
+                0.0,
+            ),
+            Err(e) => c.failures.push(format!("concurrent all_reduce: {e}")),
+        }
+        match gathered.expect("the all-gather thread panicked") {
+            Ok(recv) => c.close(
+                "concurrent all_gather",
+                &recv,
+                |i| value(i / LEN, i % LEN, 2),
+                0.0,
+            ),
+            Err(e) => c.failures.push(format!("concurrent all_gather: {e}")),
+        }
+    }
+
     pub fn main() {
         if !launched_by_mpirun() {
             println!(
@@ -389,6 +462,8 @@ mod with_mpi {
                 )),
             }
         }
+
+        check_concurrent_groups(&mut c, &world);
 
         c.checks += 1;
         if w > 1 && world.bytes_sent() == before {
