@@ -17,8 +17,16 @@ use zero_core::{Communicator, Element, Engine};
 /// the blocks' matmuls run at full speed.
 const BLOCK_BYTES: usize = 1 << 20;
 
-/// Stage 3's fetcher, and what takes its lent buffers back.
-type Sharded<T> = (Arc<Fetcher<T>>, Arc<dyn GiveBack>);
+/// Stage 3's fetcher, what takes its lent buffers back, and where each
+/// piece of each sharded parameter lies in its buffer (worked out once, so
+/// that lending a piece allocates nothing).
+#[derive(Clone)]
+struct Sharded<T> {
+    fetcher: Arc<Fetcher<T>>,
+    lender: Arc<dyn GiveBack>,
+    /// Per parameter and piece.
+    stretches: Arc<Vec<Vec<Arc<[Stretch]>>>>,
+}
 
 /// The engine of communicator `C` for elements `T`.
 type EngineOf<C, T> = Engine<T, C, MemoryOf<T, C>>;
@@ -235,12 +243,32 @@ where
         let [forward, backward] = std::mem::take(&mut inner.used);
         fetcher.seed(&forward, &backward);
         let lender: Arc<dyn GiveBack> = Arc::new(Lender(fetcher.clone()));
-        inner.fetcher = Some((fetcher, lender));
+        let stretches = (0..inner.vars.len())
+            .map(|param| {
+                (0..fetcher.pieces(param))
+                    .map(|piece| {
+                        let spans = fetcher.piece_spans(param, piece).unwrap_or_default();
+                        spans
+                            .iter()
+                            .map(|(at, values)| Stretch {
+                                at: at.clone(),
+                                values: values.clone(),
+                            })
+                            .collect()
+                    })
+                    .collect()
+            })
+            .collect();
+        inner.fetcher = Some(Sharded {
+            fetcher,
+            lender,
+            stretches: Arc::new(stretches),
+        });
     }
 
     /// The fetcher of the sharded parameters (stage 3).
     pub(crate) fn fetcher(&self) -> Option<Arc<Fetcher<T>>> {
-        self.lock().fetcher.as_ref().map(|(f, _)| f.clone())
+        self.lock().fetcher.as_ref().map(|s| s.fetcher.clone())
     }
 
     /// Lends the engine for a backward pass.
@@ -376,12 +404,12 @@ where
     }
 
     fn gather(&self, var: &Var, piece: usize) -> candle_core::Result<Option<GatheredParam>> {
-        let (fetcher, lender, i) = {
+        let (sharded, i) = {
             let mut inner = self.lock();
             let Some(&i) = inner.index.get(&var.as_tensor().id()) else {
                 return Ok(None);
             };
-            let Some((fetcher, lender)) = inner.fetcher.clone() else {
+            let Some(sharded) = inner.fetcher.clone() else {
                 if piece > 0 {
                     return Ok(None);
                 }
@@ -394,23 +422,16 @@ where
                 inner.used[pass].push(i);
                 return Ok(None);
             };
-            (fetcher, lender, i)
+            (sharded, i)
         };
-        if piece >= fetcher.pieces(i) {
+        let Some(stretches) = sharded.stretches.get(i).and_then(|p| p.get(piece)) else {
             return Ok(None);
-        }
+        };
+        let (fetcher, stretches) = (&sharded.fetcher, Arc::clone(stretches));
         let mut gathered = fetcher
             .acquire(i, piece)
             .map_err(candle_core::Error::wrap)?;
         let unit = gathered.unit();
-        let stretches: Vec<Stretch> = gathered
-            .spans()
-            .iter()
-            .map(|(at, values)| Stretch {
-                at: at.clone(),
-                values: values.clone(),
-            })
-            .collect();
         let buffer = std::mem::take(gathered.buffer_mut());
         if var.dtype() == <T as WithDType>::DTYPE {
             let storage = T::to_cpu_storage_owned(buffer);
@@ -419,7 +440,7 @@ where
                 stretches,
                 var.shape(),
                 unit,
-                lender,
+                sharded.lender.clone(),
             )));
         }
         // Master weights: the model computes with them rounded to its
@@ -427,12 +448,12 @@ where
         // gathered masters go back at once.
         let mut masters = Vec::with_capacity(stretches.iter().map(|s| s.at.len()).sum());
         let mut packed = Vec::with_capacity(stretches.len());
-        for stretch in stretches {
+        for stretch in stretches.iter() {
             let at = masters.len()..masters.len() + stretch.at.len();
-            masters.extend_from_slice(&buffer[stretch.at]);
+            masters.extend_from_slice(&buffer[stretch.at.clone()]);
             packed.push(Stretch {
                 at,
-                values: stretch.values,
+                values: stretch.values.clone(),
             });
         }
         fetcher.release_buffer(unit, buffer);

@@ -129,7 +129,7 @@ pub struct Stretch {
 /// back to the lender when this is dropped.
 pub struct GatheredParam {
     storage: Option<CpuStorage>,
-    stretches: Vec<Stretch>,
+    stretches: Arc<[Stretch]>,
     /// The parameter's layout in the storage, when the piece is all of it.
     whole: Option<Layout>,
     tag: usize,
@@ -142,12 +142,13 @@ impl GatheredParam {
     /// done.
     pub fn new(
         storage: CpuStorage,
-        stretches: Vec<Stretch>,
+        stretches: impl Into<Arc<[Stretch]>>,
         shape: &Shape,
         tag: usize,
         lender: Arc<dyn GiveBack>,
     ) -> Self {
-        let whole = match stretches.as_slice() {
+        let stretches = stretches.into();
+        let whole = match &*stretches {
             [one] if one.values == (0..shape.elem_count()) => {
                 Some(Layout::contiguous_with_offset(shape, one.at.start))
             }

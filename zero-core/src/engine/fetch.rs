@@ -78,6 +78,10 @@ pub(super) struct Unit {
     pub len: usize,
 }
 
+/// (elements of a gathered buffer, their places in the parameter), in
+/// order: one piece's stretches of one parameter.
+type PieceSpans = Arc<[(Range<usize>, Range<usize>)]>;
+
 /// One piece of a sharded parameter's values, gathered (all of them when
 /// the parameter is gathered whole): give it back with
 /// [`Fetcher::release`] when the layer is done with it.
@@ -86,7 +90,7 @@ pub struct Gathered<T> {
     buffer: Vec<T>,
     unit: usize,
     /// (elements of the buffer, their places in the parameter), in order.
-    spans: Vec<(Range<usize>, Range<usize>)>,
+    spans: PieceSpans,
     numel: usize,
 }
 
@@ -94,7 +98,7 @@ impl<T> Gathered<T> {
     /// Where the whole parameter lies in [`Gathered::buffer_mut`], when this
     /// piece holds all of it (a parameter gathered whole).
     pub fn whole(&self) -> Option<Range<usize>> {
-        match self.spans.as_slice() {
+        match &*self.spans {
             [(at, values)] if values.start == 0 && values.len() == self.numel => Some(at.clone()),
             _ => None,
         }
@@ -193,6 +197,11 @@ pub struct Fetcher<T> {
     place: Vec<Vec<Span>>,
     /// Per parameter: its units (pieces), in order.
     pieces: Vec<Vec<usize>>,
+    /// Per parameter and piece: where its values lie in the piece's
+    /// buffer (worked out once: a request allocates nothing).
+    piece_spans: Vec<Vec<PieceSpans>>,
+    /// Per parameter: its elements.
+    numel: Vec<usize>,
     /// Per unit, the parameters it brings.
     members: Vec<Vec<usize>>,
     elem_bytes: usize,
@@ -269,6 +278,26 @@ impl<T: crate::Element> Fetcher<T> {
                 u.len * elem_bytes
             )));
         }
+        let piece_spans = pieces
+            .iter()
+            .zip(&place)
+            .map(|(units, spans)| {
+                units
+                    .iter()
+                    .map(|&unit| {
+                        spans
+                            .iter()
+                            .filter(|s| s.unit == unit)
+                            .map(|s| (s.at.clone(), s.values.clone()))
+                            .collect()
+                    })
+                    .collect()
+            })
+            .collect();
+        let numel = place
+            .iter()
+            .map(|spans| spans.iter().map(|s| s.values.len()).sum())
+            .collect();
         let (jobs, receiver) = if threaded {
             let (tx, rx) = mpsc::channel();
             (Some(Mutex::new(tx)), Some(rx))
@@ -279,6 +308,8 @@ impl<T: crate::Element> Fetcher<T> {
         let fetcher = Arc::new(Self {
             units,
             place,
+            piece_spans,
+            numel,
             pieces,
             members,
             elem_bytes,
@@ -337,6 +368,20 @@ impl<T: crate::Element> Fetcher<T> {
             .unwrap_or_else(PoisonError::into_inner)
     }
 
+    /// Where piece `piece` of sharded parameter `param` lies in its
+    /// gathered buffer (as [`Gathered::spans`] will say), or `None` when
+    /// there is no such piece.
+    pub fn piece_spans(
+        &self,
+        param: usize,
+        piece: usize,
+    ) -> Option<&[(Range<usize>, Range<usize>)]> {
+        self.piece_spans
+            .get(param)?
+            .get(piece)
+            .map(|spans| &spans[..])
+    }
+
     /// Whether parameter `param` is sharded (gathered on use).
     pub fn is_sharded(&self, param: usize) -> bool {
         self.pieces(param) > 0
@@ -387,12 +432,8 @@ impl<T: crate::Element> Fetcher<T> {
                 self.pieces(param)
             )));
         };
-        let spans = self.place[param]
-            .iter()
-            .filter(|s| s.unit == unit)
-            .map(|s| (s.at.clone(), s.values.clone()))
-            .collect();
-        let numel = self.place[param].iter().map(|s| s.values.len()).sum();
+        let spans = Arc::clone(&self.piece_spans[param][piece]);
+        let numel = self.numel[param];
         let mut st = self.lock();
         // Once the forward went on into the backward's plan, nothing
         // planned is for this forward any more.
@@ -1004,6 +1045,22 @@ mod tests {
         assert_eq!(stats.misses - before, 3, "{stats:?}");
         assert!(stats.retraces >= 2, "{stats:?}");
         assert!(stats.peak_live_bytes <= 80, "{stats:?}");
+    }
+
+    /// Lending a piece builds no list of spans: every lend of a piece
+    /// shares the one worked out when the fetcher was made.
+    #[test]
+    fn lent_pieces_share_their_spans() {
+        let f = fetcher(3, 10, (80, 120), false);
+        let first = f.acquire(1, 0).unwrap();
+        assert_eq!(first.spans(), &[(0..10, 0..10)]);
+        assert_eq!(f.piece_spans(1, 0), Some(first.spans()));
+        assert_eq!(f.piece_spans(1, 1), None);
+        let spans = first.spans().as_ptr();
+        f.release(first);
+        let again = f.acquire(1, 0).unwrap();
+        assert_eq!(again.spans().as_ptr(), spans);
+        f.release(again);
     }
 
     #[test]
