@@ -22,9 +22,10 @@ pub mod trainer;
 ///   rank runs them on its own thread. That pool is one per process: the
 ///   ranks take turns on it behind a lock, and its workers and callers
 ///   spin while they wait (25,000 rounds after each op). On 2 cores at
-///   N=2 that spinning was 12-20% of the CPU time (`perf`), and without the
-///   pool `bench stage3`'s steps went from 62-68 ms to 53-58 ms at stage 2
-///   and from 74-84 ms to 46-49 ms at stage 3.
+///   N=2 that spinning was 16% of the CPU time at stage 2 and 28% at
+///   stage 3 (`perf`), and without the pool `bench stage3`'s steps went
+///   from 62-68 ms to 52-58 ms at stage 2 and from 74-84 ms to 45-54 ms at
+///   stage 3.
 /// - glibc's allocator keeps freed blocks of up to 32 MiB for reuse
 ///   (`M_MMAP_THRESHOLD` 32 MiB, `M_TRIM_THRESHOLD` 64 MiB). By default it
 ///   maps blocks above a threshold that it adjusts as blocks are freed,

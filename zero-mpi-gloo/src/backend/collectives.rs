@@ -572,10 +572,6 @@ impl zero_core::Communicator for MpiComm {
         self.start_broadcast(buf, root)
     }
 
-    /// `MPI_Comm_split` with color 0 for members (key: position in `ranks`)
-    /// and `MPI_UNDEFINED` for the others. Before splitting, ranks compare
-    /// `ranks` (an all-gather), so a disagreement is an error on every rank
-    /// rather than a hang.
     /// Where MPI provides `MPI_THREAD_MULTIPLE`: a collective holds its own
     /// communicator's lock. Otherwise every MPI call of the process holds one
     /// lock, so a collective blocked on a peer would keep another
@@ -585,6 +581,10 @@ impl zero_core::Communicator for MpiComm {
         self.threading == Threading::Multiple
     }
 
+    /// `MPI_Comm_split` with color 0 for members (key: position in `ranks`)
+    /// and `MPI_UNDEFINED` for the others. Before splitting, ranks compare
+    /// `ranks` (an all-gather), so a disagreement is an error on every rank
+    /// rather than a hang.
     fn split(&self, ranks: &[usize]) -> Result<Option<Self>> {
         const OP: &str = "split";
         let w = self.group.world_size;

@@ -21,8 +21,9 @@ use std::time::Duration;
 /// lock. MPI is a per-process library; one lock per process is the honest
 /// shape of that, not a convenience global. Under `MPI_THREAD_MULTIPLE` a
 /// collective holds its communicator's own lock instead ([`Group::calls`]),
-/// so that collectives of two communicators run at once; the calls that
-/// create, free or finalize still hold this one.
+/// so that collectives of two communicators run at once (a split is a
+/// collective of its parent); initializing, duplicating a program's
+/// communicator, freeing and finalizing still hold this one.
 static MPI_LOCK: Mutex<()> = Mutex::new(());
 
 /// Which algorithm the large reduce-scatter, all-gather and all-reduce use.
