@@ -359,6 +359,69 @@ mod with_mpi {
         }
     }
 
+    /// Under `MPI_THREAD_MULTIPLE` each communicator queues its
+    /// asynchronous collectives on its own: two threads starting them on
+    /// two communicators, in opposite orders on even and odd ranks, both
+    /// complete. With one queue for the process, each rank's progress
+    /// thread would sit in the collective it got first, waiting for a peer
+    /// whose matching one is queued behind the other (the short deadline
+    /// would then end the job naming it).
+    fn async_on_two_communicators_from_two_threads(c: &mut Checker, world: &MpiComm) {
+        let (rank, w) = (world.rank(), world.world_size());
+        if world.threading() != mpi::environment::Threading::Multiple || w == 1 {
+            if rank == 0 {
+                println!(
+                    "mpi_async: two threads' queues not run (thread level {:?})",
+                    world.threading()
+                );
+            }
+            return;
+        }
+        let all: Vec<usize> = (0..w).collect();
+        let split = || match world.split(&all) {
+            Ok(Some(comm)) => comm.with_timeout(Some(Duration::from_secs(20))),
+            other => world.abort(&format!("split over every rank gave {other:?}")),
+        };
+        let (first, second) = (split(), split());
+        let n = 1000;
+        let late = Duration::from_millis(200);
+        let (reduced, gathered) = std::thread::scope(|s| {
+            let reduce = s.spawn(|| {
+                if rank % 2 == 1 {
+                    std::thread::sleep(late);
+                }
+                let mut buf = exact_data::<f32>(rank, n, 6);
+                let work = first.all_reduce_async(&mut buf[..], ReduceOp::Sum);
+                work.and_then(Work::wait).map(|()| buf)
+            });
+            let gather = s.spawn(|| {
+                if rank % 2 == 0 {
+                    std::thread::sleep(late);
+                }
+                let send = exact_data::<f32>(rank, n, 7);
+                let mut recv = vec![0f32; w * n];
+                let work = second.all_gather_async(&send[..], &mut recv[..]);
+                work.and_then(Work::wait).map(|()| recv)
+            });
+            (reduce.join(), gather.join())
+        });
+        if let Some(buf) = c.ok(
+            "two threads: all_reduce_async",
+            reduced.expect("the all-reduce thread panicked"),
+        ) {
+            c.sums("two threads: all_reduce_async", &buf, w, 6);
+        }
+        if let Some(recv) = c.ok(
+            "two threads: all_gather_async",
+            gathered.expect("the all-gather thread panicked"),
+        ) {
+            let right = (0..w * n).all(|i| recv[i] == exact(i / n, i % n, 7) as f32);
+            c.check("two threads: all_gather_async", right, || {
+                "wrong gather".into()
+            });
+        }
+    }
+
     /// A leaked `Work` (`mem::forget`), whose buffer is then freed and its
     /// memory reused while the collective is still waiting for a late rank,
     /// breaks nothing: later collectives give right results, a communicator
@@ -492,6 +555,7 @@ mod with_mpi {
         };
         interleaved_keep_order(&mut c, &world, &other);
         drop(other);
+        async_on_two_communicators_from_two_threads(&mut c, &world);
         if w > 1 {
             leaked_work(&mut c, &world, &signals);
         }

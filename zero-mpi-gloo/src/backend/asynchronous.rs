@@ -109,14 +109,14 @@ impl MpiComm {
             let _ = done.send(result.map(|()| staged));
         });
         if other_threads_allowed(threading) {
-            if let Err(job) = progress::submit(job) {
+            if let Err(job) = self.group.comm.progress.submit(job) {
                 // No progress thread: run here, in order, like a blocking call.
-                progress::wait_idle();
+                self.group.comm.progress.wait_idle();
                 job();
             }
         } else {
             // Only this (the main) thread may call MPI: run to completion.
-            progress::wait_idle();
+            self.group.comm.progress.wait_idle();
             job();
         }
         Ok(Work::new(move |block| {

@@ -635,7 +635,7 @@ impl zero_core::Communicator for MpiComm {
         };
         Ok(Some(
             MpiComm::wrap(
-                super::Handle::new(sub),
+                super::Handle::new(sub, self.threading),
                 self.world_rank,
                 self.threading,
                 self.universe.clone(),

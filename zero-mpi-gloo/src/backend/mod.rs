@@ -7,6 +7,7 @@ mod progress;
 mod ring;
 
 use deadline::Watch;
+use progress::Progress;
 
 use crate::error::{Error, Result};
 use mpi::environment::{Threading, Universe};
@@ -106,17 +107,18 @@ impl Algorithm {
 /// # Asynchronous forms
 /// `all_reduce_async`, `reduce_scatter_async`, `all_gather_async` and
 /// `broadcast_async` return while the collective is still running. Each
-/// copies its input into buffers it owns and queues the collective on the
-/// process's progress thread, which runs queued collectives one at a time in
-/// the order they were started (on every communicator of the process, also
-/// under `MPI_THREAD_MULTIPLE`); the
+/// copies its input into buffers it owns and queues the collective on a
+/// progress thread, which runs queued collectives one at a time in the order
+/// they were started: the communicator's own under `MPI_THREAD_MULTIPLE`,
+/// else the process's one (for every communicator of the process); the
 /// returned [`Work`](zero_core::Work) copies the result into the caller's
 /// buffers when it is waited, or tested and found complete. The cost is one
 /// copy in and one copy out.
 ///
 /// Order, and with it the matching of collectives across ranks, stays the
-/// call order: a blocking collective (on any communicator of the process)
-/// first waits for every asynchronous one started before it, and so does
+/// call order: a blocking collective first waits for every asynchronous one
+/// started before it on the same queue (its communicator's, or under
+/// `MPI_THREAD_SERIALIZED` any communicator's of the process), and so does
 /// dropping a communicator. The deadline runs from the moment the progress
 /// thread issues the collective; errors are returned by the call (bad
 /// arguments) or by `wait`/`test`.
@@ -152,6 +154,9 @@ pub(crate) struct Handle {
     /// What a collective on this communicator holds under
     /// `MPI_THREAD_MULTIPLE` ([`Group::calls`]).
     calls: Mutex<()>,
+    /// Where its asynchronous collectives queue: its own queue under
+    /// `MPI_THREAD_MULTIPLE`, the process's otherwise (see `progress`).
+    progress: Arc<Progress>,
 }
 
 // SAFETY: `SimpleCommunicator` is `!Send + !Sync` only because it holds a raw
@@ -170,11 +175,18 @@ unsafe impl Send for Handle {}
 unsafe impl Sync for Handle {}
 
 impl Handle {
-    /// Takes ownership of `comm`, a communicator this crate created.
-    pub(crate) fn new(comm: SimpleCommunicator) -> Self {
+    /// Takes ownership of `comm`, a communicator this crate created, used
+    /// at thread level `threading`.
+    pub(crate) fn new(comm: SimpleCommunicator, threading: Threading) -> Self {
+        let progress = if threading == Threading::Multiple {
+            Progress::own()
+        } else {
+            Progress::process()
+        };
         Self {
             comm: ManuallyDrop::new(comm),
             calls: Mutex::new(()),
+            progress,
         }
     }
 }
@@ -189,6 +201,11 @@ impl Deref for Handle {
 
 impl Drop for Handle {
     fn drop(&mut self) {
+        // Every job holds the handle: none is left. A queue of this
+        // communicator's own ends its thread.
+        if !Arc::ptr_eq(&self.progress, &Progress::process()) {
+            self.progress.close();
+        }
         let _guard = lock();
         // SAFETY: the communicator is dropped exactly once, here, and not
         // used after.
@@ -222,7 +239,7 @@ impl Drop for MpiComm {
     fn drop(&mut self) {
         // Queued collectives hold the communicator: once every job queued
         // before now has run and been dropped, this is its last holder.
-        progress::wait_idle();
+        self.group.comm.progress.wait_idle();
         debug_assert_eq!(Arc::strong_count(&self.group.comm), 1);
         // SAFETY: `group` is dropped exactly once, here, and not used after.
         // Dropping the last `Handle` frees the communicator (under the lock).
@@ -288,7 +305,7 @@ impl MpiComm {
     /// The program keeps MPI initialized for as long as this value lives.
     pub fn from_communicator(comm: &SimpleCommunicator) -> Result<Self> {
         // The duplicate is a collective: issue it after any queued one.
-        progress::wait_idle();
+        Progress::process().wait_idle();
         let _guard = lock();
         if !mpi::environment::is_initialized() || mpi::environment::is_finalized() {
             return Err(Error::NotInitialized {
@@ -305,7 +322,7 @@ impl MpiComm {
         threading: Threading,
         universe: Option<Arc<Universe>>,
     ) -> Self {
-        let comm = Handle::new(comm.duplicate());
+        let comm = Handle::new(comm.duplicate(), threading);
         let world_rank = SimpleCommunicator::world().rank() as usize;
         Self::wrap(comm, world_rank, threading, universe)
     }
@@ -431,7 +448,7 @@ impl MpiComm {
     /// Enters MPI for one blocking collective `op`: waits for the
     /// asynchronous collectives started before it, then takes the MPI lock.
     fn enter(&self, op: &'static str) -> Result<Entered<'_>> {
-        progress::wait_idle();
+        self.group.comm.progress.wait_idle();
         Entered::begin(
             self.group.calls(self.threading),
             self.threading,
