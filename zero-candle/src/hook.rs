@@ -3,6 +3,7 @@
 
 use crate::memory::{CandleMemory, MemoryOf};
 use crate::nn::{GatheredParam, GiveBack, GradHook, Stretch};
+use crate::precision::RoundedPool;
 use candle_core::backprop::GradStore;
 use candle_core::{CpuStorage, Tensor, TensorId, Var, WithDType};
 use std::collections::HashMap;
@@ -26,6 +27,11 @@ struct Sharded<T> {
     lender: Arc<dyn GiveBack>,
     /// Per parameter and piece.
     stretches: Arc<Vec<Vec<Arc<[Stretch]>>>>,
+    /// The same stretches one after another from 0: their places in a
+    /// rounded copy (a 16-bit model under f32 masters).
+    packed: Arc<Vec<Vec<Arc<[Stretch]>>>>,
+    /// Where the rounded copies' storages come from and go back to.
+    rounded: Arc<RoundedPool>,
 }
 
 /// The engine of communicator `C` for elements `T`.
@@ -243,7 +249,7 @@ where
         let [forward, backward] = std::mem::take(&mut inner.used);
         fetcher.seed(&forward, &backward);
         let lender: Arc<dyn GiveBack> = Arc::new(Lender(fetcher.clone()));
-        let stretches = (0..inner.vars.len())
+        let stretches: Vec<Vec<Arc<[Stretch]>>> = (0..inner.vars.len())
             .map(|param| {
                 (0..fetcher.pieces(param))
                     .map(|piece| {
@@ -259,10 +265,34 @@ where
                     .collect()
             })
             .collect();
+        let packed = stretches
+            .iter()
+            .map(|pieces| {
+                pieces
+                    .iter()
+                    .map(|piece| {
+                        let mut next = 0;
+                        piece
+                            .iter()
+                            .map(|s| {
+                                let at = next..next + s.at.len();
+                                next = at.end;
+                                Stretch {
+                                    at,
+                                    values: s.values.clone(),
+                                }
+                            })
+                            .collect()
+                    })
+                    .collect()
+            })
+            .collect();
         inner.fetcher = Some(Sharded {
             fetcher,
             lender,
             stretches: Arc::new(stretches),
+            packed: Arc::new(packed),
+            rounded: Arc::new(RoundedPool::default()),
         });
     }
 
@@ -444,35 +474,22 @@ where
             )));
         }
         // Master weights: the model computes with them rounded to its
-        // dtype (the values the write-back gives a replicated weight); the
-        // gathered masters go back at once.
-        let mut masters = Vec::with_capacity(stretches.iter().map(|s| s.at.len()).sum());
-        let mut packed = Vec::with_capacity(stretches.len());
-        for stretch in stretches.iter() {
-            let at = masters.len()..masters.len() + stretch.at.len();
-            masters.extend_from_slice(&buffer[stretch.at.clone()]);
-            packed.push(Stretch {
-                at,
-                values: stretch.values.clone(),
-            });
-        }
+        // dtype (the values the write-back gives a replicated weight), in a
+        // pooled storage; the gathered masters go back at once.
+        let packed = &sharded.packed[i][piece];
+        let rounded = sharded
+            .rounded
+            .round(&buffer, &stretches, packed, var.dtype());
         fetcher.release_buffer(unit, buffer);
-        let rounded = crate::precision::rounded(&masters, var.dtype())?;
+        let lender: Arc<dyn GiveBack> = sharded.rounded.clone();
         Ok(Some(GatheredParam::new(
-            rounded,
-            packed,
+            rounded?,
+            Arc::clone(packed),
             var.shape(),
             unit,
-            Arc::new(LetGo),
+            lender,
         )))
     }
-}
-
-/// Lets a lent storage go (a rounded copy of gathered master weights).
-struct LetGo;
-
-impl GiveBack for LetGo {
-    fn give_back(&self, _tag: usize, _storage: CpuStorage) {}
 }
 
 /// Takes the storages of stage 3's gathers back into the fetcher's pool.
