@@ -83,29 +83,35 @@ impl RoundedPool {
             let found = pool.iter().position(|s| s.dtype() == dtype);
             found.map(|k| pool.swap_remove(k))
         };
-        let places = stretches.iter().zip(into);
+        /// `stretches` of `values`, stretch by stretch into `out` (reused
+        /// when the pool had one) at `into`'s places.
+        fn fill<T: Element, H: Element>(
+            mut out: Vec<H>,
+            len: usize,
+            values: &[T],
+            (stretches, into): (&[crate::nn::Stretch], &[crate::nn::Stretch]),
+        ) -> Vec<H> {
+            out.resize(len, H::default());
+            for (from, to) in stretches.iter().zip(into) {
+                convert_slice(&values[from.at.clone()], &mut out[to.at.clone()]);
+            }
+            out
+        }
+        let places = (stretches, into);
         Ok(match (dtype, kept) {
             (DType::BF16, kept) => {
-                let mut out = match kept {
+                let out = match kept {
                     Some(CpuStorage::BF16(v)) => v,
                     _ => Vec::new(),
                 };
-                out.resize(len, bf16::ZERO);
-                for (from, to) in places {
-                    convert_slice::<T, bf16>(&values[from.at.clone()], &mut out[to.at.clone()]);
-                }
-                CpuStorage::BF16(out)
+                CpuStorage::BF16(fill(out, len, values, places))
             }
             (DType::F16, kept) => {
-                let mut out = match kept {
+                let out = match kept {
                     Some(CpuStorage::F16(v)) => v,
                     _ => Vec::new(),
                 };
-                out.resize(len, f16::ZERO);
-                for (from, to) in places {
-                    convert_slice::<T, f16>(&values[from.at.clone()], &mut out[to.at.clone()]);
-                }
-                CpuStorage::F16(out)
+                CpuStorage::F16(fill(out, len, values, places))
             }
             (other, _) => {
                 return Err(crate::Error::Variable {
