@@ -248,20 +248,10 @@ fn three_ranks_and_large_buckets_agree_too() {
     }
 }
 
-/// What a [`Probe`] waits for.
-#[derive(Clone, Copy)]
-enum Awaited {
-    /// The step's first bucket reduction.
-    Reduction,
-    /// The step's first all-gather of a stepped bucket.
-    Gather,
-}
-
 /// An identity whose backward, the last thing backward runs when applied
-/// to the model's input, waits for the step's first reduction or gather.
+/// to the model's input, waits for the first bucket reduction of the step.
 struct Probe {
     progress: ReductionProgress,
-    awaited: Awaited,
     before: usize,
 }
 
@@ -287,21 +277,17 @@ impl CustomOp1 for Probe {
         _res: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<Option<Tensor>> {
-        let deadline = Duration::from_secs(3);
-        match self.awaited {
-            Awaited::Reduction if !self.progress.wait_for(self.before + 1, deadline) => {
-                candle_core::bail!("probe: no bucket reduction completed during backward")
-            }
-            Awaited::Gather if !self.progress.wait_for_gathers(self.before + 1, deadline) => {
-                candle_core::bail!("probe: no bucket all-gathered during backward")
-            }
-            _ => {}
+        if !self
+            .progress
+            .wait_for(self.before + 1, Duration::from_secs(3))
+        {
+            candle_core::bail!("probe: no bucket reduction completed during backward");
         }
         Ok(Some(grad.clone()))
     }
 }
 
-fn probe_run(comm: ThreadComm, overlap: Overlap, awaited: Awaited) -> zero_candle::Result<()> {
+fn probe_run(comm: ThreadComm, overlap: Overlap) -> zero_candle::Result<()> {
     let hook = ZeroHook::<ThreadComm, f32>::new();
     let h: Option<Arc<dyn GradHook>> = Some(hook.clone());
     let varmap = VarMap::new();
@@ -319,12 +305,8 @@ fn probe_run(comm: ThreadComm, overlap: Overlap, awaited: Awaited) -> zero_candl
     let x = Var::ones((3, 6), DType::F32, &Device::Cpu)?;
     let progress = opt.engine().reduction_progress();
     let probe = Probe {
-        before: match awaited {
-            Awaited::Reduction => progress.completed(),
-            Awaited::Gather => progress.gathered(),
-        },
+        before: progress.completed(),
         progress,
-        awaited,
     };
     let input = x.as_tensor().apply_op1(probe)?;
     let loss = l3
@@ -338,40 +320,17 @@ fn probe_run(comm: ThreadComm, overlap: Overlap, awaited: Awaited) -> zero_candl
 #[test]
 fn reductions_run_during_backward_only_when_overlapped() {
     for overlap in [Overlap::AfterBackward, Overlap::Interleaved] {
-        for result in ThreadGroup::new(2).run(|comm| probe_run(comm, overlap, Awaited::Reduction)) {
+        for result in ThreadGroup::new(2).run(|comm| probe_run(comm, overlap)) {
             result
                 .expect("no panic")
                 .expect("bucket 0 reduced before backward ended");
         }
     }
-    for result in ThreadGroup::new(2).run(|comm| probe_run(comm, Overlap::None, Awaited::Reduction))
-    {
+    for result in ThreadGroup::new(2).run(|comm| probe_run(comm, Overlap::None)) {
         let err = result
             .expect("no panic")
             .expect_err("nothing reduced during backward");
         assert!(err.to_string().contains("probe"), "{err}");
-    }
-}
-
-#[test]
-fn interleaved_gathers_stepped_buckets_during_backward() {
-    // Stage 2 (the default): the first bucket is reduced, stepped and
-    // all-gathered before backward ends.
-    for result in
-        ThreadGroup::new(2).run(|comm| probe_run(comm, Overlap::Interleaved, Awaited::Gather))
-    {
-        result
-            .expect("no panic")
-            .expect("bucket 0 all-gathered before backward ended");
-    }
-    // After-backward steps, so gathers, only once backward is over.
-    for result in
-        ThreadGroup::new(2).run(|comm| probe_run(comm, Overlap::AfterBackward, Awaited::Gather))
-    {
-        let err = result
-            .expect("no panic")
-            .expect_err("nothing gathered during backward");
-        assert!(err.to_string().contains("no bucket all-gathered"), "{err}");
     }
 }
 
@@ -431,13 +390,7 @@ fn deferred_gathers_give_the_same_weights_bitwise() {
                 let case =
                     format!("{stage:?} {overlap:?}, {accum} micro-step(s), rank {rank} of {world}");
                 assert_eq!(weights, gathered, "{case}");
-                // Interleaved gathers each bucket during backward instead.
-                let deferring = if overlap == Overlap::Interleaved {
-                    0
-                } else {
-                    3
-                };
-                assert_eq!(*deferred_steps, deferring, "{case}: steps deferred");
+                assert_eq!(*deferred_steps, 3, "{case}: every step deferred");
             }
         }
     }

@@ -161,13 +161,7 @@ fn deferred_gathers_give_the_parameters_of_gathers_in_the_step() {
                             e.finish_gathers()?;
                             out.push(store.lock().unwrap().clone());
                         }
-                        // Interleaved all-gathers every bucket during
-                        // backward instead: nothing is left to defer.
-                        let deferring = match overlap {
-                            Overlap::Interleaved => 0,
-                            _ => steps as u64,
-                        };
-                        assert_eq!(e.deferred_steps(), deferring, "steps deferred");
+                        assert_eq!(e.deferred_steps(), steps as u64, "every step deferred");
                         Ok(out)
                     });
                     assert_trajectories(

@@ -124,16 +124,6 @@ pub enum Overlap {
     /// reduction completes, during backward
     /// (`hook_with_zero_step_interleaved`). Global-norm clipping needs every
     /// gradient first, so it cannot be combined with this schedule.
-    ///
-    /// At stages 1 and 2, when the partition was made in gradient order
-    /// (the engine makes it so on the first `begin_backward`), each stepped
-    /// bucket is also all-gathered then, during backward, as PyTorch
-    /// broadcasts each stepped bucket: the step only writes the gathered
-    /// parameters into the replica. Each gathered bucket is held from its
-    /// all-gather to the step (up to one more copy of the parameters, in the
-    /// master dtype): the cost of hiding the all-gathers too. Stage 0 steps
-    /// the replica itself, which backward may still read: there this
-    /// schedule steps after backward, as `AfterBackward`.
     Interleaved,
 }
 
@@ -251,9 +241,7 @@ pub struct EngineConfig {
     /// written: read it only after `Engine::wait_for_params` (the engine's
     /// own checkpoints, consolidation and collectives wait themselves), and
     /// issue collectives of your own through the engine, not the
-    /// communicator. With [`Overlap::Interleaved`], buckets all-gathered
-    /// during backward are written in the step, not deferred. Off by
-    /// default.
+    /// communicator. Off by default.
     #[serde(default)]
     pub defer_gathers: bool,
 }

@@ -127,9 +127,6 @@ pub struct Engine<T: Element, C: Communicator, M: ShardMemory<T, C> = HostMemory
     /// Per bucket, whether the interleaved schedule stepped it during
     /// backward this step.
     early_stepped: Vec<bool>,
-    /// Per bucket, its parameters as the interleaved schedule all-gathered
-    /// them during backward this step, for the step to write.
-    early_gathered: Vec<Option<M::Buffer>>,
     /// Whether the gradient shard holds reduced micro-steps of the current
     /// window (stage 2, overlapped).
     shard_accumulated: bool,
@@ -249,7 +246,6 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             window: None,
             params_read: false,
             early_stepped: Vec::new(),
-            early_gathered: Vec::new(),
             shard_accumulated: false,
             progress: ReductionProgress::default(),
             planned_order: None,
@@ -781,7 +777,6 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         self.plain_in_window = false;
         self.params_read = false;
         self.early_stepped.clear();
-        self.early_gathered.clear();
         self.micro_steps = 0;
         self.window_open = false;
         self.present.fill(false);
@@ -885,7 +880,6 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             self.write_back(params)?;
         }
         self.early_stepped.clear();
-        self.early_gathered.clear();
         Ok(grad_norm)
     }
 

@@ -16,10 +16,6 @@
 //!   backward goes on ([`Overlap::AfterBackward`]), or all after backward on
 //!   the caller's thread ([`Overlap::None`]): the same operations in the same
 //!   order, so both give the same bits;
-//! - interleaved ([`Overlap::Interleaved`]), the communication thread also
-//!   steps each reduced bucket's shard and, at stages 1 and 2, all-gathers
-//!   it, during backward; the step then only writes the gathered buckets
-//!   into the replica;
 //! - the step flushes what was not predicted (parameters used outside hooked
 //!   layers, unused ones) in bucket order, then adds, in a second reduction
 //!   of their bucket, gradients that arrived after their bucket had been
@@ -35,7 +31,7 @@
 use super::{Engine, Overlap, ShardMemory, Stage, StepPiece, StepPlan};
 use crate::comm::{Communicator, ReduceOp};
 use crate::optim::{FunctionalOptimizer, Hyperparams, OptimizerState, ParamKey, ParamMut};
-use crate::partition::{Interleaved, PartitionKind};
+use crate::partition::Interleaved;
 use crate::{DType, Element, Error, Result};
 use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -57,57 +53,33 @@ const BUCKET_BUFFER_BYTES: usize = 8 << 20;
 /// All-gathers of stepped buckets allowed in flight at once after backward.
 const GATHERS_IN_FLIGHT: usize = 1;
 
-/// Counts the bucket reductions an engine has completed, and the buckets
-/// the interleaved schedule all-gathered during backward, across steps: a
+/// Counts the bucket reductions an engine has completed, across steps: a
 /// handle to watch overlap happen (tests, probes, progress displays).
 #[derive(Clone, Debug, Default)]
-pub struct ReductionProgress {
-    reductions: Arc<AtomicUsize>,
-    gathers: Arc<AtomicUsize>,
-}
+pub struct ReductionProgress(Arc<AtomicUsize>);
 
 impl ReductionProgress {
     /// Reductions completed so far.
     pub fn completed(&self) -> usize {
-        self.reductions.load(Ordering::Acquire)
-    }
-
-    /// Stepped buckets all-gathered during backward so far
-    /// ([`Overlap::Interleaved`] at stages 1 and 2).
-    pub fn gathered(&self) -> usize {
-        self.gathers.load(Ordering::Acquire)
+        self.0.load(Ordering::Acquire)
     }
 
     /// Waits until at least `count` reductions have completed; `false` if
     /// `timeout` passed first.
     pub fn wait_for(&self, count: usize, timeout: Duration) -> bool {
-        wait_until(&self.reductions, count, timeout)
-    }
-
-    /// Waits until at least `count` buckets have been all-gathered during
-    /// backward; `false` if `timeout` passed first.
-    pub fn wait_for_gathers(&self, count: usize, timeout: Duration) -> bool {
-        wait_until(&self.gathers, count, timeout)
+        let deadline = Instant::now() + timeout;
+        while self.completed() < count {
+            if Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_micros(100));
+        }
+        true
     }
 
     fn add_one(&self) {
-        self.reductions.fetch_add(1, Ordering::AcqRel);
+        self.0.fetch_add(1, Ordering::AcqRel);
     }
-
-    fn add_gather(&self) {
-        self.gathers.fetch_add(1, Ordering::AcqRel);
-    }
-}
-
-fn wait_until(counter: &AtomicUsize, count: usize, timeout: Duration) -> bool {
-    let deadline = Instant::now() + timeout;
-    while counter.load(Ordering::Acquire) < count {
-        if Instant::now() >= deadline {
-            return false;
-        }
-        std::thread::sleep(Duration::from_micros(100));
-    }
-    true
 }
 
 /// Where reduced buckets land (and, interleaved, what steps them); lent to
@@ -140,14 +112,6 @@ pub(super) struct EarlyStep<T: Element, B> {
     scale: Option<f64>,
     /// Per bucket, whether it was stepped.
     stepped: Vec<bool>,
-    /// The dtype to all-gather each bucket in as soon as it is stepped,
-    /// when every rank steps the same buckets early (a partition made in
-    /// gradient order); `None`: the step gathers them.
-    gather: Option<DType>,
-    /// Per bucket, its parameters all-gathered during backward (bucket-major
-    /// order), held until the step writes them into the replica.
-    gathered: Vec<Option<B>>,
-    progress: ReductionProgress,
 }
 
 /// One bucket reduction.
@@ -221,22 +185,6 @@ where
     };
     memory.step(early.optimizer.as_mut(), &mut early.params, grads, plan)?;
     early.stepped[k] = true;
-    if let Some(wire) = early.gather {
-        // Every rank steps the same buckets early, so every rank issues
-        // this all-gather, in bucket order, after the same reductions.
-        let all = map.full[k].len();
-        let mut gathered = memory.alloc_zeroed(all)?;
-        memory.all_gather_as(
-            comm,
-            &early.params,
-            map.shard[k].clone(),
-            &mut gathered,
-            0..all,
-            wire,
-        )?;
-        early.gathered[k] = Some(gathered);
-        early.progress.add_gather();
-    }
     Ok(())
 }
 
@@ -706,12 +654,6 @@ where
             bucket_pieces,
             scale: (micro_steps > 1).then(|| 1.0 / micro_steps as f64),
             stepped: vec![false; self.layout.buckets.len()],
-            // A partition made in gradient order has every rank's pieces
-            // within buckets, so every rank gets here and steps the same
-            // buckets: their all-gathers can run during backward too.
-            gather: (self.plan.kind == PartitionKind::Interleaved).then(|| self.gather_dtype()),
-            gathered: (0..self.layout.buckets.len()).map(|_| None).collect(),
-            progress: self.progress.clone(),
         }))
     }
 
@@ -1126,7 +1068,6 @@ where
             self.param_shard = early.params;
             self.keys = early.keys;
             self.early_stepped = early.stepped;
-            self.early_gathered = early.gathered;
         }
         result
     }
@@ -1238,10 +1179,7 @@ where
             grads,
             shard_len,
         };
-        // Buckets the interleaved schedule all-gathered during backward
-        // are only written here (deferring them would gain nothing).
-        let mut gathered = std::mem::take(&mut self.early_gathered);
-        if defer && gathered.iter().all(Option::is_none) {
+        if defer {
             if let Some(access) = self.param_access.take() {
                 // Forward order: buckets follow gradient order, so the last
                 // one holds the first layers. Each bucket is stepped, its
@@ -1386,14 +1324,6 @@ where
             let mut pending = 0usize;
             for (k, group) in groups.iter().enumerate() {
                 if !bucket_active[k] {
-                    continue;
-                }
-                if let Some(ready) = gathered.get_mut(k).and_then(Option::take) {
-                    outcome =
-                        memory.write_params(params, &bucket_copies(layout, active, k), &ready);
-                    if outcome.is_err() {
-                        break;
-                    }
                     continue;
                 }
                 let send = match staging.pop() {
