@@ -1,8 +1,12 @@
-//! `bench overlap`: the trainer's MLP with its `ZeroHook`, stage 2 at N=2
-//! threads, stepped with every overlap schedule in one run, over the thread
-//! backend as it is and over a [`Delayed`] link calibrated in the same run so
-//! that a step's communication takes as long as its backward (the case
-//! hiding communication behind backward is for).
+//! `bench overlap`: an MLP with its `ZeroHook`, stage 2 at N=2 threads,
+//! stepped with every overlap schedule in one run, over the thread backend
+//! as it is and over a [`Delayed`] link calibrated in the same run so that a
+//! step's communication takes as long as its backward (the case hiding
+//! communication behind backward is for). Two shapes: the trainer's MLP,
+//! whose two large layers hold nearly every parameter, and a deep stack of
+//! equal layers (the shape of a transformer's blocks), whose gradients
+//! become ready evenly through backward; the deep one also at stage 0,
+//! where every collective is a gradient reduction.
 
 use super::Report;
 use crate::trainer::{Dataset, Mlp};
@@ -18,12 +22,32 @@ use zero_core::optim::{AdamW, AdamWConfig};
 use zero_core::{Communicator, ThreadGroup};
 
 const WORLD_SIZE: usize = 2;
-const HIDDEN: [usize; 3] = [1024, 1024, 1024];
 const BATCH: usize = 64;
 const WARMUP: usize = 3;
 const STEPS: usize = 15;
 const ROUNDS: usize = 3;
-const BUCKET_BYTES: usize = 512 << 10;
+
+/// One model shape measured, and the prefix of its figures.
+struct Shape {
+    prefix: &'static str,
+    hidden: &'static [usize],
+    bucket_bytes: usize,
+}
+
+/// The trainer's MLP (16-3x1024-4): the second layer's gradient, half the
+/// parameters, is among the last ready, so its reductions trail backward.
+const WIDE: Shape = Shape {
+    prefix: "",
+    hidden: &[1024; 3],
+    bucket_bytes: 512 << 10,
+};
+
+/// 16-12x512-4: one bucket per layer.
+const DEEP: Shape = Shape {
+    prefix: "deep_",
+    hidden: &[512; 12],
+    bucket_bytes: 1 << 20,
+};
 /// A step's communication time on the simulated link over the backward time
 /// of a serial step without it.
 const COMM_OVER_BACKWARD: f64 = 1.0;
@@ -115,20 +139,25 @@ fn median(mut values: Vec<f64>) -> f64 {
     values[values.len() / 2]
 }
 
-/// How one case steps: the overlap schedule, and whether the all-gathers
-/// are deferred into the next forward.
-type Schedule = (Overlap, bool);
+/// How one case steps: the stage, the overlap schedule, and whether the
+/// all-gathers are deferred into the next forward.
+type Schedule = (Stage, Overlap, bool);
 
-/// Steps the MLP with a stage-2 `ZeroOptimizer` over `comm`; rank 0's
+/// Steps the MLP of `shape` with a `ZeroOptimizer` over `comm`; rank 0's
 /// medians.
-fn steps<C>(comm: C, (overlap, defer): Schedule, data: &Dataset) -> Result<Measured, String>
+fn steps<C>(
+    comm: C,
+    shape: &Shape,
+    (stage, overlap, defer): Schedule,
+    data: &Dataset,
+) -> Result<Measured, String>
 where
     C: Communicator<Memory = Host> + 'static,
 {
     let rank = comm.rank();
     let varmap = VarMap::new();
     let mut widths = vec![data.width];
-    widths.extend(HIDDEN);
+    widths.extend(shape.hidden);
     widths.push(data.classes);
     let hook = ZeroHook::<C, f32>::new();
     let timed = Arc::new(Timed {
@@ -145,8 +174,8 @@ where
     .map_err(|e| e.to_string())?;
     let adamw = AdamW::new(AdamWConfig::default().with_lr(1e-3)).map_err(|e| e.to_string())?;
     let config = EngineConfig::default()
-        .with_stage(Stage::Gradients)
-        .with_bucket_bytes(BUCKET_BYTES)
+        .with_stage(stage)
+        .with_bucket_bytes(shape.bucket_bytes)
         .with_overlap(overlap)
         .with_defer_gathers(defer);
     let mut opt = ZeroOptimizer::<C, f32>::new(&varmap, comm, config, Box::new(adamw))
@@ -205,14 +234,20 @@ where
 /// given (no latency: every bucket's collective is delayed alike, as they
 /// are about the same size, and a step's two small all-reduces, the
 /// gradient-order check and the trainable mask, hardly at all).
-fn measure(link: Option<f64>, schedule: Schedule, data: &Dataset) -> Result<Measured, String> {
+fn measure(
+    link: Option<f64>,
+    shape: &Shape,
+    schedule: Schedule,
+    data: &Dataset,
+) -> Result<Measured, String> {
     let results = ThreadGroup::new(WORLD_SIZE).run(|comm| match link {
         Some(bytes_per_sec) => steps(
             Delayed::new(comm, Duration::ZERO, bytes_per_sec),
+            shape,
             schedule,
             data,
         ),
-        None => steps(comm, schedule, data),
+        None => steps(comm, shape, schedule, data),
     });
     match results.into_iter().next() {
         Some(Ok(r)) => r,
@@ -221,26 +256,36 @@ fn measure(link: Option<f64>, schedule: Schedule, data: &Dataset) -> Result<Meas
     }
 }
 
-/// Adds `overlap.step_over_serial` (over the calibrated link),
+/// Adds, for each shape (the deep one's names start `overlap.deep_`),
+/// `overlap.step_over_serial` (over the calibrated link),
 /// `overlap.undelayed_step_over_serial`,
 /// `overlap.delayed_interleaved_over_serial`,
 /// `overlap.deferred_step_over_serial` (after-backward with the all-gathers
 /// deferred into the next forward, over the link),
-/// `overlap.undelayed_deferred_over_serial`, and the times they come from.
+/// `overlap.undelayed_deferred_over_serial`, and the times they come from;
+/// for the deep shape also `overlap.deep_s0_step_over_serial` (stage 0).
 pub fn run(report: &mut Report) {
     let data = Dataset::synthetic(0);
+    for shape in [WIDE, DEEP] {
+        if let Err(e) = run_shape(report, &shape, &data) {
+            eprintln!("bench overlap ({}): {e}", shape.hidden.len());
+        }
+    }
+}
+
+/// The cases of one shape: name, over the link or not, schedule.
+type Case = (&'static str, bool, Schedule);
+
+fn run_shape(report: &mut Report, shape: &Shape, data: &Dataset) -> Result<(), String> {
+    const S2: Stage = Stage::Gradients;
     // The link is calibrated on serial steps without delay: their backward
     // time (the median of a few runs, as one can fall on a burst of other
     // load), and what their collectives send.
     let mut calibrations = Vec::with_capacity(ROUNDS);
     for _ in 0..ROUNDS {
-        match measure(None, (Overlap::None, false), &data) {
-            Ok(calibration) => calibrations.push(calibration),
-            Err(e) => {
-                eprintln!("bench overlap: calibration failed: {e}");
-                return;
-            }
-        }
+        let calibration = measure(None, shape, (S2, Overlap::None, false), data)
+            .map_err(|e| format!("calibration failed: {e}"))?;
+        calibrations.push(calibration);
     }
     calibrations.sort_by(|a, b| a.times.backward.total_cmp(&b.times.backward));
     let calibration = &calibrations[calibrations.len() / 2];
@@ -248,115 +293,137 @@ pub fn run(report: &mut Report) {
     let bytes_per_sec = calibration.bytes_per_step as f64 / comm_time;
     let bucket_delay = calibration.bucket_bytes_sent as f64 / bytes_per_sec;
     println!(
-        "bench overlap: MLP {}-{HIDDEN:?}-{} with ZeroHook, AdamW, stage 2, {BATCH} rows per \
+        "bench overlap: MLP {}-{}x{}-{} with ZeroHook, AdamW, stage 2{}, {BATCH} rows per \
          rank, N={WORLD_SIZE} threads, {} KiB buckets ({} of them); plain threads and a link \
          of {:.0} MB/s ({:.2} ms per bucket collective; a step's {:.1} MB in {:.1} ms, \
          {COMM_OVER_BACKWARD} x the calibration's backward); median of {STEPS} steps after \
          {WARMUP}, rounds interleaved",
         data.width,
+        shape.hidden.len(),
+        shape.hidden[0],
         data.classes,
-        BUCKET_BYTES >> 10,
+        if shape.prefix.is_empty() {
+            ""
+        } else {
+            " (and 0)"
+        },
+        shape.bucket_bytes >> 10,
         calibration.buckets,
         bytes_per_sec / 1e6,
         bucket_delay * 1e3,
         calibration.bytes_per_step as f64 / 1e6,
         comm_time * 1e3,
     );
-    let cases = [
-        ("serial", false, (Overlap::None, false)),
-        ("overlapped", false, (Overlap::AfterBackward, false)),
-        ("delayed_serial", true, (Overlap::None, false)),
-        ("delayed_overlapped", true, (Overlap::AfterBackward, false)),
-        ("delayed_interleaved", true, (Overlap::Interleaved, false)),
-        ("delayed_deferred", true, (Overlap::AfterBackward, true)),
-        ("deferred", false, (Overlap::AfterBackward, true)),
+    let mut cases: Vec<Case> = vec![
+        ("serial", false, (S2, Overlap::None, false)),
+        ("overlapped", false, (S2, Overlap::AfterBackward, false)),
+        ("delayed_serial", true, (S2, Overlap::None, false)),
+        (
+            "delayed_overlapped",
+            true,
+            (S2, Overlap::AfterBackward, false),
+        ),
+        (
+            "delayed_interleaved",
+            true,
+            (S2, Overlap::Interleaved, false),
+        ),
+        ("delayed_deferred", true, (S2, Overlap::AfterBackward, true)),
+        ("deferred", false, (S2, Overlap::AfterBackward, true)),
     ];
+    if !shape.prefix.is_empty() {
+        // Stage 0 over the same link: all-reduces, as many bytes as stage
+        // 2's reduce-scatters and all-gathers together, all of them
+        // gradient reductions that may run during backward.
+        cases.push((
+            "delayed_serial_s0",
+            true,
+            (Stage::Ddp, Overlap::None, false),
+        ));
+        cases.push((
+            "delayed_overlapped_s0",
+            true,
+            (Stage::Ddp, Overlap::AfterBackward, false),
+        ));
+    }
     let names: Vec<&str> = cases.iter().map(|c| c.0).collect();
     // The medians of the steps' parts, per case, beside the step medians.
     let mut parts: Vec<Vec<Times>> = vec![Vec::new(); cases.len()];
-    let medians = match super::interleaved_medians(&names, ROUNDS, |i| {
+    let medians = super::interleaved_medians(&names, ROUNDS, |i| {
         let (_, delayed, schedule) = cases[i];
-        let measured = measure(delayed.then_some(bytes_per_sec), schedule, &data)?;
+        let measured = measure(delayed.then_some(bytes_per_sec), shape, schedule, data)?;
         parts[i].push(measured.times);
         Ok(measured.times.step)
-    }) {
-        Ok(medians) => medians,
-        Err(e) => {
-            eprintln!("bench overlap: {e}");
-            return;
-        }
-    };
+    })?;
     let part = |case: usize, of: fn(&Times) -> f64| median(parts[case].iter().map(of).collect());
-    report.add(
-        "overlap.backward_ms",
-        calibration.times.backward * 1e3,
-        "ms",
-        None,
-    );
-    report.add("overlap.link_delay_ms", comm_time * 1e3, "ms", None);
-    report.add("overlap.bucket_delay_ms", bucket_delay * 1e3, "ms", None);
+    let p = shape.prefix;
+    let mut add = |name: &str, value: f64, unit: &str, goal: Option<&str>| {
+        report.add(&format!("overlap.{p}{name}"), value, unit, goal);
+    };
+    add("backward_ms", calibration.times.backward * 1e3, "ms", None);
+    add("link_delay_ms", comm_time * 1e3, "ms", None);
+    add("bucket_delay_ms", bucket_delay * 1e3, "ms", None);
     // What the link adds to a serial step (expected: `link_delay_ms`).
-    report.add(
-        "overlap.comm_ms",
-        (medians[2] - medians[0]) * 1e3,
-        "ms",
-        None,
-    );
-    report.add(
-        "overlap.forward_ms",
-        part(0, |t| t.forward) * 1e3,
-        "ms",
-        None,
-    );
+    add("comm_ms", (medians[2] - medians[0]) * 1e3, "ms", None);
+    add("forward_ms", part(0, |t| t.forward) * 1e3, "ms", None);
     for (case, ((name, _, _), median)) in cases.iter().zip(&medians).enumerate() {
-        report.add(&format!("overlap.{name}_ms"), median * 1e3, "ms", None);
-        report.add(
-            &format!("overlap.{name}_forward_ms"),
+        add(&format!("{name}_ms"), median * 1e3, "ms", None);
+        add(
+            &format!("{name}_forward_ms"),
             part(case, |t| t.forward) * 1e3,
             "ms",
             None,
         );
-        report.add(
-            &format!("overlap.{name}_backward_ms"),
+        add(
+            &format!("{name}_backward_ms"),
             part(case, |t| t.backward) * 1e3,
             "ms",
             None,
         );
-        report.add(
-            &format!("overlap.{name}_handover_ms"),
+        add(
+            &format!("{name}_handover_ms"),
             part(case, |t| t.handover) * 1e3,
             "ms",
             None,
         );
     }
-    report.add(
-        "overlap.step_over_serial",
+    add(
+        "step_over_serial",
         medians[3] / medians[2],
         "ratio",
         Some("<= 0.75"),
     );
-    report.add(
-        "overlap.undelayed_step_over_serial",
+    add(
+        "undelayed_step_over_serial",
         medians[1] / medians[0],
         "ratio",
         Some("<= 1.0"),
     );
-    report.add(
-        "overlap.delayed_interleaved_over_serial",
+    add(
+        "delayed_interleaved_over_serial",
         medians[4] / medians[2],
         "ratio",
         Some("< 1.0"),
     );
-    report.add(
-        "overlap.deferred_step_over_serial",
+    add(
+        "deferred_step_over_serial",
         medians[5] / medians[2],
         "ratio",
         Some("<= 0.75"),
     );
-    report.add(
-        "overlap.undelayed_deferred_over_serial",
+    add(
+        "undelayed_deferred_over_serial",
         medians[6] / medians[0],
         "ratio",
         Some("<= 1.0"),
     );
+    if cases.len() > 8 {
+        add(
+            "s0_step_over_serial",
+            medians[8] / medians[7],
+            "ratio",
+            Some("<= 0.75"),
+        );
+    }
+    Ok(())
 }
