@@ -2,7 +2,8 @@
 
 use super::{Communicator, Host, ReduceOp, Work};
 use crate::{Element, Result};
-use std::time::Duration;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
 
 /// Wraps a host communicator and makes every collective take as long as on
 /// a link of the given latency and bandwidth, by sleeping before it:
@@ -15,6 +16,12 @@ use std::time::Duration;
 /// hardly shows. Benchmarks use this to show it (`bench overlap`), and tests
 /// to make a collective slow on purpose. The sleep happens on whichever
 /// thread issues the collective, as a slow link would block it.
+///
+/// One rank has one link: communicators [split](Communicator::split) from a
+/// `Delayed` share it with it, so collectives issued at once (from two
+/// threads, or on two communicators) take turns on it, in the order they
+/// were issued, as on one network interface, instead of each getting the
+/// whole bandwidth.
 ///
 /// ```
 /// use std::time::Duration;
@@ -34,6 +41,8 @@ pub struct Delayed<C> {
     inner: C,
     latency: Duration,
     bytes_per_sec: f64,
+    /// When this rank's link is free again (`None`: never used).
+    link: Arc<Mutex<Option<Instant>>>,
 }
 
 impl<C: Communicator<Memory = Host>> Delayed<C> {
@@ -44,6 +53,7 @@ impl<C: Communicator<Memory = Host>> Delayed<C> {
             inner,
             latency,
             bytes_per_sec,
+            link: Arc::default(),
         }
     }
 
@@ -59,7 +69,15 @@ impl<C: Communicator<Memory = Host>> Delayed<C> {
         } else {
             Duration::ZERO
         };
-        std::thread::sleep(self.latency + transfer);
+        // Booked on the link behind what is already on it, then waited for.
+        let done = {
+            let mut free_at = self.link.lock().unwrap_or_else(PoisonError::into_inner);
+            let now = Instant::now();
+            let done = free_at.map_or(now, |free| free.max(now)) + self.latency + transfer;
+            *free_at = Some(done);
+            done
+        };
+        std::thread::sleep(done.saturating_duration_since(Instant::now()));
     }
 
     /// What a ring sends per rank to reduce-scatter or all-gather `elems`
@@ -187,6 +205,41 @@ impl<C: Communicator<Memory = Host>> Communicator for Delayed<C> {
             inner,
             latency: self.latency,
             bytes_per_sec: self.bytes_per_sec,
+            link: Arc::clone(&self.link),
         }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ThreadGroup;
+
+    /// Two all-reduces of 1000 f32 at once from two threads of each rank,
+    /// on the communicator and on one split from it, over a 100 kB/s link:
+    /// each sends 2 x 1/2 x 4000 bytes, 40 ms, so together at least 80 ms
+    /// when they share the link (40 ms if each had its own).
+    #[test]
+    fn communicators_split_from_one_share_its_link() {
+        let results = ThreadGroup::new(2).run(|comm| -> Result<Duration> {
+            let link = Delayed::new(comm, Duration::ZERO, 100e3);
+            let split = link.split(&[0, 1])?.expect("every rank is in the split");
+            let started = Instant::now();
+            std::thread::scope(|scope| {
+                let other = scope.spawn(|| {
+                    let mut x = vec![1.0f32; 1000];
+                    split.all_reduce(&mut x[..], ReduceOp::Sum)
+                });
+                let mut y = vec![1.0f32; 1000];
+                let here = link.all_reduce(&mut y[..], ReduceOp::Sum);
+                let there = other.join().expect("no panic");
+                here.and(there)
+            })?;
+            Ok(started.elapsed())
+        });
+        for result in results {
+            let elapsed = result.expect("no panic").expect("the all-reduces work");
+            assert!(elapsed >= Duration::from_millis(80), "took {elapsed:?}");
+        }
     }
 }
