@@ -228,6 +228,14 @@ struct Board<T> {
     done: Condvar,
 }
 
+impl<T> Board<T> {
+    fn lock(&self) -> MutexGuard<'_, State<T>> {
+        // Every change to the state is made after the fallible work, so a
+        // panic elsewhere leaves it consistent.
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
 impl<T> Drop for Fetcher<T> {
     fn drop(&mut self) {
         // Closing the queue stops the thread after the gather under way.
@@ -360,12 +368,7 @@ impl<T: crate::Element> Fetcher<T> {
     }
 
     fn lock(&self) -> MutexGuard<'_, State<T>> {
-        // Every change to the state is made after the fallible work, so a
-        // panic elsewhere leaves it consistent.
-        self.board
-            .state
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
+        self.board.lock()
     }
 
     /// Where piece `piece` of sharded parameter `param` lies in its
@@ -907,11 +910,7 @@ impl<T: crate::Element> Worker<T> {
     fn run(self, jobs: Receiver<Job<T>>) {
         while let Ok((ticket, unit, buffer)) = jobs.recv() {
             let result = gather_unit(&self.units[unit], &self.shard, &*self.gather, buffer);
-            let mut st = self
-                .board
-                .state
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner);
+            let mut st = self.board.lock();
             if let Some(issued) = st.issued.iter_mut().find(|i| i.ticket == ticket) {
                 issued.result = Some(result);
             }
