@@ -8,13 +8,15 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, DType, Device, Layout, Module, Shape, Tensor, Var};
 use candle_nn::{VarBuilder, VarMap};
 use rand::{Rng, SeedableRng};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 use zero_candle::nn::{self, GradHook};
 use zero_candle::{ZeroHook, ZeroOptimizer};
 use zero_core::comm::{Delayed, Host};
 use zero_core::engine::{EngineConfig, NormType, Overlap, ReductionProgress, Stage};
-use zero_core::optim::{AdamW, AdamWConfig};
+use zero_core::optim::{
+    AdamW, AdamWConfig, FunctionalOptimizer, Hyperparams, OptimizerState, ParamMut,
+};
 use zero_core::{Communicator, ThreadComm, ThreadGroup};
 
 const VOCAB: usize = 11;
@@ -331,6 +333,132 @@ fn reductions_run_during_backward_only_when_overlapped() {
             .expect("no panic")
             .expect_err("nothing reduced during backward");
         assert!(err.to_string().contains("probe"), "{err}");
+    }
+}
+
+/// AdamW noting, at each call of its step, how many bucket reductions
+/// had completed.
+struct Watched {
+    inner: AdamW<f32>,
+    progress: Arc<Mutex<Option<ReductionProgress>>>,
+    seen: Arc<Mutex<Vec<usize>>>,
+}
+
+impl FunctionalOptimizer<f32> for Watched {
+    fn kind(&self) -> &str {
+        self.inner.kind()
+    }
+
+    fn step(
+        &mut self,
+        params: &mut [ParamMut<'_, f32>],
+        grads: &[Option<&[f32]>],
+    ) -> zero_core::Result<()> {
+        let progress = self.progress.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(progress) = progress.as_ref() {
+            let mut seen = self.seen.lock().unwrap_or_else(PoisonError::into_inner);
+            seen.push(progress.completed());
+        }
+        self.inner.step(params, grads)
+    }
+
+    fn num_groups(&self) -> usize {
+        self.inner.num_groups()
+    }
+
+    fn add_group(&mut self, hyper: &Hyperparams) -> zero_core::Result<usize> {
+        self.inner.add_group(hyper)
+    }
+
+    fn hyperparams(&self, group: usize) -> Hyperparams {
+        self.inner.hyperparams(group)
+    }
+
+    fn set_hyperparams(&mut self, group: usize, hyper: &Hyperparams) -> zero_core::Result<()> {
+        self.inner.set_hyperparams(group, hyper)
+    }
+
+    fn learning_rate(&self, group: usize) -> f64 {
+        self.inner.learning_rate(group)
+    }
+
+    fn set_learning_rate(&mut self, group: usize, lr: f64) {
+        self.inner.set_learning_rate(group, lr)
+    }
+
+    fn export_state(&self) -> OptimizerState<f32> {
+        self.inner.export_state()
+    }
+
+    fn import_state(&mut self, state: OptimizerState<f32>) -> zero_core::Result<()> {
+        self.inner.import_state(state)
+    }
+}
+
+/// One stage 0 step of a three-layer MLP over a link that takes `latency`
+/// per collective: the reductions completed when the optimizer first
+/// stepped, and the step's bucket reductions in all.
+fn first_step_sees(
+    comm: ThreadComm,
+    config: EngineConfig,
+    latency: Duration,
+) -> zero_candle::Result<(usize, usize)> {
+    let comm = Delayed::new(comm, latency, f64::INFINITY);
+    let hook = ZeroHook::<Delayed<ThreadComm>, f32>::new();
+    let h: Option<Arc<dyn GradHook>> = Some(hook.clone());
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+    let l1 = nn::linear(6, 32, vb.pp("l1"), h.clone())?;
+    let l2 = nn::linear(32, 32, vb.pp("l2"), h.clone())?;
+    let l3 = nn::linear(32, 4, vb.pp("l3"), h)?;
+    let progress = Arc::new(Mutex::new(None));
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let watched = Watched {
+        inner: AdamW::new(AdamWConfig::default())?,
+        progress: Arc::clone(&progress),
+        seen: Arc::clone(&seen),
+    };
+    let config = config.with_stage(Stage::Ddp).with_bucket_bytes(1 << 10);
+    let mut opt = ZeroOptimizer::new(&varmap, comm, config, Box::new(watched))?.with_hook(&hook)?;
+    let before = opt.engine().reduction_progress().completed();
+    *progress.lock().unwrap_or_else(PoisonError::into_inner) =
+        Some(opt.engine().reduction_progress());
+    let x = Tensor::ones((3, 6), DType::F32, &Device::Cpu)?;
+    let loss = l3
+        .forward(&l2.forward(&l1.forward(&x)?.relu()?)?.relu()?)?
+        .sqr()?
+        .mean_all()?;
+    opt.backward_step(&loss)?;
+    let buckets = opt.engine().layout().buckets.len();
+    let first = seen.lock().unwrap_or_else(PoisonError::into_inner)[0];
+    Ok((first - before, buckets))
+}
+
+#[test]
+fn stage_0_steps_each_bucket_as_soon_as_it_is_reduced() {
+    // Each collective takes 200 ms: the first parameters step once their
+    // bucket is back, while the later buckets are still on the link.
+    let latency = Duration::from_millis(200);
+    let overlapped = EngineConfig::default().with_overlap(Overlap::AfterBackward);
+    for result in ThreadGroup::new(2).run(|comm| first_step_sees(comm, overlapped.clone(), latency))
+    {
+        let (completed, buckets) = result.expect("no panic").expect("the step works");
+        assert!(buckets >= 3, "{buckets} buckets");
+        assert!(
+            completed < buckets,
+            "the optimizer first ran after {completed} of {buckets} reductions"
+        );
+    }
+    // Clipping needs the global norm, and `none` reduces in the step: both
+    // step after the last reduction.
+    let clipped = overlapped.clone().with_clip(1.0, NormType::L2);
+    let serial = EngineConfig::default().with_overlap(Overlap::None);
+    for config in [clipped, serial] {
+        for result in ThreadGroup::new(2).run(|comm| first_step_sees(comm, config.clone(), latency))
+        {
+            let (completed, buckets) = result.expect("no panic").expect("the step works");
+            assert_eq!(completed, buckets, "{config:?}");
+        }
     }
 }
 

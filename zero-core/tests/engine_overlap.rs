@@ -216,3 +216,59 @@ fn hand_over_steps(
     }
     Ok(())
 }
+
+/// Stage 0 steps each bucket as soon as it is reduced (after backward)
+/// unless the trainable mask changed: the same weights as the serial
+/// schedule, bitwise, through steps where a parameter is frozen, where no
+/// rank hands one over, and where only one rank does.
+#[test]
+fn stage_0_stepping_as_reduced_follows_mask_changes_bitwise() {
+    let model = Synthetic::medium();
+    let (world, steps) = (2, 5);
+    let trajectories = |overlap: Overlap| {
+        let config = EngineConfig::default()
+            .with_stage(Stage::Ddp)
+            .with_bucket_bytes(64)
+            .with_overlap(overlap);
+        run(world, |comm| {
+            let rank = comm.rank();
+            let mut e = engine(comm, &model, make_opt(Opt::Adam, false), config.clone())?;
+            let n = e.params().len();
+            let frozen = e.params()[0].name.clone();
+            let mut params = model.init();
+            let mut out = Vec::new();
+            for s in 0..steps {
+                // Step 1 freezes parameter 0; step 2 thaws it and no rank
+                // hands parameter 1 over; step 3 only rank 0 does.
+                e.set_trainable(&frozen, s != 1)?;
+                let skips = |p: usize| p == 1 && (s == 2 || (s == 3 && rank == 1));
+                let g = model.grads(&params, rank, s);
+                let order: Vec<(usize, usize)> = (0..n).rev().map(|p| (p, 1)).collect();
+                e.begin_backward(&order, &mut params)?;
+                for p in (0..n).rev().filter(|&p| !skips(p)) {
+                    e.accumulate_param(p, (&g[p]).into())?;
+                }
+                e.step(&vec![None; n], &mut params)?;
+                out.push(params.clone());
+            }
+            Ok(out)
+        })
+    };
+    let serial = trajectories(Overlap::None);
+    let overlapped = trajectories(Overlap::AfterBackward);
+    assert_eq!(serial, overlapped);
+    // The steps did what they say: parameter 0 held still while frozen,
+    // parameter 1 while no rank had a gradient for it.
+    for rank in &serial {
+        assert_eq!(rank[0][0], rank[1][0], "frozen parameter 0 moved");
+        assert_ne!(rank[1][0], rank[2][0], "thawed parameter 0 did not move");
+        assert_eq!(
+            rank[1][1], rank[2][1],
+            "parameter 1 moved without gradients"
+        );
+        assert_ne!(
+            rank[2][1], rank[3][1],
+            "one rank's gradient did not move it"
+        );
+    }
+}

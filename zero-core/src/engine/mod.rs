@@ -173,6 +173,10 @@ pub struct Engine<T: Element, C: Communicator, M: ShardMemory<T, C> = HostMemory
     refresh: Arc<deferred::Refresh>,
     /// Steps that deferred their all-gathers.
     deferred_steps: u64,
+    /// Stage 0 stepping each bucket as it is reduced: a communicator of its
+    /// own (split from `comm`) for the trainable mask's all-reduce, which
+    /// then runs beside the reductions still on the wire.
+    side: Option<C>,
     /// Whether a gradient of the current window came through a slot of
     /// `accumulate` or `step` (a parameter a plain op reads, which a
     /// deferred gather would leave stale in the next forward).
@@ -267,6 +271,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             refresh: Arc::default(),
             deferred_steps: 0,
             plain_in_window: false,
+            side: None,
             comm: Arc::new(comm),
             memory,
             config,
@@ -795,8 +800,13 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         params: &mut M::Params<'_>,
     ) -> Result<Option<f64>> {
         // Reductions launched during backward end here, before any other
-        // collective of this rank.
-        let reduced = self.finish_window(last)?;
+        // collective of this rank (but the mask's, on its own communicator,
+        // when stage 0 steps each bucket as it is reduced).
+        let reduced = match self.step_ddp_as_reduced(last, micro_steps, params)? {
+            Some(true) => return Ok(None),
+            Some(false) => true,
+            None => self.finish_window(last)?,
+        };
         if !reduced && self.shard_accumulated {
             return Err(Error::State(
                 "this accumulation window began with begin_backward; hand every micro-step's \
@@ -907,14 +917,31 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// gradients of a few whole pieces at a time, about a bucket), so that
     /// no second copy of the parameters lives beside the replica.
     fn step_replica(&mut self, stepping: &[bool], params: &mut M::Params<'_>) -> Result<()> {
-        let Some(grads) = self.full_grads.take() else {
+        self.step_replica_with(stepping, params, |_, _, _| Ok(()))
+    }
+
+    /// [`Engine::step_replica`], calling `before` with the gradient buffer
+    /// and a window's elements of it before each window that steps.
+    pub(super) fn step_replica_with(
+        &mut self,
+        stepping: &[bool],
+        params: &mut M::Params<'_>,
+        mut before: impl FnMut(&mut Self, &mut M::Buffer, Range<usize>) -> Result<()>,
+    ) -> Result<()> {
+        let Some(mut grads) = self.full_grads.take() else {
             return Err(Error::State(
                 "internal: no reduced gradient buffer in stage 0".into(),
             ));
         };
         let mut values = self.take_pooled()?;
         let mut piece_grads = self.take_pooled()?;
-        let result = self.step_windows(stepping, params, &grads, &mut values, &mut piece_grads);
+        let result = self.step_windows(
+            stepping,
+            params,
+            (&mut grads, &mut before),
+            &mut values,
+            &mut piece_grads,
+        );
         self.full_grads = Some(grads);
         self.pool.push(values);
         self.pool.push(piece_grads);
@@ -925,7 +952,10 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         &mut self,
         stepping: &[bool],
         params: &mut M::Params<'_>,
-        grads: &M::Buffer,
+        (grads, before): (
+            &mut M::Buffer,
+            &mut impl FnMut(&mut Self, &mut M::Buffer, Range<usize>) -> Result<()>,
+        ),
         values: &mut M::Buffer,
         piece_grads: &mut M::Buffer,
     ) -> Result<()> {
@@ -954,6 +984,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             if !self.owned[window.clone()].iter().any(|p| stepping[p.param]) {
                 continue;
             }
+            before(self, grads, start..start + len)?;
             let copies: Vec<ParamCopy> = self.owned_copies[window.clone()]
                 .iter()
                 .map(|c| ParamCopy {
@@ -1282,15 +1313,25 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
 
     /// ORs a per-parameter mask across ranks (one `f32` per parameter).
     fn global_mask(&mut self, local: &[bool]) -> Result<Vec<bool>> {
-        let mut mask: Vec<f32> = local.iter().map(|&b| f32::from(u8::from(b))).collect();
-        self.memory
-            .all_reduce_host(&self.comm, &mut mask[..], ReduceOp::Max)?;
-        Ok(mask
-            .iter()
-            .zip(&self.params)
-            .map(|(&m, p)| m > 0.5 && p.trainable)
-            .collect())
+        mask_over(&mut self.memory, &*self.comm, &self.params, local)
     }
+}
+
+/// ORs a per-parameter mask across the ranks of `comm` (one `f32` per
+/// parameter); a frozen parameter stays out.
+fn mask_over<T: Element, C: Communicator, M: ShardMemory<T, C>>(
+    memory: &mut M,
+    comm: &C,
+    params: &[ParamInfo],
+    local: &[bool],
+) -> Result<Vec<bool>> {
+    let mut mask: Vec<f32> = local.iter().map(|&b| f32::from(u8::from(b))).collect();
+    memory.all_reduce_host(comm, &mut mask[..], ReduceOp::Max)?;
+    Ok(mask
+        .iter()
+        .zip(params)
+        .map(|(&m, p)| m > 0.5 && p.trainable)
+        .collect())
 }
 
 /// The piece of run `run` that a gradient of the parameter's elements

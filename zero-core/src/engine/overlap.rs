@@ -126,6 +126,47 @@ pub(super) struct Job<B> {
     step: bool,
 }
 
+/// A bucket buffer back from the communication thread.
+pub(super) struct Back<B> {
+    bucket: usize,
+    /// `Some(add)` once reduced (`add`: to be added into the full buffer
+    /// rather than written over it); `None` if the reduction failed or was
+    /// never issued (an earlier one failed).
+    reduced: Option<bool>,
+    buffer: B,
+}
+
+/// The buffers coming back from the communication thread, and what is
+/// still out there.
+pub(super) struct Returns<B> {
+    rx: mpsc::Receiver<Back<B>>,
+    /// Jobs sent whose buffer has not come back yet.
+    in_flight: usize,
+    /// Per bucket, its jobs sent whose buffer has not come back yet.
+    pending: Vec<usize>,
+}
+
+impl<B> Returns<B> {
+    fn sent(&mut self, bucket: usize) {
+        self.in_flight += 1;
+        self.pending[bucket] += 1;
+    }
+
+    /// The next buffer back: waiting for it (`block`) or only if it is
+    /// there. `None` when there is none (or, blocking, the thread is gone:
+    /// it panicked, which joining reports).
+    fn next(&mut self, block: bool) -> Option<Back<B>> {
+        let back = if block {
+            self.rx.recv().ok()?
+        } else {
+            self.rx.try_recv().ok()?
+        };
+        self.in_flight = self.in_flight.saturating_sub(1);
+        self.pending[back.bucket] = self.pending[back.bucket].saturating_sub(1);
+        Some(back)
+    }
+}
+
 /// What the communication thread needs to know about the buckets.
 #[derive(Clone, Debug)]
 pub(super) struct BucketMap {
@@ -205,6 +246,11 @@ where
     let len = range.len();
     if map.stage == Stage::Ddp {
         all_reduce_bucket(comm, memory, map, targets, job)?;
+        // Without the full buffer (lent to no thread: `Window::lands`) the
+        // caller writes the bucket in when its buffer comes back.
+        if targets.full.is_none() {
+            return Ok(());
+        }
         return write_full(memory, map, targets, job.bucket, &job.buffer, job.add);
     }
     if job.fold_full {
@@ -322,10 +368,8 @@ enum Reducer<T: Element, B> {
     /// Sent to a communication thread as each bucket is launched.
     Thread {
         jobs: mpsc::Sender<Job<B>>,
-        returned: mpsc::Receiver<B>,
+        returned: Returns<B>,
         handle: JoinHandle<Returned<T, B>>,
-        /// Jobs sent whose buffer has not come back yet.
-        in_flight: usize,
     },
 }
 
@@ -352,6 +396,12 @@ pub(super) struct Window<T: Element, B> {
     add: bool,
     /// Buckets completed during backward are stepped by the reducer.
     step_early: bool,
+    /// Stage 0 on a communication thread: the full gradient buffer stays
+    /// with the engine, each bucket's earlier micro-steps are folded in as
+    /// it is launched, and each reduced bucket is written into the full
+    /// buffer when its buffer comes back, so the step can begin with the
+    /// buckets already back while later ones are on the wire.
+    lands: bool,
     reducer: Reducer<T, B>,
     /// Bucket buffers held before a new one waits ([`MIN_BUCKET_BUFFERS`]).
     buffer_limit: usize,
@@ -452,6 +502,17 @@ where
             }
             None => 0,
         };
+        // Stage 0 stepping each bucket as it is reduced all-reduces the
+        // trainable mask beside the reductions: on a communicator of its own.
+        if self.side.is_none()
+            && self.config.check_trainability
+            && self.steps_ddp_as_reduced()
+            && self.memory.fork().is_some()
+            && self.comm.concurrent_groups()
+        {
+            let world: Vec<usize> = (0..self.comm.world_size()).collect();
+            self.side = self.comm.split(&world)?;
+        }
         let mut mine = [0.0; 16];
         mine[..8].copy_from_slice(&order_fingerprint(expected));
         mine[8..].copy_from_slice(&hash_fingerprint(forward));
@@ -546,8 +607,16 @@ where
             // fold them again.
             self.window_open = false;
         }
+        // Stage 3 on a communicator that must not run two collectives at
+        // once (MPI) gathers on this thread during backward: the
+        // reductions wait until after it.
+        let serial = self.fetcher.as_ref().is_some_and(|f| !f.threaded());
+        let lands = stage == Stage::Ddp
+            && !serial
+            && self.config.overlap != Overlap::None
+            && worker_memory.is_some();
         let targets = Targets {
-            full: if stage == Stage::Ddp || fold_full {
+            full: if (stage == Stage::Ddp && !lands) || (stage != Stage::Ddp && fold_full) {
                 self.full_grads.take()
             } else {
                 None
@@ -556,10 +625,6 @@ where
             scratch: self.scratch.take(),
             early,
         };
-        // Stage 3 on a communicator that must not run two collectives at
-        // once (MPI) gathers on this thread during backward: the
-        // reductions wait until after it.
-        let serial = self.fetcher.as_ref().is_some_and(|f| !f.threaded());
         let reducer = match self.config.overlap {
             _ if serial => Reducer::Deferred {
                 targets,
@@ -604,6 +669,7 @@ where
             fold_full,
             add,
             step_early,
+            lands,
             reducer,
             buffer_limit,
         });
@@ -666,7 +732,7 @@ where
         targets: Targets<T, M::Buffer>,
     ) -> Reducer<T, M::Buffer> {
         let (jobs, job_rx) = mpsc::channel::<Job<M::Buffer>>();
-        let (returned_tx, returned) = mpsc::channel();
+        let (returned_tx, returned) = mpsc::channel::<Back<M::Buffer>>();
         // The targets travel once the thread exists, so a failed start
         // loses nothing.
         let (targets_tx, targets_rx) = mpsc::channel::<Targets<T, M::Buffer>>();
@@ -681,14 +747,20 @@ where
                 for mut job in job_rx {
                     // After a failure, issue nothing more: the peers fail
                     // their pending collectives within the deadline too.
+                    let mut reduced = None;
                     if result.is_ok() {
                         result = reduce_bucket(&*comm, &mut memory, &map, &mut targets, &mut job);
                         if result.is_ok() {
                             progress.add_one();
+                            reduced = Some(job.add);
                         }
                     }
                     // The engine may have finished with the pool already.
-                    let _ = returned_tx.send(job.buffer);
+                    let _ = returned_tx.send(Back {
+                        bucket: job.bucket,
+                        reduced,
+                        buffer: job.buffer,
+                    });
                 }
                 Some((targets, result))
             });
@@ -698,9 +770,12 @@ where
                 let _ = targets_tx.send(targets);
                 Reducer::Thread {
                     jobs,
-                    returned,
+                    returned: Returns {
+                        rx: returned,
+                        in_flight: 0,
+                        pending: vec![0; self.layout.buckets.len()],
+                    },
                     handle,
-                    in_flight: 0,
                 }
             }
             Err(e) => {
@@ -830,12 +905,18 @@ where
             };
             if slot.is_none() {
                 let len = self.layout.bucket_range(k).len();
+                let full = if window.lands {
+                    self.full_grads.as_mut()
+                } else {
+                    None
+                };
                 *slot = Some(take_buffer(
                     &mut self.memory,
                     &mut self.pool,
                     &mut window.reducer,
                     (holding, window.buffer_limit),
                     len,
+                    (&self.layout, full),
                 )?);
             }
             let buffer = slot.as_mut().expect("filled above");
@@ -872,7 +953,12 @@ where
         {
             let k = window.next;
             let holding = window.holding();
-            let buffer = match window.open[k].take() {
+            let full = if window.lands {
+                self.full_grads.as_mut()
+            } else {
+                None
+            };
+            let mut buffer = match window.open[k].take() {
                 Some(buffer) => buffer,
                 None => take_buffer(
                     &mut self.memory,
@@ -880,12 +966,24 @@ where
                     &mut window.reducer,
                     (holding, window.buffer_limit),
                     self.layout.bucket_range(k).len(),
+                    (&self.layout, full),
                 )?,
             };
+            let mut fold_full = window.fold_full;
+            if window.lands && fold_full {
+                // The full buffer stays here: the earlier micro-steps are
+                // folded in now, as the thread would have.
+                let full = self.full_grads.as_ref().ok_or_else(|| {
+                    Error::State("internal: no full gradient buffer in stage 0".into())
+                })?;
+                self.memory
+                    .copy_range(&mut buffer, 0, full, self.layout.bucket_range(k), true)?;
+                fold_full = false;
+            }
             let job = Job {
                 bucket: k,
                 buffer,
-                fold_full: window.fold_full,
+                fold_full,
                 add: window.add,
                 // What is launched at the end waits for the step's mask.
                 step: window.step_early && !all,
@@ -1013,7 +1111,20 @@ where
                             self.progress.add_one();
                         }
                     }
-                    self.pool.push(job.buffer);
+                    // Without a thread after all, stage 0's buckets still
+                    // land in the engine's full buffer.
+                    let back = Back {
+                        bucket: job.bucket,
+                        reduced: result.is_ok().then_some(job.add),
+                        buffer: job.buffer,
+                    };
+                    let full = if window.lands {
+                        self.full_grads.as_mut()
+                    } else {
+                        None
+                    };
+                    let landed = land(&mut self.memory, &self.layout, full, &mut self.pool, back);
+                    result = result.and(landed.map(drop));
                 }
                 (targets, result)
             }
@@ -1039,15 +1150,23 @@ where
             }
             Reducer::Thread {
                 jobs,
-                returned,
+                mut returned,
                 handle,
-                ..
             } => {
                 drop(jobs);
                 let joined = handle.join();
-                self.pool.extend(returned.try_iter());
+                let mut landed = Ok(());
+                while let Some(back) = returned.next(false) {
+                    let full = if window.lands {
+                        self.full_grads.as_mut()
+                    } else {
+                        None
+                    };
+                    let written = land(&mut self.memory, &self.layout, full, &mut self.pool, back);
+                    landed = landed.and(written.map(drop));
+                }
                 match joined {
-                    Ok(Some(done)) => done,
+                    Ok(Some((targets, result))) => (targets, result.and(landed)),
                     Ok(None) | Err(_) => {
                         return Err(Error::State(
                             "the communication thread panicked; the engine's gradient buffers \
@@ -1399,6 +1518,149 @@ where
         outcome
     }
 
+    /// Whether stage 0's configuration lets each bucket step as soon as it
+    /// is reduced: nothing needs every gradient first (no clipping, no
+    /// gradient norm, no loss scaling) and the replica is what steps (no
+    /// master weights).
+    fn steps_ddp_as_reduced(&self) -> bool {
+        self.config.stage == Stage::Ddp
+            && self.config.overlap != Overlap::None
+            && self.config.clip.is_none()
+            && !self.config.compute_grad_norm
+            && self.scaler.is_none()
+            && !self.has_master_weights()
+            && self.fetcher.is_none()
+    }
+
+    /// Stage 0 after backward, as PyTorch's `hook_with_zero_step`: with
+    /// every bucket launched, each window of parameters steps as soon as
+    /// the reductions of its buckets are back, while later buckets are
+    /// still on the wire, instead of after the last one. The same
+    /// operations on the same values as stepping after every reduction,
+    /// so the same bits.
+    ///
+    /// For a pass on a communication thread when
+    /// [`steps_ddp_as_reduced`](Self::steps_ddp_as_reduced) and the
+    /// trainable mask (if checked) can be all-reduced on the side
+    /// communicator meanwhile. `None`: not this pass, nothing done;
+    /// `Some(false)`: the mask changed, so the pass was joined and the step
+    /// goes on as usual; `Some(true)`: stepped. A reduction that fails
+    /// stops the step there: the windows before it have stepped.
+    pub(super) fn step_ddp_as_reduced(
+        &mut self,
+        last: Option<&[Option<M::Grad<'_>>]>,
+        micro_steps: usize,
+        params: &mut M::Params<'_>,
+    ) -> Result<Option<bool>> {
+        let threaded = self
+            .window
+            .as_ref()
+            .is_some_and(|w| w.lands && matches!(w.reducer, Reducer::Thread { .. }));
+        let masked = !self.config.check_trainability || self.side.is_some();
+        if !threaded || !masked || !self.steps_ddp_as_reduced() {
+            return Ok(None);
+        }
+        let stepping = self
+            .flush_window(last)
+            .and_then(|()| self.mask_beside_reductions());
+        let stepping = match stepping {
+            Ok(Some(stepping)) => stepping,
+            Ok(None) => {
+                self.join_window()?;
+                return Ok(Some(false));
+            }
+            Err(e) => {
+                if let Err(joined) = self.join_window() {
+                    tracing::debug!(
+                        "after a failed hand-over, the reductions failed too: {joined}"
+                    );
+                }
+                return Err(e);
+            }
+        };
+        let ranges = self.stepping_ranges(&stepping);
+        let factor = (micro_steps > 1).then(|| 1.0 / micro_steps as f64);
+        let stepped = self.step_replica_with(&stepping, params, |engine, grads, window| {
+            engine.land_window(grads, window, &ranges, factor)
+        });
+        // The reductions' own failure first: the step stopped because of it.
+        self.join_window().and(stepped)?;
+        Ok(Some(true))
+    }
+
+    /// Which parameters step, as the step after every reduction would find
+    /// them, with the trainable mask all-reduced on the side communicator
+    /// (while the reductions go on); `None` if the mask changed (the
+    /// buckets are rebuilt after the reductions, as usual).
+    fn mask_beside_reductions(&mut self) -> Result<Option<Vec<bool>>> {
+        if !self.config.check_trainability {
+            let stepping = self.active.iter().zip(&self.present);
+            return Ok(Some(stepping.map(|(&a, &p)| a && p).collect()));
+        }
+        let local: Vec<bool> = self
+            .trainable
+            .iter()
+            .zip(&self.present)
+            .map(|(&t, &p)| t && p)
+            .collect();
+        let side = self
+            .side
+            .as_ref()
+            .ok_or_else(|| Error::State("internal: no side communicator for the mask".into()))?;
+        let active = super::mask_over(&mut self.memory, side, &self.params, &local)?;
+        Ok((active == self.active).then_some(active))
+    }
+
+    /// Takes buffers back from the communication thread until every
+    /// bucket overlapping `window` (elements of the full buffer `grads`) is
+    /// written in, then scales the stepping `ranges` within it by `factor`
+    /// (the micro-steps' average).
+    fn land_window(
+        &mut self,
+        grads: &mut M::Buffer,
+        window: Range<usize>,
+        ranges: &[Range<usize>],
+        factor: Option<f64>,
+    ) -> Result<()> {
+        let Some(Window {
+            reducer: Reducer::Thread { returned, .. },
+            ..
+        }) = self.window.as_mut()
+        else {
+            return Err(Error::State(
+                "internal: no communication thread to take buckets from".into(),
+            ));
+        };
+        let layout = &self.layout;
+        let needed: Vec<usize> = (0..layout.buckets.len())
+            .filter(|&k| {
+                let bucket = layout.bucket_range(k);
+                bucket.start < window.end && window.start < bucket.end
+            })
+            .collect();
+        while needed.iter().any(|&k| returned.pending[k] > 0) {
+            let Some(back) = returned.next(true) else {
+                return Err(Error::State(
+                    "the communication thread stopped before every bucket was reduced".into(),
+                ));
+            };
+            if !land(&mut self.memory, layout, Some(grads), &mut self.pool, back)? {
+                return Err(Error::State(
+                    "a bucket reduction failed; the step stopped before its parameters".into(),
+                ));
+            }
+        }
+        if let Some(factor) = factor {
+            let within: Vec<Range<usize>> = ranges
+                .iter()
+                .map(|r| r.start.max(window.start)..r.end.min(window.end))
+                .filter(|r| !r.is_empty())
+                .collect();
+            self.memory.scale(grads, &within, factor)?;
+        }
+        Ok(())
+    }
+
     /// A handle on the count of completed bucket reductions.
     pub fn reduction_progress(&self) -> ReductionProgress {
         self.progress.clone()
@@ -1552,33 +1814,30 @@ where
 /// thread falls behind. (It cannot wait forever: the oldest queued
 /// reduction needs only buckets every rank launches before waiting on
 /// anything, and a failed one still returns its buffer.)
+///
+/// Stage 0's reduced buckets are written into `full` as their buffers come
+/// back ([`Window::lands`]; `None` otherwise).
 fn take_buffer<T, C, M>(
     memory: &mut M,
     pool: &mut Vec<M::Buffer>,
     reducer: &mut Reducer<T, M::Buffer>,
     (holding, limit): (usize, usize),
     len: usize,
+    (layout, mut full): (&super::Layout, Option<&mut M::Buffer>),
 ) -> Result<M::Buffer>
 where
     T: Element,
     C: Communicator,
     M: ShardMemory<T, C>,
 {
-    if let Reducer::Thread {
-        returned,
-        in_flight,
-        ..
-    } = reducer
-    {
-        for buffer in returned.try_iter() {
-            pool.push(buffer);
-            *in_flight = in_flight.saturating_sub(1);
+    if let Reducer::Thread { returned, .. } = reducer {
+        while let Some(back) = returned.next(false) {
+            land(memory, layout, full.as_deref_mut(), pool, back)?;
         }
-        if *in_flight > 0 && *in_flight + holding >= limit {
-            // `Err`: the thread is gone (it panicked); joining reports it.
-            if let Ok(buffer) = returned.recv() {
-                pool.push(buffer);
-                *in_flight -= 1;
+        if returned.in_flight > 0 && returned.in_flight + holding >= limit {
+            // `None`: the thread is gone (it panicked); joining reports it.
+            if let Some(back) = returned.next(true) {
+                land(memory, layout, full, pool, back)?;
             }
         }
     }
@@ -1615,16 +1874,43 @@ where
     }
 }
 
+/// Takes a buffer back from the communication thread into `pool`, first
+/// writing (adding) its reduced bucket into `full` when given (stage 0,
+/// [`Window::lands`]). `Ok(false)` if its reduction failed or never ran.
+fn land<T, C, M>(
+    memory: &mut M,
+    layout: &super::Layout,
+    full: Option<&mut M::Buffer>,
+    pool: &mut Vec<M::Buffer>,
+    back: Back<M::Buffer>,
+) -> Result<bool>
+where
+    T: Element,
+    C: Communicator,
+    M: ShardMemory<T, C>,
+{
+    let written = match (back.reduced, full) {
+        (Some(add), Some(full)) => {
+            let range = layout.bucket_range(back.bucket);
+            memory
+                .copy_range(full, range.start, &back.buffer, 0..range.len(), add)
+                .map(|()| true)
+        }
+        (reduced, _) => Ok(reduced.is_some()),
+    };
+    pool.push(back.buffer);
+    written
+}
+
 fn submit<T: Element, B>(reducer: &mut Reducer<T, B>, job: Job<B>) {
     match reducer {
         Reducer::Deferred { queue, .. } | Reducer::Inline { queue, .. } => queue.push(job),
         // A send fails only if the thread is gone (it panicked); joining
         // reports that.
-        Reducer::Thread {
-            jobs, in_flight, ..
-        } => {
+        Reducer::Thread { jobs, returned, .. } => {
+            let bucket = job.bucket;
             if jobs.send(job).is_ok() {
-                *in_flight += 1;
+                returned.sent(bucket);
             }
         }
     }
