@@ -5,8 +5,8 @@
 //! communication behind backward is for). Two shapes: the trainer's MLP,
 //! whose two large layers hold nearly every parameter, and a deep stack of
 //! equal layers (the shape of a transformer's blocks), whose gradients
-//! become ready evenly through backward; the deep one also at stage 0,
-//! where every collective is a gradient reduction.
+//! become ready evenly through backward; both also at stage 0, where every
+//! collective is a gradient reduction.
 
 use super::Report;
 use crate::trainer::{Dataset, Mlp};
@@ -263,8 +263,9 @@ fn measure(
 /// `overlap.delayed_interleaved_over_serial`,
 /// `overlap.deferred_step_over_serial` (after-backward with the all-gathers
 /// deferred into the next forward, over the link),
-/// `overlap.undelayed_deferred_over_serial`, and the times they come from;
-/// for the deep shape also `overlap.deep_s0_step_over_serial` (stage 0).
+/// `overlap.undelayed_deferred_over_serial`,
+/// `overlap.s0_step_over_serial` (the same at stage 0), and the times they
+/// come from.
 pub fn run(report: &mut Report) {
     let data = Dataset::synthetic(0);
     for shape in [WIDE, DEEP] {
@@ -297,7 +298,7 @@ fn run_shape(report: &mut Report, shape: &Shape, data: &Dataset) -> Result<(), S
     let bytes_per_sec = calibration.bytes_per_step as f64 / comm_time;
     let bucket_delay = calibration.bucket_bytes_sent as f64 / bytes_per_sec;
     println!(
-        "bench overlap: MLP {}-{}x{}-{} with ZeroHook, AdamW, stage 2{}, {BATCH} rows per \
+        "bench overlap: MLP {}-{}x{}-{} with ZeroHook, AdamW, stages 2 and 0, {BATCH} rows per \
          rank, N={WORLD_SIZE} threads, {} KiB buckets ({} of them); plain threads and a link \
          of {:.0} MB/s ({:.2} ms per bucket collective; a step's {:.1} MB in {:.1} ms, \
          {COMM_OVER_BACKWARD} x the calibration's backward); median of {STEPS} steps after \
@@ -306,11 +307,6 @@ fn run_shape(report: &mut Report, shape: &Shape, data: &Dataset) -> Result<(), S
         shape.hidden.len(),
         shape.hidden[0],
         data.classes,
-        if shape.prefix.is_empty() {
-            ""
-        } else {
-            " (and 0)"
-        },
         shape.bucket_bytes >> 10,
         calibration.buckets,
         bytes_per_sec / 1e6,
@@ -335,21 +331,19 @@ fn run_shape(report: &mut Report, shape: &Shape, data: &Dataset) -> Result<(), S
         ("delayed_deferred", true, (S2, Overlap::AfterBackward, true)),
         ("deferred", false, (S2, Overlap::AfterBackward, true)),
     ];
-    if !shape.prefix.is_empty() {
-        // Stage 0 over the same link: all-reduces, as many bytes as stage
-        // 2's reduce-scatters and all-gathers together, all of them
-        // gradient reductions that may run during backward.
-        cases.push((
-            "delayed_serial_s0",
-            true,
-            (Stage::Ddp, Overlap::None, false),
-        ));
-        cases.push((
-            "delayed_overlapped_s0",
-            true,
-            (Stage::Ddp, Overlap::AfterBackward, false),
-        ));
-    }
+    // Stage 0 over the same link: all-reduces, as many bytes as stage 2's
+    // reduce-scatters and all-gathers together, all of them gradient
+    // reductions that may run during backward.
+    cases.push((
+        "delayed_serial_s0",
+        true,
+        (Stage::Ddp, Overlap::None, false),
+    ));
+    cases.push((
+        "delayed_overlapped_s0",
+        true,
+        (Stage::Ddp, Overlap::AfterBackward, false),
+    ));
     let names: Vec<&str> = cases.iter().map(|c| c.0).collect();
     // The medians of the steps' parts, per case, beside the step medians.
     let mut parts: Vec<Vec<Times>> = vec![Vec::new(); cases.len()];

@@ -116,8 +116,15 @@ pub enum Overlap {
     /// baseline).
     None,
     /// Bucket `k`'s reduction starts on a communication thread as soon as
-    /// its last gradient arrives and every lower bucket has started; the
-    /// optimizer steps once every reduction is done (`hook_with_zero_step`).
+    /// its last gradient arrives and every lower bucket has started; after
+    /// backward the optimizer steps as PyTorch's `hook_with_zero_step` does.
+    /// At stage 0 each bucket's parameters step as soon as its own
+    /// all-reduce is back, while later buckets are still on the wire (but
+    /// after every reduction with clipping, a gradient norm, loss scaling
+    /// or master weights, which need every gradient first, or on a backend
+    /// that cannot run two groups at once). At stages 1 and 2 the shard
+    /// steps once every reduce-scatter is done, each bucket all-gathered as
+    /// soon as it is stepped.
     #[default]
     AfterBackward,
     /// As `AfterBackward`, but each bucket's shard is stepped as soon as its
