@@ -272,3 +272,48 @@ fn stage_0_stepping_as_reduced_follows_mask_changes_bitwise() {
         );
     }
 }
+
+/// A peer that leaves in the middle of a stage 0 pass (after its first
+/// buckets went out) makes the step fail on the rank that stays, at once,
+/// rather than hang in its per-bucket waits.
+#[test]
+fn stage_0_a_peer_leaving_mid_pass_is_an_error_not_a_hang() {
+    let model = Synthetic::medium();
+    let config = EngineConfig::default()
+        .with_stage(Stage::Ddp)
+        .with_bucket_bytes(64)
+        .with_overlap(Overlap::AfterBackward);
+    let started = std::time::Instant::now();
+    let results = zero_core::ThreadGroup::new(2)
+        .with_timeout(std::time::Duration::from_secs(30))
+        .run(|comm| -> zero_core::Result<()> {
+            let rank = comm.rank();
+            let mut e = engine(comm, &model, make_opt(Opt::Adam, false), config.clone())?;
+            let n = e.params().len();
+            let mut params = model.init();
+            let g = model.grads(&params, rank, 0);
+            let order: Vec<(usize, usize)> = (0..n).rev().map(|p| (p, 1)).collect();
+            e.begin_backward(&order, &mut params)?;
+            for p in (0..n).rev() {
+                if rank == 1 && p < n / 2 {
+                    // Leaves with its engine, communicators and all.
+                    return Ok(());
+                }
+                e.accumulate_param(p, (&g[p]).into())?;
+            }
+            e.step(&vec![None; n], &mut params).map(drop)
+        });
+    let mut results = results.into_iter();
+    let stayed = results.next().expect("rank 0").expect("no panic");
+    let err = stayed.expect_err("the step cannot succeed without its peer");
+    assert!(
+        err.to_string().contains("rank 1"),
+        "the error should name the rank that left: {err}"
+    );
+    assert!(results.next().expect("rank 1").expect("no panic").is_ok());
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(20),
+        "took {:?}: waited for the deadline instead of failing at once",
+        started.elapsed()
+    );
+}

@@ -1580,8 +1580,12 @@ where
         };
         let ranges = self.stepping_ranges(&stepping);
         let factor = (micro_steps > 1).then(|| 1.0 / micro_steps as f64);
-        let stepped = self.step_replica_with(&stepping, params, |engine, grads, window| {
-            engine.land_window(grads, window, &ranges, factor)
+        // The step's two buffers are bucket buffers coming back, not two
+        // more beside those still out.
+        let stepped = self.land_into_pool(2).and_then(|()| {
+            self.step_replica_with(&stepping, params, |engine, grads, window| {
+                engine.land_window(grads, window, &ranges, factor)
+            })
         });
         // The reductions' own failure first: the step stopped because of it.
         self.join_window().and(stepped)?;
@@ -1609,6 +1613,38 @@ where
             .ok_or_else(|| Error::State("internal: no side communicator for the mask".into()))?;
         let active = super::mask_over(&mut self.memory, side, &self.params, &local)?;
         Ok((active == self.active).then_some(active))
+    }
+
+    /// Takes buffers back from the communication thread (writing their
+    /// buckets into the full buffer) until the pool holds `count` as long
+    /// as the longest bucket, or none is out.
+    fn land_into_pool(&mut self, count: usize) -> Result<()> {
+        let longest = self.longest_bucket;
+        let Some(Window {
+            reducer: Reducer::Thread { returned, .. },
+            ..
+        }) = self.window.as_mut()
+        else {
+            return Ok(());
+        };
+        while returned.in_flight > 0
+            && self
+                .pool
+                .iter()
+                .filter(|b| M::buffer_len(b) >= longest)
+                .count()
+                < count
+        {
+            let full = self.full_grads.as_mut();
+            land_next(
+                returned,
+                &mut self.memory,
+                &self.layout,
+                full,
+                &mut self.pool,
+            )?;
+        }
+        Ok(())
     }
 
     /// Takes buffers back from the communication thread until every
@@ -1639,16 +1675,13 @@ where
             })
             .collect();
         while needed.iter().any(|&k| returned.pending[k] > 0) {
-            let Some(back) = returned.next(true) else {
-                return Err(Error::State(
-                    "the communication thread stopped before every bucket was reduced".into(),
-                ));
-            };
-            if !land(&mut self.memory, layout, Some(grads), &mut self.pool, back)? {
-                return Err(Error::State(
-                    "a bucket reduction failed; the step stopped before its parameters".into(),
-                ));
-            }
+            land_next(
+                returned,
+                &mut self.memory,
+                layout,
+                Some(grads),
+                &mut self.pool,
+            )?;
         }
         if let Some(factor) = factor {
             let within: Vec<Range<usize>> = ranges
@@ -1900,6 +1933,34 @@ where
     };
     pool.push(back.buffer);
     written
+}
+
+/// Waits for the next buffer back from the communication thread and lands
+/// it (see [`land`]); an error if its reduction failed or the thread is
+/// gone, which stops a step that steps buckets as they come back.
+fn land_next<T, C, M>(
+    returned: &mut Returns<M::Buffer>,
+    memory: &mut M,
+    layout: &super::Layout,
+    full: Option<&mut M::Buffer>,
+    pool: &mut Vec<M::Buffer>,
+) -> Result<()>
+where
+    T: Element,
+    C: Communicator,
+    M: ShardMemory<T, C>,
+{
+    let Some(back) = returned.next(true) else {
+        return Err(Error::State(
+            "the communication thread stopped before every bucket was reduced".into(),
+        ));
+    };
+    if !land(memory, layout, full, pool, back)? {
+        return Err(Error::State(
+            "a bucket reduction failed; the step stopped before its parameters".into(),
+        ));
+    }
+    Ok(())
 }
 
 fn submit<T: Element, B>(reducer: &mut Reducer<T, B>, job: Job<B>) {
