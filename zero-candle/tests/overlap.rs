@@ -289,19 +289,44 @@ impl CustomOp1 for Probe {
     }
 }
 
+/// A 6-32-32-4 MLP of hooked layers.
+struct Mlp {
+    varmap: VarMap,
+    layers: [nn::Linear; 3],
+}
+
+impl Mlp {
+    fn new<C: Communicator<Memory = Host> + 'static>(
+        hook: &Arc<ZeroHook<C, f32>>,
+    ) -> candle_core::Result<Self> {
+        let h: Option<Arc<dyn GradHook>> = Some(hook.clone());
+        let varmap = VarMap::new();
+        let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+        let layers = [
+            nn::linear(6, 32, vb.pp("l1"), h.clone())?,
+            nn::linear(32, 32, vb.pp("l2"), h.clone())?,
+            nn::linear(32, 4, vb.pp("l3"), h)?,
+        ];
+        Ok(Self { varmap, layers })
+    }
+
+    fn loss(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let [l1, l2, l3] = &self.layers;
+        l3.forward(&l2.forward(&l1.forward(x)?.relu()?)?.relu()?)?
+            .sqr()?
+            .mean_all()
+    }
+}
+
 fn probe_run(comm: ThreadComm, overlap: Overlap) -> zero_candle::Result<()> {
     let hook = ZeroHook::<ThreadComm, f32>::new();
-    let h: Option<Arc<dyn GradHook>> = Some(hook.clone());
-    let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
-    let l1 = nn::linear(6, 32, vb.pp("l1"), h.clone())?;
-    let l2 = nn::linear(32, 32, vb.pp("l2"), h.clone())?;
-    let l3 = nn::linear(32, 4, vb.pp("l3"), h)?;
+    let mlp = Mlp::new(&hook)?;
     let config = EngineConfig::default()
         .with_bucket_bytes(256)
         .with_overlap(overlap);
     let adamw = AdamW::new(AdamWConfig::default())?;
-    let mut opt = ZeroOptimizer::new(&varmap, comm, config, Box::new(adamw))?.with_hook(&hook)?;
+    let mut opt =
+        ZeroOptimizer::new(&mlp.varmap, comm, config, Box::new(adamw))?.with_hook(&hook)?;
     // A variable input, so that backward reaches the probe, after every
     // layer.
     let x = Var::ones((3, 6), DType::F32, &Device::Cpu)?;
@@ -311,11 +336,7 @@ fn probe_run(comm: ThreadComm, overlap: Overlap) -> zero_candle::Result<()> {
         progress,
     };
     let input = x.as_tensor().apply_op1(probe)?;
-    let loss = l3
-        .forward(&l2.forward(&l1.forward(&input)?.relu()?)?.relu()?)?
-        .sqr()?
-        .mean_all()?;
-    opt.backward_step(&loss)?;
+    opt.backward_step(&mlp.loss(&input)?)?;
     Ok(())
 }
 
@@ -405,12 +426,7 @@ fn first_step_sees(
 ) -> zero_candle::Result<(usize, usize)> {
     let comm = Delayed::new(comm, latency, f64::INFINITY);
     let hook = ZeroHook::<Delayed<ThreadComm>, f32>::new();
-    let h: Option<Arc<dyn GradHook>> = Some(hook.clone());
-    let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
-    let l1 = nn::linear(6, 32, vb.pp("l1"), h.clone())?;
-    let l2 = nn::linear(32, 32, vb.pp("l2"), h.clone())?;
-    let l3 = nn::linear(32, 4, vb.pp("l3"), h)?;
+    let mlp = Mlp::new(&hook)?;
     let progress = Arc::new(Mutex::new(None));
     let seen = Arc::new(Mutex::new(Vec::new()));
     let watched = Watched {
@@ -419,16 +435,13 @@ fn first_step_sees(
         seen: Arc::clone(&seen),
     };
     let config = config.with_stage(Stage::Ddp).with_bucket_bytes(1 << 10);
-    let mut opt = ZeroOptimizer::new(&varmap, comm, config, Box::new(watched))?.with_hook(&hook)?;
+    let mut opt =
+        ZeroOptimizer::new(&mlp.varmap, comm, config, Box::new(watched))?.with_hook(&hook)?;
     let before = opt.engine().reduction_progress().completed();
     *progress.lock().unwrap_or_else(PoisonError::into_inner) =
         Some(opt.engine().reduction_progress());
     let x = Tensor::ones((3, 6), DType::F32, &Device::Cpu)?;
-    let loss = l3
-        .forward(&l2.forward(&l1.forward(&x)?.relu()?)?.relu()?)?
-        .sqr()?
-        .mean_all()?;
-    opt.backward_step(&loss)?;
+    opt.backward_step(&mlp.loss(&x)?)?;
     let buckets = opt.engine().layout().buckets.len();
     let first = seen.lock().unwrap_or_else(PoisonError::into_inner)[0];
     Ok((first - before, buckets))

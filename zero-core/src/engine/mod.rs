@@ -821,12 +821,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         // exact when every rank leaves out the same parameters (as the same
         // model on every rank does).
         if self.config.check_trainability {
-            let local: Vec<bool> = self
-                .trainable
-                .iter()
-                .zip(&self.present)
-                .map(|(&t, &p)| t && p)
-                .collect();
+            let local = self.local_mask();
             let active = self.global_mask(&local)?;
             if active != self.active {
                 tracing::debug!("trainable mask changed; rebuilding buckets");
@@ -1309,6 +1304,15 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                     .any(|run| self.active[run.param])
             })
             .collect();
+    }
+
+    /// Which parameters train here this step: trainable, with a gradient.
+    fn local_mask(&self) -> Vec<bool> {
+        self.trainable
+            .iter()
+            .zip(&self.present)
+            .map(|(&t, &p)| t && p)
+            .collect()
     }
 
     /// ORs a per-parameter mask across ranks (one `f32` per parameter).

@@ -905,11 +905,7 @@ where
             };
             if slot.is_none() {
                 let len = self.layout.bucket_range(k).len();
-                let full = if window.lands {
-                    self.full_grads.as_mut()
-                } else {
-                    None
-                };
+                let full = self.full_grads.as_mut().filter(|_| window.lands);
                 *slot = Some(take_buffer(
                     &mut self.memory,
                     &mut self.pool,
@@ -953,11 +949,7 @@ where
         {
             let k = window.next;
             let holding = window.holding();
-            let full = if window.lands {
-                self.full_grads.as_mut()
-            } else {
-                None
-            };
+            let full = self.full_grads.as_mut().filter(|_| window.lands);
             let mut buffer = match window.open[k].take() {
                 Some(buffer) => buffer,
                 None => take_buffer(
@@ -1118,11 +1110,7 @@ where
                         reduced: result.is_ok().then_some(job.add),
                         buffer: job.buffer,
                     };
-                    let full = if window.lands {
-                        self.full_grads.as_mut()
-                    } else {
-                        None
-                    };
+                    let full = self.full_grads.as_mut().filter(|_| window.lands);
                     let landed = land(&mut self.memory, &self.layout, full, &mut self.pool, back);
                     result = result.and(landed.map(drop));
                 }
@@ -1157,11 +1145,7 @@ where
                 let joined = handle.join();
                 let mut landed = Ok(());
                 while let Some(back) = returned.next(false) {
-                    let full = if window.lands {
-                        self.full_grads.as_mut()
-                    } else {
-                        None
-                    };
+                    let full = self.full_grads.as_mut().filter(|_| window.lands);
                     let written = land(&mut self.memory, &self.layout, full, &mut self.pool, back);
                     landed = landed.and(written.map(drop));
                 }
@@ -1601,12 +1585,7 @@ where
             let stepping = self.active.iter().zip(&self.present);
             return Ok(Some(stepping.map(|(&a, &p)| a && p).collect()));
         }
-        let local: Vec<bool> = self
-            .trainable
-            .iter()
-            .zip(&self.present)
-            .map(|(&t, &p)| t && p)
-            .collect();
+        let local = self.local_mask();
         let side = self
             .side
             .as_ref()
