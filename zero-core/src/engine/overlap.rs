@@ -20,7 +20,11 @@
 //!   layers, unused ones) in bucket order, then adds, in a second reduction
 //!   of their bucket, gradients that arrived after their bucket had been
 //!   launched (a weight also used by a plain op). Reduction is linear, so the
-//!   result is the same up to float rounding.
+//!   result is the same up to float rounding;
+//! - at stage 0 the step then steps each window of parameters as soon as
+//!   the reductions of its buckets are back, while later ones are still on
+//!   the wire ([`Engine::step_ddp_as_reduced`], PyTorch's
+//!   `hook_with_zero_step`), where nothing needs every gradient first.
 //!
 //! Stage 2 reduce-scatters every micro-step into the shard (sums, averaged
 //! at the step), so no full gradient buffer lives across an accumulation
