@@ -148,6 +148,9 @@ pub(super) struct Returns<B> {
     in_flight: usize,
     /// Per bucket, its jobs sent whose buffer has not come back yet.
     pending: Vec<usize>,
+    /// A job could not be sent (the thread is gone): `pending` no longer
+    /// tells which buckets are reduced.
+    lost: bool,
 }
 
 impl<B> Returns<B> {
@@ -778,6 +781,7 @@ where
                         rx: returned,
                         in_flight: 0,
                         pending: vec![0; self.layout.buckets.len()],
+                        lost: false,
                     },
                     handle,
                 }
@@ -1657,6 +1661,9 @@ where
                 bucket.start < window.end && window.start < bucket.end
             })
             .collect();
+        if returned.lost {
+            return Err(thread_gone());
+        }
         while needed.iter().any(|&k| returned.pending[k] > 0) {
             land_next(
                 returned,
@@ -1934,9 +1941,7 @@ where
     M: ShardMemory<T, C>,
 {
     let Some(back) = returned.next(true) else {
-        return Err(Error::State(
-            "the communication thread stopped before every bucket was reduced".into(),
-        ));
+        return Err(thread_gone());
     };
     if !land(memory, layout, full, pool, back)? {
         return Err(Error::State(
@@ -1944,6 +1949,10 @@ where
         ));
     }
     Ok(())
+}
+
+fn thread_gone() -> Error {
+    Error::State("the communication thread stopped before every bucket was reduced".into())
 }
 
 fn submit<T: Element, B>(reducer: &mut Reducer<T, B>, job: Job<B>) {
@@ -1955,6 +1964,8 @@ fn submit<T: Element, B>(reducer: &mut Reducer<T, B>, job: Job<B>) {
             let bucket = job.bucket;
             if jobs.send(job).is_ok() {
                 returned.sent(bucket);
+            } else {
+                returned.lost = true;
             }
         }
     }
