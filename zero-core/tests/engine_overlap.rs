@@ -275,7 +275,8 @@ fn stage_0_stepping_as_reduced_follows_mask_changes_bitwise() {
 
 /// A peer that leaves in the middle of a stage 0 pass (after its first
 /// buckets went out) makes the step fail on the rank that stays, at once,
-/// rather than hang in its per-bucket waits.
+/// naming it (in the mask's all-reduce or a bucket's reduction),
+/// rather than wait for its deadline.
 #[test]
 fn stage_0_a_peer_leaving_mid_pass_is_an_error_not_a_hang() {
     let model = Synthetic::medium();

@@ -833,11 +833,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             // A gradient on any rank counts: the reduced gradient holds it.
             self.active.clone()
         } else {
-            self.active
-                .iter()
-                .zip(&self.present)
-                .map(|(&a, &p)| a && p)
-                .collect()
+            self.unchecked_stepping()
         };
 
         // The owned pieces' current values (the replica may have been changed
@@ -1304,6 +1300,16 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                     .any(|run| self.active[run.param])
             })
             .collect();
+    }
+
+    /// Which parameters step without the trainability check: active, with
+    /// a gradient here.
+    fn unchecked_stepping(&self) -> Vec<bool> {
+        self.active
+            .iter()
+            .zip(&self.present)
+            .map(|(&a, &p)| a && p)
+            .collect()
     }
 
     /// Which parameters train here this step: trainable, with a gradient.

@@ -509,17 +509,6 @@ where
             }
             None => 0,
         };
-        // Stage 0 stepping each bucket as it is reduced all-reduces the
-        // trainable mask beside the reductions: on a communicator of its own.
-        if self.side.is_none()
-            && self.config.check_trainability
-            && self.steps_ddp_as_reduced()
-            && self.memory.fork().is_some()
-            && self.comm.concurrent_groups()
-        {
-            let world: Vec<usize> = (0..self.comm.world_size()).collect();
-            self.side = self.comm.split(&world)?;
-        }
         let mut mine = [0.0; 16];
         mine[..8].copy_from_slice(&order_fingerprint(expected));
         mine[8..].copy_from_slice(&hash_fingerprint(forward));
@@ -547,6 +536,18 @@ where
             )));
         }
         let worker_memory = self.memory.fork();
+        // Stage 0 stepping each bucket as it is reduced all-reduces the
+        // trainable mask beside the reductions: on a communicator of its own
+        // (the same decision on every rank: it depends on the configuration).
+        if self.side.is_none()
+            && worker_memory.is_some()
+            && self.config.check_trainability
+            && self.steps_ddp_as_reduced()
+            && self.comm.concurrent_groups()
+        {
+            let world: Vec<usize> = (0..self.comm.world_size()).collect();
+            self.side = self.comm.split(&world)?;
+        }
         // A memory whose collectives are asynchronous (a GPU stream) needs
         // no thread: its reductions are queued as buckets fill.
         let inline = worker_memory.is_none()
@@ -1590,8 +1591,7 @@ where
     /// buckets are rebuilt after the reductions, as usual).
     fn mask_beside_reductions(&mut self) -> Result<Option<Vec<bool>>> {
         if !self.config.check_trainability {
-            let stepping = self.active.iter().zip(&self.present);
-            return Ok(Some(stepping.map(|(&a, &p)| a && p).collect()));
+            return Ok(Some(self.unchecked_stepping()));
         }
         let local = self.local_mask();
         let side = self
