@@ -821,7 +821,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         // exact when every rank leaves out the same parameters (as the same
         // model on every rank does).
         if self.config.check_trainability {
-            let local = self.local_mask();
+            let local = self.with_gradient(&self.trainable);
             let active = self.global_mask(&local)?;
             if active != self.active {
                 tracing::debug!("trainable mask changed; rebuilding buckets");
@@ -833,7 +833,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             // A gradient on any rank counts: the reduced gradient holds it.
             self.active.clone()
         } else {
-            self.unchecked_stepping()
+            self.with_gradient(&self.active)
         };
 
         // The owned pieces' current values (the replica may have been changed
@@ -1302,22 +1302,14 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             .collect();
     }
 
-    /// Which parameters step without the trainability check: active, with
-    /// a gradient here.
-    fn unchecked_stepping(&self) -> Vec<bool> {
-        self.active
+    /// `flags` of the parameters with a gradient here this step: of
+    /// `trainable`, the local mask to all-reduce; of `active`, what steps
+    /// without the trainability check.
+    fn with_gradient(&self, flags: &[bool]) -> Vec<bool> {
+        flags
             .iter()
             .zip(&self.present)
-            .map(|(&a, &p)| a && p)
-            .collect()
-    }
-
-    /// Which parameters train here this step: trainable, with a gradient.
-    fn local_mask(&self) -> Vec<bool> {
-        self.trainable
-            .iter()
-            .zip(&self.present)
-            .map(|(&t, &p)| t && p)
+            .map(|(&f, &p)| f && p)
             .collect()
     }
 

@@ -1591,9 +1591,9 @@ where
     /// buckets are rebuilt after the reductions, as usual).
     fn mask_beside_reductions(&mut self) -> Result<Option<Vec<bool>>> {
         if !self.config.check_trainability {
-            return Ok(Some(self.unchecked_stepping()));
+            return Ok(Some(self.with_gradient(&self.active)));
         }
-        let local = self.local_mask();
+        let local = self.with_gradient(&self.trainable);
         let side = self
             .side
             .as_ref()
