@@ -8,7 +8,7 @@ use candle_nn::VarMap;
 use clap::Parser;
 use std::collections::HashMap;
 use std::path::Path;
-use zero_examples::trainer::{run, Args, Gpt, GptConfig, Summary};
+use zero_examples::trainer::{run, Args, Gpt, GptConfig, GptOps, Summary};
 
 /// A corpus with obvious structure: one short sentence, repeated.
 fn write_corpus(dir: &Path) -> String {
@@ -373,8 +373,17 @@ fn max_abs(a: &Tensor, b: &Tensor) -> f32 {
         .unwrap()
 }
 
+/// Both ways of computing the model ([`GptOps`]) against the plain
+/// candle-nn reference: the fused attention, GELU and loss give the
+/// composed ops' values and gradients.
 #[test]
 fn the_tied_embedding_gets_the_sum_of_the_embedding_and_head_gradients() {
+    for ops in [GptOps::Fused, GptOps::Composed] {
+        tied_embedding_gradients(ops);
+    }
+}
+
+fn tied_embedding_gradients(ops: GptOps) {
     let config = GptConfig {
         layers: 2,
         heads: 2,
@@ -382,7 +391,9 @@ fn the_tied_embedding_gets_the_sum_of_the_embedding_and_head_gradients() {
         context: 8,
     };
     let varmap = VarMap::new();
-    let model = Gpt::new(&varmap, config, 11, &Device::Cpu).unwrap();
+    let model = Gpt::new(&varmap, config, 11, &Device::Cpu)
+        .unwrap()
+        .with_ops(ops);
     let ids: Vec<u32> = (0..3 * 9).map(|i| (i * 37 % 256) as u32).collect();
     let ids = Tensor::from_vec(ids, (3, 9), &Device::Cpu).unwrap();
     let reference = Reference::new(&varmap, config);
@@ -390,7 +401,7 @@ fn the_tied_embedding_gets_the_sum_of_the_embedding_and_head_gradients() {
     let loss = model.loss(&ids).unwrap();
     let ref_loss = reference.loss(&ids);
     let loss_diff = max_abs(&loss, &ref_loss);
-    assert!(loss_diff < 1e-5, "losses differ by {loss_diff}");
+    assert!(loss_diff < 1e-5, "{ops:?}: losses differ by {loss_diff}");
 
     let grads = loss.backward().unwrap();
     let ref_grads = ref_loss.backward().unwrap();
@@ -411,7 +422,7 @@ fn the_tied_embedding_gets_the_sum_of_the_embedding_and_head_gradients() {
             expected = (expected + head).unwrap();
         }
         let diff = max_abs(grad, &expected);
-        assert!(diff < 1e-5, "{name}: gradient differs by {diff}");
+        assert!(diff < 1e-5, "{ops:?} {name}: gradient differs by {diff}");
     }
     assert_eq!(model.config(), config);
     assert_eq!(DType::F32, loss.dtype());

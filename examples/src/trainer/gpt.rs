@@ -1,5 +1,6 @@
 //! A small decoder-only transformer (GPT-2 layout) over bytes, built from
-//! `zero_candle::nn`'s layers.
+//! `zero_candle::nn`'s layers and fused ops (attention, GELU and the loss
+//! each one op with its own backward).
 //!
 //! Parameter names, stable across runs and ranks (checkpoints and `--init`
 //! files use them): `wte.weight` `[256, d]`, `wpe.weight` `[context, d]`,
@@ -16,7 +17,7 @@ use candle_core::{DType, Device, Module, Tensor, Var, D};
 use candle_nn::VarMap;
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use std::sync::Arc;
-use zero_candle::nn::{Embedding, GradHook, LayerNorm, Linear};
+use zero_candle::nn::{ops, Embedding, GradHook, LayerNorm, Linear};
 
 /// Bytes: the vocabulary needs no tokenizer and no download.
 pub const VOCAB: usize = 256;
@@ -52,6 +53,22 @@ impl GptConfig {
     }
 }
 
+/// How the attention, the GELU and the loss are computed. The parameters,
+/// their initialization and the arithmetic are the same; the memory kept
+/// for backward and the time are not.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum GptOps {
+    /// `zero_candle::nn::ops`: causal attention, GELU and cross-entropy as
+    /// single ops that keep only what their backward needs.
+    #[default]
+    Fused,
+    /// The same functions composed of Candle's tensor ops (a mask tensor,
+    /// a `[batch, heads, time, time]` softmax, `Tensor::gelu`,
+    /// `candle_nn::loss::cross_entropy`), each intermediate kept for
+    /// backward: what the fused ops are measured against.
+    Composed,
+}
+
 struct Block {
     ln1: LayerNorm,
     qkv: Linear,
@@ -64,6 +81,7 @@ struct Block {
 /// The model: embeddings, blocks, final norm and the tied head.
 pub struct Gpt {
     config: GptConfig,
+    ops: GptOps,
     wte: Embedding,
     wpe: Embedding,
     blocks: Vec<Block>,
@@ -196,6 +214,7 @@ impl Gpt {
         let ln_f = init.layer_norm("ln_f", d)?;
         Ok(Self {
             config,
+            ops: GptOps::Fused,
             wte: Embedding::new(wte.clone(), d, hook.clone()),
             wpe: Embedding::new(wpe, d, hook.clone()),
             blocks,
@@ -207,6 +226,12 @@ impl Gpt {
     /// The model's shape.
     pub fn config(&self) -> GptConfig {
         self.config
+    }
+
+    /// The model computing with `ops` (the default is [`GptOps::Fused`]).
+    pub fn with_ops(mut self, ops: GptOps) -> Self {
+        self.ops = ops;
+        self
     }
 
     /// Logits `[batch * time, 256]` for byte ids `[batch, time]` (u32,
@@ -226,12 +251,27 @@ impl Gpt {
             .wte
             .forward(ids)?
             .broadcast_add(&self.wpe.forward(&positions)?)?;
-        let mask = causal_mask(time, device)?;
+        let mask = match self.ops {
+            GptOps::Fused => None,
+            GptOps::Composed => Some(causal_mask(time, device)?),
+        };
         let dtype = self.head.weight().dtype();
         for block in &self.blocks {
-            let h = self.attention(block, &block.ln1.forward(&x)?, &mask, dtype)?;
+            let x_norm = block.ln1.forward(&x)?;
+            let h = match &mask {
+                None => {
+                    let qkv = block.qkv.forward(&x_norm)?;
+                    let y = ops::causal_self_attention(&qkv, self.config.heads)?;
+                    block.attn_proj.forward(&y)?
+                }
+                Some(mask) => self.composed_attention(block, &x_norm, mask, dtype)?,
+            };
             x = (x + h)?;
-            let h = block.fc.forward(&block.ln2.forward(&x)?)?.gelu()?;
+            let h = block.fc.forward(&block.ln2.forward(&x)?)?;
+            let h = match self.ops {
+                GptOps::Fused => ops::gelu(&h)?,
+                GptOps::Composed => h.gelu()?,
+            };
             x = (x + block.mlp_proj.forward(&h)?)?;
         }
         let x = self
@@ -242,7 +282,8 @@ impl Gpt {
         self.head.forward(&x)
     }
 
-    fn attention(
+    /// Attention composed of Candle's ops ([`GptOps::Composed`]).
+    fn composed_attention(
         &self,
         block: &Block,
         x: &Tensor,
@@ -282,10 +323,15 @@ impl Gpt {
         let time = ids.dim(1)? - 1;
         let inputs = ids.narrow(1, 0, time)?.contiguous()?;
         let targets = ids.narrow(1, 1, time)?.flatten_all()?;
-        // In f32 whatever the model's dtype (a 16-bit loss would also
-        // overflow under loss scaling).
-        let logits = self.forward(&inputs)?.to_dtype(DType::F32)?;
-        candle_nn::loss::cross_entropy(&logits, &targets)
+        let logits = self.forward(&inputs)?;
+        match self.ops {
+            // The fused loss reads 16-bit logits in f32 and returns an f32
+            // loss (a 16-bit loss would overflow under loss scaling).
+            GptOps::Fused => ops::cross_entropy(&logits, &targets),
+            GptOps::Composed => {
+                candle_nn::loss::cross_entropy(&logits.to_dtype(DType::F32)?, &targets)
+            }
+        }
     }
 
     /// `count` bytes continuing `prompt`: greedy when `temperature` is 0,

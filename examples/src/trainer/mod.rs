@@ -11,7 +11,7 @@ mod text;
 
 pub use args::{Args, Backend, ModelKind, OptimizerKind, OverlapArg, PartitionerArg, Precision};
 pub use data::Dataset;
-pub use gpt::{Gpt, GptConfig, VOCAB};
+pub use gpt::{Gpt, GptConfig, GptOps, VOCAB};
 pub use model::{load_weights, save_weights, Mlp};
 pub use plot::LossHistory;
 pub use text::{TextData, DEFAULT_CORPUS_DIR};

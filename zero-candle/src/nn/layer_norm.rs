@@ -3,20 +3,24 @@
 //! candle-nn 0.11's contiguous fast paths run with `apply_op*_no_bwd`: their
 //! output is not part of the graph, so neither the weight, the bias nor the
 //! input get a gradient through them. Here the normalization is one custom
-//! op over `(x, weight[, bias])` on the CPU, with a backward that computes
-//! all three gradients in one pass over the rows; on other devices it is
-//! candle-nn's slow path in plain tensor ops, the parameters [`tap`]ped.
+//! op over `(x, weight[, bias])` on the CPU and on CUDA, with a backward
+//! that computes all three gradients in one pass over the rows (on CUDA:
+//! one kernel, and one more that sums the weight and bias gradients'
+//! per-block parts); on other devices it is candle-nn's slow path in plain
+//! tensor ops, the parameters [`tap`]ped.
 
 use super::cpu;
+use super::cuda;
+use super::elem::{Accum, Elem};
 use super::hook::{announce, before_read, route, GradHook};
+use super::storage::{tensor_from, with_cuda};
 use super::tap::tap;
 use candle_core::backend::BackendStorage;
 use candle_core::{
-    bail, CpuStorage, CustomOp2, CustomOp3, DType, Device, Layout, Module, Result, Shape, Tensor,
-    Var, WithDType, D,
+    bail, CpuStorage, CudaStorage, CustomOp2, CustomOp3, DType, Device, Layout, Module, Result,
+    Shape, Storage, Tensor, Var, D,
 };
 use candle_nn::{LayerNormConfig, VarBuilder};
-use std::ops::{Add, AddAssign, Div, Mul, Sub};
 use std::sync::Arc;
 
 /// Layer normalization over the last dimension, as `candle_nn::LayerNorm`:
@@ -179,7 +183,7 @@ impl Module for LayerNorm {
             self.hook.as_ref(),
             &[Some(&self.weight), self.bias.as_ref()],
         )?;
-        if !x.device().is_cpu() {
+        if !(x.device().is_cpu() || x.device().is_cuda()) {
             return self.forward_with_tensor_ops(x);
         }
         let op = FusedNorm {
@@ -283,8 +287,8 @@ pub fn rms_norm(
     Ok(RmsNorm(layer_norm(size, config, vb, hook)?))
 }
 
-/// The op `(x [.., n], weight [n][, bias [n]])`, CPU only (other devices
-/// never reach it: see [`LayerNorm::forward`]).
+/// The op `(x [.., n], weight [n][, bias [n]])`, on the CPU and CUDA (other
+/// devices never reach it: see [`LayerNorm::forward`]).
 struct FusedNorm {
     eps: f64,
     remove_mean: bool,
@@ -319,7 +323,7 @@ impl FusedNorm {
         Ok((out, shape))
     }
 
-    fn forward_typed<T: NormElem>(
+    fn forward_typed<T: Elem>(
         &self,
         x: (&CpuStorage, &Layout),
         weight: (&CpuStorage, &Layout),
@@ -353,14 +357,10 @@ impl FusedNorm {
             return Ok((None, None, None));
         }
         let grad = grad.contiguous()?;
-        let grads = match x.dtype() {
-            DType::F32 => self.backward_typed::<f32>(x, weight, &grad, want)?,
-            DType::F64 => self.backward_typed::<f64>(x, weight, &grad, want)?,
-            DType::BF16 => self.backward_typed::<half::bf16>(x, weight, &grad, want)?,
-            DType::F16 => self.backward_typed::<half::f16>(x, weight, &grad, want)?,
-            other => bail!(
-                "zero-candle LayerNorm: dtype {other:?} is not supported; use f32, f64, bf16 or f16"
-            ),
+        let grads = if x.device().is_cuda() {
+            self.backward_cuda(x, weight, &grad, want)?
+        } else {
+            self.backward_cpu(x, weight, &grad, want)?
         };
         let hook = self.hook.as_ref();
         // Bias before weight: their order in `sorted_nodes`.
@@ -375,7 +375,64 @@ impl FusedNorm {
         Ok((grads.x, grad_weight, grad_bias))
     }
 
-    fn backward_typed<T: NormElem>(
+    fn backward_cpu(
+        &self,
+        x: &Tensor,
+        weight: &Tensor,
+        grad: &Tensor,
+        want: Wanted,
+    ) -> Result<NormGrads> {
+        match x.dtype() {
+            DType::F32 => self.backward_typed::<f32>(x, weight, grad, want),
+            DType::F64 => self.backward_typed::<f64>(x, weight, grad, want),
+            DType::BF16 => self.backward_typed::<half::bf16>(x, weight, grad, want),
+            DType::F16 => self.backward_typed::<half::f16>(x, weight, grad, want),
+            other => bail!(
+                "zero-candle LayerNorm: dtype {other:?} is not supported; use f32, f64, bf16 or f16"
+            ),
+        }
+    }
+
+    /// The three gradients from the CUDA kernels (the weight's and bias's
+    /// always computed: the same pass sums them).
+    fn backward_cuda(
+        &self,
+        x: &Tensor,
+        weight: &Tensor,
+        grad: &Tensor,
+        want: Wanted,
+    ) -> Result<NormGrads> {
+        let size = weight.elem_count();
+        let (dx, dw, db) = with_cuda(x, "the LayerNorm input", |x_storage, x_layout| {
+            with_cuda(weight, "the LayerNorm weight", |w_storage, w_layout| {
+                with_cuda(
+                    grad,
+                    "the LayerNorm output gradient",
+                    |g_storage, g_layout| {
+                        cuda::norm_backward(
+                            (x_storage, x_layout),
+                            (w_storage, w_layout),
+                            (g_storage, g_layout),
+                            self.eps,
+                            self.remove_mean,
+                            want.x,
+                        )
+                    },
+                )
+            })
+        })?;
+        let as_tensor = |s: CudaStorage, shape: Shape| tensor_from(Storage::Cuda(s), shape);
+        Ok(NormGrads {
+            x: match dx {
+                Some(dx) if want.x => Some(as_tensor(dx, x.shape().clone())),
+                _ => None,
+            },
+            weight: want.weight.then(|| as_tensor(dw, Shape::from(size))),
+            bias: want.bias.then(|| as_tensor(db, Shape::from(size))),
+        })
+    }
+
+    fn backward_typed<T: Elem>(
         &self,
         x: &Tensor,
         weight: &Tensor,
@@ -456,6 +513,23 @@ impl CustomOp2 for FusedNorm {
         self.forward((x, x_layout), (weight, weight_layout), None)
     }
 
+    fn cuda_fwd(
+        &self,
+        x: &CudaStorage,
+        x_layout: &Layout,
+        weight: &CudaStorage,
+        weight_layout: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let y = cuda::norm_forward(
+            (x, x_layout),
+            (weight, weight_layout),
+            None,
+            self.eps,
+            self.remove_mean,
+        )?;
+        Ok((y, x_layout.shape().clone()))
+    }
+
     fn bwd(
         &self,
         x: &Tensor,
@@ -489,6 +563,25 @@ impl CustomOp3 for FusedNorm {
         )
     }
 
+    fn cuda_fwd(
+        &self,
+        x: &CudaStorage,
+        x_layout: &Layout,
+        weight: &CudaStorage,
+        weight_layout: &Layout,
+        bias: &CudaStorage,
+        bias_layout: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let y = cuda::norm_forward(
+            (x, x_layout),
+            (weight, weight_layout),
+            Some((bias, bias_layout)),
+            self.eps,
+            self.remove_mean,
+        )?;
+        Ok((y, x_layout.shape().clone()))
+    }
+
     fn bwd(
         &self,
         x: &Tensor,
@@ -501,91 +594,11 @@ impl CustomOp3 for FusedNorm {
     }
 }
 
-/// The arithmetic the statistics are accumulated in.
-trait Accum:
-    Copy + Add<Output = Self> + Sub<Output = Self> + Mul<Output = Self> + Div<Output = Self> + AddAssign
-{
-    const ZERO: Self;
-    const ONE: Self;
-    fn from_f64(v: f64) -> Self;
-    fn sqrt(self) -> Self;
-}
-
-impl Accum for f32 {
-    const ZERO: Self = 0.0;
-    const ONE: Self = 1.0;
-    fn from_f64(v: f64) -> Self {
-        v as f32
-    }
-    fn sqrt(self) -> Self {
-        f32::sqrt(self)
-    }
-}
-
-impl Accum for f64 {
-    const ZERO: Self = 0.0;
-    const ONE: Self = 1.0;
-    fn from_f64(v: f64) -> Self {
-        v
-    }
-    fn sqrt(self) -> Self {
-        f64::sqrt(self)
-    }
-}
-
-/// An element type with the type its statistics are accumulated in: f32
-/// for the 16-bit types, itself otherwise.
-trait NormElem: WithDType {
-    type Acc: Accum;
-    fn acc(self) -> Self::Acc;
-    fn from_acc(v: Self::Acc) -> Self;
-}
-
-impl NormElem for f32 {
-    type Acc = f32;
-    fn acc(self) -> f32 {
-        self
-    }
-    fn from_acc(v: f32) -> Self {
-        v
-    }
-}
-
-impl NormElem for f64 {
-    type Acc = f64;
-    fn acc(self) -> f64 {
-        self
-    }
-    fn from_acc(v: f64) -> Self {
-        v
-    }
-}
-
-impl NormElem for half::bf16 {
-    type Acc = f32;
-    fn acc(self) -> f32 {
-        self.to_f32()
-    }
-    fn from_acc(v: f32) -> Self {
-        half::bf16::from_f32(v)
-    }
-}
-
-impl NormElem for half::f16 {
-    type Acc = f32;
-    fn acc(self) -> f32 {
-        self.to_f32()
-    }
-    fn from_acc(v: f32) -> Self {
-        half::f16::from_f32(v)
-    }
-}
-
 /// A row's mean (zero without `remove_mean`) and `1/√(var + eps)`, the
 /// variance taken around the mean in a second pass (no `E[x²] - mean²`
 /// cancellation).
-fn row_stats<T: NormElem>(row: &[T], eps: T::Acc, remove_mean: bool) -> (T::Acc, T::Acc) {
-    let n = T::Acc::from_f64(row.len() as f64);
+fn row_stats<T: Elem>(row: &[T], eps: T::Acc, remove_mean: bool) -> (T::Acc, T::Acc) {
+    let n = T::Acc::cast(row.len() as f64);
     let mean = if remove_mean {
         let mut sum = T::Acc::ZERO;
         for &v in row {
@@ -604,14 +617,14 @@ fn row_stats<T: NormElem>(row: &[T], eps: T::Acc, remove_mean: bool) -> (T::Acc,
 }
 
 /// `y = (x - mean)·rstd·w + b` per row of `weight.len()` elements.
-fn norm_forward<T: NormElem>(
+fn norm_forward<T: Elem>(
     x: &[T],
     weight: &[T],
     bias: Option<&[T]>,
     eps: f64,
     remove_mean: bool,
 ) -> Vec<T> {
-    let eps = T::Acc::from_f64(eps);
+    let eps = T::Acc::cast(eps);
     let mut y = Vec::with_capacity(x.len());
     for row in x.chunks_exact(weight.len()) {
         let (mean, rstd) = row_stats(row, eps, remove_mean);
@@ -639,7 +652,7 @@ fn norm_forward<T: NormElem>(
 /// `∂x = rstd·(ĝ - mean(ĝ) - x̂·mean(ĝ·x̂))` (no `mean(ĝ)` term for RMS),
 /// `∂w = Σ_rows g·x̂`, `∂b = Σ_rows g`.
 #[allow(clippy::type_complexity)]
-fn norm_backward<T: NormElem>(
+fn norm_backward<T: Elem>(
     x: &[T],
     weight: &[T],
     grad: &[T],
@@ -648,8 +661,8 @@ fn norm_backward<T: NormElem>(
     want_x: bool,
 ) -> (Option<Vec<T>>, Vec<T::Acc>, Vec<T::Acc>) {
     let size = weight.len();
-    let n = T::Acc::from_f64(size as f64);
-    let eps = T::Acc::from_f64(eps);
+    let n = T::Acc::cast(size as f64);
+    let eps = T::Acc::cast(eps);
     let mut grad_x = want_x.then(|| Vec::with_capacity(x.len()));
     let mut grad_weight = vec![T::Acc::ZERO; size];
     let mut grad_bias = vec![T::Acc::ZERO; size];

@@ -74,10 +74,19 @@
 
 mod bf16_matmul;
 mod cpu;
+#[cfg(feature = "cuda")]
+mod cuda;
+mod elem;
 mod embedding;
 mod hook;
 mod layer_norm;
 mod linear;
+#[cfg(not(feature = "cuda"))]
+mod no_cuda;
+#[cfg(not(feature = "cuda"))]
+use no_cuda as cuda;
+pub mod ops;
+mod storage;
 mod tap;
 
 pub use embedding::{embedding, Embedding};

@@ -1,0 +1,79 @@
+//! The CUDA entry points of the fused layers when zero-candle is built
+//! without the `cuda` feature: the same names as `cuda.rs`, each an error.
+//! Candle then has no CUDA device either, so none of them is reachable
+//! from a tensor; they keep the ops' `cuda_fwd` free of `cfg`.
+
+use super::ops::{Activation, AttentionDims};
+use candle_core::{bail, CudaStorage, Layout, Result};
+
+/// A CUDA storage with its layout.
+pub(crate) type Arg<'a> = (&'a CudaStorage, &'a Layout);
+
+fn no_cuda<T>() -> Result<T> {
+    bail!("zero-candle was built without the `cuda` feature; enable it to run the fused layers on a GPU")
+}
+
+pub(crate) fn attention_forward(
+    _qkv: Arg,
+    _dims: &AttentionDims,
+) -> Result<(CudaStorage, CudaStorage)> {
+    no_cuda()
+}
+
+pub(crate) fn attention_backward(
+    _qkv: Arg,
+    _out: Arg,
+    _lse: &CudaStorage,
+    _grad: Arg,
+    _dims: &AttentionDims,
+) -> Result<CudaStorage> {
+    no_cuda()
+}
+
+pub(crate) fn norm_forward(
+    _x: Arg,
+    _weight: Arg,
+    _bias: Option<Arg>,
+    _eps: f64,
+    _remove_mean: bool,
+) -> Result<CudaStorage> {
+    no_cuda()
+}
+
+#[allow(clippy::type_complexity)]
+pub(crate) fn norm_backward(
+    _x: Arg,
+    _weight: Arg,
+    _grad: Arg,
+    _eps: f64,
+    _remove_mean: bool,
+    _want_x: bool,
+) -> Result<(Option<CudaStorage>, CudaStorage, CudaStorage)> {
+    no_cuda()
+}
+
+pub(crate) fn activation_forward(_kind: Activation, _x: Arg) -> Result<CudaStorage> {
+    no_cuda()
+}
+
+pub(crate) fn activation_backward(_kind: Activation, _x: Arg, _grad: Arg) -> Result<CudaStorage> {
+    no_cuda()
+}
+
+pub(crate) fn cross_entropy_forward(
+    _logits: Arg,
+    _targets: Arg,
+    _ignore_index: Option<i64>,
+) -> Result<(CudaStorage, CudaStorage)> {
+    no_cuda()
+}
+
+pub(crate) fn cross_entropy_backward(
+    _logits: Arg,
+    _targets: Arg,
+    _saved: &CudaStorage,
+    _grad: Arg,
+    _ignore_index: Option<i64>,
+) -> Result<CudaStorage> {
+    no_cuda()
+}

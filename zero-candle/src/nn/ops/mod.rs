@@ -1,0 +1,18 @@
+//! Fused transformer ops with their own backward: causal self-attention,
+//! GELU (tanh and erf forms), SiLU and cross-entropy, each one custom op on
+//! the CPU and on CUDA.
+//!
+//! Candle composes these from element-wise and reduction ops, and keeps
+//! every intermediate until backward (a `[batch, heads, T, T]` tensor
+//! several times over for attention). Here each is one op whose forward
+//! keeps only what its backward needs and whose backward is one pass.
+//! 16-bit inputs compute in f32 (as autocast does) and round once at the
+//! end.
+
+mod activation;
+mod attention;
+mod cross_entropy;
+
+pub use activation::{gelu, gelu_erf, silu, Activation};
+pub use attention::{causal_self_attention, AttentionDims};
+pub use cross_entropy::{cross_entropy, cross_entropy_with_ignore};

@@ -1,0 +1,376 @@
+//! The fused ops of `zero_candle::nn::ops` against the same functions
+//! composed of Candle's tensor ops: values and gradients, f32 and f64 to
+//! rounding, bf16 and f16 against the f32 composition on the same (rounded)
+//! inputs to their own precision, odd sizes, and bad input.
+
+mod nn_support;
+
+use candle_core::{DType, Device, Tensor, Var, D};
+use nn_support::{assert_close, data, values, var, weighted_sum};
+use zero_candle::nn::ops;
+
+/// Causal attention composed of tensor ops: the mask as a tensor, the
+/// `[batch, heads, time, time]` scores and softmax materialized.
+fn composed_attention(qkv: &Tensor, heads: usize) -> Tensor {
+    let (batch, time, width) = qkv.dims3().unwrap();
+    let head_dim = width / (3 * heads);
+    let qkv = qkv.reshape((batch, time, 3, heads, head_dim)).unwrap();
+    let part = |i: usize| {
+        qkv.narrow(2, i, 1)
+            .unwrap()
+            .squeeze(2)
+            .unwrap()
+            .transpose(1, 2)
+            .unwrap()
+            .contiguous()
+            .unwrap()
+    };
+    let (q, k, v) = (part(0), part(1), part(2));
+    let scores = (q.matmul(&k.t().unwrap().contiguous().unwrap()).unwrap()
+        / (head_dim as f64).sqrt())
+    .unwrap();
+    let mask: Vec<f64> = (0..time)
+        .flat_map(|i| (0..time).map(move |j| if j <= i { 0.0 } else { f64::NEG_INFINITY }))
+        .collect();
+    let mask = Tensor::from_vec(mask, (time, time), &Device::Cpu)
+        .unwrap()
+        .to_dtype(qkv.dtype())
+        .unwrap();
+    let weights =
+        candle_nn::ops::softmax(&scores.broadcast_add(&mask).unwrap(), D::Minus1).unwrap();
+    weights
+        .matmul(&v)
+        .unwrap()
+        .transpose(1, 2)
+        .unwrap()
+        .reshape((batch, time, heads * head_dim))
+        .unwrap()
+}
+
+/// The output and the input's gradient under [`weighted_sum`] of `f` at `x`.
+fn value_and_grad(x: &Var, f: impl Fn(&Tensor) -> Tensor) -> (Tensor, Tensor) {
+    let y = f(x.as_tensor());
+    let grads = weighted_sum(&y, 99).backward().unwrap();
+    let grad = grads
+        .get(x.as_tensor())
+        .expect("the input has a gradient")
+        .clone();
+    (y, grad)
+}
+
+/// Shapes `(batch, time, heads, head_dim)`: one row, T not a multiple of
+/// any tile, head widths 32, 64 and 128, one head and several.
+const ATTENTION_SHAPES: [(usize, usize, usize, usize); 6] = [
+    (1, 1, 1, 32),
+    (2, 7, 2, 4),
+    (2, 65, 2, 32),
+    (1, 33, 3, 64),
+    (1, 17, 1, 128),
+    (3, 5, 4, 8),
+];
+
+#[test]
+fn attention_matches_the_composed_reference_in_f32_and_f64() {
+    for dtype in [DType::F32, DType::F64] {
+        let tol = if dtype == DType::F32 { 2e-5 } else { 1e-10 };
+        for (i, &(batch, time, heads, head_dim)) in ATTENTION_SHAPES.iter().enumerate() {
+            let what = format!("{dtype:?} {batch}x{time}, {heads} heads of {head_dim}");
+            // Scores of a few units, so that the softmax is far from uniform.
+            let qkv = Var::from_tensor(
+                &(data(i as u64, &[batch, time, 3 * heads * head_dim], dtype) * 3.0).unwrap(),
+            )
+            .unwrap();
+            let (y, dqkv) = value_and_grad(&qkv, |x| ops::causal_self_attention(x, heads).unwrap());
+            let (y_ref, dqkv_ref) = value_and_grad(&qkv, |x| composed_attention(x, heads));
+            assert_close(&format!("{what}: output"), &y, &y_ref, tol);
+            assert_close(&format!("{what}: gradient"), &dqkv, &dqkv_ref, tol);
+        }
+    }
+}
+
+#[test]
+fn attention_in_16_bits_matches_the_f32_reference_to_its_precision() {
+    for (dtype, tol) in [(DType::BF16, 1.6e-2), (DType::F16, 2e-3)] {
+        for (i, &(batch, time, heads, head_dim)) in ATTENTION_SHAPES.iter().enumerate() {
+            let what = format!("{dtype:?} {batch}x{time}, {heads} heads of {head_dim}");
+            let qkv = (data(i as u64, &[batch, time, 3 * heads * head_dim], DType::F32) * 3.0)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap();
+            let half = Var::from_tensor(&qkv).unwrap();
+            let wide = Var::from_tensor(&qkv.to_dtype(DType::F32).unwrap()).unwrap();
+            let (y, dqkv) =
+                value_and_grad(&half, |x| ops::causal_self_attention(x, heads).unwrap());
+            let (y_ref, dqkv_ref) = value_and_grad(&wide, |x| composed_attention(x, heads));
+            assert_eq!(y.dtype(), dtype);
+            assert_eq!(dqkv.dtype(), dtype);
+            let y = y.to_dtype(DType::F32).unwrap();
+            let dqkv = dqkv.to_dtype(DType::F32).unwrap();
+            assert_close(&format!("{what}: output"), &y, &y_ref, tol);
+            assert_close(&format!("{what}: gradient"), &dqkv, &dqkv_ref, tol);
+        }
+    }
+}
+
+#[test]
+fn attention_is_causal() {
+    // Changing position 4 changes no output before it.
+    let (batch, time, heads, head_dim) = (1, 6, 2, 4);
+    let qkv = data(5, &[batch, time, 3 * heads * head_dim], DType::F32);
+    let y = ops::causal_self_attention(&qkv, heads).unwrap();
+    let bumped = qkv
+        .slice_assign(
+            &[0..1, 4..5, 0..3 * heads * head_dim],
+            &Tensor::ones((1, 1, 3 * heads * head_dim), DType::F32, &Device::Cpu).unwrap(),
+        )
+        .unwrap();
+    let y2 = ops::causal_self_attention(&bumped, heads).unwrap();
+    let (before, after) = (
+        values(&y.narrow(1, 0, 4).unwrap()),
+        values(&y2.narrow(1, 0, 4).unwrap()),
+    );
+    assert_eq!(before, after);
+    assert_ne!(
+        values(&y.narrow(1, 4, 1).unwrap()),
+        values(&y2.narrow(1, 4, 1).unwrap())
+    );
+}
+
+#[test]
+fn attention_takes_strided_input_and_refuses_bad_shapes() {
+    // A transposed (non-contiguous) input is made contiguous, not misread.
+    let qkv = data(3, &[2, 12, 5], DType::F32).transpose(1, 2).unwrap();
+    let got = ops::causal_self_attention(&qkv, 2).unwrap();
+    let want = composed_attention(&qkv.contiguous().unwrap(), 2);
+    assert_close("strided input", &got, &want, 2e-5);
+
+    let err = ops::causal_self_attention(&data(1, &[2, 3, 12], DType::F32), 5)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("3 * heads * head_dim"), "{err}");
+    let err = ops::causal_self_attention(&data(1, &[3, 12], DType::F32), 2)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("[batch, time, 3 * d]"), "{err}");
+    let err = ops::causal_self_attention(&data(1, &[2, 3, 12], DType::F32), 0)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("heads"), "{err}");
+    let ints = Tensor::zeros((1, 2, 6), DType::U32, &Device::Cpu).unwrap();
+    let err = ops::causal_self_attention(&ints, 1)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("not supported"), "{err}");
+}
+
+type Activation = (
+    &'static str,
+    fn(&Tensor) -> candle_core::Result<Tensor>,
+    fn(&Tensor) -> candle_core::Result<Tensor>,
+);
+
+const ACTIVATIONS: [Activation; 3] = [
+    ("gelu", ops::gelu, Tensor::gelu),
+    ("gelu_erf", ops::gelu_erf, Tensor::gelu_erf),
+    ("silu", ops::silu, Tensor::silu),
+];
+
+#[test]
+fn activations_match_candle_s_ops_in_f32_and_f64() {
+    for (name, fused, composed) in ACTIVATIONS {
+        for dtype in [DType::F32, DType::F64] {
+            // Candle's own derivatives use rounded constants (0.797885 for
+            // √(2/π) in GELU's): agreement to 1e-5, not to f64 precision.
+            let tol = 1e-5;
+            let x = Var::from_tensor(&(data(7, &[3, 37], dtype) * 4.0).unwrap()).unwrap();
+            let (y, dx) = value_and_grad(&x, |x| fused(x).unwrap());
+            let (y_ref, dx_ref) = value_and_grad(&x, |x| composed(x).unwrap());
+            assert_close(&format!("{name} {dtype:?}: output"), &y, &y_ref, tol);
+            assert_close(&format!("{name} {dtype:?}: gradient"), &dx, &dx_ref, tol);
+        }
+    }
+}
+
+#[test]
+fn activations_in_16_bits_compute_in_f32_and_round_once() {
+    for (name, fused, composed) in ACTIVATIONS {
+        for dtype in [DType::BF16, DType::F16] {
+            let x = (data(8, &[5, 29], DType::F32) * 4.0)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap();
+            let half = Var::from_tensor(&x).unwrap();
+            let wide = Var::from_tensor(&x.to_dtype(DType::F32).unwrap()).unwrap();
+            let (y, dx) = value_and_grad(&half, |x| fused(x).unwrap());
+            let (y_ref, dx_ref) = value_and_grad(&wide, |x| composed(x).unwrap());
+            assert_eq!(y.dtype(), dtype);
+            // One rounding of the f32 value: within half an ulp of it (the
+            // weighted-sum gradient is rounded to `dtype` before the op
+            // sees it, so the input gradient gets two roundings).
+            let ulp = if dtype == DType::BF16 {
+                2f64.powi(-8)
+            } else {
+                2f64.powi(-11)
+            };
+            for (i, (g, w)) in values(&y).iter().zip(values(&y_ref)).enumerate() {
+                assert!(
+                    (g - w).abs() <= ulp * w.abs().max(1e-2),
+                    "{name} {dtype:?} output {i}: {g} vs {w}"
+                );
+            }
+            assert_close(
+                &format!("{name} {dtype:?}: gradient"),
+                &dx.to_dtype(DType::F32).unwrap(),
+                &dx_ref,
+                4.0 * ulp,
+            );
+        }
+    }
+}
+
+/// `(logits [rows, classes], targets [rows])`, seeded, targets in range.
+fn classification(seed: u64, rows: usize, classes: usize, dtype: DType) -> (Var, Tensor) {
+    let logits = var(seed, &[rows, classes], DType::F32);
+    let logits =
+        Var::from_tensor(&(logits.as_tensor() * 4.0).unwrap().to_dtype(dtype).unwrap()).unwrap();
+    let targets: Vec<u32> = (0..rows)
+        .map(|r| ((r * 7 + seed as usize) % classes) as u32)
+        .collect();
+    (logits, Tensor::new(targets, &Device::Cpu).unwrap())
+}
+
+/// The loss and the logits' gradient, scaled by 3 so that the incoming
+/// gradient is not one.
+fn loss_and_grad(logits: &Var, f: impl Fn(&Tensor) -> Tensor) -> (Tensor, Tensor) {
+    let loss = f(logits.as_tensor());
+    let grads = (&loss * 3.0).unwrap().backward().unwrap();
+    let grad = grads
+        .get(logits.as_tensor())
+        .expect("logits have a gradient")
+        .clone();
+    (loss, grad)
+}
+
+#[test]
+fn cross_entropy_matches_candle_nn_s() {
+    for dtype in [DType::F32, DType::F64] {
+        let tol = if dtype == DType::F32 { 1e-6 } else { 1e-14 };
+        for (rows, classes) in [(1, 1), (1, 5), (9, 256), (33, 7)] {
+            let (logits, targets) = classification(rows as u64, rows, classes, dtype);
+            let (loss, grad) = loss_and_grad(&logits, |l| ops::cross_entropy(l, &targets).unwrap());
+            let (loss_ref, grad_ref) = loss_and_grad(&logits, |l| {
+                candle_nn::loss::cross_entropy(l, &targets).unwrap()
+            });
+            let what = format!("{dtype:?} {rows}x{classes}");
+            assert_eq!(loss.dims(), &[] as &[usize]);
+            assert_close(&format!("{what}: loss"), &loss, &loss_ref, tol);
+            assert_close(&format!("{what}: gradient"), &grad, &grad_ref, tol);
+        }
+    }
+    // i64 targets are read as u32 ones are.
+    let (logits, targets) = classification(4, 6, 10, DType::F32);
+    let a = ops::cross_entropy(logits.as_tensor(), &targets).unwrap();
+    let b = ops::cross_entropy(logits.as_tensor(), &targets.to_dtype(DType::I64).unwrap()).unwrap();
+    assert_eq!(values(&a), values(&b));
+}
+
+#[test]
+fn cross_entropy_of_16_bit_logits_is_f32() {
+    for (dtype, tol) in [(DType::BF16, 1e-6), (DType::F16, 1e-6)] {
+        let (logits, targets) = classification(3, 12, 40, dtype);
+        let wide = Var::from_tensor(&logits.as_tensor().to_dtype(DType::F32).unwrap()).unwrap();
+        let (loss, grad) = loss_and_grad(&logits, |l| ops::cross_entropy(l, &targets).unwrap());
+        let (loss_ref, grad_ref) = loss_and_grad(&wide, |l| {
+            candle_nn::loss::cross_entropy(l, &targets).unwrap()
+        });
+        assert_eq!(loss.dtype(), DType::F32);
+        assert_eq!(grad.dtype(), dtype);
+        // The loss is computed on the exact values: f32 to rounding.
+        assert_close(&format!("{dtype:?}: loss"), &loss, &loss_ref, tol);
+        let ulp = if dtype == DType::BF16 {
+            2f64.powi(-8)
+        } else {
+            2f64.powi(-11)
+        };
+        assert_close(
+            &format!("{dtype:?}: gradient"),
+            &grad.to_dtype(DType::F32).unwrap(),
+            &grad_ref,
+            ulp,
+        );
+    }
+}
+
+#[test]
+fn ignored_rows_add_nothing_and_get_no_gradient() {
+    let (rows, classes) = (10, 6);
+    let (logits, targets) = classification(5, rows, classes, DType::F32);
+    let ignore = -100i64;
+    let mut raw: Vec<i64> = values(&targets).iter().map(|&t| t as i64).collect();
+    let ignored = [1usize, 4, 5, 9];
+    for &r in &ignored {
+        raw[r] = ignore;
+    }
+    let targets = Tensor::new(raw.clone(), &Device::Cpu).unwrap();
+    let (loss, grad) = loss_and_grad(&logits, |l| {
+        ops::cross_entropy_with_ignore(l, &targets, ignore).unwrap()
+    });
+    // The reference: candle-nn's loss over the kept rows only.
+    let kept: Vec<u32> = (0..rows as u32)
+        .filter(|r| !ignored.contains(&(*r as usize)))
+        .collect();
+    let kept_index = Tensor::new(kept.clone(), &Device::Cpu).unwrap();
+    let kept_targets: Vec<u32> = kept.iter().map(|&r| raw[r as usize] as u32).collect();
+    let kept_targets = Tensor::new(kept_targets, &Device::Cpu).unwrap();
+    let (loss_ref, grad_ref) = loss_and_grad(&logits, |l| {
+        candle_nn::loss::cross_entropy(&l.index_select(&kept_index, 0).unwrap(), &kept_targets)
+            .unwrap()
+    });
+    assert_close("loss", &loss, &loss_ref, 1e-6);
+    assert_close("gradient", &grad, &grad_ref, 1e-6);
+    for r in ignored {
+        assert!(
+            values(&grad.get(r).unwrap()).iter().all(|&g| g == 0.0),
+            "row {r}"
+        );
+    }
+
+    // Every row ignored: 0/0, as PyTorch gives.
+    let all = Tensor::new(vec![ignore; rows], &Device::Cpu).unwrap();
+    let loss = ops::cross_entropy_with_ignore(logits.as_tensor(), &all, ignore).unwrap();
+    assert!(loss.to_scalar::<f32>().unwrap().is_nan());
+}
+
+#[test]
+fn bad_targets_are_errors_that_name_the_row() {
+    let (logits, _) = classification(1, 4, 5, DType::F32);
+    let targets = Tensor::new(&[0u32, 1, 5, 2], &Device::Cpu).unwrap();
+    let err = ops::cross_entropy(logits.as_tensor(), &targets)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("row 2 has target 5, outside 0..5"), "{err}");
+    let targets = Tensor::new(&[0i64, -1, 1, 2], &Device::Cpu).unwrap();
+    let err = ops::cross_entropy_with_ignore(logits.as_tensor(), &targets, -100)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("row 1 has target -1") && err.contains("ignore index -100"),
+        "{err}"
+    );
+    let err = ops::cross_entropy(
+        logits.as_tensor(),
+        &Tensor::new(&[0u32, 1], &Device::Cpu).unwrap(),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("4 rows of logits"), "{err}");
+    let floats = Tensor::new(&[0f32, 1.0, 2.0, 3.0], &Device::Cpu).unwrap();
+    let err = ops::cross_entropy(logits.as_tensor(), &floats)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("u32 or i64"), "{err}");
+    let err = ops::cross_entropy(&data(1, &[2, 3, 4], DType::F32), &floats)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("[rows, classes]"), "{err}");
+}
