@@ -1,7 +1,8 @@
 //! The fused kernels through NVRTC and `ptxas`, without a GPU: compiles the
-//! library's own `SOURCE` with its own options for the architecture it would
-//! pick on an A100 and an H100, assembles the PTX for sm_80 and sm_90, and
-//! checks that every kernel `FusedKernels::new` loads is an entry of it.
+//! library's own `SOURCE` (and the layers' `LAYER_SOURCE`) with its own
+//! options for the architecture it would pick on an A100 and an H100,
+//! assembles the PTX for sm_80 and sm_90, and checks that every kernel
+//! `FusedKernels::new` (`LayerKernels::new`) loads is an entry of it.
 //!
 //! `scripts/check-nvrtc.sh` installs NVRTC and `ptxas` from PyPI wheels and
 //! runs these with `--ignored`; `ptxas` is `$PTXAS`, else the one on `PATH`.
@@ -9,6 +10,7 @@
 
 use std::path::PathBuf;
 use std::process::Command;
+use zero_nccl::kernels::layers::{compile_layer_ptx_for, LAYER_KERNEL_NAMES};
 use zero_nccl::kernels::{compile_ptx_for, nvrtc_arch, nvrtc_supported_archs, KERNEL_NAMES};
 
 const HOW: &str = "run scripts/check-nvrtc.sh, which installs NVRTC and ptxas";
@@ -24,14 +26,16 @@ fn ptxas() -> PathBuf {
     std::env::var_os("PTXAS").map_or_else(|| PathBuf::from("ptxas"), PathBuf::from)
 }
 
-/// Assembles `ptx` for `sm`, panicking with ptxas's output when it fails.
-fn assemble(ptx: &str, sm: &str) {
+/// Assembles `ptx` for `sm` (`ptxas -v`), panicking with ptxas's output when
+/// it fails; returns ptxas's resource report.
+fn assemble(ptx: &str, sm: &str, name: &str) -> String {
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
-    let input = dir.join(format!("fused-kernels-{sm}-{}.ptx", std::process::id()));
+    let input = dir.join(format!("{name}-{sm}-{}.ptx", std::process::id()));
     let output = input.with_extension("cubin");
     std::fs::write(&input, ptx).expect("writing the PTX under CARGO_TARGET_TMPDIR");
     let run = Command::new(ptxas())
         .arg(format!("-arch={sm}"))
+        .arg("-v")
         .arg(&input)
         .arg("-o")
         .arg(&output)
@@ -48,6 +52,47 @@ fn assemble(ptx: &str, sm: &str) {
     assert!(cubin > 0, "ptxas -arch={sm} wrote no cubin");
     let _ = std::fs::remove_file(&input);
     let _ = std::fs::remove_file(&output);
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&run.stdout),
+        String::from_utf8_lossy(&run.stderr)
+    )
+}
+
+/// Per kernel of a `ptxas -v` report: (name, registers, spill store bytes,
+/// spill load bytes, shared memory bytes).
+fn resources(report: &str) -> Vec<(String, u32, u32, u32, u32)> {
+    let number_before = |line: &str, unit: &str| -> u32 {
+        line.split(unit)
+            .next()
+            .and_then(|head| head.split_whitespace().last())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0)
+    };
+    let mut out = Vec::new();
+    let mut current: Option<(String, u32, u32)> = None;
+    for line in report.lines() {
+        if let Some(rest) = line.split("Compiling entry function '").nth(1) {
+            let name = rest.split('\'').next().unwrap_or_default().to_string();
+            current = Some((name, 0, 0));
+        } else if line.contains("bytes spill stores") {
+            if let Some(c) = current.as_mut() {
+                c.1 = number_before(line, "bytes spill stores");
+                c.2 = number_before(line, "bytes spill loads");
+            }
+        } else if line.contains("Used") && line.contains("registers") {
+            if let Some((name, stores, loads)) = current.take() {
+                let registers = number_before(line, "registers");
+                let smem = if line.contains("bytes smem") {
+                    number_before(line, "bytes smem")
+                } else {
+                    0
+                };
+                out.push((name, registers, stores, loads, smem));
+            }
+        }
+    }
+    out
 }
 
 #[test]
@@ -69,7 +114,44 @@ fn kernels_compile_with_nvrtc_and_assemble_for_ampere_and_hopper() {
                 "the PTX for {arch} has no entry {name}, which FusedKernels::new loads"
             );
         }
-        assemble(&ptx, sm);
+        assemble(&ptx, sm, "fused-kernels");
+    }
+}
+
+#[test]
+#[ignore = "needs NVRTC and ptxas: run scripts/check-nvrtc.sh"]
+fn layer_kernels_compile_with_nvrtc_and_assemble_for_ampere_and_hopper() {
+    let supported = supported_archs();
+    for (device, sm) in [((8, 0), "sm_80"), ((9, 0), "sm_90")] {
+        let arch = nvrtc_arch(device, Some(&supported))
+            .unwrap_or_else(|e| panic!("no architecture for {device:?}: {e}"));
+        let started = std::time::Instant::now();
+        let ptx = compile_layer_ptx_for(&arch)
+            .unwrap_or_else(|e| panic!("NVRTC rejected the layer kernels for {arch}: {e}"))
+            .to_src();
+        println!(
+            "NVRTC compiled the layer kernels for {arch} in {:.1} s",
+            started.elapsed().as_secs_f64()
+        );
+        for name in LAYER_KERNEL_NAMES {
+            assert!(
+                ptx.contains(&format!(".entry {name}(")),
+                "the PTX for {arch} has no entry {name}, which LayerKernels::new loads"
+            );
+        }
+        let report = assemble(&ptx, sm, "layer-kernels");
+        let kernels = resources(&report);
+        assert_eq!(kernels.len(), LAYER_KERNEL_NAMES.len(), "{report}");
+        for (name, registers, stores, loads, smem) in kernels {
+            println!(
+                "{sm} {name}: {registers} registers, {smem} B shared, spills {stores}/{loads} B"
+            );
+            // Attention keeps its accumulators in registers; a spill there
+            // costs more than the rest of the kernel.
+            if name.starts_with("attention") {
+                assert_eq!((stores, loads), (0, 0), "{name} spills on {sm}:\n{report}");
+            }
+        }
     }
 }
 

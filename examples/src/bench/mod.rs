@@ -4,6 +4,8 @@ mod comm;
 mod gpt;
 #[cfg(feature = "nccl")]
 mod gpu;
+#[cfg(feature = "nccl")]
+mod gpu_layers;
 mod layers;
 mod memory;
 #[cfg(feature = "mpi")]
@@ -14,6 +16,7 @@ mod precision;
 mod report;
 mod stage3;
 mod step;
+pub mod torch_peer;
 pub use report::{Figure, Report};
 
 /// `rows` random inputs in [-1, 1) of `width` and class labels below
@@ -106,7 +109,10 @@ pub fn main() {
             "stage3" if !under_mpirun => stage3::run(&mut report),
             "gpu" => {
                 #[cfg(feature = "nccl")]
-                gpu::run(&mut report);
+                {
+                    gpu::run(&mut report);
+                    gpu_layers::run(&mut report);
+                }
                 #[cfg(not(feature = "nccl"))]
                 println!("gpu benchmarks need --features nccl");
             }

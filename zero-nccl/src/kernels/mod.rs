@@ -2,7 +2,9 @@
 //! unflatten of gradient buckets (one launch per bucket, driven by a table of
 //! pieces in device memory), gradient scaling and norms, and the built-in
 //! optimizers' steps over a flat f32 shard (one launch per shard; see
-//! [`optim`]).
+//! [`optim`]); and, from a second source, the fused transformer layers of
+//! zero-candle (attention, norms, activations, cross-entropy; see
+//! [`layers`]).
 //!
 //! NVRTC compiles for the device's architecture, or the newest one below it
 //! that this NVRTC still targets ([`nvrtc_arch`]). `tests/nvrtc_ptx.rs`
@@ -18,13 +20,14 @@
 //! # Ok(()) }
 //! ```
 
+pub mod layers;
 pub mod optim;
 
 use crate::probe::{ensure_library, guarded, Library};
 use crate::{Error, Result};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig,
-    PushKernelArg, SyncOnDrop,
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut,
+    LaunchConfig, PushKernelArg, SyncOnDrop,
 };
 use std::ops::Range;
 use std::sync::Arc;
@@ -260,13 +263,60 @@ pub fn compile_options(arch: &str) -> cudarc::nvrtc::CompileOptions {
 /// [`FusedKernels::new`] does (which picks `arch` with [`nvrtc_arch`]).
 /// Needs libnvrtc, not a GPU.
 pub fn compile_ptx_for(arch: &str) -> Result<cudarc::nvrtc::Ptx> {
+    compile_source(SOURCE, arch)
+}
+
+/// Compiles a kernel source of this crate ([`SOURCE`],
+/// [`layers::LAYER_SOURCE`]) to PTX for `arch` with [`compile_options`].
+pub(crate) fn compile_source(source: &str, arch: &str) -> Result<cudarc::nvrtc::Ptx> {
     ensure_library(Library::Nvrtc)?;
     guarded("compiling the fused kernels", || {
         Ok(cudarc::nvrtc::compile_ptx_with_opts(
-            SOURCE,
+            source,
             compile_options(arch),
         )?)
     })
+}
+
+/// Compiles `source` with NVRTC for `ctx`'s device (see [`nvrtc_arch`]) and
+/// loads it into `ctx`: the module and the `compute_XY` it was compiled for.
+/// `what` names the kernels in errors ("loading the fused kernels").
+pub(crate) fn compile_and_load(
+    ctx: &Arc<CudaContext>,
+    source: &str,
+    what: &'static str,
+) -> Result<(Arc<CudaModule>, String)> {
+    ensure_library(Library::Cuda)?;
+    ensure_library(Library::Nvrtc)?;
+    use cudarc::driver::sys::{CUdevice_attribute as Attribute, CUresult};
+    let major = ctx.attribute(Attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
+    let minor = ctx.attribute(Attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
+    let supported = nvrtc_supported_archs()?;
+    let arch = nvrtc_arch((major, minor), supported.as_deref())?;
+    let ptx = compile_source(source, &arch)?;
+    let module = guarded(what, || {
+        ctx.load_module(ptx).map_err(|e| match e.0 {
+            // PTX carries the ISA version of the NVRTC that wrote it.
+            CUresult::CUDA_ERROR_UNSUPPORTED_PTX_VERSION => Error::Unsupported {
+                op: what,
+                detail: format!(
+                    "the driver cannot read the PTX NVRTC wrote for {arch}: libnvrtc is \
+                     newer than the NVIDIA driver. Update the driver, or put an NVRTC no \
+                     newer than the driver's CUDA version first on LD_LIBRARY_PATH"
+                ),
+            },
+            _ => Error::from(e),
+        })
+    })?;
+    Ok((module, arch))
+}
+
+/// Enough blocks to fill `ctx`'s device a few times over (16 per SM): the
+/// cap of grid-stride launches.
+pub(crate) fn max_blocks(ctx: &Arc<CudaContext>) -> Result<u32> {
+    use cudarc::driver::sys::CUdevice_attribute as Attribute;
+    let sms = ctx.attribute(Attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
+    Ok((sms.max(1) as u32).saturating_mul(16))
 }
 
 /// Threads per block of every launch.
@@ -301,33 +351,13 @@ impl FusedKernels {
     /// and loads it into `ctx`. Do it once and share the result: compilation
     /// takes a few hundred milliseconds.
     pub fn new(ctx: &Arc<CudaContext>) -> Result<Self> {
-        ensure_library(Library::Cuda)?;
-        ensure_library(Library::Nvrtc)?;
-        use cudarc::driver::sys::{CUdevice_attribute as Attribute, CUresult};
-        let major = ctx.attribute(Attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
-        let minor = ctx.attribute(Attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
-        let supported = nvrtc_supported_archs()?;
-        let arch = nvrtc_arch((major, minor), supported.as_deref())?;
-        let ptx = compile_ptx_for(&arch)?;
+        let (module, arch) = compile_and_load(ctx, SOURCE, "loading the fused kernels")?;
         guarded("loading the fused kernels", || {
-            let module = ctx.load_module(ptx).map_err(|e| match e.0 {
-                // PTX carries the ISA version of the NVRTC that wrote it.
-                CUresult::CUDA_ERROR_UNSUPPORTED_PTX_VERSION => Error::Unsupported {
-                    op: "loading the fused kernels",
-                    detail: format!(
-                        "the driver cannot read the PTX NVRTC wrote for {arch}: libnvrtc is \
-                         newer than the NVIDIA driver. Update the driver, or put an NVRTC no \
-                         newer than the driver's CUDA version first on LD_LIBRARY_PATH"
-                    ),
-                },
-                _ => Error::from(e),
-            })?;
             // In KERNEL_NAMES order.
             let loaded = KERNEL_NAMES.map(|name| module.load_function(name));
             let [g16, g32, g64, s16, s32, s64, rest @ ..] = loaded;
             let [gather_add, wb, wh, wab, wah, nb, nh, rest @ ..] = rest;
             let [scale, norm, sgd, adam, adagrad, rmsprop] = rest;
-            let sms = ctx.attribute(Attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
             Ok(Self {
                 ctx: ctx.clone(),
                 arch,
@@ -343,7 +373,7 @@ impl FusedKernels {
                 adam: adam?,
                 adagrad: adagrad?,
                 rmsprop: rmsprop?,
-                max_blocks: (sms.max(1) as u32).saturating_mul(16),
+                max_blocks: max_blocks(ctx)?,
             })
         })
     }

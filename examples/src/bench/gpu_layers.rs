@@ -1,0 +1,201 @@
+//! GPU benchmarks of the fused layers (feature `nccl`): causal
+//! self-attention forward + backward and LayerNorm backward through the
+//! Candle ops on `Device::new_cuda(0)`, at the GPT benchmark's shapes
+//! (batch 16, 12 heads, T 256, head_dim 64; LayerNorm over [16 * 256, 768]),
+//! in f32 and bf16, timed with CUDA events on the device's stream. The same
+//! figures from PyTorch (`examples/pytorch/kernel_times.py`:
+//! `scaled_dot_product_attention(is_causal=True)` and `F.layer_norm`'s
+//! backward) run in a child `python3` when it has torch and a GPU, and the
+//! ratios ours / PyTorch's are reported (goal: at most 2).
+
+use super::Report;
+use candle_core::{DType, Device, Module, Tensor, Var};
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::Arc;
+use zero_candle::nn::ops::causal_self_attention;
+use zero_candle::nn::LayerNorm;
+use zero_nccl::cudarc::driver::{sys::CUevent_flags, CudaStream};
+
+const BATCH: usize = 16;
+const HEADS: usize = 12;
+const TIME: usize = 256;
+const HEAD_DIM: usize = 64;
+const WARMUP: usize = 3;
+const ITERS: usize = 20;
+
+type BenchResult<T> = Result<T, Box<dyn std::error::Error>>;
+
+/// Runs the fused-layer suite; prints why and adds nothing without a GPU.
+pub fn run(report: &mut Report) {
+    match zero_nccl::cuda_device_count() {
+        Ok(n) if n > 0 => {}
+        Ok(_) => {
+            println!("gpu layer benchmarks skipped: the CUDA driver reports no device");
+            return;
+        }
+        Err(e) => {
+            println!("gpu layer benchmarks skipped: {e}");
+            return;
+        }
+    }
+    let ours = match ours(report) {
+        Ok(ours) => ours,
+        Err(e) => {
+            eprintln!("gpu layer benchmarks failed: {e}");
+            return;
+        }
+    };
+    match torch_times() {
+        Ok(torch) => {
+            for (dtype, suffix) in [("f32", ""), ("bf16", "_bf16")] {
+                let (Some(attn), Some(norm)) = (
+                    torch.get(&format!("attn_fwd_bwd_ms_{dtype}")),
+                    torch.get(&format!("layer_norm_bwd_ms_{dtype}")),
+                ) else {
+                    eprintln!("kernel_times.py reported no {dtype} figures");
+                    continue;
+                };
+                let (our_attn, our_norm) = ours[usize::from(dtype == "bf16")];
+                report.add(
+                    &format!("gpu.torch_attn_fwd_bwd_ms{suffix}"),
+                    attn,
+                    "ms",
+                    None,
+                );
+                report.add(
+                    &format!("gpu.torch_layer_norm_bwd_ms{suffix}"),
+                    norm,
+                    "ms",
+                    None,
+                );
+                report.add(
+                    &format!("gpu.attn_over_torch{suffix}"),
+                    our_attn / attn,
+                    "ratio",
+                    Some("<= 2.0"),
+                );
+                report.add(
+                    &format!("gpu.layer_norm_bwd_over_torch{suffix}"),
+                    our_norm / norm,
+                    "ratio",
+                    Some("<= 2.0"),
+                );
+            }
+        }
+        Err(e) => println!("gpu layer benchmarks: PyTorch comparison skipped: {e}"),
+    }
+}
+
+/// Milliseconds per call of `f`, CUDA events on `stream` around `ITERS`
+/// calls after a warm-up.
+fn time_ms(stream: &Arc<CudaStream>, mut f: impl FnMut() -> BenchResult<()>) -> BenchResult<f64> {
+    for _ in 0..WARMUP {
+        f()?;
+    }
+    let start = stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+    for _ in 0..ITERS {
+        f()?;
+    }
+    let end = stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+    Ok(start.elapsed_ms(&end)? as f64 / ITERS as f64)
+}
+
+/// Our figures, `[(attention, LayerNorm backward); f32, bf16]` in ms.
+fn ours(report: &mut Report) -> BenchResult<[(f64, f64); 2]> {
+    let device = Device::new_cuda(0)?;
+    let Device::Cuda(cuda) = &device else {
+        return Err("Device::new_cuda returned a non-CUDA device".into());
+    };
+    let stream = cuda.cuda_stream();
+    let d_model = HEADS * HEAD_DIM;
+    let mut figures = [(0.0, 0.0); 2];
+    for (i, (dtype, suffix)) in [(DType::F32, ""), (DType::BF16, "_bf16")]
+        .into_iter()
+        .enumerate()
+    {
+        let qkv = Var::from_tensor(
+            &Tensor::randn(0f32, 1.0, (BATCH, TIME, 3 * d_model), &device)?.to_dtype(dtype)?,
+        )?;
+        // Backward from the output itself: Candle seeds it with ones.
+        let attn_ms = time_ms(&stream, || {
+            let y = causal_self_attention(qkv.as_tensor(), HEADS)?;
+            let grads = y.backward()?;
+            drop(grads);
+            Ok(())
+        })?;
+
+        let x = Var::from_tensor(
+            &Tensor::randn(0f32, 1.0, (BATCH * TIME, d_model), &device)?.to_dtype(dtype)?,
+        )?;
+        let w = Var::from_tensor(&Tensor::ones(d_model, dtype, &device)?)?;
+        let b = Var::from_tensor(&Tensor::zeros(d_model, dtype, &device)?)?;
+        let norm = LayerNorm::new(w.as_tensor().clone(), b.as_tensor().clone(), 1e-5, None);
+        let y = norm.forward(x.as_tensor())?;
+        // The forward once, then only its backward: dx, dw and db.
+        let norm_ms = time_ms(&stream, || {
+            let grads = y.backward()?;
+            drop(grads);
+            Ok(())
+        })?;
+        report.add(&format!("gpu.attn_fwd_bwd_ms{suffix}"), attn_ms, "ms", None);
+        report.add(
+            &format!("gpu.layer_norm_bwd_ms{suffix}"),
+            norm_ms,
+            "ms",
+            None,
+        );
+        figures[i] = (attn_ms, norm_ms);
+    }
+    Ok(figures)
+}
+
+/// PyTorch's figures by name (`attn_fwd_bwd_ms_f32`, ...), or why not.
+fn torch_times() -> Result<HashMap<String, f64>, String> {
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("pytorch")
+        .join("kernel_times.py");
+    let output = Command::new("python3")
+        .arg(&script)
+        .args(["--batch", &BATCH.to_string()])
+        .args(["--heads", &HEADS.to_string()])
+        .args(["--time", &TIME.to_string()])
+        .args(["--head-dim", &HEAD_DIM.to_string()])
+        .args(["--iters", &ITERS.to_string()])
+        .output()
+        .map_err(|e| match e.kind() {
+            std::io::ErrorKind::NotFound => {
+                "python3 not found: the PyTorch figures need Python 3 with a CUDA torch".to_string()
+            }
+            _ => format!("cannot run python3 {}: {e}", script.display()),
+        })?;
+    if !output.status.success() {
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        return Err(match output.status.code() {
+            Some(2) => "python3 has no torch; install a CUDA build with \
+                        `python3 -m pip install torch`"
+                .into(),
+            Some(3) => "PyTorch sees no CUDA device (a CPU-only torch wheel?)".into(),
+            _ => format!(
+                "{} failed ({}): {}",
+                script.display(),
+                output.status,
+                stderr.trim()
+            ),
+        });
+    }
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let line = stdout
+        .lines()
+        .rev()
+        .map(str::trim)
+        .find(|l| l.starts_with('{'))
+        .ok_or_else(|| format!("kernel_times.py printed no JSON line: {stdout:?}"))?;
+    let parsed: HashMap<String, serde_json::Value> = serde_json::from_str(line)
+        .map_err(|e| format!("cannot read kernel_times.py's JSON line ({e}): {line}"))?;
+    Ok(parsed
+        .into_iter()
+        .filter_map(|(k, v)| v.as_f64().map(|v| (k, v)))
+        .collect())
+}

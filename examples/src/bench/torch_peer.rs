@@ -1,0 +1,303 @@
+//! The PyTorch peer of the GPT benchmark: runs `examples/pytorch/gpt_peer.py`
+//! (the same model, trained with `torch.optim.AdamW` on the same shape of
+//! batch) in a child `python3` and reads back its one JSON line, so that a
+//! benchmark can report our tokens/s and memory over PyTorch's, measured on
+//! the same machine in the same run.
+//!
+//! Memory is not the same measure on both sides: on CUDA the peer reports
+//! `torch.cuda.max_memory_allocated()` over its timed steps, on the CPU the
+//! Python process's peak resident set size (interpreter and torch's
+//! libraries included), while the Rust benchmarks count heap bytes.
+
+use serde::Deserialize;
+use std::io::ErrorKind;
+use std::path::PathBuf;
+use std::process::Command;
+
+/// The command that installs PyTorch, named in errors.
+pub const INSTALL_TORCH: &str = "`python3 -m pip install torch` (CPU-only wheel: \
+     `python3 -m pip install torch --index-url https://download.pytorch.org/whl/cpu`)";
+
+/// The exit code with which the script says it could not import torch.
+const EXIT_NO_TORCH: i32 = 2;
+/// The exit code with which the script says the device is unavailable.
+const EXIT_NO_DEVICE: i32 = 3;
+
+/// Where the peer computes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PeerDevice {
+    /// The CPU (`--device cpu`).
+    Cpu,
+    /// The first CUDA device (`--device cuda`).
+    Cuda,
+}
+
+/// The peer's compute dtype.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PeerDtype {
+    /// f32 throughout (`--dtype f32`).
+    F32,
+    /// `torch.autocast` to bfloat16 with f32 weights (`--dtype bf16`).
+    Bf16,
+}
+
+/// How the peer computes attention.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PeerAttention {
+    /// `q k^T / sqrt(d)` plus a causal `-inf` mask, softmax, `@ v`: the
+    /// composition the Rust trainer uses (`--attention manual`).
+    Manual,
+    /// `F.scaled_dot_product_attention(is_causal=True)` (`--attention sdpa`).
+    Sdpa,
+}
+
+/// The options of `gpt_peer.py`, one field per flag.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PeerArgs {
+    /// Transformer blocks (`--layers`).
+    pub layers: usize,
+    /// Attention heads per block (`--heads`); must divide `d_model`.
+    pub heads: usize,
+    /// Width of the residual stream (`--d-model`).
+    pub d_model: usize,
+    /// Sequence length in bytes (`--context`).
+    pub context: usize,
+    /// Sequences per step, global: ranks times the per-rank batch (`--batch`).
+    pub batch: usize,
+    /// Timed steps (`--steps`).
+    pub steps: usize,
+    /// Untimed steps before them (`--warmup`).
+    pub warmup: usize,
+    /// Where to compute (`--device`).
+    pub device: PeerDevice,
+    /// Compute dtype (`--dtype`).
+    pub dtype: PeerDtype,
+    /// Attention implementation (`--attention`).
+    pub attention: PeerAttention,
+    /// `torch.set_num_threads` (`--threads`); `None`: torch's default.
+    pub threads: Option<usize>,
+    /// Seed of the weights and the data (`--seed`).
+    pub seed: u64,
+    /// The Python interpreter to run (default `python3`).
+    pub python: String,
+}
+
+impl Default for PeerArgs {
+    /// `bench gpt`'s shape: 2 layers, 4 heads, d_model 64, context 64,
+    /// 32 sequences (2 ranks x 16), 20 timed steps after 3, CPU, f32,
+    /// manual attention.
+    fn default() -> Self {
+        Self {
+            layers: 2,
+            heads: 4,
+            d_model: 64,
+            context: 64,
+            batch: 32,
+            steps: 20,
+            warmup: 3,
+            device: PeerDevice::Cpu,
+            dtype: PeerDtype::F32,
+            attention: PeerAttention::Manual,
+            threads: None,
+            seed: 0,
+            python: "python3".into(),
+        }
+    }
+}
+
+impl PeerArgs {
+    /// The script's command-line arguments (after its path).
+    pub fn to_args(&self) -> Vec<String> {
+        let mut args = vec![
+            "--layers".to_string(),
+            self.layers.to_string(),
+            "--heads".into(),
+            self.heads.to_string(),
+            "--d-model".into(),
+            self.d_model.to_string(),
+            "--context".into(),
+            self.context.to_string(),
+            "--batch".into(),
+            self.batch.to_string(),
+            "--steps".into(),
+            self.steps.to_string(),
+            "--warmup".into(),
+            self.warmup.to_string(),
+            "--device".into(),
+            match self.device {
+                PeerDevice::Cpu => "cpu",
+                PeerDevice::Cuda => "cuda",
+            }
+            .into(),
+            "--dtype".into(),
+            match self.dtype {
+                PeerDtype::F32 => "f32",
+                PeerDtype::Bf16 => "bf16",
+            }
+            .into(),
+            "--attention".into(),
+            match self.attention {
+                PeerAttention::Manual => "manual",
+                PeerAttention::Sdpa => "sdpa",
+            }
+            .into(),
+            "--seed".into(),
+            self.seed.to_string(),
+        ];
+        if let Some(threads) = self.threads {
+            args.push("--threads".into());
+            args.push(threads.to_string());
+        }
+        args
+    }
+}
+
+/// What the peer measured.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PeerFigures {
+    /// Tokens (predicted bytes) per second: `batch * context` over the
+    /// median step time.
+    pub tokens_per_s: f64,
+    /// Median step time in milliseconds (batch, forward, backward, AdamW).
+    pub step_ms: f64,
+    /// Peak memory in bytes: on CUDA `torch.cuda.max_memory_allocated()`
+    /// over the timed steps, on the CPU the process's peak RSS (see the
+    /// module's doc: not the Rust side's heap measure); `None` when the
+    /// script reported neither.
+    pub peak_bytes: Option<u64>,
+    /// The device's name (the GPU's, or the CPU's model name).
+    pub device_name: String,
+    /// `torch.__version__`.
+    pub torch_version: String,
+}
+
+/// The script's JSON line (fields this module does not use are ignored).
+#[derive(Debug, Deserialize)]
+struct PeerLine {
+    tokens_per_s: f64,
+    step_ms_median: f64,
+    #[serde(default)]
+    peak_memory_bytes: Option<u64>,
+    #[serde(default)]
+    peak_rss_bytes: Option<u64>,
+    device_name: String,
+    torch_version: String,
+}
+
+/// The script's path: `examples/pytorch/gpt_peer.py` in the examples crate.
+pub fn script_path() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("pytorch")
+        .join("gpt_peer.py")
+}
+
+/// Finds the JSON line in the script's stdout (the last line that is a
+/// JSON object) and reads the figures from it.
+pub fn parse_peer_output(stdout: &str) -> Result<PeerFigures, String> {
+    let line = stdout
+        .lines()
+        .rev()
+        .map(str::trim)
+        .find(|l| l.starts_with('{'))
+        .ok_or_else(|| format!("gpt_peer.py printed no JSON line; its output: {stdout:?}"))?;
+    let parsed: PeerLine = serde_json::from_str(line)
+        .map_err(|e| format!("cannot read gpt_peer.py's JSON line ({e}): {line}"))?;
+    Ok(PeerFigures {
+        tokens_per_s: parsed.tokens_per_s,
+        step_ms: parsed.step_ms_median,
+        peak_bytes: parsed.peak_memory_bytes.or(parsed.peak_rss_bytes),
+        device_name: parsed.device_name,
+        torch_version: parsed.torch_version,
+    })
+}
+
+/// Runs the PyTorch peer with `args` and returns its figures; an error
+/// names what to do when `python3` or torch is missing or the device is
+/// unavailable.
+pub fn run_gpt_peer(args: &PeerArgs) -> Result<PeerFigures, String> {
+    let script = script_path();
+    if !script.is_file() {
+        return Err(format!("the PyTorch peer {} is missing", script.display()));
+    }
+    let output = Command::new(&args.python)
+        .arg(&script)
+        .args(args.to_args())
+        .output()
+        .map_err(|e| match e.kind() {
+            ErrorKind::NotFound => format!(
+                "{} not found: the PyTorch peer needs Python 3 with torch; install Python 3, \
+                 then {INSTALL_TORCH}",
+                args.python
+            ),
+            _ => format!("cannot run {} {}: {e}", args.python, script.display()),
+        })?;
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    let stderr = stderr.trim();
+    if !output.status.success() {
+        return Err(match output.status.code() {
+            Some(EXIT_NO_TORCH) => format!(
+                "PyTorch is not installed for {}; install it with {INSTALL_TORCH}",
+                args.python
+            ),
+            Some(EXIT_NO_DEVICE) => format!("the PyTorch peer's device is unavailable: {stderr}"),
+            _ => format!(
+                "{} {} failed ({}): {stderr}",
+                args.python,
+                script.display(),
+                output.status
+            ),
+        });
+    }
+    parse_peer_output(&String::from_utf8_lossy(&output.stdout))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_a_cpu_line() {
+        let out = "some warning\n{\"device\": \"cpu\", \"device_name\": \"AMD EPYC\", \
+                   \"dtype\": \"f32\", \"attention\": \"manual\", \"tokens_per_s\": 51234.5, \
+                   \"step_ms_median\": 39.97, \"peak_rss_bytes\": 412345344, \
+                   \"torch_version\": \"2.5.1+cpu\", \"threads\": 2, \"parameters\": 120064}\n";
+        let f = parse_peer_output(out).unwrap();
+        assert_eq!(f.tokens_per_s, 51234.5);
+        assert_eq!(f.step_ms, 39.97);
+        assert_eq!(f.peak_bytes, Some(412_345_344));
+        assert_eq!(f.device_name, "AMD EPYC");
+        assert_eq!(f.torch_version, "2.5.1+cpu");
+    }
+
+    #[test]
+    fn parses_a_cuda_line_and_rejects_garbage() {
+        let out = r#"{"device": "cuda", "device_name": "NVIDIA H100", "dtype": "bf16", "attention": "sdpa", "tokens_per_s": 1e6, "step_ms_median": 2.0, "peak_memory_bytes": 1048576, "torch_version": "2.6.0", "threads": 16}"#;
+        let f = parse_peer_output(out).unwrap();
+        assert_eq!(f.peak_bytes, Some(1 << 20));
+        assert_eq!(f.device_name, "NVIDIA H100");
+        assert!(parse_peer_output("no json here").is_err());
+        assert!(parse_peer_output("{\"tokens_per_s\": 1}").is_err());
+    }
+
+    #[test]
+    fn passes_every_option() {
+        let args = PeerArgs {
+            threads: Some(2),
+            device: PeerDevice::Cuda,
+            dtype: PeerDtype::Bf16,
+            attention: PeerAttention::Sdpa,
+            ..PeerArgs::default()
+        };
+        let line = args.to_args().join(" ");
+        assert_eq!(
+            line,
+            "--layers 2 --heads 4 --d-model 64 --context 64 --batch 32 --steps 20 --warmup 3 \
+             --device cuda --dtype bf16 --attention sdpa --seed 0 --threads 2"
+        );
+        assert!(
+            script_path().is_file(),
+            "{} is missing",
+            script_path().display()
+        );
+    }
+}

@@ -1,0 +1,452 @@
+//! The CUDA entry points of the fused layers (feature `cuda`): each takes
+//! Candle's CUDA storages, launches zero-nccl's layer kernels
+//! ([`LayerKernels`]) on the device's stream, and wraps the results as new
+//! storages of that device. Nothing here waits for the GPU.
+//!
+//! The kernels are compiled with NVRTC the first time a device runs one
+//! (seconds), then kept for the process in a small cache keyed by the
+//! device's CUDA context (every Candle device of one GPU shares its primary
+//! context, hence the module).
+
+use super::ops::{Activation, AttentionDims};
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::{CudaDType, CudaDevice};
+use candle_core::{bail, CudaStorage, DType, Layout, Result};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+use zero_nccl::cudarc::driver::{
+    CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut,
+};
+use zero_nccl::kernels::layers::{
+    ActivationKind, AttentionShape, LayerElement, LayerKernels, Normalization,
+};
+
+/// A CUDA storage with its layout.
+pub(crate) type Arg<'a> = (&'a CudaStorage, &'a Layout);
+
+/// A storage type of the kernels that Candle also stores.
+trait Float: LayerElement + CudaDType {
+    const DTYPE: DType;
+}
+
+impl Float for f32 {
+    const DTYPE: DType = DType::F32;
+}
+
+impl Float for half::bf16 {
+    const DTYPE: DType = DType::BF16;
+}
+
+impl Float for half::f16 {
+    const DTYPE: DType = DType::F16;
+}
+
+/// Runs `$body` with `$T` the Rust type of `$dtype` (f32, bf16 or f16).
+macro_rules! by_dtype {
+    ($dtype:expr, $op:expr, |$T:ident| $body:expr) => {
+        match $dtype {
+            DType::F32 => {
+                type $T = f32;
+                $body
+            }
+            DType::BF16 => {
+                type $T = half::bf16;
+                $body
+            }
+            DType::F16 => {
+                type $T = half::f16;
+                $body
+            }
+            other => bail!(
+                "zero-candle {}: dtype {other:?} has no CUDA kernel; use f32, bf16 or f16 on the \
+                 GPU (f64 runs on the CPU)",
+                $op
+            ),
+        }
+    };
+}
+
+/// The layer kernels of `device`'s context, compiled on first use.
+fn kernels(op: &str, device: &CudaDevice) -> Result<Arc<LayerKernels>> {
+    static CACHE: OnceLock<Mutex<HashMap<usize, Arc<LayerKernels>>>> = OnceLock::new();
+    let stream = device.cuda_stream();
+    let ctx = stream.context();
+    // The CUcontext handle identifies the GPU's primary context; the cached
+    // kernels hold an Arc of it, so it outlives every entry.
+    let key = ctx.cu_ctx() as usize;
+    let cache = CACHE.get_or_init(Default::default);
+    // Held while compiling: a second thread asking for the same device waits
+    // for this compilation instead of running its own.
+    let mut cache = cache.lock().unwrap_or_else(PoisonError::into_inner);
+    if let Some(kernels) = cache.get(&key) {
+        return Ok(kernels.clone());
+    }
+    let kernels = Arc::new(LayerKernels::new(ctx).map_err(|e| kernel_error(op, e))?);
+    cache.insert(key, kernels.clone());
+    Ok(kernels)
+}
+
+/// A zero-nccl error as Candle's, naming the op.
+fn kernel_error(op: &str, e: zero_nccl::Error) -> candle_core::Error {
+    candle_core::Error::Msg(format!("zero-candle {op} on CUDA: {e}"))
+}
+
+/// The contiguous elements of `arg` as a typed view.
+fn view<'a, T: Float>(op: &str, what: &str, arg: Arg<'a>) -> Result<CudaView<'a, T>> {
+    let (storage, layout) = arg;
+    let Some((start, end)) = layout.contiguous_offsets() else {
+        bail!(
+            "zero-candle {op}: {what} is not contiguous (shape {:?}, stride {:?}); call \
+             .contiguous() on it first",
+            layout.shape(),
+            layout.stride()
+        )
+    };
+    if storage.dtype() != T::DTYPE {
+        bail!(
+            "zero-candle {op}: {what} is {:?}, expected {:?}; convert it with .to_dtype()",
+            storage.dtype(),
+            T::DTYPE
+        );
+    }
+    Ok(storage.as_cuda_slice::<T>()?.slice(start..end))
+}
+
+/// An output of `len` elements on `device`, for a kernel that writes every
+/// one of them. At least one element is allocated (CUDA refuses empty
+/// allocations); kernels see the first `len`.
+fn alloc_out<T: Float>(device: &CudaDevice, len: usize) -> Result<CudaSlice<T>> {
+    // SAFETY: every caller hands `out(..len)` to a kernel that writes all
+    // `len` elements before anything reads them (stream order); an element
+    // past `len` is outside every tensor's shape.
+    unsafe { device.alloc::<T>(len.max(1)) }
+}
+
+fn out<T: Float>(slice: &mut CudaSlice<T>, len: usize) -> CudaViewMut<'_, T> {
+    slice.slice_mut(..len)
+}
+
+/// Runs `f` with `arg`'s kernels and stream.
+fn launch_on<R>(
+    op: &str,
+    arg: Arg,
+    f: impl FnOnce(&LayerKernels, &Arc<CudaStream>) -> zero_nccl::Result<R>,
+) -> Result<R> {
+    let device = &arg.0.device;
+    let kernels = kernels(op, device)?;
+    let stream = device.cuda_stream();
+    f(kernels.as_ref(), &stream).map_err(|e| kernel_error(op, e))
+}
+
+fn attention_shape(dims: &AttentionDims) -> AttentionShape {
+    AttentionShape {
+        batch: dims.batch,
+        time: dims.time,
+        heads: dims.heads,
+        head_dim: dims.head_dim,
+        scale: dims.scale,
+    }
+}
+
+pub(crate) fn attention_forward(
+    qkv: Arg,
+    dims: &AttentionDims,
+) -> Result<(CudaStorage, CudaStorage)> {
+    const OP: &str = "causal_self_attention";
+    let shape = attention_shape(dims);
+    let device = qkv.0.device.clone();
+    by_dtype!(qkv.0.dtype(), OP, |T| {
+        let input = view::<T>(OP, "qkv", qkv)?;
+        let mut y = alloc_out::<T>(&device, shape.out_len())?;
+        let mut lse = alloc_out::<f32>(&device, shape.lse_len())?;
+        launch_on(OP, qkv, |kernels, stream| {
+            kernels.attention_forward(
+                stream,
+                &shape,
+                &input,
+                &mut out(&mut y, shape.out_len()),
+                &mut out(&mut lse, shape.lse_len()),
+            )
+        })?;
+        Ok((
+            CudaStorage::wrap_cuda_slice(y, device.clone()),
+            CudaStorage::wrap_cuda_slice(lse, device),
+        ))
+    })
+}
+
+pub(crate) fn attention_backward(
+    qkv: Arg,
+    out_arg: Arg,
+    lse: &CudaStorage,
+    grad: Arg,
+    dims: &AttentionDims,
+) -> Result<CudaStorage> {
+    const OP: &str = "causal_self_attention backward";
+    let shape = attention_shape(dims);
+    let device = qkv.0.device.clone();
+    let lse = lse.as_cuda_slice::<f32>()?;
+    // Outputs are allocated with at least one element: see only the lse's.
+    let Some(lse) = lse.try_slice(..shape.lse_len()) else {
+        bail!(
+            "zero-candle {OP}: the saved log-sum-exp has {} elements, expected {}; was it saved by \
+             this op's forward?",
+            lse.len(),
+            shape.lse_len()
+        )
+    };
+    by_dtype!(qkv.0.dtype(), OP, |T| {
+        let input = view::<T>(OP, "qkv", qkv)?;
+        let output = view::<T>(OP, "the forward's output", out_arg)?;
+        let grad = view::<T>(OP, "the output gradient", grad)?;
+        let mut dqkv = alloc_out::<T>(&device, shape.qkv_len())?;
+        launch_on(OP, qkv, |kernels, stream| {
+            kernels.attention_backward(
+                stream,
+                &shape,
+                &input,
+                &output,
+                &lse,
+                &grad,
+                &mut out(&mut dqkv, shape.qkv_len()),
+            )
+        })?;
+        Ok(CudaStorage::wrap_cuda_slice(dqkv, device))
+    })
+}
+
+fn normalization(remove_mean: bool) -> Normalization {
+    if remove_mean {
+        Normalization::Layer
+    } else {
+        Normalization::Rms
+    }
+}
+
+pub(crate) fn norm_forward(
+    x: Arg,
+    weight: Arg,
+    bias: Option<Arg>,
+    eps: f64,
+    remove_mean: bool,
+) -> Result<CudaStorage> {
+    const OP: &str = "LayerNorm";
+    let device = x.0.device.clone();
+    by_dtype!(x.0.dtype(), OP, |T| {
+        let input = view::<T>(OP, "the input", x)?;
+        let weight = view::<T>(OP, "the weight", weight)?;
+        let bias = bias.map(|b| view::<T>(OP, "the bias", b)).transpose()?;
+        let len = input.len();
+        let mut y = alloc_out::<T>(&device, len)?;
+        launch_on(OP, x, |kernels, stream| {
+            kernels.norm_forward(
+                stream,
+                normalization(remove_mean),
+                eps as f32,
+                &input,
+                &weight,
+                bias.as_ref().map(|b| b as &dyn DevicePtr<T>),
+                &mut out(&mut y, len),
+            )
+        })?;
+        Ok(CudaStorage::wrap_cuda_slice(y, device))
+    })
+}
+
+#[allow(clippy::type_complexity)]
+pub(crate) fn norm_backward(
+    x: Arg,
+    weight: Arg,
+    grad: Arg,
+    eps: f64,
+    remove_mean: bool,
+    want_x: bool,
+) -> Result<(Option<CudaStorage>, CudaStorage, CudaStorage)> {
+    const OP: &str = "LayerNorm backward";
+    let device = x.0.device.clone();
+    by_dtype!(x.0.dtype(), OP, |T| {
+        let input = view::<T>(OP, "the input", x)?;
+        let weight = view::<T>(OP, "the weight", weight)?;
+        let grad = view::<T>(OP, "the output gradient", grad)?;
+        let (len, n) = (input.len(), weight.len());
+        let mut dx = if want_x {
+            Some(alloc_out::<T>(&device, len)?)
+        } else {
+            None
+        };
+        let mut dw = alloc_out::<T>(&device, n)?;
+        let mut db = alloc_out::<T>(&device, n)?;
+        launch_on(OP, x, |kernels, stream| {
+            let mut dx_view = dx.as_mut().map(|dx| out(dx, len));
+            kernels.norm_backward(
+                stream,
+                normalization(remove_mean),
+                eps as f32,
+                &input,
+                &weight,
+                &grad,
+                dx_view.as_mut().map(|v| v as &mut dyn DevicePtrMut<T>),
+                &mut out(&mut dw, n),
+                &mut out(&mut db, n),
+            )
+        })?;
+        Ok((
+            dx.map(|dx| CudaStorage::wrap_cuda_slice(dx, device.clone())),
+            CudaStorage::wrap_cuda_slice(dw, device.clone()),
+            CudaStorage::wrap_cuda_slice(db, device),
+        ))
+    })
+}
+
+fn activation_kind(kind: Activation) -> ActivationKind {
+    match kind {
+        Activation::Gelu => ActivationKind::Gelu,
+        Activation::GeluErf => ActivationKind::GeluErf,
+        Activation::Silu => ActivationKind::Silu,
+    }
+}
+
+pub(crate) fn activation_forward(kind: Activation, x: Arg) -> Result<CudaStorage> {
+    const OP: &str = "activation";
+    let device = x.0.device.clone();
+    by_dtype!(x.0.dtype(), OP, |T| {
+        let input = view::<T>(OP, "the input", x)?;
+        let len = input.len();
+        let mut y = alloc_out::<T>(&device, len)?;
+        launch_on(OP, x, |kernels, stream| {
+            kernels.activation_forward(stream, activation_kind(kind), &input, &mut out(&mut y, len))
+        })?;
+        Ok(CudaStorage::wrap_cuda_slice(y, device))
+    })
+}
+
+pub(crate) fn activation_backward(kind: Activation, x: Arg, grad: Arg) -> Result<CudaStorage> {
+    const OP: &str = "activation backward";
+    let device = x.0.device.clone();
+    by_dtype!(x.0.dtype(), OP, |T| {
+        let input = view::<T>(OP, "the input", x)?;
+        let grad = view::<T>(OP, "the output gradient", grad)?;
+        let len = input.len();
+        let mut dx = alloc_out::<T>(&device, len)?;
+        launch_on(OP, x, |kernels, stream| {
+            kernels.activation_backward(
+                stream,
+                activation_kind(kind),
+                &input,
+                &grad,
+                &mut out(&mut dx, len),
+            )
+        })?;
+        Ok(CudaStorage::wrap_cuda_slice(dx, device))
+    })
+}
+
+/// The targets as a typed view: u32 or i64.
+enum Targets<'a> {
+    U32(CudaView<'a, u32>),
+    I64(CudaView<'a, i64>),
+}
+
+fn targets_of<'a>(op: &str, targets: Arg<'a>) -> Result<Targets<'a>> {
+    let (storage, layout) = targets;
+    let Some((start, end)) = layout.contiguous_offsets() else {
+        bail!("zero-candle {op}: the targets are not contiguous; call .contiguous() on them first")
+    };
+    Ok(match storage.dtype() {
+        DType::U32 => Targets::U32(storage.as_cuda_slice::<u32>()?.slice(start..end)),
+        DType::I64 => Targets::I64(storage.as_cuda_slice::<i64>()?.slice(start..end)),
+        other => bail!(
+            "zero-candle {op}: targets are {other:?}; use u32 or i64 class indices \
+             (.to_dtype(DType::U32))"
+        ),
+    })
+}
+
+/// The forward's `saved` is f32 `[rows + 1]`: each row's log-sum-exp, then
+/// the number of rows counted (target not the ignore index).
+///
+/// Unlike the CPU op, which refuses it, a target outside `[0, classes)` that
+/// is not the ignore index cannot be reported without waiting for the GPU:
+/// the kernels never read through it and make the loss NaN instead (and its
+/// row's gradient NaN).
+pub(crate) fn cross_entropy_forward(
+    logits: Arg,
+    targets: Arg,
+    ignore_index: Option<i64>,
+) -> Result<(CudaStorage, CudaStorage)> {
+    const OP: &str = "cross_entropy";
+    let device = logits.0.device.clone();
+    let targets = targets_of(OP, targets)?;
+    by_dtype!(logits.0.dtype(), OP, |T| {
+        let input = view::<T>(OP, "the logits", logits)?;
+        let rows = match &targets {
+            Targets::U32(t) => t.len(),
+            Targets::I64(t) => t.len(),
+        };
+        let mut loss = alloc_out::<f32>(&device, 1)?;
+        let mut saved = alloc_out::<f32>(&device, rows + 1)?;
+        launch_on(OP, logits, |kernels, stream| {
+            let (loss, saved) = (&mut out(&mut loss, 1), &mut out(&mut saved, rows + 1));
+            match &targets {
+                Targets::U32(t) => {
+                    kernels.cross_entropy_forward(stream, ignore_index, &input, t, loss, saved)
+                }
+                Targets::I64(t) => {
+                    kernels.cross_entropy_forward(stream, ignore_index, &input, t, loss, saved)
+                }
+            }
+        })?;
+        Ok((
+            CudaStorage::wrap_cuda_slice(loss, device.clone()),
+            CudaStorage::wrap_cuda_slice(saved, device),
+        ))
+    })
+}
+
+pub(crate) fn cross_entropy_backward(
+    logits: Arg,
+    targets: Arg,
+    saved: &CudaStorage,
+    grad: Arg,
+    ignore_index: Option<i64>,
+) -> Result<CudaStorage> {
+    const OP: &str = "cross_entropy backward";
+    let device = logits.0.device.clone();
+    let targets = targets_of(OP, targets)?;
+    let saved = saved.as_cuda_slice::<f32>()?;
+    let rows = match &targets {
+        Targets::U32(t) => t.len(),
+        Targets::I64(t) => t.len(),
+    };
+    let saved = saved.slice(..);
+    let grad = view::<f32>(OP, "the loss gradient", grad)?;
+    by_dtype!(logits.0.dtype(), OP, |T| {
+        let input = view::<T>(OP, "the logits", logits)?;
+        let len = input.len();
+        let mut dlogits = alloc_out::<T>(&device, len)?;
+        launch_on(OP, logits, |kernels, stream| {
+            let dlogits = &mut out(&mut dlogits, len);
+            match &targets {
+                Targets::U32(t) => kernels.cross_entropy_backward(
+                    stream,
+                    ignore_index,
+                    &input,
+                    t,
+                    &saved,
+                    &grad,
+                    dlogits,
+                ),
+                Targets::I64(t) => kernels.cross_entropy_backward(
+                    stream,
+                    ignore_index,
+                    &input,
+                    t,
+                    &saved,
+                    &grad,
+                    dlogits,
+                ),
+            }
+        })?;
+        Ok(CudaStorage::wrap_cuda_slice(dlogits, device))
+    })
+}

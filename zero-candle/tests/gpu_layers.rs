@@ -1,0 +1,331 @@
+//! The fused layers on a GPU against the same ops on the CPU (the
+//! reference): values and gradients (inputs, and the norms' weight and
+//! bias) of causal self-attention, LayerNorm/RMSNorm, GELU (both forms),
+//! SiLU and cross-entropy, in f32, bf16 and f16, at shapes that are not
+//! multiples of the kernels' tiles (T = 1, 7, 65, 200; head_dim 32, 48, 64,
+//! 128; a single row).
+//!
+//! Both devices get the same input values (rounded to the dtype once, on the
+//! host), so the differences are the kernels' own: f32 agrees to about 1e-4
+//! of the tensor's scale, 16-bit types to a few units in the last place.
+//! `cargo test -p zero-candle --features cuda --test gpu_layers -- --ignored`
+#![cfg(feature = "cuda")]
+
+use candle_core::{DType, Device, Module, Result, Tensor, Var};
+use zero_candle::nn::ops::{
+    causal_self_attention, cross_entropy, cross_entropy_with_ignore, gelu, gelu_erf, silu,
+};
+use zero_candle::nn::{LayerNorm, RmsNorm};
+
+const DTYPES: [DType; 3] = [DType::F32, DType::BF16, DType::F16];
+
+fn gpu() -> Device {
+    Device::new_cuda(0).expect("a CUDA device (these tests need a GPU)")
+}
+
+/// Deterministic values in `[-scale, scale)`, as an f32 CPU tensor of
+/// `shape` converted to `dtype` (so both devices see the same rounding).
+fn values(shape: &[usize], seed: u64, scale: f32, dtype: DType) -> Result<Tensor> {
+    let n: usize = shape.iter().product();
+    let mut state = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    let data: Vec<f32> = (0..n)
+        .map(|_| {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((state >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
+        })
+        .collect();
+    Tensor::from_vec(data, shape, &Device::Cpu)?.to_dtype(dtype)
+}
+
+/// Relative tolerance of `dtype` against the tensor's largest magnitude.
+fn tolerance(dtype: DType) -> f32 {
+    match dtype {
+        DType::BF16 => 4.0 / 256.0, // a few ulps of an 8-bit mantissa
+        DType::F16 => 4.0 / 2048.0, // a few ulps of an 11-bit mantissa
+        _ => 1e-4,
+    }
+}
+
+fn host(t: &Tensor) -> Vec<f32> {
+    t.to_dtype(DType::F32)
+        .and_then(|t| t.to_device(&Device::Cpu))
+        .and_then(|t| t.flatten_all())
+        .and_then(|t| t.to_vec1::<f32>())
+        .expect("copying a result to the host")
+}
+
+/// Asserts `gpu` matches `cpu` within `tolerance(dtype)` of cpu's scale.
+fn assert_close(what: &str, gpu: &Tensor, cpu: &Tensor, dtype: DType) {
+    assert_eq!(gpu.dims(), cpu.dims(), "{what}: shapes differ");
+    let (g, c) = (host(gpu), host(cpu));
+    let scale = c.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6);
+    let tol = tolerance(dtype) * scale;
+    let mut worst = (0usize, 0f32);
+    for (i, (a, b)) in g.iter().zip(&c).enumerate() {
+        if a.is_nan() && b.is_nan() {
+            continue;
+        }
+        let diff = (a - b).abs();
+        assert!(
+            diff.is_finite(),
+            "{what} [{dtype:?}]: element {i}: gpu {a} vs cpu {b}"
+        );
+        if diff > worst.1 {
+            worst = (i, diff);
+        }
+    }
+    let (i, diff) = worst;
+    assert!(
+        diff <= tol,
+        "{what} [{dtype:?}]: element {i}: gpu {} vs cpu {} (|diff| {diff:e} > {tol:e}, scale {scale})",
+        g[i],
+        c[i]
+    );
+}
+
+/// Runs `f` on `inputs` (moved to `device`) as variables, backpropagates
+/// `sum(f(..) * upstream)`, and returns the output and each input's gradient.
+fn run(
+    device: &Device,
+    inputs: &[&Tensor],
+    upstream: &Tensor,
+    f: &dyn Fn(&[Tensor]) -> Result<Tensor>,
+) -> Result<(Tensor, Vec<Tensor>)> {
+    let vars = inputs
+        .iter()
+        .map(|t| Var::from_tensor(&t.to_device(device)?))
+        .collect::<Result<Vec<_>>>()?;
+    let tensors: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+    let y = f(&tensors)?;
+    let loss = y
+        .broadcast_mul(&upstream.to_device(device)?)?
+        .to_dtype(DType::F32)?
+        .sum_all()?;
+    let grads = loss.backward()?;
+    let grads = vars
+        .iter()
+        .map(|v| {
+            grads
+                .get(v.as_tensor())
+                .cloned()
+                .ok_or_else(|| candle_core::Error::Msg("an input got no gradient".into()))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok((y, grads))
+}
+
+/// Compares `f` on the GPU against the CPU, output and every gradient.
+fn compare(
+    what: &str,
+    dtype: DType,
+    inputs: &[&Tensor],
+    upstream: &Tensor,
+    f: &dyn Fn(&[Tensor]) -> Result<Tensor>,
+) -> Result<()> {
+    let (y_cpu, g_cpu) = run(&Device::Cpu, inputs, upstream, f)?;
+    let (y_gpu, g_gpu) = run(&gpu(), inputs, upstream, f)?;
+    assert!(y_gpu.device().is_cuda(), "{what}: the GPU run left the GPU");
+    assert_close(&format!("{what} output"), &y_gpu, &y_cpu, dtype);
+    for (i, (g, c)) in g_gpu.iter().zip(&g_cpu).enumerate() {
+        assert_close(&format!("{what} gradient of input {i}"), g, c, dtype);
+    }
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn attention_matches_the_cpu() -> Result<()> {
+    // (batch, time, heads, head_dim)
+    let shapes = [
+        (2, 1, 2, 32),
+        (1, 7, 3, 64),
+        (2, 65, 2, 128),
+        (1, 200, 2, 64),
+        (1, 33, 1, 48),
+        (1, 40, 1, 100),
+    ];
+    for dtype in DTYPES {
+        for (seed, &(b, t, h, d)) in shapes.iter().enumerate() {
+            let qkv = values(&[b, t, 3 * h * d], seed as u64, 2.0, dtype)?;
+            let upstream = values(&[b, t, h * d], 100 + seed as u64, 1.0, dtype)?;
+            compare(
+                &format!("attention b{b} t{t} h{h} d{d}"),
+                dtype,
+                &[&qkv],
+                &upstream,
+                &|x| causal_self_attention(&x[0], h),
+            )?;
+        }
+    }
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn head_dim_above_128_is_a_clear_error() -> Result<()> {
+    let qkv = Tensor::zeros((1, 4, 3 * 160), DType::F32, &gpu())?;
+    let err = causal_self_attention(&qkv, 1).unwrap_err().to_string();
+    assert!(err.contains("head_dim 160"), "{err}");
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn layer_norm_and_rms_norm_match_the_cpu() -> Result<()> {
+    let shapes: [&[usize]; 4] = [&[1, 768], &[37, 100], &[2, 3, 1000], &[5, 33]];
+    for dtype in DTYPES {
+        for (seed, shape) in shapes.iter().enumerate() {
+            let n = *shape.last().unwrap_or(&1);
+            let seed = seed as u64;
+            // An offset mean, so that removing it matters.
+            let x = (values(shape, seed, 2.0, dtype)? + 0.5)?;
+            let w = (values(&[n], 10 + seed, 0.5, dtype)? + 1.0)?;
+            let b = values(&[n], 20 + seed, 0.5, dtype)?;
+            let upstream = values(shape, 30 + seed, 1.0, dtype)?;
+            compare(
+                &format!("LayerNorm {shape:?}"),
+                dtype,
+                &[&x, &w, &b],
+                &upstream,
+                &|t| LayerNorm::new(t[1].clone(), t[2].clone(), 1e-5, None).forward(&t[0]),
+            )?;
+            compare(
+                &format!("RmsNorm {shape:?}"),
+                dtype,
+                &[&x, &w],
+                &upstream,
+                &|t| RmsNorm::new(t[1].clone(), 1e-5, None).forward(&t[0]),
+            )?;
+        }
+    }
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn activations_match_the_cpu() -> Result<()> {
+    let shapes: [&[usize]; 3] = [&[1], &[1000], &[3, 257]];
+    type Act = fn(&Tensor) -> Result<Tensor>;
+    let acts: [(&str, Act); 3] = [("gelu", gelu), ("gelu_erf", gelu_erf), ("silu", silu)];
+    for dtype in DTYPES {
+        for (seed, shape) in shapes.iter().enumerate() {
+            let x = values(shape, seed as u64, 6.0, dtype)?;
+            let upstream = values(shape, 50 + seed as u64, 1.0, dtype)?;
+            for (name, act) in acts {
+                compare(
+                    &format!("{name} {shape:?}"),
+                    dtype,
+                    &[&x],
+                    &upstream,
+                    &|t| act(&t[0]),
+                )?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Class indices in `0..vocab`, every `ignore_every`-th replaced by `ignore`.
+fn targets(
+    rows: usize,
+    vocab: usize,
+    ignore: Option<(usize, i64)>,
+    dtype: DType,
+) -> Result<Tensor> {
+    let data: Vec<i64> = (0..rows)
+        .map(|i| match ignore {
+            Some((every, index)) if i % every == 0 => index,
+            _ => ((i * 7919 + 13) % vocab) as i64,
+        })
+        .collect();
+    Tensor::from_vec(data, rows, &Device::Cpu)?.to_dtype(dtype)
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cross_entropy_matches_the_cpu() -> Result<()> {
+    // (rows, vocab)
+    let shapes = [(1, 50257), (37, 1000), (64, 33)];
+    for dtype in DTYPES {
+        for (seed, &(rows, vocab)) in shapes.iter().enumerate() {
+            let logits = values(&[rows, vocab], seed as u64, 8.0, dtype)?;
+            let upstream = Tensor::new(1.5f32, &Device::Cpu)?;
+            for target_dtype in [DType::U32, DType::I64] {
+                let plain = targets(rows, vocab, None, target_dtype)?;
+                compare(
+                    &format!("cross_entropy {rows}x{vocab} {target_dtype:?}"),
+                    dtype,
+                    &[&logits],
+                    &upstream,
+                    &|t| cross_entropy(&t[0], &plain.to_device(t[0].device())?),
+                )?;
+                // u32 targets cannot hold -100: ignore a class index instead.
+                let ignore = if target_dtype == DType::U32 { 5 } else { -100 };
+                let with_ignored = targets(rows, vocab, Some((3, ignore)), target_dtype)?;
+                compare(
+                    &format!("cross_entropy_with_ignore {rows}x{vocab} {target_dtype:?}"),
+                    dtype,
+                    &[&logits],
+                    &upstream,
+                    &|t| {
+                        let targets = with_ignored.to_device(t[0].device())?;
+                        cross_entropy_with_ignore(&t[0], &targets, ignore)
+                    },
+                )?;
+            }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cross_entropy_with_every_row_ignored_is_nan_with_zero_gradient() -> Result<()> {
+    let device = gpu();
+    let logits = Var::from_tensor(&values(&[4, 10], 7, 1.0, DType::F32)?.to_device(&device)?)?;
+    let ignored = Tensor::new(&[-100i64, -100, -100, -100], &device)?;
+    let loss = cross_entropy_with_ignore(logits.as_tensor(), &ignored, -100)?;
+    assert!(
+        loss.to_scalar::<f32>()?.is_nan(),
+        "the mean over no rows is NaN"
+    );
+    let grads = loss.backward()?;
+    let grad = grads
+        .get(logits.as_tensor())
+        .ok_or_else(|| candle_core::Error::Msg("no logits gradient".into()))?;
+    assert!(
+        host(grad).iter().all(|&g| g == 0.0),
+        "ignored rows get no gradient"
+    );
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cross_entropy_target_out_of_range_is_nan_on_the_gpu() -> Result<()> {
+    // The CPU op refuses it; the GPU cannot without a host sync, so the
+    // loss and the row's gradient are NaN and nothing is read out of bounds.
+    let device = gpu();
+    let logits = Var::from_tensor(&values(&[3, 10], 8, 1.0, DType::F32)?.to_device(&device)?)?;
+    let bad = Tensor::new(&[1u32, 10, 2], &device)?;
+    let loss = cross_entropy(logits.as_tensor(), &bad)?;
+    assert!(loss.to_scalar::<f32>()?.is_nan());
+    let grads = loss.backward()?;
+    let grad = grads
+        .get(logits.as_tensor())
+        .ok_or_else(|| candle_core::Error::Msg("no logits gradient".into()))?;
+    let grad = host(grad);
+    assert!(
+        grad[10..20].iter().all(|g| g.is_nan()),
+        "the bad row's gradient is NaN"
+    );
+    assert!(
+        grad[..10].iter().all(|g| g.is_finite()),
+        "other rows are untouched"
+    );
+    Ok(())
+}

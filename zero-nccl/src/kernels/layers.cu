@@ -1,0 +1,862 @@
+// Fused transformer layers of zero-candle, compiled at run time with NVRTC
+// (no headers): causal self-attention (FlashAttention-2 scheme, forward and
+// backward), LayerNorm/RMSNorm (forward and backward), GELU/SiLU, and
+// cross-entropy. Each kernel mirrors a CPU reference in zero-candle's
+// `nn::ops` / `nn::layer_norm`, computes in f32 whatever the storage type,
+// and rounds once when it stores (to nearest, ties to even).
+//
+// Storage types: `float`, and bf16/f16 carried as their 16 bits (structs
+// `bf16`/`f16` below). Each family is a template instantiated per type by a
+// macro into `extern "C"` kernels named `<family>_<type>`; LAYER_KERNEL_NAMES
+// in layers.rs lists them all. Reductions are deterministic: fixed trees,
+// no float atomics.
+
+typedef unsigned short u16;
+typedef unsigned long long u64;
+
+#define FULL_MASK 0xffffffffu
+#define NEG_INF (-__int_as_float(0x7f800000))
+#define QNAN (__int_as_float(0x7fc00000))
+
+// ---- 16-bit types ---------------------------------------------------------
+// The same conversions as source.cu's (which this file cannot include):
+// widening is exact; narrowing rounds to nearest, ties to even, as the `half`
+// crate does on the host (a NaN stays a quiet NaN of its sign).
+struct bf16 { u16 bits; };
+struct f16 { u16 bits; };
+
+__device__ __forceinline__ float to_f32(float x) { return x; }
+__device__ __forceinline__ float to_f32(bf16 x) {
+    return __uint_as_float(((unsigned int)x.bits) << 16);
+}
+__device__ __forceinline__ float to_f32(f16 x) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x.bits));
+    return f;
+}
+
+template <typename T> __device__ __forceinline__ T from_f32(float f);
+template <> __device__ __forceinline__ float from_f32<float>(float f) { return f; }
+template <> __device__ __forceinline__ bf16 from_f32<bf16>(float f) {
+    unsigned int x = __float_as_uint(f);
+    bf16 r;
+    if ((x & 0x7FFFFFFFu) > 0x7F800000u) {
+        r.bits = (u16)((x >> 16) | 0x0040u);
+        return r;
+    }
+    const unsigned int round_bit = 0x00008000u;
+    if ((x & round_bit) != 0 && (x & (3 * round_bit - 1)) != 0) {
+        r.bits = (u16)((x >> 16) + 1);
+    } else {
+        r.bits = (u16)(x >> 16);
+    }
+    return r;
+}
+template <> __device__ __forceinline__ f16 from_f32<f16>(float f) {
+    f16 r;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r.bits) : "f"(f));
+    return r;
+}
+
+// ---- warp and block reductions -------------------------------------------
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+    return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, o));
+    return v;
+}
+
+// ===========================================================================
+// Causal self-attention, FlashAttention-2 scheme on CUDA cores.
+//
+// qkv is [B, T, 3*C] with C = H*D: the query of head h at columns h*D.., its
+// key at C + h*D.., its value at 2*C + h*D... y is [B, T, C]; lse is
+// [B, H, T] f32, rowmax + ln(rowsum) of the scaled, masked scores.
+//
+// One block holds BQ = ATTN_WARPS * R query rows (forward, dQ) or KB =
+// ATTN_WARPS * R key rows (dK/dV) of one (batch, head): grid (tiles, H, B).
+// Within a warp the lanes take turns as the 32 keys (or queries) of the
+// tile being streamed through shared memory, for the dot products, and as
+// the head dimensions d = lane + 32*i of the accumulators (DPL = DMAX/32 per
+// lane). DMAX is the head_dim rounded up to 64 or 128 (one variant less to
+// compile: a head_dim of 32 runs the 64 kernels, whose accumulators for the
+// columns d >= head_dim stay zero); columns d >= head_dim are zero in shared
+// memory and never stored.
+//
+// Tiles read lane-per-row (the streamed keys or queries) are swizzled so
+// that both lane-per-row and lane-per-column reads hit 32 distinct banks
+// without padding: element (j, d) sits at j*DMAX + ((d + j) mod DMAX).
+// Tiles read one row by the whole warp (broadcast) are plain.
+//
+// Every __syncthreads() sits in a loop whose bounds depend on the block
+// index only; row and key bounds are handled in arithmetic (masks), never
+// by skipping a barrier.
+// ===========================================================================
+#define ATTN_WARPS 4
+#define ATTN_THREADS (ATTN_WARPS * 32)
+#define ATTN_KT 32   // keys (forward, dQ) or queries (dK/dV) per streamed tile
+
+template <int DMAX>
+__device__ __forceinline__ int swz(int j, int d) {
+    return j * DMAX + ((d + j) & (DMAX - 1));
+}
+
+// Loads rows [t0, t0 + ROWS) of one head's slice at column offset `col` of
+// qkv-like rows (stride `row_stride`) into a ROWS x DMAX f32 tile, zero
+// outside [0, T) x [0, D); swizzled or plain.
+template <typename T, int DMAX, int ROWS, bool SWIZZLE>
+__device__ __forceinline__ void load_tile(float* tile, const T* base, size_t row_stride,
+                                          int t0, int T_, int D) {
+    for (int i = threadIdx.x; i < ROWS * DMAX; i += ATTN_THREADS) {
+        const int j = i / DMAX, d = i % DMAX;
+        const int t = t0 + j;
+        const float v = (t < T_ && d < D) ? to_f32(base[(size_t)t * row_stride + d]) : 0.f;
+        tile[SWIZZLE ? swz<DMAX>(j, d) : i] = v;
+    }
+}
+
+template <typename T, int DMAX, int R>
+__device__ __forceinline__ void attention_forward(const T* __restrict__ qkv, T* __restrict__ y,
+                                                  float* __restrict__ lse, int T_, int H, int D,
+                                                  float scale) {
+    constexpr int BQ = ATTN_WARPS * R;
+    constexpr int DPL = DMAX / 32;
+    __shared__ float qs[BQ * DMAX];          // plain: read by broadcast
+    __shared__ float ks[ATTN_KT * DMAX];     // swizzled: lane = key
+    __shared__ float vs[ATTN_KT * DMAX];     // plain: lane = column
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    // Heavy (late) query tiles first: causal work grows with the tile index.
+    const int q0 = (gridDim.x - 1 - blockIdx.x) * BQ;
+    const int h = blockIdx.y, b = blockIdx.z;
+    const int C = H * D;
+    const size_t row_stride = 3 * (size_t)C;
+    const T* base = qkv + (size_t)b * T_ * row_stride + (size_t)h * D;
+
+    load_tile<T, DMAX, BQ, false>(qs, base, row_stride, q0, T_, D);
+
+    float m[R], l[R], p[R], acc[R][DPL];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        m[r] = NEG_INF;
+        l[r] = 0.f;
+#pragma unroll
+        for (int i = 0; i < DPL; ++i) acc[r][i] = 0.f;
+    }
+    const int last = min(q0 + BQ, T_) - 1;  // the block's last query row
+    for (int k0 = 0; k0 <= last; k0 += ATTN_KT) {
+        __syncthreads();  // the previous tile is consumed (and qs is written)
+        load_tile<T, DMAX, ATTN_KT, true>(ks, base + C, row_stride, k0, T_, D);
+        load_tile<T, DMAX, ATTN_KT, false>(vs, base + 2 * C, row_stride, k0, T_, D);
+        __syncthreads();
+        const int key = k0 + lane;
+        float s[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) s[r] = 0.f;
+#pragma unroll 4
+        for (int d = 0; d < D; ++d) {
+            const float kv = ks[swz<DMAX>(lane, d)];
+#pragma unroll
+            for (int r = 0; r < R; ++r) s[r] += qs[(warp * R + r) * DMAX + d] * kv;
+        }
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const int t = q0 + warp * R + r;
+            const bool valid = key <= t && t < T_;  // key <= t < T: key < T
+            const float sc = valid ? s[r] * scale : NEG_INF;
+            const float m_new = fmaxf(m[r], warp_max(sc));
+            // m_new is -inf only on a padding row (t >= T), which stays empty.
+            p[r] = valid ? __expf(sc - m_new) : 0.f;
+            const float alpha = m[r] == NEG_INF ? 0.f : __expf(m[r] - m_new);
+            l[r] = l[r] * alpha + warp_sum(p[r]);
+            m[r] = m_new;
+#pragma unroll
+            for (int i = 0; i < DPL; ++i) acc[r][i] *= alpha;
+        }
+        const int keys = min(ATTN_KT, T_ - k0);
+        for (int j = 0; j < keys; ++j) {
+            float v[DPL];
+#pragma unroll
+            for (int i = 0; i < DPL; ++i) v[i] = vs[j * DMAX + lane + 32 * i];
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                const float pj = __shfl_sync(FULL_MASK, p[r], j);
+#pragma unroll
+                for (int i = 0; i < DPL; ++i) acc[r][i] += pj * v[i];
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const int t = q0 + warp * R + r;
+        if (t < T_) {
+            const float inv = 1.f / l[r];
+            T* yr = y + ((size_t)b * T_ + t) * C + (size_t)h * D;
+#pragma unroll
+            for (int i = 0; i < DPL; ++i) {
+                const int d = lane + 32 * i;
+                if (d < D) yr[d] = from_f32<T>(acc[r][i] * inv);
+            }
+            if (lane == 0) lse[((size_t)b * H + h) * T_ + t] = m[r] + logf(l[r]);
+        }
+    }
+}
+
+// D_i = sum_d dO[i, d] * O[i, d] per (b, t, h), into delta [B, H, T] f32:
+// one warp per row, rows in memory order (b, t, h).
+template <typename T>
+__device__ __forceinline__ void attention_backward_delta(const T* __restrict__ out,
+                                                         const T* __restrict__ dout,
+                                                         float* __restrict__ delta, int B, int T_,
+                                                         int H, int D) {
+    const int lane = threadIdx.x % 32;
+    const long long warps = (long long)gridDim.x * (blockDim.x / 32);
+    const long long rows = (long long)B * T_ * H;
+    for (long long row = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+         row < rows; row += warps) {
+        const T* o = out + row * D;
+        const T* g = dout + row * D;
+        float sum = 0.f;
+        for (int d = lane; d < D; d += 32) sum += to_f32(o[d]) * to_f32(g[d]);
+        sum = warp_sum(sum);
+        if (lane == 0) {
+            const long long h = row % H, bt = row / H;
+            const long long t = bt % T_, b = bt / T_;
+            delta[(b * H + h) * T_ + t] = sum;
+        }
+    }
+}
+
+// dQ of BQ query rows: stream key tiles, recompute P from lse, dS = P (dP - D).
+template <typename T, int DMAX, int R>
+__device__ __forceinline__ void attention_backward_dq(const T* __restrict__ qkv,
+                                                      const T* __restrict__ dout,
+                                                      const float* __restrict__ lse,
+                                                      const float* __restrict__ delta,
+                                                      T* __restrict__ dqkv, int T_, int H, int D,
+                                                      float scale) {
+    constexpr int BQ = ATTN_WARPS * R;
+    constexpr int DPL = DMAX / 32;
+    __shared__ float qs[BQ * DMAX];       // plain: broadcast
+    __shared__ float dos[BQ * DMAX];      // plain: broadcast
+    __shared__ float ks[ATTN_KT * DMAX];  // swizzled: lane = key, then lane = column
+    __shared__ float vs[ATTN_KT * DMAX];  // swizzled: lane = key
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int q0 = (gridDim.x - 1 - blockIdx.x) * BQ;
+    const int h = blockIdx.y, b = blockIdx.z;
+    const int C = H * D;
+    const size_t row_stride = 3 * (size_t)C;
+    const T* base = qkv + (size_t)b * T_ * row_stride + (size_t)h * D;
+    const T* dobase = dout + (size_t)b * T_ * C + (size_t)h * D;
+    const float* lse_bh = lse + ((size_t)b * H + h) * T_;
+    const float* delta_bh = delta + ((size_t)b * H + h) * T_;
+
+    load_tile<T, DMAX, BQ, false>(qs, base, row_stride, q0, T_, D);
+    load_tile<T, DMAX, BQ, false>(dos, dobase, (size_t)C, q0, T_, D);
+
+    float row_lse[R], row_delta[R], dq[R][DPL];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const int t = q0 + warp * R + r;
+        row_lse[r] = t < T_ ? lse_bh[t] : 0.f;
+        row_delta[r] = t < T_ ? delta_bh[t] : 0.f;
+#pragma unroll
+        for (int i = 0; i < DPL; ++i) dq[r][i] = 0.f;
+    }
+    const int last = min(q0 + BQ, T_) - 1;
+    for (int k0 = 0; k0 <= last; k0 += ATTN_KT) {
+        __syncthreads();
+        load_tile<T, DMAX, ATTN_KT, true>(ks, base + C, row_stride, k0, T_, D);
+        load_tile<T, DMAX, ATTN_KT, true>(vs, base + 2 * C, row_stride, k0, T_, D);
+        __syncthreads();
+        const int key = k0 + lane;
+        float s[R], dp[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            s[r] = 0.f;
+            dp[r] = 0.f;
+        }
+#pragma unroll 4
+        for (int d = 0; d < D; ++d) {
+            const float kv = ks[swz<DMAX>(lane, d)];
+            const float vv = vs[swz<DMAX>(lane, d)];
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                s[r] += qs[(warp * R + r) * DMAX + d] * kv;
+                dp[r] += dos[(warp * R + r) * DMAX + d] * vv;
+            }
+        }
+        float ds[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const int t = q0 + warp * R + r;
+            const bool valid = key <= t && t < T_;
+            const float pr = valid ? __expf(s[r] * scale - row_lse[r]) : 0.f;
+            ds[r] = pr * (dp[r] - row_delta[r]);
+        }
+        const int keys = min(ATTN_KT, T_ - k0);
+        for (int j = 0; j < keys; ++j) {
+            float kj[DPL];
+#pragma unroll
+            for (int i = 0; i < DPL; ++i) kj[i] = ks[swz<DMAX>(j, lane + 32 * i)];
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                const float dsj = __shfl_sync(FULL_MASK, ds[r], j);
+#pragma unroll
+                for (int i = 0; i < DPL; ++i) dq[r][i] += dsj * kj[i];
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const int t = q0 + warp * R + r;
+        if (t < T_) {
+            T* out = dqkv + ((size_t)b * T_ + t) * row_stride + (size_t)h * D;
+#pragma unroll
+            for (int i = 0; i < DPL; ++i) {
+                const int d = lane + 32 * i;
+                if (d < D) out[d] = from_f32<T>(dq[r][i] * scale);
+            }
+        }
+    }
+}
+
+// dK and dV of KB key rows: stream the query tiles at or after the keys.
+template <typename T, int DMAX, int R>
+__device__ __forceinline__ void attention_backward_dkdv(const T* __restrict__ qkv,
+                                                        const T* __restrict__ dout,
+                                                        const float* __restrict__ lse,
+                                                        const float* __restrict__ delta,
+                                                        T* __restrict__ dqkv, int T_, int H,
+                                                        int D, float scale) {
+    constexpr int KB = ATTN_WARPS * R;
+    constexpr int DPL = DMAX / 32;
+    __shared__ float ks[KB * DMAX];        // plain: broadcast
+    __shared__ float vs[KB * DMAX];        // plain: broadcast
+    __shared__ float qs[ATTN_KT * DMAX];   // swizzled: lane = query, then lane = column
+    __shared__ float dos[ATTN_KT * DMAX];  // swizzled: lane = query, then lane = column
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    // Early key tiles see the most queries: natural order puts them first.
+    const int k_first = blockIdx.x * KB;
+    const int h = blockIdx.y, b = blockIdx.z;
+    const int C = H * D;
+    const size_t row_stride = 3 * (size_t)C;
+    const T* base = qkv + (size_t)b * T_ * row_stride + (size_t)h * D;
+    const T* dobase = dout + (size_t)b * T_ * C + (size_t)h * D;
+    const float* lse_bh = lse + ((size_t)b * H + h) * T_;
+    const float* delta_bh = delta + ((size_t)b * H + h) * T_;
+
+    load_tile<T, DMAX, KB, false>(ks, base + C, row_stride, k_first, T_, D);
+    load_tile<T, DMAX, KB, false>(vs, base + 2 * C, row_stride, k_first, T_, D);
+
+    float dk[R][DPL], dv[R][DPL];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+#pragma unroll
+        for (int i = 0; i < DPL; ++i) {
+            dk[r][i] = 0.f;
+            dv[r][i] = 0.f;
+        }
+    }
+    for (int q0 = (k_first / ATTN_KT) * ATTN_KT; q0 < T_; q0 += ATTN_KT) {
+        __syncthreads();
+        load_tile<T, DMAX, ATTN_KT, true>(qs, base, row_stride, q0, T_, D);
+        load_tile<T, DMAX, ATTN_KT, true>(dos, dobase, (size_t)C, q0, T_, D);
+        __syncthreads();
+        const int query = q0 + lane;
+        const float q_lse = query < T_ ? lse_bh[query] : 0.f;
+        const float q_delta = query < T_ ? delta_bh[query] : 0.f;
+        float s[R], dp[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            s[r] = 0.f;
+            dp[r] = 0.f;
+        }
+#pragma unroll 4
+        for (int d = 0; d < D; ++d) {
+            const float qv = qs[swz<DMAX>(lane, d)];
+            const float ov = dos[swz<DMAX>(lane, d)];
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                s[r] += qv * ks[(warp * R + r) * DMAX + d];
+                dp[r] += ov * vs[(warp * R + r) * DMAX + d];
+            }
+        }
+        float p[R], ds[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const int key = k_first + warp * R + r;
+            const bool valid = key <= query && query < T_;
+            p[r] = valid ? __expf(s[r] * scale - q_lse) : 0.f;
+            ds[r] = p[r] * (dp[r] - q_delta);
+        }
+        const int queries = min(ATTN_KT, T_ - q0);
+        for (int j = 0; j < queries; ++j) {
+            float qj[DPL], oj[DPL];
+#pragma unroll
+            for (int i = 0; i < DPL; ++i) {
+                qj[i] = qs[swz<DMAX>(j, lane + 32 * i)];
+                oj[i] = dos[swz<DMAX>(j, lane + 32 * i)];
+            }
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                const float pj = __shfl_sync(FULL_MASK, p[r], j);
+                const float dsj = __shfl_sync(FULL_MASK, ds[r], j);
+#pragma unroll
+                for (int i = 0; i < DPL; ++i) {
+                    dv[r][i] += pj * oj[i];
+                    dk[r][i] += dsj * qj[i];
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const int key = k_first + warp * R + r;
+        if (key < T_) {
+            T* out = dqkv + ((size_t)b * T_ + key) * row_stride + (size_t)h * D;
+#pragma unroll
+            for (int i = 0; i < DPL; ++i) {
+                const int d = lane + 32 * i;
+                if (d < D) {
+                    out[C + d] = from_f32<T>(dk[r][i] * scale);
+                    out[2 * C + d] = from_f32<T>(dv[r][i]);
+                }
+            }
+        }
+    }
+}
+
+// Rows per warp (R) per DMAX: 4 at 128 keeps every attention kernel's static
+// shared memory within 48 KiB ((BQ + 2*32) * 128 * 4 bytes at most).
+#define ATTN_R_64 8
+#define ATTN_R_128 4
+
+#define DEFINE_ATTENTION_DMAX(T, SUFFIX, DMAX)                                            \
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS)                               \
+attention_forward_d##DMAX##_##SUFFIX(const T* qkv, T* y, float* lse, int T_, int H, int D, \
+                                     float scale) {                                      \
+    attention_forward<T, DMAX, ATTN_R_##DMAX>(qkv, y, lse, T_, H, D, scale);             \
+}                                                                                        \
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS)                               \
+attention_backward_dq_d##DMAX##_##SUFFIX(const T* qkv, const T* dout, const float* lse,  \
+                                         const float* delta, T* dqkv, int T_, int H,      \
+                                         int D, float scale) {                           \
+    attention_backward_dq<T, DMAX, ATTN_R_##DMAX>(qkv, dout, lse, delta, dqkv, T_, H, D,  \
+                                                  scale);                                \
+}                                                                                        \
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS)                               \
+attention_backward_dkdv_d##DMAX##_##SUFFIX(const T* qkv, const T* dout, const float* lse, \
+                                           const float* delta, T* dqkv, int T_, int H,    \
+                                           int D, float scale) {                         \
+    attention_backward_dkdv<T, DMAX, ATTN_R_##DMAX>(qkv, dout, lse, delta, dqkv, T_, H, D, \
+                                                    scale);                              \
+}
+
+#define DEFINE_ATTENTION(T, SUFFIX)                                                       \
+DEFINE_ATTENTION_DMAX(T, SUFFIX, 64)                                                      \
+DEFINE_ATTENTION_DMAX(T, SUFFIX, 128)                                                     \
+extern "C" __global__ void attention_backward_delta_##SUFFIX(const T* out, const T* dout, \
+                                                             float* delta, int B, int T_, \
+                                                             int H, int D) {              \
+    attention_backward_delta<T>(out, dout, delta, B, T_, H, D);                           \
+}
+
+DEFINE_ATTENTION(float, f32)
+DEFINE_ATTENTION(bf16, bf16)
+DEFINE_ATTENTION(f16, f16)
+
+// ===========================================================================
+// LayerNorm (remove_mean = 1) and RMSNorm (remove_mean = 0) over the last
+// dimension n of [rows, n]: one warp per row, statistics in f32, variance
+// around the mean in a second pass over the row (never E[x^2] - mean^2).
+// ===========================================================================
+template <typename T>
+__device__ __forceinline__ void row_stats(const T* xr, int n, float eps, int remove_mean,
+                                          float* mean_out, float* rstd_out) {
+    const int lane = threadIdx.x % 32;
+    float mean = 0.f;
+    if (remove_mean) {
+        float sum = 0.f;
+        for (int j = lane; j < n; j += 32) sum += to_f32(xr[j]);
+        mean = warp_sum(sum) / (float)n;
+    }
+    float sq = 0.f;
+    for (int j = lane; j < n; j += 32) {
+        const float c = to_f32(xr[j]) - mean;
+        sq += c * c;
+    }
+    const float var = warp_sum(sq) / (float)n;
+    *mean_out = mean;
+    *rstd_out = 1.f / sqrtf(var + eps);
+}
+
+// y = (x - mean) * rstd * w (+ b when has_bias; `b` is then read, else not).
+template <typename T>
+__device__ __forceinline__ void norm_forward(const T* __restrict__ x, const T* __restrict__ w,
+                                             const T* __restrict__ bias, int has_bias,
+                                             T* __restrict__ y, long long rows, int n,
+                                             float eps, int remove_mean) {
+    const int lane = threadIdx.x % 32;
+    const long long warps = (long long)gridDim.x * (blockDim.x / 32);
+    for (long long row = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+         row < rows; row += warps) {
+        const T* xr = x + row * n;
+        T* yr = y + row * n;
+        float mean, rstd;
+        row_stats<T>(xr, n, eps, remove_mean, &mean, &rstd);
+        for (int j = lane; j < n; j += 32) {
+            float v = (to_f32(xr[j]) - mean) * rstd * to_f32(w[j]);
+            if (has_bias) v += to_f32(bias[j]);
+            yr[j] = from_f32<T>(v);
+        }
+    }
+}
+
+// Backward, pass 1 (one warp per row): recomputes mean and rstd, keeps them
+// in stats ([rows] means, then [rows] rstds, f32) for the column pass, and
+// with want_dx writes dx = rstd (g^ - mean(g^) - x^ mean(g^ x^)), g^ = g w,
+// x^ = (x - mean) rstd (no mean(g^) term for RMSNorm).
+template <typename T>
+__device__ __forceinline__ void norm_backward_rows(const T* __restrict__ x,
+                                                   const T* __restrict__ w,
+                                                   const T* __restrict__ g, T* __restrict__ dx,
+                                                   float* __restrict__ stats, long long rows,
+                                                   int n, float eps, int remove_mean,
+                                                   int want_dx) {
+    const int lane = threadIdx.x % 32;
+    const long long warps = (long long)gridDim.x * (blockDim.x / 32);
+    for (long long row = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+         row < rows; row += warps) {
+        const T* xr = x + row * n;
+        const T* gr = g + row * n;
+        float mean, rstd;
+        row_stats<T>(xr, n, eps, remove_mean, &mean, &rstd);
+        if (lane == 0) {
+            stats[row] = mean;
+            stats[rows + row] = rstd;
+        }
+        if (!want_dx) continue;
+        float sum_g = 0.f, sum_gx = 0.f;
+        for (int j = lane; j < n; j += 32) {
+            const float gh = to_f32(gr[j]) * to_f32(w[j]);
+            const float xh = (to_f32(xr[j]) - mean) * rstd;
+            sum_g += gh;
+            sum_gx += gh * xh;
+        }
+        const float mean_g = remove_mean ? warp_sum(sum_g) / (float)n : 0.f;
+        const float mean_gx = warp_sum(sum_gx) / (float)n;
+        T* dxr = dx + row * n;
+        for (int j = lane; j < n; j += 32) {
+            const float gh = to_f32(gr[j]) * to_f32(w[j]);
+            const float xh = (to_f32(xr[j]) - mean) * rstd;
+            dxr[j] = from_f32<T>(rstd * (gh - mean_g - xh * mean_gx));
+        }
+    }
+}
+
+// Backward, pass 2: block (32, 8) sums g x^ and g over its chunk of rows for
+// 32 columns; grid (ceil(n / 32), chunks). Partials [chunks, n] for dw, then
+// [chunks, n] for db, f32, summed in a fixed order.
+#define NORM_COL_ROWS 8
+template <typename T>
+__device__ __forceinline__ void norm_backward_columns(const T* __restrict__ x,
+                                                      const T* __restrict__ g,
+                                                      const float* __restrict__ stats,
+                                                      float* __restrict__ partial, long long rows,
+                                                      int n, long long rows_per_chunk) {
+    __shared__ float sdw[NORM_COL_ROWS][32];
+    __shared__ float sdb[NORM_COL_ROWS][32];
+    const int tx = threadIdx.x, ty = threadIdx.y;
+    const int c = blockIdx.x * 32 + tx;
+    const long long chunk = blockIdx.y, chunks = gridDim.y;
+    const long long r0 = chunk * rows_per_chunk;
+    const long long r1 = min(rows, r0 + rows_per_chunk);
+    float dw = 0.f, db = 0.f;
+    if (c < n) {
+        for (long long r = r0 + ty; r < r1; r += NORM_COL_ROWS) {
+            const float gv = to_f32(g[r * n + c]);
+            const float xh = (to_f32(x[r * n + c]) - stats[r]) * stats[rows + r];
+            dw += gv * xh;
+            db += gv;
+        }
+    }
+    sdw[ty][tx] = dw;
+    sdb[ty][tx] = db;
+    __syncthreads();
+    if (ty == 0 && c < n) {
+        for (int k = 1; k < NORM_COL_ROWS; ++k) {
+            dw += sdw[k][tx];
+            db += sdb[k][tx];
+        }
+        partial[chunk * n + c] = dw;
+        partial[(chunks + chunk) * n + c] = db;
+    }
+}
+
+// Backward, pass 3: dw[c] and db[c] from the chunks' partials, in order.
+template <typename T>
+__device__ __forceinline__ void norm_backward_finish(const float* __restrict__ partial,
+                                                     T* __restrict__ dw, T* __restrict__ db,
+                                                     int n, int chunks) {
+    for (long long c = (long long)blockIdx.x * blockDim.x + threadIdx.x; c < n;
+         c += (long long)gridDim.x * blockDim.x) {
+        float sw = 0.f, sb = 0.f;
+        for (int k = 0; k < chunks; ++k) {
+            sw += partial[(long long)k * n + c];
+            sb += partial[((long long)chunks + k) * n + c];
+        }
+        dw[c] = from_f32<T>(sw);
+        db[c] = from_f32<T>(sb);
+    }
+}
+
+#define DEFINE_NORM(T, SUFFIX)                                                             \
+extern "C" __global__ void norm_forward_##SUFFIX(const T* x, const T* w, const T* b,       \
+                                                 int has_bias, T* y, long long rows, int n, \
+                                                 float eps, int remove_mean) {             \
+    norm_forward<T>(x, w, b, has_bias, y, rows, n, eps, remove_mean);                      \
+}                                                                                          \
+extern "C" __global__ void norm_backward_rows_##SUFFIX(const T* x, const T* w, const T* g, \
+                                                       T* dx, float* stats, long long rows, \
+                                                       int n, float eps, int remove_mean,  \
+                                                       int want_dx) {                      \
+    norm_backward_rows<T>(x, w, g, dx, stats, rows, n, eps, remove_mean, want_dx);         \
+}                                                                                          \
+extern "C" __global__ void norm_backward_columns_##SUFFIX(const T* x, const T* g,          \
+                                                          const float* stats,              \
+                                                          float* partial, long long rows,  \
+                                                          int n,                           \
+                                                          long long rows_per_chunk) {      \
+    norm_backward_columns<T>(x, g, stats, partial, rows, n, rows_per_chunk);               \
+}                                                                                          \
+extern "C" __global__ void norm_backward_finish_##SUFFIX(const float* partial, T* dw,     \
+                                                         T* db, int n, int chunks) {       \
+    norm_backward_finish<T>(partial, dw, db, n, chunks);                                   \
+}
+
+DEFINE_NORM(float, f32)
+DEFINE_NORM(bf16, bf16)
+DEFINE_NORM(f16, f16)
+
+// ===========================================================================
+// Activations: kind 0 = GELU (tanh approximation), 1 = GELU (erf), 2 = SiLU.
+// ===========================================================================
+#define GELU_K 0.7978845608f  // sqrt(2 / pi)
+#define GELU_C 0.044715f
+
+__device__ __forceinline__ float activation(int kind, float x) {
+    if (kind == 0) {
+        const float t = tanhf(GELU_K * (x + GELU_C * x * x * x));
+        return 0.5f * x * (1.f + t);
+    } else if (kind == 1) {
+        return 0.5f * x * (1.f + erff(x * 0.70710678118654752f));
+    } else {
+        return x / (1.f + expf(-x));
+    }
+}
+
+__device__ __forceinline__ float activation_derivative(int kind, float x) {
+    if (kind == 0) {
+        const float t = tanhf(GELU_K * (x + GELU_C * x * x * x));
+        return 0.5f * (1.f + t) + 0.5f * x * (1.f - t * t) * GELU_K * (1.f + 3.f * GELU_C * x * x);
+    } else if (kind == 1) {
+        // 1 / sqrt(2 pi)
+        return 0.5f * (1.f + erff(x * 0.70710678118654752f)) +
+               x * expf(-0.5f * x * x) * 0.3989422804014327f;
+    } else {
+        const float s = 1.f / (1.f + expf(-x));
+        return s * (1.f + x * (1.f - s));
+    }
+}
+
+#define DEFINE_ACTIVATION(T, SUFFIX)                                                      \
+extern "C" __global__ void activation_forward_##SUFFIX(const T* x, T* y, long long n,     \
+                                                       int kind) {                        \
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;           \
+         i += (long long)gridDim.x * blockDim.x) {                                        \
+        y[i] = from_f32<T>(activation(kind, to_f32(x[i])));                               \
+    }                                                                                     \
+}                                                                                         \
+extern "C" __global__ void activation_backward_##SUFFIX(const T* x, const T* g, T* dx,    \
+                                                        long long n, int kind) {          \
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;           \
+         i += (long long)gridDim.x * blockDim.x) {                                        \
+        dx[i] = from_f32<T>(to_f32(g[i]) * activation_derivative(kind, to_f32(x[i])));    \
+    }                                                                                     \
+}
+
+DEFINE_ACTIVATION(float, f32)
+DEFINE_ACTIVATION(bf16, bf16)
+DEFINE_ACTIVATION(f16, f16)
+
+// ===========================================================================
+// Cross-entropy over logits [N, V] with targets [N] (u32 or i64).
+//
+// `saved` is f32 [N + 1]: the log-sum-exp of each row, then the number of
+// counted rows (target != ignore index). A target outside [0, V) that is not
+// the ignore index is never read through: it counts, and makes the loss NaN
+// and its row's gradient NaN. With every row ignored the loss is NaN (0/0,
+// as PyTorch) and the gradient zero.
+// ===========================================================================
+#define CE_THREADS 256
+
+// (m, s) pairs of an online log-sum-exp: s = sum exp(x - m).
+__device__ __forceinline__ void lse_combine(float& m, float& s, float m2, float s2) {
+    if (m2 == NEG_INF) return;
+    if (m == NEG_INF) {
+        m = m2;
+        s = s2;
+        return;
+    }
+    const float mx = fmaxf(m, m2);
+    s = s * expf(m - mx) + s2 * expf(m2 - mx);
+    m = mx;
+}
+
+// Pass 1, one block (CE_THREADS) per row: saved[row] = logsumexp(row).
+template <typename T>
+__device__ __forceinline__ void cross_entropy_lse(const T* __restrict__ logits,
+                                                  float* __restrict__ saved, long long rows,
+                                                  long long V) {
+    __shared__ float sm[CE_THREADS / 32], ss[CE_THREADS / 32];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
+        const T* xr = logits + row * V;
+        float m = NEG_INF, s = 0.f;
+        for (long long v = threadIdx.x; v < V; v += CE_THREADS) {
+            const float x = to_f32(xr[v]);
+            if (x == NEG_INF) continue;  // contributes exp(-inf) = 0
+            if (x > m) {
+                s = s * expf(m - x) + 1.f;  // m = -inf: s = 0 * 0 + 1
+                m = x;
+            } else {
+                s += expf(x - m);  // a NaN x (or m) makes s NaN: the loss is NaN
+            }
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const float m2 = __shfl_xor_sync(FULL_MASK, m, o);
+            const float s2 = __shfl_xor_sync(FULL_MASK, s, o);
+            lse_combine(m, s, m2, s2);
+        }
+        __syncthreads();  // the previous row's sm/ss are read
+        if (lane == 0) {
+            sm[warp] = m;
+            ss[warp] = s;
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            float mt = sm[0], st = ss[0];
+            for (int w = 1; w < CE_THREADS / 32; ++w) lse_combine(mt, st, sm[w], ss[w]);
+            saved[row] = mt + logf(st);
+        }
+    }
+}
+
+template <typename I>
+__device__ __forceinline__ bool ce_target(const I* targets, long long row, long long V,
+                                          int has_ignore, long long ignore_index,
+                                          long long* target, bool* in_range) {
+    const long long t = (long long)targets[row];
+    *target = t;
+    *in_range = t >= 0 && t < V;
+    return !(has_ignore && t == ignore_index);  // counted
+}
+
+// Pass 2, one block of CE_THREADS: the mean over counted rows of
+// lse - logit[target], in a fixed order (f64 partials); saved[rows] = count.
+template <typename T, typename I>
+__device__ __forceinline__ void cross_entropy_loss(const T* __restrict__ logits,
+                                                   const I* __restrict__ targets,
+                                                   float* __restrict__ saved,
+                                                   float* __restrict__ loss, long long rows,
+                                                   long long V, int has_ignore,
+                                                   long long ignore_index) {
+    __shared__ double sums[CE_THREADS];
+    __shared__ long long counts[CE_THREADS];
+    double sum = 0.0;
+    long long count = 0;
+    for (long long row = threadIdx.x; row < rows; row += CE_THREADS) {
+        long long t;
+        bool in_range;
+        if (!ce_target(targets, row, V, has_ignore, ignore_index, &t, &in_range)) continue;
+        count += 1;
+        sum += in_range ? (double)(saved[row] - to_f32(logits[row * V + t])) : (double)QNAN;
+    }
+    sums[threadIdx.x] = sum;
+    counts[threadIdx.x] = count;
+    __syncthreads();
+    for (int stride = CE_THREADS / 2; stride > 0; stride >>= 1) {
+        if (threadIdx.x < stride) {
+            sums[threadIdx.x] += sums[threadIdx.x + stride];
+            counts[threadIdx.x] += counts[threadIdx.x + stride];
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+        const long long total = counts[0];
+        saved[rows] = (float)total;
+        loss[0] = total == 0 ? QNAN : (float)(sums[0] / (double)total);
+    }
+}
+
+// Backward, one block per row: dlogits = grad / count (softmax - onehot),
+// zero on ignored rows, NaN on rows whose target is out of range. grad is
+// read on the device (one f32).
+template <typename T, typename I>
+__device__ __forceinline__ void cross_entropy_backward(const T* __restrict__ logits,
+                                                       const I* __restrict__ targets,
+                                                       const float* __restrict__ saved,
+                                                       const float* __restrict__ grad,
+                                                       T* __restrict__ dlogits, long long rows,
+                                                       long long V, int has_ignore,
+                                                       long long ignore_index) {
+    for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
+        long long t;
+        bool in_range;
+        const bool counted = ce_target(targets, row, V, has_ignore, ignore_index, &t, &in_range);
+        const T* xr = logits + row * V;
+        T* dr = dlogits + row * V;
+        if (!counted) {
+            for (long long v = threadIdx.x; v < V; v += blockDim.x) dr[v] = from_f32<T>(0.f);
+            continue;
+        }
+        const float factor = grad[0] / saved[rows];
+        const float row_lse = saved[row];
+        for (long long v = threadIdx.x; v < V; v += blockDim.x) {
+            const float sm = expf(to_f32(xr[v]) - row_lse);
+            const float d = in_range ? factor * (sm - (v == t ? 1.f : 0.f)) : QNAN;
+            dr[v] = from_f32<T>(d);
+        }
+    }
+}
+
+#define DEFINE_CE_TARGET(T, SUFFIX, I, ISUFFIX)                                            \
+extern "C" __global__ void cross_entropy_loss_##SUFFIX##_##ISUFFIX(                        \
+    const T* logits, const I* targets, float* saved, float* loss, long long rows,          \
+    long long V, int has_ignore, long long ignore_index) {                                 \
+    cross_entropy_loss<T, I>(logits, targets, saved, loss, rows, V, has_ignore,            \
+                             ignore_index);                                                \
+}                                                                                          \
+extern "C" __global__ void cross_entropy_backward_##SUFFIX##_##ISUFFIX(                    \
+    const T* logits, const I* targets, const float* saved, const float* grad, T* dlogits,  \
+    long long rows, long long V, int has_ignore, long long ignore_index) {                 \
+    cross_entropy_backward<T, I>(logits, targets, saved, grad, dlogits, rows, V,           \
+                                 has_ignore, ignore_index);                                \
+}
+
+#define DEFINE_CE(T, SUFFIX)                                                               \
+extern "C" __global__ void __launch_bounds__(CE_THREADS)                                   \
+cross_entropy_lse_##SUFFIX(const T* logits, float* saved, long long rows, long long V) {   \
+    cross_entropy_lse<T>(logits, saved, rows, V);                                          \
+}                                                                                          \
+DEFINE_CE_TARGET(T, SUFFIX, unsigned int, u32)                                             \
+DEFINE_CE_TARGET(T, SUFFIX, long long, i64)
+
+DEFINE_CE(float, f32)
+DEFINE_CE(bf16, bf16)
+DEFINE_CE(f16, f16)

@@ -1,0 +1,1082 @@
+//! The fused transformer layers' CUDA kernels ([`LAYER_SOURCE`]): causal
+//! self-attention (FlashAttention-2 forward and backward), LayerNorm and
+//! RMSNorm (forward and backward), GELU/SiLU, and cross-entropy, for f32,
+//! bf16 and f16 storage, computing in f32. zero-candle's custom ops launch
+//! them through [`LayerKernels`]; each kernel has a CPU reference there.
+//!
+//! Attention's backward is three launches, all deterministic:
+//! `D = rowsum(dO * O)` per query row, then dK/dV per key tile and dQ per
+//! query tile, each recomputing `P` from the forward's log-sum-exp (so no
+//! float atomics and no `[T, T]` buffer; the price is computing `Q K^T` and
+//! `dO V^T` twice). Norm backward is a row pass (dx, and the row
+//! statistics) and a column pass over fixed chunks of rows (dw, db) summed
+//! in a fixed order.
+//!
+//! ```no_run
+//! # fn main() -> zero_nccl::Result<()> {
+//! use zero_nccl::cudarc::driver::CudaContext;
+//! use zero_nccl::kernels::layers::{ActivationKind, LayerKernels};
+//! let ctx = CudaContext::new(0)?;
+//! let kernels = LayerKernels::new(&ctx)?; // compile + load: once per process and device
+//! let stream = ctx.default_stream();
+//! let x = stream.clone_htod(&[0.5f32, -1.0, 2.0])?;
+//! let mut y = stream.alloc_zeros::<f32>(3)?;
+//! kernels.activation_forward(&stream, ActivationKind::Gelu, &x, &mut y)?;
+//! # Ok(()) }
+//! ```
+
+use super::{compile_and_load, compile_source, max_blocks};
+use crate::probe::guarded;
+use crate::{Error, Result};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr,
+    LaunchConfig, PushKernelArg, ValidAsZeroBits,
+};
+use std::sync::Arc;
+
+/// The CUDA C source of the layer kernels.
+pub const LAYER_SOURCE: &str = include_str!("layers.cu");
+
+/// Every kernel [`LayerKernels::new`] loads from [`LAYER_SOURCE`].
+pub const LAYER_KERNEL_NAMES: [&str; 54] = [
+    "attention_forward_d64_f32",
+    "attention_backward_dq_d64_f32",
+    "attention_backward_dkdv_d64_f32",
+    "attention_forward_d128_f32",
+    "attention_backward_dq_d128_f32",
+    "attention_backward_dkdv_d128_f32",
+    "attention_backward_delta_f32",
+    "attention_forward_d64_bf16",
+    "attention_backward_dq_d64_bf16",
+    "attention_backward_dkdv_d64_bf16",
+    "attention_forward_d128_bf16",
+    "attention_backward_dq_d128_bf16",
+    "attention_backward_dkdv_d128_bf16",
+    "attention_backward_delta_bf16",
+    "attention_forward_d64_f16",
+    "attention_backward_dq_d64_f16",
+    "attention_backward_dkdv_d64_f16",
+    "attention_forward_d128_f16",
+    "attention_backward_dq_d128_f16",
+    "attention_backward_dkdv_d128_f16",
+    "attention_backward_delta_f16",
+    "norm_forward_f32",
+    "norm_backward_rows_f32",
+    "norm_backward_columns_f32",
+    "norm_backward_finish_f32",
+    "norm_forward_bf16",
+    "norm_backward_rows_bf16",
+    "norm_backward_columns_bf16",
+    "norm_backward_finish_bf16",
+    "norm_forward_f16",
+    "norm_backward_rows_f16",
+    "norm_backward_columns_f16",
+    "norm_backward_finish_f16",
+    "activation_forward_f32",
+    "activation_backward_f32",
+    "activation_forward_bf16",
+    "activation_backward_bf16",
+    "activation_forward_f16",
+    "activation_backward_f16",
+    "cross_entropy_lse_f32",
+    "cross_entropy_loss_f32_u32",
+    "cross_entropy_backward_f32_u32",
+    "cross_entropy_loss_f32_i64",
+    "cross_entropy_backward_f32_i64",
+    "cross_entropy_lse_bf16",
+    "cross_entropy_loss_bf16_u32",
+    "cross_entropy_backward_bf16_u32",
+    "cross_entropy_loss_bf16_i64",
+    "cross_entropy_backward_bf16_i64",
+    "cross_entropy_lse_f16",
+    "cross_entropy_loss_f16_u32",
+    "cross_entropy_backward_f16_u32",
+    "cross_entropy_loss_f16_i64",
+    "cross_entropy_backward_f16_i64",
+];
+
+/// Compiles [`LAYER_SOURCE`] to PTX for `arch` with
+/// [`compile_options`](super::compile_options), as [`LayerKernels::new`]
+/// does (which picks `arch` with [`nvrtc_arch`](super::nvrtc_arch)). Needs
+/// libnvrtc, not a GPU.
+pub fn compile_layer_ptx_for(arch: &str) -> Result<cudarc::nvrtc::Ptx> {
+    compile_source(LAYER_SOURCE, arch)
+}
+
+/// The widest head the attention kernels take.
+pub const MAX_HEAD_DIM: usize = 128;
+
+/// The head widths the attention kernels are compiled for: a head of
+/// `head_dim` runs the first variant at least as wide.
+const HEAD_DIM_VARIANTS: [usize; 2] = [64, 128];
+
+/// Names of the storage types, in [`LayerElement::INDEX`] order.
+const ELEMENT_NAMES: [&str; 3] = ["f32", "bf16", "f16"];
+
+/// Names of the target types, in [`TargetIndex::INDEX`] order.
+const TARGET_NAMES: [&str; 2] = ["u32", "i64"];
+
+/// A storage type of the layer kernels: `f32`, `bf16` or `f16` (16-bit
+/// values compute in f32 and round to nearest even when stored).
+pub trait LayerElement: DeviceRepr + ValidAsZeroBits + Copy + 'static {
+    /// Its kernels' index in the per-type tables.
+    const INDEX: usize;
+}
+
+impl LayerElement for f32 {
+    const INDEX: usize = 0;
+}
+
+impl LayerElement for half::bf16 {
+    const INDEX: usize = 1;
+}
+
+impl LayerElement for half::f16 {
+    const INDEX: usize = 2;
+}
+
+/// A class-index type of cross-entropy targets: `u32` or `i64`.
+pub trait TargetIndex: DeviceRepr + Copy + 'static {
+    /// Its kernels' index in the per-type tables.
+    const INDEX: usize;
+}
+
+impl TargetIndex for u32 {
+    const INDEX: usize = 0;
+}
+
+impl TargetIndex for i64 {
+    const INDEX: usize = 1;
+}
+
+/// Which element-wise activation [`LayerKernels::activation_forward`]
+/// computes (the kernels' `kind` argument).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ActivationKind {
+    /// `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`.
+    Gelu = 0,
+    /// `0.5 x (1 + erf(x / sqrt(2)))`.
+    GeluErf = 1,
+    /// `x / (1 + exp(-x))`.
+    Silu = 2,
+}
+
+/// Which normalization the norm kernels compute over the last dimension.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Normalization {
+    /// LayerNorm: `(x - mean) / sqrt(var + eps) * w (+ b)`.
+    Layer,
+    /// RMSNorm: `x / sqrt(mean(x^2) + eps) * w (+ b)`.
+    Rms,
+}
+
+/// The shape of one causal self-attention call over a packed `qkv`
+/// `[batch, time, 3 * heads * head_dim]` (queries, then keys, then values,
+/// each head's `head_dim` columns contiguous), with output `[batch, time,
+/// heads * head_dim]` and log-sum-exp `[batch, heads, time]` f32.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AttentionShape {
+    /// Sequences.
+    pub batch: usize,
+    /// Positions per sequence.
+    pub time: usize,
+    /// Heads.
+    pub heads: usize,
+    /// Width of one head (at most [`MAX_HEAD_DIM`]).
+    pub head_dim: usize,
+    /// The factor on `q · k` (usually `1 / sqrt(head_dim)`).
+    pub scale: f32,
+}
+
+impl AttentionShape {
+    /// Elements of `qkv` (and of its gradient).
+    pub fn qkv_len(&self) -> usize {
+        self.batch * self.time * 3 * self.heads * self.head_dim
+    }
+
+    /// Elements of the output (and of its gradient).
+    pub fn out_len(&self) -> usize {
+        self.batch * self.time * self.heads * self.head_dim
+    }
+
+    /// Elements of the log-sum-exp.
+    pub fn lse_len(&self) -> usize {
+        self.batch * self.heads * self.time
+    }
+}
+
+/// Threads of a block in the 1-D launches (8 warps).
+const BLOCK: u32 = 256;
+/// Threads of an attention block (`ATTN_THREADS` in layers.cu).
+const ATTENTION_THREADS: u32 = 128;
+/// Query (forward, dQ) or key (dK/dV) rows per attention block, per head
+/// width variant (`ATTN_WARPS * ATTN_R_<DMAX>` in layers.cu).
+const ATTENTION_ROWS: [usize; 2] = [32, 16];
+/// Rows per chunk the norm backward's column pass aims at, and the most
+/// chunks it makes (bounding its f32 partials to `2 * 512 * n`).
+const NORM_ROWS_PER_CHUNK: usize = 128;
+const NORM_MAX_CHUNKS: usize = 512;
+
+/// How a kernel's threads map onto its data; [`LayerKernels::config`] turns
+/// it into a grid, in one place.
+#[derive(Clone, Copy, Debug)]
+enum Launch {
+    /// One thread per element, grid-stride.
+    Elements(usize),
+    /// One warp per row, 8 rows per block, grid-stride.
+    WarpPerRow(usize),
+    /// One block of 256 threads per row, grid-stride.
+    BlockPerRow(usize),
+    /// A single block of 256 threads.
+    OneBlock,
+    /// One block of 128 threads per tile of `rows` query or key rows, per
+    /// head and sequence.
+    Attention {
+        time: usize,
+        rows: usize,
+        heads: usize,
+        batch: usize,
+    },
+    /// Blocks of 32 x 8 threads: 32 columns by `chunks` chunks of rows.
+    Columns { n: usize, chunks: usize },
+}
+
+/// The per-type kernels of one attention head-width variant.
+#[derive(Debug)]
+struct AttentionFunctions {
+    forward: CudaFunction,
+    backward_dq: CudaFunction,
+    backward_dkdv: CudaFunction,
+}
+
+/// The layer kernels, compiled once and loaded into one device's context.
+/// Every method queues its launches on the given stream and returns without
+/// waiting; buffers are checked against each other first.
+#[derive(Debug)]
+pub struct LayerKernels {
+    ctx: Arc<CudaContext>,
+    /// The `compute_XY` NVRTC compiled for.
+    arch: String,
+    /// Per [`LayerElement::INDEX`], then per [`HEAD_DIM_VARIANTS`].
+    attention: [[AttentionFunctions; 2]; 3],
+    attention_delta: [CudaFunction; 3],
+    norm_forward: [CudaFunction; 3],
+    norm_backward_rows: [CudaFunction; 3],
+    norm_backward_columns: [CudaFunction; 3],
+    norm_backward_finish: [CudaFunction; 3],
+    activation_forward: [CudaFunction; 3],
+    activation_backward: [CudaFunction; 3],
+    cross_entropy_lse: [CudaFunction; 3],
+    /// Per [`LayerElement::INDEX`], then per [`TargetIndex::INDEX`].
+    cross_entropy_loss: [[CudaFunction; 2]; 3],
+    cross_entropy_backward: [[CudaFunction; 2]; 3],
+    /// The cap of grid-stride launches.
+    max_blocks: u32,
+}
+
+/// Loads `<family>_<type>` for each storage type.
+fn per_element(module: &Arc<CudaModule>, family: &str) -> Result<[CudaFunction; 3]> {
+    let [a, b, c] = ELEMENT_NAMES.map(|ty| module.load_function(&format!("{family}_{ty}")));
+    Ok([a?, b?, c?])
+}
+
+/// Loads `<family>_<type>_<target>` for each storage and target type.
+fn per_element_and_target(
+    module: &Arc<CudaModule>,
+    family: &str,
+) -> Result<[[CudaFunction; 2]; 3]> {
+    let [a, b, c] = ELEMENT_NAMES.map(|ty| {
+        let [u, i] = TARGET_NAMES.map(|t| module.load_function(&format!("{family}_{ty}_{t}")));
+        Ok::<_, Error>([u?, i?])
+    });
+    Ok([a?, b?, c?])
+}
+
+/// `value` as a kernel's `int` argument.
+fn int_arg(op: &'static str, what: &str, value: usize) -> Result<i32> {
+    i32::try_from(value).map_err(|_| Error::Unsupported {
+        op,
+        detail: format!(
+            "{what} = {value} does not fit the kernels' 32-bit int; split the call into smaller \
+             pieces"
+        ),
+    })
+}
+
+/// Fails unless `got == expected` elements.
+fn check_len(op: &'static str, what: &'static str, got: usize, expected: usize) -> Result<()> {
+    if got == expected {
+        Ok(())
+    } else {
+        Err(Error::BufferSize {
+            op,
+            what,
+            got,
+            expected,
+        })
+    }
+}
+
+impl LayerKernels {
+    /// Compiles [`LAYER_SOURCE`] with NVRTC for `ctx`'s device and loads it
+    /// into `ctx`. Do it once per process and device and share the result:
+    /// compilation takes seconds.
+    pub fn new(ctx: &Arc<CudaContext>) -> Result<Self> {
+        const WHAT: &str = "loading the fused layer kernels";
+        let (module, arch) = compile_and_load(ctx, LAYER_SOURCE, WHAT)?;
+        guarded(WHAT, || {
+            let attention = ELEMENT_NAMES.map(|ty| {
+                HEAD_DIM_VARIANTS.map(|dmax| {
+                    let load = |family: &str| {
+                        module.load_function(&format!("attention_{family}_d{dmax}_{ty}"))
+                    };
+                    Ok::<_, Error>(AttentionFunctions {
+                        forward: load("forward")?,
+                        backward_dq: load("backward_dq")?,
+                        backward_dkdv: load("backward_dkdv")?,
+                    })
+                })
+            });
+            let [[a0, a1], [b0, b1], [c0, c1]] = attention;
+            Ok(Self {
+                ctx: ctx.clone(),
+                arch,
+                attention: [[a0?, a1?], [b0?, b1?], [c0?, c1?]],
+                attention_delta: per_element(&module, "attention_backward_delta")?,
+                norm_forward: per_element(&module, "norm_forward")?,
+                norm_backward_rows: per_element(&module, "norm_backward_rows")?,
+                norm_backward_columns: per_element(&module, "norm_backward_columns")?,
+                norm_backward_finish: per_element(&module, "norm_backward_finish")?,
+                activation_forward: per_element(&module, "activation_forward")?,
+                activation_backward: per_element(&module, "activation_backward")?,
+                cross_entropy_lse: per_element(&module, "cross_entropy_lse")?,
+                cross_entropy_loss: per_element_and_target(&module, "cross_entropy_loss")?,
+                cross_entropy_backward: per_element_and_target(&module, "cross_entropy_backward")?,
+                max_blocks: max_blocks(ctx)?,
+            })
+        })
+    }
+
+    /// The virtual architecture the kernels were compiled for (`compute_90`, ...).
+    pub fn arch(&self) -> &str {
+        &self.arch
+    }
+
+    /// The context the kernels are loaded in.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// The grid of `launch`, or `None` when there is nothing to do.
+    fn config(&self, op: &'static str, launch: Launch) -> Result<Option<LaunchConfig>> {
+        let cap = self.max_blocks as usize;
+        let one_d = |blocks: usize, threads: u32| {
+            (blocks > 0).then(|| LaunchConfig {
+                grid_dim: (blocks.min(cap) as u32, 1, 1),
+                block_dim: (threads, 1, 1),
+                shared_mem_bytes: 0,
+            })
+        };
+        let too_large = |what: &str, value: usize, limit: usize| Error::Unsupported {
+            op,
+            detail: format!(
+                "{what} = {value} exceeds CUDA's grid limit of {limit}; split the call into \
+                 smaller pieces"
+            ),
+        };
+        Ok(match launch {
+            Launch::Elements(n) => one_d(n.div_ceil(BLOCK as usize), BLOCK),
+            Launch::WarpPerRow(rows) => one_d(rows.div_ceil(BLOCK as usize / 32), BLOCK),
+            Launch::BlockPerRow(rows) => one_d(rows, BLOCK),
+            Launch::OneBlock => one_d(1, BLOCK),
+            Launch::Attention {
+                time,
+                rows,
+                heads,
+                batch,
+            } => {
+                let tiles = time.div_ceil(rows);
+                if tiles == 0 || heads == 0 || batch == 0 {
+                    return Ok(None);
+                }
+                if tiles > i32::MAX as usize {
+                    return Err(too_large("time tiles", tiles, i32::MAX as usize));
+                }
+                if heads > 65535 {
+                    return Err(too_large("heads", heads, 65535));
+                }
+                if batch > 65535 {
+                    return Err(too_large("batch", batch, 65535));
+                }
+                Some(LaunchConfig {
+                    grid_dim: (tiles as u32, heads as u32, batch as u32),
+                    block_dim: (ATTENTION_THREADS, 1, 1),
+                    shared_mem_bytes: 0,
+                })
+            }
+            Launch::Columns { n, chunks } => {
+                if n == 0 || chunks == 0 {
+                    return Ok(None);
+                }
+                if chunks > 65535 {
+                    return Err(too_large("row chunks", chunks, 65535));
+                }
+                Some(LaunchConfig {
+                    grid_dim: (n.div_ceil(32) as u32, chunks as u32, 1),
+                    block_dim: (32, 8, 1),
+                    shared_mem_bytes: 0,
+                })
+            }
+        })
+    }
+
+    /// Causal self-attention forward: `y = softmax(scale q k^T + mask) v` per
+    /// sequence and head, and the rows' log-sum-exp `lse` (what
+    /// [`LayerKernels::attention_backward`] needs), in one launch.
+    pub fn attention_forward<E: LayerElement>(
+        &self,
+        stream: &Arc<CudaStream>,
+        shape: &AttentionShape,
+        qkv: &impl DevicePtr<E>,
+        y: &mut impl DevicePtrMut<E>,
+        lse: &mut impl DevicePtrMut<f32>,
+    ) -> Result<()> {
+        const OP: &str = "attention_forward";
+        let (variant, ints) = Self::check_attention(OP, shape)?;
+        check_len(OP, "qkv", qkv.len(), shape.qkv_len())?;
+        check_len(OP, "y", y.len(), shape.out_len())?;
+        check_len(OP, "lse", lse.len(), shape.lse_len())?;
+        let Some(cfg) = self.attention_config(OP, shape, variant)? else {
+            return Ok(());
+        };
+        let [time, heads, head_dim] = ints;
+        let (qkv, _g0) = qkv.device_ptr(stream);
+        let (y, _g1) = y.device_ptr_mut(stream);
+        let (lse, _g2) = lse.device_ptr_mut(stream);
+        let kernel = &self.attention[E::INDEX][variant].forward;
+        let mut launch = stream.launch_builder(kernel);
+        launch
+            .arg(&qkv)
+            .arg(&y)
+            .arg(&lse)
+            .arg(&time)
+            .arg(&heads)
+            .arg(&head_dim)
+            .arg(&shape.scale);
+        // SAFETY: the buffers hold the shape's element counts of `E` (checked
+        // above), which bound every index the kernel forms; the arguments
+        // match `attention_forward_d*`; the block is its 128 threads.
+        unsafe { launch.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// Causal self-attention backward: `dqkv` (`[batch, time, 3 * heads *
+    /// head_dim]`) from `qkv`, the forward's output `out` and `lse`, and the
+    /// output's gradient `grad_out`. Three launches (row dots `dO · O`, then
+    /// dK/dV and dQ), with a `[batch, heads, time]` f32 scratch allocated on
+    /// `stream`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention_backward<E: LayerElement>(
+        &self,
+        stream: &Arc<CudaStream>,
+        shape: &AttentionShape,
+        qkv: &impl DevicePtr<E>,
+        out: &impl DevicePtr<E>,
+        lse: &impl DevicePtr<f32>,
+        grad_out: &impl DevicePtr<E>,
+        dqkv: &mut impl DevicePtrMut<E>,
+    ) -> Result<()> {
+        const OP: &str = "attention_backward";
+        let (variant, ints) = Self::check_attention(OP, shape)?;
+        check_len(OP, "qkv", qkv.len(), shape.qkv_len())?;
+        check_len(OP, "out", out.len(), shape.out_len())?;
+        check_len(OP, "lse", lse.len(), shape.lse_len())?;
+        check_len(OP, "grad_out", grad_out.len(), shape.out_len())?;
+        check_len(OP, "dqkv", dqkv.len(), shape.qkv_len())?;
+        let Some(cfg) = self.attention_config(OP, shape, variant)? else {
+            return Ok(());
+        };
+        let Some(delta_cfg) = self.config(OP, Launch::WarpPerRow(shape.lse_len()))? else {
+            return Ok(());
+        };
+        let [time, heads, head_dim] = ints;
+        let batch = int_arg(OP, "batch", shape.batch)?;
+        // SAFETY: the delta kernel writes every element (one per query row)
+        // before the other two read it, in stream order.
+        let mut delta = unsafe { stream.alloc::<f32>(shape.lse_len()) }?;
+        let (qkv, _g0) = qkv.device_ptr(stream);
+        let (out, _g1) = out.device_ptr(stream);
+        let (lse, _g2) = lse.device_ptr(stream);
+        let (grad_out, _g3) = grad_out.device_ptr(stream);
+        let (dqkv, _g4) = dqkv.device_ptr_mut(stream);
+        {
+            let (delta, _g5) = delta.device_ptr_mut(stream);
+            let mut launch = stream.launch_builder(&self.attention_delta[E::INDEX]);
+            launch
+                .arg(&out)
+                .arg(&grad_out)
+                .arg(&delta)
+                .arg(&batch)
+                .arg(&time)
+                .arg(&heads)
+                .arg(&head_dim);
+            // SAFETY: out and grad_out hold batch * time * heads * head_dim
+            // `E`, delta batch * heads * time f32; the arguments match
+            // `attention_backward_delta_*`.
+            unsafe { launch.launch(delta_cfg) }?;
+        }
+        let (delta, _g5) = delta.device_ptr(stream);
+        let kernels = &self.attention[E::INDEX][variant];
+        for kernel in [&kernels.backward_dkdv, &kernels.backward_dq] {
+            let mut launch = stream.launch_builder(kernel);
+            launch
+                .arg(&qkv)
+                .arg(&grad_out)
+                .arg(&lse)
+                .arg(&delta)
+                .arg(&dqkv)
+                .arg(&time)
+                .arg(&heads)
+                .arg(&head_dim)
+                .arg(&shape.scale);
+            // SAFETY: every buffer holds the shape's element count (checked
+            // above); dK/dV and dQ write disjoint columns of dqkv; the
+            // arguments match `attention_backward_{dkdv,dq}_d*`; the block
+            // is their 128 threads.
+            unsafe { launch.launch(cfg) }?;
+        }
+        Ok(())
+    }
+
+    /// The head-width variant and the `int` arguments `[time, heads,
+    /// head_dim]` of an attention call.
+    fn check_attention(op: &'static str, shape: &AttentionShape) -> Result<(usize, [i32; 3])> {
+        let d = shape.head_dim;
+        let Some(variant) = HEAD_DIM_VARIANTS.iter().position(|&dmax| d <= dmax) else {
+            return Err(Error::Unsupported {
+                op,
+                detail: format!(
+                    "head_dim {d} is wider than the fused attention's {MAX_HEAD_DIM}; use more \
+                     heads of at most {MAX_HEAD_DIM} columns, or composed ops"
+                ),
+            });
+        };
+        if d == 0 || shape.heads == 0 {
+            return Err(Error::Unsupported {
+                op,
+                detail: format!(
+                    "heads = {} and head_dim = {d}: both must be at least 1",
+                    shape.heads
+                ),
+            });
+        }
+        // Kernels index a row with int: 3 * heads * head_dim must fit.
+        int_arg(op, "3 * heads * head_dim", 3 * shape.heads * d)?;
+        let ints = [
+            int_arg(op, "time", shape.time)?,
+            int_arg(op, "heads", shape.heads)?,
+            int_arg(op, "head_dim", d)?,
+        ];
+        Ok((variant, ints))
+    }
+
+    fn attention_config(
+        &self,
+        op: &'static str,
+        shape: &AttentionShape,
+        variant: usize,
+    ) -> Result<Option<LaunchConfig>> {
+        self.config(
+            op,
+            Launch::Attention {
+                time: shape.time,
+                rows: ATTENTION_ROWS[variant],
+                heads: shape.heads,
+                batch: shape.batch,
+            },
+        )
+    }
+
+    /// LayerNorm or RMSNorm over the last dimension: `x` is `[rows, n]` with
+    /// `n = weight.len()`; `y = (x - mean) * rstd * weight (+ bias)`, the
+    /// statistics in f32, the variance around the mean (two passes).
+    #[allow(clippy::too_many_arguments)]
+    pub fn norm_forward<E: LayerElement>(
+        &self,
+        stream: &Arc<CudaStream>,
+        norm: Normalization,
+        eps: f32,
+        x: &impl DevicePtr<E>,
+        weight: &impl DevicePtr<E>,
+        bias: Option<&dyn DevicePtr<E>>,
+        y: &mut impl DevicePtrMut<E>,
+    ) -> Result<()> {
+        const OP: &str = "norm_forward";
+        let (rows, n) = Self::norm_rows(OP, x.len(), weight.len())?;
+        if let Some(bias) = bias {
+            check_len(OP, "bias", bias.len(), n)?;
+        }
+        check_len(OP, "y", y.len(), x.len())?;
+        let Some(cfg) = self.config(OP, Launch::WarpPerRow(rows))? else {
+            return Ok(());
+        };
+        let n = int_arg(OP, "the normalized width", n)?;
+        let rows = rows as i64;
+        let remove_mean = i32::from(norm == Normalization::Layer);
+        let (x, _g0) = x.device_ptr(stream);
+        let (w, _g1) = weight.device_ptr(stream);
+        // Without a bias the kernel never reads its pointer: pass the weight's.
+        let (b, _g2) = match bias {
+            Some(bias) => bias.device_ptr(stream),
+            None => weight.device_ptr(stream),
+        };
+        let has_bias = i32::from(bias.is_some());
+        let (y, _g3) = y.device_ptr_mut(stream);
+        let mut launch = stream.launch_builder(&self.norm_forward[E::INDEX]);
+        launch
+            .arg(&x)
+            .arg(&w)
+            .arg(&b)
+            .arg(&has_bias)
+            .arg(&y)
+            .arg(&rows)
+            .arg(&n)
+            .arg(&eps)
+            .arg(&remove_mean);
+        // SAFETY: x and y hold rows * n `E`, weight (and bias when read) n;
+        // the arguments match `norm_forward_*`.
+        unsafe { launch.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// The backward of [`LayerKernels::norm_forward`] for upstream gradient
+    /// `grad` (`[rows, n]`): `dx` (when given) and the weight's and bias's
+    /// gradients `dw`, `db` (`[n]`, summed over rows in a fixed order). The
+    /// row statistics are recomputed from `x`. Three launches, with f32
+    /// scratch allocated on `stream`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn norm_backward<E: LayerElement>(
+        &self,
+        stream: &Arc<CudaStream>,
+        norm: Normalization,
+        eps: f32,
+        x: &impl DevicePtr<E>,
+        weight: &impl DevicePtr<E>,
+        grad: &impl DevicePtr<E>,
+        dx: Option<&mut dyn DevicePtrMut<E>>,
+        dw: &mut impl DevicePtrMut<E>,
+        db: &mut impl DevicePtrMut<E>,
+    ) -> Result<()> {
+        const OP: &str = "norm_backward";
+        let (rows, n) = Self::norm_rows(OP, x.len(), weight.len())?;
+        check_len(OP, "grad", grad.len(), x.len())?;
+        if let Some(dx) = &dx {
+            check_len(OP, "dx", dx.len(), x.len())?;
+        }
+        check_len(OP, "dw", dw.len(), n)?;
+        check_len(OP, "db", db.len(), n)?;
+        let Some(rows_cfg) = self.config(OP, Launch::WarpPerRow(rows))? else {
+            // No rows: the sums over rows are zero.
+            stream.memset_zeros(dw)?;
+            stream.memset_zeros(db)?;
+            return Ok(());
+        };
+        let chunks = rows.div_ceil(NORM_ROWS_PER_CHUNK).clamp(1, NORM_MAX_CHUNKS);
+        let rows_per_chunk = rows.div_ceil(chunks);
+        let chunks = rows.div_ceil(rows_per_chunk);
+        let Some(columns_cfg) = self.config(OP, Launch::Columns { n, chunks })? else {
+            return Ok(());
+        };
+        let Some(finish_cfg) = self.config(OP, Launch::Elements(n))? else {
+            return Ok(());
+        };
+        let n_arg = int_arg(OP, "the normalized width", n)?;
+        let chunks_arg = int_arg(OP, "row chunks", chunks)?;
+        let rows_arg = rows as i64;
+        let rows_per_chunk = rows_per_chunk as i64;
+        let remove_mean = i32::from(norm == Normalization::Layer);
+        let want_dx = i32::from(dx.is_some());
+        // SAFETY: the row pass writes every row's mean and rstd before the
+        // column pass reads them, and the column pass writes every partial
+        // (2 * chunks * n) before the finish reads them, in stream order.
+        let mut stats = unsafe { stream.alloc::<f32>(2 * rows) }?;
+        let mut partial = unsafe { stream.alloc::<f32>(2 * chunks * n) }?;
+        let (x_ptr, _g0) = x.device_ptr(stream);
+        let (w, _g1) = weight.device_ptr(stream);
+        let (g, _g2) = grad.device_ptr(stream);
+        {
+            // Without dx the kernel never writes through its pointer: pass x's.
+            let (dx, _g3) = match dx {
+                Some(dx) => dx.device_ptr_mut(stream),
+                None => x.device_ptr(stream),
+            };
+            let x = x_ptr;
+            let (stats, _g4) = stats.device_ptr_mut(stream);
+            let mut launch = stream.launch_builder(&self.norm_backward_rows[E::INDEX]);
+            launch
+                .arg(&x)
+                .arg(&w)
+                .arg(&g)
+                .arg(&dx)
+                .arg(&stats)
+                .arg(&rows_arg)
+                .arg(&n_arg)
+                .arg(&eps)
+                .arg(&remove_mean)
+                .arg(&want_dx);
+            // SAFETY: x, grad (and dx when written) hold rows * n `E`, weight
+            // n, stats 2 * rows f32; the arguments match
+            // `norm_backward_rows_*`.
+            unsafe { launch.launch(rows_cfg) }?;
+        }
+        {
+            let (stats, _g4) = stats.device_ptr(stream);
+            let (partial, _g5) = partial.device_ptr_mut(stream);
+            let mut launch = stream.launch_builder(&self.norm_backward_columns[E::INDEX]);
+            launch
+                .arg(&x_ptr)
+                .arg(&g)
+                .arg(&stats)
+                .arg(&partial)
+                .arg(&rows_arg)
+                .arg(&n_arg)
+                .arg(&rows_per_chunk);
+            // SAFETY: the grid's `chunks` row chunks of rows_per_chunk rows
+            // cover rows (the last one clipped) and its columns n; partial
+            // holds 2 * chunks * n f32; the block is the 32 x 8 the kernel's
+            // shared arrays assume; the arguments match
+            // `norm_backward_columns_*`.
+            unsafe { launch.launch(columns_cfg) }?;
+        }
+        let (partial, _g5) = partial.device_ptr(stream);
+        let (dw, _g6) = dw.device_ptr_mut(stream);
+        let (db, _g7) = db.device_ptr_mut(stream);
+        let mut launch = stream.launch_builder(&self.norm_backward_finish[E::INDEX]);
+        launch
+            .arg(&partial)
+            .arg(&dw)
+            .arg(&db)
+            .arg(&n_arg)
+            .arg(&chunks_arg);
+        // SAFETY: partial holds 2 * chunks * n f32, dw and db n `E`; the
+        // arguments match `norm_backward_finish_*`.
+        unsafe { launch.launch(finish_cfg) }?;
+        Ok(())
+    }
+
+    /// `(rows, n)` of a norm over `x_len` elements with a weight of `n`.
+    fn norm_rows(op: &'static str, x_len: usize, n: usize) -> Result<(usize, usize)> {
+        if n == 0 || x_len % n != 0 {
+            return Err(Error::Unsupported {
+                op,
+                detail: format!(
+                    "x has {x_len} elements, not a whole number of rows of the weight's {n}; \
+                     the weight must have the size of x's last dimension"
+                ),
+            });
+        }
+        Ok((x_len / n, n))
+    }
+
+    /// `y = act(x)`, element-wise.
+    pub fn activation_forward<E: LayerElement>(
+        &self,
+        stream: &Arc<CudaStream>,
+        kind: ActivationKind,
+        x: &impl DevicePtr<E>,
+        y: &mut impl DevicePtrMut<E>,
+    ) -> Result<()> {
+        const OP: &str = "activation_forward";
+        check_len(OP, "y", y.len(), x.len())?;
+        let Some(cfg) = self.config(OP, Launch::Elements(x.len()))? else {
+            return Ok(());
+        };
+        let n = x.len() as i64;
+        let kind = kind as i32;
+        let (x, _g0) = x.device_ptr(stream);
+        let (y, _g1) = y.device_ptr_mut(stream);
+        let mut launch = stream.launch_builder(&self.activation_forward[E::INDEX]);
+        launch.arg(&x).arg(&y).arg(&n).arg(&kind);
+        // SAFETY: x and y hold n `E`; the arguments match `activation_forward_*`.
+        unsafe { launch.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// `dx = grad * act'(x)`, element-wise.
+    pub fn activation_backward<E: LayerElement>(
+        &self,
+        stream: &Arc<CudaStream>,
+        kind: ActivationKind,
+        x: &impl DevicePtr<E>,
+        grad: &impl DevicePtr<E>,
+        dx: &mut impl DevicePtrMut<E>,
+    ) -> Result<()> {
+        const OP: &str = "activation_backward";
+        check_len(OP, "grad", grad.len(), x.len())?;
+        check_len(OP, "dx", dx.len(), x.len())?;
+        let Some(cfg) = self.config(OP, Launch::Elements(x.len()))? else {
+            return Ok(());
+        };
+        let n = x.len() as i64;
+        let kind = kind as i32;
+        let (x, _g0) = x.device_ptr(stream);
+        let (g, _g1) = grad.device_ptr(stream);
+        let (dx, _g2) = dx.device_ptr_mut(stream);
+        let mut launch = stream.launch_builder(&self.activation_backward[E::INDEX]);
+        launch.arg(&x).arg(&g).arg(&dx).arg(&n).arg(&kind);
+        // SAFETY: x, grad and dx hold n `E`; the arguments match
+        // `activation_backward_*`.
+        unsafe { launch.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// Cross-entropy of `logits` (`[rows, vocab]`, `rows = targets.len()`)
+    /// against class indices `targets`: `loss[0]` is the mean over the rows
+    /// whose target is not `ignore_index` of `logsumexp(row) - row[target]`.
+    /// `saved` (`rows + 1` f32) receives each row's log-sum-exp and then the
+    /// number of counted rows, for [`LayerKernels::cross_entropy_backward`].
+    ///
+    /// With every row ignored the loss is NaN (as PyTorch's). A target
+    /// outside `[0, vocab)` that is not the ignore index is never read
+    /// through: it makes the loss NaN (and its row's gradient NaN).
+    #[allow(clippy::too_many_arguments)]
+    pub fn cross_entropy_forward<E: LayerElement, I: TargetIndex>(
+        &self,
+        stream: &Arc<CudaStream>,
+        ignore_index: Option<i64>,
+        logits: &impl DevicePtr<E>,
+        targets: &impl DevicePtr<I>,
+        loss: &mut impl DevicePtrMut<f32>,
+        saved: &mut impl DevicePtrMut<f32>,
+    ) -> Result<()> {
+        const OP: &str = "cross_entropy_forward";
+        let (rows, vocab) = Self::cross_entropy_rows(OP, logits.len(), targets.len())?;
+        check_len(OP, "loss", loss.len(), 1)?;
+        check_len(OP, "saved", saved.len(), rows + 1)?;
+        let (has_ignore, ignore) = (i32::from(ignore_index.is_some()), ignore_index.unwrap_or(0));
+        let (rows, vocab) = (rows as i64, vocab as i64);
+        let (logits, _g0) = logits.device_ptr(stream);
+        let (targets, _g1) = targets.device_ptr(stream);
+        let (saved, _g2) = saved.device_ptr_mut(stream);
+        let (loss, _g3) = loss.device_ptr_mut(stream);
+        if let Some(cfg) = self.config(OP, Launch::BlockPerRow(rows as usize))? {
+            let mut launch = stream.launch_builder(&self.cross_entropy_lse[E::INDEX]);
+            launch.arg(&logits).arg(&saved).arg(&rows).arg(&vocab);
+            // SAFETY: logits hold rows * vocab `E`, saved rows + 1 f32; the
+            // block is the 256 threads the kernel's shared arrays assume;
+            // the arguments match `cross_entropy_lse_*`.
+            unsafe { launch.launch(cfg) }?;
+        }
+        if let Some(cfg) = self.config(OP, Launch::OneBlock)? {
+            let kernel = &self.cross_entropy_loss[E::INDEX][I::INDEX];
+            let mut launch = stream.launch_builder(kernel);
+            launch
+                .arg(&logits)
+                .arg(&targets)
+                .arg(&saved)
+                .arg(&loss)
+                .arg(&rows)
+                .arg(&vocab)
+                .arg(&has_ignore)
+                .arg(&ignore);
+            // SAFETY: as above, targets hold rows `I` and loss one f32; the
+            // kernel reads a logit only for a target in [0, vocab); one block
+            // of 256 threads, as its shared arrays assume; the arguments match
+            // `cross_entropy_loss_*_*`.
+            unsafe { launch.launch(cfg) }?;
+        }
+        Ok(())
+    }
+
+    /// The gradient of [`LayerKernels::cross_entropy_forward`]'s loss with
+    /// respect to `logits`, for the loss's gradient `grad_loss` (one f32,
+    /// read on the device): `grad / count * (softmax(row) - onehot(target))`,
+    /// zero rows for ignored targets. `saved` is the forward's.
+    #[allow(clippy::too_many_arguments)]
+    pub fn cross_entropy_backward<E: LayerElement, I: TargetIndex>(
+        &self,
+        stream: &Arc<CudaStream>,
+        ignore_index: Option<i64>,
+        logits: &impl DevicePtr<E>,
+        targets: &impl DevicePtr<I>,
+        saved: &impl DevicePtr<f32>,
+        grad_loss: &impl DevicePtr<f32>,
+        dlogits: &mut impl DevicePtrMut<E>,
+    ) -> Result<()> {
+        const OP: &str = "cross_entropy_backward";
+        let (rows, vocab) = Self::cross_entropy_rows(OP, logits.len(), targets.len())?;
+        check_len(OP, "saved", saved.len(), rows + 1)?;
+        check_len(OP, "grad_loss", grad_loss.len(), 1)?;
+        check_len(OP, "dlogits", dlogits.len(), logits.len())?;
+        let Some(cfg) = self.config(OP, Launch::BlockPerRow(rows))? else {
+            return Ok(());
+        };
+        let (has_ignore, ignore) = (i32::from(ignore_index.is_some()), ignore_index.unwrap_or(0));
+        let (rows, vocab) = (rows as i64, vocab as i64);
+        let (logits, _g0) = logits.device_ptr(stream);
+        let (targets, _g1) = targets.device_ptr(stream);
+        let (saved, _g2) = saved.device_ptr(stream);
+        let (grad, _g3) = grad_loss.device_ptr(stream);
+        let (dlogits, _g4) = dlogits.device_ptr_mut(stream);
+        let kernel = &self.cross_entropy_backward[E::INDEX][I::INDEX];
+        let mut launch = stream.launch_builder(kernel);
+        launch
+            .arg(&logits)
+            .arg(&targets)
+            .arg(&saved)
+            .arg(&grad)
+            .arg(&dlogits)
+            .arg(&rows)
+            .arg(&vocab)
+            .arg(&has_ignore)
+            .arg(&ignore);
+        // SAFETY: logits and dlogits hold rows * vocab `E`, targets rows `I`,
+        // saved rows + 1 f32 and grad_loss one; the kernel reads no logit
+        // through a target; the arguments match `cross_entropy_backward_*_*`.
+        unsafe { launch.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// `(rows, vocab)` of logits of `logits_len` elements with `rows` targets.
+    fn cross_entropy_rows(
+        op: &'static str,
+        logits_len: usize,
+        rows: usize,
+    ) -> Result<(usize, usize)> {
+        if rows == 0 {
+            check_len(op, "logits (no targets)", logits_len, 0)?;
+            return Ok((0, 0));
+        }
+        if logits_len % rows != 0 {
+            return Err(Error::Unsupported {
+                op,
+                detail: format!(
+                    "logits have {logits_len} elements, not a whole number of rows for {rows} \
+                     targets; pass logits [rows, vocab] and one target per row"
+                ),
+            });
+        }
+        Ok((rows, logits_len / rows))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The names `LayerKernels::new` builds, in its order.
+    fn loaded_names() -> Vec<String> {
+        let mut names = Vec::new();
+        for ty in ELEMENT_NAMES {
+            for dmax in HEAD_DIM_VARIANTS {
+                for family in ["forward", "backward_dq", "backward_dkdv"] {
+                    names.push(format!("attention_{family}_d{dmax}_{ty}"));
+                }
+            }
+            for family in [
+                "attention_backward_delta",
+                "norm_forward",
+                "norm_backward_rows",
+                "norm_backward_columns",
+                "norm_backward_finish",
+                "activation_forward",
+                "activation_backward",
+                "cross_entropy_lse",
+            ] {
+                names.push(format!("{family}_{ty}"));
+            }
+            for family in ["cross_entropy_loss", "cross_entropy_backward"] {
+                for t in TARGET_NAMES {
+                    names.push(format!("{family}_{ty}_{t}"));
+                }
+            }
+        }
+        names
+    }
+
+    #[test]
+    fn the_name_list_is_what_new_loads() {
+        let mut loaded = loaded_names();
+        let mut listed: Vec<String> = LAYER_KERNEL_NAMES.iter().map(|s| s.to_string()).collect();
+        loaded.sort();
+        listed.sort();
+        assert_eq!(loaded, listed);
+    }
+
+    #[test]
+    fn every_listed_kernel_is_defined_in_the_source() {
+        // The source defines kernels through macros: each family's macro
+        // stem must be there, and each kernel's suffix type.
+        for name in LAYER_KERNEL_NAMES {
+            let family = name
+                .trim_end_matches("_u32")
+                .trim_end_matches("_i64")
+                .trim_end_matches("_f32")
+                .trim_end_matches("_bf16")
+                .trim_end_matches("_f16")
+                .trim_end_matches("_d64")
+                .trim_end_matches("_d128");
+            assert!(LAYER_SOURCE.contains(family), "{family} ({name})");
+        }
+    }
+
+    #[test]
+    fn attention_rows_match_the_source() {
+        // ATTENTION_ROWS = ATTN_WARPS * ATTN_R_<DMAX>.
+        assert!(LAYER_SOURCE.contains("#define ATTN_WARPS 4"));
+        assert!(LAYER_SOURCE.contains("#define ATTN_R_64 8"));
+        assert!(LAYER_SOURCE.contains("#define ATTN_R_128 4"));
+        assert_eq!(ATTENTION_ROWS, [4 * 8, 4 * 4]);
+        assert!(LAYER_SOURCE.contains("#define ATTN_THREADS (ATTN_WARPS * 32)"));
+        assert_eq!(ATTENTION_THREADS, 4 * 32);
+        assert!(LAYER_SOURCE.contains("#define CE_THREADS 256"));
+        assert!(LAYER_SOURCE.contains("#define NORM_COL_ROWS 8"));
+    }
+
+    #[test]
+    fn head_widths_pick_the_narrowest_variant() {
+        let pick = |d: usize| HEAD_DIM_VARIANTS.iter().position(|&dmax| d <= dmax);
+        assert_eq!(pick(1), Some(0));
+        assert_eq!(pick(32), Some(0));
+        assert_eq!(pick(64), Some(0));
+        assert_eq!(pick(65), Some(1));
+        assert_eq!(pick(128), Some(1));
+        assert_eq!(pick(129), None);
+    }
+
+    #[test]
+    fn shapes_count_their_elements() {
+        let shape = AttentionShape {
+            batch: 2,
+            time: 5,
+            heads: 3,
+            head_dim: 4,
+            scale: 0.5,
+        };
+        assert_eq!(shape.qkv_len(), 2 * 5 * 36);
+        assert_eq!(shape.out_len(), 2 * 5 * 12);
+        assert_eq!(shape.lse_len(), 2 * 3 * 5);
+    }
+
+    #[test]
+    fn row_counts_are_derived_and_checked() {
+        assert_eq!(LayerKernels::norm_rows("t", 12, 4).unwrap(), (3, 4));
+        assert!(LayerKernels::norm_rows("t", 12, 5).is_err());
+        assert!(LayerKernels::norm_rows("t", 0, 0).is_err());
+        assert_eq!(LayerKernels::norm_rows("t", 0, 4).unwrap(), (0, 4));
+        assert_eq!(
+            LayerKernels::cross_entropy_rows("t", 12, 3).unwrap(),
+            (3, 4)
+        );
+        assert!(LayerKernels::cross_entropy_rows("t", 12, 5).is_err());
+        assert_eq!(LayerKernels::cross_entropy_rows("t", 0, 0).unwrap(), (0, 0));
+        assert!(LayerKernels::cross_entropy_rows("t", 3, 0).is_err());
+    }
+
+    #[test]
+    fn int_arguments_refuse_overflow_by_name() {
+        assert_eq!(int_arg("t", "time", 7).unwrap(), 7);
+        let err = int_arg("t", "time", 1 << 31).unwrap_err().to_string();
+        assert!(err.contains("time = 2147483648"), "{err}");
+    }
+}
