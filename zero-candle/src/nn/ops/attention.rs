@@ -244,18 +244,20 @@ fn forward<T: Elem>(qkv: &[T], dims: &AttentionDims) -> (Vec<T>, Vec<T::Acc>) {
                 let (q_at, k_at, v_at) = (h * hd, d + h * hd, 2 * d + h * hd);
                 for i in 0..time {
                     let q = &x[i * 3 * d + q_at..][..hd];
-                    let mut max = T::Acc::NEG_INFINITY;
-                    for (j, s) in scores[..=i].iter_mut().enumerate() {
+                    let scores = &mut scores[..=i];
+                    for (j, s) in scores.iter_mut().enumerate() {
                         *s = scale * dot(q, &x[j * 3 * d + k_at..][..hd]);
-                        if *s > max {
-                            max = *s;
-                        }
                     }
+                    let max = scores
+                        .iter()
+                        .fold(T::Acc::NEG_INFINITY, |m, &s| if s > m { s } else { m });
+                    // A pass of its own, so that the exponentials vectorize.
+                    for s in scores.iter_mut() {
+                        *s = (*s - max).exp();
+                    }
+                    let sum = scores.iter().fold(T::Acc::ZERO, |a, &p| a + p);
                     acc.fill(T::Acc::ZERO);
-                    let mut sum = T::Acc::ZERO;
-                    for (j, &s) in scores[..=i].iter().enumerate() {
-                        let p = (s - max).exp();
-                        sum += p;
+                    for (j, &p) in scores.iter().enumerate() {
                         axpy(&mut acc, p, &x[j * 3 * d + v_at..][..hd]);
                     }
                     let inv = T::Acc::ONE / sum;
@@ -307,6 +309,8 @@ fn backward<T: Elem>(
             let g = widen(grad);
             let mut dx = vec![T::Acc::ZERO; time * 3 * d];
             let mut delta = vec![T::Acc::ZERO; time];
+            let (mut p, mut ds) = (vec![T::Acc::ZERO; time], vec![T::Acc::ZERO; time]);
+            let mut dq = vec![T::Acc::ZERO; hd];
             for h in 0..heads {
                 let (q_at, k_at, v_at) = (h * hd, d + h * hd, 2 * d + h * hd);
                 for (i, delta) in delta.iter_mut().enumerate() {
@@ -317,14 +321,32 @@ fn backward<T: Elem>(
                     let q = &x[i * 3 * d + q_at..][..hd];
                     let g_i = &g[i * d + h * hd..][..hd];
                     let lse_i = lse[h * time + i];
+                    let (p, ds) = (&mut p[..=i], &mut ds[..=i]);
+                    // Each quantity in a pass of its own over the row's
+                    // keys, so that the exponentials and products vectorize.
+                    for (j, p) in p.iter_mut().enumerate() {
+                        *p = scale * dot(q, &x[j * 3 * d + k_at..][..hd]);
+                    }
+                    for p in p.iter_mut() {
+                        *p = (*p - lse_i).exp();
+                    }
+                    for (j, ds) in ds.iter_mut().enumerate() {
+                        *ds = dot(g_i, &x[j * 3 * d + v_at..][..hd]);
+                    }
+                    for (ds, &p) in ds.iter_mut().zip(p.iter()) {
+                        *ds = scale * p * (*ds - delta[i]);
+                    }
                     for j in 0..=i {
-                        let k = &x[j * 3 * d + k_at..][..hd];
-                        let v = &x[j * 3 * d + v_at..][..hd];
-                        let p = (scale * dot(q, k) - lse_i).exp();
-                        axpy(&mut dx[j * 3 * d + v_at..][..hd], p, g_i);
-                        let ds = scale * p * (dot(g_i, v) - delta[i]);
-                        axpy(&mut dx[i * 3 * d + q_at..][..hd], ds, k);
-                        axpy(&mut dx[j * 3 * d + k_at..][..hd], ds, q);
+                        axpy(&mut dx[j * 3 * d + v_at..][..hd], p[j], g_i);
+                        axpy(&mut dx[j * 3 * d + k_at..][..hd], ds[j], q);
+                    }
+                    let dq = &mut dq[..hd];
+                    dq.fill(T::Acc::ZERO);
+                    for (j, &ds) in ds.iter().enumerate() {
+                        axpy(dq, ds, &x[j * 3 * d + k_at..][..hd]);
+                    }
+                    for (out, &v) in dx[i * 3 * d + q_at..][..hd].iter_mut().zip(dq.iter()) {
+                        *out += v;
                     }
                 }
             }
