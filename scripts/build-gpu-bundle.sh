@@ -15,7 +15,10 @@
 # On the GPU machine, unpack it and put the CUDA and NCCL libraries on
 # LD_LIBRARY_PATH; cudarc loads `libnccl.so` and `libnvrtc.so` by those
 # names, so link them there if only the versioned files exist. Then run
-# `t/<test> --include-ignored`, `./bench gpu` and `./train --backend nccl`.
+# `t/<test> --include-ignored` (zero-nccl's and zero-candle's GPU tests),
+# `./bench gpu` (from the repository's root, so that it finds the PyTorch
+# peers in examples/pytorch/, or with ZERO_PYTORCH_DIR set) and
+# `./train --backend nccl`.
 # The first build compiles Candle's kernels (tens of minutes on 2 cores).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -48,7 +51,10 @@ cargo build -p zero-examples --features nccl --bin train --bin bench
 stage="$(mktemp -d)"
 trap 'rm -rf "$stage"' EXIT
 mkdir -p "$stage/t"
-cargo test --no-run -p zero-nccl --features nccl --message-format=json |
+{
+    cargo test --no-run -p zero-nccl --features nccl --message-format=json
+    cargo test --no-run -p zero-candle --features nccl --message-format=json
+} |
     python3 -c '
 import json, sys
 for line in sys.stdin:

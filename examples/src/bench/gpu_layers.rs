@@ -11,7 +11,6 @@
 use super::Report;
 use candle_core::{DType, Device, Module, Tensor, Var};
 use std::collections::HashMap;
-use std::path::PathBuf;
 use std::process::Command;
 use std::sync::Arc;
 use zero_candle::nn::ops::causal_self_attention;
@@ -153,9 +152,7 @@ fn ours(report: &mut Report) -> BenchResult<[(f64, f64); 2]> {
 
 /// PyTorch's figures by name (`attn_fwd_bwd_ms_f32`, ...), or why not.
 fn torch_times() -> Result<HashMap<String, f64>, String> {
-    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("pytorch")
-        .join("kernel_times.py");
+    let script = super::torch_peer::pytorch_script("kernel_times.py");
     let output = Command::new("python3")
         .arg(&script)
         .args(["--batch", &BATCH.to_string()])

@@ -186,9 +186,24 @@ struct PeerLine {
 
 /// The script's path: `examples/pytorch/gpt_peer.py` in the examples crate.
 pub fn script_path() -> PathBuf {
+    pytorch_script("gpt_peer.py")
+}
+
+/// `examples/pytorch/NAME`: under `$ZERO_PYTORCH_DIR` when set, else under
+/// the current directory when it is the repository's root (a GPU bundle
+/// run from a checkout elsewhere than where it was built), else in the
+/// examples crate this binary was built from.
+pub fn pytorch_script(name: &str) -> PathBuf {
+    if let Some(dir) = std::env::var_os("ZERO_PYTORCH_DIR") {
+        return PathBuf::from(dir).join(name);
+    }
+    let here = PathBuf::from("examples").join("pytorch").join(name);
+    if here.is_file() {
+        return here;
+    }
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("pytorch")
-        .join("gpt_peer.py")
+        .join(name)
 }
 
 /// Finds the JSON line in the script's stdout (the last line that is a

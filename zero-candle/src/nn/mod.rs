@@ -58,15 +58,19 @@
 //!   0.11's contiguous fast paths have none, and cut the graph there).
 //! - [`tap`] hands any other variable's gradient to the hook, at the cost of
 //!   a copy of the variable per forward.
+//! - [`ops`] has the parameter-free parts of a transformer as single ops
+//!   with their own backward: causal self-attention over a packed `qkv`
+//!   (no `time x time` tensor kept), GELU, SiLU and cross-entropy.
 //!
 //! Constructors create their variables through the `VarBuilder` with
 //! candle-nn's names, shapes and initializations (they call candle-nn's own
 //! constructors), so checkpoints and seeded runs are interchangeable.
 //!
-//! Devices: everything runs on the CPU (f32, f64, bf16, f16). On CUDA,
-//! `Linear` and `Embedding` run through Candle's storage ops and
-//! `LayerNorm`/`RmsNorm` through plain tensor ops with tapped parameters;
-//! that path has not yet been run on a GPU.
+//! Devices: everything runs on the CPU (f32, f64, bf16, f16). On CUDA
+//! (feature `cuda`), `Linear` and `Embedding` run through Candle's storage
+//! ops, and `LayerNorm`/`RmsNorm` and [`ops`] through our own NVRTC kernels
+//! (f32, bf16, f16; compiled and assembled in CI, not yet run on a GPU);
+//! other devices get the norms as plain tensor ops with tapped parameters.
 //!
 //! Unlike candle-nn, a fused op computes no gradient for an input that needs
 //! none (a plain, untracked tensor such as the model's input data), so such

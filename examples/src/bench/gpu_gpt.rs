@@ -1,0 +1,384 @@
+//! GPU benchmark of the trainer's GPT (feature `nccl`): 12 layers, 12 heads,
+//! d_model 768, context 256, 16 sequences per step, trained on one GPU as
+//! `--backend nccl` does (`NcclZeroOptimizer` at stage 2 and world size 1,
+//! AdamW lr 1e-3, the layers handing their gradients to a `ZeroHook` during
+//! backward), against PyTorch's `examples/pytorch/gpt_peer.py` on the same
+//! GPU in the same run: tokens/s and peak GPU memory.
+//!
+//! Peak memory is the high-water mark of the device's memory pool over the
+//! timed steps: Candle allocates with `cuMemAllocAsync`, which draws from
+//! that pool, so its used-memory mark counts every live tensor (weights,
+//! gradients, optimizer state, activations) like PyTorch's
+//! `max_memory_allocated()`, which the peer reports over its timed steps.
+//! NCCL's own buffers are in neither figure.
+
+use super::torch_peer::{run_gpt_peer, PeerArgs, PeerAttention, PeerDevice, PeerDtype};
+use super::Report;
+use crate::trainer::{Gpt, GptConfig, GptOps};
+use candle_core::{DType, Device, Tensor};
+use candle_nn::VarMap;
+use rand::{rngs::StdRng, Rng, SeedableRng};
+use std::sync::Arc;
+use std::time::Instant;
+use zero_candle::nn::GradHook;
+use zero_candle::{NcclZeroOptimizer, ZeroHook};
+use zero_core::engine::{EngineConfig, Stage};
+use zero_core::optim::{AdamW, AdamWConfig};
+use zero_nccl::cudarc::driver::{sys, CudaContext};
+use zero_nccl::NcclComm;
+
+const CONFIG: GptConfig = GptConfig {
+    layers: 12,
+    heads: 12,
+    d_model: 768,
+    context: 256,
+};
+const BATCH: usize = 16;
+const WARMUP: usize = 3;
+const STEPS: usize = 20;
+const SEED: u64 = 0;
+const LR: f64 = 1e-3;
+
+type BenchResult<T> = Result<T, Box<dyn std::error::Error>>;
+
+/// One case's figures.
+struct Measured {
+    tokens_per_s: f64,
+    /// Bytes; `None` when the pool's high-water mark cannot be read.
+    peak_bytes: Option<u64>,
+}
+
+/// Runs the GPT suite; prints why and adds nothing when there is no GPU.
+pub fn run(report: &mut Report) {
+    match zero_nccl::cuda_device_count() {
+        Ok(n) if n > 0 => {}
+        Ok(_) => {
+            println!("gpu gpt benchmark skipped: the CUDA driver reports no device");
+            return;
+        }
+        Err(e) => {
+            println!("gpu gpt benchmark skipped: {e}");
+            return;
+        }
+    }
+    let (device, ctx) = match open_device() {
+        Ok(opened) => opened,
+        Err(e) => {
+            eprintln!("gpu gpt benchmark failed: cannot open CUDA device 0: {e}");
+            return;
+        }
+    };
+    println!(
+        "bench gpu gpt: {} ({CONFIG:?}, {BATCH} sequences, NcclZeroOptimizer stage 2 at \
+         world size 1, AdamW lr {LR}; median of {STEPS} steps after {WARMUP})",
+        ctx.name()
+            .unwrap_or_else(|e| format!("GPU 0 (name unavailable: {e})"))
+    );
+    let pool = match MemoryPool::of(&ctx) {
+        Ok(pool) => Some(pool),
+        Err(why) => {
+            println!("gpu gpt benchmark: no peak memory figures for our cases: {why}");
+            None
+        }
+    };
+    let ids = match random_ids(&device) {
+        Ok(ids) => ids,
+        Err(e) => {
+            eprintln!("gpu gpt benchmark failed: cannot put the batch on the GPU: {e}");
+            return;
+        }
+    };
+
+    // One case at a time, each dropped (and the device drained) before the
+    // next is built, so that their memory does not overlap.
+    let case = |name: &str, ops: GptOps, dtype: DType| -> Option<Measured> {
+        match ours(&device, &ctx, pool.as_ref(), &ids, ops, dtype) {
+            Ok(measured) => Some(measured),
+            Err(e) => {
+                eprintln!("gpu gpt benchmark: {name} failed: {e}");
+                None
+            }
+        }
+    };
+    let f32_fused = case("ours f32 fused", GptOps::Fused, DType::F32);
+    let f32_composed = case("ours f32 composed", GptOps::Composed, DType::F32);
+    let bf16_fused = case("ours bf16 fused", GptOps::Fused, DType::BF16);
+
+    if let Some(m) = &f32_fused {
+        report.add("gpu.gpt_tokens_per_s", m.tokens_per_s, "tokens/s", None);
+        if let Some(peak) = m.peak_bytes {
+            report.add("gpu.gpt_peak_gb", peak as f64 / 1e9, "GB", None);
+        }
+    }
+    if let Some(m) = &f32_composed {
+        report.add(
+            "gpu.gpt_composed_tokens_per_s",
+            m.tokens_per_s,
+            "tokens/s",
+            None,
+        );
+    }
+    if let Some(m) = &bf16_fused {
+        report.add(
+            "gpu.gpt_bf16_tokens_per_s",
+            m.tokens_per_s,
+            "tokens/s",
+            None,
+        );
+        if let Some(peak) = m.peak_bytes {
+            report.add("gpu.gpt_bf16_peak_gb", peak as f64 / 1e9, "GB", None);
+        }
+    }
+
+    // PyTorch in a child process, after our cases have released the GPU's
+    // memory: f32 with the trainer's manual attention, and bf16 autocast
+    // with SDPA (PyTorch's fast path).
+    let peer = |dtype: PeerDtype, attention: PeerAttention| {
+        run_gpt_peer(&PeerArgs {
+            layers: CONFIG.layers,
+            heads: CONFIG.heads,
+            d_model: CONFIG.d_model,
+            context: CONFIG.context,
+            batch: BATCH,
+            steps: STEPS,
+            warmup: WARMUP,
+            device: PeerDevice::Cuda,
+            dtype,
+            attention,
+            threads: None,
+            seed: SEED,
+            python: "python3".into(),
+        })
+    };
+    match peer(PeerDtype::F32, PeerAttention::Manual) {
+        Ok(torch) => {
+            println!(
+                "bench gpu gpt: PyTorch {} on {}",
+                torch.torch_version, torch.device_name
+            );
+            report.add(
+                "gpu.torch_gpt_tokens_per_s",
+                torch.tokens_per_s,
+                "tokens/s",
+                None,
+            );
+            if let Some(m) = &f32_fused {
+                report.add(
+                    "gpu.gpt_over_torch",
+                    m.tokens_per_s / torch.tokens_per_s,
+                    "ratio",
+                    Some(">= 0.7"),
+                );
+            }
+            if let Some(theirs) = torch.peak_bytes {
+                report.add("gpu.torch_gpt_peak_gb", theirs as f64 / 1e9, "GB", None);
+            }
+            match (
+                f32_fused.as_ref().and_then(|m| m.peak_bytes),
+                torch.peak_bytes,
+            ) {
+                (Some(ours), Some(theirs)) => report.add(
+                    "gpu.gpt_peak_over_torch",
+                    ours as f64 / theirs as f64,
+                    "ratio",
+                    Some("<= 1.3"),
+                ),
+                (None, _) => {
+                    println!("gpu gpt benchmark: no gpu.gpt_peak_over_torch: our peak is unknown")
+                }
+                (_, None) => println!(
+                    "gpu gpt benchmark: no gpu.gpt_peak_over_torch: gpt_peer.py reported no \
+                     peak memory"
+                ),
+            }
+        }
+        Err(e) => println!(
+            "gpu gpt benchmark: no PyTorch f32 figures (gpu.gpt_over_torch, \
+             gpu.gpt_peak_over_torch): {e}"
+        ),
+    }
+    match peer(PeerDtype::Bf16, PeerAttention::Sdpa) {
+        Ok(torch) => {
+            report.add(
+                "gpu.torch_sdpa_bf16_tokens_per_s",
+                torch.tokens_per_s,
+                "tokens/s",
+                None,
+            );
+            if let Some(m) = &bf16_fused {
+                report.add(
+                    "gpu.gpt_bf16_over_torch_sdpa",
+                    m.tokens_per_s / torch.tokens_per_s,
+                    "ratio",
+                    Some(">= 0.5"),
+                );
+            }
+        }
+        Err(e) => println!(
+            "gpu gpt benchmark: no PyTorch bf16 figures (gpu.gpt_bf16_over_torch_sdpa): {e}"
+        ),
+    }
+}
+
+/// Candle's device 0 and its CUDA context (the primary context, which
+/// `NcclComm::single(0)` shares).
+fn open_device() -> BenchResult<(Device, Arc<CudaContext>)> {
+    let device = Device::new_cuda(0)?;
+    let Device::Cuda(cuda) = &device else {
+        return Err("Device::new_cuda returned a non-CUDA device".into());
+    };
+    let ctx = cuda.cuda_stream().context().clone();
+    Ok((device, ctx))
+}
+
+/// `[BATCH, context + 1]` random byte ids (seeded), on the device.
+fn random_ids(device: &Device) -> candle_core::Result<Tensor> {
+    let mut rng = StdRng::seed_from_u64(SEED);
+    let ids: Vec<u32> = (0..BATCH * (CONFIG.context + 1))
+        .map(|_| rng.gen_range(0..256))
+        .collect();
+    Tensor::from_vec(ids, (BATCH, CONFIG.context + 1), device)
+}
+
+/// Waits for every stream of the context: Candle's and the engine's.
+fn synchronize(device: &Device, ctx: &CudaContext) -> BenchResult<()> {
+    device.synchronize()?;
+    ctx.synchronize()?;
+    Ok(())
+}
+
+/// Builds the GPT in `dtype` computing with `ops`, hooked to an
+/// `NcclZeroOptimizer` as the trainer does, trains it `WARMUP + STEPS`
+/// steps on `ids` and returns the median step's tokens/s and the pool's
+/// high-water mark over the timed steps. Everything it built is dropped
+/// and the device drained before it returns.
+fn ours(
+    device: &Device,
+    ctx: &CudaContext,
+    pool: Option<&MemoryPool>,
+    ids: &Tensor,
+    ops: GptOps,
+    dtype: DType,
+) -> BenchResult<Measured> {
+    let measured = {
+        let varmap = VarMap::new();
+        let hook = ZeroHook::<NcclComm, f32>::new();
+        let model = Gpt::with_hook_in(
+            &varmap,
+            CONFIG,
+            SEED,
+            device,
+            Some(hook.clone() as Arc<dyn GradHook>),
+            dtype,
+        )?
+        .with_ops(ops);
+        // No gradient norm and no clipping: the PyTorch peer computes neither.
+        let mut opt = NcclZeroOptimizer::new(
+            &varmap,
+            NcclComm::single(0)?,
+            EngineConfig::default().with_stage(Stage::Gradients),
+            Box::new(AdamW::new(AdamWConfig::default().with_lr(LR))?),
+        )?
+        .with_hook(&hook)?;
+
+        let mut times = Vec::with_capacity(STEPS);
+        for step in 0..WARMUP + STEPS {
+            if step == WARMUP {
+                // As the peer does: the peak over the timed steps.
+                synchronize(device, ctx)?;
+                if let Some(pool) = pool {
+                    pool.reset_high_water()?;
+                }
+            }
+            let started = Instant::now();
+            let loss = model.loss(ids)?;
+            if opt.backward_step(&loss)?.is_none() {
+                return Err("backward_step did not complete a step at one micro-step".into());
+            }
+            synchronize(device, ctx)?;
+            if step >= WARMUP {
+                times.push(started.elapsed().as_secs_f64());
+            }
+        }
+        let peak_bytes = pool.map(MemoryPool::high_water).transpose()?;
+        times.sort_by(f64::total_cmp);
+        Measured {
+            tokens_per_s: (BATCH * CONFIG.context) as f64 / times[times.len() / 2],
+            peak_bytes,
+        }
+    };
+    // The case's model, optimizer and communicator are dropped; their
+    // asynchronous frees complete before the next case is built.
+    synchronize(device, ctx)?;
+    if let Some(pool) = pool {
+        pool.reset_high_water()?;
+    }
+    Ok(measured)
+}
+
+/// The memory pool that `cuMemAllocAsync` draws from on a device.
+struct MemoryPool(sys::CUmemoryPool);
+
+impl MemoryPool {
+    /// The current pool of `ctx`'s device (the default pool unless someone
+    /// set another), or why its high-water mark would not count Candle's
+    /// allocations.
+    fn of(ctx: &CudaContext) -> Result<Self, String> {
+        if !ctx.has_async_alloc() {
+            return Err(
+                "the device does not support memory pools, so Candle allocates with cuMemAlloc, \
+                 which no pool counts"
+                    .into(),
+            );
+        }
+        ctx.bind_to_thread()
+            .map_err(|e| format!("cannot make the CUDA context current: {e}"))?;
+        let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+        // SAFETY: `pool` is a valid out-pointer for one CUmemoryPool, and
+        // `cu_device()` is a device handle the driver gave `ctx`, which is
+        // alive for the call.
+        unsafe { sys::cuDeviceGetMemPool(&mut pool, ctx.cu_device()) }
+            .result()
+            .map_err(|e| format!("cuDeviceGetMemPool failed: {e}"))?;
+        if pool.is_null() {
+            return Err("cuDeviceGetMemPool returned no pool".into());
+        }
+        Ok(Self(pool))
+    }
+
+    /// Resets the used-memory high-water mark (to the memory in use now).
+    fn reset_high_water(&self) -> Result<(), String> {
+        let mut zero: u64 = 0;
+        // SAFETY: `self.0` is a pool handle from cuDeviceGetMemPool (a
+        // device's pools live as long as the process's driver state);
+        // CU_MEMPOOL_ATTR_USED_MEM_HIGH takes a pointer to a cuuint64_t,
+        // which `zero` is, alive across the call.
+        unsafe {
+            sys::cuMemPoolSetAttribute(
+                self.0,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+                (&mut zero as *mut u64).cast(),
+            )
+        }
+        .result()
+        .map_err(|e| format!("cuMemPoolSetAttribute(USED_MEM_HIGH) failed: {e}"))
+    }
+
+    /// The most bytes of the pool in use at once since the last reset.
+    fn high_water(&self) -> Result<u64, String> {
+        let mut bytes: u64 = 0;
+        // SAFETY: `self.0` is a live pool handle (see `reset_high_water`);
+        // CU_MEMPOOL_ATTR_USED_MEM_HIGH writes one cuuint64_t to the
+        // pointer, and `bytes` is one, alive across the call.
+        unsafe {
+            sys::cuMemPoolGetAttribute(
+                self.0,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+                (&mut bytes as *mut u64).cast(),
+            )
+        }
+        .result()
+        .map_err(|e| format!("cuMemPoolGetAttribute(USED_MEM_HIGH) failed: {e}"))?;
+        Ok(bytes)
+    }
+}
