@@ -11,19 +11,23 @@ const SHARD: usize = 64 << 20;
 const WARMUP: usize = 3;
 const ITERS: usize = 20;
 
-/// Runs the GPU suite; prints why and adds nothing when there is no GPU.
-pub fn run(report: &mut Report) {
+/// Whether a CUDA device is there to benchmark; prints why not.
+pub fn device_present() -> bool {
     match zero_nccl::cuda_device_count() {
-        Ok(n) if n > 0 => {}
+        Ok(n) if n > 0 => true,
         Ok(_) => {
             println!("gpu benchmarks skipped: the CUDA driver reports no device");
-            return;
+            false
         }
         Err(e) => {
             println!("gpu benchmarks skipped: {e}");
-            return;
+            false
         }
     }
+}
+
+/// Runs the GPU suite (after [`device_present`]).
+pub fn run(report: &mut Report) {
     if let Err(e) = adam_bandwidth(report) {
         eprintln!("gpu.adam_bw_over_d2d failed: {e}");
     }

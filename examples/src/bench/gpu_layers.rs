@@ -26,19 +26,8 @@ const ITERS: usize = 20;
 
 type BenchResult<T> = Result<T, Box<dyn std::error::Error>>;
 
-/// Runs the fused-layer suite; prints why and adds nothing without a GPU.
+/// Runs the fused-layer suite (after `gpu::device_present`).
 pub fn run(report: &mut Report) {
-    match zero_nccl::cuda_device_count() {
-        Ok(n) if n > 0 => {}
-        Ok(_) => {
-            println!("gpu layer benchmarks skipped: the CUDA driver reports no device");
-            return;
-        }
-        Err(e) => {
-            println!("gpu layer benchmarks skipped: {e}");
-            return;
-        }
-    }
     let ours = match ours(report) {
         Ok(ours) => ours,
         Err(e) => {

@@ -109,7 +109,7 @@ pub fn main() {
             "stage3" if !under_mpirun => stage3::run(&mut report),
             "gpu" => {
                 #[cfg(feature = "nccl")]
-                {
+                if gpu::device_present() {
                     gpu::run(&mut report);
                     gpu_layers::run(&mut report);
                 }

@@ -20,7 +20,9 @@ use rayon::prelude::*;
 /// log-softmax; the backward writes `(softmax - one_hot) / rows · grad` in
 /// one pass. The loss is f32 for f32, bf16 and f16 logits (16-bit logits
 /// are read in f32, as autocast does), f64 for f64. A target outside
-/// `0..classes` is an error.
+/// `0..classes` (and not ignored) is an error naming the row on the CPU; on
+/// CUDA, which could only check it by waiting for the GPU, it makes the
+/// loss and that row's gradient NaN (never a read out of bounds).
 ///
 /// ```
 /// use candle_core::{Device, Tensor};
