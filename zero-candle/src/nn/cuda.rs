@@ -413,12 +413,7 @@ pub(crate) fn cross_entropy_backward(
     const OP: &str = "cross_entropy backward";
     let device = logits.0.device.clone();
     let targets = targets_of(OP, targets)?;
-    let saved = saved.as_cuda_slice::<f32>()?;
-    let rows = match &targets {
-        Targets::U32(t) => t.len(),
-        Targets::I64(t) => t.len(),
-    };
-    let saved = saved.slice(..);
+    let saved = saved.as_cuda_slice::<f32>()?.slice(..);
     let grad = view::<f32>(OP, "the loss gradient", grad)?;
     by_dtype!(logits.0.dtype(), OP, |T| {
         let input = view::<T>(OP, "the logits", logits)?;
