@@ -48,19 +48,8 @@ struct Measured {
     peak_bytes: Option<u64>,
 }
 
-/// Runs the GPT suite; prints why and adds nothing when there is no GPU.
+/// Runs the GPT suite (after `gpu::device_present`).
 pub fn run(report: &mut Report) {
-    match zero_nccl::cuda_device_count() {
-        Ok(n) if n > 0 => {}
-        Ok(_) => {
-            println!("gpu gpt benchmark skipped: the CUDA driver reports no device");
-            return;
-        }
-        Err(e) => {
-            println!("gpu gpt benchmark skipped: {e}");
-            return;
-        }
-    }
     let (device, ctx) = match open_device() {
         Ok(opened) => opened,
         Err(e) => {

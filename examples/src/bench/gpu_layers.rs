@@ -38,7 +38,7 @@ pub fn run(report: &mut Report) {
     match torch_times() {
         Ok(torch) => {
             for (dtype, suffix) in [("f32", ""), ("bf16", "_bf16")] {
-                let (Some(attn), Some(norm)) = (
+                let (Some(&attn), Some(&norm)) = (
                     torch.get(&format!("attn_fwd_bwd_ms_{dtype}")),
                     torch.get(&format!("layer_norm_bwd_ms_{dtype}")),
                 ) else {

@@ -5,6 +5,8 @@ mod gpt;
 #[cfg(feature = "nccl")]
 mod gpu;
 #[cfg(feature = "nccl")]
+mod gpu_gpt;
+#[cfg(feature = "nccl")]
 mod gpu_layers;
 mod layers;
 mod memory;
@@ -112,6 +114,7 @@ pub fn main() {
                 if gpu::device_present() {
                     gpu::run(&mut report);
                     gpu_layers::run(&mut report);
+                    gpu_gpt::run(&mut report);
                 }
                 #[cfg(not(feature = "nccl"))]
                 println!("gpu benchmarks need --features nccl");
