@@ -4,10 +4,11 @@
 //! output is not part of the graph, so neither the weight, the bias nor the
 //! input get a gradient through them. Here the normalization is one custom
 //! op over `(x, weight[, bias])` on the CPU and on CUDA, with a backward
-//! that computes all three gradients in one pass over the rows (on CUDA:
-//! one kernel, and one more that sums the weight and bias gradients'
-//! per-block parts); on other devices it is candle-nn's slow path in plain
-//! tensor ops, the parameters [`tap`]ped.
+//! that computes all three gradients in one pass over the rows (on CUDA: a
+//! kernel for the input's gradient, then the weight and bias gradients
+//! summed over chunks of rows and the chunks in a fixed order); on other
+//! devices it is candle-nn's slow path in plain tensor ops, the parameters
+//! [`tap`]ped.
 
 use super::cpu;
 use super::cuda;
