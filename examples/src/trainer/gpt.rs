@@ -54,8 +54,8 @@ impl GptConfig {
 }
 
 /// How the attention, the GELU and the loss are computed. The parameters,
-/// their initialization and the arithmetic are the same; the memory kept
-/// for backward and the time are not.
+/// their initialization and the functions are the same (the values agree
+/// to rounding); the memory kept for backward and the time are not.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum GptOps {
     /// `zero_candle::nn::ops`: causal attention, GELU and cross-entropy as
