@@ -21,7 +21,8 @@ typedef unsigned long long u64;
 // ---- 16-bit types ---------------------------------------------------------
 // The same conversions as source.cu's (which this file cannot include):
 // widening is exact; narrowing rounds to nearest, ties to even, as the `half`
-// crate does on the host (a NaN stays a quiet NaN of its sign).
+// crate does on the host (a NaN stays a NaN: bf16 keeps its sign, f16's
+// `cvt.rn.f16.f32` gives the canonical NaN).
 struct bf16 { u16 bits; };
 struct f16 { u16 bits; };
 
@@ -730,11 +731,14 @@ __device__ __forceinline__ void cross_entropy_lse(const T* __restrict__ logits,
         for (long long v = threadIdx.x; v < V; v += CE_THREADS) {
             const float x = to_f32(xr[v]);
             if (x == NEG_INF) continue;  // contributes exp(-inf) = 0
-            if (x > m) {
+            // A NaN x takes the max too: (m, s) = (NaN, NaN), never the
+            // (-inf, NaN) that lse_combine would drop as empty; from then on
+            // s stays NaN and so does the row's log-sum-exp (and the loss).
+            if (x > m || x != x) {
                 s = s * expf(m - x) + 1.f;  // m = -inf: s = 0 * 0 + 1
                 m = x;
             } else {
-                s += expf(x - m);  // a NaN x (or m) makes s NaN: the loss is NaN
+                s += expf(x - m);  // a NaN m makes s NaN
             }
         }
 #pragma unroll
