@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Installs what the `mpi` feature needs to build and run: Open MPI (library,
 # headers, mpirun) and libclang/clang (bindgen, used by the `mpi` crate's
-# mpi-sys), plus python3 and procps (pgrep) for the fault tests. Idempotent:
+# mpi-sys), plus python3 and procps (pgrep) for the fault tests and g++ for
+# the kernels run on the CPU (check-kernels-on-cpu.sh). Idempotent:
 # installs only what is missing. Run as root on
 # Debian/Ubuntu (or with sudo available).
 set -euo pipefail
 
-packages=(libopenmpi-dev openmpi-bin libclang-dev clang python3 procps)
+packages=(libopenmpi-dev openmpi-bin libclang-dev clang python3 procps g++)
 missing=()
 for p in "${packages[@]}"; do
     if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then

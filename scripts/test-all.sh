@@ -17,6 +17,9 @@ cargo test -p zero-nccl --features nccl
 # The fused kernels through NVRTC and ptxas for sm_80 and sm_90, from PyPI
 # wheels (no GPU needed).
 ./scripts/check-nvrtc.sh
+# The fused layers' kernels run on the CPU, a host thread per CUDA thread,
+# against double-precision references (g++, no GPU).
+./scripts/check-kernels-on-cpu.sh
 ./scripts/test-mpi.sh
 # Faults as users cause them: a killed or frozen rank, and the trainer
 # killed at random while it checkpoints; each bounded in time.

@@ -32,7 +32,11 @@ __device__ __forceinline__ float to_f32(bf16 x) {
 }
 __device__ __forceinline__ float to_f32(f16 x) {
     float f;
+#ifdef ZERO_LAYERS_ON_CPU
+    f = half_to_float(x.bits);
+#else
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x.bits));
+#endif
     return f;
 }
 
@@ -55,7 +59,11 @@ template <> __device__ __forceinline__ bf16 from_f32<bf16>(float f) {
 }
 template <> __device__ __forceinline__ f16 from_f32<f16>(float f) {
     f16 r;
+#ifdef ZERO_LAYERS_ON_CPU
+    r.bits = float_to_half(f);
+#else
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r.bits) : "f"(f));
+#endif
     return r;
 }
 
