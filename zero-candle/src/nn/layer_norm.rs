@@ -324,6 +324,16 @@ impl FusedNorm {
         Ok((out, shape))
     }
 
+    fn forward_cuda(
+        &self,
+        x: (&CudaStorage, &Layout),
+        weight: (&CudaStorage, &Layout),
+        bias: Option<(&CudaStorage, &Layout)>,
+    ) -> Result<(CudaStorage, Shape)> {
+        let y = cuda::norm_forward(x, weight, bias, self.eps, self.remove_mean)?;
+        Ok((y, x.1.shape().clone()))
+    }
+
     fn forward_typed<T: Elem>(
         &self,
         x: (&CpuStorage, &Layout),
@@ -521,14 +531,7 @@ impl CustomOp2 for FusedNorm {
         weight: &CudaStorage,
         weight_layout: &Layout,
     ) -> Result<(CudaStorage, Shape)> {
-        let y = cuda::norm_forward(
-            (x, x_layout),
-            (weight, weight_layout),
-            None,
-            self.eps,
-            self.remove_mean,
-        )?;
-        Ok((y, x_layout.shape().clone()))
+        self.forward_cuda((x, x_layout), (weight, weight_layout), None)
     }
 
     fn bwd(
@@ -573,14 +576,11 @@ impl CustomOp3 for FusedNorm {
         bias: &CudaStorage,
         bias_layout: &Layout,
     ) -> Result<(CudaStorage, Shape)> {
-        let y = cuda::norm_forward(
+        self.forward_cuda(
             (x, x_layout),
             (weight, weight_layout),
             Some((bias, bias_layout)),
-            self.eps,
-            self.remove_mean,
-        )?;
-        Ok((y, x_layout.shape().clone()))
+        )
     }
 
     fn bwd(
