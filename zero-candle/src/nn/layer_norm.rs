@@ -12,7 +12,7 @@
 
 use super::cpu;
 use super::cuda;
-use super::elem::{Accum, Elem};
+use super::elem::{dispatch_float, Accum, Elem};
 use super::hook::{announce, before_read, route, GradHook};
 use super::storage::{tensor_from, with_cuda};
 use super::tap::tap;
@@ -312,15 +312,9 @@ impl FusedNorm {
         bias: Option<(&CpuStorage, &Layout)>,
     ) -> Result<(CpuStorage, Shape)> {
         let shape = x.1.shape().clone();
-        let out = match x.0.dtype() {
-            DType::F32 => self.forward_typed::<f32>(x, weight, bias)?,
-            DType::F64 => self.forward_typed::<f64>(x, weight, bias)?,
-            DType::BF16 => self.forward_typed::<half::bf16>(x, weight, bias)?,
-            DType::F16 => self.forward_typed::<half::f16>(x, weight, bias)?,
-            other => bail!(
-                "zero-candle LayerNorm: dtype {other:?} is not supported; use f32, f64, bf16 or f16"
-            ),
-        };
+        let out = dispatch_float!(x.0.dtype(), "LayerNorm", |T| {
+            self.forward_typed::<T>(x, weight, bias)?
+        });
         Ok((out, shape))
     }
 
@@ -393,15 +387,9 @@ impl FusedNorm {
         grad: &Tensor,
         want: Wanted,
     ) -> Result<NormGrads> {
-        match x.dtype() {
-            DType::F32 => self.backward_typed::<f32>(x, weight, grad, want),
-            DType::F64 => self.backward_typed::<f64>(x, weight, grad, want),
-            DType::BF16 => self.backward_typed::<half::bf16>(x, weight, grad, want),
-            DType::F16 => self.backward_typed::<half::f16>(x, weight, grad, want),
-            other => bail!(
-                "zero-candle LayerNorm: dtype {other:?} is not supported; use f32, f64, bf16 or f16"
-            ),
-        }
+        Ok(dispatch_float!(x.dtype(), "LayerNorm", |T| {
+            self.backward_typed::<T>(x, weight, grad, want)?
+        }))
     }
 
     /// The three gradients from the CUDA kernels (the weight's and bias's
