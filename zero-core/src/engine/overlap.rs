@@ -423,7 +423,7 @@ impl<T: Element, B> Window<T, B> {
 
 /// The order hash as exactly representable `f64` pieces, then their
 /// negatives: one `Max` all-reduce tells whether every rank agrees.
-fn order_fingerprint(expected: &[(usize, usize)]) -> [f64; 8] {
+pub(super) fn order_fingerprint(expected: &[(usize, usize)]) -> [f64; 8] {
     let words = expected
         .iter()
         .flat_map(|&(param, calls)| [param as u64, calls as u64]);
@@ -801,7 +801,7 @@ where
     /// by name) if nothing depends on the current partition yet: no step
     /// taken, no state, nothing accumulated. Later changes of the order keep
     /// the partition (overlap may suffer; results do not).
-    fn plan_in_order(&mut self, expected: &[(usize, usize)]) -> Result<()> {
+    pub(super) fn plan_in_order(&mut self, expected: &[(usize, usize)]) -> Result<()> {
         let mut order = Vec::with_capacity(self.params.len());
         let mut placed = vec![false; self.params.len()];
         // Stage 3: the parameters that may be sharded first, the persistent

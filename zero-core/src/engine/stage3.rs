@@ -17,12 +17,20 @@
 //! that buckets hold either kind and the post-step all-gather skips the
 //! sharded ones entirely.
 //!
+//! [`Engine::shard_from_start`] shards before the first step instead: the
+//! parameters are laid out in an order the framework gives (its layers'
+//! construction order, reversed: about the order backward makes their
+//! gradients), and the owned pieces are read from a source that computes
+//! them (a seeded initializer, a memory-mapped file), so that no rank ever
+//! holds a whole sharded parameter.
+//!
 //! [`EngineConfig::persist_numel`]: super::EngineConfig::persist_numel
 
 use super::fetch::{Fetcher, GatherFn, Span, Unit, UnitBucket};
 use super::{Engine, ShardMemory, Stage};
 use crate::comm::{Communicator, Host, ReduceOp};
 use crate::{Element, Error, Result};
+use std::ops::Range;
 use std::sync::Arc;
 
 /// A run of buckets (first, last) and the sharded parameters in it (index,
@@ -33,7 +41,7 @@ impl<T, C, M> Engine<T, C, M>
 where
     T: Element,
     C: Communicator<Memory = Host> + 'static,
-    M: ShardMemory<T, C>,
+    M: ShardMemory<T, C> + 'static,
 {
     /// Stage 3: from now on, keeps the parameters `gatherable` marks (those
     /// the framework gathers on use) that are trainable and larger than
@@ -123,6 +131,149 @@ where
         self.shard_lent = true;
         self.fetcher = Some(fetcher.clone());
         Ok(fetcher)
+    }
+
+    /// Stage 3 from the start: before any step, lays the parameters out in
+    /// `order` (parameter indices, about the order backward will hand over
+    /// their gradients; parameters left out follow by name) and shards as
+    /// [`Engine::shard_parameters`] does, reading this rank's owned pieces
+    /// from `params` (for a sharded parameter, a source that computes only
+    /// what is asked: nothing reads a whole sharded parameter). A
+    /// collective: every rank passes the same order and mask (a difference
+    /// is an error on every rank).
+    ///
+    /// The first backward then keeps this layout whatever order its
+    /// gradients come in (a different order costs overlap, not
+    /// correctness).
+    pub fn shard_from_start(
+        &mut self,
+        order: &[usize],
+        gatherable: &[bool],
+        params: &mut M::Params<'_>,
+    ) -> Result<Arc<Fetcher<T>>> {
+        if self.steps > 0 || self.micro_steps > 0 || self.window_open || self.window.is_some() {
+            return Err(Error::State(
+                "shard_from_start must come before the first step or micro-step; after one, \
+                 use shard_parameters"
+                    .into(),
+            ));
+        }
+        let mut seen = vec![false; self.params.len()];
+        for &p in order {
+            match seen.get_mut(p) {
+                Some(seen) if !*seen => *seen = true,
+                Some(_) => {
+                    return Err(Error::Config(format!(
+                        "shard_from_start: parameter #{p} ({:?}) is listed twice in the order",
+                        self.params[p].name
+                    )))
+                }
+                None => {
+                    return Err(Error::Config(format!(
+                        "shard_from_start: parameter #{p} does not exist (there are {})",
+                        self.params.len()
+                    )))
+                }
+            }
+        }
+        let expected: Vec<(usize, usize)> = order.iter().map(|&p| (p, 1)).collect();
+        let mine = super::overlap::order_fingerprint(&expected);
+        let mut agreed = mine;
+        self.memory
+            .all_reduce_host(&self.comm, &mut agreed[..], ReduceOp::Max)?;
+        if agreed != mine {
+            return Err(Error::Config(format!(
+                "stage 3: rank {} builds its layers in another order than some other rank \
+                 (the layout of the shards follows it); every rank must build the same model",
+                self.comm.rank()
+            )));
+        }
+        self.plan_in_order(&expected)?;
+        self.shard_parameters(gatherable, params)
+    }
+
+    /// Streams the values of each parameter of `params` from the shards to
+    /// rank `root`, piece by piece in the parameter's element order:
+    /// `sink(param, param_range, values)` runs on `root` for each piece
+    /// (its owner sends it), so no rank holds more than one piece. Saves a
+    /// stage-3 model without gathering any parameter whole. A collective:
+    /// every rank passes the same parameters in the same order. A sink
+    /// error does not stop the collectives (the other ranks would wait);
+    /// the first is returned at the end, on `root` only.
+    pub fn stream_params(
+        &mut self,
+        params: &[usize],
+        root: usize,
+        sink: &mut dyn FnMut(usize, Range<usize>, &[T]) -> Result<()>,
+    ) -> Result<()> {
+        self.finish_gathers()?;
+        self.refuse_mid_accumulation("stream_params")?;
+        let world = self.comm.world_size();
+        if root >= world {
+            return Err(Error::InvalidRank {
+                op: "stream_params",
+                rank: root,
+                world_size: world,
+            });
+        }
+        if let Some(&p) = params.iter().find(|&&p| p >= self.params.len()) {
+            return Err(Error::Config(format!(
+                "stream_params: parameter #{p} does not exist (there are {})",
+                self.params.len()
+            )));
+        }
+        self.with_shard_home(|engine| {
+            let rank = engine.comm.rank();
+            let shard_numel = engine.plan.shard_numel;
+            let mut failure = None;
+            for &param in params {
+                // Every rank's pieces of `param`, in the parameter's order.
+                let mut pieces: Vec<(usize, Range<usize>, Range<usize>)> = engine
+                    .plan
+                    .shards
+                    .iter()
+                    .enumerate()
+                    .flat_map(|(owner, shard)| {
+                        shard
+                            .iter()
+                            .filter(|piece| piece.param == param)
+                            .map(move |piece| {
+                                (owner, piece.param_range.clone(), piece.flat_range.clone())
+                            })
+                    })
+                    .collect();
+                pieces.sort_by_key(|(_, range, _)| range.start);
+                for (owner, range, flat) in pieces {
+                    let mut counts = vec![0; world];
+                    counts[owner] = range.len();
+                    let mut mine = Vec::new();
+                    if owner == rank {
+                        let at = flat.start - owner * shard_numel;
+                        mine.resize(range.len(), T::default());
+                        engine.memory.buffer_to_host(
+                            &engine.comm,
+                            &engine.param_shard,
+                            at..at + range.len(),
+                            &mut mine,
+                        )?;
+                    }
+                    let mut recv = (rank == root).then(|| vec![T::default(); range.len()]);
+                    engine.memory.gather_varlen_host(
+                        &engine.comm,
+                        &mine,
+                        &counts,
+                        recv.as_deref_mut(),
+                        root,
+                    )?;
+                    if let (Some(values), None) = (recv, &failure) {
+                        if let Err(e) = sink(param, range, &values) {
+                            failure = Some(e);
+                        }
+                    }
+                }
+            }
+            failure.map_or(Ok(()), Err)
+        })
     }
 
     /// Checks that every rank marks the same parameters (one all-reduce of

@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# The GPU check, on a machine with a CUDA GPU, PyTorch and no Rust:
+#   scripts/gpu-check.sh BUNDLE.tar.xz [LOG_DIR] [suite|bench|all|EXTRA...]
+# BUNDLE comes from scripts/build-gpu-bundle.sh. Runs every test in the
+# bundle with --include-ignored (the GPU suite), then `bench gpu` from the
+# repository's root (so that it finds examples/pytorch/), logging each to
+# LOG_DIR (default: a temporary folder). `suite` or `bench` runs only that
+# part; anything else is run as a command inside the unpacked bundle after
+# both (e.g. "./train --backend nccl --model gpt --steps 20").
+# Exits non-zero if any test binary or the bench failed; the last lines
+# printed are a table of what passed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+bundle="$(realpath "${1:?usage: $0 BUNDLE.tar.xz [LOG_DIR] [suite|bench|all|CMD]}")"
+logs="$(realpath -m "${2:-$(mktemp -d)}")"
+what="${3:-all}"
+mkdir -p "$logs"
+root="$(pwd)"
+export ZERO_PYTORCH_DIR="$root/examples/pytorch"
+unpacked="$(mktemp -d)"
+tar -C "$unpacked" -xJf "$bundle" || exit 1
+
+# cudarc and Candle open libnccl.so, libnvrtc.so, libcublas.so... by those
+# names: PyTorch's wheels ship only the versioned files.
+nvidia="$(python3 -c 'import nvidia, os; print(list(nvidia.__path__)[0])' 2>/dev/null)"
+links="$unpacked/lib"
+mkdir -p "$links"
+if [[ -n "$nvidia" ]]; then
+    for lib in nccl nvrtc cublas cublasLt curand cudart; do
+        file="$(find "$nvidia" -name "lib$lib.so.*" | sort | head -1)"
+        [[ -n "$file" ]] && ln -sf "$file" "$links/lib$lib.so"
+    done
+    dirs="$(find "$nvidia" -name 'lib*.so*' -printf '%h\n' | sort -u | paste -sd:)"
+    export LD_LIBRARY_PATH="$links:$dirs:${LD_LIBRARY_PATH:-}"
+else
+    echo "warning: python3 has no nvidia packages (PyTorch's CUDA wheels); relying on the system's CUDA libraries"
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$logs/gpu.txt"
+
+# The tests keep the build machine's CARGO_TARGET_TMPDIR (nvrtc_ptx writes there).
+for t in "$unpacked"/t/*; do
+    dir="$(strings "$t" | grep -m1 -o '/[^ ]*/target/cuda-[0-9.]*/tmp' || true)"
+    [[ -n "$dir" ]] && mkdir -p "$dir"
+done
+
+declare -a table
+failed=0
+run() {
+    local name="$1"
+    shift
+    local start=$SECONDS
+    "$@" >"$logs/$name.log" 2>&1
+    local rc=$?
+    local summary
+    summary="$(grep -E '^test result:' "$logs/$name.log" | tail -1)"
+    table+=("$(printf '%-34s rc=%-3s %4ss  %s' "$name" "$rc" "$((SECONDS - start))" "$summary")")
+    if [[ $rc -ne 0 ]]; then
+        failed=1
+        echo "== $name failed (rc $rc); its failures:"
+        grep -E -A25 '^failures:|panicked at' "$logs/$name.log" | head -60
+    fi
+}
+
+if [[ "$what" == all || "$what" == suite ]]; then
+    for t in "$unpacked"/t/*; do
+        run "$(basename "$t")" "$t" --include-ignored --test-threads=1
+    done
+fi
+if [[ "$what" == all || "$what" == bench ]]; then
+    run bench-gpu "$unpacked/bench" gpu
+    grep -E 'gpu\.|failed|skipped' "$logs/bench-gpu.log" | tail -40
+fi
+if [[ "$what" != all && "$what" != suite && "$what" != bench ]]; then
+    run extra bash -c "cd '$unpacked' && $what"
+    tail -30 "$logs/extra.log"
+fi
+cd "$root"
+printf '%s\n' "${table[@]}"
+exit $failed
