@@ -3,9 +3,12 @@
 //! checkpoint, generates deterministically, and its tied head/embedding
 //! weight gets the gradients of both uses.
 
+mod common;
+
 use candle_core::{DType, Device, Module, Tensor, Var, D};
 use candle_nn::VarMap;
 use clap::Parser;
+use common::{max_diff, Weights};
 use std::collections::HashMap;
 use std::path::Path;
 use zero_examples::trainer::{run, Args, Gpt, GptConfig, GptOps, Summary};
@@ -42,28 +45,19 @@ fn tiny(corpus: &str) -> Vec<String> {
     .collect()
 }
 
-fn train(base: &[String], extra: &[&str]) -> Summary {
+fn args(base: &[String], extra: &[&str]) -> Args {
     let mut argv = base.to_vec();
     argv.extend(extra.iter().map(|s| s.to_string()));
-    match run(&Args::parse_from(&argv)) {
-        Ok(summary) => summary,
-        Err(e) => panic!("training with {argv:?} failed: {e}"),
-    }
+    Args::parse_from(&argv)
 }
 
-/// The largest difference between two runs' weights, and where it is.
-fn max_diff(a: &Summary, b: &Summary) -> (f32, String) {
-    assert_eq!(a.weights.len(), b.weights.len());
-    let mut worst = (0.0f32, String::new());
-    for ((na, wa), (nb, wb)) in a.weights.iter().zip(&b.weights) {
-        assert_eq!(na, nb);
-        for (x, y) in wa.iter().zip(wb) {
-            if (x - y).abs() > worst.0 {
-                worst = ((x - y).abs(), na.clone());
-            }
-        }
-    }
-    worst
+fn train(base: &[String], extra: &[&str]) -> Summary {
+    common::train(&args(base, extra))
+}
+
+/// The weights a run saved.
+fn weights(base: &[String], extra: &[&str]) -> Weights {
+    common::train_weights(args(base, extra)).1
 }
 
 #[test]
@@ -133,11 +127,11 @@ fn world_size_four_trains_the_same_weights_as_one_rank_on_the_global_batch() {
         "--momentum",
         "0.9",
     ];
-    let single = train(
+    let single = weights(
         &base,
         &[&common[..], &["--world-size", "1", "--batch-size", "8"]].concat(),
     );
-    let sharded = train(
+    let sharded = weights(
         &base,
         &[
             &common[..],
@@ -175,7 +169,7 @@ fn resume_difference(extra: &[&str], resume_flags: &[&str]) -> (f32, String) {
         "0",
     ];
     let w2 = [&w2[..], extra].concat();
-    let full = train(&base, &[&w2[..], &["--steps", "8"]].concat());
+    let full = weights(&base, &[&w2[..], &["--steps", "8"]].concat());
     let first_half = [
         "--steps",
         "4",
@@ -186,7 +180,7 @@ fn resume_difference(extra: &[&str], resume_flags: &[&str]) -> (f32, String) {
     ];
     train(&base, &[&w2[..], &first_half[..]].concat());
     let resume = ["--eval-every", "0", "--steps", "8", "--resume", ckpt];
-    let resumed = train(&base, &[extra, resume_flags, &resume[..]].concat());
+    let resumed = weights(&base, &[extra, resume_flags, &resume[..]].concat());
     max_diff(&resumed, &full)
 }
 

@@ -2,9 +2,12 @@
 //! an interrupted run continues as if it never stopped, at the same or
 //! another world size and stage.
 
+mod common;
+
 use clap::Parser;
+use common::Weights;
 use std::path::Path;
-use zero_examples::trainer::{run, Args, Summary};
+use zero_examples::trainer::{Args, Summary};
 
 fn args(extra: &[&str]) -> Args {
     let mut all = vec!["train", "--quiet", "--hidden", "16,16", "--seed", "3"];
@@ -13,19 +16,16 @@ fn args(extra: &[&str]) -> Args {
 }
 
 fn train(extra: &[&str]) -> Summary {
-    run(&args(extra)).unwrap()
+    common::train(&args(extra))
 }
 
-fn max_diff(a: &Summary, b: &Summary) -> f32 {
-    assert_eq!(a.weights.len(), b.weights.len());
-    let mut diff = 0.0f32;
-    for ((na, wa), (nb, wb)) in a.weights.iter().zip(&b.weights) {
-        assert_eq!(na, nb);
-        for (x, y) in wa.iter().zip(wb) {
-            diff = diff.max((x - y).abs());
-        }
-    }
-    diff
+/// A run and the weights it saved.
+fn train_weights(extra: &[&str]) -> (Summary, Weights) {
+    common::train_weights(args(extra))
+}
+
+fn max_diff(a: &Weights, b: &Weights) -> f32 {
+    common::max_diff(a, b).0
 }
 
 fn path(p: &Path) -> &str {
@@ -48,7 +48,7 @@ fn steps_run(metrics: &Path) -> Vec<u64> {
 #[test]
 fn resume_at_same_world_size_is_bitwise_identical() {
     let common = ["--world-size", "2", "--stage", "2", "--batch-size", "8"];
-    let full = train(&[&common[..], &["--steps", "6"]].concat());
+    let (_, full) = train_weights(&[&common[..], &["--steps", "6"]].concat());
     // With --defer-gathers the checkpoint is saved right after a step whose
     // all-gathers are still running: the save waits for them.
     for extra in [&[][..], &["--defer-gathers"][..]] {
@@ -73,14 +73,14 @@ fn resume_at_same_world_size_is_bitwise_identical() {
             "--metrics",
             path(&metrics),
         ];
-        let resumed = train(&[&common[..], &resume_args[..]].concat());
+        let (resumed, resumed_weights) = train_weights(&[&common[..], &resume_args[..]].concat());
         // Only steps 4..=6 ran after the resume.
         assert_eq!(steps_run(&metrics), vec![4, 5, 6], "{extra:?}");
         assert_eq!(resumed.steps, 6);
         // The resumed run's own steps (4..=6) deferred when asked to.
         let deferring = if extra.is_empty() { 0 } else { 3 };
         assert_eq!(resumed.deferred_steps, deferring, "{extra:?}");
-        assert_eq!(max_diff(&resumed, &full), 0.0, "{extra:?}");
+        assert_eq!(max_diff(&resumed_weights, &full), 0.0, "{extra:?}");
     }
 }
 
@@ -89,7 +89,7 @@ fn resume_at_another_world_size_and_stage() {
     let dir = tempfile::tempdir().unwrap();
     let ckpt = dir.path().join("ckpt");
     let w4 = ["--world-size", "4", "--stage", "2", "--batch-size", "8"];
-    let full = train(&[&w4[..], &["--steps", "6"]].concat());
+    let (_, full) = train_weights(&[&w4[..], &["--steps", "6"]].concat());
     let ckpt_args = [
         "--steps",
         "3",
@@ -110,7 +110,7 @@ fn resume_at_another_world_size_and_stage() {
         "--metrics",
         path(&metrics),
     ];
-    let resumed = train(&[&w2[..], &resume_args[..]].concat());
+    let (_, resumed) = train_weights(&[&w2[..], &resume_args[..]].concat());
     // Only steps 4..=6 ran after the resume.
     assert_eq!(steps_run(&metrics), vec![4, 5, 6]);
     let diff = max_diff(&resumed, &full);
@@ -121,7 +121,7 @@ fn resume_at_another_world_size_and_stage() {
 fn checkpoint_weights_load_with_candle_by_name() {
     let dir = tempfile::tempdir().unwrap();
     let ckpt = dir.path().join("ckpt");
-    let summary = train(&[
+    let (_, weights) = train_weights(&[
         "--steps",
         "2",
         "--world-size",
@@ -145,7 +145,7 @@ fn checkpoint_weights_load_with_candle_by_name() {
         )
     }
     .unwrap();
-    for (name, values) in &summary.weights {
+    for (name, values) in &weights {
         let shape = if name.ends_with("bias") {
             vec![values.len()]
         } else {

@@ -93,6 +93,9 @@ where
     vars: Vec<Var>,
     /// Per variable, how many layers announced they report it.
     announced: HashMap<TensorId, usize>,
+    /// The variables in the order layers first announced them (the order
+    /// the model was built in).
+    announce_order: Vec<TensorId>,
     /// Per parameter, the calls of the backward pass under way, and of the
     /// last one that completed (`None`: no pass completed yet).
     calls: Vec<usize>,
@@ -130,6 +133,7 @@ where
                 names: Vec::new(),
                 vars: Vec::new(),
                 announced: HashMap::new(),
+                announce_order: Vec::new(),
                 calls: Vec::new(),
                 last_calls: None,
                 gathering: HashMap::new(),
@@ -217,6 +221,17 @@ where
         let calls = vec![0; inner.calls.len()];
         let done = std::mem::replace(&mut inner.calls, calls);
         inner.last_calls = Some(done);
+    }
+
+    /// The connected parameters in the order their layers were built
+    /// (announced them); parameters no layer announced are left out.
+    pub(crate) fn construction_order(&self) -> Vec<usize> {
+        let inner = self.lock();
+        inner
+            .announce_order
+            .iter()
+            .filter_map(|id| inner.index.get(id).copied())
+            .collect()
     }
 
     /// Stage 3: which parameters the model's layers can gather on use:
@@ -426,7 +441,12 @@ where
     }
 
     fn will_report(&self, var: &Var) {
-        *self.lock().announced.entry(var.id()).or_default() += 1;
+        let mut inner = self.lock();
+        let count = inner.announced.entry(var.id()).or_default();
+        *count += 1;
+        if *count == 1 {
+            inner.announce_order.push(var.id());
+        }
     }
 
     fn will_gather(&self, var: &Var) {

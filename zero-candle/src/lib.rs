@@ -12,6 +12,7 @@
 
 mod error;
 mod hook;
+pub mod init;
 pub mod memory;
 #[cfg(feature = "nccl")]
 mod nccl;
@@ -23,6 +24,7 @@ mod stage3;
 
 pub use error::{Error, Result};
 pub use hook::ZeroHook;
+pub use init::{ParamSource, SafetensorsInit, SeededInit, ShardedVarMap};
 pub use memory::CandleMemory;
 pub use optimizer::{ZeroConfig, ZeroOptimizer};
 pub use params::VarStore;

@@ -80,6 +80,33 @@ pub trait CandleMemory<T: Element + WithDType, C: Communicator + 'static>: Memor
         let _ = (engine, mask, vars);
         Err(stage_3_unsupported().into())
     }
+
+    /// Stage 3 from the start: lays out in `order` and shards the
+    /// parameters `mask` marks before any step, this rank's pieces of the
+    /// deferred variables of `map` computed from its source (see
+    /// `Engine::shard_from_start`). Host memory only for now.
+    fn shard_from_start(
+        engine: &mut Engine<T, C, Self::Memory>,
+        order: &[usize],
+        mask: &[bool],
+        named: (&[String], &[Var]),
+        map: &crate::ShardedVarMap,
+    ) -> Result<Arc<Fetcher<T>>> {
+        let _ = (engine, order, mask, named, map);
+        Err(stage_3_unsupported().into())
+    }
+
+    /// Stage 3: streams sharded parameters to rank `root` piece by piece
+    /// (see `Engine::stream_params`). Host memory only for now.
+    fn stream_params(
+        engine: &mut Engine<T, C, Self::Memory>,
+        params: &[usize],
+        root: usize,
+        sink: &mut dyn FnMut(usize, std::ops::Range<usize>, &[T]) -> zero_core::Result<()>,
+    ) -> Result<()> {
+        let _ = (engine, params, root, sink);
+        Err(stage_3_unsupported().into())
+    }
 }
 
 /// Why stage 3 is refused where parameters cannot be sharded.
@@ -162,6 +189,30 @@ impl<T: Element + WithDType, C: Communicator<Memory = Host> + 'static> CandleMem
     ) -> Result<Arc<Fetcher<T>>> {
         let mut store = VarStore { vars };
         Ok(engine.shard_parameters(mask, &mut store)?)
+    }
+
+    fn shard_from_start(
+        engine: &mut Engine<T, C, HostMemory>,
+        order: &[usize],
+        mask: &[bool],
+        (names, vars): (&[String], &[Var]),
+        map: &crate::ShardedVarMap,
+    ) -> Result<Arc<Fetcher<T>>> {
+        let mut store = crate::stage3::InitStore {
+            vars: VarStore { vars },
+            names,
+            map,
+        };
+        Ok(engine.shard_from_start(order, mask, &mut store)?)
+    }
+
+    fn stream_params(
+        engine: &mut Engine<T, C, HostMemory>,
+        params: &[usize],
+        root: usize,
+        sink: &mut dyn FnMut(usize, std::ops::Range<usize>, &[T]) -> zero_core::Result<()>,
+    ) -> Result<()> {
+        Ok(engine.stream_params(params, root, sink)?)
     }
 }
 

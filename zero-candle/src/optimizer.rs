@@ -1,6 +1,7 @@
 //! `ZeroOptimizer`: the engine behind `candle_nn::Optimizer`.
 
 use crate::hook::ZeroHook;
+use crate::init::ShardedVarMap;
 use crate::memory::{CandleMemory, MemoryOf};
 use crate::{Error, Result};
 use candle_core::backprop::GradStore;
@@ -8,7 +9,7 @@ use candle_core::{Tensor, Var, WithDType};
 use candle_nn::VarMap;
 use std::path::Path;
 use std::sync::Arc;
-use zero_core::checkpoint::Manifest;
+use zero_core::checkpoint::{Manifest, TensorWriter};
 use zero_core::engine::{
     Engine, EngineConfig, FetchStats, MemoryReport, SaveOptions, Stage, StepReport,
 };
@@ -91,6 +92,38 @@ where
         optimizer: Box<dyn FunctionalOptimizer<T>>,
     ) -> Result<Self> {
         Self::from_named_vars(named_vars(varmap)?, comm, config, optimizer)
+    }
+
+    /// Builds the optimizer over the variables of `map`, with `hook`
+    /// connected (build the model's `zero_candle::nn` layers with `hook`
+    /// through [`ShardedVarMap::builder`] first).
+    ///
+    /// At stage 3 the parameters are sharded from the start: every rank
+    /// computes only its shard of each deferred variable from the map's
+    /// source (a seeded initializer, a file), so no rank ever holds a whole
+    /// sharded parameter, and the first step already runs sharded. Deferred
+    /// variables that cannot be sharded (read by a plain op, or at most
+    /// `persist_numel` elements) get their whole values. At other stages
+    /// the deferred variables get their whole values and this is
+    /// [`ZeroOptimizer::new`] then [`ZeroOptimizer::with_hook`]. A
+    /// collective: every rank builds the same model in the same order.
+    pub fn new_sharded(
+        map: &ShardedVarMap,
+        comm: C,
+        config: EngineConfig,
+        optimizer: Box<dyn FunctionalOptimizer<T>>,
+        hook: &Arc<ZeroHook<C, T>>,
+    ) -> Result<Self> {
+        let stage3 = config.stage == Stage::Parameters;
+        if !stage3 {
+            map.materialize_all()?;
+        }
+        let mut opt = Self::new(map.varmap(), comm, config, optimizer)?.with_hook(hook)?;
+        if stage3 {
+            let (engine, names, vars) = (lent(&mut opt.engine), &opt.names, &opt.vars);
+            crate::stage3::shard_from_start(engine, hook, names, vars, map)?;
+        }
+        Ok(opt)
     }
 
     /// Builds the optimizer over named variables (sorted by name here).
@@ -350,7 +383,81 @@ where
         crate::stage3::full_weights(self.hook.as_deref(), &self.names, &self.vars)
     }
 
-    /// Stage 3: the counters of the parameter gathers, once the parameters
+    /// Writes every variable's full values to the safetensors file `path`
+    /// under its name, in its dtype (master weights rounded to it), one
+    /// tensor at a time: rank 0 writes, and at stage 3 each sharded
+    /// variable is gathered, written and dropped before the next, so no
+    /// rank holds more than one whole tensor beyond what training holds.
+    /// The file appears whole or not at all (written beside it, then
+    /// moved). `VarMap::load`, [`ShardedVarMap::from_safetensors`] and the
+    /// trainer's `--init` read it. A collective: every rank calls it, and
+    /// every rank gets the error if rank 0 cannot write.
+    pub fn save_weights(&mut self, path: impl AsRef<Path>) -> Result<()> {
+        self.engine().wait_for_params()?;
+        let path = path.as_ref();
+        let rank = self.engine().comm().rank();
+        let fetcher = self.hook.as_ref().and_then(|h| h.fetcher());
+        let mut header = Vec::with_capacity(self.vars.len());
+        for (name, var) in self.names.iter().zip(&self.vars) {
+            header.push((
+                name.clone(),
+                zero_dtype(name, var.dtype())?,
+                var.dims().to_vec(),
+            ));
+        }
+        // Rank 0's first failure; it keeps taking part in the gathers.
+        let mut failure: Option<Error> = None;
+        let mut writer = match rank {
+            0 => TensorWriter::create(path, &header)
+                .map_err(|e| failure = Some(e.into()))
+                .ok(),
+            _ => None,
+        };
+        for (i, var) in self.vars.iter().enumerate() {
+            if fetcher.as_ref().is_some_and(|f| f.is_sharded(i)) {
+                // Piece by piece from the shards, in the tensor's order.
+                let dtype = var.dtype();
+                let engine = lent(&mut self.engine);
+                C::Memory::stream_params(engine, &[i], 0, &mut |_, _, values| {
+                    let Some(w) = writer.as_mut() else {
+                        return Ok(());
+                    };
+                    let written = values_as_bytes(values, dtype)
+                        .map_err(|e| zero_core::Error::State(e.to_string()))
+                        .and_then(|bytes| w.write(&bytes));
+                    if let Err(e) = written {
+                        failure = Some(e.into());
+                        writer = None;
+                    }
+                    Ok(())
+                })?;
+            } else if let Some(w) = writer.as_mut() {
+                let written = tensor_bytes(var.as_tensor()).and_then(|b| Ok(w.write(&b)?));
+                if let Err(e) = written {
+                    failure = Some(e);
+                    writer = None;
+                }
+            }
+        }
+        if let Some(w) = writer {
+            if let Err(e) = w.finish() {
+                failure = Some(e.into());
+            }
+        }
+        let mut failed = [f32::from(u8::from(failure.is_some()))];
+        self.engine_mut()
+            .all_reduce_host(&mut failed[..], zero_core::ReduceOp::Max)?;
+        match failure {
+            Some(e) => Err(e),
+            None if failed[0] > 0.0 => Err(Error::Zero(zero_core::Error::State(format!(
+                "save_weights: rank 0 could not write {}; see its error",
+                path.display()
+            )))),
+            None => Ok(()),
+        }
+    }
+
+    /// Stage 3: the counters of the parameter gathers, once the parameters    /// Stage 3: the counters of the parameter gathers, once the parameters
     /// are sharded (after the first optimizer step of `backward_step`).
     pub fn fetch_stats(&self) -> Option<FetchStats> {
         self.hook
@@ -411,6 +518,55 @@ where
     pub fn bytes_sent(&self) -> u64 {
         self.engine().comm().bytes_sent()
     }
+}
+
+/// The engine's name for a Candle float dtype.
+fn zero_dtype(name: &str, dtype: candle_core::DType) -> Result<DType> {
+    Ok(match dtype {
+        candle_core::DType::F32 => DType::F32,
+        candle_core::DType::F64 => DType::F64,
+        candle_core::DType::BF16 => DType::BF16,
+        candle_core::DType::F16 => DType::F16,
+        other => {
+            return Err(Error::Variable {
+                name: name.to_string(),
+                detail: format!(
+                    "dtype {other:?} is not supported by zero-rs; convert it to f32, f64, bf16 \
+                     or f16, or keep it out of the VarMap given to the optimizer"
+                ),
+            })
+        }
+    })
+}
+
+/// A tensor's elements as little-endian bytes, row-major, in its dtype.
+fn tensor_bytes(tensor: &Tensor) -> Result<Vec<u8>> {
+    let flat = tensor.flatten_all()?.to_device(&candle_core::Device::Cpu)?;
+    Ok(match flat.dtype() {
+        candle_core::DType::F32 => bytemuck::cast_slice(&flat.to_vec1::<f32>()?).to_vec(),
+        candle_core::DType::F64 => bytemuck::cast_slice(&flat.to_vec1::<f64>()?).to_vec(),
+        candle_core::DType::BF16 => bytemuck::cast_slice(&flat.to_vec1::<half::bf16>()?).to_vec(),
+        candle_core::DType::F16 => bytemuck::cast_slice(&flat.to_vec1::<half::f16>()?).to_vec(),
+        other => {
+            return Err(Error::Variable {
+                name: "<save_weights>".into(),
+                detail: format!("a {other:?} tensor cannot be saved as weights"),
+            })
+        }
+    })
+}
+
+/// Gathered values (in the engine's type) as bytes of `dtype`, rounded to
+/// it (to nearest, ties to even) where narrower.
+fn values_as_bytes<T: Element + WithDType>(
+    values: &[T],
+    dtype: candle_core::DType,
+) -> Result<Vec<u8>> {
+    if dtype == <T as WithDType>::DTYPE {
+        return Ok(bytemuck::cast_slice(values).to_vec());
+    }
+    let tensor = Tensor::from_slice(values, values.len(), &candle_core::Device::Cpu)?;
+    tensor_bytes(&tensor.to_dtype(dtype)?)
 }
 
 /// The engine, which is only away during `backward_step` (an internal

@@ -12,12 +12,16 @@
 //! the optimizer's checkpoints.
 
 use crate::hook::ZeroHook;
+use crate::init::{fill_from, ShardedVarMap};
 use crate::memory::CandleMemory;
-use crate::Result;
+use crate::params::VarStore;
+use crate::{Error, Result};
+use candle_core::backend::BackendStorage;
 use candle_core::backprop::GradStore;
-use candle_core::{CpuStorage, InplaceOp1, Layout, Tensor, Var, WithDType};
+use candle_core::{CpuStorage, DType, InplaceOp1, Layout, Tensor, Var, WithDType};
+use std::ops::Range;
 use zero_core::engine::{Engine, Stage};
-use zero_core::{Communicator, Element};
+use zero_core::{Communicator, Element, ParamStore};
 
 /// Replaces a CPU variable's storage by an empty one of its dtype.
 struct FreeStorage;
@@ -28,22 +32,22 @@ impl InplaceOp1 for FreeStorage {
     }
 
     fn cpu_fwd(&self, storage: &mut CpuStorage, _layout: &Layout) -> candle_core::Result<()> {
-        *storage = empty_like(storage);
+        if let Some(empty) = empty_storage(storage.dtype()) {
+            *storage = empty;
+        }
         Ok(())
     }
 }
 
-fn empty_like(storage: &CpuStorage) -> CpuStorage {
-    match storage {
-        CpuStorage::U8(_) => CpuStorage::U8(Vec::new()),
-        CpuStorage::U32(_) => CpuStorage::U32(Vec::new()),
-        CpuStorage::I64(_) => CpuStorage::I64(Vec::new()),
-        CpuStorage::BF16(_) => CpuStorage::BF16(Vec::new()),
-        CpuStorage::F16(_) => CpuStorage::F16(Vec::new()),
-        CpuStorage::F32(_) => CpuStorage::F32(Vec::new()),
-        CpuStorage::F64(_) => CpuStorage::F64(Vec::new()),
-        other => other.clone(),
-    }
+/// An empty CPU storage of a float `dtype` (`None` for other dtypes).
+pub(crate) fn empty_storage(dtype: DType) -> Option<CpuStorage> {
+    Some(match dtype {
+        DType::BF16 => CpuStorage::BF16(Vec::new()),
+        DType::F16 => CpuStorage::F16(Vec::new()),
+        DType::F32 => CpuStorage::F32(Vec::new()),
+        DType::F64 => CpuStorage::F64(Vec::new()),
+        _ => return None,
+    })
 }
 
 /// After an optimizer step: if the engine runs stage 3 and has not
@@ -108,4 +112,93 @@ where
         out.push((name.clone(), tensor));
     }
     Ok(out)
+}
+
+/// The engine's view of a model built by a [`ShardedVarMap`]: deferred
+/// variables are read from the map's source (only the ranges asked for),
+/// the others from the variables.
+pub(crate) struct InitStore<'a> {
+    pub(crate) vars: VarStore<'a>,
+    pub(crate) names: &'a [String],
+    pub(crate) map: &'a ShardedVarMap,
+}
+
+impl<T: Element + WithDType> ParamStore<T> for InitStore<'_> {
+    fn read(&mut self, param: usize, range: Range<usize>, out: &mut [T]) -> zero_core::Result<()> {
+        let name = &self.names[param];
+        match self.map.deferred(name) {
+            Some((init, shape)) => {
+                let dtype = self.vars.vars[param].dtype();
+                fill_from(self.map.source(), (name, &shape, init), range, dtype, out)
+                    .map_err(into_zero)
+            }
+            None => self.vars.read(param, range, out),
+        }
+    }
+
+    fn write(&mut self, param: usize, range: Range<usize>, values: &[T]) -> zero_core::Result<()> {
+        let name = &self.names[param];
+        if self.map.deferred(name).is_some() {
+            return Err(zero_core::Error::State(format!(
+                "internal: the engine wrote {name:?} before it was sharded or given values"
+            )));
+        }
+        self.vars.write(param, range, values)
+    }
+}
+
+/// An adapter error as the engine's.
+fn into_zero(e: Error) -> zero_core::Error {
+    match e {
+        Error::Zero(e) => e,
+        other => zero_core::Error::State(other.to_string()),
+    }
+}
+
+/// Stage 3 from the start, for [`ZeroOptimizer::new_sharded`]: every
+/// deferred variable of `map` that cannot be sharded (a plain op reads it,
+/// or it is at most `persist_numel`) gets its whole values; the others are
+/// laid out in the reverse of the order the layers announced them (about
+/// the order of their gradients) and sharded, this rank's pieces computed
+/// from the map's source. A collective.
+///
+/// [`ZeroOptimizer::new_sharded`]: crate::ZeroOptimizer::new_sharded
+pub(crate) fn shard_from_start<C, T>(
+    engine: &mut Engine<T, C, crate::memory::MemoryOf<T, C>>,
+    hook: &ZeroHook<C, T>,
+    names: &[String],
+    vars: &[Var],
+    map: &ShardedVarMap,
+) -> Result<()>
+where
+    C: Communicator + 'static,
+    T: Element + WithDType,
+    C::Memory: CandleMemory<T, C>,
+{
+    let persist = engine.config().persist_numel;
+    let gatherable = hook.gatherable();
+    let mask: Vec<bool> = gatherable
+        .iter()
+        .zip(vars)
+        .map(|(&g, var)| g && var.elem_count() > persist)
+        .collect();
+    for (name, &sharded) in names.iter().zip(&mask) {
+        if !sharded {
+            map.materialize(name)?;
+        }
+    }
+    let mut order = hook.construction_order();
+    order.reverse();
+    let fetcher = C::Memory::shard_from_start(engine, &order, &mask, (names, vars), map)?;
+    let sharded: Vec<&str> = names
+        .iter()
+        .enumerate()
+        .filter(|&(i, _)| fetcher.is_sharded(i))
+        .map(|(_, n)| n.as_str())
+        .collect();
+    map.sharded(&sharded);
+    // Anything deferred the engine did not shard gets its values.
+    map.materialize_all()?;
+    hook.set_fetcher(fetcher);
+    Ok(())
 }

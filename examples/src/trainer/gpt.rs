@@ -13,11 +13,12 @@
 //! so that variable's gradient is the sum of its two uses.
 
 use crate::trainer::TrainError;
-use candle_core::{DType, Device, Module, Tensor, Var, D};
+use candle_core::{DType, Device, Module, Tensor, D};
 use candle_nn::VarMap;
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use std::sync::Arc;
 use zero_candle::nn::{ops, Embedding, GradHook, LayerNorm, Linear};
+use zero_candle::ShardedVarMap;
 
 /// Bytes: the vocabulary needs no tokenizer and no download.
 pub const VOCAB: usize = 256;
@@ -92,37 +93,32 @@ pub struct Gpt {
     head: Linear,
 }
 
-/// Creates variables in `varmap` in a fixed order from one seeded stream.
+/// Creates the variables through a [`ShardedVarMap`] in a fixed order.
 struct Init<'a> {
-    data: std::sync::MutexGuard<'a, std::collections::HashMap<String, Var>>,
-    rng: StdRng,
+    map: &'a ShardedVarMap,
     device: &'a Device,
     /// Where the layers hand their gradients during backward (`None`: to
     /// backward's GradStore).
     hook: Option<Arc<dyn GradHook>>,
-    /// The variables' dtype (values drawn in f32, then rounded).
+    /// The variables' dtype (values computed in f64, then rounded).
     dtype: DType,
 }
 
 impl Init<'_> {
     /// Uniform with standard deviation `std` (GPT-2 draws normal(0, 0.02);
-    /// uniform with the same spread trains alike and needs no extra crate).
-    fn uniform(&mut self, name: &str, shape: &[usize], std: f32) -> Result<Tensor, TrainError> {
-        let bound = std * 3f32.sqrt();
-        let n = shape.iter().product();
-        let values: Vec<f32> = (0..n).map(|_| self.rng.gen_range(-bound..bound)).collect();
-        self.insert(name, Tensor::from_vec(values, shape, self.device)?)
+    /// uniform with the same spread trains alike).
+    fn uniform(&mut self, name: &str, shape: &[usize], std: f64) -> Result<Tensor, TrainError> {
+        let bound = std * 3f64.sqrt();
+        let init = candle_nn::Init::Uniform {
+            lo: -bound,
+            up: bound,
+        };
+        Ok(self.map.get(shape, name, init, self.dtype, self.device)?)
     }
 
-    fn constant(&mut self, name: &str, size: usize, value: f32) -> Result<Tensor, TrainError> {
-        self.insert(name, Tensor::full(value, size, self.device)?)
-    }
-
-    fn insert(&mut self, name: &str, value: Tensor) -> Result<Tensor, TrainError> {
-        let var = Var::from_tensor(&value.to_dtype(self.dtype)?)?;
-        let tensor = var.as_tensor().clone();
-        self.data.insert(name.to_string(), var);
-        Ok(tensor)
+    fn constant(&mut self, name: &str, size: usize, value: f64) -> Result<Tensor, TrainError> {
+        let init = candle_nn::Init::Const(value);
+        Ok(self.map.get(size, name, init, self.dtype, self.device)?)
     }
 
     fn linear(
@@ -130,7 +126,7 @@ impl Init<'_> {
         name: &str,
         d_in: usize,
         d_out: usize,
-        std: f32,
+        std: f64,
     ) -> Result<Linear, TrainError> {
         let w = self.uniform(&format!("{name}.weight"), &[d_out, d_in], std)?;
         let b = self.constant(&format!("{name}.bias"), d_out, 0.0)?;
@@ -182,21 +178,32 @@ impl Gpt {
         hook: Option<Arc<dyn GradHook>>,
         dtype: DType,
     ) -> Result<Self, TrainError> {
+        let map = ShardedVarMap::seeded(seed, None);
+        let gpt = Self::build(&map, config, device, hook, dtype)?;
+        crate::trainer::model::copy_vars(&map, varmap)?;
+        Ok(gpt)
+    }
+
+    /// Creates the variables through `map` (whose source gives their
+    /// values; large ones may be deferred for stage 3), with layers that
+    /// hand their gradients to `hook`.
+    pub fn build(
+        map: &ShardedVarMap,
+        config: GptConfig,
+        device: &Device,
+        hook: Option<Arc<dyn GradHook>>,
+        dtype: DType,
+    ) -> Result<Self, TrainError> {
         config.validate()?;
-        let data = varmap
-            .data()
-            .lock()
-            .map_err(|_| TrainError::Internal("VarMap lock poisoned".into()))?;
         let mut init = Init {
-            data,
-            rng: StdRng::seed_from_u64(seed),
+            map,
             device,
             hook: hook.clone(),
             dtype,
         };
         let d = config.d_model;
         let std = 0.02;
-        let residual_std = std / (2.0 * config.layers as f32).sqrt();
+        let residual_std = std / (2.0 * config.layers as f64).sqrt();
         let wte = init.uniform("wte.weight", &[VOCAB, d], std)?;
         let wpe = init.uniform("wpe.weight", &[config.context, d], std)?;
         let mut blocks = Vec::with_capacity(config.layers);

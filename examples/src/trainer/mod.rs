@@ -12,12 +12,11 @@ mod text;
 pub use args::{Args, Backend, ModelKind, OptimizerKind, OverlapArg, PartitionerArg, Precision};
 pub use data::Dataset;
 pub use gpt::{Gpt, GptConfig, GptOps, VOCAB};
-pub use model::{load_weights, save_weights, Mlp};
+pub use model::{copy_vars, read_weights, Mlp};
 pub use plot::LossHistory;
 pub use text::{TextData, DEFAULT_CORPUS_DIR};
 
 use candle_core::{DType, Device, Tensor, WithDType};
-use candle_nn::VarMap;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 use std::io::{IsTerminal, Write};
@@ -25,7 +24,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use zero_candle::nn::GradHook;
-use zero_candle::{CandleMemory, ZeroHook, ZeroOptimizer};
+use zero_candle::{CandleMemory, ShardedVarMap, ZeroHook, ZeroOptimizer};
 use zero_core::checkpoint::Manifest;
 use zero_core::comm::Host;
 use zero_core::engine::{
@@ -129,8 +128,6 @@ pub struct Summary {
     pub final_loss: f64,
     /// Steps run (including those before a resume).
     pub steps: u64,
-    /// Final weights by name (rank 0).
-    pub weights: Vec<(String, Vec<f32>)>,
     /// The last validation loss measured (GPT with `--eval-every`).
     pub val_loss: Option<f64>,
     /// The bytes `--sample` generated (GPT, rank 0).
@@ -203,19 +200,16 @@ fn run_nccl(args: &Args, data: &Arc<TrainingData>) -> Result<Summary, TrainError
         .with_timeout(timeout(args)?);
     let device = Device::new_cuda(comm.context().ordinal())?;
     let (rank, world_size) = (comm.rank(), comm.world_size());
-    let varmap = VarMap::new();
+    let map = model_vars(args)?;
     let hook = zero_candle::ZeroHook::<NcclComm, f32>::new();
-    let model = Model::new(args, data, &varmap, &device, hook.clone())?;
-    if let Some(path) = &args.init {
-        load_weights(&varmap, path)?;
-    }
-    let mut opt = NcclZeroOptimizer::new(
-        &varmap,
+    let model = Model::new(args, data, &map, &device, hook.clone())?;
+    let mut opt = NcclZeroOptimizer::new_sharded(
+        &map,
         comm,
         engine_config(args),
         crate::optimizers::build(args)?,
-    )?
-    .with_hook(&hook)?;
+        &hook,
+    )?;
     let ctx = LoopContext {
         args,
         rank,
@@ -474,6 +468,22 @@ fn gpt_config(args: &Args) -> GptConfig {
     }
 }
 
+/// Where the model's variables come from: `--init`'s file (memory-mapped)
+/// or the seed; at stage 3 the large ones are created without values, for
+/// each rank to fill its shard.
+fn model_vars(args: &Args) -> Result<ShardedVarMap, TrainError> {
+    let defer_above = (args.stage == 3).then(|| engine_config(args).persist_numel);
+    Ok(match &args.init {
+        Some(path) => {
+            ShardedVarMap::from_safetensors(path, defer_above).map_err(|e| TrainError::Data {
+                path: path.clone(),
+                detail: format!("cannot initialize from it: {e}"),
+            })?
+        }
+        None => ShardedVarMap::seeded(args.seed, defer_above),
+    })
+}
+
 /// The model a rank trains, with the data it reads.
 enum Model<'a> {
     Mlp(Mlp, &'a Dataset),
@@ -481,12 +491,12 @@ enum Model<'a> {
 }
 
 impl<'a> Model<'a> {
-    /// Creates the variables in `varmap`, seeded identically on every rank.
-    /// The layers hand their gradients to `hook` during backward.
+    /// Creates the variables through `map`, the same on every rank. The
+    /// layers hand their gradients to `hook` during backward.
     fn new(
         args: &Args,
         data: &'a TrainingData,
-        varmap: &VarMap,
+        map: &ShardedVarMap,
         device: &Device,
         hook: Arc<dyn GradHook>,
     ) -> Result<Self, TrainError> {
@@ -494,11 +504,11 @@ impl<'a> Model<'a> {
         let dtype = args.precision.dtype();
         Ok(match data {
             TrainingData::Rows(rows) => Self::Mlp(
-                Mlp::with_hook_in(varmap, &widths(args, rows), args.seed, device, hook, dtype)?,
+                Mlp::build(map, &widths(args, rows), device, hook, dtype)?,
                 rows,
             ),
             TrainingData::Text(text) => Self::Gpt(
-                Gpt::with_hook_in(varmap, gpt_config(args), args.seed, device, hook, dtype)?,
+                Gpt::build(map, gpt_config(args), device, hook, dtype)?,
                 text,
             ),
         })
@@ -591,8 +601,9 @@ trait RankOptimizer {
         options: &SaveOptions,
     ) -> Result<(), TrainError>;
     fn load_checkpoint(&mut self, dir: &std::path::Path) -> Result<Manifest, TrainError>;
-    /// Every trained variable's values by name (a collective at stage 3).
-    fn full_weights(&self) -> Result<Vec<(String, Tensor)>, TrainError>;
+    /// Writes every trained variable to a safetensors file, one tensor at
+    /// a time (a collective).
+    fn save_weights(&mut self, path: &std::path::Path) -> Result<(), TrainError>;
     /// Steps that deferred their all-gathers.
     fn deferred_steps(&self) -> u64;
     /// Stage 3, once sharded: the parameter gathers so far.
@@ -637,8 +648,8 @@ where
     fn load_checkpoint(&mut self, dir: &std::path::Path) -> Result<Manifest, TrainError> {
         Ok(ZeroOptimizer::load_checkpoint(self, dir)?)
     }
-    fn full_weights(&self) -> Result<Vec<(String, Tensor)>, TrainError> {
-        Ok(ZeroOptimizer::full_weights(self)?)
+    fn save_weights(&mut self, path: &std::path::Path) -> Result<(), TrainError> {
+        Ok(ZeroOptimizer::save_weights(self, path)?)
     }
     fn deferred_steps(&self) -> u64 {
         self.engine().deferred_steps()
@@ -676,19 +687,18 @@ where
     T: Float + WithDType,
 {
     let (rank, world_size) = (comm.rank(), comm.world_size());
-    let varmap = VarMap::new();
+    let map = model_vars(args)?;
     let hook = ZeroHook::<C, T>::new();
-    let model = Model::new(args, data, &varmap, &Device::Cpu, hook.clone())?;
-    if let Some(path) = &args.init {
-        load_weights(&varmap, path)?;
-    }
-    let mut opt = ZeroOptimizer::<C, T>::new(
-        &varmap,
+    let model = Model::new(args, data, &map, &Device::Cpu, hook.clone())?;
+    // At stage 3 each rank builds and initializes (or reads) only its
+    // shard of the large parameters.
+    let mut opt = ZeroOptimizer::<C, T>::new_sharded(
+        &map,
         comm,
         engine_config(args),
         crate::optimizers::build(args)?,
-    )?
-    .with_hook(&hook)?;
+        &hook,
+    )?;
     let ctx = LoopContext {
         args,
         rank,
@@ -859,10 +869,12 @@ fn train_loop(ctx: &LoopContext<'_>, opt: &mut dyn RankOptimizer) -> Result<Summ
         })?;
     }
 
-    // Every rank: at stage 3 gathering the sharded weights is a collective,
-    // and so is every forward (the sample).
-    let full_weights = opt.full_weights()?;
-    let mut weights = Vec::new();
+    // Every rank: saving is a collective (at stage 3 each sharded weight is
+    // gathered, written and dropped in turn), and at stage 3 so is every
+    // forward (the sample).
+    if let Some(path) = &args.save {
+        opt.save_weights(path)?;
+    }
     let mut sample = None;
     let sharded = args.stage == 3;
     if rank == 0 || sharded {
@@ -904,23 +916,10 @@ fn train_loop(ctx: &LoopContext<'_>, opt: &mut dyn RankOptimizer) -> Result<Summ
                 eprintln!("loss plot written to {}", path.display());
             }
         }
-        if let Some(path) = &args.save {
-            save_weights(&full_weights, path)?;
-        }
-        for (name, tensor) in full_weights {
-            weights.push((
-                name,
-                tensor
-                    .flatten_all()?
-                    .to_dtype(DType::F32)?
-                    .to_vec1::<f32>()?,
-            ));
-        }
     }
     Ok(Summary {
         final_loss,
         steps: args.steps,
-        weights,
         val_loss,
         sample,
         deferred_steps: opt.deferred_steps(),

@@ -3,11 +3,11 @@
 //! the weight in place and writes its gradient straight out).
 
 use crate::trainer::TrainError;
-use candle_core::{DType, Device, Tensor, Var};
-use candle_nn::{Module, VarMap};
-use rand::{rngs::StdRng, Rng, SeedableRng};
+use candle_core::{DType, Device, Tensor};
+use candle_nn::{Init, Module, VarMap};
 use std::path::Path;
 use zero_candle::nn::Linear;
+use zero_candle::ShardedVarMap;
 
 /// A multi-layer perceptron over variables of a [`VarMap`].
 pub struct Mlp {
@@ -17,7 +17,8 @@ pub struct Mlp {
 impl Mlp {
     /// Creates the variables in `varmap` on `device`, initialized from
     /// `seed` like PyTorch's `nn.Linear` (uniform in ±1/sqrt(fan_in)),
-    /// identically on every rank.
+    /// identically on every rank (each element a function of the seed, its
+    /// name and its index: see [`Mlp::build`]).
     pub fn new(
         varmap: &VarMap,
         widths: &[usize],
@@ -39,7 +40,7 @@ impl Mlp {
         Self::with_hook_in(varmap, widths, seed, device, hook, DType::F32)
     }
 
-    /// [`Mlp::with_hook`] with variables of `dtype` (the same seeded f32
+    /// [`Mlp::with_hook`] with variables of `dtype` (the same seeded
     /// values, rounded): a 16-bit model for mixed precision.
     pub fn with_hook_in(
         varmap: &VarMap,
@@ -49,31 +50,42 @@ impl Mlp {
         hook: Option<std::sync::Arc<dyn zero_candle::nn::GradHook>>,
         dtype: DType,
     ) -> Result<Self, TrainError> {
-        let mut rng = StdRng::seed_from_u64(seed);
-        let mut data = varmap
-            .data()
-            .lock()
-            .map_err(|_| TrainError::Internal("VarMap lock poisoned".into()))?;
+        let map = ShardedVarMap::seeded(seed, None);
+        let mlp = Self::build(&map, widths, device, hook, dtype)?;
+        copy_vars(&map, varmap)?;
+        Ok(mlp)
+    }
+
+    /// Creates the variables through `map` (whose source gives their
+    /// values: [`SeededInit`](zero_candle::SeededInit) draws them uniform
+    /// in ±1/sqrt(fan_in), as PyTorch's `nn.Linear`; large ones may be
+    /// deferred for stage 3).
+    pub fn build(
+        map: &ShardedVarMap,
+        widths: &[usize],
+        device: &Device,
+        hook: Option<std::sync::Arc<dyn zero_candle::nn::GradHook>>,
+        dtype: DType,
+    ) -> Result<Self, TrainError> {
         let mut layers = Vec::new();
         for (i, pair) in widths.windows(2).enumerate() {
             let (fan_in, fan_out) = (pair[0], pair[1]);
-            let bound = 1.0 / (fan_in as f32).sqrt();
-            let w: Vec<f32> = (0..fan_in * fan_out)
-                .map(|_| rng.gen_range(-bound..bound))
-                .collect();
-            let b: Vec<f32> = (0..fan_out).map(|_| rng.gen_range(-bound..bound)).collect();
-            let w = Tensor::from_vec(w, (fan_out, fan_in), device)?.to_dtype(dtype)?;
-            let b = Tensor::from_vec(b, fan_out, device)?.to_dtype(dtype)?;
-            let (w, b) = (Var::from_tensor(&w)?, Var::from_tensor(&b)?);
-            data.insert(format!("layers.{i}.weight"), w.clone());
-            data.insert(format!("layers.{i}.bias"), b.clone());
+            let bound = 1.0 / (fan_in as f64).sqrt();
+            let init = Init::Uniform {
+                lo: -bound,
+                up: bound,
+            };
+            let w = map.get(
+                (fan_out, fan_in),
+                &format!("layers.{i}.weight"),
+                init,
+                dtype,
+                device,
+            )?;
+            let b = map.get(fan_out, &format!("layers.{i}.bias"), init, dtype, device)?;
             // Without a hook the gradients land in backward's GradStore,
             // for `ZeroOptimizer::step`.
-            layers.push(Linear::new(
-                w.as_tensor().clone(),
-                Some(b.as_tensor().clone()),
-                hook.clone(),
-            ));
+            layers.push(Linear::new(w, Some(b), hook.clone()));
         }
         Ok(Self { layers })
     }
@@ -91,49 +103,37 @@ impl Mlp {
     }
 }
 
-/// Loads every variable of `varmap` by name from a safetensors file; a
-/// missing or mis-shaped tensor is an error naming it.
-pub fn load_weights(varmap: &VarMap, path: &Path) -> Result<(), TrainError> {
-    let bad = |detail: String| TrainError::Data {
-        path: path.to_path_buf(),
-        detail,
-    };
-    let tensors = candle_core::safetensors::load(path, &Device::Cpu)
-        .map_err(|e| bad(format!("cannot load weights: {e}")))?;
-    let data = varmap
+/// Puts the variables of `map` into `varmap` (a model built through a
+/// [`ShardedVarMap`] for callers that hold a plain `VarMap`).
+pub fn copy_vars(map: &ShardedVarMap, varmap: &VarMap) -> Result<(), TrainError> {
+    let from = map
+        .varmap()
         .data()
         .lock()
         .map_err(|_| TrainError::Internal("VarMap lock poisoned".into()))?;
-    let mut names: Vec<&String> = data.keys().collect();
-    names.sort();
-    for name in names {
-        let var = &data[name];
-        let Some(t) = tensors.get(name) else {
-            return Err(bad(format!(
-                "has no tensor {name:?} (shape {:?})",
-                var.dims()
-            )));
-        };
-        if t.dims() != var.dims() {
-            return Err(bad(format!(
-                "tensor {name:?} has shape {:?}, the model needs {:?}",
-                t.dims(),
-                var.dims()
-            )));
-        }
-        var.set(&t.to_dtype(var.dtype())?.to_device(var.device())?)?;
-    }
+    let mut to = varmap
+        .data()
+        .lock()
+        .map_err(|_| TrainError::Internal("VarMap lock poisoned".into()))?;
+    to.extend(from.iter().map(|(n, v)| (n.clone(), v.clone())));
     Ok(())
 }
 
-/// Writes the weights under their names (safetensors, as `VarMap::save`).
-pub fn save_weights(weights: &[(String, Tensor)], path: &Path) -> Result<(), TrainError> {
-    let tensors: std::collections::HashMap<&str, Tensor> = weights
-        .iter()
-        .map(|(n, t)| (n.as_str(), t.clone()))
-        .collect();
-    candle_core::safetensors::save(&tensors, path).map_err(|e| TrainError::Data {
-        path: path.to_path_buf(),
-        detail: format!("cannot write weights: {e}"),
-    })
+/// Every tensor of a safetensors weights file (`--save`), by name, as f32.
+pub fn read_weights(path: &Path) -> Result<Vec<(String, Vec<f32>)>, TrainError> {
+    let tensors =
+        candle_core::safetensors::load(path, &Device::Cpu).map_err(|e| TrainError::Data {
+            path: path.to_path_buf(),
+            detail: format!("cannot load weights: {e}"),
+        })?;
+    let mut weights = Vec::with_capacity(tensors.len());
+    for (name, tensor) in tensors {
+        let values = tensor
+            .flatten_all()?
+            .to_dtype(DType::F32)?
+            .to_vec1::<f32>()?;
+        weights.push((name, values));
+    }
+    weights.sort_by(|a, b| a.0.cmp(&b.0));
+    Ok(weights)
 }

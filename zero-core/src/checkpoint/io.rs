@@ -1,5 +1,6 @@
 //! File primitives for checkpoints: atomic writes, verified reads,
-//! safetensors files and the manifest.
+//! safetensors files (written one tensor at a time, read through a memory
+//! map) and the manifest.
 
 use super::state_dict::GroupState;
 use crate::partition::{ParamInfo, PartitionKind};
@@ -9,7 +10,8 @@ use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, BufWriter, Read, Write};
-use std::path::{Component, Path};
+use std::ops::Range;
+use std::path::{Component, Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// The checkpoint format this build writes and the newest it reads.
@@ -153,56 +155,91 @@ where
     F: FnOnce(&mut dyn Write) -> io::Result<()>,
 {
     let path = path.as_ref();
-    let file_name = path
-        .file_name()
-        .ok_or_else(|| checkpoint_error(path, "not a file path (it has no file name)"))?;
-    let dir = match path.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d,
-        _ => Path::new("."),
-    };
-    let temp = temp_path(dir, file_name);
-
-    let file = OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .open(&temp)
-        .map_err(|e| io_error(&temp, e))?;
-
-    let result = fill_and_sync(file, write, path, &temp).and_then(|record| {
-        fs::rename(&temp, path).map_err(|e| io_error(path, e))?;
-        Ok(record)
-    });
-    let record = match result {
-        Ok(record) => record,
-        Err(e) => {
-            // Best effort: the error that matters is the one being returned.
-            let _ = fs::remove_file(&temp);
-            return Err(e);
-        }
-    };
-    sync_dir(dir)?;
-    Ok(record)
+    let mut file = AtomicFile::create(path)?;
+    write(&mut file.writer).map_err(|e| from_write_error(path, e))?;
+    file.commit()
 }
 
-fn fill_and_sync<F>(file: File, write: F, path: &Path, temp: &Path) -> Result<FileRecord>
-where
-    F: FnOnce(&mut dyn Write) -> io::Result<()>,
-{
-    let mut writer = HashingWriter {
-        inner: BufWriter::new(file),
-        hasher: Sha256::new(),
-        len: 0,
-    };
-    write(&mut writer).map_err(|e| from_write_error(path, e))?;
-    let HashingWriter { inner, hasher, len } = writer;
-    let file = inner
-        .into_inner()
-        .map_err(|e| io_error(temp, e.into_error()))?;
-    file.sync_all().map_err(|e| io_error(temp, e))?;
-    Ok(FileRecord {
-        sha256: hex(&hasher.finalize()),
-        len,
-    })
+/// Removes a temporary file when dropped, unless [`kept`](TempGuard::keep):
+/// whatever path a write leaves early by, no temporary file stays behind.
+struct TempGuard(PathBuf);
+
+impl TempGuard {
+    /// The file was renamed into place: nothing to remove.
+    fn keep(mut self) {
+        self.0 = PathBuf::new();
+    }
+}
+
+impl Drop for TempGuard {
+    fn drop(&mut self) {
+        if !self.0.as_os_str().is_empty() {
+            // Best effort: the error that matters is the one being returned.
+            let _ = fs::remove_file(&self.0);
+        }
+    }
+}
+
+/// A file being written atomically, the mechanism of [`write_atomic`] and
+/// [`TensorWriter`]: a temporary file beside `path`, hashed on the way
+/// through, renamed over `path` by [`commit`](AtomicFile::commit). Dropped
+/// uncommitted, it removes the temporary file and `path` is untouched.
+struct AtomicFile {
+    path: PathBuf,
+    dir: PathBuf,
+    temp: TempGuard,
+    writer: HashingWriter<BufWriter<File>>,
+}
+
+impl AtomicFile {
+    fn create(path: &Path) -> Result<Self> {
+        let file_name = path
+            .file_name()
+            .ok_or_else(|| checkpoint_error(path, "not a file path (it has no file name)"))?;
+        let dir = match path.parent() {
+            Some(d) if !d.as_os_str().is_empty() => d,
+            _ => Path::new("."),
+        };
+        let temp = temp_path(dir, file_name);
+        let file = OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&temp)
+            .map_err(|e| io_error(&temp, e))?;
+        Ok(Self {
+            path: path.to_path_buf(),
+            dir: dir.to_path_buf(),
+            temp: TempGuard(temp),
+            writer: HashingWriter {
+                inner: BufWriter::new(file),
+                hasher: Sha256::new(),
+                len: 0,
+            },
+        })
+    }
+
+    /// Flushes and fsyncs the file, renames it over `path` and fsyncs the
+    /// directory; returns the checksum and length of what was written.
+    fn commit(self) -> Result<FileRecord> {
+        let Self {
+            path,
+            dir,
+            temp,
+            writer: HashingWriter { inner, hasher, len },
+        } = self;
+        let file = inner
+            .into_inner()
+            .map_err(|e| io_error(&temp.0, e.into_error()))?;
+        file.sync_all().map_err(|e| io_error(&temp.0, e))?;
+        drop(file);
+        fs::rename(&temp.0, &path).map_err(|e| io_error(&path, e))?;
+        temp.keep();
+        sync_dir(&dir)?;
+        Ok(FileRecord {
+            sha256: hex(&hasher.finalize()),
+            len,
+        })
+    }
 }
 
 /// Unwraps a [`crate::Error`] that a writer callback smuggled through
@@ -288,43 +325,63 @@ impl<W: Write> Write for FailAfter<W> {
     }
 }
 
+/// Opens a file a manifest records, naming a missing one as such.
+fn open_recorded(path: &Path) -> Result<File> {
+    match File::open(path) {
+        Ok(f) => Ok(f),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Err(checkpoint_error(
+            path,
+            "file is missing; was the checkpoint copied completely?",
+        )),
+        Err(e) => Err(io_error(path, e)),
+    }
+}
+
+fn check_len(path: &Path, found: u64, expected: u64) -> Result<()> {
+    if found == expected {
+        return Ok(());
+    }
+    let what = if found < expected {
+        "the file is truncated"
+    } else {
+        "the file has extra bytes"
+    };
+    Err(checkpoint_error(
+        path,
+        format!("expected {expected} bytes, found {found}; {what}"),
+    ))
+}
+
+fn check_sha256(path: &Path, hasher: Sha256, expected: &str) -> Result<()> {
+    let found = hex(&hasher.finalize());
+    if found.eq_ignore_ascii_case(expected) {
+        return Ok(());
+    }
+    Err(checkpoint_error(
+        path,
+        format!(
+            "checksum mismatch: expected {expected}, found {found}; \
+             the file is corrupted or was replaced"
+        ),
+    ))
+}
+
 /// Reads a whole file and checks its length and SHA-256 against what was
 /// recorded when it was written.
 ///
 /// Fails with [`Error::Checkpoint`] naming the file if it is missing, has
-/// another length (truncated or grown), or its checksum differs.
+/// another length (truncated or grown), or its checksum differs. To check a
+/// large file without holding it, use [`verify_file`] or
+/// [`Manifest::map_file`].
 pub fn read_verified(
     path: impl AsRef<Path>,
     expected_sha256: &str,
     expected_len: u64,
 ) -> Result<Vec<u8>> {
     let path = path.as_ref();
-    let mut file = match File::open(path) {
-        Ok(f) => f,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => {
-            return Err(checkpoint_error(
-                path,
-                "file is missing; was the checkpoint copied completely?",
-            ))
-        }
-        Err(e) => return Err(io_error(path, e)),
-    };
-    let check_len = |found: u64| -> Result<()> {
-        if found == expected_len {
-            return Ok(());
-        }
-        let what = if found < expected_len {
-            "the file is truncated"
-        } else {
-            "the file has extra bytes"
-        };
-        Err(checkpoint_error(
-            path,
-            format!("expected {expected_len} bytes, found {found}; {what}"),
-        ))
-    };
+    let mut file = open_recorded(path)?;
     let on_disk = file.metadata().map_err(|e| io_error(path, e))?.len();
-    check_len(on_disk)?;
+    check_len(path, on_disk, expected_len)?;
 
     let capacity = usize::try_from(expected_len).map_err(|_| {
         checkpoint_error(
@@ -335,23 +392,38 @@ pub fn read_verified(
     let mut bytes = Vec::with_capacity(capacity);
     file.read_to_end(&mut bytes)
         .map_err(|e| io_error(path, e))?;
-    check_len(bytes.len() as u64)?;
-
-    let found = hex(&Sha256::digest(&bytes));
-    if !found.eq_ignore_ascii_case(expected_sha256) {
-        return Err(checkpoint_error(
-            path,
-            format!(
-                "checksum mismatch: expected {expected_sha256}, found {found}; \
-                 the file is corrupted or was replaced"
-            ),
-        ));
-    }
+    check_len(path, bytes.len() as u64, expected_len)?;
+    check_sha256(path, Sha256::new_with_prefix(&bytes), expected_sha256)?;
     Ok(bytes)
 }
 
+/// Checks a file's length and SHA-256 against what was recorded when it was
+/// written, as [`read_verified`] does, reading it in chunks of 1 MiB: it
+/// never holds the file.
+pub fn verify_file(path: impl AsRef<Path>, expected_sha256: &str, expected_len: u64) -> Result<()> {
+    let path = path.as_ref();
+    let mut file = open_recorded(path)?;
+    let on_disk = file.metadata().map_err(|e| io_error(path, e))?.len();
+    check_len(path, on_disk, expected_len)?;
+    let mut hasher = Sha256::new();
+    let mut chunk = vec![0u8; 1 << 20];
+    let mut len = 0u64;
+    loop {
+        let n = match file.read(&mut chunk) {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(io_error(path, e)),
+        };
+        hasher.update(&chunk[..n]);
+        len += n as u64;
+    }
+    check_len(path, len, expected_len)?;
+    check_sha256(path, hasher, expected_sha256)
+}
+
 /// One tensor as raw little-endian bytes: what [`save_tensors`] writes and
-/// [`load_tensors`] returns.
+/// [`load_tensors`] and [`MappedTensors::get`] return.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TensorBytes<'a> {
     /// Element type.
@@ -373,7 +445,56 @@ impl TensorBytes<'_> {
                 T::DTYPE
             )));
         }
-        let size = std::mem::size_of::<T>();
+        let mut out = vec![T::default(); self.numel()?];
+        // Copy through a correctly aligned buffer: file data may be unaligned.
+        bytemuck::cast_slice_mut::<T, u8>(&mut out).copy_from_slice(self.data);
+        Ok(out)
+    }
+
+    /// Copies the elements out converted to `T` from any float dtype
+    /// (exact when widening, rounded to nearest when narrowing): a
+    /// checkpoint of one precision loads into an engine of another.
+    pub fn to_vec_as<T: Element>(&self) -> Result<Vec<T>> {
+        let mut out = vec![T::default(); self.numel()?];
+        self.read_range_as(0..out.len(), &mut out)?;
+        Ok(out)
+    }
+
+    /// Writes elements `range` of the flattened tensor into `out`, converted
+    /// to `T` as [`to_vec_as`](TensorBytes::to_vec_as) converts: a rank
+    /// reads the part of a parameter it owns without copying the rest.
+    ///
+    /// Fails if `range` is not within the tensor or `out` is not
+    /// `range.len()` long. The bytes need not be aligned for the dtype.
+    pub fn read_range_as<T: Element>(&self, range: Range<usize>, out: &mut [T]) -> Result<()> {
+        let numel = self.numel()?;
+        if range.start > range.end || range.end > numel {
+            return Err(Error::Config(format!(
+                "elements {range:?} are outside the tensor's {numel} elements"
+            )));
+        }
+        if out.len() != range.len() {
+            return Err(Error::BufferSize {
+                op: "read_range_as",
+                what: "out",
+                got: out.len(),
+                expected: range.len(),
+            });
+        }
+        let size = self.dtype.size_in_bytes();
+        let bytes = &self.data[range.start * size..range.end * size];
+        match self.dtype {
+            DType::F32 => convert_bytes::<f32, T>(bytes, out),
+            DType::F64 => convert_bytes::<f64, T>(bytes, out),
+            DType::BF16 => convert_bytes::<half::bf16, T>(bytes, out),
+            DType::F16 => convert_bytes::<half::f16, T>(bytes, out),
+        }
+        Ok(())
+    }
+
+    /// The number of elements, from the data's length.
+    fn numel(&self) -> Result<usize> {
+        let size = self.dtype.size_in_bytes();
         if self.data.len() % size != 0 {
             return Err(Error::Config(format!(
                 "tensor data of {} bytes is not a whole number of {} elements",
@@ -381,31 +502,29 @@ impl TensorBytes<'_> {
                 self.dtype
             )));
         }
-        // Copy through a correctly aligned buffer: file data may be unaligned.
-        let mut out = vec![T::default(); self.data.len() / size];
-        bytemuck::cast_slice_mut::<T, u8>(&mut out).copy_from_slice(self.data);
-        Ok(out)
+        Ok(self.data.len() / size)
     }
 }
 
-impl TensorBytes<'_> {
-    /// Copies the elements out converted to `T` from any float dtype
-    /// (exact when widening, rounded to nearest when narrowing): a
-    /// checkpoint of one precision loads into an engine of another.
-    pub fn to_vec_as<T: Element>(&self) -> Result<Vec<T>> {
-        fn convert<S: Element, T: Element>(t: &TensorBytes<'_>) -> Result<Vec<T>> {
-            let src = t.to_vec::<S>()?;
-            let mut out = vec![T::default(); src.len()];
-            crate::engine::convert_slice(&src, &mut out);
-            Ok(out)
-        }
-        match self.dtype {
-            dtype if dtype == T::DTYPE => self.to_vec::<T>(),
-            DType::F32 => convert::<f32, T>(self),
-            DType::F64 => convert::<f64, T>(self),
-            DType::BF16 => convert::<half::bf16, T>(self),
-            DType::F16 => convert::<half::f16, T>(self),
-        }
+/// Converts `bytes`, elements of `S`, into `out`. File data may be
+/// unaligned for `S`: then it goes through an aligned buffer, a chunk at a
+/// time.
+fn convert_bytes<S: Element, T: Element>(bytes: &[u8], out: &mut [T]) {
+    if S::DTYPE == T::DTYPE {
+        bytemuck::cast_slice_mut::<T, u8>(out).copy_from_slice(bytes);
+        return;
+    }
+    if let Ok(src) = bytemuck::try_cast_slice::<u8, S>(bytes) {
+        crate::engine::convert_slice(src, out);
+        return;
+    }
+    const CHUNK: usize = 4096;
+    let mut aligned = [S::default(); CHUNK];
+    let size = std::mem::size_of::<S>();
+    for (src, dst) in bytes.chunks(CHUNK * size).zip(out.chunks_mut(CHUNK)) {
+        let buf = &mut aligned[..dst.len()];
+        bytemuck::cast_slice_mut::<S, u8>(buf).copy_from_slice(src);
+        crate::engine::convert_slice(buf, dst);
     }
 }
 
@@ -428,6 +547,73 @@ pub(crate) fn from_safetensors(dtype: safetensors::Dtype) -> Option<DType> {
     }
 }
 
+/// The order [`write_tensors`] stores tensors in, as the `safetensors`
+/// crate does: by element size, largest first, then by name. Every tensor
+/// then starts aligned to its element size in the file.
+pub(crate) fn file_order(left: (&str, DType), right: (&str, DType)) -> std::cmp::Ordering {
+    right
+        .1
+        .size_in_bytes()
+        .cmp(&left.1.size_in_bytes())
+        .then_with(|| left.0.cmp(right.0))
+}
+
+/// The start of a safetensors file holding `tensors` (name, dtype, shape)
+/// in this order: the header's length (8 bytes, little-endian) and the JSON
+/// header, padded with spaces to a multiple of 8 bytes as the format asks.
+/// Returns it with each tensor's data length in bytes. `path` only names the
+/// file in errors.
+fn safetensors_header<'a>(
+    path: &Path,
+    tensors: impl ExactSizeIterator<Item = (&'a str, DType, &'a [usize])>,
+) -> Result<(Vec<u8>, Vec<usize>)> {
+    use safetensors::tensor::{Metadata, TensorInfo};
+
+    let mut infos = Vec::with_capacity(tensors.len());
+    let mut lengths = Vec::with_capacity(tensors.len());
+    let mut seen = std::collections::BTreeSet::new();
+    let mut offset = 0usize;
+    for (name, dtype, shape) in tensors {
+        if !seen.insert(name) {
+            return Err(checkpoint_error(
+                path,
+                format!("tensor {name:?} is given twice"),
+            ));
+        }
+        let len = shape
+            .iter()
+            .try_fold(dtype.size_in_bytes(), |acc, &d| acc.checked_mul(d))
+            .and_then(|len| offset.checked_add(len).map(|end| (len, end)));
+        let Some((len, end)) = len else {
+            return Err(checkpoint_error(
+                path,
+                format!(
+                    "tensor {name:?} of shape {shape:?} and dtype {dtype} ends past {} bytes",
+                    usize::MAX
+                ),
+            ));
+        };
+        infos.push((
+            name.to_string(),
+            TensorInfo {
+                dtype: to_safetensors(dtype),
+                shape: shape.to_vec(),
+                data_offsets: (offset, end),
+            },
+        ));
+        lengths.push(len);
+        offset = end;
+    }
+    let metadata = Metadata::new(None, infos)?;
+    let json = serde_json::to_vec(&metadata)?;
+    let padded = json.len().next_multiple_of(8);
+    let mut header = Vec::with_capacity(8 + padded);
+    header.extend_from_slice(&(padded as u64).to_le_bytes());
+    header.extend_from_slice(&json);
+    header.resize(8 + padded, b' ');
+    Ok((header, lengths))
+}
+
 /// Streams `tensors` in the safetensors format to `w`, without building the
 /// file in memory. `path` only names the file in errors.
 ///
@@ -439,60 +625,31 @@ pub fn write_tensors<N: AsRef<str>>(
     w: &mut dyn Write,
     tensors: &[(N, TensorBytes<'_>)],
 ) -> Result<()> {
-    use safetensors::tensor::{Metadata, TensorInfo};
-
     let mut order: Vec<&(N, TensorBytes<'_>)> = tensors.iter().collect();
-    order.sort_by(|(ln, lt), (rn, rt)| {
-        rt.dtype
-            .size_in_bytes()
-            .cmp(&lt.dtype.size_in_bytes())
-            .then_with(|| ln.as_ref().cmp(rn.as_ref()))
-    });
+    order
+        .sort_by(|(ln, lt), (rn, rt)| file_order((ln.as_ref(), lt.dtype), (rn.as_ref(), rt.dtype)));
 
-    let mut infos = Vec::with_capacity(order.len());
-    let mut offset = 0usize;
-    for (i, (name, t)) in order.iter().enumerate() {
-        let name = name.as_ref();
-        if i > 0 && order[i - 1].0.as_ref() == name {
-            return Err(checkpoint_error(
-                path,
-                format!("tensor {name:?} is given twice"),
-            ));
-        }
-        let expected = t
-            .shape
+    let (header, lengths) = safetensors_header(
+        path,
+        order
             .iter()
-            .try_fold(t.dtype.size_in_bytes(), |acc, &d| acc.checked_mul(d));
-        if expected != Some(t.data.len()) {
+            .map(|(name, t)| (name.as_ref(), t.dtype, t.shape.as_slice())),
+    )?;
+    for ((name, t), &expected) in order.iter().zip(&lengths) {
+        if t.data.len() != expected {
             return Err(checkpoint_error(
                 path,
                 format!(
-                    "tensor {name:?} of shape {:?} and dtype {} has {} bytes of data, expected {}",
+                    "tensor {:?} of shape {:?} and dtype {} has {} bytes of data, expected {expected}",
+                    name.as_ref(),
                     t.shape,
                     t.dtype,
                     t.data.len(),
-                    expected.map_or_else(|| "more than fit in usize".into(), |n| n.to_string())
                 ),
             ));
         }
-        infos.push((
-            name.to_string(),
-            TensorInfo {
-                dtype: to_safetensors(t.dtype),
-                shape: t.shape.clone(),
-                data_offsets: (offset, offset + t.data.len()),
-            },
-        ));
-        offset += t.data.len();
     }
-
-    let metadata = Metadata::new(None, infos)?;
-    let mut header = serde_json::to_vec(&metadata)?;
-    // The format pads the header with spaces to a multiple of 8 bytes.
-    header.resize(header.len().next_multiple_of(8), b' ');
     let write_err = |e| from_write_error(path, e);
-    w.write_all(&(header.len() as u64).to_le_bytes())
-        .map_err(write_err)?;
     w.write_all(&header).map_err(write_err)?;
     for (_, t) in order {
         w.write_all(t.data).map_err(write_err)?;
@@ -512,9 +669,186 @@ pub fn save_tensors<N: AsRef<str>>(
     })
 }
 
+/// Writes a safetensors file one tensor at a time, so that its writer never
+/// holds more than the bytes it is passing on: the header is fixed by
+/// [`create`](TensorWriter::create) from the tensors' names, dtypes and
+/// shapes, and the data follows in that order through
+/// [`write`](TensorWriter::write).
+///
+/// The file is written as [`write_atomic`] writes: into a temporary file
+/// beside `path`, renamed over `path` by [`finish`](TensorWriter::finish)
+/// only once every announced byte came. Dropped without `finish` (an error,
+/// a panic), it removes the temporary file: nothing half-written is ever at
+/// `path`, and a file already there stays as it was.
+///
+/// Tensors are stored in the order given. Given in [`write_tensors`]'
+/// order (element size, largest first, then name), the file is byte for
+/// byte the one [`write_tensors`] writes, and every tensor is aligned to its
+/// element size; another order gives a valid file whose tensors may be
+/// unaligned.
+///
+/// ```
+/// # fn main() -> zero_core::Result<()> {
+/// # let dir = std::env::temp_dir().join(format!("zero-doc-tw-{}", std::process::id()));
+/// # std::fs::create_dir_all(&dir).unwrap();
+/// use zero_core::checkpoint::{MappedTensors, TensorWriter};
+/// use zero_core::DType;
+/// let path = dir.join("weights.safetensors");
+/// let mut writer = TensorWriter::create(&path, &[("w".to_string(), DType::F32, vec![3])])?;
+/// writer.write(bytemuck::cast_slice(&[1.0f32, 2.0]))?; // a tensor may come in parts
+/// writer.write(bytemuck::bytes_of(&3.0f32))?;
+/// let record = writer.finish()?;
+///
+/// let file = MappedTensors::open(&path)?;
+/// let w = file.get("w").expect("written above");
+/// assert_eq!(w.to_vec::<f32>()?, [1.0, 2.0, 3.0]);
+/// assert_eq!(record.len, std::fs::metadata(&path).unwrap().len());
+/// # drop(file);
+/// # std::fs::remove_dir_all(&dir).unwrap();
+/// # Ok(()) }
+/// ```
+pub struct TensorWriter {
+    file: AtomicFile,
+    /// Each tensor's name and byte range in the data, in file order.
+    tensors: Vec<(String, Range<usize>)>,
+    /// Data bytes written so far.
+    written: usize,
+    /// Set by a failed [`write`](TensorWriter::write): the data is no longer
+    /// what the caller meant, so the file must not be finished.
+    failed: bool,
+}
+
+impl std::fmt::Debug for TensorWriter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TensorWriter")
+            .field("path", &self.file.path)
+            .field("tensors", &self.tensors.len())
+            .field("written", &self.written)
+            .field("total", &self.total())
+            .field("failed", &self.failed)
+            .finish()
+    }
+}
+
+impl TensorWriter {
+    /// Starts a safetensors file at `path` holding `tensors` (name, dtype,
+    /// shape) in this order: creates the temporary file beside `path` and
+    /// writes the header.
+    ///
+    /// Fails on a name given twice, a shape whose size overflows, or if the
+    /// temporary file cannot be created (the directory must exist).
+    pub fn create(path: impl AsRef<Path>, tensors: &[(String, DType, Vec<usize>)]) -> Result<Self> {
+        let path = path.as_ref();
+        let (header, lengths) = safetensors_header(
+            path,
+            tensors
+                .iter()
+                .map(|(name, dtype, shape)| (name.as_str(), *dtype, shape.as_slice())),
+        )?;
+        let mut file = AtomicFile::create(path)?;
+        file.writer
+            .write_all(&header)
+            .map_err(|e| io_error(path, e))?;
+        let mut start = 0;
+        let tensors = tensors
+            .iter()
+            .zip(lengths)
+            .map(|((name, _, _), len)| {
+                start += len;
+                (name.clone(), start - len..start)
+            })
+            .collect();
+        Ok(Self {
+            file,
+            tensors,
+            written: 0,
+            failed: false,
+        })
+    }
+
+    /// Writes the next `bytes` of tensor data: little-endian, row-major, in
+    /// each tensor's dtype, the tensors in the order given to
+    /// [`create`](TensorWriter::create). A tensor may come in several calls,
+    /// and one call may span tensors.
+    ///
+    /// Fails if more bytes come than the header announced, or on an I/O
+    /// error; the writer can then only be dropped (its
+    /// [`finish`](TensorWriter::finish) fails).
+    pub fn write(&mut self, bytes: &[u8]) -> Result<()> {
+        self.check_not_failed()?;
+        let total = self.total();
+        let left = total - self.written;
+        if bytes.len() > left {
+            self.failed = true;
+            let last = self.tensors.last().map_or_else(
+                || "the header announces no tensor".to_string(),
+                |(name, _)| format!("the last tensor is {name:?}"),
+            );
+            return Err(checkpoint_error(
+                &self.file.path,
+                format!(
+                    "got {} bytes of tensor data with {left} of the {total} announced left \
+                     ({last}); write each tensor's bytes exactly, in the order given to create",
+                    bytes.len()
+                ),
+            ));
+        }
+        if let Err(e) = self.file.writer.write_all(bytes) {
+            self.failed = true;
+            return Err(io_error(&self.file.path, e));
+        }
+        self.written += bytes.len();
+        Ok(())
+    }
+
+    /// Checks that every announced byte came, then flushes and fsyncs the
+    /// file, renames it over `path` and fsyncs the directory. Returns its
+    /// checksum and length, as [`write_atomic`] does.
+    ///
+    /// Fails (leaving `path` untouched and removing the temporary file) if
+    /// bytes are missing or an earlier [`write`](TensorWriter::write) failed.
+    pub fn finish(self) -> Result<FileRecord> {
+        self.check_not_failed()?;
+        if self.written < self.total() {
+            let (name, range) = self
+                .tensors
+                .iter()
+                .find(|(_, range)| range.end > self.written)
+                .map_or(("", &(0..0)), |(name, range)| (name.as_str(), range));
+            return Err(checkpoint_error(
+                &self.file.path,
+                format!(
+                    "tensor {name:?} got {} of its {} bytes ({} bytes missing in all); \
+                     write every tensor announced to create before finish",
+                    self.written - range.start,
+                    range.len(),
+                    self.total() - self.written
+                ),
+            ));
+        }
+        self.file.commit()
+    }
+
+    /// Data bytes the header announced.
+    fn total(&self) -> usize {
+        self.tensors.last().map_or(0, |(_, range)| range.end)
+    }
+
+    fn check_not_failed(&self) -> Result<()> {
+        if self.failed {
+            return Err(checkpoint_error(
+                &self.file.path,
+                "an earlier write to this file failed; drop the TensorWriter and write the \
+                 file again",
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// Parses the bytes of a safetensors file (as returned by [`read_verified`])
 /// into tensors by name, borrowing their data. `path` only names the file in
-/// errors.
+/// errors. [`MappedTensors`] reads a file without loading it.
 ///
 /// Tensors of a dtype other than f32, f64, bf16 and f16 are an error naming
 /// the tensor.
@@ -527,25 +861,150 @@ pub fn load_tensors<'a>(
         .map_err(|e| checkpoint_error(path, format!("not a valid safetensors file: {e}")))?;
     let mut tensors = BTreeMap::new();
     for (name, view) in file.iter() {
-        let dtype = from_safetensors(view.dtype()).ok_or_else(|| {
-            checkpoint_error(
-                path,
-                format!(
-                    "tensor {name:?} has dtype {:?}; zero-rs reads F32, F64, BF16 and F16",
-                    view.dtype()
-                ),
-            )
-        })?;
         tensors.insert(
             name.to_string(),
             TensorBytes {
-                dtype,
+                dtype: supported_dtype(path, name, view.dtype())?,
                 shape: view.shape().to_vec(),
                 data: view.data(),
             },
         );
     }
     Ok(tensors)
+}
+
+fn supported_dtype(path: &Path, name: &str, dtype: safetensors::Dtype) -> Result<DType> {
+    from_safetensors(dtype).ok_or_else(|| {
+        checkpoint_error(
+            path,
+            format!("tensor {name:?} has dtype {dtype:?}; zero-rs reads F32, F64, BF16 and F16"),
+        )
+    })
+}
+
+/// A safetensors file mapped into memory and parsed once: tensors are read
+/// one at a time, or a range of one, straight from the mapping, without
+/// reading the file into memory. A rank of a stage-3 run loads its part of
+/// each parameter this way and never holds the whole model.
+///
+/// # The mapping
+///
+/// The file's pages are the operating system's page cache: reading a tensor
+/// faults in its pages, and the kernel may drop them again under memory
+/// pressure. Memory-mapping is `unsafe` in Rust because another process
+/// could change the file while it is mapped, and the mapped bytes would
+/// change under the references this type hands out (or, for a truncated
+/// file, reading them would raise `SIGBUS`). zero-rs never changes a file in
+/// place: its writes ([`write_atomic`], [`TensorWriter`]) rename a new file
+/// over the old one, and a mapping keeps the old file's contents. Do not
+/// let anything else write into or truncate a checkpoint file while it is
+/// mapped (Candle's `MmapedSafetensors` asks the same).
+#[derive(Debug)]
+pub struct MappedTensors {
+    path: PathBuf,
+    mmap: memmap2::Mmap,
+    /// Each tensor's dtype, shape and byte range in the mapping, by name.
+    tensors: BTreeMap<String, (DType, Vec<usize>, Range<usize>)>,
+}
+
+impl MappedTensors {
+    /// Maps and parses the safetensors file at `path`.
+    ///
+    /// Fails with [`Error::Checkpoint`] naming the file if it is missing,
+    /// is not a valid safetensors file, or holds a tensor of a dtype other
+    /// than f32, f64, bf16 and f16. See [the mapping](MappedTensors#the-mapping)
+    /// for what must not happen to the file while it is open.
+    pub fn open(path: impl AsRef<Path>) -> Result<Self> {
+        Self::map(path.as_ref(), None)
+    }
+
+    /// Maps `path`, checks the mapped bytes against `record` (length and
+    /// SHA-256) when given, and parses them. Hashing the mapping, not a
+    /// separate read, checks the very bytes that are parsed.
+    fn map(path: &Path, record: Option<&FileRecord>) -> Result<Self> {
+        let file = open_recorded(path)?;
+        // SAFETY: the mapping is read-only, and its contents are valid as
+        // long as no one writes into or truncates the file while it is
+        // mapped. zero-rs never does (it replaces files by renaming a new
+        // one over them); the type's documentation asks the same of
+        // everyone else.
+        let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| io_error(path, e))?;
+        drop(file);
+        if let Some(record) = record {
+            check_len(path, mmap.len() as u64, record.len)?;
+            let mut hasher = Sha256::new();
+            // Page by page through the hasher: nothing is copied.
+            for chunk in mmap.chunks(1 << 20) {
+                hasher.update(chunk);
+            }
+            check_sha256(path, hasher, &record.sha256)?;
+        }
+        let (header_len, metadata) = safetensors::SafeTensors::read_metadata(&mmap)
+            .map_err(|e| checkpoint_error(path, format!("not a valid safetensors file: {e}")))?;
+        // `read_metadata` checked that the tensors tile the data exactly, up
+        // to the end of the file, so every range below is inside the mapping.
+        let data_start = 8 + header_len;
+        let mut tensors = BTreeMap::new();
+        for name in metadata.offset_keys() {
+            let Some(info) = metadata.info(&name) else {
+                continue;
+            };
+            let dtype = supported_dtype(path, &name, info.dtype)?;
+            let (start, end) = info.data_offsets;
+            let range = data_start + start..data_start + end;
+            tensors.insert(name, (dtype, info.shape.clone(), range));
+        }
+        Ok(Self {
+            path: path.to_path_buf(),
+            mmap,
+            tensors,
+        })
+    }
+
+    /// The tensor `name`, its data borrowed from the mapping; `None` if the
+    /// file has no such tensor.
+    pub fn get(&self, name: &str) -> Option<TensorBytes<'_>> {
+        let (dtype, shape, range) = self.tensors.get(name)?;
+        Some(TensorBytes {
+            dtype: *dtype,
+            shape: shape.clone(),
+            data: self.mmap.get(range.clone())?,
+        })
+    }
+
+    /// The names of the tensors, sorted.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.tensors.keys().map(String::as_str)
+    }
+
+    /// The tensors whose names start with `prefix`, sorted by name.
+    pub(crate) fn with_prefix<'a>(
+        &'a self,
+        prefix: &'a str,
+    ) -> impl Iterator<Item = (&'a str, TensorBytes<'a>)> + 'a {
+        self.tensors
+            .range::<str, _>((
+                std::ops::Bound::Included(prefix),
+                std::ops::Bound::Unbounded,
+            ))
+            .take_while(move |(name, _)| name.starts_with(prefix))
+            .filter_map(|(name, _)| Some((name.as_str(), self.get(name)?)))
+    }
+
+    /// The number of tensors.
+    pub fn len(&self) -> usize {
+        self.tensors.len()
+    }
+
+    /// Whether the file holds no tensor.
+    pub fn is_empty(&self) -> bool {
+        self.tensors.is_empty()
+    }
+
+    /// The file's path, for error messages.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
 }
 
 /// The index of a checkpoint directory, stored as [`MANIFEST_FILE`].
@@ -666,12 +1125,30 @@ impl Manifest {
     }
 
     /// Reads the data file `name` of the checkpoint in `dir`, verified
-    /// against its record.
+    /// against its record. For files too large to hold, use
+    /// [`map_file`](Manifest::map_file).
     ///
     /// Fails if the manifest does not list `name`, if `name` is not a plain
     /// relative path inside the directory, or as [`read_verified`] does.
     pub fn read_file(&self, dir: impl AsRef<Path>, name: &str) -> Result<Vec<u8>> {
-        let dir = dir.as_ref();
+        let (path, record) = self.file_path(dir.as_ref(), name)?;
+        read_verified(path, &record.sha256, record.len)
+    }
+
+    /// Maps the safetensors data file `name` of the checkpoint in `dir`
+    /// (see [`MappedTensors`]) once its length and SHA-256 match its record,
+    /// checked by streaming through the mapping: the file is never copied
+    /// into memory.
+    ///
+    /// Fails as [`read_file`](Manifest::read_file) does, or if the file is
+    /// not a safetensors file of supported dtypes.
+    pub fn map_file(&self, dir: impl AsRef<Path>, name: &str) -> Result<MappedTensors> {
+        let (path, record) = self.file_path(dir.as_ref(), name)?;
+        MappedTensors::map(&path, Some(record))
+    }
+
+    /// Where the listed data file `name` is, and its record.
+    fn file_path(&self, dir: &Path, name: &str) -> Result<(PathBuf, &FileRecord)> {
         let record = self.files.get(name).ok_or_else(|| {
             checkpoint_error(
                 &dir.join(MANIFEST_FILE),
@@ -689,7 +1166,7 @@ impl Manifest {
                 format!("file name {name:?} is not a plain relative path inside the checkpoint"),
             ));
         }
-        read_verified(dir.join(relative), &record.sha256, record.len)
+        Ok((dir.join(relative), record))
     }
 }
 

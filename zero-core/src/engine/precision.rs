@@ -124,45 +124,121 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         self.memory.write_params(params, &copies, &self.param_shard)
     }
 
-    /// The master weights of every trainable parameter, on rank `root` as
-    /// the flat plan buffer (other ranks: `None`). A collective in stages 1
-    /// and 2 (one gather of every rank's shard); in stage 0 every rank
-    /// holds all of them.
-    pub(super) fn gather_masters(&mut self, root: usize) -> Result<Option<Vec<T>>> {
+    /// Streams parameter `param`'s master weights to rank `root`, one piece
+    /// at a time in element order: `sink(param_range, values)` runs on
+    /// `root` for each piece of the plan (together they cover a trainable
+    /// parameter), so that no rank holds more than one piece. Saves the
+    /// model without a whole-model buffer.
+    ///
+    /// A collective in stages 1 to 3: one gather per piece, from its owner,
+    /// every rank calling it for the same parameters in the same order. In
+    /// stage 0 `root` holds everything and nothing is sent. The sink cannot
+    /// fail: a sink that meets an error must keep it and let the pieces go
+    /// by, since the other ranks are sending them.
+    pub(super) fn stream_masters(
+        &mut self,
+        param: usize,
+        root: usize,
+        sink: &mut dyn FnMut(Range<usize>, &[T]),
+    ) -> Result<()> {
+        let rank = self.comm.rank();
+        let world = self.comm.world_size();
         let shard_numel = self.plan.shard_numel;
-        let mut mine = vec![T::default(); shard_numel];
-        self.memory
-            .buffer_to_host(&self.comm, &self.param_shard, 0..shard_numel, &mut mine)?;
-        if self.config.stage == Stage::Ddp {
-            return Ok((self.comm.rank() == root).then_some(mine));
-        }
-        let counts = vec![shard_numel; self.comm.world_size()];
-        let mut all =
-            (self.comm.rank() == root).then(|| vec![T::default(); self.plan.flat_numel()]);
-        self.memory
-            .gather_varlen_host(&self.comm, &mine, &counts, all.as_deref_mut(), root)?;
-        Ok(all)
-    }
-
-    /// Parameter `param`'s values out of a flat plan buffer of masters.
-    pub(super) fn master_values(&self, flat: &[T], param: usize) -> Vec<T> {
-        let mut out = vec![T::default(); self.params[param].numel()];
-        for piece in self.plan.shards.iter().flatten() {
-            if piece.param == param {
-                out[piece.param_range.clone()].copy_from_slice(&flat[piece.flat_range.clone()]);
+        // (owner, range in the parameter, position in the owner's shard)
+        let mut pieces: Vec<(usize, Range<usize>, usize)> = self
+            .plan
+            .shards
+            .iter()
+            .enumerate()
+            .flat_map(|(owner, shard)| {
+                shard
+                    .iter()
+                    .filter(|piece| piece.param == param)
+                    .map(move |piece| {
+                        let at = piece.flat_range.start - owner * shard_numel;
+                        (owner, piece.param_range.clone(), at)
+                    })
+            })
+            .collect();
+        pieces.sort_by_key(|(_, range, _)| range.start);
+        let local = self.config.stage == Stage::Ddp;
+        let mut send: Vec<T> = Vec::new();
+        let mut recv: Vec<T> = Vec::new();
+        for (owner, range, at) in pieces {
+            if local {
+                if rank == root {
+                    recv.clear();
+                    recv.resize(range.len(), T::default());
+                    self.memory.buffer_to_host(
+                        &self.comm,
+                        &self.param_shard,
+                        at..at + range.len(),
+                        &mut recv,
+                    )?;
+                    sink(range, &recv);
+                }
+                continue;
+            }
+            send.clear();
+            if owner == rank {
+                send.resize(range.len(), T::default());
+                self.memory.buffer_to_host(
+                    &self.comm,
+                    &self.param_shard,
+                    at..at + range.len(),
+                    &mut send,
+                )?;
+            }
+            let mut counts = vec![0; world];
+            counts[owner] = range.len();
+            if rank == root {
+                recv.clear();
+                recv.resize(range.len(), T::default());
+            }
+            let recv_buf = (rank == root).then_some(&mut recv[..]);
+            self.memory
+                .gather_varlen_host(&self.comm, &send, &counts, recv_buf, root)?;
+            if rank == root {
+                sink(range, &recv);
             }
         }
-        out
+        Ok(())
     }
 
     /// Sets the owned pieces of parameter `param`'s master weights from its
     /// whole `values` (a checkpoint load).
     pub(super) fn set_masters_of(&mut self, param: usize, values: &[T]) -> Result<()> {
+        self.set_masters_range(param, 0..values.len(), values)
+    }
+
+    /// Sets what this rank owns of `param[range]` in the master weights from
+    /// `values`, the values of that range: a stage-3 load reads just its
+    /// own pieces of a parameter. Owned pieces outside `range` are left as
+    /// they are.
+    pub(super) fn set_masters_range(
+        &mut self,
+        param: usize,
+        range: Range<usize>,
+        values: &[T],
+    ) -> Result<()> {
+        if values.len() != range.len() {
+            return Err(crate::Error::BufferSize {
+                op: "set_masters_range",
+                what: "values",
+                got: values.len(),
+                expected: range.len(),
+            });
+        }
         for copy in self.owned_copies.iter().filter(|c| c.param == param) {
+            let lo = copy.param_range.start.max(range.start);
+            let hi = copy.param_range.end.min(range.end);
+            if lo >= hi {
+                continue;
+            }
             self.memory.buffer_from_host(
                 &mut self.param_shard,
-                copy.at,
-                &values[copy.param_range.clone()],
+                copy.at + (lo - copy.param_range.start),
+                &values[lo - range.start..hi - range.start],
             )?;
         }
         Ok(())

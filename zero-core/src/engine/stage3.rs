@@ -223,54 +223,13 @@ where
             )));
         }
         self.with_shard_home(|engine| {
-            let rank = engine.comm.rank();
-            let shard_numel = engine.plan.shard_numel;
             let mut failure = None;
             for &param in params {
-                // Every rank's pieces of `param`, in the parameter's order.
-                let mut pieces: Vec<(usize, Range<usize>, Range<usize>)> = engine
-                    .plan
-                    .shards
-                    .iter()
-                    .enumerate()
-                    .flat_map(|(owner, shard)| {
-                        shard
-                            .iter()
-                            .filter(|piece| piece.param == param)
-                            .map(move |piece| {
-                                (owner, piece.param_range.clone(), piece.flat_range.clone())
-                            })
-                    })
-                    .collect();
-                pieces.sort_by_key(|(_, range, _)| range.start);
-                for (owner, range, flat) in pieces {
-                    let mut counts = vec![0; world];
-                    counts[owner] = range.len();
-                    let mut mine = Vec::new();
-                    if owner == rank {
-                        let at = flat.start - owner * shard_numel;
-                        mine.resize(range.len(), T::default());
-                        engine.memory.buffer_to_host(
-                            &engine.comm,
-                            &engine.param_shard,
-                            at..at + range.len(),
-                            &mut mine,
-                        )?;
+                engine.stream_masters(param, root, &mut |range, values| {
+                    if failure.is_none() {
+                        failure = sink(param, range, values).err();
                     }
-                    let mut recv = (rank == root).then(|| vec![T::default(); range.len()]);
-                    engine.memory.gather_varlen_host(
-                        &engine.comm,
-                        &mine,
-                        &counts,
-                        recv.as_deref_mut(),
-                        root,
-                    )?;
-                    if let (Some(values), None) = (recv, &failure) {
-                        if let Err(e) = sink(param, range, &values) {
-                            failure = Some(e);
-                        }
-                    }
-                }
+                })?;
             }
             failure.map_or(Ok(()), Err)
         })

@@ -11,9 +11,9 @@
 use super::{Engine, ShardMemory, Stage};
 use crate::checkpoint::stream::StreamingTensorFile;
 use crate::checkpoint::{
-    checkpoint_error, load_tensors, piece_name, write_atomic, write_tensors, CheckpointInfo,
+    checkpoint_error, file_order, piece_name, write_atomic, write_tensors, CheckpointInfo,
     CheckpointKind, FailAfter, FileRecord, GroupState, Manifest, PieceRecord, ShardRecord,
-    StateDict, TensorBytes, MANIFEST_FILE,
+    StateDict, TensorBytes, TensorWriter, MANIFEST_FILE,
 };
 use crate::comm::Communicator;
 use crate::optim::{OptimizerState, ParamState};
@@ -209,6 +209,50 @@ impl<T: Element> PieceSink<T> for FileSink<'_> {
         }
         *self.covered.entry(meta.name.clone()).or_default() += meta.len;
         Ok(())
+    }
+}
+
+/// Rank 0's side of a streamed model file: the first failure is kept and
+/// what comes after it is let go, so that rank 0 keeps taking part in the
+/// gathers while the other ranks send.
+#[derive(Default)]
+struct ModelFile {
+    writer: Option<TensorWriter>,
+    failure: Option<Error>,
+}
+
+impl ModelFile {
+    fn write<T: Element>(&mut self, values: &[T]) {
+        if let Some(writer) = self.writer.as_mut() {
+            if let Err(e) = writer.write(bytemuck::cast_slice(values)) {
+                self.fail(e);
+            }
+        }
+    }
+
+    fn zeros<T: Element>(&mut self, mut count: usize) {
+        let zeros = [T::default(); 1024];
+        while count > 0 && self.writer.is_some() {
+            let n = count.min(zeros.len());
+            self.write(&zeros[..n]);
+            count -= n;
+        }
+    }
+
+    /// Keeps the first failure; dropping the writer removes its temporary
+    /// file.
+    fn fail(&mut self, e: Error) {
+        self.writer = None;
+        self.failure.get_or_insert(e);
+    }
+
+    /// The file's record where it was written, `None` elsewhere.
+    fn finish(self) -> Result<Option<FileRecord>> {
+        match (self.failure, self.writer) {
+            (Some(e), _) => Err(e),
+            (None, Some(writer)) => writer.finish().map(Some),
+            (None, None) => Ok(None),
+        }
     }
 }
 
@@ -435,13 +479,6 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
 
         let shard_file = |p: usize| format!("optim.{tag}.rank{p}.safetensors");
         let model_file = format!("model.{tag}.safetensors");
-        // The model file holds the master weights where the engine keeps
-        // them (a collective: every rank's shard goes to rank 0).
-        let masters = if self.shard_is_truth() {
-            self.gather_masters(0)?
-        } else {
-            None
-        };
         let local = (|| -> Result<Vec<(String, FileRecord)>> {
             std::fs::create_dir_all(dir).map_err(|e| Error::Io {
                 path: dir.to_path_buf(),
@@ -457,13 +494,19 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                 let record = self.write_shard(&dir.join(&name), fail)?;
                 files.push((name, record));
             }
-            if rank == 0 {
-                let record =
-                    self.write_model(&dir.join(&model_file), weights, masters.as_deref())?;
+            Ok(files)
+        })();
+        // Every rank takes part in the model file, whatever happened above
+        // (the master weights come to rank 0 piece by piece); rank 0 writes
+        // it unless its own part failed already.
+        let writes = rank == 0 && local.is_ok();
+        let model = self.write_model(&dir.join(&model_file), weights, writes)?;
+        let local = local.and_then(|mut files| {
+            if let Some(record) = model? {
                 files.push((model_file.clone(), record));
             }
             Ok(files)
-        })();
+        });
         let files = self.agree(local, dir, "save_checkpoint")?;
 
         let mut manifest = Manifest::new();
@@ -590,16 +633,15 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             if !needed {
                 continue;
             }
-            let path = dir.join(&shard.file);
-            let bytes = manifest.read_file(dir, &shard.file)?;
-            let tensors = load_tensors(&path, &bytes)?;
+            let tensors = manifest.map_file(dir, &shard.file)?;
+            let path = tensors.path();
             for saved in &shard.pieces {
                 let prefix = format!("state.{}.{}.", saved.name, saved.offset);
                 for (i, (name, range)) in mine.iter().enumerate() {
                     let Some(common) = overlap(saved, name, range) else {
                         continue;
                     };
-                    for (tensor_name, t) in tensors.range(prefix.clone()..) {
+                    for (tensor_name, t) in tensors.with_prefix(&prefix) {
                         let Some(state) = tensor_name.strip_prefix(&prefix) else {
                             break;
                         };
@@ -608,10 +650,10 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                         }
                         if t.shape.is_empty() {
                             let v = t.to_vec::<f64>().map_err(|e| {
-                                checkpoint_error(&path, format!("scalar {tensor_name:?}: {e}"))
+                                checkpoint_error(path, format!("scalar {tensor_name:?}: {e}"))
                             })?;
                             let value = v.first().copied().ok_or_else(|| {
-                                checkpoint_error(&path, format!("scalar {tensor_name:?} is empty"))
+                                checkpoint_error(path, format!("scalar {tensor_name:?} is empty"))
                             })?;
                             assembled[i].scalars.insert(state.to_string(), value);
                             continue;
@@ -620,7 +662,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                         // another precision: converted below.
                         if t.shape != [saved.len] {
                             return Err(checkpoint_error(
-                                &path,
+                                path,
                                 format!(
                                     "tensor {tensor_name:?} is {} {:?}, the manifest says {} [{}]",
                                     t.dtype,
@@ -630,20 +672,14 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                                 ),
                             ));
                         }
-                        let size = t.dtype.size_in_bytes();
                         let from = common.start - saved.offset;
-                        let part = TensorBytes {
-                            dtype: t.dtype,
-                            shape: vec![common.len()],
-                            data: &t.data[from * size..(from + common.len()) * size],
-                        }
-                        .to_vec_as::<T>()?;
                         let dst = assembled[i]
                             .tensors
                             .entry(state.to_string())
                             .or_insert_with(|| vec![T::default(); range.len()]);
                         let at = common.start - range.start;
-                        dst[at..at + common.len()].copy_from_slice(&part);
+                        t.read_range_as(from..from + common.len(), &mut dst[at..at + common.len()])
+                            .map_err(|e| checkpoint_error(path, format!("{tensor_name:?}: {e}")))?;
                         *covered[i].entry(state.to_string()).or_default() += common.len();
                     }
                 }
@@ -674,9 +710,8 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             .model_file
             .as_deref()
             .ok_or_else(|| checkpoint_error(&manifest_path, "names no model file"))?;
-        let model_path = dir.join(model_file);
-        let bytes = manifest.read_file(dir, model_file)?;
-        let tensors = load_tensors(&model_path, &bytes)?;
+        let model = manifest.map_file(dir, model_file)?;
+        let model_path = model.path();
         // Any float dtype loads into any precision: a bf16 run's f32
         // masters into an f32 run, an f32 run's weights into the masters of
         // a bf16 run (the replica gets them rounded).
@@ -686,25 +721,40 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             if !super::precision::engine_steps::<T>(p.dtype) {
                 continue;
             }
-            let t = tensors.get(&p.name).ok_or_else(|| {
-                checkpoint_error(&model_path, format!("has no tensor {:?}", p.name))
+            let t = model.get(&p.name).ok_or_else(|| {
+                checkpoint_error(model_path, format!("has no tensor {:?}", p.name))
             })?;
             if t.shape != p.shape {
                 return Err(checkpoint_error(
-                    &model_path,
+                    model_path,
                     format!(
                         "tensor {:?} is {} {:?}, the model's parameter is {} {:?}",
                         p.name, t.dtype, t.shape, p.dtype, p.shape
                     ),
                 ));
             }
-            let values = t
-                .to_vec_as::<T>()
-                .map_err(|e| checkpoint_error(&model_path, format!("{:?}: {e}", p.name)))?;
-            // Stage 3: a sharded parameter has no replica to write.
-            if !self.is_sharded(i) {
-                self.memory.write_param_host(weights, i, &values)?;
+            let name = p.name.clone();
+            let read_error = |e: Error| checkpoint_error(model_path, format!("{name:?}: {e}"));
+            if self.is_sharded(i) {
+                // Stage 3: no replica to write, and no rank reads more of
+                // the parameter than the pieces it owns (`masters` holds).
+                let ranges: Vec<Range<usize>> = self
+                    .owned_copies
+                    .iter()
+                    .filter(|c| c.param == i)
+                    .map(|c| c.param_range.clone())
+                    .collect();
+                for range in ranges {
+                    let mut values = vec![T::default(); range.len()];
+                    t.read_range_as(range.clone(), &mut values)
+                        .map_err(read_error)?;
+                    self.set_masters_range(i, range, &values)?;
+                }
+                continue;
             }
+            // One whole tensor at a time, dropped before the next.
+            let values = t.to_vec_as::<T>().map_err(read_error)?;
+            self.memory.write_param_host(weights, i, &values)?;
             if masters {
                 self.set_masters_of(i, &values)?;
             }
@@ -925,52 +975,81 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         })
     }
 
-    /// Writes every parameter in the engine's element type: a trainable
-    /// one from `masters` (the flat plan buffer of master weights) when
-    /// given, anything else from the replica (widened where it is
-    /// narrower).
+    /// Writes the model file where `writes` (rank 0): every parameter in
+    /// the engine's element type, a trainable or sharded one from the
+    /// master weights where the shard holds the truth, anything else from
+    /// the replica (widened where it is narrower). It is the file
+    /// `write_tensors` writes for these tensors, streamed: the masters come
+    /// to rank 0 one piece at a time (`stream_masters`), and a replica
+    /// tensor is read whole but one at a time, so that no rank ever holds
+    /// the whole model.
+    ///
+    /// A collective where the shard holds the truth (every rank calls it).
+    /// The outer error is a failed collective, on every rank; the inner one
+    /// is the writer's failure to write the file, which the other ranks
+    /// learn through `agree`. A failed write does not stop the writer from
+    /// taking part in the gathers that follow, so that no rank waits
+    /// forever.
     fn write_model(
         &mut self,
         path: &Path,
         weights: &mut M::Params<'_>,
-        masters: Option<&[T]>,
-    ) -> Result<FileRecord> {
-        let mut values: Vec<(usize, Vec<T>)> = Vec::new();
-        for i in 0..self.params.len() {
-            // A frozen parameter of a dtype the engine does not step is not
-            // the engine's to save (nor to load).
-            if !super::precision::engine_steps::<T>(self.params[i].dtype) {
-                continue;
-            }
-            let buf = match masters {
-                Some(flat) if self.params[i].trainable || self.is_sharded(i) => {
-                    self.master_values(flat, i)
-                }
-                _ => {
-                    let mut buf = vec![T::default(); self.params[i].numel()];
-                    self.memory
-                        .read_param_host(&self.comm, weights, i, &mut buf)?;
-                    buf
-                }
-            };
-            values.push((i, buf));
-        }
-        let tensors: Vec<(&str, TensorBytes<'_>)> = values
-            .iter()
-            .map(|(i, v)| {
-                (
-                    self.params[*i].name.as_str(),
-                    TensorBytes {
-                        dtype: T::DTYPE,
-                        shape: self.params[*i].shape.clone(),
-                        data: bytemuck::cast_slice(v),
-                    },
-                )
-            })
+        writes: bool,
+    ) -> Result<Result<Option<FileRecord>>> {
+        let masters = self.shard_is_truth();
+        // A frozen parameter of a dtype the engine does not step is not the
+        // engine's to save (nor to load). The order is the file's, the same
+        // on every rank.
+        let mut order: Vec<usize> = (0..self.params.len())
+            .filter(|&i| super::precision::engine_steps::<T>(self.params[i].dtype))
             .collect();
-        write_atomic(path, |w| {
-            write_tensors(path, w, &tensors).map_err(std::io::Error::other)
-        })
+        order.sort_by(|&l, &r| {
+            file_order(
+                (self.params[l].name.as_str(), T::DTYPE),
+                (self.params[r].name.as_str(), T::DTYPE),
+            )
+        });
+        let mut file = ModelFile::default();
+        if writes {
+            let specs: Vec<(String, DType, Vec<usize>)> = order
+                .iter()
+                .map(|&i| {
+                    (
+                        self.params[i].name.clone(),
+                        T::DTYPE,
+                        self.params[i].shape.clone(),
+                    )
+                })
+                .collect();
+            match TensorWriter::create(path, &specs) {
+                Ok(writer) => file.writer = Some(writer),
+                Err(e) => file.failure = Some(e),
+            }
+        }
+        for i in order {
+            let numel = self.params[i].numel();
+            if masters && (self.params[i].trainable || self.is_sharded(i)) {
+                let mut next = 0;
+                self.stream_masters(i, 0, &mut |range, values| {
+                    // The plan's pieces are in order and disjoint; what it
+                    // leaves out of the parameter is saved as zeros.
+                    file.zeros::<T>(range.start.saturating_sub(next));
+                    file.write(values);
+                    next = range.end;
+                })?;
+                file.zeros::<T>(numel.saturating_sub(next));
+            } else if writes && file.writer.is_some() {
+                let mut values = vec![T::default(); numel];
+                match self
+                    .memory
+                    .read_param_host(&self.comm, weights, i, &mut values)
+                {
+                    Ok(()) => file.write(&values),
+                    Err(e) => file.fail(e),
+                }
+            }
+        }
+        Ok(file.finish())
     }
 
     fn checkpoint_info(

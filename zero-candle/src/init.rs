@@ -1,0 +1,569 @@
+//! Building a model that no rank holds whole: [`ShardedVarMap`] creates a
+//! model's variables through a `VarBuilder`, the large ones without values
+//! (stage 3 fills this rank's shard of them from the same source), and
+//! [`ParamSource`] says where values come from: [`SeededInit`], which
+//! computes any element from (seed, name, index) so that the model is the
+//! same at every world size, or [`SafetensorsInit`], a memory-mapped file.
+//!
+//! ```no_run
+//! use candle_core::{DType, Device};
+//! use zero_candle::{nn, ShardedVarMap, ZeroHook, ZeroOptimizer};
+//! use zero_core::{ThreadComm, ThreadGroup, engine::{EngineConfig, Stage}, optim::{Adam, AdamConfig}};
+//!
+//! ThreadGroup::new(2).run(|comm| -> zero_candle::Result<()> {
+//!     let config = EngineConfig { stage: Stage::Parameters, ..EngineConfig::default() };
+//!     // Variables above the persistence threshold are created empty.
+//!     let vars = ShardedVarMap::seeded(7, Some(config.persist_numel));
+//!     let hook = ZeroHook::<ThreadComm, f32>::new();
+//!     let vb = vars.builder(DType::F32, &Device::Cpu);
+//!     let layer = nn::linear(4096, 4096, vb.pp("layer"), Some(hook.clone()))?;
+//!     let adam = Box::new(Adam::new(AdamConfig::default())?);
+//!     // Each rank fills only its shard; the first step already runs sharded.
+//!     let mut opt = ZeroOptimizer::new_sharded(&vars, comm, config, adam, &hook)?;
+//!     # let _ = (layer, &mut opt);
+//!     Ok(())
+//! });
+//! ```
+
+use crate::{Error, Result};
+use candle_core::backend::BackendStorage;
+use candle_core::op::BackpropOp;
+use candle_core::{
+    CpuStorage, DType, Device, InplaceOp1, Layout, Shape, Storage, Tensor, Var, WithDType,
+};
+use candle_nn::init::{FanInOut, NormalOrUniform};
+use candle_nn::var_builder::SimpleBackend;
+use candle_nn::{Init, VarBuilder, VarMap};
+use half::{bf16, f16};
+use std::collections::HashMap;
+use std::ops::Range;
+use std::path::Path;
+use std::sync::{Arc, Mutex, MutexGuard};
+use zero_core::checkpoint::MappedTensors;
+use zero_core::Element;
+
+/// Elements computed at a time when filling a parameter (bounds the f64
+/// staging buffer).
+const BLOCK: usize = 1 << 14;
+
+/// Where a parameter's initial values come from, element range by element
+/// range, so that a rank can compute only its shard.
+pub trait ParamSource: Send + Sync {
+    /// Elements `range` of the flattened (row-major) parameter `name` of
+    /// `shape`, asked for with `init` (a `VarBuilder` hint the source may
+    /// ignore), into `out` (`out.len() == range.len()`). Every call for the
+    /// same element gives the same value.
+    fn fill(
+        &self,
+        name: &str,
+        shape: &[usize],
+        init: Init,
+        range: Range<usize>,
+        out: &mut [f64],
+    ) -> Result<()>;
+
+    /// Called when the parameter is created: an error if the source cannot
+    /// give it (a file without the tensor, or with another shape).
+    fn check(&self, name: &str, shape: &[usize]) -> Result<()> {
+        let _ = (name, shape);
+        Ok(())
+    }
+}
+
+/// Counter-based initialization: element `i` of parameter `name` is a
+/// function of (seed, name, i) alone, drawn from the `VarBuilder` hint's
+/// distribution (candle-nn's: constants, uniform, normal, Kaiming with
+/// PyTorch's gains and fans). The same seed gives the same model at every
+/// world size and stage, whether a rank computes all of it or its shard.
+///
+/// The stream is SplitMix64 over a key from the seed and the name (FNV-1a);
+/// normal draws use Box-Muller on two such uniforms. It is not Candle's
+/// `Init::var` stream (which depends on the order of creation and cannot
+/// be cut into shards): the values differ from a plain `VarMap`'s, with the
+/// same distribution.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SeededInit {
+    seed: u64,
+}
+
+impl SeededInit {
+    /// The initializer of `seed`.
+    pub fn new(seed: u64) -> Self {
+        Self { seed }
+    }
+
+    /// Element `index` of parameter `name` of `shape`, initialized by `init`.
+    pub fn value(&self, name: &str, shape: &[usize], init: Init, index: usize) -> f64 {
+        let key = self.key(name);
+        match resolve(init, shape) {
+            Dist::Const(c) => c,
+            Dist::Uniform(lo, up) => lo + (up - lo) * uniform(key, 2 * index as u64),
+            Dist::Normal(mean, std) => mean + std * normal(key, index as u64),
+        }
+    }
+
+    fn key(&self, name: &str) -> u64 {
+        let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+        for byte in name.bytes() {
+            hash ^= u64::from(byte);
+            hash = hash.wrapping_mul(0x0100_0000_01b3);
+        }
+        splitmix(self.seed ^ splitmix(hash))
+    }
+}
+
+impl ParamSource for SeededInit {
+    fn fill(
+        &self,
+        name: &str,
+        shape: &[usize],
+        init: Init,
+        range: Range<usize>,
+        out: &mut [f64],
+    ) -> Result<()> {
+        let key = self.key(name);
+        let dist = resolve(init, shape);
+        for (o, i) in out.iter_mut().zip(range) {
+            *o = match dist {
+                Dist::Const(c) => c,
+                Dist::Uniform(lo, up) => lo + (up - lo) * uniform(key, 2 * i as u64),
+                Dist::Normal(mean, std) => mean + std * normal(key, i as u64),
+            };
+        }
+        Ok(())
+    }
+}
+
+/// A distribution with its parameters worked out from a hint and a shape.
+#[derive(Clone, Copy)]
+enum Dist {
+    Const(f64),
+    Uniform(f64, f64),
+    Normal(f64, f64),
+}
+
+/// candle-nn's meaning of each hint (`Init::var`).
+fn resolve(init: Init, shape: &[usize]) -> Dist {
+    match init {
+        Init::Const(c) => Dist::Const(c),
+        Init::Uniform { lo, up } => Dist::Uniform(lo, up),
+        Init::Randn { mean, stdev } => Dist::Normal(mean, stdev),
+        Init::Kaiming {
+            dist,
+            fan,
+            non_linearity,
+        } => {
+            let fan = fan_of(fan, shape) as f64;
+            let std = non_linearity.gain() / fan.sqrt();
+            match dist {
+                NormalOrUniform::Uniform => {
+                    let bound = 3f64.sqrt() * std;
+                    Dist::Uniform(-bound, bound)
+                }
+                NormalOrUniform::Normal => Dist::Normal(0.0, std),
+            }
+        }
+    }
+}
+
+/// candle-nn's `FanInOut::for_shape`.
+fn fan_of(fan: FanInOut, dims: &[usize]) -> usize {
+    let receptive: usize = dims.iter().skip(2).product();
+    match fan {
+        FanInOut::FanIn if dims.len() >= 2 => dims[1] * receptive,
+        FanInOut::FanOut if !dims.is_empty() => dims[0] * receptive,
+        _ => 1,
+    }
+}
+
+fn splitmix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// Draw `counter` of stream `key`, uniform in [0, 1) with 53 bits.
+fn uniform(key: u64, counter: u64) -> f64 {
+    (splitmix(key ^ splitmix(counter)) >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+}
+
+/// Standard normal for element `i` (Box-Muller on draws 2i and 2i + 1).
+fn normal(key: u64, i: u64) -> f64 {
+    let u1 = 1.0 - uniform(key, 2 * i);
+    let u2 = uniform(key, 2 * i + 1);
+    (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()
+}
+
+/// Values from a safetensors file (`--init FILE`), memory-mapped: a rank
+/// reads only the elements it asks for, one tensor at a time, whatever
+/// their dtype in the file (converted).
+pub struct SafetensorsInit {
+    file: MappedTensors,
+}
+
+impl SafetensorsInit {
+    /// Maps `path`; an error names it if it is not a safetensors file.
+    pub fn open(path: impl AsRef<Path>) -> Result<Self> {
+        Ok(Self {
+            file: MappedTensors::open(path)?,
+        })
+    }
+}
+
+impl ParamSource for SafetensorsInit {
+    fn fill(
+        &self,
+        name: &str,
+        shape: &[usize],
+        _init: Init,
+        range: Range<usize>,
+        out: &mut [f64],
+    ) -> Result<()> {
+        self.check(name, shape)?;
+        let tensor = self
+            .file
+            .get(name)
+            .ok_or_else(|| missing(&self.file, name))?;
+        Ok(tensor.read_range_as(range, out)?)
+    }
+
+    fn check(&self, name: &str, shape: &[usize]) -> Result<()> {
+        let tensor = self
+            .file
+            .get(name)
+            .ok_or_else(|| missing(&self.file, name))?;
+        if tensor.shape != shape {
+            return Err(Error::Variable {
+                name: name.into(),
+                detail: format!(
+                    "{} holds it as {:?}, the model needs {shape:?}; load weights saved from \
+                     this model",
+                    self.file.path().display(),
+                    tensor.shape
+                ),
+            });
+        }
+        Ok(())
+    }
+}
+
+fn missing(file: &MappedTensors, name: &str) -> Error {
+    Error::Variable {
+        name: name.into(),
+        detail: format!(
+            "{} has no tensor of that name; load weights saved from this model",
+            file.path().display()
+        ),
+    }
+}
+
+/// A `VarMap` whose variables come from a [`ParamSource`], those above a
+/// size created without values for stage 3 to shard from the start (see
+/// [`ZeroOptimizer::new_sharded`](crate::ZeroOptimizer::new_sharded)).
+///
+/// Build the model through [`ShardedVarMap::builder`] (a `VarBuilder`, so
+/// `zero_candle::nn`'s and candle-nn's constructors work unchanged) or
+/// [`ShardedVarMap::get`]. A variable of more than `defer_above` elements on
+/// the CPU is created *deferred*: with its name, shape and dtype but an
+/// empty storage; it must then be used only by `zero_candle::nn` layers
+/// (which gather it), and `ZeroOptimizer::new_sharded` gives every rank its
+/// shard of it. With `defer_above: None` every variable is created whole
+/// (any stage, any device): the same values, so a run at stage 2 and one at
+/// stage 3 start from the same model.
+#[derive(Clone)]
+pub struct ShardedVarMap {
+    inner: Arc<MapInner>,
+}
+
+struct MapInner {
+    varmap: VarMap,
+    /// The deferred variables' hints and shapes, by name.
+    deferred: Mutex<HashMap<String, (Init, Vec<usize>)>>,
+    source: Box<dyn ParamSource>,
+    defer_above: Option<usize>,
+}
+
+impl ShardedVarMap {
+    /// Variables from `source`; those of more than `defer_above` elements
+    /// deferred (pass `EngineConfig::persist_numel` at stage 3, `None`
+    /// otherwise).
+    pub fn new(source: impl ParamSource + 'static, defer_above: Option<usize>) -> Self {
+        Self {
+            inner: Arc::new(MapInner {
+                varmap: VarMap::new(),
+                deferred: Mutex::new(HashMap::new()),
+                source: Box::new(source),
+                defer_above,
+            }),
+        }
+    }
+
+    /// Variables initialized by [`SeededInit`] with `seed`.
+    pub fn seeded(seed: u64, defer_above: Option<usize>) -> Self {
+        Self::new(SeededInit::new(seed), defer_above)
+    }
+
+    /// Variables read from a safetensors file (memory-mapped: a deferred
+    /// variable is never read whole).
+    pub fn from_safetensors(path: impl AsRef<Path>, defer_above: Option<usize>) -> Result<Self> {
+        Ok(Self::new(SafetensorsInit::open(path)?, defer_above))
+    }
+
+    /// The variables, by name (deferred ones hold no values).
+    pub fn varmap(&self) -> &VarMap {
+        &self.inner.varmap
+    }
+
+    /// A `VarBuilder` creating variables of `dtype` on `device` here.
+    pub fn builder(&self, dtype: DType, device: &Device) -> VarBuilder<'static> {
+        VarBuilder::from_backend(Box::new(self.clone()), dtype, device.clone())
+    }
+
+    /// The variable `name`: created (deferred or with its values) on the
+    /// first call, the same variable after; an error if asked again with
+    /// another shape.
+    pub fn get(
+        &self,
+        shape: impl Into<Shape>,
+        name: &str,
+        init: Init,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Tensor> {
+        let shape = shape.into();
+        let mut vars = lock(self.inner.varmap.data());
+        if let Some(var) = vars.get(name) {
+            if var.shape() != &shape {
+                return Err(Error::Variable {
+                    name: name.into(),
+                    detail: format!(
+                        "created as {:?} and asked for again as {:?}",
+                        var.dims(),
+                        shape.dims()
+                    ),
+                });
+            }
+            return Ok(var.as_tensor().clone());
+        }
+        self.inner.source.check(name, shape.dims())?;
+        let defer = device.is_cpu()
+            && self
+                .inner
+                .defer_above
+                .is_some_and(|above| shape.elem_count() > above);
+        let var = if defer {
+            lock(&self.inner.deferred).insert(name.into(), (init, shape.dims().to_vec()));
+            deferred_var(shape, dtype)?
+        } else {
+            let values = self.values(name, shape.dims(), init, dtype)?;
+            // A variable from the values themselves (no copy).
+            Var::from_tensor(&Tensor::from_storage(
+                Storage::Cpu(values),
+                shape,
+                BackpropOp::none(),
+                true,
+            ))?
+        };
+        let var = if device.is_cpu() {
+            var
+        } else {
+            Var::from_tensor(&var.as_tensor().to_device(device)?)?
+        };
+        let tensor = var.as_tensor().clone();
+        vars.insert(name.into(), var);
+        Ok(tensor)
+    }
+
+    /// Whether `name` is deferred (holds no values yet).
+    pub fn is_deferred(&self, name: &str) -> bool {
+        lock(&self.inner.deferred).contains_key(name)
+    }
+
+    /// Gives the deferred variable `name` its whole values (it is no longer
+    /// deferred); nothing for another variable.
+    pub fn materialize(&self, name: &str) -> Result<()> {
+        let Some((init, shape)) = lock(&self.inner.deferred).remove(name) else {
+            return Ok(());
+        };
+        let var = lock(self.inner.varmap.data()).get(name).cloned();
+        let Some(var) = var else {
+            return Ok(());
+        };
+        let values = self.values(name, &shape, init, var.dtype())?;
+        var.as_tensor()
+            .inplace_op1(&Replace(Mutex::new(Some(values))))?;
+        Ok(())
+    }
+
+    /// Gives every deferred variable its whole values.
+    pub fn materialize_all(&self) -> Result<()> {
+        let names: Vec<String> = lock(&self.inner.deferred).keys().cloned().collect();
+        for name in names {
+            self.materialize(&name)?;
+        }
+        Ok(())
+    }
+
+    /// The hint and shape a deferred variable was created with.
+    pub(crate) fn deferred(&self, name: &str) -> Option<(Init, Vec<usize>)> {
+        lock(&self.inner.deferred).get(name).cloned()
+    }
+
+    /// Marks the deferred variables as sharded: no longer waiting for
+    /// values (the engine's shard holds them).
+    pub(crate) fn sharded(&self, names: &[&str]) {
+        let mut deferred = lock(&self.inner.deferred);
+        for name in names {
+            deferred.remove(*name);
+        }
+    }
+
+    pub(crate) fn source(&self) -> &dyn ParamSource {
+        self.inner.source.as_ref()
+    }
+
+    /// The whole values of `name` in `dtype`, computed in blocks.
+    fn values(&self, name: &str, shape: &[usize], init: Init, dtype: DType) -> Result<CpuStorage> {
+        let numel = shape.iter().product();
+        let source = self.source();
+        Ok(match dtype {
+            DType::F32 => CpuStorage::F32(filled(source, name, shape, init, numel)?),
+            DType::F64 => CpuStorage::F64(filled(source, name, shape, init, numel)?),
+            DType::BF16 => CpuStorage::BF16(filled::<bf16>(source, name, shape, init, numel)?),
+            DType::F16 => CpuStorage::F16(filled::<f16>(source, name, shape, init, numel)?),
+            other => {
+                return Err(Error::Variable {
+                    name: name.into(),
+                    detail: format!(
+                        "dtype {other:?}: a ShardedVarMap creates f32, f64, bf16 or f16 variables"
+                    ),
+                })
+            }
+        })
+    }
+}
+
+/// Fills `out` with elements `range` of `name` from `source`, through an
+/// f64 block at a time, each value rounded to the variable's `dtype` first
+/// (so that f32 master weights of a bf16 model hold the bf16 values, as
+/// when they are read from a whole bf16 variable).
+pub(crate) fn fill_from<D: Element>(
+    source: &dyn ParamSource,
+    (name, shape, init): (&str, &[usize], Init),
+    range: Range<usize>,
+    dtype: DType,
+    out: &mut [D],
+) -> Result<()> {
+    let round: fn(f64) -> f64 = match dtype {
+        DType::BF16 => |v| <bf16 as Element>::from_f64(v).to_f64(),
+        DType::F16 => |v| <f16 as Element>::from_f64(v).to_f64(),
+        DType::F32 => |v| f64::from(v as f32),
+        _ => |v| v,
+    };
+    let mut block = vec![0f64; BLOCK.min(out.len())];
+    for (k, chunk) in out.chunks_mut(BLOCK).enumerate() {
+        let start = range.start + k * BLOCK;
+        let staged = &mut block[..chunk.len()];
+        source.fill(name, shape, init, start..start + chunk.len(), staged)?;
+        for (d, &v) in chunk.iter_mut().zip(staged.iter()) {
+            *d = D::from_f64(round(v));
+        }
+    }
+    Ok(())
+}
+
+fn filled<D: Element + WithDType>(
+    source: &dyn ParamSource,
+    name: &str,
+    shape: &[usize],
+    init: Init,
+    numel: usize,
+) -> Result<Vec<D>> {
+    let mut values = vec![D::default(); numel];
+    let dtype = <D as WithDType>::DTYPE;
+    fill_from(source, (name, shape, init), 0..numel, dtype, &mut values)?;
+    Ok(values)
+}
+
+/// A CPU variable of `shape` and `dtype` with an empty storage: nothing of
+/// its size is allocated.
+fn deferred_var(shape: Shape, dtype: DType) -> Result<Var> {
+    let storage = crate::stage3::empty_storage(dtype).ok_or_else(|| Error::Variable {
+        name: "<deferred>".into(),
+        detail: format!("dtype {dtype:?}: only float variables can be deferred"),
+    })?;
+    let tensor = Tensor::from_storage(Storage::Cpu(storage), shape, BackpropOp::none(), true);
+    Ok(Var::from_tensor(&tensor)?)
+}
+
+/// Replaces a CPU variable's storage (a deferred variable's empty one).
+struct Replace(Mutex<Option<CpuStorage>>);
+
+impl InplaceOp1 for Replace {
+    fn name(&self) -> &'static str {
+        "zero-replace-storage"
+    }
+
+    fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
+        let mut slot = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(values) = slot.take() else {
+            candle_core::bail!("zero-replace-storage: applied twice")
+        };
+        if values.dtype() != storage.dtype() || values_len(&values) != layout.shape().elem_count() {
+            candle_core::bail!(
+                "zero-replace-storage: {:?} values for a {:?} variable of shape {:?}",
+                values.dtype(),
+                storage.dtype(),
+                layout.dims()
+            )
+        }
+        *storage = values;
+        Ok(())
+    }
+}
+
+fn values_len(storage: &CpuStorage) -> usize {
+    match storage {
+        CpuStorage::F32(v) => v.len(),
+        CpuStorage::F64(v) => v.len(),
+        CpuStorage::BF16(v) => v.len(),
+        CpuStorage::F16(v) => v.len(),
+        _ => 0,
+    }
+}
+
+impl SimpleBackend for ShardedVarMap {
+    fn get(
+        &self,
+        s: Shape,
+        name: &str,
+        h: Init,
+        dtype: DType,
+        dev: &Device,
+    ) -> candle_core::Result<Tensor> {
+        Ok(ShardedVarMap::get(self, s, name, h, dtype, dev)?)
+    }
+
+    fn get_unchecked(
+        &self,
+        name: &str,
+        _dtype: DType,
+        _dev: &Device,
+    ) -> candle_core::Result<Tensor> {
+        candle_core::bail!(
+            "a ShardedVarMap creates variables with a shape: ask for {name:?} with get (a \
+             VarBuilder's get_with_hints)"
+        )
+    }
+
+    fn contains_tensor(&self, name: &str) -> bool {
+        lock(self.inner.varmap.data()).contains_key(name)
+    }
+}
+
+/// A lock, poisoned or not (what it guards stays consistent: maps updated
+/// in one statement).
+fn lock<V>(mutex: &Mutex<V>) -> MutexGuard<'_, V> {
+    mutex.lock().unwrap_or_else(|p| p.into_inner())
+}
