@@ -15,10 +15,10 @@
 # On the GPU machine, unpack it and put the CUDA and NCCL libraries on
 # LD_LIBRARY_PATH; cudarc loads `libnccl.so` and `libnvrtc.so` by those
 # names, so link them there if only the versioned files exist. Then run
-# `t/<test> --include-ignored` (zero-nccl's and zero-candle's GPU tests),
-# `./bench gpu` (from the repository's root, so that it finds the PyTorch
-# peers in examples/pytorch/, or with ZERO_PYTORCH_DIR set) and
-# `./train --backend nccl`.
+# `t/<crate>.<test> --include-ignored` (zero-nccl's tests and zero-candle's
+# GPU tests), `./bench gpu` (from the repository's root, so that it finds the
+# PyTorch peers in examples/pytorch/, or with ZERO_PYTORCH_DIR set) and
+# `./train --backend nccl`; scripts/gpu-check.sh does all of it.
 # The first build compiles Candle's kernels (tens of minutes on 2 cores).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -53,14 +53,21 @@ trap 'rm -rf "$stage"' EXIT
 mkdir -p "$stage/t"
 {
     cargo test --no-run -p zero-nccl --features nccl --message-format=json
-    cargo test --no-run -p zero-candle --features nccl --message-format=json
+    cargo test --no-run -p zero-candle --features nccl --test gpu_layers --test gpu_nccl \
+        --message-format=json
 } |
     python3 -c '
-import json, sys
+import json, os, sys
+# Every test of zero-nccl (its CPU tests are quick and check the bundled
+# libraries too) and the GPU tests of zero-candle (its CPU tests run in CI),
+# named crate.target: both crates have a gpu_nccl.
 for line in sys.stdin:
     msg = json.loads(line)
     if msg.get("reason") == "compiler-artifact" and msg.get("executable") and msg["profile"]["test"]:
-        print(msg["target"]["name"], msg["executable"])
+        crate = os.path.basename(os.path.dirname(msg["manifest_path"]))
+        name = msg["target"]["name"]
+        if crate == "zero-nccl" or name.startswith("gpu_"):
+            print(f"{crate}.{name}", msg["executable"])
 ' | while read -r name exe; do cp "$exe" "$stage/t/$name"; done
 cp "$CARGO_TARGET_DIR/debug/train" "$CARGO_TARGET_DIR/debug/bench" "$stage/"
 strip "$stage"/t/* "$stage/train" "$stage/bench"

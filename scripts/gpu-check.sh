@@ -39,7 +39,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 
 # The tests keep the build machine's CARGO_TARGET_TMPDIR (nvrtc_ptx writes there).
 for t in "$unpacked"/t/*; do
-    dir="$(strings "$t" | grep -m1 -o '/[^ ]*/target/cuda-[0-9.]*/tmp' || true)"
+    dir="$(grep -a -o -m1 '/[A-Za-z0-9_./+-]*/target/cuda-[0-9.]*/tmp' "$t" | head -1 || true)"
     [[ -n "$dir" ]] && mkdir -p "$dir"
 done
 
