@@ -215,6 +215,13 @@ impl Rendezvous {
         let mut last = format!("{} resolved to no address", self.host);
         for addr in addrs {
             match TcpStream::connect_timeout(&addr, step) {
+                // A connection to a port nobody listens on, from a local
+                // port the kernel happened to pick equal to it, connects to
+                // itself (TCP simultaneous open) and would keep the port
+                // from rank 0: drop it and retry.
+                Ok(stream) if stream.local_addr().ok() == Some(addr) => {
+                    last = format!("connect to {addr}: connected to itself (no server yet)");
+                }
                 Ok(stream) => return self.handshake(stream, step),
                 Err(e) => last = format!("connect to {addr}: {e}"),
             }

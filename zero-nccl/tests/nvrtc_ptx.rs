@@ -118,6 +118,10 @@ fn kernels_compile_with_nvrtc_and_assemble_for_ampere_and_hopper() {
     }
 }
 
+/// The most bytes an attention kernel may spill: one or two registers'
+/// worth, never an accumulator array.
+const SMALL_SPILL: u32 = 16;
+
 #[test]
 #[ignore = "needs NVRTC and ptxas: run scripts/check-nvrtc.sh"]
 fn layer_kernels_compile_with_nvrtc_and_assemble_for_ampere_and_hopper() {
@@ -146,10 +150,16 @@ fn layer_kernels_compile_with_nvrtc_and_assemble_for_ampere_and_hopper() {
             println!(
                 "{sm} {name}: {registers} registers, {smem} B shared, spills {stores}/{loads} B"
             );
-            // Attention keeps its accumulators in registers; a spill there
-            // costs more than the rest of the kernel.
+            // Attention keeps its accumulators in registers: an array in
+            // local memory there costs more than the rest of the kernel. A
+            // register or two may spill (CUDA 13.0's NVRTC spills 8 bytes of
+            // the bf16 d=64 dK/dV kernel for sm_80, 13.5's none; seen on
+            // the H100 machine).
             if name.starts_with("attention") {
-                assert_eq!((stores, loads), (0, 0), "{name} spills on {sm}:\n{report}");
+                assert!(
+                    stores <= SMALL_SPILL && loads <= SMALL_SPILL,
+                    "{name} spills {stores}/{loads} bytes on {sm}:\n{report}"
+                );
             }
         }
     }

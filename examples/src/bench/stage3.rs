@@ -3,23 +3,21 @@
 //! [`Delayed`] link where gathers cost what a network would), and the
 //! process's peak heap at N=4 (MLP 1024-4x2048-10, AdamW).
 //!
-//! Stage 3 runs its first step on the whole weights the model was built
-//! with and shards them after it, so both figures are taken from the
-//! second step on: the time as the median of the later steps, the memory
-//! as the peak after every rank has finished its first step (the whole
-//! run's peak is reported beside it; it includes the model as built).
+//! Both stages build the model through a `ShardedVarMap` (stage 3 sharded
+//! from the start: no rank ever holds it whole). The time is the median of
+//! the steps after the first; the memory is the peak after every rank has
+//! finished its first step, with the whole run's peak beside it.
 
 use super::Report;
 use crate::heap;
 use crate::trainer::Mlp;
 use candle_core::Device;
-use candle_nn::VarMap;
 use rand::SeedableRng;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use zero_candle::nn::GradHook;
-use zero_candle::{ZeroHook, ZeroOptimizer};
+use zero_candle::{ShardedVarMap, ZeroHook, ZeroOptimizer};
 use zero_core::comm::{Delayed, Host};
 use zero_core::engine::{EngineConfig, Stage};
 use zero_core::optim::{AdamW, AdamWConfig};
@@ -66,20 +64,21 @@ where
     C: Communicator<Memory = Host> + 'static,
 {
     let rank = comm.rank();
-    let varmap = VarMap::new();
+    let config = EngineConfig::default().with_stage(stage);
+    // Stage 3 builds sharded from the start (each rank only its shard).
+    let defer = (stage == Stage::Parameters).then_some(config.persist_numel);
+    let map = ShardedVarMap::seeded(0, defer);
     let hook = ZeroHook::<C, f32>::new();
-    let model = Mlp::with_hook(
-        &varmap,
+    let model = Mlp::build(
+        &map,
         widths,
-        0,
         &Device::Cpu,
         Some(hook.clone() as Arc<dyn GradHook>),
+        candle_core::DType::F32,
     )
     .map_err(|e| e.to_string())?;
     let adamw = AdamW::new(AdamWConfig::default().with_lr(1e-3)).map_err(|e| e.to_string())?;
-    let config = EngineConfig::default().with_stage(stage);
-    let mut opt = ZeroOptimizer::<C, f32>::new(&varmap, comm, config, Box::new(adamw))
-        .and_then(|o| o.with_hook(&hook))
+    let mut opt = ZeroOptimizer::<C, f32>::new_sharded(&map, comm, config, Box::new(adamw), &hook)
         .map_err(|e| e.to_string())?;
     let mut rng = rand::rngs::StdRng::seed_from_u64(rank as u64);
     let mut times = Vec::with_capacity(steps);
