@@ -102,7 +102,7 @@ pub trait CandleMemory<T: Element + WithDType, C: Communicator + 'static>: Memor
         engine: &mut Engine<T, C, Self::Memory>,
         params: &[usize],
         root: usize,
-        sink: &mut dyn FnMut(usize, std::ops::Range<usize>, &[T]) -> zero_core::Result<()>,
+        sink: &mut zero_core::engine::ParamPieceSink<'_, T>,
     ) -> Result<()> {
         let _ = (engine, params, root, sink);
         Err(stage_3_unsupported().into())
@@ -210,7 +210,7 @@ impl<T: Element + WithDType, C: Communicator<Memory = Host> + 'static> CandleMem
         engine: &mut Engine<T, C, HostMemory>,
         params: &[usize],
         root: usize,
-        sink: &mut dyn FnMut(usize, std::ops::Range<usize>, &[T]) -> zero_core::Result<()>,
+        sink: &mut zero_core::engine::ParamPieceSink<'_, T>,
     ) -> Result<()> {
         Ok(engine.stream_params(params, root, sink)?)
     }

@@ -271,7 +271,7 @@ fn a_failed_save_leaves_no_file_and_fails_every_rank() {
     let results = ThreadGroup::new(2)
         .run(|comm| train_and_save(comm, &Source::Seed(1), Stage::Parameters, 1, &target));
     for r in results {
-        let err = r.expect("no panic").err().expect("the save fails");
+        let err = r.expect("no panic").expect_err("the save fails");
         assert!(err.to_string().contains("w.safetensors"), "{err}");
     }
     assert!(!target.exists());

@@ -59,6 +59,7 @@ pub use setup::ShardSetup;
 pub use shard_memory::{
     GradPiece, HostGrad, HostMemory, ParamCopy, ParamStore, ShardMemory, StepPiece, StepPlan,
 };
+pub use stage3::ParamPieceSink;
 pub use state::SaveOptions;
 
 use crate::comm::{Communicator, Host, ReduceOp};

@@ -33,6 +33,10 @@ use crate::{Element, Error, Result};
 use std::ops::Range;
 use std::sync::Arc;
 
+/// Where [`Engine::stream_params`] puts each piece: (parameter, its range
+/// of the parameter's elements, the values).
+pub type ParamPieceSink<'a, T> = dyn FnMut(usize, Range<usize>, &[T]) -> Result<()> + 'a;
+
 /// A run of buckets (first, last) and the sharded parameters in it (index,
 /// sequence position of the first element).
 type BucketRun = (usize, usize, Vec<(usize, usize)>);
@@ -204,7 +208,7 @@ where
         &mut self,
         params: &[usize],
         root: usize,
-        sink: &mut dyn FnMut(usize, Range<usize>, &[T]) -> Result<()>,
+        sink: &mut ParamPieceSink<'_, T>,
     ) -> Result<()> {
         self.finish_gathers()?;
         self.refuse_mid_accumulation("stream_params")?;
