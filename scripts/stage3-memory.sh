@@ -2,7 +2,8 @@
 # Stage 3's memory as a user meets it, with the trainer (BENCHMARKS.md):
 #  1. Process peak RSS (`/usr/bin/time`), ranks as threads, MLP
 #     1024-4x2048-10, AdamW, f32, 4 steps and --save: stage 3 / stage 2 at
-#     4 ranks, stage 2 / stage 0 at 2 ranks.
+#     4 ranks, stage 2 / stage 0 at 2 ranks; with the trainer's allocator
+#     settings, then with glibc returning freed blocks above 4 MiB.
 #  2. `mpirun -n 4`, MLP 1024-4x4096-10 (54.5M parameters), each rank's data
 #     segment capped with `ulimit -d` (KB): whether stage 3 and stage 2
 #     train 4 steps and save under each cap.
@@ -44,15 +45,21 @@ peak() {
     cat "$dir/rss"
 }
 
-echo "== peak RSS, ranks as threads, MLP 1024-4x2048-10, with --save"
-small=(--hidden 2048,2048,2048,2048 --save "$dir/w.safetensors")
-s0_2=$(peak --world-size 2 --stage 0 "${small[@]}")
-s2_2=$(peak --world-size 2 --stage 2 "${small[@]}")
-s2_4=$(peak --world-size 4 --stage 2 "${small[@]}")
-s3_4=$(peak --world-size 4 --stage 3 "${small[@]}")
 ratio() { awk "BEGIN { printf \"%.2f\", $1 / $2 }"; }
-echo "N=2: stage 0 $((s0_2 / 1000)) MB, stage 2 $((s2_2 / 1000)) MB: stage2/stage0 $(ratio "$s2_2" "$s0_2")"
-echo "N=4: stage 2 $((s2_4 / 1000)) MB, stage 3 $((s3_4 / 1000)) MB: stage3/stage2 $(ratio "$s3_4" "$s2_4")"
+small=(--hidden 2048,2048,2048,2048 --save "$dir/w.safetensors")
+# The trainer keeps freed blocks of up to 32 MiB (faster steps, see
+# `tune_process`); with MALLOC_MMAP_THRESHOLD_ glibc returns those above it.
+for threshold in "" 4194304; do
+    echo "== peak RSS, ranks as threads, MLP 1024-4x2048-10, with --save${threshold:+, MALLOC_MMAP_THRESHOLD_=$threshold}"
+    if [ -n "$threshold" ]; then export MALLOC_MMAP_THRESHOLD_=$threshold; fi
+    s0_2=$(peak --world-size 2 --stage 0 "${small[@]}")
+    s2_2=$(peak --world-size 2 --stage 2 "${small[@]}")
+    s2_4=$(peak --world-size 4 --stage 2 "${small[@]}")
+    s3_4=$(peak --world-size 4 --stage 3 "${small[@]}")
+    echo "N=2: stage 0 $((s0_2 / 1000)) MB, stage 2 $((s2_2 / 1000)) MB: stage2/stage0 $(ratio "$s2_2" "$s0_2")"
+    echo "N=4: stage 2 $((s2_4 / 1000)) MB, stage 3 $((s3_4 / 1000)) MB: stage3/stage2 $(ratio "$s3_4" "$s2_4")"
+done
+unset MALLOC_MMAP_THRESHOLD_
 
 command -v mpirun >/dev/null || {
     echo "stage3-memory: mpirun not found; skipping the capped MPI runs" >&2

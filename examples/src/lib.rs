@@ -33,7 +33,8 @@ pub mod trainer;
 ///   the same multi-MB gradients and activations every time then pays page
 ///   faults for all of them. In `bench step` that made stages 1 and 2
 ///   1.3-1.9x stage 0 (whose pattern happened to raise the threshold);
-///   with it fixed they were 0.80-1.02x.
+///   with it fixed they were 0.80-1.02x. Not when `MALLOC_MMAP_THRESHOLD_`
+///   is set: glibc then follows the environment.
 pub fn tune_process(ranks_in_process: usize) {
     if std::env::var_os("RAYON_NUM_THREADS").is_none() {
         let threads = candle_core::utils::get_num_threads();
@@ -42,12 +43,15 @@ pub fn tune_process(ranks_in_process: usize) {
     if ranks_in_process > 1 && std::env::var_os("CANDLE_NUM_THREADS").is_none() {
         std::env::set_var("CANDLE_NUM_THREADS", "1");
     }
+    // Settings given to glibc through its environment variables win.
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: mallopt only sets allocator parameters, with valid values;
-    // it is called before any other thread exists. A refusal (0) leaves
-    // glibc's defaults, which are correct, only slower.
-    unsafe {
-        libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
-        libc::mallopt(libc::M_TRIM_THRESHOLD, 64 << 20);
+    if std::env::var_os("MALLOC_MMAP_THRESHOLD_").is_none() {
+        // SAFETY: mallopt only sets allocator parameters, with valid
+        // values; it is called before any other thread exists. A refusal
+        // (0) leaves glibc's defaults, which are correct, only slower.
+        unsafe {
+            libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
+            libc::mallopt(libc::M_TRIM_THRESHOLD, 64 << 20);
+        }
     }
 }
