@@ -421,3 +421,59 @@ fn tied_embedding_gradients(ops: GptOps) {
     assert_eq!(model.config(), config);
     assert_eq!(DType::F32, loss.dtype());
 }
+
+#[test]
+fn checkpoint_activations_trains_the_same_weights_bitwise() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut base = tiny(&write_corpus(dir.path()));
+    // Two blocks: the second's input gradient goes through the first's
+    // recompute.
+    let layers = base.iter().position(|a| a == "--layers").unwrap();
+    base[layers + 1] = "2".into();
+    for stage in ["2", "3"] {
+        let run = [
+            "--world-size",
+            "2",
+            "--batch-size",
+            "4",
+            "--steps",
+            "4",
+            "--eval-every",
+            "0",
+            "--stage",
+            stage,
+            "--persist-numel",
+            "0",
+            "--clip-norm",
+            "1.0",
+        ];
+        let plain = weights(&base, &run);
+        let recomputed = weights(&base, &[&run[..], &["--checkpoint-activations"]].concat());
+        assert_eq!(plain, recomputed, "stage {stage}");
+    }
+}
+
+#[test]
+fn checkpoint_activations_resumes_a_checkpoint_saved_without() {
+    let with = [
+        "--world-size",
+        "2",
+        "--batch-size",
+        "4",
+        "--checkpoint-activations",
+    ];
+    assert_eq!(resume_difference(&[], &with).0, 0.0);
+}
+
+#[test]
+fn checkpoint_activations_is_refused_for_the_mlp() {
+    let args = Args::parse_from([
+        "train",
+        "--quiet",
+        "--steps",
+        "1",
+        "--checkpoint-activations",
+    ]);
+    let err = run(&args).expect_err("refused").to_string();
+    assert!(err.contains("--model gpt"), "{err}");
+}

@@ -193,21 +193,29 @@ where
         inner.in_backward = true;
         inner.used[1].clear();
         let mut expected = Vec::new();
-        for node in loss.sorted_nodes() {
-            if !node.is_variable() {
-                continue;
-            }
-            let id = node.id();
+        let mut listed = vec![false; inner.vars.len()];
+        let mut expect = |id: TensorId, inner: &Inner<C, T>| {
             let Some(&i) = inner.index.get(&id) else {
-                continue;
+                return;
             };
             let seen = inner.last_calls.as_ref().map_or(0, |calls| calls[i]);
             let calls = match seen {
                 0 => inner.announced.get(&id).copied().unwrap_or(0),
                 seen => seen,
             };
-            if calls > 0 {
+            if calls > 0 && !std::mem::replace(&mut listed[i], true) {
                 expected.push((i, calls));
+            }
+        };
+        for node in loss.sorted_nodes() {
+            if node.is_variable() {
+                expect(node.id(), &inner);
+            } else if let Some(vars) = crate::checkpoint::block_vars(node.id()) {
+                // A checkpointed block: its variables' gradients come when
+                // backward reaches it (they are not in the outer graph).
+                for &id in vars.iter() {
+                    expect(id, &inner);
+                }
             }
         }
         expected

@@ -10,6 +10,7 @@
 //! parameter gradients leave `backward()` through a hook as they are computed.
 #![warn(missing_docs)]
 
+pub mod checkpoint;
 mod error;
 mod hook;
 pub mod init;
@@ -22,6 +23,7 @@ mod params;
 mod precision;
 mod stage3;
 
+pub use checkpoint::checkpoint;
 pub use error::{Error, Result};
 pub use hook::ZeroHook;
 pub use init::{ParamSource, SafetensorsInit, SeededInit, ShardedVarMap};

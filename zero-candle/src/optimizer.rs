@@ -218,8 +218,10 @@ where
     pub fn backward_step(&mut self, loss: &Tensor) -> Result<Option<StepReport>> {
         let scaled = crate::precision::scale_loss(loss, self.engine().loss_scale())?;
         let loss = &scaled;
+        crate::checkpoint::clear_pending();
         let Some(hook) = self.hook.clone() else {
-            let grads = loss.backward()?;
+            let mut grads = loss.backward()?;
+            crate::checkpoint::merge_pending(&mut grads)?;
             return self.step(&grads);
         };
         let grads = {
@@ -259,7 +261,8 @@ where
             loss.backward()
         };
         match grads {
-            Ok(grads) => {
+            Ok(mut grads) => {
+                crate::checkpoint::merge_pending(&mut grads)?;
                 hook.backward_done();
                 let report = self.step(&grads)?;
                 if report.is_some() {

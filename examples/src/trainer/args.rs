@@ -186,6 +186,11 @@ pub struct Args {
     /// gathers hide behind that forward.
     #[arg(long)]
     pub defer_gathers: bool,
+    /// GPT: keep only each block's input for backward and run the block
+    /// again there (activation checkpointing): the same gradients, a
+    /// fraction of the activation memory, one more forward per step.
+    #[arg(long)]
+    pub checkpoint_activations: bool,
     /// Model.
     #[arg(long, value_enum, default_value_t = ModelKind::Mlp)]
     pub model: ModelKind,

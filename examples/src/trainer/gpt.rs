@@ -70,6 +70,7 @@ pub enum GptOps {
     Composed,
 }
 
+#[derive(Clone)]
 struct Block {
     ln1: LayerNorm,
     qkv: Linear,
@@ -79,10 +80,76 @@ struct Block {
     mlp_proj: Linear,
 }
 
+impl Block {
+    /// `x` `[batch, time, d]` through the block (pre-norm attention and MLP,
+    /// each with its residual).
+    fn forward(
+        &self,
+        x: &Tensor,
+        heads: usize,
+        ops: GptOps,
+        mask: Option<&Tensor>,
+        dtype: DType,
+    ) -> candle_core::Result<Tensor> {
+        let x_norm = self.ln1.forward(x)?;
+        let h = match mask {
+            None => {
+                let qkv = self.qkv.forward(&x_norm)?;
+                let y = ops::causal_self_attention(&qkv, heads)?;
+                self.attn_proj.forward(&y)?
+            }
+            Some(mask) => self.composed_attention(&x_norm, heads, mask, dtype)?,
+        };
+        let x = (x + h)?;
+        let h = self.fc.forward(&self.ln2.forward(&x)?)?;
+        let h = match ops {
+            GptOps::Fused => ops::gelu(&h)?,
+            GptOps::Composed => h.gelu()?,
+        };
+        x + self.mlp_proj.forward(&h)?
+    }
+
+    /// Attention composed of Candle's ops ([`GptOps::Composed`]).
+    fn composed_attention(
+        &self,
+        x: &Tensor,
+        heads: usize,
+        mask: &Tensor,
+        dtype: DType,
+    ) -> candle_core::Result<Tensor> {
+        let (batch, time, d) = x.dims3()?;
+        let head_dim = d / heads;
+        let qkv = self
+            .qkv
+            .forward(x)?
+            .reshape((batch, time, 3, heads, head_dim))?;
+        // [batch, heads, time, head_dim] each.
+        let part = |i: usize| -> candle_core::Result<Tensor> {
+            qkv.narrow(2, i, 1)?
+                .squeeze(2)?
+                .transpose(1, 2)?
+                .contiguous()
+        };
+        let (q, k, v) = (part(0)?, part(1)?, part(2)?);
+        let scores = (q.matmul(&k.t()?.contiguous()?)? / (head_dim as f64).sqrt())?;
+        // The softmax in f32 (the mask is f32): exact for an f32 model, and
+        // what autocast does for a 16-bit one.
+        let scores = scores.to_dtype(DType::F32)?.broadcast_add(mask)?;
+        let weights = candle_nn::ops::softmax(&scores, D::Minus1)?.to_dtype(dtype)?;
+        let y = weights
+            .matmul(&v)?
+            .transpose(1, 2)?
+            .reshape((batch, time, d))?;
+        self.attn_proj.forward(&y)
+    }
+}
+
 /// The model: embeddings, blocks, final norm and the tied head.
 pub struct Gpt {
     config: GptConfig,
     ops: GptOps,
+    /// Each block's activations recomputed in backward (`--checkpoint-activations`).
+    checkpointed: bool,
     wte: Embedding,
     wpe: Embedding,
     blocks: Vec<Block>,
@@ -222,6 +289,7 @@ impl Gpt {
         Ok(Self {
             config,
             ops: GptOps::Fused,
+            checkpointed: false,
             wte: Embedding::new(wte.clone(), d, hook.clone()),
             wpe: Embedding::new(wpe, d, hook.clone()),
             blocks,
@@ -238,6 +306,14 @@ impl Gpt {
     /// The model computing with `ops` (the default is [`GptOps::Fused`]).
     pub fn with_ops(mut self, ops: GptOps) -> Self {
         self.ops = ops;
+        self
+    }
+
+    /// With `on`, each block keeps only its input for backward and runs
+    /// again there (`zero_candle::checkpoint`): the same gradients, the
+    /// activations of one block at a time, one more forward per step.
+    pub fn with_checkpointing(mut self, on: bool) -> Self {
+        self.checkpointed = on;
         self
     }
 
@@ -263,23 +339,16 @@ impl Gpt {
             GptOps::Composed => Some(causal_mask(time, device)?),
         };
         let dtype = self.head.weight().dtype();
-        for block in &self.blocks {
-            let x_norm = block.ln1.forward(&x)?;
-            let h = match &mask {
-                None => {
-                    let qkv = block.qkv.forward(&x_norm)?;
-                    let y = ops::causal_self_attention(&qkv, self.config.heads)?;
-                    block.attn_proj.forward(&y)?
-                }
-                Some(mask) => self.composed_attention(block, &x_norm, mask, dtype)?,
+        let (heads, ops) = (self.config.heads, self.ops);
+        for (i, block) in self.blocks.iter().enumerate() {
+            x = if self.checkpointed {
+                let (block, mask) = (block.clone(), mask.clone());
+                zero_candle::checkpoint(&format!("blocks.{i}"), &x, move |x| {
+                    block.forward(x, heads, ops, mask.as_ref(), dtype)
+                })?
+            } else {
+                block.forward(&x, heads, ops, mask.as_ref(), dtype)?
             };
-            x = (x + h)?;
-            let h = block.fc.forward(&block.ln2.forward(&x)?)?;
-            let h = match self.ops {
-                GptOps::Fused => ops::gelu(&h)?,
-                GptOps::Composed => h.gelu()?,
-            };
-            x = (x + block.mlp_proj.forward(&h)?)?;
         }
         let x = self
             .ln_f
@@ -287,41 +356,6 @@ impl Gpt {
             .reshape((batch * time, self.config.d_model))?;
         // The tied head: the embedding table a second time.
         self.head.forward(&x)
-    }
-
-    /// Attention composed of Candle's ops ([`GptOps::Composed`]).
-    fn composed_attention(
-        &self,
-        block: &Block,
-        x: &Tensor,
-        mask: &Tensor,
-        dtype: DType,
-    ) -> candle_core::Result<Tensor> {
-        let (batch, time, d) = x.dims3()?;
-        let heads = self.config.heads;
-        let head_dim = d / heads;
-        let qkv = block
-            .qkv
-            .forward(x)?
-            .reshape((batch, time, 3, heads, head_dim))?;
-        // [batch, heads, time, head_dim] each.
-        let part = |i: usize| -> candle_core::Result<Tensor> {
-            qkv.narrow(2, i, 1)?
-                .squeeze(2)?
-                .transpose(1, 2)?
-                .contiguous()
-        };
-        let (q, k, v) = (part(0)?, part(1)?, part(2)?);
-        let scores = (q.matmul(&k.t()?.contiguous()?)? / (head_dim as f64).sqrt())?;
-        // The softmax in f32 (the mask is f32): exact for an f32 model, and
-        // what autocast does for a 16-bit one.
-        let scores = scores.to_dtype(DType::F32)?.broadcast_add(mask)?;
-        let weights = candle_nn::ops::softmax(&scores, D::Minus1)?.to_dtype(dtype)?;
-        let y = weights
-            .matmul(&v)?
-            .transpose(1, 2)?
-            .reshape((batch, time, d))?;
-        block.attn_proj.forward(&y)
     }
 
     /// Mean cross-entropy of predicting each next byte of `ids` `[batch,

@@ -306,6 +306,11 @@ fn collect(
 }
 
 fn validate(args: &Args) -> Result<(), TrainError> {
+    if args.checkpoint_activations && args.model != ModelKind::Gpt {
+        return Err(TrainError::Usage(
+            "--checkpoint-activations recomputes the GPT's blocks; use it with --model gpt".into(),
+        ));
+    }
     if args.hidden.contains(&0) {
         return Err(TrainError::Usage("--hidden widths must be positive".into()));
     }
@@ -508,7 +513,8 @@ impl<'a> Model<'a> {
                 rows,
             ),
             TrainingData::Text(text) => Self::Gpt(
-                Gpt::build(map, gpt_config(args), device, hook, dtype)?,
+                Gpt::build(map, gpt_config(args), device, hook, dtype)?
+                    .with_checkpointing(args.checkpoint_activations),
                 text,
             ),
         })
