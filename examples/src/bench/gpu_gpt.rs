@@ -70,7 +70,7 @@ pub fn run(report: &mut Report) {
             None
         }
     };
-    let ids = match random_ids(&device) {
+    let ids = match random_ids(&device, BATCH) {
         Ok(ids) => ids,
         Err(e) => {
             eprintln!("gpu gpt benchmark failed: cannot put the batch on the GPU: {e}");
@@ -81,7 +81,7 @@ pub fn run(report: &mut Report) {
     // One case at a time, each dropped (and the device drained) before the
     // next is built, so that their memory does not overlap.
     let case = |name: &str, ops: GptOps, dtype: DType| -> Option<Measured> {
-        match ours(&device, &ctx, pool.as_ref(), &ids, ops, dtype) {
+        match ours(&device, &ctx, pool.as_ref(), &ids, ops, dtype, false) {
             Ok(measured) => Some(measured),
             Err(e) => {
                 eprintln!("gpu gpt benchmark: {name} failed: {e}");
@@ -118,6 +118,8 @@ pub fn run(report: &mut Report) {
             report.add("gpu.gpt_bf16_peak_gb", peak as f64 / 1e9, "GB", None);
         }
     }
+
+    checkpointing(report, &device, &ctx, pool.as_ref());
 
     // PyTorch in a child process, after our cases have released the GPU's
     // memory: f32 with the trainer's manual attention, and bf16 autocast
@@ -209,6 +211,63 @@ pub fn run(report: &mut Report) {
     }
 }
 
+/// Activation checkpointing (`Gpt::with_checkpointing`) at 64 sequences,
+/// f32, against the same run without: `gpu.gpt_ckpt_peak_over_plain` and
+/// `gpu.gpt_ckpt_tokens_over_plain`.
+fn checkpointing(
+    report: &mut Report,
+    device: &Device,
+    ctx: &CudaContext,
+    pool: Option<&MemoryPool>,
+) {
+    const CKPT_BATCH: usize = 64;
+    let ids = match random_ids(device, CKPT_BATCH) {
+        Ok(ids) => ids,
+        Err(e) => {
+            eprintln!("gpu gpt benchmark: no checkpointing figures: {e}");
+            return;
+        }
+    };
+    let run = |checkpointed| {
+        ours(
+            device,
+            ctx,
+            pool,
+            &ids,
+            GptOps::Fused,
+            DType::F32,
+            checkpointed,
+        )
+    };
+    let (plain, recomputed) = match (run(false), run(true)) {
+        (Ok(plain), Ok(recomputed)) => (plain, recomputed),
+        (Err(e), _) | (_, Err(e)) => {
+            eprintln!("gpu gpt benchmark: checkpointing at batch {CKPT_BATCH} failed: {e}");
+            return;
+        }
+    };
+    println!(
+        "bench gpu gpt: batch {CKPT_BATCH}: {:.0} tokens/s plain, {:.0} checkpointed",
+        plain.tokens_per_s, recomputed.tokens_per_s
+    );
+    report.add(
+        "gpu.gpt_ckpt_tokens_over_plain",
+        recomputed.tokens_per_s / plain.tokens_per_s,
+        "ratio",
+        Some(">= 0.7"),
+    );
+    if let (Some(a), Some(b)) = (plain.peak_bytes, recomputed.peak_bytes) {
+        report.add("gpu.gpt_b64_peak_gb", a as f64 / 1e9, "GB", None);
+        report.add("gpu.gpt_ckpt_b64_peak_gb", b as f64 / 1e9, "GB", None);
+        report.add(
+            "gpu.gpt_ckpt_peak_over_plain",
+            b as f64 / a as f64,
+            "ratio",
+            Some("<= 0.35"),
+        );
+    }
+}
+
 /// Candle's device 0 and its CUDA context (the primary context, which
 /// `NcclComm::single(0)` shares).
 fn open_device() -> BenchResult<(Device, Arc<CudaContext>)> {
@@ -220,13 +279,13 @@ fn open_device() -> BenchResult<(Device, Arc<CudaContext>)> {
     Ok((device, ctx))
 }
 
-/// `[BATCH, context + 1]` random byte ids (seeded), on the device.
-fn random_ids(device: &Device) -> candle_core::Result<Tensor> {
+/// `[batch, context + 1]` random byte ids (seeded), on the device.
+fn random_ids(device: &Device, batch: usize) -> candle_core::Result<Tensor> {
     let mut rng = StdRng::seed_from_u64(SEED);
-    let ids: Vec<u32> = (0..BATCH * (CONFIG.context + 1))
+    let ids: Vec<u32> = (0..batch * (CONFIG.context + 1))
         .map(|_| rng.gen_range(0..256))
         .collect();
-    Tensor::from_vec(ids, (BATCH, CONFIG.context + 1), device)
+    Tensor::from_vec(ids, (batch, CONFIG.context + 1), device)
 }
 
 /// Waits for every stream of the context: Candle's and the engine's.
@@ -248,6 +307,7 @@ fn ours(
     ids: &Tensor,
     ops: GptOps,
     dtype: DType,
+    checkpointed: bool,
 ) -> BenchResult<Measured> {
     let measured = {
         let varmap = VarMap::new();
@@ -260,7 +320,8 @@ fn ours(
             Some(hook.clone() as Arc<dyn GradHook>),
             dtype,
         )?
-        .with_ops(ops);
+        .with_ops(ops)
+        .with_checkpointing(checkpointed);
         // No gradient norm and no clipping: the PyTorch peer computes neither.
         let mut opt = NcclZeroOptimizer::new(
             &varmap,
@@ -292,7 +353,7 @@ fn ours(
         let peak_bytes = pool.map(MemoryPool::high_water).transpose()?;
         times.sort_by(f64::total_cmp);
         Measured {
-            tokens_per_s: (BATCH * CONFIG.context) as f64 / times[times.len() / 2],
+            tokens_per_s: (ids.dim(0)? * CONFIG.context) as f64 / times[times.len() / 2],
             peak_bytes,
         }
     };
