@@ -242,6 +242,16 @@ where
             .collect()
     }
 
+    /// Stage 3 from the start: the first forward's gathers are planned in
+    /// the order the layers were built (nothing ran yet to record one).
+    pub(crate) fn plan_first_forward(&self) {
+        let order = self.construction_order();
+        let mut inner = self.lock();
+        if inner.used[0].is_empty() {
+            inner.used[0] = order;
+        }
+    }
+
     /// Stage 3: which parameters the model's layers can gather on use:
     /// every layer that uses the variable announced it can (a norm or a
     /// tap reads its parameters itself), on the CPU, in the engine's dtype.

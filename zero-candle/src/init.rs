@@ -94,12 +94,7 @@ impl SeededInit {
 
     /// Element `index` of parameter `name` of `shape`, initialized by `init`.
     pub fn value(&self, name: &str, shape: &[usize], init: Init, index: usize) -> f64 {
-        let key = self.key(name);
-        match resolve(init, shape) {
-            Dist::Const(c) => c,
-            Dist::Uniform(lo, up) => lo + (up - lo) * uniform(key, 2 * index as u64),
-            Dist::Normal(mean, std) => mean + std * normal(key, index as u64),
-        }
+        resolve(init, shape).draw(self.key(name), index)
     }
 
     fn key(&self, name: &str) -> u64 {
@@ -124,11 +119,7 @@ impl ParamSource for SeededInit {
         let key = self.key(name);
         let dist = resolve(init, shape);
         for (o, i) in out.iter_mut().zip(range) {
-            *o = match dist {
-                Dist::Const(c) => c,
-                Dist::Uniform(lo, up) => lo + (up - lo) * uniform(key, 2 * i as u64),
-                Dist::Normal(mean, std) => mean + std * normal(key, i as u64),
-            };
+            *o = dist.draw(key, i);
         }
         Ok(())
     }
@@ -140,6 +131,17 @@ enum Dist {
     Const(f64),
     Uniform(f64, f64),
     Normal(f64, f64),
+}
+
+impl Dist {
+    /// Element `i` of the stream `key`.
+    fn draw(self, key: u64, i: usize) -> f64 {
+        match self {
+            Dist::Const(c) => c,
+            Dist::Uniform(lo, up) => lo + (up - lo) * uniform(key, 2 * i as u64),
+            Dist::Normal(mean, std) => mean + std * normal(key, i as u64),
+        }
+    }
 }
 
 /// candle-nn's meaning of each hint (`Init::var`).

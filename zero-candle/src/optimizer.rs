@@ -140,21 +140,7 @@ where
         named.sort_by(|a, b| a.0.cmp(&b.0));
         let mut params = Vec::with_capacity(named.len());
         for (name, var) in &named {
-            let dtype = match var.dtype() {
-                candle_core::DType::F32 => DType::F32,
-                candle_core::DType::F64 => DType::F64,
-                candle_core::DType::BF16 => DType::BF16,
-                candle_core::DType::F16 => DType::F16,
-                other => {
-                    return Err(Error::Variable {
-                        name: name.clone(),
-                        detail: format!(
-                            "dtype {other:?} is not supported by zero-rs; convert it to f32, \
-                             f64, bf16 or f16, or keep it out of the VarMap given to the optimizer"
-                        ),
-                    })
-                }
-            };
+            let dtype = zero_dtype(name, var.dtype())?;
             params.push(ParamInfo::new(name.clone(), var.dims().to_vec(), dtype));
         }
         let (comm, memory) = C::Memory::build(&named, comm, optimizer.as_ref())?;

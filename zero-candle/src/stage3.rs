@@ -199,6 +199,7 @@ where
     map.sharded(&sharded);
     // Anything deferred the engine did not shard gets its values.
     map.materialize_all()?;
+    hook.plan_first_forward();
     hook.set_fetcher(fetcher);
     Ok(())
 }

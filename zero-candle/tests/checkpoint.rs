@@ -3,9 +3,11 @@
 //! without a `ZeroHook`, at every stage; a block that computes other values
 //! when run again is an error naming it.
 
+mod nn_support;
+
 use candle_core::{DType, Device, Module, Tensor, Var};
 use candle_nn::{VarBuilder, VarMap};
-use rand::{Rng, SeedableRng};
+use rand::SeedableRng;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use zero_candle::nn::{self, GradHook};
@@ -85,12 +87,7 @@ impl Net {
 }
 
 fn batch(rng: &mut rand::rngs::StdRng) -> candle_core::Result<(Tensor, Tensor)> {
-    let mut ids =
-        |n: usize| -> Vec<u32> { (0..n).map(|_| rng.gen_range(0..VOCAB as u32)).collect() };
-    Ok((
-        Tensor::from_vec(ids(3 * SEQ), (3, SEQ), &Device::Cpu)?,
-        Tensor::from_vec(ids(3 * SEQ), (3, SEQ), &Device::Cpu)?,
-    ))
+    nn_support::token_batch(rng, VOCAB, SEQ)
 }
 
 type Weights = Vec<(String, Vec<f32>)>;

@@ -11,7 +11,7 @@ mod nn_support;
 
 use candle_core::{DType, Device, Module, Storage, Tensor};
 use candle_nn::{VarBuilder, VarMap};
-use rand::{Rng, SeedableRng};
+use rand::SeedableRng;
 use std::sync::Arc;
 use std::time::Duration;
 use zero_candle::nn::{self, GradHook};
@@ -79,13 +79,7 @@ impl Net {
 }
 
 fn batch(rng: &mut rand::rngs::StdRng) -> candle_core::Result<(Tensor, Tensor)> {
-    let mut ids =
-        |n: usize| -> Vec<u32> { (0..n).map(|_| rng.gen_range(0..VOCAB as u32)).collect() };
-    let (tokens, targets) = (ids(3 * SEQ), ids(3 * SEQ));
-    Ok((
-        Tensor::from_vec(tokens, (3, SEQ), &Device::Cpu)?,
-        Tensor::from_vec(targets, (3, SEQ), &Device::Cpu)?,
-    ))
+    nn_support::token_batch(rng, VOCAB, SEQ)
 }
 
 fn config(stage: Stage) -> EngineConfig {

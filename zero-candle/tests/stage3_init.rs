@@ -3,8 +3,10 @@
 //! the same model at every world size, trains the weights of stage 2, and
 //! saves and loads one tensor (or piece) at a time.
 
+mod nn_support;
+
 use candle_core::{DType, Device, Module, Storage, Tensor};
-use rand::{Rng, SeedableRng};
+use rand::SeedableRng;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use zero_candle::nn::{self, GradHook};
@@ -60,13 +62,7 @@ impl Net {
 }
 
 fn batch(rng: &mut rand::rngs::StdRng) -> candle_core::Result<(Tensor, Tensor)> {
-    let mut ids =
-        |n: usize| -> Vec<u32> { (0..n).map(|_| rng.gen_range(0..VOCAB as u32)).collect() };
-    let (tokens, targets) = (ids(3 * SEQ), ids(3 * SEQ));
-    Ok((
-        Tensor::from_vec(tokens, (3, SEQ), &Device::Cpu)?,
-        Tensor::from_vec(targets, (3, SEQ), &Device::Cpu)?,
-    ))
+    nn_support::token_batch(rng, VOCAB, SEQ)
 }
 
 fn config(stage: Stage) -> EngineConfig {

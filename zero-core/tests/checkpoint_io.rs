@@ -1,29 +1,15 @@
 //! Tests of the checkpoint file primitives.
 
+mod common;
+
+use common::{ckpt_err, listing};
+
 use std::io::Write;
-use std::path::Path;
 use zero_core::checkpoint::{
     load_tensors, read_verified, save_tensors, write_atomic, write_tensors, FailAfter, FileRecord,
     Manifest, TensorBytes, FORMAT_VERSION, MANIFEST_FILE,
 };
 use zero_core::{DType, Error};
-
-/// Names of the files in `dir`, sorted.
-fn listing(dir: &Path) -> Vec<String> {
-    let mut names: Vec<String> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .collect();
-    names.sort();
-    names
-}
-
-fn ckpt_err(err: Error) -> (std::path::PathBuf, String) {
-    match err {
-        Error::Checkpoint { path, detail } => (path, detail),
-        other => panic!("expected a checkpoint error, got {other:?}"),
-    }
-}
 
 #[test]
 fn write_atomic_then_read_verified_round_trips() {

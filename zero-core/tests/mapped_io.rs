@@ -3,6 +3,10 @@
 //! a memory map, a range at a time), the streamed checks of a file against
 //! its record, and stage-3 checkpoints saved and loaded through them.
 
+mod common;
+
+use common::{ckpt_err, listing};
+
 use half::{bf16, f16};
 use sha2::{Digest, Sha256};
 use std::path::Path;
@@ -15,23 +19,6 @@ use zero_core::{
     DType, Engine, EngineConfig, Error, FunctionalOptimizer, ParamInfo, Stage, ThreadComm,
     ThreadGroup,
 };
-
-/// Names of the files in `dir`, sorted.
-fn listing(dir: &Path) -> Vec<String> {
-    let mut names: Vec<String> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .collect();
-    names.sort();
-    names
-}
-
-fn ckpt_err(err: Error) -> (std::path::PathBuf, String) {
-    match err {
-        Error::Checkpoint { path, detail } => (path, detail),
-        other => panic!("expected a checkpoint error, got {other:?}"),
-    }
-}
 
 fn sha256(bytes: &[u8]) -> String {
     Sha256::digest(bytes)

@@ -133,3 +133,18 @@ pub fn seed_varmap(varmap: &candle_nn::VarMap, seed: u64) -> candle_core::Result
     }
     Ok(())
 }
+
+/// Three sequences of `seq` token ids below `vocab`, and three of targets.
+pub fn token_batch(
+    rng: &mut StdRng,
+    vocab: usize,
+    seq: usize,
+) -> candle_core::Result<(Tensor, Tensor)> {
+    let mut ids =
+        |n: usize| -> Vec<u32> { (0..n).map(|_| rng.gen_range(0..vocab as u32)).collect() };
+    let (tokens, targets) = (ids(3 * seq), ids(3 * seq));
+    Ok((
+        Tensor::from_vec(tokens, (3, seq), &Device::Cpu)?,
+        Tensor::from_vec(targets, (3, seq), &Device::Cpu)?,
+    ))
+}

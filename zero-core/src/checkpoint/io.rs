@@ -87,6 +87,19 @@ pub(crate) fn temp_path(dir: &Path, file_name: &std::ffi::OsStr) -> std::path::P
     dir.join(temp_name)
 }
 
+/// The directory `path` is in and a fresh [`temp_path`] beside it; an
+/// error if `path` names no file.
+pub(crate) fn temp_beside(path: &Path) -> Result<(std::path::PathBuf, std::path::PathBuf)> {
+    let file_name = path
+        .file_name()
+        .ok_or_else(|| checkpoint_error(path, "not a file path (it has no file name)"))?;
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    Ok((dir.to_path_buf(), temp_path(dir, file_name)))
+}
+
 /// Whether `name` is one of [`temp_path`]'s names,
 /// `.<file name>.tmp.<pid>.<n>`.
 fn is_temp_name(name: &str) -> bool {
@@ -193,14 +206,7 @@ struct AtomicFile {
 
 impl AtomicFile {
     fn create(path: &Path) -> Result<Self> {
-        let file_name = path
-            .file_name()
-            .ok_or_else(|| checkpoint_error(path, "not a file path (it has no file name)"))?;
-        let dir = match path.parent() {
-            Some(d) if !d.as_os_str().is_empty() => d,
-            _ => Path::new("."),
-        };
-        let temp = temp_path(dir, file_name);
+        let (dir, temp) = temp_beside(path)?;
         let file = OpenOptions::new()
             .write(true)
             .create_new(true)
@@ -208,7 +214,7 @@ impl AtomicFile {
             .map_err(|e| io_error(&temp, e))?;
         Ok(Self {
             path: path.to_path_buf(),
-            dir: dir.to_path_buf(),
+            dir,
             temp: TempGuard(temp),
             writer: HashingWriter {
                 inner: BufWriter::new(file),

@@ -2,7 +2,9 @@
 //! the tensors' names, dtypes and shapes, and data is written at element
 //! offsets as it arrives, so the writer never holds a whole tensor.
 
-use super::io::{checkpoint_error, hex, io_error, sync_dir, temp_path, to_safetensors, FileRecord};
+use super::io::{
+    checkpoint_error, hex, io_error, sync_dir, temp_beside, to_safetensors, FileRecord,
+};
 use crate::{DType, Result};
 use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
@@ -56,14 +58,7 @@ impl StreamingTensorFile {
         header.resize(header.len().next_multiple_of(8), b' ');
         let data_start = 8 + header.len() as u64;
 
-        let file_name = path
-            .file_name()
-            .ok_or_else(|| checkpoint_error(path, "not a file path (it has no file name)"))?;
-        let dir = match path.parent() {
-            Some(d) if !d.as_os_str().is_empty() => d,
-            _ => Path::new("."),
-        };
-        let temp = temp_path(dir, file_name);
+        let (_, temp) = temp_beside(path)?;
         let mut file = OpenOptions::new()
             .read(true)
             .write(true)

@@ -410,3 +410,21 @@ pub fn reference_trajectory(
     }
     out
 }
+
+/// Names of the files in `dir`, sorted.
+pub fn listing(dir: &std::path::Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    names
+}
+
+/// The path and detail of a checkpoint error (any other error panics).
+pub fn ckpt_err(err: zero_core::Error) -> (std::path::PathBuf, String) {
+    match err {
+        zero_core::Error::Checkpoint { path, detail } => (path, detail),
+        other => panic!("expected a checkpoint error, got {other:?}"),
+    }
+}
