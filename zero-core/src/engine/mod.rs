@@ -1406,7 +1406,7 @@ pub fn check_rank_consistency<T: Element, C: Communicator>(
     config: &EngineConfig,
     optimizer: &dyn FunctionalOptimizer<T>,
 ) -> Result<()> {
-    let mine = fingerprint(params, config, optimizer);
+    let mine = fingerprint(params, config, optimizer)?;
     let bytes = serde_json::to_vec(&mine)?;
     let all = comm.all_gather_bytes(&bytes)?;
     for (other_rank, other) in all.iter().enumerate() {
@@ -1437,7 +1437,7 @@ fn fingerprint<T: Element>(
     params: &[ParamInfo],
     config: &EngineConfig,
     optimizer: &dyn FunctionalOptimizer<T>,
-) -> Vec<(String, String)> {
+) -> Result<Vec<(String, String)>> {
     let mut out = vec![
         ("element type".to_string(), T::DTYPE.to_string()),
         ("parameter count".to_string(), params.len().to_string()),
@@ -1454,27 +1454,18 @@ fn fingerprint<T: Element>(
             ),
         ));
     }
-    let c = config;
-    out.push(("stage".into(), c.stage.number().to_string()));
-    out.push(("partitioner".into(), format!("{:?}", c.partitioner)));
-    out.push(("bucket_bytes".into(), c.bucket_bytes.to_string()));
-    out.push(("grad_accum_steps".into(), c.grad_accum_steps.to_string()));
-    out.push(("clip".into(), format!("{:?}", c.clip)));
-    out.push(("compute_grad_norm".into(), c.compute_grad_norm.to_string()));
-    out.push((
-        "check_trainability".into(),
-        c.check_trainability.to_string(),
-    ));
-    out.push(("overlap".into(), format!("{:?}", c.overlap)));
-    out.push(("loss_scale".into(), format!("{:?}", c.loss_scale)));
-    out.push((
-        "gather_in_param_dtype".into(),
-        c.gather_in_param_dtype.to_string(),
-    ));
-    out.push((
-        "reduce_in_param_dtype".into(),
-        c.reduce_in_param_dtype.to_string(),
-    ));
+    // Every field of the configuration, so that a field added later is
+    // checked too (parameter groups below, one entry each).
+    let serde_json::Value::Object(fields) = serde_json::to_value(config)? else {
+        return Err(Error::State(
+            "internal: the engine configuration does not serialize to an object".into(),
+        ));
+    };
+    for (field, value) in fields {
+        if field != "param_groups" {
+            out.push((field, value.to_string()));
+        }
+    }
     out.push(("optimizer".into(), optimizer.kind().to_string()));
     for g in 0..optimizer.num_groups() {
         out.push((
@@ -1482,7 +1473,7 @@ fn fingerprint<T: Element>(
             serde_json::Value::Object(optimizer.hyperparams(g)).to_string(),
         ));
     }
-    for (k, spec) in c.param_groups.iter().enumerate() {
+    for (k, spec) in config.param_groups.iter().enumerate() {
         out.push((
             format!("parameter group {}", k + 1),
             format!(
@@ -1492,5 +1483,5 @@ fn fingerprint<T: Element>(
             ),
         ));
     }
-    out
+    Ok(out)
 }
