@@ -16,7 +16,7 @@
 //! threads of one rank must never issue collectives at once, since the
 //! ranks would pair them differently.
 
-use super::{Engine, ParamCopy, ShardMemory};
+use super::{Engine, ParamCopy, ShardMemory, StageState};
 use crate::comm::Communicator;
 use crate::{DType, Element, Error, Result};
 use std::sync::mpsc::{Receiver, Sender};
@@ -240,6 +240,30 @@ where
     Ok((send, handle))
 }
 
+/// Stages 1 and 2: what deferring a step's all-gathers needs.
+pub(super) struct DeferredGathers<T: Element, C: Communicator, M: ShardMemory<T, C>> {
+    /// How the gather thread reads and writes the framework's parameters
+    /// (lent to it while it runs); `None`: steps gather before they return.
+    pub access: Option<Box<dyn ParamAccess<T, C, M>>>,
+    /// Starts the gather thread (set with the access).
+    pub spawner: Option<Spawner<T, C, M>>,
+    /// The last step's all-gathers, while they may run.
+    pub pending: Option<Pending<T, C, M>>,
+    /// Steps that deferred their all-gathers.
+    pub steps: u64,
+}
+
+impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Default for DeferredGathers<T, C, M> {
+    fn default() -> Self {
+        Self {
+            access: None,
+            spawner: None,
+            pending: None,
+            steps: 0,
+        }
+    }
+}
+
 impl<T, C, M> Engine<T, C, M>
 where
     T: Element,
@@ -249,11 +273,15 @@ where
     /// Lets steps defer their all-gathers
     /// ([`EngineConfig::defer_gathers`](super::EngineConfig::defer_gathers)):
     /// `access` reads and writes the framework's parameters from the
-    /// gather thread. Without one, steps gather before they return.
+    /// gather thread. Without one, steps gather before they return. Stage
+    /// 0 and sharded stage 3 gather nothing after a step: there it is kept
+    /// by no one.
     pub fn set_param_access(&mut self, access: Box<dyn ParamAccess<T, C, M>>) -> Result<()> {
         self.finish_gathers()?;
-        self.param_access = Some(access);
-        self.spawner = Some(spawn_thread::<T, C, M>);
+        if let Some(gathers) = self.deferred_gathers() {
+            gathers.access = Some(access);
+            gathers.spawner = Some(spawn_thread::<T, C, M>);
+        }
         Ok(())
     }
 }
@@ -263,7 +291,10 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// (see [`EngineConfig::defer_gathers`](super::EngineConfig::defer_gathers):
     /// a step with a gradient given in a slot gathers before it returns).
     pub fn deferred_steps(&self) -> u64 {
-        self.deferred_steps
+        match &self.stage {
+            StageState::Sharded(gathers) => gathers.steps,
+            _ => 0,
+        }
     }
 
     /// What layers wait on before reading their parameters after a step
@@ -276,17 +307,19 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// wait for unless that step deferred its all-gathers). Read the
     /// parameters outside hooked layers only after this.
     pub fn wait_for_params(&self) -> Result<()> {
-        if self.deferred.is_none() {
-            return Ok(());
+        match &self.stage {
+            StageState::Sharded(DeferredGathers {
+                pending: Some(_), ..
+            }) => self.refresh.wait_all(),
+            _ => Ok(()),
         }
-        self.refresh.wait_all()
     }
 
     /// Waits for the last step's deferred all-gathers and takes back what
     /// their thread held; the error of a failed one. Every engine call that
     /// communicates or reads the parameters does this first.
     pub fn finish_gathers(&mut self) -> Result<()> {
-        let Some(pending) = self.deferred.take() else {
+        let Some(pending) = self.deferred_gathers().and_then(|g| g.pending.take()) else {
             return Ok(());
         };
         let finished = pending.join().ok().flatten().ok_or_else(|| {
@@ -302,9 +335,19 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// Takes back the recv buffer and parameter access of a finished
     /// gather run; its result.
     pub(super) fn take_back(&mut self, finished: Finished<T, C, M>) -> Result<()> {
-        self.pool.push(finished.recv);
-        self.param_access = Some(finished.access);
+        self.buffers.pool.push(finished.recv);
+        if let Some(gathers) = self.deferred_gathers() {
+            gathers.access = Some(finished.access);
+        }
         finished.result
+    }
+
+    /// Stages 1 and 2's deferred all-gathers (`None` at other stages).
+    pub(super) fn deferred_gathers(&mut self) -> Option<&mut DeferredGathers<T, C, M>> {
+        match &mut self.stage {
+            StageState::Sharded(gathers) => Some(gathers),
+            _ => None,
+        }
     }
 }
 

@@ -600,7 +600,7 @@ impl<T: crate::Element> Fetcher<T> {
             st.stats.early += st.issued.len() as u64;
         }
         st.continued = false;
-        let fingerprint = super::overlap::fnv1a(st.log.iter().map(|&u| u as u64));
+        let fingerprint = super::consistency::fnv1a(st.log.iter().map(|&u| u as u64));
         if st.phase == Phase::Forward {
             let log = std::mem::take(&mut st.log);
             if log != st.forward_trace {

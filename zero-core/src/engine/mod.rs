@@ -33,12 +33,18 @@
 //! single `f64` when a gradient norm is asked for.
 
 mod config;
+mod consistency;
+mod ddp;
 mod deferred;
 mod fetch;
+mod gather;
 mod layout;
+mod mask;
 mod memory;
-mod overlap;
+mod pass;
+mod plan;
 mod precision;
+mod reduce;
 mod scaler;
 mod setup;
 mod shard_memory;
@@ -48,12 +54,13 @@ mod state;
 pub use config::{
     ClipConfig, EngineConfig, NormType, Overlap, ParamGroupSpec, PartitionerKind, Stage,
 };
+pub use consistency::check_rank_consistency;
 pub use deferred::{ParamAccess, Refresh};
 pub use fetch::{FetchStats, Fetcher, Gathered};
 pub use layout::{Layout, Run};
 pub use memory::MemoryReport;
-pub use overlap::ReductionProgress;
 pub use precision::{convert_slice, CastParams};
+pub use reduce::ReductionProgress;
 pub use scaler::{DynamicLossScale, LossScale, LossScalerState};
 pub use setup::ShardSetup;
 pub use shard_memory::{
@@ -66,6 +73,8 @@ use crate::comm::{Communicator, Host, ReduceOp};
 use crate::optim::{FunctionalOptimizer, Hyperparams, ParamKey};
 use crate::partition::{ParamInfo, PartitionPlan, ShardPiece};
 use crate::{Element, Error, Result};
+use mask::{mask_over, Trainability};
+use plan::Plan;
 use std::collections::BTreeMap;
 use std::ops::Range;
 use std::sync::Arc;
@@ -95,93 +104,88 @@ pub struct Engine<T: Element, C: Communicator, M: ShardMemory<T, C> = HostMemory
     config: EngineConfig,
     params: Vec<ParamInfo>,
     index: BTreeMap<String, usize>,
-    plan: PartitionPlan,
-    layout: Layout,
-    /// This rank's index in the plan (0 in stage 0, whose plan has one rank).
-    plan_rank: usize,
-    owned: Vec<ShardPiece>,
-    /// The owned pieces as copies between the replica and the shard (fixed
-    /// for the engine's life).
-    owned_copies: Vec<ParamCopy>,
-    keys: Vec<ParamKey>,
     group_of: Vec<usize>,
     optimizer: Box<dyn FunctionalOptimizer<T>>,
-    /// Working copy of the owned parameter pieces, at their shard offsets.
-    param_shard: M::Buffer,
-    /// The reduced gradient shard (stages 1 and 2).
-    grad_shard: Option<M::Buffer>,
-    /// Full gradients in bucket-major order (stages 0 and 1 always; stage 2
-    /// only inside an accumulation window).
-    full_grads: Option<M::Buffer>,
-    /// Bucket buffers, each as long as the longest bucket: filled by
-    /// gradients during an overlapped backward, and in stage 2 the
-    /// reduce-scatter source and all-gather destination.
-    pool: Vec<M::Buffer>,
-    /// Elements of the longest bucket (bucket-major).
-    longest_bucket: usize,
-    /// Stage 2's reduce-scatter destination when adding a micro-step.
-    scratch: Option<M::Buffer>,
+    /// The partition and what derives from it.
+    plan: Plan,
+    buffers: Buffers<M::Buffer>,
+    /// Which parameters train, and the buckets that hold them.
+    mask: Trainability,
+    /// The micro-steps since the last optimizer step.
+    window: AccumulationWindow,
     /// The backward pass whose gradients are being handed over.
-    window: Option<overlap::Window<T, M::Buffer>>,
-    /// Whether `begin_backward` read the owned pieces for this step.
-    params_read: bool,
-    /// Per bucket, whether the interleaved schedule stepped it during
-    /// backward this step.
-    early_stepped: Vec<bool>,
-    /// Whether the gradient shard holds reduced micro-steps of the current
-    /// window (stage 2, overlapped).
-    shard_accumulated: bool,
+    pass: Option<pass::BackwardPass<T, M::Buffer>>,
     progress: ReductionProgress,
-    /// The parameter order the plan was built for (`None`: names).
-    planned_order: Option<Vec<usize>>,
-    micro_steps: usize,
-    /// Whether the full gradient buffer holds contributions of the current
-    /// window (accumulated micro-steps, or gradients handed over one by one
-    /// during backward with [`Engine::accumulate_param`]).
-    window_open: bool,
-    /// For each parameter, the indices of its runs in the layout.
-    runs_of_param: Vec<Vec<usize>>,
-    /// For each run, its bucket.
-    bucket_of_run: Vec<usize>,
-    present: Vec<bool>,
-    trainable: Vec<bool>,
-    /// The mask the buckets were built for (what is reduced and gathered).
-    active: Vec<bool>,
-    bucket_active: Vec<bool>,
     steps: u64,
     /// The state gathered by the last `consolidate_state_dict` (receiver only).
     consolidated: Option<crate::checkpoint::StateDict<T>>,
-    /// With master weights: whether `param_shard` holds them (see
+    /// With master weights: whether `buffers.param_shard` holds them (see
     /// `precision.rs`); until then the next step reads the replica.
     masters_fresh: bool,
     /// The loss scaler, when the configuration asks for loss scaling.
     scaler: Option<scaler::LossScaler>,
-    /// Stage 3: per parameter, whether it lives only as shards (see
-    /// `stage3.rs`); empty before `shard_parameters`.
-    sharded: Vec<bool>,
-    /// Stage 3: the gathers of the sharded parameters.
-    fetcher: Option<Arc<Fetcher<T>>>,
-    /// Stage 3: the fetcher holds `param_shard` (between steps).
-    shard_lent: bool,
-    /// `defer_gathers`: how the gather thread reads and writes the
-    /// framework's parameters (lent to it while it runs).
-    param_access: Option<Box<dyn deferred::ParamAccess<T, C, M>>>,
-    /// Starts the gather thread (set with the access).
-    spawner: Option<deferred::Spawner<T, C, M>>,
-    /// The last step's deferred all-gathers, while they may run.
-    deferred: Option<deferred::Pending<T, C, M>>,
-    /// Which parameters those all-gathers have made current.
+    /// When the replica is current (shared with the framework's layers;
+    /// always, but after a step that deferred its all-gathers).
     refresh: Arc<deferred::Refresh>,
-    /// Steps that deferred their all-gathers.
-    deferred_steps: u64,
+    /// What only some stages have.
+    stage: StageState<T, C, M>,
+}
+
+/// The state only some stages have.
+enum StageState<T: Element, C: Communicator, M: ShardMemory<T, C>> {
     /// Stage 0 stepping each bucket as it is reduced: a communicator of its
-    /// own (split from `comm`) for the trainable mask's all-reduce, which
-    /// then runs beside the reductions still on the wire.
-    side: Option<C>,
-    /// Whether a gradient of the current window came through a slot of
-    /// `accumulate` or `step` (a parameter a plain op reads, which a
-    /// deferred gather would leave stale in the next forward).
-    plain_in_window: bool,
+    /// own (split from the engine's) for the trainable mask's all-reduce,
+    /// which then runs beside the reductions still on the wire.
+    Replicated { side: Option<C> },
+    /// Stages 1 and 2 (and 3 until its parameters are sharded): the
+    /// all-gathers a step may leave running into the next forward.
+    Sharded(deferred::DeferredGathers<T, C, M>),
+    /// Stage 3 once sharded: the parameters that live only as shards.
+    Parameters(stage3::ShardedParams<T>),
+}
+
+/// The engine's flat buffers, in its memory.
+struct Buffers<B> {
+    /// The owned parameter pieces at their shard offsets: master weights,
+    /// stage 3's only copy, or a working copy (none with a lean shard).
+    param_shard: B,
+    /// The reduced gradient shard (stages 1-3).
+    grad_shard: Option<B>,
+    /// Full gradients in bucket-major order: stage 0's reduced gradients;
+    /// stages 1-3's micro-steps given outside a backward pass.
+    full_grads: Option<B>,
+    /// Bucket buffers, recycled: filled by gradients during an overlapped
+    /// backward, and the reduce-scatter source and all-gather destination
+    /// when there is no full buffer.
+    pool: Vec<B>,
+    /// A shard-bucket-sized buffer to reduce-scatter into when adding to
+    /// the gradient shard (and to stage from when gathering).
+    scratch: Option<B>,
+}
+
+/// The micro-steps of one optimizer step (an accumulation window); reset
+/// by [`Engine::discard_window`].
+#[derive(Default)]
+struct AccumulationWindow {
+    micro_steps: usize,
+    /// Per parameter, whether a gradient came in this window.
+    present: Vec<bool>,
+    /// The full gradient buffer holds contributions of this window
+    /// (micro-steps accumulated, or gradients handed over one by one
+    /// without a backward pass).
+    in_full_buffer: bool,
+    /// The gradient shard holds reduced micro-steps of this window (stage
+    /// 2, overlapped).
+    in_shard: bool,
+    /// A gradient came through a slot of `accumulate` or `step` (a
+    /// parameter a plain op reads, which a deferred gather would leave
+    /// stale in the next forward).
+    plain_grads: bool,
+    /// `begin_backward` read the owned pieces for this step.
+    params_read: bool,
+    /// Per bucket, whether the interleaved schedule stepped it during
+    /// backward.
+    early_stepped: Vec<bool>,
 }
 
 impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Drop for Engine<T, C, M> {
@@ -189,7 +193,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Drop for Engine<T, C, M>
         // A gather thread still running writes into the framework's
         // parameters: let it finish (its collectives end by their
         // deadline if a peer is gone).
-        if let Some(pending) = self.deferred.take() {
+        if let Some(pending) = self.deferred_gathers().and_then(|g| g.pending.take()) {
             let _ = pending.join();
         }
     }
@@ -237,128 +241,79 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             comm.rank(),
         )?;
         let trainable: Vec<bool> = params.iter().map(|p| p.trainable).collect();
-        // The plan-derived fields are filled by `install_plan` below.
+        let stage = match config.stage {
+            Stage::Ddp => StageState::Replicated { side: None },
+            _ => StageState::Sharded(deferred::DeferredGathers::default()),
+        };
+        // The plan-derived parts are filled by `install_plan` below.
         let mut engine = Self {
-            window_open: false,
-            runs_of_param: Vec::new(),
-            bucket_of_run: Vec::new(),
-            param_shard: memory.alloc_zeroed(0)?,
-            grad_shard: None,
-            full_grads: None,
-            pool: Vec::new(),
-            longest_bucket: 0,
-            scratch: None,
-            window: None,
-            params_read: false,
-            early_stepped: Vec::new(),
-            shard_accumulated: false,
+            plan: Plan::new(plan.clone(), 0, &params, &group_of, None),
+            buffers: Buffers {
+                param_shard: memory.alloc_zeroed(0)?,
+                grad_shard: None,
+                full_grads: None,
+                pool: Vec::new(),
+                scratch: None,
+            },
+            mask: Trainability::new(trainable),
+            window: AccumulationWindow {
+                present: vec![false; params.len()],
+                ..AccumulationWindow::default()
+            },
+            pass: None,
             progress: ReductionProgress::default(),
-            planned_order: None,
-            micro_steps: 0,
-            present: vec![false; params.len()],
-            active: trainable.clone(),
-            bucket_active: Vec::new(),
-            trainable,
             steps: 0,
             consolidated: None,
             masters_fresh: false,
             scaler: scaler::LossScaler::new(config.loss_scale),
-            sharded: Vec::new(),
-            fetcher: None,
-            shard_lent: false,
-            param_access: None,
-            spawner: None,
-            deferred: None,
             refresh: Arc::default(),
-            deferred_steps: 0,
-            plain_in_window: false,
-            side: None,
+            stage,
             comm: Arc::new(comm),
             memory,
             config,
             index,
-            layout: Layout::new(&plan),
-            plan_rank: 0,
-            owned: Vec::new(),
-            owned_copies: Vec::new(),
-            keys: Vec::new(),
             group_of,
             optimizer,
-            plan: plan.clone(),
             params,
         };
-        engine.install_plan(plan)?;
+        engine.install_plan(plan, None)?;
         Ok(engine)
     }
 
     /// Derives everything that depends on the partition plan (layout, owned
     /// pieces, keys, buffers) and allocates the buffers afresh.
-    fn install_plan(&mut self, plan: PartitionPlan) -> Result<()> {
+    fn install_plan(&mut self, plan: PartitionPlan, order: Option<Vec<usize>>) -> Result<()> {
         let stage = self.config.stage;
         let plan_rank = match stage {
             Stage::Ddp => 0,
             _ => self.comm.rank(),
         };
-        let layout = Layout::new(&plan);
-        let owned = plan.shards[plan_rank].clone();
-        let base = plan_rank * plan.shard_numel;
-        self.keys = owned
-            .iter()
-            .map(|p| {
-                ParamKey::new(
-                    self.params[p.param].name.clone(),
-                    p.param_range.start,
-                    self.group_of[p.param],
-                )
-            })
-            .collect();
-        self.owned_copies = owned
-            .iter()
-            .map(|piece| ParamCopy {
-                param: piece.param,
-                param_range: piece.param_range.clone(),
-                at: piece.flat_range.start - base,
-            })
-            .collect();
+        let shard_numel = plan.shard_numel;
+        let flat_numel = plan.flat_numel();
+        self.plan = Plan::new(plan, plan_rank, &self.params, &self.group_of, order);
         // Stage 0 steps the replica itself (`step_replica`), unless it
         // keeps master weights (all of them: its plan has one rank); a lean
         // shard is read from the replica as it is stepped.
-        self.param_shard = match stage {
+        self.buffers.param_shard = match stage {
             Stage::Ddp if !self.has_master_weights() => self.memory.alloc_zeroed(0)?,
             _ if self.lean_shard() => self.memory.alloc_zeroed(0)?,
-            _ => self.memory.alloc_zeroed(plan.shard_numel)?,
+            _ => self.memory.alloc_zeroed(shard_numel)?,
         };
         self.masters_fresh = false;
-        self.grad_shard = match stage {
+        self.buffers.grad_shard = match stage {
             Stage::Ddp => None,
-            _ => Some(self.memory.alloc_zeroed(plan.shard_numel)?),
+            _ => Some(self.memory.alloc_zeroed(shard_numel)?),
         };
         // Stage 0 reduces into its full gradient buffer; stage 1 makes one
         // when it accumulates micro-steps (and keeps it); stage 2 only for
         // the micro-steps of one window given after backward.
-        self.full_grads = match stage {
-            Stage::Ddp => Some(self.memory.alloc_zeroed(plan.flat_numel())?),
+        self.buffers.full_grads = match stage {
+            Stage::Ddp => Some(self.memory.alloc_zeroed(flat_numel)?),
             _ => None,
         };
-        self.runs_of_param = vec![Vec::new(); self.params.len()];
-        for (i, run) in layout.runs.iter().enumerate() {
-            self.runs_of_param[run.param].push(i);
-        }
-        self.bucket_of_run = vec![0; layout.runs.len()];
-        for (k, runs) in layout.bucket_runs.iter().enumerate() {
-            self.bucket_of_run[runs.clone()].fill(k);
-        }
-        self.longest_bucket = (0..layout.buckets.len())
-            .map(|k| layout.bucket_range(k).len())
-            .max()
-            .unwrap_or(0);
-        self.pool.clear();
-        self.scratch = None;
-        self.layout = layout;
-        self.owned = owned;
-        self.plan = plan;
-        self.plan_rank = plan_rank;
-        self.rebuild_buckets();
+        self.buffers.pool.clear();
+        self.buffers.scratch = None;
+        self.mask.rebuild_buckets(&self.plan.layout);
         Ok(())
     }
 
@@ -385,17 +340,17 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// The partition plan (in stage 0 a plan over one rank: every rank
     /// steps everything).
     pub fn plan(&self) -> &PartitionPlan {
-        &self.plan
+        &self.plan.partition
     }
 
     /// The bucket-major layout of the plan.
     pub fn layout(&self) -> &Layout {
-        &self.layout
+        &self.plan.layout
     }
 
     /// The pieces this rank steps, with their optimizer keys.
     pub fn owned_pieces(&self) -> impl Iterator<Item = (&ShardPiece, &ParamKey)> {
-        self.owned.iter().zip(&self.keys)
+        self.plan.owned.iter().zip(&self.plan.keys)
     }
 
     /// The functional optimizer (hyperparameters; on the host, the state).
@@ -420,7 +375,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
 
     /// Micro-steps accumulated since the last optimizer step.
     pub fn pending_micro_steps(&self) -> usize {
-        self.micro_steps
+        self.window.micro_steps
     }
 
     /// The index of the parameter named `name`.
@@ -465,7 +420,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         for i in members {
             self.group_of[i] = group;
         }
-        for (piece, key) in self.owned.iter().zip(self.keys.iter_mut()) {
+        for (piece, key) in self.plan.owned.iter().zip(self.plan.keys.iter_mut()) {
             key.group = self.group_of[piece.param];
         }
         Ok(group)
@@ -485,13 +440,13 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                  rebuild the optimizer with it trainable"
             )));
         }
-        self.trainable[i] = trainable;
+        self.mask.trainable[i] = trainable;
         Ok(())
     }
 
     /// The trainable mask in effect (global across ranks).
     pub fn active_mask(&self) -> &[bool] {
-        &self.active
+        &self.mask.active
     }
 
     /// Applies the trainable flags now, when the per-step check is off.
@@ -499,18 +454,18 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// gradients were bucketed for the old mask.
     pub fn refresh_trainability(&mut self) -> Result<()> {
         self.finish_gathers()?;
-        if self.micro_steps > 0 || self.window_open {
+        if self.window.micro_steps > 0 || self.window.in_full_buffer {
             return Err(Error::State(format!(
                 "refresh_trainability called with {} micro-step(s) accumulated; \
                  finish the optimizer step first, or their gradients would be lost",
-                self.micro_steps
+                self.window.micro_steps
             )));
         }
-        let local: Vec<bool> = self.trainable.clone();
+        let local: Vec<bool> = self.mask.trainable.clone();
         let active = self.global_mask(&local)?;
-        if active != self.active {
-            self.active = active;
-            self.rebuild_buckets();
+        if active != self.mask.active {
+            self.mask.active = active;
+            self.mask.rebuild_buckets(&self.plan.layout);
         }
         Ok(())
     }
@@ -536,13 +491,14 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             .filter(|&(i, _)| !self.is_sharded(i))
             .map(|(_, p)| p.numel() * p.dtype.size_in_bytes())
             .sum();
-        let gathers = self.fetcher.as_ref().map_or(0, |f| f.buffer_bytes());
+        let gathers = self.fetcher().map_or(0, |f| f.buffer_bytes());
         MemoryReport {
             params: replica + self.param_shard_len() * size,
-            grads: len(&self.full_grads) * size,
-            grad_shard: len(&self.grad_shard) * size,
+            grads: len(&self.buffers.full_grads) * size,
+            grad_shard: len(&self.buffers.grad_shard) * size,
             optimizer_state: self.memory.state_bytes(self.optimizer.as_ref()),
-            comm_buffers: (self.pool.iter().map(M::buffer_len).sum::<usize>() + len(&self.scratch))
+            comm_buffers: (self.buffers.pool.iter().map(M::buffer_len).sum::<usize>()
+                + len(&self.buffers.scratch))
                 * size
                 + gathers,
         }
@@ -555,15 +511,15 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         self.finish_gathers()?;
         self.fetch_end_pass()?;
         self.accumulate_window(grads)?;
-        if let Some(fetcher) = &self.fetcher {
+        if let Some(fetcher) = self.fetcher() {
             fetcher.resume();
         }
         Ok(())
     }
 
     fn accumulate_window(&mut self, grads: &[Option<M::Grad<'_>>]) -> Result<()> {
-        self.plain_in_window |= grads.iter().any(Option::is_some);
-        if self.window_is_open() {
+        self.window.plain_grads |= grads.iter().any(Option::is_some);
+        if self.pass_is_open() {
             if !self.config.stage.shards_gradients() {
                 return Err(Error::State(
                     "begin_backward opened the last micro-step of this window (its reductions \
@@ -572,29 +528,33 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                 ));
             }
             // Stage 2 reduce-scatters every micro-step into the shard.
-            let result = self.finish_window(Some(grads));
+            let result = self.finish_pass(Some(grads));
             if result.is_err() {
                 self.discard_window();
             }
             result?;
-            for (present, g) in self.present.iter_mut().zip(grads) {
+            for (present, g) in self.window.present.iter_mut().zip(grads) {
                 *present |= g.is_some();
             }
-            self.shard_accumulated = true;
-            self.micro_steps += 1;
+            self.window.in_shard = true;
+            self.window.micro_steps += 1;
             return Ok(());
         }
-        let (full, fresh) = match self.full_grads.take() {
+        let (full, fresh) = match self.buffers.full_grads.take() {
             Some(full) => (full, false),
-            None => (self.memory.alloc_zeroed(self.plan.flat_numel())?, true),
+            None => (
+                self.memory.alloc_zeroed(self.plan.partition.flat_numel())?,
+                true,
+            ),
         };
-        let full = self.full_grads.insert(full);
-        let add = self.window_open;
+        let full = self.buffers.full_grads.insert(full);
+        let add = self.window.in_full_buffer;
         if !add && !fresh {
             let numel = M::buffer_len(full);
             self.memory.zero(full, 0..numel)?;
         }
         let pieces: Vec<GradPiece<M::Grad<'_>>> = self
+            .plan
             .layout
             .runs
             .iter()
@@ -607,11 +567,11 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             })
             .collect();
         self.memory.flatten(full, &pieces, add)?;
-        self.window_open = true;
-        for (present, g) in self.present.iter_mut().zip(grads) {
+        self.window.in_full_buffer = true;
+        for (present, g) in self.window.present.iter_mut().zip(grads) {
             *present |= g.is_some();
         }
-        self.micro_steps += 1;
+        self.window.micro_steps += 1;
         Ok(())
     }
 
@@ -660,25 +620,28 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                 info.shape
             )));
         }
-        if self.window_is_open() {
-            return self.window_accumulate(param, range, grad, true);
+        if self.pass_is_open() {
+            return self.hand_over(param, range, grad, true);
         }
-        let (full, fresh) = match self.full_grads.take() {
+        let (full, fresh) = match self.buffers.full_grads.take() {
             Some(full) => (full, false),
-            None => (self.memory.alloc_zeroed(self.plan.flat_numel())?, true),
+            None => (
+                self.memory.alloc_zeroed(self.plan.partition.flat_numel())?,
+                true,
+            ),
         };
-        let full = self.full_grads.insert(full);
-        if !self.window_open && !fresh {
+        let full = self.buffers.full_grads.insert(full);
+        if !self.window.in_full_buffer && !fresh {
             let numel = M::buffer_len(full);
             self.memory.zero(full, 0..numel)?;
         }
-        self.window_open = true;
-        let pieces: Vec<GradPiece<M::Grad<'_>>> = self.runs_of_param[param]
+        self.window.in_full_buffer = true;
+        let pieces: Vec<GradPiece<M::Grad<'_>>> = self.plan.runs_of_param[param]
             .iter()
-            .filter_map(|&r| piece_of(&self.layout.runs[r], &range, grad, 0))
+            .filter_map(|&r| piece_of(&self.plan.layout.runs[r], &range, grad, 0))
             .collect();
         self.memory.flatten(full, &pieces, true)?;
-        self.present[param] = true;
+        self.window.present[param] = true;
         Ok(())
     }
 
@@ -690,7 +653,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         grads: &[Option<M::Grad<'_>>],
         params: &mut M::Params<'_>,
     ) -> Result<Option<StepReport>> {
-        if self.micro_steps + 1 < self.config.grad_accum_steps {
+        if self.window.micro_steps + 1 < self.config.grad_accum_steps {
             self.accumulate(grads)?;
             return Ok(None);
         }
@@ -701,7 +664,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// Finishes an optimizer step from the micro-steps accumulated so far
     /// (manual accumulation).
     pub fn step_accumulated(&mut self, params: &mut M::Params<'_>) -> Result<StepReport> {
-        if self.micro_steps == 0 {
+        if self.window.micro_steps == 0 {
             return Err(Error::State(
                 "step_accumulated called without accumulated gradients; call accumulate first"
                     .into(),
@@ -740,9 +703,9 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         last: Option<&[Option<M::Grad<'_>>]>,
         params: &mut M::Params<'_>,
     ) -> Result<StepReport> {
-        let micro_steps = self.micro_steps + usize::from(last.is_some());
+        let micro_steps = self.window.micro_steps + usize::from(last.is_some());
         if let Some(grads) = last {
-            for (present, g) in self.present.iter_mut().zip(grads) {
+            for (present, g) in self.window.present.iter_mut().zip(grads) {
                 *present |= g.is_some();
             }
         }
@@ -776,21 +739,21 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     pub fn discard_window(&mut self) {
         // Waits for reductions already launched (a failed peer makes them
         // fail within the deadline) to get the buffers back.
-        if let Err(e) = self.finish_window(None) {
+        if let Err(e) = self.finish_pass(None) {
             tracing::debug!("discarding a backward pass whose reductions failed: {e}");
         }
-        self.shard_accumulated = false;
-        self.plain_in_window = false;
-        self.params_read = false;
-        self.early_stepped.clear();
-        self.micro_steps = 0;
-        self.window_open = false;
-        self.present.fill(false);
+        self.window.in_shard = false;
+        self.window.plain_grads = false;
+        self.window.params_read = false;
+        self.window.early_stepped.clear();
+        self.window.micro_steps = 0;
+        self.window.in_full_buffer = false;
+        self.window.present.fill(false);
         // Stages 0 and 1 keep the buffer; it is zeroed where the next window
         // starts (`accumulate`, `accumulate_param`, or per bucket in
         // `reduce_gradients`).
         if self.config.stage.shards_gradients() {
-            self.full_grads = None;
+            self.buffers.full_grads = None;
         }
     }
 
@@ -806,9 +769,9 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         let reduced = match self.step_ddp_as_reduced(last, micro_steps, params)? {
             Some(true) => return Ok(None),
             Some(false) => true,
-            None => self.finish_window(last)?,
+            None => self.finish_pass(last)?,
         };
-        if !reduced && self.shard_accumulated {
+        if !reduced && self.window.in_shard {
             return Err(Error::State(
                 "this accumulation window began with begin_backward; hand every micro-step's \
                  gradients over the same way (zero_candle: backward_step for every micro-step)"
@@ -822,19 +785,19 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         // exact when every rank leaves out the same parameters (as the same
         // model on every rank does).
         if self.config.check_trainability {
-            let local = self.with_gradient(&self.trainable);
+            let local = self.with_gradient(&self.mask.trainable);
             let active = self.global_mask(&local)?;
-            if active != self.active {
+            if active != self.mask.active {
                 tracing::debug!("trainable mask changed; rebuilding buckets");
-                self.active = active;
-                self.rebuild_buckets();
+                self.mask.active = active;
+                self.mask.rebuild_buckets(&self.plan.layout);
             }
         }
         let stepping: Vec<bool> = if self.config.check_trainability {
             // A gradient on any rank counts: the reduced gradient holds it.
-            self.active.clone()
+            self.mask.active.clone()
         } else {
-            self.with_gradient(&self.active)
+            self.with_gradient(&self.mask.active)
         };
 
         // The owned pieces' current values (the replica may have been changed
@@ -844,7 +807,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         // the replica bucket by bucket instead.
         let masters = self.has_master_weights();
         let lean = self.lean_shard();
-        if !self.params_read && (self.config.stage != Stage::Ddp || masters) && !lean {
+        if !self.window.params_read && (self.config.stage != Stage::Ddp || masters) && !lean {
             self.refresh_param_shard(params)?;
         }
 
@@ -867,21 +830,22 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         // forward waits for it: only when every gradient of the window came
         // through hooked layers (which wait) and none through a slot.
         let defer = self.config.defer_gathers
-            && !self.plain_in_window
+            && !self.window.plain_grads
             && last.is_some_and(|grads| grads.iter().all(Option::is_none));
         if !self.step_and_gather_overlapped(&stepping, params, defer)? {
             if lean {
                 // This partition cannot be stepped bucket by bucket (a piece
                 // straddles buckets): a shard copy after all.
-                if M::buffer_len(&self.param_shard) < self.plan.shard_numel {
-                    self.param_shard = self.memory.alloc_zeroed(self.plan.shard_numel)?;
+                if M::buffer_len(&self.buffers.param_shard) < self.plan.partition.shard_numel {
+                    self.buffers.param_shard =
+                        self.memory.alloc_zeroed(self.plan.partition.shard_numel)?;
                 }
                 self.refresh_param_shard(params)?;
             }
             self.run_optimizer(&stepping)?;
             self.write_back(params)?;
         }
-        self.early_stepped.clear();
+        self.window.early_stepped.clear();
         Ok(grad_norm)
     }
 
@@ -896,132 +860,13 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         let replicated = match self.config.stage {
             Stage::OptimizerState | Stage::Gradients => true,
             // Until it shards, stage 3 runs as stage 2.
-            Stage::Parameters => self.fetcher.is_none(),
+            Stage::Parameters => self.fetcher().is_none(),
             Stage::Ddp => false,
         };
         replicated
             && self.config.overlap == Overlap::AfterBackward
             && !self.has_master_weights()
             && self.memory.fork().is_some()
-    }
-
-    /// Stage 0: steps every parameter through two small buffers (values and
-    /// gradients of a few whole pieces at a time, about a bucket), so that
-    /// no second copy of the parameters lives beside the replica.
-    fn step_replica(&mut self, stepping: &[bool], params: &mut M::Params<'_>) -> Result<()> {
-        self.step_replica_with(stepping, params, |_, _, _| Ok(()))
-    }
-
-    /// [`Engine::step_replica`], calling `before` with the gradient buffer
-    /// and a window's elements of it before each window that steps.
-    pub(super) fn step_replica_with(
-        &mut self,
-        stepping: &[bool],
-        params: &mut M::Params<'_>,
-        mut before: impl FnMut(&mut Self, &mut M::Buffer, Range<usize>) -> Result<()>,
-    ) -> Result<()> {
-        let Some(mut grads) = self.full_grads.take() else {
-            return Err(Error::State(
-                "internal: no reduced gradient buffer in stage 0".into(),
-            ));
-        };
-        let mut values = self.take_pooled()?;
-        let mut piece_grads = self.take_pooled()?;
-        let result = self.step_windows(
-            stepping,
-            params,
-            (&mut grads, &mut before),
-            &mut values,
-            &mut piece_grads,
-        );
-        self.full_grads = Some(grads);
-        self.pool.push(values);
-        self.pool.push(piece_grads);
-        result
-    }
-
-    fn step_windows(
-        &mut self,
-        stepping: &[bool],
-        params: &mut M::Params<'_>,
-        (grads, before): (
-            &mut M::Buffer,
-            &mut impl FnMut(&mut Self, &mut M::Buffer, Range<usize>) -> Result<()>,
-        ),
-        values: &mut M::Buffer,
-        piece_grads: &mut M::Buffer,
-    ) -> Result<()> {
-        let mut first = 0;
-        while first < self.owned.len() {
-            // Whole pieces (their optimizer state is per piece), as many as
-            // fit the pooled buffers; a longer piece gets buffers of its own.
-            let start = self.owned[first].flat_range.start;
-            let mut end = first + 1;
-            while end < self.owned.len()
-                && self.owned[end].flat_range.end - start <= self.longest_bucket
-            {
-                end += 1;
-            }
-            let len = self.owned[end - 1].flat_range.end - start;
-            let (mut own_values, mut own_grads);
-            let (values, piece_grads) = if len <= M::buffer_len(values) {
-                (&mut *values, &mut *piece_grads)
-            } else {
-                own_values = self.memory.alloc_zeroed(len)?;
-                own_grads = self.memory.alloc_zeroed(len)?;
-                (&mut own_values, &mut own_grads)
-            };
-            let window = first..end;
-            first = end;
-            if !self.owned[window.clone()].iter().any(|p| stepping[p.param]) {
-                continue;
-            }
-            before(self, grads, start..start + len)?;
-            let copies: Vec<ParamCopy> = self.owned_copies[window.clone()]
-                .iter()
-                .map(|c| ParamCopy {
-                    at: c.at - start,
-                    ..c.clone()
-                })
-                .collect();
-            self.memory.read_params(params, &copies, values)?;
-            self.memory
-                .copy_range(piece_grads, 0, grads, start..start + len, false)?;
-            let pieces: Vec<StepPiece<'_>> = self.owned[window.clone()]
-                .iter()
-                .zip(&self.keys[window])
-                .map(|(piece, key)| {
-                    let at = piece.flat_range.start - start;
-                    StepPiece {
-                        key,
-                        range: at..at + piece.len(),
-                        active: stepping[piece.param],
-                    }
-                })
-                .collect();
-            let whole = [Range { start: 0, end: len }];
-            let plan = StepPlan {
-                pieces: &pieces,
-                buckets: &whole,
-                bucket_active: &[true],
-                origin: start,
-                // Stage 0's plan has one rank: its shard is the flat buffer.
-                shard_len: self.plan.shard_numel,
-            };
-            self.memory
-                .step(self.optimizer.as_mut(), values, piece_grads, plan)?;
-            let written: Vec<ParamCopy> = copies
-                .into_iter()
-                .filter(|c| self.active[c.param])
-                .collect();
-            self.memory.write_params(params, &written, values)?;
-        }
-        Ok(())
-    }
-
-    /// Where an owned piece starts in this rank's shard.
-    fn shard_offset(&self, piece: &ShardPiece) -> usize {
-        piece.flat_range.start - self.plan_rank * self.plan.shard_numel
     }
 
     /// Reduces every active bucket: all-reduce in stage 0, reduce-scatter
@@ -1037,20 +882,25 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         &mut self,
         f: impl FnOnce(&mut Self, Option<&mut M::Buffer>) -> Result<R>,
     ) -> Result<R> {
-        let mut bucket_buf = match self.full_grads {
+        let mut bucket_buf = match self.buffers.full_grads {
             Some(_) => None,
             None => Some(self.take_pooled()?),
         };
         let result = f(self, bucket_buf.as_mut());
-        self.pool.extend(bucket_buf);
+        self.buffers.pool.extend(bucket_buf);
         result
     }
 
     /// A buffer as long as the longest bucket, from the pool or new.
     fn take_pooled(&mut self) -> Result<M::Buffer> {
-        let longest = self.longest_bucket;
-        match self.pool.iter().position(|b| M::buffer_len(b) >= longest) {
-            Some(i) => Ok(self.pool.swap_remove(i)),
+        let longest = self.plan.longest_bucket;
+        match self
+            .buffers
+            .pool
+            .iter()
+            .position(|b| M::buffer_len(b) >= longest)
+        {
+            Some(i) => Ok(self.buffers.pool.swap_remove(i)),
             None => self.memory.alloc_zeroed(longest),
         }
     }
@@ -1061,30 +911,32 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         mut bucket_buf: Option<&mut M::Buffer>,
     ) -> Result<()> {
         let wire = self.reduce_dtype();
-        for k in 0..self.layout.buckets.len() {
-            if !self.bucket_active[k] {
+        for k in 0..self.plan.layout.buckets.len() {
+            if !self.mask.bucket_active[k] {
                 continue;
             }
-            let range = self.layout.bucket_range(k);
-            let shard_range = self.layout.buckets[k].clone();
+            let range = self.plan.layout.bucket_range(k);
+            let shard_range = self.plan.layout.buckets[k].clone();
             // Stages 0 and 1 (and stage 2 inside an accumulation window)
             // reduce in place in the full buffer; stage 2 otherwise flattens
             // straight from the caller's gradients into one bucket buffer.
-            let (buffer, at, add) = match (self.full_grads.as_mut(), bucket_buf.as_deref_mut()) {
-                (Some(full), _) => (full, range.start, self.window_open),
-                (None, Some(buf)) => (buf, 0, false),
-                (None, None) => {
-                    return Err(Error::State(
-                        "internal: no buffer to reduce the gradients in".into(),
-                    ))
-                }
-            };
+            let (buffer, at, add) =
+                match (self.buffers.full_grads.as_mut(), bucket_buf.as_deref_mut()) {
+                    (Some(full), _) => (full, range.start, self.window.in_full_buffer),
+                    (None, Some(buf)) => (buf, 0, false),
+                    (None, None) => {
+                        return Err(Error::State(
+                            "internal: no buffer to reduce the gradients in".into(),
+                        ))
+                    }
+                };
             let bucket = at..at + range.len();
             if !add {
                 self.memory.zero(buffer, bucket.clone())?;
             }
             if let Some(grads) = last {
                 let pieces: Vec<GradPiece<M::Grad<'_>>> = self
+                    .plan
                     .layout
                     .runs_of(k)
                     .iter()
@@ -1098,7 +950,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                     .collect();
                 self.memory.flatten(buffer, &pieces, add)?;
             }
-            match self.grad_shard.as_mut() {
+            match self.buffers.grad_shard.as_mut() {
                 None => {
                     self.memory
                         .all_reduce_as(&self.comm, buffer, bucket, ReduceOp::Avg, wire)?
@@ -1123,10 +975,10 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     fn stepping_ranges(&self, stepping: &[bool]) -> Vec<Range<usize>> {
         let mut ranges: Vec<Range<usize>> = Vec::new();
         let mut previous = false;
-        for piece in &self.owned {
+        for piece in &self.plan.owned {
             let steps = stepping[piece.param];
             if steps {
-                let at = self.shard_offset(piece);
+                let at = self.plan.shard_offset(piece);
                 match ranges.last_mut() {
                     Some(last) if previous => last.end = at + piece.len(),
                     _ => ranges.push(at..at + piece.len()),
@@ -1140,7 +992,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// Multiplies the reduced gradients in `ranges` (the stepping pieces)
     /// by `factor`.
     fn scale_grads(&mut self, factor: f64, ranges: &[Range<usize>]) -> Result<()> {
-        let grads = reduced_grads(&mut self.grad_shard, &mut self.full_grads)?;
+        let grads = reduced_grads(&mut self.buffers.grad_shard, &mut self.buffers.full_grads)?;
         self.memory.scale(grads, ranges, factor)
     }
 
@@ -1156,7 +1008,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             (None, true) => NormType::L2,
             (None, false) => return Ok(None),
         };
-        let grads = reduced_grads(&mut self.grad_shard, &mut self.full_grads)?;
+        let grads = reduced_grads(&mut self.buffers.grad_shard, &mut self.buffers.full_grads)?;
         let local = self
             .memory
             .norm_partial(&self.comm, grads, ranges, norm_type)?;
@@ -1195,28 +1047,34 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     }
 
     fn run_optimizer(&mut self, stepping: &[bool]) -> Result<()> {
-        let base = self.plan_rank * self.plan.shard_numel;
-        let mut pieces = step_pieces(&self.owned, &self.keys, base, |param| stepping[param]);
-        if self.early_stepped.contains(&true) {
+        let base = self.plan.rank * self.plan.partition.shard_numel;
+        let mut pieces = step_pieces(&self.plan.owned, &self.plan.keys, base, |param| {
+            stepping[param]
+        });
+        if self.window.early_stepped.contains(&true) {
             // The interleaved schedule stepped these buckets during backward.
             for piece in &mut pieces {
                 let k = self
+                    .plan
                     .layout
                     .buckets
                     .partition_point(|b| b.end <= piece.range.start);
-                if self.early_stepped.get(k) == Some(&true) {
+                if self.window.early_stepped.get(k) == Some(&true) {
                     piece.active = false;
                 }
             }
         }
         let plan = StepPlan {
             pieces: &pieces,
-            buckets: &self.layout.buckets,
-            bucket_active: &self.bucket_active,
+            buckets: &self.plan.layout.buckets,
+            bucket_active: &self.mask.bucket_active,
             origin: 0,
-            shard_len: self.plan.shard_numel,
+            shard_len: self.plan.partition.shard_numel,
         };
-        let grads = match (self.grad_shard.as_ref(), self.full_grads.as_ref()) {
+        let grads = match (
+            self.buffers.grad_shard.as_ref(),
+            self.buffers.full_grads.as_ref(),
+        ) {
             (Some(g), _) | (None, Some(g)) => g,
             (None, None) => {
                 return Err(Error::State(
@@ -1224,8 +1082,12 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                 ))
             }
         };
-        self.memory
-            .step(self.optimizer.as_mut(), &mut self.param_shard, grads, plan)
+        self.memory.step(
+            self.optimizer.as_mut(),
+            &mut self.buffers.param_shard,
+            grads,
+            plan,
+        )
     }
 
     /// Puts the updated values into the replica: all-gathers each active
@@ -1247,17 +1109,22 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         mut bucket_buf: Option<&mut M::Buffer>,
     ) -> Result<()> {
         let gather_dtype = self.gather_dtype();
-        for k in 0..self.layout.buckets.len() {
-            // Stage 3: a sharded parameter's replica is gone; a bucket of
-            // sharded parameters only is not gathered at all.
-            let (active, sharded) = (&self.active, &self.sharded);
-            let written = |p: usize| active[p] && !sharded.get(p).copied().unwrap_or(false);
-            if !self.bucket_active[k] || !self.layout.runs_of(k).iter().any(|r| written(r.param)) {
+        // Stage 3: a sharded parameter's replica is gone; a bucket of
+        // sharded parameters only is not gathered at all.
+        let written: Vec<bool> = (0..self.params.len())
+            .map(|p| self.mask.active[p] && !self.is_sharded(p))
+            .collect();
+        let written = |p: usize| written[p];
+        for k in 0..self.plan.layout.buckets.len() {
+            if !self.mask.bucket_active[k]
+                || !self.plan.layout.runs_of(k).iter().any(|r| written(r.param))
+            {
                 continue;
             }
-            let range = self.layout.bucket_range(k);
-            let shard_range = self.layout.buckets[k].clone();
-            let (gathered, at) = match (self.full_grads.as_mut(), bucket_buf.as_deref_mut()) {
+            let range = self.plan.layout.bucket_range(k);
+            let shard_range = self.plan.layout.buckets[k].clone();
+            let (gathered, at) = match (self.buffers.full_grads.as_mut(), bucket_buf.as_deref_mut())
+            {
                 (Some(full), _) => (full, range.start),
                 (None, Some(buf)) => (buf, 0),
                 (None, None) => {
@@ -1268,13 +1135,14 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             };
             self.memory.all_gather_as(
                 &self.comm,
-                &self.param_shard,
+                &self.buffers.param_shard,
                 shard_range,
                 gathered,
                 at..at + range.len(),
                 gather_dtype,
             )?;
             let copies: Vec<ParamCopy> = self
+                .plan
                 .layout
                 .runs_of(k)
                 .iter()
@@ -1290,26 +1158,13 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         Ok(())
     }
 
-    /// Marks the buckets that hold at least one active parameter; the others
-    /// are neither reduced nor gathered.
-    fn rebuild_buckets(&mut self) {
-        self.bucket_active = (0..self.layout.buckets.len())
-            .map(|k| {
-                self.layout
-                    .runs_of(k)
-                    .iter()
-                    .any(|run| self.active[run.param])
-            })
-            .collect();
-    }
-
     /// `flags` of the parameters with a gradient here this step: of
     /// `trainable`, the local mask to all-reduce; of `active`, what steps
     /// without the trainability check.
     fn with_gradient(&self, flags: &[bool]) -> Vec<bool> {
         flags
             .iter()
-            .zip(&self.present)
+            .zip(&self.window.present)
             .map(|(&f, &p)| f && p)
             .collect()
     }
@@ -1318,23 +1173,6 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     fn global_mask(&mut self, local: &[bool]) -> Result<Vec<bool>> {
         mask_over(&mut self.memory, &*self.comm, &self.params, local)
     }
-}
-
-/// ORs a per-parameter mask across the ranks of `comm` (one `f32` per
-/// parameter); a frozen parameter stays out.
-fn mask_over<T: Element, C: Communicator, M: ShardMemory<T, C>>(
-    memory: &mut M,
-    comm: &C,
-    params: &[ParamInfo],
-    local: &[bool],
-) -> Result<Vec<bool>> {
-    let mut mask: Vec<f32> = local.iter().map(|&b| f32::from(u8::from(b))).collect();
-    memory.all_reduce_host(comm, &mut mask[..], ReduceOp::Max)?;
-    Ok(mask
-        .iter()
-        .zip(params)
-        .map(|(&m, p)| m > 0.5 && p.trainable)
-        .collect())
 }
 
 /// The piece of run `run` that a gradient of the parameter's elements
@@ -1390,98 +1228,4 @@ fn reduced_grads<'a, B>(
             "internal: no reduced gradient buffer in this stage".into(),
         )),
     }
-}
-
-/// All-gathers a description of every rank's parameters, configuration and
-/// optimizer and names the first difference with another rank. A
-/// collective; engines run it first thing in their constructor.
-///
-/// `Engine::new` runs it before validating anything locally: every check
-/// after it depends only on these inputs, so ranks either all fail alike or
-/// all pass. A rank that failed alone would skip this collective and leave
-/// its peers waiting until their timeout.
-pub fn check_rank_consistency<T: Element, C: Communicator>(
-    comm: &C,
-    params: &[ParamInfo],
-    config: &EngineConfig,
-    optimizer: &dyn FunctionalOptimizer<T>,
-) -> Result<()> {
-    let mine = fingerprint(params, config, optimizer)?;
-    let bytes = serde_json::to_vec(&mine)?;
-    let all = comm.all_gather_bytes(&bytes)?;
-    for (other_rank, other) in all.iter().enumerate() {
-        let other: Vec<(String, String)> = serde_json::from_slice(other)?;
-        if other == mine {
-            continue;
-        }
-        let at = mine
-            .iter()
-            .zip(&other)
-            .position(|(a, b)| a != b)
-            .unwrap_or(mine.len().min(other.len()));
-        let describe = |list: &[(String, String)]| match list.get(at) {
-            Some((field, value)) => format!("{field} = {value}"),
-            None => format!("no entry #{at} (only {} entries)", list.len()),
-        };
-        return Err(Error::RankMismatch {
-            rank: comm.rank(),
-            this: describe(&mine),
-            other_rank,
-            other: describe(&other),
-        });
-    }
-    Ok(())
-}
-
-fn fingerprint<T: Element>(
-    params: &[ParamInfo],
-    config: &EngineConfig,
-    optimizer: &dyn FunctionalOptimizer<T>,
-) -> Result<Vec<(String, String)>> {
-    let mut out = vec![
-        ("element type".to_string(), T::DTYPE.to_string()),
-        ("parameter count".to_string(), params.len().to_string()),
-    ];
-    for (i, p) in params.iter().enumerate() {
-        out.push((
-            format!("parameter #{i}"),
-            format!(
-                "{} {:?} {}{}",
-                p.name,
-                p.shape,
-                p.dtype,
-                if p.trainable { "" } else { " frozen" }
-            ),
-        ));
-    }
-    // Every field of the configuration, so that a field added later is
-    // checked too (parameter groups below, one entry each).
-    let serde_json::Value::Object(fields) = serde_json::to_value(config)? else {
-        return Err(Error::State(
-            "internal: the engine configuration does not serialize to an object".into(),
-        ));
-    };
-    for (field, value) in fields {
-        if field != "param_groups" {
-            out.push((field, value.to_string()));
-        }
-    }
-    out.push(("optimizer".into(), optimizer.kind().to_string()));
-    for g in 0..optimizer.num_groups() {
-        out.push((
-            format!("optimizer group {g}"),
-            serde_json::Value::Object(optimizer.hyperparams(g)).to_string(),
-        ));
-    }
-    for (k, spec) in config.param_groups.iter().enumerate() {
-        out.push((
-            format!("parameter group {}", k + 1),
-            format!(
-                "{:?} {}",
-                spec.params,
-                serde_json::Value::Object(spec.hyperparams.clone())
-            ),
-        ));
-    }
-    Ok(out)
 }

@@ -64,19 +64,23 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         if truth && self.masters_fresh {
             return Ok(());
         }
-        if self.sharded.iter().any(|&s| s) {
+        if self.sharded_params().is_some() {
             // Stage 3: a sharded parameter's replica is gone.
             let copies: Vec<ParamCopy> = self
+                .plan
                 .owned_copies
                 .iter()
                 .filter(|c| !self.is_sharded(c.param))
                 .cloned()
                 .collect();
             self.memory
-                .read_params(params, &copies, &mut self.param_shard)?;
+                .read_params(params, &copies, &mut self.buffers.param_shard)?;
         } else {
-            self.memory
-                .read_params(params, &self.owned_copies, &mut self.param_shard)?;
+            self.memory.read_params(
+                params,
+                &self.plan.owned_copies,
+                &mut self.buffers.param_shard,
+            )?;
         }
         self.masters_fresh = truth;
         Ok(())
@@ -116,12 +120,14 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// masters (every rank holds all of them) into the replica, rounded.
     pub(super) fn write_masters(&mut self, params: &mut M::Params<'_>) -> Result<()> {
         let copies: Vec<ParamCopy> = self
+            .plan
             .owned_copies
             .iter()
-            .filter(|c| self.active[c.param])
+            .filter(|c| self.mask.active[c.param])
             .cloned()
             .collect();
-        self.memory.write_params(params, &copies, &self.param_shard)
+        self.memory
+            .write_params(params, &copies, &self.buffers.param_shard)
     }
 
     /// Streams parameter `param`'s master weights to rank `root`, one piece
@@ -143,10 +149,11 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     ) -> Result<()> {
         let rank = self.comm.rank();
         let world = self.comm.world_size();
-        let shard_numel = self.plan.shard_numel;
+        let shard_numel = self.plan.partition.shard_numel;
         // (owner, range in the parameter, position in the owner's shard)
         let mut pieces: Vec<(usize, Range<usize>, usize)> = self
             .plan
+            .partition
             .shards
             .iter()
             .enumerate()
@@ -171,7 +178,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                     recv.resize(range.len(), T::default());
                     self.memory.buffer_to_host(
                         &self.comm,
-                        &self.param_shard,
+                        &self.buffers.param_shard,
                         at..at + range.len(),
                         &mut recv,
                     )?;
@@ -184,7 +191,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                 send.resize(range.len(), T::default());
                 self.memory.buffer_to_host(
                     &self.comm,
-                    &self.param_shard,
+                    &self.buffers.param_shard,
                     at..at + range.len(),
                     &mut send,
                 )?;
@@ -229,14 +236,14 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                 expected: range.len(),
             });
         }
-        for copy in self.owned_copies.iter().filter(|c| c.param == param) {
+        for copy in self.plan.owned_copies.iter().filter(|c| c.param == param) {
             let lo = copy.param_range.start.max(range.start);
             let hi = copy.param_range.end.min(range.end);
             if lo >= hi {
                 continue;
             }
             self.memory.buffer_from_host(
-                &mut self.param_shard,
+                &mut self.buffers.param_shard,
                 copy.at + (lo - copy.param_range.start),
                 &values[lo - range.start..hi - range.start],
             )?;

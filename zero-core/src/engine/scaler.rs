@@ -210,7 +210,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         let Some(scale) = self.loss_scale() else {
             return Ok(false);
         };
-        let grads = reduced_grads(&mut self.grad_shard, &mut self.full_grads)?;
+        let grads = reduced_grads(&mut self.buffers.grad_shard, &mut self.buffers.full_grads)?;
         // The inf-norm partial is non-finite exactly when an inf or NaN is
         // there (the memory counts a NaN as infinite).
         let largest = self
@@ -223,7 +223,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         if !found_inf {
             // torch: `inv_scale = scale.double().reciprocal().float()`.
             let inv_scale = f64::from((1.0 / scale) as f32);
-            let grads = reduced_grads(&mut self.grad_shard, &mut self.full_grads)?;
+            let grads = reduced_grads(&mut self.buffers.grad_shard, &mut self.buffers.full_grads)?;
             self.memory.scale(grads, ranges, inv_scale)?;
         }
         if let Some(scaler) = self.scaler.as_mut() {

@@ -27,7 +27,7 @@
 //! [`EngineConfig::persist_numel`]: super::EngineConfig::persist_numel
 
 use super::fetch::{Fetcher, GatherFn, Span, Unit, UnitBucket};
-use super::{Engine, ShardMemory, Stage};
+use super::{Engine, ShardMemory, Stage, StageState};
 use crate::comm::{Communicator, Host, ReduceOp};
 use crate::{Element, Error, Result};
 use std::ops::Range;
@@ -36,6 +36,16 @@ use std::sync::Arc;
 /// Where [`Engine::stream_params`] puts each piece: (parameter, its range
 /// of the parameter's elements, the values).
 pub type ParamPieceSink<'a, T> = dyn FnMut(usize, Range<usize>, &[T]) -> Result<()> + 'a;
+
+/// Stage 3 once sharded: which parameters live only as shards, and their
+/// gathers.
+pub(super) struct ShardedParams<T> {
+    /// Per parameter, whether it lives only as shards.
+    pub sharded: Vec<bool>,
+    pub fetcher: Arc<Fetcher<T>>,
+    /// The fetcher holds the parameter shard (between steps).
+    pub shard_lent: bool,
+}
 
 /// A run of buckets (first, last) and the sharded parameters in it (index,
 /// sequence position of the first element).
@@ -70,7 +80,7 @@ where
                 self.config.stage.number()
             )));
         }
-        if self.fetcher.is_some() {
+        if self.fetcher().is_some() {
             return Err(Error::State(
                 "shard_parameters was already called; the parameters are sharded".into(),
             ));
@@ -99,9 +109,9 @@ where
         // (a lean shard, `lean_shard`, exists only from now on). The bucket
         // buffers are let go first, so that the shard and the replica
         // meeting here do not add to what a step holds.
-        if M::buffer_len(&self.param_shard) < self.plan.shard_numel {
-            self.pool.clear();
-            self.param_shard = self.memory.alloc_zeroed(self.plan.shard_numel)?;
+        if M::buffer_len(&self.buffers.param_shard) < self.plan.partition.shard_numel {
+            self.buffers.pool.clear();
+            self.buffers.param_shard = self.memory.alloc_zeroed(self.plan.partition.shard_numel)?;
         }
         self.refresh_param_shard(params)?;
         let (units, place) = self.gather_units(&mask)?;
@@ -115,8 +125,8 @@ where
             Arc::new(move |send: &[T], recv: &mut [T]| gather_comm.all_gather(send, recv));
         // The shard moves to the fetcher between steps: one copy.
         let empty = self.memory.alloc_zeroed(0)?;
-        let shard =
-            M::into_host_vec(std::mem::replace(&mut self.param_shard, empty)).map_err(|_| {
+        let shard = M::into_host_vec(std::mem::replace(&mut self.buffers.param_shard, empty))
+            .map_err(|_| {
                 Error::Config(
                     "stage 3 runs on host memory (threads, MPI) for now; on the GPU use stage 2"
                         .into(),
@@ -130,10 +140,14 @@ where
             (self.config.prefetch_bytes, self.config.max_live_bytes),
             threaded,
         )?;
-        self.sharded = mask;
+        // Nothing is deferred from now on (`shard_parameters` finished the
+        // gathers above).
+        self.stage = StageState::Parameters(ShardedParams {
+            sharded: mask,
+            fetcher: fetcher.clone(),
+            shard_lent: true,
+        });
         self.masters_fresh = true;
-        self.shard_lent = true;
-        self.fetcher = Some(fetcher.clone());
         Ok(fetcher)
     }
 
@@ -155,7 +169,11 @@ where
         gatherable: &[bool],
         params: &mut M::Params<'_>,
     ) -> Result<Arc<Fetcher<T>>> {
-        if self.steps > 0 || self.micro_steps > 0 || self.window_open || self.window.is_some() {
+        if self.steps > 0
+            || self.window.micro_steps > 0
+            || self.window.in_full_buffer
+            || self.pass.is_some()
+        {
             return Err(Error::State(
                 "shard_from_start must come before the first step or micro-step; after one, \
                  use shard_parameters"
@@ -181,7 +199,7 @@ where
             }
         }
         let expected: Vec<(usize, usize)> = order.iter().map(|&p| (p, 1)).collect();
-        let mine = super::overlap::order_fingerprint(&expected);
+        let mine = super::consistency::order_fingerprint(&expected);
         let mut agreed = mine;
         self.memory
             .all_reduce_host(&self.comm, &mut agreed[..], ReduceOp::Max)?;
@@ -268,14 +286,14 @@ where
             if !sharded {
                 continue;
             }
-            let runs = &self.runs_of_param[p];
+            let runs = &self.plan.runs_of_param[p];
             let Some(&first) = runs.first() else {
                 continue;
             };
-            let run = &self.layout.runs[first];
+            let run = &self.plan.layout.runs[first];
             let start = run.pos - run.param_range.start;
             let contiguous = runs.iter().all(|&r| {
-                let run = &self.layout.runs[r];
+                let run = &self.plan.layout.runs[r];
                 run.pos - run.param_range.start == start
             });
             if !contiguous {
@@ -284,7 +302,7 @@ where
                     self.params[p].name
                 )));
             }
-            let buckets = runs.iter().map(|&r| self.bucket_of_run[r]);
+            let buckets = runs.iter().map(|&r| self.plan.bucket_of_run[r]);
             let lo = buckets.clone().min().unwrap_or(0);
             let hi = buckets.max().unwrap_or(0);
             spans.push((lo, hi, p, start));
@@ -304,14 +322,14 @@ where
         let mut units = Vec::with_capacity(groups.len());
         let mut place = vec![Vec::new(); self.params.len()];
         for (lo, hi, members) in groups {
-            let base = self.layout.bucket_range(lo).start;
-            let len = self.layout.bucket_range(hi).end - base;
+            let base = self.plan.layout.bucket_range(lo).start;
+            let len = self.plan.layout.bucket_range(hi).end - base;
             if piece_len == 0 || len <= piece_len {
                 let buckets: Vec<UnitBucket> = (lo..=hi)
                     .map(|k| {
-                        let at = self.layout.bucket_range(k);
+                        let at = self.plan.layout.bucket_range(k);
                         UnitBucket {
-                            shard: self.layout.buckets[k].clone(),
+                            shard: self.plan.layout.buckets[k].clone(),
                             at: at.start - base..at.end - base,
                         }
                     })
@@ -347,8 +365,8 @@ where
         place: &mut [Vec<Span>],
     ) -> Result<()> {
         let world = self.comm.world_size();
-        let sequence = self.layout.bucket_range(k);
-        let chunk = self.layout.buckets[k].clone();
+        let sequence = self.plan.layout.bucket_range(k);
+        let chunk = self.plan.layout.buckets[k].clone();
         if sequence.len() != world * chunk.len() {
             return Err(Error::State(format!(
                 "internal: bucket {k} spans {} elements but this rank's chunk is {} of {world}",
@@ -393,25 +411,37 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// Stage 3: whether parameter `param` lives only as shards (see
     /// [`Engine::shard_parameters`]).
     pub fn is_sharded(&self, param: usize) -> bool {
-        self.sharded.get(param).copied().unwrap_or(false)
+        self.sharded_params()
+            .is_some_and(|s| s.sharded.get(param).copied().unwrap_or(false))
     }
 
     /// Stage 3: the fetcher of the sharded parameters, once
     /// [`Engine::shard_parameters`] made one.
     pub fn fetcher(&self) -> Option<&Arc<Fetcher<T>>> {
-        self.fetcher.as_ref()
+        self.sharded_params().map(|s| &s.fetcher)
+    }
+
+    /// Stage 3 once sharded.
+    pub(super) fn sharded_params(&self) -> Option<&ShardedParams<T>> {
+        match &self.stage {
+            StageState::Parameters(sharded) => Some(sharded),
+            _ => None,
+        }
     }
 
     /// Whether the shard, not the replica, holds the truth of the trained
     /// parameters: with master weights, or sharded parameters.
     pub(super) fn shard_is_truth(&self) -> bool {
-        self.has_master_weights() || self.sharded.iter().any(|&s| s)
+        self.has_master_weights()
+            || self
+                .sharded_params()
+                .is_some_and(|s| s.sharded.contains(&true))
     }
 
     /// Stage 3, at the end of a micro-step's backward: waits for the
     /// gathers in flight (the step is about to change the shard).
     pub(super) fn fetch_end_pass(&self) -> Result<()> {
-        match &self.fetcher {
+        match self.fetcher() {
             Some(fetcher) => fetcher.end_pass(),
             None => Ok(()),
         }
@@ -424,33 +454,45 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         &mut self,
         f: impl FnOnce(&mut Self) -> Result<R>,
     ) -> Result<R> {
-        let Some(fetcher) = self.fetcher.clone() else {
-            return f(self);
+        let fetcher = match &mut self.stage {
+            StageState::Parameters(sharded) if sharded.shard_lent => {
+                sharded.shard_lent = false;
+                sharded.fetcher.clone()
+            }
+            _ => return f(self),
         };
-        if !self.shard_lent {
-            return f(self);
-        }
-        let shard = fetcher.take_shard()?;
-        self.param_shard = M::from_host_vec(shard)
+        let shard = match fetcher.take_shard() {
+            Ok(shard) => shard,
+            Err(e) => {
+                self.set_shard_lent(true);
+                return Err(e);
+            }
+        };
+        self.buffers.param_shard = M::from_host_vec(shard)
             .map_err(|_| Error::State("internal: stage 3 runs on host memory only".into()))?;
-        self.shard_lent = false;
         let result = f(self);
-        let shard = std::mem::replace(&mut self.param_shard, self.memory.alloc_zeroed(0)?);
+        let shard = std::mem::replace(&mut self.buffers.param_shard, self.memory.alloc_zeroed(0)?);
         match M::into_host_vec(shard) {
             Ok(shard) => {
                 fetcher.put_shard(shard);
-                self.shard_lent = true;
+                self.set_shard_lent(true);
             }
-            Err(shard) => self.param_shard = shard,
+            Err(shard) => self.buffers.param_shard = shard,
         }
         result
     }
 
+    fn set_shard_lent(&mut self, lent: bool) {
+        if let StageState::Parameters(sharded) = &mut self.stage {
+            sharded.shard_lent = lent;
+        }
+    }
+
     /// Elements of the parameter shard, wherever it is.
     pub(super) fn param_shard_len(&self) -> usize {
-        match &self.fetcher {
-            Some(fetcher) if self.shard_lent => fetcher.shard_len(),
-            _ => M::buffer_len(&self.param_shard),
+        match self.sharded_params() {
+            Some(sharded) if sharded.shard_lent => sharded.fetcher.shard_len(),
+            _ => M::buffer_len(&self.buffers.param_shard),
         }
     }
 }

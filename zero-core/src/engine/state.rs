@@ -390,7 +390,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             }
         }
         let mut imported = OptimizerState::default();
-        for (piece, key) in self.owned.iter().zip(&self.keys) {
+        for (piece, key) in self.plan.owned.iter().zip(&self.plan.keys) {
             if let Some(full) = dict.state.get(&key.name) {
                 imported.params.insert(
                     (key.name.clone(), key.offset),
@@ -408,8 +408,8 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         for (g, group) in dict.param_groups.iter().enumerate() {
             self.optimizer.set_hyperparams(g, &group.hyperparams)?;
         }
-        let base = self.plan_rank * self.plan.shard_numel;
-        let pieces = super::step_pieces(&self.owned, &self.keys, base, |_| true);
+        let base = self.plan.rank * self.plan.partition.shard_numel;
+        let pieces = super::step_pieces(&self.plan.owned, &self.plan.keys, base, |_| true);
         self.memory
             .import_state(self.optimizer.as_mut(), &pieces, imported)?;
         self.steps = dict.steps;
@@ -487,7 +487,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             let mut files = Vec::new();
             let writes_shard = self.config.stage != Stage::Ddp || rank == 0;
             if writes_shard {
-                let name = shard_file(self.plan_rank);
+                let name = shard_file(self.plan.rank);
                 let fail = options
                     .fail_after
                     .and_then(|(r, bytes)| (r == rank).then_some(bytes));
@@ -518,6 +518,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         info.model_file = Some(model_file);
         info.shards = self
             .plan
+            .partition
             .shards
             .iter()
             .enumerate()
@@ -614,6 +615,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
 
         // This rank's pieces, and the state assembled for each.
         let mine: Vec<(String, Range<usize>)> = self
+            .plan
             .owned
             .iter()
             .map(|p| (self.params[p.param].name.clone(), p.param_range.clone()))
@@ -739,6 +741,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                 // Stage 3: no replica to write, and no rank reads more of
                 // the parameter than the pieces it owns (`masters` holds).
                 let ranges: Vec<Range<usize>> = self
+                    .plan
                     .owned_copies
                     .iter()
                     .filter(|c| c.param == i)
@@ -767,8 +770,8 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         for (g, group) in info.param_groups.iter().enumerate() {
             self.optimizer.set_hyperparams(g, &group.hyperparams)?;
         }
-        let base = self.plan_rank * self.plan.shard_numel;
-        let pieces = super::step_pieces(&self.owned, &self.keys, base, |_| true);
+        let base = self.plan.rank * self.plan.partition.shard_numel;
+        let pieces = super::step_pieces(&self.plan.owned, &self.plan.keys, base, |_| true);
         self.memory
             .import_state(self.optimizer.as_mut(), &pieces, imported)?;
         self.steps = info.steps;
@@ -796,8 +799,8 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         // In stage 0 every rank holds everything: only `to` contributes.
         let contributes = self.config.stage != Stage::Ddp || rank == to;
         let mut exported = if contributes {
-            let base = self.plan_rank * self.plan.shard_numel;
-            let pieces = super::step_pieces(&self.owned, &self.keys, base, |_| true);
+            let base = self.plan.rank * self.plan.partition.shard_numel;
+            let pieces = super::step_pieces(&self.plan.owned, &self.plan.keys, base, |_| true);
             self.memory
                 .export_state(&self.comm, self.optimizer.as_ref(), &pieces)?
                 .params
@@ -805,9 +808,10 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             BTreeMap::new()
         };
         let lengths: BTreeMap<(&str, usize), usize> = self
+            .plan
             .keys
             .iter()
-            .zip(&self.owned)
+            .zip(&self.plan.owned)
             .map(|(k, p)| ((k.name.as_str(), k.offset), p.len()))
             .collect();
         let metas: Vec<PieceMeta> = exported
@@ -934,8 +938,8 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     }
 
     fn write_shard(&mut self, path: &Path, fail_after: Option<usize>) -> Result<FileRecord> {
-        let base = self.plan_rank * self.plan.shard_numel;
-        let pieces = super::step_pieces(&self.owned, &self.keys, base, |_| true);
+        let base = self.plan.rank * self.plan.partition.shard_numel;
+        let pieces = super::step_pieces(&self.plan.owned, &self.plan.keys, base, |_| true);
         let exported = self
             .memory
             .export_state(&self.comm, self.optimizer.as_ref(), &pieces)?;
@@ -1063,7 +1067,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             tag,
             world_size: self.comm.world_size(),
             stage: self.config.stage.number(),
-            partition: self.plan.kind,
+            partition: self.plan.partition.kind,
             params: self.params.clone(),
             optimizer: self.optimizer.kind().to_string(),
             param_groups: self.group_states(),
@@ -1162,11 +1166,11 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     }
 
     pub(super) fn refuse_mid_accumulation(&self, op: &str) -> Result<()> {
-        if self.micro_steps > 0 || self.window_open {
+        if self.window.micro_steps > 0 || self.window.in_full_buffer {
             return Err(Error::State(format!(
                 "{op} called with {} micro-step(s) accumulated; their gradients are not part of \
                  a checkpoint: finish the optimizer step first",
-                self.micro_steps
+                self.window.micro_steps
             )));
         }
         Ok(())

@@ -1,0 +1,515 @@
+//! Stages 1 and 2 after the reductions: the shard stepped bucket by bucket,
+//! each bucket all-gathered as soon as it is stepped (on a communication
+//! thread, while the next bucket steps), or left to a gather thread that
+//! runs into the next forward (`deferred.rs`).
+
+use super::deferred::{self, GatherJob, Payload};
+use super::{Engine, Layout, Overlap, ParamCopy, ShardMemory, Stage, StepPiece, StepPlan};
+use crate::comm::Communicator;
+use crate::optim::FunctionalOptimizer;
+use crate::{Element, Error, Result};
+use std::ops::Range;
+use std::sync::{mpsc, Arc};
+
+/// All-gathers of stepped buckets allowed in flight at once after backward.
+const GATHERS_IN_FLIGHT: usize = 1;
+
+/// A bucket's all-gather back from the communication thread: the bucket,
+/// the chunk sent, the gathered bucket, and how it went.
+type Gathered<B> = (usize, B, B, Result<()>);
+
+impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
+    /// Stages 1 and 2, overlapped: steps the shard bucket by bucket and
+    /// all-gathers each bucket on a communication thread as soon as it is
+    /// stepped, writing the gathered parameters into the replica as they
+    /// arrive: the optimizer runs while earlier buckets are on the wire.
+    /// `Ok(false)` (nothing done) when this memory or partition cannot.
+    ///
+    /// With `defer`, and a [`ParamAccess`](super::ParamAccess) set, the
+    /// all-gathers run after this returns instead (see `deferred.rs`).
+    pub(super) fn step_and_gather_overlapped(
+        &mut self,
+        stepping: &[bool],
+        params: &mut M::Params<'_>,
+        defer: bool,
+    ) -> Result<bool> {
+        // Stage 3 gathers only the replicated parameters' few buckets.
+        if self.config.overlap == Overlap::None
+            || self.config.stage == Stage::Ddp
+            || self.fetcher().is_some()
+        {
+            return Ok(false);
+        }
+        let Some(groups) = self.plan.pieces_by_bucket() else {
+            return Ok(false);
+        };
+        let Some(worker_memory) = self.memory.fork() else {
+            return Ok(false);
+        };
+        if self.buffers.grad_shard.is_none() {
+            return Err(no_grad_shard());
+        }
+        // Without a shard copy (`lean_shard`), each bucket's owned pieces
+        // are read from the replica into a staging buffer and stepped
+        // there, with their gradients copied beside them.
+        let mut grad_chunk = None;
+        if self.lean_shard() {
+            self.buffers.param_shard = self.memory.alloc_zeroed(0)?;
+            grad_chunk = Some(self.memory.alloc_zeroed(self.longest_chunk())?);
+        }
+        let access = match self.deferred_gathers() {
+            Some(gathers) if defer => gathers.access.take(),
+            _ => None,
+        };
+        match access {
+            Some(access) => self.step_and_defer(
+                stepping,
+                params,
+                &groups,
+                (worker_memory, access),
+                grad_chunk,
+            ),
+            None => {
+                self.step_and_gather_on_thread(stepping, params, &groups, worker_memory, grad_chunk)
+            }
+        }
+        .map(|()| true)
+    }
+
+    /// Elements of the longest bucket's chunk (one rank's part of it).
+    fn longest_chunk(&self) -> usize {
+        self.plan
+            .layout
+            .buckets
+            .iter()
+            .map(Range::len)
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Steps the buckets in forward order (buckets follow gradient order,
+    /// so the last one holds the first layers), writes each one's owned
+    /// pieces into the parameters and hands it to the gather thread, so
+    /// the first layers' parameters are on the wire while the rest step.
+    fn step_and_defer(
+        &mut self,
+        stepping: &[bool],
+        params: &mut M::Params<'_>,
+        groups: &[Range<usize>],
+        (worker_memory, access): (M, Box<dyn deferred::ParamAccess<T, C, M>>),
+        mut grad_chunk: Option<M::Buffer>,
+    ) -> Result<()> {
+        let order: Vec<usize> = (0..groups.len())
+            .rev()
+            .filter(|&k| self.mask.bucket_active[k])
+            .collect();
+        let copies: Vec<Vec<ParamCopy>> = order
+            .iter()
+            .map(|&k| bucket_copies(&self.plan.layout, &self.mask.active, k))
+            .collect();
+        let longest_chunk = self.longest_chunk();
+        let buffers = self
+            .memory
+            .alloc_zeroed(longest_chunk)
+            .and_then(|thread_send| {
+                let send = self.memory.alloc_zeroed(longest_chunk)?;
+                let (recv, _) = super::reduce::take_shortest(
+                    &mut self.memory,
+                    &mut self.buffers.pool,
+                    self.plan.longest_bucket,
+                )?;
+                Ok((send, thread_send, recv))
+            });
+        let (mut send, thread_send, recv) = match buffers {
+            Ok(buffers) => buffers,
+            Err(e) => {
+                if let Some(gathers) = self.deferred_gathers() {
+                    gathers.access = Some(access);
+                }
+                return Err(e);
+            }
+        };
+        self.refresh
+            .start(needed_per_param(self.params.len(), &copies));
+        let spawner = self.deferred_gathers().and_then(|g| g.spawner);
+        let (job_tx, jobs) = mpsc::channel();
+        let payload = Payload {
+            memory: worker_memory,
+            comm: Arc::clone(&self.comm),
+            jobs,
+            send: thread_send,
+            recv,
+            access,
+            refresh: Arc::clone(&self.refresh),
+            dtype: self.gather_dtype(),
+        };
+        let started = deferred::start(spawner, self.comm.rank(), payload);
+        let pieces = super::step_pieces(&self.plan.owned, &self.plan.keys, self.plan.base(), |p| {
+            stepping[p]
+        });
+        let stepper = BucketStep {
+            plan: &self.plan,
+            pieces: &pieces,
+            bucket_active: &self.mask.bucket_active,
+            early_stepped: &self.window.early_stepped,
+            grads: self.buffers.grad_shard.as_ref().ok_or_else(no_grad_shard)?,
+        };
+        let mut stepped = Ok(());
+        for (&k, copies) in order.iter().zip(copies) {
+            let chunk = self.plan.layout.buckets[k].clone();
+            let owned = copies_from(&self.plan.owned_copies[groups[k].clone()], chunk.start);
+            stepped = step_bucket(
+                &mut self.memory,
+                self.optimizer.as_mut(),
+                params,
+                (&mut self.buffers.param_shard, grad_chunk.as_mut()),
+                &stepper,
+                (k, groups[k].clone()),
+                &mut send,
+            )
+            .and_then(|()| self.memory.write_params(params, &owned, &send));
+            if stepped.is_err() {
+                break;
+            }
+            // The thread runs until the channel closes.
+            let _ = job_tx.send(GatherJob {
+                owned,
+                chunk: chunk.len(),
+                len: self.plan.layout.bucket_range(k).len(),
+                copies,
+            });
+        }
+        // Closing the channel ends the thread after the last job.
+        drop(job_tx);
+        let gathered = match started {
+            Ok(handle) => {
+                if let Some(gathers) = self.deferred_gathers() {
+                    gathers.pending = Some(handle);
+                    gathers.steps += 1;
+                }
+                Ok(())
+            }
+            Err(payload) => {
+                let finished = payload.run();
+                self.take_back(finished)
+            }
+        };
+        stepped.and(gathered)
+    }
+
+    /// Steps the active buckets in order, each all-gathered on a scoped
+    /// communication thread while the next one steps, and writes the
+    /// gathered buckets into the replica as they come back.
+    fn step_and_gather_on_thread(
+        &mut self,
+        stepping: &[bool],
+        params: &mut M::Params<'_>,
+        groups: &[Range<usize>],
+        mut worker_memory: M,
+        mut grad_chunk: Option<M::Buffer>,
+    ) -> Result<()> {
+        // The optimizer writes the shard while the thread sends from it, so
+        // each bucket's chunk is first copied into a staging buffer of one
+        // chunk (the serial gather sends from the shard itself): the
+        // scratch bucket, which is that long, when it exists, else one for
+        // this step only. The gather itself takes one bucket buffer, as the
+        // serial one does (the next is taken after it came back).
+        let longest_chunk = self.longest_chunk();
+        let had_scratch = self.buffers.scratch.is_some();
+        let mut staging: Vec<M::Buffer> = self.buffers.scratch.take().into_iter().collect();
+        let gather_dtype = self.gather_dtype();
+        let pieces = super::step_pieces(&self.plan.owned, &self.plan.keys, self.plan.base(), |p| {
+            stepping[p]
+        });
+        let grads = self.buffers.grad_shard.as_ref().ok_or_else(no_grad_shard)?;
+        let stepper = BucketStep {
+            plan: &self.plan,
+            pieces: &pieces,
+            bucket_active: &self.mask.bucket_active,
+            early_stepped: &self.window.early_stepped,
+            grads,
+        };
+        let comm = &*self.comm;
+        let layout = &self.plan.layout;
+        let mut landing = Landing {
+            memory: &mut self.memory,
+            pool: &mut self.buffers.pool,
+            staging: &mut staging,
+            layout,
+            active: &self.mask.active,
+        };
+        let optimizer = &mut self.optimizer;
+        let param_shard = &mut self.buffers.param_shard;
+        let (jobs, job_rx) = mpsc::channel::<(usize, M::Buffer, M::Buffer)>();
+        let (done_tx, done) = mpsc::channel::<Gathered<M::Buffer>>();
+        let outcome = std::thread::scope(|scope| -> Result<()> {
+            scope.spawn(move || {
+                let mut failed = false;
+                for (k, send, mut recv) in job_rx {
+                    let result = if failed {
+                        Err(Error::State("an earlier all-gather failed".into()))
+                    } else {
+                        let n = layout.buckets[k].len();
+                        let all = layout.bucket_range(k).len();
+                        // The parameters' dtype on the wire where master
+                        // weights are kept (as `gather_buckets`).
+                        worker_memory.all_gather_as(
+                            comm,
+                            &send,
+                            0..n,
+                            &mut recv,
+                            0..all,
+                            gather_dtype,
+                        )
+                    };
+                    failed |= result.is_err();
+                    if done_tx.send((k, send, recv, result)).is_err() {
+                        break;
+                    }
+                }
+            });
+            let mut outcome = Ok(());
+            let mut pending = 0usize;
+            for (k, group) in groups.iter().enumerate() {
+                if !stepper.bucket_active[k] {
+                    continue;
+                }
+                let mut send = match landing.staging.pop() {
+                    Some(send) => send,
+                    None => match landing.memory.alloc_zeroed(longest_chunk) {
+                        Ok(send) => send,
+                        Err(e) => {
+                            outcome = Err(e);
+                            break;
+                        }
+                    },
+                };
+                outcome = step_bucket(
+                    landing.memory,
+                    optimizer.as_mut(),
+                    params,
+                    (&mut *param_shard, grad_chunk.as_mut()),
+                    &stepper,
+                    (k, group.clone()),
+                    &mut send,
+                );
+                if outcome.is_err() {
+                    landing.staging.push(send);
+                    break;
+                }
+                // One gather in flight (the next bucket steps meanwhile): its
+                // buffers are what this overlap costs in memory.
+                while pending >= GATHERS_IN_FLIGHT {
+                    let Ok(back) = done.recv() else {
+                        break;
+                    };
+                    pending -= 1;
+                    outcome = outcome.and(landing.write(params, back));
+                }
+                // Overwritten whole by the gather: no need to zero.
+                let recv = super::reduce::take_shortest(
+                    landing.memory,
+                    landing.pool,
+                    layout.bucket_range(k).len(),
+                );
+                match recv {
+                    Ok((recv, _)) => {
+                        // The thread is alive while `jobs` is: it stops
+                        // only when the channel closes.
+                        let _ = jobs.send((k, send, recv));
+                        pending += 1;
+                    }
+                    Err(e) => {
+                        landing.staging.push(send);
+                        outcome = Err(e);
+                        break;
+                    }
+                }
+                // Write back what has arrived meanwhile.
+                while let Ok(back) = done.try_recv() {
+                    pending -= 1;
+                    outcome = outcome.and(landing.write(params, back));
+                }
+            }
+            drop(jobs);
+            while pending > 0 {
+                let Ok(back) = done.recv() else {
+                    break;
+                };
+                pending -= 1;
+                outcome = outcome.and(landing.write(params, back));
+            }
+            outcome
+        });
+        if had_scratch {
+            self.buffers.scratch = staging.pop();
+        }
+        outcome
+    }
+}
+
+fn no_grad_shard() -> Error {
+    Error::State("internal: no gradient shard in stage 1 or 2".into())
+}
+
+/// Where gathered buckets go: written into the replica, their buffers
+/// back to the pool and the staging list.
+struct Landing<'a, T: Element, C: Communicator, M: ShardMemory<T, C>> {
+    memory: &'a mut M,
+    pool: &'a mut Vec<M::Buffer>,
+    staging: &'a mut Vec<M::Buffer>,
+    layout: &'a Layout,
+    active: &'a [bool],
+}
+
+impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Landing<'_, T, C, M> {
+    /// Writes a gathered bucket's active parameters into `params` (if its
+    /// gather succeeded) and keeps its buffers.
+    fn write(&mut self, params: &mut M::Params<'_>, back: Gathered<M::Buffer>) -> Result<()> {
+        let (k, send, recv, result) = back;
+        let written = result.and_then(|()| {
+            self.memory
+                .write_params(params, &bucket_copies(self.layout, self.active, k), &recv)
+        });
+        self.staging.push(send);
+        self.pool.push(recv);
+        written
+    }
+}
+
+/// What stepping one bucket of the shard reads (see [`step_bucket`]).
+struct BucketStep<'a, B> {
+    plan: &'a super::plan::Plan,
+    /// The owned pieces to step, at shard offsets.
+    pieces: &'a [StepPiece<'a>],
+    bucket_active: &'a [bool],
+    /// Per bucket, whether the interleaved schedule stepped it already.
+    early_stepped: &'a [bool],
+    /// The reduced gradient shard.
+    grads: &'a B,
+}
+
+/// Steps bucket `k` (owned pieces `group`) and leaves its updated chunk in
+/// `send`: from the parameter shard, or, without one (`grad_chunk` given,
+/// a lean shard), from the replica through `send` itself.
+fn step_bucket<T, C, M>(
+    memory: &mut M,
+    optimizer: &mut dyn FunctionalOptimizer<T>,
+    params: &mut M::Params<'_>,
+    (param_shard, grad_chunk): (&mut M::Buffer, Option<&mut M::Buffer>),
+    at: &BucketStep<'_, M::Buffer>,
+    (k, group): (usize, Range<usize>),
+    send: &mut M::Buffer,
+) -> Result<()>
+where
+    T: Element,
+    C: Communicator,
+    M: ShardMemory<T, C>,
+{
+    let shard_range = at.plan.layout.buckets[k].clone();
+    let shard_len = at.plan.partition.shard_numel;
+    if let Some(grad_chunk) = grad_chunk {
+        return step_from_replica(
+            memory,
+            optimizer,
+            params,
+            (&at.plan.owned_copies[group.clone()], &at.pieces[group]),
+            (shard_range, shard_len),
+            (send, grad_chunk, at.grads),
+        );
+    }
+    if at.early_stepped.get(k) != Some(&true) {
+        let plan = StepPlan {
+            pieces: &at.pieces[group],
+            buckets: &at.plan.layout.buckets,
+            bucket_active: at.bucket_active,
+            origin: 0,
+            shard_len,
+        };
+        memory.step(optimizer, param_shard, at.grads, plan)?;
+    }
+    memory.copy_range(send, 0, param_shard, shard_range, false)
+}
+
+/// `copies` (at shard offsets) at their places in a buffer that holds the
+/// shard from `start` on (one bucket's chunk).
+fn copies_from(copies: &[ParamCopy], start: usize) -> Vec<ParamCopy> {
+    copies
+        .iter()
+        .map(|c| ParamCopy {
+            at: c.at - start,
+            ..c.clone()
+        })
+        .collect()
+}
+
+/// Where bucket `k`'s active parameters lie in the gathered bucket.
+fn bucket_copies(layout: &Layout, active: &[bool], k: usize) -> Vec<ParamCopy> {
+    let start = layout.bucket_range(k).start;
+    layout
+        .runs_of(k)
+        .iter()
+        .filter(|run| active[run.param])
+        .map(|run| ParamCopy {
+            param: run.param,
+            param_range: run.param_range.clone(),
+            at: run.pos - start,
+        })
+        .collect()
+}
+
+/// Per parameter, how many of the gathers (the buckets' `copies`, in
+/// order) must be written before it is current: one past the last that
+/// holds a piece of it.
+fn needed_per_param(params: usize, copies: &[Vec<ParamCopy>]) -> Vec<usize> {
+    let mut needed = vec![0; params];
+    for (i, bucket) in copies.iter().enumerate() {
+        for copy in bucket {
+            needed[copy.param] = i + 1;
+        }
+    }
+    needed
+}
+
+/// Steps the owned pieces of one bucket without a shard copy: reads their
+/// values from the replica into `values` and their gradients (shard range
+/// `shard_range` of `grads`) into `grad_chunk`, and steps them there.
+/// `copies` and `pieces` are the bucket's owned pieces, at shard offsets;
+/// `shard_len` is the whole shard's length.
+fn step_from_replica<T, C, M>(
+    memory: &mut M,
+    optimizer: &mut dyn FunctionalOptimizer<T>,
+    params: &mut M::Params<'_>,
+    (copies, pieces): (&[ParamCopy], &[StepPiece<'_>]),
+    (shard_range, shard_len): (Range<usize>, usize),
+    (values, grad_chunk, grads): (&mut M::Buffer, &mut M::Buffer, &M::Buffer),
+) -> Result<()>
+where
+    T: Element,
+    C: Communicator,
+    M: ShardMemory<T, C>,
+{
+    let start = shard_range.start;
+    let copies = copies_from(copies, start);
+    memory.read_params(params, &copies, values)?;
+    memory.copy_range(grad_chunk, 0, grads, shard_range.clone(), false)?;
+    let pieces: Vec<StepPiece<'_>> = pieces
+        .iter()
+        .map(|p| StepPiece {
+            range: p.range.start - start..p.range.end - start,
+            ..*p
+        })
+        .collect();
+    let whole = [Range {
+        start: 0,
+        end: shard_range.len(),
+    }];
+    let plan = StepPlan {
+        pieces: &pieces,
+        buckets: &whole,
+        bucket_active: &[true],
+        origin: start,
+        shard_len,
+    };
+    memory.step(optimizer, values, grad_chunk, plan)
+}

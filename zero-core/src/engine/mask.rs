@@ -1,0 +1,53 @@
+//! Which parameters train: the flags the user sets, the mask in effect
+//! across ranks, and the buckets that hold an active parameter.
+
+use super::{Layout, ShardMemory};
+use crate::comm::{Communicator, ReduceOp};
+use crate::partition::ParamInfo;
+use crate::{Element, Result};
+
+pub(super) struct Trainability {
+    /// Per parameter, the user's flag (`Engine::set_trainable`).
+    pub trainable: Vec<bool>,
+    /// The mask in effect, the same on every rank: what the buckets were
+    /// built for (what is reduced and gathered).
+    pub active: Vec<bool>,
+    /// Per bucket, whether it holds an active parameter; the others are
+    /// neither reduced nor gathered.
+    pub bucket_active: Vec<bool>,
+}
+
+impl Trainability {
+    pub fn new(trainable: Vec<bool>) -> Self {
+        Self {
+            active: trainable.clone(),
+            bucket_active: Vec::new(),
+            trainable,
+        }
+    }
+
+    /// Marks the buckets of `layout` that hold at least one active
+    /// parameter.
+    pub fn rebuild_buckets(&mut self, layout: &Layout) {
+        self.bucket_active = (0..layout.buckets.len())
+            .map(|k| layout.runs_of(k).iter().any(|run| self.active[run.param]))
+            .collect();
+    }
+}
+
+/// ORs a per-parameter mask across the ranks of `comm` (one `f32` per
+/// parameter); a frozen parameter stays out.
+pub(super) fn mask_over<T: Element, C: Communicator, M: ShardMemory<T, C>>(
+    memory: &mut M,
+    comm: &C,
+    params: &[ParamInfo],
+    local: &[bool],
+) -> Result<Vec<bool>> {
+    let mut mask: Vec<f32> = local.iter().map(|&b| f32::from(u8::from(b))).collect();
+    memory.all_reduce_host(comm, &mut mask[..], ReduceOp::Max)?;
+    Ok(mask
+        .iter()
+        .zip(params)
+        .map(|(&m, p)| m > 0.5 && p.trainable)
+        .collect())
+}

@@ -1,0 +1,194 @@
+//! The partition as the engine uses it: the plan, its bucket-major layout,
+//! this rank's owned pieces and their optimizer keys, and the indices the
+//! hand-over of gradients looks up.
+
+use super::{Engine, Layout, ParamCopy, ShardMemory, Stage};
+use crate::comm::Communicator;
+use crate::optim::ParamKey;
+use crate::partition::{Interleaved, ParamInfo, PartitionPlan, ShardPiece};
+use crate::{Element, Result};
+
+/// Everything derived from one partition plan; rebuilt whole when the
+/// engine re-partitions (`Engine::plan_in_order`).
+pub(super) struct Plan {
+    pub partition: PartitionPlan,
+    pub layout: Layout,
+    /// This rank's index in the plan (0 in stage 0, whose plan has one rank).
+    pub rank: usize,
+    pub owned: Vec<ShardPiece>,
+    /// The owned pieces as copies between the replica and the shard.
+    pub owned_copies: Vec<ParamCopy>,
+    pub keys: Vec<ParamKey>,
+    /// For each parameter, the indices of its runs in the layout.
+    pub runs_of_param: Vec<Vec<usize>>,
+    /// For each run, its bucket.
+    pub bucket_of_run: Vec<usize>,
+    /// Elements of the longest bucket (bucket-major).
+    pub longest_bucket: usize,
+    /// The parameter order the plan was built for (`None`: names).
+    pub order: Option<Vec<usize>>,
+}
+
+impl Plan {
+    /// Derives the layout, owned pieces and keys of `partition` for plan
+    /// rank `rank`.
+    pub fn new(
+        partition: PartitionPlan,
+        rank: usize,
+        params: &[ParamInfo],
+        group_of: &[usize],
+        order: Option<Vec<usize>>,
+    ) -> Self {
+        let layout = Layout::new(&partition);
+        let owned = partition.shards[rank].clone();
+        let base = rank * partition.shard_numel;
+        let keys = owned
+            .iter()
+            .map(|p| {
+                ParamKey::new(
+                    params[p.param].name.clone(),
+                    p.param_range.start,
+                    group_of[p.param],
+                )
+            })
+            .collect();
+        let owned_copies = owned
+            .iter()
+            .map(|piece| ParamCopy {
+                param: piece.param,
+                param_range: piece.param_range.clone(),
+                at: piece.flat_range.start - base,
+            })
+            .collect();
+        let mut runs_of_param = vec![Vec::new(); params.len()];
+        for (i, run) in layout.runs.iter().enumerate() {
+            runs_of_param[run.param].push(i);
+        }
+        let mut bucket_of_run = vec![0; layout.runs.len()];
+        for (k, runs) in layout.bucket_runs.iter().enumerate() {
+            bucket_of_run[runs.clone()].fill(k);
+        }
+        let longest_bucket = (0..layout.buckets.len())
+            .map(|k| layout.bucket_range(k).len())
+            .max()
+            .unwrap_or(0);
+        Self {
+            partition,
+            layout,
+            rank,
+            owned,
+            owned_copies,
+            keys,
+            runs_of_param,
+            bucket_of_run,
+            longest_bucket,
+            order,
+        }
+    }
+
+    /// Where this rank's shard starts in the flat plan.
+    pub fn base(&self) -> usize {
+        self.rank * self.partition.shard_numel
+    }
+
+    /// Where an owned piece starts in this rank's shard.
+    pub fn shard_offset(&self, piece: &ShardPiece) -> usize {
+        piece.flat_range.start - self.base()
+    }
+
+    /// Per bucket, its range of the owned pieces; `None` when a piece
+    /// straddles buckets (a partition not made in gradient order), which
+    /// then cannot be stepped bucket by bucket.
+    pub fn pieces_by_bucket(&self) -> Option<Vec<std::ops::Range<usize>>> {
+        let base = self.base();
+        let mut groups = Vec::with_capacity(self.layout.buckets.len());
+        let mut next = 0;
+        for bucket in &self.layout.buckets {
+            let first = next;
+            while let Some(piece) = self.owned.get(next) {
+                let at = piece.flat_range.start - base;
+                if at >= bucket.end {
+                    break;
+                }
+                if at + piece.len() > bucket.end {
+                    return None;
+                }
+                next += 1;
+            }
+            groups.push(first..next);
+        }
+        Some(groups)
+    }
+}
+
+impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
+    /// Re-partitions in the order of `expected` (then the other parameters,
+    /// by name) if nothing depends on the current partition yet: no step
+    /// taken, no state, nothing accumulated. Later changes of the order keep
+    /// the partition (overlap may suffer; results do not).
+    pub(super) fn plan_in_order(&mut self, expected: &[(usize, usize)]) -> Result<()> {
+        let mut order = Vec::with_capacity(self.params.len());
+        let mut placed = vec![false; self.params.len()];
+        // Stage 3: the parameters that may be sharded first, the persistent
+        // ones after a break, so that no bucket holds both kinds.
+        let persist = self.config.persist_numel;
+        let small =
+            |p: usize| self.config.stage == Stage::Parameters && self.params[p].numel() <= persist;
+        for pass_small in [false, true] {
+            for &(param, _) in expected {
+                if !placed[param] && small(param) == pass_small {
+                    placed[param] = true;
+                    order.push(param);
+                }
+            }
+        }
+        let large = order.iter().filter(|&&p| !small(p)).count();
+        order.extend((0..self.params.len()).filter(|&p| !placed[p]));
+        if self.plan.order.as_deref() == Some(&order[..]) {
+            return Ok(());
+        }
+        let fresh = self.steps == 0
+            && self.window.micro_steps == 0
+            && !self.window.in_full_buffer
+            && self.memory.state_bytes(self.optimizer.as_ref()) == 0
+            // Master weights loaded from a checkpoint live in this plan's
+            // shard.
+            && !self.masters_fresh;
+        if !fresh || self.config.partitioner != super::PartitionerKind::Flat {
+            if self.plan.order.is_some() {
+                tracing::debug!("gradient-ready order changed; keeping the partition");
+            }
+            self.plan.order = Some(order);
+            return Ok(());
+        }
+        let world = match self.config.stage {
+            Stage::Ddp => 1,
+            _ => self.comm.world_size(),
+        };
+        // The parameters no gradient was predicted for start a bucket of
+        // their own: a bucket launched on its predicted gradients then never
+        // waits for, or misses, one of them.
+        let predicted = placed.iter().filter(|&&p| p).count();
+        let mut breaks = vec![large, predicted];
+        if self.config.stage == Stage::Parameters {
+            breaks.extend(super::setup::stage3_breaks::<T>(
+                &self.params,
+                &order[..large],
+                &self.config,
+            ));
+        }
+        let plan = Interleaved::default().partition_in_order(
+            &self.params,
+            &order,
+            world,
+            // Buckets hold `T`, not the parameters' dtype.
+            super::setup::partition_bucket_bytes::<T>(
+                &self.params,
+                self.config.bucket_bytes,
+                world,
+            ),
+            &breaks,
+        )?;
+        self.install_plan(plan, Some(order))
+    }
+}

@@ -1,0 +1,514 @@
+//! Bucket reductions: the jobs a backward pass launches, who runs them
+//! ([`Reducer`]), where reduced buckets land ([`Targets`]), and the pool of
+//! bucket buffers they go through.
+
+use super::{ShardMemory, Stage, StepPiece, StepPlan};
+use crate::comm::{Communicator, ReduceOp};
+use crate::optim::{FunctionalOptimizer, Hyperparams, OptimizerState, ParamKey, ParamMut};
+use crate::{DType, Element, Error, Result};
+use std::ops::Range;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// Counts the bucket reductions an engine has completed, across steps: a
+/// handle to watch overlap happen (tests, probes, progress displays).
+#[derive(Clone, Debug, Default)]
+pub struct ReductionProgress(Arc<AtomicUsize>);
+
+impl ReductionProgress {
+    /// Reductions completed so far.
+    pub fn completed(&self) -> usize {
+        self.0.load(Ordering::Acquire)
+    }
+
+    /// Waits until at least `count` reductions have completed; `false` if
+    /// `timeout` passed first.
+    pub fn wait_for(&self, count: usize, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        while self.completed() < count {
+            if Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_micros(100));
+        }
+        true
+    }
+
+    pub(super) fn add_one(&self) {
+        self.0.fetch_add(1, Ordering::AcqRel);
+    }
+}
+
+/// Where reduced buckets land (and, interleaved, what steps them); lent to
+/// the communication thread for a backward pass.
+pub(super) struct Targets<T: Element, B> {
+    /// The full gradient buffer: stage 0's reduced gradients; in stages 0
+    /// and 1 also the earlier micro-steps to fold into each bucket.
+    pub full: Option<B>,
+    /// The gradient shard (stages 1 and 2).
+    pub shard: Option<B>,
+    /// A shard-bucket-sized buffer to reduce-scatter into when adding;
+    /// allocated only once something adds.
+    pub scratch: Option<B>,
+    /// The optimizer step of buckets reduced during backward.
+    pub early: Option<EarlyStep<T, B>>,
+}
+
+/// The optimizer step of the buckets whose reduction completes during
+/// backward ([`Overlap::Interleaved`]), lent to the communication thread.
+pub(super) struct EarlyStep<T: Element, B> {
+    pub optimizer: Box<dyn FunctionalOptimizer<T>>,
+    /// The parameter shard.
+    pub params: B,
+    pub keys: Vec<ParamKey>,
+    /// Per owned piece, its shard range and whether it steps.
+    pub pieces: Vec<(Range<usize>, bool)>,
+    /// Per bucket, its range of `pieces`.
+    pub bucket_pieces: Vec<Range<usize>>,
+    /// `1/m` for `m > 1` micro-steps: the average, taken before stepping.
+    pub scale: Option<f64>,
+    /// Per bucket, whether it was stepped.
+    pub stepped: Vec<bool>,
+}
+
+/// One bucket reduction.
+pub(super) struct Job<B> {
+    pub bucket: usize,
+    pub buffer: B,
+    /// Add the accumulated micro-steps (`Targets::full`) before reducing.
+    pub fold_full: bool,
+    /// Add the reduced bucket into the target instead of overwriting it.
+    pub add: bool,
+    /// Step the bucket's shard once reduced (interleaved).
+    pub step: bool,
+}
+
+/// A bucket buffer back from the communication thread.
+pub(super) struct Back<B> {
+    pub bucket: usize,
+    /// `Some(add)` once reduced (`add`: to be added into the full buffer
+    /// rather than written over it); `None` if the reduction failed or was
+    /// never issued (an earlier one failed).
+    pub reduced: Option<bool>,
+    pub buffer: B,
+}
+
+/// The buffers coming back from the communication thread, and what is
+/// still out there.
+pub(super) struct Returns<B> {
+    pub rx: mpsc::Receiver<Back<B>>,
+    /// Jobs sent whose buffer has not come back yet.
+    pub in_flight: usize,
+    /// Per bucket, its jobs sent whose buffer has not come back yet.
+    pub pending: Vec<usize>,
+    /// A job could not be sent (the thread is gone): `pending` no longer
+    /// tells which buckets are reduced.
+    pub lost: bool,
+}
+
+impl<B> Returns<B> {
+    pub fn new(buckets: usize, rx: mpsc::Receiver<Back<B>>) -> Self {
+        Self {
+            rx,
+            in_flight: 0,
+            pending: vec![0; buckets],
+            lost: false,
+        }
+    }
+
+    pub fn sent(&mut self, bucket: usize) {
+        self.in_flight += 1;
+        self.pending[bucket] += 1;
+    }
+
+    /// The next buffer back: waiting for it (`block`) or only if it is
+    /// there. `None` when there is none (or, blocking, the thread is gone:
+    /// it panicked, which joining reports).
+    pub fn next(&mut self, block: bool) -> Option<Back<B>> {
+        let back = if block {
+            self.rx.recv().ok()?
+        } else {
+            self.rx.try_recv().ok()?
+        };
+        self.in_flight = self.in_flight.saturating_sub(1);
+        self.pending[back.bucket] = self.pending[back.bucket].saturating_sub(1);
+        Some(back)
+    }
+}
+
+/// What the communication thread needs to know about the buckets.
+#[derive(Clone, Debug)]
+pub(super) struct BucketMap {
+    pub stage: Stage,
+    /// Per bucket, its range in bucket-major order.
+    pub full: Vec<Range<usize>>,
+    /// Per bucket, its range in the shard.
+    pub shard: Vec<Range<usize>>,
+    /// The dtype gradients travel in.
+    pub wire: DType,
+}
+
+/// One bucket reduction's context: the communicator, the memory that runs
+/// it, the buckets, and where reduced buckets land.
+pub(super) struct Reduction<'a, T: Element, C: Communicator, M: ShardMemory<T, C>> {
+    pub comm: &'a C,
+    pub memory: &'a mut M,
+    pub map: &'a BucketMap,
+    pub targets: &'a mut Targets<T, M::Buffer>,
+}
+
+impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Reduction<'_, T, C, M> {
+    /// Reduces `job`'s bucket into the targets and, interleaved, steps it.
+    pub fn run(&mut self, job: &mut Job<M::Buffer>) -> Result<()> {
+        self.reduce(job)?;
+        if !job.step {
+            return Ok(());
+        }
+        let Some(early) = self.targets.early.as_mut() else {
+            return Ok(());
+        };
+        let k = job.bucket;
+        let grads = match self.map.stage {
+            Stage::Ddp => self.targets.full.as_mut(),
+            _ => self.targets.shard.as_mut(),
+        }
+        .ok_or_else(missing_target)?;
+        if let Some(factor) = early.scale {
+            self.memory
+                .scale(grads, &[self.map.shard[k].clone()], factor)?;
+        }
+        let pieces: Vec<StepPiece<'_>> = early.pieces[early.bucket_pieces[k].clone()]
+            .iter()
+            .zip(&early.keys[early.bucket_pieces[k].clone()])
+            .map(|((range, steps), key)| StepPiece {
+                key,
+                range: range.clone(),
+                active: *steps,
+            })
+            .collect();
+        let plan = StepPlan {
+            pieces: &pieces,
+            buckets: &self.map.shard[k..=k],
+            bucket_active: &[true],
+            origin: 0,
+            shard_len: self.map.shard.last().map_or(0, |b| b.end),
+        };
+        self.memory
+            .step(early.optimizer.as_mut(), &mut early.params, grads, plan)?;
+        early.stepped[k] = true;
+        Ok(())
+    }
+
+    /// Stage 0: all-reduces the bucket and writes it into the full buffer
+    /// (unless the full buffer stayed with the engine: `Schedule::lands`,
+    /// whose caller writes it when the buffer comes back). Stages 1-3:
+    /// reduce-scatters it into the gradient shard, or adds it there.
+    fn reduce(&mut self, job: &mut Job<M::Buffer>) -> Result<()> {
+        let range = self.map.full[job.bucket].clone();
+        let len = range.len();
+        if self.map.stage == Stage::Ddp {
+            self.all_reduce(job)?;
+            if self.targets.full.is_none() {
+                return Ok(());
+            }
+            return self.write_full(job.bucket, &job.buffer, job.add);
+        }
+        if job.fold_full {
+            let full = self.targets.full.as_ref().ok_or_else(missing_target)?;
+            self.memory
+                .copy_range(&mut job.buffer, 0, full, range.clone(), true)?;
+        }
+        let shard_range = self.map.shard[job.bucket].clone();
+        let shard = self.targets.shard.as_mut().ok_or_else(missing_target)?;
+        if !job.add {
+            return self.memory.reduce_scatter_as(
+                self.comm,
+                &job.buffer,
+                0..len,
+                shard,
+                shard_range,
+                ReduceOp::Avg,
+                self.map.wire,
+            );
+        }
+        let n = shard_range.len();
+        // Allocated on first need (a gradient that came after its bucket was
+        // launched), by whichever memory runs the reduction.
+        let scratch = match &mut self.targets.scratch {
+            Some(scratch) if M::buffer_len(scratch) >= n => scratch,
+            slot => {
+                let longest = self.map.shard.iter().map(Range::len).max().unwrap_or(0);
+                slot.insert(self.memory.alloc_zeroed(longest)?)
+            }
+        };
+        self.memory.reduce_scatter_as(
+            self.comm,
+            &job.buffer,
+            0..len,
+            scratch,
+            0..n,
+            ReduceOp::Avg,
+            self.map.wire,
+        )?;
+        self.memory
+            .copy_range(shard, shard_range.start, scratch, 0..n, true)
+    }
+
+    /// Stage 0's reduction of one bucket: adds the accumulated micro-steps
+    /// when asked (`fold_full`), then all-reduces the bucket buffer in place.
+    pub fn all_reduce(&mut self, job: &mut Job<M::Buffer>) -> Result<()> {
+        let range = self.map.full[job.bucket].clone();
+        let len = range.len();
+        if job.fold_full {
+            let full = self.targets.full.as_ref().ok_or_else(missing_target)?;
+            self.memory
+                .copy_range(&mut job.buffer, 0, full, range, true)?;
+        }
+        self.memory.all_reduce_as(
+            self.comm,
+            &mut job.buffer,
+            0..len,
+            ReduceOp::Avg,
+            self.map.wire,
+        )
+    }
+
+    /// Stage 0: writes (`add`: adds) a reduced bucket into the full buffer.
+    pub fn write_full(&mut self, bucket: usize, buffer: &M::Buffer, add: bool) -> Result<()> {
+        let range = self.map.full[bucket].clone();
+        let full = self.targets.full.as_mut().ok_or_else(missing_target)?;
+        self.memory
+            .copy_range(full, range.start, buffer, 0..range.len(), add)
+    }
+}
+
+fn missing_target() -> Error {
+    Error::State("internal: a reduction target is missing".into())
+}
+
+/// What the communication thread gives back: the targets and the first
+/// failure (`None` if it never got the targets).
+pub(super) type Returned<T, B> = Option<(Targets<T, B>, Result<()>)>;
+
+/// Who runs the reductions of a backward pass.
+pub(super) enum Reducer<T: Element, B> {
+    /// Queued until the end of backward, then run on the caller's thread.
+    Queued {
+        targets: Targets<T, B>,
+        queue: Vec<Job<B>>,
+    },
+    /// Run on the caller's thread as each bucket is launched, by a memory
+    /// whose collectives complete after they return
+    /// ([`ShardMemory::launches_async`]): the buffers are held until the
+    /// memory settles at the end of backward.
+    Inline {
+        targets: Targets<T, B>,
+        /// The buckets, built once for the pass.
+        map: BucketMap,
+        queue: Vec<Job<B>>,
+        /// Every buffer a reduction used, with, at stage 0, the bucket to
+        /// write into the full buffer once settled (and whether to add).
+        held: Vec<(Option<(usize, bool)>, B)>,
+        result: Result<()>,
+    },
+    /// Sent to a communication thread as each bucket is launched.
+    Thread {
+        jobs: mpsc::Sender<Job<B>>,
+        returned: Returns<B>,
+        handle: JoinHandle<Returned<T, B>>,
+    },
+}
+
+/// A buffer of at least `len` elements, zeroed there: the shortest that
+/// fits from the pool (after collecting what the communication thread has
+/// returned), or a new one of exactly `len`. With `limit` buffers held
+/// (`holding` being filled, the rest queued), first waits for the oldest
+/// queued one to come back, so the pool stays small when the communication
+/// thread falls behind. (It cannot wait forever: the oldest queued
+/// reduction needs only buckets every rank launches before waiting on
+/// anything, and a failed one still returns its buffer.)
+///
+/// Stage 0's reduced buckets are written into `full` as their buffers come
+/// back ([`Window::lands`]; `None` otherwise).
+pub(super) fn take_buffer<T, C, M>(
+    memory: &mut M,
+    pool: &mut Vec<M::Buffer>,
+    reducer: &mut Reducer<T, M::Buffer>,
+    (holding, limit): (usize, usize),
+    len: usize,
+    (layout, mut full): (&super::Layout, Option<&mut M::Buffer>),
+) -> Result<M::Buffer>
+where
+    T: Element,
+    C: Communicator,
+    M: ShardMemory<T, C>,
+{
+    if let Reducer::Thread { returned, .. } = reducer {
+        while let Some(back) = returned.next(false) {
+            land(memory, layout, full.as_deref_mut(), pool, back)?;
+        }
+        if returned.in_flight > 0 && returned.in_flight + holding >= limit {
+            // `None`: the thread is gone (it panicked); joining reports it.
+            if let Some(back) = returned.next(true) {
+                land(memory, layout, full, pool, back)?;
+            }
+        }
+    }
+    let (mut buffer, reused) = take_shortest(memory, pool, len)?;
+    if reused {
+        memory.zero(&mut buffer, 0..len)?;
+    }
+    Ok(buffer)
+}
+
+/// The shortest buffer of `pool` with at least `len` elements (`true`:
+/// reused, holding whatever it held), or a new zeroed one of exactly `len`.
+/// The shortest, not the first that fits: a short request must not take
+/// a bucket buffer that a later one then has to allocate again.
+pub(super) fn take_shortest<T, C, M>(
+    memory: &mut M,
+    pool: &mut Vec<M::Buffer>,
+    len: usize,
+) -> Result<(M::Buffer, bool)>
+where
+    T: Element,
+    C: Communicator,
+    M: ShardMemory<T, C>,
+{
+    let fits = pool
+        .iter()
+        .enumerate()
+        .filter(|(_, b)| M::buffer_len(b) >= len)
+        .min_by_key(|(_, b)| M::buffer_len(b))
+        .map(|(i, _)| i);
+    match fits {
+        Some(i) => Ok((pool.swap_remove(i), true)),
+        None => Ok((memory.alloc_zeroed(len)?, false)),
+    }
+}
+
+/// Takes a buffer back from the communication thread into `pool`, first
+/// writing (adding) its reduced bucket into `full` when given (stage 0,
+/// [`Window::lands`]). `Ok(false)` if its reduction failed or never ran.
+pub(super) fn land<T, C, M>(
+    memory: &mut M,
+    layout: &super::Layout,
+    full: Option<&mut M::Buffer>,
+    pool: &mut Vec<M::Buffer>,
+    back: Back<M::Buffer>,
+) -> Result<bool>
+where
+    T: Element,
+    C: Communicator,
+    M: ShardMemory<T, C>,
+{
+    let written = match (back.reduced, full) {
+        (Some(add), Some(full)) => {
+            let range = layout.bucket_range(back.bucket);
+            memory
+                .copy_range(full, range.start, &back.buffer, 0..range.len(), add)
+                .map(|()| true)
+        }
+        (reduced, _) => Ok(reduced.is_some()),
+    };
+    pool.push(back.buffer);
+    written
+}
+
+/// Waits for the next buffer back from the communication thread and lands
+/// it (see [`land`]); an error if its reduction failed or the thread is
+/// gone, which stops a step that steps buckets as they come back.
+pub(super) fn land_next<T, C, M>(
+    returned: &mut Returns<M::Buffer>,
+    memory: &mut M,
+    layout: &super::Layout,
+    full: Option<&mut M::Buffer>,
+    pool: &mut Vec<M::Buffer>,
+) -> Result<()>
+where
+    T: Element,
+    C: Communicator,
+    M: ShardMemory<T, C>,
+{
+    let Some(back) = returned.next(true) else {
+        return Err(thread_gone());
+    };
+    if !land(memory, layout, full, pool, back)? {
+        return Err(Error::State(
+            "a bucket reduction failed; the step stopped before its parameters".into(),
+        ));
+    }
+    Ok(())
+}
+
+pub(super) fn thread_gone() -> Error {
+    Error::State("the communication thread stopped before every bucket was reduced".into())
+}
+
+pub(super) fn submit<T: Element, B>(reducer: &mut Reducer<T, B>, job: Job<B>) {
+    match reducer {
+        Reducer::Queued { queue, .. } | Reducer::Inline { queue, .. } => queue.push(job),
+        // A send fails only if the thread is gone (it panicked); joining
+        // reports that.
+        Reducer::Thread { jobs, returned, .. } => {
+            let bucket = job.bucket;
+            if jobs.send(job).is_ok() {
+                returned.sent(bucket);
+            } else {
+                returned.lost = true;
+            }
+        }
+    }
+}
+
+/// Stands in for the optimizer while the communication thread has it (the
+/// engine is lent to the backward pass then, so nothing calls this).
+pub(super) struct LentOptimizer(pub String);
+
+impl LentOptimizer {
+    fn lent() -> Error {
+        Error::State("internal: the optimizer is lent to the communication thread".into())
+    }
+}
+
+impl<T: Element> FunctionalOptimizer<T> for LentOptimizer {
+    fn kind(&self) -> &str {
+        &self.0
+    }
+
+    fn step(&mut self, _: &mut [ParamMut<'_, T>], _: &[Option<&[T]>]) -> Result<()> {
+        Err(Self::lent())
+    }
+
+    fn num_groups(&self) -> usize {
+        0
+    }
+
+    fn add_group(&mut self, _: &Hyperparams) -> Result<usize> {
+        Err(Self::lent())
+    }
+
+    fn hyperparams(&self, _: usize) -> Hyperparams {
+        Hyperparams::new()
+    }
+
+    fn set_hyperparams(&mut self, _: usize, _: &Hyperparams) -> Result<()> {
+        Err(Self::lent())
+    }
+
+    fn learning_rate(&self, _: usize) -> f64 {
+        f64::NAN
+    }
+
+    fn set_learning_rate(&mut self, _: usize, _: f64) {}
+
+    fn export_state(&self) -> OptimizerState<T> {
+        OptimizerState::default()
+    }
+
+    fn import_state(&mut self, _: OptimizerState<T>) -> Result<()> {
+        Err(Self::lent())
+    }
+}
