@@ -7,7 +7,7 @@ use super::deferred::{self, GatherJob, Payload};
 use super::{Engine, Layout, Overlap, ParamCopy, ShardMemory, Stage, StepPiece, StepPlan};
 use crate::comm::Communicator;
 use crate::optim::FunctionalOptimizer;
-use crate::{Element, Error, Result};
+use crate::{DType, Element, Error, Result};
 use std::ops::Range;
 use std::sync::{mpsc, Arc};
 
@@ -231,45 +231,31 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         };
         let comm = &*self.comm;
         let layout = &self.plan.layout;
+        let optimizer = &mut self.optimizer;
+        let param_shard = &mut self.buffers.param_shard;
+        let (jobs, job_rx) = mpsc::channel::<(usize, M::Buffer, M::Buffer)>();
+        let (done_tx, done) = mpsc::channel::<Gathered<M::Buffer>>();
         let mut landing = Landing {
             memory: &mut self.memory,
             pool: &mut self.buffers.pool,
             staging: &mut staging,
             layout,
             active: &self.mask.active,
+            done,
+            pending: 0,
         };
-        let optimizer = &mut self.optimizer;
-        let param_shard = &mut self.buffers.param_shard;
-        let (jobs, job_rx) = mpsc::channel::<(usize, M::Buffer, M::Buffer)>();
-        let (done_tx, done) = mpsc::channel::<Gathered<M::Buffer>>();
         let outcome = std::thread::scope(|scope| -> Result<()> {
             scope.spawn(move || {
-                let mut failed = false;
-                for (k, send, mut recv) in job_rx {
-                    let result = if failed {
-                        Err(Error::State("an earlier all-gather failed".into()))
-                    } else {
-                        let n = layout.buckets[k].len();
-                        let all = layout.bucket_range(k).len();
-                        // The parameters' dtype on the wire where master
-                        // weights are kept (as `gather_buckets`).
-                        worker_memory.all_gather_as(
-                            comm,
-                            &send,
-                            0..n,
-                            &mut recv,
-                            0..all,
-                            gather_dtype,
-                        )
-                    };
-                    failed |= result.is_err();
-                    if done_tx.send((k, send, recv, result)).is_err() {
-                        break;
-                    }
-                }
+                all_gather_stepped(
+                    &mut worker_memory,
+                    comm,
+                    layout,
+                    gather_dtype,
+                    job_rx,
+                    done_tx,
+                )
             });
             let mut outcome = Ok(());
-            let mut pending = 0usize;
             for (k, group) in groups.iter().enumerate() {
                 if !stepper.bucket_active[k] {
                     continue;
@@ -299,13 +285,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                 }
                 // One gather in flight (the next bucket steps meanwhile): its
                 // buffers are what this overlap costs in memory.
-                while pending >= GATHERS_IN_FLIGHT {
-                    let Ok(back) = done.recv() else {
-                        break;
-                    };
-                    pending -= 1;
-                    outcome = outcome.and(landing.write(params, back));
-                }
+                outcome = outcome.and(landing.wait_until(params, GATHERS_IN_FLIGHT - 1));
                 // Overwritten whole by the gather: no need to zero.
                 let recv = super::reduce::take_shortest(
                     landing.memory,
@@ -317,7 +297,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                         // The thread is alive while `jobs` is: it stops
                         // only when the channel closes.
                         let _ = jobs.send((k, send, recv));
-                        pending += 1;
+                        landing.pending += 1;
                     }
                     Err(e) => {
                         landing.staging.push(send);
@@ -326,20 +306,10 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                     }
                 }
                 // Write back what has arrived meanwhile.
-                while let Ok(back) = done.try_recv() {
-                    pending -= 1;
-                    outcome = outcome.and(landing.write(params, back));
-                }
+                outcome = outcome.and(landing.take_arrived(params));
             }
             drop(jobs);
-            while pending > 0 {
-                let Ok(back) = done.recv() else {
-                    break;
-                };
-                pending -= 1;
-                outcome = outcome.and(landing.write(params, back));
-            }
-            outcome
+            outcome.and(landing.wait_until(params, 0))
         });
         if had_scratch {
             self.buffers.scratch = staging.pop();
@@ -352,6 +322,36 @@ fn no_grad_shard() -> Error {
     Error::State("internal: no gradient shard in stage 1 or 2".into())
 }
 
+/// The communication thread of [`Engine::step_and_gather_on_thread`]:
+/// all-gathers each stepped bucket it is sent, in order, and sends it back;
+/// after a failure, issues nothing more (the peers' collectives fail within
+/// their deadline).
+fn all_gather_stepped<T: Element, C: Communicator, M: ShardMemory<T, C>>(
+    memory: &mut M,
+    comm: &C,
+    layout: &Layout,
+    dtype: DType,
+    jobs: mpsc::Receiver<(usize, M::Buffer, M::Buffer)>,
+    done: mpsc::Sender<Gathered<M::Buffer>>,
+) {
+    let mut failed = false;
+    for (k, send, mut recv) in jobs {
+        let result = if failed {
+            Err(Error::State("an earlier all-gather failed".into()))
+        } else {
+            let n = layout.buckets[k].len();
+            let all = layout.bucket_range(k).len();
+            // The parameters' dtype on the wire where master weights are
+            // kept (as `gather_buckets`).
+            memory.all_gather_as(comm, &send, 0..n, &mut recv, 0..all, dtype)
+        };
+        failed |= result.is_err();
+        if done.send((k, send, recv, result)).is_err() {
+            break;
+        }
+    }
+}
+
 /// Where gathered buckets go: written into the replica, their buffers
 /// back to the pool and the staging list.
 struct Landing<'a, T: Element, C: Communicator, M: ShardMemory<T, C>> {
@@ -360,9 +360,36 @@ struct Landing<'a, T: Element, C: Communicator, M: ShardMemory<T, C>> {
     staging: &'a mut Vec<M::Buffer>,
     layout: &'a Layout,
     active: &'a [bool],
+    /// The gathered buckets coming back, and how many are still out.
+    done: mpsc::Receiver<Gathered<M::Buffer>>,
+    pending: usize,
 }
 
 impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Landing<'_, T, C, M> {
+    /// Waits for gathered buckets and writes them until at most `out` are
+    /// still out (or the thread is gone); the first write error.
+    fn wait_until(&mut self, params: &mut M::Params<'_>, out: usize) -> Result<()> {
+        let mut outcome = Ok(());
+        while self.pending > out {
+            let Ok(back) = self.done.recv() else {
+                break;
+            };
+            self.pending -= 1;
+            outcome = outcome.and(self.write(params, back));
+        }
+        outcome
+    }
+
+    /// Writes the gathered buckets that have come back.
+    fn take_arrived(&mut self, params: &mut M::Params<'_>) -> Result<()> {
+        let mut outcome = Ok(());
+        while let Ok(back) = self.done.try_recv() {
+            self.pending -= 1;
+            outcome = outcome.and(self.write(params, back));
+        }
+        outcome
+    }
+
     /// Writes a gathered bucket's active parameters into `params` (if its
     /// gather succeeded) and keeps its buffers.
     fn write(&mut self, params: &mut M::Params<'_>, back: Gathered<M::Buffer>) -> Result<()> {

@@ -761,44 +761,8 @@ where
         self.buffers.pool.extend(pass.open.drain(..).flatten());
         self.buffers.pool.extend(pass.late.drain(..).flatten());
         let (targets, result) = match pass.reducer {
-            Reducer::Queued { mut targets, queue } => {
-                let map = self.bucket_map();
-                let mut result = Ok(());
-                for mut job in queue {
-                    if result.is_ok() {
-                        let mut reduction = Reduction {
-                            comm: &*self.comm,
-                            memory: &mut self.memory,
-                            map: &map,
-                            targets: &mut targets,
-                        };
-                        result = reduction.run(&mut job);
-                        if result.is_ok() {
-                            self.progress.add_one();
-                        }
-                    }
-                    // Without a thread after all, stage 0's buckets still
-                    // land in the engine's full buffer.
-                    let back = Back {
-                        bucket: job.bucket,
-                        reduced: result.is_ok().then_some(job.add),
-                        buffer: job.buffer,
-                    };
-                    let full = self
-                        .buffers
-                        .full_grads
-                        .as_mut()
-                        .filter(|_| pass.schedule.lands);
-                    let landed = land(
-                        &mut self.memory,
-                        &self.plan.layout,
-                        full,
-                        &mut self.buffers.pool,
-                        back,
-                    );
-                    result = result.and(landed.map(drop));
-                }
-                (targets, result)
+            Reducer::Queued { targets, queue } => {
+                self.reduce_queued(targets, queue, pass.schedule.lands)
             }
             Reducer::Inline {
                 mut targets,
@@ -874,6 +838,48 @@ where
             self.window.early_stepped = early.stepped;
         }
         result
+    }
+
+    /// Runs a pass's queued reductions, in order, on this thread; without
+    /// a thread after all, stage 0's buckets still land in the engine's
+    /// full buffer (`lands`).
+    fn reduce_queued(
+        &mut self,
+        mut targets: Targets<T, M::Buffer>,
+        queue: Vec<Job<M::Buffer>>,
+        lands: bool,
+    ) -> (Targets<T, M::Buffer>, Result<()>) {
+        let map = self.bucket_map();
+        let mut result = Ok(());
+        for mut job in queue {
+            if result.is_ok() {
+                let mut reduction = Reduction {
+                    comm: &*self.comm,
+                    memory: &mut self.memory,
+                    map: &map,
+                    targets: &mut targets,
+                };
+                result = reduction.run(&mut job);
+                if result.is_ok() {
+                    self.progress.add_one();
+                }
+            }
+            let back = Back {
+                bucket: job.bucket,
+                reduced: result.is_ok().then_some(job.add),
+                buffer: job.buffer,
+            };
+            let full = self.buffers.full_grads.as_mut().filter(|_| lands);
+            let landed = land(
+                &mut self.memory,
+                &self.plan.layout,
+                full,
+                &mut self.buffers.pool,
+                back,
+            );
+            result = result.and(landed.map(drop));
+        }
+        (targets, result)
     }
 
     /// Whether a backward pass's gradients are being handed over.

@@ -12,7 +12,8 @@
 //! or NaN in it is never finite), so every rank skips alike and the scale
 //! stays the same everywhere.
 
-use super::{reduced_grads, Engine, NormType, ShardMemory};
+use super::step::reduced_grads;
+use super::{Engine, NormType, ShardMemory};
 use crate::comm::{Communicator, ReduceOp};
 use crate::{Element, Error, Result};
 use serde::{Deserialize, Serialize};

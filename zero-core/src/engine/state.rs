@@ -584,6 +584,23 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         weights: &mut M::Params<'_>,
     ) -> Result<Manifest> {
         let manifest = Manifest::load(dir)?;
+        let info = self.checked_info(dir, &manifest)?;
+        let imported = self.read_owned_state(dir, &manifest, info)?;
+        self.read_weights(dir, &manifest, info, weights)?;
+        for (g, group) in info.param_groups.iter().enumerate() {
+            self.optimizer.set_hyperparams(g, &group.hyperparams)?;
+        }
+        let base = self.plan.rank * self.plan.partition.shard_numel;
+        let pieces = super::step_pieces(&self.plan.owned, &self.plan.keys, base, |_| true);
+        self.memory
+            .import_state(self.optimizer.as_mut(), &pieces, imported)?;
+        self.steps = info.steps;
+        Ok(manifest)
+    }
+
+    /// The manifest's checkpoint section, if it was saved from this model
+    /// and optimizer.
+    fn checked_info<'m>(&self, dir: &Path, manifest: &'m Manifest) -> Result<&'m CheckpointInfo> {
         let manifest_path = dir.join(MANIFEST_FILE);
         let info = manifest.checkpoint.as_ref().ok_or_else(|| {
             checkpoint_error(
@@ -612,7 +629,18 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         }
         self.check_groups(&info.param_groups)
             .map_err(|detail| checkpoint_error(&manifest_path, detail))?;
+        Ok(info)
+    }
 
+    /// This rank's optimizer state, assembled from whichever rank files
+    /// hold its pieces (saved at any world size), read range by range.
+    fn read_owned_state(
+        &self,
+        dir: &Path,
+        manifest: &Manifest,
+        info: &CheckpointInfo,
+    ) -> Result<OptimizerState<T>> {
+        let manifest_path = dir.join(MANIFEST_FILE);
         // This rank's pieces, and the state assembled for each.
         let mine: Vec<(String, Range<usize>)> = self
             .plan
@@ -706,8 +734,19 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                 imported.params.insert((name.clone(), range.start), state);
             }
         }
+        Ok(imported)
+    }
 
-        // Weights.
+    /// The weights from the model file: into the replica (and the masters),
+    /// or, for a sharded parameter, only the owned pieces into the masters.
+    fn read_weights(
+        &mut self,
+        dir: &Path,
+        manifest: &Manifest,
+        info: &CheckpointInfo,
+        weights: &mut M::Params<'_>,
+    ) -> Result<()> {
+        let manifest_path = dir.join(MANIFEST_FILE);
         let model_file = info
             .model_file
             .as_deref()
@@ -766,16 +805,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         if let Some(state) = info.loss_scaler {
             self.set_loss_scaler_state(state);
         }
-
-        for (g, group) in info.param_groups.iter().enumerate() {
-            self.optimizer.set_hyperparams(g, &group.hyperparams)?;
-        }
-        let base = self.plan.rank * self.plan.partition.shard_numel;
-        let pieces = super::step_pieces(&self.plan.owned, &self.plan.keys, base, |_| true);
-        self.memory
-            .import_state(self.optimizer.as_mut(), &pieces, imported)?;
-        self.steps = info.steps;
-        Ok(manifest)
+        Ok(())
     }
 
     /// Sends every rank's pieces to `to`, one source rank at a time, into

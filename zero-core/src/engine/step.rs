@@ -1,0 +1,514 @@
+//! The optimizer step: the accumulated gradients reduced (if backward did
+//! not), averaged, unscaled and clipped; the owned pieces stepped; the
+//! updated parameters gathered into the replica.
+
+use super::mask::mask_over;
+use super::StepReport;
+use super::{
+    step_pieces, Engine, GradPiece, NormType, Overlap, ParamCopy, ShardMemory, Stage, StepPlan,
+};
+use crate::comm::{Communicator, ReduceOp};
+use crate::{Element, Error, Result};
+use std::ops::Range;
+
+impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
+    pub(super) fn reduce_and_update(
+        &mut self,
+        last: Option<&[Option<M::Grad<'_>>]>,
+        params: &mut M::Params<'_>,
+    ) -> Result<StepReport> {
+        let micro_steps = self.window.micro_steps + usize::from(last.is_some());
+        if let Some(grads) = last {
+            for (present, g) in self.window.present.iter_mut().zip(grads) {
+                *present |= g.is_some();
+            }
+        }
+        // Whatever happens below, this window is over: a failed step must
+        // not leak its micro-steps into the next one.
+        let result = self
+            .finish_gathers()
+            .and_then(|()| self.fetch_end_pass())
+            .and_then(|()| {
+                self.with_shard_home(|engine| engine.run_step(last, micro_steps, params))
+            });
+        self.discard_window();
+        let grad_norm = result?;
+        let (skipped, loss_scale) = self.scaler_outcome();
+        if !skipped {
+            self.steps += 1;
+        }
+        Ok(StepReport {
+            grad_norm,
+            micro_steps,
+            skipped,
+            loss_scale,
+        })
+    }
+
+    /// The optimizer step after the last micro-step: the one place that
+    /// issues its collectives, in this order on every rank:
+    /// 1. the bucket reductions launched during backward end
+    ///    ([`Engine::finish_pass`]);
+    /// 2. the trainable mask's all-reduce, when checked
+    ///    ([`Engine::stepping_mask`]);
+    /// 3. the bucket reductions of gradients given after backward
+    ///    ([`Engine::reduce_gradients`]);
+    /// 4. loss scaling's inf/NaN all-reduce ([`Engine::unscale_or_skip`]);
+    /// 5. the gradient norm's all-reduce ([`Engine::clip_gradients`]);
+    /// 6. the parameters' all-gathers, bucket by bucket (stages 1-3:
+    ///    [`Engine::update_params`]).
+    ///
+    /// Every branch between them depends only on the configuration and on
+    /// what the ranks agree on (the graph, checked at `begin_backward`; the
+    /// reduced mask; the reduced norm), so every rank issues the same
+    /// collectives in the same order: a collective never pairs with a
+    /// different one on another rank. The one exception runs on a
+    /// communicator of its own: stage 0 stepping each bucket as it is
+    /// reduced all-reduces the mask beside the reductions
+    /// ([`Engine::step_ddp_as_reduced`]). Returns the gradient norm.
+    fn run_step(
+        &mut self,
+        last: Option<&[Option<M::Grad<'_>>]>,
+        micro_steps: usize,
+        params: &mut M::Params<'_>,
+    ) -> Result<Option<f64>> {
+        let reduced = match self.step_ddp_as_reduced(last, micro_steps, params)? {
+            Some(true) => return Ok(None),
+            Some(false) => true,
+            None => self.finish_pass(last)?,
+        };
+        if !reduced && self.window.in_shard {
+            return Err(Error::State(
+                "this accumulation window began with begin_backward; hand every micro-step's \
+                 gradients over the same way (zero_candle: backward_step for every micro-step)"
+                    .into(),
+            ));
+        }
+        let stepping = self.stepping_mask()?;
+        // The owned pieces' current values (the replica may have been changed
+        // by the user since the last step; master weights are the truth),
+        // unless `begin_backward` read them (and the interleaved schedule
+        // may have stepped some since). Stage 0 without master weights steps
+        // the replica bucket by bucket instead, and a lean shard reads them
+        // as it steps.
+        let masters = self.has_master_weights();
+        if !self.window.params_read
+            && (self.config.stage != Stage::Ddp || masters)
+            && !self.lean_shard()
+        {
+            self.refresh_param_shard(params)?;
+        }
+        let ranges = self.stepping_ranges(&stepping);
+        if !reduced {
+            self.reduce_gradients(last)?;
+        }
+        if micro_steps > 1 {
+            self.scale_grads(1.0 / micro_steps as f64, &ranges)?;
+        }
+        if self.unscale_or_skip(&ranges)? {
+            return Ok(None);
+        }
+        let grad_norm = self.clip_gradients(&ranges)?;
+        if self.config.stage == Stage::Ddp && !masters {
+            self.step_replica(&stepping, params)?;
+        } else {
+            // Deferred gathers leave the replica stale until the layers'
+            // next forward waits for it: only when every gradient of the
+            // window came through hooked layers (which wait) and none
+            // through a slot.
+            let defer = self.config.defer_gathers
+                && !self.window.plain_grads
+                && last.is_some_and(|grads| grads.iter().all(Option::is_none));
+            self.update_params(&stepping, params, defer)?;
+        }
+        Ok(grad_norm)
+    }
+
+    /// Which parameters train this step. Checked: the same answer on every
+    /// rank, from one all-reduce (a gradient on any rank counts: the reduced
+    /// gradient holds it), and the buckets rebuilt if the mask changed.
+    /// Unchecked: the flags decide what is reduced and gathered (the same
+    /// collectives on every rank), and a parameter with no gradient is
+    /// still left untouched, which is exact when every rank leaves out the
+    /// same parameters (as the same model on every rank does).
+    fn stepping_mask(&mut self) -> Result<Vec<bool>> {
+        if !self.config.check_trainability {
+            return Ok(self.with_gradient(&self.mask.active));
+        }
+        let local = self.with_gradient(&self.mask.trainable);
+        let active = self.global_mask(&local)?;
+        if active != self.mask.active {
+            tracing::debug!("trainable mask changed; rebuilding buckets");
+            self.mask.active = active;
+            self.mask.rebuild_buckets(&self.plan.layout);
+        }
+        Ok(self.mask.active.clone())
+    }
+
+    /// Stages 1-3 (and stage 0 with master weights): steps the shard and
+    /// puts the updated values into the replica, overlapped bucket by
+    /// bucket where the memory and partition allow, else all at once.
+    fn update_params(
+        &mut self,
+        stepping: &[bool],
+        params: &mut M::Params<'_>,
+        defer: bool,
+    ) -> Result<()> {
+        let lean = self.lean_shard();
+        if !self.step_and_gather_overlapped(stepping, params, defer)? {
+            if lean {
+                // This partition cannot be stepped bucket by bucket (a piece
+                // straddles buckets): a shard copy after all.
+                let numel = self.plan.partition.shard_numel;
+                if M::buffer_len(&self.buffers.param_shard) < numel {
+                    self.buffers.param_shard = self.memory.alloc_zeroed(numel)?;
+                }
+                self.refresh_param_shard(params)?;
+            }
+            self.run_optimizer(stepping)?;
+            self.write_back(params)?;
+        }
+        self.window.early_stepped.clear();
+        Ok(())
+    }
+
+    /// Whether stages 1 and 2 keep no copy of the parameter shard between
+    /// steps: without master weights the replica holds the owned pieces'
+    /// values already, and the after-backward schedule reads them bucket by
+    /// bucket as it steps and all-gathers (`step_and_gather_overlapped`).
+    /// The interleaved schedule steps on the communication thread during
+    /// backward, and stage 3's shard, once sharded, is the only copy of its
+    /// parameters: both keep the shard.
+    pub(super) fn lean_shard(&self) -> bool {
+        let replicated = match self.config.stage {
+            Stage::OptimizerState | Stage::Gradients => true,
+            // Until it shards, stage 3 runs as stage 2.
+            Stage::Parameters => self.fetcher().is_none(),
+            Stage::Ddp => false,
+        };
+        replicated
+            && self.config.overlap == Overlap::AfterBackward
+            && !self.has_master_weights()
+            && self.memory.fork().is_some()
+    }
+
+    /// Reduces every active bucket: all-reduce in stage 0, reduce-scatter
+    /// into the gradient shard otherwise (the serial path: gradients given
+    /// after backward).
+    pub(super) fn reduce_gradients(&mut self, last: Option<&[Option<M::Grad<'_>>]>) -> Result<()> {
+        self.with_bucket_buffer(|engine, buffer| engine.reduce_buckets(last, buffer))
+    }
+
+    /// Runs `f` with a pooled bucket buffer when there is no full gradient
+    /// buffer to work in (`None` when there is), and pools it again.
+    fn with_bucket_buffer<R>(
+        &mut self,
+        f: impl FnOnce(&mut Self, Option<&mut M::Buffer>) -> Result<R>,
+    ) -> Result<R> {
+        let mut bucket_buf = match self.buffers.full_grads {
+            Some(_) => None,
+            None => Some(self.take_pooled()?),
+        };
+        let result = f(self, bucket_buf.as_mut());
+        self.buffers.pool.extend(bucket_buf);
+        result
+    }
+
+    /// A buffer as long as the longest bucket, from the pool or new.
+    pub(super) fn take_pooled(&mut self) -> Result<M::Buffer> {
+        let longest = self.plan.longest_bucket;
+        match self
+            .buffers
+            .pool
+            .iter()
+            .position(|b| M::buffer_len(b) >= longest)
+        {
+            Some(i) => Ok(self.buffers.pool.swap_remove(i)),
+            None => self.memory.alloc_zeroed(longest),
+        }
+    }
+
+    fn reduce_buckets(
+        &mut self,
+        last: Option<&[Option<M::Grad<'_>>]>,
+        mut bucket_buf: Option<&mut M::Buffer>,
+    ) -> Result<()> {
+        let wire = self.reduce_dtype();
+        for k in 0..self.plan.layout.buckets.len() {
+            if !self.mask.bucket_active[k] {
+                continue;
+            }
+            let range = self.plan.layout.bucket_range(k);
+            let shard_range = self.plan.layout.buckets[k].clone();
+            // Stages 0 and 1 (and stage 2 inside an accumulation window)
+            // reduce in place in the full buffer; stage 2 otherwise flattens
+            // straight from the caller's gradients into one bucket buffer.
+            let (buffer, at, add) =
+                match (self.buffers.full_grads.as_mut(), bucket_buf.as_deref_mut()) {
+                    (Some(full), _) => (full, range.start, self.window.in_full_buffer),
+                    (None, Some(buf)) => (buf, 0, false),
+                    (None, None) => {
+                        return Err(Error::State(
+                            "internal: no buffer to reduce the gradients in".into(),
+                        ))
+                    }
+                };
+            let bucket = at..at + range.len();
+            if !add {
+                self.memory.zero(buffer, bucket.clone())?;
+            }
+            if let Some(grads) = last {
+                let pieces: Vec<GradPiece<M::Grad<'_>>> = self
+                    .plan
+                    .layout
+                    .runs_of(k)
+                    .iter()
+                    .filter_map(|run| {
+                        grads[run.param].map(|grad| GradPiece {
+                            at: at + run.pos - range.start,
+                            grad,
+                            range: run.param_range.clone(),
+                        })
+                    })
+                    .collect();
+                self.memory.flatten(buffer, &pieces, add)?;
+            }
+            match self.buffers.grad_shard.as_mut() {
+                None => {
+                    self.memory
+                        .all_reduce_as(&self.comm, buffer, bucket, ReduceOp::Avg, wire)?
+                }
+                Some(shard) => self.memory.reduce_scatter_as(
+                    &self.comm,
+                    buffer,
+                    bucket,
+                    shard,
+                    shard_range,
+                    ReduceOp::Avg,
+                    wire,
+                )?,
+            }
+        }
+        Ok(())
+    }
+
+    /// The owned pieces that step now, as shard ranges; neighbours that
+    /// both step are merged across the alignment padding between them
+    /// (zero in every reduced gradient), so a device takes few launches.
+    pub(super) fn stepping_ranges(&self, stepping: &[bool]) -> Vec<Range<usize>> {
+        let mut ranges: Vec<Range<usize>> = Vec::new();
+        let mut previous = false;
+        for piece in &self.plan.owned {
+            let steps = stepping[piece.param];
+            if steps {
+                let at = self.plan.shard_offset(piece);
+                match ranges.last_mut() {
+                    Some(last) if previous => last.end = at + piece.len(),
+                    _ => ranges.push(at..at + piece.len()),
+                }
+            }
+            previous = steps;
+        }
+        ranges
+    }
+
+    /// Multiplies the reduced gradients in `ranges` (the stepping pieces)
+    /// by `factor`.
+    fn scale_grads(&mut self, factor: f64, ranges: &[Range<usize>]) -> Result<()> {
+        let grads = reduced_grads(&mut self.buffers.grad_shard, &mut self.buffers.full_grads)?;
+        self.memory.scale(grads, ranges, factor)
+    }
+
+    /// Computes the global gradient norm if asked for, and clips.
+    ///
+    /// With clipping on, a non-finite norm (an inf or NaN gradient on any
+    /// rank) refuses the step on every rank alike (`torch`'s
+    /// `clip_grad_norm_(error_if_nonfinite=True)`): the parameters and the
+    /// optimizer state are left as they were, and the error says so.
+    pub(super) fn clip_gradients(&mut self, ranges: &[Range<usize>]) -> Result<Option<f64>> {
+        let norm_type = match (&self.config.clip, self.config.compute_grad_norm) {
+            (Some(clip), _) => clip.norm_type,
+            (None, true) => NormType::L2,
+            (None, false) => return Ok(None),
+        };
+        let grads = reduced_grads(&mut self.buffers.grad_shard, &mut self.buffers.full_grads)?;
+        let local = self
+            .memory
+            .norm_partial(&self.comm, grads, ranges, norm_type)?;
+        // Stage 0 ranks hold the whole reduced gradient: the local norm is
+        // the global one.
+        let total = if self.config.stage == Stage::Ddp {
+            local
+        } else {
+            let op = match norm_type {
+                NormType::Inf => ReduceOp::Max,
+                _ => ReduceOp::Sum,
+            };
+            let mut total = [local];
+            self.memory
+                .all_reduce_host(&self.comm, &mut total[..], op)?;
+            total[0]
+        };
+        let norm = match norm_type {
+            NormType::L2 => total.sqrt(),
+            _ => total,
+        };
+        if let Some(clip) = self.config.clip {
+            if !norm.is_finite() {
+                return Err(Error::NonFiniteGradNorm {
+                    norm,
+                    step: self.steps + 1,
+                });
+            }
+            // torch.nn.utils.clip_grad_norm_: coefficient clamped to 1.
+            let coef = clip.max_norm / (norm + 1e-6);
+            if coef < 1.0 {
+                self.scale_grads(coef, ranges)?;
+            }
+        }
+        Ok(Some(norm))
+    }
+
+    fn run_optimizer(&mut self, stepping: &[bool]) -> Result<()> {
+        let base = self.plan.rank * self.plan.partition.shard_numel;
+        let mut pieces = step_pieces(&self.plan.owned, &self.plan.keys, base, |param| {
+            stepping[param]
+        });
+        if self.window.early_stepped.contains(&true) {
+            // The interleaved schedule stepped these buckets during backward.
+            for piece in &mut pieces {
+                let k = self
+                    .plan
+                    .layout
+                    .buckets
+                    .partition_point(|b| b.end <= piece.range.start);
+                if self.window.early_stepped.get(k) == Some(&true) {
+                    piece.active = false;
+                }
+            }
+        }
+        let plan = StepPlan {
+            pieces: &pieces,
+            buckets: &self.plan.layout.buckets,
+            bucket_active: &self.mask.bucket_active,
+            origin: 0,
+            shard_len: self.plan.partition.shard_numel,
+        };
+        let grads = match (
+            self.buffers.grad_shard.as_ref(),
+            self.buffers.full_grads.as_ref(),
+        ) {
+            (Some(g), _) | (None, Some(g)) => g,
+            (None, None) => {
+                return Err(Error::State(
+                    "internal: no reduced gradient buffer in this stage".into(),
+                ))
+            }
+        };
+        self.memory.step(
+            self.optimizer.as_mut(),
+            &mut self.buffers.param_shard,
+            grads,
+            plan,
+        )
+    }
+
+    /// Puts the updated values into the replica: all-gathers each active
+    /// bucket (stages 1 and 2), or writes the master weights (stage 0).
+    fn write_back(&mut self, params: &mut M::Params<'_>) -> Result<()> {
+        if self.config.stage == Stage::Ddp {
+            // Stage 0 with master weights: every rank holds all of them.
+            return self.write_masters(params);
+        }
+        self.with_bucket_buffer(|engine, buffer| engine.gather_buckets(params, buffer))
+    }
+
+    /// All-gathers every active bucket into the full gradient buffer (its
+    /// gradients are consumed by now) or into `bucket_buf`, and writes the
+    /// updated parameters into the replica.
+    fn gather_buckets(
+        &mut self,
+        params: &mut M::Params<'_>,
+        mut bucket_buf: Option<&mut M::Buffer>,
+    ) -> Result<()> {
+        let gather_dtype = self.gather_dtype();
+        // Stage 3: a sharded parameter's replica is gone; a bucket of
+        // sharded parameters only is not gathered at all.
+        let written: Vec<bool> = (0..self.params.len())
+            .map(|p| self.mask.active[p] && !self.is_sharded(p))
+            .collect();
+        let written = |p: usize| written[p];
+        for k in 0..self.plan.layout.buckets.len() {
+            if !self.mask.bucket_active[k]
+                || !self.plan.layout.runs_of(k).iter().any(|r| written(r.param))
+            {
+                continue;
+            }
+            let range = self.plan.layout.bucket_range(k);
+            let shard_range = self.plan.layout.buckets[k].clone();
+            let (gathered, at) = match (self.buffers.full_grads.as_mut(), bucket_buf.as_deref_mut())
+            {
+                (Some(full), _) => (full, range.start),
+                (None, Some(buf)) => (buf, 0),
+                (None, None) => {
+                    return Err(Error::State(
+                        "internal: no buffer to gather the parameters into".into(),
+                    ))
+                }
+            };
+            self.memory.all_gather_as(
+                &self.comm,
+                &self.buffers.param_shard,
+                shard_range,
+                gathered,
+                at..at + range.len(),
+                gather_dtype,
+            )?;
+            let copies: Vec<ParamCopy> = self
+                .plan
+                .layout
+                .runs_of(k)
+                .iter()
+                .filter(|run| written(run.param))
+                .map(|run| ParamCopy {
+                    param: run.param,
+                    param_range: run.param_range.clone(),
+                    at: at + run.pos - range.start,
+                })
+                .collect();
+            self.memory.write_params(params, &copies, gathered)?;
+        }
+        Ok(())
+    }
+
+    /// `flags` of the parameters with a gradient here this step: of
+    /// `trainable`, the local mask to all-reduce; of `active`, what steps
+    /// without the trainability check.
+    pub(super) fn with_gradient(&self, flags: &[bool]) -> Vec<bool> {
+        flags
+            .iter()
+            .zip(&self.window.present)
+            .map(|(&f, &p)| f && p)
+            .collect()
+    }
+
+    /// ORs a per-parameter mask across ranks (one `f32` per parameter).
+    pub(super) fn global_mask(&mut self, local: &[bool]) -> Result<Vec<bool>> {
+        mask_over(&mut self.memory, &*self.comm, &self.params, local)
+    }
+}
+
+/// The reduced gradients of the owned pieces: the gradient shard, or in
+/// stage 0 the full buffer (whose plan has one rank, so shard offsets are
+/// flat offsets).
+pub(super) fn reduced_grads<'a, B>(
+    grad_shard: &'a mut Option<B>,
+    full_grads: &'a mut Option<B>,
+) -> Result<&'a mut B> {
+    match (grad_shard.as_mut(), full_grads.as_mut()) {
+        (Some(g), _) | (None, Some(g)) => Ok(g),
+        (None, None) => Err(Error::State(
+            "internal: no reduced gradient buffer in this stage".into(),
+        )),
+    }
+}
