@@ -79,7 +79,10 @@ impl ReduceOp {
 ///
 /// The `*_async` forms start the collective and return a [`Work`] that keeps
 /// the buffers borrowed until it completes; `wait` it before touching them.
-pub trait Communicator: Send + Sync {
+///
+/// A communicator owns what it uses (`'static`): the engine hands it to its
+/// communication thread.
+pub trait Communicator: Send + Sync + 'static {
     /// Where this backend's buffers live.
     type Memory: MemoryKind;
 

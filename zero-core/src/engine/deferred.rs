@@ -4,8 +4,8 @@
 //! An overlapped step reduces during backward, but its all-gathers can
 //! only start once the shard is stepped, and the serial step waits for
 //! them: nothing else runs then. With deferral the step stops after the
-//! optimizer: each bucket's updated chunk goes to a thread of its own,
-//! which all-gathers the buckets in forward order (the last bucket in
+//! optimizer: each bucket's updated chunk goes to the engine's
+//! communication thread, which all-gathers the buckets in forward order (the last bucket in
 //! gradient order holds the first layer) and writes each into the replica.
 //! Layers wait for their own parameters ([`Refresh::wait`]), so the first
 //! layers compute while the later buckets are still on the wire (FSDP
@@ -16,12 +16,12 @@
 //! threads of one rank must never issue collectives at once, since the
 //! ranks would pair them differently.
 
+use super::worker::Ticket;
 use super::{Engine, ParamCopy, ShardMemory, StageState};
 use crate::comm::Communicator;
 use crate::{DType, Element, Error, Result};
-use std::sync::mpsc::{Receiver, Sender};
+use std::sync::mpsc::Receiver;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
-use std::thread::JoinHandle;
 
 /// The framework's parameters as the gather thread reaches them: a
 /// framework lends its parameters to each engine call only, so deferral
@@ -154,7 +154,6 @@ pub(super) struct GatherJob {
 
 /// What the gather thread takes.
 pub(super) struct Payload<T: Element, C: Communicator, M: ShardMemory<T, C>> {
-    pub memory: M,
     pub comm: Arc<C>,
     /// The buckets to gather, in order, as they are stepped; the thread
     /// ends when the channel closes.
@@ -176,15 +175,14 @@ pub(super) struct Finished<T: Element, C: Communicator, M: ShardMemory<T, C>> {
     result: Result<()>,
 }
 
-/// The gather thread of the last step (`None`: it never got its payload).
-pub(super) type Pending<T, C, M> = JoinHandle<Option<Finished<T, C, M>>>;
+/// The last step's all-gathers on the communication thread.
+pub(super) type Pending<T, C, M> = Ticket<Finished<T, C, M>>;
 
 impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Payload<T, C, M> {
     /// All-gathers and writes every job in order; after a failure, issues
     /// nothing more (the peers' collectives fail within their deadline).
-    pub(super) fn run(self) -> Finished<T, C, M> {
+    pub(super) fn run(self, memory: &mut M) -> Finished<T, C, M> {
         let Self {
-            mut memory,
             comm,
             jobs,
             mut send,
@@ -199,11 +197,11 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Payload<T, C, M> {
             // Read here, as late as possible: no stepped chunk waits in a
             // buffer of its own.
             result = access
-                .read(&mut memory, &job.owned, &mut send)
+                .read(memory, &job.owned, &mut send)
                 .and_then(|()| {
                     memory.all_gather_as(&*comm, &send, 0..job.chunk, &mut recv, 0..job.len, dtype)
                 })
-                .and_then(|()| access.write(&mut memory, &job.copies, &recv));
+                .and_then(|()| access.write(memory, &job.copies, &recv));
             if result.is_err() {
                 break;
             }
@@ -219,34 +217,11 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Payload<T, C, M> {
     }
 }
 
-/// Starts a gather thread, which waits for its payload on the returned
-/// channel; a plain function, made where `C` and `M` are `'static`, so that
-/// the step, generic without that bound, can start one.
-pub(super) type Spawner<T, C, M> = fn(usize) -> std::io::Result<Started<T, C, M>>;
-
-/// A started gather thread: where to send its payload, and its handle.
-pub(super) type Started<T, C, M> = (Sender<Payload<T, C, M>>, Pending<T, C, M>);
-
-fn spawn_thread<T, C, M>(rank: usize) -> std::io::Result<Started<T, C, M>>
-where
-    T: Element,
-    C: Communicator + 'static,
-    M: ShardMemory<T, C> + 'static,
-{
-    let (send, receive) = std::sync::mpsc::channel::<Payload<T, C, M>>();
-    let handle = std::thread::Builder::new()
-        .name(format!("zero-gather-{rank}"))
-        .spawn(move || receive.recv().ok().map(Payload::run))?;
-    Ok((send, handle))
-}
-
 /// Stages 1 and 2: what deferring a step's all-gathers needs.
 pub(super) struct DeferredGathers<T: Element, C: Communicator, M: ShardMemory<T, C>> {
     /// How the gather thread reads and writes the framework's parameters
     /// (lent to it while it runs); `None`: steps gather before they return.
     pub access: Option<Box<dyn ParamAccess<T, C, M>>>,
-    /// Starts the gather thread (set with the access).
-    pub spawner: Option<Spawner<T, C, M>>,
     /// The last step's all-gathers, while they may run.
     pub pending: Option<Pending<T, C, M>>,
     /// Steps that deferred their all-gathers.
@@ -257,19 +232,13 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Default for DeferredGath
     fn default() -> Self {
         Self {
             access: None,
-            spawner: None,
             pending: None,
             steps: 0,
         }
     }
 }
 
-impl<T, C, M> Engine<T, C, M>
-where
-    T: Element,
-    C: Communicator + 'static,
-    M: ShardMemory<T, C> + 'static,
-{
+impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// Lets steps defer their all-gathers
     /// ([`EngineConfig::defer_gathers`](super::EngineConfig::defer_gathers)):
     /// `access` reads and writes the framework's parameters from the
@@ -280,7 +249,6 @@ where
         self.finish_gathers()?;
         if let Some(gathers) = self.deferred_gathers() {
             gathers.access = Some(access);
-            gathers.spawner = Some(spawn_thread::<T, C, M>);
         }
         Ok(())
     }
@@ -322,7 +290,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         let Some(pending) = self.deferred_gathers().and_then(|g| g.pending.take()) else {
             return Ok(());
         };
-        let finished = pending.join().ok().flatten().ok_or_else(|| {
+        let finished = pending.wait().ok_or_else(|| {
             Error::State(
                 "the thread of the deferred all-gathers panicked; this rank's parameters were \
                  not all updated: restart the run from its last checkpoint"
@@ -347,35 +315,6 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         match &mut self.stage {
             StageState::Sharded(gathers) => Some(gathers),
             _ => None,
-        }
-    }
-}
-
-/// Starts a gather thread on `payload` with `spawner`; the payload back if
-/// no thread could be started (run it on this thread then).
-pub(super) fn start<T, C, M>(
-    spawner: Option<Spawner<T, C, M>>,
-    rank: usize,
-    payload: Payload<T, C, M>,
-) -> std::result::Result<Pending<T, C, M>, Payload<T, C, M>>
-where
-    T: Element,
-    C: Communicator,
-    M: ShardMemory<T, C>,
-{
-    let spawned = match spawner {
-        Some(spawn) => spawn(rank),
-        None => Err(std::io::Error::other("no parameter access was set")),
-    };
-    match spawned {
-        Ok((send, handle)) => {
-            // The thread waits for its payload: it cannot be gone.
-            let _ = send.send(payload);
-            Ok(handle)
-        }
-        Err(e) => {
-            tracing::warn!("no gather thread ({e}); gathering before the step returns");
-            Err(payload)
         }
     }
 }

@@ -3,7 +3,7 @@
 //! thread, while the next bucket steps), or left to a gather thread that
 //! runs into the next forward (`deferred.rs`).
 
-use super::deferred::{self, GatherJob, Payload};
+use super::deferred::{GatherJob, Payload};
 use super::{Engine, Layout, Overlap, ParamCopy, ShardMemory, Stage, StepPiece, StepPlan};
 use crate::comm::Communicator;
 use crate::optim::FunctionalOptimizer;
@@ -43,11 +43,21 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         let Some(groups) = self.plan.pieces_by_bucket() else {
             return Ok(false);
         };
-        let Some(worker_memory) = self.memory.fork() else {
+        if self.memory.fork().is_none() {
             return Ok(false);
-        };
+        }
         if self.buffers.grad_shard.is_none() {
             return Err(no_grad_shard());
+        }
+        let defer = defer
+            && self
+                .deferred_gathers()
+                .is_some_and(|gathers| gathers.access.is_some());
+        // Without a communication thread, the serial step issues the same
+        // all-gathers in the same order; deferral keeps its own order and
+        // gathers on this thread instead.
+        if !self.ensure_worker() && !defer {
+            return Ok(false);
         }
         // Without a shard copy (`lean_shard`), each bucket's owned pieces
         // are read from the replica into a staging buffer and stepped
@@ -57,23 +67,11 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             self.buffers.param_shard = self.memory.alloc_zeroed(0)?;
             grad_chunk = Some(self.memory.alloc_zeroed(self.longest_chunk())?);
         }
-        let access = match self.deferred_gathers() {
-            Some(gathers) if defer => gathers.access.take(),
-            _ => None,
-        };
-        match access {
-            Some(access) => self.step_and_defer(
-                stepping,
-                params,
-                &groups,
-                (worker_memory, access),
-                grad_chunk,
-            ),
-            None => {
-                self.step_and_gather_on_thread(stepping, params, &groups, worker_memory, grad_chunk)
-            }
+        if defer {
+            self.step_and_defer(stepping, params, &groups, grad_chunk)?;
+            return Ok(true);
         }
-        .map(|()| true)
+        self.step_and_gather_on_thread(stepping, params, &groups, grad_chunk)
     }
 
     /// Elements of the longest bucket's chunk (one rank's part of it).
@@ -96,9 +94,12 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         stepping: &[bool],
         params: &mut M::Params<'_>,
         groups: &[Range<usize>],
-        (worker_memory, access): (M, Box<dyn deferred::ParamAccess<T, C, M>>),
         mut grad_chunk: Option<M::Buffer>,
     ) -> Result<()> {
+        let access = self
+            .deferred_gathers()
+            .and_then(|gathers| gathers.access.take())
+            .ok_or_else(|| Error::State("internal: no parameter access to defer with".into()))?;
         let order: Vec<usize> = (0..groups.len())
             .rev()
             .filter(|&k| self.mask.bucket_active[k])
@@ -131,10 +132,8 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         };
         self.refresh
             .start(needed_per_param(self.params.len(), &copies));
-        let spawner = self.deferred_gathers().and_then(|g| g.spawner);
         let (job_tx, jobs) = mpsc::channel();
         let payload = Payload {
-            memory: worker_memory,
             comm: Arc::clone(&self.comm),
             jobs,
             send: thread_send,
@@ -143,7 +142,10 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             refresh: Arc::clone(&self.refresh),
             dtype: self.gather_dtype(),
         };
-        let started = deferred::start(spawner, self.comm.rank(), payload);
+        let started = match self.worker.as_ref().filter(|w| w.alive()) {
+            Some(worker) => worker.run(payload, |memory, payload| payload.run(memory)),
+            None => Err(payload),
+        };
         let pieces = super::step_pieces(&self.plan.owned, &self.plan.keys, self.plan.base(), |p| {
             stepping[p]
         });
@@ -190,7 +192,9 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                 Ok(())
             }
             Err(payload) => {
-                let finished = payload.run();
+                // No thread: the same all-gathers, in the same order, here.
+                tracing::warn!("no communication thread; gathering before the step returns");
+                let finished = payload.run(&mut self.memory);
                 self.take_back(finished)
             }
         };
@@ -205,9 +209,24 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         stepping: &[bool],
         params: &mut M::Params<'_>,
         groups: &[Range<usize>],
-        mut worker_memory: M,
         mut grad_chunk: Option<M::Buffer>,
-    ) -> Result<()> {
+    ) -> Result<bool> {
+        let layout = &self.plan.layout;
+        let (jobs, job_rx) = mpsc::channel::<(usize, M::Buffer, M::Buffer)>();
+        let (done_tx, done) = mpsc::channel::<Gathered<M::Buffer>>();
+        let task = GatherTask {
+            comm: Arc::clone(&self.comm),
+            sizes: (0..layout.buckets.len())
+                .map(|k| (layout.buckets[k].len(), layout.bucket_range(k).len()))
+                .collect(),
+            dtype: self.gather_dtype(),
+            jobs: job_rx,
+            done: done_tx,
+        };
+        let Some(Ok(ticket)) = self.worker.as_ref().map(|w| w.run(task, GatherTask::run)) else {
+            // The thread is gone: the serial step gathers the same way.
+            return Ok(false);
+        };
         // The optimizer writes the shard while the thread sends from it, so
         // each bucket's chunk is first copied into a staging buffer of one
         // chunk (the serial gather sends from the shard itself): the
@@ -217,7 +236,6 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         let longest_chunk = self.longest_chunk();
         let had_scratch = self.buffers.scratch.is_some();
         let mut staging: Vec<M::Buffer> = self.buffers.scratch.take().into_iter().collect();
-        let gather_dtype = self.gather_dtype();
         let pieces = super::step_pieces(&self.plan.owned, &self.plan.keys, self.plan.base(), |p| {
             stepping[p]
         });
@@ -229,12 +247,9 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             early_stepped: &self.window.early_stepped,
             grads,
         };
-        let comm = &*self.comm;
         let layout = &self.plan.layout;
         let optimizer = &mut self.optimizer;
         let param_shard = &mut self.buffers.param_shard;
-        let (jobs, job_rx) = mpsc::channel::<(usize, M::Buffer, M::Buffer)>();
-        let (done_tx, done) = mpsc::channel::<Gathered<M::Buffer>>();
         let mut landing = Landing {
             memory: &mut self.memory,
             pool: &mut self.buffers.pool,
@@ -244,17 +259,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             done,
             pending: 0,
         };
-        let outcome = std::thread::scope(|scope| -> Result<()> {
-            scope.spawn(move || {
-                all_gather_stepped(
-                    &mut worker_memory,
-                    comm,
-                    layout,
-                    gather_dtype,
-                    job_rx,
-                    done_tx,
-                )
-            });
+        let outcome = {
             let mut outcome = Ok(());
             for (k, group) in groups.iter().enumerate() {
                 if !stepper.bucket_active[k] {
@@ -310,11 +315,19 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             }
             drop(jobs);
             outcome.and(landing.wait_until(params, 0))
+        };
+        // Closing `jobs` ended the task.
+        let ended = ticket.wait().ok_or_else(|| {
+            Error::State(
+                "the communication thread panicked during the all-gathers; this rank's \
+                 parameters were not all updated: restart the run from its last checkpoint"
+                    .into(),
+            )
         });
         if had_scratch {
             self.buffers.scratch = staging.pop();
         }
-        outcome
+        outcome.and(ended).map(|()| true)
     }
 }
 
@@ -322,32 +335,35 @@ fn no_grad_shard() -> Error {
     Error::State("internal: no gradient shard in stage 1 or 2".into())
 }
 
-/// The communication thread of [`Engine::step_and_gather_on_thread`]:
-/// all-gathers each stepped bucket it is sent, in order, and sends it back;
-/// after a failure, issues nothing more (the peers' collectives fail within
-/// their deadline).
-fn all_gather_stepped<T: Element, C: Communicator, M: ShardMemory<T, C>>(
-    memory: &mut M,
-    comm: &C,
-    layout: &Layout,
+/// The all-gathers of [`Engine::step_and_gather_on_thread`] on the
+/// communication thread: each stepped bucket it is sent, in order, sent
+/// back gathered; after a failure, it issues nothing more (the peers'
+/// collectives fail within their deadline).
+struct GatherTask<C, B> {
+    comm: Arc<C>,
+    /// Per bucket, the elements of one rank's chunk and of the bucket.
+    sizes: Vec<(usize, usize)>,
+    /// The dtype on the wire: the parameters' where master weights are
+    /// kept (as `gather_buckets`).
     dtype: DType,
-    jobs: mpsc::Receiver<(usize, M::Buffer, M::Buffer)>,
-    done: mpsc::Sender<Gathered<M::Buffer>>,
-) {
-    let mut failed = false;
-    for (k, send, mut recv) in jobs {
-        let result = if failed {
-            Err(Error::State("an earlier all-gather failed".into()))
-        } else {
-            let n = layout.buckets[k].len();
-            let all = layout.bucket_range(k).len();
-            // The parameters' dtype on the wire where master weights are
-            // kept (as `gather_buckets`).
-            memory.all_gather_as(comm, &send, 0..n, &mut recv, 0..all, dtype)
-        };
-        failed |= result.is_err();
-        if done.send((k, send, recv, result)).is_err() {
-            break;
+    jobs: mpsc::Receiver<(usize, B, B)>,
+    done: mpsc::Sender<Gathered<B>>,
+}
+
+impl<C: Communicator, B> GatherTask<C, B> {
+    fn run<T: Element, M: ShardMemory<T, C, Buffer = B>>(memory: &mut M, task: Self) {
+        let mut failed = false;
+        for (k, send, mut recv) in task.jobs {
+            let result = if failed {
+                Err(Error::State("an earlier all-gather failed".into()))
+            } else {
+                let (n, all) = task.sizes[k];
+                memory.all_gather_as(&*task.comm, &send, 0..n, &mut recv, 0..all, task.dtype)
+            };
+            failed |= result.is_err();
+            if task.done.send((k, send, recv, result)).is_err() {
+                break;
+            }
         }
     }
 }

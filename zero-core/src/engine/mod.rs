@@ -51,6 +51,7 @@ mod shard_memory;
 mod stage3;
 mod state;
 mod step;
+mod worker;
 
 pub use config::{
     ClipConfig, EngineConfig, NormType, Overlap, ParamGroupSpec, PartitionerKind, Stage,
@@ -130,6 +131,9 @@ pub struct Engine<T: Element, C: Communicator, M: ShardMemory<T, C> = HostMemory
     refresh: Arc<deferred::Refresh>,
     /// What only some stages have.
     stage: StageState<T, C, M>,
+    /// The communication thread, once started (host memory; see
+    /// `worker.rs`).
+    worker: Option<worker::CommWorker<M>>,
 }
 
 /// The state only some stages have.
@@ -195,7 +199,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Drop for Engine<T, C, M>
         // parameters: let it finish (its collectives end by their
         // deadline if a peer is gone).
         if let Some(pending) = self.deferred_gathers().and_then(|g| g.pending.take()) {
-            let _ = pending.join();
+            let _ = pending.wait();
         }
     }
 }
@@ -269,6 +273,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             scaler: scaler::LossScaler::new(config.loss_scale),
             refresh: Arc::default(),
             stage,
+            worker: None,
             comm: Arc::new(comm),
             memory,
             config,
@@ -316,6 +321,29 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         self.buffers.scratch = None;
         self.mask.rebuild_buckets(&self.plan.layout);
         Ok(())
+    }
+
+    /// Starts the communication thread unless it runs; `false` when this
+    /// memory runs no collectives off the caller's thread (no
+    /// [`ShardMemory::fork`]) or no thread could be started (then the
+    /// collectives run on the caller's thread, in the same order).
+    fn ensure_worker(&mut self) -> bool {
+        if self.worker.as_ref().is_some_and(worker::CommWorker::alive) {
+            return true;
+        }
+        let Some(memory) = self.memory.fork() else {
+            return false;
+        };
+        match worker::CommWorker::start(memory, self.comm.rank()) {
+            Ok(worker) => {
+                self.worker = Some(worker);
+                true
+            }
+            Err(e) => {
+                tracing::warn!("no communication thread ({e}); communicating on this thread");
+                false
+            }
+        }
     }
 
     /// The communicator.

@@ -125,8 +125,8 @@ impl<T: Element, B> BackwardPass<T, B> {
 impl<T, C, M> Engine<T, C, M>
 where
     T: Element,
-    C: Communicator + 'static,
-    M: ShardMemory<T, C> + 'static,
+    C: Communicator,
+    M: ShardMemory<T, C>,
 {
     /// Opens the hand-over of one backward pass's gradients: `expected`
     /// lists, in the order their gradients will arrive, the parameters whose
@@ -167,19 +167,20 @@ where
             )));
         }
         self.check_same_graph(expected)?;
-        let worker_memory = self.memory.fork();
-        self.split_side_communicator(worker_memory.is_some())?;
-        if !self.reduces_during_backward(worker_memory.is_some()) {
+        // The same answer on every rank: it depends on the memory's type.
+        let forkable = self.memory.fork().is_some();
+        self.split_side_communicator(forkable)?;
+        if !self.reduces_during_backward(forkable) {
             // This memory reduces in the step; the gradients go to the full
             // buffer as before.
             return Ok(());
         }
         self.plan_in_order(expected)?;
-        let Some(schedule) = self.schedule(worker_memory.is_some()) else {
+        let Some(schedule) = self.schedule(forkable) else {
             // Stages 0 and 1 accumulate locally until the last micro-step.
             return Ok(());
         };
-        self.open_pass(schedule, expected, worker_memory, params)
+        self.open_pass(schedule, expected, params)
     }
 
     /// Checks, with one all-reduce, that every rank predicts the same
@@ -245,7 +246,6 @@ where
         &mut self,
         schedule: Schedule,
         expected: &[(usize, usize)],
-        worker_memory: Option<M>,
         params: &mut M::Params<'_>,
     ) -> Result<()> {
         let buckets = self.plan.layout.buckets.len();
@@ -299,9 +299,9 @@ where
             scratch: self.buffers.scratch.take(),
             early,
         };
-        let reducer = match (schedule.runner, worker_memory) {
-            (Runner::Thread, Some(worker_memory)) => self.spawn_reducer(worker_memory, targets),
-            (Runner::Inline, _) => {
+        let reducer = match schedule.runner {
+            Runner::Thread => self.start_reducer(targets),
+            Runner::Inline => {
                 self.memory.defer_completion();
                 Reducer::Inline {
                     targets,
@@ -311,7 +311,7 @@ where
                     result: Ok(()),
                 }
             }
-            _ => Reducer::Queued {
+            Runner::AfterBackward => Reducer::Queued {
                 targets,
                 queue: Vec::new(),
             },
@@ -380,71 +380,85 @@ where
         })
     }
 
-    /// Starts the communication thread of one backward pass; if no thread
-    /// can be started, the reductions run after backward instead (the same
-    /// result, without overlap).
-    fn spawn_reducer(
-        &mut self,
-        mut memory: M,
-        targets: Targets<T, M::Buffer>,
-    ) -> Reducer<T, M::Buffer> {
+    /// Starts one backward pass's reductions on the communication thread;
+    /// without one, they run after backward instead (the same result,
+    /// without overlap).
+    fn start_reducer(&mut self, targets: Targets<T, M::Buffer>) -> Reducer<T, M::Buffer> {
         let (jobs, job_rx) = mpsc::channel::<Job<M::Buffer>>();
         let (returned_tx, returned) = mpsc::channel::<Back<M::Buffer>>();
-        // The targets travel once the thread exists, so a failed start
-        // loses nothing.
-        let (targets_tx, targets_rx) = mpsc::channel::<Targets<T, M::Buffer>>();
-        let comm = Arc::clone(&self.comm);
-        let map = self.bucket_map();
-        let progress = self.progress.clone();
-        let spawned = std::thread::Builder::new()
-            .name(format!("zero-comm-{}", self.comm.rank()))
-            .spawn(move || {
-                let mut targets = targets_rx.recv().ok()?;
-                let mut result = Ok(());
-                for mut job in job_rx {
-                    // After a failure, issue nothing more: the peers fail
-                    // their pending collectives within the deadline too.
-                    let mut reduced = None;
-                    if result.is_ok() {
-                        let mut reduction = Reduction {
-                            comm: &*comm,
-                            memory: &mut memory,
-                            map: &map,
-                            targets: &mut targets,
-                        };
-                        result = reduction.run(&mut job);
-                        if result.is_ok() {
-                            progress.add_one();
-                            reduced = Some(job.add);
-                        }
-                    }
-                    // The engine may have finished with the pool already.
-                    let _ = returned_tx.send(Back {
-                        bucket: job.bucket,
-                        reduced,
-                        buffer: job.buffer,
-                    });
-                }
-                Some((targets, result))
-            });
-        match spawned {
-            Ok(handle) => {
-                // The thread waits for this message: it cannot be gone.
-                let _ = targets_tx.send(targets);
-                Reducer::Thread {
-                    jobs,
-                    returned: Returns::new(self.plan.layout.buckets.len(), returned),
-                    handle,
-                }
-            }
-            Err(e) => {
-                tracing::warn!("no communication thread ({e}); reducing after backward");
+        let task = ReductionTask {
+            comm: Arc::clone(&self.comm),
+            map: self.bucket_map(),
+            progress: self.progress.clone(),
+            targets,
+            jobs: job_rx,
+            returned: returned_tx,
+        };
+        let started = match (self.ensure_worker(), self.worker.as_ref()) {
+            (true, Some(worker)) => worker.run(task, ReductionTask::run),
+            _ => Err(task),
+        };
+        match started {
+            Ok(ticket) => Reducer::Thread {
+                jobs,
+                returned: Returns::new(self.plan.layout.buckets.len(), returned),
+                ticket,
+            },
+            Err(task) => {
+                tracing::warn!("no communication thread; reducing after backward");
                 Reducer::Queued {
-                    targets,
+                    targets: task.targets,
                     queue: Vec::new(),
                 }
             }
         }
+    }
+}
+
+/// One backward pass's reductions on the communication thread: each job
+/// reduced as it comes, in order, and its buffer sent back.
+struct ReductionTask<T: Element, C, B> {
+    comm: Arc<C>,
+    map: BucketMap,
+    progress: ReductionProgress,
+    targets: Targets<T, B>,
+    jobs: mpsc::Receiver<Job<B>>,
+    returned: mpsc::Sender<Back<B>>,
+}
+
+impl<T: Element, C: Communicator, B> ReductionTask<T, C, B> {
+    /// Runs until the pass closes its job channel; the targets back, with
+    /// the first failure.
+    fn run<M: ShardMemory<T, C, Buffer = B>>(
+        memory: &mut M,
+        mut task: Self,
+    ) -> (Targets<T, B>, Result<()>) {
+        let mut result = Ok(());
+        for mut job in task.jobs {
+            // After a failure, issue nothing more: the peers fail their
+            // pending collectives within the deadline too.
+            let mut reduced = None;
+            if result.is_ok() {
+                let mut reduction = Reduction {
+                    comm: &*task.comm,
+                    memory: &mut *memory,
+                    map: &task.map,
+                    targets: &mut task.targets,
+                };
+                result = reduction.run(&mut job);
+                if result.is_ok() {
+                    task.progress.add_one();
+                    reduced = Some(job.add);
+                }
+            }
+            // The engine may have finished with the pool already.
+            let _ = task.returned.send(Back {
+                bucket: job.bucket,
+                reduced,
+                buffer: job.buffer,
+            });
+        }
+        (task.targets, result)
     }
 }
 
@@ -794,10 +808,10 @@ where
             Reducer::Thread {
                 jobs,
                 mut returned,
-                handle,
+                ticket,
             } => {
                 drop(jobs);
-                let joined = handle.join();
+                let joined = ticket.wait();
                 let mut landed = Ok(());
                 while let Some(back) = returned.next(false) {
                     let full = self
@@ -815,8 +829,8 @@ where
                     landed = landed.and(written.map(drop));
                 }
                 match joined {
-                    Ok(Some((targets, result))) => (targets, result.and(landed)),
-                    Ok(None) | Err(_) => {
+                    Some((targets, result)) => (targets, result.and(landed)),
+                    None => {
                         return Err(Error::State(
                             "the communication thread panicked; the engine's gradient buffers \
                              are lost, rebuild the optimizer"

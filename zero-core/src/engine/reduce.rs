@@ -2,6 +2,7 @@
 //! ([`Reducer`]), where reduced buckets land ([`Targets`]), and the pool of
 //! bucket buffers they go through.
 
+use super::worker::Ticket;
 use super::{ShardMemory, Stage, StepPiece, StepPlan};
 use crate::comm::{Communicator, ReduceOp};
 use crate::optim::{FunctionalOptimizer, Hyperparams, OptimizerState, ParamKey, ParamMut};
@@ -9,7 +10,6 @@ use crate::{DType, Element, Error, Result};
 use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 /// Counts the bucket reductions an engine has completed, across steps: a
@@ -288,10 +288,6 @@ fn missing_target() -> Error {
     Error::State("internal: a reduction target is missing".into())
 }
 
-/// What the communication thread gives back: the targets and the first
-/// failure (`None` if it never got the targets).
-pub(super) type Returned<T, B> = Option<(Targets<T, B>, Result<()>)>;
-
 /// Who runs the reductions of a backward pass.
 pub(super) enum Reducer<T: Element, B> {
     /// Queued until the end of backward, then run on the caller's thread.
@@ -313,11 +309,12 @@ pub(super) enum Reducer<T: Element, B> {
         held: Vec<(Option<(usize, bool)>, B)>,
         result: Result<()>,
     },
-    /// Sent to a communication thread as each bucket is launched.
+    /// Sent to the communication thread as each bucket is launched.
     Thread {
         jobs: mpsc::Sender<Job<B>>,
         returned: Returns<B>,
-        handle: JoinHandle<Returned<T, B>>,
+        /// The targets back, with the first failure, once `jobs` closes.
+        ticket: Ticket<(Targets<T, B>, Result<()>)>,
     },
 }
 

@@ -88,7 +88,10 @@ pub struct StepPlan<'a> {
 /// (and gradients it checked against the parameters' sizes); a range out of
 /// bounds is a broken internal invariant. Device implementations still check
 /// before handing a pointer to a kernel.
-pub trait ShardMemory<T: Element, C: Communicator>: Send {
+///
+/// A memory owns what it uses (`'static`): the engine's communication
+/// thread keeps a fork of it.
+pub trait ShardMemory<T: Element, C: Communicator>: Send + 'static {
     /// An owned flat buffer of `T`.
     type Buffer: Send;
     /// One parameter's whole gradient as the framework hands it over.

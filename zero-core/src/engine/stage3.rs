@@ -54,8 +54,8 @@ type BucketRun = (usize, usize, Vec<(usize, usize)>);
 impl<T, C, M> Engine<T, C, M>
 where
     T: Element,
-    C: Communicator<Memory = Host> + 'static,
-    M: ShardMemory<T, C> + 'static,
+    C: Communicator<Memory = Host>,
+    M: ShardMemory<T, C>,
 {
     /// Stage 3: from now on, keeps the parameters `gatherable` marks (those
     /// the framework gathers on use) that are trainable and larger than
