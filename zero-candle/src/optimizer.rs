@@ -41,8 +41,9 @@ pub struct ZeroConfig<C, T: Element> {
 /// [`CandleMemory`]): host memory for the thread and MPI backends (any
 /// [`FunctionalOptimizer`], any float dtype); GPU memory for NCCL
 /// (`ZeroOptimizer<NcclComm>`, alias `NcclZeroOptimizer`
-/// with feature `nccl`: f32 variables on the communicator's GPU, a built-in
-/// optimizer, gradients and weights never leaving the device). Checkpoints
+/// with feature `nccl`: f32, bf16 or f16 variables on the communicator's
+/// GPU (16-bit ones with f32 master weights), a built-in optimizer,
+/// gradients and weights never leaving the device; stages 0-2). Checkpoints
 /// have one format: a GPU run resumes on threads or MPI and back.
 ///
 /// ```no_run

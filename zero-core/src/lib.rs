@@ -2,7 +2,7 @@
 //!
 //! ZeRO (Zero Redundancy Optimizer) sharded data parallelism without a
 //! framework: the [`Communicator`], [`Partitioner`] and
-//! [`FunctionalOptimizer`] traits, the engine for stages 0-2, built-in
+//! [`FunctionalOptimizer`] traits, the engine for stages 0-3, built-in
 //! optimizers that match `torch.optim`, checkpoints, and [`ThreadGroup`], an
 //! in-process backend that needs nothing installed.
 #![warn(missing_docs)]

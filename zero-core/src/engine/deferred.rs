@@ -5,8 +5,9 @@
 //! only start once the shard is stepped, and the serial step waits for
 //! them: nothing else runs then. With deferral the step stops after the
 //! optimizer: each bucket's updated chunk goes to the engine's
-//! communication thread, which all-gathers the buckets in forward order (the last bucket in
-//! gradient order holds the first layer) and writes each into the replica.
+//! communication thread, which all-gathers the buckets in forward order
+//! (the last bucket in gradient order holds the first layer) and writes
+//! each into the replica.
 //! Layers wait for their own parameters ([`Refresh::wait`]), so the first
 //! layers compute while the later buckets are still on the wire (FSDP
 //! gathers the same way, on use).
@@ -23,7 +24,7 @@ use crate::{DType, Element, Error, Result};
 use std::sync::mpsc::Receiver;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
-/// The framework's parameters as the gather thread reaches them: a
+/// The framework's parameters as the deferred all-gathers reach them: a
 /// framework lends its parameters to each engine call only, so deferral
 /// needs its own way in.
 pub trait ParamAccess<T: Element, C: Communicator, M: ShardMemory<T, C>>: Send {
@@ -152,7 +153,7 @@ pub(super) struct GatherJob {
     pub copies: Vec<ParamCopy>,
 }
 
-/// What the gather thread takes.
+/// What the deferred all-gathers take.
 pub(super) struct Payload<T: Element, C: Communicator, M: ShardMemory<T, C>> {
     pub comm: Arc<C>,
     /// The buckets to gather, in order, as they are stepped; the thread
@@ -168,7 +169,7 @@ pub(super) struct Payload<T: Element, C: Communicator, M: ShardMemory<T, C>> {
     pub dtype: DType,
 }
 
-/// What the gather thread gives back.
+/// What the deferred all-gathers give back.
 pub(super) struct Finished<T: Element, C: Communicator, M: ShardMemory<T, C>> {
     recv: M::Buffer,
     access: Box<dyn ParamAccess<T, C, M>>,
@@ -219,7 +220,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Payload<T, C, M> {
 
 /// Stages 1 and 2: what deferring a step's all-gathers needs.
 pub(super) struct DeferredGathers<T: Element, C: Communicator, M: ShardMemory<T, C>> {
-    /// How the gather thread reads and writes the framework's parameters
+    /// How the deferred all-gathers read and write the framework's parameters
     /// (lent to it while it runs); `None`: steps gather before they return.
     pub access: Option<Box<dyn ParamAccess<T, C, M>>>,
     /// The last step's all-gathers, while they may run.
@@ -242,7 +243,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// Lets steps defer their all-gathers
     /// ([`EngineConfig::defer_gathers`](super::EngineConfig::defer_gathers)):
     /// `access` reads and writes the framework's parameters from the
-    /// gather thread. Without one, steps gather before they return. Stage
+    /// communication thread. Without one, steps gather before they return. Stage
     /// 0 and sharded stage 3 gather nothing after a step: there it is kept
     /// by no one.
     pub fn set_param_access(&mut self, access: Box<dyn ParamAccess<T, C, M>>) -> Result<()> {

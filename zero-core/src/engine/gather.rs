@@ -1,7 +1,7 @@
 //! Stages 1 and 2 after the reductions: the shard stepped bucket by bucket,
-//! each bucket all-gathered as soon as it is stepped (on a communication
-//! thread, while the next bucket steps), or left to a gather thread that
-//! runs into the next forward (`deferred.rs`).
+//! each bucket all-gathered as soon as it is stepped (on the communication
+//! thread, while the next bucket steps), or left to that thread to run
+//! into the next forward (`deferred.rs`).
 
 use super::deferred::{GatherJob, Payload};
 use super::{Engine, Layout, Overlap, ParamCopy, ShardMemory, Stage, StepPiece, StepPlan};
@@ -87,7 +87,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
 
     /// Steps the buckets in forward order (buckets follow gradient order,
     /// so the last one holds the first layers), writes each one's owned
-    /// pieces into the parameters and hands it to the gather thread, so
+    /// pieces into the parameters and hands it to the communication thread, so
     /// the first layers' parameters are on the wire while the rest step.
     fn step_and_defer(
         &mut self,

@@ -5,13 +5,15 @@ use serde::{Deserialize, Serialize};
 /// Bytes held per category on one rank.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MemoryReport {
-    /// The full parameter replica (held by the framework in stages 0-2) plus
-    /// the engine's working copy of the rank's parameter shard.
+    /// The parameter replica the framework holds (at stage 3, of the
+    /// parameters not sharded) plus the engine's parameter shard (master
+    /// weights, stage 3's only copy, or a working copy).
     pub params: usize,
-    /// The full flat gradient buffer, while it exists (stages 0 and 1 keep
-    /// it; stage 2 only during gradient accumulation).
+    /// The full flat gradient buffer, while it exists (stage 0 keeps it,
+    /// stage 1 once it accumulates; stages 2-3 only during an accumulation
+    /// window given outside a backward pass).
     pub grads: usize,
-    /// The rank's reduced gradient shard (stages 1 and 2).
+    /// The rank's reduced gradient shard (stages 1-3).
     pub grad_shard: usize,
     /// Optimizer state of the pieces this rank steps.
     pub optimizer_state: usize,

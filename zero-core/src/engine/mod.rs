@@ -1,13 +1,14 @@
-//! The ZeRO engine, stages 0-2, independent of any framework.
+//! The ZeRO engine, stages 0-3, independent of any framework.
 //!
 //! The engine owns flat buffers, issues collectives in a fixed order, runs
 //! the optimizer on the rank's shard and reports its memory. A framework
 //! adapter hands it gradients (one slot per parameter, `None` when a
-//! parameter has none) and gives it access to the parameter replica. Where
-//! the buffers live is the memory `M` ([`ShardMemory`]): host memory
-//! ([`HostMemory`]: slices, a [`ParamStore`], any [`FunctionalOptimizer`])
-//! or GPU memory (`zero_nccl::CudaMemory`). Everything below is written
-//! once for both.
+//! parameter has none, or one by one during backward) and gives it access
+//! to the parameter replica. Where the buffers live is the memory `M`
+//! ([`ShardMemory`]): host memory ([`HostMemory`]: slices, a
+//! [`ParamStore`], any [`FunctionalOptimizer`]) or GPU memory
+//! (`zero_nccl::CudaMemory`, stages 0-2). The stage logic above that seam is
+//! shared by both.
 //!
 //! Per optimizer step:
 //! - stage 0 all-reduces (mean) gradient buckets into its full gradient
@@ -18,14 +19,18 @@
 //!   and reduces once;
 //! - stage 2 does the same, and when gradients are handed over during
 //!   backward it reduce-scatters every micro-step, so no full gradient
-//!   buffer lives across the window.
+//!   buffer lives across the window;
+//! - stage 3 is stage 2 whose large parameters, once sharded
+//!   ([`Engine::shard_parameters`], [`Engine::shard_from_start`]), live only
+//!   in the shard and are gathered on use by the [`Fetcher`].
 //!
 //! Gradients handed over during backward ([`Engine::begin_backward`],
 //! [`Engine::accumulate_param`]) are reduced bucket by bucket as backward
-//! produces them, on a communication thread ([`Overlap`]; see the
-//! `overlap` module). With [`EngineConfig::defer_gathers`], stages 1 and 2
-//! leave the all-gathers to a thread that runs into the next forward,
-//! whose layers wait for their own parameters (the `deferred` module).
+//! produces them, on the engine's communication thread ([`Overlap`]; the
+//! `pass` and `reduce` modules). With [`EngineConfig::defer_gathers`],
+//! stages 1 and 2 leave the all-gathers running into the next forward,
+//! whose layers wait for their own parameters (the `deferred` module). The
+//! step, and the order of its collectives, is in the `step` module.
 //!
 //! Stages 1 and 2 move `2(N-1)/N` times the (padded) parameter bytes per
 //! rank and step, plus one all-reduce of the trainable mask (one `f32` per
@@ -195,8 +200,8 @@ struct AccumulationWindow {
 
 impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Drop for Engine<T, C, M> {
     fn drop(&mut self) {
-        // A gather thread still running writes into the framework's
-        // parameters: let it finish (its collectives end by their
+        // Deferred all-gathers still running write into the framework's
+        // parameters: let them finish (their collectives end by their
         // deadline if a peer is gone).
         if let Some(pending) = self.deferred_gathers().and_then(|g| g.pending.take()) {
             let _ = pending.wait();
@@ -539,14 +544,14 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         self.check_grads(grads)?;
         self.finish_gathers()?;
         self.fetch_end_pass()?;
-        self.accumulate_window(grads)?;
+        self.add_micro_step(grads)?;
         if let Some(fetcher) = self.fetcher() {
             fetcher.resume();
         }
         Ok(())
     }
 
-    fn accumulate_window(&mut self, grads: &[Option<M::Grad<'_>>]) -> Result<()> {
+    fn add_micro_step(&mut self, grads: &[Option<M::Grad<'_>>]) -> Result<()> {
         self.window.plain_grads |= grads.iter().any(Option::is_some);
         if self.pass_is_open() {
             if !self.config.stage.shards_gradients() {
@@ -562,26 +567,18 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                 self.discard_window();
             }
             result?;
-            for (present, g) in self.window.present.iter_mut().zip(grads) {
-                *present |= g.is_some();
-            }
+            self.window.mark_present(grads);
             self.window.in_shard = true;
             self.window.micro_steps += 1;
             return Ok(());
         }
-        let (full, fresh) = match self.buffers.full_grads.take() {
-            Some(full) => (full, false),
-            None => (
-                self.memory.alloc_zeroed(self.plan.partition.flat_numel())?,
-                true,
-            ),
-        };
-        let full = self.buffers.full_grads.insert(full);
         let add = self.window.in_full_buffer;
-        if !add && !fresh {
-            let numel = M::buffer_len(full);
-            self.memory.zero(full, 0..numel)?;
-        }
+        let full = window_buffer(
+            &mut self.memory,
+            &mut self.buffers.full_grads,
+            self.plan.partition.flat_numel(),
+            add,
+        )?;
         let pieces: Vec<GradPiece<M::Grad<'_>>> = self
             .plan
             .layout
@@ -597,9 +594,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             .collect();
         self.memory.flatten(full, &pieces, add)?;
         self.window.in_full_buffer = true;
-        for (present, g) in self.window.present.iter_mut().zip(grads) {
-            *present |= g.is_some();
-        }
+        self.window.mark_present(grads);
         self.window.micro_steps += 1;
         Ok(())
     }
@@ -652,18 +647,12 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         if self.pass_is_open() {
             return self.hand_over(param, range, grad, true);
         }
-        let (full, fresh) = match self.buffers.full_grads.take() {
-            Some(full) => (full, false),
-            None => (
-                self.memory.alloc_zeroed(self.plan.partition.flat_numel())?,
-                true,
-            ),
-        };
-        let full = self.buffers.full_grads.insert(full);
-        if !self.window.in_full_buffer && !fresh {
-            let numel = M::buffer_len(full);
-            self.memory.zero(full, 0..numel)?;
-        }
+        let full = window_buffer(
+            &mut self.memory,
+            &mut self.buffers.full_grads,
+            self.plan.partition.flat_numel(),
+            self.window.in_full_buffer,
+        )?;
         self.window.in_full_buffer = true;
         let pieces: Vec<GradPiece<M::Grad<'_>>> = self.plan.runs_of_param[param]
             .iter()
@@ -750,6 +739,35 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             self.buffers.full_grads = None;
         }
     }
+}
+
+impl AccumulationWindow {
+    /// Marks the parameters with a gradient in `grads` (one slot each).
+    fn mark_present<G>(&mut self, grads: &[Option<G>]) {
+        for (present, g) in self.present.iter_mut().zip(grads) {
+            *present |= g.is_some();
+        }
+    }
+}
+
+/// The full gradient buffer of the current accumulation window: allocated
+/// (zeroed) on first use, or zeroed when it still holds an earlier window's
+/// gradients (`in_window` false).
+fn window_buffer<'a, T: Element, C: Communicator, M: ShardMemory<T, C>>(
+    memory: &mut M,
+    slot: &'a mut Option<M::Buffer>,
+    numel: usize,
+    in_window: bool,
+) -> Result<&'a mut M::Buffer> {
+    if slot.is_none() {
+        return Ok(slot.insert(memory.alloc_zeroed(numel)?));
+    }
+    let full = slot.as_mut().expect("checked above");
+    if !in_window {
+        let numel = M::buffer_len(full);
+        memory.zero(full, 0..numel)?;
+    }
+    Ok(full)
 }
 
 /// The piece of run `run` that a gradient of the parameter's elements

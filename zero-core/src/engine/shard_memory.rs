@@ -2,11 +2,11 @@
 //! live in.
 //!
 //! The engine's stage logic (plan, buckets, trainability, accumulation,
-//! clipping, gradient checks, checkpoints) is written once. What depends on
-//! where the flat buffers live is this trait: allocate and zero a buffer,
-//! flatten gradients into a bucket, move parameter pieces between the
-//! framework and a flat buffer, scale, partial norms, the collectives over
-//! ranges of a buffer, and the optimizer step on the shard. [`HostMemory`]
+//! clipping, gradient checks, checkpoints) is shared by every memory. What
+//! depends on where the flat buffers live is this trait: allocate and zero
+//! a buffer, flatten gradients into a bucket, move parameter pieces between
+//! the framework and a flat buffer, scale, partial norms, the collectives
+//! over ranges of a buffer, and the optimizer step on the shard. [`HostMemory`]
 //! implements it over `Vec<T>` (the optimizer steps through
 //! [`FunctionalOptimizer`], so custom optimizers work); `zero-nccl`'s
 //! `CudaMemory` over device buffers with fused kernels.

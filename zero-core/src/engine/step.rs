@@ -19,9 +19,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     ) -> Result<StepReport> {
         let micro_steps = self.window.micro_steps + usize::from(last.is_some());
         if let Some(grads) = last {
-            for (present, g) in self.window.present.iter_mut().zip(grads) {
-                *present |= g.is_some();
-            }
+            self.window.mark_present(grads);
         }
         // Whatever happens below, this window is over: a failed step must
         // not leak its micro-steps into the next one.
