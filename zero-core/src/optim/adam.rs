@@ -3,114 +3,53 @@
 //! the parameter (decoupled).
 
 use super::core::{
-    check_non_negative, check_unit_interval, for_each_chunk, forward_to_core, get_bool, get_f64,
-    get_pair, missing, num, reject_leftovers, take_step, take_tensor, with_flags, Core,
-    GroupConfig, Lerp, PieceState,
+    check_non_negative, check_unit_interval, for_each_chunk, group_config, missing, optimizer,
+    reject_leftovers, take_step, take_tensor, with_flags, GroupConfig, GroupFields, Lerp,
+    PieceState,
 };
-use super::{Float, FunctionalOptimizer, Hyperparams, ParamMut, ParamState};
+use super::{Float, ParamState};
 use crate::Result;
-use serde_json::Value;
 
 macro_rules! adam_config {
     ($(#[$doc:meta])* $name:ident, $kind:literal, $weight_decay:literal, $decoupled:literal) => {
-        $(#[$doc])*
-        #[derive(Clone, Copy, Debug, PartialEq)]
-        pub struct $name {
-            /// Learning rate (`lr`, default 1e-3).
-            pub lr: f64,
-            /// Decay rates of the first and second moment averages (`betas`,
-            /// default (0.9, 0.999)), each in [0, 1).
-            pub betas: (f64, f64),
-            /// Added to the denominator for stability (`eps`, default 1e-8).
-            pub eps: f64,
-            #[doc = concat!("Weight decay (`weight_decay`, default ", stringify!($weight_decay), ").")]
-            pub weight_decay: f64,
-            /// Use the AMSGrad variant (`amsgrad`, default false).
-            pub amsgrad: bool,
-            /// Maximize the objective instead of minimizing (`maximize`, default false).
-            pub maximize: bool,
-        }
-
-        impl Default for $name {
-            fn default() -> Self {
-                Self {
-                    lr: 1e-3,
-                    betas: (0.9, 0.999),
-                    eps: 1e-8,
-                    weight_decay: $weight_decay,
-                    amsgrad: false,
-                    maximize: false,
-                }
+        group_config! {
+            $(#[$doc])*
+            pub struct $name($kind) {
+                /// Learning rate (`lr`, default 1e-3).
+                pub lr: f64 = 1e-3,
+                    /// Sets the learning rate.
+                    fn with_lr;
+                /// Decay rates of the first and second moment averages (`betas`,
+                /// default (0.9, 0.999)), each in [0, 1).
+                pub betas: (f64, f64) = (0.9, 0.999);
+                /// Added to the denominator for stability (`eps`, default 1e-8).
+                pub eps: f64 = 1e-8,
+                    /// Sets epsilon.
+                    fn with_eps;
+                #[doc = concat!("Weight decay (`weight_decay`, default ", stringify!($weight_decay), ").")]
+                pub weight_decay: f64 = $weight_decay,
+                    /// Sets the weight decay.
+                    fn with_weight_decay;
+                /// Use the AMSGrad variant (`amsgrad`, default false).
+                pub amsgrad: bool = false,
+                    /// Turns AMSGrad on or off.
+                    fn with_amsgrad;
+                /// Maximize the objective instead of minimizing (`maximize`, default false).
+                pub maximize: bool = false,
+                    /// Maximizes instead of minimizing.
+                    fn with_maximize;
             }
         }
 
         impl $name {
-            /// Sets the learning rate.
-            pub fn with_lr(mut self, lr: f64) -> Self {
-                self.lr = lr;
-                self
-            }
             /// Sets the moment decay rates.
             pub fn with_betas(mut self, beta1: f64, beta2: f64) -> Self {
                 self.betas = (beta1, beta2);
                 self
             }
-            /// Sets epsilon.
-            pub fn with_eps(mut self, eps: f64) -> Self {
-                self.eps = eps;
-                self
-            }
-            /// Sets the weight decay.
-            pub fn with_weight_decay(mut self, weight_decay: f64) -> Self {
-                self.weight_decay = weight_decay;
-                self
-            }
-            /// Turns AMSGrad on or off.
-            pub fn with_amsgrad(mut self, amsgrad: bool) -> Self {
-                self.amsgrad = amsgrad;
-                self
-            }
-            /// Maximizes instead of minimizing.
-            pub fn with_maximize(mut self, maximize: bool) -> Self {
-                self.maximize = maximize;
-                self
-            }
         }
 
         impl GroupConfig for $name {
-            const KEYS: &'static [&'static str] =
-                &["lr", "betas", "eps", "weight_decay", "amsgrad", "maximize"];
-            const KIND: &'static str = $kind;
-
-            fn lr(&self) -> f64 {
-                self.lr
-            }
-            fn set_lr(&mut self, lr: f64) {
-                self.lr = lr;
-            }
-            fn to_hyperparams(&self) -> Hyperparams {
-                let mut h = Hyperparams::new();
-                h.insert("lr".into(), num(self.lr));
-                h.insert(
-                    "betas".into(),
-                    Value::Array(vec![num(self.betas.0), num(self.betas.1)]),
-                );
-                h.insert("eps".into(), num(self.eps));
-                h.insert("weight_decay".into(), num(self.weight_decay));
-                h.insert("amsgrad".into(), self.amsgrad.into());
-                h.insert("maximize".into(), self.maximize.into());
-                h
-            }
-            fn apply(&mut self, h: &Hyperparams) -> Result<()> {
-                let k = Self::KIND;
-                self.lr = get_f64(k, h, "lr")?.unwrap_or(self.lr);
-                self.betas = get_pair(k, h, "betas")?.unwrap_or(self.betas);
-                self.eps = get_f64(k, h, "eps")?.unwrap_or(self.eps);
-                self.weight_decay = get_f64(k, h, "weight_decay")?.unwrap_or(self.weight_decay);
-                self.amsgrad = get_bool(k, h, "amsgrad")?.unwrap_or(self.amsgrad);
-                self.maximize = get_bool(k, h, "maximize")?.unwrap_or(self.maximize);
-                Ok(())
-            }
             fn validate(&self) -> Result<()> {
                 let k = Self::KIND;
                 check_non_negative(k, "learning rate", self.lr)?;
@@ -345,67 +284,24 @@ fn adam_update<T: Float, C: AdamHyper>(
     }
 }
 
-macro_rules! adam_optimizer {
-    ($(#[$doc:meta])* $name:ident, $config:ident) => {
-        $(#[$doc])*
-        ///
-        /// State per piece: `step` (scalar), `exp_avg`, `exp_avg_sq`, and
-        /// `max_exp_avg_sq` with AMSGrad.
-        pub struct $name<T = f32> {
-            core: Core<$config, AdamPiece<T>>,
-        }
-
-        impl<T: Float> $name<T> {
-            /// An optimizer whose group 0 has `config`.
-            pub fn new(config: $config) -> Result<Self> {
-                Ok(Self {
-                    core: Core::new(config)?,
-                })
-            }
-
-            /// Adds a parameter group with `config`; returns its index.
-            pub fn add_param_group(&mut self, config: $config) -> Result<usize> {
-                self.core.push_group(config)
-            }
-
-            /// The configuration of `group`, if it exists.
-            pub fn config(&self, group: usize) -> Option<&$config> {
-                self.core.groups.get(group)
-            }
-        }
-
-        impl<T: Float> FunctionalOptimizer<T> for $name<T> {
-            fn kind(&self) -> &str {
-                $config::KIND
-            }
-
-            fn step(
-                &mut self,
-                params: &mut [ParamMut<'_, T>],
-                grads: &[Option<&[T]>],
-            ) -> Result<()> {
-                self.core.step(
-                    params,
-                    grads,
-                    |config, len| AdamPiece::new(len, config.amsgrad),
-                    adam_update,
-                )
-            }
-
-            forward_to_core!();
-        }
-    };
-}
-
-adam_optimizer!(
+optimizer! {
     /// `torch.optim.Adam`: adaptive moments with bias correction; weight
     /// decay is an L2 term added to the gradient.
-    Adam,
-    AdamConfig
-);
-adam_optimizer!(
+    ///
+    /// State per piece: `step` (scalar), `exp_avg`, `exp_avg_sq`, and
+    /// `max_exp_avg_sq` with AMSGrad.
+    pub struct Adam<T>(AdamConfig, AdamPiece);
+    init: |config, len| AdamPiece::new(len, config.amsgrad),
+    update: adam_update,
+}
+
+optimizer! {
     /// `torch.optim.AdamW`: Adam with decoupled weight decay (the parameter
     /// is multiplied by `1 - lr * weight_decay` before the update).
-    AdamW,
-    AdamWConfig
-);
+    ///
+    /// State per piece: `step` (scalar), `exp_avg`, `exp_avg_sq`, and
+    /// `max_exp_avg_sq` with AMSGrad.
+    pub struct AdamW<T>(AdamWConfig, AdamPiece);
+    init: |config, len| AdamPiece::new(len, config.amsgrad),
+    update: adam_update,
+}

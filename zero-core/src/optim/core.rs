@@ -27,9 +27,10 @@ const IGNORED_KEYS: &[&str] = &[
     "param_names",
 ];
 
-/// The hyperparameters of one group of one optimizer.
-pub(crate) trait GroupConfig: Clone + Send {
-    /// Every key [`GroupConfig::apply`] understands.
+/// The hyperparameters of one group of one optimizer, as
+/// [`group_config!`] writes them from the field list.
+pub(crate) trait GroupFields: Clone + Send {
+    /// Every key [`GroupFields::apply`] understands: the field names.
     const KEYS: &'static [&'static str];
     /// The optimizer's name, for messages.
     const KIND: &'static str;
@@ -41,12 +42,126 @@ pub(crate) trait GroupConfig: Clone + Send {
     fn to_hyperparams(&self) -> Hyperparams;
     /// Overwrites the fields named in `hyper` (already checked against `KEYS`).
     fn apply(&mut self, hyper: &Hyperparams) -> Result<()>;
+}
+
+/// The part of a group's configuration each optimizer writes by hand: which
+/// values `torch.optim`'s constructor accepts.
+pub(crate) trait GroupConfig: GroupFields {
     /// Checks the values as `torch.optim`'s constructor does.
     fn validate(&self) -> Result<()>;
 }
 
+/// The type of a hyperparameter field: how it reads from and writes to
+/// PyTorch's JSON param group.
+pub(crate) trait HyperValue: Sized {
+    /// The value under PyTorch's encoding.
+    fn to_json(&self) -> Value;
+    /// Reads `key` from `hyper`, if present; `kind` is for messages.
+    fn read(kind: &str, hyper: &Hyperparams, key: &str) -> Result<Option<Self>>;
+}
+
+impl HyperValue for f64 {
+    fn to_json(&self) -> Value {
+        num(*self)
+    }
+    fn read(kind: &str, hyper: &Hyperparams, key: &str) -> Result<Option<Self>> {
+        get_f64(kind, hyper, key)
+    }
+}
+
+impl HyperValue for bool {
+    fn to_json(&self) -> Value {
+        Value::Bool(*self)
+    }
+    fn read(kind: &str, hyper: &Hyperparams, key: &str) -> Result<Option<Self>> {
+        get_bool(kind, hyper, key)
+    }
+}
+
+/// `betas`: a JSON array of two numbers.
+impl HyperValue for (f64, f64) {
+    fn to_json(&self) -> Value {
+        Value::Array(vec![num(self.0), num(self.1)])
+    }
+    fn read(kind: &str, hyper: &Hyperparams, key: &str) -> Result<Option<Self>> {
+        get_pair(kind, hyper, key)
+    }
+}
+
+/// Writes a config struct from its field list: the struct (fields in the
+/// order given, which is also the order of its keys and its hyperparameter
+/// map), `Default` from the `= default`s, a `with_*` builder for each field
+/// that names one, and [`GroupFields`], keyed by the field names (which are
+/// PyTorch's). Validation stays by hand, in [`GroupConfig`].
+macro_rules! group_config {
+    (
+        $(#[$doc:meta])*
+        pub struct $name:ident($kind:literal) {
+            $(
+                $(#[$field_doc:meta])*
+                pub $field:ident: $ty:ty = $default:expr
+                $(, $(#[$with_doc:meta])* fn $with:ident)?;
+            )*
+        }
+    ) => {
+        $(#[$doc])*
+        #[derive(Clone, Copy, Debug, PartialEq)]
+        pub struct $name {
+            $(
+                $(#[$field_doc])*
+                pub $field: $ty,
+            )*
+        }
+
+        impl Default for $name {
+            fn default() -> Self {
+                Self {
+                    $($field: $default,)*
+                }
+            }
+        }
+
+        impl $name {
+            $($(
+                $(#[$with_doc])*
+                pub fn $with(mut self, $field: $ty) -> Self {
+                    self.$field = $field;
+                    self
+                }
+            )?)*
+        }
+
+        impl $crate::optim::core::GroupFields for $name {
+            const KEYS: &'static [&'static str] = &[$(stringify!($field)),*];
+            const KIND: &'static str = $kind;
+
+            fn lr(&self) -> f64 {
+                self.lr
+            }
+            fn set_lr(&mut self, lr: f64) {
+                self.lr = lr;
+            }
+            fn to_hyperparams(&self) -> $crate::optim::Hyperparams {
+                use $crate::optim::core::HyperValue;
+                let mut h = $crate::optim::Hyperparams::new();
+                $(h.insert(stringify!($field).into(), self.$field.to_json());)*
+                h
+            }
+            fn apply(&mut self, h: &$crate::optim::Hyperparams) -> $crate::Result<()> {
+                use $crate::optim::core::HyperValue;
+                $(
+                    self.$field = <$ty>::read($kind, h, stringify!($field))?
+                        .unwrap_or(self.$field);
+                )*
+                Ok(())
+            }
+        }
+    };
+}
+pub(crate) use group_config;
+
 /// Reads a float hyperparameter, if present.
-pub(crate) fn get_f64(kind: &str, hyper: &Hyperparams, key: &str) -> Result<Option<f64>> {
+fn get_f64(kind: &str, hyper: &Hyperparams, key: &str) -> Result<Option<f64>> {
     match hyper.get(key) {
         None => Ok(None),
         Some(v) => v.as_f64().map(Some).ok_or_else(|| {
@@ -58,7 +173,7 @@ pub(crate) fn get_f64(kind: &str, hyper: &Hyperparams, key: &str) -> Result<Opti
 }
 
 /// Reads a boolean hyperparameter, if present.
-pub(crate) fn get_bool(kind: &str, hyper: &Hyperparams, key: &str) -> Result<Option<bool>> {
+fn get_bool(kind: &str, hyper: &Hyperparams, key: &str) -> Result<Option<bool>> {
     match hyper.get(key) {
         None => Ok(None),
         Some(v) => v.as_bool().map(Some).ok_or_else(|| {
@@ -70,7 +185,7 @@ pub(crate) fn get_bool(kind: &str, hyper: &Hyperparams, key: &str) -> Result<Opt
 }
 
 /// Reads a pair of floats (`betas`), if present.
-pub(crate) fn get_pair(kind: &str, hyper: &Hyperparams, key: &str) -> Result<Option<(f64, f64)>> {
+fn get_pair(kind: &str, hyper: &Hyperparams, key: &str) -> Result<Option<(f64, f64)>> {
     match hyper.get(key) {
         None => Ok(None),
         Some(v) => match v.as_array().map(Vec::as_slice) {
@@ -88,7 +203,7 @@ pub(crate) fn get_pair(kind: &str, hyper: &Hyperparams, key: &str) -> Result<Opt
 }
 
 /// A JSON number (non-finite values, which JSON cannot hold, become null).
-pub(crate) fn num(v: f64) -> Value {
+fn num(v: f64) -> Value {
     serde_json::Number::from_f64(v).map_or(Value::Null, Value::Number)
 }
 
@@ -256,7 +371,7 @@ impl<C: GroupConfig, S> Core<C, S> {
     pub(crate) fn hyperparams(&self, group: usize) -> Hyperparams {
         self.groups
             .get(group)
-            .map(GroupConfig::to_hyperparams)
+            .map(GroupFields::to_hyperparams)
             .unwrap_or_default()
     }
 
@@ -267,7 +382,7 @@ impl<C: GroupConfig, S> Core<C, S> {
     }
 
     pub(crate) fn learning_rate(&self, group: usize) -> f64 {
-        self.groups.get(group).map_or(f64::NAN, GroupConfig::lr)
+        self.groups.get(group).map_or(f64::NAN, GroupFields::lr)
     }
 
     pub(crate) fn set_learning_rate(&mut self, group: usize, lr: f64) {
@@ -451,41 +566,88 @@ impl<T: super::Float> Lerp<T> {
     }
 }
 
-/// The [`FunctionalOptimizer`](super::FunctionalOptimizer) methods that only
-/// forward to the optimizer's `core` field.
-macro_rules! forward_to_core {
-    () => {
-        fn num_groups(&self) -> usize {
-            self.core.groups.len()
+/// Writes a built-in optimizer around its [`Core`]: the struct, `new`,
+/// `add_param_group` and `config`, and
+/// [`FunctionalOptimizer`](super::FunctionalOptimizer) with `step` going
+/// through [`Core::step`] with `init` and `update`, and every other method
+/// forwarded to the core.
+macro_rules! optimizer {
+    (
+        $(#[$doc:meta])*
+        pub struct $name:ident<T>($config:ty, $piece:ident);
+        init: $init:expr,
+        update: $update:expr $(,)?
+    ) => {
+        $(#[$doc])*
+        pub struct $name<T = f32> {
+            core: $crate::optim::core::Core<$config, $piece<T>>,
         }
-        fn add_group(&mut self, hyper: &$crate::optim::Hyperparams) -> $crate::Result<usize> {
-            self.core.add_group(hyper)
+
+        impl<T: $crate::optim::Float> $name<T> {
+            /// An optimizer whose group 0 has `config`.
+            pub fn new(config: $config) -> $crate::Result<Self> {
+                Ok(Self {
+                    core: $crate::optim::core::Core::new(config)?,
+                })
+            }
+
+            /// Adds a parameter group with `config`; returns its index.
+            pub fn add_param_group(&mut self, config: $config) -> $crate::Result<usize> {
+                self.core.push_group(config)
+            }
+
+            /// The configuration of `group`, if it exists.
+            pub fn config(&self, group: usize) -> Option<&$config> {
+                self.core.groups.get(group)
+            }
         }
-        fn hyperparams(&self, group: usize) -> $crate::optim::Hyperparams {
-            self.core.hyperparams(group)
-        }
-        fn set_hyperparams(
-            &mut self,
-            group: usize,
-            hyper: &$crate::optim::Hyperparams,
-        ) -> $crate::Result<()> {
-            self.core.set_hyperparams(group, hyper)
-        }
-        fn learning_rate(&self, group: usize) -> f64 {
-            self.core.learning_rate(group)
-        }
-        fn set_learning_rate(&mut self, group: usize, lr: f64) {
-            self.core.set_learning_rate(group, lr)
-        }
-        fn export_state(&self) -> $crate::optim::OptimizerState<T> {
-            self.core.export_state()
-        }
-        fn state_bytes(&self) -> usize {
-            self.core.state_bytes()
-        }
-        fn import_state(&mut self, state: $crate::optim::OptimizerState<T>) -> $crate::Result<()> {
-            self.core.import_state(state)
+
+        impl<T: $crate::optim::Float> $crate::optim::FunctionalOptimizer<T> for $name<T> {
+            fn kind(&self) -> &str {
+                <$config as $crate::optim::core::GroupFields>::KIND
+            }
+            fn step(
+                &mut self,
+                params: &mut [$crate::optim::ParamMut<'_, T>],
+                grads: &[Option<&[T]>],
+            ) -> $crate::Result<()> {
+                self.core.step(params, grads, $init, $update)
+            }
+            fn num_groups(&self) -> usize {
+                self.core.groups.len()
+            }
+            fn add_group(&mut self, hyper: &$crate::optim::Hyperparams) -> $crate::Result<usize> {
+                self.core.add_group(hyper)
+            }
+            fn hyperparams(&self, group: usize) -> $crate::optim::Hyperparams {
+                self.core.hyperparams(group)
+            }
+            fn set_hyperparams(
+                &mut self,
+                group: usize,
+                hyper: &$crate::optim::Hyperparams,
+            ) -> $crate::Result<()> {
+                self.core.set_hyperparams(group, hyper)
+            }
+            fn learning_rate(&self, group: usize) -> f64 {
+                self.core.learning_rate(group)
+            }
+            fn set_learning_rate(&mut self, group: usize, lr: f64) {
+                self.core.set_learning_rate(group, lr)
+            }
+            fn export_state(&self) -> $crate::optim::OptimizerState<T> {
+                self.core.export_state()
+            }
+            fn state_bytes(&self) -> usize {
+                self.core.state_bytes()
+            }
+            fn import_state(
+                &mut self,
+                state: $crate::optim::OptimizerState<T>,
+            ) -> $crate::Result<()> {
+                self.core.import_state(state)
+            }
         }
     };
 }
-pub(crate) use forward_to_core;
+pub(crate) use optimizer;

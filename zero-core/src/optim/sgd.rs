@@ -2,113 +2,44 @@
 //! weight decay and maximize, as `torch.optim.SGD`.
 
 use super::core::{
-    check_non_negative, for_each_chunk, forward_to_core, get_bool, get_f64, num, reject_leftovers,
-    take_tensor, with_flags, Core, GroupConfig, PieceState,
+    check_non_negative, for_each_chunk, group_config, optimizer, reject_leftovers, take_tensor,
+    with_flags, GroupConfig, GroupFields, PieceState,
 };
-use super::{Float, FunctionalOptimizer, Hyperparams, ParamMut, ParamState};
+use super::{Float, ParamState};
 use crate::{Error, Result};
 
-/// Hyperparameters of an [`Sgd`] parameter group; `Default` is PyTorch's.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct SgdConfig {
-    /// Learning rate (`lr`, default 1e-3).
-    pub lr: f64,
-    /// Momentum factor (`momentum`, default 0).
-    pub momentum: f64,
-    /// Dampening for momentum (`dampening`, default 0).
-    pub dampening: f64,
-    /// Nesterov momentum (`nesterov`, default false); needs momentum > 0 and
-    /// zero dampening.
-    pub nesterov: bool,
-    /// L2 penalty added to the gradient (`weight_decay`, default 0).
-    pub weight_decay: f64,
-    /// Maximize the objective instead of minimizing (`maximize`, default false).
-    pub maximize: bool,
-}
-
-impl Default for SgdConfig {
-    fn default() -> Self {
-        Self {
-            lr: 1e-3,
-            momentum: 0.0,
-            dampening: 0.0,
-            nesterov: false,
-            weight_decay: 0.0,
-            maximize: false,
-        }
-    }
-}
-
-impl SgdConfig {
-    /// Sets the learning rate.
-    pub fn with_lr(mut self, lr: f64) -> Self {
-        self.lr = lr;
-        self
-    }
-    /// Sets the momentum factor.
-    pub fn with_momentum(mut self, momentum: f64) -> Self {
-        self.momentum = momentum;
-        self
-    }
-    /// Sets the dampening.
-    pub fn with_dampening(mut self, dampening: f64) -> Self {
-        self.dampening = dampening;
-        self
-    }
-    /// Turns Nesterov momentum on or off.
-    pub fn with_nesterov(mut self, nesterov: bool) -> Self {
-        self.nesterov = nesterov;
-        self
-    }
-    /// Sets the weight decay.
-    pub fn with_weight_decay(mut self, weight_decay: f64) -> Self {
-        self.weight_decay = weight_decay;
-        self
-    }
-    /// Maximizes instead of minimizing.
-    pub fn with_maximize(mut self, maximize: bool) -> Self {
-        self.maximize = maximize;
-        self
+group_config! {
+    /// Hyperparameters of an [`Sgd`] parameter group; `Default` is PyTorch's.
+    pub struct SgdConfig("sgd") {
+        /// Learning rate (`lr`, default 1e-3).
+        pub lr: f64 = 1e-3,
+            /// Sets the learning rate.
+            fn with_lr;
+        /// Momentum factor (`momentum`, default 0).
+        pub momentum: f64 = 0.0,
+            /// Sets the momentum factor.
+            fn with_momentum;
+        /// Dampening for momentum (`dampening`, default 0).
+        pub dampening: f64 = 0.0,
+            /// Sets the dampening.
+            fn with_dampening;
+        /// Nesterov momentum (`nesterov`, default false); needs momentum > 0 and
+        /// zero dampening.
+        pub nesterov: bool = false,
+            /// Turns Nesterov momentum on or off.
+            fn with_nesterov;
+        /// L2 penalty added to the gradient (`weight_decay`, default 0).
+        pub weight_decay: f64 = 0.0,
+            /// Sets the weight decay.
+            fn with_weight_decay;
+        /// Maximize the objective instead of minimizing (`maximize`, default false).
+        pub maximize: bool = false,
+            /// Maximizes instead of minimizing.
+            fn with_maximize;
     }
 }
 
 impl GroupConfig for SgdConfig {
-    const KEYS: &'static [&'static str] = &[
-        "lr",
-        "momentum",
-        "dampening",
-        "nesterov",
-        "weight_decay",
-        "maximize",
-    ];
-    const KIND: &'static str = "sgd";
-
-    fn lr(&self) -> f64 {
-        self.lr
-    }
-    fn set_lr(&mut self, lr: f64) {
-        self.lr = lr;
-    }
-    fn to_hyperparams(&self) -> Hyperparams {
-        let mut h = Hyperparams::new();
-        h.insert("lr".into(), num(self.lr));
-        h.insert("momentum".into(), num(self.momentum));
-        h.insert("dampening".into(), num(self.dampening));
-        h.insert("nesterov".into(), self.nesterov.into());
-        h.insert("weight_decay".into(), num(self.weight_decay));
-        h.insert("maximize".into(), self.maximize.into());
-        h
-    }
-    fn apply(&mut self, h: &Hyperparams) -> Result<()> {
-        let k = Self::KIND;
-        self.lr = get_f64(k, h, "lr")?.unwrap_or(self.lr);
-        self.momentum = get_f64(k, h, "momentum")?.unwrap_or(self.momentum);
-        self.dampening = get_f64(k, h, "dampening")?.unwrap_or(self.dampening);
-        self.nesterov = get_bool(k, h, "nesterov")?.unwrap_or(self.nesterov);
-        self.weight_decay = get_f64(k, h, "weight_decay")?.unwrap_or(self.weight_decay);
-        self.maximize = get_bool(k, h, "maximize")?.unwrap_or(self.maximize);
-        Ok(())
-    }
     fn validate(&self) -> Result<()> {
         let k = Self::KIND;
         check_non_negative(k, "learning rate", self.lr)?;
@@ -212,72 +143,43 @@ fn sgd_kernel<
     }
 }
 
-/// `torch.optim.SGD`: stochastic gradient descent with optional momentum
-/// (the buffer starts as the first gradient), dampening, Nesterov momentum,
-/// L2 weight decay and maximize.
-///
-/// State per piece: `momentum_buffer` (only when momentum is non-zero).
-pub struct Sgd<T = f32> {
-    core: Core<SgdConfig, SgdPiece<T>>,
+/// Steps one piece.
+fn sgd_update<T: Float>(config: &SgdConfig, state: &mut SgdPiece<T>, param: &mut [T], grad: &[T]) {
+    let c = SgdCoefficients {
+        sign: T::from_f64(if config.maximize { -1.0 } else { 1.0 }),
+        weight_decay: T::from_f64(config.weight_decay),
+        momentum: T::from_f64(config.momentum),
+        one_minus_dampening: T::from_f64(1.0 - config.dampening),
+        neg_lr: T::from_f64(-config.lr),
+    };
+    let weight_decay = config.weight_decay != 0.0;
+    if config.momentum == 0.0 {
+        for_each_chunk(
+            grad,
+            [param],
+            |g, [p]| with_flags!(sgd_kernel [] (&c, p, g, &mut []) weight_decay, false, false, false),
+        );
+        return;
+    }
+    let first = state.momentum_buffer.is_none();
+    let buffer = state
+        .momentum_buffer
+        .get_or_insert_with(|| vec![T::ZERO; grad.len()]);
+    let nesterov = config.nesterov;
+    for_each_chunk(
+        grad,
+        [param, buffer],
+        |g, [p, b]| with_flags!(sgd_kernel [] (&c, p, g, b) weight_decay, true, first, nesterov),
+    );
 }
 
-impl<T: Float> Sgd<T> {
-    /// An optimizer whose group 0 has `config`.
-    pub fn new(config: SgdConfig) -> Result<Self> {
-        Ok(Self {
-            core: Core::new(config)?,
-        })
-    }
-
-    /// Adds a parameter group with `config`; returns its index.
-    pub fn add_param_group(&mut self, config: SgdConfig) -> Result<usize> {
-        self.core.push_group(config)
-    }
-
-    /// The configuration of `group`, if it exists.
-    pub fn config(&self, group: usize) -> Option<&SgdConfig> {
-        self.core.groups.get(group)
-    }
-}
-
-impl<T: Float> FunctionalOptimizer<T> for Sgd<T> {
-    fn kind(&self) -> &str {
-        SgdConfig::KIND
-    }
-
-    fn step(&mut self, params: &mut [ParamMut<'_, T>], grads: &[Option<&[T]>]) -> Result<()> {
-        self.core.step(
-            params,
-            grads,
-            |_, _| SgdPiece {
-                momentum_buffer: None,
-            },
-            |config, state, param, grad| {
-                let c = SgdCoefficients {
-                    sign: T::from_f64(if config.maximize { -1.0 } else { 1.0 }),
-                    weight_decay: T::from_f64(config.weight_decay),
-                    momentum: T::from_f64(config.momentum),
-                    one_minus_dampening: T::from_f64(1.0 - config.dampening),
-                    neg_lr: T::from_f64(-config.lr),
-                };
-                let weight_decay = config.weight_decay != 0.0;
-                if config.momentum == 0.0 {
-                    for_each_chunk(grad, [param], |g, [p]| {
-                        with_flags!(sgd_kernel [] (&c, p, g, &mut []) weight_decay, false, false, false)
-                    });
-                    return;
-                }
-                let first = state.momentum_buffer.is_none();
-                let buffer = state
-                    .momentum_buffer
-                    .get_or_insert_with(|| vec![T::ZERO; grad.len()]);
-                let nesterov = config.nesterov;
-                for_each_chunk(grad, [param, buffer], |g, [p, b]| {
-                    with_flags!(sgd_kernel [] (&c, p, g, b) weight_decay, true, first, nesterov)
-                });
-            },
-        )
-    }
-
-    forward_to_core!();
+optimizer! {
+    /// `torch.optim.SGD`: stochastic gradient descent with optional momentum
+    /// (the buffer starts as the first gradient), dampening, Nesterov momentum,
+    /// L2 weight decay and maximize.
+    ///
+    /// State per piece: `momentum_buffer` (only when momentum is non-zero).
+    pub struct Sgd<T>(SgdConfig, SgdPiece);
+    init: |_, _| SgdPiece { momentum_buffer: None },
+    update: sgd_update,
 }
