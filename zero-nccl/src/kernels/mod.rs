@@ -73,7 +73,7 @@ fn range_entries<'a, T>(
 struct PieceTable {
     table: CudaSlice<u64>,
     n_pieces: u32,
-    grid: (u32, u32, u32),
+    config: LaunchConfig,
 }
 
 /// A 16-bit float type of model weights and gradients (`bf16`, `f16`): the
@@ -322,6 +322,15 @@ pub(crate) fn max_blocks(ctx: &Arc<CudaContext>) -> Result<u32> {
 /// Threads per block of every launch.
 const BLOCK: u32 = 256;
 
+/// A launch of `grid` blocks of [`BLOCK`] threads.
+fn blocks(grid: (u32, u32, u32)) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: grid,
+        block_dim: (BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
 /// The compiled kernels, loaded into one device's context.
 #[derive(Debug)]
 pub struct FusedKernels {
@@ -388,16 +397,12 @@ impl FusedKernels {
         &self.ctx
     }
 
-    /// A 1-D launch over `n` elements.
+    /// A 1-D grid-stride launch over `n` elements.
     pub(crate) fn config(&self, n: usize) -> LaunchConfig {
-        let blocks = n
+        let x = n
             .div_ceil(BLOCK as usize)
             .clamp(1, self.max_blocks as usize) as u32;
-        LaunchConfig {
-            grid_dim: (blocks, 1, 1),
-            block_dim: (BLOCK, 1, 1),
-            shared_mem_bytes: 0,
-        }
+        blocks((x, 1, 1))
     }
 
     fn copy_kernel<T: Element>(table: &[CudaFunction; 3]) -> &CudaFunction {
@@ -424,7 +429,9 @@ impl FusedKernels {
             entries.push((ptr, offset, piece.len()));
         }
         let kernel = Self::copy_kernel::<T>(&self.gather);
-        self.launch_copy("flatten", stream, kernel, &entries, flat)?;
+        self.launch_table("flatten", stream, kernel, &entries, flat.len(), || {
+            flat.device_ptr_mut(stream)
+        })?;
         drop(guards);
         Ok(())
     }
@@ -446,7 +453,14 @@ impl FusedKernels {
         } else {
             Self::copy_kernel::<f32>(&self.gather)
         };
-        self.launch_copy("flatten_ranges", stream, kernel, &entries, flat)?;
+        self.launch_table(
+            "flatten_ranges",
+            stream,
+            kernel,
+            &entries,
+            flat.len(),
+            || flat.device_ptr_mut(stream),
+        )?;
         drop(guards);
         Ok(())
     }
@@ -520,7 +534,9 @@ impl FusedKernels {
         } else {
             &self.widen[H::INDEX]
         };
-        self.launch_copy("widen_ranges", stream, kernel, &entries, flat)?;
+        self.launch_table("widen_ranges", stream, kernel, &entries, flat.len(), || {
+            flat.device_ptr_mut(stream)
+        })?;
         drop(guards);
         Ok(())
     }
@@ -552,7 +568,14 @@ impl FusedKernels {
             entries.push((start, *offset, range.len()));
         }
         let kernel = &self.narrow[H::INDEX];
-        self.launch_copy_read("narrow_ranges", stream, kernel, &entries, flat)?;
+        self.launch_table(
+            "narrow_ranges",
+            stream,
+            kernel,
+            &entries,
+            flat.len(),
+            || flat.device_ptr(stream),
+        )?;
         drop(guards);
         Ok(())
     }
@@ -574,7 +597,9 @@ impl FusedKernels {
             entries.push((ptr, *offset, len));
         }
         let kernel = Self::copy_kernel::<T>(&self.scatter);
-        self.launch_copy_read("unflatten", stream, kernel, &entries, flat)?;
+        self.launch_table("unflatten", stream, kernel, &entries, flat.len(), || {
+            flat.device_ptr(stream)
+        })?;
         drop(guards);
         Ok(())
     }
@@ -617,77 +642,47 @@ impl FusedKernels {
             // fine, and no host synchronization happens.
             unsafe { cudarc::driver::result::memcpy_htod_async(dst, &table, stream.cu_stream()) }?;
         }
+        // x strides over the longest piece, y over the pieces.
         let x = longest.div_ceil(BLOCK as usize).clamp(1, 1024) as u32;
         let y = n_pieces.min(65535) as u32;
         Ok(Some(PieceTable {
             table: device_table,
             n_pieces: n_pieces as u32,
-            grid: (x, y, 1),
+            config: blocks((x, y, 1)),
         }))
     }
 
-    fn launch_copy<T: Element>(
+    /// Launches the table-driven `kernel` over the pieces `entries` and the
+    /// flat buffer of `flat_len` elements at the address `flat` returns
+    /// (called only when there is something to launch): `(table, n_pieces,
+    /// flat)`, the signature of every gather, scatter, widen and narrow
+    /// kernel.
+    fn launch_table<'a>(
         &self,
         op: &'static str,
-        stream: &Arc<CudaStream>,
+        stream: &'a Arc<CudaStream>,
         kernel: &CudaFunction,
         entries: &[(u64, usize, usize)],
-        flat: &mut (impl DevicePtrMut<T> + ?Sized),
+        flat_len: usize,
+        flat: impl FnOnce() -> (u64, SyncOnDrop<'a>),
     ) -> Result<()> {
         let Some(PieceTable {
             table,
             n_pieces,
-            grid,
-        }) = self.table(op, stream, entries, flat.len())?
+            config,
+        }) = self.table(op, stream, entries, flat_len)?
         else {
             return Ok(());
         };
-        let cfg = LaunchConfig {
-            grid_dim: grid,
-            block_dim: (BLOCK, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let (flat_ptr, _flat_guard) = flat.device_ptr_mut(stream);
+        let (flat_ptr, _flat_guard) = flat();
         let mut launch = stream.launch_builder(kernel);
         launch.arg(&table).arg(&n_pieces).arg(&flat_ptr);
         // SAFETY: the table's pointers and lengths come from live device
-        // buffers of `T` whose guards the caller holds across this launch;
-        // offsets + lengths were checked against `flat`; the kernel's element
-        // type has the size of `T`.
-        unsafe { launch.launch(cfg) }?;
-        Ok(())
-    }
-
-    /// Launches `kernel` over the pieces `entries`, reading `flat` (of the
-    /// pieces' element type, or f32 for a narrowing kernel).
-    fn launch_copy_read<F>(
-        &self,
-        op: &'static str,
-        stream: &Arc<CudaStream>,
-        kernel: &CudaFunction,
-        entries: &[(u64, usize, usize)],
-        flat: &(impl DevicePtr<F> + ?Sized),
-    ) -> Result<()> {
-        let Some(PieceTable {
-            table,
-            n_pieces,
-            grid,
-        }) = self.table(op, stream, entries, flat.len())?
-        else {
-            return Ok(());
-        };
-        let cfg = LaunchConfig {
-            grid_dim: grid,
-            block_dim: (BLOCK, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let (flat_ptr, _flat_guard) = flat.device_ptr(stream);
-        let mut launch = stream.launch_builder(kernel);
-        launch.arg(&table).arg(&n_pieces).arg(&flat_ptr);
-        // SAFETY: as in `launch_copy`, with the roles of flat and pieces
-        // swapped; the kernel reads `flat` as `F` and writes the pieces as
-        // the type their table entries were sized for.
-        unsafe { launch.launch(cfg) }?;
+        // buffers whose guards the caller holds across this launch, and the
+        // flat buffer's guard lives to the end of this function; offsets +
+        // lengths were checked against `flat_len`; the caller picks a kernel
+        // whose element types are those of the pieces and of `flat`.
+        unsafe { launch.launch(config) }?;
         Ok(())
     }
 }
