@@ -18,6 +18,7 @@ use cudarc::driver::{
     ValidAsZeroBits,
 };
 use cudarc::nccl::{result as nccl, sys};
+use std::ffi::c_void;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -60,6 +61,30 @@ fn nccl_op(op: ReduceOp) -> sys::ncclRedOp_t {
 /// Bytes a rank sends in a ring collective over a buffer of `bytes`: `(N-1)/N` of it.
 fn ring_bytes(bytes: usize, world_size: usize) -> u64 {
     (bytes as u64 * (world_size as u64 - 1)) / world_size as u64
+}
+
+/// A ring collective that [`NcclComm::collective_event`] issues.
+#[derive(Clone, Copy, Debug)]
+enum Collective {
+    AllReduce(ReduceOp),
+    ReduceScatter(ReduceOp),
+    AllGather,
+    /// From the rank `root` (checked against the world size).
+    Broadcast {
+        root: i32,
+    },
+}
+
+impl Collective {
+    /// The NCCL function's name, for errors and the deadline's messages.
+    fn call(self) -> &'static str {
+        match self {
+            Self::AllReduce(_) => "ncclAllReduce",
+            Self::ReduceScatter(_) => "ncclReduceScatter",
+            Self::AllGather => "ncclAllGather",
+            Self::Broadcast { .. } => "ncclBroadcast",
+        }
+    }
 }
 
 /// Address of element `offset` of a buffer of `T` at `ptr`.
@@ -515,6 +540,69 @@ impl NcclComm {
         Ok(())
     }
 
+    /// Issues `collective` from the device address `src` into `dst` (the
+    /// same address when in place) with `count` elements of `T` per rank
+    /// (NCCL's `count`, `recvcount` or `sendcount`), counting `bytes` as
+    /// sent. The one place the four ring collectives call NCCL.
+    ///
+    /// # Safety
+    ///
+    /// `src` and `dst` address live device buffers of `T` holding what
+    /// `collective` reads and writes for `count`: `count` elements each in
+    /// place, `world_size * count` in reduce-scatter's source and
+    /// all-gather's destination, and `count` in the other side of those two.
+    unsafe fn collective_event<T: Element>(
+        &self,
+        collective: Collective,
+        src: u64,
+        dst: u64,
+        count: usize,
+        bytes: u64,
+    ) -> Result<CudaEvent> {
+        let call = collective.call();
+        let dtype = nccl_dtype(T::DTYPE);
+        self.issue(call, bytes, |comm, stream| {
+            let (src, dst) = (src as *const c_void, dst as *mut c_void);
+            // SAFETY: the buffers are as this function's contract requires.
+            unsafe {
+                match collective {
+                    Collective::AllReduce(op) => {
+                        nccl::all_reduce(src, dst, count, dtype, nccl_op(op), comm, stream)
+                    }
+                    Collective::ReduceScatter(op) => {
+                        nccl::reduce_scatter(src, dst, count, dtype, nccl_op(op), comm, stream)
+                    }
+                    Collective::AllGather => nccl::all_gather(src, dst, count, dtype, comm, stream),
+                    Collective::Broadcast { root } => {
+                        nccl::broadcast(src, dst, count, dtype, root, comm, stream)
+                    }
+                }
+            }
+            .map(drop)
+            .map_err(|e| Error::nccl(call, e))
+        })
+    }
+
+    /// Fails unless the gathered side of a reduce-scatter or all-gather
+    /// (`what`, of `got` elements) holds `world_size * count`.
+    fn check_gathered(
+        &self,
+        op: &'static str,
+        what: &'static str,
+        got: usize,
+        count: usize,
+    ) -> Result<()> {
+        if got != count * self.world_size {
+            return Err(Error::BufferSize {
+                op,
+                what,
+                got,
+                expected: count * self.world_size,
+            });
+        }
+        Ok(())
+    }
+
     pub(crate) fn all_reduce_event<T: Element>(
         &self,
         buf: &mut (impl DevicePtrMut<T> + ?Sized),
@@ -523,24 +611,10 @@ impl NcclComm {
         let count = buf.len();
         let bytes = 2 * ring_bytes(buf.num_bytes(), self.world_size);
         let (ptr, _record) = buf.device_ptr_mut(&self.comm_stream);
-        self.issue("ncclAllReduce", bytes, |comm, stream| {
-            // SAFETY: in place over `count` elements of a live device buffer
-            // of `T`; the buffer stays borrowed until the returned event's
-            // Work is waited.
-            unsafe {
-                nccl::all_reduce(
-                    ptr as *const _,
-                    ptr as *mut _,
-                    count,
-                    nccl_dtype(T::DTYPE),
-                    nccl_op(op),
-                    comm,
-                    stream,
-                )
-            }
-            .map(drop)
-            .map_err(|e| Error::nccl("ncclAllReduce", e))
-        })
+        // SAFETY: in place over `count` elements of a live device buffer of
+        // `T`; the buffer stays borrowed until the returned event's Work is
+        // waited.
+        unsafe { self.collective_event::<T>(Collective::AllReduce(op), ptr, ptr, count, bytes) }
     }
 
     pub(crate) fn reduce_scatter_event<T: Element>(
@@ -550,34 +624,13 @@ impl NcclComm {
         op: ReduceOp,
     ) -> Result<CudaEvent> {
         let count = recv.len();
-        if send.len() != count * self.world_size {
-            return Err(Error::BufferSize {
-                op: "reduce_scatter",
-                what: "send",
-                got: send.len(),
-                expected: count * self.world_size,
-            });
-        }
+        self.check_gathered("reduce_scatter", "send", send.len(), count)?;
         let bytes = ring_bytes(send.num_bytes(), self.world_size);
         let (src, _record_src) = send.device_ptr(&self.comm_stream);
         let (dst, _record_dst) = recv.device_ptr_mut(&self.comm_stream);
-        self.issue("ncclReduceScatter", bytes, |comm, stream| {
-            // SAFETY: `send` holds world_size * count and `recv` count
-            // elements of `T` (checked above); both are live device buffers.
-            unsafe {
-                nccl::reduce_scatter(
-                    src as *const _,
-                    dst as *mut _,
-                    count,
-                    nccl_dtype(T::DTYPE),
-                    nccl_op(op),
-                    comm,
-                    stream,
-                )
-            }
-            .map(drop)
-            .map_err(|e| Error::nccl("ncclReduceScatter", e))
-        })
+        // SAFETY: `send` holds world_size * count and `recv` count elements
+        // of `T` (checked above); both are live device buffers.
+        unsafe { self.collective_event::<T>(Collective::ReduceScatter(op), src, dst, count, bytes) }
     }
 
     fn all_gather_event<T: Element>(
@@ -586,33 +639,13 @@ impl NcclComm {
         recv: &mut (impl DevicePtrMut<T> + ?Sized),
     ) -> Result<CudaEvent> {
         let count = send.len();
-        if recv.len() != count * self.world_size {
-            return Err(Error::BufferSize {
-                op: "all_gather",
-                what: "recv",
-                got: recv.len(),
-                expected: count * self.world_size,
-            });
-        }
+        self.check_gathered("all_gather", "recv", recv.len(), count)?;
         let bytes = ring_bytes(recv.num_bytes(), self.world_size);
         let (src, _record_src) = send.device_ptr(&self.comm_stream);
         let (dst, _record_dst) = recv.device_ptr_mut(&self.comm_stream);
-        self.issue("ncclAllGather", bytes, |comm, stream| {
-            // SAFETY: `send` holds count and `recv` world_size * count
-            // elements of `T` (checked above); both are live device buffers.
-            unsafe {
-                nccl::all_gather(
-                    src as *const _,
-                    dst as *mut _,
-                    count,
-                    nccl_dtype(T::DTYPE),
-                    comm,
-                    stream,
-                )
-            }
-            .map(drop)
-            .map_err(|e| Error::nccl("ncclAllGather", e))
-        })
+        // SAFETY: `send` holds count and `recv` world_size * count elements
+        // of `T` (checked above); both are live device buffers.
+        unsafe { self.collective_event::<T>(Collective::AllGather, src, dst, count, bytes) }
     }
 
     fn broadcast_event<T: Element>(
@@ -624,22 +657,10 @@ impl NcclComm {
         let count = buf.len();
         let bytes = ring_bytes(buf.num_bytes(), self.world_size);
         let (ptr, _record) = buf.device_ptr_mut(&self.comm_stream);
-        self.issue("ncclBroadcast", bytes, |comm, stream| {
-            // SAFETY: in place over `count` elements of a live device buffer.
-            unsafe {
-                nccl::broadcast(
-                    ptr as *const _,
-                    ptr as *mut _,
-                    count,
-                    nccl_dtype(T::DTYPE),
-                    root,
-                    comm,
-                    stream,
-                )
-            }
-            .map(drop)
-            .map_err(|e| Error::nccl("ncclBroadcast", e))
-        })
+        // SAFETY: in place over `count` elements of a live device buffer.
+        unsafe {
+            self.collective_event::<T>(Collective::Broadcast { root }, ptr, ptr, count, bytes)
+        }
     }
 
     /// Gathers the ranks' contributions with grouped point-to-point calls:
