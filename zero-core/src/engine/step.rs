@@ -12,6 +12,9 @@ use crate::{Element, Error, Result};
 use std::ops::Range;
 
 impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
+    /// Closes the accumulation window with an optimizer step (`last`: the
+    /// last micro-step's gradients, given with the step), whatever the
+    /// step's outcome, and reports it.
     pub(super) fn reduce_and_update(
         &mut self,
         last: Option<&[Option<M::Grad<'_>>]>,
