@@ -10,7 +10,15 @@ set -euo pipefail
 out="$1"
 major="${2:-13}"
 mkdir -p "$out"
-cudarc=$(ls -d "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/cudarc-0.19.* | sort -V | tail -1)/src
+# The cudarc that Cargo.lock resolves, fetched first: on a fresh machine
+# (an empty cargo home) its sources are not there until cargo fetches them.
+repo="$(cd "$(dirname "$0")/.." && pwd)"
+cargo fetch --quiet --manifest-path "$repo/Cargo.toml"
+cudarc=$(cargo metadata --quiet --format-version 1 --all-features --manifest-path "$repo/Cargo.toml" |
+    python3 -c 'import json, os, sys
+packages = json.load(sys.stdin)["packages"]
+print(os.path.dirname(next(p["manifest_path"] for p in packages if p["name"] == "cudarc")))')/src
+[[ -f "$cudarc/driver/sys/mod.rs" ]] || { echo "cuda-link-stubs: no cudarc sources at $cudarc" >&2; exit 1; }
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 # library  soname          bindings
