@@ -35,6 +35,12 @@ pub struct LaunchEnv {
     pub master_addr: String,
     /// Port of rank 0's rendezvous server (`MASTER_PORT`, default 29500).
     pub master_port: u16,
+    /// The per-job secret the rendezvous authenticates the ranks with:
+    /// `ZERO_RENDEZVOUS_TOKEN` when set, else under Open MPI's `mpirun` the
+    /// random key it exports to the job's processes
+    /// (`OMPI_MCA_orte_precondition_transports`). `None`: a job of more
+    /// than one rank must export `ZERO_RENDEZVOUS_TOKEN` to every rank.
+    pub token: Option<String>,
 }
 
 impl LaunchEnv {
@@ -46,7 +52,8 @@ impl LaunchEnv {
     /// Reads the layout through `var`, in this order of precedence: Open MPI
     /// (`OMPI_COMM_WORLD_RANK`, `_SIZE`, `_LOCAL_RANK`), PMI (`PMI_RANK`,
     /// `PMI_SIZE`, `MPI_LOCALRANKID`), then torchrun (`RANK`, `WORLD_SIZE`,
-    /// `LOCAL_RANK`). `MASTER_ADDR` and `MASTER_PORT` apply to all three.
+    /// `LOCAL_RANK`). `MASTER_ADDR`, `MASTER_PORT` and the token
+    /// ([`LaunchEnv::token`]) apply to all three.
     pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<Self> {
         let (launcher, rank, size, local) = if var("OMPI_COMM_WORLD_RANK").is_some() {
             (
@@ -108,6 +115,12 @@ impl LaunchEnv {
                 detail: format!("not a TCP port: {e}"),
             })?,
         };
+        let token = [
+            "ZERO_RENDEZVOUS_TOKEN",
+            "OMPI_MCA_orte_precondition_transports",
+        ]
+        .into_iter()
+        .find_map(|name| var(name).filter(|v| !v.trim().is_empty()));
         Ok(Self {
             launcher,
             rank,
@@ -115,6 +128,7 @@ impl LaunchEnv {
             local_rank,
             master_addr,
             master_port,
+            token,
         })
     }
 }
@@ -200,5 +214,18 @@ mod tests {
         ]))
         .unwrap_err();
         assert!(err.to_string().contains("MASTER_PORT"), "{err}");
+    }
+
+    #[test]
+    fn the_token_is_the_users_then_open_mpis_job_key() {
+        let base = [("OMPI_COMM_WORLD_RANK", "0"), ("OMPI_COMM_WORLD_SIZE", "2")];
+        let key = ("OMPI_MCA_orte_precondition_transports", "978608a5-a5308de3");
+        let e = LaunchEnv::from_vars(env(&[base[0], base[1], key])).unwrap();
+        assert_eq!(e.token.as_deref(), Some("978608a5-a5308de3"));
+        let mine = ("ZERO_RENDEZVOUS_TOKEN", "mine");
+        let e = LaunchEnv::from_vars(env(&[base[0], base[1], key, mine])).unwrap();
+        assert_eq!(e.token.as_deref(), Some("mine"));
+        let e = LaunchEnv::from_vars(env(&[("RANK", "1"), ("WORLD_SIZE", "2")])).unwrap();
+        assert_eq!(e.token, None, "torchrun exports no secret");
     }
 }
