@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # The GPU check, on a machine with a CUDA GPU, PyTorch and no Rust:
-#   scripts/gpu-check.sh BUNDLE.tar.xz [LOG_DIR] [suite|bench|all|EXTRA...]
+#   scripts/gpu-check.sh BUNDLE.tar.xz [LOG_DIR] [suite|bench|train|all|EXTRA...]
 # BUNDLE comes from scripts/build-gpu-bundle.sh. Runs every test in the
 # bundle with --include-ignored (the GPU suite), then `bench gpu` from the
-# repository's root (so that it finds examples/pytorch/), logging each to
-# LOG_DIR (default: a temporary folder). `suite` or `bench` runs only that
-# part; anything else is run as a command inside the unpacked bundle after
-# both (e.g. "./train --backend nccl --model gpt --steps 20").
+# repository's root (so that it finds examples/pytorch/), then short trainer
+# runs on one GPU (MLP and GPT, stages 0-2, f32 and bf16, 20 steps each:
+# the table shows each one's final loss), logging each to LOG_DIR (default:
+# a temporary folder). `suite`, `bench` or `train` runs only that part;
+# anything else is run as a command inside the unpacked bundle (e.g.
+# "./train --backend nccl --model gpt --steps 20").
 # Exits non-zero if any test binary or the bench failed; the last lines
 # printed are a table of what passed.
 set -uo pipefail
@@ -52,7 +54,7 @@ run() {
     "$@" >"$logs/$name.log" 2>&1
     local rc=$?
     local summary
-    summary="$(grep -E '^test result:' "$logs/$name.log" | tail -1)"
+    summary="$(grep -E '^test result:|^done: final loss' "$logs/$name.log" | tail -1)"
     table+=("$(printf '%-34s rc=%-3s %4ss  %s' "$name" "$rc" "$((SECONDS - start))" "$summary")")
     if [[ $rc -ne 0 ]]; then
         failed=1
@@ -70,7 +72,18 @@ if [[ "$what" == all || "$what" == bench ]]; then
     run bench-gpu "$unpacked/bench" gpu
     grep -E 'gpu\.|failed|skipped' "$logs/bench-gpu.log" | tail -40
 fi
-if [[ "$what" != all && "$what" != suite && "$what" != bench ]]; then
+if [[ "$what" == all || "$what" == train ]]; then
+    for model in mlp gpt; do
+        for stage in 0 1 2; do
+            for precision in f32 bf16; do
+                run "train-$model-s$stage-$precision" env RANK=0 WORLD_SIZE=1 \
+                    "$unpacked/train" --backend nccl --model "$model" --stage "$stage" \
+                    --precision "$precision" --steps 20
+            done
+        done
+    done
+fi
+if [[ "$what" != all && "$what" != suite && "$what" != bench && "$what" != train ]]; then
     run extra bash -c "cd '$unpacked' && $what"
     tail -30 "$logs/extra.log"
 fi

@@ -98,7 +98,8 @@ pub struct Args {
     #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u64).range(1..=1024))]
     pub world_size: u64,
     /// ZeRO stage: 0 (DDP), 1 (optimizer state), 2 (+ gradients), 3 (+
-    /// parameters: gathered layer by layer on use, from the second step).
+    /// parameters: sharded from construction, gathered layer by layer on
+    /// use; host backends only).
     #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u8).range(0..=3))]
     pub stage: u8,
     /// Stage 3: parameters with at most this many elements stay replicated
