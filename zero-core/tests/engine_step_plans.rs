@@ -513,7 +513,9 @@ fn step_plans_keep_each_piece_at_its_shard_position() {
 /// (the CUDA memory) gets its reductions launched on the calling thread as
 /// buckets fill, and trains what the reference trains, at every stage, with
 /// accumulation: the inline reducer settles before it uses a result
-/// (stage 0 writes its buckets into the full buffer after settling).
+/// (stage 0 writes its buckets into the full buffer after settling). At
+/// stages 1 and 2 it steps and gathers bucket by bucket on the calling
+/// thread too, with no copy of the parameter shard.
 #[test]
 fn a_memory_with_asynchronous_collectives_reduces_during_backward_on_the_calling_thread() {
     let model = Synthetic::medium();
@@ -560,6 +562,19 @@ fn a_memory_with_asynchronous_collectives_reduces_during_backward_on_the_calling
                     }
                     out.push(params.clone());
                 }
+                // No copy of the parameter shard beside the replica: each
+                // bucket's owned pieces were read from the replica, stepped
+                // and gathered (stages 1 and 2, as stage 0 steps the replica).
+                let replica: usize = model
+                    .infos()
+                    .iter()
+                    .map(|p| p.numel() * p.dtype.size_in_bytes())
+                    .sum();
+                assert_eq!(
+                    e.memory_report().params,
+                    replica,
+                    "{stage:?}: the engine holds parameters beside the replica"
+                );
                 Ok(out)
             });
             assert_trajectories(&trajectories, &expected[..steps], 1e-9, &what);

@@ -43,20 +43,24 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         let Some(groups) = self.plan.pieces_by_bucket() else {
             return Ok(false);
         };
-        if self.memory.fork().is_none() {
+        // A memory whose collectives run on a stream of their own (the
+        // GPU's) queues the same pipeline on this thread instead.
+        let forkable = self.memory.fork().is_some();
+        if !forkable && !self.memory.launches_async() {
             return Ok(false);
         }
         if self.buffers.grad_shard.is_none() {
             return Err(no_grad_shard());
         }
         let defer = defer
+            && forkable
             && self
                 .deferred_gathers()
                 .is_some_and(|gathers| gathers.access.is_some());
         // Without a communication thread, the serial step issues the same
         // all-gathers in the same order; deferral keeps its own order and
         // gathers on this thread instead.
-        if !self.ensure_worker() && !defer {
+        if forkable && !self.ensure_worker() && !defer {
             return Ok(false);
         }
         // Without a shard copy (`lean_shard`), each bucket's owned pieces
@@ -67,11 +71,77 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             self.buffers.param_shard = self.memory.alloc_zeroed(0)?;
             grad_chunk = Some(self.memory.alloc_zeroed(self.longest_chunk())?);
         }
+        if !forkable {
+            self.step_and_gather_inline(stepping, params, &groups, grad_chunk)?;
+            return Ok(true);
+        }
         if defer {
             self.step_and_defer(stepping, params, &groups, grad_chunk)?;
             return Ok(true);
         }
         self.step_and_gather_on_thread(stepping, params, &groups, grad_chunk)
+    }
+
+    /// A memory whose collectives complete on its stream, in order (the
+    /// GPU's): each active bucket stepped, all-gathered and written into the
+    /// replica, all queued on this thread, through one chunk buffer and one
+    /// pooled bucket buffer, which the stream's order lets the next bucket
+    /// reuse at once.
+    fn step_and_gather_inline(
+        &mut self,
+        stepping: &[bool],
+        params: &mut M::Params<'_>,
+        groups: &[Range<usize>],
+        mut grad_chunk: Option<M::Buffer>,
+    ) -> Result<()> {
+        let mut send = self.memory.alloc_zeroed(self.longest_chunk())?;
+        // Overwritten whole by each gather: no need to zero.
+        let (mut recv, _) = super::reduce::take_shortest(
+            &mut self.memory,
+            &mut self.buffers.pool,
+            self.plan.longest_bucket,
+        )?;
+        let dtype = self.gather_dtype();
+        let pieces = super::step_pieces(&self.plan.owned, &self.plan.keys, self.plan.base(), |p| {
+            stepping[p]
+        });
+        let stepper = BucketStep {
+            plan: &self.plan,
+            pieces: &pieces,
+            bucket_active: &self.mask.bucket_active,
+            early_stepped: &self.window.early_stepped,
+            grads: self.buffers.grad_shard.as_ref().ok_or_else(no_grad_shard)?,
+        };
+        let layout = &self.plan.layout;
+        let mut outcome = Ok(());
+        for (k, group) in groups.iter().enumerate() {
+            if !stepper.bucket_active[k] {
+                continue;
+            }
+            outcome = step_bucket(
+                &mut self.memory,
+                self.optimizer.as_mut(),
+                params,
+                (&mut self.buffers.param_shard, grad_chunk.as_mut()),
+                &stepper,
+                (k, group.clone()),
+                &mut send,
+            )
+            .and_then(|()| {
+                let (n, all) = (layout.buckets[k].len(), layout.bucket_range(k).len());
+                self.memory
+                    .all_gather_as(&*self.comm, &send, 0..n, &mut recv, 0..all, dtype)
+            })
+            .and_then(|()| {
+                let copies = bucket_copies(layout, &self.mask.active, k);
+                self.memory.write_params(params, &copies, &recv)
+            });
+            if outcome.is_err() {
+                break;
+            }
+        }
+        self.buffers.pool.push(recv);
+        outcome
     }
 
     /// Elements of the longest bucket's chunk (one rank's part of it).

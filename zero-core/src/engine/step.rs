@@ -176,10 +176,11 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// Whether stages 1 and 2 keep no copy of the parameter shard between
     /// steps: without master weights the replica holds the owned pieces'
     /// values already, and the after-backward schedule reads them bucket by
-    /// bucket as it steps and all-gathers (`step_and_gather_overlapped`).
-    /// The interleaved schedule steps on the communication thread during
-    /// backward, and stage 3's shard, once sharded, is the only copy of its
-    /// parameters: both keep the shard.
+    /// bucket as it steps and all-gathers (`step_and_gather_overlapped`, on
+    /// the communication thread or, for a memory with its own stream, on
+    /// this one). The interleaved schedule steps on the communication
+    /// thread during backward, and stage 3's shard, once sharded, is the
+    /// only copy of its parameters: both keep the shard.
     pub(super) fn lean_shard(&self) -> bool {
         let replicated = match self.config.stage {
             Stage::OptimizerState | Stage::Gradients => true,
@@ -190,7 +191,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         replicated
             && self.config.overlap == Overlap::AfterBackward
             && !self.has_master_weights()
-            && self.memory.fork().is_some()
+            && (self.memory.fork().is_some() || self.memory.launches_async())
     }
 
     /// Reduces every active bucket: all-reduce in stage 0, reduce-scatter
