@@ -102,16 +102,13 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             self.plan.longest_bucket,
         )?;
         let dtype = self.gather_dtype();
-        let pieces = super::step_pieces(&self.plan.owned, &self.plan.keys, self.plan.base(), |p| {
-            stepping[p]
-        });
-        let stepper = BucketStep {
-            plan: &self.plan,
-            pieces: &pieces,
-            bucket_active: &self.mask.bucket_active,
-            early_stepped: &self.window.early_stepped,
-            grads: self.buffers.grad_shard.as_ref().ok_or_else(no_grad_shard)?,
-        };
+        let stepper = BucketStep::new(
+            &self.plan,
+            stepping,
+            &self.mask.bucket_active,
+            &self.window.early_stepped,
+            self.buffers.grad_shard.as_ref(),
+        )?;
         let layout = &self.plan.layout;
         let mut outcome = Ok(());
         for (k, group) in groups.iter().enumerate() {
@@ -216,16 +213,13 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             Some(worker) => worker.run(payload, |memory, payload| payload.run(memory)),
             None => Err(payload),
         };
-        let pieces = super::step_pieces(&self.plan.owned, &self.plan.keys, self.plan.base(), |p| {
-            stepping[p]
-        });
-        let stepper = BucketStep {
-            plan: &self.plan,
-            pieces: &pieces,
-            bucket_active: &self.mask.bucket_active,
-            early_stepped: &self.window.early_stepped,
-            grads: self.buffers.grad_shard.as_ref().ok_or_else(no_grad_shard)?,
-        };
+        let stepper = BucketStep::new(
+            &self.plan,
+            stepping,
+            &self.mask.bucket_active,
+            &self.window.early_stepped,
+            self.buffers.grad_shard.as_ref(),
+        )?;
         let mut stepped = Ok(());
         for (&k, copies) in order.iter().zip(copies) {
             let chunk = self.plan.layout.buckets[k].clone();
@@ -306,17 +300,13 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         let longest_chunk = self.longest_chunk();
         let had_scratch = self.buffers.scratch.is_some();
         let mut staging: Vec<M::Buffer> = self.buffers.scratch.take().into_iter().collect();
-        let pieces = super::step_pieces(&self.plan.owned, &self.plan.keys, self.plan.base(), |p| {
-            stepping[p]
-        });
-        let grads = self.buffers.grad_shard.as_ref().ok_or_else(no_grad_shard)?;
-        let stepper = BucketStep {
-            plan: &self.plan,
-            pieces: &pieces,
-            bucket_active: &self.mask.bucket_active,
-            early_stepped: &self.window.early_stepped,
-            grads,
-        };
+        let stepper = BucketStep::new(
+            &self.plan,
+            stepping,
+            &self.mask.bucket_active,
+            &self.window.early_stepped,
+            self.buffers.grad_shard.as_ref(),
+        )?;
         let layout = &self.plan.layout;
         let optimizer = &mut self.optimizer;
         let param_shard = &mut self.buffers.param_shard;
@@ -494,12 +484,33 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Landing<'_, T, C, M> {
 struct BucketStep<'a, B> {
     plan: &'a super::plan::Plan,
     /// The owned pieces to step, at shard offsets.
-    pieces: &'a [StepPiece<'a>],
+    pieces: Vec<StepPiece<'a>>,
     bucket_active: &'a [bool],
     /// Per bucket, whether the interleaved schedule stepped it already.
     early_stepped: &'a [bool],
     /// The reduced gradient shard.
     grads: &'a B,
+}
+
+impl<'a, B> BucketStep<'a, B> {
+    /// What stepping reads: the plan and its pieces (those of `stepping`
+    /// parameters active), the active buckets, those the interleaved
+    /// schedule stepped, the reduced gradient shard (an error if none).
+    fn new(
+        plan: &'a super::plan::Plan,
+        stepping: &[bool],
+        bucket_active: &'a [bool],
+        early_stepped: &'a [bool],
+        grads: Option<&'a B>,
+    ) -> Result<Self> {
+        Ok(Self {
+            plan,
+            pieces: plan.step_pieces(|p| stepping[p]),
+            bucket_active,
+            early_stepped,
+            grads: grads.ok_or_else(no_grad_shard)?,
+        })
+    }
 }
 
 /// Steps bucket `k` (owned pieces `group`) and leaves its updated chunk in

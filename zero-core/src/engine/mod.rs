@@ -787,25 +787,3 @@ fn piece_of<G: Copy>(
         range: start - range.start..end - range.start,
     })
 }
-
-/// The owned pieces with their keys and shard ranges (`base`: where this
-/// rank's shard starts in the flat plan), active where `active` says.
-fn step_pieces<'a>(
-    owned: &[ShardPiece],
-    keys: &'a [ParamKey],
-    base: usize,
-    active: impl Fn(usize) -> bool,
-) -> Vec<StepPiece<'a>> {
-    owned
-        .iter()
-        .zip(keys)
-        .map(|(piece, key)| {
-            let at = piece.flat_range.start - base;
-            StepPiece {
-                key,
-                range: at..at + piece.len(),
-                active: active(piece.param),
-            }
-        })
-        .collect()
-}

@@ -2,7 +2,7 @@
 //! this rank's owned pieces and their optimizer keys, and the indices the
 //! hand-over of gradients looks up.
 
-use super::{Engine, Layout, ParamCopy, ShardMemory, Stage};
+use super::{Engine, Layout, ParamCopy, ShardMemory, Stage, StepPiece};
 use crate::comm::Communicator;
 use crate::optim::ParamKey;
 use crate::partition::{Interleaved, ParamInfo, PartitionPlan, ShardPiece};
@@ -94,6 +94,24 @@ impl Plan {
     /// Where an owned piece starts in this rank's shard.
     pub fn shard_offset(&self, piece: &ShardPiece) -> usize {
         piece.flat_range.start - self.base()
+    }
+
+    /// The owned pieces with their keys and shard ranges, active where
+    /// `active` says (by parameter).
+    pub fn step_pieces(&self, active: impl Fn(usize) -> bool) -> Vec<StepPiece<'_>> {
+        let base = self.base();
+        self.owned
+            .iter()
+            .zip(&self.keys)
+            .map(|(piece, key)| {
+                let at = piece.flat_range.start - base;
+                StepPiece {
+                    key,
+                    range: at..at + piece.len(),
+                    active: active(piece.param),
+                }
+            })
+            .collect()
     }
 
     /// Per bucket, its range of the owned pieces; `None` when a piece

@@ -408,8 +408,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         for (g, group) in dict.param_groups.iter().enumerate() {
             self.optimizer.set_hyperparams(g, &group.hyperparams)?;
         }
-        let base = self.plan.rank * self.plan.partition.shard_numel;
-        let pieces = super::step_pieces(&self.plan.owned, &self.plan.keys, base, |_| true);
+        let pieces = self.plan.step_pieces(|_| true);
         self.memory
             .import_state(self.optimizer.as_mut(), &pieces, imported)?;
         self.steps = dict.steps;
@@ -590,8 +589,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         for (g, group) in info.param_groups.iter().enumerate() {
             self.optimizer.set_hyperparams(g, &group.hyperparams)?;
         }
-        let base = self.plan.rank * self.plan.partition.shard_numel;
-        let pieces = super::step_pieces(&self.plan.owned, &self.plan.keys, base, |_| true);
+        let pieces = self.plan.step_pieces(|_| true);
         self.memory
             .import_state(self.optimizer.as_mut(), &pieces, imported)?;
         self.steps = info.steps;
@@ -829,8 +827,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         // In stage 0 every rank holds everything: only `to` contributes.
         let contributes = self.config.stage != Stage::Ddp || rank == to;
         let mut exported = if contributes {
-            let base = self.plan.rank * self.plan.partition.shard_numel;
-            let pieces = super::step_pieces(&self.plan.owned, &self.plan.keys, base, |_| true);
+            let pieces = self.plan.step_pieces(|_| true);
             self.memory
                 .export_state(&self.comm, self.optimizer.as_ref(), &pieces)?
                 .params
@@ -968,8 +965,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     }
 
     fn write_shard(&mut self, path: &Path, fail_after: Option<usize>) -> Result<FileRecord> {
-        let base = self.plan.rank * self.plan.partition.shard_numel;
-        let pieces = super::step_pieces(&self.plan.owned, &self.plan.keys, base, |_| true);
+        let pieces = self.plan.step_pieces(|_| true);
         let exported = self
             .memory
             .export_state(&self.comm, self.optimizer.as_ref(), &pieces)?;

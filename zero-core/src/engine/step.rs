@@ -4,9 +4,7 @@
 
 use super::mask::mask_over;
 use super::StepReport;
-use super::{
-    step_pieces, Engine, GradPiece, NormType, Overlap, ParamCopy, ShardMemory, Stage, StepPlan,
-};
+use super::{Engine, GradPiece, NormType, Overlap, ParamCopy, ShardMemory, Stage, StepPlan};
 use crate::comm::{Communicator, ReduceOp};
 use crate::{Element, Error, Result};
 use std::ops::Range;
@@ -372,10 +370,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     }
 
     fn run_optimizer(&mut self, stepping: &[bool]) -> Result<()> {
-        let base = self.plan.rank * self.plan.partition.shard_numel;
-        let mut pieces = step_pieces(&self.plan.owned, &self.plan.keys, base, |param| {
-            stepping[param]
-        });
+        let mut pieces = self.plan.step_pieces(|param| stepping[param]);
         if self.window.early_stepped.contains(&true) {
             // The interleaved schedule stepped these buckets during backward.
             for piece in &mut pieces {
