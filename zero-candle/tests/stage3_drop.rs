@@ -68,7 +68,16 @@ fn dropping_a_stage_3_optimizer_stops_its_gather_thread() {
         // The fetcher is shared by the optimizer, the hook and (through the
         // hook) the layers: all go, then look at once.
         drop((opt, l1, l2, hook));
-        Ok(gathering(thread_names()))
+        // Dropping joins the thread; the kernel lists a joined thread in
+        // /proc a moment longer (it wakes the joiner before it unlists the
+        // thread), so look until it is gone or 5 s have passed.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        let mut left = gathering(thread_names());
+        while !left.is_empty() && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+            left = gathering(thread_names());
+        }
+        Ok(left)
     });
     for left in left {
         let left = left.expect("no panic").expect("training works");
