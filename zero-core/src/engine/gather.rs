@@ -1,7 +1,8 @@
 //! Stages 1 and 2 after the reductions: the shard stepped bucket by bucket,
 //! each bucket all-gathered as soon as it is stepped (on the communication
-//! thread, while the next bucket steps), or left to that thread to run
-//! into the next forward (`deferred.rs`).
+//! thread, while the next bucket steps; on a memory with its own stream,
+//! queued on the calling thread), or left to the communication thread to
+//! run into the next forward (`deferred.rs`).
 
 use super::deferred::{GatherJob, Payload};
 use super::{Engine, Layout, Overlap, ParamCopy, ShardMemory, Stage, StepPiece, StepPlan};
