@@ -251,6 +251,28 @@ pub struct EngineConfig {
     /// communicator. Off by default.
     #[serde(default)]
     pub defer_gathers: bool,
+    /// Stages 1 and 2 on a device memory: keep the optimizer's side (the
+    /// parameter shard with the master weights, the gradient shard, the
+    /// optimizer state) in host memory and step there, while the model,
+    /// its gradients and the collectives stay on the device (ZeRO-Offload;
+    /// see `OffloadMemory`). Off by default.
+    #[serde(default)]
+    pub offload: Offload,
+    /// With offload: the threads that step the host shard (`0`: rayon's
+    /// global pool, one per core).
+    #[serde(default)]
+    pub offload_threads: usize,
+}
+
+/// What lives in host memory instead of the device (ZeRO-Offload).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Offload {
+    /// Everything on the device.
+    #[default]
+    None,
+    /// The optimizer's side: the parameter and gradient shards, master
+    /// weights, optimizer state and the step.
+    Optimizer,
 }
 
 fn default_persist_numel() -> usize {
@@ -293,6 +315,8 @@ impl Default for EngineConfig {
             gather_bytes: default_gather_bytes(),
             max_live_bytes: default_max_live_bytes(),
             defer_gathers: false,
+            offload: Offload::None,
+            offload_threads: 0,
         }
     }
 }
@@ -410,6 +434,15 @@ impl EngineConfig {
         self
     }
 
+    /// Stages 1 and 2 on a device memory: the optimizer's side in host
+    /// memory (see [`EngineConfig::offload`]), stepped on `threads` threads
+    /// (`0`: rayon's global pool).
+    pub fn with_offload(mut self, offload: Offload, threads: usize) -> Self {
+        self.offload = offload;
+        self.offload_threads = threads;
+        self
+    }
+
     pub(crate) fn validate(&self) -> Result<()> {
         self.loss_scale.validate()?;
         if self.bucket_bytes == 0 {
@@ -467,6 +500,20 @@ impl EngineConfig {
                  step; stage 0 all-reduces gradients and gathers nothing, and overlap none runs \
                  every collective in the step; use stage 1 or 2 with overlap after-backward, or \
                  leave defer_gathers off"
+                    .into(),
+            ));
+        }
+        if self.offload == Offload::Optimizer && self.stage == Stage::Ddp {
+            return Err(Error::Config(
+                "offload moves the optimizer's shard to host memory, and stage 0 has no shard \
+                 (every rank steps the whole model); use stage 1 or 2 with offload"
+                    .into(),
+            ));
+        }
+        if self.offload == Offload::Optimizer && self.stage == Stage::Parameters {
+            return Err(Error::Config(
+                "offload at stage 3 is not built yet (stage 3 keeps its shard where its gathers \
+                 run); use stage 2 with offload, or stage 3 without"
                     .into(),
             ));
         }

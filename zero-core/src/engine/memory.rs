@@ -19,9 +19,20 @@ pub struct MemoryReport {
     pub optimizer_state: usize,
     /// Bucket buffers for collectives.
     pub comm_buffers: usize,
+    /// Of the bytes above, those in host memory instead of the device
+    /// (offload: the parameter and gradient shards and the optimizer
+    /// state); the device holds `total() - offloaded`. `0` without offload
+    /// (and on host memories, where there is no device).
+    #[serde(default)]
+    pub offloaded: usize,
 }
 
 impl MemoryReport {
+    /// The bytes on the device: all but the offloaded ones.
+    pub fn on_device(&self) -> usize {
+        self.total() - self.offloaded
+    }
+
     /// The sum of all categories.
     pub fn total(&self) -> usize {
         self.params + self.grads + self.grad_shard + self.optimizer_state + self.comm_buffers

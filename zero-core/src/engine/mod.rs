@@ -46,6 +46,7 @@ mod gather;
 mod layout;
 mod mask;
 mod memory;
+mod offload;
 mod pass;
 mod plan;
 mod precision;
@@ -59,13 +60,14 @@ mod step;
 mod worker;
 
 pub use config::{
-    ClipConfig, EngineConfig, NormType, Overlap, ParamGroupSpec, PartitionerKind, Stage,
+    ClipConfig, EngineConfig, NormType, Offload, Overlap, ParamGroupSpec, PartitionerKind, Stage,
 };
 pub use consistency::check_rank_consistency;
 pub use deferred::{ParamAccess, Refresh};
 pub use fetch::{FetchStats, Fetcher, Gathered};
 pub use layout::{Layout, Run};
 pub use memory::MemoryReport;
+pub use offload::{OffloadMemory, Placed};
 pub use precision::{convert_slice, CastParams};
 pub use reduce::ReductionProgress;
 pub use scaler::{DynamicLossScale, LossScale, LossScalerState};
@@ -250,6 +252,12 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             comm.world_size(),
             comm.rank(),
         )?;
+        if config.offload == Offload::Optimizer {
+            memory.offload_optimizer(config.offload_threads)?;
+            // The shard, its gradients and (Adam's) two moments.
+            let needed = (plan.shard_numel * std::mem::size_of::<T>() * 4) as u64;
+            offload::check_host_room(needed, offload::host_available_bytes())?;
+        }
         let trainable: Vec<bool> = params.iter().map(|p| p.trainable).collect();
         let stage = match config.stage {
             Stage::Ddp => StageState::Replicated { side: None },
@@ -308,12 +316,12 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         self.buffers.param_shard = match stage {
             Stage::Ddp if !self.has_master_weights() => self.memory.alloc_zeroed(0)?,
             _ if self.lean_shard() => self.memory.alloc_zeroed(0)?,
-            _ => self.memory.alloc_zeroed(shard_numel)?,
+            _ => self.memory.alloc_shard(shard_numel)?,
         };
         self.masters_fresh = false;
         self.buffers.grad_shard = match stage {
             Stage::Ddp => None,
-            _ => Some(self.memory.alloc_zeroed(shard_numel)?),
+            _ => Some(self.memory.alloc_shard(shard_numel)?),
         };
         // Stage 0 reduces into its full gradient buffer; stage 1 makes one
         // when it accumulates micro-steps (and keeps it); stage 2 only for
@@ -526,11 +534,21 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             .map(|(_, p)| p.numel() * p.dtype.size_in_bytes())
             .sum();
         let gathers = self.fetcher().map_or(0, |f| f.buffer_bytes());
+        let offloaded = |b: &M::Buffer| if M::offloaded(b) { M::buffer_len(b) } else { 0 };
+        let state = self.memory.state_bytes(self.optimizer.as_ref());
         MemoryReport {
+            offloaded: (offloaded(&self.buffers.param_shard)
+                + self.buffers.grad_shard.as_ref().map_or(0, offloaded))
+                * size
+                + if self.memory.state_offloaded() {
+                    state
+                } else {
+                    0
+                },
             params: replica + self.param_shard_len() * size,
             grads: len(&self.buffers.full_grads) * size,
             grad_shard: len(&self.buffers.grad_shard) * size,
-            optimizer_state: self.memory.state_bytes(self.optimizer.as_ref()),
+            optimizer_state: state,
             comm_buffers: (self.buffers.pool.iter().map(M::buffer_len).sum::<usize>()
                 + len(&self.buffers.scratch))
                 * size

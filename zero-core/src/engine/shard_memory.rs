@@ -329,6 +329,65 @@ pub trait ShardMemory<T: Element, C: Communicator>: Send + 'static {
         Err(no_master_weights("buffer_from_host"))
     }
 
+    /// Copies `buffer[range]` into host memory once everything queued
+    /// before it has written it (reductions still deferred included):
+    /// the device-to-host transfer of an offloading memory
+    /// ([`OffloadMemory`](super::OffloadMemory)), which pairs it with
+    /// [`ShardMemory::buffer_from_host`]. It waits without a communicator:
+    /// only for buffers of this rank's own work. Memories that cannot
+    /// offload keep the default, an error.
+    fn download(
+        &mut self,
+        buffer: &Self::Buffer,
+        range: Range<usize>,
+        out: &mut [T],
+    ) -> Result<()> {
+        let _ = (buffer, range, out);
+        Err(Error::Unsupported {
+            op: "download",
+            detail: "this engine memory has no device-to-host transfer, so it cannot offload"
+                .into(),
+        })
+    }
+
+    /// A zeroed buffer for a stretch of the shard the optimizer steps (the
+    /// parameter and gradient shards): where an offloading memory keeps
+    /// them in host memory. Default: [`ShardMemory::alloc_zeroed`].
+    fn alloc_shard(&mut self, numel: usize) -> Result<Self::Buffer> {
+        self.alloc_zeroed(numel)
+    }
+
+    /// From now on, keep the optimizer's side (the shards of
+    /// [`ShardMemory::alloc_shard`], master weights, optimizer state) in
+    /// host memory and step there, on `threads` threads (`0`: rayon's
+    /// global pool): ZeRO-Offload. Called by the engine before it
+    /// allocates, when `EngineConfig::offload` asks. The default refuses:
+    /// this memory's buffers are in host memory already, or it cannot
+    /// transfer.
+    fn offload_optimizer(&mut self, threads: usize) -> Result<()> {
+        let _ = threads;
+        Err(Error::Config(
+            "offload moves the optimizer's side of a GPU model to host memory; this engine's \
+             memory is not a device's (the thread and MPI backends keep everything in host \
+             memory already): leave offload off, or train on the NCCL backend"
+                .into(),
+        ))
+    }
+
+    /// Whether `buffer` is offloaded to host memory (see
+    /// [`ShardMemory::offload_optimizer`]); the memory report counts such
+    /// bytes apart. Default `false`.
+    fn offloaded(buffer: &Self::Buffer) -> bool {
+        let _ = buffer;
+        false
+    }
+
+    /// Whether the optimizer state is offloaded to host memory. Default
+    /// `false`.
+    fn state_offloaded(&self) -> bool {
+        false
+    }
+
     /// All-reduces a few host values (the trainable mask, a norm) and waits
     /// for the result, within the communicator's deadline.
     fn all_reduce_host<V: Element>(
@@ -549,15 +608,11 @@ impl<T: Element, C: Communicator<Memory = Host>> ShardMemory<T, C> for HostMemor
         src_range: Range<usize>,
         add: bool,
     ) -> Result<()> {
-        let dst = &mut dst[dst_at..dst_at + src_range.len()];
-        let src = &src[src_range];
-        if add {
-            for (d, s) in dst.iter_mut().zip(src) {
-                *d = T::from_acc(d.to_acc() + s.to_acc());
-            }
-        } else {
-            dst.copy_from_slice(src);
-        }
+        host_copy(
+            &mut dst[dst_at..dst_at + src_range.len()],
+            &src[src_range],
+            add,
+        );
         Ok(())
     }
 
@@ -598,11 +653,7 @@ impl<T: Element, C: Communicator<Memory = Host>> ShardMemory<T, C> for HostMemor
     }
 
     fn scale(&mut self, buffer: &mut Vec<T>, ranges: &[Range<usize>], factor: f64) -> Result<()> {
-        for range in ranges {
-            for g in &mut buffer[range.clone()] {
-                *g = T::from_f64(g.to_f64() * factor);
-            }
-        }
+        host_scale(buffer, ranges, factor);
         Ok(())
     }
 
@@ -613,26 +664,7 @@ impl<T: Element, C: Communicator<Memory = Host>> ShardMemory<T, C> for HostMemor
         ranges: &[Range<usize>],
         norm: NormType,
     ) -> Result<f64> {
-        let mut local = 0.0f64;
-        for range in ranges {
-            let g = &buffer[range.clone()];
-            match norm {
-                NormType::L1 => local += g.iter().map(|x| x.to_f64().abs()).sum::<f64>(),
-                NormType::L2 => local += g.iter().map(|x| x.to_f64().powi(2)).sum::<f64>(),
-                // `f64::max` would drop a NaN: count it as infinite instead.
-                NormType::Inf => {
-                    local = g.iter().fold(local, |m, x| {
-                        let a = x.to_f64().abs();
-                        if a.is_nan() {
-                            f64::INFINITY
-                        } else {
-                            m.max(a)
-                        }
-                    })
-                }
-            }
-        }
-        Ok(local)
+        Ok(host_norm(buffer, ranges, norm))
     }
 
     fn all_reduce(
@@ -739,6 +771,11 @@ impl<T: Element, C: Communicator<Memory = Host>> ShardMemory<T, C> for HostMemor
         Ok(())
     }
 
+    fn download(&mut self, buffer: &Vec<T>, range: Range<usize>, out: &mut [T]) -> Result<()> {
+        out.copy_from_slice(&buffer[range]);
+        Ok(())
+    }
+
     fn all_reduce_host<V: Element>(
         &mut self,
         comm: &C,
@@ -766,23 +803,7 @@ impl<T: Element, C: Communicator<Memory = Host>> ShardMemory<T, C> for HostMemor
         grads: &Vec<T>,
         plan: StepPlan<'_>,
     ) -> Result<()> {
-        // Split the shard into disjoint mutable pieces (in shard order).
-        let mut pieces = Vec::with_capacity(plan.pieces.len());
-        let mut slots = Vec::with_capacity(plan.pieces.len());
-        let mut rest: &mut [T] = params;
-        let mut consumed = 0;
-        for piece in plan.pieces {
-            let (_, tail) = std::mem::take(&mut rest).split_at_mut(piece.range.start - consumed);
-            let (data, tail) = tail.split_at_mut(piece.range.len());
-            rest = tail;
-            consumed = piece.range.end;
-            pieces.push(ParamMut {
-                key: piece.key,
-                data,
-            });
-            slots.push(piece.active.then(|| &grads[piece.range.clone()]));
-        }
-        optimizer.step(&mut pieces, &slots)
+        host_step(optimizer, params, grads, plan)
     }
 
     fn export_state(
@@ -826,6 +847,78 @@ impl<T: Element, C: Communicator<Memory = Host>> ShardMemory<T, C> for HostMemor
     ) -> Result<()> {
         params.write(param, 0..values.len(), values)
     }
+}
+
+/// Adds (`add`) or copies `src` into `dst`, in host memory.
+pub(super) fn host_copy<T: Element>(dst: &mut [T], src: &[T], add: bool) {
+    if add {
+        for (d, s) in dst.iter_mut().zip(src) {
+            *d = T::from_acc(d.to_acc() + s.to_acc());
+        }
+    } else {
+        dst.copy_from_slice(src);
+    }
+}
+
+/// Multiplies `buffer[range]` by `factor` for every range, in host memory.
+pub(super) fn host_scale<T: Element>(buffer: &mut [T], ranges: &[Range<usize>], factor: f64) {
+    for range in ranges {
+        for g in &mut buffer[range.clone()] {
+            *g = T::from_f64(g.to_f64() * factor);
+        }
+    }
+}
+
+/// This rank's part of a norm over `buffer[range]` for every range (see
+/// [`ShardMemory::norm_partial`]), in host memory.
+pub(super) fn host_norm<T: Element>(buffer: &[T], ranges: &[Range<usize>], norm: NormType) -> f64 {
+    let mut local = 0.0f64;
+    for range in ranges {
+        let g = &buffer[range.clone()];
+        match norm {
+            NormType::L1 => local += g.iter().map(|x| x.to_f64().abs()).sum::<f64>(),
+            NormType::L2 => local += g.iter().map(|x| x.to_f64().powi(2)).sum::<f64>(),
+            // `f64::max` would drop a NaN: count it as infinite instead.
+            NormType::Inf => {
+                local = g.iter().fold(local, |m, x| {
+                    let a = x.to_f64().abs();
+                    if a.is_nan() {
+                        f64::INFINITY
+                    } else {
+                        m.max(a)
+                    }
+                })
+            }
+        }
+    }
+    local
+}
+
+/// Steps the active pieces of `plan` in host memory through `optimizer`,
+/// which keeps its own state.
+pub(super) fn host_step<T: Element>(
+    optimizer: &mut dyn FunctionalOptimizer<T>,
+    params: &mut [T],
+    grads: &[T],
+    plan: StepPlan<'_>,
+) -> Result<()> {
+    // Split the shard into disjoint mutable pieces (in shard order).
+    let mut pieces = Vec::with_capacity(plan.pieces.len());
+    let mut slots = Vec::with_capacity(plan.pieces.len());
+    let mut rest: &mut [T] = params;
+    let mut consumed = 0;
+    for piece in plan.pieces {
+        let (_, tail) = std::mem::take(&mut rest).split_at_mut(piece.range.start - consumed);
+        let (data, tail) = tail.split_at_mut(piece.range.len());
+        rest = tail;
+        consumed = piece.range.end;
+        pieces.push(ParamMut {
+            key: piece.key,
+            data,
+        });
+        slots.push(piece.active.then(|| &grads[piece.range.clone()]));
+    }
+    optimizer.step(&mut pieces, &slots)
 }
 
 /// `values` rounded to `L` (to nearest).

@@ -189,6 +189,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         replicated
             && self.config.overlap == Overlap::AfterBackward
             && !self.has_master_weights()
+            && !self.memory.state_offloaded()
             && (self.memory.fork().is_some() || self.memory.launches_async())
     }
 

@@ -3,6 +3,10 @@
 //! optimizer with whole-parameter keys) and helpers to run ranks.
 #![allow(dead_code)]
 
+mod plan_check;
+#[allow(unused_imports)]
+pub use plan_check::{PlanCheck, Seen};
+
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde_json::json;

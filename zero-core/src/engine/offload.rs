@@ -1,0 +1,749 @@
+//! [`OffloadMemory`]: ZeRO-Offload over any device memory. The model, its
+//! gradients, the bucket buffers and the collectives stay on the device;
+//! the optimizer's side (the parameter shard, i.e. the master weights, the
+//! gradient shard, the optimizer state and the step) lives in host memory.
+//!
+//! Every buffer is [`Placed`]: on the device or in host memory. The engine
+//! asks for the shards through [`ShardMemory::alloc_shard`] (host memory
+//! once offloading) and for everything else through
+//! [`ShardMemory::alloc_zeroed`] (the device), and each operation runs where
+//! its operands are, moving what crosses: a bucket reduce-scattered on the
+//! device lands in the host's gradient shard ([`ShardMemory::download`]),
+//! the host steps it (the engine's own [`FunctionalOptimizer`], on a pool of
+//! `threads` threads), and the stepped chunk goes back up
+//! ([`ShardMemory::buffer_from_host`]) to be all-gathered and written into
+//! the model in its dtype. The engine's bucket-by-bucket schedules stay as
+//! they are, so the host steps each bucket as it lands, not after the
+//! whole gradient. Without offload every buffer is on the device and every
+//! call goes straight to the device memory.
+//!
+//! The logic is the same for any device memory: the CPU tests run it over
+//! [`HostMemory`](super::HostMemory) standing in for the device.
+
+use super::shard_memory::{host_copy, host_norm, host_scale, host_step};
+use super::{GradPiece, NormType, ParamCopy, ShardMemory, StepPiece, StepPlan};
+use crate::comm::{Communicator, ReduceOp};
+use crate::optim::{FunctionalOptimizer, OptimizerState};
+use crate::{DType, Element, Error, Result};
+use std::ops::Range;
+use std::sync::Arc;
+
+/// A buffer of [`OffloadMemory`]: in device memory `B`, or offloaded to
+/// host memory.
+#[derive(Debug)]
+pub enum Placed<B, T> {
+    /// On the device.
+    Device(B),
+    /// Offloaded to host memory.
+    Host(Vec<T>),
+}
+
+/// Device memory `D` whose optimizer side can be offloaded to host memory
+/// (see the module documentation; the engine turns it on with
+/// `EngineConfig::offload`).
+pub struct OffloadMemory<D> {
+    device: D,
+    /// Whether the shards, the optimizer state and the step are in host
+    /// memory.
+    offload: bool,
+    /// The threads that step the host shard (none: rayon's global pool).
+    pool: Option<Arc<rayon::ThreadPool>>,
+}
+
+impl<D: std::fmt::Debug> std::fmt::Debug for OffloadMemory<D> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OffloadMemory")
+            .field("device", &self.device)
+            .field("offload", &self.offload)
+            .field(
+                "threads",
+                &self.pool.as_ref().map(|p| p.current_num_threads()),
+            )
+            .finish()
+    }
+}
+
+impl<D> OffloadMemory<D> {
+    /// `device`, with nothing offloaded until the engine asks.
+    pub fn new(device: D) -> Self {
+        Self {
+            device,
+            offload: false,
+            pool: None,
+        }
+    }
+
+    /// The device memory.
+    pub fn device(&self) -> &D {
+        &self.device
+    }
+
+    /// Whether the optimizer's side is in host memory.
+    pub fn is_offloading(&self) -> bool {
+        self.offload
+    }
+
+    /// Runs `f` on the offload's threads (rayon's global pool without).
+    fn on_host_threads<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        match &self.pool {
+            Some(pool) => pool.install(f),
+            None => f(),
+        }
+    }
+}
+
+/// The span of buffer positions `[at, at + len)` of every item.
+fn span(items: impl Iterator<Item = (usize, usize)>) -> Range<usize> {
+    let mut span: Option<Range<usize>> = None;
+    for (at, len) in items {
+        let (lo, hi) = span.map_or((at, at + len), |s| (s.start.min(at), s.end.max(at + len)));
+        span = Some(lo..hi);
+    }
+    span.unwrap_or(0..0)
+}
+
+/// The copies with their buffer positions shifted down by `by`.
+fn shifted(copies: &[ParamCopy], by: usize) -> Vec<ParamCopy> {
+    copies
+        .iter()
+        .map(|c| ParamCopy {
+            at: c.at - by,
+            ..c.clone()
+        })
+        .collect()
+}
+
+fn internal(what: &str) -> Error {
+    Error::State(format!("internal: offload: {what}"))
+}
+
+/// `buffer[range]` in device memory: the buffer itself, or a device copy
+/// of a host buffer's range (then at `0..len`).
+fn staged_up<T: Element, C: Communicator, D: ShardMemory<T, C>>(
+    device: &mut D,
+    buffer: &Placed<D::Buffer, T>,
+    range: Range<usize>,
+) -> Result<Option<D::Buffer>> {
+    match buffer {
+        Placed::Device(_) => Ok(None),
+        Placed::Host(values) => {
+            let mut staged = device.alloc_zeroed(range.len())?;
+            device.buffer_from_host(&mut staged, 0, &values[range])?;
+            Ok(Some(staged))
+        }
+    }
+}
+
+/// Runs the device collective `op(device, send, send_range, recv,
+/// recv_range)` over buffers wherever they are: host ranges are staged
+/// on the device, and a host `recv` gets the result back.
+fn collective<T: Element, C: Communicator, D: ShardMemory<T, C>>(
+    device: &mut D,
+    send: &Placed<D::Buffer, T>,
+    send_range: Range<usize>,
+    recv: &mut Placed<D::Buffer, T>,
+    recv_range: Range<usize>,
+    op: impl FnOnce(&mut D, &D::Buffer, Range<usize>, &mut D::Buffer, Range<usize>) -> Result<()>,
+) -> Result<()> {
+    let staged_send = staged_up(device, send, send_range.clone())?;
+    let (send, send_range) = match (&staged_send, send) {
+        (Some(staged), _) => (staged, 0..send_range.len()),
+        (None, Placed::Device(send)) => (send, send_range),
+        (None, Placed::Host(_)) => return Err(internal("host send not staged")),
+    };
+    match recv {
+        Placed::Device(recv) => op(device, send, send_range, recv, recv_range),
+        Placed::Host(values) => {
+            let n = recv_range.len();
+            let mut staged = device.alloc_zeroed(n)?;
+            op(device, send, send_range, &mut staged, 0..n)?;
+            device.download(&staged, 0..n, &mut values[recv_range])
+        }
+    }
+}
+
+/// Runs the device all-reduce `op` over `buffer[range]` wherever it is.
+fn all_reduce_placed<T: Element, C: Communicator, D: ShardMemory<T, C>>(
+    device: &mut D,
+    buffer: &mut Placed<D::Buffer, T>,
+    range: Range<usize>,
+    op: impl FnOnce(&mut D, &mut D::Buffer, Range<usize>) -> Result<()>,
+) -> Result<()> {
+    match buffer {
+        Placed::Device(b) => op(device, b, range),
+        Placed::Host(values) => {
+            let n = range.len();
+            let mut staged = device.alloc_zeroed(n)?;
+            device.buffer_from_host(&mut staged, 0, &values[range.clone()])?;
+            op(device, &mut staged, 0..n)?;
+            device.download(&staged, 0..n, &mut values[range])
+        }
+    }
+}
+
+/// `buffer` whole in host memory: itself, or a downloaded copy.
+fn host_copy_of<T: Element, C: Communicator, D: ShardMemory<T, C>>(
+    device: &mut D,
+    buffer: &Placed<D::Buffer, T>,
+) -> Result<Option<Vec<T>>> {
+    match buffer {
+        Placed::Host(_) => Ok(None),
+        Placed::Device(b) => {
+            let n = D::buffer_len(b);
+            let mut values = vec![T::default(); n];
+            device.download(b, 0..n, &mut values)?;
+            Ok(Some(values))
+        }
+    }
+}
+
+impl<T: Element, C: Communicator, D: ShardMemory<T, C>> ShardMemory<T, C> for OffloadMemory<D> {
+    type Buffer = Placed<D::Buffer, T>;
+    type Grad<'g>
+        = D::Grad<'g>
+    where
+        Self: 'g;
+    type Params<'p>
+        = D::Params<'p>
+    where
+        Self: 'p;
+
+    fn grad_len(grad: &Self::Grad<'_>) -> usize {
+        D::grad_len(grad)
+    }
+
+    fn alloc_zeroed(&mut self, numel: usize) -> Result<Self::Buffer> {
+        Ok(Placed::Device(self.device.alloc_zeroed(numel)?))
+    }
+
+    fn alloc_shard(&mut self, numel: usize) -> Result<Self::Buffer> {
+        if self.offload {
+            Ok(Placed::Host(vec![T::default(); numel]))
+        } else {
+            Ok(Placed::Device(self.device.alloc_shard(numel)?))
+        }
+    }
+
+    fn buffer_len(buffer: &Self::Buffer) -> usize {
+        match buffer {
+            Placed::Device(b) => D::buffer_len(b),
+            Placed::Host(v) => v.len(),
+        }
+    }
+
+    fn into_host_vec(buffer: Self::Buffer) -> std::result::Result<Vec<T>, Self::Buffer> {
+        match buffer {
+            Placed::Host(values) => Ok(values),
+            Placed::Device(b) => D::into_host_vec(b).map_err(Placed::Device),
+        }
+    }
+
+    fn from_host_vec(values: Vec<T>) -> std::result::Result<Self::Buffer, Vec<T>> {
+        D::from_host_vec(values).map(Placed::Device)
+    }
+
+    fn zero(&mut self, buffer: &mut Self::Buffer, range: Range<usize>) -> Result<()> {
+        match buffer {
+            Placed::Device(b) => self.device.zero(b, range),
+            Placed::Host(values) => {
+                values[range].fill(T::default());
+                Ok(())
+            }
+        }
+    }
+
+    fn flatten(
+        &mut self,
+        buffer: &mut Self::Buffer,
+        pieces: &[GradPiece<Self::Grad<'_>>],
+        add: bool,
+    ) -> Result<()> {
+        let values = match buffer {
+            Placed::Device(b) => return self.device.flatten(b, pieces, add),
+            Placed::Host(values) => values,
+        };
+        // Gradients are on the device: flatten them there, then bring the
+        // pieces (not the gaps between them) down.
+        let span = span(pieces.iter().map(|p| (p.at, p.range.len())));
+        let mut staged = self.device.alloc_zeroed(span.len())?;
+        let moved: Vec<_> = pieces
+            .iter()
+            .map(|p| GradPiece {
+                at: p.at - span.start,
+                ..p.clone()
+            })
+            .collect();
+        self.device.flatten(&mut staged, &moved, false)?;
+        let mut down = vec![T::default(); span.len()];
+        self.device.download(&staged, 0..span.len(), &mut down)?;
+        for p in &moved {
+            let n = p.range.len();
+            host_copy(
+                &mut values[span.start + p.at..][..n],
+                &down[p.at..p.at + n],
+                add,
+            );
+        }
+        Ok(())
+    }
+
+    fn copy_range(
+        &mut self,
+        dst: &mut Self::Buffer,
+        dst_at: usize,
+        src: &Self::Buffer,
+        src_range: Range<usize>,
+        add: bool,
+    ) -> Result<()> {
+        let n = src_range.len();
+        match (dst, src) {
+            (Placed::Device(d), Placed::Device(s)) => {
+                self.device.copy_range(d, dst_at, s, src_range, add)
+            }
+            (Placed::Host(d), Placed::Host(s)) => {
+                host_copy(&mut d[dst_at..dst_at + n], &s[src_range], add);
+                Ok(())
+            }
+            (Placed::Host(d), Placed::Device(s)) => {
+                let mut down = vec![T::default(); n];
+                self.device.download(s, src_range, &mut down)?;
+                host_copy(&mut d[dst_at..dst_at + n], &down, add);
+                Ok(())
+            }
+            (Placed::Device(d), Placed::Host(s)) if !add => {
+                self.device.buffer_from_host(d, dst_at, &s[src_range])
+            }
+            (Placed::Device(d), Placed::Host(s)) => {
+                let mut staged = self.device.alloc_zeroed(n)?;
+                self.device
+                    .buffer_from_host(&mut staged, 0, &s[src_range])?;
+                self.device.copy_range(d, dst_at, &staged, 0..n, true)
+            }
+        }
+    }
+
+    fn fork(&self) -> Option<Self> {
+        self.device.fork().map(|device| Self {
+            device,
+            offload: self.offload,
+            pool: self.pool.clone(),
+        })
+    }
+
+    fn launches_async(&self) -> bool {
+        self.device.launches_async()
+    }
+
+    fn defer_completion(&mut self) {
+        self.device.defer_completion();
+    }
+
+    fn settle(&mut self, comm: &C) -> Result<()> {
+        self.device.settle(comm)
+    }
+
+    fn read_params(
+        &mut self,
+        params: &mut Self::Params<'_>,
+        copies: &[ParamCopy],
+        buffer: &mut Self::Buffer,
+    ) -> Result<()> {
+        let values = match buffer {
+            Placed::Device(b) => return self.device.read_params(params, copies, b),
+            Placed::Host(values) => values,
+        };
+        let span = span(copies.iter().map(|c| (c.at, c.param_range.len())));
+        let moved = shifted(copies, span.start);
+        let mut staged = self.device.alloc_zeroed(span.len())?;
+        self.device.read_params(params, &moved, &mut staged)?;
+        let mut down = vec![T::default(); span.len()];
+        self.device.download(&staged, 0..span.len(), &mut down)?;
+        for c in &moved {
+            let n = c.param_range.len();
+            values[span.start + c.at..][..n].copy_from_slice(&down[c.at..c.at + n]);
+        }
+        Ok(())
+    }
+
+    fn write_params(
+        &mut self,
+        params: &mut Self::Params<'_>,
+        copies: &[ParamCopy],
+        buffer: &Self::Buffer,
+    ) -> Result<()> {
+        let values = match buffer {
+            Placed::Device(b) => return self.device.write_params(params, copies, b),
+            Placed::Host(values) => values,
+        };
+        let span = span(copies.iter().map(|c| (c.at, c.param_range.len())));
+        let mut staged = self.device.alloc_zeroed(span.len())?;
+        self.device
+            .buffer_from_host(&mut staged, 0, &values[span.clone()])?;
+        self.device
+            .write_params(params, &shifted(copies, span.start), &staged)
+    }
+
+    fn scale(
+        &mut self,
+        buffer: &mut Self::Buffer,
+        ranges: &[Range<usize>],
+        factor: f64,
+    ) -> Result<()> {
+        match buffer {
+            Placed::Device(b) => self.device.scale(b, ranges, factor),
+            Placed::Host(values) => {
+                host_scale(values, ranges, factor);
+                Ok(())
+            }
+        }
+    }
+
+    fn norm_partial(
+        &mut self,
+        comm: &C,
+        buffer: &Self::Buffer,
+        ranges: &[Range<usize>],
+        norm: NormType,
+    ) -> Result<f64> {
+        match buffer {
+            Placed::Device(b) => self.device.norm_partial(comm, b, ranges, norm),
+            Placed::Host(values) => Ok(host_norm(values, ranges, norm)),
+        }
+    }
+
+    fn all_reduce(
+        &mut self,
+        comm: &C,
+        buffer: &mut Self::Buffer,
+        range: Range<usize>,
+        op: ReduceOp,
+    ) -> Result<()> {
+        all_reduce_placed(&mut self.device, buffer, range, |d, b, r| {
+            d.all_reduce(comm, b, r, op)
+        })
+    }
+
+    fn reduce_scatter(
+        &mut self,
+        comm: &C,
+        send: &Self::Buffer,
+        send_range: Range<usize>,
+        recv: &mut Self::Buffer,
+        recv_range: Range<usize>,
+        op: ReduceOp,
+    ) -> Result<()> {
+        collective(
+            &mut self.device,
+            send,
+            send_range,
+            recv,
+            recv_range,
+            |d, s, sr, r, rr| d.reduce_scatter(comm, s, sr, r, rr, op),
+        )
+    }
+
+    fn all_gather(
+        &mut self,
+        comm: &C,
+        send: &Self::Buffer,
+        send_range: Range<usize>,
+        recv: &mut Self::Buffer,
+        recv_range: Range<usize>,
+    ) -> Result<()> {
+        collective(
+            &mut self.device,
+            send,
+            send_range,
+            recv,
+            recv_range,
+            |d, s, sr, r, rr| d.all_gather(comm, s, sr, r, rr),
+        )
+    }
+
+    fn all_reduce_as(
+        &mut self,
+        comm: &C,
+        buffer: &mut Self::Buffer,
+        range: Range<usize>,
+        op: ReduceOp,
+        wire: DType,
+    ) -> Result<()> {
+        all_reduce_placed(&mut self.device, buffer, range, |d, b, r| {
+            d.all_reduce_as(comm, b, r, op, wire)
+        })
+    }
+
+    fn reduce_scatter_as(
+        &mut self,
+        comm: &C,
+        send: &Self::Buffer,
+        send_range: Range<usize>,
+        recv: &mut Self::Buffer,
+        recv_range: Range<usize>,
+        op: ReduceOp,
+        wire: DType,
+    ) -> Result<()> {
+        collective(
+            &mut self.device,
+            send,
+            send_range,
+            recv,
+            recv_range,
+            |d, s, sr, r, rr| d.reduce_scatter_as(comm, s, sr, r, rr, op, wire),
+        )
+    }
+
+    fn all_gather_as(
+        &mut self,
+        comm: &C,
+        send: &Self::Buffer,
+        send_range: Range<usize>,
+        recv: &mut Self::Buffer,
+        recv_range: Range<usize>,
+        wire: DType,
+    ) -> Result<()> {
+        collective(
+            &mut self.device,
+            send,
+            send_range,
+            recv,
+            recv_range,
+            |d, s, sr, r, rr| d.all_gather_as(comm, s, sr, r, rr, wire),
+        )
+    }
+
+    fn buffer_to_host(
+        &mut self,
+        comm: &C,
+        buffer: &Self::Buffer,
+        range: Range<usize>,
+        out: &mut [T],
+    ) -> Result<()> {
+        match buffer {
+            Placed::Device(b) => self.device.buffer_to_host(comm, b, range, out),
+            Placed::Host(values) => {
+                out.copy_from_slice(&values[range]);
+                Ok(())
+            }
+        }
+    }
+
+    fn buffer_from_host(
+        &mut self,
+        buffer: &mut Self::Buffer,
+        at: usize,
+        values: &[T],
+    ) -> Result<()> {
+        match buffer {
+            Placed::Device(b) => self.device.buffer_from_host(b, at, values),
+            Placed::Host(held) => {
+                held[at..at + values.len()].copy_from_slice(values);
+                Ok(())
+            }
+        }
+    }
+
+    fn download(
+        &mut self,
+        buffer: &Self::Buffer,
+        range: Range<usize>,
+        out: &mut [T],
+    ) -> Result<()> {
+        match buffer {
+            Placed::Device(b) => self.device.download(b, range, out),
+            Placed::Host(values) => {
+                out.copy_from_slice(&values[range]);
+                Ok(())
+            }
+        }
+    }
+
+    fn all_reduce_host<V: Element>(
+        &mut self,
+        comm: &C,
+        values: &mut [V],
+        op: ReduceOp,
+    ) -> Result<()> {
+        self.device.all_reduce_host(comm, values, op)
+    }
+
+    fn gather_varlen_host(
+        &mut self,
+        comm: &C,
+        send: &[T],
+        counts: &[usize],
+        recv: Option<&mut [T]>,
+        root: usize,
+    ) -> Result<()> {
+        self.device
+            .gather_varlen_host(comm, send, counts, recv, root)
+    }
+
+    /// Offloading: the host steps, with the engine's optimizer (which keeps
+    /// the state), on the offload's threads; a buffer on the device (a
+    /// stage's staging chunk) is brought down and its stepped values sent
+    /// back up. Otherwise the device steps.
+    fn step(
+        &mut self,
+        optimizer: &mut dyn FunctionalOptimizer<T>,
+        params: &mut Self::Buffer,
+        grads: &Self::Buffer,
+        plan: StepPlan<'_>,
+    ) -> Result<()> {
+        if !self.offload {
+            return match (params, grads) {
+                (Placed::Device(p), Placed::Device(g)) => self.device.step(optimizer, p, g, plan),
+                _ => Err(internal("a host buffer without offload")),
+            };
+        }
+        let grads_down = host_copy_of(&mut self.device, grads)?;
+        let params_down = host_copy_of(&mut self.device, params)?;
+        let grads = match (&grads_down, grads) {
+            (Some(down), _) => down.as_slice(),
+            (None, Placed::Host(values)) => values.as_slice(),
+            (None, Placed::Device(_)) => return Err(internal("device gradients not brought down")),
+        };
+        let mut params_down = params_down;
+        {
+            let values = match (&mut params_down, &mut *params) {
+                (Some(down), _) => down.as_mut_slice(),
+                (None, Placed::Host(values)) => values.as_mut_slice(),
+                (None, Placed::Device(_)) => {
+                    return Err(internal("device parameters not brought down"))
+                }
+            };
+            self.on_host_threads(|| host_step(optimizer, values, grads, plan))?;
+        }
+        if let (Some(down), Placed::Device(p)) = (params_down, params) {
+            self.device.buffer_from_host(p, 0, &down)?;
+        }
+        Ok(())
+    }
+
+    fn export_state(
+        &mut self,
+        comm: &C,
+        optimizer: &dyn FunctionalOptimizer<T>,
+        pieces: &[StepPiece<'_>],
+    ) -> Result<OptimizerState<T>> {
+        if self.offload {
+            Ok(optimizer.export_state())
+        } else {
+            self.device.export_state(comm, optimizer, pieces)
+        }
+    }
+
+    fn import_state(
+        &mut self,
+        optimizer: &mut dyn FunctionalOptimizer<T>,
+        pieces: &[StepPiece<'_>],
+        state: OptimizerState<T>,
+    ) -> Result<()> {
+        if self.offload {
+            optimizer.import_state(state)
+        } else {
+            self.device.import_state(optimizer, pieces, state)
+        }
+    }
+
+    fn state_bytes(&self, optimizer: &dyn FunctionalOptimizer<T>) -> usize {
+        if self.offload {
+            optimizer.state_bytes()
+        } else {
+            self.device.state_bytes(optimizer)
+        }
+    }
+
+    fn read_param_host(
+        &mut self,
+        comm: &C,
+        params: &mut Self::Params<'_>,
+        param: usize,
+        out: &mut [T],
+    ) -> Result<()> {
+        self.device.read_param_host(comm, params, param, out)
+    }
+
+    fn write_param_host(
+        &mut self,
+        params: &mut Self::Params<'_>,
+        param: usize,
+        values: &[T],
+    ) -> Result<()> {
+        self.device.write_param_host(params, param, values)
+    }
+
+    fn offload_optimizer(&mut self, threads: usize) -> Result<()> {
+        if threads > 0 {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .thread_name(|i| format!("zero-offload-{i}"))
+                .build()
+                .map_err(|e| {
+                    Error::Config(format!(
+                        "could not start {threads} offload threads ({e}); ask for fewer \
+                         (offload_threads, 0 for rayon's global pool)"
+                    ))
+                })?;
+            self.pool = Some(Arc::new(pool));
+        }
+        self.offload = true;
+        Ok(())
+    }
+
+    fn offloaded(buffer: &Self::Buffer) -> bool {
+        matches!(buffer, Placed::Host(_))
+    }
+
+    fn state_offloaded(&self) -> bool {
+        self.offload
+    }
+}
+
+/// Bytes of host memory available to this process now (Linux:
+/// `MemAvailable`), or `None` where unknown.
+pub(super) fn host_available_bytes() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// Fails when `needed` bytes of host memory are more than `available`.
+pub(super) fn check_host_room(needed: u64, available: Option<u64>) -> Result<()> {
+    match available {
+        Some(available) if needed > available => Err(Error::Config(format!(
+            "offload keeps this rank's shard, its gradients and the optimizer state in host \
+             memory: about {:.2} GiB, but the host has {:.2} GiB available; free host memory, \
+             use more ranks (each keeps 1/N), or train without offload",
+            needed as f64 / (1u64 << 30) as f64,
+            available as f64 / (1u64 << 30) as f64
+        ))),
+        _ => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn span_covers_every_item_and_nothing_before_the_first() {
+        assert_eq!(span([(8, 4), (2, 3), (20, 0)].into_iter()), 2..20);
+        assert_eq!(span(std::iter::empty()), 0..0);
+    }
+
+    #[test]
+    fn a_host_too_small_is_refused_with_both_sizes() {
+        let gib = 1u64 << 30;
+        let err = check_host_room(6 * gib, Some(4 * gib))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("6.00 GiB") && err.contains("4.00 GiB"),
+            "{err}"
+        );
+        assert!(check_host_room(3 * gib, Some(4 * gib)).is_ok());
+        assert!(check_host_room(u64::MAX, None).is_ok());
+    }
+}

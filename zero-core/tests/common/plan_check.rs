@@ -1,0 +1,436 @@
+//! `PlanCheck`: host memory that records every step plan the engine hands
+//! it and, optionally, poses as a device memory (no communication thread,
+//! collectives completing when settled), as the CUDA memory behaves.
+
+use std::collections::BTreeMap;
+use std::ops::Range;
+use std::sync::{Arc, Mutex};
+use zero_core::comm::Host;
+use zero_core::engine::{
+    GradPiece, HostGrad, HostMemory, NormType, ParamCopy, ParamStore, ShardMemory, StepPiece,
+    StepPlan,
+};
+use zero_core::optim::OptimizerState;
+use zero_core::{Communicator, DType, Element, FunctionalOptimizer, ReduceOp, Result};
+
+/// What the plans showed, across every step of one engine (and its forks).
+#[derive(Default)]
+pub struct Seen {
+    /// Per piece `(name, offset)`: its shard position and length.
+    pub positions: BTreeMap<(String, usize), (usize, usize)>,
+    pub shard_len: Option<usize>,
+    pub plans: usize,
+    /// Plans whose buffers start inside the shard, or that step only some
+    /// of the pieces: the cases a flat state gets wrong if the contract
+    /// breaks.
+    pub partial: usize,
+    /// Reductions issued while the memory deferred their completion.
+    pub deferred: usize,
+    pub violations: Vec<String>,
+}
+
+impl Seen {
+    pub fn check(&mut self, plan: &StepPlan<'_>, buffer_len: usize) {
+        self.plans += 1;
+        let shard_len = *self.shard_len.get_or_insert(plan.shard_len);
+        if plan.shard_len != shard_len {
+            self.violations
+                .push(format!("shard_len {} after {shard_len}", plan.shard_len));
+        }
+        for bucket in plan.buckets {
+            if bucket.end > buffer_len {
+                self.violations
+                    .push(format!("bucket {bucket:?} past a buffer of {buffer_len}"));
+            }
+        }
+        for piece in plan.pieces {
+            let at = plan.origin + piece.range.start;
+            let key = (piece.key.name.clone(), piece.key.offset);
+            let len = piece.range.len();
+            if piece.range.end > buffer_len || at + len > shard_len {
+                self.violations.push(format!(
+                    "{key:?} at {at} ({:?} of a buffer of {buffer_len}) past a shard of \
+                     {shard_len}",
+                    piece.range
+                ));
+            }
+            let first = *self.positions.entry(key.clone()).or_insert((at, len));
+            if first != (at, len) {
+                self.violations
+                    .push(format!("{key:?} at {at} (+{len}), earlier at {first:?}"));
+            }
+        }
+        if plan.origin > 0 || plan.pieces.len() < self.positions.len() {
+            self.partial += 1;
+        }
+    }
+
+    /// Fails on any violation, or if two pieces' positions overlap.
+    pub fn assert_kept(&self, what: &str) {
+        assert!(self.violations.is_empty(), "{what}: {:?}", self.violations);
+        let mut spans: Vec<&(usize, usize)> = self.positions.values().collect();
+        spans.sort();
+        for pair in spans.windows(2) {
+            assert!(
+                pair[0].0 + pair[0].1 <= pair[1].0,
+                "{what}: pieces at {:?} and {:?} overlap",
+                pair[0],
+                pair[1]
+            );
+        }
+    }
+}
+
+/// Host memory that records every step plan in `seen`. With `inline`, it
+/// poses as a device memory: no communication thread (no `fork`), and
+/// collectives "complete" only when settled (`launches_async`), so the
+/// engine reduces on the calling thread during backward.
+pub struct PlanCheck {
+    inner: HostMemory,
+    seen: Arc<Mutex<Seen>>,
+    inline: bool,
+    /// While deferring: reductions issued and not yet settled.
+    deferring: Option<usize>,
+}
+
+impl PlanCheck {
+    pub fn new(seen: Arc<Mutex<Seen>>, inline: bool) -> Self {
+        Self {
+            inner: HostMemory,
+            seen,
+            inline,
+            deferring: None,
+        }
+    }
+
+    /// Counts a reduction issued while deferring.
+    fn issued(&mut self) {
+        if let Some(n) = self.deferring.as_mut() {
+            *n += 1;
+        }
+    }
+}
+
+impl<T: Element, C: Communicator<Memory = Host>> ShardMemory<T, C> for PlanCheck {
+    type Buffer = Vec<T>;
+    type Grad<'g> = HostGrad<'g, T>;
+    type Params<'p> = dyn ParamStore<T> + 'p;
+
+    fn step(
+        &mut self,
+        optimizer: &mut dyn FunctionalOptimizer<T>,
+        params: &mut Vec<T>,
+        grads: &Vec<T>,
+        plan: StepPlan<'_>,
+    ) -> Result<()> {
+        self.seen
+            .lock()
+            .expect("no test thread panicked")
+            .check(&plan, params.len().min(grads.len()));
+        <HostMemory as ShardMemory<T, C>>::step(&mut self.inner, optimizer, params, grads, plan)
+    }
+
+    fn fork(&self) -> Option<Self> {
+        (!self.inline).then(|| Self::new(self.seen.clone(), false))
+    }
+
+    fn launches_async(&self) -> bool {
+        self.inline
+    }
+
+    fn defer_completion(&mut self) {
+        self.deferring.get_or_insert(0);
+    }
+
+    fn settle(&mut self, _comm: &C) -> Result<()> {
+        if let Some(n) = self.deferring.take() {
+            self.seen.lock().expect("no test thread panicked").deferred += n;
+        }
+        Ok(())
+    }
+
+    fn grad_len(grad: &HostGrad<'_, T>) -> usize {
+        <HostMemory as ShardMemory<T, C>>::grad_len(grad)
+    }
+
+    fn alloc_zeroed(&mut self, numel: usize) -> Result<Vec<T>> {
+        <HostMemory as ShardMemory<T, C>>::alloc_zeroed(&mut self.inner, numel)
+    }
+
+    fn buffer_len(buffer: &Vec<T>) -> usize {
+        <HostMemory as ShardMemory<T, C>>::buffer_len(buffer)
+    }
+
+    fn into_host_vec(buffer: Vec<T>) -> std::result::Result<Vec<T>, Vec<T>> {
+        <HostMemory as ShardMemory<T, C>>::into_host_vec(buffer)
+    }
+
+    fn from_host_vec(values: Vec<T>) -> std::result::Result<Vec<T>, Vec<T>> {
+        <HostMemory as ShardMemory<T, C>>::from_host_vec(values)
+    }
+
+    fn zero(&mut self, buffer: &mut Vec<T>, range: Range<usize>) -> Result<()> {
+        <HostMemory as ShardMemory<T, C>>::zero(&mut self.inner, buffer, range)
+    }
+
+    fn flatten(
+        &mut self,
+        buffer: &mut Vec<T>,
+        pieces: &[GradPiece<HostGrad<'_, T>>],
+        add: bool,
+    ) -> Result<()> {
+        <HostMemory as ShardMemory<T, C>>::flatten(&mut self.inner, buffer, pieces, add)
+    }
+
+    fn copy_range(
+        &mut self,
+        dst: &mut Vec<T>,
+        dst_at: usize,
+        src: &Vec<T>,
+        src_range: Range<usize>,
+        add: bool,
+    ) -> Result<()> {
+        <HostMemory as ShardMemory<T, C>>::copy_range(
+            &mut self.inner,
+            dst,
+            dst_at,
+            src,
+            src_range,
+            add,
+        )
+    }
+
+    fn read_params(
+        &mut self,
+        params: &mut (dyn ParamStore<T> + '_),
+        copies: &[ParamCopy],
+        buffer: &mut Vec<T>,
+    ) -> Result<()> {
+        <HostMemory as ShardMemory<T, C>>::read_params(&mut self.inner, params, copies, buffer)
+    }
+
+    fn write_params(
+        &mut self,
+        params: &mut (dyn ParamStore<T> + '_),
+        copies: &[ParamCopy],
+        buffer: &Vec<T>,
+    ) -> Result<()> {
+        <HostMemory as ShardMemory<T, C>>::write_params(&mut self.inner, params, copies, buffer)
+    }
+
+    fn scale(&mut self, buffer: &mut Vec<T>, ranges: &[Range<usize>], factor: f64) -> Result<()> {
+        <HostMemory as ShardMemory<T, C>>::scale(&mut self.inner, buffer, ranges, factor)
+    }
+
+    fn norm_partial(
+        &mut self,
+        comm: &C,
+        buffer: &Vec<T>,
+        ranges: &[Range<usize>],
+        norm: NormType,
+    ) -> Result<f64> {
+        <HostMemory as ShardMemory<T, C>>::norm_partial(&mut self.inner, comm, buffer, ranges, norm)
+    }
+
+    fn all_reduce(
+        &mut self,
+        comm: &C,
+        buffer: &mut Vec<T>,
+        range: Range<usize>,
+        op: ReduceOp,
+    ) -> Result<()> {
+        <HostMemory as ShardMemory<T, C>>::all_reduce(&mut self.inner, comm, buffer, range, op)
+    }
+
+    fn reduce_scatter(
+        &mut self,
+        comm: &C,
+        send: &Vec<T>,
+        send_range: Range<usize>,
+        recv: &mut Vec<T>,
+        recv_range: Range<usize>,
+        op: ReduceOp,
+    ) -> Result<()> {
+        <HostMemory as ShardMemory<T, C>>::reduce_scatter(
+            &mut self.inner,
+            comm,
+            send,
+            send_range,
+            recv,
+            recv_range,
+            op,
+        )
+    }
+
+    fn all_gather(
+        &mut self,
+        comm: &C,
+        send: &Vec<T>,
+        send_range: Range<usize>,
+        recv: &mut Vec<T>,
+        recv_range: Range<usize>,
+    ) -> Result<()> {
+        <HostMemory as ShardMemory<T, C>>::all_gather(
+            &mut self.inner,
+            comm,
+            send,
+            send_range,
+            recv,
+            recv_range,
+        )
+    }
+
+    fn all_reduce_as(
+        &mut self,
+        comm: &C,
+        buffer: &mut Vec<T>,
+        range: Range<usize>,
+        op: ReduceOp,
+        wire: DType,
+    ) -> Result<()> {
+        self.issued();
+        <HostMemory as ShardMemory<T, C>>::all_reduce_as(
+            &mut self.inner,
+            comm,
+            buffer,
+            range,
+            op,
+            wire,
+        )
+    }
+
+    fn reduce_scatter_as(
+        &mut self,
+        comm: &C,
+        send: &Vec<T>,
+        send_range: Range<usize>,
+        recv: &mut Vec<T>,
+        recv_range: Range<usize>,
+        op: ReduceOp,
+        wire: DType,
+    ) -> Result<()> {
+        self.issued();
+        <HostMemory as ShardMemory<T, C>>::reduce_scatter_as(
+            &mut self.inner,
+            comm,
+            send,
+            send_range,
+            recv,
+            recv_range,
+            op,
+            wire,
+        )
+    }
+
+    fn all_gather_as(
+        &mut self,
+        comm: &C,
+        send: &Vec<T>,
+        send_range: Range<usize>,
+        recv: &mut Vec<T>,
+        recv_range: Range<usize>,
+        wire: DType,
+    ) -> Result<()> {
+        <HostMemory as ShardMemory<T, C>>::all_gather_as(
+            &mut self.inner,
+            comm,
+            send,
+            send_range,
+            recv,
+            recv_range,
+            wire,
+        )
+    }
+
+    fn buffer_to_host(
+        &mut self,
+        comm: &C,
+        buffer: &Vec<T>,
+        range: Range<usize>,
+        out: &mut [T],
+    ) -> Result<()> {
+        <HostMemory as ShardMemory<T, C>>::buffer_to_host(&mut self.inner, comm, buffer, range, out)
+    }
+
+    fn buffer_from_host(&mut self, buffer: &mut Vec<T>, at: usize, values: &[T]) -> Result<()> {
+        <HostMemory as ShardMemory<T, C>>::buffer_from_host(&mut self.inner, buffer, at, values)
+    }
+
+    fn download(&mut self, buffer: &Vec<T>, range: Range<usize>, out: &mut [T]) -> Result<()> {
+        <HostMemory as ShardMemory<T, C>>::download(&mut self.inner, buffer, range, out)
+    }
+
+    fn all_reduce_host<V: Element>(
+        &mut self,
+        comm: &C,
+        values: &mut [V],
+        op: ReduceOp,
+    ) -> Result<()> {
+        <HostMemory as ShardMemory<T, C>>::all_reduce_host::<V>(&mut self.inner, comm, values, op)
+    }
+
+    fn gather_varlen_host(
+        &mut self,
+        comm: &C,
+        send: &[T],
+        counts: &[usize],
+        recv: Option<&mut [T]>,
+        root: usize,
+    ) -> Result<()> {
+        <HostMemory as ShardMemory<T, C>>::gather_varlen_host(
+            &mut self.inner,
+            comm,
+            send,
+            counts,
+            recv,
+            root,
+        )
+    }
+
+    fn export_state(
+        &mut self,
+        comm: &C,
+        optimizer: &dyn FunctionalOptimizer<T>,
+        pieces: &[StepPiece<'_>],
+    ) -> Result<OptimizerState<T>> {
+        <HostMemory as ShardMemory<T, C>>::export_state(&mut self.inner, comm, optimizer, pieces)
+    }
+
+    fn import_state(
+        &mut self,
+        optimizer: &mut dyn FunctionalOptimizer<T>,
+        pieces: &[StepPiece<'_>],
+        state: OptimizerState<T>,
+    ) -> Result<()> {
+        <HostMemory as ShardMemory<T, C>>::import_state(&mut self.inner, optimizer, pieces, state)
+    }
+
+    fn state_bytes(&self, optimizer: &dyn FunctionalOptimizer<T>) -> usize {
+        <HostMemory as ShardMemory<T, C>>::state_bytes(&self.inner, optimizer)
+    }
+
+    fn read_param_host(
+        &mut self,
+        comm: &C,
+        params: &mut (dyn ParamStore<T> + '_),
+        param: usize,
+        out: &mut [T],
+    ) -> Result<()> {
+        <HostMemory as ShardMemory<T, C>>::read_param_host(
+            &mut self.inner,
+            comm,
+            params,
+            param,
+            out,
+        )
+    }
+
+    fn write_param_host(
+        &mut self,
+        params: &mut (dyn ParamStore<T> + '_),
+        param: usize,
+        values: &[T],
+    ) -> Result<()> {
+        <HostMemory as ShardMemory<T, C>>::write_param_host(&mut self.inner, params, param, values)
+    }
+}

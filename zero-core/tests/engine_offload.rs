@@ -1,0 +1,426 @@
+//! ZeRO-Offload (`OffloadMemory`): the optimizer's side in host memory, the
+//! rest on the device. Host memory stands in for the device here, so what
+//! is checked is the offload's logic: every buffer placed and moved right
+//! (the trained weights are those of the device alone, bit for bit, at
+//! every stage, schedule and world size, with accumulation, clipping and
+//! master weights), the shards and state counted as offloaded, the host
+//! stepping buckets while backward goes on, checkpoints across offload on
+//! and off, and the refusals.
+
+mod common;
+
+use common::{assert_close, make_opt, run, Model, Opt, PlanCheck, Synthetic};
+use half::bf16;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use zero_core::engine::{
+    CastParams, HostGrad, HostMemory, MemoryReport, NormType, Offload, OffloadMemory, Overlap,
+};
+use zero_core::optim::{
+    Adam, AdamConfig, FunctionalOptimizer, Hyperparams, OptimizerState, ParamMut,
+};
+use zero_core::{Communicator, DType, Engine, EngineConfig, ParamInfo, Result, Stage};
+
+type Offloaded = OffloadMemory<HostMemory>;
+
+/// How the gradients reach the engine.
+#[derive(Clone, Copy, Debug)]
+enum Path {
+    /// Handed over one by one during backward (`begin_backward`).
+    Hooked,
+    /// All at once with the step.
+    Plain,
+}
+
+/// Trains `$engine` (`Engine<f64, _, _>`) from `$params` for `$steps`
+/// steps of `$micro` micro-steps of `$model`'s synthetic gradients, the
+/// first being step `$first`; the replica after each step and the memory
+/// report.
+macro_rules! train_from {
+    ($engine:expr, $model:expr, $path:expr, $micro:expr, $params:expr, $first:expr, $steps:expr) => {{
+        let (e, model, micro) = (&mut $engine, $model, $micro);
+        let rank = e.comm().rank();
+        let n = model.infos().len();
+        let mut params = $params;
+        let mut out = Vec::new();
+        for s in $first..$first + $steps {
+            for m in 0..micro {
+                let g = model.grads(&params, rank, s * micro + m);
+                match $path {
+                    Path::Hooked => {
+                        let order: Vec<(usize, usize)> = (0..n).rev().map(|p| (p, 1)).collect();
+                        e.begin_backward(&order, &mut params)?;
+                        for p in (0..n).rev() {
+                            e.accumulate_param(p, (&g[p]).into())?;
+                        }
+                        let none: Vec<Option<HostGrad<'_, f64>>> = vec![None; n];
+                        e.step(&none, &mut params)?;
+                    }
+                    Path::Plain => {
+                        let slots: Vec<Option<HostGrad<'_, f64>>> =
+                            g.iter().map(|g| Some(g.into())).collect();
+                        e.step(&slots, &mut params)?;
+                    }
+                }
+            }
+            out.push(params.clone());
+        }
+        (out, e.memory_report(), params)
+    }};
+}
+
+/// [`train_from!`] from the model's initial values at step 0.
+macro_rules! train {
+    ($engine:expr, $model:expr, $path:expr, $micro:expr, $steps:expr) => {{
+        let (out, report, _) =
+            train_from!($engine, $model, $path, $micro, $model.init(), 0, $steps);
+        (out, report)
+    }};
+}
+
+fn config(stage: Stage, overlap: Overlap, micro: usize) -> EngineConfig {
+    let config = EngineConfig::default()
+        .with_stage(stage)
+        .with_bucket_bytes(96)
+        .with_grad_accum_steps(micro)
+        .with_overlap(overlap);
+    // The interleaved schedule steps before the global norm exists.
+    match overlap {
+        Overlap::Interleaved => config,
+        _ => config.with_clip(2.0, NormType::L2),
+    }
+}
+
+/// What the offloaded report must say: the parameter shard, the gradient
+/// shard and the optimizer state in host memory, the rest on the device.
+fn assert_offloaded(report: &MemoryReport, what: &str) {
+    assert!(
+        report.grad_shard > 0 && report.optimizer_state > 0,
+        "{what}: {report:?}"
+    );
+    assert_eq!(
+        report.offloaded,
+        2 * report.grad_shard + report.optimizer_state,
+        "{what}: the shards and the state are the offloaded bytes: {report:?}"
+    );
+    assert_eq!(report.on_device(), report.total() - report.offloaded);
+}
+
+/// Over a device that reduces on a communication thread, and over one
+/// whose collectives complete on its stream with no such thread (as the
+/// CUDA memory's), offloading changes no bit of the trained weights.
+#[test]
+fn offload_trains_the_weights_of_the_device_alone_bit_for_bit() {
+    let model = Synthetic::medium();
+    let (micro, steps) = (2, 3);
+    let device = |inline| OffloadMemory::new(PlanCheck::new(Arc::default(), inline));
+    for inline in [false, true] {
+        for world in [1, 2, 3] {
+            for stage in [Stage::OptimizerState, Stage::Gradients] {
+                for overlap in [Overlap::None, Overlap::AfterBackward, Overlap::Interleaved] {
+                    for path in [Path::Hooked, Path::Plain] {
+                        let what =
+                            format!("inline {inline} N={world} {stage:?} {overlap:?} {path:?}");
+                        let config = config(stage, overlap, micro);
+                        let device_alone = run(world, |comm| {
+                            let mut e = Engine::with_memory(
+                                comm,
+                                device(inline),
+                                model.infos(),
+                                make_opt(Opt::Adam, false),
+                                config.clone(),
+                            )?;
+                            Ok(train!(e, &model, path, micro, steps))
+                        });
+                        let offloaded = run(world, |comm| {
+                            let mut e = Engine::with_memory(
+                                comm,
+                                device(inline),
+                                model.infos(),
+                                make_opt(Opt::Adam, false),
+                                config.clone().with_offload(Offload::Optimizer, 2),
+                            )?;
+                            Ok(train!(e, &model, path, micro, steps))
+                        });
+                        for (rank, ((want, plain), (got, report))) in
+                            device_alone.iter().zip(&offloaded).enumerate()
+                        {
+                            assert_eq!(got, want, "{what} rank {rank}: weights differ");
+                            assert_eq!(plain.offloaded, 0, "{what}: offloaded without offload");
+                            assert_offloaded(report, &format!("{what} rank {rank}"));
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The host engine with its own memory trains the same weights too: the
+/// wrapper adds nothing but placement.
+#[test]
+fn offload_over_threads_matches_the_plain_host_engine() {
+    let model = Synthetic::medium();
+    let config = config(Stage::Gradients, Overlap::AfterBackward, 2);
+    let plain = run(2, |comm| {
+        let mut e = Engine::new(
+            comm,
+            model.infos(),
+            make_opt(Opt::Adam, false),
+            config.clone(),
+        )?;
+        Ok(train!(e, &model, Path::Hooked, 2, 3).0)
+    });
+    let offloaded = run(2, |comm| {
+        let mut e = Engine::with_memory(
+            comm,
+            Offloaded::new(HostMemory),
+            model.infos(),
+            make_opt(Opt::Adam, false),
+            config.clone().with_offload(Offload::Optimizer, 0),
+        )?;
+        Ok(train!(e, &model, Path::Hooked, 2, 3).0)
+    });
+    assert_eq!(plain, offloaded);
+}
+
+fn bf16_model() -> Vec<ParamInfo> {
+    vec![
+        ParamInfo::new("a", [5, 10], DType::BF16),
+        ParamInfo::new("b", [30], DType::BF16),
+    ]
+}
+
+/// A bf16 model with f32 master weights: the masters are offloaded, the
+/// bf16 replica gets the same values as without offload.
+#[test]
+fn offload_keeps_the_f32_masters_of_a_bf16_model_in_host_memory() {
+    let infos = bf16_model();
+    let train = |offload: Offload| {
+        run(2, |comm| {
+            let adam: Box<dyn FunctionalOptimizer<f32>> =
+                Box::new(Adam::new(AdamConfig::default().with_lr(0.01))?);
+            let mut e = Engine::<f32, _, _>::with_memory(
+                comm,
+                Offloaded::new(HostMemory),
+                infos.clone(),
+                adam,
+                EngineConfig::default()
+                    .with_stage(Stage::Gradients)
+                    .with_bucket_bytes(64)
+                    .with_offload(offload, 1),
+            )?;
+            let rank = e.comm().rank();
+            let mut replica = CastParams(
+                infos
+                    .iter()
+                    .map(|p| vec![bf16::from_f32(0.5); p.numel()])
+                    .collect::<Vec<Vec<bf16>>>(),
+            );
+            for step in 0..4 {
+                let grads: Vec<Vec<f32>> = infos
+                    .iter()
+                    .enumerate()
+                    .map(|(p, info)| {
+                        (0..info.numel())
+                            .map(|i| ((i + p + step + rank) % 5) as f32 / 4.0 - 0.4)
+                            .collect()
+                    })
+                    .collect();
+                let slots: Vec<Option<HostGrad<'_, f32>>> =
+                    grads.iter().map(|g| Some(g.as_slice().into())).collect();
+                e.step(&slots, &mut replica)?;
+            }
+            Ok((replica.0, e.memory_report()))
+        })
+    };
+    let (device_alone, offloaded) = (train(Offload::None), train(Offload::Optimizer));
+    for ((want, _), (got, report)) in device_alone.iter().zip(&offloaded) {
+        assert_eq!(got, want);
+        assert_ne!(got[0][0], bf16::from_f32(0.5), "the model trained");
+        assert_offloaded(report, "bf16 with masters");
+    }
+}
+
+/// An optimizer that counts its steps and records, at each, how many
+/// gradients the test had handed over by then.
+struct Watched {
+    inner: Box<dyn FunctionalOptimizer<f64>>,
+    handed: Arc<AtomicUsize>,
+    seen: Arc<Mutex<Vec<usize>>>,
+}
+
+impl FunctionalOptimizer<f64> for Watched {
+    fn kind(&self) -> &str {
+        self.inner.kind()
+    }
+    fn step(&mut self, params: &mut [ParamMut<'_, f64>], grads: &[Option<&[f64]>]) -> Result<()> {
+        let handed = self.handed.load(Ordering::SeqCst);
+        self.seen.lock().expect("no panic").push(handed);
+        self.inner.step(params, grads)
+    }
+    fn num_groups(&self) -> usize {
+        self.inner.num_groups()
+    }
+    fn add_group(&mut self, hyper: &Hyperparams) -> Result<usize> {
+        self.inner.add_group(hyper)
+    }
+    fn hyperparams(&self, group: usize) -> Hyperparams {
+        self.inner.hyperparams(group)
+    }
+    fn set_hyperparams(&mut self, group: usize, hyper: &Hyperparams) -> Result<()> {
+        self.inner.set_hyperparams(group, hyper)
+    }
+    fn learning_rate(&self, group: usize) -> f64 {
+        self.inner.learning_rate(group)
+    }
+    fn set_learning_rate(&mut self, group: usize, lr: f64) {
+        self.inner.set_learning_rate(group, lr)
+    }
+    fn export_state(&self) -> OptimizerState<f64> {
+        self.inner.export_state()
+    }
+    fn import_state(&mut self, state: OptimizerState<f64>) -> Result<()> {
+        self.inner.import_state(state)
+    }
+    fn state_bytes(&self) -> usize {
+        self.inner.state_bytes()
+    }
+}
+
+/// With the interleaved schedule the host steps each bucket as it lands:
+/// the first bucket is stepped while most gradients are still to come.
+#[test]
+fn the_host_steps_buckets_as_they_land_not_after_the_whole_gradient() {
+    let model = Synthetic::medium();
+    let n = model.infos().len();
+    let handed = Arc::new(AtomicUsize::new(0));
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    run(1, |comm| {
+        let mut e = Engine::with_memory(
+            comm,
+            Offloaded::new(HostMemory),
+            model.infos(),
+            Box::new(Watched {
+                inner: make_opt(Opt::Adam, false),
+                handed: handed.clone(),
+                seen: seen.clone(),
+            }),
+            config(Stage::Gradients, Overlap::Interleaved, 1).with_offload(Offload::Optimizer, 1),
+        )?;
+        let mut params = model.init();
+        let g = model.grads(&params, 0, 0);
+        let order: Vec<(usize, usize)> = (0..n).rev().map(|p| (p, 1)).collect();
+        e.begin_backward(&order, &mut params)?;
+        // Every gradient but the first parameter's (`a.bias`, handed over
+        // last): several whole buckets, which must be stepped before it.
+        for p in (1..n).rev() {
+            handed.fetch_add(1, Ordering::SeqCst);
+            e.accumulate_param(p, (&g[p]).into())?;
+        }
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while seen.lock().expect("no panic").is_empty() {
+            assert!(
+                Instant::now() < deadline,
+                "no bucket stepped while a gradient was still to come"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        handed.fetch_add(1, Ordering::SeqCst);
+        e.accumulate_param(0, (&g[0]).into())?;
+        let none: Vec<Option<HostGrad<'_, f64>>> = vec![None; n];
+        e.step(&none, &mut params)?;
+        Ok(())
+    });
+    let seen = seen.lock().expect("no panic");
+    assert!(
+        seen[0] < n,
+        "the first step ran before the last gradient: {seen:?}"
+    );
+    assert!(seen.len() > 1, "stepped bucket by bucket: {seen:?}");
+}
+
+/// An offloaded run's checkpoint resumes without offload, and the other
+/// way round, on the trajectory of an uninterrupted run.
+#[test]
+fn checkpoints_resume_across_offload_on_and_off() {
+    let model = Synthetic::medium();
+    let config = config(Stage::Gradients, Overlap::AfterBackward, 1);
+    let engine = |comm, offload| {
+        Engine::with_memory(
+            comm,
+            Offloaded::new(HostMemory),
+            model.infos(),
+            make_opt(Opt::Adam, false),
+            config.clone().with_offload(offload, 1),
+        )
+    };
+    let uninterrupted = run(2, |comm| {
+        let mut e = engine(comm, Offload::None)?;
+        Ok(train_from!(e, &model, Path::Hooked, 1, model.init(), 0, 4).0)
+    });
+    for (first, second) in [
+        (Offload::Optimizer, Offload::None),
+        (Offload::None, Offload::Optimizer),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        run(2, |comm| {
+            let mut e = engine(comm, first)?;
+            let (_, _, mut params) = train_from!(e, &model, Path::Hooked, 1, model.init(), 0, 2);
+            e.save_checkpoint(dir.path(), &mut params)?;
+            Ok(())
+        });
+        let resumed = run(2, |comm| {
+            let mut e = engine(comm, second)?;
+            // Whatever the replica holds, the checkpoint's weights win.
+            let mut params: Vec<Vec<f64>> =
+                model.init().iter().map(|p| vec![0.0; p.len()]).collect();
+            e.load_checkpoint(dir.path(), &mut params)?;
+            Ok(train_from!(e, &model, Path::Hooked, 1, params, 2, 2).0)
+        });
+        // Within rounding: a resumed run is not bitwise the uninterrupted
+        // one even without offload (the checkpoint's state is rebuilt).
+        for (rank, (got, want)) in resumed.iter().zip(&uninterrupted).enumerate() {
+            for (s, (got, want)) in got.iter().zip(&want[2..]).enumerate() {
+                let what = format!("{first:?} then {second:?}, rank {rank}, step {}", s + 2);
+                assert_close(got, want, 1e-12, &what);
+            }
+        }
+    }
+}
+
+#[test]
+fn offload_is_refused_where_it_cannot_be_with_what_to_do() {
+    let model = Synthetic::medium();
+    let errors = run(1, |comm| {
+        let host = Engine::new(
+            comm,
+            model.infos(),
+            make_opt(Opt::Adam, false),
+            EngineConfig::default().with_offload(Offload::Optimizer, 0),
+        );
+        Ok(host.err().map(|e| e.to_string()))
+    });
+    let err = errors[0].as_ref().expect("refused on host memory");
+    assert!(err.contains("NCCL") && err.contains("host memory"), "{err}");
+    for (stage, says) in [(Stage::Ddp, "stage 1 or 2"), (Stage::Parameters, "stage 2")] {
+        let errors = run(1, |comm| {
+            let e = Engine::with_memory(
+                comm,
+                Offloaded::new(HostMemory),
+                model.infos(),
+                make_opt(Opt::Adam, false),
+                EngineConfig::default()
+                    .with_stage(stage)
+                    .with_offload(Offload::Optimizer, 0),
+            );
+            Ok(e.err().map(|e| e.to_string()))
+        });
+        let err = errors[0].as_ref().expect("refused");
+        assert!(
+            err.contains("offload") && err.contains(says),
+            "{stage:?}: {err}"
+        );
+    }
+}
