@@ -81,6 +81,12 @@ if [[ "$what" == all || "$what" == train ]]; then
                     --precision "$precision" --steps 20
             done
         done
+        # ZeRO-Offload: the optimizer's side in host memory.
+        for precision in f32 bf16; do
+            run "train-$model-s2-$precision-offload" env RANK=0 WORLD_SIZE=1 \
+                "$unpacked/train" --backend nccl --model "$model" --stage 2 \
+                --precision "$precision" --offload optimizer --steps 20
+        done
     done
 fi
 if [[ "$what" != all && "$what" != suite && "$what" != bench && "$what" != train ]]; then

@@ -580,3 +580,29 @@ fn interleaved_overlap_with_clipping_is_a_usage_error() {
         "{err}"
     );
 }
+
+#[test]
+fn offload_where_it_cannot_be_is_a_usage_error_saying_what_to_do() {
+    // The threads backend keeps everything in host memory already.
+    let argv = ["train", "--quiet", "--stage", "2", "--offload", "optimizer"];
+    let err = run(&Args::parse_from(argv)).expect_err("nothing to offload on threads");
+    assert!(err.to_string().contains("--backend nccl"), "{err}");
+    // Stage 0 has no shard to offload (checked before any GPU is touched).
+    for stage in ["0", "3"] {
+        let argv = [
+            "train",
+            "--quiet",
+            "--backend",
+            "nccl",
+            "--stage",
+            stage,
+            "--offload",
+            "optimizer",
+        ];
+        let err = run(&Args::parse_from(argv)).expect_err("no shard to offload");
+        assert!(
+            err.to_string().contains("--stage 1 or 2"),
+            "stage {stage}: {err}"
+        );
+    }
+}

@@ -17,6 +17,7 @@ use half::{bf16, f16};
 use std::cell::RefCell;
 use std::ops::Range;
 use std::sync::Arc;
+use zero_core::engine::OffloadMemory;
 use zero_core::optim::FunctionalOptimizer;
 use zero_nccl::cudarc::driver::CudaView;
 use zero_nccl::{Cuda, CudaMemory, DeviceParams, DeviceView, DeviceViewMut, NcclComm};
@@ -54,13 +55,15 @@ pub type NcclZeroOptimizer = ZeroOptimizer<NcclComm, f32>;
 pub type NcclZeroConfig = ZeroConfig<NcclComm, f32>;
 
 impl CandleMemory<f32, NcclComm> for Cuda {
-    type Memory = CudaMemory;
+    /// The GPU's memory, whose optimizer side moves to host memory with
+    /// `EngineConfig::offload`.
+    type Memory = OffloadMemory<CudaMemory>;
 
     fn build(
         named: &[(String, Var)],
         comm: NcclComm,
         optimizer: &dyn FunctionalOptimizer<f32>,
-    ) -> Result<(NcclComm, CudaMemory)> {
+    ) -> Result<(NcclComm, OffloadMemory<CudaMemory>)> {
         let mut stream = None;
         for (name, var) in named {
             if !matches!(var.dtype(), DType::F32 | DType::BF16 | DType::F16) {
@@ -108,7 +111,7 @@ impl CandleMemory<f32, NcclComm> for Cuda {
             _ => comm,
         };
         let memory = CudaMemory::new(&comm, optimizer)?;
-        Ok((comm, memory))
+        Ok((comm, OffloadMemory::new(memory)))
     }
 
     fn with_grads<R>(

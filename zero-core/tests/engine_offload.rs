@@ -149,6 +149,20 @@ fn offload_trains_the_weights_of_the_device_alone_bit_for_bit() {
                             assert_eq!(got, want, "{what} rank {rank}: weights differ");
                             assert_eq!(plain.offloaded, 0, "{what}: offloaded without offload");
                             assert_offloaded(report, &format!("{what} rank {rank}"));
+                            // Reducing during backward on a device with no
+                            // communication thread, each bucket buffer is
+                            // free once its part has landed on the host
+                            // (without offload all are held to the end).
+                            if inline && overlap == Overlap::AfterBackward {
+                                if let Path::Hooked = path {
+                                    assert!(
+                                        2 * report.comm_buffers <= plain.comm_buffers,
+                                        "{what}: {} bytes of bucket buffers, {} without offload",
+                                        report.comm_buffers,
+                                        plain.comm_buffers
+                                    );
+                                }
+                            }
                         }
                     }
                 }

@@ -22,7 +22,7 @@ use std::sync::Arc;
 use std::time::Instant;
 use zero_candle::nn::GradHook;
 use zero_candle::{NcclZeroOptimizer, ZeroHook};
-use zero_core::engine::{EngineConfig, Stage};
+use zero_core::engine::{EngineConfig, Offload, Stage};
 use zero_core::optim::{AdamW, AdamWConfig};
 use zero_nccl::cudarc::driver::{sys, CudaContext};
 use zero_nccl::NcclComm;
@@ -46,6 +46,18 @@ struct Measured {
     tokens_per_s: f64,
     /// Bytes; `None` when the pool's high-water mark cannot be read.
     peak_bytes: Option<u64>,
+    /// The engine's own device bytes (its memory report less what it
+    /// offloaded) per parameter, the model's weights included.
+    engine_device_bytes_per_param: f64,
+}
+
+/// How a case trains, besides its ops and dtype.
+#[derive(Clone, Copy, Default)]
+struct Variant {
+    /// Activation checkpointing of every block.
+    checkpointed: bool,
+    /// ZeRO-Offload of the optimizer's side.
+    offload: Offload,
 }
 
 /// Runs the GPT suite (after `gpu::device_present`).
@@ -81,7 +93,15 @@ pub fn run(report: &mut Report) {
     // One case at a time, each dropped (and the device drained) before the
     // next is built, so that their memory does not overlap.
     let case = |name: &str, ops: GptOps, dtype: DType| -> Option<Measured> {
-        match ours(&device, &ctx, pool.as_ref(), &ids, ops, dtype, false) {
+        match ours(
+            &device,
+            &ctx,
+            pool.as_ref(),
+            &ids,
+            ops,
+            dtype,
+            Variant::default(),
+        ) {
             Ok(measured) => Some(measured),
             Err(e) => {
                 eprintln!("gpu gpt benchmark: {name} failed: {e}");
@@ -116,6 +136,53 @@ pub fn run(report: &mut Report) {
         );
         if let Some(peak) = m.peak_bytes {
             report.add("gpu.gpt_bf16_peak_gb", peak as f64 / 1e9, "GB", None);
+        }
+    }
+
+    let bf16_offload = match ours(
+        &device,
+        &ctx,
+        pool.as_ref(),
+        &ids,
+        GptOps::Fused,
+        DType::BF16,
+        Variant {
+            offload: Offload::Optimizer,
+            ..Variant::default()
+        },
+    ) {
+        Ok(measured) => Some(measured),
+        Err(e) => {
+            eprintln!("gpu gpt benchmark: ours bf16 offload failed: {e}");
+            None
+        }
+    };
+    if let (Some(plain), Some(offload)) = (&bf16_fused, &bf16_offload) {
+        report.add(
+            "gpu.gpt_bf16_offload_step_over_plain",
+            plain.tokens_per_s / offload.tokens_per_s,
+            "ratio",
+            Some("<= 1.5"),
+        );
+        report.add(
+            "gpu.gpt_bf16_engine_device_bytes_per_param",
+            plain.engine_device_bytes_per_param,
+            "B/param",
+            None,
+        );
+        report.add(
+            "gpu.gpt_bf16_offload_engine_device_bytes_per_param",
+            offload.engine_device_bytes_per_param,
+            "B/param",
+            Some("<= 2.5"),
+        );
+        if let Some(peak) = offload.peak_bytes {
+            report.add(
+                "gpu.gpt_bf16_offload_peak_gb",
+                peak as f64 / 1e9,
+                "GB",
+                None,
+            );
         }
     }
 
@@ -229,15 +296,11 @@ fn checkpointing(
         }
     };
     let run = |checkpointed| {
-        ours(
-            device,
-            ctx,
-            pool,
-            &ids,
-            GptOps::Fused,
-            DType::F32,
+        let variant = Variant {
             checkpointed,
-        )
+            ..Variant::default()
+        };
+        ours(device, ctx, pool, &ids, GptOps::Fused, DType::F32, variant)
     };
     let (plain, recomputed) = match (run(false), run(true)) {
         (Ok(plain), Ok(recomputed)) => (plain, recomputed),
@@ -307,7 +370,7 @@ fn ours(
     ids: &Tensor,
     ops: GptOps,
     dtype: DType,
-    checkpointed: bool,
+    variant: Variant,
 ) -> BenchResult<Measured> {
     let measured = {
         let varmap = VarMap::new();
@@ -321,12 +384,14 @@ fn ours(
             dtype,
         )?
         .with_ops(ops)
-        .with_checkpointing(checkpointed);
+        .with_checkpointing(variant.checkpointed);
         // No gradient norm and no clipping: the PyTorch peer computes neither.
         let mut opt = NcclZeroOptimizer::new(
             &varmap,
             NcclComm::single(0)?,
-            EngineConfig::default().with_stage(Stage::Gradients),
+            EngineConfig::default()
+                .with_stage(Stage::Gradients)
+                .with_offload(variant.offload, 0),
             Box::new(AdamW::new(AdamWConfig::default().with_lr(LR))?),
         )?
         .with_hook(&hook)?;
@@ -352,9 +417,12 @@ fn ours(
         }
         let peak_bytes = pool.map(MemoryPool::high_water).transpose()?;
         times.sort_by(f64::total_cmp);
+        let numel: usize = opt.vars().iter().map(|v| v.elem_count()).sum();
         Measured {
             tokens_per_s: (ids.dim(0)? * CONFIG.context) as f64 / times[times.len() / 2],
             peak_bytes,
+            engine_device_bytes_per_param: opt.memory_report().on_device() as f64
+                / numel.max(1) as f64,
         }
     };
     // The case's model, optimizer and communicator are dropped; their

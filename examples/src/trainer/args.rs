@@ -43,6 +43,16 @@ pub enum OverlapArg {
     Interleaved,
 }
 
+/// What `--offload` moves to host memory (`zero_core::engine::Offload`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum OffloadArg {
+    /// Nothing: everything on the GPU.
+    None,
+    /// The optimizer's side: f32 master weights, the gradient shard, the
+    /// optimizer state and the step (ZeRO-Offload).
+    Optimizer,
+}
+
 /// Which partitioner assigns elements to ranks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum PartitionerArg {
@@ -187,6 +197,16 @@ pub struct Args {
     /// gathers hide behind that forward.
     #[arg(long)]
     pub defer_gathers: bool,
+    /// `--backend nccl`, stages 1 and 2: `optimizer` keeps the optimizer's
+    /// side (f32 master weights, gradient shard, optimizer state) in host
+    /// memory and steps it there; the GPU keeps the model, its gradients
+    /// and the bucket buffers (ZeRO-Offload).
+    #[arg(long, value_enum, default_value_t = OffloadArg::None)]
+    pub offload: OffloadArg,
+    /// With `--offload optimizer`: threads that step the host shard (0: one
+    /// per core).
+    #[arg(long, default_value_t = 0)]
+    pub offload_threads: usize,
     /// GPT: keep only each block's input for backward and run the block
     /// again there (activation checkpointing): the same gradients, a
     /// fraction of the activation memory, one more forward per step.

@@ -9,7 +9,9 @@ mod model;
 mod plot;
 mod text;
 
-pub use args::{Args, Backend, ModelKind, OptimizerKind, OverlapArg, PartitionerArg, Precision};
+pub use args::{
+    Args, Backend, ModelKind, OffloadArg, OptimizerKind, OverlapArg, PartitionerArg, Precision,
+};
 pub use data::Dataset;
 pub use gpt::{Gpt, GptConfig, GptOps, VOCAB};
 pub use model::{copy_vars, read_weights, Mlp};
@@ -28,8 +30,8 @@ use zero_candle::{CandleMemory, ShardedVarMap, ZeroHook, ZeroOptimizer};
 use zero_core::checkpoint::Manifest;
 use zero_core::comm::Host;
 use zero_core::engine::{
-    EngineConfig, LossScale, MemoryReport, NormType, Overlap, PartitionerKind, SaveOptions, Stage,
-    StepReport,
+    EngineConfig, LossScale, MemoryReport, NormType, Offload, Overlap, PartitionerKind,
+    SaveOptions, Stage, StepReport,
 };
 use zero_core::optim::Float;
 use zero_core::{Communicator, Element, ReduceOp, ThreadGroup};
@@ -368,6 +370,21 @@ fn validate(args: &Args) -> Result<(), TrainError> {
                 .into(),
         ));
     }
+    if args.offload == OffloadArg::Optimizer && args.backend != Backend::Nccl {
+        return Err(TrainError::Usage(
+            "--offload optimizer moves a GPU model's optimizer side to host memory; with \
+             --backend threads or mpi everything is in host memory already: drop --offload, or \
+             train on --backend nccl"
+                .into(),
+        ));
+    }
+    if args.offload == OffloadArg::Optimizer && !matches!(args.stage, 1 | 2) {
+        return Err(TrainError::Usage(
+            "--offload optimizer moves the optimizer's shard to host memory: use it with \
+             --stage 1 or 2 (stage 0 has no shard; stage 3 with offload is not built yet)"
+                .into(),
+        ));
+    }
     if args.backend == Backend::Nccl && args.stage == 3 {
         return Err(TrainError::Usage(
             "--stage 3 shards parameters on host memory (--backend threads or mpi) for now; \
@@ -448,7 +465,14 @@ pub fn engine_config(args: &Args) -> EngineConfig {
         // Validated by `run` before any rank starts.
         .with_loss_scale(loss_scale(args).unwrap_or_default())
         .with_reduce_in_param_dtype(args.reduce_in_param_dtype)
-        .with_defer_gathers(args.defer_gathers);
+        .with_defer_gathers(args.defer_gathers)
+        .with_offload(
+            match args.offload {
+                OffloadArg::None => Offload::None,
+                OffloadArg::Optimizer => Offload::Optimizer,
+            },
+            args.offload_threads,
+        );
     if let Some(max_norm) = args.clip_norm {
         config = config.with_clip(max_norm, NormType::L2);
     }

@@ -716,7 +716,16 @@ where
                     self.progress.add_one();
                 }
             }
-            held.push((write, job.buffer));
+            // A shard offloaded to host memory got its part when the
+            // reduction returned (the memory waited for it): the bucket
+            // buffer is free for the next bucket at once, so the device
+            // holds a bucket or two instead of the whole gradient.
+            let landed = write.is_none() && targets.shard.as_ref().is_some_and(M::offloaded);
+            if landed {
+                self.buffers.pool.push(job.buffer);
+            } else {
+                held.push((write, job.buffer));
+            }
         }
     }
 

@@ -794,6 +794,33 @@ impl ShardMemory<f32, NcclComm> for CudaMemory {
             .map_err(cuda)
     }
 
+    /// Offload's device-to-host transfer: the compute stream first waits on
+    /// the reductions still deferred (the deferral goes on), then the copy
+    /// runs on it and the host waits for it.
+    fn download(
+        &mut self,
+        buffer: &CudaSlice<f32>,
+        range: Range<usize>,
+        out: &mut [f32],
+    ) -> Result<()> {
+        check_range("download", &range, buffer.len())?;
+        if range.len() != out.len() {
+            return Err(Error::State(format!(
+                "internal: download of {} elements into {}",
+                range.len(),
+                out.len()
+            )));
+        }
+        if range.is_empty() {
+            return Ok(());
+        }
+        let stream = self.stream()?;
+        for event in self.deferred.iter().flatten() {
+            stream.wait(event).map_err(cuda)?;
+        }
+        stream.memcpy_dtoh(&buffer.slice(range), out).map_err(cuda)
+    }
+
     fn read_param_host(
         &mut self,
         comm: &NcclComm,
