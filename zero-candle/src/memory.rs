@@ -66,6 +66,14 @@ pub trait CandleMemory<T: Element + WithDType, C: Communicator + 'static>: Memor
     /// Calls `f` with the variables as the engine's parameters.
     fn with_params<R>(vars: &[Var], f: &mut ParamsFn<'_, T, C, Self, R>) -> Result<R>;
 
+    /// The most bytes of device memory in use at once so far (the device's
+    /// stream-ordered pool), where the memory is a device's and it can tell;
+    /// `None` on the host.
+    fn device_peak_bytes(comm: &C) -> Option<u64> {
+        let _ = comm;
+        None
+    }
+
     /// Whether [`CandleMemory::shard_parameters`] can shard (stage 3): host
     /// memory only for now. Checked when the optimizer is built.
     const SHARDS_PARAMETERS: bool = false;

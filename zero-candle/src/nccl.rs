@@ -114,6 +114,11 @@ impl CandleMemory<f32, NcclComm> for Cuda {
         Ok((comm, OffloadMemory::new(memory)))
     }
 
+    fn device_peak_bytes(comm: &NcclComm) -> Option<u64> {
+        let pool = zero_nccl::DevicePool::of(comm.context()).ok()?;
+        pool.high_water().ok()
+    }
+
     fn with_grads<R>(
         names: &[String],
         vars: &[Var],

@@ -504,6 +504,13 @@ where
         self.engine().memory_report()
     }
 
+    /// The device's peak memory in use so far (every allocation on the
+    /// device's stream-ordered pool: the model, activations, the engine's
+    /// buffers), on a GPU backend that can tell; `None` on the host.
+    pub fn device_peak_bytes(&self) -> Option<u64> {
+        C::Memory::device_peak_bytes(self.engine().comm())
+    }
+
     /// Bytes this rank has sent.
     pub fn bytes_sent(&self) -> u64 {
         self.engine().comm().bytes_sent()

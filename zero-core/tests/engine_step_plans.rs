@@ -153,13 +153,26 @@ fn a_memory_with_asynchronous_collectives_reduces_during_backward_on_the_calling
                     replica,
                     "{stage:?}: the engine holds parameters beside the replica"
                 );
-                Ok(out)
+                Ok((out, e.memory_report().comm_buffers))
             });
+            let (trajectories, comm_buffers): (Vec<_>, Vec<_>) = trajectories.into_iter().unzip();
             assert_trajectories(&trajectories, &expected[..steps], 1e-9, &what);
-            for seen in &seen {
+            for (seen, comm_buffers) in seen.iter().zip(comm_buffers) {
                 let seen = seen.lock().expect("no test thread panicked");
+                // Includes: no bucket buffer written while a reduction
+                // that read it was neither settled nor fenced.
                 seen.assert_kept(&what);
                 assert!(seen.deferred > 0, "{what}: no reduction was deferred");
+                // Stages 1-2 reuse bucket buffers behind fences: at N = 1
+                // (each bucket one stretch of backward) a few, not one per
+                // bucket (24 of 96 bytes here; held to the end, 2,048-2,304
+                // bytes).
+                if stage != Stage::Ddp {
+                    assert!(seen.fences > 0, "{what}: no buffer reused before settling");
+                    if world == 1 {
+                        assert!(comm_buffers <= 12 * 96, "{what}: {comm_buffers} bytes");
+                    }
+                }
             }
         }
     }

@@ -30,6 +30,8 @@ pub mod rendezvous;
 #[cfg(feature = "cuda")]
 pub mod kernels;
 #[cfg(feature = "cuda")]
+mod pool;
+#[cfg(feature = "cuda")]
 pub mod probe;
 
 #[cfg(feature = "nccl")]
@@ -45,6 +47,8 @@ pub use comm::{Cuda, NcclComm, UNIQUE_ID_BYTES};
 pub use memory::{cuda_engine, CudaEngine, CudaMemory, DeviceParams};
 #[cfg(feature = "cuda")]
 pub use memory::{DeviceView, DeviceViewMut, ViewElement};
+#[cfg(feature = "cuda")]
+pub use pool::DevicePool;
 #[cfg(feature = "cuda")]
 pub use probe::cuda_device_count;
 

@@ -24,8 +24,8 @@ use zero_candle::nn::GradHook;
 use zero_candle::{NcclZeroOptimizer, ZeroHook};
 use zero_core::engine::{EngineConfig, Offload, Stage};
 use zero_core::optim::{AdamW, AdamWConfig};
-use zero_nccl::cudarc::driver::{sys, CudaContext};
-use zero_nccl::NcclComm;
+use zero_nccl::cudarc::driver::CudaContext;
+use zero_nccl::{DevicePool, NcclComm};
 
 const CONFIG: GptConfig = GptConfig {
     layers: 12,
@@ -75,7 +75,7 @@ pub fn run(report: &mut Report) {
         ctx.name()
             .unwrap_or_else(|e| format!("GPU 0 (name unavailable: {e})"))
     );
-    let pool = match MemoryPool::of(&ctx) {
+    let pool = match DevicePool::of(&ctx) {
         Ok(pool) => Some(pool),
         Err(why) => {
             println!("gpu gpt benchmark: no peak memory figures for our cases: {why}");
@@ -285,7 +285,7 @@ fn checkpointing(
     report: &mut Report,
     device: &Device,
     ctx: &CudaContext,
-    pool: Option<&MemoryPool>,
+    pool: Option<&DevicePool>,
 ) {
     const CKPT_BATCH: usize = 64;
     let ids = match random_ids(device, CKPT_BATCH) {
@@ -366,7 +366,7 @@ fn synchronize(device: &Device, ctx: &CudaContext) -> BenchResult<()> {
 fn ours(
     device: &Device,
     ctx: &CudaContext,
-    pool: Option<&MemoryPool>,
+    pool: Option<&DevicePool>,
     ids: &Tensor,
     ops: GptOps,
     dtype: DType,
@@ -415,7 +415,7 @@ fn ours(
                 times.push(started.elapsed().as_secs_f64());
             }
         }
-        let peak_bytes = pool.map(MemoryPool::high_water).transpose()?;
+        let peak_bytes = pool.map(DevicePool::high_water).transpose()?;
         times.sort_by(f64::total_cmp);
         let numel: usize = opt.vars().iter().map(|v| v.elem_count()).sum();
         Measured {
@@ -432,71 +432,4 @@ fn ours(
         pool.reset_high_water()?;
     }
     Ok(measured)
-}
-
-/// The memory pool that `cuMemAllocAsync` draws from on a device.
-struct MemoryPool(sys::CUmemoryPool);
-
-impl MemoryPool {
-    /// The current pool of `ctx`'s device (the default pool unless someone
-    /// set another), or why its high-water mark would not count Candle's
-    /// allocations.
-    fn of(ctx: &CudaContext) -> Result<Self, String> {
-        if !ctx.has_async_alloc() {
-            return Err(
-                "the device does not support memory pools, so Candle allocates with cuMemAlloc, \
-                 which no pool counts"
-                    .into(),
-            );
-        }
-        ctx.bind_to_thread()
-            .map_err(|e| format!("cannot make the CUDA context current: {e}"))?;
-        let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
-        // SAFETY: `pool` is a valid out-pointer for one CUmemoryPool, and
-        // `cu_device()` is a device handle the driver gave `ctx`, which is
-        // alive for the call.
-        unsafe { sys::cuDeviceGetMemPool(&mut pool, ctx.cu_device()) }
-            .result()
-            .map_err(|e| format!("cuDeviceGetMemPool failed: {e}"))?;
-        if pool.is_null() {
-            return Err("cuDeviceGetMemPool returned no pool".into());
-        }
-        Ok(Self(pool))
-    }
-
-    /// Resets the used-memory high-water mark (to the memory in use now).
-    fn reset_high_water(&self) -> Result<(), String> {
-        let mut zero: u64 = 0;
-        // SAFETY: `self.0` is a pool handle from cuDeviceGetMemPool (a
-        // device's pools live as long as the process's driver state);
-        // CU_MEMPOOL_ATTR_USED_MEM_HIGH takes a pointer to a cuuint64_t,
-        // which `zero` is, alive across the call.
-        unsafe {
-            sys::cuMemPoolSetAttribute(
-                self.0,
-                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
-                (&mut zero as *mut u64).cast(),
-            )
-        }
-        .result()
-        .map_err(|e| format!("cuMemPoolSetAttribute(USED_MEM_HIGH) failed: {e}"))
-    }
-
-    /// The most bytes of the pool in use at once since the last reset.
-    fn high_water(&self) -> Result<u64, String> {
-        let mut bytes: u64 = 0;
-        // SAFETY: `self.0` is a live pool handle (see `reset_high_water`);
-        // CU_MEMPOOL_ATTR_USED_MEM_HIGH writes one cuuint64_t to the
-        // pointer, and `bytes` is one, alive across the call.
-        unsafe {
-            sys::cuMemPoolGetAttribute(
-                self.0,
-                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
-                (&mut bytes as *mut u64).cast(),
-            )
-        }
-        .result()
-        .map_err(|e| format!("cuMemPoolGetAttribute(USED_MEM_HIGH) failed: {e}"))?;
-        Ok(bytes)
-    }
 }

@@ -106,6 +106,11 @@ pub struct StepMetrics {
     /// The process's peak heap bytes so far (all ranks of a threads run),
     /// as counted by the binary's allocator; absent when not counted.
     pub peak_heap_bytes: Option<usize>,
+    /// GPU backends: rank 0's device peak so far (the high-water mark of
+    /// the device's stream-ordered memory pool: model, activations,
+    /// gradients and the engine's buffers), when the device can tell.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub device_peak_bytes: Option<u64>,
     /// Stage 3, once sharded: rank 0's parameter gathers so far.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub gathers: Option<GatherMetrics>,
@@ -623,6 +628,8 @@ trait RankOptimizer {
     fn set_learning_rate(&mut self, lr: f64);
     fn bytes_sent(&self) -> u64;
     fn memory_report(&self) -> MemoryReport;
+    /// The device's peak memory so far (GPU backends).
+    fn device_peak_bytes(&self) -> Option<u64>;
     /// The mean of `value` over ranks (a collective).
     fn mean_over_ranks(&mut self, value: f64) -> Result<f64, TrainError>;
     fn save_checkpoint(
@@ -660,6 +667,9 @@ where
     }
     fn memory_report(&self) -> MemoryReport {
         ZeroOptimizer::memory_report(self)
+    }
+    fn device_peak_bytes(&self) -> Option<u64> {
+        ZeroOptimizer::device_peak_bytes(self)
     }
     fn mean_over_ranks(&mut self, value: f64) -> Result<f64, TrainError> {
         let mut v = [value];
@@ -859,6 +869,7 @@ fn train_loop(ctx: &LoopContext<'_>, opt: &mut dyn RankOptimizer) -> Result<Summ
                 loss_scale: report.loss_scale,
                 skipped: report.skipped,
                 peak_heap_bytes: crate::heap::peak_bytes(),
+                device_peak_bytes: opt.device_peak_bytes(),
                 gathers: opt.gather_metrics(),
             };
             let path = args.metrics.clone().unwrap_or_default();

@@ -342,6 +342,14 @@ impl<T: Element, C: Communicator, D: ShardMemory<T, C>> ShardMemory<T, C> for Of
         self.device.settle(comm)
     }
 
+    fn deferred_count(&self) -> usize {
+        self.device.deferred_count()
+    }
+
+    fn fence_deferred(&mut self, count: usize) -> Result<()> {
+        self.device.fence_deferred(count)
+    }
+
     fn read_params(
         &mut self,
         params: &mut Self::Params<'_>,

@@ -29,8 +29,8 @@
 
 use super::consistency::{hash_fingerprint, order_fingerprint};
 use super::reduce::{
-    land, submit, take_buffer, Back, BucketMap, EarlyStep, Job, LentOptimizer, Reducer, Reduction,
-    Returns, Targets,
+    land, release_held, submit, take_buffer, Back, BucketMap, EarlyStep, Held, Job, LentOptimizer,
+    Reducer, Reduction, Returns, Targets,
 };
 use super::{Engine, Overlap, ReductionProgress, ShardMemory, Stage, StageState};
 use crate::comm::{Communicator, ReduceOp};
@@ -318,7 +318,8 @@ where
         };
         let bucket_bytes = self.plan.longest_bucket.max(1) * std::mem::size_of::<T>();
         let buffer_limit = match reducer {
-            // Held until the end of backward: no buffer comes back earlier.
+            // No buffer comes back from a thread: an inline pass reuses its
+            // own behind fences (`run_inline`).
             Reducer::Inline { .. } => usize::MAX,
             _ => (BUCKET_BUFFER_BYTES / bucket_bytes).max(MIN_BUCKET_BUFFERS),
         };
@@ -723,8 +724,31 @@ where
             let landed = write.is_none() && targets.shard.as_ref().is_some_and(M::offloaded);
             if landed {
                 self.buffers.pool.push(job.buffer);
-            } else {
-                held.push((write, job.buffer));
+                continue;
+            }
+            if job.add {
+                // Settled above: every reduction held so far is complete.
+                release_held(&mut self.buffers.pool, held, usize::MAX);
+            }
+            held.push(Held {
+                write,
+                reductions: self.memory.deferred_count(),
+                buffer: job.buffer,
+            });
+            // Beyond a few buffers, the oldest reduction-only one is reused
+            // behind a fence: what is queued from now on runs after the
+            // reductions that read it (a device stream waits on their
+            // events; the host does not wait), so the pass holds a few
+            // bucket buffers instead of one per bucket.
+            let reusable = held.iter().filter(|h| h.write.is_none()).count();
+            if reusable > MIN_BUCKET_BUFFERS && result.is_ok() {
+                if let Some(oldest) = held.iter().position(|h| h.write.is_none()) {
+                    let fence = held[oldest].reductions;
+                    match self.memory.fence_deferred(fence) {
+                        Ok(()) => release_held(&mut self.buffers.pool, held, fence),
+                        Err(e) => *result = Err(e),
+                    }
+                }
             }
         }
     }
@@ -800,7 +824,7 @@ where
                     .pool
                     .extend(queue.into_iter().map(|job| job.buffer));
                 let mut result = result.and(self.memory.settle(&*self.comm));
-                for (write, buffer) in held {
+                for Held { write, buffer, .. } in held {
                     if let (Some((bucket, add)), Ok(())) = (write, &result) {
                         let mut reduction = Reduction {
                             comm: &*self.comm,

@@ -298,15 +298,16 @@ pub(super) enum Reducer<T: Element, B> {
     /// Run on the caller's thread as each bucket is launched, by a memory
     /// whose collectives complete after they return
     /// ([`ShardMemory::launches_async`]): the buffers are held until the
-    /// memory settles at the end of backward.
+    /// memory settles at the end of backward, or reused earlier behind a
+    /// fence ([`ShardMemory::fence_deferred`]; stages 1-2).
     Inline {
         targets: Targets<T, B>,
         /// The buckets, built once for the pass.
         map: BucketMap,
         queue: Vec<Job<B>>,
-        /// Every buffer a reduction used, with, at stage 0, the bucket to
-        /// write into the full buffer once settled (and whether to add).
-        held: Vec<(Option<(usize, bool)>, B)>,
+        /// The buffers of reductions not known to be complete, oldest
+        /// first.
+        held: Vec<Held<B>>,
         result: Result<()>,
     },
     /// Sent to the communication thread as each bucket is launched.
@@ -316,6 +317,28 @@ pub(super) enum Reducer<T: Element, B> {
         /// The targets back, with the first failure, once `jobs` closes.
         ticket: Ticket<(Targets<T, B>, Result<()>)>,
     },
+}
+
+/// A bucket buffer an inline reduction read, held until the reduction is
+/// known to be complete.
+pub(super) struct Held<B> {
+    /// Stage 0: the bucket to write into the full buffer once settled (and
+    /// whether to add).
+    pub write: Option<(usize, bool)>,
+    /// The memory's [`ShardMemory::deferred_count`] once the reduction was
+    /// issued: a fence at this count orders later work after it.
+    pub reductions: usize,
+    pub buffer: B,
+}
+
+/// Returns to `pool` every held buffer that nothing is to be written from
+/// and whose reduction is among the first `fence` deferred.
+pub(super) fn release_held<B>(pool: &mut Vec<B>, held: &mut Vec<Held<B>>, fence: usize) {
+    let (free, kept): (Vec<_>, Vec<_>) = std::mem::take(held)
+        .into_iter()
+        .partition(|h| h.write.is_none() && h.reductions <= fence);
+    pool.extend(free.into_iter().map(|h| h.buffer));
+    *held = kept;
 }
 
 /// A buffer of at least `len` elements, zeroed there: the shortest that

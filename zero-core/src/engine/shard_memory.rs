@@ -177,6 +177,22 @@ pub trait ShardMemory<T: Element, C: Communicator>: Send + 'static {
     /// complete before they return).
     fn defer_completion(&mut self) {}
 
+    /// While deferring: how many reductions have been issued since
+    /// [`ShardMemory::defer_completion`]. Default `0`.
+    fn deferred_count(&self) -> usize {
+        0
+    }
+
+    /// While deferring: orders everything queued on the calling thread from
+    /// now on after the first `count` reductions deferred (a device stream
+    /// waits on their events; the host does not wait), so that the buffers
+    /// they read may be written again; the deferral goes on. Default:
+    /// nothing (collectives complete before they return).
+    fn fence_deferred(&mut self, count: usize) -> Result<()> {
+        let _ = count;
+        Ok(())
+    }
+
     /// Orders everything after the reductions deferred since
     /// [`ShardMemory::defer_completion`] (a device stream waits on their
     /// events; the host does not wait) and ends the deferral.

@@ -26,6 +26,8 @@ pub struct Seen {
     pub partial: usize,
     /// Reductions issued while the memory deferred their completion.
     pub deferred: usize,
+    /// Fences that let a bucket buffer be reused before settling.
+    pub fences: usize,
     pub violations: Vec<String>,
 }
 
@@ -91,6 +93,12 @@ pub struct PlanCheck {
     inline: bool,
     /// While deferring: reductions issued and not yet settled.
     deferring: Option<usize>,
+    /// While deferring: the buffers reductions read (by address) and each
+    /// reduction's number (1-based).
+    reading: Vec<(usize, usize)>,
+    /// While deferring: the reductions fenced (known complete to what is
+    /// queued after the fence).
+    fenced: usize,
 }
 
 impl PlanCheck {
@@ -100,13 +108,37 @@ impl PlanCheck {
             seen,
             inline,
             deferring: None,
+            reading: Vec::new(),
+            fenced: 0,
         }
     }
 
-    /// Counts a reduction issued while deferring.
-    fn issued(&mut self) {
+    /// Counts a reduction issued while deferring, which reads `send`.
+    fn issued<T>(&mut self, send: &[T]) {
         if let Some(n) = self.deferring.as_mut() {
             *n += 1;
+            self.reading.push((send.as_ptr() as usize, *n));
+        }
+    }
+
+    /// Records a violation if `buffer` is written while a deferred
+    /// reduction that reads it is neither settled nor fenced: on a device
+    /// the write could land before the reduction read it.
+    fn written<T>(&mut self, buffer: &[T]) {
+        let at = buffer.as_ptr() as usize;
+        if let Some(&(_, k)) = self
+            .reading
+            .iter()
+            .find(|&&(p, k)| p == at && k > self.fenced)
+        {
+            self.seen
+                .lock()
+                .expect("no test thread panicked")
+                .violations
+                .push(format!(
+                    "a buffer written while reduction {k} still reads it (fenced: {})",
+                    self.fenced
+                ));
         }
     }
 }
@@ -146,6 +178,21 @@ impl<T: Element, C: Communicator<Memory = Host>> ShardMemory<T, C> for PlanCheck
         if let Some(n) = self.deferring.take() {
             self.seen.lock().expect("no test thread panicked").deferred += n;
         }
+        self.reading.clear();
+        self.fenced = 0;
+        Ok(())
+    }
+
+    fn deferred_count(&self) -> usize {
+        self.deferring.unwrap_or(0)
+    }
+
+    fn fence_deferred(&mut self, count: usize) -> Result<()> {
+        let count = count.min(self.deferring.unwrap_or(0));
+        if count > self.fenced {
+            self.fenced = count;
+            self.seen.lock().expect("no test thread panicked").fences += 1;
+        }
         Ok(())
     }
 
@@ -170,6 +217,7 @@ impl<T: Element, C: Communicator<Memory = Host>> ShardMemory<T, C> for PlanCheck
     }
 
     fn zero(&mut self, buffer: &mut Vec<T>, range: Range<usize>) -> Result<()> {
+        self.written(buffer);
         <HostMemory as ShardMemory<T, C>>::zero(&mut self.inner, buffer, range)
     }
 
@@ -179,6 +227,7 @@ impl<T: Element, C: Communicator<Memory = Host>> ShardMemory<T, C> for PlanCheck
         pieces: &[GradPiece<HostGrad<'_, T>>],
         add: bool,
     ) -> Result<()> {
+        self.written(buffer);
         <HostMemory as ShardMemory<T, C>>::flatten(&mut self.inner, buffer, pieces, add)
     }
 
@@ -190,6 +239,7 @@ impl<T: Element, C: Communicator<Memory = Host>> ShardMemory<T, C> for PlanCheck
         src_range: Range<usize>,
         add: bool,
     ) -> Result<()> {
+        self.written(dst);
         <HostMemory as ShardMemory<T, C>>::copy_range(
             &mut self.inner,
             dst,
@@ -288,7 +338,7 @@ impl<T: Element, C: Communicator<Memory = Host>> ShardMemory<T, C> for PlanCheck
         op: ReduceOp,
         wire: DType,
     ) -> Result<()> {
-        self.issued();
+        self.issued(buffer);
         <HostMemory as ShardMemory<T, C>>::all_reduce_as(
             &mut self.inner,
             comm,
@@ -309,7 +359,7 @@ impl<T: Element, C: Communicator<Memory = Host>> ShardMemory<T, C> for PlanCheck
         op: ReduceOp,
         wire: DType,
     ) -> Result<()> {
-        self.issued();
+        self.issued(send);
         <HostMemory as ShardMemory<T, C>>::reduce_scatter_as(
             &mut self.inner,
             comm,
@@ -356,7 +406,9 @@ impl<T: Element, C: Communicator<Memory = Host>> ShardMemory<T, C> for PlanCheck
         <HostMemory as ShardMemory<T, C>>::buffer_from_host(&mut self.inner, buffer, at, values)
     }
 
+    /// As a device's: after every deferred reduction.
     fn download(&mut self, buffer: &Vec<T>, range: Range<usize>, out: &mut [T]) -> Result<()> {
+        self.fenced = self.deferring.unwrap_or(0);
         <HostMemory as ShardMemory<T, C>>::download(&mut self.inner, buffer, range, out)
     }
 

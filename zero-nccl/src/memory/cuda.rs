@@ -223,6 +223,8 @@ pub struct CudaMemory {
     /// the compute stream waits on only when the engine settles, so that
     /// the rest of backward runs beside them.
     deferred: Option<Vec<CudaEvent>>,
+    /// How many of `deferred` the compute stream already waits on.
+    fenced: usize,
     /// The 16-bit staging of gathers in the model's dtype (the rounded
     /// chunk, the gathered bucket), kept between buckets and steps: a
     /// device allocation per bucket would cost more than the bytes saved.
@@ -258,6 +260,7 @@ impl CudaMemory {
             piece_steps: BTreeMap::new(),
             owner,
             deferred: None,
+            fenced: 0,
             wire16: None,
         })
     }
@@ -393,10 +396,33 @@ impl ShardMemory<f32, NcclComm> for CudaMemory {
         let Some(events) = self.deferred.take() else {
             return Ok(());
         };
+        let fenced = std::mem::take(&mut self.fenced);
         let stream = self.stream()?;
-        for event in &events {
+        for event in &events[fenced.min(events.len())..] {
             stream.wait(event).map_err(cuda)?;
         }
+        Ok(())
+    }
+
+    fn deferred_count(&self) -> usize {
+        self.deferred.as_ref().map_or(0, Vec::len)
+    }
+
+    /// The compute stream waits on the first `count` deferred collectives'
+    /// events; the host does not.
+    fn fence_deferred(&mut self, count: usize) -> Result<()> {
+        let Some(events) = self.deferred.as_ref() else {
+            return Ok(());
+        };
+        let count = count.min(events.len());
+        if count <= self.fenced {
+            return Ok(());
+        }
+        let stream = self.stream()?;
+        for event in &events[self.fenced..count] {
+            stream.wait(event).map_err(cuda)?;
+        }
+        self.fenced = count;
         Ok(())
     }
 
