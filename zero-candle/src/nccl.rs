@@ -5,6 +5,10 @@
 //! gradient's `CudaSlice` in place (under Candle's read lock) and writes
 //! updated parameters through an in-place op, on Candle's own stream, so no
 //! host round trip and no host synchronization happen on the step path.
+//! With `EngineConfig::offload` (ZeRO-Offload, `OffloadMemory`), the master
+//! weights, the gradient shard and the optimizer state live in host memory
+//! instead: each bucket's reduced part is copied down as backward fills it,
+//! the host steps, and each stepped bucket goes back up to be all-gathered.
 
 use crate::memory::{CandleMemory, GradsFn, ParamsFn};
 use crate::optimizer::ZeroConfig;

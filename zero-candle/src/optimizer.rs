@@ -43,7 +43,9 @@ pub struct ZeroConfig<C, T: Element> {
 /// (`ZeroOptimizer<NcclComm>`, alias `NcclZeroOptimizer`
 /// with feature `nccl`: f32, bf16 or f16 variables on the communicator's
 /// GPU (16-bit ones with f32 master weights), a built-in optimizer,
-/// gradients and weights never leaving the device; stages 0-2). Checkpoints
+/// gradients and weights never leaving the device unless
+/// `EngineConfig::offload` moves the optimizer's side to host memory;
+/// stages 0-2). Checkpoints
 /// have one format: a GPU run resumes on threads or MPI and back.
 ///
 /// ```no_run
