@@ -87,6 +87,9 @@ if [[ "$what" == all || "$what" == train ]]; then
                 "$unpacked/train" --backend nccl --model "$model" --stage 2 \
                 --precision "$precision" --offload optimizer --steps 20
         done
+        run "train-$model-s2-bf16-offload-interleaved" env RANK=0 WORLD_SIZE=1 \
+            "$unpacked/train" --backend nccl --model "$model" --stage 2 --precision bf16 \
+            --offload optimizer --overlap interleaved --steps 20
     done
 fi
 if [[ "$what" != all && "$what" != suite && "$what" != bench && "$what" != train ]]; then

@@ -10,7 +10,7 @@ use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{VarBuilder, VarMap};
 use std::path::Path;
 use zero_candle::{NcclZeroOptimizer, ZeroOptimizer};
-use zero_core::engine::{EngineConfig, MemoryReport, Offload, Stage};
+use zero_core::engine::{EngineConfig, MemoryReport, Offload, Overlap, Stage};
 use zero_core::optim::{AdamW, AdamWConfig};
 use zero_core::{Communicator, ThreadGroup};
 use zero_nccl::NcclComm;
@@ -75,6 +75,12 @@ fn config(offload: Offload) -> EngineConfig {
         .with_offload(offload, 2)
 }
 
+/// [`config`] whose host steps each bucket as it lands (offload), or that
+/// reduces in the step (without).
+fn interleaved(offload: Offload) -> EngineConfig {
+    config(offload).with_overlap(Overlap::Interleaved)
+}
+
 /// Every variable's values in f32, by name.
 fn weights(varmap: &VarMap) -> Vec<(String, Vec<f32>)> {
     let mut out: Vec<(String, Vec<f32>)> = varmap
@@ -107,7 +113,7 @@ fn max_diff(a: &[(String, Vec<f32>)], b: &[(String, Vec<f32>)]) -> f32 {
 /// saving into `save` after); the weights and the memory report.
 fn train_gpu(
     dtype: DType,
-    offload: Offload,
+    config: EngineConfig,
     first: usize,
     steps: usize,
     load: Option<&Path>,
@@ -116,8 +122,9 @@ fn train_gpu(
     let comm = NcclComm::single(0).unwrap_or_else(|e| panic!("NcclComm::single(0) failed: {e}"));
     let device = Device::new_cuda(0).expect("a CUDA device 0");
     let (varmap, model) = mlp(&device, dtype);
-    let mut opt = NcclZeroOptimizer::new(&varmap, comm, config(offload), adamw())
-        .unwrap_or_else(|e| panic!("{offload:?}: {e}"));
+    let what = format!("{:?} {:?}", config.offload, config.overlap);
+    let mut opt = NcclZeroOptimizer::new(&varmap, comm, config, adamw())
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
     if let Some(dir) = load {
         opt.load_checkpoint(dir).expect("load");
     }
@@ -136,13 +143,20 @@ fn train_gpu(
 #[ignore = "needs a CUDA GPU"]
 fn offload_trains_the_weights_of_stage_2_on_the_gpu() {
     for dtype in [DType::F32, DType::BF16] {
-        let (plain, plain_report) = train_gpu(dtype, Offload::None, 0, 6, None, None);
-        let (offloaded, report) = train_gpu(dtype, Offload::Optimizer, 0, 6, None, None);
+        let (plain, plain_report) = train_gpu(dtype, config(Offload::None), 0, 6, None, None);
+        let (offloaded, report) = train_gpu(dtype, config(Offload::Optimizer), 0, 6, None, None);
+        // Stepping each bucket on the host as it lands: the same weights.
+        let (landed, _) = train_gpu(dtype, interleaved(Offload::Optimizer), 0, 6, None, None);
         // The host AdamW and the device kernel round differently (f32);
         // bf16 weights may round the last bit the other way.
         let tolerance = if dtype == DType::F32 { 1e-5 } else { 1e-2 };
         let diff = max_diff(&plain, &offloaded);
         assert!(diff <= tolerance, "{dtype:?}: offload differs by {diff}");
+        let diff = max_diff(&plain, &landed);
+        assert!(
+            diff <= tolerance,
+            "{dtype:?}: interleaved offload differs by {diff}"
+        );
         assert_eq!(plain_report.offloaded, 0);
         assert!(
             report.offloaded >= report.optimizer_state + report.grad_shard,
@@ -161,9 +175,23 @@ fn offload_trains_the_weights_of_stage_2_on_the_gpu() {
 #[ignore = "needs a CUDA GPU"]
 fn an_offloaded_checkpoint_resumes_without_offload_and_on_threads() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let (whole, _) = train_gpu(DType::F32, Offload::None, 0, 6, None, None);
-    train_gpu(DType::F32, Offload::Optimizer, 0, 3, None, Some(dir.path()));
-    let (gpu, _) = train_gpu(DType::F32, Offload::None, 3, 3, Some(dir.path()), None);
+    let (whole, _) = train_gpu(DType::F32, config(Offload::None), 0, 6, None, None);
+    train_gpu(
+        DType::F32,
+        config(Offload::Optimizer),
+        0,
+        3,
+        None,
+        Some(dir.path()),
+    );
+    let (gpu, _) = train_gpu(
+        DType::F32,
+        config(Offload::None),
+        3,
+        3,
+        Some(dir.path()),
+        None,
+    );
     assert!(
         max_diff(&whole, &gpu) <= 1e-5,
         "GPU resume: {}",
@@ -171,10 +199,17 @@ fn an_offloaded_checkpoint_resumes_without_offload_and_on_threads() {
     );
     // And back: saved without offload, resumed offloaded.
     let back = tempfile::tempdir().expect("tempdir");
-    train_gpu(DType::F32, Offload::None, 0, 3, None, Some(back.path()));
+    train_gpu(
+        DType::F32,
+        config(Offload::None),
+        0,
+        3,
+        None,
+        Some(back.path()),
+    );
     let (offloaded, _) = train_gpu(
         DType::F32,
-        Offload::Optimizer,
+        config(Offload::Optimizer),
         3,
         3,
         Some(back.path()),

@@ -123,13 +123,25 @@ fn offload_trains_the_weights_of_the_device_alone_bit_for_bit() {
                         let what =
                             format!("inline {inline} N={world} {stage:?} {overlap:?} {path:?}");
                         let config = config(stage, overlap, micro);
+                        // Without a communication thread the device alone
+                        // reduces interleaved passes in the step; offloaded,
+                        // it reduces each micro-step during backward and
+                        // steps on the host as buckets land: the sums of
+                        // the after-backward schedule, which reduces during
+                        // backward too.
+                        let alone = match (inline, overlap) {
+                            (true, Overlap::Interleaved) => {
+                                config.clone().with_overlap(Overlap::AfterBackward)
+                            }
+                            _ => config.clone(),
+                        };
                         let device_alone = run(world, |comm| {
                             let mut e = Engine::with_memory(
                                 comm,
                                 device(inline),
                                 model.infos(),
                                 make_opt(Opt::Adam, false),
-                                config.clone(),
+                                alone.clone(),
                             )?;
                             Ok(train!(e, &model, path, micro, steps))
                         });
@@ -304,55 +316,79 @@ impl FunctionalOptimizer<f64> for Watched {
 }
 
 /// With the interleaved schedule the host steps each bucket as it lands:
-/// the first bucket is stepped while most gradients are still to come.
+/// the first bucket is stepped while a gradient is still to come. Over a
+/// device with a communication thread, that thread steps; over one without
+/// (as the GPU's), a step thread of the offload's.
 #[test]
 fn the_host_steps_buckets_as_they_land_not_after_the_whole_gradient() {
     let model = Synthetic::medium();
     let n = model.infos().len();
-    let handed = Arc::new(AtomicUsize::new(0));
-    let seen = Arc::new(Mutex::new(Vec::new()));
-    run(1, |comm| {
-        let mut e = Engine::with_memory(
-            comm,
-            Offloaded::new(HostMemory),
-            model.infos(),
-            Box::new(Watched {
-                inner: make_opt(Opt::Adam, false),
-                handed: handed.clone(),
-                seen: seen.clone(),
-            }),
-            config(Stage::Gradients, Overlap::Interleaved, 1).with_offload(Offload::Optimizer, 1),
-        )?;
-        let mut params = model.init();
-        let g = model.grads(&params, 0, 0);
-        let order: Vec<(usize, usize)> = (0..n).rev().map(|p| (p, 1)).collect();
-        e.begin_backward(&order, &mut params)?;
-        // Every gradient but the first parameter's (`a.bias`, handed over
-        // last): several whole buckets, which must be stepped before it.
-        for p in (1..n).rev() {
+    for inline in [false, true] {
+        let handed = Arc::new(AtomicUsize::new(0));
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let trained = run(1, |comm| {
+            let mut e = Engine::with_memory(
+                comm,
+                OffloadMemory::new(PlanCheck::new(Arc::default(), inline)),
+                model.infos(),
+                Box::new(Watched {
+                    inner: make_opt(Opt::Adam, false),
+                    handed: handed.clone(),
+                    seen: seen.clone(),
+                }),
+                config(Stage::Gradients, Overlap::Interleaved, 1)
+                    .with_offload(Offload::Optimizer, 1),
+            )?;
+            let mut params = model.init();
+            let g = model.grads(&params, 0, 0);
+            let order: Vec<(usize, usize)> = (0..n).rev().map(|p| (p, 1)).collect();
+            e.begin_backward(&order, &mut params)?;
+            // Every gradient but the first parameter's (`a.bias`, handed
+            // over last): several whole buckets, which must be stepped
+            // before it.
+            for p in (1..n).rev() {
+                handed.fetch_add(1, Ordering::SeqCst);
+                e.accumulate_param(p, (&g[p]).into())?;
+            }
+            let deadline = Instant::now() + Duration::from_secs(20);
+            while seen.lock().expect("no panic").is_empty() {
+                assert!(
+                    Instant::now() < deadline,
+                    "inline {inline}: no bucket stepped while a gradient was still to come"
+                );
+                std::thread::sleep(Duration::from_millis(1));
+            }
             handed.fetch_add(1, Ordering::SeqCst);
-            e.accumulate_param(p, (&g[p]).into())?;
-        }
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while seen.lock().expect("no panic").is_empty() {
-            assert!(
-                Instant::now() < deadline,
-                "no bucket stepped while a gradient was still to come"
-            );
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        handed.fetch_add(1, Ordering::SeqCst);
-        e.accumulate_param(0, (&g[0]).into())?;
-        let none: Vec<Option<HostGrad<'_, f64>>> = vec![None; n];
-        e.step(&none, &mut params)?;
-        Ok(())
-    });
-    let seen = seen.lock().expect("no panic");
-    assert!(
-        seen[0] < n,
-        "the first step ran before the last gradient: {seen:?}"
-    );
-    assert!(seen.len() > 1, "stepped bucket by bucket: {seen:?}");
+            e.accumulate_param(0, (&g[0]).into())?;
+            let none: Vec<Option<HostGrad<'_, f64>>> = vec![None; n];
+            e.step(&none, &mut params)?;
+            Ok(params)
+        });
+        let seen = seen.lock().expect("no panic");
+        assert!(
+            seen[0] < n,
+            "inline {inline}: stepped before the last gradient: {seen:?}"
+        );
+        assert!(
+            seen.len() > 1,
+            "inline {inline}: stepped bucket by bucket: {seen:?}"
+        );
+        // The weights of the step after backward.
+        let after = run(1, |comm| {
+            let mut e = Engine::with_memory(
+                comm,
+                OffloadMemory::new(PlanCheck::new(Arc::default(), inline)),
+                model.infos(),
+                make_opt(Opt::Adam, false),
+                EngineConfig::default()
+                    .with_stage(Stage::Gradients)
+                    .with_bucket_bytes(96)
+                    .with_offload(Offload::Optimizer, 1),
+            )?;
+            Ok(train!(e, &model, Path::Hooked, 1, 1).0.remove(0))
+        });
+        assert_eq!(trained, after, "inline {inline}");
+    }
 }
 
 /// An offloaded run's checkpoint resumes without offload, and the other

@@ -22,7 +22,7 @@ use std::sync::Arc;
 use std::time::Instant;
 use zero_candle::nn::GradHook;
 use zero_candle::{NcclZeroOptimizer, ZeroHook};
-use zero_core::engine::{EngineConfig, Offload, Stage};
+use zero_core::engine::{EngineConfig, Offload, Overlap, Stage};
 use zero_core::optim::{AdamW, AdamWConfig};
 use zero_nccl::cudarc::driver::CudaContext;
 use zero_nccl::{DevicePool, NcclComm};
@@ -391,7 +391,12 @@ fn ours(
             NcclComm::single(0)?,
             EngineConfig::default()
                 .with_stage(Stage::Gradients)
-                .with_offload(variant.offload, 0),
+                .with_offload(variant.offload, 0)
+                // Offloaded, the host steps each bucket as it lands.
+                .with_overlap(match variant.offload {
+                    Offload::Optimizer => Overlap::Interleaved,
+                    Offload::None => Overlap::default(),
+                }),
             Box::new(AdamW::new(AdamWConfig::default().with_lr(LR))?),
         )?
         .with_hook(&hook)?;

@@ -67,7 +67,7 @@ pub use deferred::{ParamAccess, Refresh};
 pub use fetch::{FetchStats, Fetcher, Gathered};
 pub use layout::{Layout, Run};
 pub use memory::MemoryReport;
-pub use offload::{OffloadMemory, Placed};
+pub use offload::{HostStepper, OffloadMemory, Placed};
 pub use precision::{convert_slice, CastParams};
 pub use reduce::ReductionProgress;
 pub use scaler::{DynamicLossScale, LossScale, LossScalerState};

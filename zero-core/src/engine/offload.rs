@@ -46,8 +46,32 @@ pub struct OffloadMemory<D> {
     /// Whether the shards, the optimizer state and the step are in host
     /// memory.
     offload: bool,
-    /// The threads that step the host shard (none: rayon's global pool).
+    /// Steps the host shard on the offload's threads.
+    stepper: HostStepper,
+}
+
+/// The host step of an offloading memory, usable from any thread: the
+/// engine's [`FunctionalOptimizer`] over host slices, on the offload's
+/// threads (rayon's global pool without).
+#[derive(Clone, Debug, Default)]
+pub struct HostStepper {
     pool: Option<Arc<rayon::ThreadPool>>,
+}
+
+impl HostStepper {
+    /// Steps the active pieces of `plan` (ranges of `params` and `grads`).
+    pub(super) fn step<T: Element>(
+        &self,
+        optimizer: &mut dyn FunctionalOptimizer<T>,
+        params: &mut [T],
+        grads: &[T],
+        plan: StepPlan<'_>,
+    ) -> Result<()> {
+        match &self.pool {
+            Some(pool) => pool.install(|| host_step(optimizer, params, grads, plan)),
+            None => host_step(optimizer, params, grads, plan),
+        }
+    }
 }
 
 impl<D: std::fmt::Debug> std::fmt::Debug for OffloadMemory<D> {
@@ -57,7 +81,7 @@ impl<D: std::fmt::Debug> std::fmt::Debug for OffloadMemory<D> {
             .field("offload", &self.offload)
             .field(
                 "threads",
-                &self.pool.as_ref().map(|p| p.current_num_threads()),
+                &self.stepper.pool.as_ref().map(|p| p.current_num_threads()),
             )
             .finish()
     }
@@ -69,7 +93,7 @@ impl<D> OffloadMemory<D> {
         Self {
             device,
             offload: false,
-            pool: None,
+            stepper: HostStepper::default(),
         }
     }
 
@@ -81,14 +105,6 @@ impl<D> OffloadMemory<D> {
     /// Whether the optimizer's side is in host memory.
     pub fn is_offloading(&self) -> bool {
         self.offload
-    }
-
-    /// Runs `f` on the offload's threads (rayon's global pool without).
-    fn on_host_threads<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
-        match &self.pool {
-            Some(pool) => pool.install(f),
-            None => f(),
-        }
     }
 }
 
@@ -326,7 +342,7 @@ impl<T: Element, C: Communicator, D: ShardMemory<T, C>> ShardMemory<T, C> for Of
         self.device.fork().map(|device| Self {
             device,
             offload: self.offload,
-            pool: self.pool.clone(),
+            stepper: self.stepper.clone(),
         })
     }
 
@@ -620,7 +636,7 @@ impl<T: Element, C: Communicator, D: ShardMemory<T, C>> ShardMemory<T, C> for Of
                     return Err(internal("device parameters not brought down"))
                 }
             };
-            self.on_host_threads(|| host_step(optimizer, values, grads, plan))?;
+            self.stepper.step(optimizer, values, grads, plan)?;
         }
         if let (Some(down), Placed::Device(p)) = (params_down, params) {
             self.device.buffer_from_host(p, 0, &down)?;
@@ -693,10 +709,30 @@ impl<T: Element, C: Communicator, D: ShardMemory<T, C>> ShardMemory<T, C> for Of
                          (offload_threads, 0 for rayon's global pool)"
                     ))
                 })?;
-            self.pool = Some(Arc::new(pool));
+            self.stepper.pool = Some(Arc::new(pool));
         }
         self.offload = true;
         Ok(())
+    }
+
+    /// Offloading on a device with no communication thread (the GPU's):
+    /// the host steps each bucket on a thread of its own as it lands.
+    fn host_stepper(&self) -> Option<HostStepper> {
+        (self.offload && self.device.fork().is_none()).then(|| self.stepper.clone())
+    }
+
+    fn host_slice(buffer: &Self::Buffer) -> Option<&[T]> {
+        match buffer {
+            Placed::Host(values) => Some(values),
+            Placed::Device(_) => None,
+        }
+    }
+
+    fn host_slice_mut(buffer: &mut Self::Buffer) -> Option<&mut [T]> {
+        match buffer {
+            Placed::Host(values) => Some(values),
+            Placed::Device(_) => None,
+        }
     }
 
     fn offloaded(buffer: &Self::Buffer) -> bool {

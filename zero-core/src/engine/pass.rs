@@ -29,8 +29,8 @@
 
 use super::consistency::{hash_fingerprint, order_fingerprint};
 use super::reduce::{
-    land, release_held, submit, take_buffer, Back, BucketMap, EarlyStep, Held, Job, LentOptimizer,
-    Reducer, Reduction, Returns, Targets,
+    land, release_held, start_host_steps, submit, take_buffer, Back, BucketMap, EarlyStep, Held,
+    Job, LentOptimizer, Reducer, Reduction, Returns, Targets,
 };
 use super::{Engine, Overlap, ReductionProgress, ShardMemory, Stage, StageState};
 use crate::comm::{Communicator, ReduceOp};
@@ -287,7 +287,7 @@ where
             // fold them again.
             self.window.in_full_buffer = false;
         }
-        let targets = Targets {
+        let mut targets = Targets {
             full: if (stage == Stage::Ddp && !schedule.lands)
                 || (stage != Stage::Ddp && schedule.fold_full)
             {
@@ -302,12 +302,29 @@ where
         let reducer = match schedule.runner {
             Runner::Thread => self.start_reducer(targets),
             Runner::Inline => {
+                // The interleaved schedule inline (offload): the host steps
+                // on a thread of its own.
+                let steps = match (targets.early.take(), self.memory.host_stepper()) {
+                    (None, _) => None,
+                    (Some(early), Some(stepper)) => Some(start_host_steps::<T, C, M>(
+                        early,
+                        stepper,
+                        self.plan.layout.buckets.clone(),
+                    )?),
+                    (Some(early), None) => {
+                        targets.early = Some(early);
+                        return Err(Error::State(
+                            "internal: an inline pass steps early only on a host stepper".into(),
+                        ));
+                    }
+                };
                 self.memory.defer_completion();
                 Reducer::Inline {
                     targets,
                     map: self.bucket_map(),
                     queue: Vec::new(),
                     held: Vec::new(),
+                    steps,
                     result: Ok(()),
                 }
             }
@@ -477,9 +494,15 @@ where
     }
 
     fn reduces_inline(&self) -> bool {
+        let overlap = match self.config.overlap {
+            Overlap::AfterBackward => true,
+            // Steps bucket by bucket on a thread of its own (offload).
+            Overlap::Interleaved => self.memory.host_stepper().is_some(),
+            Overlap::None => false,
+        };
         self.memory.fork().is_none()
             && self.memory.launches_async()
-            && self.config.overlap == Overlap::AfterBackward
+            && overlap
             && self.fetcher().is_none()
     }
 
@@ -672,6 +695,7 @@ where
             map,
             queue,
             held,
+            steps,
             result,
         } = &mut pass.reducer
         else {
@@ -715,6 +739,27 @@ where
                 };
                 if result.is_ok() {
                     self.progress.add_one();
+                }
+                // Interleaved (offload): the reduced gradients are in the
+                // host shard now; a copy goes to the step thread.
+                if let (true, Some(steps), Ok(())) = (job.step, steps.as_ref(), &*result) {
+                    let range = map.shard[job.bucket].clone();
+                    *result = match targets.shard.as_ref().and_then(M::host_slice) {
+                        Some(shard) => steps
+                            .grads
+                            .send((job.bucket, shard[range].to_vec()))
+                            .map_err(|_| {
+                                Error::State(
+                                    "the offload's step thread is gone; joining the pass says \
+                                     why"
+                                    .into(),
+                                )
+                            }),
+                        None => Err(Error::State(
+                            "internal: an offloaded pass's gradient shard is not in host memory"
+                                .into(),
+                        )),
+                    };
                 }
             }
             // A shard offloaded to host memory got its part when the
@@ -816,6 +861,7 @@ where
                 map,
                 queue,
                 held,
+                steps,
                 result,
             } => {
                 // `flush_pass` ran every queued job (none is left after a
@@ -835,6 +881,24 @@ where
                         result = reduction.write_full(bucket, &buffer, add);
                     }
                     self.buffers.pool.push(buffer);
+                }
+                if let Some(steps) = steps {
+                    // Closing the channel ends the thread after its last
+                    // bucket; the optimizer and the shard come back.
+                    drop(steps.grads);
+                    match steps.thread.join() {
+                        Ok((early, stepped)) => {
+                            targets.early = Some(early);
+                            result = result.and(stepped);
+                        }
+                        Err(_) => {
+                            return Err(Error::State(
+                                "the offload's step thread panicked; the optimizer and the \
+                                 parameter shard are lost, rebuild the optimizer"
+                                    .into(),
+                            ))
+                        }
+                    }
                 }
                 (targets, result)
             }

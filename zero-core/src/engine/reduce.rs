@@ -73,6 +73,90 @@ pub(super) struct EarlyStep<T: Element, B> {
     pub stepped: Vec<bool>,
 }
 
+/// The interleaved step of an inline pass over a shard in host memory
+/// (offload on a GPU): a thread of its own steps each bucket as its reduced
+/// gradients land, while backward goes on, with the [`EarlyStep`] lent to it
+/// until the pass is joined.
+pub(super) struct HostSteps<T: Element, B> {
+    /// Each landed bucket and a copy of its reduced gradients.
+    pub grads: mpsc::Sender<(usize, Vec<T>)>,
+    pub thread: std::thread::JoinHandle<(EarlyStep<T, B>, Result<()>)>,
+}
+
+/// Starts the thread of [`HostSteps`] for memory `M`: `shard` holds each
+/// bucket's range of the shard.
+pub(super) fn start_host_steps<T, C, M>(
+    mut early: EarlyStep<T, M::Buffer>,
+    stepper: super::HostStepper,
+    shard: Vec<Range<usize>>,
+) -> Result<HostSteps<T, M::Buffer>>
+where
+    T: Element,
+    C: Communicator,
+    M: ShardMemory<T, C>,
+{
+    let (grads, landed) = mpsc::channel::<(usize, Vec<T>)>();
+    let thread = std::thread::Builder::new()
+        .name("zero-offload-step".into())
+        .spawn(move || {
+            let mut result = Ok(());
+            // Runs until the channel closes (the pass is joined); after a
+            // failure nothing more is stepped.
+            for (k, mut bucket_grads) in landed {
+                if result.is_ok() {
+                    result =
+                        step_landed::<T, C, M>(&mut early, &stepper, &shard, k, &mut bucket_grads);
+                }
+            }
+            (early, result)
+        })
+        .map_err(|e| Error::State(format!("cannot start the offload's step thread: {e}")))?;
+    Ok(HostSteps { grads, thread })
+}
+
+/// Steps bucket `k` of the lent shard from its reduced gradients `grads`
+/// (averaged here over the micro-steps, as [`Reduction::run`] does).
+fn step_landed<T, C, M>(
+    early: &mut EarlyStep<T, M::Buffer>,
+    stepper: &super::HostStepper,
+    shard: &[Range<usize>],
+    k: usize,
+    grads: &mut [T],
+) -> Result<()>
+where
+    T: Element,
+    C: Communicator,
+    M: ShardMemory<T, C>,
+{
+    let bucket = shard[k].clone();
+    if let Some(factor) = early.scale {
+        let whole = 0..grads.len();
+        super::shard_memory::host_scale(grads, std::slice::from_ref(&whole), factor);
+    }
+    let params = M::host_slice_mut(&mut early.params)
+        .ok_or_else(|| Error::State("internal: the lent shard is not in host memory".into()))?;
+    let pieces: Vec<StepPiece<'_>> = early.pieces[early.bucket_pieces[k].clone()]
+        .iter()
+        .zip(&early.keys[early.bucket_pieces[k].clone()])
+        .map(|((range, steps), key)| StepPiece {
+            key,
+            range: range.start - bucket.start..range.end - bucket.start,
+            active: *steps,
+        })
+        .collect();
+    let whole = 0..bucket.len();
+    let plan = StepPlan {
+        pieces: &pieces,
+        buckets: std::slice::from_ref(&whole),
+        bucket_active: &[true],
+        origin: bucket.start,
+        shard_len: shard.last().map_or(0, |b| b.end),
+    };
+    stepper.step(early.optimizer.as_mut(), &mut params[bucket], grads, plan)?;
+    early.stepped[k] = true;
+    Ok(())
+}
+
 /// One bucket reduction.
 pub(super) struct Job<B> {
     pub bucket: usize,
@@ -308,6 +392,8 @@ pub(super) enum Reducer<T: Element, B> {
         /// The buffers of reductions not known to be complete, oldest
         /// first.
         held: Vec<Held<B>>,
+        /// The interleaved step on a thread of its own (offload).
+        steps: Option<HostSteps<T, B>>,
         result: Result<()>,
     },
     /// Sent to the communication thread as each bucket is launched.

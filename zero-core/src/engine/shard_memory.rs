@@ -390,6 +390,28 @@ pub trait ShardMemory<T: Element, C: Communicator>: Send + 'static {
         ))
     }
 
+    /// The host step to run on another thread while backward goes on,
+    /// where this memory keeps the shard in host memory and runs no
+    /// communication thread ([`OffloadMemory`](super::OffloadMemory) over a
+    /// GPU): the interleaved schedule steps each bucket there as its
+    /// reduced gradients land. Default `None`.
+    fn host_stepper(&self) -> Option<super::HostStepper> {
+        None
+    }
+
+    /// `buffer` in host memory, where a [`ShardMemory::host_stepper`] can
+    /// step it. Default `None`.
+    fn host_slice(buffer: &Self::Buffer) -> Option<&[T]> {
+        let _ = buffer;
+        None
+    }
+
+    /// [`ShardMemory::host_slice`], mutable.
+    fn host_slice_mut(buffer: &mut Self::Buffer) -> Option<&mut [T]> {
+        let _ = buffer;
+        None
+    }
+
     /// Whether `buffer` is offloaded to host memory (see
     /// [`ShardMemory::offload_optimizer`]); the memory report counts such
     /// bytes apart. Default `false`.
