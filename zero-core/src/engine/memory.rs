@@ -17,7 +17,7 @@ pub struct MemoryReport {
     pub grad_shard: usize,
     /// Optimizer state of the pieces this rank steps.
     pub optimizer_state: usize,
-    /// Bucket buffers for collectives.
+    /// Bucket buffers for collectives (and what the memory stages them in).
     pub comm_buffers: usize,
     /// Of the bytes above, those in host memory instead of the device
     /// (offload: the parameter and gradient shards and the optimizer

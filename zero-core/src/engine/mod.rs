@@ -552,7 +552,8 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             comm_buffers: (self.buffers.pool.iter().map(M::buffer_len).sum::<usize>()
                 + len(&self.buffers.scratch))
                 * size
-                + gathers,
+                + gathers
+                + self.memory.staging_bytes(),
         }
     }
 

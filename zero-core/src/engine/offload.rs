@@ -13,9 +13,13 @@
 //! `threads` threads), and the stepped chunk goes back up
 //! ([`ShardMemory::buffer_from_host`]) to be all-gathered and written into
 //! the model in its dtype. The engine's bucket-by-bucket schedules stay as
-//! they are, so the host steps each bucket as it lands, not after the
-//! whole gradient. Without offload every buffer is on the device and every
-//! call goes straight to the device memory.
+//! they are: each bucket's part lands in host memory as backward fills it;
+//! with the interleaved schedule the host steps it at once (on the
+//! communication thread, or, on a device without one, on a step thread of
+//! the pass: [`ShardMemory::host_stepper`]), otherwise bucket by bucket
+//! after backward while earlier buckets are all-gathered. Without offload
+//! every buffer is on the device and every call goes straight to the device
+//! memory.
 //!
 //! The logic is the same for any device memory: the CPU tests run it over
 //! [`HostMemory`](super::HostMemory) standing in for the device.
@@ -741,6 +745,10 @@ impl<T: Element, C: Communicator, D: ShardMemory<T, C>> ShardMemory<T, C> for Of
 
     fn state_offloaded(&self) -> bool {
         self.offload
+    }
+
+    fn staging_bytes(&self) -> usize {
+        self.device.staging_bytes()
     }
 }
 

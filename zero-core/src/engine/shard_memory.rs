@@ -420,6 +420,13 @@ pub trait ShardMemory<T: Element, C: Communicator>: Send + 'static {
         false
     }
 
+    /// Bytes this memory holds itself for collectives, beyond the engine's
+    /// buffers (a device's staging of 16-bit gathers); the memory report
+    /// counts them with the communication buffers. Default `0`.
+    fn staging_bytes(&self) -> usize {
+        0
+    }
+
     /// Whether the optimizer state is offloaded to host memory. Default
     /// `false`.
     fn state_offloaded(&self) -> bool {

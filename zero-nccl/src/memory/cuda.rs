@@ -404,6 +404,13 @@ impl ShardMemory<f32, NcclComm> for CudaMemory {
         Ok(())
     }
 
+    /// The 16-bit gather staging, kept between steps.
+    fn staging_bytes(&self) -> usize {
+        self.wire16
+            .as_ref()
+            .map_or(0, |(send, recv)| (send.len() + recv.len()) * 2)
+    }
+
     fn deferred_count(&self) -> usize {
         self.deferred.as_ref().map_or(0, Vec::len)
     }
