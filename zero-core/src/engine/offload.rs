@@ -439,6 +439,8 @@ impl<T: Element, C: Communicator, D: ShardMemory<T, C>> ShardMemory<T, C> for Of
         }
     }
 
+    // The plain collectives are the `_as` ones with the values in `T` on
+    // the wire, which every memory treats as no rounding.
     fn all_reduce(
         &mut self,
         comm: &C,
@@ -446,9 +448,7 @@ impl<T: Element, C: Communicator, D: ShardMemory<T, C>> ShardMemory<T, C> for Of
         range: Range<usize>,
         op: ReduceOp,
     ) -> Result<()> {
-        all_reduce_placed(&mut self.device, buffer, range, |d, b, r| {
-            d.all_reduce(comm, b, r, op)
-        })
+        self.all_reduce_as(comm, buffer, range, op, T::DTYPE)
     }
 
     fn reduce_scatter(
@@ -460,14 +460,7 @@ impl<T: Element, C: Communicator, D: ShardMemory<T, C>> ShardMemory<T, C> for Of
         recv_range: Range<usize>,
         op: ReduceOp,
     ) -> Result<()> {
-        collective(
-            &mut self.device,
-            send,
-            send_range,
-            recv,
-            recv_range,
-            |d, s, sr, r, rr| d.reduce_scatter(comm, s, sr, r, rr, op),
-        )
+        self.reduce_scatter_as(comm, send, send_range, recv, recv_range, op, T::DTYPE)
     }
 
     fn all_gather(
@@ -478,14 +471,7 @@ impl<T: Element, C: Communicator, D: ShardMemory<T, C>> ShardMemory<T, C> for Of
         recv: &mut Self::Buffer,
         recv_range: Range<usize>,
     ) -> Result<()> {
-        collective(
-            &mut self.device,
-            send,
-            send_range,
-            recv,
-            recv_range,
-            |d, s, sr, r, rr| d.all_gather(comm, s, sr, r, rr),
-        )
+        self.all_gather_as(comm, send, send_range, recv, recv_range, T::DTYPE)
     }
 
     fn all_reduce_as(
