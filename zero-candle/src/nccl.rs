@@ -24,7 +24,7 @@ use std::sync::Arc;
 use zero_core::engine::OffloadMemory;
 use zero_core::optim::FunctionalOptimizer;
 use zero_nccl::cudarc::driver::CudaView;
-use zero_nccl::{Cuda, CudaMemory, DeviceParams, DeviceView, DeviceViewMut, NcclComm};
+use zero_nccl::{Cuda, CudaMemory, DeviceComm, DeviceParams, DeviceView, DeviceViewMut, NcclComm};
 
 /// [`ZeroOptimizer`] on GPUs over NCCL: f32 variables on the
 /// communicator's GPU (or bf16/f16 ones, with f32 master weights, f32
@@ -58,16 +58,16 @@ pub type NcclZeroOptimizer = ZeroOptimizer<NcclComm, f32>;
 /// [`ZeroConfig`] of [`NcclZeroOptimizer`], for [`candle_nn::Optimizer::new`].
 pub type NcclZeroConfig = ZeroConfig<NcclComm, f32>;
 
-impl CandleMemory<f32, NcclComm> for Cuda {
+impl<C: DeviceComm> CandleMemory<f32, C> for Cuda {
     /// The GPU's memory, whose optimizer side moves to host memory with
     /// `EngineConfig::offload`.
     type Memory = OffloadMemory<CudaMemory>;
 
     fn build(
         named: &[(String, Var)],
-        comm: NcclComm,
+        comm: C,
         optimizer: &dyn FunctionalOptimizer<f32>,
-    ) -> Result<(NcclComm, OffloadMemory<CudaMemory>)> {
+    ) -> Result<(C, OffloadMemory<CudaMemory>)> {
         let mut stream = None;
         for (name, var) in named {
             if !matches!(var.dtype(), DType::F32 | DType::BF16 | DType::F16) {
@@ -109,16 +109,14 @@ impl CandleMemory<f32, NcclComm> for Cuda {
         // ordered after the backward pass and before the next forward
         // without any host synchronization.
         let comm = match stream {
-            Some(s) if !Arc::ptr_eq(&s, comm.compute_stream()) => comm
-                .with_compute_stream(s)
-                .map_err(zero_core::Error::from)?,
+            Some(s) if !Arc::ptr_eq(&s, comm.compute_stream()) => comm.with_compute_stream(s)?,
             _ => comm,
         };
         let memory = CudaMemory::new(&comm, optimizer)?;
         Ok((comm, OffloadMemory::new(memory)))
     }
 
-    fn device_peak_bytes(comm: &NcclComm) -> Option<u64> {
+    fn device_peak_bytes(comm: &C) -> Option<u64> {
         let pool = zero_nccl::DevicePool::of(comm.context()).ok()?;
         pool.high_water().ok()
     }
@@ -127,13 +125,13 @@ impl CandleMemory<f32, NcclComm> for Cuda {
         names: &[String],
         vars: &[Var],
         grads: &GradStore,
-        f: &mut GradsFn<'_, f32, NcclComm, Self, R>,
+        f: &mut GradsFn<'_, f32, C, Self, R>,
     ) -> Result<R> {
         let grads = contiguous_grads(names, vars, grads)?;
-        with_device_grads(names, &grads, f)
+        with_device_grads::<C, R>(names, &grads, f)
     }
 
-    fn with_params<R>(vars: &[Var], f: &mut ParamsFn<'_, f32, NcclComm, Self, R>) -> Result<R> {
+    fn with_params<R>(vars: &[Var], f: &mut ParamsFn<'_, f32, C, Self, R>) -> Result<R> {
         let mut params = CandleParams { vars };
         f(&mut params)
     }
@@ -172,10 +170,10 @@ fn contiguous_grads(
 
 /// Holds every gradient's storage read lock and calls `f` with device views
 /// of them, one slot per variable.
-fn with_device_grads<R>(
+fn with_device_grads<C: DeviceComm, R>(
     names: &[String],
     grads: &[Option<Tensor>],
-    f: &mut GradsFn<'_, f32, NcclComm, Cuda, R>,
+    f: &mut GradsFn<'_, f32, C, Cuda, R>,
 ) -> Result<R> {
     let guards: Vec<_> = grads
         .iter()

@@ -9,6 +9,7 @@
 //! Only `barrier`, `all_gather_bytes` and `split` wait on the host, each
 //! with the communicator's deadline.
 
+use crate::device_comm::{event_work, host_wait, DeviceComm};
 use crate::launch::LaunchEnv;
 use crate::probe::{cuda_device_count, ensure_library, guarded, Library};
 use crate::rendezvous::Rendezvous;
@@ -21,7 +22,7 @@ use cudarc::nccl::{result as nccl, sys};
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use zero_core::comm::{Buf, MemoryKind};
 use zero_core::{Communicator, DType, Element, ReduceOp, Work};
 
@@ -355,144 +356,17 @@ impl NcclComm {
 
     /// The handle of a collective that completes at `done`.
     fn work<'a>(&self, done: CudaEvent) -> Work<'a> {
-        let compute = self.compute.clone();
-        Work::new(move |block| {
-            if block {
-                // A device-side wait: the host does not block.
-                compute.wait(&done).map_err(Error::from)?;
-                return Ok(true);
-            }
-            let complete = done.try_is_complete().map_err(Error::from)?;
-            if complete {
-                compute.wait(&done).map_err(Error::from)?;
-            }
-            Ok(complete)
-        })
+        event_work(self.compute.clone(), done)
     }
 
     /// Blocks the host until `done` has completed or the deadline passes; on
     /// timeout the communicator is aborted so that no rank hangs on it.
     fn host_wait(&self, op: &'static str, done: &CudaEvent) -> Result<()> {
-        let start = Instant::now();
-        let mut pause = Duration::from_micros(50);
-        loop {
-            if done.try_is_complete()? {
-                return Ok(());
-            }
-            let waited = start.elapsed();
-            if waited >= self.timeout {
-                self.abort();
-                return Err(Error::Timeout {
-                    op,
-                    seq: self.seq.load(Ordering::Relaxed),
-                    waited_s: waited.as_secs_f64(),
-                });
-            }
-            std::thread::sleep(pause);
-            pause = (pause * 2).min(Duration::from_millis(10));
+        let waited = host_wait(op, self.seq.load(Ordering::Relaxed), done, self.timeout);
+        if waited.is_err() {
+            self.abort();
         }
-    }
-
-    /// [`Communicator::all_reduce`] over a device view (a range of a larger
-    /// buffer, such as one bucket of the engine's flat gradients). Complete
-    /// in compute-stream order when it returns; the host does not wait.
-    pub fn all_reduce_view<T: Element>(
-        &self,
-        buf: &mut (impl DevicePtrMut<T> + ?Sized),
-        op: ReduceOp,
-    ) -> Result<()> {
-        let done = self.all_reduce_event(buf, op)?;
-        Ok(self.compute.wait(&done)?)
-    }
-
-    /// [`Communicator::reduce_scatter`] over device views; see
-    /// [`NcclComm::all_reduce_view`].
-    pub fn reduce_scatter_view<T: Element>(
-        &self,
-        send: &(impl DevicePtr<T> + ?Sized),
-        recv: &mut (impl DevicePtrMut<T> + ?Sized),
-        op: ReduceOp,
-    ) -> Result<()> {
-        let done = self.reduce_scatter_event(send, recv, op)?;
-        Ok(self.compute.wait(&done)?)
-    }
-
-    /// [`Communicator::all_gather`] over device views; see
-    /// [`NcclComm::all_reduce_view`].
-    pub fn all_gather_view<T: Element>(
-        &self,
-        send: &(impl DevicePtr<T> + ?Sized),
-        recv: &mut (impl DevicePtrMut<T> + ?Sized),
-    ) -> Result<()> {
-        let done = self.all_gather_event(send, recv)?;
-        Ok(self.compute.wait(&done)?)
-    }
-
-    /// Blocks the host until everything queued on the compute stream so far
-    /// has run, within the communicator's deadline: a collective stuck on a
-    /// dead or frozen peer becomes [`Error::Timeout`] (and the communicator
-    /// is aborted) instead of a hang. Call it before any host read of device
-    /// memory that the compute stream writes (a plain device-to-host copy
-    /// would wait forever).
-    pub fn wait_compute(&self, op: &'static str) -> Result<()> {
-        self.ctx.bind_to_thread()?;
-        let done = self.compute.record_event(None)?;
-        self.host_wait(op, &done)
-    }
-
-    /// All-reduces a few host values (a mask, a norm) through device memory
-    /// and waits for the result within the deadline.
-    pub fn all_reduce_host(&self, values: &mut [f64], op: ReduceOp) -> Result<()> {
-        if values.is_empty() {
-            return Ok(());
-        }
-        self.ctx.bind_to_thread()?;
-        let mut buf = self.compute.clone_htod(values)?;
-        let done = self.all_reduce_event(&mut buf, op)?;
-        self.host_wait("all_reduce (host values)", &done)?;
-        self.compute.wait(&done)?;
-        self.compute.memcpy_dtoh(&buf, values)?;
-        Ok(())
-    }
-
-    /// [`Communicator::gather_varlen`] of host values, staged through device
-    /// memory; waits for the result within the deadline.
-    pub fn gather_varlen_host<T: Element + DeviceRepr + ValidAsZeroBits>(
-        &self,
-        send: &[T],
-        counts: &[usize],
-        recv: Option<&mut [T]>,
-        root: usize,
-    ) -> Result<()> {
-        self.ctx.bind_to_thread()?;
-        self.check_root("gather_varlen", root)?;
-        // cudarc cannot allocate zero bytes: stage through one spare element.
-        let mut send_dev = self.compute.alloc_zeros::<T>(send.len().max(1))?;
-        let mut recv_dev = self
-            .compute
-            .alloc_zeros::<T>(recv.as_ref().map_or(1, |r| r.len().max(1)))?;
-        if !send.is_empty() {
-            self.compute
-                .memcpy_htod(send, &mut send_dev.slice_mut(0..send.len()))?;
-        }
-        let recv_len = recv.as_ref().map(|r| r.len());
-        let done = {
-            let mut recv_view = recv_len.map(|len| recv_dev.slice_mut(0..len));
-            self.varlen_event(
-                "gather_varlen",
-                &send_dev.slice(0..send.len()),
-                counts,
-                recv_view.as_mut(),
-                Receivers::Root(root),
-            )?
-        };
-        self.host_wait("gather_varlen", &done)?;
-        self.compute.wait(&done)?;
-        if let Some(out) = recv {
-            let len = out.len();
-            self.compute.memcpy_dtoh(&recv_dev.slice(0..len), out)?;
-        }
-        Ok(())
+        waited
     }
 
     /// Aborts the communicator: queued and future collectives fail instead of hanging.
@@ -603,7 +477,7 @@ impl NcclComm {
         Ok(())
     }
 
-    pub(crate) fn all_reduce_event<T: Element>(
+    fn all_reduce_event_raw<T: Element>(
         &self,
         buf: &mut (impl DevicePtrMut<T> + ?Sized),
         op: ReduceOp,
@@ -617,7 +491,7 @@ impl NcclComm {
         unsafe { self.collective_event::<T>(Collective::AllReduce(op), ptr, ptr, count, bytes) }
     }
 
-    pub(crate) fn reduce_scatter_event<T: Element>(
+    fn reduce_scatter_event_raw<T: Element>(
         &self,
         send: &(impl DevicePtr<T> + ?Sized),
         recv: &mut (impl DevicePtrMut<T> + ?Sized),
@@ -633,7 +507,7 @@ impl NcclComm {
         unsafe { self.collective_event::<T>(Collective::ReduceScatter(op), src, dst, count, bytes) }
     }
 
-    fn all_gather_event<T: Element>(
+    fn all_gather_event_raw<T: Element>(
         &self,
         send: &(impl DevicePtr<T> + ?Sized),
         recv: &mut (impl DevicePtrMut<T> + ?Sized),
@@ -844,6 +718,69 @@ impl NcclComm {
     }
 }
 
+/// The host-facing collectives of [`DeviceComm`], in this crate's errors.
+impl NcclComm {
+    /// [`DeviceComm::wait_compute`].
+    fn wait_compute_raw(&self, op: &'static str) -> Result<()> {
+        self.ctx.bind_to_thread()?;
+        let done = self.compute.record_event(None)?;
+        self.host_wait(op, &done)
+    }
+
+    /// [`DeviceComm::all_reduce_host`], through device memory.
+    fn all_reduce_host_raw(&self, values: &mut [f64], op: ReduceOp) -> Result<()> {
+        if values.is_empty() {
+            return Ok(());
+        }
+        self.ctx.bind_to_thread()?;
+        let mut buf = self.compute.clone_htod(values)?;
+        let done = self.all_reduce_event_raw(&mut buf, op)?;
+        self.host_wait("all_reduce (host values)", &done)?;
+        self.compute.wait(&done)?;
+        self.compute.memcpy_dtoh(&buf, values)?;
+        Ok(())
+    }
+
+    /// [`DeviceComm::gather_varlen_host`], staged through device memory.
+    fn gather_varlen_host_raw<T: Element + DeviceRepr + ValidAsZeroBits>(
+        &self,
+        send: &[T],
+        counts: &[usize],
+        recv: Option<&mut [T]>,
+        root: usize,
+    ) -> Result<()> {
+        self.ctx.bind_to_thread()?;
+        self.check_root("gather_varlen", root)?;
+        // cudarc cannot allocate zero bytes: stage through one spare element.
+        let mut send_dev = self.compute.alloc_zeros::<T>(send.len().max(1))?;
+        let mut recv_dev = self
+            .compute
+            .alloc_zeros::<T>(recv.as_ref().map_or(1, |r| r.len().max(1)))?;
+        if !send.is_empty() {
+            self.compute
+                .memcpy_htod(send, &mut send_dev.slice_mut(0..send.len()))?;
+        }
+        let recv_len = recv.as_ref().map(|r| r.len());
+        let done = {
+            let mut recv_view = recv_len.map(|len| recv_dev.slice_mut(0..len));
+            self.varlen_event(
+                "gather_varlen",
+                &send_dev.slice(0..send.len()),
+                counts,
+                recv_view.as_mut(),
+                Receivers::Root(root),
+            )?
+        };
+        self.host_wait("gather_varlen", &done)?;
+        self.compute.wait(&done)?;
+        if let Some(out) = recv {
+            let len = out.len();
+            self.compute.memcpy_dtoh(&recv_dev.slice(0..len), out)?;
+        }
+        Ok(())
+    }
+}
+
 #[derive(Clone, Copy)]
 enum Receivers {
     All,
@@ -879,7 +816,7 @@ impl Communicator for NcclComm {
             .comm_stream
             .alloc_zeros::<f32>(1)
             .map_err(Error::from)?;
-        let done = self.all_reduce_event(&mut token, ReduceOp::Sum)?;
+        let done = self.all_reduce_event_raw(&mut token, ReduceOp::Sum)?;
         self.host_wait("barrier", &done)?;
         Ok(())
     }
@@ -982,7 +919,7 @@ impl Communicator for NcclComm {
         buf: &'a mut Buf<Self, T>,
         op: ReduceOp,
     ) -> zero_core::Result<Work<'a>> {
-        let done = self.all_reduce_event(buf, op)?;
+        let done = self.all_reduce_event_raw(buf, op)?;
         Ok(self.work(done))
     }
 
@@ -992,7 +929,7 @@ impl Communicator for NcclComm {
         recv: &'a mut Buf<Self, T>,
         op: ReduceOp,
     ) -> zero_core::Result<Work<'a>> {
-        let done = self.reduce_scatter_event(send, recv, op)?;
+        let done = self.reduce_scatter_event_raw(send, recv, op)?;
         Ok(self.work(done))
     }
 
@@ -1001,7 +938,7 @@ impl Communicator for NcclComm {
         send: &'a Buf<Self, T>,
         recv: &'a mut Buf<Self, T>,
     ) -> zero_core::Result<Work<'a>> {
-        let done = self.all_gather_event(send, recv)?;
+        let done = self.all_gather_event_raw(send, recv)?;
         Ok(self.work(done))
     }
 
@@ -1064,5 +1001,62 @@ impl Communicator for NcclComm {
         )
         .with_timeout(self.timeout);
         Ok(Some(sub))
+    }
+}
+
+impl DeviceComm for NcclComm {
+    fn context(&self) -> &Arc<CudaContext> {
+        NcclComm::context(self)
+    }
+
+    fn compute_stream(&self) -> &Arc<CudaStream> {
+        NcclComm::compute_stream(self)
+    }
+
+    fn with_compute_stream(self, stream: Arc<CudaStream>) -> zero_core::Result<Self> {
+        Ok(NcclComm::with_compute_stream(self, stream)?)
+    }
+
+    fn all_reduce_event<T: Element>(
+        &self,
+        buf: &mut (impl DevicePtrMut<T> + ?Sized),
+        op: ReduceOp,
+    ) -> zero_core::Result<CudaEvent> {
+        Ok(self.all_reduce_event_raw(buf, op)?)
+    }
+
+    fn reduce_scatter_event<T: Element>(
+        &self,
+        send: &(impl DevicePtr<T> + ?Sized),
+        recv: &mut (impl DevicePtrMut<T> + ?Sized),
+        op: ReduceOp,
+    ) -> zero_core::Result<CudaEvent> {
+        Ok(self.reduce_scatter_event_raw(send, recv, op)?)
+    }
+
+    fn all_gather_event<T: Element>(
+        &self,
+        send: &(impl DevicePtr<T> + ?Sized),
+        recv: &mut (impl DevicePtrMut<T> + ?Sized),
+    ) -> zero_core::Result<CudaEvent> {
+        Ok(self.all_gather_event_raw(send, recv)?)
+    }
+
+    fn wait_compute(&self, op: &'static str) -> zero_core::Result<()> {
+        Ok(self.wait_compute_raw(op)?)
+    }
+
+    fn all_reduce_host(&self, values: &mut [f64], op: ReduceOp) -> zero_core::Result<()> {
+        Ok(self.all_reduce_host_raw(values, op)?)
+    }
+
+    fn gather_varlen_host<T: Element + DeviceRepr + ValidAsZeroBits>(
+        &self,
+        send: &[T],
+        counts: &[usize],
+        recv: Option<&mut [T]>,
+        root: usize,
+    ) -> zero_core::Result<()> {
+        Ok(self.gather_varlen_host_raw(send, counts, recv, root)?)
     }
 }

@@ -36,6 +36,8 @@ pub mod probe;
 
 #[cfg(feature = "nccl")]
 mod comm;
+#[cfg(feature = "nccl")]
+mod device_comm;
 
 pub use error::{Error, Result};
 pub use launch::{LaunchEnv, Launcher};
@@ -43,6 +45,8 @@ pub use rendezvous::Rendezvous;
 
 #[cfg(feature = "nccl")]
 pub use comm::{Cuda, NcclComm, UNIQUE_ID_BYTES};
+#[cfg(feature = "nccl")]
+pub use device_comm::DeviceComm;
 #[cfg(feature = "nccl")]
 pub use memory::{cuda_engine, CudaEngine, CudaMemory, DeviceParams};
 #[cfg(feature = "cuda")]

@@ -17,7 +17,7 @@ use zero_core::optim::{Adam, AdamConfig, FunctionalOptimizer};
 use zero_core::{DType, Element, Engine, ParamInfo, ThreadGroup};
 use zero_nccl::cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use zero_nccl::kernels::{FusedKernels, Half};
-use zero_nccl::{cuda_engine, DeviceView, NcclComm, ViewElement};
+use zero_nccl::{cuda_engine, DeviceComm, DeviceView, NcclComm, ViewElement};
 
 /// A 16-bit element type as both engines take it.
 trait Sixteen: Element + ViewElement + Half {

@@ -5,7 +5,7 @@ use super::segments::{plan_segments, PieceSlot};
 use super::view::{DeviceView, DeviceViewMut, ViewElement};
 use crate::kernels::Half;
 use crate::kernels::{FusedKernels, NormAccumulator, NormKind};
-use crate::NcclComm;
+use crate::{DeviceComm, NcclComm};
 use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DriverError};
 use half::{bf16, f16};
 use std::collections::BTreeMap;
@@ -19,20 +19,20 @@ use zero_core::optim::{FunctionalOptimizer, OptimizerState};
 use zero_core::partition::ParamInfo;
 use zero_core::{Engine, Error, ReduceOp, Result};
 
-/// The engine on one GPU over NCCL (f32 arithmetic; the parameters are
-/// f32, or bf16/f16 with f32 master weights).
-pub type CudaEngine = Engine<f32, NcclComm, CudaMemory>;
+/// The engine on one GPU (f32 arithmetic; the parameters are f32, or
+/// bf16/f16 with f32 master weights), over NCCL unless `C` says otherwise.
+pub type CudaEngine<C = NcclComm> = Engine<f32, C, CudaMemory>;
 
 /// Builds the engine with its buffers on `comm`'s GPU; see
 /// [`Engine::with_memory`]. A collective. `optimizer` must be a built-in of
 /// `zero-core` (SGD, Adam, AdamW, Adagrad or RMSprop): its hyperparameters
 /// drive the fused kernels.
-pub fn cuda_engine(
-    comm: NcclComm,
+pub fn cuda_engine<C: DeviceComm>(
+    comm: C,
     params: Vec<ParamInfo>,
     optimizer: Box<dyn FunctionalOptimizer<f32>>,
     config: EngineConfig,
-) -> Result<CudaEngine> {
+) -> Result<CudaEngine<C>> {
     let memory = CudaMemory::new(&comm, optimizer.as_ref())?;
     Engine::with_memory(comm, memory, params, optimizer, config)
 }
@@ -246,7 +246,7 @@ impl std::fmt::Debug for CudaMemory {
 impl CudaMemory {
     /// Compiles the fused kernels for `comm`'s GPU (a few hundred
     /// milliseconds) and checks that `optimizer` has a device kernel.
-    pub fn new(comm: &NcclComm, optimizer: &dyn FunctionalOptimizer<f32>) -> Result<Self> {
+    pub fn new(comm: &impl DeviceComm, optimizer: &dyn FunctionalOptimizer<f32>) -> Result<Self> {
         DeviceOptimizer::check_kind(optimizer)?;
         let kernels = FusedKernels::new(comm.context()).map_err(nccl)?;
         let stream = comm.compute_stream().clone();
@@ -277,7 +277,7 @@ impl CudaMemory {
     /// the 16-bit staging stays allocated.
     fn all_gather_narrow<H: Half + zero_core::Element>(
         &mut self,
-        comm: &NcclComm,
+        comm: &impl DeviceComm,
         send: &CudaSlice<f32>,
         send_range: Range<usize>,
         recv: &mut CudaSlice<f32>,
@@ -324,8 +324,7 @@ impl CudaMemory {
             .map_err(nccl)?;
         let narrow_send = unsafe { send16.transmute::<H>(n) }.ok_or_else(oversized)?;
         let mut narrow_recv = unsafe { recv16.transmute_mut::<H>(all) }.ok_or_else(oversized)?;
-        comm.all_gather_view(&narrow_send, &mut narrow_recv)
-            .map_err(nccl)?;
+        comm.all_gather_view(&narrow_send, &mut narrow_recv)?;
         let narrow_recv = unsafe { recv16.transmute::<H>(all) }.ok_or_else(oversized)?;
         self.kernels
             .widen_ranges(
@@ -363,7 +362,7 @@ impl CudaMemory {
     }
 }
 
-impl ShardMemory<f32, NcclComm> for CudaMemory {
+impl<C: DeviceComm> ShardMemory<f32, C> for CudaMemory {
     type Buffer = CudaSlice<f32>;
     type Grad<'g> = DeviceView<'g>;
     type Params<'p> = dyn DeviceParams + 'p;
@@ -392,7 +391,7 @@ impl ShardMemory<f32, NcclComm> for CudaMemory {
 
     /// The compute stream (the communicator's, which is this memory's)
     /// waits on every deferred collective; the host does not.
-    fn settle(&mut self, _comm: &NcclComm) -> Result<()> {
+    fn settle(&mut self, _comm: &C) -> Result<()> {
         let Some(events) = self.deferred.take() else {
             return Ok(());
         };
@@ -563,7 +562,7 @@ impl ShardMemory<f32, NcclComm> for CudaMemory {
 
     fn norm_partial(
         &mut self,
-        comm: &NcclComm,
+        comm: &C,
         buffer: &CudaSlice<f32>,
         ranges: &[Range<usize>],
         norm: NormType,
@@ -585,13 +584,13 @@ impl ShardMemory<f32, NcclComm> for CudaMemory {
         // report): one synchronization, as with any clipping. The kernels
         // may sit behind a reduction stuck on a dead peer: wait within the
         // deadline before the copy blocks.
-        comm.wait_compute("gradient norm").map_err(nccl)?;
+        comm.wait_compute("gradient norm")?;
         self.norm.read(&stream, kind).map_err(nccl)
     }
 
     fn all_reduce(
         &mut self,
-        comm: &NcclComm,
+        comm: &C,
         buffer: &mut CudaSlice<f32>,
         range: Range<usize>,
         op: ReduceOp,
@@ -601,16 +600,16 @@ impl ShardMemory<f32, NcclComm> for CudaMemory {
         let mut view = buffer.slice_mut(range);
         match self.deferred.as_mut() {
             Some(events) => {
-                events.push(comm.all_reduce_event(&mut view, op).map_err(nccl)?);
+                events.push(comm.all_reduce_event(&mut view, op)?);
                 Ok(())
             }
-            None => comm.all_reduce_view(&mut view, op).map_err(nccl),
+            None => comm.all_reduce_view(&mut view, op),
         }
     }
 
     fn reduce_scatter(
         &mut self,
-        comm: &NcclComm,
+        comm: &C,
         send: &CudaSlice<f32>,
         send_range: Range<usize>,
         recv: &mut CudaSlice<f32>,
@@ -623,19 +622,16 @@ impl ShardMemory<f32, NcclComm> for CudaMemory {
         let (send, mut recv) = (send.slice(send_range), recv.slice_mut(recv_range));
         match self.deferred.as_mut() {
             Some(events) => {
-                events.push(
-                    comm.reduce_scatter_event(&send, &mut recv, op)
-                        .map_err(nccl)?,
-                );
+                events.push(comm.reduce_scatter_event(&send, &mut recv, op)?);
                 Ok(())
             }
-            None => comm.reduce_scatter_view(&send, &mut recv, op).map_err(nccl),
+            None => comm.reduce_scatter_view(&send, &mut recv, op),
         }
     }
 
     fn all_gather(
         &mut self,
-        comm: &NcclComm,
+        comm: &C,
         send: &CudaSlice<f32>,
         send_range: Range<usize>,
         recv: &mut CudaSlice<f32>,
@@ -645,12 +641,11 @@ impl ShardMemory<f32, NcclComm> for CudaMemory {
         check_range("all_gather", &recv_range, recv.len())?;
         self.stream()?;
         comm.all_gather_view(&send.slice(send_range), &mut recv.slice_mut(recv_range))
-            .map_err(nccl)
     }
 
     fn all_gather_as(
         &mut self,
-        comm: &NcclComm,
+        comm: &C,
         send: &CudaSlice<f32>,
         send_range: Range<usize>,
         recv: &mut CudaSlice<f32>,
@@ -667,14 +662,14 @@ impl ShardMemory<f32, NcclComm> for CudaMemory {
 
     fn all_reduce_host<V: zero_core::Element>(
         &mut self,
-        comm: &NcclComm,
+        comm: &C,
         values: &mut [V],
         op: ReduceOp,
     ) -> Result<()> {
         self.stream()?;
         // Through f64, exact for the f32 masks and f64 norms the engine sends.
         let mut wide: Vec<f64> = values.iter().map(|v| v.to_f64()).collect();
-        comm.all_reduce_host(&mut wide, op).map_err(nccl)?;
+        comm.all_reduce_host(&mut wide, op)?;
         for (v, w) in values.iter_mut().zip(&wide) {
             *v = V::from_f64(*w);
         }
@@ -683,7 +678,7 @@ impl ShardMemory<f32, NcclComm> for CudaMemory {
 
     fn gather_varlen_host(
         &mut self,
-        comm: &NcclComm,
+        comm: &C,
         send: &[f32],
         counts: &[usize],
         recv: Option<&mut [f32]>,
@@ -691,7 +686,6 @@ impl ShardMemory<f32, NcclComm> for CudaMemory {
     ) -> Result<()> {
         self.stream()?;
         comm.gather_varlen_host(send, counts, recv, root)
-            .map_err(nccl)
     }
 
     fn step(
@@ -760,7 +754,7 @@ impl ShardMemory<f32, NcclComm> for CudaMemory {
 
     fn export_state(
         &mut self,
-        comm: &NcclComm,
+        comm: &C,
         _optimizer: &dyn FunctionalOptimizer<f32>,
         pieces: &[StepPiece<'_>],
     ) -> Result<OptimizerState<f32>> {
@@ -768,8 +762,7 @@ impl ShardMemory<f32, NcclComm> for CudaMemory {
         let Some(device) = self.optimizer.as_ref() else {
             return Ok(OptimizerState::default());
         };
-        comm.wait_compute("exporting the optimizer state")
-            .map_err(nccl)?;
+        comm.wait_compute("exporting the optimizer state")?;
         device.export(&stream, pieces, &self.piece_steps)
     }
 
@@ -800,14 +793,14 @@ impl ShardMemory<f32, NcclComm> for CudaMemory {
 
     fn buffer_to_host(
         &mut self,
-        comm: &NcclComm,
+        comm: &C,
         buffer: &CudaSlice<f32>,
         range: Range<usize>,
         out: &mut [f32],
     ) -> Result<()> {
         check_range("buffer_to_host", &range, buffer.len())?;
         let stream = self.stream()?;
-        comm.wait_compute("reading master weights").map_err(nccl)?;
+        comm.wait_compute("reading master weights")?;
         stream.memcpy_dtoh(&buffer.slice(range), out).map_err(cuda)
     }
 
@@ -856,7 +849,7 @@ impl ShardMemory<f32, NcclComm> for CudaMemory {
 
     fn read_param_host(
         &mut self,
-        comm: &NcclComm,
+        comm: &C,
         params: &mut (dyn DeviceParams + '_),
         param: usize,
         out: &mut [f32],
@@ -864,14 +857,14 @@ impl ShardMemory<f32, NcclComm> for CudaMemory {
         let stream = self.stream()?;
         check_param_len(params, param, out.len(), "reading a parameter")?;
         // Staged in f32 on the device (16-bit parameters widen there).
-        let mut staged = self.alloc_zeroed(out.len())?;
+        let mut staged = ShardMemory::<f32, C>::alloc_zeroed(self, out.len())?;
         let whole = ParamCopy {
             param,
             param_range: 0..out.len(),
             at: 0,
         };
-        self.read_params(params, &[whole], &mut staged)?;
-        comm.wait_compute("reading a parameter").map_err(nccl)?;
+        ShardMemory::<f32, C>::read_params(self, params, &[whole], &mut staged)?;
+        comm.wait_compute("reading a parameter")?;
         stream
             .memcpy_dtoh(&staged.slice(0..out.len()), out)
             .map_err(cuda)
@@ -885,7 +878,7 @@ impl ShardMemory<f32, NcclComm> for CudaMemory {
     ) -> Result<()> {
         let stream = self.stream()?;
         check_param_len(params, param, values.len(), "writing a parameter")?;
-        let mut staged = self.alloc_zeroed(values.len())?;
+        let mut staged = ShardMemory::<f32, C>::alloc_zeroed(self, values.len())?;
         if !values.is_empty() {
             stream
                 .memcpy_htod(values, &mut staged.slice_mut(0..values.len()))
@@ -896,7 +889,7 @@ impl ShardMemory<f32, NcclComm> for CudaMemory {
             param_range: 0..values.len(),
             at: 0,
         };
-        self.write_params(params, &[whole], &staged)
+        ShardMemory::<f32, C>::write_params(self, params, &[whole], &staged)
     }
 }
 

@@ -1,0 +1,153 @@
+//! [`DeviceComm`]: what the CUDA engine needs of a communicator over device
+//! buffers. [`NcclComm`](crate::NcclComm) (one process per GPU, NCCL) and
+//! [`CudaThreadComm`](crate::CudaThreadComm) (ranks as threads of one
+//! process, one GPU shared or several) implement it, so `CudaMemory` and
+//! zero-candle's optimizer run on either unchanged.
+
+use crate::comm::Cuda;
+use crate::Error;
+use cudarc::driver::{
+    CudaContext, CudaEvent, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, ValidAsZeroBits,
+};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use zero_core::comm::Work;
+use zero_core::{Communicator, Element, ReduceOp, Result};
+
+/// A [`Communicator`] over CUDA buffers whose collectives are ordered with a
+/// compute stream by events, never by host waits.
+///
+/// The `_event` collectives queue the collective after everything queued on
+/// the compute stream so far and return the event recorded when it is
+/// complete; the `_view` ones make the compute stream wait on that event.
+/// Views may be ranges of larger buffers (one bucket of the engine's flat
+/// gradients).
+pub trait DeviceComm: Communicator<Memory = Cuda> + Sized {
+    /// The CUDA context of this rank's GPU.
+    fn context(&self) -> &Arc<CudaContext>;
+
+    /// The stream collectives are ordered with.
+    fn compute_stream(&self) -> &Arc<CudaStream>;
+
+    /// Orders collectives after, and makes waits apply to, `stream` (for
+    /// example Candle's device stream). It must belong to this
+    /// communicator's context.
+    fn with_compute_stream(self, stream: Arc<CudaStream>) -> Result<Self>;
+
+    /// All-reduces `buf` in place; see the trait's documentation.
+    fn all_reduce_event<T: Element>(
+        &self,
+        buf: &mut (impl DevicePtrMut<T> + ?Sized),
+        op: ReduceOp,
+    ) -> Result<CudaEvent>;
+
+    /// Reduce-scatters `send` (`world_size * recv.len()` elements) into `recv`.
+    fn reduce_scatter_event<T: Element>(
+        &self,
+        send: &(impl DevicePtr<T> + ?Sized),
+        recv: &mut (impl DevicePtrMut<T> + ?Sized),
+        op: ReduceOp,
+    ) -> Result<CudaEvent>;
+
+    /// All-gathers `send` into `recv` (`world_size * send.len()` elements).
+    fn all_gather_event<T: Element>(
+        &self,
+        send: &(impl DevicePtr<T> + ?Sized),
+        recv: &mut (impl DevicePtrMut<T> + ?Sized),
+    ) -> Result<CudaEvent>;
+
+    /// Blocks the host until everything queued on the compute stream so far
+    /// has run, within the communicator's deadline: a collective stuck on a
+    /// dead or frozen peer becomes an error instead of a hang. Call it
+    /// before any host read of device memory that the compute stream writes.
+    fn wait_compute(&self, op: &'static str) -> Result<()>;
+
+    /// All-reduces a few host values (a mask, a norm) within the deadline.
+    fn all_reduce_host(&self, values: &mut [f64], op: ReduceOp) -> Result<()>;
+
+    /// [`Communicator::gather_varlen`] of host values, within the deadline.
+    fn gather_varlen_host<T: Element + DeviceRepr + ValidAsZeroBits>(
+        &self,
+        send: &[T],
+        counts: &[usize],
+        recv: Option<&mut [T]>,
+        root: usize,
+    ) -> Result<()>;
+
+    /// [`DeviceComm::all_reduce_event`], complete in compute-stream order
+    /// when it returns; the host does not wait.
+    fn all_reduce_view<T: Element>(
+        &self,
+        buf: &mut (impl DevicePtrMut<T> + ?Sized),
+        op: ReduceOp,
+    ) -> Result<()> {
+        let done = self.all_reduce_event(buf, op)?;
+        Ok(self.compute_stream().wait(&done).map_err(Error::from)?)
+    }
+
+    /// [`DeviceComm::reduce_scatter_event`], complete in compute-stream
+    /// order when it returns.
+    fn reduce_scatter_view<T: Element>(
+        &self,
+        send: &(impl DevicePtr<T> + ?Sized),
+        recv: &mut (impl DevicePtrMut<T> + ?Sized),
+        op: ReduceOp,
+    ) -> Result<()> {
+        let done = self.reduce_scatter_event(send, recv, op)?;
+        Ok(self.compute_stream().wait(&done).map_err(Error::from)?)
+    }
+
+    /// [`DeviceComm::all_gather_event`], complete in compute-stream order
+    /// when it returns.
+    fn all_gather_view<T: Element>(
+        &self,
+        send: &(impl DevicePtr<T> + ?Sized),
+        recv: &mut (impl DevicePtrMut<T> + ?Sized),
+    ) -> Result<()> {
+        let done = self.all_gather_event(send, recv)?;
+        Ok(self.compute_stream().wait(&done).map_err(Error::from)?)
+    }
+}
+
+/// The [`Work`] of a collective that completes at `done`: waiting makes
+/// `compute` wait on it (a device-side wait; the host does not block).
+pub(crate) fn event_work<'a>(compute: Arc<CudaStream>, done: CudaEvent) -> Work<'a> {
+    Work::new(move |block| {
+        if block {
+            compute.wait(&done).map_err(Error::from)?;
+            return Ok(true);
+        }
+        let complete = done.try_is_complete().map_err(Error::from)?;
+        if complete {
+            compute.wait(&done).map_err(Error::from)?;
+        }
+        Ok(complete)
+    })
+}
+
+/// Blocks the host until `done` has completed or `timeout` passes
+/// ([`Error::Timeout`] naming `op` and the collective count `seq`).
+pub(crate) fn host_wait(
+    op: &'static str,
+    seq: u64,
+    done: &CudaEvent,
+    timeout: Duration,
+) -> crate::Result<()> {
+    let start = Instant::now();
+    let mut pause = Duration::from_micros(50);
+    loop {
+        if done.try_is_complete()? {
+            return Ok(());
+        }
+        let waited = start.elapsed();
+        if waited >= timeout {
+            return Err(Error::Timeout {
+                op,
+                seq,
+                waited_s: waited.as_secs_f64(),
+            });
+        }
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(Duration::from_millis(10));
+    }
+}
