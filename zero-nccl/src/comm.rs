@@ -9,7 +9,7 @@
 //! Only `barrier`, `all_gather_bytes` and `split` wait on the host, each
 //! with the communicator's deadline.
 
-use crate::device_comm::{event_work, host_wait, DeviceComm};
+use crate::device_comm::{event_work, host_wait, ring_bytes, DeviceComm};
 use crate::launch::LaunchEnv;
 use crate::probe::{cuda_device_count, ensure_library, guarded, Library};
 use crate::rendezvous::Rendezvous;
@@ -57,11 +57,6 @@ fn nccl_op(op: ReduceOp) -> sys::ncclRedOp_t {
         ReduceOp::Min => sys::ncclRedOp_t::ncclMin,
         ReduceOp::Product => sys::ncclRedOp_t::ncclProd,
     }
-}
-
-/// Bytes a rank sends in a ring collective over a buffer of `bytes`: `(N-1)/N` of it.
-fn ring_bytes(bytes: usize, world_size: usize) -> u64 {
-    (bytes as u64 * (world_size as u64 - 1)) / world_size as u64
 }
 
 /// A ring collective that [`NcclComm::collective_event`] issues.

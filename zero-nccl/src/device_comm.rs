@@ -11,8 +11,7 @@ use cudarc::driver::{
 };
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use zero_core::comm::Work;
-use zero_core::{Communicator, Element, ReduceOp, Result};
+use zero_core::{Communicator, Element, ReduceOp, Result, Work};
 
 /// A [`Communicator`] over CUDA buffers whose collectives are ordered with a
 /// compute stream by events, never by host waits.
@@ -107,6 +106,12 @@ pub trait DeviceComm: Communicator<Memory = Cuda> + Sized {
         let done = self.all_gather_event(send, recv)?;
         Ok(self.compute_stream().wait(&done).map_err(Error::from)?)
     }
+}
+
+/// Bytes a rank sends in a ring collective over a buffer of `bytes`: `(N-1)/N`
+/// of it (what `bytes_sent` counts, whatever moves the bytes).
+pub(crate) fn ring_bytes(bytes: usize, world_size: usize) -> u64 {
+    (bytes as u64 * (world_size as u64 - 1)) / world_size as u64
 }
 
 /// The [`Work`] of a collective that completes at `done`: waiting makes

@@ -24,6 +24,7 @@
 
 mod error;
 pub mod launch;
+mod local;
 pub mod memory;
 pub mod rendezvous;
 
@@ -47,6 +48,10 @@ pub use rendezvous::Rendezvous;
 pub use comm::{Cuda, NcclComm, UNIQUE_ID_BYTES};
 #[cfg(feature = "nccl")]
 pub use device_comm::DeviceComm;
+#[cfg(feature = "nccl")]
+pub use kernels::MAX_LOCAL_RANKS;
+#[cfg(feature = "nccl")]
+pub use local::{CudaThreadComm, CudaThreadGroup};
 #[cfg(feature = "nccl")]
 pub use memory::{cuda_engine, CudaEngine, CudaMemory, DeviceParams};
 #[cfg(feature = "cuda")]

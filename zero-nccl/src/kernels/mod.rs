@@ -31,7 +31,7 @@ use cudarc::driver::{
 };
 use std::ops::Range;
 use std::sync::Arc;
-use zero_core::Element;
+use zero_core::{DType, Element, ReduceOp};
 
 pub use optim::{
     AdagradHyper, AdagradState, AdamHyper, AdamState, DeviceState, RmspropHyper, RmspropState,
@@ -138,7 +138,7 @@ impl NormAccumulator {
 
 /// Every kernel [`FusedKernels::new`] loads from [`SOURCE`], in the order it
 /// loads them.
-pub const KERNEL_NAMES: [&str; 19] = [
+pub const KERNEL_NAMES: [&str; 23] = [
     "gather_pieces_b16",
     "gather_pieces_b32",
     "gather_pieces_b64",
@@ -158,7 +158,25 @@ pub const KERNEL_NAMES: [&str; 19] = [
     "adam_f32",
     "adagrad_f32",
     "rmsprop_f32",
+    "reduce_ranks_f32",
+    "reduce_ranks_f64",
+    "reduce_ranks_bf16",
+    "reduce_ranks_f16",
 ];
+
+/// The most sources or destinations [`FusedKernels::reduce_ranks`] takes
+/// in one launch (`MAX_LOCAL_RANKS` in [`SOURCE`]): the largest world of a
+/// [`CudaThreadGroup`](crate::CudaThreadGroup).
+pub const MAX_LOCAL_RANKS: usize = 16;
+
+/// The device addresses of a reduction's sources or destinations, passed by
+/// value (`RankPtrs` in [`SOURCE`]).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct RankPtrs([u64; MAX_LOCAL_RANKS]);
+
+// SAFETY: plain data laid out as the kernel's `struct RankPtrs`.
+unsafe impl cudarc::driver::DeviceRepr for RankPtrs {}
 
 /// The oldest compute capability the kernels run on, as `10 * major + minor`:
 /// the norms use `atomicAdd` on `double`, which arrived with sm_60.
@@ -351,6 +369,8 @@ pub struct FusedKernels {
     adam: CudaFunction,
     adagrad: CudaFunction,
     rmsprop: CudaFunction,
+    /// Per dtype (f32, f64, bf16, f16): the in-process collectives' reduction.
+    reduce_ranks: [CudaFunction; 4],
     /// Enough blocks to fill the device a few times over.
     max_blocks: u32,
 }
@@ -366,7 +386,8 @@ impl FusedKernels {
             let loaded = KERNEL_NAMES.map(|name| module.load_function(name));
             let [g16, g32, g64, s16, s32, s64, rest @ ..] = loaded;
             let [gather_add, wb, wh, wab, wah, nb, nh, rest @ ..] = rest;
-            let [scale, norm, sgd, adam, adagrad, rmsprop] = rest;
+            let [scale, norm, sgd, adam, adagrad, rmsprop, rest @ ..] = rest;
+            let [r32, r64, rb16, rf16] = rest;
             Ok(Self {
                 ctx: ctx.clone(),
                 arch,
@@ -382,6 +403,7 @@ impl FusedKernels {
                 adam: adam?,
                 adagrad: adagrad?,
                 rmsprop: rmsprop?,
+                reduce_ranks: [r32?, r64?, rb16?, rf16?],
                 max_blocks: max_blocks(ctx)?,
             })
         })
@@ -462,6 +484,77 @@ impl FusedKernels {
             || flat.device_ptr_mut(stream),
         )?;
         drop(guards);
+        Ok(())
+    }
+
+    /// Combines `len` elements from each address of `srcs` with `op`, in the
+    /// order given, in an f32 accumulator (f64 for f64; `Avg` divides by
+    /// the number of sources there), and writes the result to each address
+    /// of `dsts`: one launch on `stream`. A source may be a destination.
+    ///
+    /// # Safety
+    ///
+    /// Every address holds `len` live elements of `dtype` that `stream`'s
+    /// device can read (sources) and write (destinations) while the launch
+    /// runs; destinations do not overlap each other, and a source overlaps a
+    /// destination only where both are the same memory.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn reduce_ranks(
+        &self,
+        stream: &Arc<CudaStream>,
+        dtype: DType,
+        srcs: &[u64],
+        dsts: &[u64],
+        len: usize,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let too_many = |what: &str, n: usize| Error::Unsupported {
+            op: "reduce_ranks",
+            detail: format!("{n} {what}: at most {MAX_LOCAL_RANKS} ranks share one process"),
+        };
+        if srcs.is_empty() || srcs.len() > MAX_LOCAL_RANKS {
+            return Err(too_many("sources", srcs.len()));
+        }
+        if dsts.len() > MAX_LOCAL_RANKS {
+            return Err(too_many("destinations", dsts.len()));
+        }
+        if len == 0 || dsts.is_empty() {
+            return Ok(());
+        }
+        let table = |addrs: &[u64]| {
+            let mut ptrs = RankPtrs([0; MAX_LOCAL_RANKS]);
+            ptrs.0[..addrs.len()].copy_from_slice(addrs);
+            ptrs
+        };
+        let (src_table, dst_table) = (table(srcs), table(dsts));
+        let (n_srcs, n_dsts) = (srcs.len() as u32, dsts.len() as u32);
+        let len64 = len as u64;
+        let op_code: i32 = match op {
+            ReduceOp::Sum => 0,
+            ReduceOp::Avg => 1,
+            ReduceOp::Max => 2,
+            ReduceOp::Min => 3,
+            ReduceOp::Product => 4,
+        };
+        let divide_by: u32 = if op == ReduceOp::Avg { n_srcs } else { 0 };
+        let kernel = &self.reduce_ranks[match dtype {
+            DType::F32 => 0,
+            DType::F64 => 1,
+            DType::BF16 => 2,
+            DType::F16 => 3,
+        }];
+        let mut launch = stream.launch_builder(kernel);
+        launch
+            .arg(&src_table)
+            .arg(&dst_table)
+            .arg(&n_srcs)
+            .arg(&n_dsts)
+            .arg(&len64)
+            .arg(&op_code)
+            .arg(&divide_by);
+        // SAFETY: the arguments match `reduce_ranks_*`; the addresses are
+        // as this function's contract requires.
+        unsafe { launch.launch(self.config(len)) }?;
         Ok(())
     }
 

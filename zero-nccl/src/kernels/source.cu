@@ -278,3 +278,52 @@ extern "C" __global__ void norm_partial_f32(const float* x, u64 n, int kind, dou
         else atomicAdd(out_sum, partial[0]);
     }
 }
+
+// ---- in-process collectives (CudaThreadComm) -------------------------------
+// reduce_ranks_*: for every element i, the sources' values combined in the
+// order given (rank order) in a float accumulator (double for f64), divided
+// by `divide_by` when it is not 0 (an average), rounded once and written to
+// every destination, as zero-core's thread backend does on the host. A
+// source may be the same memory as a destination (in place): each thread
+// reads element i of every source before it writes element i.
+#define MAX_LOCAL_RANKS 16
+struct RankPtrs {
+    u64 p[MAX_LOCAL_RANKS];
+};
+
+// op: 0 sum, 1 avg (summed), 2 max, 3 min (both keep NaN), 4 product.
+#define DEFINE_COMBINE(A)                                                        \
+__device__ __forceinline__ A combine_##A(int op, A a, A b) {                     \
+    switch (op) {                                                                \
+    case 2: return (a >= b || a != a) ? a : b;                                   \
+    case 3: return (a <= b || a != a) ? a : b;                                   \
+    case 4: return a * b;                                                        \
+    default: return a + b;                                                       \
+    }                                                                            \
+}
+DEFINE_COMBINE(float)
+DEFINE_COMBINE(double)
+
+__device__ __forceinline__ float up_f32(float x) { return x; }
+__device__ __forceinline__ float down_f32(float a) { return a; }
+__device__ __forceinline__ double up_f64(double x) { return x; }
+__device__ __forceinline__ double down_f64(double a) { return a; }
+
+#define DEFINE_REDUCE_RANKS(SUFFIX, T, A, UP, DOWN)                              \
+extern "C" __global__ void reduce_ranks_##SUFFIX(RankPtrs srcs, RankPtrs dsts,   \
+        unsigned int n_srcs, unsigned int n_dsts, u64 len, int op,              \
+        unsigned int divide_by) {                                                \
+    GRID_STRIDE(i, len) {                                                        \
+        A acc = UP(((const T*)srcs.p[0])[i]);                                    \
+        for (unsigned int k = 1; k < n_srcs; ++k) {                              \
+            acc = combine_##A(op, acc, UP(((const T*)srcs.p[k])[i]));            \
+        }                                                                        \
+        if (divide_by != 0) acc = acc / (A)divide_by;                            \
+        T out = DOWN(acc);                                                       \
+        for (unsigned int k = 0; k < n_dsts; ++k) ((T*)dsts.p[k])[i] = out;      \
+    }                                                                            \
+}
+DEFINE_REDUCE_RANKS(f32, float, float, up_f32, down_f32)
+DEFINE_REDUCE_RANKS(f64, double, double, up_f64, down_f64)
+DEFINE_REDUCE_RANKS(bf16, unsigned short, float, widen_bf16, narrow_bf16)
+DEFINE_REDUCE_RANKS(f16, unsigned short, float, widen_f16, narrow_f16)

@@ -1,0 +1,725 @@
+//! [`CudaThreadComm`]: ranks as threads of one process, over device memory.
+//!
+//! Each rank has its own compute and communication streams; the ranks share
+//! one GPU, or several GPUs of the process (with peer access between them).
+//! A collective is two host rendezvous of the ranks' [`ThreadComm`] (so the
+//! deadline, mismatch and dead-peer semantics are the thread backend's) and
+//! device work ordered by events, never by host waits:
+//!
+//! 1. each rank records an event on its compute stream (its inputs are
+//!    ready) and posts it with its call and buffer addresses
+//!    ([`plan::Posted`]); the posts are gathered and checked;
+//! 2. each rank's comm stream waits on every rank's ready event and issues
+//!    its part ([`plan::steps`]): device copies and a reduction kernel over
+//!    the peers' buffers, combining the ranks in rank order (bitwise the
+//!    thread backend's results);
+//! 3. each rank records an event when its part is issued and posts it; each
+//!    comm stream waits on every rank's, so no rank's buffers are reused
+//!    while a peer still reads or writes them. The event recorded after
+//!    that is the collective's completion, which the compute stream waits on.
+//!
+//! Every event a stream waits on was recorded before the wait was queued,
+//! so the device never waits on work that a dead peer will not queue: a
+//! failing rank fails its peers at the next rendezvous, within the deadline.
+
+use super::plan::{check_posted, At, Call, Kind, Posted, Step};
+use crate::comm::Cuda;
+use crate::device_comm::{event_work, host_wait, ring_bytes, DeviceComm};
+use crate::kernels::{FusedKernels, MAX_LOCAL_RANKS};
+use crate::Error;
+use cudarc::driver::sys::{CUevent, CUevent_wait_flags};
+use cudarc::driver::{
+    CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr,
+    ValidAsZeroBits,
+};
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+use zero_core::comm::Buf;
+use zero_core::{Communicator, Element, ReduceOp, Result, ThreadComm, ThreadGroup, Work};
+
+/// One GPU of a group: its context and the kernels loaded in it.
+#[derive(Clone)]
+struct Gpu {
+    ctx: Arc<CudaContext>,
+    kernels: Arc<FusedKernels>,
+}
+
+/// Several ranks in one process, over device memory: the CUDA counterpart
+/// of [`ThreadGroup`]. Every rank is a thread with its own streams; the
+/// ranks share one GPU ([`CudaThreadGroup::new`]) or are spread over
+/// several ([`CudaThreadGroup::on_devices`]).
+///
+/// It runs every multi-rank path of the engine on a machine with a single
+/// GPU (NCCL refuses two ranks on one device), and drives several GPUs from
+/// one process without NCCL. At most [`MAX_LOCAL_RANKS`] ranks.
+///
+/// ```no_run
+/// use zero_nccl::{CudaThreadGroup, DeviceComm};
+/// use zero_core::Communicator;
+/// # fn main() -> zero_core::Result<()> {
+/// let results = CudaThreadGroup::new(4).run(|comm| {
+///     let stream = comm.compute_stream().clone();
+///     let mut buf = stream.clone_htod(&[comm.rank() as f32; 8]).map_err(zero_nccl::Error::from)?;
+///     comm.all_reduce(&mut buf, zero_core::ReduceOp::Sum)?;
+///     Ok(stream.clone_dtoh(&buf).map_err(zero_nccl::Error::from)?)
+/// })?;
+/// # Ok(()) }
+/// ```
+#[derive(Clone, Debug)]
+pub struct CudaThreadGroup {
+    world_size: usize,
+    devices: Vec<usize>,
+    timeout: Duration,
+}
+
+impl CudaThreadGroup {
+    /// `world_size` ranks sharing GPU 0.
+    pub fn new(world_size: usize) -> Self {
+        Self::on_devices(world_size, &[0])
+    }
+
+    /// `world_size` ranks, rank `r` on GPU `devices[r % devices.len()]`.
+    /// Distinct GPUs must be able to access each other's memory (peer
+    /// access); [`CudaThreadGroup::communicators`] says so when they cannot.
+    pub fn on_devices(world_size: usize, devices: &[usize]) -> Self {
+        Self {
+            world_size,
+            devices: if devices.is_empty() {
+                vec![0]
+            } else {
+                devices.to_vec()
+            },
+            timeout: zero_core::comm::DEFAULT_TIMEOUT,
+        }
+    }
+
+    /// Sets the deadline of every rendezvous (as [`ThreadGroup::with_timeout`]).
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// The number of ranks.
+    pub fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    /// The GPU of rank `rank`.
+    pub fn device_of(&self, rank: usize) -> usize {
+        self.devices[rank % self.devices.len()]
+    }
+
+    /// Opens each GPU once: its context, the kernels compiled for it, and
+    /// peer access between distinct GPUs.
+    fn open(&self) -> Result<BTreeMap<usize, Gpu>> {
+        if self.world_size == 0 || self.world_size > MAX_LOCAL_RANKS {
+            return Err(zero_core::Error::Config(format!(
+                "CudaThreadGroup: {} ranks; a group has 1 to {MAX_LOCAL_RANKS} (for more, \
+                 launch one process per GPU with NcclComm)",
+                self.world_size
+            )));
+        }
+        let mut gpus = BTreeMap::new();
+        for rank in 0..self.world_size {
+            let ordinal = self.device_of(rank);
+            if gpus.contains_key(&ordinal) {
+                continue;
+            }
+            let ctx = CudaContext::new(ordinal).map_err(Error::from)?;
+            let kernels = Arc::new(FusedKernels::new(&ctx)?);
+            gpus.insert(ordinal, Gpu { ctx, kernels });
+        }
+        for (&a, gpu_a) in &gpus {
+            for (&b, gpu_b) in gpus.iter().filter(|(&b, _)| b != a) {
+                enable_peer_access(a, &gpu_a.ctx, b, &gpu_b.ctx)?;
+            }
+        }
+        Ok(gpus)
+    }
+
+    /// The ranks' communicators, in rank order, for threads the caller
+    /// runs (each must be moved to its own thread). Compiles the kernels
+    /// once per GPU.
+    pub fn communicators(&self) -> Result<Vec<CudaThreadComm>> {
+        let gpus = self.open()?;
+        let retired = Arc::new(Mutex::new(Vec::new()));
+        ThreadGroup::new(self.world_size)
+            .with_timeout(self.timeout)
+            .communicators()
+            .into_iter()
+            .map(|host| {
+                let gpu = &gpus[&self.device_of(host.rank())];
+                CudaThreadComm::new(host, gpu, retired.clone(), self.timeout)
+            })
+            .collect()
+    }
+
+    /// Runs `f` on every rank, each in its own scoped thread, and returns
+    /// the ranks' results in rank order, as [`ThreadGroup::run`] does: a rank
+    /// that panics yields `RankPanicked`, and its peers' collectives fail
+    /// instead of waiting for it. Fails as a whole only when the GPUs cannot
+    /// be opened.
+    pub fn run<R, F>(&self, f: F) -> Result<Vec<Result<R>>>
+    where
+        F: Fn(CudaThreadComm) -> Result<R> + Sync,
+        R: Send,
+    {
+        let gpus = self.open()?;
+        let retired = Arc::new(Mutex::new(Vec::new()));
+        let results = ThreadGroup::new(self.world_size)
+            .with_timeout(self.timeout)
+            .run(|host| {
+                let gpu = &gpus[&self.device_of(host.rank())];
+                f(CudaThreadComm::new(
+                    host,
+                    gpu,
+                    retired.clone(),
+                    self.timeout,
+                )?)
+            });
+        Ok(results.into_iter().map(|r| r.and_then(|r| r)).collect())
+    }
+}
+
+/// Lets `a_ctx`'s kernels read and write `b_ctx`'s memory.
+fn enable_peer_access(
+    a: usize,
+    a_ctx: &Arc<CudaContext>,
+    b: usize,
+    b_ctx: &Arc<CudaContext>,
+) -> Result<()> {
+    use cudarc::driver::sys::{cuCtxEnablePeerAccess, cuDeviceCanAccessPeer, CUresult};
+    let mut can = 0;
+    // SAFETY: a valid out-pointer and two device handles of live contexts.
+    unsafe { cuDeviceCanAccessPeer(&mut can, a_ctx.cu_device(), b_ctx.cu_device()) }
+        .result()
+        .map_err(Error::from)?;
+    if can == 0 {
+        return Err(zero_core::Error::Unsupported {
+            op: "CudaThreadGroup::on_devices",
+            detail: format!(
+                "GPU {a} cannot access GPU {b}'s memory (no peer access between them); \
+                 launch one process per GPU with NcclComm instead"
+            ),
+        });
+    }
+    a_ctx.bind_to_thread().map_err(Error::from)?;
+    // SAFETY: `a_ctx` is current and `b_ctx` is a live context.
+    match unsafe { cuCtxEnablePeerAccess(b_ctx.cu_ctx(), 0) } {
+        CUresult::CUDA_SUCCESS | CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => Ok(()),
+        other => Err(Error::from(other.result().unwrap_err()).into()),
+    }
+}
+
+/// One rank of a [`CudaThreadGroup`]: a [`Communicator`] over device
+/// buffers and a [`DeviceComm`], so the engine, `CudaMemory` and
+/// zero-candle's optimizer run on it as on [`NcclComm`](crate::NcclComm).
+/// Reductions combine the ranks in rank order, in f32 for 16-bit types:
+/// the thread backend's results, bit for bit.
+pub struct CudaThreadComm {
+    host: ThreadComm,
+    gpu: Gpu,
+    compute: Arc<CudaStream>,
+    comm_stream: Arc<CudaStream>,
+    bytes_sent: AtomicU64,
+    seq: AtomicU64,
+    timeout: Duration,
+    /// Held while a collective is issued (one at a time, as on NCCL), with
+    /// the previous collective's events: a peer may wait on them until it
+    /// posts the next collective.
+    issuing: Mutex<Vec<CudaEvent>>,
+    /// Where a dropped communicator leaves its last events, which its peers
+    /// may still be about to wait on; freed with the group's last communicator.
+    retired: Arc<Mutex<Vec<CudaEvent>>>,
+}
+
+impl std::fmt::Debug for CudaThreadComm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaThreadComm")
+            .field("rank", &self.host.rank())
+            .field("world_size", &self.host.world_size())
+            .field("device", &self.gpu.ctx.ordinal())
+            .field("bytes_sent", &self.bytes_sent.load(Ordering::Relaxed))
+            .finish()
+    }
+}
+
+impl Drop for CudaThreadComm {
+    fn drop(&mut self) {
+        let events = std::mem::take(
+            self.issuing
+                .get_mut()
+                .unwrap_or_else(PoisonError::into_inner),
+        );
+        self.retired
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .extend(events);
+    }
+}
+
+impl CudaThreadComm {
+    fn new(
+        host: ThreadComm,
+        gpu: &Gpu,
+        retired: Arc<Mutex<Vec<CudaEvent>>>,
+        timeout: Duration,
+    ) -> Result<Self> {
+        let compute = gpu.ctx.new_stream().map_err(Error::from)?;
+        let comm_stream = gpu.ctx.new_stream().map_err(Error::from)?;
+        Ok(Self {
+            host,
+            gpu: gpu.clone(),
+            compute,
+            comm_stream,
+            bytes_sent: AtomicU64::new(0),
+            seq: AtomicU64::new(0),
+            timeout,
+            issuing: Mutex::new(Vec::new()),
+            retired,
+        })
+    }
+
+    /// The stream collectives run on.
+    pub fn comm_stream(&self) -> &Arc<CudaStream> {
+        &self.comm_stream
+    }
+
+    /// Runs one collective as the module's documentation describes:
+    /// `check` is this rank's own validation of its arguments (posted, so
+    /// that a refusal fails the peers at once); `send` and `recv` are the
+    /// device addresses of this rank's buffers (the same in place; 0 for a
+    /// buffer this rank does not have). Returns the completion event.
+    fn collective(
+        &self,
+        op: &'static str,
+        call: Call,
+        (send, recv): (u64, u64),
+        check: Result<()>,
+        bytes: u64,
+    ) -> Result<CudaEvent> {
+        let mut previous = self.issuing.lock().unwrap_or_else(PoisonError::into_inner);
+        self.gpu.ctx.bind_to_thread().map_err(Error::from)?;
+        let rank = self.host.rank();
+        let seq = self.seq.fetch_add(1, Ordering::Relaxed);
+        let ready = self.compute.record_event(None).map_err(Error::from)?;
+        let post = Posted {
+            call: call.clone(),
+            send,
+            recv,
+            ready: ready.cu_event() as u64,
+            failed: check.is_err(),
+        };
+        let gathered = self.host.all_gather_bytes(&post.encode())?;
+        check?;
+        let posted = check_posted(op, seq, rank, &gathered)?;
+        // Every peer has posted this collective, so none waits on the
+        // previous one's events any more.
+        previous.clear();
+        self.comm_stream.wait(&ready).map_err(Error::from)?;
+        for peer in posted.iter().enumerate().filter(|(p, _)| *p != rank) {
+            self.wait_raw(peer.1.ready)?;
+        }
+        let issued = self.issue_steps(&call, &posted);
+        let read = self.comm_stream.record_event(None).map_err(Error::from)?;
+        let mut mine = vec![u8::from(issued.is_err())];
+        mine.extend((read.cu_event() as u64).to_le_bytes());
+        *previous = vec![ready, read];
+        let gathered = self.host.all_gather_bytes(&mine)?;
+        issued?;
+        let mut failed = Vec::new();
+        for (peer, bytes) in gathered.iter().enumerate().filter(|(p, _)| *p != rank) {
+            let event = match bytes.as_slice() {
+                [0, event @ ..] if event.len() == 8 => {
+                    u64::from_le_bytes(event.try_into().expect("8 bytes"))
+                }
+                _ => {
+                    failed.push(peer);
+                    continue;
+                }
+            };
+            self.wait_raw(event)?;
+        }
+        if !failed.is_empty() {
+            return Err(zero_core::Error::PeerFailed {
+                op,
+                seq,
+                failed,
+                reason: "it could not issue its part of the collective".into(),
+            });
+        }
+        self.bytes_sent.fetch_add(bytes, Ordering::Relaxed);
+        Ok(self.comm_stream.record_event(None).map_err(Error::from)?)
+    }
+
+    /// Makes the comm stream wait on a peer's event, by its handle.
+    fn wait_raw(&self, event: u64) -> Result<()> {
+        // SAFETY: the handle is a live event of a peer of this group: its
+        // owner keeps it until every rank has posted the next collective,
+        // or, once dropped, in the group's `retired` list.
+        unsafe {
+            cudarc::driver::result::stream::wait_event(
+                self.comm_stream.cu_stream(),
+                event as CUevent,
+                CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+            )
+        }
+        .map_err(|e| Error::from(e).into())
+    }
+
+    /// Queues this rank's steps of `call` on the comm stream.
+    fn issue_steps(&self, call: &Call, posted: &[Posted]) -> Result<()> {
+        let elem = call.dtype.size_in_bytes();
+        let n = self.host.world_size();
+        let stream = &self.comm_stream;
+        for step in super::plan::steps(&call.kind, call.len, n, self.host.rank()) {
+            match step {
+                Step::Copy { from, to, len } => {
+                    // SAFETY: the calls matched, so both ranges lie inside
+                    // the ranks' posted buffers, live until every rank has
+                    // waited on this collective's second rendezvous.
+                    unsafe {
+                        cudarc::driver::result::memcpy_dtod_async(
+                            to.address(posted, elem),
+                            from.address(posted, elem),
+                            len * elem,
+                            stream.cu_stream(),
+                        )
+                    }
+                    .map_err(Error::from)?;
+                }
+                Step::Reduce {
+                    srcs,
+                    dsts,
+                    len,
+                    op,
+                } => {
+                    let addrs = |at: &[At]| -> Vec<u64> {
+                        at.iter().map(|a| a.address(posted, elem)).collect()
+                    };
+                    // SAFETY: as above; each destination range is written by
+                    // this step only, and a source that is a destination is
+                    // the same memory (in place).
+                    unsafe {
+                        self.gpu.kernels.reduce_ranks(
+                            stream,
+                            call.dtype,
+                            &addrs(&srcs),
+                            &addrs(&dsts),
+                            len,
+                            op,
+                        )
+                    }?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn call<T: Element>(kind: Kind, len: usize) -> Call {
+        Call {
+            kind,
+            dtype: T::DTYPE,
+            len,
+        }
+    }
+
+    fn expect(op: &'static str, what: &'static str, got: usize, expected: usize) -> Result<()> {
+        if got == expected {
+            Ok(())
+        } else {
+            Err(zero_core::Error::BufferSize {
+                op,
+                what,
+                got,
+                expected,
+            })
+        }
+    }
+
+    fn check_root(&self, op: &'static str, root: usize) -> Result<()> {
+        let world_size = self.host.world_size();
+        if root < world_size {
+            Ok(())
+        } else {
+            Err(zero_core::Error::InvalidRank {
+                op,
+                rank: root,
+                world_size,
+            })
+        }
+    }
+
+    fn in_place<T: Element>(
+        &self,
+        op: &'static str,
+        kind: Kind,
+        buf: &mut (impl DevicePtrMut<T> + ?Sized),
+        check: Result<()>,
+        bytes: u64,
+    ) -> Result<CudaEvent> {
+        let len = buf.len();
+        let (ptr, _record) = buf.device_ptr_mut(&self.comm_stream);
+        self.collective(op, Self::call::<T>(kind, len), (ptr, ptr), check, bytes)
+    }
+
+    fn varlen<T: Element>(
+        &self,
+        op: &'static str,
+        send: &CudaSlice<T>,
+        counts: &[usize],
+        recv: Option<&mut CudaSlice<T>>,
+        root: Option<usize>,
+    ) -> Result<CudaEvent> {
+        let n = self.host.world_size();
+        let rank = self.host.rank();
+        let total: usize = counts.iter().sum();
+        let receives = root.is_none_or(|r| r == rank);
+        let check = root
+            .map_or(Ok(()), |r| self.check_root(op, r))
+            .and_then(|()| Self::expect(op, "counts", counts.len(), n))
+            .and_then(|()| Self::expect(op, "send", send.len(), counts[rank]))
+            .and_then(|()| match (&recv, receives) {
+                (Some(r), true) => Self::expect(op, "recv", r.len(), total),
+                (None, true) => Err(zero_core::Error::Unsupported {
+                    op,
+                    detail: "a receiving rank must pass a receive buffer".into(),
+                }),
+                (_, false) => Ok(()),
+            });
+        // A refused call posts what it can; `counts` may be short.
+        let counts = if check.is_ok() {
+            counts.to_vec()
+        } else {
+            Vec::new()
+        };
+        let bytes = (send.num_bytes() * if root.is_none() { n - 1 } else { 1 }) as u64;
+        let (src, _record_src) = send.device_ptr(&self.comm_stream);
+        let mut dst_guard = recv.map(|r| r.device_ptr_mut(&self.comm_stream));
+        let dst = dst_guard.as_mut().map_or(0, |(ptr, _)| *ptr);
+        let call = Self::call::<T>(Kind::Gather { counts, root }, send.len());
+        self.collective(op, call, (src, dst), check, bytes)
+    }
+}
+
+impl DeviceComm for CudaThreadComm {
+    fn context(&self) -> &Arc<CudaContext> {
+        &self.gpu.ctx
+    }
+
+    fn compute_stream(&self) -> &Arc<CudaStream> {
+        &self.compute
+    }
+
+    fn with_compute_stream(mut self, stream: Arc<CudaStream>) -> Result<Self> {
+        if stream.context() != &self.gpu.ctx {
+            return Err(zero_core::Error::Unsupported {
+                op: "CudaThreadComm::with_compute_stream",
+                detail: format!(
+                    "the stream belongs to device {}, the communicator to device {}",
+                    stream.context().ordinal(),
+                    self.gpu.ctx.ordinal()
+                ),
+            });
+        }
+        self.compute = stream;
+        Ok(self)
+    }
+
+    fn all_reduce_event<T: Element>(
+        &self,
+        buf: &mut (impl DevicePtrMut<T> + ?Sized),
+        op: ReduceOp,
+    ) -> Result<CudaEvent> {
+        let bytes = 2 * ring_bytes(buf.num_bytes(), self.host.world_size());
+        self.in_place("all_reduce", Kind::AllReduce(op), buf, Ok(()), bytes)
+    }
+
+    fn reduce_scatter_event<T: Element>(
+        &self,
+        send: &(impl DevicePtr<T> + ?Sized),
+        recv: &mut (impl DevicePtrMut<T> + ?Sized),
+        op: ReduceOp,
+    ) -> Result<CudaEvent> {
+        const OP: &str = "reduce_scatter";
+        let n = self.host.world_size();
+        let check = Self::expect(OP, "send", send.len(), n * recv.len());
+        let bytes = ring_bytes(send.num_bytes(), n);
+        let len = recv.len();
+        let (src, _record_src) = send.device_ptr(&self.comm_stream);
+        let (dst, _record_dst) = recv.device_ptr_mut(&self.comm_stream);
+        let call = Self::call::<T>(Kind::ReduceScatter(op), len);
+        self.collective(OP, call, (src, dst), check, bytes)
+    }
+
+    fn all_gather_event<T: Element>(
+        &self,
+        send: &(impl DevicePtr<T> + ?Sized),
+        recv: &mut (impl DevicePtrMut<T> + ?Sized),
+    ) -> Result<CudaEvent> {
+        const OP: &str = "all_gather";
+        let n = self.host.world_size();
+        let check = Self::expect(OP, "recv", recv.len(), n * send.len());
+        let bytes = ring_bytes(recv.num_bytes(), n);
+        let len = send.len();
+        let (src, _record_src) = send.device_ptr(&self.comm_stream);
+        let (dst, _record_dst) = recv.device_ptr_mut(&self.comm_stream);
+        self.collective(
+            OP,
+            Self::call::<T>(Kind::AllGather, len),
+            (src, dst),
+            check,
+            bytes,
+        )
+    }
+
+    fn wait_compute(&self, op: &'static str) -> Result<()> {
+        self.gpu.ctx.bind_to_thread().map_err(Error::from)?;
+        let done = self.compute.record_event(None).map_err(Error::from)?;
+        Ok(host_wait(
+            op,
+            self.seq.load(Ordering::Relaxed),
+            &done,
+            self.timeout,
+        )?)
+    }
+
+    /// On the host, through the ranks' [`ThreadComm`]: the values never
+    /// need the device.
+    fn all_reduce_host(&self, values: &mut [f64], op: ReduceOp) -> Result<()> {
+        self.host.all_reduce(values, op)
+    }
+
+    fn gather_varlen_host<T: Element + DeviceRepr + ValidAsZeroBits>(
+        &self,
+        send: &[T],
+        counts: &[usize],
+        recv: Option<&mut [T]>,
+        root: usize,
+    ) -> Result<()> {
+        self.host.gather_varlen(send, counts, recv, root)
+    }
+}
+
+impl Communicator for CudaThreadComm {
+    type Memory = Cuda;
+
+    fn rank(&self) -> usize {
+        self.host.rank()
+    }
+
+    fn world_size(&self) -> usize {
+        self.host.world_size()
+    }
+
+    fn bytes_sent(&self) -> u64 {
+        self.bytes_sent.load(Ordering::Relaxed)
+    }
+
+    fn barrier(&self) -> Result<()> {
+        self.host.barrier()
+    }
+
+    fn all_reduce<T: Element>(&self, buf: &mut Buf<Self, T>, op: ReduceOp) -> Result<()> {
+        self.all_reduce_async(buf, op)?.wait()
+    }
+
+    fn reduce_scatter<T: Element>(
+        &self,
+        send: &Buf<Self, T>,
+        recv: &mut Buf<Self, T>,
+        op: ReduceOp,
+    ) -> Result<()> {
+        self.reduce_scatter_async(send, recv, op)?.wait()
+    }
+
+    fn all_gather<T: Element>(&self, send: &Buf<Self, T>, recv: &mut Buf<Self, T>) -> Result<()> {
+        self.all_gather_async(send, recv)?.wait()
+    }
+
+    fn broadcast<T: Element>(&self, buf: &mut Buf<Self, T>, root: usize) -> Result<()> {
+        self.broadcast_async(buf, root)?.wait()
+    }
+
+    fn reduce<T: Element>(&self, buf: &mut Buf<Self, T>, op: ReduceOp, root: usize) -> Result<()> {
+        let check = self.check_root("reduce", root);
+        let bytes = ring_bytes(buf.num_bytes(), self.host.world_size());
+        let done = self.in_place("reduce", Kind::Reduce { op, root }, buf, check, bytes)?;
+        event_work(self.compute.clone(), done).wait()
+    }
+
+    fn gather_varlen<T: Element>(
+        &self,
+        send: &Buf<Self, T>,
+        counts: &[usize],
+        recv: Option<&mut Buf<Self, T>>,
+        root: usize,
+    ) -> Result<()> {
+        let done = self.varlen("gather_varlen", send, counts, recv, Some(root))?;
+        event_work(self.compute.clone(), done).wait()
+    }
+
+    fn all_gather_varlen<T: Element>(
+        &self,
+        send: &Buf<Self, T>,
+        counts: &[usize],
+        recv: &mut Buf<Self, T>,
+    ) -> Result<()> {
+        let done = self.varlen("all_gather_varlen", send, counts, Some(recv), None)?;
+        event_work(self.compute.clone(), done).wait()
+    }
+
+    fn all_gather_bytes(&self, send: &[u8]) -> Result<Vec<Vec<u8>>> {
+        self.host.all_gather_bytes(send)
+    }
+
+    fn all_reduce_async<'a, T: Element>(
+        &'a self,
+        buf: &'a mut Buf<Self, T>,
+        op: ReduceOp,
+    ) -> Result<Work<'a>> {
+        let done = self.all_reduce_event(buf, op)?;
+        Ok(event_work(self.compute.clone(), done))
+    }
+
+    fn reduce_scatter_async<'a, T: Element>(
+        &'a self,
+        send: &'a Buf<Self, T>,
+        recv: &'a mut Buf<Self, T>,
+        op: ReduceOp,
+    ) -> Result<Work<'a>> {
+        let done = self.reduce_scatter_event(send, recv, op)?;
+        Ok(event_work(self.compute.clone(), done))
+    }
+
+    fn all_gather_async<'a, T: Element>(
+        &'a self,
+        send: &'a Buf<Self, T>,
+        recv: &'a mut Buf<Self, T>,
+    ) -> Result<Work<'a>> {
+        let done = self.all_gather_event(send, recv)?;
+        Ok(event_work(self.compute.clone(), done))
+    }
+
+    fn broadcast_async<'a, T: Element>(
+        &'a self,
+        buf: &'a mut Buf<Self, T>,
+        root: usize,
+    ) -> Result<Work<'a>> {
+        let check = self.check_root("broadcast", root);
+        let bytes = ring_bytes(buf.num_bytes(), self.host.world_size());
+        let done = self.in_place("broadcast", Kind::Broadcast { root }, buf, check, bytes)?;
+        Ok(event_work(self.compute.clone(), done))
+    }
+
+    fn split(&self, ranks: &[usize]) -> Result<Option<Self>> {
+        let Some(host) = self.host.split(ranks)? else {
+            return Ok(None);
+        };
+        let mut sub = Self::new(host, &self.gpu, self.retired.clone(), self.timeout)?;
+        sub.compute = self.compute.clone();
+        Ok(Some(sub))
+    }
+}

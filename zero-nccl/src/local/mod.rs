@@ -1,0 +1,13 @@
+//! Several ranks in one process over device memory: [`CudaThreadGroup`]
+//! and its [`CudaThreadComm`]s (feature `nccl`). The collectives' logic
+//! (what each rank posts, checks and issues) is plain data in `plan`,
+//! tested on the host.
+
+#[cfg_attr(not(feature = "nccl"), allow(dead_code))]
+mod plan;
+
+#[cfg(feature = "nccl")]
+mod comm;
+
+#[cfg(feature = "nccl")]
+pub use comm::{CudaThreadComm, CudaThreadGroup};
