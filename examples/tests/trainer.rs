@@ -606,3 +606,40 @@ fn offload_where_it_cannot_be_is_a_usage_error_saying_what_to_do() {
         );
     }
 }
+
+#[test]
+fn the_gpu_backends_refuse_what_they_do_not_train_before_touching_a_gpu() {
+    for backend in ["nccl", "cuda-threads"] {
+        let argv = ["train", "--quiet", "--backend", backend, "--stage", "3"];
+        let err = run(&Args::parse_from(argv)).expect_err("stage 3 on a GPU backend");
+        assert!(err.to_string().contains("--stage 2"), "{backend}: {err}");
+        let argv = [
+            "train",
+            "--quiet",
+            "--backend",
+            backend,
+            "--precision",
+            "bf16",
+            "--no-master-weights",
+        ];
+        let err = run(&Args::parse_from(argv)).expect_err("no masters on a GPU backend");
+        assert!(
+            err.to_string().contains("master weights"),
+            "{backend}: {err}"
+        );
+    }
+    // Without the `nccl` feature the backend says which build it needs.
+    #[cfg(not(feature = "nccl"))]
+    {
+        let argv = [
+            "train",
+            "--quiet",
+            "--backend",
+            "cuda-threads",
+            "--steps",
+            "1",
+        ];
+        let err = run(&Args::parse_from(argv)).expect_err("no CUDA in this build");
+        assert!(err.to_string().contains("--features nccl"), "{err}");
+    }
+}

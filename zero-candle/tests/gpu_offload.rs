@@ -6,8 +6,7 @@
 //! machine with `cargo test -p zero-candle --features nccl -- --ignored`.
 #![cfg(feature = "nccl")]
 
-use candle_core::{DType, Device, Module, Tensor};
-use candle_nn::{VarBuilder, VarMap};
+use candle_core::{DType, Device, Module};
 use std::path::Path;
 use zero_candle::{NcclZeroOptimizer, ZeroOptimizer};
 use zero_core::engine::{EngineConfig, MemoryReport, Offload, Overlap, Stage};
@@ -15,54 +14,8 @@ use zero_core::optim::{AdamW, AdamWConfig};
 use zero_core::{Communicator, ThreadGroup};
 use zero_nccl::NcclComm;
 
-const IN: usize = 32;
-const HIDDEN: usize = 64;
-const OUT: usize = 8;
-const BATCH: usize = 16;
-
-/// A two-layer MLP with deterministic weights, on `device` in `dtype`.
-fn mlp(device: &Device, dtype: DType) -> (VarMap, impl Module) {
-    let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, dtype, device);
-    let up = candle_nn::linear(IN, HIDDEN, vb.pp("up")).expect("up");
-    let down = candle_nn::linear(HIDDEN, OUT, vb.pp("down")).expect("down");
-    let mut vars: Vec<_> = varmap
-        .data()
-        .lock()
-        .expect("varmap")
-        .iter()
-        .map(|(n, v)| (n.clone(), v.clone()))
-        .collect();
-    vars.sort_by(|a, b| a.0.cmp(&b.0));
-    for (i, (_, var)) in vars.iter().enumerate() {
-        let n = var.elem_count();
-        let values: Vec<f32> = (0..n)
-            .map(|j| (((i * 31 + j * 7) % 23) as f32 / 23.0 - 0.5) * 0.2)
-            .collect();
-        let t = Tensor::from_vec(values, var.dims(), device)
-            .and_then(|t| t.to_dtype(dtype))
-            .expect("init");
-        var.set(&t).expect("set");
-    }
-    let model = candle_nn::seq()
-        .add(up)
-        .add(candle_nn::Activation::Relu)
-        .add(down);
-    (varmap, model)
-}
-
-/// Step `s`'s batch.
-fn batch(device: &Device, dtype: DType, s: usize) -> (Tensor, Tensor) {
-    let x: Vec<f32> = (0..BATCH * IN)
-        .map(|j| ((j * 13 + s * 5) % 17) as f32 / 17.0 - 0.5)
-        .collect();
-    let y: Vec<f32> = (0..BATCH * OUT)
-        .map(|j| ((j * 3 + s) % 7) as f32 / 7.0)
-        .collect();
-    let x = Tensor::from_vec(x, (BATCH, IN), device).and_then(|t| t.to_dtype(dtype));
-    let y = Tensor::from_vec(y, (BATCH, OUT), device).and_then(|t| t.to_dtype(dtype));
-    (x.expect("x"), y.expect("y"))
-}
+mod gpu_support;
+use gpu_support::{batch, max_diff, mlp, weights};
 
 fn adamw() -> Box<AdamW<f32>> {
     Box::new(AdamW::new(AdamWConfig::default().with_lr(1e-2)).expect("AdamW"))
@@ -79,34 +32,6 @@ fn config(offload: Offload) -> EngineConfig {
 /// reduces in the step (without).
 fn interleaved(offload: Offload) -> EngineConfig {
     config(offload).with_overlap(Overlap::Interleaved)
-}
-
-/// Every variable's values in f32, by name.
-fn weights(varmap: &VarMap) -> Vec<(String, Vec<f32>)> {
-    let mut out: Vec<(String, Vec<f32>)> = varmap
-        .data()
-        .lock()
-        .expect("varmap")
-        .iter()
-        .map(|(n, v)| {
-            let values = v
-                .as_tensor()
-                .to_dtype(DType::F32)
-                .and_then(|t| t.flatten_all())
-                .and_then(|t| t.to_vec1::<f32>())
-                .expect("weights");
-            (n.clone(), values)
-        })
-        .collect();
-    out.sort_by(|a, b| a.0.cmp(&b.0));
-    out
-}
-
-fn max_diff(a: &[(String, Vec<f32>)], b: &[(String, Vec<f32>)]) -> f32 {
-    a.iter()
-        .zip(b)
-        .flat_map(|((_, x), (_, y))| x.iter().zip(y).map(|(u, v)| (u - v).abs()))
-        .fold(0.0, f32::max)
 }
 
 /// Trains steps `first..first + steps` on the GPU (loading `load` first,

@@ -13,6 +13,17 @@ pub enum Backend {
     Mpi,
     /// One process per GPU over NCCL; needs the `nccl` feature.
     Nccl,
+    /// `--world-size` ranks as threads of this process sharing GPU 0
+    /// (`CudaThreadGroup`: no NCCL, every multi-rank path on one GPU);
+    /// needs the `nccl` feature.
+    CudaThreads,
+}
+
+impl Backend {
+    /// Whether the model and the engine's buffers live on a GPU.
+    pub fn on_gpu(self) -> bool {
+        matches!(self, Self::Nccl | Self::CudaThreads)
+    }
 }
 
 /// Which built-in optimizer steps the shard.
@@ -104,7 +115,8 @@ pub struct Args {
     /// Communication backend.
     #[arg(long, value_enum, default_value_t = Backend::Threads)]
     pub backend: Backend,
-    /// Number of ranks (threads backend; MPI and NCCL take it from the launcher).
+    /// Number of ranks (threads and cuda-threads; MPI and NCCL take it from
+    /// the launcher).
     #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u64).range(1..=1024))]
     pub world_size: u64,
     /// ZeRO stage: 0 (DDP), 1 (optimizer state), 2 (+ gradients), 3 (+
@@ -295,7 +307,9 @@ impl Args {
     /// the thread backend, one otherwise (a process per rank).
     pub fn ranks_in_process(&self) -> usize {
         match self.backend {
-            Backend::Threads => usize::try_from(self.world_size).unwrap_or(usize::MAX),
+            Backend::Threads | Backend::CudaThreads => {
+                usize::try_from(self.world_size).unwrap_or(usize::MAX)
+            }
             Backend::Mpi | Backend::Nccl => 1,
         }
     }

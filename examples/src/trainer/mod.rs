@@ -195,22 +195,51 @@ pub fn run(args: &Args) -> Result<Summary, TrainError> {
         }
         Backend::Mpi => run_mpi(args, &data),
         Backend::Nccl => run_nccl(args, &data),
+        Backend::CudaThreads => run_cuda_threads(args, &data),
     }
 }
 
 #[cfg(feature = "nccl")]
 fn run_nccl(args: &Args, data: &Arc<TrainingData>) -> Result<Summary, TrainError> {
-    use zero_candle::NcclZeroOptimizer;
     use zero_nccl::NcclComm;
     let comm = NcclComm::from_env()
         .map_err(zero_core::Error::from)?
         .with_timeout(timeout(args)?);
     let device = Device::new_cuda(comm.context().ordinal())?;
+    train_gpu_rank(args, comm, device, data)
+}
+
+/// `--backend cuda-threads`: the ranks as threads sharing GPU 0, each with
+/// its own Candle stream.
+#[cfg(feature = "nccl")]
+fn run_cuda_threads(args: &Args, data: &Arc<TrainingData>) -> Result<Summary, TrainError> {
+    use zero_nccl::{CudaThreadGroup, DeviceComm};
+    let group = CudaThreadGroup::new(args.world_size as usize).with_timeout(timeout(args)?);
+    let results = group.run(|comm| {
+        let device = Device::new_cuda_with_stream(comm.context().ordinal());
+        Ok(device
+            .map_err(TrainError::from)
+            .and_then(|device| train_gpu_rank(args, comm, device, data)))
+    })?;
+    collect(results)
+}
+
+/// One rank's training on a GPU backend, the model on `device`.
+#[cfg(feature = "nccl")]
+fn train_gpu_rank<C>(
+    args: &Args,
+    comm: C,
+    device: Device,
+    data: &TrainingData,
+) -> Result<Summary, TrainError>
+where
+    C: zero_nccl::DeviceComm,
+{
     let (rank, world_size) = (comm.rank(), comm.world_size());
     let map = model_vars(args)?;
-    let hook = zero_candle::ZeroHook::<NcclComm, f32>::new();
+    let hook = zero_candle::ZeroHook::<C, f32>::new();
     let model = Model::new(args, data, &map, &device, hook.clone())?;
-    let mut opt = NcclZeroOptimizer::new_sharded(
+    let mut opt = ZeroOptimizer::<C, f32>::new_sharded(
         &map,
         comm,
         engine_config(args),
@@ -232,6 +261,15 @@ fn run_nccl(_: &Args, _: &Arc<TrainingData>) -> Result<Summary, TrainError> {
     Err(TrainError::Usage(
         "--backend nccl trains on GPUs and needs a build with `--features nccl` on a machine \
          with CUDA; launch one process per GPU with `torchrun`-style variables or `mpirun`"
+            .into(),
+    ))
+}
+
+#[cfg(not(feature = "nccl"))]
+fn run_cuda_threads(_: &Args, _: &Arc<TrainingData>) -> Result<Summary, TrainError> {
+    Err(TrainError::Usage(
+        "--backend cuda-threads trains on a GPU and needs a build with `--features nccl` on a \
+         machine with CUDA"
             .into(),
     ))
 }
@@ -375,11 +413,11 @@ fn validate(args: &Args) -> Result<(), TrainError> {
                 .into(),
         ));
     }
-    if args.offload == OffloadArg::Optimizer && args.backend != Backend::Nccl {
+    if args.offload == OffloadArg::Optimizer && !args.backend.on_gpu() {
         return Err(TrainError::Usage(
             "--offload optimizer moves a GPU model's optimizer side to host memory; with \
              --backend threads or mpi everything is in host memory already: drop --offload, or \
-             train on --backend nccl"
+             train on --backend nccl or cuda-threads"
                 .into(),
         ));
     }
@@ -390,16 +428,16 @@ fn validate(args: &Args) -> Result<(), TrainError> {
                 .into(),
         ));
     }
-    if args.backend == Backend::Nccl && args.stage == 3 {
+    if args.backend.on_gpu() && args.stage == 3 {
         return Err(TrainError::Usage(
             "--stage 3 shards parameters on host memory (--backend threads or mpi) for now; \
-             with --backend nccl use --stage 2"
+             on a GPU backend use --stage 2"
                 .into(),
         ));
     }
-    if args.backend == Backend::Nccl && (args.no_master_weights || args.reduce_in_param_dtype) {
+    if args.backend.on_gpu() && (args.no_master_weights || args.reduce_in_param_dtype) {
         return Err(TrainError::Usage(
-            "--backend nccl trains 16-bit models with f32 master weights and reduces their \
+            "the GPU backends train 16-bit models with f32 master weights and reduces their \
              gradients in f32; drop --no-master-weights and --reduce-in-param-dtype"
                 .into(),
         ));
