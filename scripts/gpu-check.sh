@@ -4,8 +4,9 @@
 # BUNDLE comes from scripts/build-gpu-bundle.sh. Runs every test in the
 # bundle with --include-ignored (the GPU suite), then `bench gpu` from the
 # repository's root (so that it finds examples/pytorch/), then short trainer
-# runs on one GPU (MLP and GPT, stages 0-2, f32 and bf16, 20 steps each:
-# the table shows each one's final loss), logging each to LOG_DIR (default:
+# runs on one GPU (MLP and GPT, stages 0-2, f32 and bf16, 20 steps each, one
+# rank on NCCL and four sharing the GPU with --backend cuda-threads: the
+# table shows each one's final loss), logging each to LOG_DIR (default:
 # a temporary folder). `suite`, `bench` or `train` runs only that part;
 # anything else is run as a command inside the unpacked bundle (e.g.
 # "./train --backend nccl --model gpt --steps 20").
@@ -90,6 +91,13 @@ if [[ "$what" == all || "$what" == train ]]; then
         run "train-$model-s2-bf16-offload-interleaved" env RANK=0 WORLD_SIZE=1 \
             "$unpacked/train" --backend nccl --model "$model" --stage 2 --precision bf16 \
             --offload optimizer --overlap interleaved --steps 20
+        # Four ranks sharing the GPU (no NCCL): the sharded paths at N > 1.
+        for run_args in "0 f32" "1 bf16" "2 f32" "2 bf16"; do
+            read -r stage precision <<<"$run_args"
+            run "train-$model-s$stage-$precision-n4" "$unpacked/train" --backend cuda-threads \
+                --world-size 4 --model "$model" --stage "$stage" --precision "$precision" \
+                --steps 20
+        done
     done
 fi
 if [[ "$what" != all && "$what" != suite && "$what" != bench && "$what" != train ]]; then
