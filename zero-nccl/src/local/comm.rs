@@ -2,27 +2,14 @@
 //!
 //! Each rank has its own compute and communication streams; the ranks share
 //! one GPU, or several GPUs of the process (with peer access between them).
-//! A collective is two host rendezvous of the ranks' [`ThreadComm`] (so the
-//! deadline, mismatch and dead-peer semantics are the thread backend's) and
-//! device work ordered by events, never by host waits:
-//!
-//! 1. each rank records an event on its compute stream (its inputs are
-//!    ready) and posts it with its call and buffer addresses
-//!    ([`plan::Posted`]); the posts are gathered and checked;
-//! 2. each rank's comm stream waits on every rank's ready event and issues
-//!    its part ([`plan::steps`]): device copies and a reduction kernel over
-//!    the peers' buffers, combining the ranks in rank order (bitwise the
-//!    thread backend's results);
-//! 3. each rank records an event when its part is issued and posts it; each
-//!    comm stream waits on every rank's, so no rank's buffers are reused
-//!    while a peer still reads or writes them. The event recorded after
-//!    that is the collective's completion, which the compute stream waits on.
-//!
-//! Every event a stream waits on was recorded before the wait was queued,
-//! so the device never waits on work that a dead peer will not queue: a
-//! failing rank fails its peers at the next rendezvous, within the deadline.
+//! A collective is [`protocol::collective`] over the rank's streams: two
+//! host rendezvous of the ranks' [`ThreadComm`] (so the deadline, mismatch
+//! and dead-peer semantics are the thread backend's) around device copies
+//! and the `reduce_ranks` kernel over the peers' buffers, ordered by events,
+//! never by host waits.
 
-use super::plan::{check_posted, At, Call, Kind, Posted, Step};
+use super::plan::{Call, Kind};
+use super::protocol::{self, Lane};
 use crate::comm::Cuda;
 use crate::device_comm::{event_work, host_wait, ring_bytes, DeviceComm};
 use crate::kernels::{FusedKernels, MAX_LOCAL_RANKS};
@@ -37,7 +24,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 use zero_core::comm::Buf;
-use zero_core::{Communicator, Element, ReduceOp, Result, ThreadComm, ThreadGroup, Work};
+use zero_core::{Communicator, DType, Element, ReduceOp, Result, ThreadComm, ThreadGroup, Work};
 
 /// One GPU of a group: its context and the kernels loaded in it.
 #[derive(Clone)]
@@ -287,135 +274,35 @@ impl CudaThreadComm {
         &self.comm_stream
     }
 
-    /// Runs one collective as the module's documentation describes:
-    /// `check` is this rank's own validation of its arguments (posted, so
-    /// that a refusal fails the peers at once); `send` and `recv` are the
-    /// device addresses of this rank's buffers (the same in place; 0 for a
-    /// buffer this rank does not have). Returns the completion event.
+    /// Runs one collective ([`protocol::collective`]) on this rank's
+    /// streams, counting `bytes` as sent; returns the completion event.
     fn collective(
         &self,
         op: &'static str,
         call: Call,
-        (send, recv): (u64, u64),
+        addrs: (u64, u64),
         check: Result<()>,
         bytes: u64,
     ) -> Result<CudaEvent> {
         let mut previous = self.issuing.lock().unwrap_or_else(PoisonError::into_inner);
         self.gpu.ctx.bind_to_thread().map_err(Error::from)?;
-        let rank = self.host.rank();
         let seq = self.seq.fetch_add(1, Ordering::Relaxed);
-        let ready = self.compute.record_event(None).map_err(Error::from)?;
-        let post = Posted {
-            call: call.clone(),
-            send,
-            recv,
-            ready: ready.cu_event() as u64,
-            failed: check.is_err(),
+        let lane = CudaLane {
+            compute: &self.compute,
+            comm: &self.comm_stream,
+            kernels: &self.gpu.kernels,
         };
-        let gathered = self.host.all_gather_bytes(&post.encode())?;
-        check?;
-        let posted = check_posted(op, seq, rank, &gathered)?;
-        // Every peer has posted this collective, so none waits on the
-        // previous one's events any more.
-        previous.clear();
-        self.comm_stream.wait(&ready).map_err(Error::from)?;
-        for peer in posted.iter().enumerate().filter(|(p, _)| *p != rank) {
-            self.wait_raw(peer.1.ready)?;
-        }
-        let issued = self.issue_steps(&call, &posted);
-        let read = self.comm_stream.record_event(None).map_err(Error::from)?;
-        let mut mine = vec![u8::from(issued.is_err())];
-        mine.extend((read.cu_event() as u64).to_le_bytes());
-        *previous = vec![ready, read];
-        let gathered = self.host.all_gather_bytes(&mine)?;
-        issued?;
-        let mut failed = Vec::new();
-        for (peer, bytes) in gathered.iter().enumerate().filter(|(p, _)| *p != rank) {
-            let event = match bytes.as_slice() {
-                [0, event @ ..] if event.len() == 8 => {
-                    u64::from_le_bytes(event.try_into().expect("8 bytes"))
-                }
-                _ => {
-                    failed.push(peer);
-                    continue;
-                }
-            };
-            self.wait_raw(event)?;
-        }
-        if !failed.is_empty() {
-            return Err(zero_core::Error::PeerFailed {
-                op,
-                seq,
-                failed,
-                reason: "it could not issue its part of the collective".into(),
-            });
-        }
+        let done = protocol::collective(
+            &self.host,
+            &lane,
+            &mut previous,
+            (op, seq),
+            &call,
+            addrs,
+            check,
+        )?;
         self.bytes_sent.fetch_add(bytes, Ordering::Relaxed);
-        Ok(self.comm_stream.record_event(None).map_err(Error::from)?)
-    }
-
-    /// Makes the comm stream wait on a peer's event, by its handle.
-    fn wait_raw(&self, event: u64) -> Result<()> {
-        // SAFETY: the handle is a live event of a peer of this group: its
-        // owner keeps it until every rank has posted the next collective,
-        // or, once dropped, in the group's `retired` list.
-        unsafe {
-            cudarc::driver::result::stream::wait_event(
-                self.comm_stream.cu_stream(),
-                event as CUevent,
-                CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
-            )
-        }
-        .map_err(|e| Error::from(e).into())
-    }
-
-    /// Queues this rank's steps of `call` on the comm stream.
-    fn issue_steps(&self, call: &Call, posted: &[Posted]) -> Result<()> {
-        let elem = call.dtype.size_in_bytes();
-        let n = self.host.world_size();
-        let stream = &self.comm_stream;
-        for step in super::plan::steps(&call.kind, call.len, n, self.host.rank()) {
-            match step {
-                Step::Copy { from, to, len } => {
-                    // SAFETY: the calls matched, so both ranges lie inside
-                    // the ranks' posted buffers, live until every rank has
-                    // waited on this collective's second rendezvous.
-                    unsafe {
-                        cudarc::driver::result::memcpy_dtod_async(
-                            to.address(posted, elem),
-                            from.address(posted, elem),
-                            len * elem,
-                            stream.cu_stream(),
-                        )
-                    }
-                    .map_err(Error::from)?;
-                }
-                Step::Reduce {
-                    srcs,
-                    dsts,
-                    len,
-                    op,
-                } => {
-                    let addrs = |at: &[At]| -> Vec<u64> {
-                        at.iter().map(|a| a.address(posted, elem)).collect()
-                    };
-                    // SAFETY: as above; each destination range is written by
-                    // this step only, and a source that is a destination is
-                    // the same memory (in place).
-                    unsafe {
-                        self.gpu.kernels.reduce_ranks(
-                            stream,
-                            call.dtype,
-                            &addrs(&srcs),
-                            &addrs(&dsts),
-                            len,
-                            op,
-                        )
-                    }?;
-                }
-            }
-        }
-        Ok(())
+        Ok(done)
     }
 
     fn call<T: Element>(kind: Kind, len: usize) -> Call {
@@ -501,6 +388,63 @@ impl CudaThreadComm {
         let dst = dst_guard.as_mut().map_or(0, |(ptr, _)| *ptr);
         let call = Self::call::<T>(Kind::Gather { counts, root }, send.len());
         self.collective(op, call, (src, dst), check, bytes)
+    }
+}
+
+/// A rank's compute and comm streams as the protocol's [`Lane`].
+struct CudaLane<'a> {
+    compute: &'a Arc<CudaStream>,
+    comm: &'a Arc<CudaStream>,
+    kernels: &'a FusedKernels,
+}
+
+impl Lane for CudaLane<'_> {
+    type Event = CudaEvent;
+
+    fn record_compute(&self) -> Result<CudaEvent> {
+        Ok(self.compute.record_event(None).map_err(Error::from)?)
+    }
+
+    fn record_comm(&self) -> Result<CudaEvent> {
+        Ok(self.comm.record_event(None).map_err(Error::from)?)
+    }
+
+    fn handle(event: &CudaEvent) -> u64 {
+        event.cu_event() as u64
+    }
+
+    unsafe fn wait(&self, handle: u64) -> Result<()> {
+        // SAFETY: `handle` is a live event of the group (the trait's contract).
+        unsafe {
+            cudarc::driver::result::stream::wait_event(
+                self.comm.cu_stream(),
+                handle as CUevent,
+                CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+            )
+        }
+        .map_err(|e| Error::from(e).into())
+    }
+
+    unsafe fn copy(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
+        // SAFETY: both ranges are live device memory (the trait's
+        // contract), reachable from this device (peer access).
+        unsafe { cudarc::driver::result::memcpy_dtod_async(dst, src, bytes, self.comm.cu_stream()) }
+            .map_err(|e| Error::from(e).into())
+    }
+
+    unsafe fn reduce(
+        &self,
+        dtype: DType,
+        srcs: &[u64],
+        dsts: &[u64],
+        len: usize,
+        op: ReduceOp,
+    ) -> Result<()> {
+        // SAFETY: forwarded from the trait's contract.
+        Ok(unsafe {
+            self.kernels
+                .reduce_ranks(self.comm, dtype, srcs, dsts, len, op)
+        }?)
     }
 }
 

@@ -1,10 +1,12 @@
 //! Several ranks in one process over device memory: [`CudaThreadGroup`]
 //! and its [`CudaThreadComm`]s (feature `nccl`). The collectives' logic
-//! (what each rank posts, checks and issues) is plain data in `plan`,
-//! tested on the host.
+//! (what each rank posts, checks and issues: `plan`; the rendezvous and
+//! events around it: `protocol`) is tested on the host.
 
 #[cfg_attr(not(feature = "nccl"), allow(dead_code))]
 mod plan;
+#[cfg_attr(not(feature = "nccl"), allow(dead_code))]
+mod protocol;
 
 #[cfg(feature = "nccl")]
 mod comm;

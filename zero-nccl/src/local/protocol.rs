@@ -1,0 +1,601 @@
+//! The steps of one in-process collective, over any [`Lane`]: the device's
+//! streams in [`CudaThreadComm`](crate::CudaThreadComm), host memory in the
+//! tests below, which run the whole protocol (rendezvous, checks, failures,
+//! how long events live) without a GPU.
+//!
+//! 1. This rank records an event on its compute stream (its inputs are
+//!    ready) and posts it with its call and buffer addresses; the posts are
+//!    gathered through the ranks' [`ThreadComm`] and checked
+//!    ([`check_posted`]).
+//! 2. Its comm stream waits on every rank's ready event and issues its part
+//!    of the collective ([`steps`]): copies and reductions over the peers'
+//!    buffers.
+//! 3. It records an event when its part is issued and posts it (or that it
+//!    failed); its comm stream waits on every rank's, so no rank's buffers
+//!    are reused while a peer still reads or writes them. The event
+//!    recorded after that is the collective's completion.
+//!
+//! Every event a stream waits on was recorded before the wait was queued,
+//! so a stream never waits on work that a dead peer will not queue. A rank
+//! keeps its events until every peer has posted its next collective (by
+//! then no peer will wait on them), and a communicator that is dropped
+//! leaves its last ones to its group.
+
+use super::plan::{check_posted, At, Call, Posted, Step};
+use zero_core::{Communicator, DType, Error, ReduceOp, Result, ThreadComm};
+
+/// Where a collective's work is queued: a rank's compute and comm streams.
+pub(crate) trait Lane {
+    /// A recorded point of a stream.
+    type Event;
+
+    /// Records an event on the compute stream.
+    fn record_compute(&self) -> Result<Self::Event>;
+
+    /// Records an event on the comm stream.
+    fn record_comm(&self) -> Result<Self::Event>;
+
+    /// The handle peers wait on.
+    fn handle(event: &Self::Event) -> u64;
+
+    /// Makes the comm stream wait on an event of this lane or a peer's.
+    ///
+    /// # Safety
+    ///
+    /// `handle` is the handle of a live event of the group.
+    unsafe fn wait(&self, handle: u64) -> Result<()>;
+
+    /// Copies `bytes` from `src` to `dst` on the comm stream.
+    ///
+    /// # Safety
+    ///
+    /// Both ranges are live memory of the group's ranks, not overlapping.
+    unsafe fn copy(&self, dst: u64, src: u64, bytes: usize) -> Result<()>;
+
+    /// Combines `len` elements of `dtype` from each source in order
+    /// ([`Step::Reduce`]) into every destination, on the comm stream.
+    ///
+    /// # Safety
+    ///
+    /// Every range is live memory of the group's ranks; a source overlaps a
+    /// destination only where both are the same memory.
+    unsafe fn reduce(
+        &self,
+        dtype: DType,
+        srcs: &[u64],
+        dsts: &[u64],
+        len: usize,
+        op: ReduceOp,
+    ) -> Result<()>;
+}
+
+/// One collective, as the module's documentation describes. `check` is
+/// this rank's own validation of its arguments (posted, so that a refusal
+/// fails the peers at once); `send` and `recv` are the addresses of this
+/// rank's buffers (the same in place; 0 for a buffer it does not have).
+/// `previous` holds this rank's events of its previous collective and
+/// receives this one's. Returns the completion event.
+pub(crate) fn collective<L: Lane>(
+    host: &ThreadComm,
+    lane: &L,
+    previous: &mut Vec<L::Event>,
+    (op, seq): (&'static str, u64),
+    call: &Call,
+    (send, recv): (u64, u64),
+    check: Result<()>,
+) -> Result<L::Event> {
+    let rank = host.rank();
+    let ready = lane.record_compute()?;
+    let post = Posted {
+        call: call.clone(),
+        send,
+        recv,
+        ready: L::handle(&ready),
+        failed: check.is_err(),
+    };
+    let gathered = host.all_gather_bytes(&post.encode())?;
+    check?;
+    let posted = check_posted(op, seq, rank, &gathered)?;
+    // Every peer has posted this collective, so none waits on the previous
+    // one's events any more.
+    previous.clear();
+    let issued = issue(lane, rank, host.world_size(), call, &posted);
+    let read = lane.record_comm()?;
+    let mut mine = vec![u8::from(issued.is_err())];
+    mine.extend(L::handle(&read).to_le_bytes());
+    previous.extend([ready, read]);
+    let gathered = host.all_gather_bytes(&mine)?;
+    issued?;
+    let mut failed = Vec::new();
+    for (peer, bytes) in gathered.iter().enumerate().filter(|(p, _)| *p != rank) {
+        match bytes.as_slice() {
+            [0, event @ ..] if event.len() == 8 => {
+                let handle = u64::from_le_bytes(event.try_into().expect("8 bytes"));
+                // SAFETY: the peer keeps this event until every rank has
+                // posted its next collective, which this one has not.
+                unsafe { lane.wait(handle) }?;
+            }
+            _ => failed.push(peer),
+        }
+    }
+    if !failed.is_empty() {
+        return Err(Error::PeerFailed {
+            op,
+            seq,
+            failed,
+            reason: "it could not issue its part of the collective".into(),
+        });
+    }
+    lane.record_comm()
+}
+
+/// Waits on every rank's ready event and issues this rank's steps.
+fn issue<L: Lane>(lane: &L, rank: usize, n: usize, call: &Call, posted: &[Posted]) -> Result<()> {
+    for post in posted {
+        // SAFETY: each rank keeps its ready event until every rank has
+        // posted its next collective.
+        unsafe { lane.wait(post.ready) }?;
+    }
+    let elem = call.dtype.size_in_bytes();
+    let addrs = |at: &[At]| -> Vec<u64> { at.iter().map(|a| a.address(posted, elem)).collect() };
+    for step in super::plan::steps(&call.kind, call.len, n, rank) {
+        match step {
+            // SAFETY: the calls matched, so every range lies inside the
+            // ranks' posted buffers, live until every rank has passed this
+            // collective's second rendezvous.
+            Step::Copy { from, to, len } => unsafe {
+                lane.copy(
+                    to.address(posted, elem),
+                    from.address(posted, elem),
+                    len * elem,
+                )
+            }?,
+            // SAFETY: as above; each destination range is written by this
+            // step only, and a source that is a destination is the same
+            // memory (in place).
+            Step::Reduce {
+                srcs,
+                dsts,
+                len,
+                op,
+            } => unsafe { lane.reduce(call.dtype, &addrs(&srcs), &addrs(&dsts), len, op) }?,
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::plan::Kind;
+    use super::*;
+    use std::collections::HashSet;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::{Arc, Mutex};
+    use std::time::{Duration, Instant};
+    use zero_core::ThreadGroup;
+
+    /// The group's live events, by handle: a wait on one that is gone
+    /// fails the test.
+    #[derive(Default)]
+    struct Events {
+        live: Mutex<HashSet<u64>>,
+        next: AtomicU64,
+    }
+
+    struct HostEvent {
+        handle: u64,
+        events: Arc<Events>,
+    }
+
+    impl Drop for HostEvent {
+        fn drop(&mut self) {
+            self.events.live.lock().unwrap().remove(&self.handle);
+        }
+    }
+
+    /// Host memory standing in for the device: work runs when issued (so
+    /// "waiting" is nothing but the liveness check), after a short pause
+    /// that varies the ranks' interleavings; f32 only.
+    struct HostLane {
+        events: Arc<Events>,
+        rank: usize,
+        /// The rank fails to issue its copies.
+        broken: bool,
+    }
+
+    impl HostLane {
+        fn event(&self) -> HostEvent {
+            let handle = self.events.next.fetch_add(1, Ordering::Relaxed) + 1;
+            self.events.live.lock().unwrap().insert(handle);
+            HostEvent {
+                handle,
+                events: self.events.clone(),
+            }
+        }
+
+        fn pause(&self, salt: u64) {
+            let micros = (self.rank as u64 * 37 + salt * 11) % 200;
+            std::thread::sleep(Duration::from_micros(micros));
+        }
+    }
+
+    impl Lane for HostLane {
+        type Event = HostEvent;
+
+        fn record_compute(&self) -> Result<HostEvent> {
+            Ok(self.event())
+        }
+
+        fn record_comm(&self) -> Result<HostEvent> {
+            Ok(self.event())
+        }
+
+        fn handle(event: &HostEvent) -> u64 {
+            event.handle
+        }
+
+        unsafe fn wait(&self, handle: u64) -> Result<()> {
+            self.pause(handle);
+            assert!(
+                self.events.live.lock().unwrap().contains(&handle),
+                "rank {} waits on event {handle}, which its owner has dropped",
+                self.rank
+            );
+            Ok(())
+        }
+
+        unsafe fn copy(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
+            if self.broken {
+                return Err(Error::State("injected copy failure".into()));
+            }
+            // SAFETY: as the trait requires.
+            unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, bytes) };
+            Ok(())
+        }
+
+        unsafe fn reduce(
+            &self,
+            dtype: DType,
+            srcs: &[u64],
+            dsts: &[u64],
+            len: usize,
+            op: ReduceOp,
+        ) -> Result<()> {
+            assert_eq!(dtype, DType::F32, "the host lane reduces f32 only");
+            for i in 0..len {
+                // SAFETY: as the trait requires; element i of every source
+                // is read before element i of any destination is written.
+                let read = |a: u64| unsafe { *(a as *const f32).add(i) };
+                let mut acc = read(srcs[0]);
+                for &s in &srcs[1..] {
+                    let x = read(s);
+                    acc = match op {
+                        ReduceOp::Sum | ReduceOp::Avg => acc + x,
+                        ReduceOp::Product => acc * x,
+                        ReduceOp::Max => acc.max(x),
+                        ReduceOp::Min => acc.min(x),
+                    };
+                }
+                if op == ReduceOp::Avg {
+                    acc /= srcs.len() as f32;
+                }
+                for &d in dsts {
+                    // SAFETY: as above.
+                    unsafe { *(d as *mut f32).add(i) = acc };
+                }
+            }
+            Ok(())
+        }
+    }
+
+    /// One rank: its host communicator, its lane and its previous events.
+    struct Rank {
+        host: ThreadComm,
+        lane: HostLane,
+        previous: Vec<HostEvent>,
+        seq: u64,
+    }
+
+    impl Rank {
+        fn new(host: ThreadComm, events: &Arc<Events>, broken: bool) -> Self {
+            let rank = host.rank();
+            Self {
+                host,
+                lane: HostLane {
+                    events: events.clone(),
+                    rank,
+                    broken,
+                },
+                previous: Vec::new(),
+                seq: 0,
+            }
+        }
+
+        fn run(
+            &mut self,
+            op: &'static str,
+            kind: Kind,
+            len: usize,
+            send: &[f32],
+            recv: &mut [f32],
+            check: Result<()>,
+        ) -> Result<()> {
+            let call = Call {
+                kind,
+                dtype: DType::F32,
+                len,
+            };
+            self.seq += 1;
+            let addrs = (send.as_ptr() as u64, recv.as_mut_ptr() as u64);
+            collective(
+                &self.host,
+                &self.lane,
+                &mut self.previous,
+                (op, self.seq),
+                &call,
+                addrs,
+                check,
+            )
+            .map(drop)
+        }
+
+        /// An in-place collective over `buf`.
+        fn in_place(&mut self, op: &'static str, kind: Kind, buf: &mut [f32]) -> Result<()> {
+            let call = Call {
+                kind,
+                dtype: DType::F32,
+                len: buf.len(),
+            };
+            self.seq += 1;
+            let ptr = buf.as_mut_ptr() as u64;
+            collective(
+                &self.host,
+                &self.lane,
+                &mut self.previous,
+                (op, self.seq),
+                &call,
+                (ptr, ptr),
+                Ok(()),
+            )
+            .map(drop)
+        }
+    }
+
+    impl Drop for Rank {
+        /// As a dropped `CudaThreadComm` leaves its last events to its
+        /// group (freed with the group), they stay live here.
+        fn drop(&mut self) {
+            for event in self.previous.drain(..) {
+                std::mem::forget(event);
+            }
+        }
+    }
+
+    fn values(rank: usize, len: usize, salt: usize) -> Vec<f32> {
+        (0..len)
+            .map(|i| ((rank * 7919 + i * 104_729 + salt * 31) % 1013) as f32 * 0.01 - 5.03)
+            .collect()
+    }
+
+    fn flatten<R>(results: Vec<Result<Result<R>>>) -> Vec<Result<R>> {
+        results.into_iter().map(|r| r.and_then(|r| r)).collect()
+    }
+
+    #[test]
+    fn collectives_through_the_protocol_give_the_thread_backend_s_results() {
+        for n in 1..=4 {
+            let events = Arc::new(Events::default());
+            let len = 97;
+            let ours = ThreadGroup::new(n).run(|host| {
+                let r = host.rank();
+                let mut rank = Rank::new(host, &events, false);
+                let mut out = Vec::new();
+                for (k, op) in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max]
+                    .into_iter()
+                    .enumerate()
+                {
+                    let mut all = values(r, len, k);
+                    rank.in_place("all_reduce", Kind::AllReduce(op), &mut all)?;
+                    let mut part = vec![0.0; len];
+                    let big = values(r, n * len, k);
+                    rank.run(
+                        "reduce_scatter",
+                        Kind::ReduceScatter(op),
+                        len,
+                        &big,
+                        &mut part,
+                        Ok(()),
+                    )?;
+                    out.push(all);
+                    out.push(part);
+                }
+                let mut gathered = vec![0.0; n * len];
+                rank.run(
+                    "all_gather",
+                    Kind::AllGather,
+                    len,
+                    &values(r, len, 9),
+                    &mut gathered,
+                    Ok(()),
+                )?;
+                out.push(gathered);
+                let mut cast = values(r, len, 10);
+                rank.in_place("broadcast", Kind::Broadcast { root: n - 1 }, &mut cast)?;
+                out.push(cast);
+                Ok(out)
+            });
+            let theirs = ThreadGroup::new(n).run(|c| {
+                let r = c.rank();
+                let mut out = Vec::new();
+                for (k, op) in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max]
+                    .into_iter()
+                    .enumerate()
+                {
+                    let mut all = values(r, len, k);
+                    c.all_reduce(&mut all, op)?;
+                    let mut part = vec![0.0; len];
+                    c.reduce_scatter(&values(r, n * len, k), &mut part, op)?;
+                    out.push(all);
+                    out.push(part);
+                }
+                let mut gathered = vec![0.0; n * len];
+                c.all_gather(&values(r, len, 9), &mut gathered)?;
+                out.push(gathered);
+                let mut cast = values(r, len, 10);
+                c.broadcast(&mut cast, n - 1)?;
+                out.push(cast);
+                Ok(out)
+            });
+            let ours: Vec<_> = flatten(ours).into_iter().map(Result::unwrap).collect();
+            let theirs: Vec<_> = flatten(theirs).into_iter().map(Result::unwrap).collect();
+            assert_eq!(ours, theirs, "n={n}");
+            // Each rank freed every event but its last collective's two.
+            assert_eq!(events.live.lock().unwrap().len(), 2 * n, "n={n}");
+        }
+    }
+
+    #[test]
+    fn a_refused_argument_fails_the_peers_at_once_naming_the_rank() {
+        let events = Arc::new(Events::default());
+        let start = Instant::now();
+        let results = flatten(
+            ThreadGroup::new(3)
+                .with_timeout(Duration::from_secs(30))
+                .run(|host| {
+                    let r = host.rank();
+                    let mut rank = Rank::new(host, &events, false);
+                    let send = vec![1.0; 12];
+                    let mut recv = vec![0.0; 4];
+                    let check = if r == 1 {
+                        Err(Error::BufferSize {
+                            op: "reduce_scatter",
+                            what: "send",
+                            got: 11,
+                            expected: 12,
+                        })
+                    } else {
+                        Ok(())
+                    };
+                    rank.run(
+                        "reduce_scatter",
+                        Kind::ReduceScatter(ReduceOp::Sum),
+                        4,
+                        &send,
+                        &mut recv,
+                        check,
+                    )
+                }),
+        );
+        assert!(start.elapsed() < Duration::from_secs(10));
+        assert!(
+            matches!(results[1], Err(Error::BufferSize { .. })),
+            "{:?}",
+            results[1]
+        );
+        for r in [0, 2] {
+            match &results[r] {
+                Err(Error::PeerFailed { failed, .. }) => assert_eq!(failed, &vec![1]),
+                other => panic!("rank {r}: expected rank 1's refusal, got {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn mismatched_calls_fail_every_rank() {
+        let events = Arc::new(Events::default());
+        let results = flatten(ThreadGroup::new(3).run(|host| {
+            let r = host.rank();
+            let mut rank = Rank::new(host, &events, false);
+            let mut buf = vec![1.0; if r == 2 { 5 } else { 4 }];
+            rank.in_place("all_reduce", Kind::AllReduce(ReduceOp::Sum), &mut buf)
+        }));
+        for (r, result) in results.iter().enumerate() {
+            assert!(
+                matches!(result, Err(Error::CollectiveMismatch { .. })),
+                "rank {r}: {result:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_rank_that_cannot_issue_its_part_fails_its_peers_after_the_collective() {
+        let events = Arc::new(Events::default());
+        let results = flatten(ThreadGroup::new(3).run(|host| {
+            let broken = host.rank() == 2;
+            let n = host.world_size();
+            let mut rank = Rank::new(host, &events, broken);
+            let mut gathered = vec![0.0; n * 4];
+            rank.run(
+                "all_gather",
+                Kind::AllGather,
+                4,
+                &[1.0; 4],
+                &mut gathered,
+                Ok(()),
+            )
+        }));
+        assert!(matches!(&results[2], Err(Error::State(m)) if m.contains("injected")));
+        for r in [0, 1] {
+            match &results[r] {
+                Err(Error::PeerFailed { failed, .. }) => assert_eq!(failed, &vec![2]),
+                other => panic!("rank {r}: expected rank 2's failure, got {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn a_rank_that_panics_between_collectives_fails_its_peers() {
+        let events = Arc::new(Events::default());
+        let start = Instant::now();
+        let results = flatten(
+            ThreadGroup::new(3)
+                .with_timeout(Duration::from_secs(30))
+                .run(|host| {
+                    let r = host.rank();
+                    let mut rank = Rank::new(host, &events, false);
+                    let mut buf = vec![1.0; 8];
+                    rank.in_place("all_reduce", Kind::AllReduce(ReduceOp::Sum), &mut buf)?;
+                    if r == 1 {
+                        panic!("rank 1 dies between collectives");
+                    }
+                    rank.in_place("all_reduce", Kind::AllReduce(ReduceOp::Sum), &mut buf)
+                }),
+        );
+        assert!(start.elapsed() < Duration::from_secs(10));
+        assert!(matches!(
+            results[1],
+            Err(Error::RankPanicked { rank: 1, .. })
+        ));
+        for r in [0, 2] {
+            match &results[r] {
+                Err(Error::PeerFailed { failed, .. }) => assert_eq!(failed, &vec![1]),
+                other => panic!("rank {r}: expected rank 1's failure, got {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn events_outlive_every_peer_s_wait_on_them() {
+        // Many small collectives with ranks running at different paces: a
+        // rank dropping an event a peer still waits on fails `HostLane::wait`.
+        for n in [2, 3, 4] {
+            let events = Arc::new(Events::default());
+            let results = flatten(ThreadGroup::new(n).run(|host| {
+                let r = host.rank();
+                let mut rank = Rank::new(host, &events, false);
+                let mut buf = vec![r as f32; 16];
+                for i in 0..50 {
+                    if (i + r) % 7 == 0 {
+                        std::thread::sleep(Duration::from_micros(300));
+                    }
+                    rank.in_place("all_reduce", Kind::AllReduce(ReduceOp::Max), &mut buf)?;
+                }
+                Ok(buf)
+            }));
+            for (r, result) in results.into_iter().enumerate() {
+                let buf = result.unwrap_or_else(|e| panic!("n={n} rank {r}: {e}"));
+                assert!(buf.iter().all(|&x| x == (n - 1) as f32), "n={n} rank {r}");
+            }
+        }
+    }
+}
