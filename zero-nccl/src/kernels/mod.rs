@@ -29,8 +29,9 @@ use cudarc::driver::{
     CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut,
     LaunchConfig, PushKernelArg, SyncOnDrop,
 };
+use std::collections::HashMap;
 use std::ops::Range;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use zero_core::{DType, Element, ReduceOp};
 
 pub use optim::{
@@ -285,15 +286,31 @@ pub fn compile_ptx_for(arch: &str) -> Result<cudarc::nvrtc::Ptx> {
 }
 
 /// Compiles a kernel source of this crate ([`SOURCE`],
-/// [`layers::LAYER_SOURCE`]) to PTX for `arch` with [`compile_options`].
-pub(crate) fn compile_source(source: &str, arch: &str) -> Result<cudarc::nvrtc::Ptx> {
+/// [`layers::LAYER_SOURCE`]) to PTX for `arch` with [`compile_options`],
+/// once per process: every later call for the same source and
+/// architecture (another rank of a `CudaThreadGroup`, another engine)
+/// gets the same PTX without compiling again.
+pub(crate) fn compile_source(source: &'static str, arch: &str) -> Result<cudarc::nvrtc::Ptx> {
+    type Key = (usize, usize, String);
+    static COMPILED: OnceLock<Mutex<HashMap<Key, cudarc::nvrtc::Ptx>>> = OnceLock::new();
     ensure_library(Library::Nvrtc)?;
-    guarded("compiling the fused kernels", || {
+    let key = (source.as_ptr() as usize, source.len(), arch.to_string());
+    // Held while compiling, so that ranks starting together compile once.
+    let mut compiled = COMPILED
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner);
+    if let Some(ptx) = compiled.get(&key) {
+        return Ok(ptx.clone());
+    }
+    let ptx = guarded("compiling the fused kernels", || {
         Ok(cudarc::nvrtc::compile_ptx_with_opts(
             source,
             compile_options(arch),
         )?)
-    })
+    })?;
+    compiled.insert(key, ptx.clone());
+    Ok(ptx)
 }
 
 /// Compiles `source` with NVRTC for `ctx`'s device (see [`nvrtc_arch`]) and
@@ -301,7 +318,7 @@ pub(crate) fn compile_source(source: &str, arch: &str) -> Result<cudarc::nvrtc::
 /// `what` names the kernels in errors ("loading the fused kernels").
 pub(crate) fn compile_and_load(
     ctx: &Arc<CudaContext>,
-    source: &str,
+    source: &'static str,
     what: &'static str,
 ) -> Result<(Arc<CudaModule>, String)> {
     ensure_library(Library::Cuda)?;
