@@ -370,6 +370,29 @@ pub(crate) fn steps(kind: &Kind, len: usize, n: usize, rank: usize) -> Vec<Step>
     all.into_iter().filter(nonempty).collect()
 }
 
+/// One element of a [`Step::Reduce`] over f32 values in rank order, as
+/// the kernel and the thread backend combine them: the tests' stand-in for
+/// the device.
+#[cfg(test)]
+pub(super) fn combine_f32(op: ReduceOp, values: impl IntoIterator<Item = f32>) -> f32 {
+    let mut values = values.into_iter();
+    let mut acc = values.next().expect("a reduction has a source");
+    let mut n = 1;
+    for x in values {
+        n += 1;
+        acc = match op {
+            ReduceOp::Sum | ReduceOp::Avg => acc + x,
+            ReduceOp::Product => acc * x,
+            ReduceOp::Max => acc.max(x),
+            ReduceOp::Min => acc.min(x),
+        };
+    }
+    if op == ReduceOp::Avg {
+        acc /= n as f32;
+    }
+    acc
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -423,19 +446,8 @@ mod tests {
                             op,
                         } => {
                             for i in 0..len {
-                                let mut acc = self.read(fix(srcs[0]), i);
-                                for &s in &srcs[1..] {
-                                    let x = self.read(fix(s), i);
-                                    acc = match op {
-                                        ReduceOp::Sum | ReduceOp::Avg => acc + x,
-                                        ReduceOp::Product => acc * x,
-                                        ReduceOp::Max => acc.max(x),
-                                        ReduceOp::Min => acc.min(x),
-                                    };
-                                }
-                                if op == ReduceOp::Avg {
-                                    acc /= n as f32;
-                                }
+                                let acc =
+                                    combine_f32(op, srcs.iter().map(|&s| self.read(fix(s), i)));
                                 for &d in &dsts {
                                     self.write(fix(d), i, acc);
                                 }
