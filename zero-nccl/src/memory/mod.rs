@@ -33,7 +33,10 @@ pub mod segments;
 
 #[cfg(feature = "nccl")]
 mod cuda;
+// Its device optimizer serves `CudaMemory` (feature `nccl`); `cuda` alone
+// uses only `DEVICE_KINDS`.
 #[cfg(feature = "cuda")]
+#[cfg_attr(not(feature = "nccl"), allow(dead_code))]
 mod optimizer;
 #[cfg(feature = "cuda")]
 mod view;
