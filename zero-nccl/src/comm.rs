@@ -1008,6 +1008,10 @@ impl DeviceComm for NcclComm {
         NcclComm::compute_stream(self)
     }
 
+    fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
     fn with_compute_stream(self, stream: Arc<CudaStream>) -> zero_core::Result<Self> {
         Ok(NcclComm::with_compute_stream(self, stream)?)
     }

@@ -28,6 +28,9 @@ pub trait DeviceComm: Communicator<Memory = Cuda> + Sized {
     /// The stream collectives are ordered with.
     fn compute_stream(&self) -> &Arc<CudaStream>;
 
+    /// The deadline of host waits (see [`DeviceComm::wait_compute`]).
+    fn timeout(&self) -> Duration;
+
     /// Orders collectives after, and makes waits apply to, `stream` (for
     /// example Candle's device stream). It must belong to this
     /// communicator's context.

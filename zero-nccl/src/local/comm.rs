@@ -457,6 +457,10 @@ impl DeviceComm for CudaThreadComm {
         &self.compute
     }
 
+    fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
     fn with_compute_stream(mut self, stream: Arc<CudaStream>) -> Result<Self> {
         if stream.context() != &self.gpu.ctx {
             return Err(zero_core::Error::Unsupported {

@@ -12,6 +12,7 @@ use std::collections::BTreeMap;
 use std::ops::Range;
 use std::sync::Arc;
 use std::thread::ThreadId;
+use std::time::Duration;
 use zero_core::engine::{
     EngineConfig, GradPiece, NormType, ParamCopy, ShardMemory, StepPiece, StepPlan,
 };
@@ -229,6 +230,9 @@ pub struct CudaMemory {
     /// chunk, the gathered bucket), kept between buckets and steps: a
     /// device allocation per bucket would cost more than the bytes saved.
     wire16: Option<(CudaSlice<u16>, CudaSlice<u16>)>,
+    /// The communicator's deadline, for the host's waits in transfers
+    /// (the stream may wait on a collective that a dead peer never joins).
+    timeout: Duration,
 }
 
 impl std::fmt::Debug for CudaMemory {
@@ -262,12 +266,23 @@ impl CudaMemory {
             deferred: None,
             fenced: 0,
             wire16: None,
+            timeout: comm.timeout(),
         })
     }
 
     /// The compiled kernels.
     pub fn kernels(&self) -> &FusedKernels {
         &self.kernels
+    }
+
+    /// Blocks the host until the stream has run everything queued so far,
+    /// within the communicator's deadline: before a copy between host and
+    /// device memory, which would otherwise wait in the driver, without a
+    /// deadline, for a collective a dead peer never joins.
+    fn drain_within(&self, op: &'static str) -> Result<()> {
+        let stream = self.stream()?;
+        let done = stream.record_event(None).map_err(cuda)?;
+        crate::device_comm::host_wait(op, 0, &done, self.timeout).map_err(nccl)
     }
 
     /// [`ShardMemory::all_gather`] with the values on the wire in `H`: the
@@ -815,14 +830,17 @@ impl<C: DeviceComm> ShardMemory<f32, C> for CudaMemory {
         if values.is_empty() {
             return Ok(());
         }
+        // A copy from pageable memory synchronizes the stream first.
+        self.drain_within("copying from host memory")?;
         self.stream()?
             .memcpy_htod(values, &mut buffer.slice_mut(range))
             .map_err(cuda)
     }
 
     /// Offload's device-to-host transfer: the compute stream first waits on
-    /// the reductions still deferred (the deferral goes on), then the copy
-    /// runs on it and the host waits for it.
+    /// the reductions still deferred (the deferral goes on), the host waits
+    /// for the stream within the communicator's deadline (a reduction a
+    /// dead peer never joins is an error, not a hang), then the copy runs.
     fn download(
         &mut self,
         buffer: &CudaSlice<f32>,
@@ -844,6 +862,7 @@ impl<C: DeviceComm> ShardMemory<f32, C> for CudaMemory {
         for event in self.deferred.iter().flatten() {
             stream.wait(event).map_err(cuda)?;
         }
+        self.drain_within("offload: copying to host memory")?;
         stream.memcpy_dtoh(&buffer.slice(range), out).map_err(cuda)
     }
 
