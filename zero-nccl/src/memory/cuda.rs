@@ -899,6 +899,7 @@ impl<C: DeviceComm> ShardMemory<f32, C> for CudaMemory {
         check_param_len(params, param, values.len(), "writing a parameter")?;
         let mut staged = ShardMemory::<f32, C>::alloc_zeroed(self, values.len())?;
         if !values.is_empty() {
+            self.drain_within("writing a parameter")?;
             stream
                 .memcpy_htod(values, &mut staged.slice_mut(0..values.len()))
                 .map_err(cuda)?;
