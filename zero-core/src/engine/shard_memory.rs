@@ -349,9 +349,10 @@ pub trait ShardMemory<T: Element, C: Communicator>: Send + 'static {
     /// before it has written it (reductions still deferred included):
     /// the device-to-host transfer of an offloading memory
     /// ([`OffloadMemory`](super::OffloadMemory)), which pairs it with
-    /// [`ShardMemory::buffer_from_host`]. It waits without a communicator:
-    /// only for buffers of this rank's own work. Memories that cannot
-    /// offload keep the default, an error.
+    /// [`ShardMemory::buffer_from_host`]. It takes no communicator: a
+    /// device memory bounds its wait with the deadline of the communicator
+    /// it was built for. Memories that cannot offload keep the default, an
+    /// error.
     fn download(
         &mut self,
         buffer: &Self::Buffer,
