@@ -4,7 +4,8 @@
 //! [`candle_nn::Optimizer`], so a ZeRO sharded optimizer drops into any
 //! Candle training loop. Backends come with features: the in-process
 //! thread backend always, `mpi` for processes across machines, `nccl` for
-//! GPUs: `ZeroOptimizer<NcclComm>` (`NcclZeroOptimizer`, feature `nccl`) trains a Candle model on
+//! GPUs: `ZeroOptimizer<NcclComm>` (`NcclZeroOptimizer`, feature `nccl`; or
+//! `ZeroOptimizer<CudaThreadComm>`, ranks as threads sharing a GPU) trains a Candle model on
 //! CUDA with the engine's buffers in GPU memory, gradients and parameters
 //! staying on the GPU. [`nn`] has candle-nn's layers rebuilt so that their
 //! parameter gradients leave `backward()` through a hook as they are computed.

@@ -1,5 +1,7 @@
-//! `ZeroOptimizer<NcclComm>`: Candle models on GPUs, with the engine's
-//! buffers in GPU memory (`zero_nccl::CudaMemory`, feature `nccl`).
+//! `ZeroOptimizer<C>` for a device communicator `C` (`zero_nccl::DeviceComm`:
+//! `NcclComm`, one process per GPU, or `CudaThreadComm`, ranks as threads
+//! sharing a GPU): Candle models on GPUs, with the engine's buffers in GPU
+//! memory (`zero_nccl::CudaMemory`, feature `nccl`).
 //!
 //! Gradients and parameters never leave the GPU: the engine reads each
 //! gradient's `CudaSlice` in place (under Candle's read lock) and writes

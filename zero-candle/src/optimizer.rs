@@ -40,8 +40,8 @@ pub struct ZeroConfig<C, T: Element> {
 /// The communicator picks where the engine's buffers live (see
 /// [`CandleMemory`]): host memory for the thread and MPI backends (any
 /// [`FunctionalOptimizer`], any float dtype); GPU memory for NCCL
-/// (`ZeroOptimizer<NcclComm>`, alias `NcclZeroOptimizer`
-/// with feature `nccl`: f32, bf16 or f16 variables on the communicator's
+/// (`ZeroOptimizer<NcclComm>`, alias `NcclZeroOptimizer`, or
+/// `ZeroOptimizer<CudaThreadComm>`, with feature `nccl`: f32, bf16 or f16 variables on the communicator's
 /// GPU (16-bit ones with f32 master weights), a built-in optimizer,
 /// gradients and weights never leaving the device unless
 /// `EngineConfig::offload` moves the optimizer's side to host memory;
