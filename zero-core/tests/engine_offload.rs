@@ -9,18 +9,19 @@
 
 mod common;
 
-use common::{assert_close, make_opt, run, Model, Opt, PlanCheck, Synthetic};
+use common::{assert_close, hooked_micro_step, make_opt, run, Model, Opt, PlanCheck, Synthetic};
 use half::bf16;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use zero_core::engine::{
     CastParams, HostGrad, HostMemory, MemoryReport, NormType, Offload, OffloadMemory, Overlap,
+    ShardMemory,
 };
 use zero_core::optim::{
     Adam, AdamConfig, FunctionalOptimizer, Hyperparams, OptimizerState, ParamMut,
 };
-use zero_core::{Communicator, DType, Engine, EngineConfig, ParamInfo, Result, Stage};
+use zero_core::{Communicator, DType, Engine, EngineConfig, ParamInfo, ParamStore, Result, Stage};
 
 type Offloaded = OffloadMemory<HostMemory>;
 
@@ -33,50 +34,68 @@ enum Path {
     Plain,
 }
 
-/// Trains `$engine` (`Engine<f64, _, _>`) from `$params` for `$steps`
-/// steps of `$micro` micro-steps of `$model`'s synthetic gradients, the
-/// first being step `$first`; the replica after each step and the memory
-/// report.
-macro_rules! train_from {
-    ($engine:expr, $model:expr, $path:expr, $micro:expr, $params:expr, $first:expr, $steps:expr) => {{
-        let (e, model, micro) = (&mut $engine, $model, $micro);
-        let rank = e.comm().rank();
-        let n = model.infos().len();
-        let mut params = $params;
-        let mut out = Vec::new();
-        for s in $first..$first + $steps {
-            for m in 0..micro {
-                let g = model.grads(&params, rank, s * micro + m);
-                match $path {
-                    Path::Hooked => {
-                        let order: Vec<(usize, usize)> = (0..n).rev().map(|p| (p, 1)).collect();
-                        e.begin_backward(&order, &mut params)?;
-                        for p in (0..n).rev() {
-                            e.accumulate_param(p, (&g[p]).into())?;
-                        }
-                        let none: Vec<Option<HostGrad<'_, f64>>> = vec![None; n];
-                        e.step(&none, &mut params)?;
-                    }
-                    Path::Plain => {
-                        let slots: Vec<Option<HostGrad<'_, f64>>> =
-                            g.iter().map(|g| Some(g.into())).collect();
-                        e.step(&slots, &mut params)?;
-                    }
+/// What [`train_from`] gives: the replica after each step, the memory
+/// report, and the final replica.
+type Trained = (Vec<Vec<Vec<f64>>>, MemoryReport, Vec<Vec<f64>>);
+
+/// Trains `e` from `params` for `steps` steps of `micro` micro-steps of
+/// `model`'s synthetic gradients, the first being step `first`.
+fn train_from<C, M>(
+    e: &mut Engine<f64, C, M>,
+    model: &Synthetic,
+    path: Path,
+    micro: usize,
+    mut params: Vec<Vec<f64>>,
+    (first, steps): (usize, usize),
+) -> Result<Trained>
+where
+    C: Communicator,
+    M: for<'g, 'p> ShardMemory<
+        f64,
+        C,
+        Grad<'g> = HostGrad<'g, f64>,
+        Params<'p> = dyn ParamStore<f64> + 'p,
+    >,
+{
+    let rank = e.comm().rank();
+    let mut out = Vec::new();
+    for s in first..first + steps {
+        for m in 0..micro {
+            let g = model.grads(&params, rank, s * micro + m);
+            match path {
+                Path::Hooked => hooked_micro_step(e, &g, &mut params)?,
+                Path::Plain => {
+                    let slots: Vec<Option<HostGrad<'_, f64>>> =
+                        g.iter().map(|g| Some(g.into())).collect();
+                    e.step(&slots, &mut params)?;
                 }
             }
-            out.push(params.clone());
         }
-        (out, e.memory_report(), params)
-    }};
+        out.push(params.clone());
+    }
+    Ok((out, e.memory_report(), params))
 }
 
-/// [`train_from!`] from the model's initial values at step 0.
-macro_rules! train {
-    ($engine:expr, $model:expr, $path:expr, $micro:expr, $steps:expr) => {{
-        let (out, report, _) =
-            train_from!($engine, $model, $path, $micro, $model.init(), 0, $steps);
-        (out, report)
-    }};
+/// [`train_from`] from the model's initial values at step 0: the replica
+/// after each step and the memory report.
+fn train<C, M>(
+    e: &mut Engine<f64, C, M>,
+    model: &Synthetic,
+    path: Path,
+    micro: usize,
+    steps: usize,
+) -> Result<(Vec<Vec<Vec<f64>>>, MemoryReport)>
+where
+    C: Communicator,
+    M: for<'g, 'p> ShardMemory<
+        f64,
+        C,
+        Grad<'g> = HostGrad<'g, f64>,
+        Params<'p> = dyn ParamStore<f64> + 'p,
+    >,
+{
+    let (out, report, _) = train_from(e, model, path, micro, model.init(), (0, steps))?;
+    Ok((out, report))
 }
 
 fn config(stage: Stage, overlap: Overlap, micro: usize) -> EngineConfig {
@@ -143,7 +162,7 @@ fn offload_trains_the_weights_of_the_device_alone_bit_for_bit() {
                                 make_opt(Opt::Adam, false),
                                 alone.clone(),
                             )?;
-                            Ok(train!(e, &model, path, micro, steps))
+                            train(&mut e, &model, path, micro, steps)
                         });
                         let offloaded = run(world, |comm| {
                             let mut e = Engine::with_memory(
@@ -153,7 +172,7 @@ fn offload_trains_the_weights_of_the_device_alone_bit_for_bit() {
                                 make_opt(Opt::Adam, false),
                                 config.clone().with_offload(Offload::Optimizer, 2),
                             )?;
-                            Ok(train!(e, &model, path, micro, steps))
+                            train(&mut e, &model, path, micro, steps)
                         });
                         for (rank, ((want, plain), (got, report))) in
                             device_alone.iter().zip(&offloaded).enumerate()
@@ -196,7 +215,7 @@ fn offload_over_threads_matches_the_plain_host_engine() {
             make_opt(Opt::Adam, false),
             config.clone(),
         )?;
-        Ok(train!(e, &model, Path::Hooked, 2, 3).0)
+        Ok(train(&mut e, &model, Path::Hooked, 2, 3)?.0)
     });
     let offloaded = run(2, |comm| {
         let mut e = Engine::with_memory(
@@ -206,7 +225,7 @@ fn offload_over_threads_matches_the_plain_host_engine() {
             make_opt(Opt::Adam, false),
             config.clone().with_offload(Offload::Optimizer, 0),
         )?;
-        Ok(train!(e, &model, Path::Hooked, 2, 3).0)
+        Ok(train(&mut e, &model, Path::Hooked, 2, 3)?.0)
     });
     assert_eq!(plain, offloaded);
 }
@@ -385,7 +404,7 @@ fn the_host_steps_buckets_as_they_land_not_after_the_whole_gradient() {
                     .with_bucket_bytes(96)
                     .with_offload(Offload::Optimizer, 1),
             )?;
-            Ok(train!(e, &model, Path::Hooked, 1, 1).0.remove(0))
+            Ok(train(&mut e, &model, Path::Hooked, 1, 1)?.0.remove(0))
         });
         assert_eq!(trained, after, "inline {inline}");
     }
@@ -408,7 +427,7 @@ fn checkpoints_resume_across_offload_on_and_off() {
     };
     let uninterrupted = run(2, |comm| {
         let mut e = engine(comm, Offload::None)?;
-        Ok(train_from!(e, &model, Path::Hooked, 1, model.init(), 0, 4).0)
+        Ok(train_from(&mut e, &model, Path::Hooked, 1, model.init(), (0, 4))?.0)
     });
     for (first, second) in [
         (Offload::Optimizer, Offload::None),
@@ -417,7 +436,8 @@ fn checkpoints_resume_across_offload_on_and_off() {
         let dir = tempfile::tempdir().unwrap();
         run(2, |comm| {
             let mut e = engine(comm, first)?;
-            let (_, _, mut params) = train_from!(e, &model, Path::Hooked, 1, model.init(), 0, 2);
+            let (_, _, mut params) =
+                train_from(&mut e, &model, Path::Hooked, 1, model.init(), (0, 2))?;
             e.save_checkpoint(dir.path(), &mut params)?;
             Ok(())
         });
@@ -427,7 +447,7 @@ fn checkpoints_resume_across_offload_on_and_off() {
             let mut params: Vec<Vec<f64>> =
                 model.init().iter().map(|p| vec![0.0; p.len()]).collect();
             e.load_checkpoint(dir.path(), &mut params)?;
-            Ok(train_from!(e, &model, Path::Hooked, 1, params, 2, 2).0)
+            Ok(train_from(&mut e, &model, Path::Hooked, 1, params, (2, 2))?.0)
         });
         // Within rounding: a resumed run is not bitwise the uninterrupted
         // one even without offload (the checkpoint's state is rebuilt).

@@ -5,7 +5,8 @@
 mod common;
 
 use common::{
-    assert_trajectories, engine, make_opt, reference_trajectory, run, slots, Model, Opt, Synthetic,
+    assert_trajectories, engine, hooked_micro_step, make_opt, reference_trajectory, run, slots,
+    Model, Opt, Synthetic,
 };
 use zero_core::engine::HostGrad;
 use zero_core::engine::{EngineConfig, Overlap, Stage};
@@ -29,7 +30,6 @@ fn handed_over_micro_steps_mix_with_slot_micro_steps() {
                 let trajectories = run(world, |comm| {
                     let rank = comm.rank();
                     let mut e = engine(comm, &model, make_opt(Opt::Adam, false), config.clone())?;
-                    let n = e.params().len();
                     let mut params = model.init();
                     let mut out = Vec::new();
                     for s in 0..steps {
@@ -39,14 +39,7 @@ fn handed_over_micro_steps_mix_with_slot_micro_steps() {
                                 e.step(&slots(&g), &mut params)?;
                                 continue;
                             }
-                            // Reverse order, as backward produces them.
-                            let order: Vec<(usize, usize)> = (0..n).rev().map(|p| (p, 1)).collect();
-                            e.begin_backward(&order, &mut params)?;
-                            for p in (0..n).rev() {
-                                e.accumulate_param(p, (&g[p]).into())?;
-                            }
-                            let none: Vec<Option<HostGrad<'_, f64>>> = vec![None; n];
-                            e.step(&none, &mut params)?;
+                            hooked_micro_step(&mut e, &g, &mut params)?;
                         }
                         out.push(params.clone());
                     }

@@ -9,8 +9,8 @@
 mod common;
 
 use common::{
-    assert_trajectories, make_opt, reference_trajectory, run, Model, Opt, PlanCheck, Seen,
-    Synthetic,
+    assert_trajectories, hooked_micro_step, make_opt, reference_trajectory, run, Model, Opt,
+    PlanCheck, Seen, Synthetic,
 };
 use std::sync::{Arc, Mutex};
 use zero_core::engine::{EngineConfig, HostGrad, Overlap, Stage};
@@ -20,7 +20,6 @@ use zero_core::{Communicator, Engine};
 fn step_plans_keep_each_piece_at_its_shard_position() {
     let model = Synthetic::medium();
     let (micro, steps) = (2, 3);
-    let n = model.infos().len();
     for world in [1, 2, 3] {
         let expected = reference_trajectory(&model, Opt::Adam, world, micro, steps);
         for stage in [Stage::Ddp, Stage::OptimizerState, Stage::Gradients] {
@@ -50,14 +49,7 @@ fn step_plans_keep_each_piece_at_its_shard_position() {
                     for s in 0..steps {
                         for m in 0..micro {
                             let g = model.grads(&params, rank, s * micro + m);
-                            // Handed over in reverse, as backward produces them.
-                            let order: Vec<(usize, usize)> = (0..n).rev().map(|p| (p, 1)).collect();
-                            e.begin_backward(&order, &mut params)?;
-                            for p in (0..n).rev() {
-                                e.accumulate_param(p, (&g[p]).into())?;
-                            }
-                            let none: Vec<Option<HostGrad<'_, f64>>> = vec![None; n];
-                            e.step(&none, &mut params)?;
+                            hooked_micro_step(&mut e, &g, &mut params)?;
                         }
                         out.push(params.clone());
                     }

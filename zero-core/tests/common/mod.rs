@@ -432,3 +432,32 @@ pub fn ckpt_err(err: zero_core::Error) -> (std::path::PathBuf, String) {
         other => panic!("expected a checkpoint error, got {other:?}"),
     }
 }
+
+/// One micro-step whose gradients `grads` are handed over during
+/// "backward": `begin_backward` with the reverse parameter order, each
+/// gradient in that order (as backward produces them), then the step,
+/// which ends the pass.
+pub fn hooked_micro_step<C, M>(
+    e: &mut Engine<f64, C, M>,
+    grads: &[Vec<f64>],
+    params: &mut Vec<Vec<f64>>,
+) -> Result<()>
+where
+    C: zero_core::Communicator,
+    M: for<'g, 'p> zero_core::engine::ShardMemory<
+        f64,
+        C,
+        Grad<'g> = HostGrad<'g, f64>,
+        Params<'p> = dyn zero_core::ParamStore<f64> + 'p,
+    >,
+{
+    let n = grads.len();
+    let order: Vec<(usize, usize)> = (0..n).rev().map(|p| (p, 1)).collect();
+    e.begin_backward(&order, params)?;
+    for p in (0..n).rev() {
+        e.accumulate_param(p, (&grads[p]).into())?;
+    }
+    let none: Vec<Option<HostGrad<'_, f64>>> = vec![None; n];
+    e.step(&none, params)?;
+    Ok(())
+}
