@@ -120,7 +120,8 @@ pub trait CandleMemory<T: Element + WithDType, C: Communicator + 'static>: Memor
 /// Why stage 3 is refused where parameters cannot be sharded.
 pub(crate) fn stage_3_unsupported() -> zero_core::Error {
     zero_core::Error::Config(
-        "stage 3 shards parameters on host memory (threads, MPI) for now; on NCCL use stage 2"
+        "stage 3 shards parameters on host memory (threads, MPI) for now; on a GPU (NcclComm, \
+         CudaThreadComm) use stage 2"
             .into(),
     )
 }
