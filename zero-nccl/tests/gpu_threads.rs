@@ -168,6 +168,24 @@ fn collectives_give_the_thread_backend_s_results_bitwise_bf16_and_f64() {
 }
 
 #[test]
+fn a_missing_driver_or_gpu_is_an_error_not_a_panic() {
+    let count = zero_nccl::cuda_device_count();
+    let group = CudaThreadGroup::on_devices(2, &[0, 1_000]);
+    let err = group
+        .run(|_| Ok(()))
+        .expect_err("GPU 1000 does not exist, whatever the machine");
+    match count {
+        Err(_) => assert!(err.to_string().contains("libcuda.so not found"), "{err}"),
+        Ok(n) => assert!(
+            err.to_string().contains(&format!("reports {n} GPU(s)")),
+            "{err}"
+        ),
+    }
+    assert!(CudaThreadGroup::new(0).communicators().is_err());
+    assert!(CudaThreadGroup::new(17).communicators().is_err());
+}
+
+#[test]
 #[ignore = "needs a CUDA GPU"]
 fn different_calls_fail_every_rank_with_a_mismatch() {
     let results = CudaThreadGroup::new(3)

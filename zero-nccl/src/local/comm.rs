@@ -108,13 +108,22 @@ impl CudaThreadGroup {
                 self.world_size
             )));
         }
+        // A missing driver or device is an error, never cudarc's panic.
+        let devices = crate::probe::cuda_device_count()?;
         let mut gpus = BTreeMap::new();
         for rank in 0..self.world_size {
             let ordinal = self.device_of(rank);
             if gpus.contains_key(&ordinal) {
                 continue;
             }
-            let ctx = CudaContext::new(ordinal).map_err(Error::from)?;
+            if ordinal >= devices {
+                return Err(zero_core::Error::Config(format!(
+                    "CudaThreadGroup: rank {rank} is to run on GPU {ordinal}, but the CUDA \
+                     driver reports {devices} GPU(s)"
+                )));
+            }
+            let ctx =
+                crate::probe::guarded("CudaThreadGroup setup", || Ok(CudaContext::new(ordinal)?))?;
             let kernels = Arc::new(FusedKernels::new(&ctx)?);
             gpus.insert(ordinal, Gpu { ctx, kernels });
         }
