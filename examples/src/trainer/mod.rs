@@ -437,7 +437,7 @@ fn validate(args: &Args) -> Result<(), TrainError> {
     }
     if args.backend.on_gpu() && (args.no_master_weights || args.reduce_in_param_dtype) {
         return Err(TrainError::Usage(
-            "the GPU backends train 16-bit models with f32 master weights and reduces their \
+            "the GPU backends train 16-bit models with f32 master weights and reduce their \
              gradients in f32; drop --no-master-weights and --reduce-in-param-dtype"
                 .into(),
         ));
