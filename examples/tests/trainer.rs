@@ -191,7 +191,7 @@ fn bad_flags_and_files_are_clear_errors_not_panics() {
                 "f16",
                 "--reduce-in-param-dtype",
             ],
-            "reduces their gradients in f32",
+            "reduce their gradients in f32",
         ),
     ];
     for (flags, needle) in cases {
