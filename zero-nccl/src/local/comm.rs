@@ -395,7 +395,7 @@ impl CudaThreadComm {
         let (src, _record_src) = send.device_ptr(&self.comm_stream);
         let mut dst_guard = recv.map(|r| r.device_ptr_mut(&self.comm_stream));
         let dst = dst_guard.as_mut().map_or(0, |(ptr, _)| *ptr);
-        let call = Self::call::<T>(Kind::Gather { counts, root }, send.len());
+        let call = Call::gather(T::DTYPE, counts, root);
         self.collective(op, call, (src, dst), check, bytes)
     }
 }

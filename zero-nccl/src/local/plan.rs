@@ -41,6 +41,18 @@ pub(crate) struct Call {
 }
 
 impl Call {
+    /// A variable-length gather ([`Kind::Gather`]) of `counts` elements of
+    /// `dtype`: its length is the total, the same on every rank (each
+    /// rank's own count differs, and calls must match).
+    pub fn gather(dtype: DType, counts: Vec<usize>, root: Option<usize>) -> Self {
+        let len = counts.iter().sum();
+        Self {
+            kind: Kind::Gather { counts, root },
+            dtype,
+            len,
+        }
+    }
+
     /// A short description for errors: `reduce_scatter(sum) of 256 x f32`.
     pub fn describe(&self) -> String {
         let name = match &self.kind {

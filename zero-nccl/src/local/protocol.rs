@@ -327,6 +327,28 @@ mod tests {
             .map(drop)
         }
 
+        /// Any call, from `send` into `recv`.
+        fn run_call(
+            &mut self,
+            op: &'static str,
+            call: &Call,
+            send: &[f32],
+            recv: &mut [f32],
+        ) -> Result<()> {
+            self.seq += 1;
+            let addrs = (send.as_ptr() as u64, recv.as_mut_ptr() as u64);
+            collective(
+                &self.host,
+                &self.lane,
+                &mut self.previous,
+                (op, self.seq),
+                call,
+                addrs,
+                Ok(()),
+            )
+            .map(drop)
+        }
+
         /// An in-place collective over `buf`.
         fn in_place(&mut self, op: &'static str, kind: Kind, buf: &mut [f32]) -> Result<()> {
             let call = Call {
@@ -449,6 +471,44 @@ mod tests {
             assert_eq!(ours, theirs, "n={n}");
             // Each rank freed every event but its last collective's two.
             assert_eq!(events.live.lock().unwrap().len(), 2 * n, "n={n}");
+        }
+    }
+
+    #[test]
+    fn variable_length_gathers_with_different_counts_per_rank() {
+        let counts = vec![3, 1, 0, 5];
+        let total: usize = counts.iter().sum();
+        let n = counts.len();
+        let events = Arc::new(Events::default());
+        let counts = &counts;
+        let ours = flatten(ThreadGroup::new(n).run(|host| {
+            let r = host.rank();
+            let mut rank = Rank::new(host, &events, false);
+            let send = values(r, counts[r], 12);
+            let mut all = vec![0.0; total];
+            // As `CudaThreadComm` describes the call.
+            let call = |root| Call::gather(DType::F32, counts.clone(), root);
+            rank.run_call("all_gather_varlen", &call(None), &send, &mut all)?;
+            let mut to_root = vec![0.0; total];
+            rank.run_call("gather_varlen", &call(Some(n - 1)), &send, &mut to_root)?;
+            Ok((all, to_root))
+        }));
+        let theirs = flatten(ThreadGroup::new(n).run(|c| {
+            let r = c.rank();
+            let send = values(r, counts[r], 12);
+            let mut all = vec![0.0; total];
+            c.all_gather_varlen(&send, counts, &mut all)?;
+            let mut to_root = vec![0.0; total];
+            let root = n - 1;
+            c.gather_varlen(&send, counts, (r == root).then_some(&mut to_root[..]), root)?;
+            Ok((all, to_root))
+        }));
+        for (r, (ours, theirs)) in ours.into_iter().zip(theirs).enumerate() {
+            let (ours, theirs) = (ours.unwrap(), theirs.unwrap());
+            assert_eq!(ours.0, theirs.0, "all_gather_varlen rank {r}");
+            if r == n - 1 {
+                assert_eq!(ours.1, theirs.1, "gather_varlen");
+            }
         }
     }
 
