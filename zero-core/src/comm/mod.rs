@@ -19,7 +19,7 @@ pub use delayed::Delayed;
 pub use thread::{ThreadComm, ThreadGroup};
 pub use work::Work;
 
-use crate::{Element, Result};
+use crate::{Element, Error, Result};
 use std::time::Duration;
 
 /// The default deadline of a collective.
@@ -194,4 +194,20 @@ pub trait Communicator: Send + Sync + 'static {
     fn split(&self, ranks: &[usize]) -> Result<Option<Self>>
     where
         Self: Sized;
+}
+
+/// `Ok` when buffer `what` of collective `op` has the `expected` number of
+/// elements, else [`Error::BufferSize`]: the length check every backend
+/// makes before a collective.
+pub fn check_len(op: &'static str, what: &'static str, got: usize, expected: usize) -> Result<()> {
+    if got == expected {
+        Ok(())
+    } else {
+        Err(Error::BufferSize {
+            op,
+            what,
+            got,
+            expected,
+        })
+    }
 }

@@ -18,6 +18,7 @@ use mpi::datatype::PartitionMut;
 use mpi::environment::Threading;
 use mpi::topology::{Color, Communicator as _, Rank};
 use mpi::Count;
+use zero_core::comm::check_len;
 use zero_core::{DType, Element, Host, ReduceOp, Result, Work};
 
 /// Largest element count MPI's `int` counts take.
@@ -33,19 +34,6 @@ fn count(op: &'static str, what: &'static str, value: usize) -> Result<Count> {
         }
         .into()
     })
-}
-
-fn buffer_size(op: &'static str, what: &'static str, got: usize, expected: usize) -> Result<()> {
-    if got == expected {
-        Ok(())
-    } else {
-        Err(zero_core::Error::BufferSize {
-            op,
-            what,
-            got,
-            expected,
-        })
-    }
 }
 
 fn cast<'a, T: Element, U: bytemuck::Pod>(op: &'static str, s: &'a [T]) -> Result<&'a [U]> {
@@ -327,8 +315,8 @@ impl MpiComm {
     }
 
     fn check_counts(&self, op: &'static str, send_len: usize, counts: &[usize]) -> Result<usize> {
-        buffer_size(op, "counts", counts.len(), self.group.world_size)?;
-        buffer_size(op, "send", send_len, counts[self.group.rank])?;
+        check_len(op, "counts", counts.len(), self.group.world_size)?;
+        check_len(op, "send", send_len, counts[self.group.rank])?;
         Ok(counts.iter().sum())
     }
 
@@ -338,7 +326,7 @@ impl MpiComm {
         send: &[T],
         recv: &[T],
     ) -> Result<()> {
-        buffer_size(op, "send", send.len(), self.group.world_size * recv.len())
+        check_len(op, "send", send.len(), self.group.world_size * recv.len())
     }
 
     pub(crate) fn check_all_gather<T>(
@@ -347,7 +335,7 @@ impl MpiComm {
         send: &[T],
         recv: &[T],
     ) -> Result<()> {
-        buffer_size(op, "recv", recv.len(), self.group.world_size * send.len())
+        check_len(op, "recv", recv.len(), self.group.world_size * send.len())
     }
 
     // The ring cost model of `bytes_sent`, shared by the blocking and the
@@ -466,7 +454,7 @@ impl zero_core::Communicator for MpiComm {
                     "{OP}: the root (rank {root}) must pass a receive buffer of {total} elements"
                 )));
             };
-            buffer_size(OP, "recv", recv.len(), total)?;
+            check_len(OP, "recv", recv.len(), total)?;
             as_words!(T, OP; shared s = send; unique r = recv; => {
                 let mut partition = PartitionMut::new(r, &c[..], &d[..]);
                 root_process.gather_varcount_into_root(s, &mut partition);
@@ -491,7 +479,7 @@ impl zero_core::Communicator for MpiComm {
         const OP: &str = "all_gather_varlen";
         let _guard = self.enter(OP)?;
         let total = self.check_counts(OP, send.len(), counts)?;
-        buffer_size(OP, "recv", recv.len(), total)?;
+        check_len(OP, "recv", recv.len(), total)?;
         let (c, d) = Self::displacements(OP, counts)?;
         as_words!(T, OP; shared s = send; unique r = recv; => {
             let mut partition = PartitionMut::new(r, &c[..], &d[..]);

@@ -23,7 +23,7 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
-use zero_core::comm::Buf;
+use zero_core::comm::{check_len, Buf};
 use zero_core::{Communicator, DType, Element, ReduceOp, Result, ThreadComm, ThreadGroup, Work};
 
 /// One GPU of a group: its context and the kernels loaded in it.
@@ -322,19 +322,6 @@ impl CudaThreadComm {
         }
     }
 
-    fn expect(op: &'static str, what: &'static str, got: usize, expected: usize) -> Result<()> {
-        if got == expected {
-            Ok(())
-        } else {
-            Err(zero_core::Error::BufferSize {
-                op,
-                what,
-                got,
-                expected,
-            })
-        }
-    }
-
     fn check_root(&self, op: &'static str, root: usize) -> Result<()> {
         let world_size = self.host.world_size();
         if root < world_size {
@@ -375,10 +362,10 @@ impl CudaThreadComm {
         let receives = root.is_none_or(|r| r == rank);
         let check = root
             .map_or(Ok(()), |r| self.check_root(op, r))
-            .and_then(|()| Self::expect(op, "counts", counts.len(), n))
-            .and_then(|()| Self::expect(op, "send", send.len(), counts[rank]))
+            .and_then(|()| check_len(op, "counts", counts.len(), n))
+            .and_then(|()| check_len(op, "send", send.len(), counts[rank]))
             .and_then(|()| match (&recv, receives) {
-                (Some(r), true) => Self::expect(op, "recv", r.len(), total),
+                (Some(r), true) => check_len(op, "recv", r.len(), total),
                 (None, true) => Err(zero_core::Error::Unsupported {
                     op,
                     detail: "a receiving rank must pass a receive buffer".into(),
@@ -502,7 +489,7 @@ impl DeviceComm for CudaThreadComm {
     ) -> Result<CudaEvent> {
         const OP: &str = "reduce_scatter";
         let n = self.host.world_size();
-        let check = Self::expect(OP, "send", send.len(), n * recv.len());
+        let check = check_len(OP, "send", send.len(), n * recv.len());
         let bytes = ring_bytes(send.num_bytes(), n);
         let len = recv.len();
         let (src, _record_src) = send.device_ptr(&self.comm_stream);
@@ -518,7 +505,7 @@ impl DeviceComm for CudaThreadComm {
     ) -> Result<CudaEvent> {
         const OP: &str = "all_gather";
         let n = self.host.world_size();
-        let check = Self::expect(OP, "recv", recv.len(), n * send.len());
+        let check = check_len(OP, "recv", recv.len(), n * send.len());
         let bytes = ring_bytes(recv.num_bytes(), n);
         let len = send.len();
         let (src, _record_src) = send.device_ptr(&self.comm_stream);

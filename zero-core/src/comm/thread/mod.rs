@@ -26,7 +26,7 @@ mod kernels;
 mod state;
 
 use self::state::{Contribution, OpDesc, RawBuf, Shared};
-use crate::comm::{Communicator, Host, ReduceOp, Work, DEFAULT_TIMEOUT};
+use crate::comm::{check_len, Communicator, Host, ReduceOp, Work, DEFAULT_TIMEOUT};
 use crate::{Element, Error, Result};
 use std::any::{Any, TypeId};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -301,8 +301,8 @@ impl ThreadComm {
     }
 
     fn check_counts(&self, op: &'static str, counts: &[usize], send_len: usize) -> Result<()> {
-        expect_len(op, "counts", counts.len(), self.shared.world_size)?;
-        expect_len(op, "send", send_len, counts[self.rank])
+        check_len(op, "counts", counts.len(), self.shared.world_size)?;
+        check_len(op, "send", send_len, counts[self.rank])
     }
 
     /// Runs a blocking zero-copy collective: joins with `raw`, waits for all
@@ -414,7 +414,7 @@ impl Communicator for ThreadComm {
         let n = self.shared.world_size;
         let per_rank = recv.len();
         let check = kernels::check_layout::<T>(desc.op)
-            .and_then(|()| expect_len(desc.op, "send", send.len(), n * per_rank));
+            .and_then(|()| check_len(desc.op, "send", send.len(), n * per_rank));
         self.validate(&desc, check)?;
         let raw = RawBuf {
             send: send.as_ptr() as *const u8,
@@ -442,7 +442,7 @@ impl Communicator for ThreadComm {
         };
         let n = self.shared.world_size;
         let per_rank = send.len();
-        let check = expect_len(desc.op, "recv", recv.len(), n * per_rank);
+        let check = check_len(desc.op, "recv", recv.len(), n * per_rank);
         self.validate(&desc, check)?;
         let recv_len = recv.len();
         let dst = recv.as_mut_ptr() as *mut u8;
@@ -608,7 +608,7 @@ impl Communicator for ThreadComm {
         };
         let check = self
             .check_counts(desc.op, counts, send.len())
-            .and_then(|()| expect_len(desc.op, "recv", recv.len(), total));
+            .and_then(|()| check_len(desc.op, "recv", recv.len(), total));
         self.validate(&desc, check)?;
         let dst = recv.as_mut_ptr() as *mut u8;
         let raw = RawBuf {
@@ -703,7 +703,7 @@ impl Communicator for ThreadComm {
         let n = self.shared.world_size;
         let per_rank = recv.len();
         let check = kernels::check_layout::<T>(desc.op)
-            .and_then(|()| expect_len(desc.op, "send", send.len(), n * per_rank));
+            .and_then(|()| check_len(desc.op, "send", send.len(), n * per_rank));
         self.validate(&desc, check)?;
         self.count(self.ring_bytes(size_of_bytes::<T>(send.len())));
         let copy: Arc<dyn Any + Send + Sync> = Arc::new(send.to_vec());
@@ -732,7 +732,7 @@ impl Communicator for ThreadComm {
         };
         let n = self.shared.world_size;
         let per_rank = send.len();
-        let check = expect_len(desc.op, "recv", recv.len(), n * per_rank);
+        let check = check_len(desc.op, "recv", recv.len(), n * per_rank);
         self.validate(&desc, check)?;
         self.count(self.ring_bytes(size_of_bytes::<T>(recv.len())));
         let copy: Arc<dyn Any + Send + Sync> = Arc::new(send.to_vec());
@@ -821,19 +821,5 @@ impl Communicator for ThreadComm {
             Some(shared) => Ok(Some(ThreadComm::new(shared, position))),
             None => Err(internal("split")),
         }
-    }
-}
-
-/// [`Error::BufferSize`] unless buffer `what` of `op` has `expected` elements.
-fn expect_len(op: &'static str, what: &'static str, got: usize, expected: usize) -> Result<()> {
-    if got == expected {
-        Ok(())
-    } else {
-        Err(Error::BufferSize {
-            op,
-            what,
-            got,
-            expected,
-        })
     }
 }
