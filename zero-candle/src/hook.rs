@@ -22,7 +22,7 @@ const BLOCK_BYTES: usize = 1 << 20;
 /// piece of each sharded parameter lies in its buffer (worked out once, so
 /// that lending a piece allocates nothing).
 #[derive(Clone)]
-struct Sharded<T> {
+struct Sharded<T: Element> {
     fetcher: Arc<Fetcher<T>>,
     lender: Arc<dyn GiveBack>,
     /// Per parameter and piece.
@@ -531,7 +531,7 @@ where
 }
 
 /// Takes the storages of stage 3's gathers back into the fetcher's pool.
-struct Lender<T>(Arc<Fetcher<T>>);
+struct Lender<T: Element>(Arc<Fetcher<T>>);
 
 impl<T: Element + WithDType> GiveBack for Lender<T> {
     fn give_back(&self, unit: usize, storage: CpuStorage) {

@@ -53,7 +53,7 @@ pub use kernels::MAX_LOCAL_RANKS;
 #[cfg(feature = "nccl")]
 pub use local::{CudaThreadComm, CudaThreadGroup};
 #[cfg(feature = "nccl")]
-pub use memory::{cuda_engine, CudaEngine, CudaMemory, DeviceParams};
+pub use memory::{cuda_engine, CudaEngine, CudaMemory, DeviceGather, DeviceGathers, DeviceParams};
 #[cfg(feature = "cuda")]
 pub use memory::{DeviceView, DeviceViewMut, ViewElement};
 #[cfg(feature = "cuda")]

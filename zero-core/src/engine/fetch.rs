@@ -40,6 +40,7 @@
 
 use crate::{Error, Result};
 use std::collections::VecDeque;
+use std::marker::PhantomData;
 use std::ops::Range;
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError, RwLock};
@@ -47,16 +48,123 @@ use std::thread::JoinHandle;
 
 /// All-gathers `send` (this rank's chunk of one bucket) into `recv` (the
 /// whole bucket, every rank's chunk in rank order).
-pub(super) type GatherFn<T> = dyn Fn(&[T], &mut [T]) -> Result<()> + Send + Sync;
+pub type GatherFn<T> = dyn Fn(&[T], &mut [T]) -> Result<()> + Send + Sync;
+
+/// Where stage 3's gathers run: the parameter shard they read, the buffers
+/// they fill, and the collective. The [`Fetcher`]'s decisions (plan,
+/// prefetch, budgets, pool) are the same over every memory; this is what
+/// differs.
+///
+/// Host memory ([`HostGathers`]) gathers into vectors and returns when the
+/// values are there (on the fetcher's thread, or the caller's). A device
+/// memory *queues* each gather on a stream of its own and returns at once;
+/// [`GatherMemory::ready`] then orders the caller's work (its compute
+/// stream) after the gather, with no host wait, so the caller's thread
+/// issues ahead without a thread of its own.
+pub trait GatherMemory<T>: Send + Sync + 'static {
+    /// This rank's parameter shard (the engine's buffer, lent to the
+    /// fetcher between steps).
+    type Shard: Send + Sync + 'static;
+    /// The buffer one gather fills.
+    type Buffer: Send + 'static;
+
+    /// Whether [`GatherMemory::gather`] only queues the gather (see the
+    /// trait's documentation).
+    fn queues(&self) -> bool {
+        false
+    }
+
+    /// Elements of `shard`.
+    fn shard_len(shard: &Self::Shard) -> usize;
+
+    /// Elements `buffer` holds.
+    fn capacity(buffer: &Self::Buffer) -> usize;
+
+    /// A buffer of at least `len` elements: `reuse` (a pooled one) when it
+    /// is large enough, else a new one (`reuse` is freed first).
+    fn buffer(&self, reuse: Option<Self::Buffer>, len: usize) -> Result<Self::Buffer>;
+
+    /// All-gathers each bucket: `shard[bucket.shard]` of every rank, in
+    /// rank order, into `buffer[bucket.at]`. A collective on the fetcher's
+    /// own communicator.
+    fn gather(
+        &self,
+        shard: &Self::Shard,
+        buckets: &[UnitBucket],
+        buffer: &mut Self::Buffer,
+    ) -> Result<()>;
+
+    /// Orders what the caller does next after `buffer`'s gather: its reads
+    /// of the buffer, and its writes of the shard (a step). Called whenever
+    /// a gathered buffer leaves the fetcher's hands or is let go.
+    fn ready(&self, _buffer: &mut Self::Buffer) -> Result<()> {
+        Ok(())
+    }
+
+    /// Copies `buffer[range]` into `out` (on the host), after its gather.
+    fn read(&self, buffer: &Self::Buffer, range: Range<usize>, out: &mut [T]) -> Result<()>;
+}
+
+/// Stage 3's gathers in host memory: vectors, gathered by `all_gather`
+/// (a collective on the fetcher's own communicator).
+pub struct HostGathers<T> {
+    all_gather: Arc<GatherFn<T>>,
+}
+
+impl<T> HostGathers<T> {
+    /// Gathers with `all_gather`, one call per bucket.
+    pub fn new(all_gather: Arc<GatherFn<T>>) -> Self {
+        Self { all_gather }
+    }
+}
+
+impl<T: crate::Element> GatherMemory<T> for HostGathers<T> {
+    type Shard = Vec<T>;
+    type Buffer = Vec<T>;
+
+    fn shard_len(shard: &Vec<T>) -> usize {
+        shard.len()
+    }
+
+    fn capacity(buffer: &Vec<T>) -> usize {
+        buffer.capacity()
+    }
+
+    fn buffer(&self, reuse: Option<Vec<T>>, len: usize) -> Result<Vec<T>> {
+        let mut buffer = reuse.unwrap_or_default();
+        if buffer.capacity() < len {
+            // Freed before the larger one is made.
+            drop(std::mem::take(&mut buffer));
+            buffer = Vec::with_capacity(len);
+        }
+        buffer.resize(len, T::default());
+        Ok(buffer)
+    }
+
+    fn gather(&self, shard: &Vec<T>, buckets: &[UnitBucket], buffer: &mut Vec<T>) -> Result<()> {
+        for bucket in buckets {
+            (self.all_gather)(&shard[bucket.shard.clone()], &mut buffer[bucket.at.clone()])?;
+        }
+        Ok(())
+    }
+
+    fn read(&self, buffer: &Vec<T>, range: Range<usize>, out: &mut [T]) -> Result<()> {
+        out.copy_from_slice(&buffer[range]);
+        Ok(())
+    }
+}
 
 /// A queued gather: its ticket, its unit, the buffer to gather into.
-type Job<T> = (u64, usize, Vec<T>);
+type Job<B> = (u64, usize, B);
 
 /// One bucket of a unit: this rank's chunk in the shard, and where the
 /// whole bucket goes in the unit's buffer.
 #[derive(Clone, Debug)]
-pub(super) struct UnitBucket {
+pub struct UnitBucket {
+    /// This rank's chunk: elements of the parameter shard.
     pub shard: Range<usize>,
+    /// Where every rank's chunk goes, in rank order: elements of the
+    /// unit's buffer.
     pub at: Range<usize>,
 }
 
@@ -84,17 +192,28 @@ type PieceSpans = Arc<[(Range<usize>, Range<usize>)]>;
 
 /// One piece of a sharded parameter's values, gathered (all of them when
 /// the parameter is gathered whole): give it back with
-/// [`Fetcher::release`] when the layer is done with it.
-#[derive(Debug)]
-pub struct Gathered<T> {
-    buffer: Vec<T>,
+/// [`Fetcher::release`] when the layer is done with it. `B` is the
+/// memory's buffer ([`GatherMemory::Buffer`]; a vector on the host).
+pub struct Gathered<T, B = Vec<T>> {
+    buffer: B,
     unit: usize,
     /// (elements of the buffer, their places in the parameter), in order.
     spans: PieceSpans,
     numel: usize,
+    values: PhantomData<fn() -> T>,
 }
 
-impl<T> Gathered<T> {
+impl<T, B> std::fmt::Debug for Gathered<T, B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Gathered")
+            .field("unit", &self.unit)
+            .field("spans", &self.spans)
+            .field("numel", &self.numel)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<T, B> Gathered<T, B> {
     /// Where the whole parameter lies in [`Gathered::buffer_mut`], when this
     /// piece holds all of it (a parameter gathered whole).
     pub fn whole(&self) -> Option<Range<usize>> {
@@ -112,7 +231,7 @@ impl<T> Gathered<T> {
 
     /// The gathered unit's buffer (the parameter's values lie in it at
     /// [`Gathered::spans`]).
-    pub fn buffer(&self) -> &[T] {
+    pub fn buffer(&self) -> &B {
         &self.buffer
     }
 
@@ -125,7 +244,7 @@ impl<T> Gathered<T> {
     /// The whole buffer of the gather (other parameters of the unit
     /// around the range): a framework may move it into a tensor storage
     /// for the length of one computation and put it back.
-    pub fn buffer_mut(&mut self) -> &mut Vec<T> {
+    pub fn buffer_mut(&mut self) -> &mut B {
         &mut self.buffer
     }
 }
@@ -155,14 +274,15 @@ enum Phase {
 }
 
 /// A gather issued and not yet taken by a request.
-struct Issued<T> {
+struct Issued<B> {
     unit: usize,
-    /// `None` until the gather completes.
-    result: Option<Result<Vec<T>>>,
+    /// `None` until the gather completes (or, on a memory that queues
+    /// gathers, is queued).
+    result: Option<Result<B>>,
     ticket: u64,
 }
 
-struct State<T> {
+struct State<B> {
     phase: Phase,
     /// Units the last complete forward / backward requested, in order.
     forward_trace: Vec<usize>,
@@ -175,12 +295,12 @@ struct State<T> {
     /// goes on with the backward trace (the backward's first gathers then
     /// run during the end of the forward).
     continued: bool,
-    issued: VecDeque<Issued<T>>,
+    issued: VecDeque<Issued<B>>,
     next_ticket: u64,
     /// Bytes issued and not taken; bytes issued or in use.
     ahead_bytes: usize,
     live_bytes: usize,
-    pool: Vec<Vec<T>>,
+    pool: Vec<B>,
     stats: FetchStats,
 }
 
@@ -189,8 +309,9 @@ struct State<T> {
 /// Shared between the engine (which refreshes the shard after each step
 /// and marks the passes) and the framework's layers (which
 /// [`acquire`](Fetcher::acquire) and [`release`](Fetcher::release) the
-/// full values of the parameters they compute with).
-pub struct Fetcher<T> {
+/// full values of the parameters they compute with). `G` is where the
+/// gathers run (host vectors unless said).
+pub struct Fetcher<T, G: GatherMemory<T> = HostGathers<T>> {
     units: Vec<Unit>,
     /// Per parameter: where its values lie, in unit order (empty: not
     /// sharded).
@@ -208,14 +329,16 @@ pub struct Fetcher<T> {
     prefetch_bytes: usize,
     max_live_bytes: usize,
     /// This rank's parameter shard, the gathers' source: lent by the
-    /// engine between steps (the only copy).
-    shard: Arc<RwLock<Vec<T>>>,
+    /// engine between steps (the only copy; `None` while the engine has it).
+    shard: Arc<RwLock<Option<G::Shard>>>,
     /// The plan and the gathers issued, shared with the gather thread.
-    board: Arc<Board<T>>,
+    board: Arc<Board<G::Buffer>>,
     /// The gather thread's queue (`None`: gathers run on the caller's
-    /// thread, for communicators that must not run two collectives at once).
-    jobs: Option<Mutex<Sender<Job<T>>>>,
-    gather: Arc<GatherFn<T>>,
+    /// thread: queued on a device stream, or, for communicators that must
+    /// not run two collectives at once, blocking).
+    jobs: Option<Mutex<Sender<Job<G::Buffer>>>>,
+    gathers: Arc<G>,
+    values: PhantomData<fn() -> T>,
     /// The gather thread, joined when the fetcher goes (it holds the
     /// shard and a gather's buffer until it has stopped).
     worker: Mutex<Option<JoinHandle<()>>>,
@@ -223,24 +346,24 @@ pub struct Fetcher<T> {
 
 /// What the caller's thread and the gather thread share: the state, and
 /// the condition a request waits on for its gather.
-struct Board<T> {
-    state: Mutex<State<T>>,
+struct Board<B> {
+    state: Mutex<State<B>>,
     done: Condvar,
 }
 
-impl<T> Board<T> {
-    fn lock(&self) -> MutexGuard<'_, State<T>> {
+impl<B> Board<B> {
+    fn lock(&self) -> MutexGuard<'_, State<B>> {
         // Every change to the state is made after the fallible work, so a
         // panic elsewhere leaves it consistent.
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
 
-impl<T> Drop for Fetcher<T> {
+impl<T, G: GatherMemory<T>> Drop for Fetcher<T, G> {
     fn drop(&mut self) {
         // Closing the queue stops the thread after the gather under way.
         // The thread holds no handle on the fetcher, so this runs on
-        // another thread, and the communicator in `gather` is let go here
+        // another thread, and the communicator in `gathers` is let go here
         // after the thread's (MPI wants `MPI_Finalize`, which the last
         // communicator's drop may call, on the thread that initialized it).
         self.jobs = None;
@@ -255,15 +378,16 @@ impl<T> Drop for Fetcher<T> {
     }
 }
 
-impl<T: crate::Element> Fetcher<T> {
+impl<T: crate::Element, G: GatherMemory<T>> Fetcher<T, G> {
     /// A fetcher for `units`; `place[p]` locates parameter `p`. With
-    /// `threaded`, gathers run on a thread of their own (a prefetch then
-    /// overlaps the caller's compute).
+    /// `threaded`, gathers that block (host memory) run on a thread of
+    /// their own (a prefetch then overlaps the caller's compute); gathers
+    /// that `gathers` queues are issued from the caller's thread.
     pub(super) fn new(
         units: Vec<Unit>,
         place: Vec<Vec<Span>>,
-        shard: Vec<T>,
-        gather: Arc<GatherFn<T>>,
+        shard: G::Shard,
+        gathers: G,
         budgets: (usize, usize),
         threaded: bool,
     ) -> Result<Arc<Self>> {
@@ -306,13 +430,13 @@ impl<T: crate::Element> Fetcher<T> {
             .iter()
             .map(|spans| spans.iter().map(|s| s.values.len()).sum())
             .collect();
-        let (jobs, receiver) = if threaded {
+        let (jobs, receiver) = if threaded && !gathers.queues() {
             let (tx, rx) = mpsc::channel();
             (Some(Mutex::new(tx)), Some(rx))
         } else {
             (None, None)
         };
-        let gathers = vec![0; place.len()];
+        let counts = vec![0; place.len()];
         let fetcher = Arc::new(Self {
             units,
             place,
@@ -323,7 +447,7 @@ impl<T: crate::Element> Fetcher<T> {
             elem_bytes,
             prefetch_bytes,
             max_live_bytes,
-            shard: Arc::new(RwLock::new(shard)),
+            shard: Arc::new(RwLock::new(Some(shard))),
             board: Arc::new(Board {
                 state: Mutex::new(State {
                     phase: Phase::Forward,
@@ -338,21 +462,22 @@ impl<T: crate::Element> Fetcher<T> {
                     live_bytes: 0,
                     pool: Vec::new(),
                     stats: FetchStats {
-                        gathers,
+                        gathers: counts,
                         ..FetchStats::default()
                     },
                 }),
                 done: Condvar::new(),
             }),
             jobs,
-            gather,
+            gathers: Arc::new(gathers),
+            values: PhantomData,
             worker: Mutex::new(None),
         });
         if let Some(receiver) = receiver {
             let worker = Worker {
                 units: fetcher.units.clone(),
                 shard: fetcher.shard.clone(),
-                gather: fetcher.gather.clone(),
+                gathers: fetcher.gathers.clone(),
                 board: Arc::clone(&fetcher.board),
             };
             let handle = std::thread::Builder::new()
@@ -367,7 +492,7 @@ impl<T: crate::Element> Fetcher<T> {
         Ok(fetcher)
     }
 
-    fn lock(&self) -> MutexGuard<'_, State<T>> {
+    fn lock(&self) -> MutexGuard<'_, State<G::Buffer>> {
         self.board.lock()
     }
 
@@ -412,10 +537,16 @@ impl<T: crate::Element> Fetcher<T> {
         units
     }
 
-    /// Whether gathers run on a thread of their own (they do unless the
-    /// communicator cannot run two collectives at once).
+    /// Whether gathers run on a thread of their own (they do on host
+    /// memory unless the communicator cannot run two collectives at once).
     pub fn threaded(&self) -> bool {
         self.jobs.is_some()
+    }
+
+    /// Whether gathers run beside the caller's work (on a thread of their
+    /// own, or queued on a device stream), so that prefetching pays.
+    pub fn overlaps(&self) -> bool {
+        self.jobs.is_some() || self.gathers.queues()
     }
 
     /// The counters so far.
@@ -427,7 +558,7 @@ impl<T: crate::Element> Fetcher<T> {
     /// [`Fetcher::pieces`]): the prefetched gather when one was issued,
     /// else one issued now. Issues the next planned gathers before waiting
     /// for this one.
-    pub fn acquire(&self, param: usize, piece: usize) -> Result<Gathered<T>> {
+    pub fn acquire(&self, param: usize, piece: usize) -> Result<Gathered<T, G::Buffer>> {
         let Some(&unit) = self.pieces.get(param).and_then(|p| p.get(piece)) else {
             return Err(Error::Config(format!(
                 "stage 3: parameter #{param} has {} gathered pieces, not a piece {piece}; a \
@@ -493,37 +624,48 @@ impl<T: crate::Element> Fetcher<T> {
         let issued = st.issued.remove(j).expect("position found above");
         let bytes = self.bytes(unit);
         st.ahead_bytes -= bytes;
-        match issued.result {
-            Some(Ok(buffer)) => Ok(Gathered {
+        let ready = match issued.result {
+            Some(Ok(mut buffer)) => match self.gathers.ready(&mut buffer) {
+                Ok(()) => Ok(buffer),
+                Err(e) => {
+                    st.pool.push(buffer);
+                    Err(e)
+                }
+            },
+            Some(Err(e)) => Err(e),
+            None => Err(Error::State("internal: a gather had no result".into())),
+        };
+        match ready {
+            Ok(buffer) => Ok(Gathered {
                 buffer,
                 unit,
                 spans,
                 numel,
+                values: PhantomData,
             }),
-            Some(Err(e)) => {
+            Err(e) => {
                 st.live_bytes -= bytes;
                 Err(e)
             }
-            None => Err(Error::State("internal: a gather had no result".into())),
         }
     }
 
     /// Gives a gathered buffer back to the pool (and lets the prefetch go
     /// on into the bytes it frees).
-    pub fn release(&self, gathered: Gathered<T>) {
+    pub fn release(&self, gathered: Gathered<T, G::Buffer>) {
         self.release_unit(gathered.unit, gathered.buffer);
     }
 
     /// Gives back the buffer of a gather of `unit` ([`Gathered::unit`])
     /// taken out of its [`Gathered`] (the framework lent it on as a tensor
     /// storage).
-    pub fn release_buffer(&self, unit: usize, buffer: Vec<T>) {
+    pub fn release_buffer(&self, unit: usize, buffer: G::Buffer) {
         if unit < self.units.len() {
             self.release_unit(unit, buffer);
         }
     }
 
-    fn release_unit(&self, unit: usize, buffer: Vec<T>) {
+    fn release_unit(&self, unit: usize, buffer: G::Buffer) {
         let mut st = self.lock();
         st.live_bytes -= self.bytes(unit);
         st.pool.push(buffer);
@@ -560,14 +702,17 @@ impl<T: crate::Element> Fetcher<T> {
         let mut st = self.drain(st)?;
         let numel = self.place[param].iter().map(|s| s.values.len()).sum();
         let mut values = vec![T::default(); numel];
-        let mut buffer = Vec::new();
+        let mut buffer = None;
         for &unit in &self.pieces[param] {
-            buffer.clear();
-            buffer.resize(self.units[unit].len, T::default());
-            buffer = gather_unit(&self.units[unit], &self.shard, &*self.gather, buffer)?;
+            let len = self.units[unit].len;
+            let mut gathered = self.gathers.buffer(buffer.take(), len)?;
+            gathered = gather_unit(&*self.gathers, &self.units[unit], &self.shard, gathered)?;
+            self.gathers.ready(&mut gathered)?;
             for span in self.place[param].iter().filter(|s| s.unit == unit) {
-                values[span.values.clone()].copy_from_slice(&buffer[span.at.clone()]);
+                self.gathers
+                    .read(&gathered, span.at.clone(), &mut values[span.values.clone()])?;
             }
+            buffer = Some(gathered);
         }
         // The drained prefetches are planned again.
         if st.phase == Phase::Forward && st.log.is_empty() {
@@ -646,26 +791,29 @@ impl<T: crate::Element> Fetcher<T> {
 
     /// Takes the parameter shard the gathers read (for a step, a
     /// checkpoint), after the gathers in flight.
-    pub(super) fn take_shard(&self) -> Result<Vec<T>> {
+    pub(super) fn take_shard(&self) -> Result<G::Shard> {
         let st = self.lock();
         let st = self.drain(st)?;
-        let shard =
-            std::mem::take(&mut *self.shard.write().unwrap_or_else(PoisonError::into_inner));
+        let shard = self
+            .shard
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
         drop(st);
-        Ok(shard)
+        shard.ok_or_else(|| Error::State("internal: the parameter shard was already taken".into()))
     }
 
     /// Gives the shard back (updated by a step), then starts prefetching
     /// the next forward.
-    pub(super) fn put_shard(&self, shard: Vec<T>) {
-        *self.shard.write().unwrap_or_else(PoisonError::into_inner) = shard;
+    pub(super) fn put_shard(&self, shard: G::Shard) {
+        *self.shard.write().unwrap_or_else(PoisonError::into_inner) = Some(shard);
         self.resume();
     }
 
     /// Bytes of the gather buffers: in use, issued, and pooled.
     pub fn buffer_bytes(&self) -> usize {
         let st = self.lock();
-        let pooled: usize = st.pool.iter().map(Vec::capacity).sum();
+        let pooled: usize = st.pool.iter().map(G::capacity).sum();
         st.live_bytes + pooled * self.elem_bytes
     }
 
@@ -674,7 +822,8 @@ impl<T: crate::Element> Fetcher<T> {
         self.shard
             .read()
             .unwrap_or_else(PoisonError::into_inner)
-            .len()
+            .as_ref()
+            .map_or(0, G::shard_len)
     }
 
     /// Starts prefetching the next forward (after a micro-step that did
@@ -689,7 +838,7 @@ impl<T: crate::Element> Fetcher<T> {
     }
 
     /// Issues the gather of `unit` (the caller decided, on every rank alike).
-    fn issue(&self, st: &mut State<T>, unit: usize) -> u64 {
+    fn issue(&self, st: &mut State<G::Buffer>, unit: usize) -> u64 {
         let len = self.units[unit].len;
         // The smallest pooled buffer that holds the unit, else the largest
         // one grown (so the pool never holds more buffers than were alive
@@ -698,26 +847,18 @@ impl<T: crate::Element> Fetcher<T> {
             .pool
             .iter()
             .enumerate()
-            .filter(|(_, b)| b.capacity() >= len)
-            .min_by_key(|(_, b)| b.capacity())
+            .filter(|(_, b)| G::capacity(b) >= len)
+            .min_by_key(|(_, b)| G::capacity(b))
             .map(|(i, _)| i);
         let largest = || {
             st.pool
                 .iter()
                 .enumerate()
-                .max_by_key(|(_, b)| b.capacity())
+                .max_by_key(|(_, b)| G::capacity(b))
                 .map(|(i, _)| i)
         };
-        let mut buffer = match fits.or_else(largest) {
-            Some(i) => st.pool.swap_remove(i),
-            None => Vec::new(),
-        };
-        if buffer.capacity() < len {
-            // Freed before the larger one is made.
-            drop(std::mem::take(&mut buffer));
-            buffer = Vec::with_capacity(len);
-        }
-        buffer.resize(len, T::default());
+        let reuse = fits.or_else(largest).map(|i| st.pool.swap_remove(i));
+        let buffer = self.gathers.buffer(reuse, len);
         let bytes = self.bytes(unit);
         st.live_bytes += bytes;
         st.ahead_bytes += bytes;
@@ -727,8 +868,9 @@ impl<T: crate::Element> Fetcher<T> {
         }
         let ticket = st.next_ticket;
         st.next_ticket += 1;
-        let result = match &self.jobs {
-            Some(jobs) => {
+        let result = match (buffer, &self.jobs) {
+            (Err(e), _) => Some(Err(e)),
+            (Ok(buffer), Some(jobs)) => {
                 let sent = jobs
                     .lock()
                     .unwrap_or_else(PoisonError::into_inner)
@@ -740,10 +882,10 @@ impl<T: crate::Element> Fetcher<T> {
                     ))),
                 }
             }
-            None => Some(gather_unit(
+            (Ok(buffer), None) => Some(gather_unit(
+                &*self.gathers,
                 &self.units[unit],
                 &self.shard,
-                &*self.gather,
                 buffer,
             )),
         };
@@ -755,10 +897,11 @@ impl<T: crate::Element> Fetcher<T> {
         ticket
     }
 
-    /// Issues planned units while the budgets allow (with a gather thread:
-    /// on the caller's thread a gather ahead would only hold memory longer).
-    fn top_up(&self, st: &mut State<T>) {
-        if self.jobs.is_none() {
+    /// Issues planned units while the budgets allow (when gathers overlap
+    /// the caller's work: a blocking gather ahead on the caller's thread
+    /// would only hold memory longer).
+    fn top_up(&self, st: &mut State<G::Buffer>) {
+        if !self.overlaps() {
             return;
         }
         while let Some(&unit) = st.plan.front() {
@@ -779,9 +922,9 @@ impl<T: crate::Element> Fetcher<T> {
     /// recently issued prefetches (they go back to the front of the plan).
     fn make_room<'a>(
         &'a self,
-        mut st: MutexGuard<'a, State<T>>,
+        mut st: MutexGuard<'a, State<G::Buffer>>,
         unit: usize,
-    ) -> Result<MutexGuard<'a, State<T>>> {
+    ) -> Result<MutexGuard<'a, State<G::Buffer>>> {
         let bytes = self.bytes(unit);
         while st.live_bytes + bytes > self.max_live_bytes {
             let Some(last) = st.issued.back().map(|i| i.ticket) else {
@@ -798,7 +941,7 @@ impl<T: crate::Element> Fetcher<T> {
             st.live_bytes -= dropped_bytes;
             st.plan.push_front(dropped.unit);
             match dropped.result {
-                Some(Ok(buffer)) => st.pool.push(buffer),
+                Some(Ok(buffer)) => self.pool(&mut st, buffer)?,
                 Some(Err(e)) => return Err(e),
                 None => {}
             }
@@ -808,9 +951,9 @@ impl<T: crate::Element> Fetcher<T> {
 
     fn wait_for<'a>(
         &'a self,
-        st: MutexGuard<'a, State<T>>,
+        st: MutexGuard<'a, State<G::Buffer>>,
         ticket: u64,
-    ) -> MutexGuard<'a, State<T>> {
+    ) -> MutexGuard<'a, State<G::Buffer>> {
         self.board
             .done
             .wait_while(st, |st| {
@@ -821,8 +964,20 @@ impl<T: crate::Element> Fetcher<T> {
             .unwrap_or_else(PoisonError::into_inner)
     }
 
+    /// Puts a gathered buffer that no request took back in the pool, once
+    /// what follows is ordered after its gather (a step may change the
+    /// shard it reads).
+    fn pool(&self, st: &mut State<G::Buffer>, mut buffer: G::Buffer) -> Result<()> {
+        let ready = self.gathers.ready(&mut buffer);
+        st.pool.push(buffer);
+        ready
+    }
+
     /// Waits for every issued gather and puts its buffer back in the pool.
-    fn drain<'a>(&'a self, st: MutexGuard<'a, State<T>>) -> Result<MutexGuard<'a, State<T>>> {
+    fn drain<'a>(
+        &'a self,
+        st: MutexGuard<'a, State<G::Buffer>>,
+    ) -> Result<MutexGuard<'a, State<G::Buffer>>> {
         let mut st = self
             .board
             .done
@@ -833,12 +988,13 @@ impl<T: crate::Element> Fetcher<T> {
             let bytes = self.bytes(issued.unit);
             st.ahead_bytes -= bytes;
             st.live_bytes -= bytes;
-            match issued.result {
-                Some(Ok(buffer)) => st.pool.push(buffer),
-                Some(Err(e)) => {
-                    first_error.get_or_insert(e);
-                }
-                None => {}
+            let pooled = match issued.result {
+                Some(Ok(buffer)) => self.pool(&mut st, buffer),
+                Some(Err(e)) => Err(e),
+                None => Ok(()),
+            };
+            if let Err(e) = pooled {
+                first_error.get_or_insert(e);
             }
         }
         match first_error {
@@ -850,8 +1006,8 @@ impl<T: crate::Element> Fetcher<T> {
     /// A new forward pass without a backward since the last one.
     fn restart_forward<'a>(
         &'a self,
-        st: MutexGuard<'a, State<T>>,
-    ) -> Result<MutexGuard<'a, State<T>>> {
+        st: MutexGuard<'a, State<G::Buffer>>,
+    ) -> Result<MutexGuard<'a, State<G::Buffer>>> {
         let mut st = self.drain(st)?;
         st.continued = false;
         let log = std::mem::take(&mut st.log);
@@ -864,7 +1020,7 @@ impl<T: crate::Element> Fetcher<T> {
     }
 }
 
-impl<T> std::fmt::Debug for Fetcher<T> {
+impl<T, G: GatherMemory<T>> std::fmt::Debug for Fetcher<T, G> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Fetcher")
             .field("units", &self.units.len())
@@ -875,41 +1031,40 @@ impl<T> std::fmt::Debug for Fetcher<T> {
     }
 }
 
-/// Runs the gathers of one unit, bucket by bucket, into `buffer`.
-fn gather_unit<T: crate::Element>(
+/// Runs the gathers of one unit into `buffer`.
+fn gather_unit<T, G: GatherMemory<T>>(
+    gathers: &G,
     unit: &Unit,
-    shard: &RwLock<Vec<T>>,
-    gather: &GatherFn<T>,
-    mut buffer: Vec<T>,
-) -> Result<Vec<T>> {
+    shard: &RwLock<Option<G::Shard>>,
+    mut buffer: G::Buffer,
+) -> Result<G::Buffer> {
     let shard = shard.read().unwrap_or_else(PoisonError::into_inner);
-    if unit.buckets.iter().any(|b| b.shard.end > shard.len()) {
+    let len = shard.as_ref().map_or(0, G::shard_len);
+    let (Some(shard), true) = (&*shard, unit.buckets.iter().all(|b| b.shard.end <= len)) else {
         return Err(Error::State(
             "stage 3: a parameter gather ran while the engine held the shard (during a step); \
              gather between steps"
                 .into(),
         ));
-    }
-    for bucket in &unit.buckets {
-        gather(&shard[bucket.shard.clone()], &mut buffer[bucket.at.clone()])?;
-    }
+    };
+    gathers.gather(shard, &unit.buckets, &mut buffer)?;
     Ok(buffer)
 }
 
 /// The gather thread: runs the queued gathers in order and hands each
 /// result to the fetcher. It holds the fetcher weakly, so dropping the
 /// fetcher closes the queue and ends the thread.
-struct Worker<T> {
+struct Worker<T, G: GatherMemory<T>> {
     units: Vec<Unit>,
-    shard: Arc<RwLock<Vec<T>>>,
-    gather: Arc<GatherFn<T>>,
-    board: Arc<Board<T>>,
+    shard: Arc<RwLock<Option<G::Shard>>>,
+    gathers: Arc<G>,
+    board: Arc<Board<G::Buffer>>,
 }
 
-impl<T: crate::Element> Worker<T> {
-    fn run(self, jobs: Receiver<Job<T>>) {
+impl<T, G: GatherMemory<T>> Worker<T, G> {
+    fn run(self, jobs: Receiver<Job<G::Buffer>>) {
         while let Ok((ticket, unit, buffer)) = jobs.recv() {
-            let result = gather_unit(&self.units[unit], &self.shard, &*self.gather, buffer);
+            let result = gather_unit(&*self.gathers, &self.units[unit], &self.shard, buffer);
             let mut st = self.board.lock();
             if let Some(issued) = st.issued.iter_mut().find(|i| i.ticket == ticket) {
                 issued.result = Some(result);
@@ -923,15 +1078,17 @@ impl<T: crate::Element> Worker<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
 
     /// `count` units of `len` elements over one rank: unit `u`'s bucket is
     /// shard range `u*len..(u+1)*len`, one parameter per unit.
-    fn fetcher(
+    fn build<G: GatherMemory<f32>>(
         count: usize,
         len: usize,
         budgets: (usize, usize),
         threaded: bool,
-    ) -> Arc<Fetcher<f32>> {
+        (shard, gathers): (G::Shard, G),
+    ) -> Arc<Fetcher<f32, G>> {
         let units = (0..count)
             .map(|u| Unit {
                 buckets: vec![UnitBucket {
@@ -950,13 +1107,164 @@ mod tests {
                 }]
             })
             .collect();
-        let shard = (0..count * len).map(|i| i as f32).collect();
+        Fetcher::new(units, place, shard, gathers, budgets, threaded).unwrap()
+    }
+
+    fn shard_values(count: usize, len: usize) -> Vec<f32> {
+        (0..count * len).map(|i| i as f32).collect()
+    }
+
+    fn fetcher(
+        count: usize,
+        len: usize,
+        budgets: (usize, usize),
+        threaded: bool,
+    ) -> Arc<Fetcher<f32>> {
         // One rank: the all-gather is a copy.
         let gather: Arc<GatherFn<f32>> = Arc::new(|send: &[f32], recv: &mut [f32]| {
             recv.copy_from_slice(send);
             Ok(())
         });
-        Fetcher::new(units, place, shard, gather, budgets, threaded).unwrap()
+        let memory = (shard_values(count, len), HostGathers::new(gather));
+        build(count, len, budgets, threaded, memory)
+    }
+
+    /// Gathers queued as a device queues them on a stream: `gather` only
+    /// records the copies, and `ready` (the compute stream waiting on the
+    /// gather) runs them, reading the shard as it is then. A step that
+    /// changed the shard before a gather was ordered would show in the
+    /// gathered values.
+    #[derive(Default)]
+    struct Queued {
+        pending: AtomicUsize,
+    }
+
+    type SharedShard = Arc<RwLock<Vec<f32>>>;
+
+    struct QueuedBuffer {
+        values: Vec<f32>,
+        copies: Vec<(SharedShard, Range<usize>, Range<usize>)>,
+    }
+
+    impl GatherMemory<f32> for Arc<Queued> {
+        type Shard = SharedShard;
+        type Buffer = QueuedBuffer;
+
+        fn queues(&self) -> bool {
+            true
+        }
+
+        fn shard_len(shard: &SharedShard) -> usize {
+            shard.read().unwrap().len()
+        }
+
+        fn capacity(buffer: &QueuedBuffer) -> usize {
+            buffer.values.len()
+        }
+
+        fn buffer(&self, reuse: Option<QueuedBuffer>, len: usize) -> Result<QueuedBuffer> {
+            Ok(match reuse {
+                Some(buffer) if buffer.values.len() >= len => buffer,
+                _ => QueuedBuffer {
+                    values: vec![f32::NAN; len],
+                    copies: Vec::new(),
+                },
+            })
+        }
+
+        fn gather(
+            &self,
+            shard: &SharedShard,
+            buckets: &[UnitBucket],
+            buffer: &mut QueuedBuffer,
+        ) -> Result<()> {
+            assert!(
+                buffer.copies.is_empty(),
+                "a buffer refilled before it was ready"
+            );
+            for bucket in buckets {
+                let copy = (shard.clone(), bucket.shard.clone(), bucket.at.clone());
+                buffer.copies.push(copy);
+            }
+            self.pending.fetch_add(1, Ordering::SeqCst);
+            Ok(())
+        }
+
+        fn ready(&self, buffer: &mut QueuedBuffer) -> Result<()> {
+            if buffer.copies.is_empty() {
+                return Ok(());
+            }
+            for (shard, from, to) in buffer.copies.drain(..) {
+                buffer.values[to].copy_from_slice(&shard.read().unwrap()[from]);
+            }
+            self.pending.fetch_sub(1, Ordering::SeqCst);
+            Ok(())
+        }
+
+        fn read(&self, buffer: &QueuedBuffer, range: Range<usize>, out: &mut [f32]) -> Result<()> {
+            out.copy_from_slice(&buffer.values[range]);
+            Ok(())
+        }
+    }
+
+    fn queued(
+        count: usize,
+        len: usize,
+        budgets: (usize, usize),
+    ) -> (Arc<Fetcher<f32, Arc<Queued>>>, Arc<Queued>) {
+        let memory = Arc::new(Queued::default());
+        let shard = Arc::new(RwLock::new(shard_values(count, len)));
+        let f = build(count, len, budgets, true, (shard, memory.clone()));
+        (f, memory)
+    }
+
+    #[test]
+    fn queued_gathers_prefetch_from_the_caller_s_thread_and_are_ready_before_use() {
+        let (f, memory) = queued(6, 10, (80, 120));
+        assert!(
+            !f.threaded() && f.overlaps(),
+            "no thread, and gathers run ahead"
+        );
+        let order = [0, 1, 2, 3, 4, 5];
+        f.seed(&order, &[]);
+        for &u in &order {
+            let g = f.acquire(u, 0).unwrap();
+            let want: Vec<f32> = (u * 10..(u + 1) * 10).map(|i| i as f32).collect();
+            assert_eq!(&g.buffer().values[..10], &want[..], "unit {u}");
+            f.release(g);
+        }
+        let stats = f.stats();
+        assert_eq!((stats.hits, stats.misses), (6, 0), "{stats:?}");
+        assert!(stats.peak_live_bytes <= 120, "{stats:?}");
+        assert_eq!(
+            f.gather_full(3).unwrap(),
+            (30..40).map(|i| i as f32).collect::<Vec<_>>()
+        );
+        f.end_pass().unwrap();
+        assert_eq!(memory.pending.load(Ordering::SeqCst), 0);
+    }
+
+    /// Gathers issued ahead and never taken are ordered before the shard
+    /// goes to a step: one still queued would read the stepped shard.
+    #[test]
+    fn queued_gathers_no_pass_took_are_ready_before_the_shard_is_taken() {
+        let (f, memory) = queued(6, 10, (80, 1000));
+        f.seed(&[0, 1, 2, 3, 4, 5], &[]);
+        let g = f.acquire(0, 0).unwrap();
+        f.release(g);
+        assert!(
+            memory.pending.load(Ordering::SeqCst) > 0,
+            "the plan ran ahead"
+        );
+        f.end_pass().unwrap();
+        let shard = f.take_shard().unwrap();
+        assert_eq!(memory.pending.load(Ordering::SeqCst), 0);
+        // The step changes the shard; the next pass gathers the new values.
+        shard.write().unwrap().iter_mut().for_each(|v| *v += 1000.0);
+        f.put_shard(shard);
+        let g = f.acquire(1, 0).unwrap();
+        assert_eq!(g.buffer().values[0], 1010.0);
+        f.release(g);
     }
 
     fn use_units(f: &Fetcher<f32>, order: &[usize], len: usize) {
@@ -1069,7 +1377,7 @@ mod tests {
             len: 100,
         }];
         let gather: Arc<GatherFn<f32>> = Arc::new(|_: &[f32], _: &mut [f32]| Ok(()));
-        let e = Fetcher::new(
+        let e = Fetcher::<f32>::new(
             units,
             vec![vec![Span {
                 unit: 0,
@@ -1077,7 +1385,7 @@ mod tests {
                 values: 0..100,
             }]],
             vec![],
-            gather,
+            HostGathers::new(gather),
             (0, 200),
             false,
         )

@@ -64,18 +64,19 @@ pub use config::{
 };
 pub use consistency::check_rank_consistency;
 pub use deferred::{ParamAccess, Refresh};
-pub use fetch::{FetchStats, Fetcher, Gathered};
+pub use fetch::{FetchStats, Fetcher, GatherFn, GatherMemory, Gathered, HostGathers, UnitBucket};
 pub use layout::{Layout, Run};
 pub use memory::MemoryReport;
-pub use offload::{HostStepper, OffloadMemory, Placed};
+pub use offload::{HostStepper, OffloadGathers, OffloadMemory, Placed};
 pub use precision::{convert_slice, CastParams};
 pub use reduce::ReductionProgress;
 pub use scaler::{DynamicLossScale, LossScale, LossScalerState};
 pub use setup::ShardSetup;
 pub use shard_memory::{
-    GradPiece, HostGrad, HostMemory, ParamCopy, ParamStore, ShardMemory, StepPiece, StepPlan,
+    host_gathers, GradPiece, HostGrad, HostMemory, ParamCopy, ParamStore, ShardMemory, StepPiece,
+    StepPlan,
 };
-pub use stage3::ParamPieceSink;
+pub use stage3::{FetcherOf, ParamPieceSink};
 pub use state::SaveOptions;
 
 use crate::comm::{Communicator, Host, ReduceOp};
@@ -153,7 +154,7 @@ enum StageState<T: Element, C: Communicator, M: ShardMemory<T, C>> {
     /// all-gathers a step may leave running into the next forward.
     Sharded(deferred::DeferredGathers<T, C, M>),
     /// Stage 3 once sharded: the parameters that live only as shards.
-    Parameters(stage3::ShardedParams<T>),
+    Parameters(stage3::ShardedParams<T, C, M>),
 }
 
 /// The engine's flat buffers, in its memory.

@@ -24,6 +24,7 @@
 //! The logic is the same for any device memory: the CPU tests run it over
 //! [`HostMemory`](super::HostMemory) standing in for the device.
 
+use super::fetch::{GatherMemory, UnitBucket};
 use super::shard_memory::{host_copy, host_norm, host_scale, host_step};
 use super::{GradPiece, NormType, ParamCopy, ShardMemory, StepPiece, StepPlan};
 use crate::comm::{Communicator, ReduceOp};
@@ -40,6 +41,58 @@ pub enum Placed<B, T> {
     Device(B),
     /// Offloaded to host memory.
     Host(Vec<T>),
+}
+
+/// Stage 3's gathers of an [`OffloadMemory`]: the device's, from a
+/// parameter shard on the device (offload at stage 3, a shard in host
+/// memory, is refused when the engine is built).
+pub struct OffloadGathers<G>(G);
+
+impl<T: Element, G: GatherMemory<T>> GatherMemory<T> for OffloadGathers<G> {
+    type Shard = Placed<G::Shard, T>;
+    type Buffer = G::Buffer;
+
+    fn queues(&self) -> bool {
+        self.0.queues()
+    }
+
+    fn shard_len(shard: &Self::Shard) -> usize {
+        match shard {
+            Placed::Device(shard) => G::shard_len(shard),
+            Placed::Host(values) => values.len(),
+        }
+    }
+
+    fn capacity(buffer: &G::Buffer) -> usize {
+        G::capacity(buffer)
+    }
+
+    fn buffer(&self, reuse: Option<G::Buffer>, len: usize) -> Result<G::Buffer> {
+        self.0.buffer(reuse, len)
+    }
+
+    fn gather(
+        &self,
+        shard: &Self::Shard,
+        buckets: &[UnitBucket],
+        buffer: &mut G::Buffer,
+    ) -> Result<()> {
+        match shard {
+            Placed::Device(shard) => self.0.gather(shard, buckets, buffer),
+            Placed::Host(_) => Err(Error::Config(
+                "stage 3 cannot gather from an offloaded parameter shard; offload at stage 1 or 2"
+                    .into(),
+            )),
+        }
+    }
+
+    fn ready(&self, buffer: &mut G::Buffer) -> Result<()> {
+        self.0.ready(buffer)
+    }
+
+    fn read(&self, buffer: &G::Buffer, range: Range<usize>, out: &mut [T]) -> Result<()> {
+        self.0.read(buffer, range, out)
+    }
 }
 
 /// Device memory `D` whose optimizer side can be offloaded to host memory
@@ -219,6 +272,7 @@ fn host_copy_of<T: Element, C: Communicator, D: ShardMemory<T, C>>(
 
 impl<T: Element, C: Communicator, D: ShardMemory<T, C>> ShardMemory<T, C> for OffloadMemory<D> {
     type Buffer = Placed<D::Buffer, T>;
+    type Gathers = OffloadGathers<D::Gathers>;
     type Grad<'g>
         = D::Grad<'g>
     where
@@ -251,15 +305,8 @@ impl<T: Element, C: Communicator, D: ShardMemory<T, C>> ShardMemory<T, C> for Of
         }
     }
 
-    fn into_host_vec(buffer: Self::Buffer) -> std::result::Result<Vec<T>, Self::Buffer> {
-        match buffer {
-            Placed::Host(values) => Ok(values),
-            Placed::Device(b) => D::into_host_vec(b).map_err(Placed::Device),
-        }
-    }
-
-    fn from_host_vec(values: Vec<T>) -> std::result::Result<Self::Buffer, Vec<T>> {
-        D::from_host_vec(values).map(Placed::Device)
+    fn gathers(&self, comm: C) -> Result<OffloadGathers<D::Gathers>> {
+        Ok(OffloadGathers(self.device.gathers(comm)?))
     }
 
     fn zero(&mut self, buffer: &mut Self::Buffer, range: Range<usize>) -> Result<()> {

@@ -515,9 +515,9 @@ where
             return None;
         }
         // Stage 3 on a communicator that must not run two collectives at
-        // once (MPI) gathers on this thread during backward: the
+        // once (MPI) gathers on this thread, blocking, during backward: the
         // reductions wait until after it.
-        let serial = self.fetcher().is_some_and(|f| !f.threaded());
+        let serial = self.fetcher().is_some_and(|f| !f.overlaps());
         let runner = match self.config.overlap {
             _ if serial => Runner::AfterBackward,
             Overlap::None => Runner::AfterBackward,

@@ -15,12 +15,14 @@
 //! the same order (the engine guarantees it), and which must honour the
 //! communicator's deadline: a dead peer is an error, never a hang.
 
+use super::fetch::{GatherMemory, HostGathers};
 use super::NormType;
 use crate::comm::{Communicator, Host, ReduceOp};
 use crate::optim::{FunctionalOptimizer, OptimizerState, ParamKey, ParamMut};
 use crate::{DType, Element, Error, Result};
 use half::{bf16, f16};
 use std::ops::Range;
+use std::sync::Arc;
 
 /// One gradient piece to flatten: `grad[range]` goes to
 /// `buffer[at..at + range.len()]`.
@@ -93,7 +95,9 @@ pub struct StepPlan<'a> {
 /// thread keeps a fork of it.
 pub trait ShardMemory<T: Element, C: Communicator>: Send + 'static {
     /// An owned flat buffer of `T`.
-    type Buffer: Send;
+    type Buffer: Send + Sync + 'static;
+    /// Stage 3's parameter gathers in this memory.
+    type Gathers: GatherMemory<T, Shard = Self::Buffer>;
     /// One parameter's whole gradient as the framework hands it over.
     type Grad<'g>: Copy
     where
@@ -113,17 +117,11 @@ pub trait ShardMemory<T: Element, C: Communicator>: Send + 'static {
     /// The number of elements of `buffer`.
     fn buffer_len(buffer: &Self::Buffer) -> usize;
 
-    /// `buffer` as a host vector, where buffers are host vectors (stage 3
-    /// lends the parameter shard to its gathers between steps); else the
-    /// buffer back.
-    fn into_host_vec(buffer: Self::Buffer) -> std::result::Result<Vec<T>, Self::Buffer> {
-        Err(buffer)
-    }
-
-    /// The inverse of [`ShardMemory::into_host_vec`].
-    fn from_host_vec(values: Vec<T>) -> std::result::Result<Self::Buffer, Vec<T>> {
-        Err(values)
-    }
+    /// Stage 3's gathers over `comm` (a communicator of their own, split
+    /// from the engine's), reading the parameter shard (one of this
+    /// memory's buffers, lent to them between steps) into buffers of the
+    /// same memory.
+    fn gathers(&self, comm: C) -> Result<Self::Gathers>;
 
     /// Sets `buffer[range]` to zero.
     fn zero(&mut self, buffer: &mut Self::Buffer, range: Range<usize>) -> Result<()>;
@@ -599,6 +597,7 @@ pub struct HostMemory;
 
 impl<T: Element, C: Communicator<Memory = Host>> ShardMemory<T, C> for HostMemory {
     type Buffer = Vec<T>;
+    type Gathers = HostGathers<T>;
     type Grad<'g> = HostGrad<'g, T>;
     type Params<'p> = dyn ParamStore<T> + 'p;
 
@@ -614,12 +613,8 @@ impl<T: Element, C: Communicator<Memory = Host>> ShardMemory<T, C> for HostMemor
         buffer.len()
     }
 
-    fn into_host_vec(buffer: Vec<T>) -> std::result::Result<Vec<T>, Vec<T>> {
-        Ok(buffer)
-    }
-
-    fn from_host_vec(values: Vec<T>) -> std::result::Result<Vec<T>, Vec<T>> {
-        Ok(values)
+    fn gathers(&self, comm: C) -> Result<HostGathers<T>> {
+        Ok(host_gathers(comm))
     }
 
     fn zero(&mut self, buffer: &mut Vec<T>, range: Range<usize>) -> Result<()> {
@@ -893,6 +888,13 @@ impl<T: Element, C: Communicator<Memory = Host>> ShardMemory<T, C> for HostMemor
     ) -> Result<()> {
         params.write(param, 0..values.len(), values)
     }
+}
+
+/// Stage 3's gathers on host memory over `comm`.
+pub fn host_gathers<T: Element, C: Communicator<Memory = Host>>(comm: C) -> HostGathers<T> {
+    HostGathers::new(Arc::new(move |send: &[T], recv: &mut [T]| {
+        comm.all_gather(send, recv)
+    }))
 }
 
 /// Adds (`add`) or copies `src` into `dst`, in host memory.

@@ -26,9 +26,9 @@
 //!
 //! [`EngineConfig::persist_numel`]: super::EngineConfig::persist_numel
 
-use super::fetch::{Fetcher, GatherFn, Span, Unit, UnitBucket};
+use super::fetch::{Fetcher, Span, Unit, UnitBucket};
 use super::{Engine, ShardMemory, Stage, StageState};
-use crate::comm::{Communicator, Host, ReduceOp};
+use crate::comm::{Communicator, ReduceOp};
 use crate::{Element, Error, Result};
 use std::ops::Range;
 use std::sync::Arc;
@@ -37,12 +37,18 @@ use std::sync::Arc;
 /// of the parameter's elements, the values).
 pub type ParamPieceSink<'a, T> = dyn FnMut(usize, Range<usize>, &[T]) -> Result<()> + 'a;
 
+/// The fetcher of an engine over memory `M`.
+pub type FetcherOf<T, C, M> = Fetcher<T, <M as ShardMemory<T, C>>::Gathers>;
+
 /// Stage 3 once sharded: which parameters live only as shards, and their
 /// gathers.
-pub(super) struct ShardedParams<T> {
+pub(super) struct ShardedParams<T, C: Communicator, M: ShardMemory<T, C>>
+where
+    T: Element,
+{
     /// Per parameter, whether it lives only as shards.
     pub sharded: Vec<bool>,
-    pub fetcher: Arc<Fetcher<T>>,
+    pub fetcher: Arc<FetcherOf<T, C, M>>,
     /// The fetcher holds the parameter shard (between steps).
     pub shard_lent: bool,
 }
@@ -54,7 +60,7 @@ type BucketRun = (usize, usize, Vec<(usize, usize)>);
 impl<T, C, M> Engine<T, C, M>
 where
     T: Element,
-    C: Communicator<Memory = Host>,
+    C: Communicator,
     M: ShardMemory<T, C>,
 {
     /// Stage 3: from now on, keeps the parameters `gatherable` marks (those
@@ -72,7 +78,7 @@ where
         &mut self,
         gatherable: &[bool],
         params: &mut M::Params<'_>,
-    ) -> Result<Arc<Fetcher<T>>> {
+    ) -> Result<Arc<FetcherOf<T, C, M>>> {
         self.finish_gathers()?;
         if self.config.stage != Stage::Parameters {
             return Err(Error::Config(format!(
@@ -120,23 +126,15 @@ where
             Error::State("internal: a split over every rank left this rank out".into())
         })?;
         let threaded = gather_comm.concurrent_groups();
-        let gather_comm = Arc::new(gather_comm);
-        let gather: Arc<GatherFn<T>> =
-            Arc::new(move |send: &[T], recv: &mut [T]| gather_comm.all_gather(send, recv));
+        let gathers = self.memory.gathers(gather_comm)?;
         // The shard moves to the fetcher between steps: one copy.
         let empty = self.memory.alloc_zeroed(0)?;
-        let shard = M::into_host_vec(std::mem::replace(&mut self.buffers.param_shard, empty))
-            .map_err(|_| {
-                Error::Config(
-                    "stage 3 runs on host memory (threads, MPI) for now; on the GPU use stage 2"
-                        .into(),
-                )
-            })?;
+        let shard = std::mem::replace(&mut self.buffers.param_shard, empty);
         let fetcher = Fetcher::new(
             units,
             place,
             shard,
-            gather,
+            gathers,
             (self.config.prefetch_bytes, self.config.max_live_bytes),
             threaded,
         )?;
@@ -168,7 +166,7 @@ where
         order: &[usize],
         gatherable: &[bool],
         params: &mut M::Params<'_>,
-    ) -> Result<Arc<Fetcher<T>>> {
+    ) -> Result<Arc<FetcherOf<T, C, M>>> {
         if self.steps > 0
             || self.window.micro_steps > 0
             || self.window.in_full_buffer
@@ -263,7 +261,8 @@ where
         let n = mask.len();
         let mut agreed: Vec<f32> = mask.iter().map(|&m| f32::from(u8::from(m))).collect();
         agreed.extend(mask.iter().map(|&m| -f32::from(u8::from(m))));
-        self.comm.all_reduce(&mut agreed[..], ReduceOp::Max)?;
+        self.memory
+            .all_reduce_host(&self.comm, &mut agreed[..], ReduceOp::Max)?;
         let differs = (0..n).find(|&i| agreed[i] != -agreed[n + i]);
         match differs {
             None => Ok(()),
@@ -417,12 +416,12 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
 
     /// Stage 3: the fetcher of the sharded parameters, once
     /// [`Engine::shard_parameters`] made one.
-    pub fn fetcher(&self) -> Option<&Arc<Fetcher<T>>> {
+    pub fn fetcher(&self) -> Option<&Arc<FetcherOf<T, C, M>>> {
         self.sharded_params().map(|s| &s.fetcher)
     }
 
     /// Stage 3 once sharded.
-    pub(super) fn sharded_params(&self) -> Option<&ShardedParams<T>> {
+    pub(super) fn sharded_params(&self) -> Option<&ShardedParams<T, C, M>> {
         match &self.stage {
             StageState::Parameters(sharded) => Some(sharded),
             _ => None,
@@ -468,17 +467,16 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                 return Err(e);
             }
         };
-        self.buffers.param_shard = M::from_host_vec(shard)
-            .map_err(|_| Error::State("internal: stage 3 runs on host memory only".into()))?;
+        self.buffers.param_shard = shard;
         let result = f(self);
-        let shard = std::mem::replace(&mut self.buffers.param_shard, self.memory.alloc_zeroed(0)?);
-        match M::into_host_vec(shard) {
-            Ok(shard) => {
-                fetcher.put_shard(shard);
-                self.set_shard_lent(true);
-            }
-            Err(shard) => self.buffers.param_shard = shard,
-        }
+        let empty = match self.memory.alloc_zeroed(0) {
+            Ok(empty) => empty,
+            // The shard stays home; the engine reads it there.
+            Err(e) => return result.and(Err(e)),
+        };
+        let shard = std::mem::replace(&mut self.buffers.param_shard, empty);
+        fetcher.put_shard(shard);
+        self.set_shard_lent(true);
         result
     }
 

@@ -7,8 +7,8 @@ use std::ops::Range;
 use std::sync::{Arc, Mutex};
 use zero_core::comm::Host;
 use zero_core::engine::{
-    GradPiece, HostGrad, HostMemory, NormType, ParamCopy, ParamStore, ShardMemory, StepPiece,
-    StepPlan,
+    host_gathers, GradPiece, HostGathers, HostGrad, HostMemory, NormType, ParamCopy, ParamStore,
+    ShardMemory, StepPiece, StepPlan,
 };
 use zero_core::optim::OptimizerState;
 use zero_core::{Communicator, DType, Element, FunctionalOptimizer, ReduceOp, Result};
@@ -145,6 +145,7 @@ impl PlanCheck {
 
 impl<T: Element, C: Communicator<Memory = Host>> ShardMemory<T, C> for PlanCheck {
     type Buffer = Vec<T>;
+    type Gathers = HostGathers<T>;
     type Grad<'g> = HostGrad<'g, T>;
     type Params<'p> = dyn ParamStore<T> + 'p;
 
@@ -208,12 +209,8 @@ impl<T: Element, C: Communicator<Memory = Host>> ShardMemory<T, C> for PlanCheck
         <HostMemory as ShardMemory<T, C>>::buffer_len(buffer)
     }
 
-    fn into_host_vec(buffer: Vec<T>) -> std::result::Result<Vec<T>, Vec<T>> {
-        <HostMemory as ShardMemory<T, C>>::into_host_vec(buffer)
-    }
-
-    fn from_host_vec(values: Vec<T>) -> std::result::Result<Vec<T>, Vec<T>> {
-        <HostMemory as ShardMemory<T, C>>::from_host_vec(values)
+    fn gathers(&self, comm: C) -> Result<HostGathers<T>> {
+        Ok(host_gathers(comm))
     }
 
     fn zero(&mut self, buffer: &mut Vec<T>, range: Range<usize>) -> Result<()> {

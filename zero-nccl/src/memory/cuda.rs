@@ -1,5 +1,6 @@
 //! The CUDA implementation of the engine's memory seam.
 
+use super::gathers::DeviceGathers;
 use super::optimizer::DeviceOptimizer;
 use super::segments::{plan_segments, PieceSlot};
 use super::view::{DeviceView, DeviceViewMut, ViewElement};
@@ -379,6 +380,7 @@ impl CudaMemory {
 
 impl<C: DeviceComm> ShardMemory<f32, C> for CudaMemory {
     type Buffer = CudaSlice<f32>;
+    type Gathers = DeviceGathers<C>;
     type Grad<'g> = DeviceView<'g>;
     type Params<'p> = dyn DeviceParams + 'p;
 
@@ -394,6 +396,17 @@ impl<C: DeviceComm> ShardMemory<f32, C> for CudaMemory {
 
     fn buffer_len(buffer: &CudaSlice<f32>) -> usize {
         buffer.len()
+    }
+
+    fn gathers(&self, comm: C) -> Result<DeviceGathers<C>> {
+        if !Arc::ptr_eq(comm.compute_stream(), &self.stream) {
+            return Err(Error::State(
+                "internal: stage 3's gather communicator orders with another compute stream than \
+                 the engine's memory"
+                    .into(),
+            ));
+        }
+        Ok(DeviceGathers::new(comm))
     }
 
     fn launches_async(&self) -> bool {

@@ -33,6 +33,8 @@ pub mod segments;
 
 #[cfg(feature = "nccl")]
 mod cuda;
+#[cfg(feature = "nccl")]
+mod gathers;
 // Its device optimizer serves `CudaMemory` (feature `nccl`); `cuda` alone
 // uses only `DEVICE_KINDS`.
 #[cfg(feature = "cuda")]
@@ -43,6 +45,8 @@ mod view;
 
 #[cfg(feature = "nccl")]
 pub use cuda::{cuda_engine, CudaEngine, CudaMemory, DeviceParams};
+#[cfg(feature = "nccl")]
+pub use gathers::{DeviceGather, DeviceGathers};
 #[cfg(feature = "cuda")]
 pub use optimizer::DEVICE_KINDS;
 #[cfg(feature = "cuda")]

@@ -1,0 +1,154 @@
+//! Stage 3's parameter gathers in device memory: [`DeviceGathers`].
+//!
+//! The fetcher's logic (plan, prefetch, budgets, pool) is `zero-core`'s,
+//! the same as on the host; this supplies the buffers and the collective.
+//! A gather is *queued*: each bucket's all-gather goes on the gather
+//! communicator's own stream, after what the compute stream has queued so
+//! far (so a pooled buffer is never refilled while a layer still reads it,
+//! and the shard is never read while a step writes it), and returns at
+//! once. When a layer takes the buffer, the compute stream waits on the
+//! gather's completion event: no host wait per layer, and the gathers of
+//! the next layers run beside the current one's compute.
+
+use crate::DeviceComm;
+use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DriverError};
+use std::ops::Range;
+use std::sync::Arc;
+use zero_core::engine::{GatherMemory, UnitBucket};
+use zero_core::{Error, Result};
+
+fn cuda(e: DriverError) -> Error {
+    Error::from(crate::Error::from(e))
+}
+
+/// Stage 3's gathers on the GPU over communicator `C` (split from the
+/// engine's for them: its own stream, the engine's compute stream).
+pub struct DeviceGathers<C> {
+    comm: C,
+}
+
+impl<C: DeviceComm> DeviceGathers<C> {
+    /// Gathers over `comm`, ordered with its compute stream.
+    pub fn new(comm: C) -> Self {
+        Self { comm }
+    }
+}
+
+/// A buffer of [`DeviceGathers`]: device memory, and the event its last
+/// gather completes at until the compute stream waits on it.
+pub struct DeviceGather {
+    values: CudaSlice<f32>,
+    done: Option<CudaEvent>,
+    /// The compute stream, which frees `values`.
+    stream: Arc<CudaStream>,
+}
+
+impl Drop for DeviceGather {
+    fn drop(&mut self) {
+        // A gather still queued (the fetcher dropped with a prefetch in
+        // flight) completes before the memory is freed.
+        if let Some(done) = self.done.take() {
+            let _ = self.stream.wait(&done);
+        }
+    }
+}
+
+impl DeviceGather {
+    /// The gathered values (the whole buffer; a unit's lie at the start).
+    /// Read them on the compute stream only once the fetcher handed the
+    /// buffer out (it made the stream wait for the gather).
+    pub fn values(&self) -> &CudaSlice<f32> {
+        &self.values
+    }
+
+    /// The buffer's device memory, to lend on as a tensor storage for the
+    /// length of one computation.
+    pub fn values_mut(&mut self) -> &mut CudaSlice<f32> {
+        &mut self.values
+    }
+}
+
+impl<C: DeviceComm> GatherMemory<f32> for DeviceGathers<C> {
+    type Shard = CudaSlice<f32>;
+    type Buffer = DeviceGather;
+
+    fn queues(&self) -> bool {
+        true
+    }
+
+    fn shard_len(shard: &CudaSlice<f32>) -> usize {
+        shard.len()
+    }
+
+    fn capacity(buffer: &DeviceGather) -> usize {
+        buffer.values.len()
+    }
+
+    fn buffer(&self, reuse: Option<DeviceGather>, len: usize) -> Result<DeviceGather> {
+        match reuse {
+            Some(buffer) if buffer.values.len() >= len => Ok(buffer),
+            reuse => {
+                // Freed (in compute-stream order, after the layers that
+                // read it) before the larger one is made.
+                drop(reuse);
+                let stream = self.comm.compute_stream().clone();
+                let values = stream.alloc_zeros(len.max(1)).map_err(cuda)?;
+                Ok(DeviceGather {
+                    values,
+                    done: None,
+                    stream,
+                })
+            }
+        }
+    }
+
+    fn gather(
+        &self,
+        shard: &CudaSlice<f32>,
+        buckets: &[UnitBucket],
+        buffer: &mut DeviceGather,
+    ) -> Result<()> {
+        for bucket in buckets {
+            let (send, at) = (&bucket.shard, &bucket.at);
+            if send.end > shard.len() || at.end > buffer.values.len() {
+                return Err(Error::State(format!(
+                    "internal: a stage-3 gather of shard {send:?} into {at:?} is out of bounds \
+                     ({} and {} elements)",
+                    shard.len(),
+                    buffer.values.len()
+                )));
+            }
+            let send = shard.slice(send.clone());
+            let mut recv = buffer.values.slice_mut(at.clone());
+            // One stream: the last bucket's completion follows the others'.
+            buffer.done = Some(self.comm.all_gather_event(&send, &mut recv)?);
+        }
+        Ok(())
+    }
+
+    fn ready(&self, buffer: &mut DeviceGather) -> Result<()> {
+        match buffer.done.take() {
+            Some(done) => self.comm.compute_stream().wait(&done).map_err(cuda),
+            None => Ok(()),
+        }
+    }
+
+    fn read(&self, buffer: &DeviceGather, range: Range<usize>, out: &mut [f32]) -> Result<()> {
+        if range.end > buffer.values.len() || range.len() != out.len() {
+            return Err(Error::State(format!(
+                "internal: reading {range:?} of a {}-element gather into {} elements",
+                buffer.values.len(),
+                out.len()
+            )));
+        }
+        if range.is_empty() {
+            return Ok(());
+        }
+        self.comm
+            .wait_compute("stage 3: reading gathered parameters")?;
+        self.comm
+            .compute_stream()
+            .memcpy_dtoh(&buffer.values.slice(range), out)
+            .map_err(cuda)
+    }
+}
