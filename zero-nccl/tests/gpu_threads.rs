@@ -347,3 +347,106 @@ fn the_engine_on_ranks_sharing_a_gpu_trains_the_host_engine_s_weights() {
         }
     }
 }
+
+/// Stage 3 through the engine over CUDA memory: the sharded parameters'
+/// values, gathered piece by piece on the gathers' own stream (the compute
+/// stream waiting per piece), follow the host engine's stage 3 on the
+/// thread backend (`zero-core`'s `engine_stage3` test drives the host side
+/// the same way), and the gathers run ahead of their use.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn stage_3_on_ranks_sharing_a_gpu_gathers_the_host_engine_s_weights() {
+    let steps = 4;
+    let infos = params();
+    for n in 1..=4 {
+        // Whole parameters, and pieces of 64 elements.
+        for gather_bytes in [1 << 20, 256] {
+            let config = EngineConfig::default()
+                .with_stage(Stage::Parameters)
+                .with_bucket_bytes(256)
+                .with_persist_numel(10)
+                .with_gather_bytes(gather_bytes)
+                .with_prefetch_bytes(1 << 20);
+            let gatherable = vec![true; infos.len()];
+            let host = on_threads(n, |comm| {
+                let (mut weights, grads) = data(comm.rank(), steps);
+                let mut engine = Engine::new(comm, params(), adamw(), config.clone())?;
+                let mut seen = Vec::new();
+                for (s, step) in grads.iter().enumerate() {
+                    let slots: Vec<Option<HostGrad<'_, f32>>> =
+                        step.iter().map(|g| Some(HostGrad::from(&g[..]))).collect();
+                    engine.step(&slots, &mut weights)?;
+                    if s == 0 {
+                        engine.shard_parameters(&gatherable, &mut weights)?;
+                    }
+                    let fetcher = engine.fetcher().expect("sharded").clone();
+                    let mut values = Vec::new();
+                    for (p, replica) in weights.iter().enumerate() {
+                        let mut out = replica.clone();
+                        for piece in 0..fetcher.pieces(p) {
+                            let g = fetcher.acquire(p, piece)?;
+                            for (at, places) in g.spans() {
+                                out[places.clone()].copy_from_slice(&g.buffer()[at.clone()]);
+                            }
+                            fetcher.release(g);
+                        }
+                        values.push(out);
+                    }
+                    seen.push(values);
+                }
+                Ok(seen)
+            });
+            let gpu = on_gpu(n, |comm| {
+                let stream = comm.compute_stream().clone();
+                let (init, grads) = data(comm.rank(), steps);
+                let mut engine = cuda_engine(comm, params(), adamw(), config.clone())?;
+                let mut weights: Vec<CudaSlice<f32>> =
+                    init.iter().map(|w| stream.clone_htod(w).unwrap()).collect();
+                let mut seen = Vec::new();
+                for (s, step) in grads.iter().enumerate() {
+                    let device: Vec<CudaSlice<f32>> =
+                        step.iter().map(|g| stream.clone_htod(g).unwrap()).collect();
+                    let slots: Vec<Option<DeviceView<'_>>> =
+                        device.iter().map(|g| Some(g.into())).collect();
+                    engine.step(&slots, &mut weights)?;
+                    if s == 0 {
+                        engine.shard_parameters(&gatherable, &mut weights)?;
+                    }
+                    let fetcher = engine.fetcher().expect("sharded").clone();
+                    let mut values = Vec::new();
+                    for (p, replica) in weights.iter().enumerate() {
+                        let mut out = stream.clone_dtoh(replica).unwrap();
+                        for piece in 0..fetcher.pieces(p) {
+                            let g = fetcher.acquire(p, piece)?;
+                            for (at, places) in g.spans() {
+                                let part = g.buffer().values().slice(at.clone());
+                                out[places.clone()]
+                                    .copy_from_slice(&stream.clone_dtoh(&part).unwrap());
+                            }
+                            fetcher.release(g);
+                        }
+                        values.push(out);
+                    }
+                    seen.push(values);
+                }
+                let stats = engine.fetcher().expect("sharded").stats();
+                assert!(stats.hits > 0, "no gather ran ahead of its use: {stats:?}");
+                Ok(seen)
+            });
+            for r in 0..n {
+                for (s, (d, h)) in gpu[r].iter().zip(&host[r]).enumerate() {
+                    for (p, (x, y)) in d.iter().zip(h).enumerate() {
+                        for (j, (x, y)) in x.iter().zip(y).enumerate() {
+                            assert!(
+                                (x - y).abs() <= 1e-5 * (1.0 + y.abs()),
+                                "n={n} gather_bytes={gather_bytes}: rank {r} step {s} \
+                                 parameter {p} ({}) element {j}: gpu {x}, host {y}",
+                                infos[p].name
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
