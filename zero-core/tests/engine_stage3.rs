@@ -9,7 +9,7 @@ mod common;
 use common::{assert_close, engine, make_opt, run, slots, Mlp, Model, Opt};
 use std::sync::Arc;
 use zero_core::engine::{EngineConfig, Fetcher, NormType, Stage};
-use zero_core::{Communicator, Engine, Result, ThreadComm};
+use zero_core::{Communicator, Engine, Error, Result, ThreadComm, ThreadGroup};
 
 /// The values of parameter `p`: gathered through `fetcher` piece by piece
 /// when it is sharded, else the replica's.
@@ -104,6 +104,53 @@ fn stage_3_through_the_engine_trains_stage_2_s_weights() {
                     assert!(*hits > 0, "{what}: no prefetch hit");
                 }
             }
+        }
+    }
+}
+
+/// A rank that dies between two gathers of a forward (its layers panic)
+/// fails its peers' next gathers within the deadline: they return an
+/// error naming it, never hang.
+#[test]
+fn a_rank_that_dies_mid_forward_fails_its_peers_gathers_within_the_deadline() {
+    let model = Mlp::new(&[6, 16, 12, 4]);
+    let deadline = std::time::Duration::from_secs(2);
+    let config = EngineConfig::default()
+        .with_stage(Stage::Parameters)
+        .with_bucket_bytes(128)
+        .with_persist_numel(20)
+        .with_gather_bytes(256);
+    let started = std::time::Instant::now();
+    let results = ThreadGroup::new(3).with_timeout(deadline).run(|comm| {
+        let rank = comm.rank();
+        let mut e: Engine<f64, ThreadComm> =
+            engine(comm, &model, make_opt(Opt::Adam, false), config.clone())?;
+        let mut replica = model.init();
+        let g = model.grads(&replica, rank, 0);
+        e.step(&slots(&g), &mut replica)?;
+        let fetcher = e.shard_parameters(&vec![true; replica.len()], &mut replica)?;
+        let sharded: Vec<usize> = (0..replica.len())
+            .filter(|&p| fetcher.is_sharded(p))
+            .collect();
+        for (k, &p) in sharded.iter().enumerate() {
+            if rank == 1 && k == 1 {
+                panic!("rank 1's layer fails mid-forward");
+            }
+            for piece in 0..fetcher.pieces(p) {
+                let gathered = fetcher.acquire(p, piece)?;
+                fetcher.release(gathered);
+            }
+        }
+        Ok(())
+    });
+    let waited = started.elapsed();
+    assert!(waited < deadline * 5, "the peers waited {waited:?}");
+    for (rank, result) in results.into_iter().enumerate() {
+        match (rank, result) {
+            (1, Err(panicked)) => assert!(panicked.to_string().contains("mid-forward")),
+            (_, Ok(Err(Error::PeerFailed { failed, .. }))) => assert_eq!(failed, vec![1]),
+            (_, Ok(Err(Error::CollectiveTimeout { .. }))) => {}
+            (rank, other) => panic!("rank {rank}: expected a failure naming rank 1, got {other:?}"),
         }
     }
 }

@@ -450,3 +450,66 @@ fn stage_3_on_ranks_sharing_a_gpu_gathers_the_host_engine_s_weights() {
         }
     }
 }
+
+/// Stage 3 on the GPU: a rank that dies between two gathers of a forward
+/// fails its peers' next gathers (queued on their gather streams) within
+/// the deadline, naming it.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_rank_that_dies_mid_forward_fails_its_peers_stage_3_gathers() {
+    let start = Instant::now();
+    let config = EngineConfig::default()
+        .with_stage(Stage::Parameters)
+        .with_bucket_bytes(256)
+        .with_persist_numel(10)
+        .with_gather_bytes(256);
+    let results = CudaThreadGroup::new(3)
+        .with_timeout(Duration::from_secs(20))
+        .run(|comm| {
+            let rank = comm.rank();
+            let stream = comm.compute_stream().clone();
+            let (init, grads) = data(rank, 1);
+            let mut engine = cuda_engine(comm, params(), adamw(), config.clone())?;
+            let mut weights: Vec<CudaSlice<f32>> =
+                init.iter().map(|w| stream.clone_htod(w).unwrap()).collect();
+            let device: Vec<CudaSlice<f32>> = grads[0]
+                .iter()
+                .map(|g| stream.clone_htod(g).unwrap())
+                .collect();
+            let slots: Vec<Option<DeviceView<'_>>> =
+                device.iter().map(|g| Some(g.into())).collect();
+            engine.step(&slots, &mut weights)?;
+            let fetcher = engine.shard_parameters(&vec![true; weights.len()], &mut weights)?;
+            let sharded: Vec<usize> = (0..weights.len())
+                .filter(|&p| fetcher.is_sharded(p))
+                .collect();
+            for (k, &p) in sharded.iter().enumerate() {
+                if rank == 1 && k == 1 {
+                    panic!("rank 1's layer fails mid-forward");
+                }
+                for piece in 0..fetcher.pieces(p) {
+                    let gathered = fetcher.acquire(p, piece)?;
+                    fetcher.release(gathered);
+                }
+            }
+            // What was queued must have run: read one value back.
+            fetcher.gather_full(sharded[0])?;
+            Ok(())
+        })
+        .unwrap();
+    assert!(
+        start.elapsed() < Duration::from_secs(15),
+        "{:?}",
+        start.elapsed()
+    );
+    assert!(matches!(
+        results[1],
+        Err(Error::RankPanicked { rank: 1, .. })
+    ));
+    for rank in [0, 2] {
+        match &results[rank] {
+            Err(Error::PeerFailed { failed, .. }) => assert_eq!(failed, &vec![1]),
+            other => panic!("rank {rank}: expected rank 1's failure, got {other:?}"),
+        }
+    }
+}
