@@ -1,16 +1,16 @@
 //! [`ZeroHook`]: the gradient hook that hands each parameter gradient of
 //! a `zero_candle::nn` model to the engine the moment backward computes it.
 
-use crate::memory::{CandleMemory, MemoryOf};
+use crate::memory::{CandleMemory, KindFetcher, MemoryOf};
 use crate::nn::{GatheredParam, GiveBack, GradHook, Stretch};
 use crate::precision::RoundedPool;
 use candle_core::backprop::GradStore;
-use candle_core::{CpuStorage, Tensor, TensorId, Var, WithDType};
+use candle_core::{Storage, Tensor, TensorId, Var, WithDType};
 use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use zero_core::engine::{Fetcher, Refresh};
+use zero_core::engine::Refresh;
 use zero_core::{Communicator, Element, Engine};
 
 /// How much of a weight gradient a hooked layer computes at a time
@@ -21,9 +21,13 @@ const BLOCK_BYTES: usize = 1 << 20;
 /// Stage 3's fetcher, what takes its lent buffers back, and where each
 /// piece of each sharded parameter lies in its buffer (worked out once, so
 /// that lending a piece allocates nothing).
-#[derive(Clone)]
-struct Sharded<T: Element> {
-    fetcher: Arc<Fetcher<T>>,
+struct Sharded<C, T>
+where
+    C: Communicator + 'static,
+    T: Element + WithDType,
+    C::Memory: CandleMemory<T, C>,
+{
+    fetcher: Arc<KindFetcher<T, C, C::Memory>>,
     lender: Arc<dyn GiveBack>,
     /// Per parameter and piece.
     stretches: Arc<Vec<Vec<Arc<[Stretch]>>>>,
@@ -32,6 +36,23 @@ struct Sharded<T: Element> {
     packed: Arc<Vec<Vec<Arc<[Stretch]>>>>,
     /// Where the rounded copies' storages come from and go back to.
     rounded: Arc<RoundedPool>,
+}
+
+impl<C, T> Clone for Sharded<C, T>
+where
+    C: Communicator + 'static,
+    T: Element + WithDType,
+    C::Memory: CandleMemory<T, C>,
+{
+    fn clone(&self) -> Self {
+        Self {
+            fetcher: self.fetcher.clone(),
+            lender: self.lender.clone(),
+            stretches: self.stretches.clone(),
+            packed: self.packed.clone(),
+            rounded: self.rounded.clone(),
+        }
+    }
 }
 
 /// The engine of communicator `C` for elements `T`.
@@ -104,7 +125,7 @@ where
     gathering: HashMap<TensorId, usize>,
     /// Stage 3: the gathers of the sharded parameters, once sharded, and
     /// the same as what takes their buffers back.
-    fetcher: Option<Sharded<T>>,
+    fetcher: Option<Sharded<C, T>>,
     /// Until then, the parameters the layers asked for, in the forward and
     /// backward of the last step (they plan the first sharded step's
     /// prefetches).
@@ -277,11 +298,11 @@ where
     /// Stage 3: from now on the layers gather the sharded parameters
     /// through `fetcher`, whose first passes are planned from the uses
     /// recorded so far.
-    pub(crate) fn set_fetcher(&self, fetcher: Arc<Fetcher<T>>) {
+    pub(crate) fn set_fetcher(&self, fetcher: Arc<KindFetcher<T, C, C::Memory>>) {
         let mut inner = self.lock();
         let [forward, backward] = std::mem::take(&mut inner.used);
         fetcher.seed(&forward, &backward);
-        let lender: Arc<dyn GiveBack> = Arc::new(Lender(fetcher.clone()));
+        let lender: Arc<dyn GiveBack> = Arc::new(Lender::<C, T>(fetcher.clone()));
         let stretches: Vec<Vec<Arc<[Stretch]>>> = (0..inner.vars.len())
             .map(|param| {
                 (0..fetcher.pieces(param))
@@ -330,7 +351,7 @@ where
     }
 
     /// The fetcher of the sharded parameters (stage 3).
-    pub(crate) fn fetcher(&self) -> Option<Arc<Fetcher<T>>> {
+    pub(crate) fn fetcher(&self) -> Option<Arc<KindFetcher<T, C, C::Memory>>> {
         self.lock().fetcher.as_ref().map(|s| s.fetcher.clone())
     }
 
@@ -496,13 +517,14 @@ where
             return Ok(None);
         };
         let (fetcher, stretches) = (&sharded.fetcher, Arc::clone(stretches));
-        let mut gathered = fetcher
+        let gathered = fetcher
             .acquire(i, piece)
             .map_err(candle_core::Error::wrap)?;
         let unit = gathered.unit();
-        let buffer = std::mem::take(gathered.buffer_mut());
+        let device = var.device();
         if var.dtype() == <T as WithDType>::DTYPE {
-            let storage = T::to_cpu_storage_owned(buffer);
+            let storage = C::Memory::lend(gathered.into_buffer(), device)
+                .map_err(candle_core::Error::wrap)?;
             return Ok(Some(GatheredParam::new(
                 storage,
                 stretches,
@@ -513,16 +535,20 @@ where
         }
         // Master weights: the model computes with them rounded to its
         // dtype (the values the write-back gives a replicated weight), in a
-        // pooled storage; the gathered masters go back at once.
+        // storage of their own; the gathered masters go back at once.
         let packed = &sharded.packed[i][piece];
-        let rounded = sharded
-            .rounded
-            .round(&buffer, &stretches, packed, var.dtype());
-        fetcher.release_buffer(unit, buffer);
-        let lender: Arc<dyn GiveBack> = sharded.rounded.clone();
+        let rounded = C::Memory::round(
+            gathered.buffer(),
+            (&stretches, packed),
+            var.dtype(),
+            device,
+            &sharded.rounded,
+        );
+        fetcher.release(gathered);
+        let (storage, stretches, lender) = rounded.map_err(candle_core::Error::wrap)?;
         Ok(Some(GatheredParam::new(
-            rounded?,
-            Arc::clone(packed),
+            storage,
+            stretches,
             var.shape(),
             unit,
             lender,
@@ -531,13 +557,23 @@ where
 }
 
 /// Takes the storages of stage 3's gathers back into the fetcher's pool.
-struct Lender<T: Element>(Arc<Fetcher<T>>);
+struct Lender<C, T>(Arc<KindFetcher<T, C, C::Memory>>)
+where
+    C: Communicator + 'static,
+    T: Element + WithDType,
+    C::Memory: CandleMemory<T, C>;
 
-impl<T: Element + WithDType> GiveBack for Lender<T> {
-    fn give_back(&self, unit: usize, storage: CpuStorage) {
-        // The storage comes back as it was lent (same dtype); were it not,
-        // the pool would allocate a new buffer next time.
-        let buffer = T::cpu_storage_data(storage).unwrap_or_default();
-        self.0.release_buffer(unit, buffer);
+impl<C, T> GiveBack for Lender<C, T>
+where
+    C: Communicator + 'static,
+    T: Element + WithDType,
+    C::Memory: CandleMemory<T, C>,
+{
+    fn give_back(&self, unit: usize, storage: Storage) {
+        match C::Memory::take_back(storage) {
+            Some(buffer) => self.0.release_buffer(unit, buffer),
+            // Not the storage lent: its bytes are no longer the pool's.
+            None => self.0.forget_buffer(unit),
+        }
     }
 }

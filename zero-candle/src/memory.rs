@@ -6,15 +6,17 @@
 //! engine's [`ShardMemory`] and how Candle's tensors are handed to it
 //! (host slices, or device memory read and written in place).
 
+use crate::nn::{GiveBack, Stretch};
 use crate::params::VarStore;
+use crate::precision::RoundedPool;
 use crate::{Error, Result};
 use candle_core::backprop::GradStore;
-use candle_core::{CpuStorage, Storage, Tensor, Var, WithDType};
+use candle_core::{CpuStorage, Device, Storage, Tensor, Var, WithDType};
 use std::ops::Range;
 use std::sync::Arc;
 use zero_core::comm::{Host, MemoryKind};
 use zero_core::engine::{
-    Engine, Fetcher, HostGrad, HostMemory, ParamAccess, ParamCopy, ShardMemory,
+    Engine, FetcherOf, GatherMemory, HostGrad, HostMemory, ParamAccess, ParamCopy, ShardMemory,
 };
 use zero_core::optim::FunctionalOptimizer;
 use zero_core::{Communicator, DType, Element};
@@ -74,17 +76,17 @@ pub trait CandleMemory<T: Element + WithDType, C: Communicator + 'static>: Memor
         None
     }
 
-    /// Whether [`CandleMemory::shard_parameters`] can shard (stage 3): host
-    /// memory only for now. Checked when the optimizer is built.
+    /// Whether [`CandleMemory::shard_parameters`] can shard (stage 3).
+    /// Checked when the optimizer is built.
     const SHARDS_PARAMETERS: bool = false;
 
     /// Stage 3: shards the parameters `mask` marks (see
-    /// `Engine::shard_parameters`). Host memory only for now.
+    /// `Engine::shard_parameters`).
     fn shard_parameters(
         engine: &mut Engine<T, C, Self::Memory>,
         mask: &[bool],
         vars: &[Var],
-    ) -> Result<Arc<Fetcher<T>>> {
+    ) -> Result<Arc<KindFetcher<T, C, Self>>> {
         let _ = (engine, mask, vars);
         Err(stage_3_unsupported().into())
     }
@@ -92,38 +94,78 @@ pub trait CandleMemory<T: Element + WithDType, C: Communicator + 'static>: Memor
     /// Stage 3 from the start: lays out in `order` and shards the
     /// parameters `mask` marks before any step, this rank's pieces of the
     /// deferred variables of `map` computed from its source (see
-    /// `Engine::shard_from_start`). Host memory only for now.
+    /// `Engine::shard_from_start`).
     fn shard_from_start(
         engine: &mut Engine<T, C, Self::Memory>,
         order: &[usize],
         mask: &[bool],
         named: (&[String], &[Var]),
         map: &crate::ShardedVarMap,
-    ) -> Result<Arc<Fetcher<T>>> {
+    ) -> Result<Arc<KindFetcher<T, C, Self>>> {
         let _ = (engine, order, mask, named, map);
         Err(stage_3_unsupported().into())
     }
 
     /// Stage 3: streams sharded parameters to rank `root` piece by piece
-    /// (see `Engine::stream_params`). Host memory only for now.
+    /// (see `Engine::stream_params`).
     fn stream_params(
         engine: &mut Engine<T, C, Self::Memory>,
         params: &[usize],
         root: usize,
         sink: &mut zero_core::engine::ParamPieceSink<'_, T>,
     ) -> Result<()> {
-        let _ = (engine, params, root, sink);
+        engine.stream_params(params, root, sink)?;
+        Ok(())
+    }
+
+    /// Stage 3: a gathered buffer as the storage a layer on `device`
+    /// computes with (no copy); [`CandleMemory::take_back`] undoes it.
+    fn lend(buffer: GatherBuffer<T, C, Self>, device: &Device) -> Result<Storage> {
+        let _ = (buffer, device);
+        Err(stage_3_unsupported().into())
+    }
+
+    /// The buffer of a storage [`CandleMemory::lend`] made (`None` when it
+    /// is not one).
+    fn take_back(storage: Storage) -> Option<GatherBuffer<T, C, Self>> {
+        let _ = storage;
+        None
+    }
+
+    /// Stage 3 under master weights: the `stretches` of gathered masters
+    /// rounded to the model's `dtype` (what the write-back would give a
+    /// replicated weight) in a storage of their own on `device`, with
+    /// their places in it and who takes it back. `packed` are the same
+    /// stretches one after another from 0, and `pool` keeps host copies.
+    fn round(
+        buffer: &GatherBuffer<T, C, Self>,
+        (stretches, packed): (&Arc<[Stretch]>, &Arc<[Stretch]>),
+        dtype: candle_core::DType,
+        device: &Device,
+        pool: &Arc<RoundedPool>,
+    ) -> Result<Rounded> {
+        let _ = (buffer, stretches, packed, dtype, device, pool);
         Err(stage_3_unsupported().into())
     }
 }
 
+/// What [`CandleMemory::round`] gives: the storage, the stretches' places
+/// in it, and who takes it back.
+pub type Rounded = (Storage, Arc<[Stretch]>, Arc<dyn GiveBack>);
+
+/// The buffer stage 3 gathers a piece into on memory kind `K`.
+pub type GatherBuffer<T, C, K> =
+    <<MemoryOfKind<T, C, K> as ShardMemory<T, C>>::Gathers as GatherMemory<T>>::Buffer;
+
+/// The engine memory of memory kind `K`.
+pub type MemoryOfKind<T, C, K> = <K as CandleMemory<T, C>>::Memory;
+
+/// Stage 3's fetcher on memory kind `K`.
+pub type KindFetcher<T, C, K> = FetcherOf<T, C, MemoryOfKind<T, C, K>>;
+
 /// Why stage 3 is refused where parameters cannot be sharded.
 pub(crate) fn stage_3_unsupported() -> zero_core::Error {
-    zero_core::Error::Config(
-        "stage 3 shards parameters on host memory (threads, MPI) for now; on a GPU (NcclComm, \
-         CudaThreadComm) use stage 2"
-            .into(),
-    )
+    zero_core::Error::Config("stage 3 cannot shard parameters on this memory; use stage 2".into())
 }
 
 /// The gradient type of memory kind `K`.
@@ -195,7 +237,7 @@ impl<T: Element + WithDType, C: Communicator<Memory = Host> + 'static> CandleMem
         engine: &mut Engine<T, C, HostMemory>,
         mask: &[bool],
         vars: &[Var],
-    ) -> Result<Arc<Fetcher<T>>> {
+    ) -> Result<Arc<zero_core::engine::Fetcher<T>>> {
         let mut store = VarStore { vars };
         Ok(engine.shard_parameters(mask, &mut store)?)
     }
@@ -206,7 +248,7 @@ impl<T: Element + WithDType, C: Communicator<Memory = Host> + 'static> CandleMem
         mask: &[bool],
         (names, vars): (&[String], &[Var]),
         map: &crate::ShardedVarMap,
-    ) -> Result<Arc<Fetcher<T>>> {
+    ) -> Result<Arc<zero_core::engine::Fetcher<T>>> {
         let mut store = crate::stage3::InitStore {
             vars: VarStore { vars },
             names,
@@ -215,13 +257,29 @@ impl<T: Element + WithDType, C: Communicator<Memory = Host> + 'static> CandleMem
         Ok(engine.shard_from_start(order, mask, &mut store)?)
     }
 
-    fn stream_params(
-        engine: &mut Engine<T, C, HostMemory>,
-        params: &[usize],
-        root: usize,
-        sink: &mut zero_core::engine::ParamPieceSink<'_, T>,
-    ) -> Result<()> {
-        Ok(engine.stream_params(params, root, sink)?)
+    fn lend(buffer: Vec<T>, _device: &Device) -> Result<Storage> {
+        Ok(Storage::Cpu(T::to_cpu_storage_owned(buffer)))
+    }
+
+    fn take_back(storage: Storage) -> Option<Vec<T>> {
+        match storage {
+            // Lent as it came back (same dtype); were it not, the pool
+            // would allocate a new buffer next time.
+            Storage::Cpu(storage) => Some(T::cpu_storage_data(storage).unwrap_or_default()),
+            _ => None,
+        }
+    }
+
+    fn round(
+        buffer: &Vec<T>,
+        (stretches, packed): (&Arc<[Stretch]>, &Arc<[Stretch]>),
+        dtype: candle_core::DType,
+        _device: &Device,
+        pool: &Arc<RoundedPool>,
+    ) -> Result<Rounded> {
+        let rounded = pool.round(buffer, stretches, packed, dtype)?;
+        let lender: Arc<dyn GiveBack> = pool.clone();
+        Ok((Storage::Cpu(rounded), Arc::clone(packed), lender))
     }
 }
 

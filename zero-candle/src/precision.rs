@@ -53,7 +53,7 @@ pub(crate) fn values_as<T: Element + WithDType>(t: &Tensor) -> Result<Vec<T>> {
 /// is rounded into it, so that lending a piece allocates nothing once the
 /// pool holds the pieces in use.
 #[derive(Default)]
-pub(crate) struct RoundedPool(std::sync::Mutex<Vec<CpuStorage>>);
+pub struct RoundedPool(std::sync::Mutex<Vec<CpuStorage>>);
 
 /// Storages a [`RoundedPool`] keeps: the pieces a layer computes with at
 /// once (Linear in pieces holds one; a tied weight's two uses, two).
@@ -124,9 +124,9 @@ impl RoundedPool {
 }
 
 impl crate::nn::GiveBack for RoundedPool {
-    fn give_back(&self, _tag: usize, storage: CpuStorage) {
+    fn give_back(&self, _tag: usize, storage: candle_core::Storage) {
         let mut pool = self.lock();
-        if pool.len() < ROUNDED_KEPT {
+        if let (candle_core::Storage::Cpu(storage), true) = (storage, pool.len() < ROUNDED_KEPT) {
             pool.push(storage);
         }
     }
@@ -175,7 +175,7 @@ mod tests {
         };
         assert_eq!(v, &expected);
         let place = v.as_ptr();
-        pool.give_back(0, first);
+        pool.give_back(0, candle_core::Storage::Cpu(first));
         // An f16 piece does not take the bf16 storage.
         let f16_piece = pool.round(&values, &from, &into, DType::F16).unwrap();
         assert!(matches!(f16_piece, CpuStorage::F16(_)));

@@ -4,12 +4,13 @@
 use super::cpu;
 use super::hook::{
     announce, announce_gather, before_read, for_each_stretch, gather, route, row_parts,
-    GatheredParam, GradHook, RowPart,
+    GatheredParam, GradHook, OnDevice, RowPart,
 };
+use super::storage::{on_device, owned_storage};
 use candle_core::backend::BackendStorage;
 use candle_core::{
-    bail, CpuStorage, CudaStorage, CustomOp2, DType, Device, Layout, Module, Result, Shape, Tensor,
-    WithDType,
+    bail, CpuStorage, CudaStorage, CustomOp2, DType, Device, Layout, Module, Result, Shape,
+    Storage, Tensor, WithDType,
 };
 use candle_nn::VarBuilder;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -82,10 +83,7 @@ impl Module for Embedding {
         let lent = match gather(hook, Some(&self.embeddings), 0)? {
             Some(first) if first.whole().is_none() => {
                 let rows = lookup_in_pieces(hook, &self.embeddings, first, &ids)?;
-                Some(Lent::Output(cpu::owned_storage(
-                    &rows,
-                    "the embedding rows",
-                )?))
+                Some(Lent::Output(owned_storage(&rows, ROWS)?))
             }
             table => table.map(Lent::Table),
         };
@@ -122,7 +120,40 @@ struct FusedEmbedding {
 
 enum Lent {
     Table(GatheredParam),
-    Output(CpuStorage),
+    Output(Storage),
+}
+
+const ROWS: &str = "the embedding rows";
+
+impl FusedEmbedding {
+    /// The rows, from the table the forward lent (stage 3) or `table`.
+    fn rows<S: OnDevice>(
+        &self,
+        (table, table_layout): (&S, &Layout),
+        (ids, ids_layout): (&S, &Layout),
+    ) -> Result<(S, Shape)> {
+        let lent = self
+            .lent
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(Lent::Output(rows)) = lent {
+            let (_, dim) = table_layout.shape().dims2()?;
+            let count = ids_layout.shape().dims1()?;
+            return Ok((on_device(rows, ROWS)?, Shape::from((count, dim))));
+        }
+        let (table, table_layout) = match &lent {
+            Some(Lent::Table(gathered)) => gathered.whole_on::<S>().ok_or_else(|| {
+                candle_core::Error::Msg(
+                    "zero-candle Embedding: internal: a table gathered in pieces, or on another \
+                     device, reached the whole-table op"
+                        .into(),
+                )
+            })?,
+            _ => (table, table_layout),
+        };
+        gather_rows(table, table_layout, ids, ids_layout)
+    }
 }
 
 /// `table[ids]` with the table gathered in pieces: each id's row is put
@@ -209,27 +240,7 @@ impl CustomOp2 for FusedEmbedding {
         ids: &CpuStorage,
         ids_layout: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let lent = self
-            .lent
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take();
-        if let Some(Lent::Output(rows)) = lent {
-            let (_, dim) = table_layout.shape().dims2()?;
-            let count = ids_layout.shape().dims1()?;
-            return Ok((rows, Shape::from((count, dim))));
-        }
-        let (table, table_layout) = match &lent {
-            Some(Lent::Table(gathered)) => gathered.whole().ok_or_else(|| {
-                candle_core::Error::Msg(
-                    "zero-candle Embedding: internal: a table gathered in pieces reached the \
-                     whole-table op"
-                        .into(),
-                )
-            })?,
-            _ => (table, table_layout),
-        };
-        gather_rows(table, table_layout, ids, ids_layout)
+        self.rows((table, table_layout), (ids, ids_layout))
     }
 
     fn cuda_fwd(
@@ -239,7 +250,7 @@ impl CustomOp2 for FusedEmbedding {
         ids: &CudaStorage,
         ids_layout: &Layout,
     ) -> Result<(CudaStorage, Shape)> {
-        gather_rows(table, table_layout, ids, ids_layout)
+        self.rows((table, table_layout), (ids, ids_layout))
     }
 
     fn bwd(

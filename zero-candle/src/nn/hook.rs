@@ -1,8 +1,11 @@
 //! The gradient hook: how a layer hands a parameter's gradient out of Candle's backward.
 
-use candle_core::backend::BackendStorage;
+use candle_core::backend::{BackendDevice, BackendStorage};
 use candle_core::backprop::GradStore;
-use candle_core::{CpuStorage, CustomOp1, Device, Layout, Result, Shape, Tensor, TensorId, Var};
+use candle_core::{
+    CpuStorage, CudaStorage, CustomOp1, Device, Layout, Result, Shape, Storage, Tensor, TensorId,
+    Var,
+};
 use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -109,7 +112,46 @@ pub trait GradHook: Send + Sync {
 pub trait GiveBack: Send + Sync {
     /// `storage` (as lent) of gather `tag` (the lender's own number) is
     /// free again.
-    fn give_back(&self, tag: usize, storage: CpuStorage);
+    fn give_back(&self, tag: usize, storage: Storage);
+}
+
+/// A backend's storage type, as found in a [`Storage`]: what a fused op's
+/// forward on that backend reads a [`GatheredParam`] as.
+pub(crate) trait OnDevice: BackendStorage + Sized {
+    fn of(storage: &Storage) -> Option<&Self>;
+    fn take(storage: Storage) -> Option<Self>;
+}
+
+impl OnDevice for CpuStorage {
+    fn of(storage: &Storage) -> Option<&Self> {
+        match storage {
+            Storage::Cpu(s) => Some(s),
+            _ => None,
+        }
+    }
+
+    fn take(storage: Storage) -> Option<Self> {
+        match storage {
+            Storage::Cpu(s) => Some(s),
+            _ => None,
+        }
+    }
+}
+
+impl OnDevice for CudaStorage {
+    fn of(storage: &Storage) -> Option<&Self> {
+        match storage {
+            Storage::Cuda(s) => Some(s),
+            _ => None,
+        }
+    }
+
+    fn take(storage: Storage) -> Option<Self> {
+        match storage {
+            Storage::Cuda(s) => Some(s),
+            _ => None,
+        }
+    }
 }
 
 /// A stretch of a parameter's values in a [`GatheredParam`]'s storage:
@@ -124,11 +166,11 @@ pub struct Stretch {
 }
 
 /// A piece of the full values of a sharded parameter (all of them when it
-/// is gathered whole), lent by a [`GradHook`] for one computation: a CPU
-/// storage and where the parameter's values lie in it. The storage goes
-/// back to the lender when this is dropped.
+/// is gathered whole), lent by a [`GradHook`] for one computation: a
+/// storage (on the parameter's device) and where the parameter's values lie
+/// in it. The storage goes back to the lender when this is dropped.
 pub struct GatheredParam {
-    storage: Option<CpuStorage>,
+    storage: Option<Storage>,
     stretches: Arc<[Stretch]>,
     /// The parameter's layout in the storage, when the piece is all of it.
     whole: Option<Layout>,
@@ -141,7 +183,7 @@ impl GatheredParam {
     /// `shape`; `lender` receives it back (with `tag`) when the borrower is
     /// done.
     pub fn new(
-        storage: CpuStorage,
+        storage: Storage,
         stretches: impl Into<Arc<[Stretch]>>,
         shape: &Shape,
         tag: usize,
@@ -165,8 +207,15 @@ impl GatheredParam {
 
     /// The storage and the parameter's layout in it, when this piece holds
     /// the whole parameter.
-    pub fn whole(&self) -> Option<(&CpuStorage, &Layout)> {
+    pub fn whole(&self) -> Option<(&Storage, &Layout)> {
         Some((self.storage.as_ref()?, self.whole.as_ref()?))
+    }
+
+    /// [`GatheredParam::whole`] as backend storage `S` (`None` as well when
+    /// the piece is on another device).
+    pub(crate) fn whole_on<S: OnDevice>(&self) -> Option<(&S, &Layout)> {
+        let (storage, layout) = self.whole()?;
+        Some((S::of(storage)?, layout))
     }
 
     /// The stretches of the parameter this piece holds.
@@ -175,7 +224,7 @@ impl GatheredParam {
     }
 
     /// The storage the stretches lie in.
-    pub fn storage(&self) -> &CpuStorage {
+    pub fn storage(&self) -> &Storage {
         self.storage
             .as_ref()
             .expect("the storage is only taken when dropped")
@@ -183,20 +232,41 @@ impl GatheredParam {
 
     /// Elements `at` of the storage as a 1-d tensor on `device` (a copy).
     pub fn tensor(&self, at: Range<usize>, device: &Device) -> Result<Tensor> {
-        if at.end > super::cpu::storage_len(self.storage()) {
-            candle_core::bail!("a gathered piece has no elements {at:?}")
-        }
         match self.storage() {
-            CpuStorage::F32(v) => Tensor::from_slice(&v[at.clone()], at.len(), device),
-            CpuStorage::F64(v) => Tensor::from_slice(&v[at.clone()], at.len(), device),
-            CpuStorage::BF16(v) => Tensor::from_slice(&v[at.clone()], at.len(), device),
-            CpuStorage::F16(v) => Tensor::from_slice(&v[at.clone()], at.len(), device),
-            other => candle_core::bail!(
-                "a gathered parameter of dtype {:?}: stage 3 gathers f32, f64, bf16 or f16",
-                other.dtype()
-            ),
+            Storage::Cpu(storage) => {
+                if at.end > super::cpu::storage_len(storage) {
+                    candle_core::bail!("a gathered piece has no elements {at:?}")
+                }
+                match storage {
+                    CpuStorage::F32(v) => Tensor::from_slice(&v[at.clone()], at.len(), device),
+                    CpuStorage::F64(v) => Tensor::from_slice(&v[at.clone()], at.len(), device),
+                    CpuStorage::BF16(v) => Tensor::from_slice(&v[at.clone()], at.len(), device),
+                    CpuStorage::F16(v) => Tensor::from_slice(&v[at.clone()], at.len(), device),
+                    other => candle_core::bail!(
+                        "a gathered parameter of dtype {:?}: stage 3 gathers f32, f64, bf16 or f16",
+                        other.dtype()
+                    ),
+                }
+            }
+            Storage::Cuda(storage) => {
+                let copy = cuda_range(storage, at.clone())?;
+                let copy = super::storage::tensor_from(Storage::Cuda(copy), at.len());
+                copy.to_device(device)
+            }
+            Storage::Metal(_) => candle_core::bail!("stage 3 gathers on the CPU or CUDA only"),
         }
     }
+}
+
+/// Elements `at` of a CUDA storage, copied into a new one (on the same
+/// stream: no host wait).
+fn cuda_range(storage: &CudaStorage, at: Range<usize>) -> Result<CudaStorage> {
+    let mut copy = storage
+        .device()
+        .zeros_impl(&Shape::from(at.len()), storage.dtype())?;
+    let from = Layout::contiguous_with_offset(at.len(), at.start);
+    storage.copy_strided_src(&mut copy, 0, &from)?;
+    Ok(copy)
 }
 
 impl Drop for GatheredParam {
@@ -253,7 +323,7 @@ pub(crate) fn gather(
     piece: usize,
 ) -> Result<Option<GatheredParam>> {
     match (hook, param) {
-        (Some(hook), Some(param)) if param.is_variable() && param.device().is_cpu() => {
+        (Some(hook), Some(param)) if param.is_variable() => {
             hook.gather(&Var::from_tensor(param)?, piece)
         }
         _ => Ok(None),
@@ -318,8 +388,26 @@ impl StretchView<'_> {
 
 /// `lhs·B` with `B` read in place from a storage at `layout` (`[k, n]`).
 struct BlockMatmul<'a> {
-    storage: &'a CpuStorage,
+    storage: &'a Storage,
     layout: Layout,
+}
+
+impl BlockMatmul<'_> {
+    fn product<S: OnDevice>(&self, lhs: &S, lhs_layout: &Layout) -> Result<(S, Shape)> {
+        let (m, k) = lhs_layout.shape().dims2()?;
+        let (rhs_k, n) = self.layout.shape().dims2()?;
+        if k != rhs_k {
+            candle_core::bail!("zero-candle: a block product of [{m}, {k}] by [{rhs_k}, {n}]")
+        }
+        let Some(rhs) = S::of(self.storage) else {
+            candle_core::bail!(
+                "zero-candle: a gathered piece on another device than the layer's input; keep \
+                 the model and its inputs on one device"
+            )
+        };
+        let product = lhs.matmul(rhs, (1, m, n, k), lhs_layout, &self.layout)?;
+        Ok((product, Shape::from((m, n))))
+    }
 }
 
 impl CustomOp1 for BlockMatmul<'_> {
@@ -328,13 +416,11 @@ impl CustomOp1 for BlockMatmul<'_> {
     }
 
     fn cpu_fwd(&self, lhs: &CpuStorage, lhs_layout: &Layout) -> Result<(CpuStorage, Shape)> {
-        let (m, k) = lhs_layout.shape().dims2()?;
-        let (rhs_k, n) = self.layout.shape().dims2()?;
-        if k != rhs_k {
-            candle_core::bail!("zero-candle: a block product of [{m}, {k}] by [{rhs_k}, {n}]")
-        }
-        let product = lhs.matmul(self.storage, (1, m, n, k), lhs_layout, &self.layout)?;
-        Ok((product, Shape::from((m, n))))
+        self.product(lhs, lhs_layout)
+    }
+
+    fn cuda_fwd(&self, lhs: &CudaStorage, lhs_layout: &Layout) -> Result<(CudaStorage, Shape)> {
+        self.product(lhs, lhs_layout)
     }
 }
 

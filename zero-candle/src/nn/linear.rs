@@ -4,9 +4,9 @@
 use super::elem::{dispatch_float, Accum, Elem};
 use super::hook::{
     announce, announce_gather, assemble, before_read, for_each_stretch, gather, route,
-    route_blocks, row_parts, GatheredParam, GradHook, RowPart,
+    route_blocks, row_parts, GatheredParam, GradHook, OnDevice, RowPart,
 };
-use super::storage::tensor_from;
+use super::storage::{on_device, owned_storage, tensor_from};
 use super::{bf16_matmul, cpu};
 use candle_core::backend::BackendStorage;
 use candle_core::op::Add;
@@ -188,7 +188,7 @@ struct FusedLinear {
 struct Lent {
     weight: Option<GatheredParam>,
     bias: Option<GatheredParam>,
-    output: Option<CpuStorage>,
+    output: Option<Storage>,
 }
 
 impl Lent {
@@ -197,10 +197,12 @@ impl Lent {
         Ok(Self {
             weight: None,
             bias: None,
-            output: Some(cpu::owned_storage(y, "the Linear output")?),
+            output: Some(owned_storage(y, OUTPUT)?),
         })
     }
 }
+
+const OUTPUT: &str = "the Linear output";
 
 /// `x·Wᵀ` with `W` gathered in pieces: whole rows of `W` give columns of
 /// the product; a row split over two stretches gives the sum of its
@@ -318,13 +320,24 @@ impl FusedLinear {
 }
 
 /// The storage to compute with: the gathered one when there is one.
-fn pick<'a>(
+fn pick<'a, S: OnDevice>(
     lent: &'a Option<GatheredParam>,
-    own: (&'a CpuStorage, &'a Layout),
-) -> (&'a CpuStorage, &'a Layout) {
-    match lent.as_ref().and_then(GatheredParam::whole) {
-        Some(gathered) => gathered,
-        None => own,
+    own: (&'a S, &'a Layout),
+) -> Result<(&'a S, &'a Layout)> {
+    match lent {
+        None => Ok(own),
+        Some(gathered) => whole_on(gathered),
+    }
+}
+
+/// A parameter gathered whole, on the op's device.
+fn whole_on<S: OnDevice>(gathered: &GatheredParam) -> Result<(&S, &Layout)> {
+    match gathered.whole_on::<S>() {
+        Some(whole) => Ok(whole),
+        None => bail!(
+            "zero-candle Linear: internal: a weight gathered in pieces, or on another device, \
+             reached the whole-weight op"
+        ),
     }
 }
 
@@ -332,22 +345,35 @@ fn pick<'a>(
 /// `W [out, in]`, as `Tensor::matmul` computes it.
 struct MatmulGathered(GatheredParam);
 
+/// `g·W` on the storages.
+fn matmul_gw<S: BackendStorage>(
+    g: &S,
+    g_layout: &Layout,
+    w: &S,
+    w_layout: &Layout,
+) -> Result<(S, Shape)> {
+    let (rows, out_dim) = g_layout.shape().dims2()?;
+    let (_, in_dim) = w_layout.shape().dims2()?;
+    let product = g.matmul(w, (1, rows, in_dim, out_dim), g_layout, w_layout)?;
+    Ok((product, Shape::from((rows, in_dim))))
+}
+
 impl CustomOp1 for MatmulGathered {
     fn name(&self) -> &'static str {
         "zero-linear-grad-input"
     }
 
     fn cpu_fwd(&self, g: &CpuStorage, g_layout: &Layout) -> Result<(CpuStorage, Shape)> {
-        let Some((w, w_layout)) = self.0.whole() else {
-            bail!("zero-candle Linear: internal: a weight gathered in pieces reached the whole-weight op")
-        };
+        let (w, w_layout) = whole_on(&self.0)?;
         if let Some(done) = bf16_matmul::grad_input_storage(g, g_layout, w, w_layout)? {
             return Ok(done);
         }
-        let (rows, out_dim) = g_layout.shape().dims2()?;
-        let (_, in_dim) = w_layout.shape().dims2()?;
-        let product = g.matmul(w, (1, rows, in_dim, out_dim), g_layout, w_layout)?;
-        Ok((product, Shape::from((rows, in_dim))))
+        matmul_gw(g, g_layout, w, w_layout)
+    }
+
+    fn cuda_fwd(&self, g: &CudaStorage, g_layout: &Layout) -> Result<(CudaStorage, Shape)> {
+        let (w, w_layout) = whole_on(&self.0)?;
+        matmul_gw(g, g_layout, w, w_layout)
     }
 }
 
@@ -511,9 +537,12 @@ impl CustomOp2 for FusedLinear {
     ) -> Result<(CpuStorage, Shape)> {
         let lent = self.take_lent();
         if let Some(output) = lent.output {
-            return Ok((output, computed_shape(x_layout, w_layout)?));
+            return Ok((
+                on_device(output, OUTPUT)?,
+                computed_shape(x_layout, w_layout)?,
+            ));
         }
-        let (w, w_layout) = pick(&lent.weight, (w, w_layout));
+        let (w, w_layout) = pick(&lent.weight, (w, w_layout))?;
         let (product, rows, out_dim) = match bf16_matmul::xwt(x, x_layout, w, w_layout)? {
             Some(done) => done,
             None => matmul_xwt(x, x_layout, w, w_layout)?,
@@ -528,7 +557,15 @@ impl CustomOp2 for FusedLinear {
         w: &CudaStorage,
         w_layout: &Layout,
     ) -> Result<(CudaStorage, Shape)> {
-        forward_generic((x, x_layout), (w, w_layout), None)
+        let lent = self.take_lent();
+        if let Some(output) = lent.output {
+            return Ok((
+                on_device(output, OUTPUT)?,
+                computed_shape(x_layout, w_layout)?,
+            ));
+        }
+        let w = pick(&lent.weight, (w, w_layout))?;
+        forward_generic((x, x_layout), w, None)
     }
 
     fn bwd(
@@ -559,10 +596,13 @@ impl CustomOp3 for FusedLinear {
     ) -> Result<(CpuStorage, Shape)> {
         let lent = self.take_lent();
         if let Some(output) = lent.output {
-            return Ok((output, computed_shape(x_layout, w_layout)?));
+            return Ok((
+                on_device(output, OUTPUT)?,
+                computed_shape(x_layout, w_layout)?,
+            ));
         }
-        let (w, w_layout) = pick(&lent.weight, (w, w_layout));
-        let (b, b_layout) = pick(&lent.bias, (b, b_layout));
+        let (w, w_layout) = pick(&lent.weight, (w, w_layout))?;
+        let (b, b_layout) = pick(&lent.bias, (b, b_layout))?;
         let (mut out, rows, out_dim) = match bf16_matmul::xwt(x, x_layout, w, w_layout)? {
             Some(done) => done,
             None => matmul_xwt(x, x_layout, w, w_layout)?,
@@ -588,7 +628,16 @@ impl CustomOp3 for FusedLinear {
         b: &CudaStorage,
         b_layout: &Layout,
     ) -> Result<(CudaStorage, Shape)> {
-        forward_generic((x, x_layout), (w, w_layout), Some((b, b_layout)))
+        let lent = self.take_lent();
+        if let Some(output) = lent.output {
+            return Ok((
+                on_device(output, OUTPUT)?,
+                computed_shape(x_layout, w_layout)?,
+            ));
+        }
+        let w = pick(&lent.weight, (w, w_layout))?;
+        let b = pick(&lent.bias, (b, b_layout))?;
+        forward_generic((x, x_layout), w, Some(b))
     }
 
     fn bwd(

@@ -2,6 +2,8 @@
 //! results wrapped back into tensors, and what a forward keeps for its
 //! backward.
 
+use super::hook::OnDevice;
+use candle_core::backend::{BackendDevice, BackendStorage};
 use candle_core::op::BackpropOp;
 use candle_core::{bail, CpuStorage, CudaStorage, Layout, Result, Shape, Storage, Tensor};
 use std::sync::{Mutex, PoisonError};
@@ -21,6 +23,31 @@ pub(crate) fn with_cuda<R>(
              inputs on one device",
             tensor.device().location()
         ),
+    }
+}
+
+/// `tensor`'s values as a storage of their own, contiguous from element 0
+/// (a result computed before an op runs, which the op hands out): on the
+/// CPU the tensor's own when it is exactly that, else a copy.
+pub(crate) fn owned_storage(tensor: &Tensor, what: &str) -> Result<Storage> {
+    if tensor.device().is_cpu() {
+        return Ok(Storage::Cpu(super::cpu::owned_storage(tensor, what)?));
+    }
+    with_cuda(tensor, what, |storage, layout| {
+        let mut copy = storage
+            .device()
+            .zeros_impl(layout.shape(), storage.dtype())?;
+        storage.copy_strided_src(&mut copy, 0, layout)?;
+        Ok(Storage::Cuda(copy))
+    })
+}
+
+/// The backend storage `S` in `storage`; an error names `what` when it is
+/// on another device.
+pub(crate) fn on_device<S: OnDevice>(storage: Storage, what: &str) -> Result<S> {
+    match S::take(storage) {
+        Some(s) => Ok(s),
+        None => bail!("zero-candle: {what} was computed on another device than the op runs on"),
     }
 }
 

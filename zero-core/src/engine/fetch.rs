@@ -247,6 +247,12 @@ impl<T, B> Gathered<T, B> {
     pub fn buffer_mut(&mut self) -> &mut B {
         &mut self.buffer
     }
+
+    /// The buffer, taken out to be lent on (give it back with
+    /// [`Fetcher::release_buffer`] and [`Gathered::unit`]).
+    pub fn into_buffer(self) -> B {
+        self.buffer
+    }
 }
 
 /// Counters of the gathers of one [`Fetcher`], since it was built.
@@ -662,6 +668,16 @@ impl<T: crate::Element, G: GatherMemory<T>> Fetcher<T, G> {
     pub fn release_buffer(&self, unit: usize, buffer: G::Buffer) {
         if unit < self.units.len() {
             self.release_unit(unit, buffer);
+        }
+    }
+
+    /// Counts a buffer of `unit` lent on and not given back (the framework
+    /// could not) as no longer alive.
+    pub fn forget_buffer(&self, unit: usize) {
+        if unit < self.units.len() {
+            let mut st = self.lock();
+            st.live_bytes -= self.bytes(unit);
+            self.top_up(&mut st);
         }
     }
 
