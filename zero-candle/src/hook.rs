@@ -537,14 +537,17 @@ where
         // dtype (the values the write-back gives a replicated weight), in a
         // storage of their own; the gathered masters go back at once.
         let packed = &sharded.packed[i][piece];
-        let rounded = C::Memory::round(
-            gathered.buffer(),
+        let (rounded, buffer) = C::Memory::round(
+            gathered.into_buffer(),
             (&stretches, packed),
             var.dtype(),
             device,
             &sharded.rounded,
         );
-        fetcher.release(gathered);
+        match buffer {
+            Some(buffer) => fetcher.release_buffer(unit, buffer),
+            None => fetcher.forget_buffer(unit),
+        }
         let (storage, stretches, lender) = rounded.map_err(candle_core::Error::wrap)?;
         Ok(Some(GatheredParam::new(
             storage,

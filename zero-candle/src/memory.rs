@@ -76,20 +76,13 @@ pub trait CandleMemory<T: Element + WithDType, C: Communicator + 'static>: Memor
         None
     }
 
-    /// Whether [`CandleMemory::shard_parameters`] can shard (stage 3).
-    /// Checked when the optimizer is built.
-    const SHARDS_PARAMETERS: bool = false;
-
     /// Stage 3: shards the parameters `mask` marks (see
     /// `Engine::shard_parameters`).
     fn shard_parameters(
         engine: &mut Engine<T, C, Self::Memory>,
         mask: &[bool],
         vars: &[Var],
-    ) -> Result<Arc<KindFetcher<T, C, Self>>> {
-        let _ = (engine, mask, vars);
-        Err(stage_3_unsupported().into())
-    }
+    ) -> Result<Arc<KindFetcher<T, C, Self>>>;
 
     /// Stage 3 from the start: lays out in `order` and shards the
     /// parameters `mask` marks before any step, this rank's pieces of the
@@ -101,10 +94,7 @@ pub trait CandleMemory<T: Element + WithDType, C: Communicator + 'static>: Memor
         mask: &[bool],
         named: (&[String], &[Var]),
         map: &crate::ShardedVarMap,
-    ) -> Result<Arc<KindFetcher<T, C, Self>>> {
-        let _ = (engine, order, mask, named, map);
-        Err(stage_3_unsupported().into())
-    }
+    ) -> Result<Arc<KindFetcher<T, C, Self>>>;
 
     /// Stage 3: streams sharded parameters to rank `root` piece by piece
     /// (see `Engine::stream_params`).
@@ -120,33 +110,26 @@ pub trait CandleMemory<T: Element + WithDType, C: Communicator + 'static>: Memor
 
     /// Stage 3: a gathered buffer as the storage a layer on `device`
     /// computes with (no copy); [`CandleMemory::take_back`] undoes it.
-    fn lend(buffer: GatherBuffer<T, C, Self>, device: &Device) -> Result<Storage> {
-        let _ = (buffer, device);
-        Err(stage_3_unsupported().into())
-    }
+    fn lend(buffer: GatherBuffer<T, C, Self>, device: &Device) -> Result<Storage>;
 
     /// The buffer of a storage [`CandleMemory::lend`] made (`None` when it
     /// is not one).
-    fn take_back(storage: Storage) -> Option<GatherBuffer<T, C, Self>> {
-        let _ = storage;
-        None
-    }
+    fn take_back(storage: Storage) -> Option<GatherBuffer<T, C, Self>>;
 
     /// Stage 3 under master weights: the `stretches` of gathered masters
     /// rounded to the model's `dtype` (what the write-back would give a
     /// replicated weight) in a storage of their own on `device`, with
-    /// their places in it and who takes it back. `packed` are the same
-    /// stretches one after another from 0, and `pool` keeps host copies.
+    /// their places in it and who takes it back; and the buffer, to go back
+    /// to the fetcher at once (`None`: it could not be kept). `packed` are
+    /// the same stretches one after another from 0, and `pool` keeps host
+    /// copies.
     fn round(
-        buffer: &GatherBuffer<T, C, Self>,
-        (stretches, packed): (&Arc<[Stretch]>, &Arc<[Stretch]>),
+        buffer: GatherBuffer<T, C, Self>,
+        stretches: (&Arc<[Stretch]>, &Arc<[Stretch]>),
         dtype: candle_core::DType,
         device: &Device,
         pool: &Arc<RoundedPool>,
-    ) -> Result<Rounded> {
-        let _ = (buffer, stretches, packed, dtype, device, pool);
-        Err(stage_3_unsupported().into())
-    }
+    ) -> (Result<Rounded>, Option<GatherBuffer<T, C, Self>>);
 }
 
 /// What [`CandleMemory::round`] gives: the storage, the stretches' places
@@ -162,11 +145,6 @@ pub type MemoryOfKind<T, C, K> = <K as CandleMemory<T, C>>::Memory;
 
 /// Stage 3's fetcher on memory kind `K`.
 pub type KindFetcher<T, C, K> = FetcherOf<T, C, MemoryOfKind<T, C, K>>;
-
-/// Why stage 3 is refused where parameters cannot be sharded.
-pub(crate) fn stage_3_unsupported() -> zero_core::Error {
-    zero_core::Error::Config("stage 3 cannot shard parameters on this memory; use stage 2".into())
-}
 
 /// The gradient type of memory kind `K`.
 pub type Grad<'g, T, C, K> = <<K as CandleMemory<T, C>>::Memory as ShardMemory<T, C>>::Grad<'g>;
@@ -208,8 +186,6 @@ impl<T: Element + WithDType, C: Communicator<Memory = Host> + 'static> CandleMem
     }
 
     const TAKES_BLOCKS: bool = true;
-
-    const SHARDS_PARAMETERS: bool = true;
 
     fn with_grad_block<R>(
         name: &str,
@@ -271,15 +247,19 @@ impl<T: Element + WithDType, C: Communicator<Memory = Host> + 'static> CandleMem
     }
 
     fn round(
-        buffer: &Vec<T>,
+        buffer: Vec<T>,
         (stretches, packed): (&Arc<[Stretch]>, &Arc<[Stretch]>),
         dtype: candle_core::DType,
         _device: &Device,
         pool: &Arc<RoundedPool>,
-    ) -> Result<Rounded> {
-        let rounded = pool.round(buffer, stretches, packed, dtype)?;
-        let lender: Arc<dyn GiveBack> = pool.clone();
-        Ok((Storage::Cpu(rounded), Arc::clone(packed), lender))
+    ) -> (Result<Rounded>, Option<Vec<T>>) {
+        let rounded = pool
+            .round(&buffer, stretches, packed, dtype)
+            .map(|rounded| {
+                let lender: Arc<dyn GiveBack> = pool.clone();
+                (Storage::Cpu(rounded), Arc::clone(packed), lender)
+            });
+        (rounded, Some(buffer))
     }
 }
 

@@ -12,21 +12,25 @@
 //! instead: each bucket's reduced part is copied down as backward fills it,
 //! the host steps, and each stepped bucket goes back up to be all-gathered.
 
-use crate::memory::{CandleMemory, GradsFn, ParamsFn};
+use crate::memory::{CandleMemory, GradsFn, KindFetcher, ParamsFn, Rounded};
+use crate::nn::{GiveBack, Stretch};
 use crate::optimizer::ZeroConfig;
+use crate::precision::RoundedPool;
 use crate::{Error, Result, ZeroOptimizer};
 use candle_core::backend::BackendStorage;
 use candle_core::backprop::GradStore;
-use candle_core::cuda_backend::CudaStorage;
+use candle_core::cuda_backend::{CudaStorage, CudaStorageSlice};
 use candle_core::{CpuStorage, DType, Device, Layout, Storage, Tensor, Var};
 use half::{bf16, f16};
 use std::cell::RefCell;
 use std::ops::Range;
 use std::sync::Arc;
-use zero_core::engine::OffloadMemory;
+use zero_core::engine::{Engine, OffloadMemory};
 use zero_core::optim::FunctionalOptimizer;
 use zero_nccl::cudarc::driver::CudaView;
-use zero_nccl::{Cuda, CudaMemory, DeviceComm, DeviceParams, DeviceView, DeviceViewMut, NcclComm};
+use zero_nccl::{
+    Cuda, CudaMemory, DeviceComm, DeviceGather, DeviceParams, DeviceView, DeviceViewMut, NcclComm,
+};
 
 /// [`ZeroOptimizer`] on GPUs over NCCL: f32 variables on the
 /// communicator's GPU (or bf16/f16 ones, with f32 master weights, f32
@@ -137,6 +141,94 @@ impl<C: DeviceComm> CandleMemory<f32, C> for Cuda {
         let mut params = CandleParams { vars };
         f(&mut params)
     }
+
+    fn shard_parameters(
+        engine: &mut Engine<f32, C, OffloadMemory<CudaMemory>>,
+        mask: &[bool],
+        vars: &[Var],
+    ) -> Result<Arc<KindFetcher<f32, C, Cuda>>> {
+        let mut params = CandleParams { vars };
+        Ok(engine.shard_parameters(mask, &mut params)?)
+    }
+
+    /// On the GPU the variables hold their values (a `ShardedVarMap`
+    /// defers only on the CPU): this rank's pieces are read from them, and
+    /// the sharded ones are freed after.
+    fn shard_from_start(
+        engine: &mut Engine<f32, C, OffloadMemory<CudaMemory>>,
+        order: &[usize],
+        mask: &[bool],
+        (_names, vars): (&[String], &[Var]),
+        _map: &crate::ShardedVarMap,
+    ) -> Result<Arc<KindFetcher<f32, C, Cuda>>> {
+        let mut params = CandleParams { vars };
+        Ok(engine.shard_from_start(order, mask, &mut params)?)
+    }
+
+    fn lend(buffer: DeviceGather, device: &Device) -> Result<Storage> {
+        Ok(Storage::Cuda(lend(buffer, device)?))
+    }
+
+    fn take_back(storage: Storage) -> Option<DeviceGather> {
+        match storage {
+            Storage::Cuda(storage) => take_back(storage),
+            _ => None,
+        }
+    }
+
+    /// The whole gathered buffer converted by Candle (the stretches keep
+    /// their places); the f32 buffer goes back at once.
+    fn round(
+        buffer: DeviceGather,
+        (stretches, _packed): (&Arc<[Stretch]>, &Arc<[Stretch]>),
+        dtype: DType,
+        device: &Device,
+        _pool: &Arc<RoundedPool>,
+    ) -> (Result<Rounded>, Option<DeviceGather>) {
+        let numel = buffer.values().len();
+        let storage = match lend(buffer, device) {
+            Ok(storage) => storage,
+            Err(e) => return (Err(e), None),
+        };
+        let rounded = storage.to_dtype(&Layout::contiguous(numel), dtype);
+        let back = take_back(storage);
+        let rounded = rounded.map_err(Error::from).map(|rounded| {
+            let lender: Arc<dyn GiveBack> = Arc::new(DropStorage);
+            (Storage::Cuda(rounded), Arc::clone(stretches), lender)
+        });
+        (rounded, back)
+    }
+}
+
+/// A gathered buffer as a Candle storage on `device` (no copy).
+fn lend(buffer: DeviceGather, device: &Device) -> Result<CudaStorage> {
+    let Device::Cuda(device) = device else {
+        return Err(Error::Zero(zero_core::Error::State(
+            "stage 3 on the GPU lends gathered parameters to layers on the GPU only".into(),
+        )));
+    };
+    Ok(CudaStorage::wrap_cuda_slice(
+        buffer.into_values(),
+        device.clone(),
+    ))
+}
+
+/// The buffer of a storage [`lend`] made.
+fn take_back(storage: CudaStorage) -> Option<DeviceGather> {
+    match storage {
+        CudaStorage {
+            slice: CudaStorageSlice::F32(values),
+            device,
+        } => Some(DeviceGather::new(values, device.cuda_stream())),
+        _ => None,
+    }
+}
+
+/// Lets a lent storage go (Candle frees it on its stream).
+struct DropStorage;
+
+impl GiveBack for DropStorage {
+    fn give_back(&self, _tag: usize, _storage: Storage) {}
 }
 
 /// Each variable's gradient, contiguous (a no-op for the usual contiguous

@@ -136,9 +136,6 @@ where
         config: EngineConfig,
         optimizer: Box<dyn FunctionalOptimizer<T>>,
     ) -> Result<Self> {
-        if config.stage == Stage::Parameters && !C::Memory::SHARDS_PARAMETERS {
-            return Err(crate::memory::stage_3_unsupported().into());
-        }
         named.retain(|(_, v)| v.dtype().is_float());
         named.sort_by(|a, b| a.0.cmp(&b.0));
         let mut params = Vec::with_capacity(named.len());

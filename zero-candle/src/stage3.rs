@@ -16,14 +16,17 @@ use crate::init::{fill_from, ShardedVarMap};
 use crate::memory::CandleMemory;
 use crate::params::VarStore;
 use crate::{Error, Result};
-use candle_core::backend::BackendStorage;
+use candle_core::backend::{BackendDevice, BackendStorage};
 use candle_core::backprop::GradStore;
-use candle_core::{CpuStorage, DType, InplaceOp1, Layout, Tensor, Var, WithDType};
+use candle_core::{
+    CpuStorage, CudaStorage, DType, InplaceOp1, Layout, Shape, Tensor, Var, WithDType,
+};
 use std::ops::Range;
-use zero_core::engine::{Engine, Stage};
+use zero_core::engine::{Engine, Fetcher, GatherMemory, Stage};
 use zero_core::{Communicator, Element, ParamStore};
 
-/// Replaces a CPU variable's storage by an empty one of its dtype.
+/// Replaces a variable's storage by an empty one of its dtype (on CUDA,
+/// one element: CUDA allocates nothing smaller).
 struct FreeStorage;
 
 impl InplaceOp1 for FreeStorage {
@@ -37,6 +40,27 @@ impl InplaceOp1 for FreeStorage {
         }
         Ok(())
     }
+
+    fn cuda_fwd(&self, storage: &mut CudaStorage, _layout: &Layout) -> candle_core::Result<()> {
+        *storage = storage
+            .device()
+            .zeros_impl(&Shape::from(1), storage.dtype())?;
+        Ok(())
+    }
+}
+
+/// Frees the storage of the variables `fetcher` shards (their values live
+/// in the shards now).
+fn free_sharded<T: Element, G: GatherMemory<T>>(
+    fetcher: &Fetcher<T, G>,
+    vars: &[Var],
+) -> Result<()> {
+    for (i, var) in vars.iter().enumerate() {
+        if fetcher.is_sharded(i) {
+            var.as_tensor().inplace_op1(&FreeStorage)?;
+        }
+    }
+    Ok(())
 }
 
 /// An empty CPU storage of a float `dtype` (`None` for other dtypes).
@@ -77,11 +101,7 @@ where
         }
     }
     let fetcher = C::Memory::shard_parameters(engine, &mask, vars)?;
-    for (i, var) in vars.iter().enumerate() {
-        if fetcher.is_sharded(i) {
-            var.as_tensor().inplace_op1(&FreeStorage)?;
-        }
-    }
+    free_sharded(&fetcher, vars)?;
     hook.set_fetcher(fetcher);
     Ok(())
 }
@@ -197,6 +217,9 @@ where
         .map(|(_, n)| n.as_str())
         .collect();
     map.sharded(&sharded);
+    // A sharded variable created with its values (on a GPU, or above no
+    // deferral threshold) lets them go.
+    free_sharded(&fetcher, vars)?;
     // Anything deferred the engine did not shard gets its values.
     map.materialize_all()?;
     hook.plan_first_forward();

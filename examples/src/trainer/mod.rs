@@ -428,13 +428,6 @@ fn validate(args: &Args) -> Result<(), TrainError> {
                 .into(),
         ));
     }
-    if args.backend.on_gpu() && args.stage == 3 {
-        return Err(TrainError::Usage(
-            "--stage 3 shards parameters on host memory (--backend threads or mpi) for now; \
-             on a GPU backend use --stage 2"
-                .into(),
-        ));
-    }
     if args.backend.on_gpu() && (args.no_master_weights || args.reduce_in_param_dtype) {
         return Err(TrainError::Usage(
             "the GPU backends train 16-bit models with f32 master weights and reduce their \

@@ -54,6 +54,17 @@ impl Drop for DeviceGather {
 }
 
 impl DeviceGather {
+    /// A buffer over `values`, with nothing queued into it, whose memory
+    /// `stream` (the compute stream) frees: a buffer lent on as a tensor
+    /// storage, given back.
+    pub fn new(values: CudaSlice<f32>, stream: Arc<CudaStream>) -> Self {
+        Self {
+            values,
+            done: None,
+            stream,
+        }
+    }
+
     /// The gathered values (the whole buffer; a unit's lie at the start).
     /// Read them on the compute stream only once the fetcher handed the
     /// buffer out (it made the stream wait for the gather).
@@ -61,10 +72,19 @@ impl DeviceGather {
         &self.values
     }
 
-    /// The buffer's device memory, to lend on as a tensor storage for the
-    /// length of one computation.
-    pub fn values_mut(&mut self) -> &mut CudaSlice<f32> {
-        &mut self.values
+    /// The device memory, to lend on as a tensor storage for the length of
+    /// one computation ([`DeviceGather::new`] takes it back). The fetcher
+    /// hands out buffers whose gather the compute stream already waits on.
+    pub fn into_values(mut self) -> CudaSlice<f32> {
+        if let Some(done) = self.done.take() {
+            let _ = self.stream.wait(&done);
+        }
+        let empty = self.stream.null::<f32>();
+        match empty {
+            Ok(empty) => std::mem::replace(&mut self.values, empty),
+            // Without an empty slice to leave behind, a copy.
+            Err(_) => self.values.clone(),
+        }
     }
 }
 

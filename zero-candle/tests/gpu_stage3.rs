@@ -1,0 +1,279 @@
+//! Stage 3 on the GPU (`CudaThreadComm`, ranks sharing one GPU): the
+//! sharded variables hold no values, each layer's parameters are gathered
+//! on the gathers' own stream into device buffers the layer computes with,
+//! and training gives stage 2's weights at 1 to 4 ranks, f32 and bf16 (f32
+//! masters), with accumulation and clipping, the layers gathered whole or
+//! in pieces; the gathers run ahead of their use; a stage-3 checkpoint
+//! saved on the GPU resumes on threads and back.
+//!
+//! The model is `tests/stage3.rs`'s (embedding, residual layers, a norm, a
+//! head tied to the embedding), on the GPU. SGD with momentum keeps stage 2
+//! and stage 3 at rounding distance (see `gpu_threads.rs`). Needs a CUDA
+//! GPU: `#[ignore]`d, run on a GPU machine with
+//! `cargo test -p zero-candle --features nccl -- --ignored`.
+#![cfg(feature = "nccl")]
+
+use candle_core::{DType, Device, Module, Tensor};
+use candle_nn::{VarBuilder, VarMap};
+use rand::{Rng, SeedableRng};
+use std::path::Path;
+use std::sync::Arc;
+use zero_candle::nn::{self, GradHook};
+use zero_candle::{CandleMemory, ZeroHook, ZeroOptimizer};
+use zero_core::engine::{EngineConfig, NormType, Stage};
+use zero_core::optim::{Sgd, SgdConfig};
+use zero_core::{Communicator, ThreadGroup};
+use zero_nccl::{CudaThreadGroup, DeviceComm};
+
+const VOCAB: usize = 13;
+const HIDDEN: usize = 16;
+const LAYERS: usize = 3;
+const SEQ: usize = 4;
+/// Weights (256 elements) and the embedding (208) are sharded, biases and
+/// norms (16) persist.
+const PERSIST: usize = 64;
+const BUCKET_BYTES: usize = 256;
+
+struct Net {
+    emb: nn::Embedding,
+    layers: Vec<nn::Linear>,
+    norm: nn::LayerNorm,
+    head: nn::Linear,
+    varmap: VarMap,
+}
+
+impl Net {
+    fn new(device: &Device, dtype: DType, hook: Arc<dyn GradHook>) -> candle_core::Result<Self> {
+        let varmap = VarMap::new();
+        let vb = VarBuilder::from_varmap(&varmap, dtype, device);
+        let emb = nn::embedding(VOCAB, HIDDEN, vb.pp("emb"), Some(hook.clone()))?;
+        let layers = (0..LAYERS)
+            .map(|i| nn::linear(HIDDEN, HIDDEN, vb.pp(format!("l{i}")), Some(hook.clone())))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let norm = nn::layer_norm(HIDDEN, 1e-5, vb.pp("norm"), Some(hook.clone()))?;
+        let head = nn::Linear::new(emb.embeddings().clone(), None, Some(hook));
+        // The same values on every rank and device, drawn in name order.
+        let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+        let data = varmap.data().lock().expect("varmap");
+        let mut names: Vec<&String> = data.keys().collect();
+        names.sort();
+        for name in names {
+            let var = &data[name];
+            let values: Vec<f32> = (0..var.elem_count())
+                .map(|_| rng.gen_range(-0.5..0.5))
+                .collect();
+            var.set(&Tensor::from_vec(values, var.dims(), device)?.to_dtype(dtype)?)?;
+        }
+        drop(data);
+        Ok(Self {
+            emb,
+            layers,
+            norm,
+            head,
+            varmap,
+        })
+    }
+
+    fn loss(&self, tokens: &Tensor, targets: &Tensor) -> candle_core::Result<Tensor> {
+        let mut h = self.emb.forward(tokens)?;
+        for layer in &self.layers {
+            h = (&h + layer.forward(&h)?.tanh()?)?;
+        }
+        let logits = self.head.forward(&self.norm.forward(&h)?)?.flatten_to(1)?;
+        let logits = logits.to_dtype(DType::F32)?;
+        candle_nn::loss::cross_entropy(&logits, &targets.flatten_all()?)
+    }
+}
+
+/// Micro-step `s`'s tokens and targets for rank `rank`, on `device`.
+fn batch(device: &Device, rank: usize, s: usize) -> candle_core::Result<(Tensor, Tensor)> {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(1000 * s as u64 + rank as u64);
+    let mut ids =
+        |n: usize| -> Vec<u32> { (0..n).map(|_| rng.gen_range(0..VOCAB as u32)).collect() };
+    let (tokens, targets) = (ids(3 * SEQ), ids(3 * SEQ));
+    Ok((
+        Tensor::from_vec(tokens, (3, SEQ), device)?,
+        Tensor::from_vec(targets, (3, SEQ), device)?,
+    ))
+}
+
+type Weights = Vec<(String, Vec<f32>)>;
+
+/// What a rank reports: its full weights, and its prefetch hits.
+struct Trained {
+    weights: Weights,
+    hits: u64,
+}
+
+/// One rank's training over micro-steps `first..first + steps`, loading
+/// `load` first and saving into `save` after.
+#[allow(clippy::too_many_arguments)]
+fn train_rank<C>(
+    comm: C,
+    device: &Device,
+    dtype: DType,
+    config: &EngineConfig,
+    (first, steps): (usize, usize),
+    load: Option<&Path>,
+    save: Option<&Path>,
+) -> zero_candle::Result<Trained>
+where
+    C: Communicator,
+    C::Memory: CandleMemory<f32, C>,
+{
+    let rank = comm.rank();
+    let hook = ZeroHook::<C, f32>::new();
+    let net = Net::new(device, dtype, hook.clone())?;
+    let sgd = Sgd::new(SgdConfig::default().with_lr(0.05).with_momentum(0.9))?;
+    let mut opt = ZeroOptimizer::<C, f32>::new(&net.varmap, comm, config.clone(), Box::new(sgd))?
+        .with_hook(&hook)?;
+    if let Some(dir) = load {
+        opt.load_checkpoint(dir)?;
+    }
+    for s in first..first + steps {
+        let (tokens, targets) = batch(device, rank, s)?;
+        opt.backward_step(&net.loss(&tokens, &targets)?)?;
+    }
+    if let Some(dir) = save {
+        opt.save_checkpoint(dir)?;
+    }
+    let weights = opt
+        .full_weights()?
+        .into_iter()
+        .map(|(name, t)| {
+            let values = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+            Ok((name, values))
+        })
+        .collect::<zero_candle::Result<Weights>>()?;
+    let hits = opt.fetch_stats().map_or(0, |s| s.hits);
+    Ok(Trained { weights, hits })
+}
+
+fn on_gpu(
+    n: usize,
+    dtype: DType,
+    config: &EngineConfig,
+    steps: (usize, usize),
+    (load, save): (Option<&Path>, Option<&Path>),
+) -> Vec<Trained> {
+    CudaThreadGroup::new(n)
+        .run(|comm| {
+            let device = Device::new_cuda_with_stream(comm.context().ordinal())
+                .map_err(zero_candle::Error::from);
+            Ok(device
+                .and_then(|device| train_rank(comm, &device, dtype, config, steps, load, save)))
+        })
+        .unwrap_or_else(|e| panic!("this test needs a CUDA GPU: {e}"))
+        .into_iter()
+        .enumerate()
+        .map(|(rank, r)| {
+            r.map_err(zero_candle::Error::from)
+                .and_then(|r| r)
+                .unwrap_or_else(|e| panic!("rank {rank}: {e}"))
+        })
+        .collect()
+}
+
+fn max_diff(a: &Weights, b: &Weights) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .flat_map(|((n, x), (m, y))| {
+            assert_eq!(n, m);
+            x.iter().zip(y).map(|(u, v)| (u - v).abs())
+        })
+        .fold(0.0, f32::max)
+}
+
+fn config(stage: Stage, gather_bytes: usize) -> EngineConfig {
+    EngineConfig::default()
+        .with_stage(stage)
+        .with_bucket_bytes(BUCKET_BYTES)
+        .with_persist_numel(PERSIST)
+        .with_gather_bytes(gather_bytes)
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn stage_3_on_ranks_sharing_a_gpu_trains_stage_2_s_weights() {
+    for n in 1..=4 {
+        for (dtype, tolerance) in [(DType::F32, 1e-5), (DType::BF16, 1e-2)] {
+            // Whole layers, and pieces of 32 f32.
+            for gather_bytes in [64 << 20, 128] {
+                for (micro, clip) in [(1, false), (2, true)] {
+                    let with = |c: EngineConfig| {
+                        let c = c.with_grad_accum_steps(micro);
+                        if clip {
+                            c.with_clip(0.5, NormType::L2)
+                        } else {
+                            c
+                        }
+                    };
+                    let s2 = with(config(Stage::Gradients, gather_bytes));
+                    let s3 = with(config(Stage::Parameters, gather_bytes));
+                    let steps = (0, 4 * micro);
+                    let want = on_gpu(n, dtype, &s2, steps, (None, None));
+                    let got = on_gpu(n, dtype, &s3, steps, (None, None));
+                    for (rank, (w, g)) in want.iter().zip(&got).enumerate() {
+                        let what = format!(
+                            "n={n} {dtype:?} gather_bytes={gather_bytes} micro={micro} rank {rank}"
+                        );
+                        let diff = max_diff(&g.weights, &w.weights);
+                        assert!(diff <= tolerance, "{what}: stage 3 is {diff} from stage 2");
+                        assert!(g.hits > 0, "{what}: no gather ran ahead of its use");
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn stage_3_checkpoints_cross_between_the_gpu_and_threads() {
+    let config = config(Stage::Parameters, 128);
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let (gpu_saved, threads_saved) = (dir.path().join("gpu"), dir.path().join("threads"));
+    // Saved by two GPU ranks, read back by two threads before any step.
+    let saved = on_gpu(2, DType::F32, &config, (0, 3), (None, Some(&gpu_saved)));
+    let resumed = ThreadGroup::new(2).run(|comm| {
+        train_rank(
+            comm,
+            &Device::Cpu,
+            DType::F32,
+            &config,
+            (3, 0),
+            Some(&gpu_saved),
+            None,
+        )
+    });
+    for (rank, r) in resumed.into_iter().enumerate() {
+        let r = r.expect("no panic").expect("resumed on threads");
+        let diff = max_diff(&r.weights, &saved[rank].weights);
+        assert_eq!(
+            diff, 0.0,
+            "rank {rank}: threads read other weights than the GPU saved"
+        );
+    }
+    // And back: saved by threads, read by GPU ranks.
+    let saved = ThreadGroup::new(2).run(|comm| {
+        train_rank(
+            comm,
+            &Device::Cpu,
+            DType::F32,
+            &config,
+            (0, 3),
+            None,
+            Some(&threads_saved),
+        )
+    });
+    let resumed = on_gpu(2, DType::F32, &config, (3, 0), (Some(&threads_saved), None));
+    for (rank, (s, r)) in saved.into_iter().zip(&resumed).enumerate() {
+        let s = s.expect("no panic").expect("saved on threads");
+        let diff = max_diff(&r.weights, &s.weights);
+        assert_eq!(
+            diff, 0.0,
+            "rank {rank}: the GPU read other weights than threads saved"
+        );
+    }
+}
