@@ -4,7 +4,7 @@
 # BUNDLE comes from scripts/build-gpu-bundle.sh. Runs every test in the
 # bundle with --include-ignored (the GPU suite), then `bench gpu` from the
 # repository's root (so that it finds examples/pytorch/), then short trainer
-# runs on one GPU (MLP and GPT, stages 0-2, f32 and bf16, 20 steps each, one
+# runs on one GPU (MLP and GPT, stages 0-3, f32 and bf16, 20 steps each, one
 # rank on NCCL and four sharing the GPU with --backend cuda-threads: the
 # table shows each one's final loss), logging each to LOG_DIR (default:
 # a temporary folder). `suite`, `bench` or `train` runs only that part;
@@ -75,7 +75,7 @@ if [[ "$what" == all || "$what" == bench ]]; then
 fi
 if [[ "$what" == all || "$what" == train ]]; then
     for model in mlp gpt; do
-        for stage in 0 1 2; do
+        for stage in 0 1 2 3; do
             for precision in f32 bf16; do
                 run "train-$model-s$stage-$precision" env RANK=0 WORLD_SIZE=1 \
                     "$unpacked/train" --backend nccl --model "$model" --stage "$stage" \
@@ -92,7 +92,7 @@ if [[ "$what" == all || "$what" == train ]]; then
             "$unpacked/train" --backend nccl --model "$model" --stage 2 --precision bf16 \
             --offload optimizer --overlap interleaved --steps 20
         # Four ranks sharing the GPU (no NCCL): the sharded paths at N > 1.
-        for run_args in "0 f32" "1 bf16" "2 f32" "2 bf16"; do
+        for run_args in "0 f32" "1 bf16" "2 f32" "2 bf16" "3 f32" "3 bf16"; do
             read -r stage precision <<<"$run_args"
             run "train-$model-s$stage-$precision-n4" "$unpacked/train" --backend cuda-threads \
                 --world-size 4 --model "$model" --stage "$stage" --precision "$precision" \

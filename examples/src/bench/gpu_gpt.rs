@@ -12,8 +12,9 @@
 //! `max_memory_allocated()`, which the peer reports over its timed steps.
 //! NCCL's own buffers are in neither figure.
 //!
-//! The same GPT at stages 0 and 2 on four ranks sharing the GPU
-//! (`--backend cuda-threads`) gives each rank's device bytes per parameter.
+//! The same GPT at stages 0, 2 and 3 on four ranks sharing the GPU
+//! (`--backend cuda-threads`) gives each rank's device bytes per parameter,
+//! and stage 3 at one rank its step time over stage 2's.
 
 use super::torch_peer::{run_gpt_peer, PeerArgs, PeerAttention, PeerDevice, PeerDtype};
 use super::Report;
@@ -62,6 +63,8 @@ struct Variant {
     checkpointed: bool,
     /// ZeRO-Offload of the optimizer's side.
     offload: Offload,
+    /// Stage 3 (from the first step's end) instead of stage 2.
+    stage3: bool,
 }
 
 /// Runs the GPT suite (after `gpu::device_present`).
@@ -198,6 +201,40 @@ pub fn run(report: &mut Report) {
             Some("<= 17"),
         );
     }
+    // Stage 3 at one rank: what the gathers' overlap costs where nothing
+    // is sent.
+    let f32_stage3 = match ours(
+        &device,
+        &ctx,
+        pool.as_ref(),
+        &ids,
+        GptOps::Fused,
+        DType::F32,
+        Variant {
+            stage3: true,
+            ..Variant::default()
+        },
+    ) {
+        Ok(measured) => Some(measured),
+        Err(e) => {
+            eprintln!("gpu gpt benchmark: ours f32 stage 3 failed: {e}");
+            None
+        }
+    };
+    if let (Some(s2), Some(s3)) = (&f32_fused, &f32_stage3) {
+        report.add(
+            "gpu.gpt_f32_s3_step_over_s2",
+            s2.tokens_per_s / s3.tokens_per_s,
+            "ratio",
+            Some("<= 1.10"),
+        );
+        report.add(
+            "gpu.gpt_f32_s3_engine_device_bytes_per_param",
+            s3.engine_device_bytes_per_param,
+            "B/param",
+            None,
+        );
+    }
     shared_gpu(report, &device, &ctx, pool.as_ref());
 
     checkpointing(report, &device, &ctx, pool.as_ref());
@@ -295,15 +332,18 @@ pub fn run(report: &mut Report) {
 /// Ranks sharing the GPU (`CudaThreadGroup`, as `--backend cuda-threads`).
 const SHARED_RANKS: usize = 4;
 
-/// The f32 GPT at stages 0 and 2 on [`SHARED_RANKS`] ranks sharing the GPU
-/// (the global batch of [`BATCH`] split between them): each rank's engine
-/// device bytes per parameter (its memory report, the model's weights
-/// included), the pool's peak per rank, and stage 2's step time over stage 0's.
+/// The f32 GPT at stages 0, 2 and 3 on [`SHARED_RANKS`] ranks sharing the
+/// GPU (the global batch of [`BATCH`] split between them): each rank's
+/// engine device bytes per parameter (its memory report, the model's
+/// weights included, and at stage 3 the gather buffers), the pool's peak
+/// per rank (at stage 3 it includes the first step, on whole weights), and
+/// stage 2's and 3's step times over stage 0's and 2's.
 fn shared_gpu(report: &mut Report, device: &Device, ctx: &CudaContext, pool: Option<&DevicePool>) {
     let mut step_s = Vec::new();
     for (stage, name, goal) in [
         (Stage::Ddp, "s0", "<= 17"),
         (Stage::Gradients, "s2", "<= 8"),
+        (Stage::Parameters, "s3", "<= 5"),
     ] {
         let measured = ranks_sharing(device, ctx, pool, stage);
         let (seconds, bytes_per_param, peak) = match measured {
@@ -333,6 +373,12 @@ fn shared_gpu(report: &mut Report, device: &Device, ctx: &CudaContext, pool: Opt
     report.add(
         &format!("gpu.gpt_f32_n{SHARED_RANKS}_s2_step_over_s0"),
         step_s[1] / step_s[0],
+        "ratio",
+        None,
+    );
+    report.add(
+        &format!("gpu.gpt_f32_n{SHARED_RANKS}_s3_step_over_s2"),
+        step_s[2] / step_s[1],
         "ratio",
         None,
     );
@@ -527,7 +573,10 @@ fn ours(
             &varmap,
             NcclComm::single(0)?,
             EngineConfig::default()
-                .with_stage(Stage::Gradients)
+                .with_stage(match variant.stage3 {
+                    true => Stage::Parameters,
+                    false => Stage::Gradients,
+                })
                 .with_offload(variant.offload, 0)
                 // Offloaded, the host steps each bucket as it lands.
                 .with_overlap(match variant.offload {
