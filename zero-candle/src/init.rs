@@ -26,10 +26,11 @@
 //! ```
 
 use crate::{Error, Result};
-use candle_core::backend::BackendStorage;
+use candle_core::backend::{BackendDevice, BackendStorage};
 use candle_core::op::BackpropOp;
 use candle_core::{
-    CpuStorage, DType, Device, InplaceOp1, Layout, Shape, Storage, Tensor, Var, WithDType,
+    CpuStorage, CudaStorage, DType, Device, InplaceOp1, Layout, Shape, Storage, Tensor, Var,
+    WithDType,
 };
 use candle_nn::init::{FanInOut, NormalOrUniform};
 use candle_nn::var_builder::SimpleBackend;
@@ -349,28 +350,28 @@ impl ShardedVarMap {
             return Ok(var.as_tensor().clone());
         }
         self.inner.source.check(name, shape.dims())?;
-        let defer = device.is_cpu()
+        let defer = (device.is_cpu() || device.is_cuda())
             && self
                 .inner
                 .defer_above
                 .is_some_and(|above| shape.elem_count() > above);
         let var = if defer {
             lock(&self.inner.deferred).insert(name.into(), (init, shape.dims().to_vec()));
-            deferred_var(shape, dtype)?
+            deferred_var(shape, dtype, device)?
         } else {
             let values = self.values(name, shape.dims(), init, dtype)?;
             // A variable from the values themselves (no copy).
-            Var::from_tensor(&Tensor::from_storage(
+            let var = Var::from_tensor(&Tensor::from_storage(
                 Storage::Cpu(values),
                 shape,
                 BackpropOp::none(),
                 true,
-            ))?
-        };
-        let var = if device.is_cpu() {
-            var
-        } else {
-            Var::from_tensor(&var.as_tensor().to_device(device)?)?
+            ))?;
+            if device.is_cpu() {
+                var
+            } else {
+                Var::from_tensor(&var.as_tensor().to_device(device)?)?
+            }
         };
         let tensor = var.as_tensor().clone();
         vars.insert(name.into(), var);
@@ -488,14 +489,19 @@ fn filled<D: Element + WithDType>(
     Ok(values)
 }
 
-/// A CPU variable of `shape` and `dtype` with an empty storage: nothing of
-/// its size is allocated.
-fn deferred_var(shape: Shape, dtype: DType) -> Result<Var> {
+/// A variable of `shape` and `dtype` on `device` (the CPU or a CUDA GPU)
+/// with an empty storage (on CUDA, one element): nothing of its size is
+/// allocated.
+fn deferred_var(shape: Shape, dtype: DType, device: &Device) -> Result<Var> {
     let storage = crate::stage3::empty_storage(dtype).ok_or_else(|| Error::Variable {
         name: "<deferred>".into(),
         detail: format!("dtype {dtype:?}: only float variables can be deferred"),
     })?;
-    let tensor = Tensor::from_storage(Storage::Cpu(storage), shape, BackpropOp::none(), true);
+    let storage = match device {
+        Device::Cuda(cuda) => Storage::Cuda(cuda.zeros_impl(&Shape::from(1), dtype)?),
+        _ => Storage::Cpu(storage),
+    };
+    let tensor = Tensor::from_storage(storage, shape, BackpropOp::none(), true);
     Ok(Var::from_tensor(&tensor)?)
 }
 
@@ -521,6 +527,23 @@ impl InplaceOp1 for Replace {
             )
         }
         *storage = values;
+        Ok(())
+    }
+
+    fn cuda_fwd(&self, storage: &mut CudaStorage, layout: &Layout) -> candle_core::Result<()> {
+        let mut slot = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(values) = slot.take() else {
+            candle_core::bail!("zero-replace-storage: applied twice")
+        };
+        if values.dtype() != storage.dtype() || values_len(&values) != layout.shape().elem_count() {
+            candle_core::bail!(
+                "zero-replace-storage: {:?} values for a {:?} variable of shape {:?}",
+                values.dtype(),
+                storage.dtype(),
+                layout.dims()
+            )
+        }
+        *storage = storage.device().storage_from_cpu_storage(&values)?;
         Ok(())
     }
 }

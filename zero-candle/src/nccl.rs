@@ -27,7 +27,7 @@ use std::ops::Range;
 use std::sync::Arc;
 use zero_core::engine::{Engine, OffloadMemory};
 use zero_core::optim::FunctionalOptimizer;
-use zero_nccl::cudarc::driver::CudaView;
+use zero_nccl::cudarc::driver::{CudaSlice, CudaView};
 use zero_nccl::{
     Cuda, CudaMemory, DeviceComm, DeviceGather, DeviceParams, DeviceView, DeviceViewMut, NcclComm,
 };
@@ -151,17 +151,22 @@ impl<C: DeviceComm> CandleMemory<f32, C> for Cuda {
         Ok(engine.shard_parameters(mask, &mut params)?)
     }
 
-    /// On the GPU the variables hold their values (a `ShardedVarMap`
-    /// defers only on the CPU): this rank's pieces are read from them, and
-    /// the sharded ones are freed after.
+    /// A deferred variable's values are computed on the host one variable
+    /// at a time and uploaded for the engine to read its pieces from, so
+    /// the device holds at most one whole deferred variable at a time.
     fn shard_from_start(
         engine: &mut Engine<f32, C, OffloadMemory<CudaMemory>>,
         order: &[usize],
         mask: &[bool],
-        (_names, vars): (&[String], &[Var]),
-        _map: &crate::ShardedVarMap,
+        (names, vars): (&[String], &[Var]),
+        map: &crate::ShardedVarMap,
     ) -> Result<Arc<KindFetcher<f32, C, Cuda>>> {
-        let mut params = CandleParams { vars };
+        let mut params = InitParams {
+            vars: CandleParams { vars },
+            names,
+            map,
+            uploaded: None,
+        };
         Ok(engine.shard_from_start(order, mask, &mut params)?)
     }
 
@@ -376,6 +381,79 @@ impl DeviceParams for CandleParams<'_> {
             return Err(e);
         }
         outcome.map_err(|e| candle_failure(param, e))
+    }
+}
+
+/// The engine's view of a model built by a `ShardedVarMap` on the GPU:
+/// deferred variables (no values yet) are computed from the map's source
+/// and uploaded, the last one kept while the engine reads its pieces.
+struct InitParams<'a> {
+    vars: CandleParams<'a>,
+    names: &'a [String],
+    map: &'a crate::ShardedVarMap,
+    /// The deferred variable last uploaded, in f32 (rounded to its dtype).
+    uploaded: Option<(usize, CudaSlice<f32>)>,
+}
+
+impl InitParams<'_> {
+    fn upload(&mut self, param: usize) -> zero_core::Result<Option<&CudaSlice<f32>>> {
+        let name = &self.names[param];
+        let Some((init, shape)) = self.map.deferred(name) else {
+            return Ok(None);
+        };
+        if self.uploaded.as_ref().is_none_or(|(p, _)| *p != param) {
+            // The previous one goes first.
+            self.uploaded = None;
+            let var = &self.vars.vars[param];
+            let Device::Cuda(device) = var.device() else {
+                return Err(candle_failure(
+                    param,
+                    "the variable is not on a CUDA device",
+                ));
+            };
+            let mut values = vec![0f32; var.elem_count()];
+            let filled = crate::init::fill_from(
+                self.map.source(),
+                (name, &shape, init),
+                0..values.len(),
+                var.dtype(),
+                &mut values,
+            );
+            filled.map_err(|e| candle_failure(param, e))?;
+            let uploaded = device
+                .cuda_stream()
+                .clone_htod(&values)
+                .map_err(|e| candle_failure(param, e))?;
+            self.uploaded = Some((param, uploaded));
+        }
+        Ok(self.uploaded.as_ref().map(|(_, values)| values))
+    }
+}
+
+impl DeviceParams for InitParams<'_> {
+    fn with_param(
+        &mut self,
+        param: usize,
+        f: &mut dyn FnMut(DeviceView<'_>) -> zero_core::Result<()>,
+    ) -> zero_core::Result<()> {
+        match self.upload(param)? {
+            Some(values) => f(values.into()),
+            None => self.vars.with_param(param, f),
+        }
+    }
+
+    fn with_param_mut(
+        &mut self,
+        param: usize,
+        f: &mut dyn FnMut(DeviceViewMut<'_>) -> zero_core::Result<()>,
+    ) -> zero_core::Result<()> {
+        if self.map.deferred(&self.names[param]).is_some() {
+            return Err(zero_core::Error::State(format!(
+                "internal: the engine wrote {:?} before it was sharded or given values",
+                self.names[param]
+            )));
+        }
+        self.vars.with_param_mut(param, f)
     }
 }
 

@@ -4,7 +4,9 @@
 //! and training gives stage 2's weights at 1 to 4 ranks, f32 and bf16 (f32
 //! masters), with accumulation and clipping, the layers gathered whole or
 //! in pieces; the gathers run ahead of their use; a stage-3 checkpoint
-//! saved on the GPU resumes on threads and back.
+//! saved on the GPU resumes on threads and back; a model built by a
+//! `ShardedVarMap` on the GPU is sharded before its first step, its large
+//! variables never holding their values.
 //!
 //! The model is `tests/stage3.rs`'s (embedding, residual layers, a norm, a
 //! head tied to the embedding), on the GPU. SGD with momentum keeps stage 2
@@ -43,15 +45,27 @@ struct Net {
 }
 
 impl Net {
-    fn new(device: &Device, dtype: DType, hook: Arc<dyn GradHook>) -> candle_core::Result<Self> {
-        let varmap = VarMap::new();
-        let vb = VarBuilder::from_varmap(&varmap, dtype, device);
+    /// The layers, built through `vb` into `varmap`.
+    fn build(vb: VarBuilder, varmap: VarMap, hook: Arc<dyn GradHook>) -> candle_core::Result<Self> {
         let emb = nn::embedding(VOCAB, HIDDEN, vb.pp("emb"), Some(hook.clone()))?;
         let layers = (0..LAYERS)
             .map(|i| nn::linear(HIDDEN, HIDDEN, vb.pp(format!("l{i}")), Some(hook.clone())))
             .collect::<candle_core::Result<Vec<_>>>()?;
         let norm = nn::layer_norm(HIDDEN, 1e-5, vb.pp("norm"), Some(hook.clone()))?;
         let head = nn::Linear::new(emb.embeddings().clone(), None, Some(hook));
+        Ok(Self {
+            emb,
+            layers,
+            norm,
+            head,
+            varmap,
+        })
+    }
+
+    fn new(device: &Device, dtype: DType, hook: Arc<dyn GradHook>) -> candle_core::Result<Self> {
+        let varmap = VarMap::new();
+        let vb = VarBuilder::from_varmap(&varmap, dtype, device);
+        let net = Self::build(vb, varmap.clone(), hook)?;
         // The same values on every rank and device, drawn in name order.
         let mut rng = rand::rngs::StdRng::seed_from_u64(7);
         let data = varmap.data().lock().expect("varmap");
@@ -65,13 +79,7 @@ impl Net {
             var.set(&Tensor::from_vec(values, var.dims(), device)?.to_dtype(dtype)?)?;
         }
         drop(data);
-        Ok(Self {
-            emb,
-            layers,
-            norm,
-            head,
-            varmap,
-        })
+        Ok(net)
     }
 
     fn loss(&self, tokens: &Tensor, targets: &Tensor) -> candle_core::Result<Tensor> {
@@ -275,5 +283,76 @@ fn stage_3_checkpoints_cross_between_the_gpu_and_threads() {
             diff, 0.0,
             "rank {rank}: the GPU read other weights than threads saved"
         );
+    }
+}
+
+/// One rank of a model built by a `ShardedVarMap` (seeded) and
+/// `new_sharded`: at stage 3 the large variables are created without
+/// values on the GPU and never hold them; its weights after `steps`.
+fn train_sharded_rank(
+    comm: zero_nccl::CudaThreadComm,
+    config: &EngineConfig,
+    steps: usize,
+) -> zero_candle::Result<Weights> {
+    let rank = comm.rank();
+    let device = Device::new_cuda_with_stream(comm.context().ordinal())?;
+    let stage3 = config.stage == Stage::Parameters;
+    let map = zero_candle::ShardedVarMap::seeded(11, stage3.then_some(PERSIST));
+    let hook = ZeroHook::<zero_nccl::CudaThreadComm, f32>::new();
+    let net = Net::build(
+        map.builder(DType::F32, &device),
+        map.varmap().clone(),
+        hook.clone(),
+    )?;
+    let sgd = Sgd::new(SgdConfig::default().with_lr(0.05).with_momentum(0.9))?;
+    let mut opt = ZeroOptimizer::new_sharded(&map, comm, config.clone(), Box::new(sgd), &hook)?;
+    if stage3 {
+        // Sharded before the first step: every large variable holds one
+        // element on the device.
+        for (name, var) in opt.names().iter().zip(opt.vars()) {
+            let (storage, _) = var.storage_and_layout();
+            let candle_core::Storage::Cuda(cuda) = &*storage else {
+                panic!("{name} is not on the GPU")
+            };
+            let held = cuda.as_cuda_slice::<f32>()?.len();
+            if var.elem_count() > PERSIST {
+                assert_eq!(held, 1, "{name} holds {held} elements");
+            }
+        }
+    }
+    for s in 0..steps {
+        let (tokens, targets) = batch(&device, rank, s)?;
+        opt.backward_step(&net.loss(&tokens, &targets)?)?;
+    }
+    opt.full_weights()?
+        .into_iter()
+        .map(|(name, t)| Ok((name, t.flatten_all()?.to_vec1::<f32>()?)))
+        .collect()
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn stage_3_from_the_start_on_the_gpu_trains_a_whole_built_model_s_weights() {
+    for n in [1, 3] {
+        let run = |stage| {
+            CudaThreadGroup::new(n)
+                .run(|comm| Ok(train_sharded_rank(comm, &config(stage, 128), 4)))
+                .unwrap_or_else(|e| panic!("this test needs a CUDA GPU: {e}"))
+                .into_iter()
+                .map(|r| {
+                    r.map_err(zero_candle::Error::from)
+                        .and_then(|r| r)
+                        .expect("a rank")
+                })
+                .collect::<Vec<_>>()
+        };
+        let (s2, s3) = (run(Stage::Gradients), run(Stage::Parameters));
+        for (rank, (w, g)) in s2.iter().zip(&s3).enumerate() {
+            let diff = max_diff(g, w);
+            assert!(
+                diff <= 1e-5,
+                "n={n} rank {rank}: stage 3 is {diff} from stage 2"
+            );
+        }
     }
 }
