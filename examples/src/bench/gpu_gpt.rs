@@ -624,3 +624,127 @@ fn ours(
     }
     Ok(measured)
 }
+
+/// The headline of stage 3 on the GPU (`bench gpu-headline`, not part of
+/// `bench gpu`: building the model takes a while): a GPT that does not fit
+/// the device at stage 0 with [`SHARED_RANKS`] ranks sharing it trains at
+/// stage 3.
+///
+/// The size is chosen from the device's free memory `F`: d_model 2048, 16
+/// heads, context 256, and the most layers whose f32 AdamW training state
+/// (16 bytes per parameter: weights, gradients, two moments) is at most
+/// `F / 2.5`. At stage 0 every rank holds all of it, `4 x 16 Ψ >= 1.6 F`:
+/// it cannot fit; at stage 3 the ranks hold it once between them, leaving
+/// the rest for the gathers and activations. Each rank computes only its
+/// shard of the weights (a `ShardedVarMap` defers them; each weight is
+/// computed on the host and uploaded one at a time) and trains on one
+/// sequence for three steps.
+pub fn headline(report: &mut Report) {
+    if let Err(e) = headline_run(report) {
+        eprintln!("gpu headline benchmark failed: {e}");
+    }
+}
+
+fn headline_run(report: &mut Report) -> BenchResult<()> {
+    const D_MODEL: usize = 2048;
+    const HEADS: usize = 16;
+    const CONTEXT: usize = 256;
+    const STATE_BYTES: usize = 16;
+    let (_, ctx) = open_device()?;
+    let (free, total) = ctx.mem_get_info()?;
+    let per_layer = 12 * D_MODEL * D_MODEL + 13 * D_MODEL;
+    let fixed = (crate::trainer::VOCAB + CONTEXT) * D_MODEL + 2 * D_MODEL;
+    let budget = (free as f64 / 2.5) as usize / STATE_BYTES;
+    let layers = budget.saturating_sub(fixed) / per_layer;
+    if layers == 0 {
+        return Err(format!("{free} free bytes leave no room for one layer").into());
+    }
+    let config = GptConfig {
+        layers,
+        heads: HEADS,
+        d_model: D_MODEL,
+        context: CONTEXT,
+    };
+    let params = layers * per_layer + fixed;
+    let stage0_bytes = SHARED_RANKS * STATE_BYTES * params;
+    println!(
+        "bench gpu-headline: {} ({:.1} of {:.1} GB free); GPT {config:?}, {:.2}B parameters: \
+         stage 0 on {SHARED_RANKS} ranks needs {:.1} GB of training state, stage 3 {:.1} GB",
+        ctx.name().unwrap_or_default(),
+        free as f64 / 1e9,
+        total as f64 / 1e9,
+        params as f64 / 1e9,
+        stage0_bytes as f64 / 1e9,
+        (STATE_BYTES * params) as f64 / 1e9,
+    );
+    let pool = DevicePool::of(&ctx).ok();
+    if let Some(pool) = &pool {
+        pool.reset_high_water()?;
+    }
+    let started = Instant::now();
+    let results = CudaThreadGroup::new(SHARED_RANKS).run(|comm| {
+        let rank = comm.rank();
+        let trained = (|| -> BenchResult<(f64, f32)> {
+            let device = Device::new_cuda_with_stream(comm.context().ordinal())?;
+            let config_engine = EngineConfig::default().with_stage(Stage::Parameters);
+            let map = zero_candle::ShardedVarMap::seeded(SEED, Some(config_engine.persist_numel));
+            let hook = ZeroHook::<CudaThreadComm, f32>::new();
+            let model = Gpt::build(
+                &map,
+                config,
+                &device,
+                Some(hook.clone() as Arc<dyn GradHook>),
+                DType::F32,
+            )?;
+            let mut opt = ZeroOptimizer::<CudaThreadComm, f32>::new_sharded(
+                &map,
+                comm,
+                config_engine,
+                Box::new(AdamW::new(AdamWConfig::default().with_lr(LR))?),
+                &hook,
+            )?;
+            let ids = random_ids(&device, 1)?;
+            let mut step_s = 0.0;
+            let mut loss_value = f32::NAN;
+            for _ in 0..3 {
+                let started = Instant::now();
+                let loss = model.loss(&ids)?;
+                loss_value = loss.to_scalar::<f32>()?;
+                opt.backward_step(&loss)?;
+                device.synchronize()?;
+                step_s = started.elapsed().as_secs_f64();
+            }
+            Ok((step_s, loss_value))
+        })();
+        Ok(trained.map_err(|e| format!("rank {rank}: {e}")))
+    })?;
+    let mut figures = Vec::new();
+    for result in results {
+        figures.push(result?.map_err(|e| -> Box<dyn std::error::Error> { e.into() })?);
+    }
+    let (step_s, loss) = figures[0];
+    if !loss.is_finite() {
+        return Err(format!("the loss is {loss}").into());
+    }
+    println!(
+        "bench gpu-headline: trained 3 steps in {:.1} s (the last {step_s:.2} s), loss {loss:.4}",
+        started.elapsed().as_secs_f64()
+    );
+    report.add("gpu.s3_headline_params_b", params as f64 / 1e9, "B", None);
+    report.add(
+        "gpu.s3_headline_s0_state_over_device",
+        stage0_bytes as f64 / total as f64,
+        "ratio",
+        Some("> 1 (does not fit at stage 0)"),
+    );
+    if let Some(pool) = &pool {
+        report.add(
+            "gpu.s3_headline_peak_over_device",
+            pool.high_water()? as f64 / total as f64,
+            "ratio",
+            Some("< 1 (trains at stage 3)"),
+        );
+    }
+    report.add("gpu.s3_headline_step_s", step_s, "s", None);
+    Ok(())
+}

@@ -119,6 +119,16 @@ pub fn main() {
                 #[cfg(not(feature = "nccl"))]
                 println!("gpu benchmarks need --features nccl");
             }
+            // Not among `all`: it builds a model of a fifth of the GPU's
+            // memory.
+            "gpu-headline" => {
+                #[cfg(feature = "nccl")]
+                if gpu::device_present() {
+                    gpu_gpt::headline(&mut report);
+                }
+                #[cfg(not(feature = "nccl"))]
+                println!("gpu benchmarks need --features nccl");
+            }
             "optim" | "step" | "overlap" | "memory" | "precision" | "stage3" | "gpt" => {}
             other => {
                 eprintln!("unknown benchmark suite {other:?}; expected one of {all:?}");
