@@ -592,23 +592,18 @@ fn offload_where_it_cannot_be_is_a_usage_error_saying_what_to_do() {
     let err = run(&Args::parse_from(argv)).expect_err("nothing to offload on threads");
     assert!(err.to_string().contains("--backend nccl"), "{err}");
     // Stage 0 has no shard to offload (checked before any GPU is touched).
-    for stage in ["0", "3"] {
-        let argv = [
-            "train",
-            "--quiet",
-            "--backend",
-            "nccl",
-            "--stage",
-            stage,
-            "--offload",
-            "optimizer",
-        ];
-        let err = run(&Args::parse_from(argv)).expect_err("no shard to offload");
-        assert!(
-            err.to_string().contains("--stage 1 or 2"),
-            "stage {stage}: {err}"
-        );
-    }
+    let argv = [
+        "train",
+        "--quiet",
+        "--backend",
+        "nccl",
+        "--stage",
+        "0",
+        "--offload",
+        "optimizer",
+    ];
+    let err = run(&Args::parse_from(argv)).expect_err("no shard to offload");
+    assert!(err.to_string().contains("--stage 1, 2 or 3"), "{err}");
 }
 
 #[test]

@@ -8,12 +8,40 @@ mod common;
 
 use common::{assert_close, engine, make_opt, run, slots, Mlp, Model, Opt};
 use std::sync::Arc;
-use zero_core::engine::{EngineConfig, Fetcher, NormType, Stage};
-use zero_core::{Communicator, Engine, Error, Result, ThreadComm, ThreadGroup};
+use zero_core::engine::{
+    EngineConfig, Fetcher, GatherMemory, HostGrad, HostMemory, MemoryReport, NormType, Offload,
+    OffloadMemory, ShardMemory, Stage,
+};
+use zero_core::{Communicator, Engine, Error, ParamStore, Result, ThreadComm, ThreadGroup};
+
+/// An engine memory over host buffers, as the tests drive it.
+trait TestMemory:
+    for<'g, 'p> ShardMemory<
+    f64,
+    ThreadComm,
+    Grad<'g> = HostGrad<'g, f64>,
+    Params<'p> = dyn ParamStore<f64> + 'p,
+    Gathers = Self::G,
+>
+{
+    type G: GatherMemory<f64, Buffer = Vec<f64>>;
+}
+
+impl TestMemory for HostMemory {
+    type G = Self::Gathers;
+}
+
+impl TestMemory for OffloadMemory<HostMemory> {
+    type G = Self::Gathers;
+}
 
 /// The values of parameter `p`: gathered through `fetcher` piece by piece
 /// when it is sharded, else the replica's.
-fn values(fetcher: Option<&Arc<Fetcher<f64>>>, replica: &[Vec<f64>], p: usize) -> Result<Vec<f64>> {
+fn values<G: GatherMemory<f64, Buffer = Vec<f64>>>(
+    fetcher: Option<&Arc<Fetcher<f64, G>>>,
+    replica: &[Vec<f64>],
+    p: usize,
+) -> Result<Vec<f64>> {
     let Some(fetcher) = fetcher.filter(|f| f.is_sharded(p)) else {
         return Ok(replica[p].clone());
     };
@@ -41,10 +69,25 @@ fn train(
     config: &EngineConfig,
     steps: usize,
 ) -> Result<(Vec<Vec<Vec<f64>>>, u64)> {
-    let rank = comm.rank();
-    let micro = config.grad_accum_steps;
-    let mut e: Engine<f64, ThreadComm> =
+    let e: Engine<f64, ThreadComm> =
         engine(comm, model, make_opt(Opt::Adam, false), config.clone())?;
+    let (seen, hits, _) = train_engine(e, model, steps)?;
+    Ok((seen, hits))
+}
+
+/// What [`train_engine`] gives: the weights computed with at each step
+/// after the first, the fetcher's hits, the memory report at the end.
+type Trained = (Vec<Vec<Vec<f64>>>, u64, MemoryReport);
+
+/// [`train`] on the engine `e`; also gives the memory report at the end.
+fn train_engine<M: TestMemory>(
+    mut e: Engine<f64, ThreadComm, M>,
+    model: &Mlp,
+    steps: usize,
+) -> Result<Trained> {
+    let rank = e.comm().rank();
+    let config = e.config().clone();
+    let micro = config.grad_accum_steps;
     let mut replica = model.init();
     let mut seen = Vec::new();
     for s in 0..steps {
@@ -67,7 +110,7 @@ fn train(
         }
     }
     let hits = e.fetcher().map_or(0, |f| f.stats().hits);
-    Ok((seen, hits))
+    Ok((seen, hits, e.memory_report()))
 }
 
 #[test]
@@ -103,6 +146,46 @@ fn stage_3_through_the_engine_trains_stage_2_s_weights() {
                     // recorded order: the gather thread runs ahead.
                     assert!(*hits > 0, "{what}: no prefetch hit");
                 }
+            }
+        }
+    }
+}
+
+/// Offloaded (the parameter shard, i.e. the masters, in host memory and
+/// stepped there; each gathered chunk brought up from it), stage 3 trains
+/// the weights of stage 3 without offload, bit for bit. Host memory stands
+/// in for the device.
+#[test]
+fn offloaded_stage_3_trains_the_weights_of_stage_3_on_the_device_alone() {
+    let model = Mlp::new(&[6, 16, 12, 4]);
+    for world in 1..=3 {
+        for gather_bytes in [1 << 20, 256] {
+            let config = EngineConfig::default()
+                .with_stage(Stage::Parameters)
+                .with_bucket_bytes(128)
+                .with_grad_accum_steps(2)
+                .with_clip(0.5, NormType::L2)
+                .with_persist_numel(20)
+                .with_gather_bytes(gather_bytes);
+            let trained = |offload| {
+                run(world, |comm| {
+                    let e = Engine::with_memory(
+                        comm,
+                        OffloadMemory::new(HostMemory),
+                        model.infos(),
+                        make_opt(Opt::Adam, false),
+                        config.clone().with_offload(offload, 1),
+                    )?;
+                    let (seen, _, report) = train_engine(e, &model, 4)?;
+                    Ok((seen, report.offloaded))
+                })
+            };
+            let (alone, offloaded) = (trained(Offload::None), trained(Offload::Optimizer));
+            for (rank, ((want, none), (got, some))) in alone.iter().zip(&offloaded).enumerate() {
+                let what = format!("N={world} gather_bytes={gather_bytes} rank {rank}");
+                assert_eq!(got, want, "{what}: the weights differ");
+                assert_eq!(*none, 0, "{what}: offloaded without offload");
+                assert!(*some > 0, "{what}: nothing offloaded");
             }
         }
     }

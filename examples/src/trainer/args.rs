@@ -209,7 +209,7 @@ pub struct Args {
     /// gathers hide behind that forward.
     #[arg(long)]
     pub defer_gathers: bool,
-    /// `--backend nccl`, stages 1 and 2: `optimizer` keeps the optimizer's
+    /// `--backend nccl`, stages 1 to 3: `optimizer` keeps the optimizer's
     /// side (f32 master weights, gradient shard, optimizer state) in host
     /// memory and steps it there; the GPU keeps the model, its gradients
     /// and the bucket buffers (ZeRO-Offload).

@@ -421,10 +421,10 @@ fn validate(args: &Args) -> Result<(), TrainError> {
                 .into(),
         ));
     }
-    if args.offload == OffloadArg::Optimizer && !matches!(args.stage, 1 | 2) {
+    if args.offload == OffloadArg::Optimizer && args.stage == 0 {
         return Err(TrainError::Usage(
             "--offload optimizer moves the optimizer's shard to host memory: use it with \
-             --stage 1 or 2 (stage 0 has no shard; stage 3 with offload is not built yet)"
+             --stage 1, 2 or 3 (stage 0 has no shard)"
                 .into(),
         ));
     }

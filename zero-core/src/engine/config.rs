@@ -506,14 +506,7 @@ impl EngineConfig {
         if self.offload == Offload::Optimizer && self.stage == Stage::Ddp {
             return Err(Error::Config(
                 "offload moves the optimizer's shard to host memory, and stage 0 has no shard \
-                 (every rank steps the whole model); use stage 1 or 2 with offload"
-                    .into(),
-            ));
-        }
-        if self.offload == Offload::Optimizer && self.stage == Stage::Parameters {
-            return Err(Error::Config(
-                "offload at stage 3 is not built yet (stage 3 keeps its shard where its gathers \
-                 run); use stage 2 with offload, or stage 3 without"
+                 (every rank steps the whole model); use stage 1, 2 or 3 with offload"
                     .into(),
             ));
         }

@@ -94,6 +94,20 @@ pub trait GatherMemory<T>: Send + Sync + 'static {
         buffer: &mut Self::Buffer,
     ) -> Result<()>;
 
+    /// [`GatherMemory::gather`] from a parameter shard in host memory (an
+    /// offloaded one): each bucket's chunk is brought to this memory first.
+    fn gather_from_host(
+        &self,
+        shard: &[T],
+        buckets: &[UnitBucket],
+        buffer: &mut Self::Buffer,
+    ) -> Result<()> {
+        let _ = (shard, buckets, buffer);
+        Err(Error::Config(
+            "stage 3 cannot gather from a parameter shard in host memory on this memory".into(),
+        ))
+    }
+
     /// Orders what the caller does next after `buffer`'s gather: its reads
     /// of the buffer, and its writes of the shard (a step). Called whenever
     /// a gathered buffer leaves the fetcher's hands or is let go.
@@ -142,6 +156,15 @@ impl<T: crate::Element> GatherMemory<T> for HostGathers<T> {
     }
 
     fn gather(&self, shard: &Vec<T>, buckets: &[UnitBucket], buffer: &mut Vec<T>) -> Result<()> {
+        self.gather_from_host(shard, buckets, buffer)
+    }
+
+    fn gather_from_host(
+        &self,
+        shard: &[T],
+        buckets: &[UnitBucket],
+        buffer: &mut Vec<T>,
+    ) -> Result<()> {
         for bucket in buckets {
             (self.all_gather)(&shard[bucket.shard.clone()], &mut buffer[bucket.at.clone()])?;
         }

@@ -43,9 +43,9 @@ pub enum Placed<B, T> {
     Host(Vec<T>),
 }
 
-/// Stage 3's gathers of an [`OffloadMemory`]: the device's, from a
-/// parameter shard on the device (offload at stage 3, a shard in host
-/// memory, is refused when the engine is built).
+/// Stage 3's gathers of an [`OffloadMemory`]: the device's, from the
+/// parameter shard on the device, or, offloaded, from the host shard (each
+/// bucket's chunk brought up first).
 pub struct OffloadGathers<G>(G);
 
 impl<T: Element, G: GatherMemory<T>> GatherMemory<T> for OffloadGathers<G> {
@@ -79,10 +79,7 @@ impl<T: Element, G: GatherMemory<T>> GatherMemory<T> for OffloadGathers<G> {
     ) -> Result<()> {
         match shard {
             Placed::Device(shard) => self.0.gather(shard, buckets, buffer),
-            Placed::Host(_) => Err(Error::Config(
-                "stage 3 cannot gather from an offloaded parameter shard; offload at stage 1 or 2"
-                    .into(),
-            )),
+            Placed::Host(values) => self.0.gather_from_host(values, buckets, buffer),
         }
     }
 

@@ -39,6 +39,9 @@ impl<C: DeviceComm> DeviceGathers<C> {
 pub struct DeviceGather {
     values: CudaSlice<f32>,
     done: Option<CudaEvent>,
+    /// The chunks of an offloaded shard brought up for the gather under
+    /// way, freed once the compute stream waits on it.
+    staged: Vec<CudaSlice<f32>>,
     /// The compute stream, which frees `values`.
     stream: Arc<CudaStream>,
 }
@@ -61,6 +64,7 @@ impl DeviceGather {
         Self {
             values,
             done: None,
+            staged: Vec::new(),
             stream,
         }
     }
@@ -113,11 +117,7 @@ impl<C: DeviceComm> GatherMemory<f32> for DeviceGathers<C> {
                 drop(reuse);
                 let stream = self.comm.compute_stream().clone();
                 let values = stream.alloc_zeros(len.max(1)).map_err(cuda)?;
-                Ok(DeviceGather {
-                    values,
-                    done: None,
-                    stream,
-                })
+                Ok(DeviceGather::new(values, stream))
             }
         }
     }
@@ -146,11 +146,44 @@ impl<C: DeviceComm> GatherMemory<f32> for DeviceGathers<C> {
         Ok(())
     }
 
+    /// Each chunk is copied up on the compute stream (after the host step
+    /// that wrote it), then gathered from there.
+    fn gather_from_host(
+        &self,
+        shard: &[f32],
+        buckets: &[UnitBucket],
+        buffer: &mut DeviceGather,
+    ) -> Result<()> {
+        for bucket in buckets {
+            let (send, at) = (&bucket.shard, &bucket.at);
+            if send.end > shard.len() || at.end > buffer.values.len() {
+                return Err(Error::State(format!(
+                    "internal: a stage-3 gather of host shard {send:?} into {at:?} is out of \
+                     bounds ({} and {} elements)",
+                    shard.len(),
+                    buffer.values.len()
+                )));
+            }
+            let staged = self
+                .comm
+                .compute_stream()
+                .clone_htod(&shard[send.clone()])
+                .map_err(cuda)?;
+            let mut recv = buffer.values.slice_mut(at.clone());
+            buffer.done = Some(self.comm.all_gather_event(&staged, &mut recv)?);
+            buffer.staged.push(staged);
+        }
+        Ok(())
+    }
+
     fn ready(&self, buffer: &mut DeviceGather) -> Result<()> {
-        match buffer.done.take() {
+        let waited = match buffer.done.take() {
             Some(done) => self.comm.compute_stream().wait(&done).map_err(cuda),
             None => Ok(()),
-        }
+        };
+        // Freed in compute-stream order, after the gathers that read them.
+        buffer.staged.clear();
+        waited
     }
 
     fn read(&self, buffer: &DeviceGather, range: Range<usize>, out: &mut [f32]) -> Result<()> {
