@@ -91,6 +91,9 @@ if [[ "$what" == all || "$what" == train ]]; then
         run "train-$model-s2-bf16-offload-interleaved" env RANK=0 WORLD_SIZE=1 \
             "$unpacked/train" --backend nccl --model "$model" --stage 2 --precision bf16 \
             --offload optimizer --overlap interleaved --steps 20
+        run "train-$model-s3-bf16-offload" env RANK=0 WORLD_SIZE=1 \
+            "$unpacked/train" --backend nccl --model "$model" --stage 3 --precision bf16 \
+            --offload optimizer --steps 20
         # Four ranks sharing the GPU (no NCCL): the sharded paths at N > 1.
         for run_args in "0 f32" "1 bf16" "2 f32" "2 bf16" "3 f32" "3 bf16"; do
             read -r stage precision <<<"$run_args"

@@ -356,3 +356,28 @@ fn stage_3_from_the_start_on_the_gpu_trains_a_whole_built_model_s_weights() {
         }
     }
 }
+
+/// Offloaded (the f32 masters, the gradient shard and the optimizer state
+/// in host memory), stage 3 trains the weights of stage 3 on the device:
+/// each gathered chunk comes up from the host shard.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn offloaded_stage_3_trains_stage_3_s_weights() {
+    for n in [1, 2] {
+        for (dtype, tolerance) in [(DType::F32, 1e-5), (DType::BF16, 1e-2)] {
+            let device_alone = config(Stage::Parameters, 128);
+            let offloaded = device_alone
+                .clone()
+                .with_offload(zero_core::engine::Offload::Optimizer, 2);
+            let want = on_gpu(n, dtype, &device_alone, (0, 4), (None, None));
+            let got = on_gpu(n, dtype, &offloaded, (0, 4), (None, None));
+            for (rank, (w, g)) in want.iter().zip(&got).enumerate() {
+                let diff = max_diff(&g.weights, &w.weights);
+                assert!(
+                    diff <= tolerance,
+                    "n={n} {dtype:?} rank {rank}: offloaded stage 3 is {diff} from stage 3"
+                );
+            }
+        }
+    }
+}
