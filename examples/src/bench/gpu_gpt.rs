@@ -635,10 +635,10 @@ fn ours(
 /// (16 bytes per parameter: weights, gradients, two moments) is at most
 /// `F / 2.5`. At stage 0 every rank holds all of it, `4 x 16 Ψ >= 1.6 F`:
 /// it cannot fit; at stage 3 the ranks hold it once between them, leaving
-/// the rest for the gathers and activations. Each rank computes only its
-/// shard of the weights (a `ShardedVarMap` defers them; each weight is
-/// computed on the host and uploaded one at a time) and trains on one
-/// sequence for three steps.
+/// the rest for the gathers and activations. A `ShardedVarMap` defers the
+/// large weights: each rank computes each on the host in turn, uploads it
+/// and keeps its pieces, so the device never holds the whole model. Each
+/// rank trains on one sequence for three steps.
 pub fn headline(report: &mut Report) {
     if let Err(e) = headline_run(report) {
         eprintln!("gpu headline benchmark failed: {e}");
