@@ -505,8 +505,27 @@ fn deferred_var(shape: Shape, dtype: DType, device: &Device) -> Result<Var> {
     Ok(Var::from_tensor(&tensor)?)
 }
 
-/// Replaces a CPU variable's storage (a deferred variable's empty one).
+/// Replaces a variable's storage (a deferred variable's empty one) by
+/// values computed on the host (uploaded, on CUDA).
 struct Replace(Mutex<Option<CpuStorage>>);
+
+impl Replace {
+    /// The values, once, checked against the variable's dtype and layout.
+    fn values(&self, dtype: DType, layout: &Layout) -> candle_core::Result<CpuStorage> {
+        let mut slot = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(values) = slot.take() else {
+            candle_core::bail!("zero-replace-storage: applied twice")
+        };
+        if values.dtype() != dtype || values_len(&values) != layout.shape().elem_count() {
+            candle_core::bail!(
+                "zero-replace-storage: {:?} values for a {dtype:?} variable of shape {:?}",
+                values.dtype(),
+                layout.dims()
+            )
+        }
+        Ok(values)
+    }
+}
 
 impl InplaceOp1 for Replace {
     fn name(&self) -> &'static str {
@@ -514,35 +533,12 @@ impl InplaceOp1 for Replace {
     }
 
     fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
-        let mut slot = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        let Some(values) = slot.take() else {
-            candle_core::bail!("zero-replace-storage: applied twice")
-        };
-        if values.dtype() != storage.dtype() || values_len(&values) != layout.shape().elem_count() {
-            candle_core::bail!(
-                "zero-replace-storage: {:?} values for a {:?} variable of shape {:?}",
-                values.dtype(),
-                storage.dtype(),
-                layout.dims()
-            )
-        }
-        *storage = values;
+        *storage = self.values(storage.dtype(), layout)?;
         Ok(())
     }
 
     fn cuda_fwd(&self, storage: &mut CudaStorage, layout: &Layout) -> candle_core::Result<()> {
-        let mut slot = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        let Some(values) = slot.take() else {
-            candle_core::bail!("zero-replace-storage: applied twice")
-        };
-        if values.dtype() != storage.dtype() || values_len(&values) != layout.shape().elem_count() {
-            candle_core::bail!(
-                "zero-replace-storage: {:?} values for a {:?} variable of shape {:?}",
-                values.dtype(),
-                storage.dtype(),
-                layout.dims()
-            )
-        }
+        let values = self.values(storage.dtype(), layout)?;
         *storage = storage.device().storage_from_cpu_storage(&values)?;
         Ok(())
     }

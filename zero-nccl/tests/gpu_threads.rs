@@ -220,6 +220,29 @@ fn different_calls_fail_every_rank_with_a_mismatch() {
     }
 }
 
+/// Of three ranks with a 20 s deadline, rank 1 panicked and its peers
+/// failed naming it, well within the deadline of `start`.
+fn assert_rank_1_failed_its_peers<R: std::fmt::Debug>(
+    results: &[zero_core::Result<R>],
+    start: Instant,
+) {
+    assert!(
+        start.elapsed() < Duration::from_secs(15),
+        "{:?}",
+        start.elapsed()
+    );
+    assert!(matches!(
+        results[1],
+        Err(Error::RankPanicked { rank: 1, .. })
+    ));
+    for rank in [0, 2] {
+        match &results[rank] {
+            Err(Error::PeerFailed { failed, .. }) => assert_eq!(failed, &vec![1]),
+            other => panic!("rank {rank}: expected rank 1's failure, got {other:?}"),
+        }
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn a_rank_that_panics_fails_its_peers_within_the_deadline() {
@@ -236,21 +259,7 @@ fn a_rank_that_panics_fails_its_peers_within_the_deadline() {
             Ok(())
         })
         .unwrap();
-    assert!(
-        start.elapsed() < Duration::from_secs(15),
-        "{:?}",
-        start.elapsed()
-    );
-    assert!(matches!(
-        results[1],
-        Err(Error::RankPanicked { rank: 1, .. })
-    ));
-    for rank in [0, 2] {
-        match &results[rank] {
-            Err(Error::PeerFailed { failed, .. }) => assert_eq!(failed, &vec![1]),
-            other => panic!("rank {rank}: expected rank 1's failure, got {other:?}"),
-        }
-    }
+    assert_rank_1_failed_its_peers(&results, start);
 }
 
 fn params() -> Vec<ParamInfo> {
@@ -497,19 +506,5 @@ fn a_rank_that_dies_mid_forward_fails_its_peers_stage_3_gathers() {
             Ok(())
         })
         .unwrap();
-    assert!(
-        start.elapsed() < Duration::from_secs(15),
-        "{:?}",
-        start.elapsed()
-    );
-    assert!(matches!(
-        results[1],
-        Err(Error::RankPanicked { rank: 1, .. })
-    ));
-    for rank in [0, 2] {
-        match &results[rank] {
-            Err(Error::PeerFailed { failed, .. }) => assert_eq!(failed, &vec![1]),
-            other => panic!("rank {rank}: expected rank 1's failure, got {other:?}"),
-        }
-    }
+    assert_rank_1_failed_its_peers(&results, start);
 }

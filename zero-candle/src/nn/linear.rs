@@ -306,6 +306,23 @@ fn wide_dtype(dtype: candle_core::DType) -> candle_core::DType {
 }
 
 impl FusedLinear {
+    /// What the forward lent the op, or (`Err`) the result it computed
+    /// from a weight's pieces before the op ran, on the op's device.
+    fn lent<S: OnDevice>(
+        &self,
+        x_layout: &Layout,
+        w_layout: &Layout,
+    ) -> Result<std::result::Result<Lent, (S, Shape)>> {
+        let mut lent = self.take_lent();
+        match lent.output.take() {
+            Some(output) => Ok(Err((
+                on_device(output, OUTPUT)?,
+                computed_shape(x_layout, w_layout)?,
+            ))),
+            None => Ok(Ok(lent)),
+        }
+    }
+
     fn take_lent(&self) -> Lent {
         self.lent
             .lock()
@@ -535,13 +552,10 @@ impl CustomOp2 for FusedLinear {
         w: &CpuStorage,
         w_layout: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let lent = self.take_lent();
-        if let Some(output) = lent.output {
-            return Ok((
-                on_device(output, OUTPUT)?,
-                computed_shape(x_layout, w_layout)?,
-            ));
-        }
+        let lent = match self.lent(x_layout, w_layout)? {
+            Ok(lent) => lent,
+            Err(computed) => return Ok(computed),
+        };
         let (w, w_layout) = pick(&lent.weight, (w, w_layout))?;
         let (product, rows, out_dim) = match bf16_matmul::xwt(x, x_layout, w, w_layout)? {
             Some(done) => done,
@@ -557,13 +571,10 @@ impl CustomOp2 for FusedLinear {
         w: &CudaStorage,
         w_layout: &Layout,
     ) -> Result<(CudaStorage, Shape)> {
-        let lent = self.take_lent();
-        if let Some(output) = lent.output {
-            return Ok((
-                on_device(output, OUTPUT)?,
-                computed_shape(x_layout, w_layout)?,
-            ));
-        }
+        let lent = match self.lent(x_layout, w_layout)? {
+            Ok(lent) => lent,
+            Err(computed) => return Ok(computed),
+        };
         let w = pick(&lent.weight, (w, w_layout))?;
         forward_generic((x, x_layout), w, None)
     }
@@ -594,13 +605,10 @@ impl CustomOp3 for FusedLinear {
         b: &CpuStorage,
         b_layout: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let lent = self.take_lent();
-        if let Some(output) = lent.output {
-            return Ok((
-                on_device(output, OUTPUT)?,
-                computed_shape(x_layout, w_layout)?,
-            ));
-        }
+        let lent = match self.lent(x_layout, w_layout)? {
+            Ok(lent) => lent,
+            Err(computed) => return Ok(computed),
+        };
         let (w, w_layout) = pick(&lent.weight, (w, w_layout))?;
         let (b, b_layout) = pick(&lent.bias, (b, b_layout))?;
         let (mut out, rows, out_dim) = match bf16_matmul::xwt(x, x_layout, w, w_layout)? {
@@ -628,13 +636,10 @@ impl CustomOp3 for FusedLinear {
         b: &CudaStorage,
         b_layout: &Layout,
     ) -> Result<(CudaStorage, Shape)> {
-        let lent = self.take_lent();
-        if let Some(output) = lent.output {
-            return Ok((
-                on_device(output, OUTPUT)?,
-                computed_shape(x_layout, w_layout)?,
-            ));
-        }
+        let lent = match self.lent(x_layout, w_layout)? {
+            Ok(lent) => lent,
+            Err(computed) => return Ok(computed),
+        };
         let w = pick(&lent.weight, (w, w_layout))?;
         let b = pick(&lent.bias, (b, b_layout))?;
         forward_generic((x, x_layout), w, Some(b))

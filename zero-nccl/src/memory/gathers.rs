@@ -92,6 +92,25 @@ impl DeviceGather {
     }
 }
 
+/// `bucket`'s chunk of a shard of `shard_len` elements and its place in
+/// `buffer`, both checked in bounds.
+fn in_bounds<'b>(
+    bucket: &'b UnitBucket,
+    shard_len: usize,
+    buffer: &DeviceGather,
+) -> Result<(&'b Range<usize>, &'b Range<usize>)> {
+    let (send, at) = (&bucket.shard, &bucket.at);
+    if send.end > shard_len || at.end > buffer.values.len() {
+        return Err(Error::State(format!(
+            "internal: a stage-3 gather of shard {send:?} into {at:?} is out of bounds ({} and \
+             {} elements)",
+            shard_len,
+            buffer.values.len()
+        )));
+    }
+    Ok((send, at))
+}
+
 impl<C: DeviceComm> GatherMemory<f32> for DeviceGathers<C> {
     type Shard = CudaSlice<f32>;
     type Buffer = DeviceGather;
@@ -129,15 +148,7 @@ impl<C: DeviceComm> GatherMemory<f32> for DeviceGathers<C> {
         buffer: &mut DeviceGather,
     ) -> Result<()> {
         for bucket in buckets {
-            let (send, at) = (&bucket.shard, &bucket.at);
-            if send.end > shard.len() || at.end > buffer.values.len() {
-                return Err(Error::State(format!(
-                    "internal: a stage-3 gather of shard {send:?} into {at:?} is out of bounds \
-                     ({} and {} elements)",
-                    shard.len(),
-                    buffer.values.len()
-                )));
-            }
+            let (send, at) = in_bounds(bucket, shard.len(), buffer)?;
             let send = shard.slice(send.clone());
             let mut recv = buffer.values.slice_mut(at.clone());
             // One stream: the last bucket's completion follows the others'.
@@ -155,15 +166,7 @@ impl<C: DeviceComm> GatherMemory<f32> for DeviceGathers<C> {
         buffer: &mut DeviceGather,
     ) -> Result<()> {
         for bucket in buckets {
-            let (send, at) = (&bucket.shard, &bucket.at);
-            if send.end > shard.len() || at.end > buffer.values.len() {
-                return Err(Error::State(format!(
-                    "internal: a stage-3 gather of host shard {send:?} into {at:?} is out of \
-                     bounds ({} and {} elements)",
-                    shard.len(),
-                    buffer.values.len()
-                )));
-            }
+            let (send, at) = in_bounds(bucket, shard.len(), buffer)?;
             let staged = self
                 .comm
                 .compute_stream()
