@@ -1409,6 +1409,27 @@ mod tests {
         f.release(again);
     }
 
+    /// A buffer lent on and lost (the framework could not give it back)
+    /// no longer counts as alive: the budget is free for the next gathers.
+    #[test]
+    fn a_lost_buffer_frees_its_bytes_of_the_budget() {
+        // Room for one 40-byte unit at a time.
+        let f = fetcher(3, 10, (40, 40), false);
+        for u in 0..3 {
+            let g = f.acquire(u, 0).unwrap();
+            let unit = g.unit();
+            assert_eq!(f.buffer_bytes(), 40, "unit {u} alive");
+            drop(g.into_buffer());
+            f.forget_buffer(unit);
+            assert_eq!(f.buffer_bytes(), 0, "unit {u} forgotten");
+        }
+        // Without forgetting, the next gather would exceed the budget.
+        let g = f.acquire(0, 0).unwrap();
+        drop(g.into_buffer());
+        let e = f.acquire(1, 0).unwrap_err();
+        assert!(e.to_string().contains("max_live_bytes"), "{e}");
+    }
+
     #[test]
     fn a_layer_above_max_live_bytes_is_a_configuration_error() {
         let units = vec![Unit {
