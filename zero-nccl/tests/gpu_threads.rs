@@ -11,11 +11,12 @@
 
 use half::bf16;
 use rand::{Rng, SeedableRng};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use zero_core::engine::{EngineConfig, HostGrad, NormType, Stage};
 use zero_core::optim::{AdamW, AdamWConfig, FunctionalOptimizer};
 use zero_core::{Communicator, DType, Element, Engine, Error, ParamInfo, ReduceOp, ThreadGroup};
-use zero_nccl::cudarc::driver::{CudaSlice, DeviceRepr};
+use zero_nccl::cudarc::driver::{CudaSlice, CudaStream, DeviceRepr};
 use zero_nccl::{cuda_engine, CudaThreadComm, CudaThreadGroup, DeviceComm, DeviceView};
 
 const OPS: [ReduceOp; 5] = [
@@ -65,6 +66,14 @@ fn on_threads<R: Send>(
 
 fn up<T: Element + DeviceRepr>(comm: &CudaThreadComm, v: &[T]) -> CudaSlice<T> {
     comm.compute_stream().clone_htod(v).unwrap()
+}
+
+/// Each of `values` copied to the device on `stream`.
+fn upload(stream: &Arc<CudaStream>, values: &[Vec<f32>]) -> Vec<CudaSlice<f32>> {
+    values
+        .iter()
+        .map(|v| stream.clone_htod(v).unwrap())
+        .collect()
 }
 
 fn down<T: Element + DeviceRepr>(comm: &CudaThreadComm, v: &CudaSlice<T>) -> Vec<T> {
@@ -323,11 +332,9 @@ fn the_engine_on_ranks_sharing_a_gpu_trains_the_host_engine_s_weights() {
                     let stream = comm.compute_stream().clone();
                     let (init, grads) = data(comm.rank(), steps);
                     let mut engine = cuda_engine(comm, params(), adamw(), config.clone())?;
-                    let mut weights: Vec<CudaSlice<f32>> =
-                        init.iter().map(|w| stream.clone_htod(w).unwrap()).collect();
+                    let mut weights: Vec<CudaSlice<f32>> = upload(&stream, &init);
                     for (s, step) in grads.iter().enumerate() {
-                        let device: Vec<CudaSlice<f32>> =
-                            step.iter().map(|g| stream.clone_htod(g).unwrap()).collect();
+                        let device: Vec<CudaSlice<f32>> = upload(&stream, step);
                         let slots: Vec<Option<DeviceView<'_>>> =
                             device.iter().map(|g| Some(g.into())).collect();
                         if accumulate == 2 && s % 2 == 0 {
@@ -409,12 +416,10 @@ fn stage_3_on_ranks_sharing_a_gpu_gathers_the_host_engine_s_weights() {
                 let stream = comm.compute_stream().clone();
                 let (init, grads) = data(comm.rank(), steps);
                 let mut engine = cuda_engine(comm, params(), adamw(), config.clone())?;
-                let mut weights: Vec<CudaSlice<f32>> =
-                    init.iter().map(|w| stream.clone_htod(w).unwrap()).collect();
+                let mut weights: Vec<CudaSlice<f32>> = upload(&stream, &init);
                 let mut seen = Vec::new();
                 for (s, step) in grads.iter().enumerate() {
-                    let device: Vec<CudaSlice<f32>> =
-                        step.iter().map(|g| stream.clone_htod(g).unwrap()).collect();
+                    let device: Vec<CudaSlice<f32>> = upload(&stream, step);
                     let slots: Vec<Option<DeviceView<'_>>> =
                         device.iter().map(|g| Some(g.into())).collect();
                     engine.step(&slots, &mut weights)?;
@@ -479,12 +484,8 @@ fn a_rank_that_dies_mid_forward_fails_its_peers_stage_3_gathers() {
             let stream = comm.compute_stream().clone();
             let (init, grads) = data(rank, 1);
             let mut engine = cuda_engine(comm, params(), adamw(), config.clone())?;
-            let mut weights: Vec<CudaSlice<f32>> =
-                init.iter().map(|w| stream.clone_htod(w).unwrap()).collect();
-            let device: Vec<CudaSlice<f32>> = grads[0]
-                .iter()
-                .map(|g| stream.clone_htod(g).unwrap())
-                .collect();
+            let mut weights: Vec<CudaSlice<f32>> = upload(&stream, &init);
+            let device: Vec<CudaSlice<f32>> = upload(&stream, &grads[0]);
             let slots: Vec<Option<DeviceView<'_>>> =
                 device.iter().map(|g| Some(g.into())).collect();
             engine.step(&slots, &mut weights)?;

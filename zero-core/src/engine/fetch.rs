@@ -237,7 +237,7 @@ impl<T, B> std::fmt::Debug for Gathered<T, B> {
 }
 
 impl<T, B> Gathered<T, B> {
-    /// Where the whole parameter lies in [`Gathered::buffer_mut`], when this
+    /// Where the whole parameter lies in [`Gathered::buffer`], when this
     /// piece holds all of it (a parameter gathered whole).
     pub fn whole(&self) -> Option<Range<usize>> {
         match &*self.spans {
@@ -247,7 +247,7 @@ impl<T, B> Gathered<T, B> {
     }
 
     /// The stretches of the parameter this piece brings: (elements of
-    /// [`Gathered::buffer_mut`], their places in the row-major parameter).
+    /// [`Gathered::buffer`], their places in the row-major parameter).
     pub fn spans(&self) -> &[(Range<usize>, Range<usize>)] {
         &self.spans
     }
@@ -265,14 +265,9 @@ impl<T, B> Gathered<T, B> {
     }
 
     /// The whole buffer of the gather (other parameters of the unit
-    /// around the range): a framework may move it into a tensor storage
-    /// for the length of one computation and put it back.
-    pub fn buffer_mut(&mut self) -> &mut B {
-        &mut self.buffer
-    }
-
-    /// The buffer, taken out to be lent on (give it back with
-    /// [`Fetcher::release_buffer`] and [`Gathered::unit`]).
+    /// around the range), taken out to be lent on: a framework may move it
+    /// into a tensor storage for the length of one computation and give it
+    /// back with [`Fetcher::release_buffer`] and [`Gathered::unit`].
     pub fn into_buffer(self) -> B {
         self.buffer
     }
