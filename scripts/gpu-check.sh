@@ -11,7 +11,8 @@
 # anything else is run as a command inside the unpacked bundle (e.g.
 # "./train --backend nccl --model gpt --steps 20").
 # Exits non-zero if any test binary or the bench failed; the last lines
-# printed are a table of what passed.
+# printed are a table of what passed. Each run is stopped after
+# GPU_CHECK_RUN_TIMEOUT seconds (default 600; rc 124 in the table).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bundle="$(realpath "${1:?usage: $0 BUNDLE.tar.xz [LOG_DIR] [suite|bench|all|CMD]}")"
@@ -52,7 +53,8 @@ run() {
     local name="$1"
     shift
     local start=$SECONDS
-    "$@" >"$logs/$name.log" 2>&1
+    # A hung run (a collective a peer never joins) fails alone, not the check.
+    timeout -k 10 "${GPU_CHECK_RUN_TIMEOUT:-600}" "$@" >"$logs/$name.log" 2>&1
     local rc=$?
     local summary
     summary="$(grep -E '^test result:|^done: final loss' "$logs/$name.log" | tail -1)"

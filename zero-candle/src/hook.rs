@@ -275,7 +275,8 @@ where
 
     /// Stage 3: which parameters the model's layers can gather on use:
     /// every layer that uses the variable announced it can (a norm or a
-    /// tap reads its parameters itself), on the CPU, in the engine's dtype.
+    /// tap reads its parameters itself), on the CPU or a CUDA GPU (the
+    /// layers compute with gathered storage there), in the engine's dtype.
     pub(crate) fn gatherable(&self) -> Vec<bool> {
         let inner = self.lock();
         inner
@@ -287,7 +288,7 @@ where
                 let announced = inner.announced.get(&id).copied().unwrap_or(0);
                 gathering > 0
                     && gathering == announced
-                    && var.device().is_cpu()
+                    && (var.device().is_cpu() || var.device().is_cuda())
                     // A 16-bit model under f32 masters: the gathered
                     // masters are rounded to the model's dtype on use.
                     && (var.dtype() == <T as WithDType>::DTYPE || crate::precision::is_half(var.dtype()))

@@ -23,8 +23,10 @@ pub struct Report {
 }
 
 impl Report {
-    /// Records a figure.
+    /// Records a figure, and prints it at once on stderr (a run stopped
+    /// before [`Report::print`] keeps what it measured).
     pub fn add(&mut self, name: &str, value: f64, unit: &str, goal: Option<&str>) {
+        eprintln!("measured {name} = {value:.6} {unit}");
         self.figures.push(Figure {
             name: name.to_string(),
             value,

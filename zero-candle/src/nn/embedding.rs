@@ -319,6 +319,8 @@ fn scatter_typed<T: WithDType>(
 /// The ids (on the CPU) as row numbers, each checked against the
 /// vocabulary.
 fn row_ids(ids: &Tensor, vocab: usize) -> Result<Vec<usize>> {
+    // Ids on a GPU (a table gathered in pieces there) are read on the host.
+    let ids = &ids.to_device(&Device::Cpu)?;
     cpu::with_cpu(ids, "the embedding ids", |storage, layout| {
         match storage.dtype() {
             DType::U8 => row_numbers::<u8>(storage, layout, vocab),

@@ -362,6 +362,7 @@ impl StretchView<'_> {
         (rows, cols): (usize, usize),
         transpose: bool,
     ) -> Result<Tensor> {
+        let lhs = &gemm_operand(lhs.clone())?;
         match self {
             Self::Piece { piece, at } => {
                 let block = Layout::contiguous_with_offset((rows, cols), at.start + offset);
@@ -383,6 +384,16 @@ impl StretchView<'_> {
                 lhs.matmul(&block)
             }
         }
+    }
+}
+
+/// `t` as a matrix product takes it: on the CPU with any strides, elsewhere
+/// contiguous (Candle's CUDA product reads rows of `k` adjacent elements).
+pub(crate) fn gemm_operand(t: Tensor) -> Result<Tensor> {
+    if t.device().is_cpu() {
+        Ok(t)
+    } else {
+        t.contiguous()
     }
 }
 

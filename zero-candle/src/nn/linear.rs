@@ -3,8 +3,8 @@
 
 use super::elem::{dispatch_float, Accum, Elem};
 use super::hook::{
-    announce, announce_gather, assemble, before_read, for_each_stretch, gather, route,
-    route_blocks, row_parts, GatheredParam, GradHook, OnDevice, RowPart,
+    announce, announce_gather, assemble, before_read, for_each_stretch, gather, gemm_operand,
+    route, route_blocks, row_parts, GatheredParam, GradHook, OnDevice, RowPart,
 };
 use super::storage::{on_device, owned_storage, tensor_from};
 use super::{bf16_matmul, cpu};
@@ -228,8 +228,7 @@ fn forward_in_pieces(
                     let part = stretch
                         .tensor(at..at + cols.len(), x.device())?
                         .reshape((cols.len(), 1))?;
-                    let product = x
-                        .narrow(1, cols.start, cols.len())?
+                    let product = gemm_operand(x.narrow(1, cols.start, cols.len())?)?
                         .matmul(&part)?
                         .to_dtype(wide)?;
                     let sum = match partial.remove(&row) {
@@ -283,11 +282,9 @@ fn grad_input_in_pieces(
                     let part = stretch
                         .tensor(at..at + cols.len(), g.device())?
                         .reshape((1, cols.len()))?;
-                    g.narrow(1, row, 1)?.matmul(&part)?.pad_with_zeros(
-                        1,
-                        cols.start,
-                        in_dim - cols.end,
-                    )?
+                    gemm_operand(g.narrow(1, row, 1)?)?
+                        .matmul(&part)?
+                        .pad_with_zeros(1, cols.start, in_dim - cols.end)?
                 }
             };
             sum = (&sum + product.to_dtype(wide)?)?;
@@ -511,8 +508,7 @@ impl FusedLinear {
                 |bytes| bf16_matmul::row_blocks(out_dim, in_dim, size, bytes),
                 |rows| match bf16_matmul::grad_weight(&grad, x, rows.clone())? {
                     Some(grad_w) => Ok(grad_w),
-                    None => grad
-                        .narrow(1, rows.start, rows.len())?
+                    None => gemm_operand(grad.narrow(1, rows.start, rows.len())?)?
                         .t()?
                         .matmul(&x.detach()),
                 },
