@@ -607,6 +607,16 @@ fn offload_where_it_cannot_be_is_a_usage_error_saying_what_to_do() {
 }
 
 #[test]
+fn offloaded_shards_are_page_locked_unless_the_user_says_not_to() {
+    use zero_examples::trainer::engine_config;
+    let offload = ["--backend", "nccl", "--offload", "optimizer"];
+    assert!(engine_config(&args(&offload)).offload_pin_memory);
+    let mut unpinned = offload.to_vec();
+    unpinned.extend(["--offload-pinned", "false"]);
+    assert!(!engine_config(&args(&unpinned)).offload_pin_memory);
+}
+
+#[test]
 fn the_gpu_backends_refuse_what_they_do_not_train_before_touching_a_gpu() {
     for backend in ["nccl", "cuda-threads"] {
         let argv = [

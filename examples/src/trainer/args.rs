@@ -219,6 +219,11 @@ pub struct Args {
     /// per core).
     #[arg(long, default_value_t = 0)]
     pub offload_threads: usize,
+    /// With `--offload optimizer`: page-lock the host shards so that the
+    /// GPU's transfers run at the link's speed; `false` where the host
+    /// cannot lock that much memory (`ulimit -l`).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub offload_pinned: bool,
     /// GPT: keep only each block's input for backward and run the block
     /// again there (activation checkpointing): the same gradients, a
     /// fraction of the activation memory, one more forward per step.

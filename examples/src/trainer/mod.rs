@@ -508,7 +508,8 @@ pub fn engine_config(args: &Args) -> EngineConfig {
                 OffloadArg::Optimizer => Offload::Optimizer,
             },
             args.offload_threads,
-        );
+        )
+        .with_offload_pin_memory(args.offload_pinned);
     if let Some(max_norm) = args.clip_norm {
         config = config.with_clip(max_norm, NormType::L2);
     }

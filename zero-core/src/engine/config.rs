@@ -262,6 +262,11 @@ pub struct EngineConfig {
     /// global pool, one per core).
     #[serde(default)]
     pub offload_threads: usize,
+    /// With offload: page-lock the host shards, so that the device's
+    /// transfers run at the link's speed (on by default; off where the
+    /// host cannot lock that much memory, at the cost of slower copies).
+    #[serde(default = "default_offload_pin_memory")]
+    pub offload_pin_memory: bool,
 }
 
 /// What lives in host memory instead of the device (ZeRO-Offload).
@@ -273,6 +278,10 @@ pub enum Offload {
     /// The optimizer's side: the parameter and gradient shards, master
     /// weights, optimizer state and the step.
     Optimizer,
+}
+
+fn default_offload_pin_memory() -> bool {
+    true
 }
 
 fn default_persist_numel() -> usize {
@@ -317,6 +326,7 @@ impl Default for EngineConfig {
             defer_gathers: false,
             offload: Offload::None,
             offload_threads: 0,
+            offload_pin_memory: default_offload_pin_memory(),
         }
     }
 }
@@ -440,6 +450,13 @@ impl EngineConfig {
     pub fn with_offload(mut self, offload: Offload, threads: usize) -> Self {
         self.offload = offload;
         self.offload_threads = threads;
+        self
+    }
+
+    /// With offload: whether to page-lock the host shards (see
+    /// [`EngineConfig::offload_pin_memory`]).
+    pub fn with_offload_pin_memory(mut self, on: bool) -> Self {
+        self.offload_pin_memory = on;
         self
     }
 

@@ -67,7 +67,7 @@ pub use deferred::{ParamAccess, Refresh};
 pub use fetch::{FetchStats, Fetcher, GatherFn, GatherMemory, Gathered, HostGathers, UnitBucket};
 pub use layout::{Layout, Run};
 pub use memory::MemoryReport;
-pub use offload::{HostStepper, OffloadGathers, OffloadMemory, Placed};
+pub use offload::{HostBuffer, HostPin, HostStepper, OffloadGathers, OffloadMemory, Placed};
 pub use precision::{convert_slice, CastParams};
 pub use reduce::ReductionProgress;
 pub use scaler::{DynamicLossScale, LossScale, LossScalerState};
@@ -254,7 +254,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             comm.rank(),
         )?;
         if config.offload == Offload::Optimizer {
-            memory.offload_optimizer(config.offload_threads)?;
+            memory.offload_optimizer(config.offload_threads, config.offload_pin_memory)?;
             // The shard, its gradients and (Adam's) two moments.
             let needed = (plan.shard_numel * std::mem::size_of::<T>() * 4) as u64;
             offload::check_host_room(needed, offload::host_available_bytes())?;

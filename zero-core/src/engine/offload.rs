@@ -40,7 +40,89 @@ pub enum Placed<B, T> {
     /// On the device.
     Device(B),
     /// Offloaded to host memory.
-    Host(Vec<T>),
+    Host(HostBuffer<T>),
+}
+
+/// What keeps host memory page-locked (see [`ShardMemory::pin_host`]);
+/// dropping it unlocks the memory.
+pub type HostPin = Box<dyn Send + Sync>;
+
+/// An offloaded buffer in host memory, page-locked where the device memory
+/// can (its transfers then run at the link's speed, without staging). Its
+/// length is fixed: the locked range must not move.
+pub struct HostBuffer<T> {
+    // Declared first: unlocked before the values are freed.
+    pin: Option<HostPin>,
+    values: Vec<T>,
+    /// The buffer's elements within `values`.
+    range: Range<usize>,
+}
+
+/// What a page-locked buffer is aligned to and padded to: whole pages of
+/// its own (two buffers never lock the same page), on any page size up to
+/// this.
+const PIN_ALIGN: usize = 64 << 10;
+
+impl<T: Clone + Default> HostBuffer<T> {
+    /// `numel` zeros in pageable memory.
+    pub fn pageable(numel: usize) -> Self {
+        Self {
+            pin: None,
+            values: vec![T::default(); numel],
+            range: 0..numel,
+        }
+    }
+
+    /// `numel` zeros on pages of their own, locked by `lock` (given the
+    /// whole pages; it returns what keeps them locked, `None` where
+    /// nothing was locked).
+    pub fn pinned(
+        numel: usize,
+        lock: impl FnOnce(&mut [T]) -> Result<Option<HostPin>>,
+    ) -> Result<Self> {
+        let size = std::mem::size_of::<T>().max(1);
+        let pad = PIN_ALIGN.div_ceil(size);
+        let mut values = vec![T::default(); numel + 2 * pad];
+        let addr = values.as_ptr() as usize;
+        let start = (addr.next_multiple_of(PIN_ALIGN) - addr) / size;
+        let locked = (numel * size).next_multiple_of(PIN_ALIGN) / size;
+        let pin = lock(&mut values[start..start + locked])?;
+        Ok(Self {
+            pin,
+            values,
+            range: start..start + numel,
+        })
+    }
+}
+
+impl<T> HostBuffer<T> {
+    /// Whether the memory is page-locked.
+    pub fn is_pinned(&self) -> bool {
+        self.pin.is_some()
+    }
+}
+
+impl<T> std::ops::Deref for HostBuffer<T> {
+    type Target = [T];
+
+    fn deref(&self) -> &[T] {
+        &self.values[self.range.clone()]
+    }
+}
+
+impl<T> std::ops::DerefMut for HostBuffer<T> {
+    fn deref_mut(&mut self) -> &mut [T] {
+        &mut self.values[self.range.clone()]
+    }
+}
+
+impl<T> std::fmt::Debug for HostBuffer<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostBuffer")
+            .field("len", &self.range.len())
+            .field("pinned", &self.is_pinned())
+            .finish()
+    }
 }
 
 /// Stage 3's gathers of an [`OffloadMemory`]: the device's, from the
@@ -100,6 +182,8 @@ pub struct OffloadMemory<D> {
     /// Whether the shards, the optimizer state and the step are in host
     /// memory.
     offload: bool,
+    /// Whether the offloaded shards are page-locked.
+    pin_memory: bool,
     /// Steps the host shard on the offload's threads.
     stepper: HostStepper,
 }
@@ -147,6 +231,7 @@ impl<D> OffloadMemory<D> {
         Self {
             device,
             offload: false,
+            pin_memory: false,
             stepper: HostStepper::default(),
         }
     }
@@ -289,7 +374,12 @@ impl<T: Element, C: Communicator, D: ShardMemory<T, C>> ShardMemory<T, C> for Of
 
     fn alloc_shard(&mut self, numel: usize) -> Result<Self::Buffer> {
         if self.offload {
-            Ok(Placed::Host(vec![T::default(); numel]))
+            let host = if self.pin_memory && numel > 0 {
+                HostBuffer::pinned(numel, |pages| self.device.pin_host(pages))?
+            } else {
+                HostBuffer::pageable(numel)
+            };
+            Ok(Placed::Host(host))
         } else {
             Ok(Placed::Device(self.device.alloc_shard(numel)?))
         }
@@ -390,6 +480,7 @@ impl<T: Element, C: Communicator, D: ShardMemory<T, C>> ShardMemory<T, C> for Of
         self.device.fork().map(|device| Self {
             device,
             offload: self.offload,
+            pin_memory: self.pin_memory,
             stepper: self.stepper.clone(),
         })
     }
@@ -658,14 +749,14 @@ impl<T: Element, C: Communicator, D: ShardMemory<T, C>> ShardMemory<T, C> for Of
         let params_down = host_copy_of(&mut self.device, params)?;
         let grads = match (&grads_down, grads) {
             (Some(down), _) => down.as_slice(),
-            (None, Placed::Host(values)) => values.as_slice(),
+            (None, Placed::Host(values)) => &values[..],
             (None, Placed::Device(_)) => return Err(internal("device gradients not brought down")),
         };
         let mut params_down = params_down;
         {
             let values = match (&mut params_down, &mut *params) {
                 (Some(down), _) => down.as_mut_slice(),
-                (None, Placed::Host(values)) => values.as_mut_slice(),
+                (None, Placed::Host(values)) => &mut values[..],
                 (None, Placed::Device(_)) => {
                     return Err(internal("device parameters not brought down"))
                 }
@@ -731,7 +822,7 @@ impl<T: Element, C: Communicator, D: ShardMemory<T, C>> ShardMemory<T, C> for Of
         self.device.write_param_host(params, param, values)
     }
 
-    fn offload_optimizer(&mut self, threads: usize) -> Result<()> {
+    fn offload_optimizer(&mut self, threads: usize, pin_memory: bool) -> Result<()> {
         if threads > 0 {
             let pool = rayon::ThreadPoolBuilder::new()
                 .num_threads(threads)
@@ -746,6 +837,7 @@ impl<T: Element, C: Communicator, D: ShardMemory<T, C>> ShardMemory<T, C> for Of
             self.stepper.pool = Some(Arc::new(pool));
         }
         self.offload = true;
+        self.pin_memory = pin_memory;
         Ok(())
     }
 
@@ -813,6 +905,71 @@ mod tests {
     fn span_covers_every_item_and_nothing_before_the_first() {
         assert_eq!(span([(8, 4), (2, 3), (20, 0)].into_iter()), 2..20);
         assert_eq!(span(std::iter::empty()), 0..0);
+    }
+
+    thread_local! {
+        /// Elements of [`Counted`] dropped on this thread.
+        static DROPPED: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+    }
+
+    #[derive(Clone, Default)]
+    struct Counted(#[allow(dead_code)] u32);
+
+    impl Drop for Counted {
+        fn drop(&mut self) {
+            DROPPED.with(|d| d.set(d.get() + 1));
+        }
+    }
+
+    /// Unlocks by noting how many elements were freed before it.
+    struct Lock(Arc<std::sync::Mutex<Option<usize>>>);
+
+    impl Drop for Lock {
+        fn drop(&mut self) {
+            *self.0.lock().unwrap() = Some(DROPPED.with(|d| d.get()));
+        }
+    }
+
+    #[test]
+    fn a_pinned_buffer_locks_whole_pages_of_its_own_and_unlocks_before_its_memory_goes() {
+        let numel = 1000;
+        let mut locked = (0, 0);
+        let unlocked = Arc::new(std::sync::Mutex::new(None));
+        let lock = Lock(Arc::clone(&unlocked));
+        let buffer = HostBuffer::<Counted>::pinned(numel, |pages| {
+            locked = (pages.as_ptr() as usize, std::mem::size_of_val(pages));
+            Ok(Some(Box::new(lock)))
+        })
+        .unwrap();
+        let (at, bytes) = locked;
+        assert!(buffer.is_pinned());
+        assert_eq!(buffer.len(), numel);
+        assert_eq!(
+            buffer.as_ptr() as usize,
+            at,
+            "the buffer starts the locked pages"
+        );
+        assert_eq!(at % PIN_ALIGN, 0, "locked from a page boundary");
+        assert_eq!(bytes % PIN_ALIGN, 0, "whole pages locked");
+        assert!(bytes >= numel * std::mem::size_of::<Counted>());
+        DROPPED.with(|d| d.set(0));
+        drop(buffer);
+        assert_eq!(
+            *unlocked.lock().unwrap(),
+            Some(0),
+            "unlocked before any element was freed"
+        );
+        assert!(DROPPED.with(|d| d.get()) > numel, "the padding goes too");
+    }
+
+    #[test]
+    fn a_lock_that_fails_fails_the_allocation_and_pageable_buffers_lock_nothing() {
+        let failed =
+            HostBuffer::<f32>::pinned(10, |_| Err(Error::Config("cannot lock host memory".into())));
+        assert!(failed.unwrap_err().to_string().contains("cannot lock"));
+        let pageable = HostBuffer::<f32>::pageable(10);
+        assert!(!pageable.is_pinned());
+        assert_eq!(&pageable[..], &[0.0; 10]);
     }
 
     #[test]

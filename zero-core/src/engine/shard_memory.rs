@@ -375,18 +375,29 @@ pub trait ShardMemory<T: Element, C: Communicator>: Send + 'static {
     /// From now on, keep the optimizer's side (the shards of
     /// [`ShardMemory::alloc_shard`], master weights, optimizer state) in
     /// host memory and step there, on `threads` threads (`0`: rayon's
-    /// global pool): ZeRO-Offload. Called by the engine before it
+    /// global pool), the shards page-locked with `pin_memory` (see
+    /// [`ShardMemory::pin_host`]): ZeRO-Offload. Called by the engine before it
     /// allocates, when `EngineConfig::offload` asks. The default refuses:
     /// this memory's buffers are in host memory already, or it cannot
     /// transfer.
-    fn offload_optimizer(&mut self, threads: usize) -> Result<()> {
-        let _ = threads;
+    fn offload_optimizer(&mut self, threads: usize, pin_memory: bool) -> Result<()> {
+        let _ = (threads, pin_memory);
         Err(Error::Config(
             "offload moves the optimizer's side of a GPU model to host memory; this engine's \
              memory is not a device's (the thread and MPI backends keep everything in host \
              memory already): leave offload off, or train on the NCCL backend"
                 .into(),
         ))
+    }
+
+    /// Page-locks `values`, host memory this memory copies to and from
+    /// (an offloaded shard), until the returned guard is dropped: a
+    /// device's transfers then run at the link's speed, without staging
+    /// through a pageable copy. `values` must neither move nor be freed
+    /// while locked. Default: nothing to lock (`None`).
+    fn pin_host(&mut self, values: &mut [T]) -> Result<Option<super::HostPin>> {
+        let _ = values;
+        Ok(None)
     }
 
     /// The host step to run on another thread while backward goes on,

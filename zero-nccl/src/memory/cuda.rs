@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::thread::ThreadId;
 use std::time::Duration;
 use zero_core::engine::{
-    EngineConfig, GradPiece, NormType, ParamCopy, ShardMemory, StepPiece, StepPlan,
+    EngineConfig, GradPiece, HostPin, NormType, ParamCopy, ShardMemory, StepPiece, StepPlan,
 };
 use zero_core::optim::{FunctionalOptimizer, OptimizerState};
 use zero_core::partition::ParamInfo;
@@ -429,6 +429,11 @@ impl<C: DeviceComm> ShardMemory<f32, C> for CudaMemory {
             stream.wait(event).map_err(cuda)?;
         }
         Ok(())
+    }
+
+    /// Registers the offloaded shard with the driver (see `pinned`).
+    fn pin_host(&mut self, values: &mut [f32]) -> Result<Option<HostPin>> {
+        super::pinned::pin(self.stream()?.context(), values)
     }
 
     /// The 16-bit gather staging, kept between steps.

@@ -35,6 +35,8 @@ pub mod segments;
 mod cuda;
 #[cfg(feature = "nccl")]
 mod gathers;
+#[cfg(feature = "nccl")]
+mod pinned;
 // Its device optimizer serves `CudaMemory` (feature `nccl`); `cuda` alone
 // uses only `DEVICE_KINDS`.
 #[cfg(feature = "cuda")]
