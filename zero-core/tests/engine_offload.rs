@@ -9,7 +9,9 @@
 
 mod common;
 
-use common::{assert_close, hooked_micro_step, make_opt, run, Model, Opt, PlanCheck, Synthetic};
+use common::{
+    assert_close, hooked_micro_step, make_opt, run, Model, Opt, PlanCheck, Seen, Synthetic,
+};
 use half::bf16;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -134,6 +136,7 @@ fn offload_trains_the_weights_of_the_device_alone_bit_for_bit() {
     let model = Synthetic::medium();
     let (micro, steps) = (2, 3);
     let device = |inline| OffloadMemory::new(PlanCheck::new(Arc::default(), inline));
+    let offloaded_seen: Arc<Mutex<Seen>> = Arc::default();
     for inline in [false, true] {
         for world in [1, 2, 3] {
             for stage in [Stage::OptimizerState, Stage::Gradients] {
@@ -167,7 +170,7 @@ fn offload_trains_the_weights_of_the_device_alone_bit_for_bit() {
                         let offloaded = run(world, |comm| {
                             let mut e = Engine::with_memory(
                                 comm,
-                                device(inline),
+                                OffloadMemory::new(PlanCheck::new(offloaded_seen.clone(), inline)),
                                 model.infos(),
                                 make_opt(Opt::Adam, false),
                                 config.clone().with_offload(Offload::Optimizer, 2),
@@ -200,6 +203,11 @@ fn offload_trains_the_weights_of_the_device_alone_bit_for_bit() {
             }
         }
     }
+    // The shards were page-locked and the reduced buckets' parts queued to
+    // land later (read by the host before landing, they would be stale).
+    let seen = offloaded_seen.lock().expect("no panic");
+    assert!(seen.pinned > 0, "no shard was page-locked");
+    assert!(seen.queued_downloads > 0, "no download was queued");
 }
 
 /// The host engine with its own memory trains the same weights too: the

@@ -226,6 +226,22 @@ impl<D: std::fmt::Debug> std::fmt::Debug for OffloadMemory<D> {
 }
 
 impl<D> OffloadMemory<D> {
+    /// Lands the device's queued downloads ([`ShardMemory::land`]) where
+    /// any of `buffers` is in host memory, before it is read or written.
+    fn land_for<T: Element, C: Communicator>(
+        &mut self,
+        buffers: &[&Placed<D::Buffer, T>],
+    ) -> Result<()>
+    where
+        D: ShardMemory<T, C>,
+    {
+        if buffers.iter().any(|b| matches!(b, Placed::Host(_))) {
+            self.device.land()
+        } else {
+            Ok(())
+        }
+    }
+
     /// `device`, with nothing offloaded until the engine asks.
     pub fn new(device: D) -> Self {
         Self {
@@ -312,7 +328,16 @@ fn collective<T: Element, C: Communicator, D: ShardMemory<T, C>>(
             let n = recv_range.len();
             let mut staged = device.alloc_zeroed(n)?;
             op(device, send, send_range, &mut staged, 0..n)?;
-            device.download(&staged, 0..n, &mut values[recv_range])
+            if values.is_pinned() {
+                // SAFETY: `values` is locked by this device's `pin_host`
+                // (whose drop waits for queued copies), its length is fixed,
+                // and `OffloadMemory` lands before it touches host memory
+                // (`land_for`), as the engine does before it reads a host
+                // shard itself.
+                unsafe { device.download_queued(staged, 0..n, &mut values[recv_range]) }
+            } else {
+                device.download(&staged, 0..n, &mut values[recv_range])
+            }
         }
     }
 }
@@ -397,6 +422,7 @@ impl<T: Element, C: Communicator, D: ShardMemory<T, C>> ShardMemory<T, C> for Of
     }
 
     fn zero(&mut self, buffer: &mut Self::Buffer, range: Range<usize>) -> Result<()> {
+        self.land_for::<T, C>(&[&*buffer])?;
         match buffer {
             Placed::Device(b) => self.device.zero(b, range),
             Placed::Host(values) => {
@@ -412,6 +438,7 @@ impl<T: Element, C: Communicator, D: ShardMemory<T, C>> ShardMemory<T, C> for Of
         pieces: &[GradPiece<Self::Grad<'_>>],
         add: bool,
     ) -> Result<()> {
+        self.land_for::<T, C>(&[&*buffer])?;
         let values = match buffer {
             Placed::Device(b) => return self.device.flatten(b, pieces, add),
             Placed::Host(values) => values,
@@ -449,6 +476,7 @@ impl<T: Element, C: Communicator, D: ShardMemory<T, C>> ShardMemory<T, C> for Of
         src_range: Range<usize>,
         add: bool,
     ) -> Result<()> {
+        self.land_for::<T, C>(&[&*dst, src])?;
         let n = src_range.len();
         match (dst, src) {
             (Placed::Device(d), Placed::Device(s)) => {
@@ -511,6 +539,7 @@ impl<T: Element, C: Communicator, D: ShardMemory<T, C>> ShardMemory<T, C> for Of
         copies: &[ParamCopy],
         buffer: &mut Self::Buffer,
     ) -> Result<()> {
+        self.land_for::<T, C>(&[&*buffer])?;
         let values = match buffer {
             Placed::Device(b) => return self.device.read_params(params, copies, b),
             Placed::Host(values) => values,
@@ -534,6 +563,7 @@ impl<T: Element, C: Communicator, D: ShardMemory<T, C>> ShardMemory<T, C> for Of
         copies: &[ParamCopy],
         buffer: &Self::Buffer,
     ) -> Result<()> {
+        self.land_for::<T, C>(&[buffer])?;
         let values = match buffer {
             Placed::Device(b) => return self.device.write_params(params, copies, b),
             Placed::Host(values) => values,
@@ -552,6 +582,7 @@ impl<T: Element, C: Communicator, D: ShardMemory<T, C>> ShardMemory<T, C> for Of
         ranges: &[Range<usize>],
         factor: f64,
     ) -> Result<()> {
+        self.land_for::<T, C>(&[&*buffer])?;
         match buffer {
             Placed::Device(b) => self.device.scale(b, ranges, factor),
             Placed::Host(values) => {
@@ -568,6 +599,7 @@ impl<T: Element, C: Communicator, D: ShardMemory<T, C>> ShardMemory<T, C> for Of
         ranges: &[Range<usize>],
         norm: NormType,
     ) -> Result<f64> {
+        self.land_for::<T, C>(&[buffer])?;
         match buffer {
             Placed::Device(b) => self.device.norm_partial(comm, b, ranges, norm),
             Placed::Host(values) => Ok(host_norm(values, ranges, norm)),
@@ -583,6 +615,7 @@ impl<T: Element, C: Communicator, D: ShardMemory<T, C>> ShardMemory<T, C> for Of
         range: Range<usize>,
         op: ReduceOp,
     ) -> Result<()> {
+        self.land_for::<T, C>(&[&*buffer])?;
         self.all_reduce_as(comm, buffer, range, op, T::DTYPE)
     }
 
@@ -595,6 +628,7 @@ impl<T: Element, C: Communicator, D: ShardMemory<T, C>> ShardMemory<T, C> for Of
         recv_range: Range<usize>,
         op: ReduceOp,
     ) -> Result<()> {
+        self.land_for::<T, C>(&[send])?;
         self.reduce_scatter_as(comm, send, send_range, recv, recv_range, op, T::DTYPE)
     }
 
@@ -606,6 +640,7 @@ impl<T: Element, C: Communicator, D: ShardMemory<T, C>> ShardMemory<T, C> for Of
         recv: &mut Self::Buffer,
         recv_range: Range<usize>,
     ) -> Result<()> {
+        self.land_for::<T, C>(&[send, &*recv])?;
         self.all_gather_as(comm, send, send_range, recv, recv_range, T::DTYPE)
     }
 
@@ -617,6 +652,7 @@ impl<T: Element, C: Communicator, D: ShardMemory<T, C>> ShardMemory<T, C> for Of
         op: ReduceOp,
         wire: DType,
     ) -> Result<()> {
+        self.land_for::<T, C>(&[&*buffer])?;
         all_reduce_placed(&mut self.device, buffer, range, |d, b, r| {
             d.all_reduce_as(comm, b, r, op, wire)
         })
@@ -632,6 +668,7 @@ impl<T: Element, C: Communicator, D: ShardMemory<T, C>> ShardMemory<T, C> for Of
         op: ReduceOp,
         wire: DType,
     ) -> Result<()> {
+        self.land_for::<T, C>(&[send])?;
         collective(
             &mut self.device,
             send,
@@ -651,6 +688,7 @@ impl<T: Element, C: Communicator, D: ShardMemory<T, C>> ShardMemory<T, C> for Of
         recv_range: Range<usize>,
         wire: DType,
     ) -> Result<()> {
+        self.land_for::<T, C>(&[send, &*recv])?;
         collective(
             &mut self.device,
             send,
@@ -668,6 +706,7 @@ impl<T: Element, C: Communicator, D: ShardMemory<T, C>> ShardMemory<T, C> for Of
         range: Range<usize>,
         out: &mut [T],
     ) -> Result<()> {
+        self.land_for::<T, C>(&[buffer])?;
         match buffer {
             Placed::Device(b) => self.device.buffer_to_host(comm, b, range, out),
             Placed::Host(values) => {
@@ -683,6 +722,7 @@ impl<T: Element, C: Communicator, D: ShardMemory<T, C>> ShardMemory<T, C> for Of
         at: usize,
         values: &[T],
     ) -> Result<()> {
+        self.land_for::<T, C>(&[&*buffer])?;
         match buffer {
             Placed::Device(b) => self.device.buffer_from_host(b, at, values),
             Placed::Host(held) => {
@@ -698,6 +738,7 @@ impl<T: Element, C: Communicator, D: ShardMemory<T, C>> ShardMemory<T, C> for Of
         range: Range<usize>,
         out: &mut [T],
     ) -> Result<()> {
+        self.land_for::<T, C>(&[buffer])?;
         match buffer {
             Placed::Device(b) => self.device.download(b, range, out),
             Placed::Host(values) => {
@@ -714,6 +755,10 @@ impl<T: Element, C: Communicator, D: ShardMemory<T, C>> ShardMemory<T, C> for Of
         op: ReduceOp,
     ) -> Result<()> {
         self.device.all_reduce_host(comm, values, op)
+    }
+
+    fn land(&mut self) -> Result<()> {
+        self.device.land()
     }
 
     fn gather_varlen_host(
@@ -739,6 +784,7 @@ impl<T: Element, C: Communicator, D: ShardMemory<T, C>> ShardMemory<T, C> for Of
         grads: &Self::Buffer,
         plan: StepPlan<'_>,
     ) -> Result<()> {
+        self.land_for::<T, C>(&[&*params, grads])?;
         if !self.offload {
             return match (params, grads) {
                 (Placed::Device(p), Placed::Device(g)) => self.device.step(optimizer, p, g, plan),

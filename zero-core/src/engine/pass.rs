@@ -744,8 +744,11 @@ where
                 // host shard now; a copy goes to the step thread.
                 if let (true, Some(steps), Ok(())) = (job.step, steps.as_ref(), &*result) {
                     let range = map.shard[job.bucket].clone();
-                    *result = match targets.shard.as_ref().and_then(M::host_slice) {
-                        Some(shard) => steps
+                    let landed = self.memory.land();
+                    *result = match landed.map(|()| targets.shard.as_ref().and_then(M::host_slice))
+                    {
+                        Err(e) => Err(e),
+                        Ok(Some(shard)) => steps
                             .grads
                             .send((job.bucket, shard[range].to_vec()))
                             .map_err(|_| {
@@ -755,7 +758,7 @@ where
                                     .into(),
                                 )
                             }),
-                        None => Err(Error::State(
+                        Ok(None) => Err(Error::State(
                             "internal: an offloaded pass's gradient shard is not in host memory"
                                 .into(),
                         )),

@@ -365,6 +365,33 @@ pub trait ShardMemory<T: Element, C: Communicator>: Send + 'static {
         })
     }
 
+    /// Offload: [`ShardMemory::download`] that may only queue the copy,
+    /// behind the work queued so far, and return before it lands, so that
+    /// a device's queue is not drained once per bucket; `buffer` (the
+    /// source) stays with the memory until then. [`ShardMemory::land`]
+    /// waits for every queued copy. Default: `download`, landed at once.
+    ///
+    /// # Safety
+    /// `out` must be page-locked by this memory's [`ShardMemory::pin_host`]
+    /// and stay allocated and in place, neither read nor written, until
+    /// `land` has returned or that lock is dropped (a memory that queues
+    /// makes the lock's drop wait for its copies first).
+    unsafe fn download_queued(
+        &mut self,
+        buffer: Self::Buffer,
+        range: Range<usize>,
+        out: &mut [T],
+    ) -> Result<()> {
+        self.download(&buffer, range, out)
+    }
+
+    /// Waits until every copy [`ShardMemory::download_queued`] queued has
+    /// landed (a device: within its communicator's deadline). Default:
+    /// nothing is ever queued.
+    fn land(&mut self) -> Result<()> {
+        Ok(())
+    }
+
     /// A zeroed buffer for a stretch of the shard the optimizer steps (the
     /// parameter and gradient shards): where an offloading memory keeps
     /// them in host memory. Default: [`ShardMemory::alloc_zeroed`].

@@ -28,6 +28,10 @@ pub struct Seen {
     pub deferred: usize,
     /// Fences that let a bucket buffer be reused before settling.
     pub fences: usize,
+    /// Offload's downloads queued into page-locked host memory.
+    pub queued_downloads: usize,
+    /// Host buffers page-locked.
+    pub pinned: usize,
     pub violations: Vec<String>,
 }
 
@@ -90,6 +94,11 @@ impl Seen {
 pub struct PlanCheck {
     inner: HostMemory,
     seen: Arc<Mutex<Seen>>,
+    /// Offload's queued downloads, as a device's: the values read when
+    /// queued (in the stream's order) and written into the host buffer
+    /// only when landed, so that a host read before `land` sees stale
+    /// values. Shared with the forks, as one device's stream would be.
+    queued: Queued,
     inline: bool,
     /// While deferring: reductions issued and not yet settled.
     deferring: Option<usize>,
@@ -101,11 +110,36 @@ pub struct PlanCheck {
     fenced: usize,
 }
 
+/// Writes that land a queued download.
+type Queued = Arc<Mutex<Vec<Box<dyn FnOnce() + Send>>>>;
+
+fn land_all(queued: &Queued) {
+    let writes = std::mem::take(&mut *queued.lock().expect("no test thread panicked"));
+    for write in writes {
+        write();
+    }
+}
+
+/// A page-lock of a `PlanCheck`: its drop lands every queued download
+/// first (as the CUDA memory's waits for its newest copy).
+struct LandOnDrop(Queued);
+
+impl Drop for LandOnDrop {
+    fn drop(&mut self) {
+        land_all(&self.0);
+    }
+}
+
 impl PlanCheck {
     pub fn new(seen: Arc<Mutex<Seen>>, inline: bool) -> Self {
+        Self::sharing(seen, inline, Queued::default())
+    }
+
+    fn sharing(seen: Arc<Mutex<Seen>>, inline: bool, queued: Queued) -> Self {
         Self {
             inner: HostMemory,
             seen,
+            queued,
             inline,
             deferring: None,
             reading: Vec::new(),
@@ -164,7 +198,7 @@ impl<T: Element, C: Communicator<Memory = Host>> ShardMemory<T, C> for PlanCheck
     }
 
     fn fork(&self) -> Option<Self> {
-        (!self.inline).then(|| Self::new(self.seen.clone(), false))
+        (!self.inline).then(|| Self::sharing(self.seen.clone(), false, self.queued.clone()))
     }
 
     fn launches_async(&self) -> bool {
@@ -407,6 +441,44 @@ impl<T: Element, C: Communicator<Memory = Host>> ShardMemory<T, C> for PlanCheck
     fn download(&mut self, buffer: &Vec<T>, range: Range<usize>, out: &mut [T]) -> Result<()> {
         self.fenced = self.deferring.unwrap_or(0);
         <HostMemory as ShardMemory<T, C>>::download(&mut self.inner, buffer, range, out)
+    }
+
+    fn pin_host(&mut self, _values: &mut [T]) -> Result<Option<zero_core::engine::HostPin>> {
+        self.seen.lock().expect("no test thread panicked").pinned += 1;
+        Ok(Some(Box::new(LandOnDrop(self.queued.clone()))))
+    }
+
+    /// As a device's: after every deferred reduction, read now, written
+    /// into `out` when landed.
+    unsafe fn download_queued(
+        &mut self,
+        buffer: Vec<T>,
+        range: Range<usize>,
+        out: &mut [T],
+    ) -> Result<()> {
+        self.fenced = self.deferring.unwrap_or(0);
+        assert_eq!(range.len(), out.len(), "a download into another length");
+        let values = buffer[range].to_vec();
+        let at = out.as_mut_ptr() as usize;
+        self.queued
+            .lock()
+            .expect("no test thread panicked")
+            .push(Box::new(move || {
+                // SAFETY: the caller keeps `out` allocated and untouched
+                // until landed, and every page-lock's drop lands first.
+                let out = unsafe { std::slice::from_raw_parts_mut(at as *mut T, values.len()) };
+                out.copy_from_slice(&values);
+            }));
+        self.seen
+            .lock()
+            .expect("no test thread panicked")
+            .queued_downloads += 1;
+        Ok(())
+    }
+
+    fn land(&mut self) -> Result<()> {
+        land_all(&self.queued);
+        Ok(())
     }
 
     fn all_reduce_host<V: Element>(

@@ -234,6 +234,8 @@ pub struct CudaMemory {
     /// The communicator's deadline, for the host's waits in transfers
     /// (the stream may wait on a collective that a dead peer never joins).
     timeout: Duration,
+    /// Offload's downloads queued into page-locked host memory.
+    downloads: super::pinned::Downloads,
 }
 
 impl std::fmt::Debug for CudaMemory {
@@ -268,6 +270,7 @@ impl CudaMemory {
             fenced: 0,
             wire16: None,
             timeout: comm.timeout(),
+            downloads: Default::default(),
         })
     }
 
@@ -433,7 +436,50 @@ impl<C: DeviceComm> ShardMemory<f32, C> for CudaMemory {
 
     /// Registers the offloaded shard with the driver (see `pinned`).
     fn pin_host(&mut self, values: &mut [f32]) -> Result<Option<HostPin>> {
-        super::pinned::pin(self.stream()?.context(), values)
+        let stream = self.stream()?;
+        super::pinned::pin(stream.context(), values, &self.downloads, self.timeout)
+    }
+
+    /// [`ShardMemory::download`] without the host's wait: the compute
+    /// stream waits on the deferred reductions, the copy into page-locked
+    /// `out` is queued after them, and the source stays held until it has
+    /// landed (see `pinned::Downloads`).
+    unsafe fn download_queued(
+        &mut self,
+        buffer: CudaSlice<f32>,
+        range: Range<usize>,
+        out: &mut [f32],
+    ) -> Result<()> {
+        check_range("download", &range, buffer.len())?;
+        if range.len() != out.len() {
+            return Err(Error::State(format!(
+                "internal: download of {} elements into {}",
+                range.len(),
+                out.len()
+            )));
+        }
+        if range.is_empty() {
+            return Ok(());
+        }
+        let stream = self.stream()?;
+        for event in self.deferred.iter().flatten() {
+            stream.wait(event).map_err(cuda)?;
+        }
+        {
+            let source = buffer.slice(range);
+            let (src, _record) = source.device_ptr(&stream);
+            // SAFETY: `src` holds `out.len()` elements, kept alive by
+            // `downloads` until the copy lands; `out` is page-locked and
+            // stays in place, untouched, until then (the caller's contract).
+            unsafe { cudarc::driver::result::memcpy_dtoh_async(out, src, stream.cu_stream()) }
+                .map_err(cuda)?;
+        }
+        let done = stream.record_event(None).map_err(cuda)?;
+        self.downloads.queued(done, buffer, self.timeout)
+    }
+
+    fn land(&mut self) -> Result<()> {
+        self.downloads.land(self.timeout)
     }
 
     /// The 16-bit gather staging, kept between steps.

@@ -5,16 +5,22 @@
 //!
 //! [`ShardMemory::pin_host`]: zero_core::engine::ShardMemory::pin_host
 
-use cudarc::driver::{sys, CudaContext};
+use crate::device_comm::host_wait;
+use cudarc::driver::{sys, CudaContext, CudaEvent, CudaSlice};
+use std::collections::VecDeque;
 use std::ffi::c_void;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 use zero_core::engine::HostPin;
 use zero_core::{Error, Result};
 
-/// Keeps a registered host range page-locked; unregisters it when dropped.
+/// Keeps a registered host range page-locked; unregisters it when dropped,
+/// after the newest queued download has landed (it may write here).
 struct Registered {
     ctx: Arc<CudaContext>,
     ptr: *mut c_void,
+    newest: Newest,
+    timeout: Duration,
 }
 
 // SAFETY: the pointer is only handed back to the driver (on drop), which
@@ -24,8 +30,14 @@ unsafe impl Sync for Registered {}
 
 impl Drop for Registered {
     fn drop(&mut self) {
-        // A drop has no one to report to: should unregistering fail, the
-        // range stays locked until the process ends.
+        // A drop has no one to report to: a copy that does not land within
+        // the deadline (a dead peer's reduction before it) never runs, and
+        // should unregistering fail, the range stays locked until the
+        // process ends.
+        let newest = lock(&self.newest).clone();
+        if let Some(newest) = newest {
+            let _ = host_wait(LANDING, 0, &newest, self.timeout);
+        }
         if self.ctx.bind_to_thread().is_ok() {
             // SAFETY: `ptr` was registered by `pin` and is still allocated
             // (the buffer drops this before its memory).
@@ -34,8 +46,14 @@ impl Drop for Registered {
     }
 }
 
-/// Page-locks `values` on `ctx` until the returned guard is dropped.
-pub(super) fn pin(ctx: &Arc<CudaContext>, values: &mut [f32]) -> Result<Option<HostPin>> {
+/// Page-locks `values` on `ctx` until the returned guard is dropped (which
+/// first waits, within `timeout`, for `downloads`' newest copy).
+pub(super) fn pin(
+    ctx: &Arc<CudaContext>,
+    values: &mut [f32],
+    downloads: &Downloads,
+    timeout: Duration,
+) -> Result<Option<HostPin>> {
     if values.is_empty() {
         return Ok(None);
     }
@@ -50,6 +68,8 @@ pub(super) fn pin(ctx: &Arc<CudaContext>, values: &mut [f32]) -> Result<Option<H
         Ok(()) => Ok(Some(Box::new(Registered {
             ctx: Arc::clone(ctx),
             ptr,
+            newest: Arc::clone(&downloads.newest),
+            timeout,
         }))),
         Err(e) => Err(Error::Config(format!(
             "offload could not page-lock {:.2} GiB of host memory for the GPU's transfers \
@@ -59,4 +79,65 @@ pub(super) fn pin(ctx: &Arc<CudaContext>, values: &mut [f32]) -> Result<Option<H
             bytes as f64 / (1u64 << 30) as f64
         ))),
     }
+}
+
+/// Copies in flight before the host waits for the oldest: offload's device
+/// side holds at most this many staged buckets more than without queueing.
+const IN_FLIGHT: usize = 4;
+
+const LANDING: &str = "offload: copying to host memory";
+
+/// The newest queued download's completion, shared with the page-locks.
+type Newest = Arc<Mutex<Option<Arc<CudaEvent>>>>;
+
+/// Offload's queued downloads: each copy's completion event and the device
+/// buffer it reads (kept until the copy is done), oldest first. The newest
+/// event is shared with the page-locks ([`pin`]), whose drop waits for it:
+/// no copy lands in freed memory.
+#[derive(Default)]
+pub(super) struct Downloads {
+    copies: VecDeque<(Arc<CudaEvent>, CudaSlice<f32>)>,
+    newest: Newest,
+}
+
+impl Downloads {
+    /// Records a queued copy (`done` follows it on the stream) reading
+    /// `source`; lets go of landed copies' buffers and, past
+    /// [`IN_FLIGHT`], waits for the oldest within `timeout`.
+    pub(super) fn queued(
+        &mut self,
+        done: CudaEvent,
+        source: CudaSlice<f32>,
+        timeout: Duration,
+    ) -> Result<()> {
+        let done = Arc::new(done);
+        *lock(&self.newest) = Some(Arc::clone(&done));
+        self.copies.push_back((done, source));
+        while let Some((oldest, _)) = self.copies.front() {
+            if !oldest.is_complete() {
+                if self.copies.len() <= IN_FLIGHT {
+                    break;
+                }
+                host_wait(LANDING, 0, oldest, timeout).map_err(Error::from)?;
+            }
+            self.copies.pop_front();
+        }
+        Ok(())
+    }
+
+    /// Waits, within `timeout`, until every queued copy has landed.
+    pub(super) fn land(&mut self, timeout: Duration) -> Result<()> {
+        if let Some((newest, _)) = self.copies.back() {
+            host_wait(LANDING, 0, newest, timeout).map_err(Error::from)?;
+        }
+        self.copies.clear();
+        *lock(&self.newest) = None;
+        Ok(())
+    }
+}
+
+fn lock(newest: &Newest) -> std::sync::MutexGuard<'_, Option<Arc<CudaEvent>>> {
+    newest
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
