@@ -279,6 +279,33 @@ impl CudaMemory {
         &self.kernels
     }
 
+    /// A download's checks (`range` of a buffer of `len`, into `out_len`
+    /// elements) and its stream, made to wait on the reductions still
+    /// deferred (the deferral goes on); `None` when there is nothing to
+    /// copy.
+    fn download_stream(
+        &self,
+        len: usize,
+        range: &Range<usize>,
+        out_len: usize,
+    ) -> Result<Option<Arc<CudaStream>>> {
+        check_range("download", range, len)?;
+        if range.len() != out_len {
+            return Err(Error::State(format!(
+                "internal: download of {} elements into {out_len}",
+                range.len()
+            )));
+        }
+        if range.is_empty() {
+            return Ok(None);
+        }
+        let stream = self.stream()?;
+        for event in self.deferred.iter().flatten() {
+            stream.wait(event).map_err(cuda)?;
+        }
+        Ok(Some(stream))
+    }
+
     /// Blocks the host until the stream has run everything queued so far,
     /// within the communicator's deadline: before a copy between host and
     /// device memory, which would otherwise wait in the driver, without a
@@ -450,21 +477,9 @@ impl<C: DeviceComm> ShardMemory<f32, C> for CudaMemory {
         range: Range<usize>,
         out: &mut [f32],
     ) -> Result<()> {
-        check_range("download", &range, buffer.len())?;
-        if range.len() != out.len() {
-            return Err(Error::State(format!(
-                "internal: download of {} elements into {}",
-                range.len(),
-                out.len()
-            )));
-        }
-        if range.is_empty() {
+        let Some(stream) = self.download_stream(buffer.len(), &range, out.len())? else {
             return Ok(());
-        }
-        let stream = self.stream()?;
-        for event in self.deferred.iter().flatten() {
-            stream.wait(event).map_err(cuda)?;
-        }
+        };
         {
             let source = buffer.slice(range);
             let (src, _record) = source.device_ptr(&stream);
@@ -911,21 +926,9 @@ impl<C: DeviceComm> ShardMemory<f32, C> for CudaMemory {
         range: Range<usize>,
         out: &mut [f32],
     ) -> Result<()> {
-        check_range("download", &range, buffer.len())?;
-        if range.len() != out.len() {
-            return Err(Error::State(format!(
-                "internal: download of {} elements into {}",
-                range.len(),
-                out.len()
-            )));
-        }
-        if range.is_empty() {
+        let Some(stream) = self.download_stream(buffer.len(), &range, out.len())? else {
             return Ok(());
-        }
-        let stream = self.stream()?;
-        for event in self.deferred.iter().flatten() {
-            stream.wait(event).map_err(cuda)?;
-        }
+        };
         self.drain_within("offload: copying to host memory")?;
         stream.memcpy_dtoh(&buffer.slice(range), out).map_err(cuda)
     }
