@@ -203,11 +203,18 @@ fn offload_trains_the_weights_of_the_device_alone_bit_for_bit() {
             }
         }
     }
-    // The shards were page-locked and the reduced buckets' parts queued to
-    // land later (read by the host before landing, they would be stale).
+    // The shards were page-locked, the reduced buckets' parts queued to
+    // land later (read by the host before landing, they would be stale)
+    // and the stepped ones queued to go up.
+    // Nor did the host write a shard an upload was still reading.
     let seen = offloaded_seen.lock().expect("no panic");
     assert!(seen.pinned > 0, "no shard was page-locked");
     assert!(seen.queued_downloads > 0, "no download was queued");
+    assert!(seen.queued_uploads > 0, "no upload was queued");
+    assert_eq!(
+        seen.changed_uploads, 0,
+        "a shard changed under a queued upload"
+    );
 }
 
 /// The host engine with its own memory trains the same weights too: the

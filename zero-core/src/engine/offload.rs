@@ -299,9 +299,27 @@ fn staged_up<T: Element, C: Communicator, D: ShardMemory<T, C>>(
         Placed::Device(_) => Ok(None),
         Placed::Host(values) => {
             let mut staged = device.alloc_zeroed(range.len())?;
-            device.buffer_from_host(&mut staged, 0, &values[range])?;
+            upload(device, &mut staged, values, range)?;
             Ok(Some(staged))
         }
+    }
+}
+
+/// Copies `values[range]` up into `staged` (from `0`): only queued from
+/// page-locked memory.
+fn upload<T: Element, C: Communicator, D: ShardMemory<T, C>>(
+    device: &mut D,
+    staged: &mut D::Buffer,
+    values: &HostBuffer<T>,
+    range: Range<usize>,
+) -> Result<()> {
+    if values.is_pinned() {
+        // SAFETY: `values` is locked by this device's `pin_host` (whose drop
+        // waits for queued copies), its length is fixed, and
+        // `OffloadMemory` lands before it writes host memory (`land_for`).
+        unsafe { device.upload_queued(staged, 0, &values[range]) }
+    } else {
+        device.buffer_from_host(staged, 0, &values[range])
     }
 }
 
@@ -570,8 +588,7 @@ impl<T: Element, C: Communicator, D: ShardMemory<T, C>> ShardMemory<T, C> for Of
         };
         let span = span(copies.iter().map(|c| (c.at, c.param_range.len())));
         let mut staged = self.device.alloc_zeroed(span.len())?;
-        self.device
-            .buffer_from_host(&mut staged, 0, &values[span.clone()])?;
+        upload(&mut self.device, &mut staged, values, span.clone())?;
         self.device
             .write_params(params, &shifted(copies, span.start), &staged)
     }

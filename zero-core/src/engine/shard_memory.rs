@@ -385,9 +385,26 @@ pub trait ShardMemory<T: Element, C: Communicator>: Send + 'static {
         self.download(&buffer, range, out)
     }
 
-    /// Waits until every copy [`ShardMemory::download_queued`] queued has
-    /// landed (a device: within its communicator's deadline). Default:
-    /// nothing is ever queued.
+    /// Offload: [`ShardMemory::buffer_from_host`] that may only queue the
+    /// copy and return before it has read `values`; [`ShardMemory::land`]
+    /// waits for it too. Default: `buffer_from_host`, done at once.
+    ///
+    /// # Safety
+    /// `values` must be page-locked by this memory's
+    /// [`ShardMemory::pin_host`] and stay allocated, in place and unwritten
+    /// until `land` has returned or that lock is dropped.
+    unsafe fn upload_queued(
+        &mut self,
+        buffer: &mut Self::Buffer,
+        at: usize,
+        values: &[T],
+    ) -> Result<()> {
+        self.buffer_from_host(buffer, at, values)
+    }
+
+    /// Waits until every copy [`ShardMemory::download_queued`] and
+    /// [`ShardMemory::upload_queued`] queued has landed (a device: within
+    /// its communicator's deadline). Default: nothing is ever queued.
     fn land(&mut self) -> Result<()> {
         Ok(())
     }

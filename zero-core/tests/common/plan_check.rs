@@ -30,6 +30,10 @@ pub struct Seen {
     pub fences: usize,
     /// Offload's downloads queued into page-locked host memory.
     pub queued_downloads: usize,
+    /// Offload's uploads queued from page-locked host memory.
+    pub queued_uploads: usize,
+    /// Queued uploads whose source the host changed before they landed.
+    pub changed_uploads: usize,
     /// Host buffers page-locked.
     pub pinned: usize,
     pub violations: Vec<String>,
@@ -473,6 +477,33 @@ impl<T: Element, C: Communicator<Memory = Host>> ShardMemory<T, C> for PlanCheck
             .lock()
             .expect("no test thread panicked")
             .queued_downloads += 1;
+        Ok(())
+    }
+
+    /// As a device's: the values are needed on the "device" now (what
+    /// follows on its stream reads them), and the source must not change
+    /// until landed: checked then, against what was copied.
+    unsafe fn upload_queued(&mut self, buffer: &mut Vec<T>, at: usize, values: &[T]) -> Result<()> {
+        buffer[at..at + values.len()].copy_from_slice(values);
+        let copied = values.to_vec();
+        let (from, seen) = (values.as_ptr() as usize, self.seen.clone());
+        self.queued
+            .lock()
+            .expect("no test thread panicked")
+            .push(Box::new(move || {
+                // SAFETY: the caller keeps `values` allocated until landed,
+                // and every page-lock's drop lands first.
+                let now = unsafe { std::slice::from_raw_parts(from as *const T, copied.len()) };
+                if now != copied.as_slice() {
+                    seen.lock()
+                        .expect("no test thread panicked")
+                        .changed_uploads += 1;
+                }
+            }));
+        self.seen
+            .lock()
+            .expect("no test thread panicked")
+            .queued_uploads += 1;
         Ok(())
     }
 

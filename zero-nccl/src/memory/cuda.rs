@@ -234,8 +234,8 @@ pub struct CudaMemory {
     /// The communicator's deadline, for the host's waits in transfers
     /// (the stream may wait on a collective that a dead peer never joins).
     timeout: Duration,
-    /// Offload's downloads queued into page-locked host memory.
-    downloads: super::pinned::Downloads,
+    /// Offload's transfers queued to and from page-locked host memory.
+    transfers: super::pinned::Transfers,
 }
 
 impl std::fmt::Debug for CudaMemory {
@@ -270,7 +270,7 @@ impl CudaMemory {
             fenced: 0,
             wire16: None,
             timeout: comm.timeout(),
-            downloads: Default::default(),
+            transfers: Default::default(),
         })
     }
 
@@ -464,13 +464,13 @@ impl<C: DeviceComm> ShardMemory<f32, C> for CudaMemory {
     /// Registers the offloaded shard with the driver (see `pinned`).
     fn pin_host(&mut self, values: &mut [f32]) -> Result<Option<HostPin>> {
         let stream = self.stream()?;
-        super::pinned::pin(stream.context(), values, &self.downloads, self.timeout)
+        super::pinned::pin(stream.context(), values, &self.transfers, self.timeout)
     }
 
     /// [`ShardMemory::download`] without the host's wait: the compute
     /// stream waits on the deferred reductions, the copy into page-locked
     /// `out` is queued after them, and the source stays held until it has
-    /// landed (see `pinned::Downloads`).
+    /// landed (see `pinned::Transfers`).
     unsafe fn download_queued(
         &mut self,
         buffer: CudaSlice<f32>,
@@ -484,17 +484,45 @@ impl<C: DeviceComm> ShardMemory<f32, C> for CudaMemory {
             let source = buffer.slice(range);
             let (src, _record) = source.device_ptr(&stream);
             // SAFETY: `src` holds `out.len()` elements, kept alive by
-            // `downloads` until the copy lands; `out` is page-locked and
+            // `transfers` until the copy lands; `out` is page-locked and
             // stays in place, untouched, until then (the caller's contract).
             unsafe { cudarc::driver::result::memcpy_dtoh_async(out, src, stream.cu_stream()) }
                 .map_err(cuda)?;
         }
         let done = stream.record_event(None).map_err(cuda)?;
-        self.downloads.queued(done, buffer, self.timeout)
+        self.transfers.queued(done, Some(buffer), self.timeout)
+    }
+
+    /// [`ShardMemory::buffer_from_host`] without the host's wait: the copy
+    /// from page-locked `values` is queued on the compute stream (no drain
+    /// first: it cannot block the host) and waited for by `land`.
+    unsafe fn upload_queued(
+        &mut self,
+        buffer: &mut CudaSlice<f32>,
+        at: usize,
+        values: &[f32],
+    ) -> Result<()> {
+        let range = at..at + values.len();
+        check_range("buffer_from_host", &range, buffer.len())?;
+        if values.is_empty() {
+            return Ok(());
+        }
+        let stream = self.stream()?;
+        {
+            let mut target = buffer.slice_mut(range);
+            let (dst, _record) = target.device_ptr_mut(&stream);
+            // SAFETY: `dst` holds `values.len()` elements; `values` is
+            // page-locked and stays in place, unwritten, until the copy
+            // lands (the caller's contract).
+            unsafe { cudarc::driver::result::memcpy_htod_async(dst, values, stream.cu_stream()) }
+                .map_err(cuda)?;
+        }
+        let done = stream.record_event(None).map_err(cuda)?;
+        self.transfers.queued(done, None, self.timeout)
     }
 
     fn land(&mut self) -> Result<()> {
-        self.downloads.land(self.timeout)
+        self.transfers.land(self.timeout)
     }
 
     /// The 16-bit gather staging, kept between steps.

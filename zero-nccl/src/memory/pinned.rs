@@ -15,7 +15,7 @@ use zero_core::engine::HostPin;
 use zero_core::{Error, Result};
 
 /// Keeps a registered host range page-locked; unregisters it when dropped,
-/// after the newest queued download has landed (it may write here).
+/// after the newest queued transfer has landed (it may read or write here).
 struct Registered {
     ctx: Arc<CudaContext>,
     ptr: *mut c_void,
@@ -47,11 +47,11 @@ impl Drop for Registered {
 }
 
 /// Page-locks `values` on `ctx` until the returned guard is dropped (which
-/// first waits, within `timeout`, for `downloads`' newest copy).
+/// first waits, within `timeout`, for `transfers`' newest copy).
 pub(super) fn pin(
     ctx: &Arc<CudaContext>,
     values: &mut [f32],
-    downloads: &Downloads,
+    transfers: &Transfers,
     timeout: Duration,
 ) -> Result<Option<HostPin>> {
     if values.is_empty() {
@@ -68,7 +68,7 @@ pub(super) fn pin(
         Ok(()) => Ok(Some(Box::new(Registered {
             ctx: Arc::clone(ctx),
             ptr,
-            newest: Arc::clone(&downloads.newest),
+            newest: Arc::clone(&transfers.newest),
             timeout,
         }))),
         Err(e) => Err(Error::Config(format!(
@@ -82,32 +82,35 @@ pub(super) fn pin(
 }
 
 /// Copies in flight before the host waits for the oldest: offload's device
-/// side holds at most this many staged buckets more than without queueing.
+/// side holds at most this many staged buckets more than without queueing,
+/// and the host is at most this many copies ahead of the device.
 const IN_FLIGHT: usize = 4;
 
-const LANDING: &str = "offload: copying to host memory";
+const LANDING: &str = "offload: copying between host and device memory";
 
-/// The newest queued download's completion, shared with the page-locks.
+/// The newest queued transfer's completion, shared with the page-locks.
 type Newest = Arc<Mutex<Option<Arc<CudaEvent>>>>;
 
-/// Offload's queued downloads: each copy's completion event and the device
+/// Offload's queued transfers between page-locked host memory and the
+/// device: each copy's completion event and, for a download, the device
 /// buffer it reads (kept until the copy is done), oldest first. The newest
 /// event is shared with the page-locks ([`pin`]), whose drop waits for it:
-/// no copy lands in freed memory.
+/// no copy reads or writes freed memory.
 #[derive(Default)]
-pub(super) struct Downloads {
-    copies: VecDeque<(Arc<CudaEvent>, CudaSlice<f32>)>,
+pub(super) struct Transfers {
+    copies: VecDeque<(Arc<CudaEvent>, Option<CudaSlice<f32>>)>,
     newest: Newest,
 }
 
-impl Downloads {
-    /// Records a queued copy (`done` follows it on the stream) reading
-    /// `source`; lets go of landed copies' buffers and, past
-    /// [`IN_FLIGHT`], waits for the oldest within `timeout`.
+impl Transfers {
+    /// Records a queued copy (`done` follows it on the stream), reading
+    /// `source` where it is a download; lets go of landed downloads'
+    /// buffers and, past [`IN_FLIGHT`], waits for the oldest within
+    /// `timeout`.
     pub(super) fn queued(
         &mut self,
         done: CudaEvent,
-        source: CudaSlice<f32>,
+        source: Option<CudaSlice<f32>>,
         timeout: Duration,
     ) -> Result<()> {
         let done = Arc::new(done);
