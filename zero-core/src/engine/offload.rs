@@ -226,7 +226,7 @@ impl<D: std::fmt::Debug> std::fmt::Debug for OffloadMemory<D> {
 }
 
 impl<D> OffloadMemory<D> {
-    /// Lands the device's queued downloads ([`ShardMemory::land`]) where
+    /// Lands the device's queued transfers ([`ShardMemory::land`]) where
     /// any of `buffers` is in host memory, before it is read or written.
     fn land_for<T: Element, C: Communicator>(
         &mut self,
