@@ -57,6 +57,15 @@ struct Measured {
 }
 
 /// How a case trains, besides its ops and dtype.
+/// Which of the GPT suite's cases to run.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Part {
+    /// Every case.
+    All,
+    /// The cases behind the ZeRO figures.
+    Zero,
+}
+
 #[derive(Clone, Copy, Default)]
 struct Variant {
     /// Activation checkpointing of every block.
@@ -67,8 +76,10 @@ struct Variant {
     stage3: bool,
 }
 
-/// Runs the GPT suite (after `gpu::device_present`).
-pub fn run(report: &mut Report) {
+/// Runs the GPT suite (after `gpu::device_present`); `Part::Zero` only
+/// the cases behind the ZeRO figures (offload, stage 3, ranks sharing the
+/// GPU): no composed ops, checkpointing or PyTorch peers.
+pub fn run(report: &mut Report, part: Part) {
     let (device, ctx) = match open_device() {
         Ok(opened) => opened,
         Err(e) => {
@@ -117,7 +128,9 @@ pub fn run(report: &mut Report) {
         }
     };
     let f32_fused = case("ours f32 fused", GptOps::Fused, DType::F32);
-    let f32_composed = case("ours f32 composed", GptOps::Composed, DType::F32);
+    let f32_composed = (part == Part::All)
+        .then(|| case("ours f32 composed", GptOps::Composed, DType::F32))
+        .flatten();
     let bf16_fused = case("ours bf16 fused", GptOps::Fused, DType::BF16);
 
     if let Some(m) = &f32_fused {
@@ -236,6 +249,9 @@ pub fn run(report: &mut Report) {
         );
     }
     shared_gpu(report, &device, &ctx, pool.as_ref());
+    if part == Part::Zero {
+        return;
+    }
 
     checkpointing(report, &device, &ctx, pool.as_ref());
 

@@ -114,7 +114,18 @@ pub fn main() {
                 if gpu::device_present() {
                     gpu::run(&mut report);
                     gpu_layers::run(&mut report);
-                    gpu_gpt::run(&mut report);
+                    gpu_gpt::run(&mut report, gpu_gpt::Part::All);
+                }
+                #[cfg(not(feature = "nccl"))]
+                println!("gpu benchmarks need --features nccl");
+            }
+            // Not among `all`: `gpu`'s offload, stage-3 and shared-GPU
+            // figures alone (no kernel timings, composed ops,
+            // checkpointing or PyTorch peers).
+            "gpu-zero" => {
+                #[cfg(feature = "nccl")]
+                if gpu::device_present() {
+                    gpu_gpt::run(&mut report, gpu_gpt::Part::Zero);
                 }
                 #[cfg(not(feature = "nccl"))]
                 println!("gpu benchmarks need --features nccl");
