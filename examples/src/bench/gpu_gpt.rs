@@ -26,7 +26,7 @@ use std::sync::Arc;
 use std::time::Instant;
 use zero_candle::nn::GradHook;
 use zero_candle::{NcclZeroOptimizer, ZeroHook, ZeroOptimizer};
-use zero_core::engine::{EngineConfig, Offload, Overlap, Stage};
+use zero_core::engine::{host_available_bytes, EngineConfig, Offload, Overlap, Stage};
 use zero_core::optim::{AdamW, AdamWConfig};
 use zero_core::Communicator;
 use zero_nccl::cudarc::driver::CudaContext;
@@ -54,6 +54,8 @@ struct Measured {
     /// The engine's own device bytes (its memory report less what it
     /// offloaded) per parameter, the model's weights included.
     engine_device_bytes_per_param: f64,
+    /// What the engine offloaded to host memory, per parameter.
+    engine_host_bytes_per_param: f64,
 }
 
 /// How a case trains, besides its ops and dtype.
@@ -74,6 +76,10 @@ struct Variant {
     offload: Offload,
     /// Stage 3 (from the first step's end) instead of stage 2.
     stage3: bool,
+    /// Offloaded shards in pageable memory (not page-locked).
+    pageable: bool,
+    /// The offload's host threads (0: rayon's global pool, every core).
+    offload_threads: usize,
 }
 
 /// Runs the GPT suite (after `gpu::device_present`); `Part::Zero` only
@@ -110,23 +116,23 @@ pub fn run(report: &mut Report, part: Part) {
 
     // One case at a time, each dropped (and the device drained) before the
     // next is built, so that their memory does not overlap.
-    let case = |name: &str, ops: GptOps, dtype: DType| -> Option<Measured> {
-        match ours(
-            &device,
-            &ctx,
-            pool.as_ref(),
-            &ids,
-            ops,
-            dtype,
-            Variant::default(),
-        ) {
-            Ok(measured) => Some(measured),
-            Err(e) => {
-                eprintln!("gpu gpt benchmark: {name} failed: {e}");
-                None
-            }
+    let case_with = |name: &str, ops: GptOps, dtype: DType, variant: Variant| match ours(
+        &device,
+        &ctx,
+        pool.as_ref(),
+        &ids,
+        ops,
+        dtype,
+        variant,
+    ) {
+        Ok(measured) => Some(measured),
+        Err(e) => {
+            eprintln!("gpu gpt benchmark: {name} failed: {e}");
+            None
         }
     };
+    let case =
+        |name: &str, ops: GptOps, dtype: DType| case_with(name, ops, dtype, Variant::default());
     let f32_fused = case("ours f32 fused", GptOps::Fused, DType::F32);
     let f32_composed = (part == Part::All)
         .then(|| case("ours f32 composed", GptOps::Composed, DType::F32))
@@ -159,24 +165,11 @@ pub fn run(report: &mut Report, part: Part) {
         }
     }
 
-    let bf16_offload = match ours(
-        &device,
-        &ctx,
-        pool.as_ref(),
-        &ids,
-        GptOps::Fused,
-        DType::BF16,
-        Variant {
-            offload: Offload::Optimizer,
-            ..Variant::default()
-        },
-    ) {
-        Ok(measured) => Some(measured),
-        Err(e) => {
-            eprintln!("gpu gpt benchmark: ours bf16 offload failed: {e}");
-            None
-        }
+    let offloaded = Variant {
+        offload: Offload::Optimizer,
+        ..Variant::default()
     };
+    let bf16_offload = case_with("ours bf16 offload", GptOps::Fused, DType::BF16, offloaded);
     if let (Some(plain), Some(offload)) = (&bf16_fused, &bf16_offload) {
         report.add(
             "gpu.gpt_bf16_offload_step_over_plain",
@@ -201,6 +194,44 @@ pub fn run(report: &mut Report, part: Part) {
                 "gpu.gpt_bf16_offload_peak_gb",
                 peak as f64 / 1e9,
                 "GB",
+                None,
+            );
+        }
+        offload_capacity(report, &ctx, plain, offload);
+        // What the page-locked shards and the host's thread count are
+        // worth: the same step from pageable memory, and on half the cores.
+        let pageable = Variant {
+            pageable: true,
+            ..offloaded
+        };
+        if let Some(m) = case_with(
+            "ours bf16 offload pageable",
+            GptOps::Fused,
+            DType::BF16,
+            pageable,
+        ) {
+            report.add(
+                "gpu.gpt_bf16_offload_pageable_step_over_plain",
+                plain.tokens_per_s / m.tokens_per_s,
+                "ratio",
+                None,
+            );
+        }
+        let cores = std::thread::available_parallelism().map_or(2, usize::from);
+        let half_cores = Variant {
+            offload_threads: (cores / 2).max(1),
+            ..offloaded
+        };
+        if let Some(m) = case_with(
+            "ours bf16 offload, half the cores",
+            GptOps::Fused,
+            DType::BF16,
+            half_cores,
+        ) {
+            report.add(
+                "gpu.gpt_bf16_offload_half_cores_step_over_plain",
+                plain.tokens_per_s / m.tokens_per_s,
+                "ratio",
                 None,
             );
         }
@@ -343,6 +374,36 @@ pub fn run(report: &mut Report, part: Part) {
             "gpu gpt benchmark: no PyTorch bf16 figures (gpu.gpt_bf16_over_torch_sdpa): {e}"
         ),
     }
+}
+
+/// The largest model one GPU trains with offload over without, projected
+/// from the measured engine bytes per parameter (weights, gradients,
+/// optimizer state: the device's, and with offload the host's too) and
+/// this machine's device memory and available host memory. Activations
+/// are left out (they grow with the batch, not the model), so both sizes
+/// are upper bounds. A projection, not the search it stands for (growing
+/// a GPT until it no longer trains, which takes minutes per size here):
+/// offload's reach is set by the host's memory as much as by the GPU's.
+fn offload_capacity(report: &mut Report, ctx: &CudaContext, plain: &Measured, offload: &Measured) {
+    let (Ok((_, device)), Some(host)) = (ctx.mem_get_info(), host_available_bytes()) else {
+        eprintln!("gpu gpt benchmark: no offload capacity figure (memory sizes unknown)");
+        return;
+    };
+    let without = device as f64 / plain.engine_device_bytes_per_param;
+    let with = (device as f64 / offload.engine_device_bytes_per_param)
+        .min(host as f64 / offload.engine_host_bytes_per_param);
+    report.add(
+        "gpu.offload_largest_params_projected",
+        with / 1e9,
+        "B params",
+        None,
+    );
+    report.add(
+        "gpu.offload_largest_over_plain_projected",
+        with / without,
+        "ratio",
+        Some(">= 5"),
+    );
 }
 
 /// Ranks sharing the GPU (`CudaThreadGroup`, as `--backend cuda-threads`).
@@ -593,7 +654,8 @@ fn ours(
                     true => Stage::Parameters,
                     false => Stage::Gradients,
                 })
-                .with_offload(variant.offload, 0)
+                .with_offload(variant.offload, variant.offload_threads)
+                .with_offload_pin_memory(!variant.pageable)
                 // Offloaded, the host steps each bucket as it lands.
                 .with_overlap(match variant.offload {
                     Offload::Optimizer => Overlap::Interleaved,
@@ -624,12 +686,18 @@ fn ours(
         }
         let peak_bytes = pool.map(DevicePool::high_water).transpose()?;
         times.sort_by(f64::total_cmp);
-        let numel: usize = opt.vars().iter().map(|v| v.elem_count()).sum();
+        let numel = opt
+            .vars()
+            .iter()
+            .map(|v| v.elem_count())
+            .sum::<usize>()
+            .max(1) as f64;
+        let memory = opt.memory_report();
         Measured {
             tokens_per_s: (ids.dim(0)? * CONFIG.context) as f64 / times[times.len() / 2],
             peak_bytes,
-            engine_device_bytes_per_param: opt.memory_report().on_device() as f64
-                / numel.max(1) as f64,
+            engine_device_bytes_per_param: memory.on_device() as f64 / numel,
+            engine_host_bytes_per_param: memory.offloaded as f64 / numel,
         }
     };
     // The case's model, optimizer and communicator are dropped; their

@@ -67,7 +67,9 @@ pub use deferred::{ParamAccess, Refresh};
 pub use fetch::{FetchStats, Fetcher, GatherFn, GatherMemory, Gathered, HostGathers, UnitBucket};
 pub use layout::{Layout, Run};
 pub use memory::MemoryReport;
-pub use offload::{HostBuffer, HostPin, HostStepper, OffloadGathers, OffloadMemory, Placed};
+pub use offload::{
+    host_available_bytes, HostBuffer, HostPin, HostStepper, OffloadGathers, OffloadMemory, Placed,
+};
 pub use precision::{convert_slice, CastParams};
 pub use reduce::ReductionProgress;
 pub use scaler::{DynamicLossScale, LossScale, LossScalerState};

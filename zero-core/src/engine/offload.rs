@@ -297,29 +297,26 @@ fn staged_up<T: Element, C: Communicator, D: ShardMemory<T, C>>(
 ) -> Result<Option<D::Buffer>> {
     match buffer {
         Placed::Device(_) => Ok(None),
-        Placed::Host(values) => {
-            let mut staged = device.alloc_zeroed(range.len())?;
-            upload(device, &mut staged, values, range)?;
-            Ok(Some(staged))
-        }
+        Placed::Host(values) => upload(device, values, range).map(Some),
     }
 }
 
-/// Copies `values[range]` up into `staged` (from `0`): only queued from
-/// page-locked memory.
+/// A device buffer holding `values[range]`: only queued from page-locked
+/// memory.
 fn upload<T: Element, C: Communicator, D: ShardMemory<T, C>>(
     device: &mut D,
-    staged: &mut D::Buffer,
     values: &HostBuffer<T>,
     range: Range<usize>,
-) -> Result<()> {
+) -> Result<D::Buffer> {
     if values.is_pinned() {
         // SAFETY: `values` is locked by this device's `pin_host` (whose drop
         // waits for queued copies), its length is fixed, and
         // `OffloadMemory` lands before it writes host memory (`land_for`).
-        unsafe { device.upload_queued(staged, 0, &values[range]) }
+        unsafe { device.upload_queued(&values[range]) }
     } else {
-        device.buffer_from_host(staged, 0, &values[range])
+        let mut staged = device.alloc_zeroed(range.len())?;
+        device.buffer_from_host(&mut staged, 0, &values[range])?;
+        Ok(staged)
     }
 }
 
@@ -587,8 +584,7 @@ impl<T: Element, C: Communicator, D: ShardMemory<T, C>> ShardMemory<T, C> for Of
             Placed::Host(values) => values,
         };
         let span = span(copies.iter().map(|c| (c.at, c.param_range.len())));
-        let mut staged = self.device.alloc_zeroed(span.len())?;
-        upload(&mut self.device, &mut staged, values, span.clone())?;
+        let staged = upload(&mut self.device, values, span.clone())?;
         self.device
             .write_params(params, &shifted(copies, span.start), &staged)
     }
@@ -939,7 +935,7 @@ impl<T: Element, C: Communicator, D: ShardMemory<T, C>> ShardMemory<T, C> for Of
 
 /// Bytes of host memory available to this process now (Linux:
 /// `MemAvailable`), or `None` where unknown.
-pub(super) fn host_available_bytes() -> Option<u64> {
+pub fn host_available_bytes() -> Option<u64> {
     let info = std::fs::read_to_string("/proc/meminfo").ok()?;
     let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;

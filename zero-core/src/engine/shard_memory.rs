@@ -385,21 +385,22 @@ pub trait ShardMemory<T: Element, C: Communicator>: Send + 'static {
         self.download(&buffer, range, out)
     }
 
-    /// Offload: [`ShardMemory::buffer_from_host`] that may only queue the
-    /// copy and return before it has read `values`; [`ShardMemory::land`]
-    /// waits for it too. Default: `buffer_from_host`, done at once.
+    /// Offload: a new buffer holding `values` (an upload into a fresh
+    /// staging buffer, as [`ShardMemory::alloc_zeroed`] and
+    /// [`ShardMemory::buffer_from_host`] make it) whose copy may only be
+    /// queued, so that the call returns before it has read `values`; work
+    /// queued on the buffer afterwards runs after the copy, and
+    /// [`ShardMemory::land`] waits for it too. Default: those two calls,
+    /// done at once.
     ///
     /// # Safety
     /// `values` must be page-locked by this memory's
     /// [`ShardMemory::pin_host`] and stay allocated, in place and unwritten
     /// until `land` has returned or that lock is dropped.
-    unsafe fn upload_queued(
-        &mut self,
-        buffer: &mut Self::Buffer,
-        at: usize,
-        values: &[T],
-    ) -> Result<()> {
-        self.buffer_from_host(buffer, at, values)
+    unsafe fn upload_queued(&mut self, values: &[T]) -> Result<Self::Buffer> {
+        let mut staged = self.alloc_zeroed(values.len())?;
+        self.buffer_from_host(&mut staged, 0, values)?;
+        Ok(staged)
     }
 
     /// Waits until every copy [`ShardMemory::download_queued`] and

@@ -483,8 +483,7 @@ impl<T: Element, C: Communicator<Memory = Host>> ShardMemory<T, C> for PlanCheck
     /// As a device's: the values are needed on the "device" now (what
     /// follows on its stream reads them), and the source must not change
     /// until landed: checked then, against what was copied.
-    unsafe fn upload_queued(&mut self, buffer: &mut Vec<T>, at: usize, values: &[T]) -> Result<()> {
-        buffer[at..at + values.len()].copy_from_slice(values);
+    unsafe fn upload_queued(&mut self, values: &[T]) -> Result<Vec<T>> {
         let copied = values.to_vec();
         let (from, seen) = (values.as_ptr() as usize, self.seen.clone());
         self.queued
@@ -504,7 +503,7 @@ impl<T: Element, C: Communicator<Memory = Host>> ShardMemory<T, C> for PlanCheck
             .lock()
             .expect("no test thread panicked")
             .queued_uploads += 1;
-        Ok(())
+        Ok(values.to_vec())
     }
 
     fn land(&mut self) -> Result<()> {
