@@ -352,7 +352,9 @@ impl FunctionalOptimizer<f64> for Watched {
 /// With the interleaved schedule the host steps each bucket as it lands:
 /// the first bucket is stepped while a gradient is still to come. Over a
 /// device with a communication thread, that thread steps; over one without
-/// (as the GPU's), a step thread of the offload's.
+/// (as the GPU's), a step thread of the offload's, which gets each bucket
+/// once its own copy into host memory has landed: backward never waits for
+/// every queued copy (on a GPU, for the stream to drain).
 #[test]
 fn the_host_steps_buckets_as_they_land_not_after_the_whole_gradient() {
     let model = Synthetic::medium();
@@ -360,10 +362,11 @@ fn the_host_steps_buckets_as_they_land_not_after_the_whole_gradient() {
     for inline in [false, true] {
         let handed = Arc::new(AtomicUsize::new(0));
         let seen = Arc::new(Mutex::new(Vec::new()));
+        let device = Arc::new(Mutex::new(Seen::default()));
         let trained = run(1, |comm| {
             let mut e = Engine::with_memory(
                 comm,
-                OffloadMemory::new(PlanCheck::new(Arc::default(), inline)),
+                OffloadMemory::new(PlanCheck::new(device.clone(), inline)),
                 model.infos(),
                 Box::new(Watched {
                     inner: make_opt(Opt::Adam, false),
@@ -391,6 +394,17 @@ fn the_host_steps_buckets_as_they_land_not_after_the_whole_gradient() {
                     "inline {inline}: no bucket stepped while a gradient was still to come"
                 );
                 std::thread::sleep(Duration::from_millis(1));
+            }
+            if inline {
+                let device = device.lock().expect("no panic");
+                assert_eq!(
+                    device.full_lands, 0,
+                    "backward waited for every queued copy"
+                );
+                assert!(
+                    device.partial_lands > 0,
+                    "no bucket's copy landed on its own"
+                );
             }
             handed.fetch_add(1, Ordering::SeqCst);
             e.accumulate_param(0, (&g[0]).into())?;

@@ -47,6 +47,10 @@ pub enum Placed<B, T> {
 /// dropping it unlocks the memory.
 pub type HostPin = Box<dyn Send + Sync>;
 
+/// Waits, within the device's deadline, for the transfers queued before it
+/// was taken (see [`ShardMemory::landing`]) and none queued later.
+pub type Landing = Box<dyn FnOnce() -> Result<()> + Send>;
+
 /// An offloaded buffer in host memory, page-locked where the device memory
 /// can (its transfers then run at the link's speed, without staging). Its
 /// length is fixed: the locked range must not move.
@@ -768,6 +772,10 @@ impl<T: Element, C: Communicator, D: ShardMemory<T, C>> ShardMemory<T, C> for Of
         op: ReduceOp,
     ) -> Result<()> {
         self.device.all_reduce_host(comm, values, op)
+    }
+
+    fn landing(&mut self) -> Result<Option<Landing>> {
+        self.device.landing()
     }
 
     fn land(&mut self) -> Result<()> {

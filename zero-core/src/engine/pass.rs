@@ -306,11 +306,11 @@ where
                 // on a thread of its own.
                 let steps = match (targets.early.take(), self.memory.host_stepper()) {
                     (None, _) => None,
-                    (Some(early), Some(stepper)) => Some(start_host_steps::<T, C, M>(
+                    (Some(early), Some(stepper)) => Some(Box::new(start_host_steps::<T, C, M>(
                         early,
                         stepper,
                         self.plan.layout.buckets.clone(),
-                    )?),
+                    )?)),
                     (Some(early), None) => {
                         targets.early = Some(early);
                         return Err(Error::State(
@@ -740,33 +740,24 @@ where
                 if result.is_ok() {
                     self.progress.add_one();
                 }
-                // Interleaved (offload): the reduced gradients are in the
-                // host shard now; a copy goes to the step thread.
-                if let (true, Some(steps), Ok(())) = (job.step, steps.as_ref(), &*result) {
-                    let range = map.shard[job.bucket].clone();
-                    let landed = self.memory.land();
-                    *result = match landed.map(|()| targets.shard.as_ref().and_then(M::host_slice))
-                    {
-                        Err(e) => Err(e),
-                        Ok(Some(shard)) => steps
-                            .grads
-                            .send((job.bucket, shard[range].to_vec()))
-                            .map_err(|_| {
-                                Error::State(
-                                    "the offload's step thread is gone; joining the pass says \
-                                     why"
-                                    .into(),
-                                )
-                            }),
-                        Ok(None) => Err(Error::State(
-                            "internal: an offloaded pass's gradient shard is not in host memory"
-                                .into(),
-                        )),
-                    };
+                // Interleaved (offload): the reduced gradients are on their
+                // way into the host shard; the bucket before goes to the
+                // step thread.
+                if let (true, Some(steps), Ok(())) = (job.step, steps.as_mut(), &*result) {
+                    *result = self.memory.landing().and_then(|landing| {
+                        match steps.pending.replace((job.bucket, landing)) {
+                            Some(previous) => {
+                                let range = map.shard[previous.0].clone();
+                                let shard = targets.shard.as_ref().and_then(M::host_slice);
+                                steps.hand_over(previous, shard, range)
+                            }
+                            None => Ok(()),
+                        }
+                    });
                 }
             }
             // A shard offloaded to host memory got its part when the
-            // reduction returned (the memory waited for it): the bucket
+            // reduction returned, or has its copy queued behind it: the bucket
             // buffer is free for the next bucket at once, so the device
             // holds a bucket or two instead of the whole gradient.
             let landed = write.is_none() && targets.shard.as_ref().is_some_and(M::offloaded);
@@ -885,7 +876,12 @@ where
                     }
                     self.buffers.pool.push(buffer);
                 }
-                if let Some(steps) = steps {
+                if let Some(mut steps) = steps {
+                    if let (Some(last), Ok(())) = (steps.pending.take(), &result) {
+                        let range = map.shard[last.0].clone();
+                        let shard = targets.shard.as_ref().and_then(M::host_slice);
+                        result = steps.hand_over(last, shard, range);
+                    }
                     // Closing the channel ends the thread after its last
                     // bucket; the optimizer and the shard come back.
                     drop(steps.grads);

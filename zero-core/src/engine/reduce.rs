@@ -81,6 +81,34 @@ pub(super) struct HostSteps<T: Element, B> {
     /// Each landed bucket and a copy of its reduced gradients.
     pub grads: mpsc::Sender<(usize, Vec<T>)>,
     pub thread: std::thread::JoinHandle<(EarlyStep<T, B>, Result<()>)>,
+    /// The last bucket reduced, with what waits for its copy into the host
+    /// shard: handed over when the next one is reduced (by then, as a
+    /// rule, it has landed), so that the host does not wait for the copy
+    /// it has just queued while backward's launches wait behind it.
+    pub pending: Option<(usize, Option<super::Landing>)>,
+}
+
+impl<T: Element, B> HostSteps<T, B> {
+    /// Hands bucket `k` (its range `range` of the host gradient `shard`)
+    /// to the step thread once `landing` has returned.
+    pub fn hand_over(
+        &self,
+        (k, landing): (usize, Option<super::Landing>),
+        shard: Option<&[T]>,
+        range: Range<usize>,
+    ) -> Result<()> {
+        if let Some(landing) = landing {
+            landing()?;
+        }
+        let shard = shard.ok_or_else(|| {
+            Error::State(
+                "internal: an offloaded pass's gradient shard is not in host memory".into(),
+            )
+        })?;
+        self.grads.send((k, shard[range].to_vec())).map_err(|_| {
+            Error::State("the offload's step thread is gone; joining the pass says why".into())
+        })
+    }
 }
 
 /// Starts the thread of [`HostSteps`] for memory `M`: `shard` holds each
@@ -111,7 +139,11 @@ where
             (early, result)
         })
         .map_err(|e| Error::State(format!("cannot start the offload's step thread: {e}")))?;
-    Ok(HostSteps { grads, thread })
+    Ok(HostSteps {
+        grads,
+        thread,
+        pending: None,
+    })
 }
 
 /// Steps bucket `k` of the lent shard from its reduced gradients `grads`
@@ -393,7 +425,7 @@ pub(super) enum Reducer<T: Element, B> {
         /// first.
         held: Vec<Held<B>>,
         /// The interleaved step on a thread of its own (offload).
-        steps: Option<HostSteps<T, B>>,
+        steps: Option<Box<HostSteps<T, B>>>,
         result: Result<()>,
     },
     /// Sent to the communication thread as each bucket is launched.

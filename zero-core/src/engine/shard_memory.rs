@@ -374,8 +374,9 @@ pub trait ShardMemory<T: Element, C: Communicator>: Send + 'static {
     /// # Safety
     /// `out` must be page-locked by this memory's [`ShardMemory::pin_host`]
     /// and stay allocated and in place, neither read nor written, until
-    /// `land` has returned or that lock is dropped (a memory that queues
-    /// makes the lock's drop wait for its copies first).
+    /// `land` or a [`ShardMemory::landing`] taken after this call has
+    /// returned, or that lock is dropped (a memory that queues makes the
+    /// lock's drop wait for its copies first).
     unsafe fn download_queued(
         &mut self,
         buffer: Self::Buffer,
@@ -396,11 +397,21 @@ pub trait ShardMemory<T: Element, C: Communicator>: Send + 'static {
     /// # Safety
     /// `values` must be page-locked by this memory's
     /// [`ShardMemory::pin_host`] and stay allocated, in place and unwritten
-    /// until `land` has returned or that lock is dropped.
+    /// until `land` or a [`ShardMemory::landing`] taken after this call has
+    /// returned, or that lock is dropped.
     unsafe fn upload_queued(&mut self, values: &[T]) -> Result<Self::Buffer> {
         let mut staged = self.alloc_zeroed(values.len())?;
         self.buffer_from_host(&mut staged, 0, values)?;
         Ok(staged)
+    }
+
+    /// What waits for the copies [`ShardMemory::download_queued`] and
+    /// [`ShardMemory::upload_queued`] queued so far, and for none queued
+    /// after: once it has returned, the host may touch what those copies
+    /// wrote or read, while later ones are still in flight. `None` when
+    /// nothing is in flight. Default `None`: nothing is ever queued.
+    fn landing(&mut self) -> Result<Option<super::Landing>> {
+        Ok(None)
     }
 
     /// Waits until every copy [`ShardMemory::download_queued`] and

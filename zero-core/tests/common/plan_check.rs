@@ -36,6 +36,11 @@ pub struct Seen {
     pub changed_uploads: usize,
     /// Host buffers page-locked.
     pub pinned: usize,
+    /// `land` calls that found copies in flight.
+    pub full_lands: usize,
+    /// `landing`s that landed copies (and none queued after they were
+    /// taken).
+    pub partial_lands: usize,
     pub violations: Vec<String>,
 }
 
@@ -114,14 +119,48 @@ pub struct PlanCheck {
     fenced: usize,
 }
 
-/// Writes that land a queued download.
-type Queued = Arc<Mutex<Vec<Box<dyn FnOnce() + Send>>>>;
+/// What lands each queued copy (a download's write, an upload's check),
+/// oldest first, numbered from `landed`.
+#[derive(Default)]
+struct Copies {
+    landed: u64,
+    pending: std::collections::VecDeque<Box<dyn FnOnce() + Send>>,
+}
 
-fn land_all(queued: &Queued) {
-    let writes = std::mem::take(&mut *queued.lock().expect("no test thread panicked"));
-    for write in writes {
-        write();
+type Queued = Arc<Mutex<Copies>>;
+
+fn queue(queued: &Queued, copy: Box<dyn FnOnce() + Send>) {
+    queued
+        .lock()
+        .expect("no test thread panicked")
+        .pending
+        .push_back(copy);
+}
+
+/// Lands the copies numbered below `mark` (all: `u64::MAX`); returns how
+/// many it landed.
+fn land_up_to(queued: &Queued, mark: u64) -> usize {
+    let mut landed = 0;
+    loop {
+        let copy = {
+            let mut copies = queued.lock().expect("no test thread panicked");
+            if copies.landed >= mark {
+                break;
+            }
+            let Some(copy) = copies.pending.pop_front() else {
+                break;
+            };
+            copies.landed += 1;
+            copy
+        };
+        copy();
+        landed += 1;
     }
+    landed
+}
+
+fn land_all(queued: &Queued) -> usize {
+    land_up_to(queued, u64::MAX)
 }
 
 /// A page-lock of a `PlanCheck`: its drop lands every queued download
@@ -464,15 +503,15 @@ impl<T: Element, C: Communicator<Memory = Host>> ShardMemory<T, C> for PlanCheck
         assert_eq!(range.len(), out.len(), "a download into another length");
         let values = buffer[range].to_vec();
         let at = out.as_mut_ptr() as usize;
-        self.queued
-            .lock()
-            .expect("no test thread panicked")
-            .push(Box::new(move || {
+        queue(
+            &self.queued,
+            Box::new(move || {
                 // SAFETY: the caller keeps `out` allocated and untouched
                 // until landed, and every page-lock's drop lands first.
                 let out = unsafe { std::slice::from_raw_parts_mut(at as *mut T, values.len()) };
                 out.copy_from_slice(&values);
-            }));
+            }),
+        );
         self.seen
             .lock()
             .expect("no test thread panicked")
@@ -486,10 +525,9 @@ impl<T: Element, C: Communicator<Memory = Host>> ShardMemory<T, C> for PlanCheck
     unsafe fn upload_queued(&mut self, values: &[T]) -> Result<Vec<T>> {
         let copied = values.to_vec();
         let (from, seen) = (values.as_ptr() as usize, self.seen.clone());
-        self.queued
-            .lock()
-            .expect("no test thread panicked")
-            .push(Box::new(move || {
+        queue(
+            &self.queued,
+            Box::new(move || {
                 // SAFETY: the caller keeps `values` allocated until landed,
                 // and every page-lock's drop lands first.
                 let now = unsafe { std::slice::from_raw_parts(from as *const T, copied.len()) };
@@ -498,7 +536,8 @@ impl<T: Element, C: Communicator<Memory = Host>> ShardMemory<T, C> for PlanCheck
                         .expect("no test thread panicked")
                         .changed_uploads += 1;
                 }
-            }));
+            }),
+        );
         self.seen
             .lock()
             .expect("no test thread panicked")
@@ -506,8 +545,28 @@ impl<T: Element, C: Communicator<Memory = Host>> ShardMemory<T, C> for PlanCheck
         Ok(values.to_vec())
     }
 
+    /// As a device's: waits for the copies queued so far, from any thread.
+    fn landing(&mut self) -> Result<Option<zero_core::engine::Landing>> {
+        let mark = {
+            let copies = self.queued.lock().expect("no test thread panicked");
+            copies.landed + copies.pending.len() as u64
+        };
+        let (queued, seen) = (self.queued.clone(), self.seen.clone());
+        Ok(Some(Box::new(move || {
+            if land_up_to(&queued, mark) > 0 {
+                seen.lock().expect("no test thread panicked").partial_lands += 1;
+            }
+            Ok(())
+        })))
+    }
+
     fn land(&mut self) -> Result<()> {
-        land_all(&self.queued);
+        if land_all(&self.queued) > 0 {
+            self.seen
+                .lock()
+                .expect("no test thread panicked")
+                .full_lands += 1;
+        }
         Ok(())
     }
 

@@ -15,7 +15,8 @@ use std::sync::Arc;
 use std::thread::ThreadId;
 use std::time::Duration;
 use zero_core::engine::{
-    EngineConfig, GradPiece, HostPin, NormType, ParamCopy, ShardMemory, StepPiece, StepPlan,
+    EngineConfig, GradPiece, HostPin, Landing, NormType, ParamCopy, ShardMemory, StepPiece,
+    StepPlan,
 };
 use zero_core::optim::{FunctionalOptimizer, OptimizerState};
 use zero_core::partition::ParamInfo;
@@ -518,6 +519,10 @@ impl<C: DeviceComm> ShardMemory<f32, C> for CudaMemory {
         let done = stream.record_event(None).map_err(cuda)?;
         self.transfers.queued(done, None, self.timeout)?;
         Ok(staged)
+    }
+
+    fn landing(&mut self) -> Result<Option<Landing>> {
+        Ok(self.transfers.landing(self.timeout))
     }
 
     fn land(&mut self) -> Result<()> {

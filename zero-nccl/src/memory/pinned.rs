@@ -11,7 +11,7 @@ use std::collections::VecDeque;
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use zero_core::engine::HostPin;
+use zero_core::engine::{HostPin, Landing};
 use zero_core::{Error, Result};
 
 /// Keeps a registered host range page-locked; unregisters it when dropped,
@@ -126,6 +126,16 @@ impl Transfers {
             self.copies.pop_front();
         }
         Ok(())
+    }
+
+    /// What waits, within `timeout`, for the copies queued so far (and
+    /// not for later ones); `None` when every one has landed.
+    pub(super) fn landing(&self, timeout: Duration) -> Option<Landing> {
+        let (newest, _) = self.copies.back()?;
+        let newest = Arc::clone(newest);
+        Some(Box::new(move || {
+            host_wait(LANDING, 0, &newest, timeout).map_err(Error::from)
+        }))
     }
 
     /// Waits, within `timeout`, until every queued copy has landed.
