@@ -624,7 +624,11 @@ impl<T: Element, C: Communicator, D: ShardMemory<T, C>> ShardMemory<T, C> for Of
     }
 
     // The plain collectives are the `_as` ones with the values in `T` on
-    // the wire, which every memory treats as no rounding.
+    // the wire, which every memory treats as no rounding. A reduce-scatter
+    // or all-gather does not land first: it touches a host buffer only
+    // through copies on the device's queue, behind the copies already
+    // queued there (a page-locked buffer), or with the synchronous copies
+    // of a pageable one, which nothing queues for.
     fn all_reduce(
         &mut self,
         comm: &C,
@@ -645,7 +649,6 @@ impl<T: Element, C: Communicator, D: ShardMemory<T, C>> ShardMemory<T, C> for Of
         recv_range: Range<usize>,
         op: ReduceOp,
     ) -> Result<()> {
-        self.land_for::<T, C>(&[send])?;
         self.reduce_scatter_as(comm, send, send_range, recv, recv_range, op, T::DTYPE)
     }
 
@@ -657,7 +660,6 @@ impl<T: Element, C: Communicator, D: ShardMemory<T, C>> ShardMemory<T, C> for Of
         recv: &mut Self::Buffer,
         recv_range: Range<usize>,
     ) -> Result<()> {
-        self.land_for::<T, C>(&[send, &*recv])?;
         self.all_gather_as(comm, send, send_range, recv, recv_range, T::DTYPE)
     }
 
@@ -685,7 +687,6 @@ impl<T: Element, C: Communicator, D: ShardMemory<T, C>> ShardMemory<T, C> for Of
         op: ReduceOp,
         wire: DType,
     ) -> Result<()> {
-        self.land_for::<T, C>(&[send])?;
         collective(
             &mut self.device,
             send,
@@ -705,7 +706,6 @@ impl<T: Element, C: Communicator, D: ShardMemory<T, C>> ShardMemory<T, C> for Of
         recv_range: Range<usize>,
         wire: DType,
     ) -> Result<()> {
-        self.land_for::<T, C>(&[send, &*recv])?;
         collective(
             &mut self.device,
             send,
