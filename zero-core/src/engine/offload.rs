@@ -43,9 +43,16 @@ pub enum Placed<B, T> {
     Host(HostBuffer<T>),
 }
 
-/// What keeps host memory page-locked (see [`ShardMemory::pin_host`]);
-/// dropping it unlocks the memory.
-pub type HostPin = Box<dyn Send + Sync>;
+/// What keeps host memory page-locked (see [`ShardMemory::pin_host`]).
+pub trait HostLock: Send + Sync {
+    /// Unlocks the memory once no queued copy reads or writes it any more;
+    /// `false` when one still may (it did not land within the device's
+    /// deadline): then the memory stays locked and must not be freed.
+    fn unlock(self: Box<Self>) -> bool;
+}
+
+/// A [`HostLock`] held by a buffer.
+pub type HostPin = Box<dyn HostLock>;
 
 /// Waits, within the device's deadline, for the transfers queued before it
 /// was taken (see [`ShardMemory::landing`]) and none queued later.
@@ -55,7 +62,7 @@ pub type Landing = Box<dyn FnOnce() -> Result<()> + Send>;
 /// can (its transfers then run at the link's speed, without staging). Its
 /// length is fixed: the locked range must not move.
 pub struct HostBuffer<T> {
-    // Declared first: unlocked before the values are freed.
+    /// Unlocked before the values are freed (see the `Drop`).
     pin: Option<HostPin>,
     values: Vec<T>,
     /// The buffer's elements within `values`.
@@ -103,6 +110,25 @@ impl<T> HostBuffer<T> {
     /// Whether the memory is page-locked.
     pub fn is_pinned(&self) -> bool {
         self.pin.is_some()
+    }
+}
+
+impl<T> Drop for HostBuffer<T> {
+    fn drop(&mut self) {
+        let Some(pin) = self.pin.take() else {
+            return;
+        };
+        if !pin.unlock() {
+            // A copy the device never finished may still write here: the
+            // memory is leaked rather than freed under it.
+            let values = std::mem::take(&mut self.values);
+            tracing::warn!(
+                bytes = values.len() * std::mem::size_of::<T>(),
+                "offload: a copy to or from a page-locked host buffer did not land in time; \
+                 its memory is kept, not freed"
+            );
+            std::mem::forget(values);
+        }
     }
 }
 
@@ -988,12 +1014,17 @@ mod tests {
         }
     }
 
-    /// Unlocks by noting how many elements were freed before it.
-    struct Lock(Arc<std::sync::Mutex<Option<usize>>>);
+    /// Unlocks by noting how many elements were freed before it; says
+    /// whether the memory may go (`landed`).
+    struct Lock {
+        unlocked: Arc<std::sync::Mutex<Option<usize>>>,
+        landed: bool,
+    }
 
-    impl Drop for Lock {
-        fn drop(&mut self) {
-            *self.0.lock().unwrap() = Some(DROPPED.with(|d| d.get()));
+    impl HostLock for Lock {
+        fn unlock(self: Box<Self>) -> bool {
+            *self.unlocked.lock().unwrap() = Some(DROPPED.with(|d| d.get()));
+            self.landed
         }
     }
 
@@ -1002,7 +1033,10 @@ mod tests {
         let numel = 1000;
         let mut locked = (0, 0);
         let unlocked = Arc::new(std::sync::Mutex::new(None));
-        let lock = Lock(Arc::clone(&unlocked));
+        let lock = Lock {
+            unlocked: Arc::clone(&unlocked),
+            landed: true,
+        };
         let buffer = HostBuffer::<Counted>::pinned(numel, |pages| {
             locked = (pages.as_ptr() as usize, std::mem::size_of_val(pages));
             Ok(Some(Box::new(lock)))
@@ -1027,6 +1061,24 @@ mod tests {
             "unlocked before any element was freed"
         );
         assert!(DROPPED.with(|d| d.get()) > numel, "the padding goes too");
+    }
+
+    #[test]
+    fn a_buffer_whose_copy_never_landed_is_kept_not_freed() {
+        let unlocked = Arc::new(std::sync::Mutex::new(None));
+        let lock = Lock {
+            unlocked: Arc::clone(&unlocked),
+            landed: false,
+        };
+        let buffer = HostBuffer::<Counted>::pinned(100, |_| Ok(Some(Box::new(lock)))).unwrap();
+        DROPPED.with(|d| d.set(0));
+        drop(buffer);
+        assert_eq!(*unlocked.lock().unwrap(), Some(0), "unlocking was tried");
+        assert_eq!(
+            DROPPED.with(|d| d.get()),
+            0,
+            "memory a copy may still write was freed"
+        );
     }
 
     #[test]

@@ -375,8 +375,8 @@ pub trait ShardMemory<T: Element, C: Communicator>: Send + 'static {
     /// `out` must be page-locked by this memory's [`ShardMemory::pin_host`]
     /// and stay allocated and in place, neither read nor written, until
     /// `land` or a [`ShardMemory::landing`] taken after this call has
-    /// returned, or that lock is dropped (a memory that queues makes the
-    /// lock's drop wait for its copies first).
+    /// returned, or that lock is unlocked (a memory that queues makes the
+    /// unlock wait for its copies first).
     unsafe fn download_queued(
         &mut self,
         buffer: Self::Buffer,
@@ -398,7 +398,7 @@ pub trait ShardMemory<T: Element, C: Communicator>: Send + 'static {
     /// `values` must be page-locked by this memory's
     /// [`ShardMemory::pin_host`] and stay allocated, in place and unwritten
     /// until `land` or a [`ShardMemory::landing`] taken after this call has
-    /// returned, or that lock is dropped.
+    /// returned, or that lock is unlocked.
     unsafe fn upload_queued(&mut self, values: &[T]) -> Result<Self::Buffer> {
         let mut staged = self.alloc_zeroed(values.len())?;
         self.buffer_from_host(&mut staged, 0, values)?;
@@ -447,10 +447,11 @@ pub trait ShardMemory<T: Element, C: Communicator>: Send + 'static {
     }
 
     /// Page-locks `values`, host memory this memory copies to and from
-    /// (an offloaded shard), until the returned guard is dropped: a
-    /// device's transfers then run at the link's speed, without staging
-    /// through a pageable copy. `values` must neither move nor be freed
-    /// while locked. Default: nothing to lock (`None`).
+    /// (an offloaded shard), until the returned guard is unlocked
+    /// ([`super::HostLock`]): a device's transfers then run at the link's
+    /// speed, without staging through a pageable copy. `values` must
+    /// neither move nor be freed while locked, nor freed at all if
+    /// unlocking fails. Default: nothing to lock (`None`).
     fn pin_host(&mut self, values: &mut [T]) -> Result<Option<super::HostPin>> {
         let _ = values;
         Ok(None)

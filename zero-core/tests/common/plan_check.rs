@@ -163,13 +163,14 @@ fn land_all(queued: &Queued) -> usize {
     land_up_to(queued, u64::MAX)
 }
 
-/// A page-lock of a `PlanCheck`: its drop lands every queued download
-/// first (as the CUDA memory's waits for its newest copy).
-struct LandOnDrop(Queued);
+/// A page-lock of a `PlanCheck`: unlocking lands every queued copy first
+/// (as the CUDA memory's waits for its newest copy).
+struct LandOnUnlock(Queued);
 
-impl Drop for LandOnDrop {
-    fn drop(&mut self) {
+impl zero_core::engine::HostLock for LandOnUnlock {
+    fn unlock(self: Box<Self>) -> bool {
         land_all(&self.0);
+        true
     }
 }
 
@@ -488,7 +489,7 @@ impl<T: Element, C: Communicator<Memory = Host>> ShardMemory<T, C> for PlanCheck
 
     fn pin_host(&mut self, _values: &mut [T]) -> Result<Option<zero_core::engine::HostPin>> {
         self.seen.lock().expect("no test thread panicked").pinned += 1;
-        Ok(Some(Box::new(LandOnDrop(self.queued.clone()))))
+        Ok(Some(Box::new(LandOnUnlock(self.queued.clone()))))
     }
 
     /// As a device's: after every deferred reduction, read now, written
@@ -507,7 +508,7 @@ impl<T: Element, C: Communicator<Memory = Host>> ShardMemory<T, C> for PlanCheck
             &self.queued,
             Box::new(move || {
                 // SAFETY: the caller keeps `out` allocated and untouched
-                // until landed, and every page-lock's drop lands first.
+                // until landed, and every page-lock's unlock lands first.
                 let out = unsafe { std::slice::from_raw_parts_mut(at as *mut T, values.len()) };
                 out.copy_from_slice(&values);
             }),
@@ -529,7 +530,7 @@ impl<T: Element, C: Communicator<Memory = Host>> ShardMemory<T, C> for PlanCheck
             &self.queued,
             Box::new(move || {
                 // SAFETY: the caller keeps `values` allocated until landed,
-                // and every page-lock's drop lands first.
+                // and every page-lock's unlock lands first.
                 let now = unsafe { std::slice::from_raw_parts(from as *const T, copied.len()) };
                 if now != copied.as_slice() {
                     seen.lock()

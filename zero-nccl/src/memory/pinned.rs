@@ -11,11 +11,11 @@ use std::collections::VecDeque;
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use zero_core::engine::{HostPin, Landing};
+use zero_core::engine::{HostLock, HostPin, Landing};
 use zero_core::{Error, Result};
 
-/// Keeps a registered host range page-locked; unregisters it when dropped,
-/// after the newest queued transfer has landed (it may read or write here).
+/// Keeps a registered host range page-locked until unlocked, which first
+/// waits for the newest queued transfer (it may read or write here).
 struct Registered {
     ctx: Arc<CudaContext>,
     ptr: *mut c_void,
@@ -23,30 +23,34 @@ struct Registered {
     timeout: Duration,
 }
 
-// SAFETY: the pointer is only handed back to the driver (on drop), which
+// SAFETY: the pointer is only handed back to the driver (on unlock), which
 // takes it from any thread; the memory itself belongs to its buffer.
 unsafe impl Send for Registered {}
 unsafe impl Sync for Registered {}
 
-impl Drop for Registered {
-    fn drop(&mut self) {
-        // A drop has no one to report to: a copy that does not land within
-        // the deadline (a dead peer's reduction before it) never runs, and
-        // should unregistering fail, the range stays locked until the
-        // process ends.
+impl HostLock for Registered {
+    fn unlock(self: Box<Self>) -> bool {
+        // An unlock has no one to report to. A copy that does not land
+        // within the deadline (behind a dead peer's reduction, or a device
+        // that slow) may still run: the range stays locked and the buffer
+        // keeps its memory. Should unregistering fail, the range stays
+        // locked until the process ends.
         let newest = lock(&self.newest).clone();
         if let Some(newest) = newest {
-            let _ = host_wait(LANDING, 0, &newest, self.timeout);
+            if host_wait(LANDING, 0, &newest, self.timeout).is_err() {
+                return false;
+            }
         }
         if self.ctx.bind_to_thread().is_ok() {
             // SAFETY: `ptr` was registered by `pin` and is still allocated
-            // (the buffer drops this before its memory).
+            // (the buffer unlocks before it frees its memory).
             let _ = unsafe { sys::cuMemHostUnregister(self.ptr) }.result();
         }
+        true
     }
 }
 
-/// Page-locks `values` on `ctx` until the returned guard is dropped (which
+/// Page-locks `values` on `ctx` until the returned guard is unlocked (which
 /// first waits, within `timeout`, for `transfers`' newest copy).
 pub(super) fn pin(
     ctx: &Arc<CudaContext>,
@@ -61,7 +65,7 @@ pub(super) fn pin(
     let ptr = values.as_mut_ptr().cast::<c_void>();
     let locked = ctx.bind_to_thread().and_then(|()| {
         // SAFETY: `values` is a live allocation of `bytes` bytes, which the
-        // caller keeps in place until the guard is dropped.
+        // caller keeps in place until the guard is unlocked.
         unsafe { sys::cuMemHostRegister_v2(ptr, bytes, sys::CU_MEMHOSTREGISTER_PORTABLE) }.result()
     });
     match locked {
@@ -94,7 +98,7 @@ type Newest = Arc<Mutex<Option<Arc<CudaEvent>>>>;
 /// Offload's queued transfers between page-locked host memory and the
 /// device: each copy's completion event and, for a download, the device
 /// buffer it reads (kept until the copy is done), oldest first. The newest
-/// event is shared with the page-locks ([`pin`]), whose drop waits for it:
+/// event is shared with the page-locks ([`pin`]), whose unlock waits for it:
 /// no copy reads or writes freed memory.
 #[derive(Default)]
 pub(super) struct Transfers {
