@@ -14,7 +14,11 @@
 //!
 //! The same GPT at stages 0, 2 and 3 on four ranks sharing the GPU
 //! (`--backend cuda-threads`) gives each rank's device bytes per parameter,
-//! and stage 3 at one rank its step time over stage 2's.
+//! and stage 3 at one rank its step time over stage 2's. The bf16 GPT with
+//! its optimizer's side offloaded to host memory gives the step time over
+//! the plain one's (from page-locked shards, from pageable ones, and on
+//! half the host's cores) and the largest model with offload over without,
+//! projected from the measured bytes per parameter.
 
 use super::torch_peer::{run_gpt_peer, PeerArgs, PeerAttention, PeerDevice, PeerDtype};
 use super::Report;
@@ -58,7 +62,6 @@ struct Measured {
     engine_host_bytes_per_param: f64,
 }
 
-/// How a case trains, besides its ops and dtype.
 /// Which of the GPT suite's cases to run.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub enum Part {
@@ -68,6 +71,7 @@ pub enum Part {
     Zero,
 }
 
+/// How a case trains, besides its ops and dtype.
 #[derive(Clone, Copy, Default)]
 struct Variant {
     /// Activation checkpointing of every block.

@@ -339,7 +339,7 @@ fn upload<T: Element, C: Communicator, D: ShardMemory<T, C>>(
     range: Range<usize>,
 ) -> Result<D::Buffer> {
     if values.is_pinned() {
-        // SAFETY: `values` is locked by this device's `pin_host` (whose drop
+        // SAFETY: `values` is locked by this device's `pin_host` (whose unlock
         // waits for queued copies), its length is fixed, and
         // `OffloadMemory` lands before it writes host memory (`land_for`).
         unsafe { device.upload_queued(&values[range]) }
@@ -375,7 +375,7 @@ fn collective<T: Element, C: Communicator, D: ShardMemory<T, C>>(
             op(device, send, send_range, &mut staged, 0..n)?;
             if values.is_pinned() {
                 // SAFETY: `values` is locked by this device's `pin_host`
-                // (whose drop waits for queued copies), its length is fixed,
+                // (whose unlock waits for queued copies), its length is fixed,
                 // and `OffloadMemory` lands before it touches host memory
                 // (`land_for`), as the engine does before it reads a host
                 // shard itself.
