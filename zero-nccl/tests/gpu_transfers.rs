@@ -24,23 +24,23 @@ impl Memory for CudaMemory {}
 /// not wait, or was not waited for, would be caught part-way.
 const LEN: usize = 64 << 20;
 
-fn memory(comm: &NcclComm) -> impl Memory {
+/// The memory for `comm` and a page-locked host buffer of [`LEN`].
+fn memory_and_host(comm: &NcclComm) -> (impl Memory, HostBuffer<f32>) {
     let adam = Adam::new(AdamConfig::default()).unwrap();
-    CudaMemory::new(comm, &adam).unwrap()
-}
-
-fn pinned(memory: &mut impl Memory, len: usize) -> HostBuffer<f32> {
-    let buffer = HostBuffer::pinned(len, |values| memory.pin_host(values)).unwrap();
-    assert!(buffer.is_pinned(), "the GPU page-locks offloaded memory");
-    buffer
+    let mut memory = CudaMemory::new(comm, &adam).unwrap();
+    let host = HostBuffer::pinned(LEN, |values| {
+        ShardMemory::<f32, NcclComm>::pin_host(&mut memory, values)
+    })
+    .unwrap();
+    assert!(host.is_pinned(), "the GPU page-locks offloaded memory");
+    (memory, host)
 }
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn a_queued_download_reads_what_the_compute_stream_wrote_before_it() {
     let comm = common::nccl_comm();
-    let mut memory = memory(&comm);
-    let mut host = pinned(&mut memory, LEN);
+    let (mut memory, mut host) = memory_and_host(&comm);
     let ones = vec![1.0f32; LEN];
     for round in 0..3 {
         let mut device = memory.alloc_zeroed(LEN).unwrap();
@@ -70,8 +70,7 @@ fn a_queued_download_reads_what_the_compute_stream_wrote_before_it() {
 #[ignore = "needs a CUDA GPU"]
 fn the_compute_stream_reads_an_upload_only_once_it_landed() {
     let comm = common::nccl_comm();
-    let mut memory = memory(&comm);
-    let mut host = pinned(&mut memory, LEN);
+    let (mut memory, mut host) = memory_and_host(&comm);
     for round in 0..3u8 {
         let base = f32::from(round) + 1.0;
         for (i, x) in host.iter_mut().enumerate() {

@@ -109,40 +109,13 @@ pub fn main() {
             "gpt" if !under_mpirun => gpt::run(&mut report),
             "precision" if !under_mpirun => precision::run(&mut report),
             "stage3" if !under_mpirun => stage3::run(&mut report),
-            "gpu" => {
-                #[cfg(feature = "nccl")]
-                if gpu::device_present() {
-                    gpu::run(&mut report);
-                    gpu_layers::run(&mut report);
-                    gpu_gpt::run(&mut report, gpu_gpt::Part::All);
-                }
-                #[cfg(not(feature = "nccl"))]
-                println!("gpu benchmarks need --features nccl");
-            }
-            // Not among `all`: `gpu`'s offload, stage-3 and shared-GPU
-            // figures alone (no kernel timings, composed ops,
-            // checkpointing or PyTorch peers).
-            "gpu-zero" => {
-                #[cfg(feature = "nccl")]
-                if gpu::device_present() {
-                    gpu_gpt::run(&mut report, gpu_gpt::Part::Zero);
-                }
-                #[cfg(not(feature = "nccl"))]
-                println!("gpu benchmarks need --features nccl");
-            }
-            // Not among `all`: it builds a model of a fifth of the GPU's
-            // memory.
-            "gpu-headline" => {
-                #[cfg(feature = "nccl")]
-                if gpu::device_present() {
-                    gpu_gpt::headline(&mut report);
-                }
-                #[cfg(not(feature = "nccl"))]
-                println!("gpu benchmarks need --features nccl");
-            }
+            "gpu" | "gpu-zero" | "gpu-headline" => gpu_suite(name, &mut report),
             "optim" | "step" | "overlap" | "memory" | "precision" | "stage3" | "gpt" => {}
             other => {
-                eprintln!("unknown benchmark suite {other:?}; expected one of {all:?}");
+                eprintln!(
+                    "unknown benchmark suite {other:?}; expected one of {all:?}, or gpu-zero or \
+                     gpu-headline"
+                );
                 std::process::exit(2);
             }
         }
@@ -153,4 +126,30 @@ pub fn main() {
         return;
     }
     report.print();
+}
+
+/// The GPU suites, where a CUDA device is present: `gpu` every GPU figure;
+/// `gpu-zero` (not among `all`) only `gpu`'s offload, stage-3 and
+/// shared-GPU figures (no kernel timings, composed ops, checkpointing or
+/// PyTorch peers); `gpu-headline` (not among `all`: it builds a model of a
+/// fifth of the GPU's memory) stage 3's headline.
+#[cfg(feature = "nccl")]
+fn gpu_suite(name: &str, report: &mut Report) {
+    if !gpu::device_present() {
+        return;
+    }
+    match name {
+        "gpu-zero" => gpu_gpt::run(report, gpu_gpt::Part::Zero),
+        "gpu-headline" => gpu_gpt::headline(report),
+        _ => {
+            gpu::run(report);
+            gpu_layers::run(report);
+            gpu_gpt::run(report, gpu_gpt::Part::All);
+        }
+    }
+}
+
+#[cfg(not(feature = "nccl"))]
+fn gpu_suite(_name: &str, _report: &mut Report) {
+    println!("gpu benchmarks need --features nccl");
 }
