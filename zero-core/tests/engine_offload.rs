@@ -356,9 +356,9 @@ impl FunctionalOptimizer<f64> for Watched {
 /// With the interleaved schedule the host steps each bucket as it lands:
 /// the first bucket is stepped while a gradient is still to come. Over a
 /// device with a communication thread, that thread steps; over one without
-/// (as the GPU's), a step thread of the offload's, which gets each bucket
-/// once its own copy into host memory has landed: backward never waits for
-/// every queued copy (on a GPU, for the stream to drain).
+/// (as the GPU's), a step thread of the offload's, which waits for each
+/// bucket's own copy into host memory: backward never waits for a copy (on
+/// a GPU, for the stream to catch up).
 #[test]
 fn the_host_steps_buckets_as_they_land_not_after_the_whole_gradient() {
     let model = Synthetic::medium();
@@ -408,6 +408,10 @@ fn the_host_steps_buckets_as_they_land_not_after_the_whole_gradient() {
                 assert!(
                     device.partial_lands > 0,
                     "no bucket's copy landed on its own"
+                );
+                assert_eq!(
+                    device.taker_lands, 0,
+                    "backward waited for a copy it had queued, instead of the step thread"
                 );
             }
             handed.fetch_add(1, Ordering::SeqCst);

@@ -134,15 +134,28 @@ pub(crate) fn event_work<'a>(compute: Arc<CudaStream>, done: CudaEvent) -> Work<
 }
 
 /// Blocks the host until `done` has completed or `timeout` passes
-/// ([`Error::Timeout`] naming `op` and the collective count `seq`).
+/// ([`Error::Timeout`] naming `op` and the collective count `seq`),
+/// sleeping between polls up to 10 ms.
 pub(crate) fn host_wait(
     op: &'static str,
     seq: u64,
     done: &CudaEvent,
     timeout: Duration,
 ) -> crate::Result<()> {
+    host_wait_polling(op, seq, done, timeout, Duration::from_millis(10))
+}
+
+/// [`host_wait`] sleeping at most `max_pause` between polls: for a wait
+/// that is short as a rule and whose lateness shows (offload's copies).
+pub(crate) fn host_wait_polling(
+    op: &'static str,
+    seq: u64,
+    done: &CudaEvent,
+    timeout: Duration,
+    max_pause: Duration,
+) -> crate::Result<()> {
     let start = Instant::now();
-    let mut pause = Duration::from_micros(50);
+    let mut pause = Duration::from_micros(50).min(max_pause);
     loop {
         if done.try_is_complete()? {
             return Ok(());
@@ -156,6 +169,6 @@ pub(crate) fn host_wait(
             });
         }
         std::thread::sleep(pause);
-        pause = (pause * 2).min(Duration::from_millis(10));
+        pause = (pause * 2).min(max_pause);
     }
 }

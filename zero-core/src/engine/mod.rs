@@ -68,8 +68,8 @@ pub use fetch::{FetchStats, Fetcher, GatherFn, GatherMemory, Gathered, HostGathe
 pub use layout::{Layout, Run};
 pub use memory::MemoryReport;
 pub use offload::{
-    host_available_bytes, HostBuffer, HostLock, HostPin, HostStepper, Landing, OffloadGathers,
-    OffloadMemory, Placed,
+    host_available_bytes, HostBuffer, HostLock, HostPin, HostRegion, HostStepper, Landing,
+    OffloadGathers, OffloadMemory, Placed,
 };
 pub use precision::{convert_slice, CastParams};
 pub use reduce::ReductionProgress;

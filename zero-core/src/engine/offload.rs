@@ -111,6 +111,78 @@ impl<T> HostBuffer<T> {
     pub fn is_pinned(&self) -> bool {
         self.pin.is_some()
     }
+
+    /// The elements `range`, without borrowing the rest of the buffer: a
+    /// [`HostRegion`] of it lent to another thread may be touching other
+    /// ranges meanwhile.
+    ///
+    /// # Panics
+    /// If `range` is not within the buffer.
+    pub fn range_mut(&mut self, range: Range<usize>) -> &mut [T] {
+        assert!(
+            range.start <= range.end && range.end <= self.range.len(),
+            "range {range:?} of a host buffer of {}",
+            self.range.len()
+        );
+        // `Vec::as_mut_ptr` makes no reference to the whole vector's
+        // elements, so the ranges lent through a region stay valid.
+        let start = self
+            .values
+            .as_mut_ptr()
+            .wrapping_add(self.range.start + range.start);
+        // SAFETY: within `values` (checked above); `&mut self` excludes
+        // every other borrow of the buffer, and a region's holder touches
+        // only the ranges handed to it (`HostRegion::range_mut`), never
+        // this one.
+        unsafe { std::slice::from_raw_parts_mut(start, range.len()) }
+    }
+
+    /// A [`HostRegion`] over the whole buffer, for another thread to touch
+    /// the ranges it is handed while this one goes on with the others.
+    pub fn region(&mut self) -> HostRegion<T> {
+        HostRegion {
+            start: self.values.as_mut_ptr().wrapping_add(self.range.start),
+            len: self.range.len(),
+        }
+    }
+}
+
+/// A [`HostBuffer`] lent to another thread for a while: the offload's step
+/// thread reads (and averages) each bucket's gradients where they landed,
+/// in the host shard, while the calling thread queues the next buckets'
+/// copies into other ranges of it. It borrows nothing: whoever makes one
+/// keeps the buffer alive and in place while it is used, and hands each
+/// range to one thread at a time.
+pub struct HostRegion<T> {
+    start: *mut T,
+    len: usize,
+}
+
+// SAFETY: a region is a pointer and a length; the thread it is sent to
+// touches only the ranges handed to it, while the buffer is kept alive
+// (`HostRegion::range_mut`'s contract), which moves `T`s between threads
+// as sending them would.
+unsafe impl<T: Send> Send for HostRegion<T> {}
+
+impl<T> HostRegion<T> {
+    /// The elements `range` of the buffer.
+    ///
+    /// # Safety
+    /// The buffer is alive and in place, and nothing else reads or writes
+    /// `range` while the returned slice lives.
+    ///
+    /// # Panics
+    /// If `range` is not within the buffer.
+    pub unsafe fn range_mut(&mut self, range: Range<usize>) -> &mut [T] {
+        assert!(
+            range.start <= range.end && range.end <= self.len,
+            "range {range:?} of a host region of {}",
+            self.len
+        );
+        // SAFETY: within the buffer (checked above), alive and touched by
+        // nothing else meanwhile (the caller's contract).
+        unsafe { std::slice::from_raw_parts_mut(self.start.add(range.start), range.len()) }
+    }
 }
 
 impl<T> Drop for HostBuffer<T> {
@@ -379,9 +451,9 @@ fn collective<T: Element, C: Communicator, D: ShardMemory<T, C>>(
                 // and `OffloadMemory` lands before it touches host memory
                 // (`land_for`), as the engine does before it reads a host
                 // shard itself.
-                unsafe { device.download_queued(staged, 0..n, &mut values[recv_range]) }
+                unsafe { device.download_queued(staged, 0..n, values.range_mut(recv_range)) }
             } else {
-                device.download(&staged, 0..n, &mut values[recv_range])
+                device.download(&staged, 0..n, values.range_mut(recv_range))
             }
         }
     }
@@ -528,13 +600,13 @@ impl<T: Element, C: Communicator, D: ShardMemory<T, C>> ShardMemory<T, C> for Of
                 self.device.copy_range(d, dst_at, s, src_range, add)
             }
             (Placed::Host(d), Placed::Host(s)) => {
-                host_copy(&mut d[dst_at..dst_at + n], &s[src_range], add);
+                host_copy(d.range_mut(dst_at..dst_at + n), &s[src_range], add);
                 Ok(())
             }
             (Placed::Host(d), Placed::Device(s)) => {
                 let mut down = vec![T::default(); n];
                 self.device.download(s, src_range, &mut down)?;
-                host_copy(&mut d[dst_at..dst_at + n], &down, add);
+                host_copy(d.range_mut(dst_at..dst_at + n), &down, add);
                 Ok(())
             }
             (Placed::Device(d), Placed::Host(s)) if !add => {
@@ -940,9 +1012,9 @@ impl<T: Element, C: Communicator, D: ShardMemory<T, C>> ShardMemory<T, C> for Of
         (self.offload && self.device.fork().is_none()).then(|| self.stepper.clone())
     }
 
-    fn host_slice(buffer: &Self::Buffer) -> Option<&[T]> {
+    fn host_region(buffer: &mut Self::Buffer) -> Option<HostRegion<T>> {
         match buffer {
-            Placed::Host(values) => Some(values),
+            Placed::Host(values) => Some(values.region()),
             Placed::Device(_) => None,
         }
     }
@@ -998,6 +1070,51 @@ mod tests {
     fn span_covers_every_item_and_nothing_before_the_first() {
         assert_eq!(span([(8, 4), (2, 3), (20, 0)].into_iter()), 2..20);
         assert_eq!(span(std::iter::empty()), 0..0);
+    }
+
+    /// A pinned buffer (its elements start past the padding) lent as a
+    /// region: another thread writes the ranges handed to it while the
+    /// owner writes the rest through `range_mut`, and both land where the
+    /// buffer's own view sees them.
+    #[test]
+    fn a_region_and_the_owner_write_their_own_ranges_of_one_buffer() {
+        let mut buffer = HostBuffer::<u32>::pinned(100_000, |_| Ok(None)).expect("no lock");
+        let mut region = buffer.region();
+        let (handed, ranges) = std::sync::mpsc::channel::<Range<usize>>();
+        let other = std::thread::spawn(move || {
+            for range in ranges {
+                // SAFETY: `buffer` outlives the thread (joined below) and
+                // the owner never writes a range it handed over.
+                let values = unsafe { region.range_mut(range.clone()) };
+                for (v, i) in values.iter_mut().zip(range) {
+                    *v = 2 * i as u32;
+                }
+            }
+        });
+        for k in 0..10 {
+            let range = k * 10_000..(k + 1) * 10_000;
+            if k % 2 == 0 {
+                handed.send(range).expect("the thread runs");
+            } else {
+                for (v, i) in buffer.range_mut(range.clone()).iter_mut().zip(range) {
+                    *v = 3 * i as u32;
+                }
+            }
+        }
+        drop(handed);
+        other.join().expect("no panic");
+        for (i, v) in buffer.iter().enumerate() {
+            let k = i / 10_000;
+            assert_eq!(*v, if k % 2 == 0 { 2 } else { 3 } * i as u32, "element {i}");
+        }
+        assert_eq!(buffer.len(), 100_000);
+    }
+
+    #[test]
+    #[should_panic(expected = "range 5..11 of a host buffer of 10")]
+    fn a_range_past_the_buffer_panics_instead_of_reaching_past_it() {
+        let mut buffer = HostBuffer::<f32>::pageable(10);
+        let _ = buffer.range_mut(5..11);
     }
 
     thread_local! {

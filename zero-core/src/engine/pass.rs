@@ -304,17 +304,23 @@ where
             Runner::Inline => {
                 // The interleaved schedule inline (offload): the host steps
                 // on a thread of its own.
-                let steps = match (targets.early.take(), self.memory.host_stepper()) {
-                    (None, _) => None,
-                    (Some(early), Some(stepper)) => Some(Box::new(start_host_steps::<T, C, M>(
-                        early,
-                        stepper,
-                        self.plan.layout.buckets.clone(),
-                    )?)),
-                    (Some(early), None) => {
+                let region = targets.shard.as_mut().and_then(M::host_region);
+                let steps = match (targets.early.take(), self.memory.host_stepper(), region) {
+                    (None, _, _) => None,
+                    (Some(early), Some(stepper), Some(region)) => {
+                        Some(Box::new(start_host_steps::<T, C, M>(
+                            early,
+                            stepper,
+                            self.plan.layout.buckets.clone(),
+                            region,
+                        )?))
+                    }
+                    (Some(early), _, _) => {
                         targets.early = Some(early);
                         return Err(Error::State(
-                            "internal: an inline pass steps early only on a host stepper".into(),
+                            "internal: an inline pass steps early only on a host stepper, \
+                             from a gradient shard in host memory"
+                                .into(),
                         ));
                     }
                 };
@@ -741,19 +747,12 @@ where
                     self.progress.add_one();
                 }
                 // Interleaved (offload): the reduced gradients are on their
-                // way into the host shard; the bucket before goes to the
-                // step thread.
-                if let (true, Some(steps), Ok(())) = (job.step, steps.as_mut(), &*result) {
-                    *result = self.memory.landing().and_then(|landing| {
-                        match steps.pending.replace((job.bucket, landing)) {
-                            Some(previous) => {
-                                let range = map.shard[previous.0].clone();
-                                let shard = targets.shard.as_ref().and_then(M::host_slice);
-                                steps.hand_over(previous, shard, range)
-                            }
-                            None => Ok(()),
-                        }
-                    });
+                // way into the host shard; the step thread waits for them.
+                if let (true, Some(steps), Ok(())) = (job.step, steps.as_ref(), &*result) {
+                    *result = self
+                        .memory
+                        .landing()
+                        .and_then(|landing| steps.hand_over(job.bucket, landing));
                 }
             }
             // A shard offloaded to host memory got its part when the
@@ -876,21 +875,16 @@ where
                     }
                     self.buffers.pool.push(buffer);
                 }
-                if let Some(mut steps) = steps {
-                    if let (Some(last), Ok(())) = (steps.pending.take(), &result) {
-                        let range = map.shard[last.0].clone();
-                        let shard = targets.shard.as_ref().and_then(M::host_slice);
-                        result = steps.hand_over(last, shard, range);
-                    }
+                if let Some(steps) = steps {
                     // Closing the channel ends the thread after its last
-                    // bucket; the optimizer and the shard come back.
-                    drop(steps.grads);
-                    match steps.thread.join() {
-                        Ok((early, stepped)) => {
+                    // bucket; the optimizer and the parameter shard come
+                    // back.
+                    match steps.finish() {
+                        Some((early, stepped)) => {
                             targets.early = Some(early);
                             result = result.and(stepped);
                         }
-                        Err(_) => {
+                        None => {
                             return Err(Error::State(
                                 "the offload's step thread panicked; the optimizer and the \
                                  parameter shard are lost, rebuild the optimizer"

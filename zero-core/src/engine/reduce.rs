@@ -3,7 +3,7 @@
 //! bucket buffers they go through.
 
 use super::worker::Ticket;
-use super::{ShardMemory, Stage, StepPiece, StepPlan};
+use super::{HostRegion, ShardMemory, Stage, StepPiece, StepPlan};
 use crate::comm::{Communicator, ReduceOp};
 use crate::optim::{FunctionalOptimizer, Hyperparams, OptimizerState, ParamKey, ParamMut};
 use crate::{DType, Element, Error, Result};
@@ -75,74 +75,102 @@ pub(super) struct EarlyStep<T: Element, B> {
 
 /// The interleaved step of an inline pass over a shard in host memory
 /// (offload on a GPU): a thread of its own steps each bucket as its reduced
-/// gradients land, while backward goes on, with the [`EarlyStep`] lent to it
-/// until the pass is joined.
+/// gradients land in the host's gradient shard, while backward goes on,
+/// with the [`EarlyStep`] lent to it until the pass is joined. The calling
+/// thread only queues each bucket's copy and hands the bucket over with
+/// what waits for it: the step thread waits for the copy and reads the
+/// gradients where they landed, so backward's launches never wait for a
+/// copy, and nothing is copied again on the host.
+///
+/// The thread reads the gradient shard through a [`HostRegion`]: the
+/// shard stays with the pass's targets, which are dropped after this (the
+/// field order of [`Reducer::Inline`]), and the thread is joined before
+/// the pass gives the shard back ([`HostSteps::finish`]) or on drop.
 pub(super) struct HostSteps<T: Element, B> {
-    /// Each landed bucket and a copy of its reduced gradients.
-    pub grads: mpsc::Sender<(usize, Vec<T>)>,
-    pub thread: std::thread::JoinHandle<(EarlyStep<T, B>, Result<()>)>,
-    /// The last bucket reduced, with what waits for its copy into the host
-    /// shard: handed over when the next one is reduced (by then, as a
-    /// rule, it has landed), so that the host does not wait for the copy
-    /// it has just queued while backward's launches wait behind it.
-    pub pending: Option<(usize, Option<super::Landing>)>,
+    /// Each reduced bucket, with what waits for its copy into the shard.
+    grads: Option<mpsc::Sender<(usize, Option<super::Landing>)>>,
+    thread: Option<std::thread::JoinHandle<Stepped<T, B>>>,
 }
 
+/// What the step thread gives back: the lent step and the first failure.
+type Stepped<T, B> = (EarlyStep<T, B>, Result<()>);
+
 impl<T: Element, B> HostSteps<T, B> {
-    /// Hands bucket `k` (its range `range` of the host gradient `shard`)
-    /// to the step thread once `landing` has returned.
-    pub fn hand_over(
-        &self,
-        (k, landing): (usize, Option<super::Landing>),
-        shard: Option<&[T]>,
-        range: Range<usize>,
-    ) -> Result<()> {
-        if let Some(landing) = landing {
-            landing()?;
-        }
-        let shard = shard.ok_or_else(|| {
-            Error::State(
-                "internal: an offloaded pass's gradient shard is not in host memory".into(),
-            )
-        })?;
-        self.grads.send((k, shard[range].to_vec())).map_err(|_| {
-            Error::State("the offload's step thread is gone; joining the pass says why".into())
-        })
+    /// Hands bucket `k` to the step thread, which steps it once `landing`
+    /// has returned. Nothing touches the bucket's range of the gradient
+    /// shard after this, until the pass is joined.
+    pub fn hand_over(&self, k: usize, landing: Option<super::Landing>) -> Result<()> {
+        let gone =
+            || Error::State("the offload's step thread is gone; joining the pass says why".into());
+        let grads = self.grads.as_ref().ok_or_else(gone)?;
+        grads.send((k, landing)).map_err(|_| gone())
+    }
+
+    /// Closes the channel and joins the thread after its last bucket: the
+    /// optimizer and the shard back, with the first failure; `None` if the
+    /// thread panicked.
+    pub fn finish(mut self) -> Option<Stepped<T, B>> {
+        self.grads = None;
+        self.thread.take()?.join().ok()
     }
 }
 
-/// Starts the thread of [`HostSteps`] for memory `M`: `shard` holds each
-/// bucket's range of the shard.
+impl<T: Element, B> Drop for HostSteps<T, B> {
+    /// A pass dropped unjoined (an error or a panic on the calling
+    /// thread): the thread still reads the gradient shard, so it is joined
+    /// before the shard can be freed.
+    fn drop(&mut self) {
+        self.grads = None;
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// Starts the thread of [`HostSteps`] for memory `M`: it steps each
+/// bucket `k` handed over from its range `shard[k]` of the gradient shard
+/// `grads`, which must stay alive and in place until the steps are
+/// finished or dropped.
 pub(super) fn start_host_steps<T, C, M>(
     mut early: EarlyStep<T, M::Buffer>,
     stepper: super::HostStepper,
     shard: Vec<Range<usize>>,
+    mut grads: HostRegion<T>,
 ) -> Result<HostSteps<T, M::Buffer>>
 where
     T: Element,
     C: Communicator,
     M: ShardMemory<T, C>,
 {
-    let (grads, landed) = mpsc::channel::<(usize, Vec<T>)>();
+    let (sender, handed) = mpsc::channel::<(usize, Option<super::Landing>)>();
     let thread = std::thread::Builder::new()
         .name("zero-offload-step".into())
         .spawn(move || {
             let mut result = Ok(());
             // Runs until the channel closes (the pass is joined); after a
             // failure nothing more is stepped.
-            for (k, mut bucket_grads) in landed {
-                if result.is_ok() {
-                    result =
-                        step_landed::<T, C, M>(&mut early, &stepper, &shard, k, &mut bucket_grads);
+            for (k, landing) in handed {
+                if result.is_err() {
+                    continue;
                 }
+                result = landing.map_or(Ok(()), |landing| landing()).and_then(|()| {
+                    let range = shard.get(k).cloned().ok_or_else(|| {
+                        Error::State(format!("internal: bucket {k} handed to the step thread"))
+                    })?;
+                    // SAFETY: the pass keeps the shard alive and in place
+                    // until this thread is joined; bucket `k`'s copy has
+                    // landed, and nothing else touches its range until the
+                    // pass is joined (`HostSteps::hand_over`).
+                    let bucket_grads = unsafe { grads.range_mut(range) };
+                    step_landed::<T, C, M>(&mut early, &stepper, &shard, k, bucket_grads)
+                });
             }
             (early, result)
         })
         .map_err(|e| Error::State(format!("cannot start the offload's step thread: {e}")))?;
     Ok(HostSteps {
-        grads,
-        thread,
-        pending: None,
+        grads: Some(sender),
+        thread: Some(thread),
     })
 }
 
@@ -417,6 +445,10 @@ pub(super) enum Reducer<T: Element, B> {
     /// memory settles at the end of backward, or reused earlier behind a
     /// fence ([`ShardMemory::fence_deferred`]; stages 1-2).
     Inline {
+        /// The interleaved step on a thread of its own (offload). First:
+        /// dropped (its thread joined) before `targets`, whose gradient
+        /// shard the thread reads.
+        steps: Option<Box<HostSteps<T, B>>>,
         targets: Targets<T, B>,
         /// The buckets, built once for the pass.
         map: BucketMap,
@@ -424,8 +456,6 @@ pub(super) enum Reducer<T: Element, B> {
         /// The buffers of reductions not known to be complete, oldest
         /// first.
         held: Vec<Held<B>>,
-        /// The interleaved step on a thread of its own (offload).
-        steps: Option<Box<HostSteps<T, B>>>,
         result: Result<()>,
     },
     /// Sent to the communication thread as each bucket is launched.

@@ -41,6 +41,9 @@ pub struct Seen {
     /// `landing`s that landed copies (and none queued after they were
     /// taken).
     pub partial_lands: usize,
+    /// `landing`s run on the thread that took them: it waited for copies
+    /// it had just queued.
+    pub taker_lands: usize,
     pub violations: Vec<String>,
 }
 
@@ -553,9 +556,15 @@ impl<T: Element, C: Communicator<Memory = Host>> ShardMemory<T, C> for PlanCheck
             copies.landed + copies.pending.len() as u64
         };
         let (queued, seen) = (self.queued.clone(), self.seen.clone());
+        let taker = std::thread::current().id();
         Ok(Some(Box::new(move || {
-            if land_up_to(&queued, mark) > 0 {
-                seen.lock().expect("no test thread panicked").partial_lands += 1;
+            let landed = land_up_to(&queued, mark);
+            let mut seen = seen.lock().expect("no test thread panicked");
+            if landed > 0 {
+                seen.partial_lands += 1;
+            }
+            if std::thread::current().id() == taker {
+                seen.taker_lands += 1;
             }
             Ok(())
         })))

@@ -5,7 +5,7 @@
 //!
 //! [`ShardMemory::pin_host`]: zero_core::engine::ShardMemory::pin_host
 
-use crate::device_comm::host_wait;
+use crate::device_comm::{host_wait, host_wait_polling};
 use cudarc::driver::{sys, CudaContext, CudaEvent, CudaSlice};
 use std::collections::VecDeque;
 use std::ffi::c_void;
@@ -87,10 +87,18 @@ pub(super) fn pin(
 
 /// Copies in flight before the host waits for the oldest: offload's device
 /// side holds at most this many staged buckets more than without queueing,
-/// and the host is at most this many copies ahead of the device.
-const IN_FLIGHT: usize = 4;
+/// and the host is at most this many copies ahead of the device (the copies
+/// share the compute stream, so this bounds how far backward's launches run
+/// ahead of the GPU: 8 default buckets are a few milliseconds of a GPT's
+/// backward).
+const IN_FLIGHT: usize = 8;
 
 const LANDING: &str = "offload: copying between host and device memory";
+
+/// The longest sleep between polls for a copy: a bucket's copy takes about
+/// a millisecond, and neither the step thread nor backward's launches
+/// should oversleep it by as much.
+const LANDING_POLL: Duration = Duration::from_micros(200);
 
 /// The newest queued transfer's completion, shared with the page-locks.
 type Newest = Arc<Mutex<Option<Arc<CudaEvent>>>>;
@@ -125,7 +133,7 @@ impl Transfers {
                 if self.copies.len() <= IN_FLIGHT {
                     break;
                 }
-                host_wait(LANDING, 0, oldest, timeout).map_err(Error::from)?;
+                host_wait_polling(LANDING, 0, oldest, timeout, LANDING_POLL).map_err(Error::from)?;
             }
             self.copies.pop_front();
         }
@@ -134,18 +142,24 @@ impl Transfers {
 
     /// What waits, within `timeout`, for the copies queued so far (and
     /// not for later ones); `None` when every one has landed.
+    /// It may run on another thread (the offload's step thread), which it
+    /// binds to the device's context first.
     pub(super) fn landing(&self, timeout: Duration) -> Option<Landing> {
         let (newest, _) = self.copies.back()?;
         let newest = Arc::clone(newest);
         Some(Box::new(move || {
-            host_wait(LANDING, 0, &newest, timeout).map_err(Error::from)
+            newest
+                .context()
+                .bind_to_thread()
+                .map_err(|e| Error::from(crate::Error::from(e)))?;
+            host_wait_polling(LANDING, 0, &newest, timeout, LANDING_POLL).map_err(Error::from)
         }))
     }
 
     /// Waits, within `timeout`, until every queued copy has landed.
     pub(super) fn land(&mut self, timeout: Duration) -> Result<()> {
         if let Some((newest, _)) = self.copies.back() {
-            host_wait(LANDING, 0, newest, timeout).map_err(Error::from)?;
+            host_wait_polling(LANDING, 0, newest, timeout, LANDING_POLL).map_err(Error::from)?;
         }
         self.copies.clear();
         *lock(&self.newest) = None;
