@@ -17,8 +17,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use zero_core::engine::{
-    CastParams, HostGrad, HostMemory, MemoryReport, NormType, Offload, OffloadMemory, Overlap,
-    ShardMemory,
+    CastParams, HostGrad, HostMemory, MemoryReport, NormType, Offload, OffloadMemory, OffloadTimes,
+    Overlap, ShardMemory,
 };
 use zero_core::optim::{
     Adam, AdamConfig, FunctionalOptimizer, Hyperparams, OptimizerState, ParamMut,
@@ -418,6 +418,20 @@ fn the_host_steps_buckets_as_they_land_not_after_the_whole_gradient() {
             e.accumulate_param(0, (&g[0]).into())?;
             let none: Vec<Option<HostGrad<'_, f64>>> = vec![None; n];
             e.step(&none, &mut params)?;
+            let times = e.offload_times();
+            if inline {
+                assert_eq!(times.steps, 1, "{times:?}");
+                assert!(
+                    times.stepping > Duration::ZERO && times.write_back > Duration::ZERO,
+                    "the step thread's and the write-back's times: {times:?}"
+                );
+            } else {
+                assert_eq!(
+                    times,
+                    OffloadTimes::default(),
+                    "the communication thread steps: no step thread"
+                );
+            }
             Ok(params)
         });
         let seen = seen.lock().expect("no panic");

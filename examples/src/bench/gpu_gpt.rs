@@ -17,8 +17,10 @@
 //! and stage 3 at one rank its step time over stage 2's. The bf16 GPT with
 //! its optimizer's side offloaded to host memory gives the step time over
 //! the plain one's (from page-locked shards, from pageable ones, and on
-//! half the host's cores) and the largest model with offload over without,
-//! projected from the measured bytes per parameter.
+//! half the host's cores), where its host time goes (the step thread's
+//! waits for copies and stepping, the wait for its last buckets after
+//! backward, the write-back), and the largest model with offload over
+//! without, projected from the measured bytes per parameter.
 
 use super::torch_peer::{run_gpt_peer, PeerArgs, PeerAttention, PeerDevice, PeerDtype};
 use super::Report;
@@ -30,7 +32,9 @@ use std::sync::Arc;
 use std::time::Instant;
 use zero_candle::nn::GradHook;
 use zero_candle::{NcclZeroOptimizer, ZeroHook, ZeroOptimizer};
-use zero_core::engine::{host_available_bytes, EngineConfig, Offload, Overlap, Stage};
+use zero_core::engine::{
+    host_available_bytes, EngineConfig, Offload, OffloadTimes, Overlap, Stage,
+};
 use zero_core::optim::{AdamW, AdamWConfig};
 use zero_core::Communicator;
 use zero_nccl::cudarc::driver::CudaContext;
@@ -60,6 +64,35 @@ struct Measured {
     engine_device_bytes_per_param: f64,
     /// What the engine offloaded to host memory, per parameter.
     engine_host_bytes_per_param: f64,
+    /// The median step, milliseconds.
+    step_ms: f64,
+    /// Offload's host times, per timed step on average.
+    offload_ms: OffloadMs,
+}
+
+/// [`OffloadTimes`] per step, in milliseconds.
+#[derive(Default)]
+struct OffloadMs {
+    landing: f64,
+    stepping: f64,
+    join: f64,
+    write_back: f64,
+}
+
+impl OffloadMs {
+    /// The times of the steps between `before` and `after`.
+    fn between(before: OffloadTimes, after: OffloadTimes) -> Self {
+        let steps = after.steps.saturating_sub(before.steps).max(1) as f64;
+        let ms = |a: std::time::Duration, b: std::time::Duration| {
+            a.saturating_sub(b).as_secs_f64() * 1e3 / steps
+        };
+        Self {
+            landing: ms(after.landing, before.landing),
+            stepping: ms(after.stepping, before.stepping),
+            join: ms(after.join, before.join),
+            write_back: ms(after.write_back, before.write_back),
+        }
+    }
 }
 
 /// Which of the GPT suite's cases to run.
@@ -200,6 +233,29 @@ pub fn run(report: &mut Report, part: Part) {
                 "GB",
                 None,
             );
+        }
+        // Where the offloaded step's host time goes: the step thread's
+        // waits for copies and its stepping (both overlap backward), the
+        // wait for its last buckets after backward, and the write-back.
+        let times = &offload.offload_ms;
+        println!(
+            "offloaded bf16 step {:.1} ms (plain {:.1} ms): step thread waiting for copies \
+             {:.1} ms, stepping {:.1} ms; after backward, waiting for it {:.1} ms, write-back \
+             {:.1} ms",
+            offload.step_ms,
+            plain.step_ms,
+            times.landing,
+            times.stepping,
+            times.join,
+            times.write_back
+        );
+        for (name, ms) in [
+            ("landing", times.landing),
+            ("stepping", times.stepping),
+            ("join", times.join),
+            ("write_back", times.write_back),
+        ] {
+            report.add(&format!("gpu.gpt_bf16_offload_{name}_ms"), ms, "ms", None);
         }
         offload_capacity(report, &ctx, plain, offload);
         // What the page-locked shards and the host's thread count are
@@ -670,6 +726,7 @@ fn ours(
         .with_hook(&hook)?;
 
         let mut times = Vec::with_capacity(STEPS);
+        let mut offload_before = OffloadTimes::default();
         for step in 0..WARMUP + STEPS {
             if step == WARMUP {
                 // As the peer does: the peak over the timed steps.
@@ -677,6 +734,7 @@ fn ours(
                 if let Some(pool) = pool {
                     pool.reset_high_water()?;
                 }
+                offload_before = opt.engine().offload_times();
             }
             let started = Instant::now();
             let loss = model.loss(ids)?;
@@ -697,11 +755,14 @@ fn ours(
             .sum::<usize>()
             .max(1) as f64;
         let memory = opt.memory_report();
+        let median = times[times.len() / 2];
         Measured {
-            tokens_per_s: (ids.dim(0)? * CONFIG.context) as f64 / times[times.len() / 2],
+            tokens_per_s: (ids.dim(0)? * CONFIG.context) as f64 / median,
             peak_bytes,
             engine_device_bytes_per_param: memory.on_device() as f64 / numel,
             engine_host_bytes_per_param: memory.offloaded as f64 / numel,
+            step_ms: median * 1e3,
+            offload_ms: OffloadMs::between(offload_before, opt.engine().offload_times()),
         }
     };
     // The case's model, optimizer and communicator are dropped; their

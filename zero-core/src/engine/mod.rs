@@ -69,7 +69,7 @@ pub use layout::{Layout, Run};
 pub use memory::MemoryReport;
 pub use offload::{
     host_available_bytes, HostBuffer, HostLock, HostPin, HostRegion, HostStepper, Landing,
-    OffloadGathers, OffloadMemory, Placed,
+    OffloadGathers, OffloadMemory, OffloadTimes, Placed,
 };
 pub use precision::{convert_slice, CastParams};
 pub use reduce::ReductionProgress;
@@ -129,6 +129,8 @@ pub struct Engine<T: Element, C: Communicator, M: ShardMemory<T, C> = HostMemory
     /// The backward pass whose gradients are being handed over.
     pass: Option<pass::BackwardPass<T, M::Buffer>>,
     progress: ReductionProgress,
+    /// Offload's host times (see [`OffloadTimes`]).
+    offload_times: OffloadTimes,
     steps: u64,
     /// The state gathered by the last `consolidate_state_dict` (receiver only).
     consolidated: Option<crate::checkpoint::StateDict<T>>,
@@ -284,6 +286,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             },
             pass: None,
             progress: ReductionProgress::default(),
+            offload_times: OffloadTimes::default(),
             steps: 0,
             consolidated: None,
             masters_fresh: false,
@@ -412,6 +415,13 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// Optimizer steps taken so far.
     pub fn steps(&self) -> u64 {
         self.steps
+    }
+
+    /// Where the host's time went in the offloaded steps that stepped each
+    /// bucket as it landed, so far (zero without offload, or where the
+    /// schedule steps after backward).
+    pub fn offload_times(&self) -> OffloadTimes {
+        self.offload_times
     }
 
     /// Sets the step counter (when resuming from a checkpoint).

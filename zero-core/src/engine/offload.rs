@@ -58,6 +58,28 @@ pub type HostPin = Box<dyn HostLock>;
 /// was taken (see [`ShardMemory::landing`]) and none queued later.
 pub type Landing = Box<dyn FnOnce() -> Result<()> + Send>;
 
+/// Where the host's time went in offloaded steps whose host steps each
+/// bucket as it lands (the interleaved schedule on a device), summed over
+/// those steps ([`Engine::offload_times`](super::Engine::offload_times)):
+/// what to look at when an offloaded step is slower than the device's own.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct OffloadTimes {
+    /// The steps counted.
+    pub steps: u64,
+    /// The step thread, waiting for buckets' copies into host memory (the
+    /// device behind the host).
+    pub landing: std::time::Duration,
+    /// The step thread, stepping buckets.
+    pub stepping: std::time::Duration,
+    /// The calling thread, waiting at the end of backward for the step
+    /// thread's last buckets.
+    pub join: std::time::Duration,
+    /// The calling thread, writing the stepped weights back into the model
+    /// (queuing the uploads, gathers and copies, and waiting where too many
+    /// copies are in flight).
+    pub write_back: std::time::Duration,
+}
+
 /// An offloaded buffer in host memory, page-locked where the device memory
 /// can (its transfers then run at the link's speed, without staging). Its
 /// length is fixed: the locked range must not move.

@@ -37,6 +37,7 @@ use crate::comm::{Communicator, ReduceOp};
 use crate::{Element, Error, Result};
 use std::ops::Range;
 use std::sync::{mpsc, Arc};
+use std::time::Instant;
 
 /// Bucket buffers a backward pass holds (being filled, or queued on the
 /// communication thread) before it waits for a queued one to come back
@@ -879,10 +880,16 @@ where
                     // Closing the channel ends the thread after its last
                     // bucket; the optimizer and the parameter shard come
                     // back.
+                    let started = Instant::now();
                     match steps.finish() {
-                        Some((early, stepped)) => {
+                        Some((early, stepped, [landing, stepping])) => {
                             targets.early = Some(early);
                             result = result.and(stepped);
+                            let times = &mut self.offload_times;
+                            times.steps += 1;
+                            times.join += started.elapsed();
+                            times.landing += landing;
+                            times.stepping += stepping;
                         }
                         None => {
                             return Err(Error::State(

@@ -92,8 +92,9 @@ pub(super) struct HostSteps<T: Element, B> {
     thread: Option<std::thread::JoinHandle<Stepped<T, B>>>,
 }
 
-/// What the step thread gives back: the lent step and the first failure.
-type Stepped<T, B> = (EarlyStep<T, B>, Result<()>);
+/// What the step thread gives back: the lent step, the first failure and
+/// its times (landing, stepping).
+type Stepped<T, B> = (EarlyStep<T, B>, Result<()>, [Duration; 2]);
 
 impl<T: Element, B> HostSteps<T, B> {
     /// Hands bucket `k` to the step thread, which steps it once `landing`
@@ -107,8 +108,8 @@ impl<T: Element, B> HostSteps<T, B> {
     }
 
     /// Closes the channel and joins the thread after its last bucket: the
-    /// optimizer and the shard back, with the first failure; `None` if the
-    /// thread panicked.
+    /// optimizer and the shard back, with the first failure and the
+    /// thread's times; `None` if the thread panicked.
     pub fn finish(mut self) -> Option<Stepped<T, B>> {
         self.grads = None;
         self.thread.take()?.join().ok()
@@ -147,13 +148,18 @@ where
         .name("zero-offload-step".into())
         .spawn(move || {
             let mut result = Ok(());
+            let (mut landing_time, mut stepping_time) = (Duration::ZERO, Duration::ZERO);
             // Runs until the channel closes (the pass is joined); after a
             // failure nothing more is stepped.
             for (k, landing) in handed {
                 if result.is_err() {
                     continue;
                 }
-                result = landing.map_or(Ok(()), |landing| landing()).and_then(|()| {
+                let started = Instant::now();
+                result = landing.map_or(Ok(()), |landing| landing());
+                let landed = Instant::now();
+                landing_time += landed - started;
+                result = result.and_then(|()| {
                     let range = shard.get(k).cloned().ok_or_else(|| {
                         Error::State(format!("internal: bucket {k} handed to the step thread"))
                     })?;
@@ -164,8 +170,9 @@ where
                     let bucket_grads = unsafe { grads.range_mut(range) };
                     step_landed::<T, C, M>(&mut early, &stepper, &shard, k, bucket_grads)
                 });
+                stepping_time += landed.elapsed();
             }
-            (early, result)
+            (early, result, [landing_time, stepping_time])
         })
         .map_err(|e| Error::State(format!("cannot start the offload's step thread: {e}")))?;
     Ok(HostSteps {

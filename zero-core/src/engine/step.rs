@@ -153,6 +153,11 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         params: &mut M::Params<'_>,
         defer: bool,
     ) -> Result<()> {
+        // Offload's step thread stepped during backward: what is left is
+        // the write-back, counted in its times.
+        let offloaded =
+            self.window.early_stepped.contains(&true) && self.memory.host_stepper().is_some();
+        let started = std::time::Instant::now();
         let lean = self.lean_shard();
         if !self.step_and_gather_overlapped(stepping, params, defer)? {
             if lean {
@@ -166,6 +171,9 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             }
             self.run_optimizer(stepping)?;
             self.write_back(params)?;
+        }
+        if offloaded {
+            self.offload_times.write_back += started.elapsed();
         }
         self.window.early_stepped.clear();
         Ok(())

@@ -133,7 +133,8 @@ impl Transfers {
                 if self.copies.len() <= IN_FLIGHT {
                     break;
                 }
-                host_wait_polling(LANDING, 0, oldest, timeout, LANDING_POLL).map_err(Error::from)?;
+                host_wait_polling(LANDING, 0, oldest, timeout, LANDING_POLL)
+                    .map_err(Error::from)?;
             }
             self.copies.pop_front();
         }
