@@ -417,9 +417,18 @@ fn the_host_steps_buckets_as_they_land_not_after_the_whole_gradient() {
             handed.fetch_add(1, Ordering::SeqCst);
             e.accumulate_param(0, (&g[0]).into())?;
             let none: Vec<Option<HostGrad<'_, f64>>> = vec![None; n];
+            let waits = |d: &Seen| (d.full_lands, d.synchronous_uploads);
+            let before = waits(&device.lock().expect("no panic"));
             e.step(&none, &mut params)?;
             let times = e.offload_times();
             if inline {
+                // Every bucket was stepped during backward: the write-back
+                // only queues uploads, and never waits for the device.
+                assert_eq!(
+                    waits(&device.lock().expect("no panic")),
+                    before,
+                    "the write-back waited for the device (full lands, synchronous uploads)"
+                );
                 assert_eq!(times.steps, 1, "{times:?}");
                 assert!(
                     times.stepping > Duration::ZERO && times.write_back > Duration::ZERO,

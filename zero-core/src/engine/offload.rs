@@ -434,8 +434,11 @@ fn upload<T: Element, C: Communicator, D: ShardMemory<T, C>>(
 ) -> Result<D::Buffer> {
     if values.is_pinned() {
         // SAFETY: `values` is locked by this device's `pin_host` (whose unlock
-        // waits for queued copies), its length is fixed, and
-        // `OffloadMemory` lands before it writes host memory (`land_for`).
+        // waits for queued copies), its length is fixed, and nothing writes
+        // it on the host before the copy lands: `OffloadMemory` lands before
+        // it writes host memory (`land_for`), and the step thread steps a
+        // bucket after a landing taken once the bucket was reduced, behind
+        // this copy.
         unsafe { device.upload_queued(&values[range]) }
     } else {
         let mut staged = device.alloc_zeroed(range.len())?;
@@ -615,8 +618,18 @@ impl<T: Element, C: Communicator, D: ShardMemory<T, C>> ShardMemory<T, C> for Of
         src_range: Range<usize>,
         add: bool,
     ) -> Result<()> {
-        self.land_for::<T, C>(&[&*dst, src])?;
         let n = src_range.len();
+        if let (Placed::Device(d), Placed::Host(s)) = (&mut *dst, src) {
+            if s.is_pinned() {
+                // Only a queued copy reads the host memory, after every copy
+                // queued before it: no landing first, and no wait for the
+                // device (the write-back of a stepped shard, bucket by
+                // bucket).
+                let staged = upload(&mut self.device, s, src_range)?;
+                return self.device.copy_range(d, dst_at, &staged, 0..n, add);
+            }
+        }
+        self.land_for::<T, C>(&[&*dst, src])?;
         match (dst, src) {
             (Placed::Device(d), Placed::Device(s)) => {
                 self.device.copy_range(d, dst_at, s, src_range, add)

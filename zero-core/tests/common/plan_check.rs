@@ -38,6 +38,9 @@ pub struct Seen {
     pub pinned: usize,
     /// `land` calls that found copies in flight.
     pub full_lands: usize,
+    /// Synchronous uploads (`buffer_from_host`): on a GPU, each waits for
+    /// the device's queue to drain.
+    pub synchronous_uploads: usize,
     /// `landing`s that landed copies (and none queued after they were
     /// taken).
     pub partial_lands: usize,
@@ -480,7 +483,13 @@ impl<T: Element, C: Communicator<Memory = Host>> ShardMemory<T, C> for PlanCheck
         <HostMemory as ShardMemory<T, C>>::buffer_to_host(&mut self.inner, comm, buffer, range, out)
     }
 
+    /// As a device's: a synchronous copy, which waits for the device's
+    /// queue first (counted).
     fn buffer_from_host(&mut self, buffer: &mut Vec<T>, at: usize, values: &[T]) -> Result<()> {
+        self.seen
+            .lock()
+            .expect("no test thread panicked")
+            .synchronous_uploads += 1;
         <HostMemory as ShardMemory<T, C>>::buffer_from_host(&mut self.inner, buffer, at, values)
     }
 
