@@ -288,7 +288,7 @@ impl CudaMemory {
     /// deferred (the deferral goes on); `None` when there is nothing to
     /// copy.
     fn download_stream(
-        &self,
+        &mut self,
         len: usize,
         range: &Range<usize>,
         out_len: usize,
@@ -304,8 +304,13 @@ impl CudaMemory {
             return Ok(None);
         }
         let stream = self.stream()?;
-        for event in self.deferred.iter().flatten() {
-            stream.wait(event).map_err(cuda)?;
+        // Those the stream waits on already (fenced) order it for good: one
+        // wait per reduction over a pass, not one per reduction and bucket.
+        if let Some(events) = self.deferred.as_ref() {
+            for event in &events[self.fenced.min(events.len())..] {
+                stream.wait(event).map_err(cuda)?;
+            }
+            self.fenced = events.len();
         }
         Ok(Some(stream))
     }
