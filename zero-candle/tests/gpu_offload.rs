@@ -9,7 +9,7 @@
 use candle_core::{DType, Device, Module};
 use std::path::Path;
 use zero_candle::{NcclZeroOptimizer, ZeroOptimizer};
-use zero_core::engine::{EngineConfig, MemoryReport, Offload, Overlap, Stage};
+use zero_core::engine::{EngineConfig, MemoryReport, Offload, OffloadTimes, Overlap, Stage};
 use zero_core::optim::{AdamW, AdamWConfig};
 use zero_core::{Communicator, ThreadGroup};
 use zero_nccl::NcclComm;
@@ -43,7 +43,7 @@ fn train_gpu(
     steps: usize,
     load: Option<&Path>,
     save: Option<&Path>,
-) -> (Vec<(String, Vec<f32>)>, MemoryReport) {
+) -> (Vec<(String, Vec<f32>)>, MemoryReport, OffloadTimes) {
     let comm = NcclComm::single(0).unwrap_or_else(|e| panic!("NcclComm::single(0) failed: {e}"));
     let device = Device::new_cuda(0).expect("a CUDA device 0");
     let (varmap, model) = mlp(&device, dtype);
@@ -61,17 +61,19 @@ fn train_gpu(
     if let Some(dir) = save {
         opt.save_checkpoint(dir).expect("save");
     }
-    (weights(&varmap), opt.memory_report())
+    let times = opt.engine().offload_times();
+    (weights(&varmap), opt.memory_report(), times)
 }
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn offload_trains_the_weights_of_stage_2_on_the_gpu() {
     for dtype in [DType::F32, DType::BF16] {
-        let (plain, plain_report) = train_gpu(dtype, config(Offload::None), 0, 6, None, None);
-        let (offloaded, report) = train_gpu(dtype, config(Offload::Optimizer), 0, 6, None, None);
+        let (plain, plain_report, _) = train_gpu(dtype, config(Offload::None), 0, 6, None, None);
+        let (offloaded, report, _) = train_gpu(dtype, config(Offload::Optimizer), 0, 6, None, None);
         // Stepping each bucket on the host as it lands: the same weights.
-        let (landed, _) = train_gpu(dtype, interleaved(Offload::Optimizer), 0, 6, None, None);
+        let (landed, _, times) =
+            train_gpu(dtype, interleaved(Offload::Optimizer), 0, 6, None, None);
         // The host AdamW and the device kernel round differently (f32);
         // bf16 weights may round the last bit the other way.
         let tolerance = if dtype == DType::F32 { 1e-5 } else { 1e-2 };
@@ -82,6 +84,10 @@ fn offload_trains_the_weights_of_stage_2_on_the_gpu() {
             diff <= tolerance,
             "{dtype:?}: interleaved offload differs by {diff}"
         );
+        // The interleaved schedule's step thread stepped, and its times
+        // count the steps it stepped in.
+        assert!((1..=6).contains(&times.steps), "{dtype:?}: {times:?}");
+        assert!(times.write_back > std::time::Duration::ZERO, "{times:?}");
         assert_eq!(plain_report.offloaded, 0);
         assert!(
             report.offloaded >= report.optimizer_state + report.grad_shard,
@@ -100,7 +106,7 @@ fn offload_trains_the_weights_of_stage_2_on_the_gpu() {
 #[ignore = "needs a CUDA GPU"]
 fn an_offloaded_checkpoint_resumes_without_offload_and_on_threads() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let (whole, _) = train_gpu(DType::F32, config(Offload::None), 0, 6, None, None);
+    let (whole, _, _) = train_gpu(DType::F32, config(Offload::None), 0, 6, None, None);
     train_gpu(
         DType::F32,
         config(Offload::Optimizer),
@@ -109,7 +115,7 @@ fn an_offloaded_checkpoint_resumes_without_offload_and_on_threads() {
         None,
         Some(dir.path()),
     );
-    let (gpu, _) = train_gpu(
+    let (gpu, _, _) = train_gpu(
         DType::F32,
         config(Offload::None),
         3,
@@ -132,7 +138,7 @@ fn an_offloaded_checkpoint_resumes_without_offload_and_on_threads() {
         None,
         Some(back.path()),
     );
-    let (offloaded, _) = train_gpu(
+    let (offloaded, _, _) = train_gpu(
         DType::F32,
         config(Offload::Optimizer),
         3,

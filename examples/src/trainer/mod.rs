@@ -114,6 +114,26 @@ pub struct StepMetrics {
     /// Stage 3, once sharded: rank 0's parameter gathers so far.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub gathers: Option<GatherMetrics>,
+    /// `--offload optimizer` on a GPU: where rank 0's host time went so far.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub offload: Option<OffloadMetrics>,
+}
+
+/// Rank 0's offloaded steps so far (`--metrics`; see
+/// [`zero_core::engine::OffloadTimes`]), in milliseconds summed over
+/// `steps`.
+#[derive(Debug, Serialize)]
+pub struct OffloadMetrics {
+    /// Steps whose host stepped each bucket as it landed.
+    pub steps: u64,
+    /// The step thread, waiting for buckets' copies into host memory.
+    pub landing_ms: f64,
+    /// The step thread, stepping buckets.
+    pub stepping_ms: f64,
+    /// Waiting after backward for the step thread's last buckets.
+    pub join_ms: f64,
+    /// Writing the stepped weights back into the model.
+    pub write_back_ms: f64,
 }
 
 /// Rank 0's stage 3 parameter gathers so far (`--metrics`).
@@ -677,6 +697,8 @@ trait RankOptimizer {
     fn deferred_steps(&self) -> u64;
     /// Stage 3, once sharded: the parameter gathers so far.
     fn gather_metrics(&self) -> Option<GatherMetrics>;
+    /// Offload with a step thread: its times so far.
+    fn offload_metrics(&self) -> Option<OffloadMetrics>;
 }
 
 impl<C, T> RankOptimizer for ZeroOptimizer<C, T>
@@ -733,6 +755,17 @@ where
             prefetch_hits: stats.hits,
             prefetch_misses: stats.misses,
             on_thread: fetcher.threaded(),
+        })
+    }
+    fn offload_metrics(&self) -> Option<OffloadMetrics> {
+        let times = self.engine().offload_times();
+        let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+        (times.steps > 0).then(|| OffloadMetrics {
+            steps: times.steps,
+            landing_ms: ms(times.landing),
+            stepping_ms: ms(times.stepping),
+            join_ms: ms(times.join),
+            write_back_ms: ms(times.write_back),
         })
     }
 }
@@ -903,6 +936,7 @@ fn train_loop(ctx: &LoopContext<'_>, opt: &mut dyn RankOptimizer) -> Result<Summ
                 peak_heap_bytes: crate::heap::peak_bytes(),
                 device_peak_bytes: opt.device_peak_bytes(),
                 gathers: opt.gather_metrics(),
+                offload: opt.offload_metrics(),
             };
             let path = args.metrics.clone().unwrap_or_default();
             serde_json::to_writer(&mut *out, &line)
