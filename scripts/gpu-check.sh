@@ -93,6 +93,9 @@ if [[ "$what" == all || "$what" == train ]]; then
         run "train-$model-s2-bf16-offload-interleaved" env RANK=0 WORLD_SIZE=1 \
             "$unpacked/train" --backend nccl --model "$model" --stage 2 --precision bf16 \
             --offload optimizer --overlap interleaved --steps 20
+        run "train-$model-s2-bf16-offload-copy-stream" env RANK=0 WORLD_SIZE=1 \
+            "$unpacked/train" --backend nccl --model "$model" --stage 2 --precision bf16 \
+            --offload optimizer --overlap interleaved --offload-copy-stream --steps 20
         run "train-$model-s3-bf16-offload" env RANK=0 WORLD_SIZE=1 \
             "$unpacked/train" --backend nccl --model "$model" --stage 3 --precision bf16 \
             --offload optimizer --steps 20

@@ -614,6 +614,22 @@ fn offloaded_shards_are_page_locked_unless_the_user_says_not_to() {
     let mut unpinned = offload.to_vec();
     unpinned.extend(["--offload-pinned", "false"]);
     assert!(!engine_config(&args(&unpinned)).offload_pin_memory);
+    // The transfers on the compute stream unless asked for a stream of
+    // their own.
+    assert!(!engine_config(&args(&offload)).offload_copy_stream);
+    let mut copy_stream = offload.to_vec();
+    copy_stream.push("--offload-copy-stream");
+    assert!(engine_config(&args(&copy_stream)).offload_copy_stream);
+}
+
+#[test]
+fn a_copy_stream_without_offload_is_a_usage_error() {
+    let argv = ["train", "--quiet", "--offload-copy-stream"];
+    let err = run(&Args::parse_from(argv)).expect_err("nothing to copy");
+    assert!(
+        err.to_string().contains("with --offload optimizer"),
+        "{err}"
+    );
 }
 
 #[test]

@@ -84,6 +84,14 @@ fn offload_trains_the_weights_of_stage_2_on_the_gpu() {
             diff <= tolerance,
             "{dtype:?}: interleaved offload differs by {diff}"
         );
+        // The same with the transfers on a stream of their own.
+        let streamed = interleaved(Offload::Optimizer).with_offload_copy_stream(true);
+        let (streamed, _, _) = train_gpu(dtype, streamed, 0, 6, None, None);
+        let diff = max_diff(&plain, &streamed);
+        assert!(
+            diff <= tolerance,
+            "{dtype:?}: offload with a copy stream differs by {diff}"
+        );
         // The interleaved schedule's step thread stepped, and its times
         // count the steps it stepped in.
         assert!((1..=6).contains(&times.steps), "{dtype:?}: {times:?}");

@@ -552,4 +552,20 @@ fn offload_is_refused_where_it_cannot_be_with_what_to_do() {
         err.contains("offload") && err.contains("stage 1, 2 or 3"),
         "{err}"
     );
+    // A copy stream for transfers there are none of.
+    let errors = run(1, |comm| {
+        let e = Engine::with_memory(
+            comm,
+            Offloaded::new(HostMemory),
+            model.infos(),
+            make_opt(Opt::Adam, false),
+            EngineConfig::default().with_offload_copy_stream(true),
+        );
+        Ok(e.err().map(|e| e.to_string()))
+    });
+    let err = errors[0].as_ref().expect("refused");
+    assert!(
+        err.contains("offload is off") && err.contains("turn offload on"),
+        "{err}"
+    );
 }

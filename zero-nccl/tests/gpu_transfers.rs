@@ -24,10 +24,14 @@ impl Memory for CudaMemory {}
 /// not wait, or was not waited for, would be caught part-way.
 const LEN: usize = 64 << 20;
 
-/// The memory for `comm` and a page-locked host buffer of [`LEN`].
-fn memory_and_host(comm: &NcclComm) -> (impl Memory, HostBuffer<f32>) {
+/// The memory for `comm` (its transfers on a stream of their own with
+/// `copy_stream`) and a page-locked host buffer of [`LEN`].
+fn memory_and_host(comm: &NcclComm, copy_stream: bool) -> (impl Memory, HostBuffer<f32>) {
     let adam = Adam::new(AdamConfig::default()).unwrap();
     let mut memory = CudaMemory::new(comm, &adam).unwrap();
+    if copy_stream {
+        ShardMemory::<f32, NcclComm>::copy_stream(&mut memory).unwrap();
+    }
     let host = HostBuffer::pinned(LEN, |values| {
         ShardMemory::<f32, NcclComm>::pin_host(&mut memory, values)
     })
@@ -40,7 +44,13 @@ fn memory_and_host(comm: &NcclComm) -> (impl Memory, HostBuffer<f32>) {
 #[ignore = "needs a CUDA GPU"]
 fn a_queued_download_reads_what_the_compute_stream_wrote_before_it() {
     let comm = common::nccl_comm();
-    let (mut memory, mut host) = memory_and_host(&comm);
+    for copy_stream in [false, true] {
+        download_after_compute(&comm, copy_stream);
+    }
+}
+
+fn download_after_compute(comm: &NcclComm, copy_stream: bool) {
+    let (mut memory, mut host) = memory_and_host(comm, copy_stream);
     let ones = vec![1.0f32; LEN];
     for round in 0..3 {
         let mut device = memory.alloc_zeroed(LEN).unwrap();
@@ -59,8 +69,14 @@ fn a_queued_download_reads_what_the_compute_stream_wrote_before_it() {
         unsafe { memory.download_queued(device, 0..LEN, &mut host) }.unwrap();
         memory.land().unwrap();
         let (low, high) = host.split_at(LEN / 2);
-        assert!(low.iter().all(|&x| x == 1024.0), "round {round}");
-        assert!(high.iter().all(|&x| x == 4096.0), "round {round}");
+        assert!(
+            low.iter().all(|&x| x == 1024.0),
+            "copy stream {copy_stream}, round {round}"
+        );
+        assert!(
+            high.iter().all(|&x| x == 4096.0),
+            "copy stream {copy_stream}, round {round}"
+        );
         // The landed buffer is the host's again: the next round rewrites it.
         host.fill(-1.0);
     }
@@ -70,7 +86,13 @@ fn a_queued_download_reads_what_the_compute_stream_wrote_before_it() {
 #[ignore = "needs a CUDA GPU"]
 fn the_compute_stream_reads_an_upload_only_once_it_landed() {
     let comm = common::nccl_comm();
-    let (mut memory, mut host) = memory_and_host(&comm);
+    for copy_stream in [false, true] {
+        compute_after_upload(&comm, copy_stream);
+    }
+}
+
+fn compute_after_upload(comm: &NcclComm, copy_stream: bool) {
+    let (mut memory, mut host) = memory_and_host(comm, copy_stream);
     for round in 0..3u8 {
         let base = f32::from(round) + 1.0;
         for (i, x) in host.iter_mut().enumerate() {
@@ -79,8 +101,9 @@ fn the_compute_stream_reads_an_upload_only_once_it_landed() {
         // SAFETY: `host` is locked by this memory and unwritten until landed.
         let mut device = unsafe { memory.upload_queued(&host[..]) }.unwrap();
         assert_eq!(device.len(), LEN);
-        // Queued on the compute stream right behind the upload: it must
-        // scale the uploaded values, not what the buffer held before.
+        // Queued on the compute stream right behind the upload (on it or
+        // on the copy stream): it must scale the uploaded values, not what
+        // the buffer held before.
         memory
             .scale(&mut device, std::slice::from_ref(&(0..LEN)), 0.5)
             .unwrap();
@@ -94,7 +117,7 @@ fn the_compute_stream_reads_an_upload_only_once_it_landed() {
             .count();
         assert_eq!(
             wrong, 0,
-            "round {round}: elements not scaled after the upload"
+            "copy stream {copy_stream}, round {round}: elements not scaled after the upload"
         );
     }
     // An empty upload is a buffer no range reaches, as `alloc_zeroed(0)`.

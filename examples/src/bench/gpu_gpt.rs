@@ -16,8 +16,9 @@
 //! (`--backend cuda-threads`) gives each rank's device bytes per parameter,
 //! and stage 3 at one rank its step time over stage 2's. The bf16 GPT with
 //! its optimizer's side offloaded to host memory gives the step time over
-//! the plain one's (from page-locked shards, from pageable ones, and on
-//! half the host's cores), where its host time goes (the step thread's
+//! the plain one's (from page-locked shards, from pageable ones, on half
+//! the host's cores, and with the transfers on a stream of their own),
+//! where its host time goes (the step thread's
 //! waits for copies and stepping, the wait for its last buckets after
 //! backward, the write-back), and the largest model with offload over
 //! without, projected from the measured bytes per parameter.
@@ -117,6 +118,8 @@ struct Variant {
     pageable: bool,
     /// The offload's host threads (0: rayon's global pool, every core).
     offload_threads: usize,
+    /// Offload's transfers on a stream of their own.
+    copy_stream: bool,
 }
 
 /// Runs the GPT suite (after `gpu::device_present`); `Part::Zero` only
@@ -237,27 +240,28 @@ pub fn run(report: &mut Report, part: Part) {
         // Where the offloaded step's host time goes: the step thread's
         // waits for copies and its stepping (both overlap backward), the
         // wait for its last buckets after backward, and the write-back.
-        let times = &offload.offload_ms;
-        println!(
-            "offloaded bf16 step {:.1} ms (plain {:.1} ms): step thread waiting for copies \
-             {:.1} ms, stepping {:.1} ms; after backward, waiting for it {:.1} ms, write-back \
-             {:.1} ms",
-            offload.step_ms,
-            plain.step_ms,
-            times.landing,
-            times.stepping,
-            times.join,
-            times.write_back
-        );
-        for (name, ms) in [
-            ("landing", times.landing),
-            ("stepping", times.stepping),
-            ("join", times.join),
-            ("write_back", times.write_back),
-        ] {
-            report.add(&format!("gpu.gpt_bf16_offload_{name}_ms"), ms, "ms", None);
-        }
+        offload_breakdown(report, "offload", plain, offload);
         offload_capacity(report, &ctx, plain, offload);
+        // The transfers on a stream of their own: a bucket's copy down
+        // beside backward's kernels instead of between them.
+        let copy_stream = Variant {
+            copy_stream: true,
+            ..offloaded
+        };
+        if let Some(m) = case_with(
+            "ours bf16 offload, copy stream",
+            GptOps::Fused,
+            DType::BF16,
+            copy_stream,
+        ) {
+            report.add(
+                "gpu.gpt_bf16_offload_copy_stream_step_over_plain",
+                plain.tokens_per_s / m.tokens_per_s,
+                "ratio",
+                Some("<= 1.5"),
+            );
+            offload_breakdown(report, "offload_copy_stream", plain, &m);
+        }
         // What the page-locked shards and the host's thread count are
         // worth: the same step from pageable memory, and on half the cores.
         let pageable = Variant {
@@ -433,6 +437,27 @@ pub fn run(report: &mut Report, part: Part) {
         Err(e) => println!(
             "gpu gpt benchmark: no PyTorch bf16 figures (gpu.gpt_bf16_over_torch_sdpa): {e}"
         ),
+    }
+}
+
+/// Where an offloaded step's host time goes (figures `gpu.gpt_bf16_{case}_*_ms`):
+/// the step thread's waits for copies and its stepping (both beside
+/// backward), the wait for its last buckets after backward, and the
+/// write-back.
+fn offload_breakdown(report: &mut Report, case: &str, plain: &Measured, offload: &Measured) {
+    let times = &offload.offload_ms;
+    println!(
+        "{case}: bf16 step {:.1} ms (plain {:.1} ms): step thread waiting for copies {:.1} ms, \
+         stepping {:.1} ms; after backward, waiting for it {:.1} ms, write-back {:.1} ms",
+        offload.step_ms, plain.step_ms, times.landing, times.stepping, times.join, times.write_back
+    );
+    for (name, ms) in [
+        ("landing", times.landing),
+        ("stepping", times.stepping),
+        ("join", times.join),
+        ("write_back", times.write_back),
+    ] {
+        report.add(&format!("gpu.gpt_bf16_{case}_{name}_ms"), ms, "ms", None);
     }
 }
 
@@ -716,6 +741,7 @@ fn ours(
                 })
                 .with_offload(variant.offload, variant.offload_threads)
                 .with_offload_pin_memory(!variant.pageable)
+                .with_offload_copy_stream(variant.copy_stream)
                 // Offloaded, the host steps each bucket as it lands.
                 .with_overlap(match variant.offload {
                     Offload::Optimizer => Overlap::Interleaved,

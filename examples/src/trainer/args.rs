@@ -224,6 +224,11 @@ pub struct Args {
     /// cannot lock that much memory (`ulimit -l`).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub offload_pinned: bool,
+    /// With `--offload optimizer`: queue the transfers on a CUDA stream of
+    /// their own, so that a bucket's copy down runs while backward
+    /// computes (default: on the compute stream).
+    #[arg(long)]
+    pub offload_copy_stream: bool,
     /// GPT: keep only each block's input for backward and run the block
     /// again there (activation checkpointing): the same gradients, a
     /// fraction of the activation memory, one more forward per step.

@@ -441,6 +441,13 @@ fn validate(args: &Args) -> Result<(), TrainError> {
                 .into(),
         ));
     }
+    if args.offload_copy_stream && args.offload != OffloadArg::Optimizer {
+        return Err(TrainError::Usage(
+            "--offload-copy-stream puts offload's transfers on a stream of their own: use it \
+             with --offload optimizer"
+                .into(),
+        ));
+    }
     if args.offload == OffloadArg::Optimizer && args.stage == 0 {
         return Err(TrainError::Usage(
             "--offload optimizer moves the optimizer's shard to host memory: use it with \
@@ -529,7 +536,8 @@ pub fn engine_config(args: &Args) -> EngineConfig {
             },
             args.offload_threads,
         )
-        .with_offload_pin_memory(args.offload_pinned);
+        .with_offload_pin_memory(args.offload_pinned)
+        .with_offload_copy_stream(args.offload_copy_stream);
     if let Some(max_norm) = args.clip_norm {
         config = config.with_clip(max_norm, NormType::L2);
     }

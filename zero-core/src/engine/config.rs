@@ -267,6 +267,13 @@ pub struct EngineConfig {
     /// host cannot lock that much memory, at the cost of slower copies).
     #[serde(default = "default_offload_pin_memory")]
     pub offload_pin_memory: bool,
+    /// With offload on a device with streams: queue the transfers to and
+    /// from the page-locked shards on a stream of their own, beside the
+    /// compute stream, so that a bucket's copy down runs while backward
+    /// computes (off by default: on the compute stream, in order with the
+    /// kernels).
+    #[serde(default)]
+    pub offload_copy_stream: bool,
 }
 
 /// What lives in host memory instead of the device (ZeRO-Offload).
@@ -327,6 +334,7 @@ impl Default for EngineConfig {
             offload: Offload::None,
             offload_threads: 0,
             offload_pin_memory: default_offload_pin_memory(),
+            offload_copy_stream: false,
         }
     }
 }
@@ -460,6 +468,13 @@ impl EngineConfig {
         self
     }
 
+    /// With offload: whether the transfers get a stream of their own (see
+    /// [`EngineConfig::offload_copy_stream`]).
+    pub fn with_offload_copy_stream(mut self, on: bool) -> Self {
+        self.offload_copy_stream = on;
+        self
+    }
+
     pub(crate) fn validate(&self) -> Result<()> {
         self.loss_scale.validate()?;
         if self.bucket_bytes == 0 {
@@ -518,6 +533,14 @@ impl EngineConfig {
                  every collective in the step; use stage 1 or 2 with overlap after-backward, or \
                  leave defer_gathers off"
                     .into(),
+            ));
+        }
+        if self.offload_copy_stream && self.offload == Offload::None {
+            return Err(Error::Config(
+                "offload_copy_stream puts offload's transfers on a stream of their own, and \
+                 offload is off: turn offload on (Offload::Optimizer) or leave the copy stream \
+                 off"
+                .into(),
             ));
         }
         if self.offload == Offload::Optimizer && self.stage == Stage::Ddp {

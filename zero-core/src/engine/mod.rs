@@ -260,6 +260,9 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         )?;
         if config.offload == Offload::Optimizer {
             memory.offload_optimizer(config.offload_threads, config.offload_pin_memory)?;
+            if config.offload_copy_stream {
+                memory.copy_stream()?;
+            }
             // The shard, its gradients and (Adam's) two moments.
             let needed = (plan.shard_numel * std::mem::size_of::<T>() * 4) as u64;
             offload::check_host_room(needed, offload::host_available_bytes())?;

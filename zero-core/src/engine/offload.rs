@@ -1041,6 +1041,10 @@ impl<T: Element, C: Communicator, D: ShardMemory<T, C>> ShardMemory<T, C> for Of
         Ok(())
     }
 
+    fn copy_stream(&mut self) -> Result<()> {
+        self.device.copy_stream()
+    }
+
     /// Offloading on a device with no communication thread (the GPU's):
     /// the host steps each bucket on a thread of its own as it lands.
     fn host_stepper(&self) -> Option<HostStepper> {

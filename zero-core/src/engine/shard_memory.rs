@@ -446,6 +446,18 @@ pub trait ShardMemory<T: Element, C: Communicator>: Send + 'static {
         ))
     }
 
+    /// Offload: queue the transfers to and from page-locked host memory
+    /// ([`ShardMemory::download_queued`], [`ShardMemory::upload_queued`]) on
+    /// a stream of their own, beside the compute stream, each ordered after
+    /// the work queued before it and the work queued after an upload
+    /// ordered after it (see [`EngineConfig::offload_copy_stream`]).
+    /// Default: nothing to do (a memory without streams copies in order).
+    ///
+    /// [`EngineConfig::offload_copy_stream`]: super::EngineConfig::offload_copy_stream
+    fn copy_stream(&mut self) -> Result<()> {
+        Ok(())
+    }
+
     /// Page-locks `values`, host memory this memory copies to and from
     /// (an offloaded shard), until the returned guard is unlocked
     /// ([`super::HostLock`]): a device's transfers then run at the link's

@@ -235,11 +235,15 @@ pub struct CudaMemory {
     /// The communicator's deadline, for the host's waits in transfers
     /// (the stream may wait on a collective that a dead peer never joins).
     timeout: Duration,
-    /// Offload's transfers queued to and from page-locked host memory, on
-    /// the compute stream. (A copy stream of their own, each upload's
-    /// staging allocated on it, measured slower on an H200: `bench
-    /// gpu-zero`'s offloaded step 2.66x the plain one's against 2.29x.)
+    /// Offload's transfers queued to and from page-locked host memory.
     transfers: super::pinned::Transfers,
+    /// The stream they are queued on, where not the compute stream
+    /// (`EngineConfig::offload_copy_stream`). (An earlier copy stream,
+    /// with each upload's staging allocated on it and the host waiting
+    /// for each bucket's copy during backward, measured slower on an H200:
+    /// `bench gpu-zero`'s offloaded step 2.66x the plain one's against
+    /// 2.29x on the compute stream.)
+    copy: Option<Arc<CudaStream>>,
 }
 
 impl std::fmt::Debug for CudaMemory {
@@ -275,6 +279,7 @@ impl CudaMemory {
             wire16: None,
             timeout: comm.timeout(),
             transfers: Default::default(),
+            copy: None,
         })
     }
 
@@ -313,6 +318,21 @@ impl CudaMemory {
             self.fenced = events.len();
         }
         Ok(Some(stream))
+    }
+
+    /// The stream a transfer is queued on: the copy stream, made to wait
+    /// for what `compute` has queued so far, or `compute` itself. Every
+    /// transfer goes on the same one, so each one landed means every one
+    /// queued before it did (`pinned::Transfers`).
+    fn transfer_stream(&self, compute: &Arc<CudaStream>) -> Result<Arc<CudaStream>> {
+        match &self.copy {
+            Some(copy) => {
+                let ready = compute.record_event(None).map_err(cuda)?;
+                copy.wait(&ready).map_err(cuda)?;
+                Ok(Arc::clone(copy))
+            }
+            None => Ok(Arc::clone(compute)),
+        }
     }
 
     /// Blocks the host until the stream has run everything queued so far,
@@ -486,9 +506,10 @@ impl<C: DeviceComm> ShardMemory<f32, C> for CudaMemory {
         range: Range<usize>,
         out: &mut [f32],
     ) -> Result<()> {
-        let Some(stream) = self.download_stream(buffer.len(), &range, out.len())? else {
+        let Some(compute) = self.download_stream(buffer.len(), &range, out.len())? else {
             return Ok(());
         };
+        let stream = self.transfer_stream(&compute)?;
         {
             let source = buffer.slice(range);
             let (src, _record) = source.device_ptr(&stream);
@@ -503,16 +524,20 @@ impl<C: DeviceComm> ShardMemory<f32, C> for CudaMemory {
     }
 
     /// A new buffer holding `values`, its copy from page-locked memory
-    /// queued on the compute stream (no drain first: it cannot block the
-    /// host) and waited for by `land`.
+    /// queued (no drain first: it cannot block the host) and waited for by
+    /// `land`. The buffer is allocated on the compute stream, which uses
+    /// and frees it; on a copy stream, the copy waits for the allocation
+    /// and the compute stream for the copy.
     unsafe fn upload_queued(&mut self, values: &[f32]) -> Result<CudaSlice<f32>> {
-        let stream = self.stream()?;
+        let compute = self.stream()?;
         if values.is_empty() {
             // As `alloc_zeroed`: one spare element no range reaches.
-            return stream.alloc_zeros(1).map_err(cuda);
+            return compute.alloc_zeros(1).map_err(cuda);
         }
-        // SAFETY: the copy below, first on the stream, writes every element.
-        let mut staged = unsafe { stream.alloc::<f32>(values.len()) }.map_err(cuda)?;
+        // SAFETY: the copy below, the first use of the buffer, writes
+        // every element.
+        let mut staged = unsafe { compute.alloc::<f32>(values.len()) }.map_err(cuda)?;
+        let stream = self.transfer_stream(&compute)?;
         {
             let (dst, _record) = staged.device_ptr_mut(&stream);
             // SAFETY: `dst` holds `values.len()` elements; `values` is
@@ -522,8 +547,20 @@ impl<C: DeviceComm> ShardMemory<f32, C> for CudaMemory {
                 .map_err(cuda)?;
         }
         let done = stream.record_event(None).map_err(cuda)?;
+        if self.copy.is_some() {
+            compute.wait(&done).map_err(cuda)?;
+        }
         self.transfers.queued(done, None, self.timeout)?;
         Ok(staged)
+    }
+
+    /// Offload's transfers on a stream of their own (see `transfer_stream`).
+    fn copy_stream(&mut self) -> Result<()> {
+        if self.copy.is_none() {
+            let stream = self.stream()?;
+            self.copy = Some(stream.context().new_stream().map_err(cuda)?);
+        }
+        Ok(())
     }
 
     fn landing(&mut self) -> Result<Option<Landing>> {
