@@ -17,11 +17,11 @@
 //! and stage 3 at one rank its step time over stage 2's. The bf16 GPT with
 //! its optimizer's side offloaded to host memory gives the step time over
 //! the plain one's (from page-locked shards, from pageable ones, on half
-//! the host's cores, and with the transfers on a stream of their own),
-//! where its host time goes (the step thread's
-//! waits for copies and stepping, the wait for its last buckets after
-//! backward, the write-back), and the largest model with offload over
-//! without, projected from the measured bytes per parameter.
+//! the host's cores, with the transfers on a stream of their own, and at
+//! four times the sequences per step), where its host time goes (the step
+//! thread's waits for copies and stepping, the wait for its last buckets
+//! after backward, the write-back), and the largest model with offload
+//! over without, projected from the measured bytes per parameter.
 
 use super::torch_peer::{run_gpt_peer, PeerArgs, PeerAttention, PeerDevice, PeerDtype};
 use super::Report;
@@ -48,6 +48,8 @@ const CONFIG: GptConfig = GptConfig {
     context: 256,
 };
 const BATCH: usize = 16;
+/// The offload's large-batch case: four times [`BATCH`].
+const LARGE_BATCH: usize = 4 * BATCH;
 const WARMUP: usize = 3;
 const STEPS: usize = 20;
 const SEED: u64 = 0;
@@ -156,11 +158,11 @@ pub fn run(report: &mut Report, part: Part) {
 
     // One case at a time, each dropped (and the device drained) before the
     // next is built, so that their memory does not overlap.
-    let case_with = |name: &str, ops: GptOps, dtype: DType, variant: Variant| match ours(
+    let case_on = |ids: &Tensor, name: &str, ops: GptOps, dtype: DType, variant: Variant| match ours(
         &device,
         &ctx,
         pool.as_ref(),
-        &ids,
+        ids,
         ops,
         dtype,
         variant,
@@ -170,6 +172,9 @@ pub fn run(report: &mut Report, part: Part) {
             eprintln!("gpu gpt benchmark: {name} failed: {e}");
             None
         }
+    };
+    let case_with = |name: &str, ops: GptOps, dtype: DType, variant: Variant| {
+        case_on(&ids, name, ops, dtype, variant)
     };
     let case =
         |name: &str, ops: GptOps, dtype: DType| case_with(name, ops, dtype, Variant::default());
@@ -261,6 +266,37 @@ pub fn run(report: &mut Report, part: Part) {
                 Some("<= 1.5"),
             );
             offload_breakdown(report, "offload_copy_stream", plain, &m);
+        }
+        // Four times the sequences per step: the GPU's work grows with
+        // them, offload's copies and host step do not (report; the goal is
+        // the figure above, at the suite's batch).
+        match random_ids(&device, LARGE_BATCH) {
+            Ok(large) => {
+                let large_plain = case_on(
+                    &large,
+                    "ours bf16, large batch",
+                    GptOps::Fused,
+                    DType::BF16,
+                    Variant::default(),
+                );
+                let large_offload = case_on(
+                    &large,
+                    "ours bf16 offload, large batch",
+                    GptOps::Fused,
+                    DType::BF16,
+                    offloaded,
+                );
+                if let (Some(plain), Some(offload)) = (large_plain, large_offload) {
+                    report.add(
+                        "gpu.gpt_bf16_large_batch_offload_step_over_plain",
+                        plain.tokens_per_s / offload.tokens_per_s,
+                        "ratio",
+                        None,
+                    );
+                    offload_breakdown(report, "large_batch_offload", &plain, &offload);
+                }
+            }
+            Err(e) => eprintln!("gpu gpt benchmark: no large batch on the GPU: {e}"),
         }
         // What the page-locked shards and the host's thread count are
         // worth: the same step from pageable memory, and on half the cores.
