@@ -36,6 +36,7 @@ use candle_nn::init::{FanInOut, NormalOrUniform};
 use candle_nn::var_builder::SimpleBackend;
 use candle_nn::{Init, VarBuilder, VarMap};
 use half::{bf16, f16};
+use rayon::prelude::*;
 use std::collections::HashMap;
 use std::ops::Range;
 use std::path::Path;
@@ -448,9 +449,11 @@ impl ShardedVarMap {
 }
 
 /// Fills `out` with elements `range` of `name` from `source`, through an
-/// f64 block at a time, each value rounded to the variable's `dtype` first
-/// (so that f32 master weights of a bf16 model hold the bf16 values, as
-/// when they are read from a whole bf16 variable).
+/// f64 block at a time (the blocks on rayon's pool: a source gives each
+/// element the same value whichever call asks), each value rounded to the
+/// variable's `dtype` first (so that f32 master weights of a bf16 model
+/// hold the bf16 values, as when they are read from a whole bf16
+/// variable).
 pub(crate) fn fill_from<D: Element>(
     source: &dyn ParamSource,
     (name, shape, init): (&str, &[usize], Init),
@@ -464,16 +467,19 @@ pub(crate) fn fill_from<D: Element>(
         DType::F32 => |v| f64::from(v as f32),
         _ => |v| v,
     };
-    let mut block = vec![0f64; BLOCK.min(out.len())];
-    for (k, chunk) in out.chunks_mut(BLOCK).enumerate() {
-        let start = range.start + k * BLOCK;
-        let staged = &mut block[..chunk.len()];
-        source.fill(name, shape, init, start..start + chunk.len(), staged)?;
-        for (d, &v) in chunk.iter_mut().zip(staged.iter()) {
-            *d = D::from_f64(round(v));
-        }
-    }
-    Ok(())
+    let len = BLOCK.min(out.len());
+    let staging = || vec![0f64; len];
+    out.par_chunks_mut(BLOCK)
+        .enumerate()
+        .try_for_each_init(staging, |block, (k, chunk)| {
+            let start = range.start + k * BLOCK;
+            let staged = &mut block[..chunk.len()];
+            source.fill(name, shape, init, start..start + chunk.len(), staged)?;
+            for (d, &v) in chunk.iter_mut().zip(staged.iter()) {
+                *d = D::from_f64(round(v));
+            }
+            Ok(())
+        })
 }
 
 fn filled<D: Element + WithDType>(
@@ -587,4 +593,41 @@ impl SimpleBackend for ShardedVarMap {
 /// in one statement).
 fn lock<V>(mutex: &Mutex<V>) -> MutexGuard<'_, V> {
     mutex.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Filled a block at a time on rayon's pool, from an offset that is
+    /// not a block's start: each element is the source's own, rounded to
+    /// the variable's dtype, wherever its block fell.
+    #[test]
+    fn a_range_over_many_blocks_holds_each_element_of_the_source() {
+        let source = SeededInit::new(7);
+        let shape = [5 * BLOCK + 123];
+        let init = Init::Randn {
+            mean: 0.0,
+            stdev: 1.0,
+        };
+        let range = 1000..shape[0];
+        let mut filled = vec![0f32; range.len()];
+        fill_from(
+            &source,
+            ("w", &shape, init),
+            range.clone(),
+            DType::BF16,
+            &mut filled,
+        )
+        .expect("filled");
+        let mut one = [0f64];
+        for (i, &got) in range.clone().zip(&filled).step_by(997) {
+            source
+                .fill("w", &shape, init, i..i + 1, &mut one)
+                .expect("one element");
+            let want = <bf16 as Element>::from_f64(one[0]).to_f64() as f32;
+            assert_eq!(got, want, "element {i}");
+        }
+        assert!(filled.iter().any(|&v| v != filled[0]), "not one value");
+    }
 }
