@@ -469,17 +469,28 @@ pub(crate) fn fill_from<D: Element>(
     };
     let len = BLOCK.min(out.len());
     let staging = || vec![0f64; len];
+    let fill_block = |block: &mut Vec<f64>, (k, chunk): (usize, &mut [D])| {
+        let start = range.start + k * BLOCK;
+        let staged = &mut block[..chunk.len()];
+        source.fill(name, shape, init, start..start + chunk.len(), staged)?;
+        for (d, &v) in chunk.iter_mut().zip(staged.iter()) {
+            *d = D::from_f64(round(v));
+        }
+        Ok(())
+    };
+    // On the pool's own threads (a caller already in a parallel loop,
+    // perhaps holding a lock another of its tasks takes) or for one block:
+    // here, in order.
+    if rayon::current_thread_index().is_some() || out.len() <= BLOCK {
+        let mut block = staging();
+        return out
+            .chunks_mut(BLOCK)
+            .enumerate()
+            .try_for_each(|chunk| fill_block(&mut block, chunk));
+    }
     out.par_chunks_mut(BLOCK)
         .enumerate()
-        .try_for_each_init(staging, |block, (k, chunk)| {
-            let start = range.start + k * BLOCK;
-            let staged = &mut block[..chunk.len()];
-            source.fill(name, shape, init, start..start + chunk.len(), staged)?;
-            for (d, &v) in chunk.iter_mut().zip(staged.iter()) {
-                *d = D::from_f64(round(v));
-            }
-            Ok(())
-        })
+        .try_for_each_init(staging, fill_block)
 }
 
 fn filled<D: Element + WithDType>(
