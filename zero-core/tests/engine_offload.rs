@@ -523,47 +523,33 @@ fn checkpoints_resume_across_offload_on_and_off() {
 #[test]
 fn offload_is_refused_where_it_cannot_be_with_what_to_do() {
     let model = Synthetic::medium();
-    let errors = run(1, |comm| {
-        let host = Engine::new(
-            comm,
-            model.infos(),
-            make_opt(Opt::Adam, false),
-            EngineConfig::default().with_offload(Offload::Optimizer, 0),
-        );
-        Ok(host.err().map(|e| e.to_string()))
-    });
-    let err = errors[0].as_ref().expect("refused on host memory");
+    // The error building an engine over host memory, or over the offload
+    // wrapper (`device`), with `config`.
+    let refused = |device: bool, config: EngineConfig| {
+        let errors = run(1, |comm| {
+            let opt = make_opt(Opt::Adam, false);
+            let built = if device {
+                let memory = Offloaded::new(HostMemory);
+                Engine::with_memory(comm, memory, model.infos(), opt, config.clone()).map(drop)
+            } else {
+                Engine::new(comm, model.infos(), opt, config.clone()).map(drop)
+            };
+            Ok(built.err().map(|e| e.to_string()))
+        });
+        errors[0].clone().expect("refused")
+    };
+    let offload = EngineConfig::default().with_offload(Offload::Optimizer, 0);
+    // Host memory has nothing to offload.
+    let err = refused(false, offload.clone());
     assert!(err.contains("NCCL") && err.contains("host memory"), "{err}");
     // Stage 0 has no shard to offload.
-    let errors = run(1, |comm| {
-        let e = Engine::with_memory(
-            comm,
-            Offloaded::new(HostMemory),
-            model.infos(),
-            make_opt(Opt::Adam, false),
-            EngineConfig::default()
-                .with_stage(Stage::Ddp)
-                .with_offload(Offload::Optimizer, 0),
-        );
-        Ok(e.err().map(|e| e.to_string()))
-    });
-    let err = errors[0].as_ref().expect("refused");
+    let err = refused(true, offload.with_stage(Stage::Ddp));
     assert!(
         err.contains("offload") && err.contains("stage 1, 2 or 3"),
         "{err}"
     );
     // A copy stream for transfers there are none of.
-    let errors = run(1, |comm| {
-        let e = Engine::with_memory(
-            comm,
-            Offloaded::new(HostMemory),
-            model.infos(),
-            make_opt(Opt::Adam, false),
-            EngineConfig::default().with_offload_copy_stream(true),
-        );
-        Ok(e.err().map(|e| e.to_string()))
-    });
-    let err = errors[0].as_ref().expect("refused");
+    let err = refused(true, EngineConfig::default().with_offload_copy_stream(true));
     assert!(
         err.contains("offload is off") && err.contains("turn offload on"),
         "{err}"

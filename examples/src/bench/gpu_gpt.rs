@@ -247,45 +247,60 @@ pub fn run(report: &mut Report, part: Part) {
         // wait for its last buckets after backward, and the write-back.
         offload_breakdown(report, "offload", plain, offload);
         offload_capacity(report, &ctx, plain, offload);
+        // A variant of the offloaded case: its step over the plain one's
+        // as figure `gpu.gpt_bf16_offload_{figure}_step_over_plain`.
+        let offload_case = |report: &mut Report, name: &str, figure: &str, variant: Variant| {
+            let m = case_with(name, GptOps::Fused, DType::BF16, variant)?;
+            report.add(
+                &format!("gpu.gpt_bf16_offload_{figure}_step_over_plain"),
+                plain.tokens_per_s / m.tokens_per_s,
+                "ratio",
+                None,
+            );
+            Some(m)
+        };
         // The transfers on a stream of their own: a bucket's copy down
         // beside backward's kernels instead of between them.
         let copy_stream = Variant {
             copy_stream: true,
             ..offloaded
         };
-        if let Some(m) = case_with(
+        if let Some(m) = offload_case(
+            report,
             "ours bf16 offload, copy stream",
-            GptOps::Fused,
-            DType::BF16,
+            "copy_stream",
             copy_stream,
         ) {
-            report.add(
-                "gpu.gpt_bf16_offload_copy_stream_step_over_plain",
-                plain.tokens_per_s / m.tokens_per_s,
-                "ratio",
-                Some("<= 1.5"),
-            );
             offload_breakdown(report, "offload_copy_stream", plain, &m);
         }
+        // What the page-locked shards and the host's thread count are
+        // worth: the same step from pageable memory, and on half the cores.
+        let pageable = Variant {
+            pageable: true,
+            ..offloaded
+        };
+        offload_case(report, "ours bf16 offload pageable", "pageable", pageable);
+        let cores = std::thread::available_parallelism().map_or(2, usize::from);
+        let half_cores = Variant {
+            offload_threads: (cores / 2).max(1),
+            ..offloaded
+        };
+        offload_case(
+            report,
+            "ours bf16 offload, half the cores",
+            "half_cores",
+            half_cores,
+        );
         // Four times the sequences per step: the GPU's work grows with
         // them, offload's copies and host step do not (report; the goal is
-        // the figure above, at the suite's batch).
+        // the figure at the suite's batch).
         match random_ids(&device, LARGE_BATCH) {
             Ok(large) => {
-                let large_plain = case_on(
-                    &large,
-                    "ours bf16, large batch",
-                    GptOps::Fused,
-                    DType::BF16,
-                    Variant::default(),
-                );
-                let large_offload = case_on(
-                    &large,
-                    "ours bf16 offload, large batch",
-                    GptOps::Fused,
-                    DType::BF16,
-                    offloaded,
-                );
+                let bf16 = |name: &str, variant: Variant| {
+                    case_on(&large, name, GptOps::Fused, DType::BF16, variant)
+                };
+                let large_plain = bf16("ours bf16, large batch", Variant::default());
+                let large_offload = bf16("ours bf16 offload, large batch", offloaded);
                 if let (Some(plain), Some(offload)) = (large_plain, large_offload) {
                     report.add(
                         "gpu.gpt_bf16_large_batch_offload_step_over_plain",
@@ -297,43 +312,6 @@ pub fn run(report: &mut Report, part: Part) {
                 }
             }
             Err(e) => eprintln!("gpu gpt benchmark: no large batch on the GPU: {e}"),
-        }
-        // What the page-locked shards and the host's thread count are
-        // worth: the same step from pageable memory, and on half the cores.
-        let pageable = Variant {
-            pageable: true,
-            ..offloaded
-        };
-        if let Some(m) = case_with(
-            "ours bf16 offload pageable",
-            GptOps::Fused,
-            DType::BF16,
-            pageable,
-        ) {
-            report.add(
-                "gpu.gpt_bf16_offload_pageable_step_over_plain",
-                plain.tokens_per_s / m.tokens_per_s,
-                "ratio",
-                None,
-            );
-        }
-        let cores = std::thread::available_parallelism().map_or(2, usize::from);
-        let half_cores = Variant {
-            offload_threads: (cores / 2).max(1),
-            ..offloaded
-        };
-        if let Some(m) = case_with(
-            "ours bf16 offload, half the cores",
-            GptOps::Fused,
-            DType::BF16,
-            half_cores,
-        ) {
-            report.add(
-                "gpu.gpt_bf16_offload_half_cores_step_over_plain",
-                plain.tokens_per_s / m.tokens_per_s,
-                "ratio",
-                None,
-            );
         }
     }
 
