@@ -84,11 +84,12 @@ if [[ "$what" == all || "$what" == train ]]; then
                     --precision "$precision" --steps 20
             done
         done
-        # ZeRO-Offload: the optimizer's side in host memory.
+        # ZeRO-Offload: the optimizer's side in host memory (stepped after
+        # backward here; each bucket as it lands is the default below).
         for precision in f32 bf16; do
             run "train-$model-s2-$precision-offload" env RANK=0 WORLD_SIZE=1 \
                 "$unpacked/train" --backend nccl --model "$model" --stage 2 \
-                --precision "$precision" --offload optimizer --steps 20
+                --precision "$precision" --offload optimizer --overlap after-backward --steps 20
         done
         run "train-$model-s2-bf16-offload-interleaved" env RANK=0 WORLD_SIZE=1 \
             "$unpacked/train" --backend nccl --model "$model" --stage 2 --precision bf16 \

@@ -622,6 +622,40 @@ fn offloaded_shards_are_page_locked_unless_the_user_says_not_to() {
     assert!(engine_config(&args(&copy_stream)).offload_copy_stream);
 }
 
+/// Offloaded at stage 1 or 2, the host steps each bucket as it lands
+/// unless told otherwise or clipping needs every gradient first.
+#[test]
+fn offload_steps_buckets_as_they_land_unless_asked_otherwise() {
+    use zero_core::engine::Overlap;
+    use zero_examples::trainer::engine_config;
+    let overlap = |flags: &[&str]| engine_config(&args(flags)).overlap;
+    let offload = ["--backend", "nccl", "--offload", "optimizer"];
+    for stage in ["1", "2"] {
+        let flags = [&offload[..], &["--stage", stage]].concat();
+        assert_eq!(overlap(&flags), Overlap::Interleaved, "stage {stage}");
+    }
+    let cases: [&[&str]; 5] = [
+        &[],
+        &["--stage", "2"],
+        &[
+            "--stage",
+            "3",
+            "--backend",
+            "nccl",
+            "--offload",
+            "optimizer",
+        ],
+        &[&offload[..], &["--clip-norm", "1.0"]].concat(),
+        &[&offload[..], &["--overlap", "after-backward"]].concat(),
+    ];
+    for flags in cases {
+        assert_eq!(overlap(flags), Overlap::AfterBackward, "{flags:?}");
+    }
+    // The norm is there to report only when every gradient is.
+    assert!(!engine_config(&args(&offload)).compute_grad_norm);
+    assert!(engine_config(&args(&[])).compute_grad_norm);
+}
+
 #[test]
 fn a_copy_stream_without_offload_is_a_usage_error() {
     let argv = ["train", "--quiet", "--offload-copy-stream"];

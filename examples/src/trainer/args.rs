@@ -201,9 +201,12 @@ pub struct Args {
     /// buffer holds, all ranks' chunks together.
     #[arg(long, default_value_t = 4.0)]
     pub bucket_mb: f64,
-    /// When gradient reductions run: overlapped with backward or after it.
-    #[arg(long, value_enum, default_value_t = OverlapArg::AfterBackward)]
-    pub overlap: OverlapArg,
+    /// When gradient reductions run: overlapped with backward or after it
+    /// [default: interleaved with `--offload optimizer` at stage 1 or 2
+    /// without clipping or loss scaling (the host steps each bucket as it
+    /// lands, beside backward), after-backward otherwise].
+    #[arg(long, value_enum)]
+    pub overlap: Option<OverlapArg>,
     /// Stages 1 and 2: leave a step's all-gathers running after it returns;
     /// each layer of the next forward waits for its own parameters, so the
     /// gathers hide behind that forward.

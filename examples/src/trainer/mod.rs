@@ -388,14 +388,14 @@ fn validate(args: &Args) -> Result<(), TrainError> {
             args.bucket_mb
         )));
     }
-    if args.overlap == OverlapArg::Interleaved && args.clip_norm.is_some() {
+    if args.overlap == Some(OverlapArg::Interleaved) && args.clip_norm.is_some() {
         return Err(TrainError::Usage(
             "--overlap interleaved steps each bucket before the other gradients exist, so it \
              cannot clip by the global norm; drop --clip-norm or use --overlap after-backward"
                 .into(),
         ));
     }
-    if args.defer_gathers && (args.stage == 0 || args.overlap == OverlapArg::None) {
+    if args.defer_gathers && (args.stage == 0 || overlap(args) == OverlapArg::None) {
         return Err(TrainError::Usage(
             "--defer-gathers defers the all-gathers of stages 1 and 2 after an overlapped step; \
              use it with --stage 1 or 2 and --overlap after-backward or interleaved"
@@ -425,7 +425,7 @@ fn validate(args: &Args) -> Result<(), TrainError> {
             args.temperature
         )));
     }
-    if loss_scale(args)? != LossScale::None && args.overlap == OverlapArg::Interleaved {
+    if loss_scale(args)? != LossScale::None && args.overlap == Some(OverlapArg::Interleaved) {
         return Err(TrainError::Usage(
             "loss scaling (--loss-scale, on by default for --precision f16) decides after \
              backward whether to step; --overlap interleaved steps during backward: use \
@@ -499,6 +499,23 @@ fn loss_scale(args: &Args) -> Result<LossScale, TrainError> {
     Ok(scale)
 }
 
+/// The schedule: `--overlap`, or where it is not given, interleaved for
+/// an offloaded stage 1 or 2 without clipping or loss scaling (the host
+/// steps each bucket as it lands, beside backward, instead of all of them
+/// after it), after-backward otherwise.
+pub fn overlap(args: &Args) -> OverlapArg {
+    args.overlap.unwrap_or({
+        let steps_early = args.offload == OffloadArg::Optimizer
+            && matches!(args.stage, 1 | 2)
+            && args.clip_norm.is_none()
+            && loss_scale(args).unwrap_or_default() == LossScale::None;
+        match steps_early {
+            true => OverlapArg::Interleaved,
+            false => OverlapArg::AfterBackward,
+        }
+    })
+}
+
 /// The engine configuration the flags describe.
 pub fn engine_config(args: &Args) -> EngineConfig {
     let mut config = EngineConfig::default()
@@ -518,13 +535,13 @@ pub fn engine_config(args: &Args) -> EngineConfig {
         })
         .with_bucket_bytes(((args.bucket_mb * (1 << 20) as f64) as usize).max(1))
         .with_grad_accum_steps(args.grad_accum as usize)
-        .with_overlap(match args.overlap {
+        .with_overlap(match overlap(args) {
             OverlapArg::None => Overlap::None,
             OverlapArg::AfterBackward => Overlap::AfterBackward,
             OverlapArg::Interleaved => Overlap::Interleaved,
         })
         // The norm needs every gradient: the interleaved schedule has none.
-        .with_grad_norm(args.overlap != OverlapArg::Interleaved)
+        .with_grad_norm(overlap(args) != OverlapArg::Interleaved)
         // Validated by `run` before any rank starts.
         .with_loss_scale(loss_scale(args).unwrap_or_default())
         .with_reduce_in_param_dtype(args.reduce_in_param_dtype)
