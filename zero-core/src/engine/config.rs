@@ -454,7 +454,9 @@ impl EngineConfig {
 
     /// Stages 1 and 2 on a device memory: the optimizer's side in host
     /// memory (see [`EngineConfig::offload`]), stepped on `threads` threads
-    /// (`0`: rayon's global pool).
+    /// (`0`: rayon's global pool). With [`Overlap::Interleaved`] (no
+    /// clipping, no loss scaling) the host steps each bucket as it lands,
+    /// beside backward; otherwise all of them after it.
     pub fn with_offload(mut self, offload: Offload, threads: usize) -> Self {
         self.offload = offload;
         self.offload_threads = threads;
