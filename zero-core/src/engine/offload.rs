@@ -475,7 +475,8 @@ fn collective<T: Element, C: Communicator, D: ShardMemory<T, C>>(
                 // (whose unlock waits for queued copies), its length is fixed,
                 // and `OffloadMemory` lands before it touches host memory
                 // (`land_for`), as the engine does before it reads a host
-                // shard itself.
+                // shard itself; the offload's step thread reads a bucket
+                // only after a landing taken once its copy was queued.
                 unsafe { device.download_queued(staged, 0..n, values.range_mut(recv_range)) }
             } else {
                 device.download(&staged, 0..n, values.range_mut(recv_range))
