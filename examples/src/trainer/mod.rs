@@ -504,14 +504,15 @@ fn loss_scale(args: &Args) -> Result<LossScale, TrainError> {
 /// steps each bucket as it lands, beside backward, instead of all of them
 /// after it), after-backward otherwise.
 pub fn overlap(args: &Args) -> OverlapArg {
-    args.overlap.unwrap_or({
+    args.overlap.unwrap_or_else(|| {
         let steps_early = args.offload == OffloadArg::Optimizer
             && matches!(args.stage, 1 | 2)
             && args.clip_norm.is_none()
             && loss_scale(args).unwrap_or_default() == LossScale::None;
-        match steps_early {
-            true => OverlapArg::Interleaved,
-            false => OverlapArg::AfterBackward,
+        if steps_early {
+            OverlapArg::Interleaved
+        } else {
+            OverlapArg::AfterBackward
         }
     })
 }
