@@ -87,10 +87,10 @@ pub(super) fn pin(
 
 /// Copies in flight before the host waits for the oldest: offload's device
 /// side holds at most this many staged buckets more than without queueing,
-/// and the host is at most this many copies ahead of the device (the copies
-/// share the compute stream, so this bounds how far backward's launches run
-/// ahead of the GPU: 8 default buckets are a few milliseconds of a GPT's
-/// backward).
+/// and the host is at most this many copies ahead of the device (each copy
+/// follows the compute stream's work queued before it, so this bounds how
+/// far backward's launches run ahead of the GPU: 8 default buckets are a
+/// few milliseconds of a GPT's backward).
 const IN_FLIGHT: usize = 8;
 
 const LANDING: &str = "offload: copying between host and device memory";
