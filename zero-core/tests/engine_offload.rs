@@ -307,12 +307,16 @@ fn offload_keeps_the_f32_masters_of_a_bf16_model_in_host_memory() {
     }
 }
 
+/// What a [`Watched`] optimizer runs before each step, given the pieces.
+type BeforeStep = Box<dyn Fn(&[ParamMut<'_, f64>]) + Send>;
+
 /// An optimizer that counts its steps and records, at each, how many
-/// gradients the test had handed over by then.
+/// gradients the test had handed over by then; and runs `before` first.
 struct Watched {
     inner: Box<dyn FunctionalOptimizer<f64>>,
     handed: Arc<AtomicUsize>,
     seen: Arc<Mutex<Vec<usize>>>,
+    before: Option<BeforeStep>,
 }
 
 impl FunctionalOptimizer<f64> for Watched {
@@ -320,6 +324,9 @@ impl FunctionalOptimizer<f64> for Watched {
         self.inner.kind()
     }
     fn step(&mut self, params: &mut [ParamMut<'_, f64>], grads: &[Option<&[f64]>]) -> Result<()> {
+        if let Some(before) = &self.before {
+            before(params);
+        }
         let handed = self.handed.load(Ordering::SeqCst);
         self.seen.lock().expect("no panic").push(handed);
         self.inner.step(params, grads)
@@ -376,6 +383,7 @@ fn the_host_steps_buckets_as_they_land_not_after_the_whole_gradient() {
                     inner: make_opt(Opt::Adam, false),
                     handed: handed.clone(),
                     seen: seen.clone(),
+                    before: None,
                 }),
                 config(Stage::Gradients, Overlap::Interleaved, 1)
                     .with_offload(Offload::Optimizer, 1),
@@ -468,6 +476,93 @@ fn the_host_steps_buckets_as_they_land_not_after_the_whole_gradient() {
         });
         assert_eq!(trained, after, "inline {inline}");
     }
+}
+
+/// After backward, offload's step thread goes on with its last buckets
+/// while the write-back takes each bucket it has stepped: in every step,
+/// weights are on their way to the device before the last bucket is
+/// stepped (a write-back that waited for every bucket first would leave the
+/// held step below waiting out its 5 s). The weights are those of the
+/// after-backward schedule, bit for bit, and no upload's source changed
+/// before it landed.
+#[test]
+fn the_write_back_takes_each_bucket_as_the_step_thread_steps_it() {
+    let model = Synthetic::medium();
+    let (steps, last) = (3, model.infos()[0].name.clone());
+    let device = Arc::new(Mutex::new(Seen::default()));
+    // Uploads queued before this step, and per step those queued by the
+    // time its last bucket stepped.
+    let mark = Arc::new(AtomicUsize::new(0));
+    let early_uploads = Arc::new(Mutex::new(Vec::new()));
+    let trained = run(1, |comm| {
+        let (watched, since, early_uploads, last) = (
+            device.clone(),
+            mark.clone(),
+            early_uploads.clone(),
+            last.clone(),
+        );
+        // The first parameter's gradient comes last: its bucket is stepped
+        // last, once this step's first weights are queued (or at 5 s).
+        let hold: BeforeStep = Box::new(move |params| {
+            if !params.iter().any(|p| p.key.name == last) {
+                return;
+            }
+            let uploads = || watched.lock().expect("no panic").queued_uploads;
+            let since = since.load(Ordering::SeqCst);
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while uploads() <= since && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            early_uploads
+                .lock()
+                .expect("no panic")
+                .push(uploads() - since);
+        });
+        let mut e = Engine::with_memory(
+            comm,
+            OffloadMemory::new(PlanCheck::new(device.clone(), true)),
+            model.infos(),
+            Box::new(Watched {
+                inner: make_opt(Opt::Adam, false),
+                handed: Arc::default(),
+                seen: Arc::default(),
+                before: Some(hold),
+            }),
+            config(Stage::Gradients, Overlap::Interleaved, 1).with_offload(Offload::Optimizer, 1),
+        )?;
+        let mut params = model.init();
+        for step in 0..steps {
+            mark.store(
+                device.lock().expect("no panic").queued_uploads,
+                Ordering::SeqCst,
+            );
+            hooked_micro_step(&mut e, &model.grads(&params, 0, step), &mut params)?;
+        }
+        Ok(params)
+    });
+    let early_uploads = early_uploads.lock().expect("no panic");
+    assert_eq!(early_uploads.len(), steps, "{early_uploads:?}");
+    assert!(
+        early_uploads.iter().all(|&n| n > 0),
+        "the write-back waited for the last bucket's step: uploads queued before it, per step: \
+         {early_uploads:?}"
+    );
+    assert_eq!(device.lock().expect("no panic").changed_uploads, 0);
+    let after = run(1, |comm| {
+        let mut e = Engine::with_memory(
+            comm,
+            OffloadMemory::new(PlanCheck::new(Arc::default(), true)),
+            model.infos(),
+            make_opt(Opt::Adam, false),
+            EngineConfig::default()
+                .with_stage(Stage::Gradients)
+                .with_bucket_bytes(96)
+                .with_offload(Offload::Optimizer, 1),
+        )?;
+        let (_, _, params) = train_from(&mut e, &model, Path::Hooked, 1, model.init(), (0, steps))?;
+        Ok(params)
+    });
+    assert_eq!(trained, after);
 }
 
 /// An offloaded run's checkpoint resumes without offload, and the other

@@ -126,14 +126,71 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                 &mut send,
             )
             .and_then(|()| {
-                let (n, all) = (layout.buckets[k].len(), layout.bucket_range(k).len());
-                self.memory
-                    .all_gather_as(&*self.comm, &send, 0..n, &mut recv, 0..all, dtype)
-            })
-            .and_then(|()| {
-                let copies = bucket_copies(layout, &self.mask.active, k);
-                self.memory.write_params(params, &copies, &recv)
+                gather_into_replica(
+                    &mut self.memory,
+                    &*self.comm,
+                    params,
+                    (&send, &mut recv, dtype),
+                    (layout, &self.mask.active, k),
+                )
             });
+            if outcome.is_err() {
+                break;
+            }
+        }
+        self.buffers.pool.push(recv);
+        outcome
+    }
+
+    /// Offload's step thread still stepping after backward (see
+    /// [`Engine::finish_pass_stepping`]): each active bucket's weights go
+    /// up, are all-gathered and written into the replica as soon as the
+    /// thread has stepped it, while it steps the next ones, so the
+    /// write-back overlaps the last steps instead of following them.
+    /// `Ok(true)` once every active bucket is written; `Ok(false)` at the
+    /// first bucket the thread does not step (its gradient came after its
+    /// bucket was reduced, or the thread failed): then the caller steps and
+    /// writes back as without the thread (writing the buckets before it
+    /// again, which changes nothing).
+    pub(super) fn write_back_as_stepped(&mut self, params: &mut M::Params<'_>) -> Result<bool> {
+        let mut send = self.memory.alloc_zeroed(self.longest_chunk())?;
+        // Overwritten whole by each gather: no need to zero.
+        let (mut recv, _) = super::reduce::take_shortest(
+            &mut self.memory,
+            &mut self.buffers.pool,
+            self.plan.longest_bucket,
+        )?;
+        let dtype = self.gather_dtype();
+        let layout = &self.plan.layout;
+        let mut outcome = Ok(true);
+        for k in 0..layout.buckets.len() {
+            if !self.mask.bucket_active[k] {
+                continue;
+            }
+            let Some(steps) = self.host_steps.as_mut() else {
+                outcome = Ok(false);
+                break;
+            };
+            let shard = match (steps.wait_stepped(k), steps.params()) {
+                (true, Some(shard)) => shard,
+                _ => {
+                    outcome = Ok(false);
+                    break;
+                }
+            };
+            outcome = self
+                .memory
+                .copy_range(&mut send, 0, shard, layout.buckets[k].clone(), false)
+                .and_then(|()| {
+                    gather_into_replica(
+                        &mut self.memory,
+                        &*self.comm,
+                        params,
+                        (&send, &mut recv, dtype),
+                        (layout, &self.mask.active, k),
+                    )
+                })
+                .map(|()| true);
             if outcome.is_err() {
                 break;
             }
@@ -566,6 +623,26 @@ fn copies_from(copies: &[ParamCopy], start: usize) -> Vec<ParamCopy> {
             ..c.clone()
         })
         .collect()
+}
+
+/// All-gathers bucket `k` (`active` parameters of `layout`) from this
+/// rank's stepped chunk in `send` into `recv`, in the `wire` dtype, and
+/// writes it into the replica.
+fn gather_into_replica<T, C, M>(
+    memory: &mut M,
+    comm: &C,
+    params: &mut M::Params<'_>,
+    (send, recv, wire): (&M::Buffer, &mut M::Buffer, DType),
+    (layout, active, k): (&Layout, &[bool], usize),
+) -> Result<()>
+where
+    T: Element,
+    C: Communicator,
+    M: ShardMemory<T, C>,
+{
+    let (n, all) = (layout.buckets[k].len(), layout.bucket_range(k).len());
+    memory.all_gather_as(comm, send, 0..n, recv, 0..all, wire)?;
+    memory.write_params(params, &bucket_copies(layout, active, k), recv)
 }
 
 /// Where bucket `k`'s active parameters lie in the gathered bucket.

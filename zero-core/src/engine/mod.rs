@@ -128,6 +128,10 @@ pub struct Engine<T: Element, C: Communicator, M: ShardMemory<T, C> = HostMemory
     window: AccumulationWindow,
     /// The backward pass whose gradients are being handed over.
     pass: Option<pass::BackwardPass<T, M::Buffer>>,
+    /// Offload's step thread, still stepping its last buckets after
+    /// backward, with the optimizer and both shards, until the write-back
+    /// has taken them (`Engine::finish_pass_stepping`).
+    host_steps: Option<Box<reduce::HostSteps<T, M::Buffer>>>,
     progress: ReductionProgress,
     /// Offload's host times (see [`OffloadTimes`]).
     offload_times: OffloadTimes,
@@ -288,6 +292,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                 ..AccumulationWindow::default()
             },
             pass: None,
+            host_steps: None,
             progress: ReductionProgress::default(),
             offload_times: OffloadTimes::default(),
             steps: 0,

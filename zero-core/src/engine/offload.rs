@@ -16,8 +16,9 @@
 //! they are: each bucket's part lands in host memory as backward fills it;
 //! with the interleaved schedule the host steps it at once (on the
 //! communication thread, or, on a device without one, on a step thread of
-//! the pass: [`ShardMemory::host_stepper`]), otherwise bucket by bucket
-//! after backward while earlier buckets are all-gathered. Without offload
+//! the pass: [`ShardMemory::host_stepper`], whose buckets go back up as
+//! soon as each is stepped, while it steps the rest), otherwise bucket by
+//! bucket after backward while earlier buckets are all-gathered. Without offload
 //! every buffer is on the device and every call goes straight to the device
 //! memory.
 //!
@@ -71,12 +72,12 @@ pub struct OffloadTimes {
     pub landing: std::time::Duration,
     /// The step thread, stepping buckets.
     pub stepping: std::time::Duration,
-    /// The calling thread, waiting at the end of backward for the step
-    /// thread's last buckets.
+    /// The calling thread, after backward, waiting for the step thread:
+    /// for each bucket to write back to be stepped, and at the end.
     pub join: std::time::Duration,
     /// The calling thread, writing the stepped weights back into the model
     /// (queuing the uploads, gathers and copies, and waiting where too many
-    /// copies are in flight).
+    /// copies are in flight), its waits for the step thread apart.
     pub write_back: std::time::Duration,
 }
 
@@ -135,17 +136,31 @@ impl<T> HostBuffer<T> {
     }
 
     /// The elements `range`, without borrowing the rest of the buffer: a
-    /// [`HostRegion`] of it lent to another thread may be touching other
+    /// [`HostRegion`] of it lent to another thread may be writing other
     /// ranges meanwhile.
     ///
     /// # Panics
     /// If `range` is not within the buffer.
+    pub fn range(&self, range: Range<usize>) -> &[T] {
+        self.check(&range);
+        // `Vec::as_ptr` makes no reference to the whole vector's elements.
+        let start = self
+            .values
+            .as_ptr()
+            .wrapping_add(self.range.start + range.start);
+        // SAFETY: within `values` (checked above); a region's holder writes
+        // only the ranges handed to it (`HostRegion::range_mut`), never one
+        // read here.
+        unsafe { std::slice::from_raw_parts(start, range.len()) }
+    }
+
+    /// The elements `range`, mutably, without borrowing the rest of the
+    /// buffer (see [`HostBuffer::range`]).
+    ///
+    /// # Panics
+    /// If `range` is not within the buffer.
     pub fn range_mut(&mut self, range: Range<usize>) -> &mut [T] {
-        assert!(
-            range.start <= range.end && range.end <= self.range.len(),
-            "range {range:?} of a host buffer of {}",
-            self.range.len()
-        );
+        self.check(&range);
         // `Vec::as_mut_ptr` makes no reference to the whole vector's
         // elements, so the ranges lent through a region stay valid.
         let start = self
@@ -157,6 +172,14 @@ impl<T> HostBuffer<T> {
         // only the ranges handed to it (`HostRegion::range_mut`), never
         // this one.
         unsafe { std::slice::from_raw_parts_mut(start, range.len()) }
+    }
+
+    fn check(&self, range: &Range<usize>) {
+        assert!(
+            range.start <= range.end && range.end <= self.range.len(),
+            "range {range:?} of a host buffer of {}",
+            self.range.len()
+        );
     }
 
     /// A [`HostRegion`] over the whole buffer, for another thread to touch
@@ -435,14 +458,15 @@ fn upload<T: Element, C: Communicator, D: ShardMemory<T, C>>(
     if values.is_pinned() {
         // SAFETY: `values` is locked by this device's `pin_host` (whose unlock
         // waits for queued copies), its length is fixed, and nothing writes
-        // it on the host before the copy lands: `OffloadMemory` lands before
-        // it writes host memory (`land_for`), and the step thread steps a
-        // bucket after a landing taken once the bucket was reduced, behind
-        // this copy.
-        unsafe { device.upload_queued(&values[range]) }
+        // `range` on the host before the copy lands: `OffloadMemory` lands
+        // before it writes host memory (`land_for`), and the step thread
+        // writes no bucket of the parameter shard after reporting it
+        // stepped, until a landing taken once the bucket was reduced in the
+        // next pass, behind this copy.
+        unsafe { device.upload_queued(values.range(range)) }
     } else {
         let mut staged = device.alloc_zeroed(range.len())?;
-        device.buffer_from_host(&mut staged, 0, &values[range])?;
+        device.buffer_from_host(&mut staged, 0, values.range(range))?;
         Ok(staged)
     }
 }
@@ -636,7 +660,7 @@ impl<T: Element, C: Communicator, D: ShardMemory<T, C>> ShardMemory<T, C> for Of
                 self.device.copy_range(d, dst_at, s, src_range, add)
             }
             (Placed::Host(d), Placed::Host(s)) => {
-                host_copy(d.range_mut(dst_at..dst_at + n), &s[src_range], add);
+                host_copy(d.range_mut(dst_at..dst_at + n), s.range(src_range), add);
                 Ok(())
             }
             (Placed::Host(d), Placed::Device(s)) => {
@@ -646,12 +670,12 @@ impl<T: Element, C: Communicator, D: ShardMemory<T, C>> ShardMemory<T, C> for Of
                 Ok(())
             }
             (Placed::Device(d), Placed::Host(s)) if !add => {
-                self.device.buffer_from_host(d, dst_at, &s[src_range])
+                self.device.buffer_from_host(d, dst_at, s.range(src_range))
             }
             (Placed::Device(d), Placed::Host(s)) => {
                 let mut staged = self.device.alloc_zeroed(n)?;
                 self.device
-                    .buffer_from_host(&mut staged, 0, &s[src_range])?;
+                    .buffer_from_host(&mut staged, 0, s.range(src_range))?;
                 self.device.copy_range(d, dst_at, &staged, 0..n, true)
             }
         }
@@ -1055,13 +1079,6 @@ impl<T: Element, C: Communicator, D: ShardMemory<T, C>> ShardMemory<T, C> for Of
     fn host_region(buffer: &mut Self::Buffer) -> Option<HostRegion<T>> {
         match buffer {
             Placed::Host(values) => Some(values.region()),
-            Placed::Device(_) => None,
-        }
-    }
-
-    fn host_slice_mut(buffer: &mut Self::Buffer) -> Option<&mut [T]> {
-        match buffer {
-            Placed::Host(values) => Some(values),
             Placed::Device(_) => None,
         }
     }

@@ -37,7 +37,6 @@ use crate::comm::{Communicator, ReduceOp};
 use crate::{Element, Error, Result};
 use std::ops::Range;
 use std::sync::{mpsc, Arc};
-use std::time::Instant;
 
 /// Bucket buffers a backward pass holds (being filled, or queued on the
 /// communication thread) before it waits for a queued one to come back
@@ -311,6 +310,7 @@ where
                     (Some(early), Some(stepper), Some(region)) => {
                         Some(Box::new(start_host_steps::<T, C, M>(
                             early,
+                            self.memory.alloc_zeroed(0)?,
                             stepper,
                             self.plan.layout.buckets.clone(),
                             region,
@@ -749,7 +749,7 @@ where
                 }
                 // Interleaved (offload): the reduced gradients are on their
                 // way into the host shard; the step thread waits for them.
-                if let (true, Some(steps), Ok(())) = (job.step, steps.as_ref(), &*result) {
+                if let (true, Some(steps), Ok(())) = (job.step, steps.as_mut(), &*result) {
                     *result = self
                         .memory
                         .landing()
@@ -797,11 +797,28 @@ where
     /// bucket left, adds the late gradients, waits for every reduction and
     /// takes the buffers back. `Ok(true)` if a pass was open.
     pub(super) fn finish_pass(&mut self, grads: Option<&[Option<M::Grad<'_>>]>) -> Result<bool> {
+        let finished = self.finish_pass_stepping(grads);
+        let stepped = self.finish_host_steps();
+        let opened = finished?;
+        stepped?;
+        Ok(opened)
+    }
+
+    /// [`Engine::finish_pass`], except that offload's step thread, if the
+    /// pass has one, goes on with its last buckets: the write-back takes
+    /// each as it is stepped (`update_params`), and anything else that
+    /// reads the shards or the optimizer first waits for the thread
+    /// ([`Engine::finish_host_steps`]). Meanwhile the engine holds neither
+    /// shard nor the optimizer, so nothing can read them by mistake.
+    pub(super) fn finish_pass_stepping(
+        &mut self,
+        grads: Option<&[Option<M::Grad<'_>>]>,
+    ) -> Result<bool> {
         if self.pass.is_none() {
             return Ok(false);
         }
         let flushed = self.flush_pass(grads);
-        let joined = self.join_pass();
+        let joined = self.join_reductions();
         flushed.and(joined)?;
         Ok(true)
     }
@@ -838,8 +855,47 @@ where
     }
 
     /// Waits for every reduction of the open pass (running them here if
-    /// they were deferred), puts the buffers back and closes the pass.
+    /// they were deferred) and for offload's step thread, puts the buffers
+    /// back and closes the pass.
     pub(super) fn join_pass(&mut self) -> Result<()> {
+        let joined = self.join_reductions();
+        let stepped = self.finish_host_steps();
+        joined.and(stepped)
+    }
+
+    /// Waits for offload's step thread after its last bucket, if it is
+    /// still stepping (see [`Engine::finish_pass_stepping`]), and takes
+    /// back the optimizer and both shards; reports its first failure.
+    pub(super) fn finish_host_steps(&mut self) -> Result<()> {
+        let Some(steps) = self.host_steps.take() else {
+            return Ok(());
+        };
+        let Some(done) = steps.finish() else {
+            return Err(Error::State(
+                "the offload's step thread panicked; the optimizer and the shards are lost, \
+                 rebuild the optimizer"
+                    .into(),
+            ));
+        };
+        self.optimizer = done.early.optimizer;
+        self.buffers.param_shard = done.early.params;
+        self.plan.keys = done.early.keys;
+        self.window.early_stepped = done.early.stepped;
+        if done.grad_shard.is_some() {
+            self.buffers.grad_shard = done.grad_shard;
+        }
+        let [landing, stepping, waited] = done.times;
+        let times = &mut self.offload_times;
+        times.steps += 1;
+        times.landing += landing;
+        times.stepping += stepping;
+        times.join += waited;
+        done.result
+    }
+
+    /// [`Engine::join_pass`] but for offload's step thread, which goes on
+    /// stepping (held in `host_steps`, with the gradient shard it reads).
+    fn join_reductions(&mut self) -> Result<()> {
         let Some(mut pass) = self.pass.take() else {
             return Ok(());
         };
@@ -876,29 +932,11 @@ where
                     }
                     self.buffers.pool.push(buffer);
                 }
-                if let Some(steps) = steps {
-                    // Closing the channel ends the thread after its last
-                    // bucket; the optimizer and the parameter shard come
-                    // back.
-                    let started = Instant::now();
-                    match steps.finish() {
-                        Some((early, stepped, [landing, stepping])) => {
-                            targets.early = Some(early);
-                            result = result.and(stepped);
-                            let times = &mut self.offload_times;
-                            times.steps += 1;
-                            times.join += started.elapsed();
-                            times.landing += landing;
-                            times.stepping += stepping;
-                        }
-                        None => {
-                            return Err(Error::State(
-                                "the offload's step thread panicked; the optimizer and the \
-                                 parameter shard are lost, rebuild the optimizer"
-                                    .into(),
-                            ))
-                        }
-                    }
+                if let Some(mut steps) = steps {
+                    // The thread goes on with its last buckets, reading the
+                    // gradient shard: held with it until it is finished.
+                    steps.end_backward(targets.shard.take());
+                    self.host_steps = Some(steps);
                 }
                 (targets, result)
             }

@@ -73,53 +73,129 @@ pub(super) struct EarlyStep<T: Element, B> {
     pub stepped: Vec<bool>,
 }
 
-/// The interleaved step of an inline pass over a shard in host memory
+/// The interleaved step of an inline pass over shards in host memory
 /// (offload on a GPU): a thread of its own steps each bucket as its reduced
 /// gradients land in the host's gradient shard, while backward goes on,
-/// with the [`EarlyStep`] lent to it until the pass is joined. The calling
-/// thread only queues each bucket's copy and hands the bucket over with
-/// what waits for it: the step thread waits for the copy and reads the
-/// gradients where they landed, so backward's launches never wait for a
-/// copy, and nothing is copied again on the host.
+/// with the optimizer lent to it. The calling thread only queues each
+/// bucket's copy and hands the bucket over with what waits for it: the step
+/// thread waits for the copy and reads the gradients where they landed, so
+/// backward's launches never wait for a copy, and nothing is copied again
+/// on the host. After backward the thread goes on with its last buckets
+/// while the calling thread writes back each bucket it has stepped
+/// ([`HostSteps::wait_stepped`], then [`HostSteps::params`]): the weights
+/// go up bucket by bucket, overlapped with the remaining steps.
 ///
-/// The thread reads the gradient shard through a [`HostRegion`]: the
-/// shard stays with the pass's targets, which are dropped after this (the
-/// field order of [`Reducer::Inline`]), and the thread is joined before
-/// the pass gives the shard back ([`HostSteps::finish`]) or on drop.
+/// The thread touches both shards through [`HostRegion`]s, one bucket's
+/// range at a time. The parameter shard is held here; the gradient shard
+/// stays with the pass's targets during backward (the field order of
+/// [`Reducer::Inline`] drops this first), then is held here
+/// ([`HostSteps::end_backward`]). The thread is joined before either is
+/// given back ([`HostSteps::finish`]) or dropped.
 pub(super) struct HostSteps<T: Element, B> {
-    /// Each reduced bucket, with what waits for its copy into the shard.
+    /// Each reduced bucket, with what waits for its copy into the shard;
+    /// closed at the end of backward.
     grads: Option<mpsc::Sender<(usize, Option<super::Landing>)>>,
+    /// Each bucket the thread has stepped, in the order stepped.
+    stepped: mpsc::Receiver<usize>,
+    /// Per bucket, whether it was handed over, and whether it was stepped.
+    handed: Vec<bool>,
+    done: Vec<bool>,
+    /// The calling thread's waits for the thread after backward.
+    waited: Duration,
     thread: Option<std::thread::JoinHandle<Stepped<T, B>>>,
+    /// The parameter shard the thread steps.
+    params: Option<B>,
+    /// The gradient shard the thread reads, once backward is over.
+    grad_shard: Option<B>,
 }
 
-/// What the step thread gives back: the lent step, the first failure and
-/// its times (landing, stepping).
+/// What the step thread gives back: the lent step (its parameter shard a
+/// stand-in), the first failure and its times (landing, stepping).
 type Stepped<T, B> = (EarlyStep<T, B>, Result<()>, [Duration; 2]);
+
+/// Offload's steps, finished ([`HostSteps::finish`]).
+pub(super) struct StepsDone<T: Element, B> {
+    /// The lent step, with the parameter shard back.
+    pub early: EarlyStep<T, B>,
+    /// The gradient shard, if held ([`HostSteps::end_backward`]).
+    pub grad_shard: Option<B>,
+    /// The thread's first failure.
+    pub result: Result<()>,
+    /// The step thread's waits for copies and its stepping, and the
+    /// calling thread's waits for it after backward (join included).
+    pub times: [Duration; 3],
+}
 
 impl<T: Element, B> HostSteps<T, B> {
     /// Hands bucket `k` to the step thread, which steps it once `landing`
-    /// has returned. Nothing touches the bucket's range of the gradient
-    /// shard after this, until the pass is joined.
-    pub fn hand_over(&self, k: usize, landing: Option<super::Landing>) -> Result<()> {
+    /// has returned. Nothing touches the bucket's range of either shard
+    /// after this, until the thread reports it stepped or is joined.
+    pub fn hand_over(&mut self, k: usize, landing: Option<super::Landing>) -> Result<()> {
         let gone =
             || Error::State("the offload's step thread is gone; joining the pass says why".into());
         let grads = self.grads.as_ref().ok_or_else(gone)?;
-        grads.send((k, landing)).map_err(|_| gone())
+        grads.send((k, landing)).map_err(|_| gone())?;
+        if let Some(handed) = self.handed.get_mut(k) {
+            *handed = true;
+        }
+        Ok(())
     }
 
-    /// Closes the channel and joins the thread after its last bucket: the
-    /// optimizer and the shard back, with the first failure and the
-    /// thread's times; `None` if the thread panicked.
-    pub fn finish(mut self) -> Option<Stepped<T, B>> {
+    /// Backward is over: no bucket comes any more (the thread ends after
+    /// the last one handed over), and the gradient shard the thread reads
+    /// is held here until it is joined.
+    pub fn end_backward(&mut self, grad_shard: Option<B>) {
         self.grads = None;
-        self.thread.take()?.join().ok()
+        self.grad_shard = grad_shard;
+    }
+
+    /// Waits, after backward, until the thread has stepped bucket `k`:
+    /// `true` once it has (its range of [`HostSteps::params`] is then the
+    /// stepped weights, which the thread no longer touches); `false` if it
+    /// never will (the bucket was not handed over, or the thread stopped at
+    /// a failure, which [`HostSteps::finish`] reports).
+    pub fn wait_stepped(&mut self, k: usize) -> bool {
+        if self.grads.is_some() || !self.handed.get(k).copied().unwrap_or(false) {
+            return false;
+        }
+        let started = Instant::now();
+        while !self.done[k] {
+            match self.stepped.recv() {
+                Ok(j) => self.done[j] = true,
+                Err(_) => break,
+            }
+        }
+        self.waited += started.elapsed();
+        self.done[k]
+    }
+
+    /// The parameter shard, whose buckets reported stepped
+    /// ([`HostSteps::wait_stepped`]) may be read while the thread steps
+    /// the others.
+    pub fn params(&self) -> Option<&B> {
+        self.params.as_ref()
+    }
+
+    /// Joins the thread after its last bucket: the lent step with the
+    /// parameter shard, the gradient shard, the first failure and the
+    /// times; `None` if the thread panicked.
+    pub fn finish(mut self) -> Option<StepsDone<T, B>> {
+        self.grads = None;
+        let started = Instant::now();
+        let (mut early, result, [landing, stepping]) = self.thread.take()?.join().ok()?;
+        early.params = self.params.take()?;
+        Some(StepsDone {
+            early,
+            grad_shard: self.grad_shard.take(),
+            result,
+            times: [landing, stepping, self.waited + started.elapsed()],
+        })
     }
 }
 
 impl<T: Element, B> Drop for HostSteps<T, B> {
-    /// A pass dropped unjoined (an error or a panic on the calling
-    /// thread): the thread still reads the gradient shard, so it is joined
-    /// before the shard can be freed.
+    /// Dropped unfinished (an error or a panic on the calling thread): the
+    /// thread still touches the shards, so it is joined before they go.
     fn drop(&mut self) {
         self.grads = None;
         if let Some(thread) = self.thread.take() {
@@ -128,12 +204,15 @@ impl<T: Element, B> Drop for HostSteps<T, B> {
     }
 }
 
-/// Starts the thread of [`HostSteps`] for memory `M`: it steps each
-/// bucket `k` handed over from its range `shard[k]` of the gradient shard
-/// `grads`, which must stay alive and in place until the steps are
-/// finished or dropped.
+/// Starts the thread of [`HostSteps`] for memory `M`: it steps each bucket
+/// `k` handed over, from its range `shard[k]` of the gradient shard
+/// `grads` (which must stay alive and in place until the steps are
+/// finished or dropped) into the same range of `early`'s parameter shard,
+/// which is held by the steps meanwhile (`stand_in` takes its place in the
+/// lent step).
 pub(super) fn start_host_steps<T, C, M>(
     mut early: EarlyStep<T, M::Buffer>,
+    stand_in: M::Buffer,
     stepper: super::HostStepper,
     shard: Vec<Range<usize>>,
     mut grads: HostRegion<T>,
@@ -143,13 +222,22 @@ where
     C: Communicator,
     M: ShardMemory<T, C>,
 {
+    let mut params = std::mem::replace(&mut early.params, stand_in);
+    let Some(mut params_region) = M::host_region(&mut params) else {
+        early.params = params;
+        return Err(Error::State(
+            "internal: the offload's step thread steps a parameter shard in host memory".into(),
+        ));
+    };
+    let buckets = shard.len();
     let (sender, handed) = mpsc::channel::<(usize, Option<super::Landing>)>();
+    let (stepped_tx, stepped) = mpsc::channel::<usize>();
     let thread = std::thread::Builder::new()
         .name("zero-offload-step".into())
         .spawn(move || {
             let mut result = Ok(());
             let (mut landing_time, mut stepping_time) = (Duration::ZERO, Duration::ZERO);
-            // Runs until the channel closes (the pass is joined); after a
+            // Runs until the channel closes (the end of backward); after a
             // failure nothing more is stepped.
             for (k, landing) in handed {
                 if result.is_err() {
@@ -163,45 +251,58 @@ where
                     let range = shard.get(k).cloned().ok_or_else(|| {
                         Error::State(format!("internal: bucket {k} handed to the step thread"))
                     })?;
-                    // SAFETY: the pass keeps the shard alive and in place
-                    // until this thread is joined; bucket `k`'s copy has
-                    // landed, and nothing else touches its range until the
-                    // pass is joined (`HostSteps::hand_over`).
-                    let bucket_grads = unsafe { grads.range_mut(range) };
-                    step_landed::<T, C, M>(&mut early, &stepper, &shard, k, bucket_grads)
+                    // SAFETY: both shards are kept alive and in place until
+                    // this thread is joined; bucket `k`'s gradients have
+                    // landed, and nothing else touches its range of either
+                    // shard until this thread reports it stepped (then the
+                    // calling thread only reads the parameters, and this
+                    // thread no longer touches them) or is joined
+                    // (`HostSteps::hand_over`).
+                    let (bucket_grads, bucket_params) = unsafe {
+                        (
+                            grads.range_mut(range.clone()),
+                            params_region.range_mut(range),
+                        )
+                    };
+                    step_landed(&mut early, &stepper, &shard, k, bucket_grads, bucket_params)
                 });
                 stepping_time += landed.elapsed();
+                if result.is_ok() {
+                    // The receiver lives until this thread is joined.
+                    let _ = stepped_tx.send(k);
+                }
             }
             (early, result, [landing_time, stepping_time])
         })
         .map_err(|e| Error::State(format!("cannot start the offload's step thread: {e}")))?;
     Ok(HostSteps {
         grads: Some(sender),
+        stepped,
+        handed: vec![false; buckets],
+        done: vec![false; buckets],
+        waited: Duration::ZERO,
         thread: Some(thread),
+        params: Some(params),
+        grad_shard: None,
     })
 }
 
-/// Steps bucket `k` of the lent shard from its reduced gradients `grads`
-/// (averaged here over the micro-steps, as [`Reduction::run`] does).
-fn step_landed<T, C, M>(
-    early: &mut EarlyStep<T, M::Buffer>,
+/// Steps bucket `k` of the lent step's pieces: `params` and `grads` are
+/// the bucket's ranges of the shards, the gradients reduced (averaged here
+/// over the micro-steps, as [`Reduction::run`] does).
+fn step_landed<T: Element, B>(
+    early: &mut EarlyStep<T, B>,
     stepper: &super::HostStepper,
     shard: &[Range<usize>],
     k: usize,
     grads: &mut [T],
-) -> Result<()>
-where
-    T: Element,
-    C: Communicator,
-    M: ShardMemory<T, C>,
-{
+    params: &mut [T],
+) -> Result<()> {
     let bucket = shard[k].clone();
     if let Some(factor) = early.scale {
         let whole = 0..grads.len();
         super::shard_memory::host_scale(grads, std::slice::from_ref(&whole), factor);
     }
-    let params = M::host_slice_mut(&mut early.params)
-        .ok_or_else(|| Error::State("internal: the lent shard is not in host memory".into()))?;
     let pieces: Vec<StepPiece<'_>> = early.pieces[early.bucket_pieces[k].clone()]
         .iter()
         .zip(&early.keys[early.bucket_pieces[k].clone()])
@@ -219,7 +320,7 @@ where
         origin: bucket.start,
         shard_len: shard.last().map_or(0, |b| b.end),
     };
-    stepper.step(early.optimizer.as_mut(), &mut params[bucket], grads, plan)?;
+    stepper.step(early.optimizer.as_mut(), params, grads, plan)?;
     early.stepped[k] = true;
     Ok(())
 }

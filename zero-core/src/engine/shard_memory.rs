@@ -480,15 +480,9 @@ pub trait ShardMemory<T: Element, C: Communicator>: Send + 'static {
 
     /// `buffer` in host memory, lent as a region to the
     /// [`ShardMemory::host_stepper`]'s thread, which reads each bucket's
-    /// gradients there once landed. Default `None`.
+    /// gradients there once landed and steps its parameters there. Default
+    /// `None`.
     fn host_region(buffer: &mut Self::Buffer) -> Option<super::HostRegion<T>> {
-        let _ = buffer;
-        None
-    }
-
-    /// `buffer` in host memory, where a [`ShardMemory::host_stepper`] can
-    /// step it. Default `None`.
-    fn host_slice_mut(buffer: &mut Self::Buffer) -> Option<&mut [T]> {
         let _ = buffer;
         None
     }

@@ -74,8 +74,13 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         let reduced = match self.step_ddp_as_reduced(last, micro_steps, params)? {
             Some(true) => return Ok(None),
             Some(false) => true,
-            None => self.finish_pass(last)?,
+            None => self.finish_pass_stepping(last)?,
         };
+        if micro_steps > 1 {
+            // Averaging reads the gradient shard, which offload's step
+            // thread may still be reading.
+            self.finish_host_steps()?;
+        }
         if !reduced && self.window.in_shard {
             return Err(Error::State(
                 "this accumulation window began with begin_backward; hand every micro-step's \
@@ -154,12 +159,22 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         defer: bool,
     ) -> Result<()> {
         // Offload's step thread stepped during backward: what is left is
-        // the write-back, counted in its times.
-        let offloaded =
-            self.window.early_stepped.contains(&true) && self.memory.host_stepper().is_some();
-        let started = std::time::Instant::now();
+        // the write-back, counted in its times (its waits for the thread
+        // apart).
+        let offloaded = self.host_steps.is_some()
+            || (self.window.early_stepped.contains(&true) && self.memory.host_stepper().is_some());
+        let (started, joined) = (std::time::Instant::now(), self.offload_times.join);
+        let written = if self.host_steps.is_some() {
+            self.write_back_as_stepped(params)
+        } else {
+            Ok(false)
+        };
+        // Whatever the write-back did not take needs the optimizer and the
+        // shards back; the thread's failure says more than what it caused.
+        self.finish_host_steps()?;
+        let written = written?;
         let lean = self.lean_shard();
-        if !self.step_and_gather_overlapped(stepping, params, defer)? {
+        if !written && !self.step_and_gather_overlapped(stepping, params, defer)? {
             if lean {
                 // This partition cannot be stepped bucket by bucket (a piece
                 // straddles buckets): a shard copy after all.
@@ -173,7 +188,8 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             self.write_back(params)?;
         }
         if offloaded {
-            self.offload_times.write_back += started.elapsed();
+            let waited = self.offload_times.join - joined;
+            self.offload_times.write_back += started.elapsed().saturating_sub(waited);
         }
         self.window.early_stepped.clear();
         Ok(())
