@@ -1,7 +1,8 @@
 //! Optimizer step throughput: Adam on a 16M-element f32 shard, one thread and
 //! all cores, against memcpy bandwidth (one thread, and all cores: what the
 //! memory allows, the bound of an offloaded host step) measured in the same
-//! run.
+//! run; and the same shard stepped as the offload's step thread steps a
+//! GPT's, bucket by bucket, each bucket cut where the parameters fall.
 
 use super::Report;
 use std::hint::black_box;
@@ -57,8 +58,65 @@ fn memcpy_parallel_gbps() -> f64 {
     MEMCPY_BYTES as f64 / t.as_secs_f64() / 1e9
 }
 
-/// The time of one Adam step over the shard, best of several.
+/// The time of one Adam step over the shard as one piece, best of several.
 fn adam_step_time() -> Duration {
+    adam_step_time_in(None)
+}
+
+/// Elements of one bucket of the offload's step thread (4 MiB of f32,
+/// the engine's default `bucket_bytes`).
+const BUCKET_LEN: usize = 1 << 20;
+
+/// One GPT-2 block's parameters (d_model 768) in order: the layer norms,
+/// attention's qkv and projection, the MLP's two matrices, each weight
+/// followed by its bias.
+const BLOCK: [usize; 12] = [
+    768,
+    768,
+    2304 * 768,
+    2304,
+    768 * 768,
+    768,
+    768,
+    768,
+    3072 * 768,
+    3072,
+    768 * 3072,
+    768,
+];
+
+/// The pieces of each bucket of a shard laid out as GPT-2 blocks: per
+/// bucket, the (offset, length) of each parameter's part in it, as the
+/// offload's step thread steps them.
+fn gpt_bucket_pieces() -> Vec<Vec<(usize, usize)>> {
+    let mut params = Vec::new();
+    let mut at = 0;
+    for len in BLOCK.iter().cycle() {
+        if at >= SHARD_LEN {
+            break;
+        }
+        let len = (*len).min(SHARD_LEN - at);
+        params.push((at, len));
+        at += len;
+    }
+    (0..SHARD_LEN.div_ceil(BUCKET_LEN))
+        .map(|b| {
+            let (lo, hi) = (b * BUCKET_LEN, ((b + 1) * BUCKET_LEN).min(SHARD_LEN));
+            params
+                .iter()
+                .filter_map(|&(at, len)| {
+                    let (start, end) = (at.max(lo), (at + len).min(hi));
+                    (start < end).then_some((start, end - start))
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// The time of one Adam step over the shard, best of several: as one
+/// piece, or (`buckets`) bucket by bucket, each bucket one call with its
+/// pieces, as the offload's step thread steps it.
+fn adam_step_time_in(buckets: Option<&[Vec<(usize, usize)>]>) -> Duration {
     let mut adam = match Adam::<f32>::new(AdamConfig::default()) {
         Ok(adam) => adam,
         Err(e) => {
@@ -66,18 +124,38 @@ fn adam_step_time() -> Duration {
             return Duration::MAX;
         }
     };
-    let key = ParamKey::new("shard", 0, 0);
+    let whole = [vec![(0, SHARD_LEN)]];
+    let buckets = buckets.unwrap_or(&whole);
+    let keys: Vec<Vec<ParamKey>> = buckets
+        .iter()
+        .map(|pieces| {
+            pieces
+                .iter()
+                .map(|&(at, _)| ParamKey::new(format!("p{at}"), 0, 0))
+                .collect()
+        })
+        .collect();
     let mut param: Vec<f32> = (0..SHARD_LEN).map(|i| (i % 1000) as f32 * 1e-3).collect();
     let grad: Vec<f32> = (0..SHARD_LEN)
         .map(|i| ((i * 7) % 1000) as f32 * 1e-3 - 0.5)
         .collect();
     best_of(8, || {
-        let mut pieces = [ParamMut {
-            key: &key,
-            data: &mut param,
-        }];
-        if let Err(e) = adam.step(&mut pieces, &[Some(&grad)]) {
-            eprintln!("bench optim: {e}");
+        for (pieces, keys) in buckets.iter().zip(&keys) {
+            let mut rest: &mut [f32] = &mut param;
+            let mut consumed = 0;
+            let mut params = Vec::with_capacity(pieces.len());
+            let mut grads = Vec::with_capacity(pieces.len());
+            for (&(at, len), key) in pieces.iter().zip(keys) {
+                let (_, tail) = std::mem::take(&mut rest).split_at_mut(at - consumed);
+                let (data, tail) = tail.split_at_mut(len);
+                rest = tail;
+                consumed = at + len;
+                params.push(ParamMut { key, data });
+                grads.push(Some(&grad[at..at + len]));
+            }
+            if let Err(e) = adam.step(&mut params, &grads) {
+                eprintln!("bench optim: {e}");
+            }
         }
         black_box(&mut param);
     })
@@ -131,6 +209,14 @@ pub fn run(report: &mut Report) {
         gbps(adam_mt) / memcpy_mt,
         "ratio",
         Some(">= 1.0"),
+    );
+    let buckets = gpt_bucket_pieces();
+    let adam_buckets = adam_step_time_in(Some(&buckets));
+    report.add(
+        "optim.adam_mt_gpt_buckets_over_whole",
+        adam_buckets.as_secs_f64() / adam_mt.as_secs_f64(),
+        "ratio",
+        Some("<= 1.1"),
     );
     report.add(
         "optim.threads",

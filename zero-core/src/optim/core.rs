@@ -8,10 +8,8 @@ use rayon::prelude::*;
 use serde_json::Value;
 use std::collections::BTreeMap;
 
-/// Pieces longer than this are split across threads.
-pub(crate) const PARALLEL_MIN_LEN: usize = 256 * 1024;
 /// Elements per parallel chunk: large enough to amortise scheduling, small
-/// enough to balance across cores.
+/// enough to balance across cores. Longer pieces are split across threads.
 pub(crate) const CHUNK_LEN: usize = 64 * 1024;
 
 /// Keys `torch.optim` puts in a param group that have no meaning here; they
@@ -393,16 +391,19 @@ impl<C: GroupConfig, S> Core<C, S> {
 
     /// Validates every piece, then calls `update(config, state, param, grad)`
     /// for each piece with a gradient, creating its state with `init(len)`
-    /// on its first step. Nothing is modified if validation fails.
+    /// on its first step; the pieces step in parallel. Nothing is modified
+    /// if validation fails.
     pub(crate) fn step<T>(
         &mut self,
         params: &mut [ParamMut<'_, T>],
         grads: &[Option<&[T]>],
         init: impl Fn(&C, usize) -> S,
-        mut update: impl FnMut(&C, &mut S, &mut [T], &[T]),
+        update: impl Fn(&C, &mut S, &mut [T], &[T]) + Sync,
     ) -> Result<()>
     where
         S: PieceState<T>,
+        C: Sync,
+        T: Send + Sync,
     {
         if params.len() != grads.len() {
             return Err(Error::Optimizer(format!(
@@ -440,15 +441,26 @@ impl<C: GroupConfig, S> Core<C, S> {
                 }
             }
         }
+        // Each piece's state leaves the map while it steps, so that the
+        // pieces step in parallel (each split across threads too when
+        // long): a call with many short pieces (a bucket of the offload's
+        // step thread, cut where the parameters fall) runs on every core,
+        // not one piece after another.
+        let mut work = Vec::with_capacity(params.len());
         for (param, grad) in params.iter_mut().zip(grads) {
             let Some(grad) = grad else { continue };
+            let key = (param.key.name.clone(), param.key.offset);
             let config = &self.groups[param.key.group];
-            let state = self
-                .state
-                .entry((param.key.name.clone(), param.key.offset))
-                .or_insert_with(|| init(config, grad.len()));
-            update(config, state, param.data, grad);
+            let state = match self.state.remove(&key) {
+                Some(state) => state,
+                None => init(config, grad.len()),
+            };
+            work.push((key, config, state, &mut *param.data, *grad));
         }
+        work.par_iter_mut()
+            .for_each(|(_, config, state, data, grad)| update(config, state, data, grad));
+        self.state
+            .extend(work.into_iter().map(|(key, _, state, ..)| (key, state)));
         Ok(())
     }
 
@@ -488,15 +500,15 @@ impl<C: GroupConfig, S> Core<C, S> {
 }
 
 /// Runs `kernel` over `grad` and the equally long `bufs`, in chunks of
-/// [`CHUNK_LEN`] on the rayon pool when the piece is longer than
-/// [`PARALLEL_MIN_LEN`], in one call otherwise.
+/// [`CHUNK_LEN`] on the rayon pool when the piece is longer than one, in
+/// one call otherwise.
 pub(crate) fn for_each_chunk<T, const N: usize, F>(grad: &[T], bufs: [&mut [T]; N], kernel: F)
 where
     T: Send + Sync,
     F: Fn(&[T], [&mut [T]; N]) + Sync,
 {
     debug_assert!(bufs.iter().all(|b| b.len() == grad.len()));
-    if grad.len() <= PARALLEL_MIN_LEN {
+    if grad.len() <= CHUNK_LEN {
         kernel(grad, bufs);
         return;
     }
@@ -651,3 +663,77 @@ macro_rules! optimizer {
     };
 }
 pub(crate) use optimizer;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::optim::{AdamConfig, ParamKey};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::time::{Duration, Instant};
+
+    /// A piece state that holds nothing.
+    struct Stateless;
+
+    impl PieceState<f32> for Stateless {
+        fn len(&self) -> Option<usize> {
+            None
+        }
+        fn bytes(&self) -> usize {
+            0
+        }
+        fn export(&self) -> ParamState<f32> {
+            ParamState::default()
+        }
+        fn import(_: &str, _: &str, _: ParamState<f32>) -> Result<Self> {
+            Ok(Stateless)
+        }
+    }
+
+    /// Two short pieces of one call step at the same time on a pool of two
+    /// threads: each piece's update waits (5 s at most) for the other's to
+    /// start, and records how many had started.
+    #[test]
+    fn the_pieces_of_one_call_step_in_parallel() {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .expect("a pool of two threads");
+        let mut core = Core::<AdamConfig, Stateless>::new(AdamConfig::default()).expect("valid");
+        let keys = [ParamKey::new("a", 0, 0), ParamKey::new("b", 0, 0)];
+        let (mut a, mut b, grad) = (vec![0f32; 8], vec![0f32; 8], vec![1f32; 8]);
+        let started = AtomicUsize::new(0);
+        let update = |_: &AdamConfig, _: &mut Stateless, data: &mut [f32], _: &[f32]| {
+            started.fetch_add(1, Ordering::SeqCst);
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while started.load(Ordering::SeqCst) < 2 && Instant::now() < deadline {
+                std::thread::yield_now();
+            }
+            data.fill(started.load(Ordering::SeqCst) as f32);
+        };
+        pool.install(|| {
+            let mut params = [
+                ParamMut {
+                    key: &keys[0],
+                    data: &mut a,
+                },
+                ParamMut {
+                    key: &keys[1],
+                    data: &mut b,
+                },
+            ];
+            core.step(
+                &mut params,
+                &[Some(&grad), Some(&grad)],
+                |_, _| Stateless,
+                update,
+            )
+        })
+        .expect("stepped");
+        assert_eq!(
+            (a[0], b[0]),
+            (2.0, 2.0),
+            "the pieces stepped one after the other"
+        );
+        assert_eq!(core.state.len(), 2, "each piece's state is back in the map");
+    }
+}
