@@ -307,8 +307,9 @@ fn offload_keeps_the_f32_masters_of_a_bf16_model_in_host_memory() {
     }
 }
 
-/// What a [`Watched`] optimizer runs before each step, given the pieces.
-type BeforeStep = Box<dyn Fn(&[ParamMut<'_, f64>]) + Send>;
+/// What a [`Watched`] optimizer runs before each step, given the pieces;
+/// an error fails the step.
+type BeforeStep = Box<dyn Fn(&[ParamMut<'_, f64>]) -> Result<()> + Send>;
 
 /// An optimizer that counts its steps and records, at each, how many
 /// gradients the test had handed over by then; and runs `before` first.
@@ -325,7 +326,7 @@ impl FunctionalOptimizer<f64> for Watched {
     }
     fn step(&mut self, params: &mut [ParamMut<'_, f64>], grads: &[Option<&[f64]>]) -> Result<()> {
         if let Some(before) = &self.before {
-            before(params);
+            before(params)?;
         }
         let handed = self.handed.load(Ordering::SeqCst);
         self.seen.lock().expect("no panic").push(handed);
@@ -505,7 +506,7 @@ fn the_write_back_takes_each_bucket_as_the_step_thread_steps_it() {
         // last, once this step's first weights are queued (or at 5 s).
         let hold: BeforeStep = Box::new(move |params| {
             if !params.iter().any(|p| p.key.name == last) {
-                return;
+                return Ok(());
             }
             let uploads = || watched.lock().expect("no panic").queued_uploads;
             let since = since.load(Ordering::SeqCst);
@@ -517,6 +518,7 @@ fn the_write_back_takes_each_bucket_as_the_step_thread_steps_it() {
                 .lock()
                 .expect("no panic")
                 .push(uploads() - since);
+            Ok(())
         });
         let mut e = Engine::with_memory(
             comm,
@@ -563,6 +565,56 @@ fn the_write_back_takes_each_bucket_as_the_step_thread_steps_it() {
         Ok(params)
     });
     assert_eq!(trained, after);
+}
+
+/// A host step that fails on a bucket in the middle of the shard, after
+/// backward, fails the engine's step with the optimizer's error, and the
+/// engine goes on: the optimizer and the shards are back, and the next
+/// steps train.
+#[test]
+fn a_failing_host_step_fails_the_step_and_the_engine_goes_on() {
+    let model = Synthetic::medium();
+    let middle = model.infos()[2].name.clone();
+    let failures = Arc::new(AtomicUsize::new(0));
+    let armed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    run(1, |comm| {
+        let (fail, failed, middle) = (armed.clone(), failures.clone(), middle.clone());
+        let before: BeforeStep = Box::new(move |params| {
+            if params.iter().any(|p| p.key.name == middle) && fail.swap(false, Ordering::SeqCst) {
+                failed.fetch_add(1, Ordering::SeqCst);
+                return Err(zero_core::Error::Optimizer("bucket refused".into()));
+            }
+            Ok(())
+        });
+        let mut e = Engine::with_memory(
+            comm,
+            OffloadMemory::new(PlanCheck::new(Arc::default(), true)),
+            model.infos(),
+            Box::new(Watched {
+                inner: make_opt(Opt::Adam, false),
+                handed: Arc::default(),
+                seen: Arc::default(),
+                before: Some(before),
+            }),
+            config(Stage::Gradients, Overlap::Interleaved, 1).with_offload(Offload::Optimizer, 1),
+        )?;
+        let mut params = model.init();
+        for step in 0..4 {
+            armed.store(step == 1, Ordering::SeqCst);
+            let before = params.clone();
+            let stepped = hooked_micro_step(&mut e, &model.grads(&params, 0, step), &mut params);
+            if step == 1 {
+                let err = stepped.expect_err("the optimizer refused a bucket");
+                assert!(err.to_string().contains("bucket refused"), "{err}");
+            } else {
+                stepped?;
+                assert_ne!(params, before, "step {step} trained");
+            }
+        }
+        assert_eq!(e.steps(), 3, "the failed step is not counted");
+        Ok(())
+    });
+    assert_eq!(failures.load(Ordering::SeqCst), 1);
 }
 
 /// An offloaded run's checkpoint resumes without offload, and the other
