@@ -155,15 +155,14 @@ fn a_memory_with_asynchronous_collectives_reduces_during_backward_on_the_calling
                 // that read it was neither settled nor fenced.
                 seen.assert_kept(&what);
                 assert!(seen.deferred > 0, "{what}: no reduction was deferred");
-                // Stages 1-2 reuse bucket buffers behind fences: at N = 1
-                // (each bucket one stretch of backward) a few, not one per
-                // bucket (24 of 96 bytes here; held to the end, 2,048-2,304
+                // Bucket buffers are reused behind fences (stage 0's
+                // written into the full buffer first): at N = 1 (each
+                // bucket one stretch of backward) a few, not one per bucket
+                // (24 of 96 bytes here; held to the end, 2,048-2,304
                 // bytes).
-                if stage != Stage::Ddp {
-                    assert!(seen.fences > 0, "{what}: no buffer reused before settling");
-                    if world == 1 {
-                        assert!(comm_buffers <= 12 * 96, "{what}: {comm_buffers} bytes");
-                    }
+                assert!(seen.fences > 0, "{what}: no buffer reused before settling");
+                if world == 1 {
+                    assert!(comm_buffers <= 12 * 96, "{what}: {comm_buffers} bytes");
                 }
             }
         }

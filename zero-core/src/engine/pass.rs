@@ -29,8 +29,8 @@
 
 use super::consistency::{hash_fingerprint, order_fingerprint};
 use super::reduce::{
-    land, release_held, start_host_steps, submit, take_buffer, Back, BucketMap, EarlyStep, Held,
-    Job, LentOptimizer, Reducer, Reduction, Returns, Targets,
+    land, release_held, start_host_steps, submit, take_buffer, write_held, Back, BucketMap,
+    EarlyStep, Held, Job, LentOptimizer, Reducer, Reduction, Returns, Targets,
 };
 use super::{Engine, Overlap, ReductionProgress, ShardMemory, Stage, StageState};
 use crate::comm::{Communicator, ReduceOp};
@@ -766,7 +766,8 @@ where
                 continue;
             }
             if job.add {
-                // Settled above: every reduction held so far is complete.
+                // Settled above: every reduction held so far is complete
+                // (none is stage 0's, which writes).
                 release_held(&mut self.buffers.pool, held, usize::MAX);
             }
             held.push(Held {
@@ -774,20 +775,23 @@ where
                 reductions: self.memory.deferred_count(),
                 buffer: job.buffer,
             });
-            // Beyond a few buffers, the oldest reduction-only one is reused
-            // behind a fence: what is queued from now on runs after the
-            // reductions that read it (a device stream waits on their
-            // events; the host does not wait), so the pass holds a few
-            // bucket buffers instead of one per bucket.
-            let reusable = held.iter().filter(|h| h.write.is_none()).count();
-            if reusable > MIN_BUCKET_BUFFERS && result.is_ok() {
-                if let Some(oldest) = held.iter().position(|h| h.write.is_none()) {
-                    let fence = held[oldest].reductions;
-                    match self.memory.fence_deferred(fence) {
-                        Ok(()) => release_held(&mut self.buffers.pool, held, fence),
-                        Err(e) => *result = Err(e),
-                    }
-                }
+            // Beyond a few buffers, the oldest is reused behind a fence:
+            // what is queued from now on runs after the reductions that
+            // read it (a device stream waits on their events; the host does
+            // not wait), stage 0's reduced bucket first written into the
+            // full buffer, so the pass holds a few bucket buffers instead
+            // of one per bucket.
+            if held.len() > MIN_BUCKET_BUFFERS && result.is_ok() {
+                let fence = held[0].reductions;
+                *result = self.memory.fence_deferred(fence).and_then(|()| {
+                    let mut reduction = Reduction {
+                        comm: &*self.comm,
+                        memory: &mut self.memory,
+                        map,
+                        targets,
+                    };
+                    write_held(&mut reduction, &mut self.buffers.pool, held, fence)
+                });
             }
         }
     }
@@ -919,18 +923,23 @@ where
                 self.buffers
                     .pool
                     .extend(queue.into_iter().map(|job| job.buffer));
+                let mut held = held;
                 let mut result = result.and(self.memory.settle(&*self.comm));
-                for Held { write, buffer, .. } in held {
-                    if let (Some((bucket, add)), Ok(())) = (write, &result) {
-                        let mut reduction = Reduction {
-                            comm: &*self.comm,
-                            memory: &mut self.memory,
-                            map: &map,
-                            targets: &mut targets,
-                        };
-                        result = reduction.write_full(bucket, &buffer, add);
-                    }
-                    self.buffers.pool.push(buffer);
+                if result.is_ok() {
+                    let mut reduction = Reduction {
+                        comm: &*self.comm,
+                        memory: &mut self.memory,
+                        map: &map,
+                        targets: &mut targets,
+                    };
+                    result = write_held(
+                        &mut reduction,
+                        &mut self.buffers.pool,
+                        &mut held,
+                        usize::MAX,
+                    );
+                } else {
+                    self.buffers.pool.extend(held.into_iter().map(|h| h.buffer));
                 }
                 if let Some(mut steps) = steps {
                     // The thread goes on with its last buckets, reading the

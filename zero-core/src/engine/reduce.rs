@@ -597,6 +597,35 @@ pub(super) fn release_held<B>(pool: &mut Vec<B>, held: &mut Vec<Held<B>>, fence:
     *held = kept;
 }
 
+/// Returns to `pool` every held buffer whose reduction is among the first
+/// `fence` deferred (complete to what is queued from now on), writing
+/// stage 0's reduced buckets into the full buffer first; an error if a
+/// write failed (no more is written then, but every buffer goes back).
+pub(super) fn write_held<T, C, M>(
+    reduction: &mut Reduction<'_, T, C, M>,
+    pool: &mut Vec<M::Buffer>,
+    held: &mut Vec<Held<M::Buffer>>,
+    fence: usize,
+) -> Result<()>
+where
+    T: Element,
+    C: Communicator,
+    M: ShardMemory<T, C>,
+{
+    let (done, kept): (Vec<_>, Vec<_>) = std::mem::take(held)
+        .into_iter()
+        .partition(|h| h.reductions <= fence);
+    *held = kept;
+    let mut written = Ok(());
+    for Held { write, buffer, .. } in done {
+        if let (Some((bucket, add)), Ok(())) = (write, &written) {
+            written = reduction.write_full(bucket, &buffer, add);
+        }
+        pool.push(buffer);
+    }
+    written
+}
+
 /// A buffer of at least `len` elements, zeroed there: the shortest that
 /// fits from the pool (after collecting what the communication thread has
 /// returned), or a new one of exactly `len`. With `limit` buffers held
