@@ -567,6 +567,78 @@ fn the_write_back_takes_each_bucket_as_the_step_thread_steps_it() {
     assert_eq!(trained, after);
 }
 
+/// A step thread that fell behind catches up in larger calls: the buckets
+/// handed over while it stepped one go into its next call together (a few
+/// at a time), with the weights of the after-backward schedule, bit for
+/// bit.
+#[test]
+fn a_step_thread_behind_steps_the_buckets_that_came_meanwhile_together() {
+    let model = Synthetic::medium();
+    let n = model.infos().len();
+    let handed = Arc::new(AtomicUsize::new(0));
+    let per_call = Arc::new(Mutex::new(Vec::new()));
+    let trained = run(1, |comm| {
+        let (all_in, per_call) = (handed.clone(), per_call.clone());
+        // The first call waits (5 s at most) until every gradient is in.
+        let before: BeforeStep = Box::new(move |params| {
+            let mut per_call = per_call.lock().expect("no panic");
+            if per_call.is_empty() {
+                let deadline = Instant::now() + Duration::from_secs(5);
+                while all_in.load(Ordering::SeqCst) < n && Instant::now() < deadline {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            }
+            per_call.push(params.iter().map(|p| p.data.len()).sum::<usize>());
+            Ok(())
+        });
+        let mut e = Engine::with_memory(
+            comm,
+            OffloadMemory::new(PlanCheck::new(Arc::default(), true)),
+            model.infos(),
+            Box::new(Watched {
+                inner: make_opt(Opt::Adam, false),
+                handed: Arc::default(),
+                seen: Arc::default(),
+                before: Some(before),
+            }),
+            config(Stage::Gradients, Overlap::Interleaved, 1).with_offload(Offload::Optimizer, 1),
+        )?;
+        let mut params = model.init();
+        let g = model.grads(&params, 0, 0);
+        let order: Vec<(usize, usize)> = (0..n).rev().map(|p| (p, 1)).collect();
+        e.begin_backward(&order, &mut params)?;
+        for p in (0..n).rev() {
+            e.accumulate_param(p, (&g[p]).into())?;
+            handed.fetch_add(1, Ordering::SeqCst);
+        }
+        let none: Vec<Option<HostGrad<'_, f64>>> = vec![None; n];
+        e.step(&none, &mut params)?;
+        Ok((params, e.layout().buckets.len()))
+    });
+    let (trained, buckets) = trained.into_iter().unzip::<_, _, Vec<_>, Vec<_>>();
+    let per_call = per_call.lock().expect("no panic");
+    assert!(
+        per_call.len() < buckets[0],
+        "{} buckets, each stepped alone: elements per call {per_call:?}",
+        buckets[0]
+    );
+    let after = run(1, |comm| {
+        let mut e = Engine::with_memory(
+            comm,
+            OffloadMemory::new(PlanCheck::new(Arc::default(), true)),
+            model.infos(),
+            make_opt(Opt::Adam, false),
+            EngineConfig::default()
+                .with_stage(Stage::Gradients)
+                .with_bucket_bytes(96)
+                .with_offload(Offload::Optimizer, 1),
+        )?;
+        let (_, _, params) = train_from(&mut e, &model, Path::Hooked, 1, model.init(), (0, 1))?;
+        Ok(params)
+    });
+    assert_eq!(trained, after);
+}
+
 /// A host step that fails on a bucket in the middle of the shard, after
 /// backward, fails the engine's step with the optimizer's error, and the
 /// engine goes on: the optimizer and the shards are back, and the next

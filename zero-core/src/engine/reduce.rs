@@ -109,6 +109,9 @@ pub(super) struct HostSteps<T: Element, B> {
     grad_shard: Option<B>,
 }
 
+/// The most buckets the step thread steps in one call.
+const STEP_BATCH: usize = 4;
+
 /// What the step thread gives back: the lent step (its parameter shard a
 /// stand-in), the first failure and its times (landing, stepping).
 type Stepped<T, B> = (EarlyStep<T, B>, Result<()>, [Duration; 2]);
@@ -237,26 +240,51 @@ where
         .spawn(move || {
             let mut result = Ok(());
             let (mut landing_time, mut stepping_time) = (Duration::ZERO, Duration::ZERO);
+            let mut next = None;
             // Runs until the channel closes (the end of backward); after a
             // failure nothing more is stepped.
-            for (k, landing) in handed {
+            loop {
+                let Some((first, landing)) = next.take().or_else(|| handed.recv().ok()) else {
+                    break;
+                };
                 if result.is_err() {
                     continue;
+                }
+                // The buckets handed over meanwhile that follow this one
+                // step with it, in one call (its pieces in parallel),
+                // behind the last one's landing (copies land in order): a
+                // thread that fell behind catches up in fewer, larger
+                // calls.
+                let (mut last, mut landing) = (first, landing);
+                while last + 1 - first < STEP_BATCH {
+                    match handed.try_recv() {
+                        Ok((k, later)) if k == last + 1 => (last, landing) = (k, later),
+                        Ok(other) => {
+                            next = Some(other);
+                            break;
+                        }
+                        Err(_) => break,
+                    }
                 }
                 let started = Instant::now();
                 result = landing.map_or(Ok(()), |landing| landing());
                 let landed = Instant::now();
                 landing_time += landed - started;
                 result = result.and_then(|()| {
-                    let range = shard.get(k).cloned().ok_or_else(|| {
-                        Error::State(format!("internal: bucket {k} handed to the step thread"))
-                    })?;
+                    let range = match (shard.get(first), shard.get(last)) {
+                        (Some(a), Some(b)) => a.start..b.end,
+                        _ => {
+                            return Err(Error::State(format!(
+                                "internal: bucket {last} handed to the step thread"
+                            )))
+                        }
+                    };
                     // SAFETY: both shards are kept alive and in place until
-                    // this thread is joined; bucket `k`'s gradients have
-                    // landed, and nothing else touches its range of either
-                    // shard until this thread reports it stepped (then the
-                    // calling thread only reads the parameters, and this
-                    // thread no longer touches them) or is joined
+                    // this thread is joined; the buckets' gradients have
+                    // landed, and nothing else touches their ranges of
+                    // either shard until this thread reports them stepped
+                    // (then the calling thread only reads the parameters,
+                    // and this thread no longer touches them) or is joined
                     // (`HostSteps::hand_over`).
                     let (bucket_grads, bucket_params) = unsafe {
                         (
@@ -264,12 +292,21 @@ where
                             params_region.range_mut(range),
                         )
                     };
-                    step_landed(&mut early, &stepper, &shard, k, bucket_grads, bucket_params)
+                    step_landed(
+                        &mut early,
+                        &stepper,
+                        &shard,
+                        first..last + 1,
+                        bucket_grads,
+                        bucket_params,
+                    )
                 });
                 stepping_time += landed.elapsed();
                 if result.is_ok() {
-                    // The receiver lives until this thread is joined.
-                    let _ = stepped_tx.send(k);
+                    for k in first..=last {
+                        // The receiver lives until this thread is joined.
+                        let _ = stepped_tx.send(k);
+                    }
                 }
             }
             (early, result, [landing_time, stepping_time])
@@ -287,25 +324,26 @@ where
     })
 }
 
-/// Steps bucket `k` of the lent step's pieces: `params` and `grads` are
-/// the bucket's ranges of the shards, the gradients reduced (averaged here
-/// over the micro-steps, as [`Reduction::run`] does).
+/// Steps the consecutive `buckets` of the lent step's pieces: `params` and
+/// `grads` are the buckets' ranges of the shards, the gradients reduced
+/// (averaged here over the micro-steps, as [`Reduction::run`] does).
 fn step_landed<T: Element, B>(
     early: &mut EarlyStep<T, B>,
     stepper: &super::HostStepper,
     shard: &[Range<usize>],
-    k: usize,
+    buckets: Range<usize>,
     grads: &mut [T],
     params: &mut [T],
 ) -> Result<()> {
-    let bucket = shard[k].clone();
+    let bucket = shard[buckets.start].start..shard[buckets.end - 1].end;
     if let Some(factor) = early.scale {
         let whole = 0..grads.len();
         super::shard_memory::host_scale(grads, std::slice::from_ref(&whole), factor);
     }
-    let pieces: Vec<StepPiece<'_>> = early.pieces[early.bucket_pieces[k].clone()]
+    let owned = early.bucket_pieces[buckets.start].start..early.bucket_pieces[buckets.end - 1].end;
+    let pieces: Vec<StepPiece<'_>> = early.pieces[owned.clone()]
         .iter()
-        .zip(&early.keys[early.bucket_pieces[k].clone()])
+        .zip(&early.keys[owned])
         .map(|((range, steps), key)| StepPiece {
             key,
             range: range.start - bucket.start..range.end - bucket.start,
@@ -321,7 +359,7 @@ fn step_landed<T: Element, B>(
         shard_len: shard.last().map_or(0, |b| b.end),
     };
     stepper.step(early.optimizer.as_mut(), params, grads, plan)?;
-    early.stepped[k] = true;
+    early.stepped[buckets].fill(true);
     Ok(())
 }
 
