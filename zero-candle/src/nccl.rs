@@ -151,9 +151,10 @@ impl<C: DeviceComm> CandleMemory<f32, C> for Cuda {
         Ok(engine.shard_parameters(mask, &mut params)?)
     }
 
-    /// A deferred variable's values are computed on the host one variable
-    /// at a time and uploaded for the engine to read its pieces from, so
-    /// the device holds at most one whole deferred variable at a time.
+    /// A deferred variable's values are computed on the host, only the
+    /// ranges this rank reads (its own pieces), one at a time, and uploaded
+    /// for the engine to read, so the device holds at most one piece of a
+    /// deferred variable at a time.
     fn shard_from_start(
         engine: &mut Engine<f32, C, OffloadMemory<CudaMemory>>,
         order: &[usize],
@@ -386,7 +387,8 @@ impl DeviceParams for CandleParams<'_> {
 
 /// The engine's view of a model built by a `ShardedVarMap` on the GPU:
 /// deferred variables (no values yet) are computed from the map's source
-/// and uploaded, the last one kept while the engine reads its pieces.
+/// and uploaded: the ranges the engine reads, or, where it asks for a whole
+/// variable, all of it, kept while the engine reads its pieces.
 struct InitParams<'a> {
     vars: CandleParams<'a>,
     names: &'a [String],
@@ -431,6 +433,48 @@ impl InitParams<'_> {
 }
 
 impl DeviceParams for InitParams<'_> {
+    /// A deferred variable: only `range` is computed and uploaded.
+    fn with_param_range(
+        &mut self,
+        param: usize,
+        range: std::ops::Range<usize>,
+        f: &mut dyn FnMut(DeviceView<'_>, usize) -> zero_core::Result<()>,
+    ) -> zero_core::Result<()> {
+        let name = &self.names[param];
+        let Some((init, shape)) = self.map.deferred(name) else {
+            return self
+                .vars
+                .with_param(param, &mut |view| f(view, range.start));
+        };
+        let var = &self.vars.vars[param];
+        let Device::Cuda(device) = var.device() else {
+            return Err(candle_failure(
+                param,
+                "the variable is not on a CUDA device",
+            ));
+        };
+        if range.end > var.elem_count() {
+            return Err(candle_failure(
+                param,
+                format!("range {range:?} of {} elements", var.elem_count()),
+            ));
+        }
+        let mut values = vec![0f32; range.len()];
+        crate::init::fill_from(
+            self.map.source(),
+            (name, &shape, init),
+            range,
+            var.dtype(),
+            &mut values,
+        )
+        .map_err(|e| candle_failure(param, e))?;
+        let uploaded = device
+            .cuda_stream()
+            .clone_htod(&values)
+            .map_err(|e| candle_failure(param, e))?;
+        f((&uploaded).into(), 0)
+    }
+
     fn with_param(
         &mut self,
         param: usize,

@@ -54,6 +54,19 @@ pub trait DeviceParams {
         f: &mut dyn FnMut(DeviceView<'_>) -> Result<()>,
     ) -> Result<()>;
 
+    /// Calls `f` with device memory holding the elements `range` of
+    /// parameter `param`, from the offset `f` is given: for a source that
+    /// computes its values (a model built sharded), only what is read. By
+    /// default the whole parameter, from `range.start`.
+    fn with_param_range(
+        &mut self,
+        param: usize,
+        range: Range<usize>,
+        f: &mut dyn FnMut(DeviceView<'_>, usize) -> Result<()>,
+    ) -> Result<()> {
+        self.with_param(param, &mut |view| f(view, range.start))
+    }
+
     /// Calls `f` with parameter `param`'s device memory, writable.
     fn with_param_mut(
         &mut self,
@@ -674,12 +687,12 @@ impl<C: DeviceComm> ShardMemory<f32, C> for CudaMemory {
     ) -> Result<()> {
         let stream = self.stream()?;
         for c in copies {
-            params.with_param(c.param, &mut |src| {
+            params.with_param_range(c.param, c.param_range.clone(), &mut |src, start| {
                 read_view(
                     &self.kernels,
                     &stream,
                     src,
-                    c.param_range.start,
+                    start,
                     buffer,
                     c.at,
                     c.param_range.len(),
