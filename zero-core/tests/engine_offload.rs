@@ -461,22 +461,54 @@ fn the_host_steps_buckets_as_they_land_not_after_the_whole_gradient() {
             seen.len() > 1,
             "inline {inline}: stepped bucket by bucket: {seen:?}"
         );
-        // The weights of the step after backward.
-        let after = run(1, |comm| {
-            let mut e = Engine::with_memory(
-                comm,
-                OffloadMemory::new(PlanCheck::new(Arc::default(), inline)),
-                model.infos(),
-                make_opt(Opt::Adam, false),
-                EngineConfig::default()
-                    .with_stage(Stage::Gradients)
-                    .with_bucket_bytes(96)
-                    .with_offload(Offload::Optimizer, 1),
-            )?;
-            Ok(train(&mut e, &model, Path::Hooked, 1, 1)?.0.remove(0))
-        });
-        assert_eq!(trained, after, "inline {inline}");
+        assert_eq!(
+            trained,
+            after_backward(&model, inline, 1),
+            "inline {inline}"
+        );
     }
+}
+
+/// The weights after `steps` hooked steps of an offloaded stage-2 engine
+/// at N = 1 that steps after backward (over a device posing `inline` or
+/// not), from the model's initial values.
+fn after_backward(model: &Synthetic, inline: bool, steps: usize) -> Vec<Vec<Vec<f64>>> {
+    run(1, |comm| {
+        let mut e = Engine::with_memory(
+            comm,
+            OffloadMemory::new(PlanCheck::new(Arc::default(), inline)),
+            model.infos(),
+            make_opt(Opt::Adam, false),
+            EngineConfig::default()
+                .with_stage(Stage::Gradients)
+                .with_bucket_bytes(96)
+                .with_offload(Offload::Optimizer, 1),
+        )?;
+        let (_, _, params) = train_from(&mut e, model, Path::Hooked, 1, model.init(), (0, steps))?;
+        Ok(params)
+    })
+}
+
+/// An offloaded stage-2 engine over `device` whose interleaved steps run
+/// `before` first (in the step thread's calls).
+fn watched_offload<C: Communicator<Memory = zero_core::comm::Host>>(
+    comm: C,
+    model: &Synthetic,
+    device: PlanCheck,
+    before: BeforeStep,
+) -> Result<Engine<f64, C, OffloadMemory<PlanCheck>>> {
+    Engine::with_memory(
+        comm,
+        OffloadMemory::new(device),
+        model.infos(),
+        Box::new(Watched {
+            inner: make_opt(Opt::Adam, false),
+            handed: Arc::default(),
+            seen: Arc::default(),
+            before: Some(before),
+        }),
+        config(Stage::Gradients, Overlap::Interleaved, 1).with_offload(Offload::Optimizer, 1),
+    )
 }
 
 /// After backward, offload's step thread goes on with its last buckets
@@ -520,18 +552,7 @@ fn the_write_back_takes_each_bucket_as_the_step_thread_steps_it() {
                 .push(uploads() - since);
             Ok(())
         });
-        let mut e = Engine::with_memory(
-            comm,
-            OffloadMemory::new(PlanCheck::new(device.clone(), true)),
-            model.infos(),
-            Box::new(Watched {
-                inner: make_opt(Opt::Adam, false),
-                handed: Arc::default(),
-                seen: Arc::default(),
-                before: Some(hold),
-            }),
-            config(Stage::Gradients, Overlap::Interleaved, 1).with_offload(Offload::Optimizer, 1),
-        )?;
+        let mut e = watched_offload(comm, &model, PlanCheck::new(device.clone(), true), hold)?;
         let mut params = model.init();
         for step in 0..steps {
             mark.store(
@@ -550,21 +571,7 @@ fn the_write_back_takes_each_bucket_as_the_step_thread_steps_it() {
          {early_uploads:?}"
     );
     assert_eq!(device.lock().expect("no panic").changed_uploads, 0);
-    let after = run(1, |comm| {
-        let mut e = Engine::with_memory(
-            comm,
-            OffloadMemory::new(PlanCheck::new(Arc::default(), true)),
-            model.infos(),
-            make_opt(Opt::Adam, false),
-            EngineConfig::default()
-                .with_stage(Stage::Gradients)
-                .with_bucket_bytes(96)
-                .with_offload(Offload::Optimizer, 1),
-        )?;
-        let (_, _, params) = train_from(&mut e, &model, Path::Hooked, 1, model.init(), (0, steps))?;
-        Ok(params)
-    });
-    assert_eq!(trained, after);
+    assert_eq!(trained, after_backward(&model, true, steps));
 }
 
 /// A step thread that fell behind catches up in larger calls: the buckets
@@ -591,18 +598,7 @@ fn a_step_thread_behind_steps_the_buckets_that_came_meanwhile_together() {
             per_call.push(params.iter().map(|p| p.data.len()).sum::<usize>());
             Ok(())
         });
-        let mut e = Engine::with_memory(
-            comm,
-            OffloadMemory::new(PlanCheck::new(Arc::default(), true)),
-            model.infos(),
-            Box::new(Watched {
-                inner: make_opt(Opt::Adam, false),
-                handed: Arc::default(),
-                seen: Arc::default(),
-                before: Some(before),
-            }),
-            config(Stage::Gradients, Overlap::Interleaved, 1).with_offload(Offload::Optimizer, 1),
-        )?;
+        let mut e = watched_offload(comm, &model, PlanCheck::new(Arc::default(), true), before)?;
         let mut params = model.init();
         let g = model.grads(&params, 0, 0);
         let order: Vec<(usize, usize)> = (0..n).rev().map(|p| (p, 1)).collect();
@@ -622,21 +618,7 @@ fn a_step_thread_behind_steps_the_buckets_that_came_meanwhile_together() {
         "{} buckets, each stepped alone: elements per call {per_call:?}",
         buckets[0]
     );
-    let after = run(1, |comm| {
-        let mut e = Engine::with_memory(
-            comm,
-            OffloadMemory::new(PlanCheck::new(Arc::default(), true)),
-            model.infos(),
-            make_opt(Opt::Adam, false),
-            EngineConfig::default()
-                .with_stage(Stage::Gradients)
-                .with_bucket_bytes(96)
-                .with_offload(Offload::Optimizer, 1),
-        )?;
-        let (_, _, params) = train_from(&mut e, &model, Path::Hooked, 1, model.init(), (0, 1))?;
-        Ok(params)
-    });
-    assert_eq!(trained, after);
+    assert_eq!(trained, after_backward(&model, true, 1));
 }
 
 /// A host step that fails on a bucket in the middle of the shard, after
@@ -658,18 +640,7 @@ fn a_failing_host_step_fails_the_step_and_the_engine_goes_on() {
             }
             Ok(())
         });
-        let mut e = Engine::with_memory(
-            comm,
-            OffloadMemory::new(PlanCheck::new(Arc::default(), true)),
-            model.infos(),
-            Box::new(Watched {
-                inner: make_opt(Opt::Adam, false),
-                handed: Arc::default(),
-                seen: Arc::default(),
-                before: Some(before),
-            }),
-            config(Stage::Gradients, Overlap::Interleaved, 1).with_offload(Offload::Optimizer, 1),
-        )?;
+        let mut e = watched_offload(comm, &model, PlanCheck::new(Arc::default(), true), before)?;
         let mut params = model.init();
         for step in 0..4 {
             armed.store(step == 1, Ordering::SeqCst);

@@ -95,13 +95,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         groups: &[Range<usize>],
         mut grad_chunk: Option<M::Buffer>,
     ) -> Result<()> {
-        let mut send = self.memory.alloc_zeroed(self.longest_chunk())?;
-        // Overwritten whole by each gather: no need to zero.
-        let (mut recv, _) = super::reduce::take_shortest(
-            &mut self.memory,
-            &mut self.buffers.pool,
-            self.plan.longest_bucket,
-        )?;
+        let (mut send, mut recv) = self.gather_buffers()?;
         let dtype = self.gather_dtype();
         let stepper = BucketStep::new(
             &self.plan,
@@ -153,13 +147,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// writes back as without the thread (writing the buckets before it
     /// again, which changes nothing).
     pub(super) fn write_back_as_stepped(&mut self, params: &mut M::Params<'_>) -> Result<bool> {
-        let mut send = self.memory.alloc_zeroed(self.longest_chunk())?;
-        // Overwritten whole by each gather: no need to zero.
-        let (mut recv, _) = super::reduce::take_shortest(
-            &mut self.memory,
-            &mut self.buffers.pool,
-            self.plan.longest_bucket,
-        )?;
+        let (mut send, mut recv) = self.gather_buffers()?;
         let dtype = self.gather_dtype();
         let layout = &self.plan.layout;
         let mut outcome = Ok(true);
@@ -197,6 +185,21 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         }
         self.buffers.pool.push(recv);
         outcome
+    }
+
+    /// A buffer for one bucket's chunk (to send) and a pooled one for the
+    /// whole gathered bucket (to receive; the caller gives it back): what a
+    /// bucket-by-bucket write-back goes through, which the stream's order
+    /// lets each bucket reuse at once.
+    fn gather_buffers(&mut self) -> Result<(M::Buffer, M::Buffer)> {
+        let send = self.memory.alloc_zeroed(self.longest_chunk())?;
+        // Overwritten whole by each gather: no need to zero.
+        let (recv, _) = super::reduce::take_shortest(
+            &mut self.memory,
+            &mut self.buffers.pool,
+            self.plan.longest_bucket,
+        )?;
+        Ok((send, recv))
     }
 
     /// Elements of the longest bucket's chunk (one rank's part of it).
