@@ -311,6 +311,79 @@ fn offload_keeps_the_f32_masters_of_a_bf16_model_in_host_memory() {
 /// an error fails the step.
 type BeforeStep = Box<dyn Fn(&[ParamMut<'_, f64>]) -> Result<()> + Send>;
 
+/// A bf16 model whose host steps each bucket as it lands: the write-back
+/// sends each stepped bucket up in bf16, rounded on the host (2 bytes a
+/// weight, not the masters' 4), and the replica gets the values the device
+/// alone gives it, bit for bit, at one rank and two.
+#[test]
+fn offload_sends_a_16_bit_models_weights_up_in_its_dtype() {
+    let infos = bf16_model();
+    let steps = 3;
+    for world in [1, 2] {
+        let seen: Vec<Arc<Mutex<Seen>>> = (0..world).map(|_| Arc::default()).collect();
+        let train = |offload: Offload| {
+            run(world, |comm| {
+                let rank = comm.rank();
+                let adam: Box<dyn FunctionalOptimizer<f32>> =
+                    Box::new(Adam::new(AdamConfig::default().with_lr(0.01))?);
+                // Without offload the device alone reduces an interleaved
+                // pass in the step: the after-backward schedule's sums.
+                let overlap = match offload {
+                    Offload::None => Overlap::AfterBackward,
+                    _ => Overlap::Interleaved,
+                };
+                let mut e = Engine::<f32, _, _>::with_memory(
+                    comm,
+                    OffloadMemory::new(PlanCheck::new(seen[rank].clone(), true)),
+                    infos.clone(),
+                    adam,
+                    EngineConfig::default()
+                        .with_stage(Stage::Gradients)
+                        .with_bucket_bytes(64)
+                        .with_overlap(overlap)
+                        .with_offload(offload, 1),
+                )?;
+                let mut replica = CastParams(
+                    infos
+                        .iter()
+                        .map(|p| vec![bf16::from_f32(0.5); p.numel()])
+                        .collect::<Vec<Vec<bf16>>>(),
+                );
+                let order: Vec<(usize, usize)> = (0..infos.len()).rev().map(|p| (p, 1)).collect();
+                for step in 0..steps {
+                    e.begin_backward(&order, &mut replica)?;
+                    for (p, info) in infos.iter().enumerate().rev() {
+                        let grad: Vec<f32> = (0..info.numel())
+                            .map(|i| ((i * 7 + p + step + rank) % 11) as f32 / 8.0 - 0.6)
+                            .collect();
+                        e.accumulate_param(p, grad.as_slice().into())?;
+                    }
+                    let none: Vec<Option<HostGrad<'_, f32>>> = vec![None; infos.len()];
+                    e.step(&none, &mut replica)?;
+                }
+                let shard: usize = e.layout().buckets.iter().map(|b| b.len()).sum();
+                Ok((replica.0, shard))
+            })
+        };
+        let device_alone = train(Offload::None);
+        let before: Vec<usize> = seen
+            .iter()
+            .map(|s| s.lock().expect("no panic").uploaded_bytes)
+            .collect();
+        let offloaded = train(Offload::Optimizer);
+        for (rank, ((want, _), (got, shard))) in device_alone.iter().zip(&offloaded).enumerate() {
+            assert_eq!(got, want, "N={world} rank {rank}");
+            assert_ne!(got[0][0], bf16::from_f32(0.5), "the model trained");
+            let uploaded = seen[rank].lock().expect("no panic").uploaded_bytes - before[rank];
+            assert_eq!(
+                uploaded,
+                steps * 2 * shard,
+                "N={world} rank {rank}: bytes sent up for {shard} weights a step"
+            );
+        }
+    }
+}
+
 /// An optimizer that counts its steps and records, at each, how many
 /// gradients the test had handed over by then; and runs `before` first.
 struct Watched {

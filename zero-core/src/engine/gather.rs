@@ -5,7 +5,9 @@
 //! run into the next forward (`deferred.rs`).
 
 use super::deferred::{GatherJob, Payload};
-use super::{Engine, Layout, Overlap, ParamCopy, ShardMemory, Stage, StepPiece, StepPlan};
+use super::{
+    packed_len, Engine, Layout, Overlap, ParamCopy, ShardMemory, Stage, StepPiece, StepPlan,
+};
 use crate::comm::Communicator;
 use crate::optim::FunctionalOptimizer;
 use crate::{DType, Element, Error, Result};
@@ -124,7 +126,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                     &mut self.memory,
                     &*self.comm,
                     params,
-                    (&send, &mut recv, dtype),
+                    (&send, &mut recv, Wire::As(dtype)),
                     (layout, &self.mask.active, k),
                 )
             });
@@ -159,22 +161,38 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                 outcome = Ok(false);
                 break;
             };
-            let shard = match (steps.wait_stepped(k), steps.params()) {
-                (true, Some(shard)) => shard,
-                _ => {
+            if !steps.wait_stepped(k) {
+                outcome = Ok(false);
+                break;
+            }
+            let bucket = layout.buckets[k].clone();
+            // A 16-bit model's weights go up packed in its dtype (half the
+            // bytes of the masters), gathered and widened on the device.
+            let packed = steps.packed();
+            let (source, up) = match (packed, steps.params()) {
+                (Some((grads, _)), _) => (
+                    grads,
+                    bucket.start..bucket.start + packed_len::<T>(bucket.len()),
+                ),
+                (None, Some(shard)) => (shard, bucket.clone()),
+                (None, None) => {
                     outcome = Ok(false);
                     break;
                 }
             };
             outcome = self
                 .memory
-                .copy_range(&mut send, 0, shard, layout.buckets[k].clone(), false)
+                .copy_range(&mut send, 0, source, up, false)
                 .and_then(|()| {
+                    let wire = match packed {
+                        Some((_, wire)) => Wire::Packed(wire),
+                        None => Wire::As(dtype),
+                    };
                     gather_into_replica(
                         &mut self.memory,
                         &*self.comm,
                         params,
-                        (&send, &mut recv, dtype),
+                        (&send, &mut recv, wire),
                         (layout, &self.mask.active, k),
                     )
                 })
@@ -628,14 +646,25 @@ fn copies_from(copies: &[ParamCopy], start: usize) -> Vec<ParamCopy> {
         .collect()
 }
 
+/// What a stepped chunk holds and the dtype it is gathered in.
+#[derive(Clone, Copy)]
+enum Wire {
+    /// The chunk's values, gathered rounded to the dtype
+    /// ([`ShardMemory::all_gather_as`]).
+    As(DType),
+    /// The chunk's values already rounded to the 16-bit dtype, packed
+    /// ([`ShardMemory::all_gather_packed`]).
+    Packed(DType),
+}
+
 /// All-gathers bucket `k` (`active` parameters of `layout`) from this
-/// rank's stepped chunk in `send` into `recv`, in the `wire` dtype, and
-/// writes it into the replica.
+/// rank's stepped chunk in `send` into `recv`, as `wire` says, and writes
+/// it into the replica.
 fn gather_into_replica<T, C, M>(
     memory: &mut M,
     comm: &C,
     params: &mut M::Params<'_>,
-    (send, recv, wire): (&M::Buffer, &mut M::Buffer, DType),
+    (send, recv, wire): (&M::Buffer, &mut M::Buffer, Wire),
     (layout, active, k): (&Layout, &[bool], usize),
 ) -> Result<()>
 where
@@ -644,7 +673,10 @@ where
     M: ShardMemory<T, C>,
 {
     let (n, all) = (layout.buckets[k].len(), layout.bucket_range(k).len());
-    memory.all_gather_as(comm, send, 0..n, recv, 0..all, wire)?;
+    match wire {
+        Wire::As(dtype) => memory.all_gather_as(comm, send, 0..n, recv, 0..all, dtype)?,
+        Wire::Packed(dtype) => memory.all_gather_packed(comm, send, n, recv, 0..all, dtype)?,
+    }
     memory.write_params(params, &bucket_copies(layout, active, k), recv)
 }
 

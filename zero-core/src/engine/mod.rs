@@ -76,8 +76,8 @@ pub use reduce::ReductionProgress;
 pub use scaler::{DynamicLossScale, LossScale, LossScalerState};
 pub use setup::ShardSetup;
 pub use shard_memory::{
-    host_gathers, GradPiece, HostGrad, HostMemory, ParamCopy, ParamStore, ShardMemory, StepPiece,
-    StepPlan,
+    host_gathers, pack_narrow, packed_len, GradPiece, HostGrad, HostMemory, ParamCopy, ParamStore,
+    ShardMemory, StepPiece, StepPlan,
 };
 pub use stage3::{FetcherOf, ParamPieceSink};
 pub use state::SaveOptions;

@@ -17,7 +17,9 @@
 //! with the interleaved schedule the host steps it at once (on the
 //! communication thread, or, on a device without one, on a step thread of
 //! the pass: [`ShardMemory::host_stepper`], whose buckets go back up as
-//! soon as each is stepped, while it steps the rest), otherwise bucket by
+//! soon as each is stepped, while it steps the rest, a 16-bit model's
+//! rounded to its dtype on the host: [`ShardMemory::all_gather_packed`]),
+//! otherwise bucket by
 //! bucket after backward while earlier buckets are all-gathered. Without offload
 //! every buffer is on the device and every call goes straight to the device
 //! memory.
@@ -871,6 +873,33 @@ impl<T: Element, C: Communicator, D: ShardMemory<T, C>> ShardMemory<T, C> for Of
             recv,
             recv_range,
             |d, s, sr, r, rr| d.all_gather_as(comm, s, sr, r, rr, wire),
+        )
+    }
+
+    fn gathers_packed(&self) -> bool {
+        self.device.gathers_packed()
+    }
+
+    fn all_gather_packed(
+        &mut self,
+        comm: &C,
+        send: &Self::Buffer,
+        n: usize,
+        recv: &mut Self::Buffer,
+        recv_range: Range<usize>,
+        wire: DType,
+    ) -> Result<()> {
+        let packed = 0..super::packed_len::<T>(n).min(Self::buffer_len(send));
+        collective(
+            &mut self.device,
+            send,
+            packed,
+            recv,
+            recv_range,
+            |d, s, sr, r, rr| match sr.start {
+                0 => d.all_gather_packed(comm, s, n, r, rr, wire),
+                _ => Err(internal("a packed chunk not at its buffer's start")),
+            },
         )
     }
 

@@ -312,7 +312,7 @@ where
                             early,
                             self.memory.alloc_zeroed(0)?,
                             stepper,
-                            self.plan.layout.buckets.clone(),
+                            (self.plan.layout.buckets.clone(), self.packed_write_back()),
                             region,
                         )?))
                     }

@@ -107,6 +107,17 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         self.param_dtype()
     }
 
+    /// The 16-bit dtype offload's step thread packs each stepped bucket's
+    /// weights in for the write-back: the model's, when it is a 16-bit
+    /// model with wider masters and the memory gathers packed chunks.
+    /// Rounding on the host then widening on the device gives the model the
+    /// same values as rounding the masters there.
+    pub(super) fn packed_write_back(&self) -> Option<DType> {
+        let dtype = self.param_dtype();
+        let narrow = matches!(dtype, DType::BF16 | DType::F16) && T::DTYPE.size_in_bytes() > 2;
+        (narrow && self.memory.gathers_packed()).then_some(dtype)
+    }
+
     /// The trainable parameters' dtype when they share one, else `T`'s.
     fn param_dtype(&self) -> DType {
         let mut trainable = self.params.iter().filter(|p| p.trainable);

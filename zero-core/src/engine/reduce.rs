@@ -107,6 +107,10 @@ pub(super) struct HostSteps<T: Element, B> {
     params: Option<B>,
     /// The gradient shard the thread reads, once backward is over.
     grad_shard: Option<B>,
+    /// The 16-bit dtype each stepped bucket's weights are packed in, into
+    /// its range of the gradient shard (its gradients are spent), for the
+    /// write-back to send up half the bytes ([`super::pack_narrow`]).
+    packed: Option<DType>,
 }
 
 /// The most buckets the step thread steps in one call.
@@ -179,6 +183,14 @@ impl<T: Element, B> HostSteps<T, B> {
         self.params.as_ref()
     }
 
+    /// Where the stepped buckets' weights are packed in 16 bits, and the
+    /// dtype: the gradient shard (held once backward is over), whose
+    /// buckets reported stepped may be read while the thread steps the
+    /// others; `None` where the weights are not packed.
+    pub fn packed(&self) -> Option<(&B, DType)> {
+        Some((self.grad_shard.as_ref()?, self.packed?))
+    }
+
     /// Joins the thread after its last bucket: the lent step with the
     /// parameter shard, the gradient shard, the first failure and the
     /// times; `None` if the thread panicked.
@@ -212,12 +224,13 @@ impl<T: Element, B> Drop for HostSteps<T, B> {
 /// `grads` (which must stay alive and in place until the steps are
 /// finished or dropped) into the same range of `early`'s parameter shard,
 /// which is held by the steps meanwhile (`stand_in` takes its place in the
-/// lent step).
+/// lent step); with `packed`, then packs the stepped weights in that
+/// 16-bit dtype into the bucket's range of the gradient shard.
 pub(super) fn start_host_steps<T, C, M>(
     mut early: EarlyStep<T, M::Buffer>,
     stand_in: M::Buffer,
     stepper: super::HostStepper,
-    shard: Vec<Range<usize>>,
+    (shard, packed): (Vec<Range<usize>>, Option<DType>),
     mut grads: HostRegion<T>,
 ) -> Result<HostSteps<T, M::Buffer>>
 where
@@ -283,13 +296,14 @@ where
                     // this thread is joined; the buckets' gradients have
                     // landed, and nothing else touches their ranges of
                     // either shard until this thread reports them stepped
-                    // (then the calling thread only reads the parameters,
-                    // and this thread no longer touches them) or is joined
+                    // (then the calling thread only reads the parameters
+                    // or the weights packed in the gradients' place, and
+                    // this thread no longer touches either) or is joined
                     // (`HostSteps::hand_over`).
                     let (bucket_grads, bucket_params) = unsafe {
                         (
                             grads.range_mut(range.clone()),
-                            params_region.range_mut(range),
+                            params_region.range_mut(range.clone()),
                         )
                     };
                     step_landed(
@@ -299,7 +313,20 @@ where
                         first..last + 1,
                         bucket_grads,
                         bucket_params,
-                    )
+                    )?;
+                    if let Some(wire) = packed {
+                        // Each bucket's weights at the start of its own
+                        // range, where the write-back reads them.
+                        for bucket in &shard[first..=last] {
+                            let at = bucket.start - range.start..bucket.end - range.start;
+                            super::pack_narrow(
+                                &bucket_params[at.clone()],
+                                wire,
+                                &mut bucket_grads[at],
+                            );
+                        }
+                    }
+                    Ok(())
                 });
                 stepping_time += landed.elapsed();
                 if result.is_ok() {
@@ -321,6 +348,7 @@ where
         thread: Some(thread),
         params: Some(params),
         grad_shard: None,
+        packed,
     })
 }
 

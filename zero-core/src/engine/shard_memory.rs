@@ -16,6 +16,7 @@
 //! communicator's deadline: a dead peer is an error, never a hang.
 
 use super::fetch::{GatherMemory, HostGathers};
+use super::precision::convert_slice;
 use super::NormType;
 use crate::comm::{Communicator, Host, ReduceOp};
 use crate::optim::{FunctionalOptimizer, OptimizerState, ParamKey, ParamMut};
@@ -314,6 +315,34 @@ pub trait ShardMemory<T: Element, C: Communicator>: Send + 'static {
     ) -> Result<()> {
         let _ = wire;
         self.all_gather(comm, send, send_range, recv, recv_range)
+    }
+
+    /// Whether [`ShardMemory::all_gather_packed`] works here (offload's
+    /// write-back then sends a 16-bit model's weights up in 16 bits).
+    /// Default `false`.
+    fn gathers_packed(&self) -> bool {
+        false
+    }
+
+    /// [`ShardMemory::all_gather_as`] of a chunk already rounded to the
+    /// 16-bit `wire` dtype and packed ([`pack_narrow`]): this rank's `n`
+    /// values are the first `n` 16-bit values of `send`'s memory. They are
+    /// gathered in `wire` and widened into `recv[recv_range]`. Memories
+    /// that cannot keep the default, an error
+    /// ([`ShardMemory::gathers_packed`] is `false`).
+    fn all_gather_packed(
+        &mut self,
+        comm: &C,
+        send: &Self::Buffer,
+        n: usize,
+        recv: &mut Self::Buffer,
+        recv_range: Range<usize>,
+        wire: DType,
+    ) -> Result<()> {
+        let _ = (comm, send, n, recv, recv_range, wire);
+        Err(Error::State(
+            "internal: this memory gathers no packed 16-bit chunks".into(),
+        ))
     }
 
     /// Copies `buffer[range]` into host memory (master weights for a
@@ -872,6 +901,29 @@ impl<T: Element, C: Communicator<Memory = Host>> ShardMemory<T, C> for HostMemor
         }
     }
 
+    fn gathers_packed(&self) -> bool {
+        true
+    }
+
+    fn all_gather_packed(
+        &mut self,
+        comm: &C,
+        send: &Vec<T>,
+        n: usize,
+        recv: &mut Vec<T>,
+        recv_range: Range<usize>,
+        wire: DType,
+    ) -> Result<()> {
+        let recv = &mut recv[recv_range];
+        match wire {
+            DType::BF16 => gather_packed::<T, bf16, C>(comm, send, n, recv),
+            DType::F16 => gather_packed::<T, f16, C>(comm, send, n, recv),
+            other => Err(Error::State(format!(
+                "internal: a packed gather in {other:?}, not a 16-bit dtype"
+            ))),
+        }
+    }
+
     fn buffer_to_host(
         &mut self,
         _comm: &C,
@@ -1052,6 +1104,54 @@ fn narrowed<T: Element, L: Element>(values: &[T]) -> Vec<L> {
     narrow
 }
 
+/// Elements of `T` that `n` packed 16-bit values take ([`pack_narrow`]).
+pub fn packed_len<T>(n: usize) -> usize {
+    (2 * n).div_ceil(std::mem::size_of::<T>())
+}
+
+/// Rounds `values` to the 16-bit dtype `wire` and packs them into the
+/// first [`packed_len`] elements of `out` (their memory holds the 16-bit
+/// values in order): what offload's write-back sends up for a 16-bit
+/// model, half the bytes of f32 masters.
+///
+/// # Panics
+/// If `wire` is not 16-bit, or `out` is shorter than `values`.
+pub fn pack_narrow<T: Element>(values: &[T], wire: DType, out: &mut [T]) {
+    match wire {
+        DType::BF16 => convert_slice(values, as_narrow_mut::<T, bf16>(out, values.len())),
+        DType::F16 => convert_slice(values, as_narrow_mut::<T, f16>(out, values.len())),
+        other => panic!("pack_narrow to {other:?}: not a 16-bit dtype"),
+    }
+}
+
+/// The first `n` 16-bit values in `packed`'s memory, as `L`.
+fn as_narrow<T, L: Element>(packed: &[T], n: usize) -> &[L] {
+    assert!(std::mem::size_of::<L>() == 2 && packed_len::<T>(n) <= packed.len());
+    // SAFETY: within `packed`'s memory (checked above); `L` is a 16-bit
+    // plain-data type, aligned to 2, and `T` (an element) to at least 2.
+    unsafe { std::slice::from_raw_parts(packed.as_ptr().cast::<L>(), n) }
+}
+
+/// [`as_narrow`], writable.
+fn as_narrow_mut<T, L: Element>(packed: &mut [T], n: usize) -> &mut [L] {
+    assert!(std::mem::size_of::<L>() == 2 && packed_len::<T>(n) <= packed.len());
+    // SAFETY: as in `as_narrow`, and `packed` is borrowed mutably.
+    unsafe { std::slice::from_raw_parts_mut(packed.as_mut_ptr().cast::<L>(), n) }
+}
+
+/// All-gathers the `n` values packed in `send` as `L` into `recv`, widened.
+fn gather_packed<T: Element, L: Element, C: Communicator<Memory = Host>>(
+    comm: &C,
+    send: &[T],
+    n: usize,
+    recv: &mut [T],
+) -> Result<()> {
+    let mut narrow = vec![L::default(); recv.len()];
+    comm.all_gather(as_narrow::<T, L>(send, n), &mut narrow)?;
+    convert_slice(&narrow, recv);
+    Ok(())
+}
+
 /// All-reduces `buffer` rounded to `L`, and widens the result back.
 fn all_reduce_narrow<T: Element, L: Element, C: Communicator<Memory = Host>>(
     comm: &C,
@@ -1111,4 +1211,32 @@ fn gather_narrow<T: Element, L: Element, C: Communicator<Memory = Host>>(
         bytes[i * wide..(i + 1) * wide].copy_from_slice(bytemuck::bytes_of(&value));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Packed values are the rounded ones, in order, from the start of the
+    /// buffer's memory, for any wider element; the rest is left alone.
+    #[test]
+    fn packing_rounds_each_value_into_the_buffers_first_bytes() {
+        let values: Vec<f64> = vec![0.5, 1.0 + 1.0 / 512.0, -3.14159, 1e-3, 65504.0];
+        let mut out = vec![7.0f64; 4];
+        pack_narrow(&values, DType::BF16, &mut out);
+        assert_eq!(packed_len::<f64>(values.len()), 2);
+        let packed = as_narrow::<f64, bf16>(&out, values.len());
+        for (got, v) in packed.iter().zip(&values) {
+            assert_eq!(*got, bf16::from_f64(*v));
+        }
+        assert_eq!(out[2..], [7.0, 7.0], "past the packed values");
+        let values: Vec<f32> = vec![0.1, -2.5, 1e-5];
+        let mut out = vec![0f32; 3];
+        pack_narrow(&values, DType::F16, &mut out);
+        assert_eq!(packed_len::<f32>(values.len()), 2);
+        let packed = as_narrow::<f32, f16>(&out, values.len());
+        for (got, v) in packed.iter().zip(&values) {
+            assert_eq!(*got, f16::from_f32(*v));
+        }
+    }
 }

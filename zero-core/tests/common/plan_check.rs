@@ -32,6 +32,8 @@ pub struct Seen {
     pub queued_downloads: usize,
     /// Offload's uploads queued from page-locked host memory.
     pub queued_uploads: usize,
+    /// Their bytes.
+    pub uploaded_bytes: usize,
     /// Queued uploads whose source the host changed before they landed.
     pub changed_uploads: usize,
     /// Host buffers page-locked.
@@ -473,6 +475,30 @@ impl<T: Element, C: Communicator<Memory = Host>> ShardMemory<T, C> for PlanCheck
         )
     }
 
+    fn gathers_packed(&self) -> bool {
+        true
+    }
+
+    fn all_gather_packed(
+        &mut self,
+        comm: &C,
+        send: &Vec<T>,
+        n: usize,
+        recv: &mut Vec<T>,
+        recv_range: Range<usize>,
+        wire: DType,
+    ) -> Result<()> {
+        <HostMemory as ShardMemory<T, C>>::all_gather_packed(
+            &mut self.inner,
+            comm,
+            send,
+            n,
+            recv,
+            recv_range,
+            wire,
+        )
+    }
+
     fn buffer_to_host(
         &mut self,
         comm: &C,
@@ -551,10 +577,9 @@ impl<T: Element, C: Communicator<Memory = Host>> ShardMemory<T, C> for PlanCheck
                 }
             }),
         );
-        self.seen
-            .lock()
-            .expect("no test thread panicked")
-            .queued_uploads += 1;
+        let mut seen = self.seen.lock().expect("no test thread panicked");
+        seen.queued_uploads += 1;
+        seen.uploaded_bytes += std::mem::size_of_val(values);
         Ok(values.to_vec())
     }
 

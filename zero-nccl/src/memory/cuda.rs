@@ -7,7 +7,9 @@ use super::view::{DeviceView, DeviceViewMut, ViewElement};
 use crate::kernels::Half;
 use crate::kernels::{FusedKernels, NormAccumulator, NormKind};
 use crate::{DeviceComm, NcclComm};
-use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DriverError};
+use cudarc::driver::{
+    CudaEvent, CudaSlice, CudaStream, CudaView, DevicePtr, DevicePtrMut, DriverError,
+};
 use half::{bf16, f16};
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -200,6 +202,61 @@ fn check_range(op: &'static str, range: &Range<usize>, len: usize) -> Result<()>
     Ok(())
 }
 
+/// The 16-bit staging of gathers in `slot` (a chunk to send, a gathered
+/// bucket), grown to hold at least `n` and `all` values.
+fn wire16<'a>(
+    slot: &'a mut Option<(CudaSlice<u16>, CudaSlice<u16>)>,
+    stream: &Arc<CudaStream>,
+    n: usize,
+    all: usize,
+) -> Result<(&'a mut CudaSlice<u16>, &'a mut CudaSlice<u16>)> {
+    let short = |b: &CudaSlice<u16>, len: usize| b.len() < len.max(1);
+    if slot
+        .as_ref()
+        .is_none_or(|(s, r)| short(s, n) || short(r, all))
+    {
+        let (old_send, old_recv) = slot.take().map_or((0, 0), |(s, r)| (s.len(), r.len()));
+        // SAFETY: every element read is written first (the narrowing writes
+        // the chunk, the gather the bucket).
+        let alloc = |len: usize| unsafe { stream.alloc::<u16>(len.max(1)) };
+        *slot = Some((
+            alloc(n.max(old_send)).map_err(cuda)?,
+            alloc(all.max(old_recv)).map_err(cuda)?,
+        ));
+    }
+    let (send16, recv16) = slot.as_mut().ok_or_else(short_wire)?;
+    Ok((send16, recv16))
+}
+
+fn short_wire() -> Error {
+    Error::State("internal: 16-bit gather staging too short".into())
+}
+
+/// All-gathers this rank's 16-bit chunk `send` into the staging `recv16`
+/// and widens the gathered bucket into `recv[recv_range]`.
+fn gather_widen<H: Half + zero_core::Element>(
+    kernels: &FusedKernels,
+    stream: &Arc<CudaStream>,
+    comm: &impl DeviceComm,
+    send: &CudaView<'_, H>,
+    recv16: &mut CudaSlice<u16>,
+    (recv, recv_range): (&mut CudaSlice<f32>, Range<usize>),
+) -> Result<()> {
+    let all = recv_range.len();
+    // SAFETY: bf16 and f16 are 16-bit plain data, as u16 is.
+    let mut narrow_recv = unsafe { recv16.transmute_mut::<H>(all) }.ok_or_else(short_wire)?;
+    comm.all_gather_view(send, &mut narrow_recv)?;
+    let narrow_recv = unsafe { recv16.transmute::<H>(all) }.ok_or_else(short_wire)?;
+    kernels
+        .widen_ranges(
+            stream,
+            &[(recv_range.start, &narrow_recv as &dyn DevicePtr<H>, 0..all)],
+            recv,
+            false,
+        )
+        .map_err(nccl)
+}
+
 /// Fails unless this is the `owner` thread (when there is one): work queued
 /// on the per-thread default stream from another thread would not be
 /// ordered after the backward pass that thread never saw.
@@ -374,31 +431,10 @@ impl CudaMemory {
         check_range("all_gather", &send_range, send.len())?;
         check_range("all_gather", &recv_range, recv.len())?;
         let stream = self.stream()?;
-        let (n, all) = (send_range.len(), recv_range.len());
-        let short = |b: &CudaSlice<u16>, len: usize| b.len() < len.max(1);
-        if self
-            .wire16
-            .as_ref()
-            .is_none_or(|(s, r)| short(s, n) || short(r, all))
-        {
-            let (old_send, old_recv) = self
-                .wire16
-                .take()
-                .map_or((0, 0), |(s, r)| (s.len(), r.len()));
-            // SAFETY: every element read is written first (the narrowing
-            // writes the chunk, the gather the bucket).
-            let alloc = |len: usize| unsafe { stream.alloc::<u16>(len.max(1)) };
-            self.wire16 = Some((
-                alloc(n.max(old_send)).map_err(cuda)?,
-                alloc(all.max(old_recv)).map_err(cuda)?,
-            ));
-        }
-        let Some((send16, recv16)) = self.wire16.as_mut() else {
-            unreachable!("allocated above");
-        };
-        let oversized = || Error::State("internal: 16-bit gather staging too short".into());
+        let n = send_range.len();
+        let (send16, recv16) = wire16(&mut self.wire16, &stream, n, recv_range.len())?;
         // SAFETY: bf16 and f16 are 16-bit plain data, as u16 is.
-        let mut narrow_send = unsafe { send16.transmute_mut::<H>(n) }.ok_or_else(oversized)?;
+        let mut narrow_send = unsafe { send16.transmute_mut::<H>(n) }.ok_or_else(short_wire)?;
         self.kernels
             .narrow_ranges(
                 &stream,
@@ -410,18 +446,46 @@ impl CudaMemory {
                 )],
             )
             .map_err(nccl)?;
-        let narrow_send = unsafe { send16.transmute::<H>(n) }.ok_or_else(oversized)?;
-        let mut narrow_recv = unsafe { recv16.transmute_mut::<H>(all) }.ok_or_else(oversized)?;
-        comm.all_gather_view(&narrow_send, &mut narrow_recv)?;
-        let narrow_recv = unsafe { recv16.transmute::<H>(all) }.ok_or_else(oversized)?;
-        self.kernels
-            .widen_ranges(
-                &stream,
-                &[(recv_range.start, &narrow_recv as &dyn DevicePtr<H>, 0..all)],
-                recv,
-                false,
-            )
-            .map_err(nccl)
+        let narrow_send = unsafe { send16.transmute::<H>(n) }.ok_or_else(short_wire)?;
+        gather_widen(
+            &self.kernels,
+            &stream,
+            comm,
+            &narrow_send,
+            recv16,
+            (recv, recv_range),
+        )
+    }
+
+    /// [`ShardMemory::all_gather_packed`] in `H`: `send`'s memory already
+    /// holds the `n` rounded values, gathered from there.
+    fn all_gather_packed_as<H: Half + zero_core::Element>(
+        &mut self,
+        comm: &impl DeviceComm,
+        send: &CudaSlice<f32>,
+        n: usize,
+        recv: &mut CudaSlice<f32>,
+        recv_range: Range<usize>,
+    ) -> Result<()> {
+        check_range(
+            "all_gather_packed",
+            &(0..zero_core::engine::packed_len::<f32>(n)),
+            send.len(),
+        )?;
+        check_range("all_gather_packed", &recv_range, recv.len())?;
+        let stream = self.stream()?;
+        let (_, recv16) = wire16(&mut self.wire16, &stream, 0, recv_range.len())?;
+        // SAFETY: `send` holds `n` values of the 16-bit plain-data `H`
+        // packed from its start (`pack_narrow`'s layout; length checked).
+        let packed = unsafe { send.transmute::<H>(n) }.ok_or_else(short_wire)?;
+        gather_widen(
+            &self.kernels,
+            &stream,
+            comm,
+            &packed,
+            recv16,
+            (recv, recv_range),
+        )
     }
 
     /// The stream to queue work on, after checking that this thread may.
@@ -822,6 +886,29 @@ impl<C: DeviceComm> ShardMemory<f32, C> for CudaMemory {
         check_range("all_gather", &recv_range, recv.len())?;
         self.stream()?;
         comm.all_gather_view(&send.slice(send_range), &mut recv.slice_mut(recv_range))
+    }
+
+    fn gathers_packed(&self) -> bool {
+        true
+    }
+
+    fn all_gather_packed(
+        &mut self,
+        comm: &C,
+        send: &CudaSlice<f32>,
+        n: usize,
+        recv: &mut CudaSlice<f32>,
+        recv_range: Range<usize>,
+        wire: zero_core::DType,
+    ) -> Result<()> {
+        use zero_core::DType;
+        match wire {
+            DType::BF16 => self.all_gather_packed_as::<bf16>(comm, send, n, recv, recv_range),
+            DType::F16 => self.all_gather_packed_as::<f16>(comm, send, n, recv, recv_range),
+            other => Err(Error::State(format!(
+                "internal: a packed gather in {other:?}, not a 16-bit dtype"
+            ))),
+        }
     }
 
     fn all_gather_as(
