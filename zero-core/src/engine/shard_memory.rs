@@ -1221,7 +1221,7 @@ mod tests {
     /// buffer's memory, for any wider element; the rest is left alone.
     #[test]
     fn packing_rounds_each_value_into_the_buffers_first_bytes() {
-        let values: Vec<f64> = vec![0.5, 1.0 + 1.0 / 512.0, -3.14159, 1e-3, 65504.0];
+        let values: Vec<f64> = vec![0.5, 1.0 + 1.0 / 512.0, -2.71, 1e-3, 65504.0];
         let mut out = vec![7.0f64; 4];
         pack_narrow(&values, DType::BF16, &mut out);
         assert_eq!(packed_len::<f64>(values.len()), 2);
