@@ -456,13 +456,13 @@ pub fn run(report: &mut Report, part: Part) {
 
 /// Where an offloaded step's host time goes (figures `gpu.gpt_bf16_{case}_*_ms`):
 /// the step thread's waits for copies and its stepping (both beside
-/// backward), the wait for its last buckets after backward, and the
-/// write-back.
+/// backward), the calling thread's waits for it after backward (for each
+/// bucket to write back, and at the end), and the write-back's own time.
 fn offload_breakdown(report: &mut Report, case: &str, plain: &Measured, offload: &Measured) {
     let times = &offload.offload_ms;
     println!(
         "{case}: bf16 step {:.1} ms (plain {:.1} ms): step thread waiting for copies {:.1} ms, \
-         stepping {:.1} ms; after backward, waiting for it {:.1} ms, write-back {:.1} ms",
+         stepping {:.1} ms; after backward, waiting for it {:.1} ms, writing back {:.1} ms",
         offload.step_ms, plain.step_ms, times.landing, times.stepping, times.join, times.write_back
     );
     for (name, ms) in [

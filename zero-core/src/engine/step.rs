@@ -76,9 +76,15 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             Some(false) => true,
             None => self.finish_pass_stepping(last)?,
         };
-        if micro_steps > 1 {
-            // Averaging reads the gradient shard, which offload's step
-            // thread may still be reading.
+        // Offload's step thread may still be stepping its last buckets (the
+        // write-back takes them as they come, `update_params`): whatever
+        // reads the gradient shard before (averaging; clipping and loss
+        // scaling, which the interleaved schedule refuses) waits for it.
+        if micro_steps > 1
+            || self.config.clip.is_some()
+            || self.config.compute_grad_norm
+            || self.config.loss_scale != super::LossScale::None
+        {
             self.finish_host_steps()?;
         }
         if !reduced && self.window.in_shard {
