@@ -349,3 +349,52 @@ fn gathers_in_sixteen_bits_round_on_the_wire() {
         }
     }
 }
+
+/// A chunk rounded to 16 bits and packed on the host (offload's
+/// write-back of a 16-bit model) gathers into the same values as the f32
+/// chunk gathered in that dtype, bit for bit: nothing is rounded twice.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn packed_sixteen_bit_chunks_gather_as_their_f32_values_would() {
+    use zero_core::engine::{pack_narrow, packed_len, ShardMemory};
+    let comm = comm();
+    let mut memory = zero_nccl::CudaMemory::new(&comm, adam().as_ref()).unwrap();
+    let stream = comm.compute_stream().clone();
+    let values: Vec<f32> = (0..999).map(|i| (i as f32 - 500.0) * 1.37e-3).collect();
+    let send = stream.clone_htod(&values).unwrap();
+    for wire in [DType::BF16, DType::F16] {
+        // A chunk, then a longer one (the 16-bit staging grows), then a
+        // shorter one again.
+        for n in [500, 999, 101] {
+            let mut packed = vec![0f32; packed_len::<f32>(n)];
+            pack_narrow(&values[..n], wire, &mut packed);
+            let packed = stream.clone_htod(&packed).unwrap();
+            let (mut want, mut got) = (
+                stream.alloc_zeros::<f32>(1010).unwrap(),
+                stream.alloc_zeros::<f32>(1010).unwrap(),
+            );
+            memory
+                .all_gather_as(&comm, &send, 0..n, &mut want, 7..7 + n, wire)
+                .unwrap();
+            memory
+                .all_gather_packed(&comm, &packed, n, &mut got, 7..7 + n, wire)
+                .unwrap();
+            comm.wait_compute("test").unwrap();
+            let (want, got) = (
+                stream.clone_dtoh(&want).unwrap(),
+                stream.clone_dtoh(&got).unwrap(),
+            );
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got), bits(&want), "{wire:?}, {n} values");
+            assert_ne!(got[7], 0.0, "{wire:?}: nothing gathered");
+        }
+    }
+    let short = stream.alloc_zeros::<f32>(10).unwrap();
+    let mut recv = stream.alloc_zeros::<f32>(100).unwrap();
+    assert!(
+        memory
+            .all_gather_packed(&comm, &short, 100, &mut recv, 0..100, DType::BF16)
+            .is_err(),
+        "100 packed values in 10 elements"
+    );
+}
