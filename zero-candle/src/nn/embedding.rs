@@ -156,8 +156,10 @@ impl FusedEmbedding {
     }
 }
 
-/// `table[ids]` with the table gathered in pieces: each id's row is put
-/// together from the stretches that hold it.
+/// `table[ids]` with the table gathered in pieces: the rows wanted are
+/// taken out of each stretch in one selection (a row split over stretches
+/// put together from its columns), in id order, and the lookup is one more
+/// selection from those: a few launches per stretch, not a few per id.
 fn lookup_in_pieces(
     hook: Option<&Arc<dyn GradHook>>,
     table: &Tensor,
@@ -165,54 +167,71 @@ fn lookup_in_pieces(
     ids: &Tensor,
 ) -> Result<Tensor> {
     let (vocab, dim) = table.dims2()?;
+    let device = table.device();
     let ids = row_ids(ids, vocab)?;
     let wanted: std::collections::BTreeSet<usize> = ids.iter().copied().collect();
-    // Per wanted row, its parts: (first column, values), copied out of the
-    // piece (`tensor` copies) so that the piece can go.
-    let mut parts: std::collections::BTreeMap<usize, Vec<(usize, Tensor)>> = Default::default();
+    // The wanted rows by their first id, in blocks of consecutive wanted
+    // ids (copied out of the piece, so that the piece can go), and the
+    // parts of split rows: (first column, values).
+    let mut blocks: std::collections::BTreeMap<usize, Tensor> = Default::default();
+    let mut split: std::collections::BTreeMap<usize, Vec<(usize, Tensor)>> = Default::default();
     for_each_stretch(hook, table, Some(first), |values, stretch| {
         for part in row_parts(values, dim) {
             match part {
                 RowPart::Rows { rows, at } => {
-                    for &id in wanted.range(rows.clone()) {
-                        let from = at + (id - rows.start) * dim;
-                        let row = stretch.tensor(from..from + dim, table.device())?;
-                        parts.entry(id).or_default().push((0, row));
-                    }
+                    let local: Vec<u32> = wanted
+                        .range(rows.clone())
+                        .map(|&id| (id - rows.start) as u32)
+                        .collect();
+                    let Some(&first_local) = local.first() else {
+                        continue;
+                    };
+                    let run = stretch
+                        .tensor(at..at + rows.len() * dim, device)?
+                        .reshape((rows.len(), dim))?;
+                    let local = Tensor::new(local.as_slice(), device)?;
+                    blocks.insert(
+                        rows.start + first_local as usize,
+                        run.index_select(&local, 0)?,
+                    );
                 }
                 RowPart::Partial { row, cols, at } if wanted.contains(&row) => {
-                    let values = stretch.tensor(at..at + cols.len(), table.device())?;
-                    parts.entry(row).or_default().push((cols.start, values));
+                    let values = stretch.tensor(at..at + cols.len(), device)?;
+                    split.entry(row).or_default().push((cols.start, values));
                 }
                 RowPart::Partial { .. } => {}
             }
         }
         Ok(())
     })?;
-    let mut rows = std::collections::BTreeMap::new();
-    for (id, mut row) in parts {
+    for (id, mut row) in split {
         row.sort_by_key(|(col, _)| *col);
         let row: Vec<Tensor> = row.into_iter().map(|(_, v)| v).collect();
         let row = Tensor::cat(&row, 0)?;
         if row.dim(0)? != dim {
             bail!("zero-candle Embedding: the gathered pieces of the table miss part of row {id}")
         }
-        rows.insert(id, row);
+        blocks.insert(id, row.reshape((1, dim))?);
     }
-    let looked_up = ids
+    if ids.is_empty() {
+        return Tensor::zeros((0, dim), table.dtype(), device);
+    }
+    let blocks: Vec<Tensor> = blocks.into_values().collect();
+    let found = Tensor::cat(&blocks, 0)?;
+    if found.dim(0)? != wanted.len() {
+        bail!(
+            "zero-candle Embedding: the gathered pieces of the table hold {} of the {} rows looked up",
+            found.dim(0)?,
+            wanted.len()
+        )
+    }
+    // Each id's place among the wanted rows, in id order.
+    let order: Vec<usize> = wanted.into_iter().collect();
+    let places: Vec<u32> = ids
         .iter()
-        .map(|id| {
-            rows.get(id).ok_or_else(|| {
-                candle_core::Error::Msg(format!(
-                    "zero-candle Embedding: the gathered pieces of the table miss row {id}"
-                ))
-            })
-        })
-        .collect::<Result<Vec<&Tensor>>>()?;
-    if looked_up.is_empty() {
-        return Tensor::zeros((0, dim), table.dtype(), table.device());
-    }
-    Tensor::stack(&looked_up, 0)
+        .map(|id| order.partition_point(|&w| w < *id) as u32)
+        .collect();
+    found.index_select(&Tensor::new(places.as_slice(), device)?, 0)
 }
 
 fn gather_rows<S: BackendStorage>(
