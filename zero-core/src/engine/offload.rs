@@ -19,10 +19,9 @@
 //! the pass: [`ShardMemory::host_stepper`], whose buckets go back up as
 //! soon as each is stepped, while it steps the rest, a 16-bit model's
 //! rounded to its dtype on the host: [`ShardMemory::all_gather_packed`]),
-//! otherwise bucket by
-//! bucket after backward while earlier buckets are all-gathered. Without offload
-//! every buffer is on the device and every call goes straight to the device
-//! memory.
+//! otherwise bucket by bucket after backward while earlier buckets are
+//! all-gathered. Without offload every buffer is on the device and every
+//! call goes straight to the device memory.
 //!
 //! The logic is the same for any device memory: the CPU tests run it over
 //! [`HostMemory`](super::HostMemory) standing in for the device.
@@ -462,9 +461,10 @@ fn upload<T: Element, C: Communicator, D: ShardMemory<T, C>>(
         // waits for queued copies), its length is fixed, and nothing writes
         // `range` on the host before the copy lands: `OffloadMemory` lands
         // before it writes host memory (`land_for`), and the step thread
-        // writes no bucket of the parameter shard after reporting it
-        // stepped, until a landing taken once the bucket was reduced in the
-        // next pass, behind this copy.
+        // writes no bucket of either shard (the parameters, or the weights
+        // packed in the gradients' place) after reporting it stepped, until
+        // a landing taken once the bucket was reduced in the next pass,
+        // behind this copy.
         unsafe { device.upload_queued(values.range(range)) }
     } else {
         let mut staged = device.alloc_zeroed(range.len())?;
