@@ -914,6 +914,14 @@ impl<T: Element, C: Communicator<Memory = Host>> ShardMemory<T, C> for HostMemor
         recv_range: Range<usize>,
         wire: DType,
     ) -> Result<()> {
+        if packed_len::<T>(n) > send.len() {
+            return Err(Error::BufferSize {
+                op: "all_gather_packed",
+                what: "packed chunk",
+                got: send.len(),
+                expected: packed_len::<T>(n),
+            });
+        }
         let recv = &mut recv[recv_range];
         match wire {
             DType::BF16 => gather_packed::<T, bf16, C>(comm, send, n, recv),
@@ -1238,5 +1246,27 @@ mod tests {
         for (got, v) in packed.iter().zip(&values) {
             assert_eq!(*got, f16::from_f32(*v));
         }
+    }
+
+    /// A chunk too short for the values it is said to hold is an error,
+    /// not a read past it.
+    #[test]
+    fn a_packed_gather_from_too_short_a_chunk_is_an_error() {
+        let errors = crate::ThreadGroup::new(1).run(|comm| {
+            let (send, mut recv) = (vec![0f32; 2], vec![0f32; 5]);
+            <HostMemory as ShardMemory<f32, _>>::all_gather_packed(
+                &mut HostMemory,
+                &comm,
+                &send,
+                5,
+                &mut recv,
+                0..5,
+                DType::BF16,
+            )
+            .expect_err("5 values in 2 elements")
+            .to_string()
+        });
+        let error = errors[0].as_ref().expect("the rank ran");
+        assert!(error.contains("all_gather_packed"), "{error}");
     }
 }
