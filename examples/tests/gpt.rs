@@ -477,3 +477,21 @@ fn checkpoint_activations_is_refused_for_the_mlp() {
     let err = run(&args).expect_err("refused").to_string();
     assert!(err.contains("--model gpt"), "{err}");
 }
+
+/// `GptConfig::num_params` (what `bench gpu-largest` and `gpu-headline`
+/// size their models by) counts the variables a built GPT has.
+#[test]
+fn the_parameter_count_is_the_built_models() {
+    for (layers, heads, d_model, context) in [(1, 2, 32, 16), (3, 4, 48, 24)] {
+        let config = GptConfig {
+            layers,
+            heads,
+            d_model,
+            context,
+        };
+        let varmap = VarMap::new();
+        Gpt::new(&varmap, config, 0, &Device::Cpu).unwrap();
+        let built: usize = varmap.all_vars().iter().map(|v| v.elem_count()).sum();
+        assert_eq!(config.num_params(), built, "{config:?}");
+    }
+}

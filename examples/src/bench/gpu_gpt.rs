@@ -21,10 +21,11 @@
 //! four times the sequences per step), where its host time goes (the step
 //! thread's waits for copies and stepping, the wait for its last buckets
 //! after backward, the write-back), and the largest model with offload
-//! over without, projected from the measured bytes per parameter.
+//! over without, projected from the measured bytes per parameter (`bench
+//! gpu-largest` searches for it: [`largest()`]).
 
 use super::torch_peer::{run_gpt_peer, PeerArgs, PeerAttention, PeerDevice, PeerDtype};
-use super::Report;
+use super::{largest, Report};
 use crate::trainer::{Gpt, GptConfig, GptOps};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarMap;
@@ -480,9 +481,9 @@ fn offload_breakdown(report: &mut Report, case: &str, plain: &Measured, offload:
 /// optimizer state: the device's, and with offload the host's too) and
 /// this machine's device memory and available host memory. Activations
 /// are left out (they grow with the batch, not the model), so both sizes
-/// are upper bounds. A projection, not the search it stands for (growing
-/// a GPT until it no longer trains, which takes minutes per size here):
-/// offload's reach is set by the host's memory as much as by the GPU's.
+/// are upper bounds. A projection, in seconds, of what `bench
+/// gpu-largest` measures in minutes ([`largest()`]): offload's reach is set
+/// by the host's memory as much as by the GPU's.
 fn offload_capacity(report: &mut Report, ctx: &CudaContext, plain: &Measured, offload: &Measured) {
     let (Ok((_, device)), Some(host)) = (ctx.mem_get_info(), host_available_bytes()) else {
         eprintln!("gpu gpt benchmark: no offload capacity figure (memory sizes unknown)");
@@ -835,26 +836,18 @@ pub fn headline(report: &mut Report) {
 }
 
 fn headline_run(report: &mut Report) -> BenchResult<()> {
-    const D_MODEL: usize = 2048;
-    const HEADS: usize = 16;
-    const CONTEXT: usize = 256;
     const STATE_BYTES: usize = 16;
     let (_, ctx) = open_device()?;
     let (free, total) = ctx.mem_get_info()?;
-    let per_layer = 12 * D_MODEL * D_MODEL + 13 * D_MODEL;
-    let fixed = (crate::trainer::VOCAB + CONTEXT) * D_MODEL + 2 * D_MODEL;
-    let budget = (free as f64 / 2.5) as usize / STATE_BYTES;
-    let layers = budget.saturating_sub(fixed) / per_layer;
-    if layers == 0 {
+    let config = wide_gpt(0);
+    let config = GptConfig {
+        layers: layers_within(config, (free as f64 / 2.5) as usize / STATE_BYTES),
+        ..config
+    };
+    if config.layers == 0 {
         return Err(format!("{free} free bytes leave no room for one layer").into());
     }
-    let config = GptConfig {
-        layers,
-        heads: HEADS,
-        d_model: D_MODEL,
-        context: CONTEXT,
-    };
-    let params = layers * per_layer + fixed;
+    let params = config.num_params();
     let stage0_bytes = SHARED_RANKS * STATE_BYTES * params;
     println!(
         "bench gpu-headline: {} ({:.1} of {:.1} GB free); GPT {config:?}, {:.2}B parameters: \
@@ -936,4 +929,211 @@ fn headline_run(report: &mut Report) -> BenchResult<()> {
     }
     report.add("gpu.s3_headline_step_s", step_s, "s", None);
     Ok(())
+}
+
+/// The wide GPT of the headline and of `bench gpu-largest`, with `layers`
+/// blocks: d_model 2048, 16 heads, context 256.
+fn wide_gpt(layers: usize) -> GptConfig {
+    GptConfig {
+        layers,
+        heads: 16,
+        d_model: 2048,
+        context: 256,
+    }
+}
+
+/// The most layers of `config`'s shape within `params` parameters.
+fn layers_within(config: GptConfig, params: usize) -> usize {
+    let fixed = GptConfig {
+        layers: 0,
+        ..config
+    }
+    .num_params();
+    let per_layer = GptConfig {
+        layers: 1,
+        ..config
+    }
+    .num_params()
+        - fixed;
+    params.saturating_sub(fixed) / per_layer
+}
+
+/// The argument `bench gpu-largest` passes a trial for each mode.
+const TRIAL_MODES: [(&str, Offload); 2] =
+    [("plain", Offload::None), ("offload", Offload::Optimizer)];
+
+/// Sizes `bench gpu-largest` tries per mode, and how long each may take.
+const LARGEST_TRIALS: usize = 6;
+const TRIAL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(300);
+
+/// `bench gpu-largest` (not part of `bench gpu`: each size is built and
+/// trained in a process of its own, minutes in all): the largest bf16 GPT
+/// of [`wide_gpt`]'s shape, growing layers, that trains two steps on one
+/// GPU at stage 2 (AdamW with f32 masters, one sequence per step) without
+/// offload and with `--offload optimizer`, found by trying sizes
+/// ([`largest::largest_that_trains`], a child process per size: a size
+/// that does not fit may end in the host's OOM killer), starting from a
+/// guess of 20 device bytes per parameter without offload and, with it,
+/// the fewer of 2.5 device bytes and 17 host bytes per parameter. Prints
+/// each mode's largest size and the ratio of their parameters (the
+/// issue's goal: >= 5).
+pub fn largest(report: &mut Report) {
+    if let Err(e) = largest_run(report) {
+        eprintln!("gpu largest benchmark failed: {e}");
+    }
+}
+
+fn largest_run(report: &mut Report) -> BenchResult<()> {
+    let (_, ctx) = open_device()?;
+    let (free, total) = ctx.mem_get_info()?;
+    let host = host_available_bytes().unwrap_or(0);
+    let name = ctx.name().unwrap_or_default();
+    drop(ctx);
+    println!(
+        "bench gpu-largest: {name} ({:.1} of {:.1} GB free), {:.1} GB of host memory available; \
+         {:?} growing layers, bf16, stage 2, AdamW, one sequence per step",
+        free as f64 / 1e9,
+        total as f64 / 1e9,
+        host as f64 / 1e9,
+        wide_gpt(0),
+    );
+    let exe = std::env::current_exe()?;
+    let mut largest_params = Vec::new();
+    for (mode, offload) in TRIAL_MODES {
+        let budget = match offload {
+            Offload::None => free as f64 / 20.0,
+            Offload::Optimizer => (free as f64 / 2.5).min(host as f64 / 17.0),
+        };
+        let guess = layers_within(wide_gpt(0), budget as usize).max(1);
+        let search = largest::largest_that_trains(guess, LARGEST_TRIALS, |layers| {
+            let started = Instant::now();
+            let args = [
+                "gpu-largest-trial".to_string(),
+                layers.to_string(),
+                mode.to_string(),
+            ];
+            let outcome = largest::run_trial(&exe, &args, TRIAL_TIMEOUT);
+            println!(
+                "bench gpu-largest: {mode}, {layers} layers ({:.2}B parameters): {} ({:.0} s)",
+                wide_gpt(layers).num_params() as f64 / 1e9,
+                match &outcome {
+                    largest::Outcome::Trained => "trained".to_string(),
+                    largest::Outcome::Failed(why) => format!("did not train: {why}"),
+                },
+                started.elapsed().as_secs_f64()
+            );
+            outcome
+        });
+        match search.smallest_failed() {
+            Some((layers, why)) => println!(
+                "bench gpu-largest: {mode}: the smallest size that did not train: {layers} \
+                 layers ({why})"
+            ),
+            None => println!(
+                "bench gpu-largest: {mode}: every size tried trained (a lower bound: \
+                 {LARGEST_TRIALS} sizes at most)"
+            ),
+        }
+        let Some(layers) = search.largest() else {
+            println!("bench gpu-largest: {mode}: no size trained");
+            return Ok(());
+        };
+        let params = wide_gpt(layers).num_params() as f64;
+        report.add(
+            &format!("gpu.largest_{mode}_layers"),
+            layers as f64,
+            "layers",
+            None,
+        );
+        report.add(
+            &format!("gpu.largest_{mode}_params_b"),
+            params / 1e9,
+            "B",
+            None,
+        );
+        largest_params.push(params);
+    }
+    report.add(
+        "gpu.offload_largest_over_plain",
+        largest_params[1] / largest_params[0],
+        "ratio",
+        Some(">= 5"),
+    );
+    Ok(())
+}
+
+/// One size of `bench gpu-largest`, in its own process (`bench
+/// gpu-largest-trial LAYERS plain|offload`): builds the GPT and trains it
+/// two steps; the exit code says whether it did (0), and the last line of
+/// error output why not.
+pub fn largest_trial(args: &[String]) -> i32 {
+    let parsed = match args {
+        [layers, mode] => layers
+            .parse::<usize>()
+            .ok()
+            .filter(|&l| l > 0)
+            .zip(TRIAL_MODES.iter().find(|(m, _)| m == mode).map(|(_, o)| *o)),
+        _ => None,
+    };
+    let Some((layers, offload)) = parsed else {
+        eprintln!("usage: bench gpu-largest-trial LAYERS plain|offload (LAYERS >= 1)");
+        return 2;
+    };
+    match trial(wide_gpt(layers), offload) {
+        Ok(loss) => {
+            println!("trained {layers} layers, loss {loss:.4}");
+            0
+        }
+        Err(e) => {
+            eprintln!("{e}");
+            1
+        }
+    }
+}
+
+/// Trains `config` in bf16 two steps on one sequence ([`largest_trial`]);
+/// returns the last loss.
+fn trial(config: GptConfig, offload: Offload) -> BenchResult<f32> {
+    let (device, ctx) = open_device()?;
+    let varmap = VarMap::new();
+    let hook = ZeroHook::<NcclComm, f32>::new();
+    let model = Gpt::with_hook_in(
+        &varmap,
+        config,
+        SEED,
+        &device,
+        Some(hook.clone() as Arc<dyn GradHook>),
+        DType::BF16,
+    )?;
+    let mut opt = NcclZeroOptimizer::new(
+        &varmap,
+        NcclComm::single(0)?,
+        EngineConfig::default()
+            .with_stage(Stage::Gradients)
+            .with_offload(offload, 0)
+            .with_overlap(match offload {
+                Offload::Optimizer => Overlap::Interleaved,
+                Offload::None => Overlap::default(),
+            }),
+        Box::new(AdamW::new(AdamWConfig::default().with_lr(LR))?),
+    )?
+    .with_hook(&hook)?;
+    let mut rng = StdRng::seed_from_u64(SEED);
+    let ids: Vec<u32> = (0..config.context + 1)
+        .map(|_| rng.gen_range(0..256))
+        .collect();
+    let ids = Tensor::from_vec(ids, (1, config.context + 1), &device)?;
+    let mut last = f32::NAN;
+    for _ in 0..2 {
+        let loss = model.loss(&ids)?;
+        last = loss.to_dtype(DType::F32)?.to_scalar::<f32>()?;
+        if opt.backward_step(&loss)?.is_none() {
+            return Err("backward_step did not complete a step at one micro-step".into());
+        }
+    }
+    synchronize(&device, &ctx)?;
+    if !last.is_finite() {
+        return Err(format!("the loss is {last}").into());
+    }
+    Ok(last)
 }

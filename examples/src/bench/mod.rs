@@ -8,6 +8,7 @@ mod gpu;
 mod gpu_gpt;
 #[cfg(feature = "nccl")]
 mod gpu_layers;
+pub mod largest;
 mod layers;
 mod memory;
 #[cfg(feature = "mpi")]
@@ -67,6 +68,16 @@ fn interleaved_medians(
 /// Runs the suite named by the first command-line argument (all if none).
 pub fn main() {
     let which: Vec<String> = std::env::args().skip(1).collect();
+    if which.first().map(String::as_str) == Some("gpu-largest-trial") {
+        // One size of `bench gpu-largest`, in a process of its own.
+        #[cfg(feature = "nccl")]
+        std::process::exit(gpu_gpt::largest_trial(&which[1..]));
+        #[cfg(not(feature = "nccl"))]
+        {
+            eprintln!("gpu benchmarks need --features nccl");
+            std::process::exit(2);
+        }
+    }
     let all = [
         "comm",
         "optim",
@@ -109,12 +120,12 @@ pub fn main() {
             "gpt" if !under_mpirun => gpt::run(&mut report),
             "precision" if !under_mpirun => precision::run(&mut report),
             "stage3" if !under_mpirun => stage3::run(&mut report),
-            "gpu" | "gpu-zero" | "gpu-headline" => gpu_suite(name, &mut report),
+            "gpu" | "gpu-zero" | "gpu-headline" | "gpu-largest" => gpu_suite(name, &mut report),
             "optim" | "step" | "overlap" | "memory" | "precision" | "stage3" | "gpt" => {}
             other => {
                 eprintln!(
-                    "unknown benchmark suite {other:?}; expected one of {all:?}, or gpu-zero or \
-                     gpu-headline"
+                    "unknown benchmark suite {other:?}; expected one of {all:?}, or gpu-zero, \
+                     gpu-headline or gpu-largest"
                 );
                 std::process::exit(2);
             }
@@ -132,7 +143,9 @@ pub fn main() {
 /// `gpu-zero` (not among `all`) only `gpu`'s offload, stage-3 and
 /// shared-GPU figures (no kernel timings, composed ops, checkpointing or
 /// PyTorch peers); `gpu-headline` (not among `all`: it builds a model of a
-/// fifth of the GPU's memory) stage 3's headline.
+/// fifth of the GPU's memory) stage 3's headline; `gpu-largest` (not among
+/// `all`: minutes of models that fill the GPU) the largest model trained
+/// with offload and without.
 #[cfg(feature = "nccl")]
 fn gpu_suite(name: &str, report: &mut Report) {
     if !gpu::device_present() {
@@ -141,6 +154,7 @@ fn gpu_suite(name: &str, report: &mut Report) {
     match name {
         "gpu-zero" => gpu_gpt::run(report, gpu_gpt::Part::Zero),
         "gpu-headline" => gpu_gpt::headline(report),
+        "gpu-largest" => gpu_gpt::largest(report),
         _ => {
             gpu::run(report);
             gpu_layers::run(report);

@@ -52,6 +52,15 @@ impl GptConfig {
         }
         Ok(())
     }
+
+    /// The parameters of a [`Gpt`] of this shape (the head is tied to the
+    /// token embedding): per block two norms, the attention's input and
+    /// output projections and the MLP's two, with biases.
+    pub fn num_params(&self) -> usize {
+        let d = self.d_model;
+        let per_layer = 12 * d * d + 13 * d;
+        self.layers * per_layer + (VOCAB + self.context) * d + 2 * d
+    }
 }
 
 /// How the attention, the GELU and the loss are computed. The parameters,
