@@ -319,7 +319,8 @@ type BeforeStep = Box<dyn Fn(&[ParamMut<'_, f64>]) -> Result<()> + Send>;
 fn offload_sends_a_16_bit_models_weights_up_in_its_dtype() {
     let infos = bf16_model();
     let steps = 3;
-    for world in [1, 2] {
+    // Gathering in the masters' dtype sends them up as they are.
+    for (world, gather16) in [(1, true), (2, true), (1, false)] {
         let seen: Vec<Arc<Mutex<Seen>>> = (0..world).map(|_| Arc::default()).collect();
         let train = |offload: Offload| {
             run(world, |comm| {
@@ -341,7 +342,8 @@ fn offload_sends_a_16_bit_models_weights_up_in_its_dtype() {
                         .with_stage(Stage::Gradients)
                         .with_bucket_bytes(64)
                         .with_overlap(overlap)
-                        .with_offload(offload, 1),
+                        .with_offload(offload, 1)
+                        .with_gather_in_param_dtype(gather16),
                 )?;
                 let mut replica = CastParams(
                     infos
@@ -375,9 +377,10 @@ fn offload_sends_a_16_bit_models_weights_up_in_its_dtype() {
             assert_eq!(got, want, "N={world} rank {rank}");
             assert_ne!(got[0][0], bf16::from_f32(0.5), "the model trained");
             let uploaded = seen[rank].lock().expect("no panic").uploaded_bytes - before[rank];
+            let bytes = if gather16 { 2 } else { 4 };
             assert_eq!(
                 uploaded,
-                steps * 2 * shard,
+                steps * bytes * shard,
                 "N={world} rank {rank}: bytes sent up for {shard} weights a step"
             );
         }

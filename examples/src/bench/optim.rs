@@ -7,7 +7,9 @@
 use super::Report;
 use std::hint::black_box;
 use std::time::{Duration, Instant};
+use zero_core::engine::pack_narrow;
 use zero_core::optim::{Adam, AdamConfig, FunctionalOptimizer, ParamKey, ParamMut};
+use zero_core::DType;
 
 /// Elements in the benchmarked shard.
 const SHARD_LEN: usize = 16 << 20;
@@ -60,7 +62,7 @@ fn memcpy_parallel_gbps() -> f64 {
 
 /// The time of one Adam step over the shard as one piece, best of several.
 fn adam_step_time() -> Duration {
-    adam_step_time_in(None)
+    adam_step_time_in(None, false)
 }
 
 /// Elements of one bucket of the offload's step thread (4 MiB of f32,
@@ -115,8 +117,10 @@ fn gpt_bucket_pieces() -> Vec<Vec<(usize, usize)>> {
 
 /// The time of one Adam step over the shard, best of several: as one
 /// piece, or (`buckets`) bucket by bucket, each bucket one call with its
-/// pieces, as the offload's step thread steps it.
-fn adam_step_time_in(buckets: Option<&[Vec<(usize, usize)>]>) -> Duration {
+/// pieces, as the offload's step thread steps it; with `pack`, each
+/// stepped bucket then rounded to bf16 and packed into a buffer of the
+/// gradients' size, as that thread does for a 16-bit model.
+fn adam_step_time_in(buckets: Option<&[Vec<(usize, usize)>]>, pack: bool) -> Duration {
     let mut adam = match Adam::<f32>::new(AdamConfig::default()) {
         Ok(adam) => adam,
         Err(e) => {
@@ -139,6 +143,7 @@ fn adam_step_time_in(buckets: Option<&[Vec<(usize, usize)>]>) -> Duration {
     let grad: Vec<f32> = (0..SHARD_LEN)
         .map(|i| ((i * 7) % 1000) as f32 * 1e-3 - 0.5)
         .collect();
+    let mut packed = vec![0f32; if pack { SHARD_LEN } else { 0 }];
     best_of(8, || {
         for (pieces, keys) in buckets.iter().zip(&keys) {
             let mut rest: &mut [f32] = &mut param;
@@ -156,8 +161,13 @@ fn adam_step_time_in(buckets: Option<&[Vec<(usize, usize)>]>) -> Duration {
             if let Err(e) = adam.step(&mut params, &grads) {
                 eprintln!("bench optim: {e}");
             }
+            if let (true, Some(&(lo, _)), Some(&(at, len))) = (pack, pieces.first(), pieces.last())
+            {
+                pack_narrow(&param[lo..at + len], DType::BF16, &mut packed[lo..at + len]);
+            }
         }
         black_box(&mut param);
+        black_box(&mut packed);
     })
 }
 
@@ -211,12 +221,21 @@ pub fn run(report: &mut Report) {
         Some(">= 1.0"),
     );
     let buckets = gpt_bucket_pieces();
-    let adam_buckets = adam_step_time_in(Some(&buckets));
+    let adam_buckets = adam_step_time_in(Some(&buckets), false);
     report.add(
         "optim.adam_mt_gpt_buckets_over_whole",
         adam_buckets.as_secs_f64() / adam_mt.as_secs_f64(),
         "ratio",
         Some("<= 1.1"),
+    );
+    // What rounding a 16-bit model's weights on the host adds to the step
+    // (offload's write-back then sends half the bytes up).
+    let adam_packed = adam_step_time_in(Some(&buckets), true);
+    report.add(
+        "optim.adam_mt_gpt_buckets_packed_over_buckets",
+        adam_packed.as_secs_f64() / adam_buckets.as_secs_f64(),
+        "ratio",
+        None,
     );
     report.add(
         "optim.threads",

@@ -353,9 +353,14 @@ impl HostStepper {
         grads: &[T],
         plan: StepPlan<'_>,
     ) -> Result<()> {
+        self.run(|| host_step(optimizer, params, grads, plan))
+    }
+
+    /// Runs `work` with the offload's threads as rayon's pool.
+    pub(super) fn run<R: Send>(&self, work: impl FnOnce() -> R + Send) -> R {
         match &self.pool {
-            Some(pool) => pool.install(|| host_step(optimizer, params, grads, plan)),
-            None => host_step(optimizer, params, grads, plan),
+            Some(pool) => pool.install(work),
+            None => work(),
         }
     }
 }

@@ -316,15 +316,18 @@ where
                     )?;
                     if let Some(wire) = packed {
                         // Each bucket's weights at the start of its own
-                        // range, where the write-back reads them.
-                        for bucket in &shard[first..=last] {
-                            let at = bucket.start - range.start..bucket.end - range.start;
-                            super::pack_narrow(
-                                &bucket_params[at.clone()],
-                                wire,
-                                &mut bucket_grads[at],
-                            );
-                        }
+                        // range, where the write-back reads them (on the
+                        // offload's threads).
+                        stepper.run(|| {
+                            for bucket in &shard[first..=last] {
+                                let at = bucket.start - range.start..bucket.end - range.start;
+                                super::pack_narrow(
+                                    &bucket_params[at.clone()],
+                                    wire,
+                                    &mut bucket_grads[at],
+                                );
+                            }
+                        });
                     }
                     Ok(())
                 });

@@ -684,13 +684,17 @@ impl<'g, T> From<&'g Vec<T>> for HostGrad<'g, T> {
 /// Adds (or copies) `src`, converted to `T`, into `dst`: for a 16-bit
 /// `src`, the values a widened copy of it would give, bit for bit.
 fn flatten_into<T: Element, S: Element>(dst: &mut [T], src: &[S], add: bool) {
-    for (d, s) in dst.iter_mut().zip(src) {
-        let s = T::from_f64(s.to_f64());
-        *d = if add {
-            T::from_acc(d.to_acc() + s.to_acc())
-        } else {
-            s
-        };
+    if !add {
+        return convert_slice(src, dst);
+    }
+    // Widened a stretch at a time (the fast conversions), then added.
+    let mut wide = [T::default(); 1024];
+    for (d, s) in dst.chunks_mut(wide.len()).zip(src.chunks(wide.len())) {
+        let wide = &mut wide[..s.len().min(d.len())];
+        convert_slice(s, wide);
+        for (d, w) in d.iter_mut().zip(wide.iter()) {
+            *d = T::from_acc(d.to_acc() + w.to_acc());
+        }
     }
 }
 
