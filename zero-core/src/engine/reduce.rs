@@ -369,7 +369,9 @@ fn step_landed<T: Element, B>(
     let bucket = shard[buckets.start].start..shard[buckets.end - 1].end;
     if let Some(factor) = early.scale {
         let whole = 0..grads.len();
-        super::shard_memory::host_scale(grads, std::slice::from_ref(&whole), factor);
+        stepper.run(|| {
+            super::shard_memory::host_scale(&mut *grads, std::slice::from_ref(&whole), factor)
+        });
     }
     let owned = early.bucket_pieces[buckets.start].start..early.bucket_pieces[buckets.end - 1].end;
     let pieces: Vec<StepPiece<'_>> = early.pieces[owned.clone()]

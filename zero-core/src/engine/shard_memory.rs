@@ -1040,9 +1040,12 @@ pub fn host_gathers<T: Element, C: Communicator<Memory = Host>>(comm: C) -> Host
 /// Adds (`add`) or copies `src` into `dst`, in host memory.
 pub(super) fn host_copy<T: Element>(dst: &mut [T], src: &[T], add: bool) {
     if add {
-        for (d, s) in dst.iter_mut().zip(src) {
-            *d = T::from_acc(d.to_acc() + s.to_acc());
-        }
+        let n = dst.len().min(src.len());
+        elementwise(&mut dst[..n], |d, at| {
+            for (d, s) in d.iter_mut().zip(&src[at..]) {
+                *d = T::from_acc(d.to_acc() + s.to_acc());
+            }
+        });
     } else {
         dst.copy_from_slice(src);
     }
@@ -1051,10 +1054,29 @@ pub(super) fn host_copy<T: Element>(dst: &mut [T], src: &[T], add: bool) {
 /// Multiplies `buffer[range]` by `factor` for every range, in host memory.
 pub(super) fn host_scale<T: Element>(buffer: &mut [T], ranges: &[Range<usize>], factor: f64) {
     for range in ranges {
-        for g in &mut buffer[range.clone()] {
-            *g = T::from_f64(g.to_f64() * factor);
-        }
+        elementwise(&mut buffer[range.clone()], |g, _| {
+            for g in g {
+                *g = T::from_f64(g.to_f64() * factor);
+            }
+        });
     }
+}
+
+/// Elements one task of [`elementwise`] takes.
+const ELEMENTWISE_CHUNK: usize = 64 << 10;
+
+/// Runs `work(chunk, offset)` over `values` in chunks, split across
+/// rayon's threads when there is more than one chunk: for operations whose
+/// elements are independent (the result is the same however it is split).
+fn elementwise<T: Send>(values: &mut [T], work: impl Fn(&mut [T], usize) + Sync) {
+    use rayon::prelude::*;
+    if values.len() <= ELEMENTWISE_CHUNK {
+        return work(values, 0);
+    }
+    values
+        .par_chunks_mut(ELEMENTWISE_CHUNK)
+        .enumerate()
+        .for_each(|(i, chunk)| work(chunk, i * ELEMENTWISE_CHUNK));
 }
 
 /// This rank's part of a norm over `buffer[range]` for every range (see
@@ -1228,6 +1250,37 @@ fn gather_narrow<T: Element, L: Element, C: Communicator<Memory = Host>>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_long_scale_or_sum_split_across_threads_is_the_element_by_element_one() {
+        let n = 3 * ELEMENTWISE_CHUNK + 17;
+        let values: Vec<f32> = (0..n).map(|i| (i % 1013) as f32 * 0.37 - 91.0).collect();
+        let other: Vec<f32> = (0..n).map(|i| (i % 641) as f32 * -1.3 + 7.0).collect();
+
+        let mut scaled = values.clone();
+        // Two ranges, one of them short, and the elements between untouched.
+        let ranges = [5..n - 3, 0..2];
+        host_scale(&mut scaled, &ranges, 0.1);
+        for (i, (got, v)) in scaled.iter().zip(&values).enumerate() {
+            let want = if ranges.iter().any(|r| r.contains(&i)) {
+                (*v as f64 * 0.1) as f32
+            } else {
+                *v
+            };
+            assert_eq!(got.to_bits(), want.to_bits(), "element {i}");
+        }
+
+        let mut summed = values.clone();
+        host_copy(&mut summed, &other, true);
+        for (i, ((got, v), o)) in summed.iter().zip(&values).zip(&other).enumerate() {
+            assert_eq!(got.to_bits(), (v + o).to_bits(), "element {i}");
+        }
+        // A shorter source adds into the first elements only.
+        let mut partly = values.clone();
+        host_copy(&mut partly, &other[..n - 5], true);
+        assert_eq!(partly[n - 5..], values[n - 5..]);
+        assert_eq!(partly[n - 6], values[n - 6] + other[n - 6]);
+    }
 
     /// Packed values are the rounded ones, in order, from the start of the
     /// buffer's memory, for any wider element; the rest is left alone.
