@@ -1080,25 +1080,39 @@ fn elementwise<T: Send>(values: &mut [T], work: impl Fn(&mut [T], usize) + Sync)
 }
 
 /// This rank's part of a norm over `buffer[range]` for every range (see
-/// [`ShardMemory::norm_partial`]), in host memory.
+/// [`ShardMemory::norm_partial`]), in host memory. A long range is taken
+/// in chunks of [`ELEMENTWISE_CHUNK`] across rayon's threads, their parts
+/// combined in order: the same value however many threads there are.
 pub(super) fn host_norm<T: Element>(buffer: &[T], ranges: &[Range<usize>], norm: NormType) -> f64 {
+    use rayon::prelude::*;
+    let part = |g: &[T]| -> f64 {
+        match norm {
+            NormType::L1 => g.iter().map(|x| x.to_f64().abs()).sum::<f64>(),
+            NormType::L2 => g.iter().map(|x| x.to_f64().powi(2)).sum::<f64>(),
+            // `f64::max` would drop a NaN: count it as infinite instead.
+            NormType::Inf => g.iter().fold(0.0, |m: f64, x| {
+                let a = x.to_f64().abs();
+                if a.is_nan() {
+                    f64::INFINITY
+                } else {
+                    m.max(a)
+                }
+            }),
+        }
+    };
     let mut local = 0.0f64;
     for range in ranges {
         let g = &buffer[range.clone()];
-        match norm {
-            NormType::L1 => local += g.iter().map(|x| x.to_f64().abs()).sum::<f64>(),
-            NormType::L2 => local += g.iter().map(|x| x.to_f64().powi(2)).sum::<f64>(),
-            // `f64::max` would drop a NaN: count it as infinite instead.
-            NormType::Inf => {
-                local = g.iter().fold(local, |m, x| {
-                    let a = x.to_f64().abs();
-                    if a.is_nan() {
-                        f64::INFINITY
-                    } else {
-                        m.max(a)
-                    }
-                })
-            }
+        let parts: Vec<f64> = if g.len() > ELEMENTWISE_CHUNK {
+            g.par_chunks(ELEMENTWISE_CHUNK).map(part).collect()
+        } else {
+            vec![part(g)]
+        };
+        for p in parts {
+            local = match norm {
+                NormType::Inf => local.max(p),
+                NormType::L1 | NormType::L2 => local + p,
+            };
         }
     }
     local
@@ -1250,6 +1264,36 @@ fn gather_narrow<T: Element, L: Element, C: Communicator<Memory = Host>>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_long_norm_is_the_same_on_any_number_of_threads() {
+        let n = 5 * ELEMENTWISE_CHUNK + 3;
+        let mut values: Vec<f32> = (0..n)
+            .map(|i| ((i * 37) % 1009) as f32 * 1e-3 - 0.4)
+            .collect();
+        let ranges = [1..n - 1];
+        let on = |threads: usize, values: &[f32], norm: NormType| {
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap()
+                .install(|| host_norm(values, &ranges, norm))
+        };
+        for norm in [NormType::L1, NormType::L2, NormType::Inf] {
+            let one = on(1, &values, norm);
+            assert_eq!(one.to_bits(), on(3, &values, norm).to_bits(), "{norm:?}");
+            let g = &values[ranges[0].clone()];
+            let sequential = match norm {
+                NormType::L1 => g.iter().map(|x| (*x as f64).abs()).sum::<f64>(),
+                NormType::L2 => g.iter().map(|x| (*x as f64).powi(2)).sum::<f64>(),
+                NormType::Inf => g.iter().map(|x| (*x as f64).abs()).fold(0.0, f64::max),
+            };
+            assert!((one - sequential).abs() <= 1e-12 * sequential, "{norm:?}");
+        }
+        // A NaN in a later chunk makes the infinity norm infinite.
+        values[4 * ELEMENTWISE_CHUNK + 9] = f32::NAN;
+        assert_eq!(on(2, &values, NormType::Inf), f64::INFINITY);
+    }
 
     #[test]
     fn a_long_scale_or_sum_split_across_threads_is_the_element_by_element_one() {
