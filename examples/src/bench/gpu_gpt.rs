@@ -264,33 +264,32 @@ pub fn run(report: &mut Report, part: Part) {
             );
             Some(m)
         };
-        // The transfers on a stream of their own: a bucket's copy down
-        // beside backward's kernels instead of between them.
-        let copy_stream = Variant {
-            copy_stream: true,
-            ..offloaded
-        };
-        if let Some(m) = offload_case(
-            report,
-            "ours bf16 offload, copy stream",
-            "copy_stream",
-            copy_stream,
-        ) {
-            offload_breakdown(report, "offload_copy_stream", plain, &m);
-        }
-        // Rounding on the host (one more pass over the weights there) for
-        // half the bytes up, against sending the masters as they are.
-        let masters_up = Variant {
-            masters_up: true,
-            ..offloaded
-        };
-        if let Some(m) = offload_case(
-            report,
-            "ours bf16 offload, f32 masters up",
-            "masters_up",
-            masters_up,
-        ) {
-            offload_breakdown(report, "offload_masters_up", plain, &m);
+        // With their host time's breakdown: the transfers on a stream of
+        // their own (a bucket's copy down beside backward's kernels instead
+        // of between them); the f32 masters sent up as they are, against
+        // rounding on the host (one more pass over the weights there) for
+        // half the bytes.
+        for (name, figure, variant) in [
+            (
+                "ours bf16 offload, copy stream",
+                "copy_stream",
+                Variant {
+                    copy_stream: true,
+                    ..offloaded
+                },
+            ),
+            (
+                "ours bf16 offload, f32 masters up",
+                "masters_up",
+                Variant {
+                    masters_up: true,
+                    ..offloaded
+                },
+            ),
+        ] {
+            if let Some(m) = offload_case(report, name, figure, variant) {
+                offload_breakdown(report, &format!("offload_{figure}"), plain, &m);
+            }
         }
         // What the page-locked shards and the host's thread count are
         // worth: the same step from pageable memory, and on half the cores.

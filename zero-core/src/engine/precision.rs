@@ -385,57 +385,44 @@ mod tests {
         src.iter().map(|s| D::from_f64(s.to_f64())).collect()
     }
 
-    fn bits_or_nan<E: Element, B>(values: &[E], bits: impl Fn(&E) -> B) -> Vec<Option<B>> {
-        // NaNs compare as NaNs: their payloads are not specified.
-        values
-            .iter()
-            .map(|v| (!v.to_f64().is_nan()).then(|| bits(v)))
-            .collect()
+    /// `convert_slice(src)` and the f64 path agree bit for bit (NaNs as
+    /// NaNs: their payloads are not specified); the converted values.
+    fn agrees<S: Element, D: Element, B: PartialEq + std::fmt::Debug>(
+        src: &[S],
+        bits: impl Fn(&D) -> B,
+    ) -> Vec<D> {
+        let mut got = vec![D::default(); src.len()];
+        convert_slice(src, &mut got);
+        let bits_or_nan = |values: &[D]| -> Vec<Option<B>> {
+            values
+                .iter()
+                .map(|v| (!v.to_f64().is_nan()).then(|| bits(v)))
+                .collect()
+        };
+        assert_eq!(
+            bits_or_nan(&got),
+            bits_or_nan(&through_f64(src)),
+            "{:?} to {:?}",
+            S::DTYPE,
+            D::DTYPE
+        );
+        got
     }
 
     #[test]
     fn the_fast_conversions_round_as_the_f64_path_does() {
         let floats = boundary_floats();
         assert!(floats.len() > CONVERT_CHUNK);
-
-        let mut got = vec![bf16::ZERO; floats.len()];
-        convert_slice(&floats, &mut got);
-        let want: Vec<bf16> = through_f64(&floats);
-        let bits = |v: &bf16| v.to_bits();
-        assert_eq!(bits_or_nan(&got, bits), bits_or_nan(&want, bits));
+        let narrow = agrees(&floats, |v: &bf16| v.to_bits());
         // A NaN stays a NaN, of the same sign.
-        for (g, f) in got.iter().zip(&floats).filter(|(_, f)| f.is_nan()) {
+        for (g, f) in narrow.iter().zip(&floats).filter(|(_, f)| f.is_nan()) {
             assert!(g.is_nan() && g.is_sign_negative() == f.is_sign_negative());
         }
-
-        let mut got = vec![f16::ZERO; floats.len()];
-        convert_slice(&floats, &mut got);
-        let want: Vec<f16> = through_f64(&floats);
-        let bits = |v: &f16| v.to_bits();
-        assert_eq!(bits_or_nan(&got, bits), bits_or_nan(&want, bits));
-
-        // Widening is exact: back to f32 (and to f64) as the f64 path.
-        let narrow: Vec<bf16> = through_f64(&floats);
-        let mut wide = vec![0f32; narrow.len()];
-        convert_slice(&narrow, &mut wide);
-        let f32_bits = |v: &f32| v.to_bits();
-        assert_eq!(
-            bits_or_nan(&wide, f32_bits),
-            bits_or_nan(&through_f64::<bf16, f32>(&narrow), f32_bits)
-        );
-        let half: Vec<f16> = through_f64(&floats);
-        convert_slice(&half, &mut wide);
-        assert_eq!(
-            bits_or_nan(&wide, f32_bits),
-            bits_or_nan(&through_f64::<f16, f32>(&half), f32_bits)
-        );
-        let mut double = vec![0f64; floats.len()];
-        convert_slice(&floats, &mut double);
-        let f64_bits = |v: &f64| v.to_bits();
-        assert_eq!(
-            bits_or_nan(&double, f64_bits),
-            bits_or_nan(&through_f64::<f32, f64>(&floats), f64_bits)
-        );
+        let half = agrees(&floats, |v: &f16| v.to_bits());
+        // Widening is exact: back to f32, and f32 to f64.
+        agrees(&narrow, |v: &f32| v.to_bits());
+        agrees(&half, |v: &f32| v.to_bits());
+        agrees(&floats, |v: &f64| v.to_bits());
     }
 
     #[test]
