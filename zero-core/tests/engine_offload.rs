@@ -364,7 +364,7 @@ fn offload_sends_a_16_bit_models_weights_up_in_its_dtype() {
                     e.step(&none, &mut replica)?;
                 }
                 let shard: usize = e.layout().buckets.iter().map(|b| b.len()).sum();
-                Ok((replica.0, shard))
+                Ok((replica.0, shard, e.offload_times().packing))
             })
         };
         let device_alone = train(Offload::None);
@@ -373,11 +373,15 @@ fn offload_sends_a_16_bit_models_weights_up_in_its_dtype() {
             .map(|s| s.lock().expect("no panic").uploaded_bytes)
             .collect();
         let offloaded = train(Offload::Optimizer);
-        for (rank, ((want, _), (got, shard))) in device_alone.iter().zip(&offloaded).enumerate() {
+        for (rank, ((want, ..), (got, shard, packing))) in
+            device_alone.iter().zip(&offloaded).enumerate()
+        {
             assert_eq!(got, want, "N={world} rank {rank}");
             assert_ne!(got[0][0], bf16::from_f32(0.5), "the model trained");
             let uploaded = seen[rank].lock().expect("no panic").uploaded_bytes - before[rank];
             let bytes = if gather16 { 2 } else { 4 };
+            // The rounding's time is counted apart from the stepping's.
+            assert_eq!(*packing > Duration::ZERO, gather16, "N={world} rank {rank}");
             assert_eq!(
                 uploaded,
                 steps * bytes * shard,

@@ -80,6 +80,7 @@ struct Measured {
 struct OffloadMs {
     landing: f64,
     stepping: f64,
+    packing: f64,
     join: f64,
     write_back: f64,
 }
@@ -94,6 +95,7 @@ impl OffloadMs {
         Self {
             landing: ms(after.landing, before.landing),
             stepping: ms(after.stepping, before.stepping),
+            packing: ms(after.packing, before.packing),
             join: ms(after.join, before.join),
             write_back: ms(after.write_back, before.write_back),
         }
@@ -473,19 +475,28 @@ pub fn run(report: &mut Report, part: Part) {
 }
 
 /// Where an offloaded step's host time goes (figures `gpu.gpt_bf16_{case}_*_ms`):
-/// the step thread's waits for copies and its stepping (both beside
-/// backward), the calling thread's waits for it after backward (for each
-/// bucket to write back, and at the end), and the write-back's own time.
+/// the step thread's waits for copies, its stepping and its rounding of the
+/// stepped weights to bf16 (all beside backward), the calling thread's
+/// waits for it after backward (for each bucket to write back, and at the
+/// end), and the write-back's own time.
 fn offload_breakdown(report: &mut Report, case: &str, plain: &Measured, offload: &Measured) {
     let times = &offload.offload_ms;
     println!(
         "{case}: bf16 step {:.1} ms (plain {:.1} ms): step thread waiting for copies {:.1} ms, \
-         stepping {:.1} ms; after backward, waiting for it {:.1} ms, writing back {:.1} ms",
-        offload.step_ms, plain.step_ms, times.landing, times.stepping, times.join, times.write_back
+         stepping {:.1} ms, rounding {:.1} ms; after backward, waiting for it {:.1} ms, writing \
+         back {:.1} ms",
+        offload.step_ms,
+        plain.step_ms,
+        times.landing,
+        times.stepping,
+        times.packing,
+        times.join,
+        times.write_back
     );
     for (name, ms) in [
         ("landing", times.landing),
         ("stepping", times.stepping),
+        ("packing", times.packing),
         ("join", times.join),
         ("write_back", times.write_back),
     ] {

@@ -130,6 +130,9 @@ pub struct OffloadMetrics {
     pub landing_ms: f64,
     /// The step thread, stepping buckets.
     pub stepping_ms: f64,
+    /// The step thread, rounding a 16-bit model's stepped weights for the
+    /// write-back.
+    pub packing_ms: f64,
     /// Waiting after backward for the step thread's last buckets.
     pub join_ms: f64,
     /// Writing the stepped weights back into the model.
@@ -790,6 +793,7 @@ where
             steps: times.steps,
             landing_ms: ms(times.landing),
             stepping_ms: ms(times.stepping),
+            packing_ms: ms(times.packing),
             join_ms: ms(times.join),
             write_back_ms: ms(times.write_back),
         })

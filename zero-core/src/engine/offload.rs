@@ -73,6 +73,10 @@ pub struct OffloadTimes {
     pub landing: std::time::Duration,
     /// The step thread, stepping buckets.
     pub stepping: std::time::Duration,
+    /// The step thread, rounding a 16-bit model's stepped weights to its
+    /// dtype for the write-back (see
+    /// [`EngineConfig::gather_in_param_dtype`](super::EngineConfig::gather_in_param_dtype)).
+    pub packing: std::time::Duration,
     /// The calling thread, after backward, waiting for the step thread:
     /// for each bucket to write back to be stepped, and at the end.
     pub join: std::time::Duration,

@@ -888,11 +888,12 @@ where
         if done.grad_shard.is_some() {
             self.buffers.grad_shard = done.grad_shard;
         }
-        let [landing, stepping, waited] = done.times;
+        let [landing, stepping, packing, waited] = done.times;
         let times = &mut self.offload_times;
         times.steps += 1;
         times.landing += landing;
         times.stepping += stepping;
+        times.packing += packing;
         times.join += waited;
         done.result
     }

@@ -117,8 +117,9 @@ pub(super) struct HostSteps<T: Element, B> {
 const STEP_BATCH: usize = 4;
 
 /// What the step thread gives back: the lent step (its parameter shard a
-/// stand-in), the first failure and its times (landing, stepping).
-type Stepped<T, B> = (EarlyStep<T, B>, Result<()>, [Duration; 2]);
+/// stand-in), the first failure and its times (landing, stepping,
+/// packing).
+type Stepped<T, B> = (EarlyStep<T, B>, Result<()>, [Duration; 3]);
 
 /// Offload's steps, finished ([`HostSteps::finish`]).
 pub(super) struct StepsDone<T: Element, B> {
@@ -128,9 +129,10 @@ pub(super) struct StepsDone<T: Element, B> {
     pub grad_shard: Option<B>,
     /// The thread's first failure.
     pub result: Result<()>,
-    /// The step thread's waits for copies and its stepping, and the
-    /// calling thread's waits for it after backward (join included).
-    pub times: [Duration; 3],
+    /// The step thread's waits for copies, its stepping and its packing,
+    /// and the calling thread's waits for it after backward (join
+    /// included).
+    pub times: [Duration; 4],
 }
 
 impl<T: Element, B> HostSteps<T, B> {
@@ -197,13 +199,13 @@ impl<T: Element, B> HostSteps<T, B> {
     pub fn finish(mut self) -> Option<StepsDone<T, B>> {
         self.grads = None;
         let started = Instant::now();
-        let (mut early, result, [landing, stepping]) = self.thread.take()?.join().ok()?;
+        let (mut early, result, [landing, stepping, packing]) = self.thread.take()?.join().ok()?;
         early.params = self.params.take()?;
         Some(StepsDone {
             early,
             grad_shard: self.grad_shard.take(),
             result,
-            times: [landing, stepping, self.waited + started.elapsed()],
+            times: [landing, stepping, packing, self.waited + started.elapsed()],
         })
     }
 }
@@ -253,6 +255,7 @@ where
         .spawn(move || {
             let mut result = Ok(());
             let (mut landing_time, mut stepping_time) = (Duration::ZERO, Duration::ZERO);
+            let mut packing_time = Duration::ZERO;
             let mut next = None;
             // Runs until the channel closes (the end of backward); after a
             // failure nothing more is stepped.
@@ -318,6 +321,7 @@ where
                         // Each bucket's weights at the start of its own
                         // range, where the write-back reads them (on the
                         // offload's threads).
+                        let packing = Instant::now();
                         stepper.run(|| {
                             for bucket in &shard[first..=last] {
                                 let at = bucket.start - range.start..bucket.end - range.start;
@@ -328,6 +332,7 @@ where
                                 );
                             }
                         });
+                        packing_time += packing.elapsed();
                     }
                     Ok(())
                 });
@@ -339,7 +344,15 @@ where
                     }
                 }
             }
-            (early, result, [landing_time, stepping_time])
+            (
+                early,
+                result,
+                [
+                    landing_time,
+                    stepping_time.saturating_sub(packing_time),
+                    packing_time,
+                ],
+            )
         })
         .map_err(|e| Error::State(format!("cannot start the offload's step thread: {e}")))?;
     Ok(HostSteps {
