@@ -1014,7 +1014,9 @@ pub fn largest(report: &mut Report) {
 }
 
 fn largest_run(report: &mut Report) -> BenchResult<()> {
-    let (_, ctx) = open_device()?;
+    // A bare context (no Candle device, no libraries' handles), released
+    // before the trials so that they find the device as it was.
+    let ctx = CudaContext::new(0)?;
     let (free, total) = ctx.mem_get_info()?;
     let host = host_available_bytes().unwrap_or(0);
     let name = ctx.name().unwrap_or_default();
