@@ -2,7 +2,9 @@
 //! all cores, against memcpy bandwidth (one thread, and all cores: what the
 //! memory allows, the bound of an offloaded host step) measured in the same
 //! run; and the same shard stepped as the offload's step thread steps a
-//! GPT's, bucket by bucket, each bucket cut where the parameters fall.
+//! GPT's, bucket by bucket, each bucket cut where the parameters fall, and
+//! with each stepped bucket then rounded to bf16 as that thread does for a
+//! 16-bit model.
 
 use super::Report;
 use std::hint::black_box;
