@@ -1,6 +1,7 @@
 //! Building a model that no rank holds whole: [`ShardedVarMap`] creates a
-//! model's variables through a `VarBuilder`, the large ones without values
-//! (stage 3 fills this rank's shard of them from the same source), and
+//! model's variables through a `VarBuilder` without values (at stage 3
+//! `ZeroOptimizer::new_sharded` fills this rank's shard of the large ones
+//! from the source, the rest whole), and
 //! [`ParamSource`] says where values come from: [`SeededInit`], which
 //! computes any element from (seed, name, index) so that the model is the
 //! same at every world size, or [`SafetensorsInit`], a memory-mapped file.
@@ -11,9 +12,9 @@
 //! use zero_core::{ThreadComm, ThreadGroup, engine::{EngineConfig, Stage}, optim::{Adam, AdamConfig}};
 //!
 //! ThreadGroup::new(2).run(|comm| -> zero_candle::Result<()> {
-//!     let config = EngineConfig { stage: Stage::Parameters, ..EngineConfig::default() };
-//!     // Variables above the persistence threshold are created empty.
-//!     let vars = ShardedVarMap::seeded(7, Some(config.persist_numel));
+//!     let config = EngineConfig::default().with_stage(Stage::Parameters);
+//!     // Variables are created without values; new_sharded fills them.
+//!     let vars = ShardedVarMap::seeded(7);
 //!     let hook = ZeroHook::<ThreadComm, f32>::new();
 //!     let vb = vars.builder(DType::F32, &Device::Cpu);
 //!     let layer = nn::linear(4096, 4096, vb.pp("layer"), Some(hook.clone()))?;
@@ -262,19 +263,23 @@ fn missing(file: &MappedTensors, name: &str) -> Error {
     }
 }
 
-/// A `VarMap` whose variables come from a [`ParamSource`], those above a
-/// size created without values for stage 3 to shard from the start (see
-/// [`ZeroOptimizer::new_sharded`](crate::ZeroOptimizer::new_sharded)).
+/// A `VarMap` whose variables come from a [`ParamSource`] and are created
+/// without values, for [`ZeroOptimizer::new_sharded`] to fill: at stage 3
+/// each rank computes only its shard of the large ones, so no rank ever
+/// holds them whole; at other stages (and for the parameters stage 3 keeps
+/// whole) every rank computes whole values. Which parameters are large is
+/// [`EngineConfig::persist_numel`](zero_core::engine::EngineConfig::persist_numel),
+/// the one setting of it.
 ///
 /// Build the model through [`ShardedVarMap::builder`] (a `VarBuilder`, so
 /// `zero_candle::nn`'s and candle-nn's constructors work unchanged) or
-/// [`ShardedVarMap::get`]. A variable of more than `defer_above` elements on
-/// the CPU is created *deferred*: with its name, shape and dtype but an
-/// empty storage; it must then be used only by `zero_candle::nn` layers
-/// (which gather it), and `ZeroOptimizer::new_sharded` gives every rank its
-/// shard of it. With `defer_above: None` every variable is created whole
-/// (any stage, any device): the same values, so a run at stage 2 and one at
-/// stage 3 start from the same model.
+/// [`ShardedVarMap::get`]. A float variable on the CPU or a CUDA GPU is
+/// created *deferred*: with its name, shape and dtype but no values
+/// ([`holds_values`](crate::holds_values) is `false`) until
+/// `new_sharded` (or [`ShardedVarMap::materialize_all`]) gives them. Every
+/// rank computes the same values, at every world size and stage.
+///
+/// [`ZeroOptimizer::new_sharded`]: crate::ZeroOptimizer::new_sharded
 #[derive(Clone)]
 pub struct ShardedVarMap {
     inner: Arc<MapInner>,
@@ -285,33 +290,29 @@ struct MapInner {
     /// The deferred variables' hints and shapes, by name.
     deferred: Mutex<HashMap<String, (Init, Vec<usize>)>>,
     source: Box<dyn ParamSource>,
-    defer_above: Option<usize>,
 }
 
 impl ShardedVarMap {
-    /// Variables from `source`; those of more than `defer_above` elements
-    /// deferred (pass `EngineConfig::persist_numel` at stage 3, `None`
-    /// otherwise).
-    pub fn new(source: impl ParamSource + 'static, defer_above: Option<usize>) -> Self {
+    /// Variables from `source`.
+    pub fn new(source: impl ParamSource + 'static) -> Self {
         Self {
             inner: Arc::new(MapInner {
                 varmap: VarMap::new(),
                 deferred: Mutex::new(HashMap::new()),
                 source: Box::new(source),
-                defer_above,
             }),
         }
     }
 
     /// Variables initialized by [`SeededInit`] with `seed`.
-    pub fn seeded(seed: u64, defer_above: Option<usize>) -> Self {
-        Self::new(SeededInit::new(seed), defer_above)
+    pub fn seeded(seed: u64) -> Self {
+        Self::new(SeededInit::new(seed))
     }
 
-    /// Variables read from a safetensors file (memory-mapped: a deferred
+    /// Variables read from a safetensors file (memory-mapped: a sharded
     /// variable is never read whole).
-    pub fn from_safetensors(path: impl AsRef<Path>, defer_above: Option<usize>) -> Result<Self> {
-        Ok(Self::new(SafetensorsInit::open(path)?, defer_above))
+    pub fn from_safetensors(path: impl AsRef<Path>) -> Result<Self> {
+        Ok(Self::new(SafetensorsInit::open(path)?))
     }
 
     /// The variables, by name (deferred ones hold no values).
@@ -351,11 +352,7 @@ impl ShardedVarMap {
             return Ok(var.as_tensor().clone());
         }
         self.inner.source.check(name, shape.dims())?;
-        let defer = (device.is_cpu() || device.is_cuda())
-            && self
-                .inner
-                .defer_above
-                .is_some_and(|above| shape.elem_count() > above);
+        let defer = (device.is_cpu() || device.is_cuda()) && dtype.is_float();
         let var = if defer {
             lock(&self.inner.deferred).insert(name.into(), (init, shape.dims().to_vec()));
             deferred_var(shape, dtype, device)?

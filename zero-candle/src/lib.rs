@@ -9,6 +9,13 @@
 //! CUDA with the engine's buffers in GPU memory, gradients and parameters
 //! staying on the GPU. [`nn`] has candle-nn's layers rebuilt so that their
 //! parameter gradients leave `backward()` through a hook as they are computed.
+//!
+//! A first program (`zero-candle/examples/quickstart.rs`; run it with
+//! `cargo run --release -p zero-candle --example quickstart`):
+//!
+//! ```
+#![doc = include_str!("../examples/quickstart.rs")]
+//! ```
 #![warn(missing_docs)]
 
 pub mod checkpoint;
@@ -32,6 +39,7 @@ pub use memory::CandleMemory;
 pub use optimizer::{ZeroConfig, ZeroOptimizer};
 pub use params::VarStore;
 pub use precision::is_half;
+pub use stage3::holds_values;
 
 #[cfg(feature = "nccl")]
 pub use nccl::{NcclZeroConfig, NcclZeroOptimizer};

@@ -2,6 +2,7 @@
 
 use crate::hook::ZeroHook;
 use crate::init::ShardedVarMap;
+use crate::stage3::holds_values;
 use crate::memory::{CandleMemory, MemoryOf};
 use crate::{Error, Result};
 use candle_core::backprop::GradStore;
@@ -31,22 +32,27 @@ pub struct ZeroConfig<C, T: Element> {
 ///
 /// Built from a [`VarMap`] (variable names give the order of every
 /// collective), a communicator, an [`EngineConfig`] and a functional
-/// optimizer; every rank must build it alike. Each [`ZeroOptimizer::step`]
-/// is one micro-step: with `grad_accum_steps = k`, every k-th call reduces
-/// the gradients and updates the variables. Variables absent from the
-/// `GradStore` get no update (their optimizer state does not advance);
-/// integer variables are ignored.
+/// optimizer; every rank builds the same model and configuration (checked:
+/// a difference is an error naming it). Construction makes every rank's
+/// values rank 0's ([`EngineConfig::starting_model`]), so Candle's random
+/// initializers need no seed. Each rank computes the loss of its own part of
+/// the batch; the gradients are averaged over the ranks, so a step is the
+/// step of the whole batch. Each [`ZeroOptimizer::step`] is one micro-step:
+/// with `grad_accum_steps = k`, every k-th call reduces the gradients and
+/// updates the variables. Variables absent from the `GradStore` get no
+/// update (their optimizer state does not advance); integer variables are
+/// ignored.
 ///
 /// The communicator picks where the engine's buffers live (see
 /// [`CandleMemory`]): host memory for the thread and MPI backends (any
 /// [`FunctionalOptimizer`], any float dtype); GPU memory for NCCL
 /// (`ZeroOptimizer<NcclComm>`, alias `NcclZeroOptimizer`, or
-/// `ZeroOptimizer<CudaThreadComm>`, with feature `nccl`: f32, bf16 or f16 variables on the communicator's
-/// GPU (16-bit ones with f32 master weights), a built-in optimizer,
-/// gradients and weights never leaving the device unless
-/// `EngineConfig::offload` moves the optimizer's side to host memory;
-/// stages 0-2). Checkpoints
-/// have one format: a GPU run resumes on threads or MPI and back.
+/// `ZeroOptimizer<CudaThreadComm>`, with feature `nccl`: f32, bf16 or f16
+/// variables on the communicator's GPU (16-bit ones with f32 master
+/// weights), a built-in optimizer, gradients and weights never leaving the
+/// device unless `EngineConfig::offload` moves the optimizer's side to host
+/// memory; stages 0-3). Checkpoints have one format: a GPU run resumes on
+/// threads or MPI and back.
 ///
 /// ```no_run
 /// use candle_core::{DType, Device};
@@ -121,7 +127,10 @@ where
         if !stage3 {
             map.materialize_all()?;
         }
-        let mut opt = Self::new(map.varmap(), comm, config, optimizer)?.with_hook(hook)?;
+        // Every rank computes the same values from the map's source: no
+        // starting model to copy or check.
+        let named = named_vars(map.varmap())?;
+        let mut opt = Self::build(named, comm, config, optimizer, true)?.with_hook(hook)?;
         if stage3 {
             let (engine, names, vars) = (lent(&mut opt.engine), &opt.names, &opt.vars);
             crate::stage3::shard_from_start(engine, hook, names, vars, map)?;
@@ -130,11 +139,25 @@ where
     }
 
     /// Builds the optimizer over named variables (sorted by name here).
+    /// Every rank then holds rank 0's values, or construction checked that
+    /// it does ([`EngineConfig::starting_model`]).
     pub fn from_named_vars(
+        named: Vec<(String, Var)>,
+        comm: C,
+        config: EngineConfig,
+        optimizer: Box<dyn FunctionalOptimizer<T>>,
+    ) -> Result<Self> {
+        Self::build(named, comm, config, optimizer, true)
+    }
+
+    /// The optimizer over `named`; with `sync_start`, every rank's values
+    /// made (or checked to be) rank 0's.
+    fn build(
         mut named: Vec<(String, Var)>,
         comm: C,
         config: EngineConfig,
         optimizer: Box<dyn FunctionalOptimizer<T>>,
+        sync_start: bool,
     ) -> Result<Self> {
         named.retain(|(_, v)| v.dtype().is_float());
         named.sort_by(|a, b| a.0.cmp(&b.0));
@@ -145,14 +168,34 @@ where
         }
         let (comm, memory) = C::Memory::build(&named, comm, optimizer.as_ref())?;
         let engine = Engine::with_memory(comm, memory, params, optimizer, config)?;
-        let (names, vars) = named.into_iter().unzip();
-        Ok(Self {
+        let (names, vars): (Vec<String>, Vec<Var>) = named.into_iter().unzip();
+        if sync_start {
+            // Local, and the same on every rank (the consistency check in
+            // the engine's constructor compared the models).
+            if let Some(i) = vars.iter().position(|v| !holds_values(v.as_tensor())) {
+                return Err(Error::Variable {
+                    name: names[i].clone(),
+                    detail: "holds no values (a ShardedVarMap created it deferred, or stage 3 \
+                             sharded it); build the optimizer of a ShardedVarMap with \
+                             ZeroOptimizer::new_sharded"
+                        .into(),
+                });
+            }
+        }
+        let mut opt = Self {
             engine: Some(engine),
             hook: None,
             names,
             vars,
             last: None,
-        })
+        };
+        if sync_start {
+            let (engine, vars) = (lent(&mut opt.engine), &opt.vars);
+            C::Memory::with_params(vars, &mut |params| {
+                Ok(engine.sync_starting_model(params)?)
+            })?;
+        }
+        Ok(opt)
     }
 
     /// Connects `hook`, which the model's `zero_candle::nn` layers were
@@ -446,8 +489,9 @@ where
         }
     }
 
-    /// Stage 3: the counters of the parameter gathers, once the parameters    /// Stage 3: the counters of the parameter gathers, once the parameters
-    /// are sharded (after the first optimizer step of `backward_step`).
+    /// Stage 3: the counters of the parameter gathers, once the parameters
+    /// are sharded (from construction with [`ZeroOptimizer::new_sharded`],
+    /// else after the first optimizer step of `backward_step`).
     pub fn fetch_stats(&self) -> Option<FetchStats> {
         self.hook
             .as_ref()

@@ -63,6 +63,54 @@ fn free_sharded<T: Element, G: GatherMemory<T>>(
     Ok(())
 }
 
+/// Whether `tensor`'s storage holds its values: `false` for a variable
+/// that stage 3 sharded or that a [`ShardedVarMap`] created deferred (it
+/// keeps its name, shape and dtype, but its values live in the engine's
+/// shards or come from the map's source later).
+///
+/// Candle cannot refuse such a variable by itself: a plain Candle op (a
+/// `matmul`, `VarMap::save`, `to_vec`) reading it panics or reads past its
+/// storage. The `zero_candle::nn` layers gather it; elsewhere check first,
+/// and read the values through
+/// [`ZeroOptimizer::full_weights`](crate::ZeroOptimizer::full_weights).
+///
+/// ```
+/// use candle_core::{DType, Device, Tensor};
+/// let t = Tensor::zeros((2, 3), DType::F32, &Device::Cpu)?;
+/// assert!(zero_candle::holds_values(&t));
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+pub fn holds_values(tensor: &Tensor) -> bool {
+    let (storage, layout) = tensor.storage_and_layout();
+    let numel = layout.shape().elem_count();
+    if numel == 0 {
+        return true;
+    }
+    let held = match &*storage {
+        candle_core::Storage::Cpu(cpu) => match cpu {
+            CpuStorage::F32(v) => v.len(),
+            CpuStorage::F64(v) => v.len(),
+            CpuStorage::BF16(v) => v.len(),
+            CpuStorage::F16(v) => v.len(),
+            _ => return true,
+        },
+        candle_core::Storage::Cuda(cuda) => match crate::nn::cuda::storage_len(cuda) {
+            Some(len) => len,
+            None => return true,
+        },
+        _ => return true,
+    };
+    // The last element the layout reaches must be inside the storage.
+    let last = layout.start_offset()
+        + layout
+            .dims()
+            .iter()
+            .zip(layout.stride())
+            .map(|(&d, &s)| (d - 1) * s)
+            .sum::<usize>();
+    last < held
+}
+
 /// An empty CPU storage of a float `dtype` (`None` for other dtypes).
 pub(crate) fn empty_storage(dtype: DType) -> Option<CpuStorage> {
     Some(match dtype {
@@ -102,8 +150,46 @@ where
     }
     let fetcher = C::Memory::shard_parameters(engine, &mask, vars)?;
     free_sharded(&fetcher, vars)?;
+    warn_if_nothing_sharded(engine, &mask, vars, |i| fetcher.is_sharded(i));
     hook.set_fetcher(fetcher);
     Ok(())
+}
+
+/// Stage 3 that shards nothing is stage 2 with extra steps: says so (on
+/// rank 0), naming the reason and the setting that decides.
+fn warn_if_nothing_sharded<T, C, M>(
+    engine: &Engine<T, C, M>,
+    gatherable: &[bool],
+    vars: &[Var],
+    is_sharded: impl Fn(usize) -> bool,
+) where
+    T: Element,
+    C: Communicator,
+    M: zero_core::engine::ShardMemory<T, C>,
+{
+    if engine.comm().rank() != 0 || (0..vars.len()).any(is_sharded) {
+        return;
+    }
+    let persist = engine.config().persist_numel;
+    let largest = gatherable
+        .iter()
+        .zip(vars)
+        .filter(|(&g, _)| g)
+        .map(|(_, v)| v.elem_count())
+        .max();
+    match largest {
+        Some(numel) => tracing::warn!(
+            "stage 3 shards no parameter: the largest one the zero_candle::nn layers gather has \
+             {numel} elements, not above persist_numel = {persist}, so every rank keeps every \
+             parameter whole (stage 2's memory); lower it with \
+             EngineConfig::with_persist_numel (0 shards all of them)"
+        ),
+        None => tracing::warn!(
+            "stage 3 shards no parameter: no zero_candle::nn layer built with this optimizer's \
+             ZeroHook gathers one (a variable a plain op reads stays whole), so it runs as \
+             stage 2"
+        ),
+    }
 }
 
 /// Every variable's full values: the variable's own, or gathered for a
@@ -210,6 +296,7 @@ where
     let mut order = hook.construction_order();
     order.reverse();
     let fetcher = C::Memory::shard_from_start(engine, &order, &mask, (names, vars), map)?;
+    warn_if_nothing_sharded(engine, &gatherable, vars, |i| fetcher.is_sharded(i));
     let sharded: Vec<&str> = names
         .iter()
         .enumerate()

@@ -98,8 +98,7 @@ fn train(config: &EngineConfig, checkpointed: bool, steps: usize) -> Vec<Weights
         .run(|comm: ThreadComm| -> zero_candle::Result<Weights> {
             let rank = comm.rank();
             let hook = ZeroHook::<ThreadComm, f32>::new();
-            let defer = (config.stage == Stage::Parameters).then_some(PERSIST);
-            let map = ShardedVarMap::seeded(9, defer);
+            let map = ShardedVarMap::seeded(9);
             let net = Net::new(
                 map.builder(DType::F32, &Device::Cpu),
                 Some(hook.clone()),

@@ -297,7 +297,7 @@ fn train_sharded_rank(
     let rank = comm.rank();
     let device = Device::new_cuda_with_stream(comm.context().ordinal())?;
     let stage3 = config.stage == Stage::Parameters;
-    let map = zero_candle::ShardedVarMap::seeded(11, stage3.then_some(PERSIST));
+    let map = zero_candle::ShardedVarMap::seeded(11);
     let hook = ZeroHook::<zero_nccl::CudaThreadComm, f32>::new();
     let net = Net::build(
         map.builder(DType::F32, &device),

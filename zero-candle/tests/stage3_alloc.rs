@@ -69,8 +69,7 @@ fn run(dir: &Path, stage: Stage) -> usize {
     let results = ThreadGroup::new(4).run(|comm| -> zero_candle::Result<()> {
         let hook = ZeroHook::<ThreadComm, f32>::new();
         hook.set_block_bytes(Some(16 << 10));
-        let defer = (stage == Stage::Parameters).then_some(WIDTH);
-        let map = ShardedVarMap::seeded(11, defer);
+        let map = ShardedVarMap::seeded(11);
         let vb = map.builder(DType::F32, &Device::Cpu);
         let layers = (0..LAYERS)
             .map(|i| nn::linear(WIDTH, WIDTH, vb.pp(format!("l{i}")), Some(hook.clone())))

@@ -79,11 +79,10 @@ enum Source {
     File(PathBuf),
 }
 
-fn vars(source: &Source, stage: Stage) -> zero_candle::Result<ShardedVarMap> {
-    let defer = (stage == Stage::Parameters).then_some(PERSIST);
+fn vars(source: &Source) -> zero_candle::Result<ShardedVarMap> {
     match source {
-        Source::Seed(seed) => Ok(ShardedVarMap::seeded(*seed, defer)),
-        Source::File(path) => ShardedVarMap::from_safetensors(path, defer),
+        Source::Seed(seed) => Ok(ShardedVarMap::seeded(*seed)),
+        Source::File(path) => ShardedVarMap::from_safetensors(path),
     }
 }
 
@@ -99,7 +98,7 @@ fn train_and_save(
 ) -> zero_candle::Result<usize> {
     let rank = comm.rank();
     let hook = ZeroHook::<ThreadComm, f32>::new();
-    let map = vars(source, stage)?;
+    let map = vars(source)?;
     let net = Net::new(&map, Some(hook.clone()))?;
     let adamw = AdamW::new(AdamWConfig::default().with_lr(1e-2))?;
     let mut opt = ZeroOptimizer::new_sharded(&map, comm, config(stage), Box::new(adamw), &hook)?;
@@ -231,7 +230,7 @@ fn a_file_without_the_model_is_refused_naming_what_is_missing() {
     let t = Tensor::zeros((HIDDEN, HIDDEN), DType::F32, &Device::Cpu).unwrap();
     candle_core::safetensors::save(&std::collections::HashMap::from([("l0.weight", t)]), &path)
         .unwrap();
-    let map = ShardedVarMap::from_safetensors(&path, Some(PERSIST)).unwrap();
+    let map = ShardedVarMap::from_safetensors(&path).unwrap();
     let err = match Net::new(&map, None) {
         Ok(_) => panic!("a model with tensors missing from the file was built"),
         Err(e) => e.to_string(),
@@ -245,7 +244,7 @@ fn a_file_without_the_model_is_refused_naming_what_is_missing() {
     let t = Tensor::zeros((VOCAB, HIDDEN + 1), DType::F32, &Device::Cpu).unwrap();
     candle_core::safetensors::save(&std::collections::HashMap::from([("emb.weight", t)]), &bad)
         .unwrap();
-    let map = ShardedVarMap::from_safetensors(&bad, Some(PERSIST)).unwrap();
+    let map = ShardedVarMap::from_safetensors(&bad).unwrap();
     let err = Net::new(&map, None).err().expect("refused").to_string();
     assert!(
         err.contains("[13, 17]") && err.contains("[13, 16]"),
@@ -254,7 +253,7 @@ fn a_file_without_the_model_is_refused_naming_what_is_missing() {
     // Not a safetensors file at all.
     let junk = dir.path().join("junk.safetensors");
     std::fs::write(&junk, b"not a tensor file").unwrap();
-    let err = ShardedVarMap::from_safetensors(&junk, None)
+    let err = ShardedVarMap::from_safetensors(&junk)
         .err()
         .expect("refused");
     assert!(err.to_string().contains("junk.safetensors"), "{err}");

@@ -102,6 +102,20 @@ pub enum Error {
         /// Its value.
         other: String,
     },
+    /// With [`StartingModel::Verify`](crate::engine::StartingModel::Verify):
+    /// a rank built other starting values than rank 0.
+    #[error(
+        "rank {rank} starts from other values of parameter {param:?} than rank 0 (the first \
+         that differs); build the model identically on every rank (a seeded initializer such \
+         as zero_candle's ShardedVarMap, or the same file), or let construction copy rank 0's \
+         values (StartingModel::Broadcast, the default)"
+    )]
+    StartingModelDiffers {
+        /// The first parameter, in collective order, that differs.
+        param: String,
+        /// The first rank whose values differ from rank 0's.
+        rank: usize,
+    },
     /// A parameter's dtype cannot be trained by an engine of this element
     /// type: the engine's type must be the parameter's, or wider (master
     /// weights for a 16-bit parameter).

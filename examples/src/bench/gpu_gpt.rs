@@ -898,7 +898,7 @@ fn headline_run(report: &mut Report) -> BenchResult<()> {
         let trained = (|| -> BenchResult<(f64, f32)> {
             let device = Device::new_cuda_with_stream(comm.context().ordinal())?;
             let config_engine = EngineConfig::default().with_stage(Stage::Parameters);
-            let map = zero_candle::ShardedVarMap::seeded(SEED, Some(config_engine.persist_numel));
+            let map = zero_candle::ShardedVarMap::seeded(SEED);
             let hook = ZeroHook::<CudaThreadComm, f32>::new();
             let model = Gpt::build(
                 &map,

@@ -66,8 +66,7 @@ where
     let rank = comm.rank();
     let config = EngineConfig::default().with_stage(stage);
     // Stage 3 builds sharded from the start (each rank only its shard).
-    let defer = (stage == Stage::Parameters).then_some(config.persist_numel);
-    let map = ShardedVarMap::seeded(0, defer);
+    let map = ShardedVarMap::seeded(0);
     let hook = ZeroHook::<C, f32>::new();
     let model = Mlp::build(
         &map,

@@ -121,7 +121,7 @@ pub struct Args {
     pub world_size: u64,
     /// ZeRO stage: 0 (DDP), 1 (optimizer state), 2 (+ gradients), 3 (+
     /// parameters: sharded from construction, gathered layer by layer on
-    /// use; host backends only).
+    /// use; every backend).
     #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u8).range(0..=3))]
     pub stage: u8,
     /// Stage 3: parameters with at most this many elements stay replicated

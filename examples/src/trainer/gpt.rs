@@ -254,7 +254,7 @@ impl Gpt {
         hook: Option<Arc<dyn GradHook>>,
         dtype: DType,
     ) -> Result<Self, TrainError> {
-        let map = ShardedVarMap::seeded(seed, None);
+        let map = ShardedVarMap::seeded(seed);
         let gpt = Self::build(&map, config, device, hook, dtype)?;
         crate::trainer::model::copy_vars(&map, varmap)?;
         Ok(gpt)

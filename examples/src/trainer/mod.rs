@@ -584,18 +584,15 @@ fn gpt_config(args: &Args) -> GptConfig {
 }
 
 /// Where the model's variables come from: `--init`'s file (memory-mapped)
-/// or the seed; at stage 3 the large ones are created without values, for
-/// each rank to fill its shard.
+/// or the seed; created without values, for the optimizer to fill (at
+/// stage 3 each rank only its shard of the large ones).
 fn model_vars(args: &Args) -> Result<ShardedVarMap, TrainError> {
-    let defer_above = (args.stage == 3).then(|| engine_config(args).persist_numel);
     Ok(match &args.init {
-        Some(path) => {
-            ShardedVarMap::from_safetensors(path, defer_above).map_err(|e| TrainError::Data {
-                path: path.clone(),
-                detail: format!("cannot initialize from it: {e}"),
-            })?
-        }
-        None => ShardedVarMap::seeded(args.seed, defer_above),
+        Some(path) => ShardedVarMap::from_safetensors(path).map_err(|e| TrainError::Data {
+            path: path.clone(),
+            detail: format!("cannot initialize from it: {e}"),
+        })?,
+        None => ShardedVarMap::seeded(args.seed),
     })
 }
 

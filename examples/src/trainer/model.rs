@@ -50,7 +50,7 @@ impl Mlp {
         hook: Option<std::sync::Arc<dyn zero_candle::nn::GradHook>>,
         dtype: DType,
     ) -> Result<Self, TrainError> {
-        let map = ShardedVarMap::seeded(seed, None);
+        let map = ShardedVarMap::seeded(seed);
         let mlp = Self::build(&map, widths, device, hook, dtype)?;
         copy_vars(&map, varmap)?;
         Ok(mlp)
@@ -106,6 +106,8 @@ impl Mlp {
 /// Puts the variables of `map` into `varmap` (a model built through a
 /// [`ShardedVarMap`] for callers that hold a plain `VarMap`).
 pub fn copy_vars(map: &ShardedVarMap, varmap: &VarMap) -> Result<(), TrainError> {
+    map.materialize_all()
+        .map_err(|e| TrainError::Internal(format!("cannot initialize the model: {e}")))?;
     let from = map
         .varmap()
         .data()

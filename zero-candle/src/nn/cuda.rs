@@ -112,6 +112,17 @@ fn view<'a, T: Float>(op: &str, what: &str, arg: Arg<'a>) -> Result<CudaView<'a,
     Ok(storage.as_cuda_slice::<T>()?.slice(start..end))
 }
 
+/// The elements a float CUDA storage holds (`None` for other dtypes).
+pub(crate) fn storage_len(storage: &CudaStorage) -> Option<usize> {
+    Some(match storage.dtype() {
+        DType::F32 => storage.as_cuda_slice::<f32>().ok()?.len(),
+        DType::F64 => storage.as_cuda_slice::<f64>().ok()?.len(),
+        DType::BF16 => storage.as_cuda_slice::<half::bf16>().ok()?.len(),
+        DType::F16 => storage.as_cuda_slice::<half::f16>().ok()?.len(),
+        _ => return None,
+    })
+}
+
 /// An output of `len` elements on `device`, for a kernel that writes every
 /// one of them. At least one element is allocated (CUDA refuses empty
 /// allocations); kernels see the first `len`.

@@ -79,16 +79,16 @@
 mod bf16_matmul;
 mod cpu;
 #[cfg(feature = "cuda")]
-mod cuda;
+pub(crate) mod cuda;
 mod elem;
 mod embedding;
 mod hook;
 mod layer_norm;
 mod linear;
 #[cfg(not(feature = "cuda"))]
-mod no_cuda;
+pub(crate) mod no_cuda;
 #[cfg(not(feature = "cuda"))]
-use no_cuda as cuda;
+pub(crate) use no_cuda as cuda;
 pub mod ops;
 mod storage;
 mod tap;

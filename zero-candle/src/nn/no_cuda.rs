@@ -9,6 +9,11 @@ use candle_core::{bail, CudaStorage, Layout, Result};
 /// A CUDA storage with its layout.
 pub(crate) type Arg<'a> = (&'a CudaStorage, &'a Layout);
 
+/// Without CUDA there is no CUDA storage to measure.
+pub(crate) fn storage_len(_storage: &CudaStorage) -> Option<usize> {
+    None
+}
+
 fn no_cuda<T>() -> Result<T> {
     bail!("zero-candle was built without the `cuda` feature; enable it to run the fused layers on a GPU")
 }

@@ -168,7 +168,29 @@ pub struct ParamGroupSpec {
     pub hyperparams: Hyperparams,
 }
 
-/// How the engine shards, buckets, accumulates and clips.
+/// How the engine shards, buckets, accumulates and clips: the defaults and
+/// a `with_*` builder per field. Every rank must use the same one
+/// (construction checks it).
+///
+/// ```
+/// use zero_core::engine::{EngineConfig, NormType, Overlap, Stage};
+///
+/// // Stage 2, gradients accumulated over 4 micro-steps and clipped to a
+/// // global L2 norm of 1, buckets of 8 MiB reduced during backward.
+/// let config = EngineConfig::default()
+///     .with_stage(Stage::Gradients)
+///     .with_grad_accum_steps(4)
+///     .with_clip(1.0, NormType::L2)
+///     .with_bucket_bytes(8 << 20)
+///     .with_overlap(Overlap::AfterBackward);
+/// assert_eq!(config.stage.number(), 2);
+/// // Stage 3 shards the parameters above `persist_numel` elements (and
+/// // keeps the smaller ones whole on every rank): the one place to set it.
+/// let stage3 = EngineConfig::default()
+///     .with_stage(Stage::Parameters)
+///     .with_persist_numel(10_000);
+/// assert_eq!(stage3.persist_numel, 10_000);
+/// ```
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct EngineConfig {
     /// What to partition.
@@ -274,6 +296,30 @@ pub struct EngineConfig {
     /// kernels).
     #[serde(default)]
     pub offload_copy_stream: bool,
+    /// How construction makes every rank start from the same model (see
+    /// [`StartingModel`]; an adapter runs it through
+    /// [`Engine::sync_starting_model`](super::Engine::sync_starting_model)).
+    #[serde(default)]
+    pub starting_model: StartingModel,
+}
+
+/// How every rank comes to start from the same model. Each rank builds its
+/// own copy of the model, and a random initializer (Candle's) draws other
+/// values on each: trained from there, stage 0 would train a different
+/// model on every rank and a sharded stage a patchwork of them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StartingModel {
+    /// Every rank's parameters are overwritten with rank 0's at
+    /// construction, as PyTorch's DDP does (FSDP's `sync_module_states`):
+    /// one pass over the model, `bucket_bytes` at a time.
+    #[default]
+    Broadcast,
+    /// Nothing is copied; each rank hashes its values and construction
+    /// fails, naming the first parameter that differs from rank 0's, unless
+    /// all agree. For models built identically on every rank (a seed, a
+    /// file) that should stay so.
+    Verify,
 }
 
 /// What lives in host memory instead of the device (ZeRO-Offload).
@@ -335,6 +381,7 @@ impl Default for EngineConfig {
             offload_threads: 0,
             offload_pin_memory: default_offload_pin_memory(),
             offload_copy_stream: false,
+            starting_model: StartingModel::Broadcast,
         }
     }
 }
@@ -474,6 +521,13 @@ impl EngineConfig {
     /// [`EngineConfig::offload_copy_stream`]).
     pub fn with_offload_copy_stream(mut self, on: bool) -> Self {
         self.offload_copy_stream = on;
+        self
+    }
+
+    /// How every rank comes to start from the same model (see
+    /// [`StartingModel`]).
+    pub fn with_starting_model(mut self, starting_model: StartingModel) -> Self {
+        self.starting_model = starting_model;
         self
     }
 

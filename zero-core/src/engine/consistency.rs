@@ -20,12 +20,22 @@ pub(super) fn order_fingerprint(expected: &[(usize, usize)]) -> [f64; 8] {
 /// FNV-1a of a sequence of words: stable across processes and builds
 /// (std's hasher is not), so ranks can compare what they computed.
 pub(super) fn fnv1a(words: impl IntoIterator<Item = u64>) -> u64 {
-    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
-    for word in words {
-        for byte in word.to_le_bytes() {
-            hash ^= u64::from(byte);
-            hash = hash.wrapping_mul(0x0100_0000_01b3);
-        }
+    words
+        .into_iter()
+        .fold(FNV_OFFSET, |hash, word| fnv1a_extend(hash, &word.to_le_bytes()))
+}
+
+/// FNV-1a of bytes (a parameter's values).
+pub(super) fn fnv1a_bytes(bytes: &[u8]) -> u64 {
+    fnv1a_extend(FNV_OFFSET, bytes)
+}
+
+const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+
+fn fnv1a_extend(mut hash: u64, bytes: &[u8]) -> u64 {
+    for &byte in bytes {
+        hash ^= u64::from(byte);
+        hash = hash.wrapping_mul(0x0100_0000_01b3);
     }
     hash
 }

@@ -7,7 +7,7 @@
 //! to the parameter replica. Where the buffers live is the memory `M`
 //! ([`ShardMemory`]): host memory ([`HostMemory`]: slices, a
 //! [`ParamStore`], any [`FunctionalOptimizer`]) or GPU memory
-//! (`zero_nccl::CudaMemory`, stages 0-2). The stage logic above that seam is
+//! (`zero_nccl::CudaMemory`, stages 0-3). The stage logic above that seam is
 //! shared by both.
 //!
 //! Per optimizer step:
@@ -55,12 +55,14 @@ mod scaler;
 mod setup;
 mod shard_memory;
 mod stage3;
+mod start;
 mod state;
 mod step;
 mod worker;
 
 pub use config::{
     ClipConfig, EngineConfig, NormType, Offload, Overlap, ParamGroupSpec, PartitionerKind, Stage,
+    StartingModel,
 };
 pub use consistency::check_rank_consistency;
 pub use deferred::{ParamAccess, Refresh};

@@ -157,6 +157,7 @@ impl CudaThreadGroup {
     /// that panics yields `RankPanicked`, and its peers' collectives fail
     /// instead of waiting for it. Fails as a whole only when the GPUs cannot
     /// be opened.
+    #[must_use = "a rank that failed or panicked says so only in its result; check every rank's"]
     pub fn run<R, F>(&self, f: F) -> Result<Vec<Result<R>>>
     where
         F: Fn(CudaThreadComm) -> Result<R> + Sync,

@@ -92,6 +92,7 @@ impl ThreadGroup {
     /// the ranks' results in rank order. A rank that panics yields
     /// [`Error::RankPanicked`] with its message; its peers' collectives fail
     /// with [`Error::PeerFailed`] instead of waiting for it.
+    #[must_use = "a rank that failed or panicked says so only in its result; check every rank's"]
     pub fn run<R, F>(&self, f: F) -> Vec<Result<R>>
     where
         F: Fn(ThreadComm) -> R + Sync,
