@@ -14,8 +14,9 @@ const BATCH: usize = 256; // rows per step, over all ranks
 const STEPS: usize = 300;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let results = ThreadGroup::new(WORLD_SIZE).run(train);
     let mut finals = Vec::new();
-    for (rank, result) in ThreadGroup::new(WORLD_SIZE).run(train).into_iter().enumerate() {
+    for (rank, result) in results.into_iter().enumerate() {
         // The outer error: the rank panicked, or a peer failed; the inner
         // one: what this rank's training returned.
         let (first_loss, last_loss, weights) = result??;
@@ -23,7 +24,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         assert!(last_loss < first_loss / 10.0, "rank {rank} did not learn");
         finals.push(weights);
     }
-    assert!(finals.iter().all(|w| *w == finals[0]), "ranks hold different weights");
+    assert!(finals.iter().all(|w| *w == finals[0]), "ranks differ");
     Ok(())
 }
 
@@ -56,14 +57,21 @@ fn train(comm: ThreadComm) -> zero_candle::Result<(f32, f32, Vec<f32>)> {
         first_loss.get_or_insert(last_loss);
     }
     let weights = opt.full_weights()?;
-    let weights = weights.iter().map(|(_, w)| w.flatten_all()?.to_vec1::<f32>());
+    let weights = weights
+        .iter()
+        .map(|(_, w)| w.flatten_all()?.to_vec1::<f32>());
     let weights = weights.collect::<candle_core::Result<Vec<_>>>()?.concat();
     Ok((first_loss.unwrap_or(f32::NAN), last_loss, weights))
 }
 
 /// This rank's rows of step `step`'s batch: points of [-1, 1]² spread
 /// evenly (an additive recurrence), the target `sin(3 x0) x1`.
-fn batch(step: usize, rank: usize, world_size: usize, device: &Device) -> candle_core::Result<(Tensor, Tensor)> {
+fn batch(
+    step: usize,
+    rank: usize,
+    world_size: usize,
+    device: &Device,
+) -> candle_core::Result<(Tensor, Tensor)> {
     let rows = BATCH / world_size;
     let (mut x, mut y) = (Vec::with_capacity(2 * rows), Vec::with_capacity(rows));
     for row in 0..rows {
@@ -73,5 +81,8 @@ fn batch(step: usize, rank: usize, world_size: usize, device: &Device) -> candle
         x.extend([x0 as f32, x1 as f32]);
         y.push(((3.0 * x0).sin() * x1) as f32);
     }
-    Ok((Tensor::from_vec(x, (rows, 2), device)?, Tensor::from_vec(y, (rows, 1), device)?))
+    Ok((
+        Tensor::from_vec(x, (rows, 2), device)?,
+        Tensor::from_vec(y, (rows, 1), device)?,
+    ))
 }

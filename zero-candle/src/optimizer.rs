@@ -2,8 +2,8 @@
 
 use crate::hook::ZeroHook;
 use crate::init::ShardedVarMap;
-use crate::stage3::holds_values;
 use crate::memory::{CandleMemory, MemoryOf};
+use crate::stage3::holds_values;
 use crate::{Error, Result};
 use candle_core::backprop::GradStore;
 use candle_core::{Tensor, Var, WithDType};
@@ -93,7 +93,9 @@ where
     C::Memory: CandleMemory<T, C>,
 {
     /// Builds the optimizer over every floating-point variable of `varmap`,
-    /// ordered by name. A collective: every rank calls it.
+    /// ordered by name, and makes every rank's values rank 0's (or checks
+    /// that they are: [`EngineConfig::starting_model`]). A collective:
+    /// every rank calls it.
     pub fn new(
         varmap: &VarMap,
         comm: C,
@@ -130,7 +132,7 @@ where
         // Every rank computes the same values from the map's source: no
         // starting model to copy or check.
         let named = named_vars(map.varmap())?;
-        let mut opt = Self::build(named, comm, config, optimizer, true)?.with_hook(hook)?;
+        let mut opt = Self::build(named, comm, config, optimizer, false)?.with_hook(hook)?;
         if stage3 {
             let (engine, names, vars) = (lent(&mut opt.engine), &opt.names, &opt.vars);
             crate::stage3::shard_from_start(engine, hook, names, vars, map)?;
@@ -191,9 +193,7 @@ where
         };
         if sync_start {
             let (engine, vars) = (lent(&mut opt.engine), &opt.vars);
-            C::Memory::with_params(vars, &mut |params| {
-                Ok(engine.sync_starting_model(params)?)
-            })?;
+            C::Memory::with_params(vars, &mut |params| Ok(engine.sync_starting_model(params)?))?;
         }
         Ok(opt)
     }

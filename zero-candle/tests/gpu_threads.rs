@@ -213,3 +213,44 @@ fn checkpoints_cross_between_four_ranks_on_a_gpu_and_two_threads() {
     let diff = max_diff(&gpu[0], &reference[0]);
     assert!(diff <= 1e-4, "threads (2) -> GPU (4): {diff}");
 }
+
+/// Candle's random initializers on the GPU, a bf16 model under f32 masters
+/// and an f32 one: after construction every rank holds rank 0's values,
+/// bit for bit (the broadcast at construction runs on the device memory's
+/// own collectives).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn ranks_sharing_a_gpu_start_from_rank_zeros_random_model() {
+    for dtype in [DType::F32, DType::BF16] {
+        let results = CudaThreadGroup::new(4)
+            .run(|comm| {
+                let built = (|| -> zero_candle::Result<(Weights, Weights)> {
+                    let device = Device::new_cuda_with_stream(comm.context().ordinal())?;
+                    // Candle seeds every CUDA device's generator alike.
+                    device.set_seed(comm.rank() as u64)?;
+                    let varmap = candle_nn::VarMap::new();
+                    let vb = candle_nn::VarBuilder::from_varmap(&varmap, dtype, &device);
+                    candle_nn::linear(48, 40, vb.pp("a"))?;
+                    candle_nn::linear(40, 8, vb.pp("b"))?;
+                    let before = weights(&varmap);
+                    let config = EngineConfig::default().with_bucket_bytes(4 << 10);
+                    let opt = ZeroOptimizer::<_, f32>::new(&varmap, comm, config, sgd())?;
+                    drop(opt);
+                    Ok((before, weights(&varmap)))
+                })();
+                Ok(built)
+            })
+            .unwrap_or_else(|e| panic!("this test needs a CUDA GPU: {e}"));
+        let runs: Vec<_> = results
+            .into_iter()
+            .map(|r| r.expect("no panic").expect("built"))
+            .collect();
+        assert_ne!(
+            runs[0].0, runs[1].0,
+            "{dtype:?}: Candle drew one model twice"
+        );
+        for (rank, (_, after)) in runs.iter().enumerate() {
+            assert_eq!(*after, runs[0].0, "{dtype:?}: rank {rank} starts elsewhere");
+        }
+    }
+}

@@ -127,8 +127,8 @@ fn reference(start: &[Vec<f32>]) -> Vec<Vec<f32>> {
         for ((_, var), values) in sorted_vars(&varmap).iter().zip(start) {
             var.set(&Tensor::from_slice(values, var.shape(), &Device::Cpu)?)?;
         }
-        let mut opt = ZeroOptimizer::new(&varmap, comm, config(Stage::Ddp), sgd())?
-            .with_hook(&hook)?;
+        let mut opt =
+            ZeroOptimizer::new(&varmap, comm, config(Stage::Ddp), sgd())?.with_hook(&hook)?;
         for step in 0..STEPS {
             let (x, y) = batch(step, 0..BATCH);
             opt.backward_step(&net.loss(&x, &y)?)?;
@@ -231,7 +231,10 @@ fn verify_refuses_ranks_that_differ_naming_the_parameter_and_copies_nothing() {
     });
     for r in results {
         let err = r.expect("no panic").expect_err("refused").to_string();
-        assert!(err.contains("\"hidden.bias\"") && err.contains("rank 1"), "{err}");
+        assert!(
+            err.contains("\"hidden.bias\"") && err.contains("rank 1"),
+            "{err}"
+        );
     }
 }
 

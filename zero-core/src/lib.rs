@@ -5,6 +5,35 @@
 //! [`FunctionalOptimizer`] traits, the engine for stages 0-3, built-in
 //! optimizers that match `torch.optim`, checkpoints, and [`ThreadGroup`], an
 //! in-process backend that needs nothing installed.
+//!
+//! Candle users want `zero_candle::ZeroOptimizer`, built on this crate. The
+//! engine alone, over parameters held in plain vectors: two ranks (threads)
+//! each compute a gradient of their half of the batch, and the step applies
+//! their mean to every rank's copy, each rank keeping half of the optimizer
+//! state (stage 2).
+//!
+//! ```
+//! use zero_core::engine::HostGrad;
+//! use zero_core::{DType, Engine, EngineConfig, ParamInfo, Sgd, SgdConfig, ThreadGroup};
+//!
+//! let results = ThreadGroup::new(2).run(|comm| -> zero_core::Result<Vec<Vec<f32>>> {
+//!     let rank = zero_core::Communicator::rank(&comm);
+//!     let params = vec![ParamInfo::new("w", vec![3], DType::F32)];
+//!     let sgd = Box::new(Sgd::<f32>::new(SgdConfig::default().with_lr(0.5))?);
+//!     let mut engine = Engine::new(comm, params, sgd, EngineConfig::default())?;
+//!     let mut weights = vec![vec![1.0f32, 2.0, 3.0]];
+//!     // This rank's gradient; the engine averages them over the ranks.
+//!     let grad = vec![rank as f32; 3];
+//!     let slots = [Some(HostGrad::from(&grad))];
+//!     engine.step(&slots, &mut weights)?;
+//!     Ok(weights)
+//! });
+//! for result in results {
+//!     // The mean gradient is 0.5: w - 0.5 * 0.5 on every rank.
+//!     assert_eq!(result??, vec![vec![0.75, 1.75, 2.75]]);
+//! }
+//! # Ok::<(), zero_core::Error>(())
+//! ```
 #![warn(missing_docs)]
 
 pub mod checkpoint;

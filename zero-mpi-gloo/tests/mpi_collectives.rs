@@ -117,6 +117,34 @@ mod with_mpi {
     fn check_type<T: Element>(c: &mut Checker, comm: &MpiComm, label: &str) {
         let (rank, w) = (comm.rank(), comm.world_size());
         let t = T::DTYPE;
+        // The engine's broadcast of the starting model: a sum in which every
+        // rank but 0 gives -0.0 returns rank 0's bits, signed zeros, NaN
+        // and infinities included, whatever the order of addition.
+        let special = [
+            0.0,
+            -0.0,
+            f64::NAN,
+            f64::INFINITY,
+            f64::NEG_INFINITY,
+            1.0e-3,
+        ];
+        let root: Vec<T> = (0..1001)
+            .map(|i| match special.get(i) {
+                Some(&v) => T::from_f64(v),
+                None => T::from_f64(((i * 7919) % 1000) as f64 / 997.0 - 0.3),
+            })
+            .collect();
+        let mut buf = match rank {
+            0 => root.clone(),
+            _ => vec![T::from_f64(-0.0); root.len()],
+        };
+        let what = format!("{label} all_reduce {t} as a broadcast from rank 0");
+        if c.ok(&what, comm.all_reduce(&mut buf[..], ReduceOp::Sum)) {
+            c.checks += 1;
+            if bytemuck::cast_slice::<T, u8>(&buf) != bytemuck::cast_slice::<T, u8>(&root) {
+                c.failures.push(format!("{what}: not rank 0's bits"));
+            }
+        }
         for (salt, len) in [0, 1, w.saturating_sub(1), 5, 1001, 100_003]
             .into_iter()
             .enumerate()

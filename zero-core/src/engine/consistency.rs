@@ -20,9 +20,9 @@ pub(super) fn order_fingerprint(expected: &[(usize, usize)]) -> [f64; 8] {
 /// FNV-1a of a sequence of words: stable across processes and builds
 /// (std's hasher is not), so ranks can compare what they computed.
 pub(super) fn fnv1a(words: impl IntoIterator<Item = u64>) -> u64 {
-    words
-        .into_iter()
-        .fold(FNV_OFFSET, |hash, word| fnv1a_extend(hash, &word.to_le_bytes()))
+    words.into_iter().fold(FNV_OFFSET, |hash, word| {
+        fnv1a_extend(hash, &word.to_le_bytes())
+    })
 }
 
 /// FNV-1a of bytes (a parameter's values).
