@@ -204,8 +204,7 @@ fn verify_refuses_ranks_that_differ_naming_the_parameter_and_copies_nothing() {
     for r in ThreadGroup::new(4).run(build_identical_but_one) {
         let err = r
             .expect("no panic")
-            .err()
-            .expect("rank 2 differs")
+            .expect_err("rank 2 differs")
             .to_string();
         assert!(
             err.contains("\"output.weight\"") && err.contains("rank 2"),
