@@ -279,6 +279,24 @@ fn missing(file: &MappedTensors, name: &str) -> Error {
 /// `new_sharded` (or [`ShardedVarMap::materialize_all`]) gives them. Every
 /// rank computes the same values, at every world size and stage.
 ///
+/// ```
+/// use candle_core::{DType, Device};
+/// use zero_candle::{holds_values, ShardedVarMap};
+///
+/// let map = ShardedVarMap::seeded(7);
+/// let layer = candle_nn::linear(64, 64, map.builder(DType::F32, &Device::Cpu).pp("fc"))?;
+/// assert!(!holds_values(layer.weight())); // until new_sharded fills it
+/// // The same values at every world size and stage, or outside an optimizer:
+/// map.materialize_all()?;
+/// assert!(holds_values(layer.weight()));
+/// let again = ShardedVarMap::seeded(7);
+/// let twin = candle_nn::linear(64, 64, again.builder(DType::F32, &Device::Cpu).pp("fc"))?;
+/// again.materialize_all()?;
+/// let diff = (layer.weight() - twin.weight())?.abs()?.sum_all()?.to_scalar::<f32>()?;
+/// assert_eq!(diff, 0.0);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+///
 /// [`ZeroOptimizer::new_sharded`]: crate::ZeroOptimizer::new_sharded
 #[derive(Clone)]
 pub struct ShardedVarMap {

@@ -53,6 +53,11 @@ pub use optim::{
     RmsPropConfig, Sgd, SgdConfig,
 };
 pub use partition::{Flat, Greedy, Interleaved, ParamInfo, PartitionPlan, Partitioner};
+/// The serde this crate uses, for a custom optimizer's configuration
+/// (`#[serde(crate = "zero_core::serde")]`).
+pub use serde;
+/// The JSON map [`optim::Hyperparams`] is made of.
+pub use serde_json;
 
 /// The most used items, for `use zero_core::prelude::*`.
 pub mod prelude {

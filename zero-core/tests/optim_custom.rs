@@ -1,171 +1,193 @@
 //! A user-written optimizer (Lion, Chen et al. 2023) built on the public
-//! `zero_core::optim` API alone, checked against a hand-computed update.
+//! `zero_core::optim` API alone (`SimpleOptimizer`), checked against a
+//! hand-computed update; its groups, hyperparameters and state behave as
+//! the built-ins' do.
 
-use std::collections::BTreeMap;
+use serde::{Deserialize, Serialize};
 use zero_core::optim::{
-    Float, FunctionalOptimizer, Hyperparams, OptimizerState, ParamMut, ParamState,
+    Float, FunctionalOptimizer, Hyperparams, ParamKey, ParamMut, Simple, SimpleOptimizer,
 };
-use zero_core::{Error, Result};
 
-/// Lion: `p -= lr * (sign(b1 m + (1 - b1) g) + wd p)`, `m = b2 m + (1 - b2) g`.
-struct Lion<T> {
-    groups: Vec<(f64, f64, f64, f64)>, // lr, beta1, beta2, weight_decay
-    exp_avg: BTreeMap<(String, usize), Vec<T>>,
+#[derive(Clone, Serialize, Deserialize)]
+struct LionConfig {
+    lr: f64,
+    betas: (f64, f64),
+    weight_decay: f64,
 }
 
-impl<T: Float> Lion<T> {
-    fn new(lr: f64, beta1: f64, beta2: f64, weight_decay: f64) -> Self {
-        Self {
-            groups: vec![(lr, beta1, beta2, weight_decay)],
-            exp_avg: BTreeMap::new(),
+/// `p = p (1 - lr wd) - lr sign(b1 m + (1 - b1) g)`, `m = b2 m + (1 - b2) g`.
+struct Lion;
+
+impl<T: Float> SimpleOptimizer<T> for Lion {
+    type Config = LionConfig;
+    const KIND: &'static str = "lion";
+    const STATE: &'static [&'static str] = &["exp_avg"];
+
+    fn update(c: &LionConfig, _step: u64, param: &mut [T], grad: &[T], state: &mut [Vec<T>]) {
+        let f = T::from_f64;
+        let (lr, wd, b1, b2) = (f(c.lr), f(c.weight_decay), f(c.betas.0), f(c.betas.1));
+        for ((p, &g), m) in param.iter_mut().zip(grad).zip(&mut state[0]) {
+            let update = b1 * *m + (T::ONE - b1) * g;
+            let sign = match update.to_f64() {
+                u if u > 0.0 => T::ONE,
+                u if u < 0.0 => -T::ONE,
+                _ => update * T::ZERO, // 0 at 0, NaN at NaN
+            };
+            *p = *p * (T::ONE - lr * wd) - lr * sign;
+            *m = b2 * *m + (T::ONE - b2) * g;
         }
     }
 }
 
-impl<T: Float> FunctionalOptimizer<T> for Lion<T> {
-    fn kind(&self) -> &str {
-        "lion"
-    }
+fn lion(lr: f64, betas: (f64, f64), weight_decay: f64) -> Simple<Lion, f64> {
+    let config = LionConfig {
+        lr,
+        betas,
+        weight_decay,
+    };
+    Simple::new(config).expect("a valid Lion")
+}
 
-    fn step(&mut self, params: &mut [ParamMut<'_, T>], grads: &[Option<&[T]>]) -> Result<()> {
-        for (param, grad) in params.iter_mut().zip(grads) {
-            let Some(grad) = grad else { continue };
-            let &(lr, beta1, beta2, wd) = self
-                .groups
-                .get(param.key.group)
-                .ok_or_else(|| Error::Optimizer(format!("lion: no group {}", param.key.group)))?;
-            let m = self
-                .exp_avg
-                .entry((param.key.name.clone(), param.key.offset))
-                .or_insert_with(|| vec![T::ZERO; grad.len()]);
-            let (b1, b2) = (T::from_f64(beta1), T::from_f64(beta2));
-            let (one_b1, one_b2) = (T::from_f64(1.0 - beta1), T::from_f64(1.0 - beta2));
-            let decay = T::from_f64(1.0 - lr * wd);
-            let lr = T::from_f64(lr);
-            for ((p, &g), m) in param.data.iter_mut().zip(*grad).zip(m.iter_mut()) {
-                let c = b1 * *m + one_b1 * g;
-                let sign = if c > T::ZERO {
-                    T::ONE
-                } else if c < T::ZERO {
-                    -T::ONE
-                } else {
-                    T::ZERO
-                };
-                *p = *p * decay - lr * sign;
-                *m = b2 * *m + one_b2 * g;
-            }
-        }
-        Ok(())
-    }
+fn hyper(json: serde_json::Value) -> Hyperparams {
+    json.as_object().expect("an object").clone()
+}
 
-    fn num_groups(&self) -> usize {
-        self.groups.len()
-    }
-
-    fn add_group(&mut self, hyper: &Hyperparams) -> Result<usize> {
-        let mut group = self.groups[0];
-        if let Some(lr) = hyper.get("lr").and_then(|v| v.as_f64()) {
-            group.0 = lr;
-        }
-        self.groups.push(group);
-        Ok(self.groups.len() - 1)
-    }
-
-    fn hyperparams(&self, group: usize) -> Hyperparams {
-        let mut h = Hyperparams::new();
-        if let Some(&(lr, b1, b2, wd)) = self.groups.get(group) {
-            h.insert("lr".into(), lr.into());
-            h.insert("betas".into(), serde_json::json!([b1, b2]));
-            h.insert("weight_decay".into(), wd.into());
-        }
-        h
-    }
-
-    fn set_hyperparams(&mut self, group: usize, hyper: &Hyperparams) -> Result<()> {
-        if let Some(lr) = hyper.get("lr").and_then(|v| v.as_f64()) {
-            self.set_learning_rate(group, lr);
-        }
-        Ok(())
-    }
-
-    fn learning_rate(&self, group: usize) -> f64 {
-        self.groups.get(group).map_or(f64::NAN, |g| g.0)
-    }
-
-    fn set_learning_rate(&mut self, group: usize, lr: f64) {
-        if let Some(g) = self.groups.get_mut(group) {
-            g.0 = lr;
-        }
-    }
-
-    fn export_state(&self) -> OptimizerState<T> {
-        OptimizerState {
-            params: self
-                .exp_avg
-                .iter()
-                .map(|(key, m)| {
-                    let mut state = ParamState::default();
-                    state.tensors.insert("exp_avg".into(), m.clone());
-                    (key.clone(), state)
-                })
-                .collect(),
-        }
-    }
-
-    fn import_state(&mut self, state: OptimizerState<T>) -> Result<()> {
-        for (key, mut piece) in state.params {
-            let m = piece
-                .tensors
-                .remove("exp_avg")
-                .ok_or_else(|| Error::Optimizer(format!("lion: {key:?} has no exp_avg")))?;
-            self.exp_avg.insert(key, m);
-        }
-        Ok(())
-    }
+fn step(opt: &mut dyn FunctionalOptimizer<f64>, p: &mut [f64], g: Option<&[f64]>) {
+    let key = ParamKey::new("w", 0, 0);
+    opt.step(&mut [ParamMut { key: &key, data: p }], &[g])
+        .expect("step");
 }
 
 #[test]
-fn lion_written_against_the_public_trait_matches_a_hand_computation() {
-    use zero_core::optim::ParamKey;
-    let mut opt: Box<dyn FunctionalOptimizer<f64>> = Box::new(Lion::new(0.1, 0.9, 0.99, 0.5));
-    let key = ParamKey::new("w", 0, 0);
+fn lion_matches_a_hand_computation_and_leaves_zero_and_absent_gradients_alone() {
+    let mut opt = lion(0.1, (0.9, 0.99), 0.5);
     let mut p = vec![1.0, -2.0, 0.5];
-    // Step 1: m = 0, c = 0.1 g, so the update is -lr * sign(g), after decay 1 - 0.05.
-    opt.step(
-        &mut [ParamMut {
-            key: &key,
-            data: &mut p,
-        }],
-        &[Some(&[0.2, 0.3, 0.0])],
-    )
-    .unwrap();
+    // Step 1: m = 0, so the update is -lr sign(g) after decay 1 - 0.05; a
+    // zero gradient has sign 0 (torch's), so only the decay moves it.
+    step(&mut opt, &mut p, Some(&[0.2, 0.3, 0.0]));
     assert_eq!(p, vec![0.95 - 0.1, -1.9 - 0.1, 0.475]);
     // m = 0.01 g = [0.002, 0.003, 0]; step 2 with g = [-0.01, -0.1, 1]:
     // c = 0.9 m + 0.1 g = [0.0008, -0.0073, 0.1] -> signs [+, -, +].
-    opt.step(
-        &mut [ParamMut {
-            key: &key,
-            data: &mut p,
-        }],
-        &[Some(&[-0.01, -0.1, 1.0])],
-    )
-    .unwrap();
+    step(&mut opt, &mut p, Some(&[-0.01, -0.1, 1.0]));
     let want = [0.85 * 0.95 - 0.1, -2.0 * 0.95 + 0.1, 0.475 * 0.95 - 0.1];
     for (got, want) in p.iter().zip(want) {
         assert!((got - want).abs() < 1e-15, "{got} vs {want}");
     }
-    // None: nothing moves.
     let before = p.clone();
+    step(&mut opt, &mut p, None);
+    assert_eq!(p, before, "no gradient: nothing moves");
+    let state = opt.export_state();
+    let piece = &state.params[&("w".to_string(), 0)];
+    assert!((piece.tensors["exp_avg"][2] - 0.01).abs() < 1e-15);
+    assert_eq!(piece.scalars["step"], 2.0, "None did not count as a step");
+}
+
+#[test]
+fn groups_added_by_name_take_the_constructors_values_not_group_zeros() {
+    let mut opt = lion(0.1, (0.9, 0.99), 0.5);
+    // A scheduler moves group 0 away from the constructor's values.
+    opt.set_hyperparams(0, &hyper(serde_json::json!({ "betas": [0.5, 0.5] })))
+        .expect("set");
+    opt.set_learning_rate(0, 0.3);
+    assert_eq!(opt.learning_rate(0), 0.3);
+    assert_eq!(opt.hyperparams(0)["betas"], serde_json::json!([0.5, 0.5]));
+    let g = opt
+        .add_group(&hyper(serde_json::json!({ "weight_decay": 0.0 })))
+        .expect("added");
+    assert_eq!(g, 1);
+    assert_eq!(
+        opt.hyperparams(1),
+        hyper(serde_json::json!({ "lr": 0.1, "betas": [0.9, 0.99], "weight_decay": 0.0 }))
+    );
+    // PyTorch's extra keys are accepted; unknown and malformed ones are not.
+    opt.add_group(&hyper(serde_json::json!({ "params": [], "foreach": null })))
+        .expect("torch's bookkeeping keys");
+    let err = opt
+        .add_group(&hyper(serde_json::json!({ "momentum": 0.9 })))
+        .expect_err("unknown")
+        .to_string();
+    assert!(err.contains("lion") && err.contains("momentum"), "{err}");
+    let err = opt
+        .set_hyperparams(0, &hyper(serde_json::json!({ "betas": 0.9 })))
+        .expect_err("malformed")
+        .to_string();
+    assert!(err.contains("betas"), "{err}");
+    let err = opt
+        .add_group(&hyper(serde_json::json!({ "lr": -1.0 })))
+        .expect_err("negative")
+        .to_string();
+    assert!(err.contains("learning rate"), "{err}");
+    // Weight decay set by name takes effect: group 1 has none.
+    let key = ParamKey::new("v", 0, 1);
+    let mut p = vec![2.0];
     opt.step(
         &mut [ParamMut {
             key: &key,
             data: &mut p,
         }],
-        &[None],
+        &[Some(&[1.0][..])],
     )
-    .unwrap();
-    assert_eq!(p, before);
+    .expect("step");
+    assert_eq!(p, vec![2.0 - 0.1]);
+}
+
+#[test]
+fn state_round_trips_and_foreign_state_is_refused_naming_the_entry() {
+    let mut opt = lion(0.1, (0.9, 0.99), 0.0);
+    let mut p = vec![1.0, 2.0];
+    step(&mut opt, &mut p, Some(&[0.5, -0.5]));
     let state = opt.export_state();
-    let m = &state.params[&("w".to_string(), 0)].tensors["exp_avg"];
-    assert!((m[2] - 0.01).abs() < 1e-15);
+    let mut fresh = lion(0.1, (0.9, 0.99), 0.0);
+    fresh.import_state(state.clone()).expect("import");
+    assert_eq!(fresh.export_state(), state);
+    assert_eq!(
+        fresh.state_bytes(),
+        2 * std::mem::size_of::<f64>() + std::mem::size_of::<f64>()
+    );
+    // The same next step from the imported state.
+    let (mut a, mut b) = (p.clone(), p.clone());
+    step(&mut opt, &mut a, Some(&[0.1, 0.1]));
+    step(&mut fresh, &mut b, Some(&[0.1, 0.1]));
+    assert_eq!(a, b);
+
+    let mut missing = state.clone();
+    let piece = missing.params.values_mut().next().expect("a piece");
+    piece.tensors.clear();
+    let err = lion(0.1, (0.9, 0.99), 0.0)
+        .import_state(missing)
+        .expect_err("no exp_avg")
+        .to_string();
+    assert!(err.contains("exp_avg"), "{err}");
+    let mut extra = state;
+    let piece = extra.params.values_mut().next().expect("a piece");
+    piece.tensors.insert("momentum_buffer".into(), vec![0.0; 2]);
+    let err = lion(0.1, (0.9, 0.99), 0.0)
+        .import_state(extra)
+        .expect_err("foreign")
+        .to_string();
+    assert!(err.contains("momentum_buffer"), "{err}");
+}
+
+#[test]
+fn a_config_without_a_learning_rate_is_refused_at_construction() {
+    #[derive(Clone, Serialize, Deserialize)]
+    struct NoLr {
+        step_size: f64,
+    }
+    struct Plain;
+    impl SimpleOptimizer<f32> for Plain {
+        type Config = NoLr;
+        const KIND: &'static str = "plain";
+        const STATE: &'static [&'static str] = &[];
+        fn update(c: &NoLr, _: u64, p: &mut [f32], g: &[f32], _: &mut [Vec<f32>]) {
+            for (p, g) in p.iter_mut().zip(g) {
+                *p -= c.step_size as f32 * g;
+            }
+        }
+    }
+    let err = Simple::<Plain, f32>::new(NoLr { step_size: 0.1 })
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(err.contains("plain") && err.contains("`lr`"), "{err}");
 }

@@ -29,7 +29,7 @@ const IGNORED_KEYS: &[&str] = &[
 /// [`group_config!`] writes them from the field list.
 pub(crate) trait GroupFields: Clone + Send {
     /// Every key [`GroupFields::apply`] understands: the field names.
-    const KEYS: &'static [&'static str];
+    fn keys(&self) -> Vec<String>;
     /// The optimizer's name, for messages.
     const KIND: &'static str;
     /// The learning rate.
@@ -38,7 +38,8 @@ pub(crate) trait GroupFields: Clone + Send {
     fn set_lr(&mut self, lr: f64);
     /// The hyperparameters under PyTorch's names.
     fn to_hyperparams(&self) -> Hyperparams;
-    /// Overwrites the fields named in `hyper` (already checked against `KEYS`).
+    /// Overwrites the fields named in `hyper` (already checked against
+    /// [`GroupFields::keys`]).
     fn apply(&mut self, hyper: &Hyperparams) -> Result<()>;
 }
 
@@ -130,7 +131,9 @@ macro_rules! group_config {
         }
 
         impl $crate::optim::core::GroupFields for $name {
-            const KEYS: &'static [&'static str] = &[$(stringify!($field)),*];
+            fn keys(&self) -> Vec<String> {
+                vec![$(stringify!($field).to_string()),*]
+            }
             const KIND: &'static str = $kind;
 
             fn lr(&self) -> f64 {
@@ -344,14 +347,14 @@ impl<C: GroupConfig, S> Core<C, S> {
 
     /// `config` updated by `hyper`, validated.
     fn updated(config: &C, hyper: &Hyperparams) -> Result<C> {
+        let keys = config.keys();
         if let Some(key) = hyper
             .keys()
-            .find(|k| !C::KEYS.contains(&k.as_str()) && !IGNORED_KEYS.contains(&k.as_str()))
+            .find(|k| !keys.contains(k) && !IGNORED_KEYS.contains(&k.as_str()))
         {
             return Err(Error::Optimizer(format!(
-                "{}: unknown hyperparameter {key:?}; expected one of {:?}",
+                "{}: unknown hyperparameter {key:?}; expected one of {keys:?}",
                 C::KIND,
-                C::KEYS
             )));
         }
         let mut config = config.clone();

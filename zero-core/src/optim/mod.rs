@@ -33,54 +33,58 @@
 //!
 //! # Writing your own
 //!
-//! Implement [`FunctionalOptimizer`] for your type: keep state per
-//! `(key.name, key.offset)`, skip `None` gradients, and export state as named
-//! tensors. A sign-SGD, for instance:
+//! A custom optimizer is its hyperparameters, its per-element state and its
+//! update: implement [`SimpleOptimizer`] and [`Simple`] makes it a
+//! [`FunctionalOptimizer`] with parameter groups, hyperparameters by name,
+//! checked state export and import, and the parallel step of the
+//! built-ins. Lion (Chen et al. 2023, as `lion-pytorch` steps it):
 //!
 //! ```
-//! use zero_core::optim::*;
-//! use zero_core::Result;
+//! use serde::{Deserialize, Serialize};
+//! use zero_core::optim::{FunctionalOptimizer, ParamKey, ParamMut, Simple, SimpleOptimizer};
 //!
-//! /// `p -= lr * sign(g)`; stateless.
-//! struct SignSgd { lr: f64 }
+//! #[derive(Clone, Serialize, Deserialize)]
+//! struct LionConfig { lr: f64, betas: (f64, f64), weight_decay: f64 }
 //!
-//! impl FunctionalOptimizer<f32> for SignSgd {
-//!     fn kind(&self) -> &str { "sign_sgd" }
-//!     fn step(&mut self, params: &mut [ParamMut<'_, f32>], grads: &[Option<&[f32]>]) -> Result<()> {
-//!         for (param, grad) in params.iter_mut().zip(grads) {
-//!             let Some(grad) = grad else { continue };
-//!             for (p, g) in param.data.iter_mut().zip(*grad) {
-//!                 *p -= self.lr as f32 * g.signum();
-//!             }
+//! struct Lion;
+//!
+//! impl SimpleOptimizer<f32> for Lion {
+//!     type Config = LionConfig;
+//!     const KIND: &'static str = "lion";
+//!     const STATE: &'static [&'static str] = &["exp_avg"];
+//!
+//!     fn update(c: &LionConfig, _step: u64, param: &mut [f32], grad: &[f32], state: &mut [Vec<f32>]) {
+//!         let (lr, wd) = (c.lr as f32, c.weight_decay as f32);
+//!         let (b1, b2) = (c.betas.0 as f32, c.betas.1 as f32);
+//!         for ((p, &g), m) in param.iter_mut().zip(grad).zip(&mut state[0]) {
+//!             let update = b1 * *m + (1.0 - b1) * g;
+//!             // torch.sign: 0 at 0 (Rust's signum is 1 there), NaN at NaN.
+//!             let sign = if update == 0.0 { 0.0 } else { update.signum() };
+//!             *p = *p * (1.0 - lr * wd) - lr * sign;
+//!             *m = b2 * *m + (1.0 - b2) * g;
 //!         }
-//!         Ok(())
 //!     }
-//!     fn num_groups(&self) -> usize { 1 }
-//!     fn add_group(&mut self, _: &Hyperparams) -> Result<usize> {
-//!         Err(zero_core::Error::Optimizer("sign_sgd: one group only".into()))
-//!     }
-//!     fn hyperparams(&self, _: usize) -> Hyperparams {
-//!         serde_json::json!({ "lr": self.lr }).as_object().cloned().unwrap_or_default()
-//!     }
-//!     fn set_hyperparams(&mut self, _: usize, h: &Hyperparams) -> Result<()> {
-//!         if let Some(lr) = h.get("lr").and_then(|v| v.as_f64()) { self.lr = lr; }
-//!         Ok(())
-//!     }
-//!     fn learning_rate(&self, _: usize) -> f64 { self.lr }
-//!     fn set_learning_rate(&mut self, _: usize, lr: f64) { self.lr = lr; }
-//!     fn export_state(&self) -> OptimizerState<f32> { OptimizerState::default() }
-//!     fn import_state(&mut self, _: OptimizerState<f32>) -> Result<()> { Ok(()) }
 //! }
 //!
-//! let mut opt = SignSgd { lr: 0.5 };
+//! let config = LionConfig { lr: 0.1, betas: (0.9, 0.99), weight_decay: 0.0 };
+//! let mut lion = Simple::<Lion, f32>::new(config)?;
 //! let key = ParamKey::new("w", 0, 0);
-//! let mut w = vec![1.0f32, 1.0];
-//! opt.step(&mut [ParamMut { key: &key, data: &mut w }], &[Some(&[3.0, -0.1][..])])?;
-//! assert_eq!(w, [0.5, 1.5]);
+//! let mut w = vec![1.0f32, 1.0, 1.0];
+//! lion.step(&mut [ParamMut { key: &key, data: &mut w }], &[Some(&[3.0, -0.1, 0.0][..])])?;
+//! assert_eq!(w, [0.9, 1.1, 1.0]); // a zero gradient moves nothing
+//! // Groups added by name take the constructor's values for what they omit.
+//! let group = lion.add_group(serde_json::json!({ "lr": 0.01 }).as_object().unwrap())?;
+//! assert_eq!(lion.hyperparams(group)["betas"], serde_json::json!([0.9, 0.99]));
+//! assert_eq!(lion.export_state().params[&("w".to_string(), 0)].scalars["step"], 1.0);
 //! # Ok::<(), zero_core::Error>(())
 //! ```
 //!
-//! `tests/optim_custom.rs` has a complete Lion with state export.
+//! A user crate derives with `serde` (`features = ["derive"]`), or through
+//! the re-export: `#[serde(crate = "zero_core::serde")]`. The engine expects
+//! nothing of the state's names. Custom optimizers step where the engine
+//! steps on the host (threads, MPI); the GPU engine runs the built-ins as
+//! fused kernels and refuses other kinds, naming them. For full control,
+//! implement [`FunctionalOptimizer`] itself.
 
 mod adagrad;
 mod adam;
@@ -88,12 +92,14 @@ mod core;
 mod float;
 mod rmsprop;
 mod sgd;
+mod simple;
 
 pub use adagrad::{Adagrad, AdagradConfig};
 pub use adam::{Adam, AdamConfig, AdamW, AdamWConfig};
 pub use float::Float;
 pub use rmsprop::{RmsProp, RmsPropConfig};
 pub use sgd::{Sgd, SgdConfig};
+pub use simple::{Simple, SimpleOptimizer};
 
 use crate::{Element, Result};
 use serde_json::{Map, Value};
@@ -155,8 +161,30 @@ pub struct OptimizerState<T> {
 /// An optimizer that updates parameter pieces from gradients, with
 /// parameter groups and exportable state.
 ///
-/// Implement it for your own optimizer (see the [module docs](self) and
-/// `tests/optim_custom.rs` for Lion).
+/// For your own optimizer, [`SimpleOptimizer`] is the short way in (see
+/// the [module docs](self#writing-your-own)); implementing this trait
+/// directly gives full control.
+///
+/// The engine calls it with the pieces this rank owns: a `None` gradient
+/// leaves its piece and its state untouched.
+///
+/// ```
+/// use zero_core::optim::{FunctionalOptimizer, ParamKey, ParamMut, Sgd, SgdConfig};
+///
+/// let mut sgd: Box<dyn FunctionalOptimizer<f32>> =
+///     Box::new(Sgd::new(SgdConfig::default().with_lr(0.5).with_momentum(0.9))?);
+/// let (a, b) = (ParamKey::new("a", 0, 0), ParamKey::new("b", 0, 0));
+/// let (mut pa, mut pb) = (vec![1.0f32], vec![1.0f32]);
+/// let mut params = [
+///     ParamMut { key: &a, data: &mut pa },
+///     ParamMut { key: &b, data: &mut pb },
+/// ];
+/// sgd.step(&mut params, &[Some(&[2.0][..]), None])?;
+/// assert_eq!((pa[0], pb[0]), (0.0, 1.0));
+/// // Only `a` has state (its momentum buffer).
+/// assert_eq!(sgd.export_state().params.len(), 1);
+/// # Ok::<(), zero_core::Error>(())
+/// ```
 pub trait FunctionalOptimizer<T: Element>: Send {
     /// A short name, e.g. `"adam"` (recorded in checkpoints).
     fn kind(&self) -> &str;
@@ -169,8 +197,8 @@ pub trait FunctionalOptimizer<T: Element>: Send {
     fn num_groups(&self) -> usize;
 
     /// Adds a group; keys missing from `hyper` take the constructor's values
-    /// (`torch.optim`'s `defaults`, not group 0's current ones).
-    /// Returns the new group's index.
+    /// (`torch.optim`'s `defaults`, not group 0's current ones, which a
+    /// scheduler may have changed since). Returns the new group's index.
     fn add_group(&mut self, hyper: &Hyperparams) -> Result<usize>;
 
     /// The hyperparameters of `group`, under PyTorch's names.
