@@ -191,3 +191,27 @@ fn a_config_without_a_learning_rate_is_refused_at_construction() {
         .to_string();
     assert!(err.contains("plain") && err.contains("`lr`"), "{err}");
 }
+
+#[test]
+fn a_custom_optimizer_may_not_take_a_built_ins_name() {
+    struct NotAdam;
+    impl SimpleOptimizer<f64> for NotAdam {
+        type Config = LionConfig;
+        const KIND: &'static str = "adam";
+        const STATE: &'static [&'static str] = &[];
+        fn update(_: &LionConfig, _: u64, _: &mut [f64], _: &[f64], _: &mut [Vec<f64>]) {}
+    }
+    let config = LionConfig {
+        lr: 0.1,
+        betas: (0.9, 0.99),
+        weight_decay: 0.0,
+    };
+    let err = Simple::<NotAdam, f64>::new(config)
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(
+        err.contains("\"adam\"") && err.contains("built-in"),
+        "{err}"
+    );
+}

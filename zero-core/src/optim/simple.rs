@@ -51,6 +51,9 @@ pub trait SimpleOptimizer<T: Element>: Send + Sync + 'static {
     fn update(config: &Self::Config, step: u64, param: &mut [T], grad: &[T], state: &mut [Vec<T>]);
 }
 
+/// The built-ins' kinds, which a custom optimizer may not take.
+const BUILT_IN_KINDS: &[&str] = &["sgd", "adam", "adamw", "adagrad", "rmsprop"];
+
 /// A [`SimpleOptimizer`] as a [`FunctionalOptimizer`].
 pub struct Simple<O: SimpleOptimizer<T>, T: Element> {
     core: Core<Group<O, T>, State<O, T>>,
@@ -59,6 +62,13 @@ pub struct Simple<O: SimpleOptimizer<T>, T: Element> {
 impl<O: SimpleOptimizer<T>, T: Element> Simple<O, T> {
     /// The optimizer with one parameter group of `config`.
     pub fn new(config: O::Config) -> Result<Self> {
+        if BUILT_IN_KINDS.contains(&O::KIND) {
+            return Err(Error::Optimizer(format!(
+                "a custom optimizer's KIND is {:?}, the name of a built-in: checkpoints and the \
+                 GPU engine would take it for the built-in; choose another name",
+                O::KIND
+            )));
+        }
         Ok(Self {
             core: Core::new(Group::new(config))?,
         })
