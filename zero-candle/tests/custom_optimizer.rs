@@ -14,6 +14,8 @@ use zero_core::optim::{Simple, SimpleOptimizer};
 use zero_core::serde::{Deserialize, Serialize};
 use zero_core::{Communicator, ThreadComm, ThreadGroup};
 
+mod nn_support;
+
 #[derive(Clone, Serialize, Deserialize)]
 #[serde(crate = "zero_core::serde")]
 struct LionConfig {
@@ -66,23 +68,8 @@ fn config(stage: Stage) -> EngineConfig {
         )
 }
 
-/// Rows `rows` of step `step`'s global batch.
 fn batch(step: usize, rows: std::ops::Range<usize>) -> (Tensor, Tensor) {
-    let n = rows.len();
-    let value = |i: usize, k: usize, salt: usize| {
-        (((step * BATCH + i) * 7 + k * 13 + salt) % 19) as f32 / 9.0 - 1.0
-    };
-    let x: Vec<f32> = rows
-        .clone()
-        .flat_map(|i| (0..4).map(move |k| value(i, k, 0)))
-        .collect();
-    let y: Vec<f32> = rows
-        .flat_map(|i| (0..2).map(move |k| value(i, k, 3)))
-        .collect();
-    (
-        Tensor::from_vec(x, (n, 4), &Device::Cpu).unwrap(),
-        Tensor::from_vec(y, (n, 2), &Device::Cpu).unwrap(),
-    )
+    nn_support::regression_rows(step, BATCH, rows, (4, 2))
 }
 
 type Weights = Vec<(String, Vec<f32>)>;

@@ -10,6 +10,8 @@ use zero_core::engine::{EngineConfig, Stage, StartingModel};
 use zero_core::optim::{Sgd, SgdConfig};
 use zero_core::{Communicator, ThreadComm, ThreadGroup};
 
+mod nn_support;
+
 /// Rows of the global batch: divisible by every world size tested.
 const BATCH: usize = 12;
 const STEPS: usize = 4;
@@ -35,23 +37,8 @@ impl Net {
     }
 }
 
-/// Rows `rows` of step `step`'s global batch (the same on every run).
 fn batch(step: usize, rows: std::ops::Range<usize>) -> (Tensor, Tensor) {
-    let n = rows.len();
-    let value = |i: usize, k: usize, salt: usize| {
-        (((step * BATCH + i) * 7 + k * 13 + salt) % 17) as f32 / 8.0 - 1.0
-    };
-    let x: Vec<f32> = rows
-        .clone()
-        .flat_map(|i| (0..3).map(move |k| value(i, k, 0)))
-        .collect();
-    let y: Vec<f32> = rows
-        .flat_map(|i| (0..2).map(move |k| value(i, k, 5)))
-        .collect();
-    (
-        Tensor::from_vec(x, (n, 3), &Device::Cpu).unwrap(),
-        Tensor::from_vec(y, (n, 2), &Device::Cpu).unwrap(),
-    )
+    nn_support::regression_rows(step, BATCH, rows, (3, 2))
 }
 
 fn sorted_vars(varmap: &VarMap) -> Vec<(String, Var)> {

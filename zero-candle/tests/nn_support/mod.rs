@@ -148,3 +148,30 @@ pub fn token_batch(
         Tensor::from_vec(targets, (3, seq), &Device::Cpu)?,
     ))
 }
+
+/// Rows `rows` of step `step`'s global batch of `batch` rows for a small
+/// regression: `inputs` values in [-1, 1] per row, `outputs` targets; the
+/// same rows whichever rank asks, so that ranks splitting a batch see what
+/// one rank sees whole.
+pub fn regression_rows(
+    step: usize,
+    batch: usize,
+    rows: std::ops::Range<usize>,
+    (inputs, outputs): (usize, usize),
+) -> (Tensor, Tensor) {
+    let n = rows.len();
+    let value = |i: usize, k: usize, salt: usize| {
+        (((step * batch + i) * 7 + k * 13 + salt) % 19) as f32 / 9.0 - 1.0
+    };
+    let x: Vec<f32> = rows
+        .clone()
+        .flat_map(|i| (0..inputs).map(move |k| value(i, k, 0)))
+        .collect();
+    let y: Vec<f32> = rows
+        .flat_map(|i| (0..outputs).map(move |k| value(i, k, 3)))
+        .collect();
+    (
+        Tensor::from_vec(x, (n, inputs), &Device::Cpu).unwrap(),
+        Tensor::from_vec(y, (n, outputs), &Device::Cpu).unwrap(),
+    )
+}
