@@ -7,6 +7,7 @@
 use super::consistency::fnv1a_bytes;
 use super::{Engine, ParamCopy, ShardMemory, StartingModel};
 use crate::comm::{Communicator, ReduceOp};
+use crate::partition::ParamInfo;
 use crate::{Element, Error, Result};
 
 impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
@@ -21,75 +22,86 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         if self.comm.world_size() == 1 {
             return Ok(());
         }
+        let (comm, memory) = (&*self.comm, &mut self.memory);
         match self.config.starting_model {
-            StartingModel::Broadcast => self.broadcast_params(params),
-            StartingModel::Verify => self.verify_params(params),
+            StartingModel::Broadcast => {
+                let chunk = (self.config.bucket_bytes / std::mem::size_of::<T>()).max(1);
+                broadcast_params(comm, memory, &self.params, chunk, params)
+            }
+            StartingModel::Verify => verify_params(comm, memory, &self.params, params),
         }
     }
+}
 
-    /// Rank 0's parameters onto every rank, `bucket_bytes` at a time.
-    ///
-    /// The memories have no broadcast, so it is an all-reduce (sum) in
-    /// which every other rank contributes `-0.0`: `x + (-0.0)` is `x`, bit
-    /// for bit (signed zeros and NaNs included), in any order of addition.
-    fn broadcast_params(&mut self, params: &mut M::Params<'_>) -> Result<()> {
-        let sizes: Vec<usize> = self.params.iter().map(|p| p.numel()).collect();
-        let chunk = (self.config.bucket_bytes / std::mem::size_of::<T>()).max(1);
-        let chunks = copy_chunks(&sizes, chunk);
-        let Some(longest) = chunks.iter().map(|c| copied_len(c)).max() else {
-            return Ok(());
-        };
-        let root = self.comm.rank() == 0;
-        let mut buffer = self.memory.alloc_zeroed(longest)?;
-        for copies in &chunks {
-            let range = 0..copied_len(copies);
-            if root {
-                self.memory.read_params(params, copies, &mut buffer)?;
-            } else {
-                self.memory.zero(&mut buffer, range.clone())?;
-                self.memory
-                    .scale(&mut buffer, std::slice::from_ref(&range), -1.0)?;
-            }
-            self.memory
-                .all_reduce(&self.comm, &mut buffer, range, ReduceOp::Sum)?;
-            if !root {
-                self.memory.write_params(params, copies, &buffer)?;
-            }
+/// Rank 0's parameters onto every rank, `chunk` elements at a time.
+///
+/// The memories have no broadcast, so it is an all-reduce (sum) in which
+/// every other rank contributes `-0.0`: `x + (-0.0)` is `x`, bit for bit
+/// (signed zeros and NaNs included), in any order of addition.
+fn broadcast_params<T: Element, C: Communicator, M: ShardMemory<T, C>>(
+    comm: &C,
+    memory: &mut M,
+    infos: &[ParamInfo],
+    chunk: usize,
+    params: &mut M::Params<'_>,
+) -> Result<()> {
+    let sizes: Vec<usize> = infos.iter().map(ParamInfo::numel).collect();
+    let chunks = copy_chunks(&sizes, chunk);
+    let Some(longest) = chunks.iter().map(|c| copied_len(c)).max() else {
+        return Ok(());
+    };
+    let root = comm.rank() == 0;
+    let mut buffer = memory.alloc_zeroed(longest)?;
+    for copies in &chunks {
+        let range = 0..copied_len(copies);
+        if root {
+            memory.read_params(params, copies, &mut buffer)?;
+        } else {
+            memory.zero(&mut buffer, range.clone())?;
+            memory.scale(&mut buffer, std::slice::from_ref(&range), -1.0)?;
         }
-        Ok(())
+        memory.all_reduce(comm, &mut buffer, range, ReduceOp::Sum)?;
+        if !root {
+            memory.write_params(params, copies, &buffer)?;
+        }
     }
+    Ok(())
+}
 
-    /// Hashes each parameter's values on every rank and compares them with
-    /// rank 0's; an error names the first parameter that differs.
-    fn verify_params(&mut self, params: &mut M::Params<'_>) -> Result<()> {
-        let mut hashes = Vec::with_capacity(self.params.len() * 8);
-        let mut values = Vec::new();
-        for (i, param) in self.params.iter().enumerate() {
-            values.clear();
-            values.resize(param.numel(), T::default());
-            self.memory
-                .read_param_host(&self.comm, params, i, &mut values)?;
-            let bytes: &[u8] = bytemuck::cast_slice(&values);
-            hashes.extend_from_slice(&fnv1a_bytes(bytes).to_le_bytes());
-        }
-        let all = self.comm.all_gather_bytes(&hashes)?;
-        let Some(root) = all.first() else {
-            return Ok(());
-        };
-        for (rank, theirs) in all.iter().enumerate().skip(1) {
-            let differs = root
-                .chunks(8)
-                .zip(theirs.chunks(8))
-                .position(|(a, b)| a != b);
-            if let Some(i) = differs {
-                return Err(Error::StartingModelDiffers {
-                    param: self.params[i].name.clone(),
-                    rank,
-                });
-            }
-        }
-        Ok(())
+/// Hashes each parameter's values on every rank and compares them with
+/// rank 0's; an error names the first parameter that differs.
+fn verify_params<T: Element, C: Communicator, M: ShardMemory<T, C>>(
+    comm: &C,
+    memory: &mut M,
+    infos: &[ParamInfo],
+    params: &mut M::Params<'_>,
+) -> Result<()> {
+    let mut hashes = Vec::with_capacity(infos.len() * 8);
+    let mut values = Vec::new();
+    for (i, info) in infos.iter().enumerate() {
+        values.clear();
+        values.resize(info.numel(), T::default());
+        memory.read_param_host(comm, params, i, &mut values)?;
+        let bytes: &[u8] = bytemuck::cast_slice(&values);
+        hashes.extend_from_slice(&fnv1a_bytes(bytes).to_le_bytes());
     }
+    let all = comm.all_gather_bytes(&hashes)?;
+    let Some(root) = all.first() else {
+        return Ok(());
+    };
+    for (rank, theirs) in all.iter().enumerate().skip(1) {
+        let differs = root
+            .chunks(8)
+            .zip(theirs.chunks(8))
+            .position(|(a, b)| a != b);
+        if let Some(i) = differs {
+            return Err(Error::StartingModelDiffers {
+                param: infos[i].name.clone(),
+                rank,
+            });
+        }
+    }
+    Ok(())
 }
 
 /// The parameters (of `sizes` elements, in order) cut into runs of at most

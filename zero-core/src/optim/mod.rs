@@ -37,47 +37,7 @@
 //! update: implement [`SimpleOptimizer`] and [`Simple`] makes it a
 //! [`FunctionalOptimizer`] with parameter groups, hyperparameters by name,
 //! checked state export and import, and the parallel step of the
-//! built-ins. Lion (Chen et al. 2023, as `lion-pytorch` steps it):
-//!
-//! ```
-//! use serde::{Deserialize, Serialize};
-//! use zero_core::optim::{FunctionalOptimizer, ParamKey, ParamMut, Simple, SimpleOptimizer};
-//!
-//! #[derive(Clone, Serialize, Deserialize)]
-//! struct LionConfig { lr: f64, betas: (f64, f64), weight_decay: f64 }
-//!
-//! struct Lion;
-//!
-//! impl SimpleOptimizer<f32> for Lion {
-//!     type Config = LionConfig;
-//!     const KIND: &'static str = "lion";
-//!     const STATE: &'static [&'static str] = &["exp_avg"];
-//!
-//!     fn update(c: &LionConfig, _step: u64, param: &mut [f32], grad: &[f32], state: &mut [Vec<f32>]) {
-//!         let (lr, wd) = (c.lr as f32, c.weight_decay as f32);
-//!         let (b1, b2) = (c.betas.0 as f32, c.betas.1 as f32);
-//!         for ((p, &g), m) in param.iter_mut().zip(grad).zip(&mut state[0]) {
-//!             let update = b1 * *m + (1.0 - b1) * g;
-//!             // torch.sign: 0 at 0 (Rust's signum is 1 there), NaN at NaN.
-//!             let sign = if update == 0.0 { 0.0 } else { update.signum() };
-//!             *p = *p * (1.0 - lr * wd) - lr * sign;
-//!             *m = b2 * *m + (1.0 - b2) * g;
-//!         }
-//!     }
-//! }
-//!
-//! let config = LionConfig { lr: 0.1, betas: (0.9, 0.99), weight_decay: 0.0 };
-//! let mut lion = Simple::<Lion, f32>::new(config)?;
-//! let key = ParamKey::new("w", 0, 0);
-//! let mut w = vec![1.0f32, 1.0, 1.0];
-//! lion.step(&mut [ParamMut { key: &key, data: &mut w }], &[Some(&[3.0, -0.1, 0.0][..])])?;
-//! assert_eq!(w, [0.9, 1.1, 1.0]); // a zero gradient moves nothing
-//! // Groups added by name take the constructor's values for what they omit.
-//! let group = lion.add_group(serde_json::json!({ "lr": 0.01 }).as_object().unwrap())?;
-//! assert_eq!(lion.hyperparams(group)["betas"], serde_json::json!([0.9, 0.99]));
-//! assert_eq!(lion.export_state().params[&("w".to_string(), 0)].scalars["step"], 1.0);
-//! # Ok::<(), zero_core::Error>(())
-//! ```
+//! built-ins. See [`SimpleOptimizer`] for Lion written this way.
 //!
 //! A user crate derives with `serde` (`features = ["derive"]`), or through
 //! the re-export: `#[serde(crate = "zero_core::serde")]`. The engine expects
