@@ -40,7 +40,9 @@ fn named_files(text: &str) -> Vec<String> {
             && part.contains('/')
             && !part.contains(' ')
             && !part.contains("::")
-            && [".rs", ".md", ".sh", ".py"].iter().any(|e| part.ends_with(e));
+            && [".rs", ".md", ".sh", ".py"]
+                .iter()
+                .any(|e| part.ends_with(e));
         if is_path {
             out.push(part.to_string());
         }
