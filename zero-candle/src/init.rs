@@ -548,7 +548,7 @@ impl Replace {
         let Some(values) = slot.take() else {
             candle_core::bail!("zero-replace-storage: applied twice")
         };
-        if values.dtype() != dtype || values_len(&values) != layout.shape().elem_count() {
+        if values.dtype() != dtype || values_len(&values) != Some(layout.shape().elem_count()) {
             candle_core::bail!(
                 "zero-replace-storage: {:?} values for a {dtype:?} variable of shape {:?}",
                 values.dtype(),
@@ -576,14 +576,15 @@ impl InplaceOp1 for Replace {
     }
 }
 
-fn values_len(storage: &CpuStorage) -> usize {
-    match storage {
+/// The elements a float CPU storage holds (`None` for other dtypes).
+pub(crate) fn values_len(storage: &CpuStorage) -> Option<usize> {
+    Some(match storage {
         CpuStorage::F32(v) => v.len(),
         CpuStorage::F64(v) => v.len(),
         CpuStorage::BF16(v) => v.len(),
         CpuStorage::F16(v) => v.len(),
-        _ => 0,
-    }
+        _ => return None,
+    })
 }
 
 impl SimpleBackend for ShardedVarMap {

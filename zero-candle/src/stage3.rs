@@ -87,18 +87,13 @@ pub fn holds_values(tensor: &Tensor) -> bool {
         return true;
     }
     let held = match &*storage {
-        candle_core::Storage::Cpu(cpu) => match cpu {
-            CpuStorage::F32(v) => v.len(),
-            CpuStorage::F64(v) => v.len(),
-            CpuStorage::BF16(v) => v.len(),
-            CpuStorage::F16(v) => v.len(),
-            _ => return true,
-        },
-        candle_core::Storage::Cuda(cuda) => match crate::nn::cuda::storage_len(cuda) {
-            Some(len) => len,
-            None => return true,
-        },
-        _ => return true,
+        candle_core::Storage::Cpu(cpu) => crate::init::values_len(cpu),
+        candle_core::Storage::Cuda(cuda) => crate::nn::cuda::storage_len(cuda),
+        _ => None,
+    };
+    // Only float storages are ever emptied.
+    let Some(held) = held else {
+        return true;
     };
     // The last element the layout reaches must be inside the storage.
     let last = layout.start_offset()
