@@ -39,10 +39,8 @@
 
 mod config;
 mod consistency;
-mod ddp;
 mod deferred;
 mod fetch;
-mod gather;
 mod layout;
 mod mask;
 mod memory;
@@ -58,6 +56,7 @@ mod stage3;
 mod start;
 mod state;
 mod step;
+mod update;
 mod worker;
 
 pub use config::{

@@ -659,6 +659,13 @@ pub(super) enum Reducer<T: Element, B> {
     },
 }
 
+impl<T: Element, B> Reducer<T, B> {
+    /// Whether offload's step thread steps this pass's buckets.
+    pub(super) fn has_host_steps(&self) -> bool {
+        matches!(self, Reducer::Inline { steps: Some(_), .. })
+    }
+}
+
 /// A bucket buffer an inline reduction read, held until the reduction is
 /// known to be complete.
 pub(super) struct Held<B> {

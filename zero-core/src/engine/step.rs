@@ -3,8 +3,9 @@
 //! updated parameters gathered into the replica.
 
 use super::mask::mask_over;
+use super::update::{AsReduced, Replica, StepPath};
 use super::StepReport;
-use super::{Engine, GradPiece, NormType, Overlap, ParamCopy, ShardMemory, Stage, StepPlan};
+use super::{Engine, GradPiece, NormType, Overlap, ShardMemory, Stage};
 use crate::comm::{Communicator, ReduceOp};
 use crate::{Element, Error, Result};
 use std::ops::Range;
@@ -54,8 +55,8 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     ///    ([`Engine::reduce_gradients`]);
     /// 4. loss scaling's inf/NaN all-reduce ([`Engine::unscale_or_skip`]);
     /// 5. the gradient norm's all-reduce ([`Engine::clip_gradients`]);
-    /// 6. the parameters' all-gathers, bucket by bucket (stages 1-3:
-    ///    [`Engine::update_params`]).
+    /// 6. the parameters' all-gathers, bucket by bucket (stages 1-3), as
+    ///    the step's path says ([`StepPath`], decided once for the window).
     ///
     /// Every branch between them depends only on the configuration and on
     /// what the ranks agree on (the graph, checked at `begin_backward`; the
@@ -64,20 +65,55 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// different one on another rank. The one exception runs on a
     /// communicator of its own: stage 0 stepping each bucket as it is
     /// reduced all-reduces the mask beside the reductions
-    /// ([`Engine::step_ddp_as_reduced`]). Returns the gradient norm.
+    /// ([`StepPath::ReplicaAsReduced`]). Returns the gradient norm.
     fn run_step(
         &mut self,
         last: Option<&[Option<M::Grad<'_>>]>,
         micro_steps: usize,
         params: &mut M::Params<'_>,
     ) -> Result<Option<f64>> {
-        let reduced = match self.step_ddp_as_reduced(last, micro_steps, params)? {
-            Some(true) => return Ok(None),
-            Some(false) => true,
-            None => self.finish_pass_stepping(last)?,
-        };
+        match self.step_path(last, micro_steps) {
+            StepPath::ReplicaAsReduced => AsReduced.run(self, last, micro_steps, params),
+            StepPath::Replica => self.after_ready(
+                last,
+                micro_steps,
+                false,
+                params,
+                |engine, stepping, params| Replica { stepping }.run(engine, params),
+            ),
+            StepPath::Shard(update) => self.after_ready(
+                last,
+                micro_steps,
+                false,
+                params,
+                |engine, stepping, params| engine.update_shard(update, false, stepping, params),
+            ),
+            StepPath::HostStepped(update) => self.after_ready(
+                last,
+                micro_steps,
+                false,
+                params,
+                |engine, stepping, params| engine.update_shard(update, true, stepping, params),
+            ),
+        }
+    }
+
+    /// Makes the gradients ready and runs `update` with the parameters that
+    /// step: closes the pass (unless its reductions are `reduced` already),
+    /// reduces what backward did not, averages the micro-steps, unscales
+    /// and clips. Returns the gradient norm; a step loss scaling skips runs
+    /// no `update`.
+    pub(super) fn after_ready<'p>(
+        &mut self,
+        last: Option<&[Option<M::Grad<'_>>]>,
+        micro_steps: usize,
+        reduced: bool,
+        params: &mut M::Params<'p>,
+        update: impl FnOnce(&mut Self, &[bool], &mut M::Params<'p>) -> Result<()>,
+    ) -> Result<Option<f64>> {
+        let reduced = reduced || self.finish_pass_stepping(last)?;
         // Offload's step thread may still be stepping its last buckets (the
-        // write-back takes them as they come, `update_params`): whatever
+        // write-back takes them as they come, `update_shard`): whatever
         // reads the gradient shard before (averaging; clipping and loss
         // scaling, which the interleaved schedule refuses) waits for it.
         if micro_steps > 1
@@ -101,9 +137,8 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         // may have stepped some since). Stage 0 without master weights steps
         // the replica bucket by bucket instead, and a lean shard reads them
         // as it steps.
-        let masters = self.has_master_weights();
         if !self.window.params_read
-            && (self.config.stage != Stage::Ddp || masters)
+            && (self.config.stage != Stage::Ddp || self.has_master_weights())
             && !self.lean_shard()
         {
             self.refresh_param_shard(params)?;
@@ -119,18 +154,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             return Ok(None);
         }
         let grad_norm = self.clip_gradients(&ranges)?;
-        if self.config.stage == Stage::Ddp && !masters {
-            self.step_replica(&stepping, params)?;
-        } else {
-            // Deferred gathers leave the replica stale until the layers'
-            // next forward waits for it: only when every gradient of the
-            // window came through hooked layers (which wait) and none
-            // through a slot.
-            let defer = self.config.defer_gathers
-                && !self.window.plain_grads
-                && last.is_some_and(|grads| grads.iter().all(Option::is_none));
-            self.update_params(&stepping, params, defer)?;
-        }
+        update(self, &stepping, params)?;
         Ok(grad_norm)
     }
 
@@ -155,56 +179,10 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         Ok(self.mask.active.clone())
     }
 
-    /// Stages 1-3 (and stage 0 with master weights): steps the shard and
-    /// puts the updated values into the replica, overlapped bucket by
-    /// bucket where the memory and partition allow, else all at once.
-    fn update_params(
-        &mut self,
-        stepping: &[bool],
-        params: &mut M::Params<'_>,
-        defer: bool,
-    ) -> Result<()> {
-        // Offload's step thread stepped during backward: what is left is
-        // the write-back, counted in its times (its waits for the thread
-        // apart).
-        let offloaded = self.host_steps.is_some()
-            || (self.window.early_stepped.contains(&true) && self.memory.host_stepper().is_some());
-        let (started, joined) = (std::time::Instant::now(), self.offload_times.join);
-        let written = if self.host_steps.is_some() {
-            self.write_back_as_stepped(params)
-        } else {
-            Ok(false)
-        };
-        // Whatever the write-back did not take needs the optimizer and the
-        // shards back; the thread's failure says more than what it caused.
-        self.finish_host_steps()?;
-        let written = written?;
-        let lean = self.lean_shard();
-        if !written && !self.step_and_gather_overlapped(stepping, params, defer)? {
-            if lean {
-                // This partition cannot be stepped bucket by bucket (a piece
-                // straddles buckets): a shard copy after all.
-                let numel = self.plan.partition.shard_numel;
-                if M::buffer_len(&self.buffers.param_shard) < numel {
-                    self.buffers.param_shard = self.memory.alloc_zeroed(numel)?;
-                }
-                self.refresh_param_shard(params)?;
-            }
-            self.run_optimizer(stepping)?;
-            self.write_back(params)?;
-        }
-        if offloaded {
-            let waited = self.offload_times.join - joined;
-            self.offload_times.write_back += started.elapsed().saturating_sub(waited);
-        }
-        self.window.early_stepped.clear();
-        Ok(())
-    }
-
     /// Whether stages 1 and 2 keep no copy of the parameter shard between
     /// steps: without master weights the replica holds the owned pieces'
     /// values already, and the after-backward schedule reads them bucket by
-    /// bucket as it steps and all-gathers (`step_and_gather_overlapped`, on
+    /// bucket as it steps and all-gathers (the bucketed updates, on
     /// the communication thread or, for a memory with its own stream, on
     /// this one). The interleaved schedule steps on the communication
     /// thread during backward, and stage 3's shard, once sharded, is the
@@ -232,7 +210,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
 
     /// Runs `f` with a pooled bucket buffer when there is no full gradient
     /// buffer to work in (`None` when there is), and pools it again.
-    fn with_bucket_buffer<R>(
+    pub(super) fn with_bucket_buffer<R>(
         &mut self,
         f: impl FnOnce(&mut Self, Option<&mut M::Buffer>) -> Result<R>,
     ) -> Result<R> {
@@ -398,115 +376,6 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             }
         }
         Ok(Some(norm))
-    }
-
-    fn run_optimizer(&mut self, stepping: &[bool]) -> Result<()> {
-        let mut pieces = self.plan.step_pieces(|param| stepping[param]);
-        if self.window.early_stepped.contains(&true) {
-            // The interleaved schedule stepped these buckets during backward.
-            for piece in &mut pieces {
-                let k = self
-                    .plan
-                    .layout
-                    .buckets
-                    .partition_point(|b| b.end <= piece.range.start);
-                if self.window.early_stepped.get(k) == Some(&true) {
-                    piece.active = false;
-                }
-            }
-        }
-        let plan = StepPlan {
-            pieces: &pieces,
-            buckets: &self.plan.layout.buckets,
-            bucket_active: &self.mask.bucket_active,
-            origin: 0,
-            shard_len: self.plan.partition.shard_numel,
-        };
-        let grads = match (
-            self.buffers.grad_shard.as_ref(),
-            self.buffers.full_grads.as_ref(),
-        ) {
-            (Some(g), _) | (None, Some(g)) => g,
-            (None, None) => {
-                return Err(Error::State(
-                    "internal: no reduced gradient buffer in this stage".into(),
-                ))
-            }
-        };
-        self.memory.step(
-            self.optimizer.as_mut(),
-            &mut self.buffers.param_shard,
-            grads,
-            plan,
-        )
-    }
-
-    /// Puts the updated values into the replica: all-gathers each active
-    /// bucket (stages 1 and 2), or writes the master weights (stage 0).
-    fn write_back(&mut self, params: &mut M::Params<'_>) -> Result<()> {
-        if self.config.stage == Stage::Ddp {
-            // Stage 0 with master weights: every rank holds all of them.
-            return self.write_masters(params);
-        }
-        self.with_bucket_buffer(|engine, buffer| engine.gather_buckets(params, buffer))
-    }
-
-    /// All-gathers every active bucket into the full gradient buffer (its
-    /// gradients are consumed by now) or into `bucket_buf`, and writes the
-    /// updated parameters into the replica.
-    fn gather_buckets(
-        &mut self,
-        params: &mut M::Params<'_>,
-        mut bucket_buf: Option<&mut M::Buffer>,
-    ) -> Result<()> {
-        let gather_dtype = self.gather_dtype();
-        // Stage 3: a sharded parameter's replica is gone; a bucket of
-        // sharded parameters only is not gathered at all.
-        let written: Vec<bool> = (0..self.params.len())
-            .map(|p| self.mask.active[p] && !self.is_sharded(p))
-            .collect();
-        let written = |p: usize| written[p];
-        for k in 0..self.plan.layout.buckets.len() {
-            if !self.mask.bucket_active[k]
-                || !self.plan.layout.runs_of(k).iter().any(|r| written(r.param))
-            {
-                continue;
-            }
-            let range = self.plan.layout.bucket_range(k);
-            let shard_range = self.plan.layout.buckets[k].clone();
-            let (gathered, at) = match (self.buffers.full_grads.as_mut(), bucket_buf.as_deref_mut())
-            {
-                (Some(full), _) => (full, range.start),
-                (None, Some(buf)) => (buf, 0),
-                (None, None) => {
-                    return Err(Error::State(
-                        "internal: no buffer to gather the parameters into".into(),
-                    ))
-                }
-            };
-            self.memory.all_gather_as(
-                &self.comm,
-                &self.buffers.param_shard,
-                shard_range,
-                gathered,
-                at..at + range.len(),
-                gather_dtype,
-            )?;
-            let copies: Vec<ParamCopy> = self
-                .plan
-                .layout
-                .runs_of(k)
-                .iter()
-                .filter(|run| written(run.param))
-                .map(|run| ParamCopy {
-                    param: run.param,
-                    param_range: run.param_range.clone(),
-                    at: at + run.pos - range.start,
-                })
-                .collect();
-            self.memory.write_params(params, &copies, gathered)?;
-        }
-        Ok(())
     }
 
     /// `flags` of the parameters with a gradient here this step: of
