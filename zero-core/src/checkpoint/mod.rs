@@ -5,9 +5,13 @@
 //! `Engine::consolidate_state_dict`, `Engine::save_checkpoint` and
 //! `Engine::load_checkpoint`.
 
-mod io;
+mod files;
+mod manifest;
 mod state_dict;
 pub(crate) mod stream;
+mod tensors;
 
-pub use io::*;
+pub use files::*;
+pub use manifest::*;
 pub use state_dict::*;
+pub use tensors::*;

@@ -1,10 +1,11 @@
 //! The unsharded optimizer state, PyTorch-like: full-length state tensors per
 //! parameter name, and hyperparameters with membership per group.
 
-use super::io::{checkpoint_error, load_tensors, CheckpointKind, Manifest, MANIFEST_FILE};
-use crate::optim::{FunctionalOptimizer, Hyperparams, OptimizerState, ParamState};
+use super::files::checkpoint_error;
+use super::manifest::{CheckpointKind, GroupState, Manifest, MANIFEST_FILE};
+use super::tensors::load_tensors;
+use crate::optim::{FunctionalOptimizer, OptimizerState, ParamState};
 use crate::{Element, Error, Result};
-use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::Path;
 
@@ -22,16 +23,6 @@ pub fn consolidated_file_name(tag: &str) -> String {
     } else {
         format!("optimizer.{tag}.safetensors")
     }
-}
-
-/// One parameter group: its hyperparameters (PyTorch's names) and the names
-/// of its parameters.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
-pub struct GroupState {
-    /// Hyperparameters, e.g. `lr`, `momentum`.
-    pub hyperparams: Hyperparams,
-    /// The parameters of the group, by name, sorted.
-    pub params: Vec<String>,
 }
 
 /// An optimizer's state in unsharded form, like PyTorch's

@@ -2,9 +2,8 @@
 //! the tensors' names, dtypes and shapes, and data is written at element
 //! offsets as it arrives, so the writer never holds a whole tensor.
 
-use super::io::{
-    checkpoint_error, hex, io_error, sync_dir, temp_beside, to_safetensors, FileRecord,
-};
+use super::files::{checkpoint_error, hex, io_error, sync_dir, temp_beside, FileRecord};
+use super::tensors::to_safetensors;
 use crate::{DType, Result};
 use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
