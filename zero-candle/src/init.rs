@@ -26,6 +26,7 @@
 //! });
 //! ```
 
+use crate::params::VarStore;
 use crate::{Error, Result};
 use candle_core::backend::{BackendDevice, BackendStorage};
 use candle_core::op::BackpropOp;
@@ -44,6 +45,7 @@ use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard};
 use zero_core::checkpoint::MappedTensors;
 use zero_core::Element;
+use zero_core::ParamStore;
 
 /// Elements computed at a time when filling a parameter (bounds the f64
 /// staging buffer).
@@ -525,7 +527,7 @@ fn filled<D: Element + WithDType>(
 /// with an empty storage (on CUDA, one element): nothing of its size is
 /// allocated.
 fn deferred_var(shape: Shape, dtype: DType, device: &Device) -> Result<Var> {
-    let storage = crate::stage3::empty_storage(dtype).ok_or_else(|| Error::Variable {
+    let storage = empty_storage(dtype).ok_or_else(|| Error::Variable {
         name: "<deferred>".into(),
         detail: format!("dtype {dtype:?}: only float variables can be deferred"),
     })?;
@@ -620,6 +622,58 @@ impl SimpleBackend for ShardedVarMap {
 /// in one statement).
 fn lock<V>(mutex: &Mutex<V>) -> MutexGuard<'_, V> {
     mutex.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// An empty CPU storage of a float `dtype` (`None` for other dtypes).
+pub(crate) fn empty_storage(dtype: DType) -> Option<CpuStorage> {
+    Some(match dtype {
+        DType::BF16 => CpuStorage::BF16(Vec::new()),
+        DType::F16 => CpuStorage::F16(Vec::new()),
+        DType::F32 => CpuStorage::F32(Vec::new()),
+        DType::F64 => CpuStorage::F64(Vec::new()),
+        _ => return None,
+    })
+}
+
+/// The engine's view of a model built by a [`ShardedVarMap`]: deferred
+/// variables are read from the map's source (only the ranges asked for),
+/// the others from the variables.
+pub(crate) struct InitStore<'a> {
+    pub(crate) vars: VarStore<'a>,
+    pub(crate) names: &'a [String],
+    pub(crate) map: &'a ShardedVarMap,
+}
+
+impl<T: Element + WithDType> ParamStore<T> for InitStore<'_> {
+    fn read(&mut self, param: usize, range: Range<usize>, out: &mut [T]) -> zero_core::Result<()> {
+        let name = &self.names[param];
+        match self.map.deferred(name) {
+            Some((init, shape)) => {
+                let dtype = self.vars.vars[param].dtype();
+                fill_from(self.map.source(), (name, &shape, init), range, dtype, out)
+                    .map_err(into_zero)
+            }
+            None => self.vars.read(param, range, out),
+        }
+    }
+
+    fn write(&mut self, param: usize, range: Range<usize>, values: &[T]) -> zero_core::Result<()> {
+        let name = &self.names[param];
+        if self.map.deferred(name).is_some() {
+            return Err(zero_core::Error::State(format!(
+                "internal: the engine wrote {name:?} before it was sharded or given values"
+            )));
+        }
+        self.vars.write(param, range, values)
+    }
+}
+
+/// An adapter error as the engine's.
+fn into_zero(e: Error) -> zero_core::Error {
+    match e {
+        Error::Zero(e) => e,
+        other => zero_core::Error::State(other.to_string()),
+    }
 }
 
 #[cfg(test)]

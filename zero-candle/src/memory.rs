@@ -225,7 +225,7 @@ impl<T: Element + WithDType, C: Communicator<Memory = Host> + 'static> CandleMem
         (names, vars): (&[String], &[Var]),
         map: &crate::ShardedVarMap,
     ) -> Result<Arc<zero_core::engine::Fetcher<T>>> {
-        let mut store = crate::stage3::InitStore {
+        let mut store = crate::init::InitStore {
             vars: VarStore { vars },
             names,
             map,

@@ -12,18 +12,14 @@
 //! the optimizer's checkpoints.
 
 use crate::hook::ZeroHook;
-use crate::init::{fill_from, ShardedVarMap};
+use crate::init::{empty_storage, ShardedVarMap};
 use crate::memory::CandleMemory;
-use crate::params::VarStore;
-use crate::{Error, Result};
+use crate::Result;
 use candle_core::backend::{BackendDevice, BackendStorage};
 use candle_core::backprop::GradStore;
-use candle_core::{
-    CpuStorage, CudaStorage, DType, InplaceOp1, Layout, Shape, Tensor, Var, WithDType,
-};
-use std::ops::Range;
+use candle_core::{CpuStorage, CudaStorage, InplaceOp1, Layout, Shape, Tensor, Var, WithDType};
 use zero_core::engine::{Engine, Fetcher, GatherMemory, Stage};
-use zero_core::{Communicator, Element, ParamStore};
+use zero_core::{Communicator, Element};
 
 /// Replaces a variable's storage by an empty one of its dtype (on CUDA,
 /// one element: CUDA allocates nothing smaller).
@@ -104,17 +100,6 @@ pub fn holds_values(tensor: &Tensor) -> bool {
             .map(|(&d, &s)| (d - 1) * s)
             .sum::<usize>();
     last < held
-}
-
-/// An empty CPU storage of a float `dtype` (`None` for other dtypes).
-pub(crate) fn empty_storage(dtype: DType) -> Option<CpuStorage> {
-    Some(match dtype {
-        DType::BF16 => CpuStorage::BF16(Vec::new()),
-        DType::F16 => CpuStorage::F16(Vec::new()),
-        DType::F32 => CpuStorage::F32(Vec::new()),
-        DType::F64 => CpuStorage::F64(Vec::new()),
-        _ => return None,
-    })
 }
 
 /// After an optimizer step: if the engine runs stage 3 and has not
@@ -213,47 +198,6 @@ where
         out.push((name.clone(), tensor));
     }
     Ok(out)
-}
-
-/// The engine's view of a model built by a [`ShardedVarMap`]: deferred
-/// variables are read from the map's source (only the ranges asked for),
-/// the others from the variables.
-pub(crate) struct InitStore<'a> {
-    pub(crate) vars: VarStore<'a>,
-    pub(crate) names: &'a [String],
-    pub(crate) map: &'a ShardedVarMap,
-}
-
-impl<T: Element + WithDType> ParamStore<T> for InitStore<'_> {
-    fn read(&mut self, param: usize, range: Range<usize>, out: &mut [T]) -> zero_core::Result<()> {
-        let name = &self.names[param];
-        match self.map.deferred(name) {
-            Some((init, shape)) => {
-                let dtype = self.vars.vars[param].dtype();
-                fill_from(self.map.source(), (name, &shape, init), range, dtype, out)
-                    .map_err(into_zero)
-            }
-            None => self.vars.read(param, range, out),
-        }
-    }
-
-    fn write(&mut self, param: usize, range: Range<usize>, values: &[T]) -> zero_core::Result<()> {
-        let name = &self.names[param];
-        if self.map.deferred(name).is_some() {
-            return Err(zero_core::Error::State(format!(
-                "internal: the engine wrote {name:?} before it was sharded or given values"
-            )));
-        }
-        self.vars.write(param, range, values)
-    }
-}
-
-/// An adapter error as the engine's.
-fn into_zero(e: Error) -> zero_core::Error {
-    match e {
-        Error::Zero(e) => e,
-        other => zero_core::Error::State(other.to_string()),
-    }
 }
 
 /// Stage 3 from the start, for [`ZeroOptimizer::new_sharded`]: every

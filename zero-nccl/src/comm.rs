@@ -9,7 +9,7 @@
 //! Only `barrier`, `all_gather_bytes` and `split` wait on the host, each
 //! with the communicator's deadline.
 
-use crate::device_comm::{event_work, host_wait, ring_bytes, DeviceComm};
+use crate::device_comm::{event_work, host_wait, ring_bytes, Cuda, DeviceComm};
 use crate::launch::LaunchEnv;
 use crate::probe::{cuda_device_count, ensure_library, guarded, Library};
 use crate::rendezvous::Rendezvous;
@@ -23,16 +23,8 @@ use std::ffi::c_void;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
-use zero_core::comm::{Buf, MemoryKind};
+use zero_core::comm::Buf;
 use zero_core::{Communicator, DType, Element, ReduceOp, Work};
-
-/// Device memory: buffers are `cudarc` [`CudaSlice`]s.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct Cuda;
-
-impl MemoryKind for Cuda {
-    type Buffer<T: Element> = CudaSlice<T>;
-}
 
 /// `NCCL_SPLIT_NOCOLOR` from `nccl.h`: the rank takes no part in the new communicator.
 const NCCL_SPLIT_NOCOLOR: i32 = -1;

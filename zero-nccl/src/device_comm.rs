@@ -4,14 +4,22 @@
 //! process, one GPU shared or several) implement it, so `CudaMemory` and
 //! zero-candle's optimizer run on either unchanged.
 
-use crate::comm::Cuda;
 use crate::Error;
 use cudarc::driver::{
     CudaContext, CudaEvent, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, ValidAsZeroBits,
 };
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use zero_core::comm::MemoryKind;
 use zero_core::{Communicator, Element, ReduceOp, Result, Work};
+
+/// Device memory: buffers are `cudarc` [`CudaSlice`]s.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Cuda;
+
+impl MemoryKind for Cuda {
+    type Buffer<T: Element> = CudaSlice<T>;
+}
 
 /// A [`Communicator`] over CUDA buffers whose collectives are ordered with a
 /// compute stream by events, never by host waits.

@@ -45,9 +45,9 @@ pub use launch::{LaunchEnv, Launcher};
 pub use rendezvous::Rendezvous;
 
 #[cfg(feature = "nccl")]
-pub use comm::{Cuda, NcclComm, UNIQUE_ID_BYTES};
+pub use comm::{NcclComm, UNIQUE_ID_BYTES};
 #[cfg(feature = "nccl")]
-pub use device_comm::DeviceComm;
+pub use device_comm::{Cuda, DeviceComm};
 #[cfg(feature = "nccl")]
 pub use kernels::MAX_LOCAL_RANKS;
 #[cfg(feature = "nccl")]

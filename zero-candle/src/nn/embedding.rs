@@ -4,9 +4,9 @@
 use super::cpu;
 use super::hook::{
     announce, announce_gather, before_read, for_each_stretch, gather, route, row_parts,
-    GatheredParam, GradHook, OnDevice, RowPart,
+    GatheredParam, GradHook, RowPart,
 };
-use super::storage::{on_device, owned_storage};
+use super::storage::{on_device, owned_storage, OnDevice};
 use candle_core::backend::BackendStorage;
 use candle_core::{
     bail, CpuStorage, CudaStorage, CustomOp2, DType, Device, Layout, Module, Result, Shape,

@@ -1,5 +1,6 @@
 //! The gradient hook: how a layer hands a parameter's gradient out of Candle's backward.
 
+use super::storage::OnDevice;
 use candle_core::backend::{BackendDevice, BackendStorage};
 use candle_core::backprop::GradStore;
 use candle_core::{
@@ -113,45 +114,6 @@ pub trait GiveBack: Send + Sync {
     /// `storage` (as lent) of gather `tag` (the lender's own number) is
     /// free again.
     fn give_back(&self, tag: usize, storage: Storage);
-}
-
-/// A backend's storage type, as found in a [`Storage`]: what a fused op's
-/// forward on that backend reads a [`GatheredParam`] as.
-pub(crate) trait OnDevice: BackendStorage + Sized {
-    fn of(storage: &Storage) -> Option<&Self>;
-    fn take(storage: Storage) -> Option<Self>;
-}
-
-impl OnDevice for CpuStorage {
-    fn of(storage: &Storage) -> Option<&Self> {
-        match storage {
-            Storage::Cpu(s) => Some(s),
-            _ => None,
-        }
-    }
-
-    fn take(storage: Storage) -> Option<Self> {
-        match storage {
-            Storage::Cpu(s) => Some(s),
-            _ => None,
-        }
-    }
-}
-
-impl OnDevice for CudaStorage {
-    fn of(storage: &Storage) -> Option<&Self> {
-        match storage {
-            Storage::Cuda(s) => Some(s),
-            _ => None,
-        }
-    }
-
-    fn take(storage: Storage) -> Option<Self> {
-        match storage {
-            Storage::Cuda(s) => Some(s),
-            _ => None,
-        }
-    }
 }
 
 /// A stretch of a parameter's values in a [`GatheredParam`]'s storage:

@@ -4,9 +4,9 @@
 use super::elem::{dispatch_float, Accum, Elem};
 use super::hook::{
     announce, announce_gather, assemble, before_read, for_each_stretch, gather, gemm_operand,
-    route, route_blocks, row_parts, GatheredParam, GradHook, OnDevice, RowPart,
+    route, route_blocks, row_parts, GatheredParam, GradHook, RowPart,
 };
-use super::storage::{on_device, owned_storage, tensor_from};
+use super::storage::{on_device, owned_storage, tensor_from, OnDevice};
 use super::{bf16_matmul, cpu};
 use candle_core::backend::BackendStorage;
 use candle_core::op::Add;

@@ -2,7 +2,6 @@
 //! results wrapped back into tensors, and what a forward keeps for its
 //! backward.
 
-use super::hook::OnDevice;
 use candle_core::backend::{BackendDevice, BackendStorage};
 use candle_core::op::BackpropOp;
 use candle_core::{bail, CpuStorage, CudaStorage, Layout, Result, Shape, Storage, Tensor};
@@ -81,6 +80,45 @@ impl SavedSlot {
         match guard.as_ref() {
             Some(saved) => f(saved),
             None => bail!("zero-candle {op}: backward ran without its forward's saved statistics"),
+        }
+    }
+}
+
+/// A backend's storage type, as found in a [`Storage`]: what a fused op's
+/// forward on that backend reads a gathered parameter as.
+pub(crate) trait OnDevice: BackendStorage + Sized {
+    fn of(storage: &Storage) -> Option<&Self>;
+    fn take(storage: Storage) -> Option<Self>;
+}
+
+impl OnDevice for CpuStorage {
+    fn of(storage: &Storage) -> Option<&Self> {
+        match storage {
+            Storage::Cpu(s) => Some(s),
+            _ => None,
+        }
+    }
+
+    fn take(storage: Storage) -> Option<Self> {
+        match storage {
+            Storage::Cpu(s) => Some(s),
+            _ => None,
+        }
+    }
+}
+
+impl OnDevice for CudaStorage {
+    fn of(storage: &Storage) -> Option<&Self> {
+        match storage {
+            Storage::Cuda(s) => Some(s),
+            _ => None,
+        }
+    }
+
+    fn take(storage: Storage) -> Option<Self> {
+        match storage {
+            Storage::Cuda(s) => Some(s),
+            _ => None,
         }
     }
 }

@@ -10,7 +10,7 @@
 
 use super::plan::{Call, Kind};
 use super::protocol::{self, Lane};
-use crate::comm::Cuda;
+use crate::device_comm::Cuda;
 use crate::device_comm::{event_work, host_wait, ring_bytes, DeviceComm};
 use crate::kernels::{FusedKernels, MAX_LOCAL_RANKS};
 use crate::Error;
