@@ -231,7 +231,7 @@ where
         for node in loss.sorted_nodes() {
             if node.is_variable() {
                 expect(node.id(), &inner);
-            } else if let Some(vars) = crate::checkpoint::block_vars(node.id()) {
+            } else if let Some(vars) = crate::recompute::block_vars(node.id()) {
                 // A checkpointed block: its variables' gradients come when
                 // backward reaches it (they are not in the outer graph).
                 for &id in vars.iter() {

@@ -18,7 +18,6 @@
 //! ```
 #![warn(missing_docs)]
 
-pub mod checkpoint;
 mod error;
 mod hook;
 pub mod init;
@@ -29,9 +28,9 @@ pub mod nn;
 mod optimizer;
 mod params;
 mod precision;
+pub mod recompute;
 mod stage3;
 
-pub use checkpoint::checkpoint;
 pub use error::{Error, Result};
 pub use hook::ZeroHook;
 pub use init::{ParamSource, SafetensorsInit, SeededInit, ShardedVarMap};
@@ -39,6 +38,7 @@ pub use memory::CandleMemory;
 pub use optimizer::{ZeroConfig, ZeroOptimizer};
 pub use params::VarStore;
 pub use precision::is_half;
+pub use recompute::checkpoint;
 pub use stage3::holds_values;
 
 #[cfg(feature = "nccl")]

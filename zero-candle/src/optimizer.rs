@@ -247,10 +247,10 @@ where
     pub fn backward_step(&mut self, loss: &Tensor) -> Result<Option<StepReport>> {
         let scaled = crate::precision::scale_loss(loss, self.engine().loss_scale())?;
         let loss = &scaled;
-        crate::checkpoint::clear_pending();
+        crate::recompute::clear_pending();
         let Some(hook) = self.hook.clone() else {
             let mut grads = loss.backward()?;
-            crate::checkpoint::merge_pending(&mut grads)?;
+            crate::recompute::merge_pending(&mut grads)?;
             return self.step(&grads);
         };
         let grads = {
@@ -291,7 +291,7 @@ where
         };
         match grads {
             Ok(mut grads) => {
-                crate::checkpoint::merge_pending(&mut grads)?;
+                crate::recompute::merge_pending(&mut grads)?;
                 hook.backward_done();
                 let report = self.step(&grads)?;
                 if report.is_some() {

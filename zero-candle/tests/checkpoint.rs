@@ -171,7 +171,7 @@ fn plain_layers_inside_a_block_get_their_gradients_through_merge_pending() -> ca
             fc.forward(x.as_tensor())?.tanh()?
         };
         let mut grads = (y.sqr()?.sum_all()? * 0.5)?.backward()?;
-        zero_candle::checkpoint::merge_pending(&mut grads)?;
+        zero_candle::recompute::merge_pending(&mut grads)?;
         let mut out = Vec::new();
         for t in [x.as_tensor(), fc.weight(), fc.bias().expect("a bias")] {
             let g = grads.get(t).expect("every gradient arrives");

@@ -1,8 +1,8 @@
 //! The engine's step plans keep the contract a memory with a flat
 //! optimizer state relies on (the CUDA memory keeps its state in one buffer
 //! over the shard): whatever stretch of the shard a plan's buffers hold
-//! (`StepPlan::origin`) and however few pieces it steps, a piece is always
-//! at the same shard position, inside `StepPlan::shard_len`, and no two
+//! (`ShardStep::origin`) and however few pieces it steps, a piece is always
+//! at the same shard position, inside `ShardStep::shard_len`, and no two
 //! pieces overlap. Checked here on host memory, at every stage, schedule,
 //! world size and accumulation, so CI guards what only a GPU could run.
 

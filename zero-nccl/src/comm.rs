@@ -164,10 +164,10 @@ impl NcclComm {
         let devices = cuda_device_count()?;
         ensure_library(Library::Nccl)?;
         if devices == 0 {
-            return Err(Error::Unsupported {
+            return Err(Error::from(zero_core::Error::Unsupported {
                 op: "NcclComm::from_env",
                 detail: "the CUDA driver reports no device; run on a GPU machine".into(),
-            });
+            }));
         }
         let ordinal = env.local_rank.unwrap_or(env.rank % devices);
         if ordinal >= devices {
@@ -206,19 +206,19 @@ impl NcclComm {
         id: &[u8; UNIQUE_ID_BYTES],
     ) -> Result<Self> {
         if rank >= world_size {
-            return Err(Error::InvalidRank {
+            return Err(Error::from(zero_core::Error::InvalidRank {
                 op: "NcclComm::from_unique_id",
                 rank,
                 world_size,
-            });
+            }));
         }
         let (ranks, rank_i32) = match (i32::try_from(world_size), i32::try_from(rank)) {
             (Ok(n), Ok(r)) => (n, r),
             _ => {
-                return Err(Error::Unsupported {
+                return Err(Error::from(zero_core::Error::Unsupported {
                     op: "NcclComm::from_unique_id",
                     detail: format!("a world of {world_size} ranks exceeds NCCL's i32 range"),
-                })
+                }))
             }
         };
         ensure_library(Library::Cuda)?;
@@ -273,14 +273,14 @@ impl NcclComm {
     /// stream. It must belong to this communicator's context.
     pub fn with_compute_stream(mut self, stream: Arc<CudaStream>) -> Result<Self> {
         if stream.context() != &self.ctx {
-            return Err(Error::Unsupported {
+            return Err(Error::from(zero_core::Error::Unsupported {
                 op: "NcclComm::with_compute_stream",
                 detail: format!(
                     "the stream belongs to device {}, the communicator to device {}",
                     stream.context().ordinal(),
                     self.ctx.ordinal()
                 ),
-            });
+            }));
         }
         self.compute = stream;
         Ok(self)
@@ -372,31 +372,31 @@ impl NcclComm {
 
     fn check_root(&self, op: &'static str, root: usize) -> Result<i32> {
         if root >= self.world_size {
-            return Err(Error::InvalidRank {
+            return Err(Error::from(zero_core::Error::InvalidRank {
                 op,
                 rank: root,
                 world_size: self.world_size,
-            });
+            }));
         }
         Ok(root as i32)
     }
 
     fn check_counts(&self, op: &'static str, counts: &[usize], send_len: usize) -> Result<()> {
         if counts.len() != self.world_size {
-            return Err(Error::BufferSize {
+            return Err(Error::from(zero_core::Error::BufferSize {
                 op,
                 what: "counts",
                 got: counts.len(),
                 expected: self.world_size,
-            });
+            }));
         }
         if send_len != counts[self.rank] {
-            return Err(Error::BufferSize {
+            return Err(Error::from(zero_core::Error::BufferSize {
                 op,
                 what: "send",
                 got: send_len,
                 expected: counts[self.rank],
-            });
+            }));
         }
         Ok(())
     }
@@ -454,12 +454,12 @@ impl NcclComm {
         count: usize,
     ) -> Result<()> {
         if got != count * self.world_size {
-            return Err(Error::BufferSize {
+            return Err(Error::from(zero_core::Error::BufferSize {
                 op,
                 what,
                 got,
                 expected: count * self.world_size,
-            });
+            }));
         }
         Ok(())
     }
@@ -557,18 +557,18 @@ impl NcclComm {
         let recv = match (receives, recv) {
             (true, Some(recv)) if recv.len() == total => Some(recv),
             (true, Some(recv)) => {
-                return Err(Error::BufferSize {
+                return Err(Error::from(zero_core::Error::BufferSize {
                     op,
                     what: "recv",
                     got: recv.len(),
                     expected: total,
-                })
+                }))
             }
             (true, None) => {
-                return Err(Error::Unsupported {
+                return Err(Error::from(zero_core::Error::Unsupported {
                     op,
                     detail: "the root must pass a receive buffer".into(),
-                })
+                }))
             }
             (false, _) => None,
         };
@@ -946,11 +946,11 @@ impl Communicator for NcclComm {
             )));
         }
         if let Some(&bad) = ranks.iter().find(|&&r| r >= self.world_size) {
-            return Err(Error::InvalidRank {
+            return Err(Error::from(zero_core::Error::InvalidRank {
                 op: OP,
                 rank: bad,
                 world_size: self.world_size,
-            }
+            })
             .into());
         }
         let position = ranks.iter().position(|&r| r == self.rank);

@@ -102,36 +102,11 @@ pub enum Error {
         /// The last error seen, or which ranks never arrived.
         detail: String,
     },
-    /// A buffer has the wrong length for an operation.
-    #[error("{op}: {what} has {got} elements, expected {expected}")]
-    BufferSize {
-        /// The operation.
-        op: &'static str,
-        /// Which buffer.
-        what: &'static str,
-        /// Its length.
-        got: usize,
-        /// The length required.
-        expected: usize,
-    },
-    /// A rank index is outside the group.
-    #[error("{op}: rank {rank} is outside a group of {world_size} ranks")]
-    InvalidRank {
-        /// The operation.
-        op: &'static str,
-        /// The offending rank.
-        rank: usize,
-        /// The group's size.
-        world_size: usize,
-    },
-    /// An argument is not supported by this backend.
-    #[error("{op}: {detail}")]
-    Unsupported {
-        /// The operation.
-        op: &'static str,
-        /// What is not supported and what to use instead.
-        detail: String,
-    },
+    /// One of `zero-core`'s errors: a buffer of the wrong length for an
+    /// operation, a rank outside the group, an argument this backend does
+    /// not support, and the others it names.
+    #[error(transparent)]
+    Core(#[from] zero_core::Error),
     /// The communicator was aborted (after a timeout) and cannot be used.
     #[error("{op}: the NCCL communicator was aborted after an earlier failure; create a new one")]
     Aborted {
@@ -189,27 +164,7 @@ impl From<Error> for zero_core::Error {
     /// Maps onto the closest `zero_core` variant; the message is kept whole.
     fn from(e: Error) -> Self {
         match e {
-            Error::BufferSize {
-                op,
-                what,
-                got,
-                expected,
-            } => zero_core::Error::BufferSize {
-                op,
-                what,
-                got,
-                expected,
-            },
-            Error::InvalidRank {
-                op,
-                rank,
-                world_size,
-            } => zero_core::Error::InvalidRank {
-                op,
-                rank,
-                world_size,
-            },
-            Error::Unsupported { op, detail } => zero_core::Error::Unsupported { op, detail },
+            Error::Core(e) => e,
             Error::Timeout { op, seq, waited_s } => zero_core::Error::CollectiveTimeout {
                 op,
                 seq,

@@ -131,12 +131,13 @@ fn world_size_mismatch_is_refused_on_both_sides() {
 
 #[test]
 fn errors_convert_into_zero_core_errors() {
-    let e: zero_core::Error = Error::BufferSize {
+    // zero-core's kinds are zero-core's errors, whole.
+    let e: zero_core::Error = Error::from(zero_core::Error::BufferSize {
         op: "all_gather",
         what: "recv",
         got: 3,
         expected: 4,
-    }
+    })
     .into();
     assert!(matches!(e, zero_core::Error::BufferSize { got: 3, .. }));
     let e: zero_core::Error = Error::NoLaunchEnv.into();

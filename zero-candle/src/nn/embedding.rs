@@ -2,7 +2,7 @@
 //! and hands the table's gradient to the hook.
 
 use super::cpu;
-use super::hook::{
+use super::grad_hook::{
     announce, announce_gather, before_read, for_each_stretch, gather, route, row_parts,
     GatheredParam, GradHook, RowPart,
 };

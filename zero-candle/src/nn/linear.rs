@@ -2,7 +2,7 @@
 //! hands `∂W`, `∂b` to the hook.
 
 use super::elem::{dispatch_float, Accum, Elem};
-use super::hook::{
+use super::grad_hook::{
     announce, announce_gather, assemble, before_read, for_each_stretch, gather, gemm_operand,
     route, route_blocks, row_parts, GatheredParam, GradHook, RowPart,
 };

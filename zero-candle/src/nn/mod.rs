@@ -82,7 +82,7 @@ mod cpu;
 pub(crate) mod cuda;
 mod elem;
 mod embedding;
-mod hook;
+mod grad_hook;
 mod layer_norm;
 mod linear;
 #[cfg(not(feature = "cuda"))]
@@ -94,7 +94,7 @@ mod storage;
 mod tap;
 
 pub use embedding::{embedding, Embedding};
-pub use hook::{GatheredParam, GiveBack, GradCollector, GradHook, Stretch};
+pub use grad_hook::{GatheredParam, GiveBack, GradCollector, GradHook, Stretch};
 pub use layer_norm::{layer_norm, layer_norm_no_bias, rms_norm, LayerNorm, RmsNorm};
 pub use linear::{linear, linear_b, linear_no_bias, Linear};
 pub use tap::tap;

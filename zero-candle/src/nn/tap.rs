@@ -1,6 +1,6 @@
 //! `tap`: a parameter that is not in a fused layer, with its gradient sent to the hook.
 
-use super::hook::{route, GradHook};
+use super::grad_hook::{route, GradHook};
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CudaStorage, CustomOp1, Layout, Result, Shape, Tensor, Var};
 use std::sync::Arc;

@@ -533,78 +533,68 @@ impl EngineConfig {
 
     pub(crate) fn validate(&self) -> Result<()> {
         self.loss_scale.validate()?;
-        if self.bucket_bytes == 0 {
-            return Err(Error::Config(
-                "bucket_bytes is 0; use a positive size such as 4 MiB".into(),
-            ));
-        }
-        if self.grad_accum_steps == 0 {
-            return Err(Error::Config(
-                "grad_accum_steps is 0; use 1 for no accumulation".into(),
-            ));
-        }
-        if self.overlap == Overlap::Interleaved && self.loss_scale != LossScale::None {
-            return Err(Error::Config(
+        let interleaved = self.overlap == Overlap::Interleaved;
+        let stage3 = self.stage == Stage::Parameters;
+        // Each combination refused, with what to do instead.
+        let refused: [(bool, &str); 10] = [
+            (
+                self.bucket_bytes == 0,
+                "bucket_bytes is 0; use a positive size such as 4 MiB",
+            ),
+            (
+                self.grad_accum_steps == 0,
+                "grad_accum_steps is 0; use 1 for no accumulation",
+            ),
+            (
+                interleaved && self.loss_scale != LossScale::None,
                 "loss scaling decides after backward whether a step runs (an inf or NaN on any \
                  rank skips it), but the interleaved overlap steps buckets during backward; use \
-                 the after-backward overlap with loss scaling"
-                    .into(),
-            ));
-        }
-        if self.overlap == Overlap::Interleaved && (self.clip.is_some() || self.compute_grad_norm) {
-            return Err(Error::Config(
+                 the after-backward overlap with loss scaling",
+            ),
+            (
+                interleaved && (self.clip.is_some() || self.compute_grad_norm),
                 "the interleaved overlap schedule steps each bucket before the other gradients \
                  exist, so it cannot clip by (or compute) the global gradient norm; use overlap \
-                 after-backward (the default) with clipping"
-                    .into(),
-            ));
-        }
-        if self.stage == Stage::Parameters && self.overlap == Overlap::Interleaved {
-            return Err(Error::Config(
+                 after-backward (the default) with clipping",
+            ),
+            (
+                stage3 && interleaved,
                 "stage 3 gathers each layer's weights again during backward, from the shard the \
                  interleaved schedule would be stepping at the same time; use overlap \
-                 after-backward (the default) at stage 3"
-                    .into(),
-            ));
-        }
-        if self.stage == Stage::Parameters && self.partitioner == PartitionerKind::Greedy {
-            return Err(Error::Config(
+                 after-backward (the default) at stage 3",
+            ),
+            (
+                stage3 && self.partitioner == PartitionerKind::Greedy,
                 "stage 3 splits every parameter evenly over the ranks (so one layer is gathered \
                  by one collective per bucket); the greedy partitioner keeps parameters whole; \
-                 use the flat partitioner (the default) at stage 3"
-                    .into(),
-            ));
-        }
-        if self.stage == Stage::Parameters && self.max_live_bytes == 0 {
-            return Err(Error::Config(
+                 use the flat partitioner (the default) at stage 3",
+            ),
+            (
+                stage3 && self.max_live_bytes == 0,
                 "max_live_bytes is 0: stage 3 must hold at least one gathered layer; use a size \
-                 above the largest layer, such as 1 GiB"
-                    .into(),
-            ));
-        }
-        if self.defer_gathers && (self.stage == Stage::Ddp || self.overlap == Overlap::None) {
-            return Err(Error::Config(
+                 above the largest layer, such as 1 GiB",
+            ),
+            (
+                self.defer_gathers && (self.stage == Stage::Ddp || self.overlap == Overlap::None),
                 "defer_gathers defers the all-gathers that stages 1 and 2 run after an overlapped \
                  step; stage 0 all-reduces gradients and gathers nothing, and overlap none runs \
                  every collective in the step; use stage 1 or 2 with overlap after-backward, or \
-                 leave defer_gathers off"
-                    .into(),
-            ));
-        }
-        if self.offload_copy_stream && self.offload == Offload::None {
-            return Err(Error::Config(
+                 leave defer_gathers off",
+            ),
+            (
+                self.offload_copy_stream && self.offload == Offload::None,
                 "offload_copy_stream puts offload's transfers on a stream of their own, and \
                  offload is off: turn offload on (Offload::Optimizer) or leave the copy stream \
-                 off"
-                .into(),
-            ));
-        }
-        if self.offload == Offload::Optimizer && self.stage == Stage::Ddp {
-            return Err(Error::Config(
+                 off",
+            ),
+            (
+                self.offload == Offload::Optimizer && self.stage == Stage::Ddp,
                 "offload moves the optimizer's shard to host memory, and stage 0 has no shard \
-                 (every rank steps the whole model); use stage 1, 2 or 3 with offload"
-                    .into(),
-            ));
+                 (every rank steps the whole model); use stage 1, 2 or 3 with offload",
+            ),
+        ];
+        if let Some((_, why)) = refused.iter().find(|(refuse, _)| *refuse) {
+            return Err(Error::Config((*why).into()));
         }
         if let Some(clip) = &self.clip {
             if !(clip.max_norm.is_finite() && clip.max_norm > 0.0) {

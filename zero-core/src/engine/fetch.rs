@@ -20,21 +20,22 @@
 //!
 //! Every rank must issue the same gathers in the same order (they are
 //! collectives on a communicator of their own). Decisions to issue are
-//! therefore taken only on the caller's thread, from the plan and the bytes
-//! alive, never from how far a gather has got:
-//! - the forward plan replays the units the previous forward requested
-//!   (the trace), the backward plan the previous backward's, or before
+//! therefore taken only on the caller's thread, from the upcoming units
+//! (the units to prefetch next, in order) and the bytes alive, never from
+//! how far a gather has got:
+//! - a forward's upcoming units replay the units the previous forward
+//!   requested (the trace), a backward's the previous backward's, or before
 //!   there is one the order the engine predicts from the graph;
-//! - a request for a unit the plan holds further on takes it out of the
-//!   plan and issues it alone; one the plan does not hold is issued alone;
+//! - a request for a unit among the upcoming ones further on takes it out
+//!   and issues it alone; one not among them is issued alone;
 //! - after each request (and after the optimizer step has updated the
-//!   shard) units are issued from the plan while at most `prefetch_bytes`
+//!   shard) upcoming units are issued while at most `prefetch_bytes`
 //!   are issued and not yet taken (one unit always may, so that a layer
 //!   larger than the budget is still prefetched), and at most
 //!   `max_live_bytes` are gathered in all.
 //!
 //! A rank whose model requests other units than its peers still issues the
-//! planned gathers, so the collectives stay matched; the engine compares a
+//! upcoming gathers, so the collectives stay matched; the engine compares a
 //! fingerprint of each forward's requests across ranks when backward
 //! begins, and a difference is an error on every rank.
 
@@ -51,7 +52,7 @@ use std::thread::JoinHandle;
 pub type GatherFn<T> = dyn Fn(&[T], &mut [T]) -> Result<()> + Send + Sync;
 
 /// Where stage 3's gathers run: the parameter shard they read, the buffers
-/// they fill, and the collective. The [`Fetcher`]'s decisions (plan,
+/// they fill, and the collective. The [`Fetcher`]'s decisions (upcoming units,
 /// prefetch, budgets, pool) are the same over every memory; this is what
 /// differs.
 ///
@@ -178,7 +179,7 @@ impl<T: crate::Element> GatherMemory<T> for HostGathers<T> {
 }
 
 /// A queued gather: its ticket, its unit, the buffer to gather into.
-type Job<B> = (u64, usize, B);
+type QueuedGather<B> = (u64, usize, B);
 
 /// One bucket of a unit: this rank's chunk in the shard, and where the
 /// whole bucket goes in the unit's buffer.
@@ -314,10 +315,10 @@ struct State<B> {
     /// Units requested in the current pass.
     log: Vec<usize>,
     /// Units to issue ahead, in order.
-    plan: VecDeque<usize>,
-    /// Whether the forward has requested its whole trace and the plan
-    /// goes on with the backward trace (the backward's first gathers then
-    /// run during the end of the forward).
+    upcoming: VecDeque<usize>,
+    /// Whether the forward has requested its whole trace and the upcoming
+    /// units go on with the backward trace (the backward's first gathers
+    /// then run during the end of the forward).
     continued: bool,
     issued: VecDeque<Issued<B>>,
     next_ticket: u64,
@@ -326,6 +327,29 @@ struct State<B> {
     live_bytes: usize,
     pool: Vec<B>,
     stats: FetchStats,
+}
+
+impl<B> State<B> {
+    /// Before the first forward; `gathers`: a zero count per parameter.
+    fn new(gathers: Vec<u64>) -> Self {
+        Self {
+            phase: Phase::Forward,
+            forward_trace: Vec::new(),
+            backward_trace: None,
+            log: Vec::new(),
+            upcoming: VecDeque::new(),
+            continued: false,
+            issued: VecDeque::new(),
+            next_ticket: 0,
+            ahead_bytes: 0,
+            live_bytes: 0,
+            pool: Vec::new(),
+            stats: FetchStats {
+                gathers,
+                ..FetchStats::default()
+            },
+        }
+    }
 }
 
 /// Stage 3's gathers for one rank (see the module documentation).
@@ -355,12 +379,12 @@ pub struct Fetcher<T, G: GatherMemory<T> = HostGathers<T>> {
     /// This rank's parameter shard, the gathers' source: lent by the
     /// engine between steps (the only copy; `None` while the engine has it).
     shard: Arc<RwLock<Option<G::Shard>>>,
-    /// The plan and the gathers issued, shared with the gather thread.
+    /// The upcoming units and the gathers issued, shared with the gather thread.
     board: Arc<Board<G::Buffer>>,
     /// The gather thread's queue (`None`: gathers run on the caller's
     /// thread: queued on a device stream, or, for communicators that must
     /// not run two collectives at once, blocking).
-    jobs: Option<Mutex<Sender<Job<G::Buffer>>>>,
+    jobs: Option<Mutex<Sender<QueuedGather<G::Buffer>>>>,
     gathers: Arc<G>,
     values: PhantomData<fn() -> T>,
     /// The gather thread, joined when the fetcher goes (it holds the
@@ -402,6 +426,42 @@ impl<T, G: GatherMemory<T>> Drop for Fetcher<T, G> {
     }
 }
 
+/// Per parameter, the units that hold its pieces, in order; per unit, the
+/// parameters it holds pieces of.
+fn pieces_and_members(units: usize, place: &[Vec<Span>]) -> (Vec<Vec<usize>>, Vec<Vec<usize>>) {
+    let mut members: Vec<Vec<usize>> = vec![Vec::new(); units];
+    let mut pieces: Vec<Vec<usize>> = vec![Vec::new(); place.len()];
+    for (p, spans) in place.iter().enumerate() {
+        for span in spans {
+            if pieces[p].last() != Some(&span.unit) {
+                pieces[p].push(span.unit);
+                members[span.unit].push(p);
+            }
+        }
+    }
+    (pieces, members)
+}
+
+/// Per parameter and piece, the piece's stretches in its unit's buffer.
+fn spans_by_piece(pieces: &[Vec<usize>], place: &[Vec<Span>]) -> Vec<Vec<PieceSpans>> {
+    pieces
+        .iter()
+        .zip(place)
+        .map(|(units, spans)| {
+            units
+                .iter()
+                .map(|&unit| {
+                    spans
+                        .iter()
+                        .filter(|s| s.unit == unit)
+                        .map(|s| (s.at.clone(), s.values.clone()))
+                        .collect()
+                })
+                .collect()
+        })
+        .collect()
+}
+
 impl<T: crate::Element, G: GatherMemory<T>> Fetcher<T, G> {
     /// A fetcher for `units`; `place[p]` locates parameter `p`. With
     /// `threaded`, gathers that block (host memory) run on a thread of
@@ -417,16 +477,7 @@ impl<T: crate::Element, G: GatherMemory<T>> Fetcher<T, G> {
     ) -> Result<Arc<Self>> {
         let (prefetch_bytes, max_live_bytes) = budgets;
         let elem_bytes = std::mem::size_of::<T>();
-        let mut members: Vec<Vec<usize>> = vec![Vec::new(); units.len()];
-        let mut pieces: Vec<Vec<usize>> = vec![Vec::new(); place.len()];
-        for (p, spans) in place.iter().enumerate() {
-            for span in spans {
-                if pieces[p].last() != Some(&span.unit) {
-                    pieces[p].push(span.unit);
-                    members[span.unit].push(p);
-                }
-            }
-        }
+        let (pieces, members) = pieces_and_members(units.len(), &place);
         if let Some(u) = units.iter().find(|u| u.len * elem_bytes > max_live_bytes) {
             return Err(Error::Config(format!(
                 "stage 3: a layer's gathered parameters take {} bytes, more than max_live_bytes \
@@ -434,22 +485,7 @@ impl<T: crate::Element, G: GatherMemory<T>> Fetcher<T, G> {
                 u.len * elem_bytes
             )));
         }
-        let piece_spans = pieces
-            .iter()
-            .zip(&place)
-            .map(|(units, spans)| {
-                units
-                    .iter()
-                    .map(|&unit| {
-                        spans
-                            .iter()
-                            .filter(|s| s.unit == unit)
-                            .map(|s| (s.at.clone(), s.values.clone()))
-                            .collect()
-                    })
-                    .collect()
-            })
-            .collect();
+        let piece_spans = spans_by_piece(&pieces, &place);
         let numel = place
             .iter()
             .map(|spans| spans.iter().map(|s| s.values.len()).sum())
@@ -473,23 +509,7 @@ impl<T: crate::Element, G: GatherMemory<T>> Fetcher<T, G> {
             max_live_bytes,
             shard: Arc::new(RwLock::new(Some(shard))),
             board: Arc::new(Board {
-                state: Mutex::new(State {
-                    phase: Phase::Forward,
-                    forward_trace: Vec::new(),
-                    backward_trace: None,
-                    log: Vec::new(),
-                    plan: VecDeque::new(),
-                    continued: false,
-                    issued: VecDeque::new(),
-                    next_ticket: 0,
-                    ahead_bytes: 0,
-                    live_bytes: 0,
-                    pool: Vec::new(),
-                    stats: FetchStats {
-                        gathers: counts,
-                        ..FetchStats::default()
-                    },
-                }),
+                state: Mutex::new(State::new(counts)),
                 done: Condvar::new(),
             }),
             jobs,
@@ -580,7 +600,7 @@ impl<T: crate::Element, G: GatherMemory<T>> Fetcher<T, G> {
 
     /// Piece `piece` of sharded parameter `param` (see
     /// [`Fetcher::pieces`]): the prefetched gather when one was issued,
-    /// else one issued now. Issues the next planned gathers before waiting
+    /// else one issued now. Issues the next upcoming gathers before waiting
     /// for this one.
     pub fn acquire(&self, param: usize, piece: usize) -> Result<Gathered<T, G::Buffer>> {
         let Some(&unit) = self.pieces.get(param).and_then(|p| p.get(piece)) else {
@@ -592,16 +612,50 @@ impl<T: crate::Element, G: GatherMemory<T>> Fetcher<T, G> {
         };
         let spans = Arc::clone(&self.piece_spans[param][piece]);
         let numel = self.numel[param];
-        let mut st = self.lock();
-        // Once the forward went on into the backward's plan, nothing
-        // planned is for this forward any more.
-        let planned =
-            !st.continued && (st.plan.contains(&unit) || st.issued.iter().any(|i| i.unit == unit));
+        let mut st = self.note_request(self.lock(), unit)?;
+        let prefetched = st.issued.iter().find(|i| i.unit == unit).map(|i| i.ticket);
+        let ticket = match prefetched {
+            Some(ticket) => {
+                st.stats.hits += 1;
+                ticket
+            }
+            None => {
+                st.stats.misses += 1;
+                if let Some(j) = st.upcoming.iter().position(|&u| u == unit) {
+                    st.upcoming.remove(j);
+                }
+                st = self.make_room(st, unit)?;
+                self.issue(&mut st, unit)
+            }
+        };
+        self.top_up(&mut st);
+        let buffer = self.take_gathered(st, ticket, unit)?;
+        Ok(Gathered {
+            buffer,
+            unit,
+            spans,
+            numel,
+            values: PhantomData,
+        })
+    }
+
+    /// Records a request for `unit` in this pass's log: a new forward when
+    /// it starts one again, the backward's gathers allowed ahead when it
+    /// ends the forward.
+    fn note_request<'s>(
+        &'s self,
+        mut st: MutexGuard<'s, State<G::Buffer>>,
+        unit: usize,
+    ) -> Result<MutexGuard<'s, State<G::Buffer>>> {
+        // Once the forward went on into the backward's upcoming units,
+        // nothing upcoming is for this forward any more.
+        let expected = !st.continued
+            && (st.upcoming.contains(&unit) || st.issued.iter().any(|i| i.unit == unit));
         let starts_a_pass =
             st.forward_trace.first() == Some(&unit) || st.log.first() == Some(&unit);
-        if st.phase == Phase::Forward && !st.log.is_empty() && starts_a_pass && !planned {
+        if st.phase == Phase::Forward && !st.log.is_empty() && starts_a_pass && !expected {
             // The first layer of the trace (or of this pass) again, with no
-            // backward in between and nothing planned for it: a new forward
+            // backward in between and nothing upcoming for it: a new forward
             // (after an evaluation pass).
             st = self.restart_forward(st)?;
         }
@@ -611,26 +665,21 @@ impl<T: crate::Element, G: GatherMemory<T>> Fetcher<T, G> {
             // go ahead now (its first layer is usually this one).
             if let Some(trace) = &st.backward_trace {
                 let trace = trace.clone();
-                st.plan.extend(trace);
+                st.upcoming.extend(trace);
                 st.continued = true;
             }
         }
-        let prefetched = st.issued.iter().find(|i| i.unit == unit).map(|i| i.ticket);
-        let ticket = match prefetched {
-            Some(ticket) => {
-                st.stats.hits += 1;
-                ticket
-            }
-            None => {
-                st.stats.misses += 1;
-                if let Some(j) = st.plan.iter().position(|&u| u == unit) {
-                    st.plan.remove(j);
-                }
-                st = self.make_room(st, unit)?;
-                self.issue(&mut st, unit)
-            }
-        };
-        self.top_up(&mut st);
+        Ok(st)
+    }
+
+    /// Waits for the gather of `ticket` (of `unit`) and takes its buffer,
+    /// ready for the caller's stream.
+    fn take_gathered(
+        &self,
+        st: MutexGuard<'_, State<G::Buffer>>,
+        ticket: u64,
+        unit: usize,
+    ) -> Result<G::Buffer> {
         let mut st = self
             .board
             .done
@@ -659,19 +708,10 @@ impl<T: crate::Element, G: GatherMemory<T>> Fetcher<T, G> {
             Some(Err(e)) => Err(e),
             None => Err(Error::State("internal: a gather had no result".into())),
         };
-        match ready {
-            Ok(buffer) => Ok(Gathered {
-                buffer,
-                unit,
-                spans,
-                numel,
-                values: PhantomData,
-            }),
-            Err(e) => {
-                st.live_bytes -= bytes;
-                Err(e)
-            }
+        if ready.is_err() {
+            st.live_bytes -= bytes;
         }
+        ready
     }
 
     /// Gives a gathered buffer back to the pool (and lets the prefetch go
@@ -717,13 +757,13 @@ impl<T: crate::Element, G: GatherMemory<T>> Fetcher<T, G> {
             st.backward_trace = Some(self.units_of(backward, false).into());
         }
         if st.phase == Phase::Forward && st.log.is_empty() && st.issued.is_empty() {
-            st.plan = st.forward_trace.iter().copied().collect();
+            st.upcoming = st.forward_trace.iter().copied().collect();
         }
         self.top_up(&mut st);
     }
 
     /// The full values of sharded parameter `param`, gathered now, outside
-    /// the passes' plans (to save or inspect weights). A collective: every
+    /// the passes' upcoming units (to save or inspect weights). A collective: every
     /// rank calls it for the same parameters in the same order, between
     /// passes.
     pub fn gather_full(&self, param: usize) -> Result<Vec<T>> {
@@ -748,22 +788,22 @@ impl<T: crate::Element, G: GatherMemory<T>> Fetcher<T, G> {
             }
             buffer = Some(gathered);
         }
-        // The drained prefetches are planned again.
+        // The drained prefetches are upcoming again.
         if st.phase == Phase::Forward && st.log.is_empty() {
-            st.plan = st.forward_trace.iter().copied().collect();
+            st.upcoming = st.forward_trace.iter().copied().collect();
         }
         Ok(values)
     }
 
     /// Ends a forward pass and starts the backward one: `predicted` lists
     /// the parameters in the order backward will use them (the first pass
-    /// plans from it; later ones replay the previous backward). Returns a
+    /// lists the upcoming units from it; later ones replay the previous backward). Returns a
     /// fingerprint of the units the forward requested, for the engine to
     /// compare across ranks.
     pub(super) fn begin_backward(&self, predicted: &[usize]) -> Result<u64> {
         let st = self.lock();
         // Gathers the forward issued ahead for this backward are kept when
-        // they and the plan are exactly the backward trace (the same
+        // they and the upcoming units are exactly the backward trace (the same
         // decision on every rank: it depends on what was issued only).
         let kept = st.continued && st.phase == Phase::Forward && {
             let trace = st.backward_trace.as_deref().unwrap_or(&[]);
@@ -772,7 +812,11 @@ impl<T: crate::Element, G: GatherMemory<T>> Fetcher<T, G> {
                 .iter()
                 .map(|i| i.unit)
                 .eq(trace[..ahead].iter().copied())
-                && st.plan.iter().copied().eq(trace[ahead..].iter().copied())
+                && st
+                    .upcoming
+                    .iter()
+                    .copied()
+                    .eq(trace[ahead..].iter().copied())
         };
         let mut st = if kept { st } else { self.drain(st)? };
         if kept {
@@ -792,7 +836,7 @@ impl<T: crate::Element, G: GatherMemory<T>> Fetcher<T, G> {
         st.log.clear();
         st.phase = Phase::Backward;
         if !kept {
-            st.plan = match &st.backward_trace {
+            st.upcoming = match &st.backward_trace {
                 Some(trace) => trace.iter().copied().collect(),
                 None => self.units_of(predicted, true),
             };
@@ -802,7 +846,7 @@ impl<T: crate::Element, G: GatherMemory<T>> Fetcher<T, G> {
     }
 
     /// Ends a pass before the shard changes (the step): waits for the
-    /// gathers in flight, records a finished backward's requests, and plans
+    /// gathers in flight, records a finished backward's requests, and lists the upcoming units
     /// the next forward from the trace. Nothing is issued until
     /// the shard comes back (`put_shard`) or [`Fetcher::resume`].
     pub(super) fn end_pass(&self) -> Result<()> {
@@ -818,7 +862,7 @@ impl<T: crate::Element, G: GatherMemory<T>> Fetcher<T, G> {
                 st.backward_trace = Some(log);
             }
             st.phase = Phase::Forward;
-            st.plan = st.forward_trace.iter().copied().collect();
+            st.upcoming = st.forward_trace.iter().copied().collect();
         }
         Ok(())
     }
@@ -931,14 +975,14 @@ impl<T: crate::Element, G: GatherMemory<T>> Fetcher<T, G> {
         ticket
     }
 
-    /// Issues planned units while the budgets allow (when gathers overlap
+    /// Issues upcoming units while the budgets allow (when gathers overlap
     /// the caller's work: a blocking gather ahead on the caller's thread
     /// would only hold memory longer).
     fn top_up(&self, st: &mut State<G::Buffer>) {
         if !self.overlaps() {
             return;
         }
-        while let Some(&unit) = st.plan.front() {
+        while let Some(&unit) = st.upcoming.front() {
             let bytes = self.bytes(unit);
             // One unit may always run ahead (when prefetching at all), or
             // a layer larger than the budget would never be prefetched.
@@ -947,13 +991,13 @@ impl<T: crate::Element, G: GatherMemory<T>> Fetcher<T, G> {
             if ahead_full || st.live_bytes + bytes > self.max_live_bytes {
                 break;
             }
-            st.plan.pop_front();
+            st.upcoming.pop_front();
             self.issue(st, unit);
         }
     }
 
     /// Makes room for `unit` under `max_live_bytes` by dropping the most
-    /// recently issued prefetches (they go back to the front of the plan).
+    /// recently issued prefetches (they go back to the front of the upcoming units).
     fn make_room<'a>(
         &'a self,
         mut st: MutexGuard<'a, State<G::Buffer>>,
@@ -973,7 +1017,7 @@ impl<T: crate::Element, G: GatherMemory<T>> Fetcher<T, G> {
             let dropped_bytes = self.bytes(dropped.unit);
             st.ahead_bytes -= dropped_bytes;
             st.live_bytes -= dropped_bytes;
-            st.plan.push_front(dropped.unit);
+            st.upcoming.push_front(dropped.unit);
             match dropped.result {
                 Some(Ok(buffer)) => self.pool(&mut st, buffer)?,
                 Some(Err(e)) => return Err(e),
@@ -1049,7 +1093,7 @@ impl<T: crate::Element, G: GatherMemory<T>> Fetcher<T, G> {
             st.stats.retraces += 1;
             st.forward_trace = log;
         }
-        st.plan = st.forward_trace.iter().copied().collect();
+        st.upcoming = st.forward_trace.iter().copied().collect();
         Ok(st)
     }
 }
@@ -1096,7 +1140,7 @@ struct Worker<T, G: GatherMemory<T>> {
 }
 
 impl<T, G: GatherMemory<T>> Worker<T, G> {
-    fn run(self, jobs: Receiver<Job<G::Buffer>>) {
+    fn run(self, jobs: Receiver<QueuedGather<G::Buffer>>) {
         while let Ok((ticket, unit, buffer)) = jobs.recv() {
             let result = gather_unit(&*self.gathers, &self.units[unit], &self.shard, buffer);
             let mut st = self.board.lock();
@@ -1288,7 +1332,7 @@ mod tests {
         f.release(g);
         assert!(
             memory.pending.load(Ordering::SeqCst) > 0,
-            "the plan ran ahead"
+            "the upcoming units ran ahead"
         );
         f.end_pass().unwrap();
         let shard = f.take_shard().unwrap();
@@ -1342,7 +1386,7 @@ mod tests {
         assert_eq!(stats.early, 2 * 2, "{stats:?}");
         assert_eq!((stats.hits, stats.misses), (16, 0), "{stats:?}");
         assert_eq!(stats.retraces, 0, "{stats:?}");
-        // An evaluation forward after a complete one restarts the plan
+        // An evaluation forward after a complete one restarts the upcoming units
         // (the backward's early gathers are let go) and is all hits but
         // its first unit.
         use_units(&f, &[0, 1, 2, 3], 10);

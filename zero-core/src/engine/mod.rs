@@ -46,12 +46,12 @@ mod mask;
 mod memory;
 mod offload;
 mod pass;
-mod plan;
 mod precision;
 mod reduce;
 mod scaler;
 mod setup;
 mod shard_memory;
+mod sharding;
 mod stage3;
 mod start;
 mod state;
@@ -78,7 +78,7 @@ pub use scaler::{DynamicLossScale, LossScale, LossScalerState};
 pub use setup::ShardSetup;
 pub use shard_memory::{
     host_gathers, pack_narrow, packed_len, GradPiece, HostGrad, HostMemory, ParamCopy, ParamStore,
-    ShardMemory, StepPiece, StepPlan,
+    ShardMemory, ShardStep, StepPiece,
 };
 pub use stage3::{FetcherOf, ParamPieceSink};
 pub use state::SaveOptions;
@@ -88,7 +88,7 @@ use crate::optim::{FunctionalOptimizer, Hyperparams, ParamKey};
 use crate::partition::{ParamInfo, PartitionPlan, ShardPiece};
 use crate::{Element, Error, Result};
 use mask::{mask_over, Trainability};
-use plan::Plan;
+use sharding::Sharding;
 use std::collections::BTreeMap;
 use std::ops::Range;
 use std::sync::Arc;
@@ -121,7 +121,7 @@ pub struct Engine<T: Element, C: Communicator, M: ShardMemory<T, C> = HostMemory
     group_of: Vec<usize>,
     optimizer: Box<dyn FunctionalOptimizer<T>>,
     /// The partition and what derives from it.
-    plan: Plan,
+    sharding: Sharding,
     buffers: Buffers<M::Buffer>,
     /// Which parameters train, and the buckets that hold them.
     mask: Trainability,
@@ -279,7 +279,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         };
         // The plan-derived parts are filled by `install_plan` below.
         let mut engine = Self {
-            plan: Plan::new(plan.clone(), 0, &params, &group_of, None),
+            sharding: Sharding::new(plan.clone(), 0, &params, &group_of, None),
             buffers: Buffers {
                 param_shard: memory.alloc_zeroed(0)?,
                 grad_shard: None,
@@ -325,8 +325,8 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         };
         let shard_numel = plan.shard_numel;
         let flat_numel = plan.flat_numel();
-        self.plan = Plan::new(plan, plan_rank, &self.params, &self.group_of, order);
-        // Stage 0 steps the replica itself (`step_replica`), unless it
+        self.sharding = Sharding::new(plan, plan_rank, &self.params, &self.group_of, order);
+        // Stage 0 steps the replica itself (`Replica`), unless it
         // keeps master weights (all of them: its plan has one rank); a lean
         // shard is read from the replica as it is stepped.
         self.buffers.param_shard = match stage {
@@ -348,7 +348,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         };
         self.buffers.pool.clear();
         self.buffers.scratch = None;
-        self.mask.rebuild_buckets(&self.plan.layout);
+        self.mask.rebuild_buckets(&self.sharding.layout);
         Ok(())
     }
 
@@ -398,17 +398,17 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// The partition plan (in stage 0 a plan over one rank: every rank
     /// steps everything).
     pub fn plan(&self) -> &PartitionPlan {
-        &self.plan.partition
+        &self.sharding.partition
     }
 
     /// The bucket-major layout of the plan.
     pub fn layout(&self) -> &Layout {
-        &self.plan.layout
+        &self.sharding.layout
     }
 
     /// The pieces this rank steps, with their optimizer keys.
     pub fn owned_pieces(&self) -> impl Iterator<Item = (&ShardPiece, &ParamKey)> {
-        self.plan.owned.iter().zip(&self.plan.keys)
+        self.sharding.owned.iter().zip(&self.sharding.keys)
     }
 
     /// The functional optimizer (hyperparameters; on the host, the state).
@@ -485,7 +485,12 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         for i in members {
             self.group_of[i] = group;
         }
-        for (piece, key) in self.plan.owned.iter().zip(self.plan.keys.iter_mut()) {
+        for (piece, key) in self
+            .sharding
+            .owned
+            .iter()
+            .zip(self.sharding.keys.iter_mut())
+        {
             key.group = self.group_of[piece.param];
         }
         Ok(group)
@@ -530,7 +535,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         let active = self.global_mask(&local)?;
         if active != self.mask.active {
             self.mask.active = active;
-            self.mask.rebuild_buckets(&self.plan.layout);
+            self.mask.rebuild_buckets(&self.sharding.layout);
         }
         Ok(())
     }
@@ -618,11 +623,11 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         let full = window_buffer(
             &mut self.memory,
             &mut self.buffers.full_grads,
-            self.plan.partition.flat_numel(),
+            self.sharding.partition.flat_numel(),
             add,
         )?;
         let pieces: Vec<GradPiece<M::Grad<'_>>> = self
-            .plan
+            .sharding
             .layout
             .runs
             .iter()
@@ -692,13 +697,13 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         let full = window_buffer(
             &mut self.memory,
             &mut self.buffers.full_grads,
-            self.plan.partition.flat_numel(),
+            self.sharding.partition.flat_numel(),
             self.window.in_full_buffer,
         )?;
         self.window.in_full_buffer = true;
-        let pieces: Vec<GradPiece<M::Grad<'_>>> = self.plan.runs_of_param[param]
+        let pieces: Vec<GradPiece<M::Grad<'_>>> = self.sharding.runs_of_param[param]
             .iter()
-            .filter_map(|&r| piece_of(&self.plan.layout.runs[r], &range, grad, 0))
+            .filter_map(|&r| piece_of(&self.sharding.layout.runs[r], &range, grad, 0))
             .collect();
         self.memory.flatten(full, &pieces, true)?;
         self.window.present[param] = true;

@@ -28,7 +28,7 @@
 
 use super::fetch::{GatherMemory, UnitBucket};
 use super::shard_memory::{host_copy, host_norm, host_scale, host_step};
-use super::{GradPiece, NormType, ParamCopy, ShardMemory, StepPiece, StepPlan};
+use super::{GradPiece, NormType, ParamCopy, ShardMemory, ShardStep, StepPiece};
 use crate::comm::{Communicator, ReduceOp};
 use crate::optim::{FunctionalOptimizer, OptimizerState};
 use crate::{DType, Element, Error, Result};
@@ -355,7 +355,7 @@ impl HostStepper {
         optimizer: &mut dyn FunctionalOptimizer<T>,
         params: &mut [T],
         grads: &[T],
-        plan: StepPlan<'_>,
+        plan: ShardStep<'_>,
     ) -> Result<()> {
         self.run(|| host_step(optimizer, params, grads, plan))
     }
@@ -999,7 +999,7 @@ impl<T: Element, C: Communicator, D: ShardMemory<T, C>> ShardMemory<T, C> for Of
         optimizer: &mut dyn FunctionalOptimizer<T>,
         params: &mut Self::Buffer,
         grads: &Self::Buffer,
-        plan: StepPlan<'_>,
+        plan: ShardStep<'_>,
     ) -> Result<()> {
         self.land_for::<T, C>(&[&*params, grads])?;
         if !self.offload {

@@ -30,8 +30,9 @@
 use super::consistency::{hash_fingerprint, order_fingerprint};
 use super::reduce::{
     land, release_held, start_host_steps, submit, take_buffer, write_held, Back, BucketMap,
-    EarlyStep, Held, Job, LentOptimizer, Reducer, Reduction, Returns, Targets,
+    EarlyStep, Held, HostSteps, Job, LentOptimizer, Reducer, Reduction, Returns, Targets,
 };
+use super::worker::Ticket;
 use super::{Engine, Overlap, ReductionProgress, ShardMemory, Stage, StageState};
 use crate::comm::{Communicator, ReduceOp};
 use crate::{Element, Error, Result};
@@ -112,6 +113,41 @@ pub(super) struct BackwardPass<T: Element, B> {
 }
 
 impl<T: Element, B> BackwardPass<T, B> {
+    /// A pass over `layout`'s buckets expecting `expected_calls` hand-overs
+    /// per parameter (`remaining` per bucket), its reductions run by
+    /// `reducer`, buckets of at most `bucket_bytes`.
+    fn new(
+        schedule: Schedule,
+        (expected_calls, remaining): (Vec<usize>, Vec<usize>),
+        layout: &super::Layout,
+        reducer: Reducer<T, B>,
+        bucket_bytes: usize,
+    ) -> Self {
+        let buffer_limit = match reducer {
+            // No buffer comes back from a thread: an inline pass reuses its
+            // own behind fences (`run_inline`).
+            Reducer::Inline { .. } => usize::MAX,
+            _ => (BUCKET_BUFFER_BYTES / bucket_bytes).max(MIN_BUCKET_BUFFERS),
+        };
+        let buckets = layout.buckets.len();
+        // A model whose first buckets get no hooked gradient launches
+        // nothing until the end; one whose buckets are all predicted starts
+        // with the first arrival.
+        Self {
+            schedule,
+            expected_calls,
+            seen_calls: vec![0; layout.runs.len()],
+            filled: vec![0; layout.runs.len()],
+            predicted: remaining.iter().map(|&r| r > 0).collect(),
+            remaining,
+            open: (0..buckets).map(|_| None).collect(),
+            late: (0..buckets).map(|_| None).collect(),
+            next: 0,
+            reducer,
+            buffer_limit,
+        }
+    }
+
     /// How many bucket buffers are being filled.
     fn holding(&self) -> usize {
         self.open.iter().chain(&self.late).flatten().count()
@@ -248,18 +284,11 @@ where
         expected: &[(usize, usize)],
         params: &mut M::Params<'_>,
     ) -> Result<()> {
-        let buckets = self.plan.layout.buckets.len();
         let mut expected_calls = vec![0; self.params.len()];
         for &(param, calls) in expected {
             expected_calls[param] = calls;
         }
-        let mut remaining = vec![0usize; buckets];
-        for (param, &calls) in expected_calls.iter().enumerate() {
-            for &run in &self.plan.runs_of_param[param] {
-                remaining[self.plan.bucket_of_run[run]] += calls;
-            }
-        }
-        let predicted = remaining.iter().map(|&r| r > 0).collect();
+        let remaining = self.sharding.arrivals_per_bucket(&expected_calls);
 
         let stage = self.config.stage;
         // Adding into the shard reduce-scatters into `scratch`: later
@@ -267,12 +296,14 @@ where
         // their bucket was launched get it where their reduction runs; a
         // pass with neither never holds it.
         if schedule.add_to_shard && self.buffers.scratch.is_none() {
-            let longest = self.plan.layout.buckets.iter().map(Range::len).max();
+            let longest = self.sharding.layout.buckets.iter().map(Range::len).max();
             self.buffers.scratch = Some(self.memory.alloc_zeroed(longest.unwrap_or(0))?);
         }
         if stage == Stage::Ddp && self.buffers.full_grads.is_none() {
-            self.buffers.full_grads =
-                Some(self.memory.alloc_zeroed(self.plan.partition.flat_numel())?);
+            self.buffers.full_grads = Some(
+                self.memory
+                    .alloc_zeroed(self.sharding.partition.flat_numel())?,
+            );
         }
         let early = if schedule.step_early {
             // Master weights, when kept, are not read again.
@@ -287,7 +318,7 @@ where
             // fold them again.
             self.window.in_full_buffer = false;
         }
-        let mut targets = Targets {
+        let targets = Targets {
             full: if (stage == Stage::Ddp && !schedule.lands)
                 || (stage != Stage::Ddp && schedule.fold_full)
             {
@@ -301,80 +332,75 @@ where
         };
         let reducer = match schedule.runner {
             Runner::Thread => self.start_reducer(targets),
-            Runner::Inline => {
-                // The interleaved schedule inline (offload): the host steps
-                // on a thread of its own.
-                let region = targets.shard.as_mut().and_then(M::host_region);
-                let steps = match (targets.early.take(), self.memory.host_stepper(), region) {
-                    (None, _, _) => None,
-                    (Some(early), Some(stepper), Some(region)) => {
-                        Some(Box::new(start_host_steps::<T, C, M>(
-                            early,
-                            self.memory.alloc_zeroed(0)?,
-                            stepper,
-                            (self.plan.layout.buckets.clone(), self.packed_write_back()),
-                            region,
-                        )?))
-                    }
-                    (Some(early), _, _) => {
-                        targets.early = Some(early);
-                        return Err(Error::State(
-                            "internal: an inline pass steps early only on a host stepper, \
-                             from a gradient shard in host memory"
-                                .into(),
-                        ));
-                    }
-                };
-                self.memory.defer_completion();
-                Reducer::Inline {
-                    targets,
-                    map: self.bucket_map(),
-                    queue: Vec::new(),
-                    held: Vec::new(),
-                    steps,
-                    result: Ok(()),
-                }
-            }
+            Runner::Inline => self.start_inline(targets)?,
             Runner::AfterBackward => Reducer::Queued {
                 targets,
                 queue: Vec::new(),
             },
         };
-        let bucket_bytes = self.plan.longest_bucket.max(1) * std::mem::size_of::<T>();
-        let buffer_limit = match reducer {
-            // No buffer comes back from a thread: an inline pass reuses its
-            // own behind fences (`run_inline`).
-            Reducer::Inline { .. } => usize::MAX,
-            _ => (BUCKET_BUFFER_BYTES / bucket_bytes).max(MIN_BUCKET_BUFFERS),
-        };
-        // A model whose first buckets get no hooked gradient launches
-        // nothing until the end; one whose buckets are all predicted starts
-        // with the first arrival.
-        self.pass = Some(BackwardPass {
+        let bucket_bytes = self.sharding.longest_bucket.max(1) * std::mem::size_of::<T>();
+        self.pass = Some(BackwardPass::new(
             schedule,
-            expected_calls,
-            seen_calls: vec![0; self.plan.layout.runs.len()],
-            filled: vec![0; self.plan.layout.runs.len()],
-            remaining,
-            predicted,
-            open: (0..buckets).map(|_| None).collect(),
-            late: (0..buckets).map(|_| None).collect(),
-            next: 0,
+            (expected_calls, remaining),
+            &self.sharding.layout,
             reducer,
-            buffer_limit,
-        });
+            bucket_bytes,
+        ));
         Ok(())
+    }
+
+    /// A pass's reductions launched on this thread as buckets fill, by a
+    /// memory whose collectives complete after they return; with the
+    /// interleaved schedule (offload), the host steps on a thread of its
+    /// own.
+    fn start_inline(
+        &mut self,
+        mut targets: Targets<T, M::Buffer>,
+    ) -> Result<Reducer<T, M::Buffer>> {
+        let region = targets.shard.as_mut().and_then(M::host_region);
+        let steps = match (targets.early.take(), self.memory.host_stepper(), region) {
+            (None, _, _) => None,
+            (Some(early), Some(stepper), Some(region)) => {
+                Some(Box::new(start_host_steps::<T, C, M>(
+                    early,
+                    self.memory.alloc_zeroed(0)?,
+                    stepper,
+                    (
+                        self.sharding.layout.buckets.clone(),
+                        self.packed_write_back(),
+                    ),
+                    region,
+                )?))
+            }
+            (Some(early), _, _) => {
+                targets.early = Some(early);
+                return Err(Error::State(
+                    "internal: an inline pass steps early only on a host stepper, from a \
+                     gradient shard in host memory"
+                        .into(),
+                ));
+            }
+        };
+        self.memory.defer_completion();
+        Ok(Reducer::Inline {
+            targets,
+            map: self.bucket_map(),
+            queue: Vec::new(),
+            held: Vec::new(),
+            steps,
+            result: Ok(()),
+        })
     }
 
     /// Lends the optimizer and the parameter shard for the interleaved
     /// schedule: the pieces of predicted parameters step with their bucket.
     fn lend_early_step(&mut self, expected_calls: &[usize]) -> Result<EarlyStep<T, M::Buffer>> {
-        let bucket_pieces = self.plan.pieces_by_bucket().ok_or_else(|| {
+        let bucket_pieces = self.sharding.pieces_by_bucket().ok_or_else(|| {
             Error::State("internal: the interleaved schedule needs pieces within buckets".into())
         })?;
-        let base = self.plan.base();
+        let base = self.sharding.base();
         let pieces = self
-            .plan
+            .sharding
             .owned
             .iter()
             .map(|piece| {
@@ -397,11 +423,11 @@ where
             params,
             // Lent like the optimizer (the engine is lent to backward, so
             // nothing reads them meanwhile); back at the join.
-            keys: std::mem::take(&mut self.plan.keys),
+            keys: std::mem::take(&mut self.sharding.keys),
             pieces,
             bucket_pieces,
             scale: (micro_steps > 1).then(|| 1.0 / micro_steps as f64),
-            stepped: vec![false; self.plan.layout.buckets.len()],
+            stepped: vec![false; self.sharding.layout.buckets.len()],
         })
     }
 
@@ -426,7 +452,7 @@ where
         match started {
             Ok(ticket) => Reducer::Thread {
                 jobs,
-                returned: Returns::new(self.plan.layout.buckets.len(), returned),
+                returned: Returns::new(self.sharding.layout.buckets.len(), returned),
                 ticket,
             },
             Err(task) => {
@@ -547,7 +573,7 @@ where
             step_early: self.config.overlap == Overlap::Interleaved
                 && last_micro_step
                 && stage != Stage::Ddp
-                && self.plan.pieces_by_bucket().is_some(),
+                && self.sharding.pieces_by_bucket().is_some(),
             lands: stage == Stage::Ddp
                 && !serial
                 && self.config.overlap != Overlap::None
@@ -566,14 +592,14 @@ where
         grad: M::Grad<'_>,
         predicted: bool,
     ) -> Result<()> {
-        for i in 0..self.plan.runs_of_param[param].len() {
-            let r = self.plan.runs_of_param[param][i];
+        for i in 0..self.sharding.runs_of_param[param].len() {
+            let r = self.sharding.runs_of_param[param][i];
             let Some(pass) = self.pass.as_mut() else {
                 return Err(Error::State("internal: no backward pass is open".into()));
             };
-            let run = &self.plan.layout.runs[r];
-            let k = self.plan.bucket_of_run[r];
-            let start = self.plan.layout.bucket_range(k).start;
+            let run = &self.sharding.layout.runs[r];
+            let k = self.sharding.bucket_of_run[r];
+            let start = self.sharding.layout.bucket_range(k).start;
             let Some(piece) = super::piece_of(run, &range, grad, start) else {
                 continue;
             };
@@ -592,7 +618,7 @@ where
                 &mut pass.open[k]
             };
             if slot.is_none() {
-                let len = self.plan.layout.bucket_range(k).len();
+                let len = self.sharding.layout.bucket_range(k).len();
                 let full = self
                     .buffers
                     .full_grads
@@ -604,7 +630,7 @@ where
                     &mut pass.reducer,
                     (holding, pass.buffer_limit),
                     len,
-                    (&self.plan.layout, full),
+                    (&self.sharding.layout, full),
                 )?);
             }
             let buffer = slot.as_mut().expect("filled above");
@@ -652,8 +678,8 @@ where
                     &mut self.buffers.pool,
                     &mut pass.reducer,
                     (holding, pass.buffer_limit),
-                    self.plan.layout.bucket_range(k).len(),
-                    (&self.plan.layout, full),
+                    self.sharding.layout.bucket_range(k).len(),
+                    (&self.sharding.layout, full),
                 )?,
             };
             let mut fold_full = pass.schedule.fold_full;
@@ -667,7 +693,7 @@ where
                     &mut buffer,
                     0,
                     full,
-                    self.plan.layout.bucket_range(k),
+                    self.sharding.layout.bucket_range(k),
                     true,
                 )?;
                 fold_full = false;
@@ -711,39 +737,13 @@ where
         for mut job in std::mem::take(queue) {
             let mut write = None;
             if result.is_ok() {
-                let comm = &*self.comm;
-                let memory = &mut self.memory;
-                *result = if map.stage == Stage::Ddp {
-                    // Written into the full buffer once settled.
-                    write = Some((job.bucket, job.add));
-                    Reduction {
-                        comm,
-                        memory,
-                        map,
-                        targets,
-                    }
-                    .all_reduce(&mut job)
-                } else if job.add {
-                    memory.settle(comm).and_then(|()| {
-                        let done = Reduction {
-                            comm,
-                            memory: &mut *memory,
-                            map,
-                            targets,
-                        }
-                        .run(&mut job);
-                        memory.defer_completion();
-                        done
-                    })
-                } else {
-                    Reduction {
-                        comm,
-                        memory,
-                        map,
-                        targets,
-                    }
-                    .run(&mut job)
+                let reduction = Reduction {
+                    comm: &*self.comm,
+                    memory: &mut self.memory,
+                    map,
+                    targets,
                 };
+                (*result, write) = reduction.run_inline(&mut job);
                 if result.is_ok() {
                     self.progress.add_one();
                 }
@@ -810,7 +810,7 @@ where
 
     /// [`Engine::finish_pass`], except that offload's step thread, if the
     /// pass has one, goes on with its last buckets: the write-back takes
-    /// each as it is stepped (`update_params`), and anything else that
+    /// each as it is stepped (`update_shard`), and anything else that
     /// reads the shards or the optimizer first waits for the thread
     /// ([`Engine::finish_host_steps`]). Meanwhile the engine holds neither
     /// shard nor the optimizer, so nothing can read them by mistake.
@@ -883,7 +883,7 @@ where
         };
         self.optimizer = done.early.optimizer;
         self.buffers.param_shard = done.early.params;
-        self.plan.keys = done.early.keys;
+        self.sharding.keys = done.early.keys;
         self.window.early_stepped = done.early.stepped;
         if done.grad_shard.is_some() {
             self.buffers.grad_shard = done.grad_shard;
@@ -912,7 +912,7 @@ where
                 self.reduce_queued(targets, queue, pass.schedule.lands)
             }
             Reducer::Inline {
-                mut targets,
+                targets,
                 map,
                 queue,
                 held,
@@ -924,65 +924,15 @@ where
                 self.buffers
                     .pool
                     .extend(queue.into_iter().map(|job| job.buffer));
-                let mut held = held;
-                let mut result = result.and(self.memory.settle(&*self.comm));
-                if result.is_ok() {
-                    let mut reduction = Reduction {
-                        comm: &*self.comm,
-                        memory: &mut self.memory,
-                        map: &map,
-                        targets: &mut targets,
-                    };
-                    result = write_held(
-                        &mut reduction,
-                        &mut self.buffers.pool,
-                        &mut held,
-                        usize::MAX,
-                    );
-                } else {
-                    self.buffers.pool.extend(held.into_iter().map(|h| h.buffer));
-                }
-                if let Some(mut steps) = steps {
-                    // The thread goes on with its last buckets, reading the
-                    // gradient shard: held with it until it is finished.
-                    steps.end_backward(targets.shard.take());
-                    self.host_steps = Some(steps);
-                }
-                (targets, result)
+                self.join_inline(targets, &map, held, steps, result)
             }
             Reducer::Thread {
                 jobs,
-                mut returned,
+                returned,
                 ticket,
             } => {
                 drop(jobs);
-                let joined = ticket.wait();
-                let mut landed = Ok(());
-                while let Some(back) = returned.next(false) {
-                    let full = self
-                        .buffers
-                        .full_grads
-                        .as_mut()
-                        .filter(|_| pass.schedule.lands);
-                    let written = land(
-                        &mut self.memory,
-                        &self.plan.layout,
-                        full,
-                        &mut self.buffers.pool,
-                        back,
-                    );
-                    landed = landed.and(written.map(drop));
-                }
-                match joined {
-                    Some((targets, result)) => (targets, result.and(landed)),
-                    None => {
-                        return Err(Error::State(
-                            "the communication thread panicked; the engine's gradient buffers \
-                             are lost, rebuild the optimizer"
-                                .into(),
-                        ))
-                    }
-                }
+                self.join_thread(returned, ticket, pass.schedule.lands)?
             }
         };
         if targets.full.is_some() {
@@ -993,10 +943,80 @@ where
         if let Some(early) = targets.early {
             self.optimizer = early.optimizer;
             self.buffers.param_shard = early.params;
-            self.plan.keys = early.keys;
+            self.sharding.keys = early.keys;
             self.window.early_stepped = early.stepped;
         }
         result
+    }
+
+    /// Ends an inline pass: settles its reductions, writes what they held
+    /// and, offloaded, leaves the step thread going on with its last
+    /// buckets (`host_steps`, with the gradient shard it reads).
+    fn join_inline(
+        &mut self,
+        mut targets: Targets<T, M::Buffer>,
+        map: &BucketMap,
+        mut held: Vec<Held<M::Buffer>>,
+        steps: Option<Box<HostSteps<T, M::Buffer>>>,
+        result: Result<()>,
+    ) -> (Targets<T, M::Buffer>, Result<()>) {
+        let mut result = result.and(self.memory.settle(&*self.comm));
+        if result.is_ok() {
+            let mut reduction = Reduction {
+                comm: &*self.comm,
+                memory: &mut self.memory,
+                map,
+                targets: &mut targets,
+            };
+            result = write_held(
+                &mut reduction,
+                &mut self.buffers.pool,
+                &mut held,
+                usize::MAX,
+            );
+        } else {
+            self.buffers.pool.extend(held.into_iter().map(|h| h.buffer));
+        }
+        if let Some(mut steps) = steps {
+            // The thread goes on with its last buckets, reading the
+            // gradient shard: held with it until it is finished.
+            steps.end_backward(targets.shard.take());
+            self.host_steps = Some(steps);
+        }
+        (targets, result)
+    }
+
+    /// Ends a pass on the communication thread: waits for its task and
+    /// lands the buckets still coming back (into the full buffer when the
+    /// pass `lands`).
+    #[allow(clippy::type_complexity)]
+    fn join_thread(
+        &mut self,
+        mut returned: Returns<M::Buffer>,
+        ticket: Ticket<(Targets<T, M::Buffer>, Result<()>)>,
+        lands: bool,
+    ) -> Result<(Targets<T, M::Buffer>, Result<()>)> {
+        let joined = ticket.wait();
+        let mut landed = Ok(());
+        while let Some(back) = returned.next(false) {
+            let full = self.buffers.full_grads.as_mut().filter(|_| lands);
+            let written = land(
+                &mut self.memory,
+                &self.sharding.layout,
+                full,
+                &mut self.buffers.pool,
+                back,
+            );
+            landed = landed.and(written.map(drop));
+        }
+        match joined {
+            Some((targets, result)) => Ok((targets, result.and(landed))),
+            None => Err(Error::State(
+                "the communication thread panicked; the engine's gradient buffers are lost, \
+                 rebuild the optimizer"
+                    .into(),
+            )),
+        }
     }
 
     /// Runs a pass's queued reductions, in order, on this thread; without
@@ -1031,7 +1051,7 @@ where
             let full = self.buffers.full_grads.as_mut().filter(|_| lands);
             let landed = land(
                 &mut self.memory,
-                &self.plan.layout,
+                &self.sharding.layout,
                 full,
                 &mut self.buffers.pool,
                 back,
@@ -1049,10 +1069,10 @@ where
     fn bucket_map(&self) -> BucketMap {
         BucketMap {
             stage: self.config.stage,
-            full: (0..self.plan.layout.buckets.len())
-                .map(|k| self.plan.layout.bucket_range(k))
+            full: (0..self.sharding.layout.buckets.len())
+                .map(|k| self.sharding.layout.bucket_range(k))
                 .collect(),
-            shard: self.plan.layout.buckets.clone(),
+            shard: self.sharding.layout.buckets.clone(),
             wire: self.reduce_dtype(),
         }
     }

@@ -69,7 +69,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         if self.sharded_params().is_some() {
             // Stage 3: a sharded parameter's replica is gone.
             let copies: Vec<ParamCopy> = self
-                .plan
+                .sharding
                 .owned_copies
                 .iter()
                 .filter(|c| !self.is_sharded(c.param))
@@ -80,7 +80,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         } else {
             self.memory.read_params(
                 params,
-                &self.plan.owned_copies,
+                &self.sharding.owned_copies,
                 &mut self.buffers.param_shard,
             )?;
         }
@@ -137,7 +137,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// masters (every rank holds all of them) into the replica, rounded.
     pub(super) fn write_masters(&mut self, params: &mut M::Params<'_>) -> Result<()> {
         let copies: Vec<ParamCopy> = self
-            .plan
+            .sharding
             .owned_copies
             .iter()
             .filter(|c| self.mask.active[c.param])
@@ -166,10 +166,10 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     ) -> Result<()> {
         let rank = self.comm.rank();
         let world = self.comm.world_size();
-        let shard_numel = self.plan.partition.shard_numel;
+        let shard_numel = self.sharding.partition.shard_numel;
         // (owner, range in the parameter, position in the owner's shard)
         let mut pieces: Vec<(usize, Range<usize>, usize)> = self
-            .plan
+            .sharding
             .partition
             .shards
             .iter()
@@ -253,7 +253,12 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                 expected: range.len(),
             });
         }
-        for copy in self.plan.owned_copies.iter().filter(|c| c.param == param) {
+        for copy in self
+            .sharding
+            .owned_copies
+            .iter()
+            .filter(|c| c.param == param)
+        {
             let lo = copy.param_range.start.max(range.start);
             let hi = copy.param_range.end.min(range.end);
             if lo >= hi {

@@ -3,7 +3,7 @@
 //! bucket buffers they go through.
 
 use super::worker::Ticket;
-use super::{HostRegion, ShardMemory, Stage, StepPiece, StepPlan};
+use super::{HostRegion, ShardMemory, ShardStep, Stage, StepPiece};
 use crate::comm::{Communicator, ReduceOp};
 use crate::optim::{FunctionalOptimizer, Hyperparams, OptimizerState, ParamKey, ParamMut};
 use crate::{DType, Element, Error, Result};
@@ -233,7 +233,7 @@ pub(super) fn start_host_steps<T, C, M>(
     stand_in: M::Buffer,
     stepper: super::HostStepper,
     (shard, packed): (Vec<Range<usize>>, Option<DType>),
-    mut grads: HostRegion<T>,
+    grads: HostRegion<T>,
 ) -> Result<HostSteps<T, M::Buffer>>
 where
     T: Element,
@@ -241,7 +241,7 @@ where
     M: ShardMemory<T, C>,
 {
     let mut params = std::mem::replace(&mut early.params, stand_in);
-    let Some(mut params_region) = M::host_region(&mut params) else {
+    let Some(params_region) = M::host_region(&mut params) else {
         early.params = params;
         return Err(Error::State(
             "internal: the offload's step thread steps a parameter shard in host memory".into(),
@@ -250,110 +250,20 @@ where
     let buckets = shard.len();
     let (sender, handed) = mpsc::channel::<(usize, Option<super::Landing>)>();
     let (stepped_tx, stepped) = mpsc::channel::<usize>();
+    let step_thread = StepThread {
+        early,
+        stepper,
+        shard,
+        packed,
+        grads,
+        params: params_region,
+        handed,
+        stepped: stepped_tx,
+        times: [Duration::ZERO; 3],
+    };
     let thread = std::thread::Builder::new()
         .name("zero-offload-step".into())
-        .spawn(move || {
-            let mut result = Ok(());
-            let (mut landing_time, mut stepping_time) = (Duration::ZERO, Duration::ZERO);
-            let mut packing_time = Duration::ZERO;
-            let mut next = None;
-            // Runs until the channel closes (the end of backward); after a
-            // failure nothing more is stepped.
-            loop {
-                let Some((first, landing)) = next.take().or_else(|| handed.recv().ok()) else {
-                    break;
-                };
-                if result.is_err() {
-                    continue;
-                }
-                // The buckets handed over meanwhile that follow this one
-                // step with it, in one call (its pieces in parallel),
-                // behind the last one's landing (copies land in order): a
-                // thread that fell behind catches up in fewer, larger
-                // calls.
-                let (mut last, mut landing) = (first, landing);
-                while last + 1 - first < STEP_BATCH {
-                    match handed.try_recv() {
-                        Ok((k, later)) if k == last + 1 => (last, landing) = (k, later),
-                        Ok(other) => {
-                            next = Some(other);
-                            break;
-                        }
-                        Err(_) => break,
-                    }
-                }
-                let started = Instant::now();
-                result = landing.map_or(Ok(()), |landing| landing());
-                let landed = Instant::now();
-                landing_time += landed - started;
-                result = result.and_then(|()| {
-                    let range = match (shard.get(first), shard.get(last)) {
-                        (Some(a), Some(b)) => a.start..b.end,
-                        _ => {
-                            return Err(Error::State(format!(
-                                "internal: bucket {last} handed to the step thread"
-                            )))
-                        }
-                    };
-                    // SAFETY: both shards are kept alive and in place until
-                    // this thread is joined; the buckets' gradients have
-                    // landed, and nothing else touches their ranges of
-                    // either shard until this thread reports them stepped
-                    // (then the calling thread only reads the parameters
-                    // or the weights packed in the gradients' place, and
-                    // this thread no longer touches either) or is joined
-                    // (`HostSteps::hand_over`).
-                    let (bucket_grads, bucket_params) = unsafe {
-                        (
-                            grads.range_mut(range.clone()),
-                            params_region.range_mut(range.clone()),
-                        )
-                    };
-                    step_landed(
-                        &mut early,
-                        &stepper,
-                        &shard,
-                        first..last + 1,
-                        bucket_grads,
-                        bucket_params,
-                    )?;
-                    if let Some(wire) = packed {
-                        // Each bucket's weights at the start of its own
-                        // range, where the write-back reads them (on the
-                        // offload's threads).
-                        let packing = Instant::now();
-                        stepper.run(|| {
-                            for bucket in &shard[first..=last] {
-                                let at = bucket.start - range.start..bucket.end - range.start;
-                                super::pack_narrow(
-                                    &bucket_params[at.clone()],
-                                    wire,
-                                    &mut bucket_grads[at],
-                                );
-                            }
-                        });
-                        packing_time += packing.elapsed();
-                    }
-                    Ok(())
-                });
-                stepping_time += landed.elapsed();
-                if result.is_ok() {
-                    for k in first..=last {
-                        // The receiver lives until this thread is joined.
-                        let _ = stepped_tx.send(k);
-                    }
-                }
-            }
-            (
-                early,
-                result,
-                [
-                    landing_time,
-                    stepping_time.saturating_sub(packing_time),
-                    packing_time,
-                ],
-            )
-        })
+        .spawn(move || step_thread.run())
         .map_err(|e| Error::State(format!("cannot start the offload's step thread: {e}")))?;
     Ok(HostSteps {
         grads: Some(sender),
@@ -366,6 +276,133 @@ where
         grad_shard: None,
         packed,
     })
+}
+
+/// Offload's step thread: the lent step, the two shards' host regions, the
+/// buckets' ranges of them, and the channels buckets come in by and go
+/// out by once stepped.
+struct StepThread<T: Element, B> {
+    early: EarlyStep<T, B>,
+    stepper: super::HostStepper,
+    shard: Vec<Range<usize>>,
+    packed: Option<DType>,
+    grads: HostRegion<T>,
+    params: HostRegion<T>,
+    handed: mpsc::Receiver<(usize, Option<super::Landing>)>,
+    stepped: mpsc::Sender<usize>,
+    /// Waiting for landings, stepping (packing included), packing.
+    times: [Duration; 3],
+}
+
+impl<T: Element, B> StepThread<T, B> {
+    /// Runs until the channel closes (the end of backward); after a
+    /// failure nothing more is stepped. Gives back the lent step, the
+    /// first failure and the times (landing, stepping, packing).
+    #[allow(clippy::type_complexity)]
+    fn run(mut self) -> (EarlyStep<T, B>, Result<()>, [Duration; 3]) {
+        let mut result = Ok(());
+        let mut next = None;
+        loop {
+            let Some((first, landing)) = next.take().or_else(|| self.handed.recv().ok()) else {
+                break;
+            };
+            if result.is_err() {
+                continue;
+            }
+            let (last, landing) = self.batch(first, landing, &mut next);
+            let started = Instant::now();
+            result = landing.map_or(Ok(()), |landing| landing());
+            let landed = Instant::now();
+            self.times[0] += landed - started;
+            result = result.and_then(|()| self.step(first, last));
+            self.times[1] += landed.elapsed();
+            if result.is_ok() {
+                for k in first..=last {
+                    // The receiver lives until this thread is joined.
+                    let _ = self.stepped.send(k);
+                }
+            }
+        }
+        let [landing, stepping, packing] = self.times;
+        (
+            self.early,
+            result,
+            [landing, stepping.saturating_sub(packing), packing],
+        )
+    }
+
+    /// The buckets handed over meanwhile that follow `first` step with it,
+    /// in one call (its pieces in parallel), behind the last one's landing
+    /// (copies land in order): a thread that fell behind catches up in
+    /// fewer, larger calls. Returns the last bucket and its landing; a
+    /// bucket that does not follow is kept in `next`.
+    #[allow(clippy::type_complexity)]
+    fn batch(
+        &self,
+        first: usize,
+        landing: Option<super::Landing>,
+        next: &mut Option<(usize, Option<super::Landing>)>,
+    ) -> (usize, Option<super::Landing>) {
+        let (mut last, mut landing) = (first, landing);
+        while last + 1 - first < STEP_BATCH {
+            match self.handed.try_recv() {
+                Ok((k, later)) if k == last + 1 => (last, landing) = (k, later),
+                Ok(other) => {
+                    *next = Some(other);
+                    break;
+                }
+                Err(_) => break,
+            }
+        }
+        (last, landing)
+    }
+
+    /// Steps the landed buckets `first..=last` and, with `packed`, packs
+    /// their stepped weights in the gradients' place.
+    fn step(&mut self, first: usize, last: usize) -> Result<()> {
+        let range = match (self.shard.get(first), self.shard.get(last)) {
+            (Some(a), Some(b)) => a.start..b.end,
+            _ => {
+                return Err(Error::State(format!(
+                    "internal: bucket {last} handed to the step thread"
+                )))
+            }
+        };
+        // SAFETY: both shards are kept alive and in place until this thread
+        // is joined; the buckets' gradients have landed, and nothing else
+        // touches their ranges of either shard until this thread reports
+        // them stepped (then the calling thread only reads the parameters or
+        // the weights packed in the gradients' place, and this thread no
+        // longer touches either) or is joined (`HostSteps::hand_over`).
+        let (bucket_grads, bucket_params) = unsafe {
+            (
+                self.grads.range_mut(range.clone()),
+                self.params.range_mut(range.clone()),
+            )
+        };
+        step_landed(
+            &mut self.early,
+            &self.stepper,
+            &self.shard,
+            first..last + 1,
+            bucket_grads,
+            bucket_params,
+        )?;
+        if let Some(wire) = self.packed {
+            // Each bucket's weights at the start of its own range, where the
+            // write-back reads them (on the offload's threads).
+            let packing = Instant::now();
+            let shard = &self.shard;
+            self.stepper.run(|| {
+                for bucket in &shard[first..=last] {
+                    let at = bucket.start - range.start..bucket.end - range.start;
+                    super::pack_narrow(&bucket_params[at.clone()], wire, &mut bucket_grads[at]);
+                }
+            });
+            self.times[2] += packing.elapsed();
+        }
+        Ok(())
+    }
 }
 
 /// Steps the consecutive `buckets` of the lent step's pieces: `params` and
@@ -397,7 +434,7 @@ fn step_landed<T: Element, B>(
         })
         .collect();
     let whole = 0..bucket.len();
-    let plan = StepPlan {
+    let plan = ShardStep {
         pieces: &pieces,
         buckets: std::slice::from_ref(&whole),
         bucket_active: &[true],
@@ -496,6 +533,26 @@ pub(super) struct Reduction<'a, T: Element, C: Communicator, M: ShardMemory<T, C
 }
 
 impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Reduction<'_, T, C, M> {
+    /// Reduces `job` on the calling thread for a memory whose collectives
+    /// complete after they return (`Runner::Inline`): a bucket added into
+    /// the shard settles what came before first. Returns how it went and,
+    /// at stage 0, the bucket to write into the full buffer once settled
+    /// (and whether to add).
+    pub fn run_inline(mut self, job: &mut Job<M::Buffer>) -> (Result<()>, Option<(usize, bool)>) {
+        if self.map.stage == Stage::Ddp {
+            return (self.all_reduce(job), Some((job.bucket, job.add)));
+        }
+        if !job.add {
+            return (self.run(job), None);
+        }
+        let done = self.memory.settle(self.comm).and_then(|()| {
+            let done = self.run(job);
+            self.memory.defer_completion();
+            done
+        });
+        (done, None)
+    }
+
     /// Reduces `job`'s bucket into the targets and, interleaved, steps it.
     pub fn run(&mut self, job: &mut Job<M::Buffer>) -> Result<()> {
         self.reduce(job)?;
@@ -524,7 +581,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Reduction<'_, T, C, M> {
                 active: *steps,
             })
             .collect();
-        let plan = StepPlan {
+        let plan = ShardStep {
             pieces: &pieces,
             buckets: &self.map.shard[k..=k],
             bucket_active: &[true],

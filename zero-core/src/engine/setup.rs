@@ -41,73 +41,13 @@ impl ShardSetup {
         rank: usize,
     ) -> Result<Self> {
         config.validate()?;
-        let mut index = BTreeMap::new();
-        for (i, p) in params.iter().enumerate() {
-            if index.insert(p.name.clone(), i).is_some() {
-                return Err(Error::Config(format!(
-                    "parameter name {:?} appears twice; names must be unique",
-                    p.name
-                )));
-            }
-            if p.trainable && !super::precision::engine_steps::<T>(p.dtype) {
-                return Err(Error::ParamDType {
-                    name: p.name.clone(),
-                    param: p.dtype,
-                    engine: T::DTYPE,
-                });
-            }
-        }
-
-        let mut group_of = vec![0; params.len()];
-        for spec in &config.param_groups {
-            let group = optimizer.add_group(&spec.hyperparams)?;
-            for name in &spec.params {
-                let Some(&i) = index.get(name) else {
-                    return Err(Error::Config(format!(
-                        "parameter group names {name:?}, which is not a parameter of the model"
-                    )));
-                };
-                if group_of[i] != 0 {
-                    return Err(Error::Config(format!(
-                        "parameter {name:?} is in two parameter groups"
-                    )));
-                }
-                group_of[i] = group;
-            }
-        }
-
+        let index = index_params::<T>(params)?;
+        let group_of = assign_groups(params, &index, config, optimizer)?;
         let (plan_world, plan_rank) = match config.stage {
             Stage::Ddp => (1, 0),
             Stage::OptimizerState | Stage::Gradients | Stage::Parameters => (world_size, rank),
         };
-        let plan = if config.stage == Stage::Parameters {
-            // Stage 3 gathers a parameter as one stretch of buckets: split
-            // every bucket evenly (by name until the first hooked backward
-            // orders them by gradient), the parameters that may be sharded
-            // first and the persistent ones after a break, so that no
-            // bucket mixes the two.
-            let small = |p: &ParamInfo| p.numel() <= config.persist_numel;
-            let order: Vec<usize> = (0..params.len())
-                .filter(|&p| !small(&params[p]))
-                .chain((0..params.len()).filter(|&p| small(&params[p])))
-                .collect();
-            let large = params.iter().filter(|p| !small(p)).count();
-            let mut breaks = stage3_breaks::<T>(params, &order[..large], config);
-            breaks.push(large);
-            Interleaved::default().partition_in_order(
-                params,
-                &order,
-                plan_world,
-                partition_bucket_bytes::<T>(params, config.bucket_bytes, plan_world),
-                &breaks,
-            )?
-        } else {
-            config.partitioner.partitioner().partition(
-                params,
-                plan_world,
-                partition_bucket_bytes::<T>(params, config.bucket_bytes, plan_world),
-            )?
-        };
+        let plan = partition::<T>(params, config, plan_world)?;
         let layout = Layout::new(&plan);
         let owned = plan.shards[plan_rank].clone();
         Ok(Self {
@@ -124,6 +64,84 @@ impl ShardSetup {
     pub fn shard_offset(&self, piece: &ShardPiece) -> usize {
         piece.flat_range.start - self.plan_rank * self.plan.shard_numel
     }
+}
+
+/// The parameters' indices by name; an error for a name given twice or a
+/// trainable parameter the engine's element type cannot step.
+fn index_params<T: Element>(params: &[ParamInfo]) -> Result<BTreeMap<String, usize>> {
+    let mut index = BTreeMap::new();
+    for (i, p) in params.iter().enumerate() {
+        if index.insert(p.name.clone(), i).is_some() {
+            return Err(Error::Config(format!(
+                "parameter name {:?} appears twice; names must be unique",
+                p.name
+            )));
+        }
+        if p.trainable && !super::precision::engine_steps::<T>(p.dtype) {
+            return Err(Error::ParamDType {
+                name: p.name.clone(),
+                param: p.dtype,
+                engine: T::DTYPE,
+            });
+        }
+    }
+    Ok(index)
+}
+
+/// Adds `config.param_groups` to `optimizer`; each parameter's group (0
+/// for those in none).
+fn assign_groups<T: Element>(
+    params: &[ParamInfo],
+    index: &BTreeMap<String, usize>,
+    config: &EngineConfig,
+    optimizer: &mut dyn FunctionalOptimizer<T>,
+) -> Result<Vec<usize>> {
+    let mut group_of = vec![0; params.len()];
+    for spec in &config.param_groups {
+        let group = optimizer.add_group(&spec.hyperparams)?;
+        for name in &spec.params {
+            let Some(&i) = index.get(name) else {
+                return Err(Error::Config(format!(
+                    "parameter group names {name:?}, which is not a parameter of the model"
+                )));
+            };
+            if group_of[i] != 0 {
+                return Err(Error::Config(format!(
+                    "parameter {name:?} is in two parameter groups"
+                )));
+            }
+            group_of[i] = group;
+        }
+    }
+    Ok(group_of)
+}
+
+/// The first partition over `plan_world` ranks.
+fn partition<T: Element>(
+    params: &[ParamInfo],
+    config: &EngineConfig,
+    plan_world: usize,
+) -> Result<PartitionPlan> {
+    let bucket_bytes = partition_bucket_bytes::<T>(params, config.bucket_bytes, plan_world);
+    if config.stage != Stage::Parameters {
+        return config
+            .partitioner
+            .partitioner()
+            .partition(params, plan_world, bucket_bytes);
+    }
+    // Stage 3 gathers a parameter as one stretch of buckets: split every
+    // bucket evenly (by name until the first hooked backward orders them by
+    // gradient), the parameters that may be sharded first and the
+    // persistent ones after a break, so that no bucket mixes the two.
+    let small = |p: &ParamInfo| p.numel() <= config.persist_numel;
+    let order: Vec<usize> = (0..params.len())
+        .filter(|&p| !small(&params[p]))
+        .chain((0..params.len()).filter(|&p| small(&params[p])))
+        .collect();
+    let large = params.iter().filter(|p| !small(p)).count();
+    let mut breaks = stage3_breaks::<T>(params, &order[..large], config);
+    breaks.push(large);
+    Interleaved::default().partition_in_order(params, &order, plan_world, bucket_bytes, &breaks)
 }
 
 /// The `bucket_bytes` to give the partitioners so that a bucket of

@@ -64,7 +64,7 @@ pub struct StepPiece<'a> {
 /// one bucket's, or a window of them), in buffers that hold a stretch of
 /// the shard.
 #[derive(Clone, Copy, Debug)]
-pub struct StepPlan<'a> {
+pub struct ShardStep<'a> {
     /// The pieces to step, in shard order, at their ranges in the buffers.
     pub pieces: &'a [StepPiece<'a>],
     /// The buckets, as ranges of the buffers (a device implementation
@@ -564,7 +564,7 @@ pub trait ShardMemory<T: Element, C: Communicator>: Send + 'static {
         optimizer: &mut dyn FunctionalOptimizer<T>,
         params: &mut Self::Buffer,
         grads: &Self::Buffer,
-        plan: StepPlan<'_>,
+        plan: ShardStep<'_>,
     ) -> Result<()>;
 
     /// The optimizer state of the owned pieces, in host memory under
@@ -982,7 +982,7 @@ impl<T: Element, C: Communicator<Memory = Host>> ShardMemory<T, C> for HostMemor
         optimizer: &mut dyn FunctionalOptimizer<T>,
         params: &mut Vec<T>,
         grads: &Vec<T>,
-        plan: StepPlan<'_>,
+        plan: ShardStep<'_>,
     ) -> Result<()> {
         host_step(optimizer, params, grads, plan)
     }
@@ -1124,7 +1124,7 @@ pub(super) fn host_step<T: Element>(
     optimizer: &mut dyn FunctionalOptimizer<T>,
     params: &mut [T],
     grads: &[T],
-    plan: StepPlan<'_>,
+    plan: ShardStep<'_>,
 ) -> Result<()> {
     // Split the shard into disjoint mutable pieces (in shard order).
     let mut pieces = Vec::with_capacity(plan.pieces.len());

@@ -115,9 +115,11 @@ where
         // (a lean shard, `lean_shard`, exists only from now on). The bucket
         // buffers are let go first, so that the shard and the replica
         // meeting here do not add to what a step holds.
-        if M::buffer_len(&self.buffers.param_shard) < self.plan.partition.shard_numel {
+        if M::buffer_len(&self.buffers.param_shard) < self.sharding.partition.shard_numel {
             self.buffers.pool.clear();
-            self.buffers.param_shard = self.memory.alloc_shard(self.plan.partition.shard_numel)?;
+            self.buffers.param_shard = self
+                .memory
+                .alloc_shard(self.sharding.partition.shard_numel)?;
         }
         self.refresh_param_shard(params)?;
         let (units, place) = self.gather_units(&mask)?;
@@ -285,14 +287,14 @@ where
             if !sharded {
                 continue;
             }
-            let runs = &self.plan.runs_of_param[p];
+            let runs = &self.sharding.runs_of_param[p];
             let Some(&first) = runs.first() else {
                 continue;
             };
-            let run = &self.plan.layout.runs[first];
+            let run = &self.sharding.layout.runs[first];
             let start = run.pos - run.param_range.start;
             let contiguous = runs.iter().all(|&r| {
-                let run = &self.plan.layout.runs[r];
+                let run = &self.sharding.layout.runs[r];
                 run.pos - run.param_range.start == start
             });
             if !contiguous {
@@ -301,7 +303,7 @@ where
                     self.params[p].name
                 )));
             }
-            let buckets = runs.iter().map(|&r| self.plan.bucket_of_run[r]);
+            let buckets = runs.iter().map(|&r| self.sharding.bucket_of_run[r]);
             let lo = buckets.clone().min().unwrap_or(0);
             let hi = buckets.max().unwrap_or(0);
             spans.push((lo, hi, p, start));
@@ -321,14 +323,14 @@ where
         let mut units = Vec::with_capacity(groups.len());
         let mut place = vec![Vec::new(); self.params.len()];
         for (lo, hi, members) in groups {
-            let base = self.plan.layout.bucket_range(lo).start;
-            let len = self.plan.layout.bucket_range(hi).end - base;
+            let base = self.sharding.layout.bucket_range(lo).start;
+            let len = self.sharding.layout.bucket_range(hi).end - base;
             if piece_len == 0 || len <= piece_len {
                 let buckets: Vec<UnitBucket> = (lo..=hi)
                     .map(|k| {
-                        let at = self.plan.layout.bucket_range(k);
+                        let at = self.sharding.layout.bucket_range(k);
                         UnitBucket {
-                            shard: self.plan.layout.buckets[k].clone(),
+                            shard: self.sharding.layout.buckets[k].clone(),
                             at: at.start - base..at.end - base,
                         }
                     })
@@ -364,8 +366,8 @@ where
         place: &mut [Vec<Span>],
     ) -> Result<()> {
         let world = self.comm.world_size();
-        let sequence = self.plan.layout.bucket_range(k);
-        let chunk = self.plan.layout.buckets[k].clone();
+        let sequence = self.sharding.layout.bucket_range(k);
+        let chunk = self.sharding.layout.buckets[k].clone();
         if sequence.len() != world * chunk.len() {
             return Err(Error::State(format!(
                 "internal: bucket {k} spans {} elements but this rank's chunk is {} of {world}",

@@ -12,8 +12,8 @@ use super::{Engine, ShardMemory, Stage};
 use crate::checkpoint::stream::StreamingTensorFile;
 use crate::checkpoint::{
     checkpoint_error, file_order, piece_name, write_atomic, write_tensors, CheckpointInfo,
-    CheckpointKind, FailAfter, FileRecord, GroupState, Manifest, PieceRecord, ShardRecord,
-    StateDict, TensorBytes, TensorWriter, MANIFEST_FILE,
+    CheckpointKind, FailAfter, FileRecord, GroupState, Manifest, PieceRecord, StateDict,
+    TensorBytes, TensorWriter, MANIFEST_FILE,
 };
 use crate::comm::Communicator;
 use crate::optim::{OptimizerState, ParamState};
@@ -390,7 +390,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             }
         }
         let mut imported = OptimizerState::default();
-        for (piece, key) in self.plan.owned.iter().zip(&self.plan.keys) {
+        for (piece, key) in self.sharding.owned.iter().zip(&self.sharding.keys) {
             if let Some(full) = dict.state.get(&key.name) {
                 imported.params.insert(
                     (key.name.clone(), key.offset),
@@ -408,7 +408,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         for (g, group) in dict.param_groups.iter().enumerate() {
             self.optimizer.set_hyperparams(g, &group.hyperparams)?;
         }
-        let pieces = self.plan.step_pieces(|_| true);
+        let pieces = self.sharding.step_pieces(|_| true);
         self.memory
             .import_state(self.optimizer.as_mut(), &pieces, imported)?;
         self.steps = dict.steps;
@@ -469,12 +469,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         } else {
             None
         };
-        let tag = fresh_tag(old.as_ref(), self.steps);
-        let tags = self.comm.all_gather_bytes(tag.as_bytes())?;
-        let tag = tags
-            .first()
-            .map(|t| String::from_utf8_lossy(t).into_owned())
-            .unwrap_or(tag);
+        let tag = agreed_tag(&*self.comm, old.as_ref(), self.steps)?;
 
         let shard_file = |p: usize| format!("optim.{tag}.rank{p}.safetensors");
         let model_file = format!("model.{tag}.safetensors");
@@ -486,7 +481,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             let mut files = Vec::new();
             let writes_shard = self.config.stage != Stage::Ddp || rank == 0;
             if writes_shard {
-                let name = shard_file(self.plan.rank);
+                let name = shard_file(self.sharding.rank);
                 let fail = options
                     .fail_after
                     .and_then(|(r, bytes)| (r == rank).then_some(bytes));
@@ -515,25 +510,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         let mut info =
             self.checkpoint_info(CheckpointKind::Sharded, tag.clone(), options.user.clone());
         info.model_file = Some(model_file);
-        info.shards = self
-            .plan
-            .partition
-            .shards
-            .iter()
-            .enumerate()
-            .map(|(p, pieces)| ShardRecord {
-                rank: p,
-                file: shard_file(p),
-                pieces: pieces
-                    .iter()
-                    .map(|piece| PieceRecord {
-                        name: self.params[piece.param].name.clone(),
-                        offset: piece.param_range.start,
-                        len: piece.len(),
-                    })
-                    .collect(),
-            })
-            .collect();
+        info.shards = self.sharding.shard_records(&self.params, shard_file);
         manifest.checkpoint = Some(info);
         let written = if rank == 0 {
             manifest.save(dir).map(|_| Vec::new())
@@ -589,7 +566,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         for (g, group) in info.param_groups.iter().enumerate() {
             self.optimizer.set_hyperparams(g, &group.hyperparams)?;
         }
-        let pieces = self.plan.step_pieces(|_| true);
+        let pieces = self.sharding.step_pieces(|_| true);
         self.memory
             .import_state(self.optimizer.as_mut(), &pieces, imported)?;
         self.steps = info.steps;
@@ -640,96 +617,39 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     ) -> Result<OptimizerState<T>> {
         let manifest_path = dir.join(MANIFEST_FILE);
         // This rank's pieces, and the state assembled for each.
-        let mine: Vec<(String, Range<usize>)> = self
-            .plan
+        let mut mine: Vec<Assembly<T>> = self
+            .sharding
             .owned
             .iter()
-            .map(|p| (self.params[p.param].name.clone(), p.param_range.clone()))
+            .map(|p| Assembly::new(self.params[p.param].name.clone(), p.param_range.clone()))
             .collect();
-        let mut assembled: Vec<ParamState<T>> = vec![ParamState::default(); mine.len()];
-        let mut covered: Vec<BTreeMap<String, usize>> = vec![BTreeMap::new(); mine.len()];
-        let overlap = |saved: &PieceRecord, name: &str, range: &Range<usize>| {
-            let lo = saved.offset.max(range.start);
-            let hi = (saved.offset + saved.len).min(range.end);
-            (saved.name == name && lo < hi).then_some(lo..hi)
-        };
         for shard in &info.shards {
             let needed = shard
                 .pieces
                 .iter()
-                .any(|s| mine.iter().any(|(n, r)| overlap(s, n, r).is_some()));
+                .any(|s| mine.iter().any(|a| a.overlap(s).is_some()));
             if !needed {
                 continue;
             }
             let tensors = manifest.map_file(dir, &shard.file)?;
-            let path = tensors.path();
             for saved in &shard.pieces {
                 let prefix = format!("state.{}.{}.", saved.name, saved.offset);
-                for (i, (name, range)) in mine.iter().enumerate() {
-                    let Some(common) = overlap(saved, name, range) else {
-                        continue;
-                    };
+                for piece in mine.iter_mut().filter(|a| a.overlap(saved).is_some()) {
                     for (tensor_name, t) in tensors.with_prefix(&prefix) {
                         let Some(state) = tensor_name.strip_prefix(&prefix) else {
                             break;
                         };
-                        if state.contains('.') {
-                            continue;
+                        if !state.contains('.') {
+                            piece.take(tensors.path(), saved, (tensor_name, state), &t)?;
                         }
-                        if t.shape.is_empty() {
-                            let v = t.to_vec::<f64>().map_err(|e| {
-                                checkpoint_error(path, format!("scalar {tensor_name:?}: {e}"))
-                            })?;
-                            let value = v.first().copied().ok_or_else(|| {
-                                checkpoint_error(path, format!("scalar {tensor_name:?} is empty"))
-                            })?;
-                            assembled[i].scalars.insert(state.to_string(), value);
-                            continue;
-                        }
-                        // The state may have been saved by an engine of
-                        // another precision: converted below.
-                        if t.shape != [saved.len] {
-                            return Err(checkpoint_error(
-                                path,
-                                format!(
-                                    "tensor {tensor_name:?} is {} {:?}, the manifest says {} [{}]",
-                                    t.dtype,
-                                    t.shape,
-                                    T::DTYPE,
-                                    saved.len
-                                ),
-                            ));
-                        }
-                        let from = common.start - saved.offset;
-                        let dst = assembled[i]
-                            .tensors
-                            .entry(state.to_string())
-                            .or_insert_with(|| vec![T::default(); range.len()]);
-                        let at = common.start - range.start;
-                        t.read_range_as(from..from + common.len(), &mut dst[at..at + common.len()])
-                            .map_err(|e| checkpoint_error(path, format!("{tensor_name:?}: {e}")))?;
-                        *covered[i].entry(state.to_string()).or_default() += common.len();
                     }
                 }
             }
         }
-
         let mut imported = OptimizerState::default();
-        for (((name, range), state), covered) in mine.iter().zip(assembled).zip(&covered) {
-            for (tensor, &got) in covered {
-                if got != range.len() {
-                    return Err(checkpoint_error(
-                        &manifest_path,
-                        format!(
-                            "the rank files cover {got} of the {} elements of state {tensor:?} \
-                             of {name:?} {range:?}; the checkpoint is incomplete",
-                            range.len()
-                        ),
-                    ));
-                }
-            }
-            if !state.tensors.is_empty() || !state.scalars.is_empty() {
-                imported.params.insert((name.clone(), range.start), state);
+        for piece in mine {
+            if let Some((key, state)) = piece.finish(&manifest_path)? {
+                imported.params.insert(key, state);
             }
         }
         Ok(imported)
@@ -778,7 +698,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                 // Stage 3: no replica to write, and no rank reads more of
                 // the parameter than the pieces it owns (`masters` holds).
                 let ranges: Vec<Range<usize>> = self
-                    .plan
+                    .sharding
                     .owned_copies
                     .iter()
                     .filter(|c| c.param == i)
@@ -827,7 +747,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         // In stage 0 every rank holds everything: only `to` contributes.
         let contributes = self.config.stage != Stage::Ddp || rank == to;
         let mut exported = if contributes {
-            let pieces = self.plan.step_pieces(|_| true);
+            let pieces = self.sharding.step_pieces(|_| true);
             self.memory
                 .export_state(&self.comm, self.optimizer.as_ref(), &pieces)?
                 .params
@@ -835,34 +755,13 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             BTreeMap::new()
         };
         let lengths: BTreeMap<(&str, usize), usize> = self
-            .plan
+            .sharding
             .keys
             .iter()
-            .zip(&self.plan.owned)
+            .zip(&self.sharding.owned)
             .map(|(k, p)| ((k.name.as_str(), k.offset), p.len()))
             .collect();
-        let metas: Vec<PieceMeta> = exported
-            .iter()
-            .map(|((name, offset), state)| {
-                let len = lengths
-                    .get(&(name.as_str(), *offset))
-                    .copied()
-                    .or_else(|| state.tensors.values().next().map(Vec::len))
-                    .unwrap_or(0);
-                PieceMeta {
-                    name: name.clone(),
-                    offset: *offset,
-                    len,
-                    scalars: state
-                        .scalars
-                        .iter()
-                        .map(|(n, v)| (n.clone(), v.to_bits()))
-                        .collect(),
-                    tensors: state.tensors.keys().cloned().collect(),
-                    bad_len: state.tensors.values().map(Vec::len).find(|&l| l != len),
-                }
-            })
-            .collect();
+        let metas = piece_metas(&exported, &lengths);
         let all = self.comm.all_gather_bytes(&serde_json::to_vec(&metas)?)?;
         let all: Vec<Vec<PieceMeta>> = all
             .iter()
@@ -881,24 +780,11 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             }
             let mut counts = vec![0; world];
             counts[src] = count;
-            let mut send: Vec<T> = Vec::new();
-            if rank == src {
-                send.reserve(count);
-                for meta in metas {
-                    let state = exported
-                        .remove(&(meta.name.clone(), meta.offset))
-                        .unwrap_or_default();
-                    for t in &meta.tensors {
-                        let start = send.len();
-                        if let Some(values) = state.tensors.get(t) {
-                            send.extend_from_slice(&values[..values.len().min(meta.len)]);
-                        }
-                        // Keep the agreed count even for a malformed tensor
-                        // (flagged in `bad_len`), so no rank waits forever.
-                        send.resize(start + meta.len, T::default());
-                    }
-                }
-            }
+            let send = if rank == src {
+                pack_pieces(&mut exported, metas, count)
+            } else {
+                Vec::new()
+            };
             if rank == to {
                 recv.clear();
                 recv.resize(count, T::default());
@@ -912,15 +798,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                 .gather_varlen_host(&self.comm, &send[..], &counts, recv_buf, to)?;
             drop(send);
             if rank == to && failure.is_none() {
-                let mut at = 0;
-                for meta in metas {
-                    let n = meta.len * meta.tensors.len();
-                    if let Err(e) = sink.piece(meta, &recv[at..at + n]) {
-                        failure = Some(e);
-                        break;
-                    }
-                    at += n;
-                }
+                failure = sink_pieces(sink, metas, &recv).err();
             }
         }
         failure.map_or(Ok(()), Err)
@@ -965,7 +843,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     }
 
     fn write_shard(&mut self, path: &Path, fail_after: Option<usize>) -> Result<FileRecord> {
-        let pieces = self.plan.step_pieces(|_| true);
+        let pieces = self.sharding.step_pieces(|_| true);
         let exported = self
             .memory
             .export_state(&self.comm, self.optimizer.as_ref(), &pieces)?;
@@ -1093,7 +971,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             tag,
             world_size: self.comm.world_size(),
             stage: self.config.stage.number(),
-            partition: self.plan.partition.kind,
+            partition: self.sharding.partition.kind,
             params: self.params.clone(),
             optimizer: self.optimizer.kind().to_string(),
             param_groups: self.group_states(),
@@ -1201,6 +1079,183 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         }
         Ok(())
     }
+}
+
+/// One owned piece's optimizer state, assembled from the saved pieces that
+/// overlap it (a checkpoint of another world size or partition).
+struct Assembly<T> {
+    name: String,
+    range: Range<usize>,
+    state: ParamState<T>,
+    /// Per tensor, the elements read so far.
+    covered: BTreeMap<String, usize>,
+}
+
+impl<T: Element> Assembly<T> {
+    fn new(name: String, range: Range<usize>) -> Self {
+        Self {
+            name,
+            range,
+            state: ParamState::default(),
+            covered: BTreeMap::new(),
+        }
+    }
+
+    /// The elements of the parameter both `saved` and this piece hold.
+    fn overlap(&self, saved: &PieceRecord) -> Option<Range<usize>> {
+        let lo = saved.offset.max(self.range.start);
+        let hi = (saved.offset + saved.len).min(self.range.end);
+        (saved.name == self.name && lo < hi).then_some(lo..hi)
+    }
+
+    /// Takes what overlaps this piece of the saved piece's scalar or tensor
+    /// `state` (named `tensor_name` in the file at `path`), converted from
+    /// the precision it was saved in.
+    fn take(
+        &mut self,
+        path: &Path,
+        saved: &PieceRecord,
+        (tensor_name, state): (&str, &str),
+        t: &TensorBytes<'_>,
+    ) -> Result<()> {
+        let Some(common) = self.overlap(saved) else {
+            return Ok(());
+        };
+        if t.shape.is_empty() {
+            let v = t
+                .to_vec::<f64>()
+                .map_err(|e| checkpoint_error(path, format!("scalar {tensor_name:?}: {e}")))?;
+            let value = v.first().copied().ok_or_else(|| {
+                checkpoint_error(path, format!("scalar {tensor_name:?} is empty"))
+            })?;
+            self.state.scalars.insert(state.to_string(), value);
+            return Ok(());
+        }
+        if t.shape != [saved.len] {
+            return Err(checkpoint_error(
+                path,
+                format!(
+                    "tensor {tensor_name:?} is {} {:?}, the manifest says {} [{}]",
+                    t.dtype,
+                    t.shape,
+                    T::DTYPE,
+                    saved.len
+                ),
+            ));
+        }
+        let from = common.start - saved.offset;
+        let len = self.range.len();
+        let dst = self
+            .state
+            .tensors
+            .entry(state.to_string())
+            .or_insert_with(|| vec![T::default(); len]);
+        let at = common.start - self.range.start;
+        t.read_range_as(from..from + common.len(), &mut dst[at..at + common.len()])
+            .map_err(|e| checkpoint_error(path, format!("{tensor_name:?}: {e}")))?;
+        *self.covered.entry(state.to_string()).or_default() += common.len();
+        Ok(())
+    }
+
+    /// The assembled state under its key (`None` when nothing was saved
+    /// for it); an error naming the manifest if a tensor is not whole.
+    #[allow(clippy::type_complexity)]
+    fn finish(self, manifest_path: &Path) -> Result<Option<((String, usize), ParamState<T>)>> {
+        for (tensor, &got) in &self.covered {
+            if got != self.range.len() {
+                return Err(checkpoint_error(
+                    manifest_path,
+                    format!(
+                        "the rank files cover {got} of the {} elements of state {tensor:?} of \
+                         {:?} {:?}; the checkpoint is incomplete",
+                        self.range.len(),
+                        self.name,
+                        self.range
+                    ),
+                ));
+            }
+        }
+        let empty = self.state.tensors.is_empty() && self.state.scalars.is_empty();
+        Ok((!empty).then_some(((self.name, self.range.start), self.state)))
+    }
+}
+
+/// What each exported piece is, for the receiver: its length (from the
+/// owned pieces, else its first tensor's), scalars and tensor names, and a
+/// tensor of another length flagged.
+fn piece_metas<T>(
+    exported: &BTreeMap<(String, usize), ParamState<T>>,
+    lengths: &BTreeMap<(&str, usize), usize>,
+) -> Vec<PieceMeta> {
+    exported
+        .iter()
+        .map(|((name, offset), state)| {
+            let len = lengths
+                .get(&(name.as_str(), *offset))
+                .copied()
+                .or_else(|| state.tensors.values().next().map(Vec::len))
+                .unwrap_or(0);
+            PieceMeta {
+                name: name.clone(),
+                offset: *offset,
+                len,
+                scalars: state
+                    .scalars
+                    .iter()
+                    .map(|(n, v)| (n.clone(), v.to_bits()))
+                    .collect(),
+                tensors: state.tensors.keys().cloned().collect(),
+                bad_len: state.tensors.values().map(Vec::len).find(|&l| l != len),
+            }
+        })
+        .collect()
+}
+
+/// Hands the pieces `metas`, received end to end in `recv`, to `sink`.
+fn sink_pieces<T>(sink: &mut dyn PieceSink<T>, metas: &[PieceMeta], recv: &[T]) -> Result<()> {
+    let mut at = 0;
+    for meta in metas {
+        let n = meta.len * meta.tensors.len();
+        sink.piece(meta, &recv[at..at + n])?;
+        at += n;
+    }
+    Ok(())
+}
+
+/// The tensors of the pieces `metas` (taken out of `exported`) end to end,
+/// `count` elements in all.
+fn pack_pieces<T: Element>(
+    exported: &mut BTreeMap<(String, usize), ParamState<T>>,
+    metas: &[PieceMeta],
+    count: usize,
+) -> Vec<T> {
+    let mut send = Vec::with_capacity(count);
+    for meta in metas {
+        let state = exported
+            .remove(&(meta.name.clone(), meta.offset))
+            .unwrap_or_default();
+        for t in &meta.tensors {
+            let start = send.len();
+            if let Some(values) = state.tensors.get(t) {
+                send.extend_from_slice(&values[..values.len().min(meta.len)]);
+            }
+            // Keep the agreed count even for a malformed tensor (flagged in
+            // `bad_len`), so no rank waits forever.
+            send.resize(start + meta.len, T::default());
+        }
+    }
+    send
+}
+
+/// Rank 0's fresh tag for a save at `steps` (one the directory's current
+/// checkpoint `old` does not use), on every rank.
+fn agreed_tag<C: Communicator>(comm: &C, old: Option<&Manifest>, steps: u64) -> Result<String> {
+    let tag = fresh_tag(old, steps);
+    let tags = comm.all_gather_bytes(tag.as_bytes())?;
+    Ok(tags
+        .first()
+        .map(|t| String::from_utf8_lossy(t).into_owned())
+        .unwrap_or(tag))
 }
 
 /// `step<steps>`, suffixed (`.1`, `.2`, ...) while the directory's current

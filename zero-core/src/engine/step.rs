@@ -174,7 +174,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         if active != self.mask.active {
             tracing::debug!("trainable mask changed; rebuilding buckets");
             self.mask.active = active;
-            self.mask.rebuild_buckets(&self.plan.layout);
+            self.mask.rebuild_buckets(&self.sharding.layout);
         }
         Ok(self.mask.active.clone())
     }
@@ -225,7 +225,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
 
     /// A buffer as long as the longest bucket, from the pool or new.
     pub(super) fn take_pooled(&mut self) -> Result<M::Buffer> {
-        let longest = self.plan.longest_bucket;
+        let longest = self.sharding.longest_bucket;
         match self
             .buffers
             .pool
@@ -243,12 +243,12 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         mut bucket_buf: Option<&mut M::Buffer>,
     ) -> Result<()> {
         let wire = self.reduce_dtype();
-        for k in 0..self.plan.layout.buckets.len() {
+        for k in 0..self.sharding.layout.buckets.len() {
             if !self.mask.bucket_active[k] {
                 continue;
             }
-            let range = self.plan.layout.bucket_range(k);
-            let shard_range = self.plan.layout.buckets[k].clone();
+            let range = self.sharding.layout.bucket_range(k);
+            let shard_range = self.sharding.layout.buckets[k].clone();
             // Stages 0 and 1 (and stage 2 inside an accumulation window)
             // reduce in place in the full buffer; stage 2 otherwise flattens
             // straight from the caller's gradients into one bucket buffer.
@@ -268,7 +268,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             }
             if let Some(grads) = last {
                 let pieces: Vec<GradPiece<M::Grad<'_>>> = self
-                    .plan
+                    .sharding
                     .layout
                     .runs_of(k)
                     .iter()
@@ -307,10 +307,10 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     pub(super) fn stepping_ranges(&self, stepping: &[bool]) -> Vec<Range<usize>> {
         let mut ranges: Vec<Range<usize>> = Vec::new();
         let mut previous = false;
-        for piece in &self.plan.owned {
+        for piece in &self.sharding.owned {
             let steps = stepping[piece.param];
             if steps {
-                let at = self.plan.shard_offset(piece);
+                let at = self.sharding.shard_offset(piece);
                 match ranges.last_mut() {
                     Some(last) if previous => last.end = at + piece.len(),
                     _ => ranges.push(at..at + piece.len()),

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use zero_core::comm::Host;
 use zero_core::engine::{
     host_gathers, GradPiece, HostGathers, HostGrad, HostMemory, NormType, ParamCopy, ParamStore,
-    ShardMemory, StepPiece, StepPlan,
+    ShardMemory, ShardStep, StepPiece,
 };
 use zero_core::optim::OptimizerState;
 use zero_core::{Communicator, DType, Element, FunctionalOptimizer, ReduceOp, Result};
@@ -53,7 +53,7 @@ pub struct Seen {
 }
 
 impl Seen {
-    pub fn check(&mut self, plan: &StepPlan<'_>, buffer_len: usize) {
+    pub fn check(&mut self, plan: &ShardStep<'_>, buffer_len: usize) {
         self.plans += 1;
         let shard_len = *self.shard_len.get_or_insert(plan.shard_len);
         if plan.shard_len != shard_len {
@@ -240,7 +240,7 @@ impl<T: Element, C: Communicator<Memory = Host>> ShardMemory<T, C> for PlanCheck
         optimizer: &mut dyn FunctionalOptimizer<T>,
         params: &mut Vec<T>,
         grads: &Vec<T>,
-        plan: StepPlan<'_>,
+        plan: ShardStep<'_>,
     ) -> Result<()> {
         self.seen
             .lock()

@@ -294,12 +294,14 @@ fn per_element_and_target(
 
 /// `value` as a kernel's `int` argument.
 fn int_arg(op: &'static str, what: &str, value: usize) -> Result<i32> {
-    i32::try_from(value).map_err(|_| Error::Unsupported {
-        op,
-        detail: format!(
+    i32::try_from(value).map_err(|_| {
+        Error::from(zero_core::Error::Unsupported {
+            op,
+            detail: format!(
             "{what} = {value} does not fit the kernels' 32-bit int; split the call into smaller \
              pieces"
         ),
+        })
     })
 }
 
@@ -308,12 +310,12 @@ fn check_len(op: &'static str, what: &'static str, got: usize, expected: usize) 
     if got == expected {
         Ok(())
     } else {
-        Err(Error::BufferSize {
+        Err(Error::from(zero_core::Error::BufferSize {
             op,
             what,
             got,
             expected,
-        })
+        }))
     }
 }
 
@@ -377,12 +379,14 @@ impl LayerKernels {
                 shared_mem_bytes: 0,
             })
         };
-        let too_large = |what: &str, value: usize, limit: usize| Error::Unsupported {
-            op,
-            detail: format!(
-                "{what} = {value} exceeds CUDA's grid limit of {limit}; split the call into \
+        let too_large = |what: &str, value: usize, limit: usize| {
+            Error::from(zero_core::Error::Unsupported {
+                op,
+                detail: format!(
+                    "{what} = {value} exceeds CUDA's grid limit of {limit}; split the call into \
                  smaller pieces"
-            ),
+                ),
+            })
         };
         Ok(match launch {
             Launch::Elements(n) => one_d(n.div_ceil(BLOCK as usize), BLOCK),
@@ -553,22 +557,22 @@ impl LayerKernels {
     fn check_attention(op: &'static str, shape: &AttentionShape) -> Result<(usize, [i32; 3])> {
         let d = shape.head_dim;
         let Some(variant) = HEAD_DIM_VARIANTS.iter().position(|&dmax| d <= dmax) else {
-            return Err(Error::Unsupported {
+            return Err(Error::from(zero_core::Error::Unsupported {
                 op,
                 detail: format!(
                     "head_dim {d} is wider than the fused attention's {MAX_HEAD_DIM}; use more \
                      heads of at most {MAX_HEAD_DIM} columns, or composed ops"
                 ),
-            });
+            }));
         };
         if d == 0 || shape.heads == 0 {
-            return Err(Error::Unsupported {
+            return Err(Error::from(zero_core::Error::Unsupported {
                 op,
                 detail: format!(
                     "heads = {} and head_dim = {d}: both must be at least 1",
                     shape.heads
                 ),
-            });
+            }));
         }
         // Kernels index a row with int: 3 * heads * head_dim must fit.
         int_arg(op, "3 * heads * head_dim", 3 * shape.heads * d)?;
@@ -767,13 +771,13 @@ impl LayerKernels {
     /// `(rows, n)` of a norm over `x_len` elements with a weight of `n`.
     fn norm_rows(op: &'static str, x_len: usize, n: usize) -> Result<(usize, usize)> {
         if n == 0 || x_len % n != 0 {
-            return Err(Error::Unsupported {
+            return Err(Error::from(zero_core::Error::Unsupported {
                 op,
                 detail: format!(
                     "x has {x_len} elements, not a whole number of rows of the weight's {n}; \
                      the weight must have the size of x's last dimension"
                 ),
-            });
+            }));
         }
         Ok((x_len / n, n))
     }
@@ -948,13 +952,13 @@ impl LayerKernels {
             return Ok((0, 0));
         }
         if logits_len % rows != 0 {
-            return Err(Error::Unsupported {
+            return Err(Error::from(zero_core::Error::Unsupported {
                 op,
                 detail: format!(
                     "logits have {logits_len} elements, not a whole number of rows for {rows} \
                      targets; pass logits [rows, vocab] and one target per row"
                 ),
-            });
+            }));
         }
         Ok((rows, logits_len / rows))
     }

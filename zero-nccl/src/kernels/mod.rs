@@ -55,12 +55,12 @@ fn range_entries<'a, T>(
     let mut entries = Vec::with_capacity(pieces.len());
     for (offset, src, range) in pieces {
         if range.end > src.len() {
-            return Err(Error::BufferSize {
+            return Err(Error::from(zero_core::Error::BufferSize {
                 op,
                 what: "source piece",
                 got: src.len(),
                 expected: range.end,
-            });
+            }));
         }
         let (ptr, guard) = src.device_ptr(stream);
         guards.push(guard);
@@ -206,13 +206,13 @@ pub fn nvrtc_arch(device: (i32, i32), supported: Option<&[i32]>) -> Result<Strin
     let (major, minor) = device;
     let capability = 10 * major + minor;
     if capability < MIN_COMPUTE_CAPABILITY {
-        return Err(Error::Unsupported {
+        return Err(Error::from(zero_core::Error::Unsupported {
             op: OP,
             detail: format!(
                 "the GPU has compute capability {major}.{minor}; the fused kernels need 6.0 \
                  or newer (double-precision atomicAdd). Use a newer GPU"
             ),
-        });
+        }));
     }
     let Some(supported) = supported else {
         return Ok(format!("compute_{capability}"));
@@ -224,7 +224,7 @@ pub fn nvrtc_arch(device: (i32, i32), supported: Option<&[i32]>) -> Result<Strin
         .max();
     match best {
         Some(arch) => Ok(format!("compute_{arch}")),
-        None => Err(Error::Unsupported {
+        None => Err(Error::from(zero_core::Error::Unsupported {
             op: OP,
             detail: format!(
                 "the GPU has compute capability {major}.{minor}, too old for this NVRTC, which \
@@ -233,7 +233,7 @@ pub fn nvrtc_arch(device: (i32, i32), supported: Option<&[i32]>) -> Result<Strin
                  up: pip install nvidia-cuda-nvrtc-cu12), or use a newer GPU",
                 supported.iter().min().copied().unwrap_or_default()
             ),
-        }),
+        })),
     }
 }
 
@@ -332,14 +332,16 @@ pub(crate) fn compile_and_load(
     let module = guarded(what, || {
         ctx.load_module(ptx).map_err(|e| match e.0 {
             // PTX carries the ISA version of the NVRTC that wrote it.
-            CUresult::CUDA_ERROR_UNSUPPORTED_PTX_VERSION => Error::Unsupported {
-                op: what,
-                detail: format!(
-                    "the driver cannot read the PTX NVRTC wrote for {arch}: libnvrtc is \
+            CUresult::CUDA_ERROR_UNSUPPORTED_PTX_VERSION => {
+                Error::from(zero_core::Error::Unsupported {
+                    op: what,
+                    detail: format!(
+                        "the driver cannot read the PTX NVRTC wrote for {arch}: libnvrtc is \
                      newer than the NVIDIA driver. Update the driver, or put an NVRTC no \
                      newer than the driver's CUDA version first on LD_LIBRARY_PATH"
-                ),
-            },
+                    ),
+                })
+            }
             _ => Error::from(e),
         })
     })?;
@@ -525,9 +527,11 @@ impl FusedKernels {
         len: usize,
         op: ReduceOp,
     ) -> Result<()> {
-        let too_many = |what: &str, n: usize| Error::Unsupported {
-            op: "reduce_ranks",
-            detail: format!("{n} {what}: at most {MAX_LOCAL_RANKS} ranks share one process"),
+        let too_many = |what: &str, n: usize| {
+            Error::from(zero_core::Error::Unsupported {
+                op: "reduce_ranks",
+                detail: format!("{n} {what}: at most {MAX_LOCAL_RANKS} ranks share one process"),
+            })
         };
         if srcs.is_empty() || srcs.len() > MAX_LOCAL_RANKS {
             return Err(too_many("sources", srcs.len()));
@@ -665,12 +669,12 @@ impl FusedKernels {
         let mut entries = Vec::with_capacity(pieces.len());
         for (offset, dst, range) in pieces.iter_mut() {
             if range.end > dst.len() {
-                return Err(Error::BufferSize {
+                return Err(Error::from(zero_core::Error::BufferSize {
                     op: "narrow_ranges",
                     what: "destination piece",
                     got: dst.len(),
                     expected: range.end,
-                });
+                }));
             }
             let (ptr, guard) = dst.device_ptr_mut(stream);
             guards.push(guard);
@@ -725,12 +729,12 @@ impl FusedKernels {
         let mut longest = 0;
         for &(ptr, offset, len) in entries {
             if offset + len > flat_len {
-                return Err(Error::BufferSize {
+                return Err(Error::from(zero_core::Error::BufferSize {
                     op,
                     what: "flat (offset + piece length)",
                     got: flat_len,
                     expected: offset + len,
-                });
+                }));
             }
             if len == 0 {
                 continue;

@@ -365,12 +365,12 @@ impl RmspropState {
 
 fn check_len(op: &'static str, what: &'static str, got: usize, expected: usize) -> Result<()> {
     if got != expected {
-        return Err(Error::BufferSize {
+        return Err(Error::from(zero_core::Error::BufferSize {
             op,
             what,
             got,
             expected,
-        });
+        }));
     }
     Ok(())
 }
@@ -444,12 +444,12 @@ fn state_ptr<'a>(
     n: usize,
 ) -> Result<(u64, SyncOnDrop<'a>)> {
     if at + n > buf.len() {
-        return Err(Error::BufferSize {
+        return Err(Error::from(zero_core::Error::BufferSize {
             op,
             what,
             got: buf.len(),
             expected: at + n,
-        });
+        }));
     }
     let (ptr, guard) = buf.device_ptr_mut(stream);
     Ok((ptr + (at * std::mem::size_of::<f32>()) as u64, guard))
@@ -833,9 +833,11 @@ fn required(
     name: &'static str,
     len: usize,
 ) -> Result<CudaSlice<f32>> {
-    upload(stream, state, name, len)?.ok_or_else(|| Error::Unsupported {
-        op: "import_state",
-        detail: format!("the state has no `{name}` tensor"),
+    upload(stream, state, name, len)?.ok_or_else(|| {
+        Error::from(zero_core::Error::Unsupported {
+            op: "import_state",
+            detail: format!("the state has no `{name}` tensor"),
+        })
     })
 }
 

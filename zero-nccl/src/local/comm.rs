@@ -8,7 +8,7 @@
 //! and the `reduce_ranks` kernel over the peers' buffers, ordered by events,
 //! never by host waits.
 
-use super::plan::{Call, Kind};
+use super::collective::{Call, Kind};
 use super::protocol::{self, Lane};
 use crate::device_comm::Cuda;
 use crate::device_comm::{event_work, host_wait, ring_bytes, DeviceComm};

@@ -21,7 +21,7 @@
 //! then no peer will wait on them), and a communicator that is dropped
 //! leaves its last ones to its group.
 
-use super::plan::{check_posted, At, Call, Posted, Step};
+use super::collective::{check_posted, At, Call, Posted, Step};
 use zero_core::{Communicator, DType, Error, ReduceOp, Result, ThreadComm};
 
 /// Where a collective's work is queued: a rank's compute and comm streams.
@@ -138,7 +138,7 @@ fn issue<L: Lane>(lane: &L, rank: usize, n: usize, call: &Call, posted: &[Posted
     }
     let elem = call.dtype.size_in_bytes();
     let addrs = |at: &[At]| -> Vec<u64> { at.iter().map(|a| a.address(posted, elem)).collect() };
-    for step in super::plan::steps(&call.kind, call.len, n, rank) {
+    for step in super::collective::steps(&call.kind, call.len, n, rank) {
         match step {
             // SAFETY: the calls matched, so every range lies inside the
             // ranks' posted buffers, live until every rank has passed this
@@ -166,7 +166,7 @@ fn issue<L: Lane>(lane: &L, rank: usize, n: usize, call: &Call, posted: &[Posted
 
 #[cfg(test)]
 mod tests {
-    use super::super::plan::Kind;
+    use super::super::collective::Kind;
     use super::*;
     use std::collections::HashSet;
     use std::sync::atomic::{AtomicU64, Ordering};
@@ -266,7 +266,7 @@ mod tests {
                 // SAFETY: as the trait requires; element i of every source
                 // is read before element i of any destination is written.
                 let read = |a: u64| unsafe { *(a as *const f32).add(i) };
-                let acc = super::super::plan::combine_f32(op, srcs.iter().map(|&s| read(s)));
+                let acc = super::super::collective::combine_f32(op, srcs.iter().map(|&s| read(s)));
                 for &d in dsts {
                     // SAFETY: as above.
                     unsafe { *(d as *mut f32).add(i) = acc };

@@ -17,8 +17,8 @@ use std::sync::Arc;
 use std::thread::ThreadId;
 use std::time::Duration;
 use zero_core::engine::{
-    EngineConfig, GradPiece, HostPin, Landing, NormType, ParamCopy, ShardMemory, StepPiece,
-    StepPlan,
+    EngineConfig, GradPiece, HostPin, Landing, NormType, ParamCopy, ShardMemory, ShardStep,
+    StepPiece,
 };
 use zero_core::optim::{FunctionalOptimizer, OptimizerState};
 use zero_core::partition::ParamInfo;
@@ -125,12 +125,12 @@ fn copy_range(
         ("destination", dst_at, dst.len()),
     ] {
         if at + len > have {
-            return Err(nccl(crate::Error::BufferSize {
+            return Err(Error::BufferSize {
                 op: "device copy",
                 what,
                 got: have,
                 expected: at + len,
-            }));
+            });
         }
     }
     let size = std::mem::size_of::<f32>();
@@ -192,12 +192,12 @@ fn write_view(
 
 fn check_range(op: &'static str, range: &Range<usize>, len: usize) -> Result<()> {
     if range.end > len || range.start > range.end {
-        return Err(nccl(crate::Error::BufferSize {
+        return Err(Error::BufferSize {
             op,
             what: "range",
             got: len,
             expected: range.end,
-        }));
+        });
     }
     Ok(())
 }
@@ -961,7 +961,7 @@ impl<C: DeviceComm> ShardMemory<f32, C> for CudaMemory {
         optimizer: &mut dyn FunctionalOptimizer<f32>,
         params: &mut CudaSlice<f32>,
         grads: &CudaSlice<f32>,
-        plan: StepPlan<'_>,
+        plan: ShardStep<'_>,
     ) -> Result<()> {
         let stream = self.stream()?;
         let slots: Vec<PieceSlot> = plan
@@ -1165,12 +1165,12 @@ fn check_param_len(
         if view.len() == len {
             return Ok(());
         }
-        Err(nccl(crate::Error::BufferSize {
+        Err(Error::BufferSize {
             op,
             what: "parameter",
             got: view.len(),
             expected: len,
-        }))
+        })
     })
 }
 

@@ -1,8 +1,8 @@
 //! What the bucket-by-bucket updates share: the owned pieces grouped by
 //! bucket, one bucket's step, and its all-gather into the replica.
 
-use super::super::plan::Plan;
-use super::super::{Engine, Layout, ParamCopy, ShardMemory, StepPiece, StepPlan};
+use super::super::sharding::Sharding;
+use super::super::{Engine, Layout, ParamCopy, ShardMemory, ShardStep, StepPiece};
 use crate::comm::Communicator;
 use crate::optim::FunctionalOptimizer;
 use crate::{DType, Element, Error, Result};
@@ -25,7 +25,7 @@ impl<B> Buckets<B> {
         engine: &mut Engine<T, C, M>,
         stepping: &[bool],
     ) -> Result<Self> {
-        let groups = engine.plan.pieces_by_bucket().ok_or_else(|| {
+        let groups = engine.sharding.pieces_by_bucket().ok_or_else(|| {
             Error::State("internal: a piece straddles buckets on a bucketed update".into())
         })?;
         if engine.buffers.grad_shard.is_none() {
@@ -37,7 +37,11 @@ impl<B> Buckets<B> {
         let mut grad_chunk = None;
         if engine.lean_shard() {
             engine.buffers.param_shard = engine.memory.alloc_zeroed(0)?;
-            grad_chunk = Some(engine.memory.alloc_zeroed(longest_chunk(&engine.plan))?);
+            grad_chunk = Some(
+                engine
+                    .memory
+                    .alloc_zeroed(longest_chunk(&engine.sharding))?,
+            );
         }
         Ok(Self {
             groups,
@@ -52,8 +56,9 @@ pub(super) fn no_grad_shard() -> Error {
 }
 
 /// Elements of the longest bucket's chunk (one rank's part of it).
-pub(super) fn longest_chunk(plan: &Plan) -> usize {
-    plan.layout
+pub(super) fn longest_chunk(sharding: &Sharding) -> usize {
+    sharding
+        .layout
         .buckets
         .iter()
         .map(Range::len)
@@ -68,19 +73,21 @@ pub(super) fn longest_chunk(plan: &Plan) -> usize {
 pub(super) fn gather_buffers<T: Element, C: Communicator, M: ShardMemory<T, C>>(
     engine: &mut Engine<T, C, M>,
 ) -> Result<(M::Buffer, M::Buffer)> {
-    let send = engine.memory.alloc_zeroed(longest_chunk(&engine.plan))?;
+    let send = engine
+        .memory
+        .alloc_zeroed(longest_chunk(&engine.sharding))?;
     // Overwritten whole by each gather: no need to zero.
     let (recv, _) = super::super::reduce::take_shortest(
         &mut engine.memory,
         &mut engine.buffers.pool,
-        engine.plan.longest_bucket,
+        engine.sharding.longest_bucket,
     )?;
     Ok((send, recv))
 }
 
 /// What stepping one bucket of the shard reads (see [`step_bucket`]).
 pub(super) struct BucketStep<'a, B> {
-    plan: &'a Plan,
+    sharding: &'a Sharding,
     /// The owned pieces to step, at shard offsets.
     pieces: Vec<StepPiece<'a>>,
     pub bucket_active: &'a [bool],
@@ -91,19 +98,19 @@ pub(super) struct BucketStep<'a, B> {
 }
 
 impl<'a, B> BucketStep<'a, B> {
-    /// What stepping reads: the plan and its pieces (those of `stepping`
+    /// What stepping reads: the sharding and its pieces (those of `stepping`
     /// parameters active), the active buckets, those the interleaved
     /// schedule stepped, the reduced gradient shard (an error if none).
     pub fn new(
-        plan: &'a Plan,
+        sharding: &'a Sharding,
         stepping: &[bool],
         bucket_active: &'a [bool],
         early_stepped: &'a [bool],
         grads: Option<&'a B>,
     ) -> Result<Self> {
         Ok(Self {
-            plan,
-            pieces: plan.step_pieces(|p| stepping[p]),
+            sharding,
+            pieces: sharding.step_pieces(|p| stepping[p]),
             bucket_active,
             early_stepped,
             grads: grads.ok_or_else(no_grad_shard)?,
@@ -128,22 +135,22 @@ where
     C: Communicator,
     M: ShardMemory<T, C>,
 {
-    let shard_range = at.plan.layout.buckets[k].clone();
-    let shard_len = at.plan.partition.shard_numel;
+    let shard_range = at.sharding.layout.buckets[k].clone();
+    let shard_len = at.sharding.partition.shard_numel;
     if let Some(grad_chunk) = grad_chunk {
         return step_from_replica(
             memory,
             optimizer,
             params,
-            (&at.plan.owned_copies[group.clone()], &at.pieces[group]),
+            (&at.sharding.owned_copies[group.clone()], &at.pieces[group]),
             (shard_range, shard_len),
             (send, grad_chunk, at.grads),
         );
     }
     if at.early_stepped.get(k) != Some(&true) {
-        let plan = StepPlan {
+        let plan = ShardStep {
             pieces: &at.pieces[group],
-            buckets: &at.plan.layout.buckets,
+            buckets: &at.sharding.layout.buckets,
             bucket_active: at.bucket_active,
             origin: 0,
             shard_len,
@@ -247,7 +254,7 @@ where
         start: 0,
         end: shard_range.len(),
     }];
-    let plan = StepPlan {
+    let plan = ShardStep {
         pieces: &pieces,
         buckets: &whole,
         bucket_active: &[true],

@@ -5,7 +5,7 @@
 //! all-gathers run into the next forward (`deferred.rs`): the first
 //! layers' parameters are on the wire while the rest step.
 
-use super::super::deferred::{GatherJob, Payload};
+use super::super::deferred::{GatherJob, Payload, Pending};
 use super::super::{Engine, ParamAccess, ParamCopy, ShardMemory};
 use super::bucket::{bucket_copies, copies_from, longest_chunk, step_bucket, BucketStep, Buckets};
 use crate::comm::Communicator;
@@ -38,7 +38,7 @@ impl<B: Send + Sync + 'static> Deferred<B> {
             .collect();
         let copies: Vec<Vec<ParamCopy>> = order
             .iter()
-            .map(|&k| bucket_copies(&engine.plan.layout, &engine.mask.active, k))
+            .map(|&k| bucket_copies(&engine.sharding.layout, &engine.mask.active, k))
             .collect();
         let (job_tx, jobs) = mpsc::channel();
         let (mut send, payload) = match gather_payload(engine, access, jobs) {
@@ -58,7 +58,7 @@ impl<B: Send + Sync + 'static> Deferred<B> {
             None => Err(payload),
         };
         let stepper = BucketStep::new(
-            &engine.plan,
+            &engine.sharding,
             &stepping,
             &engine.mask.bucket_active,
             &engine.window.early_stepped,
@@ -66,8 +66,11 @@ impl<B: Send + Sync + 'static> Deferred<B> {
         )?;
         let mut stepped = Ok(());
         for (&k, copies) in order.iter().zip(copies) {
-            let chunk = engine.plan.layout.buckets[k].clone();
-            let owned = copies_from(&engine.plan.owned_copies[groups[k].clone()], chunk.start);
+            let chunk = engine.sharding.layout.buckets[k].clone();
+            let owned = copies_from(
+                &engine.sharding.owned_copies[groups[k].clone()],
+                chunk.start,
+            );
             stepped = step_bucket(
                 &mut engine.memory,
                 engine.optimizer.as_mut(),
@@ -85,28 +88,37 @@ impl<B: Send + Sync + 'static> Deferred<B> {
             let _ = job_tx.send(GatherJob {
                 owned,
                 chunk: chunk.len(),
-                len: engine.plan.layout.bucket_range(k).len(),
+                len: engine.sharding.layout.bucket_range(k).len(),
                 copies,
             });
         }
         // Closing the channel ends the thread after the last job.
         drop(job_tx);
-        let gathered = match started {
-            Ok(handle) => {
-                if let Some(gathers) = engine.deferred_gathers() {
-                    gathers.pending = Some(handle);
-                    gathers.steps += 1;
-                }
-                Ok(())
-            }
-            Err(payload) => {
-                // No thread: the same all-gathers, in the same order, here.
-                tracing::warn!("no communication thread; gathering before the step returns");
-                let finished = payload.run(&mut engine.memory);
-                engine.take_back(finished)
-            }
-        };
+        let gathered = leave_running(engine, started);
         stepped.and(gathered)
+    }
+}
+
+/// Leaves the gathers `started` on the communication thread running into
+/// the next forward, or, without a thread, runs them here.
+fn leave_running<T: Element, C: Communicator, M: ShardMemory<T, C>>(
+    engine: &mut Engine<T, C, M>,
+    started: std::result::Result<Pending<T, C, M>, Payload<T, C, M>>,
+) -> Result<()> {
+    match started {
+        Ok(handle) => {
+            if let Some(gathers) = engine.deferred_gathers() {
+                gathers.pending = Some(handle);
+                gathers.steps += 1;
+            }
+            Ok(())
+        }
+        Err(payload) => {
+            // No thread: the same all-gathers, in the same order, here.
+            tracing::warn!("no communication thread; gathering before the step returns");
+            let finished = payload.run(&mut engine.memory);
+            engine.take_back(finished)
+        }
     }
 }
 
@@ -120,13 +132,13 @@ fn gather_payload<T: Element, C: Communicator, M: ShardMemory<T, C>>(
     access: Box<dyn ParamAccess<T, C, M>>,
     jobs: mpsc::Receiver<GatherJob>,
 ) -> std::result::Result<(M::Buffer, Payload<T, C, M>), (Error, Box<dyn ParamAccess<T, C, M>>)> {
-    let chunk = longest_chunk(&engine.plan);
+    let chunk = longest_chunk(&engine.sharding);
     let buffers = engine.memory.alloc_zeroed(chunk).and_then(|thread_send| {
         let send = engine.memory.alloc_zeroed(chunk)?;
         let (recv, _) = super::super::reduce::take_shortest(
             &mut engine.memory,
             &mut engine.buffers.pool,
-            engine.plan.longest_bucket,
+            engine.sharding.longest_bucket,
         )?;
         Ok((send, thread_send, recv))
     });

@@ -26,7 +26,7 @@ impl HostStepped {
     ) -> Result<bool> {
         let (mut send, mut recv) = gather_buffers(engine)?;
         let dtype = engine.gather_dtype();
-        let layout = &engine.plan.layout;
+        let layout = &engine.sharding.layout;
         let mut outcome = Ok(true);
         for k in 0..layout.buckets.len() {
             if !engine.mask.bucket_active[k] {

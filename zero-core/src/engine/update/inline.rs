@@ -30,13 +30,13 @@ impl<B> Inline<B> {
         let (mut send, mut recv) = gather_buffers(engine)?;
         let dtype = engine.gather_dtype();
         let stepper = BucketStep::new(
-            &engine.plan,
+            &engine.sharding,
             &stepping,
             &engine.mask.bucket_active,
             &engine.window.early_stepped,
             engine.buffers.grad_shard.as_ref(),
         )?;
-        let layout = &engine.plan.layout;
+        let layout = &engine.sharding.layout;
         let mut outcome = Ok(());
         for (k, group) in groups.iter().enumerate() {
             if !stepper.bucket_active[k] {

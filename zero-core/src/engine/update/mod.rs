@@ -179,7 +179,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                 || config.loss_scale != super::LossScale::None,
             no_overlap: config.overlap == Overlap::None,
             sharded_params: self.fetcher().is_some(),
-            by_bucket: self.plan.pieces_by_bucket().is_some(),
+            by_bucket: self.sharding.pieces_by_bucket().is_some(),
             forkable,
             launches_async: self.memory.launches_async(),
             defer,

@@ -6,7 +6,9 @@
 use super::super::{Engine, Layout, ShardMemory};
 use super::bucket::{bucket_copies, longest_chunk, step_bucket, BucketStep, Buckets};
 use crate::comm::Communicator;
+use crate::optim::FunctionalOptimizer;
 use crate::{DType, Element, Error, Result};
+use std::ops::Range;
 use std::sync::{mpsc, Arc};
 
 /// All-gathers of stepped buckets allowed in flight at once after backward.
@@ -34,18 +36,9 @@ impl<B: Send + Sync + 'static> OnThread<B> {
             mut grad_chunk,
             stepping,
         } = self.buckets;
-        let layout = &engine.plan.layout;
         let (jobs, job_rx) = mpsc::channel::<(usize, M::Buffer, M::Buffer)>();
         let (done_tx, done) = mpsc::channel::<BucketBack<M::Buffer>>();
-        let task = GatherTask {
-            comm: Arc::clone(&engine.comm),
-            sizes: (0..layout.buckets.len())
-                .map(|k| (layout.buckets[k].len(), layout.bucket_range(k).len()))
-                .collect(),
-            dtype: engine.gather_dtype(),
-            jobs: job_rx,
-            done: done_tx,
-        };
+        let task = GatherTask::new(engine, job_rx, done_tx);
         let Some(Ok(ticket)) = engine.worker.as_ref().map(|w| w.run(task, GatherTask::run)) else {
             return Ok(false);
         };
@@ -58,7 +51,7 @@ impl<B: Send + Sync + 'static> OnThread<B> {
         let had_scratch = engine.buffers.scratch.is_some();
         let mut staging: Vec<M::Buffer> = engine.buffers.scratch.take().into_iter().collect();
         let stepper = BucketStep::new(
-            &engine.plan,
+            &engine.sharding,
             &stepping,
             &engine.mask.bucket_active,
             &engine.window.early_stepped,
@@ -68,13 +61,13 @@ impl<B: Send + Sync + 'static> OnThread<B> {
             memory: &mut engine.memory,
             pool: &mut engine.buffers.pool,
             staging: &mut staging,
-            layout: &engine.plan.layout,
+            layout: &engine.sharding.layout,
             active: &engine.mask.active,
             done,
             pending: 0,
             written: Ok(()),
         };
-        let chunk = longest_chunk(&engine.plan);
+        let chunk = longest_chunk(&engine.sharding);
         let optimizer = engine.optimizer.as_mut();
         let param_shard = &mut engine.buffers.param_shard;
         let mut outcome = Ok(());
@@ -82,30 +75,16 @@ impl<B: Send + Sync + 'static> OnThread<B> {
             if !stepper.bucket_active[k] {
                 continue;
             }
-            let mut send = match arrivals.staging.pop() {
-                Some(send) => send,
-                None => match arrivals.memory.alloc_zeroed(chunk) {
-                    Ok(send) => send,
-                    Err(e) => {
-                        outcome = Err(e);
-                        break;
-                    }
-                },
-            };
-            outcome = step_bucket(
-                arrivals.memory,
-                optimizer,
-                params,
-                (&mut *param_shard, grad_chunk.as_mut()),
-                &stepper,
-                (k, group.clone()),
-                &mut send,
-            );
-            if outcome.is_err() {
-                arrivals.staging.push(send);
-                break;
-            }
-            outcome = arrivals.send(params, &jobs, k, send);
+            let shard = (&mut *param_shard, grad_chunk.as_mut());
+            outcome = arrivals.staging_buffer(chunk).and_then(|send| {
+                arrivals.step_and_send(
+                    (&mut *optimizer, &stepper, shard),
+                    params,
+                    (k, group.clone()),
+                    send,
+                    &jobs,
+                )
+            });
             if outcome.is_err() {
                 break;
             }
@@ -144,6 +123,25 @@ struct GatherTask<C, B> {
 }
 
 impl<C: Communicator, B> GatherTask<C, B> {
+    /// The task for `engine`'s buckets, taking jobs from `jobs` and sending
+    /// them back through `done`.
+    fn new<T: Element, M: ShardMemory<T, C, Buffer = B>>(
+        engine: &Engine<T, C, M>,
+        jobs: mpsc::Receiver<(usize, B, B)>,
+        done: mpsc::Sender<BucketBack<B>>,
+    ) -> Self {
+        let layout = &engine.sharding.layout;
+        Self {
+            comm: Arc::clone(&engine.comm),
+            sizes: (0..layout.buckets.len())
+                .map(|k| (layout.buckets[k].len(), layout.bucket_range(k).len()))
+                .collect(),
+            dtype: engine.gather_dtype(),
+            jobs,
+            done,
+        }
+    }
+
     fn run<T: Element, M: ShardMemory<T, C, Buffer = B>>(memory: &mut M, task: Self) {
         let mut failed = false;
         for (k, send, mut recv) in task.jobs {
@@ -177,6 +175,46 @@ struct Arrivals<'a, T: Element, C: Communicator, M: ShardMemory<T, C>> {
 }
 
 impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Arrivals<'_, T, C, M> {
+    /// A staging buffer of `chunk` elements for the next bucket's chunk.
+    fn staging_buffer(&mut self, chunk: usize) -> Result<M::Buffer> {
+        match self.staging.pop() {
+            Some(send) => Ok(send),
+            None => self.memory.alloc_zeroed(chunk),
+        }
+    }
+
+    /// Steps bucket `k` (owned pieces `group`) into `send` and sends it
+    /// ([`Arrivals::send`]); on a failed step, `send` goes back to the
+    /// staging list.
+    #[allow(clippy::type_complexity)]
+    fn step_and_send(
+        &mut self,
+        (optimizer, stepper, shard): (
+            &mut dyn FunctionalOptimizer<T>,
+            &BucketStep<'_, M::Buffer>,
+            (&mut M::Buffer, Option<&mut M::Buffer>),
+        ),
+        params: &mut M::Params<'_>,
+        (k, group): (usize, Range<usize>),
+        mut send: M::Buffer,
+        jobs: &mpsc::Sender<(usize, M::Buffer, M::Buffer)>,
+    ) -> Result<()> {
+        let stepped = step_bucket(
+            self.memory,
+            optimizer,
+            params,
+            shard,
+            stepper,
+            (k, group),
+            &mut send,
+        );
+        if let Err(e) = stepped {
+            self.staging.push(send);
+            return Err(e);
+        }
+        self.send(params, jobs, k, send)
+    }
+
     /// Sends bucket `k`'s stepped chunk `send` to the thread once fewer
     /// than [`GATHERS_IN_FLIGHT`] are out (the next bucket steps meanwhile:
     /// their buffers are what this overlap costs in memory), and writes

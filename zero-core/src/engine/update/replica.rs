@@ -6,7 +6,7 @@
 
 use super::super::reduce::{land_next, thread_gone, Reducer};
 use super::super::{
-    Engine, Overlap, ParamCopy, ShardMemory, Stage, StageState, StepPiece, StepPlan,
+    Engine, Overlap, ParamCopy, ShardMemory, ShardStep, Stage, StageState, StepPiece,
 };
 use crate::comm::Communicator;
 use crate::{Element, Error, Result};
@@ -48,7 +48,7 @@ impl Replica<'_> {
         let mut piece_grads = engine.take_pooled()?;
         let mut result = Ok(());
         let mut first = 0;
-        while first < engine.plan.owned.len() && result.is_ok() {
+        while first < engine.sharding.owned.len() && result.is_ok() {
             let group = next_group(engine, first);
             first = group.end;
             result = self.step_group(
@@ -79,7 +79,7 @@ impl Replica<'_> {
         (values, piece_grads): (&mut M::Buffer, &mut M::Buffer),
     ) -> Result<()> {
         let stepping = self.stepping;
-        let owned = &engine.plan.owned;
+        let owned = &engine.sharding.owned;
         if !owned[group.clone()].iter().any(|p| stepping[p.param]) {
             return Ok(());
         }
@@ -95,7 +95,7 @@ impl Replica<'_> {
             (&mut own_values, &mut own_grads)
         };
         before(engine, grads, start..start + len)?;
-        let copies: Vec<ParamCopy> = engine.plan.owned_copies[group.clone()]
+        let copies: Vec<ParamCopy> = engine.sharding.owned_copies[group.clone()]
             .iter()
             .map(|c| ParamCopy {
                 at: c.at - start,
@@ -106,9 +106,9 @@ impl Replica<'_> {
         engine
             .memory
             .copy_range(piece_grads, 0, grads, start..start + len, false)?;
-        let pieces: Vec<StepPiece<'_>> = engine.plan.owned[group.clone()]
+        let pieces: Vec<StepPiece<'_>> = engine.sharding.owned[group.clone()]
             .iter()
-            .zip(&engine.plan.keys[group])
+            .zip(&engine.sharding.keys[group])
             .map(|(piece, key)| {
                 let at = piece.flat_range.start - start;
                 StepPiece {
@@ -119,13 +119,13 @@ impl Replica<'_> {
             })
             .collect();
         let whole = [Range { start: 0, end: len }];
-        let plan = StepPlan {
+        let plan = ShardStep {
             pieces: &pieces,
             buckets: &whole,
             bucket_active: &[true],
             origin: start,
             // Stage 0's plan has one rank: its shard is the flat buffer.
-            shard_len: engine.plan.partition.shard_numel,
+            shard_len: engine.sharding.partition.shard_numel,
         };
         engine
             .memory
@@ -145,10 +145,10 @@ fn next_group<T: Element, C: Communicator, M: ShardMemory<T, C>>(
     engine: &Engine<T, C, M>,
     first: usize,
 ) -> Range<usize> {
-    let owned = &engine.plan.owned;
+    let owned = &engine.sharding.owned;
     let start = owned[first].flat_range.start;
     let mut end = first + 1;
-    while end < owned.len() && owned[end].flat_range.end - start <= engine.plan.longest_bucket {
+    while end < owned.len() && owned[end].flat_range.end - start <= engine.sharding.longest_bucket {
         end += 1;
     }
     first..end
@@ -275,7 +275,7 @@ fn land_into_pool<T: Element, C: Communicator, M: ShardMemory<T, C>>(
     engine: &mut Engine<T, C, M>,
     count: usize,
 ) -> Result<()> {
-    let longest = engine.plan.longest_bucket;
+    let longest = engine.sharding.longest_bucket;
     let Some(Reducer::Thread { returned, .. }) = engine.pass.as_mut().map(|p| &mut p.reducer)
     else {
         return Ok(());
@@ -293,7 +293,7 @@ fn land_into_pool<T: Element, C: Communicator, M: ShardMemory<T, C>>(
         land_next(
             returned,
             &mut engine.memory,
-            &engine.plan.layout,
+            &engine.sharding.layout,
             full,
             &mut engine.buffers.pool,
         )?;
@@ -318,7 +318,7 @@ fn land_span<T: Element, C: Communicator, M: ShardMemory<T, C>>(
             "internal: no communication thread to take buckets from".into(),
         ));
     };
-    let layout = &engine.plan.layout;
+    let layout = &engine.sharding.layout;
     let needed: Vec<usize> = (0..layout.buckets.len())
         .filter(|&k| {
             let bucket = layout.bucket_range(k);

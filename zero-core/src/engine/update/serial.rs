@@ -3,7 +3,7 @@
 //! (stages 1-3; stage 3 its replicated parameters only) or, in stage 0
 //! with master weights, written from the masters every rank holds.
 
-use super::super::{Engine, ParamCopy, ShardMemory, Stage, StepPlan};
+use super::super::{Engine, ParamCopy, ShardMemory, ShardStep, Stage};
 use crate::comm::Communicator;
 use crate::{Element, Error, Result};
 
@@ -23,7 +23,7 @@ impl Serial<'_> {
             // This partition cannot be stepped bucket by bucket (a piece
             // straddles buckets), or no thread gathers: a shard copy after
             // all.
-            let numel = engine.plan.partition.shard_numel;
+            let numel = engine.sharding.partition.shard_numel;
             if M::buffer_len(&engine.buffers.param_shard) < numel {
                 engine.buffers.param_shard = engine.memory.alloc_zeroed(numel)?;
             }
@@ -43,12 +43,12 @@ impl Serial<'_> {
         &self,
         engine: &mut Engine<T, C, M>,
     ) -> Result<()> {
-        let mut pieces = engine.plan.step_pieces(|param| self.stepping[param]);
+        let mut pieces = engine.sharding.step_pieces(|param| self.stepping[param]);
         let early = &engine.window.early_stepped;
         if early.contains(&true) {
             for piece in &mut pieces {
                 let k = engine
-                    .plan
+                    .sharding
                     .layout
                     .buckets
                     .partition_point(|b| b.end <= piece.range.start);
@@ -57,12 +57,12 @@ impl Serial<'_> {
                 }
             }
         }
-        let plan = StepPlan {
+        let plan = ShardStep {
             pieces: &pieces,
-            buckets: &engine.plan.layout.buckets,
+            buckets: &engine.sharding.layout.buckets,
             bucket_active: &engine.mask.bucket_active,
             origin: 0,
-            shard_len: engine.plan.partition.shard_numel,
+            shard_len: engine.sharding.partition.shard_numel,
         };
         let grads = match (
             engine.buffers.grad_shard.as_ref(),
@@ -98,7 +98,7 @@ fn gather_buckets<T: Element, C: Communicator, M: ShardMemory<T, C>>(
     let written: Vec<bool> = (0..engine.params.len())
         .map(|p| engine.mask.active[p] && !engine.is_sharded(p))
         .collect();
-    let layout = &engine.plan.layout;
+    let layout = &engine.sharding.layout;
     for k in 0..layout.buckets.len() {
         if !engine.mask.bucket_active[k] || !layout.runs_of(k).iter().any(|r| written[r.param]) {
             continue;

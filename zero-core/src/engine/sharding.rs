@@ -3,6 +3,7 @@
 //! hand-over of gradients looks up.
 
 use super::{Engine, Layout, ParamCopy, ShardMemory, Stage, StepPiece};
+use crate::checkpoint::{PieceRecord, ShardRecord};
 use crate::comm::Communicator;
 use crate::optim::ParamKey;
 use crate::partition::{Interleaved, ParamInfo, PartitionPlan, ShardPiece};
@@ -10,7 +11,7 @@ use crate::{Element, Result};
 
 /// Everything derived from one partition plan; rebuilt whole when the
 /// engine re-partitions (`Engine::plan_in_order`).
-pub(super) struct Plan {
+pub(super) struct Sharding {
     pub partition: PartitionPlan,
     pub layout: Layout,
     /// This rank's index in the plan (0 in stage 0, whose plan has one rank).
@@ -29,7 +30,7 @@ pub(super) struct Plan {
     pub order: Option<Vec<usize>>,
 }
 
-impl Plan {
+impl Sharding {
     /// Derives the layout, owned pieces and keys of `partition` for plan
     /// rank `rank`.
     pub fn new(
@@ -114,6 +115,44 @@ impl Plan {
             .collect()
     }
 
+    /// Every rank's shard file (named by `shard_file`) and the pieces it
+    /// holds, as a checkpoint's manifest records them.
+    pub fn shard_records(
+        &self,
+        params: &[ParamInfo],
+        shard_file: impl Fn(usize) -> String,
+    ) -> Vec<ShardRecord> {
+        self.partition
+            .shards
+            .iter()
+            .enumerate()
+            .map(|(p, pieces)| ShardRecord {
+                rank: p,
+                file: shard_file(p),
+                pieces: pieces
+                    .iter()
+                    .map(|piece| PieceRecord {
+                        name: params[piece.param].name.clone(),
+                        offset: piece.param_range.start,
+                        len: piece.len(),
+                    })
+                    .collect(),
+            })
+            .collect()
+    }
+
+    /// Per bucket, the gradient pieces a backward pass will hand over
+    /// into it, given each parameter's expected hand-overs.
+    pub fn arrivals_per_bucket(&self, expected_calls: &[usize]) -> Vec<usize> {
+        let mut remaining = vec![0usize; self.layout.buckets.len()];
+        for (param, &calls) in expected_calls.iter().enumerate() {
+            for &run in &self.runs_of_param[param] {
+                remaining[self.bucket_of_run[run]] += calls;
+            }
+        }
+        remaining
+    }
+
     /// Per bucket, its range of the owned pieces; `None` when a piece
     /// straddles buckets (a partition not made in gradient order), which
     /// then cannot be stepped bucket by bucket.
@@ -162,7 +201,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         }
         let large = order.iter().filter(|&&p| !small(p)).count();
         order.extend((0..self.params.len()).filter(|&p| !placed[p]));
-        if self.plan.order.as_deref() == Some(&order[..]) {
+        if self.sharding.order.as_deref() == Some(&order[..]) {
             return Ok(());
         }
         let fresh = self.steps == 0
@@ -173,10 +212,10 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             // shard.
             && !self.masters_fresh;
         if !fresh || self.config.partitioner != super::PartitionerKind::Flat {
-            if self.plan.order.is_some() {
+            if self.sharding.order.is_some() {
                 tracing::debug!("gradient-ready order changed; keeping the partition");
             }
-            self.plan.order = Some(order);
+            self.sharding.order = Some(order);
             return Ok(());
         }
         let world = match self.config.stage {
