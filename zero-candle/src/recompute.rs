@@ -5,7 +5,7 @@
 //! ```
 //! use candle_core::{DType, Device, Module, Tensor};
 //! use candle_nn::{VarBuilder, VarMap};
-//! use zero_candle::{checkpoint, nn};
+//! use zero_candle::{checkpoint, nn, recompute};
 //!
 //! # fn main() -> candle_core::Result<()> {
 //! let varmap = VarMap::new();
@@ -13,9 +13,9 @@
 //! let fc = nn::linear(8, 8, vb.pp("fc"), None)?;
 //! let x = candle_core::Var::ones((2, 8), DType::F32, &Device::Cpu)?;
 //! // Only `x` is kept for backward; `fc`'s output and tanh are recomputed.
-//! let y = checkpoint::checkpoint("block", x.as_tensor(), move |x| fc.forward(x)?.tanh())?;
+//! let y = checkpoint("block", x.as_tensor(), move |x| fc.forward(x)?.tanh())?;
 //! let mut grads = y.sum_all()?.backward()?;
-//! checkpoint::merge_pending(&mut grads)?; // fc's gradients (no hook here)
+//! recompute::merge_pending(&mut grads)?; // fc's gradients (no hook here)
 //! # assert!(grads.get(x.as_tensor()).is_some());
 //! # Ok(())
 //! # }

@@ -23,7 +23,7 @@ use std::ffi::c_void;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
-use zero_core::comm::Buf;
+use zero_core::comm::{check_counts, check_len, check_root, Buf};
 use zero_core::{Communicator, DType, Element, ReduceOp, Work};
 
 /// `NCCL_SPLIT_NOCOLOR` from `nccl.h`: the rank takes no part in the new communicator.
@@ -371,33 +371,12 @@ impl NcclComm {
     }
 
     fn check_root(&self, op: &'static str, root: usize) -> Result<i32> {
-        if root >= self.world_size {
-            return Err(Error::from(zero_core::Error::InvalidRank {
-                op,
-                rank: root,
-                world_size: self.world_size,
-            }));
-        }
+        check_root(op, root, self.world_size)?;
         Ok(root as i32)
     }
 
     fn check_counts(&self, op: &'static str, counts: &[usize], send_len: usize) -> Result<()> {
-        if counts.len() != self.world_size {
-            return Err(Error::from(zero_core::Error::BufferSize {
-                op,
-                what: "counts",
-                got: counts.len(),
-                expected: self.world_size,
-            }));
-        }
-        if send_len != counts[self.rank] {
-            return Err(Error::from(zero_core::Error::BufferSize {
-                op,
-                what: "send",
-                got: send_len,
-                expected: counts[self.rank],
-            }));
-        }
+        check_counts(op, counts, send_len, (self.rank, self.world_size))?;
         Ok(())
     }
 
@@ -453,15 +432,7 @@ impl NcclComm {
         got: usize,
         count: usize,
     ) -> Result<()> {
-        if got != count * self.world_size {
-            return Err(Error::from(zero_core::Error::BufferSize {
-                op,
-                what,
-                got,
-                expected: count * self.world_size,
-            }));
-        }
-        Ok(())
+        Ok(check_len(op, what, got, count * self.world_size)?)
     }
 
     fn all_reduce_event_raw<T: Element>(

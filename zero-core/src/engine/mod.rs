@@ -139,6 +139,8 @@ pub struct Engine<T: Element, C: Communicator, M: ShardMemory<T, C> = HostMemory
     steps: u64,
     /// The state gathered by the last `consolidate_state_dict` (receiver only).
     consolidated: Option<crate::checkpoint::StateDict<T>>,
+    /// Whether master weights are kept, and the dtypes on the wire.
+    wire: precision::Wire,
     /// With master weights: whether `buffers.param_shard` holds them (see
     /// `precision.rs`); until then the next step reads the replica.
     masters_fresh: bool,
@@ -273,6 +275,8 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             offload::check_host_room(needed, offload::host_available_bytes())?;
         }
         let trainable: Vec<bool> = params.iter().map(|p| p.trainable).collect();
+        let wire =
+            precision::Wire::new::<T>(&params, &config, comm.world_size(), memory.gathers_packed());
         let stage = match config.stage {
             Stage::Ddp => StageState::Replicated { side: None },
             _ => StageState::Sharded(deferred::DeferredGathers::default()),
@@ -298,6 +302,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             offload_times: OffloadTimes::default(),
             steps: 0,
             consolidated: None,
+            wire,
             masters_fresh: false,
             scaler: scaler::LossScaler::new(config.loss_scale),
             refresh: Arc::default(),

@@ -367,7 +367,7 @@ where
                     stepper,
                     (
                         self.sharding.layout.buckets.clone(),
-                        self.packed_write_back(),
+                        self.wire.packed_write_back,
                     ),
                     region,
                 )?))
@@ -1073,7 +1073,7 @@ where
                 .map(|k| self.sharding.layout.bucket_range(k))
                 .collect(),
             shard: self.sharding.layout.buckets.clone(),
-            wire: self.reduce_dtype(),
+            wire: self.wire.reduce,
         }
     }
 

@@ -23,8 +23,9 @@
 //! [`ParamStore`]: super::ParamStore
 //! [`EngineConfig::gather_in_param_dtype`]: super::EngineConfig::gather_in_param_dtype
 
-use super::{Engine, ParamCopy, ParamStore, ShardMemory, Stage};
+use super::{Engine, EngineConfig, ParamCopy, ParamStore, ShardMemory, Stage};
 use crate::comm::Communicator;
+use crate::partition::ParamInfo;
 use crate::{DType, Element, Result};
 use half::{bf16, f16};
 use std::any::TypeId;
@@ -40,13 +41,74 @@ pub(super) fn engine_steps<T: Element>(dtype: DType) -> bool {
             && T::DTYPE.size_in_bytes() > dtype.size_in_bytes())
 }
 
+/// Where an engine keeps its masters and the dtypes its values travel in,
+/// decided once at construction from the parameters, the configuration,
+/// the world size and the memory.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Wire {
+    /// Master weights are kept: some trainable parameter has a narrower
+    /// dtype than the engine's element type.
+    pub masters: bool,
+    /// The dtype the updated shard travels in: the parameters' when they
+    /// share one narrower than `T` (their replica holds nothing finer, so
+    /// rounding before sending is exact), `T` otherwise. A single rank
+    /// sends nothing, so it gathers in `T` (rounding there would only add
+    /// two conversion passes; the write-back rounds the same).
+    pub gather: DType,
+    /// The dtype gradients travel in: the master dtype unless the
+    /// configuration asks for the parameters' (`reduce_in_param_dtype`).
+    pub reduce: DType,
+    /// The 16-bit dtype offload's step thread packs each stepped bucket's
+    /// weights in for the write-back: the model's, when it is a 16-bit
+    /// model with wider masters, the configuration gathers in the
+    /// parameters' dtype (as by default) and the memory gathers packed
+    /// chunks. Rounding on the host then widening on the device gives the
+    /// model the same values as rounding the masters there; it costs the
+    /// host one more pass over the stepped weights and halves the bytes
+    /// sent up.
+    pub packed_write_back: Option<DType>,
+}
+
+impl Wire {
+    /// For an engine of element type `T` over `params` on `world_size`
+    /// ranks, with a memory that gathers packed 16-bit chunks or not.
+    pub fn new<T: Element>(
+        params: &[ParamInfo],
+        config: &EngineConfig,
+        world_size: usize,
+        gathers_packed: bool,
+    ) -> Self {
+        // The trainable parameters' dtype when they share one, else `T`'s.
+        let mut trainable = params.iter().filter(|p| p.trainable);
+        let param_dtype = match trainable.next() {
+            Some(first) if trainable.all(|p| p.dtype == first.dtype) => first.dtype,
+            _ => T::DTYPE,
+        };
+        let narrow =
+            matches!(param_dtype, DType::BF16 | DType::F16) && T::DTYPE.size_in_bytes() > 2;
+        Self {
+            masters: params.iter().any(|p| p.trainable && p.dtype != T::DTYPE),
+            gather: if config.gather_in_param_dtype && world_size > 1 {
+                param_dtype
+            } else {
+                T::DTYPE
+            },
+            reduce: if config.reduce_in_param_dtype {
+                param_dtype
+            } else {
+                T::DTYPE
+            },
+            packed_write_back: (narrow && config.gather_in_param_dtype && gathers_packed)
+                .then_some(param_dtype),
+        }
+    }
+}
+
 impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// Whether this engine keeps master weights: some trainable parameter
     /// has a narrower dtype than the engine's element type.
     pub fn has_master_weights(&self) -> bool {
-        self.params
-            .iter()
-            .any(|p| p.trainable && p.dtype != T::DTYPE)
+        self.wire.masters
     }
 
     /// Makes the next step read the owned pieces of the weights from the
@@ -86,51 +148,6 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         }
         self.masters_fresh = truth;
         Ok(())
-    }
-
-    /// The dtype the updated shard travels in: the parameters' when they
-    /// share one narrower than `T` (their replica holds nothing finer, so
-    /// rounding before sending is exact), `T` otherwise. A single rank
-    /// sends nothing, so it gathers in `T` (rounding there would only add
-    /// two conversion passes; the write-back rounds the same).
-    pub(super) fn gather_dtype(&self) -> DType {
-        if !self.config.gather_in_param_dtype || self.comm.world_size() == 1 {
-            return T::DTYPE;
-        }
-        self.param_dtype()
-    }
-
-    /// The dtype gradients travel in: the master dtype unless the
-    /// configuration asks for the parameters' (`reduce_in_param_dtype`).
-    pub(super) fn reduce_dtype(&self) -> DType {
-        if !self.config.reduce_in_param_dtype {
-            return T::DTYPE;
-        }
-        self.param_dtype()
-    }
-
-    /// The 16-bit dtype offload's step thread packs each stepped bucket's
-    /// weights in for the write-back: the model's, when it is a 16-bit
-    /// model with wider masters, the configuration gathers in the
-    /// parameters' dtype (as by default) and the memory gathers packed
-    /// chunks. Rounding on the host then widening on the device gives the
-    /// model the same values as rounding the masters there; it costs the
-    /// host one more pass over the stepped weights and halves the bytes
-    /// sent up.
-    pub(super) fn packed_write_back(&self) -> Option<DType> {
-        let dtype = self.param_dtype();
-        let narrow = matches!(dtype, DType::BF16 | DType::F16) && T::DTYPE.size_in_bytes() > 2;
-        (narrow && self.config.gather_in_param_dtype && self.memory.gathers_packed())
-            .then_some(dtype)
-    }
-
-    /// The trainable parameters' dtype when they share one, else `T`'s.
-    fn param_dtype(&self) -> DType {
-        let mut trainable = self.params.iter().filter(|p| p.trainable);
-        match trainable.next() {
-            Some(first) if trainable.all(|p| p.dtype == first.dtype) => first.dtype,
-            _ => T::DTYPE,
-        }
     }
 
     /// Stage 0 with master weights: writes the active parameters' updated

@@ -242,7 +242,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         last: Option<&[Option<M::Grad<'_>>]>,
         mut bucket_buf: Option<&mut M::Buffer>,
     ) -> Result<()> {
-        let wire = self.reduce_dtype();
+        let wire = self.wire.reduce;
         for k in 0..self.sharding.layout.buckets.len() {
             if !self.mask.bucket_active[k] {
                 continue;

@@ -289,15 +289,7 @@ impl Group {
 
 impl MpiComm {
     pub(crate) fn check_root(&self, op: &'static str, root: usize) -> Result<()> {
-        if root < self.group.world_size {
-            Ok(())
-        } else {
-            Err(zero_core::Error::InvalidRank {
-                op,
-                rank: root,
-                world_size: self.group.world_size,
-            })
-        }
+        zero_core::comm::check_root(op, root, self.group.world_size)
     }
 
     /// Prefix offsets of `counts` as MPI counts; checks they fit.
@@ -315,9 +307,8 @@ impl MpiComm {
     }
 
     fn check_counts(&self, op: &'static str, send_len: usize, counts: &[usize]) -> Result<usize> {
-        check_len(op, "counts", counts.len(), self.group.world_size)?;
-        check_len(op, "send", send_len, counts[self.group.rank])?;
-        Ok(counts.iter().sum())
+        let group = (self.group.rank, self.group.world_size);
+        zero_core::comm::check_counts(op, counts, send_len, group)
     }
 
     pub(crate) fn check_reduce_scatter<T>(

@@ -17,6 +17,7 @@ use crate::{Error, Result};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, PushKernelArg, SyncOnDrop};
 use std::ops::Range;
 use std::sync::Arc;
+use zero_core::comm::check_len;
 use zero_core::optim::ParamState;
 
 /// SGD hyperparameters (`torch.optim.SGD`).
@@ -361,18 +362,6 @@ impl RmspropState {
             step: 0,
         })
     }
-}
-
-fn check_len(op: &'static str, what: &'static str, got: usize, expected: usize) -> Result<()> {
-    if got != expected {
-        return Err(Error::from(zero_core::Error::BufferSize {
-            op,
-            what,
-            got,
-            expected,
-        }));
-    }
-    Ok(())
 }
 
 fn flag(b: bool) -> i32 {

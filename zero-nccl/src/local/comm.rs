@@ -324,16 +324,7 @@ impl CudaThreadComm {
     }
 
     fn check_root(&self, op: &'static str, root: usize) -> Result<()> {
-        let world_size = self.host.world_size();
-        if root < world_size {
-            Ok(())
-        } else {
-            Err(zero_core::Error::InvalidRank {
-                op,
-                rank: root,
-                world_size,
-            })
-        }
+        zero_core::comm::check_root(op, root, self.host.world_size())
     }
 
     fn in_place<T: Element>(

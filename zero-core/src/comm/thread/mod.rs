@@ -291,19 +291,11 @@ impl ThreadComm {
     }
 
     fn check_root(&self, op: &'static str, root: usize) -> Result<()> {
-        if root >= self.shared.world_size {
-            return Err(Error::InvalidRank {
-                op,
-                rank: root,
-                world_size: self.shared.world_size,
-            });
-        }
-        Ok(())
+        super::check_root(op, root, self.shared.world_size)
     }
 
     fn check_counts(&self, op: &'static str, counts: &[usize], send_len: usize) -> Result<()> {
-        check_len(op, "counts", counts.len(), self.shared.world_size)?;
-        check_len(op, "send", send_len, counts[self.rank])
+        super::check_counts(op, counts, send_len, (self.rank, self.shared.world_size)).map(drop)
     }
 
     /// Runs a blocking zero-copy collective: joins with `raw`, waits for all

@@ -153,7 +153,7 @@ fn gather_payload<T: Element, C: Communicator, M: ShardMemory<T, C>>(
         recv,
         access,
         refresh: Arc::clone(&engine.refresh),
-        dtype: engine.gather_dtype(),
+        dtype: engine.wire.gather,
     };
     Ok((send, payload))
 }

@@ -25,7 +25,7 @@ impl HostStepped {
         params: &mut M::Params<'_>,
     ) -> Result<bool> {
         let (mut send, mut recv) = gather_buffers(engine)?;
-        let dtype = engine.gather_dtype();
+        let dtype = engine.wire.gather;
         let layout = &engine.sharding.layout;
         let mut outcome = Ok(true);
         for k in 0..layout.buckets.len() {

@@ -28,7 +28,7 @@ impl<B> Inline<B> {
             stepping,
         } = self.buckets;
         let (mut send, mut recv) = gather_buffers(engine)?;
-        let dtype = engine.gather_dtype();
+        let dtype = engine.wire.gather;
         let stepper = BucketStep::new(
             &engine.sharding,
             &stepping,

@@ -136,7 +136,7 @@ impl<C: Communicator, B> GatherTask<C, B> {
             sizes: (0..layout.buckets.len())
                 .map(|k| (layout.buckets[k].len(), layout.bucket_range(k).len()))
                 .collect(),
-            dtype: engine.gather_dtype(),
+            dtype: engine.wire.gather,
             jobs,
             done,
         }

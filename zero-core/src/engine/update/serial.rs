@@ -92,7 +92,7 @@ fn gather_buckets<T: Element, C: Communicator, M: ShardMemory<T, C>>(
     params: &mut M::Params<'_>,
     mut bucket_buf: Option<&mut M::Buffer>,
 ) -> Result<()> {
-    let gather_dtype = engine.gather_dtype();
+    let gather_dtype = engine.wire.gather;
     // Stage 3: a sharded parameter's replica is gone; a bucket of sharded
     // parameters only is not gathered at all.
     let written: Vec<bool> = (0..engine.params.len())
