@@ -5,7 +5,7 @@
 //! trains the weights of the host engine on the thread backend.
 //!
 //! The plan of each collective (which rank copies or reduces what) is
-//! tested without a GPU in `src/local/plan.rs`. These need a GPU:
+//! tested without a GPU in `src/local/collective.rs`. These need a GPU:
 //! `cargo test -p zero-nccl --features nccl -- --ignored` on a GPU machine.
 #![cfg(feature = "nccl")]
 
