@@ -531,6 +531,16 @@ impl EngineConfig {
         self
     }
 
+    /// Whether a step of `micro_steps` micro-steps reads every reduced
+    /// gradient before it updates anything: to average the micro-steps, to
+    /// clip by or report the global norm, or to look for an inf or NaN.
+    pub(crate) fn reads_every_gradient(&self, micro_steps: usize) -> bool {
+        micro_steps > 1
+            || self.clip.is_some()
+            || self.compute_grad_norm
+            || self.loss_scale != LossScale::None
+    }
+
     pub(crate) fn validate(&self) -> Result<()> {
         self.loss_scale.validate()?;
         let interleaved = self.overlap == Overlap::Interleaved;

@@ -395,9 +395,15 @@ where
     /// Lends the optimizer and the parameter shard for the interleaved
     /// schedule: the pieces of predicted parameters step with their bucket.
     fn lend_early_step(&mut self, expected_calls: &[usize]) -> Result<EarlyStep<T, M::Buffer>> {
-        let bucket_pieces = self.sharding.pieces_by_bucket().ok_or_else(|| {
-            Error::State("internal: the interleaved schedule needs pieces within buckets".into())
-        })?;
+        let bucket_pieces = self
+            .sharding
+            .pieces_by_bucket()
+            .ok_or_else(|| {
+                Error::State(
+                    "internal: the interleaved schedule needs pieces within buckets".into(),
+                )
+            })?
+            .to_vec();
         let base = self.sharding.base();
         let pieces = self
             .sharding

@@ -8,6 +8,7 @@ use crate::comm::Communicator;
 use crate::optim::ParamKey;
 use crate::partition::{Interleaved, ParamInfo, PartitionPlan, ShardPiece};
 use crate::{Element, Result};
+use std::ops::Range;
 
 /// Everything derived from one partition plan; rebuilt whole when the
 /// engine re-partitions (`Engine::plan_in_order`).
@@ -28,6 +29,8 @@ pub(super) struct Sharding {
     pub longest_bucket: usize,
     /// The parameter order the plan was built for (`None`: names).
     pub order: Option<Vec<usize>>,
+    /// Per bucket, its range of the owned pieces (`pieces_by_bucket`).
+    by_bucket: Option<Vec<Range<usize>>>,
 }
 
 impl Sharding {
@@ -73,6 +76,7 @@ impl Sharding {
             .map(|k| layout.bucket_range(k).len())
             .max()
             .unwrap_or(0);
+        let by_bucket = group_by_bucket(&layout, &owned, base);
         Self {
             partition,
             layout,
@@ -84,6 +88,7 @@ impl Sharding {
             bucket_of_run,
             longest_bucket,
             order,
+            by_bucket,
         }
     }
 
@@ -156,26 +161,36 @@ impl Sharding {
     /// Per bucket, its range of the owned pieces; `None` when a piece
     /// straddles buckets (a partition not made in gradient order), which
     /// then cannot be stepped bucket by bucket.
-    pub fn pieces_by_bucket(&self) -> Option<Vec<std::ops::Range<usize>>> {
-        let base = self.base();
-        let mut groups = Vec::with_capacity(self.layout.buckets.len());
-        let mut next = 0;
-        for bucket in &self.layout.buckets {
-            let first = next;
-            while let Some(piece) = self.owned.get(next) {
-                let at = piece.flat_range.start - base;
-                if at >= bucket.end {
-                    break;
-                }
-                if at + piece.len() > bucket.end {
-                    return None;
-                }
-                next += 1;
-            }
-            groups.push(first..next);
-        }
-        Some(groups)
+    pub fn pieces_by_bucket(&self) -> Option<&[Range<usize>]> {
+        self.by_bucket.as_deref()
     }
+}
+
+/// Per bucket of `layout`, its range of the `owned` pieces (this rank's
+/// shard starting at `base` of the flat plan); `None` when a piece
+/// straddles buckets.
+fn group_by_bucket(
+    layout: &Layout,
+    owned: &[ShardPiece],
+    base: usize,
+) -> Option<Vec<Range<usize>>> {
+    let mut groups = Vec::with_capacity(layout.buckets.len());
+    let mut next = 0;
+    for bucket in &layout.buckets {
+        let first = next;
+        while let Some(piece) = owned.get(next) {
+            let at = piece.flat_range.start - base;
+            if at >= bucket.end {
+                break;
+            }
+            if at + piece.len() > bucket.end {
+                return None;
+            }
+            next += 1;
+        }
+        groups.push(first..next);
+    }
+    Some(groups)
 }
 
 impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {

@@ -116,11 +116,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         // write-back takes them as they come, `update_shard`): whatever
         // reads the gradient shard before (averaging; clipping and loss
         // scaling, which the interleaved schedule refuses) waits for it.
-        if micro_steps > 1
-            || self.config.clip.is_some()
-            || self.config.compute_grad_norm
-            || self.config.loss_scale != super::LossScale::None
-        {
+        if self.config.reads_every_gradient(micro_steps) {
             self.finish_host_steps()?;
         }
         if !reduced && self.window.in_shard {

@@ -11,23 +11,27 @@ use std::ops::Range;
 /// A bucket-by-bucket update's view of the shard: per bucket, its range
 /// of the owned pieces, and, without a shard copy (a lean shard), the
 /// buffer each bucket's gradients are copied into beside its values.
-pub(super) struct Buckets<B> {
+pub(super) struct Buckets<'s, B> {
     pub groups: Vec<Range<usize>>,
     pub grad_chunk: Option<B>,
     /// Which parameters step.
-    pub stepping: Vec<bool>,
+    pub stepping: &'s [bool],
 }
 
-impl<B> Buckets<B> {
+impl<'s, B> Buckets<'s, B> {
     /// The buckets of `engine`'s plan (every owned piece within one, as
     /// the step's path was decided on); a lean shard's copy dropped.
     pub fn new<T: Element, C: Communicator, M: ShardMemory<T, C, Buffer = B>>(
         engine: &mut Engine<T, C, M>,
-        stepping: &[bool],
+        stepping: &'s [bool],
     ) -> Result<Self> {
-        let groups = engine.sharding.pieces_by_bucket().ok_or_else(|| {
-            Error::State("internal: a piece straddles buckets on a bucketed update".into())
-        })?;
+        let groups = engine
+            .sharding
+            .pieces_by_bucket()
+            .ok_or_else(|| {
+                Error::State("internal: a piece straddles buckets on a bucketed update".into())
+            })?
+            .to_vec();
         if engine.buffers.grad_shard.is_none() {
             return Err(no_grad_shard());
         }
@@ -46,7 +50,7 @@ impl<B> Buckets<B> {
         Ok(Self {
             groups,
             grad_chunk,
-            stepping: stepping.to_vec(),
+            stepping,
         })
     }
 }

@@ -13,11 +13,11 @@ use crate::{Element, Error, Result};
 use std::sync::{mpsc, Arc};
 
 /// The update whose gathers are left running.
-pub(super) struct Deferred<B> {
-    pub buckets: Buckets<B>,
+pub(super) struct Deferred<'s, B> {
+    pub buckets: Buckets<'s, B>,
 }
 
-impl<B: Send + Sync + 'static> Deferred<B> {
+impl<B: Send + Sync + 'static> Deferred<'_, B> {
     pub fn run<T: Element, C: Communicator, M: ShardMemory<T, C, Buffer = B>>(
         self,
         engine: &mut Engine<T, C, M>,
@@ -59,7 +59,7 @@ impl<B: Send + Sync + 'static> Deferred<B> {
         };
         let stepper = BucketStep::new(
             &engine.sharding,
-            &stepping,
+            stepping,
             &engine.mask.bucket_active,
             &engine.window.early_stepped,
             engine.buffers.grad_shard.as_ref(),

@@ -9,11 +9,11 @@ use crate::comm::Communicator;
 use crate::{Element, Result};
 
 /// The inline update of the shard's buckets.
-pub(super) struct Inline<B> {
-    pub buckets: Buckets<B>,
+pub(super) struct Inline<'s, B> {
+    pub buckets: Buckets<'s, B>,
 }
 
-impl<B> Inline<B> {
+impl<B> Inline<'_, B> {
     /// Each active bucket stepped, all-gathered and written into the
     /// replica, through one chunk buffer and one pooled bucket buffer,
     /// which the stream's order lets the next bucket reuse at once.
@@ -31,7 +31,7 @@ impl<B> Inline<B> {
         let dtype = engine.wire.gather;
         let stepper = BucketStep::new(
             &engine.sharding,
-            &stepping,
+            stepping,
             &engine.mask.bucket_active,
             &engine.window.early_stepped,
             engine.buffers.grad_shard.as_ref(),

@@ -173,10 +173,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                 .pass
                 .as_ref()
                 .is_some_and(|p| p.reducer.has_host_steps()),
-            whole_grads: micro_steps > 1
-                || config.clip.is_some()
-                || config.compute_grad_norm
-                || config.loss_scale != super::LossScale::None,
+            whole_grads: config.reads_every_gradient(micro_steps),
             no_overlap: config.overlap == Overlap::None,
             sharded_params: self.fetcher().is_some(),
             by_bucket: self.sharding.pieces_by_bucket().is_some(),

@@ -19,11 +19,11 @@ const GATHERS_IN_FLIGHT: usize = 1;
 type BucketBack<B> = (usize, B, B, Result<()>);
 
 /// The update with its gathers on the communication thread.
-pub(super) struct OnThread<B> {
-    pub buckets: Buckets<B>,
+pub(super) struct OnThread<'s, B> {
+    pub buckets: Buckets<'s, B>,
 }
 
-impl<B: Send + Sync + 'static> OnThread<B> {
+impl<B: Send + Sync + 'static> OnThread<'_, B> {
     /// `Ok(false)`, nothing done, when the thread is gone (the serial
     /// update gathers the same way).
     pub fn run<T: Element, C: Communicator, M: ShardMemory<T, C, Buffer = B>>(
@@ -52,7 +52,7 @@ impl<B: Send + Sync + 'static> OnThread<B> {
         let mut staging: Vec<M::Buffer> = engine.buffers.scratch.take().into_iter().collect();
         let stepper = BucketStep::new(
             &engine.sharding,
-            &stepping,
+            stepping,
             &engine.mask.bucket_active,
             &engine.window.early_stepped,
             engine.buffers.grad_shard.as_ref(),
