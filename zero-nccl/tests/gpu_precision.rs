@@ -356,7 +356,7 @@ fn gathers_in_sixteen_bits_round_on_the_wire() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn packed_sixteen_bit_chunks_gather_as_their_f32_values_would() {
-    use zero_core::engine::{pack_narrow, packed_len, ShardMemory};
+    use zero_core::engine::{pack_narrow, packed_len, PackedGathers, ShardMemory};
     let comm = comm();
     let mut memory = zero_nccl::CudaMemory::new(&comm, adam().as_ref()).unwrap();
     let stream = comm.compute_stream().clone();

@@ -11,13 +11,13 @@
 
 mod common;
 
-use zero_core::engine::{HostBuffer, ShardMemory};
+use zero_core::engine::{HostBuffer, HostTransfers, ShardMemory};
 use zero_core::optim::{Adam, AdamConfig};
 use zero_nccl::cudarc::driver::CudaSlice;
 use zero_nccl::{CudaMemory, DeviceComm, NcclComm};
 
 /// `CudaMemory` as the engine's memory for one communicator type.
-trait Memory: ShardMemory<f32, NcclComm, Buffer = CudaSlice<f32>> {}
+trait Memory: HostTransfers<f32, NcclComm, Buffer = CudaSlice<f32>> {}
 impl Memory for CudaMemory {}
 
 /// Large enough (256 MB) that a copy takes milliseconds: a copy that did
@@ -30,10 +30,10 @@ fn memory_and_host(comm: &NcclComm, copy_stream: bool) -> (impl Memory, HostBuff
     let adam = Adam::new(AdamConfig::default()).unwrap();
     let mut memory = CudaMemory::new(comm, &adam).unwrap();
     if copy_stream {
-        ShardMemory::<f32, NcclComm>::copy_stream(&mut memory).unwrap();
+        HostTransfers::<f32, NcclComm>::copy_stream(&mut memory).unwrap();
     }
     let host = HostBuffer::pinned(LEN, |values| {
-        ShardMemory::<f32, NcclComm>::pin_host(&mut memory, values)
+        HostTransfers::<f32, NcclComm>::pin_host(&mut memory, values)
     })
     .unwrap();
     assert!(host.is_pinned(), "the GPU page-locks offloaded memory");

@@ -77,8 +77,8 @@ pub use reduce::ReductionProgress;
 pub use scaler::{DynamicLossScale, LossScale, LossScalerState};
 pub use setup::ShardSetup;
 pub use shard_memory::{
-    host_gathers, pack_narrow, packed_len, GradPiece, HostGrad, HostMemory, ParamCopy, ParamStore,
-    ShardMemory, ShardStep, StepPiece,
+    host_gathers, pack_narrow, packed_len, Deferral, GradPiece, HostGrad, HostMemory, HostOffload,
+    HostTransfers, PackedGathers, ParamCopy, ParamStore, ShardMemory, ShardStep, StepPiece,
 };
 pub use stage3::{FetcherOf, ParamPieceSink};
 pub use state::SaveOptions;
@@ -141,6 +141,8 @@ pub struct Engine<T: Element, C: Communicator, M: ShardMemory<T, C> = HostMemory
     consolidated: Option<crate::checkpoint::StateDict<T>>,
     /// Whether master weights are kept, and the dtypes on the wire.
     wire: precision::Wire,
+    /// What the memory can do that decides a step's path.
+    abilities: shard_memory::Abilities,
     /// With master weights: whether `buffers.param_shard` holds them (see
     /// `precision.rs`); until then the next step reads the replica.
     masters_fresh: bool,
@@ -266,17 +268,24 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             comm.rank(),
         )?;
         if config.offload == Offload::Optimizer {
-            memory.offload_optimizer(config.offload_threads, config.offload_pin_memory)?;
-            if config.offload_copy_stream {
-                memory.copy_stream()?;
-            }
+            shard_memory::start_offload(
+                &mut memory,
+                config.offload_threads,
+                config.offload_pin_memory,
+                config.offload_copy_stream,
+            )?;
             // The shard, its gradients and (Adam's) two moments.
             let needed = (plan.shard_numel * std::mem::size_of::<T>() * 4) as u64;
             offload::check_host_room(needed, offload::host_available_bytes())?;
         }
         let trainable: Vec<bool> = params.iter().map(|p| p.trainable).collect();
-        let wire =
-            precision::Wire::new::<T>(&params, &config, comm.world_size(), memory.gathers_packed());
+        let wire = precision::Wire::new::<T>(
+            &params,
+            &config,
+            comm.world_size(),
+            memory.packed_gathers().is_some(),
+        );
+        let abilities = shard_memory::Abilities::of(&mut memory);
         let stage = match config.stage {
             Stage::Ddp => StageState::Replicated { side: None },
             _ => StageState::Sharded(deferred::DeferredGathers::default()),
@@ -303,6 +312,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             steps: 0,
             consolidated: None,
             wire,
+            abilities,
             masters_fresh: false,
             scaler: scaler::LossScaler::new(config.loss_scale),
             refresh: Arc::default(),
@@ -337,12 +347,12 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         self.buffers.param_shard = match stage {
             Stage::Ddp if !self.has_master_weights() => self.memory.alloc_zeroed(0)?,
             _ if self.lean_shard() => self.memory.alloc_zeroed(0)?,
-            _ => self.memory.alloc_shard(shard_numel)?,
+            _ => shard_memory::alloc_shard(&mut self.memory, shard_numel)?,
         };
         self.masters_fresh = false;
         self.buffers.grad_shard = match stage {
             Stage::Ddp => None,
-            _ => Some(self.memory.alloc_shard(shard_numel)?),
+            _ => Some(shard_memory::alloc_shard(&mut self.memory, shard_numel)?),
         };
         // Stage 0 reduces into its full gradient buffer; stage 1 makes one
         // when it accumulates micro-steps (and keeps it); stage 2 only for
@@ -573,7 +583,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             offloaded: (offloaded(&self.buffers.param_shard)
                 + self.buffers.grad_shard.as_ref().map_or(0, offloaded))
                 * size
-                + if self.memory.state_offloaded() {
+                + if self.config.offload == Offload::Optimizer {
                     state
                 } else {
                     0

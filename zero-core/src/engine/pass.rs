@@ -32,6 +32,7 @@ use super::reduce::{
     land, release_held, start_host_steps, submit, take_buffer, write_held, Back, BucketMap,
     EarlyStep, Held, HostSteps, Job, LentOptimizer, Reducer, Reduction, Returns, Targets,
 };
+use super::shard_memory::deferral;
 use super::worker::Ticket;
 use super::{Engine, Overlap, ReductionProgress, ShardMemory, Stage, StageState};
 use crate::comm::{Communicator, ReduceOp};
@@ -358,7 +359,11 @@ where
         mut targets: Targets<T, M::Buffer>,
     ) -> Result<Reducer<T, M::Buffer>> {
         let region = targets.shard.as_mut().and_then(M::host_region);
-        let steps = match (targets.early.take(), self.memory.host_stepper(), region) {
+        let steps = match (
+            targets.early.take(),
+            self.abilities.host_stepper.clone(),
+            region,
+        ) {
             (None, _, _) => None,
             (Some(early), Some(stepper), Some(region)) => {
                 Some(Box::new(start_host_steps::<T, C, M>(
@@ -381,7 +386,7 @@ where
                 ));
             }
         };
-        self.memory.defer_completion();
+        deferral(&mut self.memory)?.defer_completion();
         Ok(Reducer::Inline {
             targets,
             map: self.bucket_map(),
@@ -536,11 +541,11 @@ where
         let overlap = match self.config.overlap {
             Overlap::AfterBackward => true,
             // Steps bucket by bucket on a thread of its own (offload).
-            Overlap::Interleaved => self.memory.host_stepper().is_some(),
+            Overlap::Interleaved => self.abilities.host_stepper.is_some(),
             Overlap::None => false,
         };
         self.memory.fork().is_none()
-            && self.memory.launches_async()
+            && self.abilities.launches_async
             && overlap
             && self.fetcher().is_none()
     }
@@ -758,7 +763,8 @@ where
                 if let (true, Some(steps), Ok(())) = (job.step, steps.as_mut(), &*result) {
                     *result = self
                         .memory
-                        .landing()
+                        .host_offload()
+                        .map_or(Ok(None), |offload| offload.landing())
                         .and_then(|landing| steps.hand_over(job.bucket, landing));
                 }
             }
@@ -778,7 +784,7 @@ where
             }
             held.push(Held {
                 write,
-                reductions: self.memory.deferred_count(),
+                reductions: self.memory.deferral().map_or(0, |d| d.deferred_count()),
                 buffer: job.buffer,
             });
             // Beyond a few buffers, the oldest is reused behind a fence:
@@ -789,15 +795,17 @@ where
             // of one per bucket.
             if held.len() > MIN_BUCKET_BUFFERS && result.is_ok() {
                 let fence = held[0].reductions;
-                *result = self.memory.fence_deferred(fence).and_then(|()| {
-                    let mut reduction = Reduction {
-                        comm: &*self.comm,
-                        memory: &mut self.memory,
-                        map,
-                        targets,
-                    };
-                    write_held(&mut reduction, &mut self.buffers.pool, held, fence)
-                });
+                *result = deferral(&mut self.memory)
+                    .and_then(|d| d.fence_deferred(fence))
+                    .and_then(|()| {
+                        let mut reduction = Reduction {
+                            comm: &*self.comm,
+                            memory: &mut self.memory,
+                            map,
+                            targets,
+                        };
+                        write_held(&mut reduction, &mut self.buffers.pool, held, fence)
+                    });
             }
         }
     }
@@ -966,7 +974,9 @@ where
         steps: Option<Box<HostSteps<T, M::Buffer>>>,
         result: Result<()>,
     ) -> (Targets<T, M::Buffer>, Result<()>) {
-        let mut result = result.and(self.memory.settle(&*self.comm));
+        // Settled even after a failure: it ends the deferral.
+        let settled = deferral(&mut self.memory).and_then(|d| d.settle(&*self.comm));
+        let mut result = result.and(settled);
         if result.is_ok() {
             let mut reduction = Reduction {
                 comm: &*self.comm,

@@ -2,6 +2,7 @@
 //! ([`Reducer`]), where reduced buckets land ([`Targets`]), and the pool of
 //! bucket buffers they go through.
 
+use super::shard_memory::deferral;
 use super::worker::Ticket;
 use super::{HostRegion, ShardMemory, ShardStep, Stage, StepPiece};
 use crate::comm::{Communicator, ReduceOp};
@@ -545,9 +546,12 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Reduction<'_, T, C, M> {
         if !job.add {
             return (self.run(job), None);
         }
-        let done = self.memory.settle(self.comm).and_then(|()| {
+        let settled = deferral(&mut *self.memory).and_then(|d| d.settle(self.comm));
+        let done = settled.and_then(|()| {
             let done = self.run(job);
-            self.memory.defer_completion();
+            if let Some(deferral) = self.memory.deferral() {
+                deferral.defer_completion();
+            }
             done
         });
         (done, None)
@@ -690,9 +694,9 @@ pub(super) enum Reducer<T: Element, B> {
     },
     /// Run on the caller's thread as each bucket is launched, by a memory
     /// whose collectives complete after they return
-    /// ([`ShardMemory::launches_async`]): the buffers are held until the
+    /// ([`ShardMemory::deferral`]): the buffers are held until the
     /// memory settles at the end of backward, or reused earlier behind a
-    /// fence ([`ShardMemory::fence_deferred`]; stages 1-2).
+    /// fence (`Deferral::fence_deferred`; stages 1-2).
     Inline {
         /// The interleaved step on a thread of its own (offload). First:
         /// dropped (its thread joined) before `targets`, whose gradient
@@ -729,7 +733,7 @@ pub(super) struct Held<B> {
     /// Stage 0: the bucket to write into the full buffer once settled (and
     /// whether to add).
     pub write: Option<(usize, bool)>,
-    /// The memory's [`ShardMemory::deferred_count`] once the reduction was
+    /// The memory's `Deferral::deferred_count` once the reduction was
     /// issued: a fence at this count orders later work after it.
     pub reductions: usize,
     pub buffer: B,

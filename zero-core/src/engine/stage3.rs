@@ -117,9 +117,10 @@ where
         // meeting here do not add to what a step holds.
         if M::buffer_len(&self.buffers.param_shard) < self.sharding.partition.shard_numel {
             self.buffers.pool.clear();
-            self.buffers.param_shard = self
-                .memory
-                .alloc_shard(self.sharding.partition.shard_numel)?;
+            self.buffers.param_shard = super::shard_memory::alloc_shard(
+                &mut self.memory,
+                self.sharding.partition.shard_numel,
+            )?;
         }
         self.refresh_param_shard(params)?;
         let (units, place) = self.gather_units(&mask)?;

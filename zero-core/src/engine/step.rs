@@ -5,7 +5,7 @@
 use super::mask::mask_over;
 use super::update::{AsReduced, Replica, StepPath};
 use super::StepReport;
-use super::{Engine, GradPiece, NormType, Overlap, ShardMemory, Stage};
+use super::{Engine, GradPiece, NormType, Offload, Overlap, ShardMemory, Stage};
 use crate::comm::{Communicator, ReduceOp};
 use crate::{Element, Error, Result};
 use std::ops::Range;
@@ -193,8 +193,8 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         replicated
             && self.config.overlap == Overlap::AfterBackward
             && !self.has_master_weights()
-            && !self.memory.state_offloaded()
-            && (self.memory.fork().is_some() || self.memory.launches_async())
+            && self.config.offload != Offload::Optimizer
+            && (self.memory.fork().is_some() || self.abilities.launches_async)
     }
 
     /// Reduces every active bucket: all-reduce in stage 0, reduce-scatter

@@ -7,8 +7,8 @@ use std::ops::Range;
 use std::sync::{Arc, Mutex};
 use zero_core::comm::Host;
 use zero_core::engine::{
-    host_gathers, GradPiece, HostGathers, HostGrad, HostMemory, NormType, ParamCopy, ParamStore,
-    ShardMemory, ShardStep, StepPiece,
+    host_gathers, Deferral, GradPiece, HostGathers, HostGrad, HostMemory, HostTransfers, NormType,
+    PackedGathers, ParamCopy, ParamStore, ShardMemory, ShardStep, StepPiece,
 };
 use zero_core::optim::OptimizerState;
 use zero_core::{Communicator, DType, Element, FunctionalOptimizer, ReduceOp, Result};
@@ -106,7 +106,7 @@ impl Seen {
 
 /// Host memory that records every step plan in `seen`. With `inline`, it
 /// poses as a device memory: no communication thread (no `fork`), and
-/// collectives "complete" only when settled (`launches_async`), so the
+/// collectives "complete" only when settled (a `Deferral`), so the
 /// engine reduces on the calling thread during backward.
 pub struct PlanCheck {
     inner: HostMemory,
@@ -253,34 +253,16 @@ impl<T: Element, C: Communicator<Memory = Host>> ShardMemory<T, C> for PlanCheck
         (!self.inline).then(|| Self::sharing(self.seen.clone(), false, self.queued.clone()))
     }
 
-    fn launches_async(&self) -> bool {
-        self.inline
-    }
-
-    fn defer_completion(&mut self) {
-        self.deferring.get_or_insert(0);
-    }
-
-    fn settle(&mut self, _comm: &C) -> Result<()> {
-        if let Some(n) = self.deferring.take() {
-            self.seen.lock().expect("no test thread panicked").deferred += n;
+    /// Posing as a device: collectives complete when settled.
+    fn deferral(&mut self) -> Option<&mut dyn Deferral<C>> {
+        match self.inline {
+            true => Some(self),
+            false => None,
         }
-        self.reading.clear();
-        self.fenced = 0;
-        Ok(())
     }
 
-    fn deferred_count(&self) -> usize {
-        self.deferring.unwrap_or(0)
-    }
-
-    fn fence_deferred(&mut self, count: usize) -> Result<()> {
-        let count = count.min(self.deferring.unwrap_or(0));
-        if count > self.fenced {
-            self.fenced = count;
-            self.seen.lock().expect("no test thread panicked").fences += 1;
-        }
-        Ok(())
+    fn packed_gathers(&mut self) -> Option<&mut dyn PackedGathers<C, Vec<T>>> {
+        Some(self)
     }
 
     fn grad_len(grad: &HostGrad<'_, T>) -> usize {
@@ -475,30 +457,6 @@ impl<T: Element, C: Communicator<Memory = Host>> ShardMemory<T, C> for PlanCheck
         )
     }
 
-    fn gathers_packed(&self) -> bool {
-        true
-    }
-
-    fn all_gather_packed(
-        &mut self,
-        comm: &C,
-        send: &Vec<T>,
-        n: usize,
-        recv: &mut Vec<T>,
-        recv_range: Range<usize>,
-        wire: DType,
-    ) -> Result<()> {
-        <HostMemory as ShardMemory<T, C>>::all_gather_packed(
-            &mut self.inner,
-            comm,
-            send,
-            n,
-            recv,
-            recv_range,
-            wire,
-        )
-    }
-
     fn buffer_to_host(
         &mut self,
         comm: &C,
@@ -519,10 +477,136 @@ impl<T: Element, C: Communicator<Memory = Host>> ShardMemory<T, C> for PlanCheck
         <HostMemory as ShardMemory<T, C>>::buffer_from_host(&mut self.inner, buffer, at, values)
     }
 
+    fn all_reduce_host<V: Element>(
+        &mut self,
+        comm: &C,
+        values: &mut [V],
+        op: ReduceOp,
+    ) -> Result<()> {
+        <HostMemory as ShardMemory<T, C>>::all_reduce_host::<V>(&mut self.inner, comm, values, op)
+    }
+
+    fn gather_varlen_host(
+        &mut self,
+        comm: &C,
+        send: &[T],
+        counts: &[usize],
+        recv: Option<&mut [T]>,
+        root: usize,
+    ) -> Result<()> {
+        <HostMemory as ShardMemory<T, C>>::gather_varlen_host(
+            &mut self.inner,
+            comm,
+            send,
+            counts,
+            recv,
+            root,
+        )
+    }
+
+    fn export_state(
+        &mut self,
+        comm: &C,
+        optimizer: &dyn FunctionalOptimizer<T>,
+        pieces: &[StepPiece<'_>],
+    ) -> Result<OptimizerState<T>> {
+        <HostMemory as ShardMemory<T, C>>::export_state(&mut self.inner, comm, optimizer, pieces)
+    }
+
+    fn import_state(
+        &mut self,
+        optimizer: &mut dyn FunctionalOptimizer<T>,
+        pieces: &[StepPiece<'_>],
+        state: OptimizerState<T>,
+    ) -> Result<()> {
+        <HostMemory as ShardMemory<T, C>>::import_state(&mut self.inner, optimizer, pieces, state)
+    }
+
+    fn state_bytes(&self, optimizer: &dyn FunctionalOptimizer<T>) -> usize {
+        <HostMemory as ShardMemory<T, C>>::state_bytes(&self.inner, optimizer)
+    }
+
+    fn read_param_host(
+        &mut self,
+        comm: &C,
+        params: &mut (dyn ParamStore<T> + '_),
+        param: usize,
+        out: &mut [T],
+    ) -> Result<()> {
+        <HostMemory as ShardMemory<T, C>>::read_param_host(
+            &mut self.inner,
+            comm,
+            params,
+            param,
+            out,
+        )
+    }
+
+    fn write_param_host(
+        &mut self,
+        params: &mut (dyn ParamStore<T> + '_),
+        param: usize,
+        values: &[T],
+    ) -> Result<()> {
+        <HostMemory as ShardMemory<T, C>>::write_param_host(&mut self.inner, params, param, values)
+    }
+}
+
+impl<C: Communicator<Memory = Host>> Deferral<C> for PlanCheck {
+    fn defer_completion(&mut self) {
+        self.deferring.get_or_insert(0);
+    }
+
+    fn settle(&mut self, _comm: &C) -> Result<()> {
+        if let Some(n) = self.deferring.take() {
+            self.seen.lock().expect("no test thread panicked").deferred += n;
+        }
+        self.reading.clear();
+        self.fenced = 0;
+        Ok(())
+    }
+
+    fn deferred_count(&self) -> usize {
+        self.deferring.unwrap_or(0)
+    }
+
+    fn fence_deferred(&mut self, count: usize) -> Result<()> {
+        let count = count.min(self.deferring.unwrap_or(0));
+        if count > self.fenced {
+            self.fenced = count;
+            self.seen.lock().expect("no test thread panicked").fences += 1;
+        }
+        Ok(())
+    }
+}
+
+impl<T: Element, C: Communicator<Memory = Host>> PackedGathers<C, Vec<T>> for PlanCheck {
+    fn all_gather_packed(
+        &mut self,
+        comm: &C,
+        send: &Vec<T>,
+        n: usize,
+        recv: &mut Vec<T>,
+        recv_range: Range<usize>,
+        wire: DType,
+    ) -> Result<()> {
+        PackedGathers::<C, Vec<T>>::all_gather_packed(
+            &mut self.inner,
+            comm,
+            send,
+            n,
+            recv,
+            recv_range,
+            wire,
+        )
+    }
+}
+
+impl<T: Element, C: Communicator<Memory = Host>> HostTransfers<T, C> for PlanCheck {
     /// As a device's: after every deferred reduction.
     fn download(&mut self, buffer: &Vec<T>, range: Range<usize>, out: &mut [T]) -> Result<()> {
         self.fenced = self.deferring.unwrap_or(0);
-        <HostMemory as ShardMemory<T, C>>::download(&mut self.inner, buffer, range, out)
+        <HostMemory as HostTransfers<T, C>>::download(&mut self.inner, buffer, range, out)
     }
 
     fn pin_host(&mut self, _values: &mut [T]) -> Result<Option<zero_core::engine::HostPin>> {
@@ -612,79 +696,5 @@ impl<T: Element, C: Communicator<Memory = Host>> ShardMemory<T, C> for PlanCheck
                 .full_lands += 1;
         }
         Ok(())
-    }
-
-    fn all_reduce_host<V: Element>(
-        &mut self,
-        comm: &C,
-        values: &mut [V],
-        op: ReduceOp,
-    ) -> Result<()> {
-        <HostMemory as ShardMemory<T, C>>::all_reduce_host::<V>(&mut self.inner, comm, values, op)
-    }
-
-    fn gather_varlen_host(
-        &mut self,
-        comm: &C,
-        send: &[T],
-        counts: &[usize],
-        recv: Option<&mut [T]>,
-        root: usize,
-    ) -> Result<()> {
-        <HostMemory as ShardMemory<T, C>>::gather_varlen_host(
-            &mut self.inner,
-            comm,
-            send,
-            counts,
-            recv,
-            root,
-        )
-    }
-
-    fn export_state(
-        &mut self,
-        comm: &C,
-        optimizer: &dyn FunctionalOptimizer<T>,
-        pieces: &[StepPiece<'_>],
-    ) -> Result<OptimizerState<T>> {
-        <HostMemory as ShardMemory<T, C>>::export_state(&mut self.inner, comm, optimizer, pieces)
-    }
-
-    fn import_state(
-        &mut self,
-        optimizer: &mut dyn FunctionalOptimizer<T>,
-        pieces: &[StepPiece<'_>],
-        state: OptimizerState<T>,
-    ) -> Result<()> {
-        <HostMemory as ShardMemory<T, C>>::import_state(&mut self.inner, optimizer, pieces, state)
-    }
-
-    fn state_bytes(&self, optimizer: &dyn FunctionalOptimizer<T>) -> usize {
-        <HostMemory as ShardMemory<T, C>>::state_bytes(&self.inner, optimizer)
-    }
-
-    fn read_param_host(
-        &mut self,
-        comm: &C,
-        params: &mut (dyn ParamStore<T> + '_),
-        param: usize,
-        out: &mut [T],
-    ) -> Result<()> {
-        <HostMemory as ShardMemory<T, C>>::read_param_host(
-            &mut self.inner,
-            comm,
-            params,
-            param,
-            out,
-        )
-    }
-
-    fn write_param_host(
-        &mut self,
-        params: &mut (dyn ParamStore<T> + '_),
-        param: usize,
-        values: &[T],
-    ) -> Result<()> {
-        <HostMemory as ShardMemory<T, C>>::write_param_host(&mut self.inner, params, param, values)
     }
 }

@@ -1,9 +1,9 @@
-//! Page-locked host memory for offload ([`ShardMemory::pin_host`]): an
+//! Page-locked host memory for offload ([`HostTransfers::pin_host`]): an
 //! offloaded shard registered with the driver, so that copies to and from
 //! it run as direct transfers at the link's speed instead of through the
 //! driver's pageable staging.
 //!
-//! [`ShardMemory::pin_host`]: zero_core::engine::ShardMemory::pin_host
+//! [`HostTransfers::pin_host`]: zero_core::engine::HostTransfers::pin_host
 
 use crate::device_comm::{host_wait, host_wait_polling};
 use cudarc::driver::{sys, CudaContext, CudaEvent, CudaSlice};

@@ -183,7 +183,7 @@ pub(super) enum Wire {
     /// ([`ShardMemory::all_gather_as`]).
     As(DType),
     /// The chunk's values already rounded to the 16-bit dtype, packed
-    /// ([`ShardMemory::all_gather_packed`]).
+    /// (`PackedGathers::all_gather_packed`).
     Packed(DType),
 }
 
@@ -205,7 +205,10 @@ where
     let (n, all) = (layout.buckets[k].len(), layout.bucket_range(k).len());
     match wire {
         Wire::As(dtype) => memory.all_gather_as(comm, send, 0..n, recv, 0..all, dtype)?,
-        Wire::Packed(dtype) => memory.all_gather_packed(comm, send, n, recv, 0..all, dtype)?,
+        Wire::Packed(dtype) => memory
+            .packed_gathers()
+            .ok_or_else(|| Error::State("internal: a packed gather on a memory without".into()))?
+            .all_gather_packed(comm, send, n, recv, 0..all, dtype)?,
     }
     memory.write_params(params, &bucket_copies(layout, active, k), recv)
 }

@@ -97,7 +97,7 @@ pub(super) struct StepFacts {
     /// ([`ShardMemory::fork`]).
     pub forkable: bool,
     /// The memory's collectives complete on a stream of its own, in order
-    /// ([`ShardMemory::launches_async`]).
+    /// ([`ShardMemory::deferral`]).
     pub launches_async: bool,
     /// Deferred gathers asked for, and possible this window.
     pub defer: bool,
@@ -178,7 +178,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             sharded_params: self.fetcher().is_some(),
             by_bucket: self.sharding.pieces_by_bucket().is_some(),
             forkable,
-            launches_async: self.memory.launches_async(),
+            launches_async: self.abilities.launches_async,
             defer,
         };
         let path = decide(&facts, || self.ensure_worker());
@@ -199,7 +199,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         // the write-back, counted in its times (its waits for the thread
         // apart).
         let offloaded = host_stepped
-            || (self.window.early_stepped.contains(&true) && self.memory.host_stepper().is_some());
+            || (self.window.early_stepped.contains(&true) && self.abilities.host_stepper.is_some());
         let (started, joined) = (std::time::Instant::now(), self.offload_times.join);
         let written = if host_stepped {
             HostStepped.run(self, params)

@@ -4,11 +4,11 @@
 //! gradient shard, the optimizer state and the step) lives in host memory.
 //!
 //! Every buffer is [`Placed`]: on the device or in host memory. The engine
-//! asks for the shards through [`ShardMemory::alloc_shard`] (host memory
+//! asks for the shards through [`HostOffload::alloc_shard`] (host memory
 //! once offloading) and for everything else through
 //! [`ShardMemory::alloc_zeroed`] (the device), and each operation runs where
 //! its operands are, moving what crosses: a bucket reduce-scattered on the
-//! device lands in the host's gradient shard ([`ShardMemory::download`]),
+//! device lands in the host's gradient shard ([`HostTransfers::download`]),
 //! the host steps it (the engine's own [`FunctionalOptimizer`], on a pool of
 //! `threads` threads), and the stepped chunk goes back up
 //! ([`ShardMemory::buffer_from_host`]) to be all-gathered and written into
@@ -16,9 +16,9 @@
 //! they are: each bucket's part lands in host memory as backward fills it;
 //! with the interleaved schedule the host steps it at once (on the
 //! communication thread, or, on a device without one, on a step thread of
-//! the pass: [`ShardMemory::host_stepper`], whose buckets go back up as
+//! the pass: [`HostOffload::host_stepper`], whose buckets go back up as
 //! soon as each is stepped, while it steps the rest, a 16-bit model's
-//! rounded to its dtype on the host: [`ShardMemory::all_gather_packed`]),
+//! rounded to its dtype on the host: [`PackedGathers::all_gather_packed`]),
 //! otherwise bucket by bucket after backward while earlier buckets are
 //! all-gathered. Without offload every buffer is on the device and every
 //! call goes straight to the device memory.
@@ -26,39 +26,24 @@
 //! The logic is the same for any device memory: the CPU tests run it over
 //! [`HostMemory`](super::HostMemory) standing in for the device.
 
+mod host_buffer;
+mod placed;
+
+pub use host_buffer::{HostBuffer, HostLock, HostPin, HostRegion, Landing};
+pub use placed::Placed;
+
 use super::fetch::{GatherMemory, UnitBucket};
 use super::shard_memory::{host_copy, host_norm, host_scale, host_step};
-use super::{GradPiece, NormType, ParamCopy, ShardMemory, ShardStep, StepPiece};
+use super::{
+    Deferral, GradPiece, HostOffload, HostTransfers, NormType, PackedGathers, ParamCopy,
+    ShardMemory, ShardStep, StepPiece,
+};
 use crate::comm::{Communicator, ReduceOp};
 use crate::optim::{FunctionalOptimizer, OptimizerState};
 use crate::{DType, Element, Error, Result};
+use placed::{all_reduce_placed, collective, host_copy_of, internal, shifted, span, upload};
 use std::ops::Range;
 use std::sync::Arc;
-
-/// A buffer of [`OffloadMemory`]: in device memory `B`, or offloaded to
-/// host memory.
-#[derive(Debug)]
-pub enum Placed<B, T> {
-    /// On the device.
-    Device(B),
-    /// Offloaded to host memory.
-    Host(HostBuffer<T>),
-}
-
-/// What keeps host memory page-locked (see [`ShardMemory::pin_host`]).
-pub trait HostLock: Send + Sync {
-    /// Unlocks the memory once no queued copy reads or writes it any more;
-    /// `false` when one still may (it did not land within the device's
-    /// deadline): then the memory stays locked and must not be freed.
-    fn unlock(self: Box<Self>) -> bool;
-}
-
-/// A [`HostLock`] held by a buffer.
-pub type HostPin = Box<dyn HostLock>;
-
-/// Waits, within the device's deadline, for the transfers queued before it
-/// was taken (see [`ShardMemory::landing`]) and none queued later.
-pub type Landing = Box<dyn FnOnce() -> Result<()> + Send>;
 
 /// Where the host's time went in offloaded steps whose host steps each
 /// bucket as it lands (the interleaved schedule on a device), summed over
@@ -84,197 +69,6 @@ pub struct OffloadTimes {
     /// (queuing the uploads, gathers and copies, and waiting where too many
     /// copies are in flight), its waits for the step thread apart.
     pub write_back: std::time::Duration,
-}
-
-/// An offloaded buffer in host memory, page-locked where the device memory
-/// can (its transfers then run at the link's speed, without staging). Its
-/// length is fixed: the locked range must not move.
-pub struct HostBuffer<T> {
-    /// Unlocked before the values are freed (see the `Drop`).
-    pin: Option<HostPin>,
-    values: Vec<T>,
-    /// The buffer's elements within `values`.
-    range: Range<usize>,
-}
-
-/// What a page-locked buffer is aligned to and padded to: whole pages of
-/// its own (two buffers never lock the same page), on any page size up to
-/// this.
-const PIN_ALIGN: usize = 64 << 10;
-
-impl<T: Clone + Default> HostBuffer<T> {
-    /// `numel` zeros in pageable memory.
-    pub fn pageable(numel: usize) -> Self {
-        Self {
-            pin: None,
-            values: vec![T::default(); numel],
-            range: 0..numel,
-        }
-    }
-
-    /// `numel` zeros on pages of their own, locked by `lock` (given the
-    /// whole pages; it returns what keeps them locked, `None` where
-    /// nothing was locked).
-    pub fn pinned(
-        numel: usize,
-        lock: impl FnOnce(&mut [T]) -> Result<Option<HostPin>>,
-    ) -> Result<Self> {
-        let size = std::mem::size_of::<T>().max(1);
-        let pad = PIN_ALIGN.div_ceil(size);
-        let mut values = vec![T::default(); numel + 2 * pad];
-        let addr = values.as_ptr() as usize;
-        let start = (addr.next_multiple_of(PIN_ALIGN) - addr) / size;
-        let locked = (numel * size).next_multiple_of(PIN_ALIGN) / size;
-        let pin = lock(&mut values[start..start + locked])?;
-        Ok(Self {
-            pin,
-            values,
-            range: start..start + numel,
-        })
-    }
-}
-
-impl<T> HostBuffer<T> {
-    /// Whether the memory is page-locked.
-    pub fn is_pinned(&self) -> bool {
-        self.pin.is_some()
-    }
-
-    /// The elements `range`, without borrowing the rest of the buffer: a
-    /// [`HostRegion`] of it lent to another thread may be writing other
-    /// ranges meanwhile.
-    ///
-    /// # Panics
-    /// If `range` is not within the buffer.
-    pub fn range(&self, range: Range<usize>) -> &[T] {
-        self.check(&range);
-        // `Vec::as_ptr` makes no reference to the whole vector's elements.
-        let start = self
-            .values
-            .as_ptr()
-            .wrapping_add(self.range.start + range.start);
-        // SAFETY: within `values` (checked above); a region's holder writes
-        // only the ranges handed to it (`HostRegion::range_mut`), never one
-        // read here.
-        unsafe { std::slice::from_raw_parts(start, range.len()) }
-    }
-
-    /// The elements `range`, mutably, without borrowing the rest of the
-    /// buffer (see [`HostBuffer::range`]).
-    ///
-    /// # Panics
-    /// If `range` is not within the buffer.
-    pub fn range_mut(&mut self, range: Range<usize>) -> &mut [T] {
-        self.check(&range);
-        // `Vec::as_mut_ptr` makes no reference to the whole vector's
-        // elements, so the ranges lent through a region stay valid.
-        let start = self
-            .values
-            .as_mut_ptr()
-            .wrapping_add(self.range.start + range.start);
-        // SAFETY: within `values` (checked above); `&mut self` excludes
-        // every other borrow of the buffer, and a region's holder touches
-        // only the ranges handed to it (`HostRegion::range_mut`), never
-        // this one.
-        unsafe { std::slice::from_raw_parts_mut(start, range.len()) }
-    }
-
-    fn check(&self, range: &Range<usize>) {
-        assert!(
-            range.start <= range.end && range.end <= self.range.len(),
-            "range {range:?} of a host buffer of {}",
-            self.range.len()
-        );
-    }
-
-    /// A [`HostRegion`] over the whole buffer, for another thread to touch
-    /// the ranges it is handed while this one goes on with the others.
-    pub fn region(&mut self) -> HostRegion<T> {
-        HostRegion {
-            start: self.values.as_mut_ptr().wrapping_add(self.range.start),
-            len: self.range.len(),
-        }
-    }
-}
-
-/// A [`HostBuffer`] lent to another thread for a while: the offload's step
-/// thread reads (and averages) each bucket's gradients where they landed,
-/// in the host shard, while the calling thread queues the next buckets'
-/// copies into other ranges of it. It borrows nothing: whoever makes one
-/// keeps the buffer alive and in place while it is used, and hands each
-/// range to one thread at a time.
-pub struct HostRegion<T> {
-    start: *mut T,
-    len: usize,
-}
-
-// SAFETY: a region is a pointer and a length; the thread it is sent to
-// touches only the ranges handed to it, while the buffer is kept alive
-// (`HostRegion::range_mut`'s contract), which moves `T`s between threads
-// as sending them would.
-unsafe impl<T: Send> Send for HostRegion<T> {}
-
-impl<T> HostRegion<T> {
-    /// The elements `range` of the buffer.
-    ///
-    /// # Safety
-    /// The buffer is alive and in place, and nothing else reads or writes
-    /// `range` while the returned slice lives.
-    ///
-    /// # Panics
-    /// If `range` is not within the buffer.
-    pub unsafe fn range_mut(&mut self, range: Range<usize>) -> &mut [T] {
-        assert!(
-            range.start <= range.end && range.end <= self.len,
-            "range {range:?} of a host region of {}",
-            self.len
-        );
-        // SAFETY: within the buffer (checked above), alive and touched by
-        // nothing else meanwhile (the caller's contract).
-        unsafe { std::slice::from_raw_parts_mut(self.start.add(range.start), range.len()) }
-    }
-}
-
-impl<T> Drop for HostBuffer<T> {
-    fn drop(&mut self) {
-        let Some(pin) = self.pin.take() else {
-            return;
-        };
-        if !pin.unlock() {
-            // A copy the device never finished may still write here: the
-            // memory is leaked rather than freed under it.
-            let values = std::mem::take(&mut self.values);
-            tracing::warn!(
-                bytes = values.len() * std::mem::size_of::<T>(),
-                "offload: a copy to or from a page-locked host buffer did not land in time; \
-                 its memory is kept, not freed"
-            );
-            std::mem::forget(values);
-        }
-    }
-}
-
-impl<T> std::ops::Deref for HostBuffer<T> {
-    type Target = [T];
-
-    fn deref(&self) -> &[T] {
-        &self.values[self.range.clone()]
-    }
-}
-
-impl<T> std::ops::DerefMut for HostBuffer<T> {
-    fn deref_mut(&mut self) -> &mut [T] {
-        &mut self.values[self.range.clone()]
-    }
-}
-
-impl<T> std::fmt::Debug for HostBuffer<T> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("HostBuffer")
-            .field("len", &self.range.len())
-            .field("pinned", &self.is_pinned())
-            .finish()
-    }
 }
 
 /// Stage 3's gathers of an [`OffloadMemory`]: the device's, from the
@@ -383,14 +177,14 @@ impl<D: std::fmt::Debug> std::fmt::Debug for OffloadMemory<D> {
 }
 
 impl<D> OffloadMemory<D> {
-    /// Lands the device's queued transfers ([`ShardMemory::land`]) where
+    /// Lands the device's queued transfers ([`HostTransfers::land`]) where
     /// any of `buffers` is in host memory, before it is read or written.
     fn land_for<T: Element, C: Communicator>(
         &mut self,
         buffers: &[&Placed<D::Buffer, T>],
     ) -> Result<()>
     where
-        D: ShardMemory<T, C>,
+        D: HostTransfers<T, C>,
     {
         if buffers.iter().any(|b| matches!(b, Placed::Host(_))) {
             self.device.land()
@@ -420,142 +214,7 @@ impl<D> OffloadMemory<D> {
     }
 }
 
-/// The span of buffer positions `[at, at + len)` of every item.
-fn span(items: impl Iterator<Item = (usize, usize)>) -> Range<usize> {
-    let mut span: Option<Range<usize>> = None;
-    for (at, len) in items {
-        let (lo, hi) = span.map_or((at, at + len), |s| (s.start.min(at), s.end.max(at + len)));
-        span = Some(lo..hi);
-    }
-    span.unwrap_or(0..0)
-}
-
-/// The copies with their buffer positions shifted down by `by`.
-fn shifted(copies: &[ParamCopy], by: usize) -> Vec<ParamCopy> {
-    copies
-        .iter()
-        .map(|c| ParamCopy {
-            at: c.at - by,
-            ..c.clone()
-        })
-        .collect()
-}
-
-fn internal(what: &str) -> Error {
-    Error::State(format!("internal: offload: {what}"))
-}
-
-/// `buffer[range]` in device memory: the buffer itself, or a device copy
-/// of a host buffer's range (then at `0..len`).
-fn staged_up<T: Element, C: Communicator, D: ShardMemory<T, C>>(
-    device: &mut D,
-    buffer: &Placed<D::Buffer, T>,
-    range: Range<usize>,
-) -> Result<Option<D::Buffer>> {
-    match buffer {
-        Placed::Device(_) => Ok(None),
-        Placed::Host(values) => upload(device, values, range).map(Some),
-    }
-}
-
-/// A device buffer holding `values[range]`: only queued from page-locked
-/// memory.
-fn upload<T: Element, C: Communicator, D: ShardMemory<T, C>>(
-    device: &mut D,
-    values: &HostBuffer<T>,
-    range: Range<usize>,
-) -> Result<D::Buffer> {
-    if values.is_pinned() {
-        // SAFETY: `values` is locked by this device's `pin_host` (whose unlock
-        // waits for queued copies), its length is fixed, and nothing writes
-        // `range` on the host before the copy lands: `OffloadMemory` lands
-        // before it writes host memory (`land_for`), and the step thread
-        // writes no bucket of either shard (the parameters, or the weights
-        // packed in the gradients' place) after reporting it stepped, until
-        // a landing taken once the bucket was reduced in the next pass,
-        // behind this copy.
-        unsafe { device.upload_queued(values.range(range)) }
-    } else {
-        let mut staged = device.alloc_zeroed(range.len())?;
-        device.buffer_from_host(&mut staged, 0, values.range(range))?;
-        Ok(staged)
-    }
-}
-
-/// Runs the device collective `op(device, send, send_range, recv,
-/// recv_range)` over buffers wherever they are: host ranges are staged
-/// on the device, and a host `recv` gets the result back.
-fn collective<T: Element, C: Communicator, D: ShardMemory<T, C>>(
-    device: &mut D,
-    send: &Placed<D::Buffer, T>,
-    send_range: Range<usize>,
-    recv: &mut Placed<D::Buffer, T>,
-    recv_range: Range<usize>,
-    op: impl FnOnce(&mut D, &D::Buffer, Range<usize>, &mut D::Buffer, Range<usize>) -> Result<()>,
-) -> Result<()> {
-    let staged_send = staged_up(device, send, send_range.clone())?;
-    let (send, send_range) = match (&staged_send, send) {
-        (Some(staged), _) => (staged, 0..send_range.len()),
-        (None, Placed::Device(send)) => (send, send_range),
-        (None, Placed::Host(_)) => return Err(internal("host send not staged")),
-    };
-    match recv {
-        Placed::Device(recv) => op(device, send, send_range, recv, recv_range),
-        Placed::Host(values) => {
-            let n = recv_range.len();
-            let mut staged = device.alloc_zeroed(n)?;
-            op(device, send, send_range, &mut staged, 0..n)?;
-            if values.is_pinned() {
-                // SAFETY: `values` is locked by this device's `pin_host`
-                // (whose unlock waits for queued copies), its length is fixed,
-                // and `OffloadMemory` lands before it touches host memory
-                // (`land_for`), as the engine does before it reads a host
-                // shard itself; the offload's step thread reads a bucket
-                // only after a landing taken once its copy was queued.
-                unsafe { device.download_queued(staged, 0..n, values.range_mut(recv_range)) }
-            } else {
-                device.download(&staged, 0..n, values.range_mut(recv_range))
-            }
-        }
-    }
-}
-
-/// Runs the device all-reduce `op` over `buffer[range]` wherever it is.
-fn all_reduce_placed<T: Element, C: Communicator, D: ShardMemory<T, C>>(
-    device: &mut D,
-    buffer: &mut Placed<D::Buffer, T>,
-    range: Range<usize>,
-    op: impl FnOnce(&mut D, &mut D::Buffer, Range<usize>) -> Result<()>,
-) -> Result<()> {
-    match buffer {
-        Placed::Device(b) => op(device, b, range),
-        Placed::Host(values) => {
-            let n = range.len();
-            let mut staged = device.alloc_zeroed(n)?;
-            device.buffer_from_host(&mut staged, 0, &values[range.clone()])?;
-            op(device, &mut staged, 0..n)?;
-            device.download(&staged, 0..n, &mut values[range])
-        }
-    }
-}
-
-/// `buffer` whole in host memory: itself, or a downloaded copy.
-fn host_copy_of<T: Element, C: Communicator, D: ShardMemory<T, C>>(
-    device: &mut D,
-    buffer: &Placed<D::Buffer, T>,
-) -> Result<Option<Vec<T>>> {
-    match buffer {
-        Placed::Host(_) => Ok(None),
-        Placed::Device(b) => {
-            let n = D::buffer_len(b);
-            let mut values = vec![T::default(); n];
-            device.download(b, 0..n, &mut values)?;
-            Ok(Some(values))
-        }
-    }
-}
-
-impl<T: Element, C: Communicator, D: ShardMemory<T, C>> ShardMemory<T, C> for OffloadMemory<D> {
+impl<T: Element, C: Communicator, D: HostTransfers<T, C>> ShardMemory<T, C> for OffloadMemory<D> {
     type Buffer = Placed<D::Buffer, T>;
     type Gathers = OffloadGathers<D::Gathers>;
     type Grad<'g>
@@ -573,19 +232,6 @@ impl<T: Element, C: Communicator, D: ShardMemory<T, C>> ShardMemory<T, C> for Of
 
     fn alloc_zeroed(&mut self, numel: usize) -> Result<Self::Buffer> {
         Ok(Placed::Device(self.device.alloc_zeroed(numel)?))
-    }
-
-    fn alloc_shard(&mut self, numel: usize) -> Result<Self::Buffer> {
-        if self.offload {
-            let host = if self.pin_memory && numel > 0 {
-                HostBuffer::pinned(numel, |pages| self.device.pin_host(pages))?
-            } else {
-                HostBuffer::pageable(numel)
-            };
-            Ok(Placed::Host(host))
-        } else {
-            Ok(Placed::Device(self.device.alloc_shard(numel)?))
-        }
     }
 
     fn buffer_len(buffer: &Self::Buffer) -> usize {
@@ -701,24 +347,19 @@ impl<T: Element, C: Communicator, D: ShardMemory<T, C>> ShardMemory<T, C> for Of
         })
     }
 
-    fn launches_async(&self) -> bool {
-        self.device.launches_async()
+    fn deferral(&mut self) -> Option<&mut dyn Deferral<C>> {
+        self.device.deferral()
     }
 
-    fn defer_completion(&mut self) {
-        self.device.defer_completion();
+    fn packed_gathers(&mut self) -> Option<&mut dyn PackedGathers<C, Self::Buffer>> {
+        match self.device.packed_gathers() {
+            Some(_) => Some(self),
+            None => None,
+        }
     }
 
-    fn settle(&mut self, comm: &C) -> Result<()> {
-        self.device.settle(comm)
-    }
-
-    fn deferred_count(&self) -> usize {
-        self.device.deferred_count()
-    }
-
-    fn fence_deferred(&mut self, count: usize) -> Result<()> {
-        self.device.fence_deferred(count)
+    fn host_offload(&mut self) -> Option<&mut dyn HostOffload<C, Self::Buffer>> {
+        Some(self)
     }
 
     fn read_params(
@@ -885,33 +526,6 @@ impl<T: Element, C: Communicator, D: ShardMemory<T, C>> ShardMemory<T, C> for Of
         )
     }
 
-    fn gathers_packed(&self) -> bool {
-        self.device.gathers_packed()
-    }
-
-    fn all_gather_packed(
-        &mut self,
-        comm: &C,
-        send: &Self::Buffer,
-        n: usize,
-        recv: &mut Self::Buffer,
-        recv_range: Range<usize>,
-        wire: DType,
-    ) -> Result<()> {
-        let packed = 0..super::packed_len::<T>(n).min(Self::buffer_len(send));
-        collective(
-            &mut self.device,
-            send,
-            packed,
-            recv,
-            recv_range,
-            |d, s, sr, r, rr| match sr.start {
-                0 => d.all_gather_packed(comm, s, n, r, rr, wire),
-                _ => Err(internal("a packed chunk not at its buffer's start")),
-            },
-        )
-    }
-
     fn buffer_to_host(
         &mut self,
         comm: &C,
@@ -945,22 +559,6 @@ impl<T: Element, C: Communicator, D: ShardMemory<T, C>> ShardMemory<T, C> for Of
         }
     }
 
-    fn download(
-        &mut self,
-        buffer: &Self::Buffer,
-        range: Range<usize>,
-        out: &mut [T],
-    ) -> Result<()> {
-        self.land_for::<T, C>(&[buffer])?;
-        match buffer {
-            Placed::Device(b) => self.device.download(b, range, out),
-            Placed::Host(values) => {
-                out.copy_from_slice(&values[range]);
-                Ok(())
-            }
-        }
-    }
-
     fn all_reduce_host<V: Element>(
         &mut self,
         comm: &C,
@@ -968,14 +566,6 @@ impl<T: Element, C: Communicator, D: ShardMemory<T, C>> ShardMemory<T, C> for Of
         op: ReduceOp,
     ) -> Result<()> {
         self.device.all_reduce_host(comm, values, op)
-    }
-
-    fn landing(&mut self) -> Result<Option<Landing>> {
-        self.device.landing()
-    }
-
-    fn land(&mut self) -> Result<()> {
-        self.device.land()
     }
 
     fn gather_varlen_host(
@@ -1085,6 +675,55 @@ impl<T: Element, C: Communicator, D: ShardMemory<T, C>> ShardMemory<T, C> for Of
         self.device.write_param_host(params, param, values)
     }
 
+    fn host_region(buffer: &mut Self::Buffer) -> Option<HostRegion<T>> {
+        match buffer {
+            Placed::Host(values) => Some(values.region()),
+            Placed::Device(_) => None,
+        }
+    }
+
+    fn offloaded(buffer: &Self::Buffer) -> bool {
+        matches!(buffer, Placed::Host(_))
+    }
+
+    fn staging_bytes(&self) -> usize {
+        self.device.staging_bytes()
+    }
+}
+
+impl<T: Element, C: Communicator, D: HostTransfers<T, C>> PackedGathers<C, Placed<D::Buffer, T>>
+    for OffloadMemory<D>
+{
+    fn all_gather_packed(
+        &mut self,
+        comm: &C,
+        send: &Placed<D::Buffer, T>,
+        n: usize,
+        recv: &mut Placed<D::Buffer, T>,
+        recv_range: Range<usize>,
+        wire: DType,
+    ) -> Result<()> {
+        let packed = 0..super::packed_len::<T>(n).min(Self::buffer_len(send));
+        collective(
+            &mut self.device,
+            send,
+            packed,
+            recv,
+            recv_range,
+            |d, s, sr, r, rr| match sr.start {
+                0 => d
+                    .packed_gathers()
+                    .ok_or_else(|| internal("a packed gather on a device without them"))?
+                    .all_gather_packed(comm, s, n, r, rr, wire),
+                _ => Err(internal("a packed chunk not at its buffer's start")),
+            },
+        )
+    }
+}
+
+impl<T: Element, C: Communicator, D: HostTransfers<T, C>> HostOffload<C, Placed<D::Buffer, T>>
+    for OffloadMemory<D>
+{
     fn offload_optimizer(&mut self, threads: usize, pin_memory: bool) -> Result<()> {
         if threads > 0 {
             let pool = rayon::ThreadPoolBuilder::new()
@@ -1114,23 +753,21 @@ impl<T: Element, C: Communicator, D: ShardMemory<T, C>> ShardMemory<T, C> for Of
         (self.offload && self.device.fork().is_none()).then(|| self.stepper.clone())
     }
 
-    fn host_region(buffer: &mut Self::Buffer) -> Option<HostRegion<T>> {
-        match buffer {
-            Placed::Host(values) => Some(values.region()),
-            Placed::Device(_) => None,
+    fn alloc_shard(&mut self, numel: usize) -> Result<Placed<D::Buffer, T>> {
+        if self.offload {
+            let host = if self.pin_memory && numel > 0 {
+                HostBuffer::pinned(numel, |pages| self.device.pin_host(pages))?
+            } else {
+                HostBuffer::pageable(numel)
+            };
+            Ok(Placed::Host(host))
+        } else {
+            Ok(Placed::Device(self.device.alloc_zeroed(numel)?))
         }
     }
 
-    fn offloaded(buffer: &Self::Buffer) -> bool {
-        matches!(buffer, Placed::Host(_))
-    }
-
-    fn state_offloaded(&self) -> bool {
-        self.offload
-    }
-
-    fn staging_bytes(&self) -> usize {
-        self.device.staging_bytes()
+    fn landing(&mut self) -> Result<Option<Landing>> {
+        self.device.landing()
     }
 }
 
@@ -1160,148 +797,6 @@ pub(super) fn check_host_room(needed: u64, available: Option<u64>) -> Result<()>
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn span_covers_every_item_and_nothing_before_the_first() {
-        assert_eq!(span([(8, 4), (2, 3), (20, 0)].into_iter()), 2..20);
-        assert_eq!(span(std::iter::empty()), 0..0);
-    }
-
-    /// A pinned buffer (its elements start past the padding) lent as a
-    /// region: another thread writes the ranges handed to it while the
-    /// owner writes the rest through `range_mut`, and both land where the
-    /// buffer's own view sees them.
-    #[test]
-    fn a_region_and_the_owner_write_their_own_ranges_of_one_buffer() {
-        let mut buffer = HostBuffer::<u32>::pinned(100_000, |_| Ok(None)).expect("no lock");
-        let mut region = buffer.region();
-        let (handed, ranges) = std::sync::mpsc::channel::<Range<usize>>();
-        let other = std::thread::spawn(move || {
-            for range in ranges {
-                // SAFETY: `buffer` outlives the thread (joined below) and
-                // the owner never writes a range it handed over.
-                let values = unsafe { region.range_mut(range.clone()) };
-                for (v, i) in values.iter_mut().zip(range) {
-                    *v = 2 * i as u32;
-                }
-            }
-        });
-        for k in 0..10 {
-            let range = k * 10_000..(k + 1) * 10_000;
-            if k % 2 == 0 {
-                handed.send(range).expect("the thread runs");
-            } else {
-                for (v, i) in buffer.range_mut(range.clone()).iter_mut().zip(range) {
-                    *v = 3 * i as u32;
-                }
-            }
-        }
-        drop(handed);
-        other.join().expect("no panic");
-        for (i, v) in buffer.iter().enumerate() {
-            let k = i / 10_000;
-            assert_eq!(*v, if k % 2 == 0 { 2 } else { 3 } * i as u32, "element {i}");
-        }
-        assert_eq!(buffer.len(), 100_000);
-    }
-
-    #[test]
-    #[should_panic(expected = "range 5..11 of a host buffer of 10")]
-    fn a_range_past_the_buffer_panics_instead_of_reaching_past_it() {
-        let mut buffer = HostBuffer::<f32>::pageable(10);
-        let _ = buffer.range_mut(5..11);
-    }
-
-    thread_local! {
-        /// Elements of [`Counted`] dropped on this thread.
-        static DROPPED: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
-    }
-
-    #[derive(Clone, Default)]
-    struct Counted(#[allow(dead_code)] u32);
-
-    impl Drop for Counted {
-        fn drop(&mut self) {
-            DROPPED.with(|d| d.set(d.get() + 1));
-        }
-    }
-
-    /// Unlocks by noting how many elements were freed before it; says
-    /// whether the memory may go (`landed`).
-    struct Lock {
-        unlocked: Arc<std::sync::Mutex<Option<usize>>>,
-        landed: bool,
-    }
-
-    impl HostLock for Lock {
-        fn unlock(self: Box<Self>) -> bool {
-            *self.unlocked.lock().unwrap() = Some(DROPPED.with(|d| d.get()));
-            self.landed
-        }
-    }
-
-    #[test]
-    fn a_pinned_buffer_locks_whole_pages_of_its_own_and_unlocks_before_its_memory_goes() {
-        let numel = 1000;
-        let mut locked = (0, 0);
-        let unlocked = Arc::new(std::sync::Mutex::new(None));
-        let lock = Lock {
-            unlocked: Arc::clone(&unlocked),
-            landed: true,
-        };
-        let buffer = HostBuffer::<Counted>::pinned(numel, |pages| {
-            locked = (pages.as_ptr() as usize, std::mem::size_of_val(pages));
-            Ok(Some(Box::new(lock)))
-        })
-        .unwrap();
-        let (at, bytes) = locked;
-        assert!(buffer.is_pinned());
-        assert_eq!(buffer.len(), numel);
-        assert_eq!(
-            buffer.as_ptr() as usize,
-            at,
-            "the buffer starts the locked pages"
-        );
-        assert_eq!(at % PIN_ALIGN, 0, "locked from a page boundary");
-        assert_eq!(bytes % PIN_ALIGN, 0, "whole pages locked");
-        assert!(bytes >= numel * std::mem::size_of::<Counted>());
-        DROPPED.with(|d| d.set(0));
-        drop(buffer);
-        assert_eq!(
-            *unlocked.lock().unwrap(),
-            Some(0),
-            "unlocked before any element was freed"
-        );
-        assert!(DROPPED.with(|d| d.get()) > numel, "the padding goes too");
-    }
-
-    #[test]
-    fn a_buffer_whose_copy_never_landed_is_kept_not_freed() {
-        let unlocked = Arc::new(std::sync::Mutex::new(None));
-        let lock = Lock {
-            unlocked: Arc::clone(&unlocked),
-            landed: false,
-        };
-        let buffer = HostBuffer::<Counted>::pinned(100, |_| Ok(Some(Box::new(lock)))).unwrap();
-        DROPPED.with(|d| d.set(0));
-        drop(buffer);
-        assert_eq!(*unlocked.lock().unwrap(), Some(0), "unlocking was tried");
-        assert_eq!(
-            DROPPED.with(|d| d.get()),
-            0,
-            "memory a copy may still write was freed"
-        );
-    }
-
-    #[test]
-    fn a_lock_that_fails_fails_the_allocation_and_pageable_buffers_lock_nothing() {
-        let failed =
-            HostBuffer::<f32>::pinned(10, |_| Err(Error::Config("cannot lock host memory".into())));
-        assert!(failed.unwrap_err().to_string().contains("cannot lock"));
-        let pageable = HostBuffer::<f32>::pageable(10);
-        assert!(!pageable.is_pinned());
-        assert_eq!(&pageable[..], &[0.0; 10]);
-    }
 
     #[test]
     fn a_host_too_small_is_refused_with_both_sizes() {
