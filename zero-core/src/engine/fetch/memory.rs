@@ -1,0 +1,138 @@
+//! Where stage 3's gathers run: the [`GatherMemory`] seam and its host
+//! implementation, [`HostGathers`].
+
+use super::units::UnitBucket;
+use crate::{Error, Result};
+use std::ops::Range;
+use std::sync::Arc;
+
+/// All-gathers `send` (this rank's chunk of one bucket) into `recv` (the
+/// whole bucket, every rank's chunk in rank order).
+pub type GatherFn<T> = dyn Fn(&[T], &mut [T]) -> Result<()> + Send + Sync;
+
+/// Where stage 3's gathers run: the parameter shard they read, the buffers
+/// they fill, and the collective. The [`Fetcher`](super::Fetcher)'s
+/// decisions (upcoming units, prefetch, budgets, pool) are the same over
+/// every memory; this is what differs.
+///
+/// Host memory ([`HostGathers`]) gathers into vectors and returns when the
+/// values are there (on the fetcher's thread, or the caller's). A device
+/// memory *queues* each gather on a stream of its own and returns at once;
+/// [`GatherMemory::ready`] then orders the caller's work (its compute
+/// stream) after the gather, with no host wait, so the caller's thread
+/// issues ahead without a thread of its own.
+pub trait GatherMemory<T>: Send + Sync + 'static {
+    /// This rank's parameter shard (the engine's buffer, lent to the
+    /// fetcher between steps).
+    type Shard: Send + Sync + 'static;
+    /// The buffer one gather fills.
+    type Buffer: Send + 'static;
+
+    /// Whether [`GatherMemory::gather`] only queues the gather (see the
+    /// trait's documentation).
+    fn queues(&self) -> bool {
+        false
+    }
+
+    /// Elements of `shard`.
+    fn shard_len(shard: &Self::Shard) -> usize;
+
+    /// Elements `buffer` holds.
+    fn capacity(buffer: &Self::Buffer) -> usize;
+
+    /// A buffer of at least `len` elements: `reuse` (a pooled one) when it
+    /// is large enough, else a new one (`reuse` is freed first).
+    fn buffer(&self, reuse: Option<Self::Buffer>, len: usize) -> Result<Self::Buffer>;
+
+    /// All-gathers each bucket: `shard[bucket.shard]` of every rank, in
+    /// rank order, into `buffer[bucket.at]`. A collective on the fetcher's
+    /// own communicator.
+    fn gather(
+        &self,
+        shard: &Self::Shard,
+        buckets: &[UnitBucket],
+        buffer: &mut Self::Buffer,
+    ) -> Result<()>;
+
+    /// [`GatherMemory::gather`] from a parameter shard in host memory (an
+    /// offloaded one): each bucket's chunk is brought to this memory first.
+    fn gather_from_host(
+        &self,
+        shard: &[T],
+        buckets: &[UnitBucket],
+        buffer: &mut Self::Buffer,
+    ) -> Result<()> {
+        let _ = (shard, buckets, buffer);
+        Err(Error::Config(
+            "stage 3 cannot gather from a parameter shard in host memory on this memory".into(),
+        ))
+    }
+
+    /// Orders what the caller does next after `buffer`'s gather: its reads
+    /// of the buffer, and its writes of the shard (a step). Called whenever
+    /// a gathered buffer leaves the fetcher's hands or is let go.
+    fn ready(&self, _buffer: &mut Self::Buffer) -> Result<()> {
+        Ok(())
+    }
+
+    /// Copies `buffer[range]` into `out` (on the host), after its gather.
+    fn read(&self, buffer: &Self::Buffer, range: Range<usize>, out: &mut [T]) -> Result<()>;
+}
+
+/// Stage 3's gathers in host memory: vectors, gathered by `all_gather`
+/// (a collective on the fetcher's own communicator).
+pub struct HostGathers<T> {
+    all_gather: Arc<GatherFn<T>>,
+}
+
+impl<T> HostGathers<T> {
+    /// Gathers with `all_gather`, one call per bucket.
+    pub fn new(all_gather: Arc<GatherFn<T>>) -> Self {
+        Self { all_gather }
+    }
+}
+
+impl<T: crate::Element> GatherMemory<T> for HostGathers<T> {
+    type Shard = Vec<T>;
+    type Buffer = Vec<T>;
+
+    fn shard_len(shard: &Vec<T>) -> usize {
+        shard.len()
+    }
+
+    fn capacity(buffer: &Vec<T>) -> usize {
+        buffer.capacity()
+    }
+
+    fn buffer(&self, reuse: Option<Vec<T>>, len: usize) -> Result<Vec<T>> {
+        let mut buffer = reuse.unwrap_or_default();
+        if buffer.capacity() < len {
+            // Freed before the larger one is made.
+            drop(std::mem::take(&mut buffer));
+            buffer = Vec::with_capacity(len);
+        }
+        buffer.resize(len, T::default());
+        Ok(buffer)
+    }
+
+    fn gather(&self, shard: &Vec<T>, buckets: &[UnitBucket], buffer: &mut Vec<T>) -> Result<()> {
+        self.gather_from_host(shard, buckets, buffer)
+    }
+
+    fn gather_from_host(
+        &self,
+        shard: &[T],
+        buckets: &[UnitBucket],
+        buffer: &mut Vec<T>,
+    ) -> Result<()> {
+        for bucket in buckets {
+            (self.all_gather)(&shard[bucket.shard.clone()], &mut buffer[bucket.at.clone()])?;
+        }
+        Ok(())
+    }
+
+    fn read(&self, buffer: &Vec<T>, range: Range<usize>, out: &mut [T]) -> Result<()> {
+        out.copy_from_slice(&buffer[range]);
+        Ok(())
+    }
+}
