@@ -615,7 +615,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
 
     fn add_micro_step(&mut self, grads: &[Option<M::Grad<'_>>]) -> Result<()> {
         self.window.plain_grads |= grads.iter().any(Option::is_some);
-        if self.pass_is_open() {
+        if self.pass.is_some() {
             if !self.config.stage.shards_gradients() {
                 return Err(Error::State(
                     "begin_backward opened the last micro-step of this window (its reductions \
@@ -706,8 +706,8 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                 info.shape
             )));
         }
-        if self.pass_is_open() {
-            return self.hand_over(param, range, grad, true);
+        if let (mut parts, Some(pass)) = self.pass_parts() {
+            return parts.hand_over(pass, param, range, grad, true);
         }
         let full = window_buffer(
             &mut self.memory,
