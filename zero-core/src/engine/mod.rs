@@ -41,6 +41,7 @@ mod config;
 mod consistency;
 mod deferred;
 mod fetch;
+mod grads;
 mod layout;
 mod mask;
 mod memory;
@@ -215,6 +216,33 @@ struct AccumulationWindow {
     early_stepped: Vec<bool>,
 }
 
+impl<B> Buffers<B> {
+    /// A buffer of at least `len` elements, from the pool or new.
+    fn take_pooled<T: Element, C: Communicator, M: ShardMemory<T, C, Buffer = B>>(
+        &mut self,
+        memory: &mut M,
+        len: usize,
+    ) -> Result<B> {
+        match self.pool.iter().position(|b| M::buffer_len(b) >= len) {
+            Some(i) => Ok(self.pool.swap_remove(i)),
+            None => memory.alloc_zeroed(len),
+        }
+    }
+}
+
+impl AccumulationWindow {
+    /// `flags` of the parameters with a gradient here this window: of
+    /// `trainable`, the local mask to all-reduce; of `active`, what steps
+    /// without the trainability check.
+    fn with_gradient(&self, flags: &[bool]) -> Vec<bool> {
+        flags
+            .iter()
+            .zip(&self.present)
+            .map(|(&f, &p)| f && p)
+            .collect()
+    }
+}
+
 impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Drop for Engine<T, C, M> {
     fn drop(&mut self) {
         // Deferred all-gathers still running write into the framework's
@@ -279,12 +307,8 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             offload::check_host_room(needed, offload::host_available_bytes())?;
         }
         let trainable: Vec<bool> = params.iter().map(|p| p.trainable).collect();
-        let wire = precision::Wire::new::<T>(
-            &params,
-            &config,
-            comm.world_size(),
-            memory.packed_gathers().is_some(),
-        );
+        let packed = memory.packed_gathers().is_some();
+        let wire = precision::Wire::new::<T>(&params, &config, comm.world_size(), packed);
         let abilities = shard_memory::Abilities::of(&mut memory);
         let stage = match config.stage {
             Stage::Ddp => StageState::Replicated { side: None },
@@ -547,7 +571,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             )));
         }
         let local: Vec<bool> = self.mask.trainable.clone();
-        let active = self.global_mask(&local)?;
+        let active = mask_over(&mut self.memory, &*self.comm, &self.params, &local)?;
         if active != self.mask.active {
             self.mask.active = active;
             self.mask.rebuild_buckets(&self.sharding.layout);
