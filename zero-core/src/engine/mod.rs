@@ -230,19 +230,6 @@ impl<B> Buffers<B> {
     }
 }
 
-impl AccumulationWindow {
-    /// `flags` of the parameters with a gradient here this window: of
-    /// `trainable`, the local mask to all-reduce; of `active`, what steps
-    /// without the trainability check.
-    fn with_gradient(&self, flags: &[bool]) -> Vec<bool> {
-        flags
-            .iter()
-            .zip(&self.present)
-            .map(|(&f, &p)| f && p)
-            .collect()
-    }
-}
-
 impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Drop for Engine<T, C, M> {
     fn drop(&mut self) {
         // Deferred all-gathers still running write into the framework's
@@ -828,6 +815,30 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
 }
 
 impl AccumulationWindow {
+    /// Refuses `op` while micro-steps are accumulated: their gradients
+    /// are not part of a checkpoint, nor of a re-partition.
+    fn refuse_mid(&self, op: &str) -> Result<()> {
+        if self.micro_steps > 0 || self.in_full_buffer {
+            return Err(Error::State(format!(
+                "{op} called with {} micro-step(s) accumulated; their gradients are not part of \
+                 a checkpoint: finish the optimizer step first",
+                self.micro_steps
+            )));
+        }
+        Ok(())
+    }
+
+    /// `flags` of the parameters with a gradient here this window: of
+    /// `trainable`, the local mask to all-reduce; of `active`, what steps
+    /// without the trainability check.
+    fn with_gradient(&self, flags: &[bool]) -> Vec<bool> {
+        flags
+            .iter()
+            .zip(&self.present)
+            .map(|(&f, &p)| f && p)
+            .collect()
+    }
+
     /// Marks the parameters with a gradient in `grads` (one slot each).
     fn mark_present<G>(&mut self, grads: &[Option<G>]) {
         for (present, g) in self.present.iter_mut().zip(grads) {

@@ -98,7 +98,7 @@ where
                 self.params.len()
             )));
         }
-        self.refuse_mid_accumulation("shard_parameters")?;
+        self.window.refuse_mid("shard_parameters")?;
         // With master weights the shard holds them: the gathers carry the
         // masters (in `T`), and the framework rounds what it computes with
         // to the model's dtype, as the write-back would have.
@@ -230,7 +230,7 @@ where
         sink: &mut ParamPieceSink<'_, T>,
     ) -> Result<()> {
         self.finish_gathers()?;
-        self.refuse_mid_accumulation("stream_params")?;
+        self.window.refuse_mid("stream_params")?;
         let world = self.comm.world_size();
         if root >= world {
             return Err(Error::InvalidRank {
