@@ -172,6 +172,30 @@ enum StageState<T: Element, C: Communicator, M: ShardMemory<T, C>> {
     Parameters(stage3::ShardedParams<T, C, M>),
 }
 
+impl<T: Element, C: Communicator, M: ShardMemory<T, C>> StageState<T, C, M> {
+    /// Stage 3 once sharded.
+    fn sharded_params(&self) -> Option<&stage3::ShardedParams<T, C, M>> {
+        match self {
+            Self::Parameters(sharded) => Some(sharded),
+            _ => None,
+        }
+    }
+
+    /// Stages 1 and 2's deferred all-gathers (`None` at other stages).
+    fn deferred_gathers(&mut self) -> Option<&mut deferred::DeferredGathers<T, C, M>> {
+        match self {
+            Self::Sharded(gathers) => Some(gathers),
+            _ => None,
+        }
+    }
+
+    fn set_shard_lent(&mut self, lent: bool) {
+        if let Self::Parameters(sharded) = self {
+            sharded.shard_lent = lent;
+        }
+    }
+}
+
 /// The engine's flat buffers, in its memory.
 struct Buffers<B> {
     /// The owned parameter pieces at their shard offsets: master weights,
@@ -235,7 +259,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Drop for Engine<T, C, M>
         // Deferred all-gathers still running write into the framework's
         // parameters: let them finish (their collectives end by their
         // deadline if a peer is gone).
-        if let Some(pending) = self.deferred_gathers().and_then(|g| g.pending.take()) {
+        if let Some(pending) = self.stage.deferred_gathers().and_then(|g| g.pending.take()) {
             let _ = pending.wait();
         }
     }
