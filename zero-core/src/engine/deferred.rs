@@ -248,7 +248,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// by no one.
     pub fn set_param_access(&mut self, access: Box<dyn ParamAccess<T, C, M>>) -> Result<()> {
         self.finish_gathers()?;
-        if let Some(gathers) = self.deferred_gathers() {
+        if let Some(gathers) = self.stage.deferred_gathers() {
             gathers.access = Some(access);
         }
         Ok(())
@@ -288,7 +288,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// their thread held; the error of a failed one. Every engine call that
     /// communicates or reads the parameters does this first.
     pub fn finish_gathers(&mut self) -> Result<()> {
-        let Some(pending) = self.deferred_gathers().and_then(|g| g.pending.take()) else {
+        let Some(pending) = self.stage.deferred_gathers().and_then(|g| g.pending.take()) else {
             return Ok(());
         };
         let finished = pending.wait().ok_or_else(|| {
@@ -305,18 +305,10 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// gather run; its result.
     pub(super) fn take_back(&mut self, finished: Finished<T, C, M>) -> Result<()> {
         self.buffers.pool.push(finished.recv);
-        if let Some(gathers) = self.deferred_gathers() {
+        if let Some(gathers) = self.stage.deferred_gathers() {
             gathers.access = Some(finished.access);
         }
         finished.result
-    }
-
-    /// Stages 1 and 2's deferred all-gathers (`None` at other stages).
-    pub(super) fn deferred_gathers(&mut self) -> Option<&mut DeferredGathers<T, C, M>> {
-        match &mut self.stage {
-            StageState::Sharded(gathers) => Some(gathers),
-            _ => None,
-        }
     }
 }
 

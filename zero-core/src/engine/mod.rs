@@ -41,6 +41,7 @@ mod config;
 mod consistency;
 mod deferred;
 mod fetch;
+mod grads;
 mod layout;
 mod mask;
 mod memory;
@@ -171,6 +172,30 @@ enum StageState<T: Element, C: Communicator, M: ShardMemory<T, C>> {
     Parameters(stage3::ShardedParams<T, C, M>),
 }
 
+impl<T: Element, C: Communicator, M: ShardMemory<T, C>> StageState<T, C, M> {
+    /// Stage 3 once sharded.
+    fn sharded_params(&self) -> Option<&stage3::ShardedParams<T, C, M>> {
+        match self {
+            Self::Parameters(sharded) => Some(sharded),
+            _ => None,
+        }
+    }
+
+    /// Stages 1 and 2's deferred all-gathers (`None` at other stages).
+    fn deferred_gathers(&mut self) -> Option<&mut deferred::DeferredGathers<T, C, M>> {
+        match self {
+            Self::Sharded(gathers) => Some(gathers),
+            _ => None,
+        }
+    }
+
+    fn set_shard_lent(&mut self, lent: bool) {
+        if let Self::Parameters(sharded) = self {
+            sharded.shard_lent = lent;
+        }
+    }
+}
+
 /// The engine's flat buffers, in its memory.
 struct Buffers<B> {
     /// The owned parameter pieces at their shard offsets: master weights,
@@ -215,12 +240,26 @@ struct AccumulationWindow {
     early_stepped: Vec<bool>,
 }
 
+impl<B> Buffers<B> {
+    /// A buffer of at least `len` elements, from the pool or new.
+    fn take_pooled<T: Element, C: Communicator, M: ShardMemory<T, C, Buffer = B>>(
+        &mut self,
+        memory: &mut M,
+        len: usize,
+    ) -> Result<B> {
+        match self.pool.iter().position(|b| M::buffer_len(b) >= len) {
+            Some(i) => Ok(self.pool.swap_remove(i)),
+            None => memory.alloc_zeroed(len),
+        }
+    }
+}
+
 impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Drop for Engine<T, C, M> {
     fn drop(&mut self) {
         // Deferred all-gathers still running write into the framework's
         // parameters: let them finish (their collectives end by their
         // deadline if a peer is gone).
-        if let Some(pending) = self.deferred_gathers().and_then(|g| g.pending.take()) {
+        if let Some(pending) = self.stage.deferred_gathers().and_then(|g| g.pending.take()) {
             let _ = pending.wait();
         }
     }
@@ -279,12 +318,8 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             offload::check_host_room(needed, offload::host_available_bytes())?;
         }
         let trainable: Vec<bool> = params.iter().map(|p| p.trainable).collect();
-        let wire = precision::Wire::new::<T>(
-            &params,
-            &config,
-            comm.world_size(),
-            memory.packed_gathers().is_some(),
-        );
+        let packed = memory.packed_gathers().is_some();
+        let wire = precision::Wire::new::<T>(&params, &config, comm.world_size(), packed);
         let abilities = shard_memory::Abilities::of(&mut memory);
         let stage = match config.stage {
             Stage::Ddp => StageState::Replicated { side: None },
@@ -547,7 +582,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             )));
         }
         let local: Vec<bool> = self.mask.trainable.clone();
-        let active = self.global_mask(&local)?;
+        let active = mask_over(&mut self.memory, &*self.comm, &self.params, &local)?;
         if active != self.mask.active {
             self.mask.active = active;
             self.mask.rebuild_buckets(&self.sharding.layout);
@@ -615,7 +650,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
 
     fn add_micro_step(&mut self, grads: &[Option<M::Grad<'_>>]) -> Result<()> {
         self.window.plain_grads |= grads.iter().any(Option::is_some);
-        if self.pass_is_open() {
+        if self.pass.is_some() {
             if !self.config.stage.shards_gradients() {
                 return Err(Error::State(
                     "begin_backward opened the last micro-step of this window (its reductions \
@@ -706,8 +741,8 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                 info.shape
             )));
         }
-        if self.pass_is_open() {
-            return self.hand_over(param, range, grad, true);
+        if let (mut parts, Some(pass)) = self.pass_parts() {
+            return parts.hand_over(pass, param, range, grad, true);
         }
         let full = window_buffer(
             &mut self.memory,
@@ -804,6 +839,30 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
 }
 
 impl AccumulationWindow {
+    /// Refuses `op` while micro-steps are accumulated: their gradients
+    /// are not part of a checkpoint, nor of a re-partition.
+    fn refuse_mid(&self, op: &str) -> Result<()> {
+        if self.micro_steps > 0 || self.in_full_buffer {
+            return Err(Error::State(format!(
+                "{op} called with {} micro-step(s) accumulated; their gradients are not part of \
+                 a checkpoint: finish the optimizer step first",
+                self.micro_steps
+            )));
+        }
+        Ok(())
+    }
+
+    /// `flags` of the parameters with a gradient here this window: of
+    /// `trainable`, the local mask to all-reduce; of `active`, what steps
+    /// without the trainability check.
+    fn with_gradient(&self, flags: &[bool]) -> Vec<bool> {
+        flags
+            .iter()
+            .zip(&self.present)
+            .map(|(&f, &p)| f && p)
+            .collect()
+    }
+
     /// Marks the parameters with a gradient in `grads` (one slot each).
     fn mark_present<G>(&mut self, grads: &[Option<G>]) {
         for (present, g) in self.present.iter_mut().zip(grads) {

@@ -128,7 +128,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         if truth && self.masters_fresh {
             return Ok(());
         }
-        if self.sharded_params().is_some() {
+        if self.stage.sharded_params().is_some() {
             // Stage 3: a sharded parameter's replica is gone.
             let copies: Vec<ParamCopy> = self
                 .sharding

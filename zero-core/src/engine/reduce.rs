@@ -524,6 +524,20 @@ pub(super) struct BucketMap {
     pub wire: DType,
 }
 
+impl BucketMap {
+    /// The buckets of `layout` reduced at `stage`, in `wire` on the wire.
+    pub fn new(layout: &super::Layout, stage: Stage, wire: DType) -> Self {
+        Self {
+            stage,
+            full: (0..layout.buckets.len())
+                .map(|k| layout.bucket_range(k))
+                .collect(),
+            shard: layout.buckets.clone(),
+            wire,
+        }
+    }
+}
+
 /// One bucket reduction's context: the communicator, the memory that runs
 /// it, the buckets, and where reduced buckets land.
 pub(super) struct Reduction<'a, T: Element, C: Communicator, M: ShardMemory<T, C>> {

@@ -12,12 +12,10 @@
 //! or NaN in it is never finite), so every rank skips alike and the scale
 //! stays the same everywhere.
 
-use super::step::reduced_grads;
-use super::{Engine, NormType, ShardMemory};
-use crate::comm::{Communicator, ReduceOp};
+use super::{Engine, ShardMemory};
+use crate::comm::Communicator;
 use crate::{Element, Error, Result};
 use serde::{Deserialize, Serialize};
-use std::ops::Range;
 
 /// How the loss is scaled before backward.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -145,6 +143,27 @@ impl LossScaler {
         })
     }
 
+    /// The scale gradients are divided by now.
+    pub(crate) fn scale(&self) -> f64 {
+        self.state.scale
+    }
+
+    /// Whether the last completed step was skipped for an inf or NaN
+    /// gradient, and the scale its gradients were divided by.
+    pub(crate) fn outcome(&self) -> (bool, Option<f64>) {
+        match self.last {
+            Some((skipped, scale)) => (skipped, Some(scale)),
+            None => (false, None),
+        }
+    }
+
+    /// After a step whose gradients were divided by `scale`: records it,
+    /// and updates the scale.
+    pub(crate) fn stepped(&mut self, found_inf: bool, scale: f64) {
+        self.last = Some((found_inf, scale));
+        self.update(found_inf);
+    }
+
     /// After a step: `GradScaler.update` (torch's `_amp_update_scale_`,
     /// which keeps the scale as an f32 and only grows it while the grown
     /// value is finite).
@@ -191,49 +210,5 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                 scaler.state = state;
             }
         }
-    }
-
-    /// Whether the last completed step was skipped for an inf or NaN
-    /// gradient, and the scale its gradients were divided by.
-    pub(super) fn scaler_outcome(&self) -> (bool, Option<f64>) {
-        match self.scaler.as_ref().and_then(|s| s.last) {
-            Some((skipped, scale)) => (skipped, Some(scale)),
-            None => (false, None),
-        }
-    }
-
-    /// With loss scaling: looks for an inf or NaN in the reduced gradients
-    /// of the stepping pieces on every rank (one all-reduce of one flag),
-    /// divides them by the scale when there is none, and updates the
-    /// scale. Returns whether the step must be skipped (the same answer on
-    /// every rank). Without loss scaling: `false`, and nothing happens.
-    pub(super) fn unscale_or_skip(&mut self, ranges: &[Range<usize>]) -> Result<bool> {
-        let Some(scale) = self.loss_scale() else {
-            return Ok(false);
-        };
-        let grads = reduced_grads(&mut self.buffers.grad_shard, &mut self.buffers.full_grads)?;
-        // The inf-norm partial is non-finite exactly when an inf or NaN is
-        // there (the memory counts a NaN as infinite).
-        let largest = self
-            .memory
-            .norm_partial(&self.comm, grads, ranges, NormType::Inf)?;
-        let mut flag = [if largest.is_finite() { 0.0f32 } else { 1.0 }];
-        self.memory
-            .all_reduce_host(&self.comm, &mut flag[..], ReduceOp::Max)?;
-        let found_inf = flag[0] > 0.5;
-        if !found_inf {
-            // torch: `inv_scale = scale.double().reciprocal().float()`.
-            let inv_scale = f64::from((1.0 / scale) as f32);
-            let grads = reduced_grads(&mut self.buffers.grad_shard, &mut self.buffers.full_grads)?;
-            self.memory.scale(grads, ranges, inv_scale)?;
-        }
-        if let Some(scaler) = self.scaler.as_mut() {
-            scaler.last = Some((found_inf, scale));
-            scaler.update(found_inf);
-        }
-        if found_inf {
-            tracing::debug!(scale, "inf or NaN gradient; optimizer step skipped");
-        }
-        Ok(found_inf)
     }
 }

@@ -98,7 +98,7 @@ where
                 self.params.len()
             )));
         }
-        self.refuse_mid_accumulation("shard_parameters")?;
+        self.window.refuse_mid("shard_parameters")?;
         // With master weights the shard holds them: the gathers carry the
         // masters (in `T`), and the framework rounds what it computes with
         // to the model's dtype, as the write-back would have.
@@ -230,7 +230,7 @@ where
         sink: &mut ParamPieceSink<'_, T>,
     ) -> Result<()> {
         self.finish_gathers()?;
-        self.refuse_mid_accumulation("stream_params")?;
+        self.window.refuse_mid("stream_params")?;
         let world = self.comm.world_size();
         if root >= world {
             return Err(Error::InvalidRank {
@@ -413,22 +413,15 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// Stage 3: whether parameter `param` lives only as shards (see
     /// [`Engine::shard_parameters`]).
     pub fn is_sharded(&self, param: usize) -> bool {
-        self.sharded_params()
+        self.stage
+            .sharded_params()
             .is_some_and(|s| s.sharded.get(param).copied().unwrap_or(false))
     }
 
     /// Stage 3: the fetcher of the sharded parameters, once
     /// [`Engine::shard_parameters`] made one.
     pub fn fetcher(&self) -> Option<&Arc<FetcherOf<T, C, M>>> {
-        self.sharded_params().map(|s| &s.fetcher)
-    }
-
-    /// Stage 3 once sharded.
-    pub(super) fn sharded_params(&self) -> Option<&ShardedParams<T, C, M>> {
-        match &self.stage {
-            StageState::Parameters(sharded) => Some(sharded),
-            _ => None,
-        }
+        self.stage.sharded_params().map(|s| &s.fetcher)
     }
 
     /// Whether the shard, not the replica, holds the truth of the trained
@@ -436,6 +429,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     pub(super) fn shard_is_truth(&self) -> bool {
         self.has_master_weights()
             || self
+                .stage
                 .sharded_params()
                 .is_some_and(|s| s.sharded.contains(&true))
     }
@@ -466,7 +460,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         let shard = match fetcher.take_shard() {
             Ok(shard) => shard,
             Err(e) => {
-                self.set_shard_lent(true);
+                self.stage.set_shard_lent(true);
                 return Err(e);
             }
         };
@@ -479,19 +473,13 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         };
         let shard = std::mem::replace(&mut self.buffers.param_shard, empty);
         fetcher.put_shard(shard);
-        self.set_shard_lent(true);
+        self.stage.set_shard_lent(true);
         result
-    }
-
-    fn set_shard_lent(&mut self, lent: bool) {
-        if let StageState::Parameters(sharded) = &mut self.stage {
-            sharded.shard_lent = lent;
-        }
     }
 
     /// Elements of the parameter shard, wherever it is.
     pub(super) fn param_shard_len(&self) -> usize {
-        match self.sharded_params() {
+        match self.stage.sharded_params() {
             Some(sharded) if sharded.shard_lent => sharded.fetcher.shard_len(),
             _ => M::buffer_len(&self.buffers.param_shard),
         }

@@ -2,13 +2,14 @@
 //! not), averaged, unscaled and clipped; the owned pieces stepped; the
 //! updated parameters gathered into the replica.
 
+use super::grads::SteppingGrads;
 use super::mask::mask_over;
+use super::scaler::LossScaler;
 use super::update::{AsReduced, Replica, StepPath};
 use super::StepReport;
-use super::{Engine, GradPiece, NormType, Offload, Overlap, ShardMemory, Stage};
+use super::{Engine, GradPiece, Offload, Overlap, ShardMemory, Stage};
 use crate::comm::{Communicator, ReduceOp};
 use crate::{Element, Error, Result};
-use std::ops::Range;
 
 impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// Closes the accumulation window with an optimizer step (`last`: the
@@ -33,7 +34,10 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             });
         self.discard_window();
         let grad_norm = result?;
-        let (skipped, loss_scale) = self.scaler_outcome();
+        let (skipped, loss_scale) = self
+            .scaler
+            .as_ref()
+            .map_or((false, None), LossScaler::outcome);
         if !skipped {
             self.steps += 1;
         }
@@ -53,7 +57,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     ///    ([`Engine::stepping_mask`]);
     /// 3. the bucket reductions of gradients given after backward
     ///    ([`Engine::reduce_gradients`]);
-    /// 4. loss scaling's inf/NaN all-reduce ([`Engine::unscale_or_skip`]);
+    /// 4. loss scaling's inf/NaN all-reduce (`SteppingGrads::unscale_or_skip`);
     /// 5. the gradient norm's all-reduce ([`Engine::clip_gradients`]);
     /// 6. the parameters' all-gathers, bucket by bucket (stages 1-3), as
     ///    the step's path says ([`StepPath`], decided once for the window).
@@ -139,17 +143,25 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         {
             self.refresh_param_shard(params)?;
         }
-        let ranges = self.stepping_ranges(&stepping);
+        let ranges = self.sharding.stepping_ranges(&stepping);
         if !reduced {
             self.reduce_gradients(last)?;
         }
+        let mut grads = SteppingGrads {
+            comm: &*self.comm,
+            memory: &mut self.memory,
+            grads: reduced_grads(&mut self.buffers.grad_shard, &mut self.buffers.full_grads)?,
+            ranges: &ranges,
+            replicated: self.config.stage == Stage::Ddp,
+        };
         if micro_steps > 1 {
-            self.scale_grads(1.0 / micro_steps as f64, &ranges)?;
+            grads.scale(1.0 / micro_steps as f64)?;
         }
-        if self.unscale_or_skip(&ranges)? {
+        if grads.unscale_or_skip(self.scaler.as_mut())? {
             return Ok(None);
         }
-        let grad_norm = self.clip_gradients(&ranges)?;
+        let clip = self.config.clip;
+        let grad_norm = grads.clip(clip, self.config.compute_grad_norm, self.steps + 1)?;
         update(self, &stepping, params)?;
         Ok(grad_norm)
     }
@@ -163,10 +175,10 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// same parameters (as the same model on every rank does).
     fn stepping_mask(&mut self) -> Result<Vec<bool>> {
         if !self.config.check_trainability {
-            return Ok(self.with_gradient(&self.mask.active));
+            return Ok(self.window.with_gradient(&self.mask.active));
         }
-        let local = self.with_gradient(&self.mask.trainable);
-        let active = self.global_mask(&local)?;
+        let local = self.window.with_gradient(&self.mask.trainable);
+        let active = mask_over(&mut self.memory, &*self.comm, &self.params, &local)?;
         if active != self.mask.active {
             tracing::debug!("trainable mask changed; rebuilding buckets");
             self.mask.active = active;
@@ -212,25 +224,14 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     ) -> Result<R> {
         let mut bucket_buf = match self.buffers.full_grads {
             Some(_) => None,
-            None => Some(self.take_pooled()?),
+            None => Some(
+                self.buffers
+                    .take_pooled(&mut self.memory, self.sharding.longest_bucket)?,
+            ),
         };
         let result = f(self, bucket_buf.as_mut());
         self.buffers.pool.extend(bucket_buf);
         result
-    }
-
-    /// A buffer as long as the longest bucket, from the pool or new.
-    pub(super) fn take_pooled(&mut self) -> Result<M::Buffer> {
-        let longest = self.sharding.longest_bucket;
-        match self
-            .buffers
-            .pool
-            .iter()
-            .position(|b| M::buffer_len(b) >= longest)
-        {
-            Some(i) => Ok(self.buffers.pool.swap_remove(i)),
-            None => self.memory.alloc_zeroed(longest),
-        }
     }
 
     fn reduce_buckets(
@@ -295,99 +296,6 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             }
         }
         Ok(())
-    }
-
-    /// The owned pieces that step now, as shard ranges; neighbours that
-    /// both step are merged across the alignment padding between them
-    /// (zero in every reduced gradient), so a device takes few launches.
-    pub(super) fn stepping_ranges(&self, stepping: &[bool]) -> Vec<Range<usize>> {
-        let mut ranges: Vec<Range<usize>> = Vec::new();
-        let mut previous = false;
-        for piece in &self.sharding.owned {
-            let steps = stepping[piece.param];
-            if steps {
-                let at = self.sharding.shard_offset(piece);
-                match ranges.last_mut() {
-                    Some(last) if previous => last.end = at + piece.len(),
-                    _ => ranges.push(at..at + piece.len()),
-                }
-            }
-            previous = steps;
-        }
-        ranges
-    }
-
-    /// Multiplies the reduced gradients in `ranges` (the stepping pieces)
-    /// by `factor`.
-    fn scale_grads(&mut self, factor: f64, ranges: &[Range<usize>]) -> Result<()> {
-        let grads = reduced_grads(&mut self.buffers.grad_shard, &mut self.buffers.full_grads)?;
-        self.memory.scale(grads, ranges, factor)
-    }
-
-    /// Computes the global gradient norm if asked for, and clips.
-    ///
-    /// With clipping on, a non-finite norm (an inf or NaN gradient on any
-    /// rank) refuses the step on every rank alike (`torch`'s
-    /// `clip_grad_norm_(error_if_nonfinite=True)`): the parameters and the
-    /// optimizer state are left as they were, and the error says so.
-    pub(super) fn clip_gradients(&mut self, ranges: &[Range<usize>]) -> Result<Option<f64>> {
-        let norm_type = match (&self.config.clip, self.config.compute_grad_norm) {
-            (Some(clip), _) => clip.norm_type,
-            (None, true) => NormType::L2,
-            (None, false) => return Ok(None),
-        };
-        let grads = reduced_grads(&mut self.buffers.grad_shard, &mut self.buffers.full_grads)?;
-        let local = self
-            .memory
-            .norm_partial(&self.comm, grads, ranges, norm_type)?;
-        // Stage 0 ranks hold the whole reduced gradient: the local norm is
-        // the global one.
-        let total = if self.config.stage == Stage::Ddp {
-            local
-        } else {
-            let op = match norm_type {
-                NormType::Inf => ReduceOp::Max,
-                _ => ReduceOp::Sum,
-            };
-            let mut total = [local];
-            self.memory
-                .all_reduce_host(&self.comm, &mut total[..], op)?;
-            total[0]
-        };
-        let norm = match norm_type {
-            NormType::L2 => total.sqrt(),
-            _ => total,
-        };
-        if let Some(clip) = self.config.clip {
-            if !norm.is_finite() {
-                return Err(Error::NonFiniteGradNorm {
-                    norm,
-                    step: self.steps + 1,
-                });
-            }
-            // torch.nn.utils.clip_grad_norm_: coefficient clamped to 1.
-            let coef = clip.max_norm / (norm + 1e-6);
-            if coef < 1.0 {
-                self.scale_grads(coef, ranges)?;
-            }
-        }
-        Ok(Some(norm))
-    }
-
-    /// `flags` of the parameters with a gradient here this step: of
-    /// `trainable`, the local mask to all-reduce; of `active`, what steps
-    /// without the trainability check.
-    pub(super) fn with_gradient(&self, flags: &[bool]) -> Vec<bool> {
-        flags
-            .iter()
-            .zip(&self.window.present)
-            .map(|(&f, &p)| f && p)
-            .collect()
-    }
-
-    /// ORs a per-parameter mask across ranks (one `f32` per parameter).
-    pub(super) fn global_mask(&mut self, local: &[bool]) -> Result<Vec<bool>> {
-        mask_over(&mut self.memory, &*self.comm, &self.params, local)
     }
 }
 

@@ -5,7 +5,7 @@
 use crate::Result;
 use std::ops::Range;
 
-/// What keeps host memory page-locked (see [`HostTransfers::pin_host`]).
+/// What keeps host memory page-locked (see [`HostTransfers::pin_host`](crate::engine::HostTransfers::pin_host)).
 pub trait HostLock: Send + Sync {
     /// Unlocks the memory once no queued copy reads or writes it any more;
     /// `false` when one still may (it did not land within the device's
@@ -17,7 +17,7 @@ pub trait HostLock: Send + Sync {
 pub type HostPin = Box<dyn HostLock>;
 
 /// Waits, within the device's deadline, for the transfers queued before it
-/// was taken (see [`HostTransfers::landing`]) and none queued later.
+/// was taken (see [`HostTransfers::landing`](crate::engine::HostTransfers::landing)) and none queued later.
 pub type Landing = Box<dyn FnOnce() -> Result<()> + Send>;
 
 /// An offloaded buffer in host memory, page-locked where the device memory

@@ -7,7 +7,7 @@ use crate::engine::{HostTransfers, ParamCopy};
 use crate::{Element, Error, Result};
 use std::ops::Range;
 
-/// A buffer of [`OffloadMemory`]: in device memory `B`, or offloaded to
+/// A buffer of [`OffloadMemory`](super::OffloadMemory): in device memory `B`, or offloaded to
 /// host memory.
 #[derive(Debug)]
 pub enum Placed<B, T> {

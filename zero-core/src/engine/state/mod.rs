@@ -52,7 +52,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     pub fn consolidate_state_dict(&mut self, to: usize) -> Result<()> {
         self.finish_gathers()?;
         self.consolidated = None;
-        let numel = self.numel_by_name();
+        let numel = numel_by_name(&self.params);
         let mut sink = MemorySink {
             numel: &numel,
             state: BTreeMap::new(),
@@ -101,7 +101,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         let tag = fresh_tag(old.as_ref(), self.steps);
         let file_name = crate::checkpoint::consolidated_file_name(&tag);
         let path = dir.join(&file_name);
-        let numel = self.numel_by_name();
+        let numel = numel_by_name(&self.params);
         let mut sink = FileSink {
             numel: &numel,
             path: &path,
@@ -130,7 +130,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             remove_stale_files(dir, &manifest, old.as_ref());
             Ok(Vec::new())
         });
-        self.agree(local, dir, "save_consolidated").map(|_| ())
+        agree(&*self.comm, local, dir, "save_consolidated").map(|_| ())
     }
 
     /// Loads an unsharded optimizer state: each rank slices its pieces out
@@ -145,7 +145,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// fresh engine has none). Sets the step counter to the dict's.
     pub fn load_state_dict(&mut self, dict: &StateDict<T>) -> Result<()> {
         self.finish_gathers()?;
-        self.refuse_mid_accumulation("load_state_dict")?;
+        self.window.refuse_mid("load_state_dict")?;
         if dict.optimizer != self.optimizer.kind() {
             return Err(Error::Optimizer(format!(
                 "load_state_dict: the state dict is of a {:?} optimizer, this engine's is {:?}",
@@ -153,7 +153,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                 self.optimizer.kind()
             )));
         }
-        self.check_groups(&dict.param_groups)
+        check_groups(&self.group_states(), &dict.param_groups)
             .map_err(|detail| Error::Optimizer(format!("load_state_dict: {detail}")))?;
         for (name, piece) in &dict.state {
             let Some(&i) = self.index.get(name) else {
@@ -233,7 +233,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         options: &SaveOptions,
     ) -> Result<Manifest> {
         self.finish_gathers()?;
-        self.refuse_mid_accumulation("save_checkpoint")?;
+        self.window.refuse_mid("save_checkpoint")?;
         let dir = dir.as_ref();
         self.with_shard_home(|engine| engine.save_checkpoint_home(dir, weights, options))
     }
@@ -285,7 +285,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             }
             Ok(files)
         });
-        let files = self.agree(local, dir, "save_checkpoint")?;
+        let files = agree(&*self.comm, local, dir, "save_checkpoint")?;
 
         let mut manifest = Manifest::new();
         for (name, record) in files {
@@ -301,7 +301,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         } else {
             Ok(Vec::new())
         };
-        self.agree(written, dir, "writing the manifest")?;
+        agree(&*self.comm, written, dir, "writing the manifest")?;
 
         if rank == 0 {
             remove_stale_files(dir, &manifest, old.as_ref());
@@ -326,7 +326,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         dir: impl AsRef<Path>,
         weights: &mut M::Params<'_>,
     ) -> Result<Manifest> {
-        self.refuse_mid_accumulation("load_checkpoint")?;
+        self.window.refuse_mid("load_checkpoint")?;
         self.finish_gathers()?;
         let dir = dir.as_ref();
         let local = self.with_shard_home(|engine| engine.load_checkpoint_local(dir, weights));
@@ -334,7 +334,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             Ok(m) => (Ok(Vec::new()), Some(m)),
             Err(e) => (Err(e), None),
         };
-        self.agree(status, dir, "load_checkpoint")?;
+        agree(&*self.comm, status, dir, "load_checkpoint")?;
         manifest.ok_or_else(|| Error::State("load_checkpoint: internal: no manifest".into()))
     }
 
@@ -374,7 +374,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                  load it with StateDict::load and Engine::load_state_dict",
             ));
         }
-        self.check_same_model(&info.params)
+        check_same_model(&self.params, &info.params)
             .map_err(|detail| checkpoint_error(&manifest_path, detail))?;
         if info.optimizer != self.optimizer.kind() {
             return Err(checkpoint_error(
@@ -386,7 +386,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                 ),
             ));
         }
-        self.check_groups(&info.param_groups)
+        check_groups(&self.group_states(), &info.param_groups)
             .map_err(|detail| checkpoint_error(&manifest_path, detail))?;
         Ok(info)
     }
@@ -588,44 +588,6 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         failure.map_or(Ok(()), Err)
     }
 
-    /// Shares every rank's outcome; returns the files all ranks wrote, or
-    /// this rank's error, or an error naming the first rank that failed.
-    fn agree(
-        &self,
-        local: Result<Vec<(String, FileRecord)>>,
-        dir: &Path,
-        what: &str,
-    ) -> Result<Vec<(String, FileRecord)>> {
-        let status = match &local {
-            Ok(files) => RankStatus {
-                error: None,
-                files: files.clone(),
-            },
-            Err(e) => RankStatus {
-                error: Some(e.to_string()),
-                files: Vec::new(),
-            },
-        };
-        let all = self.comm.all_gather_bytes(&serde_json::to_vec(&status)?)?;
-        let mut files = Vec::new();
-        let mut failed = None;
-        for (r, bytes) in all.iter().enumerate() {
-            let status: RankStatus = serde_json::from_slice(bytes)?;
-            if let (Some(msg), None) = (status.error, &failed) {
-                failed = Some((r, msg));
-            }
-            files.extend(status.files);
-        }
-        match (local, failed) {
-            (Err(e), _) => Err(e),
-            (Ok(_), Some((r, msg))) => Err(Error::Checkpoint {
-                path: dir.to_path_buf(),
-                detail: format!("{what} failed on rank {r}: {msg}"),
-            }),
-            (Ok(_), None) => Ok(files),
-        }
-    }
-
     fn write_shard(&mut self, path: &Path, fail_after: Option<usize>) -> Result<FileRecord> {
         let pieces = self.sharding.step_pieces(|_| true);
         let exported = self
@@ -785,84 +747,112 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             })
             .collect()
     }
+}
 
-    fn numel_by_name(&self) -> BTreeMap<String, usize> {
-        self.params
-            .iter()
-            .map(|p| (p.name.clone(), p.numel()))
-            .collect()
+/// Shares every rank's outcome; returns the files all ranks wrote, or
+/// this rank's error, or an error naming the first rank that failed.
+fn agree<C: Communicator>(
+    comm: &C,
+    local: Result<Vec<(String, FileRecord)>>,
+    dir: &Path,
+    what: &str,
+) -> Result<Vec<(String, FileRecord)>> {
+    let status = match &local {
+        Ok(files) => RankStatus {
+            error: None,
+            files: files.clone(),
+        },
+        Err(e) => RankStatus {
+            error: Some(e.to_string()),
+            files: Vec::new(),
+        },
+    };
+    let all = comm.all_gather_bytes(&serde_json::to_vec(&status)?)?;
+    let mut files = Vec::new();
+    let mut failed = None;
+    for (r, bytes) in all.iter().enumerate() {
+        let status: RankStatus = serde_json::from_slice(bytes)?;
+        if let (Some(msg), None) = (status.error, &failed) {
+            failed = Some((r, msg));
+        }
+        files.extend(status.files);
     }
+    match (local, failed) {
+        (Err(e), _) => Err(e),
+        (Ok(_), Some((r, msg))) => Err(Error::Checkpoint {
+            path: dir.to_path_buf(),
+            detail: format!("{what} failed on rank {r}: {msg}"),
+        }),
+        (Ok(_), None) => Ok(files),
+    }
+}
 
-    /// The first difference between `saved` groups and the engine's.
-    fn check_groups(&self, saved: &[GroupState]) -> std::result::Result<(), String> {
-        let ours = self.group_states();
-        if saved.len() != ours.len() {
+/// The first difference between the `saved` parameters and the model's
+/// (`params`).
+fn check_same_model(params: &[ParamInfo], saved: &[ParamInfo]) -> std::result::Result<(), String> {
+    let by_name: BTreeMap<&str, &ParamInfo> = saved.iter().map(|p| (p.name.as_str(), p)).collect();
+    for p in params {
+        let Some(s) = by_name.get(p.name.as_str()) else {
             return Err(format!(
-                "it has {} parameter group(s), the optimizer {}; build the optimizer with the \
-                 same parameter groups",
-                saved.len(),
-                ours.len()
+                "has no parameter {:?}; is it a checkpoint of another model?",
+                p.name
             ));
-        }
-        for (g, (s, o)) in saved.iter().zip(&ours).enumerate() {
-            let mut names = s.params.clone();
-            names.sort();
-            if names != o.params {
-                let differ = names
-                    .iter()
-                    .find(|n| !o.params.contains(n))
-                    .or_else(|| o.params.iter().find(|n| !names.contains(n)))
-                    .cloned()
-                    .unwrap_or_default();
-                return Err(format!(
-                    "parameter group {g} differs from the optimizer's (first difference: {differ:?}); \
-                     build the optimizer with the same parameter groups"
-                ));
-            }
-        }
-        Ok(())
-    }
-
-    /// The first difference between the saved parameters and the model's.
-    fn check_same_model(&self, saved: &[ParamInfo]) -> std::result::Result<(), String> {
-        let by_name: BTreeMap<&str, &ParamInfo> =
-            saved.iter().map(|p| (p.name.as_str(), p)).collect();
-        for p in &self.params {
-            let Some(s) = by_name.get(p.name.as_str()) else {
-                return Err(format!(
-                    "has no parameter {:?}; is it a checkpoint of another model?",
-                    p.name
-                ));
-            };
-            // Another dtype is another precision of the same model: allowed.
-            if s.shape != p.shape {
-                return Err(format!(
-                    "parameter {:?} is {} {:?} in the checkpoint but {} {:?} in the model; \
-                     is it a checkpoint of another model?",
-                    p.name, s.dtype, s.shape, p.dtype, p.shape
-                ));
-            }
-        }
-        if let Some(extra) = saved.iter().find(|s| !self.index.contains_key(&s.name)) {
+        };
+        // Another dtype is another precision of the same model: allowed.
+        if s.shape != p.shape {
             return Err(format!(
-                "parameter {:?} of the checkpoint is not in the model; \
+                "parameter {:?} is {} {:?} in the checkpoint but {} {:?} in the model; \
                  is it a checkpoint of another model?",
-                extra.name
+                p.name, s.dtype, s.shape, p.dtype, p.shape
             ));
         }
-        Ok(())
     }
+    if let Some(extra) = saved
+        .iter()
+        .find(|s| !params.iter().any(|p| p.name == s.name))
+    {
+        return Err(format!(
+            "parameter {:?} of the checkpoint is not in the model; \
+             is it a checkpoint of another model?",
+            extra.name
+        ));
+    }
+    Ok(())
+}
 
-    pub(super) fn refuse_mid_accumulation(&self, op: &str) -> Result<()> {
-        if self.window.micro_steps > 0 || self.window.in_full_buffer {
-            return Err(Error::State(format!(
-                "{op} called with {} micro-step(s) accumulated; their gradients are not part of \
-                 a checkpoint: finish the optimizer step first",
-                self.window.micro_steps
-            )));
-        }
-        Ok(())
+/// The first difference between `saved` groups and the optimizer's
+/// (`ours`).
+fn check_groups(ours: &[GroupState], saved: &[GroupState]) -> std::result::Result<(), String> {
+    if saved.len() != ours.len() {
+        return Err(format!(
+            "it has {} parameter group(s), the optimizer {}; build the optimizer with the \
+             same parameter groups",
+            saved.len(),
+            ours.len()
+        ));
     }
+    for (g, (s, o)) in saved.iter().zip(ours).enumerate() {
+        let mut names = s.params.clone();
+        names.sort();
+        if names != o.params {
+            let differ = names
+                .iter()
+                .find(|n| !o.params.contains(n))
+                .or_else(|| o.params.iter().find(|n| !names.contains(n)))
+                .cloned()
+                .unwrap_or_default();
+            return Err(format!(
+                "parameter group {g} differs from the optimizer's (first difference: {differ:?}); \
+                 build the optimizer with the same parameter groups"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Each parameter's number of elements, by name.
+fn numel_by_name(params: &[ParamInfo]) -> BTreeMap<String, usize> {
+    params.iter().map(|p| (p.name.clone(), p.numel())).collect()
 }
 
 /// Rank 0's fresh tag for a save at `steps` (one the directory's current

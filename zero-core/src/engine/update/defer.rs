@@ -29,6 +29,7 @@ impl<B: Send + Sync + 'static> Deferred<'_, B> {
             stepping,
         } = self.buckets;
         let access = engine
+            .stage
             .deferred_gathers()
             .and_then(|gathers| gathers.access.take())
             .ok_or_else(|| Error::State("internal: no parameter access to defer with".into()))?;
@@ -44,7 +45,7 @@ impl<B: Send + Sync + 'static> Deferred<'_, B> {
         let (mut send, payload) = match gather_payload(engine, access, jobs) {
             Ok(ready) => ready,
             Err((e, access)) => {
-                if let Some(gathers) = engine.deferred_gathers() {
+                if let Some(gathers) = engine.stage.deferred_gathers() {
                     gathers.access = Some(access);
                 }
                 return Err(e);
@@ -107,7 +108,7 @@ fn leave_running<T: Element, C: Communicator, M: ShardMemory<T, C>>(
 ) -> Result<()> {
     match started {
         Ok(handle) => {
-            if let Some(gathers) = engine.deferred_gathers() {
+            if let Some(gathers) = engine.stage.deferred_gathers() {
                 gathers.pending = Some(handle);
                 gathers.steps += 1;
             }

@@ -44,8 +44,9 @@ impl Replica<'_> {
                 "internal: no reduced gradient buffer in stage 0".into(),
             ));
         };
-        let mut values = engine.take_pooled()?;
-        let mut piece_grads = engine.take_pooled()?;
+        let longest = engine.sharding.longest_bucket;
+        let mut values = engine.buffers.take_pooled(&mut engine.memory, longest)?;
+        let mut piece_grads = engine.buffers.take_pooled(&mut engine.memory, longest)?;
         let mut result = Ok(());
         let mut first = 0;
         while first < engine.sharding.owned.len() && result.is_ok() {
@@ -198,7 +199,7 @@ impl AsReduced {
                 return Err(e);
             }
         };
-        let ranges = engine.stepping_ranges(&stepping);
+        let ranges = engine.sharding.stepping_ranges(&stepping);
         let factor = (micro_steps > 1).then(|| 1.0 / micro_steps as f64);
         // The step's two buffers are bucket buffers coming back, not two
         // more beside those still out.
@@ -253,9 +254,9 @@ fn mask_beside_reductions<T: Element, C: Communicator, M: ShardMemory<T, C>>(
     engine: &mut Engine<T, C, M>,
 ) -> Result<Option<Vec<bool>>> {
     if !engine.config.check_trainability {
-        return Ok(Some(engine.with_gradient(&engine.mask.active)));
+        return Ok(Some(engine.window.with_gradient(&engine.mask.active)));
     }
-    let local = engine.with_gradient(&engine.mask.trainable);
+    let local = engine.window.with_gradient(&engine.mask.trainable);
     let side = match &engine.stage {
         StageState::Replicated { side: Some(side) } => side,
         _ => {

@@ -27,16 +27,22 @@
 //! buffer, locally, and reduce on the last one, folding the sum into each
 //! bucket as it is launched.
 
+mod handover;
+mod join;
+mod schedule;
+
+pub(super) use schedule::{PassFacts, Runner, Schedule};
+
 use super::consistency::{hash_fingerprint, order_fingerprint};
 use super::reduce::{
-    land, release_held, start_host_steps, submit, take_buffer, write_held, Back, BucketMap,
-    EarlyStep, Held, HostSteps, Job, LentOptimizer, Reducer, Reduction, Returns, Targets,
+    start_host_steps, Back, BucketMap, EarlyStep, Job, LentOptimizer, Reducer, Reduction, Returns,
+    Targets,
 };
 use super::shard_memory::deferral;
-use super::worker::Ticket;
-use super::{Engine, Overlap, ReductionProgress, ShardMemory, Stage, StageState};
+use super::{Engine, ReductionProgress, ShardMemory, Stage, StageState};
 use crate::comm::{Communicator, ReduceOp};
 use crate::{Element, Error, Result};
+use handover::PassParts;
 use std::ops::Range;
 use std::sync::{mpsc, Arc};
 
@@ -50,43 +56,6 @@ use std::sync::{mpsc, Arc};
 const MIN_BUCKET_BUFFERS: usize = 2;
 /// See [`MIN_BUCKET_BUFFERS`]: two default buckets.
 const BUCKET_BUFFER_BYTES: usize = 8 << 20;
-
-/// How one backward pass's reductions run: decided once, in
-/// [`Engine::schedule`], from the stage, the configuration, the memory and
-/// where the accumulation window stands.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) struct Schedule {
-    pub runner: Runner,
-    /// Fold the window's earlier micro-steps (in the full buffer) into
-    /// each bucket before it is reduced.
-    pub fold_full: bool,
-    /// Add each reduced bucket into the gradient shard instead of writing
-    /// over it (stage 2's later micro-steps).
-    pub add_to_shard: bool,
-    /// Step each bucket's shard as soon as it is reduced
-    /// ([`Overlap::Interleaved`] on the last micro-step).
-    pub step_early: bool,
-    /// Stage 0 on a communication thread: the full gradient buffer stays
-    /// with the engine, each bucket's earlier micro-steps are folded in as
-    /// it is launched, and each reduced bucket is written into the full
-    /// buffer when its buffer comes back, so the step can begin with the
-    /// buckets already back while later ones are on the wire.
-    pub lands: bool,
-}
-
-/// Who runs a pass's reductions.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Runner {
-    /// Queued, and run on the caller's thread after backward
-    /// ([`Overlap::None`]; stage 3 on a communicator that must not run two
-    /// collectives at once, whose gathers run on the caller's thread).
-    AfterBackward,
-    /// Launched on the caller's thread as buckets fill, by a memory whose
-    /// collectives complete after they return (a device stream).
-    Inline,
-    /// A communication thread, as buckets fill.
-    Thread,
-}
 
 /// The state of one backward pass whose gradients are being handed over.
 pub(super) struct BackwardPass<T: Element, B> {
@@ -174,14 +143,14 @@ where
     ///
     /// On the first call, before any step, the parameters are re-partitioned
     /// in this order, so that buckets complete one after another during
-    /// backward. Then, unless the schedule is [`Overlap::None`], each bucket
+    /// backward. Then, unless the schedule is [`Overlap::None`](super::Overlap::None), each bucket
     /// is reduced on a communication thread as soon as it is complete (see
-    /// [`Overlap`]). The step (or [`Engine::accumulate`]) that
+    /// [`Overlap`](super::Overlap)). The step (or [`Engine::accumulate`]) that
     /// follows closes the pass. A prediction that turns out wrong costs
-    /// overlap, never correctness, except with [`Overlap::Interleaved`]: a
+    /// overlap, never correctness, except with [`Overlap::Interleaved`](super::Overlap::Interleaved): a
     /// gradient that arrives after its bucket was stepped is an error.
     ///
-    /// With [`Overlap::Interleaved`], on the last micro-step, the owned
+    /// With [`Overlap::Interleaved`](super::Overlap::Interleaved), on the last micro-step, the owned
     /// pieces are read from `params` here (the step does not read them
     /// again): change no parameter between this call and the step.
     pub fn begin_backward(
@@ -207,13 +176,13 @@ where
         // The same answer on every rank: it depends on the memory's type.
         let forkable = self.memory.fork().is_some();
         self.split_side_communicator(forkable)?;
-        if !self.reduces_during_backward(forkable) {
+        if !self.pass_facts(forkable).reduces_during_backward() {
             // This memory reduces in the step; the gradients go to the full
             // buffer as before.
             return Ok(());
         }
         self.plan_in_order(expected)?;
-        let Some(schedule) = self.schedule(forkable) else {
+        let Some(schedule) = Schedule::decide(&self.pass_facts(forkable)) else {
             // Stages 0 and 1 accumulate locally until the last micro-step.
             return Ok(());
         };
@@ -389,7 +358,7 @@ where
         deferral(&mut self.memory)?.defer_completion();
         Ok(Reducer::Inline {
             targets,
-            map: self.bucket_map(),
+            map: BucketMap::new(&self.sharding.layout, self.config.stage, self.wire.reduce),
             queue: Vec::new(),
             held: Vec::new(),
             steps,
@@ -450,7 +419,7 @@ where
         let (returned_tx, returned) = mpsc::channel::<Back<M::Buffer>>();
         let task = ReductionTask {
             comm: Arc::clone(&self.comm),
-            map: self.bucket_map(),
+            map: BucketMap::new(&self.sharding.layout, self.config.stage, self.wire.reduce),
             progress: self.progress.clone(),
             targets,
             jobs: job_rx,
@@ -530,283 +499,20 @@ where
     C: Communicator,
     M: ShardMemory<T, C>,
 {
-    /// Whether this memory reduces during backward at all: with a thread
-    /// of its own ([`ShardMemory::fork`]), or launching on the caller's
-    /// (a device stream, after-backward overlap, no stage-3 gathers).
-    fn reduces_during_backward(&self, forkable: bool) -> bool {
-        forkable || self.reduces_inline()
-    }
-
-    fn reduces_inline(&self) -> bool {
-        let overlap = match self.config.overlap {
-            Overlap::AfterBackward => true,
-            // Steps bucket by bucket on a thread of its own (offload).
-            Overlap::Interleaved => self.abilities.host_stepper.is_some(),
-            Overlap::None => false,
-        };
-        self.memory.fork().is_none()
-            && self.abilities.launches_async
-            && overlap
-            && self.fetcher().is_none()
-    }
-
-    /// The schedule of a backward pass beginning now; `None` when the pass
-    /// only accumulates (stages 0 and 1 before the last micro-step).
-    pub(super) fn schedule(&self, forkable: bool) -> Option<Schedule> {
-        let stage = self.config.stage;
-        let last_micro_step = self.window.micro_steps + 1 >= self.config.grad_accum_steps;
-        if !stage.shards_gradients() && !last_micro_step {
-            return None;
-        }
-        // Stage 3 on a communicator that must not run two collectives at
-        // once (MPI) gathers on this thread, blocking, during backward: the
-        // reductions wait until after it.
-        let serial = self.fetcher().is_some_and(|f| !f.overlaps());
-        let runner = match self.config.overlap {
-            _ if serial => Runner::AfterBackward,
-            Overlap::None => Runner::AfterBackward,
-            Overlap::AfterBackward | Overlap::Interleaved if forkable => Runner::Thread,
-            Overlap::AfterBackward | Overlap::Interleaved => Runner::Inline,
-        };
-        Some(Schedule {
-            runner,
-            // Micro-steps given earlier in this window without a pass
-            // (slots, or `accumulate_param` alone) are in the full buffer:
-            // fold them into each bucket once. Stage 2 then adds to what
-            // earlier passes reduced into the shard.
-            fold_full: self.window.in_full_buffer,
-            add_to_shard: stage.shards_gradients() && self.window.in_shard,
-            // Stage 0 steps the replica after backward, bucket by bucket,
-            // with no parameter copy to step early: there the interleaved
-            // schedule steps after backward. A piece straddling buckets (a
-            // partition not made in gradient order) steps after backward
-            // too, with the same result.
-            step_early: self.config.overlap == Overlap::Interleaved
-                && last_micro_step
-                && stage != Stage::Ddp
-                && self.sharding.pieces_by_bucket().is_some(),
-            lands: stage == Stage::Ddp
-                && !serial
-                && self.config.overlap != Overlap::None
-                && forkable,
-        })
-    }
-
-    /// Hands (the elements `range` of) one gradient to the open backward
-    /// pass: flattens it into its buckets and launches the buckets it
-    /// completes. A run counts towards its bucket once a call has covered
-    /// it whole, whether in one range or several.
-    pub(super) fn hand_over(
-        &mut self,
-        param: usize,
-        range: Range<usize>,
-        grad: M::Grad<'_>,
-        predicted: bool,
-    ) -> Result<()> {
-        for i in 0..self.sharding.runs_of_param[param].len() {
-            let r = self.sharding.runs_of_param[param][i];
-            let Some(pass) = self.pass.as_mut() else {
-                return Err(Error::State("internal: no backward pass is open".into()));
-            };
-            let run = &self.sharding.layout.runs[r];
-            let k = self.sharding.bucket_of_run[r];
-            let start = self.sharding.layout.bucket_range(k).start;
-            let Some(piece) = super::piece_of(run, &range, grad, start) else {
-                continue;
-            };
-            if k < pass.next && pass.schedule.step_early {
-                return Err(Error::State(format!(
-                    "{:?} got a gradient after its bucket had been reduced and stepped (overlap \
-                     interleaved): it is used outside the hooked layers, or more often than \
-                     predicted. Use overlap after-backward for this model",
-                    self.params[param].name
-                )));
-            }
-            let holding = pass.holding();
-            let slot = if k < pass.next {
-                &mut pass.late[k]
-            } else {
-                &mut pass.open[k]
-            };
-            if slot.is_none() {
-                let len = self.sharding.layout.bucket_range(k).len();
-                let full = self
-                    .buffers
-                    .full_grads
-                    .as_mut()
-                    .filter(|_| pass.schedule.lands);
-                *slot = Some(take_buffer(
-                    &mut self.memory,
-                    &mut self.buffers.pool,
-                    &mut pass.reducer,
-                    (holding, pass.buffer_limit),
-                    len,
-                    (&self.sharding.layout, full),
-                )?);
-            }
-            let buffer = slot.as_mut().expect("filled above");
-            let covered = piece.range.len();
-            self.memory.flatten(buffer, &[piece], true)?;
-            pass.filled[r] += covered;
-            if pass.filled[r] < run.param_range.len() {
-                continue;
-            }
-            pass.filled[r] = 0;
-            pass.seen_calls[r] += 1;
-            if predicted && pass.seen_calls[r] <= pass.expected_calls[param] && k >= pass.next {
-                pass.remaining[k] = pass.remaining[k].saturating_sub(1);
-                // Launched before the next bucket of a long gradient is
-                // opened, so that it can take this one's place.
-                if pass.remaining[k] == 0 {
-                    self.launch_ready(false)?;
-                }
-            }
-        }
-        self.window.present[param] = true;
-        self.launch_ready(false)
-    }
-
-    /// Launches every bucket that is due: complete ones in order, or (at the
-    /// end of backward, `all`) every one left.
-    fn launch_ready(&mut self, all: bool) -> Result<()> {
-        let Some(pass) = self.pass.as_mut() else {
-            return Ok(());
-        };
-        while pass.next < pass.open.len()
-            && (all || (pass.predicted[pass.next] && pass.remaining[pass.next] == 0))
-        {
-            let k = pass.next;
-            let holding = pass.holding();
-            let full = self
-                .buffers
-                .full_grads
-                .as_mut()
-                .filter(|_| pass.schedule.lands);
-            let mut buffer = match pass.open[k].take() {
-                Some(buffer) => buffer,
-                None => take_buffer(
-                    &mut self.memory,
-                    &mut self.buffers.pool,
-                    &mut pass.reducer,
-                    (holding, pass.buffer_limit),
-                    self.sharding.layout.bucket_range(k).len(),
-                    (&self.sharding.layout, full),
-                )?,
-            };
-            let mut fold_full = pass.schedule.fold_full;
-            if pass.schedule.lands && fold_full {
-                // The full buffer stays here: the earlier micro-steps are
-                // folded in now, as the thread would have.
-                let full = self.buffers.full_grads.as_ref().ok_or_else(|| {
-                    Error::State("internal: no full gradient buffer in stage 0".into())
-                })?;
-                self.memory.copy_range(
-                    &mut buffer,
-                    0,
-                    full,
-                    self.sharding.layout.bucket_range(k),
-                    true,
-                )?;
-                fold_full = false;
-            }
-            let job = Job {
-                bucket: k,
-                buffer,
-                fold_full,
-                add: pass.schedule.add_to_shard,
-                // What is launched at the end waits for the step's mask.
-                step: pass.schedule.step_early && !all,
-            };
-            submit(&mut pass.reducer, job);
-            pass.next += 1;
-        }
-        self.run_inline();
-        Ok(())
-    }
-
-    /// Runs the reductions queued for an inline reducer, on this thread;
-    /// they complete when the memory settles at the end of the pass, and
-    /// stage 0 writes its buckets into the full buffer then. A sum into
-    /// the shard (accumulation at stage 2), whose result is used at once,
-    /// runs with the memory settled. After a failure nothing more is
-    /// issued; joining the pass reports it.
-    fn run_inline(&mut self) {
-        let Some(pass) = self.pass.as_mut() else {
-            return;
-        };
-        let Reducer::Inline {
-            targets,
-            map,
-            queue,
-            held,
-            steps,
-            result,
-        } = &mut pass.reducer
-        else {
-            return;
-        };
-        for mut job in std::mem::take(queue) {
-            let mut write = None;
-            if result.is_ok() {
-                let reduction = Reduction {
-                    comm: &*self.comm,
-                    memory: &mut self.memory,
-                    map,
-                    targets,
-                };
-                (*result, write) = reduction.run_inline(&mut job);
-                if result.is_ok() {
-                    self.progress.add_one();
-                }
-                // Interleaved (offload): the reduced gradients are on their
-                // way into the host shard; the step thread waits for them.
-                if let (true, Some(steps), Ok(())) = (job.step, steps.as_mut(), &*result) {
-                    *result = self
-                        .memory
-                        .host_offload()
-                        .map_or(Ok(None), |offload| offload.landing())
-                        .and_then(|landing| steps.hand_over(job.bucket, landing));
-                }
-            }
-            // A shard offloaded to host memory got its part when the
-            // reduction returned, or has its copy queued behind it: the bucket
-            // buffer is free for the next bucket at once, so the device
-            // holds a bucket or two instead of the whole gradient.
-            let landed = write.is_none() && targets.shard.as_ref().is_some_and(M::offloaded);
-            if landed {
-                self.buffers.pool.push(job.buffer);
-                continue;
-            }
-            if job.add {
-                // Settled above: every reduction held so far is complete
-                // (none is stage 0's, which writes).
-                release_held(&mut self.buffers.pool, held, usize::MAX);
-            }
-            held.push(Held {
-                write,
-                reductions: self.memory.deferral().map_or(0, |d| d.deferred_count()),
-                buffer: job.buffer,
-            });
-            // Beyond a few buffers, the oldest is reused behind a fence:
-            // what is queued from now on runs after the reductions that
-            // read it (a device stream waits on their events; the host does
-            // not wait), stage 0's reduced bucket first written into the
-            // full buffer, so the pass holds a few bucket buffers instead
-            // of one per bucket.
-            if held.len() > MIN_BUCKET_BUFFERS && result.is_ok() {
-                let fence = held[0].reductions;
-                *result = deferral(&mut self.memory)
-                    .and_then(|d| d.fence_deferred(fence))
-                    .and_then(|()| {
-                        let mut reduction = Reduction {
-                            comm: &*self.comm,
-                            memory: &mut self.memory,
-                            map,
-                            targets,
-                        };
-                        write_held(&mut reduction, &mut self.buffers.pool, held, fence)
-                    });
-            }
+    /// What decides the schedule of a pass beginning now.
+    fn pass_facts(&self, forkable: bool) -> PassFacts {
+        PassFacts {
+            stage: self.config.stage,
+            overlap: self.config.overlap,
+            last_micro_step: self.window.micro_steps + 1 >= self.config.grad_accum_steps,
+            sharded_params: self.fetcher().is_some(),
+            serial_gathers: self.fetcher().is_some_and(|f| !f.overlaps()),
+            forkable,
+            launches_async: self.abilities.launches_async,
+            host_stepper: self.abilities.host_stepper.is_some(),
+            in_full_buffer: self.window.in_full_buffer,
+            in_shard: self.window.in_shard,
+            by_bucket: self.sharding.pieces_by_bucket().is_some(),
         }
     }
 
@@ -841,35 +547,40 @@ where
         Ok(true)
     }
 
+    /// Hands the gradients given after backward (`grads`, one slot per
+    /// parameter) to the open pass, and launches every bucket left.
     pub(super) fn flush_pass(&mut self, grads: Option<&[Option<M::Grad<'_>>]>) -> Result<()> {
-        if let Some(grads) = grads {
-            for (param, grad) in grads.iter().enumerate() {
-                if let Some(grad) = *grad {
-                    let numel = self.params[param].numel();
-                    self.hand_over(param, 0..numel, grad, false)?;
-                }
-            }
-        }
-        self.launch_ready(true)?;
-        let Some(pass) = self.pass.as_mut() else {
-            return Ok(());
+        let (mut parts, Some(pass)) = self.pass_parts() else {
+            return Err(Error::State("internal: no backward pass is open".into()));
         };
-        // The same on every rank running the same model: which gradients
-        // come after their bucket is a property of the graph.
-        for k in 0..pass.late.len() {
-            if let Some(buffer) = pass.late[k].take() {
-                let job = Job {
-                    bucket: k,
-                    buffer,
-                    fold_full: false,
-                    add: true,
-                    step: false,
-                };
-                submit(&mut pass.reducer, job);
+        for (param, grad) in grads.into_iter().flatten().enumerate() {
+            if let Some(grad) = *grad {
+                let numel = parts.params[param].numel();
+                parts.hand_over(pass, param, 0..numel, grad, false)?;
             }
         }
-        self.run_inline();
-        Ok(())
+        parts.launch_rest(pass)
+    }
+
+    /// The parts of the engine a pass works with, and the open pass, if
+    /// any.
+    #[allow(clippy::type_complexity)]
+    pub(super) fn pass_parts(
+        &mut self,
+    ) -> (
+        PassParts<'_, T, C, M>,
+        Option<&mut BackwardPass<T, M::Buffer>>,
+    ) {
+        let parts = PassParts {
+            comm: &*self.comm,
+            memory: &mut self.memory,
+            buffers: &mut self.buffers,
+            sharding: &self.sharding,
+            params: &self.params,
+            present: &mut self.window.present,
+            progress: &self.progress,
+        };
+        (parts, self.pass.as_mut())
     }
 
     /// Waits for every reduction of the open pass (running them here if
@@ -915,182 +626,21 @@ where
     /// [`Engine::join_pass`] but for offload's step thread, which goes on
     /// stepping (held in `host_steps`, with the gradient shard it reads).
     fn join_reductions(&mut self) -> Result<()> {
-        let Some(mut pass) = self.pass.take() else {
+        let Some(pass) = self.pass.take() else {
             return Ok(());
         };
-        // Buffers still open (a pass abandoned halfway) go back to the pool.
-        self.buffers.pool.extend(pass.open.drain(..).flatten());
-        self.buffers.pool.extend(pass.late.drain(..).flatten());
-        let (targets, result) = match pass.reducer {
-            Reducer::Queued { targets, queue } => {
-                self.reduce_queued(targets, queue, pass.schedule.lands)
-            }
-            Reducer::Inline {
-                targets,
-                map,
-                queue,
-                held,
-                steps,
-                result,
-            } => {
-                // `flush_pass` ran every queued job (none is left after a
-                // failure stopped it either: they were never issued).
-                self.buffers
-                    .pool
-                    .extend(queue.into_iter().map(|job| job.buffer));
-                self.join_inline(targets, &map, held, steps, result)
-            }
-            Reducer::Thread {
-                jobs,
-                returned,
-                ticket,
-            } => {
-                drop(jobs);
-                self.join_thread(returned, ticket, pass.schedule.lands)?
-            }
-        };
-        if targets.full.is_some() {
-            self.buffers.full_grads = targets.full;
+        let map = BucketMap::new(&self.sharding.layout, self.config.stage, self.wire.reduce);
+        let joined = self.pass_parts().0.join(pass, &map)?;
+        if let Some(steps) = joined.host_steps {
+            self.host_steps = Some(steps);
         }
-        self.buffers.grad_shard = targets.shard;
-        self.buffers.scratch = targets.scratch;
-        if let Some(early) = targets.early {
+        if let Some(early) = joined.early {
             self.optimizer = early.optimizer;
             self.buffers.param_shard = early.params;
             self.sharding.keys = early.keys;
             self.window.early_stepped = early.stepped;
         }
-        result
-    }
-
-    /// Ends an inline pass: settles its reductions, writes what they held
-    /// and, offloaded, leaves the step thread going on with its last
-    /// buckets (`host_steps`, with the gradient shard it reads).
-    fn join_inline(
-        &mut self,
-        mut targets: Targets<T, M::Buffer>,
-        map: &BucketMap,
-        mut held: Vec<Held<M::Buffer>>,
-        steps: Option<Box<HostSteps<T, M::Buffer>>>,
-        result: Result<()>,
-    ) -> (Targets<T, M::Buffer>, Result<()>) {
-        // Settled even after a failure: it ends the deferral.
-        let settled = deferral(&mut self.memory).and_then(|d| d.settle(&*self.comm));
-        let mut result = result.and(settled);
-        if result.is_ok() {
-            let mut reduction = Reduction {
-                comm: &*self.comm,
-                memory: &mut self.memory,
-                map,
-                targets: &mut targets,
-            };
-            result = write_held(
-                &mut reduction,
-                &mut self.buffers.pool,
-                &mut held,
-                usize::MAX,
-            );
-        } else {
-            self.buffers.pool.extend(held.into_iter().map(|h| h.buffer));
-        }
-        if let Some(mut steps) = steps {
-            // The thread goes on with its last buckets, reading the
-            // gradient shard: held with it until it is finished.
-            steps.end_backward(targets.shard.take());
-            self.host_steps = Some(steps);
-        }
-        (targets, result)
-    }
-
-    /// Ends a pass on the communication thread: waits for its task and
-    /// lands the buckets still coming back (into the full buffer when the
-    /// pass `lands`).
-    #[allow(clippy::type_complexity)]
-    fn join_thread(
-        &mut self,
-        mut returned: Returns<M::Buffer>,
-        ticket: Ticket<(Targets<T, M::Buffer>, Result<()>)>,
-        lands: bool,
-    ) -> Result<(Targets<T, M::Buffer>, Result<()>)> {
-        let joined = ticket.wait();
-        let mut landed = Ok(());
-        while let Some(back) = returned.next(false) {
-            let full = self.buffers.full_grads.as_mut().filter(|_| lands);
-            let written = land(
-                &mut self.memory,
-                &self.sharding.layout,
-                full,
-                &mut self.buffers.pool,
-                back,
-            );
-            landed = landed.and(written.map(drop));
-        }
-        match joined {
-            Some((targets, result)) => Ok((targets, result.and(landed))),
-            None => Err(Error::State(
-                "the communication thread panicked; the engine's gradient buffers are lost, \
-                 rebuild the optimizer"
-                    .into(),
-            )),
-        }
-    }
-
-    /// Runs a pass's queued reductions, in order, on this thread; without
-    /// a thread after all, stage 0's buckets still land in the engine's
-    /// full buffer (`lands`).
-    fn reduce_queued(
-        &mut self,
-        mut targets: Targets<T, M::Buffer>,
-        queue: Vec<Job<M::Buffer>>,
-        lands: bool,
-    ) -> (Targets<T, M::Buffer>, Result<()>) {
-        let map = self.bucket_map();
-        let mut result = Ok(());
-        for mut job in queue {
-            if result.is_ok() {
-                let mut reduction = Reduction {
-                    comm: &*self.comm,
-                    memory: &mut self.memory,
-                    map: &map,
-                    targets: &mut targets,
-                };
-                result = reduction.run(&mut job);
-                if result.is_ok() {
-                    self.progress.add_one();
-                }
-            }
-            let back = Back {
-                bucket: job.bucket,
-                reduced: result.is_ok().then_some(job.add),
-                buffer: job.buffer,
-            };
-            let full = self.buffers.full_grads.as_mut().filter(|_| lands);
-            let landed = land(
-                &mut self.memory,
-                &self.sharding.layout,
-                full,
-                &mut self.buffers.pool,
-                back,
-            );
-            result = result.and(landed.map(drop));
-        }
-        (targets, result)
-    }
-
-    /// Whether a backward pass's gradients are being handed over.
-    pub(super) fn pass_is_open(&self) -> bool {
-        self.pass.is_some()
-    }
-
-    fn bucket_map(&self) -> BucketMap {
-        BucketMap {
-            stage: self.config.stage,
-            full: (0..self.sharding.layout.buckets.len())
-                .map(|k| self.sharding.layout.bucket_range(k))
-                .collect(),
-            shard: self.sharding.layout.buckets.clone(),
-            wire: self.wire.reduce,
-        }
+        joined.result
     }
 
     /// A handle on the count of completed bucket reductions.
