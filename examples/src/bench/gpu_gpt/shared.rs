@@ -1,0 +1,153 @@
+//! The GPT on ranks sharing the GPU (`--backend cuda-threads`) at stages 0,
+//! 2 and 3: each rank's device bytes per parameter and the step times.
+
+use super::{
+    random_ids, synchronize, BenchResult, BATCH, CONFIG, LR, SEED, SHARED_RANKS, STEPS, WARMUP,
+};
+use crate::bench::Report;
+use crate::trainer::{Gpt, GptOps};
+use candle_core::{DType, Device};
+use candle_nn::VarMap;
+use std::sync::Arc;
+use std::time::Instant;
+use zero_candle::nn::GradHook;
+use zero_candle::{ZeroHook, ZeroOptimizer};
+use zero_core::engine::{EngineConfig, Stage};
+use zero_core::optim::{AdamW, AdamWConfig};
+use zero_core::Communicator;
+use zero_nccl::cudarc::driver::CudaContext;
+use zero_nccl::{CudaThreadComm, CudaThreadGroup, DeviceComm, DevicePool};
+
+/// The f32 GPT at stages 0, 2 and 3 on [`SHARED_RANKS`] ranks sharing the
+/// GPU (the global batch of [`BATCH`] split between them): each rank's
+/// engine device bytes per parameter (its memory report, the model's
+/// weights included, and at stage 3 the gather buffers), the pool's peak
+/// per rank (at stage 3 it includes the first step, on whole weights), and
+/// stage 2's and 3's step times over stage 0's and 2's.
+pub(super) fn shared_gpu(
+    report: &mut Report,
+    device: &Device,
+    ctx: &CudaContext,
+    pool: Option<&DevicePool>,
+) {
+    let mut step_s = Vec::new();
+    for (stage, name, goal) in [
+        (Stage::Ddp, "s0", "<= 17"),
+        (Stage::Gradients, "s2", "<= 8"),
+        (Stage::Parameters, "s3", "<= 5"),
+    ] {
+        let measured = ranks_sharing(device, ctx, pool, stage);
+        let (seconds, bytes_per_param, peak) = match measured {
+            Ok(m) => m,
+            Err(e) => {
+                eprintln!("gpu gpt benchmark: {SHARED_RANKS} ranks at {stage:?} failed: {e}");
+                return;
+            }
+        };
+        let n = SHARED_RANKS;
+        report.add(
+            &format!("gpu.gpt_f32_n{n}_{name}_engine_bytes_per_param_rank"),
+            bytes_per_param,
+            "B/param",
+            Some(goal),
+        );
+        if let Some((peak, numel)) = peak {
+            report.add(
+                &format!("gpu.gpt_f32_n{n}_{name}_peak_bytes_per_param_rank"),
+                peak as f64 / n as f64 / numel as f64,
+                "B/param",
+                None,
+            );
+        }
+        step_s.push(seconds);
+    }
+    report.add(
+        &format!("gpu.gpt_f32_n{SHARED_RANKS}_s2_step_over_s0"),
+        step_s[1] / step_s[0],
+        "ratio",
+        None,
+    );
+    report.add(
+        &format!("gpu.gpt_f32_n{SHARED_RANKS}_s3_step_over_s2"),
+        step_s[2] / step_s[1],
+        "ratio",
+        None,
+    );
+}
+
+/// Rank 0's figures of one [`shared_gpu`] case: the slowest rank's median
+/// step (s), the engine's device bytes per parameter, and the pool's peak
+/// over the run with the model's parameter count.
+type SharedFigures = (f64, f64, Option<(u64, usize)>);
+
+fn ranks_sharing(
+    device: &Device,
+    ctx: &CudaContext,
+    pool: Option<&DevicePool>,
+    stage: Stage,
+) -> BenchResult<SharedFigures> {
+    // The peak covers the warm-up steps too (the pool is not shared with
+    // the rank threads); the first step's peak is the steady one's.
+    synchronize(device, ctx)?;
+    if let Some(pool) = pool {
+        pool.reset_high_water()?;
+    }
+    let results = CudaThreadGroup::new(SHARED_RANKS).run(|comm| {
+        let rank = comm.rank();
+        let trained = (|| -> BenchResult<(f64, f64, usize)> {
+            let device = Device::new_cuda_with_stream(comm.context().ordinal())?;
+            let ids = random_ids(&device, BATCH / SHARED_RANKS)?;
+            let varmap = VarMap::new();
+            let hook = ZeroHook::<CudaThreadComm, f32>::new();
+            let model = Gpt::with_hook_in(
+                &varmap,
+                CONFIG,
+                SEED,
+                &device,
+                Some(hook.clone() as Arc<dyn GradHook>),
+                DType::F32,
+            )?
+            .with_ops(GptOps::Fused);
+            let mut opt = ZeroOptimizer::<CudaThreadComm, f32>::new(
+                &varmap,
+                comm,
+                EngineConfig::default().with_stage(stage),
+                Box::new(AdamW::new(AdamWConfig::default().with_lr(LR))?),
+            )?
+            .with_hook(&hook)?;
+            let mut times = Vec::with_capacity(STEPS);
+            for step in 0..WARMUP + STEPS {
+                if step == WARMUP {
+                    device.synchronize()?;
+                    opt.engine().comm().barrier()?;
+                }
+                let started = Instant::now();
+                let loss = model.loss(&ids)?;
+                opt.backward_step(&loss)?;
+                device.synchronize()?;
+                if step >= WARMUP {
+                    times.push(started.elapsed().as_secs_f64());
+                }
+            }
+            times.sort_by(f64::total_cmp);
+            let numel: usize = opt.vars().iter().map(|v| v.elem_count()).sum();
+            let bytes = opt.memory_report().on_device() as f64 / numel.max(1) as f64;
+            Ok((times[times.len() / 2], bytes, numel))
+        })();
+        Ok(trained.map_err(|e| format!("rank {rank}: {e}")))
+    })?;
+    let mut figures = Vec::new();
+    for result in results {
+        figures.push(result?.map_err(|e| -> Box<dyn std::error::Error> { e.into() })?);
+    }
+    synchronize(device, ctx)?;
+    let peak = pool
+        .map(DevicePool::high_water)
+        .transpose()?
+        .map(|peak| (peak, figures[0].2));
+    if let Some(pool) = pool {
+        pool.reset_high_water()?;
+    }
+    let slowest = figures.iter().map(|f| f.0).fold(0.0, f64::max);
+    Ok((slowest, figures[0].1, peak))
+}

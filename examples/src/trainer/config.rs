@@ -1,0 +1,235 @@
+//! What the flags mean beyond each one's own value: the checks across
+//! them, the engine configuration, the model's shape and where its
+//! variables come from.
+
+use super::{
+    Args, Dataset, GptConfig, ModelKind, OffloadArg, OverlapArg, PartitionerArg, Precision,
+    TrainError,
+};
+use zero_candle::ShardedVarMap;
+use zero_core::engine::{
+    EngineConfig, LossScale, NormType, Offload, Overlap, PartitionerKind, Stage,
+};
+
+pub(super) fn validate(args: &Args) -> Result<(), TrainError> {
+    if args.checkpoint_activations && args.model != ModelKind::Gpt {
+        return Err(TrainError::Usage(
+            "--checkpoint-activations recomputes the GPT's blocks; use it with --model gpt".into(),
+        ));
+    }
+    if args.hidden.contains(&0) {
+        return Err(TrainError::Usage("--hidden widths must be positive".into()));
+    }
+    if !(args.lr.is_finite() && args.lr >= 0.0) {
+        return Err(TrainError::Usage(format!("--lr {} must be >= 0", args.lr)));
+    }
+    if !(args.bucket_mb.is_finite() && args.bucket_mb > 0.0) {
+        return Err(TrainError::Usage(format!(
+            "--bucket-mb {} must be positive",
+            args.bucket_mb
+        )));
+    }
+    if args.overlap == Some(OverlapArg::Interleaved) && args.clip_norm.is_some() {
+        return Err(TrainError::Usage(
+            "--overlap interleaved steps each bucket before the other gradients exist, so it \
+             cannot clip by the global norm; drop --clip-norm or use --overlap after-backward"
+                .into(),
+        ));
+    }
+    if args.defer_gathers && (args.stage == 0 || overlap(args) == OverlapArg::None) {
+        return Err(TrainError::Usage(
+            "--defer-gathers defers the all-gathers of stages 1 and 2 after an overlapped step; \
+             use it with --stage 1 or 2 and --overlap after-backward or interleaved"
+                .into(),
+        ));
+    }
+    if let Some(c) = args.clip_norm {
+        if !(c.is_finite() && c > 0.0) {
+            return Err(TrainError::Usage(format!(
+                "--clip-norm {c} must be positive"
+            )));
+        }
+    }
+    if !(args.timeout_s.is_finite() && args.timeout_s > 0.0) {
+        return Err(TrainError::Usage("--timeout-s must be positive".into()));
+    }
+    if args.model == ModelKind::Gpt {
+        gpt_config(args).validate()?;
+    } else if args.sample > 0 {
+        return Err(TrainError::Usage(
+            "--sample generates text and needs --model gpt".into(),
+        ));
+    }
+    if !(args.temperature.is_finite() && args.temperature >= 0.0) {
+        return Err(TrainError::Usage(format!(
+            "--temperature {} must be >= 0 (0 picks the most likely byte)",
+            args.temperature
+        )));
+    }
+    if loss_scale(args)? != LossScale::None && args.overlap == Some(OverlapArg::Interleaved) {
+        return Err(TrainError::Usage(
+            "loss scaling (--loss-scale, on by default for --precision f16) decides after \
+             backward whether to step; --overlap interleaved steps during backward: use \
+             --overlap after-backward"
+                .into(),
+        ));
+    }
+    if args.offload == OffloadArg::Optimizer && !args.backend.on_gpu() {
+        return Err(TrainError::Usage(
+            "--offload optimizer moves a GPU model's optimizer side to host memory; with \
+             --backend threads or mpi everything is in host memory already: drop --offload, or \
+             train on --backend nccl or cuda-threads"
+                .into(),
+        ));
+    }
+    if args.offload_copy_stream && args.offload != OffloadArg::Optimizer {
+        return Err(TrainError::Usage(
+            "--offload-copy-stream puts offload's transfers on a stream of their own: use it \
+             with --offload optimizer"
+                .into(),
+        ));
+    }
+    if args.offload == OffloadArg::Optimizer && args.stage == 0 {
+        return Err(TrainError::Usage(
+            "--offload optimizer moves the optimizer's shard to host memory: use it with \
+             --stage 1, 2 or 3 (stage 0 has no shard)"
+                .into(),
+        ));
+    }
+    if args.backend.on_gpu() && (args.no_master_weights || args.reduce_in_param_dtype) {
+        return Err(TrainError::Usage(
+            "the GPU backends train 16-bit models with f32 master weights and reduce their \
+             gradients in f32; drop --no-master-weights and --reduce-in-param-dtype"
+                .into(),
+        ));
+    }
+    if args.reduce_in_param_dtype && (args.precision == Precision::F32 || args.no_master_weights) {
+        return Err(TrainError::Usage(
+            "--reduce-in-param-dtype applies to --precision bf16 or f16 with master weights".into(),
+        ));
+    }
+    if args.no_master_weights && args.precision == Precision::F32 {
+        return Err(TrainError::Usage(
+            "--no-master-weights applies to --precision bf16 or f16".into(),
+        ));
+    }
+    if args.checkpoint_every > 0 && args.checkpoint_dir.is_none() {
+        return Err(TrainError::Usage(
+            "--checkpoint-every needs --checkpoint-dir".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// The loss scaling `--loss-scale` asks for (by default dynamic for f16,
+/// none otherwise).
+fn loss_scale(args: &Args) -> Result<LossScale, TrainError> {
+    let scale = match args.loss_scale.as_deref() {
+        None if args.precision == Precision::F16 => LossScale::dynamic(),
+        None | Some("none") => LossScale::None,
+        Some("dynamic") => LossScale::dynamic(),
+        Some(fixed) => match fixed.parse::<f64>() {
+            Ok(v) if v.is_finite() && v > 0.0 => LossScale::Fixed(v),
+            _ => {
+                return Err(TrainError::Usage(format!(
+                    "--loss-scale {fixed:?}: use dynamic, none, or a positive number"
+                )))
+            }
+        },
+    };
+    Ok(scale)
+}
+
+/// The schedule: `--overlap`, or where it is not given, interleaved for
+/// an offloaded stage 1 or 2 without clipping or loss scaling (the host
+/// steps each bucket as it lands, beside backward, instead of all of them
+/// after it), after-backward otherwise.
+pub fn overlap(args: &Args) -> OverlapArg {
+    args.overlap.unwrap_or_else(|| {
+        let steps_early = args.offload == OffloadArg::Optimizer
+            && matches!(args.stage, 1 | 2)
+            && args.clip_norm.is_none()
+            && loss_scale(args).unwrap_or_default() == LossScale::None;
+        if steps_early {
+            OverlapArg::Interleaved
+        } else {
+            OverlapArg::AfterBackward
+        }
+    })
+}
+
+/// The engine configuration the flags describe.
+pub fn engine_config(args: &Args) -> EngineConfig {
+    let mut config = EngineConfig::default()
+        .with_stage(match args.stage {
+            0 => Stage::Ddp,
+            1 => Stage::OptimizerState,
+            2 => Stage::Gradients,
+            _ => Stage::Parameters,
+        })
+        .with_persist_numel(args.persist_numel)
+        .with_prefetch_bytes((args.prefetch_mb * (1 << 20) as f64) as usize)
+        .with_gather_bytes((args.gather_mb * (1 << 20) as f64) as usize)
+        .with_max_live_bytes(((args.max_live_mb * (1 << 20) as f64) as usize).max(1))
+        .with_partitioner(match args.partitioner {
+            PartitionerArg::Flat => PartitionerKind::Flat,
+            PartitionerArg::Greedy => PartitionerKind::Greedy,
+        })
+        .with_bucket_bytes(((args.bucket_mb * (1 << 20) as f64) as usize).max(1))
+        .with_grad_accum_steps(args.grad_accum as usize)
+        .with_overlap(match overlap(args) {
+            OverlapArg::None => Overlap::None,
+            OverlapArg::AfterBackward => Overlap::AfterBackward,
+            OverlapArg::Interleaved => Overlap::Interleaved,
+        })
+        // The norm needs every gradient: the interleaved schedule has none.
+        .with_grad_norm(overlap(args) != OverlapArg::Interleaved)
+        // Validated by `run` before any rank starts.
+        .with_loss_scale(loss_scale(args).unwrap_or_default())
+        .with_reduce_in_param_dtype(args.reduce_in_param_dtype)
+        .with_defer_gathers(args.defer_gathers)
+        .with_offload(
+            match args.offload {
+                OffloadArg::None => Offload::None,
+                OffloadArg::Optimizer => Offload::Optimizer,
+            },
+            args.offload_threads,
+        )
+        .with_offload_pin_memory(args.offload_pinned)
+        .with_offload_copy_stream(args.offload_copy_stream);
+    if let Some(max_norm) = args.clip_norm {
+        config = config.with_clip(max_norm, NormType::L2);
+    }
+    config
+}
+
+/// The model's layer widths: data width, `--hidden`, classes.
+pub(super) fn widths(args: &Args, data: &Dataset) -> Vec<usize> {
+    let mut widths = vec![data.width];
+    widths.extend(&args.hidden);
+    widths.push(data.classes);
+    widths
+}
+
+/// The GPT shape the flags describe.
+pub(super) fn gpt_config(args: &Args) -> GptConfig {
+    GptConfig {
+        layers: args.layers as usize,
+        heads: args.heads as usize,
+        d_model: args.d_model as usize,
+        context: args.context as usize,
+    }
+}
+
+/// Where the model's variables come from: `--init`'s file (memory-mapped)
+/// or the seed; created without values, for the optimizer to fill (at
+/// stage 3 each rank only its shard of the large ones).
+pub(super) fn model_vars(args: &Args) -> Result<ShardedVarMap, TrainError> {
+    Ok(match &args.init {
+        Some(path) => ShardedVarMap::from_safetensors(path).map_err(|e| TrainError::Data {
+            path: path.clone(),
+            detail: format!("cannot initialize from it: {e}"),
+        })?,
+        None => ShardedVarMap::seeded(args.seed),
+    })
+}

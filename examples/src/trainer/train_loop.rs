@@ -1,0 +1,234 @@
+//! One rank's training loop: resume, micro-steps, metrics, validation,
+//! checkpoints, then the saved weights, the sample and the loss plot.
+
+use super::metrics::StepMetrics;
+use super::progress::Progress;
+use super::rank_model::Model;
+use super::rank_optimizer::RankOptimizer;
+use super::{Args, LossHistory, Summary, TrainError};
+use candle_core::Device;
+use std::io::Write;
+use std::time::Instant;
+use zero_core::engine::SaveOptions;
+
+/// What the loop runs on besides the optimizer.
+pub(super) struct LoopContext<'a> {
+    pub(super) args: &'a Args,
+    pub(super) rank: usize,
+    pub(super) world_size: usize,
+    pub(super) device: &'a Device,
+    pub(super) model: &'a Model<'a>,
+}
+
+pub(super) fn train_loop(
+    ctx: &LoopContext<'_>,
+    opt: &mut dyn RankOptimizer,
+) -> Result<Summary, TrainError> {
+    let LoopContext {
+        args,
+        rank,
+        world_size,
+        device,
+        model,
+    } = *ctx;
+    // Resuming: weights, optimizer state, step counter, data position and
+    // learning rate come from the checkpoint (any world size and stage).
+    let mut first_step = 0;
+    // Rows of the dataset (MLP) or sequences (GPT) consumed before this run
+    // (counted in rows, so a resume with another world size or batch size
+    // continues at the same row; a GPT sequence's text is a function of the
+    // seed and its index, so the count is its whole data position).
+    let mut rows_consumed = 0;
+    if let Some(dir) = &args.resume {
+        let manifest = opt.load_checkpoint(dir)?;
+        let user = manifest.checkpoint.map(|c| c.user).unwrap_or_default();
+        first_step = user["step"].as_u64().ok_or_else(|| TrainError::Data {
+            path: dir.clone(),
+            detail: "the checkpoint records no trainer step; was it saved by `train`?".into(),
+        })?;
+        rows_consumed = user["rows_consumed"]
+            .as_u64()
+            .ok_or_else(|| TrainError::Data {
+                path: dir.clone(),
+                detail: "the checkpoint records no data position (`rows_consumed`)".into(),
+            })?;
+        if let Some(lr) = user["lr"].as_f64() {
+            opt.set_learning_rate(lr);
+        }
+    }
+    let mut metrics = match (&args.metrics, rank) {
+        (Some(path), 0) => Some(std::io::BufWriter::new(
+            std::fs::File::create(path).map_err(|e| TrainError::Data {
+                path: path.clone(),
+                detail: format!("cannot create metrics file: {e}"),
+            })?,
+        )),
+        _ => None,
+    };
+    let tokens_per_row = model.tokens_per_row(args);
+    let progress = Progress::new(
+        rank == 0 && !args.quiet,
+        args.steps,
+        if tokens_per_row.is_some() {
+            "tokens/s"
+        } else {
+            "samples/s"
+        },
+    );
+    let mut history = LossHistory::default();
+    let mut val_loss = None;
+
+    let batch = args.batch_size as usize;
+    let accum = args.grad_accum;
+    let mut final_loss = f64::NAN;
+    for step in first_step..args.steps {
+        let started = Instant::now();
+        let bytes_before = opt.bytes_sent();
+        let lr = opt.learning_rate();
+        let mut loss_sum = 0.0;
+        let mut report = None;
+        for micro in 0..accum {
+            let micro_steps_done = (step - first_step) * accum + micro;
+            let first_row = rows_consumed + micro_steps_done * (world_size * batch) as u64;
+            let loss = model.batch_loss(args, first_row, world_size, rank, device)?;
+            loss_sum += loss.to_scalar::<f32>()? as f64;
+            // The layers hand their gradients to the engine during
+            // backward (none stays in Candle's GradStore).
+            report = opt.backward_step(&loss)?;
+        }
+        let report = report.ok_or_else(|| {
+            TrainError::Internal("the last micro-step did not complete a step".into())
+        })?;
+        final_loss = opt.mean_over_ranks(loss_sum / accum as f64)?;
+        let step_time_s = started.elapsed().as_secs_f64();
+        let samples_per_s = (world_size * batch) as f64 * accum as f64 / step_time_s;
+        let tokens_per_s = tokens_per_row.map(|t| samples_per_s * t as f64);
+        // Validation is timed apart from the step (it is not training).
+        let eval_now =
+            args.eval_every > 0 && ((step + 1) % args.eval_every == 0 || step + 1 == args.steps);
+        let step_val_loss = if eval_now {
+            model.validation_loss(args, opt, world_size, rank, device)?
+        } else {
+            None
+        };
+        if step_val_loss.is_some() {
+            val_loss = step_val_loss;
+        }
+        if rank == 0 {
+            history.train.push((step + 1, final_loss));
+            if let Some(v) = step_val_loss {
+                history.validation.push((step + 1, v));
+            }
+        }
+        if let Some(out) = metrics.as_mut() {
+            let line = StepMetrics {
+                step: step + 1,
+                loss: final_loss,
+                val_loss: step_val_loss,
+                lr,
+                grad_norm: report.grad_norm,
+                step_time_s,
+                tokens_per_s,
+                bytes_sent: opt.bytes_sent() - bytes_before,
+                memory: opt.memory_report(),
+                loss_scale: report.loss_scale,
+                skipped: report.skipped,
+                peak_heap_bytes: crate::heap::peak_bytes(),
+                device_peak_bytes: opt.device_peak_bytes(),
+                gathers: opt.gather_metrics(),
+                offload: opt.offload_metrics(),
+            };
+            let path = args.metrics.clone().unwrap_or_default();
+            serde_json::to_writer(&mut *out, &line)
+                .map_err(std::io::Error::from)
+                .and_then(|_| out.write_all(b"\n"))
+                .map_err(|e| TrainError::Data {
+                    path,
+                    detail: format!("cannot write metrics: {e}"),
+                })?;
+        }
+        progress.step(
+            step + 1,
+            final_loss,
+            tokens_per_s.unwrap_or(samples_per_s),
+            step_val_loss,
+        );
+        if let Some(dir) = &args.checkpoint_dir {
+            if args.checkpoint_every > 0 && (step + 1) % args.checkpoint_every == 0 {
+                let options = SaveOptions {
+                    user: serde_json::json!({
+                        "step": step + 1,
+                        "rows_consumed": rows_consumed
+                            + (step + 1 - first_step) * accum * (world_size * batch) as u64,
+                        "lr": opt.learning_rate(),
+                    }),
+                    ..SaveOptions::default()
+                };
+                opt.save_checkpoint(dir, &options)?;
+            }
+        }
+    }
+    progress.finish(final_loss);
+    if let Some(out) = metrics.as_mut() {
+        out.flush().map_err(|e| TrainError::Data {
+            path: args.metrics.clone().unwrap_or_default(),
+            detail: format!("cannot write metrics: {e}"),
+        })?;
+    }
+
+    // Every rank: saving is a collective (at stage 3 each sharded weight is
+    // gathered, written and dropped in turn), and at stage 3 so is every
+    // forward (the sample).
+    if let Some(path) = &args.save {
+        opt.save_weights(path)?;
+    }
+    let mut sample = None;
+    let sharded = args.stage == 3;
+    if rank == 0 || sharded {
+        if let (Model::Gpt(gpt, text), true) = (model, args.sample > 0) {
+            let bytes = gpt.generate(
+                args.prompt.as_bytes(),
+                args.sample as usize,
+                args.temperature,
+                args.seed,
+                device,
+            )?;
+            if !args.quiet && rank == 0 {
+                println!(
+                    "--- sample ({} bytes after {:?}, trained on {}) ---\n{}{}\n---",
+                    bytes.len(),
+                    args.prompt,
+                    text.source,
+                    args.prompt,
+                    String::from_utf8_lossy(&bytes)
+                );
+            }
+            sample = (rank == 0).then_some(bytes);
+        }
+    }
+    if rank == 0 {
+        if let Some(path) = &args.plot {
+            let title = match model {
+                Model::Gpt(gpt, _) => {
+                    let c = gpt.config();
+                    format!(
+                        "GPT (layers {}, d_model {}, context {}), world size {world_size}, stage {}",
+                        c.layers, c.d_model, c.context, args.stage
+                    )
+                }
+                Model::Mlp(..) => format!("MLP, world size {world_size}, stage {}", args.stage),
+            };
+            history.plot(path, &title)?;
+            if !args.quiet {
+                eprintln!("loss plot written to {}", path.display());
+            }
+        }
+    }
+    Ok(Summary {
+        final_loss,
+        steps: args.steps,
+        val_loss,
+        sample,
+        deferred_steps: opt.deferred_steps(),
+    })
+}
