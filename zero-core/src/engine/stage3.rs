@@ -126,13 +126,11 @@ where
             )?;
         }
         self.refresh_param_shard(params)?;
-        let piece_len = self.config.gather_bytes / std::mem::size_of::<T>();
         let world = self.comm.world_size();
-        let (units, place) = self
-            .sharding
-            .gather_units(&self.params, &mask, piece_len, world)?;
-        let world: Vec<usize> = (0..self.comm.world_size()).collect();
-        let gather_comm = self.comm.split(&world)?.ok_or_else(|| {
+        let piece_len = self.config.gather_bytes / size_of::<T>();
+        let (units, place) = gather_units(&self.sharding, &self.params, &mask, piece_len, world)?;
+        let ranks: Vec<usize> = (0..world).collect();
+        let gather_comm = self.comm.split(&ranks)?.ok_or_else(|| {
             Error::State("internal: a split over every rank left this rank out".into())
         })?;
         let threaded = gather_comm.concurrent_groups();
@@ -343,18 +341,58 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     }
 }
 
+/// The gather units of the sharded parameters (`mask`) of `sharding`:
+/// runs of buckets, one per group of sharded parameters that share
+/// buckets, or pieces of those buckets when a group is above `piece_len`
+/// elements; and where each parameter lies in the units' buffers.
+fn gather_units(
+    sharding: &Sharding,
+    params: &[ParamInfo],
+    mask: &[bool],
+    piece_len: usize,
+    world: usize,
+) -> Result<(Vec<Unit>, Vec<Vec<Span>>)> {
+    let groups = sharding.sharded_groups(params, mask)?;
+    let layout = &sharding.layout;
+    let mut units = Vec::with_capacity(groups.len());
+    let mut place = vec![Vec::new(); params.len()];
+    for (lo, hi, members) in groups {
+        let base = layout.bucket_range(lo).start;
+        let len = layout.bucket_range(hi).end - base;
+        if piece_len == 0 || len <= piece_len {
+            let buckets: Vec<UnitBucket> = (lo..=hi)
+                .map(|k| {
+                    let at = layout.bucket_range(k);
+                    UnitBucket {
+                        shard: layout.buckets[k].clone(),
+                        at: at.start - base..at.end - base,
+                    }
+                })
+                .collect();
+            for (p, start) in members {
+                let numel = params[p].numel();
+                place[p].push(Span {
+                    unit: units.len(),
+                    at: start - base..start - base + numel,
+                    values: 0..numel,
+                });
+            }
+            units.push(Unit { buckets, len });
+        } else {
+            for k in lo..=hi {
+                let members = (params, &members[..]);
+                sharding.piece_units((k, world), piece_len, members, &mut units, &mut place)?;
+            }
+        }
+    }
+    Ok((units, place))
+}
+
 impl Sharding {
-    /// The gather units of the sharded parameters: runs of buckets, one
-    /// per group of sharded parameters that share buckets, or pieces of
-    /// those buckets when a group is above `gather_bytes`; and where each
-    /// parameter lies in the units' buffers.
-    pub(super) fn gather_units(
-        &self,
-        params: &[ParamInfo],
-        mask: &[bool],
-        piece_len: usize,
-        world: usize,
-    ) -> Result<(Vec<Unit>, Vec<Vec<Span>>)> {
+    /// The sharded parameters (`mask`) grouped by the buckets they share,
+    /// in bucket order: (first bucket, last bucket, [(parameter, sequence
+    /// position of its first element)]).
+    fn sharded_groups(&self, params: &[ParamInfo], mask: &[bool]) -> Result<Vec<BucketRun>> {
         // Each sharded parameter's bucket span and sequence position.
         let mut spans = Vec::new();
         for (p, &sharded) in mask.iter().enumerate() {
@@ -393,43 +431,7 @@ impl Sharding {
                 _ => groups.push((lo, hi, vec![(p, start)])),
             }
         }
-        let mut units = Vec::with_capacity(groups.len());
-        let mut place = vec![Vec::new(); params.len()];
-        for (lo, hi, members) in groups {
-            let base = self.layout.bucket_range(lo).start;
-            let len = self.layout.bucket_range(hi).end - base;
-            if piece_len == 0 || len <= piece_len {
-                let buckets: Vec<UnitBucket> = (lo..=hi)
-                    .map(|k| {
-                        let at = self.layout.bucket_range(k);
-                        UnitBucket {
-                            shard: self.layout.buckets[k].clone(),
-                            at: at.start - base..at.end - base,
-                        }
-                    })
-                    .collect();
-                for (p, start) in members {
-                    let numel = params[p].numel();
-                    place[p].push(Span {
-                        unit: units.len(),
-                        at: start - base..start - base + numel,
-                        values: 0..numel,
-                    });
-                }
-                units.push(Unit { buckets, len });
-            } else {
-                for k in lo..=hi {
-                    self.piece_units(
-                        (k, world),
-                        piece_len,
-                        (params, &members),
-                        &mut units,
-                        &mut place,
-                    )?;
-                }
-            }
-        }
-        Ok((units, place))
+        Ok(groups)
     }
 
     /// Gathers bucket `k` in pieces of about `piece_len` elements: piece
