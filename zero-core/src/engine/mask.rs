@@ -4,7 +4,7 @@
 use super::{Layout, ShardMemory};
 use crate::comm::{Communicator, ReduceOp};
 use crate::partition::ParamInfo;
-use crate::{Element, Result};
+use crate::{Element, Error, Result};
 
 pub(super) struct Trainability {
     /// Per parameter, the user's flag (`Engine::set_trainable`).
@@ -32,6 +32,29 @@ impl Trainability {
         self.bucket_active = (0..layout.buckets.len())
             .map(|k| layout.runs_of(k).iter().any(|run| self.active[run.param]))
             .collect();
+    }
+}
+
+/// Checks that every rank marks the same parameters (one all-reduce of
+/// the mask and its negation).
+pub(super) fn check_same_mask<T: Element, C: Communicator, M: ShardMemory<T, C>>(
+    memory: &mut M,
+    comm: &C,
+    params: &[ParamInfo],
+    mask: &[bool],
+) -> Result<()> {
+    let n = mask.len();
+    let mut agreed: Vec<f32> = mask.iter().map(|&m| f32::from(u8::from(m))).collect();
+    agreed.extend(mask.iter().map(|&m| -f32::from(u8::from(m))));
+    memory.all_reduce_host(comm, &mut agreed[..], ReduceOp::Max)?;
+    let differs = (0..n).find(|&i| agreed[i] != -agreed[n + i]);
+    match differs {
+        None => Ok(()),
+        Some(i) => Err(Error::Config(format!(
+            "stage 3: the ranks disagree on whether {:?} is sharded (gathered on use by a \
+             ZeRO-aware layer on some ranks only); every rank must build the same model",
+            params[i].name
+        ))),
     }
 }
 

@@ -27,8 +27,11 @@
 //! [`EngineConfig::persist_numel`]: super::EngineConfig::persist_numel
 
 use super::fetch::{Fetcher, Span, Unit, UnitBucket};
+use super::mask::check_same_mask;
+use super::sharding::Sharding;
 use super::{Engine, ShardMemory, Stage, StageState};
 use crate::comm::{Communicator, ReduceOp};
+use crate::partition::ParamInfo;
 use crate::{Element, Error, Result};
 use std::ops::Range;
 use std::sync::Arc;
@@ -109,7 +112,7 @@ where
             .zip(gatherable)
             .map(|(p, &g)| g && p.trainable && p.numel() > persist)
             .collect();
-        self.check_same_mask(&mask)?;
+        check_same_mask(&mut self.memory, &*self.comm, &self.params, &mask)?;
 
         // The shard must hold the current values before the replica goes
         // (a lean shard, `lean_shard`, exists only from now on). The bucket
@@ -123,9 +126,11 @@ where
             )?;
         }
         self.refresh_param_shard(params)?;
-        let (units, place) = self.gather_units(&mask)?;
-        let world: Vec<usize> = (0..self.comm.world_size()).collect();
-        let gather_comm = self.comm.split(&world)?.ok_or_else(|| {
+        let world = self.comm.world_size();
+        let piece_len = self.config.gather_bytes / size_of::<T>();
+        let (units, place) = gather_units(&self.sharding, &self.params, &mask, piece_len, world)?;
+        let ranks: Vec<usize> = (0..world).collect();
+        let gather_comm = self.comm.split(&ranks)?.ok_or_else(|| {
             Error::State("internal: a split over every rank left this rank out".into())
         })?;
         let threaded = gather_comm.concurrent_groups();
@@ -257,156 +262,6 @@ where
             failure.map_or(Ok(()), Err)
         })
     }
-
-    /// Checks that every rank marks the same parameters (one all-reduce of
-    /// the mask and its negation).
-    fn check_same_mask(&mut self, mask: &[bool]) -> Result<()> {
-        let n = mask.len();
-        let mut agreed: Vec<f32> = mask.iter().map(|&m| f32::from(u8::from(m))).collect();
-        agreed.extend(mask.iter().map(|&m| -f32::from(u8::from(m))));
-        self.memory
-            .all_reduce_host(&self.comm, &mut agreed[..], ReduceOp::Max)?;
-        let differs = (0..n).find(|&i| agreed[i] != -agreed[n + i]);
-        match differs {
-            None => Ok(()),
-            Some(i) => Err(Error::Config(format!(
-                "stage 3: the ranks disagree on whether {:?} is sharded (gathered on use by a \
-                 ZeRO-aware layer on some ranks only); every rank must build the same model",
-                self.params[i].name
-            ))),
-        }
-    }
-
-    /// The gather units of the sharded parameters: runs of buckets, one
-    /// per group of sharded parameters that share buckets, or pieces of
-    /// those buckets when a group is above `gather_bytes`; and where each
-    /// parameter lies in the units' buffers.
-    fn gather_units(&self, mask: &[bool]) -> Result<(Vec<Unit>, Vec<Vec<Span>>)> {
-        // Each sharded parameter's bucket span and sequence position.
-        let mut spans = Vec::new();
-        for (p, &sharded) in mask.iter().enumerate() {
-            if !sharded {
-                continue;
-            }
-            let runs = &self.sharding.runs_of_param[p];
-            let Some(&first) = runs.first() else {
-                continue;
-            };
-            let run = &self.sharding.layout.runs[first];
-            let start = run.pos - run.param_range.start;
-            let contiguous = runs.iter().all(|&r| {
-                let run = &self.sharding.layout.runs[r];
-                run.pos - run.param_range.start == start
-            });
-            if !contiguous {
-                return Err(Error::State(format!(
-                    "stage 3 cannot shard {:?}: the partition does not lay it out in one stretch. Shard after a step whose gradients were handed over during backward (begin_backward lays the parameters out in gradient order), as zero_candle's backward_step does",
-                    self.params[p].name
-                )));
-            }
-            let buckets = runs.iter().map(|&r| self.sharding.bucket_of_run[r]);
-            let lo = buckets.clone().min().unwrap_or(0);
-            let hi = buckets.max().unwrap_or(0);
-            spans.push((lo, hi, p, start));
-        }
-        spans.sort_unstable();
-        let mut groups: Vec<BucketRun> = Vec::new();
-        for (lo, hi, p, start) in spans {
-            match groups.last_mut() {
-                Some(group) if lo <= group.1 => {
-                    group.1 = group.1.max(hi);
-                    group.2.push((p, start));
-                }
-                _ => groups.push((lo, hi, vec![(p, start)])),
-            }
-        }
-        let piece_len = self.config.gather_bytes / std::mem::size_of::<T>();
-        let mut units = Vec::with_capacity(groups.len());
-        let mut place = vec![Vec::new(); self.params.len()];
-        for (lo, hi, members) in groups {
-            let base = self.sharding.layout.bucket_range(lo).start;
-            let len = self.sharding.layout.bucket_range(hi).end - base;
-            if piece_len == 0 || len <= piece_len {
-                let buckets: Vec<UnitBucket> = (lo..=hi)
-                    .map(|k| {
-                        let at = self.sharding.layout.bucket_range(k);
-                        UnitBucket {
-                            shard: self.sharding.layout.buckets[k].clone(),
-                            at: at.start - base..at.end - base,
-                        }
-                    })
-                    .collect();
-                for (p, start) in members {
-                    let numel = self.params[p].numel();
-                    place[p].push(Span {
-                        unit: units.len(),
-                        at: start - base..start - base + numel,
-                        values: 0..numel,
-                    });
-                }
-                units.push(Unit { buckets, len });
-            } else {
-                for k in lo..=hi {
-                    self.piece_units(k, piece_len, &members, &mut units, &mut place)?;
-                }
-            }
-        }
-        Ok((units, place))
-    }
-
-    /// Gathers bucket `k` in pieces of about `piece_len` elements: piece
-    /// `j` all-gathers slice `j` of every rank's chunk, so its buffer holds
-    /// one stretch of the sequence per rank. `members` are the sharded
-    /// parameters around (index, sequence position of their first element).
-    fn piece_units(
-        &self,
-        k: usize,
-        piece_len: usize,
-        members: &[(usize, usize)],
-        units: &mut Vec<Unit>,
-        place: &mut [Vec<Span>],
-    ) -> Result<()> {
-        let world = self.comm.world_size();
-        let sequence = self.sharding.layout.bucket_range(k);
-        let chunk = self.sharding.layout.buckets[k].clone();
-        if sequence.len() != world * chunk.len() {
-            return Err(Error::State(format!(
-                "internal: bucket {k} spans {} elements but this rank's chunk is {} of {world}",
-                sequence.len(),
-                chunk.len()
-            )));
-        }
-        let slice_len = (piece_len / world).max(1);
-        let mut offset = 0;
-        while offset < chunk.len() {
-            let slice = slice_len.min(chunk.len() - offset);
-            let unit = units.len();
-            for rank in 0..world {
-                let from = sequence.start + rank * chunk.len() + offset;
-                for &(p, start) in members {
-                    let lo = from.max(start);
-                    let hi = (from + slice).min(start + self.params[p].numel());
-                    if lo < hi {
-                        let at = rank * slice + lo - from;
-                        place[p].push(Span {
-                            unit,
-                            at: at..at + hi - lo,
-                            values: lo - start..hi - start,
-                        });
-                    }
-                }
-            }
-            units.push(Unit {
-                buckets: vec![UnitBucket {
-                    shard: chunk.start + offset..chunk.start + offset + slice,
-                    at: 0..world * slice,
-                }],
-                len: world * slice,
-            });
-            offset += slice;
-        }
-        Ok(())
-    }
 }
 
 impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
@@ -483,5 +338,152 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             Some(sharded) if sharded.shard_lent => sharded.fetcher.shard_len(),
             _ => M::buffer_len(&self.buffers.param_shard),
         }
+    }
+}
+
+/// The gather units of the sharded parameters (`mask`) of `sharding`:
+/// runs of buckets, one per group of sharded parameters that share
+/// buckets, or pieces of those buckets when a group is above `piece_len`
+/// elements; and where each parameter lies in the units' buffers.
+fn gather_units(
+    sharding: &Sharding,
+    params: &[ParamInfo],
+    mask: &[bool],
+    piece_len: usize,
+    world: usize,
+) -> Result<(Vec<Unit>, Vec<Vec<Span>>)> {
+    let groups = sharding.sharded_groups(params, mask)?;
+    let layout = &sharding.layout;
+    let mut units = Vec::with_capacity(groups.len());
+    let mut place = vec![Vec::new(); params.len()];
+    for (lo, hi, members) in groups {
+        let base = layout.bucket_range(lo).start;
+        let len = layout.bucket_range(hi).end - base;
+        if piece_len == 0 || len <= piece_len {
+            let buckets: Vec<UnitBucket> = (lo..=hi)
+                .map(|k| {
+                    let at = layout.bucket_range(k);
+                    UnitBucket {
+                        shard: layout.buckets[k].clone(),
+                        at: at.start - base..at.end - base,
+                    }
+                })
+                .collect();
+            for (p, start) in members {
+                let numel = params[p].numel();
+                place[p].push(Span {
+                    unit: units.len(),
+                    at: start - base..start - base + numel,
+                    values: 0..numel,
+                });
+            }
+            units.push(Unit { buckets, len });
+        } else {
+            for k in lo..=hi {
+                let members = (params, &members[..]);
+                sharding.piece_units((k, world), piece_len, members, &mut units, &mut place)?;
+            }
+        }
+    }
+    Ok((units, place))
+}
+
+impl Sharding {
+    /// The sharded parameters (`mask`) grouped by the buckets they share,
+    /// in bucket order: (first bucket, last bucket, [(parameter, sequence
+    /// position of its first element)]).
+    fn sharded_groups(&self, params: &[ParamInfo], mask: &[bool]) -> Result<Vec<BucketRun>> {
+        // Each sharded parameter's bucket span and sequence position.
+        let mut spans = Vec::new();
+        for (p, &sharded) in mask.iter().enumerate() {
+            if !sharded {
+                continue;
+            }
+            let runs = &self.runs_of_param[p];
+            let Some(&first) = runs.first() else {
+                continue;
+            };
+            let run = &self.layout.runs[first];
+            let start = run.pos - run.param_range.start;
+            let contiguous = runs.iter().all(|&r| {
+                let run = &self.layout.runs[r];
+                run.pos - run.param_range.start == start
+            });
+            if !contiguous {
+                return Err(Error::State(format!(
+                    "stage 3 cannot shard {:?}: the partition does not lay it out in one stretch. Shard after a step whose gradients were handed over during backward (begin_backward lays the parameters out in gradient order), as zero_candle's backward_step does",
+                    params[p].name
+                )));
+            }
+            let buckets = runs.iter().map(|&r| self.bucket_of_run[r]);
+            let lo = buckets.clone().min().unwrap_or(0);
+            let hi = buckets.max().unwrap_or(0);
+            spans.push((lo, hi, p, start));
+        }
+        spans.sort_unstable();
+        let mut groups: Vec<BucketRun> = Vec::new();
+        for (lo, hi, p, start) in spans {
+            match groups.last_mut() {
+                Some(group) if lo <= group.1 => {
+                    group.1 = group.1.max(hi);
+                    group.2.push((p, start));
+                }
+                _ => groups.push((lo, hi, vec![(p, start)])),
+            }
+        }
+        Ok(groups)
+    }
+
+    /// Gathers bucket `k` in pieces of about `piece_len` elements: piece
+    /// `j` all-gathers slice `j` of every rank's chunk, so its buffer holds
+    /// one stretch of the sequence per rank. `members` are the sharded
+    /// parameters around (index, sequence position of their first element).
+    fn piece_units(
+        &self,
+        (k, world): (usize, usize),
+        piece_len: usize,
+        (params, members): (&[ParamInfo], &[(usize, usize)]),
+        units: &mut Vec<Unit>,
+        place: &mut [Vec<Span>],
+    ) -> Result<()> {
+        let sequence = self.layout.bucket_range(k);
+        let chunk = self.layout.buckets[k].clone();
+        if sequence.len() != world * chunk.len() {
+            return Err(Error::State(format!(
+                "internal: bucket {k} spans {} elements but this rank's chunk is {} of {world}",
+                sequence.len(),
+                chunk.len()
+            )));
+        }
+        let slice_len = (piece_len / world).max(1);
+        let mut offset = 0;
+        while offset < chunk.len() {
+            let slice = slice_len.min(chunk.len() - offset);
+            let unit = units.len();
+            for rank in 0..world {
+                let from = sequence.start + rank * chunk.len() + offset;
+                for &(p, start) in members {
+                    let lo = from.max(start);
+                    let hi = (from + slice).min(start + params[p].numel());
+                    if lo < hi {
+                        let at = rank * slice + lo - from;
+                        place[p].push(Span {
+                            unit,
+                            at: at..at + hi - lo,
+                            values: lo - start..hi - start,
+                        });
+                    }
+                }
+            }
+            units.push(Unit {
+                buckets: vec![UnitBucket {
+                    shard: chunk.start + offset..chunk.start + offset + slice,
+                    at: 0..world * slice,
+                }],
+                len: world * slice,
+            });
+            offset += slice;
+        }
+        Ok(())
     }
 }
