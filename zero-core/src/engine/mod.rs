@@ -42,6 +42,7 @@ mod consistency;
 mod deferred;
 mod fetch;
 mod grads;
+mod host_buffer;
 mod layout;
 mod mask;
 mod memory;
@@ -67,19 +68,18 @@ pub use config::{
 pub use consistency::check_rank_consistency;
 pub use deferred::{ParamAccess, Refresh};
 pub use fetch::{FetchStats, Fetcher, GatherFn, GatherMemory, Gathered, HostGathers, UnitBucket};
+pub use host_buffer::{HostBuffer, HostLock, HostPin, HostRegion, Landing};
 pub use layout::{Layout, Run};
 pub use memory::MemoryReport;
-pub use offload::{
-    host_available_bytes, HostBuffer, HostLock, HostPin, HostRegion, HostStepper, Landing,
-    OffloadGathers, OffloadMemory, OffloadTimes, Placed,
-};
+pub use offload::{host_available_bytes, OffloadGathers, OffloadMemory, OffloadTimes, Placed};
 pub use precision::{convert_slice, CastParams};
 pub use reduce::ReductionProgress;
 pub use scaler::{DynamicLossScale, LossScale, LossScalerState};
 pub use setup::ShardSetup;
 pub use shard_memory::{
     host_gathers, pack_narrow, packed_len, Deferral, GradPiece, HostGrad, HostMemory, HostOffload,
-    HostTransfers, PackedGathers, ParamCopy, ParamStore, ShardMemory, ShardStep, StepPiece,
+    HostStepper, HostTransfers, PackedGathers, ParamCopy, ParamStore, ShardMemory, ShardStep,
+    StepPiece,
 };
 pub use stage3::{FetcherOf, ParamPieceSink};
 pub use state::SaveOptions;

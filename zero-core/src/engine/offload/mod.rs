@@ -26,14 +26,13 @@
 //! The logic is the same for any device memory: the CPU tests run it over
 //! [`HostMemory`](super::HostMemory) standing in for the device.
 
-mod host_buffer;
 mod placed;
 
-pub use host_buffer::{HostBuffer, HostLock, HostPin, HostRegion, Landing};
 pub use placed::Placed;
 
 use super::fetch::{GatherMemory, UnitBucket};
-use super::shard_memory::{host_copy, host_norm, host_scale, host_step};
+use super::host_buffer::{HostBuffer, HostRegion, Landing};
+use super::shard_memory::{host_copy, host_norm, host_scale, HostStepper};
 use super::{
     Deferral, GradPiece, HostOffload, HostTransfers, NormType, PackedGathers, ParamCopy,
     ShardMemory, ShardStep, StepPiece,
@@ -43,7 +42,6 @@ use crate::optim::{FunctionalOptimizer, OptimizerState};
 use crate::{DType, Element, Error, Result};
 use placed::{all_reduce_placed, collective, host_copy_of, internal, shifted, span, upload};
 use std::ops::Range;
-use std::sync::Arc;
 
 /// Where the host's time went in offloaded steps whose host steps each
 /// bucket as it lands (the interleaved schedule on a device), summed over
@@ -134,44 +132,12 @@ pub struct OffloadMemory<D> {
     stepper: HostStepper,
 }
 
-/// The host step of an offloading memory, usable from any thread: the
-/// engine's [`FunctionalOptimizer`] over host slices, on the offload's
-/// threads (rayon's global pool without).
-#[derive(Clone, Debug, Default)]
-pub struct HostStepper {
-    pool: Option<Arc<rayon::ThreadPool>>,
-}
-
-impl HostStepper {
-    /// Steps the active pieces of `plan` (ranges of `params` and `grads`).
-    pub(super) fn step<T: Element>(
-        &self,
-        optimizer: &mut dyn FunctionalOptimizer<T>,
-        params: &mut [T],
-        grads: &[T],
-        plan: ShardStep<'_>,
-    ) -> Result<()> {
-        self.run(|| host_step(optimizer, params, grads, plan))
-    }
-
-    /// Runs `work` with the offload's threads as rayon's pool.
-    pub(super) fn run<R: Send>(&self, work: impl FnOnce() -> R + Send) -> R {
-        match &self.pool {
-            Some(pool) => pool.install(work),
-            None => work(),
-        }
-    }
-}
-
 impl<D: std::fmt::Debug> std::fmt::Debug for OffloadMemory<D> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("OffloadMemory")
             .field("device", &self.device)
             .field("offload", &self.offload)
-            .field(
-                "threads",
-                &self.stepper.pool.as_ref().map(|p| p.current_num_threads()),
-            )
+            .field("stepper", &self.stepper)
             .finish()
     }
 }
@@ -725,19 +691,7 @@ impl<T: Element, C: Communicator, D: HostTransfers<T, C>> HostOffload<C, Placed<
     for OffloadMemory<D>
 {
     fn offload_optimizer(&mut self, threads: usize, pin_memory: bool) -> Result<()> {
-        if threads > 0 {
-            let pool = rayon::ThreadPoolBuilder::new()
-                .num_threads(threads)
-                .thread_name(|i| format!("zero-offload-{i}"))
-                .build()
-                .map_err(|e| {
-                    Error::Config(format!(
-                        "could not start {threads} offload threads ({e}); ask for fewer \
-                         (offload_threads, 0 for rayon's global pool)"
-                    ))
-                })?;
-            self.stepper.pool = Some(Arc::new(pool));
-        }
+        self.stepper = HostStepper::new(threads)?;
         self.offload = true;
         self.pin_memory = pin_memory;
         Ok(())

@@ -1,8 +1,8 @@
 //! Where an offloading memory's buffers are ([`Placed`]), and the moves
 //! that run a device operation over buffers wherever they are.
 
-use super::HostBuffer;
 use crate::comm::Communicator;
+use crate::engine::host_buffer::HostBuffer;
 use crate::engine::{HostTransfers, ParamCopy};
 use crate::{Element, Error, Result};
 use std::ops::Range;

@@ -3,10 +3,13 @@
 //! memory, and ZeRO-Offload.
 
 use super::ShardMemory;
+use super::{host_step, ShardStep};
 use crate::comm::Communicator;
-use crate::engine::{HostPin, HostStepper, Landing};
+use crate::engine::host_buffer::{HostPin, Landing};
+use crate::optim::FunctionalOptimizer;
 use crate::{DType, Element, Error, Result};
 use std::ops::Range;
+use std::sync::Arc;
 
 /// Collectives that may complete after they return (a device stream), for
 /// a memory that launches a backward pass's reductions on the calling
@@ -166,6 +169,56 @@ pub trait HostOffload<C, B> {
 
     /// [`HostTransfers::landing`] of the memory offloaded from.
     fn landing(&mut self) -> Result<Option<Landing>>;
+}
+
+/// The host step of an offloading memory, usable from any thread: the
+/// engine's [`FunctionalOptimizer`] over host slices, on the offload's
+/// threads (rayon's global pool without).
+#[derive(Clone, Debug, Default)]
+pub struct HostStepper {
+    pool: Option<Arc<rayon::ThreadPool>>,
+}
+
+impl HostStepper {
+    /// The host step on `threads` threads of its own (`0`: rayon's global
+    /// pool).
+    pub(crate) fn new(threads: usize) -> Result<Self> {
+        if threads == 0 {
+            return Ok(Self::default());
+        }
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("zero-offload-{i}"))
+            .build()
+            .map_err(|e| {
+                Error::Config(format!(
+                    "could not start {threads} offload threads ({e}); ask for fewer \
+                     (offload_threads, 0 for rayon's global pool)"
+                ))
+            })?;
+        Ok(Self {
+            pool: Some(Arc::new(pool)),
+        })
+    }
+
+    /// Steps the active pieces of `plan` (ranges of `params` and `grads`).
+    pub(crate) fn step<T: Element>(
+        &self,
+        optimizer: &mut dyn FunctionalOptimizer<T>,
+        params: &mut [T],
+        grads: &[T],
+        plan: ShardStep<'_>,
+    ) -> Result<()> {
+        self.run(|| host_step(optimizer, params, grads, plan))
+    }
+
+    /// Runs `work` with the offload's threads as rayon's pool.
+    pub(crate) fn run<R: Send>(&self, work: impl FnOnce() -> R + Send) -> R {
+        match &self.pool {
+            Some(pool) => pool.install(work),
+            None => work(),
+        }
+    }
 }
 
 /// What the engine's memory can do that decides a step's path, asked once

@@ -24,7 +24,7 @@ mod host;
 mod narrow;
 
 pub(crate) use capability::{alloc_shard, deferral, start_offload, Abilities};
-pub use capability::{Deferral, HostOffload, HostTransfers, PackedGathers};
+pub use capability::{Deferral, HostOffload, HostStepper, HostTransfers, PackedGathers};
 pub(crate) use host::{host_copy, host_norm, host_scale, host_step};
 pub use host::{host_gathers, HostMemory};
 pub use narrow::{pack_narrow, packed_len};
@@ -337,7 +337,7 @@ pub trait ShardMemory<T: Element, C: Communicator>: Send + 'static {
     /// [`HostOffload::host_stepper`]'s thread, which reads each bucket's
     /// gradients there once landed and steps its parameters there. Default
     /// `None`.
-    fn host_region(buffer: &mut Self::Buffer) -> Option<super::HostRegion<T>> {
+    fn host_region(buffer: &mut Self::Buffer) -> Option<super::host_buffer::HostRegion<T>> {
         let _ = buffer;
         None
     }
