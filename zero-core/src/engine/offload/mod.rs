@@ -42,6 +42,7 @@ use crate::optim::{FunctionalOptimizer, OptimizerState};
 use crate::{DType, Element, Error, Result};
 use placed::{all_reduce_placed, collective, host_copy_of, internal, shifted, span, upload};
 use std::ops::Range;
+use std::time::Duration;
 
 /// Where the host's time went in offloaded steps whose host steps each
 /// bucket as it lands (the interleaved schedule on a device), summed over
@@ -130,6 +131,18 @@ pub struct OffloadMemory<D> {
     pin_memory: bool,
     /// Steps the host shard on the offload's threads.
     stepper: HostStepper,
+}
+
+impl OffloadTimes {
+    /// Adds one step's times: waiting for landings, stepping, packing, and
+    /// the calling thread's wait for the step thread.
+    pub(crate) fn add_step(&mut self, [landing, stepping, packing, join]: [Duration; 4]) {
+        self.steps += 1;
+        self.landing += landing;
+        self.stepping += stepping;
+        self.packing += packing;
+        self.join += join;
+    }
 }
 
 impl<D: std::fmt::Debug> std::fmt::Debug for OffloadMemory<D> {

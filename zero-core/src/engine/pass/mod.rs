@@ -411,6 +411,14 @@ where
         })
     }
 
+    /// Takes back what `lend_early_step` lent, and which buckets stepped.
+    fn take_back_early(&mut self, early: EarlyStep<T, M::Buffer>) {
+        self.optimizer = early.optimizer;
+        self.buffers.param_shard = early.params;
+        self.sharding.keys = early.keys;
+        self.window.early_stepped = early.stepped;
+    }
+
     /// Starts one backward pass's reductions on the communication thread;
     /// without one, they run after backward instead (the same result,
     /// without overlap).
@@ -606,20 +614,11 @@ where
                     .into(),
             ));
         };
-        self.optimizer = done.early.optimizer;
-        self.buffers.param_shard = done.early.params;
-        self.sharding.keys = done.early.keys;
-        self.window.early_stepped = done.early.stepped;
+        self.take_back_early(done.early);
         if done.grad_shard.is_some() {
             self.buffers.grad_shard = done.grad_shard;
         }
-        let [landing, stepping, packing, waited] = done.times;
-        let times = &mut self.offload_times;
-        times.steps += 1;
-        times.landing += landing;
-        times.stepping += stepping;
-        times.packing += packing;
-        times.join += waited;
+        self.offload_times.add_step(done.times);
         done.result
     }
 
@@ -635,10 +634,7 @@ where
             self.host_steps = Some(steps);
         }
         if let Some(early) = joined.early {
-            self.optimizer = early.optimizer;
-            self.buffers.param_shard = early.params;
-            self.sharding.keys = early.keys;
-            self.window.early_stepped = early.stepped;
+            self.take_back_early(early);
         }
         joined.result
     }
