@@ -23,6 +23,7 @@
 //! [`ParamStore`]: super::ParamStore
 //! [`EngineConfig::gather_in_param_dtype`]: super::EngineConfig::gather_in_param_dtype
 
+use super::sharding::Sharding;
 use super::{Engine, EngineConfig, ParamCopy, ParamStore, ShardMemory, Stage};
 use crate::comm::Communicator;
 use crate::partition::ParamInfo;
@@ -120,6 +121,17 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         self.masters_fresh = false;
     }
 
+    /// The master weights, to read or set piece by piece.
+    pub(super) fn masters(&mut self) -> Masters<'_, T, C, M> {
+        Masters {
+            comm: &*self.comm,
+            memory: &mut self.memory,
+            shard: &mut self.buffers.param_shard,
+            sharding: &self.sharding,
+            replicated: self.config.stage == Stage::Ddp,
+        }
+    }
+
     /// Brings the owned pieces of the shard up to date before a step:
     /// without master weights, from the replica (a user may have changed
     /// it since the last step); with them, only when they are stale.
@@ -163,7 +175,21 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         self.memory
             .write_params(params, &copies, &self.buffers.param_shard)
     }
+}
 
+/// The master weights (the parameter shard, when the engine keeps them)
+/// with what reads and writes them: the memory, the partition, and the
+/// communicator the owners send their pieces over.
+pub(super) struct Masters<'a, T: Element, C: Communicator, M: ShardMemory<T, C>> {
+    pub comm: &'a C,
+    pub memory: &'a mut M,
+    pub shard: &'a mut M::Buffer,
+    pub sharding: &'a Sharding,
+    /// Stage 0: every rank holds every master (nothing is sent).
+    pub replicated: bool,
+}
+
+impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Masters<'_, T, C, M> {
     /// Streams parameter `param`'s master weights to rank `root`, one piece
     /// at a time in element order: `sink(param_range, values)` runs on
     /// `root` for each piece of the plan (together they cover a trainable
@@ -175,7 +201,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// stage 0 `root` holds everything and nothing is sent. The sink cannot
     /// fail: a sink that meets an error must keep it and let the pieces go
     /// by, since the other ranks are sending them.
-    pub(super) fn stream_masters(
+    pub fn stream(
         &mut self,
         param: usize,
         root: usize,
@@ -202,7 +228,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             })
             .collect();
         pieces.sort_by_key(|(_, range, _)| range.start);
-        let local = self.config.stage == Stage::Ddp;
+        let local = self.replicated;
         let mut send: Vec<T> = Vec::new();
         let mut recv: Vec<T> = Vec::new();
         for (owner, range, at) in pieces {
@@ -211,8 +237,8 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                     recv.clear();
                     recv.resize(range.len(), T::default());
                     self.memory.buffer_to_host(
-                        &self.comm,
-                        &self.buffers.param_shard,
+                        self.comm,
+                        self.shard,
                         at..at + range.len(),
                         &mut recv,
                     )?;
@@ -224,8 +250,8 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             if owner == rank {
                 send.resize(range.len(), T::default());
                 self.memory.buffer_to_host(
-                    &self.comm,
-                    &self.buffers.param_shard,
+                    self.comm,
+                    self.shard,
                     at..at + range.len(),
                     &mut send,
                 )?;
@@ -238,7 +264,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             }
             let recv_buf = (rank == root).then_some(&mut recv[..]);
             self.memory
-                .gather_varlen_host(&self.comm, &send, &counts, recv_buf, root)?;
+                .gather_varlen_host(self.comm, &send, &counts, recv_buf, root)?;
             if rank == root {
                 sink(range, &recv);
             }
@@ -248,20 +274,15 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
 
     /// Sets the owned pieces of parameter `param`'s master weights from its
     /// whole `values` (a checkpoint load).
-    pub(super) fn set_masters_of(&mut self, param: usize, values: &[T]) -> Result<()> {
-        self.set_masters_range(param, 0..values.len(), values)
+    pub fn set(&mut self, param: usize, values: &[T]) -> Result<()> {
+        self.set_range(param, 0..values.len(), values)
     }
 
     /// Sets what this rank owns of `param[range]` in the master weights from
     /// `values`, the values of that range: a stage-3 load reads just its
     /// own pieces of a parameter. Owned pieces outside `range` are left as
     /// they are.
-    pub(super) fn set_masters_range(
-        &mut self,
-        param: usize,
-        range: Range<usize>,
-        values: &[T],
-    ) -> Result<()> {
+    pub fn set_range(&mut self, param: usize, range: Range<usize>, values: &[T]) -> Result<()> {
         if values.len() != range.len() {
             return Err(crate::Error::BufferSize {
                 op: "set_masters_range",
@@ -282,7 +303,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                 continue;
             }
             self.memory.buffer_from_host(
-                &mut self.buffers.param_shard,
+                self.shard,
                 copy.at + (lo - copy.param_range.start),
                 &values[lo - range.start..hi - range.start],
             )?;

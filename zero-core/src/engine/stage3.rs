@@ -253,7 +253,7 @@ where
         self.with_shard_home(|engine| {
             let mut failure = None;
             for &param in params {
-                engine.stream_masters(param, root, &mut |range, values| {
+                engine.masters().stream(param, root, &mut |range, values| {
                     if failure.is_none() {
                         failure = sink(param, range, values).err();
                     }

@@ -492,7 +492,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                     let mut values = vec![T::default(); range.len()];
                     t.read_range_as(range.clone(), &mut values)
                         .map_err(read_error)?;
-                    self.set_masters_range(i, range, &values)?;
+                    self.masters().set_range(i, range, &values)?;
                 }
                 continue;
             }
@@ -500,7 +500,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             let values = t.to_vec_as::<T>().map_err(read_error)?;
             self.memory.write_param_host(weights, i, &values)?;
             if masters {
-                self.set_masters_of(i, &values)?;
+                self.masters().set(i, &values)?;
             }
         }
         self.masters_fresh = masters;
@@ -684,7 +684,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             let numel = self.params[i].numel();
             if masters && (self.params[i].trainable || self.is_sharded(i)) {
                 let mut next = 0;
-                self.stream_masters(i, 0, &mut |range, values| {
+                self.masters().stream(i, 0, &mut |range, values| {
                     // The plan's pieces are in order and disjoint; what it
                     // leaves out of the parameter is saved as zeros.
                     file.zeros::<T>(range.start.saturating_sub(next));
