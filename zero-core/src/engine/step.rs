@@ -147,21 +147,26 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         if !reduced {
             self.reduce_gradients(last)?;
         }
-        let mut grads = SteppingGrads {
-            comm: &*self.comm,
-            memory: &mut self.memory,
-            grads: reduced_grads(&mut self.buffers.grad_shard, &mut self.buffers.full_grads)?,
-            ranges: &ranges,
-            replicated: self.config.stage == Stage::Ddp,
-        };
-        if micro_steps > 1 {
-            grads.scale(1.0 / micro_steps as f64)?;
+        // Only what reads the gradients asks for them: offload's step thread
+        // may still hold the gradient shard (the write-back takes it).
+        let (clip, norm) = (self.config.clip, self.config.compute_grad_norm);
+        let mut grad_norm = None;
+        if micro_steps > 1 || self.scaler.is_some() || clip.is_some() || norm {
+            let mut grads = SteppingGrads {
+                comm: &*self.comm,
+                memory: &mut self.memory,
+                grads: reduced_grads(&mut self.buffers.grad_shard, &mut self.buffers.full_grads)?,
+                ranges: &ranges,
+                replicated: self.config.stage == Stage::Ddp,
+            };
+            if micro_steps > 1 {
+                grads.scale(1.0 / micro_steps as f64)?;
+            }
+            if grads.unscale_or_skip(self.scaler.as_mut())? {
+                return Ok(None);
+            }
+            grad_norm = grads.clip(clip, norm, self.steps + 1)?;
         }
-        if grads.unscale_or_skip(self.scaler.as_mut())? {
-            return Ok(None);
-        }
-        let clip = self.config.clip;
-        let grad_norm = grads.clip(clip, self.config.compute_grad_norm, self.steps + 1)?;
         update(self, &stepping, params)?;
         Ok(grad_norm)
     }
