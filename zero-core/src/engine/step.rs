@@ -58,7 +58,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// 3. the bucket reductions of gradients given after backward
     ///    ([`Engine::reduce_gradients`]);
     /// 4. loss scaling's inf/NaN all-reduce (`SteppingGrads::unscale_or_skip`);
-    /// 5. the gradient norm's all-reduce ([`Engine::clip_gradients`]);
+    /// 5. the gradient norm's all-reduce (`SteppingGrads::clip`);
     /// 6. the parameters' all-gathers, bucket by bucket (stages 1-3), as
     ///    the step's path says ([`StepPath`], decided once for the window).
     ///
