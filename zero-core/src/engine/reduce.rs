@@ -704,6 +704,7 @@ pub(super) enum Reducer<T: Element, B> {
     /// Queued until the end of backward, then run on the caller's thread.
     Queued {
         targets: Targets<T, B>,
+        map: BucketMap,
         queue: Vec<Job<B>>,
     },
     /// Run on the caller's thread as each bucket is launched, by a memory

@@ -26,18 +26,18 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> PassParts<'_, T, C, M> {
     /// Waits for every reduction of `pass` (running them here if they were
     /// queued) and puts its buffers and targets back. The outer error is a
     /// communication thread that panicked (the buffers it held are lost).
-    pub fn join(
-        &mut self,
-        mut pass: BackwardPass<T, M::Buffer>,
-        map: &BucketMap,
-    ) -> Result<Joined<T, M::Buffer>> {
+    pub fn join(&mut self, mut pass: BackwardPass<T, M::Buffer>) -> Result<Joined<T, M::Buffer>> {
         // Buffers still open (a pass abandoned halfway) go back to the pool.
         self.buffers.pool.extend(pass.open.drain(..).flatten());
         self.buffers.pool.extend(pass.late.drain(..).flatten());
         let lands = pass.schedule.lands;
         let mut host_steps = None;
         let (mut targets, result) = match pass.reducer {
-            Reducer::Queued { targets, queue } => self.reduce_queued(targets, queue, map, lands),
+            Reducer::Queued {
+                targets,
+                map,
+                queue,
+            } => self.reduce_queued(targets, queue, &map, lands),
             Reducer::Inline {
                 targets,
                 map,

@@ -305,6 +305,7 @@ where
             Runner::Inline => self.start_inline(targets)?,
             Runner::AfterBackward => Reducer::Queued {
                 targets,
+                map: BucketMap::new(&self.sharding.layout, self.config.stage, self.wire.reduce),
                 queue: Vec::new(),
             },
         };
@@ -447,6 +448,7 @@ where
                 tracing::warn!("no communication thread; reducing after backward");
                 Reducer::Queued {
                     targets: task.targets,
+                    map: task.map,
                     queue: Vec::new(),
                 }
             }
@@ -628,8 +630,7 @@ where
         let Some(pass) = self.pass.take() else {
             return Ok(());
         };
-        let map = BucketMap::new(&self.sharding.layout, self.config.stage, self.wire.reduce);
-        let joined = self.pass_parts().0.join(pass, &map)?;
+        let joined = self.pass_parts().0.join(pass)?;
         if let Some(steps) = joined.host_steps {
             self.host_steps = Some(steps);
         }

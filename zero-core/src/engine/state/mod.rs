@@ -374,7 +374,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                  load it with StateDict::load and Engine::load_state_dict",
             ));
         }
-        check_same_model(&self.params, &info.params)
+        check_same_model(&self.params, &self.index, &info.params)
             .map_err(|detail| checkpoint_error(&manifest_path, detail))?;
         if info.optimizer != self.optimizer.kind() {
             return Err(checkpoint_error(
@@ -788,8 +788,12 @@ fn agree<C: Communicator>(
 }
 
 /// The first difference between the `saved` parameters and the model's
-/// (`params`).
-fn check_same_model(params: &[ParamInfo], saved: &[ParamInfo]) -> std::result::Result<(), String> {
+/// (`params`, found by name in `index`).
+fn check_same_model(
+    params: &[ParamInfo],
+    index: &BTreeMap<String, usize>,
+    saved: &[ParamInfo],
+) -> std::result::Result<(), String> {
     let by_name: BTreeMap<&str, &ParamInfo> = saved.iter().map(|p| (p.name.as_str(), p)).collect();
     for p in params {
         let Some(s) = by_name.get(p.name.as_str()) else {
@@ -807,10 +811,7 @@ fn check_same_model(params: &[ParamInfo], saved: &[ParamInfo]) -> std::result::R
             ));
         }
     }
-    if let Some(extra) = saved
-        .iter()
-        .find(|s| !params.iter().any(|p| p.name == s.name))
-    {
+    if let Some(extra) = saved.iter().find(|s| !index.contains_key(&s.name)) {
         return Err(format!(
             "parameter {:?} of the checkpoint is not in the model; \
              is it a checkpoint of another model?",
