@@ -151,7 +151,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         // may still hold the gradient shard (the write-back takes it).
         let (clip, norm) = (self.config.clip, self.config.compute_grad_norm);
         let mut grad_norm = None;
-        if micro_steps > 1 || self.scaler.is_some() || clip.is_some() || norm {
+        if self.config.reads_every_gradient(micro_steps) {
             let mut grads = SteppingGrads {
                 comm: &*self.comm,
                 memory: &mut self.memory,
