@@ -18,7 +18,7 @@
 //! ranks would pair them differently.
 
 use super::worker::Ticket;
-use super::{Engine, ParamCopy, ShardMemory, StageState};
+use super::{ParamCopy, ShardMemory};
 use crate::comm::Communicator;
 use crate::{DType, Element, Error, Result};
 use std::sync::mpsc::Receiver;
@@ -171,9 +171,9 @@ pub(super) struct Payload<T: Element, C: Communicator, M: ShardMemory<T, C>> {
 
 /// What the deferred all-gathers give back.
 pub(super) struct Finished<T: Element, C: Communicator, M: ShardMemory<T, C>> {
-    recv: M::Buffer,
-    access: Box<dyn ParamAccess<T, C, M>>,
-    result: Result<()>,
+    pub recv: M::Buffer,
+    pub access: Box<dyn ParamAccess<T, C, M>>,
+    pub result: Result<()>,
 }
 
 /// The last step's all-gathers on the communication thread.
@@ -236,79 +236,6 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Default for DeferredGath
             pending: None,
             steps: 0,
         }
-    }
-}
-
-impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
-    /// Lets steps defer their all-gathers
-    /// ([`EngineConfig::defer_gathers`](super::EngineConfig::defer_gathers)):
-    /// `access` reads and writes the framework's parameters from the
-    /// communication thread. Without one, steps gather before they return. Stage
-    /// 0 and sharded stage 3 gather nothing after a step: there it is kept
-    /// by no one.
-    pub fn set_param_access(&mut self, access: Box<dyn ParamAccess<T, C, M>>) -> Result<()> {
-        self.finish_gathers()?;
-        if let Some(gathers) = self.stage.deferred_gathers() {
-            gathers.access = Some(access);
-        }
-        Ok(())
-    }
-}
-
-impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
-    /// How many steps left their all-gathers running after they returned
-    /// (see [`EngineConfig::defer_gathers`](super::EngineConfig::defer_gathers):
-    /// a step with a gradient given in a slot gathers before it returns).
-    pub fn deferred_steps(&self) -> u64 {
-        match &self.stage {
-            StageState::Sharded(gathers) => gathers.steps,
-            _ => 0,
-        }
-    }
-
-    /// What layers wait on before reading their parameters after a step
-    /// that deferred its all-gathers.
-    pub fn refresh(&self) -> &Arc<Refresh> {
-        &self.refresh
-    }
-
-    /// Waits until the replica holds the last step's values (nothing to
-    /// wait for unless that step deferred its all-gathers). Read the
-    /// parameters outside hooked layers only after this.
-    pub fn wait_for_params(&self) -> Result<()> {
-        match &self.stage {
-            StageState::Sharded(DeferredGathers {
-                pending: Some(_), ..
-            }) => self.refresh.wait_all(),
-            _ => Ok(()),
-        }
-    }
-
-    /// Waits for the last step's deferred all-gathers and takes back what
-    /// their thread held; the error of a failed one. Every engine call that
-    /// communicates or reads the parameters does this first.
-    pub fn finish_gathers(&mut self) -> Result<()> {
-        let Some(pending) = self.stage.deferred_gathers().and_then(|g| g.pending.take()) else {
-            return Ok(());
-        };
-        let finished = pending.wait().ok_or_else(|| {
-            Error::State(
-                "the thread of the deferred all-gathers panicked; this rank's parameters were \
-                 not all updated: restart the run from its last checkpoint"
-                    .into(),
-            )
-        })?;
-        self.take_back(finished)
-    }
-
-    /// Takes back the recv buffer and parameter access of a finished
-    /// gather run; its result.
-    pub(super) fn take_back(&mut self, finished: Finished<T, C, M>) -> Result<()> {
-        self.buffers.pool.push(finished.recv);
-        if let Some(gathers) = self.stage.deferred_gathers() {
-            gathers.access = Some(finished.access);
-        }
-        finished.result
     }
 }
 

@@ -37,6 +37,7 @@
 //! parameter) when the per-step trainability check is on, and one of a
 //! single `f64` when a gradient norm is asked for.
 
+mod buffers;
 mod config;
 mod consistency;
 mod deferred;
@@ -47,6 +48,7 @@ mod layout;
 mod mask;
 mod memory;
 mod offload;
+mod ops;
 mod pass;
 mod precision;
 mod reduce;
@@ -55,10 +57,8 @@ mod setup;
 mod shard_memory;
 mod sharding;
 mod stage3;
-mod start;
 mod state;
-mod step;
-mod update;
+mod window;
 mod worker;
 
 pub use config::{
@@ -88,11 +88,13 @@ use crate::comm::{Communicator, Host, ReduceOp};
 use crate::optim::{FunctionalOptimizer, Hyperparams, ParamKey};
 use crate::partition::{ParamInfo, PartitionPlan, ShardPiece};
 use crate::{Element, Error, Result};
+use buffers::{piece_of, window_buffer, Buffers};
 use mask::{mask_over, Trainability};
 use sharding::Sharding;
 use std::collections::BTreeMap;
 use std::ops::Range;
 use std::sync::Arc;
+use window::AccumulationWindow;
 
 /// What one optimizer step did.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -192,64 +194,6 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> StageState<T, C, M> {
     fn set_shard_lent(&mut self, lent: bool) {
         if let Self::Parameters(sharded) = self {
             sharded.shard_lent = lent;
-        }
-    }
-}
-
-/// The engine's flat buffers, in its memory.
-struct Buffers<B> {
-    /// The owned parameter pieces at their shard offsets: master weights,
-    /// stage 3's only copy, or a working copy (none with a lean shard).
-    param_shard: B,
-    /// The reduced gradient shard (stages 1-3).
-    grad_shard: Option<B>,
-    /// Full gradients in bucket-major order: stage 0's reduced gradients;
-    /// stages 1-3's micro-steps given outside a backward pass.
-    full_grads: Option<B>,
-    /// Bucket buffers, recycled: filled by gradients during an overlapped
-    /// backward, and the reduce-scatter source and all-gather destination
-    /// when there is no full buffer.
-    pool: Vec<B>,
-    /// A shard-bucket-sized buffer to reduce-scatter into when adding to
-    /// the gradient shard (and to stage from when gathering).
-    scratch: Option<B>,
-}
-
-/// The micro-steps of one optimizer step (an accumulation window); reset
-/// by [`Engine::discard_window`].
-#[derive(Default)]
-struct AccumulationWindow {
-    micro_steps: usize,
-    /// Per parameter, whether a gradient came in this window.
-    present: Vec<bool>,
-    /// The full gradient buffer holds contributions of this window
-    /// (micro-steps accumulated, or gradients handed over one by one
-    /// without a backward pass).
-    in_full_buffer: bool,
-    /// The gradient shard holds reduced micro-steps of this window (stage
-    /// 2, overlapped).
-    in_shard: bool,
-    /// A gradient came through a slot of `accumulate` or `step` (a
-    /// parameter a plain op reads, which a deferred gather would leave
-    /// stale in the next forward).
-    plain_grads: bool,
-    /// `begin_backward` read the owned pieces for this step.
-    params_read: bool,
-    /// Per bucket, whether the interleaved schedule stepped it during
-    /// backward.
-    early_stepped: Vec<bool>,
-}
-
-impl<B> Buffers<B> {
-    /// A buffer of at least `len` elements, from the pool or new.
-    fn take_pooled<T: Element, C: Communicator, M: ShardMemory<T, C, Buffer = B>>(
-        &mut self,
-        memory: &mut M,
-        len: usize,
-    ) -> Result<B> {
-        match self.pool.iter().position(|b| M::buffer_len(b) >= len) {
-            Some(i) => Ok(self.pool.swap_remove(i)),
-            None => memory.alloc_zeroed(len),
         }
     }
 }
@@ -501,6 +445,27 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// The group of each parameter.
     pub fn param_groups(&self) -> &[usize] {
         &self.group_of
+    }
+
+    /// What the loss must be multiplied by before backward (`None` without
+    /// loss scaling). Adapters do it for you (`zero_candle`'s
+    /// `backward_step`); with gradients computed elsewhere, multiply the
+    /// loss by it yourself.
+    pub fn loss_scale(&self) -> Option<f64> {
+        self.scaler.as_ref().map(scaler::LossScaler::scale)
+    }
+
+    /// The loss scaler's state (`None` without loss scaling).
+    pub fn loss_scaler_state(&self) -> Option<LossScalerState> {
+        self.scaler.as_ref().map(scaler::LossScaler::state)
+    }
+
+    /// Replaces the loss scaler's state (checkpoints); ignored without loss
+    /// scaling, and for a fixed scale, which never changes.
+    pub fn set_loss_scaler_state(&mut self, state: LossScalerState) {
+        if let Some(scaler) = self.scaler.as_mut() {
+            scaler.restore(state);
+        }
     }
 
     /// The learning rate of group 0.
@@ -836,75 +801,4 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             self.buffers.full_grads = None;
         }
     }
-}
-
-impl AccumulationWindow {
-    /// Refuses `op` while micro-steps are accumulated: their gradients
-    /// are not part of a checkpoint, nor of a re-partition.
-    fn refuse_mid(&self, op: &str) -> Result<()> {
-        if self.micro_steps > 0 || self.in_full_buffer {
-            return Err(Error::State(format!(
-                "{op} called with {} micro-step(s) accumulated; their gradients are not part of \
-                 a checkpoint: finish the optimizer step first",
-                self.micro_steps
-            )));
-        }
-        Ok(())
-    }
-
-    /// `flags` of the parameters with a gradient here this window: of
-    /// `trainable`, the local mask to all-reduce; of `active`, what steps
-    /// without the trainability check.
-    fn with_gradient(&self, flags: &[bool]) -> Vec<bool> {
-        flags
-            .iter()
-            .zip(&self.present)
-            .map(|(&f, &p)| f && p)
-            .collect()
-    }
-
-    /// Marks the parameters with a gradient in `grads` (one slot each).
-    fn mark_present<G>(&mut self, grads: &[Option<G>]) {
-        for (present, g) in self.present.iter_mut().zip(grads) {
-            *present |= g.is_some();
-        }
-    }
-}
-
-/// The full gradient buffer of the current accumulation window: allocated
-/// (zeroed) on first use, or zeroed when it still holds an earlier window's
-/// gradients (`in_window` false).
-fn window_buffer<'a, T: Element, C: Communicator, M: ShardMemory<T, C>>(
-    memory: &mut M,
-    slot: &'a mut Option<M::Buffer>,
-    numel: usize,
-    in_window: bool,
-) -> Result<&'a mut M::Buffer> {
-    if slot.is_none() {
-        return Ok(slot.insert(memory.alloc_zeroed(numel)?));
-    }
-    let full = slot.as_mut().expect("checked above");
-    if !in_window {
-        let numel = M::buffer_len(full);
-        memory.zero(full, 0..numel)?;
-    }
-    Ok(full)
-}
-
-/// The piece of run `run` that a gradient of the parameter's elements
-/// `range` covers, placed at the run's position less `base` (a bucket's
-/// start, for a bucket buffer); `None` if they do not overlap.
-fn piece_of<G: Copy>(
-    run: &Run,
-    range: &Range<usize>,
-    grad: G,
-    base: usize,
-) -> Option<GradPiece<G>> {
-    let start = run.param_range.start.max(range.start);
-    let end = run.param_range.end.min(range.end);
-    (start < end).then(|| GradPiece {
-        at: run.pos - base + (start - run.param_range.start),
-        grad,
-        range: start - range.start..end - range.start,
-    })
 }

@@ -24,7 +24,7 @@
 //! [`EngineConfig::gather_in_param_dtype`]: super::EngineConfig::gather_in_param_dtype
 
 use super::sharding::Sharding;
-use super::{Engine, EngineConfig, ParamCopy, ParamStore, ShardMemory, Stage};
+use super::{EngineConfig, ParamStore, ShardMemory};
 use crate::comm::Communicator;
 use crate::partition::ParamInfo;
 use crate::{DType, Element, Result};
@@ -102,78 +102,6 @@ impl Wire {
             packed_write_back: (narrow && config.gather_in_param_dtype && gathers_packed)
                 .then_some(param_dtype),
         }
-    }
-}
-
-impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
-    /// Whether this engine keeps master weights: some trainable parameter
-    /// has a narrower dtype than the engine's element type.
-    pub fn has_master_weights(&self) -> bool {
-        self.wire.masters
-    }
-
-    /// Makes the next step read the owned pieces of the weights from the
-    /// replica again, replacing the master weights: call it after changing
-    /// the model's weights by hand (an engine without master weights reads
-    /// them at every step anyway). Loading a checkpoint sets the masters
-    /// from the checkpoint; no call needed.
-    pub fn reload_master_weights(&mut self) {
-        self.masters_fresh = false;
-    }
-
-    /// The master weights, to read or set piece by piece.
-    pub(super) fn masters(&mut self) -> Masters<'_, T, C, M> {
-        Masters {
-            comm: &*self.comm,
-            memory: &mut self.memory,
-            shard: &mut self.buffers.param_shard,
-            sharding: &self.sharding,
-            replicated: self.config.stage == Stage::Ddp,
-        }
-    }
-
-    /// Brings the owned pieces of the shard up to date before a step:
-    /// without master weights, from the replica (a user may have changed
-    /// it since the last step); with them, only when they are stale.
-    pub(super) fn refresh_param_shard(&mut self, params: &mut M::Params<'_>) -> Result<()> {
-        let truth = self.shard_is_truth();
-        if truth && self.masters_fresh {
-            return Ok(());
-        }
-        if self.stage.sharded_params().is_some() {
-            // Stage 3: a sharded parameter's replica is gone.
-            let copies: Vec<ParamCopy> = self
-                .sharding
-                .owned_copies
-                .iter()
-                .filter(|c| !self.is_sharded(c.param))
-                .cloned()
-                .collect();
-            self.memory
-                .read_params(params, &copies, &mut self.buffers.param_shard)?;
-        } else {
-            self.memory.read_params(
-                params,
-                &self.sharding.owned_copies,
-                &mut self.buffers.param_shard,
-            )?;
-        }
-        self.masters_fresh = truth;
-        Ok(())
-    }
-
-    /// Stage 0 with master weights: writes the active parameters' updated
-    /// masters (every rank holds all of them) into the replica, rounded.
-    pub(super) fn write_masters(&mut self, params: &mut M::Params<'_>) -> Result<()> {
-        let copies: Vec<ParamCopy> = self
-            .sharding
-            .owned_copies
-            .iter()
-            .filter(|c| self.mask.active[c.param])
-            .cloned()
-            .collect();
-        self.memory
-            .write_params(params, &copies, &self.buffers.param_shard)
     }
 }
 

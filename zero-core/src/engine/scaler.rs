@@ -12,9 +12,7 @@
 //! or NaN in it is never finite), so every rank skips alike and the scale
 //! stays the same everywhere.
 
-use super::{Engine, ShardMemory};
-use crate::comm::Communicator;
-use crate::{Element, Error, Result};
+use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 
 /// How the loss is scaled before backward.
@@ -148,6 +146,19 @@ impl LossScaler {
         self.state.scale
     }
 
+    /// The state a checkpoint keeps.
+    pub(crate) fn state(&self) -> LossScalerState {
+        self.state
+    }
+
+    /// Restores a checkpoint's state; a fixed scale, which never changes,
+    /// keeps its own.
+    pub(crate) fn restore(&mut self, state: LossScalerState) {
+        if matches!(self.config, LossScale::Dynamic(_)) {
+            self.state = state;
+        }
+    }
+
     /// Whether the last completed step was skipped for an inf or NaN
     /// gradient, and the scale its gradients were divided by.
     pub(crate) fn outcome(&self) -> (bool, Option<f64>) {
@@ -183,31 +194,6 @@ impl LossScaler {
                     state.scale = f64::from(grown);
                 }
                 state.growth_tracker = 0;
-            }
-        }
-    }
-}
-
-impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
-    /// What the loss must be multiplied by before backward (`None` without
-    /// loss scaling). Adapters do it for you (`zero_candle`'s
-    /// `backward_step`); with gradients computed elsewhere, multiply the
-    /// loss by it yourself.
-    pub fn loss_scale(&self) -> Option<f64> {
-        self.scaler.as_ref().map(|s| s.state.scale)
-    }
-
-    /// The loss scaler's state (`None` without loss scaling).
-    pub fn loss_scaler_state(&self) -> Option<LossScalerState> {
-        self.scaler.as_ref().map(|s| s.state)
-    }
-
-    /// Replaces the loss scaler's state (checkpoints); ignored without loss
-    /// scaling, and for a fixed scale, which never changes.
-    pub fn set_loss_scaler_state(&mut self, state: LossScalerState) {
-        if let Some(scaler) = self.scaler.as_mut() {
-            if matches!(scaler.config, LossScale::Dynamic(_)) {
-                scaler.state = state;
             }
         }
     }

@@ -4,12 +4,13 @@
 
 use super::{BackwardPass, MIN_BUCKET_BUFFERS};
 use crate::comm::Communicator;
+use crate::engine::buffers::{piece_of, Buffers};
 use crate::engine::reduce::{
     release_held, submit, take_buffer, write_held, Held, Job, Reducer, Reduction,
 };
 use crate::engine::shard_memory::deferral;
 use crate::engine::sharding::Sharding;
-use crate::engine::{Buffers, ReductionProgress, ShardMemory};
+use crate::engine::{ReductionProgress, ShardMemory};
 use crate::partition::ParamInfo;
 use crate::{Element, Error, Result};
 use std::ops::Range;
@@ -49,7 +50,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> PassParts<'_, T, C, M> {
             let run = &sharding.layout.runs[r];
             let k = sharding.bucket_of_run[r];
             let start = sharding.layout.bucket_range(k).start;
-            let Some(piece) = crate::engine::piece_of(run, &range, grad, start) else {
+            let Some(piece) = piece_of(run, &range, grad, start) else {
                 continue;
             };
             if k < pass.next && pass.schedule.step_early {

@@ -5,14 +5,14 @@ use super::narrow::{
     all_reduce_narrow, gather_narrow, gather_packed, packed_len, reduce_scatter_narrow,
 };
 use super::{
-    GradPiece, HostGrad, HostTransfers, PackedGathers, ParamCopy, ParamStore, ShardMemory,
-    ShardStep, StepPiece,
+    host_step, GradPiece, HostGrad, HostTransfers, PackedGathers, ParamCopy, ParamStore,
+    ShardMemory, ShardStep, StepPiece,
 };
 use crate::comm::{Communicator, Host, ReduceOp};
 use crate::engine::fetch::HostGathers;
 use crate::engine::precision::convert_slice;
 use crate::engine::NormType;
-use crate::optim::{FunctionalOptimizer, OptimizerState, ParamMut};
+use crate::optim::{FunctionalOptimizer, OptimizerState};
 use crate::{DType, Element, Error, Result};
 use half::{bf16, f16};
 use std::ops::Range;
@@ -460,33 +460,6 @@ pub(crate) fn host_norm<T: Element>(buffer: &[T], ranges: &[Range<usize>], norm:
         }
     }
     local
-}
-
-/// Steps the active pieces of `plan` in host memory through `optimizer`,
-/// which keeps its own state.
-pub(crate) fn host_step<T: Element>(
-    optimizer: &mut dyn FunctionalOptimizer<T>,
-    params: &mut [T],
-    grads: &[T],
-    plan: ShardStep<'_>,
-) -> Result<()> {
-    // Split the shard into disjoint mutable pieces (in shard order).
-    let mut pieces = Vec::with_capacity(plan.pieces.len());
-    let mut slots = Vec::with_capacity(plan.pieces.len());
-    let mut rest: &mut [T] = params;
-    let mut consumed = 0;
-    for piece in plan.pieces {
-        let (_, tail) = std::mem::take(&mut rest).split_at_mut(piece.range.start - consumed);
-        let (data, tail) = tail.split_at_mut(piece.range.len());
-        rest = tail;
-        consumed = piece.range.end;
-        pieces.push(ParamMut {
-            key: piece.key,
-            data,
-        });
-        slots.push(piece.active.then(|| &grads[piece.range.clone()]));
-    }
-    optimizer.step(&mut pieces, &slots)
 }
 
 #[cfg(test)]

@@ -25,14 +25,14 @@ mod narrow;
 
 pub(crate) use capability::{alloc_shard, deferral, start_offload, Abilities};
 pub use capability::{Deferral, HostOffload, HostStepper, HostTransfers, PackedGathers};
-pub(crate) use host::{host_copy, host_norm, host_scale, host_step};
+pub(crate) use host::{host_copy, host_norm, host_scale};
 pub use host::{host_gathers, HostMemory};
 pub use narrow::{pack_narrow, packed_len};
 
 use super::fetch::GatherMemory;
 use super::NormType;
 use crate::comm::{Communicator, ReduceOp};
-use crate::optim::{FunctionalOptimizer, OptimizerState, ParamKey};
+use crate::optim::{FunctionalOptimizer, OptimizerState, ParamKey, ParamMut};
 use crate::{DType, Element, Result};
 use half::{bf16, f16};
 use std::ops::Range;
@@ -488,4 +488,31 @@ impl<'g, T> From<&'g Vec<T>> for HostGrad<'g, T> {
     fn from(grad: &'g Vec<T>) -> Self {
         Self::Same(grad)
     }
+}
+
+/// Steps the active pieces of `plan` in host memory through `optimizer`,
+/// which keeps its own state.
+pub(crate) fn host_step<T: Element>(
+    optimizer: &mut dyn FunctionalOptimizer<T>,
+    params: &mut [T],
+    grads: &[T],
+    plan: ShardStep<'_>,
+) -> Result<()> {
+    // Split the shard into disjoint mutable pieces (in shard order).
+    let mut pieces = Vec::with_capacity(plan.pieces.len());
+    let mut slots = Vec::with_capacity(plan.pieces.len());
+    let mut rest: &mut [T] = params;
+    let mut consumed = 0;
+    for piece in plan.pieces {
+        let (_, tail) = std::mem::take(&mut rest).split_at_mut(piece.range.start - consumed);
+        let (data, tail) = tail.split_at_mut(piece.range.len());
+        rest = tail;
+        consumed = piece.range.end;
+        pieces.push(ParamMut {
+            key: piece.key,
+            data,
+        });
+        slots.push(piece.active.then(|| &grads[piece.range.clone()]));
+    }
+    optimizer.step(&mut pieces, &slots)
 }

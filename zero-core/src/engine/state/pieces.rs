@@ -14,27 +14,27 @@ use std::path::Path;
 
 /// What a rank tells the receiver about one piece before sending its state.
 #[derive(Clone, Debug, Serialize, Deserialize)]
-pub(super) struct PieceMeta {
-    pub(super) name: String,
-    pub(super) offset: usize,
-    pub(super) len: usize,
+pub(in crate::engine) struct PieceMeta {
+    pub name: String,
+    pub offset: usize,
+    pub len: usize,
     /// Scalars as `f64::to_bits`, so they cross JSON exactly.
-    pub(super) scalars: Vec<(String, u64)>,
+    pub scalars: Vec<(String, u64)>,
     /// Names of the element-wise tensors, in the order they are sent.
-    pub(super) tensors: Vec<String>,
+    pub tensors: Vec<String>,
     /// Set when an exported tensor is not as long as the piece.
-    pub(super) bad_len: Option<usize>,
+    pub bad_len: Option<usize>,
 }
 
 /// A rank's outcome of a step of a save or load, shared with every rank.
 #[derive(Serialize, Deserialize)]
-pub(super) struct RankStatus {
-    pub(super) error: Option<String>,
-    pub(super) files: Vec<(String, FileRecord)>,
+pub(in crate::engine) struct RankStatus {
+    pub error: Option<String>,
+    pub files: Vec<(String, FileRecord)>,
 }
 
 /// What the receiver of a consolidation does with the pieces.
-pub(super) trait PieceSink<T> {
+pub(in crate::engine) trait PieceSink<T> {
     /// Called once with every rank's piece list, before any data.
     fn begin(&mut self, all: &[Vec<PieceMeta>]) -> Result<()>;
     /// One piece's tensors, concatenated in `meta.tensors` order.
@@ -43,7 +43,7 @@ pub(super) trait PieceSink<T> {
 
 /// Coverage bookkeeping shared by both sinks: elements received per
 /// parameter, checked against its length at the end.
-pub(super) fn check_coverage(
+pub(in crate::engine) fn check_coverage(
     numel: &BTreeMap<String, usize>,
     covered: &BTreeMap<String, usize>,
 ) -> Result<()> {
@@ -59,7 +59,10 @@ pub(super) fn check_coverage(
     Ok(())
 }
 
-pub(super) fn check_meta(numel: &BTreeMap<String, usize>, meta: &PieceMeta) -> Result<usize> {
+pub(in crate::engine) fn check_meta(
+    numel: &BTreeMap<String, usize>,
+    meta: &PieceMeta,
+) -> Result<usize> {
     let total = numel.get(&meta.name).copied().ok_or_else(|| {
         Error::State(format!(
             "consolidation: a rank holds state for {:?}, which is not a parameter of the model",
@@ -84,10 +87,10 @@ pub(super) fn check_meta(numel: &BTreeMap<String, usize>, meta: &PieceMeta) -> R
 }
 
 /// Assembles the pieces into full tensors in memory.
-pub(super) struct MemorySink<'a, T> {
-    pub(super) numel: &'a BTreeMap<String, usize>,
-    pub(super) state: BTreeMap<String, ParamState<T>>,
-    pub(super) covered: BTreeMap<String, usize>,
+pub(in crate::engine) struct MemorySink<'a, T> {
+    pub numel: &'a BTreeMap<String, usize>,
+    pub state: BTreeMap<String, ParamState<T>>,
+    pub covered: BTreeMap<String, usize>,
 }
 
 impl<T: Element> PieceSink<T> for MemorySink<'_, T> {
@@ -128,12 +131,12 @@ impl<T: Element> PieceSink<T> for MemorySink<'_, T> {
 }
 
 /// Writes the pieces straight into the consolidated file as they arrive.
-pub(super) struct FileSink<'a> {
-    pub(super) numel: &'a BTreeMap<String, usize>,
-    pub(super) path: &'a Path,
-    pub(super) dtype: DType,
-    pub(super) file: Option<StreamingTensorFile>,
-    pub(super) covered: BTreeMap<String, usize>,
+pub(in crate::engine) struct FileSink<'a> {
+    pub numel: &'a BTreeMap<String, usize>,
+    pub path: &'a Path,
+    pub dtype: DType,
+    pub file: Option<StreamingTensorFile>,
+    pub covered: BTreeMap<String, usize>,
 }
 
 impl<T: Element> PieceSink<T> for FileSink<'_> {
@@ -192,13 +195,13 @@ impl<T: Element> PieceSink<T> for FileSink<'_> {
 /// what comes after it is let go, so that rank 0 keeps taking part in the
 /// gathers while the other ranks send.
 #[derive(Default)]
-pub(super) struct ModelFile {
-    pub(super) writer: Option<TensorWriter>,
-    pub(super) failure: Option<Error>,
+pub(in crate::engine) struct ModelFile {
+    pub writer: Option<TensorWriter>,
+    pub failure: Option<Error>,
 }
 
 impl ModelFile {
-    pub(super) fn write<T: Element>(&mut self, values: &[T]) {
+    pub fn write<T: Element>(&mut self, values: &[T]) {
         if let Some(writer) = self.writer.as_mut() {
             if let Err(e) = writer.write(bytemuck::cast_slice(values)) {
                 self.fail(e);
@@ -206,7 +209,7 @@ impl ModelFile {
         }
     }
 
-    pub(super) fn zeros<T: Element>(&mut self, mut count: usize) {
+    pub fn zeros<T: Element>(&mut self, mut count: usize) {
         let zeros = [T::default(); 1024];
         while count > 0 && self.writer.is_some() {
             let n = count.min(zeros.len());
@@ -217,13 +220,13 @@ impl ModelFile {
 
     /// Keeps the first failure; dropping the writer removes its temporary
     /// file.
-    pub(super) fn fail(&mut self, e: Error) {
+    pub fn fail(&mut self, e: Error) {
         self.writer = None;
         self.failure.get_or_insert(e);
     }
 
     /// The file's record where it was written, `None` elsewhere.
-    pub(super) fn finish(self) -> Result<Option<FileRecord>> {
+    pub fn finish(self) -> Result<Option<FileRecord>> {
         match (self.failure, self.writer) {
             (Some(e), _) => Err(e),
             (None, Some(writer)) => writer.finish().map(Some),
@@ -234,16 +237,16 @@ impl ModelFile {
 
 /// One owned piece's optimizer state, assembled from the saved pieces that
 /// overlap it (a checkpoint of another world size or partition).
-pub(super) struct Assembly<T> {
-    pub(super) name: String,
-    pub(super) range: Range<usize>,
-    pub(super) state: ParamState<T>,
+pub(in crate::engine) struct Assembly<T> {
+    pub name: String,
+    pub range: Range<usize>,
+    pub state: ParamState<T>,
     /// Per tensor, the elements read so far.
-    pub(super) covered: BTreeMap<String, usize>,
+    pub covered: BTreeMap<String, usize>,
 }
 
 impl<T: Element> Assembly<T> {
-    pub(super) fn new(name: String, range: Range<usize>) -> Self {
+    pub fn new(name: String, range: Range<usize>) -> Self {
         Self {
             name,
             range,
@@ -253,7 +256,7 @@ impl<T: Element> Assembly<T> {
     }
 
     /// The elements of the parameter both `saved` and this piece hold.
-    pub(super) fn overlap(&self, saved: &PieceRecord) -> Option<Range<usize>> {
+    pub fn overlap(&self, saved: &PieceRecord) -> Option<Range<usize>> {
         let lo = saved.offset.max(self.range.start);
         let hi = (saved.offset + saved.len).min(self.range.end);
         (saved.name == self.name && lo < hi).then_some(lo..hi)
@@ -262,7 +265,7 @@ impl<T: Element> Assembly<T> {
     /// Takes what overlaps this piece of the saved piece's scalar or tensor
     /// `state` (named `tensor_name` in the file at `path`), converted from
     /// the precision it was saved in.
-    pub(super) fn take(
+    pub fn take(
         &mut self,
         path: &Path,
         saved: &PieceRecord,
@@ -311,10 +314,7 @@ impl<T: Element> Assembly<T> {
     /// The assembled state under its key (`None` when nothing was saved
     /// for it); an error naming the manifest if a tensor is not whole.
     #[allow(clippy::type_complexity)]
-    pub(super) fn finish(
-        self,
-        manifest_path: &Path,
-    ) -> Result<Option<((String, usize), ParamState<T>)>> {
+    pub fn finish(self, manifest_path: &Path) -> Result<Option<((String, usize), ParamState<T>)>> {
         for (tensor, &got) in &self.covered {
             if got != self.range.len() {
                 return Err(checkpoint_error(
@@ -337,7 +337,7 @@ impl<T: Element> Assembly<T> {
 /// What each exported piece is, for the receiver: its length (from the
 /// owned pieces, else its first tensor's), scalars and tensor names, and a
 /// tensor of another length flagged.
-pub(super) fn piece_metas<T>(
+pub(in crate::engine) fn piece_metas<T>(
     exported: &BTreeMap<(String, usize), ParamState<T>>,
     lengths: &BTreeMap<(&str, usize), usize>,
 ) -> Vec<PieceMeta> {
@@ -366,7 +366,7 @@ pub(super) fn piece_metas<T>(
 }
 
 /// Hands the pieces `metas`, received end to end in `recv`, to `sink`.
-pub(super) fn sink_pieces<T>(
+pub(in crate::engine) fn sink_pieces<T>(
     sink: &mut dyn PieceSink<T>,
     metas: &[PieceMeta],
     recv: &[T],
@@ -382,7 +382,7 @@ pub(super) fn sink_pieces<T>(
 
 /// The tensors of the pieces `metas` (taken out of `exported`) end to end,
 /// `count` elements in all.
-pub(super) fn pack_pieces<T: Element>(
+pub(in crate::engine) fn pack_pieces<T: Element>(
     exported: &mut BTreeMap<(String, usize), ParamState<T>>,
     metas: &[PieceMeta],
     count: usize,

@@ -3,9 +3,9 @@
 //! bucket, all-gathers it and writes it into the replica, all queued on
 //! the calling thread.
 
-use super::super::{Engine, ShardMemory};
 use super::bucket::{gather_buffers, gather_into_replica, step_bucket, BucketStep, Buckets, Wire};
 use crate::comm::Communicator;
+use crate::engine::{Engine, ShardMemory};
 use crate::{Element, Result};
 
 /// The inline update of the shard's buckets.

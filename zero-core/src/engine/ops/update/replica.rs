@@ -4,11 +4,11 @@
 //! ones are still on the wire ([`AsReduced`], PyTorch's
 //! `hook_with_zero_step`).
 
-use super::super::reduce::{land_next, thread_gone, Reducer};
-use super::super::{
+use crate::comm::Communicator;
+use crate::engine::reduce::{land_next, thread_gone, Reducer};
+use crate::engine::{
     Engine, Overlap, ParamCopy, ShardMemory, ShardStep, Stage, StageState, StepPiece,
 };
-use crate::comm::Communicator;
 use crate::{Element, Error, Result};
 use std::ops::Range;
 
@@ -265,7 +265,7 @@ fn mask_beside_reductions<T: Element, C: Communicator, M: ShardMemory<T, C>>(
             ))
         }
     };
-    let active = super::super::mask_over(&mut engine.memory, side, &engine.params, &local)?;
+    let active = crate::engine::mask_over(&mut engine.memory, side, &engine.params, &local)?;
     Ok((active == engine.mask.active).then_some(active))
 }
 

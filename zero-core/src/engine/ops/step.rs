@@ -2,20 +2,20 @@
 //! not), averaged, unscaled and clipped; the owned pieces stepped; the
 //! updated parameters gathered into the replica.
 
-use super::grads::SteppingGrads;
-use super::mask::mask_over;
-use super::scaler::LossScaler;
 use super::update::{AsReduced, Replica, StepPath};
-use super::StepReport;
-use super::{Engine, GradPiece, Offload, Overlap, ShardMemory, Stage};
 use crate::comm::{Communicator, ReduceOp};
+use crate::engine::grads::SteppingGrads;
+use crate::engine::mask::mask_over;
+use crate::engine::scaler::LossScaler;
+use crate::engine::StepReport;
+use crate::engine::{Engine, GradPiece, Offload, Overlap, ShardMemory, Stage};
 use crate::{Element, Error, Result};
 
 impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// Closes the accumulation window with an optimizer step (`last`: the
     /// last micro-step's gradients, given with the step), whatever the
     /// step's outcome, and reports it.
-    pub(super) fn reduce_and_update(
+    pub(in crate::engine) fn reduce_and_update(
         &mut self,
         last: Option<&[Option<M::Grad<'_>>]>,
         params: &mut M::Params<'_>,
@@ -107,7 +107,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// reduces what backward did not, averages the micro-steps, unscales
     /// and clips. Returns the gradient norm; a step loss scaling skips runs
     /// no `update`.
-    pub(super) fn after_ready<'p>(
+    pub(in crate::engine) fn after_ready<'p>(
         &mut self,
         last: Option<&[Option<M::Grad<'_>>]>,
         micro_steps: usize,
@@ -200,7 +200,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// this one). The interleaved schedule steps on the communication
     /// thread during backward, and stage 3's shard, once sharded, is the
     /// only copy of its parameters: both keep the shard.
-    pub(super) fn lean_shard(&self) -> bool {
+    pub(in crate::engine) fn lean_shard(&self) -> bool {
         let replicated = match self.config.stage {
             Stage::OptimizerState | Stage::Gradients => true,
             // Until it shards, stage 3 runs as stage 2.
@@ -217,13 +217,16 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// Reduces every active bucket: all-reduce in stage 0, reduce-scatter
     /// into the gradient shard otherwise (the serial path: gradients given
     /// after backward).
-    pub(super) fn reduce_gradients(&mut self, last: Option<&[Option<M::Grad<'_>>]>) -> Result<()> {
+    pub(in crate::engine) fn reduce_gradients(
+        &mut self,
+        last: Option<&[Option<M::Grad<'_>>]>,
+    ) -> Result<()> {
         self.with_bucket_buffer(|engine, buffer| engine.reduce_buckets(last, buffer))
     }
 
     /// Runs `f` with a pooled bucket buffer when there is no full gradient
     /// buffer to work in (`None` when there is), and pools it again.
-    pub(super) fn with_bucket_buffer<R>(
+    pub(in crate::engine) fn with_bucket_buffer<R>(
         &mut self,
         f: impl FnOnce(&mut Self, Option<&mut M::Buffer>) -> Result<R>,
     ) -> Result<R> {

@@ -3,8 +3,8 @@
 //! (stages 1-3; stage 3 its replicated parameters only) or, in stage 0
 //! with master weights, written from the masters every rank holds.
 
-use super::super::{Engine, ParamCopy, ShardMemory, ShardStep, Stage};
 use crate::comm::Communicator;
+use crate::engine::{Engine, ParamCopy, ShardMemory, ShardStep, Stage};
 use crate::{Element, Error, Result};
 
 /// The serial update.

@@ -1,9 +1,9 @@
 //! What the bucket-by-bucket updates share: the owned pieces grouped by
 //! bucket, one bucket's step, and its all-gather into the replica.
 
-use super::super::sharding::Sharding;
-use super::super::{Engine, Layout, ParamCopy, ShardMemory, ShardStep, StepPiece};
 use crate::comm::Communicator;
+use crate::engine::sharding::Sharding;
+use crate::engine::{Engine, Layout, ParamCopy, ShardMemory, ShardStep, StepPiece};
 use crate::optim::FunctionalOptimizer;
 use crate::{DType, Element, Error, Result};
 use std::ops::Range;
@@ -81,7 +81,7 @@ pub(super) fn gather_buffers<T: Element, C: Communicator, M: ShardMemory<T, C>>(
         .memory
         .alloc_zeroed(longest_chunk(&engine.sharding))?;
     // Overwritten whole by each gather: no need to zero.
-    let (recv, _) = super::super::reduce::take_shortest(
+    let (recv, _) = crate::engine::reduce::take_shortest(
         &mut engine.memory,
         &mut engine.buffers.pool,
         engine.sharding.longest_bucket,

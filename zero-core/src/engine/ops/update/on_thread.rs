@@ -3,9 +3,9 @@
 //! while the next one steps, and written into the replica as they come
 //! back.
 
-use super::super::{Engine, Layout, ShardMemory};
 use super::bucket::{bucket_copies, longest_chunk, step_bucket, BucketStep, Buckets};
 use crate::comm::Communicator;
+use crate::engine::{Engine, Layout, ShardMemory};
 use crate::optim::FunctionalOptimizer;
 use crate::{DType, Element, Error, Result};
 use std::ops::Range;
@@ -229,7 +229,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Arrivals<'_, T, C, M> {
     ) -> Result<()> {
         self.wait_until(params, GATHERS_IN_FLIGHT - 1);
         // Overwritten whole by the gather: no need to zero.
-        let recv = super::super::reduce::take_shortest(
+        let recv = crate::engine::reduce::take_shortest(
             self.memory,
             self.pool,
             self.layout.bucket_range(k).len(),

@@ -5,9 +5,9 @@
 //! stepped it, while it steps the next ones, so the write-back overlaps
 //! the last steps instead of following them.
 
-use super::super::{packed_len, Engine, ShardMemory};
 use super::bucket::{gather_buffers, gather_into_replica, Wire};
 use crate::comm::Communicator;
+use crate::engine::{packed_len, Engine, ShardMemory};
 use crate::{Element, Result};
 
 /// The write-back of the buckets offload's step thread steps.

@@ -15,8 +15,8 @@ mod serial;
 
 pub(super) use replica::{AsReduced, Replica};
 
-use super::{Engine, Overlap, ShardMemory, Stage, StageState};
 use crate::comm::Communicator;
+use crate::engine::{Engine, Overlap, ShardMemory, Stage, StageState};
 use crate::{Element, Result};
 use bucket::Buckets;
 use defer::Deferred;

@@ -5,10 +5,10 @@
 //! all-gathers run into the next forward (`deferred.rs`): the first
 //! layers' parameters are on the wire while the rest step.
 
-use super::super::deferred::{GatherJob, Payload, Pending};
-use super::super::{Engine, ParamAccess, ParamCopy, ShardMemory};
 use super::bucket::{bucket_copies, copies_from, longest_chunk, step_bucket, BucketStep, Buckets};
 use crate::comm::Communicator;
+use crate::engine::deferred::{GatherJob, Payload, Pending};
+use crate::engine::{Engine, ParamAccess, ParamCopy, ShardMemory};
 use crate::{Element, Error, Result};
 use std::sync::{mpsc, Arc};
 
@@ -136,7 +136,7 @@ fn gather_payload<T: Element, C: Communicator, M: ShardMemory<T, C>>(
     let chunk = longest_chunk(&engine.sharding);
     let buffers = engine.memory.alloc_zeroed(chunk).and_then(|thread_send| {
         let send = engine.memory.alloc_zeroed(chunk)?;
-        let (recv, _) = super::super::reduce::take_shortest(
+        let (recv, _) = crate::engine::reduce::take_shortest(
             &mut engine.memory,
             &mut engine.buffers.pool,
             engine.sharding.longest_bucket,

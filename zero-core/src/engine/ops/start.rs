@@ -4,9 +4,9 @@
 //! at construction, or checks that they already are
 //! ([`EngineConfig::starting_model`]).
 
-use super::consistency::fnv1a_bytes;
-use super::{Engine, ParamCopy, ShardMemory, StartingModel};
 use crate::comm::{Communicator, ReduceOp};
+use crate::engine::consistency::fnv1a_bytes;
+use crate::engine::{Engine, ParamCopy, ShardMemory, StartingModel};
 use crate::partition::ParamInfo;
 use crate::{Element, Error, Result};
 
@@ -17,7 +17,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// construction and before the first step, on parameters each rank
     /// built itself. A collective: every rank calls it.
     ///
-    /// [`EngineConfig::starting_model`]: super::EngineConfig::starting_model
+    /// [`EngineConfig::starting_model`]: crate::engine::EngineConfig::starting_model
     pub fn sync_starting_model(&mut self, params: &mut M::Params<'_>) -> Result<()> {
         if self.comm.world_size() == 1 {
             return Ok(());

@@ -1,0 +1,493 @@
+//! The engine's side of a backward pass: opened by [`Engine::begin_backward`], given
+//! gradients as backward makes them, and closed by the step or the next micro-step (the
+//! pass itself, its schedule and reductions are the `pass` module's).
+
+use crate::comm::{Communicator, ReduceOp};
+use crate::engine::consistency::{hash_fingerprint, order_fingerprint};
+use crate::engine::pass::PassParts;
+use crate::engine::pass::{BackwardPass, PassFacts, ReductionTask, Runner, Schedule};
+use crate::engine::reduce::{
+    start_host_steps, Back, BucketMap, EarlyStep, Job, LentOptimizer, Reducer, Returns, Targets,
+};
+use crate::engine::shard_memory::deferral;
+use crate::engine::{Engine, ReductionProgress, ShardMemory, Stage, StageState};
+use crate::{Element, Error, Result};
+use std::ops::Range;
+use std::sync::{mpsc, Arc};
+
+impl<T, C, M> Engine<T, C, M>
+where
+    T: Element,
+    C: Communicator,
+    M: ShardMemory<T, C>,
+{
+    /// Opens the hand-over of one backward pass's gradients: `expected`
+    /// lists, in the order their gradients will arrive, the parameters whose
+    /// gradients will be handed over with [`Engine::accumulate_param`] and
+    /// how many calls each gets (2 for a weight used by two hooked ops). A
+    /// collective (one small all-reduce checks that every rank predicts the
+    /// same order; a rank whose graph differs is an error on every rank).
+    ///
+    /// On the first call, before any step, the parameters are re-partitioned
+    /// in this order, so that buckets complete one after another during
+    /// backward. Then, unless the schedule is [`Overlap::None`](crate::engine::Overlap::None), each bucket
+    /// is reduced on a communication thread as soon as it is complete (see
+    /// [`Overlap`](crate::engine::Overlap)). The step (or [`Engine::accumulate`]) that
+    /// follows closes the pass. A prediction that turns out wrong costs
+    /// overlap, never correctness, except with [`Overlap::Interleaved`](crate::engine::Overlap::Interleaved): a
+    /// gradient that arrives after its bucket was stepped is an error.
+    ///
+    /// With [`Overlap::Interleaved`](crate::engine::Overlap::Interleaved), on the last micro-step, the owned
+    /// pieces are read from `params` here (the step does not read them
+    /// again): change no parameter between this call and the step.
+    pub fn begin_backward(
+        &mut self,
+        expected: &[(usize, usize)],
+        params: &mut M::Params<'_>,
+    ) -> Result<()> {
+        self.finish_gathers()?;
+        if self.pass.is_some() {
+            return Err(Error::State(
+                "begin_backward called while the previous backward pass's gradients are still \
+                 pending; finish it with step (or accumulate) first"
+                    .into(),
+            ));
+        }
+        if let Some(&(param, _)) = expected.iter().find(|(p, _)| *p >= self.params.len()) {
+            return Err(Error::Config(format!(
+                "begin_backward: parameter #{param} does not exist (there are {})",
+                self.params.len()
+            )));
+        }
+        self.check_same_graph(expected)?;
+        // The same answer on every rank: it depends on the memory's type.
+        let forkable = self.memory.fork().is_some();
+        self.split_side_communicator(forkable)?;
+        if !self.pass_facts(forkable).reduces_during_backward() {
+            // This memory reduces in the step; the gradients go to the full
+            // buffer as before.
+            return Ok(());
+        }
+        self.plan_in_order(expected)?;
+        let Some(schedule) = Schedule::decide(&self.pass_facts(forkable)) else {
+            // Stages 0 and 1 accumulate locally until the last micro-step.
+            return Ok(());
+        };
+        self.open_pass(schedule, expected, params)
+    }
+
+    /// Checks, with one all-reduce, that every rank predicts the same
+    /// gradient order and, at stage 3, that its forward gathered the same
+    /// layers (the fetcher also plans the backward's gathers here).
+    fn check_same_graph(&mut self, expected: &[(usize, usize)]) -> Result<()> {
+        let forward = match self.fetcher().cloned() {
+            Some(fetcher) => {
+                let predicted: Vec<usize> = expected.iter().map(|&(p, _)| p).collect();
+                fetcher.begin_backward(&predicted)?
+            }
+            None => 0,
+        };
+        let mut mine = [0.0; 16];
+        mine[..8].copy_from_slice(&order_fingerprint(expected));
+        mine[8..].copy_from_slice(&hash_fingerprint(forward));
+        let mut agreed = mine;
+        self.memory
+            .all_reduce_host(&self.comm, &mut agreed[..], ReduceOp::Max)?;
+        let differs =
+            |at: usize| (at..at + 4).any(|i| agreed[i] != mine[i] || -agreed[i + 4] != mine[i]);
+        if differs(0) {
+            return Err(Error::Config(format!(
+                "rank {} predicts another gradient order than some other rank ({} hooked \
+                 gradient(s) here): the ranks' backward graphs differ. Every rank must run the \
+                 same model on the same kind of input (no rank-dependent branches or layers)",
+                self.comm.rank(),
+                expected.len()
+            )));
+        }
+        if differs(8) {
+            return Err(Error::Config(format!(
+                "rank {}'s forward pass used other sharded layers (or used them in another \
+                 order) than some other rank's: the ranks' models differ. Every rank must \
+                 run the same model on the same kind of input (no rank-dependent branches \
+                 or layers)",
+                self.comm.rank()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Stage 0 stepping each bucket as it is reduced all-reduces the
+    /// trainable mask beside the reductions: on a communicator of its own
+    /// (the same decision on every rank: it depends on the configuration).
+    fn split_side_communicator(&mut self, forkable: bool) -> Result<()> {
+        let wanted = forkable
+            && self.config.check_trainability
+            && self.steps_ddp_as_reduced()
+            && self.comm.concurrent_groups();
+        if let StageState::Replicated { side: side @ None } = &mut self.stage {
+            if wanted {
+                let world: Vec<usize> = (0..self.comm.world_size()).collect();
+                *side = self.comm.split(&world)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Opens the pass: the buffers its schedule needs, the reductions'
+    /// targets and their runner.
+    fn open_pass(
+        &mut self,
+        schedule: Schedule,
+        expected: &[(usize, usize)],
+        params: &mut M::Params<'_>,
+    ) -> Result<()> {
+        let mut expected_calls = vec![0; self.params.len()];
+        for &(param, calls) in expected {
+            expected_calls[param] = calls;
+        }
+        let remaining = self.sharding.arrivals_per_bucket(&expected_calls);
+
+        let stage = self.config.stage;
+        // Adding into the shard reduce-scatters into `scratch`: later
+        // micro-steps need it from the start. Gradients that come after
+        // their bucket was launched get it where their reduction runs; a
+        // pass with neither never holds it.
+        if schedule.add_to_shard && self.buffers.scratch.is_none() {
+            let longest = self.sharding.layout.buckets.iter().map(Range::len).max();
+            self.buffers.scratch = Some(self.memory.alloc_zeroed(longest.unwrap_or(0))?);
+        }
+        if stage == Stage::Ddp && self.buffers.full_grads.is_none() {
+            self.buffers.full_grads = Some(
+                self.memory
+                    .alloc_zeroed(self.sharding.partition.flat_numel())?,
+            );
+        }
+        let early = if schedule.step_early {
+            // Master weights, when kept, are not read again.
+            self.refresh_param_shard(params)?;
+            self.window.params_read = true;
+            Some(self.lend_early_step(&expected_calls)?)
+        } else {
+            None
+        };
+        if stage.shards_gradients() && schedule.fold_full {
+            // Folded into this pass's reductions: the next pass must not
+            // fold them again.
+            self.window.in_full_buffer = false;
+        }
+        let targets = Targets {
+            full: if (stage == Stage::Ddp && !schedule.lands)
+                || (stage != Stage::Ddp && schedule.fold_full)
+            {
+                self.buffers.full_grads.take()
+            } else {
+                None
+            },
+            shard: self.buffers.grad_shard.take(),
+            scratch: self.buffers.scratch.take(),
+            early,
+        };
+        let reducer = match schedule.runner {
+            Runner::Thread => self.start_reducer(targets),
+            Runner::Inline => self.start_inline(targets)?,
+            Runner::AfterBackward => Reducer::Queued {
+                targets,
+                map: BucketMap::new(&self.sharding.layout, self.config.stage, self.wire.reduce),
+                queue: Vec::new(),
+            },
+        };
+        let bucket_bytes = self.sharding.longest_bucket.max(1) * std::mem::size_of::<T>();
+        self.pass = Some(BackwardPass::new(
+            schedule,
+            (expected_calls, remaining),
+            &self.sharding.layout,
+            reducer,
+            bucket_bytes,
+        ));
+        Ok(())
+    }
+
+    /// A pass's reductions launched on this thread as buckets fill, by a
+    /// memory whose collectives complete after they return; with the
+    /// interleaved schedule (offload), the host steps on a thread of its
+    /// own.
+    fn start_inline(
+        &mut self,
+        mut targets: Targets<T, M::Buffer>,
+    ) -> Result<Reducer<T, M::Buffer>> {
+        let region = targets.shard.as_mut().and_then(M::host_region);
+        let steps = match (
+            targets.early.take(),
+            self.abilities.host_stepper.clone(),
+            region,
+        ) {
+            (None, _, _) => None,
+            (Some(early), Some(stepper), Some(region)) => {
+                Some(Box::new(start_host_steps::<T, C, M>(
+                    early,
+                    self.memory.alloc_zeroed(0)?,
+                    stepper,
+                    (
+                        self.sharding.layout.buckets.clone(),
+                        self.wire.packed_write_back,
+                    ),
+                    region,
+                )?))
+            }
+            (Some(early), _, _) => {
+                targets.early = Some(early);
+                return Err(Error::State(
+                    "internal: an inline pass steps early only on a host stepper, from a \
+                     gradient shard in host memory"
+                        .into(),
+                ));
+            }
+        };
+        deferral(&mut self.memory)?.defer_completion();
+        Ok(Reducer::Inline {
+            targets,
+            map: BucketMap::new(&self.sharding.layout, self.config.stage, self.wire.reduce),
+            queue: Vec::new(),
+            held: Vec::new(),
+            steps,
+            result: Ok(()),
+        })
+    }
+
+    /// Lends the optimizer and the parameter shard for the interleaved
+    /// schedule: the pieces of predicted parameters step with their bucket.
+    fn lend_early_step(&mut self, expected_calls: &[usize]) -> Result<EarlyStep<T, M::Buffer>> {
+        let bucket_pieces = self
+            .sharding
+            .pieces_by_bucket()
+            .ok_or_else(|| {
+                Error::State(
+                    "internal: the interleaved schedule needs pieces within buckets".into(),
+                )
+            })?
+            .to_vec();
+        let base = self.sharding.base();
+        let pieces = self
+            .sharding
+            .owned
+            .iter()
+            .map(|piece| {
+                let at = piece.flat_range.start - base;
+                let p = piece.param;
+                let trains = if self.config.check_trainability {
+                    self.mask.trainable[p]
+                } else {
+                    self.mask.active[p]
+                };
+                (at..at + piece.len(), trains && expected_calls[p] > 0)
+            })
+            .collect();
+        let micro_steps = self.window.micro_steps + 1;
+        let kind = self.optimizer.kind().to_string();
+        let optimizer = std::mem::replace(&mut self.optimizer, Box::new(LentOptimizer(kind)));
+        let params = std::mem::replace(&mut self.buffers.param_shard, self.memory.alloc_zeroed(0)?);
+        Ok(EarlyStep {
+            optimizer,
+            params,
+            // Lent like the optimizer (the engine is lent to backward, so
+            // nothing reads them meanwhile); back at the join.
+            keys: std::mem::take(&mut self.sharding.keys),
+            pieces,
+            bucket_pieces,
+            scale: (micro_steps > 1).then(|| 1.0 / micro_steps as f64),
+            stepped: vec![false; self.sharding.layout.buckets.len()],
+        })
+    }
+
+    /// Takes back what `lend_early_step` lent, and which buckets stepped.
+    fn take_back_early(&mut self, early: EarlyStep<T, M::Buffer>) {
+        self.optimizer = early.optimizer;
+        self.buffers.param_shard = early.params;
+        self.sharding.keys = early.keys;
+        self.window.early_stepped = early.stepped;
+    }
+
+    /// Starts one backward pass's reductions on the communication thread;
+    /// without one, they run after backward instead (the same result,
+    /// without overlap).
+    fn start_reducer(&mut self, targets: Targets<T, M::Buffer>) -> Reducer<T, M::Buffer> {
+        let (jobs, job_rx) = mpsc::channel::<Job<M::Buffer>>();
+        let (returned_tx, returned) = mpsc::channel::<Back<M::Buffer>>();
+        let task = ReductionTask {
+            comm: Arc::clone(&self.comm),
+            map: BucketMap::new(&self.sharding.layout, self.config.stage, self.wire.reduce),
+            progress: self.progress.clone(),
+            targets,
+            jobs: job_rx,
+            returned: returned_tx,
+        };
+        let started = match (self.ensure_worker(), self.worker.as_ref()) {
+            (true, Some(worker)) => worker.run(task, ReductionTask::run),
+            _ => Err(task),
+        };
+        match started {
+            Ok(ticket) => Reducer::Thread {
+                jobs,
+                returned: Returns::new(self.sharding.layout.buckets.len(), returned),
+                ticket,
+            },
+            Err(task) => {
+                tracing::warn!("no communication thread; reducing after backward");
+                Reducer::Queued {
+                    targets: task.targets,
+                    map: task.map,
+                    queue: Vec::new(),
+                }
+            }
+        }
+    }
+}
+
+impl<T, C, M> Engine<T, C, M>
+where
+    T: Element,
+    C: Communicator,
+    M: ShardMemory<T, C>,
+{
+    /// What decides the schedule of a pass beginning now.
+    fn pass_facts(&self, forkable: bool) -> PassFacts {
+        PassFacts {
+            stage: self.config.stage,
+            overlap: self.config.overlap,
+            last_micro_step: self.window.micro_steps + 1 >= self.config.grad_accum_steps,
+            sharded_params: self.fetcher().is_some(),
+            serial_gathers: self.fetcher().is_some_and(|f| !f.overlaps()),
+            forkable,
+            launches_async: self.abilities.launches_async,
+            host_stepper: self.abilities.host_stepper.is_some(),
+            in_full_buffer: self.window.in_full_buffer,
+            in_shard: self.window.in_shard,
+            by_bucket: self.sharding.pieces_by_bucket().is_some(),
+        }
+    }
+
+    /// Closes the open backward pass: hands over `grads` (the gradients
+    /// that came after backward, one slot per parameter), launches every
+    /// bucket left, adds the late gradients, waits for every reduction and
+    /// takes the buffers back. `Ok(true)` if a pass was open.
+    pub(in crate::engine) fn finish_pass(
+        &mut self,
+        grads: Option<&[Option<M::Grad<'_>>]>,
+    ) -> Result<bool> {
+        let finished = self.finish_pass_stepping(grads);
+        let stepped = self.finish_host_steps();
+        let opened = finished?;
+        stepped?;
+        Ok(opened)
+    }
+
+    /// [`Engine::finish_pass`], except that offload's step thread, if the
+    /// pass has one, goes on with its last buckets: the write-back takes
+    /// each as it is stepped (`update_shard`), and anything else that
+    /// reads the shards or the optimizer first waits for the thread
+    /// ([`Engine::finish_host_steps`]). Meanwhile the engine holds neither
+    /// shard nor the optimizer, so nothing can read them by mistake.
+    pub(in crate::engine) fn finish_pass_stepping(
+        &mut self,
+        grads: Option<&[Option<M::Grad<'_>>]>,
+    ) -> Result<bool> {
+        if self.pass.is_none() {
+            return Ok(false);
+        }
+        let flushed = self.flush_pass(grads);
+        let joined = self.join_reductions();
+        flushed.and(joined)?;
+        Ok(true)
+    }
+
+    /// Hands the gradients given after backward (`grads`, one slot per
+    /// parameter) to the open pass, and launches every bucket left.
+    pub(in crate::engine) fn flush_pass(
+        &mut self,
+        grads: Option<&[Option<M::Grad<'_>>]>,
+    ) -> Result<()> {
+        let (mut parts, Some(pass)) = self.pass_parts() else {
+            return Err(Error::State("internal: no backward pass is open".into()));
+        };
+        for (param, grad) in grads.into_iter().flatten().enumerate() {
+            if let Some(grad) = *grad {
+                let numel = parts.params[param].numel();
+                parts.hand_over(pass, param, 0..numel, grad, false)?;
+            }
+        }
+        parts.launch_rest(pass)
+    }
+
+    /// The parts of the engine a pass works with, and the open pass, if
+    /// any.
+    #[allow(clippy::type_complexity)]
+    pub(in crate::engine) fn pass_parts(
+        &mut self,
+    ) -> (
+        PassParts<'_, T, C, M>,
+        Option<&mut BackwardPass<T, M::Buffer>>,
+    ) {
+        let parts = PassParts {
+            comm: &*self.comm,
+            memory: &mut self.memory,
+            buffers: &mut self.buffers,
+            sharding: &self.sharding,
+            params: &self.params,
+            present: &mut self.window.present,
+            progress: &self.progress,
+        };
+        (parts, self.pass.as_mut())
+    }
+
+    /// Waits for every reduction of the open pass (running them here if
+    /// they were deferred) and for offload's step thread, puts the buffers
+    /// back and closes the pass.
+    pub(in crate::engine) fn join_pass(&mut self) -> Result<()> {
+        let joined = self.join_reductions();
+        let stepped = self.finish_host_steps();
+        joined.and(stepped)
+    }
+
+    /// Waits for offload's step thread after its last bucket, if it is
+    /// still stepping (see [`Engine::finish_pass_stepping`]), and takes
+    /// back the optimizer and both shards; reports its first failure.
+    pub(in crate::engine) fn finish_host_steps(&mut self) -> Result<()> {
+        let Some(steps) = self.host_steps.take() else {
+            return Ok(());
+        };
+        let Some(done) = steps.finish() else {
+            return Err(Error::State(
+                "the offload's step thread panicked; the optimizer and the shards are lost, \
+                 rebuild the optimizer"
+                    .into(),
+            ));
+        };
+        self.take_back_early(done.early);
+        if done.grad_shard.is_some() {
+            self.buffers.grad_shard = done.grad_shard;
+        }
+        self.offload_times.add_step(done.times);
+        done.result
+    }
+
+    /// [`Engine::join_pass`] but for offload's step thread, which goes on
+    /// stepping (held in `host_steps`, with the gradient shard it reads).
+    fn join_reductions(&mut self) -> Result<()> {
+        let Some(pass) = self.pass.take() else {
+            return Ok(());
+        };
+        let joined = self.pass_parts().0.join(pass)?;
+        if let Some(steps) = joined.host_steps {
+            self.host_steps = Some(steps);
+        }
+        if let Some(early) = joined.early {
+            self.take_back_early(early);
+        }
+        joined.result
+    }
+
+    /// A handle on the count of completed bucket reductions.
+    pub fn reduction_progress(&self) -> ReductionProgress {
+        self.progress.clone()
+    }
+}

@@ -1,0 +1,738 @@
+//! Checkpoints from the engine's side: consolidating the sharded optimizer state into a
+//! [`StateDict`], loading one, and sharded save and load at any world size, stage and
+//! partitioner (the files' pieces and checks are the `state` module's).
+//!
+//! Every function here is a collective unless it says otherwise. Failures on one rank are
+//! shared with the others through one small `all_gather_bytes` of a status, so a rank that
+//! fails to write a file makes every rank return an error naming it instead of leaving them
+//! waiting.
+
+use crate::checkpoint::{
+    checkpoint_error, file_order, piece_name, write_atomic, write_tensors, CheckpointInfo,
+    CheckpointKind, FailAfter, FileRecord, GroupState, Manifest, StateDict, TensorBytes,
+    TensorWriter, MANIFEST_FILE,
+};
+use crate::comm::Communicator;
+use crate::engine::state::{
+    agree, agreed_tag, check_groups, check_same_model, fresh_tag, numel_by_name,
+    remove_stale_files, SaveOptions,
+};
+use crate::engine::state::{
+    check_coverage, pack_pieces, piece_metas, sink_pieces, Assembly, FileSink, MemorySink,
+    ModelFile, PieceMeta, PieceSink,
+};
+use crate::engine::{Engine, ShardMemory, Stage};
+use crate::optim::{OptimizerState, ParamState};
+use crate::{DType, Element, Error, Result};
+use std::collections::BTreeMap;
+use std::ops::Range;
+use std::path::Path;
+
+impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
+    /// Gathers the full (unsharded) optimizer state on rank `to`; read it
+    /// there with [`Engine::state_dict`]. A collective: every rank calls it.
+    ///
+    /// It streams shard by shard: for each rank in order, that rank's
+    /// pieces go to `to` alone (a `gather_varlen` where only the source
+    /// sends), so `to` holds at most one other rank's shard besides the
+    /// result. Ranks that own nothing send nothing. The result is a
+    /// snapshot: later steps do not update it.
+    pub fn consolidate_state_dict(&mut self, to: usize) -> Result<()> {
+        self.finish_gathers()?;
+        self.consolidated = None;
+        let numel = numel_by_name(&self.params);
+        let mut sink = MemorySink {
+            numel: &numel,
+            state: BTreeMap::new(),
+            covered: BTreeMap::new(),
+        };
+        self.stream_pieces(to, "consolidate_state_dict", &mut sink)?;
+        if self.comm.rank() == to {
+            check_coverage(&numel, &sink.covered)?;
+            self.consolidated = Some(StateDict {
+                optimizer: self.optimizer.kind().to_string(),
+                state: sink.state,
+                param_groups: self.group_states(),
+                steps: self.steps,
+            });
+        }
+        Ok(())
+    }
+
+    /// The state gathered by the last [`Engine::consolidate_state_dict`]
+    /// on this rank (only its `to` rank has one). Not a collective.
+    pub fn state_dict(&self) -> Result<&StateDict<T>> {
+        self.consolidated.as_ref().ok_or_else(|| {
+            Error::State(format!(
+                "rank {} holds no consolidated optimizer state; \
+                 call consolidate_state_dict(to) on every rank first, then state_dict() on rank `to`",
+                self.comm.rank()
+            ))
+        })
+    }
+
+    /// Writes the full optimizer state into `dir` as one
+    /// `optimizer.<tag>.safetensors` (tensors `state.<param>.<state>`, scalars as
+    /// f64 tensors of shape `[]`) plus the manifest, streaming shard by
+    /// shard to rank `to`, which writes each piece as it arrives (it never
+    /// holds more than one shard). Read it back with [`StateDict::load`].
+    /// A collective; an error on `to` is returned on every rank.
+    pub fn save_consolidated(&mut self, dir: impl AsRef<Path>, to: usize) -> Result<()> {
+        self.finish_gathers()?;
+        let dir = dir.as_ref();
+        // Only `to` writes, so only `to` needs the name.
+        let old = if self.comm.rank() == to {
+            Manifest::load(dir).ok()
+        } else {
+            None
+        };
+        let tag = fresh_tag(old.as_ref(), self.steps);
+        let file_name = crate::checkpoint::consolidated_file_name(&tag);
+        let path = dir.join(&file_name);
+        let numel = numel_by_name(&self.params);
+        let mut sink = FileSink {
+            numel: &numel,
+            path: &path,
+            dtype: T::DTYPE,
+            file: None,
+            covered: BTreeMap::new(),
+        };
+        let streamed = self.stream_pieces(to, "save_consolidated", &mut sink);
+        let local = streamed.and_then(|()| {
+            if self.comm.rank() != to {
+                return Ok(Vec::new());
+            }
+            check_coverage(&numel, &sink.covered)?;
+            let record = match sink.file.take() {
+                Some(file) => file.finish()?,
+                None => return Err(checkpoint_error(&path, "internal: file not created")),
+            };
+            let mut manifest = Manifest::new();
+            manifest.record(file_name.clone(), record);
+            manifest.checkpoint = Some(self.checkpoint_info(
+                CheckpointKind::Consolidated,
+                tag.clone(),
+                serde_json::Value::Null,
+            ));
+            manifest.save(dir)?;
+            remove_stale_files(dir, &manifest, old.as_ref());
+            Ok(Vec::new())
+        });
+        agree(&*self.comm, local, dir, "save_consolidated").map(|_| ())
+    }
+
+    /// Loads an unsharded optimizer state: each rank slices its pieces out
+    /// of the full tensors, and every group takes the dict's
+    /// hyperparameters (an optimizer built with another learning rate takes
+    /// the saved one). Works at any world size, stage and partitioner. Not
+    /// a collective; call it on every rank with the same dict.
+    ///
+    /// Errors: another optimizer kind, other parameter groups, state for a
+    /// name that is not a parameter, or a tensor whose length is not the
+    /// parameter's. Parameters without state in the dict keep theirs (a
+    /// fresh engine has none). Sets the step counter to the dict's.
+    pub fn load_state_dict(&mut self, dict: &StateDict<T>) -> Result<()> {
+        self.finish_gathers()?;
+        self.window.refuse_mid("load_state_dict")?;
+        if dict.optimizer != self.optimizer.kind() {
+            return Err(Error::Optimizer(format!(
+                "load_state_dict: the state dict is of a {:?} optimizer, this engine's is {:?}",
+                dict.optimizer,
+                self.optimizer.kind()
+            )));
+        }
+        check_groups(&self.group_states(), &dict.param_groups)
+            .map_err(|detail| Error::Optimizer(format!("load_state_dict: {detail}")))?;
+        for (name, piece) in &dict.state {
+            let Some(&i) = self.index.get(name) else {
+                return Err(Error::Optimizer(format!(
+                    "load_state_dict: the state dict holds state for {name:?}, which is not a \
+                     parameter of the model; is it the state of another model?"
+                )));
+            };
+            let numel = self.params[i].numel();
+            for (tensor, values) in &piece.tensors {
+                if values.len() != numel {
+                    return Err(Error::Optimizer(format!(
+                        "load_state_dict: state {tensor:?} of {name:?} has {} elements, the \
+                         parameter has {numel}",
+                        values.len()
+                    )));
+                }
+            }
+        }
+        let mut imported = OptimizerState::default();
+        for (piece, key) in self.sharding.owned.iter().zip(&self.sharding.keys) {
+            if let Some(full) = dict.state.get(&key.name) {
+                imported.params.insert(
+                    (key.name.clone(), key.offset),
+                    ParamState {
+                        scalars: full.scalars.clone(),
+                        tensors: full
+                            .tensors
+                            .iter()
+                            .map(|(n, v)| (n.clone(), v[piece.param_range.clone()].to_vec()))
+                            .collect(),
+                    },
+                );
+            }
+        }
+        for (g, group) in dict.param_groups.iter().enumerate() {
+            self.optimizer.set_hyperparams(g, &group.hyperparams)?;
+        }
+        let pieces = self.sharding.step_pieces(|_| true);
+        self.memory
+            .import_state(self.optimizer.as_mut(), &pieces, imported)?;
+        self.steps = dict.steps;
+        Ok(())
+    }
+
+    /// Saves a sharded checkpoint into `dir`; see
+    /// [`Engine::save_checkpoint_with`].
+    pub fn save_checkpoint(
+        &mut self,
+        dir: impl AsRef<Path>,
+        weights: &mut M::Params<'_>,
+    ) -> Result<Manifest> {
+        self.save_checkpoint_with(dir, weights, &SaveOptions::default())
+    }
+
+    /// Saves a sharded checkpoint into `dir` (created if needed). A
+    /// collective.
+    ///
+    /// Each rank that owns a shard writes `optim.<tag>.rank<r>.safetensors`
+    /// (its pieces' state, tensors `state.<param>.<offset>.<state>`; in
+    /// stage 0 only rank 0, as every rank holds everything); rank 0 writes
+    /// `model.<tag>.safetensors` (the weights of the parameters of the
+    /// engine's dtype, read from `weights`, under their names: Candle's
+    /// `safetensors::load` and Python's `safetensors` read it) and, once
+    /// every rank reports success, `manifest.json`, the commit point. The
+    /// tag is `step<N>` (with a suffix if the directory's current checkpoint
+    /// already uses it), so a save that fails part-way leaves the previous
+    /// checkpoint of the directory loadable; files of older checkpoints are
+    /// removed once the new manifest is in place.
+    ///
+    /// Refused inside a gradient-accumulation window (the accumulated
+    /// gradients are not part of a checkpoint): finish the step first.
+    pub fn save_checkpoint_with(
+        &mut self,
+        dir: impl AsRef<Path>,
+        weights: &mut M::Params<'_>,
+        options: &SaveOptions,
+    ) -> Result<Manifest> {
+        self.finish_gathers()?;
+        self.window.refuse_mid("save_checkpoint")?;
+        let dir = dir.as_ref();
+        self.with_shard_home(|engine| engine.save_checkpoint_home(dir, weights, options))
+    }
+
+    /// [`Engine::save_checkpoint_with`] with the parameter shard at home.
+    fn save_checkpoint_home(
+        &mut self,
+        dir: &Path,
+        weights: &mut M::Params<'_>,
+        options: &SaveOptions,
+    ) -> Result<Manifest> {
+        let rank = self.comm.rank();
+
+        // Rank 0 picks a tag unused by the directory's current checkpoint.
+        let old = if rank == 0 {
+            Manifest::load(dir).ok()
+        } else {
+            None
+        };
+        let tag = agreed_tag(&*self.comm, old.as_ref(), self.steps)?;
+
+        let shard_file = |p: usize| format!("optim.{tag}.rank{p}.safetensors");
+        let model_file = format!("model.{tag}.safetensors");
+        let local = (|| -> Result<Vec<(String, FileRecord)>> {
+            std::fs::create_dir_all(dir).map_err(|e| Error::Io {
+                path: dir.to_path_buf(),
+                source: e,
+            })?;
+            let mut files = Vec::new();
+            let writes_shard = self.config.stage != Stage::Ddp || rank == 0;
+            if writes_shard {
+                let name = shard_file(self.sharding.rank);
+                let fail = options
+                    .fail_after
+                    .and_then(|(r, bytes)| (r == rank).then_some(bytes));
+                let record = self.write_shard(&dir.join(&name), fail)?;
+                files.push((name, record));
+            }
+            Ok(files)
+        })();
+        // Every rank takes part in the model file, whatever happened above
+        // (the master weights come to rank 0 piece by piece); rank 0 writes
+        // it unless its own part failed already.
+        let writes = rank == 0 && local.is_ok();
+        let model = self.write_model(&dir.join(&model_file), weights, writes)?;
+        let local = local.and_then(|mut files| {
+            if let Some(record) = model? {
+                files.push((model_file.clone(), record));
+            }
+            Ok(files)
+        });
+        let files = agree(&*self.comm, local, dir, "save_checkpoint")?;
+
+        let mut manifest = Manifest::new();
+        for (name, record) in files {
+            manifest.record(name, record);
+        }
+        let mut info =
+            self.checkpoint_info(CheckpointKind::Sharded, tag.clone(), options.user.clone());
+        info.model_file = Some(model_file);
+        info.shards = self.sharding.shard_records(&self.params, shard_file);
+        manifest.checkpoint = Some(info);
+        let written = if rank == 0 {
+            manifest.save(dir).map(|_| Vec::new())
+        } else {
+            Ok(Vec::new())
+        };
+        agree(&*self.comm, written, dir, "writing the manifest")?;
+
+        if rank == 0 {
+            remove_stale_files(dir, &manifest, old.as_ref());
+        }
+        Ok(manifest)
+    }
+
+    /// Loads a sharded checkpoint saved at any world size, stage and
+    /// partitioner: weights from the model file into `weights`, and this
+    /// rank's optimizer state, read from just the rank files whose pieces
+    /// overlap its own (each verified against its checksum). Also restores
+    /// the hyperparameters of every group and the step counter. Returns the
+    /// manifest ([`CheckpointInfo::user`] holds what the save stored). A
+    /// collective: a failure on any rank is returned on every rank (the
+    /// engine's state is then unspecified; load again).
+    ///
+    /// Errors ([`Error::Checkpoint`] naming the file): missing, truncated or
+    /// corrupted files, an unknown format version, a checkpoint of another
+    /// model (parameter names, shapes, dtypes) or optimizer.
+    pub fn load_checkpoint(
+        &mut self,
+        dir: impl AsRef<Path>,
+        weights: &mut M::Params<'_>,
+    ) -> Result<Manifest> {
+        self.window.refuse_mid("load_checkpoint")?;
+        self.finish_gathers()?;
+        let dir = dir.as_ref();
+        let local = self.with_shard_home(|engine| engine.load_checkpoint_local(dir, weights));
+        let (status, manifest) = match local {
+            Ok(m) => (Ok(Vec::new()), Some(m)),
+            Err(e) => (Err(e), None),
+        };
+        agree(&*self.comm, status, dir, "load_checkpoint")?;
+        manifest.ok_or_else(|| Error::State("load_checkpoint: internal: no manifest".into()))
+    }
+
+    fn load_checkpoint_local(
+        &mut self,
+        dir: &Path,
+        weights: &mut M::Params<'_>,
+    ) -> Result<Manifest> {
+        let manifest = Manifest::load(dir)?;
+        let info = self.checked_info(dir, &manifest)?;
+        let imported = self.read_owned_state(dir, &manifest, info)?;
+        self.read_weights(dir, &manifest, info, weights)?;
+        for (g, group) in info.param_groups.iter().enumerate() {
+            self.optimizer.set_hyperparams(g, &group.hyperparams)?;
+        }
+        let pieces = self.sharding.step_pieces(|_| true);
+        self.memory
+            .import_state(self.optimizer.as_mut(), &pieces, imported)?;
+        self.steps = info.steps;
+        Ok(manifest)
+    }
+
+    /// The manifest's checkpoint section, if it was saved from this model
+    /// and optimizer.
+    fn checked_info<'m>(&self, dir: &Path, manifest: &'m Manifest) -> Result<&'m CheckpointInfo> {
+        let manifest_path = dir.join(MANIFEST_FILE);
+        let info = manifest.checkpoint.as_ref().ok_or_else(|| {
+            checkpoint_error(
+                &manifest_path,
+                "describes no engine checkpoint (no \"checkpoint\" section)",
+            )
+        })?;
+        if info.kind != CheckpointKind::Sharded {
+            return Err(checkpoint_error(
+                &manifest_path,
+                "holds a consolidated optimizer state without weights; \
+                 load it with StateDict::load and Engine::load_state_dict",
+            ));
+        }
+        check_same_model(&self.params, &self.index, &info.params)
+            .map_err(|detail| checkpoint_error(&manifest_path, detail))?;
+        if info.optimizer != self.optimizer.kind() {
+            return Err(checkpoint_error(
+                &manifest_path,
+                format!(
+                    "was saved with a {:?} optimizer, this engine uses {:?}",
+                    info.optimizer,
+                    self.optimizer.kind()
+                ),
+            ));
+        }
+        check_groups(&self.group_states(), &info.param_groups)
+            .map_err(|detail| checkpoint_error(&manifest_path, detail))?;
+        Ok(info)
+    }
+
+    /// This rank's optimizer state, assembled from whichever rank files
+    /// hold its pieces (saved at any world size), read range by range.
+    fn read_owned_state(
+        &self,
+        dir: &Path,
+        manifest: &Manifest,
+        info: &CheckpointInfo,
+    ) -> Result<OptimizerState<T>> {
+        let manifest_path = dir.join(MANIFEST_FILE);
+        // This rank's pieces, and the state assembled for each.
+        let mut mine: Vec<Assembly<T>> = self
+            .sharding
+            .owned
+            .iter()
+            .map(|p| Assembly::new(self.params[p.param].name.clone(), p.param_range.clone()))
+            .collect();
+        for shard in &info.shards {
+            let needed = shard
+                .pieces
+                .iter()
+                .any(|s| mine.iter().any(|a| a.overlap(s).is_some()));
+            if !needed {
+                continue;
+            }
+            let tensors = manifest.map_file(dir, &shard.file)?;
+            for saved in &shard.pieces {
+                let prefix = format!("state.{}.{}.", saved.name, saved.offset);
+                for piece in mine.iter_mut().filter(|a| a.overlap(saved).is_some()) {
+                    for (tensor_name, t) in tensors.with_prefix(&prefix) {
+                        let Some(state) = tensor_name.strip_prefix(&prefix) else {
+                            break;
+                        };
+                        if !state.contains('.') {
+                            piece.take(tensors.path(), saved, (tensor_name, state), &t)?;
+                        }
+                    }
+                }
+            }
+        }
+        let mut imported = OptimizerState::default();
+        for piece in mine {
+            if let Some((key, state)) = piece.finish(&manifest_path)? {
+                imported.params.insert(key, state);
+            }
+        }
+        Ok(imported)
+    }
+
+    /// The weights from the model file: into the replica (and the masters),
+    /// or, for a sharded parameter, only the owned pieces into the masters.
+    fn read_weights(
+        &mut self,
+        dir: &Path,
+        manifest: &Manifest,
+        info: &CheckpointInfo,
+        weights: &mut M::Params<'_>,
+    ) -> Result<()> {
+        let manifest_path = dir.join(MANIFEST_FILE);
+        let model_file = info
+            .model_file
+            .as_deref()
+            .ok_or_else(|| checkpoint_error(&manifest_path, "names no model file"))?;
+        let model = manifest.map_file(dir, model_file)?;
+        let model_path = model.path();
+        // Any float dtype loads into any precision: a bf16 run's f32
+        // masters into an f32 run, an f32 run's weights into the masters of
+        // a bf16 run (the replica gets them rounded).
+        let masters = self.shard_is_truth();
+        for i in 0..self.params.len() {
+            let p = &self.params[i];
+            if !crate::engine::precision::engine_steps::<T>(p.dtype) {
+                continue;
+            }
+            let t = model.get(&p.name).ok_or_else(|| {
+                checkpoint_error(model_path, format!("has no tensor {:?}", p.name))
+            })?;
+            if t.shape != p.shape {
+                return Err(checkpoint_error(
+                    model_path,
+                    format!(
+                        "tensor {:?} is {} {:?}, the model's parameter is {} {:?}",
+                        p.name, t.dtype, t.shape, p.dtype, p.shape
+                    ),
+                ));
+            }
+            let name = p.name.clone();
+            let read_error = |e: Error| checkpoint_error(model_path, format!("{name:?}: {e}"));
+            if self.is_sharded(i) {
+                // Stage 3: no replica to write, and no rank reads more of
+                // the parameter than the pieces it owns (`masters` holds).
+                let ranges: Vec<Range<usize>> = self
+                    .sharding
+                    .owned_copies
+                    .iter()
+                    .filter(|c| c.param == i)
+                    .map(|c| c.param_range.clone())
+                    .collect();
+                for range in ranges {
+                    let mut values = vec![T::default(); range.len()];
+                    t.read_range_as(range.clone(), &mut values)
+                        .map_err(read_error)?;
+                    self.masters().set_range(i, range, &values)?;
+                }
+                continue;
+            }
+            // One whole tensor at a time, dropped before the next.
+            let values = t.to_vec_as::<T>().map_err(read_error)?;
+            self.memory.write_param_host(weights, i, &values)?;
+            if masters {
+                self.masters().set(i, &values)?;
+            }
+        }
+        self.masters_fresh = masters;
+        if let Some(state) = info.loss_scaler {
+            self.set_loss_scaler_state(state);
+        }
+        Ok(())
+    }
+
+    /// Sends every rank's pieces to `to`, one source rank at a time, into
+    /// `sink`. A sink error on `to` does not stop the collectives (the other
+    /// ranks would hang); it is returned at the end.
+    fn stream_pieces(
+        &mut self,
+        to: usize,
+        op: &'static str,
+        sink: &mut dyn PieceSink<T>,
+    ) -> Result<()> {
+        let rank = self.comm.rank();
+        let world = self.comm.world_size();
+        if to >= world {
+            return Err(Error::InvalidRank {
+                op,
+                rank: to,
+                world_size: world,
+            });
+        }
+        // In stage 0 every rank holds everything: only `to` contributes.
+        let contributes = self.config.stage != Stage::Ddp || rank == to;
+        let mut exported = if contributes {
+            let pieces = self.sharding.step_pieces(|_| true);
+            self.memory
+                .export_state(&self.comm, self.optimizer.as_ref(), &pieces)?
+                .params
+        } else {
+            BTreeMap::new()
+        };
+        let lengths: BTreeMap<(&str, usize), usize> = self
+            .sharding
+            .keys
+            .iter()
+            .zip(&self.sharding.owned)
+            .map(|(k, p)| ((k.name.as_str(), k.offset), p.len()))
+            .collect();
+        let metas = piece_metas(&exported, &lengths);
+        let all = self.comm.all_gather_bytes(&serde_json::to_vec(&metas)?)?;
+        let all: Vec<Vec<PieceMeta>> = all
+            .iter()
+            .map(|b| serde_json::from_slice(b))
+            .collect::<std::result::Result<_, _>>()?;
+
+        let mut failure = None;
+        if rank == to {
+            failure = sink.begin(&all).err();
+        }
+        let mut recv: Vec<T> = Vec::new();
+        for (src, metas) in all.iter().enumerate() {
+            let count: usize = metas.iter().map(|m| m.len * m.tensors.len()).sum();
+            if count == 0 {
+                continue;
+            }
+            let mut counts = vec![0; world];
+            counts[src] = count;
+            let send = if rank == src {
+                pack_pieces(&mut exported, metas, count)
+            } else {
+                Vec::new()
+            };
+            if rank == to {
+                recv.clear();
+                recv.resize(count, T::default());
+            }
+            let recv_buf = if rank == to {
+                Some(&mut recv[..])
+            } else {
+                None
+            };
+            self.memory
+                .gather_varlen_host(&self.comm, &send[..], &counts, recv_buf, to)?;
+            drop(send);
+            if rank == to && failure.is_none() {
+                failure = sink_pieces(sink, metas, &recv).err();
+            }
+        }
+        failure.map_or(Ok(()), Err)
+    }
+
+    fn write_shard(&mut self, path: &Path, fail_after: Option<usize>) -> Result<FileRecord> {
+        let pieces = self.sharding.step_pieces(|_| true);
+        let exported = self
+            .memory
+            .export_state(&self.comm, self.optimizer.as_ref(), &pieces)?;
+        let mut scalars: Vec<(String, f64)> = Vec::new();
+        let mut tensors: Vec<(String, TensorBytes<'_>)> = Vec::new();
+        for ((name, offset), state) in &exported.params {
+            for (s, v) in &state.scalars {
+                scalars.push((piece_name(name, *offset, s), *v));
+            }
+            for (t, values) in &state.tensors {
+                tensors.push((
+                    piece_name(name, *offset, t),
+                    TensorBytes {
+                        dtype: T::DTYPE,
+                        shape: vec![values.len()],
+                        data: bytemuck::cast_slice(values),
+                    },
+                ));
+            }
+        }
+        for (name, value) in &scalars {
+            tensors.push((
+                name.clone(),
+                TensorBytes {
+                    dtype: DType::F64,
+                    shape: Vec::new(),
+                    data: bytemuck::bytes_of(value),
+                },
+            ));
+        }
+        write_atomic(path, |w| {
+            let result = match fail_after {
+                Some(bytes) => write_tensors(path, &mut FailAfter::new(w, bytes), &tensors),
+                None => write_tensors(path, w, &tensors),
+            };
+            result.map_err(std::io::Error::other)
+        })
+    }
+
+    /// Writes the model file where `writes` (rank 0): every parameter in
+    /// the engine's element type, a trainable or sharded one from the
+    /// master weights where the shard holds the truth, anything else from
+    /// the replica (widened where it is narrower). It is the file
+    /// `write_tensors` writes for these tensors, streamed: the masters come
+    /// to rank 0 one piece at a time (`stream_masters`), and a replica
+    /// tensor is read whole but one at a time, so that no rank ever holds
+    /// the whole model.
+    ///
+    /// A collective where the shard holds the truth (every rank calls it).
+    /// The outer error is a failed collective, on every rank; the inner one
+    /// is the writer's failure to write the file, which the other ranks
+    /// learn through `agree`. A failed write does not stop the writer from
+    /// taking part in the gathers that follow, so that no rank waits
+    /// forever.
+    fn write_model(
+        &mut self,
+        path: &Path,
+        weights: &mut M::Params<'_>,
+        writes: bool,
+    ) -> Result<Result<Option<FileRecord>>> {
+        let masters = self.shard_is_truth();
+        // A frozen parameter of a dtype the engine does not step is not the
+        // engine's to save (nor to load). The order is the file's, the same
+        // on every rank.
+        let mut order: Vec<usize> = (0..self.params.len())
+            .filter(|&i| crate::engine::precision::engine_steps::<T>(self.params[i].dtype))
+            .collect();
+        order.sort_by(|&l, &r| {
+            file_order(
+                (self.params[l].name.as_str(), T::DTYPE),
+                (self.params[r].name.as_str(), T::DTYPE),
+            )
+        });
+        let mut file = ModelFile::default();
+        if writes {
+            let specs: Vec<(String, DType, Vec<usize>)> = order
+                .iter()
+                .map(|&i| {
+                    (
+                        self.params[i].name.clone(),
+                        T::DTYPE,
+                        self.params[i].shape.clone(),
+                    )
+                })
+                .collect();
+            match TensorWriter::create(path, &specs) {
+                Ok(writer) => file.writer = Some(writer),
+                Err(e) => file.failure = Some(e),
+            }
+        }
+        for i in order {
+            let numel = self.params[i].numel();
+            if masters && (self.params[i].trainable || self.is_sharded(i)) {
+                let mut next = 0;
+                self.masters().stream(i, 0, &mut |range, values| {
+                    // The plan's pieces are in order and disjoint; what it
+                    // leaves out of the parameter is saved as zeros.
+                    file.zeros::<T>(range.start.saturating_sub(next));
+                    file.write(values);
+                    next = range.end;
+                })?;
+                file.zeros::<T>(numel.saturating_sub(next));
+            } else if writes && file.writer.is_some() {
+                let mut values = vec![T::default(); numel];
+                match self
+                    .memory
+                    .read_param_host(&self.comm, weights, i, &mut values)
+                {
+                    Ok(()) => file.write(&values),
+                    Err(e) => file.fail(e),
+                }
+            }
+        }
+        Ok(file.finish())
+    }
+
+    fn checkpoint_info(
+        &self,
+        kind: CheckpointKind,
+        tag: String,
+        user: serde_json::Value,
+    ) -> CheckpointInfo {
+        CheckpointInfo {
+            kind,
+            tag,
+            world_size: self.comm.world_size(),
+            stage: self.config.stage.number(),
+            partition: self.sharding.partition.kind,
+            params: self.params.clone(),
+            optimizer: self.optimizer.kind().to_string(),
+            param_groups: self.group_states(),
+            steps: self.steps,
+            loss_scaler: self.loss_scaler_state(),
+            model_file: None,
+            shards: Vec::new(),
+            user,
+        }
+    }
+
+    fn group_states(&self) -> Vec<GroupState> {
+        (0..self.optimizer.num_groups())
+            .map(|g| {
+                let mut params: Vec<String> = self
+                    .params
+                    .iter()
+                    .zip(&self.group_of)
+                    .filter(|(_, &group)| group == g)
+                    .map(|(p, _)| p.name.clone())
+                    .collect();
+                params.sort();
+                GroupState {
+                    hyperparams: self.optimizer.hyperparams(g),
+                    params,
+                }
+            })
+            .collect()
+    }
+}

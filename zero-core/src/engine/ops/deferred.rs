@@ -1,0 +1,81 @@
+//! The engine's side of deferred all-gathers: the layers' access to the replica, and
+//! waiting for the gathers before anything else reads it (see the `deferred` module).
+
+use crate::comm::Communicator;
+use crate::engine::deferred::{DeferredGathers, Finished, ParamAccess, Refresh};
+use crate::engine::{Engine, ShardMemory, StageState};
+use crate::{Element, Error, Result};
+use std::sync::Arc;
+
+impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
+    /// Lets steps defer their all-gathers
+    /// ([`EngineConfig::defer_gathers`](crate::engine::EngineConfig::defer_gathers)):
+    /// `access` reads and writes the framework's parameters from the
+    /// communication thread. Without one, steps gather before they return. Stage
+    /// 0 and sharded stage 3 gather nothing after a step: there it is kept
+    /// by no one.
+    pub fn set_param_access(&mut self, access: Box<dyn ParamAccess<T, C, M>>) -> Result<()> {
+        self.finish_gathers()?;
+        if let Some(gathers) = self.stage.deferred_gathers() {
+            gathers.access = Some(access);
+        }
+        Ok(())
+    }
+}
+
+impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
+    /// How many steps left their all-gathers running after they returned
+    /// (see [`EngineConfig::defer_gathers`](crate::engine::EngineConfig::defer_gathers):
+    /// a step with a gradient given in a slot gathers before it returns).
+    pub fn deferred_steps(&self) -> u64 {
+        match &self.stage {
+            StageState::Sharded(gathers) => gathers.steps,
+            _ => 0,
+        }
+    }
+
+    /// What layers wait on before reading their parameters after a step
+    /// that deferred its all-gathers.
+    pub fn refresh(&self) -> &Arc<Refresh> {
+        &self.refresh
+    }
+
+    /// Waits until the replica holds the last step's values (nothing to
+    /// wait for unless that step deferred its all-gathers). Read the
+    /// parameters outside hooked layers only after this.
+    pub fn wait_for_params(&self) -> Result<()> {
+        match &self.stage {
+            StageState::Sharded(DeferredGathers {
+                pending: Some(_), ..
+            }) => self.refresh.wait_all(),
+            _ => Ok(()),
+        }
+    }
+
+    /// Waits for the last step's deferred all-gathers and takes back what
+    /// their thread held; the error of a failed one. Every engine call that
+    /// communicates or reads the parameters does this first.
+    pub fn finish_gathers(&mut self) -> Result<()> {
+        let Some(pending) = self.stage.deferred_gathers().and_then(|g| g.pending.take()) else {
+            return Ok(());
+        };
+        let finished = pending.wait().ok_or_else(|| {
+            Error::State(
+                "the thread of the deferred all-gathers panicked; this rank's parameters were \
+                 not all updated: restart the run from its last checkpoint"
+                    .into(),
+            )
+        })?;
+        self.take_back(finished)
+    }
+
+    /// Takes back the recv buffer and parameter access of a finished
+    /// gather run; its result.
+    pub(in crate::engine) fn take_back(&mut self, finished: Finished<T, C, M>) -> Result<()> {
+        self.buffers.pool.push(finished.recv);
+        if let Some(gathers) = self.stage.deferred_gathers() {
+            gathers.access = Some(finished.access);
+        }
+        finished.result
+    }
+}

@@ -1,0 +1,291 @@
+//! The engine's stage-3 methods: sharding the parameters, streaming them, and the shard
+//! lent out while it is the truth (see the `stage3` module for what stage 3 is).
+
+use crate::comm::{Communicator, ReduceOp};
+use crate::engine::fetch::Fetcher;
+use crate::engine::mask::check_same_mask;
+use crate::engine::stage3::{gather_units, FetcherOf, ParamPieceSink, ShardedParams};
+use crate::engine::{Engine, ShardMemory, Stage, StageState};
+use crate::{Element, Error, Result};
+use std::sync::Arc;
+
+impl<T, C, M> Engine<T, C, M>
+where
+    T: Element,
+    C: Communicator,
+    M: ShardMemory<T, C>,
+{
+    /// Stage 3: from now on, keeps the parameters `gatherable` marks (those
+    /// the framework gathers on use) that are trainable and larger than
+    /// `persist_numel` only as shards, and returns the [`Fetcher`] that
+    /// gathers them. `params` is the replica, read once more for the
+    /// owned pieces if the shard is not current. A collective (every rank
+    /// passes the same mask; a difference is an error on every rank). Call
+    /// it between steps, once.
+    ///
+    /// After this the engine never touches the sharded parameters'
+    /// replica: the framework may free it, and must get their values from
+    /// the fetcher (checkpoints hold them; they are saved from the shards).
+    pub fn shard_parameters(
+        &mut self,
+        gatherable: &[bool],
+        params: &mut M::Params<'_>,
+    ) -> Result<Arc<FetcherOf<T, C, M>>> {
+        self.finish_gathers()?;
+        if self.config.stage != Stage::Parameters {
+            return Err(Error::Config(format!(
+                "shard_parameters needs stage 3; this engine runs stage {}",
+                self.config.stage.number()
+            )));
+        }
+        if self.fetcher().is_some() {
+            return Err(Error::State(
+                "shard_parameters was already called; the parameters are sharded".into(),
+            ));
+        }
+        if gatherable.len() != self.params.len() {
+            return Err(Error::Config(format!(
+                "shard_parameters: got {} flags for {} parameters; pass one per parameter",
+                gatherable.len(),
+                self.params.len()
+            )));
+        }
+        self.window.refuse_mid("shard_parameters")?;
+        // With master weights the shard holds them: the gathers carry the
+        // masters (in `T`), and the framework rounds what it computes with
+        // to the model's dtype, as the write-back would have.
+        let persist = self.config.persist_numel;
+        let mask: Vec<bool> = self
+            .params
+            .iter()
+            .zip(gatherable)
+            .map(|(p, &g)| g && p.trainable && p.numel() > persist)
+            .collect();
+        check_same_mask(&mut self.memory, &*self.comm, &self.params, &mask)?;
+
+        // The shard must hold the current values before the replica goes
+        // (a lean shard, `lean_shard`, exists only from now on). The bucket
+        // buffers are let go first, so that the shard and the replica
+        // meeting here do not add to what a step holds.
+        if M::buffer_len(&self.buffers.param_shard) < self.sharding.partition.shard_numel {
+            self.buffers.pool.clear();
+            self.buffers.param_shard = crate::engine::shard_memory::alloc_shard(
+                &mut self.memory,
+                self.sharding.partition.shard_numel,
+            )?;
+        }
+        self.refresh_param_shard(params)?;
+        let world = self.comm.world_size();
+        let piece_len = self.config.gather_bytes / size_of::<T>();
+        let (units, place) = gather_units(&self.sharding, &self.params, &mask, piece_len, world)?;
+        let ranks: Vec<usize> = (0..world).collect();
+        let gather_comm = self.comm.split(&ranks)?.ok_or_else(|| {
+            Error::State("internal: a split over every rank left this rank out".into())
+        })?;
+        let threaded = gather_comm.concurrent_groups();
+        let gathers = self.memory.gathers(gather_comm)?;
+        // The shard moves to the fetcher between steps: one copy.
+        let empty = self.memory.alloc_zeroed(0)?;
+        let shard = std::mem::replace(&mut self.buffers.param_shard, empty);
+        let fetcher = Fetcher::new(
+            units,
+            place,
+            shard,
+            gathers,
+            (self.config.prefetch_bytes, self.config.max_live_bytes),
+            threaded,
+        )?;
+        // Nothing is deferred from now on (`shard_parameters` finished the
+        // gathers above).
+        self.stage = StageState::Parameters(ShardedParams {
+            sharded: mask,
+            fetcher: fetcher.clone(),
+            shard_lent: true,
+        });
+        self.masters_fresh = true;
+        Ok(fetcher)
+    }
+
+    /// Stage 3 from the start: before any step, lays the parameters out in
+    /// `order` (parameter indices, about the order backward will hand over
+    /// their gradients; parameters left out follow by name) and shards as
+    /// [`Engine::shard_parameters`] does, reading this rank's owned pieces
+    /// from `params` (for a sharded parameter, a source that computes only
+    /// what is asked: nothing reads a whole sharded parameter). A
+    /// collective: every rank passes the same order and mask (a difference
+    /// is an error on every rank).
+    ///
+    /// The first backward then keeps this layout whatever order its
+    /// gradients come in (a different order costs overlap, not
+    /// correctness).
+    pub fn shard_from_start(
+        &mut self,
+        order: &[usize],
+        gatherable: &[bool],
+        params: &mut M::Params<'_>,
+    ) -> Result<Arc<FetcherOf<T, C, M>>> {
+        if self.steps > 0
+            || self.window.micro_steps > 0
+            || self.window.in_full_buffer
+            || self.pass.is_some()
+        {
+            return Err(Error::State(
+                "shard_from_start must come before the first step or micro-step; after one, \
+                 use shard_parameters"
+                    .into(),
+            ));
+        }
+        let mut seen = vec![false; self.params.len()];
+        for &p in order {
+            match seen.get_mut(p) {
+                Some(seen) if !*seen => *seen = true,
+                Some(_) => {
+                    return Err(Error::Config(format!(
+                        "shard_from_start: parameter #{p} ({:?}) is listed twice in the order",
+                        self.params[p].name
+                    )))
+                }
+                None => {
+                    return Err(Error::Config(format!(
+                        "shard_from_start: parameter #{p} does not exist (there are {})",
+                        self.params.len()
+                    )))
+                }
+            }
+        }
+        let expected: Vec<(usize, usize)> = order.iter().map(|&p| (p, 1)).collect();
+        let mine = crate::engine::consistency::order_fingerprint(&expected);
+        let mut agreed = mine;
+        self.memory
+            .all_reduce_host(&self.comm, &mut agreed[..], ReduceOp::Max)?;
+        if agreed != mine {
+            return Err(Error::Config(format!(
+                "stage 3: rank {} builds its layers in another order than some other rank \
+                 (the layout of the shards follows it); every rank must build the same model",
+                self.comm.rank()
+            )));
+        }
+        self.plan_in_order(&expected)?;
+        self.shard_parameters(gatherable, params)
+    }
+
+    /// Streams the values of each parameter of `params` from the shards to
+    /// rank `root`, piece by piece in the parameter's element order:
+    /// `sink(param, param_range, values)` runs on `root` for each piece
+    /// (its owner sends it), so no rank holds more than one piece. Saves a
+    /// stage-3 model without gathering any parameter whole. A collective:
+    /// every rank passes the same parameters in the same order. A sink
+    /// error does not stop the collectives (the other ranks would wait);
+    /// the first is returned at the end, on `root` only.
+    pub fn stream_params(
+        &mut self,
+        params: &[usize],
+        root: usize,
+        sink: &mut ParamPieceSink<'_, T>,
+    ) -> Result<()> {
+        self.finish_gathers()?;
+        self.window.refuse_mid("stream_params")?;
+        let world = self.comm.world_size();
+        if root >= world {
+            return Err(Error::InvalidRank {
+                op: "stream_params",
+                rank: root,
+                world_size: world,
+            });
+        }
+        if let Some(&p) = params.iter().find(|&&p| p >= self.params.len()) {
+            return Err(Error::Config(format!(
+                "stream_params: parameter #{p} does not exist (there are {})",
+                self.params.len()
+            )));
+        }
+        self.with_shard_home(|engine| {
+            let mut failure = None;
+            for &param in params {
+                engine.masters().stream(param, root, &mut |range, values| {
+                    if failure.is_none() {
+                        failure = sink(param, range, values).err();
+                    }
+                })?;
+            }
+            failure.map_or(Ok(()), Err)
+        })
+    }
+}
+
+impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
+    /// Stage 3: whether parameter `param` lives only as shards (see
+    /// [`Engine::shard_parameters`]).
+    pub fn is_sharded(&self, param: usize) -> bool {
+        self.stage
+            .sharded_params()
+            .is_some_and(|s| s.sharded.get(param).copied().unwrap_or(false))
+    }
+
+    /// Stage 3: the fetcher of the sharded parameters, once
+    /// [`Engine::shard_parameters`] made one.
+    pub fn fetcher(&self) -> Option<&Arc<FetcherOf<T, C, M>>> {
+        self.stage.sharded_params().map(|s| &s.fetcher)
+    }
+
+    /// Whether the shard, not the replica, holds the truth of the trained
+    /// parameters: with master weights, or sharded parameters.
+    pub(in crate::engine) fn shard_is_truth(&self) -> bool {
+        self.has_master_weights()
+            || self
+                .stage
+                .sharded_params()
+                .is_some_and(|s| s.sharded.contains(&true))
+    }
+
+    /// Stage 3, at the end of a micro-step's backward: waits for the
+    /// gathers in flight (the step is about to change the shard).
+    pub(in crate::engine) fn fetch_end_pass(&self) -> Result<()> {
+        match self.fetcher() {
+            Some(fetcher) => fetcher.end_pass(),
+            None => Ok(()),
+        }
+    }
+
+    /// Stage 3: runs `f` with the parameter shard home from the fetcher
+    /// (a step, a checkpoint), and lends it back after, whatever `f`
+    /// returned: between steps the fetcher holds the only copy.
+    pub(in crate::engine) fn with_shard_home<R>(
+        &mut self,
+        f: impl FnOnce(&mut Self) -> Result<R>,
+    ) -> Result<R> {
+        let fetcher = match &mut self.stage {
+            StageState::Parameters(sharded) if sharded.shard_lent => {
+                sharded.shard_lent = false;
+                sharded.fetcher.clone()
+            }
+            _ => return f(self),
+        };
+        let shard = match fetcher.take_shard() {
+            Ok(shard) => shard,
+            Err(e) => {
+                self.stage.set_shard_lent(true);
+                return Err(e);
+            }
+        };
+        self.buffers.param_shard = shard;
+        let result = f(self);
+        let empty = match self.memory.alloc_zeroed(0) {
+            Ok(empty) => empty,
+            // The shard stays home; the engine reads it there.
+            Err(e) => return result.and(Err(e)),
+        };
+        let shard = std::mem::replace(&mut self.buffers.param_shard, empty);
+        fetcher.put_shard(shard);
+        self.stage.set_shard_lent(true);
+        result
+    }
+
+    /// Elements of the parameter shard, wherever it is.
+    pub(in crate::engine) fn param_shard_len(&self) -> usize {
+        match self.stage.sharded_params() {
+            Some(sharded) if sharded.shard_lent => sharded.fetcher.shard_len(),
+            _ => M::buffer_len(&self.buffers.param_shard),
+        }
+    }
+}
