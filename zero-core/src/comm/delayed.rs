@@ -1,6 +1,7 @@
 //! [`Delayed`]: a communicator that takes as long as a network link would.
 
-use super::{Communicator, Host, ReduceOp, Work};
+use super::communicator::{Communicator, Host, ReduceOp};
+use super::work::Work;
 use crate::{Element, Result};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};

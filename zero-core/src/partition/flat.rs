@@ -1,7 +1,7 @@
 //! The flat partitioner: DeepSpeed / FSDP semantics.
 
 use super::layout::{self, round_up};
-use super::{ParamInfo, PartitionKind, PartitionPlan, Partitioner, DEFAULT_ALIGNMENT};
+use super::plan::{ParamInfo, PartitionKind, PartitionPlan, Partitioner, DEFAULT_ALIGNMENT};
 use crate::{Error, Result};
 
 /// Concatenates all trainable parameters, in the order given, into one flat

@@ -1,7 +1,7 @@
 //! The greedy partitioner: PyTorch `ZeroRedundancyOptimizer` semantics.
 
 use super::layout::{self, round_up};
-use super::{ParamInfo, PartitionKind, PartitionPlan, Partitioner, DEFAULT_ALIGNMENT};
+use super::plan::{ParamInfo, PartitionKind, PartitionPlan, Partitioner, DEFAULT_ALIGNMENT};
 use crate::{Error, Result};
 
 /// Assigns whole parameters to ranks: sorted by size, largest first, each to

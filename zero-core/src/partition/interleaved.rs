@@ -2,7 +2,9 @@
 //! each split evenly over the ranks (for overlapping reductions with backward).
 
 use super::layout::{self, round_up};
-use super::{ParamInfo, PartitionKind, PartitionPlan, Partitioner, ShardPiece, DEFAULT_ALIGNMENT};
+use super::plan::{
+    ParamInfo, PartitionKind, PartitionPlan, Partitioner, ShardPiece, DEFAULT_ALIGNMENT,
+};
 use crate::{Error, Result};
 
 /// Concatenates the trainable parameters in the order given, cuts that

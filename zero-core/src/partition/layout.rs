@@ -1,7 +1,7 @@
 //! What both partitioners share: input validation, cutting a flat layout into
 //! per-rank pieces, and buckets.
 
-use super::{ParamInfo, PartitionKind, PartitionPlan, ShardPiece};
+use super::plan::{ParamInfo, PartitionKind, PartitionPlan, ShardPiece};
 use crate::{bail_config, DType, Result};
 use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Range;

@@ -10,7 +10,7 @@
 //! time would end a suspended job the moment it resumes, and make a stopped
 //! rank blame its peers for its own absence.
 
-use super::abort_world;
+use super::abort::abort_world;
 use std::sync::{Arc, Mutex, Once, Weak};
 use std::time::{Duration, Instant};
 

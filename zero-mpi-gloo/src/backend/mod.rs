@@ -1,11 +1,13 @@
 //! [`MpiComm`]: the [`Communicator`](zero_core::Communicator) over MPI.
 
+mod abort;
 mod asynchronous;
 mod collectives;
 mod deadline;
 mod progress;
 mod ring;
 
+use abort::abort_world;
 use deadline::Watch;
 use progress::Progress;
 
@@ -534,20 +536,4 @@ fn hold(calls: &Mutex<()>) -> MutexGuard<'_, ()> {
     calls
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner())
-}
-
-fn abort_world(world_rank: usize, reason: &str) -> ! {
-    use std::io::Write;
-    let mut stderr = std::io::stderr().lock();
-    let _ = writeln!(stderr, "rank {world_rank} failed: {reason}");
-    let _ = stderr.flush();
-    drop(stderr);
-    if mpi::environment::is_initialized() && !mpi::environment::is_finalized() {
-        // SAFETY: MPI is initialized and not finalized; MPI_Abort may be called
-        // from any thread in practice (Open MPI, MPICH) and does not return.
-        unsafe {
-            mpi::ffi::MPI_Abort(mpi::ffi::RSMPI_COMM_WORLD, 1);
-        }
-    }
-    std::process::exit(1)
 }

@@ -10,11 +10,13 @@
 //! compute stream sees their result). Only `barrier`, `all_gather_bytes` and
 //! `split` wait on the host, each with the communicator's deadline.
 //!
-//! This file builds the communicator; `handle` owns the NCCL handle and
-//! aborts it past the deadline, `collectives` issues the collectives,
-//! `host` runs the ones that wait on the host, and `traits` implements
-//! `Communicator` and `DeviceComm` over them.
+//! This file builds the communicator; `handle` owns the NCCL handle,
+//! `abort` locks it for each call and aborts it past the deadline,
+//! `collectives` issues the collectives, `host` runs the ones that wait on
+//! the host, and `traits` implements `Communicator` and `DeviceComm` over
+//! them.
 
+mod abort;
 mod collectives;
 mod handle;
 mod host;

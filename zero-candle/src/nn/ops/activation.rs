@@ -1,21 +1,10 @@
 //! GELU and SiLU as single ops whose backward is one pass.
 
-/// Which element-wise activation an op computes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Activation {
-    /// GELU, tanh approximation (`Tensor::gelu`):
-    /// `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`.
-    Gelu,
-    /// GELU, exact (`Tensor::gelu_erf`): `0.5 x (1 + erf(x / sqrt(2)))`.
-    GeluErf,
-    /// SiLU (`Tensor::silu`): `x / (1 + exp(-x))`.
-    Silu,
-}
-
 use super::super::cpu;
 use super::super::cuda;
 use super::super::elem::{dispatch_float, Accum, Elem};
 use super::super::storage::{tensor_from, with_cuda};
+use super::activation_kind::Activation;
 use candle_core::backend::BackendStorage;
 use candle_core::{
     CpuStorage, CudaStorage, CustomOp1, Layout, Result, Shape, Storage, Tensor, WithDType,

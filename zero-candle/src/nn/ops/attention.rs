@@ -1,79 +1,15 @@
 //! Causal self-attention over a packed `qkv` tensor, as one op.
 
-/// The shape of one causal self-attention call.
-///
-/// `qkv` is `[batch, time, 3 * heads * head_dim]`, as a GPT's `qkv` Linear
-/// writes it: the query of head `h` at columns `h * head_dim..`, its key at
-/// `d + h * head_dim..` and its value at `2 * d + h * head_dim..`, with
-/// `d = heads * head_dim`. The output is `[batch, time, d]`, head `h` at
-/// columns `h * head_dim..` (what the output projection reads). The
-/// forward also keeps, per `(batch, head, row)`, the log-sum-exp of the
-/// row's scaled scores (f32, `[batch, heads, time]`, natural log), which
-/// is all the backward needs besides `qkv` and the output.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct AttentionDims {
-    /// Sequences.
-    pub batch: usize,
-    /// Positions per sequence.
-    pub time: usize,
-    /// Heads.
-    pub heads: usize,
-    /// Width of one head.
-    pub head_dim: usize,
-    /// The factor on `q · k` (`1 / sqrt(head_dim)`), in f32 as the CUDA
-    /// kernels take it.
-    pub scale: f32,
-}
-
 use super::super::cpu;
 use super::super::cuda;
 use super::super::elem::{dispatch_float, Accum, Elem};
 use super::super::storage::{tensor_from, with_cuda, Saved, SavedSlot};
+use super::attention_dims::AttentionDims;
 use candle_core::backend::BackendStorage;
 use candle_core::{
-    bail, CpuStorage, CudaStorage, CustomOp1, Layout, Result, Shape, Storage, Tensor, WithDType,
+    CpuStorage, CudaStorage, CustomOp1, Layout, Result, Shape, Storage, Tensor, WithDType,
 };
 use rayon::prelude::*;
-
-impl AttentionDims {
-    /// The dims of `qkv` `[batch, time, 3 * d]` split into `heads`, with
-    /// the usual scale `1 / sqrt(head_dim)`.
-    pub fn of(qkv: &Tensor, heads: usize) -> Result<Self> {
-        let (batch, time, width) = match qkv.dims() {
-            &[b, t, w] => (b, t, w),
-            dims => bail!(
-                "zero-candle causal_self_attention: qkv must be [batch, time, 3 * d] (the qkv \
-                 Linear's output), got {dims:?}"
-            ),
-        };
-        if heads == 0 || width == 0 || width % (3 * heads) != 0 {
-            bail!(
-                "zero-candle causal_self_attention: the last dim of qkv {:?} must be 3 * heads * \
-                 head_dim with {heads} heads; check the qkv Linear's width and the head count",
-                qkv.dims()
-            );
-        }
-        let head_dim = width / (3 * heads);
-        Ok(Self {
-            batch,
-            time,
-            heads,
-            head_dim,
-            scale: 1.0 / (head_dim as f32).sqrt(),
-        })
-    }
-
-    /// `1 / sqrt(head_dim)` computed in `A` (the CPU kernels': f64 ones
-    /// need more than [`AttentionDims::scale`]'s f32).
-    fn scale_in<A: Accum>(&self) -> A {
-        A::ONE / A::cast(self.head_dim as f64).sqrt()
-    }
-
-    /// `heads * head_dim`.
-    pub fn d_model(&self) -> usize {
-        self.heads * self.head_dim
-    }
-}
 
 /// Causal self-attention `softmax(q kᵀ / √head_dim + mask) v` per head,
 /// over the packed `qkv` `[batch, time, 3 * d]` a GPT's `qkv` Linear

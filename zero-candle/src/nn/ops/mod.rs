@@ -10,9 +10,13 @@
 //! end.
 
 mod activation;
+mod activation_kind;
 mod attention;
+mod attention_dims;
 mod cross_entropy;
 
-pub use activation::{gelu, gelu_erf, silu, Activation};
-pub use attention::{causal_self_attention, AttentionDims};
+pub use activation::{gelu, gelu_erf, silu};
+pub use activation_kind::Activation;
+pub use attention::causal_self_attention;
+pub use attention_dims::AttentionDims;
 pub use cross_entropy::{cross_entropy, cross_entropy_with_ignore};

@@ -1,0 +1,70 @@
+//! [`AttentionDims`], the shape of one causal self-attention call: the CPU
+//! op and the CUDA entry points both take it.
+
+use super::super::elem::Accum;
+use candle_core::{bail, Result, Tensor};
+
+/// The shape of one causal self-attention call.
+///
+/// `qkv` is `[batch, time, 3 * heads * head_dim]`, as a GPT's `qkv` Linear
+/// writes it: the query of head `h` at columns `h * head_dim..`, its key at
+/// `d + h * head_dim..` and its value at `2 * d + h * head_dim..`, with
+/// `d = heads * head_dim`. The output is `[batch, time, d]`, head `h` at
+/// columns `h * head_dim..` (what the output projection reads). The
+/// forward also keeps, per `(batch, head, row)`, the log-sum-exp of the
+/// row's scaled scores (f32, `[batch, heads, time]`, natural log), which
+/// is all the backward needs besides `qkv` and the output.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AttentionDims {
+    /// Sequences.
+    pub batch: usize,
+    /// Positions per sequence.
+    pub time: usize,
+    /// Heads.
+    pub heads: usize,
+    /// Width of one head.
+    pub head_dim: usize,
+    /// The factor on `q · k` (`1 / sqrt(head_dim)`), in f32 as the CUDA
+    /// kernels take it.
+    pub scale: f32,
+}
+
+impl AttentionDims {
+    /// The dims of `qkv` `[batch, time, 3 * d]` split into `heads`, with
+    /// the usual scale `1 / sqrt(head_dim)`.
+    pub fn of(qkv: &Tensor, heads: usize) -> Result<Self> {
+        let (batch, time, width) = match qkv.dims() {
+            &[b, t, w] => (b, t, w),
+            dims => bail!(
+                "zero-candle causal_self_attention: qkv must be [batch, time, 3 * d] (the qkv \
+                 Linear's output), got {dims:?}"
+            ),
+        };
+        if heads == 0 || width == 0 || width % (3 * heads) != 0 {
+            bail!(
+                "zero-candle causal_self_attention: the last dim of qkv {:?} must be 3 * heads * \
+                 head_dim with {heads} heads; check the qkv Linear's width and the head count",
+                qkv.dims()
+            );
+        }
+        let head_dim = width / (3 * heads);
+        Ok(Self {
+            batch,
+            time,
+            heads,
+            head_dim,
+            scale: 1.0 / (head_dim as f32).sqrt(),
+        })
+    }
+
+    /// `1 / sqrt(head_dim)` computed in `A` (the CPU kernels': f64 ones
+    /// need more than [`AttentionDims::scale`]'s f32).
+    pub(super) fn scale_in<A: Accum>(&self) -> A {
+        A::ONE / A::cast(self.head_dim as f64).sqrt()
+    }
+
+    /// `heads * head_dim`.
+    pub fn d_model(&self) -> usize {
+        self.heads * self.head_dim
+    }
+}
