@@ -2,8 +2,9 @@
 //! checks that say so at construction and at each backward pass, and the
 //! stable hashes they compare.
 
+use super::shard_memory::ShardMemory;
 use super::EngineConfig;
-use crate::comm::Communicator;
+use crate::comm::{Communicator, ReduceOp};
 use crate::optim::FunctionalOptimizer;
 use crate::partition::ParamInfo;
 use crate::{Element, Error, Result};
@@ -42,7 +43,7 @@ fn fnv1a_extend(mut hash: u64, bytes: &[u8]) -> u64 {
 
 /// A 64-bit hash as 4 exact 16-bit pieces and their negations: one Max
 /// all-reduce then tells whether every rank has the same hash.
-pub(super) fn hash_fingerprint(hash: u64) -> [f64; 8] {
+fn hash_fingerprint(hash: u64) -> [f64; 8] {
     let mut out = [0.0; 8];
     for i in 0..4 {
         let piece = ((hash >> (16 * i)) & 0xffff) as f64;
@@ -50,6 +51,42 @@ pub(super) fn hash_fingerprint(hash: u64) -> [f64; 8] {
         out[i + 4] = -piece;
     }
     out
+}
+/// Checks, with one all-reduce, that every rank predicts the same gradient
+/// order (`expected`) and, at stage 3, that its forward gathered the same
+/// layers (`forward`, the fetcher's hash of them; 0 elsewhere).
+pub(super) fn check_same_graph<T: Element, C: Communicator, M: ShardMemory<T, C>>(
+    memory: &mut M,
+    comm: &C,
+    expected: &[(usize, usize)],
+    forward: u64,
+) -> Result<()> {
+    let mut mine = [0.0; 16];
+    mine[..8].copy_from_slice(&order_fingerprint(expected));
+    mine[8..].copy_from_slice(&hash_fingerprint(forward));
+    let mut agreed = mine;
+    memory.all_reduce_host(comm, &mut agreed[..], ReduceOp::Max)?;
+    let differs =
+        |at: usize| (at..at + 4).any(|i| agreed[i] != mine[i] || -agreed[i + 4] != mine[i]);
+    if differs(0) {
+        return Err(Error::Config(format!(
+            "rank {} predicts another gradient order than some other rank ({} hooked \
+             gradient(s) here): the ranks' backward graphs differ. Every rank must run the \
+             same model on the same kind of input (no rank-dependent branches or layers)",
+            comm.rank(),
+            expected.len()
+        )));
+    }
+    if differs(8) {
+        return Err(Error::Config(format!(
+            "rank {}'s forward pass used other sharded layers (or used them in another \
+             order) than some other rank's: the ranks' models differ. Every rank must \
+             run the same model on the same kind of input (no rank-dependent branches \
+             or layers)",
+            comm.rank()
+        )));
+    }
+    Ok(())
 }
 
 /// All-gathers a description of every rank's parameters, configuration and

@@ -191,6 +191,18 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> StageState<T, C, M> {
         }
     }
 
+    /// Gives stage 0 its side communicator (split from `comm`) when
+    /// `wanted` and it has none yet.
+    fn split_side(&mut self, comm: &C, wanted: bool) -> Result<()> {
+        if let Self::Replicated { side: side @ None } = self {
+            if wanted {
+                let world: Vec<usize> = (0..comm.world_size()).collect();
+                *side = comm.split(&world)?;
+            }
+        }
+        Ok(())
+    }
+
     fn set_shard_lent(&mut self, lent: bool) {
         if let Self::Parameters(sharded) = self {
             sharded.shard_lent = lent;

@@ -2,18 +2,16 @@
 //! gradients as backward makes them, and closed by the step or the next micro-step (the
 //! pass itself, its schedule and reductions are the `pass` module's).
 
-use crate::comm::{Communicator, ReduceOp};
-use crate::engine::consistency::{hash_fingerprint, order_fingerprint};
+use crate::comm::Communicator;
+use crate::engine::consistency::check_same_graph;
 use crate::engine::pass::PassParts;
-use crate::engine::pass::{BackwardPass, PassFacts, ReductionTask, Runner, Schedule};
-use crate::engine::reduce::{
-    start_host_steps, Back, BucketMap, EarlyStep, Job, LentOptimizer, Reducer, Returns, Targets,
+use crate::engine::pass::{
+    start_inline, start_on_thread, BackwardPass, PassFacts, Runner, Schedule,
 };
-use crate::engine::shard_memory::deferral;
-use crate::engine::{Engine, ReductionProgress, ShardMemory, Stage, StageState};
+use crate::engine::reduce::{BucketMap, EarlyStep, LentOptimizer, Reducer};
+use crate::engine::{Engine, ReductionProgress, ShardMemory};
 use crate::{Element, Error, Result};
-use std::ops::Range;
-use std::sync::{mpsc, Arc};
+use std::sync::Arc;
 
 impl<T, C, M> Engine<T, C, M>
 where
@@ -59,10 +57,26 @@ where
                 self.params.len()
             )));
         }
-        self.check_same_graph(expected)?;
+        // At stage 3 the fetcher also plans the backward's gathers here.
+        let forward = match self.fetcher().cloned() {
+            Some(fetcher) => {
+                let predicted: Vec<usize> = expected.iter().map(|&(p, _)| p).collect();
+                fetcher.begin_backward(&predicted)?
+            }
+            None => 0,
+        };
+        check_same_graph(&mut self.memory, &*self.comm, expected, forward)?;
         // The same answer on every rank: it depends on the memory's type.
         let forkable = self.memory.fork().is_some();
-        self.split_side_communicator(forkable)?;
+        // Stage 0 stepping each bucket as it is reduced all-reduces the
+        // trainable mask beside the reductions, on a communicator of its
+        // own (the same decision on every rank: it depends on the
+        // configuration).
+        let side = forkable
+            && self.config.check_trainability
+            && self.steps_ddp_as_reduced()
+            && self.comm.concurrent_groups();
+        self.stage.split_side(&*self.comm, side)?;
         if !self.pass_facts(forkable).reduces_during_backward() {
             // This memory reduces in the step; the gradients go to the full
             // buffer as before.
@@ -74,63 +88,6 @@ where
             return Ok(());
         };
         self.open_pass(schedule, expected, params)
-    }
-
-    /// Checks, with one all-reduce, that every rank predicts the same
-    /// gradient order and, at stage 3, that its forward gathered the same
-    /// layers (the fetcher also plans the backward's gathers here).
-    fn check_same_graph(&mut self, expected: &[(usize, usize)]) -> Result<()> {
-        let forward = match self.fetcher().cloned() {
-            Some(fetcher) => {
-                let predicted: Vec<usize> = expected.iter().map(|&(p, _)| p).collect();
-                fetcher.begin_backward(&predicted)?
-            }
-            None => 0,
-        };
-        let mut mine = [0.0; 16];
-        mine[..8].copy_from_slice(&order_fingerprint(expected));
-        mine[8..].copy_from_slice(&hash_fingerprint(forward));
-        let mut agreed = mine;
-        self.memory
-            .all_reduce_host(&self.comm, &mut agreed[..], ReduceOp::Max)?;
-        let differs =
-            |at: usize| (at..at + 4).any(|i| agreed[i] != mine[i] || -agreed[i + 4] != mine[i]);
-        if differs(0) {
-            return Err(Error::Config(format!(
-                "rank {} predicts another gradient order than some other rank ({} hooked \
-                 gradient(s) here): the ranks' backward graphs differ. Every rank must run the \
-                 same model on the same kind of input (no rank-dependent branches or layers)",
-                self.comm.rank(),
-                expected.len()
-            )));
-        }
-        if differs(8) {
-            return Err(Error::Config(format!(
-                "rank {}'s forward pass used other sharded layers (or used them in another \
-                 order) than some other rank's: the ranks' models differ. Every rank must \
-                 run the same model on the same kind of input (no rank-dependent branches \
-                 or layers)",
-                self.comm.rank()
-            )));
-        }
-        Ok(())
-    }
-
-    /// Stage 0 stepping each bucket as it is reduced all-reduces the
-    /// trainable mask beside the reductions: on a communicator of its own
-    /// (the same decision on every rank: it depends on the configuration).
-    fn split_side_communicator(&mut self, forkable: bool) -> Result<()> {
-        let wanted = forkable
-            && self.config.check_trainability
-            && self.steps_ddp_as_reduced()
-            && self.comm.concurrent_groups();
-        if let StageState::Replicated { side: side @ None } = &mut self.stage {
-            if wanted {
-                let world: Vec<usize> = (0..self.comm.world_size()).collect();
-                *side = self.comm.split(&world)?;
-            }
-        }
-        Ok(())
     }
 
     /// Opens the pass: the buffers its schedule needs, the reductions'
@@ -148,20 +105,6 @@ where
         let remaining = self.sharding.arrivals_per_bucket(&expected_calls);
 
         let stage = self.config.stage;
-        // Adding into the shard reduce-scatters into `scratch`: later
-        // micro-steps need it from the start. Gradients that come after
-        // their bucket was launched get it where their reduction runs; a
-        // pass with neither never holds it.
-        if schedule.add_to_shard && self.buffers.scratch.is_none() {
-            let longest = self.sharding.layout.buckets.iter().map(Range::len).max();
-            self.buffers.scratch = Some(self.memory.alloc_zeroed(longest.unwrap_or(0))?);
-        }
-        if stage == Stage::Ddp && self.buffers.full_grads.is_none() {
-            self.buffers.full_grads = Some(
-                self.memory
-                    .alloc_zeroed(self.sharding.partition.flat_numel())?,
-            );
-        }
         let early = if schedule.step_early {
             // Master weights, when kept, are not read again.
             self.refresh_param_shard(params)?;
@@ -175,24 +118,28 @@ where
             // fold them again.
             self.window.in_full_buffer = false;
         }
-        let targets = Targets {
-            full: if (stage == Stage::Ddp && !schedule.lands)
-                || (stage != Stage::Ddp && schedule.fold_full)
-            {
-                self.buffers.full_grads.take()
-            } else {
-                None
-            },
-            shard: self.buffers.grad_shard.take(),
-            scratch: self.buffers.scratch.take(),
-            early,
-        };
+        let targets =
+            self.buffers
+                .pass_targets(&mut self.memory, &schedule, stage, &self.sharding, early)?;
+        let thread = schedule.runner == Runner::Thread && self.ensure_worker();
+        let map = || BucketMap::new(&self.sharding.layout, stage, self.wire.reduce);
         let reducer = match schedule.runner {
-            Runner::Thread => self.start_reducer(targets),
-            Runner::Inline => self.start_inline(targets)?,
+            Runner::Thread => {
+                let worker = if thread { self.worker.as_ref() } else { None };
+                let (comm, progress) = (Arc::clone(&self.comm), self.progress.clone());
+                start_on_thread(worker, comm, map(), progress, targets)
+            }
+            Runner::Inline => {
+                let stepper = self.abilities.host_stepper.clone();
+                let steps = (
+                    self.sharding.layout.buckets.clone(),
+                    self.wire.packed_write_back,
+                );
+                start_inline(&mut self.memory, targets, map(), stepper, steps)?
+            }
             Runner::AfterBackward => Reducer::Queued {
                 targets,
-                map: BucketMap::new(&self.sharding.layout, self.config.stage, self.wire.reduce),
+                map: map(),
                 queue: Vec::new(),
             },
         };
@@ -205,53 +152,6 @@ where
             bucket_bytes,
         ));
         Ok(())
-    }
-
-    /// A pass's reductions launched on this thread as buckets fill, by a
-    /// memory whose collectives complete after they return; with the
-    /// interleaved schedule (offload), the host steps on a thread of its
-    /// own.
-    fn start_inline(
-        &mut self,
-        mut targets: Targets<T, M::Buffer>,
-    ) -> Result<Reducer<T, M::Buffer>> {
-        let region = targets.shard.as_mut().and_then(M::host_region);
-        let steps = match (
-            targets.early.take(),
-            self.abilities.host_stepper.clone(),
-            region,
-        ) {
-            (None, _, _) => None,
-            (Some(early), Some(stepper), Some(region)) => {
-                Some(Box::new(start_host_steps::<T, C, M>(
-                    early,
-                    self.memory.alloc_zeroed(0)?,
-                    stepper,
-                    (
-                        self.sharding.layout.buckets.clone(),
-                        self.wire.packed_write_back,
-                    ),
-                    region,
-                )?))
-            }
-            (Some(early), _, _) => {
-                targets.early = Some(early);
-                return Err(Error::State(
-                    "internal: an inline pass steps early only on a host stepper, from a \
-                     gradient shard in host memory"
-                        .into(),
-                ));
-            }
-        };
-        deferral(&mut self.memory)?.defer_completion();
-        Ok(Reducer::Inline {
-            targets,
-            map: BucketMap::new(&self.sharding.layout, self.config.stage, self.wire.reduce),
-            queue: Vec::new(),
-            held: Vec::new(),
-            steps,
-            result: Ok(()),
-        })
     }
 
     /// Lends the optimizer and the parameter shard for the interleaved
@@ -305,41 +205,6 @@ where
         self.buffers.param_shard = early.params;
         self.sharding.keys = early.keys;
         self.window.early_stepped = early.stepped;
-    }
-
-    /// Starts one backward pass's reductions on the communication thread;
-    /// without one, they run after backward instead (the same result,
-    /// without overlap).
-    fn start_reducer(&mut self, targets: Targets<T, M::Buffer>) -> Reducer<T, M::Buffer> {
-        let (jobs, job_rx) = mpsc::channel::<Job<M::Buffer>>();
-        let (returned_tx, returned) = mpsc::channel::<Back<M::Buffer>>();
-        let task = ReductionTask {
-            comm: Arc::clone(&self.comm),
-            map: BucketMap::new(&self.sharding.layout, self.config.stage, self.wire.reduce),
-            progress: self.progress.clone(),
-            targets,
-            jobs: job_rx,
-            returned: returned_tx,
-        };
-        let started = match (self.ensure_worker(), self.worker.as_ref()) {
-            (true, Some(worker)) => worker.run(task, ReductionTask::run),
-            _ => Err(task),
-        };
-        match started {
-            Ok(ticket) => Reducer::Thread {
-                jobs,
-                returned: Returns::new(self.sharding.layout.buckets.len(), returned),
-                ticket,
-            },
-            Err(task) => {
-                tracing::warn!("no communication thread; reducing after backward");
-                Reducer::Queued {
-                    targets: task.targets,
-                    map: task.map,
-                    queue: Vec::new(),
-                }
-            }
-        }
     }
 }
 

@@ -34,10 +34,13 @@ mod schedule;
 pub(super) use handover::PassParts;
 pub(super) use schedule::{PassFacts, Runner, Schedule};
 
-use super::reduce::{Back, BucketMap, Job, Reducer, Reduction, Targets};
+use super::reduce::{start_host_steps, Back, BucketMap, Job, Reducer, Reduction, Returns, Targets};
+use super::shard_memory::{deferral, HostStepper};
+use super::worker::CommWorker;
 use super::{ReductionProgress, ShardMemory};
 use crate::comm::Communicator;
-use crate::{Element, Result};
+use crate::{DType, Element, Error, Result};
+use std::ops::Range;
 use std::sync::{mpsc, Arc};
 
 /// Bucket buffers a backward pass holds (being filled, or queued on the
@@ -122,21 +125,114 @@ impl<T: Element, B> BackwardPass<T, B> {
     }
 }
 
+/// Starts one backward pass's reductions on the communication thread
+/// (`worker`, when one runs); without one, they run after backward instead
+/// (the same result, without overlap).
+pub(in crate::engine) fn start_on_thread<T, C, M>(
+    worker: Option<&CommWorker<M>>,
+    comm: Arc<C>,
+    map: BucketMap,
+    progress: ReductionProgress,
+    targets: Targets<T, M::Buffer>,
+) -> Reducer<T, M::Buffer>
+where
+    T: Element,
+    C: Communicator,
+    M: ShardMemory<T, C>,
+{
+    let buckets = map.full.len();
+    let (jobs, job_rx) = mpsc::channel::<Job<M::Buffer>>();
+    let (returned_tx, returned) = mpsc::channel::<Back<M::Buffer>>();
+    let task = ReductionTask {
+        comm,
+        map,
+        progress,
+        targets,
+        jobs: job_rx,
+        returned: returned_tx,
+    };
+    let started = match worker {
+        Some(worker) => worker.run(task, ReductionTask::run),
+        None => Err(task),
+    };
+    match started {
+        Ok(ticket) => Reducer::Thread {
+            jobs,
+            returned: Returns::new(buckets, returned),
+            ticket,
+        },
+        Err(task) => {
+            tracing::warn!("no communication thread; reducing after backward");
+            Reducer::Queued {
+                targets: task.targets,
+                map: task.map,
+                queue: Vec::new(),
+            }
+        }
+    }
+}
+
+/// A pass's reductions launched on the calling thread as buckets fill, by
+/// a memory whose collectives complete after they return; with the
+/// interleaved schedule (offload), the host steps on a thread of its own
+/// (`stepper`, over the shard's buckets and the write-back's dtype).
+pub(in crate::engine) fn start_inline<T, C, M>(
+    memory: &mut M,
+    mut targets: Targets<T, M::Buffer>,
+    map: BucketMap,
+    stepper: Option<HostStepper>,
+    shard: (Vec<Range<usize>>, Option<DType>),
+) -> Result<Reducer<T, M::Buffer>>
+where
+    T: Element,
+    C: Communicator,
+    M: ShardMemory<T, C>,
+{
+    let region = targets.shard.as_mut().and_then(M::host_region);
+    let steps = match (targets.early.take(), stepper, region) {
+        (None, _, _) => None,
+        (Some(early), Some(stepper), Some(region)) => Some(Box::new(start_host_steps::<T, C, M>(
+            early,
+            memory.alloc_zeroed(0)?,
+            stepper,
+            shard,
+            region,
+        )?)),
+        (Some(early), _, _) => {
+            targets.early = Some(early);
+            return Err(Error::State(
+                "internal: an inline pass steps early only on a host stepper, from a \
+                 gradient shard in host memory"
+                    .into(),
+            ));
+        }
+    };
+    deferral(memory)?.defer_completion();
+    Ok(Reducer::Inline {
+        targets,
+        map,
+        queue: Vec::new(),
+        held: Vec::new(),
+        steps,
+        result: Ok(()),
+    })
+}
+
 /// One backward pass's reductions on the communication thread: each job
 /// reduced as it comes, in order, and its buffer sent back.
-pub(super) struct ReductionTask<T: Element, C, B> {
-    pub comm: Arc<C>,
-    pub map: BucketMap,
-    pub progress: ReductionProgress,
-    pub targets: Targets<T, B>,
-    pub jobs: mpsc::Receiver<Job<B>>,
-    pub returned: mpsc::Sender<Back<B>>,
+struct ReductionTask<T: Element, C, B> {
+    comm: Arc<C>,
+    map: BucketMap,
+    progress: ReductionProgress,
+    targets: Targets<T, B>,
+    jobs: mpsc::Receiver<Job<B>>,
+    returned: mpsc::Sender<Back<B>>,
 }
 
 impl<T: Element, C: Communicator, B> ReductionTask<T, C, B> {
     /// Runs until the pass closes its job channel; the targets back, with
     /// the first failure.
-    pub(super) fn run<M: ShardMemory<T, C, Buffer = B>>(
+    fn run<M: ShardMemory<T, C, Buffer = B>>(
         memory: &mut M,
         mut task: Self,
     ) -> (Targets<T, B>, Result<()>) {
