@@ -8,18 +8,17 @@
 //! waiting.
 
 use crate::checkpoint::{
-    checkpoint_error, file_order, piece_name, write_atomic, write_tensors, CheckpointInfo,
-    CheckpointKind, FailAfter, FileRecord, GroupState, Manifest, StateDict, TensorBytes,
+    checkpoint_error, file_order, CheckpointInfo, CheckpointKind, FileRecord, Manifest, StateDict,
     TensorWriter, MANIFEST_FILE,
 };
 use crate::comm::Communicator;
 use crate::engine::state::{
-    agree, agreed_tag, check_groups, check_same_model, fresh_tag, numel_by_name,
-    remove_stale_files, SaveOptions,
+    agree, agreed_tag, check_groups, checked_info, fresh_tag, group_states, numel_by_name,
+    read_owned_state, remove_stale_files, write_state_file, SaveOptions,
 };
 use crate::engine::state::{
-    check_coverage, pack_pieces, piece_metas, sink_pieces, Assembly, FileSink, MemorySink,
-    ModelFile, PieceMeta, PieceSink,
+    check_coverage, pack_pieces, piece_metas, sink_pieces, FileSink, MemorySink, ModelFile,
+    PieceMeta, PieceSink,
 };
 use crate::engine::{Engine, ShardMemory, Stage};
 use crate::optim::{OptimizerState, ParamState};
@@ -52,7 +51,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             self.consolidated = Some(StateDict {
                 optimizer: self.optimizer.kind().to_string(),
                 state: sink.state,
-                param_groups: self.group_states(),
+                param_groups: group_states(self.optimizer.as_ref(), &self.params, &self.group_of),
                 steps: self.steps,
             });
         }
@@ -141,8 +140,11 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                 self.optimizer.kind()
             )));
         }
-        check_groups(&self.group_states(), &dict.param_groups)
-            .map_err(|detail| Error::Optimizer(format!("load_state_dict: {detail}")))?;
+        check_groups(
+            &group_states(self.optimizer.as_ref(), &self.params, &self.group_of),
+            &dict.param_groups,
+        )
+        .map_err(|detail| Error::Optimizer(format!("load_state_dict: {detail}")))?;
         for (name, piece) in &dict.state {
             let Some(&i) = self.index.get(name) else {
                 return Err(Error::Optimizer(format!(
@@ -257,7 +259,11 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                 let fail = options
                     .fail_after
                     .and_then(|(r, bytes)| (r == rank).then_some(bytes));
-                let record = self.write_shard(&dir.join(&name), fail)?;
+                let pieces = self.sharding.step_pieces(|_| true);
+                let exported =
+                    self.memory
+                        .export_state(&self.comm, self.optimizer.as_ref(), &pieces)?;
+                let record = write_state_file(&dir.join(&name), &exported, fail)?;
                 files.push((name, record));
             }
             Ok(files)
@@ -317,114 +323,39 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         self.window.refuse_mid("load_checkpoint")?;
         self.finish_gathers()?;
         let dir = dir.as_ref();
-        let local = self.with_shard_home(|engine| engine.load_checkpoint_local(dir, weights));
+        let local = self.with_shard_home(|engine| {
+            let manifest = Manifest::load(dir)?;
+            let groups = group_states(engine.optimizer.as_ref(), &engine.params, &engine.group_of);
+            let info = checked_info(
+                dir,
+                &manifest,
+                (&engine.params, &engine.index),
+                engine.optimizer.kind(),
+                &groups,
+            )?;
+            let owned = engine
+                .sharding
+                .owned
+                .iter()
+                .map(|p| (engine.params[p.param].name.clone(), p.param_range.clone()));
+            let imported = read_owned_state(dir, &manifest, info, owned)?;
+            engine.read_weights(dir, &manifest, info, weights)?;
+            for (g, group) in info.param_groups.iter().enumerate() {
+                engine.optimizer.set_hyperparams(g, &group.hyperparams)?;
+            }
+            let pieces = engine.sharding.step_pieces(|_| true);
+            engine
+                .memory
+                .import_state(engine.optimizer.as_mut(), &pieces, imported)?;
+            engine.steps = info.steps;
+            Ok(manifest)
+        });
         let (status, manifest) = match local {
             Ok(m) => (Ok(Vec::new()), Some(m)),
             Err(e) => (Err(e), None),
         };
         agree(&*self.comm, status, dir, "load_checkpoint")?;
         manifest.ok_or_else(|| Error::State("load_checkpoint: internal: no manifest".into()))
-    }
-
-    fn load_checkpoint_local(
-        &mut self,
-        dir: &Path,
-        weights: &mut M::Params<'_>,
-    ) -> Result<Manifest> {
-        let manifest = Manifest::load(dir)?;
-        let info = self.checked_info(dir, &manifest)?;
-        let imported = self.read_owned_state(dir, &manifest, info)?;
-        self.read_weights(dir, &manifest, info, weights)?;
-        for (g, group) in info.param_groups.iter().enumerate() {
-            self.optimizer.set_hyperparams(g, &group.hyperparams)?;
-        }
-        let pieces = self.sharding.step_pieces(|_| true);
-        self.memory
-            .import_state(self.optimizer.as_mut(), &pieces, imported)?;
-        self.steps = info.steps;
-        Ok(manifest)
-    }
-
-    /// The manifest's checkpoint section, if it was saved from this model
-    /// and optimizer.
-    fn checked_info<'m>(&self, dir: &Path, manifest: &'m Manifest) -> Result<&'m CheckpointInfo> {
-        let manifest_path = dir.join(MANIFEST_FILE);
-        let info = manifest.checkpoint.as_ref().ok_or_else(|| {
-            checkpoint_error(
-                &manifest_path,
-                "describes no engine checkpoint (no \"checkpoint\" section)",
-            )
-        })?;
-        if info.kind != CheckpointKind::Sharded {
-            return Err(checkpoint_error(
-                &manifest_path,
-                "holds a consolidated optimizer state without weights; \
-                 load it with StateDict::load and Engine::load_state_dict",
-            ));
-        }
-        check_same_model(&self.params, &self.index, &info.params)
-            .map_err(|detail| checkpoint_error(&manifest_path, detail))?;
-        if info.optimizer != self.optimizer.kind() {
-            return Err(checkpoint_error(
-                &manifest_path,
-                format!(
-                    "was saved with a {:?} optimizer, this engine uses {:?}",
-                    info.optimizer,
-                    self.optimizer.kind()
-                ),
-            ));
-        }
-        check_groups(&self.group_states(), &info.param_groups)
-            .map_err(|detail| checkpoint_error(&manifest_path, detail))?;
-        Ok(info)
-    }
-
-    /// This rank's optimizer state, assembled from whichever rank files
-    /// hold its pieces (saved at any world size), read range by range.
-    fn read_owned_state(
-        &self,
-        dir: &Path,
-        manifest: &Manifest,
-        info: &CheckpointInfo,
-    ) -> Result<OptimizerState<T>> {
-        let manifest_path = dir.join(MANIFEST_FILE);
-        // This rank's pieces, and the state assembled for each.
-        let mut mine: Vec<Assembly<T>> = self
-            .sharding
-            .owned
-            .iter()
-            .map(|p| Assembly::new(self.params[p.param].name.clone(), p.param_range.clone()))
-            .collect();
-        for shard in &info.shards {
-            let needed = shard
-                .pieces
-                .iter()
-                .any(|s| mine.iter().any(|a| a.overlap(s).is_some()));
-            if !needed {
-                continue;
-            }
-            let tensors = manifest.map_file(dir, &shard.file)?;
-            for saved in &shard.pieces {
-                let prefix = format!("state.{}.{}.", saved.name, saved.offset);
-                for piece in mine.iter_mut().filter(|a| a.overlap(saved).is_some()) {
-                    for (tensor_name, t) in tensors.with_prefix(&prefix) {
-                        let Some(state) = tensor_name.strip_prefix(&prefix) else {
-                            break;
-                        };
-                        if !state.contains('.') {
-                            piece.take(tensors.path(), saved, (tensor_name, state), &t)?;
-                        }
-                    }
-                }
-            }
-        }
-        let mut imported = OptimizerState::default();
-        for piece in mine {
-            if let Some((key, state)) = piece.finish(&manifest_path)? {
-                imported.params.insert(key, state);
-            }
-        }
-        Ok(imported)
     }
 
     /// The weights from the model file: into the replica (and the masters),
@@ -576,47 +507,6 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         failure.map_or(Ok(()), Err)
     }
 
-    fn write_shard(&mut self, path: &Path, fail_after: Option<usize>) -> Result<FileRecord> {
-        let pieces = self.sharding.step_pieces(|_| true);
-        let exported = self
-            .memory
-            .export_state(&self.comm, self.optimizer.as_ref(), &pieces)?;
-        let mut scalars: Vec<(String, f64)> = Vec::new();
-        let mut tensors: Vec<(String, TensorBytes<'_>)> = Vec::new();
-        for ((name, offset), state) in &exported.params {
-            for (s, v) in &state.scalars {
-                scalars.push((piece_name(name, *offset, s), *v));
-            }
-            for (t, values) in &state.tensors {
-                tensors.push((
-                    piece_name(name, *offset, t),
-                    TensorBytes {
-                        dtype: T::DTYPE,
-                        shape: vec![values.len()],
-                        data: bytemuck::cast_slice(values),
-                    },
-                ));
-            }
-        }
-        for (name, value) in &scalars {
-            tensors.push((
-                name.clone(),
-                TensorBytes {
-                    dtype: DType::F64,
-                    shape: Vec::new(),
-                    data: bytemuck::bytes_of(value),
-                },
-            ));
-        }
-        write_atomic(path, |w| {
-            let result = match fail_after {
-                Some(bytes) => write_tensors(path, &mut FailAfter::new(w, bytes), &tensors),
-                None => write_tensors(path, w, &tensors),
-            };
-            result.map_err(std::io::Error::other)
-        })
-    }
-
     /// Writes the model file where `writes` (rank 0): every parameter in
     /// the engine's element type, a trainable or sharded one from the
     /// master weights where the shard holds the truth, anything else from
@@ -708,31 +598,12 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             partition: self.sharding.partition.kind,
             params: self.params.clone(),
             optimizer: self.optimizer.kind().to_string(),
-            param_groups: self.group_states(),
+            param_groups: group_states(self.optimizer.as_ref(), &self.params, &self.group_of),
             steps: self.steps,
             loss_scaler: self.loss_scaler_state(),
             model_file: None,
             shards: Vec::new(),
             user,
         }
-    }
-
-    fn group_states(&self) -> Vec<GroupState> {
-        (0..self.optimizer.num_groups())
-            .map(|g| {
-                let mut params: Vec<String> = self
-                    .params
-                    .iter()
-                    .zip(&self.group_of)
-                    .filter(|(_, &group)| group == g)
-                    .map(|(p, _)| p.name.clone())
-                    .collect();
-                params.sort();
-                GroupState {
-                    hyperparams: self.optimizer.hyperparams(g),
-                    params,
-                }
-            })
-            .collect()
     }
 }

@@ -1,24 +1,24 @@
-//! Checkpoints from the engine's side: consolidating the sharded optimizer
-//! state into a [`StateDict`], loading one, and sharded save and load at any
-//! world size, stage and partitioner.
-//!
-//! Every function here is a collective unless it says otherwise. Failures
-//! on one rank are shared with the others through one small
-//! `all_gather_bytes` of a status, so a rank that fails to write a file
-//! makes every rank return an error naming it instead of leaving them
-//! waiting.
+//! What the engine's checkpoints (`ops/checkpoint.rs`) are made of: the
+//! optimizer state's pieces in transit, the files of one rank's state, the
+//! checks of a saved checkpoint against the engine, and the agreement of
+//! every rank on the outcome (`agree`, the only collective here).
 
 mod pieces;
 
-use crate::checkpoint::{FileRecord, GroupState, Manifest, MANIFEST_FILE};
+use crate::checkpoint::{
+    checkpoint_error, piece_name, write_atomic, write_tensors, CheckpointInfo, CheckpointKind,
+    FailAfter, FileRecord, GroupState, Manifest, TensorBytes, MANIFEST_FILE,
+};
 use crate::comm::Communicator;
+use crate::optim::{FunctionalOptimizer, OptimizerState};
 use crate::partition::ParamInfo;
-use crate::{Error, Result};
+use crate::{DType, Element, Error, Result};
 pub(super) use pieces::{
     check_coverage, pack_pieces, piece_metas, sink_pieces, Assembly, FileSink, MemorySink,
     ModelFile, PieceMeta, PieceSink, RankStatus,
 };
 use std::collections::BTreeMap;
+use std::ops::Range;
 use std::path::Path;
 
 /// Options of [`Engine::save_checkpoint_with`].
@@ -199,4 +199,159 @@ pub(super) fn remove_stale_files(dir: &Path, current: &Manifest, old: Option<&Ma
             let _ = std::fs::remove_file(entry.path());
         }
     }
+}
+
+/// The manifest's checkpoint section, if it was saved from this model
+/// (`params`, by name in `index`), this `optimizer` kind and its `groups`.
+pub(super) fn checked_info<'m>(
+    dir: &Path,
+    manifest: &'m Manifest,
+    (params, index): (&[ParamInfo], &BTreeMap<String, usize>),
+    optimizer: &str,
+    groups: &[GroupState],
+) -> Result<&'m CheckpointInfo> {
+    let manifest_path = dir.join(MANIFEST_FILE);
+    let info = manifest.checkpoint.as_ref().ok_or_else(|| {
+        checkpoint_error(
+            &manifest_path,
+            "describes no engine checkpoint (no \"checkpoint\" section)",
+        )
+    })?;
+    if info.kind != CheckpointKind::Sharded {
+        return Err(checkpoint_error(
+            &manifest_path,
+            "holds a consolidated optimizer state without weights; \
+             load it with StateDict::load and Engine::load_state_dict",
+        ));
+    }
+    check_same_model(params, index, &info.params)
+        .map_err(|detail| checkpoint_error(&manifest_path, detail))?;
+    if info.optimizer != optimizer {
+        return Err(checkpoint_error(
+            &manifest_path,
+            format!(
+                "was saved with a {:?} optimizer, this engine uses {:?}",
+                info.optimizer, optimizer
+            ),
+        ));
+    }
+    check_groups(groups, &info.param_groups)
+        .map_err(|detail| checkpoint_error(&manifest_path, detail))?;
+    Ok(info)
+}
+
+/// This rank's optimizer state (its `owned` pieces: parameter name and
+/// range), assembled from whichever rank files hold them (saved at any
+/// world size), read range by range.
+pub(super) fn read_owned_state<T: Element>(
+    dir: &Path,
+    manifest: &Manifest,
+    info: &CheckpointInfo,
+    owned: impl Iterator<Item = (String, Range<usize>)>,
+) -> Result<OptimizerState<T>> {
+    let manifest_path = dir.join(MANIFEST_FILE);
+    // This rank's pieces, and the state assembled for each.
+    let mut mine: Vec<Assembly<T>> = owned
+        .map(|(name, range)| Assembly::new(name, range))
+        .collect();
+    for shard in &info.shards {
+        let needed = shard
+            .pieces
+            .iter()
+            .any(|s| mine.iter().any(|a| a.overlap(s).is_some()));
+        if !needed {
+            continue;
+        }
+        let tensors = manifest.map_file(dir, &shard.file)?;
+        for saved in &shard.pieces {
+            let prefix = format!("state.{}.{}.", saved.name, saved.offset);
+            for piece in mine.iter_mut().filter(|a| a.overlap(saved).is_some()) {
+                for (tensor_name, t) in tensors.with_prefix(&prefix) {
+                    let Some(state) = tensor_name.strip_prefix(&prefix) else {
+                        break;
+                    };
+                    if !state.contains('.') {
+                        piece.take(tensors.path(), saved, (tensor_name, state), &t)?;
+                    }
+                }
+            }
+        }
+    }
+    let mut imported = OptimizerState::default();
+    for piece in mine {
+        if let Some((key, state)) = piece.finish(&manifest_path)? {
+            imported.params.insert(key, state);
+        }
+    }
+    Ok(imported)
+}
+
+/// Writes a rank's `exported` optimizer state (tensors
+/// `state.<param>.<offset>.<state>`, scalars as f64 tensors of shape `[]`)
+/// to `path`, atomically; `fail_after` injects a failure after that many
+/// bytes (tests).
+pub(super) fn write_state_file<T: Element>(
+    path: &Path,
+    exported: &OptimizerState<T>,
+    fail_after: Option<usize>,
+) -> Result<FileRecord> {
+    let mut scalars: Vec<(String, f64)> = Vec::new();
+    let mut tensors: Vec<(String, TensorBytes<'_>)> = Vec::new();
+    for ((name, offset), state) in &exported.params {
+        for (s, v) in &state.scalars {
+            scalars.push((piece_name(name, *offset, s), *v));
+        }
+        for (t, values) in &state.tensors {
+            tensors.push((
+                piece_name(name, *offset, t),
+                TensorBytes {
+                    dtype: T::DTYPE,
+                    shape: vec![values.len()],
+                    data: bytemuck::cast_slice(values),
+                },
+            ));
+        }
+    }
+    for (name, value) in &scalars {
+        tensors.push((
+            name.clone(),
+            TensorBytes {
+                dtype: DType::F64,
+                shape: Vec::new(),
+                data: bytemuck::bytes_of(value),
+            },
+        ));
+    }
+    write_atomic(path, |w| {
+        let result = match fail_after {
+            Some(bytes) => write_tensors(path, &mut FailAfter::new(w, bytes), &tensors),
+            None => write_tensors(path, w, &tensors),
+        };
+        result.map_err(std::io::Error::other)
+    })
+}
+
+/// The optimizer's groups as a checkpoint records them: each group's
+/// hyperparameters and its parameters' names (`group_of`: each parameter's
+/// group).
+pub(super) fn group_states<T: Element>(
+    optimizer: &dyn FunctionalOptimizer<T>,
+    params: &[ParamInfo],
+    group_of: &[usize],
+) -> Vec<GroupState> {
+    (0..optimizer.num_groups())
+        .map(|g| {
+            let mut params: Vec<String> = params
+                .iter()
+                .zip(group_of)
+                .filter(|(_, &group)| group == g)
+                .map(|(p, _)| p.name.clone())
+                .collect();
+            params.sort();
+            GroupState {
+                hyperparams: optimizer.hyperparams(g),
+                params,
+            }
+        })
+        .collect()
 }
