@@ -1,6 +1,7 @@
 //! Which parameters train: the flags the user sets, the mask in effect
 //! across ranks, and the buckets that hold an active parameter.
 
+use super::window::AccumulationWindow;
 use super::{Layout, ShardMemory};
 use crate::comm::{Communicator, ReduceOp};
 use crate::partition::ParamInfo;
@@ -24,6 +25,46 @@ impl Trainability {
             bucket_active: Vec::new(),
             trainable,
         }
+    }
+
+    /// Puts in effect the OR across the ranks of `comm` of the `local`
+    /// flags (one all-reduce), and rebuilds the buckets of `layout` if the
+    /// mask changed.
+    pub fn agree<T: Element, C: Communicator, M: ShardMemory<T, C>>(
+        &mut self,
+        memory: &mut M,
+        comm: &C,
+        (params, layout): (&[ParamInfo], &Layout),
+        local: &[bool],
+    ) -> Result<()> {
+        let active = mask_over(memory, comm, params, local)?;
+        if active != self.active {
+            tracing::debug!("trainable mask changed; rebuilding buckets");
+            self.active = active;
+            self.rebuild_buckets(layout);
+        }
+        Ok(())
+    }
+
+    /// Which parameters train in the step that closes `window`. Checked: the same answer on every rank, from one
+    /// all-reduce (a gradient on any rank counts: the reduced gradient
+    /// holds it), and the buckets rebuilt if the mask changed. Unchecked:
+    /// the flags decide what is reduced and gathered (the same collectives
+    /// on every rank), and a parameter with no gradient is still left
+    /// untouched, which is exact when every rank leaves out the same
+    /// parameters (as the same model on every rank does).
+    pub fn for_step<T: Element, C: Communicator, M: ShardMemory<T, C>>(
+        &mut self,
+        checked: bool,
+        window: &AccumulationWindow,
+        (memory, comm): (&mut M, &C),
+        model: (&[ParamInfo], &Layout),
+    ) -> Result<Vec<bool>> {
+        if !checked {
+            return Ok(window.with_gradient(&self.active));
+        }
+        self.agree(memory, comm, model, &window.with_gradient(&self.trainable))?;
+        Ok(self.active.clone())
     }
 
     /// Marks the buckets of `layout` that hold at least one active

@@ -203,6 +203,24 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> StageState<T, C, M> {
         Ok(())
     }
 
+    /// Stage 3, at the end of a micro-step's backward: waits for the
+    /// gathers in flight (the step is about to change the shard).
+    fn end_fetch_pass(&self) -> Result<()> {
+        match self.sharded_params() {
+            Some(sharded) => sharded.fetcher.end_pass(),
+            None => Ok(()),
+        }
+    }
+
+    /// Elements of the parameter shard (`home`, unless the fetcher holds
+    /// it).
+    fn param_shard_len(&self, home: &M::Buffer) -> usize {
+        match self.sharded_params() {
+            Some(sharded) if sharded.shard_lent => sharded.fetcher.shard_len(),
+            _ => M::buffer_len(home),
+        }
+    }
+
     fn set_shard_lent(&mut self, lent: bool) {
         if let Self::Parameters(sharded) = self {
             sharded.shard_lent = lent;
@@ -558,13 +576,10 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                 self.window.micro_steps
             )));
         }
-        let local: Vec<bool> = self.mask.trainable.clone();
-        let active = mask_over(&mut self.memory, &*self.comm, &self.params, &local)?;
-        if active != self.mask.active {
-            self.mask.active = active;
-            self.mask.rebuild_buckets(&self.sharding.layout);
-        }
-        Ok(())
+        let local = self.mask.trainable.clone();
+        let model = (&self.params[..], &self.sharding.layout);
+        self.mask
+            .agree(&mut self.memory, &*self.comm, model, &local)
     }
 
     /// All-reduces a few host values with the engine's communicator and
@@ -600,7 +615,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                 } else {
                     0
                 },
-            params: replica + self.param_shard_len() * size,
+            params: replica + self.stage.param_shard_len(&self.buffers.param_shard) * size,
             grads: len(&self.buffers.full_grads) * size,
             grad_shard: len(&self.buffers.grad_shard) * size,
             optimizer_state: state,
@@ -617,7 +632,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     pub fn accumulate(&mut self, grads: &[Option<M::Grad<'_>>]) -> Result<()> {
         self.check_grads(grads)?;
         self.finish_gathers()?;
-        self.fetch_end_pass()?;
+        self.stage.end_fetch_pass()?;
         self.add_micro_step(grads)?;
         if let Some(fetcher) = self.fetcher() {
             fetcher.resume();

@@ -238,15 +238,6 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                 .is_some_and(|s| s.sharded.contains(&true))
     }
 
-    /// Stage 3, at the end of a micro-step's backward: waits for the
-    /// gathers in flight (the step is about to change the shard).
-    pub(in crate::engine) fn fetch_end_pass(&self) -> Result<()> {
-        match self.fetcher() {
-            Some(fetcher) => fetcher.end_pass(),
-            None => Ok(()),
-        }
-    }
-
     /// Stage 3: runs `f` with the parameter shard home from the fetcher
     /// (a step, a checkpoint), and lends it back after, whatever `f`
     /// returned: between steps the fetcher holds the only copy.
@@ -279,13 +270,5 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         fetcher.put_shard(shard);
         self.stage.set_shard_lent(true);
         result
-    }
-
-    /// Elements of the parameter shard, wherever it is.
-    pub(in crate::engine) fn param_shard_len(&self) -> usize {
-        match self.stage.sharded_params() {
-            Some(sharded) if sharded.shard_lent => sharded.fetcher.shard_len(),
-            _ => M::buffer_len(&self.buffers.param_shard),
-        }
     }
 }

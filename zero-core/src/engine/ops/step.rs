@@ -5,7 +5,6 @@
 use super::update::{AsReduced, Replica, StepPath};
 use crate::comm::{Communicator, ReduceOp};
 use crate::engine::grads::SteppingGrads;
-use crate::engine::mask::mask_over;
 use crate::engine::scaler::LossScaler;
 use crate::engine::StepReport;
 use crate::engine::{Engine, GradPiece, Offload, Overlap, ShardMemory, Stage};
@@ -28,7 +27,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         // not leak its micro-steps into the next one.
         let result = self
             .finish_gathers()
-            .and_then(|()| self.fetch_end_pass())
+            .and_then(|()| self.stage.end_fetch_pass())
             .and_then(|()| {
                 self.with_shard_home(|engine| engine.run_step(last, micro_steps, params))
             });
@@ -54,9 +53,9 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// 1. the bucket reductions launched during backward end
     ///    ([`Engine::finish_pass`]);
     /// 2. the trainable mask's all-reduce, when checked
-    ///    ([`Engine::stepping_mask`]);
+    ///    (`Trainability::for_step`);
     /// 3. the bucket reductions of gradients given after backward
-    ///    ([`Engine::reduce_gradients`]);
+    ///    (`reduce_buckets`);
     /// 4. loss scaling's inf/NaN all-reduce (`SteppingGrads::unscale_or_skip`);
     /// 5. the gradient norm's all-reduce (`SteppingGrads::clip`);
     /// 6. the parameters' all-gathers, bucket by bucket (stages 1-3), as
@@ -130,7 +129,12 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                     .into(),
             ));
         }
-        let stepping = self.stepping_mask()?;
+        let stepping = self.mask.for_step(
+            self.config.check_trainability,
+            &self.window,
+            (&mut self.memory, &*self.comm),
+            (&self.params, &self.sharding.layout),
+        )?;
         // The owned pieces' current values (the replica may have been changed
         // by the user since the last step; master weights are the truth),
         // unless `begin_backward` read them (and the interleaved schedule
@@ -145,7 +149,8 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         }
         let ranges = self.sharding.stepping_ranges(&stepping);
         if !reduced {
-            self.reduce_gradients(last)?;
+            // The serial path: every active bucket reduced now.
+            self.with_bucket_buffer(|engine, buffer| engine.reduce_buckets(last, buffer))?;
         }
         // Only what reads the gradients asks for them: offload's step thread
         // may still hold the gradient shard (the write-back takes it).
@@ -171,27 +176,6 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         Ok(grad_norm)
     }
 
-    /// Which parameters train this step. Checked: the same answer on every
-    /// rank, from one all-reduce (a gradient on any rank counts: the reduced
-    /// gradient holds it), and the buckets rebuilt if the mask changed.
-    /// Unchecked: the flags decide what is reduced and gathered (the same
-    /// collectives on every rank), and a parameter with no gradient is
-    /// still left untouched, which is exact when every rank leaves out the
-    /// same parameters (as the same model on every rank does).
-    fn stepping_mask(&mut self) -> Result<Vec<bool>> {
-        if !self.config.check_trainability {
-            return Ok(self.window.with_gradient(&self.mask.active));
-        }
-        let local = self.window.with_gradient(&self.mask.trainable);
-        let active = mask_over(&mut self.memory, &*self.comm, &self.params, &local)?;
-        if active != self.mask.active {
-            tracing::debug!("trainable mask changed; rebuilding buckets");
-            self.mask.active = active;
-            self.mask.rebuild_buckets(&self.sharding.layout);
-        }
-        Ok(self.mask.active.clone())
-    }
-
     /// Whether stages 1 and 2 keep no copy of the parameter shard between
     /// steps: without master weights the replica holds the owned pieces'
     /// values already, and the after-backward schedule reads them bucket by
@@ -214,16 +198,6 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             && (self.memory.fork().is_some() || self.abilities.launches_async)
     }
 
-    /// Reduces every active bucket: all-reduce in stage 0, reduce-scatter
-    /// into the gradient shard otherwise (the serial path: gradients given
-    /// after backward).
-    pub(in crate::engine) fn reduce_gradients(
-        &mut self,
-        last: Option<&[Option<M::Grad<'_>>]>,
-    ) -> Result<()> {
-        self.with_bucket_buffer(|engine, buffer| engine.reduce_buckets(last, buffer))
-    }
-
     /// Runs `f` with a pooled bucket buffer when there is no full gradient
     /// buffer to work in (`None` when there is), and pools it again.
     pub(in crate::engine) fn with_bucket_buffer<R>(
@@ -242,6 +216,9 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         result
     }
 
+    /// Reduces every active bucket: all-reduce in stage 0, reduce-scatter
+    /// into the gradient shard otherwise (the serial path: gradients given
+    /// after backward).
     fn reduce_buckets(
         &mut self,
         last: Option<&[Option<M::Grad<'_>>]>,
