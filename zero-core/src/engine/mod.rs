@@ -823,7 +823,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         self.window.present.fill(false);
         // Stages 0 and 1 keep the buffer; it is zeroed where the next window
         // starts (`accumulate`, `accumulate_param`, or per bucket in
-        // `reduce_gradients`).
+        // `reduce_buckets`).
         if self.config.stage.shards_gradients() {
             self.buffers.full_grads = None;
         }
