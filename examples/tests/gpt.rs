@@ -87,10 +87,8 @@ fn validation_loss_falls_below_half_a_nat_within_60_steps() {
     // is one repeated sentence, so a model that learned it is near 0.
     let val = summary.val_loss.unwrap();
     assert!(val < 0.5, "validation loss {val} after 60 steps");
-    let lines = std::fs::read_to_string(&metrics).unwrap();
-    let measured: Vec<u64> = lines
-        .lines()
-        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+    let measured: Vec<u64> = common::metrics(&metrics)
+        .into_iter()
         .filter(|v| v["val_loss"].is_f64())
         .map(|v| v["step"].as_u64().unwrap())
         .collect();

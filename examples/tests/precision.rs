@@ -30,11 +30,9 @@ fn train_weights(extra: &[&str]) -> (Summary, Weights) {
 
 /// The losses a `--metrics` file records, and whether each step was skipped.
 fn losses(metrics: &Path) -> Vec<(f64, bool)> {
-    std::fs::read_to_string(metrics)
-        .unwrap()
-        .lines()
-        .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+    common::metrics(metrics)
+        .iter()
+        .map(|v| {
             (
                 v["loss"].as_f64().unwrap(),
                 v["skipped"].as_bool().unwrap_or(false),

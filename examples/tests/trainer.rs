@@ -311,11 +311,7 @@ fn metrics_report_the_process_peak_heap_counted_by_the_binary() {
         metrics.to_str().unwrap(),
     ]);
     assert!(ok, "{stderr}");
-    let text = std::fs::read_to_string(&metrics).unwrap();
-    let lines: Vec<serde_json::Value> = text
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let lines = common::metrics(&metrics);
     assert_eq!(lines.len(), 3);
     for line in &lines {
         let peak = line["peak_heap_bytes"]

@@ -34,14 +34,9 @@ fn path(p: &Path) -> &str {
 
 /// The steps a `--metrics` file records.
 fn steps_run(metrics: &Path) -> Vec<u64> {
-    std::fs::read_to_string(metrics)
-        .unwrap()
-        .lines()
-        .map(|l| {
-            serde_json::from_str::<serde_json::Value>(l).unwrap()["step"]
-                .as_u64()
-                .unwrap()
-        })
+    common::metrics(metrics)
+        .iter()
+        .map(|line| line["step"].as_u64().unwrap())
         .collect()
 }
 

@@ -6,7 +6,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{AdamW, Module, Optimizer, ParamsAdamW, VarBuilder, VarMap};
 use zero_candle::ZeroOptimizer;
 use zero_core::engine::{EngineConfig, Stage};
-use zero_core::optim::{AdamWConfig, Sgd, SgdConfig};
+use zero_core::optim::{AdamWConfig, LrDecay, LrSchedule, Sgd, SgdConfig};
 use zero_core::{Communicator, ThreadGroup};
 
 const IN: usize = 5;
@@ -209,4 +209,57 @@ fn memory_shrinks_with_the_stage() {
     // keeps a full gradient buffer only across an accumulation window.
     assert_eq!(s1.grads, 0);
     assert!(s2.total() <= s1.total() && s1.total() < s0.total());
+}
+
+/// Each rank's learning rate of the optimizer steps of micro-steps `micro`
+/// (two per step), set before each from `schedule` at the engine's step
+/// count; the run starts from checkpoint `ckpt` if `resume`, and saves it.
+fn scheduled_rates(
+    schedule: &LrSchedule,
+    micro: std::ops::Range<usize>,
+    ckpt: &std::path::Path,
+    resume: bool,
+) -> Vec<Vec<f64>> {
+    let results = ThreadGroup::new(2).run(|comm| {
+        let rank = comm.rank();
+        let varmap = VarMap::new();
+        let linear = model(&varmap);
+        let config = EngineConfig::default().with_grad_accum_steps(2);
+        let sgd = Box::new(Sgd::new(SgdConfig::default()).unwrap());
+        let mut opt = ZeroOptimizer::<_, f32>::new(&varmap, comm, config, sgd).unwrap();
+        if resume {
+            opt.load_checkpoint(ckpt).unwrap();
+        }
+        let mut rates = Vec::new();
+        for micro in micro.clone() {
+            opt.set_learning_rate(schedule.lr_at(opt.engine().steps()));
+            let x = batch(micro, rank * ROWS_PER_RANK, ROWS_PER_RANK);
+            if opt.backward_step(&loss(&linear, &x)).unwrap().is_some() {
+                rates.push(opt.learning_rate());
+            }
+        }
+        opt.save_checkpoint(ckpt).unwrap();
+        rates
+    });
+    results.into_iter().map(Result::unwrap).collect()
+}
+
+#[test]
+fn a_schedule_read_at_the_engines_step_count_gives_each_step_its_rate() {
+    // Two micro-steps per step, and a checkpoint after step 3 that a fresh
+    // run resumes from: the engine counts optimizer steps, and the
+    // checkpoint restores the count.
+    let decay = LrDecay::Cosine {
+        total_steps: 6,
+        min_lr: 0.01,
+    };
+    let schedule = LrSchedule::new(0.1, 2, decay).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("ckpt");
+    let first = scheduled_rates(&schedule, 0..6, &ckpt, false);
+    let second = scheduled_rates(&schedule, 6..12, &ckpt, true);
+    let expected: Vec<f64> = (0..6).map(|step| schedule.lr_at(step)).collect();
+    for (first, second) in first.into_iter().zip(second) {
+        assert_eq!([first, second].concat(), expected);
+    }
 }

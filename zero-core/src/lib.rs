@@ -63,8 +63,8 @@ pub use serde_json;
 pub mod prelude {
     pub use crate::comm::{Communicator, ReduceOp, ThreadGroup};
     pub use crate::optim::{
-        Adagrad, AdagradConfig, Adam, AdamConfig, AdamW, AdamWConfig, FunctionalOptimizer,
-        ParamKey, ParamMut, RmsProp, RmsPropConfig, Sgd, SgdConfig,
+        Adagrad, AdagradConfig, Adam, AdamConfig, AdamW, AdamWConfig, FunctionalOptimizer, LrDecay,
+        LrSchedule, ParamKey, ParamMut, RmsProp, RmsPropConfig, Sgd, SgdConfig,
     };
     pub use crate::partition::{Flat, Greedy, Interleaved, ParamInfo, Partitioner};
     pub use crate::{DType, Element, Error, Result};

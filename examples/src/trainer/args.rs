@@ -97,6 +97,18 @@ impl Precision {
     }
 }
 
+/// What the learning rate does after the warmup
+/// (`zero_core::optim::LrDecay`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum LrDecayArg {
+    /// Stays at `--lr`.
+    Constant,
+    /// Falls linearly to `--min-lr`.
+    Linear,
+    /// Falls along a half cosine to `--min-lr`.
+    Cosine,
+}
+
 /// The model to train.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum ModelKind {
@@ -144,9 +156,29 @@ pub struct Args {
     /// Optimizer.
     #[arg(long, value_enum, default_value_t = OptimizerKind::Adamw)]
     pub optimizer: OptimizerKind,
-    /// Learning rate.
+    /// Learning rate (the peak, with `--warmup-steps` or `--lr-decay`).
     #[arg(long, default_value_t = 1e-2)]
     pub lr: f64,
+    /// Steps over which the learning rate rises linearly from 0 to `--lr`:
+    /// step s (from 0) of N has `--lr * s / N`, as in `transformers`'
+    /// schedules.
+    #[arg(long, default_value_t = 0)]
+    pub warmup_steps: u64,
+    /// What the learning rate does after the warmup: stays at `--lr`, or
+    /// falls linearly or along a half cosine to `--min-lr` at
+    /// `--lr-decay-steps`. The schedule counts the trainer's steps (those
+    /// loss scaling skips too), so a resumed run continues it.
+    #[arg(long, value_enum, default_value_t = LrDecayArg::Constant)]
+    pub lr_decay: LrDecayArg,
+    /// The floor of `--lr-decay linear` or `cosine` [default: 0, as
+    /// `transformers`' schedules].
+    #[arg(long)]
+    pub min_lr: Option<f64>,
+    /// The step at which `--lr-decay linear` or `cosine` reaches `--min-lr`
+    /// (warmup included), which then holds [default: `--steps`; give it to
+    /// stop a run early and resume it later on the same schedule].
+    #[arg(long)]
+    pub lr_decay_steps: Option<u64>,
     /// Momentum (SGD, RMSprop).
     #[arg(long, default_value_t = 0.0)]
     pub momentum: f64,

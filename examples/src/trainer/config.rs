@@ -3,13 +3,14 @@
 //! variables come from.
 
 use super::{
-    Args, Dataset, GptConfig, ModelKind, OffloadArg, OverlapArg, PartitionerArg, Precision,
-    TrainError,
+    Args, Dataset, GptConfig, LrDecayArg, ModelKind, OffloadArg, OverlapArg, PartitionerArg,
+    Precision, TrainError,
 };
 use zero_candle::ShardedVarMap;
 use zero_core::engine::{
     EngineConfig, LossScale, NormType, Offload, Overlap, PartitionerKind, Stage,
 };
+use zero_core::optim::{LrDecay, LrSchedule};
 
 pub(super) fn validate(args: &Args) -> Result<(), TrainError> {
     if args.checkpoint_activations && args.model != ModelKind::Gpt {
@@ -23,6 +24,7 @@ pub(super) fn validate(args: &Args) -> Result<(), TrainError> {
     if !(args.lr.is_finite() && args.lr >= 0.0) {
         return Err(TrainError::Usage(format!("--lr {} must be >= 0", args.lr)));
     }
+    lr_schedule(args)?;
     if !(args.bucket_mb.is_finite() && args.bucket_mb > 0.0) {
         return Err(TrainError::Usage(format!(
             "--bucket-mb {} must be positive",
@@ -138,6 +140,45 @@ fn loss_scale(args: &Args) -> Result<LossScale, TrainError> {
         },
     };
     Ok(scale)
+}
+
+/// The learning-rate schedule of `--lr`, `--warmup-steps`, `--lr-decay`,
+/// `--min-lr` and `--lr-decay-steps`; `None` for a constant `--lr` without
+/// warmup, where the loop leaves the optimizer's rate (or a resumed
+/// checkpoint's) as it is.
+pub(super) fn lr_schedule(args: &Args) -> Result<Option<LrSchedule>, TrainError> {
+    let total_steps = args.lr_decay_steps.unwrap_or(args.steps);
+    let min_lr = args.min_lr.unwrap_or(0.0);
+    let decay = match args.lr_decay {
+        LrDecayArg::Constant if args.min_lr.is_some() || args.lr_decay_steps.is_some() => {
+            return Err(TrainError::Usage(
+                "--min-lr and --lr-decay-steps shape a decay, and --lr-decay constant has none; \
+                 add --lr-decay linear or cosine, or drop them"
+                    .into(),
+            ))
+        }
+        LrDecayArg::Constant if args.warmup_steps == 0 => return Ok(None),
+        LrDecayArg::Constant => LrDecay::Constant,
+        LrDecayArg::Linear => LrDecay::Linear {
+            total_steps,
+            min_lr,
+        },
+        LrDecayArg::Cosine => LrDecay::Cosine {
+            total_steps,
+            min_lr,
+        },
+    };
+    LrSchedule::new(args.lr, args.warmup_steps, decay)
+        .map(Some)
+        .map_err(|e| {
+            TrainError::Usage(format!(
+                "--lr {} --warmup-steps {} --lr-decay {} --min-lr {min_lr} --lr-decay-steps \
+                 {total_steps}: {e}",
+                args.lr,
+                args.warmup_steps,
+                format!("{:?}", args.lr_decay).to_lowercase()
+            ))
+        })
 }
 
 /// The schedule: `--overlap`, or where it is not given, interleaved for

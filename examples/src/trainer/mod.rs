@@ -17,7 +17,8 @@ mod text;
 mod train_loop;
 
 pub use args::{
-    Args, Backend, ModelKind, OffloadArg, OptimizerKind, OverlapArg, PartitionerArg, Precision,
+    Args, Backend, LrDecayArg, ModelKind, OffloadArg, OptimizerKind, OverlapArg, PartitionerArg,
+    Precision,
 };
 pub use config::{engine_config, overlap};
 pub use data::Dataset;

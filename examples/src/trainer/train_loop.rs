@@ -32,7 +32,8 @@ pub(super) fn train_loop(
         model,
     } = *ctx;
     // Resuming: weights, optimizer state, step counter, data position and
-    // learning rate come from the checkpoint (any world size and stage).
+    // learning rate come from the checkpoint (any world size and stage); a
+    // learning-rate schedule then sets the rate of each step from its index.
     let mut first_step = 0;
     // Rows of the dataset (MLP) or sequences (GPT) consumed before this run
     // (counted in rows, so a resume with another world size or batch size
@@ -78,12 +79,16 @@ pub(super) fn train_loop(
     let mut history = LossHistory::default();
     let mut val_loss = None;
 
+    let schedule = super::config::lr_schedule(args)?;
     let batch = args.batch_size as usize;
     let accum = args.grad_accum;
     let mut final_loss = f64::NAN;
     for step in first_step..args.steps {
         let started = Instant::now();
         let bytes_before = opt.bytes_sent();
+        if let Some(schedule) = &schedule {
+            opt.set_learning_rate(schedule.lr_at(step));
+        }
         let lr = opt.learning_rate();
         let mut loss_sum = 0.0;
         let mut report = None;

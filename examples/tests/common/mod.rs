@@ -1,10 +1,12 @@
 //! What the trainer's integration tests share: a run whose weights come
 //! back from the file `--save` writes (the trainer keeps no copy of them),
-//! and the largest difference between two runs' weights.
+//! the largest difference between two runs' weights, and the lines of a
+//! `--metrics` file.
 
 // Each test binary compiles this module and uses part of it.
 #![allow(dead_code)]
 
+use std::path::Path;
 use zero_examples::trainer::{read_weights, run, Args, Summary};
 
 /// Every trained tensor by name (sorted), as f32.
@@ -49,4 +51,15 @@ pub fn max_diff(a: &Weights, b: &Weights) -> (f32, String) {
         }
     }
     worst
+}
+
+/// The JSON objects of a `--metrics` file, one per step.
+pub fn metrics(path: &Path) -> Vec<serde_json::Value> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(text) => text,
+        Err(e) => panic!("reading {}: {e}", path.display()),
+    };
+    text.lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{l:?}: {e}")))
+        .collect()
 }

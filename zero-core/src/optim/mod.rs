@@ -45,12 +45,19 @@
 //! steps on the host (threads, MPI); the GPU engine runs the built-ins as
 //! fused kernels and refuses other kinds, naming them. For full control,
 //! implement [`FunctionalOptimizer`] itself.
+//!
+//! # Learning-rate schedules
+//!
+//! [`LrSchedule`] gives the learning rate of each optimizer step: linear
+//! warmup, then constant, linear or cosine decay to a floor ([`LrDecay`]),
+//! as `transformers`' schedules compute it.
 
 mod adagrad;
 mod adam;
 mod core;
 mod float;
 mod rmsprop;
+mod schedule;
 mod sgd;
 mod simple;
 
@@ -58,6 +65,7 @@ pub use adagrad::{Adagrad, AdagradConfig};
 pub use adam::{Adam, AdamConfig, AdamW, AdamWConfig};
 pub use float::Float;
 pub use rmsprop::{RmsProp, RmsPropConfig};
+pub use schedule::{LrDecay, LrSchedule};
 pub use sgd::{Sgd, SgdConfig};
 pub use simple::{Simple, SimpleOptimizer};
 
