@@ -5,9 +5,10 @@
 //! zero-candle's optimizer run on either unchanged.
 
 use crate::Error;
+use cudarc::driver::sys::{CUevent, CUresult};
 use cudarc::driver::{
     CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr,
-    ValidAsZeroBits,
+    DriverError, ValidAsZeroBits,
 };
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -142,6 +143,9 @@ pub(crate) fn event_work<'a>(compute: Arc<CudaStream>, done: CudaEvent) -> Work<
     })
 }
 
+/// How long [`host_wait`] sleeps between polls at most.
+const HOST_WAIT_POLL: Duration = Duration::from_millis(10);
+
 /// Blocks the host until `done` has completed or `timeout` passes
 /// ([`Error::Timeout`] naming `op` and the collective count `seq`),
 /// sleeping between polls up to 10 ms.
@@ -151,7 +155,7 @@ pub(crate) fn host_wait(
     done: &CudaEvent,
     timeout: Duration,
 ) -> crate::Result<()> {
-    host_wait_polling(op, seq, done, timeout, Duration::from_millis(10))
+    host_wait_polling(op, seq, done, timeout, HOST_WAIT_POLL)
 }
 
 /// [`host_wait`] sleeping at most `max_pause` between polls: for a wait
@@ -163,10 +167,44 @@ pub(crate) fn host_wait_polling(
     timeout: Duration,
     max_pause: Duration,
 ) -> crate::Result<()> {
+    poll_until(op, seq, timeout, max_pause, || done.try_is_complete())
+}
+
+/// [`host_wait`] on an event known by its handle only: a peer's, in a
+/// group of ranks sharing the process.
+///
+/// # Safety
+///
+/// `event` is a live event.
+pub(crate) unsafe fn host_wait_handle(
+    op: &'static str,
+    seq: u64,
+    event: CUevent,
+    timeout: Duration,
+) -> crate::Result<()> {
+    poll_until(op, seq, timeout, HOST_WAIT_POLL, || {
+        // SAFETY: `event` is live (the caller's contract).
+        match unsafe { cudarc::driver::result::event::query(event) } {
+            Ok(()) => Ok(true),
+            Err(DriverError(CUresult::CUDA_ERROR_NOT_READY)) => Ok(false),
+            Err(error) => Err(error),
+        }
+    })
+}
+
+/// Polls `complete` until it holds or `timeout` passes, sleeping between
+/// polls from 50 µs, doubling up to `max_pause`.
+fn poll_until(
+    op: &'static str,
+    seq: u64,
+    timeout: Duration,
+    max_pause: Duration,
+    mut complete: impl FnMut() -> std::result::Result<bool, DriverError>,
+) -> crate::Result<()> {
     let start = Instant::now();
     let mut pause = Duration::from_micros(50).min(max_pause);
     loop {
-        if done.try_is_complete()? {
+        if complete()? {
             return Ok(());
         }
         let waited = start.elapsed();

@@ -5,13 +5,13 @@
 //! A collective is [`protocol::collective`] over the rank's streams: two
 //! host rendezvous of the ranks' [`ThreadComm`] (so the deadline, mismatch
 //! and dead-peer semantics are the thread backend's) around device copies
-//! and the `reduce_ranks` kernel over the peers' buffers, ordered by events,
-//! never by host waits.
+//! and the `reduce_ranks` kernel over the peers' buffers, ordered by events;
+//! the host waits on them only on the way out of a failed collective.
 
 use super::collective::{Call, Kind};
 use super::protocol::{self, Lane};
 use crate::device_comm::Cuda;
-use crate::device_comm::{event_work, host_wait, ring_bytes, DeviceComm};
+use crate::device_comm::{event_work, host_wait, host_wait_handle, ring_bytes, DeviceComm};
 use crate::kernels::{FusedKernels, MAX_LOCAL_RANKS};
 use crate::Error;
 use cudarc::driver::sys::{CUevent, CUevent_wait_flags};
@@ -301,6 +301,7 @@ impl CudaThreadComm {
             compute: &self.compute,
             comm: &self.comm_stream,
             kernels: &self.gpu.kernels,
+            timeout: self.timeout,
         };
         let done = protocol::collective(
             &self.host,
@@ -384,6 +385,8 @@ struct CudaLane<'a> {
     compute: &'a Arc<CudaStream>,
     comm: &'a Arc<CudaStream>,
     kernels: &'a FusedKernels,
+    /// The deadline of a host wait.
+    timeout: Duration,
 }
 
 impl Lane for CudaLane<'_> {
@@ -411,6 +414,15 @@ impl Lane for CudaLane<'_> {
             )
         }
         .map_err(|e| Error::from(e).into())
+    }
+
+    unsafe fn wait_on_host(&self, handle: u64, (op, seq): (&'static str, u64)) -> Result<()> {
+        // SAFETY: `handle` is a live event of the group (the trait's contract).
+        Ok(unsafe { host_wait_handle(op, seq, handle as CUevent, self.timeout) }?)
+    }
+
+    fn sync_comm(&self) -> Result<()> {
+        Ok(self.comm.synchronize().map_err(Error::from)?)
     }
 
     unsafe fn copy(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {

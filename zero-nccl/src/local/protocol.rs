@@ -1,7 +1,7 @@
 //! The steps of one in-process collective, over any [`Lane`]: the device's
 //! streams in [`CudaThreadComm`](crate::CudaThreadComm), host memory in the
 //! tests below, which run the whole protocol (rendezvous, checks, failures,
-//! how long events live) without a GPU.
+//! how long events live and when queued work has run) without a GPU.
 //!
 //! 1. This rank records an event on its compute stream (its inputs are
 //!    ready) and posts it with its call and buffer addresses; the posts are
@@ -15,10 +15,23 @@
 //!    are reused while a peer still reads or writes them. The event
 //!    recorded after that is the collective's completion.
 //!
+//! A failure in step 1 (a refused argument, mismatched calls) fails every
+//! rank there, before any work is queued. Once the posts check, every rank
+//! goes on to step 3's rendezvous whatever fails: it posts its failure with
+//! its event, or, when it cannot record one, drains its comm stream first.
+//! A rank that then returns an error (its own or a peer's) first waits on
+//! the host for every posted event, since its caller may free its buffers
+//! at once and no completion event orders that after the peers' work. So a
+//! failure reaches every rank as an error, and no rank returns while work
+//! it knows of is queued over its buffers. A rendezvous that fails in
+//! itself (a peer panicked or missed the deadline) returns at once: the
+//! peers' events are then unknown.
+//!
 //! Every event a stream waits on was recorded before the wait was queued,
 //! so a stream never waits on work that a dead peer will not queue. A rank
-//! keeps its events until every peer has posted its next collective (by
-//! then no peer will wait on them), and a communicator that is dropped
+//! keeps its events, its ready one from the moment the posts check, until
+//! every peer has posted its next collective (by then no peer will wait on
+//! them, on a stream or on the host), and a communicator that is dropped
 //! leaves its last ones to its group.
 
 use super::collective::{check_posted, At, Call, Posted, Step};
@@ -44,6 +57,17 @@ pub(crate) trait Lane {
     ///
     /// `handle` is the handle of a live event of the group.
     unsafe fn wait(&self, handle: u64) -> Result<()>;
+
+    /// Blocks the host until an event of this lane or a peer's has
+    /// completed, or the deadline of collective `seq` (`op`) passes.
+    ///
+    /// # Safety
+    ///
+    /// `handle` is the handle of a live event of the group.
+    unsafe fn wait_on_host(&self, handle: u64, at: (&'static str, u64)) -> Result<()>;
+
+    /// Blocks the host until everything queued on the comm stream has run.
+    fn sync_comm(&self) -> Result<()>;
 
     /// Copies `bytes` from `src` to `dst` on the comm stream.
     ///
@@ -97,36 +121,67 @@ pub(crate) fn collective<L: Lane>(
     check?;
     let posted = check_posted(op, seq, rank, &gathered)?;
     // Every peer has posted this collective, so none waits on the previous
-    // one's events any more.
+    // one's events any more; from here on peers may wait on `ready`.
     previous.clear();
+    previous.push(ready);
     let issued = issue(lane, rank, host.world_size(), call, &posted);
-    let read = lane.record_comm()?;
+    let (read, issued) = match lane.record_comm() {
+        Ok(read) => {
+            let handle = L::handle(&read);
+            previous.push(read);
+            (Some(handle), issued)
+        }
+        // With no event to cover this rank's work, it is done before the
+        // peers learn of the failure. The first error is the one reported:
+        // a drain that fails as well leaves nothing more to do.
+        Err(error) => {
+            let _ = lane.sync_comm();
+            (None, Err(issued.err().unwrap_or(error)))
+        }
+    };
     let mut mine = vec![u8::from(issued.is_err())];
-    mine.extend(L::handle(&read).to_le_bytes());
-    previous.extend([ready, read]);
+    if let Some(handle) = read {
+        mine.extend(handle.to_le_bytes());
+    }
     let gathered = host.all_gather_bytes(&mine)?;
-    issued?;
     let mut failed = Vec::new();
-    for (peer, bytes) in gathered.iter().enumerate().filter(|(p, _)| *p != rank) {
-        match bytes.as_slice() {
-            [0, event @ ..] if event.len() == 8 => {
-                let handle = u64::from_le_bytes(event.try_into().expect("8 bytes"));
-                // SAFETY: the peer keeps this event until every rank has
-                // posted its next collective, which this one has not.
-                unsafe { lane.wait(handle) }?;
-            }
-            _ => failed.push(peer),
+    let mut reads = Vec::new();
+    for (peer, bytes) in gathered.iter().enumerate() {
+        let (flag, event) = bytes.split_first().unwrap_or((&1, &[]));
+        let event = <[u8; 8]>::try_from(event).ok().map(u64::from_le_bytes);
+        reads.extend(event.map(|handle| (peer, handle)));
+        if peer != rank && (*flag != 0 || event.is_none()) {
+            failed.push(peer);
         }
     }
-    if !failed.is_empty() {
-        return Err(Error::PeerFailed {
-            op,
-            seq,
-            failed,
-            reason: "it could not issue its part of the collective".into(),
-        });
-    }
-    lane.record_comm()
+    let finished = issued.and_then(|()| {
+        if !failed.is_empty() {
+            return Err(Error::PeerFailed {
+                op,
+                seq,
+                failed,
+                reason: "it could not issue its part of the collective".into(),
+            });
+        }
+        for &(_, handle) in reads.iter().filter(|(peer, _)| *peer != rank) {
+            // SAFETY: the peer keeps this event until every rank has
+            // posted its next collective, which this one has not.
+            unsafe { lane.wait(handle) }?;
+        }
+        lane.record_comm()
+    });
+    finished.inspect_err(|_| {
+        // The caller may free this rank's buffers as soon as it returns,
+        // with no completion event to order that after the work queued over
+        // them, so that work must have run. A host wait that fails (a
+        // broken device) leaves the first error to report.
+        for &(_, handle) in &reads {
+            // SAFETY: as above; this rank's own event is in `previous`.
+            if unsafe { lane.wait_on_host(handle, (op, seq)) }.is_err() {
+                break;
+            }
+        }
+    })
 }
 
 /// Waits on every rank's ready event and issues this rank's steps.
@@ -141,8 +196,9 @@ fn issue<L: Lane>(lane: &L, rank: usize, n: usize, call: &Call, posted: &[Posted
     for step in super::collective::steps(&call.kind, call.len, n, rank) {
         match step {
             // SAFETY: the calls matched, so every range lies inside the
-            // ranks' posted buffers, live until every rank has passed this
-            // collective's second rendezvous.
+            // ranks' posted buffers, live until the work queued over them
+            // has run: a rank that returns its completion event orders its
+            // caller after it, one that fails waits for it on the host.
             Step::Copy { from, to, len } => unsafe {
                 lane.copy(
                     to.address(posted, elem),
@@ -168,54 +224,161 @@ fn issue<L: Lane>(lane: &L, rank: usize, n: usize, call: &Call, posted: &[Posted
 mod tests {
     use super::super::collective::Kind;
     use super::*;
-    use std::collections::HashSet;
+    use std::collections::HashMap;
+    use std::ops::Range;
     use std::sync::atomic::{AtomicU64, Ordering};
-    use std::sync::{Arc, Mutex};
+    use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
     use std::time::{Duration, Instant};
     use zero_core::ThreadGroup;
 
-    /// The group's live events, by handle: a wait on one that is gone
-    /// fails the test.
+    /// A point of a rank's comm stream: the rank, and how many of the
+    /// stream's entries precede it.
+    type Point = (usize, usize);
+
+    /// The group's device as the host lane models it: work runs when it is
+    /// issued (so results are right at once) but counts as queued, its
+    /// memory still in use, until a host wait on an event recorded after
+    /// it (or after a wait that depends on it). A wait on an event that is
+    /// gone fails the test.
     #[derive(Default)]
-    struct Events {
-        live: Mutex<HashSet<u64>>,
+    struct Device {
+        state: Mutex<DeviceState>,
         next: AtomicU64,
+    }
+
+    #[derive(Default)]
+    struct DeviceState {
+        /// Live events by handle, with the point each marks (`None` for a
+        /// compute stream's, complete at once: no work is queued there).
+        events: HashMap<u64, Option<Point>>,
+        /// Each rank's comm stream.
+        streams: HashMap<usize, Stream>,
+    }
+
+    #[derive(Default)]
+    struct Stream {
+        entries: Vec<Entry>,
+        /// How many entries have run.
+        done: usize,
+    }
+
+    enum Entry {
+        /// A copy or reduction over these byte ranges.
+        Work(Vec<Range<u64>>),
+        /// A wait on the point an event marks.
+        Wait(Option<Point>),
+    }
+
+    impl Device {
+        fn state(&self) -> MutexGuard<'_, DeviceState> {
+            // A rank that panicked holding the lock leaves the model intact.
+            self.state.lock().unwrap_or_else(PoisonError::into_inner)
+        }
+
+        fn live_events(&self) -> usize {
+            self.state().events.len()
+        }
+
+        /// How many queued copies and reductions touch any of `ranges`.
+        fn queued_over(&self, ranges: &[Range<u64>]) -> usize {
+            let overlaps =
+                |a: &Range<u64>| ranges.iter().any(|b| a.start < b.end && b.start < a.end);
+            let state = self.state();
+            let queued = state.streams.values().flat_map(|s| &s.entries[s.done..]);
+            queued
+                .filter(|e| matches!(e, Entry::Work(w) if w.iter().any(overlaps)))
+                .count()
+        }
+    }
+
+    impl DeviceState {
+        /// Runs a comm stream up to `point`, and first what its waits
+        /// before that point wait on.
+        fn complete(&mut self, (rank, upto): Point) {
+            let stream = self.streams.entry(rank).or_default();
+            if upto <= stream.done {
+                return;
+            }
+            let from = std::mem::replace(&mut stream.done, upto);
+            let waited: Vec<Point> = stream.entries[from..upto]
+                .iter()
+                .filter_map(|e| match e {
+                    Entry::Wait(point) => *point,
+                    Entry::Work(_) => None,
+                })
+                .collect();
+            for point in waited {
+                self.complete(point);
+            }
+        }
+
+        fn point_of(&self, handle: u64, rank: usize) -> Option<Point> {
+            match self.events.get(&handle) {
+                Some(point) => *point,
+                None => panic!("rank {rank} waits on event {handle}, which its owner has dropped"),
+            }
+        }
     }
 
     struct HostEvent {
         handle: u64,
-        events: Arc<Events>,
+        device: Arc<Device>,
     }
 
     impl Drop for HostEvent {
         fn drop(&mut self) {
-            self.events.live.lock().unwrap().remove(&self.handle);
+            self.device.state().events.remove(&self.handle);
         }
     }
 
-    /// Host memory standing in for the device: work runs when issued (so
-    /// "waiting" is nothing but the liveness check), after a short pause
-    /// that varies the ranks' interleavings; f32 only.
+    /// How a rank's host lane behaves.
+    #[derive(Clone, Copy, PartialEq, Eq)]
+    enum Behaviour {
+        Sound,
+        /// Fails every copy and reduction it is to issue.
+        FailsIssue,
+        /// Fails to record any event on its comm stream.
+        FailsRecordComm,
+        /// Falls behind: pauses 50 ms before queuing each wait.
+        SlowWaits,
+    }
+
+    /// Host memory standing in for the device ([`Device`]), after a short
+    /// pause before each wait that varies the ranks' interleavings; f32
+    /// only.
     struct HostLane {
-        events: Arc<Events>,
+        device: Arc<Device>,
         rank: usize,
-        /// The rank fails to issue its copies.
-        broken: bool,
+        behaviour: Behaviour,
     }
 
     impl HostLane {
-        fn event(&self) -> HostEvent {
-            let handle = self.events.next.fetch_add(1, Ordering::Relaxed) + 1;
-            self.events.live.lock().unwrap().insert(handle);
+        fn event(&self, point: Option<Point>) -> HostEvent {
+            let handle = self.device.next.fetch_add(1, Ordering::Relaxed) + 1;
+            self.device.state().events.insert(handle, point);
             HostEvent {
                 handle,
-                events: self.events.clone(),
+                device: self.device.clone(),
             }
         }
 
         fn pause(&self, salt: u64) {
             let micros = (self.rank as u64 * 37 + salt * 11) % 200;
             std::thread::sleep(Duration::from_micros(micros));
+            if self.behaviour == Behaviour::SlowWaits {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+
+        /// Queues work over `ranges`, or fails as the lane is told to.
+        fn queue(&self, ranges: Vec<Range<u64>>) -> Result<()> {
+            if self.behaviour == Behaviour::FailsIssue {
+                return Err(Error::State("injected issue failure".into()));
+            }
+            let mut state = self.device.state();
+            let stream = state.streams.entry(self.rank).or_default();
+            stream.entries.push(Entry::Work(ranges));
+            Ok(())
         }
     }
 
@@ -223,11 +386,22 @@ mod tests {
         type Event = HostEvent;
 
         fn record_compute(&self) -> Result<HostEvent> {
-            Ok(self.event())
+            Ok(self.event(None))
         }
 
         fn record_comm(&self) -> Result<HostEvent> {
-            Ok(self.event())
+            if self.behaviour == Behaviour::FailsRecordComm {
+                return Err(Error::State("injected record failure".into()));
+            }
+            let at = self
+                .device
+                .state()
+                .streams
+                .entry(self.rank)
+                .or_default()
+                .entries
+                .len();
+            Ok(self.event(Some((self.rank, at))))
         }
 
         fn handle(event: &HostEvent) -> u64 {
@@ -236,18 +410,31 @@ mod tests {
 
         unsafe fn wait(&self, handle: u64) -> Result<()> {
             self.pause(handle);
-            assert!(
-                self.events.live.lock().unwrap().contains(&handle),
-                "rank {} waits on event {handle}, which its owner has dropped",
-                self.rank
-            );
+            let mut state = self.device.state();
+            let point = state.point_of(handle, self.rank);
+            let stream = state.streams.entry(self.rank).or_default();
+            stream.entries.push(Entry::Wait(point));
+            Ok(())
+        }
+
+        unsafe fn wait_on_host(&self, handle: u64, _: (&'static str, u64)) -> Result<()> {
+            let mut state = self.device.state();
+            if let Some(point) = state.point_of(handle, self.rank) {
+                state.complete(point);
+            }
+            Ok(())
+        }
+
+        fn sync_comm(&self) -> Result<()> {
+            let mut state = self.device.state();
+            let end = state.streams.entry(self.rank).or_default().entries.len();
+            state.complete((self.rank, end));
             Ok(())
         }
 
         unsafe fn copy(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
-            if self.broken {
-                return Err(Error::State("injected copy failure".into()));
-            }
+            let span = |a: u64| a..a + bytes as u64;
+            self.queue(vec![span(dst), span(src)])?;
             // SAFETY: as the trait requires.
             unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, bytes) };
             Ok(())
@@ -262,6 +449,8 @@ mod tests {
             op: ReduceOp,
         ) -> Result<()> {
             assert_eq!(dtype, DType::F32, "the host lane reduces f32 only");
+            let bytes = (len * 4) as u64;
+            self.queue(srcs.iter().chain(dsts).map(|&a| a..a + bytes).collect())?;
             for i in 0..len {
                 // SAFETY: as the trait requires; element i of every source
                 // is read before element i of any destination is written.
@@ -276,6 +465,12 @@ mod tests {
         }
     }
 
+    /// The bytes of `buf`, as the device model tracks them.
+    fn span(buf: &[f32]) -> Range<u64> {
+        let start = buf.as_ptr() as u64;
+        start..start + std::mem::size_of_val(buf) as u64
+    }
+
     /// One rank: its host communicator, its lane and its previous events.
     struct Rank {
         host: ThreadComm,
@@ -285,14 +480,14 @@ mod tests {
     }
 
     impl Rank {
-        fn new(host: ThreadComm, events: &Arc<Events>, broken: bool) -> Self {
+        fn new(host: ThreadComm, device: &Arc<Device>, behaviour: Behaviour) -> Self {
             let rank = host.rank();
             Self {
                 host,
                 lane: HostLane {
-                    events: events.clone(),
+                    device: device.clone(),
                     rank,
-                    broken,
+                    behaviour,
                 },
                 previous: Vec::new(),
                 seq: 0,
@@ -404,11 +599,11 @@ mod tests {
     #[test]
     fn collectives_through_the_protocol_give_the_thread_backend_s_results() {
         for n in 1..=4 {
-            let events = Arc::new(Events::default());
+            let device = Arc::new(Device::default());
             let len = 97;
             let ours = ThreadGroup::new(n).run(|host| {
                 let r = host.rank();
-                let mut rank = Rank::new(host, &events, false);
+                let mut rank = Rank::new(host, &device, Behaviour::Sound);
                 let mut out = Vec::new();
                 for (k, op) in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max]
                     .into_iter()
@@ -470,7 +665,7 @@ mod tests {
             let theirs: Vec<_> = flatten(theirs).into_iter().map(Result::unwrap).collect();
             assert_eq!(ours, theirs, "n={n}");
             // Each rank freed every event but its last collective's two.
-            assert_eq!(events.live.lock().unwrap().len(), 2 * n, "n={n}");
+            assert_eq!(device.live_events(), 2 * n, "n={n}");
         }
     }
 
@@ -479,11 +674,11 @@ mod tests {
         let counts = vec![3, 1, 0, 5];
         let total: usize = counts.iter().sum();
         let n = counts.len();
-        let events = Arc::new(Events::default());
+        let device = Arc::new(Device::default());
         let counts = &counts;
         let ours = flatten(ThreadGroup::new(n).run(|host| {
             let r = host.rank();
-            let mut rank = Rank::new(host, &events, false);
+            let mut rank = Rank::new(host, &device, Behaviour::Sound);
             let send = values(r, counts[r], 12);
             let mut all = vec![0.0; total];
             // As `CudaThreadComm` describes the call.
@@ -514,14 +709,14 @@ mod tests {
 
     #[test]
     fn a_refused_argument_fails_the_peers_at_once_naming_the_rank() {
-        let events = Arc::new(Events::default());
+        let device = Arc::new(Device::default());
         let start = Instant::now();
         let results = flatten(
             ThreadGroup::new(3)
                 .with_timeout(Duration::from_secs(30))
                 .run(|host| {
                     let r = host.rank();
-                    let mut rank = Rank::new(host, &events, false);
+                    let mut rank = Rank::new(host, &device, Behaviour::Sound);
                     let send = vec![1.0; 12];
                     let mut recv = vec![0.0; 4];
                     let check = if r == 1 {
@@ -555,10 +750,10 @@ mod tests {
 
     #[test]
     fn mismatched_calls_fail_every_rank() {
-        let events = Arc::new(Events::default());
+        let device = Arc::new(Device::default());
         let results = flatten(ThreadGroup::new(3).run(|host| {
             let r = host.rank();
-            let mut rank = Rank::new(host, &events, false);
+            let mut rank = Rank::new(host, &device, Behaviour::Sound);
             let mut buf = vec![1.0; if r == 2 { 5 } else { 4 }];
             rank.in_place("all_reduce", Kind::AllReduce(ReduceOp::Sum), &mut buf)
         }));
@@ -572,11 +767,15 @@ mod tests {
 
     #[test]
     fn a_rank_that_cannot_issue_its_part_fails_its_peers_after_the_collective() {
-        let events = Arc::new(Events::default());
+        let device = Arc::new(Device::default());
         let results = flatten(ThreadGroup::new(3).run(|host| {
-            let broken = host.rank() == 2;
+            let behaviour = if host.rank() == 2 {
+                Behaviour::FailsIssue
+            } else {
+                Behaviour::Sound
+            };
             let n = host.world_size();
-            let mut rank = Rank::new(host, &events, broken);
+            let mut rank = Rank::new(host, &device, behaviour);
             let mut gathered = vec![0.0; n * 4];
             rank.run(
                 "all_gather",
@@ -593,14 +792,14 @@ mod tests {
 
     #[test]
     fn a_rank_that_panics_between_collectives_fails_its_peers() {
-        let events = Arc::new(Events::default());
+        let device = Arc::new(Device::default());
         let start = Instant::now();
         let results = flatten(
             ThreadGroup::new(3)
                 .with_timeout(Duration::from_secs(30))
                 .run(|host| {
                     let r = host.rank();
-                    let mut rank = Rank::new(host, &events, false);
+                    let mut rank = Rank::new(host, &device, Behaviour::Sound);
                     let mut buf = vec![1.0; 8];
                     rank.in_place("all_reduce", Kind::AllReduce(ReduceOp::Sum), &mut buf)?;
                     if r == 1 {
@@ -622,10 +821,10 @@ mod tests {
         // Many small collectives with ranks running at different paces: a
         // rank dropping an event a peer still waits on fails `HostLane::wait`.
         for n in [2, 3, 4] {
-            let events = Arc::new(Events::default());
+            let device = Arc::new(Device::default());
             let results = flatten(ThreadGroup::new(n).run(|host| {
                 let r = host.rank();
-                let mut rank = Rank::new(host, &events, false);
+                let mut rank = Rank::new(host, &device, Behaviour::Sound);
                 let mut buf = vec![r as f32; 16];
                 for i in 0..50 {
                     if (i + r) % 7 == 0 {
@@ -640,5 +839,94 @@ mod tests {
                 assert!(buf.iter().all(|&x| x == (n - 1) as f32), "n={n} rank {r}");
             }
         }
+    }
+
+    /// What a rank's collective returned, and how many copies and
+    /// reductions over its buffers were queued when it did.
+    type Returned = (Result<()>, usize);
+
+    /// Each rank's result, checking that it returned with no copy or
+    /// reduction over its buffers still queued: its caller frees them then.
+    fn returned_with_nothing_queued(results: Vec<Result<Result<Returned>>>) -> Vec<Result<()>> {
+        let outcomes: Vec<_> = flatten(results)
+            .into_iter()
+            .enumerate()
+            .map(|(r, out)| out.unwrap_or_else(|e| panic!("rank {r}: {e}")))
+            .collect();
+        outcomes
+            .into_iter()
+            .enumerate()
+            .map(|(r, (result, queued))| {
+                assert_eq!(
+                    queued, 0,
+                    "rank {r} returned {result:?} with work over its buffers queued"
+                );
+                result
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_failing_rank_returns_only_once_the_work_over_its_buffers_has_run() {
+        // Rank 1 cannot issue its part; by the time the ranks learn that,
+        // its peers have issued theirs, which read and write its buffers
+        // (and the peers' own).
+        for kind in [Kind::AllGather, Kind::AllReduce(ReduceOp::Sum)] {
+            let device = Arc::new(Device::default());
+            let results = ThreadGroup::new(3).run(|host| {
+                let behaviour = if host.rank() == 1 {
+                    Behaviour::FailsIssue
+                } else {
+                    Behaviour::Sound
+                };
+                let mut rank = Rank::new(host, &device, behaviour);
+                let send = vec![1.0; 4];
+                let mut recv = vec![0.0; 12];
+                let result = match kind {
+                    Kind::AllGather => {
+                        rank.run("all_gather", kind.clone(), 4, &send, &mut recv, Ok(()))
+                    }
+                    _ => rank.in_place("all_reduce", kind.clone(), &mut recv),
+                };
+                Ok((result, device.queued_over(&[span(&send), span(&recv)])))
+            });
+            let results = returned_with_nothing_queued(results);
+            assert!(
+                matches!(&results[1], Err(Error::State(m)) if m.contains("injected issue")),
+                "{kind:?}: {:?}",
+                results[1]
+            );
+            assert_peers_name(&results, 1);
+        }
+    }
+
+    #[test]
+    fn a_rank_that_cannot_record_its_comm_event_keeps_its_ready_event_for_its_peers() {
+        // Rank 0 fails as soon as it has issued its part; its peers fall
+        // behind and wait on its ready event later. A wait on an event that
+        // was dropped fails `HostLane::wait`.
+        let device = Arc::new(Device::default());
+        let start = Instant::now();
+        let results = ThreadGroup::new(3)
+            .with_timeout(Duration::from_secs(30))
+            .run(|host| {
+                let behaviour = if host.rank() == 0 {
+                    Behaviour::FailsRecordComm
+                } else {
+                    Behaviour::SlowWaits
+                };
+                let mut rank = Rank::new(host, &device, behaviour);
+                let mut buf = vec![1.0; 6];
+                let result = rank.in_place("all_reduce", Kind::AllReduce(ReduceOp::Sum), &mut buf);
+                Ok((result, device.queued_over(&[span(&buf)])))
+            });
+        assert!(start.elapsed() < Duration::from_secs(10));
+        let results = returned_with_nothing_queued(results);
+        assert!(
+            matches!(&results[0], Err(Error::State(m)) if m.contains("injected record")),
+            "{:?}",
+            results[0]
+        );
+        assert_peers_name(&results, 0);
     }
 }
