@@ -129,6 +129,16 @@ impl<T, G: GatherMemory<T>> Drop for Fetcher<T, G> {
         if let Some(worker) = worker {
             let _ = worker.join();
         }
+        // Gathers issued ahead and never taken are ordered before the shard
+        // goes (the fields drop after this, the shard first): on a memory
+        // that queues them, one left queued would read a freed shard. Those
+        // the thread never got to were never issued.
+        let issued = std::mem::take(&mut self.board.lock().issued);
+        for issued in issued {
+            if let Some(Ok(mut buffer)) = issued.result {
+                let _ = self.gathers.ready(&mut buffer);
+            }
+        }
     }
 }
 

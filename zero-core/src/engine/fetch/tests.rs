@@ -5,7 +5,7 @@ use super::*;
 use crate::Result;
 use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, RwLock, Weak};
 
 /// `count` units of `len` elements over one rank: unit `u`'s bucket is
 /// shard range `u*len..(u+1)*len`, one parameter per unit.
@@ -63,9 +63,13 @@ struct Queued {
 
 type SharedShard = Arc<RwLock<Vec<f32>>>;
 
+/// A copy queued from a shard (which it does not keep alive, as a device's
+/// queued copy does not keep its source) into a buffer's range.
+type QueuedCopy = (Weak<RwLock<Vec<f32>>>, Range<usize>, Range<usize>);
+
 struct QueuedBuffer {
     values: Vec<f32>,
-    copies: Vec<(SharedShard, Range<usize>, Range<usize>)>,
+    copies: Vec<QueuedCopy>,
 }
 
 impl GatherMemory<f32> for Arc<Queued> {
@@ -105,7 +109,11 @@ impl GatherMemory<f32> for Arc<Queued> {
             "a buffer refilled before it was ready"
         );
         for bucket in buckets {
-            let copy = (shard.clone(), bucket.shard.clone(), bucket.at.clone());
+            let copy = (
+                Arc::downgrade(shard),
+                bucket.shard.clone(),
+                bucket.at.clone(),
+            );
             buffer.copies.push(copy);
         }
         self.pending.fetch_add(1, Ordering::SeqCst);
@@ -117,6 +125,9 @@ impl GatherMemory<f32> for Arc<Queued> {
             return Ok(());
         }
         for (shard, from, to) in buffer.copies.drain(..) {
+            let shard = shard
+                .upgrade()
+                .expect("a queued gather ran after its shard was freed");
             buffer.values[to].copy_from_slice(&shard.read().unwrap()[from]);
         }
         self.pending.fetch_sub(1, Ordering::SeqCst);
@@ -187,6 +198,24 @@ fn queued_gathers_no_pass_took_are_ready_before_the_shard_is_taken() {
     let g = f.acquire(1, 0).unwrap();
     assert_eq!(g.buffer().values[0], 1010.0);
     f.release(g);
+}
+
+/// A fetcher dropped with gathers queued ahead (an optimizer dropped right
+/// after a step, a rank failing mid-forward) orders them before its shard
+/// goes: a device would otherwise copy from freed memory.
+#[test]
+fn dropping_the_fetcher_orders_its_queued_gathers_before_the_shard_goes() {
+    let (f, memory) = queued(6, 10, (80, 1000));
+    f.seed(&[0, 1, 2, 3, 4, 5], &[]);
+    let g = f.acquire(0, 0).unwrap();
+    f.release(g);
+    assert!(
+        memory.pending.load(Ordering::SeqCst) > 0,
+        "the upcoming units ran ahead"
+    );
+    // The fetcher holds the only handle on the shard.
+    drop(f);
+    assert_eq!(memory.pending.load(Ordering::SeqCst), 0);
 }
 
 fn use_units(f: &Fetcher<f32>, order: &[usize], len: usize) {
