@@ -35,8 +35,8 @@ use crate::{Element, Error, Result};
 use std::ops::Range;
 use std::sync::Arc;
 
-/// Where [`Engine::stream_params`] puts each piece: (parameter, its range
-/// of the parameter's elements, the values).
+/// Where [`Engine::stream_params`](crate::Engine::stream_params) puts each
+/// piece: (parameter, its range of the parameter's elements, the values).
 pub type ParamPieceSink<'a, T> = dyn FnMut(usize, Range<usize>, &[T]) -> Result<()> + 'a;
 
 /// The fetcher of an engine over memory `M`.

@@ -21,11 +21,12 @@ use std::collections::BTreeMap;
 use std::ops::Range;
 use std::path::Path;
 
-/// Options of [`Engine::save_checkpoint_with`].
+/// Options of [`Engine::save_checkpoint_with`](crate::Engine::save_checkpoint_with).
 #[derive(Clone, Debug, Default)]
 pub struct SaveOptions {
     /// Stored in the manifest ([`CheckpointInfo::user`]) and given back by
-    /// [`Engine::load_checkpoint`]: data position, learning rate, ...
+    /// [`Engine::load_checkpoint`](crate::Engine::load_checkpoint): data
+    /// position, learning rate, ...
     pub user: serde_json::Value,
     /// Fault injection for tests: `(rank, bytes)` makes that rank's
     /// optimizer file write fail after `bytes` bytes.
