@@ -189,7 +189,9 @@ pub struct Args {
     #[arg(long)]
     pub weight_decay: Option<f64>,
     /// Adam betas, as `beta1,beta2`.
-    #[arg(long, value_delimiter = ',', num_args = 2, default_values_t = [0.9, 0.999])]
+    // One value split at the comma, or two values; `optimizers::build`
+    // checks that there are two in all.
+    #[arg(long, value_delimiter = ',', num_args = 1..=2, default_values_t = [0.9, 0.999])]
     pub betas: Vec<f64>,
     /// Epsilon (Adam, AdamW, Adagrad, RMSprop; default: the optimizer's own).
     #[arg(long)]
@@ -345,6 +347,12 @@ pub struct Args {
     /// No progress bar or log lines, only errors.
     #[arg(long)]
     pub quiet: bool,
+    /// Read flags from this TOML file, one `long-flag-name = value` per
+    /// line (`world-size = 2`, `lr-decay = "cosine"`); flags given on the
+    /// command line win. Read by `Args::parse_with_config`, which the
+    /// `train` binary uses (`Args::parse` alone leaves it unread).
+    #[arg(long)]
+    pub config: Option<PathBuf>,
 }
 
 impl Args {

@@ -18,6 +18,12 @@ pub(super) fn validate(args: &Args) -> Result<(), TrainError> {
             "--checkpoint-activations recomputes the GPT's blocks; use it with --model gpt".into(),
         ));
     }
+    if args.betas.len() != 2 {
+        return Err(TrainError::Usage(format!(
+            "--betas takes two values, as beta1,beta2; got {:?}",
+            args.betas
+        )));
+    }
     if args.hidden.contains(&0) {
         return Err(TrainError::Usage("--hidden widths must be positive".into()));
     }

@@ -4,6 +4,7 @@
 
 mod args;
 mod config;
+mod config_file;
 mod data;
 mod gpt;
 mod launch;
@@ -37,6 +38,10 @@ pub enum TrainError {
     /// Bad flags.
     #[error("{0}")]
     Usage(String),
+    /// The command line does not parse, or asks for `--help` or
+    /// `--version`: `exit()` prints clap's message with its exit code.
+    #[error(transparent)]
+    CommandLine(#[from] clap::Error),
     /// A data, weights or metrics file is unusable.
     #[error("{path}: {detail}")]
     Data {
