@@ -1,5 +1,5 @@
-//! The engine's flat buffers, in its memory, and the pieces gradients are flattened into
-//! them by.
+//! The engine's flat buffers, in its memory, and the pieces gradients are
+//! flattened into them by.
 
 use super::config::Stage;
 use super::layout::Run;

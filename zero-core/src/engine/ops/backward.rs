@@ -1,6 +1,7 @@
-//! The engine's side of a backward pass: opened by [`Engine::begin_backward`], given
-//! gradients as backward makes them, and closed by the step or the next micro-step (the
-//! pass itself, its schedule and reductions are the `pass` module's).
+//! The engine's side of a backward pass: opened by [`Engine::begin_backward`],
+//! given gradients as backward makes them, and closed by the step or the next
+//! micro-step (the pass itself, its schedule and reductions are the `pass`
+//! module's).
 
 use crate::comm::Communicator;
 use crate::engine::consistency::check_same_graph;

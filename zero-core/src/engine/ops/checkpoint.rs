@@ -1,11 +1,12 @@
-//! Checkpoints from the engine's side: consolidating the sharded optimizer state into a
-//! [`StateDict`], loading one, and sharded save and load at any world size, stage and
-//! partitioner (the files' pieces and checks are the `state` module's).
+//! Checkpoints from the engine's side: consolidating the sharded optimizer
+//! state into a [`StateDict`], loading one, and sharded save and load at any
+//! world size, stage and partitioner (the files' pieces and checks are the
+//! `state` module's).
 //!
-//! Every function here is a collective unless it says otherwise. Failures on one rank are
-//! shared with the others through one small `all_gather_bytes` of a status, so a rank that
-//! fails to write a file makes every rank return an error naming it instead of leaving them
-//! waiting.
+//! Every function here is a collective unless it says otherwise. Failures on
+//! one rank are shared with the others through one small `all_gather_bytes` of
+//! a status, so a rank that fails to write a file makes every rank return an
+//! error naming it instead of leaving them waiting.
 
 use crate::checkpoint::{
     checkpoint_error, file_order, CheckpointInfo, CheckpointKind, FileRecord, Manifest, StateDict,

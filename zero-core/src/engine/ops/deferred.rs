@@ -1,5 +1,6 @@
-//! The engine's side of deferred all-gathers: the layers' access to the replica, and
-//! waiting for the gathers before anything else reads it (see the `deferred` module).
+//! The engine's side of deferred all-gathers: the layers' access to the
+//! replica, and waiting for the gathers before anything else reads it (see the
+//! `deferred` module).
 
 use crate::comm::Communicator;
 use crate::engine::deferred::{DeferredGathers, Finished, ParamAccess, Refresh};

@@ -1,5 +1,5 @@
-//! The engine's master weights: whether it keeps them, and reading and writing them
-//! (see the `precision` module).
+//! The engine's master weights: whether it keeps them, and reading and writing
+//! them (see the `precision` module).
 
 use crate::comm::Communicator;
 use crate::engine::precision::Masters;

@@ -1,5 +1,6 @@
-//! The engine's stage-3 methods: sharding the parameters, streaming them, and the shard
-//! lent out while it is the truth (see the `stage3` module for what stage 3 is).
+//! The engine's stage-3 methods: sharding the parameters, streaming them, and
+//! the shard lent out while it is the truth (see the `stage3` module for what
+//! stage 3 is).
 
 use crate::comm::{Communicator, ReduceOp};
 use crate::engine::fetch::Fetcher;

@@ -1,7 +1,7 @@
 //! What the engine's checkpoints (`ops/checkpoint.rs`) are made of: the
 //! optimizer state's pieces in transit, the files of one rank's state, the
-//! checks of a saved checkpoint against the engine, and the agreement of
-//! every rank on the outcome (`agree`, the only collective here).
+//! checks of a saved checkpoint against the engine, and the agreement of every
+//! rank on the outcome (`agree`, the only collective here).
 
 mod pieces;
 
