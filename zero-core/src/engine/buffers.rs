@@ -43,17 +43,14 @@ impl<B> Buffers<B> {
         }
     }
 
-    /// The buffers a pass with `schedule` reduces into, taken out until
-    /// the pass is joined (allocated first where the pass needs them), and
-    /// the interleaved schedule's `early` step.
-    pub fn pass_targets<T: Element, C: Communicator, M: ShardMemory<T, C, Buffer = B>>(
+    /// Allocates what a pass with `schedule` needs before it opens.
+    pub fn prepare_pass<T: Element, C: Communicator, M: ShardMemory<T, C, Buffer = B>>(
         &mut self,
         memory: &mut M,
         schedule: &Schedule,
         stage: Stage,
         sharding: &Sharding,
-        early: Option<EarlyStep<T, B>>,
-    ) -> Result<Targets<T, B>> {
+    ) -> Result<()> {
         // Adding into the shard reduce-scatters into `scratch`: later
         // micro-steps need it from the start. Gradients that come after
         // their bucket was launched get it where their reduction runs; a
@@ -65,16 +62,28 @@ impl<B> Buffers<B> {
         if stage == Stage::Ddp && self.full_grads.is_none() {
             self.full_grads = Some(memory.alloc_zeroed(sharding.partition.flat_numel())?);
         }
+        Ok(())
+    }
+
+    /// The buffers a pass with `schedule` reduces into (prepared by
+    /// [`Buffers::prepare_pass`]), taken out until the pass is joined, and
+    /// the interleaved schedule's `early` step.
+    pub fn take_targets<T: Element>(
+        &mut self,
+        schedule: &Schedule,
+        stage: Stage,
+        early: Option<EarlyStep<T, B>>,
+    ) -> Targets<T, B> {
         let folds = match stage {
             Stage::Ddp => !schedule.lands,
             _ => schedule.fold_full,
         };
-        Ok(Targets {
+        Targets {
             full: if folds { self.full_grads.take() } else { None },
             shard: self.grad_shard.take(),
             scratch: self.scratch.take(),
             early,
-        })
+        }
     }
 }
 

@@ -106,6 +106,9 @@ where
         let remaining = self.sharding.arrivals_per_bucket(&expected_calls);
 
         let stage = self.config.stage;
+        // What can fail comes before anything is lent or taken.
+        self.buffers
+            .prepare_pass(&mut self.memory, &schedule, stage, &self.sharding)?;
         let early = if schedule.step_early {
             // Master weights, when kept, are not read again.
             self.refresh_param_shard(params)?;
@@ -119,9 +122,7 @@ where
             // fold them again.
             self.window.in_full_buffer = false;
         }
-        let targets =
-            self.buffers
-                .pass_targets(&mut self.memory, &schedule, stage, &self.sharding, early)?;
+        let targets = self.buffers.take_targets(&schedule, stage, early);
         let thread = schedule.runner == Runner::Thread && self.ensure_worker();
         let map = || BucketMap::new(&self.sharding.layout, stage, self.wire.reduce);
         let reducer = match schedule.runner {
@@ -184,9 +185,10 @@ where
             })
             .collect();
         let micro_steps = self.window.micro_steps + 1;
+        let stand_in = self.memory.alloc_zeroed(0)?;
         let kind = self.optimizer.kind().to_string();
         let optimizer = std::mem::replace(&mut self.optimizer, Box::new(LentOptimizer(kind)));
-        let params = std::mem::replace(&mut self.buffers.param_shard, self.memory.alloc_zeroed(0)?);
+        let params = std::mem::replace(&mut self.buffers.param_shard, stand_in);
         Ok(EarlyStep {
             optimizer,
             params,
