@@ -6,6 +6,7 @@ use super::{
     Args, Dataset, GptConfig, LrDecayArg, ModelKind, OffloadArg, OverlapArg, PartitionerArg,
     Precision, TrainError,
 };
+use clap::ValueEnum;
 use zero_candle::ShardedVarMap;
 use zero_core::engine::{
     EngineConfig, LossScale, NormType, Offload, Overlap, PartitionerKind, Stage,
@@ -182,9 +183,16 @@ pub(super) fn lr_schedule(args: &Args) -> Result<Option<LrSchedule>, TrainError>
                  {total_steps}: {e}",
                 args.lr,
                 args.warmup_steps,
-                format!("{:?}", args.lr_decay).to_lowercase()
+                lr_decay_name(args.lr_decay)
             ))
         })
+}
+
+/// How the command line spells `decay`.
+fn lr_decay_name(decay: LrDecayArg) -> String {
+    decay
+        .to_possible_value()
+        .map_or_else(String::new, |v| v.get_name().to_string())
 }
 
 /// The schedule: `--overlap`, or where it is not given, interleaved for

@@ -177,10 +177,9 @@ fn queued_gathers_prefetch_from_the_caller_s_thread_and_are_ready_before_use() {
     assert_eq!(memory.pending.load(Ordering::SeqCst), 0);
 }
 
-/// Gathers issued ahead and never taken are ordered before the shard
-/// goes to a step: one still queued would read the stepped shard.
-#[test]
-fn queued_gathers_no_pass_took_are_ready_before_the_shard_is_taken() {
+/// A queued fetcher whose first unit was used and whose upcoming units
+/// were issued ahead and are still queued.
+fn queued_ahead() -> (Arc<Fetcher<f32, Arc<Queued>>>, Arc<Queued>) {
     let (f, memory) = queued(6, 10, (80, 1000));
     f.seed(&[0, 1, 2, 3, 4, 5], &[]);
     let g = f.acquire(0, 0).unwrap();
@@ -189,6 +188,14 @@ fn queued_gathers_no_pass_took_are_ready_before_the_shard_is_taken() {
         memory.pending.load(Ordering::SeqCst) > 0,
         "the upcoming units ran ahead"
     );
+    (f, memory)
+}
+
+/// Gathers issued ahead and never taken are ordered before the shard
+/// goes to a step: one still queued would read the stepped shard.
+#[test]
+fn queued_gathers_no_pass_took_are_ready_before_the_shard_is_taken() {
+    let (f, memory) = queued_ahead();
     f.end_pass().unwrap();
     let shard = f.take_shard().unwrap();
     assert_eq!(memory.pending.load(Ordering::SeqCst), 0);
@@ -205,14 +212,7 @@ fn queued_gathers_no_pass_took_are_ready_before_the_shard_is_taken() {
 /// goes: a device would otherwise copy from freed memory.
 #[test]
 fn dropping_the_fetcher_orders_its_queued_gathers_before_the_shard_goes() {
-    let (f, memory) = queued(6, 10, (80, 1000));
-    f.seed(&[0, 1, 2, 3, 4, 5], &[]);
-    let g = f.acquire(0, 0).unwrap();
-    f.release(g);
-    assert!(
-        memory.pending.load(Ordering::SeqCst) > 0,
-        "the upcoming units ran ahead"
-    );
+    let (f, memory) = queued_ahead();
     // The fetcher holds the only handle on the shard.
     drop(f);
     assert_eq!(memory.pending.load(Ordering::SeqCst), 0);
