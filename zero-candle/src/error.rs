@@ -17,6 +17,14 @@ pub enum Error {
         /// What is wrong and what to do.
         detail: String,
     },
+    /// A Hugging Face model directory or one of its files is unusable.
+    #[error("{path}: {detail}")]
+    Hub {
+        /// The directory or file.
+        path: std::path::PathBuf,
+        /// What is wrong and what to do.
+        detail: String,
+    },
 }
 
 /// `Result` with [`Error`].

@@ -20,8 +20,10 @@
 
 mod error;
 mod hook;
+pub mod hub;
 pub mod init;
 pub mod memory;
+pub mod models;
 #[cfg(feature = "nccl")]
 mod nccl;
 pub mod nn;

@@ -1,5 +1,7 @@
 //! `ZeroOptimizer`: the engine behind `candle_nn::Optimizer`.
 
+pub(crate) mod weights;
+
 use crate::hook::ZeroHook;
 use crate::init::ShardedVarMap;
 use crate::memory::{CandleMemory, MemoryOf};
@@ -10,7 +12,8 @@ use candle_core::{Tensor, Var, WithDType};
 use candle_nn::VarMap;
 use std::path::Path;
 use std::sync::Arc;
-use zero_core::checkpoint::{Manifest, TensorWriter};
+use weights::{Saved, SavedTensor, WeightsFile};
+use zero_core::checkpoint::Manifest;
 use zero_core::engine::{
     Engine, EngineConfig, FetchStats, MemoryReport, SaveOptions, Stage, StepReport,
 };
@@ -425,68 +428,22 @@ where
     /// trainer's `--init` read it. A collective: every rank calls it, and
     /// every rank gets the error if rank 0 cannot write.
     pub fn save_weights(&mut self, path: impl AsRef<Path>) -> Result<()> {
-        self.engine().wait_for_params()?;
-        let path = path.as_ref();
-        let rank = self.engine().comm().rank();
-        let fetcher = self.hook.as_ref().and_then(|h| h.fetcher());
-        let mut header = Vec::with_capacity(self.vars.len());
-        for (name, var) in self.names.iter().zip(&self.vars) {
-            header.push((
-                name.clone(),
-                zero_dtype(name, var.dtype())?,
-                var.dims().to_vec(),
-            ));
+        let mut tensors = Vec::with_capacity(self.vars.len());
+        for (index, (name, var)) in self.names.iter().zip(&self.vars).enumerate() {
+            tensors.push(SavedTensor {
+                name: name.clone(),
+                dtype: zero_dtype(name, var.dtype())?,
+                shape: var.dims().to_vec(),
+                from: Saved::Var {
+                    index,
+                    transpose: false,
+                },
+            });
         }
-        // Rank 0's first failure; it keeps taking part in the gathers.
-        let mut failure: Option<Error> = None;
-        let mut writer = match rank {
-            0 => TensorWriter::create(path, &header)
-                .map_err(|e| failure = Some(e.into()))
-                .ok(),
-            _ => None,
-        };
-        for (i, var) in self.vars.iter().enumerate() {
-            if fetcher.as_ref().is_some_and(|f| f.is_sharded(i)) {
-                // Piece by piece from the shards, in the tensor's order.
-                let dtype = var.dtype();
-                let engine = lent(&mut self.engine);
-                C::Memory::stream_params(engine, &[i], 0, &mut |_, _, values| {
-                    let Some(w) = writer.as_mut() else {
-                        return Ok(());
-                    };
-                    let written = values_as_bytes(values, dtype)
-                        .map_err(|e| zero_core::Error::State(e.to_string()))
-                        .and_then(|bytes| w.write(&bytes));
-                    if let Err(e) = written {
-                        failure = Some(e.into());
-                        writer = None;
-                    }
-                    Ok(())
-                })?;
-            } else if let Some(w) = writer.as_mut() {
-                let written = tensor_bytes(var.as_tensor()).and_then(|b| Ok(w.write(&b)?));
-                if let Err(e) = written {
-                    failure = Some(e);
-                    writer = None;
-                }
-            }
-        }
-        if let Some(w) = writer {
-            if let Err(e) = w.finish() {
-                failure = Some(e.into());
-            }
-        }
-        let mut failed = [f32::from(u8::from(failure.is_some()))];
-        self.engine_mut()
-            .all_reduce_host(&mut failed[..], zero_core::ReduceOp::Max)?;
-        match failure {
-            Some(e) => Err(e),
-            None if failed[0] > 0.0 => Err(Error::Zero(zero_core::Error::State(format!(
-                "save_weights: rank 0 could not write {}; see its error",
-                path.display()
-            )))),
-            None => Ok(()),
-        }
+        self.write_weights(vec![WeightsFile {
+            path: path.as_ref().to_path_buf(),
+            tensors,
+        }])
     }
 
     /// Stage 3: the counters of the parameter gathers, once the parameters
@@ -561,7 +518,7 @@ where
 }
 
 /// The engine's name for a Candle float dtype.
-fn zero_dtype(name: &str, dtype: candle_core::DType) -> Result<DType> {
+pub(crate) fn zero_dtype(name: &str, dtype: candle_core::DType) -> Result<DType> {
     Ok(match dtype {
         candle_core::DType::F32 => DType::F32,
         candle_core::DType::F64 => DType::F64,
@@ -579,39 +536,9 @@ fn zero_dtype(name: &str, dtype: candle_core::DType) -> Result<DType> {
     })
 }
 
-/// A tensor's elements as little-endian bytes, row-major, in its dtype.
-fn tensor_bytes(tensor: &Tensor) -> Result<Vec<u8>> {
-    let flat = tensor.flatten_all()?.to_device(&candle_core::Device::Cpu)?;
-    Ok(match flat.dtype() {
-        candle_core::DType::F32 => bytemuck::cast_slice(&flat.to_vec1::<f32>()?).to_vec(),
-        candle_core::DType::F64 => bytemuck::cast_slice(&flat.to_vec1::<f64>()?).to_vec(),
-        candle_core::DType::BF16 => bytemuck::cast_slice(&flat.to_vec1::<half::bf16>()?).to_vec(),
-        candle_core::DType::F16 => bytemuck::cast_slice(&flat.to_vec1::<half::f16>()?).to_vec(),
-        other => {
-            return Err(Error::Variable {
-                name: "<save_weights>".into(),
-                detail: format!("a {other:?} tensor cannot be saved as weights"),
-            })
-        }
-    })
-}
-
-/// Gathered values (in the engine's type) as bytes of `dtype`, rounded to
-/// it (to nearest, ties to even) where narrower.
-fn values_as_bytes<T: Element + WithDType>(
-    values: &[T],
-    dtype: candle_core::DType,
-) -> Result<Vec<u8>> {
-    if dtype == <T as WithDType>::DTYPE {
-        return Ok(bytemuck::cast_slice(values).to_vec());
-    }
-    let tensor = Tensor::from_slice(values, values.len(), &candle_core::Device::Cpu)?;
-    tensor_bytes(&tensor.to_dtype(dtype)?)
-}
-
 /// The engine, which is only away during `backward_step` (an internal
 /// invariant: every path there puts it back, panics included).
-fn lent<E>(slot: &mut Option<E>) -> &mut E {
+pub(crate) fn lent<E>(slot: &mut Option<E>) -> &mut E {
     match slot {
         Some(engine) => engine,
         None => unreachable!("the engine is back before backward_step returns"),

@@ -1,0 +1,70 @@
+//! How a model's variables sit in a hub checkpoint.
+
+use super::HubDir;
+use std::collections::{BTreeMap, BTreeSet};
+
+/// How a model's variables map onto the tensors of a hub checkpoint: a
+/// variable is the tensor of the same name, or of that name without an
+/// optional prefix (GPT-2's first checkpoints name `h.0.attn.c_attn.weight`
+/// what `transformers` saves as `transformer.h.0.attn.c_attn.weight`);
+/// some are stored transposed (GPT-2's `Conv1D` weights are `[in, out]`,
+/// the variable is a Linear's `[out, in]`); a tensor may hold a variable
+/// again (a head tied to the embedding, when a file keeps it).
+#[derive(Clone, Debug, Default)]
+pub struct HubLayout {
+    optional_prefix: Option<String>,
+    transposed: BTreeSet<String>,
+    /// Tensor name -> the variable it repeats.
+    tied: BTreeMap<String, String>,
+}
+
+impl HubLayout {
+    /// Every variable is the tensor of its name, as it is.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Variables whose names start with `prefix` may be stored without it.
+    pub fn with_optional_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.optional_prefix = Some(prefix.into());
+        self
+    }
+
+    /// The variable `var` (2-d) is stored transposed.
+    pub fn with_transposed(mut self, var: impl Into<String>) -> Self {
+        self.transposed.insert(var.into());
+        self
+    }
+
+    /// A tensor named `tensor`, where a file has one, holds variable `var`
+    /// again (it is read from `var` and written from it).
+    pub fn with_tied(mut self, tensor: impl Into<String>, var: impl Into<String>) -> Self {
+        self.tied.insert(tensor.into(), var.into());
+        self
+    }
+
+    /// Whether `var` is stored transposed.
+    pub fn is_transposed(&self, var: &str) -> bool {
+        self.transposed.contains(var)
+    }
+
+    /// The name of `var`'s tensor in `dir`: its own, else without the
+    /// optional prefix; `None` if `dir` has neither.
+    pub fn tensor_of(&self, dir: &HubDir, var: &str) -> Option<String> {
+        if dir.tensor(var).is_some() {
+            return Some(var.to_string());
+        }
+        let short = var.strip_prefix(self.optional_prefix.as_deref()?)?;
+        dir.tensor(short).is_some().then(|| short.to_string())
+    }
+
+    /// The variable tensor `tensor` of `dir` holds, among `vars`: its own
+    /// name, the name with the optional prefix, or the variable it is tied
+    /// to; `None` for a tensor the model does not train (a buffer).
+    pub fn var_of<'a>(&self, tensor: &str, vars: &'a [String]) -> Option<&'a str> {
+        let find = |name: &str| vars.iter().find(|v| *v == name).map(String::as_str);
+        find(tensor)
+            .or_else(|| find(&format!("{}{tensor}", self.optional_prefix.as_deref()?)))
+            .or_else(|| find(self.tied.get(tensor)?))
+    }
+}

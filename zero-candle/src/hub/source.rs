@@ -1,0 +1,115 @@
+//! A hub checkpoint as the source of a model's initial values.
+
+use super::{HubDir, HubLayout};
+use crate::init::ParamSource;
+use crate::{Error, Result};
+use candle_nn::Init;
+use std::ops::Range;
+use std::sync::Arc;
+
+/// The values of a model's variables from a hub checkpoint
+/// ([`ShardedVarMap::new`](crate::ShardedVarMap::new) with this source):
+/// memory-mapped, so at stage 3 a rank reads only its shard of each large
+/// variable, whatever the tensor's dtype in the file (converted), transposed
+/// where the [`HubLayout`] says.
+#[derive(Clone, Debug)]
+pub struct HubSource {
+    dir: Arc<HubDir>,
+    layout: HubLayout,
+}
+
+impl HubSource {
+    /// Values from `dir`, placed by `layout`.
+    pub fn new(dir: Arc<HubDir>, layout: HubLayout) -> Self {
+        Self { dir, layout }
+    }
+
+    /// The directory read from.
+    pub fn dir(&self) -> &Arc<HubDir> {
+        &self.dir
+    }
+
+    /// How the variables sit in it.
+    pub fn layout(&self) -> &HubLayout {
+        &self.layout
+    }
+
+    /// The tensor of `var`, checked against the variable's shape.
+    fn tensor(&self, var: &str, shape: &[usize]) -> Result<zero_core::checkpoint::TensorBytes<'_>> {
+        let Some(tensor) = self
+            .layout
+            .tensor_of(&self.dir, var)
+            .and_then(|name| self.dir.tensor(&name))
+        else {
+            return Err(Error::Variable {
+                name: var.into(),
+                detail: format!(
+                    "{} has no tensor of that name; is it a checkpoint of this model's \
+                     architecture?",
+                    self.dir.dir().display()
+                ),
+            });
+        };
+        let mut expected = shape.to_vec();
+        if self.layout.is_transposed(var) {
+            expected.reverse();
+        }
+        if tensor.shape != expected {
+            return Err(Error::Variable {
+                name: var.into(),
+                detail: format!(
+                    "{} holds it as {:?}, the model built from its config.json needs {expected:?}; \
+                     does config.json describe these weights?",
+                    self.dir.dir().display(),
+                    tensor.shape
+                ),
+            });
+        }
+        Ok(tensor)
+    }
+}
+
+impl ParamSource for HubSource {
+    fn fill(
+        &self,
+        name: &str,
+        shape: &[usize],
+        _init: Init,
+        range: Range<usize>,
+        out: &mut [f64],
+    ) -> Result<()> {
+        let tensor = self.tensor(name, shape)?;
+        if !self.layout.is_transposed(name) {
+            return Ok(tensor.read_range_as(range, out)?);
+        }
+        // The variable is [rows, cols], the file [cols, rows]: the
+        // variable's rows `first..=last` are a contiguous run of each of the
+        // file's rows.
+        let &[rows, cols] = shape else {
+            return Err(Error::Variable {
+                name: name.into(),
+                detail: format!("is {shape:?}; only a 2-d variable can be stored transposed"),
+            });
+        };
+        if range.is_empty() {
+            return Ok(());
+        }
+        let (first, last) = (range.start / cols, (range.end - 1) / cols);
+        let mut run = vec![0f64; last - first + 1];
+        for col in 0..cols {
+            let start = col * rows + first;
+            tensor.read_range_as(start..start + run.len(), &mut run)?;
+            for (i, &value) in run.iter().enumerate() {
+                let element = (first + i) * cols + col;
+                if range.contains(&element) {
+                    out[element - range.start] = value;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn check(&self, name: &str, shape: &[usize]) -> Result<()> {
+        self.tensor(name, shape).map(drop)
+    }
+}

@@ -1,0 +1,9 @@
+//! Models of the Hugging Face hub built from [`crate::nn`]'s layers and
+//! fused ops, so that every stage (3 included, sharded from construction),
+//! overlap, mixed precision and activation checkpointing work for them,
+//! with their checkpoints read and written in the hub's layout
+//! ([`crate::hub`]).
+
+pub mod gpt2;
+
+pub use gpt2::{Gpt2, Gpt2Config};

@@ -1,0 +1,251 @@
+//! Weights files written from the optimizer's variables, one tensor at a
+//! time: the one writer behind `save_weights` and `save_hub`.
+
+use super::{lent, ZeroOptimizer};
+use crate::memory::CandleMemory;
+use crate::{Error, Result};
+use candle_core::{Tensor, WithDType};
+use std::path::PathBuf;
+use zero_core::checkpoint::TensorWriter;
+use zero_core::{Communicator, DType, Element};
+
+/// A safetensors file to write: its path and its tensors.
+pub(crate) struct WeightsFile {
+    pub(crate) path: PathBuf,
+    pub(crate) tensors: Vec<SavedTensor>,
+}
+
+/// One tensor of a [`WeightsFile`]: its name, dtype and shape in the file,
+/// and where its values come from.
+pub(crate) struct SavedTensor {
+    pub(crate) name: String,
+    pub(crate) dtype: DType,
+    pub(crate) shape: Vec<usize>,
+    pub(crate) from: Saved,
+}
+
+/// Where a saved tensor's values come from.
+pub(crate) enum Saved {
+    /// Variable `index`'s full values, rounded to the file's dtype; with
+    /// `transpose`, a 2-d variable `[a, b]` written as `[b, a]`.
+    Var { index: usize, transpose: bool },
+    /// These bytes, as they are (a tensor the model does not train).
+    Bytes(Vec<u8>),
+}
+
+impl<C, T> ZeroOptimizer<C, T>
+where
+    C: Communicator + 'static,
+    T: Element + WithDType,
+    C::Memory: CandleMemory<T, C>,
+{
+    /// Writes `files`: rank 0 writes, each file whole or not at all
+    /// (written beside its path, then moved). The variables are visited in
+    /// collective order; at stage 3 each sharded one is gathered and
+    /// written (streamed when it goes to one tensor as it is, else held
+    /// whole on rank 0 for that tensor only) before the next. A collective:
+    /// every rank calls it with the same files, and gets the error if rank
+    /// 0 cannot write.
+    pub(crate) fn write_weights(&mut self, mut files: Vec<WeightsFile>) -> Result<()> {
+        self.engine().wait_for_params()?;
+        // In each file, the variables' tensors in collective order, then the
+        // copied bytes: the order the loop below produces them in.
+        for file in &mut files {
+            file.tensors.sort_by_key(|t| match t.from {
+                Saved::Var { index, .. } => index,
+                Saved::Bytes(_) => usize::MAX,
+            });
+        }
+        let mut destinations: Vec<Vec<(usize, usize)>> = vec![Vec::new(); self.vars.len()];
+        for (f, file) in files.iter().enumerate() {
+            for (t, tensor) in file.tensors.iter().enumerate() {
+                if let Saved::Var { index, .. } = tensor.from {
+                    let Some(slot) = destinations.get_mut(index) else {
+                        return Err(Error::Variable {
+                            name: tensor.name.clone(),
+                            detail: format!("internal: variable #{index} does not exist"),
+                        });
+                    };
+                    slot.push((f, t));
+                }
+            }
+        }
+        let rank = self.engine().comm().rank();
+        // Rank 0's first failure; it keeps taking part in the gathers.
+        let mut failure: Option<Error> = None;
+        let mut writers: Vec<Option<TensorWriter>> = Vec::new();
+        if rank == 0 {
+            for file in &files {
+                let header: Vec<_> = file
+                    .tensors
+                    .iter()
+                    .map(|t| (t.name.clone(), t.dtype, t.shape.clone()))
+                    .collect();
+                match TensorWriter::create(&file.path, &header) {
+                    Ok(w) => writers.push(Some(w)),
+                    Err(e) => {
+                        failure.get_or_insert(e.into());
+                        writers.push(None);
+                    }
+                }
+            }
+        }
+        let fetcher = self.hook.as_ref().and_then(|h| h.fetcher());
+        for (index, places) in destinations.iter().enumerate() {
+            if places.is_empty() {
+                continue;
+            }
+            let var = &self.vars[index];
+            let dims = var.dims().to_vec();
+            let tensor = |&(f, t): &(usize, usize)| &files[f].tensors[t];
+            let transposed = |place| {
+                matches!(
+                    tensor(place).from,
+                    Saved::Var {
+                        transpose: true,
+                        ..
+                    }
+                )
+            };
+            let sharded = fetcher.as_ref().is_some_and(|f| f.is_sharded(index));
+            let whole = if !sharded {
+                Some(var.as_tensor().clone())
+            } else if places.len() == 1 && !transposed(&places[0]) {
+                // Piece by piece from the shards, in the tensor's order.
+                let (f, t) = places[0];
+                let dtype = candle_dtype(files[f].tensors[t].dtype);
+                let engine = lent(&mut self.engine);
+                C::Memory::stream_params(engine, &[index], 0, &mut |_, _, values| {
+                    if let Some(w) = writers.get_mut(f).and_then(Option::as_mut) {
+                        let written = values_as_bytes(values, dtype)
+                            .map_err(|e| zero_core::Error::State(e.to_string()))
+                            .and_then(|bytes| w.write(&bytes));
+                        if let Err(e) = written {
+                            failure.get_or_insert(e.into());
+                            writers[f] = None;
+                        }
+                    }
+                    Ok(())
+                })?;
+                None
+            } else {
+                // Gathered whole on rank 0, for this tensor only.
+                let mut values = Vec::new();
+                let engine = lent(&mut self.engine);
+                C::Memory::stream_params(engine, &[index], 0, &mut |_, _, piece: &[T]| {
+                    if rank == 0 {
+                        values.extend_from_slice(piece);
+                    }
+                    Ok(())
+                })?;
+                (rank == 0)
+                    .then(|| Tensor::from_vec(values, dims.as_slice(), &candle_core::Device::Cpu))
+                    .transpose()?
+            };
+            let Some(whole) = whole.filter(|_| rank == 0) else {
+                continue;
+            };
+            for &(f, t) in places {
+                let Some(w) = writers[f].as_mut() else {
+                    continue;
+                };
+                let saved = &files[f].tensors[t];
+                let written = saved_bytes(&whole, saved).and_then(|b| Ok(w.write(&b)?));
+                if let Err(e) = written {
+                    failure.get_or_insert(e);
+                    writers[f] = None;
+                }
+            }
+        }
+        for (file, writer) in files.iter().zip(writers) {
+            let Some(mut w) = writer else {
+                continue;
+            };
+            let copied = file.tensors.iter().try_for_each(|t| match &t.from {
+                Saved::Bytes(bytes) => w.write(bytes),
+                Saved::Var { .. } => Ok(()),
+            });
+            if let Err(e) = copied.and_then(|()| w.finish().map(drop)) {
+                failure.get_or_insert(e.into());
+            }
+        }
+        let mut failed = [f32::from(u8::from(failure.is_some()))];
+        self.engine_mut()
+            .all_reduce_host(&mut failed[..], zero_core::ReduceOp::Max)?;
+        match failure {
+            Some(e) => Err(e),
+            None if failed[0] > 0.0 => Err(Error::Zero(zero_core::Error::State(format!(
+                "rank 0 could not write {}; see its error",
+                files
+                    .iter()
+                    .map(|f| f.path.display().to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )))),
+            None => Ok(()),
+        }
+    }
+}
+
+/// A variable's whole values as `saved`'s bytes: transposed if it asks,
+/// rounded to its dtype.
+fn saved_bytes(whole: &Tensor, saved: &SavedTensor) -> Result<Vec<u8>> {
+    let tensor = match saved.from {
+        Saved::Var {
+            transpose: true, ..
+        } => whole.t()?.contiguous()?,
+        _ => whole.clone(),
+    };
+    let dtype = candle_dtype(saved.dtype);
+    if tensor.dims() != saved.shape.as_slice() {
+        return Err(Error::Variable {
+            name: saved.name.clone(),
+            detail: format!(
+                "holds {:?}, the file announces {:?}",
+                tensor.dims(),
+                saved.shape
+            ),
+        });
+    }
+    tensor_bytes(&tensor.to_dtype(dtype)?)
+}
+
+/// The Candle dtype of a zero-rs one.
+pub(crate) fn candle_dtype(dtype: DType) -> candle_core::DType {
+    match dtype {
+        DType::F32 => candle_core::DType::F32,
+        DType::F64 => candle_core::DType::F64,
+        DType::BF16 => candle_core::DType::BF16,
+        DType::F16 => candle_core::DType::F16,
+    }
+}
+
+/// A tensor's elements as little-endian bytes, row-major, in its dtype.
+fn tensor_bytes(tensor: &Tensor) -> Result<Vec<u8>> {
+    let flat = tensor.flatten_all()?.to_device(&candle_core::Device::Cpu)?;
+    Ok(match flat.dtype() {
+        candle_core::DType::F32 => bytemuck::cast_slice(&flat.to_vec1::<f32>()?).to_vec(),
+        candle_core::DType::F64 => bytemuck::cast_slice(&flat.to_vec1::<f64>()?).to_vec(),
+        candle_core::DType::BF16 => bytemuck::cast_slice(&flat.to_vec1::<half::bf16>()?).to_vec(),
+        candle_core::DType::F16 => bytemuck::cast_slice(&flat.to_vec1::<half::f16>()?).to_vec(),
+        other => {
+            return Err(Error::Variable {
+                name: "<save_weights>".into(),
+                detail: format!("a {other:?} tensor cannot be saved as weights"),
+            })
+        }
+    })
+}
+
+/// Gathered values (in the engine's type) as bytes of `dtype`, rounded to
+/// it (to nearest, ties to even) where narrower.
+fn values_as_bytes<T: Element + WithDType>(
+    values: &[T],
+    dtype: candle_core::DType,
+) -> Result<Vec<u8>> {
+    if dtype == <T as WithDType>::DTYPE {
+        return Ok(bytemuck::cast_slice(values).to_vec());
+    }
+    let tensor = Tensor::from_slice(values, values.len(), &candle_core::Device::Cpu)?;
+    tensor_bytes(&tensor.to_dtype(dtype)?)
+}
