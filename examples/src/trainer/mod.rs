@@ -15,6 +15,7 @@ mod progress;
 mod rank_model;
 mod rank_optimizer;
 mod text;
+mod tokenizer;
 mod train_loop;
 
 pub use args::{
@@ -28,7 +29,8 @@ pub use launch::{run, train_rank};
 pub use metrics::{GatherMetrics, OffloadMetrics, StepMetrics};
 pub use model::{copy_vars, read_weights, Mlp};
 pub use plot::LossHistory;
-pub use text::{TextData, DEFAULT_CORPUS_DIR};
+pub use text::{Document, TextData, DEFAULT_CORPUS_DIR};
+pub use tokenizer::TextTokenizer;
 
 use std::path::PathBuf;
 
@@ -93,7 +95,7 @@ pub struct Summary {
 pub enum TrainingData {
     /// Rows of inputs and class targets.
     Rows(Dataset),
-    /// Bytes of text.
+    /// Token ids of text (bytes for the byte GPT).
     Text(TextData),
 }
 
@@ -113,5 +115,17 @@ impl TrainingData {
                 })
             }
         })
+    }
+
+    /// The text a model with `tokenizer` trains on, from `--data` (a text
+    /// file, a directory of them, or a `.bin` token file) or the default
+    /// corpus: see [`TextData::for_tokenizer`].
+    pub fn text_with(args: &Args, tokenizer: &TextTokenizer) -> Result<Self, TrainError> {
+        let context = args.context as usize;
+        Ok(Self::Text(TextData::for_tokenizer(
+            args.data.as_deref(),
+            tokenizer,
+            context,
+        )?))
     }
 }
