@@ -281,7 +281,9 @@ pub struct Args {
     /// and `targets` (i64, n); without it, a synthetic task from `--seed`.
     /// GPT: a plain text file (bytes; the last 10% validate); without it,
     /// the license texts in /usr/share/common-licenses that every Debian
-    /// and Ubuntu system has.
+    /// and Ubuntu system has. `--hf`: a text file or a directory of them
+    /// (one document each, joined by the end-of-text token), or a `.bin`
+    /// of u16 token ids (nanoGPT's); without it, those license texts.
     #[arg(long)]
     pub data: Option<PathBuf>,
     /// GPT: transformer blocks.
@@ -325,6 +327,19 @@ pub struct Args {
     /// Write the final weights here (safetensors).
     #[arg(long)]
     pub save: Option<PathBuf>,
+    /// Fine-tune this Hugging Face GPT-2 directory (`config.json`,
+    /// `model.safetensors` or an index with its shards, `tokenizer.json`)
+    /// instead of `--model`: the shape comes from its config (`--layers`,
+    /// `--heads`, `--d-model` are not used), `--data` is tokenized with its
+    /// tokenizer (documents joined by its end-of-text token), and at stage 3
+    /// each rank reads only its shard of the weights.
+    #[arg(long)]
+    pub hf: Option<PathBuf>,
+    /// With `--hf`: at the end, write the model here in the layout it was
+    /// read in (the same files, names, dtypes and orientation, with its
+    /// config and tokenizer files), which `transformers` loads as it is.
+    #[arg(long)]
+    pub save_hf: Option<PathBuf>,
     /// Write one JSON object per step here.
     #[arg(long)]
     pub metrics: Option<PathBuf>,

@@ -4,7 +4,7 @@
 
 use super::{
     Args, Dataset, GptConfig, LrDecayArg, ModelKind, OffloadArg, OverlapArg, PartitionerArg,
-    Precision, TrainError,
+    Precision, TrainError, TrainingData,
 };
 use clap::ValueEnum;
 use zero_candle::ShardedVarMap;
@@ -14,9 +14,24 @@ use zero_core::engine::{
 use zero_core::optim::{LrDecay, LrSchedule};
 
 pub(super) fn validate(args: &Args) -> Result<(), TrainError> {
-    if args.checkpoint_activations && args.model != ModelKind::Gpt {
+    if args.hf.is_some() && args.init.is_some() {
         return Err(TrainError::Usage(
-            "--checkpoint-activations recomputes the GPT's blocks; use it with --model gpt".into(),
+            "--hf reads the model's weights from its directory; drop --init".into(),
+        ));
+    }
+    if args.save_hf.is_some() && args.hf.is_none() {
+        return Err(TrainError::Usage(
+            "--save-hf writes the model back in the layout --hf read it in; give --hf DIR (or \
+             use --save FILE for the trainer's own models)"
+                .into(),
+        ));
+    }
+    let language_model = args.model == ModelKind::Gpt || args.hf.is_some();
+    if args.checkpoint_activations && !language_model {
+        return Err(TrainError::Usage(
+            "--checkpoint-activations recomputes the GPT's blocks; use it with --model gpt or \
+             --hf"
+                .into(),
         ));
     }
     if args.betas.len() != 2 {
@@ -62,11 +77,12 @@ pub(super) fn validate(args: &Args) -> Result<(), TrainError> {
     if !(args.timeout_s.is_finite() && args.timeout_s > 0.0) {
         return Err(TrainError::Usage("--timeout-s must be positive".into()));
     }
-    if args.model == ModelKind::Gpt {
+    // With --hf, the shape comes from the directory's config.json.
+    if args.hf.is_none() && args.model == ModelKind::Gpt {
         gpt_config(args).validate()?;
-    } else if args.sample > 0 {
+    } else if !language_model && args.sample > 0 {
         return Err(TrainError::Usage(
-            "--sample generates text and needs --model gpt".into(),
+            "--sample generates text and needs --model gpt or --hf".into(),
         ));
     }
     if !(args.temperature.is_finite() && args.temperature >= 0.0) {
@@ -276,10 +292,13 @@ pub(super) fn gpt_config(args: &Args) -> GptConfig {
     }
 }
 
-/// Where the model's variables come from: `--init`'s file (memory-mapped)
-/// or the seed; created without values, for the optimizer to fill (at
+/// Where the model's variables come from: `--hf`'s weights, `--init`'s
+/// file (both memory-mapped) or the seed; created without values, for the optimizer to fill (at
 /// stage 3 each rank only its shard of the large ones).
-pub(super) fn model_vars(args: &Args) -> Result<ShardedVarMap, TrainError> {
+pub(super) fn model_vars(args: &Args, data: &TrainingData) -> Result<ShardedVarMap, TrainError> {
+    if let TrainingData::Hub(hub) = data {
+        return hub.vars();
+    }
     Ok(match &args.init {
         Some(path) => ShardedVarMap::from_safetensors(path).map_err(|e| TrainError::Data {
             path: path.clone(),

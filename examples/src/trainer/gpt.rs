@@ -15,7 +15,6 @@
 use crate::trainer::TrainError;
 use candle_core::{DType, Device, Module, Tensor, D};
 use candle_nn::VarMap;
-use rand::{rngs::StdRng, Rng, SeedableRng};
 use std::sync::Arc;
 use zero_candle::nn::{ops, Embedding, GradHook, LayerNorm, Linear};
 use zero_candle::ShardedVarMap;
@@ -395,56 +394,23 @@ impl Gpt {
         seed: u64,
         device: &Device,
     ) -> candle_core::Result<Vec<u8>> {
-        let mut rng = StdRng::seed_from_u64(seed);
         // An empty prompt starts from a newline, a byte every text has.
-        let mut text: Vec<u8> = if prompt.is_empty() {
-            vec![b'\n']
-        } else {
-            prompt.to_vec()
+        let prompt: Vec<u32> = match prompt {
+            [] => vec![b'\n' as u32],
+            bytes => bytes.iter().map(|&b| b as u32).collect(),
         };
-        let start = text.len();
-        for _ in 0..count {
-            let window = &text[text.len().saturating_sub(self.config.context)..];
-            let ids: Vec<u32> = window.iter().map(|&b| b as u32).collect();
-            let ids = Tensor::from_vec(ids, (1, window.len()), device)?;
-            let logits = self.forward(&ids)?;
-            let last = logits
-                .get(window.len() - 1)?
-                .to_dtype(DType::F64)?
-                .to_vec1::<f64>()?;
-            text.push(pick(&last, temperature, &mut rng));
-        }
-        Ok(text[start..].to_vec())
+        let ids = super::sample::continue_ids(
+            &prompt,
+            count,
+            self.config.context,
+            temperature,
+            seed,
+            device,
+            |ids| self.forward(ids),
+        )?;
+        // Every id is a byte: the head has 256 outputs.
+        Ok(ids.into_iter().map(|id| id as u8).collect())
     }
-}
-
-/// The most likely byte (temperature 0) or a sample at that temperature.
-fn pick(logits: &[f64], temperature: f64, rng: &mut StdRng) -> u8 {
-    let best = logits
-        .iter()
-        .enumerate()
-        .fold((0, f64::NEG_INFINITY), |best, (i, &v)| {
-            if v > best.1 {
-                (i, v)
-            } else {
-                best
-            }
-        });
-    if temperature <= 0.0 {
-        return best.0 as u8;
-    }
-    let weights: Vec<f64> = logits
-        .iter()
-        .map(|&v| ((v - best.1) / temperature).exp())
-        .collect();
-    let mut u = rng.gen_range(0.0..weights.iter().sum::<f64>());
-    for (i, w) in weights.iter().enumerate() {
-        if u < *w {
-            return i as u8;
-        }
-        u -= w;
-    }
-    best.0 as u8
 }
 
 /// `[time, time]`: 0 where a position may attend (itself and earlier),

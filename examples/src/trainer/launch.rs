@@ -77,7 +77,7 @@ where
     C: zero_nccl::DeviceComm,
 {
     let (rank, world_size) = (comm.rank(), comm.world_size());
-    let map = model_vars(args)?;
+    let map = model_vars(args, data)?;
     let hook = zero_candle::ZeroHook::<C, f32>::new();
     let model = Model::new(args, data, &map, &device, hook.clone())?;
     let mut opt = ZeroOptimizer::<C, f32>::new_sharded(
@@ -213,7 +213,7 @@ where
     T: Float + WithDType,
 {
     let (rank, world_size) = (comm.rank(), comm.world_size());
-    let map = model_vars(args)?;
+    let map = model_vars(args, data)?;
     let hook = ZeroHook::<C, T>::new();
     let model = Model::new(args, data, &map, &Device::Cpu, hook.clone())?;
     // At stage 3 each rank builds and initializes (or reads) only its

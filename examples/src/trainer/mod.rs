@@ -7,6 +7,7 @@ mod config;
 mod config_file;
 mod data;
 mod gpt;
+mod hub;
 mod launch;
 mod metrics;
 mod model;
@@ -14,6 +15,7 @@ mod plot;
 mod progress;
 mod rank_model;
 mod rank_optimizer;
+mod sample;
 mod text;
 mod tokenizer;
 mod train_loop;
@@ -25,6 +27,7 @@ pub use args::{
 pub use config::{engine_config, overlap};
 pub use data::Dataset;
 pub use gpt::{Gpt, GptConfig, GptOps, VOCAB};
+pub use hub::HubText;
 pub use launch::{run, train_rank};
 pub use metrics::{GatherMetrics, OffloadMetrics, StepMetrics};
 pub use model::{copy_vars, read_weights, Mlp};
@@ -97,11 +100,17 @@ pub enum TrainingData {
     Rows(Dataset),
     /// Token ids of text (bytes for the byte GPT).
     Text(TextData),
+    /// `--hf`: a Hugging Face model with its tokenizer and the text
+    /// tokenized with it.
+    Hub(Box<HubText>),
 }
 
 impl TrainingData {
-    /// The data `--model` and `--data` name.
+    /// The data `--model` (or `--hf`) and `--data` name.
     pub fn from_args(args: &Args) -> Result<Self, TrainError> {
+        if let Some(dir) = &args.hf {
+            return Ok(Self::Hub(Box::new(HubText::load(args, dir)?)));
+        }
         Ok(match args.model {
             ModelKind::Mlp => Self::Rows(match &args.data {
                 Some(path) => Dataset::load(path)?,
@@ -115,17 +124,5 @@ impl TrainingData {
                 })
             }
         })
-    }
-
-    /// The text a model with `tokenizer` trains on, from `--data` (a text
-    /// file, a directory of them, or a `.bin` token file) or the default
-    /// corpus: see [`TextData::for_tokenizer`].
-    pub fn text_with(args: &Args, tokenizer: &TextTokenizer) -> Result<Self, TrainError> {
-        let context = args.context as usize;
-        Ok(Self::Text(TextData::for_tokenizer(
-            args.data.as_deref(),
-            tokenizer,
-            context,
-        )?))
     }
 }

@@ -1,18 +1,24 @@
-//! The model a rank trains (the MLP or the GPT) with the data it reads:
-//! its batches' loss and the validation loss.
+//! The model a rank trains (the MLP, the GPT or a hub GPT-2) with the data
+//! it reads: its batches' loss and the validation loss.
 
 use super::config::{gpt_config, widths};
 use super::rank_optimizer::RankOptimizer;
-use super::{Args, Dataset, Gpt, Mlp, TextData, TrainError, TrainingData};
+use super::{Args, Dataset, Gpt, HubText, Mlp, TextData, TrainError, TrainingData};
 use candle_core::{DType, Device, Tensor};
 use std::sync::Arc;
+use zero_candle::models::Gpt2;
 use zero_candle::nn::GradHook;
 use zero_candle::ShardedVarMap;
+
+/// A language model's loss over windows of token ids.
+type WindowLoss<'a> = Box<dyn Fn(&Tensor) -> candle_core::Result<Tensor> + 'a>;
 
 /// The model a rank trains, with the data it reads.
 pub(super) enum Model<'a> {
     Mlp(Mlp, &'a Dataset),
     Gpt(Gpt, &'a TextData),
+    /// `--hf`: a Hugging Face GPT-2.
+    Hub(Gpt2, &'a HubText),
 }
 
 impl<'a> Model<'a> {
@@ -37,7 +43,22 @@ impl<'a> Model<'a> {
                     .with_checkpointing(args.checkpoint_activations),
                 text,
             ),
+            TrainingData::Hub(hub) => Self::Hub(
+                Gpt2::new(map.builder(dtype, device), &hub.config, hook)?
+                    .with_checkpointing(args.checkpoint_activations),
+                hub.as_ref(),
+            ),
         })
+    }
+
+    /// A language model's text and its loss over windows of token ids
+    /// `[batch, context + 1]`; `None` for the MLP.
+    fn language_model(&self) -> Option<(&TextData, WindowLoss<'_>)> {
+        match self {
+            Self::Mlp(..) => None,
+            Self::Gpt(model, text) => Some((text, Box::new(|ids| model.loss(ids)))),
+            Self::Hub(model, hub) => Some((&hub.text, Box::new(|ids| model.loss(ids)))),
+        }
     }
 
     /// The mean loss over this rank's part of the global micro-batch that
@@ -51,6 +72,11 @@ impl<'a> Model<'a> {
         device: &Device,
     ) -> Result<Tensor, TrainError> {
         let batch = args.batch_size as usize;
+        let windows = |text: &TextData| {
+            let context = args.context as usize;
+            let ids = text.windows_at(first_row, rank, batch, context, args.seed);
+            Tensor::from_vec(ids, (batch, context + 1), device)
+        };
         Ok(match self {
             Self::Mlp(model, data) => {
                 let (x, y) = data.batch_at(first_row, world_size, rank, batch);
@@ -61,11 +87,8 @@ impl<'a> Model<'a> {
                 let logits = model.forward(&x)?.to_dtype(DType::F32)?;
                 candle_nn::loss::cross_entropy(&logits, &y)?
             }
-            Self::Gpt(model, text) => {
-                let context = args.context as usize;
-                let ids = text.windows_at(first_row, rank, batch, context, args.seed);
-                model.loss(&Tensor::from_vec(ids, (batch, context + 1), device)?)?
-            }
+            Self::Gpt(model, text) => model.loss(&windows(text)?)?,
+            Self::Hub(model, hub) => model.loss(&windows(&hub.text)?)?,
         })
     }
 
@@ -81,7 +104,7 @@ impl<'a> Model<'a> {
         rank: usize,
         device: &Device,
     ) -> Result<Option<f64>, TrainError> {
-        let Self::Gpt(model, text) = self else {
+        let Some((text, loss)) = self.language_model() else {
             return Ok(None);
         };
         let (count, context) = (args.eval_sequences as usize, args.context as usize);
@@ -93,7 +116,7 @@ impl<'a> Model<'a> {
                 .flat_map(|&i| text.validation_window(i, count, context))
                 .collect();
             let ids = Tensor::from_vec(ids, (chunk.len(), context + 1), device)?;
-            let loss = model.loss(&ids)?.to_scalar::<f32>()? as f64;
+            let loss = loss(&ids)?.to_scalar::<f32>()? as f64;
             sum += loss * chunk.len() as f64;
         }
         // Avg over ranks of (sum * W / count) is the mean over all windows.
@@ -105,7 +128,7 @@ impl<'a> Model<'a> {
     pub(super) fn tokens_per_row(&self, args: &Args) -> Option<usize> {
         match self {
             Self::Mlp(..) => None,
-            Self::Gpt(..) => Some(args.context as usize),
+            Self::Gpt(..) | Self::Hub(..) => Some(args.context as usize),
         }
     }
 }

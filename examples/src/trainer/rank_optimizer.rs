@@ -4,6 +4,7 @@
 use super::metrics::{GatherMetrics, OffloadMetrics};
 use super::TrainError;
 use candle_core::{Tensor, WithDType};
+use zero_candle::hub::{HubDir, HubLayout};
 use zero_candle::{CandleMemory, ZeroOptimizer};
 use zero_core::checkpoint::Manifest;
 use zero_core::engine::{MemoryReport, SaveOptions, StepReport};
@@ -31,6 +32,14 @@ pub(super) trait RankOptimizer {
     /// Writes every trained variable to a safetensors file, one tensor at
     /// a time (a collective).
     fn save_weights(&mut self, path: &std::path::Path) -> Result<(), TrainError>;
+    /// Writes the model in the layout of the hub checkpoint `from` (a
+    /// collective).
+    fn save_hub(
+        &mut self,
+        dir: &std::path::Path,
+        from: &HubDir,
+        layout: &HubLayout,
+    ) -> Result<(), TrainError>;
     /// Steps that deferred their all-gathers.
     fn deferred_steps(&self) -> u64;
     /// Stage 3, once sharded: the parameter gathers so far.
@@ -82,6 +91,14 @@ where
     }
     fn save_weights(&mut self, path: &std::path::Path) -> Result<(), TrainError> {
         Ok(ZeroOptimizer::save_weights(self, path)?)
+    }
+    fn save_hub(
+        &mut self,
+        dir: &std::path::Path,
+        from: &HubDir,
+        layout: &HubLayout,
+    ) -> Result<(), TrainError> {
+        Ok(ZeroOptimizer::save_hub(self, dir, from, layout)?)
     }
     fn deferred_steps(&self) -> u64 {
         self.engine().deferred_steps()

@@ -5,10 +5,12 @@ use super::metrics::StepMetrics;
 use super::progress::Progress;
 use super::rank_model::Model;
 use super::rank_optimizer::RankOptimizer;
-use super::{Args, LossHistory, Summary, TrainError};
+use super::{Args, HubText, LossHistory, Summary, TrainError};
 use candle_core::Device;
 use std::io::Write;
 use std::time::Instant;
+use zero_candle::hub::HubDir;
+use zero_candle::models::Gpt2;
 use zero_core::engine::SaveOptions;
 
 /// What the loop runs on besides the optimizer.
@@ -187,9 +189,26 @@ pub(super) fn train_loop(
     if let Some(path) = &args.save {
         opt.save_weights(path)?;
     }
+    if let (Some(out), Model::Hub(model, hub)) = (&args.save_hf, model) {
+        let from = HubDir::open(&hub.dir)?;
+        opt.save_hub(out, &from, &Gpt2::hub_layout(model.config()))?;
+        if !args.quiet && rank == 0 {
+            eprintln!("fine-tuned model written to {}", out.display());
+        }
+    }
     let mut sample = None;
     let sharded = args.stage == 3;
     if rank == 0 || sharded {
+        if let (Model::Hub(gpt2, hub), true) = (model, args.sample > 0) {
+            let text = hub_sample(args, gpt2, hub, device)?;
+            if !args.quiet && rank == 0 {
+                println!(
+                    "--- sample ({} tokens after {:?}, trained on {}) ---\n{}{text}\n---",
+                    args.sample, args.prompt, hub.text.source, args.prompt
+                );
+            }
+            sample = (rank == 0).then(|| text.into_bytes());
+        }
         if let (Model::Gpt(gpt, text), true) = (model, args.sample > 0) {
             let bytes = gpt.generate(
                 args.prompt.as_bytes(),
@@ -221,6 +240,11 @@ pub(super) fn train_loop(
                         c.layers, c.d_model, c.context, args.stage
                     )
                 }
+                Model::Hub(_, hub) => format!(
+                    "{}, world size {world_size}, stage {}",
+                    hub.dir.display(),
+                    args.stage
+                ),
                 Model::Mlp(..) => format!("MLP, world size {world_size}, stage {}", args.stage),
             };
             history.plot(path, &title)?;
@@ -236,4 +260,35 @@ pub(super) fn train_loop(
         sample,
         deferred_steps: opt.deferred_steps(),
     })
+}
+
+/// `--sample` tokens of the hub model after `--prompt`, decoded by its
+/// tokenizer (an empty prompt starts after the end-of-text token).
+fn hub_sample(
+    args: &Args,
+    model: &Gpt2,
+    hub: &HubText,
+    device: &Device,
+) -> Result<String, TrainError> {
+    let mut prompt = hub.tokenizer.encode(&args.prompt)?;
+    if prompt.is_empty() {
+        prompt.extend(hub.tokenizer.end_of_text());
+    }
+    if prompt.is_empty() {
+        return Err(TrainError::Usage(
+            "--prompt is empty and the tokenizer has no end-of-text token to start from; give \
+             a --prompt"
+                .into(),
+        ));
+    }
+    let ids = super::sample::continue_ids(
+        &prompt,
+        args.sample as usize,
+        args.context as usize,
+        args.temperature,
+        args.seed,
+        device,
+        |ids| model.forward(ids)?.squeeze(0),
+    )?;
+    hub.tokenizer.decode(&ids)
 }

@@ -1,0 +1,78 @@
+//! `--hf DIR`: a Hugging Face GPT-2 to fine-tune, its text tokenized with
+//! its own tokenizer.
+
+use super::{Args, TextData, TextTokenizer, TrainError};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use zero_candle::hub::{HubDir, HubSource};
+use zero_candle::models::{Gpt2, Gpt2Config};
+use zero_candle::ShardedVarMap;
+
+/// A hub model with the text it trains on.
+#[derive(Clone, Debug)]
+pub struct HubText {
+    /// The model's directory.
+    pub dir: PathBuf,
+    /// Its `config.json`.
+    pub config: Gpt2Config,
+    /// Its `tokenizer.json`.
+    pub tokenizer: TextTokenizer,
+    /// `--data` (or the default corpus) tokenized with it.
+    pub text: TextData,
+}
+
+impl HubText {
+    /// Reads the config and the tokenizer of `--hf`'s directory and
+    /// tokenizes the text; an error names the file or the config key that
+    /// is unusable, or the flag to change.
+    pub fn load(args: &Args, dir: &Path) -> Result<Self, TrainError> {
+        let hub = HubDir::open(dir)?;
+        let config = Gpt2Config::from_json(hub.config()).map_err(|detail| TrainError::Data {
+            path: dir.join(zero_candle::hub::CONFIG_FILE),
+            detail,
+        })?;
+        let context = args.context as usize;
+        if context > config.n_positions {
+            return Err(TrainError::Usage(format!(
+                "--context {context} is longer than the model's n_positions {} ({}); give \
+                 --context {} or less",
+                config.n_positions,
+                dir.display(),
+                config.n_positions
+            )));
+        }
+        if config.asks_for_dropout() && !args.quiet {
+            eprintln!(
+                "note: {} asks for dropout; fine-tuning here applies none",
+                dir.join(zero_candle::hub::CONFIG_FILE).display()
+            );
+        }
+        let tokenizer = TextTokenizer::from_file(&dir.join("tokenizer.json"))?;
+        if tokenizer.vocab_size() > config.vocab_size {
+            return Err(TrainError::Data {
+                path: tokenizer.path().to_path_buf(),
+                detail: format!(
+                    "has {} tokens, more than the model's vocab_size {}; is it this model's \
+                     tokenizer?",
+                    tokenizer.vocab_size(),
+                    config.vocab_size
+                ),
+            });
+        }
+        let text = TextData::for_tokenizer(args.data.as_deref(), &tokenizer, context)?;
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            config,
+            tokenizer,
+            text,
+        })
+    }
+
+    /// The variables, read from the directory's weights (memory-mapped; at
+    /// stage 3 each rank reads its shard of the large ones).
+    pub fn vars(&self) -> Result<ShardedVarMap, TrainError> {
+        let hub = Arc::new(HubDir::open(&self.dir)?);
+        let source = HubSource::new(hub, Gpt2::hub_layout(&self.config));
+        Ok(ShardedVarMap::new(source))
+    }
+}

@@ -1,0 +1,202 @@
+//! `train --hf DIR --save-hf OUT`: a Hugging Face GPT-2 (the tiny one
+//! `zero-candle/tests/fixtures/gpt2/make_fixtures.py` made with
+//! `transformers`) fine-tuned on text tokenized with its own tokenizer, at
+//! any stage and world size, and written back in its layout.
+
+mod common;
+
+use clap::Parser;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use zero_candle::hub::HubDir;
+use zero_examples::trainer::{run, Args, Summary, TrainError};
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../zero-candle/tests/fixtures/gpt2")
+        .join(name)
+}
+
+fn path(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+/// A short fine-tuning run of `hub` on a global batch of 4 windows of 16
+/// tokens, saved to `out`.
+fn args(hub: &Path, out: &Path, world: usize, stage: u8, extra: &[&str]) -> Args {
+    let (world_s, stage_s, batch_s) = (
+        world.to_string(),
+        stage.to_string(),
+        (4 / world).to_string(),
+    );
+    let mut all = vec![
+        "train",
+        "--quiet",
+        "--hf",
+        path(hub),
+        "--save-hf",
+        path(out),
+        "--world-size",
+        &world_s,
+        "--stage",
+        &stage_s,
+        "--batch-size",
+        &batch_s,
+        "--context",
+        "16",
+        "--steps",
+        "3",
+        "--optimizer",
+        "adamw",
+        "--lr",
+        "0.003",
+        "--eval-every",
+        "0",
+        "--persist-numel",
+        "64",
+    ];
+    all.extend_from_slice(extra);
+    Args::parse_from(all.iter().map(|s| s.to_string()).collect::<Vec<_>>())
+}
+
+fn train(args: &Args) -> Summary {
+    common::train(args)
+}
+
+/// Every tensor of a hub directory's weights: dtype, shape and values.
+fn tensors(dir: &Path) -> BTreeMap<String, (String, Vec<usize>, Vec<f64>)> {
+    let hub = HubDir::open(dir).unwrap();
+    hub.names()
+        .map(|name| {
+            let t = hub.tensor(name).unwrap();
+            let values = t.to_vec_as::<f64>().unwrap();
+            (
+                name.to_string(),
+                (t.dtype.to_string(), t.shape.clone(), values),
+            )
+        })
+        .collect()
+}
+
+fn largest_difference(
+    a: &BTreeMap<String, (String, Vec<usize>, Vec<f64>)>,
+    b: &BTreeMap<String, (String, Vec<usize>, Vec<f64>)>,
+) -> (f64, String) {
+    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
+    let mut worst = (0.0, String::new());
+    for (name, (dtype, shape, values)) in a {
+        let (other_dtype, other_shape, other) = &b[name];
+        assert_eq!((dtype, shape), (other_dtype, other_shape), "{name}");
+        for (x, y) in values.iter().zip(other) {
+            if (x - y).abs() > worst.0 {
+                worst = ((x - y).abs(), name.clone());
+            }
+        }
+    }
+    worst
+}
+
+#[test]
+fn stage_3_on_two_ranks_fine_tunes_what_one_rank_does_and_saves_the_hub_layout() {
+    for fixture_name in ["tiny", "tiny-sharded"] {
+        let hub = fixture(fixture_name);
+        let dir = tempfile::tempdir().unwrap();
+        let (one, two) = (dir.path().join("one"), dir.path().join("two"));
+        let first = train(&args(&hub, &one, 1, 0, &[]));
+        let second = train(&args(&hub, &two, 2, 3, &[]));
+        assert!(first.final_loss.is_finite() && second.final_loss.is_finite());
+        let (diff, name) = largest_difference(&tensors(&one), &tensors(&two));
+        assert!(diff < 1e-5, "{fixture_name}: {name} differs by {diff}");
+        // Trained, in the fixture's files, names, dtypes and shapes.
+        let (moved, _) = largest_difference(&tensors(&hub), &tensors(&two));
+        assert!(moved > 1e-4, "{fixture_name}: the weights did not move");
+        let (from, saved) = (HubDir::open(&hub).unwrap(), HubDir::open(&two).unwrap());
+        assert_eq!(saved.files(), from.files());
+        for file in ["config.json", "tokenizer.json"] {
+            assert_eq!(
+                std::fs::read(two.join(file)).unwrap(),
+                std::fs::read(hub.join(file)).unwrap()
+            );
+        }
+    }
+}
+
+#[test]
+fn a_bf16_fine_tune_trains_and_saves_in_the_checkpoints_dtype() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let hub = fixture("tiny");
+    let summary = train(&args(&hub, &out, 2, 2, &["--precision", "bf16"]));
+    assert!(summary.final_loss.is_finite());
+    let saved = tensors(&out);
+    assert!(saved.values().all(|(dtype, _, _)| dtype == "f32"));
+    let (moved, _) = largest_difference(&tensors(&hub), &saved);
+    assert!(moved > 1e-4, "the weights did not move");
+}
+
+#[test]
+fn the_sample_is_decoded_by_the_models_tokenizer() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let extra = [
+        "--sample",
+        "12",
+        "--temperature",
+        "0",
+        "--prompt",
+        "The license",
+    ];
+    let summary = train(&args(&fixture("tiny"), &out, 1, 2, &extra));
+    let text = String::from_utf8(summary.sample.expect("a sample")).unwrap();
+    assert!(!text.is_empty());
+    // Greedy decoding twice gives the same text.
+    let again = train(&args(&fixture("tiny"), &out, 1, 2, &extra));
+    assert_eq!(again.sample.unwrap(), text.into_bytes());
+}
+
+fn usage_error(args: &Args) -> String {
+    match run(args) {
+        Err(e @ TrainError::Usage(_)) | Err(e @ TrainError::Data { .. }) => e.to_string(),
+        Err(e) => e.to_string(),
+        Ok(_) => panic!("{args:?} trained"),
+    }
+}
+
+#[test]
+fn unusable_flags_and_directories_are_errors_that_say_what_to_do() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let hub = fixture("tiny");
+
+    let err = usage_error(&Args::parse_from([
+        "train",
+        "--quiet",
+        "--save-hf",
+        path(&out),
+    ]));
+    assert!(err.contains("--hf"), "{err}");
+
+    let init = dir.path().join("init.safetensors");
+    let err = usage_error(&args(&hub, &out, 1, 0, &["--init", path(&init)]));
+    assert!(err.contains("--init"), "{err}");
+
+    let mut long = args(&hub, &out, 1, 0, &[]);
+    long.context = 64;
+    let err = usage_error(&long);
+    assert!(err.contains("--context") && err.contains("32"), "{err}");
+
+    let no_tokenizer = dir.path().join("no-tokenizer");
+    std::fs::create_dir_all(&no_tokenizer).unwrap();
+    for file in ["config.json", "model.safetensors"] {
+        std::fs::copy(hub.join(file), no_tokenizer.join(file)).unwrap();
+    }
+    let err = usage_error(&args(&no_tokenizer, &out, 1, 0, &[]));
+    assert!(err.contains("tokenizer.json"), "{err}");
+
+    let err = usage_error(&args(&dir.path().join("missing"), &out, 1, 0, &[]));
+    assert!(err.contains("missing"), "{err}");
+    assert!(
+        !out.exists(),
+        "nothing is written by a run that did not start"
+    );
+}
