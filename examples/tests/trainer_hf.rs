@@ -200,3 +200,14 @@ fn unusable_flags_and_directories_are_errors_that_say_what_to_do() {
         "nothing is written by a run that did not start"
     );
 }
+
+#[test]
+fn activation_checkpointing_trains_the_same_weights_bitwise() {
+    let dir = tempfile::tempdir().unwrap();
+    let (plain, recomputed) = (dir.path().join("plain"), dir.path().join("recomputed"));
+    let hub = fixture("tiny");
+    train(&args(&hub, &plain, 2, 3, &[]));
+    train(&args(&hub, &recomputed, 2, 3, &["--checkpoint-activations"]));
+    let (diff, name) = largest_difference(&tensors(&plain), &tensors(&recomputed));
+    assert_eq!(diff, 0.0, "{name} differs");
+}

@@ -413,3 +413,88 @@ fn a_checkpoint_without_the_transformer_prefix_loads_and_saves_under_its_names()
         .for_each(|r| r.unwrap().unwrap());
     assert_eq!(hub_tensors(out.path()), hub_tensors(dir.path()));
 }
+
+/// A source that counts the elements asked of it.
+struct Counting {
+    inner: zero_candle::hub::HubSource,
+    read: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl zero_candle::ParamSource for Counting {
+    fn fill(
+        &self,
+        name: &str,
+        shape: &[usize],
+        init: candle_nn::Init,
+        range: std::ops::Range<usize>,
+        out: &mut [f64],
+    ) -> zero_candle::Result<()> {
+        self.read
+            .fetch_add(range.len(), std::sync::atomic::Ordering::Relaxed);
+        self.inner.fill(name, shape, init, range, out)
+    }
+
+    fn check(&self, name: &str, shape: &[usize]) -> zero_candle::Result<()> {
+        self.inner.check(name, shape)
+    }
+}
+
+/// At stage 3 a rank reads from the checkpoint only its shard of each
+/// sharded weight (and the small ones whole), and holds no whole copy.
+#[test]
+fn at_stage_3_each_rank_reads_only_its_shard_of_the_checkpoint() {
+    const PERSIST: usize = 64;
+    let dir = fixtures().join("tiny");
+    let (config, _) = Gpt2::open_hub(&dir).unwrap();
+    let total = config.num_params();
+    let results = ThreadGroup::new(2).run(|comm| {
+        let hub = Arc::new(HubDir::open(&dir).unwrap());
+        let read = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let source = Counting {
+            inner: zero_candle::hub::HubSource::new(hub, Gpt2::hub_layout(&config)),
+            read: read.clone(),
+        };
+        let map = zero_candle::ShardedVarMap::new(source);
+        let hook = ZeroHook::<ThreadComm, f32>::new();
+        let as_hook: Arc<dyn zero_candle::nn::GradHook> = hook.clone();
+        let _model = Gpt2::new(
+            map.builder(DType::F32, &Device::Cpu),
+            &config,
+            Some(as_hook),
+        )
+        .unwrap();
+        let engine = EngineConfig::default()
+            .with_stage(Stage::Parameters)
+            .with_persist_numel(PERSIST);
+        let sgd = Sgd::new(SgdConfig::default()).unwrap();
+        let opt = ZeroOptimizer::new_sharded(&map, comm, engine, Box::new(sgd), &hook).unwrap();
+        let (mut small, mut held_large) = (0, 0);
+        for var in opt.vars() {
+            if var.elem_count() <= PERSIST {
+                small += var.elem_count();
+            } else if zero_candle::holds_values(var.as_tensor()) {
+                held_large += var.elem_count();
+            }
+        }
+        (
+            read.load(std::sync::atomic::Ordering::Relaxed),
+            small,
+            held_large,
+        )
+    });
+    let mut large_read_by_all = 0;
+    let mut large = 0;
+    for result in results {
+        let (read, small, held_large) = result.unwrap();
+        assert_eq!(held_large, 0, "a sharded weight is held whole");
+        large = total - small;
+        assert!(
+            read >= small + large / 2 - 8 && read <= small + large / 2 + 8,
+            "read {read} elements; the small ones are {small}, half the large ones {}",
+            large / 2
+        );
+        large_read_by_all += read - small;
+    }
+    // The shards tile each large weight: read once over all ranks.
+    assert_eq!(large_read_by_all, large);
+}
