@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, BTreeSet};
 /// variable is the tensor of the same name, or of that name without an
 /// optional prefix (GPT-2's first checkpoints name `h.0.attn.c_attn.weight`
 /// what `transformers` saves as `transformer.h.0.attn.c_attn.weight`);
-/// some are stored transposed (GPT-2's `Conv1D` weights are `[in, out]`,
+/// some are stored transposed (GPT-2's Conv1D weights are `[in, out]`,
 /// the variable is a Linear's `[out, in]`); a tensor may hold a variable
 /// again (a head tied to the embedding, when a file keeps it).
 #[derive(Clone, Debug, Default)]

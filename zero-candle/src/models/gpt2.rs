@@ -4,7 +4,7 @@
 //!
 //! The variables carry the hub's names (`transformer.wte.weight`,
 //! `transformer.h.{i}.attn.c_attn.weight`, ..., `transformer.ln_f.bias`).
-//! The hub stores the `Conv1D` weights `[in, out]`; here they are Linear
+//! The hub stores the Conv1D weights `[in, out]`; here they are Linear
 //! weights `[out, in]`, transposed on load and save by
 //! [`Gpt2::hub_layout`]. The head has no variable of its own.
 
@@ -313,7 +313,7 @@ impl Gpt2 {
 
     /// Where the variables sit in a hub checkpoint: under `transformer.`
     /// (or without it, as the first GPT-2 checkpoints have them), the
-    /// `Conv1D` weights transposed, `lm_head.weight` (where a file keeps
+    /// Conv1D weights transposed, `lm_head.weight` (where a file keeps
     /// it) the token embedding again.
     pub fn hub_layout(config: &Gpt2Config) -> HubLayout {
         let mut layout = HubLayout::new()
