@@ -207,7 +207,13 @@ fn activation_checkpointing_trains_the_same_weights_bitwise() {
     let (plain, recomputed) = (dir.path().join("plain"), dir.path().join("recomputed"));
     let hub = fixture("tiny");
     train(&args(&hub, &plain, 2, 3, &[]));
-    train(&args(&hub, &recomputed, 2, 3, &["--checkpoint-activations"]));
+    train(&args(
+        &hub,
+        &recomputed,
+        2,
+        3,
+        &["--checkpoint-activations"],
+    ));
     let (diff, name) = largest_difference(&tensors(&plain), &tensors(&recomputed));
     assert_eq!(diff, 0.0, "{name} differs");
 }

@@ -19,11 +19,11 @@ where
     /// Writes the model into `dir` in the layout of `from`, the hub
     /// checkpoint it was loaded from: the same files (one
     /// `model.safetensors`, or the index and its shards), tensor names,
-    /// dtypes (master weights rounded to them) and orientation (`layout`'s
+    /// dtypes (each variable's values converted to the file's dtype; a
+    /// sharded one's from the engine's masters) and orientation (`layout`'s
     /// transposed variables written back transposed), tensors the model does
     /// not train copied as they are, and `from`'s other files (`config.json`,
-    /// the tokenizer's) copied beside them, so that `transformers` and
-    /// candle-transformers load `dir` unchanged. Rank 0 writes, one tensor at
+    /// the tokenizer's) copied beside them, so that `transformers` loads `dir` unchanged. Rank 0 writes, one tensor at
     /// a time (at stage 3 each sharded variable is gathered for its tensor
     /// only); each file appears whole or not at all. `dir` may be `from`'s
     /// own directory. A collective: every rank calls it, and every rank
