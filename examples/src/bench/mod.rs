@@ -8,6 +8,7 @@ mod gpu;
 mod gpu_gpt;
 #[cfg(feature = "nccl")]
 mod gpu_layers;
+mod hf;
 pub mod largest;
 mod layers;
 mod memory;
@@ -87,6 +88,7 @@ pub fn main() {
         "precision",
         "stage3",
         "gpt",
+        "hf",
         "gpu",
     ];
     let selected: Vec<&str> = if which.is_empty() {
@@ -118,10 +120,11 @@ pub fn main() {
             "overlap" if !under_mpirun => overlap::run(&mut report),
             "memory" if !under_mpirun => memory::run(&mut report),
             "gpt" if !under_mpirun => gpt::run(&mut report),
+            "hf" if !under_mpirun => hf::run(&mut report),
             "precision" if !under_mpirun => precision::run(&mut report),
             "stage3" if !under_mpirun => stage3::run(&mut report),
             "gpu" | "gpu-zero" | "gpu-headline" | "gpu-largest" => gpu_suite(name, &mut report),
-            "optim" | "step" | "overlap" | "memory" | "precision" | "stage3" | "gpt" => {}
+            "optim" | "step" | "overlap" | "memory" | "precision" | "stage3" | "gpt" | "hf" => {}
             other => {
                 eprintln!(
                     "unknown benchmark suite {other:?}; expected one of {all:?}, or gpu-zero, \

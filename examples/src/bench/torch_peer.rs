@@ -1,8 +1,8 @@
-//! The PyTorch peer of the GPT benchmark: runs `examples/pytorch/gpt_peer.py`
-//! (the same model, trained with `torch.optim.AdamW` on the same shape of
-//! batch) in a child `python3` and reads back its one JSON line, so that a
-//! benchmark can report our tokens/s and memory over PyTorch's, measured on
-//! the same machine in the same run.
+//! The PyTorch peers of the benchmarks: runs a script of
+//! `examples/pytorch/` ([`GPT_PEER`]: the trainer's GPT, [`HF_PEER`]: a hub
+//! GPT-2 through `transformers`) in a child `python3` and reads back its one
+//! JSON line, so that a benchmark can report our tokens/s and memory over
+//! PyTorch's, measured on the same machine in the same run.
 //!
 //! Memory is not the same measure on both sides: on CUDA the peer reports
 //! `torch.cuda.max_memory_allocated()` over its timed steps, on the CPU the
@@ -18,8 +18,9 @@ use std::process::Command;
 pub const INSTALL_TORCH: &str = "`python3 -m pip install torch` (CPU-only wheel: \
      `python3 -m pip install torch --index-url https://download.pytorch.org/whl/cpu`)";
 
-/// The exit code with which the script says it could not import torch.
-const EXIT_NO_TORCH: i32 = 2;
+/// The exit code with which a script says it could not import what it
+/// needs (torch; for [`HF_PEER`] also transformers).
+const EXIT_NO_PACKAGE: i32 = 2;
 /// The exit code with which the script says the device is unavailable.
 const EXIT_NO_DEVICE: i32 = 3;
 
@@ -184,10 +185,38 @@ struct PeerLine {
     torch_version: String,
 }
 
-/// The script's path: `examples/pytorch/gpt_peer.py` in the examples crate.
-pub fn script_path() -> PathBuf {
-    pytorch_script("gpt_peer.py")
+/// A peer script of `examples/pytorch/` and what it needs installed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PeerScript {
+    /// Its file name in `examples/pytorch/`.
+    pub file: &'static str,
+    /// The Python packages it imports, as errors name them.
+    pub needs: &'static str,
+    /// The command that installs them, named in errors.
+    pub install: &'static str,
 }
+
+impl PeerScript {
+    /// Where the script is (see [`pytorch_script`]).
+    pub fn path(&self) -> PathBuf {
+        pytorch_script(self.file)
+    }
+}
+
+/// `gpt_peer.py`: the trainer's GPT in plain PyTorch ([`PeerArgs`]).
+pub const GPT_PEER: PeerScript = PeerScript {
+    file: "gpt_peer.py",
+    needs: "PyTorch",
+    install: INSTALL_TORCH,
+};
+
+/// `hf_peer.py`: a hub GPT-2 loaded and trained by `transformers`
+/// (`bench hf`).
+pub const HF_PEER: PeerScript = PeerScript {
+    file: "hf_peer.py",
+    needs: "PyTorch or transformers",
+    install: "`python3 -m pip install torch transformers`",
+};
 
 /// `examples/pytorch/NAME`: under `$ZERO_PYTORCH_DIR` when set, else under
 /// the current directory when it is the repository's root (a GPU bundle
@@ -206,17 +235,17 @@ pub fn pytorch_script(name: &str) -> PathBuf {
         .join(name)
 }
 
-/// Finds the JSON line in the script's stdout (the last line that is a
-/// JSON object) and reads the figures from it.
+/// Finds the JSON line in a peer's stdout (the last line that is a JSON
+/// object) and reads the figures from it.
 pub fn parse_peer_output(stdout: &str) -> Result<PeerFigures, String> {
     let line = stdout
         .lines()
         .rev()
         .map(str::trim)
         .find(|l| l.starts_with('{'))
-        .ok_or_else(|| format!("gpt_peer.py printed no JSON line; its output: {stdout:?}"))?;
+        .ok_or_else(|| format!("the peer printed no JSON line; its output: {stdout:?}"))?;
     let parsed: PeerLine = serde_json::from_str(line)
-        .map_err(|e| format!("cannot read gpt_peer.py's JSON line ({e}): {line}"))?;
+        .map_err(|e| format!("cannot read the peer's JSON line ({e}): {line}"))?;
     Ok(PeerFigures {
         tokens_per_s: parsed.tokens_per_s,
         step_ms: parsed.step_ms_median,
@@ -226,44 +255,50 @@ pub fn parse_peer_output(stdout: &str) -> Result<PeerFigures, String> {
     })
 }
 
-/// Runs the PyTorch peer with `args` and returns its figures; an error
-/// names what to do when `python3` or torch is missing or the device is
-/// unavailable.
+/// Runs `gpt_peer.py` with `args` and returns its figures (see
+/// [`run_peer`]).
 pub fn run_gpt_peer(args: &PeerArgs) -> Result<PeerFigures, String> {
-    let script = script_path();
-    if !script.is_file() {
-        return Err(format!("the PyTorch peer {} is missing", script.display()));
+    run_peer(GPT_PEER, &args.python, &args.to_args())
+}
+
+/// Runs `script` under `python` with `args` and returns its figures; an
+/// error names what to do when `python` or a package the script needs is
+/// missing or the device is unavailable.
+pub fn run_peer(script: PeerScript, python: &str, args: &[String]) -> Result<PeerFigures, String> {
+    let path = script.path();
+    if !path.is_file() {
+        return Err(format!("the PyTorch peer {} is missing", path.display()));
     }
-    let output = Command::new(&args.python)
-        .arg(&script)
-        .args(args.to_args())
+    let output = Command::new(python)
+        .arg(&path)
+        .args(args)
         .output()
         .map_err(|e| match e.kind() {
             ErrorKind::NotFound => format!(
-                "{} not found: the PyTorch peer needs Python 3 with torch; install Python 3, \
-                 then {INSTALL_TORCH}",
-                args.python
+                "{python} not found: the PyTorch peer needs Python 3 with {}; install \
+                 Python 3, then {}",
+                script.needs, script.install
             ),
-            _ => format!("cannot run {} {}: {e}", args.python, script.display()),
+            _ => format!("cannot run {python} {}: {e}", path.display()),
         })?;
     let stderr = String::from_utf8_lossy(&output.stderr);
     let stderr = stderr.trim();
     if !output.status.success() {
         return Err(match output.status.code() {
-            Some(EXIT_NO_TORCH) => format!(
-                "PyTorch is not installed for {}; install it with {INSTALL_TORCH}",
-                args.python
+            Some(EXIT_NO_PACKAGE) => format!(
+                "{} is not installed for {python}; install it with {}",
+                script.needs, script.install
             ),
             Some(EXIT_NO_DEVICE) => format!("the PyTorch peer's device is unavailable: {stderr}"),
             _ => format!(
-                "{} {} failed ({}): {stderr}",
-                args.python,
-                script.display(),
+                "{python} {} failed ({}): {stderr}",
+                path.display(),
                 output.status
             ),
         });
     }
     parse_peer_output(&String::from_utf8_lossy(&output.stdout))
+        .map_err(|e| format!("{}: {e}", script.file))
 }
 
 #[cfg(test)]
@@ -310,9 +345,9 @@ mod tests {
              --device cuda --dtype bf16 --attention sdpa --seed 0 --threads 2"
         );
         assert!(
-            script_path().is_file(),
+            GPT_PEER.path().is_file(),
             "{} is missing",
-            script_path().display()
+            GPT_PEER.path().display()
         );
     }
 }

@@ -2,7 +2,7 @@
 //! figure on its own line (`{"name": ..., "value": ..., "unit": ...}`).
 //!
 //! `bench comm`, `bench optim`, `bench step`, `bench memory`, `bench precision`, `bench gpt`,
-//! `bench gpu`; no argument runs all
+//! `bench hf`, `bench gpu`; no argument runs all
 //! that this build supports.
 
 /// Counts what the process allocates (`--metrics`' `peak_heap_bytes`,

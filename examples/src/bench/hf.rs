@@ -1,0 +1,265 @@
+//! `bench hf`: a GPT-2 read from a hub directory, against `transformers`
+//! on the same cores. The model is zero-candle's fixture
+//! `zero-candle/tests/fixtures/gpt2/tiny` (a random `GPT2LMHeadModel`: 2
+//! layers, n_embd 32, 4 heads, vocabulary 384), opened with
+//! [`Gpt2::open_hub`] and trained by [`ZeroOptimizer`] on the thread
+//! backend (stage 2, AdamW) at world size 1 and 2; its peer
+//! (`examples/pytorch/hf_peer.py`) loads the same directory with
+//! `GPT2LMHeadModel.from_pretrained` and trains it with `torch.optim.AdamW`
+//! on the same hyperparameters. Both take 16 sequences of 32 predicted
+//! tokens per step (globally), of seeded random token ids.
+//!
+//! Rounds are interleaved so that drift in the machine's load affects each
+//! case alike; each figure is a median.
+
+use super::torch_peer::{run_peer, PeerFigures, HF_PEER};
+use super::{interleaved_medians, Report};
+use candle_core::{DType, Device, Tensor};
+use rand::{rngs::StdRng, Rng, SeedableRng};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+use zero_candle::models::Gpt2;
+use zero_candle::nn::GradHook;
+use zero_candle::{ZeroHook, ZeroOptimizer};
+use zero_core::engine::{EngineConfig, Stage};
+use zero_core::optim::{AdamW, AdamWConfig};
+use zero_core::{Communicator, ThreadComm, ThreadGroup};
+
+/// The fixture's directory, relative to the repository's root.
+const FIXTURE: &str = "zero-candle/tests/fixtures/gpt2/tiny";
+/// Sequences per step, over all ranks.
+const BATCH: usize = 16;
+/// Predicted tokens per sequence: the fixture's `n_positions`.
+const CONTEXT: usize = 32;
+const WORLD_SIZES: [usize; 2] = [1, 2];
+const WARMUP: usize = 5;
+const STEPS: usize = 50;
+const ROUNDS: usize = 3;
+const SEED: u64 = 0;
+
+/// Both sides' optimizer: PyTorch's AdamW defaults (betas (0.9, 0.999), eps
+/// 1e-8, weight decay 1e-2) at lr 1e-3, passed to the peer as flags.
+fn adamw_config() -> AdamWConfig {
+    AdamWConfig::default().with_lr(1e-3)
+}
+
+/// The fixture's directory: under the current directory when it is the
+/// repository's root, else beside the examples crate this binary was built
+/// from.
+pub fn fixture_dir() -> PathBuf {
+    let here = PathBuf::from(FIXTURE);
+    if here.is_dir() {
+        return here;
+    }
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("..")
+        .join(FIXTURE)
+}
+
+/// The options of `hf_peer.py`, one field per flag.
+#[derive(Clone, Debug, PartialEq)]
+pub struct HfPeerArgs {
+    /// The hub directory to load (`--model-dir`).
+    pub model_dir: PathBuf,
+    /// Predicted tokens per sequence (`--context`).
+    pub context: usize,
+    /// Sequences per step (`--batch`).
+    pub batch: usize,
+    /// Timed steps (`--steps`).
+    pub steps: usize,
+    /// Untimed steps before them (`--warmup`).
+    pub warmup: usize,
+    /// `torch.optim.AdamW`'s hyperparameters (`--lr`, `--betas`, `--eps`,
+    /// `--weight-decay`).
+    pub adamw: AdamWConfig,
+    /// `torch.set_num_threads` (`--threads`); `None`: torch's default.
+    pub threads: Option<usize>,
+    /// Seed of the data (`--seed`).
+    pub seed: u64,
+}
+
+impl HfPeerArgs {
+    /// The script's command-line arguments (after its path).
+    pub fn to_args(&self) -> Vec<String> {
+        let mut args = vec![
+            "--model-dir".to_string(),
+            self.model_dir.display().to_string(),
+            "--context".into(),
+            self.context.to_string(),
+            "--batch".into(),
+            self.batch.to_string(),
+            "--steps".into(),
+            self.steps.to_string(),
+            "--warmup".into(),
+            self.warmup.to_string(),
+            "--lr".into(),
+            self.adamw.lr.to_string(),
+            "--betas".into(),
+            self.adamw.betas.0.to_string(),
+            self.adamw.betas.1.to_string(),
+            "--eps".into(),
+            self.adamw.eps.to_string(),
+            "--weight-decay".into(),
+            self.adamw.weight_decay.to_string(),
+            "--seed".into(),
+            self.seed.to_string(),
+        ];
+        if let Some(threads) = self.threads {
+            args.push("--threads".into());
+            args.push(threads.to_string());
+        }
+        args
+    }
+}
+
+fn median(mut times: Vec<f64>) -> f64 {
+    times.sort_by(f64::total_cmp);
+    times[times.len() / 2]
+}
+
+/// Rank 0's median step time (batch, forward, backward, step) over `STEPS`
+/// steps after `WARMUP`, at `world_size` threads, each rank `BATCH /
+/// world_size` sequences.
+fn engine_step(world_size: usize) -> Result<f64, String> {
+    let results = ThreadGroup::new(world_size).run(|comm| -> zero_candle::Result<f64> {
+        let rank = comm.rank();
+        let hook = ZeroHook::<ThreadComm, f32>::new();
+        let (config, map) = Gpt2::open_hub(fixture_dir())?;
+        let as_hook: Arc<dyn GradHook> = hook.clone();
+        let model = Gpt2::new(
+            map.builder(DType::F32, &Device::Cpu),
+            &config,
+            Some(as_hook),
+        )?;
+        let engine = EngineConfig::default().with_stage(Stage::Gradients);
+        let adamw = AdamW::new(adamw_config())?;
+        let mut opt = ZeroOptimizer::new_sharded(&map, comm, engine, Box::new(adamw), &hook)?;
+        let rows = BATCH / world_size;
+        let vocab = config.vocab_size as u32;
+        let mut rng = StdRng::seed_from_u64(SEED + rank as u64);
+        let mut times = Vec::with_capacity(STEPS);
+        for step in 0..WARMUP + STEPS {
+            let started = Instant::now();
+            let ids: Vec<u32> = (0..rows * (CONTEXT + 1))
+                .map(|_| rng.gen_range(0..vocab))
+                .collect();
+            let ids = Tensor::from_vec(ids, (rows, CONTEXT + 1), &Device::Cpu)?;
+            opt.backward_step(&model.loss(&ids)?)?;
+            if step >= WARMUP {
+                times.push(started.elapsed().as_secs_f64());
+            }
+        }
+        Ok(median(times))
+    });
+    match results.into_iter().next() {
+        Some(Ok(Ok(t))) => Ok(t),
+        Some(Ok(Err(e))) => Err(e.to_string()),
+        Some(Err(e)) => Err(e.to_string()),
+        None => Err("no rank ran".into()),
+    }
+}
+
+/// `transformers`' run on the same directory and global batch (one
+/// process, as many threads as the machine has cores, as Candle uses at
+/// world size 1).
+fn transformers_run() -> Result<PeerFigures, String> {
+    let args = HfPeerArgs {
+        model_dir: fixture_dir(),
+        context: CONTEXT,
+        batch: BATCH,
+        steps: STEPS,
+        warmup: WARMUP,
+        adamw: adamw_config(),
+        threads: Some(std::thread::available_parallelism().map_or(1, |n| n.get())),
+        seed: SEED,
+    };
+    run_peer(HF_PEER, "python3", &args.to_args())
+}
+
+/// Adds `hf.tiny_gpt2_tokens_per_s` (world size 1), its value at N=2,
+/// `hf.transformers_tokens_per_s` and the ratio of the first over it.
+pub fn run(report: &mut Report) {
+    println!(
+        "bench hf: {FIXTURE}, AdamW, stage 2, {BATCH} sequences of {CONTEXT} tokens per step, \
+         median of {STEPS} steps after {WARMUP}, {ROUNDS} rounds interleaved"
+    );
+    if let Err(e) = throughput(report) {
+        eprintln!("bench hf failed: {e}");
+    }
+}
+
+fn throughput(report: &mut Report) -> Result<(), String> {
+    // transformers is measured only if it runs at all; its absence is
+    // reported, not a failure of the suite.
+    let peer = match transformers_run() {
+        Ok(figures) => {
+            println!(
+                "bench hf: torch {} on {}",
+                figures.torch_version, figures.device_name
+            );
+            true
+        }
+        Err(e) => {
+            println!("bench hf: no transformers figure: {e}");
+            false
+        }
+    };
+    let mut names = vec!["zero-rs N=1", "zero-rs N=2"];
+    if peer {
+        names.push("transformers");
+    }
+    let medians = interleaved_medians(&names, ROUNDS, |case| match case {
+        0 | 1 => engine_step(WORLD_SIZES[case]),
+        _ => Ok(transformers_run()?.step_ms / 1e3),
+    })?;
+    let tokens = (BATCH * CONTEXT) as f64;
+    let ours = tokens / medians[0];
+    report.add("hf.tiny_gpt2_tokens_per_s", ours, "tokens/s", None);
+    report.add(
+        "hf.tiny_gpt2_n2_tokens_per_s",
+        tokens / medians[1],
+        "tokens/s",
+        None,
+    );
+    if peer {
+        let theirs = tokens / medians[2];
+        report.add("hf.transformers_tokens_per_s", theirs, "tokens/s", None);
+        report.add("hf.tiny_gpt2_over_transformers", ours / theirs, "x", None);
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn passes_every_option_and_finds_its_files() {
+        let args = HfPeerArgs {
+            model_dir: PathBuf::from("tiny"),
+            context: CONTEXT,
+            batch: BATCH,
+            steps: STEPS,
+            warmup: WARMUP,
+            adamw: adamw_config(),
+            threads: Some(2),
+            seed: SEED,
+        };
+        assert_eq!(
+            args.to_args().join(" "),
+            "--model-dir tiny --context 32 --batch 16 --steps 50 --warmup 5 --lr 0.001 \
+             --betas 0.9 0.999 --eps 0.00000001 --weight-decay 0.01 --seed 0 --threads 2"
+        );
+        assert!(
+            HF_PEER.path().is_file(),
+            "{} is missing",
+            HF_PEER.path().display()
+        );
+        assert!(
+            fixture_dir().join("config.json").is_file(),
+            "{} has no config.json",
+            fixture_dir().display()
+        );
+    }
+}
