@@ -7,7 +7,7 @@ mod common;
 use clap::Parser;
 use common::Weights;
 use std::path::Path;
-use zero_examples::trainer::{Args, Summary};
+use zero_examples::trainer::{Args, Outcome, Summary};
 
 fn args(extra: &[&str]) -> Args {
     let mut all = vec!["train", "--quiet", "--hidden", "16,16", "--seed", "3"];
@@ -110,6 +110,50 @@ fn resume_at_another_world_size_and_stage() {
     assert_eq!(steps_run(&metrics), vec![4, 5, 6]);
     let diff = max_diff(&resumed, &full);
     assert!(diff < 1e-4, "{diff}");
+}
+
+#[test]
+fn resume_at_or_past_steps_trains_nothing_and_succeeds() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("ckpt");
+    let common = ["--world-size", "2", "--batch-size", "8"];
+    let (done, weights) = train_weights(
+        &[
+            &common[..],
+            &[
+                "--steps",
+                "4",
+                "--checkpoint-dir",
+                path(&ckpt),
+                "--checkpoint-every",
+                "2",
+            ],
+        ]
+        .concat(),
+    );
+    assert_eq!(done.outcome, Outcome::Finished);
+    // At --steps, and past it (a run asked for fewer steps than it has).
+    for steps in ["4", "3"] {
+        let metrics = dir.path().join(format!("metrics-{steps}.jsonl"));
+        let resume_args = [
+            "--steps",
+            steps,
+            "--resume",
+            path(&ckpt),
+            "--metrics",
+            path(&metrics),
+        ];
+        let (resumed, resumed_weights) = train_weights(&[&common[..], &resume_args[..]].concat());
+        assert_eq!(
+            resumed.outcome,
+            Outcome::AlreadyDone { checkpoint_step: 4 },
+            "--steps {steps}"
+        );
+        assert_eq!(resumed.steps, 4);
+        assert!(!metrics.exists(), "--steps {steps}: a step ran");
+        // --save writes the checkpoint's weights.
+        assert_eq!(max_diff(&resumed_weights, &weights), 0.0, "--steps {steps}");
+    }
 }
 
 #[test]

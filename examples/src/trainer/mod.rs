@@ -86,6 +86,22 @@ pub struct Summary {
     /// Steps whose all-gathers ran into the next forward (rank 0;
     /// `--defer-gathers`).
     pub deferred_steps: u64,
+    /// How the run ended.
+    pub outcome: Outcome,
+}
+
+/// How a run ended (the `train` binary's exit status follows it).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// It trained up to `--steps`.
+    Finished,
+    /// The checkpoint `--resume` names was saved at or past `--steps`:
+    /// nothing was trained (`--save` still writes its weights), and the
+    /// final loss is NaN.
+    AlreadyDone {
+        /// The step the checkpoint was saved at.
+        checkpoint_step: u64,
+    },
 }
 
 /// What a run trains on: rows for the MLP, text for the GPT.

@@ -5,7 +5,7 @@ use super::metrics::StepMetrics;
 use super::progress::Progress;
 use super::rank_model::Model;
 use super::rank_optimizer::RankOptimizer;
-use super::{Args, LossHistory, Summary, TrainError};
+use super::{Args, LossHistory, Outcome, Summary, TrainError};
 use candle_core::Device;
 use std::io::Write;
 use std::time::Instant;
@@ -55,6 +55,31 @@ pub(super) fn train_loop(
             })?;
         if let Some(lr) = user["lr"].as_f64() {
             opt.set_learning_rate(lr);
+        }
+        if first_step >= args.steps {
+            // A restart loop that runs the same command again after the
+            // run completed lands here: a success, with nothing to do.
+            if rank == 0 && !args.quiet {
+                eprintln!(
+                    "{}: the checkpoint is at step {first_step}, at or past --steps {}: nothing \
+                     to train (raise --steps to train on)",
+                    dir.display(),
+                    args.steps
+                );
+            }
+            if let Some(path) = &args.save {
+                opt.save_weights(path)?;
+            }
+            return Ok(Summary {
+                final_loss: f64::NAN,
+                steps: first_step,
+                val_loss: None,
+                sample: None,
+                deferred_steps: 0,
+                outcome: Outcome::AlreadyDone {
+                    checkpoint_step: first_step,
+                },
+            });
         }
     }
     let mut metrics = match (&args.metrics, rank) {
@@ -235,5 +260,6 @@ pub(super) fn train_loop(
         val_loss,
         sample,
         deferred_steps: opt.deferred_steps(),
+        outcome: Outcome::Finished,
     })
 }
