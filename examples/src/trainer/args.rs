@@ -328,15 +328,22 @@ pub struct Args {
     /// Write one JSON object per step here.
     #[arg(long)]
     pub metrics: Option<PathBuf>,
-    /// Write a sharded checkpoint here every `--checkpoint-every` steps.
+    /// Write a sharded checkpoint every `--checkpoint-every` steps into
+    /// `DIR/step-000123/`, and name the newest complete one in `DIR/latest`.
     #[arg(long)]
     pub checkpoint_dir: Option<PathBuf>,
     /// Steps between checkpoints (with `--checkpoint-dir`).
     #[arg(long, default_value_t = 0)]
     pub checkpoint_every: u64,
-    /// Resume from a checkpoint directory (any world size and stage).
+    /// Resume from a checkpoint (any world size and stage): the latest
+    /// complete one of a `--checkpoint-dir`, a step directory of one
+    /// (`DIR/step-000123`), or a directory holding a manifest.
     #[arg(long)]
     pub resume: Option<PathBuf>,
+    /// With `--checkpoint-dir`: keep the newest K step checkpoints, removing
+    /// older ones once a newer one is complete [default: keep all].
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    pub keep_checkpoints: Option<u64>,
     /// How long, in seconds, a rank waits for its peers in any collective
     /// before the job fails (every backend). A rank that crashed, hangs or
     /// was stopped is detected after this long; raise it if a rank can

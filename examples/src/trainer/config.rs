@@ -127,6 +127,11 @@ pub(super) fn validate(args: &Args) -> Result<(), TrainError> {
             "--checkpoint-every needs --checkpoint-dir".into(),
         ));
     }
+    if args.keep_checkpoints.is_some() && args.checkpoint_dir.is_none() {
+        return Err(TrainError::Usage(
+            "--keep-checkpoints needs --checkpoint-dir".into(),
+        ));
+    }
     Ok(())
 }
 

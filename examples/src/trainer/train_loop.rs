@@ -8,7 +8,9 @@ use super::rank_optimizer::RankOptimizer;
 use super::{Args, LossHistory, Outcome, Summary, TrainError};
 use candle_core::Device;
 use std::io::Write;
+use std::path::PathBuf;
 use std::time::Instant;
+use zero_core::checkpoint::StepCheckpoints;
 use zero_core::engine::SaveOptions;
 
 /// What the loop runs on besides the optimizer.
@@ -40,7 +42,13 @@ pub(super) fn train_loop(
     // continues at the same row; a GPT sequence's text is a function of the
     // seed and its index, so the count is its whole data position).
     let mut rows_consumed = 0;
-    if let Some(dir) = &args.resume {
+    if let Some(resume) = &args.resume {
+        // The latest complete checkpoint of a --checkpoint-dir, a step
+        // directory of one, or a directory holding a manifest.
+        let dir = &StepCheckpoints::resolve(resume)?;
+        if rank == 0 && !args.quiet && dir != resume {
+            eprintln!("resuming from {}", dir.display());
+        }
         let manifest = opt.load_checkpoint(dir)?;
         let user = manifest.checkpoint.map(|c| c.user).unwrap_or_default();
         first_step = user["step"].as_u64().ok_or_else(|| TrainError::Data {
@@ -104,6 +112,7 @@ pub(super) fn train_loop(
     let mut history = LossHistory::default();
     let mut val_loss = None;
 
+    let checkpoints = args.checkpoint_dir.as_deref().map(StepCheckpoints::new);
     let schedule = super::config::lr_schedule(args)?;
     let batch = args.batch_size as usize;
     let accum = args.grad_accum;
@@ -183,18 +192,22 @@ pub(super) fn train_loop(
             tokens_per_s.unwrap_or(samples_per_s),
             step_val_loss,
         );
-        if let Some(dir) = &args.checkpoint_dir {
+        if let Some(checkpoints) = &checkpoints {
             if args.checkpoint_every > 0 && (step + 1) % args.checkpoint_every == 0 {
-                let options = SaveOptions {
-                    user: serde_json::json!({
-                        "step": step + 1,
-                        "rows_consumed": rows_consumed
-                            + (step + 1 - first_step) * accum * (world_size * batch) as u64,
-                        "lr": opt.learning_rate(),
-                    }),
-                    ..SaveOptions::default()
-                };
-                opt.save_checkpoint(dir, &options)?;
+                let user = serde_json::json!({
+                    "step": step + 1,
+                    "rows_consumed": rows_consumed
+                        + (step + 1 - first_step) * accum * (world_size * batch) as u64,
+                    "lr": opt.learning_rate(),
+                });
+                save_step(
+                    opt,
+                    checkpoints,
+                    step + 1,
+                    user,
+                    rank,
+                    args.keep_checkpoints,
+                )?;
             }
         }
     }
@@ -262,4 +275,31 @@ pub(super) fn train_loop(
         deferred_steps: opt.deferred_steps(),
         outcome: Outcome::Finished,
     })
+}
+
+/// Saves the checkpoint of `step` into its step directory (a collective),
+/// then, on rank 0, points `latest` at it and removes what
+/// `--keep-checkpoints` does not keep. Returns the step directory.
+fn save_step(
+    opt: &mut dyn RankOptimizer,
+    checkpoints: &StepCheckpoints,
+    step: u64,
+    user: serde_json::Value,
+    rank: usize,
+    keep: Option<u64>,
+) -> Result<PathBuf, TrainError> {
+    let dir = checkpoints.next_dir(step);
+    let options = SaveOptions {
+        user,
+        ..SaveOptions::default()
+    };
+    opt.save_checkpoint(&dir, &options)?;
+    // The save returns on every rank once the manifest is in place.
+    if rank == 0 {
+        checkpoints.commit(step)?;
+        if let Some(keep) = keep {
+            checkpoints.prune(usize::try_from(keep).unwrap_or(usize::MAX))?;
+        }
+    }
+    Ok(dir)
 }
