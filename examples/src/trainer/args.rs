@@ -344,6 +344,18 @@ pub struct Args {
     /// older ones once a newer one is complete [default: keep all].
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
     pub keep_checkpoints: Option<u64>,
+    /// Signals that stop the run at the next step boundary (every rank at
+    /// the same step) with a checkpoint into `--checkpoint-dir` and the
+    /// exit status `--preempt-exit-code`: comma-separated names (TERM, INT,
+    /// USR1, USR2, HUP, QUIT, XCPU, ALRM) or numbers, or `none`. A second
+    /// signal exits at once, leaving the previous checkpoint loadable.
+    #[arg(long, value_delimiter = ',', default_values = ["TERM", "INT", "USR1"])]
+    pub preempt_signals: Vec<String>,
+    /// The exit status of a run stopped by `--preempt-signals` (default:
+    /// that of a process SIGTERM ended), so that a restart loop or a
+    /// Kubernetes Job sees an unfinished run.
+    #[arg(long, default_value_t = 143, value_parser = clap::value_parser!(i32).range(1..=255))]
+    pub preempt_exit_code: i32,
     /// How long, in seconds, a rank waits for its peers in any collective
     /// before the job fails (every backend). A rank that crashed, hangs or
     /// was stopped is detected after this long; raise it if a rank can

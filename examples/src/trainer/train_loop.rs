@@ -12,6 +12,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 use zero_core::checkpoint::StepCheckpoints;
 use zero_core::engine::SaveOptions;
+use zero_core::Preemption;
 
 /// What the loop runs on besides the optimizer.
 pub(super) struct LoopContext<'a> {
@@ -20,6 +21,8 @@ pub(super) struct LoopContext<'a> {
     pub(super) world_size: usize,
     pub(super) device: &'a Device,
     pub(super) model: &'a Model<'a>,
+    /// Polled at every step boundary (a collective).
+    pub(super) preemption: &'a Preemption,
 }
 
 pub(super) fn train_loop(
@@ -32,6 +35,7 @@ pub(super) fn train_loop(
         world_size,
         device,
         model,
+        preemption,
     } = *ctx;
     // Resuming: weights, optimizer state, step counter, data position and
     // learning rate come from the checkpoint (any world size and stage); a
@@ -87,6 +91,7 @@ pub(super) fn train_loop(
                 outcome: Outcome::AlreadyDone {
                     checkpoint_step: first_step,
                 },
+                rank,
             });
         }
     }
@@ -192,32 +197,56 @@ pub(super) fn train_loop(
             tokens_per_s.unwrap_or(samples_per_s),
             step_val_loss,
         );
+        // What a checkpoint of this step records besides the engine's state.
+        let user = serde_json::json!({
+            "step": step + 1,
+            "rows_consumed": rows_consumed
+                + (step + 1 - first_step) * accum * (world_size * batch) as u64,
+            "lr": opt.learning_rate(),
+        });
+        let keep = args.keep_checkpoints;
+        let mut saved = None;
         if let Some(checkpoints) = &checkpoints {
             if args.checkpoint_every > 0 && (step + 1) % args.checkpoint_every == 0 {
-                let user = serde_json::json!({
-                    "step": step + 1,
-                    "rows_consumed": rows_consumed
-                        + (step + 1 - first_step) * accum * (world_size * batch) as u64,
-                    "lr": opt.learning_rate(),
-                });
-                save_step(
+                saved = Some(save_step(
                     opt,
                     checkpoints,
                     step + 1,
-                    user,
+                    user.clone(),
                     rank,
-                    args.keep_checkpoints,
-                )?;
+                    keep,
+                )?);
             }
+        }
+        // Every rank, every step, here: the agreement is a collective, so
+        // all stop after the same step even if one alone got the signal.
+        // At the last step there is nothing left to stop.
+        if opt.should_stop(preemption)? && step + 1 < args.steps {
+            let checkpoint = match (&checkpoints, saved) {
+                (_, Some(dir)) => Some(dir),
+                (Some(checkpoints), None) => {
+                    Some(save_step(opt, checkpoints, step + 1, user, rank, keep)?)
+                }
+                (None, None) => None,
+            };
+            progress.stop();
+            flush_metrics(args, metrics.as_mut())?;
+            return Ok(Summary {
+                final_loss,
+                steps: step + 1,
+                val_loss,
+                sample: None,
+                deferred_steps: opt.deferred_steps(),
+                outcome: Outcome::Preempted {
+                    step: step + 1,
+                    checkpoint,
+                },
+                rank,
+            });
         }
     }
     progress.finish(final_loss);
-    if let Some(out) = metrics.as_mut() {
-        out.flush().map_err(|e| TrainError::Data {
-            path: args.metrics.clone().unwrap_or_default(),
-            detail: format!("cannot write metrics: {e}"),
-        })?;
-    }
+    flush_metrics(args, metrics.as_mut())?;
 
     // Every rank: saving is a collective (at stage 3 each sharded weight is
     // gathered, written and dropped in turn), and at stage 3 so is every
@@ -274,6 +303,7 @@ pub(super) fn train_loop(
         sample,
         deferred_steps: opt.deferred_steps(),
         outcome: Outcome::Finished,
+        rank,
     })
 }
 
@@ -302,4 +332,18 @@ fn save_step(
         }
     }
     Ok(dir)
+}
+
+/// Flushes the `--metrics` file, if any.
+fn flush_metrics(
+    args: &Args,
+    metrics: Option<&mut std::io::BufWriter<std::fs::File>>,
+) -> Result<(), TrainError> {
+    let Some(out) = metrics else {
+        return Ok(());
+    };
+    out.flush().map_err(|e| TrainError::Data {
+        path: args.metrics.clone().unwrap_or_default(),
+        detail: format!("cannot write metrics: {e}"),
+    })
 }
