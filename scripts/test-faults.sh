@@ -16,9 +16,15 @@
 #     files that exist with the recorded length and checksum; at the end no
 #     temporary file or half-removed step directory is left, and at most 3
 #     step directories.
+#  4. Preemption: SIGTERM to the trainer (threads), SIGUSR1 to one rank or
+#     to mpirun (`mpirun -n 2`) at a random step: exit 143 within 30 s, the
+#     step and the resume command printed, `latest` on that step, and the
+#     resumed run's weights bitwise equal to an uninterrupted run's; two
+#     SIGTERMs back to back exit at once, leaving a loadable checkpoint.
 #
 # FAULTS_SEED=<n> replays the kill moments of an earlier run (it is printed).
-# FAULTS_KILLS=<n> sets the kills per backend (default 15).
+# FAULTS_KILLS=<n> sets the kills per backend (default 15);
+# FAULTS_PREEMPTS=<n> the preemptions per case (default 3).
 # Needs Open MPI (scripts/install-deps.sh), python3 and pgrep. Run from
 # anywhere; takes about 70 s on 2 cores once built (the release build of the
 # trainer takes a few minutes the first time).
@@ -484,5 +490,112 @@ echo "-- threads backend, world size 2"
 kill_and_resume threads 150 "$train" --backend threads --world-size 2
 echo "-- MPI backend, mpirun -n 2"
 kill_and_resume mpi 50 "${MPIRUN[@]}" -n 2 "$train" --backend mpi
+
+# --- 4. preemption: a signal, then --resume ----------------------------------
+# preempt_and_resume NAME STEPS TARGET LAUNCH...: PREEMPTS times, trains
+# STEPS steps with --checkpoint-dir (no periodic checkpoint: only the
+# preemption saves) and, at a random moment once it trains, signals TARGET:
+# `trainer` (SIGTERM), `mpirun` (SIGUSR1, which mpirun forwards to every
+# rank) or `rank` (SIGUSR1 to one rank alone: its peers must stop with it).
+# The job must exit with 143 within 30 s, print the step it stopped after
+# and the command that resumes, and leave `latest` on that step; resumed,
+# it must end with an uninterrupted run's weights, bitwise. With `double`
+# as TARGET: two SIGTERMs back to back while it checkpoints every step; the
+# second exits at once (143), `latest` stays on a complete checkpoint, and
+# the resumed run again ends bitwise equal.
+preempt_and_resume() {
+    local name=$1 steps=$2 target=$3
+    shift 3
+    local launch=("$@")
+    local dir="$work/preempt-$name-$target"
+    local common=(--hidden 8 --batch-size 8 --optimizer adam --lr 0.01 --seed 3
+        --steps "$steps" --timeout-s 30)
+    mkdir -p "$dir"
+    local t0 took window_ms
+    t0=$(now)
+    timeout 300 "${launch[@]}" "${common[@]}" --quiet --save "$dir/reference.safetensors" ||
+        fail "preempt $name: the uninterrupted run failed"
+    took=$(elapsed "$t0")
+    window_ms=$(awk -v s="$took" 'BEGIN { printf "%d", s * 1000 / 2 + 1 }')
+
+    local ckpt="$dir/ckpt" log="$dir/run.log" preempted=0 tries=0
+    local wrapper main victim signal delay step start every state resume
+    every=()
+    [ "$target" = double ] && every=(--checkpoint-every 1)
+    while [ "$preempted" -lt "$PREEMPTS" ]; do
+        tries=$((tries + 1))
+        [ "$tries" -le 20 ] || fail "preempt $name: no preemption landed in 20 tries"
+        rm -rf "$ckpt" "$dir/final.safetensors"
+        spawn "$log" "${launch[@]}" "${common[@]}" --checkpoint-dir "$ckpt" "${every[@]}" \
+            --save "$dir/final.safetensors"
+        wrapper=$!
+        started+=("$wrapper")
+        # Rank 0 logs step 1: the handlers are in place and it trains.
+        start=$(now)
+        until grep -q "^step 1:" "$log" 2>/dev/null; do
+            kill -0 "$wrapper" 2>/dev/null || { cat "$log"; fail "preempt $name: the run ended before step 1"; }
+            le "$(elapsed "$start")" 30 || fail "preempt $name: no step 1 within 30 s"
+            sleep 0.01
+        done
+        delay=$(( (RANDOM * 32768 + RANDOM) % window_ms ))
+        sleep_ms "$delay"
+        main=$(pgrep -P "$wrapper" || true)
+        [ -n "$main" ] && started+=("$main")
+        signal=USR1 victim=""
+        if [ -n "$main" ]; then
+            case $target in
+            trainer | double) victim=$main signal=TERM ;;
+            mpirun) victim=$main ;;
+            rank) victim=$(rank_pid "$main" $((RANDOM % 2))) ;;
+            esac
+        fi
+        if [ -n "$victim" ]; then
+            kill -"$signal" "$victim" 2>/dev/null || true
+            [ "$target" = double ] && { kill -TERM "$victim" 2>/dev/null || true; }
+        fi
+        wait_bounded "$wrapper" 30 || { cat "$log"; fail "preempt $name: still ran 30 s after SIG$signal"; }
+        started=()
+        if [ "$status" -eq 0 ]; then
+            # It finished before the signal: a narrower window.
+            window_ms=$((window_ms / 2 + 1))
+            continue
+        fi
+        [ "$status" -eq 143 ] || { cat "$log"; fail "preempt $name: exit $status after SIG$signal, not 143"; }
+        if [ "$target" = double ]; then
+            state=$(check_dir "$ckpt" 0 2>&1) || fail "preempt $name: after two signals: $state"
+            step=$(latest_step "$ckpt")
+        else
+            step=$(sed -n 's/^preempted: stopped after step \([0-9]*\) of .*/\1/p' "$log")
+            [ -n "$step" ] || { cat "$log"; fail "preempt $name: no 'preempted: stopped after step' line"; }
+            grep -q -- "^resume with.*: .* --resume $ckpt\$" "$log" ||
+                { cat "$log"; fail "preempt $name: no resume command naming $ckpt"; }
+            state=$(check_dir "$ckpt" "$step" final 2>&1) || fail "preempt $name: $state"
+            [ "$(latest_step "$ckpt")" -eq "$step" ] ||
+                fail "preempt $name: stopped after step $step, latest names another: $state"
+        fi
+        resume=()
+        [ -f "$ckpt/latest" ] && resume=(--resume "$ckpt")
+        timeout 300 "${launch[@]}" "${common[@]}" --quiet --checkpoint-dir "$ckpt" \
+            --save "$dir/final.safetensors" "${resume[@]}" ||
+            fail "preempt $name: the resumed run failed or hung (exit $?)"
+        "$diff_bin" "$dir/final.safetensors" "$dir/reference.safetensors" --tol 0 >/dev/null ||
+            fail "preempt $name: the resumed weights differ from the uninterrupted run's"
+        preempted=$((preempted + 1))
+        echo "   SIG$signal to $target ${delay} ms after step 1: exit 143, latest at step $step;" \
+            "resumed: weights bitwise equal"
+    done
+    echo "ok: preempt $name ($target): $preempted preemption(s) in $tries run(s)"
+}
+
+PREEMPTS=${FAULTS_PREEMPTS:-3}
+echo "== preemption: a signal at a random step, exit 143, --resume bitwise equal"
+echo "-- threads backend, world size 2: SIGTERM"
+# Long enough (about a second) that a signal after step 1 lands mid-run.
+preempt_and_resume threads 600 trainer "$train" --backend threads --world-size 2
+echo "-- threads backend, world size 2: two SIGTERMs (the second exits at once)"
+preempt_and_resume threads 600 double "$train" --backend threads --world-size 2
+echo "-- MPI backend, mpirun -n 2: SIGUSR1 to one rank, then to mpirun"
+preempt_and_resume mpi 600 rank "${MPIRUN[@]}" -n 2 "$train" --backend mpi
+preempt_and_resume mpi 600 mpirun "${MPIRUN[@]}" -n 2 "$train" --backend mpi
 
 echo "test-faults: all passed in $(elapsed "$script_start") s"

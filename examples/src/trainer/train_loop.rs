@@ -325,11 +325,26 @@ fn save_step(
     };
     opt.save_checkpoint(&dir, &options)?;
     // The save returns on every rank once the manifest is in place.
-    if rank == 0 {
-        checkpoints.commit(step)?;
-        if let Some(keep) = keep {
-            checkpoints.prune(usize::try_from(keep).unwrap_or(usize::MAX))?;
-        }
+    let committed = if rank == 0 {
+        checkpoints.commit(step).and_then(|_| match keep {
+            Some(keep) => checkpoints
+                .prune(usize::try_from(keep).unwrap_or(usize::MAX))
+                .map(drop),
+            None => Ok(()),
+        })
+    } else {
+        Ok(())
+    };
+    // Every rank waits for rank 0's commit and learns how it went: a rank
+    // that went on to exit (a preemption) could have its launcher end the
+    // job, rank 0 with it, before `latest` is written.
+    let failed = opt.mean_over_ranks(if committed.is_ok() { 0.0 } else { 1.0 })? > 0.0;
+    committed?;
+    if failed {
+        return Err(TrainError::Data {
+            path: dir,
+            detail: "rank 0 could not point `latest` at this checkpoint; see its error".into(),
+        });
     }
     Ok(dir)
 }
