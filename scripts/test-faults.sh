@@ -8,14 +8,23 @@
 #     check. And the converse: stopping every rank for longer than the
 #     deadline (a suspended job) and continuing them must not end the job.
 #  3. The trainer killed with `kill -9` at random moments while it saves a
-#     checkpoint every step (threads, then `mpirun -n 2`), resumed each time
-#     with `--resume`: after at least 15 kills the final weights are bitwise
-#     equal to an uninterrupted run's; after every kill the manifest points
-#     only at files that exist with the recorded length and checksum; at the
-#     end no temporary file is left in the checkpoint directory.
+#     checkpoint every step into step directories, keeping 3 (threads, then
+#     `mpirun -n 2`), resumed each time with `--resume DIR`: after at least
+#     15 kills the final weights are bitwise equal to an uninterrupted
+#     run's; after every kill `latest` names a complete checkpoint no older
+#     than the one the run resumed from, and every manifest points only at
+#     files that exist with the recorded length and checksum; at the end no
+#     temporary file or half-removed step directory is left, and at most 3
+#     step directories.
+#  4. Preemption: SIGTERM to the trainer (threads), SIGUSR1 to one rank or
+#     to mpirun (`mpirun -n 2`) at a random step: exit 143 within 30 s, the
+#     step and the resume command printed, `latest` on that step, and the
+#     resumed run's weights bitwise equal to an uninterrupted run's; two
+#     SIGTERMs back to back exit at once, leaving a loadable checkpoint.
 #
 # FAULTS_SEED=<n> replays the kill moments of an earlier run (it is printed).
-# FAULTS_KILLS=<n> sets the kills per backend (default 15).
+# FAULTS_KILLS=<n> sets the kills per backend (default 15);
+# FAULTS_PREEMPTS=<n> the preemptions per case (default 3).
 # Needs Open MPI (scripts/install-deps.sh), python3 and pgrep. Run from
 # anywhere; takes about 70 s on 2 cores once built (the release build of the
 # trainer takes a few minutes the first time).
@@ -258,44 +267,89 @@ fi
 echo "ok: still training 4 s after the suspend"
 
 # --- 3. kill -9 while checkpointing, resume ---------------------------------
-# check_dir DIR [final]: the manifest (if any) lists only files that exist
-# with the recorded length and SHA-256; with `final`, there must be a
-# manifest and no temporary file (`.<name>.tmp.<pid>.<n>`) may be left.
+# KEEP: the --keep-checkpoints of the killed runs (prunes get killed too).
+KEEP=3
+# check_dir DIR MIN_STEP [final]: DIR holds step directories (`step-000123`)
+# and `latest`. `latest`, if there is one, names a step of at least MIN_STEP
+# (the step the attempt resumed from: a kill never moves it back) whose
+# manifest records that step and lists only files that exist with the
+# recorded length and SHA-256; so does every other step directory with a
+# manifest. With `final`: `latest` must exist, no temporary file
+# (`.<name>.tmp.<pid>.<n>`) may be left in its step directory or beside it,
+# no half-removed step directory (`.step-N.removing`), and at most KEEP
+# complete step directories.
 check_dir() {
-    python3 - "$@" <<'PY'
+    KEEP=$KEEP python3 - "$@" <<'PY'
 import hashlib, json, os, re, sys
 
-ckpt, final = sys.argv[1], len(sys.argv) > 2
-names = sorted(os.listdir(ckpt)) if os.path.isdir(ckpt) else []
-temps = [n for n in names if re.fullmatch(r"\..+\.tmp\.\d+\.\d+", n)]
-if final and temps:
-    sys.exit(f"temporary files left in {ckpt}: {temps}")
-path = os.path.join(ckpt, "manifest.json")
-if not os.path.exists(path):
-    if final:
-        sys.exit(f"no manifest in {ckpt}")
-    print(f"no checkpoint committed yet, {len(temps)} temporary file(s)")
+root, min_step, final = sys.argv[1], int(sys.argv[2]), len(sys.argv) > 3
+keep = int(os.environ["KEEP"])
+temp = re.compile(r"\..+\.tmp\.\d+\.\d+")
+
+def verify(ckpt, step):
+    """The number of files the manifest of `ckpt` lists, all verified."""
+    path = os.path.join(ckpt, "manifest.json")
+    with open(path) as f:
+        manifest = json.load(f)
+    files = manifest.get("files", {})
+    info = manifest.get("checkpoint") or {}
+    model = info.get("model_file")
+    if not model or model not in files:
+        sys.exit(f"{path}: model file {model!r} is not among the files it lists")
+    saved = (info.get("user") or {}).get("step")
+    if saved != step:
+        sys.exit(f"{path}: records step {saved}, its directory says {step}")
+    for name, record in files.items():
+        p = os.path.join(ckpt, name)
+        if not os.path.isfile(p):
+            sys.exit(f"{path} points at {name}, which is missing")
+        with open(p, "rb") as f:
+            data = f.read()
+        if len(data) != record["len"] or hashlib.sha256(data).hexdigest() != record["sha256"]:
+            sys.exit(f"{path}: {name} has {len(data)} bytes / another checksum than recorded")
+    return len(files)
+
+names = sorted(os.listdir(root)) if os.path.isdir(root) else []
+steps = {int(m.group(1)): n for n in names if (m := re.fullmatch(r"step-(\d+)", n))}
+complete = sorted(s for s, n in steps.items()
+                  if os.path.isfile(os.path.join(root, n, "manifest.json")))
+for s in complete:
+    verify(os.path.join(root, steps[s]), s)
+summary = f"{len(complete)} complete step dir(s), {len(steps) - len(complete)} incomplete"
+latest_path = os.path.join(root, "latest")
+if not os.path.exists(latest_path):
+    if final or min_step > 0:
+        sys.exit(f"no {latest_path}")
+    print(f"no latest yet; {summary}")
     sys.exit(0)
-with open(path) as f:
-    manifest = json.load(f)
-files = manifest.get("files", {})
-info = manifest.get("checkpoint") or {}
-model = info.get("model_file")
-if not model or model not in files:
-    sys.exit(f"{path}: model file {model!r} is not among the files it lists")
-for name, record in files.items():
-    p = os.path.join(ckpt, name)
-    if not os.path.isfile(p):
-        sys.exit(f"{path} points at {name}, which is missing")
-    with open(p, "rb") as f:
-        data = f.read()
-    if len(data) != record["len"] or hashlib.sha256(data).hexdigest() != record["sha256"]:
-        sys.exit(f"{path}: {name} has {len(data)} bytes / another checksum than recorded")
-unlisted = [n for n in names if n not in files and n != "manifest.json" and n not in temps]
-step = (info.get("user") or {}).get("step")
-print(f"manifest at step {step}: {len(files)} files verified; "
-      f"{len(temps)} temporary, {len(unlisted)} older file(s) awaiting the next save")
+with open(latest_path) as f:
+    text = f.read()
+m = re.fullmatch(r"step-(\d{6,})\n", text)
+if not m:
+    sys.exit(f"{latest_path} holds {text!r}, not a step directory's name")
+step = int(m.group(1))
+if step not in complete:
+    sys.exit(f"{latest_path} names step {step}, which is not a complete checkpoint ({summary})")
+if step < min_step:
+    sys.exit(f"{latest_path} went back from step {min_step} to {step}")
+if final:
+    left = [n for n in names if temp.fullmatch(n) or re.fullmatch(r"\.step-\d+\.removing", n)]
+    left += [n for n in os.listdir(os.path.join(root, steps[step])) if temp.fullmatch(n)]
+    if left:
+        sys.exit(f"left behind in {root}: {left}")
+    if len(complete) > keep:
+        sys.exit(f"{len(complete)} complete step dirs, more than --keep-checkpoints {keep}")
+print(f"latest at step {step}, verified; {summary}")
 PY
+}
+
+# latest_step DIR: the step DIR/latest names (0 if none).
+latest_step() {
+    local text
+    text=$(cat "$1/latest" 2>/dev/null || true)
+    text=${text#step-}
+    text=$(sed 's/^0*//' <<<"$text")
+    echo "${text:-0}"
 }
 
 # kill_and_resume NAME STEPS LAUNCH...: trains STEPS steps with a checkpoint
@@ -323,7 +377,7 @@ kill_and_resume() {
     window_ms=$(awk -v s="$took" 'BEGIN { printf "%d", s * 1000 / 3 + 1 }')
     echo "   uninterrupted run: ${took} s for $steps steps; kills within ${window_ms} ms of each start"
 
-    local kills=0 rounds=0 attempts resume delay victim pid state wrapper main r attempt_start
+    local kills=0 rounds=0 attempts resume before delay victim pid state wrapper main r attempt_start
     local ranks candidates what
     local ckpt="$dir/ckpt"
     while [ "$kills" -lt "$MIN_KILLS" ]; do
@@ -334,17 +388,22 @@ kill_and_resume() {
             attempts=$((attempts + 1))
             [ "$attempts" -le 200 ] || fail "$name: no end after 200 restarts; is the checkpoint advancing?"
             resume=()
-            [ -f "$ckpt/manifest.json" ] && resume=(--resume "$ckpt")
+            if [ -f "$ckpt/latest" ] || compgen -G "$ckpt/step-*/manifest.json" >/dev/null; then
+                resume=(--resume "$ckpt")
+            fi
+            before=$(latest_step "$ckpt")
             rm -f "$dir/final.safetensors"
             if [ "$kills" -ge "$MIN_KILLS" ]; then
                 # Enough kills: this run must finish, within a bound.
                 timeout 300 "${launch[@]}" "${common[@]}" --checkpoint-dir "$ckpt" \
-                    --checkpoint-every 1 --save "$dir/final.safetensors" "${resume[@]}" ||
+                    --checkpoint-every 1 --keep-checkpoints "$KEEP" \
+                    --save "$dir/final.safetensors" "${resume[@]}" ||
                     fail "$name: the last resumed run failed or hung (exit $?)"
                 break
             fi
             spawn "$dir/attempt.log" "${launch[@]}" "${common[@]}" --checkpoint-dir "$ckpt" \
-                --checkpoint-every 1 --save "$dir/final.safetensors" "${resume[@]}"
+                --checkpoint-every 1 --keep-checkpoints "$KEEP" \
+                --save "$dir/final.safetensors" "${resume[@]}"
             wrapper=$!
             attempt_start=$(now)
             started+=("$wrapper")
@@ -407,7 +466,7 @@ kill_and_resume() {
                 fail "$name: a run exited $status, not killed by the test (137)"
             }
             kills=$((kills + 1))
-            state=$(check_dir "$ckpt" 2>&1) || fail "$name: after kill $kills: $state"
+            state=$(check_dir "$ckpt" "$before" 2>&1) || fail "$name: after kill $kills: $state"
             if [ "$victim" = "$main" ]; then
                 what="$(basename "${launch[0]}")"
             else
@@ -415,7 +474,7 @@ kill_and_resume() {
             fi
             echo "   kill $kills ($what, ${delay} ms after the start): $state"
         done
-        state=$(check_dir "$ckpt" final 2>&1) || fail "$name: after the last run: $state"
+        state=$(check_dir "$ckpt" "$steps" final 2>&1) || fail "$name: after the last run: $state"
         "$diff_bin" "$dir/final.safetensors" "$dir/reference.safetensors" --tol 0 >/dev/null ||
             fail "$name: the resumed weights differ from the uninterrupted run's:" \
                 "$("$diff_bin" "$dir/final.safetensors" "$dir/reference.safetensors" --tol 0 2>&1)"
@@ -431,5 +490,112 @@ echo "-- threads backend, world size 2"
 kill_and_resume threads 150 "$train" --backend threads --world-size 2
 echo "-- MPI backend, mpirun -n 2"
 kill_and_resume mpi 50 "${MPIRUN[@]}" -n 2 "$train" --backend mpi
+
+# --- 4. preemption: a signal, then --resume ----------------------------------
+# preempt_and_resume NAME STEPS TARGET LAUNCH...: PREEMPTS times, trains
+# STEPS steps with --checkpoint-dir (no periodic checkpoint: only the
+# preemption saves) and, at a random moment once it trains, signals TARGET:
+# `trainer` (SIGTERM), `mpirun` (SIGUSR1, which mpirun forwards to every
+# rank) or `rank` (SIGUSR1 to one rank alone: its peers must stop with it).
+# The job must exit with 143 within 30 s, print the step it stopped after
+# and the command that resumes, and leave `latest` on that step; resumed,
+# it must end with an uninterrupted run's weights, bitwise. With `double`
+# as TARGET: two SIGTERMs back to back while it checkpoints every step; the
+# second exits at once (143), `latest` stays on a complete checkpoint, and
+# the resumed run again ends bitwise equal.
+preempt_and_resume() {
+    local name=$1 steps=$2 target=$3
+    shift 3
+    local launch=("$@")
+    local dir="$work/preempt-$name-$target"
+    local common=(--hidden 8 --batch-size 8 --optimizer adam --lr 0.01 --seed 3
+        --steps "$steps" --timeout-s 30)
+    mkdir -p "$dir"
+    local t0 took window_ms
+    t0=$(now)
+    timeout 300 "${launch[@]}" "${common[@]}" --quiet --save "$dir/reference.safetensors" ||
+        fail "preempt $name: the uninterrupted run failed"
+    took=$(elapsed "$t0")
+    window_ms=$(awk -v s="$took" 'BEGIN { printf "%d", s * 1000 / 2 + 1 }')
+
+    local ckpt="$dir/ckpt" log="$dir/run.log" preempted=0 tries=0
+    local wrapper main victim signal delay step start every state resume
+    every=()
+    [ "$target" = double ] && every=(--checkpoint-every 1)
+    while [ "$preempted" -lt "$PREEMPTS" ]; do
+        tries=$((tries + 1))
+        [ "$tries" -le 20 ] || fail "preempt $name: no preemption landed in 20 tries"
+        rm -rf "$ckpt" "$dir/final.safetensors"
+        spawn "$log" "${launch[@]}" "${common[@]}" --checkpoint-dir "$ckpt" "${every[@]}" \
+            --save "$dir/final.safetensors"
+        wrapper=$!
+        started+=("$wrapper")
+        # Rank 0 logs step 1: the handlers are in place and it trains.
+        start=$(now)
+        until grep -q "^step 1:" "$log" 2>/dev/null; do
+            kill -0 "$wrapper" 2>/dev/null || { cat "$log"; fail "preempt $name: the run ended before step 1"; }
+            le "$(elapsed "$start")" 30 || fail "preempt $name: no step 1 within 30 s"
+            sleep 0.01
+        done
+        delay=$(( (RANDOM * 32768 + RANDOM) % window_ms ))
+        sleep_ms "$delay"
+        main=$(pgrep -P "$wrapper" || true)
+        [ -n "$main" ] && started+=("$main")
+        signal=USR1 victim=""
+        if [ -n "$main" ]; then
+            case $target in
+            trainer | double) victim=$main signal=TERM ;;
+            mpirun) victim=$main ;;
+            rank) victim=$(rank_pid "$main" $((RANDOM % 2))) ;;
+            esac
+        fi
+        if [ -n "$victim" ]; then
+            kill -"$signal" "$victim" 2>/dev/null || true
+            [ "$target" = double ] && { kill -TERM "$victim" 2>/dev/null || true; }
+        fi
+        wait_bounded "$wrapper" 30 || { cat "$log"; fail "preempt $name: still ran 30 s after SIG$signal"; }
+        started=()
+        if [ "$status" -eq 0 ]; then
+            # It finished before the signal: a narrower window.
+            window_ms=$((window_ms / 2 + 1))
+            continue
+        fi
+        [ "$status" -eq 143 ] || { cat "$log"; fail "preempt $name: exit $status after SIG$signal, not 143"; }
+        if [ "$target" = double ]; then
+            state=$(check_dir "$ckpt" 0 2>&1) || fail "preempt $name: after two signals: $state"
+            step=$(latest_step "$ckpt")
+        else
+            step=$(sed -n 's/^preempted: stopped after step \([0-9]*\) of .*/\1/p' "$log")
+            [ -n "$step" ] || { cat "$log"; fail "preempt $name: no 'preempted: stopped after step' line"; }
+            grep -q -- "^resume with.*: .* --resume $ckpt\$" "$log" ||
+                { cat "$log"; fail "preempt $name: no resume command naming $ckpt"; }
+            state=$(check_dir "$ckpt" "$step" final 2>&1) || fail "preempt $name: $state"
+            [ "$(latest_step "$ckpt")" -eq "$step" ] ||
+                fail "preempt $name: stopped after step $step, latest names another: $state"
+        fi
+        resume=()
+        [ -f "$ckpt/latest" ] && resume=(--resume "$ckpt")
+        timeout 300 "${launch[@]}" "${common[@]}" --quiet --checkpoint-dir "$ckpt" \
+            --save "$dir/final.safetensors" "${resume[@]}" ||
+            fail "preempt $name: the resumed run failed or hung (exit $?)"
+        "$diff_bin" "$dir/final.safetensors" "$dir/reference.safetensors" --tol 0 >/dev/null ||
+            fail "preempt $name: the resumed weights differ from the uninterrupted run's"
+        preempted=$((preempted + 1))
+        echo "   SIG$signal to $target ${delay} ms after step 1: exit 143, latest at step $step;" \
+            "resumed: weights bitwise equal"
+    done
+    echo "ok: preempt $name ($target): $preempted preemption(s) in $tries run(s)"
+}
+
+PREEMPTS=${FAULTS_PREEMPTS:-3}
+echo "== preemption: a signal at a random step, exit 143, --resume bitwise equal"
+echo "-- threads backend, world size 2: SIGTERM"
+# Long enough (about a second) that a signal after step 1 lands mid-run.
+preempt_and_resume threads 600 trainer "$train" --backend threads --world-size 2
+echo "-- threads backend, world size 2: two SIGTERMs (the second exits at once)"
+preempt_and_resume threads 600 double "$train" --backend threads --world-size 2
+echo "-- MPI backend, mpirun -n 2: SIGUSR1 to one rank, then to mpirun"
+preempt_and_resume mpi 600 rank "${MPIRUN[@]}" -n 2 "$train" --backend mpi
+preempt_and_resume mpi 600 mpirun "${MPIRUN[@]}" -n 2 "$train" --backend mpi
 
 echo "test-faults: all passed in $(elapsed "$script_start") s"

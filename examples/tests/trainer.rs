@@ -172,6 +172,9 @@ fn bad_flags_and_files_are_clear_errors_not_panics() {
         (&["--lr=-1"], "--lr"),
         (&["--hidden", "0"], "--hidden"),
         (&["--checkpoint-every", "5"], "--checkpoint-dir"),
+        (&["--keep-checkpoints", "2"], "--checkpoint-dir"),
+        (&["--keep-checkpoints", "0"], "keep-checkpoints"),
+        (&["--resume", "/nonexistent/ckpt"], "does not exist"),
         (&["--timeout-s", "1e300"], "--timeout-s"),
         (
             &[

@@ -7,7 +7,7 @@ mod common;
 use clap::Parser;
 use common::Weights;
 use std::path::Path;
-use zero_examples::trainer::{Args, Summary};
+use zero_examples::trainer::{Args, Outcome, Summary};
 
 fn args(extra: &[&str]) -> Args {
     let mut all = vec!["train", "--quiet", "--hidden", "16,16", "--seed", "3"];
@@ -113,6 +113,130 @@ fn resume_at_another_world_size_and_stage() {
 }
 
 #[test]
+fn resume_at_or_past_steps_trains_nothing_and_succeeds() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("ckpt");
+    let common = ["--world-size", "2", "--batch-size", "8"];
+    let (done, weights) = train_weights(
+        &[
+            &common[..],
+            &[
+                "--steps",
+                "4",
+                "--checkpoint-dir",
+                path(&ckpt),
+                "--checkpoint-every",
+                "2",
+            ],
+        ]
+        .concat(),
+    );
+    assert_eq!(done.outcome, Outcome::Finished);
+    // At --steps, and past it (a run asked for fewer steps than it has).
+    for steps in ["4", "3"] {
+        let metrics = dir.path().join(format!("metrics-{steps}.jsonl"));
+        let resume_args = [
+            "--steps",
+            steps,
+            "--resume",
+            path(&ckpt),
+            "--metrics",
+            path(&metrics),
+        ];
+        let (resumed, resumed_weights) = train_weights(&[&common[..], &resume_args[..]].concat());
+        assert_eq!(
+            resumed.outcome,
+            Outcome::AlreadyDone { checkpoint_step: 4 },
+            "--steps {steps}"
+        );
+        assert_eq!(resumed.steps, 4);
+        assert!(!metrics.exists(), "--steps {steps}: a step ran");
+        // --save writes the checkpoint's weights.
+        assert_eq!(max_diff(&resumed_weights, &weights), 0.0, "--steps {steps}");
+    }
+}
+
+/// The names in a directory, sorted.
+fn names(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    names.sort();
+    names
+}
+
+#[test]
+fn checkpoints_are_kept_by_step_and_pruned_to_keep_checkpoints() {
+    let dir = tempfile::tempdir().unwrap();
+    let common = ["--world-size", "2", "--batch-size", "8", "--steps", "6"];
+    for (keep, expected) in [
+        (
+            None,
+            &["latest", "step-000002", "step-000004", "step-000006"][..],
+        ),
+        (Some("2"), &["latest", "step-000004", "step-000006"][..]),
+        (Some("1"), &["latest", "step-000006"][..]),
+    ] {
+        let ckpt = dir.path().join(format!("ckpt-{keep:?}"));
+        let mut flags = vec!["--checkpoint-dir", path(&ckpt), "--checkpoint-every", "2"];
+        if let Some(keep) = keep {
+            flags.extend(["--keep-checkpoints", keep]);
+        }
+        train(&[&common[..], &flags[..]].concat());
+        assert_eq!(names(&ckpt), expected, "--keep-checkpoints {keep:?}");
+        assert_eq!(
+            std::fs::read_to_string(ckpt.join("latest")).unwrap(),
+            "step-000006\n"
+        );
+        for step_dir in &expected[1..] {
+            assert!(ckpt.join(step_dir).join("manifest.json").is_file());
+        }
+    }
+}
+
+#[test]
+fn resume_takes_the_latest_step_a_named_step_or_a_single_checkpoint_dir() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("ckpt");
+    let common = ["--world-size", "2", "--batch-size", "8"];
+    let (_, full) = train_weights(&[&common[..], &["--steps", "8"]].concat());
+    let ckpt_args = [
+        "--steps",
+        "6",
+        "--checkpoint-dir",
+        path(&ckpt),
+        "--checkpoint-every",
+        "2",
+    ];
+    train(&[&common[..], &ckpt_args[..]].concat());
+    // A save of step 8 killed before its manifest: not what a resume takes.
+    let killed = ckpt.join("step-000008");
+    std::fs::create_dir_all(&killed).unwrap();
+    std::fs::write(killed.join("model.step8.safetensors"), b"partial").unwrap();
+    // Today's layout before step directories: a checkpoint saved straight
+    // into a directory (step 4's files, moved).
+    let single = dir.path().join("single");
+    std::fs::rename(ckpt.join("step-000004"), &single).unwrap();
+    let named = ckpt.join("step-000002");
+    for (resume, first_step) in [(&ckpt, 7), (&named, 3), (&single, 5)] {
+        let metrics = dir.path().join("metrics.jsonl");
+        let resume_args = [
+            "--steps",
+            "8",
+            "--resume",
+            path(resume),
+            "--metrics",
+            path(&metrics),
+        ];
+        let (_, resumed) = train_weights(&[&common[..], &resume_args[..]].concat());
+        let expected: Vec<u64> = (first_step..=8).collect();
+        assert_eq!(steps_run(&metrics), expected, "{}", resume.display());
+        assert_eq!(max_diff(&resumed, &full), 0.0, "{}", resume.display());
+    }
+}
+
+#[test]
 fn checkpoint_weights_load_with_candle_by_name() {
     let dir = tempfile::tempdir().unwrap();
     let ckpt = dir.path().join("ckpt");
@@ -126,10 +250,13 @@ fn checkpoint_weights_load_with_candle_by_name() {
         "--checkpoint-every",
         "2",
     ]);
-    let manifest: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(ckpt.join("manifest.json")).unwrap())
-            .unwrap();
+    let step_dir = "step-000002";
+    let manifest: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(ckpt.join(step_dir).join("manifest.json")).unwrap(),
+    )
+    .unwrap();
     let model_file = manifest["checkpoint"]["model_file"].as_str().unwrap();
+    let model_file = Path::new(step_dir).join(model_file);
     let device = candle_core::Device::Cpu;
     // SAFETY: the file is not modified while mapped (the test owns it).
     let vb = unsafe {

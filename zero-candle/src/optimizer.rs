@@ -388,6 +388,13 @@ where
         })
     }
 
+    /// Whether every rank is to stop at this step boundary because one of
+    /// them got a preemption signal (see [`Engine::should_stop`]). A
+    /// collective: call it on every rank once per step, after the step.
+    pub fn should_stop(&mut self, preemption: &zero_core::Preemption) -> Result<bool> {
+        Ok(self.engine_mut().should_stop(preemption)?)
+    }
+
     /// `loss` multiplied by the loss scale, for a loop that runs backward
     /// itself and hands the gradients to [`ZeroOptimizer::step`]
     /// ([`ZeroOptimizer::backward_step`] scales for you); `loss` itself

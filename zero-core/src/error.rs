@@ -163,6 +163,15 @@ pub enum Error {
         /// What is wrong with it.
         detail: String,
     },
+    /// A preemption signal cannot be handled: an unknown name, or a signal
+    /// a process may not catch.
+    #[error("signal {signal}: {detail}")]
+    Signal {
+        /// The signal, by name or number.
+        signal: String,
+        /// What is wrong and what to do.
+        detail: String,
+    },
     /// An I/O error on a file.
     #[error("{path}: {source}")]
     Io {

@@ -3,7 +3,8 @@
 //! ZeRO (Zero Redundancy Optimizer) sharded data parallelism without a
 //! framework: the [`Communicator`], [`Partitioner`] and
 //! [`FunctionalOptimizer`] traits, the engine for stages 0-3, built-in
-//! optimizers that match `torch.optim`, checkpoints, and [`ThreadGroup`], an
+//! optimizers that match `torch.optim`, checkpoints, [`Preemption`] (stop
+//! every rank at the same step on a signal), and [`ThreadGroup`], an
 //! in-process backend that needs nothing installed.
 //!
 //! Candle users want `zero_candle::ZeroOptimizer`, built on this crate. The
@@ -43,6 +44,7 @@ pub mod engine;
 mod error;
 pub mod optim;
 pub mod partition;
+pub mod preempt;
 
 pub use comm::{Communicator, Host, MemoryKind, ReduceOp, ThreadComm, ThreadGroup, Work};
 pub use dtype::{DType, Element};
@@ -53,6 +55,7 @@ pub use optim::{
     RmsPropConfig, Sgd, SgdConfig,
 };
 pub use partition::{Flat, Greedy, Interleaved, ParamInfo, PartitionPlan, Partitioner};
+pub use preempt::Preemption;
 /// The serde this crate uses, for a custom optimizer's configuration
 /// (`#[serde(crate = "zero_core::serde")]`).
 pub use serde;
@@ -67,5 +70,6 @@ pub mod prelude {
         LrSchedule, ParamKey, ParamMut, RmsProp, RmsPropConfig, Sgd, SgdConfig,
     };
     pub use crate::partition::{Flat, Greedy, Interleaved, ParamInfo, Partitioner};
+    pub use crate::preempt::Preemption;
     pub use crate::{DType, Element, Error, Result};
 }

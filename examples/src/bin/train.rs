@@ -3,7 +3,7 @@
 //!
 //! `cargo run --release -p zero-examples --bin train -- --model gpt --sample 300 --plot loss.png`
 
-use zero_examples::trainer::{self, Args, TrainError};
+use zero_examples::trainer::{self, Args, Outcome, TrainError};
 
 /// Counts what the process allocates (`--metrics`' `peak_heap_bytes`,
 /// `bench memory`).
@@ -25,8 +25,23 @@ fn main() {
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .with_writer(std::io::stderr)
         .init();
-    if let Err(e) = trainer::run(&args) {
-        eprintln!("error: {e}");
-        std::process::exit(1);
+    match trainer::run(&args) {
+        Ok(summary) => {
+            // A preempted run is unfinished: a restart loop or a Kubernetes
+            // Job must not see a success.
+            if let Outcome::Preempted { step, checkpoint } = &summary.outcome {
+                if summary.rank == 0 {
+                    let argv = std::env::args_os();
+                    let message =
+                        trainer::preempted_message(&args, *step, checkpoint.as_deref(), argv);
+                    eprintln!("{message}");
+                }
+                std::process::exit(args.preempt_exit_code);
+            }
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            std::process::exit(1);
+        }
     }
 }

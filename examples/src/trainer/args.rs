@@ -343,15 +343,34 @@ pub struct Args {
     /// Write one JSON object per step here.
     #[arg(long)]
     pub metrics: Option<PathBuf>,
-    /// Write a sharded checkpoint here every `--checkpoint-every` steps.
+    /// Write a sharded checkpoint every `--checkpoint-every` steps into
+    /// `DIR/step-000123/`, and name the newest complete one in `DIR/latest`.
     #[arg(long)]
     pub checkpoint_dir: Option<PathBuf>,
     /// Steps between checkpoints (with `--checkpoint-dir`).
     #[arg(long, default_value_t = 0)]
     pub checkpoint_every: u64,
-    /// Resume from a checkpoint directory (any world size and stage).
+    /// Resume from a checkpoint (any world size and stage): the latest
+    /// complete one of a `--checkpoint-dir`, a step directory of one
+    /// (`DIR/step-000123`), or a directory holding a manifest.
     #[arg(long)]
     pub resume: Option<PathBuf>,
+    /// With `--checkpoint-dir`: keep the newest K step checkpoints, removing
+    /// older ones once a newer one is complete [default: keep all].
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    pub keep_checkpoints: Option<u64>,
+    /// Signals that stop the run at the next step boundary (every rank at
+    /// the same step) with a checkpoint into `--checkpoint-dir` and the
+    /// exit status `--preempt-exit-code`: comma-separated names (TERM, INT,
+    /// USR1, USR2, HUP, QUIT, XCPU, ALRM) or numbers, or `none`. A second
+    /// signal exits at once, leaving the previous checkpoint loadable.
+    #[arg(long, value_delimiter = ',', default_values = ["TERM", "INT", "USR1"])]
+    pub preempt_signals: Vec<String>,
+    /// The exit status of a run stopped by `--preempt-signals` (default:
+    /// that of a process SIGTERM ended), so that a restart loop or a
+    /// Kubernetes Job sees an unfinished run.
+    #[arg(long, default_value_t = 143, value_parser = clap::value_parser!(i32).range(1..=255))]
+    pub preempt_exit_code: i32,
     /// How long, in seconds, a rank waits for its peers in any collective
     /// before the job fails (every backend). A rank that crashed, hangs or
     /// was stopped is detected after this long; raise it if a rank can

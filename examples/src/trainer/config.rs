@@ -12,6 +12,7 @@ use zero_core::engine::{
     EngineConfig, LossScale, NormType, Offload, Overlap, PartitionerKind, Stage,
 };
 use zero_core::optim::{LrDecay, LrSchedule};
+use zero_core::Preemption;
 
 pub(super) fn validate(args: &Args) -> Result<(), TrainError> {
     if args.hf.is_some() && args.init.is_some() {
@@ -141,6 +142,12 @@ pub(super) fn validate(args: &Args) -> Result<(), TrainError> {
     if args.checkpoint_every > 0 && args.checkpoint_dir.is_none() {
         return Err(TrainError::Usage(
             "--checkpoint-every needs --checkpoint-dir".into(),
+        ));
+    }
+    preempt_signals(args)?;
+    if args.keep_checkpoints.is_some() && args.checkpoint_dir.is_none() {
+        return Err(TrainError::Usage(
+            "--keep-checkpoints needs --checkpoint-dir".into(),
         ));
     }
     Ok(())
@@ -306,4 +313,29 @@ pub(super) fn model_vars(args: &Args, data: &TrainingData) -> Result<ShardedVarM
         })?,
         None => ShardedVarMap::seeded(args.seed),
     })
+}
+
+/// The signals `--preempt-signals` names (none for `none`).
+pub(super) fn preempt_signals(args: &Args) -> Result<Vec<i32>, TrainError> {
+    if let [only] = &args.preempt_signals[..] {
+        if only.eq_ignore_ascii_case("none") {
+            return Ok(Vec::new());
+        }
+    }
+    args.preempt_signals
+        .iter()
+        .map(|name| zero_core::preempt::signal_from_name(name))
+        .collect::<Result<_, _>>()
+        .map_err(|e| TrainError::Usage(format!("--preempt-signals: {e}")))
+}
+
+/// The preemption handle the flags ask for: handlers of
+/// `--preempt-signals`, or a handle no signal sets.
+pub(super) fn preemption(args: &Args) -> Result<Preemption, TrainError> {
+    let signals = preempt_signals(args)?;
+    if signals.is_empty() {
+        return Ok(Preemption::manual());
+    }
+    Preemption::on_signals(&signals, args.preempt_exit_code)
+        .map_err(|e| TrainError::Usage(format!("--preempt-signals: {e}")))
 }

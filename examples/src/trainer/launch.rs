@@ -1,7 +1,7 @@
 //! How ranks start on each backend (threads, MPI, NCCL, threads sharing a
 //! GPU) and how their results become one.
 
-use super::config::{engine_config, model_vars, validate};
+use super::config::{engine_config, model_vars, preemption, validate};
 use super::rank_model::Model;
 use super::train_loop::{train_loop, LoopContext};
 use super::{Args, Backend, Precision, Summary, TrainError, TrainingData};
@@ -11,7 +11,7 @@ use std::time::Duration;
 use zero_candle::{ZeroHook, ZeroOptimizer};
 use zero_core::comm::Host;
 use zero_core::optim::Float;
-use zero_core::{Communicator, ThreadGroup};
+use zero_core::{Communicator, Preemption, ThreadGroup};
 
 /// `--timeout-s` as a duration (every backend's collective deadline).
 fn timeout(args: &Args) -> Result<Duration, TrainError> {
@@ -24,43 +24,76 @@ fn timeout(args: &Args) -> Result<Duration, TrainError> {
 }
 
 /// Runs training as the flags say; the backend decides how ranks start.
+/// The signals of `--preempt-signals` stop it at a step boundary
+/// ([`Outcome::Preempted`](super::Outcome::Preempted)).
 pub fn run(args: &Args) -> Result<Summary, TrainError> {
+    validate(args)?;
+    // Signals are process-wide: one handle, shared by the ranks of this
+    // process (a clone each).
+    let preemption = preemption(args)?;
+    run_with_preemption(args, &|_| preemption.clone())
+}
+
+/// [`run`] with the preemption handle each rank polls at its step
+/// boundaries given by `preemption(rank)` instead of `--preempt-signals`:
+/// a test stops one rank of the thread backend with
+/// [`Preemption::requested_at_poll`] (signals reach every thread).
+pub fn run_with_preemption(
+    args: &Args,
+    preemption: &(dyn Fn(usize) -> Preemption + Sync),
+) -> Result<Summary, TrainError> {
     validate(args)?;
     let data = Arc::new(TrainingData::from_args(args)?);
     match args.backend {
         Backend::Threads => {
             let world_size = args.world_size as usize;
             let group = ThreadGroup::new(world_size).with_timeout(timeout(args)?);
-            let results = group.run(|comm| train_rank(args, comm, &data));
+            let results = group.run(|comm| {
+                let preemption = preemption(comm.rank());
+                train_rank(args, comm, &data, &preemption)
+            });
             collect(results)
         }
-        Backend::Mpi => run_mpi(args, &data),
-        Backend::Nccl => run_nccl(args, &data),
-        Backend::CudaThreads => run_cuda_threads(args, &data),
+        Backend::Mpi => run_mpi(args, &data, preemption),
+        Backend::Nccl => run_nccl(args, &data, preemption),
+        Backend::CudaThreads => run_cuda_threads(args, &data, preemption),
     }
 }
 
+/// How a rank's preemption handle is chosen.
+type PreemptionOf<'a> = &'a (dyn Fn(usize) -> Preemption + Sync);
+
 #[cfg(feature = "nccl")]
-fn run_nccl(args: &Args, data: &Arc<TrainingData>) -> Result<Summary, TrainError> {
+fn run_nccl(
+    args: &Args,
+    data: &Arc<TrainingData>,
+    preemption: PreemptionOf<'_>,
+) -> Result<Summary, TrainError> {
     use zero_nccl::NcclComm;
     let comm = NcclComm::from_env()
         .map_err(zero_core::Error::from)?
         .with_timeout(timeout(args)?);
     let device = Device::new_cuda(comm.context().ordinal())?;
-    train_gpu_rank(args, comm, device, data)
+    let preemption = preemption(comm.rank());
+    train_gpu_rank(args, comm, device, data, &preemption)
 }
 
 /// `--backend cuda-threads`: the ranks as threads sharing GPU 0, each with
 /// its own Candle stream.
 #[cfg(feature = "nccl")]
-fn run_cuda_threads(args: &Args, data: &Arc<TrainingData>) -> Result<Summary, TrainError> {
+fn run_cuda_threads(
+    args: &Args,
+    data: &Arc<TrainingData>,
+    preemption: PreemptionOf<'_>,
+) -> Result<Summary, TrainError> {
     use zero_nccl::{CudaThreadGroup, DeviceComm};
     let group = CudaThreadGroup::new(args.world_size as usize).with_timeout(timeout(args)?);
     let results = group.run(|comm| {
         let device = Device::new_cuda_with_stream(comm.context().ordinal());
+        let preemption = preemption(comm.rank());
         Ok(device
             .map_err(TrainError::from)
-            .and_then(|device| train_gpu_rank(args, comm, device, data)))
+            .and_then(|device| train_gpu_rank(args, comm, device, data, &preemption)))
     })?;
     collect(results)
 }
@@ -72,6 +105,7 @@ fn train_gpu_rank<C>(
     comm: C,
     device: Device,
     data: &TrainingData,
+    preemption: &Preemption,
 ) -> Result<Summary, TrainError>
 where
     C: zero_nccl::DeviceComm,
@@ -93,12 +127,13 @@ where
         world_size,
         device: &device,
         model: &model,
+        preemption,
     };
     train_loop(&ctx, &mut opt)
 }
 
 #[cfg(not(feature = "nccl"))]
-fn run_nccl(_: &Args, _: &Arc<TrainingData>) -> Result<Summary, TrainError> {
+fn run_nccl(_: &Args, _: &Arc<TrainingData>, _: PreemptionOf<'_>) -> Result<Summary, TrainError> {
     Err(TrainError::Usage(
         "--backend nccl trains on GPUs and needs a build with `--features nccl` on a machine \
          with CUDA; launch one process per GPU with `torchrun`-style variables or `mpirun`"
@@ -107,7 +142,11 @@ fn run_nccl(_: &Args, _: &Arc<TrainingData>) -> Result<Summary, TrainError> {
 }
 
 #[cfg(not(feature = "nccl"))]
-fn run_cuda_threads(_: &Args, _: &Arc<TrainingData>) -> Result<Summary, TrainError> {
+fn run_cuda_threads(
+    _: &Args,
+    _: &Arc<TrainingData>,
+    _: PreemptionOf<'_>,
+) -> Result<Summary, TrainError> {
     Err(TrainError::Usage(
         "--backend cuda-threads trains on a GPU and needs a build with `--features nccl` on a \
          machine with CUDA"
@@ -116,7 +155,11 @@ fn run_cuda_threads(_: &Args, _: &Arc<TrainingData>) -> Result<Summary, TrainErr
 }
 
 #[cfg(feature = "mpi")]
-fn run_mpi(args: &Args, data: &Arc<TrainingData>) -> Result<Summary, TrainError> {
+fn run_mpi(
+    args: &Args,
+    data: &Arc<TrainingData>,
+    preemption: PreemptionOf<'_>,
+) -> Result<Summary, TrainError> {
     use zero_mpi_gloo::MpiComm;
     let timeout = timeout(args)?;
     let comm = MpiComm::init()
@@ -131,14 +174,15 @@ fn run_mpi(args: &Args, data: &Arc<TrainingData>) -> Result<Summary, TrainError>
     let keeper = comm
         .split(&everyone)?
         .ok_or_else(|| TrainError::Internal("this rank is missing from its own world".into()))?;
-    match train_rank(args, comm, data) {
+    let preemption = preemption(comm.rank());
+    match train_rank(args, comm, data, &preemption) {
         Ok(summary) => Ok(summary),
         Err(e) => keeper.abort(&e.to_string()),
     }
 }
 
 #[cfg(not(feature = "mpi"))]
-fn run_mpi(_: &Args, _: &Arc<TrainingData>) -> Result<Summary, TrainError> {
+fn run_mpi(_: &Args, _: &Arc<TrainingData>, _: PreemptionOf<'_>) -> Result<Summary, TrainError> {
     Err(TrainError::Usage(
         "--backend mpi needs a build with `--features mpi` (and Open MPI installed); \
          launch with `mpirun -n N target/release/train --backend mpi ...`"
@@ -191,23 +235,30 @@ fn collect(
     }
 }
 
-/// One rank's training loop on a host backend (threads or MPI).
+/// One rank's training loop on a host backend (threads or MPI), polling
+/// `preemption` at every step boundary.
 pub fn train_rank<C: Communicator<Memory = Host> + 'static>(
     args: &Args,
     comm: C,
     data: &TrainingData,
+    preemption: &Preemption,
 ) -> Result<Summary, TrainError> {
     // The engine's element type: f32 (the master weights of a 16-bit
     // model), or the model's own without master weights.
     match (args.precision, args.no_master_weights) {
-        (Precision::Bf16, true) => train_rank_as::<C, half::bf16>(args, comm, data),
-        (Precision::F16, true) => train_rank_as::<C, half::f16>(args, comm, data),
-        _ => train_rank_as::<C, f32>(args, comm, data),
+        (Precision::Bf16, true) => train_rank_as::<C, half::bf16>(args, comm, data, preemption),
+        (Precision::F16, true) => train_rank_as::<C, half::f16>(args, comm, data, preemption),
+        _ => train_rank_as::<C, f32>(args, comm, data, preemption),
     }
 }
 
 /// [`train_rank`] with an engine of element type `T`.
-fn train_rank_as<C, T>(args: &Args, comm: C, data: &TrainingData) -> Result<Summary, TrainError>
+fn train_rank_as<C, T>(
+    args: &Args,
+    comm: C,
+    data: &TrainingData,
+    preemption: &Preemption,
+) -> Result<Summary, TrainError>
 where
     C: Communicator<Memory = Host> + 'static,
     T: Float + WithDType,
@@ -231,6 +282,7 @@ where
         world_size,
         device: &Device::Cpu,
         model: &model,
+        preemption,
     };
     train_loop(&ctx, &mut opt)
 }

@@ -52,6 +52,13 @@ impl Progress {
         }
     }
 
+    /// Leaves the bar where it is: the run stopped before its end.
+    pub(super) fn stop(&self) {
+        if let Some(bar) = &self.bar {
+            bar.abandon();
+        }
+    }
+
     pub(super) fn finish(&self, loss: f64) {
         if let Some(bar) = &self.bar {
             bar.finish_with_message(format!("final loss {loss:.4}"));

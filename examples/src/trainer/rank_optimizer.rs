@@ -8,7 +8,7 @@ use zero_candle::hub::{HubDir, HubLayout};
 use zero_candle::{CandleMemory, ZeroOptimizer};
 use zero_core::checkpoint::Manifest;
 use zero_core::engine::{MemoryReport, SaveOptions, StepReport};
-use zero_core::{Communicator, Element, ReduceOp};
+use zero_core::{Communicator, Element, Preemption, ReduceOp};
 
 /// What the training loop needs of a rank's optimizer ([`ZeroOptimizer`]
 /// on any backend), so the loop is compiled once.
@@ -23,6 +23,8 @@ pub(super) trait RankOptimizer {
     fn device_peak_bytes(&self) -> Option<u64>;
     /// The mean of `value` over ranks (a collective).
     fn mean_over_ranks(&mut self, value: f64) -> Result<f64, TrainError>;
+    /// Whether every rank is to stop now (a collective, once per step).
+    fn should_stop(&mut self, preemption: &Preemption) -> Result<bool, TrainError>;
     fn save_checkpoint(
         &mut self,
         dir: &std::path::Path,
@@ -77,6 +79,9 @@ where
         self.engine_mut()
             .all_reduce_host(&mut v[..], ReduceOp::Avg)?;
         Ok(v[0])
+    }
+    fn should_stop(&mut self, preemption: &Preemption) -> Result<bool, TrainError> {
+        Ok(ZeroOptimizer::should_stop(self, preemption)?)
     }
     fn save_checkpoint(
         &mut self,

@@ -5,13 +5,16 @@ use super::metrics::StepMetrics;
 use super::progress::Progress;
 use super::rank_model::Model;
 use super::rank_optimizer::RankOptimizer;
-use super::{Args, HubText, LossHistory, Summary, TrainError};
+use super::{Args, HubText, LossHistory, Outcome, Summary, TrainError};
 use candle_core::Device;
 use std::io::Write;
+use std::path::PathBuf;
 use std::time::Instant;
 use zero_candle::hub::HubDir;
 use zero_candle::models::Gpt2;
+use zero_core::checkpoint::StepCheckpoints;
 use zero_core::engine::SaveOptions;
+use zero_core::Preemption;
 
 /// What the loop runs on besides the optimizer.
 pub(super) struct LoopContext<'a> {
@@ -20,6 +23,8 @@ pub(super) struct LoopContext<'a> {
     pub(super) world_size: usize,
     pub(super) device: &'a Device,
     pub(super) model: &'a Model<'a>,
+    /// Polled at every step boundary (a collective).
+    pub(super) preemption: &'a Preemption,
 }
 
 pub(super) fn train_loop(
@@ -32,6 +37,7 @@ pub(super) fn train_loop(
         world_size,
         device,
         model,
+        preemption,
     } = *ctx;
     // Resuming: weights, optimizer state, step counter, data position and
     // learning rate come from the checkpoint (any world size and stage); a
@@ -42,7 +48,13 @@ pub(super) fn train_loop(
     // continues at the same row; a GPT sequence's text is a function of the
     // seed and its index, so the count is its whole data position).
     let mut rows_consumed = 0;
-    if let Some(dir) = &args.resume {
+    if let Some(resume) = &args.resume {
+        // The latest complete checkpoint of a --checkpoint-dir, a step
+        // directory of one, or a directory holding a manifest.
+        let dir = &StepCheckpoints::resolve(resume)?;
+        if rank == 0 && !args.quiet && dir != resume {
+            eprintln!("resuming from {}", dir.display());
+        }
         let manifest = opt.load_checkpoint(dir)?;
         let user = manifest.checkpoint.map(|c| c.user).unwrap_or_default();
         first_step = user["step"].as_u64().ok_or_else(|| TrainError::Data {
@@ -57,6 +69,30 @@ pub(super) fn train_loop(
             })?;
         if let Some(lr) = user["lr"].as_f64() {
             opt.set_learning_rate(lr);
+        }
+        if first_step >= args.steps {
+            // A restart loop that runs the same command again after the
+            // run completed lands here: a success, with nothing to do.
+            if rank == 0 && !args.quiet {
+                eprintln!(
+                    "{}: the checkpoint is at step {first_step}, at or past --steps {}: nothing \
+                     to train (raise --steps to train on)",
+                    dir.display(),
+                    args.steps
+                );
+            }
+            save_final_weights(args, opt, model, rank)?;
+            return Ok(Summary {
+                final_loss: f64::NAN,
+                steps: first_step,
+                val_loss: None,
+                sample: None,
+                deferred_steps: 0,
+                outcome: Outcome::AlreadyDone {
+                    checkpoint_step: first_step,
+                },
+                rank,
+            });
         }
     }
     let mut metrics = match (&args.metrics, rank) {
@@ -81,6 +117,7 @@ pub(super) fn train_loop(
     let mut history = LossHistory::default();
     let mut val_loss = None;
 
+    let checkpoints = args.checkpoint_dir.as_deref().map(StepCheckpoints::new);
     let schedule = super::config::lr_schedule(args)?;
     let batch = args.batch_size as usize;
     let accum = args.grad_accum;
@@ -160,42 +197,61 @@ pub(super) fn train_loop(
             tokens_per_s.unwrap_or(samples_per_s),
             step_val_loss,
         );
-        if let Some(dir) = &args.checkpoint_dir {
+        // What a checkpoint of this step records besides the engine's state.
+        let user = serde_json::json!({
+            "step": step + 1,
+            "rows_consumed": rows_consumed
+                + (step + 1 - first_step) * accum * (world_size * batch) as u64,
+            "lr": opt.learning_rate(),
+        });
+        let keep = args.keep_checkpoints;
+        let mut saved = None;
+        if let Some(checkpoints) = &checkpoints {
             if args.checkpoint_every > 0 && (step + 1) % args.checkpoint_every == 0 {
-                let options = SaveOptions {
-                    user: serde_json::json!({
-                        "step": step + 1,
-                        "rows_consumed": rows_consumed
-                            + (step + 1 - first_step) * accum * (world_size * batch) as u64,
-                        "lr": opt.learning_rate(),
-                    }),
-                    ..SaveOptions::default()
-                };
-                opt.save_checkpoint(dir, &options)?;
+                saved = Some(save_step(
+                    opt,
+                    checkpoints,
+                    step + 1,
+                    user.clone(),
+                    rank,
+                    keep,
+                )?);
             }
+        }
+        // Every rank, every step, here: the agreement is a collective, so
+        // all stop after the same step even if one alone got the signal.
+        // At the last step there is nothing left to stop.
+        if opt.should_stop(preemption)? && step + 1 < args.steps {
+            let checkpoint = match (&checkpoints, saved) {
+                (_, Some(dir)) => Some(dir),
+                (Some(checkpoints), None) => {
+                    Some(save_step(opt, checkpoints, step + 1, user, rank, keep)?)
+                }
+                (None, None) => None,
+            };
+            progress.stop();
+            flush_metrics(args, metrics.as_mut())?;
+            return Ok(Summary {
+                final_loss,
+                steps: step + 1,
+                val_loss,
+                sample: None,
+                deferred_steps: opt.deferred_steps(),
+                outcome: Outcome::Preempted {
+                    step: step + 1,
+                    checkpoint,
+                },
+                rank,
+            });
         }
     }
     progress.finish(final_loss);
-    if let Some(out) = metrics.as_mut() {
-        out.flush().map_err(|e| TrainError::Data {
-            path: args.metrics.clone().unwrap_or_default(),
-            detail: format!("cannot write metrics: {e}"),
-        })?;
-    }
+    flush_metrics(args, metrics.as_mut())?;
 
     // Every rank: saving is a collective (at stage 3 each sharded weight is
     // gathered, written and dropped in turn), and at stage 3 so is every
     // forward (the sample).
-    if let Some(path) = &args.save {
-        opt.save_weights(path)?;
-    }
-    if let (Some(out), Model::Hub(model, hub)) = (&args.save_hf, model) {
-        let from = HubDir::open(&hub.dir)?;
-        opt.save_hub(out, &from, &Gpt2::hub_layout(model.config()))?;
-        if !args.quiet && rank == 0 {
-            eprintln!("fine-tuned model written to {}", out.display());
-        }
-    }
+    save_final_weights(args, opt, model, rank)?;
     let mut sample = None;
     let sharded = args.stage == 3;
     if rank == 0 || sharded {
@@ -259,6 +315,64 @@ pub(super) fn train_loop(
         val_loss,
         sample,
         deferred_steps: opt.deferred_steps(),
+        outcome: Outcome::Finished,
+        rank,
+    })
+}
+
+/// Saves the checkpoint of `step` into its step directory (a collective),
+/// then, on rank 0, points `latest` at it and removes what
+/// `--keep-checkpoints` does not keep. Returns the step directory.
+fn save_step(
+    opt: &mut dyn RankOptimizer,
+    checkpoints: &StepCheckpoints,
+    step: u64,
+    user: serde_json::Value,
+    rank: usize,
+    keep: Option<u64>,
+) -> Result<PathBuf, TrainError> {
+    let dir = checkpoints.next_dir(step);
+    let options = SaveOptions {
+        user,
+        ..SaveOptions::default()
+    };
+    opt.save_checkpoint(&dir, &options)?;
+    // The save returns on every rank once the manifest is in place.
+    let committed = if rank == 0 {
+        checkpoints.commit(step).and_then(|_| match keep {
+            Some(keep) => checkpoints
+                .prune(usize::try_from(keep).unwrap_or(usize::MAX))
+                .map(drop),
+            None => Ok(()),
+        })
+    } else {
+        Ok(())
+    };
+    // Every rank waits for rank 0's commit and learns how it went: a rank
+    // that went on to exit (a preemption) could have its launcher end the
+    // job, rank 0 with it, before `latest` is written.
+    let failed = opt.mean_over_ranks(if committed.is_ok() { 0.0 } else { 1.0 })? > 0.0;
+    committed?;
+    if failed {
+        return Err(TrainError::Data {
+            path: dir,
+            detail: "rank 0 could not point `latest` at this checkpoint; see its error".into(),
+        });
+    }
+    Ok(dir)
+}
+
+/// Flushes the `--metrics` file, if any.
+fn flush_metrics(
+    args: &Args,
+    metrics: Option<&mut std::io::BufWriter<std::fs::File>>,
+) -> Result<(), TrainError> {
+    let Some(out) = metrics else {
+        return Ok(());
+    };
+    out.flush().map_err(|e| TrainError::Data {
+        path: args.metrics.clone().unwrap_or_default(),
+        detail: format!("cannot write metrics: {e}"),
     })
 }
 
@@ -291,4 +405,26 @@ fn hub_sample(
         |ids| model.forward(ids)?.squeeze(0),
     )?;
     hub.tokenizer.decode(&ids)
+}
+
+/// `--save` and `--save-hf`: the model's weights at the end (a collective:
+/// at stage 3 each sharded weight is gathered, written and dropped in
+/// turn).
+fn save_final_weights(
+    args: &Args,
+    opt: &mut dyn RankOptimizer,
+    model: &Model<'_>,
+    rank: usize,
+) -> Result<(), TrainError> {
+    if let Some(path) = &args.save {
+        opt.save_weights(path)?;
+    }
+    if let (Some(out), Model::Hub(model, hub)) = (&args.save_hf, model) {
+        let from = HubDir::open(&hub.dir)?;
+        opt.save_hub(out, &from, &Gpt2::hub_layout(model.config()))?;
+        if !args.quiet && rank == 0 {
+            eprintln!("fine-tuned model written to {}", out.display());
+        }
+    }
+    Ok(())
 }

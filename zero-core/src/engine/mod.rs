@@ -590,6 +590,15 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         self.memory.all_reduce_host(&self.comm, values, op)
     }
 
+    /// Whether every rank is to stop at this step boundary because one of
+    /// them was asked to ([`Preemption::should_stop`](crate::Preemption::should_stop)
+    /// over the engine's communicator: an all-reduce max of one value).
+    /// A collective: call it on every rank at the same point, once per
+    /// step; all ranks get the same answer.
+    pub fn should_stop(&mut self, preemption: &crate::Preemption) -> Result<bool> {
+        preemption.should_stop_with(|votes| self.all_reduce_host(votes, ReduceOp::Max))
+    }
+
     /// Bytes this rank holds, per category (in the engine's memory).
     pub fn memory_report(&self) -> MemoryReport {
         let size = std::mem::size_of::<T>();
