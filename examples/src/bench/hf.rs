@@ -5,7 +5,7 @@
 //! [`Gpt2::open_hub`] and trained by [`ZeroOptimizer`] on the thread
 //! backend (stage 2, AdamW) at world size 1 and 2; its peer
 //! (`examples/pytorch/hf_peer.py`) loads the same directory with
-//! `GPT2LMHeadModel.from_pretrained` and trains it with `torch.optim.AdamW`
+//! GPT2LMHeadModel.from_pretrained and trains it with `torch.optim.AdamW`
 //! on the same hyperparameters. Both take 16 sequences of 32 predicted
 //! tokens per step (globally), of seeded random token ids.
 //!
