@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what the `mpi` feature needs to build and run: Open MPI (library,
 # headers, mpirun) and libclang/clang (bindgen, used by the `mpi` crate's
-# mpi-sys), plus python3 and procps (pgrep) for the fault tests and g++ for
+# mpi-sys), plus python3 (the fault tests; the examples' test of
+# hf_peer.py's flags), procps (pgrep) for the fault tests and g++ for
 # the kernels run on the CPU (check-kernels-on-cpu.sh). Idempotent:
 # installs only what is missing. Run as root on
 # Debian/Ubuntu (or with sudo available).

@@ -1,15 +1,20 @@
 #!/usr/bin/env python3
 """`transformers` peer of zero-rs's GPT-2 (``zero_candle::models::Gpt2``), for
-``bench hf`` (``examples/src/bench/hf.rs``).
+``bench hf`` (``examples/src/bench/hf.rs``) on the CPU and ``bench gpu``'s
+GPT-2 small (``examples/src/bench/gpu_gpt/gpt2.rs``) on CUDA.
 
-Loads a hub directory with ``GPT2LMHeadModel.from_pretrained`` (the tiny
-fixture ``zero-candle/tests/fixtures/gpt2/tiny`` in the benchmark), trains it
-with ``torch.optim.AdamW`` on batches of seeded random token ids below the
-vocabulary size, ``[batch, context + 1]`` each, and prints ONE line of JSON
-on stdout::
+The model is either a hub directory loaded with
+``GPT2LMHeadModel.from_pretrained`` (``--model-dir``; the tiny fixture
+``zero-candle/tests/fixtures/gpt2/tiny`` in ``bench hf``) or a fresh
+``GPT2LMHeadModel`` of a named shape with random weights (``--random small``:
+``GPT2Config()``'s GPT-2 small, 124M parameters, dropout off as training
+here has none). It is trained with ``torch.optim.AdamW`` (``fused=True`` on
+CUDA) on batches of seeded random token ids below the vocabulary size,
+``[batch, context + 1]`` each, and prints ONE line of JSON on stdout::
 
-    {"device": "cpu", "device_name": ..., "tokens_per_s": ..., "step_ms_median": ...,
-     "peak_rss_bytes": ..., "torch_version": ..., "transformers_version": ..., ...}
+    {"device": "cpu", "device_name": ..., "dtype": "f32", "attention": "sdpa",
+     "tokens_per_s": ..., "step_ms_median": ..., "peak_rss_bytes": ...,
+     "torch_version": ..., "transformers_version": ..., "parameters": ..., ...}
 
 A step predicts ``batch * context`` tokens, as ``Gpt2::loss`` does on the
 same ids: the model reads the first ``context`` tokens and each position
@@ -18,15 +23,25 @@ predicts the next (``shift_labels``). Plain ``labels=ids`` would read all
 and, since transformers pads the shifted labels with -100, predict only
 ``context`` of them while computing ``context + 1`` positions.
 
+``--dtype bf16`` runs the forward pass under ``torch.autocast`` to bfloat16
+with f32 weights and optimizer state, as ``gpt_peer.py`` does.
+``--attn-implementation`` is transformers' (``eager``: the matmul, mask and
+softmax composition; ``sdpa``: ``F.scaled_dot_product_attention``); without
+it, transformers chooses.
+
+Memory: on CUDA, ``peak_memory_bytes`` is ``torch.cuda.max_memory_allocated()``
+over the timed steps (reset after the warm-up). On the CPU,
 ``peak_rss_bytes`` is the process's peak resident set size (interpreter,
-torch and transformers included), as ``gpt_peer.py`` reports it on the CPU;
+torch and transformers included), as ``gpt_peer.py`` reports it;
 ``rss_after_import_bytes`` is the same counter right after the imports.
 
 Exit codes: 0 on success, 2 when torch or transformers cannot be imported,
-4 for bad arguments. Messages go to stderr.
+3 when the asked-for device (or bf16 on it) is unavailable, 4 for bad
+arguments. Messages go to stderr.
 """
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -38,14 +53,28 @@ import time
 import warnings
 
 EXIT_NO_PACKAGE = 2
+EXIT_NO_DEVICE = 3
 EXIT_USAGE = 4
+
+# The fresh models --random builds: GPT2Config keyword arguments.
+RANDOM_SHAPES = {
+    # GPT2Config()'s defaults are GPT-2 small's shape (vocabulary 50257,
+    # 1024 positions, 12 layers of 768 with 12 heads); dropout off.
+    "small": {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0},
+}
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
         description="Train a hub GPT-2 with transformers and print its throughput as one JSON line."
     )
-    p.add_argument("--model-dir", required=True, help="hub directory (config.json, *.safetensors)")
+    model = p.add_mutually_exclusive_group(required=True)
+    model.add_argument("--model-dir", help="hub directory (config.json, *.safetensors)")
+    model.add_argument(
+        "--random",
+        choices=sorted(RANDOM_SHAPES),
+        help="a fresh GPT2LMHeadModel of this shape with seeded random weights",
+    )
     p.add_argument("--context", type=int, default=32, help="predicted tokens per sequence")
     p.add_argument("--batch", type=int, default=16, help="sequences per step")
     p.add_argument("--steps", type=int, default=50, help="timed steps")
@@ -54,8 +83,24 @@ def parse_args(argv=None):
     p.add_argument("--betas", type=float, nargs=2, default=(0.9, 0.999))
     p.add_argument("--eps", type=float, default=1e-8)
     p.add_argument("--weight-decay", type=float, default=1e-2)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument(
+        "--dtype",
+        choices=["f32", "bf16"],
+        default="f32",
+        help="bf16: torch.autocast to bfloat16 with f32 weights",
+    )
+    p.add_argument(
+        "--attn-implementation",
+        choices=["eager", "sdpa"],
+        default=None,
+        help="transformers' attention (default: transformers chooses)",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     p.add_argument("--seed", type=int, default=0)
+    # argparse's own exit code (2) is EXIT_NO_PACKAGE's: a flag the script
+    # does not know is a usage error.
+    p.error = lambda message: fail(EXIT_USAGE, message)
     args = p.parse_args(argv)
     for name in ("context", "batch", "steps"):
         if getattr(args, name) <= 0:
@@ -107,18 +152,52 @@ def cpu_name():
     return platform.processor() or platform.machine() or "cpu"
 
 
+def open_device(torch, args):
+    """The torch device and its name; exits with EXIT_NO_DEVICE when CUDA
+    (or bf16 on it) is asked for and unavailable."""
+    if args.device == "cpu":
+        return torch.device("cpu"), cpu_name()
+    if not torch.cuda.is_available():
+        fail(
+            EXIT_NO_DEVICE,
+            f"--device cuda asked for, but torch {torch.__version__} sees no CUDA device "
+            f"(built with CUDA {torch.version.cuda}); use --device cpu",
+        )
+    device = torch.device("cuda")
+    name = torch.cuda.get_device_name(device)
+    if args.dtype == "bf16" and not torch.cuda.is_bf16_supported():
+        fail(EXIT_NO_DEVICE, f"{name} does not support bf16; use --dtype f32")
+    return device, name
+
+
+def build_model(transformers, args):
+    """The GPT2LMHeadModel to train: loaded from --model-dir, or fresh of
+    --random's shape (weights from torch's seeded generator)."""
+    attention = {}
+    if args.attn_implementation is not None:
+        attention["attn_implementation"] = args.attn_implementation
+    if args.model_dir is not None:
+        return transformers.GPT2LMHeadModel.from_pretrained(args.model_dir, **attention)
+    config = transformers.GPT2Config(**RANDOM_SHAPES[args.random])
+    return transformers.AutoModelForCausalLM.from_config(config, **attention)
+
+
 def main(argv=None):
     args = parse_args(argv)
-    if not os.path.isfile(os.path.join(args.model_dir, "config.json")):
+    if args.model_dir is not None and not os.path.isfile(
+        os.path.join(args.model_dir, "config.json")
+    ):
         fail(EXIT_USAGE, f"{args.model_dir} has no config.json; pass a hub directory")
     torch, transformers = import_packages()
     rss_after_import = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    device, device_name = open_device(torch, args)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
 
-    model = transformers.GPT2LMHeadModel.from_pretrained(args.model_dir)
-    # The fixture's dropout is 0; train() all the same, as a trainer would.
+    model = build_model(transformers, args).to(device)
+    # Dropout is 0 (the fixture's, and --random's); train() all the same,
+    # as a trainer would.
     model.train()
     vocab = model.config.vocab_size
     if args.context > model.config.n_positions:
@@ -127,40 +206,55 @@ def main(argv=None):
             f"--context {args.context} is longer than the model's n_positions "
             f"{model.config.n_positions}",
         )
+    opt_kwargs = {}
+    if device.type == "cuda":
+        opt_kwargs["fused"] = True
     opt = torch.optim.AdamW(
         model.parameters(),
         lr=args.lr,
         betas=tuple(args.betas),
         eps=args.eps,
         weight_decay=args.weight_decay,
+        **opt_kwargs,
     )
     gen = torch.Generator().manual_seed(args.seed)
+    if args.dtype == "bf16":
+        def autocast():
+            return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    else:
+        autocast = contextlib.nullcontext
 
     def step():
-        ids = torch.randint(0, vocab, (args.batch, args.context + 1), generator=gen)
+        ids = torch.randint(0, vocab, (args.batch, args.context + 1), generator=gen).to(device)
         inputs = ids[:, :-1].contiguous()
         opt.zero_grad(set_to_none=True)
         # labels only switches the loss on; shift_labels are the targets
         # (see the module's doc). No cache: nothing is generated.
-        loss = model(
-            input_ids=inputs,
-            labels=inputs,
-            shift_labels=ids[:, 1:].contiguous(),
-            use_cache=False,
-        ).loss
+        with autocast():
+            loss = model(
+                input_ids=inputs,
+                labels=inputs,
+                shift_labels=ids[:, 1:].contiguous(),
+                use_cache=False,
+            ).loss
         loss.backward()
         opt.step()
         return loss
 
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     first_loss = None
     for _ in range(args.warmup):
         loss = step()
         if first_loss is None:
             first_loss = loss.item()
+    sync()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     times = []
     for _ in range(args.steps):
         started = time.perf_counter()
         loss = step()
+        sync()
         times.append(time.perf_counter() - started)
         if first_loss is None:
             first_loss = loss.item()
@@ -170,25 +264,33 @@ def main(argv=None):
 
     median = statistics.median(times)
     out = {
-        "device": "cpu",
-        "device_name": cpu_name(),
+        "device": device.type,
+        "device_name": device_name,
+        "dtype": args.dtype,
         "tokens_per_s": args.batch * args.context / median,
         "step_ms_median": median * 1e3,
-        # Linux reports ru_maxrss in KiB.
-        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        "rss_after_import_bytes": rss_after_import,
-        "torch_version": torch.__version__,
-        "transformers_version": transformers.__version__,
-        "attention": model.config._attn_implementation,
-        "threads": torch.get_num_threads(),
-        "context": args.context,
-        "batch": args.batch,
-        "steps": args.steps,
-        "warmup": args.warmup,
-        "parameters": sum(p.numel() for p in model.parameters()),
-        "first_loss": first_loss,
-        "final_loss": final_loss,
     }
+    if device.type == "cuda":
+        out["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
+    else:
+        # Linux reports ru_maxrss in KiB.
+        out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        out["rss_after_import_bytes"] = rss_after_import
+    out.update(
+        {
+            "torch_version": torch.__version__,
+            "transformers_version": transformers.__version__,
+            "attention": model.config._attn_implementation,
+            "threads": torch.get_num_threads(),
+            "context": args.context,
+            "batch": args.batch,
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "first_loss": first_loss,
+            "final_loss": final_loss,
+        }
+    )
     print(json.dumps(out), flush=True)
 
 

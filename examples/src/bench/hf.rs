@@ -12,7 +12,7 @@
 //! Rounds are interleaved so that drift in the machine's load affects each
 //! case alike; each figure is a median.
 
-use super::torch_peer::{run_peer, PeerFigures, HF_PEER};
+use super::torch_peer::{run_hf_peer, HfModel, HfPeerArgs, PeerDevice, PeerDtype, PeerFigures};
 use super::{interleaved_medians, Report};
 use candle_core::{DType, Device, Tensor};
 use rand::{rngs::StdRng, Rng, SeedableRng};
@@ -55,62 +55,6 @@ pub fn fixture_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("..")
         .join(FIXTURE)
-}
-
-/// The options of `hf_peer.py`, one field per flag.
-#[derive(Clone, Debug, PartialEq)]
-pub struct HfPeerArgs {
-    /// The hub directory to load (`--model-dir`).
-    pub model_dir: PathBuf,
-    /// Predicted tokens per sequence (`--context`).
-    pub context: usize,
-    /// Sequences per step (`--batch`).
-    pub batch: usize,
-    /// Timed steps (`--steps`).
-    pub steps: usize,
-    /// Untimed steps before them (`--warmup`).
-    pub warmup: usize,
-    /// `torch.optim.AdamW`'s hyperparameters (`--lr`, `--betas`, `--eps`,
-    /// `--weight-decay`).
-    pub adamw: AdamWConfig,
-    /// `torch.set_num_threads` (`--threads`); `None`: torch's default.
-    pub threads: Option<usize>,
-    /// Seed of the data (`--seed`).
-    pub seed: u64,
-}
-
-impl HfPeerArgs {
-    /// The script's command-line arguments (after its path).
-    pub fn to_args(&self) -> Vec<String> {
-        let mut args = vec![
-            "--model-dir".to_string(),
-            self.model_dir.display().to_string(),
-            "--context".into(),
-            self.context.to_string(),
-            "--batch".into(),
-            self.batch.to_string(),
-            "--steps".into(),
-            self.steps.to_string(),
-            "--warmup".into(),
-            self.warmup.to_string(),
-            "--lr".into(),
-            self.adamw.lr.to_string(),
-            "--betas".into(),
-            self.adamw.betas.0.to_string(),
-            self.adamw.betas.1.to_string(),
-            "--eps".into(),
-            self.adamw.eps.to_string(),
-            "--weight-decay".into(),
-            self.adamw.weight_decay.to_string(),
-            "--seed".into(),
-            self.seed.to_string(),
-        ];
-        if let Some(threads) = self.threads {
-            args.push("--threads".into());
-            args.push(threads.to_string());
-        }
-        args
-    }
 }
 
 fn median(mut times: Vec<f64>) -> f64 {
@@ -165,16 +109,19 @@ fn engine_step(world_size: usize) -> Result<f64, String> {
 /// world size 1).
 fn transformers_run() -> Result<PeerFigures, String> {
     let args = HfPeerArgs {
-        model_dir: fixture_dir(),
+        model: HfModel::Dir(fixture_dir()),
         context: CONTEXT,
         batch: BATCH,
         steps: STEPS,
         warmup: WARMUP,
         adamw: adamw_config(),
+        device: PeerDevice::Cpu,
+        dtype: PeerDtype::F32,
+        attention: None,
         threads: Some(std::thread::available_parallelism().map_or(1, |n| n.get())),
         seed: SEED,
     };
-    run_peer(HF_PEER, "python3", &args.to_args())
+    run_hf_peer(&args)
 }
 
 /// Adds `hf.tiny_gpt2_tokens_per_s` (world size 1), its value at N=2,
@@ -233,23 +180,28 @@ fn throughput(report: &mut Report) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::bench::torch_peer::HF_PEER;
 
     #[test]
     fn passes_every_option_and_finds_its_files() {
         let args = HfPeerArgs {
-            model_dir: PathBuf::from("tiny"),
+            model: HfModel::Dir(PathBuf::from("tiny")),
             context: CONTEXT,
             batch: BATCH,
             steps: STEPS,
             warmup: WARMUP,
             adamw: adamw_config(),
+            device: PeerDevice::Cpu,
+            dtype: PeerDtype::F32,
+            attention: None,
             threads: Some(2),
             seed: SEED,
         };
         assert_eq!(
             args.to_args().join(" "),
             "--model-dir tiny --context 32 --batch 16 --steps 50 --warmup 5 --lr 0.001 \
-             --betas 0.9 0.999 --eps 0.00000001 --weight-decay 0.01 --seed 0 --threads 2"
+             --betas 0.9 0.999 --eps 0.00000001 --weight-decay 0.01 --device cpu --dtype f32 \
+             --seed 0 --threads 2"
         );
         assert!(
             HF_PEER.path().is_file(),

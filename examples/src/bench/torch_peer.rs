@@ -1,5 +1,5 @@
 //! The PyTorch peers of the benchmarks: runs a script of
-//! `examples/pytorch/` ([`GPT_PEER`]: the trainer's GPT, [`HF_PEER`]: a hub
+//! `examples/pytorch/` ([`GPT_PEER`]: the trainer's GPT, [`HF_PEER`]: a
 //! GPT-2 through `transformers`) in a child `python3` and reads back its one
 //! JSON line, so that a benchmark can report our tokens/s and memory over
 //! PyTorch's, measured on the same machine in the same run.
@@ -13,6 +13,7 @@ use serde::Deserialize;
 use std::io::ErrorKind;
 use std::path::PathBuf;
 use std::process::Command;
+use zero_core::optim::AdamWConfig;
 
 /// The command that installs PyTorch, named in errors.
 pub const INSTALL_TORCH: &str = "`python3 -m pip install torch` (CPU-only wheel: \
@@ -33,6 +34,16 @@ pub enum PeerDevice {
     Cuda,
 }
 
+impl PeerDevice {
+    /// The value of the scripts' `--device`.
+    pub fn flag(self) -> &'static str {
+        match self {
+            Self::Cpu => "cpu",
+            Self::Cuda => "cuda",
+        }
+    }
+}
+
 /// The peer's compute dtype.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PeerDtype {
@@ -40,6 +51,16 @@ pub enum PeerDtype {
     F32,
     /// `torch.autocast` to bfloat16 with f32 weights (`--dtype bf16`).
     Bf16,
+}
+
+impl PeerDtype {
+    /// The value of the scripts' `--dtype`.
+    pub fn flag(self) -> &'static str {
+        match self {
+            Self::F32 => "f32",
+            Self::Bf16 => "bf16",
+        }
+    }
 }
 
 /// How the peer computes attention.
@@ -125,17 +146,9 @@ impl PeerArgs {
             "--warmup".into(),
             self.warmup.to_string(),
             "--device".into(),
-            match self.device {
-                PeerDevice::Cpu => "cpu",
-                PeerDevice::Cuda => "cuda",
-            }
-            .into(),
+            self.device.flag().into(),
             "--dtype".into(),
-            match self.dtype {
-                PeerDtype::F32 => "f32",
-                PeerDtype::Bf16 => "bf16",
-            }
-            .into(),
+            self.dtype.flag().into(),
             "--attention".into(),
             match self.attention {
                 PeerAttention::Manual => "manual",
@@ -145,6 +158,123 @@ impl PeerArgs {
             "--seed".into(),
             self.seed.to_string(),
         ];
+        if let Some(threads) = self.threads {
+            args.push("--threads".into());
+            args.push(threads.to_string());
+        }
+        args
+    }
+}
+
+/// The model `hf_peer.py` trains.
+#[derive(Clone, Debug, PartialEq)]
+pub enum HfModel {
+    /// A hub directory, loaded with `from_pretrained` (`--model-dir`).
+    Dir(PathBuf),
+    /// A fresh GPT-2 small (`GPT2Config()`, dropout off) with seeded random
+    /// weights (`--random small`): [`Gpt2Config::gpt2_small`]'s shape.
+    ///
+    /// [`Gpt2Config::gpt2_small`]: zero_candle::models::Gpt2Config::gpt2_small
+    RandomSmall,
+}
+
+/// The options of `hf_peer.py`, one field per flag.
+#[derive(Clone, Debug, PartialEq)]
+pub struct HfPeerArgs {
+    /// What to train (`--model-dir` or `--random`).
+    pub model: HfModel,
+    /// Predicted tokens per sequence (`--context`).
+    pub context: usize,
+    /// Sequences per step (`--batch`).
+    pub batch: usize,
+    /// Timed steps (`--steps`).
+    pub steps: usize,
+    /// Untimed steps before them (`--warmup`).
+    pub warmup: usize,
+    /// `torch.optim.AdamW`'s hyperparameters (`--lr`, `--betas`, `--eps`,
+    /// `--weight-decay`).
+    pub adamw: AdamWConfig,
+    /// Where to compute (`--device`).
+    pub device: PeerDevice,
+    /// Compute dtype (`--dtype`; bf16 is autocast over f32 weights).
+    pub dtype: PeerDtype,
+    /// transformers' attention (`--attn-implementation`: `Manual` is its
+    /// `eager`, `Sdpa` its `sdpa`); `None`: transformers chooses.
+    pub attention: Option<PeerAttention>,
+    /// `torch.set_num_threads` (`--threads`); `None`: torch's default.
+    pub threads: Option<usize>,
+    /// Seed of the data, and of `--random`'s weights (`--seed`).
+    pub seed: u64,
+}
+
+impl HfPeerArgs {
+    /// `bench gpu`'s `transformers` side: a fresh GPT-2 small on the first
+    /// CUDA device, bf16 autocast, SDPA, `batch` sequences of `context`
+    /// predicted tokens per step.
+    pub fn gpt2_small_cuda_bf16(
+        batch: usize,
+        context: usize,
+        steps: usize,
+        warmup: usize,
+        adamw: AdamWConfig,
+        seed: u64,
+    ) -> Self {
+        Self {
+            model: HfModel::RandomSmall,
+            context,
+            batch,
+            steps,
+            warmup,
+            adamw,
+            device: PeerDevice::Cuda,
+            dtype: PeerDtype::Bf16,
+            attention: Some(PeerAttention::Sdpa),
+            threads: None,
+            seed,
+        }
+    }
+
+    /// The script's command-line arguments (after its path).
+    pub fn to_args(&self) -> Vec<String> {
+        let mut args = match &self.model {
+            HfModel::Dir(dir) => vec!["--model-dir".to_string(), dir.display().to_string()],
+            HfModel::RandomSmall => vec!["--random".to_string(), "small".into()],
+        };
+        args.extend([
+            "--context".into(),
+            self.context.to_string(),
+            "--batch".into(),
+            self.batch.to_string(),
+            "--steps".into(),
+            self.steps.to_string(),
+            "--warmup".into(),
+            self.warmup.to_string(),
+            "--lr".into(),
+            self.adamw.lr.to_string(),
+            "--betas".into(),
+            self.adamw.betas.0.to_string(),
+            self.adamw.betas.1.to_string(),
+            "--eps".into(),
+            self.adamw.eps.to_string(),
+            "--weight-decay".into(),
+            self.adamw.weight_decay.to_string(),
+            "--device".into(),
+            self.device.flag().into(),
+            "--dtype".into(),
+            self.dtype.flag().into(),
+            "--seed".into(),
+            self.seed.to_string(),
+        ]);
+        if let Some(attention) = self.attention {
+            args.push("--attn-implementation".into());
+            args.push(
+                match attention {
+                    PeerAttention::Manual => "eager",
+                    PeerAttention::Sdpa => "sdpa",
+                }
+                .into(),
+            );
+        }
         if let Some(threads) = self.threads {
             args.push("--threads".into());
             args.push(threads.to_string());
@@ -170,6 +300,8 @@ pub struct PeerFigures {
     pub device_name: String,
     /// `torch.__version__`.
     pub torch_version: String,
+    /// The model's parameter count, where the script reports it.
+    pub parameters: Option<u64>,
 }
 
 /// The script's JSON line (fields this module does not use are ignored).
@@ -183,6 +315,8 @@ struct PeerLine {
     peak_rss_bytes: Option<u64>,
     device_name: String,
     torch_version: String,
+    #[serde(default)]
+    parameters: Option<u64>,
 }
 
 /// A peer script of `examples/pytorch/` and what it needs installed.
@@ -210,8 +344,8 @@ pub const GPT_PEER: PeerScript = PeerScript {
     install: INSTALL_TORCH,
 };
 
-/// `hf_peer.py`: a hub GPT-2 loaded and trained by `transformers`
-/// (`bench hf`).
+/// `hf_peer.py`: a GPT-2 (a hub directory, or a fresh GPT-2 small) trained
+/// by `transformers` (`bench hf`, and `bench gpu`'s GPT-2 small).
 pub const HF_PEER: PeerScript = PeerScript {
     file: "hf_peer.py",
     needs: "PyTorch or transformers",
@@ -252,6 +386,7 @@ pub fn parse_peer_output(stdout: &str) -> Result<PeerFigures, String> {
         peak_bytes: parsed.peak_memory_bytes.or(parsed.peak_rss_bytes),
         device_name: parsed.device_name,
         torch_version: parsed.torch_version,
+        parameters: parsed.parameters,
     })
 }
 
@@ -259,6 +394,12 @@ pub fn parse_peer_output(stdout: &str) -> Result<PeerFigures, String> {
 /// [`run_peer`]).
 pub fn run_gpt_peer(args: &PeerArgs) -> Result<PeerFigures, String> {
     run_peer(GPT_PEER, &args.python, &args.to_args())
+}
+
+/// Runs `hf_peer.py` under `python3` with `args` and returns its figures
+/// (see [`run_peer`]).
+pub fn run_hf_peer(args: &HfPeerArgs) -> Result<PeerFigures, String> {
+    run_peer(HF_PEER, "python3", &args.to_args())
 }
 
 /// Runs `script` under `python` with `args` and returns its figures; an
@@ -317,6 +458,7 @@ mod tests {
         assert_eq!(f.peak_bytes, Some(412_345_344));
         assert_eq!(f.device_name, "AMD EPYC");
         assert_eq!(f.torch_version, "2.5.1+cpu");
+        assert_eq!(f.parameters, Some(120_064));
     }
 
     #[test]
@@ -325,6 +467,7 @@ mod tests {
         let f = parse_peer_output(out).unwrap();
         assert_eq!(f.peak_bytes, Some(1 << 20));
         assert_eq!(f.device_name, "NVIDIA H100");
+        assert_eq!(f.parameters, None);
         assert!(parse_peer_output("no json here").is_err());
         assert!(parse_peer_output("{\"tokens_per_s\": 1}").is_err());
     }
@@ -348,6 +491,64 @@ mod tests {
             GPT_PEER.path().is_file(),
             "{} is missing",
             GPT_PEER.path().display()
+        );
+    }
+
+    /// What `hf_peer.py`'s own parser makes of `args` (its `parse_args`,
+    /// which imports neither torch nor transformers): the options as one
+    /// line, in the order of the script's flags.
+    fn hf_peer_parses(args: &[String]) -> String {
+        const PRINT: &str = "import sys; sys.path.insert(0, sys.argv[1]); import hf_peer; \
+             a = hf_peer.parse_args(sys.argv[2:]); \
+             print(a.model_dir, a.random, a.context, a.batch, a.steps, a.warmup, a.lr, \
+             *a.betas, a.eps, a.weight_decay, a.device, a.dtype, a.attn_implementation, \
+             a.threads, a.seed)";
+        let dir = HF_PEER
+            .path()
+            .parent()
+            .map(PathBuf::from)
+            .unwrap_or_default();
+        // -B: no __pycache__ left in examples/pytorch/.
+        let out = Command::new("python3")
+            .args(["-B", "-c", PRINT])
+            .arg(&dir)
+            .args(args)
+            .output()
+            .unwrap_or_else(|e| panic!("python3: {e}; scripts/install-deps.sh installs it"));
+        assert!(
+            out.status.success(),
+            "hf_peer.py refused {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    }
+
+    #[test]
+    fn hf_peer_takes_the_gpu_case_and_the_hub_case() {
+        let adamw = AdamWConfig::default().with_lr(1e-3);
+        let cuda = HfPeerArgs::gpt2_small_cuda_bf16(8, 1024, 20, 3, adamw, 0);
+        assert_eq!(
+            cuda.to_args().join(" "),
+            "--random small --context 1024 --batch 8 --steps 20 --warmup 3 --lr 0.001 \
+             --betas 0.9 0.999 --eps 0.00000001 --weight-decay 0.01 --device cuda --dtype bf16 \
+             --seed 0 --attn-implementation sdpa"
+        );
+        assert_eq!(
+            hf_peer_parses(&cuda.to_args()),
+            "None small 1024 8 20 3 0.001 0.9 0.999 1e-08 0.01 cuda bf16 sdpa None 0"
+        );
+        let hub = HfPeerArgs {
+            model: HfModel::Dir(PathBuf::from("tiny")),
+            device: PeerDevice::Cpu,
+            dtype: PeerDtype::F32,
+            attention: Some(PeerAttention::Manual),
+            threads: Some(2),
+            seed: 7,
+            ..cuda
+        };
+        assert_eq!(
+            hf_peer_parses(&hub.to_args()),
+            "tiny None 1024 8 20 3 0.001 0.9 0.999 1e-08 0.01 cpu f32 eager 2 7"
         );
     }
 }

@@ -24,8 +24,13 @@
 //! after backward, the write-back), and the largest model with offload
 //! over without, projected from the measured bytes per parameter (`bench
 //! gpu-largest` searches for it: [`largest()`]).
+//!
+//! Last, GPT-2 small (`zero_candle::models::Gpt2`, 124M parameters, random
+//! weights) in bf16 at stage 2, 8 sequences of 1024 tokens, against
+//! `transformers` with SDPA on the same GPU (`examples/pytorch/hf_peer.py`).
 
 mod case;
+mod gpt2;
 mod headline;
 mod largest_gpt;
 mod peer;

@@ -2,7 +2,9 @@
 //! order, and the figures each gives.
 
 use super::case::{ours, Measured, Variant};
-use super::{open_device, peer, random_ids, shared, BATCH, CONFIG, LARGE_BATCH, LR, STEPS, WARMUP};
+use super::{
+    gpt2, open_device, peer, random_ids, shared, BATCH, CONFIG, LARGE_BATCH, LR, STEPS, WARMUP,
+};
 use crate::bench::Report;
 use crate::trainer::GptOps;
 use candle_core::{DType, Device, Tensor};
@@ -275,6 +277,7 @@ pub fn run(report: &mut Report, part: Part) {
     // PyTorch in a child process, after our cases have released the GPU's
     // memory.
     peer::against_torch(report, f32_fused.as_ref(), bf16_fused.as_ref());
+    gpt2::against_transformers(report, &device, &ctx, pool.as_ref());
 }
 
 /// Where an offloaded step's host time goes (figures `gpu.gpt_bf16_{case}_*_ms`):
