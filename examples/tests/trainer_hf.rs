@@ -9,7 +9,7 @@ use clap::Parser;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use zero_candle::hub::HubDir;
-use zero_examples::trainer::{run, Args, Summary, TrainError};
+use zero_examples::trainer::{run, Args, Summary};
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -154,9 +154,9 @@ fn the_sample_is_decoded_by_the_models_tokenizer() {
     assert_eq!(again.sample.unwrap(), text.into_bytes());
 }
 
-fn usage_error(args: &Args) -> String {
+/// The message of the error `args` stop with (a run that trains fails).
+fn error_of(args: &Args) -> String {
     match run(args) {
-        Err(e @ TrainError::Usage(_)) | Err(e @ TrainError::Data { .. }) => e.to_string(),
         Err(e) => e.to_string(),
         Ok(_) => panic!("{args:?} trained"),
     }
@@ -168,7 +168,7 @@ fn unusable_flags_and_directories_are_errors_that_say_what_to_do() {
     let out = dir.path().join("out");
     let hub = fixture("tiny");
 
-    let err = usage_error(&Args::parse_from([
+    let err = error_of(&Args::parse_from([
         "train",
         "--quiet",
         "--save-hf",
@@ -177,12 +177,12 @@ fn unusable_flags_and_directories_are_errors_that_say_what_to_do() {
     assert!(err.contains("--hf"), "{err}");
 
     let init = dir.path().join("init.safetensors");
-    let err = usage_error(&args(&hub, &out, 1, 0, &["--init", path(&init)]));
+    let err = error_of(&args(&hub, &out, 1, 0, &["--init", path(&init)]));
     assert!(err.contains("--init"), "{err}");
 
     let mut long = args(&hub, &out, 1, 0, &[]);
     long.context = 64;
-    let err = usage_error(&long);
+    let err = error_of(&long);
     assert!(err.contains("--context") && err.contains("32"), "{err}");
 
     let no_tokenizer = dir.path().join("no-tokenizer");
@@ -190,10 +190,10 @@ fn unusable_flags_and_directories_are_errors_that_say_what_to_do() {
     for file in ["config.json", "model.safetensors"] {
         std::fs::copy(hub.join(file), no_tokenizer.join(file)).unwrap();
     }
-    let err = usage_error(&args(&no_tokenizer, &out, 1, 0, &[]));
+    let err = error_of(&args(&no_tokenizer, &out, 1, 0, &[]));
     assert!(err.contains("tokenizer.json"), "{err}");
 
-    let err = usage_error(&args(&dir.path().join("missing"), &out, 1, 0, &[]));
+    let err = error_of(&args(&dir.path().join("missing"), &out, 1, 0, &[]));
     assert!(err.contains("missing"), "{err}");
     assert!(
         !out.exists(),

@@ -108,8 +108,15 @@ fn engine_step(world_size: usize) -> Result<f64, String> {
 /// process, as many threads as the machine has cores, as Candle uses at
 /// world size 1).
 fn transformers_run() -> Result<PeerFigures, String> {
-    let args = HfPeerArgs {
-        model: HfModel::Dir(fixture_dir()),
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    run_hf_peer(&peer_args(fixture_dir(), threads))
+}
+
+/// The peer's options: `model` on the CPU in f32, the suite's batch and
+/// AdamW, on `threads` threads.
+fn peer_args(model: PathBuf, threads: usize) -> HfPeerArgs {
+    HfPeerArgs {
+        model: HfModel::Dir(model),
         context: CONTEXT,
         batch: BATCH,
         steps: STEPS,
@@ -118,10 +125,9 @@ fn transformers_run() -> Result<PeerFigures, String> {
         device: PeerDevice::Cpu,
         dtype: PeerDtype::F32,
         attention: None,
-        threads: Some(std::thread::available_parallelism().map_or(1, |n| n.get())),
+        threads: Some(threads),
         seed: SEED,
-    };
-    run_hf_peer(&args)
+    }
 }
 
 /// Adds `hf.tiny_gpt2_tokens_per_s` (world size 1), its value at N=2,
@@ -184,19 +190,7 @@ mod tests {
 
     #[test]
     fn passes_every_option_and_finds_its_files() {
-        let args = HfPeerArgs {
-            model: HfModel::Dir(PathBuf::from("tiny")),
-            context: CONTEXT,
-            batch: BATCH,
-            steps: STEPS,
-            warmup: WARMUP,
-            adamw: adamw_config(),
-            device: PeerDevice::Cpu,
-            dtype: PeerDtype::F32,
-            attention: None,
-            threads: Some(2),
-            seed: SEED,
-        };
+        let args = peer_args(PathBuf::from("tiny"), 2);
         assert_eq!(
             args.to_args().join(" "),
             "--model-dir tiny --context 32 --batch 16 --steps 50 --warmup 5 --lr 0.001 \

@@ -304,7 +304,7 @@ pub(super) fn gpt_config(args: &Args) -> GptConfig {
 /// stage 3 each rank only its shard of the large ones).
 pub(super) fn model_vars(args: &Args, data: &TrainingData) -> Result<ShardedVarMap, TrainError> {
     if let TrainingData::Hub(hub) = data {
-        return hub.vars();
+        return Ok(hub.vars());
     }
     Ok(match &args.init {
         Some(path) => ShardedVarMap::from_safetensors(path).map_err(|e| TrainError::Data {

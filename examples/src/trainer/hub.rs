@@ -2,7 +2,7 @@
 //! its own tokenizer.
 
 use super::{Args, TextData, TextTokenizer, TrainError};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use zero_candle::hub::{HubDir, HubSource};
 use zero_candle::models::{Gpt2, Gpt2Config};
@@ -11,8 +11,9 @@ use zero_candle::ShardedVarMap;
 /// A hub model with the text it trains on.
 #[derive(Clone, Debug)]
 pub struct HubText {
-    /// The model's directory.
-    pub dir: PathBuf,
+    /// The model's directory, opened (its weights memory-mapped once, for
+    /// every rank and for `--save-hf`).
+    pub hub: Arc<HubDir>,
     /// Its `config.json`.
     pub config: Gpt2Config,
     /// Its `tokenizer.json`.
@@ -26,11 +27,8 @@ impl HubText {
     /// tokenizes the text; an error names the file or the config key that
     /// is unusable, or the flag to change.
     pub fn load(args: &Args, dir: &Path) -> Result<Self, TrainError> {
-        let hub = HubDir::open(dir)?;
-        let config = Gpt2Config::from_json(hub.config()).map_err(|detail| TrainError::Data {
-            path: dir.join(zero_candle::hub::CONFIG_FILE),
-            detail,
-        })?;
+        let hub = Arc::new(HubDir::open(dir)?);
+        let config = Gpt2Config::from_hub(&hub)?;
         let context = args.context as usize;
         if context > config.n_positions {
             return Err(TrainError::Usage(format!(
@@ -61,7 +59,7 @@ impl HubText {
         }
         let text = TextData::for_tokenizer(args.data.as_deref(), &tokenizer, context)?;
         Ok(Self {
-            dir: dir.to_path_buf(),
+            hub,
             config,
             tokenizer,
             text,
@@ -70,9 +68,8 @@ impl HubText {
 
     /// The variables, read from the directory's weights (memory-mapped; at
     /// stage 3 each rank reads its shard of the large ones).
-    pub fn vars(&self) -> Result<ShardedVarMap, TrainError> {
-        let hub = Arc::new(HubDir::open(&self.dir)?);
-        let source = HubSource::new(hub, Gpt2::hub_layout(&self.config));
-        Ok(ShardedVarMap::new(source))
+    pub fn vars(&self) -> ShardedVarMap {
+        let source = HubSource::new(self.hub.clone(), Gpt2::hub_layout(&self.config));
+        ShardedVarMap::new(source)
     }
 }

@@ -10,7 +10,6 @@ use candle_core::Device;
 use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
-use zero_candle::hub::HubDir;
 use zero_candle::models::Gpt2;
 use zero_core::checkpoint::StepCheckpoints;
 use zero_core::engine::SaveOptions;
@@ -298,7 +297,7 @@ pub(super) fn train_loop(
                 }
                 Model::Hub(_, hub) => format!(
                     "{}, world size {world_size}, stage {}",
-                    hub.dir.display(),
+                    hub.hub.dir().display(),
                     args.stage
                 ),
                 Model::Mlp(..) => format!("MLP, world size {world_size}, stage {}", args.stage),
@@ -420,8 +419,7 @@ fn save_final_weights(
         opt.save_weights(path)?;
     }
     if let (Some(out), Model::Hub(model, hub)) = (&args.save_hf, model) {
-        let from = HubDir::open(&hub.dir)?;
-        opt.save_hub(out, &from, &Gpt2::hub_layout(model.config()))?;
+        opt.save_hub(out, &hub.hub, &Gpt2::hub_layout(model.config()))?;
         if !args.quiet && rank == 0 {
             eprintln!("fine-tuned model written to {}", out.display());
         }

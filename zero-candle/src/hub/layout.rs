@@ -58,11 +58,11 @@ impl HubLayout {
         dir.tensor(short).is_some().then(|| short.to_string())
     }
 
-    /// The variable tensor `tensor` of `dir` holds, among `vars`: its own
-    /// name, the name with the optional prefix, or the variable it is tied
-    /// to; `None` for a tensor the model does not train (a buffer).
-    pub fn var_of<'a>(&self, tensor: &str, vars: &'a [String]) -> Option<&'a str> {
-        let find = |name: &str| vars.iter().find(|v| *v == name).map(String::as_str);
+    /// The index in `vars` of the variable tensor `tensor` of `dir` holds:
+    /// its own name, the name with the optional prefix, or the variable it
+    /// is tied to; `None` for a tensor the model does not train (a buffer).
+    pub fn var_of(&self, tensor: &str, vars: &[String]) -> Option<usize> {
+        let find = |name: &str| vars.iter().position(|v| v == name);
         find(tensor)
             .or_else(|| find(&format!("{}{tensor}", self.optional_prefix.as_deref()?)))
             .or_else(|| find(self.tied.get(tensor)?))

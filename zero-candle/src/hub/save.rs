@@ -53,11 +53,11 @@ where
                     continue;
                 };
                 let source = match layout.var_of(name, &names) {
-                    Some(var) => Saved::Var {
-                        index: names.iter().position(|n| n == var).unwrap_or_default(),
-                        transpose: layout.is_transposed(var),
+                    Some(index) => Saved::Var {
+                        index,
+                        transpose: layout.is_transposed(&names[index]),
                     },
-                    None => Saved::Bytes(tensor.data.to_vec()),
+                    None => Saved::Bytes(tensor.data),
                 };
                 saved.push(SavedTensor {
                     name: name.to_string(),

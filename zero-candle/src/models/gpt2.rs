@@ -130,6 +130,15 @@ impl Gpt2Config {
         Ok(parsed)
     }
 
+    /// The config of the hub directory `hub` ([`Gpt2Config::from_json`]),
+    /// an error naming its `config.json` and the key.
+    pub fn from_hub(hub: &HubDir) -> Result<Self> {
+        Self::from_json(hub.config()).map_err(|detail| Error::Hub {
+            path: hub.dir().join(crate::hub::CONFIG_FILE),
+            detail,
+        })
+    }
+
     /// Checks that the shape is buildable and the activation known.
     pub fn validate(&self) -> std::result::Result<(), String> {
         let sizes = [
@@ -245,11 +254,13 @@ impl Gpt2 {
         config: &Gpt2Config,
         hook: Option<Arc<dyn GradHook>>,
     ) -> Result<Self> {
-        config.validate().map_err(|detail| Error::Variable {
-            name: "<gpt2 config>".into(),
-            detail,
-        })?;
-        let gelu = config.activation().unwrap_or(Gelu::Tanh);
+        let gelu = config
+            .validate()
+            .and_then(|()| config.activation())
+            .map_err(|detail| Error::Variable {
+                name: "<gpt2 config>".into(),
+                detail,
+            })?;
         let (d, inner) = (config.n_embd, config.inner());
         let std = config.initializer_range;
         let residual_std = std / (2.0 * config.n_layer as f64).sqrt();
@@ -303,10 +314,7 @@ impl Gpt2 {
     /// config key or the file that is unusable.
     pub fn open_hub(dir: impl AsRef<std::path::Path>) -> Result<(Gpt2Config, ShardedVarMap)> {
         let hub = Arc::new(HubDir::open(dir)?);
-        let config = Gpt2Config::from_json(hub.config()).map_err(|detail| Error::Hub {
-            path: hub.dir().join(crate::hub::CONFIG_FILE),
-            detail,
-        })?;
+        let config = Gpt2Config::from_hub(&hub)?;
         let map = ShardedVarMap::new(HubSource::new(hub, Self::hub_layout(&config)));
         Ok((config, map))
     }

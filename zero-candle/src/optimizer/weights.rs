@@ -10,27 +10,28 @@ use zero_core::checkpoint::TensorWriter;
 use zero_core::{Communicator, DType, Element};
 
 /// A safetensors file to write: its path and its tensors.
-pub(crate) struct WeightsFile {
+pub(crate) struct WeightsFile<'a> {
     pub(crate) path: PathBuf,
-    pub(crate) tensors: Vec<SavedTensor>,
+    pub(crate) tensors: Vec<SavedTensor<'a>>,
 }
 
 /// One tensor of a [`WeightsFile`]: its name, dtype and shape in the file,
 /// and where its values come from.
-pub(crate) struct SavedTensor {
+pub(crate) struct SavedTensor<'a> {
     pub(crate) name: String,
     pub(crate) dtype: DType,
     pub(crate) shape: Vec<usize>,
-    pub(crate) from: Saved,
+    pub(crate) from: Saved<'a>,
 }
 
 /// Where a saved tensor's values come from.
-pub(crate) enum Saved {
+pub(crate) enum Saved<'a> {
     /// Variable `index`'s full values, rounded to the file's dtype; with
     /// `transpose`, a 2-d variable `[a, b]` written as `[b, a]`.
     Var { index: usize, transpose: bool },
-    /// These bytes, as they are (a tensor the model does not train).
-    Bytes(Vec<u8>),
+    /// These bytes, as they are (a tensor the model does not train,
+    /// borrowed from the file it was read from).
+    Bytes(&'a [u8]),
 }
 
 impl<C, T> ZeroOptimizer<C, T>
@@ -46,7 +47,7 @@ where
     /// whole on rank 0 for that tensor only) before the next. A collective:
     /// every rank calls it with the same files, and gets the error if rank
     /// 0 cannot write.
-    pub(crate) fn write_weights(&mut self, mut files: Vec<WeightsFile>) -> Result<()> {
+    pub(crate) fn write_weights(&mut self, mut files: Vec<WeightsFile<'_>>) -> Result<()> {
         self.engine().wait_for_params()?;
         // In each file, the variables' tensors in collective order, then the
         // copied bytes: the order the loop below produces them in.
@@ -189,7 +190,7 @@ where
 
 /// A variable's whole values as `saved`'s bytes: transposed if it asks,
 /// rounded to its dtype.
-fn saved_bytes(whole: &Tensor, saved: &SavedTensor) -> Result<Vec<u8>> {
+fn saved_bytes(whole: &Tensor, saved: &SavedTensor<'_>) -> Result<Vec<u8>> {
     let tensor = match saved.from {
         Saved::Var {
             transpose: true, ..
