@@ -5,5 +5,7 @@
 //! ([`crate::hub`]).
 
 pub mod gpt2;
+pub mod llama;
 
 pub use gpt2::{Gpt2, Gpt2Config};
+pub use llama::{Llama, LlamaConfig};

@@ -1,0 +1,570 @@
+//! Llama (`LlamaForCausalLM`): a token embedding, pre-norm blocks of
+//! grouped-query attention with rotary position embeddings and a SwiGLU
+//! MLP, RMS norms, and a head of its own or tied to the embedding.
+//!
+//! The variables carry the hub's names (`model.embed_tokens.weight`,
+//! `model.layers.{i}.self_attn.q_proj.weight`, ..., `model.norm.weight`,
+//! `lm_head.weight` when the head is untied), stored as they are.
+
+use crate::hub::{HubDir, HubLayout, HubSource};
+use crate::nn::{ops, Embedding, GradHook, Linear, RmsNorm};
+use crate::{Error, Result, ShardedVarMap};
+use candle_core::{DType, Device, Module, Tensor, D};
+use candle_nn::{Init, VarBuilder};
+use serde::Deserialize;
+use std::sync::Arc;
+
+/// Rotary embeddings: the base and, for Llama 3.1 and later, the scaling
+/// of the low frequencies (`rope_type` `llama3`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Rope {
+    /// The base of the frequencies (`rope_theta`).
+    pub theta: f64,
+    /// `llama3` scaling, `None` for the plain (`default`) one.
+    pub llama3: Option<Llama3Scaling>,
+}
+
+/// The `llama3` frequency scaling (`rope_parameters` or `rope_scaling`).
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+pub struct Llama3Scaling {
+    /// How much the low frequencies are divided by.
+    pub factor: f64,
+    /// Wavelengths above `original_max_position_embeddings /
+    /// low_freq_factor` are scaled by `factor`.
+    pub low_freq_factor: f64,
+    /// Wavelengths below `original_max_position_embeddings /
+    /// high_freq_factor` are kept; those between are blended.
+    pub high_freq_factor: f64,
+    /// The context the model was trained with before scaling.
+    pub original_max_position_embeddings: f64,
+}
+
+/// The `config.json` of a Llama checkpoint: what shapes the model.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LlamaConfig {
+    /// Tokens in the vocabulary.
+    pub vocab_size: usize,
+    /// Width of the residual stream.
+    pub hidden_size: usize,
+    /// Width of the MLP.
+    pub intermediate_size: usize,
+    /// Transformer blocks.
+    pub num_hidden_layers: usize,
+    /// Query heads per block.
+    pub num_attention_heads: usize,
+    /// Key/value heads per block; divides `num_attention_heads` (each
+    /// serves a group of query heads).
+    pub num_key_value_heads: usize,
+    /// Width of one head.
+    pub head_dim: usize,
+    /// The longest sequence the model is meant for.
+    pub max_position_embeddings: usize,
+    /// The RMS norms' epsilon.
+    pub rms_norm_eps: f64,
+    /// Rotary embeddings.
+    pub rope: Rope,
+    /// The head is the token embedding (no `lm_head.weight` of its own).
+    pub tie_word_embeddings: bool,
+    /// The standard deviation of a fresh model's weights.
+    pub initializer_range: f64,
+}
+
+/// The keys of `config.json` read as they are.
+#[derive(Deserialize)]
+struct Plain {
+    vocab_size: usize,
+    hidden_size: usize,
+    intermediate_size: usize,
+    num_hidden_layers: usize,
+    num_attention_heads: usize,
+    #[serde(default)]
+    num_key_value_heads: Option<usize>,
+    #[serde(default)]
+    head_dim: Option<usize>,
+    #[serde(default = "default_positions")]
+    max_position_embeddings: usize,
+    #[serde(default = "default_eps")]
+    rms_norm_eps: f64,
+    #[serde(default)]
+    tie_word_embeddings: bool,
+    #[serde(default = "default_initializer_range")]
+    initializer_range: f64,
+}
+
+fn default_positions() -> usize {
+    2048
+}
+
+fn default_eps() -> f64 {
+    1e-6
+}
+
+fn default_initializer_range() -> f64 {
+    0.02
+}
+
+/// Settings of a Llama config.json this model does not implement, with the
+/// value it implements; any other value is an error naming the key.
+const FIXED: &[(&str, &str)] = &[
+    ("hidden_act", "\"silu\""),
+    ("attention_bias", "false"),
+    ("mlp_bias", "false"),
+];
+
+impl LlamaConfig {
+    /// Reads a hub `config.json`: an error names the key whose value this
+    /// model cannot honour (another architecture, biases, an activation
+    /// other than SiLU, a rotary scaling other than `llama3`, ...).
+    /// Reads the rotary settings from `rope_parameters` (transformers 5)
+    /// or from `rope_theta` and `rope_scaling` (earlier files).
+    pub fn from_json(config: &serde_json::Value) -> std::result::Result<Self, String> {
+        if let Some(kind) = config.get("model_type").and_then(|v| v.as_str()) {
+            if kind != "llama" {
+                return Err(format!(
+                    "`model_type` is {kind:?}; this model reads Llama checkpoints (\"llama\")"
+                ));
+            }
+        }
+        if let Some(names) = config.get("architectures").and_then(|v| v.as_array()) {
+            let known = ["LlamaForCausalLM", "LlamaModel"];
+            if let Some(other) = names
+                .iter()
+                .filter_map(|n| n.as_str())
+                .find(|n| !known.contains(n))
+            {
+                return Err(format!(
+                    "`architectures` names {other:?}; this model reads LlamaForCausalLM"
+                ));
+            }
+        }
+        for (key, implemented) in FIXED {
+            if let Some(value) = config.get(*key) {
+                if !value.is_null() && value.to_string() != *implemented {
+                    return Err(format!(
+                        "`{key}` is {value}; only {implemented} is supported"
+                    ));
+                }
+            }
+        }
+        let plain = Plain::deserialize(config).map_err(|e| format!("{e}"))?;
+        let heads = plain.num_attention_heads;
+        let parsed = Self {
+            vocab_size: plain.vocab_size,
+            hidden_size: plain.hidden_size,
+            intermediate_size: plain.intermediate_size,
+            num_hidden_layers: plain.num_hidden_layers,
+            num_attention_heads: heads,
+            num_key_value_heads: plain.num_key_value_heads.unwrap_or(heads),
+            head_dim: match plain.head_dim {
+                Some(width) => width,
+                None if heads > 0 => plain.hidden_size / heads,
+                None => 0,
+            },
+            max_position_embeddings: plain.max_position_embeddings,
+            rms_norm_eps: plain.rms_norm_eps,
+            rope: rope_of(config)?,
+            tie_word_embeddings: plain.tie_word_embeddings,
+            initializer_range: plain.initializer_range,
+        };
+        parsed.validate()?;
+        Ok(parsed)
+    }
+
+    /// The config of the hub directory `hub` ([`LlamaConfig::from_json`]),
+    /// an error naming its `config.json` and the key.
+    pub fn from_hub(hub: &HubDir) -> Result<Self> {
+        Self::from_json(hub.config()).map_err(|detail| Error::Hub {
+            path: hub.dir().join(crate::hub::CONFIG_FILE),
+            detail,
+        })
+    }
+
+    /// Checks that the shape is buildable.
+    pub fn validate(&self) -> std::result::Result<(), String> {
+        let sizes = [
+            ("vocab_size", self.vocab_size),
+            ("hidden_size", self.hidden_size),
+            ("intermediate_size", self.intermediate_size),
+            ("num_hidden_layers", self.num_hidden_layers),
+            ("num_attention_heads", self.num_attention_heads),
+            ("num_key_value_heads", self.num_key_value_heads),
+            ("head_dim", self.head_dim),
+            ("max_position_embeddings", self.max_position_embeddings),
+        ];
+        if let Some((key, _)) = sizes.iter().find(|(_, v)| *v == 0) {
+            return Err(format!("`{key}` must be positive"));
+        }
+        if self.num_attention_heads % self.num_key_value_heads != 0 {
+            return Err(format!(
+                "`num_attention_heads` {} is not a multiple of `num_key_value_heads` {}",
+                self.num_attention_heads, self.num_key_value_heads
+            ));
+        }
+        if self.head_dim % 2 != 0 {
+            return Err(format!(
+                "`head_dim` {} is odd; rotary embeddings rotate pairs",
+                self.head_dim
+            ));
+        }
+        if self.rope.theta.is_nan() || self.rope.theta <= 0.0 {
+            return Err(format!("`rope_theta` {} must be positive", self.rope.theta));
+        }
+        Ok(())
+    }
+
+    /// The parameters of a model of this shape.
+    pub fn num_params(&self) -> usize {
+        let (d, inner) = (self.hidden_size, self.intermediate_size);
+        let (q, kv) = (
+            self.num_attention_heads * self.head_dim,
+            self.num_key_value_heads * self.head_dim,
+        );
+        let per_layer = 2 * d + 2 * d * q + 2 * d * kv + 3 * d * inner;
+        let head = if self.tie_word_embeddings {
+            0
+        } else {
+            self.vocab_size * d
+        };
+        self.num_hidden_layers * per_layer + self.vocab_size * d + d + head
+    }
+
+    /// The rotary frequencies `1 / theta^(2i / head_dim)`, `i < head_dim /
+    /// 2`, with `llama3` scaling applied as `transformers` applies it.
+    pub fn inv_freq(&self) -> Vec<f64> {
+        let half = self.head_dim / 2;
+        (0..half)
+            .map(|i| {
+                let freq = 1.0 / self.rope.theta.powf(2.0 * i as f64 / self.head_dim as f64);
+                match &self.rope.llama3 {
+                    Some(scaling) => scaling.apply(freq),
+                    None => freq,
+                }
+            })
+            .collect()
+    }
+}
+
+impl Llama3Scaling {
+    /// One frequency scaled: low ones divided by `factor`, high ones kept,
+    /// those between blended.
+    fn apply(&self, freq: f64) -> f64 {
+        let old = self.original_max_position_embeddings;
+        let wavelen = 2.0 * std::f64::consts::PI / freq;
+        if wavelen < old / self.high_freq_factor {
+            freq
+        } else if wavelen > old / self.low_freq_factor {
+            freq / self.factor
+        } else {
+            let smooth = (old / wavelen - self.low_freq_factor)
+                / (self.high_freq_factor - self.low_freq_factor);
+            (1.0 - smooth) * freq / self.factor + smooth * freq
+        }
+    }
+}
+
+/// The rotary settings: `rope_parameters` (transformers 5) or
+/// `rope_theta` with `rope_scaling`.
+fn rope_of(config: &serde_json::Value) -> std::result::Result<Rope, String> {
+    let (params, key) = match config.get("rope_parameters") {
+        Some(p) if !p.is_null() => (Some(p), "rope_parameters"),
+        _ => match config.get("rope_scaling") {
+            Some(s) if !s.is_null() => (Some(s), "rope_scaling"),
+            _ => (None, "rope_scaling"),
+        },
+    };
+    let theta = params
+        .and_then(|p| p.get("rope_theta"))
+        .or_else(|| config.get("rope_theta"))
+        .map(|v| {
+            v.as_f64()
+                .ok_or_else(|| format!("`rope_theta` is {v}; a number is expected"))
+        })
+        .transpose()?
+        .unwrap_or(10_000.0);
+    let kind = params
+        .and_then(|p| p.get("rope_type").or_else(|| p.get("type")))
+        .and_then(|v| v.as_str())
+        .unwrap_or("default");
+    let llama3 = match kind {
+        "default" => None,
+        "llama3" => Some(
+            Llama3Scaling::deserialize(params.unwrap_or(&serde_json::Value::Null))
+                .map_err(|e| format!("`{key}` of type llama3: {e}"))?,
+        ),
+        other => {
+            return Err(format!(
+                "`{key}` has rope_type {other:?}; only \"default\" and \"llama3\" are supported"
+            ))
+        }
+    };
+    Ok(Rope { theta, llama3 })
+}
+
+/// The cosines and sines of one forward's positions, `[time, head_dim]`
+/// each (the frequencies repeated for both halves, as `rotate_half`
+/// pairs them), in the model's dtype.
+#[derive(Clone)]
+struct Rotation {
+    cos: Tensor,
+    sin: Tensor,
+}
+
+impl Rotation {
+    fn new(
+        inv_freq: &[f64],
+        time: usize,
+        dtype: DType,
+        device: &Device,
+    ) -> candle_core::Result<Self> {
+        let half = inv_freq.len();
+        let mut angles = Vec::with_capacity(time * 2 * half);
+        for t in 0..time {
+            for _ in 0..2 {
+                // f32 as transformers computes them.
+                angles.extend(inv_freq.iter().map(|&f| t as f32 * f as f32));
+            }
+        }
+        let angles = Tensor::from_vec(angles, (time, 2 * half), device)?;
+        Ok(Self {
+            cos: angles.cos()?.to_dtype(dtype)?,
+            sin: angles.sin()?.to_dtype(dtype)?,
+        })
+    }
+
+    /// `x * cos + rotate_half(x) * sin` for `x` `[batch, time, heads,
+    /// head_dim]`.
+    fn apply(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let (_, time, _, width) = x.dims4()?;
+        let half = width / 2;
+        let rotated = Tensor::cat(
+            &[
+                &x.narrow(D::Minus1, half, half)?.neg()?,
+                &x.narrow(D::Minus1, 0, half)?,
+            ],
+            D::Minus1,
+        )?;
+        let (cos, sin) = (
+            self.cos.reshape((1, time, 1, width))?,
+            self.sin.reshape((1, time, 1, width))?,
+        );
+        x.broadcast_mul(&cos)? + rotated.broadcast_mul(&sin)?
+    }
+}
+
+/// One pre-norm block: `x + attn(input_layernorm(x))`, then `x +
+/// mlp(post_attention_layernorm(x))`.
+#[derive(Clone)]
+struct Block {
+    input_layernorm: RmsNorm,
+    q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    o_proj: Linear,
+    post_attention_layernorm: RmsNorm,
+    gate_proj: Linear,
+    up_proj: Linear,
+    down_proj: Linear,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+}
+
+impl Block {
+    fn forward(&self, x: &Tensor, rotation: &Rotation) -> candle_core::Result<Tensor> {
+        let (batch, time, _) = x.dims3()?;
+        let h = self.input_layernorm.forward(x)?;
+        let heads = |proj: &Linear, n| proj.forward(&h)?.reshape((batch, time, n, self.head_dim));
+        let q = rotation.apply(&heads(&self.q_proj, self.heads)?)?;
+        let k = rotation.apply(&heads(&self.k_proj, self.kv_heads)?)?;
+        let v = heads(&self.v_proj, self.kv_heads)?;
+        // Each key/value head serves `group` consecutive query heads
+        // (`repeat_kv`): repeated here, its gradient summed by the
+        // broadcast's backward, and packed for the fused attention.
+        let group = self.heads / self.kv_heads;
+        let width = self.heads * self.head_dim;
+        let repeat = |t: Tensor| -> candle_core::Result<Tensor> {
+            t.unsqueeze(3)?
+                .broadcast_as((batch, time, self.kv_heads, group, self.head_dim))?
+                .reshape((batch, time, width))
+        };
+        let qkv = Tensor::cat(
+            &[q.reshape((batch, time, width))?, repeat(k)?, repeat(v)?],
+            2,
+        )?;
+        let y = ops::causal_self_attention(&qkv, self.heads)?;
+        let x = (x + self.o_proj.forward(&y)?)?;
+        let h = self.post_attention_layernorm.forward(&x)?;
+        let gated = (ops::silu(&self.gate_proj.forward(&h)?)? * self.up_proj.forward(&h)?)?;
+        x + self.down_proj.forward(&gated)?
+    }
+}
+
+/// Llama with its language-model head, built from [`crate::nn`]'s layers.
+pub struct Llama {
+    config: LlamaConfig,
+    embed_tokens: Embedding,
+    blocks: Vec<Block>,
+    norm: RmsNorm,
+    /// `lm_head`, or the embedding's table again when tied (a second
+    /// hooked use: the engine adds both gradients).
+    head: Linear,
+    inv_freq: Vec<f64>,
+    /// Each block recomputed in backward (activation checkpointing).
+    checkpointed: bool,
+}
+
+impl Llama {
+    /// Creates the variables through `vb` (from a [`ShardedVarMap`]'s
+    /// builder they are deferred until `ZeroOptimizer::new_sharded` fills
+    /// them, a rank's shard only at stage 3), with layers that hand their
+    /// gradients to `hook`. A fresh model is initialized as `transformers`
+    /// does: weights normal with standard deviation `initializer_range`,
+    /// norms one.
+    pub fn new(
+        vb: VarBuilder,
+        config: &LlamaConfig,
+        hook: Option<Arc<dyn GradHook>>,
+    ) -> Result<Self> {
+        config.validate().map_err(|detail| Error::Variable {
+            name: "<llama config>".into(),
+            detail,
+        })?;
+        let d = config.hidden_size;
+        let (q, kv) = (
+            config.num_attention_heads * config.head_dim,
+            config.num_key_value_heads * config.head_dim,
+        );
+        let normal = Init::Randn {
+            mean: 0.0,
+            stdev: config.initializer_range,
+        };
+        let linear = |vb: VarBuilder, d_in, d_out| -> Result<Linear> {
+            let w = vb.get_with_hints((d_out, d_in), "weight", normal)?;
+            Ok(Linear::new(w, None, hook.clone()))
+        };
+        let norm = |vb: VarBuilder| -> Result<RmsNorm> {
+            let w = vb.get_with_hints(d, "weight", Init::Const(1.0))?;
+            Ok(RmsNorm::new(w, config.rms_norm_eps, hook.clone()))
+        };
+        let model = vb.pp("model");
+        let embed = model.get_with_hints((config.vocab_size, d), "embed_tokens.weight", normal)?;
+        let mut blocks = Vec::with_capacity(config.num_hidden_layers);
+        for i in 0..config.num_hidden_layers {
+            let vb = model.pp(format!("layers.{i}"));
+            let attn = vb.pp("self_attn");
+            let mlp = vb.pp("mlp");
+            blocks.push(Block {
+                input_layernorm: norm(vb.pp("input_layernorm"))?,
+                q_proj: linear(attn.pp("q_proj"), d, q)?,
+                k_proj: linear(attn.pp("k_proj"), d, kv)?,
+                v_proj: linear(attn.pp("v_proj"), d, kv)?,
+                o_proj: linear(attn.pp("o_proj"), q, d)?,
+                post_attention_layernorm: norm(vb.pp("post_attention_layernorm"))?,
+                gate_proj: linear(mlp.pp("gate_proj"), d, config.intermediate_size)?,
+                up_proj: linear(mlp.pp("up_proj"), d, config.intermediate_size)?,
+                down_proj: linear(mlp.pp("down_proj"), config.intermediate_size, d)?,
+                heads: config.num_attention_heads,
+                kv_heads: config.num_key_value_heads,
+                head_dim: config.head_dim,
+            });
+        }
+        let head = if config.tie_word_embeddings {
+            Linear::new(embed.clone(), None, hook.clone())
+        } else {
+            linear(vb.pp("lm_head"), d, config.vocab_size)?
+        };
+        Ok(Self {
+            config: config.clone(),
+            embed_tokens: Embedding::new(embed, d, hook.clone()),
+            blocks,
+            norm: norm(model.pp("norm"))?,
+            head,
+            inv_freq: config.inv_freq(),
+            checkpointed: false,
+        })
+    }
+
+    /// Opens a hub directory of a Llama checkpoint: its config, and a
+    /// [`ShardedVarMap`] whose variables come from its weights (build the
+    /// model with [`Llama::new`] through the map's builder). Errors name
+    /// the config key or the file that is unusable.
+    pub fn open_hub(dir: impl AsRef<std::path::Path>) -> Result<(LlamaConfig, ShardedVarMap)> {
+        let hub = Arc::new(HubDir::open(dir)?);
+        let config = LlamaConfig::from_hub(&hub)?;
+        let map = ShardedVarMap::new(HubSource::new(hub, Self::hub_layout(&config)));
+        Ok((config, map))
+    }
+
+    /// Where the variables sit in a hub checkpoint: under their own names;
+    /// with a tied head, `lm_head.weight` (where a file keeps it) is the
+    /// token embedding again.
+    pub fn hub_layout(config: &LlamaConfig) -> HubLayout {
+        let layout = HubLayout::new();
+        if config.tie_word_embeddings {
+            layout.with_tied("lm_head.weight", "model.embed_tokens.weight")
+        } else {
+            layout
+        }
+    }
+
+    /// The model's config.
+    pub fn config(&self) -> &LlamaConfig {
+        &self.config
+    }
+
+    /// With `on`, each block keeps only its input for backward and runs
+    /// again there ([`crate::checkpoint`]): the same gradients, one block's
+    /// activations at a time.
+    pub fn with_checkpointing(mut self, on: bool) -> Self {
+        self.checkpointed = on;
+        self
+    }
+
+    /// Logits `[batch, time, vocab_size]` for token ids `[batch, time]`
+    /// (u32); position `t` predicts token `t + 1`. A 16-bit model computes
+    /// in its dtype, with the norms' statistics and the attention's
+    /// softmax in f32.
+    pub fn forward(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
+        let (batch, time) = ids.dims2()?;
+        let rotation = Rotation::new(&self.inv_freq, time, self.dtype(), ids.device())?;
+        let mut x = self.embed_tokens.forward(ids)?;
+        for (i, block) in self.blocks.iter().enumerate() {
+            x = if self.checkpointed {
+                let (block, rotation) = (block.clone(), rotation.clone());
+                crate::checkpoint(&format!("model.layers.{i}"), &x, move |x| {
+                    block.forward(x, &rotation)
+                })?
+            } else {
+                block.forward(&x, &rotation)?
+            };
+        }
+        let x = self
+            .norm
+            .forward(&x)?
+            .reshape((batch * time, self.config.hidden_size))?;
+        self.head
+            .forward(&x)?
+            .reshape((batch, time, self.config.vocab_size))
+    }
+
+    /// The mean cross-entropy (f32) of predicting each next token of `ids`
+    /// `[batch, time + 1]`, as `transformers` computes it with
+    /// `labels = ids`.
+    pub fn loss(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
+        let time = ids.dim(1)? - 1;
+        let inputs = ids.narrow(1, 0, time)?.contiguous()?;
+        let targets = ids.narrow(1, 1, time)?.flatten_all()?;
+        let logits = self.forward(&inputs)?.flatten_to(1)?;
+        ops::cross_entropy(&logits, &targets)
+    }
+
+    /// The dtype the model computes in.
+    pub fn dtype(&self) -> DType {
+        self.head.weight().dtype()
+    }
+
+    /// The device the model's variables live on.
+    pub fn device(&self) -> &Device {
+        self.head.weight().device()
+    }
+}

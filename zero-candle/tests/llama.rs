@@ -1,0 +1,352 @@
+//! Llama from a hub directory against `transformers` itself: the fixtures in
+//! `tests/fixtures/llama/` (tiny random `LlamaForCausalLM`s with grouped
+//! key/value heads, one with an untied head and one tied with llama3 RoPE
+//! scaling, and the logits, loss, gradients and one SGD step each computes on
+//! a fixed batch) are made by `make_fixtures.py` there.
+
+use candle_core::{DType, Device, Tensor};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use zero_candle::hub::HubDir;
+use zero_candle::models::{Llama, LlamaConfig};
+use zero_candle::{ZeroHook, ZeroOptimizer};
+use zero_core::engine::{EngineConfig, Stage};
+use zero_core::optim::{Sgd, SgdConfig};
+use zero_core::{Communicator, ThreadComm, ThreadGroup};
+
+const LR: f64 = 0.5;
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama")
+}
+
+type Golden = std::collections::HashMap<String, Tensor>;
+
+fn golden() -> Golden {
+    candle_core::safetensors::load(fixtures().join("golden.safetensors"), &Device::Cpu).unwrap()
+}
+
+/// The golden batch, `[2, 17]` token ids.
+fn input_ids(golden: &Golden) -> Tensor {
+    golden["input_ids"].to_dtype(DType::U32).unwrap()
+}
+
+fn values(t: &Tensor) -> Vec<f64> {
+    t.flatten_all()
+        .unwrap()
+        .to_dtype(DType::F64)
+        .unwrap()
+        .to_vec1::<f64>()
+        .unwrap()
+}
+
+/// Largest difference relative to the largest golden magnitude.
+fn relative_error(ours: &[f64], theirs: &[f64]) -> f64 {
+    assert_eq!(ours.len(), theirs.len());
+    let scale = theirs.iter().fold(0f64, |m, v| m.max(v.abs())).max(1e-30);
+    let diff = ours
+        .iter()
+        .zip(theirs)
+        .fold(0f64, |m, (a, b)| m.max((a - b).abs()));
+    diff / scale
+}
+
+/// The golden model a fixture folder holds (`gqa-sharded` is `gqa`).
+fn model_of(fixture: &str) -> &str {
+    fixture.trim_end_matches("-sharded")
+}
+
+#[test]
+fn logits_loss_and_gradients_equal_transformers() {
+    let golden = golden();
+    let ids = input_ids(&golden);
+    for (fixture, variables) in [("gqa", 21), ("tied", 20)] {
+        let (config, map) = Llama::open_hub(fixtures().join(fixture)).unwrap();
+        assert_eq!(config.tie_word_embeddings, fixture == "tied");
+        let model = Llama::new(map.builder(DType::F32, &Device::Cpu), &config, None).unwrap();
+        map.materialize_all().unwrap();
+        let case = fixture;
+
+        let logits = model.forward(&ids.narrow(1, 0, 16).unwrap()).unwrap();
+        assert_eq!(logits.dims(), &[2, 16, config.vocab_size]);
+        let err = relative_error(
+            &values(&logits),
+            &values(&golden[&format!("{fixture}.logits")]),
+        );
+        assert!(err < 1e-5, "{case}: logits differ by {err:e} (relative)");
+
+        let loss = model.loss(&ids).unwrap();
+        let (ours, theirs) = (
+            values(&loss)[0],
+            values(&golden[&format!("{fixture}.loss")])[0],
+        );
+        assert!(
+            ((ours - theirs) / theirs).abs() < 1e-5,
+            "{case}: loss {ours} vs {theirs}"
+        );
+
+        let grads = loss.backward().unwrap();
+        let vars = map.varmap().data().lock().unwrap().clone();
+        assert_eq!(vars.len(), variables, "{case}: one variable per tensor");
+        for (name, var) in &vars {
+            let grad = grads.get(var.as_tensor()).unwrap();
+            let theirs = values(&golden[&format!("{fixture}.grad.{name}")]);
+            let err = relative_error(&values(grad), &theirs);
+            assert!(err < 1e-5, "{case}: gradient of {name} differs by {err:e}");
+        }
+    }
+}
+
+/// How a run trains: its stage, ranks and SGD steps, and whether each
+/// block is recomputed in backward.
+#[derive(Clone, Copy, Debug)]
+struct Run {
+    stage: Stage,
+    world: usize,
+    steps: usize,
+    checkpointed: bool,
+}
+
+impl Run {
+    fn new(stage: Stage, world: usize, steps: usize) -> Self {
+        Self {
+            stage,
+            world,
+            steps,
+            checkpointed: false,
+        }
+    }
+
+    /// Loads `dir`, trains on `ids` (each rank its rows) and saves in the
+    /// hub layout to `out`.
+    fn train(self, dir: &Path, ids: &Tensor, out: &Path) {
+        let (d, o, ids) = (dir.to_path_buf(), out.to_path_buf(), ids.clone());
+        ThreadGroup::new(self.world)
+            .run(move |comm| step_and_save(comm, &d, self, &ids, &o))
+            .into_iter()
+            .for_each(|r| r.unwrap().unwrap());
+    }
+}
+
+fn step_and_save(
+    comm: ThreadComm,
+    dir: &Path,
+    run: Run,
+    ids: &Tensor,
+    out: &Path,
+) -> zero_candle::Result<()> {
+    let (world, rank) = (comm.world_size(), comm.rank());
+    let hook = ZeroHook::<ThreadComm, f32>::new();
+    let (config, map) = Llama::open_hub(dir)?;
+    let as_hook: Arc<dyn zero_candle::nn::GradHook> = hook.clone();
+    let model = Llama::new(
+        map.builder(DType::F32, &Device::Cpu),
+        &config,
+        Some(as_hook),
+    )?
+    .with_checkpointing(run.checkpointed);
+    let engine = EngineConfig::default()
+        .with_stage(run.stage)
+        .with_persist_numel(64)
+        .with_bucket_bytes(16 << 10);
+    let sgd = Sgd::new(SgdConfig::default().with_lr(LR))?;
+    let mut opt = ZeroOptimizer::new_sharded(&map, comm, engine, Box::new(sgd), &hook)?;
+    let rows = ids.dim(0)? / world;
+    for _ in 0..run.steps {
+        opt.backward_step(&model.loss(&ids.narrow(0, rank * rows, rows)?)?)?;
+    }
+    let hub = HubDir::open(dir)?;
+    opt.save_hub(out, &hub, &Llama::hub_layout(&config))
+}
+
+/// Every tensor of every weights file of a hub directory, by name: dtype,
+/// shape and bytes.
+fn hub_tensors(dir: &Path) -> BTreeMap<String, (String, Vec<usize>, Vec<u8>)> {
+    let hub = HubDir::open(dir).unwrap();
+    hub.names()
+        .map(|name| {
+            let t = hub.tensor(name).unwrap();
+            (
+                name.to_string(),
+                (t.dtype.to_string(), t.shape.clone(), t.data.to_vec()),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn loading_then_saving_reproduces_the_checkpoint_tensor_for_tensor() {
+    let ids = input_ids(&golden());
+    for fixture in ["gqa", "gqa-sharded", "tied"] {
+        let dir = fixtures().join(fixture);
+        for (stage, world) in [(Stage::Ddp, 1), (Stage::Parameters, 2)] {
+            let out = tempfile::tempdir().unwrap();
+            Run::new(stage, world, 0).train(&dir, &ids, out.path());
+            assert_eq!(
+                hub_tensors(out.path()),
+                hub_tensors(&dir),
+                "{fixture} saved at {stage:?} on {world} rank(s)"
+            );
+            let (hub, saved) = (
+                HubDir::open(&dir).unwrap(),
+                HubDir::open(out.path()).unwrap(),
+            );
+            assert_eq!(saved.files(), hub.files(), "{fixture}: the same files");
+        }
+    }
+}
+
+/// One SGD step, then saved: the weights `transformers` and
+/// `torch.optim.SGD` compute, at 1 rank (stage 0) and at stage 3 on 2.
+#[test]
+fn one_sgd_step_equals_torch_at_stage_0_and_at_stage_3_on_two_ranks() {
+    let golden = golden();
+    let ids = input_ids(&golden);
+    for (fixture, stage, world, tensors) in [
+        ("gqa", Stage::Ddp, 1, 21),
+        ("gqa-sharded", Stage::Parameters, 2, 21),
+        ("tied", Stage::Parameters, 2, 20),
+    ] {
+        let out = tempfile::tempdir().unwrap();
+        Run::new(stage, world, 1).train(&fixtures().join(fixture), &ids, out.path());
+        let saved = HubDir::open(out.path()).unwrap();
+        let mut count = 0;
+        for name in saved.names() {
+            let ours = saved.tensor(name).unwrap().to_vec_as::<f64>().unwrap();
+            let theirs = values(&golden[&format!("{}.sgd.{name}", model_of(fixture))]);
+            let err = relative_error(&ours, &theirs);
+            assert!(
+                err < 1e-5,
+                "{fixture} at {stage:?} on {world}: {name} differs by {err:e} after one step"
+            );
+            count += 1;
+        }
+        assert_eq!(count, tensors, "{fixture}");
+    }
+}
+
+/// Stage 3 at 4 ranks, and at 2 with each block recomputed in backward,
+/// train what one rank at stage 0 trains (three steps over 4 windows),
+/// every tensor changed.
+#[test]
+fn stage_3_on_four_ranks_equals_stage_0_on_one() {
+    let base = input_ids(&golden());
+    let reversed: Vec<u32> = {
+        let v = base.to_vec2::<u32>().unwrap();
+        v.iter().flat_map(|row| row.iter().rev().copied()).collect()
+    };
+    let reversed = Tensor::from_vec(reversed, (2, 17), &Device::Cpu).unwrap();
+    let ids = Tensor::cat(&[&base, &reversed], 0).unwrap();
+    let dir = fixtures().join("gqa");
+    let mut results = Vec::new();
+    let checkpointed = Run {
+        checkpointed: true,
+        ..Run::new(Stage::Parameters, 2, 3)
+    };
+    let runs = [
+        Run::new(Stage::Ddp, 1, 3),
+        Run::new(Stage::Parameters, 4, 3),
+        checkpointed,
+    ];
+    for run in runs {
+        let out = tempfile::tempdir().unwrap();
+        run.train(&dir, &ids, out.path());
+        results.push(hub_tensors(out.path()));
+    }
+    let initial = hub_tensors(&dir);
+    let f32s = |b: &[u8]| -> Vec<f64> {
+        b.chunks(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()) as f64)
+            .collect()
+    };
+    for (name, (_, _, bytes)) in &results[0] {
+        for (run, result) in runs[1..].iter().zip(&results[1..]) {
+            let err = relative_error(&f32s(&result[name].2), &f32s(bytes));
+            assert!(err < 1e-5, "{name}: {run:?} differs by {err:e}");
+        }
+        assert_ne!(bytes, &initial[name].2, "{name} did not train");
+    }
+}
+
+fn config_of(fixture: &str) -> serde_json::Value {
+    serde_json::from_slice(&std::fs::read(fixtures().join(fixture).join("config.json")).unwrap())
+        .unwrap()
+}
+
+/// transformers 5 writes the rotary settings as `rope_parameters`, 4 as
+/// `rope_theta` and `rope_scaling`: both read as the same config, whose
+/// llama3 frequencies are transformers' (the tied golden's logits check
+/// them in use).
+#[test]
+fn both_config_forms_read_alike_and_llama3_scales_the_low_frequencies() {
+    let old = config_of("tied");
+    let mut new = old.clone();
+    let object = new.as_object_mut().unwrap();
+    let mut rope = object.remove("rope_scaling").unwrap();
+    rope["rope_theta"] = object.remove("rope_theta").unwrap();
+    object.insert("rope_parameters".into(), rope);
+    let (a, b) = (
+        LlamaConfig::from_json(&old).unwrap(),
+        LlamaConfig::from_json(&new).unwrap(),
+    );
+    assert_eq!(a, b);
+    assert!(a.rope.llama3.is_some());
+    // Wavelengths 6.3 (kept), 63 (blended), 628 and 6283 (divided by 8).
+    let plain: Vec<f64> = (0..4)
+        .map(|i| 10000f64.powf(-(2.0 * i as f64) / 8.0))
+        .collect();
+    let scaled = a.inv_freq();
+    assert_eq!(scaled[0], plain[0]);
+    assert!(
+        scaled[1] < plain[1] && scaled[1] > plain[1] / 8.0,
+        "{scaled:?}"
+    );
+    assert!((scaled[2] - plain[2] / 8.0).abs() < 1e-15);
+    assert!((scaled[3] - plain[3] / 8.0).abs() < 1e-15);
+    let gqa = LlamaConfig::from_json(&config_of("gqa")).unwrap();
+    assert_eq!((gqa.num_attention_heads, gqa.num_key_value_heads), (4, 2));
+    assert!(gqa.rope.llama3.is_none() && gqa.rope.theta == 10000.0);
+    assert_eq!(
+        gqa.num_params(),
+        hub_tensors(&fixtures().join("gqa"))
+            .values()
+            .map(|(_, shape, _)| shape.iter().product::<usize>())
+            .sum::<usize>()
+    );
+}
+
+#[test]
+fn unusable_configs_are_errors_naming_the_key() {
+    let base = config_of("gqa");
+    let cases: [(&str, serde_json::Value, &str); 7] = [
+        ("model_type", "mistral".into(), "model_type"),
+        ("attention_bias", true.into(), "attention_bias"),
+        ("mlp_bias", true.into(), "mlp_bias"),
+        ("hidden_act", "gelu".into(), "hidden_act"),
+        ("num_key_value_heads", 3.into(), "num_key_value_heads"),
+        ("head_dim", 7.into(), "head_dim"),
+        (
+            "rope_parameters",
+            serde_json::json!({"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}),
+            "rope_parameters",
+        ),
+    ];
+    for (key, value, named) in cases {
+        let mut config = base.clone();
+        config[key] = value;
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("config.json"), config.to_string()).unwrap();
+        std::fs::copy(
+            fixtures().join("gqa/model.safetensors"),
+            dir.path().join("model.safetensors"),
+        )
+        .unwrap();
+        let err = match Llama::open_hub(dir.path()) {
+            Ok(_) => panic!("opened a checkpoint with {key} changed"),
+            Err(e) => e.to_string(),
+        };
+        assert!(err.contains(named), "{key}: {err}");
+        assert!(err.contains("config.json"), "{key}: {err}");
+    }
+}
