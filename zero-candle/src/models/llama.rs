@@ -105,11 +105,13 @@ fn default_initializer_range() -> f64 {
 
 /// Settings of a Llama config.json this model does not implement, with the
 /// value it implements; any other value is an error naming the key.
-const FIXED: &[(&str, &str)] = &[
-    ("hidden_act", "\"silu\""),
-    ("attention_bias", "false"),
-    ("mlp_bias", "false"),
-];
+fn fixed() -> [(&'static str, serde_json::Value); 3] {
+    [
+        ("hidden_act", "silu".into()),
+        ("attention_bias", false.into()),
+        ("mlp_bias", false.into()),
+    ]
+}
 
 impl LlamaConfig {
     /// Reads a hub `config.json`: an error names the key whose value this
@@ -137,9 +139,9 @@ impl LlamaConfig {
                 ));
             }
         }
-        for (key, implemented) in FIXED {
-            if let Some(value) = config.get(*key) {
-                if !value.is_null() && value.to_string() != *implemented {
+        for (key, implemented) in fixed() {
+            if let Some(value) = config.get(key) {
+                if !value.is_null() && *value != implemented {
                     return Err(format!(
                         "`{key}` is {value}; only {implemented} is supported"
                     ));
