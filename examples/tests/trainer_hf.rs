@@ -1,7 +1,7 @@
-//! `train --hf DIR --save-hf OUT`: a Hugging Face GPT-2 (the tiny one
-//! `zero-candle/tests/fixtures/gpt2/make_fixtures.py` made with
-//! `transformers`) fine-tuned on text tokenized with its own tokenizer, at
-//! any stage and world size, and written back in its layout.
+//! `train --hf DIR --save-hf OUT`: a Hugging Face GPT-2 or Llama (the tiny
+//! ones `zero-candle/tests/fixtures/{gpt2,llama}/make_fixtures.py` made
+//! with `transformers`) fine-tuned on text tokenized with its own
+//! tokenizer, at any stage and world size, and written back in its layout.
 
 mod common;
 
@@ -11,9 +11,10 @@ use std::path::{Path, PathBuf};
 use zero_candle::hub::HubDir;
 use zero_examples::trainer::{run, Args, Summary};
 
+/// A fixture folder, `gpt2/tiny` or `llama/gqa` say.
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../zero-candle/tests/fixtures/gpt2")
+        .join("../zero-candle/tests/fixtures")
         .join(name)
 }
 
@@ -98,7 +99,7 @@ fn largest_difference(
 
 #[test]
 fn stage_3_on_two_ranks_fine_tunes_what_one_rank_does_and_saves_the_hub_layout() {
-    for fixture_name in ["tiny", "tiny-sharded"] {
+    for fixture_name in ["gpt2/tiny", "gpt2/tiny-sharded", "llama/gqa", "llama/tied"] {
         let hub = fixture(fixture_name);
         let dir = tempfile::tempdir().unwrap();
         let (one, two) = (dir.path().join("one"), dir.path().join("two"));
@@ -123,15 +124,17 @@ fn stage_3_on_two_ranks_fine_tunes_what_one_rank_does_and_saves_the_hub_layout()
 
 #[test]
 fn a_bf16_fine_tune_trains_and_saves_in_the_checkpoints_dtype() {
-    let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("out");
-    let hub = fixture("tiny");
-    let summary = train(&args(&hub, &out, 2, 2, &["--precision", "bf16"]));
-    assert!(summary.final_loss.is_finite());
-    let saved = tensors(&out);
-    assert!(saved.values().all(|(dtype, _, _)| dtype == "f32"));
-    let (moved, _) = largest_difference(&tensors(&hub), &saved);
-    assert!(moved > 1e-4, "the weights did not move");
+    for name in ["gpt2/tiny", "llama/gqa"] {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("out");
+        let hub = fixture(name);
+        let summary = train(&args(&hub, &out, 2, 2, &["--precision", "bf16"]));
+        assert!(summary.final_loss.is_finite(), "{name}");
+        let saved = tensors(&out);
+        assert!(saved.values().all(|(dtype, _, _)| dtype == "f32"), "{name}");
+        let (moved, _) = largest_difference(&tensors(&hub), &saved);
+        assert!(moved > 1e-4, "{name}: the weights did not move");
+    }
 }
 
 #[test]
@@ -146,11 +149,11 @@ fn the_sample_is_decoded_by_the_models_tokenizer() {
         "--prompt",
         "The license",
     ];
-    let summary = train(&args(&fixture("tiny"), &out, 1, 2, &extra));
+    let summary = train(&args(&fixture("gpt2/tiny"), &out, 1, 2, &extra));
     let text = String::from_utf8(summary.sample.expect("a sample")).unwrap();
     assert!(!text.is_empty());
     // Greedy decoding twice gives the same text.
-    let again = train(&args(&fixture("tiny"), &out, 1, 2, &extra));
+    let again = train(&args(&fixture("gpt2/tiny"), &out, 1, 2, &extra));
     assert_eq!(again.sample.unwrap(), text.into_bytes());
 }
 
@@ -166,7 +169,7 @@ fn error_of(args: &Args) -> String {
 fn unusable_flags_and_directories_are_errors_that_say_what_to_do() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("out");
-    let hub = fixture("tiny");
+    let hub = fixture("gpt2/tiny");
 
     let err = error_of(&Args::parse_from([
         "train",
@@ -203,17 +206,14 @@ fn unusable_flags_and_directories_are_errors_that_say_what_to_do() {
 
 #[test]
 fn activation_checkpointing_trains_the_same_weights_bitwise() {
-    let dir = tempfile::tempdir().unwrap();
-    let (plain, recomputed) = (dir.path().join("plain"), dir.path().join("recomputed"));
-    let hub = fixture("tiny");
-    train(&args(&hub, &plain, 2, 3, &[]));
-    train(&args(
-        &hub,
-        &recomputed,
-        2,
-        3,
-        &["--checkpoint-activations"],
-    ));
-    let (diff, name) = largest_difference(&tensors(&plain), &tensors(&recomputed));
-    assert_eq!(diff, 0.0, "{name} differs");
+    for fixture_name in ["gpt2/tiny", "llama/tied"] {
+        let dir = tempfile::tempdir().unwrap();
+        let (plain, recomputed) = (dir.path().join("plain"), dir.path().join("recomputed"));
+        let hub = fixture(fixture_name);
+        train(&args(&hub, &plain, 2, 3, &[]));
+        let flag = ["--checkpoint-activations"];
+        train(&args(&hub, &recomputed, 2, 3, &flag));
+        let (diff, name) = largest_difference(&tensors(&plain), &tensors(&recomputed));
+        assert_eq!(diff, 0.0, "{fixture_name}: {name} differs");
+    }
 }

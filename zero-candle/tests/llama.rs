@@ -350,3 +350,27 @@ fn unusable_configs_are_errors_naming_the_key() {
         assert!(err.contains("config.json"), "{key}: {err}");
     }
 }
+
+/// `CausalLm` opens whichever model a directory holds, by `model_type`.
+#[test]
+fn causal_lm_opens_either_model_by_its_model_type() {
+    use zero_candle::models::{CausalLm, HubConfig};
+    let golden = golden();
+    let (config, map) = CausalLm::open_hub(fixtures().join("gqa")).unwrap();
+    assert!(matches!(config, HubConfig::Llama(_)));
+    let model = CausalLm::new(map.builder(DType::F32, &Device::Cpu), &config, None).unwrap();
+    map.materialize_all().unwrap();
+    let logits = model
+        .forward(&input_ids(&golden).narrow(1, 0, 16).unwrap())
+        .unwrap();
+    let err = relative_error(&values(&logits), &values(&golden["gqa.logits"]));
+    assert!(err < 1e-5, "logits differ by {err:e}");
+    let gpt2 = fixtures().join("../gpt2/tiny");
+    let (config, _) = CausalLm::open_hub(gpt2).unwrap();
+    assert!(matches!(config, HubConfig::Gpt2(_)));
+    assert_eq!(config.max_positions(), (32, "n_positions"));
+    let mut other = config_of("gqa");
+    other["model_type"] = "mistral".into();
+    let err = HubConfig::from_json(&other).unwrap_err();
+    assert!(err.contains("model_type") && err.contains("llama"), "{err}");
+}

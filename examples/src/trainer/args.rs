@@ -327,7 +327,7 @@ pub struct Args {
     /// Write the final weights here (safetensors).
     #[arg(long)]
     pub save: Option<PathBuf>,
-    /// Fine-tune this Hugging Face GPT-2 directory (`config.json`,
+    /// Fine-tune this Hugging Face GPT-2 or Llama directory (`config.json`,
     /// `model.safetensors` or an index with its shards, `tokenizer.json`)
     /// instead of `--model`: the shape comes from its config (`--layers`,
     /// `--heads`, `--d-model` are not used), `--data` is tokenized with its

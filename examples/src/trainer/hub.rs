@@ -1,11 +1,11 @@
-//! `--hf DIR`: a Hugging Face GPT-2 to fine-tune, its text tokenized with
-//! its own tokenizer.
+//! `--hf DIR`: a Hugging Face GPT-2 or Llama to fine-tune, its text
+//! tokenized with its own tokenizer.
 
 use super::{Args, TextData, TextTokenizer, TrainError};
 use std::path::Path;
 use std::sync::Arc;
 use zero_candle::hub::{HubDir, HubSource};
-use zero_candle::models::{Gpt2, Gpt2Config};
+use zero_candle::models::HubConfig;
 use zero_candle::ShardedVarMap;
 
 /// A hub model with the text it trains on.
@@ -15,7 +15,7 @@ pub struct HubText {
     /// every rank and for `--save-hf`).
     pub hub: Arc<HubDir>,
     /// Its `config.json`.
-    pub config: Gpt2Config,
+    pub config: HubConfig,
     /// Its `tokenizer.json`.
     pub tokenizer: TextTokenizer,
     /// `--data` (or the default corpus) tokenized with it.
@@ -28,15 +28,14 @@ impl HubText {
     /// is unusable, or the flag to change.
     pub fn load(args: &Args, dir: &Path) -> Result<Self, TrainError> {
         let hub = Arc::new(HubDir::open(dir)?);
-        let config = Gpt2Config::from_hub(&hub)?;
+        let config = HubConfig::from_hub(&hub)?;
         let context = args.context as usize;
-        if context > config.n_positions {
+        let (positions, key) = config.max_positions();
+        if context > positions {
             return Err(TrainError::Usage(format!(
-                "--context {context} is longer than the model's n_positions {} ({}); give \
-                 --context {} or less",
-                config.n_positions,
+                "--context {context} is longer than the model's {key} {positions} ({}); give \
+                 --context {positions} or less",
                 dir.display(),
-                config.n_positions
             )));
         }
         if config.asks_for_dropout() && !args.quiet {
@@ -46,14 +45,14 @@ impl HubText {
             );
         }
         let tokenizer = TextTokenizer::from_file(&dir.join("tokenizer.json"))?;
-        if tokenizer.vocab_size() > config.vocab_size {
+        if tokenizer.vocab_size() > config.vocab_size() {
             return Err(TrainError::Data {
                 path: tokenizer.path().to_path_buf(),
                 detail: format!(
                     "has {} tokens, more than the model's vocab_size {}; is it this model's \
                      tokenizer?",
                     tokenizer.vocab_size(),
-                    config.vocab_size
+                    config.vocab_size()
                 ),
             });
         }
@@ -69,7 +68,7 @@ impl HubText {
     /// The variables, read from the directory's weights (memory-mapped; at
     /// stage 3 each rank reads its shard of the large ones).
     pub fn vars(&self) -> ShardedVarMap {
-        let source = HubSource::new(self.hub.clone(), Gpt2::hub_layout(&self.config));
+        let source = HubSource::new(self.hub.clone(), self.config.hub_layout());
         ShardedVarMap::new(source)
     }
 }

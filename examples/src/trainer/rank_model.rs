@@ -1,4 +1,4 @@
-//! The model a rank trains (the MLP, the GPT or a hub GPT-2) with the data
+//! The model a rank trains (the MLP, the GPT or a hub model) with the data
 //! it reads: its batches' loss and the validation loss.
 
 use super::config::{gpt_config, widths};
@@ -6,7 +6,7 @@ use super::rank_optimizer::RankOptimizer;
 use super::{Args, Dataset, Gpt, HubText, Mlp, TextData, TrainError, TrainingData};
 use candle_core::{DType, Device, Tensor};
 use std::sync::Arc;
-use zero_candle::models::Gpt2;
+use zero_candle::models::CausalLm;
 use zero_candle::nn::GradHook;
 use zero_candle::ShardedVarMap;
 
@@ -17,8 +17,8 @@ type WindowLoss<'a> = Box<dyn Fn(&Tensor) -> candle_core::Result<Tensor> + 'a>;
 pub(super) enum Model<'a> {
     Mlp(Mlp, &'a Dataset),
     Gpt(Gpt, &'a TextData),
-    /// `--hf`: a Hugging Face GPT-2.
-    Hub(Gpt2, &'a HubText),
+    /// `--hf`: a Hugging Face GPT-2 or Llama.
+    Hub(CausalLm, &'a HubText),
 }
 
 impl<'a> Model<'a> {
@@ -44,7 +44,7 @@ impl<'a> Model<'a> {
                 text,
             ),
             TrainingData::Hub(hub) => Self::Hub(
-                Gpt2::new(map.builder(dtype, device), &hub.config, hook)?
+                CausalLm::new(map.builder(dtype, device), &hub.config, hook)?
                     .with_checkpointing(args.checkpoint_activations),
                 hub.as_ref(),
             ),

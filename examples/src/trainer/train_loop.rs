@@ -10,7 +10,7 @@ use candle_core::Device;
 use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
-use zero_candle::models::Gpt2;
+use zero_candle::models::CausalLm;
 use zero_core::checkpoint::StepCheckpoints;
 use zero_core::engine::SaveOptions;
 use zero_core::Preemption;
@@ -379,7 +379,7 @@ fn flush_metrics(
 /// tokenizer (an empty prompt starts after the end-of-text token).
 fn hub_sample(
     args: &Args,
-    model: &Gpt2,
+    model: &CausalLm,
     hub: &HubText,
     device: &Device,
 ) -> Result<String, TrainError> {
@@ -418,8 +418,8 @@ fn save_final_weights(
     if let Some(path) = &args.save {
         opt.save_weights(path)?;
     }
-    if let (Some(out), Model::Hub(model, hub)) = (&args.save_hf, model) {
-        opt.save_hub(out, &hub.hub, &Gpt2::hub_layout(model.config()))?;
+    if let (Some(out), Model::Hub(_, hub)) = (&args.save_hf, model) {
+        opt.save_hub(out, &hub.hub, &hub.config.hub_layout())?;
         if !args.quiet && rank == 0 {
             eprintln!("fine-tuned model written to {}", out.display());
         }

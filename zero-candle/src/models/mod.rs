@@ -4,8 +4,10 @@
 //! with their checkpoints read and written in the hub's layout
 //! ([`crate::hub`]).
 
+mod causal_lm;
 pub mod gpt2;
 pub mod llama;
 
+pub use causal_lm::{CausalLm, HubConfig};
 pub use gpt2::{Gpt2, Gpt2Config};
 pub use llama::{Llama, LlamaConfig};
