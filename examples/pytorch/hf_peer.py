@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
-"""`transformers` peer of zero-rs's GPT-2 (``zero_candle::models::Gpt2``), for
-``bench hf`` (``examples/src/bench/hf.rs``) on the CPU and ``bench gpu``'s
-GPT-2 small (``examples/src/bench/gpu_gpt/gpt2.rs``) on CUDA.
+"""`transformers` peer of zero-rs's hub models (``zero_candle::models``'s GPT-2
+and Llama), for ``bench hf`` (``examples/src/bench/hf.rs``) on the CPU and
+``bench gpu``'s GPT-2 small (``examples/src/bench/gpu_gpt/gpt2.rs``) on CUDA.
 
 The model is either a hub directory loaded with
-``GPT2LMHeadModel.from_pretrained`` (``--model-dir``; the tiny fixture
-``zero-candle/tests/fixtures/gpt2/tiny`` in ``bench hf``) or a fresh
+``AutoModelForCausalLM.from_pretrained`` (``--model-dir``; the tiny fixtures
+``zero-candle/tests/fixtures/gpt2/tiny`` and ``llama/gqa`` in ``bench hf``) or a fresh
 ``GPT2LMHeadModel`` of a named shape with random weights (``--random small``:
 ``GPT2Config()``'s GPT-2 small, 124M parameters, dropout off as training
 here has none). It is trained with ``torch.optim.AdamW`` (``fused=True`` on
@@ -66,7 +66,7 @@ RANDOM_SHAPES = {
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
-        description="Train a hub GPT-2 with transformers and print its throughput as one JSON line."
+        description="Train a hub model with transformers and print its throughput as one JSON line."
     )
     model = p.add_mutually_exclusive_group(required=True)
     model.add_argument("--model-dir", help="hub directory (config.json, *.safetensors)")
@@ -171,13 +171,14 @@ def open_device(torch, args):
 
 
 def build_model(transformers, args):
-    """The GPT2LMHeadModel to train: loaded from --model-dir, or fresh of
-    --random's shape (weights from torch's seeded generator)."""
+    """The model to train: loaded from --model-dir (whatever causal LM it
+    holds), or a fresh GPT2LMHeadModel of --random's shape (weights from
+    torch's seeded generator)."""
     attention = {}
     if args.attn_implementation is not None:
         attention["attn_implementation"] = args.attn_implementation
     if args.model_dir is not None:
-        return transformers.GPT2LMHeadModel.from_pretrained(args.model_dir, **attention)
+        return transformers.AutoModelForCausalLM.from_pretrained(args.model_dir, **attention)
     config = transformers.GPT2Config(**RANDOM_SHAPES[args.random])
     return transformers.AutoModelForCausalLM.from_config(config, **attention)
 

@@ -1,13 +1,15 @@
-//! `bench hf`: a GPT-2 read from a hub directory, against `transformers`
-//! on the same cores. The model is zero-candle's fixture
+//! `bench hf`: a GPT-2 and a Llama read from hub directories, against
+//! `transformers` on the same cores. The models are zero-candle's fixtures
 //! `zero-candle/tests/fixtures/gpt2/tiny` (a random `GPT2LMHeadModel`: 2
-//! layers, n_embd 32, 4 heads, vocabulary 384), opened with
-//! [`Gpt2::open_hub`] and trained by [`ZeroOptimizer`] on the thread
-//! backend (stage 2, AdamW) at world size 1 and 2; its peer
-//! (`examples/pytorch/hf_peer.py`) loads the same directory with
-//! GPT2LMHeadModel.from_pretrained and trains it with `torch.optim.AdamW`
-//! on the same hyperparameters. Both take 16 sequences of 32 predicted
-//! tokens per step (globally), of seeded random token ids.
+//! layers, n_embd 32, 4 heads, vocabulary 384) and `llama/gqa` (a random
+//! `LlamaForCausalLM`: 2 layers, hidden 32, 4 query heads sharing 2
+//! key/value heads, an untied head), opened with [`CausalLm::open_hub`]
+//! and trained by [`ZeroOptimizer`] on the thread backend (stage 2, AdamW)
+//! at world size 1 and 2; the peer (`examples/pytorch/hf_peer.py`) loads
+//! the same directory with AutoModelForCausalLM.from_pretrained and trains
+//! it with `torch.optim.AdamW` on the same hyperparameters. Both take 16
+//! sequences of 32 predicted tokens per step (globally), of seeded random
+//! token ids.
 //!
 //! Rounds are interleaved so that drift in the machine's load affects each
 //! case alike; each figure is a median.
@@ -19,15 +21,17 @@ use rand::{rngs::StdRng, Rng, SeedableRng};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
-use zero_candle::models::Gpt2;
+use zero_candle::models::CausalLm;
 use zero_candle::nn::GradHook;
 use zero_candle::{ZeroHook, ZeroOptimizer};
 use zero_core::engine::{EngineConfig, Stage};
 use zero_core::optim::{AdamW, AdamWConfig};
 use zero_core::{Communicator, ThreadComm, ThreadGroup};
 
-/// The fixture's directory, relative to the repository's root.
-const FIXTURE: &str = "zero-candle/tests/fixtures/gpt2/tiny";
+/// The fixtures' directory, relative to the repository's root.
+const FIXTURES: &str = "zero-candle/tests/fixtures";
+/// The models measured: their figures' names and their fixtures.
+const MODELS: [(&str, &str); 2] = [("tiny_gpt2", "gpt2/tiny"), ("tiny_llama", "llama/gqa")];
 /// Sequences per step, over all ranks.
 const BATCH: usize = 16;
 /// Predicted tokens per sequence: the fixture's `n_positions`.
@@ -44,17 +48,18 @@ fn adamw_config() -> AdamWConfig {
     AdamWConfig::default().with_lr(1e-3)
 }
 
-/// The fixture's directory: under the current directory when it is the
-/// repository's root, else beside the examples crate this binary was built
-/// from.
-pub fn fixture_dir() -> PathBuf {
-    let here = PathBuf::from(FIXTURE);
+/// A fixture's directory (`fixture` under [`FIXTURES`]): under the current
+/// directory when it is the repository's root, else beside the examples
+/// crate this binary was built from.
+pub fn fixture_dir(fixture: &str) -> PathBuf {
+    let here = PathBuf::from(FIXTURES).join(fixture);
     if here.is_dir() {
         return here;
     }
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("..")
-        .join(FIXTURE)
+        .join(FIXTURES)
+        .join(fixture)
 }
 
 fn median(mut times: Vec<f64>) -> f64 {
@@ -63,15 +68,15 @@ fn median(mut times: Vec<f64>) -> f64 {
 }
 
 /// Rank 0's median step time (batch, forward, backward, step) over `STEPS`
-/// steps after `WARMUP`, at `world_size` threads, each rank `BATCH /
-/// world_size` sequences.
-fn engine_step(world_size: usize) -> Result<f64, String> {
+/// steps after `WARMUP` of the model in `dir`, at `world_size` threads,
+/// each rank `BATCH / world_size` sequences.
+fn engine_step(dir: &std::path::Path, world_size: usize) -> Result<f64, String> {
     let results = ThreadGroup::new(world_size).run(|comm| -> zero_candle::Result<f64> {
         let rank = comm.rank();
         let hook = ZeroHook::<ThreadComm, f32>::new();
-        let (config, map) = Gpt2::open_hub(fixture_dir())?;
+        let (config, map) = CausalLm::open_hub(dir)?;
         let as_hook: Arc<dyn GradHook> = hook.clone();
-        let model = Gpt2::new(
+        let model = CausalLm::new(
             map.builder(DType::F32, &Device::Cpu),
             &config,
             Some(as_hook),
@@ -80,7 +85,7 @@ fn engine_step(world_size: usize) -> Result<f64, String> {
         let adamw = AdamW::new(adamw_config())?;
         let mut opt = ZeroOptimizer::new_sharded(&map, comm, engine, Box::new(adamw), &hook)?;
         let rows = BATCH / world_size;
-        let vocab = config.vocab_size as u32;
+        let vocab = config.vocab_size() as u32;
         let mut rng = StdRng::seed_from_u64(SEED + rank as u64);
         let mut times = Vec::with_capacity(STEPS);
         for step in 0..WARMUP + STEPS {
@@ -104,12 +109,11 @@ fn engine_step(world_size: usize) -> Result<f64, String> {
     }
 }
 
-/// `transformers`' run on the same directory and global batch (one
-/// process, as many threads as the machine has cores, as Candle uses at
-/// world size 1).
-fn transformers_run() -> Result<PeerFigures, String> {
+/// `transformers`' run on `dir` and the same global batch (one process, as
+/// many threads as the machine has cores, as Candle uses at world size 1).
+fn transformers_run(dir: PathBuf) -> Result<PeerFigures, String> {
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    run_hf_peer(&peer_args(fixture_dir(), threads))
+    run_hf_peer(&peer_args(dir, threads))
 }
 
 /// The peer's options: `model` on the CPU in f32, the suite's batch and
@@ -130,22 +134,26 @@ fn peer_args(model: PathBuf, threads: usize) -> HfPeerArgs {
     }
 }
 
-/// Adds `hf.tiny_gpt2_tokens_per_s` (world size 1), its value at N=2,
-/// `hf.transformers_tokens_per_s` and the ratio of the first over it.
+/// Adds, per model (`tiny_gpt2`, `tiny_llama`), `hf.<model>_tokens_per_s`
+/// (world size 1), its value at N=2 (`_n2_`), transformers' as
+/// `hf.<model>_transformers_tokens_per_s` and the ratio of the first over
+/// it, `hf.<model>_over_transformers`.
 pub fn run(report: &mut Report) {
-    println!(
-        "bench hf: {FIXTURE}, AdamW, stage 2, {BATCH} sequences of {CONTEXT} tokens per step, \
-         median of {STEPS} steps after {WARMUP}, {ROUNDS} rounds interleaved"
-    );
-    if let Err(e) = throughput(report) {
-        eprintln!("bench hf failed: {e}");
+    for (name, fixture) in MODELS {
+        println!(
+            "bench hf: {FIXTURES}/{fixture}, AdamW, stage 2, {BATCH} sequences of {CONTEXT} \
+             tokens per step, median of {STEPS} steps after {WARMUP}, {ROUNDS} rounds interleaved"
+        );
+        if let Err(e) = throughput(report, name, &fixture_dir(fixture)) {
+            eprintln!("bench hf failed on {fixture}: {e}");
+        }
     }
 }
 
-fn throughput(report: &mut Report) -> Result<(), String> {
+fn throughput(report: &mut Report, model: &str, dir: &std::path::Path) -> Result<(), String> {
     // transformers is measured only if it runs at all; its absence is
     // reported, not a failure of the suite.
-    let peer = match transformers_run() {
+    let peer = match transformers_run(dir.to_path_buf()) {
         Ok(figures) => {
             println!(
                 "bench hf: torch {} on {}",
@@ -163,22 +171,23 @@ fn throughput(report: &mut Report) -> Result<(), String> {
         names.push("transformers");
     }
     let medians = interleaved_medians(&names, ROUNDS, |case| match case {
-        0 | 1 => engine_step(WORLD_SIZES[case]),
-        _ => Ok(transformers_run()?.step_ms / 1e3),
+        0 | 1 => engine_step(dir, WORLD_SIZES[case]),
+        _ => Ok(transformers_run(dir.to_path_buf())?.step_ms / 1e3),
     })?;
     let tokens = (BATCH * CONTEXT) as f64;
     let ours = tokens / medians[0];
-    report.add("hf.tiny_gpt2_tokens_per_s", ours, "tokens/s", None);
+    let figure = |what: &str| format!("hf.{model}_{what}");
+    report.add(&figure("tokens_per_s"), ours, "tokens/s", None);
     report.add(
-        "hf.tiny_gpt2_n2_tokens_per_s",
+        &figure("n2_tokens_per_s"),
         tokens / medians[1],
         "tokens/s",
         None,
     );
     if peer {
         let theirs = tokens / medians[2];
-        report.add("hf.transformers_tokens_per_s", theirs, "tokens/s", None);
-        report.add("hf.tiny_gpt2_over_transformers", ours / theirs, "x", None);
+        report.add(&figure("transformers_tokens_per_s"), theirs, "tokens/s", None);
+        report.add(&figure("over_transformers"), ours / theirs, "x", None);
     }
     Ok(())
 }
@@ -202,10 +211,13 @@ mod tests {
             "{} is missing",
             HF_PEER.path().display()
         );
-        assert!(
-            fixture_dir().join("config.json").is_file(),
-            "{} has no config.json",
-            fixture_dir().display()
-        );
+        for (_, fixture) in MODELS {
+            let dir = fixture_dir(fixture);
+            assert!(
+                dir.join("config.json").is_file(),
+                "{} has no config.json",
+                dir.display()
+            );
+        }
     }
 }
