@@ -201,12 +201,11 @@ def main(argv=None):
     # as a trainer would.
     model.train()
     vocab = model.config.vocab_size
-    if args.context > model.config.n_positions:
-        fail(
-            EXIT_USAGE,
-            f"--context {args.context} is longer than the model's n_positions "
-            f"{model.config.n_positions}",
-        )
+    # GPT-2 names its longest sequence n_positions, Llama max_position_embeddings.
+    key = "n_positions" if hasattr(model.config, "n_positions") else "max_position_embeddings"
+    positions = getattr(model.config, key)
+    if args.context > positions:
+        fail(EXIT_USAGE, f"--context {args.context} is longer than the model's {key} {positions}")
     opt_kwargs = {}
     if device.type == "cuda":
         opt_kwargs["fused"] = True
