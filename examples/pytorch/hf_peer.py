@@ -1,14 +1,15 @@
 #!/usr/bin/env python3
 """`transformers` peer of zero-rs's hub models (``zero_candle::models``'s GPT-2
 and Llama), for ``bench hf`` (``examples/src/bench/hf.rs``) on the CPU and
-``bench gpu``'s GPT-2 small (``examples/src/bench/gpu_gpt/gpt2.rs``) on CUDA.
+``bench gpu``'s hub models (``examples/src/bench/gpu_gpt/hub_models.rs``) on CUDA.
 
 The model is either a hub directory loaded with
 ``AutoModelForCausalLM.from_pretrained`` (``--model-dir``; the tiny fixtures
-``zero-candle/tests/fixtures/gpt2/tiny`` and ``llama/gqa`` in ``bench hf``) or a fresh
-``GPT2LMHeadModel`` of a named shape with random weights (``--random small``:
-``GPT2Config()``'s GPT-2 small, 124M parameters, dropout off as training
-here has none). It is trained with ``torch.optim.AdamW`` (``fused=True`` on
+``zero-candle/tests/fixtures/gpt2/tiny`` and ``llama/gqa`` in ``bench
+hf``) or a fresh model of a named shape with random weights (``--random
+small``: ``GPT2Config()``'s GPT-2 small, 124M parameters, dropout off as
+training here has none; ``--random tinyllama``: TinyLlama-1.1B's Llama
+shape). It is trained with ``torch.optim.AdamW`` (``fused=True`` on
 CUDA) on batches of seeded random token ids below the vocabulary size,
 ``[batch, context + 1]`` each, and prints ONE line of JSON on stdout::
 
@@ -56,11 +57,28 @@ EXIT_NO_PACKAGE = 2
 EXIT_NO_DEVICE = 3
 EXIT_USAGE = 4
 
-# The fresh models --random builds: GPT2Config keyword arguments.
+# The fresh models --random builds: a transformers config class's name and
+# its keyword arguments.
 RANDOM_SHAPES = {
     # GPT2Config()'s defaults are GPT-2 small's shape (vocabulary 50257,
     # 1024 positions, 12 layers of 768 with 12 heads); dropout off.
-    "small": {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0},
+    "small": ("GPT2Config", {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}),
+    # TinyLlama-1.1B's shape (1.1B parameters): 22 layers of 2048, 32 query
+    # heads sharing 4 key/value heads, MLP 5632, vocabulary 32000, untied.
+    "tinyllama": (
+        "LlamaConfig",
+        {
+            "vocab_size": 32000,
+            "hidden_size": 2048,
+            "intermediate_size": 5632,
+            "num_hidden_layers": 22,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 4,
+            "max_position_embeddings": 2048,
+            "rms_norm_eps": 1e-5,
+            "tie_word_embeddings": False,
+        },
+    ),
 }
 
 
@@ -73,7 +91,7 @@ def parse_args(argv=None):
     model.add_argument(
         "--random",
         choices=sorted(RANDOM_SHAPES),
-        help="a fresh GPT2LMHeadModel of this shape with seeded random weights",
+        help="a fresh model of this shape with seeded random weights",
     )
     p.add_argument("--context", type=int, default=32, help="predicted tokens per sequence")
     p.add_argument("--batch", type=int, default=16, help="sequences per step")
@@ -172,14 +190,15 @@ def open_device(torch, args):
 
 def build_model(transformers, args):
     """The model to train: loaded from --model-dir (whatever causal LM it
-    holds), or a fresh GPT2LMHeadModel of --random's shape (weights from
-    torch's seeded generator)."""
+    holds), or a fresh one of --random's shape (weights from torch's seeded
+    generator)."""
     attention = {}
     if args.attn_implementation is not None:
         attention["attn_implementation"] = args.attn_implementation
     if args.model_dir is not None:
         return transformers.AutoModelForCausalLM.from_pretrained(args.model_dir, **attention)
-    config = transformers.GPT2Config(**RANDOM_SHAPES[args.random])
+    kind, shape = RANDOM_SHAPES[args.random]
+    config = getattr(transformers, kind)(**shape)
     return transformers.AutoModelForCausalLM.from_config(config, **attention)
 
 

@@ -186,7 +186,12 @@ fn throughput(report: &mut Report, model: &str, dir: &std::path::Path) -> Result
     );
     if peer {
         let theirs = tokens / medians[2];
-        report.add(&figure("transformers_tokens_per_s"), theirs, "tokens/s", None);
+        report.add(
+            &figure("transformers_tokens_per_s"),
+            theirs,
+            "tokens/s",
+            None,
+        );
         report.add(&figure("over_transformers"), ours / theirs, "x", None);
     }
     Ok(())

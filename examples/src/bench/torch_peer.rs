@@ -176,6 +176,9 @@ pub enum HfModel {
     ///
     /// [`Gpt2Config::gpt2_small`]: zero_candle::models::Gpt2Config::gpt2_small
     RandomSmall,
+    /// A fresh Llama of TinyLlama-1.1B's shape with seeded random weights
+    /// (`--random tinyllama`).
+    RandomTinyLlama,
 }
 
 /// The options of `hf_peer.py`, one field per flag.
@@ -208,10 +211,11 @@ pub struct HfPeerArgs {
 }
 
 impl HfPeerArgs {
-    /// `bench gpu`'s `transformers` side: a fresh GPT-2 small on the first
+    /// `bench gpu`'s `transformers` side: a fresh `model` on the first
     /// CUDA device, bf16 autocast, SDPA, `batch` sequences of `context`
     /// predicted tokens per step.
-    pub fn gpt2_small_cuda_bf16(
+    pub fn random_cuda_bf16(
+        model: HfModel,
         batch: usize,
         context: usize,
         steps: usize,
@@ -220,7 +224,7 @@ impl HfPeerArgs {
         seed: u64,
     ) -> Self {
         Self {
-            model: HfModel::RandomSmall,
+            model,
             context,
             batch,
             steps,
@@ -239,6 +243,7 @@ impl HfPeerArgs {
         let mut args = match &self.model {
             HfModel::Dir(dir) => vec!["--model-dir".to_string(), dir.display().to_string()],
             HfModel::RandomSmall => vec!["--random".to_string(), "small".into()],
+            HfModel::RandomTinyLlama => vec!["--random".to_string(), "tinyllama".into()],
         };
         args.extend([
             "--context".into(),
@@ -526,7 +531,7 @@ mod tests {
     #[test]
     fn hf_peer_takes_the_gpu_case_and_the_hub_case() {
         let adamw = AdamWConfig::default().with_lr(1e-3);
-        let cuda = HfPeerArgs::gpt2_small_cuda_bf16(8, 1024, 20, 3, adamw, 0);
+        let cuda = HfPeerArgs::random_cuda_bf16(HfModel::RandomSmall, 8, 1024, 20, 3, adamw, 0);
         assert_eq!(
             cuda.to_args().join(" "),
             "--random small --context 1024 --batch 8 --steps 20 --warmup 3 --lr 0.001 \
@@ -549,6 +554,15 @@ mod tests {
         assert_eq!(
             hf_peer_parses(&hub.to_args()),
             "tiny None 1024 8 20 3 0.001 0.9 0.999 1e-08 0.01 cpu f32 eager 2 7"
+        );
+        let llama = HfPeerArgs {
+            model: HfModel::RandomTinyLlama,
+            ..cuda
+        };
+        assert!(
+            hf_peer_parses(&llama.to_args()).starts_with("None tinyllama 1024 8 "),
+            "{:?}",
+            llama.to_args()
         );
     }
 }

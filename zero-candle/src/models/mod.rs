@@ -10,4 +10,4 @@ pub mod llama;
 
 pub use causal_lm::{CausalLm, HubConfig};
 pub use gpt2::{Gpt2, Gpt2Config};
-pub use llama::{Llama, LlamaConfig};
+pub use llama::{Llama, LlamaConfig, Rope};

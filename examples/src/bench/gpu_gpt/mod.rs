@@ -25,13 +25,14 @@
 //! over without, projected from the measured bytes per parameter (`bench
 //! gpu-largest` searches for it: [`largest()`]).
 //!
-//! Last, GPT-2 small (`zero_candle::models::Gpt2`, 124M parameters, random
-//! weights) in bf16 at stage 2, 8 sequences of 1024 tokens, against
-//! `transformers` with SDPA on the same GPU (`examples/pytorch/hf_peer.py`).
+//! Last, hub models with random weights in bf16 against `transformers` with
+//! SDPA on the same GPU (`examples/pytorch/hf_peer.py`): GPT-2 small at
+//! stage 2, and a Llama of TinyLlama-1.1B's shape at stage 3 on one rank
+//! and on four sharing the GPU (`hub_models.rs`).
 
 mod case;
-mod gpt2;
 mod headline;
+mod hub_models;
 mod largest_gpt;
 mod peer;
 mod shared;

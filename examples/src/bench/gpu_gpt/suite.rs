@@ -3,7 +3,8 @@
 
 use super::case::{ours, Measured, Variant};
 use super::{
-    gpt2, open_device, peer, random_ids, shared, BATCH, CONFIG, LARGE_BATCH, LR, STEPS, WARMUP,
+    hub_models, open_device, peer, random_ids, shared, BATCH, CONFIG, LARGE_BATCH, LR, STEPS,
+    WARMUP,
 };
 use crate::bench::Report;
 use crate::trainer::GptOps;
@@ -277,7 +278,12 @@ pub fn run(report: &mut Report, part: Part) {
     // PyTorch in a child process, after our cases have released the GPU's
     // memory.
     peer::against_torch(report, f32_fused.as_ref(), bf16_fused.as_ref());
-    gpt2::against_transformers(report, &device, &ctx, pool.as_ref());
+    for case in [
+        hub_models::HubCase::gpt2_small(),
+        hub_models::HubCase::tinyllama(),
+    ] {
+        hub_models::against_transformers(report, &device, &ctx, pool.as_ref(), &case);
+    }
 }
 
 /// Where an offloaded step's host time goes (figures `gpu.gpt_bf16_{case}_*_ms`):
