@@ -3,8 +3,12 @@
 //! sharded, with its tokenizer, and the logits, loss, gradients and one SGD
 //! step it computes on a fixed batch) are made by `make_fixtures.py` there.
 
+mod hub_support;
+
 use candle_core::{DType, Device, Tensor};
-use std::collections::BTreeMap;
+use hub_support::{
+    f32_values, four_windows, hub_tensors, input_ids, relative_error, values, Golden, Run,
+};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use zero_candle::hub::HubDir;
@@ -12,47 +16,18 @@ use zero_candle::models::{Gpt2, Gpt2Config};
 use zero_candle::{ZeroHook, ZeroOptimizer};
 use zero_core::engine::{EngineConfig, Stage};
 use zero_core::optim::{Sgd, SgdConfig};
-use zero_core::{Communicator, ThreadComm, ThreadGroup};
-
-const LR: f64 = 0.5;
+use zero_core::{ThreadComm, ThreadGroup};
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gpt2")
 }
 
-type Golden = std::collections::HashMap<String, Tensor>;
-
 fn golden() -> Golden {
-    candle_core::safetensors::load(fixtures().join("golden.safetensors"), &Device::Cpu).unwrap()
+    hub_support::golden(&fixtures())
 }
 
 fn golden_f64(golden: &Golden, name: &str) -> Vec<f64> {
     values(&golden[name])
-}
-
-/// The golden batch, `[2, 17]` token ids.
-fn input_ids(golden: &Golden) -> Tensor {
-    golden["input_ids"].to_dtype(DType::U32).unwrap()
-}
-
-/// Largest difference relative to the largest golden magnitude.
-fn relative_error(ours: &[f64], theirs: &[f64]) -> f64 {
-    assert_eq!(ours.len(), theirs.len());
-    let scale = theirs.iter().fold(0f64, |m, v| m.max(v.abs())).max(1e-30);
-    let diff = ours
-        .iter()
-        .zip(theirs)
-        .fold(0f64, |m, (a, b)| m.max((a - b).abs()));
-    diff / scale
-}
-
-fn values(t: &Tensor) -> Vec<f64> {
-    t.flatten_all()
-        .unwrap()
-        .to_dtype(DType::F64)
-        .unwrap()
-        .to_vec1::<f64>()
-        .unwrap()
 }
 
 /// `[a, b]` values read as `[b, a]` (a Conv1D weight in the hub's orientation).
@@ -109,54 +84,6 @@ fn logits_loss_and_gradients_equal_transformers() {
     }
 }
 
-/// Loads `dir` at `stage` on `comm`, takes one SGD step on this rank's
-/// rows of `ids` (`steps` 0: none) and saves in the hub layout to `out`.
-fn step_and_save(
-    comm: ThreadComm,
-    dir: &Path,
-    stage: Stage,
-    ids: &Tensor,
-    steps: usize,
-    out: &Path,
-) -> zero_candle::Result<()> {
-    let (world, rank) = (comm.world_size(), comm.rank());
-    let hook = ZeroHook::<ThreadComm, f32>::new();
-    let (config, map) = Gpt2::open_hub(dir)?;
-    let as_hook: Arc<dyn zero_candle::nn::GradHook> = hook.clone();
-    let model = Gpt2::new(
-        map.builder(DType::F32, &Device::Cpu),
-        &config,
-        Some(as_hook),
-    )?;
-    let engine = EngineConfig::default()
-        .with_stage(stage)
-        .with_persist_numel(64)
-        .with_bucket_bytes(16 << 10);
-    let sgd = Sgd::new(SgdConfig::default().with_lr(LR))?;
-    let mut opt = ZeroOptimizer::new_sharded(&map, comm, engine, Box::new(sgd), &hook)?;
-    let rows = ids.dim(0)? / world;
-    for _ in 0..steps {
-        opt.backward_step(&model.loss(&ids.narrow(0, rank * rows, rows)?)?)?;
-    }
-    let hub = HubDir::open(dir)?;
-    opt.save_hub(out, &hub, &Gpt2::hub_layout(&config))
-}
-
-/// Every tensor of every weights file of a hub directory, by name: dtype,
-/// shape and bytes.
-fn hub_tensors(dir: &Path) -> BTreeMap<String, (String, Vec<usize>, Vec<u8>)> {
-    let hub = HubDir::open(dir).unwrap();
-    hub.names()
-        .map(|name| {
-            let t = hub.tensor(name).unwrap();
-            (
-                name.to_string(),
-                (t.dtype.to_string(), t.shape.clone(), t.data.to_vec()),
-            )
-        })
-        .collect()
-}
-
 fn file_bytes(path: PathBuf) -> Vec<u8> {
     std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
@@ -168,12 +95,7 @@ fn loading_then_saving_reproduces_the_checkpoint_tensor_for_tensor() {
         let dir = fixtures().join(fixture);
         for (stage, world) in [(Stage::Ddp, 1), (Stage::Parameters, 2)] {
             let out = tempfile::tempdir().unwrap();
-            let (d, o) = (dir.clone(), out.path().to_path_buf());
-            let ids = ids.clone();
-            ThreadGroup::new(world)
-                .run(move |comm| step_and_save(comm, &d, stage, &ids, 0, &o))
-                .into_iter()
-                .for_each(|r| r.unwrap().unwrap());
+            Run::new(stage, world, 0).train(&dir, &ids, out.path());
             assert_eq!(
                 hub_tensors(out.path()),
                 hub_tensors(&dir),
@@ -206,12 +128,7 @@ fn one_sgd_step_equals_torch_at_stage_0_and_at_stage_3_on_two_ranks() {
     ] {
         let dir = fixtures().join(fixture);
         let out = tempfile::tempdir().unwrap();
-        let (d, o) = (dir.clone(), out.path().to_path_buf());
-        let ids = ids.clone();
-        ThreadGroup::new(world)
-            .run(move |comm| step_and_save(comm, &d, stage, &ids, 1, &o))
-            .into_iter()
-            .for_each(|r| r.unwrap().unwrap());
+        Run::new(stage, world, 1).train(&dir, &ids, out.path());
         let saved = HubDir::open(out.path()).unwrap();
         assert!(saved.is_sharded() == (fixture == "tiny-sharded"));
         let mut count = 0;
@@ -233,36 +150,19 @@ fn one_sgd_step_equals_torch_at_stage_0_and_at_stage_3_on_two_ranks() {
 /// over a batch of 4 windows), and no rank held a sharded weight whole.
 #[test]
 fn stage_3_on_four_ranks_equals_stage_0_on_one() {
-    let golden = golden();
-    let base = input_ids(&golden);
     // Four windows: the golden two and the same reversed in time.
-    let reversed: Vec<u32> = {
-        let v = base.to_vec2::<u32>().unwrap();
-        v.iter().flat_map(|row| row.iter().rev().copied()).collect()
-    };
-    let reversed = Tensor::from_vec(reversed, (2, 17), &Device::Cpu).unwrap();
-    let ids = Tensor::cat(&[&base, &reversed], 0).unwrap();
+    let ids = four_windows(&input_ids(&golden()));
     let dir = fixtures().join("tiny");
     let mut results = Vec::new();
     for (stage, world) in [(Stage::Ddp, 1), (Stage::Parameters, 4)] {
         let out = tempfile::tempdir().unwrap();
-        let (d, o) = (dir.clone(), out.path().to_path_buf());
-        let ids = ids.clone();
-        ThreadGroup::new(world)
-            .run(move |comm| step_and_save(comm, &d, stage, &ids, 3, &o))
-            .into_iter()
-            .for_each(|r| r.unwrap().unwrap());
+        Run::new(stage, world, 3).train(&dir, &ids, out.path());
         results.push(hub_tensors(out.path()));
         drop(out);
     }
     let initial = hub_tensors(&dir);
     for (name, (_, _, bytes)) in &results[0] {
-        let f = |b: &[u8]| -> Vec<f64> {
-            b.chunks(4)
-                .map(|c| f32::from_le_bytes(c.try_into().unwrap()) as f64)
-                .collect()
-        };
-        let (one, four) = (f(bytes), f(&results[1][name].2));
+        let (one, four) = (f32_values(bytes), f32_values(&results[1][name].2));
         let err = relative_error(&four, &one);
         assert!(err < 1e-5, "{name}: stage 3 on 4 ranks differs by {err:e}");
         assert_ne!(bytes, &initial[name].2, "{name} did not train");
@@ -405,12 +305,7 @@ fn a_checkpoint_without_the_transformer_prefix_loads_and_saves_under_its_names()
     );
 
     let out = tempfile::tempdir().unwrap();
-    let (d, o) = (dir.path().to_path_buf(), out.path().to_path_buf());
-    let ids = input_ids(&golden);
-    ThreadGroup::new(1)
-        .run(move |comm| step_and_save(comm, &d, Stage::Gradients, &ids, 0, &o))
-        .into_iter()
-        .for_each(|r| r.unwrap().unwrap());
+    Run::new(Stage::Gradients, 1, 0).train(dir.path(), &input_ids(&golden), out.path());
     assert_eq!(hub_tensors(out.path()), hub_tensors(dir.path()));
 }
 

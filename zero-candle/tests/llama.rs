@@ -4,52 +4,23 @@
 //! scaling, and the logits, loss, gradients and one SGD step each computes on
 //! a fixed batch) are made by `make_fixtures.py` there.
 
-use candle_core::{DType, Device, Tensor};
-use std::collections::BTreeMap;
+mod hub_support;
+
+use candle_core::{DType, Device};
+use hub_support::{
+    f32_values, four_windows, hub_tensors, input_ids, relative_error, values, Golden, Run,
+};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use zero_candle::hub::HubDir;
 use zero_candle::models::{Llama, LlamaConfig};
-use zero_candle::{ZeroHook, ZeroOptimizer};
-use zero_core::engine::{EngineConfig, Stage};
-use zero_core::optim::{Sgd, SgdConfig};
-use zero_core::{Communicator, ThreadComm, ThreadGroup};
-
-const LR: f64 = 0.5;
+use zero_core::engine::Stage;
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama")
 }
 
-type Golden = std::collections::HashMap<String, Tensor>;
-
 fn golden() -> Golden {
-    candle_core::safetensors::load(fixtures().join("golden.safetensors"), &Device::Cpu).unwrap()
-}
-
-/// The golden batch, `[2, 17]` token ids.
-fn input_ids(golden: &Golden) -> Tensor {
-    golden["input_ids"].to_dtype(DType::U32).unwrap()
-}
-
-fn values(t: &Tensor) -> Vec<f64> {
-    t.flatten_all()
-        .unwrap()
-        .to_dtype(DType::F64)
-        .unwrap()
-        .to_vec1::<f64>()
-        .unwrap()
-}
-
-/// Largest difference relative to the largest golden magnitude.
-fn relative_error(ours: &[f64], theirs: &[f64]) -> f64 {
-    assert_eq!(ours.len(), theirs.len());
-    let scale = theirs.iter().fold(0f64, |m, v| m.max(v.abs())).max(1e-30);
-    let diff = ours
-        .iter()
-        .zip(theirs)
-        .fold(0f64, |m, (a, b)| m.max((a - b).abs()));
-    diff / scale
+    hub_support::golden(&fixtures())
 }
 
 /// The golden model a fixture folder holds (`gqa-sharded` is `gqa`).
@@ -96,83 +67,6 @@ fn logits_loss_and_gradients_equal_transformers() {
             assert!(err < 1e-5, "{case}: gradient of {name} differs by {err:e}");
         }
     }
-}
-
-/// How a run trains: its stage, ranks and SGD steps, and whether each
-/// block is recomputed in backward.
-#[derive(Clone, Copy, Debug)]
-struct Run {
-    stage: Stage,
-    world: usize,
-    steps: usize,
-    checkpointed: bool,
-}
-
-impl Run {
-    fn new(stage: Stage, world: usize, steps: usize) -> Self {
-        Self {
-            stage,
-            world,
-            steps,
-            checkpointed: false,
-        }
-    }
-
-    /// Loads `dir`, trains on `ids` (each rank its rows) and saves in the
-    /// hub layout to `out`.
-    fn train(self, dir: &Path, ids: &Tensor, out: &Path) {
-        let (d, o, ids) = (dir.to_path_buf(), out.to_path_buf(), ids.clone());
-        ThreadGroup::new(self.world)
-            .run(move |comm| step_and_save(comm, &d, self, &ids, &o))
-            .into_iter()
-            .for_each(|r| r.unwrap().unwrap());
-    }
-}
-
-fn step_and_save(
-    comm: ThreadComm,
-    dir: &Path,
-    run: Run,
-    ids: &Tensor,
-    out: &Path,
-) -> zero_candle::Result<()> {
-    let (world, rank) = (comm.world_size(), comm.rank());
-    let hook = ZeroHook::<ThreadComm, f32>::new();
-    let (config, map) = Llama::open_hub(dir)?;
-    let as_hook: Arc<dyn zero_candle::nn::GradHook> = hook.clone();
-    let model = Llama::new(
-        map.builder(DType::F32, &Device::Cpu),
-        &config,
-        Some(as_hook),
-    )?
-    .with_checkpointing(run.checkpointed);
-    let engine = EngineConfig::default()
-        .with_stage(run.stage)
-        .with_persist_numel(64)
-        .with_bucket_bytes(16 << 10);
-    let sgd = Sgd::new(SgdConfig::default().with_lr(LR))?;
-    let mut opt = ZeroOptimizer::new_sharded(&map, comm, engine, Box::new(sgd), &hook)?;
-    let rows = ids.dim(0)? / world;
-    for _ in 0..run.steps {
-        opt.backward_step(&model.loss(&ids.narrow(0, rank * rows, rows)?)?)?;
-    }
-    let hub = HubDir::open(dir)?;
-    opt.save_hub(out, &hub, &Llama::hub_layout(&config))
-}
-
-/// Every tensor of every weights file of a hub directory, by name: dtype,
-/// shape and bytes.
-fn hub_tensors(dir: &Path) -> BTreeMap<String, (String, Vec<usize>, Vec<u8>)> {
-    let hub = HubDir::open(dir).unwrap();
-    hub.names()
-        .map(|name| {
-            let t = hub.tensor(name).unwrap();
-            (
-                name.to_string(),
-                (t.dtype.to_string(), t.shape.clone(), t.data.to_vec()),
-            )
-        })
-        .collect()
 }
 
 #[test]
@@ -231,13 +125,7 @@ fn one_sgd_step_equals_torch_at_stage_0_and_at_stage_3_on_two_ranks() {
 /// every tensor changed.
 #[test]
 fn stage_3_on_four_ranks_equals_stage_0_on_one() {
-    let base = input_ids(&golden());
-    let reversed: Vec<u32> = {
-        let v = base.to_vec2::<u32>().unwrap();
-        v.iter().flat_map(|row| row.iter().rev().copied()).collect()
-    };
-    let reversed = Tensor::from_vec(reversed, (2, 17), &Device::Cpu).unwrap();
-    let ids = Tensor::cat(&[&base, &reversed], 0).unwrap();
+    let ids = four_windows(&input_ids(&golden()));
     let dir = fixtures().join("gqa");
     let mut results = Vec::new();
     let checkpointed = Run {
@@ -255,14 +143,9 @@ fn stage_3_on_four_ranks_equals_stage_0_on_one() {
         results.push(hub_tensors(out.path()));
     }
     let initial = hub_tensors(&dir);
-    let f32s = |b: &[u8]| -> Vec<f64> {
-        b.chunks(4)
-            .map(|c| f32::from_le_bytes(c.try_into().unwrap()) as f64)
-            .collect()
-    };
     for (name, (_, _, bytes)) in &results[0] {
         for (run, result) in runs[1..].iter().zip(&results[1..]) {
-            let err = relative_error(&f32s(&result[name].2), &f32s(bytes));
+            let err = relative_error(&f32_values(&result[name].2), &f32_values(bytes));
             assert!(err < 1e-5, "{name}: {run:?} differs by {err:e}");
         }
         assert_ne!(bytes, &initial[name].2, "{name} did not train");

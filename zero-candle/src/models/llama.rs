@@ -553,11 +553,7 @@ impl Llama {
     /// `[batch, time + 1]`, as `transformers` computes it with
     /// `labels = ids`.
     pub fn loss(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
-        let time = ids.dim(1)? - 1;
-        let inputs = ids.narrow(1, 0, time)?.contiguous()?;
-        let targets = ids.narrow(1, 1, time)?.flatten_all()?;
-        let logits = self.forward(&inputs)?.flatten_to(1)?;
-        ops::cross_entropy(&logits, &targets)
+        super::next_token_loss(ids, |inputs| self.forward(inputs))
     }
 
     /// The dtype the model computes in.
