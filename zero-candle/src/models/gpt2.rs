@@ -353,7 +353,7 @@ impl Gpt2 {
     /// A 16-bit model computes in its dtype, with the norms' statistics
     /// and the attention's softmax in f32.
     pub fn forward(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
-        let (batch, time) = ids.dims2()?;
+        let (_, time) = ids.dims2()?;
         if time > self.config.n_positions {
             candle_core::bail!(
                 "a sequence of {time} tokens is longer than the model's n_positions {}",
@@ -361,25 +361,18 @@ impl Gpt2 {
             );
         }
         let positions = Tensor::arange(0u32, time as u32, ids.device())?;
-        let mut x = self
+        let x = self
             .wte
             .forward(ids)?
             .broadcast_add(&self.wpe.forward(&positions)?)?;
-        for (i, block) in self.blocks.iter().enumerate() {
-            x = if self.checkpointed {
-                let block = block.clone();
-                crate::checkpoint(&format!("transformer.h.{i}"), &x, move |x| block.forward(x))?
-            } else {
-                block.forward(&x)?
-            };
-        }
-        let x = self
-            .ln_f
-            .forward(&x)?
-            .reshape((batch * time, self.config.n_embd))?;
-        self.head
-            .forward(&x)?
-            .reshape((batch, time, self.config.vocab_size))
+        let x = super::through_blocks(
+            &self.blocks,
+            x,
+            self.checkpointed,
+            "transformer.h",
+            |block: &Block, x: &Tensor| block.forward(x),
+        )?;
+        super::logits(&self.ln_f, &self.head, &x, self.config.vocab_size)
     }
 
     /// The mean cross-entropy (f32) of predicting each next token of `ids`

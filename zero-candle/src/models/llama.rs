@@ -527,26 +527,16 @@ impl Llama {
     /// in its dtype, with the norms' statistics and the attention's
     /// softmax in f32.
     pub fn forward(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
-        let (batch, time) = ids.dims2()?;
+        let (_, time) = ids.dims2()?;
         let rotation = Rotation::new(&self.inv_freq, time, self.dtype(), ids.device())?;
-        let mut x = self.embed_tokens.forward(ids)?;
-        for (i, block) in self.blocks.iter().enumerate() {
-            x = if self.checkpointed {
-                let (block, rotation) = (block.clone(), rotation.clone());
-                crate::checkpoint(&format!("model.layers.{i}"), &x, move |x| {
-                    block.forward(x, &rotation)
-                })?
-            } else {
-                block.forward(&x, &rotation)?
-            };
-        }
-        let x = self
-            .norm
-            .forward(&x)?
-            .reshape((batch * time, self.config.hidden_size))?;
-        self.head
-            .forward(&x)?
-            .reshape((batch, time, self.config.vocab_size))
+        let x = super::through_blocks(
+            &self.blocks,
+            self.embed_tokens.forward(ids)?,
+            self.checkpointed,
+            "model.layers",
+            move |block: &Block, x: &Tensor| block.forward(x, &rotation),
+        )?;
+        super::logits(&self.norm, &self.head, &x, self.config.vocab_size)
     }
 
     /// The mean cross-entropy (f32) of predicting each next token of `ids`
