@@ -54,7 +54,8 @@ mkdir -p "$stage/t"
 {
     cargo test --no-run -p zero-nccl --features nccl --message-format=json
     cargo test --no-run -p zero-candle --features nccl --test gpu_layers --test gpu_nccl \
-        --test gpu_offload --test gpu_stage3 --test gpu_threads --message-format=json
+        --test gpu_offload --test gpu_stage3 --test gpu_threads --test gpu_hub \
+        --message-format=json
 } |
     python3 -c '
 import json, os, sys
