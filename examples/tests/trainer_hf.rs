@@ -99,7 +99,14 @@ fn largest_difference(
 
 #[test]
 fn stage_3_on_two_ranks_fine_tunes_what_one_rank_does_and_saves_the_hub_layout() {
-    for fixture_name in ["gpt2/tiny", "gpt2/tiny-sharded", "llama/gqa", "llama/tied"] {
+    let fixtures = [
+        "gpt2/tiny",
+        "gpt2/tiny-sharded",
+        "llama/gqa",
+        "llama/tied",
+        "llama/qwen2",
+    ];
+    for fixture_name in fixtures {
         let hub = fixture(fixture_name);
         let dir = tempfile::tempdir().unwrap();
         let (one, two) = (dir.path().join("one"), dir.path().join("two"));

@@ -32,7 +32,7 @@ fn model_of(fixture: &str) -> &str {
 fn logits_loss_and_gradients_equal_transformers() {
     let golden = golden();
     let ids = input_ids(&golden);
-    for (fixture, variables) in [("gqa", 21), ("tied", 20)] {
+    for (fixture, variables) in [("gqa", 21), ("tied", 20), ("mistral", 21), ("qwen2", 27)] {
         let (config, map) = Llama::open_hub(fixtures().join(fixture)).unwrap();
         assert_eq!(config.tie_word_embeddings, fixture == "tied");
         let model = Llama::new(map.builder(DType::F32, &Device::Cpu), &config, None).unwrap();
@@ -72,7 +72,7 @@ fn logits_loss_and_gradients_equal_transformers() {
 #[test]
 fn loading_then_saving_reproduces_the_checkpoint_tensor_for_tensor() {
     let ids = input_ids(&golden());
-    for fixture in ["gqa", "gqa-sharded", "tied"] {
+    for fixture in ["gqa", "gqa-sharded", "tied", "qwen2"] {
         let dir = fixtures().join(fixture);
         for (stage, world) in [(Stage::Ddp, 1), (Stage::Parameters, 2)] {
             let out = tempfile::tempdir().unwrap();
@@ -101,6 +101,8 @@ fn one_sgd_step_equals_torch_at_stage_0_and_at_stage_3_on_two_ranks() {
         ("gqa", Stage::Ddp, 1, 21),
         ("gqa-sharded", Stage::Parameters, 2, 21),
         ("tied", Stage::Parameters, 2, 20),
+        ("mistral", Stage::Ddp, 1, 21),
+        ("qwen2", Stage::Parameters, 2, 27),
     ] {
         let out = tempfile::tempdir().unwrap();
         Run::new(stage, world, 1).train(&fixtures().join(fixture), &ids, out.path());
@@ -190,21 +192,31 @@ fn both_config_forms_read_alike_and_llama3_scales_the_low_frequencies() {
     let gqa = LlamaConfig::from_json(&config_of("gqa")).unwrap();
     assert_eq!((gqa.num_attention_heads, gqa.num_key_value_heads), (4, 2));
     assert!(gqa.rope.llama3.is_none() && gqa.rope.theta == 10000.0);
-    assert_eq!(
-        gqa.num_params(),
-        hub_tensors(&fixtures().join("gqa"))
+    for fixture in ["gqa", "tied", "qwen2"] {
+        let config = LlamaConfig::from_json(&config_of(fixture)).unwrap();
+        let stored: usize = hub_tensors(&fixtures().join(fixture))
             .values()
             .map(|(_, shape, _)| shape.iter().product::<usize>())
-            .sum::<usize>()
-    );
+            .sum();
+        assert_eq!(config.num_params(), stored, "{fixture}");
+    }
 }
 
 #[test]
 fn unusable_configs_are_errors_naming_the_key() {
     let base = config_of("gqa");
-    let cases: [(&str, serde_json::Value, &str); 7] = [
-        ("model_type", "mistral".into(), "model_type"),
-        ("attention_bias", true.into(), "attention_bias"),
+    let cases: [(&str, serde_json::Value, &str); 8] = [
+        ("model_type", "gemma".into(), "model_type"),
+        (
+            "architectures",
+            serde_json::json!(["MistralForCausalLM"]),
+            "architectures",
+        ),
+        (
+            "layer_types",
+            serde_json::json!(["full_attention", "linear_attention"]),
+            "layer_types",
+        ),
         ("mlp_bias", true.into(), "mlp_bias"),
         ("hidden_act", "gelu".into(), "hidden_act"),
         ("num_key_value_heads", 3.into(), "num_key_value_heads"),
@@ -253,7 +265,39 @@ fn causal_lm_opens_either_model_by_its_model_type() {
     assert!(matches!(config, HubConfig::Gpt2(_)));
     assert_eq!(config.max_positions(), (32, "n_positions"));
     let mut other = config_of("gqa");
-    other["model_type"] = "mistral".into();
+    other["model_type"] = "gemma".into();
     let err = HubConfig::from_json(&other).unwrap_err();
     assert!(err.contains("model_type") && err.contains("llama"), "{err}");
+}
+
+/// Mistral's sliding window bounds the sequences it takes (windowed
+/// attention is not implemented); Qwen2's applies only where switched on.
+#[test]
+fn a_sliding_window_bounds_the_sequence_where_it_is_used() {
+    let golden = golden();
+    let ids = input_ids(&golden).narrow(1, 0, 16).unwrap();
+    let mut mistral = LlamaConfig::from_json(&config_of("mistral")).unwrap();
+    assert_eq!(mistral.sliding_window, Some(64));
+    mistral.sliding_window = Some(8);
+    let map = zero_candle::ShardedVarMap::seeded(0);
+    let model = Llama::new(map.builder(DType::F32, &Device::Cpu), &mistral, None).unwrap();
+    map.materialize_all().unwrap();
+    let err = model.forward(&ids).unwrap_err().to_string();
+    assert!(err.contains("sliding_window 8"), "{err}");
+    assert!(model.forward(&ids.narrow(1, 0, 8).unwrap()).is_ok());
+
+    let mut qwen2 = config_of("qwen2");
+    qwen2["sliding_window"] = 8.into();
+    assert_eq!(LlamaConfig::from_json(&qwen2).unwrap().sliding_window, None);
+    qwen2["use_sliding_window"] = true.into();
+    qwen2["layer_types"] = serde_json::json!(["full_attention", "sliding_attention"]);
+    assert_eq!(
+        LlamaConfig::from_json(&qwen2).unwrap().sliding_window,
+        Some(8)
+    );
+    assert!(
+        LlamaConfig::from_json(&config_of("qwen2"))
+            .unwrap()
+            .qkv_bias
+    );
 }

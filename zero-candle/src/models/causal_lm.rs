@@ -9,12 +9,15 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use std::sync::Arc;
 
+/// The `model_type`s [`HubConfig`] reads.
+const KNOWN: &str = "\"gpt2\", \"llama\", \"mistral\" and \"qwen2\"";
+
 /// The config of a supported hub checkpoint.
 #[derive(Clone, Debug, PartialEq)]
 pub enum HubConfig {
     /// `model_type` `gpt2`.
     Gpt2(Gpt2Config),
-    /// `model_type` `llama`.
+    /// `model_type` `llama`, `mistral` or `qwen2`.
     Llama(LlamaConfig),
 }
 
@@ -24,11 +27,11 @@ impl HubConfig {
     pub fn from_json(config: &serde_json::Value) -> std::result::Result<Self, String> {
         match config.get("model_type").and_then(|v| v.as_str()) {
             Some("gpt2") => Gpt2Config::from_json(config).map(Self::Gpt2),
-            Some("llama") => LlamaConfig::from_json(config).map(Self::Llama),
+            Some("llama" | "mistral" | "qwen2") => LlamaConfig::from_json(config).map(Self::Llama),
             Some(other) => Err(format!(
-                "`model_type` is {other:?}; the models here are \"gpt2\" and \"llama\""
+                "`model_type` is {other:?}; the models here are {KNOWN}"
             )),
-            None => Err("no `model_type`; the models here are \"gpt2\" and \"llama\"".into()),
+            None => Err(format!("no `model_type`; the models here are {KNOWN}")),
         }
     }
 
@@ -83,7 +86,8 @@ impl HubConfig {
     }
 }
 
-/// A causal language model of the hub: GPT-2 or Llama.
+/// A causal language model of the hub: GPT-2 or Llama (Mistral and Qwen2
+/// included).
 pub enum CausalLm {
     /// GPT-2.
     Gpt2(Gpt2),

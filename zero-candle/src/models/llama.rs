@@ -1,6 +1,9 @@
 //! Llama (`LlamaForCausalLM`): a token embedding, pre-norm blocks of
 //! grouped-query attention with rotary position embeddings and a SwiGLU
-//! MLP, RMS norms, and a head of its own or tied to the embedding.
+//! MLP, RMS norms, and a head of its own or tied to the embedding. Mistral
+//! (`MistralForCausalLM`) and Qwen2 (`Qwen2ForCausalLM`) share its layout:
+//! Mistral with a sliding window (sequences up to the window), Qwen2 with
+//! biases on the query, key and value projections.
 //!
 //! The variables carry the hub's names (`model.embed_tokens.weight`,
 //! `model.layers.{i}.self_attn.q_proj.weight`, ..., `model.norm.weight`,
@@ -65,6 +68,15 @@ pub struct LlamaConfig {
     pub rope: Rope,
     /// The head is the token embedding (no `lm_head.weight` of its own).
     pub tie_word_embeddings: bool,
+    /// The query, key and value projections have biases (Qwen2, and Llama
+    /// with `attention_bias`).
+    pub qkv_bias: bool,
+    /// The output projection has a bias (Llama with `attention_bias`).
+    pub o_bias: bool,
+    /// Each position attends to at most this many (Mistral's and Qwen2's
+    /// `sliding_window`, where used): longer sequences are refused, as
+    /// windowed attention is not implemented here.
+    pub sliding_window: Option<usize>,
     /// The standard deviation of a fresh model's weights.
     pub initializer_range: f64,
 }
@@ -89,6 +101,16 @@ struct Plain {
     tie_word_embeddings: bool,
     #[serde(default = "default_initializer_range")]
     initializer_range: f64,
+    #[serde(default)]
+    attention_bias: bool,
+    #[serde(default)]
+    sliding_window: Option<usize>,
+    /// Qwen2's switch for `sliding_window`.
+    #[serde(default)]
+    use_sliding_window: Option<bool>,
+    /// Qwen2's attention per layer (transformers 5).
+    #[serde(default)]
+    layer_types: Option<Vec<String>>,
 }
 
 fn default_positions() -> usize {
@@ -105,37 +127,45 @@ fn default_initializer_range() -> f64 {
 
 /// Settings of a Llama config.json this model does not implement, with the
 /// value it implements; any other value is an error naming the key.
-fn fixed() -> [(&'static str, serde_json::Value); 3] {
-    [
-        ("hidden_act", "silu".into()),
-        ("attention_bias", false.into()),
-        ("mlp_bias", false.into()),
-    ]
+fn fixed() -> [(&'static str, serde_json::Value); 2] {
+    [("hidden_act", "silu".into()), ("mlp_bias", false.into())]
 }
 
+/// The families read as Llama: `model_type`, their architectures, and
+/// whether the query, key and value projections always have biases.
+const FAMILIES: [(&str, [&str; 2], bool); 3] = [
+    ("llama", ["LlamaForCausalLM", "LlamaModel"], false),
+    ("mistral", ["MistralForCausalLM", "MistralModel"], false),
+    ("qwen2", ["Qwen2ForCausalLM", "Qwen2Model"], true),
+];
+
 impl LlamaConfig {
-    /// Reads a hub `config.json`: an error names the key whose value this
-    /// model cannot honour (another architecture, biases, an activation
-    /// other than SiLU, a rotary scaling other than `llama3`, ...).
-    /// Reads the rotary settings from `rope_parameters` (transformers 5)
-    /// or from `rope_theta` and `rope_scaling` (earlier files).
+    /// Reads a hub `config.json` of a Llama, Mistral or Qwen2 (by
+    /// `model_type`; Llama without one): an error names the key whose value
+    /// this model cannot honour (another architecture, MLP biases, an
+    /// activation other than SiLU, a rotary scaling other than `llama3`,
+    /// ...). Reads the rotary settings from `rope_parameters`
+    /// (transformers 5) or from `rope_theta` and `rope_scaling` (earlier
+    /// files).
     pub fn from_json(config: &serde_json::Value) -> std::result::Result<Self, String> {
-        if let Some(kind) = config.get("model_type").and_then(|v| v.as_str()) {
-            if kind != "llama" {
-                return Err(format!(
-                    "`model_type` is {kind:?}; this model reads Llama checkpoints (\"llama\")"
-                ));
-            }
-        }
+        let kind = config
+            .get("model_type")
+            .and_then(|v| v.as_str())
+            .unwrap_or("llama");
+        let Some(&(_, architectures, qwen_biases)) = FAMILIES.iter().find(|f| f.0 == kind) else {
+            return Err(format!(
+                "`model_type` is {kind:?}; this model reads \"llama\", \"mistral\" and \"qwen2\""
+            ));
+        };
         if let Some(names) = config.get("architectures").and_then(|v| v.as_array()) {
-            let known = ["LlamaForCausalLM", "LlamaModel"];
             if let Some(other) = names
                 .iter()
                 .filter_map(|n| n.as_str())
-                .find(|n| !known.contains(n))
+                .find(|n| !architectures.contains(n))
             {
                 return Err(format!(
-                    "`architectures` names {other:?}; this model reads LlamaForCausalLM"
+                    "`architectures` names {other:?}; a {kind:?} config reads {}",
+                    architectures[0]
                 ));
             }
         }
@@ -150,6 +180,7 @@ impl LlamaConfig {
         }
         let plain = Plain::deserialize(config).map_err(|e| format!("{e}"))?;
         let heads = plain.num_attention_heads;
+        let sliding_window = sliding_window_of(&plain)?;
         let parsed = Self {
             vocab_size: plain.vocab_size,
             hidden_size: plain.hidden_size,
@@ -167,6 +198,9 @@ impl LlamaConfig {
             rope: rope_of(config)?,
             tie_word_embeddings: plain.tie_word_embeddings,
             initializer_range: plain.initializer_range,
+            qkv_bias: plain.attention_bias || qwen_biases,
+            o_bias: plain.attention_bias,
+            sliding_window,
         };
         parsed.validate()?;
         Ok(parsed)
@@ -221,7 +255,8 @@ impl LlamaConfig {
             self.num_attention_heads * self.head_dim,
             self.num_key_value_heads * self.head_dim,
         );
-        let per_layer = 2 * d + 2 * d * q + 2 * d * kv + 3 * d * inner;
+        let biases = if self.qkv_bias { q + 2 * kv } else { 0 } + if self.o_bias { d } else { 0 };
+        let per_layer = 2 * d + 2 * d * q + 2 * d * kv + 3 * d * inner + biases;
         let head = if self.tie_word_embeddings {
             0
         } else {
@@ -262,6 +297,28 @@ impl Llama3Scaling {
             (1.0 - smooth) * freq / self.factor + smooth * freq
         }
     }
+}
+
+/// The window the attention is limited to: Mistral's `sliding_window`,
+/// Qwen2's where `use_sliding_window` is on (and, in transformers 5's
+/// form, some layer's type is `sliding_attention`).
+fn sliding_window_of(plain: &Plain) -> std::result::Result<Option<usize>, String> {
+    let used = match (&plain.layer_types, plain.use_sliding_window) {
+        (_, Some(false)) => false,
+        (Some(types), _) => types.iter().any(|t| t == "sliding_attention"),
+        (None, _) => true,
+    };
+    if let Some(types) = &plain.layer_types {
+        if let Some(other) = types
+            .iter()
+            .find(|t| !["full_attention", "sliding_attention"].contains(&t.as_str()))
+        {
+            return Err(format!(
+                "`layer_types` has {other:?}; full and sliding attention only"
+            ));
+        }
+    }
+    Ok(plain.sliding_window.filter(|_| used))
 }
 
 /// The rotary settings: `rope_parameters` (transformers 5) or
@@ -440,10 +497,15 @@ impl Llama {
             mean: 0.0,
             stdev: config.initializer_range,
         };
-        let linear = |vb: VarBuilder, d_in, d_out| -> Result<Linear> {
+        let linear_b = |vb: VarBuilder, d_in, d_out, bias: bool| -> Result<Linear> {
             let w = vb.get_with_hints((d_out, d_in), "weight", normal)?;
-            Ok(Linear::new(w, None, hook.clone()))
+            let b = match bias {
+                true => Some(vb.get_with_hints(d_out, "bias", Init::Const(0.0))?),
+                false => None,
+            };
+            Ok(Linear::new(w, b, hook.clone()))
         };
+        let linear = |vb: VarBuilder, d_in, d_out| linear_b(vb, d_in, d_out, false);
         let norm = |vb: VarBuilder| -> Result<RmsNorm> {
             let w = vb.get_with_hints(d, "weight", Init::Const(1.0))?;
             Ok(RmsNorm::new(w, config.rms_norm_eps, hook.clone()))
@@ -457,10 +519,10 @@ impl Llama {
             let mlp = vb.pp("mlp");
             blocks.push(Block {
                 input_layernorm: norm(vb.pp("input_layernorm"))?,
-                q_proj: linear(attn.pp("q_proj"), d, q)?,
-                k_proj: linear(attn.pp("k_proj"), d, kv)?,
-                v_proj: linear(attn.pp("v_proj"), d, kv)?,
-                o_proj: linear(attn.pp("o_proj"), q, d)?,
+                q_proj: linear_b(attn.pp("q_proj"), d, q, config.qkv_bias)?,
+                k_proj: linear_b(attn.pp("k_proj"), d, kv, config.qkv_bias)?,
+                v_proj: linear_b(attn.pp("v_proj"), d, kv, config.qkv_bias)?,
+                o_proj: linear_b(attn.pp("o_proj"), q, d, config.o_bias)?,
                 post_attention_layernorm: norm(vb.pp("post_attention_layernorm"))?,
                 gate_proj: linear(mlp.pp("gate_proj"), d, config.intermediate_size)?,
                 up_proj: linear(mlp.pp("up_proj"), d, config.intermediate_size)?,
@@ -528,6 +590,12 @@ impl Llama {
     /// softmax in f32.
     pub fn forward(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
         let (_, time) = ids.dims2()?;
+        if let Some(window) = self.config.sliding_window.filter(|&w| time > w) {
+            candle_core::bail!(
+                "a sequence of {time} tokens is longer than the model's sliding_window {window}; \
+                 windowed attention is not implemented: use sequences of at most {window}"
+            );
+        }
         let rotation = Rotation::new(&self.inv_freq, time, self.dtype(), ids.device())?;
         let x = super::through_blocks(
             &self.blocks,

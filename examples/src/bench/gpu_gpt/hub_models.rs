@@ -75,6 +75,9 @@ impl HubCase {
             },
             tie_word_embeddings: false,
             initializer_range: 0.02,
+            qkv_bias: false,
+            o_bias: false,
+            sliding_window: None,
         };
         Self {
             name: "llama_1b",
