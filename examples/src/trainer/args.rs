@@ -330,10 +330,9 @@ pub struct Args {
     /// Fine-tune this Hugging Face GPT-2, Llama, Mistral or Qwen2 directory
     /// (`config.json`, `model.safetensors` or an index with its shards,
     /// `tokenizer.json`) instead of `--model`: the shape comes from its
-    /// config (`--layers`,
-    /// `--heads`, `--d-model` are not used), `--data` is tokenized with its
-    /// tokenizer (documents joined by its end-of-text token), and at stage 3
-    /// each rank reads only its shard of the weights.
+    /// config (`--layers`, `--heads`, `--d-model` are not used), `--data` is
+    /// tokenized with its tokenizer (documents joined by its end-of-text
+    /// token), and at stage 3 each rank reads only its shard of the weights.
     #[arg(long)]
     pub hf: Option<PathBuf>,
     /// With `--hf`: at the end, write the model here in the layout it was
