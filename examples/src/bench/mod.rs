@@ -123,12 +123,14 @@ pub fn main() {
             "hf" if !under_mpirun => hf::run(&mut report),
             "precision" if !under_mpirun => precision::run(&mut report),
             "stage3" if !under_mpirun => stage3::run(&mut report),
-            "gpu" | "gpu-zero" | "gpu-headline" | "gpu-largest" => gpu_suite(name, &mut report),
+            "gpu" | "gpu-zero" | "gpu-headline" | "gpu-largest" | "gpu-hub" => {
+                gpu_suite(name, &mut report)
+            }
             "optim" | "step" | "overlap" | "memory" | "precision" | "stage3" | "gpt" | "hf" => {}
             other => {
                 eprintln!(
                     "unknown benchmark suite {other:?}; expected one of {all:?}, or gpu-zero, \
-                     gpu-headline or gpu-largest"
+                     gpu-headline, gpu-largest or gpu-hub"
                 );
                 std::process::exit(2);
             }
@@ -148,7 +150,8 @@ pub fn main() {
 /// PyTorch peers); `gpu-headline` (not among `all`: it builds a model of a
 /// fifth of the GPU's memory) stage 3's headline; `gpu-largest` (not among
 /// `all`: minutes of models that fill the GPU) the largest model trained
-/// with offload and without.
+/// with offload and without; `gpu-hub` only `gpu`'s hub models against
+/// `transformers`.
 #[cfg(feature = "nccl")]
 fn gpu_suite(name: &str, report: &mut Report) {
     if !gpu::device_present() {
@@ -158,6 +161,7 @@ fn gpu_suite(name: &str, report: &mut Report) {
         "gpu-zero" => gpu_gpt::run(report, gpu_gpt::Part::Zero),
         "gpu-headline" => gpu_gpt::headline(report),
         "gpu-largest" => gpu_gpt::largest(report),
+        "gpu-hub" => gpu_gpt::hub(report),
         _ => {
             gpu::run(report);
             gpu_layers::run(report);

@@ -111,6 +111,31 @@ impl HubCase {
     }
 }
 
+/// Every hub case against `transformers`, one after another.
+pub(super) fn all_against_transformers(
+    report: &mut Report,
+    device: &Device,
+    ctx: &CudaContext,
+    pool: Option<&DevicePool>,
+) {
+    for case in [HubCase::gpt2_small(), HubCase::tinyllama()] {
+        against_transformers(report, device, ctx, pool, &case);
+    }
+}
+
+/// `bench gpu-hub`: the hub cases alone.
+pub fn hub(report: &mut Report) {
+    let (device, ctx) = match super::open_device() {
+        Ok(opened) => opened,
+        Err(e) => {
+            eprintln!("gpu hub benchmark failed: cannot open CUDA device 0: {e}");
+            return;
+        }
+    };
+    let pool = DevicePool::of(&ctx).ok();
+    all_against_transformers(report, &device, &ctx, pool.as_ref());
+}
+
 /// Both sides' optimizer: PyTorch's AdamW defaults at the suite's lr,
 /// passed to the peer as flags.
 fn adamw_config() -> AdamWConfig {

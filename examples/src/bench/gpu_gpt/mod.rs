@@ -39,6 +39,7 @@ mod shared;
 mod suite;
 
 pub use headline::headline;
+pub use hub_models::hub;
 pub use largest_gpt::{largest, largest_trial};
 pub use suite::{run, Part};
 

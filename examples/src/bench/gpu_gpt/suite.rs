@@ -278,12 +278,7 @@ pub fn run(report: &mut Report, part: Part) {
     // PyTorch in a child process, after our cases have released the GPU's
     // memory.
     peer::against_torch(report, f32_fused.as_ref(), bf16_fused.as_ref());
-    for case in [
-        hub_models::HubCase::gpt2_small(),
-        hub_models::HubCase::tinyllama(),
-    ] {
-        hub_models::against_transformers(report, &device, &ctx, pool.as_ref(), &case);
-    }
+    hub_models::all_against_transformers(report, &device, &ctx, pool.as_ref());
 }
 
 /// Where an offloaded step's host time goes (figures `gpu.gpt_bf16_{case}_*_ms`):
