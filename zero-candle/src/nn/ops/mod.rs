@@ -1,4 +1,5 @@
-//! Fused transformer ops with their own backward: causal self-attention,
+//! Fused transformer ops with their own backward: causal attention (over a
+//! packed `qkv`, or separate `q`, `k`, `v` with grouped K/V heads),
 //! GELU (tanh and erf forms), SiLU and cross-entropy, each one custom op on
 //! the CPU and on CUDA.
 //!
@@ -17,6 +18,6 @@ mod cross_entropy;
 
 pub use activation::{gelu, gelu_erf, silu};
 pub use activation_kind::Activation;
-pub use attention::causal_self_attention;
+pub use attention::{causal_attention, causal_self_attention};
 pub use attention_dims::AttentionDims;
 pub use cross_entropy::{cross_entropy, cross_entropy_with_ignore};
