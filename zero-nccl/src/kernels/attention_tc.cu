@@ -71,10 +71,35 @@ __device__ __forceinline__ void mma_m16n8k16<f16>(float (&d)[4], const unsigned 
 __device__ __forceinline__ unsigned pack16(u16 lo, u16 hi) {
     return (unsigned)lo | ((unsigned)hi << 16);
 }
-// Two f32 rounded to T, packed as one fragment register.
+// `cvt.rn.{bf16x2,f16x2}.f32 d, a, b`: a and b rounded to nearest even, a
+// in the upper half of d, b in the lower (PTX ISA, cvt). One instruction for
+// what from_f32 does in several; the CPU shim models it with from_f32.
+template <typename T>
+__device__ __forceinline__ unsigned cvt_rn_x2(float a, float b);
+template <>
+__device__ __forceinline__ unsigned cvt_rn_x2<bf16>(float a, float b) {
+    unsigned d;
+#if defined(ZERO_LAYERS_ON_CPU) || __CUDA_ARCH__ < 800
+    d = pack16(from_f32<bf16>(b).bits, from_f32<bf16>(a).bits);
+#else
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(a), "f"(b));
+#endif
+    return d;
+}
+template <>
+__device__ __forceinline__ unsigned cvt_rn_x2<f16>(float a, float b) {
+    unsigned d;
+#if defined(ZERO_LAYERS_ON_CPU) || __CUDA_ARCH__ < 800
+    d = pack16(from_f32<f16>(b).bits, from_f32<f16>(a).bits);
+#else
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(a), "f"(b));
+#endif
+    return d;
+}
+// Two f32 rounded to T, packed as one fragment register (lo in the low half).
 template <typename T>
 __device__ __forceinline__ unsigned pack_f32(float lo, float hi) {
-    return pack16(from_f32<T>(lo).bits, from_f32<T>(hi).bits);
+    return cvt_rn_x2<T>(hi, lo);
 }
 // The pair at an even column of a shared row (4-byte aligned: the pitch is even).
 __device__ __forceinline__ unsigned pair_at(const u16* p) {
@@ -346,39 +371,24 @@ __device__ __forceinline__ void attention_tc_backward_dq(ATTN_DQ_PARAMS(T)) {
     }
 }
 
-// dK and dV of a key tile of one K/V head: for each query head of its group
-// in turn, stream the query tiles from the keys' own tile on; the warp's
-// rows are keys, so its products are the transposed ones (S^T = K Q^T,
-// dP^T = V dO^T, dV += P^T dO, dK += dS^T Q).
-template <typename T, int DMAX>
-__device__ __forceinline__ void attention_tc_backward_dkdv(ATTN_DKDV_PARAMS(T)) {
-    constexpr int P = DMAX + TC_PAD;
-    constexpr int NT = TC_ROWS / 8, DT = DMAX / 8;
-    __shared__ __align__(16) u16 qs[TC_ROWS * P];
-    __shared__ __align__(16) u16 dos[TC_ROWS * P];
-    __shared__ float lse_s[TC_ROWS], delta_s[TC_ROWS];
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    // Early key tiles see the most queries: natural order puts them first.
+// One sweep of a dK/dV block over its K/V head's query heads and their
+// query tiles from the keys' own tile on, accumulating dV (WANT_DV) and dK
+// (WANT_DK). The warp's rows are keys, so its products are the transposed
+// ones: S^T = K Q^T, dP^T = V dO^T, dV += P^T dO, dK += dS^T Q.
+template <typename T, int DMAX, bool WANT_DK, bool WANT_DV>
+__device__ __forceinline__ void dkdv_sweep(float (&dk_acc)[DMAX / 8][4],
+                                           float (&dv_acc)[DMAX / 8][4],
+                                           const unsigned (&ka)[DMAX / 16][4],
+                                           const unsigned (&va)[DMAX / 16][4], u16* qs,
+                                           u16* dos, float* lse_s, float* delta_s,
+                                           ATTN_DKDV_PARAMS(T)) {
+    constexpr int NT = TC_ROWS / 8;
+    const int lane = threadIdx.x % 32;
     const int k_first = blockIdx.x * TC_ROWS;
     const int kvh = blockIdx.y, b = blockIdx.z, group = H / KVH;
     const int C = H * D;
-    const size_t kv_at = (size_t)b * T_ * kv_stride + (size_t)kvh * D;
-
-    tc_load_rows<T, DMAX>(qs, k + kv_at, kv_stride, k_first, T_, D);
-    tc_load_rows<T, DMAX>(dos, v + kv_at, kv_stride, k_first, T_, D);
-    __syncthreads();
-    unsigned ka[DMAX / 16][4], va[DMAX / 16][4];
-    a_fragments<DMAX>(ka, qs, warp, lane);
-    a_fragments<DMAX>(va, dos, warp, lane);
-
     // This lane's keys: key0 (fragment elements 0, 1) and key0 + 8 (2, 3).
-    const int key0 = k_first + warp * 16 + lane / 4;
-    float dk_acc[DT][4], dv_acc[DT][4];
-#pragma unroll
-    for (int n = 0; n < DT; ++n) {
-        dk_acc[n][0] = dk_acc[n][1] = dk_acc[n][2] = dk_acc[n][3] = 0.f;
-        dv_acc[n][0] = dv_acc[n][1] = dv_acc[n][2] = dv_acc[n][3] = 0.f;
-    }
+    const int key0 = k_first + (threadIdx.x / 32) * 16 + lane / 4;
     for (int h = kvh * group; h < (kvh + 1) * group; ++h) {
         const T* qb = q + (size_t)b * T_ * q_stride + (size_t)h * D;
         const T* dob = dout + (size_t)b * T_ * C + (size_t)h * D;
@@ -396,7 +406,7 @@ __device__ __forceinline__ void attention_tc_backward_dkdv(ATTN_DKDV_PARAMS(T)) 
             __syncthreads();
             float s[NT][4], dp[NT][4];
             rows_times_tile<T, DMAX>(s, ka, qs, lane);
-            rows_times_tile<T, DMAX>(dp, va, dos, lane);
+            if (WANT_DK) rows_times_tile<T, DMAX>(dp, va, dos, lane);
 #pragma unroll
             for (int n = 0; n < NT; ++n) {
 #pragma unroll
@@ -406,31 +416,82 @@ __device__ __forceinline__ void attention_tc_backward_dkdv(ATTN_DKDV_PARAMS(T)) 
                     const bool valid = key <= query && query < T_;
                     const float p = valid ? __expf(s[n][i] * scale - lse_s[j]) : 0.f;
                     s[n][i] = p;
-                    dp[n][i] = p * (dp[n][i] - delta_s[j]);  // dS^T
+                    if (WANT_DK) dp[n][i] = p * (dp[n][i] - delta_s[j]);  // dS^T
                 }
             }
-            scores_times_tile<T, DMAX>(dv_acc, s, dos, lane);
-            scores_times_tile<T, DMAX>(dk_acc, dp, qs, lane);
+            if (WANT_DV) scores_times_tile<T, DMAX>(dv_acc, s, dos, lane);
+            if (WANT_DK) scores_times_tile<T, DMAX>(dk_acc, dp, qs, lane);
         }
     }
+}
+
+// Rows [key0, key0 + 8) and [key0 + 8, key0 + 16) of dK (times the scale)
+// or dV from the C-fragment accumulators.
+template <typename T, int DMAX>
+__device__ __forceinline__ void store_key_rows(T* out, const float (&acc)[DMAX / 8][4],
+                                               float factor, int key0, int T_, int D,
+                                               size_t row_at, int kv_stride) {
+    const int lane = threadIdx.x % 32;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int key = key0 + 8 * r;
         if (key < T_) {
-            const size_t at = ((size_t)b * T_ + key) * kv_stride + (size_t)kvh * D;
+            T* row = out + row_at + (size_t)key * kv_stride;
 #pragma unroll
-            for (int n = 0; n < DT; ++n) {
+            for (int n = 0; n < DMAX / 8; ++n) {
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
                     const int d = n * 8 + 2 * (lane % 4) + e;
-                    if (d < D) {
-                        dk[at + d] = from_f32<T>(dk_acc[n][2 * r + e] * scale);
-                        dv[at + d] = from_f32<T>(dv_acc[n][2 * r + e]);
-                    }
+                    if (d < D) row[d] = from_f32<T>(acc[n][2 * r + e] * factor);
                 }
             }
         }
     }
+}
+
+// dK and dV of a key tile of one K/V head, summed over the head's group of
+// query heads in order. At DMAX 128 both accumulators, the K and V
+// fragments and a tile's scores do not fit in 255 registers: dV takes a
+// sweep of its own (recomputing S^T once more) before dK's.
+template <typename T, int DMAX>
+__device__ __forceinline__ void attention_tc_backward_dkdv(ATTN_DKDV_PARAMS(T)) {
+    constexpr int P = DMAX + TC_PAD, DT = DMAX / 8;
+    constexpr bool TWO_SWEEPS = DMAX > 64;
+    __shared__ __align__(16) u16 qs[TC_ROWS * P];
+    __shared__ __align__(16) u16 dos[TC_ROWS * P];
+    __shared__ float lse_s[TC_ROWS], delta_s[TC_ROWS];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    // Early key tiles see the most queries: natural order puts them first.
+    const int k_first = blockIdx.x * TC_ROWS;
+    const int kvh = blockIdx.y, b = blockIdx.z;
+    const size_t kv_at = (size_t)b * T_ * kv_stride + (size_t)kvh * D;
+    const int key0 = k_first + warp * 16 + lane / 4;
+
+    tc_load_rows<T, DMAX>(qs, k + kv_at, kv_stride, k_first, T_, D);
+    tc_load_rows<T, DMAX>(dos, v + kv_at, kv_stride, k_first, T_, D);
+    __syncthreads();
+    unsigned ka[DMAX / 16][4], va[DMAX / 16][4];
+    a_fragments<DMAX>(ka, qs, warp, lane);
+    a_fragments<DMAX>(va, dos, warp, lane);
+
+    float dk_acc[DT][4], dv_acc[DT][4];
+#pragma unroll
+    for (int n = 0; n < DT; ++n) {
+        dk_acc[n][0] = dk_acc[n][1] = dk_acc[n][2] = dk_acc[n][3] = 0.f;
+        dv_acc[n][0] = dv_acc[n][1] = dv_acc[n][2] = dv_acc[n][3] = 0.f;
+    }
+    if (TWO_SWEEPS) {
+        dkdv_sweep<T, DMAX, false, true>(dk_acc, dv_acc, ka, va, qs, dos, lse_s, delta_s,
+                                         ATTN_DKDV_ARGS);
+        store_key_rows<T, DMAX>(dv, dv_acc, 1.f, key0, T_, D, kv_at, kv_stride);
+        dkdv_sweep<T, DMAX, true, false>(dk_acc, dv_acc, ka, va, qs, dos, lse_s, delta_s,
+                                         ATTN_DKDV_ARGS);
+    } else {
+        dkdv_sweep<T, DMAX, true, true>(dk_acc, dv_acc, ka, va, qs, dos, lse_s, delta_s,
+                                        ATTN_DKDV_ARGS);
+        store_key_rows<T, DMAX>(dv, dv_acc, 1.f, key0, T_, D, kv_at, kv_stride);
+    }
+    store_key_rows<T, DMAX>(dk, dk_acc, scale, key0, T_, D, kv_at, kv_stride);
 }
 
 #define DEFINE_ATTENTION_TC_DMAX(T, SUFFIX, DMAX)                                         \

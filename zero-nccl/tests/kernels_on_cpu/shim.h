@@ -25,7 +25,7 @@ dim3 gridDim, blockDim;
 #define __device__
 #define __forceinline__ inline
 #define __shared__ static
-#define __launch_bounds__(x)
+#define __launch_bounds__(...)
 #define __align__(n) __attribute__((aligned(n)))
 struct alignas(16) uint4 { unsigned x, y, z, w; };
 [[noreturn]] static inline void __trap(){ abort(); }
