@@ -14,7 +14,8 @@
 
 use candle_core::{DType, Device, Module, Result, Tensor, Var};
 use zero_candle::nn::ops::{
-    causal_attention, causal_self_attention, cross_entropy, cross_entropy_with_ignore, gelu, gelu_erf, silu,
+    causal_attention, causal_self_attention, cross_entropy, cross_entropy_with_ignore, gelu,
+    gelu_erf, silu,
 };
 use zero_candle::nn::{LayerNorm, RmsNorm};
 

@@ -164,7 +164,11 @@ fn ours(report: &mut Report) -> BenchResult<([(f64, f64); 2], f64)> {
         let t = Tensor::randn(0f32, 1.0, shape, &device)?.to_dtype(DType::BF16)?;
         Ok(Var::from_tensor(&t)?)
     };
-    let (q, k, v) = (randn(GQA_HEADS)?, randn(GQA_KV_HEADS)?, randn(GQA_KV_HEADS)?);
+    let (q, k, v) = (
+        randn(GQA_HEADS)?,
+        randn(GQA_KV_HEADS)?,
+        randn(GQA_KV_HEADS)?,
+    );
     let gqa_ms = time_ms(&stream, || {
         let y = causal_attention(q.as_tensor(), k.as_tensor(), v.as_tensor())?;
         let grads = y.backward()?;
