@@ -19,6 +19,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "layers.cu"
@@ -120,16 +121,21 @@ template <class E> struct Call {
         }
     }
 
-    void run(const Kernels<E>& kern) const {
+    // The forward and the backward's three launches; `only` in 0..4 runs
+    // that one alone (for timing each), -1 all four.
+    void run(const Kernels<E>& kern, int only = -1) const {
         const float scale = 1.f / sqrtf((float)D);
         const unsigned tiles = (T + kern.rows - 1) / kern.rows;
-        kern.forward<<<dim3(tiles, H, B), 128>>>(q, k, v, y, lse, q_stride, kv_stride, T, H, KVH, D, scale);
+        if (only < 0 || only == 0)
+            kern.forward<<<dim3(tiles, H, B), 128>>>(q, k, v, y, lse, q_stride, kv_stride, T, H, KVH, D, scale);
         const unsigned rows = B * T * H;
-        kern.delta<<<(rows + 7) / 8, 256>>>(y, dout, delta, B, T, H, D);
-        kern.dkdv<<<dim3(tiles, KVH, B), 128>>>(q, k, v, dout, lse, delta, dk, dv, q_stride, kv_stride, T, H,
-                                                 KVH, D, scale);
-        kern.dq<<<dim3(tiles, H, B), 128>>>(q, k, v, dout, lse, delta, dq, q_stride, kv_stride, T, H, KVH, D,
-                                             scale);
+        if (only < 0 || only == 1) kern.delta<<<(rows + 7) / 8, 256>>>(y, dout, delta, B, T, H, D);
+        if (only < 0 || only == 2)
+            kern.dkdv<<<dim3(tiles, KVH, B), 128>>>(q, k, v, dout, lse, delta, dk, dv, q_stride, kv_stride, T,
+                                                     H, KVH, D, scale);
+        if (only < 0 || only == 3)
+            kern.dq<<<dim3(tiles, H, B), 128>>>(q, k, v, dout, lse, delta, dq, q_stride, kv_stride, T, H, KVH,
+                                                 D, scale);
     }
 
     // The largest error of y, dq, dk, dv relative to the reference's largest
@@ -209,13 +215,13 @@ template <class E> struct Call {
         return std::max({ey, lse_err, eq, ek, ev});
     }
 
-    float time_ms(const Kernels<E>& kern, int iters) const {
+    float time_ms(const Kernels<E>& kern, int iters, int only = -1) const {
         for (int i = 0; i < 3; i++) run(kern);
         cudaEvent_t a, b;
         CHECK(cudaEventCreate(&a));
         CHECK(cudaEventCreate(&b));
         CHECK(cudaEventRecord(a));
-        for (int i = 0; i < iters; i++) run(kern);
+        for (int i = 0; i < iters; i++) run(kern, only);
         CHECK(cudaEventRecord(b));
         CHECK(cudaEventSynchronize(b));
         float ms = 0;
@@ -242,7 +248,18 @@ static void check(const char* dtype, int dmax, int B, int T, int H, int KVH, int
     }
 }
 
-int main() {
+// Forward + backward, and each launch alone: forward, delta, dK/dV, dQ.
+template <class E>
+static void report(const char* what, const Call<E>& call, const Kernels<E>& kern, int iters) {
+    printf("time %s: %.4f ms (forward %.4f, delta %.4f, dk/dv %.4f, dq %.4f)\n", what,
+           call.time_ms(kern, iters), call.time_ms(kern, iters, 0), call.time_ms(kern, iters, 1),
+           call.time_ms(kern, iters, 2), call.time_ms(kern, iters, 3));
+}
+
+// `attention check` compares only (for compute-sanitizer), `attention`
+// compares and times.
+int main(int argc, char** argv) {
+    const bool timing = !(argc > 1 && std::string(argv[1]) == "check");
     cudaDeviceProp prop;
     CHECK(cudaGetDeviceProperties(&prop, 0));
     printf("%s, sm_%d%d\n", prop.name, prop.major, prop.minor);
@@ -258,6 +275,10 @@ int main() {
         check<f16>("f16", dmax, 1, 45, 2, 2, dmax - 27, true, 2e-3);
     }
     check<bf16>("bf16", 128, 1, 200, 32, 8, 128, false, 1e-2);
+    if (!timing) {
+        printf("attention on the GPU: %s\n", failures ? "FAILED" : "ok");
+        return failures ? 1 : 0;
+    }
 
     // Forward + backward, as the bench's attention figures (4 launches; the
     // Candle op adds its allocations).
@@ -265,10 +286,10 @@ int main() {
     Call<float> gpt_f32(16, 256, 12, 12, 64, true, 1);
     Call<bf16> gpt_bf16(16, 256, 12, 12, 64, true, 1);
     Call<bf16> gqa(16, 256, 32, 8, 128, false, 2);
-    printf("time gpt f32 cuda-cores: %.4f ms\n", gpt_f32.time_ms(cuda_cores_f32(), iters));
-    printf("time gpt bf16 cuda-cores: %.4f ms\n", gpt_bf16.time_ms(cuda_cores_bf16(), iters));
-    printf("time gpt bf16 tensor-cores: %.4f ms\n", gpt_bf16.time_ms(tensor_cores<bf16>(64), iters));
-    printf("time gqa 32/8x128 bf16 tensor-cores: %.4f ms\n", gqa.time_ms(tensor_cores<bf16>(128), iters));
+    report("gpt f32 cuda-cores", gpt_f32, cuda_cores_f32(), iters);
+    report("gpt bf16 cuda-cores", gpt_bf16, cuda_cores_bf16(), iters);
+    report("gpt bf16 tensor-cores", gpt_bf16, tensor_cores<bf16>(64), iters);
+    report("gqa 32/8x128 bf16 tensor-cores", gqa, tensor_cores<bf16>(128), iters);
     printf("attention on the GPU: %s\n", failures ? "FAILED" : "ok");
     return failures ? 1 : 0;
 }
