@@ -19,11 +19,9 @@
 // (g + 8 * (i / 2), 2t + i % 2). The lower-indexed element sits in the low
 // 16 bits. So a C fragment pair of n-tiles (2j, 2j + 1) is, rounded to 16
 // bits, the A fragment of k-step j: P and dS go from one product to the
-// next without leaving registers. The forward loads B operands from shared
-// memory by `ldmatrix` (four 8 x 8 matrices a warp: as stored when k runs
-// along a row, K for Q K^T; transposed when it runs down a column, V for
-// P V); the backward kernels, at 255 registers, spill with it, and load
-// them as 32-bit pairs along a row or two 16-bit halves down a column.
+// next without leaving registers. A B operand whose k runs along a shared
+// row (K for Q K^T) is two 32-bit loads; one whose k runs down a column (V
+// for P V) is four 16-bit loads.
 //
 // Deterministic: dK/dV per key tile (one block sums over its query tiles
 // and its K/V head's query heads, in order), dQ per query tile, no atomics.
@@ -107,37 +105,10 @@ __device__ __forceinline__ unsigned pack_f32(float lo, float hi) {
 __device__ __forceinline__ unsigned pair_at(const u16* p) {
     return *(const unsigned*)p;
 }
-
 // The two elements at rows r and r + 1 of one column.
 template <int P>
 __device__ __forceinline__ unsigned column_pair_at(const u16* p) {
     return pack16(p[0], p[P]);
-}
-
-// `ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16`: lane l gives the
-// address of row l % 8 of matrix l / 8 (16-byte aligned); register i of
-// lane l receives matrix i's elements (l / 4, 2 (l % 4) + {0, 1}), or with
-// .trans (2 (l % 4) + {0, 1}, l / 4), the lower index in the low half
-// (PTX ISA, ldmatrix).
-template <bool TRANS>
-__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const u16* row) {
-#ifdef ZERO_LAYERS_ON_CPU
-    shim_ldmatrix_x4(r, row, TRANS);
-#elif __CUDA_ARCH__ >= 800
-    unsigned addr;
-    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(addr) : "l"(row));
-    if (TRANS) {
-        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                     : "r"(addr));
-    } else {
-        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                     : "r"(addr));
-    }
-#else
-    __trap();
-#endif
 }
 
 // Rows [t0, t0 + TC_ROWS) of one head (columns [0, D) from `base`, rows
@@ -181,7 +152,7 @@ __device__ __forceinline__ void a_fragments(unsigned (&a)[DMAX / 16][4], const u
 
 // s[n] = A B for the n-tiles of 8 rows of `tile`, B[k][n] = tile[n][k]: the
 // warp's 16 rows (A) against the tile's TC_ROWS rows, over DMAX columns.
-template <typename T, int DMAX, bool LDMATRIX>
+template <typename T, int DMAX>
 __device__ __forceinline__ void rows_times_tile(float (&s)[TC_ROWS / 8][4],
                                                 const unsigned (&a)[DMAX / 16][4],
                                                 const u16* tile, int lane) {
@@ -189,25 +160,11 @@ __device__ __forceinline__ void rows_times_tile(float (&s)[TC_ROWS / 8][4],
 #pragma unroll
     for (int n = 0; n < TC_ROWS / 8; ++n) {
         s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
-        if (!LDMATRIX) {
-            const u16* row = tile + (n * 8 + lane / 4) * P + 2 * (lane % 4);
+        const u16* row = tile + (n * 8 + lane / 4) * P + 2 * (lane % 4);
 #pragma unroll
-            for (int kk = 0; kk < DMAX / 16; ++kk) {
-                const unsigned b[2] = {pair_at(row + kk * 16), pair_at(row + kk * 16 + 8)};
-                mma_m16n8k16<T>(s[n], a[kk], b);
-            }
-            continue;
-        }
-        // Matrices: columns kk * 16 + 8 * (0, 1, 2, 3) of rows 8n..8n + 7,
-        // the B registers of k-steps kk and kk + 1.
-        const u16* row = tile + (n * 8 + lane % 8) * P + (lane / 8) * 8;
-#pragma unroll
-        for (int kk = 0; kk < DMAX / 16; kk += 2) {
-            unsigned r[4];
-            ldmatrix_x4<false>(r, row + kk * 16);
-            const unsigned b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
-            mma_m16n8k16<T>(s[n], a[kk], b0);
-            mma_m16n8k16<T>(s[n], a[kk + 1], b1);
+        for (int kk = 0; kk < DMAX / 16; ++kk) {
+            const unsigned b[2] = {pair_at(row + kk * 16), pair_at(row + kk * 16 + 8)};
+            mma_m16n8k16<T>(s[n], a[kk], b);
         }
     }
 }
@@ -215,7 +172,7 @@ __device__ __forceinline__ void rows_times_tile(float (&s)[TC_ROWS / 8][4],
 // acc += X tile, X the warp's 16 x TC_ROWS values in C-fragment layout
 // (rounded to T here), over the tile's rows: acc[n] covers columns
 // 8n..8n + 7 of the result, B[k][n] = tile[k][n].
-template <typename T, int DMAX, bool LDMATRIX>
+template <typename T, int DMAX>
 __device__ __forceinline__ void scores_times_tile(float (&acc)[DMAX / 8][4],
                                                   const float (&x)[TC_ROWS / 8][4],
                                                   const u16* tile, int lane) {
@@ -228,26 +185,12 @@ __device__ __forceinline__ void scores_times_tile(float (&acc)[DMAX / 8][4],
             pack_f32<T>(x[2 * kk + 1][0], x[2 * kk + 1][1]),
             pack_f32<T>(x[2 * kk + 1][2], x[2 * kk + 1][3]),
         };
-        if (!LDMATRIX) {
-            const u16* col = tile + (kk * 16 + 2 * (lane % 4)) * P + lane / 4;
+        const u16* col = tile + (kk * 16 + 2 * (lane % 4)) * P + lane / 4;
 #pragma unroll
-            for (int n = 0; n < DMAX / 8; ++n) {
-                const unsigned b[2] = {column_pair_at<P>(col + n * 8),
-                                       column_pair_at<P>(col + 8 * P + n * 8)};
-                mma_m16n8k16<T>(acc[n], a, b);
-            }
-            continue;
-        }
-        // Matrices (transposed): rows kk * 16 + 8 * (0, 1) of columns 8n..,
-        // then of columns 8 (n + 1)..: the B registers of n-tiles n, n + 1.
-        const u16* row = tile + (kk * 16 + ((lane / 8) % 2) * 8 + lane % 8) * P + (lane / 16) * 8;
-#pragma unroll
-        for (int n = 0; n < DMAX / 8; n += 2) {
-            unsigned r[4];
-            ldmatrix_x4<true>(r, row + n * 8);
-            const unsigned b0[2] = {r[0], r[1]}, b1[2] = {r[2], r[3]};
-            mma_m16n8k16<T>(acc[n], a, b0);
-            mma_m16n8k16<T>(acc[n + 1], a, b1);
+        for (int n = 0; n < DMAX / 8; ++n) {
+            const unsigned b[2] = {column_pair_at<P>(col + n * 8),
+                                   column_pair_at<P>(col + 8 * P + n * 8)};
+            mma_m16n8k16<T>(acc[n], a, b);
         }
     }
 }
@@ -293,7 +236,7 @@ __device__ __forceinline__ void attention_tc_forward(ATTN_FORWARD_PARAMS(T)) {
         tc_load_rows<T, DMAX>(vs, vb, kv_stride, k0, T_, D);
         __syncthreads();
         float s[NT][4];
-        rows_times_tile<T, DMAX, true>(s, qa, ks, lane);
+        rows_times_tile<T, DMAX>(s, qa, ks, lane);
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const int row = row0 + 8 * r;
@@ -331,7 +274,7 @@ __device__ __forceinline__ void attention_tc_forward(ATTN_FORWARD_PARAMS(T)) {
                 o[n][2 * r + 1] *= alpha;
             }
         }
-        scores_times_tile<T, DMAX, true>(o, s, vs, lane);
+        scores_times_tile<T, DMAX>(o, s, vs, lane);
     }
     const int C = H * D;
 #pragma unroll
@@ -396,8 +339,8 @@ __device__ __forceinline__ void attention_tc_backward_dq(ATTN_DQ_PARAMS(T)) {
         tc_load_rows<T, DMAX>(vs, vb, kv_stride, k0, T_, D);
         __syncthreads();
         float s[NT][4], dp[NT][4];
-        rows_times_tile<T, DMAX, false>(s, qa, ks, lane);
-        rows_times_tile<T, DMAX, false>(dp, da, vs, lane);
+        rows_times_tile<T, DMAX>(s, qa, ks, lane);
+        rows_times_tile<T, DMAX>(dp, da, vs, lane);
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
 #pragma unroll
@@ -409,7 +352,7 @@ __device__ __forceinline__ void attention_tc_backward_dq(ATTN_DQ_PARAMS(T)) {
                 s[n][i] = p * (dp[n][i] - row_delta[i / 2]);  // dS
             }
         }
-        scores_times_tile<T, DMAX, false>(dq_acc, s, ks, lane);
+        scores_times_tile<T, DMAX>(dq_acc, s, ks, lane);
     }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -462,8 +405,8 @@ __device__ __forceinline__ void dkdv_sweep(float (&dk_acc)[DMAX / 8][4],
             }
             __syncthreads();
             float s[NT][4], dp[NT][4];
-            rows_times_tile<T, DMAX, false>(s, ka, qs, lane);
-            if (WANT_DK) rows_times_tile<T, DMAX, false>(dp, va, dos, lane);
+            rows_times_tile<T, DMAX>(s, ka, qs, lane);
+            if (WANT_DK) rows_times_tile<T, DMAX>(dp, va, dos, lane);
 #pragma unroll
             for (int n = 0; n < NT; ++n) {
 #pragma unroll
@@ -476,8 +419,8 @@ __device__ __forceinline__ void dkdv_sweep(float (&dk_acc)[DMAX / 8][4],
                     if (WANT_DK) dp[n][i] = p * (dp[n][i] - delta_s[j]);  // dS^T
                 }
             }
-            if (WANT_DV) scores_times_tile<T, DMAX, false>(dv_acc, s, dos, lane);
-            if (WANT_DK) scores_times_tile<T, DMAX, false>(dk_acc, dp, qs, lane);
+            if (WANT_DV) scores_times_tile<T, DMAX>(dv_acc, s, dos, lane);
+            if (WANT_DK) scores_times_tile<T, DMAX>(dk_acc, dp, qs, lane);
         }
     }
 }

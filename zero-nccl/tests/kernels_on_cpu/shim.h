@@ -40,9 +40,7 @@ static inline float half_to_float(unsigned short b){_Float16 h; memcpy(&h,&b,2);
 static inline unsigned short float_to_half(float f){_Float16 h=(_Float16)f; unsigned short b; memcpy(&b,&h,2); return b;}
 // Fragment registers of one mma.m16n8k16 per lane; two sets, used in turn.
 struct MmaSlots { unsigned a[32][4]; unsigned b[32][2]; };
-// Row addresses of one ldmatrix per lane; two sets, used in turn.
-struct LdSlots { const unsigned short* row[32]; };
-struct Warp { std::barrier<> bar{32}; double buf[32]; MmaSlots mma[2]; LdSlots ld[2]; };
+struct Warp { std::barrier<> bar{32}; double buf[32]; MmaSlots mma[2]; };
 std::vector<std::unique_ptr<Warp>> g_warps;
 std::barrier<>* g_block = nullptr;
 thread_local int g_tid;
@@ -93,27 +91,5 @@ static inline void shim_mma_m16n8k16(float (&d)[4], const unsigned (&a)[4], cons
     float acc = d[i];
     for (int k = 0; k < 16; k++) acc += A(row, k) * B(k, col);
     d[i] = acc;
-  }
-}
-
-// ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16: each lane posts its row
-// address (lane l: row l % 8 of matrix l / 8), then reads its four
-// registers from the warp's rows: register i of lane l holds matrix i's
-// (l / 4, 2 (l % 4) + {0, 1}), or with .trans (2 (l % 4) + {0, 1}, l / 4),
-// the lower index in the low half (PTX ISA, ldmatrix). Slots alternate as
-// for mma; the rows are read before the next warp barrier, as on the GPU
-// (where they are read at the instruction).
-static inline void shim_ldmatrix_x4(unsigned (&r)[4], const unsigned short* row, bool trans) {
-  thread_local unsigned round = 0;
-  const int lane = g_tid % 32; Warp& w = *g_warps[g_tid / 32];
-  LdSlots& s = w.ld[round++ & 1];
-  s.row[lane] = row;
-  w.bar.arrive_and_wait();
-  const int g = lane / 4, t = lane % 4;
-  for (int i = 0; i < 4; i++) {
-    auto M = [&](int rr, int c) { return (unsigned)s.row[i * 8 + rr][c]; };
-    const unsigned lo = trans ? M(2 * t, g) : M(g, 2 * t);
-    const unsigned hi = trans ? M(2 * t + 1, g) : M(g, 2 * t + 1);
-    r[i] = lo | (hi << 16);
   }
 }
