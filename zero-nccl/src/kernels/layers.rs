@@ -367,16 +367,6 @@ impl AttentionOperands {
     }
 }
 
-/// Which attention kernels run a call: chosen once per call by
-/// [`LayerKernels::attention_kernels`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum AttentionFamily {
-    /// f32 arithmetic (`layers.cu`): f32, and 16-bit types before sm_80.
-    CudaCores,
-    /// `mma.sync` (`attention_tc.cu`): bf16 and f16 on sm_80 and newer.
-    TensorCores,
-}
-
 /// The layer kernels, compiled once and loaded into one device's context.
 /// Every method queues its launches on the given stream and returns without
 /// waiting; buffers are checked against each other first.
@@ -842,20 +832,12 @@ impl LayerKernels {
         Ok(())
     }
 
-    /// Which family runs attention in `E` on this device
-    /// ([`AttentionFamily`]).
-    fn attention_family<E: LayerElement>(&self) -> AttentionFamily {
-        match E::TENSOR_CORE_INDEX {
-            Some(_) if self.tensor_cores => AttentionFamily::TensorCores,
-            _ => AttentionFamily::CudaCores,
-        }
-    }
-
-    /// The kernels of head-width `variant` that run attention in `E`, and
-    /// their rows per block.
+    /// The kernels of head-width `variant` that run attention in `E` on this
+    /// device, and their rows per block: the tensor-core family for bf16
+    /// and f16 from sm_80, else the CUDA-core one.
     fn attention_kernels<E: LayerElement>(&self, variant: usize) -> (&AttentionFunctions, usize) {
-        match (self.attention_family::<E>(), E::TENSOR_CORE_INDEX) {
-            (AttentionFamily::TensorCores, Some(index)) => {
+        match E::TENSOR_CORE_INDEX {
+            Some(index) if self.tensor_cores => {
                 (&self.attention_tc[index][variant], TENSOR_CORE_ROWS)
             }
             _ => (&self.attention[E::INDEX][variant], ATTENTION_ROWS[variant]),
