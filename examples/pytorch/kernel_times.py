@@ -6,6 +6,9 @@
   forward + backward, q/k/v ``[batch, heads, T, head_dim]`` (PyTorch picks
   its fastest kernel: FlashAttention-2 for bf16, memory-efficient attention
   for f32), upstream gradient of ones;
+- grouped attention in bf16: the same with ``enable_gqa=True`` (torch 2.5
+  or newer), q ``[batch, --gqa-heads, T, --gqa-head-dim]``, k/v with
+  ``--gqa-kv-heads`` heads;
 - LayerNorm: the backward of ``F.layer_norm`` over ``[rows, width]`` with
   weight and bias (the forward run once, then ``backward(retain_graph=True)``
   timed), upstream gradient of ones.
@@ -15,7 +18,10 @@ after ``--warmup``. It prints ONE line of JSON on stdout::
 
     {"device_name": ..., "torch_version": ...,
      "attn_fwd_bwd_ms_f32": ..., "attn_fwd_bwd_ms_bf16": ...,
-     "layer_norm_bwd_ms_f32": ..., "layer_norm_bwd_ms_bf16": ...}
+     "layer_norm_bwd_ms_f32": ..., "layer_norm_bwd_ms_bf16": ...,
+     "attn_gqa_fwd_bwd_ms_bf16": ...}
+
+(the last one missing when this torch's SDPA has no ``enable_gqa``).
 
 Exit codes: 0 on success, 2 when PyTorch cannot be imported, 3 when there is
 no CUDA device. Messages go to stderr.
@@ -32,6 +38,9 @@ def main():
     p.add_argument("--heads", type=int, default=12)
     p.add_argument("--time", type=int, default=256)
     p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--gqa-heads", type=int, default=32)
+    p.add_argument("--gqa-kv-heads", type=int, default=8)
+    p.add_argument("--gqa-head-dim", type=int, default=128)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=20)
     args = p.parse_args()
@@ -91,6 +100,24 @@ def main():
             y.backward(upstream, retain_graph=True)
 
         out[f"layer_norm_bwd_ms_{name}"] = time_ms(layer_norm_backward)
+
+    gh, gkv, gd = args.gqa_heads, args.gqa_kv_heads, args.gqa_head_dim
+    q = torch.randn(b, gh, t, gd, device=device, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (
+        torch.randn(b, gkv, t, gd, device=device, dtype=torch.bfloat16, requires_grad=True)
+        for _ in range(2)
+    )
+
+    def grouped_attention():
+        q.grad = k.grad = v.grad = None
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        y.backward(torch.ones_like(y))
+
+    try:
+        out["attn_gqa_fwd_bwd_ms_bf16"] = time_ms(grouped_attention)
+        out["gqa_shape"] = {"heads": gh, "kv_heads": gkv, "head_dim": gd}
+    except TypeError as e:  # no enable_gqa before torch 2.5
+        print(f"grouped attention skipped: {e}", file=sys.stderr)
     print(json.dumps(out))
 
 

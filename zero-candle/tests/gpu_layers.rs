@@ -1,6 +1,7 @@
 //! The fused layers on a GPU against the same ops on the CPU (the
 //! reference): values and gradients (inputs, and the norms' weight and
-//! bias) of causal self-attention, LayerNorm/RMSNorm, GELU (both forms),
+//! bias) of causal attention (packed, and split with grouped K/V heads;
+//! bf16 and f16 on tensor cores from sm_80), LayerNorm/RMSNorm, GELU (both forms),
 //! SiLU and cross-entropy, in f32, bf16 and f16, at shapes that are not
 //! multiples of the kernels' tiles (T = 1, 7, 65, 200; head_dim 32, 48, 64,
 //! 128; a single row).
@@ -13,7 +14,8 @@
 
 use candle_core::{DType, Device, Module, Result, Tensor, Var};
 use zero_candle::nn::ops::{
-    causal_self_attention, cross_entropy, cross_entropy_with_ignore, gelu, gelu_erf, silu,
+    causal_attention, causal_self_attention, cross_entropy, cross_entropy_with_ignore, gelu,
+    gelu_erf, silu,
 };
 use zero_candle::nn::{LayerNorm, RmsNorm};
 
@@ -168,6 +170,39 @@ fn attention_matches_the_cpu() -> Result<()> {
                 &[&qkv],
                 &upstream,
                 &|x| causal_self_attention(&x[0], h),
+            )?;
+        }
+    }
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn grouped_attention_matches_the_cpu() -> Result<()> {
+    // (batch, time, heads, kv_heads, head_dim): both tensor-core widths,
+    // groups of 2, 4 and 3, one K/V head, T within a tile, across tiles and
+    // odd, a narrower head (16-bit loads).
+    let shapes = [
+        (2, 65, 4, 2, 64),
+        (1, 130, 4, 1, 128),
+        (1, 7, 8, 2, 128),
+        (2, 200, 4, 4, 64),
+        (1, 33, 6, 2, 48),
+        (1, 129, 32, 8, 128),
+    ];
+    for dtype in DTYPES {
+        for (seed, &(b, t, h, kvh, d)) in shapes.iter().enumerate() {
+            let seed = 10 * seed as u64;
+            let q = values(&[b, t, h, d], seed, 2.0, dtype)?;
+            let k = values(&[b, t, kvh, d], seed + 1, 2.0, dtype)?;
+            let v = values(&[b, t, kvh, d], seed + 2, 2.0, dtype)?;
+            let upstream = values(&[b, t, h, d], seed + 3, 1.0, dtype)?;
+            compare(
+                &format!("grouped attention b{b} t{t} h{h} kv{kvh} d{d}"),
+                dtype,
+                &[&q, &k, &v],
+                &upstream,
+                &|x| causal_attention(&x[0], &x[1], &x[2]),
             )?;
         }
     }

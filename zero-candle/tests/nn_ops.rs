@@ -163,6 +163,154 @@ fn attention_takes_strided_input_and_refuses_bad_shapes() {
     assert!(err.contains("not supported"), "{err}");
 }
 
+/// Grouped-query attention composed of tensor ops: each K/V head repeated
+/// for its group of query heads (Llama's `repeat_kv`), then the composed
+/// masked softmax; q `[batch, time, heads, head_dim]`, k and v `[batch,
+/// time, kv_heads, head_dim]`, output as q.
+fn composed_grouped_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Tensor {
+    let (batch, time, heads, head_dim) = q.dims4().unwrap();
+    let kv_heads = k.dim(2).unwrap();
+    let repeat = |x: &Tensor| {
+        x.unsqueeze(3)
+            .unwrap()
+            .repeat((1, 1, 1, heads / kv_heads, 1))
+            .unwrap()
+            .reshape((batch, time, heads * head_dim))
+            .unwrap()
+    };
+    let qkv = Tensor::cat(
+        &[
+            &q.reshape((batch, time, heads * head_dim)).unwrap(),
+            &repeat(k),
+            &repeat(v),
+        ],
+        2,
+    )
+    .unwrap();
+    composed_attention(&qkv, heads)
+        .reshape((batch, time, heads, head_dim))
+        .unwrap()
+}
+
+/// Grouped shapes `(batch, time, heads, kv_heads, head_dim)`: groups of 2,
+/// 4 and 3, one K/V head, equal heads, odd T.
+const GROUPED_SHAPES: [(usize, usize, usize, usize, usize); 5] = [
+    (2, 7, 4, 2, 8),
+    (1, 33, 4, 1, 16),
+    (2, 5, 6, 2, 4),
+    (1, 17, 2, 2, 32),
+    (1, 1, 3, 1, 8),
+];
+
+/// The outputs and the three gradients of `f(q, k, v)` under
+/// [`weighted_sum`].
+fn grouped_value_and_grads(
+    [q, k, v]: [&Var; 3],
+    f: impl Fn(&Tensor, &Tensor, &Tensor) -> Tensor,
+) -> [Tensor; 4] {
+    let y = f(q.as_tensor(), k.as_tensor(), v.as_tensor());
+    let grads = weighted_sum(&y, 98).backward().unwrap();
+    let grad = |x: &Var| grads.get(x.as_tensor()).expect("a gradient").clone();
+    [y.clone(), grad(q), grad(k), grad(v)]
+}
+
+#[test]
+fn grouped_attention_matches_repeated_heads_in_f32_f64_and_16_bits() {
+    let cases = [
+        (DType::F64, 1e-10),
+        (DType::F32, 2e-5),
+        (DType::BF16, 1.6e-2),
+        (DType::F16, 2e-3),
+    ];
+    for (dtype, tol) in cases {
+        for (i, &(batch, time, heads, kv_heads, head_dim)) in GROUPED_SHAPES.iter().enumerate() {
+            let what = format!(
+                "{dtype:?} {batch}x{time}, {heads} heads on {kv_heads} K/V heads of {head_dim}"
+            );
+            // 16-bit inputs: the reference runs in f32 on the same rounded values.
+            let input = |seed: u64, h: usize| {
+                (data(seed, &[batch, time, h, head_dim], DType::F32) * 3.0)
+                    .unwrap()
+                    .to_dtype(dtype)
+                    .unwrap()
+            };
+            let (q, k, v) = (
+                input(3 * i as u64, heads),
+                input(3 * i as u64 + 1, kv_heads),
+                input(3 * i as u64 + 2, kv_heads),
+            );
+            let vars = [&q, &k, &v].map(|t| Var::from_tensor(t).unwrap());
+            let reference_dtype = if dtype == DType::F64 {
+                dtype
+            } else {
+                DType::F32
+            };
+            let wide = [&q, &k, &v]
+                .map(|t| Var::from_tensor(&t.to_dtype(reference_dtype).unwrap()).unwrap());
+            let got = grouped_value_and_grads([&vars[0], &vars[1], &vars[2]], |q, k, v| {
+                ops::causal_attention(q, k, v).unwrap()
+            });
+            let want =
+                grouped_value_and_grads([&wide[0], &wide[1], &wide[2]], composed_grouped_attention);
+            for (name, (got, want)) in ["output", "dq", "dk", "dv"]
+                .iter()
+                .zip(got.iter().zip(&want))
+            {
+                assert_eq!(got.dtype(), dtype, "{what}: {name}");
+                assert_eq!(got.dims(), want.dims(), "{what}: {name}");
+                let got = got.to_dtype(reference_dtype).unwrap();
+                assert_close(&format!("{what}: {name}"), &got, want, tol);
+            }
+        }
+    }
+}
+
+#[test]
+fn grouped_attention_with_equal_heads_is_the_packed_op() {
+    let (batch, time, heads, head_dim) = (2, 9, 3, 8);
+    let qkv = data(11, &[batch, time, 3 * heads * head_dim], DType::F32);
+    let part = |i: usize| {
+        qkv.narrow(2, i * heads * head_dim, heads * head_dim)
+            .unwrap()
+            .reshape((batch, time, heads, head_dim))
+            .unwrap()
+    };
+    let split = ops::causal_attention(&part(0), &part(1), &part(2)).unwrap();
+    let packed = ops::causal_self_attention(&qkv, heads).unwrap();
+    assert_eq!(
+        values(&split.flatten_all().unwrap()),
+        values(&packed.flatten_all().unwrap())
+    );
+}
+
+#[test]
+fn grouped_attention_refuses_bad_shapes() {
+    let t = |shape: &[usize]| data(1, shape, DType::F32);
+    let err = ops::causal_attention(&t(&[1, 4, 3, 8]), &t(&[1, 4, 2, 8]), &t(&[1, 4, 2, 8]))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("kv_heads must divide heads"), "{err}");
+    let err = ops::causal_attention(&t(&[1, 4, 4, 8]), &t(&[1, 4, 2, 8]), &t(&[1, 4, 1, 8]))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("must both be [batch, time, kv_heads, head_dim]"),
+        "{err}"
+    );
+    let err = ops::causal_attention(&t(&[1, 4, 32]), &t(&[1, 4, 2, 8]), &t(&[1, 4, 2, 8]))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("q must be [batch, time, heads, head_dim]"),
+        "{err}"
+    );
+    let half = t(&[1, 4, 2, 8]).to_dtype(DType::BF16).unwrap();
+    let err = ops::causal_attention(&t(&[1, 4, 4, 8]), &half, &half)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("one dtype"), "{err}");
+}
+
 type Activation = (
     &'static str,
     fn(&Tensor) -> candle_core::Result<Tensor>,

@@ -2,18 +2,21 @@
 //! self-attention forward + backward and LayerNorm backward through the
 //! Candle ops on `Device::new_cuda(0)`, at the GPT benchmark's shapes
 //! (batch 16, 12 heads, T 256, head_dim 64; LayerNorm over [16 * 256, 768]),
-//! in f32 and bf16, timed with CUDA events on the device's stream. The same
-//! figures from PyTorch (`examples/pytorch/kernel_times.py`:
-//! `scaled_dot_product_attention(is_causal=True)` and `F.layer_norm`'s
-//! backward) run in a child `python3` when it has torch and a GPU, and the
-//! ratios ours / PyTorch's are reported (goal: at most 2).
+//! in f32 and bf16 (bf16 attention on tensor cores from sm_80), and grouped
+//! attention in bf16 (`causal_attention`, 32 query heads on 8 K/V heads of
+//! 128), timed with CUDA events on the device's stream. The same figures
+//! from PyTorch (`examples/pytorch/kernel_times.py`:
+//! `scaled_dot_product_attention(is_causal=True)`, with `enable_gqa=True`
+//! for the grouped case, and `F.layer_norm`'s backward) run in a child
+//! `python3` when it has torch and a GPU, and the ratios ours / PyTorch's
+//! are reported.
 
 use super::Report;
 use candle_core::{DType, Device, Module, Tensor, Var};
 use std::collections::HashMap;
 use std::process::Command;
 use std::sync::Arc;
-use zero_candle::nn::ops::causal_self_attention;
+use zero_candle::nn::ops::{causal_attention, causal_self_attention};
 use zero_candle::nn::LayerNorm;
 use zero_nccl::cudarc::driver::{sys::CUevent_flags, CudaStream};
 
@@ -21,6 +24,10 @@ const BATCH: usize = 16;
 const HEADS: usize = 12;
 const TIME: usize = 256;
 const HEAD_DIM: usize = 64;
+/// The grouped case: a Llama-style layer (32 query heads, 8 K/V heads).
+const GQA_HEADS: usize = 32;
+const GQA_KV_HEADS: usize = 8;
+const GQA_HEAD_DIM: usize = 128;
 const WARMUP: usize = 3;
 const ITERS: usize = 20;
 
@@ -28,7 +35,7 @@ type BenchResult<T> = Result<T, Box<dyn std::error::Error>>;
 
 /// Runs the fused-layer suite (after `gpu::device_present`).
 pub fn run(report: &mut Report) {
-    let ours = match ours(report) {
+    let (ours, our_gqa) = match ours(report) {
         Ok(ours) => ours,
         Err(e) => {
             eprintln!("gpu layer benchmarks failed: {e}");
@@ -62,7 +69,7 @@ pub fn run(report: &mut Report) {
                     &format!("gpu.attn_over_torch{suffix}"),
                     our_attn / attn,
                     "ratio",
-                    Some("<= 2.0"),
+                    Some(if dtype == "bf16" { "<= 1.3" } else { "<= 1.5" }),
                 );
                 report.add(
                     &format!("gpu.layer_norm_bwd_over_torch{suffix}"),
@@ -70,6 +77,21 @@ pub fn run(report: &mut Report) {
                     "ratio",
                     Some("<= 2.0"),
                 );
+            }
+            match torch.get("attn_gqa_fwd_bwd_ms_bf16") {
+                Some(&gqa) => {
+                    report.add("gpu.torch_attn_gqa_fwd_bwd_ms_bf16", gqa, "ms", None);
+                    report.add(
+                        "gpu.attn_gqa_over_torch_bf16",
+                        our_gqa / gqa,
+                        "ratio",
+                        Some("<= 1.3"),
+                    );
+                }
+                None => eprintln!(
+                    "kernel_times.py reported no grouped figure (SDPA's enable_gqa needs torch \
+                     2.5 or newer)"
+                ),
             }
         }
         Err(e) => println!("gpu layer benchmarks: PyTorch comparison skipped: {e}"),
@@ -90,8 +112,9 @@ fn time_ms(stream: &Arc<CudaStream>, mut f: impl FnMut() -> BenchResult<()>) -> 
     Ok(start.elapsed_ms(&end)? as f64 / ITERS as f64)
 }
 
-/// Our figures, `[(attention, LayerNorm backward); f32, bf16]` in ms.
-fn ours(report: &mut Report) -> BenchResult<[(f64, f64); 2]> {
+/// Our figures, `[(attention, LayerNorm backward); f32, bf16]` and the
+/// grouped attention in bf16, in ms.
+fn ours(report: &mut Report) -> BenchResult<([(f64, f64); 2], f64)> {
     let device = Device::new_cuda(0)?;
     let Device::Cuda(cuda) = &device else {
         return Err("Device::new_cuda returned a non-CUDA device".into());
@@ -136,7 +159,24 @@ fn ours(report: &mut Report) -> BenchResult<[(f64, f64); 2]> {
         );
         figures[i] = (attn_ms, norm_ms);
     }
-    Ok(figures)
+    let randn = |heads: usize| -> BenchResult<Var> {
+        let shape = (BATCH, TIME, heads, GQA_HEAD_DIM);
+        let t = Tensor::randn(0f32, 1.0, shape, &device)?.to_dtype(DType::BF16)?;
+        Ok(Var::from_tensor(&t)?)
+    };
+    let (q, k, v) = (
+        randn(GQA_HEADS)?,
+        randn(GQA_KV_HEADS)?,
+        randn(GQA_KV_HEADS)?,
+    );
+    let gqa_ms = time_ms(&stream, || {
+        let y = causal_attention(q.as_tensor(), k.as_tensor(), v.as_tensor())?;
+        let grads = y.backward()?;
+        drop(grads);
+        Ok(())
+    })?;
+    report.add("gpu.attn_gqa_fwd_bwd_ms_bf16", gqa_ms, "ms", None);
+    Ok((figures, gqa_ms))
 }
 
 /// PyTorch's figures by name (`attn_fwd_bwd_ms_f32`, ...), or why not.
@@ -148,6 +188,9 @@ fn torch_times() -> Result<HashMap<String, f64>, String> {
         .args(["--heads", &HEADS.to_string()])
         .args(["--time", &TIME.to_string()])
         .args(["--head-dim", &HEAD_DIM.to_string()])
+        .args(["--gqa-heads", &GQA_HEADS.to_string()])
+        .args(["--gqa-kv-heads", &GQA_KV_HEADS.to_string()])
+        .args(["--gqa-head-dim", &GQA_HEAD_DIM.to_string()])
         .args(["--iters", &ITERS.to_string()])
         .output()
         .map_err(|e| match e.kind() {

@@ -154,6 +154,7 @@ fn attention_shape(dims: &AttentionDims) -> AttentionShape {
         batch: dims.batch,
         time: dims.time,
         heads: dims.heads,
+        kv_heads: dims.kv_heads,
         head_dim: dims.head_dim,
         scale: dims.scale,
     }
@@ -196,16 +197,7 @@ pub(crate) fn attention_backward(
     const OP: &str = "causal_self_attention backward";
     let shape = attention_shape(dims);
     let device = qkv.0.device.clone();
-    let lse = lse.as_cuda_slice::<f32>()?;
-    // Outputs are allocated with at least one element: see only the lse's.
-    let Some(lse) = lse.try_slice(..shape.lse_len()) else {
-        bail!(
-            "zero-candle {OP}: the saved log-sum-exp has {} elements, expected {}; was it saved by \
-             this op's forward?",
-            lse.len(),
-            shape.lse_len()
-        )
-    };
+    let lse = saved_lse(OP, lse, shape.lse_len())?;
     by_dtype!(qkv.0.dtype(), OP, |T| {
         let input = view::<T>(OP, "qkv", qkv)?;
         let output = view::<T>(OP, "the forward's output", out_arg)?;
@@ -224,6 +216,95 @@ pub(crate) fn attention_backward(
         })?;
         Ok(CudaStorage::wrap_cuda_slice(dqkv, device))
     })
+}
+
+pub(crate) fn attention_forward_split(
+    [q, k, v]: [Arg; 3],
+    dims: &AttentionDims,
+) -> Result<(CudaStorage, CudaStorage)> {
+    const OP: &str = "causal_attention";
+    let shape = attention_shape(dims);
+    let device = q.0.device.clone();
+    by_dtype!(q.0.dtype(), OP, |T| {
+        let (q_view, k_view, v_view) = (
+            view::<T>(OP, "q", q)?,
+            view::<T>(OP, "k", k)?,
+            view::<T>(OP, "v", v)?,
+        );
+        let mut y = alloc_out::<T>(&device, shape.out_len())?;
+        let mut lse = alloc_out::<f32>(&device, shape.lse_len())?;
+        launch_on(OP, q, |kernels, stream| {
+            kernels.attention_forward_split(
+                stream,
+                &shape,
+                &q_view,
+                &k_view,
+                &v_view,
+                &mut out(&mut y, shape.out_len()),
+                &mut out(&mut lse, shape.lse_len()),
+            )
+        })?;
+        Ok((
+            CudaStorage::wrap_cuda_slice(y, device.clone()),
+            CudaStorage::wrap_cuda_slice(lse, device),
+        ))
+    })
+}
+
+pub(crate) fn attention_backward_split(
+    [q, k, v]: [Arg; 3],
+    out_arg: Arg,
+    lse: &CudaStorage,
+    grad: Arg,
+    dims: &AttentionDims,
+) -> Result<[CudaStorage; 3]> {
+    const OP: &str = "causal_attention backward";
+    let shape = attention_shape(dims);
+    let device = q.0.device.clone();
+    let lse = saved_lse(OP, lse, shape.lse_len())?;
+    by_dtype!(q.0.dtype(), OP, |T| {
+        let (q_view, k_view, v_view) = (
+            view::<T>(OP, "q", q)?,
+            view::<T>(OP, "k", k)?,
+            view::<T>(OP, "v", v)?,
+        );
+        let output = view::<T>(OP, "the forward's output", out_arg)?;
+        let grad = view::<T>(OP, "the output gradient", grad)?;
+        let (q_len, kv_len) = (shape.q_len(), shape.kv_len());
+        let mut dq = alloc_out::<T>(&device, q_len)?;
+        let mut dk = alloc_out::<T>(&device, kv_len)?;
+        let mut dv = alloc_out::<T>(&device, kv_len)?;
+        launch_on(OP, q, |kernels, stream| {
+            kernels.attention_backward_split(
+                stream,
+                &shape,
+                [&q_view, &k_view, &v_view],
+                &output,
+                &lse,
+                &grad,
+                [
+                    &mut out(&mut dq, q_len),
+                    &mut out(&mut dk, kv_len),
+                    &mut out(&mut dv, kv_len),
+                ],
+            )
+        })?;
+        Ok([dq, dk, dv].map(|g| CudaStorage::wrap_cuda_slice(g, device.clone())))
+    })
+}
+
+/// The first `len` elements of a log-sum-exp the forward saved (outputs are
+/// allocated with at least one element).
+fn saved_lse<'a>(op: &str, lse: &'a CudaStorage, len: usize) -> Result<CudaView<'a, f32>> {
+    let lse = lse.as_cuda_slice::<f32>()?;
+    match lse.try_slice(..len) {
+        Some(view) => Ok(view),
+        None => bail!(
+            "zero-candle {op}: the saved log-sum-exp has {} elements, expected {len}; was it \
+             saved by this op's forward?",
+            lse.len()
+        ),
+    }
 }
 
 fn normalization(remove_mean: bool) -> Normalization {

@@ -60,7 +60,7 @@
 //!   a copy of the variable per forward.
 //! - [`ops`] has the parameter-free parts of a transformer as single ops
 //!   with their own backward: causal self-attention over a packed `qkv`
-//!   (no `time x time` tensor kept), GELU, SiLU and cross-entropy.
+//!   or over q, k, v with grouped K/V heads (no `time x time` tensor kept), GELU, SiLU and cross-entropy.
 //!
 //! Constructors create their variables through the `VarBuilder` with
 //! candle-nn's names, shapes and initializations (they call candle-nn's own
@@ -69,7 +69,8 @@
 //! Devices: everything runs on the CPU (f32, f64, bf16, f16). On CUDA
 //! (feature `cuda`), `Linear` and `Embedding` run through Candle's storage
 //! ops, and `LayerNorm`/`RmsNorm` and [`ops`] through our own NVRTC kernels
-//! (f32, bf16, f16; compiled and assembled in CI, tested on an H100);
+//! (f32, bf16, f16; compiled and assembled in CI, tested on an H100, except
+//! attention on tensor cores and its grouped form, not yet run on a GPU);
 //! other devices get the norms as plain tensor ops with tapped parameters.
 //!
 //! Unlike candle-nn, a fused op computes no gradient for an input that needs

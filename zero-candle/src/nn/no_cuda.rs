@@ -35,6 +35,23 @@ pub(crate) fn attention_backward(
     no_cuda()
 }
 
+pub(crate) fn attention_forward_split(
+    _qkv: [Arg; 3],
+    _dims: &AttentionDims,
+) -> Result<(CudaStorage, CudaStorage)> {
+    no_cuda()
+}
+
+pub(crate) fn attention_backward_split(
+    _qkv: [Arg; 3],
+    _out: Arg,
+    _lse: &CudaStorage,
+    _grad: Arg,
+    _dims: &AttentionDims,
+) -> Result<[CudaStorage; 3]> {
+    no_cuda()
+}
+
 pub(crate) fn norm_forward(
     _x: Arg,
     _weight: Arg,

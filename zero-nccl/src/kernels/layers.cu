@@ -82,12 +82,18 @@ __device__ __forceinline__ float warp_max(float v) {
 // ===========================================================================
 // Causal self-attention, FlashAttention-2 scheme on CUDA cores.
 //
-// qkv is [B, T, 3*C] with C = H*D: the query of head h at columns h*D.., its
-// key at C + h*D.., its value at 2*C + h*D... y is [B, T, C]; lse is
-// [B, H, T] f32, rowmax + ln(rowsum) of the scaled, masked scores.
+// q, k, v are row-major [B, T, *] with row strides q_stride (q) and
+// kv_stride (k, v): the query of head h at columns h*D.., the key and value
+// of K/V head h / (H / KVH) at kvh*D... A packed qkv [B, T, 3*C] (C = H*D,
+// KVH = H) is q = qkv, k = qkv + C, v = qkv + 2*C, both strides 3*C;
+// separate tensors are [B, T, H*D] and [B, T, KVH*D]. The gradients dq, dk,
+// dv have their inputs' strides. y is [B, T, C]; lse is [B, H, T] f32,
+// rowmax + ln(rowsum) of the scaled, masked scores.
 //
-// One block holds BQ = ATTN_WARPS * R query rows (forward, dQ) or KB =
-// ATTN_WARPS * R key rows (dK/dV) of one (batch, head): grid (tiles, H, B).
+// One block holds BQ = ATTN_WARPS * R query rows (forward, dQ) of one
+// (batch, head), grid (tiles, H, B), or KB = ATTN_WARPS * R key rows
+// (dK/dV) of one (batch, K/V head), grid (tiles, KVH, B), which sums over
+// the K/V head's group of query heads in order (no atomics).
 // Within a warp the lanes take turns as the 32 keys (or queries) of the
 // tile being streamed through shared memory, for the dot products, and as
 // the head dimensions d = lane + 32*i of the accumulators (DPL = DMAX/32 per
@@ -129,8 +135,10 @@ __device__ __forceinline__ void load_tile(float* tile, const T* base, size_t row
 }
 
 template <typename T, int DMAX, int R>
-__device__ __forceinline__ void attention_forward(const T* __restrict__ qkv, T* __restrict__ y,
-                                                  float* __restrict__ lse, int T_, int H, int D,
+__device__ __forceinline__ void attention_forward(const T* __restrict__ q, const T* __restrict__ k,
+                                                  const T* __restrict__ v, T* __restrict__ y,
+                                                  float* __restrict__ lse, int q_stride,
+                                                  int kv_stride, int T_, int H, int KVH, int D,
                                                   float scale) {
     constexpr int BQ = ATTN_WARPS * R;
     constexpr int DPL = DMAX / 32;
@@ -140,12 +148,14 @@ __device__ __forceinline__ void attention_forward(const T* __restrict__ qkv, T* 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     // Heavy (late) query tiles first: causal work grows with the tile index.
     const int q0 = (gridDim.x - 1 - blockIdx.x) * BQ;
-    const int h = blockIdx.y, b = blockIdx.z;
+    const int h = blockIdx.y, b = blockIdx.z, kvh = h / (H / KVH);
     const int C = H * D;
-    const size_t row_stride = 3 * (size_t)C;
-    const T* base = qkv + (size_t)b * T_ * row_stride + (size_t)h * D;
+    // k and v are parameters (constant memory): one offset for both keeps
+    // a register pair free.
+    const size_t kv_at = (size_t)b * T_ * kv_stride + (size_t)kvh * D;
 
-    load_tile<T, DMAX, BQ, false>(qs, base, row_stride, q0, T_, D);
+    load_tile<T, DMAX, BQ, false>(qs, q + (size_t)b * T_ * q_stride + (size_t)h * D, q_stride,
+                                  q0, T_, D);
 
     float m[R], l[R], p[R], acc[R][DPL];
 #pragma unroll
@@ -158,8 +168,8 @@ __device__ __forceinline__ void attention_forward(const T* __restrict__ qkv, T* 
     const int last = min(q0 + BQ, T_) - 1;  // the block's last query row
     for (int k0 = 0; k0 <= last; k0 += ATTN_KT) {
         __syncthreads();  // the previous tile is consumed (and qs is written)
-        load_tile<T, DMAX, ATTN_KT, true>(ks, base + C, row_stride, k0, T_, D);
-        load_tile<T, DMAX, ATTN_KT, false>(vs, base + 2 * C, row_stride, k0, T_, D);
+        load_tile<T, DMAX, ATTN_KT, true>(ks, k + kv_at, kv_stride, k0, T_, D);
+        load_tile<T, DMAX, ATTN_KT, false>(vs, v + kv_at, kv_stride, k0, T_, D);
         __syncthreads();
         const int key = k0 + lane;
         float s[R];
@@ -241,12 +251,11 @@ __device__ __forceinline__ void attention_backward_delta(const T* __restrict__ o
 
 // dQ of BQ query rows: stream key tiles, recompute P from lse, dS = P (dP - D).
 template <typename T, int DMAX, int R>
-__device__ __forceinline__ void attention_backward_dq(const T* __restrict__ qkv,
-                                                      const T* __restrict__ dout,
-                                                      const float* __restrict__ lse,
-                                                      const float* __restrict__ delta,
-                                                      T* __restrict__ dqkv, int T_, int H, int D,
-                                                      float scale) {
+__device__ __forceinline__ void attention_backward_dq(
+    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+    const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
+    T* __restrict__ dq_out, int q_stride, int kv_stride, int T_, int H, int KVH, int D,
+    float scale) {
     constexpr int BQ = ATTN_WARPS * R;
     constexpr int DPL = DMAX / 32;
     __shared__ float qs[BQ * DMAX];       // plain: broadcast
@@ -255,15 +264,16 @@ __device__ __forceinline__ void attention_backward_dq(const T* __restrict__ qkv,
     __shared__ float vs[ATTN_KT * DMAX];  // swizzled: lane = key
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int q0 = (gridDim.x - 1 - blockIdx.x) * BQ;
-    const int h = blockIdx.y, b = blockIdx.z;
+    const int h = blockIdx.y, b = blockIdx.z, kvh = h / (H / KVH);
     const int C = H * D;
-    const size_t row_stride = 3 * (size_t)C;
-    const T* base = qkv + (size_t)b * T_ * row_stride + (size_t)h * D;
+    const T* qb = q + (size_t)b * T_ * q_stride + (size_t)h * D;
+    const T* kb = k + (size_t)b * T_ * kv_stride + (size_t)kvh * D;
+    const T* vb = v + (size_t)b * T_ * kv_stride + (size_t)kvh * D;
     const T* dobase = dout + (size_t)b * T_ * C + (size_t)h * D;
     const float* lse_bh = lse + ((size_t)b * H + h) * T_;
     const float* delta_bh = delta + ((size_t)b * H + h) * T_;
 
-    load_tile<T, DMAX, BQ, false>(qs, base, row_stride, q0, T_, D);
+    load_tile<T, DMAX, BQ, false>(qs, qb, q_stride, q0, T_, D);
     load_tile<T, DMAX, BQ, false>(dos, dobase, (size_t)C, q0, T_, D);
 
     float row_lse[R], row_delta[R], dq[R][DPL];
@@ -278,8 +288,8 @@ __device__ __forceinline__ void attention_backward_dq(const T* __restrict__ qkv,
     const int last = min(q0 + BQ, T_) - 1;
     for (int k0 = 0; k0 <= last; k0 += ATTN_KT) {
         __syncthreads();
-        load_tile<T, DMAX, ATTN_KT, true>(ks, base + C, row_stride, k0, T_, D);
-        load_tile<T, DMAX, ATTN_KT, true>(vs, base + 2 * C, row_stride, k0, T_, D);
+        load_tile<T, DMAX, ATTN_KT, true>(ks, kb, kv_stride, k0, T_, D);
+        load_tile<T, DMAX, ATTN_KT, true>(vs, vb, kv_stride, k0, T_, D);
         __syncthreads();
         const int key = k0 + lane;
         float s[R], dp[R];
@@ -323,7 +333,7 @@ __device__ __forceinline__ void attention_backward_dq(const T* __restrict__ qkv,
     for (int r = 0; r < R; ++r) {
         const int t = q0 + warp * R + r;
         if (t < T_) {
-            T* out = dqkv + ((size_t)b * T_ + t) * row_stride + (size_t)h * D;
+            T* out = dq_out + ((size_t)b * T_ + t) * q_stride + (size_t)h * D;
 #pragma unroll
             for (int i = 0; i < DPL; ++i) {
                 const int d = lane + 32 * i;
@@ -333,14 +343,14 @@ __device__ __forceinline__ void attention_backward_dq(const T* __restrict__ qkv,
     }
 }
 
-// dK and dV of KB key rows: stream the query tiles at or after the keys.
+// dK and dV of KB key rows of one K/V head: for each query head of its
+// group in turn, stream the query tiles at or after the keys.
 template <typename T, int DMAX, int R>
-__device__ __forceinline__ void attention_backward_dkdv(const T* __restrict__ qkv,
-                                                        const T* __restrict__ dout,
-                                                        const float* __restrict__ lse,
-                                                        const float* __restrict__ delta,
-                                                        T* __restrict__ dqkv, int T_, int H,
-                                                        int D, float scale) {
+__device__ __forceinline__ void attention_backward_dkdv(
+    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+    const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
+    T* __restrict__ dk_out, T* __restrict__ dv_out, int q_stride, int kv_stride, int T_, int H,
+    int KVH, int D, float scale) {
     constexpr int KB = ATTN_WARPS * R;
     constexpr int DPL = DMAX / 32;
     __shared__ float ks[KB * DMAX];        // plain: broadcast
@@ -350,16 +360,12 @@ __device__ __forceinline__ void attention_backward_dkdv(const T* __restrict__ qk
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     // Early key tiles see the most queries: natural order puts them first.
     const int k_first = blockIdx.x * KB;
-    const int h = blockIdx.y, b = blockIdx.z;
+    const int kvh = blockIdx.y, b = blockIdx.z, group = H / KVH;
     const int C = H * D;
-    const size_t row_stride = 3 * (size_t)C;
-    const T* base = qkv + (size_t)b * T_ * row_stride + (size_t)h * D;
-    const T* dobase = dout + (size_t)b * T_ * C + (size_t)h * D;
-    const float* lse_bh = lse + ((size_t)b * H + h) * T_;
-    const float* delta_bh = delta + ((size_t)b * H + h) * T_;
+    const size_t kv_at = (size_t)b * T_ * kv_stride + (size_t)kvh * D;
 
-    load_tile<T, DMAX, KB, false>(ks, base + C, row_stride, k_first, T_, D);
-    load_tile<T, DMAX, KB, false>(vs, base + 2 * C, row_stride, k_first, T_, D);
+    load_tile<T, DMAX, KB, false>(ks, k + kv_at, kv_stride, k_first, T_, D);
+    load_tile<T, DMAX, KB, false>(vs, v + kv_at, kv_stride, k_first, T_, D);
 
     float dk[R][DPL], dv[R][DPL];
 #pragma unroll
@@ -370,54 +376,60 @@ __device__ __forceinline__ void attention_backward_dkdv(const T* __restrict__ qk
             dv[r][i] = 0.f;
         }
     }
-    for (int q0 = (k_first / ATTN_KT) * ATTN_KT; q0 < T_; q0 += ATTN_KT) {
-        __syncthreads();
-        load_tile<T, DMAX, ATTN_KT, true>(qs, base, row_stride, q0, T_, D);
-        load_tile<T, DMAX, ATTN_KT, true>(dos, dobase, (size_t)C, q0, T_, D);
-        __syncthreads();
-        const int query = q0 + lane;
-        const float q_lse = query < T_ ? lse_bh[query] : 0.f;
-        const float q_delta = query < T_ ? delta_bh[query] : 0.f;
-        float s[R], dp[R];
+    for (int h = kvh * group; h < (kvh + 1) * group; ++h) {
+        const T* qb = q + (size_t)b * T_ * q_stride + (size_t)h * D;
+        const T* dobase = dout + (size_t)b * T_ * C + (size_t)h * D;
+        const float* lse_bh = lse + ((size_t)b * H + h) * T_;
+        const float* delta_bh = delta + ((size_t)b * H + h) * T_;
+        for (int q0 = (k_first / ATTN_KT) * ATTN_KT; q0 < T_; q0 += ATTN_KT) {
+            __syncthreads();
+            load_tile<T, DMAX, ATTN_KT, true>(qs, qb, q_stride, q0, T_, D);
+            load_tile<T, DMAX, ATTN_KT, true>(dos, dobase, (size_t)C, q0, T_, D);
+            __syncthreads();
+            const int query = q0 + lane;
+            const float q_lse = query < T_ ? lse_bh[query] : 0.f;
+            const float q_delta = query < T_ ? delta_bh[query] : 0.f;
+            float s[R], dp[R];
 #pragma unroll
-        for (int r = 0; r < R; ++r) {
-            s[r] = 0.f;
-            dp[r] = 0.f;
-        }
+            for (int r = 0; r < R; ++r) {
+                s[r] = 0.f;
+                dp[r] = 0.f;
+            }
 #pragma unroll 4
-        for (int d = 0; d < D; ++d) {
-            const float qv = qs[swz<DMAX>(lane, d)];
-            const float ov = dos[swz<DMAX>(lane, d)];
+            for (int d = 0; d < D; ++d) {
+                const float qv = qs[swz<DMAX>(lane, d)];
+                const float ov = dos[swz<DMAX>(lane, d)];
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    s[r] += qv * ks[(warp * R + r) * DMAX + d];
+                    dp[r] += ov * vs[(warp * R + r) * DMAX + d];
+                }
+            }
+            float p[R], ds[R];
 #pragma unroll
             for (int r = 0; r < R; ++r) {
-                s[r] += qv * ks[(warp * R + r) * DMAX + d];
-                dp[r] += ov * vs[(warp * R + r) * DMAX + d];
+                const int key = k_first + warp * R + r;
+                const bool valid = key <= query && query < T_;
+                p[r] = valid ? __expf(s[r] * scale - q_lse) : 0.f;
+                ds[r] = p[r] * (dp[r] - q_delta);
             }
-        }
-        float p[R], ds[R];
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-            const int key = k_first + warp * R + r;
-            const bool valid = key <= query && query < T_;
-            p[r] = valid ? __expf(s[r] * scale - q_lse) : 0.f;
-            ds[r] = p[r] * (dp[r] - q_delta);
-        }
-        const int queries = min(ATTN_KT, T_ - q0);
-        for (int j = 0; j < queries; ++j) {
-            float qj[DPL], oj[DPL];
-#pragma unroll
-            for (int i = 0; i < DPL; ++i) {
-                qj[i] = qs[swz<DMAX>(j, lane + 32 * i)];
-                oj[i] = dos[swz<DMAX>(j, lane + 32 * i)];
-            }
-#pragma unroll
-            for (int r = 0; r < R; ++r) {
-                const float pj = __shfl_sync(FULL_MASK, p[r], j);
-                const float dsj = __shfl_sync(FULL_MASK, ds[r], j);
+            const int queries = min(ATTN_KT, T_ - q0);
+            for (int j = 0; j < queries; ++j) {
+                float qj[DPL], oj[DPL];
 #pragma unroll
                 for (int i = 0; i < DPL; ++i) {
-                    dv[r][i] += pj * oj[i];
-                    dk[r][i] += dsj * qj[i];
+                    qj[i] = qs[swz<DMAX>(j, lane + 32 * i)];
+                    oj[i] = dos[swz<DMAX>(j, lane + 32 * i)];
+                }
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    const float pj = __shfl_sync(FULL_MASK, p[r], j);
+                    const float dsj = __shfl_sync(FULL_MASK, ds[r], j);
+#pragma unroll
+                    for (int i = 0; i < DPL; ++i) {
+                        dv[r][i] += pj * oj[i];
+                        dk[r][i] += dsj * qj[i];
+                    }
                 }
             }
         }
@@ -426,13 +438,13 @@ __device__ __forceinline__ void attention_backward_dkdv(const T* __restrict__ qk
     for (int r = 0; r < R; ++r) {
         const int key = k_first + warp * R + r;
         if (key < T_) {
-            T* out = dqkv + ((size_t)b * T_ + key) * row_stride + (size_t)h * D;
+            const size_t at = ((size_t)b * T_ + key) * kv_stride + (size_t)kvh * D;
 #pragma unroll
             for (int i = 0; i < DPL; ++i) {
                 const int d = lane + 32 * i;
                 if (d < D) {
-                    out[C + d] = from_f32<T>(dk[r][i] * scale);
-                    out[2 * C + d] = from_f32<T>(dv[r][i]);
+                    dk_out[at + d] = from_f32<T>(dk[r][i] * scale);
+                    dv_out[at + d] = from_f32<T>(dv[r][i]);
                 }
             }
         }
@@ -444,25 +456,38 @@ __device__ __forceinline__ void attention_backward_dkdv(const T* __restrict__ qk
 #define ATTN_R_64 8
 #define ATTN_R_128 4
 
+// The arguments every attention kernel of both families takes (the
+// tensor-core ones in attention_tc.cu too), so that one launch serves both.
+#define ATTN_FORWARD_PARAMS(T)                                                            \
+    const T *q, const T *k, const T *v, T *y, float *lse, int q_stride, int kv_stride,    \
+        int T_, int H, int KVH, int D, float scale
+#define ATTN_FORWARD_ARGS q, k, v, y, lse, q_stride, kv_stride, T_, H, KVH, D, scale
+#define ATTN_DQ_PARAMS(T)                                                                 \
+    const T *q, const T *k, const T *v, const T *dout, const float *lse,                  \
+        const float *delta, T *dq, int q_stride, int kv_stride, int T_, int H, int KVH,   \
+        int D, float scale
+#define ATTN_DQ_ARGS q, k, v, dout, lse, delta, dq, q_stride, kv_stride, T_, H, KVH, D, scale
+#define ATTN_DKDV_PARAMS(T)                                                               \
+    const T *q, const T *k, const T *v, const T *dout, const float *lse,                  \
+        const float *delta, T *dk, T *dv, int q_stride, int kv_stride, int T_, int H,     \
+        int KVH, int D, float scale
+#define ATTN_DKDV_ARGS                                                                    \
+    q, k, v, dout, lse, delta, dk, dv, q_stride, kv_stride, T_, H, KVH, D, scale
+
+// The forward's bound says one block per SM suffices: without it, ptxas
+// caps the d=64 forward at 96 registers and spills (114 fit).
 #define DEFINE_ATTENTION_DMAX(T, SUFFIX, DMAX)                                            \
-extern "C" __global__ void __launch_bounds__(ATTN_THREADS)                               \
-attention_forward_d##DMAX##_##SUFFIX(const T* qkv, T* y, float* lse, int T_, int H, int D, \
-                                     float scale) {                                      \
-    attention_forward<T, DMAX, ATTN_R_##DMAX>(qkv, y, lse, T_, H, D, scale);             \
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS, 1)                            \
+attention_forward_d##DMAX##_##SUFFIX(ATTN_FORWARD_PARAMS(T)) {                           \
+    attention_forward<T, DMAX, ATTN_R_##DMAX>(ATTN_FORWARD_ARGS);                        \
 }                                                                                        \
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS)                               \
-attention_backward_dq_d##DMAX##_##SUFFIX(const T* qkv, const T* dout, const float* lse,  \
-                                         const float* delta, T* dqkv, int T_, int H,      \
-                                         int D, float scale) {                           \
-    attention_backward_dq<T, DMAX, ATTN_R_##DMAX>(qkv, dout, lse, delta, dqkv, T_, H, D,  \
-                                                  scale);                                \
+attention_backward_dq_d##DMAX##_##SUFFIX(ATTN_DQ_PARAMS(T)) {                            \
+    attention_backward_dq<T, DMAX, ATTN_R_##DMAX>(ATTN_DQ_ARGS);                         \
 }                                                                                        \
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS)                               \
-attention_backward_dkdv_d##DMAX##_##SUFFIX(const T* qkv, const T* dout, const float* lse, \
-                                           const float* delta, T* dqkv, int T_, int H,    \
-                                           int D, float scale) {                         \
-    attention_backward_dkdv<T, DMAX, ATTN_R_##DMAX>(qkv, dout, lse, delta, dqkv, T_, H, D, \
-                                                    scale);                              \
+attention_backward_dkdv_d##DMAX##_##SUFFIX(ATTN_DKDV_PARAMS(T)) {                        \
+    attention_backward_dkdv<T, DMAX, ATTN_R_##DMAX>(ATTN_DKDV_ARGS);                     \
 }
 
 #define DEFINE_ATTENTION(T, SUFFIX)                                                       \

@@ -4,11 +4,20 @@
 //! bf16 and f16 storage, computing in f32. zero-candle's custom ops launch
 //! them through [`LayerKernels`]; each kernel has a CPU reference there.
 //!
+//! Attention has two kernel families with the same arguments: on sm_80 and
+//! newer, bf16 and f16 run on tensor cores (`attention_tc.cu`: products in
+//! `mma.sync` with f32 accumulation, `P` and `dS` rounded to the storage
+//! type in between, as FlashAttention-2 does); f32, and every type on older
+//! GPUs, run in f32 arithmetic on CUDA cores (`layers.cu`). Both take a
+//! packed `qkv` or separate `q`, `k`, `v` with fewer K/V heads than query
+//! heads ([`AttentionShape::kv_heads`]).
+//!
 //! Attention's backward is three launches, all deterministic:
 //! `D = rowsum(dO * O)` per query row, then dK/dV per key tile and dQ per
 //! query tile, each recomputing `P` from the forward's log-sum-exp (so no
 //! float atomics and no `[T, T]` buffer; the price is computing `Q K^T` and
-//! `dO V^T` twice). Norm backward is a row pass (dx, and the row
+//! `dO V^T` twice). A K/V head's dK/dV block sums over its group of query
+//! heads in order. Norm backward is a row pass (dx, and the row
 //! statistics) and a column pass over fixed chunks of rows (dw, db) summed
 //! in a fixed order.
 //!
@@ -34,11 +43,12 @@ use cudarc::driver::{
 };
 use std::sync::Arc;
 
-/// The CUDA C source of the layer kernels.
-pub const LAYER_SOURCE: &str = include_str!("layers.cu");
+/// The CUDA C source of the layer kernels: `layers.cu`, then the
+/// tensor-core attention of `attention_tc.cu`, which uses its definitions.
+pub const LAYER_SOURCE: &str = concat!(include_str!("layers.cu"), include_str!("attention_tc.cu"));
 
 /// Every kernel [`LayerKernels::new`] loads from [`LAYER_SOURCE`].
-pub const LAYER_KERNEL_NAMES: [&str; 54] = [
+pub const LAYER_KERNEL_NAMES: [&str; 66] = [
     "attention_forward_d64_f32",
     "attention_backward_dq_d64_f32",
     "attention_backward_dkdv_d64_f32",
@@ -60,6 +70,18 @@ pub const LAYER_KERNEL_NAMES: [&str; 54] = [
     "attention_backward_dq_d128_f16",
     "attention_backward_dkdv_d128_f16",
     "attention_backward_delta_f16",
+    "attention_tc_forward_d64_bf16",
+    "attention_tc_backward_dq_d64_bf16",
+    "attention_tc_backward_dkdv_d64_bf16",
+    "attention_tc_forward_d128_bf16",
+    "attention_tc_backward_dq_d128_bf16",
+    "attention_tc_backward_dkdv_d128_bf16",
+    "attention_tc_forward_d64_f16",
+    "attention_tc_backward_dq_d64_f16",
+    "attention_tc_backward_dkdv_d64_f16",
+    "attention_tc_forward_d128_f16",
+    "attention_tc_backward_dq_d128_f16",
+    "attention_tc_backward_dkdv_d128_f16",
     "norm_forward_f32",
     "norm_backward_rows_f32",
     "norm_backward_columns_f32",
@@ -121,19 +143,33 @@ const TARGET_NAMES: [&str; 2] = ["u32", "i64"];
 pub trait LayerElement: DeviceRepr + ValidAsZeroBits + Copy + 'static {
     /// Its kernels' index in the per-type tables.
     const INDEX: usize;
+    /// Its index among the tensor-core attention kernels' types (bf16, f16),
+    /// if it has them.
+    const TENSOR_CORE_INDEX: Option<usize>;
 }
 
 impl LayerElement for f32 {
     const INDEX: usize = 0;
+    const TENSOR_CORE_INDEX: Option<usize> = None;
 }
 
 impl LayerElement for half::bf16 {
     const INDEX: usize = 1;
+    const TENSOR_CORE_INDEX: Option<usize> = Some(0);
 }
 
 impl LayerElement for half::f16 {
     const INDEX: usize = 2;
+    const TENSOR_CORE_INDEX: Option<usize> = Some(1);
 }
+
+/// The storage types of the tensor-core attention, in
+/// [`LayerElement::TENSOR_CORE_INDEX`] order.
+const TENSOR_CORE_NAMES: [&str; 2] = ["bf16", "f16"];
+
+/// The oldest compute capability with the `mma.sync` shapes the tensor-core
+/// attention uses (bf16 needs sm_80).
+const TENSOR_CORE_MIN_ARCH: u32 = 80;
 
 /// A class-index type of cross-entropy targets: `u32` or `i64`.
 pub trait TargetIndex: DeviceRepr + Copy + 'static {
@@ -170,18 +206,24 @@ pub enum Normalization {
     Rms,
 }
 
-/// The shape of one causal self-attention call over a packed `qkv`
-/// `[batch, time, 3 * heads * head_dim]` (queries, then keys, then values,
-/// each head's `head_dim` columns contiguous), with output `[batch, time,
-/// heads * head_dim]` and log-sum-exp `[batch, heads, time]` f32.
+/// The shape of one causal self-attention call, over a packed `qkv`
+/// `[batch, time, (heads + 2 * kv_heads) * head_dim]` (queries, then keys,
+/// then values, each head's `head_dim` columns contiguous) or separate `q`
+/// `[batch, time, heads * head_dim]` and `k`, `v` `[batch, time, kv_heads *
+/// head_dim]`, with output `[batch, time, heads * head_dim]` and
+/// log-sum-exp `[batch, heads, time]` f32. Query head `h` attends with K/V
+/// head `h / (heads / kv_heads)`.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AttentionShape {
     /// Sequences.
     pub batch: usize,
     /// Positions per sequence.
     pub time: usize,
-    /// Heads.
+    /// Query heads.
     pub heads: usize,
+    /// Key/value heads: `heads` itself, or a divisor of it (grouped-query
+    /// attention).
+    pub kv_heads: usize,
     /// Width of one head (at most [`MAX_HEAD_DIM`]).
     pub head_dim: usize,
     /// The factor on `q · k` (usually `1 / sqrt(head_dim)`).
@@ -189,9 +231,19 @@ pub struct AttentionShape {
 }
 
 impl AttentionShape {
-    /// Elements of `qkv` (and of its gradient).
+    /// Elements of a packed `qkv` (and of its gradient).
     pub fn qkv_len(&self) -> usize {
-        self.batch * self.time * 3 * self.heads * self.head_dim
+        self.batch * self.time * (self.heads + 2 * self.kv_heads) * self.head_dim
+    }
+
+    /// Elements of a separate `q` (and of its gradient).
+    pub fn q_len(&self) -> usize {
+        self.out_len()
+    }
+
+    /// Elements of a separate `k` or `v` (and of their gradients).
+    pub fn kv_len(&self) -> usize {
+        self.batch * self.time * self.kv_heads * self.head_dim
     }
 
     /// Elements of the output (and of its gradient).
@@ -212,10 +264,35 @@ const ATTENTION_THREADS: u32 = 128;
 /// Query (forward, dQ) or key (dK/dV) rows per attention block, per head
 /// width variant (`ATTN_WARPS * ATTN_R_<DMAX>` in layers.cu).
 const ATTENTION_ROWS: [usize; 2] = [32, 16];
+/// The same for the tensor-core kernels, both widths (`TC_ROWS` in
+/// attention_tc.cu); their blocks are 128 threads too (`TC_THREADS`).
+const TENSOR_CORE_ROWS: usize = 64;
 /// Rows per chunk the norm backward's column pass aims at, and the most
 /// chunks it makes (bounding its f32 partials to `2 * 512 * n`).
 const NORM_ROWS_PER_CHUNK: usize = 128;
 const NORM_MAX_CHUNKS: usize = 512;
+
+/// An attention call's checked shape: the head-width variant, the kernels'
+/// `int` arguments, and the row strides `[q, k and v]` of the packed and the
+/// split layouts.
+#[derive(Clone, Copy, Debug)]
+struct CheckedAttention {
+    variant: usize,
+    time: i32,
+    heads: i32,
+    kv_heads: i32,
+    head_dim: i32,
+    packed_strides: [i32; 2],
+    split_strides: [i32; 2],
+}
+
+/// `XY` of NVRTC's `compute_XY` (0 when it has no number).
+fn arch_number(arch: &str) -> u32 {
+    arch.trim_start_matches("compute_")
+        .trim_end_matches(|c: char| !c.is_ascii_digit())
+        .parse()
+        .unwrap_or(0)
+}
 
 /// How a kernel's threads map onto its data; [`LayerKernels::config`] turns
 /// it into a grid, in one place.
@@ -249,6 +326,47 @@ struct AttentionFunctions {
     backward_dkdv: CudaFunction,
 }
 
+impl AttentionFunctions {
+    /// `attention_{family}_d{dmax}_{ty}` for the three kernels, `family`
+    /// being `""` or `"tc_"`.
+    fn load(module: &Arc<CudaModule>, family: &str, dmax: usize, ty: &str) -> Result<Self> {
+        let load = |kernel: &str| {
+            module.load_function(&format!("attention_{family}{kernel}_d{dmax}_{ty}"))
+        };
+        Ok(Self {
+            forward: load("forward")?,
+            backward_dq: load("backward_dq")?,
+            backward_dkdv: load("backward_dkdv")?,
+        })
+    }
+}
+
+/// Where an attention call's `q`, `k`, `v` (or their gradients) start and
+/// how far apart their rows are: a packed `qkv` is three column offsets of
+/// one buffer, separate tensors three buffers.
+#[derive(Clone, Copy, Debug)]
+struct AttentionOperands {
+    q: u64,
+    k: u64,
+    v: u64,
+    q_stride: i32,
+    kv_stride: i32,
+}
+
+impl AttentionOperands {
+    /// The operands within a packed `qkv` at device address `qkv`.
+    fn packed<E>(qkv: u64, shape: &AttentionShape, strides: [i32; 2]) -> Self {
+        let column = |c: usize| qkv + (c * std::mem::size_of::<E>()) as u64;
+        Self {
+            q: qkv,
+            k: column(shape.heads * shape.head_dim),
+            v: column((shape.heads + shape.kv_heads) * shape.head_dim),
+            q_stride: strides[0],
+            kv_stride: strides[1],
+        }
+    }
+}
+
 /// The layer kernels, compiled once and loaded into one device's context.
 /// Every method queues its launches on the given stream and returns without
 /// waiting; buffers are checked against each other first.
@@ -259,6 +377,10 @@ pub struct LayerKernels {
     arch: String,
     /// Per [`LayerElement::INDEX`], then per [`HEAD_DIM_VARIANTS`].
     attention: [[AttentionFunctions; 2]; 3],
+    /// Per [`LayerElement::TENSOR_CORE_INDEX`], then per [`HEAD_DIM_VARIANTS`].
+    attention_tc: [[AttentionFunctions; 2]; 2],
+    /// Whether the device runs the tensor-core attention (sm_80 or newer).
+    tensor_cores: bool,
     attention_delta: [CudaFunction; 3],
     norm_forward: [CudaFunction; 3],
     norm_backward_rows: [CudaFunction; 3],
@@ -327,23 +449,18 @@ impl LayerKernels {
         const WHAT: &str = "loading the fused layer kernels";
         let (module, arch) = compile_and_load(ctx, LAYER_SOURCE, WHAT)?;
         guarded(WHAT, || {
-            let attention = ELEMENT_NAMES.map(|ty| {
-                HEAD_DIM_VARIANTS.map(|dmax| {
-                    let load = |family: &str| {
-                        module.load_function(&format!("attention_{family}_d{dmax}_{ty}"))
-                    };
-                    Ok::<_, Error>(AttentionFunctions {
-                        forward: load("forward")?,
-                        backward_dq: load("backward_dq")?,
-                        backward_dkdv: load("backward_dkdv")?,
-                    })
-                })
+            let [[a0, a1], [b0, b1], [c0, c1]] = ELEMENT_NAMES.map(|ty| {
+                HEAD_DIM_VARIANTS.map(|dmax| AttentionFunctions::load(&module, "", dmax, ty))
             });
-            let [[a0, a1], [b0, b1], [c0, c1]] = attention;
+            let [[d0, d1], [e0, e1]] = TENSOR_CORE_NAMES.map(|ty| {
+                HEAD_DIM_VARIANTS.map(|dmax| AttentionFunctions::load(&module, "tc_", dmax, ty))
+            });
             Ok(Self {
                 ctx: ctx.clone(),
+                tensor_cores: arch_number(&arch) >= TENSOR_CORE_MIN_ARCH,
                 arch,
                 attention: [[a0?, a1?], [b0?, b1?], [c0?, c1?]],
+                attention_tc: [[d0?, d1?], [e0?, e1?]],
                 attention_delta: per_element(&module, "attention_backward_delta")?,
                 norm_forward: per_element(&module, "norm_forward")?,
                 norm_backward_rows: per_element(&module, "norm_backward_rows")?,
@@ -434,9 +551,10 @@ impl LayerKernels {
         })
     }
 
-    /// Causal self-attention forward: `y = softmax(scale q k^T + mask) v` per
-    /// sequence and head, and the rows' log-sum-exp `lse` (what
-    /// [`LayerKernels::attention_backward`] needs), in one launch.
+    /// Causal self-attention forward over a packed `qkv`: `y = softmax(scale
+    /// q k^T + mask) v` per sequence and head, and the rows' log-sum-exp
+    /// `lse` (what [`LayerKernels::attention_backward`] needs), in one
+    /// launch.
     pub fn attention_forward<E: LayerElement>(
         &self,
         stream: &Arc<CudaStream>,
@@ -446,39 +564,99 @@ impl LayerKernels {
         lse: &mut impl DevicePtrMut<f32>,
     ) -> Result<()> {
         const OP: &str = "attention_forward";
-        let (variant, ints) = Self::check_attention(OP, shape)?;
+        let checked = Self::check_attention(OP, shape)?;
         check_len(OP, "qkv", qkv.len(), shape.qkv_len())?;
-        check_len(OP, "y", y.len(), shape.out_len())?;
-        check_len(OP, "lse", lse.len(), shape.lse_len())?;
-        let Some(cfg) = self.attention_config(OP, shape, variant)? else {
+        let (qkv, _g0) = qkv.device_ptr(stream);
+        let operands = AttentionOperands::packed::<E>(qkv, shape, checked.packed_strides);
+        self.launch_attention_forward::<E>(OP, stream, shape, &checked, operands, y, lse)
+    }
+
+    /// [`LayerKernels::attention_forward`] over separate `q` `[batch, time,
+    /// heads * head_dim]`, `k` and `v` `[batch, time, kv_heads * head_dim]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention_forward_split<E: LayerElement>(
+        &self,
+        stream: &Arc<CudaStream>,
+        shape: &AttentionShape,
+        q: &impl DevicePtr<E>,
+        k: &impl DevicePtr<E>,
+        v: &impl DevicePtr<E>,
+        y: &mut impl DevicePtrMut<E>,
+        lse: &mut impl DevicePtrMut<f32>,
+    ) -> Result<()> {
+        const OP: &str = "attention_forward_split";
+        let checked = Self::check_attention(OP, shape)?;
+        check_len(OP, "q", q.len(), shape.q_len())?;
+        check_len(OP, "k", k.len(), shape.kv_len())?;
+        check_len(OP, "v", v.len(), shape.kv_len())?;
+        let (q, _g0) = q.device_ptr(stream);
+        let (k, _g1) = k.device_ptr(stream);
+        let (v, _g2) = v.device_ptr(stream);
+        let [q_stride, kv_stride] = checked.split_strides;
+        let operands = AttentionOperands {
+            q,
+            k,
+            v,
+            q_stride,
+            kv_stride,
+        };
+        self.launch_attention_forward::<E>(OP, stream, shape, &checked, operands, y, lse)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn launch_attention_forward<E: LayerElement>(
+        &self,
+        op: &'static str,
+        stream: &Arc<CudaStream>,
+        shape: &AttentionShape,
+        checked: &CheckedAttention,
+        input: AttentionOperands,
+        y: &mut impl DevicePtrMut<E>,
+        lse: &mut impl DevicePtrMut<f32>,
+    ) -> Result<()> {
+        check_len(op, "y", y.len(), shape.out_len())?;
+        check_len(op, "lse", lse.len(), shape.lse_len())?;
+        let (kernels, rows) = self.attention_kernels::<E>(checked.variant);
+        let Some(cfg) = self.attention_config(op, shape.time, rows, shape.heads, shape.batch)?
+        else {
             return Ok(());
         };
-        let [time, heads, head_dim] = ints;
-        let (qkv, _g0) = qkv.device_ptr(stream);
+        let CheckedAttention {
+            time,
+            heads,
+            kv_heads,
+            head_dim,
+            ..
+        } = *checked;
         let (y, _g1) = y.device_ptr_mut(stream);
         let (lse, _g2) = lse.device_ptr_mut(stream);
-        let kernel = &self.attention[E::INDEX][variant].forward;
-        let mut launch = stream.launch_builder(kernel);
+        let mut launch = stream.launch_builder(&kernels.forward);
         launch
-            .arg(&qkv)
+            .arg(&input.q)
+            .arg(&input.k)
+            .arg(&input.v)
             .arg(&y)
             .arg(&lse)
+            .arg(&input.q_stride)
+            .arg(&input.kv_stride)
             .arg(&time)
             .arg(&heads)
+            .arg(&kv_heads)
             .arg(&head_dim)
             .arg(&shape.scale);
         // SAFETY: the buffers hold the shape's element counts of `E` (checked
-        // above), which bound every index the kernel forms; the arguments
-        // match `attention_forward_d*`; the block is its 128 threads.
+        // by the callers and above), which with the strides bound every index
+        // the kernel forms; the arguments match `ATTN_FORWARD_PARAMS` of both
+        // families; the block is their 128 threads.
         unsafe { launch.launch(cfg) }?;
         Ok(())
     }
 
-    /// Causal self-attention backward: `dqkv` (`[batch, time, 3 * heads *
-    /// head_dim]`) from `qkv`, the forward's output `out` and `lse`, and the
-    /// output's gradient `grad_out`. Three launches (row dots `dO · O`, then
-    /// dK/dV and dQ), with a `[batch, heads, time]` f32 scratch allocated on
-    /// `stream`.
+    /// Causal self-attention backward over a packed `qkv`: `dqkv` (shaped
+    /// as `qkv`) from `qkv`, the forward's output `out` and `lse`, and the
+    /// output's gradient `grad_out`. Three launches (row dots `dO · O`,
+    /// then dK/dV and dQ), with a `[batch, heads, time]` f32 scratch
+    /// allocated on `stream`.
     #[allow(clippy::too_many_arguments)]
     pub fn attention_backward<E: LayerElement>(
         &self,
@@ -491,28 +669,108 @@ impl LayerKernels {
         dqkv: &mut impl DevicePtrMut<E>,
     ) -> Result<()> {
         const OP: &str = "attention_backward";
-        let (variant, ints) = Self::check_attention(OP, shape)?;
+        let checked = Self::check_attention(OP, shape)?;
         check_len(OP, "qkv", qkv.len(), shape.qkv_len())?;
-        check_len(OP, "out", out.len(), shape.out_len())?;
-        check_len(OP, "lse", lse.len(), shape.lse_len())?;
-        check_len(OP, "grad_out", grad_out.len(), shape.out_len())?;
         check_len(OP, "dqkv", dqkv.len(), shape.qkv_len())?;
-        let Some(cfg) = self.attention_config(OP, shape, variant)? else {
+        let (qkv, _g0) = qkv.device_ptr(stream);
+        let (dqkv, _g1) = dqkv.device_ptr_mut(stream);
+        let input = AttentionOperands::packed::<E>(qkv, shape, checked.packed_strides);
+        let grads = AttentionOperands::packed::<E>(dqkv, shape, checked.packed_strides);
+        self.launch_attention_backward::<E>(
+            OP, stream, shape, &checked, input, out, lse, grad_out, grads,
+        )
+    }
+
+    /// [`LayerKernels::attention_backward`] over separate `q`, `k`, `v`
+    /// (see [`LayerKernels::attention_forward_split`]): `dq`, `dk`, `dv`
+    /// shaped as those. A K/V head's gradient sums over its group of query
+    /// heads, in order.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention_backward_split<E: LayerElement>(
+        &self,
+        stream: &Arc<CudaStream>,
+        shape: &AttentionShape,
+        [q, k, v]: [&dyn DevicePtr<E>; 3],
+        out: &impl DevicePtr<E>,
+        lse: &impl DevicePtr<f32>,
+        grad_out: &impl DevicePtr<E>,
+        [dq, dk, dv]: [&mut dyn DevicePtrMut<E>; 3],
+    ) -> Result<()> {
+        const OP: &str = "attention_backward_split";
+        let checked = Self::check_attention(OP, shape)?;
+        check_len(OP, "q", q.len(), shape.q_len())?;
+        check_len(OP, "k", k.len(), shape.kv_len())?;
+        check_len(OP, "v", v.len(), shape.kv_len())?;
+        check_len(OP, "dq", dq.len(), shape.q_len())?;
+        check_len(OP, "dk", dk.len(), shape.kv_len())?;
+        check_len(OP, "dv", dv.len(), shape.kv_len())?;
+        let [q_stride, kv_stride] = checked.split_strides;
+        let (q, _g0) = q.device_ptr(stream);
+        let (k, _g1) = k.device_ptr(stream);
+        let (v, _g2) = v.device_ptr(stream);
+        let (dq, _g3) = dq.device_ptr_mut(stream);
+        let (dk, _g4) = dk.device_ptr_mut(stream);
+        let (dv, _g5) = dv.device_ptr_mut(stream);
+        let input = AttentionOperands {
+            q,
+            k,
+            v,
+            q_stride,
+            kv_stride,
+        };
+        let grads = AttentionOperands {
+            q: dq,
+            k: dk,
+            v: dv,
+            q_stride,
+            kv_stride,
+        };
+        self.launch_attention_backward::<E>(
+            OP, stream, shape, &checked, input, out, lse, grad_out, grads,
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn launch_attention_backward<E: LayerElement>(
+        &self,
+        op: &'static str,
+        stream: &Arc<CudaStream>,
+        shape: &AttentionShape,
+        checked: &CheckedAttention,
+        input: AttentionOperands,
+        out: &impl DevicePtr<E>,
+        lse: &impl DevicePtr<f32>,
+        grad_out: &impl DevicePtr<E>,
+        grads: AttentionOperands,
+    ) -> Result<()> {
+        check_len(op, "out", out.len(), shape.out_len())?;
+        check_len(op, "lse", lse.len(), shape.lse_len())?;
+        check_len(op, "grad_out", grad_out.len(), shape.out_len())?;
+        let (kernels, rows) = self.attention_kernels::<E>(checked.variant);
+        let (time, batch) = (shape.time, shape.batch);
+        let Some(dq_cfg) = self.attention_config(op, time, rows, shape.heads, batch)? else {
             return Ok(());
         };
-        let Some(delta_cfg) = self.config(OP, Launch::WarpPerRow(shape.lse_len()))? else {
+        let Some(dkdv_cfg) = self.attention_config(op, time, rows, shape.kv_heads, batch)? else {
             return Ok(());
         };
-        let [time, heads, head_dim] = ints;
-        let batch = int_arg(OP, "batch", shape.batch)?;
+        let Some(delta_cfg) = self.config(op, Launch::WarpPerRow(shape.lse_len()))? else {
+            return Ok(());
+        };
+        let CheckedAttention {
+            time,
+            heads,
+            kv_heads,
+            head_dim,
+            ..
+        } = *checked;
+        let batch = int_arg(op, "batch", batch)?;
         // SAFETY: the delta kernel writes every element (one per query row)
         // before the other two read it, in stream order.
         let mut delta = unsafe { stream.alloc::<f32>(shape.lse_len()) }?;
-        let (qkv, _g0) = qkv.device_ptr(stream);
         let (out, _g1) = out.device_ptr(stream);
         let (lse, _g2) = lse.device_ptr(stream);
         let (grad_out, _g3) = grad_out.device_ptr(stream);
-        let (dqkv, _g4) = dqkv.device_ptr_mut(stream);
         {
             let (delta, _g5) = delta.device_ptr_mut(stream);
             let mut launch = stream.launch_builder(&self.attention_delta[E::INDEX]);
@@ -530,31 +788,65 @@ impl LayerKernels {
             unsafe { launch.launch(delta_cfg) }?;
         }
         let (delta, _g5) = delta.device_ptr(stream);
-        let kernels = &self.attention[E::INDEX][variant];
-        for kernel in [&kernels.backward_dkdv, &kernels.backward_dq] {
-            let mut launch = stream.launch_builder(kernel);
-            launch
-                .arg(&qkv)
-                .arg(&grad_out)
-                .arg(&lse)
-                .arg(&delta)
-                .arg(&dqkv)
-                .arg(&time)
-                .arg(&heads)
-                .arg(&head_dim)
-                .arg(&shape.scale);
-            // SAFETY: every buffer holds the shape's element count (checked
-            // above); dK/dV and dQ write disjoint columns of dqkv; the
-            // arguments match `attention_backward_{dkdv,dq}_d*`; the block
-            // is their 128 threads.
-            unsafe { launch.launch(cfg) }?;
-        }
+        let mut launch = stream.launch_builder(&kernels.backward_dkdv);
+        launch
+            .arg(&input.q)
+            .arg(&input.k)
+            .arg(&input.v)
+            .arg(&grad_out)
+            .arg(&lse)
+            .arg(&delta)
+            .arg(&grads.k)
+            .arg(&grads.v)
+            .arg(&input.q_stride)
+            .arg(&input.kv_stride)
+            .arg(&time)
+            .arg(&heads)
+            .arg(&kv_heads)
+            .arg(&head_dim)
+            .arg(&shape.scale);
+        // SAFETY: every buffer holds the shape's element count (checked by
+        // the callers and above); the gradients have their inputs' strides;
+        // the arguments match `ATTN_DKDV_PARAMS`; the block is 128 threads,
+        // one per K/V head and key tile.
+        unsafe { launch.launch(dkdv_cfg) }?;
+        let mut launch = stream.launch_builder(&kernels.backward_dq);
+        launch
+            .arg(&input.q)
+            .arg(&input.k)
+            .arg(&input.v)
+            .arg(&grad_out)
+            .arg(&lse)
+            .arg(&delta)
+            .arg(&grads.q)
+            .arg(&input.q_stride)
+            .arg(&input.kv_stride)
+            .arg(&time)
+            .arg(&heads)
+            .arg(&kv_heads)
+            .arg(&head_dim)
+            .arg(&shape.scale);
+        // SAFETY: as above; dQ writes the columns of dq only (in a packed
+        // dqkv disjoint from dK/dV's); the arguments match `ATTN_DQ_PARAMS`.
+        unsafe { launch.launch(dq_cfg) }?;
         Ok(())
     }
 
-    /// The head-width variant and the `int` arguments `[time, heads,
-    /// head_dim]` of an attention call.
-    fn check_attention(op: &'static str, shape: &AttentionShape) -> Result<(usize, [i32; 3])> {
+    /// The kernels of head-width `variant` that run attention in `E` on this
+    /// device, and their rows per block: the tensor-core family for bf16
+    /// and f16 from sm_80, else the CUDA-core one.
+    fn attention_kernels<E: LayerElement>(&self, variant: usize) -> (&AttentionFunctions, usize) {
+        match E::TENSOR_CORE_INDEX {
+            Some(index) if self.tensor_cores => {
+                (&self.attention_tc[index][variant], TENSOR_CORE_ROWS)
+            }
+            _ => (&self.attention[E::INDEX][variant], ATTENTION_ROWS[variant]),
+        }
+    }
+
+    /// Checks an attention call's shape and derives the kernels' `int`
+    /// arguments.
+    fn check_attention(op: &'static str, shape: &AttentionShape) -> Result<CheckedAttention> {
         let d = shape.head_dim;
         let Some(variant) = HEAD_DIM_VARIANTS.iter().position(|&dmax| d <= dmax) else {
             return Err(Error::from(zero_core::Error::Unsupported {
@@ -574,29 +866,51 @@ impl LayerKernels {
                 ),
             }));
         }
-        // Kernels index a row with int: 3 * heads * head_dim must fit.
-        int_arg(op, "3 * heads * head_dim", 3 * shape.heads * d)?;
-        let ints = [
-            int_arg(op, "time", shape.time)?,
-            int_arg(op, "heads", shape.heads)?,
-            int_arg(op, "head_dim", d)?,
-        ];
-        Ok((variant, ints))
+        if shape.kv_heads == 0 || shape.heads % shape.kv_heads != 0 {
+            return Err(Error::from(zero_core::Error::Unsupported {
+                op,
+                detail: format!(
+                    "{} query heads cannot share {} K/V heads evenly; kv_heads must divide heads",
+                    shape.heads, shape.kv_heads
+                ),
+            }));
+        }
+        // Kernels index a row with int: the packed row must fit.
+        let packed = int_arg(
+            op,
+            "(heads + 2 * kv_heads) * head_dim",
+            (shape.heads + 2 * shape.kv_heads) * d,
+        )?;
+        Ok(CheckedAttention {
+            variant,
+            time: int_arg(op, "time", shape.time)?,
+            heads: int_arg(op, "heads", shape.heads)?,
+            kv_heads: int_arg(op, "kv_heads", shape.kv_heads)?,
+            head_dim: int_arg(op, "head_dim", d)?,
+            packed_strides: [packed, packed],
+            split_strides: [
+                int_arg(op, "heads * head_dim", shape.heads * d)?,
+                int_arg(op, "kv_heads * head_dim", shape.kv_heads * d)?,
+            ],
+        })
     }
 
+    /// Blocks of `rows` rows per `time` tile, per head and sequence.
     fn attention_config(
         &self,
         op: &'static str,
-        shape: &AttentionShape,
-        variant: usize,
+        time: usize,
+        rows: usize,
+        heads: usize,
+        batch: usize,
     ) -> Result<Option<LaunchConfig>> {
         self.config(
             op,
             Launch::Attention {
-                time: shape.time,
-                rows: ATTENTION_ROWS[variant],
-                heads: shape.heads,
-                batch: shape.batch,
+                time,
+                rows,
+                heads,
+                batch,
             },
         )
     }
@@ -975,6 +1289,9 @@ mod tests {
             for dmax in HEAD_DIM_VARIANTS {
                 for family in ["forward", "backward_dq", "backward_dkdv"] {
                     names.push(format!("attention_{family}_d{dmax}_{ty}"));
+                    if TENSOR_CORE_NAMES.contains(&ty) {
+                        names.push(format!("attention_tc_{family}_d{dmax}_{ty}"));
+                    }
                 }
             }
             for family in [
@@ -1035,6 +1352,47 @@ mod tests {
         assert_eq!(ATTENTION_THREADS, 4 * 32);
         assert!(LAYER_SOURCE.contains("#define CE_THREADS 256"));
         assert!(LAYER_SOURCE.contains("#define NORM_COL_ROWS 8"));
+        assert!(LAYER_SOURCE.contains("#define TC_ROWS 64"));
+        assert!(LAYER_SOURCE.contains("#define TC_THREADS (TC_WARPS * 32)"));
+        assert!(LAYER_SOURCE.contains("#define TC_WARPS 4"));
+        assert_eq!(TENSOR_CORE_ROWS, 64);
+    }
+
+    #[test]
+    fn tensor_cores_start_at_sm_80() {
+        assert_eq!(arch_number("compute_90"), 90);
+        assert_eq!(arch_number("compute_90a"), 90);
+        assert_eq!(arch_number("compute_75"), 75);
+        assert!(arch_number("compute_80") >= TENSOR_CORE_MIN_ARCH);
+        assert!(arch_number("compute_86") >= TENSOR_CORE_MIN_ARCH);
+        assert!(arch_number("compute_75") < TENSOR_CORE_MIN_ARCH);
+        // The kernels trap below sm_80, where LayerKernels never runs them.
+        assert!(LAYER_SOURCE.contains("#elif __CUDA_ARCH__ >= 800"));
+    }
+
+    #[test]
+    fn grouped_heads_must_divide_and_strides_follow_the_layout() {
+        let shape = AttentionShape {
+            batch: 1,
+            time: 3,
+            heads: 8,
+            kv_heads: 2,
+            head_dim: 64,
+            scale: 0.125,
+        };
+        let checked = LayerKernels::check_attention("t", &shape).unwrap();
+        assert_eq!(checked.packed_strides, [12 * 64, 12 * 64]);
+        assert_eq!(checked.split_strides, [8 * 64, 2 * 64]);
+        assert_eq!(checked.variant, 0);
+        let operands = AttentionOperands::packed::<half::bf16>(1 << 20, &shape, [768, 768]);
+        assert_eq!(operands.k, (1 << 20) + 2 * 8 * 64);
+        assert_eq!(operands.v, (1 << 20) + 2 * 10 * 64);
+        for kv_heads in [0, 3] {
+            let err = LayerKernels::check_attention("t", &AttentionShape { kv_heads, ..shape })
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("kv_heads must divide heads"), "{err}");
+        }
     }
 
     #[test]
@@ -1054,12 +1412,21 @@ mod tests {
             batch: 2,
             time: 5,
             heads: 3,
+            kv_heads: 3,
             head_dim: 4,
             scale: 0.5,
         };
         assert_eq!(shape.qkv_len(), 2 * 5 * 36);
         assert_eq!(shape.out_len(), 2 * 5 * 12);
         assert_eq!(shape.lse_len(), 2 * 3 * 5);
+        let grouped = AttentionShape {
+            heads: 4,
+            kv_heads: 2,
+            ..shape
+        };
+        assert_eq!(grouped.qkv_len(), 2 * 5 * 8 * 4);
+        assert_eq!(grouped.q_len(), 2 * 5 * 16);
+        assert_eq!(grouped.kv_len(), 2 * 5 * 8);
     }
 
     #[test]

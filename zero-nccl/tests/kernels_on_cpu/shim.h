@@ -1,7 +1,9 @@
 // Runs zero-nccl's CUDA C (src/kernels/layers.cu) on the CPU, for
 // scripts/check-kernels-on-cpu.sh: every CUDA thread of a block is a host
 // thread, __syncthreads() is a barrier of the block's threads, a warp
-// shuffle a barrier of its 32. A barrier that some thread never reaches
+// shuffle a barrier of its 32, and a warp's mma.sync (shim_mma_m16n8k16) a
+// barrier of its 32 around a product computed from every lane's fragment
+// registers, laid out as the PTX ISA documents. A barrier that some thread never reaches
 // hangs the run (the script bounds it in time). What this cannot show:
 // races between threads that a barrier should have ordered but the host's
 // scheduling happened to, the GPU's approximate __expf, f16 NaN bits.
@@ -15,6 +17,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <cstdlib>
 struct dim3 { unsigned x=1, y=1, z=1; };
 thread_local dim3 threadIdx, blockIdx;
 dim3 gridDim, blockDim;
@@ -22,7 +25,10 @@ dim3 gridDim, blockDim;
 #define __device__
 #define __forceinline__ inline
 #define __shared__ static
-#define __launch_bounds__(x)
+#define __launch_bounds__(...)
+#define __align__(n) __attribute__((aligned(n)))
+struct alignas(16) uint4 { unsigned x, y, z, w; };
+[[noreturn]] static inline void __trap(){ abort(); }
 #define __expf cuda_expf
 static inline float cuda_expf(float x){return expf(x);}
 static inline float __int_as_float(int i){float f; memcpy(&f,&i,4); return f;}
@@ -32,7 +38,9 @@ static inline int min(int a,int b){return a<b?a:b;}
 static inline long long min(long long a,long long b){return a<b?a:b;}
 static inline float half_to_float(unsigned short b){_Float16 h; memcpy(&h,&b,2); return (float)h;}
 static inline unsigned short float_to_half(float f){_Float16 h=(_Float16)f; unsigned short b; memcpy(&b,&h,2); return b;}
-struct Warp { std::barrier<> bar{32}; double buf[32]; };
+// Fragment registers of one mma.m16n8k16 per lane; two sets, used in turn.
+struct MmaSlots { unsigned a[32][4]; unsigned b[32][2]; };
+struct Warp { std::barrier<> bar{32}; double buf[32]; MmaSlots mma[2]; };
 std::vector<std::unique_ptr<Warp>> g_warps;
 std::barrier<>* g_block = nullptr;
 thread_local int g_tid;
@@ -50,5 +58,38 @@ template<class F> void launch(dim3 grid, dim3 block, F f){
     std::vector<std::thread> ts;
     for (int t=0;t<n;t++) ts.emplace_back([&,t]{ g_tid=t; threadIdx.x=t%block.x; threadIdx.y=(t/block.x)%block.y; threadIdx.z=0; blockIdx.x=bx; blockIdx.y=by; blockIdx.z=bz; f(); g_block->arrive_and_drop(); });
     for (auto& th: ts) th.join();
+  }
+}
+
+// mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.{bf16,f16}.f32 with
+// D = C (in d): each lane posts its A and B registers, then computes its
+// own four D elements from the whole warp's. Layouts (PTX ISA, "Matrix
+// Fragments for mma.m16n8k16", g = lane / 4, t = lane % 4): A register i of
+// lane (g, t) holds A[g + 8 (i % 2)][2t + 8 (i / 2) + {0, 1}], B register i
+// holds B[2t + 8i + {0, 1}][g], D element i is D[g + 8 (i / 2)][2t + i % 2];
+// the lower index in the low 16 bits. The two slot sets alternate, so one
+// barrier per product suffices: a lane writes a set again only after
+// every lane has passed the next product's barrier, hence finished reading.
+// Products accumulate in f32, k in order (the hardware's order and
+// intermediate precision are unspecified; the tolerances allow for it).
+static inline float shim_widen16(unsigned bits, bool bf) {
+  return bf ? __uint_as_float(bits << 16) : half_to_float((unsigned short)bits);
+}
+static inline void shim_mma_m16n8k16(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2], bool bf) {
+  thread_local unsigned round = 0;
+  const int lane = g_tid % 32; Warp& w = *g_warps[g_tid / 32];
+  MmaSlots& s = w.mma[round++ & 1];
+  for (int i = 0; i < 4; i++) s.a[lane][i] = a[i];
+  for (int i = 0; i < 2; i++) s.b[lane][i] = b[i];
+  w.bar.arrive_and_wait();
+  auto half_of = [&](unsigned reg, int index) { return shim_widen16(index % 2 ? reg >> 16 : reg & 0xffff, bf); };
+  auto A = [&](int row, int col) { return half_of(s.a[(row % 8) * 4 + (col % 8) / 2][row / 8 + 2 * (col / 8)], col); };
+  auto B = [&](int k, int n) { return half_of(s.b[n * 4 + (k % 8) / 2][k / 8], k); };
+  const int g = lane / 4, t = lane % 4;
+  for (int i = 0; i < 4; i++) {
+    const int row = g + 8 * (i / 2), col = 2 * t + i % 2;
+    float acc = d[i];
+    for (int k = 0; k < 16; k++) acc += A(row, k) * B(k, col);
+    d[i] = acc;
   }
 }

@@ -1,4 +1,5 @@
-//! Causal self-attention over a packed `qkv` tensor, as one op.
+//! Causal attention as one op: over a packed `qkv` tensor, or over separate
+//! `q`, `k`, `v` with grouped K/V heads.
 
 use super::super::cpu;
 use super::super::cuda;
@@ -7,7 +8,8 @@ use super::super::storage::{tensor_from, with_cuda, Saved, SavedSlot};
 use super::attention_dims::AttentionDims;
 use candle_core::backend::BackendStorage;
 use candle_core::{
-    CpuStorage, CudaStorage, CustomOp1, Layout, Result, Shape, Storage, Tensor, WithDType,
+    CpuStorage, CudaStorage, CustomOp1, CustomOp3, Layout, Result, Shape, Storage, Tensor,
+    WithDType,
 };
 use rayon::prelude::*;
 
@@ -20,8 +22,10 @@ use rayon::prelude::*;
 /// backward (only the output and one f32 statistic per row: the
 /// log-sum-exp of the row's scores, FlashAttention-2's scheme); the
 /// backward recomputes the attention weights from it in one pass. 16-bit
-/// inputs compute in f32. On CUDA one kernel does the forward and one the
-/// backward, over every batch and head.
+/// inputs compute in f32. On CUDA one kernel does the forward and two the
+/// backward, over every batch and head; bf16 and f16 on sm_80 and newer run
+/// on tensor cores (their products take `P` and `dS` rounded to the input
+/// type, as FlashAttention-2 does). Heads up to 128 wide.
 ///
 /// ```
 /// use candle_core::{Device, Tensor};
@@ -56,7 +60,7 @@ impl CustomOp1 for CausalAttention {
         let dims = self.dims;
         let (y, lse) = dispatch_float!(storage.dtype(), OP, |T| {
             let qkv = cpu::slice::<T>(storage, layout, "the qkv input")?;
-            let (y, lse) = forward::<T>(qkv, &dims);
+            let (y, lse) = forward::<T>(&Operands::packed(qkv, &dims), &dims);
             (
                 T::to_cpu_storage_owned(y),
                 <T as Elem>::Acc::to_cpu_storage_owned(lse),
@@ -83,13 +87,15 @@ impl CustomOp1 for CausalAttention {
                     cpu::with_cpu(out, "the attention output", |o_storage, o_layout| {
                         cpu::with_cpu(&grad, "the output gradient", |g_storage, g_layout| {
                             Ok(dispatch_float!(q_storage.dtype(), OP, |T| {
-                                T::to_cpu_storage_owned(backward::<T>(
-                                    cpu::slice::<T>(q_storage, q_layout, "the qkv input")?,
+                                let qkv = cpu::slice::<T>(q_storage, q_layout, "the qkv input")?;
+                                let grads = backward::<T>(
+                                    &Operands::packed(qkv, &dims),
                                     cpu::slice::<T>(o_storage, o_layout, "the attention output")?,
                                     cpu::slice::<T>(g_storage, g_layout, "the output gradient")?,
                                     <T as Elem>::Acc::cpu_storage_as_slice(lse)?,
                                     &dims,
-                                ))
+                                );
+                                T::to_cpu_storage_owned(grads.packed(&dims))
                             }))
                         })
                     })
@@ -114,6 +120,170 @@ impl CustomOp1 for CausalAttention {
             }
         })
     }
+}
+
+/// Causal attention `softmax(q kᵀ / √head_dim + mask) v` over separate
+/// `q` `[batch, time, heads, head_dim]`, `k` and `v` `[batch, time,
+/// kv_heads, head_dim]`, where `kv_heads` divides `heads`: query head `h`
+/// attends with K/V head `h / (heads / kv_heads)` (grouped-query
+/// attention; `kv_heads == heads` is plain multi-head attention). Returns
+/// `[batch, time, heads, head_dim]`; the gradients of `k` and `v` sum over
+/// each K/V head's group of query heads, in order.
+///
+/// The same op as [`causal_self_attention`] otherwise: only the output and
+/// the rows' log-sum-exp are kept for backward, on the CPU and on CUDA.
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// # fn main() -> candle_core::Result<()> {
+/// let q = Tensor::randn(0f32, 1.0, (2, 5, 4, 8), &Device::Cpu)?; // 4 query heads of 8
+/// let k = Tensor::randn(0f32, 1.0, (2, 5, 2, 8), &Device::Cpu)?; // 2 K/V heads
+/// let v = Tensor::randn(0f32, 1.0, (2, 5, 2, 8), &Device::Cpu)?;
+/// let y = zero_candle::nn::ops::causal_attention(&q, &k, &v)?;
+/// assert_eq!(y.dims(), &[2, 5, 4, 8]);
+/// # Ok(()) }
+/// ```
+pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+    let dims = AttentionDims::of_split(q, k, v)?;
+    q.contiguous()?.apply_op3(
+        &k.contiguous()?,
+        &v.contiguous()?,
+        SplitAttention {
+            dims,
+            lse: SavedSlot::default(),
+        },
+    )
+}
+
+struct SplitAttention {
+    dims: AttentionDims,
+    /// The forward's log-sum-exp per `(batch, head, row)`.
+    lse: SavedSlot,
+}
+
+const SPLIT_OP: &str = "causal_attention";
+
+impl CustomOp3 for SplitAttention {
+    fn name(&self) -> &'static str {
+        "zero-causal-attention"
+    }
+
+    fn cpu_fwd(
+        &self,
+        q: &CpuStorage,
+        q_layout: &Layout,
+        k: &CpuStorage,
+        k_layout: &Layout,
+        v: &CpuStorage,
+        v_layout: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let dims = self.dims;
+        let (y, lse) = dispatch_float!(q.dtype(), SPLIT_OP, |T| {
+            let operands = Operands::split(
+                cpu::slice::<T>(q, q_layout, "q")?,
+                cpu::slice::<T>(k, k_layout, "k")?,
+                cpu::slice::<T>(v, v_layout, "v")?,
+                &dims,
+            );
+            let (y, lse) = forward::<T>(&operands, &dims);
+            (
+                T::to_cpu_storage_owned(y),
+                <T as Elem>::Acc::to_cpu_storage_owned(lse),
+            )
+        });
+        self.lse.put(Saved::Cpu(lse));
+        Ok((y, split_shape(&dims)))
+    }
+
+    fn cuda_fwd(
+        &self,
+        q: &CudaStorage,
+        q_layout: &Layout,
+        k: &CudaStorage,
+        k_layout: &Layout,
+        v: &CudaStorage,
+        v_layout: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let dims = self.dims;
+        let (y, lse) =
+            cuda::attention_forward_split([(q, q_layout), (k, k_layout), (v, v_layout)], &dims)?;
+        self.lse.put(Saved::Cuda(lse));
+        Ok((y, split_shape(&dims)))
+    }
+
+    fn bwd(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        out: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let dims = self.dims;
+        let grad = grad.contiguous()?;
+        let (q_shape, kv_shape) = (q.shape().clone(), k.shape().clone());
+        let [dq, dk, dv] = self.lse.read(SPLIT_OP, |saved| match saved {
+            Saved::Cpu(lse) => {
+                let grads = cpu::with_cpu(q, "q", |qs, ql| {
+                    cpu::with_cpu(k, "k", |ks, kl| {
+                        cpu::with_cpu(v, "v", |vs, vl| {
+                            cpu::with_cpu(out, "the attention output", |os, ol| {
+                                cpu::with_cpu(&grad, "the output gradient", |gs, gl| {
+                                    Ok(dispatch_float!(qs.dtype(), SPLIT_OP, |T| {
+                                        let operands = Operands::split(
+                                            cpu::slice::<T>(qs, ql, "q")?,
+                                            cpu::slice::<T>(ks, kl, "k")?,
+                                            cpu::slice::<T>(vs, vl, "v")?,
+                                            &dims,
+                                        );
+                                        let grads = backward::<T>(
+                                            &operands,
+                                            cpu::slice::<T>(os, ol, "the attention output")?,
+                                            cpu::slice::<T>(gs, gl, "the output gradient")?,
+                                            <T as Elem>::Acc::cpu_storage_as_slice(lse)?,
+                                            &dims,
+                                        );
+                                        [grads.q, grads.k, grads.v].map(T::to_cpu_storage_owned)
+                                    }))
+                                })
+                            })
+                        })
+                    })
+                })?;
+                Ok(grads.map(Storage::Cpu))
+            }
+            Saved::Cuda(lse) => {
+                let grads = with_cuda(q, "q", |qs, ql| {
+                    with_cuda(k, "k", |ks, kl| {
+                        with_cuda(v, "v", |vs, vl| {
+                            with_cuda(out, "the attention output", |os, ol| {
+                                with_cuda(&grad, "the output gradient", |gs, gl| {
+                                    cuda::attention_backward_split(
+                                        [(qs, ql), (ks, kl), (vs, vl)],
+                                        (os, ol),
+                                        lse,
+                                        (gs, gl),
+                                        &dims,
+                                    )
+                                })
+                            })
+                        })
+                    })
+                })?;
+                Ok(grads.map(Storage::Cuda))
+            }
+        })?;
+        Ok((
+            Some(tensor_from(dq, q_shape)),
+            Some(tensor_from(dk, kv_shape.clone())),
+            Some(tensor_from(dv, kv_shape)),
+        ))
+    }
+}
+
+/// The split form's output shape, `[batch, time, heads, head_dim]`.
+fn split_shape(dims: &AttentionDims) -> Shape {
+    Shape::from((dims.batch, dims.time, dims.heads, dims.head_dim))
 }
 
 /// `Σ a·b` in `A`, in eight lanes so that it vectorizes.
@@ -143,18 +313,104 @@ fn axpy<A: Accum>(acc: &mut [A], p: A, x: &[A]) {
     }
 }
 
-/// One sequence's `qkv` `[time, 3d]` in the accumulation type.
+/// One sequence's rows in the accumulation type.
 fn widen<T: Elem>(values: &[T]) -> Vec<T::Acc> {
     values.iter().map(|v| v.acc()).collect()
 }
 
+/// One of q, k, v: rows of `stride` elements in `data`, the operand's
+/// head 0 at column `at` of each row, head `h` `h * head_dim` further.
+#[derive(Clone, Copy)]
+struct Operand<'a, T> {
+    data: &'a [T],
+    at: usize,
+    stride: usize,
+}
+
+impl<'a, T> Operand<'a, T> {
+    /// Sequence `b`'s rows.
+    fn sequence(&self, b: usize, time: usize) -> &'a [T] {
+        &self.data[b * time * self.stride..][..time * self.stride]
+    }
+}
+
+/// The inputs of one attention call: a packed `qkv` (three column ranges
+/// of one buffer) or three tensors.
+struct Operands<'a, T> {
+    q: Operand<'a, T>,
+    k: Operand<'a, T>,
+    v: Operand<'a, T>,
+}
+
+impl<'a, T> Operands<'a, T> {
+    fn packed(qkv: &'a [T], dims: &AttentionDims) -> Self {
+        let (d, stride) = (dims.d_model(), dims.d_model() + 2 * dims.kv_width());
+        let at = |at| Operand {
+            data: qkv,
+            at,
+            stride,
+        };
+        Self {
+            q: at(0),
+            k: at(d),
+            v: at(d + dims.kv_width()),
+        }
+    }
+
+    fn split(q: &'a [T], k: &'a [T], v: &'a [T], dims: &AttentionDims) -> Self {
+        let (d, kv) = (dims.d_model(), dims.kv_width());
+        Self {
+            q: Operand {
+                data: q,
+                at: 0,
+                stride: d,
+            },
+            k: Operand {
+                data: k,
+                at: 0,
+                stride: kv,
+            },
+            v: Operand {
+                data: v,
+                at: 0,
+                stride: kv,
+            },
+        }
+    }
+}
+
+/// One sequence's operand widened to the accumulation type, rows readable
+/// per head.
+struct Widened<A> {
+    x: Vec<A>,
+    at: usize,
+    stride: usize,
+    head_dim: usize,
+}
+
+impl<A: Accum> Widened<A> {
+    fn of<T: Elem<Acc = A>>(operand: &Operand<T>, b: usize, dims: &AttentionDims) -> Self {
+        Self {
+            x: widen(operand.sequence(b, dims.time)),
+            at: operand.at,
+            stride: operand.stride,
+            head_dim: dims.head_dim,
+        }
+    }
+
+    /// Row `t` of head `h`.
+    fn row(&self, t: usize, h: usize) -> &[A] {
+        &self.x[t * self.stride + self.at + h * self.head_dim..][..self.head_dim]
+    }
+}
+
 /// The forward over every sequence (in parallel): the output `[batch,
-/// time, d]` and the log-sum-exp `[batch, heads, time]`.
+/// time, heads * head_dim]` and the log-sum-exp `[batch, heads, time]`.
 ///
-/// Row `i` of head `h`: scores `s_j = scale · q_i·k_j` for `j <= i`,
-/// `m = max s`, `l = Σ exp(s_j - m)`, `y_i = Σ exp(s_j - m) v_j / l`,
-/// `lse_i = m + ln l`.
-fn forward<T: Elem>(qkv: &[T], dims: &AttentionDims) -> (Vec<T>, Vec<T::Acc>) {
+/// Row `i` of head `h` (K/V head `g = h / (heads / kv_heads)`): scores
+/// `s_j = scale · q_i·k_j` for `j <= i`, `m = max s`, `l = Σ exp(s_j - m)`,
+/// `y_i = Σ exp(s_j - m) v_j / l`, `lse_i = m + ln l`.
+fn forward<T: Elem>(operands: &Operands<T>, dims: &AttentionDims) -> (Vec<T>, Vec<T::Acc>) {
     let AttentionDims {
         batch,
         time,
@@ -163,6 +419,7 @@ fn forward<T: Elem>(qkv: &[T], dims: &AttentionDims) -> (Vec<T>, Vec<T::Acc>) {
         ..
     } = *dims;
     let d = dims.d_model();
+    let group = heads / dims.kv_heads;
     let scale = dims.scale_in::<T::Acc>();
     let mut y = vec![T::from_acc(T::Acc::ZERO); batch * time * d];
     let mut lse = vec![T::Acc::ZERO; batch * heads * time];
@@ -171,18 +428,20 @@ fn forward<T: Elem>(qkv: &[T], dims: &AttentionDims) -> (Vec<T>, Vec<T::Acc>) {
     }
     y.par_chunks_mut(time * d)
         .zip(lse.par_chunks_mut(heads * time))
-        .zip(qkv.par_chunks(time * 3 * d))
-        .for_each(|((y, lse), qkv)| {
-            let x = widen(qkv);
+        .enumerate()
+        .for_each(|(b, (y, lse))| {
+            let q = Widened::of(&operands.q, b, dims);
+            let k = Widened::of(&operands.k, b, dims);
+            let v = Widened::of(&operands.v, b, dims);
             let mut scores = vec![T::Acc::ZERO; time];
             let mut acc = vec![T::Acc::ZERO; hd];
             for h in 0..heads {
-                let (q_at, k_at, v_at) = (h * hd, d + h * hd, 2 * d + h * hd);
+                let g = h / group;
                 for i in 0..time {
-                    let q = &x[i * 3 * d + q_at..][..hd];
+                    let q_i = q.row(i, h);
                     let scores = &mut scores[..=i];
                     for (j, s) in scores.iter_mut().enumerate() {
-                        *s = scale * dot(q, &x[j * 3 * d + k_at..][..hd]);
+                        *s = scale * dot(q_i, k.row(j, g));
                     }
                     let max = scores
                         .iter()
@@ -194,7 +453,7 @@ fn forward<T: Elem>(qkv: &[T], dims: &AttentionDims) -> (Vec<T>, Vec<T::Acc>) {
                     let sum = scores.iter().fold(T::Acc::ZERO, |a, &p| a + p);
                     acc.fill(T::Acc::ZERO);
                     for (j, &p) in scores.iter().enumerate() {
-                        axpy(&mut acc, p, &x[j * 3 * d + v_at..][..hd]);
+                        axpy(&mut acc, p, v.row(j, g));
                     }
                     let inv = T::Acc::ONE / sum;
                     for (o, &a) in y[i * d + h * hd..][..hd].iter_mut().zip(&acc) {
@@ -207,20 +466,48 @@ fn forward<T: Elem>(qkv: &[T], dims: &AttentionDims) -> (Vec<T>, Vec<T::Acc>) {
     (y, lse)
 }
 
-/// The gradient of `qkv` given the forward's output `out`, its gradient
-/// `grad` and the log-sum-exp `lse`, every sequence in parallel.
+/// The gradients of q `[batch, time, heads * head_dim]`, k and v `[batch,
+/// time, kv_heads * head_dim]`, each rounded once.
+struct Gradients<T> {
+    q: Vec<T>,
+    k: Vec<T>,
+    v: Vec<T>,
+}
+
+impl<T: Copy> Gradients<T> {
+    /// As one packed `dqkv` `[batch, time, (heads + 2 kv_heads) head_dim]`.
+    fn packed(&self, dims: &AttentionDims) -> Vec<T> {
+        let (d, kv) = (dims.d_model(), dims.kv_width());
+        let mut dqkv = Vec::with_capacity(self.q.len() + 2 * self.k.len());
+        for ((q, k), v) in self
+            .q
+            .chunks_exact(d)
+            .zip(self.k.chunks_exact(kv))
+            .zip(self.v.chunks_exact(kv))
+        {
+            dqkv.extend_from_slice(q);
+            dqkv.extend_from_slice(k);
+            dqkv.extend_from_slice(v);
+        }
+        dqkv
+    }
+}
+
+/// The gradients of q, k and v given the forward's output `out`, its
+/// gradient `grad` and the log-sum-exp `lse`, every sequence in parallel.
 ///
 /// Per head, with `p_ij = exp(scale · q_i·k_j - lse_i)` recomputed and
 /// `D_i = Σ grad_i · out_i`: `dv_j += p_ij grad_i`,
 /// `ds_ij = p_ij (grad_i·v_j - D_i)`, `dq_i += scale · ds_ij k_j`,
-/// `dk_j += scale · ds_ij q_i`.
+/// `dk_j += scale · ds_ij q_i`; a K/V head's `dk`, `dv` sum over its group
+/// of query heads in head order.
 fn backward<T: Elem>(
-    qkv: &[T],
+    operands: &Operands<T>,
     out: &[T],
     grad: &[T],
     lse: &[T::Acc],
     dims: &AttentionDims,
-) -> Vec<T> {
+) -> Gradients<T> {
     let AttentionDims {
         batch,
         time,
@@ -228,67 +515,78 @@ fn backward<T: Elem>(
         head_dim: hd,
         ..
     } = *dims;
-    let d = dims.d_model();
+    let (d, kv) = (dims.d_model(), dims.kv_width());
+    let group = heads / dims.kv_heads;
     let scale = dims.scale_in::<T::Acc>();
-    let mut dqkv = vec![T::from_acc(T::Acc::ZERO); batch * time * 3 * d];
-    if dqkv.is_empty() {
-        return dqkv;
+    let zero = T::from_acc(T::Acc::ZERO);
+    let mut grads = Gradients {
+        q: vec![zero; batch * time * d],
+        k: vec![zero; batch * time * kv],
+        v: vec![zero; batch * time * kv],
+    };
+    if grads.q.is_empty() {
+        return grads;
     }
-    dqkv.par_chunks_mut(time * 3 * d)
-        .zip(qkv.par_chunks(time * 3 * d))
+    grads
+        .q
+        .par_chunks_mut(time * d)
+        .zip(grads.k.par_chunks_mut(time * kv))
+        .zip(grads.v.par_chunks_mut(time * kv))
         .zip(out.par_chunks(time * d))
         .zip(grad.par_chunks(time * d))
         .zip(lse.par_chunks(heads * time))
-        .for_each(|((((dqkv, qkv), out), grad), lse)| {
-            let x = widen(qkv);
+        .enumerate()
+        .for_each(|(b, (((((dq_out, dk_out), dv_out), out), grad), lse))| {
+            let q = Widened::of(&operands.q, b, dims);
+            let k = Widened::of(&operands.k, b, dims);
+            let v = Widened::of(&operands.v, b, dims);
             let o = widen(out);
             let g = widen(grad);
-            let mut dx = vec![T::Acc::ZERO; time * 3 * d];
+            let mut dq = vec![T::Acc::ZERO; time * d];
+            let mut dk = vec![T::Acc::ZERO; time * kv];
+            let mut dv = vec![T::Acc::ZERO; time * kv];
             let mut delta = vec![T::Acc::ZERO; time];
             let (mut p, mut ds) = (vec![T::Acc::ZERO; time], vec![T::Acc::ZERO; time]);
-            let mut dq = vec![T::Acc::ZERO; hd];
             for h in 0..heads {
-                let (q_at, k_at, v_at) = (h * hd, d + h * hd, 2 * d + h * hd);
+                let kv_at = (h / group) * hd;
                 for (i, delta) in delta.iter_mut().enumerate() {
                     let at = i * d + h * hd;
                     *delta = dot(&g[at..][..hd], &o[at..][..hd]);
                 }
                 for i in 0..time {
-                    let q = &x[i * 3 * d + q_at..][..hd];
+                    let q_i = q.row(i, h);
                     let g_i = &g[i * d + h * hd..][..hd];
                     let lse_i = lse[h * time + i];
                     let (p, ds) = (&mut p[..=i], &mut ds[..=i]);
                     // Each quantity in a pass of its own over the row's
                     // keys, so that the exponentials and products vectorize.
                     for (j, p) in p.iter_mut().enumerate() {
-                        *p = scale * dot(q, &x[j * 3 * d + k_at..][..hd]);
+                        *p = scale * dot(q_i, k.row(j, h / group));
                     }
                     for p in p.iter_mut() {
                         *p = (*p - lse_i).exp();
                     }
                     for (j, ds) in ds.iter_mut().enumerate() {
-                        *ds = dot(g_i, &x[j * 3 * d + v_at..][..hd]);
+                        *ds = dot(g_i, v.row(j, h / group));
                     }
                     for (ds, &p) in ds.iter_mut().zip(p.iter()) {
                         *ds = scale * p * (*ds - delta[i]);
                     }
                     for j in 0..=i {
-                        axpy(&mut dx[j * 3 * d + v_at..][..hd], p[j], g_i);
-                        axpy(&mut dx[j * 3 * d + k_at..][..hd], ds[j], q);
+                        axpy(&mut dv[j * kv + kv_at..][..hd], p[j], g_i);
+                        axpy(&mut dk[j * kv + kv_at..][..hd], ds[j], q_i);
                     }
-                    let dq = &mut dq[..hd];
-                    dq.fill(T::Acc::ZERO);
+                    let dq_i = &mut dq[i * d + h * hd..][..hd];
                     for (j, &ds) in ds.iter().enumerate() {
-                        axpy(dq, ds, &x[j * 3 * d + k_at..][..hd]);
-                    }
-                    for (out, &v) in dx[i * 3 * d + q_at..][..hd].iter_mut().zip(dq.iter()) {
-                        *out += v;
+                        axpy(dq_i, ds, k.row(j, h / group));
                     }
                 }
             }
-            for (out, &v) in dqkv.iter_mut().zip(&dx) {
-                *out = T::from_acc(v);
+            for (out, acc) in [(dq_out, &dq), (dk_out, &dk), (dv_out, &dv)] {
+                for (out, &v) in out.iter_mut().zip(acc.iter()) {
+                    *out = T::from_acc(v);
+                }
             }
         });
-    dqkv
+    grads
 }

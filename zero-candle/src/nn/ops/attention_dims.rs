@@ -4,9 +4,9 @@
 use super::super::elem::Accum;
 use candle_core::{bail, Result, Tensor};
 
-/// The shape of one causal self-attention call.
+/// The shape of one causal attention call.
 ///
-/// `qkv` is `[batch, time, 3 * heads * head_dim]`, as a GPT's `qkv` Linear
+/// Packed ([`causal_self_attention`](super::causal_self_attention)): `qkv` is `[batch, time, 3 * heads * head_dim]`, as a GPT's `qkv` Linear
 /// writes it: the query of head `h` at columns `h * head_dim..`, its key at
 /// `d + h * head_dim..` and its value at `2 * d + h * head_dim..`, with
 /// `d = heads * head_dim`. The output is `[batch, time, d]`, head `h` at
@@ -14,14 +14,22 @@ use candle_core::{bail, Result, Tensor};
 /// forward also keeps, per `(batch, head, row)`, the log-sum-exp of the
 /// row's scaled scores (f32, `[batch, heads, time]`, natural log), which
 /// is all the backward needs besides `qkv` and the output.
+///
+/// Split ([`causal_attention`](super::causal_attention)): `q` is `[batch,
+/// time, heads, head_dim]`, `k` and `v` are `[batch, time, kv_heads,
+/// head_dim]` with `kv_heads` dividing `heads`: query head `h` attends with
+/// K/V head `h / (heads / kv_heads)` (grouped-query attention); the output
+/// is `[batch, time, heads, head_dim]`.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AttentionDims {
     /// Sequences.
     pub batch: usize,
     /// Positions per sequence.
     pub time: usize,
-    /// Heads.
+    /// Query heads.
     pub heads: usize,
+    /// Key/value heads (`heads` in the packed form).
+    pub kv_heads: usize,
     /// Width of one head.
     pub head_dim: usize,
     /// The factor on `q · k` (`1 / sqrt(head_dim)`), in f32 as the CUDA
@@ -52,6 +60,53 @@ impl AttentionDims {
             batch,
             time,
             heads,
+            kv_heads: heads,
+            head_dim,
+            scale: 1.0 / (head_dim as f32).sqrt(),
+        })
+    }
+
+    /// The dims of separate `q` `[batch, time, heads, head_dim]`, `k` and
+    /// `v` `[batch, time, kv_heads, head_dim]`, with the usual scale.
+    pub fn of_split(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Self> {
+        let four = |t: &Tensor, name: &str, heads: &str| match t.dims() {
+            &[b, t, h, d] => Ok((b, t, h, d)),
+            dims => bail!(
+                "zero-candle causal_attention: {name} must be [batch, time, {heads}, head_dim], \
+                 got {dims:?}"
+            ),
+        };
+        let (batch, time, heads, head_dim) = four(q, "q", "heads")?;
+        let (kb, kt, kv_heads, kd) = four(k, "k", "kv_heads")?;
+        if v.dims() != k.dims() || (kb, kt, kd) != (batch, time, head_dim) {
+            bail!(
+                "zero-candle causal_attention: k {:?} and v {:?} must both be [batch, time, \
+                 kv_heads, head_dim] with q's batch, time and head_dim (q is {:?})",
+                k.dims(),
+                v.dims(),
+                q.dims()
+            );
+        }
+        if heads == 0 || head_dim == 0 || kv_heads == 0 || heads % kv_heads != 0 {
+            bail!(
+                "zero-candle causal_attention: {heads} query heads of {head_dim} cannot share \
+                 {kv_heads} K/V heads; kv_heads must divide heads and both be at least 1"
+            );
+        }
+        if q.dtype() != k.dtype() || q.dtype() != v.dtype() {
+            bail!(
+                "zero-candle causal_attention: q, k, v are {:?}, {:?}, {:?}; convert them to \
+                 one dtype",
+                q.dtype(),
+                k.dtype(),
+                v.dtype()
+            );
+        }
+        Ok(Self {
+            batch,
+            time,
+            heads,
+            kv_heads,
             head_dim,
             scale: 1.0 / (head_dim as f32).sqrt(),
         })
@@ -66,5 +121,10 @@ impl AttentionDims {
     /// `heads * head_dim`.
     pub fn d_model(&self) -> usize {
         self.heads * self.head_dim
+    }
+
+    /// `kv_heads * head_dim`: the width of a K or V row.
+    pub fn kv_width(&self) -> usize {
+        self.kv_heads * self.head_dim
     }
 }

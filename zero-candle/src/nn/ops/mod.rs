@@ -1,4 +1,5 @@
-//! Fused transformer ops with their own backward: causal self-attention,
+//! Fused transformer ops with their own backward: causal attention (over a
+//! packed `qkv`, or separate `q`, `k`, `v` with grouped K/V heads),
 //! GELU (tanh and erf forms), SiLU and cross-entropy, each one custom op on
 //! the CPU and on CUDA.
 //!
@@ -7,7 +8,9 @@
 //! several times over for attention). Here each is one op whose forward
 //! keeps only what its backward needs and whose backward is one pass.
 //! 16-bit inputs compute in f32 (as autocast does) and round once at the
-//! end.
+//! end; on GPUs with tensor cores (sm_80 on), 16-bit attention's products
+//! also take the attention weights and their gradients rounded to the
+//! input type, as FlashAttention-2 does.
 
 mod activation;
 mod activation_kind;
@@ -17,6 +20,6 @@ mod cross_entropy;
 
 pub use activation::{gelu, gelu_erf, silu};
 pub use activation_kind::Activation;
-pub use attention::causal_self_attention;
+pub use attention::{causal_attention, causal_self_attention};
 pub use attention_dims::AttentionDims;
 pub use cross_entropy::{cross_entropy, cross_entropy_with_ignore};

@@ -1,0 +1,514 @@
+// ===========================================================================
+// Causal attention on tensor cores (sm_80 and newer), bf16 and f16 in, f32
+// accumulation: FlashAttention-2's scheme with `mma.sync.aligned.m16n8k16`.
+// Appended to layers.cu (LAYER_SOURCE is the two files), whose types,
+// conversions, layouts (q/k/v strides, grouped K/V heads: see the CUDA-core
+// attention there) and kernel arguments (ATTN_*_PARAMS) it shares.
+//
+// A block is TC_WARPS warps; each warp owns 16 rows (queries in the forward
+// and dQ, keys in dK/dV) of a TC_ROWS-row tile and streams TC_ROWS-row tiles
+// of the other side through shared memory, rows of DMAX + TC_PAD 16-bit
+// elements (the padding puts the 8 rows a fragment load touches on distinct
+// banks). The warp's own rows (Q, or K and V) are staged through the same
+// buffers once and kept in registers as A fragments.
+//
+// Fragments (PTX ISA, "Matrix Fragments for mma.m16n8k16"): with g = lane / 4
+// and t = lane % 4, A (16 x 16, row-major) register i holds the two
+// elements (g + 8 * (i % 2), 2t + 8 * (i / 2) + {0, 1}); B (16 x 8, k x n)
+// register i holds (2t + 8i + {0, 1}, g); C/D (16 x 8 f32) element i is
+// (g + 8 * (i / 2), 2t + i % 2). The lower-indexed element sits in the low
+// 16 bits. So a C fragment pair of n-tiles (2j, 2j + 1) is, rounded to 16
+// bits, the A fragment of k-step j: P and dS go from one product to the
+// next without leaving registers. A B operand whose k runs along a shared
+// row (K for Q K^T) is two 32-bit loads; one whose k runs down a column (V
+// for P V) is four 16-bit loads.
+//
+// Deterministic: dK/dV per key tile (one block sums over its query tiles
+// and its K/V head's query heads, in order), dQ per query tile, no atomics.
+// Head widths up to DMAX (64 or 128); columns past D are zero in shared
+// memory and never stored.
+// ===========================================================================
+#define TC_WARPS 4
+#define TC_THREADS (TC_WARPS * 32)
+#define TC_ROWS 64  // rows per block tile and per streamed tile: 16 per warp
+#define TC_PAD 8    // 16-bit elements after each shared-memory row
+
+// D += A B for one warp: A 16 x 16 and B 16 x 8 of T (bf16 or f16), D f32.
+template <typename T>
+__device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const unsigned (&a)[4],
+                                             const unsigned (&b)[2]);
+template <>
+__device__ __forceinline__ void mma_m16n8k16<bf16>(float (&d)[4], const unsigned (&a)[4],
+                                                   const unsigned (&b)[2]) {
+#ifdef ZERO_LAYERS_ON_CPU
+    shim_mma_m16n8k16(d, a, b, true);
+#elif __CUDA_ARCH__ >= 800
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+    __trap();  // LayerKernels launches these kernels on sm_80 and newer only
+#endif
+}
+template <>
+__device__ __forceinline__ void mma_m16n8k16<f16>(float (&d)[4], const unsigned (&a)[4],
+                                                  const unsigned (&b)[2]) {
+#ifdef ZERO_LAYERS_ON_CPU
+    shim_mma_m16n8k16(d, a, b, false);
+#elif __CUDA_ARCH__ >= 800
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+    __trap();
+#endif
+}
+
+__device__ __forceinline__ unsigned pack16(u16 lo, u16 hi) {
+    return (unsigned)lo | ((unsigned)hi << 16);
+}
+// `cvt.rn.{bf16x2,f16x2}.f32 d, a, b`: a and b rounded to nearest even, a
+// in the upper half of d, b in the lower (PTX ISA, cvt). One instruction for
+// what from_f32 does in several; the CPU shim models it with from_f32.
+template <typename T>
+__device__ __forceinline__ unsigned cvt_rn_x2(float a, float b);
+template <>
+__device__ __forceinline__ unsigned cvt_rn_x2<bf16>(float a, float b) {
+    unsigned d;
+#if defined(ZERO_LAYERS_ON_CPU) || __CUDA_ARCH__ < 800
+    d = pack16(from_f32<bf16>(b).bits, from_f32<bf16>(a).bits);
+#else
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(a), "f"(b));
+#endif
+    return d;
+}
+template <>
+__device__ __forceinline__ unsigned cvt_rn_x2<f16>(float a, float b) {
+    unsigned d;
+#if defined(ZERO_LAYERS_ON_CPU) || __CUDA_ARCH__ < 800
+    d = pack16(from_f32<f16>(b).bits, from_f32<f16>(a).bits);
+#else
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(a), "f"(b));
+#endif
+    return d;
+}
+// Two f32 rounded to T, packed as one fragment register (lo in the low half).
+template <typename T>
+__device__ __forceinline__ unsigned pack_f32(float lo, float hi) {
+    return cvt_rn_x2<T>(hi, lo);
+}
+// The pair at an even column of a shared row (4-byte aligned: the pitch is even).
+__device__ __forceinline__ unsigned pair_at(const u16* p) {
+    return *(const unsigned*)p;
+}
+// The two elements at rows r and r + 1 of one column.
+template <int P>
+__device__ __forceinline__ unsigned column_pair_at(const u16* p) {
+    return pack16(p[0], p[P]);
+}
+
+// Rows [t0, t0 + TC_ROWS) of one head (columns [0, D) from `base`, rows
+// `stride` apart) into a shared tile, zero outside [0, T) x [0, D): 16-byte
+// loads when D, the stride and the base allow, else 16-bit ones.
+template <typename T, int DMAX>
+__device__ __forceinline__ void tc_load_rows(u16* tile, const T* base, int stride, int t0,
+                                             int T_, int D) {
+    constexpr int P = DMAX + TC_PAD;
+    const bool wide = D % 8 == 0 && stride % 8 == 0 && ((size_t)base & 15) == 0;
+    if (wide) {
+        constexpr int CHUNKS = DMAX / 8;
+        for (int i = threadIdx.x; i < TC_ROWS * CHUNKS; i += TC_THREADS) {
+            const int j = i / CHUNKS, c = (i % CHUNKS) * 8, t = t0 + j;
+            uint4 v = {0u, 0u, 0u, 0u};
+            if (t < T_ && c < D) v = *(const uint4*)(base + (size_t)t * stride + c);
+            *(uint4*)(tile + j * P + c) = v;
+        }
+    } else {
+        for (int i = threadIdx.x; i < TC_ROWS * DMAX; i += TC_THREADS) {
+            const int j = i / DMAX, d = i % DMAX, t = t0 + j;
+            tile[j * P + d] = (t < T_ && d < D) ? base[(size_t)t * stride + d].bits : (u16)0;
+        }
+    }
+}
+
+// The A fragments of the warp's 16 rows of a staged tile, over DMAX columns.
+template <int DMAX>
+__device__ __forceinline__ void a_fragments(unsigned (&a)[DMAX / 16][4], const u16* tile,
+                                            int warp, int lane) {
+    constexpr int P = DMAX + TC_PAD;
+    const u16* row = tile + (warp * 16 + lane / 4) * P + 2 * (lane % 4);
+#pragma unroll
+    for (int kk = 0; kk < DMAX / 16; ++kk) {
+        a[kk][0] = pair_at(row + kk * 16);
+        a[kk][1] = pair_at(row + 8 * P + kk * 16);
+        a[kk][2] = pair_at(row + kk * 16 + 8);
+        a[kk][3] = pair_at(row + 8 * P + kk * 16 + 8);
+    }
+}
+
+// s[n] = A B for the n-tiles of 8 rows of `tile`, B[k][n] = tile[n][k]: the
+// warp's 16 rows (A) against the tile's TC_ROWS rows, over DMAX columns.
+template <typename T, int DMAX>
+__device__ __forceinline__ void rows_times_tile(float (&s)[TC_ROWS / 8][4],
+                                                const unsigned (&a)[DMAX / 16][4],
+                                                const u16* tile, int lane) {
+    constexpr int P = DMAX + TC_PAD;
+#pragma unroll
+    for (int n = 0; n < TC_ROWS / 8; ++n) {
+        s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+        const u16* row = tile + (n * 8 + lane / 4) * P + 2 * (lane % 4);
+#pragma unroll
+        for (int kk = 0; kk < DMAX / 16; ++kk) {
+            const unsigned b[2] = {pair_at(row + kk * 16), pair_at(row + kk * 16 + 8)};
+            mma_m16n8k16<T>(s[n], a[kk], b);
+        }
+    }
+}
+
+// acc += X tile, X the warp's 16 x TC_ROWS values in C-fragment layout
+// (rounded to T here), over the tile's rows: acc[n] covers columns
+// 8n..8n + 7 of the result, B[k][n] = tile[k][n].
+template <typename T, int DMAX>
+__device__ __forceinline__ void scores_times_tile(float (&acc)[DMAX / 8][4],
+                                                  const float (&x)[TC_ROWS / 8][4],
+                                                  const u16* tile, int lane) {
+    constexpr int P = DMAX + TC_PAD;
+#pragma unroll
+    for (int kk = 0; kk < TC_ROWS / 16; ++kk) {
+        const unsigned a[4] = {
+            pack_f32<T>(x[2 * kk][0], x[2 * kk][1]),
+            pack_f32<T>(x[2 * kk][2], x[2 * kk][3]),
+            pack_f32<T>(x[2 * kk + 1][0], x[2 * kk + 1][1]),
+            pack_f32<T>(x[2 * kk + 1][2], x[2 * kk + 1][3]),
+        };
+        const u16* col = tile + (kk * 16 + 2 * (lane % 4)) * P + lane / 4;
+#pragma unroll
+        for (int n = 0; n < DMAX / 8; ++n) {
+            const unsigned b[2] = {column_pair_at<P>(col + n * 8),
+                                   column_pair_at<P>(col + 8 * P + n * 8)};
+            mma_m16n8k16<T>(acc[n], a, b);
+        }
+    }
+}
+
+// The sum (or max) over the 4 lanes that share a fragment row.
+__device__ __forceinline__ float quad_sum(float v) {
+    v += __shfl_xor_sync(FULL_MASK, v, 1);
+    return v + __shfl_xor_sync(FULL_MASK, v, 2);
+}
+__device__ __forceinline__ float quad_max(float v) {
+    v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, 1));
+    return fmaxf(v, __shfl_xor_sync(FULL_MASK, v, 2));
+}
+
+template <typename T, int DMAX>
+__device__ __forceinline__ void attention_tc_forward(ATTN_FORWARD_PARAMS(T)) {
+    constexpr int P = DMAX + TC_PAD;
+    constexpr int NT = TC_ROWS / 8, DT = DMAX / 8;
+    __shared__ __align__(16) u16 ks[TC_ROWS * P];
+    __shared__ __align__(16) u16 vs[TC_ROWS * P];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    // Heavy (late) query tiles first: causal work grows with the tile index.
+    const int q0 = (gridDim.x - 1 - blockIdx.x) * TC_ROWS;
+    const int h = blockIdx.y, b = blockIdx.z, kvh = h / (H / KVH);
+    const T* qb = q + (size_t)b * T_ * q_stride + (size_t)h * D;
+    const T* kb = k + (size_t)b * T_ * kv_stride + (size_t)kvh * D;
+    const T* vb = v + (size_t)b * T_ * kv_stride + (size_t)kvh * D;
+
+    tc_load_rows<T, DMAX>(ks, qb, q_stride, q0, T_, D);
+    __syncthreads();
+    unsigned qa[DMAX / 16][4];
+    a_fragments<DMAX>(qa, ks, warp, lane);
+
+    // This lane's rows: row0 (fragment elements 0, 1) and row0 + 8 (2, 3).
+    const int row0 = q0 + warp * 16 + lane / 4;
+    float o[DT][4], m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
+#pragma unroll
+    for (int n = 0; n < DT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+    const int last = min(q0 + TC_ROWS, T_) - 1;  // the block's last query row
+    for (int k0 = 0; k0 <= last; k0 += TC_ROWS) {
+        __syncthreads();  // the previous tile (or the staged Q) is consumed
+        tc_load_rows<T, DMAX>(ks, kb, kv_stride, k0, T_, D);
+        tc_load_rows<T, DMAX>(vs, vb, kv_stride, k0, T_, D);
+        __syncthreads();
+        float s[NT][4];
+        rows_times_tile<T, DMAX>(s, qa, ks, lane);
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int row = row0 + 8 * r;
+            float mx = NEG_INF;
+#pragma unroll
+            for (int n = 0; n < NT; ++n) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int key = k0 + n * 8 + 2 * (lane % 4) + e;
+                    // key <= row < T: key < T
+                    const float sc = key <= row && row < T_ ? s[n][2 * r + e] * scale : NEG_INF;
+                    s[n][2 * r + e] = sc;
+                    mx = fmaxf(mx, sc);
+                }
+            }
+            const float m_new = fmaxf(m[r], quad_max(mx));
+            // m_new is -inf only on a padding row (row >= T), which stays empty.
+            const float alpha = m[r] == NEG_INF ? 0.f : __expf(m[r] - m_new);
+            float sum = 0.f;
+#pragma unroll
+            for (int n = 0; n < NT; ++n) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const float sc = s[n][2 * r + e];
+                    const float p = sc == NEG_INF ? 0.f : __expf(sc - m_new);
+                    s[n][2 * r + e] = p;
+                    sum += p;
+                }
+            }
+            l[r] = l[r] * alpha + quad_sum(sum);
+            m[r] = m_new;
+#pragma unroll
+            for (int n = 0; n < DT; ++n) {
+                o[n][2 * r] *= alpha;
+                o[n][2 * r + 1] *= alpha;
+            }
+        }
+        scores_times_tile<T, DMAX>(o, s, vs, lane);
+    }
+    const int C = H * D;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = row0 + 8 * r;
+        if (row < T_) {
+            const float inv = 1.f / l[r];
+            T* yr = y + ((size_t)b * T_ + row) * C + (size_t)h * D;
+#pragma unroll
+            for (int n = 0; n < DT; ++n) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int d = n * 8 + 2 * (lane % 4) + e;
+                    if (d < D) yr[d] = from_f32<T>(o[n][2 * r + e] * inv);
+                }
+            }
+            if (lane % 4 == 0) lse[((size_t)b * H + h) * T_ + row] = m[r] + logf(l[r]);
+        }
+    }
+}
+
+// dQ of a query tile: stream the key tiles up to it, recompute P from lse,
+// dS = P (dP - D), dQ += dS K.
+template <typename T, int DMAX>
+__device__ __forceinline__ void attention_tc_backward_dq(ATTN_DQ_PARAMS(T)) {
+    constexpr int P = DMAX + TC_PAD;
+    constexpr int NT = TC_ROWS / 8, DT = DMAX / 8;
+    __shared__ __align__(16) u16 ks[TC_ROWS * P];
+    __shared__ __align__(16) u16 vs[TC_ROWS * P];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int q0 = (gridDim.x - 1 - blockIdx.x) * TC_ROWS;
+    const int h = blockIdx.y, b = blockIdx.z, kvh = h / (H / KVH);
+    const int C = H * D;
+    const T* qb = q + (size_t)b * T_ * q_stride + (size_t)h * D;
+    const T* kb = k + (size_t)b * T_ * kv_stride + (size_t)kvh * D;
+    const T* vb = v + (size_t)b * T_ * kv_stride + (size_t)kvh * D;
+    const T* dob = dout + (size_t)b * T_ * C + (size_t)h * D;
+    const float* lse_bh = lse + ((size_t)b * H + h) * T_;
+    const float* delta_bh = delta + ((size_t)b * H + h) * T_;
+
+    tc_load_rows<T, DMAX>(ks, qb, q_stride, q0, T_, D);
+    tc_load_rows<T, DMAX>(vs, dob, C, q0, T_, D);
+    __syncthreads();
+    unsigned qa[DMAX / 16][4], da[DMAX / 16][4];
+    a_fragments<DMAX>(qa, ks, warp, lane);
+    a_fragments<DMAX>(da, vs, warp, lane);
+
+    const int row0 = q0 + warp * 16 + lane / 4;
+    float row_lse[2], row_delta[2], dq_acc[DT][4];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = row0 + 8 * r;
+        row_lse[r] = row < T_ ? lse_bh[row] : 0.f;
+        row_delta[r] = row < T_ ? delta_bh[row] : 0.f;
+    }
+#pragma unroll
+    for (int n = 0; n < DT; ++n) dq_acc[n][0] = dq_acc[n][1] = dq_acc[n][2] = dq_acc[n][3] = 0.f;
+    const int last = min(q0 + TC_ROWS, T_) - 1;
+    for (int k0 = 0; k0 <= last; k0 += TC_ROWS) {
+        __syncthreads();
+        tc_load_rows<T, DMAX>(ks, kb, kv_stride, k0, T_, D);
+        tc_load_rows<T, DMAX>(vs, vb, kv_stride, k0, T_, D);
+        __syncthreads();
+        float s[NT][4], dp[NT][4];
+        rows_times_tile<T, DMAX>(s, qa, ks, lane);
+        rows_times_tile<T, DMAX>(dp, da, vs, lane);
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int row = row0 + 8 * (i / 2);
+                const int key = k0 + n * 8 + 2 * (lane % 4) + i % 2;
+                const bool valid = key <= row && row < T_;
+                const float p = valid ? __expf(s[n][i] * scale - row_lse[i / 2]) : 0.f;
+                s[n][i] = p * (dp[n][i] - row_delta[i / 2]);  // dS
+            }
+        }
+        scores_times_tile<T, DMAX>(dq_acc, s, ks, lane);
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = row0 + 8 * r;
+        if (row < T_) {
+            T* out = dq + ((size_t)b * T_ + row) * q_stride + (size_t)h * D;
+#pragma unroll
+            for (int n = 0; n < DT; ++n) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int d = n * 8 + 2 * (lane % 4) + e;
+                    if (d < D) out[d] = from_f32<T>(dq_acc[n][2 * r + e] * scale);
+                }
+            }
+        }
+    }
+}
+
+// One sweep of a dK/dV block over its K/V head's query heads and their
+// query tiles from the keys' own tile on, accumulating dV (WANT_DV) and dK
+// (WANT_DK). The warp's rows are keys, so its products are the transposed
+// ones: S^T = K Q^T, dP^T = V dO^T, dV += P^T dO, dK += dS^T Q.
+template <typename T, int DMAX, bool WANT_DK, bool WANT_DV>
+__device__ __forceinline__ void dkdv_sweep(float (&dk_acc)[DMAX / 8][4],
+                                           float (&dv_acc)[DMAX / 8][4],
+                                           const unsigned (&ka)[DMAX / 16][4],
+                                           const unsigned (&va)[DMAX / 16][4], u16* qs,
+                                           u16* dos, float* lse_s, float* delta_s,
+                                           ATTN_DKDV_PARAMS(T)) {
+    constexpr int NT = TC_ROWS / 8;
+    const int lane = threadIdx.x % 32;
+    const int k_first = blockIdx.x * TC_ROWS;
+    const int kvh = blockIdx.y, b = blockIdx.z, group = H / KVH;
+    const int C = H * D;
+    // This lane's keys: key0 (fragment elements 0, 1) and key0 + 8 (2, 3).
+    const int key0 = k_first + (threadIdx.x / 32) * 16 + lane / 4;
+    for (int h = kvh * group; h < (kvh + 1) * group; ++h) {
+        const T* qb = q + (size_t)b * T_ * q_stride + (size_t)h * D;
+        const T* dob = dout + (size_t)b * T_ * C + (size_t)h * D;
+        const float* lse_bh = lse + ((size_t)b * H + h) * T_;
+        const float* delta_bh = delta + ((size_t)b * H + h) * T_;
+        for (int q0 = k_first; q0 < T_; q0 += TC_ROWS) {
+            __syncthreads();  // the previous tile (or the staged K, V) is consumed
+            tc_load_rows<T, DMAX>(qs, qb, q_stride, q0, T_, D);
+            tc_load_rows<T, DMAX>(dos, dob, C, q0, T_, D);
+            for (int i = threadIdx.x; i < TC_ROWS; i += TC_THREADS) {
+                const int t = q0 + i;
+                lse_s[i] = t < T_ ? lse_bh[t] : 0.f;
+                delta_s[i] = t < T_ ? delta_bh[t] : 0.f;
+            }
+            __syncthreads();
+            float s[NT][4], dp[NT][4];
+            rows_times_tile<T, DMAX>(s, ka, qs, lane);
+            if (WANT_DK) rows_times_tile<T, DMAX>(dp, va, dos, lane);
+#pragma unroll
+            for (int n = 0; n < NT; ++n) {
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int key = key0 + 8 * (i / 2);
+                    const int j = n * 8 + 2 * (lane % 4) + i % 2, query = q0 + j;
+                    const bool valid = key <= query && query < T_;
+                    const float p = valid ? __expf(s[n][i] * scale - lse_s[j]) : 0.f;
+                    s[n][i] = p;
+                    if (WANT_DK) dp[n][i] = p * (dp[n][i] - delta_s[j]);  // dS^T
+                }
+            }
+            if (WANT_DV) scores_times_tile<T, DMAX>(dv_acc, s, dos, lane);
+            if (WANT_DK) scores_times_tile<T, DMAX>(dk_acc, dp, qs, lane);
+        }
+    }
+}
+
+// Rows [key0, key0 + 8) and [key0 + 8, key0 + 16) of dK (times the scale)
+// or dV from the C-fragment accumulators.
+template <typename T, int DMAX>
+__device__ __forceinline__ void store_key_rows(T* out, const float (&acc)[DMAX / 8][4],
+                                               float factor, int key0, int T_, int D,
+                                               size_t row_at, int kv_stride) {
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int key = key0 + 8 * r;
+        if (key < T_) {
+            T* row = out + row_at + (size_t)key * kv_stride;
+#pragma unroll
+            for (int n = 0; n < DMAX / 8; ++n) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int d = n * 8 + 2 * (lane % 4) + e;
+                    if (d < D) row[d] = from_f32<T>(acc[n][2 * r + e] * factor);
+                }
+            }
+        }
+    }
+}
+
+// dK and dV of a key tile of one K/V head, summed over the head's group of
+// query heads in order. At DMAX 128 both accumulators, the K and V
+// fragments and a tile's scores do not fit in 255 registers: dV takes a
+// sweep of its own (recomputing S^T once more) before dK's.
+template <typename T, int DMAX>
+__device__ __forceinline__ void attention_tc_backward_dkdv(ATTN_DKDV_PARAMS(T)) {
+    constexpr int P = DMAX + TC_PAD, DT = DMAX / 8;
+    constexpr bool TWO_SWEEPS = DMAX > 64;
+    __shared__ __align__(16) u16 qs[TC_ROWS * P];
+    __shared__ __align__(16) u16 dos[TC_ROWS * P];
+    __shared__ float lse_s[TC_ROWS], delta_s[TC_ROWS];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    // Early key tiles see the most queries: natural order puts them first.
+    const int k_first = blockIdx.x * TC_ROWS;
+    const int kvh = blockIdx.y, b = blockIdx.z;
+    const size_t kv_at = (size_t)b * T_ * kv_stride + (size_t)kvh * D;
+    const int key0 = k_first + warp * 16 + lane / 4;
+
+    tc_load_rows<T, DMAX>(qs, k + kv_at, kv_stride, k_first, T_, D);
+    tc_load_rows<T, DMAX>(dos, v + kv_at, kv_stride, k_first, T_, D);
+    __syncthreads();
+    unsigned ka[DMAX / 16][4], va[DMAX / 16][4];
+    a_fragments<DMAX>(ka, qs, warp, lane);
+    a_fragments<DMAX>(va, dos, warp, lane);
+
+    float dk_acc[DT][4], dv_acc[DT][4];
+#pragma unroll
+    for (int n = 0; n < DT; ++n) {
+        dk_acc[n][0] = dk_acc[n][1] = dk_acc[n][2] = dk_acc[n][3] = 0.f;
+        dv_acc[n][0] = dv_acc[n][1] = dv_acc[n][2] = dv_acc[n][3] = 0.f;
+    }
+    if (TWO_SWEEPS) {
+        dkdv_sweep<T, DMAX, false, true>(dk_acc, dv_acc, ka, va, qs, dos, lse_s, delta_s,
+                                         ATTN_DKDV_ARGS);
+        store_key_rows<T, DMAX>(dv, dv_acc, 1.f, key0, T_, D, kv_at, kv_stride);
+        dkdv_sweep<T, DMAX, true, false>(dk_acc, dv_acc, ka, va, qs, dos, lse_s, delta_s,
+                                         ATTN_DKDV_ARGS);
+    } else {
+        dkdv_sweep<T, DMAX, true, true>(dk_acc, dv_acc, ka, va, qs, dos, lse_s, delta_s,
+                                        ATTN_DKDV_ARGS);
+        store_key_rows<T, DMAX>(dv, dv_acc, 1.f, key0, T_, D, kv_at, kv_stride);
+    }
+    store_key_rows<T, DMAX>(dk, dk_acc, scale, key0, T_, D, kv_at, kv_stride);
+}
+
+#define DEFINE_ATTENTION_TC_DMAX(T, SUFFIX, DMAX)                                         \
+extern "C" __global__ void __launch_bounds__(TC_THREADS)                                 \
+attention_tc_forward_d##DMAX##_##SUFFIX(ATTN_FORWARD_PARAMS(T)) {                        \
+    attention_tc_forward<T, DMAX>(ATTN_FORWARD_ARGS);                                    \
+}                                                                                        \
+extern "C" __global__ void __launch_bounds__(TC_THREADS)                                 \
+attention_tc_backward_dq_d##DMAX##_##SUFFIX(ATTN_DQ_PARAMS(T)) {                         \
+    attention_tc_backward_dq<T, DMAX>(ATTN_DQ_ARGS);                                     \
+}                                                                                        \
+extern "C" __global__ void __launch_bounds__(TC_THREADS)                                 \
+attention_tc_backward_dkdv_d##DMAX##_##SUFFIX(ATTN_DKDV_PARAMS(T)) {                     \
+    attention_tc_backward_dkdv<T, DMAX>(ATTN_DKDV_ARGS);                                 \
+}
+
+DEFINE_ATTENTION_TC_DMAX(bf16, bf16, 64)
+DEFINE_ATTENTION_TC_DMAX(bf16, bf16, 128)
+DEFINE_ATTENTION_TC_DMAX(f16, f16, 64)
+DEFINE_ATTENTION_TC_DMAX(f16, f16, 128)

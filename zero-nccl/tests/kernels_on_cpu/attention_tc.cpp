@@ -1,0 +1,57 @@
+// The tensor-core attention kernels of src/kernels/attention_tc.cu on the
+// CPU (see shim.h: mma.sync as a warp-wide product over the lanes'
+// fragment registers, laid out as the PTX ISA documents; and
+// attention_check.h): bf16 and f16, head widths 64 and 128 and narrower
+// ones (zero columns, 16-bit loads), T within one tile, across several and
+// odd, packed qkv and separate q, k, v with 4 query heads on 2 and on 1 K/V
+// heads, batch > 1. Exits non-zero on any failure.
+#include "shim.h"
+#include "layers.cu"
+#include "attention_tc.cu"
+#include "attention_check.h"
+
+// Launches as layers.rs does: TC_THREADS threads, TC_ROWS rows per block.
+template <class E, int DMAX> struct TensorCores {
+    static unsigned tiles(const AttentionCall<E>& c) { return (c.T + TC_ROWS - 1) / TC_ROWS; }
+    static void forward(const AttentionCall<E>& c) {
+        launch({tiles(c), (unsigned)c.H, (unsigned)c.B}, {TC_THREADS, 1, 1}, [&] {
+            attention_tc_forward<E, DMAX>(c.q, c.k, c.v, c.y, c.lse, c.q_stride, c.kv_stride, c.T, c.H, c.KVH,
+                                          c.D, c.scale);
+        });
+    }
+    static void backward_kv_q(const AttentionCall<E>& c) {
+        launch({tiles(c), (unsigned)c.KVH, (unsigned)c.B}, {TC_THREADS, 1, 1}, [&] {
+            attention_tc_backward_dkdv<E, DMAX>(c.q, c.k, c.v, c.dout, c.lse, c.delta, c.dk, c.dv, c.q_stride,
+                                                c.kv_stride, c.T, c.H, c.KVH, c.D, c.scale);
+        });
+        launch({tiles(c), (unsigned)c.H, (unsigned)c.B}, {TC_THREADS, 1, 1}, [&] {
+            attention_tc_backward_dq<E, DMAX>(c.q, c.k, c.v, c.dout, c.lse, c.delta, c.dq, c.q_stride,
+                                              c.kv_stride, c.T, c.H, c.KVH, c.D, c.scale);
+        });
+    }
+};
+
+// P and dS enter the products rounded to 16 bits (as in FlashAttention-2),
+// on top of the rounding of the stored results: bf16 keeps 8 bits.
+constexpr double BF16_TOL = 1e-2, F16_TOL = 2e-3;
+
+template <class E, int DMAX>
+void cases(const char* what, double tol) {
+    // (batch, T, heads, K/V heads, head width, packed)
+    expect_attention<E, TensorCores<E, DMAX>>(what, 1, 1, 2, 2, DMAX, true, tol);
+    expect_attention<E, TensorCores<E, DMAX>>(what, 2, 64, 2, 2, DMAX, true, tol);
+    expect_attention<E, TensorCores<E, DMAX>>(what, 1, 139, 2, 2, DMAX, true, tol);
+    expect_attention<E, TensorCores<E, DMAX>>(what, 2, 77, 4, 2, DMAX, false, tol);
+    expect_attention<E, TensorCores<E, DMAX>>(what, 1, 130, 4, 1, DMAX, false, tol);
+    expect_attention<E, TensorCores<E, DMAX>>(what, 1, 45, 2, 2, DMAX - 27, true, tol);
+}
+
+int main() {
+    cases<bf16, 64>("bf16 d64", BF16_TOL);
+    cases<f16, 64>("f16 d64", F16_TOL);
+    cases<bf16, 128>("bf16 d128", BF16_TOL);
+    cases<f16, 128>("f16 d128", F16_TOL);
+    expect_attention<f16, TensorCores<f16, 64>>("f16 d64", 1, 9, 3, 1, 5, false, F16_TOL);
+    printf("attention (tensor cores) on the CPU: %s\n", failures ? "FAILED" : "ok");
+    return failures ? 1 : 0;
+}
