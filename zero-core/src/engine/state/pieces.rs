@@ -195,23 +195,36 @@ impl<T: Element> PieceSink<T> for FileSink<'_> {
 /// what comes after it is let go, so that rank 0 keeps taking part in the
 /// gathers while the other ranks send.
 #[derive(Default)]
-pub(in crate::engine) struct ModelFile {
-    pub writer: Option<TensorWriter>,
+pub(in crate::engine) struct ModelFile<'a> {
+    pub sink: Option<ModelSink<'a>>,
     pub failure: Option<Error>,
 }
 
-impl ModelFile {
+/// Where rank 0 puts the model file's data.
+pub(in crate::engine) enum ModelSink<'a> {
+    /// Straight into the file (a blocking save).
+    File(TensorWriter),
+    /// Into host memory, end to end (a background save's snapshot; the
+    /// writer thread puts the same bytes into the same file).
+    Memory(&'a mut Vec<u8>),
+}
+
+impl ModelFile<'_> {
     pub fn write<T: Element>(&mut self, values: &[T]) {
-        if let Some(writer) = self.writer.as_mut() {
-            if let Err(e) = writer.write(bytemuck::cast_slice(values)) {
-                self.fail(e);
+        match self.sink.as_mut() {
+            Some(ModelSink::File(writer)) => {
+                if let Err(e) = writer.write(bytemuck::cast_slice(values)) {
+                    self.fail(e);
+                }
             }
+            Some(ModelSink::Memory(bytes)) => bytes.extend_from_slice(bytemuck::cast_slice(values)),
+            None => {}
         }
     }
 
     pub fn zeros<T: Element>(&mut self, mut count: usize) {
         let zeros = [T::default(); 1024];
-        while count > 0 && self.writer.is_some() {
+        while count > 0 && self.sink.is_some() {
             let n = count.min(zeros.len());
             self.write(&zeros[..n]);
             count -= n;
@@ -221,16 +234,17 @@ impl ModelFile {
     /// Keeps the first failure; dropping the writer removes its temporary
     /// file.
     pub fn fail(&mut self, e: Error) {
-        self.writer = None;
+        self.sink = None;
         self.failure.get_or_insert(e);
     }
 
-    /// The file's record where it was written, `None` elsewhere.
+    /// The file's record where it was written, `None` elsewhere (and where
+    /// the data went into memory).
     pub fn finish(self) -> Result<Option<FileRecord>> {
-        match (self.failure, self.writer) {
+        match (self.failure, self.sink) {
             (Some(e), _) => Err(e),
-            (None, Some(writer)) => writer.finish().map(Some),
-            (None, None) => Ok(None),
+            (None, Some(ModelSink::File(writer))) => writer.finish().map(Some),
+            (None, Some(ModelSink::Memory(_)) | None) => Ok(None),
         }
     }
 }
