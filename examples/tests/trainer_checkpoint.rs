@@ -326,12 +326,8 @@ fn background_checkpoints_are_the_blocking_ones_and_resume_bitwise() {
         for step_dir in ["step-000004", "step-000006"] {
             assert_same_files(&blocking.join(step_dir), &background.join(step_dir));
         }
-        let resume = [
-            "--steps",
-            "6",
-            "--resume",
-            path(&background.join("step-000004")),
-        ];
+        let step_4 = background.join("step-000004");
+        let resume = ["--steps", "6", "--resume", path(&step_4)];
         let (resumed, weights) = train_weights(&[&common[..], &resume[..]].concat());
         assert_eq!(resumed.steps, 6);
         assert_eq!(max_diff(&weights, &full), 0.0, "stage {stage}");
