@@ -293,6 +293,7 @@ fn a_poll_completes_a_written_save_and_a_drop_leaves_it_incomplete() {
             std::thread::sleep(std::time::Duration::from_millis(2));
         };
         assert_eq!(saved.dir, checkpoints.next_dir(2));
+        assert_eq!(saved.steps(), 2);
         assert!(checkpoints.next_dir(2).join(MANIFEST_FILE).exists());
         train(&mut e, &mut replica, 2..3)?;
         e.save_checkpoint_async(checkpoints.next_dir(3), &mut replica, &options(3))?;

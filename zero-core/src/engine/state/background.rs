@@ -27,6 +27,15 @@ pub struct SavedCheckpoint {
     pub manifest: Manifest,
 }
 
+impl SavedCheckpoint {
+    /// The engine's step count at the save (what
+    /// [`StepCheckpoints::commit`](crate::checkpoint::StepCheckpoints::commit)
+    /// takes in a loop that saves after step N into `next_dir(N)`).
+    pub fn steps(&self) -> u64 {
+        self.manifest.checkpoint.as_ref().map_or(0, |c| c.steps)
+    }
+}
+
 /// One rank's files of a checkpoint, in host memory.
 pub(in crate::engine) struct Snapshot<T> {
     pub dir: PathBuf,
