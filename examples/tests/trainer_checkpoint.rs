@@ -290,11 +290,23 @@ fn checkpoint_weights_load_with_candle_by_name() {
 /// Every file of two step directories: the same names, the same bytes.
 fn assert_same_files(left: &Path, right: &Path) {
     let files = names(left);
-    assert_eq!(files, names(right), "{} vs {}", left.display(), right.display());
+    assert_eq!(
+        files,
+        names(right),
+        "{} vs {}",
+        left.display(),
+        right.display()
+    );
     assert!(files.iter().any(|n| n == "manifest.json"), "{files:?}");
     for name in files {
-        let same = std::fs::read(left.join(&name)).unwrap() == std::fs::read(right.join(&name)).unwrap();
-        assert!(same, "{name} differs between {} and {}", left.display(), right.display());
+        let same =
+            std::fs::read(left.join(&name)).unwrap() == std::fs::read(right.join(&name)).unwrap();
+        assert!(
+            same,
+            "{name} differs between {} and {}",
+            left.display(),
+            right.display()
+        );
     }
 }
 
@@ -306,14 +318,33 @@ fn background_checkpoints_are_the_blocking_ones_and_resume_bitwise() {
         let (_, full) = train_weights(&[&common[..], &["--steps", "6"]].concat());
         let blocking = dir.path().join(format!("blocking-{stage}"));
         let background = dir.path().join(format!("background-{stage}"));
-        let every = ["--steps", "6", "--checkpoint-every", "2", "--keep-checkpoints", "2"];
-        train(&[&common[..], &every[..], &["--checkpoint-dir", path(&blocking)]].concat());
+        let every = [
+            "--steps",
+            "6",
+            "--checkpoint-every",
+            "2",
+            "--keep-checkpoints",
+            "2",
+        ];
+        train(
+            &[
+                &common[..],
+                &every[..],
+                &["--checkpoint-dir", path(&blocking)],
+            ]
+            .concat(),
+        );
         // The flag from a --config file, as any other.
         let config = dir.path().join(format!("background-{stage}.toml"));
         std::fs::write(&config, "checkpoint-async = true\n").unwrap();
         let mut argv = vec!["train", "--quiet", "--hidden", "16,16", "--seed", "3"];
         argv.extend([&common[..], &every[..]].concat());
-        argv.extend(["--checkpoint-dir", path(&background), "--config", path(&config)]);
+        argv.extend([
+            "--checkpoint-dir",
+            path(&background),
+            "--config",
+            path(&config),
+        ]);
         let parsed = Args::parse_with_config(argv).unwrap();
         assert!(parsed.checkpoint_async);
         common::train(&parsed);
@@ -360,5 +391,8 @@ fn a_failed_background_write_fails_the_run_and_latest_stays() {
         std::fs::read_to_string(ckpt.join("latest")).unwrap(),
         "step-000002\n"
     );
-    assert!(!ckpt.join("step-000006").exists(), "no save after the failure");
+    assert!(
+        !ckpt.join("step-000006").exists(),
+        "no save after the failure"
+    );
 }

@@ -15,8 +15,7 @@ use std::sync::Arc;
 use weights::{Saved, SavedTensor, WeightsFile};
 use zero_core::checkpoint::Manifest;
 use zero_core::engine::{
-    Engine, EngineConfig, FetchStats, MemoryReport, SaveOptions, SavedCheckpoint, Stage,
-    StepReport,
+    Engine, EngineConfig, FetchStats, MemoryReport, SaveOptions, SavedCheckpoint, Stage, StepReport,
 };
 use zero_core::optim::{FunctionalOptimizer, Hyperparams};
 use zero_core::{Communicator, DType, Element, ParamInfo};

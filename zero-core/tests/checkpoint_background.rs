@@ -11,8 +11,8 @@ use std::path::Path;
 use std::sync::Arc;
 use zero_core::checkpoint::{Manifest, StepCheckpoints, MANIFEST_FILE};
 use zero_core::engine::{
-    EngineConfig, Fetcher, GatherMemory, HostGrad, HostMemory, Offload, OffloadMemory,
-    ShardMemory, Stage,
+    EngineConfig, Fetcher, GatherMemory, HostGrad, HostMemory, Offload, OffloadMemory, ShardMemory,
+    Stage,
 };
 use zero_core::{Communicator, Engine, ParamStore, Result, SaveOptions, ThreadComm};
 
@@ -100,14 +100,25 @@ fn options(step: usize) -> SaveOptions {
 /// Every file of `left` and `right`: the same names, the same bytes.
 fn assert_same_files(left: &Path, right: &Path) {
     let names = listing(left);
-    assert_eq!(names, listing(right), "{} vs {}", left.display(), right.display());
+    assert_eq!(
+        names,
+        listing(right),
+        "{} vs {}",
+        left.display(),
+        right.display()
+    );
     assert!(names.iter().any(|n| n == MANIFEST_FILE), "{names:?}");
     for name in names {
         let (l, r) = (
             std::fs::read(left.join(&name)).unwrap(),
             std::fs::read(right.join(&name)).unwrap(),
         );
-        assert!(l == r, "{name} differs between {} and {}", left.display(), right.display());
+        assert!(
+            l == r,
+            "{name} differs between {} and {}",
+            left.display(),
+            right.display()
+        );
     }
 }
 
@@ -121,9 +132,16 @@ fn blocking_then_background<M: TestMemory>(
     let mut replica = model().init();
     train(&mut e, &mut replica, 0..3)?;
     for (step, next) in [(3, 5), (5, 6)] {
-        e.save_checkpoint_with(root.join(format!("blocking-{step}")), &mut replica, &options(step))?;
+        e.save_checkpoint_with(
+            root.join(format!("blocking-{step}")),
+            &mut replica,
+            &options(step),
+        )?;
         let dir = root.join(format!("background-{step}"));
-        assert_eq!(e.save_checkpoint_async(&dir, &mut replica, &options(step))?, None);
+        assert_eq!(
+            e.save_checkpoint_async(&dir, &mut replica, &options(step))?,
+            None
+        );
         // The state changes while the writer writes the snapshot.
         train(&mut e, &mut replica, step..next)?;
         let saved = e.wait_checkpoint()?.expect("a save was in flight");

@@ -214,7 +214,8 @@ pub(super) fn train_loop(
                     user: user.clone(),
                     ..SaveOptions::default()
                 };
-                let previous = opt.save_checkpoint_async(&checkpoints.next_dir(step + 1), &options)?;
+                let previous =
+                    opt.save_checkpoint_async(&checkpoints.next_dir(step + 1), &options)?;
                 commit_saved(opt, checkpoints, previous, rank, keep)?;
             } else if due {
                 saved = Some(save_step(
@@ -379,7 +380,11 @@ fn commit_saved(
     let Some(saved) = saved else {
         return Ok(None);
     };
-    let user = saved.manifest.checkpoint.map(|c| c.user).unwrap_or_default();
+    let user = saved
+        .manifest
+        .checkpoint
+        .map(|c| c.user)
+        .unwrap_or_default();
     let step = user["step"].as_u64().ok_or_else(|| TrainError::Data {
         path: saved.dir.clone(),
         detail: "internal: the background save records no trainer step".into(),

@@ -18,12 +18,10 @@ use crate::engine::state::{
     read_owned_state, remove_stale_files, write_state_file, SaveOptions,
 };
 use crate::engine::state::{
-    ModelSnapshot, Pending, SavedCheckpoint, Snapshot, StateSnapshot,
-};
-use crate::engine::state::{
     check_coverage, pack_pieces, piece_metas, sink_pieces, FileSink, MemorySink, ModelFile,
     ModelSink, PieceMeta, PieceSink,
 };
+use crate::engine::state::{ModelSnapshot, Pending, SavedCheckpoint, Snapshot, StateSnapshot};
 use crate::engine::{Engine, ShardMemory, Stage};
 use crate::optim::{OptimizerState, ParamState};
 use crate::{DType, Element, Error, Result};
@@ -365,7 +363,11 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         if !self.background.in_flight() {
             return Ok(None);
         }
-        let mut busy = [if self.background.written() { 0.0f32 } else { 1.0 }];
+        let mut busy = [if self.background.written() {
+            0.0f32
+        } else {
+            1.0
+        }];
         self.all_reduce_host(&mut busy[..], ReduceOp::Max)?;
         if busy[0] > 0.0 {
             return Ok(None);
@@ -442,9 +444,13 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                 return Ok(None);
             }
             let pieces = self.sharding.step_pieces(|_| true);
-            let state = self
-                .memory
-                .export_state(&self.comm, self.optimizer.as_ref(), &pieces)?;
+            let mut state = self.background.take_state();
+            self.memory.export_state_into(
+                &self.comm,
+                self.optimizer.as_ref(),
+                &pieces,
+                &mut state,
+            )?;
             Ok(Some(StateSnapshot {
                 file: shard_file(self.sharding.rank),
                 state,
@@ -724,7 +730,9 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             ModelOut::Memory(bytes) => {
                 let total: usize = specs
                     .iter()
-                    .map(|(_, dtype, shape)| dtype.size_in_bytes() * shape.iter().product::<usize>())
+                    .map(|(_, dtype, shape)| {
+                        dtype.size_in_bytes() * shape.iter().product::<usize>()
+                    })
                     .sum();
                 bytes.reserve(total);
                 file.sink = Some(ModelSink::Memory(bytes));

@@ -87,6 +87,8 @@ pub(in crate::engine) struct BackgroundSave<T> {
     in_flight: Option<(Pending, Writer<T>)>,
     /// Rank 0's model bytes, back from the last writer.
     model_bytes: Vec<u8>,
+    /// This rank's optimizer state, back from the last writer.
+    state: OptimizerState<T>,
 }
 
 impl<T> Default for BackgroundSave<T> {
@@ -94,6 +96,9 @@ impl<T> Default for BackgroundSave<T> {
         Self {
             in_flight: None,
             model_bytes: Vec::new(),
+            state: OptimizerState {
+                params: Default::default(),
+            },
         }
     }
 }
@@ -119,6 +124,11 @@ impl<T: Element> BackgroundSave<T> {
         let mut bytes = std::mem::take(&mut self.model_bytes);
         bytes.clear();
         bytes
+    }
+
+    /// The buffers for this rank's optimizer state: the last save's.
+    pub fn take_state(&mut self) -> OptimizerState<T> {
+        std::mem::take(&mut self.state)
     }
 
     /// Starts writing `snapshot` on a thread of its own (or records why
@@ -156,6 +166,9 @@ impl<T: Element> BackgroundSave<T> {
                     if let Some(model) = snapshot.model {
                         self.model_bytes = model.bytes;
                     }
+                    if let Some(state) = snapshot.state {
+                        self.state = state.state;
+                    }
                     written
                 }
                 Err(_) => Err(Error::State(format!(
@@ -182,9 +195,7 @@ impl<T> Drop for BackgroundSave<T> {
 
 /// Writes one rank's files of `snapshot`, each atomically, as a blocking
 /// save writes them: the optimizer file, then the model file.
-fn write_snapshot<T: Element>(
-    snapshot: &Snapshot<T>,
-) -> Result<Vec<(String, FileRecord)>> {
+fn write_snapshot<T: Element>(snapshot: &Snapshot<T>) -> Result<Vec<(String, FileRecord)>> {
     let dir = &snapshot.dir;
     std::fs::create_dir_all(dir).map_err(|e| Error::Io {
         path: dir.to_path_buf(),

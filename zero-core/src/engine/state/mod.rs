@@ -15,12 +15,12 @@ use crate::comm::Communicator;
 use crate::optim::{FunctionalOptimizer, OptimizerState};
 use crate::partition::ParamInfo;
 use crate::{DType, Element, Error, Result};
+pub use background::SavedCheckpoint;
+pub(super) use background::{BackgroundSave, ModelSnapshot, Pending, Snapshot, StateSnapshot};
 pub(super) use pieces::{
     check_coverage, pack_pieces, piece_metas, sink_pieces, Assembly, FileSink, MemorySink,
     ModelFile, ModelSink, PieceMeta, PieceSink, RankStatus,
 };
-pub use background::SavedCheckpoint;
-pub(super) use background::{BackgroundSave, ModelSnapshot, Pending, Snapshot, StateSnapshot};
 use std::collections::BTreeMap;
 use std::ops::Range;
 use std::path::Path;
