@@ -4,11 +4,14 @@
 //! stages 2 and 3, side by side in one run.
 //!
 //! Each case trains `STEPS` steps and saves every `EVERY` into a step
-//! directory. The blocked time of a save is what its calls take on the
+//! directory (not at the last step, so that a background save has steps to
+//! overlap). The blocked time of a save is what its calls take on the
 //! training loop's thread, the slowest rank's: the blocking save; or the
-//! background save's snapshot, the per-step polls that complete it and the
-//! wait for it at the next save or the end. The figure is the mean blocked
-//! time per save, background over blocking. The writer threads share the
+//! background save's snapshot, the per-step polls that complete it and any
+//! wait for it at the next save or the end (a writer slower than `EVERY`
+//! steps shows there). The figure is the median over the saves, the
+//! slowest rank's, background over blocking (the first background save
+//! allocates the buffers the later ones reuse). The writer threads share the
 //! machine's cores with training, which slows the steps between saves;
 //! `checkpoint.*_step_over_plain` reports that apart.
 
@@ -29,8 +32,8 @@ const WORLD: usize = 2;
 /// 1024*4096 + 3*4096*4096 + 4096*10 weights and their biases: 54,583,306.
 const WIDTHS: [usize; 6] = [1024, 4096, 4096, 4096, 4096, 10];
 const BATCH: usize = 8;
-const STEPS: usize = 12;
-const EVERY: usize = 4;
+const STEPS: usize = 20;
+const EVERY: usize = 6;
 
 /// How a case saves.
 #[derive(Clone, Copy, PartialEq)]
@@ -39,9 +42,17 @@ enum Save {
     Background,
 }
 
-/// What one rank measures: seconds blocked by saves, per save, and the
-/// median time of the steps that did not save.
-fn train<C>(comm: C, stage: Stage, save: Save, root: &std::path::Path) -> Result<(f64, f64), String>
+/// What one rank measures, in seconds: per save, the time it blocked the
+/// loop (the call; for a background save also the wait for the one before,
+/// the polls until the next save and the wait at the end) and the call
+/// alone; and the median step that did not save.
+struct Measured {
+    blocked: Vec<f64>,
+    calls: Vec<f64>,
+    step: f64,
+}
+
+fn train<C>(comm: C, stage: Stage, save: Save, root: &std::path::Path) -> Result<Measured, String>
 where
     C: Communicator<Memory = Host> + 'static,
 {
@@ -63,7 +74,7 @@ where
         .map_err(|e| error(&e))?;
     let checkpoints = zero_core::checkpoint::StepCheckpoints::new(root);
     let mut rng = rand::rngs::StdRng::seed_from_u64(rank as u64);
-    let (mut blocked, mut saves, mut step_times) = (0.0, 0, Vec::new());
+    let (mut blocked, mut calls, mut step_times) = (Vec::new(), Vec::new(), Vec::new());
     for step in 1..=STEPS {
         let started = Instant::now();
         let (x, y) = super::random_batch(&mut rng, BATCH, WIDTHS[0], WIDTHS[5] as i64)
@@ -76,14 +87,23 @@ where
         let trained = started.elapsed().as_secs_f64();
         let boundary = Instant::now();
         let dir = checkpoints.next_dir(step as u64);
-        let due = step % EVERY == 0;
+        let due = step % EVERY == 0 && step < STEPS;
         match (save, due) {
             (Save::Blocking, true) => {
                 opt.save_checkpoint(&dir).map_err(|e| error(&e))?;
             }
             (Save::Background, true) => {
+                // The save waits for the one in flight (counted with that
+                // one), then takes its snapshot.
+                opt.wait_checkpoint().map_err(|e| error(&e))?;
+                if let Some(last) = blocked.last_mut() {
+                    *last += boundary.elapsed().as_secs_f64();
+                }
+                let call = Instant::now();
                 opt.save_checkpoint_async(&dir, &SaveOptions::default())
                     .map_err(|e| error(&e))?;
+                calls.push(call.elapsed().as_secs_f64());
+                blocked.push(call.elapsed().as_secs_f64());
             }
             (Save::Background, false) => {
                 opt.poll_checkpoint().map_err(|e| error(&e))?;
@@ -93,19 +113,40 @@ where
         if step == STEPS {
             opt.wait_checkpoint().map_err(|e| error(&e))?;
         }
-        blocked += boundary.elapsed().as_secs_f64();
-        saves += usize::from(due);
+        let spent = boundary.elapsed().as_secs_f64();
+        match (save, due) {
+            (Save::Blocking, true) => {
+                calls.push(spent);
+                blocked.push(spent);
+            }
+            (Save::Background, false) => {
+                if let Some(last) = blocked.last_mut() {
+                    *last += spent;
+                }
+            }
+            _ => {}
+        }
         // The first steps warm up; the steps that saved are not training.
         if step > 2 && !due {
             step_times.push(trained);
         }
     }
     step_times.sort_by(f64::total_cmp);
-    Ok((blocked / saves as f64, step_times[step_times.len() / 2]))
+    Ok(Measured {
+        blocked,
+        calls,
+        step: step_times[step_times.len() / 2],
+    })
 }
 
-/// The slowest rank's blocked time per save and rank 0's median step.
-fn measure(stage: Stage, save: Save) -> Result<(f64, f64), String> {
+/// The median of `values`.
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values.get(values.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+/// Per save the slowest rank's times; rank 0's median step.
+fn measure(stage: Stage, save: Save) -> Result<Measured, String> {
     let root = std::env::temp_dir().join(format!(
         "zero-bench-checkpoint-{}-{}",
         std::process::id(),
@@ -114,39 +155,54 @@ fn measure(stage: Stage, save: Save) -> Result<(f64, f64), String> {
     let results = ThreadGroup::new(WORLD).run(|comm| train(comm, stage, save, &root));
     // Best effort: what is left in the temporary directory wastes space.
     let _ = std::fs::remove_dir_all(&root);
-    let mut blocked: f64 = 0.0;
-    let mut step = None;
+    let mut out: Option<Measured> = None;
     for r in results {
-        let (b, s) = r.map_err(|e| e.to_string())??;
-        blocked = blocked.max(b);
-        step.get_or_insert(s);
+        let m = r.map_err(|e| e.to_string())??;
+        match out.as_mut() {
+            None => out = Some(m),
+            Some(o) => {
+                let slowest = |a: &mut Vec<f64>, b: &[f64]| {
+                    a.iter_mut().zip(b).for_each(|(a, b)| *a = a.max(*b))
+                };
+                slowest(&mut o.blocked, &m.blocked);
+                slowest(&mut o.calls, &m.calls);
+            }
+        }
     }
-    Ok((blocked, step.unwrap_or(f64::NAN)))
+    out.ok_or_else(|| "no rank ran".into())
 }
 
 pub fn run(report: &mut Report) {
     println!(
         "bench checkpoint: hooked MLP {WIDTHS:?} (54.58M parameters), AdamW, {BATCH} rows per \
-         rank, N={WORLD} threads, {STEPS} steps saving every {EVERY}: time blocked per save"
+         rank, N={WORLD} threads, {STEPS} steps saving every {EVERY} before the last: time \
+         blocked per save"
     );
     for (stage, name) in [(Stage::Gradients, "s2"), (Stage::Parameters, "s3")] {
         let measured = measure(stage, Save::Blocking)
             .and_then(|blocking| Ok((blocking, measure(stage, Save::Background)?)));
-        let ((blocking, plain_step), (background, busy_step)) = match measured {
+        let (blocking, background) = match measured {
             Ok(m) => m,
             Err(e) => {
                 println!("  {name}: failed: {e}");
                 continue;
             }
         };
+        let ms = |values: &[f64]| {
+            let shown: Vec<String> = values.iter().map(|v| format!("{:.0}", v * 1e3)).collect();
+            shown.join(", ")
+        };
         println!(
-            "  {name}: blocking {:.0} ms, background {:.0} ms per save; steps {:.0} ms, \
-             {:.0} ms beside the writer",
-            blocking * 1e3,
-            background * 1e3,
-            plain_step * 1e3,
-            busy_step * 1e3
+            "  {name}: blocked per save: blocking {} ms; background {} ms (the snapshot {} ms); \
+             steps {:.0} ms, {:.0} ms beside the writer",
+            ms(&blocking.blocked),
+            ms(&background.blocked),
+            ms(&background.calls),
+            blocking.step * 1e3,
+            background.step * 1e3
         );
+        let (plain_step, busy_step) = (blocking.step, background.step);
+        let (blocking, background) = (median(blocking.blocked), median(background.blocked));
         report.add(
             &format!("checkpoint.{name}_background_over_blocking"),
             background / blocking,

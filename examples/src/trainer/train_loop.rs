@@ -8,7 +8,7 @@ use super::rank_optimizer::RankOptimizer;
 use super::{Args, HubText, LossHistory, Outcome, Summary, TrainError};
 use candle_core::Device;
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 use zero_candle::models::Gpt2;
 use zero_core::checkpoint::StepCheckpoints;
@@ -365,7 +365,7 @@ fn save_step(
     };
     opt.save_checkpoint(&dir, &options)?;
     // The save returns on every rank once the manifest is in place.
-    commit_step(opt, checkpoints, step, rank, keep)
+    commit_step(opt, checkpoints, &dir, rank, keep)
 }
 
 /// Commits a background save that completed (`None`: none did): see
@@ -377,35 +377,26 @@ fn commit_saved(
     rank: usize,
     keep: Option<u64>,
 ) -> Result<Option<PathBuf>, TrainError> {
-    let Some(saved) = saved else {
-        return Ok(None);
-    };
-    let user = saved
-        .manifest
-        .checkpoint
-        .map(|c| c.user)
-        .unwrap_or_default();
-    let step = user["step"].as_u64().ok_or_else(|| TrainError::Data {
-        path: saved.dir.clone(),
-        detail: "internal: the background save records no trainer step".into(),
-    })?;
-    commit_step(opt, checkpoints, step, rank, keep).map(Some)
+    match saved {
+        Some(saved) => commit_step(opt, checkpoints, &saved.dir, rank, keep).map(Some),
+        None => Ok(None),
+    }
 }
 
-/// Once the checkpoint of `step` is complete on every rank: on rank 0,
-/// points `latest` at it and removes what `--keep-checkpoints` does not
-/// keep; every rank learns how that went (a collective). Returns the step
-/// directory.
+/// Once the checkpoint in the step directory `dir` is complete on every
+/// rank: on rank 0, points `latest` at it and removes what
+/// `--keep-checkpoints` does not keep; every rank learns how that went (a
+/// collective). Returns the step directory.
 fn commit_step(
     opt: &mut dyn RankOptimizer,
     checkpoints: &StepCheckpoints,
-    step: u64,
+    dir: &Path,
     rank: usize,
     keep: Option<u64>,
 ) -> Result<PathBuf, TrainError> {
-    let dir = checkpoints.next_dir(step);
+    let dir = dir.to_path_buf();
     let committed = if rank == 0 {
-        checkpoints.commit(step).and_then(|_| match keep {
+        checkpoints.commit_dir(&dir).and_then(|_| match keep {
             Some(keep) => checkpoints
                 .prune(usize::try_from(keep).unwrap_or(usize::MAX))
                 .map(drop),

@@ -278,9 +278,10 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         // (the master weights come to rank 0 piece by piece); rank 0 writes
         // it unless its own part failed already.
         let model_path = dir.join(&model_file);
-        let out = match rank == 0 && local.is_ok() {
-            true => ModelOut::File(&model_path),
-            false => ModelOut::Nowhere,
+        let out = if rank == 0 && local.is_ok() {
+            ModelOut::File(&model_path)
+        } else {
+            ModelOut::Nowhere
         };
         let model = self.write_model(out, weights)?;
         let local = local.and_then(|mut files| {
@@ -363,11 +364,8 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         if !self.background.in_flight() {
             return Ok(None);
         }
-        let mut busy = [if self.background.written() {
-            0.0f32
-        } else {
-            1.0
-        }];
+        // 1 where this rank's writer is still busy; the max over ranks.
+        let mut busy = [f32::from(u8::from(!self.background.written()))];
         self.all_reduce_host(&mut busy[..], ReduceOp::Max)?;
         if busy[0] > 0.0 {
             return Ok(None);
@@ -459,11 +457,20 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                     .and_then(|(r, bytes)| (r == rank).then_some(bytes)),
             }))
         })();
-        let mut bytes = self.background.take_model_bytes();
         let writes = rank == 0 && state.is_ok();
-        let out = match writes {
-            true => ModelOut::Memory(&mut bytes),
-            false => ModelOut::Nowhere,
+        let specs = self.model_tensors().1;
+        let mut values = if writes {
+            let numel = specs
+                .iter()
+                .map(|(_, _, shape)| shape.iter().product::<usize>());
+            self.background.take_model_values(numel.sum())
+        } else {
+            Vec::new()
+        };
+        let out = if writes {
+            ModelOut::Memory(&mut values)
+        } else {
+            ModelOut::Nowhere
         };
         let model = self.write_model(out, weights)?;
         let snapshot = state.and_then(|state| {
@@ -473,8 +480,8 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                 state,
                 model: writes.then(|| ModelSnapshot {
                     file: model_file.clone(),
-                    specs: self.model_tensors().1,
-                    bytes,
+                    specs,
+                    values,
                 }),
             })
         });
@@ -715,7 +722,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// gathers that follow, so that no rank waits forever.
     fn write_model(
         &mut self,
-        out: ModelOut<'_>,
+        out: ModelOut<'_, T>,
         weights: &mut M::Params<'_>,
     ) -> Result<Result<Option<FileRecord>>> {
         let masters = self.shard_is_truth();
@@ -727,15 +734,8 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                 Ok(writer) => file.sink = Some(ModelSink::File(writer)),
                 Err(e) => file.failure = Some(e),
             },
-            ModelOut::Memory(bytes) => {
-                let total: usize = specs
-                    .iter()
-                    .map(|(_, dtype, shape)| {
-                        dtype.size_in_bytes() * shape.iter().product::<usize>()
-                    })
-                    .sum();
-                bytes.reserve(total);
-                file.sink = Some(ModelSink::Memory(bytes));
+            ModelOut::Memory(values) => {
+                file.sink = Some(ModelSink::Memory { values, at: 0 });
             }
         }
         let mut values = Vec::new();
@@ -746,11 +746,17 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                 self.masters().stream(i, 0, &mut |range, values| {
                     // The plan's pieces are in order and disjoint; what it
                     // leaves out of the parameter is saved as zeros.
-                    file.zeros::<T>(range.start.saturating_sub(next));
+                    file.zeros(range.start.saturating_sub(next));
                     file.write(values);
                     next = range.end;
                 })?;
-                file.zeros::<T>(numel.saturating_sub(next));
+                file.zeros(numel.saturating_sub(next));
+            } else if let Some(into) = file.next_in_memory(numel) {
+                // A snapshot: read straight into place.
+                let read = self.memory.read_param_host(&self.comm, weights, i, into);
+                if let Err(e) = read {
+                    file.fail(e);
+                }
             } else if file.sink.is_some() {
                 values.clear();
                 values.resize(numel, T::default());
@@ -819,11 +825,12 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
 }
 
 /// Where rank 0's model file goes (`Engine::write_model`).
-enum ModelOut<'a> {
+enum ModelOut<'a, T> {
     /// Nowhere: this rank only takes part in the gathers.
     Nowhere,
     /// Straight into the file at this path (a blocking save).
     File(&'a Path),
-    /// Into host memory (a background save's snapshot).
-    Memory(&'a mut Vec<u8>),
+    /// Into host memory as long as the file's data (a background save's
+    /// snapshot).
+    Memory(&'a mut [T]),
 }

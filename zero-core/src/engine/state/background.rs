@@ -27,22 +27,13 @@ pub struct SavedCheckpoint {
     pub manifest: Manifest,
 }
 
-impl SavedCheckpoint {
-    /// The engine's step count at the save (what
-    /// [`StepCheckpoints::commit`](crate::checkpoint::StepCheckpoints::commit)
-    /// takes in a loop that saves after step N into `next_dir(N)`).
-    pub fn steps(&self) -> u64 {
-        self.manifest.checkpoint.as_ref().map_or(0, |c| c.steps)
-    }
-}
-
 /// One rank's files of a checkpoint, in host memory.
 pub(in crate::engine) struct Snapshot<T> {
     pub dir: PathBuf,
     /// This rank's optimizer file.
     pub state: Option<StateSnapshot<T>>,
     /// Rank 0's model file.
-    pub model: Option<ModelSnapshot>,
+    pub model: Option<ModelSnapshot<T>>,
 }
 
 /// A rank's optimizer state as [`write_state_file`] writes it.
@@ -53,13 +44,13 @@ pub(in crate::engine) struct StateSnapshot<T> {
     pub fail_after: Option<usize>,
 }
 
-/// The model file's tensors (name, dtype, shape, in file order) and their
-/// data, end to end: the bytes a blocking save streams into its
-/// [`TensorWriter`].
-pub(in crate::engine) struct ModelSnapshot {
+/// The model file's tensors (name, dtype, shape, in file order; all of the
+/// engine's element type) and their data, end to end: what a blocking save
+/// streams into its [`TensorWriter`].
+pub(in crate::engine) struct ModelSnapshot<T> {
     pub file: String,
     pub specs: Vec<(String, DType, Vec<usize>)>,
-    pub bytes: Vec<u8>,
+    pub values: Vec<T>,
 }
 
 /// What the main thread keeps of a save in flight, to complete it.
@@ -85,8 +76,8 @@ enum Writer<T> {
 /// buffers of the last one, kept for the next.
 pub(in crate::engine) struct BackgroundSave<T> {
     in_flight: Option<(Pending, Writer<T>)>,
-    /// Rank 0's model bytes, back from the last writer.
-    model_bytes: Vec<u8>,
+    /// Rank 0's model data, back from the last writer.
+    model_values: Vec<T>,
     /// This rank's optimizer state, back from the last writer.
     state: OptimizerState<T>,
 }
@@ -95,7 +86,7 @@ impl<T> Default for BackgroundSave<T> {
     fn default() -> Self {
         Self {
             in_flight: None,
-            model_bytes: Vec::new(),
+            model_values: Vec::new(),
             state: OptimizerState {
                 params: Default::default(),
             },
@@ -119,11 +110,13 @@ impl<T: Element> BackgroundSave<T> {
         }
     }
 
-    /// The buffer for rank 0's model bytes: the last save's, emptied.
-    pub fn take_model_bytes(&mut self) -> Vec<u8> {
-        let mut bytes = std::mem::take(&mut self.model_bytes);
-        bytes.clear();
-        bytes
+    /// The buffer for rank 0's model data, `len` elements: the last
+    /// save's, which is that long unless the model changed (it is filled
+    /// anew, in order, so its old values need no clearing).
+    pub fn take_model_values(&mut self, len: usize) -> Vec<T> {
+        let mut values = std::mem::take(&mut self.model_values);
+        values.resize(len, T::default());
+        values
     }
 
     /// The buffers for this rank's optimizer state: the last save's.
@@ -164,7 +157,7 @@ impl<T: Element> BackgroundSave<T> {
             Writer::Thread(handle) => match handle.join() {
                 Ok((snapshot, written)) => {
                     if let Some(model) = snapshot.model {
-                        self.model_bytes = model.bytes;
+                        self.model_values = model.values;
                     }
                     if let Some(state) = snapshot.state {
                         self.state = state.state;
@@ -214,9 +207,9 @@ fn write_snapshot<T: Element>(snapshot: &Snapshot<T>) -> Result<Vec<(String, Fil
 
 /// The model file of `model` in `dir`, written in parts so that the bytes
 /// are hashed and written as they go, as a streamed save writes them.
-fn write_model_file(dir: &Path, model: &ModelSnapshot) -> Result<FileRecord> {
+fn write_model_file<T: Element>(dir: &Path, model: &ModelSnapshot<T>) -> Result<FileRecord> {
     let mut writer = TensorWriter::create(dir.join(&model.file), &model.specs)?;
-    for part in model.bytes.chunks(PART_BYTES) {
+    for part in bytemuck::cast_slice::<T, u8>(&model.values).chunks(PART_BYTES) {
         writer.write(part)?;
     }
     writer.finish()
