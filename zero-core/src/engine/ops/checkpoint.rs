@@ -731,7 +731,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         match out {
             ModelOut::Nowhere => {}
             ModelOut::File(path) => match TensorWriter::create(path, &specs) {
-                Ok(writer) => file.sink = Some(ModelSink::File(writer)),
+                Ok(writer) => file.sink = Some(ModelSink::File(Box::new(writer))),
                 Err(e) => file.failure = Some(e),
             },
             ModelOut::Memory(values) => {

@@ -63,7 +63,10 @@ pub(in crate::engine) struct Pending {
     pub old: Option<Manifest>,
 }
 
-type Written<T> = (Snapshot<T>, Result<Vec<(String, FileRecord)>>);
+/// The files a rank wrote: name and record.
+type Files = Vec<(String, FileRecord)>;
+
+type Written<T> = (Snapshot<T>, Result<Files>);
 
 /// The writer's side of a save in flight: its thread, or the error that
 /// stopped the snapshot before there was anything to write.
@@ -150,7 +153,7 @@ impl<T: Element> BackgroundSave<T> {
     /// Waits for this rank's writer and returns the save with the files it
     /// wrote, or its error; `None` if no save is in flight. The save is no
     /// longer in flight after this, whatever the outcome.
-    pub fn join(&mut self) -> Option<(Pending, Result<Vec<(String, FileRecord)>>)> {
+    pub fn join(&mut self) -> Option<(Pending, Result<Files>)> {
         let (pending, writer) = self.in_flight.take()?;
         let written = match writer {
             Writer::Failed(e) => Err(e),
@@ -188,7 +191,7 @@ impl<T> Drop for BackgroundSave<T> {
 
 /// Writes one rank's files of `snapshot`, each atomically, as a blocking
 /// save writes them: the optimizer file, then the model file.
-fn write_snapshot<T: Element>(snapshot: &Snapshot<T>) -> Result<Vec<(String, FileRecord)>> {
+fn write_snapshot<T: Element>(snapshot: &Snapshot<T>) -> Result<Files> {
     let dir = &snapshot.dir;
     std::fs::create_dir_all(dir).map_err(|e| Error::Io {
         path: dir.to_path_buf(),

@@ -211,7 +211,7 @@ impl<T> Default for ModelFile<'_, T> {
 /// Where rank 0 puts the model file's data.
 pub(in crate::engine) enum ModelSink<'a, T> {
     /// Straight into the file (a blocking save).
-    File(TensorWriter),
+    File(Box<TensorWriter>),
     /// Into host memory as long as the file's data, filled in order from
     /// `at` (a background save's snapshot; the writer thread puts the same
     /// bytes into the same file).
@@ -275,7 +275,7 @@ impl<T: Element> ModelFile<'_, T> {
     pub fn finish(self) -> Result<Option<FileRecord>> {
         match (self.failure, self.sink) {
             (Some(e), _) => Err(e),
-            (None, Some(ModelSink::File(writer))) => writer.finish().map(Some),
+            (None, Some(ModelSink::File(writer))) => (*writer).finish().map(Some),
             (None, Some(ModelSink::Memory { values, at })) if at != values.len() => {
                 Err(Error::State(format!(
                     "internal: the model's snapshot holds {} elements, {at} were written",
