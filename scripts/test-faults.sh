@@ -15,7 +15,9 @@
 #     than the one the run resumed from, and every manifest points only at
 #     files that exist with the recorded length and checksum; at the end no
 #     temporary file or half-removed step directory is left, and at most 3
-#     step directories.
+#     step directories. Then the same with `--checkpoint-async` (threads):
+#     kills land while the writer threads write in the background, and
+#     `latest` must still only ever name a complete checkpoint.
 #  4. Preemption: SIGTERM to the trainer (threads), SIGUSR1 to one rank or
 #     to mpirun (`mpirun -n 2`) at a random step: exit 143 within 30 s, the
 #     step and the resume command printed, `latest` on that step, and the
@@ -26,7 +28,7 @@
 # FAULTS_KILLS=<n> sets the kills per backend (default 15);
 # FAULTS_PREEMPTS=<n> the preemptions per case (default 3).
 # Needs Open MPI (scripts/install-deps.sh), python3 and pgrep. Run from
-# anywhere; takes about 70 s on 2 cores once built (the release build of the
+# anywhere; takes about 90 s on 2 cores once built (the release build of the
 # trainer takes a few minutes the first time).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -490,6 +492,8 @@ echo "-- threads backend, world size 2"
 kill_and_resume threads 150 "$train" --backend threads --world-size 2
 echo "-- MPI backend, mpirun -n 2"
 kill_and_resume mpi 50 "${MPIRUN[@]}" -n 2 "$train" --backend mpi
+echo "-- threads backend, world size 2, background saves (--checkpoint-async)"
+kill_and_resume threads-async 150 "$train" --backend threads --world-size 2 --checkpoint-async
 
 # --- 4. preemption: a signal, then --resume ----------------------------------
 # preempt_and_resume NAME STEPS TARGET LAUNCH...: PREEMPTS times, trains

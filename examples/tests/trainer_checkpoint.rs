@@ -286,3 +286,113 @@ fn checkpoint_weights_load_with_candle_by_name() {
         );
     }
 }
+
+/// Every file of two step directories: the same names, the same bytes.
+fn assert_same_files(left: &Path, right: &Path) {
+    let files = names(left);
+    assert_eq!(
+        files,
+        names(right),
+        "{} vs {}",
+        left.display(),
+        right.display()
+    );
+    assert!(files.iter().any(|n| n == "manifest.json"), "{files:?}");
+    for name in files {
+        let same =
+            std::fs::read(left.join(&name)).unwrap() == std::fs::read(right.join(&name)).unwrap();
+        assert!(
+            same,
+            "{name} differs between {} and {}",
+            left.display(),
+            right.display()
+        );
+    }
+}
+
+#[test]
+fn background_checkpoints_are_the_blocking_ones_and_resume_bitwise() {
+    let dir = tempfile::tempdir().unwrap();
+    for stage in ["2", "3"] {
+        let common = ["--world-size", "2", "--stage", stage, "--batch-size", "8"];
+        let (_, full) = train_weights(&[&common[..], &["--steps", "6"]].concat());
+        let blocking = dir.path().join(format!("blocking-{stage}"));
+        let background = dir.path().join(format!("background-{stage}"));
+        let every = [
+            "--steps",
+            "6",
+            "--checkpoint-every",
+            "2",
+            "--keep-checkpoints",
+            "2",
+        ];
+        train(
+            &[
+                &common[..],
+                &every[..],
+                &["--checkpoint-dir", path(&blocking)],
+            ]
+            .concat(),
+        );
+        // The flag from a --config file, as any other.
+        let config = dir.path().join(format!("background-{stage}.toml"));
+        std::fs::write(&config, "checkpoint-async = true\n").unwrap();
+        let mut argv = vec!["train", "--quiet", "--hidden", "16,16", "--seed", "3"];
+        argv.extend([&common[..], &every[..]].concat());
+        argv.extend([
+            "--checkpoint-dir",
+            path(&background),
+            "--config",
+            path(&config),
+        ]);
+        let parsed = Args::parse_with_config(argv).unwrap();
+        assert!(parsed.checkpoint_async);
+        common::train(&parsed);
+
+        assert_eq!(names(&background), ["latest", "step-000004", "step-000006"]);
+        assert_eq!(
+            std::fs::read_to_string(background.join("latest")).unwrap(),
+            "step-000006\n"
+        );
+        for step_dir in ["step-000004", "step-000006"] {
+            assert_same_files(&blocking.join(step_dir), &background.join(step_dir));
+        }
+        let step_4 = background.join("step-000004");
+        let resume = ["--steps", "6", "--resume", path(&step_4)];
+        let (resumed, weights) = train_weights(&[&common[..], &resume[..]].concat());
+        assert_eq!(resumed.steps, 6);
+        assert_eq!(max_diff(&weights, &full), 0.0, "stage {stage}");
+    }
+}
+
+#[test]
+fn a_failed_background_write_fails_the_run_and_latest_stays() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("ckpt");
+    std::fs::create_dir_all(&ckpt).unwrap();
+    // A file where step 4's directory goes: its writers cannot create it.
+    std::fs::write(ckpt.join("step-000004"), b"in the way").unwrap();
+    let flags = [
+        "--world-size",
+        "2",
+        "--batch-size",
+        "8",
+        "--steps",
+        "8",
+        "--checkpoint-dir",
+        path(&ckpt),
+        "--checkpoint-every",
+        "2",
+        "--checkpoint-async",
+    ];
+    let err = zero_examples::trainer::run(&args(&flags)).expect_err("step 4's save failed");
+    assert!(err.to_string().contains("step-000004"), "{err}");
+    assert_eq!(
+        std::fs::read_to_string(ckpt.join("latest")).unwrap(),
+        "step-000002\n"
+    );
+    assert!(
+        !ckpt.join("step-000006").exists(),
+        "no save after the failure"
+    );
+}

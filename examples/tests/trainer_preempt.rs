@@ -54,8 +54,16 @@ fn step_dirs(dir: &Path) -> Vec<String> {
 fn one_rank_preempted_stops_every_rank_and_resume_is_bitwise_identical() {
     // (world size, the step the last rank is asked to stop at,
     // --checkpoint-every): at 3 ranks the stop step has no periodic save;
-    // at 2 it has one, which the preemption does not write twice.
-    for (world_size, stop, every) in [(3u64, 3u64, None), (2, 4, Some("2"))] {
+    // at 2 it has one, which the preemption does not write twice; with
+    // background saves the one in flight completes first, and is the
+    // preemption's checkpoint when it is of the stop step.
+    let cases = [
+        (3u64, 3u64, None, false),
+        (2, 4, Some("2"), false),
+        (2, 4, Some("2"), true),
+        (2, 5, Some("2"), true),
+    ];
+    for (world_size, stop, every, background) in cases {
         let ws = world_size.to_string();
         let common = ["--world-size", ws.as_str(), "--batch-size", "8"];
         let (_, full) = common::train_weights(args(&[&common[..], &["--steps", "8"]].concat()));
@@ -66,6 +74,9 @@ fn one_rank_preempted_stops_every_rank_and_resume_is_bitwise_identical() {
         flags.extend(["--save", path(&saved)]);
         if let Some(every) = every {
             flags.extend(["--checkpoint-every", every]);
+        }
+        if background {
+            flags.push("--checkpoint-async");
         }
         let summary = preempted(
             &[&common[..], &flags[..]].concat(),
@@ -83,11 +94,19 @@ fn one_rank_preempted_stops_every_rank_and_resume_is_bitwise_identical() {
         );
         assert_eq!(summary.steps, stop);
         assert!(!saved.exists(), "a preempted run wrote --save");
-        let expected: Vec<String> = match every {
+        let mut expected: Vec<String> = match every {
             Some(_) => vec!["step-000002".into(), "step-000004".into()],
-            None => vec![format!("step-{stop:06}")],
+            None => Vec::new(),
         };
+        if stop % 2 == 1 {
+            expected.push(format!("step-{stop:06}"));
+        }
         assert_eq!(step_dirs(&ckpt), expected);
+        assert_eq!(
+            std::fs::read_to_string(ckpt.join("latest")).unwrap(),
+            format!("step-{stop:06}\n"),
+            "world size {world_size}, background {background}"
+        );
 
         let metrics = dir.path().join("metrics.jsonl");
         let resume = [

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use weights::{Saved, SavedTensor, WeightsFile};
 use zero_core::checkpoint::Manifest;
 use zero_core::engine::{
-    Engine, EngineConfig, FetchStats, MemoryReport, SaveOptions, Stage, StepReport,
+    Engine, EngineConfig, FetchStats, MemoryReport, SaveOptions, SavedCheckpoint, Stage, StepReport,
 };
 use zero_core::optim::{FunctionalOptimizer, Hyperparams};
 use zero_core::{Communicator, DType, Element, ParamInfo};
@@ -375,6 +375,36 @@ where
         C::Memory::with_params(&self.vars, &mut |params| {
             Ok(engine.save_checkpoint_with(dir, params, options)?)
         })
+    }
+
+    /// Saves a checkpoint in the background: takes a snapshot into host
+    /// memory and returns while a thread of this rank writes the files of
+    /// [`ZeroOptimizer::save_checkpoint_with`] (see
+    /// [`Engine::save_checkpoint_async`]). First completes the save in
+    /// flight, if any, and returns it. A collective.
+    pub fn save_checkpoint_async(
+        &mut self,
+        dir: impl AsRef<Path>,
+        options: &SaveOptions,
+    ) -> Result<Option<SavedCheckpoint>> {
+        let (engine, dir) = (lent(&mut self.engine), dir.as_ref());
+        C::Memory::with_params(&self.vars, &mut |params| {
+            Ok(engine.save_checkpoint_async(dir, params, options)?)
+        })
+    }
+
+    /// Completes the background save in flight once every rank has written
+    /// its files (see [`Engine::poll_checkpoint`]); call it on every rank
+    /// once per step. A collective while a save is in flight.
+    pub fn poll_checkpoint(&mut self) -> Result<Option<SavedCheckpoint>> {
+        Ok(self.engine_mut().poll_checkpoint()?)
+    }
+
+    /// Waits for the background save in flight and completes it (see
+    /// [`Engine::wait_checkpoint`]); call it before the optimizer is
+    /// dropped. A collective while a save is in flight.
+    pub fn wait_checkpoint(&mut self) -> Result<Option<SavedCheckpoint>> {
+        Ok(self.engine_mut().wait_checkpoint()?)
     }
 
     /// Loads a checkpoint saved at any world size, stage and partitioner:

@@ -165,6 +165,32 @@ fn state_round_trip_is_exact() {
     }
 }
 
+/// `export_state_into` over the buffers of an earlier export of other
+/// pieces and another optimizer's tensors gives what `export_state` gives.
+#[test]
+fn export_into_reused_buffers_equals_a_fresh_export() {
+    for (name, make) in factories::<f64>() {
+        let mut params = values::<f64>(7, 101);
+        let mut opt = make();
+        run_pieces(&mut *opt, &mut params, &[0, 40], 0..2);
+        // Stale buffers: other pieces, and tensors of every other built-in.
+        let mut reused = opt.export_state();
+        for (_, other) in factories::<f64>() {
+            let mut other = other();
+            let mut p = values::<f64>(9, 101);
+            run_pieces(&mut *other, &mut p, &[0, 70], 0..1);
+            for ((key, offset), state) in other.export_state().params {
+                let piece = reused.params.entry((key, offset)).or_default();
+                piece.tensors.extend(state.tensors);
+                piece.scalars.extend(state.scalars);
+            }
+        }
+        run_pieces(&mut *opt, &mut params, &[0, 40], 2..4);
+        opt.export_state_into(&mut reused);
+        assert_eq!(reused, opt.export_state(), "{name}");
+    }
+}
+
 #[test]
 fn step_counts_are_per_piece_and_skip_none() {
     let mut opt = Adam::<f32>::new(AdamConfig::default()).unwrap();

@@ -1,5 +1,6 @@
 //! Benchmark suites, one file each; `main` dispatches on the first argument.
 
+mod checkpoint;
 mod comm;
 mod gpt;
 #[cfg(feature = "nccl")]
@@ -87,6 +88,7 @@ pub fn main() {
         "memory",
         "precision",
         "stage3",
+        "checkpoint",
         "gpt",
         "hf",
         "gpu",
@@ -123,10 +125,12 @@ pub fn main() {
             "hf" if !under_mpirun => hf::run(&mut report),
             "precision" if !under_mpirun => precision::run(&mut report),
             "stage3" if !under_mpirun => stage3::run(&mut report),
+            "checkpoint" if !under_mpirun => checkpoint::run(&mut report),
             "gpu" | "gpu-zero" | "gpu-headline" | "gpu-largest" | "gpu-hub" => {
                 gpu_suite(name, &mut report)
             }
-            "optim" | "step" | "overlap" | "memory" | "precision" | "stage3" | "gpt" | "hf" => {}
+            "optim" | "step" | "overlap" | "memory" | "precision" | "stage3" | "checkpoint"
+            | "gpt" | "hf" => {}
             other => {
                 eprintln!(
                     "unknown benchmark suite {other:?}; expected one of {all:?}, or gpu-zero, \

@@ -350,6 +350,13 @@ pub struct Args {
     /// Steps between checkpoints (with `--checkpoint-dir`).
     #[arg(long, default_value_t = 0)]
     pub checkpoint_every: u64,
+    /// With `--checkpoint-dir`: save in the background: the step boundary
+    /// takes a snapshot into host memory and training goes on while a
+    /// thread per rank writes it (the same files; `latest` moves once every
+    /// rank's are written). At most one save in flight; a failed write is
+    /// an error at the next step boundary, save or the end.
+    #[arg(long)]
+    pub checkpoint_async: bool,
     /// Resume from a checkpoint (any world size and stage): the latest
     /// complete one of a `--checkpoint-dir`, a step directory of one
     /// (`DIR/step-000123`), or a directory holding a manifest.

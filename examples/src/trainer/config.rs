@@ -145,6 +145,11 @@ pub(super) fn validate(args: &Args) -> Result<(), TrainError> {
         ));
     }
     preempt_signals(args)?;
+    if args.checkpoint_async && args.checkpoint_dir.is_none() {
+        return Err(TrainError::Usage(
+            "--checkpoint-async needs --checkpoint-dir".into(),
+        ));
+    }
     if args.keep_checkpoints.is_some() && args.checkpoint_dir.is_none() {
         return Err(TrainError::Usage(
             "--keep-checkpoints needs --checkpoint-dir".into(),

@@ -7,7 +7,7 @@ use candle_core::{Tensor, WithDType};
 use zero_candle::hub::{HubDir, HubLayout};
 use zero_candle::{CandleMemory, ZeroOptimizer};
 use zero_core::checkpoint::Manifest;
-use zero_core::engine::{MemoryReport, SaveOptions, StepReport};
+use zero_core::engine::{MemoryReport, SaveOptions, SavedCheckpoint, StepReport};
 use zero_core::{Communicator, Element, Preemption, ReduceOp};
 
 /// What the training loop needs of a rank's optimizer ([`ZeroOptimizer`]
@@ -30,6 +30,18 @@ pub(super) trait RankOptimizer {
         dir: &std::path::Path,
         options: &SaveOptions,
     ) -> Result<(), TrainError>;
+    /// Starts a background save, after completing the one in flight
+    /// (returned); a collective.
+    fn save_checkpoint_async(
+        &mut self,
+        dir: &std::path::Path,
+        options: &SaveOptions,
+    ) -> Result<Option<SavedCheckpoint>, TrainError>;
+    /// Completes the background save in flight if every rank wrote its
+    /// files (a collective while one is in flight).
+    fn poll_checkpoint(&mut self) -> Result<Option<SavedCheckpoint>, TrainError>;
+    /// Waits for the background save in flight and completes it.
+    fn wait_checkpoint(&mut self) -> Result<Option<SavedCheckpoint>, TrainError>;
     fn load_checkpoint(&mut self, dir: &std::path::Path) -> Result<Manifest, TrainError>;
     /// Writes every trained variable to a safetensors file, one tensor at
     /// a time (a collective).
@@ -90,6 +102,19 @@ where
     ) -> Result<(), TrainError> {
         self.save_checkpoint_with(dir, options)?;
         Ok(())
+    }
+    fn save_checkpoint_async(
+        &mut self,
+        dir: &std::path::Path,
+        options: &SaveOptions,
+    ) -> Result<Option<SavedCheckpoint>, TrainError> {
+        Ok(ZeroOptimizer::save_checkpoint_async(self, dir, options)?)
+    }
+    fn poll_checkpoint(&mut self) -> Result<Option<SavedCheckpoint>, TrainError> {
+        Ok(ZeroOptimizer::poll_checkpoint(self)?)
+    }
+    fn wait_checkpoint(&mut self) -> Result<Option<SavedCheckpoint>, TrainError> {
+        Ok(ZeroOptimizer::wait_checkpoint(self)?)
     }
     fn load_checkpoint(&mut self, dir: &std::path::Path) -> Result<Manifest, TrainError> {
         Ok(ZeroOptimizer::load_checkpoint(self, dir)?)

@@ -8,11 +8,11 @@ use super::rank_optimizer::RankOptimizer;
 use super::{Args, HubText, LossHistory, Outcome, Summary, TrainError};
 use candle_core::Device;
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 use zero_candle::models::CausalLm;
 use zero_core::checkpoint::StepCheckpoints;
-use zero_core::engine::SaveOptions;
+use zero_core::engine::{SaveOptions, SavedCheckpoint};
 use zero_core::Preemption;
 
 /// What the loop runs on besides the optimizer.
@@ -204,9 +204,20 @@ pub(super) fn train_loop(
             "lr": opt.learning_rate(),
         });
         let keep = args.keep_checkpoints;
+        // The checkpoint of this step, once complete.
         let mut saved = None;
         if let Some(checkpoints) = &checkpoints {
-            if args.checkpoint_every > 0 && (step + 1) % args.checkpoint_every == 0 {
+            let due = args.checkpoint_every > 0 && (step + 1) % args.checkpoint_every == 0;
+            if due && args.checkpoint_async {
+                // The save before it completes first (and is committed).
+                let options = SaveOptions {
+                    user: user.clone(),
+                    ..SaveOptions::default()
+                };
+                let previous =
+                    opt.save_checkpoint_async(&checkpoints.next_dir(step + 1), &options)?;
+                commit_saved(opt, checkpoints, previous, rank, keep)?;
+            } else if due {
                 saved = Some(save_step(
                     opt,
                     checkpoints,
@@ -215,6 +226,11 @@ pub(super) fn train_loop(
                     rank,
                     keep,
                 )?);
+            } else if args.checkpoint_async {
+                // `latest` moves at the first step boundary after every
+                // rank has written its files.
+                let written = opt.poll_checkpoint()?;
+                commit_saved(opt, checkpoints, written, rank, keep)?;
             }
         }
         // Every rank, every step, here: the agreement is a collective, so
@@ -224,7 +240,15 @@ pub(super) fn train_loop(
             let checkpoint = match (&checkpoints, saved) {
                 (_, Some(dir)) => Some(dir),
                 (Some(checkpoints), None) => {
-                    Some(save_step(opt, checkpoints, step + 1, user, rank, keep)?)
+                    // A background save in flight completes first; when it
+                    // is this step's, it is the checkpoint. Otherwise the
+                    // preemption's save is a blocking one.
+                    let in_flight = opt.wait_checkpoint()?;
+                    let waited = commit_saved(opt, checkpoints, in_flight, rank, keep)?;
+                    match waited {
+                        Some(dir) if dir == checkpoints.next_dir(step + 1) => Some(dir),
+                        _ => Some(save_step(opt, checkpoints, step + 1, user, rank, keep)?),
+                    }
                 }
                 (None, None) => None,
             };
@@ -246,6 +270,10 @@ pub(super) fn train_loop(
     }
     progress.finish(final_loss);
     flush_metrics(args, metrics.as_mut())?;
+    if let Some(checkpoints) = &checkpoints {
+        let in_flight = opt.wait_checkpoint()?;
+        commit_saved(opt, checkpoints, in_flight, rank, args.keep_checkpoints)?;
+    }
 
     // Every rank: saving is a collective (at stage 3 each sharded weight is
     // gathered, written and dropped in turn), and at stage 3 so is every
@@ -337,8 +365,38 @@ fn save_step(
     };
     opt.save_checkpoint(&dir, &options)?;
     // The save returns on every rank once the manifest is in place.
+    commit_step(opt, checkpoints, &dir, rank, keep)
+}
+
+/// Commits a background save that completed (`None`: none did): see
+/// [`commit_step`]. Returns its step directory.
+fn commit_saved(
+    opt: &mut dyn RankOptimizer,
+    checkpoints: &StepCheckpoints,
+    saved: Option<SavedCheckpoint>,
+    rank: usize,
+    keep: Option<u64>,
+) -> Result<Option<PathBuf>, TrainError> {
+    match saved {
+        Some(saved) => commit_step(opt, checkpoints, &saved.dir, rank, keep).map(Some),
+        None => Ok(None),
+    }
+}
+
+/// Once the checkpoint in the step directory `dir` is complete on every
+/// rank: on rank 0, points `latest` at it and removes what
+/// `--keep-checkpoints` does not keep; every rank learns how that went (a
+/// collective). Returns the step directory.
+fn commit_step(
+    opt: &mut dyn RankOptimizer,
+    checkpoints: &StepCheckpoints,
+    dir: &Path,
+    rank: usize,
+    keep: Option<u64>,
+) -> Result<PathBuf, TrainError> {
+    let dir = dir.to_path_buf();
     let committed = if rank == 0 {
-        checkpoints.commit(step).and_then(|_| match keep {
+        checkpoints.commit_dir(&dir).and_then(|_| match keep {
             Some(keep) => checkpoints
                 .prune(usize::try_from(keep).unwrap_or(usize::MAX))
                 .map(drop),

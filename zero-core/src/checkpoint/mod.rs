@@ -2,8 +2,9 @@
 //! that indexes a checkpoint directory, the unsharded [`StateDict`], and
 //! [`StepCheckpoints`], a directory of checkpoints kept by step.
 //!
-//! The engine's side (consolidation, sharded save and load) lives in
-//! `Engine::consolidate_state_dict`, `Engine::save_checkpoint` and
+//! The engine's side (consolidation, sharded save and load, saves in the
+//! background) lives in `Engine::consolidate_state_dict`,
+//! `Engine::save_checkpoint`, `Engine::save_checkpoint_async` and
 //! `Engine::load_checkpoint`.
 
 mod files;

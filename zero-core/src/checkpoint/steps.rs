@@ -92,6 +92,29 @@ impl StepCheckpoints {
         Ok(dir)
     }
 
+    /// [`commit`](StepCheckpoints::commit) of the step directory `dir`, as
+    /// [`next_dir`](StepCheckpoints::next_dir) named it: what a background
+    /// save gives back once complete
+    /// ([`SavedCheckpoint::dir`](crate::engine::SavedCheckpoint::dir)).
+    pub fn commit_dir(&self, dir: &Path) -> Result<PathBuf> {
+        let step = dir
+            .file_name()
+            .and_then(|name| name.to_str())
+            .and_then(parse_step_name)
+            .filter(|&step| self.next_dir(step) == dir)
+            .ok_or_else(|| {
+                checkpoint_error(
+                    dir,
+                    format!(
+                        "is not a step directory of {}; commit the directories its next_dir \
+                         names",
+                        self.dir.display()
+                    ),
+                )
+            })?;
+        self.commit(step)
+    }
+
     /// The complete step checkpoints, by step (oldest first).
     pub fn complete(&self) -> Result<Vec<(u64, PathBuf)>> {
         Ok(self

@@ -82,7 +82,7 @@ pub use shard_memory::{
     StepPiece,
 };
 pub use stage3::{FetcherOf, ParamPieceSink};
-pub use state::SaveOptions;
+pub use state::{SaveOptions, SavedCheckpoint};
 
 use crate::comm::{Communicator, Host, ReduceOp};
 use crate::optim::{FunctionalOptimizer, Hyperparams, ParamKey};
@@ -142,6 +142,8 @@ pub struct Engine<T: Element, C: Communicator, M: ShardMemory<T, C> = HostMemory
     steps: u64,
     /// The state gathered by the last `consolidate_state_dict` (receiver only).
     consolidated: Option<crate::checkpoint::StateDict<T>>,
+    /// The background save in flight and its reused buffers.
+    background: state::BackgroundSave<T>,
     /// Whether master weights are kept, and the dtypes on the wire.
     wire: precision::Wire,
     /// What the memory can do that decides a step's path.
@@ -320,6 +322,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             offload_times: OffloadTimes::default(),
             steps: 0,
             consolidated: None,
+            background: state::BackgroundSave::default(),
             wire,
             abilities,
             masters_fresh: false,

@@ -136,6 +136,25 @@ impl<T: Float> PieceState<T> for AdamPiece<T> {
         }
         state
     }
+    fn export_into(&self, out: &mut ParamState<T>) {
+        out.scalars.clear();
+        out.scalars.insert("step".into(), self.step);
+        let mut copy = |name: &str, from: Option<&Vec<T>>| match from {
+            Some(from) => {
+                let to = out.tensors.entry(name.into()).or_default();
+                to.clear();
+                to.extend_from_slice(from);
+            }
+            None => {
+                out.tensors.remove(name);
+            }
+        };
+        copy("exp_avg", Some(&self.exp_avg));
+        copy("exp_avg_sq", Some(&self.exp_avg_sq));
+        copy("max_exp_avg_sq", self.max_exp_avg_sq.as_ref());
+        out.tensors
+            .retain(|name, _| matches!(name.as_str(), "exp_avg" | "exp_avg_sq" | "max_exp_avg_sq"));
+    }
     fn import(kind: &str, name: &str, mut state: ParamState<T>) -> Result<Self> {
         let mut len = None;
         let step = take_step(kind, name, &mut state)?;

@@ -239,6 +239,11 @@ pub(crate) trait PieceState<T>: Sized + Send {
     fn bytes(&self) -> usize;
     /// The state under PyTorch's names.
     fn export(&self) -> ParamState<T>;
+    /// [`export`](PieceState::export) into `out`, reusing its buffers
+    /// where it can (background checkpoints export at every save).
+    fn export_into(&self, out: &mut ParamState<T>) {
+        *out = self.export();
+    }
     /// Builds the state from PyTorch's names; `name` is for messages.
     fn import(kind: &str, name: &str, state: ParamState<T>) -> Result<Self>;
 }
@@ -487,6 +492,23 @@ impl<C: GroupConfig, S> Core<C, S> {
         }
     }
 
+    /// [`Core::export_state`] into `out`, reusing the buffers of the pieces
+    /// it already holds.
+    pub(crate) fn export_state_into<T>(&self, out: &mut OptimizerState<T>)
+    where
+        S: PieceState<T>,
+    {
+        out.params.retain(|key, _| self.state.contains_key(key));
+        for (key, state) in &self.state {
+            match out.params.get_mut(key) {
+                Some(piece) => state.export_into(piece),
+                None => {
+                    out.params.insert(key.clone(), state.export());
+                }
+            }
+        }
+    }
+
     /// Imports every piece or, on error, none.
     pub(crate) fn import_state<T>(&mut self, state: OptimizerState<T>) -> Result<()>
     where
@@ -652,6 +674,9 @@ macro_rules! optimizer {
             }
             fn export_state(&self) -> $crate::optim::OptimizerState<T> {
                 self.core.export_state()
+            }
+            fn export_state_into(&self, out: &mut $crate::optim::OptimizerState<T>) {
+                self.core.export_state_into(out)
             }
             fn state_bytes(&self) -> usize {
                 self.core.state_bytes()

@@ -184,6 +184,13 @@ pub trait FunctionalOptimizer<T: Element>: Send {
     /// A copy of the state of every piece stepped so far.
     fn export_state(&self) -> OptimizerState<T>;
 
+    /// [`export_state`](FunctionalOptimizer::export_state) into `out`,
+    /// reusing its buffers where they fit (a background checkpoint exports
+    /// at every save into the last one's). The default exports afresh.
+    fn export_state_into(&self, out: &mut OptimizerState<T>) {
+        *out = self.export_state();
+    }
+
     /// Replaces the state of the pieces in `state` (others are kept).
     fn import_state(&mut self, state: OptimizerState<T>) -> Result<()>;
 

@@ -614,6 +614,21 @@ impl<T: Element, C: Communicator, D: HostTransfers<T, C>> ShardMemory<T, C> for 
         }
     }
 
+    fn export_state_into(
+        &mut self,
+        comm: &C,
+        optimizer: &dyn FunctionalOptimizer<T>,
+        pieces: &[StepPiece<'_>],
+        out: &mut OptimizerState<T>,
+    ) -> Result<()> {
+        if self.offload {
+            optimizer.export_state_into(out);
+            Ok(())
+        } else {
+            self.device.export_state_into(comm, optimizer, pieces, out)
+        }
+    }
+
     fn import_state(
         &mut self,
         optimizer: &mut dyn FunctionalOptimizer<T>,

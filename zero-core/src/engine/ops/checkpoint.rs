@@ -12,15 +12,16 @@ use crate::checkpoint::{
     checkpoint_error, file_order, CheckpointInfo, CheckpointKind, FileRecord, Manifest, StateDict,
     TensorWriter, MANIFEST_FILE,
 };
-use crate::comm::Communicator;
+use crate::comm::{Communicator, ReduceOp};
 use crate::engine::state::{
     agree, agreed_tag, check_groups, checked_info, fresh_tag, group_states, numel_by_name,
     read_owned_state, remove_stale_files, write_state_file, SaveOptions,
 };
 use crate::engine::state::{
     check_coverage, pack_pieces, piece_metas, sink_pieces, FileSink, MemorySink, ModelFile,
-    PieceMeta, PieceSink,
+    ModelSink, PieceMeta, PieceSink,
 };
+use crate::engine::state::{ModelSnapshot, Pending, SavedCheckpoint, Snapshot, StateSnapshot};
 use crate::engine::{Engine, ShardMemory, Stage};
 use crate::optim::{OptimizerState, ParamState};
 use crate::{DType, Element, Error, Result};
@@ -216,7 +217,9 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// removed once the new manifest is in place.
     ///
     /// Refused inside a gradient-accumulation window (the accumulated
-    /// gradients are not part of a checkpoint): finish the step first.
+    /// gradients are not part of a checkpoint): finish the step first. A
+    /// background save in flight ([`Engine::save_checkpoint_async`]) is
+    /// completed first, and its failure returned.
     pub fn save_checkpoint_with(
         &mut self,
         dir: impl AsRef<Path>,
@@ -225,6 +228,8 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     ) -> Result<Manifest> {
         self.finish_gathers()?;
         self.window.refuse_mid("save_checkpoint")?;
+        // One save at a time: a background one in flight completes first.
+        self.wait_checkpoint()?;
         let dir = dir.as_ref();
         self.with_shard_home(|engine| engine.save_checkpoint_home(dir, weights, options))
     }
@@ -272,8 +277,13 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         // Every rank takes part in the model file, whatever happened above
         // (the master weights come to rank 0 piece by piece); rank 0 writes
         // it unless its own part failed already.
-        let writes = rank == 0 && local.is_ok();
-        let model = self.write_model(&dir.join(&model_file), weights, writes)?;
+        let model_path = dir.join(&model_file);
+        let out = if rank == 0 && local.is_ok() {
+            ModelOut::File(&model_path)
+        } else {
+            ModelOut::Nowhere
+        };
+        let model = self.write_model(out, weights)?;
         let local = local.and_then(|mut files| {
             if let Some(record) = model? {
                 files.push((model_file.clone(), record));
@@ -304,6 +314,191 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         Ok(manifest)
     }
 
+    /// Saves a sharded checkpoint into `dir` in the background: the files
+    /// of [`Engine::save_checkpoint_with`], bitwise, but this call only
+    /// takes a snapshot of what they hold into host memory and returns; a
+    /// thread of this rank writes it while training goes on. A collective.
+    ///
+    /// The snapshot is this rank's optimizer state and, on rank 0, the
+    /// model file's data (at stage 3 and with master weights the pieces are
+    /// gathered to rank 0 here, as a blocking save gathers them: this call
+    /// blocks for the gathers, not for the writes). Rank 0 thus holds the
+    /// whole model in host memory until its write is done; a model larger
+    /// than rank 0's host memory saves with [`Engine::save_checkpoint`].
+    ///
+    /// At most one save is in flight: this call first completes the
+    /// previous one, as [`Engine::wait_checkpoint`] does, and returns it.
+    /// A save completes on the main thread, never on the writer (no
+    /// collective runs there): once every rank's writer is done, the ranks
+    /// agree and rank 0 writes the manifest, the commit point. Complete a
+    /// save sooner with [`Engine::poll_checkpoint`] at step boundaries, and
+    /// the last one with [`Engine::wait_checkpoint`] before the engine is
+    /// dropped (a drop lets the files finish but writes no manifest: the
+    /// save is then incomplete, and loads as nothing).
+    ///
+    /// Errors: a failure of the previous save's writes on any rank (that
+    /// save is then abandoned without a manifest, and this one is not
+    /// started: call again to start it); refused inside an accumulation
+    /// window. A failure of this save's writes comes back from the call
+    /// that completes it.
+    pub fn save_checkpoint_async(
+        &mut self,
+        dir: impl AsRef<Path>,
+        weights: &mut M::Params<'_>,
+        options: &SaveOptions,
+    ) -> Result<Option<SavedCheckpoint>> {
+        self.finish_gathers()?;
+        self.window.refuse_mid("save_checkpoint_async")?;
+        let previous = self.wait_checkpoint()?;
+        let dir = dir.as_ref();
+        self.with_shard_home(|engine| engine.snapshot_checkpoint(dir, weights, options))?;
+        Ok(previous)
+    }
+
+    /// Completes the background save in flight if every rank's writer is
+    /// done, and returns it; `None` if a writer is still busy or no save is
+    /// in flight. A collective while a save is in flight (an all-reduce of
+    /// one value; nothing otherwise): call it on every rank at the same
+    /// point, e.g. once per step. Errors as [`Engine::wait_checkpoint`].
+    pub fn poll_checkpoint(&mut self) -> Result<Option<SavedCheckpoint>> {
+        if !self.background.in_flight() {
+            return Ok(None);
+        }
+        // 1 where this rank's writer is still busy; the max over ranks.
+        let mut busy = [f32::from(u8::from(!self.background.written()))];
+        self.all_reduce_host(&mut busy[..], ReduceOp::Max)?;
+        if busy[0] > 0.0 {
+            return Ok(None);
+        }
+        self.complete_checkpoint()
+    }
+
+    /// Waits for the background save in flight on every rank and completes
+    /// it (the manifest written, on rank 0); returns it, or `None` if none
+    /// was in flight. A collective while a save is in flight.
+    ///
+    /// Errors, on every rank: a rank's writes failed (the error names the
+    /// rank and what failed) or the manifest could not be written. The save
+    /// is then abandoned: its directory has no manifest, so it is never
+    /// loaded, and the directory's previous checkpoint (or a
+    /// [`StepCheckpoints`](crate::checkpoint::StepCheckpoints)' `latest`)
+    /// is untouched.
+    pub fn wait_checkpoint(&mut self) -> Result<Option<SavedCheckpoint>> {
+        if !self.background.in_flight() {
+            return Ok(None);
+        }
+        self.complete_checkpoint()
+    }
+
+    /// Joins this rank's writer, agrees with the other ranks on the
+    /// outcome, and writes the manifest on rank 0 (collectives).
+    fn complete_checkpoint(&mut self) -> Result<Option<SavedCheckpoint>> {
+        let Some((pending, written)) = self.background.join() else {
+            return Ok(None);
+        };
+        let dir = pending.dir;
+        let files = agree(&*self.comm, written, &dir, "the background save")?;
+        let mut manifest = Manifest::new();
+        for (name, record) in files {
+            manifest.record(name, record);
+        }
+        manifest.checkpoint = Some(pending.info);
+        let rank = self.comm.rank();
+        let written = if rank == 0 {
+            manifest.save(&dir).map(|_| Vec::new())
+        } else {
+            Ok(Vec::new())
+        };
+        agree(&*self.comm, written, &dir, "writing the manifest")?;
+        if rank == 0 {
+            remove_stale_files(&dir, &manifest, pending.old.as_ref());
+        }
+        Ok(Some(SavedCheckpoint { dir, manifest }))
+    }
+
+    /// [`Engine::save_checkpoint_async`] with the parameter shard at home:
+    /// the tag, as a blocking save picks it, and the snapshot, handed to
+    /// the writer. A failure to take the snapshot on one rank is that
+    /// rank's outcome of the save, shared when it completes, so that the
+    /// ranks' collectives stay in step.
+    fn snapshot_checkpoint(
+        &mut self,
+        dir: &Path,
+        weights: &mut M::Params<'_>,
+        options: &SaveOptions,
+    ) -> Result<()> {
+        let rank = self.comm.rank();
+        let old = if rank == 0 {
+            Manifest::load(dir).ok()
+        } else {
+            None
+        };
+        let tag = agreed_tag(&*self.comm, old.as_ref(), self.steps)?;
+        let shard_file = |p: usize| format!("optim.{tag}.rank{p}.safetensors");
+        let model_file = format!("model.{tag}.safetensors");
+
+        let state = (|| -> Result<Option<StateSnapshot<T>>> {
+            if self.config.stage == Stage::Ddp && rank != 0 {
+                return Ok(None);
+            }
+            let pieces = self.sharding.step_pieces(|_| true);
+            let mut state = self.background.take_state();
+            self.memory.export_state_into(
+                &self.comm,
+                self.optimizer.as_ref(),
+                &pieces,
+                &mut state,
+            )?;
+            Ok(Some(StateSnapshot {
+                file: shard_file(self.sharding.rank),
+                state,
+                fail_after: options
+                    .fail_after
+                    .and_then(|(r, bytes)| (r == rank).then_some(bytes)),
+            }))
+        })();
+        let writes = rank == 0 && state.is_ok();
+        let specs = self.model_tensors().1;
+        let mut values = if writes {
+            let numel = specs
+                .iter()
+                .map(|(_, _, shape)| shape.iter().product::<usize>());
+            self.background.take_model_values(numel.sum())
+        } else {
+            Vec::new()
+        };
+        let out = if writes {
+            ModelOut::Memory(&mut values)
+        } else {
+            ModelOut::Nowhere
+        };
+        let model = self.write_model(out, weights)?;
+        let snapshot = state.and_then(|state| {
+            model?;
+            Ok(Snapshot {
+                dir: dir.to_path_buf(),
+                state,
+                model: writes.then(|| ModelSnapshot {
+                    file: model_file.clone(),
+                    specs,
+                    values,
+                }),
+            })
+        });
+
+        let mut info =
+            self.checkpoint_info(CheckpointKind::Sharded, tag.clone(), options.user.clone());
+        info.model_file = Some(model_file);
+        info.shards = self.sharding.shard_records(&self.params, shard_file);
+        let pending = Pending {
+            dir: dir.to_path_buf(),
+            info,
+            old,
+        };
+        self.background.start(pending, snapshot);
+        Ok(())
+    }
+
     /// Loads a sharded checkpoint saved at any world size, stage and
     /// partitioner: weights from the model file into `weights`, and this
     /// rank's optimizer state, read from just the rank files whose pieces
@@ -323,6 +518,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     ) -> Result<Manifest> {
         self.window.refuse_mid("load_checkpoint")?;
         self.finish_gathers()?;
+        self.wait_checkpoint()?;
         let dir = dir.as_ref();
         let local = self.with_shard_home(|engine| {
             let manifest = Manifest::load(dir)?;
@@ -508,57 +704,41 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         failure.map_or(Ok(()), Err)
     }
 
-    /// Writes the model file where `writes` (rank 0): every parameter in
-    /// the engine's element type, a trainable or sharded one from the
-    /// master weights where the shard holds the truth, anything else from
-    /// the replica (widened where it is narrower). It is the file
+    /// Writes the model file to `out` (rank 0): every parameter in the
+    /// engine's element type, a trainable or sharded one from the master
+    /// weights where the shard holds the truth, anything else from the
+    /// replica (widened where it is narrower). It is the file
     /// `write_tensors` writes for these tensors, streamed: the masters come
     /// to rank 0 one piece at a time (`stream_masters`), and a replica
     /// tensor is read whole but one at a time, so that no rank ever holds
-    /// the whole model.
+    /// the whole model (but for a background save's snapshot, whose point
+    /// is to hold it, in host memory).
     ///
-    /// A collective where the shard holds the truth (every rank calls it).
-    /// The outer error is a failed collective, on every rank; the inner one
-    /// is the writer's failure to write the file, which the other ranks
-    /// learn through `agree`. A failed write does not stop the writer from
-    /// taking part in the gathers that follow, so that no rank waits
-    /// forever.
+    /// A collective where the shard holds the truth (every rank calls it;
+    /// the others with [`ModelOut::Nowhere`]). The outer error is a failed
+    /// collective, on every rank; the inner one is the writer's failure to
+    /// write the file, which the other ranks learn through `agree`. A
+    /// failed write does not stop the writer from taking part in the
+    /// gathers that follow, so that no rank waits forever.
     fn write_model(
         &mut self,
-        path: &Path,
+        out: ModelOut<'_, T>,
         weights: &mut M::Params<'_>,
-        writes: bool,
     ) -> Result<Result<Option<FileRecord>>> {
         let masters = self.shard_is_truth();
-        // A frozen parameter of a dtype the engine does not step is not the
-        // engine's to save (nor to load). The order is the file's, the same
-        // on every rank.
-        let mut order: Vec<usize> = (0..self.params.len())
-            .filter(|&i| crate::engine::precision::engine_steps::<T>(self.params[i].dtype))
-            .collect();
-        order.sort_by(|&l, &r| {
-            file_order(
-                (self.params[l].name.as_str(), T::DTYPE),
-                (self.params[r].name.as_str(), T::DTYPE),
-            )
-        });
+        let (order, specs) = self.model_tensors();
         let mut file = ModelFile::default();
-        if writes {
-            let specs: Vec<(String, DType, Vec<usize>)> = order
-                .iter()
-                .map(|&i| {
-                    (
-                        self.params[i].name.clone(),
-                        T::DTYPE,
-                        self.params[i].shape.clone(),
-                    )
-                })
-                .collect();
-            match TensorWriter::create(path, &specs) {
-                Ok(writer) => file.writer = Some(writer),
+        match out {
+            ModelOut::Nowhere => {}
+            ModelOut::File(path) => match TensorWriter::create(path, &specs) {
+                Ok(writer) => file.sink = Some(ModelSink::File(Box::new(writer))),
                 Err(e) => file.failure = Some(e),
+            },
+            ModelOut::Memory(values) => {
+                file.sink = Some(ModelSink::Memory { values, at: 0 });
             }
         }
+        let mut values = Vec::new();
         for i in order {
             let numel = self.params[i].numel();
             if masters && (self.params[i].trainable || self.is_sharded(i)) {
@@ -566,13 +746,20 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                 self.masters().stream(i, 0, &mut |range, values| {
                     // The plan's pieces are in order and disjoint; what it
                     // leaves out of the parameter is saved as zeros.
-                    file.zeros::<T>(range.start.saturating_sub(next));
+                    file.zeros(range.start.saturating_sub(next));
                     file.write(values);
                     next = range.end;
                 })?;
-                file.zeros::<T>(numel.saturating_sub(next));
-            } else if writes && file.writer.is_some() {
-                let mut values = vec![T::default(); numel];
+                file.zeros(numel.saturating_sub(next));
+            } else if let Some(into) = file.next_in_memory(numel) {
+                // A snapshot: read straight into place.
+                let read = self.memory.read_param_host(&self.comm, weights, i, into);
+                if let Err(e) = read {
+                    file.fail(e);
+                }
+            } else if file.sink.is_some() {
+                values.clear();
+                values.resize(numel, T::default());
                 match self
                     .memory
                     .read_param_host(&self.comm, weights, i, &mut values)
@@ -583,6 +770,34 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             }
         }
         Ok(file.finish())
+    }
+
+    /// The model file's parameters and their tensors (name, dtype, shape),
+    /// in the file's order, the same on every rank. A frozen parameter of
+    /// a dtype the engine does not step is not the engine's to save (nor
+    /// to load).
+    #[allow(clippy::type_complexity)]
+    fn model_tensors(&self) -> (Vec<usize>, Vec<(String, DType, Vec<usize>)>) {
+        let mut order: Vec<usize> = (0..self.params.len())
+            .filter(|&i| crate::engine::precision::engine_steps::<T>(self.params[i].dtype))
+            .collect();
+        order.sort_by(|&l, &r| {
+            file_order(
+                (self.params[l].name.as_str(), T::DTYPE),
+                (self.params[r].name.as_str(), T::DTYPE),
+            )
+        });
+        let specs = order
+            .iter()
+            .map(|&i| {
+                (
+                    self.params[i].name.clone(),
+                    T::DTYPE,
+                    self.params[i].shape.clone(),
+                )
+            })
+            .collect();
+        (order, specs)
     }
 
     fn checkpoint_info(
@@ -607,4 +822,15 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             user,
         }
     }
+}
+
+/// Where rank 0's model file goes (`Engine::write_model`).
+enum ModelOut<'a, T> {
+    /// Nowhere: this rank only takes part in the gathers.
+    Nowhere,
+    /// Straight into the file at this path (a blocking save).
+    File(&'a Path),
+    /// Into host memory as long as the file's data (a background save's
+    /// snapshot).
+    Memory(&'a mut [T]),
 }

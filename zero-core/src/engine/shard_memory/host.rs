@@ -301,6 +301,17 @@ impl<T: Element, C: Communicator<Memory = Host>> ShardMemory<T, C> for HostMemor
         Ok(optimizer.export_state())
     }
 
+    fn export_state_into(
+        &mut self,
+        _comm: &C,
+        optimizer: &dyn FunctionalOptimizer<T>,
+        _pieces: &[StepPiece<'_>],
+        out: &mut OptimizerState<T>,
+    ) -> Result<()> {
+        optimizer.export_state_into(out);
+        Ok(())
+    }
+
     fn import_state(
         &mut self,
         optimizer: &mut dyn FunctionalOptimizer<T>,

@@ -396,6 +396,20 @@ pub trait ShardMemory<T: Element, C: Communicator>: Send + 'static {
         pieces: &[StepPiece<'_>],
     ) -> Result<OptimizerState<T>>;
 
+    /// [`export_state`](ShardMemory::export_state) into `out`, reusing its
+    /// buffers where the memory can (background checkpoints, at every
+    /// save). The default exports afresh.
+    fn export_state_into(
+        &mut self,
+        comm: &C,
+        optimizer: &dyn FunctionalOptimizer<T>,
+        pieces: &[StepPiece<'_>],
+        out: &mut OptimizerState<T>,
+    ) -> Result<()> {
+        *out = self.export_state(comm, optimizer, pieces)?;
+        Ok(())
+    }
+
     /// Replaces the state of the pieces in `state` (checkpoints).
     fn import_state(
         &mut self,

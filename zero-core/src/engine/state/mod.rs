@@ -1,8 +1,10 @@
 //! What the engine's checkpoints (`ops/checkpoint.rs`) are made of: the
 //! optimizer state's pieces in transit, the files of one rank's state, the
 //! checks of a saved checkpoint against the engine, and the agreement of every
-//! rank on the outcome (`agree`, the only collective here).
+//! rank on the outcome (`agree`, the only collective here); background
+//! saves' snapshots and writer (`background.rs`).
 
+mod background;
 mod pieces;
 
 use crate::checkpoint::{
@@ -13,9 +15,11 @@ use crate::comm::Communicator;
 use crate::optim::{FunctionalOptimizer, OptimizerState};
 use crate::partition::ParamInfo;
 use crate::{DType, Element, Error, Result};
+pub use background::SavedCheckpoint;
+pub(super) use background::{BackgroundSave, ModelSnapshot, Pending, Snapshot, StateSnapshot};
 pub(super) use pieces::{
     check_coverage, pack_pieces, piece_metas, sink_pieces, Assembly, FileSink, MemorySink,
-    ModelFile, PieceMeta, PieceSink, RankStatus,
+    ModelFile, ModelSink, PieceMeta, PieceSink, RankStatus,
 };
 use std::collections::BTreeMap;
 use std::ops::Range;

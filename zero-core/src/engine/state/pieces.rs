@@ -194,43 +194,95 @@ impl<T: Element> PieceSink<T> for FileSink<'_> {
 /// Rank 0's side of a streamed model file: the first failure is kept and
 /// what comes after it is let go, so that rank 0 keeps taking part in the
 /// gathers while the other ranks send.
-#[derive(Default)]
-pub(in crate::engine) struct ModelFile {
-    pub writer: Option<TensorWriter>,
+pub(in crate::engine) struct ModelFile<'a, T> {
+    pub sink: Option<ModelSink<'a, T>>,
     pub failure: Option<Error>,
 }
 
-impl ModelFile {
-    pub fn write<T: Element>(&mut self, values: &[T]) {
-        if let Some(writer) = self.writer.as_mut() {
-            if let Err(e) = writer.write(bytemuck::cast_slice(values)) {
-                self.fail(e);
+impl<T> Default for ModelFile<'_, T> {
+    fn default() -> Self {
+        Self {
+            sink: None,
+            failure: None,
+        }
+    }
+}
+
+/// Where rank 0 puts the model file's data.
+pub(in crate::engine) enum ModelSink<'a, T> {
+    /// Straight into the file (a blocking save).
+    File(Box<TensorWriter>),
+    /// Into host memory as long as the file's data, filled in order from
+    /// `at` (a background save's snapshot; the writer thread puts the same
+    /// bytes into the same file).
+    Memory { values: &'a mut [T], at: usize },
+}
+
+impl<T: Element> ModelFile<'_, T> {
+    pub fn write(&mut self, values: &[T]) {
+        match self.sink.as_mut() {
+            Some(ModelSink::File(writer)) => {
+                if let Err(e) = writer.write(bytemuck::cast_slice(values)) {
+                    self.fail(e);
+                }
             }
+            Some(ModelSink::Memory { values: to, at }) => {
+                let (end, len) = (*at + values.len(), to.len());
+                if let Some(to) = to.get_mut(*at..end) {
+                    to.copy_from_slice(values);
+                    *at = end;
+                } else {
+                    self.fail(Error::State(format!(
+                        "internal: the model's snapshot holds {len} elements, {end} were written"
+                    )));
+                }
+            }
+            None => {}
         }
     }
 
-    pub fn zeros<T: Element>(&mut self, mut count: usize) {
+    pub fn zeros(&mut self, mut count: usize) {
         let zeros = [T::default(); 1024];
-        while count > 0 && self.writer.is_some() {
+        while count > 0 && self.sink.is_some() {
             let n = count.min(zeros.len());
             self.write(&zeros[..n]);
             count -= n;
         }
     }
 
+    /// Where a snapshot's next `len` elements go, to be read straight into
+    /// (`None` for a file, or once failed).
+    pub fn next_in_memory(&mut self, len: usize) -> Option<&mut [T]> {
+        match self.sink.as_mut() {
+            Some(ModelSink::Memory { values, at }) => {
+                let start = *at;
+                *at += len;
+                values.get_mut(start..start + len)
+            }
+            _ => None,
+        }
+    }
+
     /// Keeps the first failure; dropping the writer removes its temporary
     /// file.
     pub fn fail(&mut self, e: Error) {
-        self.writer = None;
+        self.sink = None;
         self.failure.get_or_insert(e);
     }
 
-    /// The file's record where it was written, `None` elsewhere.
+    /// The file's record where it was written, `None` elsewhere (and where
+    /// the data went into memory).
     pub fn finish(self) -> Result<Option<FileRecord>> {
-        match (self.failure, self.writer) {
+        match (self.failure, self.sink) {
             (Some(e), _) => Err(e),
-            (None, Some(writer)) => writer.finish().map(Some),
-            (None, None) => Ok(None),
+            (None, Some(ModelSink::File(writer))) => (*writer).finish().map(Some),
+            (None, Some(ModelSink::Memory { values, at })) if at != values.len() => {
+                Err(Error::State(format!(
+                    "internal: the model's snapshot holds {} elements, {at} were written",
+                    values.len()
+                )))
+            }
+            (None, Some(ModelSink::Memory { .. }) | None) => Ok(None),
         }
     }
 }

@@ -1,0 +1,225 @@
+//! `bench checkpoint`: the time a step is blocked by a checkpoint, a
+//! background save (`save_checkpoint_async`) over a blocking one, for the
+//! hooked MLP 1024-4x4096-10 (54.58M parameters, AdamW) at N=2 threads,
+//! stages 2 and 3, side by side in one run.
+//!
+//! Each case trains `STEPS` steps and saves every `EVERY` into a step
+//! directory (not at the last step, so that a background save has steps to
+//! overlap). The blocked time of a save is what its calls take on the
+//! training loop's thread, the slowest rank's: the blocking save; or the
+//! background save's snapshot, the per-step polls that complete it and any
+//! wait for it at the next save or the end (a writer slower than `EVERY`
+//! steps shows there). The figure is the median over the saves, the
+//! slowest rank's, background over blocking (the first background save
+//! allocates the buffers the later ones reuse). The writer threads share the
+//! machine's cores with training, which slows the steps between saves;
+//! `checkpoint.*_step_over_plain` reports that apart.
+
+use super::Report;
+use crate::trainer::Mlp;
+use candle_core::Device;
+use rand::SeedableRng;
+use std::sync::Arc;
+use std::time::Instant;
+use zero_candle::nn::GradHook;
+use zero_candle::{ShardedVarMap, ZeroHook, ZeroOptimizer};
+use zero_core::comm::Host;
+use zero_core::engine::{EngineConfig, SaveOptions, Stage};
+use zero_core::optim::{AdamW, AdamWConfig};
+use zero_core::{Communicator, ThreadGroup};
+
+const WORLD: usize = 2;
+/// 1024*4096 + 3*4096*4096 + 4096*10 weights and their biases: 54,583,306.
+const WIDTHS: [usize; 6] = [1024, 4096, 4096, 4096, 4096, 10];
+const BATCH: usize = 8;
+const STEPS: usize = 20;
+const EVERY: usize = 6;
+
+/// How a case saves.
+#[derive(Clone, Copy, PartialEq)]
+enum Save {
+    Blocking,
+    Background,
+}
+
+/// What one rank measures, in seconds: per save, the time it blocked the
+/// loop (the call; for a background save also the wait for the one before,
+/// the polls until the next save and the wait at the end) and the call
+/// alone; and the median step that did not save.
+struct Measured {
+    blocked: Vec<f64>,
+    calls: Vec<f64>,
+    step: f64,
+}
+
+fn train<C>(comm: C, stage: Stage, save: Save, root: &std::path::Path) -> Result<Measured, String>
+where
+    C: Communicator<Memory = Host> + 'static,
+{
+    let rank = comm.rank();
+    let error = |e: &dyn std::fmt::Display| e.to_string();
+    let map = ShardedVarMap::seeded(0);
+    let hook = ZeroHook::<C, f32>::new();
+    let model = Mlp::build(
+        &map,
+        &WIDTHS,
+        &Device::Cpu,
+        Some(hook.clone() as Arc<dyn GradHook>),
+        candle_core::DType::F32,
+    )
+    .map_err(|e| error(&e))?;
+    let adamw = AdamW::new(AdamWConfig::default().with_lr(1e-3)).map_err(|e| error(&e))?;
+    let config = EngineConfig::default().with_stage(stage);
+    let mut opt = ZeroOptimizer::<C, f32>::new_sharded(&map, comm, config, Box::new(adamw), &hook)
+        .map_err(|e| error(&e))?;
+    let checkpoints = zero_core::checkpoint::StepCheckpoints::new(root);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(rank as u64);
+    let (mut blocked, mut calls, mut step_times) = (Vec::new(), Vec::new(), Vec::new());
+    for step in 1..=STEPS {
+        let started = Instant::now();
+        let (x, y) = super::random_batch(&mut rng, BATCH, WIDTHS[0], WIDTHS[5] as i64)
+            .map_err(|e| error(&e))?;
+        let loss = model
+            .forward(&x)
+            .and_then(|logits| candle_nn::loss::cross_entropy(&logits, &y))
+            .map_err(|e| error(&e))?;
+        opt.backward_step(&loss).map_err(|e| error(&e))?;
+        let trained = started.elapsed().as_secs_f64();
+        let boundary = Instant::now();
+        let dir = checkpoints.next_dir(step as u64);
+        let due = step % EVERY == 0 && step < STEPS;
+        match (save, due) {
+            (Save::Blocking, true) => {
+                opt.save_checkpoint(&dir).map_err(|e| error(&e))?;
+            }
+            (Save::Background, true) => {
+                // The save waits for the one in flight (counted with that
+                // one), then takes its snapshot.
+                opt.wait_checkpoint().map_err(|e| error(&e))?;
+                if let Some(last) = blocked.last_mut() {
+                    *last += boundary.elapsed().as_secs_f64();
+                }
+                let call = Instant::now();
+                opt.save_checkpoint_async(&dir, &SaveOptions::default())
+                    .map_err(|e| error(&e))?;
+                calls.push(call.elapsed().as_secs_f64());
+                blocked.push(call.elapsed().as_secs_f64());
+            }
+            (Save::Background, false) => {
+                opt.poll_checkpoint().map_err(|e| error(&e))?;
+            }
+            (Save::Blocking, false) => {}
+        }
+        if step == STEPS {
+            opt.wait_checkpoint().map_err(|e| error(&e))?;
+        }
+        let spent = boundary.elapsed().as_secs_f64();
+        match (save, due) {
+            (Save::Blocking, true) => {
+                calls.push(spent);
+                blocked.push(spent);
+            }
+            (Save::Background, false) => {
+                if let Some(last) = blocked.last_mut() {
+                    *last += spent;
+                }
+            }
+            _ => {}
+        }
+        // The first steps warm up; the steps that saved are not training.
+        if step > 2 && !due {
+            step_times.push(trained);
+        }
+    }
+    step_times.sort_by(f64::total_cmp);
+    Ok(Measured {
+        blocked,
+        calls,
+        step: step_times[step_times.len() / 2],
+    })
+}
+
+/// The median of `values`.
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values.get(values.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+/// Per save the slowest rank's times; rank 0's median step.
+fn measure(stage: Stage, save: Save) -> Result<Measured, String> {
+    let root = std::env::temp_dir().join(format!(
+        "zero-bench-checkpoint-{}-{}",
+        std::process::id(),
+        stage.number()
+    ));
+    let results = ThreadGroup::new(WORLD).run(|comm| train(comm, stage, save, &root));
+    // Best effort: what is left in the temporary directory wastes space.
+    let _ = std::fs::remove_dir_all(&root);
+    let mut out: Option<Measured> = None;
+    for r in results {
+        let m = r.map_err(|e| e.to_string())??;
+        match out.as_mut() {
+            None => out = Some(m),
+            Some(o) => {
+                let slowest = |a: &mut Vec<f64>, b: &[f64]| {
+                    a.iter_mut().zip(b).for_each(|(a, b)| *a = a.max(*b))
+                };
+                slowest(&mut o.blocked, &m.blocked);
+                slowest(&mut o.calls, &m.calls);
+            }
+        }
+    }
+    out.ok_or_else(|| "no rank ran".into())
+}
+
+pub fn run(report: &mut Report) {
+    println!(
+        "bench checkpoint: hooked MLP {WIDTHS:?} (54.58M parameters), AdamW, {BATCH} rows per \
+         rank, N={WORLD} threads, {STEPS} steps saving every {EVERY} before the last: time \
+         blocked per save"
+    );
+    for (stage, name) in [(Stage::Gradients, "s2"), (Stage::Parameters, "s3")] {
+        let measured = measure(stage, Save::Blocking)
+            .and_then(|blocking| Ok((blocking, measure(stage, Save::Background)?)));
+        let (blocking, background) = match measured {
+            Ok(m) => m,
+            Err(e) => {
+                println!("  {name}: failed: {e}");
+                continue;
+            }
+        };
+        let ms = |values: &[f64]| {
+            let shown: Vec<String> = values.iter().map(|v| format!("{:.0}", v * 1e3)).collect();
+            shown.join(", ")
+        };
+        println!(
+            "  {name}: blocked per save: blocking {} ms; background {} ms (the snapshot {} ms); \
+             steps {:.0} ms, {:.0} ms beside the writer",
+            ms(&blocking.blocked),
+            ms(&background.blocked),
+            ms(&background.calls),
+            blocking.step * 1e3,
+            background.step * 1e3
+        );
+        let (plain_step, busy_step) = (blocking.step, background.step);
+        let (blocking, background) = (median(blocking.blocked), median(background.blocked));
+        report.add(
+            &format!("checkpoint.{name}_background_over_blocking"),
+            background / blocking,
+            "x",
+            Some("<= 0.1"),
+        );
+        report.add(
+            &format!("checkpoint.{name}_blocking_ms"),
+            blocking * 1e3,
+            "ms",
+            None,
+        );
+        report.add(
+            &format!("checkpoint.{name}_step_over_plain"),
+            busy_step / plain_step,
+            "x",
+            None,
+        );
+    }
+}
