@@ -75,5 +75,5 @@ strip "$stage"/t/* "$stage/train" "$stage/bench"
 # xz -9's 64 MiB window finds the Candle kernels every zero-candle test
 # binary embeds again: about 22 MB instead of 59 with the default, which
 # matters under the device tool's 64 MiB (a few minutes more here).
-tar -C "$stage" -cf - . | xz -9 -T1 >"$out"
+tar -C "$stage" --sort=name -cf - . | xz -9 -T1 >"$out"
 ls -la "$out"
