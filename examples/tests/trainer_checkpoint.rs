@@ -156,6 +156,37 @@ fn resume_at_or_past_steps_trains_nothing_and_succeeds() {
     }
 }
 
+/// A prune killed part-way after the last save leaves a hidden
+/// `.step-N.removing`; the run resumed past --steps (a restart loop's)
+/// removes it.
+#[test]
+fn a_run_with_nothing_to_train_finishes_an_interrupted_prune() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("ckpt");
+    let args = [
+        "--world-size",
+        "2",
+        "--batch-size",
+        "8",
+        "--steps",
+        "4",
+        "--checkpoint-dir",
+        path(&ckpt),
+        "--checkpoint-every",
+        "1",
+        "--keep-checkpoints",
+        "2",
+    ];
+    train_weights(&args);
+    let leftover = ckpt.join(".step-000001.removing");
+    std::fs::create_dir_all(&leftover).unwrap();
+    std::fs::write(leftover.join("rank0.safetensors"), b"partial").unwrap();
+    let resume = [&args[..], &["--resume", path(&ckpt)][..]].concat();
+    let (resumed, _) = train_weights(&resume);
+    assert_eq!(resumed.outcome, Outcome::AlreadyDone { checkpoint_step: 4 });
+    assert!(!leftover.exists(), "{:?}", names(&ckpt));
+}
+
 /// The names in a directory, sorted.
 fn names(dir: &Path) -> Vec<String> {
     let mut names: Vec<String> = std::fs::read_dir(dir)

@@ -80,6 +80,12 @@ pub(super) fn train_loop(
                     args.steps
                 );
             }
+            // A prune killed part-way, after the last save, leaves its
+            // hidden directory: this run finishes it.
+            if let (Some(dir), Some(keep), 0) = (&args.checkpoint_dir, args.keep_checkpoints, rank)
+            {
+                StepCheckpoints::new(dir).prune(usize::try_from(keep).unwrap_or(usize::MAX))?;
+            }
             save_final_weights(args, opt, model, rank)?;
             return Ok(Summary {
                 final_loss: f64::NAN,
