@@ -4,7 +4,7 @@
 use super::{Gpt2, Gpt2Config, Llama, LlamaConfig};
 use crate::hub::{HubDir, HubLayout, HubSource};
 use crate::nn::GradHook;
-use crate::{Error, Result, ShardedVarMap};
+use crate::{Result, ShardedVarMap};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use std::sync::Arc;
@@ -38,10 +38,7 @@ impl HubConfig {
     /// The config of the hub directory `hub` ([`HubConfig::from_json`]),
     /// an error naming its `config.json` and the key.
     pub fn from_hub(hub: &HubDir) -> Result<Self> {
-        Self::from_json(hub.config()).map_err(|detail| Error::Hub {
-            path: hub.dir().join(crate::hub::CONFIG_FILE),
-            detail,
-        })
+        super::config_of(hub, Self::from_json)
     }
 
     /// Where the model's variables sit in its checkpoints.

@@ -104,18 +104,7 @@ impl Gpt2Config {
                 ));
             }
         }
-        if let Some(names) = config.get("architectures").and_then(|v| v.as_array()) {
-            let known = ["GPT2LMHeadModel", "GPT2Model"];
-            if let Some(other) = names
-                .iter()
-                .filter_map(|n| n.as_str())
-                .find(|n| !known.contains(n))
-            {
-                return Err(format!(
-                    "`architectures` names {other:?}; this model reads GPT2LMHeadModel"
-                ));
-            }
-        }
+        super::check_architectures(config, &["GPT2LMHeadModel", "GPT2Model"])?;
         for (key, implemented) in FIXED {
             if let Some(value) = config.get(*key) {
                 if !value.is_null() && value.as_bool() != Some(*implemented) {
@@ -133,10 +122,7 @@ impl Gpt2Config {
     /// The config of the hub directory `hub` ([`Gpt2Config::from_json`]),
     /// an error naming its `config.json` and the key.
     pub fn from_hub(hub: &HubDir) -> Result<Self> {
-        Self::from_json(hub.config()).map_err(|detail| Error::Hub {
-            path: hub.dir().join(crate::hub::CONFIG_FILE),
-            detail,
-        })
+        super::config_of(hub, Self::from_json)
     }
 
     /// Checks that the shape is buildable and the activation known.
@@ -149,9 +135,7 @@ impl Gpt2Config {
             ("n_head", self.n_head),
             ("n_inner", self.inner()),
         ];
-        if let Some((key, _)) = sizes.iter().find(|(_, v)| *v == 0) {
-            return Err(format!("`{key}` must be positive"));
-        }
+        super::check_positive(&sizes)?;
         if self.n_embd % self.n_head != 0 {
             return Err(format!(
                 "`n_embd` {} is not a multiple of `n_head` {}",

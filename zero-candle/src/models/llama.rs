@@ -157,18 +157,7 @@ impl LlamaConfig {
                 "`model_type` is {kind:?}; this model reads \"llama\", \"mistral\" and \"qwen2\""
             ));
         };
-        if let Some(names) = config.get("architectures").and_then(|v| v.as_array()) {
-            if let Some(other) = names
-                .iter()
-                .filter_map(|n| n.as_str())
-                .find(|n| !architectures.contains(n))
-            {
-                return Err(format!(
-                    "`architectures` names {other:?}; a {kind:?} config reads {}",
-                    architectures[0]
-                ));
-            }
-        }
+        super::check_architectures(config, &architectures)?;
         for (key, implemented) in fixed() {
             if let Some(value) = config.get(key) {
                 if !value.is_null() && *value != implemented {
@@ -209,10 +198,7 @@ impl LlamaConfig {
     /// The config of the hub directory `hub` ([`LlamaConfig::from_json`]),
     /// an error naming its `config.json` and the key.
     pub fn from_hub(hub: &HubDir) -> Result<Self> {
-        Self::from_json(hub.config()).map_err(|detail| Error::Hub {
-            path: hub.dir().join(crate::hub::CONFIG_FILE),
-            detail,
-        })
+        super::config_of(hub, Self::from_json)
     }
 
     /// Checks that the shape is buildable.
@@ -227,9 +213,7 @@ impl LlamaConfig {
             ("head_dim", self.head_dim),
             ("max_position_embeddings", self.max_position_embeddings),
         ];
-        if let Some((key, _)) = sizes.iter().find(|(_, v)| *v == 0) {
-            return Err(format!("`{key}` must be positive"));
-        }
+        super::check_positive(&sizes)?;
         if self.num_attention_heads % self.num_key_value_heads != 0 {
             return Err(format!(
                 "`num_attention_heads` {} is not a multiple of `num_key_value_heads` {}",

@@ -65,3 +65,45 @@ fn logits(
     let x = norm.forward(x)?.reshape((batch * time, width))?;
     candle_core::Module::forward(head, &x)?.reshape((batch, time, vocab))
 }
+
+/// `parse` of the `config.json` of the hub directory `hub`: an error names
+/// the file and the key.
+fn config_of<C>(
+    hub: &crate::hub::HubDir,
+    parse: impl FnOnce(&serde_json::Value) -> std::result::Result<C, String>,
+) -> crate::Result<C> {
+    parse(hub.config()).map_err(|detail| crate::Error::Hub {
+        path: hub.dir().join(crate::hub::CONFIG_FILE),
+        detail,
+    })
+}
+
+/// An error naming the first of `config`'s `architectures` not among
+/// `known` (whose first is the one this model reads).
+fn check_architectures(
+    config: &serde_json::Value,
+    known: &[&str],
+) -> std::result::Result<(), String> {
+    let names = config.get("architectures").and_then(|v| v.as_array());
+    match names
+        .into_iter()
+        .flatten()
+        .filter_map(|n| n.as_str())
+        .find(|n| !known.contains(n))
+    {
+        Some(other) => Err(format!(
+            "`architectures` names {other:?}; this model reads {}",
+            known[0]
+        )),
+        None => Ok(()),
+    }
+}
+
+/// An error naming the first of `sizes` (a config key and its value) that
+/// is zero.
+fn check_positive(sizes: &[(&str, usize)]) -> std::result::Result<(), String> {
+    match sizes.iter().find(|(_, v)| *v == 0) {
+        Some((key, _)) => Err(format!("`{key}` must be positive")),
+        None => Ok(()),
+    }
+}
