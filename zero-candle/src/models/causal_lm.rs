@@ -2,7 +2,7 @@
 //! by its `config.json`'s `model_type` ([`HubConfig`]).
 
 use super::{Gpt2, Gpt2Config, Llama, LlamaConfig};
-use crate::hub::{HubDir, HubLayout, HubSource};
+use crate::hub::{HubDir, HubLayout};
 use crate::nn::GradHook;
 use crate::{Result, ShardedVarMap};
 use candle_core::{DType, Device, Tensor};
@@ -110,10 +110,7 @@ impl CausalLm {
     /// variables come from its weights (build the model with
     /// [`CausalLm::new`] through the map's builder).
     pub fn open_hub(dir: impl AsRef<std::path::Path>) -> Result<(HubConfig, ShardedVarMap)> {
-        let hub = Arc::new(HubDir::open(dir)?);
-        let config = HubConfig::from_hub(&hub)?;
-        let map = ShardedVarMap::new(HubSource::new(hub, config.hub_layout()));
-        Ok((config, map))
+        super::open_hub_as(dir, HubConfig::from_hub, HubConfig::hub_layout)
     }
 
     /// With `on`, each block is recomputed in backward.

@@ -8,7 +8,7 @@
 //! weights `[out, in]`, transposed on load and save by
 //! [`Gpt2::hub_layout`]. The head has no variable of its own.
 
-use crate::hub::{HubDir, HubLayout, HubSource};
+use crate::hub::{HubDir, HubLayout};
 use crate::nn::{ops, Embedding, GradHook, LayerNorm, Linear};
 use crate::{Error, Result, ShardedVarMap};
 use candle_core::{DType, Device, Module, Tensor};
@@ -297,10 +297,7 @@ impl Gpt2 {
     /// model with [`Gpt2::new`] through the map's builder). Errors name the
     /// config key or the file that is unusable.
     pub fn open_hub(dir: impl AsRef<std::path::Path>) -> Result<(Gpt2Config, ShardedVarMap)> {
-        let hub = Arc::new(HubDir::open(dir)?);
-        let config = Gpt2Config::from_hub(&hub)?;
-        let map = ShardedVarMap::new(HubSource::new(hub, Self::hub_layout(&config)));
-        Ok((config, map))
+        super::open_hub_as(dir, Gpt2Config::from_hub, Self::hub_layout)
     }
 
     /// Where the variables sit in a hub checkpoint: under `transformer.`

@@ -9,7 +9,7 @@
 //! `model.layers.{i}.self_attn.q_proj.weight`, ..., `model.norm.weight`,
 //! `lm_head.weight` when the head is untied), stored as they are.
 
-use crate::hub::{HubDir, HubLayout, HubSource};
+use crate::hub::{HubDir, HubLayout};
 use crate::nn::{ops, Embedding, GradHook, Linear, RmsNorm};
 use crate::{Error, Result, ShardedVarMap};
 use candle_core::{DType, Device, Module, Tensor, D};
@@ -537,10 +537,7 @@ impl Llama {
     /// model with [`Llama::new`] through the map's builder). Errors name
     /// the config key or the file that is unusable.
     pub fn open_hub(dir: impl AsRef<std::path::Path>) -> Result<(LlamaConfig, ShardedVarMap)> {
-        let hub = Arc::new(HubDir::open(dir)?);
-        let config = LlamaConfig::from_hub(&hub)?;
-        let map = ShardedVarMap::new(HubSource::new(hub, Self::hub_layout(&config)));
-        Ok((config, map))
+        super::open_hub_as(dir, LlamaConfig::from_hub, Self::hub_layout)
     }
 
     /// Where the variables sit in a hub checkpoint: under their own names;

@@ -107,3 +107,16 @@ fn check_positive(sizes: &[(&str, usize)]) -> std::result::Result<(), String> {
         None => Ok(()),
     }
 }
+
+/// Opens the hub directory `dir`: its config (`config`) and a
+/// [`crate::ShardedVarMap`] reading its weights where `layout` places them.
+fn open_hub_as<C>(
+    dir: impl AsRef<std::path::Path>,
+    config: impl FnOnce(&crate::hub::HubDir) -> crate::Result<C>,
+    layout: impl FnOnce(&C) -> crate::hub::HubLayout,
+) -> crate::Result<(C, crate::ShardedVarMap)> {
+    let hub = std::sync::Arc::new(crate::hub::HubDir::open(dir)?);
+    let config = config(&hub)?;
+    let source = crate::hub::HubSource::new(hub, layout(&config));
+    Ok((config, crate::ShardedVarMap::new(source)))
+}
