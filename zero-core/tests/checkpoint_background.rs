@@ -5,37 +5,15 @@
 
 mod common;
 
-use common::{ckpt_err, engine, listing, make_opt, run, slots, Mlp, Model, Opt};
+use common::{ckpt_err, engine, listing, make_opt, run, slots, Mlp, Model, Opt, TestMemory};
 use std::ops::Range;
 use std::path::Path;
 use std::sync::Arc;
 use zero_core::checkpoint::{Manifest, StepCheckpoints, MANIFEST_FILE};
 use zero_core::engine::{
-    EngineConfig, Fetcher, GatherMemory, HostGrad, HostMemory, Offload, OffloadMemory, ShardMemory,
-    Stage,
+    EngineConfig, Fetcher, GatherMemory, HostMemory, Offload, OffloadMemory, Stage,
 };
-use zero_core::{Communicator, Engine, ParamStore, Result, SaveOptions, ThreadComm};
-
-/// An engine memory over host buffers, as the tests drive it.
-trait TestMemory:
-    for<'g, 'p> ShardMemory<
-    f64,
-    ThreadComm,
-    Grad<'g> = HostGrad<'g, f64>,
-    Params<'p> = dyn ParamStore<f64> + 'p,
-    Gathers = Self::G,
->
-{
-    type G: GatherMemory<f64, Buffer = Vec<f64>>;
-}
-
-impl TestMemory for HostMemory {
-    type G = Self::Gathers;
-}
-
-impl TestMemory for OffloadMemory<HostMemory> {
-    type G = Self::Gathers;
-}
+use zero_core::{Communicator, Engine, Result, SaveOptions, ThreadComm};
 
 fn model() -> Mlp {
     Mlp::new(&[6, 10, 4])

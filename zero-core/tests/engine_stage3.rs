@@ -6,34 +6,13 @@
 
 mod common;
 
-use common::{assert_close, engine, make_opt, run, slots, Mlp, Model, Opt};
+use common::{assert_close, engine, make_opt, run, slots, Mlp, Model, Opt, TestMemory};
 use std::sync::Arc;
 use zero_core::engine::{
-    EngineConfig, Fetcher, GatherMemory, HostGrad, HostMemory, MemoryReport, NormType, Offload,
-    OffloadMemory, ShardMemory, Stage,
+    EngineConfig, Fetcher, GatherMemory, HostMemory, MemoryReport, NormType, Offload,
+    OffloadMemory, Stage,
 };
-use zero_core::{Communicator, Engine, Error, ParamStore, Result, ThreadComm, ThreadGroup};
-
-/// An engine memory over host buffers, as the tests drive it.
-trait TestMemory:
-    for<'g, 'p> ShardMemory<
-    f64,
-    ThreadComm,
-    Grad<'g> = HostGrad<'g, f64>,
-    Params<'p> = dyn ParamStore<f64> + 'p,
-    Gathers = Self::G,
->
-{
-    type G: GatherMemory<f64, Buffer = Vec<f64>>;
-}
-
-impl TestMemory for HostMemory {
-    type G = Self::Gathers;
-}
-
-impl TestMemory for OffloadMemory<HostMemory> {
-    type G = Self::Gathers;
-}
+use zero_core::{Communicator, Engine, Error, Result, ThreadComm, ThreadGroup};
 
 /// The values of parameter `p`: gathered through `fetcher` piece by piece
 /// when it is sharded, else the replica's.

@@ -10,12 +10,14 @@ pub use plan_check::{PlanCheck, Seen};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde_json::json;
-use zero_core::engine::HostGrad;
 use zero_core::engine::{Engine, EngineConfig};
+use zero_core::engine::{GatherMemory, HostGrad, HostMemory, OffloadMemory, ShardMemory};
 use zero_core::optim::{
     Adam, AdamConfig, AdamW, AdamWConfig, Hyperparams, ParamKey, ParamMut, Sgd, SgdConfig,
 };
-use zero_core::{DType, FunctionalOptimizer, ParamInfo, Result, ThreadComm, ThreadGroup};
+use zero_core::{
+    DType, FunctionalOptimizer, ParamInfo, ParamStore, Result, ThreadComm, ThreadGroup,
+};
 
 /// A model: parameters (sorted by name), their initial values, and
 /// deterministic per-rank, per-step gradients at given parameter values.
@@ -460,4 +462,25 @@ where
     let none: Vec<Option<HostGrad<'_, f64>>> = vec![None; n];
     e.step(&none, params)?;
     Ok(())
+}
+
+/// An engine memory over host buffers, as the tests drive it.
+pub trait TestMemory:
+    for<'g, 'p> ShardMemory<
+    f64,
+    ThreadComm,
+    Grad<'g> = HostGrad<'g, f64>,
+    Params<'p> = dyn ParamStore<f64> + 'p,
+    Gathers = Self::G,
+>
+{
+    type G: GatherMemory<f64, Buffer = Vec<f64>>;
+}
+
+impl TestMemory for HostMemory {
+    type G = Self::Gathers;
+}
+
+impl TestMemory for OffloadMemory<HostMemory> {
+    type G = Self::Gathers;
 }
