@@ -4,6 +4,8 @@
 
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{VarBuilder, VarMap};
+use std::sync::Arc;
+use zero_candle::nn::{self, GradHook};
 
 pub const IN: usize = 32;
 pub const HIDDEN: usize = 64;
@@ -16,6 +18,32 @@ pub fn mlp(device: &Device, dtype: DType) -> (VarMap, impl Module) {
     let vb = VarBuilder::from_varmap(&varmap, dtype, device);
     let up = candle_nn::linear(IN, HIDDEN, vb.pp("up")).expect("up");
     let down = candle_nn::linear(HIDDEN, OUT, vb.pp("down")).expect("down");
+    init(&varmap, device, dtype);
+    let model = candle_nn::seq()
+        .add(up)
+        .add(candle_nn::Activation::Relu)
+        .add(down);
+    (varmap, model)
+}
+
+/// [`mlp`] built from `zero_candle::nn` layers that report their
+/// gradients to `hook` during backward (what the overlapped schedules
+/// need).
+pub fn hooked_mlp(device: &Device, dtype: DType, hook: Arc<dyn GradHook>) -> (VarMap, impl Module) {
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, dtype, device);
+    let up = nn::linear(IN, HIDDEN, vb.pp("up"), Some(hook.clone())).expect("up");
+    let down = nn::linear(HIDDEN, OUT, vb.pp("down"), Some(hook)).expect("down");
+    init(&varmap, device, dtype);
+    let model = candle_nn::seq()
+        .add(up)
+        .add(candle_nn::Activation::Relu)
+        .add(down);
+    (varmap, model)
+}
+
+/// Deterministic values for every variable of `varmap`, by name.
+fn init(varmap: &VarMap, device: &Device, dtype: DType) {
     let mut vars: Vec<_> = varmap
         .data()
         .lock()
@@ -34,11 +62,6 @@ pub fn mlp(device: &Device, dtype: DType) -> (VarMap, impl Module) {
             .expect("init");
         var.set(&t).expect("set");
     }
-    let model = candle_nn::seq()
-        .add(up)
-        .add(candle_nn::Activation::Relu)
-        .add(down);
-    (varmap, model)
 }
 
 /// Step `s`'s batch.
