@@ -2,7 +2,6 @@
 
 pub mod bench;
 pub mod heap;
-pub mod optimizers;
 pub mod trainer;
 
 /// Process settings for CPU training, applied by the `train` and `bench`

@@ -84,7 +84,7 @@ pub fn holds_values(tensor: &Tensor) -> bool {
     }
     let held = match &*storage {
         candle_core::Storage::Cpu(cpu) => crate::init::values_len(cpu),
-        candle_core::Storage::Cuda(cuda) => crate::nn::cuda::storage_len(cuda),
+        candle_core::Storage::Cuda(cuda) => crate::nn::ops::cuda::storage_len(cuda),
         _ => None,
     };
     // Only float storages are ever emptied.

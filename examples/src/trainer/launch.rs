@@ -118,7 +118,7 @@ where
         &map,
         comm,
         engine_config(args),
-        crate::optimizers::build(args)?,
+        super::optimizers::build(args)?,
         &hook,
     )?;
     let ctx = LoopContext {
@@ -273,7 +273,7 @@ where
         &map,
         comm,
         engine_config(args),
-        crate::optimizers::build(args)?,
+        super::optimizers::build(args)?,
         &hook,
     )?;
     let ctx = LoopContext {

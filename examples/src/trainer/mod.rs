@@ -11,6 +11,7 @@ mod hub;
 mod launch;
 mod metrics;
 mod model;
+mod optimizers;
 mod plot;
 mod progress;
 mod rank_model;

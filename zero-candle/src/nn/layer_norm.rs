@@ -11,9 +11,9 @@
 //! [`tap`]ped.
 
 use super::cpu;
-use super::cuda;
 use super::elem::{dispatch_float, Accum, Elem};
 use super::grad_hook::{announce, before_read, route, GradHook};
+use super::ops::cuda;
 use super::storage::{tensor_from, with_cuda};
 use super::tap::tap;
 use candle_core::backend::BackendStorage;

@@ -79,17 +79,11 @@
 
 mod bf16_matmul;
 mod cpu;
-#[cfg(feature = "cuda")]
-pub(crate) mod cuda;
 mod elem;
 mod embedding;
 mod grad_hook;
 mod layer_norm;
 mod linear;
-#[cfg(not(feature = "cuda"))]
-pub(crate) mod no_cuda;
-#[cfg(not(feature = "cuda"))]
-pub(crate) use no_cuda as cuda;
 pub mod ops;
 mod storage;
 mod tap;

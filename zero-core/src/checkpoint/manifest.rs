@@ -242,7 +242,7 @@ pub struct CheckpointInfo {
     pub steps: u64,
     /// The loss scaler's state at save (runs with loss scaling).
     #[serde(default)]
-    pub loss_scaler: Option<crate::engine::LossScalerState>,
+    pub loss_scaler: Option<LossScalerState>,
     /// The model weights under parameter names (sharded checkpoints).
     #[serde(default)]
     pub model_file: Option<String>,
@@ -264,6 +264,16 @@ pub struct GroupState {
     pub hyperparams: Hyperparams,
     /// The parameters of the group, by name, sorted.
     pub params: Vec<String>,
+}
+
+/// The part of a loss scaler that changes during training (in checkpoints).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LossScalerState {
+    /// The current scale.
+    pub scale: f64,
+    /// Clean steps in a row since the scale last changed (`GradScaler`'s
+    /// `_growth_tracker`).
+    pub growth_tracker: u64,
 }
 
 #[cfg(test)]

@@ -102,7 +102,7 @@ fn convert_bytes<S: Element, T: Element>(bytes: &[u8], out: &mut [T]) {
         return;
     }
     if let Ok(src) = bytemuck::try_cast_slice::<u8, S>(bytes) {
-        crate::engine::convert_slice(src, out);
+        crate::dtype::convert_slice(src, out);
         return;
     }
     const CHUNK: usize = 4096;
@@ -111,7 +111,7 @@ fn convert_bytes<S: Element, T: Element>(bytes: &[u8], out: &mut [T]) {
     for (src, dst) in bytes.chunks(CHUNK * size).zip(out.chunks_mut(CHUNK)) {
         let buf = &mut aligned[..dst.len()];
         bytemuck::cast_slice_mut::<S, u8>(buf).copy_from_slice(src);
-        crate::engine::convert_slice(buf, dst);
+        crate::dtype::convert_slice(buf, dst);
     }
 }
 

@@ -1,12 +1,8 @@
 //! The engine's flat buffers, in its memory, and the pieces gradients are
 //! flattened into them by.
 
-use super::config::Stage;
 use super::layout::Run;
-use super::pass::Schedule;
-use super::reduce::{EarlyStep, Targets};
 use super::shard_memory::{GradPiece, ShardMemory};
-use super::sharding::Sharding;
 use crate::comm::Communicator;
 use crate::{Element, Result};
 use std::ops::Range;
@@ -40,49 +36,6 @@ impl<B> Buffers<B> {
         match self.pool.iter().position(|b| M::buffer_len(b) >= len) {
             Some(i) => Ok(self.pool.swap_remove(i)),
             None => memory.alloc_zeroed(len),
-        }
-    }
-
-    /// Allocates what a pass with `schedule` needs before it opens.
-    pub fn prepare_pass<T: Element, C: Communicator, M: ShardMemory<T, C, Buffer = B>>(
-        &mut self,
-        memory: &mut M,
-        schedule: &Schedule,
-        stage: Stage,
-        sharding: &Sharding,
-    ) -> Result<()> {
-        // Adding into the shard reduce-scatters into `scratch`: later
-        // micro-steps need it from the start. Gradients that come after
-        // their bucket was launched get it where their reduction runs; a
-        // pass with neither never holds it.
-        if schedule.add_to_shard && self.scratch.is_none() {
-            let longest = sharding.layout.buckets.iter().map(Range::len).max();
-            self.scratch = Some(memory.alloc_zeroed(longest.unwrap_or(0))?);
-        }
-        if stage == Stage::Ddp && self.full_grads.is_none() {
-            self.full_grads = Some(memory.alloc_zeroed(sharding.partition.flat_numel())?);
-        }
-        Ok(())
-    }
-
-    /// The buffers a pass with `schedule` reduces into (prepared by
-    /// [`Buffers::prepare_pass`]), taken out until the pass is joined, and
-    /// the interleaved schedule's `early` step.
-    pub fn take_targets<T: Element>(
-        &mut self,
-        schedule: &Schedule,
-        stage: Stage,
-        early: Option<EarlyStep<T, B>>,
-    ) -> Targets<T, B> {
-        let folds = match stage {
-            Stage::Ddp => !schedule.lands,
-            _ => schedule.fold_full,
-        };
-        Targets {
-            full: if folds { self.full_grads.take() } else { None },
-            shard: self.grad_shard.take(),
-            scratch: self.scratch.take(),
-            early,
         }
     }
 }

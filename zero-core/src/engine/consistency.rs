@@ -8,6 +8,8 @@ use crate::comm::{Communicator, ReduceOp};
 use crate::optim::FunctionalOptimizer;
 use crate::partition::ParamInfo;
 use crate::{Element, Error, Result};
+use fnv::FnvHasher;
+use std::hash::Hasher;
 
 /// The order hash as exactly representable `f64` pieces, then their
 /// negatives: one `Max` all-reduce tells whether every rank agrees.
@@ -21,24 +23,11 @@ pub(super) fn order_fingerprint(expected: &[(usize, usize)]) -> [f64; 8] {
 /// FNV-1a of a sequence of words: stable across processes and builds
 /// (std's hasher is not), so ranks can compare what they computed.
 pub(super) fn fnv1a(words: impl IntoIterator<Item = u64>) -> u64 {
-    words.into_iter().fold(FNV_OFFSET, |hash, word| {
-        fnv1a_extend(hash, &word.to_le_bytes())
-    })
-}
-
-/// FNV-1a of bytes (a parameter's values).
-pub(super) fn fnv1a_bytes(bytes: &[u8]) -> u64 {
-    fnv1a_extend(FNV_OFFSET, bytes)
-}
-
-const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
-
-fn fnv1a_extend(mut hash: u64, bytes: &[u8]) -> u64 {
-    for &byte in bytes {
-        hash ^= u64::from(byte);
-        hash = hash.wrapping_mul(0x0100_0000_01b3);
+    let mut hasher = FnvHasher::default();
+    for word in words {
+        hasher.write(&word.to_le_bytes());
     }
-    hash
+    hasher.finish()
 }
 
 /// A 64-bit hash as 4 exact 16-bit pieces and their negations: one Max

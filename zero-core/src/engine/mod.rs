@@ -61,6 +61,8 @@ mod state;
 mod window;
 mod worker;
 
+pub use crate::checkpoint::LossScalerState;
+pub use crate::dtype::convert_slice;
 pub use config::{
     ClipConfig, EngineConfig, NormType, Offload, Overlap, ParamGroupSpec, PartitionerKind, Stage,
     StartingModel,
@@ -72,9 +74,9 @@ pub use host_buffer::{HostBuffer, HostLock, HostPin, HostRegion, Landing};
 pub use layout::{Layout, Run};
 pub use memory::MemoryReport;
 pub use offload::{host_available_bytes, OffloadGathers, OffloadMemory, OffloadTimes, Placed};
-pub use precision::{convert_slice, CastParams};
+pub use precision::CastParams;
 pub use reduce::ReductionProgress;
-pub use scaler::{DynamicLossScale, LossScale, LossScalerState};
+pub use scaler::{DynamicLossScale, LossScale};
 pub use setup::ShardSetup;
 pub use shard_memory::{
     host_gathers, pack_narrow, packed_len, Deferral, GradPiece, HostGrad, HostMemory, HostOffload,

@@ -12,6 +12,7 @@
 //! or NaN in it is never finite), so every rank skips alike and the scale
 //! stays the same everywhere.
 
+use crate::checkpoint::LossScalerState;
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 
@@ -101,16 +102,6 @@ impl LossScale {
             }
         }
     }
-}
-
-/// The part of a loss scaler that changes during training (in checkpoints).
-#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
-pub struct LossScalerState {
-    /// The current scale.
-    pub scale: f64,
-    /// Clean steps in a row since the scale last changed (`GradScaler`'s
-    /// `_growth_tracker`).
-    pub growth_tracker: u64,
 }
 
 /// A loss scaler: the configuration and its state.

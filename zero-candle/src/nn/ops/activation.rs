@@ -1,10 +1,10 @@
 //! GELU and SiLU as single ops whose backward is one pass.
 
 use super::super::cpu;
-use super::super::cuda;
 use super::super::elem::{dispatch_float, Accum, Elem};
 use super::super::storage::{tensor_from, with_cuda};
 use super::activation_kind::Activation;
+use super::cuda;
 use candle_core::backend::BackendStorage;
 use candle_core::{
     CpuStorage, CudaStorage, CustomOp1, Layout, Result, Shape, Storage, Tensor, WithDType,

@@ -2,10 +2,10 @@
 //! `q`, `k`, `v` with grouped K/V heads.
 
 use super::super::cpu;
-use super::super::cuda;
 use super::super::elem::{dispatch_float, Accum, Elem};
 use super::super::storage::{tensor_from, with_cuda, Saved, SavedSlot};
 use super::attention_dims::AttentionDims;
+use super::cuda;
 use candle_core::backend::BackendStorage;
 use candle_core::{
     CpuStorage, CudaStorage, CustomOp1, CustomOp3, Layout, Result, Shape, Storage, Tensor,

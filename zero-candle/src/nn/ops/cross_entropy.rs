@@ -2,9 +2,9 @@
 //! as one op.
 
 use super::super::cpu;
-use super::super::cuda;
 use super::super::elem::{dispatch_float, Accum, Elem};
 use super::super::storage::{tensor_from, with_cuda, Saved, SavedSlot};
+use super::cuda;
 use candle_core::backend::BackendStorage;
 use candle_core::{
     bail, CpuStorage, CudaStorage, CustomOp2, DType, Layout, Result, Shape, Storage, Tensor,

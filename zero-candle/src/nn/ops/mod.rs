@@ -17,6 +17,12 @@ mod activation_kind;
 mod attention;
 mod attention_dims;
 mod cross_entropy;
+#[cfg(feature = "cuda")]
+pub(crate) mod cuda;
+#[cfg(not(feature = "cuda"))]
+pub(crate) mod no_cuda;
+#[cfg(not(feature = "cuda"))]
+pub(crate) use no_cuda as cuda;
 
 pub use activation::{gelu, gelu_erf, silu};
 pub use activation_kind::Activation;

@@ -7,6 +7,7 @@ use super::units::{pieces_and_members, spans_by_piece, PieceSpans, Span, Unit};
 use super::worker::{gather_unit, QueuedGather, Worker};
 use crate::{Error, Result};
 use std::collections::VecDeque;
+use std::hash::Hasher;
 use std::marker::PhantomData;
 use std::ops::Range;
 use std::sync::mpsc::{self, Sender};
@@ -428,7 +429,12 @@ impl<T: crate::Element, G: GatherMemory<T>> Fetcher<T, G> {
             st.stats.early += st.issued.len() as u64;
         }
         st.continued = false;
-        let fingerprint = crate::engine::consistency::fnv1a(st.log.iter().map(|&u| u as u64));
+        // FNV-1a: the same on every rank (std's hasher is not).
+        let mut hasher = fnv::FnvHasher::default();
+        for &unit in &st.log {
+            hasher.write(&(unit as u64).to_le_bytes());
+        }
+        let fingerprint = hasher.finish();
         if st.phase == Phase::Forward {
             let log = std::mem::take(&mut st.log);
             if log != st.forward_trace {

@@ -107,8 +107,7 @@ where
 
         let stage = self.config.stage;
         // What can fail comes before anything is lent or taken.
-        self.buffers
-            .prepare_pass(&mut self.memory, &schedule, stage, &self.sharding)?;
+        schedule.prepare(&mut self.buffers, &mut self.memory, stage, &self.sharding)?;
         let early = if schedule.step_early {
             // Master weights, when kept, are not read again.
             self.refresh_param_shard(params)?;
@@ -122,7 +121,7 @@ where
             // fold them again.
             self.window.in_full_buffer = false;
         }
-        let targets = self.buffers.take_targets(&schedule, stage, early);
+        let targets = schedule.take_targets(&mut self.buffers, stage, early);
         let thread = schedule.runner == Runner::Thread && self.ensure_worker();
         let map = || BucketMap::new(&self.sharding.layout, stage, self.wire.reduce);
         let reducer = match schedule.runner {

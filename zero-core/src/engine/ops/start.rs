@@ -5,10 +5,11 @@
 //! ([`EngineConfig::starting_model`]).
 
 use crate::comm::{Communicator, ReduceOp};
-use crate::engine::consistency::fnv1a_bytes;
 use crate::engine::{Engine, ParamCopy, ShardMemory, StartingModel};
 use crate::partition::ParamInfo;
 use crate::{Element, Error, Result};
+use fnv::FnvHasher;
+use std::hash::Hasher;
 
 impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// Makes every rank's parameters (all of them, frozen ones included)
@@ -83,7 +84,9 @@ fn verify_params<T: Element, C: Communicator, M: ShardMemory<T, C>>(
         values.resize(info.numel(), T::default());
         memory.read_param_host(comm, params, i, &mut values)?;
         let bytes: &[u8] = bytemuck::cast_slice(&values);
-        hashes.extend_from_slice(&fnv1a_bytes(bytes).to_le_bytes());
+        let mut hasher = FnvHasher::default();
+        hasher.write(bytes);
+        hashes.extend_from_slice(&hasher.finish().to_le_bytes());
     }
     let all = comm.all_gather_bytes(&hashes)?;
     let Some(root) = all.first() else {

@@ -1,7 +1,13 @@
 //! A backward pass's [`Schedule`], decided once from [`PassFacts`]: who
 //! runs its reductions, and what each bucket's reduction does.
 
-use crate::engine::{Overlap, Stage};
+use crate::comm::Communicator;
+use crate::engine::buffers::Buffers;
+use crate::engine::reduce::{EarlyStep, Targets};
+use crate::engine::sharding::Sharding;
+use crate::engine::{Overlap, ShardMemory, Stage};
+use crate::{Element, Result};
+use std::ops::Range;
 
 /// How one backward pass's reductions run: decided once
 /// ([`Schedule::decide`]), from the stage, the configuration, the memory
@@ -122,6 +128,54 @@ impl Schedule {
                 && facts.overlap != Overlap::None
                 && facts.forkable,
         })
+    }
+
+    /// Allocates in `buffers` what a pass with this schedule needs before
+    /// it opens.
+    pub fn prepare<T: Element, C: Communicator, M: ShardMemory<T, C>>(
+        &self,
+        buffers: &mut Buffers<M::Buffer>,
+        memory: &mut M,
+        stage: Stage,
+        sharding: &Sharding,
+    ) -> Result<()> {
+        // Adding into the shard reduce-scatters into `scratch`: later
+        // micro-steps need it from the start. Gradients that come after
+        // their bucket was launched get it where their reduction runs; a
+        // pass with neither never holds it.
+        if self.add_to_shard && buffers.scratch.is_none() {
+            let longest = sharding.layout.buckets.iter().map(Range::len).max();
+            buffers.scratch = Some(memory.alloc_zeroed(longest.unwrap_or(0))?);
+        }
+        if stage == Stage::Ddp && buffers.full_grads.is_none() {
+            buffers.full_grads = Some(memory.alloc_zeroed(sharding.partition.flat_numel())?);
+        }
+        Ok(())
+    }
+
+    /// The buffers a pass with this schedule reduces into (made by
+    /// [`Schedule::prepare`]), taken out of `buffers` until the pass is
+    /// joined, and the interleaved schedule's `early` step.
+    pub fn take_targets<T: Element, B>(
+        &self,
+        buffers: &mut Buffers<B>,
+        stage: Stage,
+        early: Option<EarlyStep<T, B>>,
+    ) -> Targets<T, B> {
+        let folds = match stage {
+            Stage::Ddp => !self.lands,
+            _ => self.fold_full,
+        };
+        Targets {
+            full: if folds {
+                buffers.full_grads.take()
+            } else {
+                None
+            },
+            shard: buffers.grad_shard.take(),
+            scratch: buffers.scratch.take(),
+            early,
+        }
     }
 }
 

@@ -9,8 +9,8 @@ use super::{
     ShardMemory, ShardStep, StepPiece,
 };
 use crate::comm::{Communicator, Host, ReduceOp};
+use crate::dtype::convert_slice;
 use crate::engine::fetch::HostGathers;
-use crate::engine::precision::convert_slice;
 use crate::engine::NormType;
 use crate::optim::{FunctionalOptimizer, OptimizerState};
 use crate::{DType, Element, Error, Result};

@@ -2,7 +2,7 @@
 //! packing of 16-bit values into a wider buffer.
 
 use crate::comm::{Communicator, Host, ReduceOp};
-use crate::engine::precision::convert_slice;
+use crate::dtype::convert_slice;
 use crate::{DType, Element, Result};
 use half::{bf16, f16};
 

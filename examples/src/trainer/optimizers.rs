@@ -1,6 +1,6 @@
 //! Builds the built-in optimizer the trainer's flags name.
 
-use crate::trainer::{Args, OptimizerKind, TrainError};
+use super::{Args, OptimizerKind, TrainError};
 use zero_core::optim::{
     Adagrad, AdagradConfig, Adam, AdamConfig, AdamW, AdamWConfig, Float, FunctionalOptimizer,
     RmsProp, RmsPropConfig, Sgd, SgdConfig,
