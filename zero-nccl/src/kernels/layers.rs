@@ -34,9 +34,14 @@
 //! # Ok(()) }
 //! ```
 
+mod attention;
+
+pub use attention::{AttentionShape, MAX_HEAD_DIM};
+
 use super::{compile_and_load, compile_source, max_blocks};
 use crate::probe::guarded;
 use crate::{Error, Result};
+use attention::{AttentionKernels, ATTENTION_THREADS};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaModule, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr,
     LaunchConfig, PushKernelArg, ValidAsZeroBits,
@@ -125,13 +130,6 @@ pub fn compile_layer_ptx_for(arch: &str) -> Result<cudarc::nvrtc::Ptx> {
     compile_source(LAYER_SOURCE, arch)
 }
 
-/// The widest head the attention kernels take.
-pub const MAX_HEAD_DIM: usize = 128;
-
-/// The head widths the attention kernels are compiled for: a head of
-/// `head_dim` runs the first variant at least as wide.
-const HEAD_DIM_VARIANTS: [usize; 2] = [64, 128];
-
 /// Names of the storage types, in [`LayerElement::INDEX`] order.
 const ELEMENT_NAMES: [&str; 3] = ["f32", "bf16", "f16"];
 
@@ -162,14 +160,6 @@ impl LayerElement for half::f16 {
     const INDEX: usize = 2;
     const TENSOR_CORE_INDEX: Option<usize> = Some(1);
 }
-
-/// The storage types of the tensor-core attention, in
-/// [`LayerElement::TENSOR_CORE_INDEX`] order.
-const TENSOR_CORE_NAMES: [&str; 2] = ["bf16", "f16"];
-
-/// The oldest compute capability with the `mma.sync` shapes the tensor-core
-/// attention uses (bf16 needs sm_80).
-const TENSOR_CORE_MIN_ARCH: u32 = 80;
 
 /// A class-index type of cross-entropy targets: `u32` or `i64`.
 pub trait TargetIndex: DeviceRepr + Copy + 'static {
@@ -206,93 +196,12 @@ pub enum Normalization {
     Rms,
 }
 
-/// The shape of one causal self-attention call, over a packed `qkv`
-/// `[batch, time, (heads + 2 * kv_heads) * head_dim]` (queries, then keys,
-/// then values, each head's `head_dim` columns contiguous) or separate `q`
-/// `[batch, time, heads * head_dim]` and `k`, `v` `[batch, time, kv_heads *
-/// head_dim]`, with output `[batch, time, heads * head_dim]` and
-/// log-sum-exp `[batch, heads, time]` f32. Query head `h` attends with K/V
-/// head `h / (heads / kv_heads)`.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct AttentionShape {
-    /// Sequences.
-    pub batch: usize,
-    /// Positions per sequence.
-    pub time: usize,
-    /// Query heads.
-    pub heads: usize,
-    /// Key/value heads: `heads` itself, or a divisor of it (grouped-query
-    /// attention).
-    pub kv_heads: usize,
-    /// Width of one head (at most [`MAX_HEAD_DIM`]).
-    pub head_dim: usize,
-    /// The factor on `q · k` (usually `1 / sqrt(head_dim)`).
-    pub scale: f32,
-}
-
-impl AttentionShape {
-    /// Elements of a packed `qkv` (and of its gradient).
-    pub fn qkv_len(&self) -> usize {
-        self.batch * self.time * (self.heads + 2 * self.kv_heads) * self.head_dim
-    }
-
-    /// Elements of a separate `q` (and of its gradient).
-    pub fn q_len(&self) -> usize {
-        self.out_len()
-    }
-
-    /// Elements of a separate `k` or `v` (and of their gradients).
-    pub fn kv_len(&self) -> usize {
-        self.batch * self.time * self.kv_heads * self.head_dim
-    }
-
-    /// Elements of the output (and of its gradient).
-    pub fn out_len(&self) -> usize {
-        self.batch * self.time * self.heads * self.head_dim
-    }
-
-    /// Elements of the log-sum-exp.
-    pub fn lse_len(&self) -> usize {
-        self.batch * self.heads * self.time
-    }
-}
-
 /// Threads of a block in the 1-D launches (8 warps).
 const BLOCK: u32 = 256;
-/// Threads of an attention block (`ATTN_THREADS` in layers.cu).
-const ATTENTION_THREADS: u32 = 128;
-/// Query (forward, dQ) or key (dK/dV) rows per attention block, per head
-/// width variant (`ATTN_WARPS * ATTN_R_<DMAX>` in layers.cu).
-const ATTENTION_ROWS: [usize; 2] = [32, 16];
-/// The same for the tensor-core kernels, both widths (`TC_ROWS` in
-/// attention_tc.cu); their blocks are 128 threads too (`TC_THREADS`).
-const TENSOR_CORE_ROWS: usize = 64;
 /// Rows per chunk the norm backward's column pass aims at, and the most
 /// chunks it makes (bounding its f32 partials to `2 * 512 * n`).
 const NORM_ROWS_PER_CHUNK: usize = 128;
 const NORM_MAX_CHUNKS: usize = 512;
-
-/// An attention call's checked shape: the head-width variant, the kernels'
-/// `int` arguments, and the row strides `[q, k and v]` of the packed and the
-/// split layouts.
-#[derive(Clone, Copy, Debug)]
-struct CheckedAttention {
-    variant: usize,
-    time: i32,
-    heads: i32,
-    kv_heads: i32,
-    head_dim: i32,
-    packed_strides: [i32; 2],
-    split_strides: [i32; 2],
-}
-
-/// `XY` of NVRTC's `compute_XY` (0 when it has no number).
-fn arch_number(arch: &str) -> u32 {
-    arch.trim_start_matches("compute_")
-        .trim_end_matches(|c: char| !c.is_ascii_digit())
-        .parse()
-        .unwrap_or(0)
-}
 
 /// How a kernel's threads map onto its data; [`LayerKernels::config`] turns
 /// it into a grid, in one place.
@@ -318,55 +227,6 @@ enum Launch {
     Columns { n: usize, chunks: usize },
 }
 
-/// The per-type kernels of one attention head-width variant.
-#[derive(Debug)]
-struct AttentionFunctions {
-    forward: CudaFunction,
-    backward_dq: CudaFunction,
-    backward_dkdv: CudaFunction,
-}
-
-impl AttentionFunctions {
-    /// `attention_{family}_d{dmax}_{ty}` for the three kernels, `family`
-    /// being `""` or `"tc_"`.
-    fn load(module: &Arc<CudaModule>, family: &str, dmax: usize, ty: &str) -> Result<Self> {
-        let load = |kernel: &str| {
-            module.load_function(&format!("attention_{family}{kernel}_d{dmax}_{ty}"))
-        };
-        Ok(Self {
-            forward: load("forward")?,
-            backward_dq: load("backward_dq")?,
-            backward_dkdv: load("backward_dkdv")?,
-        })
-    }
-}
-
-/// Where an attention call's `q`, `k`, `v` (or their gradients) start and
-/// how far apart their rows are: a packed `qkv` is three column offsets of
-/// one buffer, separate tensors three buffers.
-#[derive(Clone, Copy, Debug)]
-struct AttentionOperands {
-    q: u64,
-    k: u64,
-    v: u64,
-    q_stride: i32,
-    kv_stride: i32,
-}
-
-impl AttentionOperands {
-    /// The operands within a packed `qkv` at device address `qkv`.
-    fn packed<E>(qkv: u64, shape: &AttentionShape, strides: [i32; 2]) -> Self {
-        let column = |c: usize| qkv + (c * std::mem::size_of::<E>()) as u64;
-        Self {
-            q: qkv,
-            k: column(shape.heads * shape.head_dim),
-            v: column((shape.heads + shape.kv_heads) * shape.head_dim),
-            q_stride: strides[0],
-            kv_stride: strides[1],
-        }
-    }
-}
-
 /// The layer kernels, compiled once and loaded into one device's context.
 /// Every method queues its launches on the given stream and returns without
 /// waiting; buffers are checked against each other first.
@@ -375,13 +235,8 @@ pub struct LayerKernels {
     ctx: Arc<CudaContext>,
     /// The `compute_XY` NVRTC compiled for.
     arch: String,
-    /// Per [`LayerElement::INDEX`], then per [`HEAD_DIM_VARIANTS`].
-    attention: [[AttentionFunctions; 2]; 3],
-    /// Per [`LayerElement::TENSOR_CORE_INDEX`], then per [`HEAD_DIM_VARIANTS`].
-    attention_tc: [[AttentionFunctions; 2]; 2],
-    /// Whether the device runs the tensor-core attention (sm_80 or newer).
-    tensor_cores: bool,
-    attention_delta: [CudaFunction; 3],
+    /// Both attention families, and which one this device runs.
+    attention: AttentionKernels,
     norm_forward: [CudaFunction; 3],
     norm_backward_rows: [CudaFunction; 3],
     norm_backward_columns: [CudaFunction; 3],
@@ -441,6 +296,56 @@ fn check_len(op: &'static str, what: &'static str, got: usize, expected: usize) 
     }
 }
 
+/// The scalar arguments of the cross-entropy kernels with targets, as their
+/// C types take them.
+#[derive(Clone, Copy, Debug)]
+struct CrossEntropyScalars {
+    rows: i64,
+    vocab: i64,
+    has_ignore: i32,
+    ignore: i64,
+}
+
+impl CrossEntropyScalars {
+    fn new(rows: usize, vocab: usize, ignore_index: Option<i64>) -> Self {
+        Self {
+            rows: rows as i64,
+            vocab: vocab as i64,
+            has_ignore: i32::from(ignore_index.is_some()),
+            ignore: ignore_index.unwrap_or(0),
+        }
+    }
+
+    /// Queues `kernel`, `cross_entropy_loss_*_*` or
+    /// `cross_entropy_backward_*_*`: both take their device pointers
+    /// (`pointers`) first and then these four.
+    ///
+    /// # Safety
+    /// `pointers` are the ones `kernel` takes, in its order, and hold what it
+    /// indexes for `rows` and `vocab`; `cfg` is the kernel's grid and block.
+    unsafe fn launch(
+        &self,
+        stream: &Arc<CudaStream>,
+        kernel: &CudaFunction,
+        cfg: LaunchConfig,
+        pointers: &[u64],
+    ) -> Result<()> {
+        let mut launch = stream.launch_builder(kernel);
+        for pointer in pointers {
+            launch.arg(pointer);
+        }
+        launch
+            .arg(&self.rows)
+            .arg(&self.vocab)
+            .arg(&self.has_ignore)
+            .arg(&self.ignore);
+        // SAFETY: the arguments are the kernel's and the buffers fit them, as
+        // the caller promises.
+        unsafe { launch.launch(cfg) }?;
+        Ok(())
+    }
+}
+
 impl LayerKernels {
     /// Compiles [`LAYER_SOURCE`] with NVRTC for `ctx`'s device and loads it
     /// into `ctx`. Do it once per process and device and share the result:
@@ -449,19 +354,10 @@ impl LayerKernels {
         const WHAT: &str = "loading the fused layer kernels";
         let (module, arch) = compile_and_load(ctx, LAYER_SOURCE, WHAT)?;
         guarded(WHAT, || {
-            let [[a0, a1], [b0, b1], [c0, c1]] = ELEMENT_NAMES.map(|ty| {
-                HEAD_DIM_VARIANTS.map(|dmax| AttentionFunctions::load(&module, "", dmax, ty))
-            });
-            let [[d0, d1], [e0, e1]] = TENSOR_CORE_NAMES.map(|ty| {
-                HEAD_DIM_VARIANTS.map(|dmax| AttentionFunctions::load(&module, "tc_", dmax, ty))
-            });
             Ok(Self {
                 ctx: ctx.clone(),
-                tensor_cores: arch_number(&arch) >= TENSOR_CORE_MIN_ARCH,
+                attention: AttentionKernels::load(&module, &arch)?,
                 arch,
-                attention: [[a0?, a1?], [b0?, b1?], [c0?, c1?]],
-                attention_tc: [[d0?, d1?], [e0?, e1?]],
-                attention_delta: per_element(&module, "attention_backward_delta")?,
                 norm_forward: per_element(&module, "norm_forward")?,
                 norm_backward_rows: per_element(&module, "norm_backward_rows")?,
                 norm_backward_columns: per_element(&module, "norm_backward_columns")?,
@@ -549,370 +445,6 @@ impl LayerKernels {
                 })
             }
         })
-    }
-
-    /// Causal self-attention forward over a packed `qkv`: `y = softmax(scale
-    /// q k^T + mask) v` per sequence and head, and the rows' log-sum-exp
-    /// `lse` (what [`LayerKernels::attention_backward`] needs), in one
-    /// launch.
-    pub fn attention_forward<E: LayerElement>(
-        &self,
-        stream: &Arc<CudaStream>,
-        shape: &AttentionShape,
-        qkv: &impl DevicePtr<E>,
-        y: &mut impl DevicePtrMut<E>,
-        lse: &mut impl DevicePtrMut<f32>,
-    ) -> Result<()> {
-        const OP: &str = "attention_forward";
-        let checked = Self::check_attention(OP, shape)?;
-        check_len(OP, "qkv", qkv.len(), shape.qkv_len())?;
-        let (qkv, _g0) = qkv.device_ptr(stream);
-        let operands = AttentionOperands::packed::<E>(qkv, shape, checked.packed_strides);
-        self.launch_attention_forward::<E>(OP, stream, shape, &checked, operands, y, lse)
-    }
-
-    /// [`LayerKernels::attention_forward`] over separate `q` `[batch, time,
-    /// heads * head_dim]`, `k` and `v` `[batch, time, kv_heads * head_dim]`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn attention_forward_split<E: LayerElement>(
-        &self,
-        stream: &Arc<CudaStream>,
-        shape: &AttentionShape,
-        q: &impl DevicePtr<E>,
-        k: &impl DevicePtr<E>,
-        v: &impl DevicePtr<E>,
-        y: &mut impl DevicePtrMut<E>,
-        lse: &mut impl DevicePtrMut<f32>,
-    ) -> Result<()> {
-        const OP: &str = "attention_forward_split";
-        let checked = Self::check_attention(OP, shape)?;
-        check_len(OP, "q", q.len(), shape.q_len())?;
-        check_len(OP, "k", k.len(), shape.kv_len())?;
-        check_len(OP, "v", v.len(), shape.kv_len())?;
-        let (q, _g0) = q.device_ptr(stream);
-        let (k, _g1) = k.device_ptr(stream);
-        let (v, _g2) = v.device_ptr(stream);
-        let [q_stride, kv_stride] = checked.split_strides;
-        let operands = AttentionOperands {
-            q,
-            k,
-            v,
-            q_stride,
-            kv_stride,
-        };
-        self.launch_attention_forward::<E>(OP, stream, shape, &checked, operands, y, lse)
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn launch_attention_forward<E: LayerElement>(
-        &self,
-        op: &'static str,
-        stream: &Arc<CudaStream>,
-        shape: &AttentionShape,
-        checked: &CheckedAttention,
-        input: AttentionOperands,
-        y: &mut impl DevicePtrMut<E>,
-        lse: &mut impl DevicePtrMut<f32>,
-    ) -> Result<()> {
-        check_len(op, "y", y.len(), shape.out_len())?;
-        check_len(op, "lse", lse.len(), shape.lse_len())?;
-        let (kernels, rows) = self.attention_kernels::<E>(checked.variant);
-        let Some(cfg) = self.attention_config(op, shape.time, rows, shape.heads, shape.batch)?
-        else {
-            return Ok(());
-        };
-        let CheckedAttention {
-            time,
-            heads,
-            kv_heads,
-            head_dim,
-            ..
-        } = *checked;
-        let (y, _g1) = y.device_ptr_mut(stream);
-        let (lse, _g2) = lse.device_ptr_mut(stream);
-        let mut launch = stream.launch_builder(&kernels.forward);
-        launch
-            .arg(&input.q)
-            .arg(&input.k)
-            .arg(&input.v)
-            .arg(&y)
-            .arg(&lse)
-            .arg(&input.q_stride)
-            .arg(&input.kv_stride)
-            .arg(&time)
-            .arg(&heads)
-            .arg(&kv_heads)
-            .arg(&head_dim)
-            .arg(&shape.scale);
-        // SAFETY: the buffers hold the shape's element counts of `E` (checked
-        // by the callers and above), which with the strides bound every index
-        // the kernel forms; the arguments match `ATTN_FORWARD_PARAMS` of both
-        // families; the block is their 128 threads.
-        unsafe { launch.launch(cfg) }?;
-        Ok(())
-    }
-
-    /// Causal self-attention backward over a packed `qkv`: `dqkv` (shaped
-    /// as `qkv`) from `qkv`, the forward's output `out` and `lse`, and the
-    /// output's gradient `grad_out`. Three launches (row dots `dO · O`,
-    /// then dK/dV and dQ), with a `[batch, heads, time]` f32 scratch
-    /// allocated on `stream`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn attention_backward<E: LayerElement>(
-        &self,
-        stream: &Arc<CudaStream>,
-        shape: &AttentionShape,
-        qkv: &impl DevicePtr<E>,
-        out: &impl DevicePtr<E>,
-        lse: &impl DevicePtr<f32>,
-        grad_out: &impl DevicePtr<E>,
-        dqkv: &mut impl DevicePtrMut<E>,
-    ) -> Result<()> {
-        const OP: &str = "attention_backward";
-        let checked = Self::check_attention(OP, shape)?;
-        check_len(OP, "qkv", qkv.len(), shape.qkv_len())?;
-        check_len(OP, "dqkv", dqkv.len(), shape.qkv_len())?;
-        let (qkv, _g0) = qkv.device_ptr(stream);
-        let (dqkv, _g1) = dqkv.device_ptr_mut(stream);
-        let input = AttentionOperands::packed::<E>(qkv, shape, checked.packed_strides);
-        let grads = AttentionOperands::packed::<E>(dqkv, shape, checked.packed_strides);
-        self.launch_attention_backward::<E>(
-            OP, stream, shape, &checked, input, out, lse, grad_out, grads,
-        )
-    }
-
-    /// [`LayerKernels::attention_backward`] over separate `q`, `k`, `v`
-    /// (see [`LayerKernels::attention_forward_split`]): `dq`, `dk`, `dv`
-    /// shaped as those. A K/V head's gradient sums over its group of query
-    /// heads, in order.
-    #[allow(clippy::too_many_arguments)]
-    pub fn attention_backward_split<E: LayerElement>(
-        &self,
-        stream: &Arc<CudaStream>,
-        shape: &AttentionShape,
-        [q, k, v]: [&dyn DevicePtr<E>; 3],
-        out: &impl DevicePtr<E>,
-        lse: &impl DevicePtr<f32>,
-        grad_out: &impl DevicePtr<E>,
-        [dq, dk, dv]: [&mut dyn DevicePtrMut<E>; 3],
-    ) -> Result<()> {
-        const OP: &str = "attention_backward_split";
-        let checked = Self::check_attention(OP, shape)?;
-        check_len(OP, "q", q.len(), shape.q_len())?;
-        check_len(OP, "k", k.len(), shape.kv_len())?;
-        check_len(OP, "v", v.len(), shape.kv_len())?;
-        check_len(OP, "dq", dq.len(), shape.q_len())?;
-        check_len(OP, "dk", dk.len(), shape.kv_len())?;
-        check_len(OP, "dv", dv.len(), shape.kv_len())?;
-        let [q_stride, kv_stride] = checked.split_strides;
-        let (q, _g0) = q.device_ptr(stream);
-        let (k, _g1) = k.device_ptr(stream);
-        let (v, _g2) = v.device_ptr(stream);
-        let (dq, _g3) = dq.device_ptr_mut(stream);
-        let (dk, _g4) = dk.device_ptr_mut(stream);
-        let (dv, _g5) = dv.device_ptr_mut(stream);
-        let input = AttentionOperands {
-            q,
-            k,
-            v,
-            q_stride,
-            kv_stride,
-        };
-        let grads = AttentionOperands {
-            q: dq,
-            k: dk,
-            v: dv,
-            q_stride,
-            kv_stride,
-        };
-        self.launch_attention_backward::<E>(
-            OP, stream, shape, &checked, input, out, lse, grad_out, grads,
-        )
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn launch_attention_backward<E: LayerElement>(
-        &self,
-        op: &'static str,
-        stream: &Arc<CudaStream>,
-        shape: &AttentionShape,
-        checked: &CheckedAttention,
-        input: AttentionOperands,
-        out: &impl DevicePtr<E>,
-        lse: &impl DevicePtr<f32>,
-        grad_out: &impl DevicePtr<E>,
-        grads: AttentionOperands,
-    ) -> Result<()> {
-        check_len(op, "out", out.len(), shape.out_len())?;
-        check_len(op, "lse", lse.len(), shape.lse_len())?;
-        check_len(op, "grad_out", grad_out.len(), shape.out_len())?;
-        let (kernels, rows) = self.attention_kernels::<E>(checked.variant);
-        let (time, batch) = (shape.time, shape.batch);
-        let Some(dq_cfg) = self.attention_config(op, time, rows, shape.heads, batch)? else {
-            return Ok(());
-        };
-        let Some(dkdv_cfg) = self.attention_config(op, time, rows, shape.kv_heads, batch)? else {
-            return Ok(());
-        };
-        let Some(delta_cfg) = self.config(op, Launch::WarpPerRow(shape.lse_len()))? else {
-            return Ok(());
-        };
-        let CheckedAttention {
-            time,
-            heads,
-            kv_heads,
-            head_dim,
-            ..
-        } = *checked;
-        let batch = int_arg(op, "batch", batch)?;
-        // SAFETY: the delta kernel writes every element (one per query row)
-        // before the other two read it, in stream order.
-        let mut delta = unsafe { stream.alloc::<f32>(shape.lse_len()) }?;
-        let (out, _g1) = out.device_ptr(stream);
-        let (lse, _g2) = lse.device_ptr(stream);
-        let (grad_out, _g3) = grad_out.device_ptr(stream);
-        {
-            let (delta, _g5) = delta.device_ptr_mut(stream);
-            let mut launch = stream.launch_builder(&self.attention_delta[E::INDEX]);
-            launch
-                .arg(&out)
-                .arg(&grad_out)
-                .arg(&delta)
-                .arg(&batch)
-                .arg(&time)
-                .arg(&heads)
-                .arg(&head_dim);
-            // SAFETY: out and grad_out hold batch * time * heads * head_dim
-            // `E`, delta batch * heads * time f32; the arguments match
-            // `attention_backward_delta_*`.
-            unsafe { launch.launch(delta_cfg) }?;
-        }
-        let (delta, _g5) = delta.device_ptr(stream);
-        let mut launch = stream.launch_builder(&kernels.backward_dkdv);
-        launch
-            .arg(&input.q)
-            .arg(&input.k)
-            .arg(&input.v)
-            .arg(&grad_out)
-            .arg(&lse)
-            .arg(&delta)
-            .arg(&grads.k)
-            .arg(&grads.v)
-            .arg(&input.q_stride)
-            .arg(&input.kv_stride)
-            .arg(&time)
-            .arg(&heads)
-            .arg(&kv_heads)
-            .arg(&head_dim)
-            .arg(&shape.scale);
-        // SAFETY: every buffer holds the shape's element count (checked by
-        // the callers and above); the gradients have their inputs' strides;
-        // the arguments match `ATTN_DKDV_PARAMS`; the block is 128 threads,
-        // one per K/V head and key tile.
-        unsafe { launch.launch(dkdv_cfg) }?;
-        let mut launch = stream.launch_builder(&kernels.backward_dq);
-        launch
-            .arg(&input.q)
-            .arg(&input.k)
-            .arg(&input.v)
-            .arg(&grad_out)
-            .arg(&lse)
-            .arg(&delta)
-            .arg(&grads.q)
-            .arg(&input.q_stride)
-            .arg(&input.kv_stride)
-            .arg(&time)
-            .arg(&heads)
-            .arg(&kv_heads)
-            .arg(&head_dim)
-            .arg(&shape.scale);
-        // SAFETY: as above; dQ writes the columns of dq only (in a packed
-        // dqkv disjoint from dK/dV's); the arguments match `ATTN_DQ_PARAMS`.
-        unsafe { launch.launch(dq_cfg) }?;
-        Ok(())
-    }
-
-    /// The kernels of head-width `variant` that run attention in `E` on this
-    /// device, and their rows per block: the tensor-core family for bf16
-    /// and f16 from sm_80, else the CUDA-core one.
-    fn attention_kernels<E: LayerElement>(&self, variant: usize) -> (&AttentionFunctions, usize) {
-        match E::TENSOR_CORE_INDEX {
-            Some(index) if self.tensor_cores => {
-                (&self.attention_tc[index][variant], TENSOR_CORE_ROWS)
-            }
-            _ => (&self.attention[E::INDEX][variant], ATTENTION_ROWS[variant]),
-        }
-    }
-
-    /// Checks an attention call's shape and derives the kernels' `int`
-    /// arguments.
-    fn check_attention(op: &'static str, shape: &AttentionShape) -> Result<CheckedAttention> {
-        let d = shape.head_dim;
-        let Some(variant) = HEAD_DIM_VARIANTS.iter().position(|&dmax| d <= dmax) else {
-            return Err(Error::from(zero_core::Error::Unsupported {
-                op,
-                detail: format!(
-                    "head_dim {d} is wider than the fused attention's {MAX_HEAD_DIM}; use more \
-                     heads of at most {MAX_HEAD_DIM} columns, or composed ops"
-                ),
-            }));
-        };
-        if d == 0 || shape.heads == 0 {
-            return Err(Error::from(zero_core::Error::Unsupported {
-                op,
-                detail: format!(
-                    "heads = {} and head_dim = {d}: both must be at least 1",
-                    shape.heads
-                ),
-            }));
-        }
-        if shape.kv_heads == 0 || shape.heads % shape.kv_heads != 0 {
-            return Err(Error::from(zero_core::Error::Unsupported {
-                op,
-                detail: format!(
-                    "{} query heads cannot share {} K/V heads evenly; kv_heads must divide heads",
-                    shape.heads, shape.kv_heads
-                ),
-            }));
-        }
-        // Kernels index a row with int: the packed row must fit.
-        let packed = int_arg(
-            op,
-            "(heads + 2 * kv_heads) * head_dim",
-            (shape.heads + 2 * shape.kv_heads) * d,
-        )?;
-        Ok(CheckedAttention {
-            variant,
-            time: int_arg(op, "time", shape.time)?,
-            heads: int_arg(op, "heads", shape.heads)?,
-            kv_heads: int_arg(op, "kv_heads", shape.kv_heads)?,
-            head_dim: int_arg(op, "head_dim", d)?,
-            packed_strides: [packed, packed],
-            split_strides: [
-                int_arg(op, "heads * head_dim", shape.heads * d)?,
-                int_arg(op, "kv_heads * head_dim", shape.kv_heads * d)?,
-            ],
-        })
-    }
-
-    /// Blocks of `rows` rows per `time` tile, per head and sequence.
-    fn attention_config(
-        &self,
-        op: &'static str,
-        time: usize,
-        rows: usize,
-        heads: usize,
-        batch: usize,
-    ) -> Result<Option<LaunchConfig>> {
-        self.config(
-            op,
-            Launch::Attention {
-                time,
-                rows,
-                heads,
-                batch,
-            },
-        )
     }
 
     /// LayerNorm or RMSNorm over the last dimension: `x` is `[rows, n]` with
@@ -1171,15 +703,18 @@ impl LayerKernels {
         let (rows, vocab) = Self::cross_entropy_rows(OP, logits.len(), targets.len())?;
         check_len(OP, "loss", loss.len(), 1)?;
         check_len(OP, "saved", saved.len(), rows + 1)?;
-        let (has_ignore, ignore) = (i32::from(ignore_index.is_some()), ignore_index.unwrap_or(0));
-        let (rows, vocab) = (rows as i64, vocab as i64);
+        let scalars = CrossEntropyScalars::new(rows, vocab, ignore_index);
         let (logits, _g0) = logits.device_ptr(stream);
         let (targets, _g1) = targets.device_ptr(stream);
         let (saved, _g2) = saved.device_ptr_mut(stream);
         let (loss, _g3) = loss.device_ptr_mut(stream);
-        if let Some(cfg) = self.config(OP, Launch::BlockPerRow(rows as usize))? {
+        if let Some(cfg) = self.config(OP, Launch::BlockPerRow(rows))? {
             let mut launch = stream.launch_builder(&self.cross_entropy_lse[E::INDEX]);
-            launch.arg(&logits).arg(&saved).arg(&rows).arg(&vocab);
+            launch
+                .arg(&logits)
+                .arg(&saved)
+                .arg(&scalars.rows)
+                .arg(&scalars.vocab);
             // SAFETY: logits hold rows * vocab `E`, saved rows + 1 f32; the
             // block is the 256 threads the kernel's shared arrays assume;
             // the arguments match `cross_entropy_lse_*`.
@@ -1187,21 +722,11 @@ impl LayerKernels {
         }
         if let Some(cfg) = self.config(OP, Launch::OneBlock)? {
             let kernel = &self.cross_entropy_loss[E::INDEX][I::INDEX];
-            let mut launch = stream.launch_builder(kernel);
-            launch
-                .arg(&logits)
-                .arg(&targets)
-                .arg(&saved)
-                .arg(&loss)
-                .arg(&rows)
-                .arg(&vocab)
-                .arg(&has_ignore)
-                .arg(&ignore);
             // SAFETY: as above, targets hold rows `I` and loss one f32; the
             // kernel reads a logit only for a target in [0, vocab); one block
-            // of 256 threads, as its shared arrays assume; the arguments match
-            // `cross_entropy_loss_*_*`.
-            unsafe { launch.launch(cfg) }?;
+            // of 256 threads, as its shared arrays assume; the pointers are
+            // those of `cross_entropy_loss_*_*`.
+            unsafe { scalars.launch(stream, kernel, cfg, &[logits, targets, saved, loss]) }?;
         }
         Ok(())
     }
@@ -1229,30 +754,19 @@ impl LayerKernels {
         let Some(cfg) = self.config(OP, Launch::BlockPerRow(rows))? else {
             return Ok(());
         };
-        let (has_ignore, ignore) = (i32::from(ignore_index.is_some()), ignore_index.unwrap_or(0));
-        let (rows, vocab) = (rows as i64, vocab as i64);
+        let scalars = CrossEntropyScalars::new(rows, vocab, ignore_index);
         let (logits, _g0) = logits.device_ptr(stream);
         let (targets, _g1) = targets.device_ptr(stream);
         let (saved, _g2) = saved.device_ptr(stream);
         let (grad, _g3) = grad_loss.device_ptr(stream);
         let (dlogits, _g4) = dlogits.device_ptr_mut(stream);
         let kernel = &self.cross_entropy_backward[E::INDEX][I::INDEX];
-        let mut launch = stream.launch_builder(kernel);
-        launch
-            .arg(&logits)
-            .arg(&targets)
-            .arg(&saved)
-            .arg(&grad)
-            .arg(&dlogits)
-            .arg(&rows)
-            .arg(&vocab)
-            .arg(&has_ignore)
-            .arg(&ignore);
+        let pointers = [logits, targets, saved, grad, dlogits];
         // SAFETY: logits and dlogits hold rows * vocab `E`, targets rows `I`,
         // saved rows + 1 f32 and grad_loss one; the kernel reads no logit
-        // through a target; the arguments match `cross_entropy_backward_*_*`.
-        unsafe { launch.launch(cfg) }?;
-        Ok(())
+        // through a target; the pointers are those of
+        // `cross_entropy_backward_*_*`.
+        unsafe { scalars.launch(stream, kernel, cfg, &pointers) }
     }
 
     /// `(rows, vocab)` of logits of `logits_len` elements with `rows` targets.
@@ -1280,6 +794,7 @@ impl LayerKernels {
 
 #[cfg(test)]
 mod tests {
+    use super::attention::{HEAD_DIM_VARIANTS, TENSOR_CORE_NAMES};
     use super::*;
 
     /// The names `LayerKernels::new` builds, in its order.
@@ -1342,91 +857,11 @@ mod tests {
     }
 
     #[test]
-    fn attention_rows_match_the_source() {
-        // ATTENTION_ROWS = ATTN_WARPS * ATTN_R_<DMAX>.
-        assert!(LAYER_SOURCE.contains("#define ATTN_WARPS 4"));
-        assert!(LAYER_SOURCE.contains("#define ATTN_R_64 8"));
-        assert!(LAYER_SOURCE.contains("#define ATTN_R_128 4"));
-        assert_eq!(ATTENTION_ROWS, [4 * 8, 4 * 4]);
-        assert!(LAYER_SOURCE.contains("#define ATTN_THREADS (ATTN_WARPS * 32)"));
-        assert_eq!(ATTENTION_THREADS, 4 * 32);
+    fn block_shapes_match_the_source() {
+        // The 256-thread blocks of cross-entropy and the 32 x 8 of the norm
+        // backward's column pass (attention's: attention.rs).
         assert!(LAYER_SOURCE.contains("#define CE_THREADS 256"));
         assert!(LAYER_SOURCE.contains("#define NORM_COL_ROWS 8"));
-        assert!(LAYER_SOURCE.contains("#define TC_ROWS 64"));
-        assert!(LAYER_SOURCE.contains("#define TC_THREADS (TC_WARPS * 32)"));
-        assert!(LAYER_SOURCE.contains("#define TC_WARPS 4"));
-        assert_eq!(TENSOR_CORE_ROWS, 64);
-    }
-
-    #[test]
-    fn tensor_cores_start_at_sm_80() {
-        assert_eq!(arch_number("compute_90"), 90);
-        assert_eq!(arch_number("compute_90a"), 90);
-        assert_eq!(arch_number("compute_75"), 75);
-        assert!(arch_number("compute_80") >= TENSOR_CORE_MIN_ARCH);
-        assert!(arch_number("compute_86") >= TENSOR_CORE_MIN_ARCH);
-        assert!(arch_number("compute_75") < TENSOR_CORE_MIN_ARCH);
-        // The kernels trap below sm_80, where LayerKernels never runs them.
-        assert!(LAYER_SOURCE.contains("#elif __CUDA_ARCH__ >= 800"));
-    }
-
-    #[test]
-    fn grouped_heads_must_divide_and_strides_follow_the_layout() {
-        let shape = AttentionShape {
-            batch: 1,
-            time: 3,
-            heads: 8,
-            kv_heads: 2,
-            head_dim: 64,
-            scale: 0.125,
-        };
-        let checked = LayerKernels::check_attention("t", &shape).unwrap();
-        assert_eq!(checked.packed_strides, [12 * 64, 12 * 64]);
-        assert_eq!(checked.split_strides, [8 * 64, 2 * 64]);
-        assert_eq!(checked.variant, 0);
-        let operands = AttentionOperands::packed::<half::bf16>(1 << 20, &shape, [768, 768]);
-        assert_eq!(operands.k, (1 << 20) + 2 * 8 * 64);
-        assert_eq!(operands.v, (1 << 20) + 2 * 10 * 64);
-        for kv_heads in [0, 3] {
-            let err = LayerKernels::check_attention("t", &AttentionShape { kv_heads, ..shape })
-                .unwrap_err()
-                .to_string();
-            assert!(err.contains("kv_heads must divide heads"), "{err}");
-        }
-    }
-
-    #[test]
-    fn head_widths_pick_the_narrowest_variant() {
-        let pick = |d: usize| HEAD_DIM_VARIANTS.iter().position(|&dmax| d <= dmax);
-        assert_eq!(pick(1), Some(0));
-        assert_eq!(pick(32), Some(0));
-        assert_eq!(pick(64), Some(0));
-        assert_eq!(pick(65), Some(1));
-        assert_eq!(pick(128), Some(1));
-        assert_eq!(pick(129), None);
-    }
-
-    #[test]
-    fn shapes_count_their_elements() {
-        let shape = AttentionShape {
-            batch: 2,
-            time: 5,
-            heads: 3,
-            kv_heads: 3,
-            head_dim: 4,
-            scale: 0.5,
-        };
-        assert_eq!(shape.qkv_len(), 2 * 5 * 36);
-        assert_eq!(shape.out_len(), 2 * 5 * 12);
-        assert_eq!(shape.lse_len(), 2 * 3 * 5);
-        let grouped = AttentionShape {
-            heads: 4,
-            kv_heads: 2,
-            ..shape
-        };
-        assert_eq!(grouped.qkv_len(), 2 * 5 * 8 * 4);
-        assert_eq!(grouped.q_len(), 2 * 5 * 16);
-        assert_eq!(grouped.kv_len(), 2 * 5 * 8);
     }
 
     #[test]

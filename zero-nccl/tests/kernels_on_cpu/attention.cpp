@@ -6,7 +6,7 @@
 #include "layers.cu"
 #include "attention_check.h"
 
-// Launches as layers.rs does: 128 threads, ATTN_WARPS * R rows per block.
+// Launches as layers/attention.rs does: 128 threads, ATTN_WARPS * R rows per block.
 template <class E, int DMAX> struct CudaCores {
     static constexpr int R = DMAX == 64 ? ATTN_R_64 : ATTN_R_128, ROWS = ATTN_WARPS * R;
     static unsigned tiles(const AttentionCall<E>& c) { return (c.T + ROWS - 1) / ROWS; }

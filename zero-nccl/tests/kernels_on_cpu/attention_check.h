@@ -14,7 +14,7 @@ template <class E> float tof(E e) { return to_f32(e); }
 template <class E> E fromf(float f) { return from_f32<E>(f); }
 
 // What a family's launches see: device-style pointers and the kernels'
-// int arguments, as layers.rs passes them.
+// int arguments, as layers/attention.rs passes them.
 template <class E> struct AttentionCall {
     const E *q, *k, *v, *dout;
     E *y, *dq, *dk, *dv;

@@ -10,7 +10,7 @@
 #include "attention_tc.cu"
 #include "attention_check.h"
 
-// Launches as layers.rs does: TC_THREADS threads, TC_ROWS rows per block.
+// Launches as layers/attention.rs does: TC_THREADS threads, TC_ROWS rows per block.
 template <class E, int DMAX> struct TensorCores {
     static unsigned tiles(const AttentionCall<E>& c) { return (c.T + TC_ROWS - 1) / TC_ROWS; }
     static void forward(const AttentionCall<E>& c) {

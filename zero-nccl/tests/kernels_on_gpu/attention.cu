@@ -1,6 +1,7 @@
 // The attention kernels of src/kernels/ on a real GPU without Rust: nvcc
 // compiles layers.cu and attention_tc.cu with this driver, which launches
-// them as layers.rs does (grids, blocks, packed and split operands) and
+// them as layers/attention.rs does (grids, blocks, packed and split
+// operands) and
 //  1. compares the tensor-core kernels (bf16, f16; widths 64 and 128;
 //     packed, grouped 4/2, 4/1 and 32/8 heads) against a double-precision
 //     reference of the inputs as stored: output, log-sum-exp, dQ, dK, dV;
