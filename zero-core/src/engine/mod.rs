@@ -462,10 +462,6 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         self.offload_times
     }
 
-    /// Sets the step counter (when resuming from a checkpoint).
-    pub fn set_steps(&mut self, steps: u64) {
-        self.steps = steps;
-    }
 
     /// Micro-steps accumulated since the last optimizer step.
     pub fn pending_micro_steps(&self) -> usize {
