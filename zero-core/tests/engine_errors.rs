@@ -57,9 +57,9 @@ fn rank_with_a_different_shape_name_or_config_is_named() {
     // gathers trained wrong weights without a word.
     expect_mismatch(|_, c, _| c.defer_gathers = true, "defer_gathers");
     expect_mismatch(|_, c, _| c.persist_numel = 7, "persist_numel");
-    expect_mismatch(|_, c, _| c.prefetch_bytes = 7, "prefetch_bytes");
-    expect_mismatch(|_, c, _| c.gather_bytes = 7, "gather_bytes");
-    expect_mismatch(|_, c, _| c.max_live_bytes = 7, "max_live_bytes");
+    expect_mismatch(|_, c, _| c.prefetch_bytes = Some(7), "prefetch_bytes");
+    expect_mismatch(|_, c, _| c.gather_bytes = Some(7), "gather_bytes");
+    expect_mismatch(|_, c, _| c.max_live_bytes = Some(7), "max_live_bytes");
     expect_mismatch(
         |_, c, _| {
             *c = c

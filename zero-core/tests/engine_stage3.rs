@@ -9,8 +9,8 @@ mod common;
 use common::{assert_close, engine, make_opt, run, slots, Mlp, Model, Opt, TestMemory};
 use std::sync::Arc;
 use zero_core::engine::{
-    EngineConfig, Fetcher, GatherMemory, HostMemory, MemoryReport, NormType, Offload,
-    OffloadMemory, Stage,
+    EngineConfig, Fetcher, GatherBudgets, GatherMemory, HostMemory, MemoryReport, NormType,
+    Offload, OffloadMemory, Stage,
 };
 use zero_core::{Communicator, Engine, Error, Result, ThreadComm, ThreadGroup};
 
@@ -215,4 +215,39 @@ fn a_rank_that_dies_mid_forward_fails_its_peers_gathers_within_the_deadline() {
             (rank, other) => panic!("rank {rank}: expected a failure naming rank 1, got {other:?}"),
         }
     }
+}
+
+/// Stage 3's gather budgets left unset are the memory's: host memory
+/// gathers a 4 MiB layer in pieces of about 1 MiB (`GatherBudgets::HOST`);
+/// set, they are the configuration's (`0`: whole layers).
+#[test]
+fn unset_gather_budgets_are_the_memory_s_and_set_ones_the_configuration_s() {
+    // A 512 x 1024 f64 weight: 4 MiB.
+    let model = Mlp::new(&[512, 1024, 4]);
+    let pieces = |gather_bytes: Option<usize>| {
+        let mut config = EngineConfig::default()
+            .with_stage(Stage::Parameters)
+            .with_persist_numel(20);
+        config.gather_bytes = gather_bytes;
+        let seen = run(1, |comm| {
+            let mut e = engine(comm, &model, make_opt(Opt::Sgd, false), config.clone())?;
+            let mut replica = model.init();
+            let fetcher = e.shard_parameters(&vec![true; replica.len()], &mut replica)?;
+            let largest = (0..replica.len())
+                .max_by_key(|&p| replica[p].len())
+                .expect("parameters");
+            assert_eq!(replica[largest].len(), 512 * 1024);
+            Ok(fetcher.pieces(largest))
+        });
+        seen[0]
+    };
+    let host = pieces(None);
+    assert!((4..=5).contains(&host), "the host's 1 MiB pieces: {host}");
+    assert_eq!(pieces(Some(0)), 1, "gather_bytes 0 gathers whole layers");
+    let larger = pieces(Some(2 << 20));
+    assert!((2..host).contains(&larger), "2 MiB pieces: {larger}, 1 MiB: {host}");
+    assert_eq!(
+        EngineConfig::default().gather_budgets(GatherBudgets::DEVICE),
+        GatherBudgets::DEVICE
+    );
 }

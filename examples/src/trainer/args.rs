@@ -140,16 +140,19 @@ pub struct Args {
     /// (0: shard every layer weight).
     #[arg(long, default_value_t = 100_000)]
     pub persist_numel: usize,
-    /// Stage 3: MiB of parameter gathers issued ahead of use (0: none).
-    #[arg(long, default_value_t = 4.0)]
-    pub prefetch_mb: f64,
+    /// Stage 3: MiB of parameter gathers issued ahead of use (0: none;
+    /// unset: the memory's default, 4 on the host, 200 on a GPU).
+    #[arg(long)]
+    pub prefetch_mb: Option<f64>,
     /// Stage 3: layers above this many MiB are gathered and computed in
-    /// pieces of about this size (0: whole layers).
-    #[arg(long, default_value_t = 1.0)]
-    pub gather_mb: f64,
-    /// Stage 3: the most MiB of gathered parameters alive at once.
-    #[arg(long, default_value_t = 1024.0)]
-    pub max_live_mb: f64,
+    /// pieces of about this size (0: whole layers; unset: the memory's
+    /// default, 1 on the host, 256 on a GPU).
+    #[arg(long)]
+    pub gather_mb: Option<f64>,
+    /// Stage 3: the most MiB of gathered parameters alive at once (unset:
+    /// the memory's default, 1024 on the host, about 3815 on a GPU).
+    #[arg(long)]
+    pub max_live_mb: Option<f64>,
     /// Partitioner.
     #[arg(long, value_enum, default_value_t = PartitionerArg::Flat)]
     pub partitioner: PartitionerArg,

@@ -251,9 +251,6 @@ pub fn engine_config(args: &Args) -> EngineConfig {
             _ => Stage::Parameters,
         })
         .with_persist_numel(args.persist_numel)
-        .with_prefetch_bytes((args.prefetch_mb * (1 << 20) as f64) as usize)
-        .with_gather_bytes((args.gather_mb * (1 << 20) as f64) as usize)
-        .with_max_live_bytes(((args.max_live_mb * (1 << 20) as f64) as usize).max(1))
         .with_partitioner(match args.partitioner {
             PartitionerArg::Flat => PartitionerKind::Flat,
             PartitionerArg::Greedy => PartitionerKind::Greedy,
@@ -283,6 +280,11 @@ pub fn engine_config(args: &Args) -> EngineConfig {
     if let Some(max_norm) = args.clip_norm {
         config = config.with_clip(max_norm, NormType::L2);
     }
+    // Unset, stage 3's budgets are the memory's (a GPU's are larger).
+    let bytes = |mb: f64| (mb * (1 << 20) as f64) as usize;
+    config.prefetch_bytes = args.prefetch_mb.map(bytes);
+    config.gather_bytes = args.gather_mb.map(bytes);
+    config.max_live_bytes = args.max_live_mb.map(|mb| bytes(mb).max(1));
     config
 }
 

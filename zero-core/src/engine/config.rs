@@ -243,22 +243,22 @@ pub struct EngineConfig {
     pub persist_numel: usize,
     /// Stage 3: how many gathered bytes may be issued ahead of the piece
     /// being computed (the prefetch; `0` gathers each piece when it is
-    /// used). Default 4 MiB: with layers gathered in pieces of
-    /// [`EngineConfig::gather_bytes`], four pieces ahead, which on two
-    /// shared cores kept stage 3 within 10% of stage 2's step where two
-    /// did not (`bench stage3`); more holds memory longer.
-    #[serde(default = "default_prefetch_bytes")]
-    pub prefetch_bytes: usize,
+    /// used). `None`: the memory's default ([`GatherBudgets`]); more holds
+    /// memory longer.
+    #[serde(default)]
+    pub prefetch_bytes: Option<usize>,
     /// Stage 3: a layer whose sharded parameters take more than this many
     /// bytes is gathered and computed in pieces of about this size (each
     /// piece a slice of every rank's chunk of one bucket), so that its
-    /// whole weight never exists on a rank. `0` gathers whole layers.
-    #[serde(default = "default_gather_bytes")]
-    pub gather_bytes: usize,
+    /// whole weight never exists on a rank. `0` gathers whole layers;
+    /// `None`: the memory's default ([`GatherBudgets`]).
+    #[serde(default)]
+    pub gather_bytes: Option<usize>,
     /// Stage 3: the most gathered parameter bytes alive at once (in use
     /// plus prefetched). A layer larger than this on its own is an error.
-    #[serde(default = "default_max_live_bytes")]
-    pub max_live_bytes: usize,
+    /// `None`: the memory's default ([`GatherBudgets`]).
+    #[serde(default)]
+    pub max_live_bytes: Option<usize>,
     /// Stages 1 and 2 with an overlapped schedule: the all-gathers of a
     /// step's updated parameters run on a thread after the step returns,
     /// in forward order, and each `zero_candle::nn` layer waits in its
@@ -337,20 +337,45 @@ fn default_offload_pin_memory() -> bool {
     true
 }
 
+/// Stage 3's gather budgets in bytes (see [`EngineConfig::gather_bytes`],
+/// [`EngineConfig::prefetch_bytes`] and [`EngineConfig::max_live_bytes`]).
+/// A memory's defaults ([`GatherMemory::default_budgets`]) stand for what
+/// the configuration leaves `None`.
+///
+/// [`GatherMemory::default_budgets`]: crate::engine::GatherMemory::default_budgets
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GatherBudgets {
+    /// Gathered bytes issued ahead of the piece being computed.
+    pub prefetch_bytes: usize,
+    /// Layers above this are gathered in pieces of about this size.
+    pub gather_bytes: usize,
+    /// The most gathered bytes alive at once.
+    pub max_live_bytes: usize,
+}
+
+impl GatherBudgets {
+    /// Host memory's: layers in pieces of 1 MiB and four pieces ahead,
+    /// which on two shared cores kept stage 3 within 10% of stage 2's step
+    /// where two ahead did not (`bench stage3`); at most 1 GiB alive.
+    pub const HOST: Self = Self {
+        prefetch_bytes: 4 << 20,
+        gather_bytes: 1 << 20,
+        max_live_bytes: 1 << 30,
+    };
+
+    /// A device's: a GEMM per layer, not per piece (pieces only above
+    /// 256 MiB), and DeepSpeed's defaults for the rest: 50M f32 elements
+    /// prefetched (`stage3_prefetch_bucket_size`), 1e9 alive
+    /// (`stage3_max_live_parameters`).
+    pub const DEVICE: Self = Self {
+        prefetch_bytes: 200_000_000,
+        gather_bytes: 256 << 20,
+        max_live_bytes: 4_000_000_000,
+    };
+}
+
 fn default_persist_numel() -> usize {
     100_000
-}
-
-fn default_prefetch_bytes() -> usize {
-    4 << 20
-}
-
-fn default_gather_bytes() -> usize {
-    1 << 20
-}
-
-fn default_max_live_bytes() -> usize {
-    1 << 30
 }
 
 fn default_true() -> bool {
@@ -373,9 +398,9 @@ impl Default for EngineConfig {
             reduce_in_param_dtype: false,
             overlap: Overlap::default(),
             persist_numel: default_persist_numel(),
-            prefetch_bytes: default_prefetch_bytes(),
-            gather_bytes: default_gather_bytes(),
-            max_live_bytes: default_max_live_bytes(),
+            prefetch_bytes: None,
+            gather_bytes: None,
+            max_live_bytes: None,
             defer_gathers: false,
             offload: Offload::None,
             offload_threads: 0,
@@ -475,21 +500,31 @@ impl EngineConfig {
 
     /// Stage 3: bytes of gathers issued ahead of use (`0`: no prefetch).
     pub fn with_prefetch_bytes(mut self, bytes: usize) -> Self {
-        self.prefetch_bytes = bytes;
+        self.prefetch_bytes = Some(bytes);
         self
     }
 
     /// Stage 3: gather layers above `bytes` in pieces of about `bytes`
     /// (`0`: whole layers).
     pub fn with_gather_bytes(mut self, bytes: usize) -> Self {
-        self.gather_bytes = bytes;
+        self.gather_bytes = Some(bytes);
         self
     }
 
     /// Stage 3: the most gathered bytes alive at once.
     pub fn with_max_live_bytes(mut self, bytes: usize) -> Self {
-        self.max_live_bytes = bytes;
+        self.max_live_bytes = Some(bytes);
         self
+    }
+
+    /// The gather budgets in effect over a memory whose defaults are
+    /// `defaults`: the configured ones, and the defaults for the rest.
+    pub fn gather_budgets(&self, defaults: GatherBudgets) -> GatherBudgets {
+        GatherBudgets {
+            prefetch_bytes: self.prefetch_bytes.unwrap_or(defaults.prefetch_bytes),
+            gather_bytes: self.gather_bytes.unwrap_or(defaults.gather_bytes),
+            max_live_bytes: self.max_live_bytes.unwrap_or(defaults.max_live_bytes),
+        }
     }
 
     /// Stages 1 and 2: defer a step's all-gathers into the next forward
@@ -580,7 +615,7 @@ impl EngineConfig {
                  use the flat partitioner (the default) at stage 3",
             ),
             (
-                stage3 && self.max_live_bytes == 0,
+                stage3 && self.max_live_bytes == Some(0),
                 "max_live_bytes is 0: stage 3 must hold at least one gathered layer; use a size \
                  above the largest layer, such as 1 GiB",
             ),

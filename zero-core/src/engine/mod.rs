@@ -64,8 +64,8 @@ mod worker;
 pub use crate::checkpoint::LossScalerState;
 pub use crate::dtype::convert_slice;
 pub use config::{
-    ClipConfig, EngineConfig, NormType, Offload, Overlap, ParamGroupSpec, PartitionerKind, Stage,
-    StartingModel,
+    ClipConfig, EngineConfig, GatherBudgets, NormType, Offload, Overlap, ParamGroupSpec,
+    PartitionerKind, Stage, StartingModel,
 };
 pub use consistency::check_rank_consistency;
 pub use deferred::{ParamAccess, Refresh};
@@ -461,7 +461,6 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     pub fn offload_times(&self) -> OffloadTimes {
         self.offload_times
     }
-
 
     /// Micro-steps accumulated since the last optimizer step.
     pub fn pending_micro_steps(&self) -> usize {

@@ -14,7 +14,7 @@ use crate::DeviceComm;
 use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DriverError};
 use std::ops::Range;
 use std::sync::Arc;
-use zero_core::engine::{GatherMemory, UnitBucket};
+use zero_core::engine::{GatherBudgets, GatherMemory, UnitBucket};
 use zero_core::{Error, Result};
 
 fn cuda(e: DriverError) -> Error {
@@ -114,6 +114,12 @@ fn in_bounds<'b>(
 impl<C: DeviceComm> GatherMemory<f32> for DeviceGathers<C> {
     type Shard = CudaSlice<f32>;
     type Buffer = DeviceGather;
+
+    /// A device's: a layer in one GEMM, DeepSpeed's prefetch and live
+    /// limits.
+    fn default_budgets(&self) -> GatherBudgets {
+        GatherBudgets::DEVICE
+    }
 
     fn queues(&self) -> bool {
         true

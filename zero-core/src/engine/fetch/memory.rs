@@ -2,6 +2,7 @@
 //! implementation, [`HostGathers`].
 
 use super::units::UnitBucket;
+use crate::engine::GatherBudgets;
 use crate::{Error, Result};
 use std::ops::Range;
 use std::sync::Arc;
@@ -32,6 +33,13 @@ pub trait GatherMemory<T>: Send + Sync + 'static {
     /// trait's documentation).
     fn queues(&self) -> bool {
         false
+    }
+
+    /// The budgets stage 3 gathers with where the configuration leaves
+    /// them unset: host memory's ([`GatherBudgets::HOST`]) unless the
+    /// memory says otherwise (a device: [`GatherBudgets::DEVICE`]).
+    fn default_budgets(&self) -> GatherBudgets {
+        GatherBudgets::HOST
     }
 
     /// Elements of `shard`.

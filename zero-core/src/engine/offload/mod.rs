@@ -33,6 +33,7 @@ pub use placed::Placed;
 use super::fetch::{GatherMemory, UnitBucket};
 use super::host_buffer::{HostBuffer, HostRegion, Landing};
 use super::shard_memory::{host_copy, host_norm, host_scale, HostStepper};
+use super::GatherBudgets;
 use super::{
     Deferral, GradPiece, HostOffload, HostTransfers, NormType, PackedGathers, ParamCopy,
     ShardMemory, ShardStep, StepPiece,
@@ -81,6 +82,10 @@ impl<T: Element, G: GatherMemory<T>> GatherMemory<T> for OffloadGathers<G> {
 
     fn queues(&self) -> bool {
         self.0.queues()
+    }
+
+    fn default_budgets(&self) -> GatherBudgets {
+        self.0.default_budgets()
     }
 
     fn shard_len(shard: &Self::Shard) -> usize {

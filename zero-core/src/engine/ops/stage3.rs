@@ -3,7 +3,7 @@
 //! stage 3 is).
 
 use crate::comm::{Communicator, ReduceOp};
-use crate::engine::fetch::Fetcher;
+use crate::engine::fetch::{Fetcher, GatherMemory};
 use crate::engine::mask::check_same_mask;
 use crate::engine::stage3::{gather_units, FetcherOf, ParamPieceSink, ShardedParams};
 use crate::engine::{Engine, ShardMemory, Stage, StageState};
@@ -77,14 +77,17 @@ where
         }
         self.refresh_param_shard(params)?;
         let world = self.comm.world_size();
-        let piece_len = self.config.gather_bytes / size_of::<T>();
-        let (units, place) = gather_units(&self.sharding, &self.params, &mask, piece_len, world)?;
         let ranks: Vec<usize> = (0..world).collect();
         let gather_comm = self.comm.split(&ranks)?.ok_or_else(|| {
             Error::State("internal: a split over every rank left this rank out".into())
         })?;
         let threaded = gather_comm.concurrent_groups();
         let gathers = self.memory.gathers(gather_comm)?;
+        // What the configuration leaves unset, the memory's kind decides
+        // (a device gathers whole layers).
+        let budgets = self.config.gather_budgets(gathers.default_budgets());
+        let piece_len = budgets.gather_bytes / size_of::<T>();
+        let (units, place) = gather_units(&self.sharding, &self.params, &mask, piece_len, world)?;
         // The shard moves to the fetcher between steps: one copy.
         let empty = self.memory.alloc_zeroed(0)?;
         let shard = std::mem::replace(&mut self.buffers.param_shard, empty);
@@ -93,7 +96,7 @@ where
             place,
             shard,
             gathers,
-            (self.config.prefetch_bytes, self.config.max_live_bytes),
+            (budgets.prefetch_bytes, budgets.max_live_bytes),
             threaded,
         )?;
         // Nothing is deferred from now on (`shard_parameters` finished the
