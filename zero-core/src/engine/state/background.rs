@@ -25,6 +25,8 @@ pub struct SavedCheckpoint {
     /// The directory saved into.
     pub dir: PathBuf,
     /// Its manifest ([`CheckpointInfo::user`] holds what the save stored).
+    ///
+    /// [`CheckpointInfo::user`]: crate::checkpoint::CheckpointInfo::user
     pub manifest: Manifest,
 }
 

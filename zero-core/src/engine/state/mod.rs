@@ -1,9 +1,10 @@
 //! What the engine's checkpoints (`ops/checkpoint/`) are made of: the
 //! optimizer state's pieces in transit, the files of one rank's state, the
 //! checks of a saved checkpoint against the engine, the agreement of every
-//! rank on the outcome (`agree`) and a sharded save's commit (`Pending`,
-//! the manifest once every rank's files are written), the collectives
-//! here; background saves' snapshots and writer (`background.rs`).
+//! rank on the outcome (`agree`) and a sharded save's commit
+//! (`Pending::commit`: the manifest, written once every rank's files are),
+//! the only collectives here; background saves' snapshots and writer
+//! (`background.rs`).
 
 mod background;
 mod pieces;
