@@ -8,8 +8,9 @@
 //! serve the next snapshot, so a run that saves every K steps allocates
 //! them once.
 
-use super::write_state_file;
-use crate::checkpoint::{CheckpointInfo, FileRecord, Manifest, TensorWriter};
+use super::{write_state_file, Files, Pending};
+use crate::checkpoint::{FileRecord, Manifest, TensorWriter};
+use crate::comm::Communicator;
 use crate::optim::OptimizerState;
 use crate::{DType, Element, Error, Result};
 use std::path::{Path, PathBuf};
@@ -24,6 +25,8 @@ pub struct SavedCheckpoint {
     /// The directory saved into.
     pub dir: PathBuf,
     /// Its manifest ([`CheckpointInfo::user`] holds what the save stored).
+    ///
+    /// [`CheckpointInfo::user`]: crate::checkpoint::CheckpointInfo::user
     pub manifest: Manifest,
 }
 
@@ -52,19 +55,6 @@ pub(in crate::engine) struct ModelSnapshot<T> {
     pub specs: Vec<(String, DType, Vec<usize>)>,
     pub values: Vec<T>,
 }
-
-/// What the main thread keeps of a save in flight, to complete it.
-pub(in crate::engine) struct Pending {
-    pub dir: PathBuf,
-    /// The manifest's checkpoint section, fixed at the snapshot.
-    pub info: CheckpointInfo,
-    /// Rank 0: the directory's checkpoint before this save, whose files go
-    /// once this one is complete.
-    pub old: Option<Manifest>,
-}
-
-/// The files a rank wrote: name and record.
-type Files = Vec<(String, FileRecord)>;
 
 type Written<T> = (Snapshot<T>, Result<Files>);
 
@@ -150,10 +140,22 @@ impl<T: Element> BackgroundSave<T> {
         self.in_flight = Some((pending, writer));
     }
 
+    /// Completes the save in flight: joins this rank's writer, agrees with
+    /// the other ranks on the outcome, and writes the manifest on rank 0
+    /// (collectives, on the main thread); `None` if no save is in flight.
+    pub fn complete<C: Communicator>(&mut self, comm: &C) -> Result<Option<SavedCheckpoint>> {
+        let Some((pending, written)) = self.join() else {
+            return Ok(None);
+        };
+        let dir = pending.dir.clone();
+        let manifest = pending.commit(comm, written, "the background save")?;
+        Ok(Some(SavedCheckpoint { dir, manifest }))
+    }
+
     /// Waits for this rank's writer and returns the save with the files it
     /// wrote, or its error; `None` if no save is in flight. The save is no
     /// longer in flight after this, whatever the outcome.
-    pub fn join(&mut self) -> Option<(Pending, Result<Files>)> {
+    fn join(&mut self) -> Option<(Pending, Result<Files>)> {
         let (pending, writer) = self.in_flight.take()?;
         let written = match writer {
             Writer::Failed(e) => Err(e),

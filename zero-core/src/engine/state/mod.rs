@@ -1,8 +1,10 @@
-//! What the engine's checkpoints (`ops/checkpoint.rs`) are made of: the
+//! What the engine's checkpoints (`ops/checkpoint/`) are made of: the
 //! optimizer state's pieces in transit, the files of one rank's state, the
-//! checks of a saved checkpoint against the engine, and the agreement of every
-//! rank on the outcome (`agree`, the only collective here); background
-//! saves' snapshots and writer (`background.rs`).
+//! checks of a saved checkpoint against the engine, the agreement of every
+//! rank on the outcome (`agree`) and a sharded save's commit
+//! (`Pending::commit`: the manifest, written once every rank's files are),
+//! the only collectives here; background saves' snapshots and writer
+//! (`background.rs`).
 
 mod background;
 mod pieces;
@@ -16,14 +18,17 @@ use crate::optim::{FunctionalOptimizer, OptimizerState};
 use crate::partition::ParamInfo;
 use crate::{DType, Element, Error, Result};
 pub use background::SavedCheckpoint;
-pub(super) use background::{BackgroundSave, ModelSnapshot, Pending, Snapshot, StateSnapshot};
+pub(super) use background::{BackgroundSave, ModelSnapshot, Snapshot, StateSnapshot};
 pub(super) use pieces::{
     check_coverage, pack_pieces, piece_metas, sink_pieces, Assembly, FileSink, MemorySink,
     ModelFile, ModelSink, PieceMeta, PieceSink, RankStatus,
 };
 use std::collections::BTreeMap;
 use std::ops::Range;
-use std::path::Path;
+use std::path::{Path, PathBuf};
+
+/// The files a rank wrote: name and record.
+pub(super) type Files = Vec<(String, FileRecord)>;
 
 /// Options of [`Engine::save_checkpoint_with`](crate::Engine::save_checkpoint_with).
 #[derive(Clone, Debug, Default)]
@@ -38,14 +43,23 @@ pub struct SaveOptions {
     pub fail_after: Option<(usize, usize)>,
 }
 
+impl SaveOptions {
+    /// The bytes after which `rank`'s optimizer file write is to fail
+    /// (tests' fault injection), if it is that rank.
+    pub(in crate::engine) fn fails_after(&self, rank: usize) -> Option<usize> {
+        self.fail_after
+            .and_then(|(r, bytes)| (r == rank).then_some(bytes))
+    }
+}
+
 /// Shares every rank's outcome; returns the files all ranks wrote, or
 /// this rank's error, or an error naming the first rank that failed.
 pub(super) fn agree<C: Communicator>(
     comm: &C,
-    local: Result<Vec<(String, FileRecord)>>,
+    local: Result<Files>,
     dir: &Path,
     what: &str,
-) -> Result<Vec<(String, FileRecord)>> {
+) -> Result<Files> {
     let status = match &local {
         Ok(files) => RankStatus {
             error: None,
@@ -73,6 +87,49 @@ pub(super) fn agree<C: Communicator>(
             detail: format!("{what} failed on rank {r}: {msg}"),
         }),
         (Ok(_), None) => Ok(files),
+    }
+}
+
+/// A sharded save waiting for every rank's files, to commit it: the
+/// manifest is written last, on rank 0, once every rank reports success.
+pub(super) struct Pending {
+    pub dir: PathBuf,
+    /// The manifest's checkpoint section, fixed when the save starts.
+    pub info: CheckpointInfo,
+    /// Rank 0: the directory's checkpoint before this save, whose files go
+    /// once this one is complete.
+    pub old: Option<Manifest>,
+}
+
+impl Pending {
+    /// Agrees on every rank's outcome (`written`: this rank's files, or its
+    /// error; `what` names the step that wrote them), writes the manifest
+    /// on rank 0, agrees on that, and removes the files of older
+    /// checkpoints. Collectives: every rank calls it.
+    pub fn commit<C: Communicator>(
+        self,
+        comm: &C,
+        written: Result<Files>,
+        what: &str,
+    ) -> Result<Manifest> {
+        let dir = &self.dir;
+        let files = agree(comm, written, dir, what)?;
+        let mut manifest = Manifest::new();
+        for (name, record) in files {
+            manifest.record(name, record);
+        }
+        manifest.checkpoint = Some(self.info);
+        let rank = comm.rank();
+        let written = if rank == 0 {
+            manifest.save(dir).map(|_| Vec::new())
+        } else {
+            Ok(Vec::new())
+        };
+        agree(comm, written, dir, "writing the manifest")?;
+        if rank == 0 {
+            remove_stale_files(dir, &manifest, self.old.as_ref());
+        }
+        Ok(manifest)
     }
 }
 
