@@ -245,7 +245,10 @@ fn unset_gather_budgets_are_the_memory_s_and_set_ones_the_configuration_s() {
     assert!((4..=5).contains(&host), "the host's 1 MiB pieces: {host}");
     assert_eq!(pieces(Some(0)), 1, "gather_bytes 0 gathers whole layers");
     let larger = pieces(Some(2 << 20));
-    assert!((2..host).contains(&larger), "2 MiB pieces: {larger}, 1 MiB: {host}");
+    assert!(
+        (2..host).contains(&larger),
+        "2 MiB pieces: {larger}, 1 MiB: {host}"
+    );
     assert_eq!(
         EngineConfig::default().gather_budgets(GatherBudgets::DEVICE),
         GatherBudgets::DEVICE

@@ -56,10 +56,7 @@ where
         // masters (in `T`), and the framework rounds what it computes with
         // to the model's dtype, as the write-back would have.
         let persist = self.config.persist_numel;
-        let mask: Vec<bool> = self
-            .params
-            .iter()
-            .zip(gatherable)
+        let mask: Vec<bool> = (self.params.iter().zip(gatherable))
             .map(|(p, &g)| g && p.trainable && p.numel() > persist)
             .collect();
         check_same_mask(&mut self.memory, &*self.comm, &self.params, &mask)?;
@@ -77,14 +74,13 @@ where
         }
         self.refresh_param_shard(params)?;
         let world = self.comm.world_size();
-        let ranks: Vec<usize> = (0..world).collect();
-        let gather_comm = self.comm.split(&ranks)?.ok_or_else(|| {
+        let every_rank: Vec<usize> = (0..world).collect();
+        let gather_comm = self.comm.split(&every_rank)?.ok_or_else(|| {
             Error::State("internal: a split over every rank left this rank out".into())
         })?;
         let threaded = gather_comm.concurrent_groups();
         let gathers = self.memory.gathers(gather_comm)?;
-        // What the configuration leaves unset, the memory's kind decides
-        // (a device gathers whole layers).
+        // Unset budgets are the memory's (a device gathers whole layers).
         let budgets = self.config.gather_budgets(gathers.default_budgets());
         let piece_len = budgets.gather_bytes / size_of::<T>();
         let (units, place) = gather_units(&self.sharding, &self.params, &mask, piece_len, world)?;
