@@ -182,8 +182,10 @@ impl<C: DeviceComm> CandleMemory<f32, C> for Cuda {
         }
     }
 
-    /// The whole gathered buffer converted by Candle (the stretches keep
-    /// their places); the f32 buffer goes back at once.
+    /// The gathered buffer up to the unit's last stretch converted by
+    /// Candle (the stretches keep their places; a pooled buffer's tail,
+    /// left from a larger unit, is not converted); the f32 buffer goes
+    /// back at once.
     fn round(
         buffer: DeviceGather,
         (stretches, _packed): (&Arc<[Stretch]>, &Arc<[Stretch]>),
@@ -191,7 +193,8 @@ impl<C: DeviceComm> CandleMemory<f32, C> for Cuda {
         device: &Device,
         _pool: &Arc<RoundedPool>,
     ) -> (Result<Rounded>, Option<DeviceGather>) {
-        let numel = buffer.values().len();
+        let used = stretches.iter().map(|s| s.at.end).max().unwrap_or(0);
+        let numel = used.max(1).min(buffer.values().len());
         let storage = match lend(buffer, device) {
             Ok(storage) => storage,
             Err(e) => return (Err(e), None),

@@ -141,7 +141,10 @@ impl<C: DeviceComm> GatherMemory<f32> for DeviceGathers<C> {
                 // read it) before the larger one is made.
                 drop(reuse);
                 let stream = self.comm.compute_stream().clone();
-                let values = stream.alloc_zeros(len.max(1)).map_err(cuda)?;
+                // SAFETY: uninitialized device memory (no zero-filling
+                // pass): every gather writes the unit's elements before
+                // anything reads them, and nothing reads past a unit.
+                let values = unsafe { stream.alloc::<f32>(len.max(1)) }.map_err(cuda)?;
                 Ok(DeviceGather::new(values, stream))
             }
         }
