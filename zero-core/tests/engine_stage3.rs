@@ -6,8 +6,10 @@
 
 mod common;
 
-use common::{assert_close, engine, make_opt, run, slots, Mlp, Model, Opt, TestMemory};
-use std::sync::Arc;
+use common::{
+    assert_close, engine, make_opt, run, slots, Mlp, Model, Opt, PlanCheck, Seen, TestMemory,
+};
+use std::sync::{Arc, Mutex};
 use zero_core::engine::{
     EngineConfig, Fetcher, GatherBudgets, GatherMemory, HostMemory, MemoryReport, NormType,
     Offload, OffloadMemory, Stage,
@@ -252,5 +254,51 @@ fn unset_gather_budgets_are_the_memory_s_and_set_ones_the_configuration_s() {
     assert_eq!(
         EngineConfig::default().gather_budgets(GatherBudgets::DEVICE),
         GatherBudgets::DEVICE
+    );
+}
+
+/// On a memory posing as a device, stage 3 with no budget set gathers a
+/// 4 MiB layer whole: one piece, one all-gather per bucket of it, where
+/// host memory's budgets take four or five pieces and a collective per
+/// bucket of each (a GEMM per piece on a device).
+#[test]
+fn a_device_gathers_a_layer_whole_when_no_budget_is_set() {
+    let model = Mlp::new(&[512, 1024, 4]);
+    let config = EngineConfig::default()
+        .with_stage(Stage::Parameters)
+        .with_persist_numel(20);
+    let gathered = |device: bool| {
+        let seen = Arc::new(Mutex::new(Seen::default()));
+        let pieces = run(1, |comm| {
+            let mut e = Engine::with_memory(
+                comm,
+                PlanCheck::new(seen.clone(), device),
+                model.infos(),
+                make_opt(Opt::Sgd, false),
+                config.clone(),
+            )?;
+            let mut replica = model.init();
+            let fetcher = e.shard_parameters(&vec![true; replica.len()], &mut replica)?;
+            let largest = (0..replica.len())
+                .max_by_key(|&p| replica[p].len())
+                .expect("parameters");
+            seen.lock().expect("no panic").gathers = 0;
+            let whole = fetcher.gather_full(largest)?;
+            assert_eq!(
+                whole, replica[largest],
+                "device {device}: the gathered layer"
+            );
+            Ok(fetcher.pieces(largest))
+        })[0];
+        let collectives = seen.lock().expect("no panic").gathers;
+        (pieces, collectives)
+    };
+    let (host_pieces, host_collectives) = gathered(false);
+    let (device_pieces, device_collectives) = gathered(true);
+    assert!((4..=5).contains(&host_pieces), "host: {host_pieces} pieces");
+    assert_eq!(device_pieces, 1, "device: the layer in one piece");
+    assert!(
+        device_collectives < host_collectives,
+        "device: {device_collectives} all-gathers, host: {host_collectives}"
     );
 }

@@ -7,8 +7,9 @@ use std::ops::Range;
 use std::sync::{Arc, Mutex};
 use zero_core::comm::Host;
 use zero_core::engine::{
-    host_gathers, Deferral, GradPiece, HostGathers, HostGrad, HostMemory, HostTransfers, NormType,
-    PackedGathers, ParamCopy, ParamStore, ShardMemory, ShardStep, StepPiece,
+    host_gathers, Deferral, GatherBudgets, GatherMemory, GradPiece, HostGathers, HostGrad,
+    HostMemory, HostTransfers, NormType, PackedGathers, ParamCopy, ParamStore, ShardMemory,
+    ShardStep, StepPiece, UnitBucket,
 };
 use zero_core::optim::OptimizerState;
 use zero_core::{Communicator, DType, Element, FunctionalOptimizer, ReduceOp, Result};
@@ -28,6 +29,8 @@ pub struct Seen {
     pub deferred: usize,
     /// Fences that let a bucket buffer be reused before settling.
     pub fences: usize,
+    /// Stage 3's all-gathers (one per bucket of a gathered unit).
+    pub gathers: usize,
     /// Offload's downloads queued into page-locked host memory.
     pub queued_downloads: usize,
     /// Offload's uploads queued from page-locked host memory.
@@ -231,7 +234,7 @@ impl PlanCheck {
 
 impl<T: Element, C: Communicator<Memory = Host>> ShardMemory<T, C> for PlanCheck {
     type Buffer = Vec<T>;
-    type Gathers = HostGathers<T>;
+    type Gathers = PosedGathers<T>;
     type Grad<'g> = HostGrad<'g, T>;
     type Params<'p> = dyn ParamStore<T> + 'p;
 
@@ -277,8 +280,12 @@ impl<T: Element, C: Communicator<Memory = Host>> ShardMemory<T, C> for PlanCheck
         <HostMemory as ShardMemory<T, C>>::buffer_len(buffer)
     }
 
-    fn gathers(&self, comm: C) -> Result<HostGathers<T>> {
-        Ok(host_gathers(comm))
+    fn gathers(&self, comm: C) -> Result<PosedGathers<T>> {
+        Ok(PosedGathers {
+            host: host_gathers(comm),
+            device: self.inline,
+            seen: self.seen.clone(),
+        })
     }
 
     fn zero(&mut self, buffer: &mut Vec<T>, range: Range<usize>) -> Result<()> {
@@ -696,5 +703,56 @@ impl<T: Element, C: Communicator<Memory = Host>> HostTransfers<T, C> for PlanChe
                 .full_lands += 1;
         }
         Ok(())
+    }
+}
+
+/// Stage 3's gathers of a [`PlanCheck`]: host gathers that count their
+/// collectives in `seen` and, where the memory poses as a device, take a
+/// device's budgets ([`GatherBudgets::DEVICE`]).
+pub struct PosedGathers<T> {
+    host: HostGathers<T>,
+    device: bool,
+    seen: Arc<Mutex<Seen>>,
+}
+
+impl<T: Element> GatherMemory<T> for PosedGathers<T> {
+    type Shard = Vec<T>;
+    type Buffer = Vec<T>;
+
+    fn default_budgets(&self) -> GatherBudgets {
+        match self.device {
+            true => GatherBudgets::DEVICE,
+            false => GatherBudgets::HOST,
+        }
+    }
+
+    fn shard_len(shard: &Vec<T>) -> usize {
+        shard.len()
+    }
+
+    fn capacity(buffer: &Vec<T>) -> usize {
+        <HostGathers<T> as GatherMemory<T>>::capacity(buffer)
+    }
+
+    fn buffer(&self, reuse: Option<Vec<T>>, len: usize) -> Result<Vec<T>> {
+        self.host.buffer(reuse, len)
+    }
+
+    fn gather(&self, shard: &Vec<T>, buckets: &[UnitBucket], buffer: &mut Vec<T>) -> Result<()> {
+        self.gather_from_host(shard, buckets, buffer)
+    }
+
+    fn gather_from_host(
+        &self,
+        shard: &[T],
+        buckets: &[UnitBucket],
+        buffer: &mut Vec<T>,
+    ) -> Result<()> {
+        self.seen.lock().expect("no test thread panicked").gathers += buckets.len();
+        self.host.gather_from_host(shard, buckets, buffer)
+    }
+
+    fn read(&self, buffer: &Vec<T>, range: Range<usize>, out: &mut [T]) -> Result<()> {
+        self.host.read(buffer, range, out)
     }
 }
