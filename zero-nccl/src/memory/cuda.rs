@@ -465,7 +465,7 @@ impl<C: DeviceComm> ShardMemory<f32, C> for CudaMemory {
                     .into(),
             ));
         }
-        Ok(DeviceGathers::new(comm))
+        Ok(DeviceGathers::new(comm).tracking(self.transfers.pending()))
     }
 
     fn deferral(&mut self) -> Option<&mut dyn Deferral<C>> {

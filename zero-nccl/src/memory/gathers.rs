@@ -10,6 +10,7 @@
 //! gather's completion event: no host wait per layer, and the gathers of
 //! the next layers run beside the current one's compute.
 
+use super::pinned::{track, Pending};
 use crate::DeviceComm;
 use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DriverError};
 use std::ops::Range;
@@ -25,12 +26,25 @@ fn cuda(e: DriverError) -> Error {
 /// engine's for them: its own stream, the engine's compute stream).
 pub struct DeviceGathers<C> {
     comm: C,
+    /// Where the copies out of an offloaded (page-locked) shard are
+    /// tracked, so that unlocking its pages waits for them.
+    host_reads: Option<Pending>,
 }
 
 impl<C: DeviceComm> DeviceGathers<C> {
     /// Gathers over `comm`, ordered with its compute stream.
     pub fn new(comm: C) -> Self {
-        Self { comm }
+        Self {
+            comm,
+            host_reads: None,
+        }
+    }
+
+    /// These gathers, tracking their copies out of a host shard in
+    /// `pending` (the page-locks' transfers).
+    pub(super) fn tracking(mut self, pending: Pending) -> Self {
+        self.host_reads = Some(pending);
+        self
     }
 }
 
@@ -184,6 +198,16 @@ impl<C: DeviceComm> GatherMemory<f32> for DeviceGathers<C> {
             let mut recv = buffer.values.slice_mut(at.clone());
             buffer.done = Some(self.comm.all_gather_event(&staged, &mut recv)?);
             buffer.staged.push(staged);
+        }
+        // From page-locked memory the copies are asynchronous: its pages
+        // stay locked (and the shard allocated) until they are done.
+        if let Some(pending) = &self.host_reads {
+            let copied = self
+                .comm
+                .compute_stream()
+                .record_event(None)
+                .map_err(cuda)?;
+            track(pending, Arc::new(copied));
         }
         Ok(())
     }

@@ -15,11 +15,11 @@ use zero_core::engine::{HostLock, HostPin, Landing};
 use zero_core::{Error, Result};
 
 /// Keeps a registered host range page-locked until unlocked, which first
-/// waits for the newest queued transfer (it may read or write here).
+/// waits for every queued copy that may read or write it.
 struct Registered {
     ctx: Arc<CudaContext>,
     ptr: *mut c_void,
-    newest: Newest,
+    pending: Pending,
     timeout: Duration,
 }
 
@@ -35,9 +35,9 @@ impl HostLock for Registered {
         // that slow) may still run: the range stays locked and the buffer
         // keeps its memory. Should unregistering fail, the range stays
         // locked until the process ends.
-        let newest = lock(&self.newest).clone();
-        if let Some(newest) = newest {
-            if host_wait(LANDING, 0, &newest, self.timeout).is_err() {
+        let pending = lock(&self.pending).clone();
+        for copy in &pending {
+            if host_wait(LANDING, 0, copy, self.timeout).is_err() {
                 return false;
             }
         }
@@ -51,7 +51,7 @@ impl HostLock for Registered {
 }
 
 /// Page-locks `values` on `ctx` until the returned guard is unlocked (which
-/// first waits, within `timeout`, for `transfers`' newest copy).
+/// first waits, within `timeout`, for the copies `transfers` tracks).
 pub(super) fn pin(
     ctx: &Arc<CudaContext>,
     values: &mut [f32],
@@ -72,7 +72,7 @@ pub(super) fn pin(
         Ok(()) => Ok(Some(Box::new(Registered {
             ctx: Arc::clone(ctx),
             ptr,
-            newest: Arc::clone(&transfers.newest),
+            pending: Arc::clone(&transfers.pending),
             timeout,
         }))),
         Err(e) => Err(Error::Config(format!(
@@ -100,18 +100,29 @@ const LANDING: &str = "offload: copying between host and device memory";
 /// should oversleep it by as much.
 const LANDING_POLL: Duration = Duration::from_micros(200);
 
-/// The newest queued transfer's completion, shared with the page-locks.
-type Newest = Arc<Mutex<Option<Arc<CudaEvent>>>>;
+/// The completion events of the copies queued to or from page-locked host
+/// memory not yet seen complete (offload's transfers on their stream,
+/// stage 3's gathers from an offloaded shard on the compute stream),
+/// shared with the page-locks, whose unlock waits for each.
+pub(super) type Pending = Arc<Mutex<Vec<Arc<CudaEvent>>>>;
+
+/// Adds a queued copy's completion event to `pending`, less the events
+/// already complete.
+pub(super) fn track(pending: &Pending, done: Arc<CudaEvent>) {
+    let mut events = lock(pending);
+    events.retain(|e| !e.is_complete());
+    events.push(done);
+}
 
 /// Offload's queued transfers between page-locked host memory and the
 /// device: each copy's completion event and, for a download, the device
-/// buffer it reads (kept until the copy is done), oldest first. The newest
-/// event is shared with the page-locks ([`pin`]), whose unlock waits for it:
-/// no copy reads or writes freed memory.
+/// buffer it reads (kept until the copy is done), oldest first. The events
+/// are tracked in `pending` too, which the page-locks ([`pin`]) share and
+/// whose unlock waits for them: no copy reads or writes freed memory.
 #[derive(Default)]
 pub(super) struct Transfers {
     copies: VecDeque<(Arc<CudaEvent>, Option<CudaSlice<f32>>)>,
-    newest: Newest,
+    pending: Pending,
 }
 
 impl Transfers {
@@ -126,7 +137,7 @@ impl Transfers {
         timeout: Duration,
     ) -> Result<()> {
         let done = Arc::new(done);
-        *lock(&self.newest) = Some(Arc::clone(&done));
+        track(&self.pending, Arc::clone(&done));
         self.copies.push_back((done, source));
         while let Some((oldest, _)) = self.copies.front() {
             if !oldest.is_complete() {
@@ -157,19 +168,26 @@ impl Transfers {
         }))
     }
 
+    /// The copies' events the page-locks wait for, to share with stage 3's
+    /// gathers from an offloaded shard.
+    pub(super) fn pending(&self) -> Pending {
+        Arc::clone(&self.pending)
+    }
+
     /// Waits, within `timeout`, until every queued copy has landed.
     pub(super) fn land(&mut self, timeout: Duration) -> Result<()> {
         if let Some((newest, _)) = self.copies.back() {
             host_wait_polling(LANDING, 0, newest, timeout, LANDING_POLL).map_err(Error::from)?;
         }
         self.copies.clear();
-        *lock(&self.newest) = None;
+        // Others' copies (stage 3's gathers) may still run.
+        lock(&self.pending).retain(|e| !e.is_complete());
         Ok(())
     }
 }
 
-fn lock(newest: &Newest) -> std::sync::MutexGuard<'_, Option<Arc<CudaEvent>>> {
-    newest
+fn lock(pending: &Pending) -> std::sync::MutexGuard<'_, Vec<Arc<CudaEvent>>> {
+    pending
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
