@@ -14,26 +14,28 @@ pub const BATCH: usize = 16;
 
 /// A two-layer MLP with deterministic weights, on `device` in `dtype`.
 pub fn mlp(device: &Device, dtype: DType) -> (VarMap, impl Module) {
-    let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, dtype, device);
-    let up = candle_nn::linear(IN, HIDDEN, vb.pp("up")).expect("up");
-    let down = candle_nn::linear(HIDDEN, OUT, vb.pp("down")).expect("down");
-    init(&varmap, device, dtype);
-    let model = candle_nn::seq()
-        .add(up)
-        .add(candle_nn::Activation::Relu)
-        .add(down);
-    (varmap, model)
+    mlp_of(device, dtype, |i, o, vb| candle_nn::linear(i, o, vb))
 }
 
 /// [`mlp`] built from `zero_candle::nn` layers that report their
 /// gradients to `hook` during backward (what the overlapped schedules
 /// need).
 pub fn hooked_mlp(device: &Device, dtype: DType, hook: Arc<dyn GradHook>) -> (VarMap, impl Module) {
+    mlp_of(device, dtype, move |i, o, vb| {
+        nn::linear(i, o, vb, Some(hook.clone()))
+    })
+}
+
+/// [`mlp`] with its layers made by `linear(in, out, vb)`.
+fn mlp_of<L: Module + 'static>(
+    device: &Device,
+    dtype: DType,
+    linear: impl Fn(usize, usize, VarBuilder) -> candle_core::Result<L>,
+) -> (VarMap, impl Module) {
     let varmap = VarMap::new();
     let vb = VarBuilder::from_varmap(&varmap, dtype, device);
-    let up = nn::linear(IN, HIDDEN, vb.pp("up"), Some(hook.clone())).expect("up");
-    let down = nn::linear(HIDDEN, OUT, vb.pp("down"), Some(hook)).expect("down");
+    let up = linear(IN, HIDDEN, vb.pp("up")).expect("up");
+    let down = linear(HIDDEN, OUT, vb.pp("down")).expect("down");
     init(&varmap, device, dtype);
     let model = candle_nn::seq()
         .add(up)

@@ -24,7 +24,7 @@
 //! [`EngineConfig::gather_in_param_dtype`]: super::EngineConfig::gather_in_param_dtype
 
 use super::sharding::Sharding;
-use super::{EngineConfig, ParamStore, ShardMemory};
+use super::{EngineConfig, ParamStore, ShardMemory, Stage};
 use crate::comm::Communicator;
 use crate::dtype::convert_slice;
 use crate::partition::ParamInfo;
@@ -116,7 +116,23 @@ pub(super) struct Masters<'a, T: Element, C: Communicator, M: ShardMemory<T, C>>
     pub replicated: bool,
 }
 
-impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Masters<'_, T, C, M> {
+impl<'a, T: Element, C: Communicator, M: ShardMemory<T, C>> Masters<'a, T, C, M> {
+    /// The master weights in `shard` (laid out by `sharding`) at `stage`.
+    pub fn new(
+        (comm, memory): (&'a C, &'a mut M),
+        shard: &'a mut M::Buffer,
+        sharding: &'a Sharding,
+        stage: Stage,
+    ) -> Self {
+        Self {
+            comm,
+            memory,
+            shard,
+            sharding,
+            replicated: stage == Stage::Ddp,
+        }
+    }
+
     /// Streams parameter `param`'s master weights to rank `root`, one piece
     /// at a time in element order: `sink(param_range, values)` runs on
     /// `root` for each piece of the plan (together they cover a trainable

@@ -3,7 +3,7 @@
 
 use crate::comm::Communicator;
 use crate::engine::precision::Masters;
-use crate::engine::{Engine, ParamCopy, ShardMemory, Stage};
+use crate::engine::{Engine, ParamCopy, ShardMemory};
 use crate::{Element, Result};
 
 impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
@@ -24,13 +24,14 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
 
     /// The master weights, to read or set piece by piece.
     pub(in crate::engine) fn masters(&mut self) -> Masters<'_, T, C, M> {
-        Masters {
-            comm: &*self.comm,
-            memory: &mut self.memory,
-            shard: &mut self.buffers.param_shard,
-            sharding: &self.sharding,
-            replicated: self.config.stage == Stage::Ddp,
-        }
+        let stage = self.config.stage;
+        let (comm, memory) = (&*self.comm, &mut self.memory);
+        Masters::new(
+            (comm, memory),
+            &mut self.buffers.param_shard,
+            &self.sharding,
+            stage,
+        )
     }
 
     /// Brings the owned pieces of the shard up to date before a step:

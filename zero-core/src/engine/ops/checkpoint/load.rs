@@ -245,12 +245,12 @@ impl<'e, T: Element, C: Communicator, M: ShardMemory<T, C>> Load<'e, T, C, M> {
 
     /// The master weights, to set piece by piece.
     fn masters(&mut self) -> Masters<'_, T, C, M> {
-        Masters {
-            comm: self.comm,
-            memory: &mut *self.memory,
-            shard: &mut *self.param_shard,
-            sharding: self.sharding,
-            replicated: self.stage == Stage::Ddp,
-        }
+        let memory = &mut *self.memory;
+        Masters::new(
+            (self.comm, memory),
+            self.param_shard,
+            self.sharding,
+            self.stage,
+        )
     }
 }

@@ -530,12 +530,12 @@ impl<'e, T: Element, C: Communicator, M: ShardMemory<T, C>> Save<'e, T, C, M> {
 
     /// The master weights, to stream to rank 0.
     fn masters(&mut self) -> Masters<'_, T, C, M> {
-        Masters {
-            comm: self.comm,
-            memory: &mut *self.memory,
-            shard: &mut *self.param_shard,
-            sharding: self.sharding,
-            replicated: self.stage == Stage::Ddp,
-        }
+        let memory = &mut *self.memory;
+        Masters::new(
+            (self.comm, memory),
+            self.param_shard,
+            self.sharding,
+            self.stage,
+        )
     }
 }
