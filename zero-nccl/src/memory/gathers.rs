@@ -51,22 +51,38 @@ impl<C: DeviceComm> DeviceGathers<C> {
 /// A buffer of [`DeviceGathers`]: device memory, and the event its last
 /// gather completes at until the compute stream waits on it.
 pub struct DeviceGather {
+    /// First, so that it is dropped (waited on) before the memory below
+    /// is freed.
+    done: GatherDone,
     values: CudaSlice<f32>,
-    done: Option<CudaEvent>,
     /// The chunks of an offloaded shard brought up for the gather under
     /// way, freed once the compute stream waits on it.
     staged: Vec<CudaSlice<f32>>,
-    /// The compute stream, which frees `values`.
+}
+
+/// A queued gather's completion event, and the compute stream, which
+/// frees the buffer's memory: dropped with the gather still queued (the
+/// fetcher dropped with a prefetch in flight), the stream waits for it
+/// first.
+struct GatherDone {
+    event: Option<CudaEvent>,
     stream: Arc<CudaStream>,
 }
 
-impl Drop for DeviceGather {
-    fn drop(&mut self) {
-        // A gather still queued (the fetcher dropped with a prefetch in
-        // flight) completes before the memory is freed.
-        if let Some(done) = self.done.take() {
-            let _ = self.stream.wait(&done);
+impl GatherDone {
+    /// Orders the compute stream's later work after the gather, if one is
+    /// queued.
+    fn wait(&mut self) -> std::result::Result<(), DriverError> {
+        match self.event.take() {
+            Some(done) => self.stream.wait(&done),
+            None => Ok(()),
         }
+    }
+}
+
+impl Drop for GatherDone {
+    fn drop(&mut self) {
+        let _ = self.wait();
     }
 }
 
@@ -76,10 +92,12 @@ impl DeviceGather {
     /// storage, given back.
     pub fn new(values: CudaSlice<f32>, stream: Arc<CudaStream>) -> Self {
         Self {
+            done: GatherDone {
+                event: None,
+                stream,
+            },
             values,
-            done: None,
             staged: Vec::new(),
-            stream,
         }
     }
 
@@ -90,19 +108,16 @@ impl DeviceGather {
         &self.values
     }
 
-    /// The device memory, to lend on as a tensor storage for the length of
-    /// one computation ([`DeviceGather::new`] takes it back). The fetcher
-    /// hands out buffers whose gather the compute stream already waits on.
-    pub fn into_values(mut self) -> CudaSlice<f32> {
-        if let Some(done) = self.done.take() {
-            let _ = self.stream.wait(&done);
-        }
-        let empty = self.stream.null::<f32>();
-        match empty {
-            Ok(empty) => std::mem::replace(&mut self.values, empty),
-            // Without an empty slice to leave behind, a copy.
-            Err(_) => self.values.clone(),
-        }
+    /// The device memory itself (no copy), to lend on as a tensor storage
+    /// for the length of one computation ([`DeviceGather::new`] takes it
+    /// back). The fetcher hands out buffers whose gather the compute
+    /// stream already waits on.
+    pub fn into_values(self) -> CudaSlice<f32> {
+        let Self {
+            mut done, values, ..
+        } = self;
+        let _ = done.wait();
+        values
     }
 }
 
@@ -175,7 +190,7 @@ impl<C: DeviceComm> GatherMemory<f32> for DeviceGathers<C> {
             let send = shard.slice(send.clone());
             let mut recv = buffer.values.slice_mut(at.clone());
             // One stream: the last bucket's completion follows the others'.
-            buffer.done = Some(self.comm.all_gather_event(&send, &mut recv)?);
+            buffer.done.event = Some(self.comm.all_gather_event(&send, &mut recv)?);
         }
         Ok(())
     }
@@ -196,7 +211,7 @@ impl<C: DeviceComm> GatherMemory<f32> for DeviceGathers<C> {
                 .clone_htod(&shard[send.clone()])
                 .map_err(cuda)?;
             let mut recv = buffer.values.slice_mut(at.clone());
-            buffer.done = Some(self.comm.all_gather_event(&staged, &mut recv)?);
+            buffer.done.event = Some(self.comm.all_gather_event(&staged, &mut recv)?);
             buffer.staged.push(staged);
         }
         // From page-locked memory the copies are asynchronous: its pages
@@ -213,7 +228,7 @@ impl<C: DeviceComm> GatherMemory<f32> for DeviceGathers<C> {
     }
 
     fn ready(&self, buffer: &mut DeviceGather) -> Result<()> {
-        let waited = match buffer.done.take() {
+        let waited = match buffer.done.event.take() {
             Some(done) => self.comm.compute_stream().wait(&done).map_err(cuda),
             None => Ok(()),
         };
