@@ -91,8 +91,9 @@ const OP: &str = "rotary_embedding";
 /// use candle_core::{Device, Tensor};
 /// # fn main() -> candle_core::Result<()> {
 /// let x = Tensor::new(&[[[[1f32, 0.0]]]], &Device::Cpu)?; // one head of 2
-/// let angle = std::f32::consts::FRAC_PI_2;
-/// let (cos, sin) = (Tensor::new(&[[angle.cos()]], &Device::Cpu)?, Tensor::new(&[[angle.sin()]], &Device::Cpu)?);
+/// let angle = std::f32::consts::FRAC_PI_2; // one position, one pair
+/// let cos = Tensor::new(&[[angle.cos()]], &Device::Cpu)?;
+/// let sin = Tensor::new(&[[angle.sin()]], &Device::Cpu)?;
 /// let y = zero_candle::nn::ops::rotary_embedding(&x, &cos, &sin)?;
 /// let y = y.flatten_all()?.to_vec1::<f32>()?;
 /// assert!(y[0].abs() < 1e-6 && (y[1] - 1.0).abs() < 1e-6);
