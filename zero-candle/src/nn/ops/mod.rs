@@ -22,6 +22,7 @@ pub(crate) mod cuda;
 #[cfg(not(feature = "cuda"))]
 pub(crate) mod no_cuda;
 mod rotary;
+mod rotary_dims;
 mod swiglu;
 #[cfg(not(feature = "cuda"))]
 pub(crate) use no_cuda as cuda;

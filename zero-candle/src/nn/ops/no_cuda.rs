@@ -3,7 +3,7 @@
 //! Candle then has no CUDA device either, so none of them is reachable
 //! from a tensor; they keep the ops' `cuda_fwd` free of `cfg`.
 
-use super::rotary::{RotaryDims, Turn};
+use super::rotary_dims::{RotaryDims, Turn};
 use super::{Activation, AttentionDims};
 use candle_core::{bail, CudaStorage, Layout, Result};
 
