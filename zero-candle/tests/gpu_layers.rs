@@ -1,10 +1,10 @@
 //! The fused layers on a GPU against the same ops on the CPU (the
 //! reference): values and gradients (inputs, and the norms' weight and
 //! bias) of causal attention (packed, and split with grouped K/V heads;
-//! bf16 and f16 on tensor cores from sm_80), LayerNorm/RMSNorm, GELU (both forms),
-//! SiLU and cross-entropy, in f32, bf16 and f16, at shapes that are not
-//! multiples of the kernels' tiles (T = 1, 7, 65, 200; head_dim 32, 48, 64,
-//! 128; a single row).
+//! bf16 and f16 on tensor cores from sm_80), LayerNorm/RMSNorm, GELU
+//! (both forms), SiLU, SwiGLU, rotary embeddings and cross-entropy, in f32,
+//! bf16 and f16, at shapes that are not multiples of the kernels' tiles
+//! (T = 1, 7, 65, 200; head_dim 32, 48, 64, 128; a single row).
 //!
 //! Both devices get the same input values (rounded to the dtype once, on the
 //! host), so the differences are the kernels' own: f32 agrees to about 1e-4
@@ -15,7 +15,7 @@
 use candle_core::{DType, Device, Module, Result, Tensor, Var};
 use zero_candle::nn::ops::{
     causal_attention, causal_self_attention, cross_entropy, cross_entropy_with_ignore, gelu,
-    gelu_erf, silu,
+    gelu_erf, rotary_embedding, silu, swiglu,
 };
 use zero_candle::nn::{LayerNorm, RmsNorm};
 
@@ -269,6 +269,62 @@ fn activations_match_the_cpu() -> Result<()> {
                     &|t| act(&t[0]),
                 )?;
             }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn swiglu_matches_the_cpu() -> Result<()> {
+    let shapes: [&[usize]; 3] = [&[1], &[1000], &[3, 257]];
+    for dtype in DTYPES {
+        for (seed, shape) in shapes.iter().enumerate() {
+            let seed = seed as u64;
+            let gate = values(shape, 60 + seed, 6.0, dtype)?;
+            let up = values(shape, 70 + seed, 2.0, dtype)?;
+            let upstream = values(shape, 80 + seed, 1.0, dtype)?;
+            compare(
+                &format!("swiglu {shape:?}"),
+                dtype,
+                &[&gate, &up],
+                &upstream,
+                &|t| swiglu(&t[0], &t[1]),
+            )?;
+        }
+    }
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn rotary_embedding_matches_the_cpu() -> Result<()> {
+    // (batch, time, heads, head_dim): one pair, odd counts, Llama widths.
+    let shapes = [
+        (1, 1, 1, 2),
+        (2, 7, 3, 10),
+        (2, 65, 4, 64),
+        (1, 200, 2, 128),
+    ];
+    for dtype in DTYPES {
+        for (seed, &(batch, time, heads, head_dim)) in shapes.iter().enumerate() {
+            let seed = seed as u64;
+            let x = values(&[batch, time, heads, head_dim], 90 + seed, 3.0, dtype)?;
+            let upstream = values(&[batch, time, heads, head_dim], 100 + seed, 1.0, dtype)?;
+            // The op is linear in x for any tables; the tables get no
+            // gradient, so they are constants of the function compared.
+            let cos = values(&[time, head_dim / 2], 110 + seed, 1.0, dtype)?;
+            let sin = values(&[time, head_dim / 2], 120 + seed, 1.0, dtype)?;
+            compare(
+                &format!("rotary_embedding {batch}x{time}, {heads} heads of {head_dim}"),
+                dtype,
+                &[&x],
+                &upstream,
+                &|t| {
+                    let device = t[0].device();
+                    rotary_embedding(&t[0], &cos.to_device(device)?, &sin.to_device(device)?)
+                },
+            )?;
         }
     }
     Ok(())

@@ -522,3 +522,228 @@ fn bad_targets_are_errors_that_name_the_row() {
         .to_string();
     assert!(err.contains("[rows, classes]"), "{err}");
 }
+
+/// Rotary tables `[time, head_dim / 2]` of `dtype`: the cosines and sines of
+/// seeded angles in [-3, 3), computed in f64 and rounded to `dtype` (as a
+/// model rounds its tables).
+fn rotary_tables(seed: u64, time: usize, head_dim: usize, dtype: DType) -> (Tensor, Tensor) {
+    let angles = (data(seed, &[time, head_dim / 2], DType::F64) * 3.0).unwrap();
+    let round = |t: Tensor| t.to_dtype(dtype).unwrap();
+    (round(angles.cos().unwrap()), round(angles.sin().unwrap()))
+}
+
+/// Llama's `x * cos + rotate_half(x) * sin` (`apply_rotary_pos_emb`) for
+/// `x` `[batch, time, heads, head_dim]`, composed of tensor ops, with the
+/// half-width tables repeated for both halves as `transformers` builds
+/// them.
+fn composed_rotary(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
+    let (_, time, _, width) = x.dims4().unwrap();
+    let half = width / 2;
+    let full = |t: &Tensor| {
+        Tensor::cat(&[t, t], 1)
+            .unwrap()
+            .reshape((1, time, 1, width))
+            .unwrap()
+    };
+    let rotated = Tensor::cat(
+        &[
+            &x.narrow(D::Minus1, half, half).unwrap().neg().unwrap(),
+            &x.narrow(D::Minus1, 0, half).unwrap(),
+        ],
+        D::Minus1,
+    )
+    .unwrap();
+    (x.broadcast_mul(&full(cos)).unwrap() + rotated.broadcast_mul(&full(sin)).unwrap()).unwrap()
+}
+
+/// Shapes `(batch, time, heads, head_dim)`: one pair, odd counts of
+/// positions and heads, half widths that are odd, and one larger than a
+/// parallel chunk (positions split across threads).
+const ROTARY_SHAPES: [(usize, usize, usize, usize); 6] = [
+    (1, 1, 1, 2),
+    (2, 7, 3, 10),
+    (3, 5, 2, 34),
+    (1, 33, 4, 64),
+    (2, 9, 1, 6),
+    (2, 301, 7, 64),
+];
+
+#[test]
+fn rotary_embedding_matches_rotate_half_in_f32_f64_and_16_bits() {
+    let cases = [
+        (DType::F64, 1e-12),
+        (DType::F32, 1e-6),
+        (DType::BF16, 1.6e-2),
+        (DType::F16, 2e-3),
+    ];
+    for (dtype, tol) in cases {
+        for (i, &(batch, time, heads, head_dim)) in ROTARY_SHAPES.iter().enumerate() {
+            let what = format!("{dtype:?} {batch}x{time}, {heads} heads of {head_dim}");
+            let seed = 40 + i as u64;
+            // 16-bit inputs: the reference runs in f32 on the same rounded
+            // values and tables.
+            let x = data(seed, &[batch, time, heads, head_dim], dtype);
+            let (cos, sin) = rotary_tables(seed + 100, time, head_dim, dtype);
+            let wide = |t: &Tensor| t.to_dtype(dtype.max_f32()).unwrap();
+            let fused = Var::from_tensor(&x).unwrap();
+            let reference = Var::from_tensor(&wide(&x)).unwrap();
+            let (y, dx) = value_and_grad(&fused, |x| ops::rotary_embedding(x, &cos, &sin).unwrap());
+            let (y_ref, dx_ref) =
+                value_and_grad(&reference, |x| composed_rotary(x, &wide(&cos), &wide(&sin)));
+            assert_eq!((y.dtype(), dx.dtype()), (dtype, dtype), "{what}");
+            assert_close(&format!("{what}: output"), &wide(&y), &y_ref, tol);
+            assert_close(&format!("{what}: gradient"), &wide(&dx), &dx_ref, tol);
+        }
+    }
+}
+
+/// `dtype`, or f32 for the 16-bit types (what their reference computes in).
+trait MaxF32 {
+    fn max_f32(self) -> DType;
+}
+
+impl MaxF32 for DType {
+    fn max_f32(self) -> DType {
+        if self == DType::F64 {
+            DType::F64
+        } else {
+            DType::F32
+        }
+    }
+}
+
+#[test]
+fn rotary_backward_is_the_inverse_rotation() {
+    // The gradient of sum(rotate(x) * w) is rotate⁻¹(w): rotating it forward
+    // again gives back w.
+    let (batch, time, heads, head_dim) = (2, 6, 3, 8);
+    let x = var(60, &[batch, time, heads, head_dim], DType::F64);
+    let (cos, sin) = rotary_tables(61, time, head_dim, DType::F64);
+    let (_, dx) = value_and_grad(&x, |x| ops::rotary_embedding(x, &cos, &sin).unwrap());
+    let w = data(99, &[batch, time, heads, head_dim], DType::F64);
+    let back = ops::rotary_embedding(&dx, &cos, &sin).unwrap();
+    assert_close("rotate(rotate⁻¹(w))", &back, &w, 1e-12);
+}
+
+#[test]
+fn rotary_takes_strided_input_and_narrowed_tables() {
+    let (batch, time, heads, head_dim) = (2, 5, 3, 12);
+    // x [batch, heads, time, head_dim] transposed to [batch, time, heads,
+    // head_dim]: strided, as a caller's view would be.
+    let x = data(70, &[batch, heads, time, head_dim], DType::F32)
+        .transpose(1, 2)
+        .unwrap();
+    // The first `time` rows of a longer table: contiguous at an offset.
+    let (cos, sin) = rotary_tables(71, time + 4, head_dim, DType::F32);
+    let (cos, sin) = (
+        cos.narrow(0, 0, time).unwrap(),
+        sin.narrow(0, 0, time).unwrap(),
+    );
+    let y = ops::rotary_embedding(&x, &cos, &sin).unwrap();
+    assert_close("strided", &y, &composed_rotary(&x, &cos, &sin), 1e-6);
+}
+
+#[test]
+fn rotary_refuses_bad_shapes_and_dtypes() {
+    let x = data(80, &[1, 4, 2, 8], DType::F32);
+    let (cos, sin) = rotary_tables(81, 4, 8, DType::F32);
+    let err = |r: candle_core::Result<Tensor>| r.unwrap_err().to_string();
+    let odd = data(82, &[1, 4, 2, 7], DType::F32);
+    assert!(err(ops::rotary_embedding(&odd, &cos, &sin)).contains("head_dim 7 is odd"));
+    let three = data(83, &[4, 2, 8], DType::F32);
+    assert!(
+        err(ops::rotary_embedding(&three, &cos, &sin)).contains("[batch, time, heads, head_dim]")
+    );
+    let (long_cos, _) = rotary_tables(84, 5, 8, DType::F32);
+    let message = err(ops::rotary_embedding(&x, &long_cos, &sin));
+    assert!(
+        message.contains("cos has shape [5, 4], expected [4, 4]"),
+        "{message}"
+    );
+    let message = err(ops::rotary_embedding(
+        &x,
+        &cos,
+        &sin.to_dtype(DType::BF16).unwrap(),
+    ));
+    assert!(message.contains("sin is BF16 but x is F32"), "{message}");
+}
+
+/// Llama's MLP gate composed of tensor ops: `silu(gate) * up`.
+fn composed_swiglu(gate: &Tensor, up: &Tensor) -> Tensor {
+    (gate.silu().unwrap() * up).unwrap()
+}
+
+/// The output and both inputs' gradients of `f(gate, up)` under
+/// [`weighted_sum`].
+fn swiglu_value_and_grads(
+    gate: &Var,
+    up: &Var,
+    f: impl Fn(&Tensor, &Tensor) -> Tensor,
+) -> [Tensor; 3] {
+    let y = f(gate.as_tensor(), up.as_tensor());
+    let grads = weighted_sum(&y, 97).backward().unwrap();
+    let grad = |x: &Var| grads.get(x.as_tensor()).expect("a gradient").clone();
+    [y.clone(), grad(gate), grad(up)]
+}
+
+#[test]
+fn swiglu_matches_silu_times_up_in_f32_f64_and_16_bits() {
+    // Candle's silu uses libm's exp, the fused op a polynomial within two
+    // ulps of it in f32.
+    let cases = [
+        (DType::F64, 1e-12),
+        (DType::F32, 2e-6),
+        (DType::BF16, 1.6e-2),
+        (DType::F16, 2e-3),
+    ];
+    let shapes: [&[usize]; 4] = [&[1], &[3, 37], &[2, 5, 11], &[4, 9000]];
+    for (dtype, tol) in cases {
+        for (i, shape) in shapes.iter().enumerate() {
+            let what = format!("{dtype:?} {shape:?}");
+            let seed = 90 + 2 * i as u64;
+            // Gates of a few units: silu's curved part and both tails.
+            let gate = (data(seed, shape, DType::F32) * 6.0)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap();
+            let up = (data(seed + 1, shape, DType::F32) * 2.0)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap();
+            let wide = |t: &Tensor| t.to_dtype(dtype.max_f32()).unwrap();
+            let var = |t: &Tensor| Var::from_tensor(t).unwrap();
+            let [y, dgate, dup] =
+                swiglu_value_and_grads(&var(&gate), &var(&up), |g, u| ops::swiglu(g, u).unwrap());
+            let [y_ref, dgate_ref, dup_ref] =
+                swiglu_value_and_grads(&var(&wide(&gate)), &var(&wide(&up)), composed_swiglu);
+            assert_eq!(y.dtype(), dtype, "{what}");
+            assert_close(&format!("{what}: output"), &wide(&y), &y_ref, tol);
+            assert_close(
+                &format!("{what}: gate gradient"),
+                &wide(&dgate),
+                &dgate_ref,
+                tol,
+            );
+            assert_close(&format!("{what}: up gradient"), &wide(&dup), &dup_ref, tol);
+        }
+    }
+}
+
+#[test]
+fn swiglu_takes_strided_input_and_refuses_mismatches() {
+    let gate = data(110, &[7, 5], DType::F32).t().unwrap();
+    let up = data(111, &[5, 7], DType::F32);
+    let y = ops::swiglu(&gate, &up).unwrap();
+    assert_close("strided gate", &y, &composed_swiglu(&gate, &up), 2e-6);
+    let err = ops::swiglu(&up, &data(112, &[5, 6], DType::F32))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("gate has shape [5, 7] but up has [5, 6]"),
+        "{err}"
+    );
+    let err = ops::swiglu(&up, &up.to_dtype(DType::F16).unwrap())
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("gate is F32 but up is F16"), "{err}");
+}

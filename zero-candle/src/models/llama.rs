@@ -12,10 +12,10 @@
 use crate::hub::{HubDir, HubLayout};
 use crate::nn::{ops, Embedding, GradHook, Linear, RmsNorm};
 use crate::{Error, Result, ShardedVarMap};
-use candle_core::{DType, Device, Module, Tensor, D};
+use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{Init, VarBuilder};
 use serde::Deserialize;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 
 /// Rotary embeddings: the base and, for Llama 3.1 and later, the scaling
 /// of the low frequencies (`rope_type` `llama3`).
@@ -343,9 +343,9 @@ fn rope_of(config: &serde_json::Value) -> std::result::Result<Rope, String> {
     Ok(Rope { theta, llama3 })
 }
 
-/// The cosines and sines of one forward's positions, `[time, head_dim]`
-/// each (the frequencies repeated for both halves, as `rotate_half`
-/// pairs them), in the model's dtype.
+/// The cosines and sines of positions `0..len`, `[len, head_dim / 2]`
+/// each, in the model's dtype (rounded from f32, as `transformers` rounds
+/// its tables to the activations' dtype).
 #[derive(Clone)]
 struct Rotation {
     cos: Tensor,
@@ -355,42 +355,75 @@ struct Rotation {
 impl Rotation {
     fn new(
         inv_freq: &[f64],
-        time: usize,
+        len: usize,
         dtype: DType,
         device: &Device,
     ) -> candle_core::Result<Self> {
-        let half = inv_freq.len();
-        let mut angles = Vec::with_capacity(time * 2 * half);
-        for t in 0..time {
-            for _ in 0..2 {
-                // f32 as transformers computes them.
-                angles.extend(inv_freq.iter().map(|&f| t as f32 * f as f32));
-            }
-        }
-        let angles = Tensor::from_vec(angles, (time, 2 * half), device)?;
+        // f32 as transformers computes them.
+        let angles: Vec<f32> = (0..len)
+            .flat_map(|t| inv_freq.iter().map(move |&f| t as f32 * f as f32))
+            .collect();
+        let angles = Tensor::from_vec(angles, (len, inv_freq.len()), device)?;
         Ok(Self {
             cos: angles.cos()?.to_dtype(dtype)?,
             sin: angles.sin()?.to_dtype(dtype)?,
         })
     }
 
+    fn len(&self) -> usize {
+        self.cos.dims()[0]
+    }
+
+    /// The first `time` positions (a view: a position's row does not
+    /// depend on the table's length).
+    fn narrow(&self, time: usize) -> candle_core::Result<Self> {
+        Ok(Self {
+            cos: self.cos.narrow(0, 0, time)?,
+            sin: self.sin.narrow(0, 0, time)?,
+        })
+    }
+
     /// `x * cos + rotate_half(x) * sin` for `x` `[batch, time, heads,
-    /// head_dim]`.
+    /// head_dim]`, in one op.
     fn apply(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let (_, time, _, width) = x.dims4()?;
-        let half = width / 2;
-        let rotated = Tensor::cat(
-            &[
-                &x.narrow(D::Minus1, half, half)?.neg()?,
-                &x.narrow(D::Minus1, 0, half)?,
-            ],
-            D::Minus1,
-        )?;
-        let (cos, sin) = (
-            self.cos.reshape((1, time, 1, width))?,
-            self.sin.reshape((1, time, 1, width))?,
-        );
-        x.broadcast_mul(&cos)? + rotated.broadcast_mul(&sin)?
+        ops::rotary_embedding(x, &self.cos, &self.sin)
+    }
+}
+
+/// The rotation tables a model has built, one per dtype and device, each
+/// as long as the longest sequence asked for so far: a forward narrows one
+/// instead of computing and uploading its table again.
+#[derive(Default)]
+struct RotationCache(Mutex<Vec<(DType, Device, Rotation)>>);
+
+impl RotationCache {
+    /// The tables of positions `0..time` in `dtype` on `device`.
+    fn get(
+        &self,
+        inv_freq: &[f64],
+        time: usize,
+        dtype: DType,
+        device: &Device,
+    ) -> candle_core::Result<Rotation> {
+        let mut tables = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let slot = tables
+            .iter()
+            .position(|(d, dev, _)| *d == dtype && dev.same_device(device));
+        if let Some(i) = slot {
+            if tables[i].2.len() >= time {
+                return tables[i].2.narrow(time);
+            }
+        }
+        // Growing by at least twice the length keeps rebuilds rare when
+        // sequences lengthen one token at a time.
+        let len = slot.map_or(time, |i| time.max(2 * tables[i].2.len()));
+        let built = Rotation::new(inv_freq, len, dtype, device)?;
+        let rotation = built.narrow(time)?;
+        match slot {
+            Some(i) => tables[i].2 = built,
+            None => tables.push((dtype, device.clone(), built)),
+        }
+        Ok(rotation)
     }
 }
 
@@ -437,7 +470,7 @@ impl Block {
         let y = ops::causal_self_attention(&qkv, self.heads)?;
         let x = (x + self.o_proj.forward(&y)?)?;
         let h = self.post_attention_layernorm.forward(&x)?;
-        let gated = (ops::silu(&self.gate_proj.forward(&h)?)? * self.up_proj.forward(&h)?)?;
+        let gated = ops::swiglu(&self.gate_proj.forward(&h)?, &self.up_proj.forward(&h)?)?;
         x + self.down_proj.forward(&gated)?
     }
 }
@@ -452,6 +485,8 @@ pub struct Llama {
     /// hooked use: the engine adds both gradients).
     head: Linear,
     inv_freq: Vec<f64>,
+    /// The rotary tables, built once per dtype and device.
+    rotations: RotationCache,
     /// Each block recomputed in backward (activation checkpointing).
     checkpointed: bool,
 }
@@ -528,6 +563,7 @@ impl Llama {
             norm: norm(model.pp("norm"))?,
             head,
             inv_freq: config.inv_freq(),
+            rotations: RotationCache::default(),
             checkpointed: false,
         })
     }
@@ -577,7 +613,9 @@ impl Llama {
                  windowed attention is not implemented: use sequences of at most {window}"
             );
         }
-        let rotation = Rotation::new(&self.inv_freq, time, self.dtype(), ids.device())?;
+        let rotation = self
+            .rotations
+            .get(&self.inv_freq, time, self.dtype(), ids.device())?;
         let x = super::through_blocks(
             &self.blocks,
             self.embed_tokens.forward(ids)?,
@@ -603,5 +641,38 @@ impl Llama {
     /// The device the model's variables live on.
     pub fn device(&self) -> &Device {
         self.head.weight().device()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn values(t: &Tensor) -> Vec<f32> {
+        t.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+    }
+
+    #[test]
+    fn the_rotation_cache_narrows_its_table_and_grows_it_when_asked_for_more() {
+        let inv_freq = [1.0, 0.1, 0.01];
+        let cache = RotationCache::default();
+        let device = Device::Cpu;
+        let long = cache.get(&inv_freq, 5, DType::F32, &device).unwrap();
+        let short = cache.get(&inv_freq, 3, DType::F32, &device).unwrap();
+        let fresh = Rotation::new(&inv_freq, 3, DType::F32, &device).unwrap();
+        assert_eq!((long.len(), short.len()), (5, 3));
+        assert_eq!(values(&short.cos), values(&fresh.cos));
+        assert_eq!(values(&short.sin), values(&fresh.sin));
+        // A narrowed view of the one table, not a table of its own.
+        assert_eq!(cache.0.lock().unwrap().len(), 1);
+        let longer = cache.get(&inv_freq, 7, DType::F32, &device).unwrap();
+        assert_eq!(longer.len(), 7);
+        assert_eq!(
+            cache.0.lock().unwrap()[0].2.len(),
+            10,
+            "grown to twice the old length"
+        );
+        cache.get(&inv_freq, 3, DType::BF16, &device).unwrap();
+        assert_eq!(cache.0.lock().unwrap().len(), 2, "one table per dtype");
     }
 }

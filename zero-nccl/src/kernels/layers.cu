@@ -1,9 +1,10 @@
 // Fused transformer layers of zero-candle, compiled at run time with NVRTC
 // (no headers): causal self-attention (FlashAttention-2 scheme, forward and
-// backward), LayerNorm/RMSNorm (forward and backward), GELU/SiLU, and
-// cross-entropy. Each kernel mirrors a CPU reference in zero-candle's
-// `nn::ops` / `nn::layer_norm`, computes in f32 whatever the storage type,
-// and rounds once when it stores (to nearest, ties to even).
+// backward), LayerNorm/RMSNorm (forward and backward), GELU/SiLU, SwiGLU,
+// rotary embeddings, and cross-entropy. Each kernel mirrors a CPU reference
+// in zero-candle's `nn::ops` / `nn::layer_norm`, computes in f32 whatever
+// the storage type, and rounds once when it stores (to nearest, ties to
+// even).
 //
 // Storage types: `float`, and bf16/f16 carried as their 16 bits (structs
 // `bf16`/`f16` below). Each family is a template instantiated per type by a
@@ -726,6 +727,76 @@ extern "C" __global__ void activation_backward_##SUFFIX(const T* x, const T* g, 
 DEFINE_ACTIVATION(float, f32)
 DEFINE_ACTIVATION(bf16, bf16)
 DEFINE_ACTIVATION(f16, f16)
+
+// ===========================================================================
+// SwiGLU's gate, y = silu(gate) * up, and its backward in one pass:
+// dgate = dy * up * silu'(gate), dup = dy * silu(gate). One thread per
+// element, grid-stride.
+// ===========================================================================
+#define DEFINE_SWIGLU(T, SUFFIX)                                                          \
+extern "C" __global__ void swiglu_forward_##SUFFIX(const T* gate, const T* up, T* y,      \
+                                                   long long n) {                         \
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;           \
+         i += (long long)gridDim.x * blockDim.x) {                                        \
+        const float g = to_f32(gate[i]);                                                  \
+        y[i] = from_f32<T>(g / (1.f + expf(-g)) * to_f32(up[i]));                         \
+    }                                                                                     \
+}                                                                                         \
+extern "C" __global__ void swiglu_backward_##SUFFIX(const T* gate, const T* up,           \
+                                                    const T* grad, T* dgate, T* dup,      \
+                                                    long long n) {                        \
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;           \
+         i += (long long)gridDim.x * blockDim.x) {                                        \
+        const float g = to_f32(gate[i]), dy = to_f32(grad[i]);                            \
+        const float s = 1.f / (1.f + expf(-g));                                           \
+        dgate[i] = from_f32<T>(dy * to_f32(up[i]) * (s * (1.f + g * (1.f - s))));         \
+        dup[i] = from_f32<T>(dy * g * s);                                                 \
+    }                                                                                     \
+}
+
+DEFINE_SWIGLU(float, f32)
+DEFINE_SWIGLU(bf16, bf16)
+DEFINE_SWIGLU(f16, f16)
+
+// ===========================================================================
+// Rotary embeddings in `rotate_half`'s convention: x is [B, T, H, D], the
+// tables cos and sin [T, D/2]. The pair (d, d + D/2) of each head at
+// position t turns by the angle of (t, d):
+//   y[d] = x[d] cos - x[d + D/2] sin,  y[d + D/2] = x[d + D/2] cos + x[d] sin.
+// The backward is the same kernel on the output gradient with sign = -1 (a
+// rotation's transpose is the rotation by the opposite angle). One thread
+// per pair, grid-stride over rows * D/2 pairs (a row is one head of one
+// position).
+// ===========================================================================
+template <typename T>
+__device__ __forceinline__ void rotary(const T* __restrict__ x, const T* __restrict__ cos_table,
+                                       const T* __restrict__ sin_table, T* __restrict__ y,
+                                       long long pairs, int half, int heads, int time,
+                                       float sign) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < pairs;
+         i += (long long)gridDim.x * blockDim.x) {
+        const long long row = i / half;
+        const int d = (int)(i - row * half);
+        const int t = (int)((row / heads) % time);
+        const long long at = row * 2 * half + d;
+        const long long angle = (long long)t * half + d;
+        const float a = to_f32(x[at]), b = to_f32(x[at + half]);
+        const float c = to_f32(cos_table[angle]), s = sign * to_f32(sin_table[angle]);
+        y[at] = from_f32<T>(a * c - b * s);
+        y[at + half] = from_f32<T>(b * c + a * s);
+    }
+}
+
+#define DEFINE_ROTARY(T, SUFFIX)                                                          \
+extern "C" __global__ void rotary_##SUFFIX(const T* x, const T* cos_table,                \
+                                           const T* sin_table, T* y, long long pairs,     \
+                                           int half, int heads, int time, float sign) {   \
+    rotary<T>(x, cos_table, sin_table, y, pairs, half, heads, time, sign);                \
+}
+
+DEFINE_ROTARY(float, f32)
+DEFINE_ROTARY(bf16, bf16)
+DEFINE_ROTARY(f16, f16)
 
 // ===========================================================================
 // Cross-entropy over logits [N, V] with targets [N] (u32 or i64).

@@ -1,7 +1,8 @@
 //! The fused transformer layers' CUDA kernels ([`LAYER_SOURCE`]): causal
 //! self-attention (FlashAttention-2 forward and backward), LayerNorm and
-//! RMSNorm (forward and backward), GELU/SiLU, and cross-entropy, for f32,
-//! bf16 and f16 storage, computing in f32. zero-candle's custom ops launch
+//! RMSNorm (forward and backward), GELU/SiLU, SwiGLU, rotary embeddings
+//! (forward and backward), and cross-entropy, for f32, bf16 and f16
+//! storage, computing in f32. zero-candle's custom ops launch
 //! them through [`LayerKernels`]; each kernel has a CPU reference there.
 //!
 //! Attention has two kernel families with the same arguments: on sm_80 and
@@ -35,8 +36,10 @@
 //! ```
 
 mod attention;
+mod rotary;
 
 pub use attention::{AttentionShape, MAX_HEAD_DIM};
+pub use rotary::{RotaryShape, RotaryTurn};
 
 use super::{compile_and_load, compile_source, max_blocks};
 use crate::probe::guarded;
@@ -53,7 +56,7 @@ use std::sync::Arc;
 pub const LAYER_SOURCE: &str = concat!(include_str!("layers.cu"), include_str!("attention_tc.cu"));
 
 /// Every kernel [`LayerKernels::new`] loads from [`LAYER_SOURCE`].
-pub const LAYER_KERNEL_NAMES: [&str; 66] = [
+pub const LAYER_KERNEL_NAMES: [&str; 75] = [
     "attention_forward_d64_f32",
     "attention_backward_dq_d64_f32",
     "attention_backward_dkdv_d64_f32",
@@ -105,6 +108,15 @@ pub const LAYER_KERNEL_NAMES: [&str; 66] = [
     "activation_backward_bf16",
     "activation_forward_f16",
     "activation_backward_f16",
+    "swiglu_forward_f32",
+    "swiglu_backward_f32",
+    "swiglu_forward_bf16",
+    "swiglu_backward_bf16",
+    "swiglu_forward_f16",
+    "swiglu_backward_f16",
+    "rotary_f32",
+    "rotary_bf16",
+    "rotary_f16",
     "cross_entropy_lse_f32",
     "cross_entropy_loss_f32_u32",
     "cross_entropy_backward_f32_u32",
@@ -243,6 +255,9 @@ pub struct LayerKernels {
     norm_backward_finish: [CudaFunction; 3],
     activation_forward: [CudaFunction; 3],
     activation_backward: [CudaFunction; 3],
+    swiglu_forward: [CudaFunction; 3],
+    swiglu_backward: [CudaFunction; 3],
+    rotary: [CudaFunction; 3],
     cross_entropy_lse: [CudaFunction; 3],
     /// Per [`LayerElement::INDEX`], then per [`TargetIndex::INDEX`].
     cross_entropy_loss: [[CudaFunction; 2]; 3],
@@ -364,6 +379,9 @@ impl LayerKernels {
                 norm_backward_finish: per_element(&module, "norm_backward_finish")?,
                 activation_forward: per_element(&module, "activation_forward")?,
                 activation_backward: per_element(&module, "activation_backward")?,
+                swiglu_forward: per_element(&module, "swiglu_forward")?,
+                swiglu_backward: per_element(&module, "swiglu_backward")?,
+                rotary: per_element(&module, "rotary")?,
                 cross_entropy_lse: per_element(&module, "cross_entropy_lse")?,
                 cross_entropy_loss: per_element_and_target(&module, "cross_entropy_loss")?,
                 cross_entropy_backward: per_element_and_target(&module, "cross_entropy_backward")?,
@@ -680,6 +698,73 @@ impl LayerKernels {
         Ok(())
     }
 
+    /// `y = silu(gate) * up`, element-wise (SwiGLU's gate).
+    pub fn swiglu_forward<E: LayerElement>(
+        &self,
+        stream: &Arc<CudaStream>,
+        gate: &impl DevicePtr<E>,
+        up: &impl DevicePtr<E>,
+        y: &mut impl DevicePtrMut<E>,
+    ) -> Result<()> {
+        const OP: &str = "swiglu_forward";
+        check_len(OP, "up", up.len(), gate.len())?;
+        check_len(OP, "y", y.len(), gate.len())?;
+        let Some(cfg) = self.config(OP, Launch::Elements(gate.len()))? else {
+            return Ok(());
+        };
+        let n = gate.len() as i64;
+        let (gate, _g0) = gate.device_ptr(stream);
+        let (up, _g1) = up.device_ptr(stream);
+        let (y, _g2) = y.device_ptr_mut(stream);
+        let mut launch = stream.launch_builder(&self.swiglu_forward[E::INDEX]);
+        launch.arg(&gate).arg(&up).arg(&y).arg(&n);
+        // SAFETY: gate, up and y hold n `E`; the arguments match
+        // `swiglu_forward_*`.
+        unsafe { launch.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// Both gradients of [`LayerKernels::swiglu_forward`] in one pass:
+    /// `dgate = grad * up * silu'(gate)`, `dup = grad * silu(gate)`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn swiglu_backward<E: LayerElement>(
+        &self,
+        stream: &Arc<CudaStream>,
+        gate: &impl DevicePtr<E>,
+        up: &impl DevicePtr<E>,
+        grad: &impl DevicePtr<E>,
+        dgate: &mut impl DevicePtrMut<E>,
+        dup: &mut impl DevicePtrMut<E>,
+    ) -> Result<()> {
+        const OP: &str = "swiglu_backward";
+        let n = gate.len();
+        check_len(OP, "up", up.len(), n)?;
+        check_len(OP, "grad", grad.len(), n)?;
+        check_len(OP, "dgate", dgate.len(), n)?;
+        check_len(OP, "dup", dup.len(), n)?;
+        let Some(cfg) = self.config(OP, Launch::Elements(n))? else {
+            return Ok(());
+        };
+        let n = n as i64;
+        let (gate, _g0) = gate.device_ptr(stream);
+        let (up, _g1) = up.device_ptr(stream);
+        let (g, _g2) = grad.device_ptr(stream);
+        let (dgate, _g3) = dgate.device_ptr_mut(stream);
+        let (dup, _g4) = dup.device_ptr_mut(stream);
+        let mut launch = stream.launch_builder(&self.swiglu_backward[E::INDEX]);
+        launch
+            .arg(&gate)
+            .arg(&up)
+            .arg(&g)
+            .arg(&dgate)
+            .arg(&dup)
+            .arg(&n);
+        // SAFETY: every buffer holds n `E`; the arguments match
+        // `swiglu_backward_*`.
+        unsafe { launch.launch(cfg) }?;
+        Ok(())
+    }
+
     /// Cross-entropy of `logits` (`[rows, vocab]`, `rows = targets.len()`)
     /// against class indices `targets`: `loss[0]` is the mean over the rows
     /// whose target is not `ignore_index` of `logsumexp(row) - row[target]`.
@@ -817,6 +902,9 @@ mod tests {
                 "norm_backward_finish",
                 "activation_forward",
                 "activation_backward",
+                "swiglu_forward",
+                "swiglu_backward",
+                "rotary",
                 "cross_entropy_lse",
             ] {
                 names.push(format!("{family}_{ty}"));

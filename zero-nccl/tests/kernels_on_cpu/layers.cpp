@@ -1,13 +1,15 @@
-// LayerNorm/RmsNorm and cross-entropy kernels of src/kernels/layers.cu on
-// the CPU (see shim.h), against double-precision references: grids capped
-// so that grid-stride loops run, the weight and bias gradients' chunked
-// sums as layers.rs launches them, ignore index, u32 and i64 targets, and
-// NaN where PyTorch gives NaN. Exits non-zero on any failure.
+// LayerNorm/RmsNorm, cross-entropy, SwiGLU and rotary-embedding kernels of
+// src/kernels/layers.cu on the CPU (see shim.h), against double-precision
+// references: grids capped so that grid-stride loops run, the weight and
+// bias gradients' chunked sums as layers.rs launches them, ignore index,
+// u32 and i64 targets, NaN where PyTorch gives NaN, and the 16-bit types'
+// single rounding. Exits non-zero on any failure.
 #include "shim.h"
 #include "layers.cu"
 #include <cstdio>
 #include <random>
 #include <algorithm>
+#include <array>
 double norm_test(long long rows,int n,int remove_mean,int has_bias,bool want_dx,unsigned seed){
   std::mt19937 rng(seed); std::normal_distribution<float> nd(0,1);
   std::vector<float> x(rows*n),w(n),b(n),g(rows*n),y(rows*n,9),dx(rows*n,9),dw(n,9),db(n,9);
@@ -42,6 +44,53 @@ template<class I> double ce_test(long long rows,long long V,int has_ignore,long 
   for(long long r=0;r<rows;r++){long long t=(long long)tg[r]; bool c=!(has_ignore&&t==ig); for(long long v=0;v<V;v++){double d=c?0.7/cnt*(exp(lg[r*V+v]-lse[r])-(v==t)):0; err=std::max(err,fabs(d-dl[r*V+v]));}}
   return err;
 }
+// Relative error of `got` against `want`, scaled by max(1, max |want|).
+static double worst(const std::vector<double>& want, const std::vector<float>& got) {
+  double scale=1, err=0; for(double w:want) scale=std::max(scale,fabs(w));
+  for(size_t i=0;i<want.size();i++) err=std::max(err,fabs(want[i]-got[i])/scale);
+  return err;
+}
+template<class T> std::vector<float> widen(const std::vector<T>& v){ std::vector<float> r; for(auto x:v) r.push_back(to_f32(x)); return r; }
+template<class T> std::vector<T> narrow16(const std::vector<float>& v){ std::vector<T> r; for(float x:v) r.push_back(from_f32<T>(x)); return r; }
+
+// rotary_<T> forward (sign 1) and backward (sign -1) on x [B, T, H, D] with
+// tables [T, D/2], launched as layers.rs does (one thread per pair) but with
+// the grid capped at `cap` blocks.
+template<class T> double rotary_test(int B,int time,int H,int D,unsigned cap,unsigned seed){
+  std::mt19937 rng(seed); std::normal_distribution<float> nd(0,1);
+  const int half=D/2; const long long n=(long long)B*time*H*D, pairs=n/2;
+  std::vector<float> xf(n),gf(n),ang(time*half),cf(time*half),sf(time*half);
+  for(auto&v:xf)v=nd(rng); for(auto&v:gf)v=nd(rng); for(auto&v:ang)v=nd(rng)*3;
+  for(int i=0;i<time*half;i++){cf[i]=cosf(ang[i]); sf[i]=sinf(ang[i]);}
+  auto x=narrow16<T>(xf), g=narrow16<T>(gf), c=narrow16<T>(cf), s=narrow16<T>(sf);
+  std::vector<T> y(n), dx(n);
+  unsigned blocks=std::min<unsigned>((unsigned)((pairs+255)/256),cap);
+  launch({blocks,1,1},{256,1,1},[&]{rotary<T>(x.data(),c.data(),s.data(),y.data(),pairs,half,H,time,1.f);});
+  launch({blocks,1,1},{256,1,1},[&]{rotary<T>(g.data(),c.data(),s.data(),dx.data(),pairs,half,H,time,-1.f);});
+  auto X=widen(x), G=widen(g), C=widen(c), S=widen(s);
+  std::vector<double> ry(n), rdx(n);
+  for(long long row=0;row<n/D;row++){ int t=(int)((row/H)%time);
+    for(int d=0;d<half;d++){ double cc=C[t*half+d], ss=S[t*half+d]; long long a=row*D+d, b=a+half;
+      ry[a]=X[a]*cc-X[b]*ss; ry[b]=X[b]*cc+X[a]*ss; rdx[a]=G[a]*cc+G[b]*ss; rdx[b]=G[b]*cc-G[a]*ss; }}
+  return std::max(worst(ry,widen(y)),worst(rdx,widen(dx)));
+}
+
+// swiglu_forward_<T> and swiglu_backward_<T> over n elements, grid capped.
+template<class T> double swiglu_test(long long n,unsigned cap,unsigned seed,
+    void(*fwd)(const T*,const T*,T*,long long),void(*bwd)(const T*,const T*,const T*,T*,T*,long long)){
+  std::mt19937 rng(seed); std::normal_distribution<float> nd(0,1);
+  std::vector<float> gf(n),uf(n),df(n); for(auto&v:gf)v=nd(rng)*4; for(auto&v:uf)v=nd(rng); for(auto&v:df)v=nd(rng);
+  auto gate=narrow16<T>(gf), up=narrow16<T>(uf), dy=narrow16<T>(df);
+  std::vector<T> y(n), dgate(n), dup(n);
+  unsigned blocks=std::min<unsigned>((unsigned)((n+255)/256),cap);
+  launch({blocks,1,1},{256,1,1},[&]{fwd(gate.data(),up.data(),y.data(),n);});
+  launch({blocks,1,1},{256,1,1},[&]{bwd(gate.data(),up.data(),dy.data(),dgate.data(),dup.data(),n);});
+  auto Gt=widen(gate), U=widen(up), D=widen(dy);
+  std::vector<double> ry(n), rdg(n), rdu(n);
+  for(long long i=0;i<n;i++){ double g=Gt[i], s=1/(1+exp(-g)); ry[i]=g*s*U[i]; rdu[i]=D[i]*g*s; rdg[i]=D[i]*U[i]*s*(1+g*(1-s)); }
+  return std::max({worst(ry,widen(y)),worst(rdg,widen(dgate)),worst(rdu,widen(dup))});
+}
+
 static int failures = 0;
 
 static void expect(bool ok, const char* what) {
@@ -82,6 +131,30 @@ int main() {
     std::vector<long long> fine = {0, 3};
     ce_test<long long>(2, 10, 1, -100, fine, 1, &loss, true);
     expect(std::isnan(loss), "cross-entropy with a NaN logit is NaN");
-    printf("norms and cross-entropy on the CPU: %s\n", failures ? "FAILED" : "ok");
+    // 16-bit outputs are rounded once from f32: within half an ulp of the
+    // value, at most 2^-8 (bf16) or 2^-11 (f16) of the tensor's scale.
+    for (auto [B, time, H, D] : {std::array<int, 4>{1, 1, 1, 2}, {2, 7, 3, 10}, {3, 5, 2, 34},
+                                 {1, 33, 4, 64}, {2, 17, 5, 128}}) {
+        for (unsigned cap : {2u, 4096u}) {
+            double e32 = rotary_test<float>(B, time, H, D, cap, B * time + D);
+            double eb = rotary_test<bf16>(B, time, H, D, cap, B * time + D + 1);
+            double eh = rotary_test<f16>(B, time, H, D, cap, B * time + D + 2);
+            snprintf(what, sizeof what, "rotary %dx%d, %d heads of %d, cap %u: error f32 %g, bf16 %g, f16 %g",
+                     B, time, H, D, cap, e32, eb, eh);
+            expect(e32 <= 1e-6 && eb <= 4e-3 && eh <= 5e-4, what);
+        }
+    }
+    for (long long n : {1LL, 255LL, 257LL, 5000LL}) {
+        for (unsigned cap : {1u, 4096u}) {
+            double e32 = swiglu_test<float>(n, cap, n, swiglu_forward_f32, swiglu_backward_f32);
+            double eb = swiglu_test<bf16>(n, cap, n + 1, swiglu_forward_bf16, swiglu_backward_bf16);
+            double eh = swiglu_test<f16>(n, cap, n + 2, swiglu_forward_f16, swiglu_backward_f16);
+            snprintf(what, sizeof what, "swiglu n %lld, cap %u: error f32 %g, bf16 %g, f16 %g", n, cap,
+                     e32, eb, eh);
+            expect(e32 <= 1e-6 && eb <= 4e-3 && eh <= 5e-4, what);
+        }
+    }
+    printf("norms, cross-entropy, SwiGLU and rotary embeddings on the CPU: %s\n",
+           failures ? "FAILED" : "ok");
     return failures ? 1 : 0;
 }

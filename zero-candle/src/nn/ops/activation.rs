@@ -38,7 +38,7 @@ fn gelu_erf_at<A: Accum>(x: A) -> (A, A) {
 
 /// SiLU at `x` and its slope there.
 #[inline(always)]
-fn silu_at<A: Accum>(x: A) -> (A, A) {
+pub(super) fn silu_at<A: Accum>(x: A) -> (A, A) {
     let one = A::ONE;
     let s = one / (one + (-x).exp());
     (x * s, s * (one + x * (one - s)))

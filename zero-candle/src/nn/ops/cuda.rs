@@ -8,6 +8,7 @@
 //! device's CUDA context (every Candle device of one GPU shares its primary
 //! context, hence the module).
 
+use super::rotary_dims::{RotaryDims, Turn};
 use super::{Activation, AttentionDims};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::{CudaDType, CudaDevice};
@@ -18,7 +19,8 @@ use zero_nccl::cudarc::driver::{
     CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut,
 };
 use zero_nccl::kernels::layers::{
-    ActivationKind, AttentionShape, LayerElement, LayerKernels, Normalization,
+    ActivationKind, AttentionShape, LayerElement, LayerKernels, Normalization, RotaryShape,
+    RotaryTurn,
 };
 
 /// A CUDA storage with its layout.
@@ -430,6 +432,90 @@ pub(crate) fn activation_backward(kind: Activation, x: Arg, grad: Arg) -> Result
             )
         })?;
         Ok(CudaStorage::wrap_cuda_slice(dx, device))
+    })
+}
+
+pub(crate) fn swiglu_forward(gate: Arg, up: Arg) -> Result<CudaStorage> {
+    const OP: &str = "swiglu";
+    let device = gate.0.device.clone();
+    by_dtype!(gate.0.dtype(), OP, |T| {
+        let gate_view = view::<T>(OP, "the gate", gate)?;
+        let up = view::<T>(OP, "up", up)?;
+        let len = gate_view.len();
+        let mut y = alloc_out::<T>(&device, len)?;
+        launch_on(OP, gate, |kernels, stream| {
+            kernels.swiglu_forward(stream, &gate_view, &up, &mut out(&mut y, len))
+        })?;
+        Ok(CudaStorage::wrap_cuda_slice(y, device))
+    })
+}
+
+pub(crate) fn swiglu_backward(gate: Arg, up: Arg, grad: Arg) -> Result<(CudaStorage, CudaStorage)> {
+    const OP: &str = "swiglu backward";
+    let device = gate.0.device.clone();
+    by_dtype!(gate.0.dtype(), OP, |T| {
+        let gate_view = view::<T>(OP, "the gate", gate)?;
+        let up = view::<T>(OP, "up", up)?;
+        let grad = view::<T>(OP, "the output gradient", grad)?;
+        let len = gate_view.len();
+        let mut dgate = alloc_out::<T>(&device, len)?;
+        let mut dup = alloc_out::<T>(&device, len)?;
+        launch_on(OP, gate, |kernels, stream| {
+            kernels.swiglu_backward(
+                stream,
+                &gate_view,
+                &up,
+                &grad,
+                &mut out(&mut dgate, len),
+                &mut out(&mut dup, len),
+            )
+        })?;
+        Ok((
+            CudaStorage::wrap_cuda_slice(dgate, device.clone()),
+            CudaStorage::wrap_cuda_slice(dup, device),
+        ))
+    })
+}
+
+/// `x` (the forward's input, or the backward's output gradient) rotated
+/// by the tables' angles, or by their opposites.
+pub(crate) fn rotary_embedding(
+    x: Arg,
+    cos: Arg,
+    sin: Arg,
+    dims: &RotaryDims,
+    turn: Turn,
+) -> Result<CudaStorage> {
+    const OP: &str = "rotary_embedding";
+    let shape = RotaryShape {
+        batch: dims.batch,
+        time: dims.time,
+        heads: dims.heads,
+        head_dim: dims.head_dim,
+    };
+    let turn = match turn {
+        Turn::Forward => RotaryTurn::Forward,
+        Turn::Backward => RotaryTurn::Backward,
+    };
+    let device = x.0.device.clone();
+    by_dtype!(x.0.dtype(), OP, |T| {
+        let input = view::<T>(OP, "x", x)?;
+        let cos = view::<T>(OP, "cos", cos)?;
+        let sin = view::<T>(OP, "sin", sin)?;
+        let len = shape.x_len();
+        let mut y = alloc_out::<T>(&device, len)?;
+        launch_on(OP, x, |kernels, stream| {
+            kernels.rotary_embedding(
+                stream,
+                &shape,
+                turn,
+                &input,
+                &cos,
+                &sin,
+                &mut out(&mut y, len),
+            )
+        })?;
+        Ok(CudaStorage::wrap_cuda_slice(y, device))
     })
 }
 

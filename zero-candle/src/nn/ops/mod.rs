@@ -1,7 +1,7 @@
 //! Fused transformer ops with their own backward: causal attention (over a
 //! packed `qkv`, or separate `q`, `k`, `v` with grouped K/V heads),
-//! GELU (tanh and erf forms), SiLU and cross-entropy, each one custom op on
-//! the CPU and on CUDA.
+//! GELU (tanh and erf forms), SiLU, SwiGLU's gate, rotary embeddings and
+//! cross-entropy, each one custom op on the CPU and on CUDA.
 //!
 //! Candle composes these from element-wise and reduction ops, and keeps
 //! every intermediate until backward (a `[batch, heads, T, T]` tensor
@@ -21,6 +21,9 @@ mod cross_entropy;
 pub(crate) mod cuda;
 #[cfg(not(feature = "cuda"))]
 pub(crate) mod no_cuda;
+mod rotary;
+mod rotary_dims;
+mod swiglu;
 #[cfg(not(feature = "cuda"))]
 pub(crate) use no_cuda as cuda;
 
@@ -29,3 +32,5 @@ pub use activation_kind::Activation;
 pub use attention::{causal_attention, causal_self_attention};
 pub use attention_dims::AttentionDims;
 pub use cross_entropy::{cross_entropy, cross_entropy_with_ignore};
+pub use rotary::rotary_embedding;
+pub use swiglu::swiglu;

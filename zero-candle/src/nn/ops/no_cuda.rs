@@ -3,6 +3,7 @@
 //! Candle then has no CUDA device either, so none of them is reachable
 //! from a tensor; they keep the ops' `cuda_fwd` free of `cfg`.
 
+use super::rotary_dims::{RotaryDims, Turn};
 use super::{Activation, AttentionDims};
 use candle_core::{bail, CudaStorage, Layout, Result};
 
@@ -97,5 +98,27 @@ pub(crate) fn cross_entropy_backward(
     _grad: Arg,
     _ignore_index: Option<i64>,
 ) -> Result<CudaStorage> {
+    no_cuda()
+}
+
+pub(crate) fn rotary_embedding(
+    _x: Arg,
+    _cos: Arg,
+    _sin: Arg,
+    _dims: &RotaryDims,
+    _turn: Turn,
+) -> Result<CudaStorage> {
+    no_cuda()
+}
+
+pub(crate) fn swiglu_forward(_gate: Arg, _up: Arg) -> Result<CudaStorage> {
+    no_cuda()
+}
+
+pub(crate) fn swiglu_backward(
+    _gate: Arg,
+    _up: Arg,
+    _grad: Arg,
+) -> Result<(CudaStorage, CudaStorage)> {
     no_cuda()
 }
