@@ -453,21 +453,13 @@ impl Block {
         let q = rotation.apply(&heads(&self.q_proj, self.heads)?)?;
         let k = rotation.apply(&heads(&self.k_proj, self.kv_heads)?)?;
         let v = heads(&self.v_proj, self.kv_heads)?;
-        // Each key/value head serves `group` consecutive query heads
-        // (`repeat_kv`): repeated here, its gradient summed by the
-        // broadcast's backward, and packed for the fused attention.
-        let group = self.heads / self.kv_heads;
-        let width = self.heads * self.head_dim;
-        let repeat = |t: Tensor| -> candle_core::Result<Tensor> {
-            t.unsqueeze(3)?
-                .broadcast_as((batch, time, self.kv_heads, group, self.head_dim))?
-                .reshape((batch, time, width))
-        };
-        let qkv = Tensor::cat(
-            &[q.reshape((batch, time, width))?, repeat(k)?, repeat(v)?],
-            2,
-        )?;
-        let y = ops::causal_self_attention(&qkv, self.heads)?;
+        // Each key/value head serves `heads / kv_heads` consecutive query
+        // heads (`repeat_kv`), inside the op: no repeated copies.
+        let y = ops::causal_attention(&q, &k, &v)?.reshape((
+            batch,
+            time,
+            self.heads * self.head_dim,
+        ))?;
         let x = (x + self.o_proj.forward(&y)?)?;
         let h = self.post_attention_layernorm.forward(&x)?;
         let gated = ops::swiglu(&self.gate_proj.forward(&h)?, &self.up_proj.forward(&h)?)?;
