@@ -1,4 +1,4 @@
-//! Rotary position embeddings in `rotate_half`'s convention as one op,
+//! Rotary position embeddings in `transformers`' rotate_half convention as one op,
 //! whose backward is the same rotation by the opposite angle.
 
 use super::super::cpu;
