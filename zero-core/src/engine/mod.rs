@@ -187,6 +187,12 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> StageState<T, C, M> {
         }
     }
 
+    /// Per parameter, whether it lives only as shards (empty until stage 3
+    /// shards).
+    fn sharded_mask(&self) -> &[bool] {
+        self.sharded_params().map_or(&[], |s| &s.sharded[..])
+    }
+
     /// Stages 1 and 2's deferred all-gathers (`None` at other stages).
     fn deferred_gathers(&mut self) -> Option<&mut deferred::DeferredGathers<T, C, M>> {
         match self {

@@ -217,9 +217,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// Stage 3: whether parameter `param` lives only as shards (see
     /// [`Engine::shard_parameters`]).
     pub fn is_sharded(&self, param: usize) -> bool {
-        self.stage
-            .sharded_params()
-            .is_some_and(|s| s.sharded.get(param).copied().unwrap_or(false))
+        self.stage.sharded_mask().get(param) == Some(&true)
     }
 
     /// Stage 3: the fetcher of the sharded parameters, once
@@ -231,11 +229,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// Whether the shard, not the replica, holds the truth of the trained
     /// parameters: with master weights, or sharded parameters.
     pub(in crate::engine) fn shard_is_truth(&self) -> bool {
-        self.has_master_weights()
-            || self
-                .stage
-                .sharded_params()
-                .is_some_and(|s| s.sharded.contains(&true))
+        self.has_master_weights() || self.stage.sharded_mask().contains(&true)
     }
 
     /// Stage 3: runs `f` with the parameter shard home from the fetcher

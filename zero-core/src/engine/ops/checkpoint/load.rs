@@ -49,10 +49,7 @@ impl<'e, T: Element, C: Communicator, M: ShardMemory<T, C>> Load<'e, T, C, M> {
     /// The parts of `engine` a load reads and writes.
     pub fn of(engine: &'e mut Engine<T, C, M>) -> Self {
         let truth = engine.shard_is_truth();
-        let sharded = match engine.stage.sharded_params() {
-            Some(sharded) => &sharded.sharded[..],
-            None => &[],
-        };
+        let sharded = engine.stage.sharded_mask();
         Self {
             comm: &engine.comm,
             memory: &mut engine.memory,
@@ -206,7 +203,7 @@ impl<'e, T: Element, C: Communicator, M: ShardMemory<T, C>> Load<'e, T, C, M> {
             }
             let name = p.name.clone();
             let read_error = |e: Error| checkpoint_error(model_path, format!("{name:?}: {e}"));
-            if self.is_sharded(i) {
+            if self.sharded.get(i) == Some(&true) {
                 // Stage 3: no replica to write, and no rank reads more of
                 // the parameter than the pieces it owns (`masters` holds).
                 let ranges: Vec<Range<usize>> = self
@@ -236,11 +233,6 @@ impl<'e, T: Element, C: Communicator, M: ShardMemory<T, C>> Load<'e, T, C, M> {
             scaler.restore(state);
         }
         Ok(())
-    }
-
-    /// Stage 3: whether parameter `param` lives only as shards.
-    fn is_sharded(&self, param: usize) -> bool {
-        self.sharded.get(param).copied().unwrap_or(false)
     }
 
     /// The master weights, to set piece by piece.

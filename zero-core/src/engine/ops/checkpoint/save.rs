@@ -91,10 +91,7 @@ impl<'e, T: Element, C: Communicator, M: ShardMemory<T, C>> Save<'e, T, C, M> {
     pub fn with_background(engine: &'e mut Engine<T, C, M>) -> (Self, &'e mut BackgroundSave<T>) {
         let truth = engine.shard_is_truth();
         let loss_scaler = engine.loss_scaler_state();
-        let sharded = match engine.stage.sharded_params() {
-            Some(sharded) => &sharded.sharded[..],
-            None => &[],
-        };
+        let sharded = engine.stage.sharded_mask();
         let save = Self {
             comm: &engine.comm,
             memory: &mut engine.memory,
@@ -469,7 +466,7 @@ impl<'e, T: Element, C: Communicator, M: ShardMemory<T, C>> Save<'e, T, C, M> {
         let mut values = Vec::new();
         for i in order {
             let numel = self.params[i].numel();
-            if self.truth && (self.params[i].trainable || self.is_sharded(i)) {
+            if self.truth && (self.params[i].trainable || self.sharded.get(i) == Some(&true)) {
                 let mut next = 0;
                 self.masters().stream(i, 0, &mut |range, values| {
                     // The plan's pieces are in order and disjoint; what it
@@ -521,11 +518,6 @@ impl<'e, T: Element, C: Communicator, M: ShardMemory<T, C>> Save<'e, T, C, M> {
             .map(|&i| (params[i].name.clone(), T::DTYPE, params[i].shape.clone()))
             .collect();
         (order, specs)
-    }
-
-    /// Stage 3: whether parameter `param` lives only as shards.
-    fn is_sharded(&self, param: usize) -> bool {
-        self.sharded.get(param).copied().unwrap_or(false)
     }
 
     /// The master weights, to stream to rank 0.
