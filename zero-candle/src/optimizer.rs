@@ -18,7 +18,7 @@ use zero_core::engine::{
     Engine, EngineConfig, FetchStats, MemoryReport, SaveOptions, SavedCheckpoint, Stage, StepReport,
 };
 use zero_core::optim::{FunctionalOptimizer, Hyperparams};
-use zero_core::{Communicator, DType, Element, ParamInfo};
+use zero_core::{Communicator, DType, Element, ParamInfo, ReduceOp};
 
 /// What [`ZeroOptimizer`] needs besides the variables, for
 /// [`candle_nn::Optimizer::new`].
@@ -359,7 +359,7 @@ where
     }
 
     /// Saves a sharded checkpoint of the optimizer state and the weights
-    /// into `dir` (see [`Engine::save_checkpoint_with`]). A collective.
+    /// into `dir` (see [`Engine::save_checkpoint`]). A collective.
     pub fn save_checkpoint(&mut self, dir: impl AsRef<Path>) -> Result<Manifest> {
         self.save_checkpoint_with(dir, &SaveOptions::default())
     }
@@ -373,7 +373,7 @@ where
     ) -> Result<Manifest> {
         let (engine, dir) = (lent(&mut self.engine), dir.as_ref());
         C::Memory::with_params(&self.vars, &mut |params| {
-            Ok(engine.save_checkpoint_with(dir, params, options)?)
+            Ok(engine.save_checkpoint(dir, params, options)?)
         })
     }
 
@@ -419,10 +419,13 @@ where
     }
 
     /// Whether every rank is to stop at this step boundary because one of
-    /// them got a preemption signal (see [`Engine::should_stop`]). A
+    /// them got a preemption signal (see
+    /// [`Preemption::should_stop`](zero_core::Preemption::should_stop)). A
     /// collective: call it on every rank once per step, after the step.
     pub fn should_stop(&mut self, preemption: &zero_core::Preemption) -> Result<bool> {
-        Ok(self.engine_mut().should_stop(preemption)?)
+        let engine = self.engine_mut();
+        let reduce_max = |votes: &mut [f32]| engine.all_reduce_host(votes, ReduceOp::Max);
+        Ok(preemption.should_stop_with(reduce_max)?)
     }
 
     /// `loss` multiplied by the loss scale, for a loop that runs backward

@@ -19,7 +19,7 @@ pub const PREEMPTED_EXIT_CODE: i32 = 143;
 
 /// Whether to stop at the next step boundary: set by a signal (or by hand),
 /// agreed across ranks by [`should_stop`](Preemption::should_stop) (or
-/// `Engine::should_stop`), so that every rank stops at the same step even
+/// [`should_stop_with`](Preemption::should_stop_with) over an engine), so that every rank stops at the same step even
 /// when only one of them was signalled.
 ///
 /// The signal handlers of [`on_signals`](Preemption::on_signals) only set a
@@ -221,7 +221,8 @@ impl Preemption {
     /// A collective (an all-reduce max of one value): call it on every rank
     /// at the same point, once per step boundary; all ranks get the same
     /// answer. For a communicator an engine owns, use
-    /// `Engine::should_stop` (or `ZeroOptimizer::should_stop`).
+    /// [`should_stop_with`](Preemption::should_stop_with) (or
+    /// `ZeroOptimizer::should_stop`).
     pub fn should_stop<C: Communicator<Memory = Host>>(&self, comm: &C) -> Result<bool> {
         let mut votes = [f32::from(u8::from(self.vote()))];
         comm.all_reduce(&mut votes[..], ReduceOp::Max)?;
@@ -230,8 +231,9 @@ impl Preemption {
 
     /// [`should_stop`](Preemption::should_stop) through an all-reduce max
     /// the caller runs (`reduce_max` must reduce its slice across ranks
-    /// with [`ReduceOp::Max`]).
-    pub(crate) fn should_stop_with(
+    /// with [`ReduceOp::Max`]): for an engine,
+    /// `preemption.should_stop_with(|votes| engine.all_reduce_host(votes, ReduceOp::Max))`.
+    pub fn should_stop_with(
         &self,
         reduce_max: impl FnOnce(&mut [f32]) -> Result<()>,
     ) -> Result<bool> {

@@ -110,7 +110,7 @@ fn blocking_then_background<M: TestMemory>(
     let mut replica = model().init();
     train(&mut e, &mut replica, 0..3)?;
     for (step, next) in [(3, 5), (5, 6)] {
-        e.save_checkpoint_with(
+        e.save_checkpoint(
             root.join(format!("blocking-{step}")),
             &mut replica,
             &options(step),

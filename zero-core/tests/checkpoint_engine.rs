@@ -160,7 +160,7 @@ fn save_after_three(dir: &Path, optimizer: fn() -> Box<dyn FunctionalOptimizer<f
             user: serde_json::json!({ "data_position": 36 }),
             ..SaveOptions::default()
         };
-        e.save_checkpoint_with(dir, &mut w, &options).unwrap();
+        e.save_checkpoint(dir, &mut w, &options).unwrap();
         w
     });
     out[0].clone()
@@ -194,13 +194,7 @@ fn consolidation_gathers_full_state_and_loads_on_every_rank() {
         let mut e = engine(comm, mlp(), momentum(), config(1, PartitionerKind::Flat));
         let mut w = init(&mlp());
         train(&mut e, &mut w, 0..3);
-        let before = e.state_dict().unwrap_err().to_string();
-        assert!(
-            before.contains("call consolidate_state_dict(to) on every rank first"),
-            "{before}"
-        );
-        e.consolidate_state_dict(1).unwrap();
-        (e.state_dict().ok().cloned(), w)
+        (e.consolidate_state_dict(1).unwrap(), w)
     });
     assert!(dicts[0].0.is_none() && dicts[2].0.is_none() && dicts[3].0.is_none());
     let dict = dicts[1].0.clone().unwrap();
@@ -260,8 +254,7 @@ fn load_state_dict_rejects_unknown_names_and_wrong_lengths() {
         let mut e = engine(comm, mlp(), momentum(), config(1, PartitionerKind::Flat));
         let mut w = init(&mlp());
         train(&mut e, &mut w, 0..1);
-        e.consolidate_state_dict(0).unwrap();
-        e.state_dict().ok().cloned()
+        e.consolidate_state_dict(0).unwrap()
     });
     let dict = out[0].clone().unwrap();
     let results = ThreadGroup::new(2).run(|comm| {
@@ -307,9 +300,9 @@ fn consolidation_with_empty_shards_does_not_hang() {
         let g = grads(&w, 0, rank, 4);
         let slots: Vec<Option<HostGrad<'_, f32>>> = g.iter().map(|g| Some(g.into())).collect();
         e.step(&slots, &mut w).unwrap();
-        e.consolidate_state_dict(3).unwrap();
+        let dict = e.consolidate_state_dict(3).unwrap();
         e.save_consolidated(path, 2).unwrap();
-        e.state_dict().ok().cloned()
+        dict
     });
     let dict = out[3].clone().unwrap();
     assert_eq!(dict.state.len(), 2);
@@ -327,12 +320,12 @@ fn consolidated_file_streams_pieces_that_straddle_ranks() {
         let mut e = engine(comm, mlp(), adam(), config(2, PartitionerKind::Flat));
         let mut w = init(&mlp());
         train(&mut e, &mut w, 0..2);
-        e.consolidate_state_dict(0).unwrap();
+        let dict = e.consolidate_state_dict(0).unwrap();
         e.save_consolidated(path, 3).unwrap();
         // Saving again into the same directory writes a new file, never the
         // one the current manifest points to, and removes the old one after.
         e.save_consolidated(path, 3).unwrap();
-        e.state_dict().ok().cloned()
+        dict
     });
     let dict = out[0].clone().unwrap();
     assert_eq!(StateDict::<f32>::load(path).unwrap(), dict);
@@ -390,7 +383,8 @@ fn save_right_after_construction_and_frozen_weights() {
             config(2, PartitionerKind::Flat),
         );
         let mut w = init(&params);
-        e.save_checkpoint(path, &mut w).unwrap();
+        e.save_checkpoint(path, &mut w, &zero_core::SaveOptions::default())
+            .unwrap();
         w
     });
     let manifest = Manifest::load(path).unwrap();
@@ -431,10 +425,13 @@ fn save_mid_accumulation_is_refused() {
         let g = grads(&w, 0, e.comm().rank(), 2);
         let slots: Vec<Option<HostGrad<'_, f32>>> = g.iter().map(|g| Some(g.into())).collect();
         assert!(e.step(&slots, &mut w).unwrap().is_none());
-        let err = e.save_checkpoint(path, &mut w).unwrap_err();
+        let err = e
+            .save_checkpoint(path, &mut w, &zero_core::SaveOptions::default())
+            .unwrap_err();
         // Finishing the step makes it possible.
         e.step(&slots, &mut w).unwrap().unwrap();
-        e.save_checkpoint(path, &mut w).unwrap();
+        e.save_checkpoint(path, &mut w, &zero_core::SaveOptions::default())
+            .unwrap();
         err
     });
     for err in out {
@@ -460,7 +457,7 @@ fn failed_save_leaves_previous_checkpoint_loadable() {
             fail_after: Some((1, 100)),
             ..SaveOptions::default()
         };
-        e.save_checkpoint_with(path, &mut w, &options)
+        e.save_checkpoint(path, &mut w, &options)
             .unwrap_err()
             .to_string()
     });
@@ -483,7 +480,8 @@ fn failed_save_leaves_previous_checkpoint_loadable() {
         assert_eq!(w, at_three);
         train(&mut e, &mut w, 3..6);
         // A later successful save replaces it and removes the stale files.
-        e.save_checkpoint(path, &mut w).unwrap();
+        e.save_checkpoint(path, &mut w, &zero_core::SaveOptions::default())
+            .unwrap();
         w
     });
     assert!(max_diff(&out[0], &reference) < 1e-5);

@@ -768,7 +768,7 @@ fn checkpoints_resume_across_offload_on_and_off() {
             let mut e = engine(comm, first)?;
             let (_, _, mut params) =
                 train_from(&mut e, &model, Path::Hooked, 1, model.init(), (0, 2))?;
-            e.save_checkpoint(dir.path(), &mut params)?;
+            e.save_checkpoint(dir.path(), &mut params, &zero_core::SaveOptions::default())?;
             Ok(())
         });
         let resumed = run(2, |comm| {

@@ -359,7 +359,7 @@ fn train_bf16_masters(
             let report = engine.step(&slots, &mut replica)?.unwrap();
             assert_eq!(report.skipped, step % 4 == 3);
         }
-        engine.save_checkpoint(save, &mut replica)?;
+        engine.save_checkpoint(save, &mut replica, &zero_core::SaveOptions::default())?;
         Ok((replica.0, engine.loss_scale()))
     })
 }
@@ -427,7 +427,7 @@ fn checkpoints_load_across_precisions_world_sizes_and_stages() {
         let mut engine = Engine::<f32, _>::new(comm, f32_infos.clone(), adam, config(1))?;
         let mut weights: Vec<Vec<f32>> = f32_infos.iter().map(|p| vec![0.0; p.numel()]).collect();
         engine.load_checkpoint(&bf16_ckpt, &mut weights)?;
-        engine.save_checkpoint(&f32_ckpt, &mut weights)?;
+        engine.save_checkpoint(&f32_ckpt, &mut weights, &zero_core::SaveOptions::default())?;
         Ok(())
     });
     assert_eq!(
@@ -446,7 +446,7 @@ fn checkpoints_load_across_precisions_world_sizes_and_stages() {
         let mut engine = Engine::<f32, _>::new(comm, bf16_infos(), adam, config(0))?;
         let mut replica = CastParams(bf16_init(&bf16_infos()));
         engine.load_checkpoint(&f32_ckpt, &mut replica)?;
-        engine.save_checkpoint(&back, &mut replica)?;
+        engine.save_checkpoint(&back, &mut replica, &zero_core::SaveOptions::default())?;
         Ok(replica.0)
     });
     assert_eq!(

@@ -268,14 +268,14 @@ fn a_checkpoint_with_gradients_handed_over_but_not_stepped_is_refused() {
         let g = model.grads(&params, 0, 0);
         e.accumulate_param(0, (&g[0]).into())?;
         let err = e
-            .save_checkpoint(dir.path(), &mut params)
+            .save_checkpoint(dir.path(), &mut params, &zero_core::SaveOptions::default())
             .expect_err("pending gradients are not part of a checkpoint");
         assert!(
             err.to_string().contains("finish the optimizer step"),
             "{err}"
         );
         e.discard_window();
-        e.save_checkpoint(dir.path(), &mut params)?;
+        e.save_checkpoint(dir.path(), &mut params, &zero_core::SaveOptions::default())?;
         Ok(())
     });
 }

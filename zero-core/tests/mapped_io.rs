@@ -553,7 +553,13 @@ fn stage3_model_file_is_streamed_from_the_shards_and_loads_at_another_world_size
         // model file must hold the shards' values, not these.
         replica[0].fill(-7.0);
         replica[2].fill(-7.0);
-        engine.save_checkpoint(saved.path(), &mut replica).unwrap();
+        engine
+            .save_checkpoint(
+                saved.path(),
+                &mut replica,
+                &zero_core::SaveOptions::default(),
+            )
+            .unwrap();
     });
     let bytes = std::fs::read(model_file(saved.path())).unwrap();
     assert_eq!(bytes, expected_model(&init));
@@ -568,7 +574,11 @@ fn stage3_model_file_is_streamed_from_the_shards_and_loads_at_another_world_size
         shard(&mut engine, &mut replica);
         engine.load_checkpoint(saved.path(), &mut replica).unwrap();
         engine
-            .save_checkpoint(resaved.path(), &mut replica)
+            .save_checkpoint(
+                resaved.path(),
+                &mut replica,
+                &zero_core::SaveOptions::default(),
+            )
             .unwrap();
         replica
     });
@@ -592,10 +602,16 @@ fn stage3_failed_model_write_is_an_error_on_every_rank_and_nothing_hangs() {
         let mut replica = stage3_init();
         shard(&mut engine, &mut replica);
         let err = engine
-            .save_checkpoint(dir.path(), &mut replica)
+            .save_checkpoint(dir.path(), &mut replica, &zero_core::SaveOptions::default())
             .unwrap_err();
         // The ranks stayed in step: another directory saves fine.
-        engine.save_checkpoint(other.path(), &mut replica).unwrap();
+        engine
+            .save_checkpoint(
+                other.path(),
+                &mut replica,
+                &zero_core::SaveOptions::default(),
+            )
+            .unwrap();
         err.to_string()
     });
     let bytes = std::fs::read(model_file(other.path())).unwrap();

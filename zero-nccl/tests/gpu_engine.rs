@@ -277,7 +277,9 @@ fn host_steps_two_ranks(
             engine.step(&slots, &mut weights).unwrap();
         }
         if let Some(dir) = save {
-            engine.save_checkpoint(dir, &mut weights).unwrap();
+            engine
+                .save_checkpoint(dir, &mut weights, &zero_core::SaveOptions::default())
+                .unwrap();
         }
         weights
     });
@@ -306,7 +308,9 @@ fn checkpoints_cross_between_cuda_and_host_memory() {
     let mut weights: Vec<CudaSlice<f32>> =
         init.iter().map(|w| stream.clone_htod(w).unwrap()).collect();
     device_steps(&mut engine, &mut weights, first);
-    engine.save_checkpoint(&dir, &mut weights).unwrap();
+    engine
+        .save_checkpoint(&dir, &mut weights, &zero_core::SaveOptions::default())
+        .unwrap();
     let resumed_on_host = host_steps_two_ranks(&config, &init, second, Some(&dir), None);
     assert_close(&resumed_on_host, &uninterrupted, "GPU save, host resume");
 

@@ -211,7 +211,9 @@ fn master_weights_on_the_gpu_survive_save_and_resume_bitwise() {
         let mut weights: Vec<CudaSlice<bf16>> =
             init.iter().map(|w| stream.clone_htod(w).unwrap()).collect();
         device_steps(&mut engine, &mut weights, first);
-        engine.save_checkpoint(&dir, &mut weights).unwrap();
+        engine
+            .save_checkpoint(&dir, &mut weights, &zero_core::SaveOptions::default())
+            .unwrap();
         device_steps(&mut engine, &mut weights, second);
         to_host(engine.comm(), &weights)
     };

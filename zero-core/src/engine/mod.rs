@@ -61,7 +61,6 @@ mod state;
 mod window;
 mod worker;
 
-pub use crate::checkpoint::LossScalerState;
 pub use crate::dtype::convert_slice;
 pub use config::{
     ClipConfig, EngineConfig, GatherBudgets, NormType, Offload, Overlap, ParamGroupSpec,
@@ -142,8 +141,6 @@ pub struct Engine<T: Element, C: Communicator, M: ShardMemory<T, C> = HostMemory
     /// Offload's host times (see [`OffloadTimes`]).
     offload_times: OffloadTimes,
     steps: u64,
-    /// The state gathered by the last `consolidate_state_dict` (receiver only).
-    consolidated: Option<crate::checkpoint::StateDict<T>>,
     /// The background save in flight and its reused buffers.
     background: state::BackgroundSave<T>,
     /// Whether master weights are kept, and the dtypes on the wire.
@@ -329,7 +326,6 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             progress: ReductionProgress::default(),
             offload_times: OffloadTimes::default(),
             steps: 0,
-            consolidated: None,
             background: state::BackgroundSave::default(),
             wire,
             abilities,
@@ -415,11 +411,6 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         &self.comm
     }
 
-    /// The memory the buffers live in.
-    pub fn memory(&self) -> &M {
-        &self.memory
-    }
-
     /// The configuration.
     pub fn config(&self) -> &EngineConfig {
         &self.config
@@ -449,11 +440,6 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// The functional optimizer (hyperparameters; on the host, the state).
     pub fn optimizer(&self) -> &dyn FunctionalOptimizer<T> {
         self.optimizer.as_ref()
-    }
-
-    /// The functional optimizer, mutably (hyperparameters, state import).
-    pub fn optimizer_mut(&mut self) -> &mut dyn FunctionalOptimizer<T> {
-        self.optimizer.as_mut()
     }
 
     /// Optimizer steps taken so far.
@@ -489,19 +475,6 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// loss by it yourself.
     pub fn loss_scale(&self) -> Option<f64> {
         self.scaler.as_ref().map(scaler::LossScaler::scale)
-    }
-
-    /// The loss scaler's state (`None` without loss scaling).
-    pub fn loss_scaler_state(&self) -> Option<LossScalerState> {
-        self.scaler.as_ref().map(scaler::LossScaler::state)
-    }
-
-    /// Replaces the loss scaler's state (checkpoints); ignored without loss
-    /// scaling, and for a fixed scale, which never changes.
-    pub fn set_loss_scaler_state(&mut self, state: LossScalerState) {
-        if let Some(scaler) = self.scaler.as_mut() {
-            scaler.restore(state);
-        }
     }
 
     /// The learning rate of group 0.
@@ -594,15 +567,6 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     pub fn all_reduce_host<V: Element>(&mut self, values: &mut [V], op: ReduceOp) -> Result<()> {
         self.finish_gathers()?;
         self.memory.all_reduce_host(&self.comm, values, op)
-    }
-
-    /// Whether every rank is to stop at this step boundary because one of
-    /// them was asked to ([`Preemption::should_stop`](crate::Preemption::should_stop)
-    /// over the engine's communicator: an all-reduce max of one value).
-    /// A collective: call it on every rank at the same point, once per
-    /// step; all ranks get the same answer.
-    pub fn should_stop(&mut self, preemption: &crate::Preemption) -> Result<bool> {
-        preemption.should_stop_with(|votes| self.all_reduce_host(votes, ReduceOp::Max))
     }
 
     /// Bytes this rank holds, per category (in the engine's memory).

@@ -30,7 +30,7 @@ use std::path::{Path, PathBuf};
 /// The files a rank wrote: name and record.
 pub(super) type Files = Vec<(String, FileRecord)>;
 
-/// Options of [`Engine::save_checkpoint_with`](crate::Engine::save_checkpoint_with).
+/// Options of [`Engine::save_checkpoint`](crate::Engine::save_checkpoint).
 #[derive(Clone, Debug, Default)]
 pub struct SaveOptions {
     /// Stored in the manifest ([`CheckpointInfo::user`]) and given back by

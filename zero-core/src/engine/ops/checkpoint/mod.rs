@@ -23,31 +23,18 @@ use save::Save;
 use std::path::Path;
 
 impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
-    /// Gathers the full (unsharded) optimizer state on rank `to`; read it
-    /// there with [`Engine::state_dict`]. A collective: every rank calls it.
+    /// Gathers the full (unsharded) optimizer state on rank `to`, which
+    /// gets it (`Some`); the other ranks get `None`. A collective: every
+    /// rank calls it.
     ///
     /// It streams shard by shard: for each rank in order, that rank's
     /// pieces go to `to` alone (a `gather_varlen` where only the source
     /// sends), so `to` holds at most one other rank's shard besides the
     /// result. Ranks that own nothing send nothing. The result is a
     /// snapshot: later steps do not update it.
-    pub fn consolidate_state_dict(&mut self, to: usize) -> Result<()> {
+    pub fn consolidate_state_dict(&mut self, to: usize) -> Result<Option<StateDict<T>>> {
         self.finish_gathers()?;
-        self.consolidated = None;
-        self.consolidated = Save::of(self).consolidate(to)?;
-        Ok(())
-    }
-
-    /// The state gathered by the last [`Engine::consolidate_state_dict`]
-    /// on this rank (only its `to` rank has one). Not a collective.
-    pub fn state_dict(&self) -> Result<&StateDict<T>> {
-        self.consolidated.as_ref().ok_or_else(|| {
-            Error::State(format!(
-                "rank {} holds no consolidated optimizer state; \
-                 call consolidate_state_dict(to) on every rank first, then state_dict() on rank `to`",
-                self.comm.rank()
-            ))
-        })
+        Save::of(self).consolidate(to)
     }
 
     /// Writes the full optimizer state into `dir` as one
@@ -77,16 +64,6 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         Load::of(self).state_dict(dict)
     }
 
-    /// Saves a sharded checkpoint into `dir`; see
-    /// [`Engine::save_checkpoint_with`].
-    pub fn save_checkpoint(
-        &mut self,
-        dir: impl AsRef<Path>,
-        weights: &mut M::Params<'_>,
-    ) -> Result<Manifest> {
-        self.save_checkpoint_with(dir, weights, &SaveOptions::default())
-    }
-
     /// Saves a sharded checkpoint into `dir` (created if needed). A
     /// collective.
     ///
@@ -106,7 +83,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// gradients are not part of a checkpoint): finish the step first. A
     /// background save in flight ([`Engine::save_checkpoint_async`]) is
     /// completed first, and its failure returned.
-    pub fn save_checkpoint_with(
+    pub fn save_checkpoint(
         &mut self,
         dir: impl AsRef<Path>,
         weights: &mut M::Params<'_>,
@@ -121,7 +98,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     }
 
     /// Saves a sharded checkpoint into `dir` in the background: the files
-    /// of [`Engine::save_checkpoint_with`], bitwise, but this call only
+    /// of [`Engine::save_checkpoint`], bitwise, but this call only
     /// takes a snapshot of what they hold into host memory and returns; a
     /// thread of this rank writes it while training goes on. A collective.
     ///

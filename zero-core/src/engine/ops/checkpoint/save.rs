@@ -6,10 +6,11 @@
 
 use crate::checkpoint::{
     checkpoint_error, consolidated_file_name, file_order, CheckpointInfo, CheckpointKind,
-    FileRecord, Manifest, StateDict, TensorWriter,
+    FileRecord, LossScalerState, Manifest, StateDict, TensorWriter,
 };
 use crate::comm::Communicator;
 use crate::engine::precision::{engine_steps, Masters};
+use crate::engine::scaler::LossScaler;
 use crate::engine::sharding::Sharding;
 use crate::engine::state::{
     agree, agreed_tag, check_coverage, fresh_tag, group_states, numel_by_name, pack_pieces,
@@ -17,7 +18,7 @@ use crate::engine::state::{
     Files, MemorySink, ModelFile, ModelSink, ModelSnapshot, Pending, PieceMeta, PieceSink,
     SaveOptions, Snapshot, StateSnapshot,
 };
-use crate::engine::{Engine, LossScalerState, ShardMemory, Stage};
+use crate::engine::{Engine, ShardMemory, Stage};
 use crate::optim::FunctionalOptimizer;
 use crate::partition::ParamInfo;
 use crate::{DType, Element, Error, Result};
@@ -90,7 +91,7 @@ impl<'e, T: Element, C: Communicator, M: ShardMemory<T, C>> Save<'e, T, C, M> {
     /// buffers take the snapshot and whose writer writes it.
     pub fn with_background(engine: &'e mut Engine<T, C, M>) -> (Self, &'e mut BackgroundSave<T>) {
         let truth = engine.shard_is_truth();
-        let loss_scaler = engine.loss_scaler_state();
+        let loss_scaler = engine.scaler.as_ref().map(LossScaler::state);
         let sharded = engine.stage.sharded_mask();
         let save = Self {
             comm: &engine.comm,
@@ -110,7 +111,7 @@ impl<'e, T: Element, C: Communicator, M: ShardMemory<T, C>> Save<'e, T, C, M> {
     }
 
     /// Writes a sharded checkpoint into `dir` and commits it
-    /// ([`Engine::save_checkpoint_with`]); the parameter shard is at home.
+    /// ([`Engine::save_checkpoint`]); the parameter shard is at home.
     pub fn write_sharded(
         mut self,
         dir: &Path,
