@@ -301,6 +301,14 @@ pub struct EngineConfig {
     /// [`Engine::sync_starting_model`](super::Engine::sync_starting_model)).
     #[serde(default)]
     pub starting_model: StartingModel,
+    /// Hybrid sharding (FSDP's HSDP): the stage's state is sharded over
+    /// groups of this many consecutive ranks and replicated across the
+    /// `world / shard_group` groups (usually: a group per machine). Each
+    /// step reduce-scatters the gradients within the group and averages
+    /// each shard across its replicas; stage 3 gathers within the group.
+    /// `None` (or the world size): one group, every rank a shard.
+    #[serde(default)]
+    pub shard_group: Option<usize>,
 }
 
 /// How every rank comes to start from the same model. Each rank builds its
@@ -407,6 +415,7 @@ impl Default for EngineConfig {
             offload_pin_memory: default_offload_pin_memory(),
             offload_copy_stream: false,
             starting_model: StartingModel::Broadcast,
+            shard_group: None,
         }
     }
 }
@@ -566,6 +575,13 @@ impl EngineConfig {
         self
     }
 
+    /// Shards over groups of `ranks` consecutive ranks, replicated across
+    /// the groups (see [`EngineConfig::shard_group`]).
+    pub fn with_shard_group(mut self, ranks: usize) -> Self {
+        self.shard_group = Some(ranks);
+        self
+    }
+
     /// Whether a step of `micro_steps` micro-steps reads every reduced
     /// gradient before it updates anything: to average the micro-steps, to
     /// clip by or report the global norm, or to look for an inf or NaN.
@@ -581,7 +597,8 @@ impl EngineConfig {
         let interleaved = self.overlap == Overlap::Interleaved;
         let stage3 = self.stage == Stage::Parameters;
         // Each combination refused, with what to do instead.
-        let refused: [(bool, &str); 10] = [
+        let hybrid = self.shard_group.is_some();
+        let refused: [(bool, &str); 14] = [
             (
                 self.bucket_bytes == 0,
                 "bucket_bytes is 0; use a positive size such as 4 MiB",
@@ -636,6 +653,28 @@ impl EngineConfig {
                 self.offload == Offload::Optimizer && self.stage == Stage::Ddp,
                 "offload moves the optimizer's shard to host memory, and stage 0 has no shard \
                  (every rank steps the whole model); use stage 1, 2 or 3 with offload",
+            ),
+            (
+                self.shard_group == Some(0),
+                "shard_group is 0; give the ranks of one group (such as the GPUs of one machine), \
+                 or leave it unset to shard over every rank",
+            ),
+            (
+                hybrid && self.stage == Stage::Ddp,
+                "shard_group shards the state within groups of ranks, and stage 0 shards nothing; \
+                 use stage 1, 2 or 3 with shard_group",
+            ),
+            (
+                hybrid && interleaved,
+                "the interleaved overlap steps each bucket as it is reduced within the group, \
+                 before it is averaged across the groups; use overlap after-backward (the \
+                 default) with shard_group",
+            ),
+            (
+                hybrid && self.offload == Offload::Optimizer,
+                "offload with shard_group is not supported yet: the offloaded step runs during \
+                 backward, before the gradients are averaged across the groups; leave one of \
+                 them off",
             ),
         ];
         if let Some((_, why)) = refused.iter().find(|(refuse, _)| *refuse) {

@@ -43,6 +43,7 @@ mod consistency;
 mod deferred;
 mod fetch;
 mod grads;
+mod groups;
 mod host_buffer;
 mod layout;
 mod mask;
@@ -116,8 +117,13 @@ pub struct StepReport {
 /// The ZeRO engine for one rank, over communicator `C`, with its buffers in
 /// memory `M` ([`HostMemory`] by default; `zero-nccl` has `CudaMemory`).
 pub struct Engine<T: Element, C: Communicator, M: ShardMemory<T, C> = HostMemory> {
-    /// Shared with the communication thread during an overlapped backward.
+    /// The ranks the state is sharded over: the world, or with
+    /// [`EngineConfig::shard_group`] this rank's group. Shared with the
+    /// communication thread during an overlapped backward.
     comm: Arc<C>,
+    /// With [`EngineConfig::shard_group`]: the world and this rank's
+    /// replicas (see `groups.rs`).
+    groups: Option<groups::ShardGroups<C>>,
     memory: M,
     config: EngineConfig,
     params: Vec<ParamInfo>,
@@ -275,6 +281,8 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         config: EngineConfig,
     ) -> Result<Self> {
         check_rank_consistency(&comm, &params, &config, optimizer.as_ref())?;
+        config.validate()?;
+        let (comm, groups) = groups::split(comm, config.shard_group)?;
         let ShardSetup {
             index,
             group_of,
@@ -335,6 +343,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             stage,
             worker: None,
             comm: Arc::new(comm),
+            groups,
             memory,
             config,
             index,
@@ -406,9 +415,10 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         }
     }
 
-    /// The communicator.
+    /// The communicator of every rank (the one the engine was built
+    /// with).
     pub fn comm(&self) -> &C {
-        &self.comm
+        groups::world(&self.comm, &self.groups)
     }
 
     /// The configuration.
@@ -557,8 +567,8 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         }
         let local = self.mask.trainable.clone();
         let model = (&self.params[..], &self.sharding.layout);
-        self.mask
-            .agree(&mut self.memory, &*self.comm, model, &local)
+        let world = groups::world(&self.comm, &self.groups);
+        self.mask.agree(&mut self.memory, world, model, &local)
     }
 
     /// All-reduces a few host values with the engine's communicator and
@@ -566,7 +576,8 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// communicator's deadline).
     pub fn all_reduce_host<V: Element>(&mut self, values: &mut [V], op: ReduceOp) -> Result<()> {
         self.finish_gathers()?;
-        self.memory.all_reduce_host(&self.comm, values, op)
+        let world = groups::world(&self.comm, &self.groups);
+        self.memory.all_reduce_host(world, values, op)
     }
 
     /// Bytes this rank holds, per category (in the engine's memory).

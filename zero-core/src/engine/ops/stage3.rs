@@ -183,6 +183,8 @@ where
         root: usize,
         sink: &mut ParamPieceSink<'_, T>,
     ) -> Result<()> {
+        let instead = "save the weights with save_checkpoint";
+        crate::engine::groups::refuse(&self.groups, "stream_params", instead)?;
         self.finish_gathers()?;
         self.window.refuse_mid("stream_params")?;
         let world = self.comm.world_size();

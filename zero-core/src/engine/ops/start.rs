@@ -20,10 +20,12 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     ///
     /// [`EngineConfig::starting_model`]: crate::engine::EngineConfig::starting_model
     pub fn sync_starting_model(&mut self, params: &mut M::Params<'_>) -> Result<()> {
-        if self.comm.world_size() == 1 {
+        // Every rank of the world, whichever shard group it is in.
+        let comm = crate::engine::groups::world(&self.comm, &self.groups);
+        if comm.world_size() == 1 {
             return Ok(());
         }
-        let (comm, memory) = (&*self.comm, &mut self.memory);
+        let memory = &mut self.memory;
         match self.config.starting_model {
             StartingModel::Broadcast => {
                 let chunk = (self.config.bucket_bytes / std::mem::size_of::<T>()).max(1);

@@ -129,10 +129,12 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                     .into(),
             ));
         }
+        // The mask is agreed by every rank, whichever group it is in.
+        let world = crate::engine::groups::world(&self.comm, &self.groups);
         let stepping = self.mask.for_step(
             self.config.check_trainability,
             &self.window,
-            (&mut self.memory, &*self.comm),
+            (&mut self.memory, world),
             (&self.params, &self.sharding.layout),
         )?;
         // The owned pieces' current values (the replica may have been changed
@@ -151,6 +153,15 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         if !reduced {
             // The serial path: every active bucket reduced now.
             self.with_bucket_buffer(|engine, buffer| engine.reduce_buckets(last, buffer))?;
+        }
+        if let Some(groups) = &self.groups {
+            // Hybrid sharding: each shard averaged across its replicas, so
+            // that every group steps the same gradients.
+            let grads = reduced_grads(&mut self.buffers.grad_shard, &mut self.buffers.full_grads)?;
+            let len = M::buffer_len(grads);
+            let wire = self.wire.reduce;
+            let replicas = &groups.replicas;
+            (self.memory).all_reduce_as(replicas, grads, 0..len, ReduceOp::Avg, wire)?;
         }
         // Only what reads the gradients asks for them: offload's step thread
         // may still hold the gradient shard (the write-back takes it).

@@ -15,6 +15,7 @@ mod save;
 
 use crate::checkpoint::{Manifest, StateDict};
 use crate::comm::{Communicator, ReduceOp};
+use crate::engine::groups::{self, ShardGroups};
 use crate::engine::state::{agree, SaveOptions, SavedCheckpoint};
 use crate::engine::{Engine, ShardMemory};
 use crate::{Element, Error, Result};
@@ -33,6 +34,11 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// result. Ranks that own nothing send nothing. The result is a
     /// snapshot: later steps do not update it.
     pub fn consolidate_state_dict(&mut self, to: usize) -> Result<Option<StateDict<T>>> {
+        groups::refuse(
+            &self.groups,
+            "consolidate_state_dict",
+            "use save_checkpoint",
+        )?;
         self.finish_gathers()?;
         Save::of(self).consolidate(to)
     }
@@ -44,6 +50,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// holds more than one shard). Read it back with [`StateDict::load`].
     /// A collective; an error on `to` is returned on every rank.
     pub fn save_consolidated(&mut self, dir: impl AsRef<Path>, to: usize) -> Result<()> {
+        groups::refuse(&self.groups, "save_consolidated", "use save_checkpoint")?;
         self.finish_gathers()?;
         Save::of(self).write_consolidated(dir.as_ref(), to)
     }
@@ -94,7 +101,21 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         // One save at a time: a background one in flight completes first.
         self.wait_checkpoint()?;
         let dir = dir.as_ref();
-        self.with_shard_home(|engine| Save::of(engine).write_sharded(dir, weights, options))
+        let mut save = |engine: &mut Self| {
+            engine.with_shard_home(|engine| Save::of(engine).write_sharded(dir, weights, options))
+        };
+        // With shard groups every group holds the same state: the first
+        // writes it, and every rank returns its outcome.
+        let Some(first) = self.groups.as_ref().map(ShardGroups::first) else {
+            return save(self);
+        };
+        let local = if first {
+            save(self).map(Some)
+        } else {
+            Ok(None)
+        };
+        let world = groups::world(&self.comm, &self.groups);
+        groups::agree(world, local, dir, "save_checkpoint")
     }
 
     /// Saves a sharded checkpoint into `dir` in the background: the files
@@ -130,6 +151,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         weights: &mut M::Params<'_>,
         options: &SaveOptions,
     ) -> Result<Option<SavedCheckpoint>> {
+        groups::refuse(&self.groups, "save_checkpoint_async", "use save_checkpoint")?;
         self.finish_gathers()?;
         self.window.refuse_mid("save_checkpoint_async")?;
         let previous = self.wait_checkpoint()?;
@@ -201,7 +223,14 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             Ok(m) => (Ok(Vec::new()), Some(m)),
             Err(e) => (Err(e), None),
         };
-        agree(&*self.comm, status, dir, "load_checkpoint")?;
-        manifest.ok_or_else(|| Error::State("load_checkpoint: internal: no manifest".into()))
+        let loaded = agree(&*self.comm, status, dir, "load_checkpoint").and_then(|_| {
+            manifest.ok_or_else(|| Error::State("load_checkpoint: internal: no manifest".into()))
+        });
+        if self.groups.is_none() {
+            return loaded;
+        }
+        // Each group loaded what its ranks hold; every rank agrees.
+        let world = groups::world(&self.comm, &self.groups);
+        groups::agree(world, loaded.map(Some), dir, "load_checkpoint")
     }
 }

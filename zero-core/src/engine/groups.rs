@@ -1,0 +1,123 @@
+//! Hybrid sharding ([`EngineConfig::shard_group`]): the world split into
+//! groups of consecutive ranks, each holding the whole state sharded over
+//! its ranks, and the replicas of each shard across the groups.
+//!
+//! The engine's communicator is then the group's: the partition, the
+//! reductions and gathers of every stage and the step's agreements (the
+//! gradient norm, loss scaling's inf check) run within the group unchanged.
+//! What differs is here: once a step's gradients are reduced into the
+//! shard, each shard is averaged across its replicas (so every group steps
+//! alike); what every rank must agree on (the starting model, the trainable
+//! mask, a metric, a checkpoint's outcome) runs over the world.
+//!
+//! [`EngineConfig::shard_group`]: crate::engine::EngineConfig::shard_group
+
+use crate::comm::Communicator;
+use crate::{Error, Result};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use std::path::Path;
+use std::sync::Arc;
+
+/// The world and this rank's replicas, beside the group's communicator.
+pub(super) struct ShardGroups<C> {
+    /// Every rank.
+    pub world: Arc<C>,
+    /// The ranks holding this rank's shard, one per group (this rank's
+    /// position in its group, in every group).
+    pub replicas: C,
+}
+
+/// Splits `world` into groups of `size` consecutive ranks: the group's
+/// communicator, and the groups (`None` for one group of every rank). A
+/// collective: every rank passes the same size (the configuration check
+/// made sure of it).
+pub(super) fn split<C: Communicator>(
+    world: C,
+    size: Option<usize>,
+) -> Result<(C, Option<ShardGroups<C>>)> {
+    let n = world.world_size();
+    let size = match size {
+        Some(size) if size < n => size,
+        _ => return Ok((world, None)),
+    };
+    if n % size != 0 {
+        return Err(Error::Config(format!(
+            "shard_group {size} does not divide the world of {n} ranks; use a divisor of {n} \
+             (the ranks of one machine, say)"
+        )));
+    }
+    let groups = n / size;
+    let mut group = None;
+    for k in 0..groups {
+        let ranks: Vec<usize> = (k * size..(k + 1) * size).collect();
+        group = group.or(world.split(&ranks)?);
+    }
+    let mut replicas = None;
+    for j in 0..size {
+        let ranks: Vec<usize> = (0..groups).map(|k| k * size + j).collect();
+        replicas = replicas.or(world.split(&ranks)?);
+    }
+    let (Some(group), Some(replicas)) = (group, replicas) else {
+        return Err(Error::State(
+            "internal: splitting into shard groups left this rank out".into(),
+        ));
+    };
+    let world = Arc::new(world);
+    Ok((group, Some(ShardGroups { world, replicas })))
+}
+
+/// The communicator of every rank: `comm` itself without groups.
+pub(super) fn world<'a, C>(comm: &'a Arc<C>, groups: &'a Option<ShardGroups<C>>) -> &'a C {
+    groups.as_ref().map_or(comm, |g| &g.world)
+}
+
+/// Refuses `what` with shard groups: not supported yet.
+pub(super) fn refuse<C>(groups: &Option<ShardGroups<C>>, what: &str, instead: &str) -> Result<()> {
+    match groups {
+        Some(_) => Err(Error::Config(format!(
+            "{what} with shard_group is not supported yet; {instead}"
+        ))),
+        None => Ok(()),
+    }
+}
+
+impl<C: Communicator> ShardGroups<C> {
+    /// Whether this rank's group is the first: the one that writes what
+    /// every group holds alike (a checkpoint).
+    pub fn first(&self) -> bool {
+        self.replicas.rank() == 0
+    }
+}
+
+/// The outcome of `what` (on `dir`) on every rank of `world`: the first
+/// failure on any rank is returned on every rank; otherwise the value of
+/// the first rank that has one (`local` is `None` on ranks that had nothing
+/// to do).
+pub(super) fn agree<C: Communicator, R: Serialize + DeserializeOwned>(
+    world: &C,
+    local: Result<Option<R>>,
+    dir: &Path,
+    what: &str,
+) -> Result<R> {
+    let shared: std::result::Result<&Option<R>, String> =
+        local.as_ref().map_err(ToString::to_string);
+    let all = world.all_gather_bytes(&serde_json::to_vec(&shared)?)?;
+    let mut value = None;
+    for (rank, bytes) in all.iter().enumerate() {
+        let outcome: std::result::Result<Option<R>, String> = serde_json::from_slice(bytes)?;
+        match outcome {
+            Err(detail) => {
+                return Err(match local {
+                    Err(e) => e,
+                    Ok(_) => Error::Checkpoint {
+                        path: dir.to_path_buf(),
+                        detail: format!("{what} failed on rank {rank}: {detail}"),
+                    },
+                })
+            }
+            Ok(some) => value = value.or(some),
+        }
+    }
+    value.ok_or_else(|| Error::State(format!("internal: {what}: no rank had a result")))
+}

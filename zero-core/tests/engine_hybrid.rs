@@ -1,0 +1,311 @@
+//! Hybrid sharding (`EngineConfig::shard_group`): the state sharded within
+//! groups of ranks and replicated across them trains the same model as full
+//! sharding and as plain data parallelism, holds what a world of one group
+//! holds, and saves checkpoints that load with any group size.
+
+mod common;
+
+use common::{
+    assert_close, engine, hooked_micro_step, make_opt, reference_trajectory, run, slots, Model,
+    Opt, Synthetic,
+};
+use zero_core::engine::{EngineConfig, Stage};
+use zero_core::{Communicator, Error, SaveOptions};
+
+const WORLD: usize = 4;
+const STEPS: usize = 3;
+
+fn config(stage: Stage, group: Option<usize>) -> EngineConfig {
+    let config = EngineConfig::default()
+        .with_stage(stage)
+        // Several buckets per rank.
+        .with_bucket_bytes(256)
+        .with_grad_accum_steps(2)
+        .with_clip(1.5, zero_core::engine::NormType::L2);
+    match group {
+        Some(g) => config.with_shard_group(g),
+        None => config,
+    }
+}
+
+/// Every rank's parameters after each step: two micro-steps a step, the
+/// first given after backward, the second handed over during it (`hooked`)
+/// or also after.
+fn trajectories(stage: Stage, group: Option<usize>, hooked: bool) -> Vec<Vec<Vec<Vec<f64>>>> {
+    let model = Synthetic::medium();
+    run(WORLD, |comm| {
+        let rank = comm.rank();
+        let mut e = engine(
+            comm,
+            &model,
+            make_opt(Opt::Adam, false),
+            config(stage, group),
+        )?;
+        let mut params = model.init();
+        let mut out = Vec::new();
+        for s in 0..STEPS {
+            let first = model.grads(&params, rank, 2 * s);
+            e.accumulate(&slots(&first))?;
+            let second = model.grads(&params, rank, 2 * s + 1);
+            if hooked {
+                hooked_micro_step(&mut e, &second, &mut params)?;
+            } else {
+                e.step(&slots(&second), &mut params)?;
+            }
+            out.push(params.clone());
+        }
+        Ok(out)
+    })
+}
+
+#[test]
+fn groups_of_two_train_as_full_sharding_and_as_one_replica_per_rank() {
+    for stage in [Stage::OptimizerState, Stage::Gradients] {
+        for hooked in [false, true] {
+            let what = format!("{stage:?} hooked {hooked}");
+            let full = trajectories(stage, None, hooked);
+            // Averages within a group then across the groups: the same mean
+            // summed in another order, so equal within rounding.
+            for group in [2, 1] {
+                let hybrid = trajectories(stage, Some(group), hooked);
+                for (rank, (h, f)) in hybrid.iter().zip(&full).enumerate() {
+                    for s in 0..STEPS {
+                        let at = format!("{what} group {group} rank {rank} step {s}");
+                        assert_close(&h[s], &f[s], 1e-12, &at);
+                    }
+                }
+                // Every replica steps the same values.
+                for h in &hybrid[1..] {
+                    assert_eq!(h, &hybrid[0], "{what} group {group}: ranks differ");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn groups_train_the_data_parallel_model() {
+    // Micro-batches 2s and 2s + 1 of each rank, averaged over every rank.
+    let model = Synthetic::medium();
+    let hybrid = trajectories(Stage::Gradients, Some(2), false);
+    let unclipped = run(WORLD, |comm| {
+        let rank = comm.rank();
+        let config = EngineConfig::default()
+            .with_stage(Stage::Gradients)
+            .with_grad_accum_steps(2)
+            .with_shard_group(2);
+        let mut e = engine(comm, &model, make_opt(Opt::Adam, false), config)?;
+        let mut params = model.init();
+        for s in 0..STEPS {
+            for m in 0..2 {
+                e.step(&slots(&model.grads(&params, rank, 2 * s + m)), &mut params)?;
+            }
+        }
+        Ok(params)
+    });
+    let expected = reference_trajectory(&model, Opt::Adam, WORLD, 2, STEPS);
+    for params in &unclipped {
+        assert_close(
+            params,
+            &expected[STEPS - 1],
+            1e-9,
+            "hybrid vs data parallel",
+        );
+    }
+    // Clipping by the global norm changes the steps (the norm is above
+    // 1.5): the groups clip by the same norm as full sharding (checked
+    // above), not by a group's.
+    assert!(hybrid[0][STEPS - 1] != unclipped[0]);
+}
+
+#[test]
+fn a_rank_holds_what_it_would_in_a_world_of_one_group() {
+    let model = Synthetic::medium();
+    let report = |world: usize, group: Option<usize>| {
+        run(world, |comm| {
+            let config = config(Stage::Gradients, group);
+            let mut e = engine(comm, &model, make_opt(Opt::Adam, false), config)?;
+            let mut params = model.init();
+            let rank = e.comm().rank();
+            e.step(&slots(&model.grads(&params, rank, 0)), &mut params)?;
+            e.step(&slots(&model.grads(&params, rank, 1)), &mut params)?;
+            Ok(e.memory_report())
+        })
+    };
+    let hybrid = report(WORLD, Some(2));
+    let half = report(2, None);
+    for (rank, r) in hybrid.iter().enumerate() {
+        let alone = &half[rank % 2];
+        assert_eq!(r.grad_shard, alone.grad_shard, "rank {rank}");
+        assert_eq!(r.optimizer_state, alone.optimizer_state, "rank {rank}");
+        assert_eq!(r.params, alone.params, "rank {rank}");
+    }
+    // The ZeRO formula for a world of two: each group's two gradient
+    // shards cover the model's 249 values once (and some padding), where
+    // full sharding over four ranks holds half as much per rank.
+    let model_bytes = model.infos().iter().map(|p| p.numel() * 8).sum::<usize>();
+    let group: usize = hybrid[..2].iter().map(|r| r.grad_shard).sum();
+    assert!(
+        group >= model_bytes && group <= model_bytes + 2 * 8 * 8,
+        "{group}"
+    );
+    let full = report(WORLD, None);
+    for (h, f) in hybrid.iter().zip(&full) {
+        assert!(
+            h.grad_shard > f.grad_shard + f.grad_shard / 2,
+            "{h:?} {f:?}"
+        );
+    }
+}
+
+#[test]
+fn bad_group_sizes_are_errors_on_every_rank() {
+    let model = Synthetic::medium();
+    let build = |group: &(dyn Fn(usize) -> Option<usize> + Sync), stage: Stage| {
+        zero_core::ThreadGroup::new(WORLD).run(|comm| {
+            let config = config(stage, group(comm.rank()));
+            engine(comm, &model, make_opt(Opt::Sgd, false), config).map(|_| ())
+        })
+    };
+    let message = |r: zero_core::Result<zero_core::Result<()>>| match r {
+        Ok(Err(e)) => e.to_string(),
+        other => panic!("expected an error, got {other:?}"),
+    };
+    for r in build(&|_| Some(3), Stage::Gradients) {
+        let m = message(r);
+        assert!(
+            m.contains("shard_group 3 does not divide the world of 4"),
+            "{m}"
+        );
+    }
+    for r in build(&|_| Some(0), Stage::Gradients) {
+        assert!(message(r).contains("shard_group is 0"));
+    }
+    for r in build(&|_| Some(2), Stage::Ddp) {
+        assert!(message(r).contains("stage 0 shards nothing"));
+    }
+    // Ranks that disagree on the group size.
+    for r in build(
+        &|rank| Some(if rank == 0 { 2 } else { 4 }),
+        Stage::Gradients,
+    ) {
+        match r {
+            Ok(Err(Error::RankMismatch { this, other, .. })) => {
+                assert!(this.contains("shard_group") && other.contains("shard_group"));
+            }
+            other => panic!("expected a rank mismatch, got {other:?}"),
+        }
+    }
+}
+
+/// Trains `steps` steps in groups of `group` (of `WORLD` ranks), saves into
+/// `dir`, and returns rank 0's parameters.
+fn train_and_save(group: Option<usize>, dir: &std::path::Path) -> Vec<Vec<f64>> {
+    let model = Synthetic::medium();
+    let out = run(WORLD, |comm| {
+        let rank = comm.rank();
+        let config = config(Stage::Gradients, group);
+        let mut e = engine(comm, &model, make_opt(Opt::Adam, false), config)?;
+        let mut params = model.init();
+        for s in 0..2 * STEPS {
+            e.step(&slots(&model.grads(&params, rank, s)), &mut params)?;
+        }
+        let manifest = e.save_checkpoint(dir, &mut params, &SaveOptions::default())?;
+        let info = manifest.checkpoint.expect("an engine's checkpoint");
+        assert_eq!(info.steps, STEPS as u64);
+        // Saved as by a world of one group.
+        assert_eq!(info.world_size, group.unwrap_or(WORLD));
+        Ok(params)
+    });
+    out[0].clone()
+}
+
+/// Loads `dir` on `world` ranks in groups of `group` and consolidates the
+/// optimizer state (through a save of the state dict, group-free).
+fn load(
+    world: usize,
+    group: Option<usize>,
+    dir: &std::path::Path,
+) -> (Vec<Vec<f64>>, zero_core::checkpoint::StateDict<f64>) {
+    let model = Synthetic::medium();
+    let out = run(world, |comm| {
+        let config = config(Stage::Gradients, group);
+        let mut e = engine(comm, &model, make_opt(Opt::Adam, false), config)?;
+        let mut params = model.init();
+        e.load_checkpoint(dir, &mut params)?;
+        // Each rank's pieces, then the full state from the shards of a
+        // group-free engine that loads the same.
+        Ok(params)
+    });
+    let dict = run(2, |comm| {
+        let config = config(Stage::Gradients, None);
+        let mut e = engine(comm, &model, make_opt(Opt::Adam, false), config)?;
+        let mut params = model.init();
+        e.load_checkpoint(dir, &mut params)?;
+        e.consolidate_state_dict(0)
+    });
+    (
+        out[0].clone(),
+        dict[0].clone().expect("rank 0 consolidates"),
+    )
+}
+
+#[test]
+fn checkpoints_load_across_group_sizes_and_world_sizes() {
+    let hybrid_dir = tempfile::tempdir().unwrap();
+    let full_dir = tempfile::tempdir().unwrap();
+    let saved = train_and_save(Some(2), hybrid_dir.path());
+    let full = train_and_save(None, full_dir.path());
+    assert_close(&saved, &full, 1e-12, "trained");
+    let (_, full_state) = load(2, None, full_dir.path());
+    for (world, group) in [(WORLD, Some(2)), (WORLD, None), (WORLD, Some(1)), (2, None)] {
+        let (params, state) = load(world, group, hybrid_dir.path());
+        let what = format!("world {world} group {group:?}");
+        assert_eq!(params, saved, "{what}: the saved weights");
+        assert_eq!(state.steps, full_state.steps, "{what}");
+        for (name, s) in &full_state.state {
+            for (key, values) in &s.tensors {
+                let loaded = &state.state[name].tensors[key];
+                assert_close(&[loaded.clone()], &[values.clone()], 1e-12, &what);
+            }
+        }
+    }
+    // Only the first group wrote rank files: as many as one group's ranks.
+    let rank_files = common::listing(hybrid_dir.path())
+        .into_iter()
+        .filter(|f| f.starts_with("optim."))
+        .count();
+    assert_eq!(rank_files, 2);
+}
+
+#[test]
+fn what_groups_do_not_support_yet_is_refused_clearly() {
+    let model = Synthetic::medium();
+    let dir = tempfile::tempdir().unwrap();
+    let out = run(WORLD, |comm| {
+        let config = config(Stage::Gradients, Some(2));
+        let mut e = engine(comm, &model, make_opt(Opt::Sgd, false), config)?;
+        let mut params = model.init();
+        let options = SaveOptions::default();
+        Ok([
+            e.consolidate_state_dict(0).map(|_| ()),
+            e.save_checkpoint_async(dir.path(), &mut params, &options)
+                .map(|_| ()),
+        ]
+        .map(|r| r.unwrap_err().to_string()))
+    });
+    for messages in out {
+        for m in messages {
+            assert!(m.contains("with shard_group is not supported yet"), "{m}");
+        }
+    }
+    let interleaved = EngineConfig::default()
+        .with_shard_group(2)
+        .with_overlap(zero_core::engine::Overlap::Interleaved);
+    let refused = zero_core::ThreadGroup::new(WORLD).run(|comm| {
+        engine(comm, &model, make_opt(Opt::Sgd, false), interleaved.clone()).map(|_| ())
+    });
+    for r in refused {
+        assert!(matches!(r, Ok(Err(Error::Config(m))) if m.contains("interleaved")));
+    }
+}
