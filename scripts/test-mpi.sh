@@ -83,6 +83,30 @@ for n in 2 3 4; do
     done
 done
 
+# Hybrid sharding under mpirun: groups of two of four ranks (and `node`,
+# Open MPI's local size: all four here, one group) train the weights of full
+# sharding on threads; a checkpoint saved in groups resumes without them.
+for stage in 2 3; do
+    echo "== shard groups: mpirun -n 4, stage $stage, vs threads"
+    hybrid=("${common[@]}" --stage "$stage" --steps 8 --batch-size 8 --persist-numel 64)
+    for group in 2 node; do
+        timeout "$TIMEOUT" "${MPIRUN[@]}" -n 4 "$train" --backend mpi "${hybrid[@]}" \
+            --shard-group "$group" --save "$work/mpi-g$group.safetensors"
+    done
+    "$train" --backend threads --world-size 4 "${hybrid[@]}" --save "$work/threads-full.safetensors"
+    for group in 2 node; do
+        "$diff" "$work/mpi-g$group.safetensors" "$work/threads-full.safetensors" --tol 1e-5
+    done
+done
+rm -rf "$work/groups-ckpt"
+timeout "$TIMEOUT" "${MPIRUN[@]}" -n 4 "$train" --backend mpi "${common[@]}" --stage 2 --steps 4 \
+    --batch-size 8 --shard-group 2 --checkpoint-dir "$work/groups-ckpt" --checkpoint-every 4
+"$train" --backend threads --world-size 2 "${common[@]}" --stage 2 --steps 8 --batch-size 16 \
+    --resume "$work/groups-ckpt" --save "$work/resumed.safetensors"
+"$train" --backend threads --world-size 4 "${common[@]}" --stage 2 --steps 8 --batch-size 8 \
+    --save "$work/straight.safetensors"
+"$diff" "$work/resumed.safetensors" "$work/straight.safetensors" --tol 1e-4
+
 # The three overlap schedules train bitwise-identical weights under mpirun:
 # the same collectives over the same buckets, issued at other times and from
 # the engine's communication thread. Tiny buckets (--bucket-mb 0.0002, about

@@ -72,6 +72,68 @@ fn world_size_four_trains_the_same_weights_as_one_rank_on_the_global_batch() {
 }
 
 #[test]
+fn shard_groups_train_the_weights_of_one_rank_on_the_global_batch() {
+    let common = [
+        "--steps",
+        "6",
+        "--hidden",
+        "16",
+        "--optimizer",
+        "adam",
+        "--lr",
+        "0.01",
+    ];
+    let single = weights(&[&common[..], &["--world-size", "1", "--batch-size", "32"]].concat());
+    for stage in ["1", "2", "3"] {
+        for group in ["2", "1", "node"] {
+            let grouped = weights(
+                &[
+                    &common[..],
+                    &["--world-size", "4", "--batch-size", "8", "--stage", stage],
+                    &[
+                        "--shard-group",
+                        group,
+                        "--bucket-mb",
+                        "0.001",
+                        "--persist-numel",
+                        "64",
+                    ],
+                ]
+                .concat(),
+            );
+            let diff = max_abs_diff(&single, &grouped);
+            assert!(diff < 1e-4, "stage {stage} group {group}: {diff}");
+        }
+    }
+}
+
+#[test]
+fn shard_group_node_reads_the_launcher_and_bad_groups_are_usage_errors() {
+    use zero_examples::trainer::{shard_group, TrainError};
+    let mpi = |group: &str| args(&["--backend", "mpi", "--shard-group", group]);
+    let launched = |name: &'static str| move |var: &str| (var == name).then(|| "2".to_string());
+    for name in [
+        "OMPI_COMM_WORLD_LOCAL_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "SLURM_NTASKS_PER_NODE",
+    ] {
+        assert_eq!(shard_group(&mpi("node"), launched(name)).unwrap(), Some(2));
+    }
+    assert_eq!(shard_group(&mpi("3"), |_| None).unwrap(), Some(3));
+    assert_eq!(shard_group(&args(&[]), |_| None).unwrap(), None);
+    for (group, says) in [
+        ("node", "did not say"),
+        ("0", "a number of ranks"),
+        ("x", "`node`"),
+    ] {
+        match shard_group(&mpi(group), |_| None) {
+            Err(TrainError::Usage(m)) => assert!(m.contains(says), "{m}"),
+            other => panic!("--shard-group {group}: {other:?}"),
+        }
+    }
+}
+
+#[test]
 fn accumulation_equals_the_larger_batch() {
     // Micro-step m of a rank takes rows of global micro-batch m, so 3
     // micro-steps of 4 rows on 2 ranks cover the same 24 rows per step as

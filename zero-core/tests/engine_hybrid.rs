@@ -9,6 +9,7 @@ use common::{
     assert_close, engine, hooked_micro_step, make_opt, reference_trajectory, run, slots, Model,
     Opt, Synthetic,
 };
+use zero_core::checkpoint::StateDict;
 use zero_core::engine::{EngineConfig, Stage};
 use zero_core::{Communicator, Error, SaveOptions};
 
@@ -220,34 +221,43 @@ fn train_and_save(group: Option<usize>, dir: &std::path::Path) -> Vec<Vec<f64>> 
     out[0].clone()
 }
 
-/// Loads `dir` on `world` ranks in groups of `group` and consolidates the
-/// optimizer state (through a save of the state dict, group-free).
+fn consolidated_dir(
+    dir: &std::path::Path,
+    world: usize,
+    group: Option<usize>,
+) -> std::path::PathBuf {
+    dir.join(format!("consolidated-{world}-{group:?}"))
+}
+
+/// Loads `dir` on `world` ranks in groups of `group`: rank 0's parameters,
+/// and the optimizer state consolidated on the last rank (with groups, its
+/// group gathers it).
 fn load(
     world: usize,
     group: Option<usize>,
     dir: &std::path::Path,
-) -> (Vec<Vec<f64>>, zero_core::checkpoint::StateDict<f64>) {
+) -> (Vec<Vec<f64>>, StateDict<f64>) {
     let model = Synthetic::medium();
     let out = run(world, |comm| {
         let config = config(Stage::Gradients, group);
         let mut e = engine(comm, &model, make_opt(Opt::Adam, false), config)?;
         let mut params = model.init();
         e.load_checkpoint(dir, &mut params)?;
-        // Each rank's pieces, then the full state from the shards of a
-        // group-free engine that loads the same.
-        Ok(params)
+        let last = world - 1;
+        let dict = e.consolidate_state_dict(last)?;
+        assert_eq!(dict.is_some(), e.comm().rank() == last);
+        // The same state, streamed into a file by the last rank.
+        e.save_consolidated(consolidated_dir(dir, world, group), last)?;
+        let beyond = e.consolidate_state_dict(world).unwrap_err();
+        assert!(matches!(beyond, Error::InvalidRank { .. }), "{beyond}");
+        Ok((params, dict))
     });
-    let dict = run(2, |comm| {
-        let config = config(Stage::Gradients, None);
-        let mut e = engine(comm, &model, make_opt(Opt::Adam, false), config)?;
-        let mut params = model.init();
-        e.load_checkpoint(dir, &mut params)?;
-        e.consolidate_state_dict(0)
-    });
-    (
-        out[0].clone(),
-        dict[0].clone().expect("rank 0 consolidates"),
-    )
+    let (params, _) = out[0].clone();
+    let dict = out[world - 1]
+        .1
+        .clone()
+        .expect("the last rank consolidates");
+    (params, dict)
 }
 
 #[test]
@@ -263,10 +273,17 @@ fn checkpoints_load_across_group_sizes_and_world_sizes() {
         let what = format!("world {world} group {group:?}");
         assert_eq!(params, saved, "{what}: the saved weights");
         assert_eq!(state.steps, full_state.steps, "{what}");
+        let file = consolidated_dir(hybrid_dir.path(), world, group);
+        assert_eq!(
+            StateDict::load(file).unwrap(),
+            state,
+            "{what}: the consolidated file"
+        );
         for (name, s) in &full_state.state {
             for (key, values) in &s.tensors {
                 let loaded = &state.state[name].tensors[key];
-                assert_close(&[loaded.clone()], &[values.clone()], 1e-12, &what);
+                let (loaded, values) = (std::slice::from_ref(loaded), std::slice::from_ref(values));
+                assert_close(loaded, values, 1e-12, &what);
             }
         }
     }
@@ -287,17 +304,12 @@ fn what_groups_do_not_support_yet_is_refused_clearly() {
         let mut e = engine(comm, &model, make_opt(Opt::Sgd, false), config)?;
         let mut params = model.init();
         let options = SaveOptions::default();
-        Ok([
-            e.consolidate_state_dict(0).map(|_| ()),
-            e.save_checkpoint_async(dir.path(), &mut params, &options)
-                .map(|_| ()),
-        ]
-        .map(|r| r.unwrap_err().to_string()))
+        Ok(e.save_checkpoint_async(dir.path(), &mut params, &options)
+            .unwrap_err()
+            .to_string())
     });
-    for messages in out {
-        for m in messages {
-            assert!(m.contains("with shard_group is not supported yet"), "{m}");
-        }
+    for m in out {
+        assert!(m.contains("with shard_group is not supported yet"), "{m}");
     }
     let interleaved = EngineConfig::default()
         .with_shard_group(2)

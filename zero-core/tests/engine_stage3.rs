@@ -132,6 +132,28 @@ fn stage_3_through_the_engine_trains_stage_2_s_weights() {
     }
 }
 
+/// Hybrid sharding at stage 3: parameters sharded and gathered within
+/// groups of two of four ranks train full sharding's weights.
+#[test]
+fn stage_3_in_groups_trains_the_weights_of_full_sharding() {
+    let model = Mlp::new(&[6, 16, 12, 4]);
+    let base = EngineConfig::default()
+        .with_bucket_bytes(128)
+        .with_grad_accum_steps(2)
+        .with_clip(0.5, NormType::L2)
+        .with_persist_numel(20)
+        .with_stage(Stage::Parameters)
+        .with_gather_bytes(256);
+    let expected = run(4, |comm| train(comm, &model, &base, 4));
+    let grouped = base.with_shard_group(2);
+    let got = run(4, |comm| train(comm, &model, &grouped, 4));
+    for (rank, ((want, _), (seen, _))) in expected.iter().zip(&got).enumerate() {
+        for (s, (w, g)) in want.iter().zip(seen).enumerate() {
+            assert_close(g, w, 1e-12, &format!("rank {rank} step {}", s + 1));
+        }
+    }
+}
+
 /// Offloaded (the parameter shard, i.e. the masters, in host memory and
 /// stepped there; each gathered chunk brought up from it), stage 3 trains
 /// the weights of stage 3 without offload, bit for bit. Host memory stands

@@ -249,6 +249,13 @@ pub struct Args {
     /// gathers hide behind that forward.
     #[arg(long)]
     pub defer_gathers: bool,
+    /// Hybrid sharding, stages 1 to 3: shard the state over groups of this
+    /// many consecutive ranks and replicate it across the groups; `node`:
+    /// the ranks of one machine, as the launcher says
+    /// (`OMPI_COMM_WORLD_LOCAL_SIZE`, `LOCAL_WORLD_SIZE` or
+    /// `SLURM_NTASKS_PER_NODE`) [default: one group of every rank].
+    #[arg(long)]
+    pub shard_group: Option<String>,
     /// `--backend nccl`, stages 1 to 3: `optimizer` keeps the optimizer's
     /// side (f32 master weights, gradient shard, optimizer state) in host
     /// memory and steps it there; the GPU keeps the model, its gradients

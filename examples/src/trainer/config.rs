@@ -68,6 +68,7 @@ pub(super) fn validate(args: &Args) -> Result<(), TrainError> {
                 .into(),
         ));
     }
+    shard_group(args, |name| std::env::var(name).ok())?;
     if let Some(c) = args.clip_norm {
         if !(c.is_finite() && c > 0.0) {
             return Err(TrainError::Usage(format!(
@@ -277,6 +278,10 @@ pub fn engine_config(args: &Args) -> EngineConfig {
         )
         .with_offload_pin_memory(args.offload_pinned)
         .with_offload_copy_stream(args.offload_copy_stream);
+    // Validated by `validate` before any rank starts.
+    config.shard_group = shard_group(args, |name| std::env::var(name).ok())
+        .ok()
+        .flatten();
     if let Some(max_norm) = args.clip_norm {
         config = config.with_clip(max_norm, NormType::L2);
     }
@@ -345,4 +350,42 @@ pub(super) fn preemption(args: &Args) -> Result<Preemption, TrainError> {
     }
     Preemption::on_signals(&signals, args.preempt_exit_code)
         .map_err(|e| TrainError::Usage(format!("--preempt-signals: {e}")))
+}
+
+/// `--shard-group`: a number of ranks, or `node` for the ranks of one
+/// machine as the launcher's variables (read through `var`) say.
+pub fn shard_group(
+    args: &Args,
+    var: impl Fn(&str) -> Option<String>,
+) -> Result<Option<usize>, TrainError> {
+    let Some(given) = args.shard_group.as_deref() else {
+        return Ok(None);
+    };
+    if given != "node" {
+        return match given.parse::<usize>() {
+            Ok(ranks) if ranks > 0 => Ok(Some(ranks)),
+            _ => Err(TrainError::Usage(format!(
+                "--shard-group {given:?}: give a number of ranks (a divisor of the world size) \
+                 or `node`"
+            ))),
+        };
+    }
+    const LOCAL: [&str; 3] = [
+        "OMPI_COMM_WORLD_LOCAL_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "SLURM_NTASKS_PER_NODE",
+    ];
+    let local = LOCAL
+        .iter()
+        .find_map(|name| var(name).and_then(|v| v.trim().parse::<usize>().ok()));
+    match local {
+        Some(ranks) if ranks > 0 => Ok(Some(ranks)),
+        // Threads (or a launcher that says nothing): one machine.
+        _ if args.ranks_in_process() > 1 => Ok(None),
+        _ => Err(TrainError::Usage(format!(
+            "--shard-group node: the launcher did not say how many ranks run on each machine \
+             (none of {}); give the number instead",
+            LOCAL.join(", ")
+        ))),
+    }
 }

@@ -25,7 +25,7 @@ pub use args::{
     Args, Backend, LrDecayArg, ModelKind, OffloadArg, OptimizerKind, OverlapArg, PartitionerArg,
     Precision,
 };
-pub use config::{engine_config, overlap};
+pub use config::{engine_config, overlap, shard_group};
 pub use data::Dataset;
 pub use gpt::{Gpt, GptConfig, GptOps, VOCAB};
 pub use hub::HubText;

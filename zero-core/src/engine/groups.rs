@@ -69,7 +69,35 @@ pub(super) fn split<C: Communicator>(
 
 /// The communicator of every rank: `comm` itself without groups.
 pub(super) fn world<'a, C>(comm: &'a Arc<C>, groups: &'a Option<ShardGroups<C>>) -> &'a C {
+    world_of(comm, groups)
+}
+
+fn world_of<'a, C>(comm: &'a C, groups: &'a Option<ShardGroups<C>>) -> &'a C {
     groups.as_ref().map_or(comm, |g| &g.world)
+}
+
+/// World rank `rank`'s rank in `group` (the engine's communicator), or
+/// `None` when it is in another group; an error naming `op` when the world
+/// has no such rank.
+pub(super) fn in_group<C: Communicator>(
+    group: &C,
+    groups: &Option<ShardGroups<C>>,
+    rank: usize,
+    op: &'static str,
+) -> Result<Option<usize>> {
+    let world_size = world_of(group, groups).world_size();
+    if rank >= world_size {
+        return Err(Error::InvalidRank {
+            op,
+            rank,
+            world_size,
+        });
+    }
+    let size = group.world_size();
+    Ok(match groups {
+        Some(groups) => (groups.replicas.rank() == rank / size).then_some(rank % size),
+        None => Some(rank),
+    })
 }
 
 /// Refuses `what` with shard groups: not supported yet.

@@ -176,31 +176,29 @@ where
     /// stage-3 model without gathering any parameter whole. A collective:
     /// every rank passes the same parameters in the same order. A sink
     /// error does not stop the collectives (the other ranks would wait);
-    /// the first is returned at the end, on `root` only.
+    /// the first is returned at the end, on `root` only. With shard groups
+    /// `root`'s group streams, and the other groups return at once.
     pub fn stream_params(
         &mut self,
         params: &[usize],
         root: usize,
         sink: &mut ParamPieceSink<'_, T>,
     ) -> Result<()> {
-        let instead = "save the weights with save_checkpoint";
-        crate::engine::groups::refuse(&self.groups, "stream_params", instead)?;
         self.finish_gathers()?;
         self.window.refuse_mid("stream_params")?;
-        let world = self.comm.world_size();
-        if root >= world {
-            return Err(Error::InvalidRank {
-                op: "stream_params",
-                rank: root,
-                world_size: world,
-            });
-        }
+        // With shard groups, `root`'s group streams (each holds every
+        // piece); the others have nothing to do.
+        let group =
+            crate::engine::groups::in_group(&*self.comm, &self.groups, root, "stream_params")?;
         if let Some(&p) = params.iter().find(|&&p| p >= self.params.len()) {
             return Err(Error::Config(format!(
                 "stream_params: parameter #{p} does not exist (there are {})",
                 self.params.len()
             )));
         }
+        let Some(root) = group else {
+            return Ok(());
+        };
         self.with_shard_home(|engine| {
             let mut failure = None;
             for &param in params {

@@ -34,13 +34,12 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// result. Ranks that own nothing send nothing. The result is a
     /// snapshot: later steps do not update it.
     pub fn consolidate_state_dict(&mut self, to: usize) -> Result<Option<StateDict<T>>> {
-        groups::refuse(
-            &self.groups,
-            "consolidate_state_dict",
-            "use save_checkpoint",
-        )?;
         self.finish_gathers()?;
-        Save::of(self).consolidate(to)
+        // With shard groups, `to`'s group gathers (each holds every piece).
+        match groups::in_group(&*self.comm, &self.groups, to, "consolidate_state_dict")? {
+            Some(to) => Save::of(self).consolidate(to),
+            None => Ok(None),
+        }
     }
 
     /// Writes the full optimizer state into `dir` as one
@@ -50,9 +49,22 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// holds more than one shard). Read it back with [`StateDict::load`].
     /// A collective; an error on `to` is returned on every rank.
     pub fn save_consolidated(&mut self, dir: impl AsRef<Path>, to: usize) -> Result<()> {
-        groups::refuse(&self.groups, "save_consolidated", "use save_checkpoint")?;
         self.finish_gathers()?;
-        Save::of(self).write_consolidated(dir.as_ref(), to)
+        let dir = dir.as_ref();
+        // With shard groups, `to`'s group writes it (each holds every
+        // piece), and its outcome is every rank's.
+        let local = match groups::in_group(&*self.comm, &self.groups, to, "save_consolidated")? {
+            // (`true`: serialized, `Some(())` would read back as `None`.)
+            Some(to) => Save::of(self)
+                .write_consolidated(dir, to)
+                .map(|()| Some(true)),
+            None => Ok(None),
+        };
+        if self.groups.is_none() {
+            return local.map(|_| ());
+        }
+        let world = groups::world(&self.comm, &self.groups);
+        groups::agree(world, local, dir, "save_consolidated").map(|_: bool| ())
     }
 
     /// Loads an unsharded optimizer state: each rank slices its pieces out
