@@ -50,21 +50,20 @@ const BYTES_PER_SEC: f64 = 1e9;
 /// 0 before it starts counting the steady state.
 static FIRST_STEP_PEAK: AtomicUsize = AtomicUsize::new(0);
 
-/// What one rank measures: the median step time, and (`memory`) the peak
-/// heap from its second step on.
-fn train<C>(
+/// What one rank measures: the median step time and what `sent` counted
+/// per step over the timed steps (`bench hybrid`: bytes over a slow link),
+/// and (`memory`) the peak heap from its second step on.
+pub(super) fn train<C>(
     comm: C,
-    stage: Stage,
-    widths: &[usize],
-    batch: usize,
-    steps: usize,
+    config: EngineConfig,
+    (widths, batch, steps): (&[usize], usize, usize),
     memory: bool,
-) -> Result<f64, String>
+    sent: impl Fn(&C) -> u64,
+) -> Result<(f64, f64), String>
 where
     C: Communicator<Memory = Host> + 'static,
 {
     let rank = comm.rank();
-    let config = EngineConfig::default().with_stage(stage);
     // Stage 3 builds sharded from the start (each rank only its shard).
     let map = ShardedVarMap::seeded(0);
     let hook = ZeroHook::<C, f32>::new();
@@ -81,6 +80,7 @@ where
         .map_err(|e| e.to_string())?;
     let mut rng = rand::rngs::StdRng::seed_from_u64(rank as u64);
     let mut times = Vec::with_capacity(steps);
+    let mut counted = (0, 0);
     for step in 0..steps {
         if memory && step == 1 {
             // Every rank has sharded (stage 3): the steady state starts.
@@ -106,28 +106,33 @@ where
             .forward(&x)
             .and_then(|logits| candle_nn::loss::cross_entropy(&logits, &y))
             .map_err(|e| e.to_string())?;
+        let before = sent(opt.engine().comm());
         opt.backward_step(&loss).map_err(|e| e.to_string())?;
         if step >= WARMUP.min(steps - 1) {
             times.push(started.elapsed().as_secs_f64());
+            counted.0 += sent(opt.engine().comm()) - before;
+            counted.1 += 1;
         }
     }
     times.sort_by(f64::total_cmp);
-    Ok(times[times.len() / 2])
+    Ok((times[times.len() / 2], counted.0 as f64 / counted.1 as f64))
 }
 
 /// Rank 0's median step time at `STEP_WORLD` threads.
 fn step_time(stage: Stage, delayed: bool) -> Result<f64, String> {
     let results = ThreadGroup::new(STEP_WORLD).run(|comm| {
         let steps = WARMUP + STEPS;
+        let config = EngineConfig::default().with_stage(stage);
+        let model = (&STEP_WIDTHS[..], STEP_BATCH, steps);
         if delayed {
             let comm = Delayed::new(comm, LATENCY, BYTES_PER_SEC);
-            train(comm, stage, &STEP_WIDTHS, STEP_BATCH, steps, false)
+            train(comm, config, model, false, |_| 0)
         } else {
-            train(comm, stage, &STEP_WIDTHS, STEP_BATCH, steps, false)
+            train(comm, config, model, false, |_| 0)
         }
     });
     match results.into_iter().next() {
-        Some(Ok(r)) => r,
+        Some(Ok(r)) => r.map(|(median, _)| median),
         Some(Err(e)) => Err(e.to_string()),
         None => Err("no rank ran".into()),
     }
@@ -139,8 +144,16 @@ fn peaks(stage: Stage, widths: &[usize]) -> Result<(usize, usize), String> {
     heap::reset_peak();
     let baseline = heap::current_bytes().ok_or("the counting allocator is not installed")?;
     FIRST_STEP_PEAK.store(0, Ordering::Relaxed);
-    let results = ThreadGroup::new(MEMORY_WORLD)
-        .run(|comm| train(comm, stage, widths, MEMORY_BATCH, MEMORY_STEPS, true));
+    let results = ThreadGroup::new(MEMORY_WORLD).run(|comm| {
+        let config = EngineConfig::default().with_stage(stage);
+        train(
+            comm,
+            config,
+            (widths, MEMORY_BATCH, MEMORY_STEPS),
+            true,
+            |_| 0,
+        )
+    });
     for result in results {
         result.map_err(|e| e.to_string())??;
     }

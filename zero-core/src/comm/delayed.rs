@@ -3,6 +3,7 @@
 use super::communicator::{Communicator, Host, ReduceOp};
 use super::work::Work;
 use crate::{Element, Result};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -24,6 +25,13 @@ use std::time::{Duration, Instant};
 /// were issued, as on one network interface, instead of each getting the
 /// whole bandwidth.
 ///
+/// [`Delayed::between_machines`] models a cluster instead: consecutive
+/// ranks share a machine, a collective among the ranks of one machine
+/// takes the fast link's time and one that spans machines the slow one's
+/// (a ring runs at its slowest edge), and each rank counts the bytes it
+/// sends over the slow link ([`Delayed::slow_bytes`]): a ring's bytes where
+/// its successor in the ring is on another machine.
+///
 /// ```
 /// use std::time::Duration;
 /// use zero_core::comm::Delayed;
@@ -40,22 +48,81 @@ use std::time::{Duration, Instant};
 #[derive(Debug)]
 pub struct Delayed<C> {
     inner: C,
+    /// The link within a machine (every link without machines).
+    fast: Link,
+    /// With machines: their size in ranks and the link between them.
+    machines: Option<(usize, Link)>,
+    /// The world ranks of this communicator's ranks, in its rank order.
+    members: Arc<Vec<usize>>,
+}
+
+/// One rank's link of one kind: its speed, when it is free again (`None`:
+/// never used), and the bytes this rank sent over it; shared by the
+/// communicators split from one.
+#[derive(Clone, Debug)]
+struct Link {
     latency: Duration,
     bytes_per_sec: f64,
-    /// When this rank's link is free again (`None`: never used).
-    link: Arc<Mutex<Option<Instant>>>,
+    free_at: Arc<Mutex<Option<Instant>>>,
+    sent: Arc<AtomicU64>,
+}
+
+impl Link {
+    fn new(latency: Duration, bytes_per_sec: f64) -> Self {
+        Self {
+            latency,
+            bytes_per_sec,
+            free_at: Arc::default(),
+            sent: Arc::default(),
+        }
+    }
+
+    /// Sleeps as long as sending `bytes` over the link takes, booked
+    /// behind what is already on it; counts `sent` of them as this rank's.
+    fn wait(&self, bytes: usize, sent: usize) {
+        self.sent.fetch_add(sent as u64, Ordering::Relaxed);
+        let transfer = if self.bytes_per_sec.is_finite() && self.bytes_per_sec > 0.0 {
+            Duration::from_secs_f64(bytes as f64 / self.bytes_per_sec)
+        } else {
+            Duration::ZERO
+        };
+        let done = {
+            let mut free_at = self.free_at.lock().unwrap_or_else(PoisonError::into_inner);
+            let now = Instant::now();
+            let done = free_at.map_or(now, |free| free.max(now)) + self.latency + transfer;
+            *free_at = Some(done);
+            done
+        };
+        std::thread::sleep(done.saturating_duration_since(Instant::now()));
+    }
 }
 
 impl<C: Communicator<Memory = Host>> Delayed<C> {
     /// `inner` with collectives slowed to a link of `latency` and
     /// `bytes_per_sec` (use `f64::INFINITY` for latency only).
     pub fn new(inner: C, latency: Duration, bytes_per_sec: f64) -> Self {
+        let members = Arc::new((0..inner.world_size()).collect());
         Self {
             inner,
-            latency,
-            bytes_per_sec,
-            link: Arc::default(),
+            fast: Link::new(latency, bytes_per_sec),
+            machines: None,
+            members,
         }
+    }
+
+    /// `inner` as ranks on machines of `ranks_per_machine` consecutive
+    /// ranks: collectives within a machine take the time of the `fast`
+    /// link, those that span machines that of the `slow` one (each a
+    /// latency and bytes per second).
+    pub fn between_machines(
+        inner: C,
+        ranks_per_machine: usize,
+        fast: (Duration, f64),
+        slow: (Duration, f64),
+    ) -> Self {
+        let mut delayed = Self::new(inner, fast.0, fast.1);
+        delayed.machines = Some((ranks_per_machine.max(1), Link::new(slow.0, slow.1)));
+        delayed
     }
 
     /// The wrapped communicator.
@@ -63,22 +130,30 @@ impl<C: Communicator<Memory = Host>> Delayed<C> {
         &self.inner
     }
 
-    /// Sleeps as long as sending `bytes` over the link takes.
+    /// Bytes this rank sent over links between machines so far, on this
+    /// communicator and those split from it (0 without machines).
+    pub fn slow_bytes(&self) -> u64 {
+        self.machines
+            .as_ref()
+            .map_or(0, |(_, slow)| slow.sent.load(Ordering::Relaxed))
+    }
+
+    /// Sleeps as long as a collective that sends `bytes` per rank takes on
+    /// the link it runs on.
     fn wait(&self, bytes: usize) {
-        let transfer = if self.bytes_per_sec.is_finite() && self.bytes_per_sec > 0.0 {
-            Duration::from_secs_f64(bytes as f64 / self.bytes_per_sec)
-        } else {
-            Duration::ZERO
+        let machine = |member: &usize| self.machines.as_ref().map_or(0, |(size, _)| member / size);
+        let (Some((_, slow)), Some(first)) = (&self.machines, self.members.first()) else {
+            return self.fast.wait(bytes, bytes);
         };
-        // Booked on the link behind what is already on it, then waited for.
-        let done = {
-            let mut free_at = self.link.lock().unwrap_or_else(PoisonError::into_inner);
-            let now = Instant::now();
-            let done = free_at.map_or(now, |free| free.max(now)) + self.latency + transfer;
-            *free_at = Some(done);
-            done
-        };
-        std::thread::sleep(done.saturating_duration_since(Instant::now()));
+        if self.members.iter().all(|m| machine(m) == machine(first)) {
+            return self.fast.wait(bytes, bytes);
+        }
+        // A ring: this rank sends to its successor, over the slow link if
+        // that one is on another machine.
+        let me = self.members[self.inner.rank()];
+        let next = self.members[(self.inner.rank() + 1) % self.members.len()];
+        let crosses = machine(&me) != machine(&next);
+        slow.wait(bytes, if crosses { bytes } else { 0 });
     }
 
     /// What a ring sends per rank to reduce-scatter or all-gather `elems`
@@ -202,11 +277,13 @@ impl<C: Communicator<Memory = Host>> Communicator for Delayed<C> {
     }
 
     fn split(&self, ranks: &[usize]) -> Result<Option<Self>> {
+        let members = ranks.iter().filter_map(|&r| self.members.get(r).copied());
+        let members = Arc::new(members.collect());
         Ok(self.inner.split(ranks)?.map(|inner| Self {
             inner,
-            latency: self.latency,
-            bytes_per_sec: self.bytes_per_sec,
-            link: Arc::clone(&self.link),
+            fast: self.fast.clone(),
+            machines: self.machines.clone(),
+            members,
         }))
     }
 }
@@ -241,6 +318,56 @@ mod tests {
         for result in results {
             let elapsed = result.expect("no panic").expect("the all-reduces work");
             assert!(elapsed >= Duration::from_millis(80), "took {elapsed:?}");
+        }
+    }
+
+    /// Four ranks on two machines of two: a ring over the world crosses
+    /// between machines at ranks 1 and 3, one within a machine never, one
+    /// over a rank of each machine at every rank; only what spans machines
+    /// waits for the slow link (100 kB/s: 6000 bytes, at least 60 ms).
+    #[test]
+    fn between_machines_counts_the_bytes_sent_across_them() {
+        let results = ThreadGroup::new(4).run(|comm| -> Result<(u64, u64, u64, Duration)> {
+            let fast = (Duration::ZERO, f64::INFINITY);
+            let link = Delayed::between_machines(comm, 2, fast, (Duration::ZERO, 100e3));
+            let rank = link.rank();
+            let machine: Vec<usize> = if rank < 2 { vec![0, 1] } else { vec![2, 3] };
+            let mine = (0..2)
+                .map(|m| link.split(&[m * 2, m * 2 + 1]))
+                .collect::<Result<Vec<_>>>()?;
+            let local = mine
+                .into_iter()
+                .flatten()
+                .next()
+                .expect("in one machine's split");
+            assert_eq!(local.members[..], machine[..]);
+            let across = (0..2)
+                .map(|j| link.split(&[j, j + 2]))
+                .collect::<Result<Vec<_>>>()?;
+            let replicas = across
+                .into_iter()
+                .flatten()
+                .next()
+                .expect("in one replica split");
+            let mut x = vec![1.0f32; 1000];
+            let started = Instant::now();
+            link.all_reduce(&mut x[..], ReduceOp::Sum)?;
+            let world = link.slow_bytes();
+            let spanning = started.elapsed();
+            local.all_reduce(&mut x[..], ReduceOp::Sum)?;
+            let within = link.slow_bytes() - world;
+            replicas.all_reduce(&mut x[..], ReduceOp::Sum)?;
+            let pairs = link.slow_bytes() - world - within;
+            Ok((world, within, pairs, spanning))
+        });
+        for (rank, result) in results.into_iter().enumerate() {
+            let (world, within, pairs, spanning) = result.unwrap().unwrap();
+            // 2 (N - 1) / N of 4000 bytes where the successor is on the
+            // other machine; a pair's ring always crosses: 2 x 1/2 x 4000.
+            assert_eq!(world, if rank % 2 == 1 { 6000 } else { 0 }, "rank {rank}");
+            assert_eq!(within, 0, "rank {rank}");
+            assert_eq!(pairs, 4000, "rank {rank}");
+            assert!(spanning >= Duration::from_millis(60), "{spanning:?}");
         }
     }
 }
