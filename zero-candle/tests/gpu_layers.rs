@@ -1,10 +1,11 @@
 //! The fused layers on a GPU against the same ops on the CPU (the
 //! reference): values and gradients (inputs, and the norms' weight and
 //! bias) of causal attention (packed, and split with grouped K/V heads;
-//! bf16 and f16 on tensor cores from sm_80), LayerNorm/RMSNorm, GELU
-//! (both forms), SiLU, SwiGLU, rotary embeddings and cross-entropy, in f32,
-//! bf16 and f16, at shapes that are not multiples of the kernels' tiles
-//! (T = 1, 7, 65, 200; head_dim 32, 48, 64, 128; a single row).
+//! bf16 and f16 on tensor cores from sm_80), LayerNorm/RMSNorm (also after
+//! a residual add), GELU (both forms), SiLU, SwiGLU, rotary embeddings and
+//! cross-entropy, in f32, bf16 and f16, at shapes that are not multiples of
+//! the kernels' tiles (T = 1, 7, 65, 200; head_dim 32, 48, 64, 128; a
+//! single row).
 //!
 //! Both devices get the same input values (rounded to the dtype once, on the
 //! host), so the differences are the kernels' own: f32 agrees to about 1e-4
@@ -245,6 +246,55 @@ fn layer_norm_and_rms_norm_match_the_cpu() -> Result<()> {
                 &upstream,
                 &|t| RmsNorm::new(t[1].clone(), 1e-5, None).forward(&t[0]),
             )?;
+        }
+    }
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn norms_after_a_residual_add_match_the_cpu() -> Result<()> {
+    let shapes: [&[usize]; 3] = [&[1, 768], &[37, 100], &[2, 3, 1000]];
+    for dtype in DTYPES {
+        for (seed, shape) in shapes.iter().enumerate() {
+            let n = *shape.last().unwrap_or(&1);
+            let seed = seed as u64;
+            let x = (values(shape, 40 + seed, 2.0, dtype)? + 0.5)?;
+            let residual = values(shape, 50 + seed, 2.0, dtype)?;
+            let w = (values(&[n], 60 + seed, 0.5, dtype)? + 1.0)?;
+            let b = values(&[n], 70 + seed, 0.5, dtype)?;
+            // Both outputs stacked: the gradient of `h` then has two
+            // sources, the norm and the upstream's half for `h` itself.
+            let mut stacked = vec![2];
+            stacked.extend_from_slice(shape);
+            let upstream = values(&stacked, 80 + seed, 1.0, dtype)?;
+            let stack = |(h, y): (Tensor, Tensor)| Tensor::stack(&[&h, &y], 0);
+            compare(
+                &format!("LayerNorm after a residual add {shape:?}"),
+                dtype,
+                &[&x, &residual, &w, &b],
+                &upstream,
+                &|t| {
+                    let norm = LayerNorm::new(t[2].clone(), t[3].clone(), 1e-5, None);
+                    stack(norm.forward_residual(&t[0], &t[1])?)
+                },
+            )?;
+            compare(
+                &format!("RmsNorm after a residual add {shape:?}"),
+                dtype,
+                &[&x, &residual, &w],
+                &upstream,
+                &|t| stack(RmsNorm::new(t[2].clone(), 1e-5, None).forward_residual(&t[0], &t[1])?),
+            )?;
+            // On the GPU too, `h` is the add's, bit for bit.
+            let (x, residual) = (x.to_device(&gpu())?, residual.to_device(&gpu())?);
+            let norm = RmsNorm::new(w.to_device(&gpu())?, 1e-5, None);
+            let (h, _) = norm.forward_residual(&x, &residual)?;
+            assert_eq!(
+                host(&h),
+                host(&(&x + &residual)?),
+                "h {shape:?} [{dtype:?}]"
+            );
         }
     }
     Ok(())

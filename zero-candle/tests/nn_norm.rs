@@ -7,12 +7,16 @@
 //! backward; outputs are also checked against candle-nn's layers. Our
 //! variance is taken around the mean in a second pass and the output is
 //! `(x - mean)·rstd·w + b`, so values agree to rounding, not bitwise.
+//!
+//! `forward_residual` (the residual add fused into the norm) is checked
+//! against `x + residual` then `forward`: the same values and gradients,
+//! bit for bit, in every dtype.
 
 mod nn_support;
 
 use candle_core::{DType, Device, Module, Tensor, Var};
 use candle_nn::{LayerNormConfig, VarBuilder, VarMap};
-use nn_support::{assert_close, data, hook, var, weighted_sum, Recorder};
+use nn_support::{assert_close, assert_equal, data, hook, var, weighted_sum, Recorder};
 use zero_candle::nn;
 
 const SIZE: usize = 16;
@@ -217,6 +221,210 @@ fn mismatched_sizes_are_errors_not_panics() {
     let ln = nn::layer_norm(SIZE, EPS, vb.pp("ln"), None).unwrap();
     let err = ln
         .forward(&Tensor::zeros((2, SIZE + 1), DType::F32, &Device::Cpu).unwrap())
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("last dimension"), "{err}");
+}
+
+/// A norm of `kind` over `weight` (and `bias`, for `Kind::LayerNorm`).
+enum Norm {
+    Layer(nn::LayerNorm),
+    Rms(nn::RmsNorm),
+}
+
+impl Norm {
+    fn new(
+        kind: Kind,
+        weight: &Var,
+        bias: &Var,
+        hook: Option<std::sync::Arc<dyn nn::GradHook>>,
+    ) -> Self {
+        let weight = weight.as_tensor().clone();
+        match kind {
+            Kind::LayerNorm => Norm::Layer(nn::LayerNorm::new(
+                weight,
+                bias.as_tensor().clone(),
+                EPS,
+                hook,
+            )),
+            Kind::LayerNormNoBias => Norm::Layer(nn::LayerNorm::new_no_bias(weight, EPS, hook)),
+            Kind::RmsNorm => Norm::Rms(nn::RmsNorm::new(weight, EPS, hook)),
+        }
+    }
+
+    /// `(h, y)`: fused, or `h = x + residual` then the norm.
+    fn run(&self, fused: bool, x: &Tensor, residual: &Tensor) -> (Tensor, Tensor) {
+        if fused {
+            return match self {
+                Norm::Layer(n) => n.forward_residual(x, residual),
+                Norm::Rms(n) => n.forward_residual(x, residual),
+            }
+            .unwrap();
+        }
+        let h = (x + residual).unwrap();
+        let y = match self {
+            Norm::Layer(n) => n.forward(&h),
+            Norm::Rms(n) => n.forward(&h),
+        }
+        .unwrap();
+        (h, y)
+    }
+}
+
+/// What the residual tests compare.
+struct ResidualOutcome {
+    h: Tensor,
+    y: Tensor,
+    grad_x: Option<Tensor>,
+    grad_residual: Tensor,
+    grad_weight: Tensor,
+    grad_bias: Option<Tensor>,
+}
+
+/// `kind` after a residual add, fused or not, on `x` `shape` (a variable,
+/// or with `!x_tracked` a plain tensor) and a residual that is the
+/// transpose of a variable when `strided`. The loss uses `y` and `h` (the
+/// residual stream goes on), so `h`'s gradient has two sources. The
+/// parameters' gradients come from the hook, or with `!hooked` from the
+/// `GradStore`.
+fn residual_run(
+    kind: Kind,
+    dtype: DType,
+    fused: bool,
+    shape: &[usize],
+    flags: (bool, bool, bool),
+) -> ResidualOutcome {
+    let (x_tracked, strided, hooked) = flags;
+    let x_var = var(50, shape, dtype);
+    let x = if x_tracked {
+        x_var.as_tensor().clone()
+    } else {
+        x_var.as_tensor().detach()
+    };
+    let residual_var = if strided {
+        var(51, &[shape[1], shape[0]], dtype)
+    } else {
+        var(51, shape, dtype)
+    };
+    let residual = if strided {
+        residual_var.as_tensor().t().unwrap()
+    } else {
+        residual_var.as_tensor().clone()
+    };
+    let weight = Var::from_tensor(&(data(52, &[SIZE], dtype) + 1.0).unwrap()).unwrap();
+    let bias = var(53, &[SIZE], dtype);
+    let recorder = Recorder::new();
+    let norm = Norm::new(
+        kind,
+        &weight,
+        &bias,
+        if hooked { hook(&recorder) } else { None },
+    );
+    let (h, y) = norm.run(fused, &x, &residual);
+    let loss = (weighted_sum(&y, 54) + weighted_sum(&h, 55)).unwrap();
+    let grads = loss.backward().unwrap();
+    let param_grad = |v: &Var| {
+        if hooked {
+            assert!(
+                grads.get(v).is_none(),
+                "the hook took the parameter's gradient"
+            );
+            recorder.grad_of(v)
+        } else {
+            grads.get(v).unwrap().clone()
+        }
+    };
+    ResidualOutcome {
+        h,
+        y,
+        grad_x: grads.get(x_var.as_tensor()).cloned(),
+        grad_residual: grads.get(residual_var.as_tensor()).unwrap().clone(),
+        grad_weight: param_grad(&weight),
+        grad_bias: (kind == Kind::LayerNorm).then(|| param_grad(&bias)),
+    }
+}
+
+fn assert_residual_outcomes_equal(what: &str, got: &ResidualOutcome, want: &ResidualOutcome) {
+    assert_equal(&format!("{what}: h"), &got.h, &want.h);
+    assert_equal(&format!("{what}: y"), &got.y, &want.y);
+    match (&got.grad_x, &want.grad_x) {
+        (Some(g), Some(w)) => assert_equal(&format!("{what}: ∂x"), g, w),
+        (None, None) => {}
+        (g, w) => panic!("{what}: ∂x is {:?}, want {:?}", g.is_some(), w.is_some()),
+    }
+    assert_equal(
+        &format!("{what}: ∂residual"),
+        &got.grad_residual,
+        &want.grad_residual,
+    );
+    assert_equal(
+        &format!("{what}: ∂weight"),
+        &got.grad_weight,
+        &want.grad_weight,
+    );
+    match (&got.grad_bias, &want.grad_bias) {
+        (Some(g), Some(w)) => assert_equal(&format!("{what}: ∂bias"), g, w),
+        (None, None) => {}
+        _ => panic!("{what}: ∂bias present in one run only"),
+    }
+}
+
+#[test]
+fn the_fused_residual_add_equals_add_then_norm_bit_for_bit() {
+    for dtype in [DType::F32, DType::F64, DType::BF16, DType::F16] {
+        for kind in KINDS {
+            for shape in [&[5, SIZE][..], &[2, 3, SIZE][..]] {
+                let flags = (true, false, true);
+                let got = residual_run(kind, dtype, true, shape, flags);
+                let want = residual_run(kind, dtype, false, shape, flags);
+                assert_residual_outcomes_equal(
+                    &format!("{kind:?} {dtype:?} {shape:?}"),
+                    &got,
+                    &want,
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn the_fused_residual_add_takes_strided_untracked_and_unhooked_inputs() {
+    for kind in KINDS {
+        for flags in [
+            (false, false, true),
+            (true, true, true),
+            (true, false, false),
+        ] {
+            let shape = [7, SIZE];
+            let got = residual_run(kind, DType::F32, true, &shape, flags);
+            let want = residual_run(kind, DType::F32, false, &shape, flags);
+            assert_residual_outcomes_equal(&format!("{kind:?} {flags:?}"), &got, &want);
+            // A plain input gets no gradient (as with the other fused ops).
+            assert_eq!(got.grad_x.is_some(), flags.0, "{kind:?} {flags:?}: ∂x");
+        }
+    }
+}
+
+#[test]
+fn the_fused_residual_add_refuses_mismatched_inputs() {
+    let ln = nn::LayerNorm::new_no_bias(
+        Tensor::ones(SIZE, DType::F32, &Device::Cpu).unwrap(),
+        EPS,
+        None,
+    );
+    let x = Tensor::zeros((2, SIZE), DType::F32, &Device::Cpu).unwrap();
+    let wide = Tensor::zeros((3, SIZE), DType::F32, &Device::Cpu).unwrap();
+    let err = ln.forward_residual(&x, &wide).unwrap_err().to_string();
+    assert!(err.contains("one shape and dtype"), "{err}");
+    let f64_residual = x.to_dtype(DType::F64).unwrap();
+    let err = ln
+        .forward_residual(&x, &f64_residual)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("one shape and dtype"), "{err}");
+    let narrow = Tensor::zeros((2, SIZE + 1), DType::F32, &Device::Cpu).unwrap();
+    let err = ln
+        .forward_residual(&narrow, &narrow)
         .unwrap_err()
         .to_string();
     assert!(err.contains("last dimension"), "{err}");

@@ -108,8 +108,16 @@ impl Block {
             }
             Some(mask) => self.composed_attention(&x_norm, heads, mask, dtype)?,
         };
-        let x = (x + h)?;
-        let h = self.fc.forward(&self.ln2.forward(&x)?)?;
+        // The fused ops add the residual in the norm's pass over the rows.
+        let (x, normed) = match ops {
+            GptOps::Fused => self.ln2.forward_residual(&h, x)?,
+            GptOps::Composed => {
+                let x = (x + h)?;
+                let normed = self.ln2.forward(&x)?;
+                (x, normed)
+            }
+        };
+        let h = self.fc.forward(&normed)?;
         let h = match ops {
             GptOps::Fused => ops::gelu(&h)?,
             GptOps::Composed => h.gelu()?,

@@ -184,7 +184,8 @@ enum Gelu {
     Erf,
 }
 
-/// One pre-norm block: `x + attn(ln_1(x))`, then `x + mlp(ln_2(x))`.
+/// One pre-norm block: `x + attn(ln_1(x))`, then `x + mlp(ln_2(x))`, the
+/// first add in `ln_2`'s pass ([`LayerNorm::forward_residual`]).
 #[derive(Clone)]
 struct Block {
     ln_1: LayerNorm,
@@ -201,8 +202,10 @@ impl Block {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let qkv = self.c_attn.forward(&self.ln_1.forward(x)?)?;
         let y = ops::causal_self_attention(&qkv, self.heads)?;
-        let x = (x + self.attn_proj.forward(&y)?)?;
-        let h = self.c_fc.forward(&self.ln_2.forward(&x)?)?;
+        let (x, normed) = self
+            .ln_2
+            .forward_residual(&self.attn_proj.forward(&y)?, x)?;
+        let h = self.c_fc.forward(&normed)?;
         let h = match self.gelu {
             Gelu::Tanh => ops::gelu(&h)?,
             Gelu::Erf => ops::gelu_erf(&h)?,

@@ -428,7 +428,8 @@ impl RotationCache {
 }
 
 /// One pre-norm block: `x + attn(input_layernorm(x))`, then `x +
-/// mlp(post_attention_layernorm(x))`.
+/// mlp(post_attention_layernorm(x))`, the first add in the second norm's
+/// pass ([`RmsNorm::forward_residual`]).
 #[derive(Clone)]
 struct Block {
     input_layernorm: RmsNorm,
@@ -460,8 +461,9 @@ impl Block {
             time,
             self.heads * self.head_dim,
         ))?;
-        let x = (x + self.o_proj.forward(&y)?)?;
-        let h = self.post_attention_layernorm.forward(&x)?;
+        let (x, h) = self
+            .post_attention_layernorm
+            .forward_residual(&self.o_proj.forward(&y)?, x)?;
         let gated = ops::swiglu(&self.gate_proj.forward(&h)?, &self.up_proj.forward(&h)?)?;
         x + self.down_proj.forward(&gated)?
     }

@@ -38,6 +38,19 @@ pub(crate) fn with_cpu<R>(
     }
 }
 
+/// [`with_cpu`] for a tensor that may be absent (an optional bias): `f`
+/// gets `None` for `None`.
+pub(crate) fn with_cpu_opt<R>(
+    tensor: Option<&Tensor>,
+    what: &str,
+    f: impl FnOnce(Option<(&CpuStorage, &Layout)>) -> Result<R>,
+) -> Result<R> {
+    match tensor {
+        Some(tensor) => with_cpu(tensor, what, |storage, layout| f(Some((storage, layout)))),
+        None => f(None),
+    }
+}
+
 /// A copy of a CPU tensor's values as a storage of its own (contiguous,
 /// from offset 0): a result computed before a custom op runs, for the op
 /// to hand out.

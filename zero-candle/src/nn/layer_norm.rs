@@ -1,4 +1,5 @@
-//! `LayerNorm` and `RmsNorm` with a real backward for their weight and bias.
+//! `LayerNorm` and `RmsNorm` with a real backward for their weight and bias,
+//! and with the residual add before them fused in.
 //!
 //! candle-nn 0.11's contiguous fast paths run with `apply_op*_no_bwd`: their
 //! output is not part of the graph, so neither the weight, the bias nor the
@@ -9,12 +10,23 @@
 //! summed over chunks of rows and the chunks in a fixed order); on other
 //! devices it is candle-nn's slow path in plain tensor ops, the parameters
 //! [`tap`]ped.
+//!
+//! [`LayerNorm::forward_residual`] (and [`RmsNorm::forward_residual`]) is a
+//! pre-norm block's `h = x + residual; y = norm(h)` in one pass over the
+//! rows (one kernel on CUDA) that returns both. Candle's custom ops return
+//! one tensor each, so the pass runs first and its two results leave
+//! through two ops that hand them out: a sum over `(x, residual)` whose
+//! backward is the add's (the gradient of `h`, from the norm and from `h`'s
+//! other uses, to both), and the norm above over `(h, weight[, bias])`,
+//! whose backward is unchanged. `h` is rounded to the input type before it
+//! is normalized, as a separate add rounds it, so values and gradients are
+//! the unfused pair's.
 
 use super::cpu;
 use super::elem::{dispatch_float, Accum, Elem};
 use super::grad_hook::{announce, before_read, route, GradHook};
 use super::ops::cuda;
-use super::storage::{tensor_from, with_cuda};
+use super::storage::{on_device, tensor_from, with_cuda, with_cuda_opt, OnDevice};
 use super::tap::tap;
 use candle_core::backend::BackendStorage;
 use candle_core::{
@@ -22,7 +34,7 @@ use candle_core::{
     Shape, Storage, Tensor, Var, D,
 };
 use candle_nn::{LayerNormConfig, VarBuilder};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 
 /// Layer normalization over the last dimension, as `candle_nn::LayerNorm`:
 /// `y = (x - mean) / √(var + eps) · weight + bias` (or, without
@@ -100,6 +112,143 @@ impl LayerNorm {
     /// The hook the layer's parameter gradients go to.
     pub fn hook(&self) -> Option<&Arc<dyn GradHook>> {
         self.hook.as_ref()
+    }
+
+    /// `(h, y)` with `h = x + residual` and `y` the norm of `h`, as
+    /// `let h = (x + residual)?; let y = norm.forward(&h)?` computes them
+    /// (the same values and gradients), in one pass over `x` and `residual`
+    /// on the CPU and on CUDA. `x` and `residual` have one shape and dtype.
+    ///
+    /// ```
+    /// use candle_core::{DType, Device, Module, Tensor};
+    /// use zero_candle::nn::LayerNorm;
+    ///
+    /// # fn main() -> candle_core::Result<()> {
+    /// let norm = LayerNorm::new_no_bias(Tensor::ones(4, DType::F32, &Device::Cpu)?, 1e-5, None);
+    /// let x = Tensor::randn(0f32, 1.0, (2, 4), &Device::Cpu)?;
+    /// let residual = Tensor::randn(0f32, 1.0, (2, 4), &Device::Cpu)?;
+    /// let (h, y) = norm.forward_residual(&x, &residual)?;
+    /// let unfused = (&x + &residual)?;
+    /// assert_eq!(h.to_vec2::<f32>()?, unfused.to_vec2::<f32>()?);
+    /// assert_eq!(y.to_vec2::<f32>()?, norm.forward(&unfused)?.to_vec2::<f32>()?);
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn forward_residual(&self, x: &Tensor, residual: &Tensor) -> Result<(Tensor, Tensor)> {
+        if !(x.device().is_cpu() || x.device().is_cuda()) {
+            let h = (x + residual)?;
+            let y = self.forward(&h)?;
+            return Ok((h, y));
+        }
+        self.check_input(x)?;
+        if residual.shape() != x.shape() || residual.dtype() != x.dtype() {
+            bail!(
+                "zero-candle LayerNorm::forward_residual: x is {:?} {:?} but the residual {:?} \
+                 {:?}; pass two tensors of one shape and dtype (broadcast the residual first)",
+                x.dims(),
+                x.dtype(),
+                residual.dims(),
+                residual.dtype()
+            )
+        }
+        before_read(
+            self.hook.as_ref(),
+            &[Some(&self.weight), self.bias.as_ref()],
+        )?;
+        let x = x.contiguous()?;
+        let residual = residual.contiguous()?;
+        let weight = self.weight.contiguous()?;
+        let bias = self.bias.as_ref().map(|b| b.contiguous()).transpose()?;
+        let (h, y) = self.sum_and_normalize(&x, &residual, &weight, bias.as_ref())?;
+        let h = x.apply_op2(
+            &residual,
+            ResidualSum {
+                sum: Mutex::new(Some(h)),
+            },
+        )?;
+        let y = self.apply_norm(&h, &weight, bias.as_ref(), Some(y))?;
+        Ok((h, y))
+    }
+
+    /// The fused pass of [`LayerNorm::forward_residual`] over contiguous
+    /// tensors on the CPU or CUDA: the storages of `h` and `y`.
+    fn sum_and_normalize(
+        &self,
+        x: &Tensor,
+        residual: &Tensor,
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+    ) -> Result<(Storage, Storage)> {
+        const X: &str = "the LayerNorm input";
+        const RESIDUAL: &str = "the residual";
+        const WEIGHT: &str = "the LayerNorm weight";
+        const BIAS: &str = "the LayerNorm bias";
+        let (eps, remove_mean) = (self.eps, self.remove_mean);
+        if x.device().is_cuda() {
+            return with_cuda(x, X, |x_storage, x_layout| {
+                with_cuda(residual, RESIDUAL, |r_storage, r_layout| {
+                    with_cuda(weight, WEIGHT, |w_storage, w_layout| {
+                        with_cuda_opt(bias, BIAS, |bias| {
+                            let (h, y) = cuda::residual_norm_forward(
+                                (x_storage, x_layout),
+                                (r_storage, r_layout),
+                                (w_storage, w_layout),
+                                bias,
+                                eps,
+                                remove_mean,
+                            )?;
+                            Ok((Storage::Cuda(h), Storage::Cuda(y)))
+                        })
+                    })
+                })
+            });
+        }
+        let (h, y) = dispatch_float!(x.dtype(), "LayerNorm", |T| {
+            cpu::with_cpu(x, X, |x_storage, x_layout| {
+                cpu::with_cpu(residual, RESIDUAL, |r_storage, r_layout| {
+                    cpu::with_cpu(weight, WEIGHT, |w_storage, w_layout| {
+                        cpu::with_cpu_opt(bias, BIAS, |bias| {
+                            let bias = match bias {
+                                Some((storage, layout)) => {
+                                    Some(cpu::slice::<T>(storage, layout, BIAS)?)
+                                }
+                                None => None,
+                            };
+                            Ok(residual_norm_forward(
+                                cpu::slice::<T>(x_storage, x_layout, X)?,
+                                cpu::slice::<T>(r_storage, r_layout, RESIDUAL)?,
+                                cpu::slice::<T>(w_storage, w_layout, WEIGHT)?,
+                                bias,
+                                eps,
+                                remove_mean,
+                            ))
+                        })
+                    })
+                })
+            })?
+        });
+        Ok((Storage::Cpu(h), Storage::Cpu(y)))
+    }
+
+    /// The norm op over contiguous `x`, `weight` (and `bias`), handing out
+    /// `computed` as its output when given.
+    fn apply_norm(
+        &self,
+        x: &Tensor,
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+        computed: Option<Storage>,
+    ) -> Result<Tensor> {
+        let op = FusedNorm {
+            eps: self.eps,
+            remove_mean: self.remove_mean,
+            hook: self.hook.clone(),
+            computed: Mutex::new(computed),
+        };
+        match bias {
+            Some(bias) => x.apply_op3(weight, bias, op),
+            None => x.apply_op2(weight, op),
+        }
     }
 
     /// Shapes and dtypes of the input against the parameters.
@@ -187,19 +336,12 @@ impl Module for LayerNorm {
         if !(x.device().is_cpu() || x.device().is_cuda()) {
             return self.forward_with_tensor_ops(x);
         }
-        let op = FusedNorm {
-            eps: self.eps,
-            remove_mean: self.remove_mean,
-            hook: self.hook.clone(),
-        };
         // The kernels read rows directly; `contiguous` copies only when
         // needed, and Candle carries gradients back through that copy.
         let x = x.contiguous()?;
         let weight = self.weight.contiguous()?;
-        match &self.bias {
-            Some(bias) => x.apply_op3(&weight, &bias.contiguous()?, op),
-            None => x.apply_op2(&weight, op),
-        }
+        let bias = self.bias.as_ref().map(|b| b.contiguous()).transpose()?;
+        self.apply_norm(&x, &weight, bias.as_ref(), None)
     }
 }
 
@@ -264,6 +406,12 @@ impl RmsNorm {
     pub fn eps(&self) -> f64 {
         self.0.eps()
     }
+
+    /// `(h, y)` with `h = x + residual` and `y` the RMS norm of `h`, in one
+    /// pass: see [`LayerNorm::forward_residual`].
+    pub fn forward_residual(&self, x: &Tensor, residual: &Tensor) -> Result<(Tensor, Tensor)> {
+        self.0.forward_residual(x, residual)
+    }
 }
 
 impl Module for RmsNorm {
@@ -294,9 +442,89 @@ struct FusedNorm {
     eps: f64,
     remove_mean: bool,
     hook: Option<Arc<dyn GradHook>>,
+    /// The output when the fused pass of [`LayerNorm::forward_residual`]
+    /// computed it before the op ran, taken by the forward.
+    computed: Mutex<Option<Storage>>,
+}
+
+/// The op `(x, residual) -> x + residual` of
+/// [`LayerNorm::forward_residual`]: its forward hands out the sum the fused
+/// pass computed, its backward is the add's.
+struct ResidualSum {
+    sum: Mutex<Option<Storage>>,
+}
+
+impl ResidualSum {
+    fn take<S: OnDevice>(&self) -> Result<S> {
+        const WHAT: &str = "the residual sum";
+        let sum = self
+            .sum
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        match sum {
+            Some(sum) => on_device(sum, WHAT),
+            None => bail!(
+                "zero-candle LayerNorm::forward_residual: {WHAT} was handed out already; an op \
+                 runs its forward once"
+            ),
+        }
+    }
+}
+
+impl CustomOp2 for ResidualSum {
+    fn name(&self) -> &'static str {
+        "zero-residual-sum"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _x: &CpuStorage,
+        x_layout: &Layout,
+        _residual: &CpuStorage,
+        _residual_layout: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        Ok((self.take()?, x_layout.shape().clone()))
+    }
+
+    fn cuda_fwd(
+        &self,
+        _x: &CudaStorage,
+        x_layout: &Layout,
+        _residual: &CudaStorage,
+        _residual_layout: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        Ok((self.take()?, x_layout.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        residual: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        Ok((
+            x.track_op().then(|| grad.clone()),
+            residual.track_op().then(|| grad.clone()),
+        ))
+    }
 }
 
 impl FusedNorm {
+    /// The output computed before the op ran, if any (taken: the op lives
+    /// on in the graph until backward, the output's storage in `y`).
+    fn computed<S: OnDevice>(&self) -> Result<Option<S>> {
+        let computed = self
+            .computed
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        computed
+            .map(|y| on_device(y, "the norm of the residual sum"))
+            .transpose()
+    }
+
     fn op_name(&self) -> &'static str {
         if self.remove_mean {
             "zero-layer-norm"
@@ -312,6 +540,9 @@ impl FusedNorm {
         bias: Option<(&CpuStorage, &Layout)>,
     ) -> Result<(CpuStorage, Shape)> {
         let shape = x.1.shape().clone();
+        if let Some(y) = self.computed()? {
+            return Ok((y, shape));
+        }
         let out = dispatch_float!(x.0.dtype(), "LayerNorm", |T| {
             self.forward_typed::<T>(x, weight, bias)?
         });
@@ -324,7 +555,10 @@ impl FusedNorm {
         weight: (&CudaStorage, &Layout),
         bias: Option<(&CudaStorage, &Layout)>,
     ) -> Result<(CudaStorage, Shape)> {
-        let y = cuda::norm_forward(x, weight, bias, self.eps, self.remove_mean)?;
+        let y = match self.computed()? {
+            Some(y) => y,
+            None => cuda::norm_forward(x, weight, bias, self.eps, self.remove_mean)?,
+        };
         Ok((y, x.1.shape().clone()))
     }
 
@@ -616,22 +850,62 @@ fn norm_forward<T: Elem>(
     let eps = T::Acc::cast(eps);
     let mut y = Vec::with_capacity(x.len());
     for row in x.chunks_exact(weight.len()) {
-        let (mean, rstd) = row_stats(row, eps, remove_mean);
-        match bias {
-            Some(bias) => y.extend(
-                row.iter()
-                    .zip(weight)
-                    .zip(bias)
-                    .map(|((&v, &w), &b)| T::from_acc((v.acc() - mean) * rstd * w.acc() + b.acc())),
-            ),
-            None => y.extend(
-                row.iter()
-                    .zip(weight)
-                    .map(|(&v, &w)| T::from_acc((v.acc() - mean) * rstd * w.acc())),
-            ),
-        }
+        normalize_row(row, weight, bias, eps, remove_mean, &mut y);
     }
     y
+}
+
+/// `h = x + residual` (rounded to `T`, as Candle's add rounds it) and
+/// `y` its [`norm_forward`], as storages, a row at a time: each row of `h`
+/// is normalized while it is in cache.
+fn residual_norm_forward<T: Elem>(
+    x: &[T],
+    residual: &[T],
+    weight: &[T],
+    bias: Option<&[T]>,
+    eps: f64,
+    remove_mean: bool,
+) -> (CpuStorage, CpuStorage) {
+    let eps = T::Acc::cast(eps);
+    let size = weight.len();
+    let mut h = Vec::with_capacity(x.len());
+    let mut y = Vec::with_capacity(x.len());
+    for (x_row, residual_row) in x.chunks_exact(size).zip(residual.chunks_exact(size)) {
+        let start = h.len();
+        h.extend(
+            x_row
+                .iter()
+                .zip(residual_row)
+                .map(|(&a, &b)| T::from_acc(a.acc() + b.acc())),
+        );
+        normalize_row(&h[start..], weight, bias, eps, remove_mean, &mut y);
+    }
+    (T::to_cpu_storage_owned(h), T::to_cpu_storage_owned(y))
+}
+
+/// One row of [`norm_forward`], appended to `y`.
+fn normalize_row<T: Elem>(
+    row: &[T],
+    weight: &[T],
+    bias: Option<&[T]>,
+    eps: T::Acc,
+    remove_mean: bool,
+    y: &mut Vec<T>,
+) {
+    let (mean, rstd) = row_stats(row, eps, remove_mean);
+    match bias {
+        Some(bias) => y.extend(
+            row.iter()
+                .zip(weight)
+                .zip(bias)
+                .map(|((&v, &w), &b)| T::from_acc((v.acc() - mean) * rstd * w.acc() + b.acc())),
+        ),
+        None => y.extend(
+            row.iter()
+                .zip(weight)
+                .map(|(&v, &w)| T::from_acc((v.acc() - mean) * rstd * w.acc())),
+        ),
+    }
 }
 
 /// The gradients of [`norm_forward`] given the output gradient `grad`:

@@ -55,7 +55,9 @@
 //!   gradient and hands the weight (and bias) gradient to the hook.
 //! - [`LayerNorm`] ([`layer_norm`], [`layer_norm_no_bias`]) and [`RmsNorm`]
 //!   ([`rms_norm`]) have a real backward for their weight and bias (candle-nn
-//!   0.11's contiguous fast paths have none, and cut the graph there).
+//!   0.11's contiguous fast paths have none, and cut the graph there), and
+//!   `forward_residual`, a pre-norm block's `x + residual` and the norm of
+//!   the sum in one pass.
 //! - [`tap`] hands any other variable's gradient to the hook, at the cost of
 //!   a copy of the variable per forward.
 //! - [`ops`] has the parameter-free parts of a transformer as single ops

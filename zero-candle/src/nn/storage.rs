@@ -25,6 +25,19 @@ pub(crate) fn with_cuda<R>(
     }
 }
 
+/// [`with_cuda`] for a tensor that may be absent (an optional bias): `f`
+/// gets `None` for `None`.
+pub(crate) fn with_cuda_opt<R>(
+    tensor: Option<&Tensor>,
+    what: &str,
+    f: impl FnOnce(Option<(&CudaStorage, &Layout)>) -> Result<R>,
+) -> Result<R> {
+    match tensor {
+        Some(tensor) => with_cuda(tensor, what, |storage, layout| f(Some((storage, layout)))),
+        None => f(None),
+    }
+}
+
 /// `tensor`'s values as a storage of their own, contiguous from element 0
 /// (a result computed before an op runs, which the op hands out): on the
 /// CPU the tensor's own when it is exactly that, else a copy.

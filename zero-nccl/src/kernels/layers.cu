@@ -1,10 +1,10 @@
 // Fused transformer layers of zero-candle, compiled at run time with NVRTC
 // (no headers): causal self-attention (FlashAttention-2 scheme, forward and
-// backward), LayerNorm/RMSNorm (forward and backward), GELU/SiLU, SwiGLU,
-// rotary embeddings, and cross-entropy. Each kernel mirrors a CPU reference
-// in zero-candle's `nn::ops` / `nn::layer_norm`, computes in f32 whatever
-// the storage type, and rounds once when it stores (to nearest, ties to
-// even).
+// backward), LayerNorm/RMSNorm (forward, also fused with the residual add
+// before it, and backward), GELU/SiLU, SwiGLU, rotary embeddings, and
+// cross-entropy. Each kernel mirrors a CPU reference in zero-candle's
+// `nn::ops` / `nn::layer_norm`, computes in f32 whatever the storage type,
+// and rounds once when it stores (to nearest, ties to even).
 //
 // Storage types: `float`, and bf16/f16 carried as their 16 bits (structs
 // `bf16`/`f16` below). Each family is a template instantiated per type by a
@@ -529,25 +529,55 @@ __device__ __forceinline__ void row_stats(const T* xr, int n, float eps, int rem
     *rstd_out = 1.f / sqrtf(var + eps);
 }
 
-// y = (x - mean) * rstd * w (+ b when has_bias; `b` is then read, else not).
+// One row by one warp: yr = (xr - mean) * rstd * w (+ b when has_bias; `b`
+// is then read, else not).
+template <typename T>
+__device__ __forceinline__ void norm_row(const T* xr, const T* __restrict__ w,
+                                         const T* __restrict__ bias, int has_bias,
+                                         T* __restrict__ yr, int n, float eps, int remove_mean) {
+    const int lane = threadIdx.x % 32;
+    float mean, rstd;
+    row_stats<T>(xr, n, eps, remove_mean, &mean, &rstd);
+    for (int j = lane; j < n; j += 32) {
+        float v = (to_f32(xr[j]) - mean) * rstd * to_f32(w[j]);
+        if (has_bias) v += to_f32(bias[j]);
+        yr[j] = from_f32<T>(v);
+    }
+}
+
 template <typename T>
 __device__ __forceinline__ void norm_forward(const T* __restrict__ x, const T* __restrict__ w,
                                              const T* __restrict__ bias, int has_bias,
                                              T* __restrict__ y, long long rows, int n,
                                              float eps, int remove_mean) {
+    const long long warps = (long long)gridDim.x * (blockDim.x / 32);
+    for (long long row = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+         row < rows; row += warps) {
+        norm_row<T>(x + row * n, w, bias, has_bias, y + row * n, n, eps, remove_mean);
+    }
+}
+
+// The residual add and the norm after it in one pass: h = x + residual,
+// rounded to T as a separate add would round it, then y = norm(h) from
+// those rounded values, so both equal the unfused pair's. Each lane reads
+// back only the elements of h it wrote itself (no barrier), from cache.
+template <typename T>
+__device__ __forceinline__ void residual_norm_forward(const T* __restrict__ x,
+                                                      const T* __restrict__ residual,
+                                                      const T* __restrict__ w,
+                                                      const T* __restrict__ bias, int has_bias,
+                                                      T* __restrict__ h, T* __restrict__ y,
+                                                      long long rows, int n, float eps,
+                                                      int remove_mean) {
     const int lane = threadIdx.x % 32;
     const long long warps = (long long)gridDim.x * (blockDim.x / 32);
     for (long long row = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
          row < rows; row += warps) {
         const T* xr = x + row * n;
-        T* yr = y + row * n;
-        float mean, rstd;
-        row_stats<T>(xr, n, eps, remove_mean, &mean, &rstd);
-        for (int j = lane; j < n; j += 32) {
-            float v = (to_f32(xr[j]) - mean) * rstd * to_f32(w[j]);
-            if (has_bias) v += to_f32(bias[j]);
-            yr[j] = from_f32<T>(v);
-        }
+        const T* rr = residual + row * n;
+        T* hr = h + row * n;
+        for (int j = lane; j < n; j += 32) hr[j] = from_f32<T>(to_f32(xr[j]) + to_f32(rr[j]));
+        norm_row<T>(hr, w, bias, has_bias, y + row * n, n, eps, remove_mean);
     }
 }
 
@@ -654,6 +684,11 @@ extern "C" __global__ void norm_forward_##SUFFIX(const T* x, const T* w, const T
                                                  int has_bias, T* y, long long rows, int n, \
                                                  float eps, int remove_mean) {             \
     norm_forward<T>(x, w, b, has_bias, y, rows, n, eps, remove_mean);                      \
+}                                                                                          \
+extern "C" __global__ void residual_norm_forward_##SUFFIX(                                \
+    const T* x, const T* residual, const T* w, const T* b, int has_bias, T* h, T* y,         \
+    long long rows, int n, float eps, int remove_mean) {                                   \
+    residual_norm_forward<T>(x, residual, w, b, has_bias, h, y, rows, n, eps, remove_mean); \
 }                                                                                          \
 extern "C" __global__ void norm_backward_rows_##SUFFIX(const T* x, const T* w, const T* g, \
                                                        T* dx, float* stats, long long rows, \

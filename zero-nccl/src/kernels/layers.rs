@@ -1,9 +1,10 @@
 //! The fused transformer layers' CUDA kernels ([`LAYER_SOURCE`]): causal
 //! self-attention (FlashAttention-2 forward and backward), LayerNorm and
-//! RMSNorm (forward and backward), GELU/SiLU, SwiGLU, rotary embeddings
-//! (forward and backward), and cross-entropy, for f32, bf16 and f16
-//! storage, computing in f32. zero-candle's custom ops launch
-//! them through [`LayerKernels`]; each kernel has a CPU reference there.
+//! RMSNorm (forward, alone or with the residual add before it, and
+//! backward), GELU/SiLU, SwiGLU, rotary embeddings (forward and backward),
+//! and cross-entropy, for f32, bf16 and f16 storage, computing in f32.
+//! zero-candle's custom ops launch them through [`LayerKernels`]; each
+//! kernel has a CPU reference there.
 //!
 //! Attention has two kernel families with the same arguments: on sm_80 and
 //! newer, bf16 and f16 run on tensor cores (`attention_tc.cu`: products in
@@ -56,7 +57,7 @@ use std::sync::Arc;
 pub const LAYER_SOURCE: &str = concat!(include_str!("layers.cu"), include_str!("attention_tc.cu"));
 
 /// Every kernel [`LayerKernels::new`] loads from [`LAYER_SOURCE`].
-pub const LAYER_KERNEL_NAMES: [&str; 75] = [
+pub const LAYER_KERNEL_NAMES: [&str; 78] = [
     "attention_forward_d64_f32",
     "attention_backward_dq_d64_f32",
     "attention_backward_dkdv_d64_f32",
@@ -91,14 +92,17 @@ pub const LAYER_KERNEL_NAMES: [&str; 75] = [
     "attention_tc_backward_dq_d128_f16",
     "attention_tc_backward_dkdv_d128_f16",
     "norm_forward_f32",
+    "residual_norm_forward_f32",
     "norm_backward_rows_f32",
     "norm_backward_columns_f32",
     "norm_backward_finish_f32",
     "norm_forward_bf16",
+    "residual_norm_forward_bf16",
     "norm_backward_rows_bf16",
     "norm_backward_columns_bf16",
     "norm_backward_finish_bf16",
     "norm_forward_f16",
+    "residual_norm_forward_f16",
     "norm_backward_rows_f16",
     "norm_backward_columns_f16",
     "norm_backward_finish_f16",
@@ -250,6 +254,7 @@ pub struct LayerKernels {
     /// Both attention families, and which one this device runs.
     attention: AttentionKernels,
     norm_forward: [CudaFunction; 3],
+    residual_norm_forward: [CudaFunction; 3],
     norm_backward_rows: [CudaFunction; 3],
     norm_backward_columns: [CudaFunction; 3],
     norm_backward_finish: [CudaFunction; 3],
@@ -374,6 +379,7 @@ impl LayerKernels {
                 attention: AttentionKernels::load(&module, &arch)?,
                 arch,
                 norm_forward: per_element(&module, "norm_forward")?,
+                residual_norm_forward: per_element(&module, "residual_norm_forward")?,
                 norm_backward_rows: per_element(&module, "norm_backward_rows")?,
                 norm_backward_columns: per_element(&module, "norm_backward_columns")?,
                 norm_backward_finish: per_element(&module, "norm_backward_finish")?,
@@ -513,6 +519,68 @@ impl LayerKernels {
             .arg(&remove_mean);
         // SAFETY: x and y hold rows * n `E`, weight (and bias when read) n;
         // the arguments match `norm_forward_*`.
+        unsafe { launch.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// The residual add and the norm after it in one pass over the rows:
+    /// `h = x + residual` (rounded to `E`, as a separate add rounds it) and
+    /// `y` the [`LayerKernels::norm_forward`] of that `h`. Its backward is
+    /// [`LayerKernels::norm_backward`] over `h`, whose `dx` is the gradient
+    /// of both `x` and `residual` (with `h`'s other uses added).
+    #[allow(clippy::too_many_arguments)]
+    pub fn residual_norm_forward<E: LayerElement>(
+        &self,
+        stream: &Arc<CudaStream>,
+        norm: Normalization,
+        eps: f32,
+        x: &impl DevicePtr<E>,
+        residual: &impl DevicePtr<E>,
+        weight: &impl DevicePtr<E>,
+        bias: Option<&dyn DevicePtr<E>>,
+        h: &mut impl DevicePtrMut<E>,
+        y: &mut impl DevicePtrMut<E>,
+    ) -> Result<()> {
+        const OP: &str = "residual_norm_forward";
+        let (rows, n) = Self::norm_rows(OP, x.len(), weight.len())?;
+        check_len(OP, "residual", residual.len(), x.len())?;
+        if let Some(bias) = bias {
+            check_len(OP, "bias", bias.len(), n)?;
+        }
+        check_len(OP, "h", h.len(), x.len())?;
+        check_len(OP, "y", y.len(), x.len())?;
+        let Some(cfg) = self.config(OP, Launch::WarpPerRow(rows))? else {
+            return Ok(());
+        };
+        let n = int_arg(OP, "the normalized width", n)?;
+        let rows = rows as i64;
+        let remove_mean = i32::from(norm == Normalization::Layer);
+        let (x, _g0) = x.device_ptr(stream);
+        let (r, _g1) = residual.device_ptr(stream);
+        let (w, _g2) = weight.device_ptr(stream);
+        // Without a bias the kernel never reads its pointer: pass the weight's.
+        let (b, _g3) = match bias {
+            Some(bias) => bias.device_ptr(stream),
+            None => weight.device_ptr(stream),
+        };
+        let has_bias = i32::from(bias.is_some());
+        let (h, _g4) = h.device_ptr_mut(stream);
+        let (y, _g5) = y.device_ptr_mut(stream);
+        let mut launch = stream.launch_builder(&self.residual_norm_forward[E::INDEX]);
+        launch
+            .arg(&x)
+            .arg(&r)
+            .arg(&w)
+            .arg(&b)
+            .arg(&has_bias)
+            .arg(&h)
+            .arg(&y)
+            .arg(&rows)
+            .arg(&n)
+            .arg(&eps)
+            .arg(&remove_mean);
+        // SAFETY: x, residual, h and y hold rows * n `E`, weight (and bias
+        // when read) n; the arguments match `residual_norm_forward_*`.
         unsafe { launch.launch(cfg) }?;
         Ok(())
     }
@@ -897,6 +965,7 @@ mod tests {
             for family in [
                 "attention_backward_delta",
                 "norm_forward",
+                "residual_norm_forward",
                 "norm_backward_rows",
                 "norm_backward_columns",
                 "norm_backward_finish",

@@ -1,6 +1,6 @@
-// LayerNorm/RmsNorm, cross-entropy, SwiGLU and rotary-embedding kernels of
-// src/kernels/layers.cu on the CPU (see shim.h), against double-precision
-// references: grids capped so that grid-stride loops run, the weight and
+// LayerNorm/RmsNorm (alone and after a residual add), cross-entropy, SwiGLU
+// and rotary-embedding kernels of src/kernels/layers.cu on the CPU (see
+// shim.h), against double-precision references: grids capped so that grid-stride loops run, the weight and
 // bias gradients' chunked sums as layers.rs launches them, ignore index,
 // u32 and i64 targets, NaN where PyTorch gives NaN, and the 16-bit types'
 // single rounding. Exits non-zero on any failure.
@@ -91,6 +91,29 @@ template<class T> double swiglu_test(long long n,unsigned cap,unsigned seed,
   return std::max({worst(ry,widen(y)),worst(rdg,widen(dgate)),worst(rdu,widen(dup))});
 }
 
+// residual_norm_forward<T> over [rows, n], grid capped: h must be x +
+// residual rounded once to T, and y bit for bit what norm_forward gives for
+// that h (the unfused pair), itself within tolerance of a double reference.
+template<class T> double residual_norm_test(long long rows,int n,int remove_mean,int has_bias,unsigned cap,unsigned seed,bool* exact){
+  std::mt19937 rng(seed); std::normal_distribution<float> nd(0,1);
+  std::vector<float> xf(rows*n),rf(rows*n),wf(n),bf(n);
+  for(auto&v:xf)v=nd(rng)*2+1; for(auto&v:rf)v=nd(rng); for(auto&v:wf)v=nd(rng); for(auto&v:bf)v=nd(rng);
+  auto x=narrow16<T>(xf), r=narrow16<T>(rf), w=narrow16<T>(wf), b=narrow16<T>(bf);
+  std::vector<T> h(rows*n), y(rows*n), y_unfused(rows*n);
+  float eps=1e-5f; unsigned blocks=std::min<unsigned>((rows+7)/8,cap);
+  launch({blocks,1,1},{256,1,1},[&]{residual_norm_forward<T>(x.data(),r.data(),w.data(),b.data(),has_bias,h.data(),y.data(),rows,n,eps,remove_mean);});
+  launch({blocks,1,1},{256,1,1},[&]{norm_forward<T>(h.data(),w.data(),b.data(),has_bias,y_unfused.data(),rows,n,eps,remove_mean);});
+  auto X=widen(x), R=widen(r), H=widen(h), W=widen(w), B=widen(b), Y=widen(y), YU=widen(y_unfused);
+  *exact=true;
+  for(long long i=0;i<rows*n;i++){
+    if(to_f32(from_f32<T>(X[i]+R[i]))!=H[i] || Y[i]!=YU[i]) *exact=false;
+  }
+  std::vector<double> ry(rows*n);
+  for(long long row=0;row<rows;row++){ double mean=0; if(remove_mean){for(int j=0;j<n;j++)mean+=H[row*n+j]; mean/=n;} double var=0; for(int j=0;j<n;j++){double c=H[row*n+j]-mean; var+=c*c;} var/=n; double rstd=1/sqrt(var+eps);
+    for(int j=0;j<n;j++) ry[row*n+j]=(H[row*n+j]-mean)*rstd*W[j]+(has_bias?B[j]:0);}
+  return worst(ry,Y);
+}
+
 static int failures = 0;
 
 static void expect(bool ok, const char* what) {
@@ -111,6 +134,21 @@ int main() {
                              rows, n, rm, hb, e);
                     expect(e <= 1e-4, what);
                 }
+    for (long long rows : {1LL, 7LL, 33LL, 300LL})
+        for (int n : {1, 5, 32, 33, 100})
+            for (int rm : {0, 1}) {
+                int hb = (int)((rows + n) % 2);
+                unsigned cap = rows % 2 ? 2u : 4096u;
+                bool e32x, ebx, ehx;
+                double e32 = residual_norm_test<float>(rows, n, rm, hb, cap, rows * n + rm, &e32x);
+                double eb = residual_norm_test<bf16>(rows, n, rm, hb, cap, rows * n + rm + 1, &ebx);
+                double eh = residual_norm_test<f16>(rows, n, rm, hb, cap, rows * n + rm + 2, &ehx);
+                snprintf(what, sizeof what,
+                         "residual norm rows %lld, n %d, remove_mean %d, bias %d: error f32 %g, bf16 %g, "
+                         "f16 %g; equal to the unfused pair %d %d %d",
+                         rows, n, rm, hb, e32, eb, eh, e32x, ebx, ehx);
+                expect(e32 <= 1e-4 && eb <= 4e-3 && eh <= 5e-4 && e32x && ebx && ehx, what);
+            }
     for (long long V : {1LL, 3LL, 256LL, 300LL, 1000LL}) {
         long long rows = 5;
         std::vector<long long> t = {0, V - 1, -100, V / 2, 0};
@@ -154,7 +192,8 @@ int main() {
             expect(e32 <= 1e-6 && eb <= 4e-3 && eh <= 5e-4, what);
         }
     }
-    printf("norms, cross-entropy, SwiGLU and rotary embeddings on the CPU: %s\n",
+    printf("norms (alone and after a residual add), cross-entropy, SwiGLU and rotary embeddings on "
+           "the CPU: %s\n",
            failures ? "FAILED" : "ok");
     return failures ? 1 : 0;
 }

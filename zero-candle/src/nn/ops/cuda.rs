@@ -347,6 +347,45 @@ pub(crate) fn norm_forward(
     })
 }
 
+/// `(h, y)`: `h = x + residual` and `y` the norm of `h`, in one kernel.
+pub(crate) fn residual_norm_forward(
+    x: Arg,
+    residual: Arg,
+    weight: Arg,
+    bias: Option<Arg>,
+    eps: f64,
+    remove_mean: bool,
+) -> Result<(CudaStorage, CudaStorage)> {
+    const OP: &str = "LayerNorm after a residual add";
+    let device = x.0.device.clone();
+    by_dtype!(x.0.dtype(), OP, |T| {
+        let input = view::<T>(OP, "the input", x)?;
+        let residual = view::<T>(OP, "the residual", residual)?;
+        let weight = view::<T>(OP, "the weight", weight)?;
+        let bias = bias.map(|b| view::<T>(OP, "the bias", b)).transpose()?;
+        let len = input.len();
+        let mut h = alloc_out::<T>(&device, len)?;
+        let mut y = alloc_out::<T>(&device, len)?;
+        launch_on(OP, x, |kernels, stream| {
+            kernels.residual_norm_forward(
+                stream,
+                normalization(remove_mean),
+                eps as f32,
+                &input,
+                &residual,
+                &weight,
+                bias.as_ref().map(|b| b as &dyn DevicePtr<T>),
+                &mut out(&mut h, len),
+                &mut out(&mut y, len),
+            )
+        })?;
+        Ok((
+            CudaStorage::wrap_cuda_slice(h, device.clone()),
+            CudaStorage::wrap_cuda_slice(y, device),
+        ))
+    })
+}
+
 #[allow(clippy::type_complexity)]
 pub(crate) fn norm_backward(
     x: Arg,

@@ -63,6 +63,17 @@ pub(crate) fn norm_forward(
     no_cuda()
 }
 
+pub(crate) fn residual_norm_forward(
+    _x: Arg,
+    _residual: Arg,
+    _weight: Arg,
+    _bias: Option<Arg>,
+    _eps: f64,
+    _remove_mean: bool,
+) -> Result<(CudaStorage, CudaStorage)> {
+    no_cuda()
+}
+
 #[allow(clippy::type_complexity)]
 pub(crate) fn norm_backward(
     _x: Arg,
