@@ -10,6 +10,7 @@ mod gpu_gpt;
 #[cfg(feature = "nccl")]
 mod gpu_layers;
 mod hf;
+mod hybrid;
 pub mod largest;
 mod layers;
 mod memory;
@@ -88,6 +89,7 @@ pub fn main() {
         "memory",
         "precision",
         "stage3",
+        "hybrid",
         "checkpoint",
         "gpt",
         "hf",
@@ -125,12 +127,13 @@ pub fn main() {
             "hf" if !under_mpirun => hf::run(&mut report),
             "precision" if !under_mpirun => precision::run(&mut report),
             "stage3" if !under_mpirun => stage3::run(&mut report),
+            "hybrid" if !under_mpirun => hybrid::run(&mut report),
             "checkpoint" if !under_mpirun => checkpoint::run(&mut report),
             "gpu" | "gpu-zero" | "gpu-headline" | "gpu-largest" | "gpu-hub" => {
                 gpu_suite(name, &mut report)
             }
-            "optim" | "step" | "overlap" | "memory" | "precision" | "stage3" | "checkpoint"
-            | "gpt" | "hf" => {}
+            "optim" | "step" | "overlap" | "memory" | "precision" | "stage3" | "hybrid"
+            | "checkpoint" | "gpt" | "hf" => {}
             other => {
                 eprintln!(
                     "unknown benchmark suite {other:?}; expected one of {all:?}, or gpu-zero, \
