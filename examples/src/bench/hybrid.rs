@@ -44,7 +44,13 @@ fn measure(group: Option<usize>) -> Result<(f64, f64), String> {
         let comm = Delayed::between_machines(comm, MACHINE, FAST, SLOW);
         let mut config = EngineConfig::default().with_stage(Stage::Parameters);
         config.shard_group = group;
-        train(comm, config, (&WIDTHS, BATCH, STEPS), false, Delayed::slow_bytes)
+        train(
+            comm,
+            config,
+            (&WIDTHS, BATCH, STEPS),
+            false,
+            Delayed::slow_bytes,
+        )
     });
     let mut time = None;
     let mut bytes = 0.0;
@@ -89,8 +95,18 @@ pub fn run(report: &mut Report) {
     let r = n / g;
     let expected = [2.0 * m * (n - 1.0) / n * p, n * 2.0 * (r - 1.0) / r * p / g];
     for (i, name) in ["full", "hybrid"].iter().enumerate() {
-        report.add(&format!("hybrid.{name}_step_ms"), medians[i] * 1e3, "ms", None);
-        report.add(&format!("hybrid.{name}_slow_mb"), bytes[i] / 1e6, "MB/step", None);
+        report.add(
+            &format!("hybrid.{name}_step_ms"),
+            medians[i] * 1e3,
+            "ms",
+            None,
+        );
+        report.add(
+            &format!("hybrid.{name}_slow_mb"),
+            bytes[i] / 1e6,
+            "MB/step",
+            None,
+        );
         report.add(
             &format!("hybrid.{name}_slow_over_ring_formula"),
             bytes[i] / expected[i],
