@@ -597,8 +597,7 @@ impl EngineConfig {
         let interleaved = self.overlap == Overlap::Interleaved;
         let stage3 = self.stage == Stage::Parameters;
         // Each combination refused, with what to do instead.
-        let hybrid = self.shard_group.is_some();
-        let refused: [(bool, &str); 14] = [
+        let refused: [(bool, &str); 10] = [
             (
                 self.bucket_bytes == 0,
                 "bucket_bytes is 0; use a positive size such as 4 MiB",
@@ -654,30 +653,13 @@ impl EngineConfig {
                 "offload moves the optimizer's shard to host memory, and stage 0 has no shard \
                  (every rank steps the whole model); use stage 1, 2 or 3 with offload",
             ),
-            (
-                self.shard_group == Some(0),
-                "shard_group is 0; give the ranks of one group (such as the GPUs of one machine), \
-                 or leave it unset to shard over every rank",
-            ),
-            (
-                hybrid && self.stage == Stage::Ddp,
-                "shard_group shards the state within groups of ranks, and stage 0 shards nothing; \
-                 use stage 1, 2 or 3 with shard_group",
-            ),
-            (
-                hybrid && interleaved,
-                "the interleaved overlap steps each bucket as it is reduced within the group, \
-                 before it is averaged across the groups; use overlap after-backward (the \
-                 default) with shard_group",
-            ),
-            (
-                hybrid && self.offload == Offload::Optimizer,
-                "offload with shard_group is not supported yet: the offloaded step runs during \
-                 backward, before the gradients are averaged across the groups; leave one of \
-                 them off",
-            ),
         ];
-        if let Some((_, why)) = refused.iter().find(|(refuse, _)| *refuse) {
+        let with_groups = self.refused_with_groups();
+        if let Some((_, why)) = refused
+            .iter()
+            .chain(&with_groups)
+            .find(|(refuse, _)| *refuse)
+        {
             return Err(Error::Config((*why).into()));
         }
         if let Some(clip) = &self.clip {
@@ -689,5 +671,34 @@ impl EngineConfig {
             }
         }
         Ok(())
+    }
+
+    /// What [`EngineConfig::shard_group`] refuses, with what to do instead.
+    fn refused_with_groups(&self) -> [(bool, &'static str); 4] {
+        let hybrid = self.shard_group.is_some();
+        [
+            (
+                self.shard_group == Some(0),
+                "shard_group is 0; give the ranks of one group (such as the GPUs of one machine), \
+                 or leave it unset to shard over every rank",
+            ),
+            (
+                hybrid && self.stage == Stage::Ddp,
+                "shard_group shards the state within groups of ranks, and stage 0 shards nothing; \
+                 use stage 1, 2 or 3 with shard_group",
+            ),
+            (
+                hybrid && self.overlap == Overlap::Interleaved,
+                "the interleaved overlap steps each bucket as it is reduced within the group, \
+                 before it is averaged across the groups; use overlap after-backward (the \
+                 default) with shard_group",
+            ),
+            (
+                hybrid && self.offload == Offload::Optimizer,
+                "offload with shard_group is not supported yet: the offloaded step runs during \
+                 backward, before the gradients are averaged across the groups; leave one of \
+                 them off",
+            ),
+        ]
     }
 }

@@ -13,6 +13,7 @@
 //! [`EngineConfig::shard_group`]: crate::engine::EngineConfig::shard_group
 
 use crate::comm::Communicator;
+use crate::engine::EngineConfig;
 use crate::{Error, Result};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -28,16 +29,18 @@ pub(super) struct ShardGroups<C> {
     pub replicas: C,
 }
 
-/// Splits `world` into groups of `size` consecutive ranks: the group's
-/// communicator, and the groups (`None` for one group of every rank). A
-/// collective: every rank passes the same size (the configuration check
-/// made sure of it).
+/// Splits `world` into groups of `config.shard_group` consecutive ranks:
+/// the group's communicator, and the groups (`None` for one group of every
+/// rank). A collective: every rank passes the same configuration (the rank
+/// check made sure of it), validated first, so that a bad one starts no
+/// collective.
 pub(super) fn split<C: Communicator>(
     world: C,
-    size: Option<usize>,
+    config: &EngineConfig,
 ) -> Result<(C, Option<ShardGroups<C>>)> {
+    config.validate()?;
     let n = world.world_size();
-    let size = match size {
+    let size = match config.shard_group {
         Some(size) if size < n => size,
         _ => return Ok((world, None)),
     };

@@ -281,8 +281,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         config: EngineConfig,
     ) -> Result<Self> {
         check_rank_consistency(&comm, &params, &config, optimizer.as_ref())?;
-        config.validate()?;
-        let (comm, groups) = groups::split(comm, config.shard_group)?;
+        let (comm, groups) = groups::split(comm, &config)?;
         let ShardSetup {
             index,
             group_of,
