@@ -295,22 +295,66 @@ fn checkpoints_load_across_group_sizes_and_world_sizes() {
     assert_eq!(rank_files, 2);
 }
 
+/// A background save in groups: the files of a blocking one, bitwise;
+/// completed on every rank; a failure of the first group's writes is every
+/// rank's error.
 #[test]
-fn what_groups_do_not_support_yet_is_refused_clearly() {
+fn background_saves_in_groups_write_the_blocking_save_s_files() {
     let model = Synthetic::medium();
-    let dir = tempfile::tempdir().unwrap();
+    let (blocking, background) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     let out = run(WORLD, |comm| {
-        let config = config(Stage::Gradients, Some(2));
-        let mut e = engine(comm, &model, make_opt(Opt::Sgd, false), config)?;
+        let rank = comm.rank();
+        let mut e = engine(
+            comm,
+            &model,
+            make_opt(Opt::Adam, false),
+            config(Stage::Gradients, Some(2)),
+        )?;
         let mut params = model.init();
+        for s in 0..4 {
+            e.step(&slots(&model.grads(&params, rank, s)), &mut params)?;
+        }
         let options = SaveOptions::default();
-        Ok(e.save_checkpoint_async(dir.path(), &mut params, &options)
-            .unwrap_err()
-            .to_string())
+        e.save_checkpoint(blocking.path(), &mut params, &options)?;
+        assert_eq!(
+            e.save_checkpoint_async(background.path(), &mut params, &options)?,
+            None
+        );
+        let saved = e.wait_checkpoint()?.expect("every rank completes the save");
+        assert_eq!(saved.dir, background.path());
+        // A failing write on rank 1 (of the first group).
+        let failing = SaveOptions {
+            fail_after: Some((1, 16)),
+            ..SaveOptions::default()
+        };
+        let broken = background.path().join("broken");
+        e.save_checkpoint_async(&broken, &mut params, &failing)?;
+        Ok(e.wait_checkpoint().unwrap_err().to_string())
     });
-    for m in out {
-        assert!(m.contains("with shard_group is not supported yet"), "{m}");
+    for (rank, message) in out.iter().enumerate() {
+        assert!(message.contains("injected write failure"), "{message}");
+        if rank != 1 {
+            assert!(message.contains("failed on rank 1"), "{message}");
+        }
     }
+    let files = |dir: &std::path::Path| {
+        let mut names = common::listing(dir);
+        names.retain(|n| n.ends_with(".safetensors"));
+        names
+            .iter()
+            .map(|n| std::fs::read(dir.join(n)).unwrap())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(files(background.path()), files(blocking.path()));
+    assert_eq!(
+        common::listing(background.path()).len(),
+        common::listing(blocking.path()).len() + 1
+    );
+}
+
+#[test]
+fn interleaved_overlap_is_refused_with_groups() {
+    let model = Synthetic::medium();
     let interleaved = EngineConfig::default()
         .with_shard_group(2)
         .with_overlap(zero_core::engine::Overlap::Interleaved);

@@ -103,16 +103,6 @@ pub(super) fn in_group<C: Communicator>(
     })
 }
 
-/// Refuses `what` with shard groups: not supported yet.
-pub(super) fn refuse<C>(groups: &Option<ShardGroups<C>>, what: &str, instead: &str) -> Result<()> {
-    match groups {
-        Some(_) => Err(Error::Config(format!(
-            "{what} with shard_group is not supported yet; {instead}"
-        ))),
-        None => Ok(()),
-    }
-}
-
 impl<C: Communicator> ShardGroups<C> {
     /// Whether this rank's group is the first: the one that writes what
     /// every group holds alike (a checkpoint).

@@ -20,7 +20,7 @@ use std::thread::JoinHandle;
 /// written and the manifest, its commit point, is in place. Given back on
 /// every rank by [`Engine::wait_checkpoint`](crate::Engine::wait_checkpoint)
 /// and the calls that complete a save.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct SavedCheckpoint {
     /// The directory saved into.
     pub dir: PathBuf,
@@ -69,6 +69,9 @@ enum Writer<T> {
 /// buffers of the last one, kept for the next.
 pub(in crate::engine) struct BackgroundSave<T> {
     in_flight: Option<(Pending, Writer<T>)>,
+    /// With shard groups, on the ranks of the groups but the first: the
+    /// directory of the save the first group writes, in flight.
+    elsewhere: Option<PathBuf>,
     /// Rank 0's model data, back from the last writer.
     model_values: Vec<T>,
     /// This rank's optimizer state, back from the last writer.
@@ -79,6 +82,7 @@ impl<T> Default for BackgroundSave<T> {
     fn default() -> Self {
         Self {
             in_flight: None,
+            elsewhere: None,
             model_values: Vec::new(),
             state: OptimizerState {
                 params: Default::default(),
@@ -91,7 +95,13 @@ impl<T: Element> BackgroundSave<T> {
     /// Whether a save is in flight (the same on every rank: saves are
     /// collectives).
     pub fn in_flight(&self) -> bool {
-        self.in_flight.is_some()
+        self.in_flight.is_some() || self.elsewhere.is_some()
+    }
+
+    /// A save into `dir` that another group writes is in flight: this rank
+    /// only takes part in completing it.
+    pub fn start_elsewhere(&mut self, dir: &Path) {
+        self.elsewhere = Some(dir.to_path_buf());
     }
 
     /// Whether this rank's writer is done (or never started), so that
@@ -143,13 +153,31 @@ impl<T: Element> BackgroundSave<T> {
     /// Completes the save in flight: joins this rank's writer, agrees with
     /// the other ranks on the outcome, and writes the manifest on rank 0
     /// (collectives, on the main thread); `None` if no save is in flight.
-    pub fn complete<C: Communicator>(&mut self, comm: &C) -> Result<Option<SavedCheckpoint>> {
-        let Some((pending, written)) = self.join() else {
-            return Ok(None);
+    pub fn complete<C: Communicator>(
+        &mut self,
+        comm: &C,
+        world: Option<&C>,
+    ) -> Result<Option<SavedCheckpoint>> {
+        let (dir, local) = match (self.elsewhere.take(), self.join()) {
+            (Some(dir), _) => (dir, Ok(None)),
+            (None, Some((pending, written))) => {
+                let dir = pending.dir.clone();
+                let manifest = pending.commit(comm, written, "the background save");
+                let saved = manifest.map(|manifest| SavedCheckpoint {
+                    dir: dir.clone(),
+                    manifest,
+                });
+                (dir, saved.map(Some))
+            }
+            (None, None) => return Ok(None),
         };
-        let dir = pending.dir.clone();
-        let manifest = pending.commit(comm, written, "the background save")?;
-        Ok(Some(SavedCheckpoint { dir, manifest }))
+        match world {
+            // Shard groups: the first group's outcome is every rank's.
+            Some(world) => {
+                crate::engine::groups::agree(world, local, &dir, "the background save").map(Some)
+            }
+            None => local,
+        }
     }
 
     /// Waits for this rank's writer and returns the save with the files it

@@ -163,11 +163,15 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         weights: &mut M::Params<'_>,
         options: &SaveOptions,
     ) -> Result<Option<SavedCheckpoint>> {
-        groups::refuse(&self.groups, "save_checkpoint_async", "use save_checkpoint")?;
         self.finish_gathers()?;
         self.window.refuse_mid("save_checkpoint_async")?;
         let previous = self.wait_checkpoint()?;
         let dir = dir.as_ref();
+        // With shard groups the first group writes; the others wait for it.
+        if !self.groups.as_ref().map_or(true, ShardGroups::first) {
+            self.background.start_elsewhere(dir);
+            return Ok(previous);
+        }
         self.with_shard_home(|engine| {
             let (save, background) = Save::with_background(engine);
             save.start_snapshot(dir, weights, options, background)
@@ -190,7 +194,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         if busy[0] > 0.0 {
             return Ok(None);
         }
-        self.background.complete(&*self.comm)
+        self.wait_checkpoint()
     }
 
     /// Waits for the background save in flight on every rank and completes
@@ -204,7 +208,8 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// [`StepCheckpoints`](crate::checkpoint::StepCheckpoints)' `latest`)
     /// is untouched.
     pub fn wait_checkpoint(&mut self) -> Result<Option<SavedCheckpoint>> {
-        self.background.complete(&*self.comm)
+        let world = self.groups.as_ref().map(|g| &*g.world);
+        self.background.complete(&*self.comm, world)
     }
 
     /// Loads a sharded checkpoint saved at any world size, stage and
