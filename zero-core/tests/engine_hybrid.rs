@@ -7,11 +7,12 @@ mod common;
 
 use common::{
     assert_close, engine, hooked_micro_step, make_opt, reference_trajectory, run, slots, Model,
-    Opt, Synthetic,
+    Opt, PlanCheck, Synthetic, TestMemory,
 };
+use std::sync::Arc;
 use zero_core::checkpoint::StateDict;
-use zero_core::engine::{EngineConfig, Stage};
-use zero_core::{Communicator, Error, SaveOptions};
+use zero_core::engine::{EngineConfig, Offload, OffloadMemory, Stage};
+use zero_core::{Communicator, Engine, Error, SaveOptions, ThreadComm};
 
 const WORLD: usize = 4;
 const STEPS: usize = 3;
@@ -35,28 +36,65 @@ fn config(stage: Stage, group: Option<usize>) -> EngineConfig {
 fn trajectories(stage: Stage, group: Option<usize>, hooked: bool) -> Vec<Vec<Vec<Vec<f64>>>> {
     let model = Synthetic::medium();
     run(WORLD, |comm| {
-        let rank = comm.rank();
-        let mut e = engine(
-            comm,
-            &model,
-            make_opt(Opt::Adam, false),
-            config(stage, group),
-        )?;
-        let mut params = model.init();
-        let mut out = Vec::new();
-        for s in 0..STEPS {
-            let first = model.grads(&params, rank, 2 * s);
-            e.accumulate(&slots(&first))?;
-            let second = model.grads(&params, rank, 2 * s + 1);
-            if hooked {
-                hooked_micro_step(&mut e, &second, &mut params)?;
-            } else {
-                e.step(&slots(&second), &mut params)?;
-            }
-            out.push(params.clone());
-        }
-        Ok(out)
+        let config = config(stage, group);
+        let e = engine(comm, &model, make_opt(Opt::Adam, false), config)?;
+        train(e, hooked)
     })
+}
+
+/// [`trajectories`] on the engine `e`.
+fn train<M: TestMemory>(
+    mut e: Engine<f64, ThreadComm, M>,
+    hooked: bool,
+) -> zero_core::Result<Vec<Vec<Vec<f64>>>> {
+    let model = Synthetic::medium();
+    let rank = e.comm().rank();
+    let mut params = model.init();
+    let mut out = Vec::new();
+    for s in 0..STEPS {
+        let first = model.grads(&params, rank, 2 * s);
+        e.accumulate(&slots(&first))?;
+        let second = model.grads(&params, rank, 2 * s + 1);
+        if hooked {
+            hooked_micro_step(&mut e, &second, &mut params)?;
+        } else {
+            e.step(&slots(&second), &mut params)?;
+        }
+        out.push(params.clone());
+    }
+    Ok(out)
+}
+
+/// Offloaded (the shards in host memory, over a device posing as one with
+/// a communication thread and as one with a stream), groups train full
+/// sharding's weights.
+#[test]
+fn offloaded_groups_train_the_weights_of_full_sharding() {
+    let model = Synthetic::medium();
+    for stage in [Stage::Gradients, Stage::Parameters] {
+        let full = trajectories(stage, None, true);
+        for inline in [false, true] {
+            let offloaded = run(WORLD, |comm| {
+                let device = PlanCheck::new(Arc::default(), inline);
+                let config = config(stage, Some(2)).with_offload(Offload::Optimizer, 2);
+                let opt = make_opt(Opt::Adam, false);
+                let e = Engine::with_memory(
+                    comm,
+                    OffloadMemory::new(device),
+                    model.infos(),
+                    opt,
+                    config,
+                )?;
+                train(e, true)
+            });
+            for (rank, (o, f)) in offloaded.iter().zip(&full).enumerate() {
+                for s in 0..STEPS {
+                    let at = format!("{stage:?} inline {inline} rank {rank} step {s}");
+                    assert_close(&o[s], &f[s], 1e-12, &at);
+                }
+            }
+        }
+    }
 }
 
 #[test]

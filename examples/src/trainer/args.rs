@@ -240,7 +240,7 @@ pub struct Args {
     pub bucket_mb: f64,
     /// When gradient reductions run: overlapped with backward or after it
     /// [default: interleaved with `--offload optimizer` at stage 1 or 2
-    /// without clipping or loss scaling (the host steps each bucket as it
+    /// without clipping, loss scaling or `--shard-group` (the host steps each bucket as it
     /// lands, beside backward), after-backward otherwise].
     #[arg(long, value_enum)]
     pub overlap: Option<OverlapArg>,

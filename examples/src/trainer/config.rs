@@ -230,8 +230,10 @@ fn lr_decay_name(decay: LrDecayArg) -> String {
 /// after it), after-backward otherwise.
 pub fn overlap(args: &Args) -> OverlapArg {
     args.overlap.unwrap_or_else(|| {
+        // Shard groups average the gradients across groups after backward.
         let steps_early = args.offload == OffloadArg::Optimizer
             && matches!(args.stage, 1 | 2)
+            && args.shard_group.is_none()
             && args.clip_norm.is_none()
             && loss_scale(args).unwrap_or_default() == LossScale::None;
         if steps_early {

@@ -674,7 +674,7 @@ impl EngineConfig {
     }
 
     /// What [`EngineConfig::shard_group`] refuses, with what to do instead.
-    fn refused_with_groups(&self) -> [(bool, &'static str); 4] {
+    fn refused_with_groups(&self) -> [(bool, &'static str); 3] {
         let hybrid = self.shard_group.is_some();
         [
             (
@@ -692,12 +692,6 @@ impl EngineConfig {
                 "the interleaved overlap steps each bucket as it is reduced within the group, \
                  before it is averaged across the groups; use overlap after-backward (the \
                  default) with shard_group",
-            ),
-            (
-                hybrid && self.offload == Offload::Optimizer,
-                "offload with shard_group is not supported yet: the offloaded step runs during \
-                 backward, before the gradients are averaged across the groups; leave one of \
-                 them off",
             ),
         ]
     }

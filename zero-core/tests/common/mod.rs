@@ -484,3 +484,7 @@ impl TestMemory for HostMemory {
 impl TestMemory for OffloadMemory<HostMemory> {
     type G = Self::Gathers;
 }
+
+impl TestMemory for OffloadMemory<PlanCheck> {
+    type G = Self::Gathers;
+}
