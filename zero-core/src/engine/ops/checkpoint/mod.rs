@@ -168,7 +168,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         let previous = self.wait_checkpoint()?;
         let dir = dir.as_ref();
         // With shard groups the first group writes; the others wait for it.
-        if !self.groups.as_ref().map_or(true, ShardGroups::first) {
+        if self.groups.as_ref().is_some_and(|g| !g.first()) {
             self.background.start_elsewhere(dir);
             return Ok(previous);
         }
