@@ -3,7 +3,7 @@
 //!
 //! `cargo run --release -p zero-examples --bin train -- --model gpt --sample 300 --plot loss.png`
 
-use zero_examples::trainer::{self, Args, Outcome, TrainError};
+use zero_examples::trainer::{self, Args, Backend, Outcome, TrainError};
 
 /// Counts what the process allocates (`--metrics`' `peak_heap_bytes`,
 /// `bench memory`).
@@ -30,7 +30,8 @@ fn main() {
             // A preempted run is unfinished: a restart loop or a Kubernetes
             // Job must not see a success.
             if let Outcome::Preempted { step, checkpoint } = &summary.outcome {
-                if summary.rank == 0 {
+                // Under MPI, rank 0 said it before the ranks' last barrier.
+                if summary.rank == 0 && args.backend != Backend::Mpi {
                     let argv = std::env::args_os();
                     let message =
                         trainer::preempted_message(&args, *step, checkpoint.as_deref(), argv);

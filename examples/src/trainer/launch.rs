@@ -176,7 +176,22 @@ fn run_mpi(
         .ok_or_else(|| TrainError::Internal("this rank is missing from its own world".into()))?;
     let preemption = preemption(comm.rank());
     match train_rank(args, comm, data, &preemption) {
-        Ok(summary) => Ok(summary),
+        Ok(summary) => {
+            // A preempted job ends non-zero on every rank, and mpirun ends
+            // the job at the first such exit: rank 0 says where it saved
+            // before any rank may leave.
+            if let super::Outcome::Preempted { step, checkpoint } = &summary.outcome {
+                if summary.rank == 0 {
+                    let argv = std::env::args_os();
+                    eprintln!(
+                        "{}",
+                        super::preempted_message(args, *step, checkpoint.as_deref(), argv)
+                    );
+                }
+                keeper.barrier()?;
+            }
+            Ok(summary)
+        }
         Err(e) => keeper.abort(&e.to_string()),
     }
 }

@@ -102,6 +102,12 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// gradients are not part of a checkpoint): finish the step first. A
     /// background save in flight ([`Engine::save_checkpoint_async`]) is
     /// completed first, and its failure returned.
+    ///
+    /// With shard groups ([`EngineConfig::shard_group`]) the first group
+    /// writes it, as a world of one group would (every group holds the same
+    /// state), and every rank returns its outcome; background saves alike.
+    ///
+    /// [`EngineConfig::shard_group`]: crate::engine::EngineConfig::shard_group
     pub fn save_checkpoint(
         &mut self,
         dir: impl AsRef<Path>,
