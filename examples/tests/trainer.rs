@@ -99,6 +99,8 @@ fn shard_group_node_reads_the_launcher_and_bad_groups_are_usage_errors() {
     }
     assert_eq!(shard_group(&mpi("3"), |_| None).unwrap(), Some(3));
     assert_eq!(shard_group(&args(&[]), |_| None).unwrap(), None);
+    let one_thread = args(&["--world-size", "1", "--shard-group", "node"]);
+    assert_eq!(shard_group(&one_thread, |_| None).unwrap(), None);
     for (group, says) in [
         ("node", "did not say"),
         ("0", "a number of ranks"),

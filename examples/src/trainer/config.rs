@@ -3,8 +3,8 @@
 //! variables come from.
 
 use super::{
-    Args, Dataset, GptConfig, LrDecayArg, ModelKind, OffloadArg, OverlapArg, PartitionerArg,
-    Precision, TrainError, TrainingData,
+    Args, Backend, Dataset, GptConfig, LrDecayArg, ModelKind, OffloadArg, OverlapArg,
+    PartitionerArg, Precision, TrainError, TrainingData,
 };
 use clap::ValueEnum;
 use zero_candle::ShardedVarMap;
@@ -382,8 +382,8 @@ pub fn shard_group(
         .find_map(|name| var(name).and_then(|v| v.trim().parse::<usize>().ok()));
     match local {
         Some(ranks) if ranks > 0 => Ok(Some(ranks)),
-        // Threads (or a launcher that says nothing): one machine.
-        _ if args.ranks_in_process() > 1 => Ok(None),
+        // Ranks as threads of this process: one machine, one group.
+        _ if matches!(args.backend, Backend::Threads | Backend::CudaThreads) => Ok(None),
         _ => Err(TrainError::Usage(format!(
             "--shard-group node: the launcher did not say how many ranks run on each machine \
              (none of {}); give the number instead",
