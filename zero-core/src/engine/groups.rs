@@ -72,10 +72,6 @@ pub(super) fn split<C: Communicator>(
 
 /// The communicator of every rank: `comm` itself without groups.
 pub(super) fn world<'a, C>(comm: &'a Arc<C>, groups: &'a Option<ShardGroups<C>>) -> &'a C {
-    world_of(comm, groups)
-}
-
-fn world_of<'a, C>(comm: &'a C, groups: &'a Option<ShardGroups<C>>) -> &'a C {
     groups.as_ref().map_or(comm, |g| &g.world)
 }
 
@@ -83,12 +79,12 @@ fn world_of<'a, C>(comm: &'a C, groups: &'a Option<ShardGroups<C>>) -> &'a C {
 /// `None` when it is in another group; an error naming `op` when the world
 /// has no such rank.
 pub(super) fn in_group<C: Communicator>(
-    group: &C,
+    group: &Arc<C>,
     groups: &Option<ShardGroups<C>>,
     rank: usize,
     op: &'static str,
 ) -> Result<Option<usize>> {
-    let world_size = world_of(group, groups).world_size();
+    let world_size = world(group, groups).world_size();
     if rank >= world_size {
         return Err(Error::InvalidRank {
             op,

@@ -189,7 +189,7 @@ where
         // With shard groups, `root`'s group streams (each holds every
         // piece); the others have nothing to do.
         let group =
-            crate::engine::groups::in_group(&*self.comm, &self.groups, root, "stream_params")?;
+            crate::engine::groups::in_group(&self.comm, &self.groups, root, "stream_params")?;
         if let Some(&p) = params.iter().find(|&&p| p >= self.params.len()) {
             return Err(Error::Config(format!(
                 "stream_params: parameter #{p} does not exist (there are {})",

@@ -36,7 +36,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     pub fn consolidate_state_dict(&mut self, to: usize) -> Result<Option<StateDict<T>>> {
         self.finish_gathers()?;
         // With shard groups, `to`'s group gathers (each holds every piece).
-        match groups::in_group(&*self.comm, &self.groups, to, "consolidate_state_dict")? {
+        match groups::in_group(&self.comm, &self.groups, to, "consolidate_state_dict")? {
             Some(to) => Save::of(self).consolidate(to),
             None => Ok(None),
         }
@@ -53,7 +53,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         let dir = dir.as_ref();
         // With shard groups, `to`'s group writes it (each holds every
         // piece), and its outcome is every rank's.
-        let local = match groups::in_group(&*self.comm, &self.groups, to, "save_consolidated")? {
+        let local = match groups::in_group(&self.comm, &self.groups, to, "save_consolidated")? {
             // (`true`: serialized, `Some(())` would read back as `None`.)
             Some(to) => Save::of(self)
                 .write_consolidated(dir, to)
