@@ -454,7 +454,7 @@ where
     /// `zero_candle`'s stage 3 notes); this gathers them, so it is a
     /// collective there: every rank calls it.
     pub fn full_weights(&self) -> Result<Vec<(String, Tensor)>> {
-        self.engine().wait_for_params()?;
+        self.engine().refresh().wait_all()?;
         crate::stage3::full_weights(self.hook.as_deref(), &self.names, &self.vars)
     }
 

@@ -442,7 +442,7 @@ fn first_step_sees(
         Some(opt.engine().reduction_progress());
     let x = Tensor::ones((3, 6), DType::F32, &Device::Cpu)?;
     opt.backward_step(&mlp.loss(&x)?)?;
-    let buckets = opt.engine().layout().buckets.len();
+    let buckets = opt.engine().sharding().layout().buckets.len();
     let first = seen.lock().unwrap_or_else(PoisonError::into_inner)[0];
     Ok((first - before, buckets))
 }

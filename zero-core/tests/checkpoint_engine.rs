@@ -217,8 +217,8 @@ fn consolidation_gathers_full_state_and_loads_on_every_rank() {
     let out = all(4, |comm| {
         let mut e = engine(comm, mlp(), sgd(0.5, 0.1), config(1, PartitionerKind::Flat));
         e.load_state_dict(&dict).unwrap();
-        assert_eq!(e.optimizer().hyperparams(0)["lr"], 0.1);
-        assert_eq!(e.optimizer().hyperparams(0)["momentum"], 0.99);
+        assert_eq!(e.optimizer().unwrap().hyperparams(0)["lr"], 0.1);
+        assert_eq!(e.optimizer().unwrap().hyperparams(0)["momentum"], 0.99);
         let mut w = weights.clone();
         train(&mut e, &mut w, 3..6);
         w

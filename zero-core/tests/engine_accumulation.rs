@@ -169,7 +169,7 @@ fn adam_step_count_equals_applied_steps() {
                 }
             }
             assert_eq!(e.steps(), steps as u64);
-            let state = e.optimizer().export_state();
+            let state = e.optimizer().unwrap().export_state();
             Ok(state
                 .params
                 .iter()

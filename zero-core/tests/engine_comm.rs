@@ -37,7 +37,7 @@ fn stages_1_and_2_send_exactly_reduce_scatter_plus_all_gather() {
                                 e.step(&slots(&g), &mut params)?;
                                 deltas.push(e.comm().bytes_sent() - before);
                             }
-                            Ok((deltas, e.plan().flat_numel()))
+                            Ok((deltas, e.sharding().plan().flat_numel()))
                         });
                         let n = world as u64;
                         for (rank, (deltas, flat_numel)) in out.iter().enumerate() {
@@ -79,6 +79,7 @@ fn stage_0_all_reduces_every_bucket_and_nothing_else() {
         let before = e.comm().bytes_sent();
         e.step(&slots(&g), &mut params)?;
         let expected: u64 = e
+            .sharding()
             .plan()
             .buckets
             .iter()
@@ -171,7 +172,7 @@ fn ranks_that_own_nothing_do_not_hang() {
                 let out = run(world, |comm| {
                     let rank = comm.rank();
                     let mut e = engine(comm, &model, make_opt(Opt::Adam, false), config.clone())?;
-                    let owned = e.owned_pieces().count();
+                    let owned = e.sharding().owned_pieces().count();
                     let mut params = model.init();
                     let mut traj = Vec::new();
                     for s in 0..steps {

@@ -153,7 +153,7 @@ fn deferred_gathers_give_the_parameters_of_gathers_in_the_step() {
                             for m in 0..micro {
                                 // The next micro-step's forward: after the
                                 // gathers (the layers wait for them).
-                                e.wait_for_params()?;
+                                e.refresh().wait_all()?;
                                 let params = store.lock().unwrap().clone();
                                 let g = model.grads(&params, rank, s * micro + m);
                                 handed_over_step(&mut e, &g, &store)?;
@@ -203,7 +203,7 @@ fn a_deferred_step_returns_before_its_gathers_and_one_with_slots_does_not() {
             let pending = e.refresh().pending();
             let complete_at_return = close(&store.lock().unwrap(), &expected[0]);
             gate.open();
-            e.wait_for_params()?;
+            e.refresh().wait_all()?;
             e.finish_gathers()?;
             let result = store.lock().unwrap().clone();
             // A gradient in a slot (a parameter a plain op reads) keeps

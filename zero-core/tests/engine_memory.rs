@@ -36,13 +36,17 @@ fn after_one_step(
         let g = model.grads(&params, rank, 0);
         e.step(&slots(&g), &mut params)?;
         let tensors: usize = e
-            .optimizer()
+            .optimizer()?
             .export_state()
             .params
             .values()
             .map(|p| p.tensors.values().map(Vec::len).sum::<usize>() * 8)
             .sum();
-        Ok((e.memory_report(), tensors, e.owned_pieces().count()))
+        Ok((
+            e.memory_report(),
+            tensors,
+            e.sharding().owned_pieces().count(),
+        ))
     })
 }
 

@@ -363,7 +363,7 @@ fn offload_sends_a_16_bit_models_weights_up_in_its_dtype() {
                     let none: Vec<Option<HostGrad<'_, f32>>> = vec![None; infos.len()];
                     e.step(&none, &mut replica)?;
                 }
-                let shard: usize = e.layout().buckets.iter().map(|b| b.len()).sum();
+                let shard: usize = e.sharding().layout().buckets.iter().map(|b| b.len()).sum();
                 Ok((replica.0, shard, e.offload_times().packing))
             })
         };
@@ -689,7 +689,7 @@ fn a_step_thread_behind_steps_the_buckets_that_came_meanwhile_together() {
         }
         let none: Vec<Option<HostGrad<'_, f64>>> = vec![None; n];
         e.step(&none, &mut params)?;
-        Ok((params, e.layout().buckets.len()))
+        Ok((params, e.sharding().layout().buckets.len()))
     });
     let (trained, buckets) = trained.into_iter().unzip::<_, _, Vec<_>, Vec<_>>();
     let per_call = per_call.lock().expect("no panic");

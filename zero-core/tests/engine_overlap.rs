@@ -133,7 +133,10 @@ fn after_backward_stages_1_and_2_keep_no_copy_of_the_parameter_shard() {
             let reports = run(2, |comm| {
                 let mut e = engine(comm, &model, make_opt(Opt::Adam, false), config.clone())?;
                 hand_over_steps(&mut e, &model, 2)?;
-                Ok((e.memory_report().params, e.plan().shard_numel * 8))
+                Ok((
+                    e.memory_report().params,
+                    e.sharding().plan().shard_numel * 8,
+                ))
             });
             let (params, shard) = reports[0];
             // The replica is the framework's; only the schedule that steps
@@ -165,7 +168,7 @@ fn a_backward_pass_holds_a_few_bucket_buffers_not_one_per_bucket() {
     let reports = run(2, |comm| {
         let mut e = engine(comm, &model, make_opt(Opt::Adam, false), config.clone())?;
         hand_over_steps(&mut e, &model, 2)?;
-        let layout = e.layout();
+        let layout = e.sharding().layout();
         let longest = (0..layout.buckets.len())
             .map(|k| layout.bucket_range(k).len())
             .max()
@@ -310,4 +313,52 @@ fn stage_0_a_peer_leaving_mid_pass_is_an_error_not_a_hang() {
         "took {:?}: waited for the deadline instead of failing at once",
         started.elapsed()
     );
+}
+
+/// With the interleaved schedule the optimizer steps beside backward: a
+/// learning rate set between `begin_backward` and the step applies from the
+/// next step (this one's buckets may have stepped), exactly as one set right
+/// after the step; meanwhile the engine reports the rate set and refuses to
+/// lend the optimizer out again.
+#[test]
+fn a_learning_rate_set_during_an_interleaved_backward_applies_from_the_next_step() {
+    let model = Synthetic::medium();
+    let (world, steps, changed_at) = (2, 4, 1);
+    let config = EngineConfig::default()
+        .with_stage(Stage::Gradients)
+        .with_bucket_bytes(96)
+        .with_overlap(Overlap::Interleaved);
+    let train = |during_backward: bool| {
+        run(world, |comm| {
+            let rank = comm.rank();
+            let mut e = engine(comm, &model, make_opt(Opt::Sgd, false), config.clone())?;
+            let n = e.params().len();
+            let mut params = model.init();
+            for s in 0..steps {
+                let g = model.grads(&params, rank, s);
+                let order: Vec<(usize, usize)> = (0..n).rev().map(|p| (p, 1)).collect();
+                e.begin_backward(&order, &mut params)?;
+                for p in (0..n).rev() {
+                    e.accumulate_param(p, (&g[p]).into())?;
+                }
+                if during_backward && s == changed_at {
+                    assert!(
+                        e.optimizer().is_err(),
+                        "the optimizer is stepping beside backward"
+                    );
+                    e.set_learning_rate(0.5);
+                    assert_eq!(e.learning_rate(), 0.5);
+                }
+                e.step(&vec![None; n], &mut params)?;
+                if !during_backward && s == changed_at {
+                    e.set_learning_rate(0.5);
+                }
+                assert_eq!(e.optimizer()?.learning_rate(0), e.learning_rate());
+            }
+            assert_eq!(e.learning_rate(), 0.5);
+            Ok(params)
+        })
+    };
+    let (during, after) = (train(true), train(false));
+    assert_eq!(during, after, "bitwise: the same steps at the same rates");
 }

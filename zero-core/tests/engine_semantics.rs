@@ -95,8 +95,8 @@ fn an_added_group_takes_the_constructor_values_not_the_scheduled_ones() {
         e.set_learning_rate(0.01);
         let group = e.add_param_group(&["a.bias"], &Hyperparams::new())?;
         Ok((
-            e.optimizer().learning_rate(0),
-            e.optimizer().learning_rate(group),
+            e.optimizer().unwrap().learning_rate(0),
+            e.optimizer().unwrap().learning_rate(group),
         ))
     });
     for (lr0, lr1) in lrs {
@@ -295,7 +295,7 @@ fn a_bucket_holds_bucket_bytes_whatever_the_world_size() {
                 .with_bucket_bytes(128 * 8);
             let lengths = run(world, |comm| {
                 let e = engine(comm, &model, make_opt(Opt::Adam, false), config.clone())?;
-                let layout = e.layout();
+                let layout = e.sharding().layout();
                 Ok((0..layout.buckets.len())
                     .map(|k| layout.bucket_range(k).len())
                     .collect::<Vec<_>>())

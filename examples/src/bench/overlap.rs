@@ -213,7 +213,7 @@ where
         }
         bytes_per_step = opt.bytes_sent() - sent;
     }
-    let layout = opt.engine().layout();
+    let layout = opt.engine().sharding().layout();
     let longest = (0..layout.buckets.len())
         .map(|k| layout.bucket_range(k).len())
         .max()

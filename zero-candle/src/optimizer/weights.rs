@@ -48,7 +48,7 @@ where
     /// every rank calls it with the same files, and gets the error if rank
     /// 0 cannot write.
     pub(crate) fn write_weights(&mut self, mut files: Vec<WeightsFile<'_>>) -> Result<()> {
-        self.engine().wait_for_params()?;
+        self.engine().refresh().wait_all()?;
         // In each file, the variables' tensors in collective order, then the
         // copied bytes: the order the loop below produces them in.
         for file in &mut files {

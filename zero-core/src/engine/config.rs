@@ -267,7 +267,7 @@ pub struct EngineConfig {
     /// ending the step. Only steps whose every gradient came through hooked
     /// layers defer (a parameter read by a plain op would be read stale).
     /// Between such a step and the next forward the replica is being
-    /// written: read it only after `Engine::wait_for_params` (the engine's
+    /// written: read it only after `engine.refresh().wait_all()` (the engine's
     /// own checkpoints, consolidation and collectives wait themselves), and
     /// issue collectives of your own through the engine, not the
     /// communicator. Off by default.

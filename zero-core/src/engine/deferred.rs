@@ -43,7 +43,7 @@ pub struct Refresh {
     changed: Condvar,
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct RefreshState {
     /// Buckets written so far, in the order they are gathered.
     written: usize,
@@ -53,6 +53,18 @@ struct RefreshState {
     /// The thread is done (every bucket written, or `failure`).
     ended: bool,
     failure: Option<String>,
+}
+
+impl Default for RefreshState {
+    /// Before any step deferred its gathers: nothing to wait for.
+    fn default() -> Self {
+        Self {
+            written: 0,
+            needed: Vec::new(),
+            ended: true,
+            failure: None,
+        }
+    }
 }
 
 impl Refresh {
@@ -77,7 +89,9 @@ impl Refresh {
         }
     }
 
-    /// Waits until every parameter holds the values of the last step.
+    /// Waits until every parameter holds the values of the last step
+    /// (nothing to wait for unless that step deferred its all-gathers).
+    /// Read the parameters outside hooked layers only after this.
     pub fn wait_all(&self) -> Result<()> {
         let mut state = self.lock();
         while !state.ended {
@@ -99,6 +113,7 @@ impl Refresh {
     pub(super) fn start(&self, needed: Vec<usize>) {
         *self.lock() = RefreshState {
             needed,
+            ended: false,
             ..RefreshState::default()
         };
     }

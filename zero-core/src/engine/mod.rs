@@ -46,10 +46,12 @@ mod grads;
 mod groups;
 mod host_buffer;
 mod layout;
+mod lent;
 mod mask;
 mod memory;
 mod offload;
 mod ops;
+mod params;
 mod pass;
 mod precision;
 mod reduce;
@@ -74,6 +76,7 @@ pub use host_buffer::{HostBuffer, HostLock, HostPin, HostRegion, Landing};
 pub use layout::{Layout, Run};
 pub use memory::MemoryReport;
 pub use offload::{host_available_bytes, OffloadGathers, OffloadMemory, OffloadTimes, Placed};
+pub use params::ParamTable;
 pub use precision::CastParams;
 pub use reduce::ReductionProgress;
 pub use scaler::{DynamicLossScale, LossScale};
@@ -83,17 +86,16 @@ pub use shard_memory::{
     HostStepper, HostTransfers, PackedGathers, ParamCopy, ParamStore, ShardMemory, ShardStep,
     StepPiece,
 };
+pub use sharding::Sharding;
 pub use stage3::{FetcherOf, ParamPieceSink};
 pub use state::{SaveOptions, SavedCheckpoint};
 
 use crate::comm::{Communicator, Host, ReduceOp};
-use crate::optim::{FunctionalOptimizer, Hyperparams, ParamKey};
-use crate::partition::{ParamInfo, PartitionPlan, ShardPiece};
+use crate::optim::{FunctionalOptimizer, Hyperparams};
+use crate::partition::{ParamInfo, PartitionPlan};
 use crate::{Element, Error, Result};
 use buffers::{piece_of, window_buffer, Buffers};
 use mask::{mask_over, Trainability};
-use sharding::Sharding;
-use std::collections::BTreeMap;
 use std::ops::Range;
 use std::sync::Arc;
 use window::AccumulationWindow;
@@ -126,10 +128,8 @@ pub struct Engine<T: Element, C: Communicator, M: ShardMemory<T, C> = HostMemory
     groups: Option<groups::ShardGroups<C>>,
     memory: M,
     config: EngineConfig,
-    params: Vec<ParamInfo>,
-    index: BTreeMap<String, usize>,
-    group_of: Vec<usize>,
-    optimizer: Box<dyn FunctionalOptimizer<T>>,
+    params: ParamTable,
+    optimizer: lent::HeldOptimizer<T>,
     /// The partition and what derives from it.
     sharding: Sharding,
     buffers: Buffers<M::Buffer>,
@@ -282,13 +282,8 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     ) -> Result<Self> {
         check_rank_consistency(&comm, &params, &config, optimizer.as_ref())?;
         let (comm, groups) = groups::split(comm, &config)?;
-        let ShardSetup {
-            index,
-            group_of,
-            plan,
-            ..
-        } = ShardSetup::new(
-            &params,
+        let ShardSetup { params, plan, .. } = ShardSetup::new(
+            params,
             &config,
             optimizer.as_mut(),
             comm.world_size(),
@@ -315,7 +310,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         };
         // The plan-derived parts are filled by `install_plan` below.
         let mut engine = Self {
-            sharding: Sharding::new(plan.clone(), 0, &params, &group_of, None),
+            sharding: Sharding::new(plan.clone(), 0, &params, None),
             buffers: Buffers {
                 param_shard: memory.alloc_zeroed(0)?,
                 grad_shard: None,
@@ -345,9 +340,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             groups,
             memory,
             config,
-            index,
-            group_of,
-            optimizer,
+            optimizer: lent::HeldOptimizer::Home(optimizer),
             params,
         };
         engine.install_plan(plan, None)?;
@@ -364,12 +357,12 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         };
         let shard_numel = plan.shard_numel;
         let flat_numel = plan.flat_numel();
-        self.sharding = Sharding::new(plan, plan_rank, &self.params, &self.group_of, order);
+        self.sharding = Sharding::new(plan, plan_rank, &self.params, order);
         // Stage 0 steps the replica itself (`Replica`), unless it
         // keeps master weights (all of them: its plan has one rank); a lean
         // shard is read from the replica as it is stepped.
         self.buffers.param_shard = match stage {
-            Stage::Ddp if !self.has_master_weights() => self.memory.alloc_zeroed(0)?,
+            Stage::Ddp if !self.wire.masters => self.memory.alloc_zeroed(0)?,
             _ if self.lean_shard() => self.memory.alloc_zeroed(0)?,
             _ => shard_memory::alloc_shard(&mut self.memory, shard_numel)?,
         };
@@ -425,30 +418,23 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         &self.config
     }
 
-    /// The parameters, in collective order.
-    pub fn params(&self) -> &[ParamInfo] {
+    /// The parameters, in collective order (a slice of [`ParamInfo`]),
+    /// by name, and their optimizer groups.
+    pub fn params(&self) -> &ParamTable {
         &self.params
     }
 
-    /// The partition plan (in stage 0 a plan over one rank: every rank
-    /// steps everything).
-    pub fn plan(&self) -> &PartitionPlan {
-        &self.sharding.partition
-    }
-
-    /// The bucket-major layout of the plan.
-    pub fn layout(&self) -> &Layout {
-        &self.sharding.layout
-    }
-
-    /// The pieces this rank steps, with their optimizer keys.
-    pub fn owned_pieces(&self) -> impl Iterator<Item = (&ShardPiece, &ParamKey)> {
-        self.sharding.owned.iter().zip(&self.sharding.keys)
+    /// The partition: plan, layout and the pieces this rank steps.
+    pub fn sharding(&self) -> &Sharding {
+        &self.sharding
     }
 
     /// The functional optimizer (hyperparameters; on the host, the state).
-    pub fn optimizer(&self) -> &dyn FunctionalOptimizer<T> {
-        self.optimizer.as_ref()
+    /// Errors between [`Engine::begin_backward`] and the step when the
+    /// step runs beside backward ([`Overlap::Interleaved`]): the optimizer
+    /// is stepping then.
+    pub fn optimizer(&self) -> Result<&dyn FunctionalOptimizer<T>> {
+        self.optimizer.home()
     }
 
     /// Optimizer steps taken so far.
@@ -468,16 +454,6 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         self.window.micro_steps
     }
 
-    /// The index of the parameter named `name`.
-    pub fn param_index(&self, name: &str) -> Option<usize> {
-        self.index.get(name).copied()
-    }
-
-    /// The group of each parameter.
-    pub fn param_groups(&self) -> &[usize] {
-        &self.group_of
-    }
-
     /// What the loss must be multiplied by before backward (`None` without
     /// loss scaling). Adapters do it for you (`zero_candle`'s
     /// `backward_step`); with gradients computed elsewhere, multiply the
@@ -491,11 +467,12 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         self.optimizer.learning_rate(0)
     }
 
-    /// Sets the learning rate of every group.
+    /// Sets the learning rate of every group. Set between
+    /// [`Engine::begin_backward`] and the step when the step runs beside
+    /// backward ([`Overlap::Interleaved`]), it applies from the next step:
+    /// this one's buckets may have stepped already.
     pub fn set_learning_rate(&mut self, lr: f64) {
-        for group in 0..self.optimizer.num_groups() {
-            self.optimizer.set_learning_rate(group, lr);
-        }
+        self.optimizer.set_learning_rate(lr);
     }
 
     /// Adds a parameter group for the named parameters, which leave their
@@ -505,26 +482,18 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// rank must call it alike. Returns the group's index.
     pub fn add_param_group(&mut self, names: &[&str], hyperparams: &Hyperparams) -> Result<usize> {
         self.finish_gathers()?;
-        let mut members = Vec::with_capacity(names.len());
-        for name in names {
-            let Some(&i) = self.index.get(*name) else {
-                return Err(Error::Config(format!(
-                    "add_param_group: {name:?} is not a parameter of the model"
-                )));
-            };
-            members.push(i);
-        }
-        let group = self.optimizer.add_group(hyperparams)?;
-        for i in members {
-            self.group_of[i] = group;
-        }
+        let members = (names.iter())
+            .map(|name| self.params.find(name, "add_param_group"))
+            .collect::<Result<Vec<usize>>>()?;
+        let group = self.optimizer.home_mut()?.add_group(hyperparams)?;
+        self.params.move_to_group(&members, group);
         for (piece, key) in self
             .sharding
             .owned
             .iter()
             .zip(self.sharding.keys.iter_mut())
         {
-            key.group = self.group_of[piece.param];
+            key.group = self.params.groups()[piece.param];
         }
         Ok(group)
     }
@@ -532,11 +501,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// Freezes (`false`) or unfreezes a parameter. Takes effect at the next
     /// step (checked) or at [`Engine::refresh_trainability`] (unchecked).
     pub fn set_trainable(&mut self, name: &str, trainable: bool) -> Result<()> {
-        let Some(&i) = self.index.get(name) else {
-            return Err(Error::Config(format!(
-                "set_trainable: {name:?} is not a parameter of the model"
-            )));
-        };
+        let i = self.params.find(name, "set_trainable")?;
         if trainable && !self.params[i].trainable {
             return Err(Error::Config(format!(
                 "parameter {name:?} was frozen when the optimizer was built and owns no shard; \
@@ -579,7 +544,9 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         self.memory.all_reduce_host(world, values, op)
     }
 
-    /// Bytes this rank holds, per category (in the engine's memory).
+    /// Bytes this rank holds, per category (in the engine's memory; the
+    /// optimizer state counts nothing while the optimizer steps beside
+    /// backward, see [`Engine::optimizer`]).
     pub fn memory_report(&self) -> MemoryReport {
         let size = std::mem::size_of::<T>();
         let len = |b: &Option<M::Buffer>| b.as_ref().map_or(0, M::buffer_len);
@@ -594,7 +561,10 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             .sum();
         let gathers = self.fetcher().map_or(0, |f| f.buffer_bytes());
         let offloaded = |b: &M::Buffer| if M::offloaded(b) { M::buffer_len(b) } else { 0 };
-        let state = self.memory.state_bytes(self.optimizer.as_ref());
+        let state = self
+            .optimizer
+            .home()
+            .map_or(0, |optimizer| self.memory.state_bytes(optimizer));
         MemoryReport {
             offloaded: (offloaded(&self.buffers.param_shard)
                 + self.buffers.grad_shard.as_ref().map_or(0, offloaded))
@@ -770,28 +740,8 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     }
 
     fn check_grads(&self, grads: &[Option<M::Grad<'_>>]) -> Result<()> {
-        if grads.len() != self.params.len() {
-            return Err(Error::Config(format!(
-                "got {} gradient slots for {} parameters; pass one slot per parameter (None to skip)",
-                grads.len(),
-                self.params.len()
-            )));
-        }
-        for (p, g) in self.params.iter().zip(grads) {
-            if let Some(g) = g {
-                let len = M::grad_len(g);
-                if len != p.numel() {
-                    return Err(Error::Config(format!(
-                        "gradient of {:?} has {len} elements, the parameter has {} ({:?}); pass \
-                         each parameter's whole, contiguous gradient in parameter order",
-                        p.name,
-                        p.numel(),
-                        p.shape
-                    )));
-                }
-            }
-        }
-        Ok(())
+        let lens: Vec<Option<usize>> = grads.iter().map(|g| g.as_ref().map(M::grad_len)).collect();
+        self.params.check_grads(&lens)
     }
 
     /// Drops whatever the current window holds (micro-steps accumulated,

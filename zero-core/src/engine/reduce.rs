@@ -6,7 +6,7 @@ use super::shard_memory::deferral;
 use super::worker::Ticket;
 use super::{HostRegion, ShardMemory, ShardStep, Stage, StepPiece};
 use crate::comm::{Communicator, ReduceOp};
-use crate::optim::{FunctionalOptimizer, Hyperparams, OptimizerState, ParamKey, ParamMut};
+use crate::optim::{FunctionalOptimizer, ParamKey};
 use crate::{DType, Element, Error, Result};
 use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -932,55 +932,5 @@ pub(super) fn submit<T: Element, B>(reducer: &mut Reducer<T, B>, job: Job<B>) {
                 returned.lost = true;
             }
         }
-    }
-}
-
-/// Stands in for the optimizer while the communication thread has it (the
-/// engine is lent to the backward pass then, so nothing calls this).
-pub(super) struct LentOptimizer(pub String);
-
-impl LentOptimizer {
-    fn lent() -> Error {
-        Error::State("internal: the optimizer is lent to the communication thread".into())
-    }
-}
-
-impl<T: Element> FunctionalOptimizer<T> for LentOptimizer {
-    fn kind(&self) -> &str {
-        &self.0
-    }
-
-    fn step(&mut self, _: &mut [ParamMut<'_, T>], _: &[Option<&[T]>]) -> Result<()> {
-        Err(Self::lent())
-    }
-
-    fn num_groups(&self) -> usize {
-        0
-    }
-
-    fn add_group(&mut self, _: &Hyperparams) -> Result<usize> {
-        Err(Self::lent())
-    }
-
-    fn hyperparams(&self, _: usize) -> Hyperparams {
-        Hyperparams::new()
-    }
-
-    fn set_hyperparams(&mut self, _: usize, _: &Hyperparams) -> Result<()> {
-        Err(Self::lent())
-    }
-
-    fn learning_rate(&self, _: usize) -> f64 {
-        f64::NAN
-    }
-
-    fn set_learning_rate(&mut self, _: usize, _: f64) {}
-
-    fn export_state(&self) -> OptimizerState<T> {
-        OptimizerState::default()
-    }
-
-    fn import_state(&mut self, _: OptimizerState<T>) -> Result<()> {
-        Err(Self::lent())
     }
 }

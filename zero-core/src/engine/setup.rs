@@ -1,23 +1,20 @@
 //! What every engine derives from its parameters and configuration before
-//! the first step: parameter groups, the partition plan, the bucket-major
+//! the first step: the parameters by name and their groups, the partition plan, the bucket-major
 //! layout and the pieces this rank steps, whatever memory the [`Engine`]'s
 //! buffers live in.
 //!
 //! [`Engine`]: super::Engine
 
-use super::{EngineConfig, Layout, Stage};
+use super::{EngineConfig, Layout, ParamTable, Stage};
 use crate::optim::FunctionalOptimizer;
 use crate::partition::{Interleaved, ParamInfo, PartitionPlan, ShardPiece};
-use crate::{Element, Error, Result};
-use std::collections::BTreeMap;
+use crate::{Element, Result};
 
-/// Parameter groups, plan, layout and owned pieces of one rank.
+/// Parameters, plan, layout and owned pieces of one rank.
 #[derive(Clone, Debug)]
 pub struct ShardSetup {
-    /// Parameter index by name.
-    pub index: BTreeMap<String, usize>,
-    /// The optimizer group of each parameter.
-    pub group_of: Vec<usize>,
+    /// The parameters by name, and their groups.
+    pub params: ParamTable,
     /// The partition plan: over one rank in stage 0 (every rank steps
     /// everything), over the world otherwise.
     pub plan: PartitionPlan,
@@ -34,25 +31,23 @@ impl ShardSetup {
     /// `optimizer` and partitions. Local: run the rank-consistency check
     /// before it, so that every rank fails alike or passes alike.
     pub fn new<T: Element>(
-        params: &[ParamInfo],
+        params: Vec<ParamInfo>,
         config: &EngineConfig,
         optimizer: &mut dyn FunctionalOptimizer<T>,
         world_size: usize,
         rank: usize,
     ) -> Result<Self> {
         config.validate()?;
-        let index = index_params::<T>(params)?;
-        let group_of = assign_groups(params, &index, config, optimizer)?;
+        let params = ParamTable::new(params, config, optimizer)?;
         let (plan_world, plan_rank) = match config.stage {
             Stage::Ddp => (1, 0),
             Stage::OptimizerState | Stage::Gradients | Stage::Parameters => (world_size, rank),
         };
-        let plan = partition::<T>(params, config, plan_world)?;
+        let plan = partition::<T>(&params, config, plan_world)?;
         let layout = Layout::new(&plan);
         let owned = plan.shards[plan_rank].clone();
         Ok(Self {
-            index,
-            group_of,
+            params,
             plan,
             layout,
             plan_rank,
@@ -64,56 +59,6 @@ impl ShardSetup {
     pub fn shard_offset(&self, piece: &ShardPiece) -> usize {
         piece.flat_range.start - self.plan_rank * self.plan.shard_numel
     }
-}
-
-/// The parameters' indices by name; an error for a name given twice or a
-/// trainable parameter the engine's element type cannot step.
-fn index_params<T: Element>(params: &[ParamInfo]) -> Result<BTreeMap<String, usize>> {
-    let mut index = BTreeMap::new();
-    for (i, p) in params.iter().enumerate() {
-        if index.insert(p.name.clone(), i).is_some() {
-            return Err(Error::Config(format!(
-                "parameter name {:?} appears twice; names must be unique",
-                p.name
-            )));
-        }
-        if p.trainable && !super::precision::engine_steps::<T>(p.dtype) {
-            return Err(Error::ParamDType {
-                name: p.name.clone(),
-                param: p.dtype,
-                engine: T::DTYPE,
-            });
-        }
-    }
-    Ok(index)
-}
-
-/// Adds `config.param_groups` to `optimizer`; each parameter's group (0
-/// for those in none).
-fn assign_groups<T: Element>(
-    params: &[ParamInfo],
-    index: &BTreeMap<String, usize>,
-    config: &EngineConfig,
-    optimizer: &mut dyn FunctionalOptimizer<T>,
-) -> Result<Vec<usize>> {
-    let mut group_of = vec![0; params.len()];
-    for spec in &config.param_groups {
-        let group = optimizer.add_group(&spec.hyperparams)?;
-        for name in &spec.params {
-            let Some(&i) = index.get(name) else {
-                return Err(Error::Config(format!(
-                    "parameter group names {name:?}, which is not a parameter of the model"
-                )));
-            };
-            if group_of[i] != 0 {
-                return Err(Error::Config(format!(
-                    "parameter {name:?} is in two parameter groups"
-                )));
-            }
-            group_of[i] = group;
-        }
-    }
-    Ok(group_of)
 }
 
 /// The first partition over `plan_world` ranks.

@@ -2,36 +2,54 @@
 //! this rank's owned pieces and their optimizer keys, and the indices the
 //! hand-over of gradients looks up.
 
-use super::{Layout, ParamCopy, StepPiece};
+use super::{Layout, ParamCopy, ParamTable, StepPiece};
 use crate::checkpoint::{PieceRecord, ShardRecord};
 use crate::optim::ParamKey;
 use crate::partition::{ParamInfo, PartitionPlan, ShardPiece};
 use std::ops::Range;
 
-/// Everything derived from one partition plan; rebuilt whole when the
-/// engine re-partitions (`Engine::plan_in_order`).
-pub(super) struct Sharding {
-    pub partition: PartitionPlan,
-    pub layout: Layout,
+/// The partition as this rank's engine uses it: the plan, its bucket-major
+/// layout, the pieces this rank steps and their optimizer keys. Derived
+/// from one plan, and rebuilt whole when the engine re-partitions (in the
+/// order of the first backward's gradients).
+pub struct Sharding {
+    pub(crate) partition: PartitionPlan,
+    pub(crate) layout: Layout,
     /// This rank's index in the plan (0 in stage 0, whose plan has one rank).
-    pub rank: usize,
-    pub owned: Vec<ShardPiece>,
+    pub(crate) rank: usize,
+    pub(crate) owned: Vec<ShardPiece>,
     /// The owned pieces as copies between the replica and the shard.
-    pub owned_copies: Vec<ParamCopy>,
-    pub keys: Vec<ParamKey>,
+    pub(crate) owned_copies: Vec<ParamCopy>,
+    pub(crate) keys: Vec<ParamKey>,
     /// For each parameter, the indices of its runs in the layout.
-    pub runs_of_param: Vec<Vec<usize>>,
+    pub(crate) runs_of_param: Vec<Vec<usize>>,
     /// For each run, its bucket.
-    pub bucket_of_run: Vec<usize>,
+    pub(crate) bucket_of_run: Vec<usize>,
     /// Elements of the longest bucket (bucket-major).
-    pub longest_bucket: usize,
+    pub(crate) longest_bucket: usize,
     /// The parameter order the plan was built for (`None`: names).
-    pub order: Option<Vec<usize>>,
+    pub(crate) order: Option<Vec<usize>>,
     /// Per bucket, its range of the owned pieces (`pieces_by_bucket`).
     by_bucket: Option<Vec<Range<usize>>>,
 }
 
 impl Sharding {
+    /// The partition plan (in stage 0 a plan over one rank: every rank
+    /// steps everything).
+    pub fn plan(&self) -> &PartitionPlan {
+        &self.partition
+    }
+
+    /// The bucket-major layout of the plan.
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+
+    /// The pieces this rank steps, with their optimizer keys.
+    pub fn owned_pieces(&self) -> impl Iterator<Item = (&ShardPiece, &ParamKey)> {
+        self.owned.iter().zip(&self.keys)
+    }
+
     /// The owned pieces that step now, as shard ranges; neighbours that
     /// both step are merged across the alignment padding between them
     /// (zero in every reduced gradient), so a device takes few launches.
@@ -57,8 +75,7 @@ impl Sharding {
     pub fn new(
         partition: PartitionPlan,
         rank: usize,
-        params: &[ParamInfo],
-        group_of: &[usize],
+        params: &ParamTable,
         order: Option<Vec<usize>>,
     ) -> Self {
         let layout = Layout::new(&partition);
@@ -70,7 +87,7 @@ impl Sharding {
                 ParamKey::new(
                     params[p.param].name.clone(),
                     p.param_range.start,
-                    group_of[p.param],
+                    params.groups()[p.param],
                 )
             })
             .collect();

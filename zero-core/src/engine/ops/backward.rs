@@ -9,7 +9,7 @@ use crate::engine::pass::PassParts;
 use crate::engine::pass::{
     start_inline, start_on_thread, BackwardPass, PassFacts, Runner, Schedule,
 };
-use crate::engine::reduce::{BucketMap, EarlyStep, LentOptimizer, Reducer};
+use crate::engine::reduce::{BucketMap, EarlyStep, Reducer};
 use crate::engine::{Engine, ReductionProgress, ShardMemory};
 use crate::{Element, Error, Result};
 use std::sync::Arc;
@@ -185,8 +185,7 @@ where
             .collect();
         let micro_steps = self.window.micro_steps + 1;
         let stand_in = self.memory.alloc_zeroed(0)?;
-        let kind = self.optimizer.kind().to_string();
-        let optimizer = std::mem::replace(&mut self.optimizer, Box::new(LentOptimizer(kind)));
+        let optimizer = self.optimizer.lend()?;
         let params = std::mem::replace(&mut self.buffers.param_shard, stand_in);
         Ok(EarlyStep {
             optimizer,
@@ -203,7 +202,7 @@ where
 
     /// Takes back what `lend_early_step` lent, and which buckets stepped.
     fn take_back_early(&mut self, early: EarlyStep<T, M::Buffer>) {
-        self.optimizer = early.optimizer;
+        self.optimizer.take_back(early.optimizer);
         self.buffers.param_shard = early.params;
         self.sharding.keys = early.keys;
         self.window.early_stepped = early.stepped;

@@ -3,7 +3,7 @@
 //! `deferred` module).
 
 use crate::comm::Communicator;
-use crate::engine::deferred::{DeferredGathers, Finished, ParamAccess, Refresh};
+use crate::engine::deferred::{Finished, ParamAccess, Refresh};
 use crate::engine::{Engine, ShardMemory, StageState};
 use crate::{Element, Error, Result};
 use std::sync::Arc;
@@ -36,21 +36,10 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     }
 
     /// What layers wait on before reading their parameters after a step
-    /// that deferred its all-gathers.
+    /// that deferred its all-gathers ([`Refresh::wait_all`] for all of
+    /// them).
     pub fn refresh(&self) -> &Arc<Refresh> {
         &self.refresh
-    }
-
-    /// Waits until the replica holds the last step's values (nothing to
-    /// wait for unless that step deferred its all-gathers). Read the
-    /// parameters outside hooked layers only after this.
-    pub fn wait_for_params(&self) -> Result<()> {
-        match &self.stage {
-            StageState::Sharded(DeferredGathers {
-                pending: Some(_), ..
-            }) => self.refresh.wait_all(),
-            _ => Ok(()),
-        }
     }
 
     /// Waits for the last step's deferred all-gathers and takes back what

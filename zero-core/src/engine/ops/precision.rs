@@ -7,12 +7,6 @@ use crate::engine::{Engine, ParamCopy, ShardMemory};
 use crate::{Element, Result};
 
 impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
-    /// Whether this engine keeps master weights: some trainable parameter
-    /// has a narrower dtype than the engine's element type.
-    pub fn has_master_weights(&self) -> bool {
-        self.wire.masters
-    }
-
     /// Makes the next step read the owned pieces of the weights from the
     /// replica again, replacing the master weights: call it after changing
     /// the model's weights by hand (an engine without master weights reads

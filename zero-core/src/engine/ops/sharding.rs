@@ -34,7 +34,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         let fresh = self.steps == 0
             && self.window.micro_steps == 0
             && !self.window.in_full_buffer
-            && self.memory.state_bytes(self.optimizer.as_ref()) == 0
+            && self.memory.state_bytes(self.optimizer.home()?) == 0
             // Master weights loaded from a checkpoint live in this plan's
             // shard.
             && !self.masters_fresh;

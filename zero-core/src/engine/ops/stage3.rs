@@ -229,7 +229,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// Whether the shard, not the replica, holds the truth of the trained
     /// parameters: with master weights, or sharded parameters.
     pub(in crate::engine) fn shard_is_truth(&self) -> bool {
-        self.has_master_weights() || self.stage.sharded_mask().contains(&true)
+        self.wire.masters || self.stage.sharded_mask().contains(&true)
     }
 
     /// Stage 3: runs `f` with the parameter shard home from the fetcher

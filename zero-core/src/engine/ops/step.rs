@@ -144,7 +144,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         // the replica bucket by bucket instead, and a lean shard reads them
         // as it steps.
         if !self.window.params_read
-            && (self.config.stage != Stage::Ddp || self.has_master_weights())
+            && (self.config.stage != Stage::Ddp || self.wire.masters)
             && !self.lean_shard()
         {
             self.refresh_param_shard(params)?;
@@ -204,7 +204,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         };
         replicated
             && self.config.overlap == Overlap::AfterBackward
-            && !self.has_master_weights()
+            && !self.wire.masters
             && self.config.offload != Offload::Optimizer
             && (self.memory.fork().is_some() || self.abilities.launches_async)
     }

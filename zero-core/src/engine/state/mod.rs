@@ -14,6 +14,7 @@ use crate::checkpoint::{
     FailAfter, FileRecord, GroupState, Manifest, TensorBytes, MANIFEST_FILE,
 };
 use crate::comm::Communicator;
+use crate::engine::params::ParamTable;
 use crate::optim::{FunctionalOptimizer, OptimizerState};
 use crate::partition::ParamInfo;
 use crate::{DType, Element, Error, Result};
@@ -134,14 +135,13 @@ impl Pending {
 }
 
 /// The first difference between the `saved` parameters and the model's
-/// (`params`, found by name in `index`).
+/// (`params`).
 pub(super) fn check_same_model(
-    params: &[ParamInfo],
-    index: &BTreeMap<String, usize>,
+    params: &ParamTable,
     saved: &[ParamInfo],
 ) -> std::result::Result<(), String> {
     let by_name: BTreeMap<&str, &ParamInfo> = saved.iter().map(|p| (p.name.as_str(), p)).collect();
-    for p in params {
+    for p in params.iter() {
         let Some(s) = by_name.get(p.name.as_str()) else {
             return Err(format!(
                 "has no parameter {:?}; is it a checkpoint of another model?",
@@ -157,7 +157,7 @@ pub(super) fn check_same_model(
             ));
         }
     }
-    if let Some(extra) = saved.iter().find(|s| !index.contains_key(&s.name)) {
+    if let Some(extra) = saved.iter().find(|s| params.index(&s.name).is_none()) {
         return Err(format!(
             "parameter {:?} of the checkpoint is not in the model; \
              is it a checkpoint of another model?",
@@ -268,7 +268,7 @@ pub(super) fn remove_stale_files(dir: &Path, current: &Manifest, old: Option<&Ma
 pub(super) fn checked_info<'m>(
     dir: &Path,
     manifest: &'m Manifest,
-    (params, index): (&[ParamInfo], &BTreeMap<String, usize>),
+    params: &ParamTable,
     optimizer: &str,
     groups: &[GroupState],
 ) -> Result<&'m CheckpointInfo> {
@@ -286,7 +286,7 @@ pub(super) fn checked_info<'m>(
              load it with StateDict::load and Engine::load_state_dict",
         ));
     }
-    check_same_model(params, index, &info.params)
+    check_same_model(params, &info.params)
         .map_err(|detail| checkpoint_error(&manifest_path, detail))?;
     if info.optimizer != optimizer {
         return Err(checkpoint_error(
@@ -394,18 +394,16 @@ pub(super) fn write_state_file<T: Element>(
 }
 
 /// The optimizer's groups as a checkpoint records them: each group's
-/// hyperparameters and its parameters' names (`group_of`: each parameter's
-/// group).
+/// hyperparameters and its parameters' names.
 pub(super) fn group_states<T: Element>(
     optimizer: &dyn FunctionalOptimizer<T>,
-    params: &[ParamInfo],
-    group_of: &[usize],
+    params: &ParamTable,
 ) -> Vec<GroupState> {
     (0..optimizer.num_groups())
         .map(|g| {
             let mut params: Vec<String> = params
                 .iter()
-                .zip(group_of)
+                .zip(params.groups())
                 .filter(|(_, &group)| group == g)
                 .map(|(p, _)| p.name.clone())
                 .collect();

@@ -5,15 +5,14 @@
 use crate::checkpoint::MANIFEST_FILE;
 use crate::checkpoint::{checkpoint_error, CheckpointInfo, GroupState, Manifest, StateDict};
 use crate::comm::Communicator;
+use crate::engine::params::ParamTable;
 use crate::engine::precision::{engine_steps, Masters};
 use crate::engine::scaler::LossScaler;
 use crate::engine::sharding::Sharding;
 use crate::engine::state::{check_groups, checked_info, group_states, read_owned_state};
 use crate::engine::{Engine, ShardMemory, Stage};
 use crate::optim::{FunctionalOptimizer, OptimizerState, ParamState};
-use crate::partition::ParamInfo;
 use crate::{Element, Error, Result};
-use std::collections::BTreeMap;
 use std::ops::Range;
 use std::path::Path;
 
@@ -26,9 +25,7 @@ pub(super) struct Load<'e, T: Element, C: Communicator, M: ShardMemory<T, C>> {
     comm: &'e C,
     memory: &'e mut M,
     optimizer: &'e mut dyn FunctionalOptimizer<T>,
-    params: &'e [ParamInfo],
-    index: &'e BTreeMap<String, usize>,
-    group_of: &'e [usize],
+    params: &'e ParamTable,
     sharding: &'e Sharding,
     /// The parameter shard: the master weights where it holds the truth.
     param_shard: &'e mut M::Buffer,
@@ -47,16 +44,14 @@ pub(super) struct Load<'e, T: Element, C: Communicator, M: ShardMemory<T, C>> {
 
 impl<'e, T: Element, C: Communicator, M: ShardMemory<T, C>> Load<'e, T, C, M> {
     /// The parts of `engine` a load reads and writes.
-    pub fn of(engine: &'e mut Engine<T, C, M>) -> Self {
+    pub fn of(engine: &'e mut Engine<T, C, M>) -> Result<Self> {
         let truth = engine.shard_is_truth();
         let sharded = engine.stage.sharded_mask();
-        Self {
+        Ok(Self {
             comm: &engine.comm,
             memory: &mut engine.memory,
-            optimizer: engine.optimizer.as_mut(),
+            optimizer: engine.optimizer.home_mut()?,
             params: &engine.params,
-            index: &engine.index,
-            group_of: &engine.group_of,
             sharding: &engine.sharding,
             param_shard: &mut engine.buffers.param_shard,
             stage: engine.config.stage,
@@ -65,7 +60,7 @@ impl<'e, T: Element, C: Communicator, M: ShardMemory<T, C>> Load<'e, T, C, M> {
             masters_fresh: &mut engine.masters_fresh,
             steps: &mut engine.steps,
             scaler: engine.scaler.as_mut(),
-        }
+        })
     }
 
     /// Loads the sharded checkpoint in `dir` ([`Engine::load_checkpoint`])
@@ -73,14 +68,8 @@ impl<'e, T: Element, C: Communicator, M: ShardMemory<T, C>> Load<'e, T, C, M> {
     /// collective: the caller agrees with the other ranks on the outcome.
     pub fn checkpoint(mut self, dir: &Path, weights: &mut M::Params<'_>) -> Result<Manifest> {
         let manifest = Manifest::load(dir)?;
-        let groups = group_states(&*self.optimizer, self.params, self.group_of);
-        let info = checked_info(
-            dir,
-            &manifest,
-            (self.params, self.index),
-            self.optimizer.kind(),
-            &groups,
-        )?;
+        let groups = group_states(&*self.optimizer, self.params);
+        let info = checked_info(dir, &manifest, self.params, self.optimizer.kind(), &groups)?;
         let owned = self
             .sharding
             .owned
@@ -104,12 +93,12 @@ impl<'e, T: Element, C: Communicator, M: ShardMemory<T, C>> Load<'e, T, C, M> {
             )));
         }
         check_groups(
-            &group_states(&*self.optimizer, self.params, self.group_of),
+            &group_states(&*self.optimizer, self.params),
             &dict.param_groups,
         )
         .map_err(|detail| Error::Optimizer(format!("load_state_dict: {detail}")))?;
         for (name, piece) in &dict.state {
-            let Some(&i) = self.index.get(name) else {
+            let Some(i) = self.params.index(name) else {
                 return Err(Error::Optimizer(format!(
                     "load_state_dict: the state dict holds state for {name:?}, which is not a \
                      parameter of the model; is it the state of another model?"

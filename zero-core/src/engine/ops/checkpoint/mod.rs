@@ -37,7 +37,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         self.finish_gathers()?;
         // With shard groups, `to`'s group gathers (each holds every piece).
         match groups::in_group(&self.comm, &self.groups, to, "consolidate_state_dict")? {
-            Some(to) => Save::of(self).consolidate(to),
+            Some(to) => Save::of(self)?.consolidate(to),
             None => Ok(None),
         }
     }
@@ -55,7 +55,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         // piece), and its outcome is every rank's.
         let local = match groups::in_group(&self.comm, &self.groups, to, "save_consolidated")? {
             // (`true`: serialized, `Some(())` would read back as `None`.)
-            Some(to) => Save::of(self)
+            Some(to) => Save::of(self)?
                 .write_consolidated(dir, to)
                 .map(|()| Some(true)),
             None => Ok(None),
@@ -80,7 +80,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     pub fn load_state_dict(&mut self, dict: &StateDict<T>) -> Result<()> {
         self.finish_gathers()?;
         self.window.refuse_mid("load_state_dict")?;
-        Load::of(self).state_dict(dict)
+        Load::of(self)?.state_dict(dict)
     }
 
     /// Saves a sharded checkpoint into `dir` (created if needed). A
@@ -120,7 +120,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         self.wait_checkpoint()?;
         let dir = dir.as_ref();
         let mut save = |engine: &mut Self| {
-            engine.with_shard_home(|engine| Save::of(engine).write_sharded(dir, weights, options))
+            engine.with_shard_home(|engine| Save::of(engine)?.write_sharded(dir, weights, options))
         };
         // With shard groups every group holds the same state: the first
         // writes it, and every rank returns its outcome.
@@ -179,7 +179,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             return Ok(previous);
         }
         self.with_shard_home(|engine| {
-            let (save, background) = Save::with_background(engine);
+            let (save, background) = Save::with_background(engine)?;
             save.start_snapshot(dir, weights, options, background)
         })?;
         Ok(previous)
@@ -241,7 +241,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         self.finish_gathers()?;
         self.wait_checkpoint()?;
         let dir = dir.as_ref();
-        let local = self.with_shard_home(|engine| Load::of(engine).checkpoint(dir, weights));
+        let local = self.with_shard_home(|engine| Load::of(engine)?.checkpoint(dir, weights));
         let (status, manifest) = match local {
             Ok(m) => (Ok(Vec::new()), Some(m)),
             Err(e) => (Err(e), None),

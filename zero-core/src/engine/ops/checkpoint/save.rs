@@ -9,6 +9,7 @@ use crate::checkpoint::{
     FileRecord, LossScalerState, Manifest, StateDict, TensorWriter,
 };
 use crate::comm::Communicator;
+use crate::engine::params::ParamTable;
 use crate::engine::precision::{engine_steps, Masters};
 use crate::engine::scaler::LossScaler;
 use crate::engine::sharding::Sharding;
@@ -20,7 +21,6 @@ use crate::engine::state::{
 };
 use crate::engine::{Engine, ShardMemory, Stage};
 use crate::optim::FunctionalOptimizer;
-use crate::partition::ParamInfo;
 use crate::{DType, Element, Error, Result};
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -35,8 +35,7 @@ pub(super) struct Save<'e, T: Element, C: Communicator, M: ShardMemory<T, C>> {
     comm: &'e C,
     memory: &'e mut M,
     optimizer: &'e dyn FunctionalOptimizer<T>,
-    params: &'e [ParamInfo],
-    group_of: &'e [usize],
+    params: &'e ParamTable,
     sharding: &'e Sharding,
     /// The parameter shard: the master weights where it holds the truth.
     param_shard: &'e mut M::Buffer,
@@ -83,22 +82,23 @@ enum ModelOut<'a, T> {
 
 impl<'e, T: Element, C: Communicator, M: ShardMemory<T, C>> Save<'e, T, C, M> {
     /// The parts of `engine` a save reads.
-    pub fn of(engine: &'e mut Engine<T, C, M>) -> Self {
-        Self::with_background(engine).0
+    pub fn of(engine: &'e mut Engine<T, C, M>) -> Result<Self> {
+        Ok(Self::with_background(engine)?.0)
     }
 
     /// [`Save::of`], and beside it the engine's background save, whose
     /// buffers take the snapshot and whose writer writes it.
-    pub fn with_background(engine: &'e mut Engine<T, C, M>) -> (Self, &'e mut BackgroundSave<T>) {
+    pub fn with_background(
+        engine: &'e mut Engine<T, C, M>,
+    ) -> Result<(Self, &'e mut BackgroundSave<T>)> {
         let truth = engine.shard_is_truth();
         let loss_scaler = engine.scaler.as_ref().map(LossScaler::state);
         let sharded = engine.stage.sharded_mask();
         let save = Self {
             comm: &engine.comm,
             memory: &mut engine.memory,
-            optimizer: engine.optimizer.as_ref(),
+            optimizer: engine.optimizer.home()?,
             params: &engine.params,
-            group_of: &engine.group_of,
             sharding: &engine.sharding,
             param_shard: &mut engine.buffers.param_shard,
             stage: engine.config.stage,
@@ -107,7 +107,7 @@ impl<'e, T: Element, C: Communicator, M: ShardMemory<T, C>> Save<'e, T, C, M> {
             sharded,
             truth,
         };
-        (save, &mut engine.background)
+        Ok((save, &mut engine.background))
     }
 
     /// Writes a sharded checkpoint into `dir` and commits it
@@ -225,7 +225,7 @@ impl<'e, T: Element, C: Communicator, M: ShardMemory<T, C>> Save<'e, T, C, M> {
         Ok(Some(StateDict {
             optimizer: self.optimizer.kind().to_string(),
             state: sink.state,
-            param_groups: group_states(self.optimizer, self.params, self.group_of),
+            param_groups: group_states(self.optimizer, self.params),
             steps: self.steps,
         }))
     }
@@ -344,7 +344,7 @@ impl<'e, T: Element, C: Communicator, M: ShardMemory<T, C>> Save<'e, T, C, M> {
             partition: self.sharding.partition.kind,
             params: self.params.to_vec(),
             optimizer: self.optimizer.kind().to_string(),
-            param_groups: group_states(self.optimizer, self.params, self.group_of),
+            param_groups: group_states(self.optimizer, self.params),
             steps: self.steps,
             loss_scaler: self.loss_scaler,
             model_file: None,

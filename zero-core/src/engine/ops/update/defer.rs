@@ -74,7 +74,7 @@ impl<B: Send + Sync + 'static> Deferred<'_, B> {
             );
             stepped = step_bucket(
                 &mut engine.memory,
-                engine.optimizer.as_mut(),
+                engine.optimizer.home_mut()?,
                 params,
                 (&mut engine.buffers.param_shard, grad_chunk.as_mut()),
                 &stepper,

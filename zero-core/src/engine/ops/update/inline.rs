@@ -44,7 +44,7 @@ impl<B> Inline<'_, B> {
             }
             outcome = step_bucket(
                 &mut engine.memory,
-                engine.optimizer.as_mut(),
+                engine.optimizer.home_mut()?,
                 params,
                 (&mut engine.buffers.param_shard, grad_chunk.as_mut()),
                 &stepper,

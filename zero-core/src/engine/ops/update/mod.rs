@@ -166,7 +166,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             && matches!(&self.stage, StageState::Sharded(gathers) if gathers.access.is_some());
         let facts = StepFacts {
             replicated: config.stage == Stage::Ddp,
-            masters: self.has_master_weights(),
+            masters: self.wire.masters,
             ddp_as_reduced: self.steps_ddp_as_reduced(),
             pass_lands_on_thread: self.pass_lands_on_thread(),
             host_steps: self

@@ -68,7 +68,7 @@ impl<B: Send + Sync + 'static> OnThread<'_, B> {
             written: Ok(()),
         };
         let chunk = longest_chunk(&engine.sharding);
-        let optimizer = engine.optimizer.as_mut();
+        let optimizer = engine.optimizer.home_mut()?;
         let param_shard = &mut engine.buffers.param_shard;
         let mut outcome = Ok(());
         for (k, group) in groups.iter().enumerate() {

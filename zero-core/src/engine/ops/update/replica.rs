@@ -130,7 +130,7 @@ impl Replica<'_> {
         };
         engine
             .memory
-            .step(engine.optimizer.as_mut(), values, piece_grads, plan)?;
+            .step(engine.optimizer.home_mut()?, values, piece_grads, plan)?;
         let written: Vec<ParamCopy> = copies
             .into_iter()
             .filter(|c| engine.mask.active[c.param])
@@ -228,7 +228,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             && self.config.clip.is_none()
             && !self.config.compute_grad_norm
             && self.scaler.is_none()
-            && !self.has_master_weights()
+            && !self.wire.masters
             && self.fetcher().is_none()
     }
 

@@ -76,7 +76,7 @@ impl Serial<'_> {
             }
         };
         engine.memory.step(
-            engine.optimizer.as_mut(),
+            engine.optimizer.home_mut()?,
             &mut engine.buffers.param_shard,
             grads,
             plan,

@@ -1,0 +1,98 @@
+//! The optimizer, home or lent to a step that runs beside backward (the
+//! interleaved schedule, offload's step thread): while it is away the
+//! engine knows only its learning rates, and a rate set meanwhile is applied
+//! when it comes back.
+
+use crate::optim::FunctionalOptimizer;
+use crate::{Element, Error, Result};
+
+pub(super) enum HeldOptimizer<T: Element> {
+    Home(Box<dyn FunctionalOptimizer<T>>),
+    /// Away: each group's learning rate, and whether one was set since it
+    /// left.
+    Lent {
+        rates: Vec<f64>,
+        set: bool,
+    },
+}
+
+impl<T: Element> HeldOptimizer<T> {
+    /// The optimizer, unless it is lent.
+    pub(super) fn home(&self) -> Result<&dyn FunctionalOptimizer<T>> {
+        match self {
+            Self::Home(optimizer) => Ok(optimizer.as_ref()),
+            Self::Lent { .. } => Err(lent()),
+        }
+    }
+
+    /// The optimizer to change or step, unless it is lent.
+    pub(super) fn home_mut(&mut self) -> Result<&mut dyn FunctionalOptimizer<T>> {
+        match self {
+            Self::Home(optimizer) => Ok(optimizer.as_mut()),
+            Self::Lent { .. } => Err(lent()),
+        }
+    }
+
+    /// The learning rate of `group`, home or away.
+    pub(super) fn learning_rate(&self, group: usize) -> f64 {
+        match self {
+            Self::Home(optimizer) => optimizer.learning_rate(group),
+            Self::Lent { rates, .. } => rates.get(group).copied().unwrap_or(f64::NAN),
+        }
+    }
+
+    /// Sets every group's learning rate; while lent, from the step after
+    /// the one under way (whose buckets may have stepped already).
+    pub(super) fn set_learning_rate(&mut self, lr: f64) {
+        match self {
+            Self::Home(optimizer) => {
+                for group in 0..optimizer.num_groups() {
+                    optimizer.set_learning_rate(group, lr);
+                }
+            }
+            Self::Lent { rates, set } => {
+                rates.fill(lr);
+                *set = true;
+            }
+        }
+    }
+
+    /// Lends the optimizer out.
+    pub(super) fn lend(&mut self) -> Result<Box<dyn FunctionalOptimizer<T>>> {
+        let away = Self::Lent {
+            rates: Vec::new(),
+            set: false,
+        };
+        match std::mem::replace(self, away) {
+            Self::Home(optimizer) => {
+                let rates = (0..optimizer.num_groups())
+                    .map(|group| optimizer.learning_rate(group))
+                    .collect();
+                *self = Self::Lent { rates, set: false };
+                Ok(optimizer)
+            }
+            already @ Self::Lent { .. } => {
+                *self = already;
+                Err(lent())
+            }
+        }
+    }
+
+    /// Takes the lent optimizer back, with the rates set while it was away.
+    pub(super) fn take_back(&mut self, mut optimizer: Box<dyn FunctionalOptimizer<T>>) {
+        if let Self::Lent { rates, set: true } = self {
+            for (group, &lr) in rates.iter().enumerate() {
+                optimizer.set_learning_rate(group, lr);
+            }
+        }
+        *self = Self::Home(optimizer);
+    }
+}
+
+fn lent() -> Error {
+    Error::State(
+        "the optimizer is stepping beside the backward pass (Overlap::Interleaved or offload's \
+         step thread) until the step returns; read or change it after the step"
+            .into(),
+    )
+}
