@@ -10,8 +10,8 @@ use std::ops::Range;
 /// The engine's flat buffers, in its memory.
 pub(super) struct Buffers<B> {
     /// The owned parameter pieces at their shard offsets: master weights,
-    /// stage 3's only copy, or a working copy (none with a lean shard).
-    pub param_shard: B,
+    /// stage 3's only copy, or a working copy (empty with a lean shard).
+    pub param_shard: ParamShard<B>,
     /// The reduced gradient shard (stages 1-3).
     pub grad_shard: Option<B>,
     /// Full gradients in bucket-major order: stage 0's reduced gradients;
@@ -38,6 +38,82 @@ impl<B> Buffers<B> {
             None => memory.alloc_zeroed(len),
         }
     }
+}
+
+/// The parameter shard, here or lent: to stage 3's fetcher between steps
+/// (its only copy), or to a step running beside backward (the interleaved
+/// schedule, offload's step thread) until the step takes it back.
+pub(super) enum ParamShard<B> {
+    Here(B),
+    Lent { to: Borrower, len: usize },
+}
+
+/// Who has the parameter shard.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(super) enum Borrower {
+    Fetcher,
+    Step,
+}
+
+impl<B> ParamShard<B> {
+    /// The shard, unless it is lent.
+    pub fn here(&self) -> Result<&B> {
+        match self {
+            Self::Here(shard) => Ok(shard),
+            Self::Lent { to, .. } => Err(lent(*to)),
+        }
+    }
+
+    /// The shard to write, unless it is lent.
+    pub fn here_mut(&mut self) -> Result<&mut B> {
+        match self {
+            Self::Here(shard) => Ok(shard),
+            Self::Lent { to, .. } => Err(lent(*to)),
+        }
+    }
+
+    /// Whether `borrower` has the shard.
+    pub fn lent_to(&self, borrower: Borrower) -> bool {
+        matches!(self, Self::Lent { to, .. } if *to == borrower)
+    }
+
+    /// Elements of the shard, here or lent.
+    pub fn len<T: Element, C: Communicator, M: ShardMemory<T, C, Buffer = B>>(&self) -> usize {
+        match self {
+            Self::Here(shard) => M::buffer_len(shard),
+            Self::Lent { len, .. } => *len,
+        }
+    }
+
+    /// Lends the shard to `to`.
+    pub fn lend<T: Element, C: Communicator, M: ShardMemory<T, C, Buffer = B>>(
+        &mut self,
+        to: Borrower,
+    ) -> Result<B> {
+        let len = match self {
+            Self::Here(shard) => M::buffer_len(shard),
+            Self::Lent { to: holder, .. } => return Err(lent(*holder)),
+        };
+        match std::mem::replace(self, Self::Lent { to, len }) {
+            Self::Here(shard) => Ok(shard),
+            Self::Lent { to: holder, .. } => Err(lent(holder)),
+        }
+    }
+
+    /// Takes the shard back (or puts a new one here).
+    pub fn put(&mut self, shard: B) {
+        *self = Self::Here(shard);
+    }
+}
+
+fn lent(to: Borrower) -> crate::Error {
+    crate::Error::State(format!(
+        "internal: the parameter shard is lent to {}",
+        match to {
+            Borrower::Fetcher => "stage 3's fetcher",
+            Borrower::Step => "the step running beside backward",
+        }
+    ))
 }
 
 /// The full gradient buffer of the current accumulation window: allocated

@@ -94,7 +94,7 @@ use crate::comm::{Communicator, Host, ReduceOp};
 use crate::optim::{FunctionalOptimizer, Hyperparams};
 use crate::partition::{ParamInfo, PartitionPlan};
 use crate::{Element, Error, Result};
-use buffers::{piece_of, window_buffer, Buffers};
+use buffers::{piece_of, window_buffer, Buffers, ParamShard};
 use mask::{mask_over, Trainability};
 use std::ops::Range;
 use std::sync::Arc;
@@ -224,21 +224,6 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> StageState<T, C, M> {
             None => Ok(()),
         }
     }
-
-    /// Elements of the parameter shard (`home`, unless the fetcher holds
-    /// it).
-    fn param_shard_len(&self, home: &M::Buffer) -> usize {
-        match self.sharded_params() {
-            Some(sharded) if sharded.shard_lent => sharded.fetcher.shard_len(),
-            _ => M::buffer_len(home),
-        }
-    }
-
-    fn set_shard_lent(&mut self, lent: bool) {
-        if let Self::Parameters(sharded) = self {
-            sharded.shard_lent = lent;
-        }
-    }
 }
 
 impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Drop for Engine<T, C, M> {
@@ -312,7 +297,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         let mut engine = Self {
             sharding: Sharding::new(plan.clone(), 0, &params, None),
             buffers: Buffers {
-                param_shard: memory.alloc_zeroed(0)?,
+                param_shard: ParamShard::Here(memory.alloc_zeroed(0)?),
                 grad_shard: None,
                 full_grads: None,
                 pool: Vec::new(),
@@ -361,11 +346,12 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         // Stage 0 steps the replica itself (`Replica`), unless it
         // keeps master weights (all of them: its plan has one rank); a lean
         // shard is read from the replica as it is stepped.
-        self.buffers.param_shard = match stage {
+        let param_shard = match stage {
             Stage::Ddp if !self.wire.masters => self.memory.alloc_zeroed(0)?,
             _ if self.lean_shard() => self.memory.alloc_zeroed(0)?,
             _ => shard_memory::alloc_shard(&mut self.memory, shard_numel)?,
         };
+        self.buffers.param_shard.put(param_shard);
         self.masters_fresh = false;
         self.buffers.grad_shard = match stage {
             Stage::Ddp => None,
@@ -566,7 +552,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             .home()
             .map_or(0, |optimizer| self.memory.state_bytes(optimizer));
         MemoryReport {
-            offloaded: (offloaded(&self.buffers.param_shard)
+            offloaded: (self.buffers.param_shard.here().map_or(0, offloaded)
                 + self.buffers.grad_shard.as_ref().map_or(0, offloaded))
                 * size
                 + if self.config.offload == Offload::Optimizer {
@@ -574,7 +560,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                 } else {
                     0
                 },
-            params: replica + self.stage.param_shard_len(&self.buffers.param_shard) * size,
+            params: replica + self.buffers.param_shard.len::<T, C, M>() * size,
             grads: len(&self.buffers.full_grads) * size,
             grad_shard: len(&self.buffers.grad_shard) * size,
             optimizer_state: state,

@@ -74,6 +74,33 @@ pub(super) struct EarlyStep<T: Element, B> {
     pub stepped: Vec<bool>,
 }
 
+impl<T: Element, P> EarlyStep<T, P> {
+    /// This step with `params` for its parameter shard, and the shard it
+    /// had: the step thread takes the step without the shard, whose host
+    /// region it steps through.
+    pub fn with_params<Q>(self, params: Q) -> (EarlyStep<T, Q>, P) {
+        let EarlyStep {
+            optimizer,
+            params: had,
+            keys,
+            pieces,
+            bucket_pieces,
+            scale,
+            stepped,
+        } = self;
+        let step = EarlyStep {
+            optimizer,
+            params,
+            keys,
+            pieces,
+            bucket_pieces,
+            scale,
+            stepped,
+        };
+        (step, had)
+    }
+}
+
 /// The interleaved step of an inline pass over shards in host memory
 /// (offload on a GPU): a thread of its own steps each bucket as its reduced
 /// gradients land in the host's gradient shard, while backward goes on,
@@ -103,7 +130,7 @@ pub(super) struct HostSteps<T: Element, B> {
     done: Vec<bool>,
     /// The calling thread's waits for the thread after backward.
     waited: Duration,
-    thread: Option<std::thread::JoinHandle<Stepped<T, B>>>,
+    thread: Option<std::thread::JoinHandle<Stepped<T>>>,
     /// The parameter shard the thread steps.
     params: Option<B>,
     /// The gradient shard the thread reads, once backward is over.
@@ -117,10 +144,10 @@ pub(super) struct HostSteps<T: Element, B> {
 /// The most buckets the step thread steps in one call.
 const STEP_BATCH: usize = 4;
 
-/// What the step thread gives back: the lent step (its parameter shard a
-/// stand-in), the first failure and its times (landing, stepping,
-/// packing).
-type Stepped<T, B> = (EarlyStep<T, B>, Result<()>, [Duration; 3]);
+/// What the step thread gives back: the lent step (without its parameter
+/// shard, which [`HostSteps`] holds), the first failure and its times
+/// (landing, stepping, packing).
+type Stepped<T> = (EarlyStep<T, ()>, Result<()>, [Duration; 3]);
 
 /// Offload's steps, finished ([`HostSteps::finish`]).
 pub(super) struct StepsDone<T: Element, B> {
@@ -200,8 +227,8 @@ impl<T: Element, B> HostSteps<T, B> {
     pub fn finish(mut self) -> Option<StepsDone<T, B>> {
         self.grads = None;
         let started = Instant::now();
-        let (mut early, result, [landing, stepping, packing]) = self.thread.take()?.join().ok()?;
-        early.params = self.params.take()?;
+        let (early, result, [landing, stepping, packing]) = self.thread.take()?.join().ok()?;
+        let (early, ()) = early.with_params(self.params.take()?);
         Some(StepsDone {
             early,
             grad_shard: self.grad_shard.take(),
@@ -226,12 +253,10 @@ impl<T: Element, B> Drop for HostSteps<T, B> {
 /// `k` handed over, from its range `shard[k]` of the gradient shard
 /// `grads` (which must stay alive and in place until the steps are
 /// finished or dropped) into the same range of `early`'s parameter shard,
-/// which is held by the steps meanwhile (`stand_in` takes its place in the
-/// lent step); with `packed`, then packs the stepped weights in that
+/// which is held by the steps meanwhile; with `packed`, then packs the stepped weights in that
 /// 16-bit dtype into the bucket's range of the gradient shard.
 pub(super) fn start_host_steps<T, C, M>(
-    mut early: EarlyStep<T, M::Buffer>,
-    stand_in: M::Buffer,
+    early: EarlyStep<T, M::Buffer>,
     stepper: super::HostStepper,
     (shard, packed): (Vec<Range<usize>>, Option<DType>),
     grads: HostRegion<T>,
@@ -241,9 +266,8 @@ where
     C: Communicator,
     M: ShardMemory<T, C>,
 {
-    let mut params = std::mem::replace(&mut early.params, stand_in);
+    let (early, mut params) = early.with_params(());
     let Some(params_region) = M::host_region(&mut params) else {
-        early.params = params;
         return Err(Error::State(
             "internal: the offload's step thread steps a parameter shard in host memory".into(),
         ));
@@ -282,8 +306,8 @@ where
 /// Offload's step thread: the lent step, the two shards' host regions, the
 /// buckets' ranges of them, and the channels buckets come in by and go
 /// out by once stepped.
-struct StepThread<T: Element, B> {
-    early: EarlyStep<T, B>,
+struct StepThread<T: Element> {
+    early: EarlyStep<T, ()>,
     stepper: super::HostStepper,
     shard: Vec<Range<usize>>,
     packed: Option<DType>,
@@ -295,12 +319,12 @@ struct StepThread<T: Element, B> {
     times: [Duration; 3],
 }
 
-impl<T: Element, B> StepThread<T, B> {
+impl<T: Element> StepThread<T> {
     /// Runs until the channel closes (the end of backward); after a
     /// failure nothing more is stepped. Gives back the lent step, the
     /// first failure and the times (landing, stepping, packing).
     #[allow(clippy::type_complexity)]
-    fn run(mut self) -> (EarlyStep<T, B>, Result<()>, [Duration; 3]) {
+    fn run(mut self) -> Stepped<T> {
         let mut result = Ok(());
         let mut next = None;
         loop {

@@ -51,8 +51,6 @@ where
     /// Per parameter, whether it lives only as shards.
     pub sharded: Vec<bool>,
     pub fetcher: Arc<FetcherOf<T, C, M>>,
-    /// The fetcher holds the parameter shard (between steps).
-    pub shard_lent: bool,
 }
 
 /// A run of buckets (first, last) and the sharded parameters in it (index,

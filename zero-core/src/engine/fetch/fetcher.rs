@@ -506,15 +506,6 @@ impl<T: crate::Element, G: GatherMemory<T>> Fetcher<T, G> {
         st.live_bytes + pooled * self.elem_bytes
     }
 
-    /// Elements of the parameter shard the fetcher holds.
-    pub(in crate::engine) fn shard_len(&self) -> usize {
-        self.shard
-            .read()
-            .unwrap_or_else(PoisonError::into_inner)
-            .as_ref()
-            .map_or(0, G::shard_len)
-    }
-
     /// Starts prefetching the next forward (after a micro-step that did
     /// not change the shard).
     pub(in crate::engine) fn resume(&self) {

@@ -4,6 +4,7 @@
 //! module's).
 
 use crate::comm::Communicator;
+use crate::engine::buffers::Borrower;
 use crate::engine::consistency::check_same_graph;
 use crate::engine::pass::PassParts;
 use crate::engine::pass::{
@@ -184,9 +185,8 @@ where
             })
             .collect();
         let micro_steps = self.window.micro_steps + 1;
-        let stand_in = self.memory.alloc_zeroed(0)?;
         let optimizer = self.optimizer.lend()?;
-        let params = std::mem::replace(&mut self.buffers.param_shard, stand_in);
+        let params = self.buffers.param_shard.lend::<T, C, M>(Borrower::Step)?;
         Ok(EarlyStep {
             optimizer,
             params,
@@ -203,7 +203,7 @@ where
     /// Takes back what `lend_early_step` lent, and which buckets stepped.
     fn take_back_early(&mut self, early: EarlyStep<T, M::Buffer>) {
         self.optimizer.take_back(early.optimizer);
-        self.buffers.param_shard = early.params;
+        self.buffers.param_shard.put(early.params);
         self.sharding.keys = early.keys;
         self.window.early_stepped = early.stepped;
     }

@@ -17,15 +17,15 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     }
 
     /// The master weights, to read or set piece by piece.
-    pub(in crate::engine) fn masters(&mut self) -> Masters<'_, T, C, M> {
+    pub(in crate::engine) fn masters(&mut self) -> Result<Masters<'_, T, C, M>> {
         let stage = self.config.stage;
         let (comm, memory) = (&*self.comm, &mut self.memory);
-        Masters::new(
+        Ok(Masters::new(
             (comm, memory),
-            &mut self.buffers.param_shard,
+            self.buffers.param_shard.here_mut()?,
             &self.sharding,
             stage,
-        )
+        ))
     }
 
     /// Brings the owned pieces of the shard up to date before a step:
@@ -49,12 +49,12 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                 .cloned()
                 .collect();
             self.memory
-                .read_params(params, &copies, &mut self.buffers.param_shard)?;
+                .read_params(params, &copies, self.buffers.param_shard.here_mut()?)?;
         } else {
             self.memory.read_params(
                 params,
                 &self.sharding.owned_copies,
-                &mut self.buffers.param_shard,
+                self.buffers.param_shard.here_mut()?,
             )?;
         }
         self.masters_fresh = truth;
@@ -72,6 +72,6 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             .cloned()
             .collect();
         self.memory
-            .write_params(params, &copies, &self.buffers.param_shard)
+            .write_params(params, &copies, self.buffers.param_shard.here()?)
     }
 }

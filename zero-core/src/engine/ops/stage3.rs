@@ -3,6 +3,7 @@
 //! stage 3 is).
 
 use crate::comm::{Communicator, ReduceOp};
+use crate::engine::buffers::Borrower;
 use crate::engine::fetch::{Fetcher, GatherMemory};
 use crate::engine::mask::check_same_mask;
 use crate::engine::stage3::{gather_units, FetcherOf, ParamPieceSink, ShardedParams};
@@ -65,12 +66,11 @@ where
         // (a lean shard, `lean_shard`, exists only from now on). The bucket
         // buffers are let go first, so that the shard and the replica
         // meeting here do not add to what a step holds.
-        if M::buffer_len(&self.buffers.param_shard) < self.sharding.partition.shard_numel {
+        let numel = self.sharding.partition.shard_numel;
+        if self.buffers.param_shard.len::<T, C, M>() < numel {
             self.buffers.pool.clear();
-            self.buffers.param_shard = crate::engine::shard_memory::alloc_shard(
-                &mut self.memory,
-                self.sharding.partition.shard_numel,
-            )?;
+            let shard = crate::engine::shard_memory::alloc_shard(&mut self.memory, numel)?;
+            self.buffers.param_shard.put(shard);
         }
         self.refresh_param_shard(params)?;
         let world = self.comm.world_size();
@@ -85,8 +85,10 @@ where
         let piece_len = budgets.gather_bytes / size_of::<T>();
         let (units, place) = gather_units(&self.sharding, &self.params, &mask, piece_len, world)?;
         // The shard moves to the fetcher between steps: one copy.
-        let empty = self.memory.alloc_zeroed(0)?;
-        let shard = std::mem::replace(&mut self.buffers.param_shard, empty);
+        let shard = self
+            .buffers
+            .param_shard
+            .lend::<T, C, M>(Borrower::Fetcher)?;
         let fetcher = Fetcher::new(
             units,
             place,
@@ -100,7 +102,6 @@ where
         self.stage = StageState::Parameters(ShardedParams {
             sharded: mask,
             fetcher: fetcher.clone(),
-            shard_lent: true,
         });
         self.masters_fresh = true;
         Ok(fetcher)
@@ -202,11 +203,13 @@ where
         self.with_shard_home(|engine| {
             let mut failure = None;
             for &param in params {
-                engine.masters().stream(param, root, &mut |range, values| {
-                    if failure.is_none() {
-                        failure = sink(param, range, values).err();
-                    }
-                })?;
+                engine
+                    .masters()?
+                    .stream(param, root, &mut |range, values| {
+                        if failure.is_none() {
+                            failure = sink(param, range, values).err();
+                        }
+                    })?;
             }
             failure.map_or(Ok(()), Err)
         })
@@ -239,30 +242,17 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         &mut self,
         f: impl FnOnce(&mut Self) -> Result<R>,
     ) -> Result<R> {
-        let fetcher = match &mut self.stage {
-            StageState::Parameters(sharded) if sharded.shard_lent => {
-                sharded.shard_lent = false;
+        let fetcher = match self.stage.sharded_params() {
+            Some(sharded) if self.buffers.param_shard.lent_to(Borrower::Fetcher) => {
                 sharded.fetcher.clone()
             }
             _ => return f(self),
         };
-        let shard = match fetcher.take_shard() {
-            Ok(shard) => shard,
-            Err(e) => {
-                self.stage.set_shard_lent(true);
-                return Err(e);
-            }
-        };
-        self.buffers.param_shard = shard;
+        // On failure the fetcher keeps the shard; nothing changed here.
+        self.buffers.param_shard.put(fetcher.take_shard()?);
         let result = f(self);
-        let empty = match self.memory.alloc_zeroed(0) {
-            Ok(empty) => empty,
-            // The shard stays home; the engine reads it there.
-            Err(e) => return result.and(Err(e)),
-        };
-        let shard = std::mem::replace(&mut self.buffers.param_shard, empty);
-        fetcher.put_shard(shard);
-        self.stage.set_shard_lent(true);
+        let shard = self.buffers.param_shard.lend::<T, C, M>(Borrower::Fetcher);
+        fetcher.put_shard(shard?);
         result
     }
 }

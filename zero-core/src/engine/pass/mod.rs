@@ -192,11 +192,7 @@ where
     let steps = match (targets.early.take(), stepper, region) {
         (None, _, _) => None,
         (Some(early), Some(stepper), Some(region)) => Some(Box::new(start_host_steps::<T, C, M>(
-            early,
-            memory.alloc_zeroed(0)?,
-            stepper,
-            shard,
-            region,
+            early, stepper, shard, region,
         )?)),
         (Some(early), _, _) => {
             targets.early = Some(early);

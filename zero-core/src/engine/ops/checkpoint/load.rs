@@ -53,7 +53,7 @@ impl<'e, T: Element, C: Communicator, M: ShardMemory<T, C>> Load<'e, T, C, M> {
             optimizer: engine.optimizer.home_mut()?,
             params: &engine.params,
             sharding: &engine.sharding,
-            param_shard: &mut engine.buffers.param_shard,
+            param_shard: engine.buffers.param_shard.here_mut()?,
             stage: engine.config.stage,
             sharded,
             truth,

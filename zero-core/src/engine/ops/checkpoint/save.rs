@@ -100,7 +100,7 @@ impl<'e, T: Element, C: Communicator, M: ShardMemory<T, C>> Save<'e, T, C, M> {
             optimizer: engine.optimizer.home()?,
             params: &engine.params,
             sharding: &engine.sharding,
-            param_shard: &mut engine.buffers.param_shard,
+            param_shard: engine.buffers.param_shard.here_mut()?,
             stage: engine.config.stage,
             steps: engine.steps,
             loss_scaler,

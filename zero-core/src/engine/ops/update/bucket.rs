@@ -40,7 +40,8 @@ impl<'s, B> Buckets<'s, B> {
         // there, with their gradients copied beside them.
         let mut grad_chunk = None;
         if engine.lean_shard() {
-            engine.buffers.param_shard = engine.memory.alloc_zeroed(0)?;
+            let empty = engine.memory.alloc_zeroed(0)?;
+            engine.buffers.param_shard.put(empty);
             grad_chunk = Some(
                 engine
                     .memory

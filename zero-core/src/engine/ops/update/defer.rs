@@ -76,7 +76,7 @@ impl<B: Send + Sync + 'static> Deferred<'_, B> {
                 &mut engine.memory,
                 engine.optimizer.home_mut()?,
                 params,
-                (&mut engine.buffers.param_shard, grad_chunk.as_mut()),
+                (engine.buffers.param_shard.here_mut()?, grad_chunk.as_mut()),
                 &stepper,
                 (k, groups[k].clone()),
                 &mut send,

@@ -46,7 +46,7 @@ impl<B> Inline<'_, B> {
                 &mut engine.memory,
                 engine.optimizer.home_mut()?,
                 params,
-                (&mut engine.buffers.param_shard, grad_chunk.as_mut()),
+                (engine.buffers.param_shard.here_mut()?, grad_chunk.as_mut()),
                 &stepper,
                 (k, group.clone()),
                 &mut send,

@@ -69,7 +69,7 @@ impl<B: Send + Sync + 'static> OnThread<'_, B> {
         };
         let chunk = longest_chunk(&engine.sharding);
         let optimizer = engine.optimizer.home_mut()?;
-        let param_shard = &mut engine.buffers.param_shard;
+        let param_shard = engine.buffers.param_shard.here_mut()?;
         let mut outcome = Ok(());
         for (k, group) in groups.iter().enumerate() {
             if !stepper.bucket_active[k] {

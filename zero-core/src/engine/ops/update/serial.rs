@@ -24,8 +24,9 @@ impl Serial<'_> {
             // straddles buckets), or no thread gathers: a shard copy after
             // all.
             let numel = engine.sharding.partition.shard_numel;
-            if M::buffer_len(&engine.buffers.param_shard) < numel {
-                engine.buffers.param_shard = engine.memory.alloc_zeroed(numel)?;
+            if engine.buffers.param_shard.len::<T, C, M>() < numel {
+                let shard = engine.memory.alloc_zeroed(numel)?;
+                engine.buffers.param_shard.put(shard);
             }
             engine.refresh_param_shard(params)?;
         }
@@ -77,7 +78,7 @@ impl Serial<'_> {
         };
         engine.memory.step(
             engine.optimizer.home_mut()?,
-            &mut engine.buffers.param_shard,
+            engine.buffers.param_shard.here_mut()?,
             grads,
             plan,
         )
@@ -118,7 +119,7 @@ fn gather_buckets<T: Element, C: Communicator, M: ShardMemory<T, C>>(
         };
         engine.memory.all_gather_as(
             &engine.comm,
-            &engine.buffers.param_shard,
+            engine.buffers.param_shard.here()?,
             layout.buckets[k].clone(),
             gathered,
             at..at + range.len(),
