@@ -592,6 +592,19 @@ impl EngineConfig {
             || self.loss_scale != LossScale::None
     }
 
+    /// Whether stage 0 may step each bucket as soon as it is reduced:
+    /// nothing needs every gradient first (no clipping, no gradient norm,
+    /// no loss scaling) and the replica is what steps (no master weights,
+    /// `masters`).
+    pub(crate) fn steps_ddp_as_reduced(&self, masters: bool) -> bool {
+        self.stage == Stage::Ddp
+            && self.overlap != Overlap::None
+            && self.clip.is_none()
+            && !self.compute_grad_norm
+            && self.loss_scale == LossScale::None
+            && !masters
+    }
+
     pub(crate) fn validate(&self) -> Result<()> {
         self.loss_scale.validate()?;
         let interleaved = self.overlap == Overlap::Interleaved;

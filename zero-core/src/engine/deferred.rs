@@ -191,6 +191,22 @@ pub(super) struct Finished<T: Element, C: Communicator, M: ShardMemory<T, C>> {
     pub result: Result<()>,
 }
 
+impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Finished<T, C, M> {
+    /// Puts back what the run held (the recv buffer into `pool`, the
+    /// parameter access into `gathers`); the run's result.
+    pub(super) fn put_back(
+        self,
+        pool: &mut Vec<M::Buffer>,
+        gathers: Option<&mut DeferredGathers<T, C, M>>,
+    ) -> Result<()> {
+        pool.push(self.recv);
+        if let Some(gathers) = gathers {
+            gathers.access = Some(self.access);
+        }
+        self.result
+    }
+}
+
 /// The last step's all-gathers on the communication thread.
 pub(super) type Pending<T, C, M> = Ticket<Finished<T, C, M>>;
 

@@ -578,14 +578,6 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         self.check_grads(grads)?;
         self.finish_gathers()?;
         self.stage.end_fetch_pass()?;
-        self.add_micro_step(grads)?;
-        if let Some(fetcher) = self.fetcher() {
-            fetcher.resume();
-        }
-        Ok(())
-    }
-
-    fn add_micro_step(&mut self, grads: &[Option<M::Grad<'_>>]) -> Result<()> {
         self.window.plain_grads |= grads.iter().any(Option::is_some);
         if self.pass.is_some() {
             if !self.config.stage.shards_gradients() {
@@ -601,35 +593,32 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                 self.discard_window();
             }
             result?;
-            self.window.mark_present(grads);
             self.window.in_shard = true;
-            self.window.micro_steps += 1;
-            return Ok(());
-        }
-        let add = self.window.in_full_buffer;
-        let full = window_buffer(
-            &mut self.memory,
-            &mut self.buffers.full_grads,
-            self.sharding.partition.flat_numel(),
-            add,
-        )?;
-        let pieces: Vec<GradPiece<M::Grad<'_>>> = self
-            .sharding
-            .layout
-            .runs
-            .iter()
-            .filter_map(|run| {
-                grads[run.param].map(|grad| GradPiece {
-                    at: run.pos,
-                    grad,
-                    range: run.param_range.clone(),
+        } else {
+            let add = self.window.in_full_buffer;
+            let full = window_buffer(
+                &mut self.memory,
+                &mut self.buffers.full_grads,
+                self.sharding.partition.flat_numel(),
+                add,
+            )?;
+            let pieces: Vec<GradPiece<M::Grad<'_>>> = (self.sharding.layout.runs.iter())
+                .filter_map(|run| {
+                    grads[run.param].map(|grad| GradPiece {
+                        at: run.pos,
+                        grad,
+                        range: run.param_range.clone(),
+                    })
                 })
-            })
-            .collect();
-        self.memory.flatten(full, &pieces, add)?;
-        self.window.in_full_buffer = true;
+                .collect();
+            self.memory.flatten(full, &pieces, add)?;
+            self.window.in_full_buffer = true;
+        }
         self.window.mark_present(grads);
         self.window.micro_steps += 1;
+        if let Some(fetcher) = self.fetcher() {
+            fetcher.resume();
+        }
         Ok(())
     }
 

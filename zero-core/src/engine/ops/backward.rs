@@ -76,7 +76,7 @@ where
         // configuration).
         let side = forkable
             && self.config.check_trainability
-            && self.steps_ddp_as_reduced()
+            && self.config.steps_ddp_as_reduced(self.wire.masters)
             && self.comm.concurrent_groups();
         self.stage.split_side(&*self.comm, side)?;
         if !self.pass_facts(forkable).reduces_during_backward() {

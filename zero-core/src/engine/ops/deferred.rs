@@ -3,7 +3,7 @@
 //! `deferred` module).
 
 use crate::comm::Communicator;
-use crate::engine::deferred::{Finished, ParamAccess, Refresh};
+use crate::engine::deferred::{ParamAccess, Refresh};
 use crate::engine::{Engine, ShardMemory, StageState};
 use crate::{Element, Error, Result};
 use std::sync::Arc;
@@ -56,16 +56,6 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                     .into(),
             )
         })?;
-        self.take_back(finished)
-    }
-
-    /// Takes back the recv buffer and parameter access of a finished
-    /// gather run; its result.
-    pub(in crate::engine) fn take_back(&mut self, finished: Finished<T, C, M>) -> Result<()> {
-        self.buffers.pool.push(finished.recv);
-        if let Some(gathers) = self.stage.deferred_gathers() {
-            gathers.access = Some(finished.access);
-        }
-        finished.result
+        finished.put_back(&mut self.buffers.pool, self.stage.deferred_gathers())
     }
 }

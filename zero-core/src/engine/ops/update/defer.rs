@@ -118,7 +118,7 @@ fn leave_running<T: Element, C: Communicator, M: ShardMemory<T, C>>(
             // No thread: the same all-gathers, in the same order, here.
             tracing::warn!("no communication thread; gathering before the step returns");
             let finished = payload.run(&mut engine.memory);
-            engine.take_back(finished)
+            finished.put_back(&mut engine.buffers.pool, engine.stage.deferred_gathers())
         }
     }
 }

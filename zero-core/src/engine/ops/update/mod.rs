@@ -16,6 +16,7 @@ mod serial;
 pub(super) use replica::{AsReduced, Replica};
 
 use crate::comm::Communicator;
+use crate::engine::reduce::Reducer;
 use crate::engine::{Engine, Overlap, ShardMemory, Stage, StageState};
 use crate::{Element, Result};
 use bucket::Buckets;
@@ -76,7 +77,7 @@ pub(super) struct StepFacts {
     /// Master weights kept (a trainable parameter narrower than `T`).
     pub masters: bool,
     /// Stage 0's configuration lets each bucket step as it is reduced
-    /// ([`Engine::steps_ddp_as_reduced`]).
+    /// (`EngineConfig::steps_ddp_as_reduced`).
     pub ddp_as_reduced: bool,
     /// The open pass runs on a communication thread and lands its buckets
     /// in the full buffer, and the trainable mask can be all-reduced beside
@@ -164,11 +165,17 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             && last.is_some_and(|grads| grads.iter().all(Option::is_none))
             && forkable
             && matches!(&self.stage, StageState::Sharded(gathers) if gathers.access.is_some());
+        // The pass lands each reduced bucket in the full buffer on a
+        // communication thread, with the trainable mask (if checked)
+        // all-reduced on the side communicator meanwhile.
+        let threaded = (self.pass.as_ref())
+            .is_some_and(|p| p.schedule().lands && matches!(p.reducer, Reducer::Thread { .. }));
+        let side = matches!(&self.stage, StageState::Replicated { side: Some(_) });
         let facts = StepFacts {
             replicated: config.stage == Stage::Ddp,
             masters: self.wire.masters,
-            ddp_as_reduced: self.steps_ddp_as_reduced(),
-            pass_lands_on_thread: self.pass_lands_on_thread(),
+            ddp_as_reduced: config.steps_ddp_as_reduced(self.wire.masters),
+            pass_lands_on_thread: threaded && (!config.check_trainability || side),
             host_steps: self
                 .pass
                 .as_ref()

@@ -6,9 +6,7 @@
 
 use crate::comm::Communicator;
 use crate::engine::reduce::{land_next, thread_gone, Reducer};
-use crate::engine::{
-    Engine, Overlap, ParamCopy, ShardMemory, ShardStep, Stage, StageState, StepPiece,
-};
+use crate::engine::{Engine, ParamCopy, ShardMemory, ShardStep, StageState, StepPiece};
 use crate::{Element, Error, Result};
 use std::ops::Range;
 
@@ -214,35 +212,6 @@ impl AsReduced {
         // The reductions' own failure first: the step stopped because of it.
         engine.join_pass().and(stepped)?;
         Ok(None)
-    }
-}
-
-impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
-    /// Whether stage 0's configuration lets each bucket step as soon as it
-    /// is reduced: nothing needs every gradient first (no clipping, no
-    /// gradient norm, no loss scaling) and the replica is what steps (no
-    /// master weights).
-    pub(in crate::engine) fn steps_ddp_as_reduced(&self) -> bool {
-        self.config.stage == Stage::Ddp
-            && self.config.overlap != Overlap::None
-            && self.config.clip.is_none()
-            && !self.config.compute_grad_norm
-            && self.scaler.is_none()
-            && !self.wire.masters
-            && self.fetcher().is_none()
-    }
-
-    /// Whether the open pass runs on a communication thread and lands each
-    /// reduced bucket in the full buffer, with the trainable mask (if
-    /// checked) all-reduced on the side communicator meanwhile: what
-    /// [`AsReduced`] needs.
-    pub(in crate::engine) fn pass_lands_on_thread(&self) -> bool {
-        let threaded = self
-            .pass
-            .as_ref()
-            .is_some_and(|p| p.schedule().lands && matches!(p.reducer, Reducer::Thread { .. }));
-        let side = matches!(&self.stage, StageState::Replicated { side: Some(_) });
-        threaded && (!self.config.check_trainability || side)
     }
 }
 
