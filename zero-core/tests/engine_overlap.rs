@@ -203,12 +203,24 @@ fn hand_over_steps(
     let mut params = model.init();
     for s in 0..steps {
         let g = model.grads(&params, rank, s);
-        let order: Vec<(usize, usize)> = (0..n).rev().map(|p| (p, 1)).collect();
-        e.begin_backward(&order, &mut params)?;
-        for p in (0..n).rev() {
-            e.accumulate_param(p, (&g[p]).into())?;
-        }
+        hand_over_backward(e, &g, &mut params)?;
         e.step(&vec![None; n], &mut params)?;
+    }
+    Ok(())
+}
+
+/// One "backward" handing every gradient of `g` over in reverse order, as
+/// a hook hands them; the step is the caller's.
+fn hand_over_backward(
+    e: &mut Engine<f64, ThreadComm>,
+    g: &[Vec<f64>],
+    params: &mut Vec<Vec<f64>>,
+) -> zero_core::Result<()> {
+    let n = e.params().len();
+    let order: Vec<(usize, usize)> = (0..n).rev().map(|p| (p, 1)).collect();
+    e.begin_backward(&order, params)?;
+    for p in (0..n).rev() {
+        e.accumulate_param(p, (&g[p]).into())?;
     }
     Ok(())
 }
@@ -336,11 +348,7 @@ fn a_learning_rate_set_during_an_interleaved_backward_applies_from_the_next_step
             let mut params = model.init();
             for s in 0..steps {
                 let g = model.grads(&params, rank, s);
-                let order: Vec<(usize, usize)> = (0..n).rev().map(|p| (p, 1)).collect();
-                e.begin_backward(&order, &mut params)?;
-                for p in (0..n).rev() {
-                    e.accumulate_param(p, (&g[p]).into())?;
-                }
+                hand_over_backward(&mut e, &g, &mut params)?;
                 if during_backward && s == changed_at {
                     assert!(
                         e.optimizer().is_err(),
