@@ -185,8 +185,14 @@ where
             })
             .collect();
         let micro_steps = self.window.micro_steps + 1;
-        let optimizer = self.optimizer.lend()?;
         let params = self.buffers.param_shard.lend::<T, C, M>(Borrower::Step)?;
+        let optimizer = match self.optimizer.lend() {
+            Ok(optimizer) => optimizer,
+            Err(e) => {
+                self.buffers.param_shard.put(params);
+                return Err(e);
+            }
+        };
         Ok(EarlyStep {
             optimizer,
             params,
