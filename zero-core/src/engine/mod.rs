@@ -715,8 +715,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     }
 
     fn check_grads(&self, grads: &[Option<M::Grad<'_>>]) -> Result<()> {
-        let lens: Vec<Option<usize>> = grads.iter().map(|g| g.as_ref().map(M::grad_len)).collect();
-        self.params.check_grads(&lens)
+        (self.params).check_grads(grads.iter().map(|g| g.as_ref().map(M::grad_len)))
     }
 
     /// Drops whatever the current window holds (micro-steps accumulated,

@@ -109,7 +109,10 @@ impl ParamTable {
 
     /// Checks one micro-step's gradient slots (`lens`: each slot's length,
     /// `None` for an empty one): one per parameter, each as long as it.
-    pub(super) fn check_grads(&self, lens: &[Option<usize>]) -> Result<()> {
+    pub(super) fn check_grads(
+        &self,
+        lens: impl ExactSizeIterator<Item = Option<usize>>,
+    ) -> Result<()> {
         if lens.len() != self.list.len() {
             return Err(Error::Config(format!(
                 "got {} gradient slots for {} parameters; pass one slot per parameter (None to skip)",
@@ -118,7 +121,7 @@ impl ParamTable {
             )));
         }
         for (p, len) in self.list.iter().zip(lens) {
-            if let Some(len) = *len {
+            if let Some(len) = len {
                 if len != p.numel() {
                     return Err(Error::Config(format!(
                         "gradient of {:?} has {len} elements, the parameter has {} ({:?}); pass \

@@ -253,8 +253,9 @@ impl<T: Element, B> Drop for HostSteps<T, B> {
 /// `k` handed over, from its range `shard[k]` of the gradient shard
 /// `grads` (which must stay alive and in place until the steps are
 /// finished or dropped) into the same range of `early`'s parameter shard,
-/// which is held by the steps meanwhile; with `packed`, then packs the stepped weights in that
-/// 16-bit dtype into the bucket's range of the gradient shard.
+/// which is held by the steps meanwhile; with `packed`, then packs the
+/// stepped weights in that 16-bit dtype into the bucket's range of the
+/// gradient shard.
 pub(super) fn start_host_steps<T, C, M>(
     early: EarlyStep<T, M::Buffer>,
     stepper: super::HostStepper,
