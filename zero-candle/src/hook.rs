@@ -433,7 +433,7 @@ where
             std::slice::from_ref(to.var),
             &store,
             &mut |slots| match slots.first().copied().flatten() {
-                Some(grad) => Ok(engine.accumulate_param(param, grad)?),
+                Some(grad) => Ok(engine.accumulate_param(param, .., grad)?),
                 None => Ok(()),
             },
         )?;
@@ -461,7 +461,7 @@ where
         let range = start..start + grad.elem_count();
         let (param, engine) = (to.param, to.engine);
         C::Memory::with_grad_block(to.name, var, &grad, &mut |grad| {
-            Ok(engine.accumulate_param_range(param, range.clone(), grad)?)
+            Ok(engine.accumulate_param(param, range.clone(), grad)?)
         })?;
         Ok(())
     }

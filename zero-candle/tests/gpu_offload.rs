@@ -78,7 +78,7 @@ fn train_gpu(
     if let Some(dir) = save {
         opt.save_checkpoint(dir).expect("save");
     }
-    let times = opt.engine().offload_times();
+    let times = opt.engine().counters().offload;
     (weights(&varmap), opt.memory_report(), times)
 }
 

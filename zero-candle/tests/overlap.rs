@@ -127,7 +127,7 @@ where
         .iter()
         .map(|v| Ok(v.flatten_all()?.to_vec1::<f32>()?))
         .collect::<zero_candle::Result<_>>()?;
-    Ok((weights, opt.engine().deferred_steps()))
+    Ok((weights, opt.engine().counters().deferred_steps))
 }
 
 fn train(comm: ThreadComm, config: &EngineConfig) -> zero_candle::Result<Vec<Vec<f32>>> {

@@ -35,13 +35,13 @@ fn three_micro_batches_equal_one_large_batch() {
                             let report = e.step(&slots(&g), &mut params)?;
                             if m + 1 < micro {
                                 assert!(report.is_none(), "stepped early at micro-step {m}");
-                                assert_eq!(e.pending_micro_steps(), m + 1);
+                                assert_eq!(e.counters().micro_steps, m + 1);
                                 // Stage 2 holds a full gradient buffer only
                                 // inside the accumulation window.
                                 assert!(e.memory_report().grads > 0);
                             } else {
                                 assert_eq!(report.map(|r| r.micro_steps), Some(micro));
-                                assert_eq!(e.pending_micro_steps(), 0);
+                                assert_eq!(e.counters().micro_steps, 0);
                                 let grads = e.memory_report().grads;
                                 if stage == Stage::Gradients {
                                     assert_eq!(grads, 0, "stage 2 kept its gradient buffer");

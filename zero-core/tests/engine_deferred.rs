@@ -120,7 +120,7 @@ fn handed_over_step(
     let order: Vec<(usize, usize)> = (0..n).rev().map(|p| (p, 1)).collect();
     e.begin_backward(&order, &mut params)?;
     for p in (0..n).rev() {
-        e.accumulate_param(p, (&grads[p]).into())?;
+        e.accumulate_param(p, .., (&grads[p]).into())?;
     }
     let none: Vec<Option<HostGrad<'_, f64>>> = vec![None; n];
     e.step(&none, &mut params)?;
@@ -161,7 +161,11 @@ fn deferred_gathers_give_the_parameters_of_gathers_in_the_step() {
                             e.finish_gathers()?;
                             out.push(store.lock().unwrap().clone());
                         }
-                        assert_eq!(e.deferred_steps(), steps as u64, "every step deferred");
+                        assert_eq!(
+                            e.counters().deferred_steps,
+                            steps as u64,
+                            "every step deferred"
+                        );
                         Ok(out)
                     });
                     assert_trajectories(
@@ -209,9 +213,9 @@ fn a_deferred_step_returns_before_its_gathers_and_one_with_slots_does_not() {
             // A gradient in a slot (a parameter a plain op reads) keeps
             // the gathers in the step.
             let slots: Vec<Option<HostGrad<'_, f64>>> = g.iter().map(|g| Some(g.into())).collect();
-            let before = e.deferred_steps();
+            let before = e.counters().deferred_steps;
             e.step(&slots, &mut Shared(store.clone()))?;
-            let slot_step_deferred = e.deferred_steps() > before;
+            let slot_step_deferred = e.counters().deferred_steps > before;
             Ok((pending, complete_at_return, result, slot_step_deferred))
         });
         for (pending, complete_at_return, result, slot_step_deferred) in results {

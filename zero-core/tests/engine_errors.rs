@@ -116,7 +116,7 @@ fn wrong_gradients_are_config_errors_naming_the_parameter() {
             assert!(matches!(err, Error::Config(_)), "{err}");
             assert!(err.to_string().contains(&infos[3].name), "{err}");
         }
-        assert_eq!(e.pending_micro_steps(), 0);
+        assert_eq!(e.counters().micro_steps, 0);
         assert_eq!(params, model.init(), "a rejected step changed parameters");
 
         // Unknown names.

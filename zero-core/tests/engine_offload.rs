@@ -358,13 +358,13 @@ fn offload_sends_a_16_bit_models_weights_up_in_its_dtype() {
                         let grad: Vec<f32> = (0..info.numel())
                             .map(|i| ((i * 7 + p + step + rank) % 11) as f32 / 8.0 - 0.6)
                             .collect();
-                        e.accumulate_param(p, grad.as_slice().into())?;
+                        e.accumulate_param(p, .., grad.as_slice().into())?;
                     }
                     let none: Vec<Option<HostGrad<'_, f32>>> = vec![None; infos.len()];
                     e.step(&none, &mut replica)?;
                 }
                 let shard: usize = e.sharding().layout().buckets.iter().map(|b| b.len()).sum();
-                Ok((replica.0, shard, e.offload_times().packing))
+                Ok((replica.0, shard, e.counters().offload.packing))
             })
         };
         let device_alone = train(Offload::None);
@@ -478,7 +478,7 @@ fn the_host_steps_buckets_as_they_land_not_after_the_whole_gradient() {
             // before it.
             for p in (1..n).rev() {
                 handed.fetch_add(1, Ordering::SeqCst);
-                e.accumulate_param(p, (&g[p]).into())?;
+                e.accumulate_param(p, .., (&g[p]).into())?;
             }
             let deadline = Instant::now() + Duration::from_secs(20);
             while seen.lock().expect("no panic").is_empty() {
@@ -504,12 +504,12 @@ fn the_host_steps_buckets_as_they_land_not_after_the_whole_gradient() {
                 );
             }
             handed.fetch_add(1, Ordering::SeqCst);
-            e.accumulate_param(0, (&g[0]).into())?;
+            e.accumulate_param(0, .., (&g[0]).into())?;
             let none: Vec<Option<HostGrad<'_, f64>>> = vec![None; n];
             let waits = |d: &Seen| (d.full_lands, d.synchronous_uploads);
             let before = waits(&device.lock().expect("no panic"));
             e.step(&none, &mut params)?;
-            let times = e.offload_times();
+            let times = e.counters().offload;
             if inline {
                 // Every bucket was stepped during backward: the write-back
                 // only queues uploads, and never waits for the device.
@@ -684,7 +684,7 @@ fn a_step_thread_behind_steps_the_buckets_that_came_meanwhile_together() {
         let order: Vec<(usize, usize)> = (0..n).rev().map(|p| (p, 1)).collect();
         e.begin_backward(&order, &mut params)?;
         for p in (0..n).rev() {
-            e.accumulate_param(p, (&g[p]).into())?;
+            e.accumulate_param(p, .., (&g[p]).into())?;
             handed.fetch_add(1, Ordering::SeqCst);
         }
         let none: Vec<Option<HostGrad<'_, f64>>> = vec![None; n];

@@ -94,7 +94,7 @@ fn gradients_handed_over_in_ranges_count_as_whole_ones() {
                         }
                         for p in (0..n).rev() {
                             for range in ranges(g[p].len()) {
-                                e.accumulate_param_range(p, range.clone(), g[p][range].into())?;
+                                e.accumulate_param(p, range.clone(), g[p][range].into())?;
                             }
                         }
                         let none: Vec<Option<HostGrad<'_, f64>>> = vec![None; n];
@@ -104,7 +104,7 @@ fn gradients_handed_over_in_ranges_count_as_whole_ones() {
                     // A range past the parameter's end is refused.
                     let len = e.params()[0].numel();
                     let err = e
-                        .accumulate_param_range(0, len..len + 1, [0.0][..].into())
+                        .accumulate_param(0, len..len + 1, [0.0][..].into())
                         .expect_err("past the end");
                     assert!(err.to_string().contains("range"), "{err}");
                     Ok(out)
@@ -220,7 +220,7 @@ fn hand_over_backward(
     let order: Vec<(usize, usize)> = (0..n).rev().map(|p| (p, 1)).collect();
     e.begin_backward(&order, params)?;
     for p in (0..n).rev() {
-        e.accumulate_param(p, (&g[p]).into())?;
+        e.accumulate_param(p, .., (&g[p]).into())?;
     }
     Ok(())
 }
@@ -254,7 +254,7 @@ fn stage_0_stepping_as_reduced_follows_mask_changes_bitwise() {
                 let order: Vec<(usize, usize)> = (0..n).rev().map(|p| (p, 1)).collect();
                 e.begin_backward(&order, &mut params)?;
                 for p in (0..n).rev().filter(|&p| !skips(p)) {
-                    e.accumulate_param(p, (&g[p]).into())?;
+                    e.accumulate_param(p, .., (&g[p]).into())?;
                 }
                 e.step(&vec![None; n], &mut params)?;
                 out.push(params.clone());
@@ -308,7 +308,7 @@ fn stage_0_a_peer_leaving_mid_pass_is_an_error_not_a_hang() {
                     // Leaves with its engine, communicators and all.
                     return Ok(());
                 }
-                e.accumulate_param(p, (&g[p]).into())?;
+                e.accumulate_param(p, .., (&g[p]).into())?;
             }
             e.step(&vec![None; n], &mut params).map(drop)
         });

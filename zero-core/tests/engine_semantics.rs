@@ -139,7 +139,7 @@ fn a_non_finite_norm_under_clipping_refuses_the_step_on_every_rank() {
                             }
                             Err(other) => return Err(other),
                         }
-                        assert_eq!(e.pending_micro_steps(), 0);
+                        assert_eq!(e.counters().micro_steps, 0);
                     }
                     assert!(params.iter().flatten().all(|x| x.is_finite()));
                     Ok((outcome, params, e.steps()))
@@ -232,15 +232,15 @@ fn gradients_handed_over_one_by_one_equal_passing_them_to_step() {
                         match i {
                             1 => slots[1] = Some((&g[1]).into()),
                             2 => {
-                                handed.accumulate_param(2, (&halves).into())?;
-                                handed.accumulate_param(2, (&halves).into())?;
+                                handed.accumulate_param(2, .., (&halves).into())?;
+                                handed.accumulate_param(2, .., (&halves).into())?;
                             }
-                            _ => handed.accumulate_param(i, (&g[i]).into())?,
+                            _ => handed.accumulate_param(i, .., (&g[i]).into())?,
                         }
                     }
                     handed.step(&slots, &mut b)?;
                 }
-                assert_eq!(handed.pending_micro_steps(), 0);
+                assert_eq!(handed.counters().micro_steps, 0);
                 Ok((a, b))
             });
             for (a, b) in outcomes {
@@ -266,7 +266,7 @@ fn a_checkpoint_with_gradients_handed_over_but_not_stepped_is_refused() {
         )?;
         let mut params = model.init();
         let g = model.grads(&params, 0, 0);
-        e.accumulate_param(0, (&g[0]).into())?;
+        e.accumulate_param(0, .., (&g[0]).into())?;
         let err = e
             .save_checkpoint(dir.path(), &mut params, &zero_core::SaveOptions::default())
             .expect_err("pending gradients are not part of a checkpoint");

@@ -116,7 +116,7 @@ fn a_memory_with_asynchronous_collectives_reduces_during_backward_on_the_calling
                         e.begin_backward(&order, &mut params)?;
                         let before = progress.completed();
                         for p in (0..n).rev() {
-                            e.accumulate_param(p, (&g[p]).into())?;
+                            e.accumulate_param(p, .., (&g[p]).into())?;
                         }
                         // Stage 2 reduces every micro-step, the others on
                         // the last: every bucket is launched once its last

@@ -377,7 +377,7 @@ fn reductions_start_during_backward_and_give_the_weights_of_the_serial_schedule(
             let before = progress.completed();
             for &(p, _) in &order {
                 let grad = device[p].as_ref().expect("in the order");
-                engine.accumulate_param(p, grad.into()).unwrap();
+                engine.accumulate_param(p, .., grad.into()).unwrap();
             }
             during_backward += progress.completed() - before;
             let none: Vec<Option<DeviceView<'_>>> = vec![None; device.len()];

@@ -131,7 +131,7 @@ where
         Ok(ZeroOptimizer::save_hub(self, dir, from, layout)?)
     }
     fn deferred_steps(&self) -> u64 {
-        self.engine().deferred_steps()
+        self.engine().counters().deferred_steps
     }
     fn gather_metrics(&self) -> Option<GatherMetrics> {
         let fetcher = self.engine().fetcher()?;
@@ -143,7 +143,7 @@ where
         })
     }
     fn offload_metrics(&self) -> Option<OffloadMetrics> {
-        let times = self.engine().offload_times();
+        let times = self.engine().counters().offload;
         let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
         (times.steps > 0).then(|| OffloadMetrics {
             steps: times.steps,

@@ -1,8 +1,13 @@
-//! The optimizer, home or lent to a step that runs beside backward (the
-//! interleaved schedule, offload's step thread): while it is away the
-//! engine knows only its learning rates, and a rate set meanwhile is applied
-//! when it comes back.
+//! What a step that runs beside backward (the interleaved schedule,
+//! offload's step thread) borrows: the optimizer, home or lent (while it
+//! is away the engine knows only its learning rates, and a rate set
+//! meanwhile is applied when it comes back), and with it the parameter
+//! shard and the pieces' keys ([`EarlyStep::lend`], [`EarlyStep::put_back`]).
 
+use super::buffers::{Borrower, ParamShard};
+use super::reduce::EarlyStep;
+use super::{ShardMemory, Sharding};
+use crate::comm::Communicator;
 use crate::optim::FunctionalOptimizer;
 use crate::{Element, Error, Result};
 
@@ -86,6 +91,68 @@ impl<T: Element> HeldOptimizer<T> {
             }
         }
         *self = Self::Home(optimizer);
+    }
+}
+
+impl<T: Element, B> EarlyStep<T, B> {
+    /// Lends the optimizer, the parameter shard and the owned pieces' keys
+    /// for one interleaved step: the owned pieces of parameters `trains`
+    /// marks step with their bucket, averaged over `micro_steps`. Nothing
+    /// is lent on an error.
+    pub(super) fn lend<C: Communicator, M: ShardMemory<T, C, Buffer = B>>(
+        optimizer: &mut HeldOptimizer<T>,
+        shard: &mut ParamShard<B>,
+        sharding: &mut Sharding,
+        trains: impl Fn(usize) -> bool,
+        micro_steps: usize,
+    ) -> Result<Self> {
+        let bucket_pieces = sharding
+            .pieces_by_bucket()
+            .ok_or_else(|| {
+                Error::State(
+                    "internal: the interleaved schedule needs pieces within buckets".into(),
+                )
+            })?
+            .to_vec();
+        let base = sharding.base();
+        let pieces = (sharding.owned.iter())
+            .map(|piece| {
+                let at = piece.flat_range.start - base;
+                (at..at + piece.len(), trains(piece.param))
+            })
+            .collect();
+        let params = shard.lend::<T, C, M>(Borrower::Step)?;
+        let optimizer = match optimizer.lend() {
+            Ok(optimizer) => optimizer,
+            Err(e) => {
+                shard.put(params);
+                return Err(e);
+            }
+        };
+        Ok(EarlyStep {
+            optimizer,
+            params,
+            // Lent like the optimizer (the engine is lent to backward, so
+            // nothing reads them meanwhile); back with `put_back`.
+            keys: std::mem::take(&mut sharding.keys),
+            pieces,
+            bucket_pieces,
+            scale: (micro_steps > 1).then(|| 1.0 / micro_steps as f64),
+            stepped: vec![false; sharding.layout.buckets.len()],
+        })
+    }
+
+    /// Puts back what [`EarlyStep::lend`] lent; which buckets stepped.
+    pub(super) fn put_back(
+        self,
+        optimizer: &mut HeldOptimizer<T>,
+        shard: &mut ParamShard<B>,
+        sharding: &mut Sharding,
+    ) -> Vec<bool> {
+        optimizer.take_back(self.optimizer);
+        shard.put(self.params);
+        sharding.keys = self.keys;
+        self.stepped
     }
 }
 

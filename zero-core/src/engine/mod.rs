@@ -96,7 +96,7 @@ use crate::partition::{ParamInfo, PartitionPlan};
 use crate::{Element, Error, Result};
 use buffers::{piece_of, window_buffer, Buffers, ParamShard};
 use mask::{mask_over, Trainability};
-use std::ops::Range;
+use std::ops::{Bound, RangeBounds};
 use std::sync::Arc;
 use window::AccumulationWindow;
 
@@ -114,6 +114,22 @@ pub struct StepReport {
     pub skipped: bool,
     /// With loss scaling: the scale this step's gradients were divided by.
     pub loss_scale: Option<f64>,
+}
+
+/// What the engine has counted so far ([`Engine::counters`]; the optimizer
+/// steps are [`Engine::steps`]): what to log beside the loss.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Counters {
+    /// Micro-steps accumulated since the last optimizer step.
+    pub micro_steps: usize,
+    /// Steps that left their all-gathers running after they returned (see
+    /// [`EngineConfig::defer_gathers`]: a step with a gradient given in a
+    /// slot gathers before it returns).
+    pub deferred_steps: u64,
+    /// Where the host's time went in the offloaded steps that stepped each
+    /// bucket as it landed (zero without offload, or where the schedule
+    /// steps after backward).
+    pub offload: OffloadTimes,
 }
 
 /// The ZeRO engine for one rank, over communicator `C`, with its buffers in
@@ -370,29 +386,6 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         Ok(())
     }
 
-    /// Starts the communication thread unless it runs; `false` when this
-    /// memory runs no collectives off the caller's thread (no
-    /// [`ShardMemory::fork`]) or no thread could be started (then the
-    /// collectives run on the caller's thread, in the same order).
-    fn ensure_worker(&mut self) -> bool {
-        if self.worker.as_ref().is_some_and(worker::CommWorker::alive) {
-            return true;
-        }
-        let Some(memory) = self.memory.fork() else {
-            return false;
-        };
-        match worker::CommWorker::start(memory, self.comm.rank()) {
-            Ok(worker) => {
-                self.worker = Some(worker);
-                true
-            }
-            Err(e) => {
-                tracing::warn!("no communication thread ({e}); communicating on this thread");
-                false
-            }
-        }
-    }
-
     /// The communicator of every rank (the one the engine was built
     /// with).
     pub fn comm(&self) -> &C {
@@ -428,16 +421,17 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         self.steps
     }
 
-    /// Where the host's time went in the offloaded steps that stepped each
-    /// bucket as it landed, so far (zero without offload, or where the
-    /// schedule steps after backward).
-    pub fn offload_times(&self) -> OffloadTimes {
-        self.offload_times
-    }
-
-    /// Micro-steps accumulated since the last optimizer step.
-    pub fn pending_micro_steps(&self) -> usize {
-        self.window.micro_steps
+    /// The engine's counters as of now: micro-steps pending, deferred
+    /// steps, offload's host times.
+    pub fn counters(&self) -> Counters {
+        Counters {
+            micro_steps: self.window.micro_steps,
+            deferred_steps: match &self.stage {
+                StageState::Sharded(gathers) => gathers.steps,
+                _ => 0,
+            },
+            offload: self.offload_times,
+        }
     }
 
     /// What the loss must be multiplied by before backward (`None` without
@@ -575,7 +569,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// Adds one micro-step's gradients without communicating. `grads` has
     /// one slot per parameter, each as long as the parameter.
     pub fn accumulate(&mut self, grads: &[Option<M::Grad<'_>>]) -> Result<()> {
-        self.check_grads(grads)?;
+        (self.params).check_grads(grads.iter().map(|g| g.as_ref().map(M::grad_len)))?;
         self.finish_gathers()?;
         self.stage.end_fetch_pass()?;
         self.window.plain_grads |= grads.iter().any(Option::is_some);
@@ -622,33 +616,25 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         Ok(())
     }
 
-    /// Adds one parameter's gradient to the current micro-step, before its
-    /// [`Engine::step`] (or [`Engine::accumulate`]) call completes it: how
-    /// a framework hands gradients over during backward, the moment each is
-    /// final, instead of keeping them all until the end. A parameter handed
+    /// Adds the gradient of one parameter's elements `range` (in its
+    /// row-major order; `..` for the whole parameter) to the current
+    /// micro-step, before its [`Engine::step`] (or [`Engine::accumulate`])
+    /// call completes it: how a framework hands gradients over during
+    /// backward, the moment each is final, instead of keeping them all
+    /// until the end. `grad` holds just those elements. A parameter handed
     /// over twice (a tied weight) gets the sum, as does one also passed to
-    /// `step`.
+    /// `step`; one handed over in consecutive ranges that cover it once
+    /// counts as one handover, and never exists whole.
     ///
-    /// After [`Engine::begin_backward`] the gradient goes into its bucket's
-    /// buffer and may launch that bucket's reduction (see [`Overlap`]);
-    /// without it, it goes into the full flat
+    /// After [`Engine::begin_backward`] each range goes into its buckets'
+    /// buffers and a bucket's reduction can start as soon as its last range
+    /// is in (see [`Overlap`]); without it, it goes into the full flat
     /// gradient buffer (which in stage 2 then lives until the step, as
     /// during accumulation) and nothing is communicated.
-    pub fn accumulate_param(&mut self, param: usize, grad: M::Grad<'_>) -> Result<()> {
-        let numel = self.params.get(param).map_or(0, ParamInfo::numel);
-        self.accumulate_param_range(param, 0..numel, grad)
-    }
-
-    /// [`Engine::accumulate_param`] for the elements `range` of the
-    /// parameter (in its row-major order): `grad` holds just those. A
-    /// gradient handed over in consecutive ranges that cover the parameter
-    /// once counts as one handover, and never exists whole: each range
-    /// goes into its buckets' buffers as it comes, and a bucket's reduction
-    /// can start as soon as its last range is in.
-    pub fn accumulate_param_range(
+    pub fn accumulate_param(
         &mut self,
         param: usize,
-        range: Range<usize>,
+        range: impl RangeBounds<usize>,
         grad: M::Grad<'_>,
     ) -> Result<()> {
         let Some(info) = self.params.get(param) else {
@@ -657,8 +643,19 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                 self.params.len()
             )));
         };
+        let start = match range.start_bound() {
+            Bound::Included(&s) => s,
+            Bound::Excluded(&s) => s + 1,
+            Bound::Unbounded => 0,
+        };
+        let end = match range.end_bound() {
+            Bound::Included(&e) => e.saturating_add(1),
+            Bound::Excluded(&e) => e,
+            Bound::Unbounded => info.numel(),
+        };
+        let range = start..end;
         let len = M::grad_len(&grad);
-        if len != range.len() || range.end > info.numel() {
+        if len != range.len() || range.start > range.end || range.end > info.numel() {
             return Err(Error::Config(format!(
                 "gradient of {:?}: {len} elements given for the range {range:?} of a parameter \
                  of {} ({:?}); pass the gradient's elements of that range, contiguous",
@@ -698,7 +695,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             self.accumulate(grads)?;
             return Ok(None);
         }
-        self.check_grads(grads)?;
+        (self.params).check_grads(grads.iter().map(|g| g.as_ref().map(M::grad_len)))?;
         self.reduce_and_update(Some(grads), params).map(Some)
     }
 
@@ -712,10 +709,6 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             ));
         }
         self.reduce_and_update(None, params)
-    }
-
-    fn check_grads(&self, grads: &[Option<M::Grad<'_>>]) -> Result<()> {
-        (self.params).check_grads(grads.iter().map(|g| g.as_ref().map(M::grad_len)))
     }
 
     /// Drops whatever the current window holds (micro-steps accumulated,

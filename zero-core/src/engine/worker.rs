@@ -32,6 +32,29 @@ impl<M: Send + 'static> CommWorker<M> {
         Ok(Self { tasks, handle })
     }
 
+    /// Starts the thread in `slot` with `fork`'s memory unless it runs;
+    /// `false` when the memory runs no collectives off the caller's thread
+    /// (`fork` gives none) or no thread could be started (then the
+    /// collectives run on the caller's thread, in the same order).
+    pub fn ensure(slot: &mut Option<Self>, fork: impl FnOnce() -> Option<M>, rank: usize) -> bool {
+        if slot.as_ref().is_some_and(Self::alive) {
+            return true;
+        }
+        let Some(memory) = fork() else {
+            return false;
+        };
+        match Self::start(memory, rank) {
+            Ok(worker) => {
+                *slot = Some(worker);
+                true
+            }
+            Err(e) => {
+                tracing::warn!("no communication thread ({e}); communicating on this thread");
+                false
+            }
+        }
+    }
+
     /// Whether the thread still runs (a task that panicked ended it).
     pub fn alive(&self) -> bool {
         !self.handle.is_finished()

@@ -457,7 +457,7 @@ where
     let order: Vec<(usize, usize)> = (0..n).rev().map(|p| (p, 1)).collect();
     e.begin_backward(&order, params)?;
     for p in (0..n).rev() {
-        e.accumulate_param(p, (&grads[p]).into())?;
+        e.accumulate_param(p, .., (&grads[p]).into())?;
     }
     let none: Vec<Option<HostGrad<'_, f64>>> = vec![None; n];
     e.step(&none, params)?;

@@ -135,7 +135,7 @@ pub(super) fn ours(
                 if let Some(pool) = pool {
                     pool.reset_high_water()?;
                 }
-                offload_before = opt.engine().offload_times();
+                offload_before = opt.engine().counters().offload;
             }
             let started = Instant::now();
             let loss = model.loss(ids)?;
@@ -163,7 +163,7 @@ pub(super) fn ours(
             engine_device_bytes_per_param: memory.on_device() as f64 / numel,
             engine_host_bytes_per_param: memory.offloaded as f64 / numel,
             step_ms: median * 1e3,
-            offload_ms: OffloadMs::between(offload_before, opt.engine().offload_times()),
+            offload_ms: OffloadMs::between(offload_before, opt.engine().counters().offload),
         }
     };
     // The case's model, optimizer and communicator are dropped; their

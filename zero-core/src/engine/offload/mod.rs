@@ -47,7 +47,7 @@ use std::time::Duration;
 
 /// Where the host's time went in offloaded steps whose host steps each
 /// bucket as it lands (the interleaved schedule on a device), summed over
-/// those steps ([`Engine::offload_times`](super::Engine::offload_times)):
+/// those steps ([`Engine::counters`](super::Engine::counters)):
 /// what to look at when an offloaded step is slower than the device's own.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct OffloadTimes {

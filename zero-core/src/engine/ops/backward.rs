@@ -4,13 +4,13 @@
 //! module's).
 
 use crate::comm::Communicator;
-use crate::engine::buffers::Borrower;
 use crate::engine::consistency::check_same_graph;
 use crate::engine::pass::PassParts;
 use crate::engine::pass::{
     start_inline, start_on_thread, BackwardPass, PassFacts, Runner, Schedule,
 };
 use crate::engine::reduce::{BucketMap, EarlyStep, Reducer};
+use crate::engine::worker::CommWorker;
 use crate::engine::{Engine, ReductionProgress, ShardMemory};
 use crate::{Element, Error, Result};
 use std::sync::Arc;
@@ -113,7 +113,23 @@ where
             // Master weights, when kept, are not read again.
             self.refresh_param_shard(params)?;
             self.window.params_read = true;
-            Some(self.lend_early_step(&expected_calls)?)
+            let check = self.config.check_trainability;
+            let mask = &self.mask;
+            let trains = |p: usize| {
+                let trains = if check {
+                    mask.trainable[p]
+                } else {
+                    mask.active[p]
+                };
+                trains && expected_calls[p] > 0
+            };
+            Some(EarlyStep::lend::<C, M>(
+                &mut self.optimizer,
+                &mut self.buffers.param_shard,
+                &mut self.sharding,
+                trains,
+                self.window.micro_steps + 1,
+            )?)
         } else {
             None
         };
@@ -123,7 +139,8 @@ where
             self.window.in_full_buffer = false;
         }
         let targets = schedule.take_targets(&mut self.buffers, stage, early);
-        let thread = schedule.runner == Runner::Thread && self.ensure_worker();
+        let thread = schedule.runner == Runner::Thread
+            && CommWorker::ensure(&mut self.worker, || self.memory.fork(), self.comm.rank());
         let map = || BucketMap::new(&self.sharding.layout, stage, self.wire.reduce);
         let reducer = match schedule.runner {
             Runner::Thread => {
@@ -154,64 +171,6 @@ where
             bucket_bytes,
         ));
         Ok(())
-    }
-
-    /// Lends the optimizer and the parameter shard for the interleaved
-    /// schedule: the pieces of predicted parameters step with their bucket.
-    fn lend_early_step(&mut self, expected_calls: &[usize]) -> Result<EarlyStep<T, M::Buffer>> {
-        let bucket_pieces = self
-            .sharding
-            .pieces_by_bucket()
-            .ok_or_else(|| {
-                Error::State(
-                    "internal: the interleaved schedule needs pieces within buckets".into(),
-                )
-            })?
-            .to_vec();
-        let base = self.sharding.base();
-        let pieces = self
-            .sharding
-            .owned
-            .iter()
-            .map(|piece| {
-                let at = piece.flat_range.start - base;
-                let p = piece.param;
-                let trains = if self.config.check_trainability {
-                    self.mask.trainable[p]
-                } else {
-                    self.mask.active[p]
-                };
-                (at..at + piece.len(), trains && expected_calls[p] > 0)
-            })
-            .collect();
-        let micro_steps = self.window.micro_steps + 1;
-        let params = self.buffers.param_shard.lend::<T, C, M>(Borrower::Step)?;
-        let optimizer = match self.optimizer.lend() {
-            Ok(optimizer) => optimizer,
-            Err(e) => {
-                self.buffers.param_shard.put(params);
-                return Err(e);
-            }
-        };
-        Ok(EarlyStep {
-            optimizer,
-            params,
-            // Lent like the optimizer (the engine is lent to backward, so
-            // nothing reads them meanwhile); back at the join.
-            keys: std::mem::take(&mut self.sharding.keys),
-            pieces,
-            bucket_pieces,
-            scale: (micro_steps > 1).then(|| 1.0 / micro_steps as f64),
-            stepped: vec![false; self.sharding.layout.buckets.len()],
-        })
-    }
-
-    /// Takes back what `lend_early_step` lent, and which buckets stepped.
-    fn take_back_early(&mut self, early: EarlyStep<T, M::Buffer>) {
-        self.optimizer.take_back(early.optimizer);
-        self.buffers.param_shard.put(early.params);
-        self.sharding.keys = early.keys;
-        self.window.early_stepped = early.stepped;
     }
 }
 
@@ -267,7 +226,7 @@ where
             return Ok(false);
         }
         let flushed = self.flush_pass(grads);
-        let joined = self.join_reductions();
+        let joined = self.join_pass();
         flushed.and(joined)?;
         Ok(true)
     }
@@ -311,15 +270,6 @@ where
         (parts, self.pass.as_mut())
     }
 
-    /// Waits for every reduction of the open pass (running them here if
-    /// they were deferred) and for offload's step thread, puts the buffers
-    /// back and closes the pass.
-    pub(in crate::engine) fn join_pass(&mut self) -> Result<()> {
-        let joined = self.join_reductions();
-        let stepped = self.finish_host_steps();
-        joined.and(stepped)
-    }
-
     /// Waits for offload's step thread after its last bucket, if it is
     /// still stepping (see [`Engine::finish_pass_stepping`]), and takes
     /// back the optimizer and both shards; reports its first failure.
@@ -334,7 +284,11 @@ where
                     .into(),
             ));
         };
-        self.take_back_early(done.early);
+        self.window.early_stepped = done.early.put_back(
+            &mut self.optimizer,
+            &mut self.buffers.param_shard,
+            &mut self.sharding,
+        );
         if done.grad_shard.is_some() {
             self.buffers.grad_shard = done.grad_shard;
         }
@@ -342,9 +296,11 @@ where
         done.result
     }
 
-    /// [`Engine::join_pass`] but for offload's step thread, which goes on
-    /// stepping (held in `host_steps`, with the gradient shard it reads).
-    fn join_reductions(&mut self) -> Result<()> {
+    /// Waits for every reduction of the open pass (running them here if
+    /// they were deferred), puts the buffers back and closes the pass;
+    /// offload's step thread, if the pass has one, goes on stepping (held
+    /// in `host_steps`, with the gradient shard it reads).
+    pub(in crate::engine) fn join_pass(&mut self) -> Result<()> {
         let Some(pass) = self.pass.take() else {
             return Ok(());
         };
@@ -353,7 +309,11 @@ where
             self.host_steps = Some(steps);
         }
         if let Some(early) = joined.early {
-            self.take_back_early(early);
+            self.window.early_stepped = early.put_back(
+                &mut self.optimizer,
+                &mut self.buffers.param_shard,
+                &mut self.sharding,
+            );
         }
         joined.result
     }

@@ -4,7 +4,7 @@
 
 use crate::comm::Communicator;
 use crate::engine::deferred::{ParamAccess, Refresh};
-use crate::engine::{Engine, ShardMemory, StageState};
+use crate::engine::{Engine, ShardMemory};
 use crate::{Element, Error, Result};
 use std::sync::Arc;
 
@@ -21,18 +21,6 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             gathers.access = Some(access);
         }
         Ok(())
-    }
-}
-
-impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
-    /// How many steps left their all-gathers running after they returned
-    /// (see [`EngineConfig::defer_gathers`](crate::engine::EngineConfig::defer_gathers):
-    /// a step with a gradient given in a slot gathers before it returns).
-    pub fn deferred_steps(&self) -> u64 {
-        match &self.stage {
-            StageState::Sharded(gathers) => gathers.steps,
-            _ => 0,
-        }
     }
 
     /// What layers wait on before reading their parameters after a step

@@ -17,6 +17,7 @@ pub(super) use replica::{AsReduced, Replica};
 
 use crate::comm::Communicator;
 use crate::engine::reduce::Reducer;
+use crate::engine::worker::CommWorker;
 use crate::engine::{Engine, Overlap, ShardMemory, Stage, StageState};
 use crate::{Element, Result};
 use bucket::Buckets;
@@ -188,7 +189,10 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             launches_async: self.abilities.launches_async,
             defer,
         };
-        let path = decide(&facts, || self.ensure_worker());
+        let (memory, rank) = (&self.memory, self.comm.rank());
+        let path = decide(&facts, || {
+            CommWorker::ensure(&mut self.worker, || memory.fork(), rank)
+        });
         tracing::trace!(?path, "optimizer step");
         path
     }
