@@ -499,10 +499,10 @@ fn stage3_engine(comm: ThreadComm) -> Engine<f32, ThreadComm> {
 fn shard(engine: &mut Engine<f32, ThreadComm>, replica: &mut Vec<Vec<f32>>) {
     let n = engine.params().len();
     let order: Vec<usize> = (0..n).rev().collect();
-    engine
+    let fetcher = engine
         .shard_from_start(&order, &vec![true; n], replica)
         .unwrap();
-    assert!(engine.is_sharded(0) && !engine.is_sharded(1) && engine.is_sharded(2));
+    assert!(fetcher.is_sharded(0) && !fetcher.is_sharded(1) && fetcher.is_sharded(2));
 }
 
 fn all<R: Send>(world: usize, f: impl Fn(ThreadComm) -> R + Sync) -> Vec<R> {

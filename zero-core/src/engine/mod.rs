@@ -169,9 +169,9 @@ pub struct Engine<T: Element, C: Communicator, M: ShardMemory<T, C> = HostMemory
     wire: precision::Wire,
     /// What the memory can do that decides a step's path.
     abilities: shard_memory::Abilities,
-    /// With master weights: whether `buffers.param_shard` holds them (see
-    /// `precision.rs`); until then the next step reads the replica.
-    masters_fresh: bool,
+    /// Whether the shard or the replica holds the truth of the trained
+    /// parameters, and whether the shard is current (see `precision.rs`).
+    truth: precision::Truth,
     /// The loss scaler, when the configuration asks for loss scaling.
     scaler: Option<scaler::LossScaler>,
     /// When the replica is current (shared with the framework's layers;
@@ -210,6 +210,12 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> StageState<T, C, M> {
     /// shards).
     fn sharded_mask(&self) -> &[bool] {
         self.sharded_params().map_or(&[], |s| &s.sharded[..])
+    }
+
+    /// Whether parameter `param` lives only as shards (stage 3; the
+    /// public answer is the fetcher's, [`Fetcher::is_sharded`]).
+    fn is_sharded(&self, param: usize) -> bool {
+        self.sharded_mask().get(param) == Some(&true)
     }
 
     /// Stages 1 and 2's deferred all-gathers (`None` at other stages).
@@ -332,7 +338,10 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             background: state::BackgroundSave::default(),
             wire,
             abilities,
-            masters_fresh: false,
+            truth: match wire.masters {
+                true => precision::Truth::Shard { fresh: false },
+                false => precision::Truth::Replica,
+            },
             scaler: scaler::LossScaler::new(config.loss_scale),
             refresh: Arc::default(),
             stage,
@@ -368,7 +377,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             _ => shard_memory::alloc_shard(&mut self.memory, shard_numel)?,
         };
         self.buffers.param_shard.put(param_shard);
-        self.masters_fresh = false;
+        self.truth.set_fresh(false);
         self.buffers.grad_shard = match stage {
             Stage::Ddp => None,
             _ => Some(shard_memory::alloc_shard(&mut self.memory, shard_numel)?),
@@ -536,7 +545,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             .params
             .iter()
             .enumerate()
-            .filter(|&(i, _)| !self.is_sharded(i))
+            .filter(|&(i, _)| !self.stage.is_sharded(i))
             .map(|(_, p)| p.numel() * p.dtype.size_in_bytes())
             .sum();
         let gathers = self.fetcher().map_or(0, |f| f.buffer_bytes());

@@ -41,6 +41,38 @@ pub(super) fn engine_steps<T: Element>(dtype: DType) -> bool {
             && T::DTYPE.size_in_bytes() > dtype.size_in_bytes())
 }
 
+/// Which copy holds the truth of the trained parameters.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(super) enum Truth {
+    /// The replica: each step reads the owned pieces from it (a user may
+    /// have changed them since the last step).
+    Replica,
+    /// The parameter shard (master weights, stage 3's sharded parameters);
+    /// until it is `fresh` (read once, or loaded), the next step reads the
+    /// replica.
+    Shard { fresh: bool },
+}
+
+impl Truth {
+    /// Whether the shard holds the truth.
+    pub fn in_shard(self) -> bool {
+        matches!(self, Self::Shard { .. })
+    }
+
+    /// Whether the shard holds the truth, current.
+    pub fn fresh(self) -> bool {
+        self == Self::Shard { fresh: true }
+    }
+
+    /// Marks the shard current or stale (nothing where the replica holds
+    /// the truth).
+    pub fn set_fresh(&mut self, now: bool) {
+        if let Self::Shard { fresh } = self {
+            *fresh = now;
+        }
+    }
+}
+
 /// Where an engine keeps its masters and the dtypes its values travel in,
 /// decided once at construction from the parameters, the configuration,
 /// the world size and the memory.

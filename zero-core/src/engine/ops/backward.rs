@@ -79,13 +79,13 @@ where
             && self.config.steps_ddp_as_reduced(self.wire.masters)
             && self.comm.concurrent_groups();
         self.stage.split_side(&*self.comm, side)?;
-        if !self.pass_facts(forkable).reduces_during_backward() {
+        if !PassFacts::of(self, forkable).reduces_during_backward() {
             // This memory reduces in the step; the gradients go to the full
             // buffer as before.
             return Ok(());
         }
         self.plan_in_order(expected)?;
-        let Some(schedule) = Schedule::decide(&self.pass_facts(forkable)) else {
+        let Some(schedule) = Schedule::decide(&PassFacts::of(self, forkable)) else {
             // Stages 0 and 1 accumulate locally until the last micro-step.
             return Ok(());
         };
@@ -180,23 +180,6 @@ where
     C: Communicator,
     M: ShardMemory<T, C>,
 {
-    /// What decides the schedule of a pass beginning now.
-    fn pass_facts(&self, forkable: bool) -> PassFacts {
-        PassFacts {
-            stage: self.config.stage,
-            overlap: self.config.overlap,
-            last_micro_step: self.window.micro_steps + 1 >= self.config.grad_accum_steps,
-            sharded_params: self.fetcher().is_some(),
-            serial_gathers: self.fetcher().is_some_and(|f| !f.overlaps()),
-            forkable,
-            launches_async: self.abilities.launches_async,
-            host_stepper: self.abilities.host_stepper.is_some(),
-            in_full_buffer: self.window.in_full_buffer,
-            in_shard: self.window.in_shard,
-            by_bucket: self.sharding.pieces_by_bucket().is_some(),
-        }
-    }
-
     /// Closes the open backward pass: hands over `grads` (the gradients
     /// that came after backward, one slot per parameter), launches every
     /// bucket left, adds the late gradients, waits for every reduction and
@@ -214,7 +197,7 @@ where
 
     /// [`Engine::finish_pass`], except that offload's step thread, if the
     /// pass has one, goes on with its last buckets: the write-back takes
-    /// each as it is stepped (`update_shard`), and anything else that
+    /// each as it is stepped (`ShardUpdate::run`), and anything else that
     /// reads the shards or the optimizer first waits for the thread
     /// ([`Engine::finish_host_steps`]). Meanwhile the engine holds neither
     /// shard nor the optimizer, so nothing can read them by mistake.
@@ -321,5 +304,27 @@ where
     /// A handle on the count of completed bucket reductions.
     pub fn reduction_progress(&self) -> ReductionProgress {
         self.progress.clone()
+    }
+}
+
+impl PassFacts {
+    /// What decides the schedule of `engine`'s pass beginning now.
+    fn of<T: Element, C: Communicator, M: ShardMemory<T, C>>(
+        engine: &Engine<T, C, M>,
+        forkable: bool,
+    ) -> Self {
+        Self {
+            stage: engine.config.stage,
+            overlap: engine.config.overlap,
+            last_micro_step: engine.window.micro_steps + 1 >= engine.config.grad_accum_steps,
+            sharded_params: engine.fetcher().is_some(),
+            serial_gathers: engine.fetcher().is_some_and(|f| !f.overlaps()),
+            forkable,
+            launches_async: engine.abilities.launches_async,
+            host_stepper: engine.abilities.host_stepper.is_some(),
+            in_full_buffer: engine.window.in_full_buffer,
+            in_shard: engine.window.in_shard,
+            by_bucket: engine.sharding.pieces_by_bucket().is_some(),
+        }
     }
 }

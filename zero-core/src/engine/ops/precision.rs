@@ -13,7 +13,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// them at every step anyway). Loading a checkpoint sets the masters
     /// from the checkpoint; no call needed.
     pub fn reload_master_weights(&mut self) {
-        self.masters_fresh = false;
+        self.truth.set_fresh(false);
     }
 
     /// The master weights, to read or set piece by piece.
@@ -35,8 +35,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         &mut self,
         params: &mut M::Params<'_>,
     ) -> Result<()> {
-        let truth = self.shard_is_truth();
-        if truth && self.masters_fresh {
+        if self.truth.fresh() {
             return Ok(());
         }
         if self.stage.sharded_params().is_some() {
@@ -45,7 +44,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                 .sharding
                 .owned_copies
                 .iter()
-                .filter(|c| !self.is_sharded(c.param))
+                .filter(|c| !self.stage.is_sharded(c.param))
                 .cloned()
                 .collect();
             self.memory
@@ -57,21 +56,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                 self.buffers.param_shard.here_mut()?,
             )?;
         }
-        self.masters_fresh = truth;
+        self.truth.set_fresh(true);
         Ok(())
-    }
-
-    /// Stage 0 with master weights: writes the active parameters' updated
-    /// masters (every rank holds all of them) into the replica, rounded.
-    pub(in crate::engine) fn write_masters(&mut self, params: &mut M::Params<'_>) -> Result<()> {
-        let copies: Vec<ParamCopy> = self
-            .sharding
-            .owned_copies
-            .iter()
-            .filter(|c| self.mask.active[c.param])
-            .cloned()
-            .collect();
-        self.memory
-            .write_params(params, &copies, self.buffers.param_shard.here()?)
     }
 }

@@ -36,8 +36,9 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             && !self.window.in_full_buffer
             && self.memory.state_bytes(self.optimizer.home()?) == 0
             // Master weights loaded from a checkpoint live in this plan's
-            // shard.
-            && !self.masters_fresh;
+            // shard, and stage 3's fetcher gathers by it.
+            && !self.truth.fresh()
+            && self.fetcher().is_none();
         if !fresh || self.config.partitioner != crate::engine::PartitionerKind::Flat {
             if self.sharding.order.is_some() {
                 tracing::debug!("gradient-ready order changed; keeping the partition");

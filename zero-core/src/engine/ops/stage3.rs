@@ -6,6 +6,7 @@ use crate::comm::{Communicator, ReduceOp};
 use crate::engine::buffers::Borrower;
 use crate::engine::fetch::{Fetcher, GatherMemory};
 use crate::engine::mask::check_same_mask;
+use crate::engine::precision::Truth;
 use crate::engine::stage3::{gather_units, FetcherOf, ParamPieceSink, ShardedParams};
 use crate::engine::{Engine, ShardMemory, Stage, StageState};
 use crate::{Element, Error, Result};
@@ -61,7 +62,6 @@ where
             .map(|(p, &g)| g && p.trainable && p.numel() > persist)
             .collect();
         check_same_mask(&mut self.memory, &*self.comm, &self.params, &mask)?;
-
         // The shard must hold the current values before the replica goes
         // (a lean shard, `lean_shard`, exists only from now on). The bucket
         // buffers are let go first, so that the shard and the replica
@@ -97,13 +97,16 @@ where
             (budgets.prefetch_bytes, budgets.max_live_bytes),
             threaded,
         )?;
+        // The shard holds the sharded parameters' only copy, current.
+        if mask.contains(&true) {
+            self.truth = Truth::Shard { fresh: true };
+        }
         // Nothing is deferred from now on (`shard_parameters` finished the
         // gathers above).
         self.stage = StageState::Parameters(ShardedParams {
             sharded: mask,
             fetcher: fetcher.clone(),
         });
-        self.masters_fresh = true;
         Ok(fetcher)
     }
 
@@ -217,22 +220,10 @@ where
 }
 
 impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
-    /// Stage 3: whether parameter `param` lives only as shards (see
-    /// [`Engine::shard_parameters`]).
-    pub fn is_sharded(&self, param: usize) -> bool {
-        self.stage.sharded_mask().get(param) == Some(&true)
-    }
-
     /// Stage 3: the fetcher of the sharded parameters, once
     /// [`Engine::shard_parameters`] made one.
     pub fn fetcher(&self) -> Option<&Arc<FetcherOf<T, C, M>>> {
         self.stage.sharded_params().map(|s| &s.fetcher)
-    }
-
-    /// Whether the shard, not the replica, holds the truth of the trained
-    /// parameters: with master weights, or sharded parameters.
-    pub(in crate::engine) fn shard_is_truth(&self) -> bool {
-        self.wire.masters || self.stage.sharded_mask().contains(&true)
     }
 
     /// Stage 3: runs `f` with the parameter shard home from the fetcher

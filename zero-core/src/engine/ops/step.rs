@@ -75,7 +75,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         micro_steps: usize,
         params: &mut M::Params<'_>,
     ) -> Result<Option<f64>> {
-        match self.step_path(last, micro_steps) {
+        match StepPath::of(self, last, micro_steps) {
             StepPath::ReplicaAsReduced => AsReduced.run(self, last, micro_steps, params),
             StepPath::Replica => self.after_ready(
                 last,
@@ -89,14 +89,14 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                 micro_steps,
                 false,
                 params,
-                |engine, stepping, params| engine.update_shard(update, false, stepping, params),
+                |engine, stepping, params| update.run(engine, false, stepping, params),
             ),
             StepPath::HostStepped(update) => self.after_ready(
                 last,
                 micro_steps,
                 false,
                 params,
-                |engine, stepping, params| engine.update_shard(update, true, stepping, params),
+                |engine, stepping, params| update.run(engine, true, stepping, params),
             ),
         }
     }
@@ -116,7 +116,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     ) -> Result<Option<f64>> {
         let reduced = reduced || self.finish_pass_stepping(last)?;
         // Offload's step thread may still be stepping its last buckets (the
-        // write-back takes them as they come, `update_shard`): whatever
+        // write-back takes them as they come, `ShardUpdate::run`): whatever
         // reads the gradient shard before (averaging; clipping and loss
         // scaling, which the interleaved schedule refuses) waits for it.
         if self.config.reads_every_gradient(micro_steps) {

@@ -6,7 +6,7 @@ use crate::checkpoint::MANIFEST_FILE;
 use crate::checkpoint::{checkpoint_error, CheckpointInfo, GroupState, Manifest, StateDict};
 use crate::comm::Communicator;
 use crate::engine::params::ParamTable;
-use crate::engine::precision::{engine_steps, Masters};
+use crate::engine::precision::{engine_steps, Masters, Truth};
 use crate::engine::scaler::LossScaler;
 use crate::engine::sharding::Sharding;
 use crate::engine::state::{check_groups, checked_info, group_states, read_owned_state};
@@ -34,10 +34,10 @@ pub(super) struct Load<'e, T: Element, C: Communicator, M: ShardMemory<T, C>> {
     /// other stages).
     sharded: &'e [bool],
     /// Whether the shard, not the replica, holds the truth of the trained
-    /// weights (`Engine::shard_is_truth`).
+    /// weights (`Truth::in_shard`).
     truth: bool,
-    /// Whether the parameter shard holds current master weights.
-    masters_fresh: &'e mut bool,
+    /// Set fresh once the shard holds what was loaded.
+    fresh: &'e mut Truth,
     steps: &'e mut u64,
     scaler: Option<&'e mut LossScaler>,
 }
@@ -45,7 +45,7 @@ pub(super) struct Load<'e, T: Element, C: Communicator, M: ShardMemory<T, C>> {
 impl<'e, T: Element, C: Communicator, M: ShardMemory<T, C>> Load<'e, T, C, M> {
     /// The parts of `engine` a load reads and writes.
     pub fn of(engine: &'e mut Engine<T, C, M>) -> Result<Self> {
-        let truth = engine.shard_is_truth();
+        let truth = engine.truth.in_shard();
         let sharded = engine.stage.sharded_mask();
         Ok(Self {
             comm: &engine.comm,
@@ -57,7 +57,7 @@ impl<'e, T: Element, C: Communicator, M: ShardMemory<T, C>> Load<'e, T, C, M> {
             stage: engine.config.stage,
             sharded,
             truth,
-            masters_fresh: &mut engine.masters_fresh,
+            fresh: &mut engine.truth,
             steps: &mut engine.steps,
             scaler: engine.scaler.as_mut(),
         })
@@ -217,7 +217,7 @@ impl<'e, T: Element, C: Communicator, M: ShardMemory<T, C>> Load<'e, T, C, M> {
                 self.masters().set(i, &values)?;
             }
         }
-        *self.masters_fresh = masters;
+        self.fresh.set_fresh(masters);
         if let (Some(state), Some(scaler)) = (info.loss_scaler, self.scaler.as_mut()) {
             scaler.restore(state);
         }

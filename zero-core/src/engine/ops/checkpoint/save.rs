@@ -46,7 +46,7 @@ pub(super) struct Save<'e, T: Element, C: Communicator, M: ShardMemory<T, C>> {
     /// other stages).
     sharded: &'e [bool],
     /// Whether the shard, not the replica, holds the truth of the trained
-    /// weights (`Engine::shard_is_truth`).
+    /// weights (`Truth::in_shard`).
     truth: bool,
 }
 
@@ -91,7 +91,7 @@ impl<'e, T: Element, C: Communicator, M: ShardMemory<T, C>> Save<'e, T, C, M> {
     pub fn with_background(
         engine: &'e mut Engine<T, C, M>,
     ) -> Result<(Self, &'e mut BackgroundSave<T>)> {
-        let truth = engine.shard_is_truth();
+        let truth = engine.truth.in_shard();
         let loss_scaler = engine.scaler.as_ref().map(LossScaler::state);
         let sharded = engine.stage.sharded_mask();
         let save = Self {

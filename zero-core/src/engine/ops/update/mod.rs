@@ -148,60 +148,62 @@ fn shard_update(facts: &StepFacts, worker: impl FnOnce() -> bool) -> ShardUpdate
     }
 }
 
-impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
-    /// This window's step path ([`decide`]); `last`: the gradients given
-    /// with the step.
-    pub(super) fn step_path(
-        &mut self,
+impl StepPath {
+    /// This window's path for `engine` ([`decide`] on its facts); `last`:
+    /// the gradients given with the step.
+    pub(super) fn of<T: Element, C: Communicator, M: ShardMemory<T, C>>(
+        engine: &mut Engine<T, C, M>,
         last: Option<&[Option<M::Grad<'_>>]>,
         micro_steps: usize,
-    ) -> StepPath {
-        let config = &self.config;
-        let forkable = self.memory.fork().is_some();
+    ) -> Self {
+        let config = &engine.config;
+        let forkable = engine.memory.fork().is_some();
         // Deferred gathers leave the replica stale until the layers' next
         // forward waits for it: only when every gradient of the window came
         // through hooked layers (which wait) and none through a slot.
         let defer = config.defer_gathers
-            && !self.window.plain_grads
+            && !engine.window.plain_grads
             && last.is_some_and(|grads| grads.iter().all(Option::is_none))
             && forkable
-            && matches!(&self.stage, StageState::Sharded(gathers) if gathers.access.is_some());
+            && matches!(&engine.stage, StageState::Sharded(gathers) if gathers.access.is_some());
         // The pass lands each reduced bucket in the full buffer on a
         // communication thread, with the trainable mask (if checked)
         // all-reduced on the side communicator meanwhile.
-        let threaded = (self.pass.as_ref())
+        let threaded = (engine.pass.as_ref())
             .is_some_and(|p| p.schedule().lands && matches!(p.reducer, Reducer::Thread { .. }));
-        let side = matches!(&self.stage, StageState::Replicated { side: Some(_) });
+        let side = matches!(&engine.stage, StageState::Replicated { side: Some(_) });
         let facts = StepFacts {
             replicated: config.stage == Stage::Ddp,
-            masters: self.wire.masters,
-            ddp_as_reduced: config.steps_ddp_as_reduced(self.wire.masters),
+            masters: engine.wire.masters,
+            ddp_as_reduced: config.steps_ddp_as_reduced(engine.wire.masters),
             pass_lands_on_thread: threaded && (!config.check_trainability || side),
-            host_steps: self
+            host_steps: engine
                 .pass
                 .as_ref()
                 .is_some_and(|p| p.reducer.has_host_steps()),
             whole_grads: config.reads_every_gradient(micro_steps),
             no_overlap: config.overlap == Overlap::None,
-            sharded_params: self.fetcher().is_some(),
-            by_bucket: self.sharding.pieces_by_bucket().is_some(),
+            sharded_params: engine.fetcher().is_some(),
+            by_bucket: engine.sharding.pieces_by_bucket().is_some(),
             forkable,
-            launches_async: self.abilities.launches_async,
+            launches_async: engine.abilities.launches_async,
             defer,
         };
-        let (memory, rank) = (&self.memory, self.comm.rank());
+        let (memory, rank) = (&engine.memory, engine.comm.rank());
         let path = decide(&facts, || {
-            CommWorker::ensure(&mut self.worker, || memory.fork(), rank)
+            CommWorker::ensure(&mut engine.worker, || memory.fork(), rank)
         });
         tracing::trace!(?path, "optimizer step");
         path
     }
+}
 
-    /// The shard stepped and put into the replica by `update`, after
-    /// offload's step thread's write-back when `host_stepped`.
-    pub(super) fn update_shard(
-        &mut self,
-        update: ShardUpdate,
+impl ShardUpdate {
+    /// The shard stepped and put into the replica, after offload's step
+    /// thread's write-back when `host_stepped`.
+    pub(super) fn run<T: Element, C: Communicator, M: ShardMemory<T, C>>(
+        self,
+        engine: &mut Engine<T, C, M>,
         host_stepped: bool,
         stepping: &[bool],
         params: &mut M::Params<'_>,
@@ -210,32 +212,31 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         // the write-back, counted in its times (its waits for the thread
         // apart).
         let offloaded = host_stepped
-            || (self.window.early_stepped.contains(&true) && self.abilities.host_stepper.is_some());
-        let (started, joined) = (std::time::Instant::now(), self.offload_times.join);
+            || (engine.window.early_stepped.contains(&true)
+                && engine.abilities.host_stepper.is_some());
+        let (started, joined) = (std::time::Instant::now(), engine.offload_times.join);
         let written = if host_stepped {
-            HostStepped.run(self, params)
+            HostStepped.run(engine, params)
         } else {
             Ok(false)
         };
         // Whatever the write-back did not take needs the optimizer and the
         // shards back; the thread's failure says more than what it caused.
-        self.finish_host_steps()?;
+        engine.finish_host_steps()?;
         if !written? {
-            update.run(self, stepping, params)?;
+            self.step_and_put(engine, stepping, params)?;
         }
         if offloaded {
-            let waited = self.offload_times.join - joined;
-            self.offload_times.write_back += started.elapsed().saturating_sub(waited);
+            let waited = engine.offload_times.join - joined;
+            engine.offload_times.write_back += started.elapsed().saturating_sub(waited);
         }
-        self.window.early_stepped.clear();
+        engine.window.early_stepped.clear();
         Ok(())
     }
-}
 
-impl ShardUpdate {
     /// Steps the `stepping` parameters' pieces of the shard and puts them
     /// into the replica.
-    fn run<T: Element, C: Communicator, M: ShardMemory<T, C>>(
+    fn step_and_put<T: Element, C: Communicator, M: ShardMemory<T, C>>(
         self,
         engine: &mut Engine<T, C, M>,
         stepping: &[bool],

@@ -32,8 +32,15 @@ impl Serial<'_> {
         }
         self.step_shard(engine)?;
         if engine.config.stage == Stage::Ddp {
-            // Stage 0 with master weights: every rank holds all of them.
-            return engine.write_masters(params);
+            // Stage 0 with master weights: every rank holds all of them;
+            // the active parameters' updated masters go into the replica,
+            // rounded.
+            let copies: Vec<ParamCopy> = (engine.sharding.owned_copies.iter())
+                .filter(|c| engine.mask.active[c.param])
+                .cloned()
+                .collect();
+            let masters = engine.buffers.param_shard.here()?;
+            return engine.memory.write_params(params, &copies, masters);
         }
         engine.with_bucket_buffer(|engine, buffer| gather_buckets(engine, params, buffer))
     }
@@ -97,7 +104,7 @@ fn gather_buckets<T: Element, C: Communicator, M: ShardMemory<T, C>>(
     // Stage 3: a sharded parameter's replica is gone; a bucket of sharded
     // parameters only is not gathered at all.
     let written: Vec<bool> = (0..engine.params.len())
-        .map(|p| engine.mask.active[p] && !engine.is_sharded(p))
+        .map(|p| engine.mask.active[p] && !engine.stage.is_sharded(p))
         .collect();
     let layout = &engine.sharding.layout;
     for k in 0..layout.buckets.len() {
