@@ -346,6 +346,7 @@ fn a_learning_rate_set_during_an_interleaved_backward_applies_from_the_next_step
             let mut e = engine(comm, &model, make_opt(Opt::Sgd, false), config.clone())?;
             let n = e.params().len();
             let mut params = model.init();
+            let mut state_bytes = 0;
             for s in 0..steps {
                 let g = model.grads(&params, rank, s);
                 hand_over_backward(&mut e, &g, &mut params)?;
@@ -353,6 +354,12 @@ fn a_learning_rate_set_during_an_interleaved_backward_applies_from_the_next_step
                     assert!(
                         e.optimizer().is_err(),
                         "the optimizer is stepping beside backward"
+                    );
+                    assert!(state_bytes > 0, "momentum is state");
+                    assert_eq!(
+                        e.memory_report().optimizer_state,
+                        state_bytes,
+                        "a lent optimizer's state counts as when it left"
                     );
                     e.set_learning_rate(0.5);
                     assert_eq!(e.learning_rate(), 0.5);
@@ -362,6 +369,7 @@ fn a_learning_rate_set_during_an_interleaved_backward_applies_from_the_next_step
                     e.set_learning_rate(0.5);
                 }
                 assert_eq!(e.optimizer()?.learning_rate(0), e.learning_rate());
+                state_bytes = e.memory_report().optimizer_state;
             }
             assert_eq!(e.learning_rate(), 0.5);
             Ok(params)

@@ -13,11 +13,12 @@ use crate::{Element, Error, Result};
 
 pub(super) enum HeldOptimizer<T: Element> {
     Home(Box<dyn FunctionalOptimizer<T>>),
-    /// Away: each group's learning rate, and whether one was set since it
-    /// left.
+    /// Away: each group's learning rate, whether one was set since it
+    /// left, and the bytes of state it held when it left.
     Lent {
         rates: Vec<f64>,
         set: bool,
+        state_bytes: usize,
     },
 }
 
@@ -55,25 +56,42 @@ impl<T: Element> HeldOptimizer<T> {
                     optimizer.set_learning_rate(group, lr);
                 }
             }
-            Self::Lent { rates, set } => {
+            Self::Lent { rates, set, .. } => {
                 rates.fill(lr);
                 *set = true;
             }
         }
     }
 
-    /// Lends the optimizer out.
-    pub(super) fn lend(&mut self) -> Result<Box<dyn FunctionalOptimizer<T>>> {
+    /// The bytes of state `measure` counts in the optimizer; while it is
+    /// lent, as many as when it left.
+    pub(super) fn state_bytes(
+        &self,
+        measure: impl FnOnce(&dyn FunctionalOptimizer<T>) -> usize,
+    ) -> usize {
+        match self {
+            Self::Home(optimizer) => measure(optimizer.as_ref()),
+            Self::Lent { state_bytes, .. } => *state_bytes,
+        }
+    }
+
+    /// Lends the optimizer out; it holds `state_bytes` of state.
+    pub(super) fn lend(&mut self, state_bytes: usize) -> Result<Box<dyn FunctionalOptimizer<T>>> {
         let away = Self::Lent {
             rates: Vec::new(),
             set: false,
+            state_bytes,
         };
         match std::mem::replace(self, away) {
             Self::Home(optimizer) => {
                 let rates = (0..optimizer.num_groups())
                     .map(|group| optimizer.learning_rate(group))
                     .collect();
-                *self = Self::Lent { rates, set: false };
+                *self = Self::Lent {
+                    rates,
+                    set: false,
+                    state_bytes,
+                };
                 Ok(optimizer)
             }
             already @ Self::Lent { .. } => {
@@ -85,7 +103,10 @@ impl<T: Element> HeldOptimizer<T> {
 
     /// Takes the lent optimizer back, with the rates set while it was away.
     pub(super) fn take_back(&mut self, mut optimizer: Box<dyn FunctionalOptimizer<T>>) {
-        if let Self::Lent { rates, set: true } = self {
+        if let Self::Lent {
+            rates, set: true, ..
+        } = self
+        {
             for (group, &lr) in rates.iter().enumerate() {
                 optimizer.set_learning_rate(group, lr);
             }
@@ -100,6 +121,7 @@ impl<T: Element, B> EarlyStep<T, B> {
     /// marks step with their bucket, averaged over `micro_steps`. Nothing
     /// is lent on an error.
     pub(super) fn lend<C: Communicator, M: ShardMemory<T, C, Buffer = B>>(
+        memory: &M,
         optimizer: &mut HeldOptimizer<T>,
         shard: &mut ParamShard<B>,
         sharding: &mut Sharding,
@@ -121,8 +143,9 @@ impl<T: Element, B> EarlyStep<T, B> {
                 (at..at + piece.len(), trains(piece.param))
             })
             .collect();
+        let state_bytes = optimizer.state_bytes(|o| memory.state_bytes(o));
         let params = shard.lend::<T, C, M>(Borrower::Step)?;
-        let optimizer = match optimizer.lend() {
+        let optimizer = match optimizer.lend(state_bytes) {
             Ok(optimizer) => optimizer,
             Err(e) => {
                 shard.put(params);

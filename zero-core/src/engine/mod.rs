@@ -533,9 +533,9 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         self.memory.all_reduce_host(world, values, op)
     }
 
-    /// Bytes this rank holds, per category (in the engine's memory; the
-    /// optimizer state counts nothing while the optimizer steps beside
-    /// backward, see [`Engine::optimizer`]).
+    /// Bytes this rank holds, per category (in the engine's memory; while
+    /// the optimizer steps beside backward, see [`Engine::optimizer`], its
+    /// state as when it left).
     pub fn memory_report(&self) -> MemoryReport {
         let size = std::mem::size_of::<T>();
         let len = |b: &Option<M::Buffer>| b.as_ref().map_or(0, M::buffer_len);
@@ -550,10 +550,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             .sum();
         let gathers = self.fetcher().map_or(0, |f| f.buffer_bytes());
         let offloaded = |b: &M::Buffer| if M::offloaded(b) { M::buffer_len(b) } else { 0 };
-        let state = self
-            .optimizer
-            .home()
-            .map_or(0, |optimizer| self.memory.state_bytes(optimizer));
+        let state = (self.optimizer).state_bytes(|optimizer| self.memory.state_bytes(optimizer));
         MemoryReport {
             offloaded: (self.buffers.param_shard.here().map_or(0, offloaded)
                 + self.buffers.grad_shard.as_ref().map_or(0, offloaded))

@@ -124,6 +124,7 @@ where
                 trains && expected_calls[p] > 0
             };
             Some(EarlyStep::lend::<C, M>(
+                &self.memory,
                 &mut self.optimizer,
                 &mut self.buffers.param_shard,
                 &mut self.sharding,
