@@ -111,6 +111,13 @@ fn shard_group_node_reads_the_launcher_and_bad_groups_are_usage_errors() {
             other => panic!("--shard-group {group}: {other:?}"),
         }
     }
+    // The replicas' average in a 16-bit dtype reaches the engine.
+    let narrow = |dtype: &str| {
+        let given = ["--shard-group", "2", "--replica-reduce-dtype", dtype];
+        zero_examples::trainer::engine_config(&args(&given)).replica_reduce_dtype
+    };
+    assert_eq!(narrow("bf16"), Some(zero_core::DType::BF16));
+    assert_eq!(narrow("f16"), Some(zero_core::DType::F16));
 }
 
 #[test]

@@ -12,7 +12,7 @@ use common::{
 use std::sync::Arc;
 use zero_core::checkpoint::StateDict;
 use zero_core::engine::{EngineConfig, Offload, OffloadMemory, Stage};
-use zero_core::{Communicator, Engine, Error, SaveOptions, ThreadComm};
+use zero_core::{Communicator, DType, Engine, Error, SaveOptions, ThreadComm};
 
 const WORLD: usize = 4;
 const STEPS: usize = 3;
@@ -401,5 +401,63 @@ fn interleaved_overlap_is_refused_with_groups() {
     });
     for r in refused {
         assert!(matches!(r, Ok(Err(Error::Config(m))) if m.contains("interleaved")));
+    }
+}
+
+/// The replicas' average in bf16 (`replica_reduce_dtype`): every rank holds
+/// the same weights, within bf16's rounding of the average in full
+/// precision, and not equal to them (the average ran in bf16).
+#[test]
+fn a_bf16_replica_average_trains_alike_on_every_rank_within_its_rounding() {
+    let model = Synthetic::medium();
+    for stage in [Stage::OptimizerState, Stage::Gradients] {
+        let exact = trajectories(stage, Some(2), true);
+        let narrow = run(WORLD, |comm| {
+            let config = config(stage, Some(2)).with_replica_reduce_dtype(DType::BF16);
+            let e = engine(comm, &model, make_opt(Opt::Adam, false), config)?;
+            train(e, true)
+        });
+        for rank in 1..WORLD {
+            assert_eq!(narrow[rank], narrow[0], "rank {rank}, {stage:?}");
+        }
+        let last = STEPS - 1;
+        assert_ne!(
+            narrow[0][last], exact[0][last],
+            "{stage:?}: averaged in bf16"
+        );
+        assert_close(
+            &narrow[0][last],
+            &exact[0][last],
+            1e-3,
+            "bf16 replica average",
+        );
+    }
+}
+
+/// A replica dtype without groups, or one that is not 16 bits wide, is an
+/// error that says what to do.
+#[test]
+fn a_replica_dtype_needs_groups_and_16_bits() {
+    let model = Synthetic::medium();
+    let cases = [
+        (
+            config(Stage::Gradients, None).with_replica_reduce_dtype(DType::BF16),
+            "set shard_group too",
+        ),
+        (
+            config(Stage::Gradients, Some(2)).with_replica_reduce_dtype(DType::F32),
+            "(bf16 or f16)",
+        ),
+    ];
+    for (refused, says) in cases {
+        let results = zero_core::ThreadGroup::new(WORLD).run(|comm| {
+            engine(comm, &model, make_opt(Opt::Sgd, false), refused.clone()).map(|_| ())
+        });
+        for r in results {
+            assert!(
+                matches!(&r, Ok(Err(Error::Config(m))) if m.contains(says)),
+                "{r:?}"
+            );
+        }
     }
 }

@@ -97,6 +97,13 @@ impl Precision {
     }
 }
 
+/// A 16-bit dtype for `--replica-reduce-dtype`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum ReplicaDtype {
+    Bf16,
+    F16,
+}
+
 /// What the learning rate does after the warmup
 /// (`zero_core::optim::LrDecay`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -256,6 +263,12 @@ pub struct Args {
     /// `SLURM_NTASKS_PER_NODE`) [default: one group of every rank].
     #[arg(long)]
     pub shard_group: Option<String>,
+    /// With `--shard-group`: average the gradient shards across the
+    /// groups (the traffic between machines) in this 16-bit dtype: half the
+    /// bytes, the averaged gradients rounded to it [default: the gradients'
+    /// own dtype].
+    #[arg(long, value_enum)]
+    pub replica_reduce_dtype: Option<ReplicaDtype>,
     /// `--backend nccl`, stages 1 to 3: `optimizer` keeps the optimizer's
     /// side (f32 master weights, gradient shard, optimizer state) in host
     /// memory and steps it there; the GPU keeps the model, its gradients

@@ -4,7 +4,7 @@
 
 use super::{
     Args, Backend, Dataset, GptConfig, LrDecayArg, ModelKind, OffloadArg, OverlapArg,
-    PartitionerArg, Precision, TrainError, TrainingData,
+    PartitionerArg, Precision, ReplicaDtype, TrainError, TrainingData,
 };
 use clap::ValueEnum;
 use zero_candle::ShardedVarMap;
@@ -284,6 +284,10 @@ pub fn engine_config(args: &Args) -> EngineConfig {
     config.shard_group = shard_group(args, |name| std::env::var(name).ok())
         .ok()
         .flatten();
+    config.replica_reduce_dtype = args.replica_reduce_dtype.map(|dtype| match dtype {
+        ReplicaDtype::Bf16 => zero_core::DType::BF16,
+        ReplicaDtype::F16 => zero_core::DType::F16,
+    });
     if let Some(max_norm) = args.clip_norm {
         config = config.with_clip(max_norm, NormType::L2);
     }

@@ -23,7 +23,7 @@ mod train_loop;
 
 pub use args::{
     Args, Backend, LrDecayArg, ModelKind, OffloadArg, OptimizerKind, OverlapArg, PartitionerArg,
-    Precision,
+    Precision, ReplicaDtype,
 };
 pub use config::{engine_config, overlap, shard_group};
 pub use data::Dataset;

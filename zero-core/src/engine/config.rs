@@ -309,6 +309,14 @@ pub struct EngineConfig {
     /// `None` (or the world size): one group, every rank a shard.
     #[serde(default)]
     pub shard_group: Option<usize>,
+    /// With [`EngineConfig::shard_group`]: a 16-bit dtype (bf16 or f16)
+    /// for each gradient shard's average across its replicas, the one
+    /// collective that crosses between groups (usually between machines):
+    /// half its bytes, for gradients rounded to that dtype in the average
+    /// (ZeRO++ quantizes the same traffic). `None`: the gradients' own
+    /// dtype on the wire.
+    #[serde(default)]
+    pub replica_reduce_dtype: Option<crate::DType>,
 }
 
 /// How every rank comes to start from the same model. Each rank builds its
@@ -416,6 +424,7 @@ impl Default for EngineConfig {
             offload_copy_stream: false,
             starting_model: StartingModel::Broadcast,
             shard_group: None,
+            replica_reduce_dtype: None,
         }
     }
 }
@@ -582,6 +591,13 @@ impl EngineConfig {
         self
     }
 
+    /// Averages the gradient shards across the groups' replicas in
+    /// `dtype`, bf16 or f16 (see [`EngineConfig::replica_reduce_dtype`]).
+    pub fn with_replica_reduce_dtype(mut self, dtype: crate::DType) -> Self {
+        self.replica_reduce_dtype = Some(dtype);
+        self
+    }
+
     /// Whether a step of `micro_steps` micro-steps reads every reduced
     /// gradient before it updates anything: to average the micro-steps, to
     /// clip by or report the global norm, or to look for an inf or NaN.
@@ -687,7 +703,7 @@ impl EngineConfig {
     }
 
     /// What [`EngineConfig::shard_group`] refuses, with what to do instead.
-    fn refused_with_groups(&self) -> [(bool, &'static str); 3] {
+    fn refused_with_groups(&self) -> [(bool, &'static str); 5] {
         let hybrid = self.shard_group.is_some();
         [
             (
@@ -705,6 +721,19 @@ impl EngineConfig {
                 "the interleaved overlap steps each bucket as it is reduced within the group, \
                  before it is averaged across the groups; use overlap after-backward (the \
                  default) with shard_group",
+            ),
+            (
+                self.replica_reduce_dtype.is_some() && !hybrid,
+                "replica_reduce_dtype is the dtype of the gradients' average across the replicas \
+                 of shard groups; set shard_group too, or leave it unset",
+            ),
+            (
+                matches!(
+                    self.replica_reduce_dtype,
+                    Some(crate::DType::F32 | crate::DType::F64)
+                ),
+                "replica_reduce_dtype narrows the replicas' average to a 16-bit dtype (bf16 or \
+                 f16); leave it unset to average in the gradients' own dtype",
             ),
         ]
     }

@@ -335,6 +335,10 @@ impl<T: Element, C: Communicator, D: HostTransfers<T, C>> ShardMemory<T, C> for 
         self.device.deferral()
     }
 
+    fn narrows_wire(&self) -> bool {
+        self.device.narrows_wire()
+    }
+
     fn packed_gathers(&mut self) -> Option<&mut dyn PackedGathers<C, Self::Buffer>> {
         match self.device.packed_gathers() {
             Some(_) => Some(self),

@@ -159,7 +159,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             // that every group steps the same gradients.
             let grads = reduced_grads(&mut self.buffers.grad_shard, &mut self.buffers.full_grads)?;
             let len = M::buffer_len(grads);
-            let wire = self.wire.reduce;
+            let wire = (self.config.replica_reduce_dtype).unwrap_or(self.wire.reduce);
             let replicas = &groups.replicas;
             (self.memory).all_reduce_as(replicas, grads, 0..len, ReduceOp::Avg, wire)?;
         }

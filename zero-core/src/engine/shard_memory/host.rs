@@ -107,6 +107,10 @@ impl<T: Element, C: Communicator<Memory = Host>> ShardMemory<T, C> for HostMemor
         Some(HostMemory)
     }
 
+    fn narrows_wire(&self) -> bool {
+        true
+    }
+
     fn packed_gathers(&mut self) -> Option<&mut dyn PackedGathers<C, Vec<T>>> {
         Some(self)
     }

@@ -182,6 +182,14 @@ pub trait ShardMemory<T: Element, C: Communicator>: Send + 'static {
         None
     }
 
+    /// Whether [`ShardMemory::all_reduce_as`] and
+    /// [`ShardMemory::reduce_scatter_as`] round to a 16-bit `wire` (the
+    /// defaults reduce in `T`). Default `false`: the engine refuses
+    /// [`EngineConfig::replica_reduce_dtype`](crate::engine::EngineConfig::replica_reduce_dtype).
+    fn narrows_wire(&self) -> bool {
+        false
+    }
+
     /// This memory's [`PackedGathers`], where it has them (offload's
     /// write-back then sends a 16-bit model's weights up in 16 bits).
     /// Default `None`.
