@@ -485,18 +485,13 @@ impl LayerKernels {
         bias: Option<&dyn DevicePtr<E>>,
         y: &mut impl DevicePtrMut<E>,
     ) -> Result<()> {
-        const OP: &str = "norm_forward";
-        let (rows, n) = Self::norm_rows(OP, x.len(), weight.len())?;
-        if let Some(bias) = bias {
-            check_len(OP, "bias", bias.len(), n)?;
-        }
-        check_len(OP, "y", y.len(), x.len())?;
-        let Some(cfg) = self.config(OP, Launch::WarpPerRow(rows))? else {
+        let lens = (x.len(), weight.len(), bias.map(|b| b.len()));
+        let outputs = [("y", y.len())];
+        let Some((cfg, rows, n, remove_mean)) =
+            self.norm_forward_launch("norm_forward", norm, lens, &outputs)?
+        else {
             return Ok(());
         };
-        let n = int_arg(OP, "the normalized width", n)?;
-        let rows = rows as i64;
-        let remove_mean = i32::from(norm == Normalization::Layer);
         let (x, _g0) = x.device_ptr(stream);
         let (w, _g1) = weight.device_ptr(stream);
         // Without a bias the kernel never reads its pointer: pass the weight's.
@@ -541,20 +536,13 @@ impl LayerKernels {
         h: &mut impl DevicePtrMut<E>,
         y: &mut impl DevicePtrMut<E>,
     ) -> Result<()> {
-        const OP: &str = "residual_norm_forward";
-        let (rows, n) = Self::norm_rows(OP, x.len(), weight.len())?;
-        check_len(OP, "residual", residual.len(), x.len())?;
-        if let Some(bias) = bias {
-            check_len(OP, "bias", bias.len(), n)?;
-        }
-        check_len(OP, "h", h.len(), x.len())?;
-        check_len(OP, "y", y.len(), x.len())?;
-        let Some(cfg) = self.config(OP, Launch::WarpPerRow(rows))? else {
+        let lens = (x.len(), weight.len(), bias.map(|b| b.len()));
+        let outputs = [("residual", residual.len()), ("h", h.len()), ("y", y.len())];
+        let Some((cfg, rows, n, remove_mean)) =
+            self.norm_forward_launch("residual_norm_forward", norm, lens, &outputs)?
+        else {
             return Ok(());
         };
-        let n = int_arg(OP, "the normalized width", n)?;
-        let rows = rows as i64;
-        let remove_mean = i32::from(norm == Normalization::Layer);
         let (x, _g0) = x.device_ptr(stream);
         let (r, _g1) = residual.device_ptr(stream);
         let (w, _g2) = weight.device_ptr(stream);
@@ -701,6 +689,32 @@ impl LayerKernels {
     }
 
     /// `(rows, n)` of a norm over `x_len` elements with a weight of `n`.
+    /// The forward norms' checks (`x` whole rows of the weight's width, the
+    /// bias that wide, each of `same_as_x` as long as `x`) and launch:
+    /// `None` for no rows, else the configuration and the kernels' `rows`,
+    /// `n` and `remove_mean` arguments.
+    fn norm_forward_launch(
+        &self,
+        op: &'static str,
+        norm: Normalization,
+        (x_len, weight_len, bias_len): (usize, usize, Option<usize>),
+        same_as_x: &[(&'static str, usize)],
+    ) -> Result<Option<(LaunchConfig, i64, i32, i32)>> {
+        let (rows, n) = Self::norm_rows(op, x_len, weight_len)?;
+        if let Some(len) = bias_len {
+            check_len(op, "bias", len, n)?;
+        }
+        for &(name, len) in same_as_x {
+            check_len(op, name, len, x_len)?;
+        }
+        let Some(cfg) = self.config(op, Launch::WarpPerRow(rows))? else {
+            return Ok(None);
+        };
+        let n = int_arg(op, "the normalized width", n)?;
+        let remove_mean = i32::from(norm == Normalization::Layer);
+        Ok(Some((cfg, rows as i64, n, remove_mean)))
+    }
+
     fn norm_rows(op: &'static str, x_len: usize, n: usize) -> Result<(usize, usize)> {
         if n == 0 || x_len % n != 0 {
             return Err(Error::from(zero_core::Error::Unsupported {
