@@ -11,7 +11,7 @@ use common::{
 };
 use std::sync::Arc;
 use zero_core::checkpoint::StateDict;
-use zero_core::engine::{EngineConfig, Offload, OffloadMemory, Stage};
+use zero_core::engine::{EngineConfig, HostGrad, Offload, OffloadMemory, Overlap, Stage};
 use zero_core::{Communicator, DType, Engine, Error, SaveOptions, ThreadComm};
 
 const WORLD: usize = 4;
@@ -390,17 +390,86 @@ fn background_saves_in_groups_write_the_blocking_save_s_files() {
     );
 }
 
+/// The interleaved overlap in groups: each bucket, averaged across the
+/// replicas (in full precision or bf16), steps during backward, and trains
+/// the weights of the overlap after backward, every rank alike, and (in
+/// full precision) those of full sharding.
 #[test]
-fn interleaved_overlap_is_refused_with_groups() {
+fn interleaved_overlap_in_groups_trains_as_after_backward_and_full_sharding() {
+    let model = Synthetic::medium();
+    let train = |group: Option<usize>, overlap: Overlap, replica: Option<DType>| {
+        run(WORLD, |comm| {
+            let rank = comm.rank();
+            let mut config = EngineConfig::default()
+                .with_stage(Stage::Gradients)
+                .with_bucket_bytes(96)
+                .with_overlap(overlap);
+            config.shard_group = group;
+            config.replica_reduce_dtype = replica;
+            let mut e = engine(comm, &model, make_opt(Opt::Sgd, false), config)?;
+            let n = e.params().len();
+            let mut params = model.init();
+            let mut lent = true;
+            for s in 0..STEPS {
+                let g = model.grads(&params, rank, s);
+                let order: Vec<(usize, usize)> = (0..n).rev().map(|p| (p, 1)).collect();
+                e.begin_backward(&order, &mut params)?;
+                for p in (0..n).rev() {
+                    e.accumulate_param(p, .., (&g[p]).into())?;
+                }
+                // The optimizer steps beside backward: lent until the step.
+                lent &= e.optimizer().is_err();
+                let none: Vec<Option<HostGrad<'_, f64>>> = vec![None; n];
+                e.step(&none, &mut params)?;
+            }
+            Ok((params, lent))
+        })
+    };
+    let full = train(None, Overlap::Interleaved, None);
+    for replica in [None, Some(DType::BF16)] {
+        let interleaved = train(Some(2), Overlap::Interleaved, replica);
+        let after = train(Some(2), Overlap::AfterBackward, replica);
+        for rank in 0..WORLD {
+            assert!(interleaved[rank].1, "rank {rank} stepped during backward");
+            assert!(!after[rank].1, "after backward, the optimizer stays home");
+            assert_eq!(
+                interleaved[rank].0, interleaved[0].0,
+                "rank {rank}: replicas alike"
+            );
+            assert_close(
+                &interleaved[rank].0,
+                &after[rank].0,
+                1e-12,
+                "as after backward",
+            );
+            if replica.is_none() {
+                assert_close(
+                    &interleaved[rank].0,
+                    &full[rank].0,
+                    1e-12,
+                    "as full sharding",
+                );
+            }
+        }
+    }
+}
+
+/// Offload's host steps each bucket as it lands, before any average
+/// across the groups: the interleaved overlap with offload is refused in
+/// groups, with what to do instead.
+#[test]
+fn interleaved_overlap_with_offload_is_refused_with_groups() {
     let model = Synthetic::medium();
     let interleaved = EngineConfig::default()
+        .with_stage(Stage::Gradients)
         .with_shard_group(2)
-        .with_overlap(zero_core::engine::Overlap::Interleaved);
+        .with_offload(Offload::Optimizer, 1)
+        .with_overlap(Overlap::Interleaved);
     let refused = zero_core::ThreadGroup::new(WORLD).run(|comm| {
         engine(comm, &model, make_opt(Opt::Sgd, false), interleaved.clone()).map(|_| ())
     });
     for r in refused {
-        assert!(matches!(r, Ok(Err(Error::Config(m))) if m.contains("interleaved")));
+        assert!(matches!(r, Ok(Err(Error::Config(m))) if m.contains("after-backward")));
     }
 }
 

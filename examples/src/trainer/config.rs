@@ -230,7 +230,8 @@ fn lr_decay_name(decay: LrDecayArg) -> String {
 /// after it), after-backward otherwise.
 pub fn overlap(args: &Args) -> OverlapArg {
     args.overlap.unwrap_or_else(|| {
-        // Shard groups average the gradients across groups after backward.
+        // Offload's host steps each bucket before the groups' average: in
+        // groups, after backward.
         let steps_early = args.offload == OffloadArg::Optimizer
             && matches!(args.stage, 1 | 2)
             && args.shard_group.is_none()

@@ -717,10 +717,12 @@ impl EngineConfig {
                  use stage 1, 2 or 3 with shard_group",
             ),
             (
-                hybrid && self.overlap == Overlap::Interleaved,
-                "the interleaved overlap steps each bucket as it is reduced within the group, \
+                hybrid
+                    && self.overlap == Overlap::Interleaved
+                    && self.offload == Offload::Optimizer,
+                "the interleaved overlap with offload steps each bucket on the host as it lands, \
                  before it is averaged across the groups; use overlap after-backward (the \
-                 default) with shard_group",
+                 default) with shard_group and offload",
             ),
             (
                 self.replica_reduce_dtype.is_some() && !hybrid,

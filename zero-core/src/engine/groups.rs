@@ -12,11 +12,12 @@
 //!
 //! [`EngineConfig::shard_group`]: crate::engine::EngineConfig::shard_group
 
-use crate::comm::Communicator;
-use crate::engine::EngineConfig;
-use crate::{Error, Result};
+use crate::comm::{Communicator, ReduceOp};
+use crate::engine::{EngineConfig, ShardMemory};
+use crate::{DType, Element, Error, Result};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
+use std::ops::Range;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -25,20 +26,31 @@ pub(super) struct ShardGroups<C> {
     /// Every rank.
     pub world: Arc<C>,
     /// The ranks holding this rank's shard, one per group (this rank's
-    /// position in its group, in every group).
-    pub replicas: C,
+    /// position in its group, in every group); shared with the
+    /// communication thread, which averages each bucket across them before
+    /// stepping it during backward (the interleaved schedule).
+    pub replicas: Arc<C>,
 }
 
 /// Splits `world` into groups of `config.shard_group` consecutive ranks:
 /// the group's communicator, and the groups (`None` for one group of every
 /// rank). A collective: every rank passes the same configuration (the rank
 /// check made sure of it), validated first, so that a bad one starts no
-/// collective.
+/// collective; `narrows_wire`: whether the memory can average across the
+/// replicas in `config.replica_reduce_dtype`.
 pub(super) fn split<C: Communicator>(
     world: C,
     config: &EngineConfig,
+    narrows_wire: bool,
 ) -> Result<(C, Option<ShardGroups<C>>)> {
     config.validate()?;
+    if config.replica_reduce_dtype.is_some() && !narrows_wire {
+        return Err(Error::Config(
+            "replica_reduce_dtype: this memory reduces in the engine's own dtype only (the \
+             host's narrow the wire, the GPU's not yet); leave it unset"
+                .into(),
+        ));
+    }
     let n = world.world_size();
     let size = match config.shard_group {
         Some(size) if size < n => size,
@@ -66,7 +78,7 @@ pub(super) fn split<C: Communicator>(
             "internal: splitting into shard groups left this rank out".into(),
         ));
     };
-    let world = Arc::new(world);
+    let (world, replicas) = (Arc::new(world), Arc::new(replicas));
     Ok((group, Some(ShardGroups { world, replicas })))
 }
 
@@ -100,6 +112,28 @@ pub(super) fn in_group<C: Communicator>(
 }
 
 impl<C: Communicator> ShardGroups<C> {
+    /// Averages the gradient shard `grads` across the replicas, in `wire`,
+    /// so that every group steps the same gradients: the whole shard, or,
+    /// when the interleaved schedule stepped some buckets during backward
+    /// (`buckets`: their shard ranges, and which stepped), the others (the
+    /// stepped ones were averaged before they stepped).
+    pub fn average<T: Element, M: ShardMemory<T, C>>(
+        &self,
+        memory: &mut M,
+        grads: &mut M::Buffer,
+        (buckets, stepped): (&[Range<usize>], &[bool]),
+        wire: DType,
+    ) -> Result<()> {
+        if !stepped.contains(&true) {
+            let len = M::buffer_len(grads);
+            return memory.all_reduce_as(&self.replicas, grads, 0..len, ReduceOp::Avg, wire);
+        }
+        for (range, _) in buckets.iter().zip(stepped).filter(|(_, &s)| !s) {
+            memory.all_reduce_as(&self.replicas, grads, range.clone(), ReduceOp::Avg, wire)?;
+        }
+        Ok(())
+    }
+
     /// Whether this rank's group is the first: the one that writes what
     /// every group holds alike (a checkpoint).
     pub fn first(&self) -> bool {

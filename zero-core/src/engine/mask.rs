@@ -67,6 +67,18 @@ impl Trainability {
         Ok(self.active.clone())
     }
 
+    /// Per parameter, whether it trains in a step that runs beside backward
+    /// (the interleaved schedule), before that step's mask is agreed:
+    /// checked (`checked`), the user's flags, which the step then agrees
+    /// on; unchecked, the mask in effect.
+    pub fn beside_backward(&self, checked: bool) -> &[bool] {
+        if checked {
+            &self.trainable
+        } else {
+            &self.active
+        }
+    }
+
     /// Marks the buckets of `layout` that hold at least one active
     /// parameter.
     pub fn rebuild_buckets(&mut self, layout: &Layout) {

@@ -288,14 +288,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         config: EngineConfig,
     ) -> Result<Self> {
         check_rank_consistency(&comm, &params, &config, optimizer.as_ref())?;
-        let (comm, groups) = groups::split(comm, &config)?;
-        if groups.is_some() && config.replica_reduce_dtype.is_some() && !memory.narrows_wire() {
-            return Err(Error::Config(
-                "replica_reduce_dtype: this memory reduces in the engine's own dtype only (the \
-                 host's narrow the wire, the GPU's not yet); leave it unset"
-                    .into(),
-            ));
-        }
+        let (comm, groups) = groups::split(comm, &config, memory.narrows_wire())?;
         let ShardSetup { params, plan, .. } = ShardSetup::new(
             params,
             &config,

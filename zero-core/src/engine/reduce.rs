@@ -547,11 +547,20 @@ pub(super) struct BucketMap {
     pub shard: Vec<Range<usize>>,
     /// The dtype gradients travel in.
     pub wire: DType,
+    /// With shard groups: the dtype of each bucket's average across the
+    /// replicas before it steps during backward.
+    pub replica_wire: Option<DType>,
 }
 
 impl BucketMap {
-    /// The buckets of `layout` reduced at `stage`, in `wire` on the wire.
-    pub fn new(layout: &super::Layout, stage: Stage, wire: DType) -> Self {
+    /// The buckets of `layout` reduced at `stage`, in `wire` on the wire,
+    /// averaged across replicas in `replica_wire` before they step.
+    pub fn new(
+        layout: &super::Layout,
+        stage: Stage,
+        wire: DType,
+        replica_wire: Option<DType>,
+    ) -> Self {
         Self {
             stage,
             full: (0..layout.buckets.len())
@@ -559,6 +568,7 @@ impl BucketMap {
                 .collect(),
             shard: layout.buckets.clone(),
             wire,
+            replica_wire,
         }
     }
 }
@@ -567,6 +577,8 @@ impl BucketMap {
 /// it, the buckets, and where reduced buckets land.
 pub(super) struct Reduction<'a, T: Element, C: Communicator, M: ShardMemory<T, C>> {
     pub comm: &'a C,
+    /// With shard groups: this rank's replicas.
+    pub replicas: Option<&'a C>,
     pub memory: &'a mut M,
     pub map: &'a BucketMap,
     pub targets: &'a mut Targets<T, M::Buffer>,
@@ -611,6 +623,12 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Reduction<'_, T, C, M> {
             _ => self.targets.shard.as_mut(),
         }
         .ok_or_else(missing_target)?;
+        if let (Some(replicas), Some(wire)) = (self.replicas, self.map.replica_wire) {
+            // Every group steps the same average (as `after_ready` does
+            // for the buckets that step after backward).
+            let range = self.map.shard[k].clone();
+            (self.memory).all_reduce_as(replicas, grads, range, ReduceOp::Avg, wire)?;
+        }
         if let Some(factor) = early.scale {
             self.memory
                 .scale(grads, &[self.map.shard[k].clone()], factor)?;

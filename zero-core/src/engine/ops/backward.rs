@@ -113,16 +113,8 @@ where
             // Master weights, when kept, are not read again.
             self.refresh_param_shard(params)?;
             self.window.params_read = true;
-            let check = self.config.check_trainability;
-            let mask = &self.mask;
-            let trains = |p: usize| {
-                let trains = if check {
-                    mask.trainable[p]
-                } else {
-                    mask.active[p]
-                };
-                trains && expected_calls[p] > 0
-            };
+            let flags = self.mask.beside_backward(self.config.check_trainability);
+            let trains = |p: usize| flags[p] && expected_calls[p] > 0;
             Some(EarlyStep::lend::<C, M>(
                 &self.memory,
                 &mut self.optimizer,
@@ -142,12 +134,15 @@ where
         let targets = schedule.take_targets(&mut self.buffers, stage, early);
         let thread = schedule.runner == Runner::Thread
             && CommWorker::ensure(&mut self.worker, || self.memory.fork(), self.comm.rank());
-        let map = || BucketMap::new(&self.sharding.layout, stage, self.wire.reduce);
+        let replicas = self.groups.as_ref().map(|g| &g.replicas);
+        let replica_wire = (replicas.is_some())
+            .then(|| (self.config.replica_reduce_dtype).unwrap_or(self.wire.reduce));
+        let map = || BucketMap::new(&self.sharding.layout, stage, self.wire.reduce, replica_wire);
         let reducer = match schedule.runner {
             Runner::Thread => {
                 let worker = if thread { self.worker.as_ref() } else { None };
-                let (comm, progress) = (Arc::clone(&self.comm), self.progress.clone());
-                start_on_thread(worker, comm, map(), progress, targets)
+                let comms = (Arc::clone(&self.comm), replicas.cloned());
+                start_on_thread(worker, comms, map(), self.progress.clone(), targets)
             }
             Runner::Inline => {
                 let stepper = self.abilities.host_stepper.clone();
@@ -244,6 +239,7 @@ where
     ) {
         let parts = PassParts {
             comm: &*self.comm,
+            replicas: self.groups.as_ref().map(|g| &*g.replicas),
             memory: &mut self.memory,
             buffers: &mut self.buffers,
             sharding: &self.sharding,

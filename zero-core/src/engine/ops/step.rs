@@ -155,13 +155,13 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             self.with_bucket_buffer(|engine, buffer| engine.reduce_buckets(last, buffer))?;
         }
         if let Some(groups) = &self.groups {
-            // Hybrid sharding: each shard averaged across its replicas, so
-            // that every group steps the same gradients.
             let grads = reduced_grads(&mut self.buffers.grad_shard, &mut self.buffers.full_grads)?;
-            let len = M::buffer_len(grads);
             let wire = (self.config.replica_reduce_dtype).unwrap_or(self.wire.reduce);
-            let replicas = &groups.replicas;
-            (self.memory).all_reduce_as(replicas, grads, 0..len, ReduceOp::Avg, wire)?;
+            let buckets = (
+                &self.sharding.layout.buckets[..],
+                &self.window.early_stepped[..],
+            );
+            groups.average(&mut self.memory, grads, buckets, wire)?;
         }
         // Only what reads the gradients asks for them: offload's step thread
         // may still hold the gradient shard (the write-back takes it).

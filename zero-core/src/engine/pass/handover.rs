@@ -23,6 +23,8 @@ where
     C: Communicator,
 {
     pub comm: &'e C,
+    /// With shard groups: this rank's replicas.
+    pub replicas: Option<&'e C>,
     pub memory: &'e mut M,
     pub buffers: &'e mut Buffers<M::Buffer>,
     pub sharding: &'e Sharding,
@@ -201,6 +203,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> PassParts<'_, T, C, M> {
             if result.is_ok() {
                 let reduction = Reduction {
                     comm: self.comm,
+                    replicas: self.replicas,
                     memory: &mut *self.memory,
                     map,
                     targets,
@@ -251,6 +254,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> PassParts<'_, T, C, M> {
                     .and_then(|()| {
                         let mut reduction = Reduction {
                             comm: self.comm,
+                            replicas: self.replicas,
                             memory: &mut *self.memory,
                             map,
                             targets,

@@ -96,6 +96,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> PassParts<'_, T, C, M> {
         if result.is_ok() {
             let mut reduction = Reduction {
                 comm: self.comm,
+                replicas: self.replicas,
                 memory: &mut *self.memory,
                 map,
                 targets: &mut targets,
@@ -153,6 +154,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> PassParts<'_, T, C, M> {
             if result.is_ok() {
                 let mut reduction = Reduction {
                     comm: self.comm,
+                    replicas: self.replicas,
                     memory: &mut *self.memory,
                     map,
                     targets: &mut targets,

@@ -130,7 +130,7 @@ impl<T: Element, B> BackwardPass<T, B> {
 /// (the same result, without overlap).
 pub(in crate::engine) fn start_on_thread<T, C, M>(
     worker: Option<&CommWorker<M>>,
-    comm: Arc<C>,
+    (comm, replicas): (Arc<C>, Option<Arc<C>>),
     map: BucketMap,
     progress: ReductionProgress,
     targets: Targets<T, M::Buffer>,
@@ -145,6 +145,7 @@ where
     let (returned_tx, returned) = mpsc::channel::<Back<M::Buffer>>();
     let task = ReductionTask {
         comm,
+        replicas,
         map,
         progress,
         targets,
@@ -218,6 +219,7 @@ where
 /// reduced as it comes, in order, and its buffer sent back.
 struct ReductionTask<T: Element, C, B> {
     comm: Arc<C>,
+    replicas: Option<Arc<C>>,
     map: BucketMap,
     progress: ReductionProgress,
     targets: Targets<T, B>,
@@ -240,6 +242,7 @@ impl<T: Element, C: Communicator, B> ReductionTask<T, C, B> {
             if result.is_ok() {
                 let mut reduction = Reduction {
                     comm: &*task.comm,
+                    replicas: task.replicas.as_deref(),
                     memory: &mut *memory,
                     map: &task.map,
                     targets: &mut task.targets,
