@@ -83,6 +83,18 @@ fn world_size_four_trains_the_same_weights_as_one_rank_on_the_global_batch() {
             assert!(diff < 1e-4, "stage {stage} group {group}: {diff}");
         }
     }
+    // Each bucket averaged across the groups before it steps during
+    // backward.
+    let interleaved = weights(
+        &[
+            &common[..],
+            &["--world-size", "4", "--batch-size", "8", "--stage", "2"],
+            &["--shard-group", "2", "--overlap", "interleaved"],
+        ]
+        .concat(),
+    );
+    let diff = max_abs_diff(&single, &interleaved);
+    assert!(diff < 1e-4, "interleaved in groups: {diff}");
 }
 
 #[test]
