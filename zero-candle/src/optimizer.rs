@@ -551,9 +551,10 @@ where
         C::Memory::device_peak_bytes(self.engine().comm())
     }
 
-    /// Bytes this rank has sent.
+    /// Bytes this rank has sent, over every communicator of the engine
+    /// (see [`Counters::bytes_sent`](zero_core::engine::Counters::bytes_sent)).
     pub fn bytes_sent(&self) -> u64 {
-        self.engine().comm().bytes_sent()
+        self.engine().counters().bytes_sent
     }
 }
 

@@ -23,7 +23,8 @@ pub struct StepMetrics {
     /// Tokens (bytes) of the global batch per second of step time (GPT).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tokens_per_s: Option<f64>,
-    /// Bytes rank 0 sent during the step.
+    /// Bytes rank 0 sent during the step, over every communicator of its
+    /// engine (its group's, the replicas', stage 3's gathers').
     pub bytes_sent: u64,
     /// Rank 0's engine buffers, per category (the engine's own count).
     pub memory: MemoryReport,

@@ -130,6 +130,12 @@ pub struct Counters {
     /// bucket as it landed (zero without offload, or where the schedule
     /// steps after backward).
     pub offload: OffloadTimes,
+    /// Bytes this rank has sent
+    /// ([`Communicator::bytes_sent`](crate::Communicator::bytes_sent)) over
+    /// every communicator of the engine: its group's, with shard groups the
+    /// replicas' and the world's, stage 3's gathers' and stage 0's side
+    /// communicator's.
+    pub bytes_sent: u64,
 }
 
 /// The ZeRO engine for one rank, over communicator `C`, with its buffers in
@@ -431,7 +437,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     }
 
     /// The engine's counters as of now: micro-steps pending, deferred
-    /// steps, offload's host times.
+    /// steps, offload's host times, bytes sent.
     pub fn counters(&self) -> Counters {
         Counters {
             micro_steps: self.window.micro_steps,
@@ -440,6 +446,14 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
                 _ => 0,
             },
             offload: self.offload_times,
+            bytes_sent: self.comm.bytes_sent()
+                + (self.groups.as_ref())
+                    .map_or(0, |g| g.world.bytes_sent() + g.replicas.bytes_sent())
+                + self.fetcher().map_or(0, |f| f.bytes_sent())
+                + match &self.stage {
+                    StageState::Replicated { side: Some(side) } => side.bytes_sent(),
+                    _ => 0,
+                },
         }
     }
 

@@ -738,6 +738,10 @@ impl<T: Element> GatherMemory<T> for PosedGathers<T> {
         self.host.buffer(reuse, len)
     }
 
+    fn bytes_sent(&self) -> u64 {
+        self.host.bytes_sent()
+    }
+
     fn gather(&self, shard: &Vec<T>, buckets: &[UnitBucket], buffer: &mut Vec<T>) -> Result<()> {
         self.gather_from_host(shard, buckets, buffer)
     }

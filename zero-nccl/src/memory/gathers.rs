@@ -255,4 +255,8 @@ impl<C: DeviceComm> GatherMemory<f32> for DeviceGathers<C> {
             .memcpy_dtoh(&buffer.values.slice(range), out)
             .map_err(cuda)
     }
+
+    fn bytes_sent(&self) -> u64 {
+        self.comm.bytes_sent()
+    }
 }

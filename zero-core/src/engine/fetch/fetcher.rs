@@ -499,6 +499,11 @@ impl<T: crate::Element, G: GatherMemory<T>> Fetcher<T, G> {
         self.resume();
     }
 
+    /// Bytes the gathers have sent ([`GatherMemory::bytes_sent`]).
+    pub fn bytes_sent(&self) -> u64 {
+        self.gathers.bytes_sent()
+    }
+
     /// Bytes of the gather buffers: in use, issued, and pooled.
     pub fn buffer_bytes(&self) -> usize {
         let st = self.lock();

@@ -85,18 +85,39 @@ pub trait GatherMemory<T>: Send + Sync + 'static {
 
     /// Copies `buffer[range]` into `out` (on the host), after its gather.
     fn read(&self, buffer: &Self::Buffer, range: Range<usize>, out: &mut [T]) -> Result<()>;
+
+    /// Bytes the gathers' communicator has sent
+    /// ([`Communicator::bytes_sent`](crate::Communicator::bytes_sent)).
+    /// Default 0: a memory that does not count them.
+    fn bytes_sent(&self) -> u64 {
+        0
+    }
 }
 
 /// Stage 3's gathers in host memory: vectors, gathered by `all_gather`
 /// (a collective on the fetcher's own communicator).
 pub struct HostGathers<T> {
     all_gather: Arc<GatherFn<T>>,
+    /// What the communicator behind `all_gather` has sent, where known.
+    sent: Option<Arc<dyn Fn() -> u64 + Send + Sync>>,
 }
 
 impl<T> HostGathers<T> {
     /// Gathers with `all_gather`, one call per bucket.
     pub fn new(all_gather: Arc<GatherFn<T>>) -> Self {
-        Self { all_gather }
+        Self {
+            all_gather,
+            sent: None,
+        }
+    }
+
+    /// These gathers, reporting as [`GatherMemory::bytes_sent`] what
+    /// `sent` says their communicator has sent.
+    pub fn counting(self, sent: Arc<dyn Fn() -> u64 + Send + Sync>) -> Self {
+        Self {
+            sent: Some(sent),
+            ..self
+        }
     }
 }
 
@@ -142,5 +163,9 @@ impl<T: crate::Element> GatherMemory<T> for HostGathers<T> {
     fn read(&self, buffer: &Vec<T>, range: Range<usize>, out: &mut [T]) -> Result<()> {
         out.copy_from_slice(&buffer[range]);
         Ok(())
+    }
+
+    fn bytes_sent(&self) -> u64 {
+        self.sent.as_ref().map_or(0, |sent| sent())
     }
 }

@@ -122,6 +122,10 @@ impl<T: Element, G: GatherMemory<T>> GatherMemory<T> for OffloadGathers<G> {
     fn read(&self, buffer: &G::Buffer, range: Range<usize>, out: &mut [T]) -> Result<()> {
         self.0.read(buffer, range, out)
     }
+
+    fn bytes_sent(&self) -> u64 {
+        self.0.bytes_sent()
+    }
 }
 
 /// Device memory `D` whose optimizer side can be offloaded to host memory

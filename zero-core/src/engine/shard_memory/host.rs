@@ -391,9 +391,12 @@ impl<T: Element, C: Communicator<Memory = Host>> HostTransfers<T, C> for HostMem
 
 /// Stage 3's gathers on host memory over `comm`.
 pub fn host_gathers<T: Element, C: Communicator<Memory = Host>>(comm: C) -> HostGathers<T> {
+    let comm = Arc::new(comm);
+    let counted = Arc::clone(&comm);
     HostGathers::new(Arc::new(move |send: &[T], recv: &mut [T]| {
         comm.all_gather(send, recv)
     }))
+    .counting(Arc::new(move || counted.bytes_sent()))
 }
 
 /// Adds (`add`) or copies `src` into `dst`, in host memory.
