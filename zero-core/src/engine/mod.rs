@@ -589,7 +589,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
     /// Adds one micro-step's gradients without communicating. `grads` has
     /// one slot per parameter, each as long as the parameter.
     pub fn accumulate(&mut self, grads: &[Option<M::Grad<'_>>]) -> Result<()> {
-        (self.params).check_grads(grads.iter().map(|g| g.as_ref().map(M::grad_len)))?;
+        self.params.check_grads(grads, M::grad_len)?;
         self.finish_gathers()?;
         self.stage.end_fetch_pass()?;
         self.window.plain_grads |= grads.iter().any(Option::is_some);
@@ -715,7 +715,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
             self.accumulate(grads)?;
             return Ok(None);
         }
-        (self.params).check_grads(grads.iter().map(|g| g.as_ref().map(M::grad_len)))?;
+        self.params.check_grads(grads, M::grad_len)?;
         self.reduce_and_update(Some(grads), params).map(Some)
     }
 

@@ -109,10 +109,8 @@ impl ParamTable {
 
     /// Checks one micro-step's gradient slots (`lens`: each slot's length,
     /// `None` for an empty one): one per parameter, each as long as it.
-    pub(super) fn check_grads(
-        &self,
-        lens: impl ExactSizeIterator<Item = Option<usize>>,
-    ) -> Result<()> {
+    pub(super) fn check_grads<G>(&self, grads: &[Option<G>], len: fn(&G) -> usize) -> Result<()> {
+        let lens = grads.iter().map(|g| g.as_ref().map(len));
         if lens.len() != self.list.len() {
             return Err(Error::Config(format!(
                 "got {} gradient slots for {} parameters; pass one slot per parameter (None to skip)",

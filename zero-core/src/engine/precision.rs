@@ -90,6 +90,9 @@ pub(super) struct Wire {
     /// The dtype gradients travel in: the master dtype unless the
     /// configuration asks for the parameters' (`reduce_in_param_dtype`).
     pub reduce: DType,
+    /// With shard groups, the dtype each gradient shard's average across
+    /// its replicas travels in: `replica_reduce_dtype`, else `reduce`.
+    pub replica: DType,
     /// The 16-bit dtype offload's step thread packs each stepped bucket's
     /// weights in for the write-back: the model's, when it is a 16-bit
     /// model with wider masters, the configuration gathers in the
@@ -118,6 +121,11 @@ impl Wire {
         };
         let narrow =
             matches!(param_dtype, DType::BF16 | DType::F16) && T::DTYPE.size_in_bytes() > 2;
+        let reduce = if config.reduce_in_param_dtype {
+            param_dtype
+        } else {
+            T::DTYPE
+        };
         Self {
             masters: params.iter().any(|p| p.trainable && p.dtype != T::DTYPE),
             gather: if config.gather_in_param_dtype && world_size > 1 {
@@ -125,11 +133,8 @@ impl Wire {
             } else {
                 T::DTYPE
             },
-            reduce: if config.reduce_in_param_dtype {
-                param_dtype
-            } else {
-                T::DTYPE
-            },
+            reduce,
+            replica: config.replica_reduce_dtype.unwrap_or(reduce),
             packed_write_back: (narrow && config.gather_in_param_dtype && gathers_packed)
                 .then_some(param_dtype),
         }

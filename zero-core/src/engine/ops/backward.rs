@@ -135,8 +135,7 @@ where
         let thread = schedule.runner == Runner::Thread
             && CommWorker::ensure(&mut self.worker, || self.memory.fork(), self.comm.rank());
         let replicas = self.groups.as_ref().map(|g| &g.replicas);
-        let replica_wire = (replicas.is_some())
-            .then(|| (self.config.replica_reduce_dtype).unwrap_or(self.wire.reduce));
+        let replica_wire = replicas.is_some().then_some(self.wire.replica);
         let map = || BucketMap::new(&self.sharding.layout, stage, self.wire.reduce, replica_wire);
         let reducer = match schedule.runner {
             Runner::Thread => {

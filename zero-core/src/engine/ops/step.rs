@@ -156,7 +156,7 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         }
         if let Some(groups) = &self.groups {
             let grads = reduced_grads(&mut self.buffers.grad_shard, &mut self.buffers.full_grads)?;
-            let wire = (self.config.replica_reduce_dtype).unwrap_or(self.wire.reduce);
+            let wire = self.wire.replica;
             let buckets = (
                 &self.sharding.layout.buckets[..],
                 &self.window.early_stepped[..],
