@@ -176,17 +176,31 @@ impl<'a, T: Element, C: Communicator, M: ShardMemory<T, C>> Masters<'a, T, C, M>
     /// parameter), so that no rank holds more than one piece. Saves the
     /// model without a whole-model buffer.
     ///
-    /// A collective in stages 1 to 3: one gather per piece, from its owner,
-    /// every rank calling it for the same parameters in the same order. In
-    /// stage 0 `root` holds everything and nothing is sent. The sink cannot
-    /// fail: a sink that meets an error must keep it and let the pieces go
-    /// by, since the other ranks are sending them.
+    /// A collective in stages 1 to 3: one gather per piece, from its owner
+    /// (none for the pieces `root` owns), every rank calling it for the same
+    /// parameters in the same order. In stage 0 `root` holds everything and
+    /// nothing is sent. The sink cannot fail: a sink that meets an error
+    /// must keep it and let the pieces go by, since the other ranks are
+    /// sending them.
     pub fn stream(
         &mut self,
         param: usize,
         root: usize,
         sink: &mut dyn FnMut(Range<usize>, &[T]),
     ) -> Result<()> {
+        self.land(param, root, Landing::Sink(sink))
+    }
+
+    /// [`Masters::stream`] straight into `out` on `root`, the whole
+    /// parameter (what the plan leaves out of it is zeroed; a background
+    /// save's snapshot); the other ranks pass an empty `out`.
+    pub fn gather(&mut self, param: usize, root: usize, out: &mut [T]) -> Result<()> {
+        self.land(param, root, Landing::Whole { out, next: 0 })?;
+        Ok(())
+    }
+
+    /// Sends `param`'s pieces to `root`, landing there as `landing` says.
+    fn land(&mut self, param: usize, root: usize, mut landing: Landing<'_, T>) -> Result<()> {
         let rank = self.comm.rank();
         let world = self.comm.world_size();
         let shard_numel = self.sharding.partition.shard_numel;
@@ -208,46 +222,42 @@ impl<'a, T: Element, C: Communicator, M: ShardMemory<T, C>> Masters<'a, T, C, M>
             })
             .collect();
         pieces.sort_by_key(|(_, range, _)| range.start);
-        let local = self.replicated;
-        let mut send: Vec<T> = Vec::new();
-        let mut recv: Vec<T> = Vec::new();
+        let (mut send, mut recv): (Vec<T>, Vec<T>) = (Vec::new(), Vec::new());
         for (owner, range, at) in pieces {
-            if local {
+            let here = at..at + range.len();
+            // Stage 0, or a piece `root` owns: nothing to send.
+            if self.replicated || owner == root {
                 if rank == root {
-                    recv.clear();
-                    recv.resize(range.len(), T::default());
-                    self.memory.buffer_to_host(
-                        self.comm,
-                        self.shard,
-                        at..at + range.len(),
-                        &mut recv,
-                    )?;
-                    sink(range, &recv);
+                    let into = landing.place(range.clone(), &mut recv);
+                    self.memory
+                        .buffer_to_host(self.comm, self.shard, here, into)?;
+                    landing.landed(range, &recv);
                 }
                 continue;
             }
-            send.clear();
-            if owner == rank {
-                send.resize(range.len(), T::default());
-                self.memory.buffer_to_host(
-                    self.comm,
-                    self.shard,
-                    at..at + range.len(),
-                    &mut send,
-                )?;
-            }
+            let sent = if owner == rank {
+                let send = scratch(&mut send, range.len());
+                self.memory
+                    .buffer_to_host(self.comm, self.shard, here, send)?;
+                &send[..]
+            } else {
+                &[][..]
+            };
             let mut counts = vec![0; world];
             counts[owner] = range.len();
-            if rank == root {
-                recv.clear();
-                recv.resize(range.len(), T::default());
-            }
-            let recv_buf = (rank == root).then_some(&mut recv[..]);
+            let into = if rank == root {
+                Some(landing.place(range.clone(), &mut recv))
+            } else {
+                None
+            };
             self.memory
-                .gather_varlen_host(self.comm, &send, &counts, recv_buf, root)?;
+                .gather_varlen_host(self.comm, sent, &counts, into, root)?;
             if rank == root {
-                sink(range, &recv);
+                landing.landed(range, &recv);
             }
+        }
+        if rank == root {
+            landing.finish();
         }
         Ok(())
     }
@@ -309,4 +319,52 @@ impl<S: Element, T: Element> ParamStore<T> for CastParams<S> {
         convert_slice(values, &mut self.0[param][range]);
         Ok(())
     }
+}
+
+/// Where [`Masters`]' pieces land on the root.
+enum Landing<'s, T> {
+    /// Handed to a sink one at a time, from a scratch buffer.
+    Sink(&'s mut dyn FnMut(Range<usize>, &[T])),
+    /// In place in the whole parameter; `next` is where the last piece
+    /// ended (the gap before a piece is zeroed).
+    Whole { out: &'s mut [T], next: usize },
+}
+
+impl<T: Element> Landing<'_, T> {
+    /// Where the piece `range` goes: its place in the parameter, or the
+    /// first `range.len()` elements of `scratch`.
+    fn place<'a>(&'a mut self, range: Range<usize>, scratch: &'a mut Vec<T>) -> &'a mut [T] {
+        match self {
+            Landing::Sink(_) => self::scratch(scratch, range.len()),
+            Landing::Whole { out, next } => {
+                out[*next..range.start].fill(T::default());
+                *next = range.end;
+                &mut out[range]
+            }
+        }
+    }
+
+    /// The piece `range` arrived (into `scratch` for a sink).
+    fn landed(&mut self, range: Range<usize>, scratch: &[T]) {
+        if let Landing::Sink(sink) = self {
+            let len = range.len();
+            sink(range, &scratch[..len]);
+        }
+    }
+
+    /// Zeroes what follows the last piece.
+    fn finish(self) {
+        if let Landing::Whole { out, next } = self {
+            out[next..].fill(T::default());
+        }
+    }
+}
+
+/// The first `len` elements of `buf`, grown (never shrunk, never cleared)
+/// to hold them: a scratch buffer reused piece after piece.
+fn scratch<T: Element>(buf: &mut Vec<T>, len: usize) -> &mut [T] {
+    if buf.len() < len {
+        buf.resize(len, T::default());
+    }
+    &mut buf[..len]
 }

@@ -467,7 +467,14 @@ impl<'e, T: Element, C: Communicator, M: ShardMemory<T, C>> Save<'e, T, C, M> {
         let mut values = Vec::new();
         for i in order {
             let numel = self.params[i].numel();
-            if self.truth && (self.params[i].trainable || self.sharded.get(i) == Some(&true)) {
+            let masters =
+                self.truth && (self.params[i].trainable || self.sharded.get(i) == Some(&true));
+            if masters {
+                if let Some(into) = file.next_in_memory(numel) {
+                    // A snapshot: gathered straight into place.
+                    self.masters().gather(i, 0, into)?;
+                    continue;
+                }
                 let mut next = 0;
                 self.masters().stream(i, 0, &mut |range, values| {
                     // The plan's pieces are in order and disjoint; what it
