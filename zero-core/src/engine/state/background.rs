@@ -115,11 +115,16 @@ impl<T: Element> BackgroundSave<T> {
 
     /// The buffer for rank 0's model data, `len` elements: the last
     /// save's, which is that long unless the model changed (it is filled
-    /// anew, in order, so its old values need no clearing).
+    /// anew, in order, so its old values need no clearing). A new one is
+    /// allocated zeroed: the pages come zeroed from the system, and the
+    /// snapshot writes each element once.
     pub fn take_model_values(&mut self, len: usize) -> Vec<T> {
-        let mut values = std::mem::take(&mut self.model_values);
-        values.resize(len, T::default());
-        values
+        let values = std::mem::take(&mut self.model_values);
+        if values.len() == len {
+            values
+        } else {
+            bytemuck::zeroed_vec(len)
+        }
     }
 
     /// The buffers for this rank's optimizer state: the last save's.
