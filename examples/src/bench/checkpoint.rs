@@ -21,10 +21,11 @@ use super::Report;
 use crate::trainer::Mlp;
 use candle_core::Device;
 use rand::SeedableRng;
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 use zero_candle::nn::GradHook;
-use zero_candle::{ShardedVarMap, ZeroHook, ZeroOptimizer};
+use zero_candle::{CandleMemory, ShardedVarMap, ZeroHook, ZeroOptimizer};
 use zero_core::comm::Host;
 use zero_core::engine::{EngineConfig, SaveOptions, Stage};
 use zero_core::optim::{AdamW, AdamWConfig};
@@ -39,7 +40,7 @@ const EVERY: usize = 6;
 
 /// How a case saves.
 #[derive(Clone, Copy, PartialEq)]
-enum Save {
+pub(super) enum Save {
     Blocking,
     Background,
 }
@@ -48,14 +49,106 @@ enum Save {
 /// loop (the call; for a background save also the polls until the next
 /// save and the wait for it there) and the call alone; the wait at the end
 /// for the last background save; and the median step that did not save.
-struct Measured {
-    blocked: Vec<f64>,
-    calls: Vec<f64>,
-    end_wait: f64,
-    step: f64,
+pub(super) struct Measured {
+    pub(super) blocked: Vec<f64>,
+    pub(super) calls: Vec<f64>,
+    pub(super) end_wait: f64,
+    pub(super) step: f64,
 }
 
-fn train<C>(comm: C, stage: Stage, save: Save, root: &std::path::Path) -> Result<Measured, String>
+/// How often a run saves: `steps` steps, a save after every `every`-th
+/// but the last (so that a background save has steps to overlap).
+#[derive(Clone, Copy)]
+pub(super) struct Schedule {
+    pub(super) steps: usize,
+    pub(super) every: usize,
+}
+
+/// Trains `opt` for `schedule.steps` steps (`step` runs one, forward and
+/// backward, and returns once the device is done), saving into step
+/// directories of `root` as `save` says, and measures what the saves cost
+/// the loop. `sync` waits for the device after a save's call, so that what
+/// the call left queued counts with it.
+pub(super) fn timed_saves<C>(
+    opt: &mut ZeroOptimizer<C, f32>,
+    save: Save,
+    root: &Path,
+    schedule: Schedule,
+    mut step: impl FnMut(&mut ZeroOptimizer<C, f32>) -> Result<(), String>,
+    sync: impl Fn() -> Result<(), String>,
+) -> Result<Measured, String>
+where
+    C: Communicator + 'static,
+    C::Memory: CandleMemory<f32, C>,
+{
+    let error = |e: &dyn std::fmt::Display| e.to_string();
+    let checkpoints = zero_core::checkpoint::StepCheckpoints::new(root);
+    let (mut blocked, mut calls, mut step_times) = (Vec::new(), Vec::new(), Vec::new());
+    let mut end_wait = 0.0;
+    let Schedule { steps, every } = schedule;
+    for at in 1..=steps {
+        let started = Instant::now();
+        step(opt)?;
+        let trained = started.elapsed().as_secs_f64();
+        let boundary = Instant::now();
+        let dir = checkpoints.next_dir(at as u64);
+        let due = at % every == 0 && at < steps;
+        match (save, due) {
+            (Save::Blocking, true) => {
+                opt.save_checkpoint(&dir).map_err(|e| error(&e))?;
+                sync()?;
+            }
+            (Save::Background, true) => {
+                // The save waits for the one in flight (counted with that
+                // one), then takes its snapshot.
+                opt.wait_checkpoint().map_err(|e| error(&e))?;
+                if let Some(last) = blocked.last_mut() {
+                    *last += boundary.elapsed().as_secs_f64();
+                }
+                let call = Instant::now();
+                opt.save_checkpoint_async(&dir, &SaveOptions::default())
+                    .map_err(|e| error(&e))?;
+                sync()?;
+                calls.push(call.elapsed().as_secs_f64());
+                blocked.push(call.elapsed().as_secs_f64());
+            }
+            (Save::Background, false) => {
+                opt.poll_checkpoint().map_err(|e| error(&e))?;
+            }
+            (Save::Blocking, false) => {}
+        }
+        let spent = boundary.elapsed().as_secs_f64();
+        if at == steps {
+            let end = Instant::now();
+            opt.wait_checkpoint().map_err(|e| error(&e))?;
+            end_wait = end.elapsed().as_secs_f64();
+        }
+        match (save, due) {
+            (Save::Blocking, true) => {
+                calls.push(spent);
+                blocked.push(spent);
+            }
+            (Save::Background, false) => {
+                if let Some(last) = blocked.last_mut() {
+                    *last += spent;
+                }
+            }
+            _ => {}
+        }
+        // The first steps warm up; the steps that saved are not training.
+        if at > 2 && !due {
+            step_times.push(trained);
+        }
+    }
+    Ok(Measured {
+        blocked,
+        calls,
+        end_wait,
+        step: median(step_times),
+    })
+}
+
+fn train<C>(comm: C, stage: Stage, save: Save, root: &Path) -> Result<Measured, String>
 where
     C: Communicator<Memory = Host> + 'static,
 {
@@ -75,12 +168,8 @@ where
     let config = EngineConfig::default().with_stage(stage);
     let mut opt = ZeroOptimizer::<C, f32>::new_sharded(&map, comm, config, Box::new(adamw), &hook)
         .map_err(|e| error(&e))?;
-    let checkpoints = zero_core::checkpoint::StepCheckpoints::new(root);
     let mut rng = rand::rngs::StdRng::seed_from_u64(rank as u64);
-    let (mut blocked, mut calls, mut step_times) = (Vec::new(), Vec::new(), Vec::new());
-    let mut end_wait = 0.0;
-    for step in 1..=STEPS {
-        let started = Instant::now();
+    let step = |opt: &mut ZeroOptimizer<C, f32>| {
         let (x, y) = super::random_batch(&mut rng, BATCH, WIDTHS[0], WIDTHS[5] as i64)
             .map_err(|e| error(&e))?;
         let loss = model
@@ -88,62 +177,13 @@ where
             .and_then(|logits| candle_nn::loss::cross_entropy(&logits, &y))
             .map_err(|e| error(&e))?;
         opt.backward_step(&loss).map_err(|e| error(&e))?;
-        let trained = started.elapsed().as_secs_f64();
-        let boundary = Instant::now();
-        let dir = checkpoints.next_dir(step as u64);
-        let due = step % EVERY == 0 && step < STEPS;
-        match (save, due) {
-            (Save::Blocking, true) => {
-                opt.save_checkpoint(&dir).map_err(|e| error(&e))?;
-            }
-            (Save::Background, true) => {
-                // The save waits for the one in flight (counted with that
-                // one), then takes its snapshot.
-                opt.wait_checkpoint().map_err(|e| error(&e))?;
-                if let Some(last) = blocked.last_mut() {
-                    *last += boundary.elapsed().as_secs_f64();
-                }
-                let call = Instant::now();
-                opt.save_checkpoint_async(&dir, &SaveOptions::default())
-                    .map_err(|e| error(&e))?;
-                calls.push(call.elapsed().as_secs_f64());
-                blocked.push(call.elapsed().as_secs_f64());
-            }
-            (Save::Background, false) => {
-                opt.poll_checkpoint().map_err(|e| error(&e))?;
-            }
-            (Save::Blocking, false) => {}
-        }
-        let spent = boundary.elapsed().as_secs_f64();
-        if step == STEPS {
-            let end = Instant::now();
-            opt.wait_checkpoint().map_err(|e| error(&e))?;
-            end_wait = end.elapsed().as_secs_f64();
-        }
-        match (save, due) {
-            (Save::Blocking, true) => {
-                calls.push(spent);
-                blocked.push(spent);
-            }
-            (Save::Background, false) => {
-                if let Some(last) = blocked.last_mut() {
-                    *last += spent;
-                }
-            }
-            _ => {}
-        }
-        // The first steps warm up; the steps that saved are not training.
-        if step > 2 && !due {
-            step_times.push(trained);
-        }
-    }
-    step_times.sort_by(f64::total_cmp);
-    Ok(Measured {
-        blocked,
-        calls,
-        end_wait,
-        step: step_times[step_times.len() / 2],
-    })
+        Ok(())
+    };
+    let schedule = Schedule {
+        steps: STEPS,
+        every: EVERY,
+    };
+    timed_saves(&mut opt, save, root, schedule, step, || Ok(()))
 }
 
 /// The median of `values`.
@@ -189,59 +229,67 @@ pub fn run(report: &mut Report) {
     for (stage, name) in [(Stage::Gradients, "s2"), (Stage::Parameters, "s3")] {
         let measured = measure(stage, Save::Blocking)
             .and_then(|blocking| Ok((blocking, measure(stage, Save::Background)?)));
-        let (blocking, background) = match measured {
-            Ok(m) => m,
-            Err(e) => {
-                println!("  {name}: failed: {e}");
-                continue;
-            }
-        };
-        let ms = |values: &[f64]| {
-            let shown: Vec<String> = values.iter().map(|v| format!("{:.0}", v * 1e3)).collect();
-            shown.join(", ")
-        };
-        println!(
-            "  {name}: blocked per save: blocking {} ms; background {} ms (the snapshot {} ms), \
-             then {:.0} ms at the end; steps {:.0} ms, {:.0} ms beside the writer",
-            ms(&blocking.blocked),
-            ms(&background.blocked),
-            ms(&background.calls),
-            background.end_wait * 1e3,
-            blocking.step * 1e3,
-            background.step * 1e3
-        );
-        let (plain_step, busy_step) = (blocking.step, background.step);
-        let blocked = median(blocking.blocked.clone());
-        let first = background.blocked.first().copied().unwrap_or(f64::NAN);
-        report.add(
-            &format!("checkpoint.{name}_background_over_blocking"),
-            median(background.blocked.clone()) / blocked,
-            "x",
-            Some("<= 0.1"),
-        );
-        report.add(
-            &format!("checkpoint.{name}_first_over_blocking"),
-            first / blocked,
-            "x",
-            None,
-        );
-        report.add(
-            &format!("checkpoint.{name}_end_wait_ms"),
-            background.end_wait * 1e3,
-            "ms",
-            None,
-        );
-        report.add(
-            &format!("checkpoint.{name}_blocking_ms"),
-            blocked * 1e3,
-            "ms",
-            None,
-        );
-        report.add(
-            &format!("checkpoint.{name}_step_over_plain"),
-            busy_step / plain_step,
-            "x",
-            None,
-        );
+        match measured {
+            Ok((blocking, background)) => report_saves(
+                report,
+                &format!("checkpoint.{name}"),
+                &blocking,
+                &background,
+            ),
+            Err(e) => println!("  {name}: failed: {e}"),
+        }
     }
+}
+
+/// Prints the saves' times of a case and reports its figures under
+/// `prefix`: background over blocking (the median over the saves), the
+/// first background save over blocking, the wait at the end, the blocking
+/// save's time and the steps beside the writer over plain ones.
+pub(super) fn report_saves(
+    report: &mut Report,
+    prefix: &str,
+    blocking: &Measured,
+    background: &Measured,
+) {
+    let ms = |values: &[f64]| {
+        let shown: Vec<String> = values.iter().map(|v| format!("{:.0}", v * 1e3)).collect();
+        shown.join(", ")
+    };
+    println!(
+        "  {prefix}: blocked per save: blocking {} ms; background {} ms (the snapshot {} ms), \
+         then {:.0} ms at the end; steps {:.0} ms, {:.0} ms beside the writer",
+        ms(&blocking.blocked),
+        ms(&background.blocked),
+        ms(&background.calls),
+        background.end_wait * 1e3,
+        blocking.step * 1e3,
+        background.step * 1e3
+    );
+    let blocked = median(blocking.blocked.clone());
+    let first = background.blocked.first().copied().unwrap_or(f64::NAN);
+    report.add(
+        &format!("{prefix}_background_over_blocking"),
+        median(background.blocked.clone()) / blocked,
+        "x",
+        Some("<= 0.1"),
+    );
+    report.add(
+        &format!("{prefix}_first_over_blocking"),
+        first / blocked,
+        "x",
+        None,
+    );
+    report.add(
+        &format!("{prefix}_end_wait_ms"),
+        background.end_wait * 1e3,
+        "ms",
+        None,
+    );
+    report.add(&format!("{prefix}_blocking_ms"), blocked * 1e3, "ms", None);
+    report.add(
+        &format!("{prefix}_step_over_plain"),
+        background.step / blocking.step,
+        "x",
+        None,
+    );
 }

@@ -129,7 +129,7 @@ pub fn main() {
             "stage3" if !under_mpirun => stage3::run(&mut report),
             "hybrid" if !under_mpirun => hybrid::run(&mut report),
             "checkpoint" if !under_mpirun => checkpoint::run(&mut report),
-            "gpu" | "gpu-zero" | "gpu-headline" | "gpu-largest" | "gpu-hub" => {
+            "gpu" | "gpu-zero" | "gpu-headline" | "gpu-largest" | "gpu-hub" | "gpu-checkpoint" => {
                 gpu_suite(name, &mut report)
             }
             "optim" | "step" | "overlap" | "memory" | "precision" | "stage3" | "hybrid"
@@ -137,7 +137,7 @@ pub fn main() {
             other => {
                 eprintln!(
                     "unknown benchmark suite {other:?}; expected one of {all:?}, or gpu-zero, \
-                     gpu-headline, gpu-largest or gpu-hub"
+                     gpu-headline, gpu-largest, gpu-hub or gpu-checkpoint"
                 );
                 std::process::exit(2);
             }
@@ -158,7 +158,8 @@ pub fn main() {
 /// fifth of the GPU's memory) stage 3's headline; `gpu-largest` (not among
 /// `all`: minutes of models that fill the GPU) the largest model trained
 /// with offload and without; `gpu-hub` only `gpu`'s hub models against
-/// `transformers`.
+/// `transformers`; `gpu-checkpoint` (not among `all`: it writes gigabytes)
+/// background checkpoint saves of the GPT over blocking ones.
 #[cfg(feature = "nccl")]
 fn gpu_suite(name: &str, report: &mut Report) {
     if !gpu::device_present() {
@@ -169,6 +170,7 @@ fn gpu_suite(name: &str, report: &mut Report) {
         "gpu-headline" => gpu_gpt::headline(report),
         "gpu-largest" => gpu_gpt::largest(report),
         "gpu-hub" => gpu_gpt::hub(report),
+        "gpu-checkpoint" => gpu_gpt::saves(report),
         _ => {
             gpu::run(report);
             gpu_layers::run(report);

@@ -28,19 +28,22 @@
 //! Last, hub models with random weights in bf16 against `transformers` with
 //! SDPA on the same GPU (`examples/pytorch/hf_peer.py`): GPT-2 small at
 //! stage 2, and a Llama of TinyLlama-1.1B's shape at stage 3 on one rank
-//! and on four sharing the GPU (`hub_models.rs`).
+//! and on four sharing the GPU (`hub_models.rs`). Background checkpoint
+//! saves of the GPT over blocking ones: `bench gpu-checkpoint` (`saves.rs`).
 
 mod case;
 mod headline;
 mod hub_models;
 mod largest_gpt;
 mod peer;
+mod saves;
 mod shared;
 mod suite;
 
 pub use headline::headline;
 pub use hub_models::hub;
 pub use largest_gpt::{largest, largest_trial};
+pub use saves::saves;
 pub use suite::{run, Part};
 
 use crate::trainer::GptConfig;

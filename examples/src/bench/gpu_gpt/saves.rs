@@ -1,0 +1,103 @@
+//! Background checkpoint saves on the GPU (`bench gpu-checkpoint`): the
+//! time a step of the GPT 12 x 768 (f32, one rank on NCCL, stages 2 and 3)
+//! is blocked by a save, in the background over blocking, measured as
+//! `bench checkpoint` measures the MLP on the host (`timed_saves`): the
+//! snapshot copies the optimizer state and the weights from the device into
+//! host memory, and a thread writes them while the steps go on.
+
+use super::{open_device, random_ids, synchronize, BenchResult, BATCH, CONFIG, LR, SEED};
+use crate::bench::checkpoint::{report_saves, timed_saves, Measured, Save, Schedule};
+use crate::bench::Report;
+use crate::trainer::Gpt;
+use candle_core::{DType, Device};
+use candle_nn::VarMap;
+use std::sync::Arc;
+use zero_candle::nn::GradHook;
+use zero_candle::{NcclZeroOptimizer, ZeroHook};
+use zero_core::engine::{EngineConfig, Stage};
+use zero_core::optim::{AdamW, AdamWConfig};
+use zero_nccl::cudarc::driver::CudaContext;
+use zero_nccl::NcclComm;
+
+/// As the host's figure: four saves, six steps apart.
+const SCHEDULE: Schedule = Schedule {
+    steps: 26,
+    every: 6,
+};
+
+/// `bench gpu-checkpoint` (not part of `bench gpu`: it writes about 6 GB
+/// of checkpoints into the temporary directory).
+pub fn saves(report: &mut Report) {
+    if let Err(e) = saves_run(report) {
+        eprintln!("gpu checkpoint benchmark failed: {e}");
+    }
+}
+
+fn saves_run(report: &mut Report) -> BenchResult<()> {
+    let (device, ctx) = open_device()?;
+    println!(
+        "bench gpu-checkpoint: {}; GPT {CONFIG:?} f32, {BATCH} sequences, one rank on NCCL, \
+         {} steps saving every {} before the last: time blocked per save",
+        ctx.name().unwrap_or_default(),
+        SCHEDULE.steps,
+        SCHEDULE.every
+    );
+    for (stage, name) in [(Stage::Gradients, "s2"), (Stage::Parameters, "s3")] {
+        let blocking = run_case(&device, &ctx, stage, Save::Blocking)?;
+        let background = run_case(&device, &ctx, stage, Save::Background)?;
+        report_saves(
+            report,
+            &format!("gpu.gpt_{name}_checkpoint"),
+            &blocking,
+            &background,
+        );
+    }
+    Ok(())
+}
+
+/// Trains the GPT at `stage`, saving as `save` says into a temporary
+/// directory removed after; everything it built is dropped and the device
+/// drained before it returns.
+fn run_case(
+    device: &Device,
+    ctx: &Arc<CudaContext>,
+    stage: Stage,
+    save: Save,
+) -> BenchResult<Measured> {
+    let root = std::env::temp_dir().join(format!(
+        "zero-bench-gpu-checkpoint-{}-{}",
+        std::process::id(),
+        stage.number()
+    ));
+    let measured = (|| -> BenchResult<Measured> {
+        let ids = random_ids(device, BATCH)?;
+        let varmap = VarMap::new();
+        let hook = ZeroHook::<NcclComm, f32>::new();
+        let model = Gpt::with_hook_in(
+            &varmap,
+            CONFIG,
+            SEED,
+            device,
+            Some(hook.clone() as Arc<dyn GradHook>),
+            DType::F32,
+        )?;
+        let mut opt = NcclZeroOptimizer::new(
+            &varmap,
+            NcclComm::single(0)?,
+            EngineConfig::default().with_stage(stage),
+            Box::new(AdamW::new(AdamWConfig::default().with_lr(LR))?),
+        )?
+        .with_hook(&hook)?;
+        let sync = || synchronize(device, ctx).map_err(|e| e.to_string());
+        let step = |opt: &mut NcclZeroOptimizer| {
+            let loss = model.loss(&ids).map_err(|e| e.to_string())?;
+            opt.backward_step(&loss).map_err(|e| e.to_string())?;
+            sync()
+        };
+        Ok(timed_saves(&mut opt, save, &root, SCHEDULE, step, sync)?)
+    })();
+    // Best effort: what is left in the temporary directory wastes space.
+    let _ = std::fs::remove_dir_all(&root);
+    synchronize(device, ctx)?;
+    measured
+}
