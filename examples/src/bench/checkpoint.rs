@@ -12,8 +12,9 @@
 //! there). The figure is the median over the saves, background over
 //! blocking. A run's first background save also allocates the buffers the
 //! later ones reuse, a cost paid once per run, reported beside it
-//! (`first_over_blocking`); the wait at the end of the run for the last
-//! save's writer blocks no step and is reported apart (`end_wait_ms`).
+//! (`checkpoint.*_first_over_blocking`); the wait at the end of the run for
+//! the last save's writer blocks no step and is reported apart
+//! (`checkpoint.*_end_wait_ms`).
 //! The writer threads share the machine's cores with training, which slows
 //! the steps between saves; `checkpoint.*_step_over_plain` reports that.
 
