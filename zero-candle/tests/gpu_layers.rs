@@ -3,9 +3,9 @@
 //! bias) of causal attention (packed, and split with grouped K/V heads;
 //! bf16 and f16 on tensor cores from sm_80), LayerNorm/RMSNorm (also after
 //! a residual add), GELU (both forms), SiLU, SwiGLU, rotary embeddings and
-//! cross-entropy, in f32, bf16 and f16, at shapes that are not multiples of
-//! the kernels' tiles (T = 1, 7, 65, 200; head_dim 32, 48, 64, 128; a
-//! single row).
+//! cross-entropy, and `Linear` through cuBLASLt (`set_linear_cublaslt`), in
+//! f32, bf16 and f16, at shapes that are not multiples of the kernels'
+//! tiles (T = 1, 7, 65, 200; head_dim 32, 48, 64, 128; a single row).
 //!
 //! Both devices get the same input values (rounded to the dtype once, on the
 //! host), so the differences are the kernels' own: f32 agrees to about 1e-4
@@ -18,7 +18,7 @@ use zero_candle::nn::ops::{
     causal_attention, causal_self_attention, cross_entropy, cross_entropy_with_ignore, gelu,
     gelu_erf, rotary_embedding, silu, swiglu,
 };
-use zero_candle::nn::{LayerNorm, RmsNorm};
+use zero_candle::nn::{set_linear_cublaslt, LayerNorm, Linear, RmsNorm};
 
 const DTYPES: [DType; 3] = [DType::F32, DType::BF16, DType::F16];
 
@@ -321,6 +321,38 @@ fn activations_match_the_cpu() -> Result<()> {
             }
         }
     }
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn linear_through_cublaslt_matches_the_cpu() -> Result<()> {
+    set_linear_cublaslt(true);
+    // (rows, in, out); the input starts one row into its buffer, off
+    // cuBLASLt's 256-byte alignment.
+    let shapes = [(1, 1, 1), (7, 65, 33), (64, 768, 3072)];
+    for dtype in DTYPES {
+        for (seed, &(rows, in_dim, out_dim)) in shapes.iter().enumerate() {
+            let seed = seed as u64;
+            let x = values(&[rows + 1, in_dim], seed, 1.0, dtype)?;
+            let w = values(&[out_dim, in_dim], 10 + seed, 1.0, dtype)?;
+            let b = values(&[out_dim], 20 + seed, 1.0, dtype)?;
+            let upstream = values(&[rows, out_dim], 30 + seed, 1.0, dtype)?;
+            let what = format!("Linear {rows}x{in_dim}->{out_dim} {dtype:?}");
+            compare(&what, dtype, &[&x, &w, &b], &upstream, &|t| {
+                let layer = Linear::new(t[1].clone(), Some(t[2].clone()), None);
+                layer.forward(&t[0].narrow(0, 1, rows)?)
+            })?;
+            compare(
+                &format!("{what} without bias"),
+                dtype,
+                &[&x, &w],
+                &upstream,
+                &|t| Linear::new(t[1].clone(), None, None).forward(&t[0].narrow(0, 1, rows)?),
+            )?;
+        }
+    }
+    set_linear_cublaslt(false);
     Ok(())
 }
 

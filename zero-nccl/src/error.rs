@@ -34,6 +34,10 @@ pub enum Error {
     #[cfg(feature = "cuda")]
     #[error("CUDA driver error: {0}")]
     Driver(#[from] cudarc::driver::DriverError),
+    /// A cuBLASLt call failed (a Linear layer's GEMM).
+    #[cfg(feature = "cuda")]
+    #[error("cuBLASLt error: {0}")]
+    Cublas(#[from] cudarc::cublaslt::result::CublasError),
     /// NVRTC could not compile the fused kernels.
     #[cfg(feature = "cuda")]
     #[error("NVRTC could not compile the fused kernels: {0}")]

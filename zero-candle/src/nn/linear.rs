@@ -6,6 +6,7 @@ use super::grad_hook::{
     announce, announce_gather, assemble, before_read, for_each_stretch, gather, gemm_operand,
     route, route_blocks, row_parts, GatheredParam, GradHook, RowPart,
 };
+use super::ops::cuda;
 use super::storage::{on_device, owned_storage, tensor_from, OnDevice};
 use super::{bf16_matmul, cpu};
 use candle_core::backend::BackendStorage;
@@ -15,6 +16,7 @@ use candle_core::{
     Storage, Tensor, WithDType,
 };
 use candle_nn::VarBuilder;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 /// A linear layer, `y = x·Wᵀ + b`, with candle-nn's weight layout
@@ -67,6 +69,24 @@ impl std::fmt::Debug for Linear {
             .field("hooked", &self.hook.is_some())
             .finish()
     }
+}
+
+/// Whether the CUDA forward of [`Linear`] runs through cuBLASLt.
+static CUBLASLT: AtomicBool = AtomicBool::new(false);
+
+/// Runs [`Linear`]'s forward on CUDA as one cuBLASLt GEMM with the bias
+/// added in its epilogue (`on`), instead of Candle's GEMM followed by a
+/// broadcast add over the output; shapes, layouts and dtypes cuBLASLt does
+/// not take keep Candle's path. Off by default: it has not yet run on a
+/// GPU. Process-wide, like Candle's `set_gemm_reduced_precision_*`, whose
+/// settings it follows.
+pub fn set_linear_cublaslt(on: bool) {
+    CUBLASLT.store(on, Ordering::Relaxed);
+}
+
+/// Whether [`set_linear_cublaslt`] is on.
+pub fn linear_cublaslt() -> bool {
+    CUBLASLT.load(Ordering::Relaxed)
 }
 
 impl Module for Linear {
@@ -479,6 +499,25 @@ fn forward_generic<S: BackendStorage>(
     Ok((out, Shape::from((rows, out_dim))))
 }
 
+/// The forward on CUDA: one cuBLASLt GEMM with the bias in its epilogue
+/// where [`set_linear_cublaslt`] is on and cuBLASLt takes the operands,
+/// else [`forward_generic`].
+fn forward_cuda(
+    x: (&CudaStorage, &Layout),
+    w: (&CudaStorage, &Layout),
+    bias: Option<(&CudaStorage, &Layout)>,
+) -> Result<(CudaStorage, Shape)> {
+    if linear_cublaslt() {
+        if let Some(b) = bias {
+            check_bias(b.1, w.1.shape().dims2()?.0)?;
+        }
+        if let Some(y) = cuda::linear_forward(x, w, bias)? {
+            return Ok((y, computed_shape(x.1, w.1)?));
+        }
+    }
+    forward_generic(x, w, bias)
+}
+
 impl FusedLinear {
     fn backward(
         &self,
@@ -572,7 +611,7 @@ impl CustomOp2 for FusedLinear {
             Err(computed) => return Ok(computed),
         };
         let w = pick(&lent.weight, (w, w_layout))?;
-        forward_generic((x, x_layout), w, None)
+        forward_cuda((x, x_layout), w, None)
     }
 
     fn bwd(
@@ -638,7 +677,7 @@ impl CustomOp3 for FusedLinear {
         };
         let w = pick(&lent.weight, (w, w_layout))?;
         let b = pick(&lent.bias, (b, b_layout))?;
-        forward_generic((x, x_layout), w, Some(b))
+        forward_cuda((x, x_layout), w, Some(b))
     }
 
     fn bwd(

@@ -93,5 +93,5 @@ mod tap;
 pub use embedding::{embedding, Embedding};
 pub use grad_hook::{GatheredParam, GiveBack, GradCollector, GradHook, Stretch};
 pub use layer_norm::{layer_norm, layer_norm_no_bias, rms_norm, LayerNorm, RmsNorm};
-pub use linear::{linear, linear_b, linear_no_bias, Linear};
+pub use linear::{linear, linear_b, linear_cublaslt, linear_no_bias, set_linear_cublaslt, Linear};
 pub use tap::tap;

@@ -75,6 +75,9 @@ pub(super) struct Variant {
     /// Offload's write-back sends the f32 masters up (rounded on the
     /// device) instead of the weights rounded to bf16 on the host.
     pub(super) masters_up: bool,
+    /// The Linear layers' forward through cuBLASLt, the bias in the GEMM's
+    /// epilogue (`set_linear_cublaslt`).
+    pub(super) cublaslt: bool,
 }
 
 /// Builds the GPT in `dtype` computing with `ops`, hooked to an
@@ -91,7 +94,9 @@ pub(super) fn ours(
     dtype: DType,
     variant: Variant,
 ) -> BenchResult<Measured> {
-    let measured = {
+    // Process-wide: on for this case only.
+    zero_candle::nn::set_linear_cublaslt(variant.cublaslt);
+    let measured = (|| -> BenchResult<Measured> {
         let varmap = VarMap::new();
         let hook = ZeroHook::<NcclComm, f32>::new();
         let model = Gpt::with_hook_in(
@@ -157,15 +162,17 @@ pub(super) fn ours(
             .max(1) as f64;
         let memory = opt.memory_report();
         let median = times[times.len() / 2];
-        Measured {
+        Ok(Measured {
             tokens_per_s: (ids.dim(0)? * CONFIG.context) as f64 / median,
             peak_bytes,
             engine_device_bytes_per_param: memory.on_device() as f64 / numel,
             engine_host_bytes_per_param: memory.offloaded as f64 / numel,
             step_ms: median * 1e3,
             offload_ms: OffloadMs::between(offload_before, opt.engine().counters().offload),
-        }
-    };
+        })
+    })();
+    zero_candle::nn::set_linear_cublaslt(false);
+    let measured = measured?;
     // The case's model, optimizer and communicator are dropped; their
     // asynchronous frees complete before the next case is built.
     synchronize(device, ctx)?;

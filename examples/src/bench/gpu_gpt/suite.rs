@@ -81,6 +81,30 @@ pub fn run(report: &mut Report, part: Part) {
         .then(|| case("ours f32 composed", GptOps::Composed, DType::F32))
         .flatten();
     let bf16_fused = case("ours bf16 fused", GptOps::Fused, DType::BF16);
+    // The Linear layers' forward through cuBLASLt, the bias in the GEMM.
+    let cublaslt = Variant {
+        cublaslt: true,
+        ..Variant::default()
+    };
+    let lt = |name: &str, dtype: DType| {
+        (part == Part::All)
+            .then(|| case_with(name, GptOps::Fused, dtype, cublaslt))
+            .flatten()
+    };
+    let (f32_lt, bf16_lt) = (
+        lt("ours f32 cuBLASLt", DType::F32),
+        lt("ours bf16 cuBLASLt", DType::BF16),
+    );
+    for (name, plain, lt) in [("f32", &f32_fused, f32_lt), ("bf16", &bf16_fused, bf16_lt)] {
+        if let (Some(plain), Some(lt)) = (plain, lt) {
+            report.add(
+                &format!("gpu.gpt_{name}_cublaslt_over_plain"),
+                lt.tokens_per_s / plain.tokens_per_s,
+                "x",
+                None,
+            );
+        }
+    }
 
     if let Some(m) = &f32_fused {
         report.add("gpu.gpt_tokens_per_s", m.tokens_per_s, "tokens/s", None);

@@ -18,6 +18,7 @@ use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use zero_nccl::cudarc::driver::{
     CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut,
 };
+use zero_nccl::kernels::gemm::{Gemm, GemmCompute, LinearGemm};
 use zero_nccl::kernels::layers::{
     ActivationKind, AttentionShape, LayerElement, LayerKernels, Normalization, RotaryShape,
     RotaryTurn,
@@ -660,5 +661,83 @@ pub(crate) fn cross_entropy_backward(
             }
         })?;
         Ok(CudaStorage::wrap_cuda_slice(dlogits, device))
+    })
+}
+
+/// The cuBLASLt GEMM of `device`'s stream, made on first use (a handle and
+/// its 32 MiB workspace per stream).
+fn gemm(op: &str, device: &CudaDevice) -> Result<Arc<Gemm>> {
+    static CACHE: OnceLock<Mutex<HashMap<usize, Arc<Gemm>>>> = OnceLock::new();
+    let stream = device.cuda_stream();
+    // The entry holds an Arc of the stream: its handle stays unique.
+    let key = stream.cu_stream() as usize;
+    let mut cache = CACHE
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner);
+    if let Some(gemm) = cache.get(&key) {
+        return Ok(gemm.clone());
+    }
+    let gemm = Arc::new(Gemm::new(stream).map_err(|e| kernel_error(op, e))?);
+    cache.insert(key, gemm.clone());
+    Ok(gemm)
+}
+
+/// How a GEMM of `dtype` accumulates, as Candle's own for that dtype
+/// (its `set_gemm_reduced_precision_*` switches); `None` where cuBLASLt's
+/// path would differ (f16 with f16 accumulation) or there is none.
+fn gemm_compute(dtype: DType) -> Option<GemmCompute> {
+    use candle_core::cuda::{
+        gemm_reduced_precision_bf16, gemm_reduced_precision_f16, gemm_reduced_precision_f32,
+    };
+    match dtype {
+        DType::F32 if gemm_reduced_precision_f32() => Some(GemmCompute::Tf32),
+        DType::BF16 if gemm_reduced_precision_bf16() => Some(GemmCompute::Bf16),
+        DType::F16 if gemm_reduced_precision_f16() => None,
+        DType::F32 | DType::BF16 | DType::F16 => Some(GemmCompute::F32),
+        _ => None,
+    }
+}
+
+/// A Linear layer's forward `x·Wᵀ (+ bias)` as one cuBLASLt GEMM, the bias
+/// added in its epilogue (`x [rows, in]`, `W [out, in]`, `bias [out]`);
+/// `None` where cuBLASLt does not take it (operands not contiguous or of
+/// mixed dtypes, a shape or alignment it has no algorithm for): the caller
+/// keeps Candle's GEMM and add.
+pub(crate) fn linear_forward(x: Arg, w: Arg, bias: Option<Arg>) -> Result<Option<CudaStorage>> {
+    const OP: &str = "Linear";
+    let (Ok((rows, in_dim)), Ok((out_dim, w_in))) = (x.1.shape().dims2(), w.1.shape().dims2())
+    else {
+        return Ok(None);
+    };
+    let dtype = x.0.dtype();
+    let plain = |arg: Arg| arg.1.is_contiguous() && arg.0.dtype() == dtype;
+    let usable = w_in == in_dim && plain(x) && plain(w) && bias.is_none_or(plain);
+    let (Some(plan), Some(compute), true) = (
+        LinearGemm::new(rows, in_dim, out_dim),
+        gemm_compute(dtype),
+        usable,
+    ) else {
+        return Ok(None);
+    };
+    let device = x.0.device.clone();
+    let gemm = gemm(OP, &device)?;
+    by_dtype!(dtype, OP, |T| {
+        let input = view::<T>(OP, "the input", x)?;
+        let weight = view::<T>(OP, "the weight", w)?;
+        let bias = bias.map(|b| view::<T>(OP, "the bias", b)).transpose()?;
+        let len = rows * out_dim;
+        let mut y = alloc_out::<T>(&device, len)?;
+        let done = gemm
+            .linear(
+                &plan,
+                compute,
+                &input,
+                &weight,
+                bias.as_ref(),
+                &mut out(&mut y, len),
+            )
+            .map_err(|e| kernel_error(OP, e))?;
+        Ok(done.then(|| CudaStorage::wrap_cuda_slice(y, device)))
     })
 }

@@ -133,3 +133,8 @@ pub(crate) fn swiglu_backward(
 ) -> Result<(CudaStorage, CudaStorage)> {
     no_cuda()
 }
+
+/// Without CUDA the Linear layers keep their generic path.
+pub(crate) fn linear_forward(_x: Arg, _w: Arg, _bias: Option<Arg>) -> Result<Option<CudaStorage>> {
+    Ok(None)
+}
