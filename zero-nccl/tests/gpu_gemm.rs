@@ -10,24 +10,10 @@
 
 mod common;
 
+use common::values;
 use half::{bf16, f16};
 use zero_nccl::cudarc::driver::CudaSlice;
 use zero_nccl::kernels::gemm::{Gemm, GemmCompute, GemmElement, LinearGemm};
-
-/// Deterministic values in [-1, 1).
-fn values(seed: u64, n: usize) -> Vec<f32> {
-    let mut s = seed
-        .wrapping_mul(6364136223846793005)
-        .wrapping_add(1442695040888963407);
-    (0..n)
-        .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect()
-}
 
 /// An element type with its conversions and its tolerance (relative to the
 /// output's largest magnitude).

@@ -14,6 +14,7 @@ mod common;
 #[path = "golden/kernels.rs"]
 mod golden;
 
+use common::values;
 use golden::{N, STEPS};
 use std::sync::Arc;
 use zero_nccl::cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
@@ -27,21 +28,6 @@ fn setup() -> (Arc<CudaStream>, FusedKernels) {
         .new_stream()
         .unwrap_or_else(|e| panic!("creating a stream failed: {e}"));
     (stream, kernels)
-}
-
-/// Deterministic values in [-1, 1) (`values` in golden/kernels.py).
-fn values(seed: u64, n: usize) -> Vec<f32> {
-    let mut s = seed
-        .wrapping_mul(6364136223846793005)
-        .wrapping_add(1442695040888963407);
-    (0..n)
-        .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect()
 }
 
 fn floats(bits: &[u32]) -> Vec<f32> {

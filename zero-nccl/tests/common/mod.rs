@@ -68,3 +68,18 @@ pub fn single_comm() -> Option<zero_nccl::NcclComm> {
         Err(e) => panic!("NcclComm::single(0) failed: {e}"),
     }
 }
+
+/// Deterministic values in [-1, 1) (`values` in golden/kernels.py).
+pub fn values(seed: u64, n: usize) -> Vec<f32> {
+    let mut s = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
