@@ -14,9 +14,9 @@
 //! later ones reuse, a cost paid once per run, reported beside it
 //! (`checkpoint.*_first_over_blocking`); the wait at the end of the run for
 //! the last save's writer blocks no step and is reported apart
-//! (`checkpoint.*_end_wait_ms`).
-//! The writer threads share the machine's cores with training, which slows
-//! the steps between saves; `checkpoint.*_step_over_plain` reports that.
+//! (`checkpoint.*_end_wait_ms`). The writer threads share the machine's
+//! cores with training, which slows the steps between saves;
+//! `checkpoint.*_step_over_plain` reports that.
 
 use super::Report;
 use crate::trainer::Mlp;
