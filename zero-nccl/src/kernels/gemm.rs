@@ -185,6 +185,8 @@ const WORKSPACE_BYTES: usize = 32 << 20;
 impl Gemm {
     /// A handle and a workspace for `stream`.
     pub fn new(stream: Arc<CudaStream>) -> Result<Self> {
+        // cuBLASLt sets itself up on the current context: the stream's.
+        stream.context().bind_to_thread()?;
         let handle = guarded("cublasLtCreate", || Ok(result::create_handle()?))?;
         let workspace = match stream.alloc_zeros::<u8>(WORKSPACE_BYTES) {
             Ok(workspace) => workspace,
