@@ -195,8 +195,7 @@ impl<'a, T: Element, C: Communicator, M: ShardMemory<T, C>> Masters<'a, T, C, M>
     /// parameter (what the plan leaves out of it is zeroed; a background
     /// save's snapshot); the other ranks pass an empty `out`.
     pub fn gather(&mut self, param: usize, root: usize, out: &mut [T]) -> Result<()> {
-        self.land(param, root, Landing::Whole { out, next: 0 })?;
-        Ok(())
+        self.land(param, root, Landing::Whole { out, next: 0 })
     }
 
     /// Sends `param`'s pieces to `root`, landing there as `landing` says.

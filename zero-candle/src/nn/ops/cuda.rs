@@ -69,24 +69,35 @@ macro_rules! by_dtype {
     };
 }
 
+/// A per-process cache of what a device needs made once.
+type Cache<V> = OnceLock<Mutex<HashMap<usize, Arc<V>>>>;
+
+/// `cache`'s entry under `key`, made by `make` the first time. The lock is
+/// held while making: a second thread asking for the same entry waits for
+/// it instead of making its own.
+fn cached<V>(cache: &Cache<V>, key: usize, make: impl FnOnce() -> Result<V>) -> Result<Arc<V>> {
+    let mut cache = cache
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner);
+    if let Some(value) = cache.get(&key) {
+        return Ok(value.clone());
+    }
+    let value = Arc::new(make()?);
+    cache.insert(key, value.clone());
+    Ok(value)
+}
+
 /// The layer kernels of `device`'s context, compiled on first use.
 fn kernels(op: &str, device: &CudaDevice) -> Result<Arc<LayerKernels>> {
-    static CACHE: OnceLock<Mutex<HashMap<usize, Arc<LayerKernels>>>> = OnceLock::new();
+    static CACHE: Cache<LayerKernels> = OnceLock::new();
     let stream = device.cuda_stream();
     let ctx = stream.context();
     // The CUcontext handle identifies the GPU's primary context; the cached
     // kernels hold an Arc of it, so it outlives every entry.
-    let key = ctx.cu_ctx() as usize;
-    let cache = CACHE.get_or_init(Default::default);
-    // Held while compiling: a second thread asking for the same device waits
-    // for this compilation instead of running its own.
-    let mut cache = cache.lock().unwrap_or_else(PoisonError::into_inner);
-    if let Some(kernels) = cache.get(&key) {
-        return Ok(kernels.clone());
-    }
-    let kernels = Arc::new(LayerKernels::new(ctx).map_err(|e| kernel_error(op, e))?);
-    cache.insert(key, kernels.clone());
-    Ok(kernels)
+    cached(&CACHE, ctx.cu_ctx() as usize, || {
+        LayerKernels::new(ctx).map_err(|e| kernel_error(op, e))
+    })
 }
 
 /// A zero-nccl error as Candle's, naming the op.
@@ -666,21 +677,20 @@ pub(crate) fn cross_entropy_backward(
 
 /// The cuBLASLt GEMM of `device`'s stream, made on first use (a handle and
 /// its 32 MiB workspace per stream).
-fn gemm(op: &str, device: &CudaDevice) -> Result<Arc<Gemm>> {
-    static CACHE: OnceLock<Mutex<HashMap<usize, Arc<Gemm>>>> = OnceLock::new();
+fn gemm(device: &CudaDevice) -> Result<Arc<Gemm>> {
+    static CACHE: Cache<Gemm> = OnceLock::new();
     let stream = device.cuda_stream();
     // The entry holds an Arc of the stream: its handle stays unique.
-    let key = stream.cu_stream() as usize;
-    let mut cache = CACHE
-        .get_or_init(Default::default)
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner);
-    if let Some(gemm) = cache.get(&key) {
-        return Ok(gemm.clone());
-    }
-    let gemm = Arc::new(Gemm::new(stream).map_err(|e| kernel_error(op, e))?);
-    cache.insert(key, gemm.clone());
-    Ok(gemm)
+    cached(&CACHE, stream.cu_stream() as usize, || {
+        Gemm::new(stream.clone()).map_err(linear_error)
+    })
+}
+
+/// A failure of the cuBLASLt path as Candle's error, with the way back.
+fn linear_error(e: zero_nccl::Error) -> candle_core::Error {
+    candle_core::Error::Msg(format!(
+        "zero-candle Linear on CUDA through cuBLASLt: {e};          zero_candle::nn::set_linear_cublaslt(false) keeps Candle's GEMM and bias add"
+    ))
 }
 
 /// How a GEMM of `dtype` accumulates, as Candle's own for that dtype
@@ -721,7 +731,7 @@ pub(crate) fn linear_forward(x: Arg, w: Arg, bias: Option<Arg>) -> Result<Option
         return Ok(None);
     };
     let device = x.0.device.clone();
-    let gemm = gemm(OP, &device)?;
+    let gemm = gemm(&device)?;
     by_dtype!(dtype, OP, |T| {
         let input = view::<T>(OP, "the input", x)?;
         let weight = view::<T>(OP, "the weight", w)?;
@@ -737,7 +747,7 @@ pub(crate) fn linear_forward(x: Arg, w: Arg, bias: Option<Arg>) -> Result<Option
                 bias.as_ref(),
                 &mut out(&mut y, len),
             )
-            .map_err(|e| kernel_error(OP, e))?;
+            .map_err(linear_error)?;
         Ok(done.then(|| CudaStorage::wrap_cuda_slice(y, device)))
     })
 }
