@@ -29,7 +29,9 @@
 //! SDPA on the same GPU (`examples/pytorch/hf_peer.py`): GPT-2 small at
 //! stage 2, and a Llama of TinyLlama-1.1B's shape at stage 3 on one rank
 //! and on four sharing the GPU (`hub_models.rs`). Background checkpoint
-//! saves of the GPT over blocking ones: `bench gpu-checkpoint` (`saves.rs`).
+//! saves of the GPT over blocking ones: `bench gpu-checkpoint` (`saves.rs`);
+//! where a stage-3 step's time goes beside stage 2's: `bench gpu-stage3`
+//! (`stage3_steps.rs`).
 
 mod case;
 mod headline;
@@ -38,12 +40,14 @@ mod largest_gpt;
 mod peer;
 mod saves;
 mod shared;
+mod stage3_steps;
 mod suite;
 
 pub use headline::headline;
 pub use hub_models::hub;
 pub use largest_gpt::{largest, largest_trial};
 pub use saves::saves;
+pub use stage3_steps::stage3;
 pub use suite::{run, Part};
 
 use crate::trainer::GptConfig;
