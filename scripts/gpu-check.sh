@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check, on a machine with a CUDA GPU, PyTorch and no Rust:
-#   scripts/gpu-check.sh BUNDLE.tar.xz [LOG_DIR] [suite|bench|train|all|EXTRA...]
+#   scripts/gpu-check.sh BUNDLE.tar.xz [LOG_DIR] [PART...]
+# PART: suite, bench, train, all (the default), or a command.
 # BUNDLE comes from scripts/build-gpu-bundle.sh. Runs every test in the
 # bundle with --include-ignored (the GPU suite), then `bench gpu` from the
 # repository's root (so that it finds examples/pytorch/), then short trainer
@@ -9,15 +10,17 @@
 # table shows each one's final loss), logging each to LOG_DIR (default:
 # a temporary folder). `suite`, `bench` or `train` runs only that part;
 # anything else is run as a command inside the unpacked bundle (e.g.
-# "./train --backend nccl --model gpt --steps 20").
+# "./train --backend nccl --model gpt --steps 20"); several parts run in
+# the order given (e.g. suite "./bench gpu-stage3" bench: one device call).
 # Exits non-zero if any test binary or the bench failed; the last lines
 # printed are a table of what passed. Each run is stopped after
 # GPU_CHECK_RUN_TIMEOUT seconds (default 600; rc 124 in the table).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-bundle="$(realpath "${1:?usage: $0 BUNDLE.tar.xz [LOG_DIR] [suite|bench|all|CMD]}")"
+bundle="$(realpath "${1:?usage: $0 BUNDLE.tar.xz [LOG_DIR] [suite|bench|train|all|CMD]...}")"
 logs="$(realpath -m "${2:-$(mktemp -d)}")"
-what="${3:-all}"
+parts=("${@:3}")
+[[ ${#parts[@]} -eq 0 ]] && parts=(all)
 mkdir -p "$logs"
 root="$(pwd)"
 export ZERO_PYTORCH_DIR="$root/examples/pytorch"
@@ -66,53 +69,57 @@ run() {
     fi
 }
 
-if [[ "$what" == all || "$what" == suite ]]; then
-    for t in "$unpacked"/t/*; do
-        run "$(basename "$t")" "$t" --include-ignored --test-threads=1
-    done
-fi
-if [[ "$what" == all || "$what" == bench ]]; then
-    run bench-gpu "$unpacked/bench" gpu
-    grep -E 'gpu\.|failed|skipped' "$logs/bench-gpu.log" | tail -40
-fi
-if [[ "$what" == all || "$what" == train ]]; then
-    for model in mlp gpt; do
-        for stage in 0 1 2 3; do
+extra=0
+for what in "${parts[@]}"; do
+    if [[ "$what" == all || "$what" == suite ]]; then
+        for t in "$unpacked"/t/*; do
+            run "$(basename "$t")" "$t" --include-ignored --test-threads=1
+        done
+    fi
+    if [[ "$what" == all || "$what" == bench ]]; then
+        run bench-gpu "$unpacked/bench" gpu
+        grep -E 'gpu\.|failed|skipped' "$logs/bench-gpu.log" | tail -40
+    fi
+    if [[ "$what" == all || "$what" == train ]]; then
+        for model in mlp gpt; do
+            for stage in 0 1 2 3; do
+                for precision in f32 bf16; do
+                    run "train-$model-s$stage-$precision" env RANK=0 WORLD_SIZE=1 \
+                        "$unpacked/train" --backend nccl --model "$model" --stage "$stage" \
+                        --precision "$precision" --steps 20
+                done
+            done
+            # ZeRO-Offload: the optimizer's side in host memory (stepped after
+            # backward here; each bucket as it lands is the default below).
             for precision in f32 bf16; do
-                run "train-$model-s$stage-$precision" env RANK=0 WORLD_SIZE=1 \
-                    "$unpacked/train" --backend nccl --model "$model" --stage "$stage" \
-                    --precision "$precision" --steps 20
+                run "train-$model-s2-$precision-offload" env RANK=0 WORLD_SIZE=1 \
+                    "$unpacked/train" --backend nccl --model "$model" --stage 2 \
+                    --precision "$precision" --offload optimizer --overlap after-backward --steps 20
+            done
+            run "train-$model-s2-bf16-offload-interleaved" env RANK=0 WORLD_SIZE=1 \
+                "$unpacked/train" --backend nccl --model "$model" --stage 2 --precision bf16 \
+                --offload optimizer --overlap interleaved --steps 20
+            run "train-$model-s2-bf16-offload-copy-stream" env RANK=0 WORLD_SIZE=1 \
+                "$unpacked/train" --backend nccl --model "$model" --stage 2 --precision bf16 \
+                --offload optimizer --overlap interleaved --offload-copy-stream --steps 20
+            run "train-$model-s3-bf16-offload" env RANK=0 WORLD_SIZE=1 \
+                "$unpacked/train" --backend nccl --model "$model" --stage 3 --precision bf16 \
+                --offload optimizer --steps 20
+            # Four ranks sharing the GPU (no NCCL): the sharded paths at N > 1.
+            for run_args in "0 f32" "1 bf16" "2 f32" "2 bf16" "3 f32" "3 bf16"; do
+                read -r stage precision <<<"$run_args"
+                run "train-$model-s$stage-$precision-n4" "$unpacked/train" --backend cuda-threads \
+                    --world-size 4 --model "$model" --stage "$stage" --precision "$precision" \
+                    --steps 20
             done
         done
-        # ZeRO-Offload: the optimizer's side in host memory (stepped after
-        # backward here; each bucket as it lands is the default below).
-        for precision in f32 bf16; do
-            run "train-$model-s2-$precision-offload" env RANK=0 WORLD_SIZE=1 \
-                "$unpacked/train" --backend nccl --model "$model" --stage 2 \
-                --precision "$precision" --offload optimizer --overlap after-backward --steps 20
-        done
-        run "train-$model-s2-bf16-offload-interleaved" env RANK=0 WORLD_SIZE=1 \
-            "$unpacked/train" --backend nccl --model "$model" --stage 2 --precision bf16 \
-            --offload optimizer --overlap interleaved --steps 20
-        run "train-$model-s2-bf16-offload-copy-stream" env RANK=0 WORLD_SIZE=1 \
-            "$unpacked/train" --backend nccl --model "$model" --stage 2 --precision bf16 \
-            --offload optimizer --overlap interleaved --offload-copy-stream --steps 20
-        run "train-$model-s3-bf16-offload" env RANK=0 WORLD_SIZE=1 \
-            "$unpacked/train" --backend nccl --model "$model" --stage 3 --precision bf16 \
-            --offload optimizer --steps 20
-        # Four ranks sharing the GPU (no NCCL): the sharded paths at N > 1.
-        for run_args in "0 f32" "1 bf16" "2 f32" "2 bf16" "3 f32" "3 bf16"; do
-            read -r stage precision <<<"$run_args"
-            run "train-$model-s$stage-$precision-n4" "$unpacked/train" --backend cuda-threads \
-                --world-size 4 --model "$model" --stage "$stage" --precision "$precision" \
-                --steps 20
-        done
-    done
-fi
-if [[ "$what" != all && "$what" != suite && "$what" != bench && "$what" != train ]]; then
-    run extra bash -c "cd '$unpacked' && $what"
-    tail -30 "$logs/extra.log"
-fi
+    fi
+    if [[ "$what" != all && "$what" != suite && "$what" != bench && "$what" != train ]]; then
+        extra=$((extra + 1))
+        run "extra-$extra" bash -c "cd '$unpacked' && $what"
+        tail -30 "$logs/extra-$extra.log"
+    fi
+done
 cd "$root"
 printf '%s\n' "${table[@]}"
 exit $failed
