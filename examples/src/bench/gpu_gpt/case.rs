@@ -1,16 +1,11 @@
 //! One case of the GPT suite: the GPT trained on one GPU as the trainer
 //! trains it, its figures measured ([`ours`]).
 
-use super::{synchronize, BenchResult, CONFIG, LR, SEED, STEPS, WARMUP};
-use crate::trainer::{Gpt, GptOps};
+use super::{hooked_gpt, synchronize, BenchResult, CONFIG, STEPS, WARMUP};
+use crate::trainer::GptOps;
 use candle_core::{DType, Device, Tensor};
-use candle_nn::VarMap;
-use std::sync::Arc;
 use std::time::Instant;
-use zero_candle::nn::GradHook;
-use zero_candle::{NcclZeroOptimizer, ZeroHook};
 use zero_core::engine::{EngineConfig, Offload, OffloadTimes, Overlap, Stage};
-use zero_core::optim::{AdamW, AdamWConfig};
 use zero_nccl::cudarc::driver::CudaContext;
 use zero_nccl::{DevicePool, NcclComm};
 
@@ -97,21 +92,11 @@ pub(super) fn ours(
     // Process-wide: on for this case only.
     zero_candle::nn::set_linear_cublaslt(variant.cublaslt);
     let measured = (|| -> BenchResult<Measured> {
-        let varmap = VarMap::new();
-        let hook = ZeroHook::<NcclComm, f32>::new();
-        let model = Gpt::with_hook_in(
-            &varmap,
-            CONFIG,
-            SEED,
-            device,
-            Some(hook.clone() as Arc<dyn GradHook>),
-            dtype,
-        )?
-        .with_ops(ops)
-        .with_checkpointing(variant.checkpointed);
         // No gradient norm and no clipping: the PyTorch peer computes neither.
-        let mut opt = NcclZeroOptimizer::new(
-            &varmap,
+        let (model, mut opt) = hooked_gpt(
+            device,
+            CONFIG,
+            dtype,
             NcclComm::single(0)?,
             EngineConfig::default()
                 .with_stage(match variant.stage3 {
@@ -127,9 +112,8 @@ pub(super) fn ours(
                     Offload::Optimizer => Overlap::Interleaved,
                     Offload::None => Overlap::default(),
                 }),
-            Box::new(AdamW::new(AdamWConfig::default().with_lr(LR))?),
-        )?
-        .with_hook(&hook)?;
+        )?;
+        let model = model.with_ops(ops).with_checkpointing(variant.checkpointed);
 
         let mut times = Vec::with_capacity(STEPS);
         let mut offload_before = OffloadTimes::default();

@@ -1,18 +1,13 @@
 //! The largest GPT one GPU trains, with offload and without
 //! (`bench gpu-largest`), each size tried in a process of its own.
 
-use super::{layers_within, open_device, synchronize, wide_gpt, BenchResult, LR, SEED};
+use super::{hooked_gpt, layers_within, open_device, synchronize, wide_gpt, BenchResult, SEED};
 use crate::bench::{largest, Report};
-use crate::trainer::{Gpt, GptConfig};
+use crate::trainer::GptConfig;
 use candle_core::{DType, Tensor};
-use candle_nn::VarMap;
 use rand::{rngs::StdRng, Rng, SeedableRng};
-use std::sync::Arc;
 use std::time::Instant;
-use zero_candle::nn::GradHook;
-use zero_candle::{NcclZeroOptimizer, ZeroHook};
 use zero_core::engine::{host_available_bytes, EngineConfig, Offload, Overlap, Stage};
-use zero_core::optim::{AdamW, AdamWConfig};
 use zero_nccl::cudarc::driver::CudaContext;
 use zero_nccl::NcclComm;
 
@@ -170,18 +165,10 @@ pub fn largest_trial(args: &[String]) -> i32 {
 /// returns the last loss.
 fn trial(config: GptConfig, offload: Offload) -> BenchResult<f32> {
     let (device, ctx) = open_device()?;
-    let varmap = VarMap::new();
-    let hook = ZeroHook::<NcclComm, f32>::new();
-    let model = Gpt::with_hook_in(
-        &varmap,
-        config,
-        SEED,
+    let (model, mut opt) = hooked_gpt(
         &device,
-        Some(hook.clone() as Arc<dyn GradHook>),
+        config,
         DType::BF16,
-    )?;
-    let mut opt = NcclZeroOptimizer::new(
-        &varmap,
         NcclComm::single(0)?,
         EngineConfig::default()
             .with_stage(Stage::Gradients)
@@ -190,9 +177,7 @@ fn trial(config: GptConfig, offload: Offload) -> BenchResult<f32> {
                 Offload::Optimizer => Overlap::Interleaved,
                 Offload::None => Overlap::default(),
             }),
-        Box::new(AdamW::new(AdamWConfig::default().with_lr(LR))?),
-    )?
-    .with_hook(&hook)?;
+    )?;
     let mut rng = StdRng::seed_from_u64(SEED);
     let ids: Vec<u32> = (0..config.context + 1)
         .map(|_| rng.gen_range(0..256))

@@ -50,10 +50,16 @@ pub use saves::saves;
 pub use stage3_steps::stage3;
 pub use suite::{run, Part};
 
-use crate::trainer::GptConfig;
-use candle_core::{Device, Tensor};
+use crate::trainer::{Gpt, GptConfig};
+use candle_core::{DType, Device, Tensor};
+use candle_nn::VarMap;
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use std::sync::Arc;
+use zero_candle::nn::GradHook;
+use zero_candle::{CandleMemory, ZeroHook, ZeroOptimizer};
+use zero_core::engine::EngineConfig;
+use zero_core::optim::{AdamW, AdamWConfig};
+use zero_core::Communicator;
 use zero_nccl::cudarc::driver::CudaContext;
 
 const CONFIG: GptConfig = GptConfig {
@@ -93,6 +99,40 @@ fn random_ids(device: &Device, batch: usize) -> candle_core::Result<Tensor> {
         .map(|_| rng.gen_range(0..256))
         .collect();
     Tensor::from_vec(ids, (batch, CONFIG.context + 1), device)
+}
+
+/// The GPT of `config` in `dtype` on `device` (seeded), its layers hooked
+/// to a `ZeroOptimizer` over `comm` configured by `engine`, stepping AdamW
+/// at [`LR`]: the model and optimizer as the trainer builds them.
+fn hooked_gpt<C>(
+    device: &Device,
+    config: GptConfig,
+    dtype: DType,
+    comm: C,
+    engine: EngineConfig,
+) -> BenchResult<(Gpt, ZeroOptimizer<C, f32>)>
+where
+    C: Communicator + 'static,
+    C::Memory: CandleMemory<f32, C>,
+{
+    let varmap = VarMap::new();
+    let hook = ZeroHook::<C, f32>::new();
+    let model = Gpt::with_hook_in(
+        &varmap,
+        config,
+        SEED,
+        device,
+        Some(hook.clone() as Arc<dyn GradHook>),
+        dtype,
+    )?;
+    let opt = ZeroOptimizer::<C, f32>::new(
+        &varmap,
+        comm,
+        engine,
+        Box::new(AdamW::new(AdamWConfig::default().with_lr(LR))?),
+    )?
+    .with_hook(&hook)?;
+    Ok((model, opt))
 }
 
 /// Waits for every stream of the context: Candle's and the engine's.

@@ -5,17 +5,13 @@
 //! snapshot copies the optimizer state and the weights from the device into
 //! host memory, and a thread writes them while the steps go on.
 
-use super::{open_device, random_ids, synchronize, BenchResult, BATCH, CONFIG, LR, SEED};
+use super::{hooked_gpt, open_device, random_ids, synchronize, BenchResult, BATCH, CONFIG};
 use crate::bench::checkpoint::{report_saves, timed_saves, Measured, Save, Schedule};
 use crate::bench::Report;
-use crate::trainer::Gpt;
 use candle_core::{DType, Device};
-use candle_nn::VarMap;
 use std::sync::Arc;
-use zero_candle::nn::GradHook;
-use zero_candle::{NcclZeroOptimizer, ZeroHook};
+use zero_candle::NcclZeroOptimizer;
 use zero_core::engine::{EngineConfig, Stage};
-use zero_core::optim::{AdamW, AdamWConfig};
 use zero_nccl::cudarc::driver::CudaContext;
 use zero_nccl::NcclComm;
 
@@ -71,23 +67,13 @@ fn run_case(
     ));
     let measured = (|| -> BenchResult<Measured> {
         let ids = random_ids(device, BATCH)?;
-        let varmap = VarMap::new();
-        let hook = ZeroHook::<NcclComm, f32>::new();
-        let model = Gpt::with_hook_in(
-            &varmap,
-            CONFIG,
-            SEED,
+        let (model, mut opt) = hooked_gpt(
             device,
-            Some(hook.clone() as Arc<dyn GradHook>),
+            CONFIG,
             DType::F32,
-        )?;
-        let mut opt = NcclZeroOptimizer::new(
-            &varmap,
             NcclComm::single(0)?,
             EngineConfig::default().with_stage(stage),
-            Box::new(AdamW::new(AdamWConfig::default().with_lr(LR))?),
-        )?
-        .with_hook(&hook)?;
+        )?;
         let sync = || synchronize(device, ctx).map_err(|e| e.to_string());
         let step = |opt: &mut NcclZeroOptimizer| {
             let loss = model.loss(&ids).map_err(|e| e.to_string())?;

@@ -2,21 +2,16 @@
 //! 2 and 3: each rank's device bytes per parameter and the step times.
 
 use super::{
-    random_ids, synchronize, BenchResult, BATCH, CONFIG, LR, SEED, SHARED_RANKS, STEPS, WARMUP,
+    hooked_gpt, random_ids, synchronize, BenchResult, BATCH, CONFIG, SHARED_RANKS, STEPS, WARMUP,
 };
 use crate::bench::Report;
-use crate::trainer::{Gpt, GptOps};
+use crate::trainer::GptOps;
 use candle_core::{DType, Device};
-use candle_nn::VarMap;
-use std::sync::Arc;
 use std::time::Instant;
-use zero_candle::nn::GradHook;
-use zero_candle::{ZeroHook, ZeroOptimizer};
 use zero_core::engine::{EngineConfig, Stage};
-use zero_core::optim::{AdamW, AdamWConfig};
 use zero_core::Communicator;
 use zero_nccl::cudarc::driver::CudaContext;
-use zero_nccl::{CudaThreadComm, CudaThreadGroup, DeviceComm, DevicePool};
+use zero_nccl::{CudaThreadGroup, DeviceComm, DevicePool};
 
 /// The f32 GPT at stages 0, 2 and 3 on [`SHARED_RANKS`] ranks sharing the
 /// GPU (the global batch of [`BATCH`] split between them): each rank's
@@ -97,24 +92,14 @@ fn ranks_sharing(
         let trained = (|| -> BenchResult<(f64, f64, usize)> {
             let device = Device::new_cuda_with_stream(comm.context().ordinal())?;
             let ids = random_ids(&device, BATCH / SHARED_RANKS)?;
-            let varmap = VarMap::new();
-            let hook = ZeroHook::<CudaThreadComm, f32>::new();
-            let model = Gpt::with_hook_in(
-                &varmap,
-                CONFIG,
-                SEED,
+            let (model, mut opt) = hooked_gpt(
                 &device,
-                Some(hook.clone() as Arc<dyn GradHook>),
+                CONFIG,
                 DType::F32,
-            )?
-            .with_ops(GptOps::Fused);
-            let mut opt = ZeroOptimizer::<CudaThreadComm, f32>::new(
-                &varmap,
                 comm,
                 EngineConfig::default().with_stage(stage),
-                Box::new(AdamW::new(AdamWConfig::default().with_lr(LR))?),
-            )?
-            .with_hook(&hook)?;
+            )?;
+            let model = model.with_ops(GptOps::Fused);
             let mut times = Vec::with_capacity(STEPS);
             for step in 0..WARMUP + STEPS {
                 if step == WARMUP {

@@ -12,18 +12,15 @@
 //! gathers a step issued and how many requests found none issued ahead.
 
 use super::{
-    open_device, random_ids, synchronize, BenchResult, BATCH, CONFIG, LR, SEED, SHARED_RANKS,
+    hooked_gpt, open_device, random_ids, synchronize, BenchResult, BATCH, CONFIG, SHARED_RANKS,
 };
 use crate::bench::Report;
 use crate::trainer::Gpt;
 use candle_core::{DType, Device, Tensor};
-use candle_nn::VarMap;
 use std::sync::Arc;
 use std::time::Instant;
-use zero_candle::nn::GradHook;
-use zero_candle::{CandleMemory, ZeroHook, ZeroOptimizer};
+use zero_candle::{CandleMemory, ZeroOptimizer};
 use zero_core::engine::{EngineConfig, FetchStats, GatherBudgets, Stage};
-use zero_core::optim::{AdamW, AdamWConfig};
 use zero_core::Communicator;
 use zero_nccl::cudarc::driver::sys::CUevent_flags;
 use zero_nccl::cudarc::driver::{CudaContext, CudaEvent, CudaStream};
@@ -265,37 +262,6 @@ fn per_step(before: Option<FetchStats>, after: Option<FetchStats>) -> (f64, f64)
     )
 }
 
-/// The GPT in `dtype` hooked to a `ZeroOptimizer` over `comm` at `case`.
-fn build<C>(
-    device: &Device,
-    comm: C,
-    dtype: DType,
-    case: Case,
-) -> BenchResult<(Gpt, ZeroOptimizer<C, f32>)>
-where
-    C: DeviceComm + Communicator + 'static,
-    C::Memory: CandleMemory<f32, C>,
-{
-    let varmap = VarMap::new();
-    let hook = ZeroHook::<C, f32>::new();
-    let model = Gpt::with_hook_in(
-        &varmap,
-        CONFIG,
-        SEED,
-        device,
-        Some(hook.clone() as Arc<dyn GradHook>),
-        dtype,
-    )?;
-    let opt = ZeroOptimizer::<C, f32>::new(
-        &varmap,
-        comm,
-        case.config(),
-        Box::new(AdamW::new(AdamWConfig::default().with_lr(LR))?),
-    )?
-    .with_hook(&hook)?;
-    Ok((model, opt))
-}
-
 /// One rank on NCCL, as `--backend nccl`.
 fn one_rank(
     device: &Device,
@@ -304,7 +270,7 @@ fn one_rank(
     case: Case,
 ) -> BenchResult<Phases> {
     let ids = random_ids(device, BATCH)?;
-    let (model, mut opt) = build(device, NcclComm::single(0)?, dtype, case)?;
+    let (model, mut opt) = hooked_gpt(device, CONFIG, dtype, NcclComm::single(0)?, case.config())?;
     phased(device, &model, &ids, &mut opt, &|| synchronize(device, ctx))
 }
 
@@ -316,7 +282,7 @@ fn ranks_sharing(case: Case) -> BenchResult<Phases> {
         let phases = (|| -> BenchResult<Phases> {
             let device = Device::new_cuda_with_stream(comm.context().ordinal())?;
             let ids = random_ids(&device, BATCH / SHARED_RANKS)?;
-            let (model, mut opt) = build(&device, comm, DType::F32, case)?;
+            let (model, mut opt) = hooked_gpt(&device, CONFIG, DType::F32, comm, case.config())?;
             // Not the context's every stream: the peers' share it.
             let drain = || -> BenchResult<()> { Ok(device.synchronize()?) };
             phased(&device, &model, &ids, &mut opt, &drain)
