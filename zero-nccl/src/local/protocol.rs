@@ -96,7 +96,8 @@ pub(crate) trait Lane {
 /// One collective, as the module's documentation describes. `check` is
 /// this rank's own validation of its arguments (posted, so that a refusal
 /// fails the peers at once); `send` and `recv` are the addresses of this
-/// rank's buffers (the same in place; 0 for a buffer it does not have).
+/// rank's buffers (the same in place, or for an all-gather in place `send`
+/// is this rank's slot of `recv`; 0 for a buffer it does not have).
 /// `previous` holds this rank's events of its previous collective and
 /// receives this one's. Returns the completion event.
 pub(crate) fn collective<L: Lane>(
@@ -195,17 +196,22 @@ fn issue<L: Lane>(lane: &L, rank: usize, n: usize, call: &Call, posted: &[Posted
     let addrs = |at: &[At]| -> Vec<u64> { at.iter().map(|a| a.address(posted, elem)).collect() };
     for step in super::collective::steps(&call.kind, call.len, n, rank) {
         match step {
-            // SAFETY: the calls matched, so every range lies inside the
-            // ranks' posted buffers, live until the work queued over them
-            // has run: a rank that returns its completion event orders its
-            // caller after it, one that fails waits for it on the host.
-            Step::Copy { from, to, len } => unsafe {
-                lane.copy(
-                    to.address(posted, elem),
-                    from.address(posted, elem),
-                    len * elem,
-                )
-            }?,
+            Step::Copy { from, to, len } => {
+                let (dst, src) = (to.address(posted, elem), from.address(posted, elem));
+                // In place (an all-gather whose send is this rank's slot of
+                // its receive buffer) the values are where they belong; a
+                // copy onto itself would overlap, and write what the peers
+                // read at the same time.
+                if dst != src {
+                    // SAFETY: the calls matched, so every range lies inside
+                    // the ranks' posted buffers, live until the work queued
+                    // over them has run: a rank that returns its completion
+                    // event orders its caller after it, one that fails
+                    // waits for it on the host. Distinct slots of one
+                    // gather do not overlap.
+                    unsafe { lane.copy(dst, src, len * elem) }?;
+                }
+            }
             // SAFETY: as above; each destination range is written by this
             // step only, and a source that is a destination is the same
             // memory (in place).
@@ -434,6 +440,13 @@ mod tests {
 
         unsafe fn copy(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
             let span = |a: u64| a..a + bytes as u64;
+            assert!(
+                dst + bytes as u64 <= src || src + bytes as u64 <= dst,
+                "rank {}: a copy over overlapping ranges {:?} and {:?}",
+                self.rank,
+                span(dst),
+                span(src)
+            );
             self.queue(vec![span(dst), span(src)])?;
             // SAFETY: as the trait requires.
             unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, bytes) };
@@ -564,6 +577,30 @@ mod tests {
             )
             .map(drop)
         }
+
+        /// An all-gather in place: this rank's slot of `buf` is what it
+        /// sends (stage 3's gathers from a host shard).
+        fn all_gather_in_place(&mut self, buf: &mut [f32]) -> Result<()> {
+            let len = buf.len() / self.host.world_size();
+            let call = Call {
+                kind: Kind::AllGather,
+                dtype: DType::F32,
+                len,
+            };
+            self.seq += 1;
+            let ptr = buf.as_mut_ptr() as u64;
+            let send = ptr + (self.host.rank() * len * std::mem::size_of::<f32>()) as u64;
+            collective(
+                &self.host,
+                &self.lane,
+                &mut self.previous,
+                ("all_gather", self.seq),
+                &call,
+                (send, ptr),
+                Ok(()),
+            )
+            .map(drop)
+        }
     }
 
     impl Drop for Rank {
@@ -633,7 +670,13 @@ mod tests {
                     &mut gathered,
                     Ok(()),
                 )?;
+                // In place: each rank's slot holds what it sends, the
+                // others stale values the gather overwrites.
+                let mut in_place = vec![f32::NAN; n * len];
+                in_place[r * len..(r + 1) * len].copy_from_slice(&values(r, len, 9));
+                rank.all_gather_in_place(&mut in_place)?;
                 out.push(gathered);
+                out.push(in_place);
                 let mut cast = values(r, len, 10);
                 rank.in_place("broadcast", Kind::Broadcast { root: n - 1 }, &mut cast)?;
                 out.push(cast);
@@ -655,6 +698,7 @@ mod tests {
                 }
                 let mut gathered = vec![0.0; n * len];
                 c.all_gather(&values(r, len, 9), &mut gathered)?;
+                out.push(gathered.clone());
                 out.push(gathered);
                 let mut cast = values(r, len, 10);
                 c.broadcast(&mut cast, n - 1)?;
