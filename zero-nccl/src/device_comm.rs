@@ -11,6 +11,7 @@ use cudarc::driver::{
     DriverError, ValidAsZeroBits,
 };
 use std::sync::Arc;
+use std::thread::ThreadId;
 use std::time::{Duration, Instant};
 use zero_core::comm::MemoryKind;
 use zero_core::{Communicator, Element, ReduceOp, Result, Work};
@@ -68,6 +69,15 @@ pub trait DeviceComm: Communicator<Memory = Cuda> + Sized {
         recv: &mut (impl DevicePtrMut<T> + ?Sized),
     ) -> Result<CudaEvent>;
 
+    /// All-gathers in place: `buf` is `world_size` equal slots, and this
+    /// rank sends its own, slot `rank` (NCCL's in-place all-gather,
+    /// `sendbuff == recvbuff + rank * sendcount`). For values written into
+    /// that slot first, with no staging buffer to send them from.
+    fn all_gather_in_place_event<T: Element>(
+        &self,
+        buf: &mut (impl DevicePtrMut<T> + ?Sized),
+    ) -> Result<CudaEvent>;
+
     /// Blocks the host until everything queued on the compute stream so far
     /// has run, within the communicator's deadline: a collective stuck on a
     /// dead or frozen peer becomes an error instead of a hang. Call it
@@ -121,6 +131,20 @@ pub trait DeviceComm: Communicator<Memory = Cuda> + Sized {
     }
 }
 
+/// The length of each of `world_size` slots of an in-place all-gather's
+/// buffer of `len` elements (see [`DeviceComm::all_gather_in_place_event`]).
+pub(crate) fn in_place_slot(len: usize, world_size: usize) -> zero_core::Result<usize> {
+    if world_size == 0 || len % world_size != 0 {
+        return Err(zero_core::Error::BufferSize {
+            op: "all_gather (in place)",
+            what: "the buffer (one equal slot per rank)",
+            got: len,
+            expected: len.next_multiple_of(world_size.max(1)),
+        });
+    }
+    Ok(len / world_size)
+}
+
 /// Bytes a rank sends in a ring collective over a buffer of `bytes`: `(N-1)/N`
 /// of it (what `bytes_sent` counts, whatever moves the bytes).
 pub(crate) fn ring_bytes(bytes: usize, world_size: usize) -> u64 {
@@ -128,9 +152,15 @@ pub(crate) fn ring_bytes(bytes: usize, world_size: usize) -> u64 {
 }
 
 /// The [`Work`] of a collective that completes at `done`: waiting makes
-/// `compute` wait on it (a device-side wait; the host does not block).
-pub(crate) fn event_work<'a>(compute: Arc<CudaStream>, done: CudaEvent) -> Work<'a> {
+/// `compute` wait on it (a device-side wait; the host does not block),
+/// from `owner`'s thread only where `compute` is a per-thread stream.
+pub(crate) fn event_work<'a>(
+    compute: Arc<CudaStream>,
+    owner: StreamOwner,
+    done: CudaEvent,
+) -> Work<'a> {
     Work::new(move |block| {
+        owner.check("a collective's Work")?;
         if block {
             compute.wait(&done).map_err(Error::from)?;
             return Ok(true);
@@ -141,6 +171,49 @@ pub(crate) fn event_work<'a>(compute: Arc<CudaStream>, done: CudaEvent) -> Work<
         }
         Ok(complete)
     })
+}
+
+/// The stream handle CUDA reads as "the calling thread's default stream"
+/// (`cudaStreamPerThread`), which Candle's `Device::new_cuda` uses.
+const PER_THREAD_STREAM: usize = 0x2;
+
+/// The thread a compute stream belongs to, where it is CUDA's per-thread
+/// default stream (Candle's `Device::new_cuda`): that handle names another
+/// stream on every thread, so work queued, recorded or waited on from
+/// another thread is not ordered with the owner's (the backward pass, the
+/// layers reading a gathered buffer).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct StreamOwner(Option<ThreadId>);
+
+impl StreamOwner {
+    /// `stream`'s owner: the calling thread for the per-thread default
+    /// stream; none for a stream of its own, which any thread may use.
+    pub fn of(stream: &CudaStream) -> Self {
+        Self(
+            (stream.cu_stream() as usize == PER_THREAD_STREAM).then(|| std::thread::current().id()),
+        )
+    }
+
+    /// Fails unless this is the owner's thread (or there is no owner),
+    /// saying what to do; `what` names the object used.
+    pub fn check(self, what: &str) -> zero_core::Result<()> {
+        let Some(owner) = self.0 else {
+            return Ok(());
+        };
+        let here = std::thread::current().id();
+        if here == owner {
+            return Ok(());
+        }
+        Err(zero_core::Error::State(format!(
+            "{what} was set up on thread {owner:?} and is used from {here:?}; its stream is \
+             CUDA's per-thread default stream (Candle's `Device::new_cuda`), which is another \
+             stream on each thread, so work queued or waited on here would not be ordered \
+             with that thread's (its backward pass, the layers reading its buffers). Run \
+             forward, backward, the step and the optimizer's drop on the thread that built \
+             the optimizer, or build the model on `Device::new_cuda_with_stream` (a stream of \
+             its own, usable from any thread)"
+        )))
+    }
 }
 
 /// How long [`host_wait`] sleeps between polls at most.
@@ -217,5 +290,31 @@ fn poll_until(
         }
         std::thread::sleep(pause);
         pause = (pause * 2).min(max_pause);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::StreamOwner;
+
+    #[test]
+    fn another_thread_than_the_owner_is_refused_with_what_to_do() {
+        let here = StreamOwner(Some(std::thread::current().id()));
+        assert!(StreamOwner(None).check("NcclComm").is_ok());
+        assert!(here.check("NcclComm").is_ok());
+        let err = std::thread::spawn(move || here.check("NcclComm"))
+            .join()
+            .expect("the check does not panic")
+            .expect_err("another thread is refused");
+        let msg = err.to_string();
+        assert!(msg.starts_with("NcclComm was set up on thread"), "{msg}");
+        assert!(msg.contains("per-thread default stream"), "{msg}");
+        assert!(msg.contains("new_cuda_with_stream"), "{msg}");
+        // No owner: any thread.
+        let none = StreamOwner(None);
+        assert!(std::thread::spawn(move || none.check("NcclComm"))
+            .join()
+            .expect("the check does not panic")
+            .is_ok());
     }
 }

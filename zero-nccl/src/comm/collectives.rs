@@ -81,6 +81,7 @@ impl NcclComm {
         bytes: u64,
         call: impl FnOnce(sys::ncclComm_t, sys::cudaStream_t) -> Result<()>,
     ) -> Result<CudaEvent> {
+        self.owner.check("NcclComm")?;
         self.ctx.bind_to_thread()?;
         let ready = self.compute.record_event(None)?;
         self.comm_stream.wait(&ready)?;
@@ -95,7 +96,7 @@ impl NcclComm {
 
     /// The handle of a collective that completes at `done`.
     pub(super) fn work<'a>(&self, done: CudaEvent) -> Work<'a> {
-        event_work(self.compute.clone(), done)
+        event_work(self.compute.clone(), self.owner, done)
     }
 
     pub(super) fn check_root(&self, op: &'static str, root: usize) -> Result<i32> {
@@ -205,6 +206,21 @@ impl NcclComm {
         let (dst, _record_dst) = recv.device_ptr_mut(&self.comm_stream);
         // SAFETY: `send` holds count and `recv` world_size * count elements
         // of `T` (checked above); both are live device buffers.
+        unsafe { self.collective_event::<T>(Collective::AllGather, src, dst, count, bytes) }
+    }
+
+    /// [`DeviceComm::all_gather_in_place_event`](crate::DeviceComm::all_gather_in_place_event).
+    pub(super) fn all_gather_in_place_event_raw<T: Element>(
+        &self,
+        buf: &mut (impl DevicePtrMut<T> + ?Sized),
+    ) -> Result<CudaEvent> {
+        let count = crate::device_comm::in_place_slot(buf.len(), self.world_size)?;
+        let bytes = ring_bytes(buf.num_bytes(), self.world_size);
+        let (dst, _record) = buf.device_ptr_mut(&self.comm_stream);
+        let src = offset_ptr::<T>(dst, self.rank * count);
+        // SAFETY: `buf` is a live device buffer of world_size * count
+        // elements of `T` (checked above), and `src` its slot `rank`: NCCL's
+        // in-place all-gather.
         unsafe { self.collective_event::<T>(Collective::AllGather, src, dst, count, bytes) }
     }
 

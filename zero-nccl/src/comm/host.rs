@@ -79,6 +79,7 @@ impl NcclComm {
 impl NcclComm {
     /// [`DeviceComm::wait_compute`](crate::DeviceComm::wait_compute).
     pub(super) fn wait_compute_raw(&self, op: &'static str) -> Result<()> {
+        self.owner.check("NcclComm")?;
         self.ctx.bind_to_thread()?;
         let done = self.compute.record_event(None)?;
         self.host_wait(op, &done)
@@ -90,6 +91,7 @@ impl NcclComm {
         if values.is_empty() {
             return Ok(());
         }
+        self.owner.check("NcclComm")?;
         self.ctx.bind_to_thread()?;
         let mut buf = self.compute.clone_htod(values)?;
         let done = self.all_reduce_event_raw(&mut buf, op)?;
@@ -108,6 +110,7 @@ impl NcclComm {
         recv: Option<&mut [T]>,
         root: usize,
     ) -> Result<()> {
+        self.owner.check("NcclComm")?;
         self.ctx.bind_to_thread()?;
         self.check_root("gather_varlen", root)?;
         // cudarc cannot allocate zero bytes: stage through one spare element.

@@ -22,6 +22,7 @@ mod handle;
 mod host;
 mod traits;
 
+use crate::device_comm::StreamOwner;
 use crate::launch::LaunchEnv;
 use crate::probe::{cuda_device_count, ensure_library, guarded, Library};
 use crate::rendezvous::Rendezvous;
@@ -44,6 +45,9 @@ pub struct NcclComm {
     comm: Mutex<RawComm>,
     ctx: Arc<CudaContext>,
     compute: Arc<CudaStream>,
+    /// The thread `compute` belongs to, where it is the per-thread default
+    /// stream: collectives are ordered with it from that thread only.
+    owner: StreamOwner,
     comm_stream: Arc<CudaStream>,
     rank: usize,
     world_size: usize,
@@ -187,6 +191,7 @@ impl NcclComm {
         Self {
             comm: Mutex::new(RawComm(comm)),
             ctx,
+            owner: StreamOwner::of(&compute),
             compute,
             comm_stream,
             rank,
@@ -211,6 +216,7 @@ impl NcclComm {
                 ),
             }));
         }
+        self.owner = StreamOwner::of(&stream);
         self.compute = stream;
         Ok(self)
     }

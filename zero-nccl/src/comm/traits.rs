@@ -215,7 +215,7 @@ impl Communicator for NcclComm {
             return Ok(None);
         };
         let comm_stream = self.ctx.new_stream().map_err(Error::from)?;
-        let sub = Self::wrap(
+        let mut sub = Self::wrap(
             new_comm,
             self.ctx.clone(),
             self.compute.clone(),
@@ -224,6 +224,8 @@ impl Communicator for NcclComm {
             ranks.len(),
         )
         .with_timeout(self.timeout);
+        // The same compute stream, the same thread.
+        sub.owner = self.owner;
         Ok(Some(sub))
     }
 }
@@ -268,6 +270,13 @@ impl DeviceComm for NcclComm {
         recv: &mut (impl DevicePtrMut<T> + ?Sized),
     ) -> zero_core::Result<CudaEvent> {
         Ok(self.all_gather_event_raw(send, recv)?)
+    }
+
+    fn all_gather_in_place_event<T: Element>(
+        &self,
+        buf: &mut (impl DevicePtrMut<T> + ?Sized),
+    ) -> zero_core::Result<CudaEvent> {
+        Ok(self.all_gather_in_place_event_raw(buf)?)
     }
 
     fn wait_compute(&self, op: &'static str) -> zero_core::Result<()> {

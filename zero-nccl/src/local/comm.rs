@@ -11,7 +11,9 @@
 use super::collective::{Call, Kind};
 use super::protocol::{self, Lane};
 use crate::device_comm::Cuda;
-use crate::device_comm::{event_work, host_wait, host_wait_handle, ring_bytes, DeviceComm};
+use crate::device_comm::{
+    event_work, host_wait, host_wait_handle, ring_bytes, DeviceComm, StreamOwner,
+};
 use crate::kernels::{FusedKernels, MAX_LOCAL_RANKS};
 use crate::Error;
 use cudarc::driver::sys::{CUevent, CUevent_wait_flags};
@@ -127,10 +129,9 @@ impl CudaThreadGroup {
             let kernels = Arc::new(FusedKernels::new(&ctx)?);
             gpus.insert(ordinal, Gpu { ctx, kernels });
         }
-        for (&a, gpu_a) in &gpus {
-            for (&b, gpu_b) in gpus.iter().filter(|(&b, _)| b != a) {
-                enable_peer_access(a, &gpu_a.ctx, b, &gpu_b.ctx)?;
-            }
+        let ordinals: Vec<usize> = gpus.keys().copied().collect();
+        for (a, b) in peer_pairs(&ordinals) {
+            enable_peer_access(a, &gpus[&a].ctx, b, &gpus[&b].ctx)?;
         }
         Ok(gpus)
     }
@@ -180,7 +181,24 @@ impl CudaThreadGroup {
     }
 }
 
-/// Lets `a_ctx`'s kernels read and write `b_ctx`'s memory.
+/// Every `(a, b)` of distinct GPUs of a group, in order: GPU `a`'s
+/// kernels read and write GPU `b`'s memory (the copies and reductions of a
+/// collective run on each rank's own stream over every peer's buffers), so
+/// each pair is opened both ways.
+fn peer_pairs(ordinals: &[usize]) -> Vec<(usize, usize)> {
+    let mut pairs = Vec::new();
+    for &a in ordinals {
+        for &b in ordinals.iter().filter(|&&b| b != a) {
+            pairs.push((a, b));
+        }
+    }
+    pairs
+}
+
+/// Lets `a_ctx`'s kernels read and write `b_ctx`'s memory: both what
+/// `cuMemAlloc` gives (the context's peer access) and what `cuMemAllocAsync`
+/// gives from GPU `b`'s memory pools, which Candle and cudarc allocate
+/// from, and which peer access between contexts does not open.
 fn enable_peer_access(
     a: usize,
     a_ctx: &Arc<CudaContext>,
@@ -205,9 +223,86 @@ fn enable_peer_access(
     a_ctx.bind_to_thread().map_err(Error::from)?;
     // SAFETY: `a_ctx` is current and `b_ctx` is a live context.
     match unsafe { cuCtxEnablePeerAccess(b_ctx.cu_ctx(), 0) } {
-        CUresult::CUDA_SUCCESS | CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => Ok(()),
-        other => Err(Error::from(other.result().unwrap_err()).into()),
+        CUresult::CUDA_SUCCESS | CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => {}
+        other => return Err(Error::from(cudarc::driver::DriverError(other)).into()),
     }
+    open_pools(a, a_ctx, b, b_ctx).map_err(|e| zero_core::Error::Unsupported {
+        op: "CudaThreadGroup::on_devices",
+        detail: format!(
+            "GPU {a} could not be given access to GPU {b}'s memory pool ({e}), so a \
+             collective reading GPU {b}'s buffers from GPU {a} would fault; check that the \
+             driver supports memory pools (CUDA 11.2 or later) and peer access between \
+             them (`nvidia-smi topo -m`), or launch one process per GPU with NcclComm instead"
+        ),
+    })
+}
+
+/// Opens GPU `b`'s memory pools (its current one, which `cuMemAllocAsync`
+/// allocates from, and its default one, where they differ) to GPU `a`,
+/// for reads and writes. The grant covers the pools' present and future
+/// allocations.
+fn open_pools(
+    a: usize,
+    a_ctx: &Arc<CudaContext>,
+    b: usize,
+    b_ctx: &Arc<CudaContext>,
+) -> std::result::Result<(), cudarc::driver::DriverError> {
+    use cudarc::driver::result::device;
+    use cudarc::driver::sys::{cuMemPoolSetAccess, CUmemAccessDesc, CUmemAccess_flags};
+    if !b_ctx.has_async_alloc() {
+        // cudarc then allocates with `cuMemAlloc`, which peer access opens.
+        return Ok(());
+    }
+    b_ctx.bind_to_thread()?;
+    // SAFETY: the device handle of a live context.
+    let current = unsafe { device::get_mem_pool(b_ctx.cu_device()) }?;
+    // SAFETY: as above.
+    let default = unsafe { device::get_default_mem_pool(b_ctx.cu_device()) }?;
+    let access = CUmemAccessDesc {
+        location: device_location(a_ctx.cu_device()),
+        flags: CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+    };
+    let pools = if current == default {
+        vec![current]
+    } else {
+        vec![current, default]
+    };
+    for pool in pools {
+        // SAFETY: `pool` is a live pool of GPU `b`, whose context is
+        // current; one descriptor, naming GPU `a`, a device other than `b`.
+        unsafe { cuMemPoolSetAccess(pool, &access, 1) }.result()?;
+    }
+    tracing::debug!("CudaThreadGroup: GPU {a} reads and writes GPU {b}'s memory pools");
+    Ok(())
+}
+
+// The location of a device: its type, then its ordinal as a C int. cudarc
+// names the ordinal `id` up to CUDA 13.1 and puts it in a union from 13.2
+// on, which code built against either cannot name, so it is written at its
+// offset; the size check keeps that honest for any bindings.
+const _: () = assert!(
+    std::mem::size_of::<cudarc::driver::sys::CUmemLocation>()
+        == 2 * std::mem::size_of::<std::ffi::c_int>()
+);
+
+/// The `CUmemLocation` of device `device`.
+fn device_location(device: cudarc::driver::sys::CUdevice) -> cudarc::driver::sys::CUmemLocation {
+    use cudarc::driver::sys::{CUmemLocation, CUmemLocationType};
+    // SAFETY: plain C data, of which all zeros is a valid value (an invalid
+    // location, ordinal 0).
+    let mut location: CUmemLocation = unsafe { std::mem::zeroed() };
+    location.type_ = CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+    let at = std::mem::size_of::<CUmemLocationType>();
+    // SAFETY: the ordinal is the C int right after the 4-byte type, inside
+    // the 8-byte value (checked above), and 4-aligned as the value is.
+    unsafe {
+        std::ptr::addr_of_mut!(location)
+            .cast::<u8>()
+            .add(at)
+            .cast::<std::ffi::c_int>()
+            .write(device);
+    }
+    location
 }
 
 /// One rank of a [`CudaThreadGroup`]: a [`Communicator`] over device
@@ -219,6 +314,10 @@ pub struct CudaThreadComm {
     host: ThreadComm,
     gpu: Gpu,
     compute: Arc<CudaStream>,
+    /// The thread `compute` belongs to, where it is the per-thread default
+    /// stream (set with `with_compute_stream`): collectives are ordered
+    /// with it from that thread only.
+    owner: StreamOwner,
     comm_stream: Arc<CudaStream>,
     bytes_sent: AtomicU64,
     seq: AtomicU64,
@@ -269,6 +368,7 @@ impl CudaThreadComm {
         Ok(Self {
             host,
             gpu: gpu.clone(),
+            owner: StreamOwner::of(&compute),
             compute,
             comm_stream,
             bytes_sent: AtomicU64::new(0),
@@ -284,6 +384,11 @@ impl CudaThreadComm {
         &self.comm_stream
     }
 
+    /// The handle of a collective that completes at `done`.
+    fn work<'a>(&self, done: CudaEvent) -> Work<'a> {
+        event_work(self.compute.clone(), self.owner, done)
+    }
+
     /// Runs one collective ([`protocol::collective`]) on this rank's
     /// streams, counting `bytes` as sent; returns the completion event.
     fn collective(
@@ -294,6 +399,7 @@ impl CudaThreadComm {
         check: Result<()>,
         bytes: u64,
     ) -> Result<CudaEvent> {
+        self.owner.check("CudaThreadComm")?;
         let mut previous = self.issuing.lock().unwrap_or_else(PoisonError::into_inner);
         self.gpu.ctx.bind_to_thread().map_err(Error::from)?;
         let seq = self.seq.fetch_add(1, Ordering::Relaxed);
@@ -472,6 +578,7 @@ impl DeviceComm for CudaThreadComm {
                 ),
             });
         }
+        self.owner = StreamOwner::of(&stream);
         self.compute = stream;
         Ok(self)
     }
@@ -523,7 +630,34 @@ impl DeviceComm for CudaThreadComm {
         )
     }
 
+    /// Each rank copies its peers' slots into its own buffer and leaves
+    /// its own slot where it is ([`protocol::collective`] skips a copy
+    /// onto itself).
+    fn all_gather_in_place_event<T: Element>(
+        &self,
+        buf: &mut (impl DevicePtrMut<T> + ?Sized),
+    ) -> Result<CudaEvent> {
+        let n = self.host.world_size();
+        // A refused length is posted as a failure, as other refusals are,
+        // so that the peers fail at once instead of waiting.
+        let (len, check) = match crate::device_comm::in_place_slot(buf.len(), n) {
+            Ok(len) => (len, Ok(())),
+            Err(e) => (buf.len() / n, Err(e)),
+        };
+        let bytes = ring_bytes(buf.num_bytes(), n);
+        let (dst, _record) = buf.device_ptr_mut(&self.comm_stream);
+        let src = dst + (self.host.rank() * len * std::mem::size_of::<T>()) as u64;
+        self.collective(
+            "all_gather",
+            Self::call::<T>(Kind::AllGather, len),
+            (src, dst),
+            check,
+            bytes,
+        )
+    }
+
     fn wait_compute(&self, op: &'static str) -> Result<()> {
+        self.owner.check("CudaThreadComm")?;
         self.gpu.ctx.bind_to_thread().map_err(Error::from)?;
         let done = self.compute.record_event(None).map_err(Error::from)?;
         Ok(host_wait(
@@ -595,7 +729,7 @@ impl Communicator for CudaThreadComm {
         let check = self.check_root("reduce", root);
         let bytes = ring_bytes(buf.num_bytes(), self.host.world_size());
         let done = self.in_place("reduce", Kind::Reduce { op, root }, buf, check, bytes)?;
-        event_work(self.compute.clone(), done).wait()
+        self.work(done).wait()
     }
 
     fn gather_varlen<T: Element>(
@@ -606,7 +740,7 @@ impl Communicator for CudaThreadComm {
         root: usize,
     ) -> Result<()> {
         let done = self.varlen("gather_varlen", send, counts, recv, Some(root))?;
-        event_work(self.compute.clone(), done).wait()
+        self.work(done).wait()
     }
 
     fn all_gather_varlen<T: Element>(
@@ -616,7 +750,7 @@ impl Communicator for CudaThreadComm {
         recv: &mut Buf<Self, T>,
     ) -> Result<()> {
         let done = self.varlen("all_gather_varlen", send, counts, Some(recv), None)?;
-        event_work(self.compute.clone(), done).wait()
+        self.work(done).wait()
     }
 
     fn all_gather_bytes(&self, send: &[u8]) -> Result<Vec<Vec<u8>>> {
@@ -629,7 +763,7 @@ impl Communicator for CudaThreadComm {
         op: ReduceOp,
     ) -> Result<Work<'a>> {
         let done = self.all_reduce_event(buf, op)?;
-        Ok(event_work(self.compute.clone(), done))
+        Ok(self.work(done))
     }
 
     fn reduce_scatter_async<'a, T: Element>(
@@ -639,7 +773,7 @@ impl Communicator for CudaThreadComm {
         op: ReduceOp,
     ) -> Result<Work<'a>> {
         let done = self.reduce_scatter_event(send, recv, op)?;
-        Ok(event_work(self.compute.clone(), done))
+        Ok(self.work(done))
     }
 
     fn all_gather_async<'a, T: Element>(
@@ -648,7 +782,7 @@ impl Communicator for CudaThreadComm {
         recv: &'a mut Buf<Self, T>,
     ) -> Result<Work<'a>> {
         let done = self.all_gather_event(send, recv)?;
-        Ok(event_work(self.compute.clone(), done))
+        Ok(self.work(done))
     }
 
     fn broadcast_async<'a, T: Element>(
@@ -659,7 +793,7 @@ impl Communicator for CudaThreadComm {
         let check = self.check_root("broadcast", root);
         let bytes = ring_bytes(buf.num_bytes(), self.host.world_size());
         let done = self.in_place("broadcast", Kind::Broadcast { root }, buf, check, bytes)?;
-        Ok(event_work(self.compute.clone(), done))
+        Ok(self.work(done))
     }
 
     fn split(&self, ranks: &[usize]) -> Result<Option<Self>> {
@@ -668,6 +802,39 @@ impl Communicator for CudaThreadComm {
         };
         let mut sub = Self::new(host, &self.gpu, self.retired.clone(), self.timeout)?;
         sub.compute = self.compute.clone();
+        sub.owner = self.owner;
         Ok(Some(sub))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{device_location, peer_pairs};
+    use cudarc::driver::sys::CUmemLocationType;
+
+    #[test]
+    fn every_gpu_is_opened_to_every_other_both_ways_and_never_to_itself() {
+        assert!(peer_pairs(&[0]).is_empty());
+        assert_eq!(peer_pairs(&[0, 1]), vec![(0, 1), (1, 0)]);
+        let pairs = peer_pairs(&[0, 2, 3]);
+        assert_eq!(
+            pairs,
+            vec![(0, 2), (0, 3), (2, 0), (2, 3), (3, 0), (3, 2)],
+            "each ordered pair of distinct GPUs once, in order"
+        );
+    }
+
+    #[test]
+    fn a_device_location_holds_the_type_then_the_ordinal() {
+        let location = device_location(3);
+        // SAFETY: two C ints (the size is checked at compile time).
+        let words: [std::ffi::c_int; 2] = unsafe { std::mem::transmute(location) };
+        assert_eq!(
+            words,
+            [
+                CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE as std::ffi::c_int,
+                3
+            ]
+        );
     }
 }

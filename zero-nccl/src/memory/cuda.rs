@@ -6,6 +6,7 @@ use super::gathers::DeviceGathers;
 use super::optimizer::DeviceOptimizer;
 use super::segments::{plan_segments, PieceSlot};
 use super::view::{DeviceView, DeviceViewMut, ViewElement};
+use crate::device_comm::StreamOwner;
 use crate::kernels::Half;
 use crate::kernels::{FusedKernels, NormAccumulator, NormKind};
 use crate::{DeviceComm, NcclComm};
@@ -16,7 +17,6 @@ use half::{bf16, f16};
 use std::collections::BTreeMap;
 use std::ops::Range;
 use std::sync::Arc;
-use std::thread::ThreadId;
 use std::time::Duration;
 use zero_core::engine::{
     Deferral, EngineConfig, GradPiece, NormType, PackedGathers, ParamCopy, ShardMemory, ShardStep,
@@ -104,10 +104,6 @@ fn cuda(e: DriverError) -> Error {
 fn nccl(e: crate::Error) -> Error {
     Error::from(e)
 }
-
-/// The stream handle CUDA reads as "the calling thread's default stream"
-/// (`cudaStreamPerThread`), which Candle's `Device::new_cuda` uses.
-const PER_THREAD_STREAM: usize = 0x2;
 
 /// Copies `len` elements from `src[src_at..]` to `dst[dst_at..]` on `stream`
 /// (asynchronously, device to device).
@@ -259,26 +255,6 @@ fn gather_widen<H: Half + zero_core::Element>(
         .map_err(nccl)
 }
 
-/// Fails unless this is the `owner` thread (when there is one): work queued
-/// on the per-thread default stream from another thread would not be
-/// ordered after the backward pass that thread never saw.
-fn check_owner(owner: Option<ThreadId>) -> Result<()> {
-    let Some(owner) = owner else {
-        return Ok(());
-    };
-    let here = std::thread::current().id();
-    if here == owner {
-        return Ok(());
-    }
-    Err(Error::State(format!(
-        "the CUDA engine was built on thread {owner:?} and is used from {here:?}; its stream is \
-         CUDA's per-thread default stream (Candle's `Device::new_cuda`), so work queued here \
-         would not be ordered after the backward pass. Run forward, backward and the step on \
-         the thread that built the optimizer, or build the model on \
-         `Device::new_cuda_with_stream` (a stream of its own, usable from any thread)"
-    )))
-}
-
 /// The engine's buffers on one GPU: fused kernels, the norm accumulator,
 /// and the optimizer's device state.
 pub struct CudaMemory {
@@ -292,7 +268,7 @@ pub struct CudaMemory {
     piece_steps: BTreeMap<(String, usize), u64>,
     /// The thread that built it, when the stream is the per-thread default
     /// stream (work queued from another thread would not be ordered).
-    owner: Option<ThreadId>,
+    owner: StreamOwner,
     /// While the engine defers completion (a backward pass whose buckets
     /// are reduced as they fill): the reductions' completion events, which
     /// the compute stream waits on only when the engine settles, so that
@@ -337,8 +313,7 @@ impl CudaMemory {
         DeviceOptimizer::check_kind(optimizer)?;
         let kernels = FusedKernels::new(comm.context()).map_err(nccl)?;
         let stream = comm.compute_stream().clone();
-        let owner =
-            (stream.cu_stream() as usize == PER_THREAD_STREAM).then(|| std::thread::current().id());
+        let owner = StreamOwner::of(&stream);
         Ok(Self {
             norm: NormAccumulator::new(&stream).map_err(nccl)?,
             kernels,
@@ -414,7 +389,7 @@ impl CudaMemory {
 
     /// The stream to queue work on, after checking that this thread may.
     fn stream(&self) -> Result<Arc<CudaStream>> {
-        check_owner(self.owner)?;
+        self.owner.check("the CUDA engine (CudaMemory)")?;
         Ok(self.stream.clone())
     }
 
@@ -465,7 +440,9 @@ impl<C: DeviceComm> ShardMemory<f32, C> for CudaMemory {
                     .into(),
             ));
         }
-        Ok(DeviceGathers::new(comm).tracking(self.transfers.pending()))
+        Ok(DeviceGathers::new(comm)
+            .tracking(self.transfers.pending())
+            .owned_by(self.owner))
     }
 
     fn deferral(&mut self) -> Option<&mut dyn Deferral<C>> {
@@ -938,23 +915,4 @@ fn check_param_len(
             expected: len,
         })
     })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::check_owner;
-
-    #[test]
-    fn another_thread_than_the_owner_is_refused_with_what_to_do() {
-        let here = std::thread::current().id();
-        assert!(check_owner(None).is_ok());
-        assert!(check_owner(Some(here)).is_ok());
-        let err = std::thread::spawn(move || check_owner(Some(here)))
-            .join()
-            .expect("the check does not panic")
-            .expect_err("another thread is refused");
-        let msg = err.to_string();
-        assert!(msg.contains("per-thread default stream"), "{msg}");
-        assert!(msg.contains("new_cuda_with_stream"), "{msg}");
-    }
 }

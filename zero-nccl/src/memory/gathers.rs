@@ -11,6 +11,7 @@
 //! the next layers run beside the current one's compute.
 
 use super::pinned::{track, Pending};
+use crate::device_comm::{host_wait, StreamOwner};
 use crate::DeviceComm;
 use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DriverError};
 use std::ops::Range;
@@ -29,15 +30,33 @@ pub struct DeviceGathers<C> {
     /// Where the copies out of an offloaded (page-locked) shard are
     /// tracked, so that unlocking its pages waits for them.
     host_reads: Option<Pending>,
+    /// The thread the compute stream belongs to, where it is the
+    /// per-thread default stream.
+    owner: StreamOwner,
 }
 
 impl<C: DeviceComm> DeviceGathers<C> {
     /// Gathers over `comm`, ordered with its compute stream.
     pub fn new(comm: C) -> Self {
+        let owner = StreamOwner::of(comm.compute_stream());
         Self {
             comm,
             host_reads: None,
+            owner,
         }
+    }
+
+    /// These gathers, used from `owner`'s thread only (the engine's, when
+    /// its stream is the per-thread default stream).
+    pub(super) fn owned_by(mut self, owner: StreamOwner) -> Self {
+        self.owner = owner;
+        self
+    }
+
+    /// The compute stream, after checking that this thread may use it.
+    fn stream(&self) -> Result<&Arc<CudaStream>> {
+        self.owner.check("stage 3's gathers (DeviceGathers)")?;
+        Ok(self.comm.compute_stream())
     }
 
     /// These gathers, tracking their copies out of a host shard in
@@ -55,9 +74,6 @@ pub struct DeviceGather {
     /// is freed.
     done: GatherDone,
     values: CudaSlice<f32>,
-    /// The chunks of an offloaded shard brought up for the gather under
-    /// way, freed once the compute stream waits on it.
-    staged: Vec<CudaSlice<f32>>,
 }
 
 /// A queued gather's completion event, and the compute stream, which
@@ -67,22 +83,35 @@ pub struct DeviceGather {
 struct GatherDone {
     event: Option<CudaEvent>,
     stream: Arc<CudaStream>,
-}
-
-impl GatherDone {
-    /// Orders the compute stream's later work after the gather, if one is
-    /// queued.
-    fn wait(&mut self) -> std::result::Result<(), DriverError> {
-        match self.event.take() {
-            Some(done) => self.stream.wait(&done),
-            None => Ok(()),
-        }
-    }
+    /// The thread `stream` belongs to, where it is the per-thread default
+    /// stream.
+    owner: StreamOwner,
 }
 
 impl Drop for GatherDone {
     fn drop(&mut self) {
-        let _ = self.wait();
+        let Some(done) = self.event.take() else {
+            return;
+        };
+        if let Err(e) = self.owner.check("a stage-3 gather buffer (DeviceGather)") {
+            // Here the stream's handle names this thread's stream, and a
+            // wait on it would order nothing: the host waits instead, so
+            // that the gather has run before the memory can be freed.
+            tracing::warn!("dropping a queued gather: {e}");
+            let waited = host_wait(
+                "stage 3: a gather buffer dropped on another thread",
+                0,
+                &done,
+                zero_core::comm::DEFAULT_TIMEOUT,
+            );
+            if let Err(e) = waited {
+                tracing::warn!("a dropped gather buffer's gather did not finish: {e}");
+            }
+            return;
+        }
+        if let Err(e) = self.stream.wait(&done) {
+            tracing::warn!("dropping a queued gather: the compute stream cannot wait on it: {e}");
+        }
     }
 }
 
@@ -90,14 +119,21 @@ impl DeviceGather {
     /// A buffer over `values`, with nothing queued into it, whose memory
     /// `stream` (the compute stream) frees: a buffer lent on as a tensor
     /// storage, given back.
+    /// Use it from the calling thread only where `stream` is the
+    /// per-thread default stream.
     pub fn new(values: CudaSlice<f32>, stream: Arc<CudaStream>) -> Self {
+        let owner = StreamOwner::of(&stream);
+        Self::owned_by(values, stream, owner)
+    }
+
+    fn owned_by(values: CudaSlice<f32>, stream: Arc<CudaStream>, owner: StreamOwner) -> Self {
         Self {
             done: GatherDone {
                 event: None,
                 stream,
+                owner,
             },
             values,
-            staged: Vec::new(),
         }
     }
 
@@ -113,10 +149,9 @@ impl DeviceGather {
     /// back). The fetcher hands out buffers whose gather the compute
     /// stream already waits on.
     pub fn into_values(self) -> CudaSlice<f32> {
-        let Self {
-            mut done, values, ..
-        } = self;
-        let _ = done.wait();
+        let Self { done, values } = self;
+        // Makes the compute stream wait for a gather still queued.
+        drop(done);
         values
     }
 }
@@ -169,12 +204,12 @@ impl<C: DeviceComm> GatherMemory<f32> for DeviceGathers<C> {
                 // Freed (in compute-stream order, after the layers that
                 // read it) before the larger one is made.
                 drop(reuse);
-                let stream = self.comm.compute_stream().clone();
+                let stream = self.stream()?.clone();
                 // SAFETY: uninitialized device memory (no zero-filling
                 // pass): every gather writes the unit's elements before
                 // anything reads them, and nothing reads past a unit.
                 let values = unsafe { stream.alloc::<f32>(len.max(1)) }.map_err(cuda)?;
-                Ok(DeviceGather::new(values, stream))
+                Ok(DeviceGather::owned_by(values, stream, self.owner))
             }
         }
     }
@@ -185,6 +220,7 @@ impl<C: DeviceComm> GatherMemory<f32> for DeviceGathers<C> {
         buckets: &[UnitBucket],
         buffer: &mut DeviceGather,
     ) -> Result<()> {
+        self.stream()?;
         for bucket in buckets {
             let (send, at) = in_bounds(bucket, shard.len(), buffer)?;
             let send = shard.slice(send.clone());
@@ -195,46 +231,53 @@ impl<C: DeviceComm> GatherMemory<f32> for DeviceGathers<C> {
         Ok(())
     }
 
-    /// Each chunk is copied up on the compute stream (after the host step
-    /// that wrote it), then gathered from there.
+    /// Each chunk is copied on the compute stream (after the host step
+    /// that wrote it, and after the layers that last read the buffer)
+    /// straight into this rank's slot of its place in the buffer, and
+    /// gathered there in place: no device memory beyond the buffer.
     fn gather_from_host(
         &self,
         shard: &[f32],
         buckets: &[UnitBucket],
         buffer: &mut DeviceGather,
     ) -> Result<()> {
+        let stream = self.stream()?;
+        let (rank, world_size) = (self.comm.rank(), self.comm.world_size());
         for bucket in buckets {
             let (send, at) = in_bounds(bucket, shard.len(), buffer)?;
-            let staged = self
-                .comm
-                .compute_stream()
-                .clone_htod(&shard[send.clone()])
-                .map_err(cuda)?;
+            if at.len() != world_size * send.len() {
+                return Err(Error::State(format!(
+                    "internal: a stage-3 gather of {} elements per rank into {at:?} is not \
+                     {world_size} ranks' worth",
+                    send.len()
+                )));
+            }
+            if !send.is_empty() {
+                let slot = at.start + rank * send.len();
+                let mut mine = buffer.values.slice_mut(slot..slot + send.len());
+                stream
+                    .memcpy_htod(&shard[send.clone()], &mut mine)
+                    .map_err(cuda)?;
+            }
             let mut recv = buffer.values.slice_mut(at.clone());
-            buffer.done.event = Some(self.comm.all_gather_event(&staged, &mut recv)?);
-            buffer.staged.push(staged);
+            // One stream: the last bucket's completion follows the others'.
+            buffer.done.event = Some(self.comm.all_gather_in_place_event(&mut recv)?);
         }
         // From page-locked memory the copies are asynchronous: its pages
         // stay locked (and the shard allocated) until they are done.
         if let Some(pending) = &self.host_reads {
-            let copied = self
-                .comm
-                .compute_stream()
-                .record_event(None)
-                .map_err(cuda)?;
+            let copied = stream.record_event(None).map_err(cuda)?;
             track(pending, Arc::new(copied));
         }
         Ok(())
     }
 
     fn ready(&self, buffer: &mut DeviceGather) -> Result<()> {
-        let waited = match buffer.done.event.take() {
-            Some(done) => self.comm.compute_stream().wait(&done).map_err(cuda),
+        let stream = self.stream()?;
+        match buffer.done.event.take() {
+            Some(done) => stream.wait(&done).map_err(cuda),
             None => Ok(()),
-        };
-        // Freed in compute-stream order, after the gathers that read them.
-        buffer.staged.clear();
-        waited
+        }
     }
 
     fn read(&self, buffer: &DeviceGather, range: Range<usize>, out: &mut [f32]) -> Result<()> {
@@ -248,10 +291,10 @@ impl<C: DeviceComm> GatherMemory<f32> for DeviceGathers<C> {
         if range.is_empty() {
             return Ok(());
         }
+        let stream = self.stream()?;
         self.comm
             .wait_compute("stage 3: reading gathered parameters")?;
-        self.comm
-            .compute_stream()
+        stream
             .memcpy_dtoh(&buffer.values.slice(range), out)
             .map_err(cuda)
     }
