@@ -2,8 +2,10 @@
 //! host memory trains the weights of stage 2 without offload (f32 within
 //! the rounding of a host step against the device kernel; bf16 with f32
 //! masters), holds less on the device, and its checkpoints resume without
-//! offload and on threads. Needs a CUDA GPU: `#[ignore]`d, run on a GPU
-//! machine with `cargo test -p zero-candle --features nccl -- --ignored`.
+//! offload and on threads; each run builds its device both as the trainer
+//! does (`Device::new_cuda`) and on a stream of its own. Needs a CUDA
+//! GPU: `#[ignore]`d, run on a GPU machine with
+//! `cargo test -p zero-candle --features nccl -- --ignored`.
 #![cfg(feature = "nccl")]
 
 use candle_core::{DType, Device, Module};
@@ -15,7 +17,7 @@ use zero_core::{Communicator, ThreadGroup};
 use zero_nccl::NcclComm;
 
 mod gpu_support;
-use gpu_support::{batch, hooked_mlp, max_diff, mlp, weights};
+use gpu_support::{batch, hooked_mlp, max_diff, mlp, weights, Built, BUILDS};
 
 fn adamw() -> Box<AdamW<f32>> {
     Box::new(AdamW::new(AdamWConfig::default().with_lr(1e-2)).expect("AdamW"))
@@ -39,17 +41,17 @@ fn interleaved(offload: Offload) -> EngineConfig {
 /// offload's times. The model's layers report their gradients during
 /// backward when `config` interleaves (only then does a bucket step before
 /// backward ends); otherwise they come as slots after a plain backward.
-fn train_gpu(
+fn train_gpu_built(
+    built: Built,
     dtype: DType,
     config: EngineConfig,
-    first: usize,
-    steps: usize,
+    (first, steps): (usize, usize),
     load: Option<&Path>,
     save: Option<&Path>,
 ) -> (Vec<(String, Vec<f32>)>, MemoryReport, OffloadTimes) {
     let comm = NcclComm::single(0).unwrap_or_else(|e| panic!("NcclComm::single(0) failed: {e}"));
-    let device = Device::new_cuda(0).expect("a CUDA device 0");
-    let what = format!("{:?} {:?}", config.offload, config.overlap);
+    let device = built.device(0).expect("a CUDA device 0");
+    let what = format!("{built:?} {:?} {:?}", config.offload, config.overlap);
     let hook = (config.overlap == Overlap::Interleaved).then(ZeroHook::<NcclComm, f32>::new);
     let (varmap, model): (_, Box<dyn Module>) = match &hook {
         Some(hook) => {
@@ -80,6 +82,30 @@ fn train_gpu(
     }
     let times = opt.engine().counters().offload;
     (weights(&varmap), opt.memory_report(), times)
+}
+
+/// [`train_gpu_built`] with the device built both ways ([`BUILDS`]): the
+/// weights agree, and the trainer's build's run is returned.
+fn train_gpu(
+    dtype: DType,
+    config: EngineConfig,
+    first: usize,
+    steps: usize,
+    load: Option<&Path>,
+    save: Option<&Path>,
+) -> (Vec<(String, Vec<f32>)>, MemoryReport, OffloadTimes) {
+    let [trainer, own] = BUILDS
+        .map(|built| train_gpu_built(built, dtype, config.clone(), (first, steps), load, save));
+    let tolerance = if dtype == DType::F32 { 1e-5 } else { 1e-2 };
+    let diff = max_diff(&trainer.0, &own.0);
+    assert!(
+        diff <= tolerance,
+        "{dtype:?} {:?} {:?}: a device built as the trainer builds it trains weights {diff} \
+         from one on a stream of its own (a fence only cudarc's event tracking supplies?)",
+        config.offload,
+        config.overlap
+    );
+    trainer
 }
 
 #[test]

@@ -6,7 +6,10 @@
 //! in pieces; the gathers run ahead of their use; a stage-3 checkpoint
 //! saved on the GPU resumes on threads and back; a model built by a
 //! `ShardedVarMap` on the GPU is sharded before its first step, its large
-//! variables never holding their values.
+//! variables never holding their values; an optimizer dropped right after
+//! a forward or a step, and a rank failing mid-forward, leave the GPU
+//! sound. Every run builds its devices both as the trainer does
+//! (`Device::new_cuda`) and on streams of their own.
 //!
 //! The model is `tests/stage3.rs`'s (embedding, residual layers, a norm, a
 //! head tied to the embedding), on the GPU. SGD with momentum keeps stage 2
@@ -26,6 +29,9 @@ use zero_core::engine::{EngineConfig, NormType, Stage};
 use zero_core::optim::{Sgd, SgdConfig};
 use zero_core::{Communicator, ThreadGroup};
 use zero_nccl::{CudaThreadGroup, DeviceComm};
+
+mod gpu_support;
+use gpu_support::{Built, BUILDS};
 
 const VOCAB: usize = 13;
 const HIDDEN: usize = 16;
@@ -157,7 +163,10 @@ where
     Ok(Trained { weights, hits })
 }
 
-fn on_gpu(
+/// Trains on `n` ranks sharing the GPU, each rank's device built as
+/// `built` says (on its own thread).
+fn on_gpu_built(
+    built: Built,
     n: usize,
     dtype: DType,
     config: &EngineConfig,
@@ -166,7 +175,8 @@ fn on_gpu(
 ) -> Vec<Trained> {
     CudaThreadGroup::new(n)
         .run(|comm| {
-            let device = Device::new_cuda_with_stream(comm.context().ordinal())
+            let device = built
+                .device(comm.context().ordinal())
                 .map_err(zero_candle::Error::from);
             Ok(device
                 .and_then(|device| train_rank(comm, &device, dtype, config, steps, load, save)))
@@ -180,6 +190,29 @@ fn on_gpu(
                 .unwrap_or_else(|e| panic!("rank {rank}: {e}"))
         })
         .collect()
+}
+
+/// [`on_gpu_built`] with the devices built both ways ([`BUILDS`]): the
+/// weights agree, and the trainer's build's run is returned.
+fn on_gpu(
+    n: usize,
+    dtype: DType,
+    config: &EngineConfig,
+    steps: (usize, usize),
+    files: (Option<&Path>, Option<&Path>),
+) -> Vec<Trained> {
+    let [trainer, own] = BUILDS.map(|built| on_gpu_built(built, n, dtype, config, steps, files));
+    let tolerance = if dtype == DType::F32 { 1e-5 } else { 1e-2 };
+    for (rank, (t, o)) in trainer.iter().zip(&own).enumerate() {
+        let diff = max_diff(&t.weights, &o.weights);
+        assert!(
+            diff <= tolerance,
+            "n={n} {dtype:?} rank {rank}: a device built as the trainer builds it trains \
+             weights {diff} from one on a stream of its own (a fence only cudarc's event \
+             tracking supplies?)"
+        );
+    }
+    trainer
 }
 
 fn max_diff(a: &Weights, b: &Weights) -> f32 {
@@ -290,12 +323,13 @@ fn stage_3_checkpoints_cross_between_the_gpu_and_threads() {
 /// `new_sharded`: at stage 3 the large variables are created without
 /// values on the GPU and never hold them; its weights after `steps`.
 fn train_sharded_rank(
+    built: Built,
     comm: zero_nccl::CudaThreadComm,
     config: &EngineConfig,
     steps: usize,
 ) -> zero_candle::Result<Weights> {
     let rank = comm.rank();
-    let device = Device::new_cuda_with_stream(comm.context().ordinal())?;
+    let device = built.device(comm.context().ordinal())?;
     let stage3 = config.stage == Stage::Parameters;
     let map = zero_candle::ShardedVarMap::seeded(11);
     let hook = ZeroHook::<zero_nccl::CudaThreadComm, f32>::new();
@@ -333,10 +367,10 @@ fn train_sharded_rank(
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn stage_3_from_the_start_on_the_gpu_trains_a_whole_built_model_s_weights() {
-    for n in [1, 3] {
+    for (built, n) in BUILDS.into_iter().flat_map(|b| [(b, 1), (b, 3)]) {
         let run = |stage| {
             CudaThreadGroup::new(n)
-                .run(|comm| Ok(train_sharded_rank(comm, &config(stage, 128), 4)))
+                .run(|comm| Ok(train_sharded_rank(built, comm, &config(stage, 128), 4)))
                 .unwrap_or_else(|e| panic!("this test needs a CUDA GPU: {e}"))
                 .into_iter()
                 .map(|r| {
@@ -351,7 +385,7 @@ fn stage_3_from_the_start_on_the_gpu_trains_a_whole_built_model_s_weights() {
             let diff = max_diff(g, w);
             assert!(
                 diff <= 1e-5,
-                "n={n} rank {rank}: stage 3 is {diff} from stage 2"
+                "{built:?} n={n} rank {rank}: stage 3 is {diff} from stage 2"
             );
         }
     }
@@ -379,5 +413,156 @@ fn offloaded_stage_3_trains_stage_3_s_weights() {
                 );
             }
         }
+    }
+}
+
+/// When a stage-3 optimizer is dropped.
+#[derive(Clone, Copy, Debug)]
+enum DroppedAfter {
+    /// A forward pass: the gathers of its layers and the prefetches of the
+    /// next ones still queued.
+    Forward,
+    /// A step: with offload, copies from the page-locked host shard may
+    /// still be queued when its pages are unlocked.
+    Step,
+}
+
+/// An optimizer dropped right after a forward (prefetches in flight) or
+/// right after a step, on and off offload, with the device built both
+/// ways: the device synchronizes without an error (a gather into freed
+/// memory, or a copy from unlocked pages, would fault; run under
+/// `compute-sanitizer` for the reads that do not), and a new optimizer on
+/// the same GPU then trains stage 2's weights.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_stage_3_optimizer_dropped_right_after_a_forward_or_a_step_leaves_the_gpu_sound() {
+    let plain = config(Stage::Parameters, 128);
+    let offloaded = plain
+        .clone()
+        .with_offload(zero_core::engine::Offload::Optimizer, 2);
+    for built in BUILDS {
+        for config in [&plain, &offloaded] {
+            for when in [DroppedAfter::Forward, DroppedAfter::Step] {
+                let what = format!("{built:?} {:?} {when:?}", config.offload);
+                let results = CudaThreadGroup::new(2)
+                    .run(|comm| {
+                        let run = || -> zero_candle::Result<()> {
+                            let rank = comm.rank();
+                            let device = built.device(comm.context().ordinal())?;
+                            let hook = ZeroHook::<zero_nccl::CudaThreadComm, f32>::new();
+                            let net = Net::new(&device, DType::F32, hook.clone())?;
+                            let sgd = Sgd::new(SgdConfig::default().with_lr(0.05))?;
+                            let mut opt = ZeroOptimizer::<_, f32>::new(
+                                &net.varmap,
+                                comm,
+                                config.clone(),
+                                Box::new(sgd),
+                            )?
+                            .with_hook(&hook)?;
+                            let (tokens, targets) = batch(&device, rank, 0)?;
+                            opt.backward_step(&net.loss(&tokens, &targets)?)?;
+                            let (tokens, targets) = batch(&device, rank, 1)?;
+                            let loss = net.loss(&tokens, &targets)?;
+                            if let DroppedAfter::Step = when {
+                                opt.backward_step(&loss)?;
+                            }
+                            drop(opt);
+                            drop(loss);
+                            drop(net);
+                            device.synchronize()?;
+                            Ok(())
+                        };
+                        Ok(run())
+                    })
+                    .unwrap_or_else(|e| panic!("this test needs a CUDA GPU: {e}"));
+                for (rank, r) in results.into_iter().enumerate() {
+                    r.map_err(zero_candle::Error::from)
+                        .and_then(|r| r)
+                        .unwrap_or_else(|e| panic!("{what}: rank {rank}: {e}"));
+                }
+            }
+        }
+        // The GPU still trains.
+        let s2 = on_gpu_built(
+            built,
+            2,
+            DType::F32,
+            &config(Stage::Gradients, 128),
+            (0, 2),
+            (None, None),
+        );
+        let s3 = on_gpu_built(built, 2, DType::F32, &plain, (0, 2), (None, None));
+        for (rank, (w, g)) in s2.iter().zip(&s3).enumerate() {
+            let diff = max_diff(&g.weights, &w.weights);
+            assert!(
+                diff <= 1e-5,
+                "{built:?} rank {rank}: stage 3 is {diff} from stage 2 after the drops"
+            );
+        }
+    }
+}
+
+/// Through the Candle optimizer at stage 3 on ranks sharing the GPU, with
+/// the device built both ways: a rank that fails between two layers of a
+/// forward (its optimizer dropped with gathers queued) fails its peers'
+/// gathers within the deadline, never hangs them, and the GPU then trains
+/// again (no rank freed memory under a peer's copy: run under
+/// `compute-sanitizer` to see that no other CUDA error occurs).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_rank_failing_mid_forward_fails_its_peers_and_leaves_the_gpu_sound() {
+    let deadline = std::time::Duration::from_secs(20);
+    let stage3 = config(Stage::Parameters, 128);
+    for built in BUILDS {
+        let started = std::time::Instant::now();
+        let results = CudaThreadGroup::new(3)
+            .with_timeout(deadline)
+            .run(|comm| {
+                let run = || -> zero_candle::Result<()> {
+                    let rank = comm.rank();
+                    let device = built.device(comm.context().ordinal())?;
+                    let hook = ZeroHook::<zero_nccl::CudaThreadComm, f32>::new();
+                    let net = Net::new(&device, DType::F32, hook.clone())?;
+                    let sgd = Sgd::new(SgdConfig::default().with_lr(0.05))?;
+                    let mut opt = ZeroOptimizer::<_, f32>::new(
+                        &net.varmap,
+                        comm,
+                        stage3.clone(),
+                        Box::new(sgd),
+                    )?
+                    .with_hook(&hook)?;
+                    let (tokens, targets) = batch(&device, rank, 0)?;
+                    opt.backward_step(&net.loss(&tokens, &targets)?)?;
+                    let (tokens, targets) = batch(&device, rank, 1)?;
+                    if rank == 1 {
+                        // The first layer runs, then the rank fails.
+                        let h = net.emb.forward(&tokens)?;
+                        net.layers[0].forward(&h)?;
+                        drop(opt);
+                        panic!("rank 1's layer fails mid-forward");
+                    }
+                    opt.backward_step(&net.loss(&tokens, &targets)?)?;
+                    Ok(())
+                };
+                Ok(run())
+            })
+            .unwrap_or_else(|e| panic!("this test needs a CUDA GPU: {e}"));
+        let waited = started.elapsed();
+        assert!(
+            waited < deadline * 3,
+            "{built:?}: the peers waited {waited:?}"
+        );
+        for (rank, result) in results.into_iter().enumerate() {
+            match (rank, result) {
+                (1, Err(panicked)) => assert!(panicked.to_string().contains("mid-forward")),
+                (_, Ok(Err(_))) => {}
+                (rank, other) => {
+                    panic!("{built:?}: rank {rank}: expected a failure, got {other:?}")
+                }
+            }
+        }
+        // The GPU still trains.
+        let trained = on_gpu_built(built, 2, DType::F32, &stage3, (0, 2), (None, None));
+        assert_eq!(trained.len(), 2, "{built:?}");
     }
 }

@@ -2,7 +2,9 @@
 //! 4 ranks, stages 0 to 2, f32 and bf16 (f32 masters), gradient
 //! accumulation, clipping and every overlap schedule, it trains the weights
 //! of the thread backend on the CPU; checkpoints saved on the GPU at 4 ranks
-//! resume on threads at 2, and back.
+//! resume on threads at 2, and back. Each GPU run builds its devices both
+//! as the trainer does (`Device::new_cuda`) and on streams of their own
+//! (`gpu_support::Built`).
 //!
 //! SGD with momentum keeps the comparison tight: its update is linear in
 //! the gradient, so the CPU's and the GPU's matmul rounding stays at
@@ -21,7 +23,7 @@ use zero_core::{Communicator, ThreadGroup};
 use zero_nccl::{CudaThreadGroup, DeviceComm};
 
 mod gpu_support;
-use gpu_support::{batch, max_diff, mlp, weights};
+use gpu_support::{batch, max_diff, mlp, weights, Built, BUILDS};
 
 type Weights = Vec<(String, Vec<f32>)>;
 
@@ -76,7 +78,10 @@ fn all_ok(results: Vec<zero_core::Result<zero_candle::Result<Weights>>>) -> Vec<
         .collect()
 }
 
-fn on_gpu(
+/// Trains on `n` ranks sharing the GPU, each rank's device built as
+/// `built` says (on its own thread).
+fn on_gpu_built(
+    built: Built,
     n: usize,
     dtype: DType,
     config: &EngineConfig,
@@ -86,7 +91,8 @@ fn on_gpu(
 ) -> Vec<Weights> {
     let results = CudaThreadGroup::new(n)
         .run(|comm| {
-            let device = Device::new_cuda_with_stream(comm.context().ordinal())
+            let device = built
+                .device(comm.context().ordinal())
                 .map_err(zero_candle::Error::from);
             Ok(device.and_then(|device| {
                 train_rank(
@@ -103,6 +109,38 @@ fn on_gpu(
         })
         .unwrap_or_else(|e| panic!("this test needs a CUDA GPU: {e}"));
     all_ok(results)
+}
+
+/// [`on_gpu_built`] both ways ([`BUILDS`]): the weights agree (the same
+/// kernels in the same order, up to cuBLAS choosing another algorithm on
+/// another stream), and the trainer's build's are returned.
+fn on_gpu(
+    n: usize,
+    dtype: DType,
+    config: &EngineConfig,
+    steps: (usize, usize),
+    load: Option<&Path>,
+    save: Option<&Path>,
+) -> Vec<Weights> {
+    let [trainer, own] =
+        BUILDS.map(|built| on_gpu_built(built, n, dtype, config, steps, load, save));
+    let tolerance = if dtype == DType::F32 { 1e-5 } else { 1e-2 };
+    let diff = max_diff_all(&trainer, &own);
+    assert!(
+        diff <= tolerance,
+        "n={n} {dtype:?}: a device built as the trainer builds it trains weights {diff} from \
+         one on a stream of its own (a fence that only cudarc's event tracking supplies?)"
+    );
+    trainer
+}
+
+/// The largest difference between two runs' weights, over every rank.
+fn max_diff_all(a: &[Weights], b: &[Weights]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| max_diff(x, y))
+        .fold(0.0, f32::max)
 }
 
 fn on_threads(
@@ -221,11 +259,14 @@ fn checkpoints_cross_between_four_ranks_on_a_gpu_and_two_threads() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn ranks_sharing_a_gpu_start_from_rank_zeros_random_model() {
-    for dtype in [DType::F32, DType::BF16] {
+    for (built, dtype) in BUILDS
+        .into_iter()
+        .flat_map(|b| [(b, DType::F32), (b, DType::BF16)])
+    {
         let results = CudaThreadGroup::new(4)
             .run(|comm| {
                 let built = (|| -> zero_candle::Result<(Weights, Weights)> {
-                    let device = Device::new_cuda_with_stream(comm.context().ordinal())?;
+                    let device = built.device(comm.context().ordinal())?;
                     // Candle seeds every CUDA device's generator alike.
                     device.set_seed(comm.rank() as u64)?;
                     let varmap = candle_nn::VarMap::new();
@@ -247,10 +288,13 @@ fn ranks_sharing_a_gpu_start_from_rank_zeros_random_model() {
             .collect();
         assert_ne!(
             runs[0].0, runs[1].0,
-            "{dtype:?}: Candle drew one model twice"
+            "{built:?} {dtype:?}: Candle drew one model twice"
         );
         for (rank, (_, after)) in runs.iter().enumerate() {
-            assert_eq!(*after, runs[0].0, "{dtype:?}: rank {rank} starts elsewhere");
+            assert_eq!(
+                *after, runs[0].0,
+                "{built:?} {dtype:?}: rank {rank} starts elsewhere"
+            );
         }
     }
 }

@@ -7,6 +7,34 @@ use candle_nn::{VarBuilder, VarMap};
 use std::sync::Arc;
 use zero_candle::nn::{self, GradHook};
 
+/// How a test builds its Candle device. The trainer builds it with
+/// `Device::new_cuda`: CUDA's per-thread default stream, and no event
+/// tracking by cudarc. `Device::new_cuda_with_stream` gives a stream of its
+/// own, on which cudarc waits and records around every buffer a kernel or
+/// copy touches: a missing fence is hidden there and real in the trainer,
+/// so the GPU tests run both.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Built {
+    /// `Device::new_cuda`, as the trainer builds it.
+    AsTheTrainer,
+    /// `Device::new_cuda_with_stream`.
+    OwnStream,
+}
+
+/// Both ways, the trainer's first.
+pub const BUILDS: [Built; 2] = [Built::AsTheTrainer, Built::OwnStream];
+
+impl Built {
+    /// GPU `ordinal`, built this way (on the calling thread: with the
+    /// per-thread stream, the thread that uses it).
+    pub fn device(self, ordinal: usize) -> candle_core::Result<Device> {
+        match self {
+            Built::AsTheTrainer => Device::new_cuda(ordinal),
+            Built::OwnStream => Device::new_cuda_with_stream(ordinal),
+        }
+    }
+}
+
 pub const IN: usize = 32;
 pub const HIDDEN: usize = 64;
 pub const OUT: usize = 8;
