@@ -3,8 +3,9 @@
 //! bias) of causal attention (packed, and split with grouped K/V heads;
 //! bf16 and f16 on tensor cores from sm_80), LayerNorm/RMSNorm (also after
 //! a residual add), GELU (both forms), SiLU, SwiGLU, rotary embeddings and
-//! cross-entropy, and `Linear` through cuBLASLt (`set_linear_cublaslt`), in
-//! f32, bf16 and f16, at shapes that are not multiples of the kernels'
+//! cross-entropy, and `Linear` (alone, and with its activation in one op,
+//! `forward_activated`) through Candle's GEMM and through cuBLASLt
+//! (`set_linear_cublaslt`, tanh-GELU in its epilogue), in f32, bf16 and f16, at shapes that are not multiples of the kernels'
 //! tiles (T = 1, 7, 65, 200; head_dim 32, 48, 64, 128; a single row).
 //!
 //! Both devices get the same input values (rounded to the dtype once, on the
@@ -18,7 +19,7 @@ use zero_candle::nn::ops::{
     causal_attention, causal_self_attention, cross_entropy, cross_entropy_with_ignore, gelu,
     gelu_erf, rotary_embedding, silu, swiglu,
 };
-use zero_candle::nn::{set_linear_cublaslt, LayerNorm, Linear, RmsNorm};
+use zero_candle::nn::{set_linear_cublaslt, Activation, LayerNorm, Linear, RmsNorm};
 
 const DTYPES: [DType; 3] = [DType::F32, DType::BF16, DType::F16];
 
@@ -350,6 +351,52 @@ fn linear_through_cublaslt_matches_the_cpu() -> Result<()> {
                 &upstream,
                 &|t| Linear::new(t[1].clone(), None, None).forward(&t[0].narrow(0, 1, rows)?),
             )?;
+        }
+    }
+    set_linear_cublaslt(false);
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn linear_with_its_activation_matches_the_cpu() -> Result<()> {
+    // (rows, in, out): 8 and 3072 outputs take the tanh-GELU in cuBLASLt's
+    // epilogue (its aux matrix wants a multiple of 8), 33 keeps it out of
+    // the GEMM. The input starts one row into its buffer.
+    let shapes = [(1, 1, 8), (7, 65, 33), (64, 768, 3072)];
+    let activations = [Activation::Gelu, Activation::GeluErf, Activation::Silu];
+    // Process-wide, as `linear_through_cublaslt_matches_the_cpu` sets it:
+    // either path must match the CPU.
+    for cublaslt in [false, true] {
+        set_linear_cublaslt(cublaslt);
+        for dtype in DTYPES {
+            for (seed, &(rows, in_dim, out_dim)) in shapes.iter().enumerate() {
+                let seed = seed as u64;
+                let x = values(&[rows + 1, in_dim], 40 + seed, 1.0, dtype)?;
+                let w = values(&[out_dim, in_dim], 50 + seed, 1.0, dtype)?;
+                let b = values(&[out_dim], 60 + seed, 1.0, dtype)?;
+                let upstream = values(&[rows, out_dim], 70 + seed, 1.0, dtype)?;
+                for activation in activations {
+                    let what = format!(
+                        "Linear {rows}x{in_dim}->{out_dim} then {activation:?} {dtype:?} \
+                         (cuBLASLt {cublaslt})"
+                    );
+                    compare(&what, dtype, &[&x, &w, &b], &upstream, &|t| {
+                        Linear::new(t[1].clone(), Some(t[2].clone()), None)
+                            .forward_activated(&t[0].narrow(0, 1, rows)?, activation)
+                    })?;
+                    compare(
+                        &format!("{what} without bias"),
+                        dtype,
+                        &[&x, &w],
+                        &upstream,
+                        &|t| {
+                            Linear::new(t[1].clone(), None, None)
+                                .forward_activated(&t[0].narrow(0, 1, rows)?, activation)
+                        },
+                    )?;
+                }
+            }
         }
     }
     set_linear_cublaslt(false);

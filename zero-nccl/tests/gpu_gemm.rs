@@ -1,8 +1,10 @@
-//! A Linear layer's GEMM through cuBLASLt (`kernels::gemm`), its bias in
-//! the epilogue, against the host model of the same plan
-//! (`LinearGemm::reference`, f64): f32, bf16 and f16, with and without a
-//! bias, shapes off every tile size, and operands that start off cuBLASLt's
-//! 256-byte alignment (an offset view). Each case must find an algorithm.
+//! A Linear layer's GEMM through cuBLASLt (`kernels::gemm`), its bias (and
+//! a tanh-GELU with its pre-activation in the aux matrix,
+//! `GELU_AUX_BIAS`) in the epilogue, against the host model of the same
+//! plan (`LinearGemm::reference`, f64): f32, bf16 and f16, with and without
+//! a bias, shapes off every tile size, and operands that start off
+//! cuBLASLt's 256-byte alignment (an offset view). Each case must find an
+//! algorithm.
 //!
 //! Needs a GPU: `#[ignore]`d; `cargo test -p zero-nccl --features nccl
 //! --test gpu_gemm -- --ignored` on a GPU machine.
@@ -14,6 +16,15 @@ use common::values;
 use half::{bf16, f16};
 use zero_nccl::cudarc::driver::CudaSlice;
 use zero_nccl::kernels::gemm::{Gemm, GemmCompute, GemmElement, LinearGemm};
+
+/// The epilogue a case runs.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Epilogue {
+    /// The bias alone.
+    Plain,
+    /// The tanh-GELU after the bias, the pre-activation in the aux matrix.
+    GeluAux,
+}
 
 /// An element type with its conversions and its tolerance (relative to the
 /// output's largest magnitude).
@@ -55,10 +66,19 @@ impl Element for f16 {
 
 /// Runs the plan of `rows x in -> out` on the device, each operand starting
 /// `offset` elements into its buffer, and compares it with the reference.
-fn check<E: Element>(gemm: &Gemm, (rows, in_dim, out_dim): (usize, usize, usize), bias: bool) {
+fn check<E: Element>(
+    gemm: &Gemm,
+    (rows, in_dim, out_dim): (usize, usize, usize),
+    bias: bool,
+    epilogue: Epilogue,
+) {
     let offset = 1;
     let stream = gemm.stream().clone();
     let plan = LinearGemm::new(rows, in_dim, out_dim).expect("a plan");
+    let plan = match epilogue {
+        Epilogue::Plain => plan,
+        Epilogue::GeluAux => plan.with_gelu_aux().expect("an aux matrix cuBLASLt takes"),
+    };
     let host = |seed: u64, n: usize| -> Vec<E> {
         values(seed, n + offset)
             .into_iter()
@@ -72,11 +92,15 @@ fn check<E: Element>(gemm: &Gemm, (rows, in_dim, out_dim): (usize, usize, usize)
     );
     let upload = |v: &[E]| -> CudaSlice<E> { stream.clone_htod(v).expect("an upload") };
     let (dx, dw, db) = (upload(&x), upload(&w), upload(&b));
-    let mut dy = stream
-        .alloc_zeros::<E>(rows * out_dim + offset)
-        .expect("an output");
+    let alloc = || {
+        stream
+            .alloc_zeros::<E>(rows * out_dim + offset)
+            .expect("an output")
+    };
+    let (mut dy, mut dpre) = (alloc(), alloc());
     let done = {
         let bias_view = db.slice(offset..);
+        let mut pre_view = dpre.slice_mut(offset..);
         gemm.linear(
             &plan,
             GemmCompute::F32,
@@ -84,20 +108,32 @@ fn check<E: Element>(gemm: &Gemm, (rows, in_dim, out_dim): (usize, usize, usize)
             &dw.slice(offset..),
             bias.then_some(&bias_view),
             &mut dy.slice_mut(offset..),
+            (epilogue == Epilogue::GeluAux).then_some(&mut pre_view),
         )
         .expect("cuBLASLt's GEMM")
     };
-    assert!(done, "no cuBLASLt algorithm for {rows}x{in_dim}->{out_dim}");
+    let case = format!("{rows}x{in_dim}->{out_dim} (bias {bias}, {epilogue:?})");
+    assert!(done, "no cuBLASLt algorithm for {case}");
     let y: Vec<E> = stream.clone_dtoh(&dy).expect("a download");
+    let pre: Vec<E> = stream.clone_dtoh(&dpre).expect("a download");
     let wide = |v: &[E]| -> Vec<f64> { v[offset..].iter().map(|e| e.to_f64()).collect() };
     let b_wide = wide(&b);
     let want = plan.reference(&wide(&w), &wide(&x), bias.then_some(&b_wide[..]));
-    let scale = want.iter().fold(1e-6f64, |m, v| m.max(v.abs()));
-    for (i, (got, want)) in wide(&y).iter().zip(&want).enumerate() {
-        assert!(
-            (got - want).abs() <= E::TOLERANCE * scale,
-            "{rows}x{in_dim}->{out_dim} (bias {bias}) [{i}]: got {got}, want {want}"
-        );
+    // Tolerances scale with the pre-activation (GELU's slope is at most
+    // about 1.13, so D's errors are of the same size).
+    let pre_want = want.aux.as_ref().unwrap_or(&want.d);
+    let scale = pre_want.iter().fold(1e-6f64, |m, v| m.max(v.abs()));
+    let compare = |what: &str, got: &[f64], want: &[f64]| {
+        for (i, (got, want)) in got.iter().zip(want).enumerate() {
+            assert!(
+                (got - want).abs() <= E::TOLERANCE * scale,
+                "{case} {what} [{i}]: got {got}, want {want}"
+            );
+        }
+    };
+    compare("D", &wide(&y), &want.d);
+    if let Some(aux) = &want.aux {
+        compare("aux (the pre-activation)", &wide(&pre), aux);
     }
 }
 
@@ -108,9 +144,24 @@ fn linear_gemm_with_its_bias_in_the_epilogue_matches_the_reference() {
     let gemm = Gemm::new(ctx.default_stream()).unwrap_or_else(|e| panic!("cuBLASLt: {e}"));
     for shape in [(1, 1, 1), (7, 65, 33), (64, 768, 3072), (256, 3072, 768)] {
         for bias in [true, false] {
-            check::<f32>(&gemm, shape, bias);
-            check::<bf16>(&gemm, shape, bias);
-            check::<f16>(&gemm, shape, bias);
+            check::<f32>(&gemm, shape, bias, Epilogue::Plain);
+            check::<bf16>(&gemm, shape, bias, Epilogue::Plain);
+            check::<f16>(&gemm, shape, bias, Epilogue::Plain);
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn linear_gemm_with_gelu_aux_in_the_epilogue_matches_the_reference() {
+    let ctx = common::cuda_context();
+    let gemm = Gemm::new(ctx.default_stream()).unwrap_or_else(|e| panic!("cuBLASLt: {e}"));
+    // Output widths a multiple of 8, as the aux matrix needs.
+    for shape in [(1, 1, 8), (7, 65, 40), (64, 768, 3072), (256, 3072, 768)] {
+        for bias in [true, false] {
+            check::<f32>(&gemm, shape, bias, Epilogue::GeluAux);
+            check::<bf16>(&gemm, shape, bias, Epilogue::GeluAux);
+            check::<f16>(&gemm, shape, bias, Epilogue::GeluAux);
         }
     }
 }

@@ -6,7 +6,7 @@ use super::grad_hook::{
     announce, announce_gather, assemble, before_read, for_each_stretch, gather, gemm_operand,
     route, route_blocks, row_parts, GatheredParam, GradHook, RowPart,
 };
-use super::ops::cuda;
+use super::ops::{activation_input_grad, cuda, Activation};
 use super::storage::{on_device, owned_storage, tensor_from, OnDevice};
 use super::{bf16_matmul, cpu};
 use candle_core::backend::BackendStorage;
@@ -28,6 +28,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 /// out as `[out, in]`, no zero-filled accumulator) and hands both to the
 /// hook, then computes `∂x = g·W`. Inputs of any rank `[.., in]` are
 /// flattened to `[rows, in]` (a copy only when `x` is not contiguous).
+/// [`Linear::forward_activated`] applies an activation in the same op.
 #[derive(Clone)]
 pub struct Linear {
     weight: Tensor,
@@ -58,6 +59,34 @@ impl Linear {
     /// The hook the layer's parameter gradients go to.
     pub fn hook(&self) -> Option<&Arc<dyn GradHook>> {
         self.hook.as_ref()
+    }
+
+    /// `act(x·Wᵀ + b)` as one op, the values and gradients of
+    /// `ops::gelu(&layer.forward(x)?)` (and of `gelu_erf`, `silu`) without
+    /// the pass between them: on the CPU the bias and the activation are
+    /// one pass over the product; on CUDA with [`set_linear_cublaslt`] on,
+    /// tanh-GELU runs in cuBLASLt's epilogue (`GELU_AUX_BIAS`). The op keeps
+    /// the pre-activation `x·Wᵀ + b` for its backward (as the unfused pair
+    /// keeps it as the activation's input), which computes
+    /// `∂pre = g ⊙ act'(pre)` in one pass, then the layer's own backward on
+    /// `∂pre`: the hook gets `∂W` and `∂b` as from [`Linear::forward`].
+    ///
+    /// ```
+    /// # fn main() -> candle_core::Result<()> {
+    /// use candle_core::{Device, Module, Tensor};
+    /// use zero_candle::nn::{ops, Activation, Linear};
+    ///
+    /// let w = Tensor::new(&[[1f32, -2.0], [0.5, 1.0]], &Device::Cpu)?;
+    /// let b = Tensor::new(&[0.1f32, -0.3], &Device::Cpu)?;
+    /// let layer = Linear::new(w, Some(b), None);
+    /// let x = Tensor::new(&[[0.3f32, 0.7]], &Device::Cpu)?;
+    /// let fused = layer.forward_activated(&x, Activation::Gelu)?;
+    /// let pair = ops::gelu(&layer.forward(&x)?)?;
+    /// assert_eq!(fused.to_vec2::<f32>()?, pair.to_vec2::<f32>()?);
+    /// # Ok(()) }
+    /// ```
+    pub fn forward_activated(&self, x: &Tensor, activation: Activation) -> Result<Tensor> {
+        self.apply(x, Some(activation))
     }
 }
 
@@ -91,6 +120,13 @@ pub fn linear_cublaslt() -> bool {
 
 impl Module for Linear {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.apply(x, None)
+    }
+}
+
+impl Linear {
+    /// `x·Wᵀ + b`, then `activation` if any, as one op.
+    fn apply(&self, x: &Tensor, activation: Option<Activation>) -> Result<Tensor> {
         let dims = x.dims();
         let Some((&in_dim, leading)) = dims.split_last() else {
             bail!(
@@ -138,6 +174,10 @@ impl Module for Linear {
         let op = FusedLinear {
             hook: self.hook.clone(),
             lent: Mutex::new(Some(lent)),
+            activated: activation.map(|kind| Activated {
+                kind,
+                pre: Mutex::new(None),
+            }),
         };
         let y = match &self.bias {
             Some(bias) => x_rows.apply_op3(&self.weight, bias, op)?,
@@ -195,12 +235,45 @@ pub fn linear_b(
     }
 }
 
-/// The op `(x [rows, in], W [out, in][, b [out]]) -> x·Wᵀ + b`.
+/// The op `(x [rows, in], W [out, in][, b [out]]) -> x·Wᵀ + b`, or its
+/// activation.
 struct FusedLinear {
     hook: Option<Arc<dyn GradHook>>,
     /// The forward's gathered weights (stage 3), taken and dropped by the
     /// forward: the op lives on in the graph until backward, they must not.
     lent: Mutex<Option<Lent>>,
+    /// The activation applied to `x·Wᵀ + b`, if any.
+    activated: Option<Activated>,
+}
+
+/// An activation after the layer, and the pre-activation `x·Wᵀ + b` the
+/// forward keeps for the backward (as long as the graph holds the op, as
+/// the unfused pair's graph holds the activation's input).
+struct Activated {
+    kind: Activation,
+    pre: Mutex<Option<Tensor>>,
+}
+
+impl Activated {
+    fn keep(&self, pre: Tensor) {
+        *self.pre.lock().unwrap_or_else(PoisonError::into_inner) = Some(pre);
+    }
+
+    /// `∂pre = grad ⊙ act'(pre)`, the gradient the layer's backward takes.
+    fn pre_grad(&self, grad: &Tensor) -> Result<Tensor> {
+        let pre = self
+            .pre
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        match pre {
+            Some(pre) => activation_input_grad(self.kind, &pre, grad),
+            None => bail!(
+                "zero-candle Linear: backward ran without its forward's pre-activation \
+                 (internal: the activated forward did not run through this op)"
+            ),
+        }
+    }
 }
 
 /// Gathered values of a layer's sharded parameters, or the output
@@ -462,6 +535,108 @@ fn add_rows<T: WithDType>(out: &mut [T], bias: &[T]) {
     }
 }
 
+impl FusedLinear {
+    /// The CPU epilogue over `out`, the `[rows, out]` product: the bias
+    /// (when it is not in `out` yet), then the activation; with an
+    /// activation, one pass that leaves `out` the pre-activation, kept for
+    /// the backward.
+    fn finish_cpu(
+        &self,
+        mut out: CpuStorage,
+        bias: Option<(&CpuStorage, &Layout)>,
+        shape: Shape,
+    ) -> Result<(CpuStorage, Shape)> {
+        let Some(activated) = &self.activated else {
+            if let Some((b, b_layout)) = bias {
+                add_bias_cpu(&mut out, b, b_layout)?;
+            }
+            return Ok((out, shape));
+        };
+        let (y, pre) = dispatch_float!(out.dtype(), "Linear", |T| {
+            let bias = bias
+                .map(|(b, b_layout)| cpu::slice::<T>(b, b_layout, "the Linear bias"))
+                .transpose()?;
+            let mut pre = T::cpu_storage_data(out)?;
+            let y = activated.kind.add_bias_and_apply(&mut pre, bias);
+            (T::to_cpu_storage_owned(y), T::to_cpu_storage_owned(pre))
+        });
+        activated.keep(tensor_from(Storage::Cpu(pre), shape.clone()));
+        Ok((y, shape))
+    }
+
+    /// The CUDA epilogue over `pre`, a `[rows, out]` result with its bias:
+    /// the activation, if any, `pre` kept for the backward.
+    fn finish_cuda(&self, pre: CudaStorage, shape: Shape) -> Result<(CudaStorage, Shape)> {
+        let Some(activated) = &self.activated else {
+            return Ok((pre, shape));
+        };
+        let y = cuda::activation_forward(activated.kind, (&pre, &Layout::contiguous(&shape)))?;
+        activated.keep(tensor_from(Storage::Cuda(pre), shape.clone()));
+        Ok((y, shape))
+    }
+
+    /// The forward on CUDA. With [`set_linear_cublaslt`] on: one cuBLASLt
+    /// GEMM with the bias (and a tanh-GELU) in its epilogue where cuBLASLt
+    /// takes the operands, then [`FusedLinear::finish_cuda`] for an
+    /// activation the GEMM did not apply. Else Candle's GEMM, then the bias
+    /// and the activation in one kernel (or the bias's broadcast add alone).
+    fn forward_cuda(
+        &self,
+        x: (&CudaStorage, &Layout),
+        w: (&CudaStorage, &Layout),
+        bias: Option<(&CudaStorage, &Layout)>,
+    ) -> Result<(CudaStorage, Shape)> {
+        let shape = computed_shape(x.1, w.1)?;
+        if let Some(b) = bias {
+            check_bias(b.1, w.1.shape().dims2()?.0)?;
+        }
+        let activation = self.activated.as_ref().map(|a| a.kind);
+        let gemm = match linear_cublaslt() {
+            true => cuda::linear_forward(x, w, bias, activation == Some(Activation::Gelu))?,
+            false => None,
+        };
+        match gemm {
+            Some(GemmOutput::Gelu { y, pre }) => {
+                if let Some(activated) = &self.activated {
+                    activated.keep(tensor_from(Storage::Cuda(pre), shape.clone()));
+                }
+                Ok((y, shape))
+            }
+            Some(GemmOutput::Product(pre)) => self.finish_cuda(pre, shape),
+            None => match (&self.activated, bias) {
+                // Candle's GEMM, then the bias and the activation in one
+                // pass over its product.
+                (Some(activated), Some(bias))
+                    if bias.1.is_contiguous() && shape.elem_count() > 0 =>
+                {
+                    let (mut pre, _, _) = matmul_xwt(x.0, x.1, w.0, w.1)?;
+                    let y = cuda::bias_activation_forward(
+                        activated.kind,
+                        &mut pre,
+                        shape.elem_count(),
+                        bias,
+                    )?;
+                    activated.keep(tensor_from(Storage::Cuda(pre), shape.clone()));
+                    Ok((y, shape))
+                }
+                _ => {
+                    let (pre, shape) = forward_generic(x, w, bias)?;
+                    self.finish_cuda(pre, shape)
+                }
+            },
+        }
+    }
+}
+
+/// What a cuBLASLt GEMM of the layer wrote.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) enum GemmOutput {
+    /// `x·Wᵀ + b`.
+    Product(CudaStorage),
+    /// `y = gelu(pre)` (tanh form) and `pre = x·Wᵀ + b`, from the epilogue.
+    Gelu { y: CudaStorage, pre: CudaStorage },
+}
+
 fn add_bias_cpu(out: &mut CpuStorage, bias: &CpuStorage, bias_layout: &Layout) -> Result<()> {
     const WHAT: &str = "the Linear bias";
     match out {
@@ -499,26 +674,16 @@ fn forward_generic<S: BackendStorage>(
     Ok((out, Shape::from((rows, out_dim))))
 }
 
-/// The forward on CUDA: one cuBLASLt GEMM with the bias in its epilogue
-/// where [`set_linear_cublaslt`] is on and cuBLASLt takes the operands,
-/// else [`forward_generic`].
-fn forward_cuda(
-    x: (&CudaStorage, &Layout),
-    w: (&CudaStorage, &Layout),
-    bias: Option<(&CudaStorage, &Layout)>,
-) -> Result<(CudaStorage, Shape)> {
-    if linear_cublaslt() {
-        if let Some(b) = bias {
-            check_bias(b.1, w.1.shape().dims2()?.0)?;
-        }
-        if let Some(y) = cuda::linear_forward(x, w, bias)? {
-            return Ok((y, computed_shape(x.1, w.1)?));
+impl FusedLinear {
+    /// The gradient of `x·Wᵀ + b` given the op's output gradient: itself,
+    /// or through the activation.
+    fn pre_grad(&self, grad: &Tensor) -> Result<Tensor> {
+        match &self.activated {
+            None => Ok(grad.clone()),
+            Some(activated) => activated.pre_grad(grad),
         }
     }
-    forward_generic(x, w, bias)
-}
 
-impl FusedLinear {
     fn backward(
         &self,
         x: &Tensor,
@@ -589,14 +754,14 @@ impl CustomOp2 for FusedLinear {
     ) -> Result<(CpuStorage, Shape)> {
         let lent = match self.lent(x_layout, w_layout)? {
             Ok(lent) => lent,
-            Err(computed) => return Ok(computed),
+            Err((pre, shape)) => return self.finish_cpu(pre, None, shape),
         };
         let (w, w_layout) = pick(&lent.weight, (w, w_layout))?;
         let (product, rows, out_dim) = match bf16_matmul::xwt(x, x_layout, w, w_layout)? {
             Some(done) => done,
             None => matmul_xwt(x, x_layout, w, w_layout)?,
         };
-        Ok((product, Shape::from((rows, out_dim))))
+        self.finish_cpu(product, None, Shape::from((rows, out_dim)))
     }
 
     fn cuda_fwd(
@@ -608,10 +773,10 @@ impl CustomOp2 for FusedLinear {
     ) -> Result<(CudaStorage, Shape)> {
         let lent = match self.lent(x_layout, w_layout)? {
             Ok(lent) => lent,
-            Err(computed) => return Ok(computed),
+            Err((pre, shape)) => return self.finish_cuda(pre, shape),
         };
         let w = pick(&lent.weight, (w, w_layout))?;
-        forward_cuda((x, x_layout), w, None)
+        self.forward_cuda((x, x_layout), w, None)
     }
 
     fn bwd(
@@ -621,7 +786,7 @@ impl CustomOp2 for FusedLinear {
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let (grad_x, grad_w, _) = self.backward(x, w, None, grad)?;
+        let (grad_x, grad_w, _) = self.backward(x, w, None, &self.pre_grad(grad)?)?;
         Ok((grad_x, grad_w))
     }
 }
@@ -642,11 +807,11 @@ impl CustomOp3 for FusedLinear {
     ) -> Result<(CpuStorage, Shape)> {
         let lent = match self.lent(x_layout, w_layout)? {
             Ok(lent) => lent,
-            Err(computed) => return Ok(computed),
+            Err((pre, shape)) => return self.finish_cpu(pre, None, shape),
         };
         let (w, w_layout) = pick(&lent.weight, (w, w_layout))?;
         let (b, b_layout) = pick(&lent.bias, (b, b_layout))?;
-        let (mut out, rows, out_dim) = match bf16_matmul::xwt(x, x_layout, w, w_layout)? {
+        let (out, rows, out_dim) = match bf16_matmul::xwt(x, x_layout, w, w_layout)? {
             Some(done) => done,
             None => matmul_xwt(x, x_layout, w, w_layout)?,
         };
@@ -658,8 +823,7 @@ impl CustomOp3 for FusedLinear {
                 out.dtype()
             )
         }
-        add_bias_cpu(&mut out, b, b_layout)?;
-        Ok((out, Shape::from((rows, out_dim))))
+        self.finish_cpu(out, Some((b, b_layout)), Shape::from((rows, out_dim)))
     }
 
     fn cuda_fwd(
@@ -673,11 +837,11 @@ impl CustomOp3 for FusedLinear {
     ) -> Result<(CudaStorage, Shape)> {
         let lent = match self.lent(x_layout, w_layout)? {
             Ok(lent) => lent,
-            Err(computed) => return Ok(computed),
+            Err((pre, shape)) => return self.finish_cuda(pre, shape),
         };
         let w = pick(&lent.weight, (w, w_layout))?;
         let b = pick(&lent.bias, (b, b_layout))?;
-        forward_cuda((x, x_layout), w, Some(b))
+        self.forward_cuda((x, x_layout), w, Some(b))
     }
 
     fn bwd(
@@ -688,7 +852,7 @@ impl CustomOp3 for FusedLinear {
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        self.backward(x, w, Some(b), grad)
+        self.backward(x, w, Some(b), &self.pre_grad(grad)?)
     }
 }
 

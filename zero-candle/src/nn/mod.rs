@@ -53,6 +53,10 @@
 //!   [`Embedding`] ([`embedding`]) are fused custom ops: the forward reads
 //!   the weight's storage in place, the backward computes the input
 //!   gradient and hands the weight (and bias) gradient to the hook.
+//!   [`Linear::forward_activated`] applies an [`Activation`] (GELU, either
+//!   form, or SiLU) in the same op, keeping the pre-activation for the
+//!   backward (on CUDA with [`set_linear_cublaslt`], tanh-GELU in
+//!   cuBLASLt's epilogue).
 //! - [`LayerNorm`] ([`layer_norm`], [`layer_norm_no_bias`]) and [`RmsNorm`]
 //!   ([`rms_norm`]) have a real backward for their weight and bias (candle-nn
 //!   0.11's contiguous fast paths have none, and cut the graph there), and
@@ -94,4 +98,5 @@ pub use embedding::{embedding, Embedding};
 pub use grad_hook::{GatheredParam, GiveBack, GradCollector, GradHook, Stretch};
 pub use layer_norm::{layer_norm, layer_norm_no_bias, rms_norm, LayerNorm, RmsNorm};
 pub use linear::{linear, linear_b, linear_cublaslt, linear_no_bias, set_linear_cublaslt, Linear};
+pub use ops::Activation;
 pub use tap::tap;

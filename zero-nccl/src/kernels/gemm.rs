@@ -1,6 +1,9 @@
 //! A Linear layer's forward GEMM through cuBLASLt, its bias added in the
 //! GEMM's epilogue (`CUBLASLT_EPILOGUE_BIAS`): one kernel where a plain GEMM
-//! is followed by a broadcast add over the whole output.
+//! is followed by a broadcast add over the whole output. With
+//! [`GemmActivation::GeluAux`] the epilogue also applies the tanh-GELU and
+//! writes the pre-activation to an aux matrix for the backward
+//! (`CUBLASLT_EPILOGUE_GELU_AUX_BIAS`, as llm.c's MLP does).
 //!
 //! [`LinearGemm`] maps the layer's row-major `y[rows, out] = x[rows, in] ·
 //! W[out, in]ᵀ + b[out]` onto cuBLASLt's column-major `D = op(A)·op(B) +
@@ -41,6 +44,42 @@ pub struct LinearGemm {
     pub ldb: i64,
     /// See `lda`.
     pub ldd: i64,
+    /// What the epilogue applies after the bias.
+    pub activation: GemmActivation,
+}
+
+/// What a [`LinearGemm`]'s epilogue applies to `D` after the bias.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum GemmActivation {
+    /// Nothing: `D = op(A)·op(B) (+ bias)` (`CUBLASLT_EPILOGUE_BIAS`, or
+    /// `DEFAULT` without a bias).
+    None,
+    /// GELU, tanh form (`0.5 x (1 + tanh(√(2/π) (x + 0.044715 x³)))`), on
+    /// `D`; the pre-activation `op(A)·op(B) (+ bias)` goes to an aux matrix
+    /// of `D`'s type, column-major with leading dimension `aux_ld`
+    /// (`CUBLASLT_EPILOGUE_GELU_AUX_BIAS`, or `GELU_AUX` without a bias).
+    GeluAux {
+        /// The aux matrix's leading dimension: cuBLASLt takes a multiple
+        /// of 8, no less than `m`.
+        aux_ld: i64,
+    },
+}
+
+/// GELU's tanh form, as cuBLASLt's epilogue computes it.
+fn gelu_tanh(x: f64) -> f64 {
+    const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
+    0.5 * x * (1.0 + (SQRT_2_OVER_PI * (x + 0.044715 * x * x * x)).tanh())
+}
+
+/// What [`LinearGemm::reference`] computes: `D`, and the aux matrix when
+/// the epilogue writes one.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GemmReference {
+    /// `D`, column-major with the plan's `ldd`.
+    pub d: Vec<f64>,
+    /// The pre-activation, column-major with its `aux_ld`
+    /// ([`GemmActivation::GeluAux`] only).
+    pub aux: Option<Vec<f64>>,
 }
 
 impl LinearGemm {
@@ -62,7 +101,31 @@ impl LinearGemm {
             lda: in_dim as i64,
             ldb: in_dim as i64,
             ldd: out_dim as i64,
+            activation: GemmActivation::None,
         })
+    }
+
+    /// This plan with the tanh-GELU in its epilogue, the pre-activation
+    /// written to an aux matrix laid out as `D` (so a row-major
+    /// `[rows, out]` tensor, as the output is); `None` where cuBLASLt's aux
+    /// matrix cannot take `D`'s layout (a leading dimension that is not a
+    /// multiple of 8), which keeps the GELU out of the GEMM.
+    pub fn with_gelu_aux(self) -> Option<Self> {
+        if self.ldd % 8 != 0 {
+            return None;
+        }
+        Some(Self {
+            activation: GemmActivation::GeluAux { aux_ld: self.ldd },
+            ..self
+        })
+    }
+
+    /// Elements the aux matrix spans (0 without one).
+    pub fn aux_len(&self) -> usize {
+        match self.activation {
+            GemmActivation::None => 0,
+            GemmActivation::GeluAux { aux_ld } => (aux_ld as u64 * self.n) as usize,
+        }
     }
 
     /// Elements each operand spans: `A`, `B` and `D`.
@@ -80,8 +143,9 @@ impl LinearGemm {
 
     /// What cuBLASLt computes for this plan, in f64, on host copies of the
     /// operands as it reads them (column-major, through the leading
-    /// dimensions and transposes): `D = op(A)·op(B) (+ bias per row)`.
-    pub fn reference(&self, a: &[f64], b: &[f64], bias: Option<&[f64]>) -> Vec<f64> {
+    /// dimensions and transposes): `pre = op(A)·op(B) (+ bias per row)`,
+    /// `D = pre`, or `D = gelu(pre)` with `pre` as the aux matrix.
+    pub fn reference(&self, a: &[f64], b: &[f64], bias: Option<&[f64]>) -> GemmReference {
         let (m, n, k) = (self.m as usize, self.n as usize, self.k as usize);
         let (lda, ldb, ldd) = (self.lda as usize, self.ldb as usize, self.ldd as usize);
         let op_a = |i: usize, l: usize| match self.transa {
@@ -93,13 +157,27 @@ impl LinearGemm {
             false => b[l + j * ldb],
         };
         let mut d = vec![0.0; ldd * n];
+        let mut aux = match self.activation {
+            GemmActivation::None => None,
+            GemmActivation::GeluAux { aux_ld } => Some((vec![0.0; aux_ld as usize * n], aux_ld)),
+        };
         for j in 0..n {
             for i in 0..m {
                 let dot: f64 = (0..k).map(|l| op_a(i, l) * op_b(l, j)).sum();
-                d[i + j * ldd] = dot + bias.map_or(0.0, |bias| bias[i]);
+                let pre = dot + bias.map_or(0.0, |bias| bias[i]);
+                d[i + j * ldd] = match &mut aux {
+                    None => pre,
+                    Some((aux, aux_ld)) => {
+                        aux[i + j * *aux_ld as usize] = pre;
+                        gelu_tanh(pre)
+                    }
+                };
             }
         }
-        d
+        GemmReference {
+            d,
+            aux: aux.map(|(aux, _)| aux),
+        }
     }
 }
 
@@ -159,8 +237,8 @@ struct AlgoKey {
     data: i32,
     compute: GemmCompute,
     bias: bool,
-    /// The operands' alignments: A, B, bias, D.
-    align: [u32; 4],
+    /// The operands' alignments: A, B, bias, D, aux.
+    align: [u32; 5],
 }
 
 /// A cuBLASLt handle and its workspace, for one stream.
@@ -212,8 +290,11 @@ impl Gemm {
     /// Queues `y = x·Wᵀ (+ bias)` on the stream as `plan` lays it out:
     /// `w` is `A`, `x` is `B`, `y` is `D`, and returns `true`; `false`
     /// (nothing queued) where cuBLASLt has no algorithm for the shape,
-    /// dtype and alignments, for the caller to take its own path. Checks
+    /// dtype and alignments, for the caller to take its own path. With
+    /// [`GemmActivation::GeluAux`], `y` gets the GELU of it and `pre` (the
+    /// aux matrix, required then and only then) the pre-activation. Checks
     /// every operand's length.
+    #[allow(clippy::too_many_arguments)]
     pub fn linear<E: GemmElement>(
         &self,
         plan: &LinearGemm,
@@ -222,6 +303,7 @@ impl Gemm {
         w: &CudaView<'_, E>,
         bias: Option<&CudaView<'_, E>>,
         y: &mut CudaViewMut<'_, E>,
+        pre: Option<&mut CudaViewMut<'_, E>>,
     ) -> Result<bool> {
         let (a_len, b_len, d_len) = plan.lens();
         let short = |what: &'static str, got: usize, expected: usize| {
@@ -246,11 +328,30 @@ impl Gemm {
                 return Err(short("bias", bias.len(), plan.m as usize));
             }
         }
+        match (plan.activation, &pre) {
+            (GemmActivation::None, None) => {}
+            (GemmActivation::GeluAux { .. }, Some(pre)) => {
+                if pre.len() < plan.aux_len() {
+                    return Err(short("pre-activation", pre.len(), plan.aux_len()));
+                }
+            }
+            (activation, pre) => {
+                return Err(Error::from(zero_core::Error::Unsupported {
+                    op: "linear_gemm",
+                    detail: format!(
+                        "the plan's epilogue is {activation:?} but {} pre-activation buffer \
+                         was given; pass one exactly for GemmActivation::GeluAux",
+                        if pre.is_some() { "a" } else { "no" }
+                    ),
+                }))
+            }
+        }
         let stream = &self.stream;
         let (a, _a) = w.device_ptr(stream);
         let (b, _b) = x.device_ptr(stream);
         let bias_ptr = bias.map(|bias| bias.device_ptr(stream));
         let (d, _d) = y.device_ptr_mut(stream);
+        let aux_ptr = pre.map(|pre| pre.device_ptr_mut(stream));
         let (work, _work) = self.workspace.device_ptr(stream);
         let key = AlgoKey {
             plan: *plan,
@@ -262,17 +363,23 @@ impl Gemm {
                 alignment(b),
                 bias_ptr.as_ref().map_or(256, |(p, _)| alignment(*p)),
                 alignment(d),
+                aux_ptr.as_ref().map_or(256, |(p, _)| alignment(*p)),
             ],
         };
-        let described = Described::new::<E>(&key, bias_ptr.as_ref().map(|(p, _)| *p))?;
+        let described = Described::new::<E>(
+            &key,
+            bias_ptr.as_ref().map(|(p, _)| *p),
+            aux_ptr.as_ref().map(|(p, _)| *p),
+        )?;
         let Some(algo) = self.algo(&key, &described)? else {
             return Ok(false);
         };
         let (alpha, beta) = (1.0f32, 0.0f32);
         // SAFETY: the descriptors are live (`described`), the pointers are
-        // the operands' on this stream, held by their guards until the
-        // GEMM is queued, and each spans what the plan reads or writes
-        // (checked above); the workspace is the size announced.
+        // the operands' on this stream (the bias and aux pointers are in
+        // the descriptor), held by their guards until the GEMM is queued,
+        // and each spans what the plan reads or writes (checked above); the
+        // workspace is the size announced.
         unsafe {
             result::matmul(
                 self.handle,
@@ -348,7 +455,7 @@ struct Described {
 }
 
 impl Described {
-    fn new<E: GemmElement>(key: &AlgoKey, bias: Option<u64>) -> Result<Self> {
+    fn new<E: GemmElement>(key: &AlgoKey, bias: Option<u64>, aux: Option<u64>) -> Result<Self> {
         let plan = &key.plan;
         let desc = result::create_matmul_desc(key.compute.sys(), sys::cudaDataType_t::CUDA_R_32F)?;
         let mut described = Self {
@@ -370,9 +477,12 @@ impl Described {
         described.d = result::create_matrix_layout(E::DATA, plan.m, plan.n, plan.ldd)?;
         // `cublasOperation_t`, an int32: CUBLAS_OP_N 0, CUBLAS_OP_T 1.
         let op = |t: bool| i32::from(t);
-        let epilogue = match bias {
-            Some(_) => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS,
-            None => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_DEFAULT,
+        use sys::cublasLtEpilogue_t as Epilogue;
+        let epilogue = match (plan.activation, bias.is_some()) {
+            (GemmActivation::None, true) => Epilogue::CUBLASLT_EPILOGUE_BIAS,
+            (GemmActivation::None, false) => Epilogue::CUBLASLT_EPILOGUE_DEFAULT,
+            (GemmActivation::GeluAux { .. }, true) => Epilogue::CUBLASLT_EPILOGUE_GELU_AUX_BIAS,
+            (GemmActivation::GeluAux { .. }, false) => Epilogue::CUBLASLT_EPILOGUE_GELU_AUX,
         };
         use sys::cublasLtMatmulDescAttributes_t as Attr;
         // SAFETY: the descriptor is live; each value is the attribute's
@@ -384,6 +494,12 @@ impl Described {
             if let Some(bias) = bias {
                 set_desc(desc, Attr::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias)?;
                 set_desc(desc, Attr::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &E::DATA)?;
+            }
+            // The aux matrix's type is left at its default, `D`'s. The
+            // heuristic reads the pointer's alignment from here.
+            if let (GemmActivation::GeluAux { aux_ld }, Some(aux)) = (plan.activation, aux) {
+                set_desc(desc, Attr::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux)?;
+                set_desc(desc, Attr::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &aux_ld)?;
             }
         }
         Ok(described)
@@ -424,11 +540,12 @@ impl Drop for Described {
 }
 
 /// The heuristic's preferences: the workspace it may use and the operands'
-/// alignments (A, B, bias, D).
+/// alignments (A, B, bias, D, aux; the bias's and the aux matrix's it reads
+/// from their pointers in the descriptor).
 struct Preference(sys::cublasLtMatmulPreference_t);
 
 impl Preference {
-    fn new(align: &[u32; 4]) -> Result<Self> {
+    fn new(align: &[u32; 5]) -> Result<Self> {
         let pref = Self(result::create_matmul_pref()?);
         use sys::cublasLtMatmulPreferenceAttributes_t as Attr;
         let workspace = WORKSPACE_BYTES as u64;
@@ -502,14 +619,73 @@ mod tests {
             // cuBLASLt reads the row-major buffers as they are: W as A,
             // x as B, and writes y as D.
             let y = plan.reference(&w, &x, Some(&b));
+            assert_eq!(y.aux, None);
             let expected = linear(&x, &w, &b, rows, in_dim);
-            for (got, want) in y.iter().zip(&expected) {
+            for (got, want) in y.d.iter().zip(&expected) {
                 assert!((got - want).abs() < 1e-12, "{rows}x{in_dim}->{out_dim}");
             }
             let no_bias = plan.reference(&w, &x, None);
             let zeros = vec![0.0; out_dim];
-            assert_eq!(no_bias, linear(&x, &w, &zeros, rows, in_dim));
+            assert_eq!(no_bias.d, linear(&x, &w, &zeros, rows, in_dim));
         }
+    }
+
+    /// GELU, tanh form, written out as PyTorch's `gelu(approximate="tanh")`
+    /// documents it.
+    fn gelu(x: f64) -> f64 {
+        0.5 * x * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x.powi(3))).tanh())
+    }
+
+    #[test]
+    fn the_gelu_plan_computes_the_activated_layer_and_keeps_its_pre_activation() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+        for (rows, in_dim, out_dim) in [(1, 1, 8), (3, 5, 16), (7, 9, 24), (2, 64, 8)] {
+            let mut values = |n: usize| (0..n).map(|_| rng.gen_range(-2.0..2.0)).collect();
+            let (x, w, b): (Vec<f64>, Vec<f64>, Vec<f64>) = (
+                values(rows * in_dim),
+                values(out_dim * in_dim),
+                values(out_dim),
+            );
+            let plan = LinearGemm::new(rows, in_dim, out_dim)
+                .and_then(LinearGemm::with_gelu_aux)
+                .unwrap();
+            assert_eq!(
+                plan.activation,
+                GemmActivation::GeluAux {
+                    aux_ld: out_dim as i64
+                }
+            );
+            // The aux matrix is laid out as the output: a row-major
+            // `[rows, out]` tensor.
+            assert_eq!(plan.aux_len(), rows * out_dim);
+            let zeros = vec![0.0; out_dim];
+            for bias in [&b, &zeros] {
+                let got = plan.reference(&w, &x, Some(bias));
+                let pre = linear(&x, &w, bias, rows, in_dim);
+                let aux = got.aux.expect("the pre-activation");
+                for (i, &want) in pre.iter().enumerate() {
+                    assert!((aux[i] - want).abs() < 1e-12, "aux [{i}]");
+                    assert!((got.d[i] - gelu(want)).abs() < 1e-12, "D [{i}]");
+                }
+            }
+            assert_eq!(
+                plan.reference(&w, &x, None),
+                plan.reference(&w, &x, Some(&zeros))
+            );
+        }
+    }
+
+    #[test]
+    fn an_aux_matrix_cublaslt_cannot_lay_out_keeps_the_gelu_out_of_the_gemm() {
+        for out_dim in [1, 7, 12, 33] {
+            let plan = LinearGemm::new(4, 4, out_dim).unwrap();
+            assert_eq!(plan.with_gelu_aux(), None, "out {out_dim}");
+            assert_eq!(plan.aux_len(), 0);
+        }
+        assert!(LinearGemm::new(4, 4, 3072)
+            .unwrap()
+            .with_gelu_aux()
+            .is_some());
     }
 
     #[test]

@@ -763,6 +763,25 @@ DEFINE_ACTIVATION(float, f32)
 DEFINE_ACTIVATION(bf16, bf16)
 DEFINE_ACTIVATION(f16, f16)
 
+// A Linear layer's epilogue after a plain GEMM, in one pass over its
+// row-major [rows, width] output: pre += bias (per column), rounded to T as
+// a bias add rounds it, and y = act(pre). pre stays for the backward.
+#define DEFINE_BIAS_ACTIVATION(T, SUFFIX)                                                 \
+extern "C" __global__ void bias_activation_forward_##SUFFIX(T* pre, const T* bias, T* y,  \
+                                                            long long n, int width,       \
+                                                            int kind) {                   \
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;           \
+         i += (long long)gridDim.x * blockDim.x) {                                        \
+        const T sum = from_f32<T>(to_f32(pre[i]) + to_f32(bias[i % width]));              \
+        pre[i] = sum;                                                                     \
+        y[i] = from_f32<T>(activation(kind, to_f32(sum)));                                \
+    }                                                                                     \
+}
+
+DEFINE_BIAS_ACTIVATION(float, f32)
+DEFINE_BIAS_ACTIVATION(bf16, bf16)
+DEFINE_BIAS_ACTIVATION(f16, f16)
+
 // ===========================================================================
 // SwiGLU's gate, y = silu(gate) * up, and its backward in one pass:
 // dgate = dy * up * silu'(gate), dup = dy * silu(gate). One thread per

@@ -57,7 +57,7 @@ use std::sync::Arc;
 pub const LAYER_SOURCE: &str = concat!(include_str!("layers.cu"), include_str!("attention_tc.cu"));
 
 /// Every kernel [`LayerKernels::new`] loads from [`LAYER_SOURCE`].
-pub const LAYER_KERNEL_NAMES: [&str; 78] = [
+pub const LAYER_KERNEL_NAMES: [&str; 81] = [
     "attention_forward_d64_f32",
     "attention_backward_dq_d64_f32",
     "attention_backward_dkdv_d64_f32",
@@ -108,10 +108,13 @@ pub const LAYER_KERNEL_NAMES: [&str; 78] = [
     "norm_backward_finish_f16",
     "activation_forward_f32",
     "activation_backward_f32",
+    "bias_activation_forward_f32",
     "activation_forward_bf16",
     "activation_backward_bf16",
+    "bias_activation_forward_bf16",
     "activation_forward_f16",
     "activation_backward_f16",
+    "bias_activation_forward_f16",
     "swiglu_forward_f32",
     "swiglu_backward_f32",
     "swiglu_forward_bf16",
@@ -260,6 +263,7 @@ pub struct LayerKernels {
     norm_backward_finish: [CudaFunction; 3],
     activation_forward: [CudaFunction; 3],
     activation_backward: [CudaFunction; 3],
+    bias_activation_forward: [CudaFunction; 3],
     swiglu_forward: [CudaFunction; 3],
     swiglu_backward: [CudaFunction; 3],
     rotary: [CudaFunction; 3],
@@ -385,6 +389,7 @@ impl LayerKernels {
                 norm_backward_finish: per_element(&module, "norm_backward_finish")?,
                 activation_forward: per_element(&module, "activation_forward")?,
                 activation_backward: per_element(&module, "activation_backward")?,
+                bias_activation_forward: per_element(&module, "bias_activation_forward")?,
                 swiglu_forward: per_element(&module, "swiglu_forward")?,
                 swiglu_backward: per_element(&module, "swiglu_backward")?,
                 rotary: per_element(&module, "rotary")?,
@@ -780,6 +785,54 @@ impl LayerKernels {
         Ok(())
     }
 
+    /// A Linear layer's epilogue after a plain GEMM, one pass over its
+    /// row-major `[rows, width]` output `pre`: `pre += bias` (per column,
+    /// in place: it stays as the pre-activation for the backward) and
+    /// `y = act(pre)`.
+    pub fn bias_activation_forward<E: LayerElement>(
+        &self,
+        stream: &Arc<CudaStream>,
+        kind: ActivationKind,
+        pre: &mut impl DevicePtrMut<E>,
+        bias: &impl DevicePtr<E>,
+        y: &mut impl DevicePtrMut<E>,
+    ) -> Result<()> {
+        const OP: &str = "bias_activation_forward";
+        let width = bias.len();
+        if width == 0 || pre.len() % width != 0 {
+            return Err(Error::from(zero_core::Error::Unsupported {
+                op: OP,
+                detail: format!(
+                    "the output has {} elements, not a whole number of rows of the bias's {width}; \
+                     the bias must have the size of the output's last dimension",
+                    pre.len()
+                ),
+            }));
+        }
+        check_len(OP, "y", y.len(), pre.len())?;
+        let Some(cfg) = self.config(OP, Launch::Elements(pre.len()))? else {
+            return Ok(());
+        };
+        let n = pre.len() as i64;
+        let width = int_arg(OP, "the bias's length", width)?;
+        let kind = kind as i32;
+        let (pre, _g0) = pre.device_ptr_mut(stream);
+        let (bias, _g1) = bias.device_ptr(stream);
+        let (y, _g2) = y.device_ptr_mut(stream);
+        let mut launch = stream.launch_builder(&self.bias_activation_forward[E::INDEX]);
+        launch
+            .arg(&pre)
+            .arg(&bias)
+            .arg(&y)
+            .arg(&n)
+            .arg(&width)
+            .arg(&kind);
+        // SAFETY: pre and y hold n `E`, bias `width` (n a multiple of it);
+        // the arguments match `bias_activation_forward_*`.
+        unsafe { launch.launch(cfg) }?;
+        Ok(())
+    }
+
     /// `y = silu(gate) * up`, element-wise (SwiGLU's gate).
     pub fn swiglu_forward<E: LayerElement>(
         &self,
@@ -985,6 +1038,7 @@ mod tests {
                 "norm_backward_finish",
                 "activation_forward",
                 "activation_backward",
+                "bias_activation_forward",
                 "swiglu_forward",
                 "swiglu_backward",
                 "rotary",

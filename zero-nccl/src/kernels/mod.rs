@@ -4,8 +4,8 @@
 //! optimizers' steps over a flat f32 shard (one launch per shard; see
 //! [`optim`]); and, from a second source, the fused transformer layers of
 //! zero-candle (attention, norms, activations, cross-entropy; see
-//! [`layers`]); and a Linear layer's GEMM with its bias through cuBLASLt
-//! ([`gemm`]).
+//! [`layers`]); and a Linear layer's GEMM with its bias (and a tanh-GELU,
+//! keeping the pre-activation) through cuBLASLt ([`gemm`]).
 //!
 //! NVRTC compiles for the device's architecture, or the newest one below it
 //! that this NVRTC still targets ([`nvrtc_arch`]). `tests/nvrtc_ptx.rs`

@@ -1,5 +1,5 @@
-// LayerNorm/RmsNorm (alone and after a residual add), cross-entropy, SwiGLU
-// and rotary-embedding kernels of src/kernels/layers.cu on the CPU (see
+// LayerNorm/RmsNorm (alone and after a residual add), cross-entropy, SwiGLU,
+// rotary-embedding and a Linear's bias + activation kernels of src/kernels/layers.cu on the CPU (see
 // shim.h), against double-precision references: grids capped so that grid-stride loops run, the weight and
 // bias gradients' chunked sums as layers.rs launches them, ignore index,
 // u32 and i64 targets, NaN where PyTorch gives NaN, and the 16-bit types'
@@ -114,6 +114,32 @@ template<class T> double residual_norm_test(long long rows,int n,int remove_mean
   return worst(ry,Y);
 }
 
+// bias_activation_forward_<T> on [rows, width] (grid capped at `cap`)
+// against the unfused pair, the bias added and rounded to T, then
+// activation_forward_<T>: equal element for element (*exact); returns the
+// error of y against a double-precision activation of the rounded sums.
+template<class T> double bias_activation_test(long long rows,int width,int kind,unsigned cap,unsigned seed,bool*exact,
+    void(*fused)(T*,const T*,T*,long long,int,int), void(*act)(const T*,T*,long long,int)){
+  std::mt19937 rng(seed); std::normal_distribution<float> nd(0,1);
+  long long n=rows*width;
+  std::vector<float> pf(n),bf(width); for(auto&v:pf)v=nd(rng)*3; for(auto&v:bf)v=nd(rng);
+  auto pre=narrow16<T>(pf), bias=narrow16<T>(bf);
+  std::vector<T> sums(n), y(n), y_unfused(n);
+  for(long long i=0;i<n;i++) sums[i]=from_f32<T>(to_f32(pre[i])+to_f32(bias[i%width]));
+  unsigned blocks=std::min<unsigned>((unsigned)((n+255)/256),cap);
+  launch({blocks,1,1},{256,1,1},[&]{fused(pre.data(),bias.data(),y.data(),n,width,kind);});
+  launch({blocks,1,1},{256,1,1},[&]{act(sums.data(),y_unfused.data(),n,kind);});
+  auto P=widen(pre), S=widen(sums), Y=widen(y), YU=widen(y_unfused);
+  *exact=true;
+  for(long long i=0;i<n;i++) if(P[i]!=S[i] || Y[i]!=YU[i]) *exact=false;
+  std::vector<double> ry(n);
+  for(long long i=0;i<n;i++){ double x=S[i];
+    ry[i]= kind==0 ? 0.5*x*(1+tanh(sqrt(2/M_PI)*(x+0.044715*x*x*x)))
+         : kind==1 ? 0.5*x*(1+erf(x/sqrt(2.0)))
+         : x/(1+exp(-x)); }
+  return worst(ry,Y);
+}
+
 static int failures = 0;
 
 static void expect(bool ok, const char* what) {
@@ -192,8 +218,27 @@ int main() {
             expect(e32 <= 1e-6 && eb <= 4e-3 && eh <= 5e-4, what);
         }
     }
-    printf("norms (alone and after a residual add), cross-entropy, SwiGLU and rotary embeddings on "
-           "the CPU: %s\n",
+    for (auto [rows, width] : {std::array<int, 2>{1, 1}, {7, 33}, {5, 256}, {3, 1000}}) {
+        for (int kind : {0, 1, 2}) {
+            for (unsigned cap : {1u, 4096u}) {
+                bool x32, xb, xh;
+                unsigned seed = rows * width + kind;
+                double e32 = bias_activation_test<float>(rows, width, kind, cap, seed, &x32,
+                                                         bias_activation_forward_f32, activation_forward_f32);
+                double eb = bias_activation_test<bf16>(rows, width, kind, cap, seed + 1, &xb,
+                                                       bias_activation_forward_bf16, activation_forward_bf16);
+                double eh = bias_activation_test<f16>(rows, width, kind, cap, seed + 2, &xh,
+                                                      bias_activation_forward_f16, activation_forward_f16);
+                snprintf(what, sizeof what,
+                         "bias + activation %d, %dx%d, cap %u: error f32 %g, bf16 %g, f16 %g; equal to "
+                         "the unfused pair %d %d %d",
+                         kind, rows, width, cap, e32, eb, eh, x32, xb, xh);
+                expect(e32 <= 1e-6 && eb <= 4e-3 && eh <= 5e-4 && x32 && xb && xh, what);
+            }
+        }
+    }
+    printf("norms (alone and after a residual add), cross-entropy, SwiGLU, rotary embeddings and a "
+           "Linear's bias + activation on the CPU: %s\n",
            failures ? "FAILED" : "ok");
     return failures ? 1 : 0;
 }

@@ -75,6 +75,33 @@ fn map_elements<T: Elem>(
     out
 }
 
+/// `pre[i] += bias[i % width]` and `y[i] = f(pre[i])` in one pass over
+/// `[rows, width]` rows, in parallel chunks of whole rows. The sum is
+/// rounded to `T` before the activation reads it, as a bias add followed by
+/// the activation would round it.
+#[inline(always)]
+fn add_bias_and_map<T: Elem>(
+    pre: &mut [T],
+    bias: &[T],
+    f: impl Fn(T::Acc) -> (T::Acc, T::Acc) + Sync,
+) -> Vec<T> {
+    let width = bias.len().max(1);
+    let chunk = (CHUNK / width).max(1) * width;
+    let mut y = vec![T::from_acc(T::Acc::ZERO); pre.len()];
+    y.par_chunks_mut(chunk)
+        .zip(pre.par_chunks_mut(chunk))
+        .for_each(|(y, pre)| {
+            for (y, pre) in y.chunks_exact_mut(width).zip(pre.chunks_exact_mut(width)) {
+                for ((y, p), &b) in y.iter_mut().zip(pre.iter_mut()).zip(bias) {
+                    let sum = T::from_acc(p.acc() + b.acc());
+                    *p = sum;
+                    *y = T::from_acc(f(sum.acc()).0);
+                }
+            }
+        });
+    y
+}
+
 impl Activation {
     /// The activation of `x` (or, with `grad`, its input gradient).
     fn map<T: Elem>(self, x: &[T], grad: Option<&[T]>) -> Vec<T> {
@@ -82,6 +109,21 @@ impl Activation {
             Activation::Gelu => map_elements(x, grad, gelu_tanh),
             Activation::GeluErf => map_elements(x, grad, gelu_erf_at),
             Activation::Silu => map_elements(x, grad, silu_at),
+        }
+    }
+
+    /// A Linear layer's epilogue on the CPU: `pre`, the `[rows, out]`
+    /// product, gets `bias` added in place (it becomes the pre-activation
+    /// the backward reads) and the activation of it is returned, in one
+    /// pass over the rows.
+    pub(crate) fn add_bias_and_apply<T: Elem>(self, pre: &mut [T], bias: Option<&[T]>) -> Vec<T> {
+        let Some(bias) = bias else {
+            return self.map(pre, None);
+        };
+        match self {
+            Activation::Gelu => add_bias_and_map(pre, bias, gelu_tanh),
+            Activation::GeluErf => add_bias_and_map(pre, bias, gelu_erf_at),
+            Activation::Silu => add_bias_and_map(pre, bias, silu_at),
         }
     }
 
@@ -149,38 +191,39 @@ impl CustomOp1 for ActivationOp {
     }
 
     fn bwd(&self, x: &Tensor, _y: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
-        let kind = self.0;
-        let grad = grad.contiguous()?;
-        let shape = x.shape().clone();
-        if x.device().is_cuda() {
-            let dx = with_cuda(x, "the activation's input", |x_storage, x_layout| {
-                with_cuda(
-                    &grad,
-                    "the activation's output gradient",
-                    |g_storage, g_layout| {
-                        cuda::activation_backward(
-                            kind,
-                            (x_storage, x_layout),
-                            (g_storage, g_layout),
-                        )
-                    },
-                )
-            })?;
-            return Ok(Some(tensor_from(Storage::Cuda(dx), shape)));
-        }
-        let dx = cpu::with_cpu(x, "the activation's input", |x_storage, x_layout| {
-            cpu::with_cpu(
+        Ok(Some(input_grad(self.0, x, grad)?))
+    }
+}
+
+/// `grad ⊙ act'(x)`, the gradient of the activation's input `x` (any
+/// contiguous tensor) given its output's: one pass, on the CPU or CUDA.
+pub(crate) fn input_grad(kind: Activation, x: &Tensor, grad: &Tensor) -> Result<Tensor> {
+    let grad = grad.contiguous()?;
+    let shape = x.shape().clone();
+    if x.device().is_cuda() {
+        let dx = with_cuda(x, "the activation's input", |x_storage, x_layout| {
+            with_cuda(
                 &grad,
                 "the activation's output gradient",
                 |g_storage, g_layout| {
-                    Ok(dispatch_float!(x_storage.dtype(), kind.op_name(), |T| {
-                        let x = cpu::slice::<T>(x_storage, x_layout, "the activation's input")?;
-                        let g = cpu::slice::<T>(g_storage, g_layout, "the output gradient")?;
-                        T::to_cpu_storage_owned(kind.map(x, Some(g)))
-                    }))
+                    cuda::activation_backward(kind, (x_storage, x_layout), (g_storage, g_layout))
                 },
             )
         })?;
-        Ok(Some(tensor_from(Storage::Cpu(dx), shape)))
+        return Ok(tensor_from(Storage::Cuda(dx), shape));
     }
+    let dx = cpu::with_cpu(x, "the activation's input", |x_storage, x_layout| {
+        cpu::with_cpu(
+            &grad,
+            "the activation's output gradient",
+            |g_storage, g_layout| {
+                Ok(dispatch_float!(x_storage.dtype(), kind.op_name(), |T| {
+                    let x = cpu::slice::<T>(x_storage, x_layout, "the activation's input")?;
+                    let g = cpu::slice::<T>(g_storage, g_layout, "the output gradient")?;
+                    T::to_cpu_storage_owned(kind.map(x, Some(g)))
+                }))
+            },
+        )
+    })?;
+    Ok(tensor_from(Storage::Cpu(dx), shape))
 }

@@ -8,6 +8,7 @@
 //! device's CUDA context (every Candle device of one GPU shares its primary
 //! context, hence the module).
 
+use super::super::linear::GemmOutput;
 use super::rotary_dims::{RotaryDims, Turn};
 use super::{Activation, AttentionDims};
 use candle_core::backend::BackendStorage;
@@ -486,6 +487,36 @@ pub(crate) fn activation_backward(kind: Activation, x: Arg, grad: Arg) -> Result
     })
 }
 
+/// A Linear layer's epilogue after a plain GEMM: `pre` (its contiguous
+/// `[rows, out]` product, a storage of its own) gets `bias` added in place
+/// and `act(pre)` is returned, one pass.
+pub(crate) fn bias_activation_forward(
+    kind: Activation,
+    pre: &mut CudaStorage,
+    len: usize,
+    bias: Arg,
+) -> Result<CudaStorage> {
+    const OP: &str = "Linear bias + activation";
+    let device = pre.device.clone();
+    by_dtype!(pre.dtype(), OP, |T| {
+        let bias = view::<T>(OP, "the bias", bias)?;
+        let mut y = alloc_out::<T>(&device, len)?;
+        let kernels = kernels(OP, &device)?;
+        let stream = device.cuda_stream();
+        let pre = pre.as_cuda_slice_mut::<T>()?;
+        kernels
+            .bias_activation_forward(
+                &stream,
+                activation_kind(kind),
+                &mut pre.slice_mut(..len),
+                &bias,
+                &mut out(&mut y, len),
+            )
+            .map_err(|e| kernel_error(OP, e))?;
+        Ok(CudaStorage::wrap_cuda_slice(y, device))
+    })
+}
+
 pub(crate) fn swiglu_forward(gate: Arg, up: Arg) -> Result<CudaStorage> {
     const OP: &str = "swiglu";
     let device = gate.0.device.clone();
@@ -689,7 +720,8 @@ fn gemm(device: &CudaDevice) -> Result<Arc<Gemm>> {
 /// A failure of the cuBLASLt path as Candle's error, with the way back.
 fn linear_error(e: zero_nccl::Error) -> candle_core::Error {
     candle_core::Error::Msg(format!(
-        "zero-candle Linear on CUDA through cuBLASLt: {e};          zero_candle::nn::set_linear_cublaslt(false) keeps Candle's GEMM and bias add"
+        "zero-candle Linear on CUDA through cuBLASLt: {e}; \
+         zero_candle::nn::set_linear_cublaslt(false) keeps Candle's GEMM and bias add"
     ))
 }
 
@@ -711,10 +743,18 @@ fn gemm_compute(dtype: DType) -> Option<GemmCompute> {
 
 /// A Linear layer's forward `x·Wᵀ (+ bias)` as one cuBLASLt GEMM, the bias
 /// added in its epilogue (`x [rows, in]`, `W [out, in]`, `bias [out]`);
-/// `None` where cuBLASLt does not take it (operands not contiguous or of
-/// mixed dtypes, a shape or alignment it has no algorithm for): the caller
-/// keeps Candle's GEMM and add.
-pub(crate) fn linear_forward(x: Arg, w: Arg, bias: Option<Arg>) -> Result<Option<CudaStorage>> {
+/// with `gelu`, also the tanh-GELU (`GELU_AUX_BIAS`: `y` the GELU, the aux
+/// output the pre-activation) where cuBLASLt's aux matrix can take the
+/// shape, else the product alone for the caller to activate. `None` where
+/// cuBLASLt does not take it (operands not contiguous or of mixed dtypes, a
+/// shape or alignment it has no algorithm for): the caller keeps Candle's
+/// GEMM and add.
+pub(crate) fn linear_forward(
+    x: Arg,
+    w: Arg,
+    bias: Option<Arg>,
+    gelu: bool,
+) -> Result<Option<GemmOutput>> {
     const OP: &str = "Linear";
     let (Ok((rows, in_dim)), Ok((out_dim, w_in))) = (x.1.shape().dims2(), w.1.shape().dims2())
     else {
@@ -723,12 +763,17 @@ pub(crate) fn linear_forward(x: Arg, w: Arg, bias: Option<Arg>) -> Result<Option
     let dtype = x.0.dtype();
     let plain = |arg: Arg| arg.1.is_contiguous() && arg.0.dtype() == dtype;
     let usable = w_in == in_dim && plain(x) && plain(w) && bias.is_none_or(plain);
-    let (Some(plan), Some(compute), true) = (
+    let (Some(plain_plan), Some(compute), true) = (
         LinearGemm::new(rows, in_dim, out_dim),
         gemm_compute(dtype),
         usable,
     ) else {
         return Ok(None);
+    };
+    let gelu_plan = if gelu {
+        plain_plan.with_gelu_aux()
+    } else {
+        None
     };
     let device = x.0.device.clone();
     let gemm = gemm(&device)?;
@@ -738,16 +783,38 @@ pub(crate) fn linear_forward(x: Arg, w: Arg, bias: Option<Arg>) -> Result<Option
         let bias = bias.map(|b| view::<T>(OP, "the bias", b)).transpose()?;
         let len = rows * out_dim;
         let mut y = alloc_out::<T>(&device, len)?;
+        let wrap = |slice| CudaStorage::wrap_cuda_slice(slice, device.clone());
+        if let Some(plan) = gelu_plan {
+            let mut pre = alloc_out::<T>(&device, len)?;
+            let done = gemm
+                .linear(
+                    &plan,
+                    compute,
+                    &input,
+                    &weight,
+                    bias.as_ref(),
+                    &mut out(&mut y, len),
+                    Some(&mut out(&mut pre, len)),
+                )
+                .map_err(linear_error)?;
+            if done {
+                return Ok(Some(GemmOutput::Gelu {
+                    y: wrap(y),
+                    pre: wrap(pre),
+                }));
+            }
+        }
         let done = gemm
             .linear(
-                &plan,
+                &plain_plan,
                 compute,
                 &input,
                 &weight,
                 bias.as_ref(),
                 &mut out(&mut y, len),
+                None,
             )
             .map_err(linear_error)?;
-        Ok(done.then(|| CudaStorage::wrap_cuda_slice(y, device)))
+        Ok(done.then(|| GemmOutput::Product(wrap(y))))
     })
 }

@@ -27,6 +27,7 @@ mod swiglu;
 #[cfg(not(feature = "cuda"))]
 pub(crate) use no_cuda as cuda;
 
+pub(crate) use activation::input_grad as activation_input_grad;
 pub use activation::{gelu, gelu_erf, silu};
 pub use activation_kind::Activation;
 pub use attention::{causal_attention, causal_self_attention};

@@ -3,6 +3,7 @@
 //! Candle then has no CUDA device either, so none of them is reachable
 //! from a tensor; they keep the ops' `cuda_fwd` free of `cfg`.
 
+use super::super::linear::GemmOutput;
 use super::rotary_dims::{RotaryDims, Turn};
 use super::{Activation, AttentionDims};
 use candle_core::{bail, CudaStorage, Layout, Result};
@@ -134,7 +135,21 @@ pub(crate) fn swiglu_backward(
     no_cuda()
 }
 
+pub(crate) fn bias_activation_forward(
+    _kind: Activation,
+    _pre: &mut CudaStorage,
+    _len: usize,
+    _bias: Arg,
+) -> Result<CudaStorage> {
+    no_cuda()
+}
+
 /// Without CUDA the Linear layers keep their generic path.
-pub(crate) fn linear_forward(_x: Arg, _w: Arg, _bias: Option<Arg>) -> Result<Option<CudaStorage>> {
+pub(crate) fn linear_forward(
+    _x: Arg,
+    _w: Arg,
+    _bias: Option<Arg>,
+    _gelu: bool,
+) -> Result<Option<GemmOutput>> {
     Ok(None)
 }
