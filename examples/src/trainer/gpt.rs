@@ -16,7 +16,7 @@ use crate::trainer::TrainError;
 use candle_core::{DType, Device, Module, Tensor, D};
 use candle_nn::VarMap;
 use std::sync::Arc;
-use zero_candle::nn::{ops, Embedding, GradHook, LayerNorm, Linear};
+use zero_candle::nn::{ops, Activation, Embedding, GradHook, LayerNorm, Linear};
 use zero_candle::ShardedVarMap;
 
 /// Bytes: the vocabulary needs no tokenizer and no download.
@@ -67,7 +67,8 @@ impl GptConfig {
 /// to rounding); the memory kept for backward and the time are not.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum GptOps {
-    /// `zero_candle::nn::ops`: causal attention, GELU and cross-entropy as
+    /// `zero_candle::nn::ops`: causal attention, the MLP's first Linear
+    /// with its GELU (`Linear::forward_activated`) and cross-entropy as
     /// single ops that keep only what their backward needs.
     #[default]
     Fused,
@@ -117,10 +118,9 @@ impl Block {
                 (x, normed)
             }
         };
-        let h = self.fc.forward(&normed)?;
         let h = match ops {
-            GptOps::Fused => ops::gelu(&h)?,
-            GptOps::Composed => h.gelu()?,
+            GptOps::Fused => self.fc.forward_activated(&normed, Activation::Gelu)?,
+            GptOps::Composed => self.fc.forward(&normed)?.gelu()?,
         };
         x + self.mlp_proj.forward(&h)?
     }

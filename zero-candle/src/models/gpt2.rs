@@ -9,7 +9,7 @@
 //! [`Gpt2::hub_layout`]. The head has no variable of its own.
 
 use crate::hub::{HubDir, HubLayout};
-use crate::nn::{ops, Embedding, GradHook, LayerNorm, Linear};
+use crate::nn::{ops, Activation, Embedding, GradHook, LayerNorm, Linear};
 use crate::{Error, Result, ShardedVarMap};
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{Init, VarBuilder};
@@ -165,23 +165,16 @@ impl Gpt2Config {
         self.n_layer * per_layer + (self.vocab_size + self.n_positions) * d + 2 * d
     }
 
-    fn activation(&self) -> std::result::Result<Gelu, String> {
+    fn activation(&self) -> std::result::Result<Activation, String> {
         match self.activation_function.as_str() {
-            "gelu_new" | "gelu_pytorch_tanh" | "gelu_fast" => Ok(Gelu::Tanh),
-            "gelu" => Ok(Gelu::Erf),
+            "gelu_new" | "gelu_pytorch_tanh" | "gelu_fast" => Ok(Activation::Gelu),
+            "gelu" => Ok(Activation::GeluErf),
             other => Err(format!(
                 "`activation_function` {other:?} is not supported (gelu_new, \
                  gelu_pytorch_tanh, gelu_fast or gelu)"
             )),
         }
     }
-}
-
-/// Which GELU the MLP applies.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Gelu {
-    Tanh,
-    Erf,
 }
 
 /// One pre-norm block: `x + attn(ln_1(x))`, then `x + mlp(ln_2(x))`, the
@@ -195,7 +188,8 @@ struct Block {
     c_fc: Linear,
     mlp_proj: Linear,
     heads: usize,
-    gelu: Gelu,
+    /// The MLP's GELU, applied in `c_fc`'s op.
+    gelu: Activation,
 }
 
 impl Block {
@@ -205,11 +199,7 @@ impl Block {
         let (x, normed) = self
             .ln_2
             .forward_residual(&self.attn_proj.forward(&y)?, x)?;
-        let h = self.c_fc.forward(&normed)?;
-        let h = match self.gelu {
-            Gelu::Tanh => ops::gelu(&h)?,
-            Gelu::Erf => ops::gelu_erf(&h)?,
-        };
+        let h = self.c_fc.forward_activated(&normed, self.gelu)?;
         x + self.mlp_proj.forward(&h)?
     }
 }
