@@ -6,7 +6,7 @@ use super::grad_hook::{
     announce, announce_gather, assemble, before_read, for_each_stretch, gather, gemm_operand,
     route, route_blocks, row_parts, GatheredParam, GradHook, RowPart,
 };
-use super::ops::{activation_input_grad, cuda, Activation};
+use super::ops::{activation_input_grad, cuda, Activation, GemmOutput};
 use super::storage::{on_device, owned_storage, tensor_from, OnDevice};
 use super::{bf16_matmul, cpu};
 use candle_core::backend::BackendStorage;
@@ -626,15 +626,6 @@ impl FusedLinear {
             },
         }
     }
-}
-
-/// What a cuBLASLt GEMM of the layer wrote.
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-pub(crate) enum GemmOutput {
-    /// `x·Wᵀ + b`.
-    Product(CudaStorage),
-    /// `y = gelu(pre)` (tanh form) and `pre = x·Wᵀ + b`, from the epilogue.
-    Gelu { y: CudaStorage, pre: CudaStorage },
 }
 
 fn add_bias_cpu(out: &mut CpuStorage, bias: &CpuStorage, bias_layout: &Layout) -> Result<()> {

@@ -8,8 +8,8 @@
 //! device's CUDA context (every Candle device of one GPU shares its primary
 //! context, hence the module).
 
-use super::super::linear::GemmOutput;
 use super::rotary_dims::{RotaryDims, Turn};
+use super::GemmOutput;
 use super::{Activation, AttentionDims};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::{CudaDType, CudaDevice};

@@ -35,3 +35,15 @@ pub use attention_dims::AttentionDims;
 pub use cross_entropy::{cross_entropy, cross_entropy_with_ignore};
 pub use rotary::rotary_embedding;
 pub use swiglu::swiglu;
+
+/// What a cuBLASLt GEMM of a `Linear` wrote (`cuda::linear_forward`).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) enum GemmOutput {
+    /// `x·Wᵀ + b`.
+    Product(candle_core::CudaStorage),
+    /// `y = gelu(pre)` (tanh form) and `pre = x·Wᵀ + b`, from the epilogue.
+    Gelu {
+        y: candle_core::CudaStorage,
+        pre: candle_core::CudaStorage,
+    },
+}

@@ -3,8 +3,8 @@
 //! Candle then has no CUDA device either, so none of them is reachable
 //! from a tensor; they keep the ops' `cuda_fwd` free of `cfg`.
 
-use super::super::linear::GemmOutput;
 use super::rotary_dims::{RotaryDims, Turn};
+use super::GemmOutput;
 use super::{Activation, AttentionDims};
 use candle_core::{bail, CudaStorage, Layout, Result};
 
