@@ -261,8 +261,6 @@ pub(crate) fn announce_gather(hook: Option<&Arc<dyn GradHook>>, params: &[Option
     }
 }
 
-/// Piece `piece` of the full values of `param` if the hook keeps it
-/// sharded.
 /// [`GradHook::before_read`] for each of `params` that is a variable.
 pub(crate) fn before_read(
     hook: Option<&Arc<dyn GradHook>>,
@@ -279,6 +277,8 @@ pub(crate) fn before_read(
     Ok(())
 }
 
+/// Piece `piece` of the full values of `param` if the hook keeps it
+/// sharded.
 pub(crate) fn gather(
     hook: Option<&Arc<dyn GradHook>>,
     param: Option<&Tensor>,
