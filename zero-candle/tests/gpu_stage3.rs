@@ -417,6 +417,25 @@ fn offloaded_stage_3_trains_stage_3_s_weights() {
 }
 
 /// When a stage-3 optimizer is dropped.
+/// A rank's net and SGD optimizer configured by `engine`, on a device
+/// built as `built` says, after one step (at stage 3: sharded).
+fn after_one_step(
+    built: Built,
+    comm: zero_nccl::CudaThreadComm,
+    engine: &EngineConfig,
+) -> zero_candle::Result<(Device, Net, ZeroOptimizer<zero_nccl::CudaThreadComm, f32>)> {
+    let rank = comm.rank();
+    let device = built.device(comm.context().ordinal())?;
+    let hook = ZeroHook::<zero_nccl::CudaThreadComm, f32>::new();
+    let net = Net::new(&device, DType::F32, hook.clone())?;
+    let sgd = Sgd::new(SgdConfig::default().with_lr(0.05))?;
+    let mut opt = ZeroOptimizer::<_, f32>::new(&net.varmap, comm, engine.clone(), Box::new(sgd))?
+        .with_hook(&hook)?;
+    let (tokens, targets) = batch(&device, rank, 0)?;
+    opt.backward_step(&net.loss(&tokens, &targets)?)?;
+    Ok((device, net, opt))
+}
+
 #[derive(Clone, Copy, Debug)]
 enum DroppedAfter {
     /// A forward pass: the gathers of its layers and the prefetches of the
@@ -448,19 +467,7 @@ fn a_stage_3_optimizer_dropped_right_after_a_forward_or_a_step_leaves_the_gpu_so
                     .run(|comm| {
                         let run = || -> zero_candle::Result<()> {
                             let rank = comm.rank();
-                            let device = built.device(comm.context().ordinal())?;
-                            let hook = ZeroHook::<zero_nccl::CudaThreadComm, f32>::new();
-                            let net = Net::new(&device, DType::F32, hook.clone())?;
-                            let sgd = Sgd::new(SgdConfig::default().with_lr(0.05))?;
-                            let mut opt = ZeroOptimizer::<_, f32>::new(
-                                &net.varmap,
-                                comm,
-                                config.clone(),
-                                Box::new(sgd),
-                            )?
-                            .with_hook(&hook)?;
-                            let (tokens, targets) = batch(&device, rank, 0)?;
-                            opt.backward_step(&net.loss(&tokens, &targets)?)?;
+                            let (device, net, mut opt) = after_one_step(built, comm, config)?;
                             let (tokens, targets) = batch(&device, rank, 1)?;
                             let loss = net.loss(&tokens, &targets)?;
                             if let DroppedAfter::Step = when {
@@ -520,19 +527,7 @@ fn a_rank_failing_mid_forward_fails_its_peers_and_leaves_the_gpu_sound() {
             .run(|comm| {
                 let run = || -> zero_candle::Result<()> {
                     let rank = comm.rank();
-                    let device = built.device(comm.context().ordinal())?;
-                    let hook = ZeroHook::<zero_nccl::CudaThreadComm, f32>::new();
-                    let net = Net::new(&device, DType::F32, hook.clone())?;
-                    let sgd = Sgd::new(SgdConfig::default().with_lr(0.05))?;
-                    let mut opt = ZeroOptimizer::<_, f32>::new(
-                        &net.varmap,
-                        comm,
-                        stage3.clone(),
-                        Box::new(sgd),
-                    )?
-                    .with_hook(&hook)?;
-                    let (tokens, targets) = batch(&device, rank, 0)?;
-                    opt.backward_step(&net.loss(&tokens, &targets)?)?;
+                    let (device, net, mut opt) = after_one_step(built, comm, &stage3)?;
                     let (tokens, targets) = batch(&device, rank, 1)?;
                     if rank == 1 {
                         // The first layer runs, then the rank fails.
