@@ -1,0 +1,177 @@
+//! Element-wise launches for [`LayerKernels`] (`activation_*`,
+//! `bias_activation_forward_*`, `swiglu_*` in layers.cu): one thread per
+//! element, the activation chosen by [`ActivationKind`].
+
+use super::{check_len, int_arg, ActivationKind, Launch, LayerElement, LayerKernels};
+use crate::{Error, Result};
+use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, PushKernelArg};
+use std::sync::Arc;
+
+impl LayerKernels {
+    /// `y = act(x)`, element-wise.
+    pub fn activation_forward<E: LayerElement>(
+        &self,
+        stream: &Arc<CudaStream>,
+        kind: ActivationKind,
+        x: &impl DevicePtr<E>,
+        y: &mut impl DevicePtrMut<E>,
+    ) -> Result<()> {
+        const OP: &str = "activation_forward";
+        check_len(OP, "y", y.len(), x.len())?;
+        let Some(cfg) = self.config(OP, Launch::Elements(x.len()))? else {
+            return Ok(());
+        };
+        let n = x.len() as i64;
+        let kind = kind as i32;
+        let (x, _g0) = x.device_ptr(stream);
+        let (y, _g1) = y.device_ptr_mut(stream);
+        let mut launch = stream.launch_builder(&self.activation_forward[E::INDEX]);
+        launch.arg(&x).arg(&y).arg(&n).arg(&kind);
+        // SAFETY: x and y hold n `E`; the arguments match `activation_forward_*`.
+        unsafe { launch.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// `dx = grad * act'(x)`, element-wise.
+    pub fn activation_backward<E: LayerElement>(
+        &self,
+        stream: &Arc<CudaStream>,
+        kind: ActivationKind,
+        x: &impl DevicePtr<E>,
+        grad: &impl DevicePtr<E>,
+        dx: &mut impl DevicePtrMut<E>,
+    ) -> Result<()> {
+        const OP: &str = "activation_backward";
+        check_len(OP, "grad", grad.len(), x.len())?;
+        check_len(OP, "dx", dx.len(), x.len())?;
+        let Some(cfg) = self.config(OP, Launch::Elements(x.len()))? else {
+            return Ok(());
+        };
+        let n = x.len() as i64;
+        let kind = kind as i32;
+        let (x, _g0) = x.device_ptr(stream);
+        let (g, _g1) = grad.device_ptr(stream);
+        let (dx, _g2) = dx.device_ptr_mut(stream);
+        let mut launch = stream.launch_builder(&self.activation_backward[E::INDEX]);
+        launch.arg(&x).arg(&g).arg(&dx).arg(&n).arg(&kind);
+        // SAFETY: x, grad and dx hold n `E`; the arguments match
+        // `activation_backward_*`.
+        unsafe { launch.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// A Linear layer's epilogue after a plain GEMM, one pass over its
+    /// row-major `[rows, width]` output `pre`: `pre += bias` (per column,
+    /// in place: it stays as the pre-activation for the backward) and
+    /// `y = act(pre)`.
+    pub fn bias_activation_forward<E: LayerElement>(
+        &self,
+        stream: &Arc<CudaStream>,
+        kind: ActivationKind,
+        pre: &mut impl DevicePtrMut<E>,
+        bias: &impl DevicePtr<E>,
+        y: &mut impl DevicePtrMut<E>,
+    ) -> Result<()> {
+        const OP: &str = "bias_activation_forward";
+        let width = bias.len();
+        if width == 0 || pre.len() % width != 0 {
+            return Err(Error::from(zero_core::Error::Unsupported {
+                op: OP,
+                detail: format!(
+                    "the output has {} elements, not a whole number of rows of the bias's {width}; \
+                     the bias must have the size of the output's last dimension",
+                    pre.len()
+                ),
+            }));
+        }
+        check_len(OP, "y", y.len(), pre.len())?;
+        let Some(cfg) = self.config(OP, Launch::Elements(pre.len()))? else {
+            return Ok(());
+        };
+        let n = pre.len() as i64;
+        let width = int_arg(OP, "the bias's length", width)?;
+        let kind = kind as i32;
+        let (pre, _g0) = pre.device_ptr_mut(stream);
+        let (bias, _g1) = bias.device_ptr(stream);
+        let (y, _g2) = y.device_ptr_mut(stream);
+        let mut launch = stream.launch_builder(&self.bias_activation_forward[E::INDEX]);
+        launch
+            .arg(&pre)
+            .arg(&bias)
+            .arg(&y)
+            .arg(&n)
+            .arg(&width)
+            .arg(&kind);
+        // SAFETY: pre and y hold n `E`, bias `width` (n a multiple of it);
+        // the arguments match `bias_activation_forward_*`.
+        unsafe { launch.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// `y = silu(gate) * up`, element-wise (SwiGLU's gate).
+    pub fn swiglu_forward<E: LayerElement>(
+        &self,
+        stream: &Arc<CudaStream>,
+        gate: &impl DevicePtr<E>,
+        up: &impl DevicePtr<E>,
+        y: &mut impl DevicePtrMut<E>,
+    ) -> Result<()> {
+        const OP: &str = "swiglu_forward";
+        check_len(OP, "up", up.len(), gate.len())?;
+        check_len(OP, "y", y.len(), gate.len())?;
+        let Some(cfg) = self.config(OP, Launch::Elements(gate.len()))? else {
+            return Ok(());
+        };
+        let n = gate.len() as i64;
+        let (gate, _g0) = gate.device_ptr(stream);
+        let (up, _g1) = up.device_ptr(stream);
+        let (y, _g2) = y.device_ptr_mut(stream);
+        let mut launch = stream.launch_builder(&self.swiglu_forward[E::INDEX]);
+        launch.arg(&gate).arg(&up).arg(&y).arg(&n);
+        // SAFETY: gate, up and y hold n `E`; the arguments match
+        // `swiglu_forward_*`.
+        unsafe { launch.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// Both gradients of [`LayerKernels::swiglu_forward`] in one pass:
+    /// `dgate = grad * up * silu'(gate)`, `dup = grad * silu(gate)`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn swiglu_backward<E: LayerElement>(
+        &self,
+        stream: &Arc<CudaStream>,
+        gate: &impl DevicePtr<E>,
+        up: &impl DevicePtr<E>,
+        grad: &impl DevicePtr<E>,
+        dgate: &mut impl DevicePtrMut<E>,
+        dup: &mut impl DevicePtrMut<E>,
+    ) -> Result<()> {
+        const OP: &str = "swiglu_backward";
+        let n = gate.len();
+        check_len(OP, "up", up.len(), n)?;
+        check_len(OP, "grad", grad.len(), n)?;
+        check_len(OP, "dgate", dgate.len(), n)?;
+        check_len(OP, "dup", dup.len(), n)?;
+        let Some(cfg) = self.config(OP, Launch::Elements(n))? else {
+            return Ok(());
+        };
+        let n = n as i64;
+        let (gate, _g0) = gate.device_ptr(stream);
+        let (up, _g1) = up.device_ptr(stream);
+        let (g, _g2) = grad.device_ptr(stream);
+        let (dgate, _g3) = dgate.device_ptr_mut(stream);
+        let (dup, _g4) = dup.device_ptr_mut(stream);
+        let mut launch = stream.launch_builder(&self.swiglu_backward[E::INDEX]);
+        launch
+            .arg(&gate)
+            .arg(&up)
+            .arg(&g)
+            .arg(&dgate)
+            .arg(&dup)
+            .arg(&n);
+        // SAFETY: every buffer holds n `E`; the arguments match
+        // `swiglu_backward_*`.
+        unsafe { launch.launch(cfg) }?;
+        Ok(())
+    }
+}
