@@ -329,29 +329,9 @@ fn activations_match_the_cpu() -> Result<()> {
 #[ignore = "needs a CUDA GPU"]
 fn linear_through_cublaslt_matches_the_cpu() -> Result<()> {
     set_linear_cublaslt(true);
-    // (rows, in, out); the input starts one row into its buffer, off
-    // cuBLASLt's 256-byte alignment.
     let shapes = [(1, 1, 1), (7, 65, 33), (64, 768, 3072)];
     for dtype in DTYPES {
-        for (seed, &(rows, in_dim, out_dim)) in shapes.iter().enumerate() {
-            let seed = seed as u64;
-            let x = values(&[rows + 1, in_dim], seed, 1.0, dtype)?;
-            let w = values(&[out_dim, in_dim], 10 + seed, 1.0, dtype)?;
-            let b = values(&[out_dim], 20 + seed, 1.0, dtype)?;
-            let upstream = values(&[rows, out_dim], 30 + seed, 1.0, dtype)?;
-            let what = format!("Linear {rows}x{in_dim}->{out_dim} {dtype:?}");
-            compare(&what, dtype, &[&x, &w, &b], &upstream, &|t| {
-                let layer = Linear::new(t[1].clone(), Some(t[2].clone()), None);
-                layer.forward(&t[0].narrow(0, 1, rows)?)
-            })?;
-            compare(
-                &format!("{what} without bias"),
-                dtype,
-                &[&x, &w],
-                &upstream,
-                &|t| Linear::new(t[1].clone(), None, None).forward(&t[0].narrow(0, 1, rows)?),
-            )?;
-        }
+        compare_linear("Linear", dtype, &shapes, 0, &|layer, x| layer.forward(x))?;
     }
     set_linear_cublaslt(false);
     Ok(())
@@ -362,7 +342,7 @@ fn linear_through_cublaslt_matches_the_cpu() -> Result<()> {
 fn linear_with_its_activation_matches_the_cpu() -> Result<()> {
     // (rows, in, out): 8 and 3072 outputs take the tanh-GELU in cuBLASLt's
     // epilogue (its aux matrix wants a multiple of 8), 33 keeps it out of
-    // the GEMM. The input starts one row into its buffer.
+    // the GEMM.
     let shapes = [(1, 1, 8), (7, 65, 33), (64, 768, 3072)];
     let activations = [Activation::Gelu, Activation::GeluErf, Activation::Silu];
     // Process-wide, as `linear_through_cublaslt_matches_the_cpu` sets it:
@@ -370,36 +350,53 @@ fn linear_with_its_activation_matches_the_cpu() -> Result<()> {
     for cublaslt in [false, true] {
         set_linear_cublaslt(cublaslt);
         for dtype in DTYPES {
-            for (seed, &(rows, in_dim, out_dim)) in shapes.iter().enumerate() {
-                let seed = seed as u64;
-                let x = values(&[rows + 1, in_dim], 40 + seed, 1.0, dtype)?;
-                let w = values(&[out_dim, in_dim], 50 + seed, 1.0, dtype)?;
-                let b = values(&[out_dim], 60 + seed, 1.0, dtype)?;
-                let upstream = values(&[rows, out_dim], 70 + seed, 1.0, dtype)?;
-                for activation in activations {
-                    let what = format!(
-                        "Linear {rows}x{in_dim}->{out_dim} then {activation:?} {dtype:?} \
-                         (cuBLASLt {cublaslt})"
-                    );
-                    compare(&what, dtype, &[&x, &w, &b], &upstream, &|t| {
-                        Linear::new(t[1].clone(), Some(t[2].clone()), None)
-                            .forward_activated(&t[0].narrow(0, 1, rows)?, activation)
-                    })?;
-                    compare(
-                        &format!("{what} without bias"),
-                        dtype,
-                        &[&x, &w],
-                        &upstream,
-                        &|t| {
-                            Linear::new(t[1].clone(), None, None)
-                                .forward_activated(&t[0].narrow(0, 1, rows)?, activation)
-                        },
-                    )?;
-                }
+            for activation in activations {
+                let what = format!("Linear then {activation:?} (cuBLASLt {cublaslt})");
+                compare_linear(&what, dtype, &shapes, 40, &|layer, x| {
+                    layer.forward_activated(x, activation)
+                })?;
             }
         }
     }
     set_linear_cublaslt(false);
+    Ok(())
+}
+
+/// `forward(layer, x)` of a Linear with a bias and without one against
+/// the CPU, values and gradients, for each `(rows, in, out)` of `shapes`;
+/// the input starts one row into its buffer, off cuBLASLt's 256-byte
+/// alignment. The values are seeded from `seed` on.
+fn compare_linear(
+    what: &str,
+    dtype: DType,
+    shapes: &[(usize, usize, usize)],
+    seed: u64,
+    forward: &dyn Fn(&Linear, &Tensor) -> Result<Tensor>,
+) -> Result<()> {
+    for (i, &(rows, in_dim, out_dim)) in shapes.iter().enumerate() {
+        let seed = seed + i as u64;
+        let x = values(&[rows + 1, in_dim], seed, 1.0, dtype)?;
+        let w = values(&[out_dim, in_dim], 10 + seed, 1.0, dtype)?;
+        let b = values(&[out_dim], 20 + seed, 1.0, dtype)?;
+        let upstream = values(&[rows, out_dim], 30 + seed, 1.0, dtype)?;
+        let what = format!("{what} {rows}x{in_dim}->{out_dim} {dtype:?}");
+        compare(&what, dtype, &[&x, &w, &b], &upstream, &|t| {
+            let layer = Linear::new(t[1].clone(), Some(t[2].clone()), None);
+            forward(&layer, &t[0].narrow(0, 1, rows)?)
+        })?;
+        compare(
+            &format!("{what} without bias"),
+            dtype,
+            &[&x, &w],
+            &upstream,
+            &|t| {
+                forward(
+                    &Linear::new(t[1].clone(), None, None),
+                    &t[0].narrow(0, 1, rows)?,
+                )
+            },
+        )?;
+    }
     Ok(())
 }
 

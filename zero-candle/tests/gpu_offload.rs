@@ -17,7 +17,7 @@ use zero_core::{Communicator, ThreadGroup};
 use zero_nccl::NcclComm;
 
 mod gpu_support;
-use gpu_support::{batch, hooked_mlp, max_diff, mlp, weights, Built, BUILDS};
+use gpu_support::{assert_builds_agree, batch, hooked_mlp, max_diff, mlp, weights, Built, BUILDS};
 
 fn adamw() -> Box<AdamW<f32>> {
     Box::new(AdamW::new(AdamWConfig::default().with_lr(1e-2)).expect("AdamW"))
@@ -96,14 +96,10 @@ fn train_gpu(
 ) -> (Vec<(String, Vec<f32>)>, MemoryReport, OffloadTimes) {
     let [trainer, own] = BUILDS
         .map(|built| train_gpu_built(built, dtype, config.clone(), (first, steps), load, save));
-    let tolerance = if dtype == DType::F32 { 1e-5 } else { 1e-2 };
-    let diff = max_diff(&trainer.0, &own.0);
-    assert!(
-        diff <= tolerance,
-        "{dtype:?} {:?} {:?}: a device built as the trainer builds it trains weights {diff} \
-         from one on a stream of its own (a fence only cudarc's event tracking supplies?)",
-        config.offload,
-        config.overlap
+    assert_builds_agree(
+        dtype,
+        max_diff(&trainer.0, &own.0),
+        &format!("{dtype:?} {:?} {:?}", config.offload, config.overlap),
     );
     trainer
 }

@@ -23,7 +23,7 @@ use zero_core::{Communicator, ThreadGroup};
 use zero_nccl::{CudaThreadGroup, DeviceComm};
 
 mod gpu_support;
-use gpu_support::{batch, max_diff, mlp, weights, Built, BUILDS};
+use gpu_support::{assert_builds_agree, batch, max_diff, mlp, weights, Built, BUILDS};
 
 type Weights = Vec<(String, Vec<f32>)>;
 
@@ -124,12 +124,10 @@ fn on_gpu(
 ) -> Vec<Weights> {
     let [trainer, own] =
         BUILDS.map(|built| on_gpu_built(built, n, dtype, config, steps, load, save));
-    let tolerance = if dtype == DType::F32 { 1e-5 } else { 1e-2 };
-    let diff = max_diff_all(&trainer, &own);
-    assert!(
-        diff <= tolerance,
-        "n={n} {dtype:?}: a device built as the trainer builds it trains weights {diff} from \
-         one on a stream of its own (a fence that only cudarc's event tracking supplies?)"
+    assert_builds_agree(
+        dtype,
+        max_diff_all(&trainer, &own),
+        &format!("n={n} {dtype:?}"),
     );
     trainer
 }

@@ -24,6 +24,18 @@ pub enum Built {
 /// Both ways, the trainer's first.
 pub const BUILDS: [Built; 2] = [Built::AsTheTrainer, Built::OwnStream];
 
+/// Asserts that runs on the two [`BUILDS`] trained weights at most
+/// rounding apart (`diff`, the largest difference): the same kernels in the
+/// same order, up to cuBLAS choosing another algorithm on another stream.
+pub fn assert_builds_agree(dtype: DType, diff: f32, what: &str) {
+    let tolerance = if dtype == DType::F32 { 1e-5 } else { 1e-2 };
+    assert!(
+        diff <= tolerance,
+        "{what}: a device built as the trainer builds it trains weights {diff} from one on a \
+         stream of its own (a fence that only cudarc's event tracking supplies?)"
+    );
+}
+
 impl Built {
     /// GPU `ordinal`, built this way (on the calling thread: with the
     /// per-thread stream, the thread that uses it).
