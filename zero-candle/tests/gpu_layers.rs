@@ -2,8 +2,8 @@
 //! reference): values and gradients (inputs, and the norms' weight and
 //! bias) of causal attention (packed, and split with grouped K/V heads;
 //! bf16 and f16 on tensor cores from sm_80), LayerNorm/RMSNorm (also after
-//! a residual add), GELU (both forms), SiLU, SwiGLU, rotary embeddings and
-//! cross-entropy, and `Linear` (alone, and with its activation in one op,
+//! a residual add), GELU (both forms), SiLU, SwiGLU, rotary embeddings,
+//! cross-entropy and the `Embedding` table's gradient, and `Linear` (alone, and with its activation in one op,
 //! `forward_activated`) through Candle's GEMM and through cuBLASLt
 //! (`set_linear_cublaslt`, tanh-GELU in its epilogue), in f32, bf16 and f16, at shapes that are not multiples of the kernels'
 //! tiles (T = 1, 7, 65, 200; head_dim 32, 48, 64, 128; a single row).
@@ -19,7 +19,7 @@ use zero_candle::nn::ops::{
     causal_attention, causal_self_attention, cross_entropy, cross_entropy_with_ignore, gelu,
     gelu_erf, rotary_embedding, silu, swiglu,
 };
-use zero_candle::nn::{set_linear_cublaslt, Activation, LayerNorm, Linear, RmsNorm};
+use zero_candle::nn::{set_linear_cublaslt, Activation, Embedding, LayerNorm, Linear, RmsNorm};
 
 const DTYPES: [DType; 3] = [DType::F32, DType::BF16, DType::F16];
 
@@ -555,4 +555,46 @@ fn cross_entropy_target_out_of_range_is_nan_on_the_gpu() -> Result<()> {
         "other rows are untouched"
     );
     Ok(())
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn embedding_gradient_matches_the_cpu_bitwise() -> Result<()> {
+    // The GPU adds each id's rows in f32, in their order, and rounds once:
+    // the CPU's f32 sums of the same values, rounded to the dtype, exactly.
+    let device = gpu();
+    let (vocab, dim) = (50, 300);
+    // Skewed ids, as in text: some take many rows, some never occur.
+    let ids: Vec<u32> = (0..1000u32)
+        .map(|i| (i * i + 7 * i) % 37 % (1 + i % 20))
+        .collect();
+    for dtype in DTYPES {
+        for ids_dtype in [DType::U32, DType::I64] {
+            let ids = Tensor::new(ids.as_slice(), &Device::Cpu)?.to_dtype(ids_dtype)?;
+            let grad = values(&[ids.dim(0)?, dim], 11, 1.0, dtype)?;
+            let on_gpu =
+                table_gradient(&ids.to_device(&device)?, &grad.to_device(&device)?, vocab)?;
+            let on_cpu =
+                table_gradient(&ids, &grad.to_dtype(DType::F32)?, vocab)?.to_dtype(dtype)?;
+            assert_eq!(
+                host(&on_gpu),
+                host(&on_cpu),
+                "{dtype:?} with {ids_dtype:?} ids"
+            );
+        }
+    }
+    Ok(())
+}
+
+/// The gradient of an `Embedding`'s `[vocab, dim]` table when its lookup of
+/// `ids` gets the gradient `grad` (`[ids, dim]`).
+fn table_gradient(ids: &Tensor, grad: &Tensor, vocab: usize) -> Result<Tensor> {
+    let dim = grad.dim(1)?;
+    let table = Var::from_tensor(&Tensor::zeros((vocab, dim), grad.dtype(), grad.device())?)?;
+    let lookup = Embedding::new(table.as_tensor().clone(), dim, None).forward(ids)?;
+    let grads = (lookup * grad)?.sum_all()?.backward()?;
+    grads
+        .get(table.as_tensor())
+        .cloned()
+        .ok_or_else(|| candle_core::Error::Msg("no table gradient".into()))
 }

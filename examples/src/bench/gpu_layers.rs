@@ -9,7 +9,9 @@
 //! `scaled_dot_product_attention(is_causal=True)`, with `enable_gqa=True`
 //! for the grouped case, and `F.layer_norm`'s backward) run in a child
 //! `python3` when it has torch and a GPU, and the ratios ours / PyTorch's
-//! are reported.
+//! are reported. The `Embedding` table's gradient (forward + backward at
+//! GPT-2's table, 50,257 x 768, and the GPT benchmark's 4,096 ids) is timed
+//! beside candle-nn's `Embedding` (Candle's `index_add`), f32 and bf16.
 
 use super::Report;
 use candle_core::{DType, Device, Module, Tensor, Var};
@@ -17,7 +19,7 @@ use std::collections::HashMap;
 use std::process::Command;
 use std::sync::Arc;
 use zero_candle::nn::ops::{causal_attention, causal_self_attention};
-use zero_candle::nn::LayerNorm;
+use zero_candle::nn::{Embedding, LayerNorm};
 use zero_nccl::cudarc::driver::{sys::CUevent_flags, CudaStream};
 
 const BATCH: usize = 16;
@@ -176,7 +178,64 @@ fn ours(report: &mut Report) -> BenchResult<([(f64, f64); 2], f64)> {
         Ok(())
     })?;
     report.add("gpu.attn_gqa_fwd_bwd_ms_bf16", gqa_ms, "ms", None);
+    embedding_figures(report, &device, &stream)?;
     Ok((figures, gqa_ms))
+}
+
+/// GPT-2's token table and the GPT benchmark's ids per step.
+const EMBEDDING_VOCAB: usize = 50_257;
+const EMBEDDING_DIM: usize = 768;
+
+/// The `Embedding` lookup's forward + backward, ours against candle-nn's
+/// (whose backward is Candle's `index_add`), in f32 and bf16.
+fn embedding_figures(
+    report: &mut Report,
+    device: &Device,
+    stream: &Arc<CudaStream>,
+) -> BenchResult<()> {
+    // Skewed ids, as text's are: id = vocab * u^3 for u spread over [0, 1).
+    let ids: Vec<u32> = (0..BATCH * TIME)
+        .map(|i| {
+            let u = (i as f64 * 0.618_033_988_749_895).fract();
+            (EMBEDDING_VOCAB as f64 * u * u * u) as u32
+        })
+        .collect();
+    let ids = Tensor::new(ids.as_slice(), device)?;
+    for (dtype, suffix) in [(DType::F32, ""), (DType::BF16, "_bf16")] {
+        let table = Var::from_tensor(
+            &Tensor::randn(0f32, 0.02, (EMBEDDING_VOCAB, EMBEDDING_DIM), device)?
+                .to_dtype(dtype)?,
+        )?;
+        let ours = Embedding::new(table.as_tensor().clone(), EMBEDDING_DIM, None);
+        let candle = candle_nn::Embedding::new(table.as_tensor().clone(), EMBEDDING_DIM);
+        let time = |layer: &dyn Module| {
+            time_ms(stream, || {
+                let grads = layer.forward(&ids)?.sum_all()?.backward()?;
+                drop(grads);
+                Ok(())
+            })
+        };
+        let (ours_ms, candle_ms) = (time(&ours)?, time(&candle)?);
+        report.add(
+            &format!("gpu.embedding_fwd_bwd_ms{suffix}"),
+            ours_ms,
+            "ms",
+            None,
+        );
+        report.add(
+            &format!("gpu.candle_embedding_fwd_bwd_ms{suffix}"),
+            candle_ms,
+            "ms",
+            None,
+        );
+        report.add(
+            &format!("gpu.embedding_over_candle{suffix}"),
+            ours_ms / candle_ms,
+            "ratio",
+            None,
+        );
+    }
+    Ok(())
 }
 
 /// PyTorch's figures by name (`attn_fwd_bwd_ms_f32`, ...), or why not.

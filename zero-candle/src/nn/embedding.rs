@@ -6,7 +6,8 @@ use super::grad_hook::{
     announce, announce_gather, before_read, for_each_stretch, gather, route, row_parts,
     GatheredParam, GradHook, RowPart,
 };
-use super::storage::{on_device, owned_storage, OnDevice};
+use super::ops::cuda;
+use super::storage::{on_device, owned_storage, tensor_from, with_cuda, OnDevice};
 use candle_core::backend::BackendStorage;
 use candle_core::{
     bail, CpuStorage, CudaStorage, CustomOp2, DType, Device, Layout, Module, Result, Shape,
@@ -285,12 +286,37 @@ impl CustomOp2 for FusedEmbedding {
         let (vocab, dim) = table.dims2()?;
         let grad_table = if table.device().is_cpu() {
             scatter_rows_cpu(vocab, dim, ids, grad)?
+        } else if table.device().is_cuda() && has_cuda_kernel(ids, grad) {
+            scatter_rows_cuda(vocab, dim, ids, grad)?
         } else {
-            // Other devices: Candle's own index_add, as candle-nn's backward.
+            // Other devices and types: Candle's own index_add, as candle-nn's
+            // backward.
             Tensor::zeros((vocab, dim), grad.dtype(), grad.device())?.index_add(ids, grad, 0)?
         };
         Ok((route(self.hook.as_ref(), table, grad_table)?, None))
     }
+}
+
+/// Whether zero-nccl's embedding gradient takes these ids and this
+/// gradient: u32 or i64 ids, f32, bf16 or f16 values.
+fn has_cuda_kernel(ids: &Tensor, grad: &Tensor) -> bool {
+    matches!(ids.dtype(), DType::U32 | DType::I64)
+        && matches!(grad.dtype(), DType::F32 | DType::BF16 | DType::F16)
+}
+
+/// The table's gradient on CUDA: the lookup's rows sorted by id, then each
+/// id's rows added in f32 in their order and rounded once (candle's
+/// `index_add` adds them one after another in the element type, on a thread
+/// per column). In f32 the sums are bitwise the CPU's.
+fn scatter_rows_cuda(vocab: usize, dim: usize, ids: &Tensor, grad: &Tensor) -> Result<Tensor> {
+    let ids = ids.flatten_all()?.contiguous()?;
+    let grad = grad.contiguous()?;
+    let table = with_cuda(&ids, "the embedding ids", |ids_storage, ids_layout| {
+        with_cuda(&grad, "the embedding gradient", |g_storage, g_layout| {
+            cuda::embedding_backward((ids_storage, ids_layout), (g_storage, g_layout), vocab)
+        })
+    })?;
+    Ok(tensor_from(Storage::Cuda(table), (vocab, dim)))
 }
 
 /// `out[ids[i]] += grad[i]` into a fresh zeroed `[vocab, dim]` table, in

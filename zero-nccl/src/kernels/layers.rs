@@ -2,7 +2,8 @@
 //! self-attention (FlashAttention-2 forward and backward), LayerNorm and
 //! RMSNorm (forward, alone or with the residual add before it, and
 //! backward), GELU/SiLU, SwiGLU, rotary embeddings (forward and backward),
-//! and cross-entropy, for f32, bf16 and f16 storage, computing in f32.
+//! cross-entropy, and an embedding table's gradient, for f32, bf16 and f16
+//! storage, computing in f32.
 //! zero-candle's custom ops launch them through [`LayerKernels`]; each
 //! kernel has a CPU reference there.
 //!
@@ -21,7 +22,8 @@
 //! `dO V^T` twice). A K/V head's dK/dV block sums over its group of query
 //! heads in order. Norm backward is a row pass (dx, and the row
 //! statistics) and a column pass over fixed chunks of rows (dw, db) summed
-//! in a fixed order.
+//! in a fixed order. The embedding gradient sorts the lookup's rows by id,
+//! then sums each id's rows in their order.
 //!
 //! ```no_run
 //! # fn main() -> zero_nccl::Result<()> {
@@ -38,6 +40,7 @@
 
 mod attention;
 mod elementwise;
+mod embedding;
 mod rotary;
 
 pub use attention::{AttentionShape, MAX_HEAD_DIM};
@@ -54,11 +57,16 @@ use cudarc::driver::{
 use std::sync::Arc;
 
 /// The CUDA C source of the layer kernels: `layers.cu`, then the
-/// tensor-core attention of `attention_tc.cu`, which uses its definitions.
-pub const LAYER_SOURCE: &str = concat!(include_str!("layers.cu"), include_str!("attention_tc.cu"));
+/// tensor-core attention of `attention_tc.cu` and the embedding gradient of
+/// `embedding.cu`, which use its definitions.
+pub const LAYER_SOURCE: &str = concat!(
+    include_str!("layers.cu"),
+    include_str!("attention_tc.cu"),
+    include_str!("embedding.cu")
+);
 
 /// Every kernel [`LayerKernels::new`] loads from [`LAYER_SOURCE`].
-pub const LAYER_KERNEL_NAMES: [&str; 81] = [
+pub const LAYER_KERNEL_NAMES: [&str; 89] = [
     "attention_forward_d64_f32",
     "attention_backward_dq_d64_f32",
     "attention_backward_dkdv_d64_f32",
@@ -140,6 +148,14 @@ pub const LAYER_KERNEL_NAMES: [&str; 81] = [
     "cross_entropy_backward_f16_u32",
     "cross_entropy_loss_f16_i64",
     "cross_entropy_backward_f16_i64",
+    "embedding_order_u32",
+    "embedding_order_i64",
+    "embedding_backward_f32_u32",
+    "embedding_backward_f32_i64",
+    "embedding_backward_bf16_u32",
+    "embedding_backward_bf16_i64",
+    "embedding_backward_f16_u32",
+    "embedding_backward_f16_i64",
 ];
 
 /// Compiles [`LAYER_SOURCE`] to PTX for `arch` with
@@ -181,7 +197,8 @@ impl LayerElement for half::f16 {
     const TENSOR_CORE_INDEX: Option<usize> = Some(1);
 }
 
-/// A class-index type of cross-entropy targets: `u32` or `i64`.
+/// A class-index type of cross-entropy targets and embedding ids: `u32` or
+/// `i64`.
 pub trait TargetIndex: DeviceRepr + Copy + 'static {
     /// Its kernels' index in the per-type tables.
     const INDEX: usize;
@@ -245,6 +262,9 @@ enum Launch {
     },
     /// Blocks of 32 x 8 threads: 32 columns by `chunks` chunks of rows.
     Columns { n: usize, chunks: usize },
+    /// Blocks of 256 threads: one per row (grid-stride) and per 256
+    /// columns.
+    Segments { rows: usize, columns: usize },
 }
 
 /// The layer kernels, compiled once and loaded into one device's context.
@@ -272,6 +292,10 @@ pub struct LayerKernels {
     /// Per [`LayerElement::INDEX`], then per [`TargetIndex::INDEX`].
     cross_entropy_loss: [[CudaFunction; 2]; 3],
     cross_entropy_backward: [[CudaFunction; 2]; 3],
+    /// Per [`TargetIndex::INDEX`] (the ids' type).
+    embedding_order: [CudaFunction; 2],
+    /// Per [`LayerElement::INDEX`], then per [`TargetIndex::INDEX`].
+    embedding_backward: [[CudaFunction; 2]; 3],
     /// The cap of grid-stride launches.
     max_blocks: u32,
 }
@@ -280,6 +304,12 @@ pub struct LayerKernels {
 fn per_element(module: &Arc<CudaModule>, family: &str) -> Result<[CudaFunction; 3]> {
     let [a, b, c] = ELEMENT_NAMES.map(|ty| module.load_function(&format!("{family}_{ty}")));
     Ok([a?, b?, c?])
+}
+
+/// Loads `<family>_<target>` for each target type.
+fn per_target(module: &Arc<CudaModule>, family: &str) -> Result<[CudaFunction; 2]> {
+    let [u, i] = TARGET_NAMES.map(|t| module.load_function(&format!("{family}_{t}")));
+    Ok([u?, i?])
 }
 
 /// Loads `<family>_<type>_<target>` for each storage and target type.
@@ -397,6 +427,8 @@ impl LayerKernels {
                 cross_entropy_lse: per_element(&module, "cross_entropy_lse")?,
                 cross_entropy_loss: per_element_and_target(&module, "cross_entropy_loss")?,
                 cross_entropy_backward: per_element_and_target(&module, "cross_entropy_backward")?,
+                embedding_order: per_target(&module, "embedding_order")?,
+                embedding_backward: per_element_and_target(&module, "embedding_backward")?,
                 max_blocks: max_blocks(ctx)?,
             })
         })
@@ -471,6 +503,20 @@ impl LayerKernels {
                 Some(LaunchConfig {
                     grid_dim: (n.div_ceil(32) as u32, chunks as u32, 1),
                     block_dim: (32, 8, 1),
+                    shared_mem_bytes: 0,
+                })
+            }
+            Launch::Segments { rows, columns } => {
+                let column_blocks = columns.div_ceil(BLOCK as usize);
+                if rows == 0 || column_blocks == 0 {
+                    return Ok(None);
+                }
+                if column_blocks > 65535 {
+                    return Err(too_large("column blocks", column_blocks, 65535));
+                }
+                Some(LaunchConfig {
+                    grid_dim: (rows.min(cap) as u32, column_blocks as u32, 1),
+                    block_dim: (BLOCK, 1, 1),
                     shared_mem_bytes: 0,
                 })
             }
@@ -880,11 +926,18 @@ mod tests {
             ] {
                 names.push(format!("{family}_{ty}"));
             }
-            for family in ["cross_entropy_loss", "cross_entropy_backward"] {
+            for family in [
+                "cross_entropy_loss",
+                "cross_entropy_backward",
+                "embedding_backward",
+            ] {
                 for t in TARGET_NAMES {
                     names.push(format!("{family}_{ty}_{t}"));
                 }
             }
+        }
+        for t in TARGET_NAMES {
+            names.push(format!("embedding_order_{t}"));
         }
         names
     }
@@ -917,9 +970,13 @@ mod tests {
 
     #[test]
     fn block_shapes_match_the_source() {
-        // The 256-thread blocks of cross-entropy and the 32 x 8 of the norm
-        // backward's column pass (attention's: attention.rs).
+        // The 256-thread blocks of cross-entropy and of the embedding
+        // gradient (launched as `Launch::Elements` and `Launch::Segments`),
+        // and the 32 x 8 of the norm backward's column pass (attention's:
+        // attention.rs).
         assert!(LAYER_SOURCE.contains("#define CE_THREADS 256"));
+        assert!(LAYER_SOURCE.contains("#define EMB_THREADS 256"));
+        assert_eq!(BLOCK, 256);
         assert!(LAYER_SOURCE.contains("#define NORM_COL_ROWS 8"));
     }
 

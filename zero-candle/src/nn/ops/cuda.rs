@@ -706,6 +706,34 @@ pub(crate) fn cross_entropy_backward(
     })
 }
 
+/// The gradient of an embedding lookup's `[vocab, dim]` table from the
+/// lookup's ids (u32 or i64) and its output gradient `[ids, dim]`: each
+/// id's rows summed in f32 in their order (see
+/// [`LayerKernels::embedding_backward`]).
+pub(crate) fn embedding_backward(ids: Arg, grad: Arg, vocab: usize) -> Result<CudaStorage> {
+    const OP: &str = "Embedding backward";
+    let device = grad.0.device.clone();
+    let ids = targets_of(OP, ids)?;
+    by_dtype!(grad.0.dtype(), OP, |T| {
+        let grad_view = view::<T>(OP, "the output gradient", grad)?;
+        let rows = match &ids {
+            Targets::U32(t) => t.len(),
+            Targets::I64(t) => t.len(),
+        };
+        let dim = grad_view.len().checked_div(rows).unwrap_or(0);
+        let len = vocab * dim;
+        let mut table = alloc_out::<T>(&device, len)?;
+        launch_on(OP, grad, |kernels, stream| {
+            let table = &mut out(&mut table, len);
+            match &ids {
+                Targets::U32(t) => kernels.embedding_backward(stream, vocab, t, &grad_view, table),
+                Targets::I64(t) => kernels.embedding_backward(stream, vocab, t, &grad_view, table),
+            }
+        })?;
+        Ok(CudaStorage::wrap_cuda_slice(table, device))
+    })
+}
+
 /// The cuBLASLt GEMM of `device`'s stream, made on first use (a handle and
 /// its 32 MiB workspace per stream).
 fn gemm(device: &CudaDevice) -> Result<Arc<Gemm>> {

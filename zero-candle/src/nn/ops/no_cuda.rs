@@ -135,6 +135,10 @@ pub(crate) fn swiglu_backward(
     no_cuda()
 }
 
+pub(crate) fn embedding_backward(_ids: Arg, _grad: Arg, _vocab: usize) -> Result<CudaStorage> {
+    no_cuda()
+}
+
 pub(crate) fn bias_activation_forward(
     _kind: Activation,
     _pre: &mut CudaStorage,
