@@ -26,13 +26,7 @@ impl LayerKernels {
     ) -> Result<()> {
         const OP: &str = "embedding_backward";
         let n = ids.len();
-        let dim = match (vocab, table.len()) {
-            (0, 0) => 0,
-            (0, len) => return Err(table_error(OP, len, vocab)),
-            (vocab, len) if len % vocab == 0 => len / vocab,
-            (vocab, len) => return Err(table_error(OP, len, vocab)),
-        };
-        check_len(OP, "grad", grad.len(), n * dim)?;
+        let dim = embedding_width(OP, vocab, table.len(), n, grad.len())?;
         let vocab_arg = u32::try_from(vocab).map_err(|_| {
             Error::from(zero_core::Error::Unsupported {
                 op: OP,
@@ -84,12 +78,44 @@ impl LayerKernels {
     }
 }
 
-fn table_error(op: &'static str, len: usize, vocab: usize) -> Error {
-    Error::from(zero_core::Error::Unsupported {
-        op,
-        detail: format!(
-            "a table of {len} elements is not {vocab} rows of one width; pass the [vocab, dim] \
-             gradient buffer"
-        ),
-    })
+/// The table's width: `table_len` is `vocab` rows of it, `grad_len` `ids`.
+fn embedding_width(
+    op: &'static str,
+    vocab: usize,
+    table_len: usize,
+    ids: usize,
+    grad_len: usize,
+) -> Result<usize> {
+    let dim = match table_len.checked_div(vocab) {
+        Some(dim) if dim * vocab == table_len => dim,
+        None if table_len == 0 => 0,
+        _ => {
+            return Err(Error::from(zero_core::Error::Unsupported {
+                op,
+                detail: format!(
+                    "a table of {table_len} elements is not {vocab} rows of one width; pass the \
+                     [vocab, dim] gradient buffer"
+                ),
+            }))
+        }
+    };
+    check_len(op, "grad", grad_len, ids * dim)?;
+    Ok(dim)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_width_follows_the_table_and_the_gradient_must_match_it() {
+        assert_eq!(embedding_width("t", 10, 30, 4, 12).unwrap(), 3);
+        assert_eq!(embedding_width("t", 0, 0, 4, 0).unwrap(), 0);
+        assert_eq!(embedding_width("t", 10, 30, 0, 0).unwrap(), 3);
+        let err = embedding_width("t", 10, 31, 4, 12).unwrap_err().to_string();
+        assert!(err.contains("31 elements is not 10 rows"), "{err}");
+        assert!(embedding_width("t", 0, 5, 4, 0).is_err());
+        let err = embedding_width("t", 10, 30, 4, 13).unwrap_err().to_string();
+        assert!(err.contains("grad"), "{err}");
+    }
 }
