@@ -21,7 +21,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 ///
 /// The forward is one custom op over `(table, ids)` that gathers rows from
 /// the table's storage. Its backward builds the `[vocab, hidden_size]`
-/// gradient in one pass (rows of the output gradient added at their ids) and
+/// gradient (rows of the output gradient added at their ids: one pass on the
+/// CPU; on CUDA the rows sorted by id, then each id's summed in f32) and
 /// hands it to the hook. The ids get no gradient.
 #[derive(Clone)]
 pub struct Embedding {
