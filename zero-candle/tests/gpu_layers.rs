@@ -3,8 +3,9 @@
 //! bias) of causal attention (packed, and split with grouped K/V heads;
 //! bf16 and f16 on tensor cores from sm_80), LayerNorm/RMSNorm (also after
 //! a residual add), GELU (both forms), SiLU, SwiGLU, rotary embeddings,
-//! cross-entropy and the `Embedding` table's gradient, and `Linear` (alone, and with its activation in one op,
-//! `forward_activated`) through Candle's GEMM and through cuBLASLt
+//! cross-entropy and the `Embedding` table's gradient, and `Linear` (alone,
+//! and with its activation in one op, `forward_activated`; its bias gradient
+//! also over up to 70001 rows, in f64 too) through Candle's GEMM and through cuBLASLt
 //! (`set_linear_cublaslt`, tanh-GELU in its epilogue), in f32, bf16 and f16, at shapes that are not multiples of the kernels'
 //! tiles (T = 1, 7, 65, 200; head_dim 32, 48, 64, 128; a single row).
 //!
@@ -359,6 +360,66 @@ fn linear_with_its_activation_matches_the_cpu() -> Result<()> {
         }
     }
     set_linear_cublaslt(false);
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn linear_bias_gradient_matches_the_cpu() -> Result<()> {
+    // The bias gradient, zero-nccl's column sums on the GPU (Candle's
+    // `sum(0)` for f64), against the CPU's row-by-row sum: rows not
+    // multiples of the kernel's 8 row lanes nor of its chunks (129: two
+    // chunks, 1001: eight of 126, 70001: the 512-chunk cap, 511 of 137),
+    // widths not multiples of its 32 columns, and a [batch, time, in] input.
+    // Each sum is checked to come out bit for bit the same a second time.
+    let shapes: [(&[usize], usize); 6] = [
+        (&[1, 1], 1),
+        (&[7, 3], 33),
+        (&[129, 5], 100),
+        (&[1001, 4], 300),
+        (&[70_001, 2], 33),
+        (&[3, 43, 8], 65),
+    ];
+    for dtype in DTYPES.into_iter().chain([DType::F64]) {
+        for (seed, &(x_shape, out_dim)) in shapes.iter().enumerate() {
+            let seed = 60 + 4 * seed as u64;
+            let in_dim = x_shape[x_shape.len() - 1];
+            let rows: usize = x_shape[..x_shape.len() - 1].iter().product();
+            let x = values(x_shape, seed, 1.0, dtype)?;
+            let w = values(&[out_dim, in_dim], seed + 1, 1.0, dtype)?;
+            let b = values(&[out_dim], seed + 2, 1.0, dtype)?;
+            let mut y_shape = x_shape[..x_shape.len() - 1].to_vec();
+            y_shape.push(out_dim);
+            // Shifted off zero so that the sums grow with the rows.
+            let upstream = (values(&y_shape, seed + 3, 1.0, dtype)? + 0.25)?;
+            let bias_grad = |device: &Device| -> Result<Tensor> {
+                let (_, grads) = run(device, &[&x, &w, &b], &upstream, &|t| {
+                    Linear::new(t[1].clone(), Some(t[2].clone()), None).forward(&t[0])
+                })?;
+                Ok(grads[2].clone())
+            };
+            let (gpu_grad, cpu_grad) = (bias_grad(&gpu())?, bias_grad(&Device::Cpu)?);
+            assert!(
+                gpu_grad.device().is_cuda(),
+                "the bias gradient left the GPU"
+            );
+            let what = format!("Linear bias gradient, {rows} rows of {out_dim}");
+            assert_close(
+                &what,
+                &gpu_grad,
+                &cpu_grad,
+                dtype,
+                8.0 * f32::EPSILON * rows as f32,
+            );
+            // A fixed order of sums: the same bits every run.
+            let again = bias_grad(&gpu())?;
+            assert_eq!(
+                host(&again),
+                host(&gpu_grad),
+                "{what} [{dtype:?}]: not deterministic"
+            );
+        }
+    }
     Ok(())
 }
 

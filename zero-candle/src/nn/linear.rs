@@ -7,13 +7,13 @@ use super::grad_hook::{
     route, route_blocks, row_parts, GatheredParam, GradHook, RowPart,
 };
 use super::ops::{activation_input_grad, cuda, Activation, GemmOutput};
-use super::storage::{on_device, owned_storage, tensor_from, OnDevice};
+use super::storage::{on_device, owned_storage, tensor_from, with_cuda, OnDevice};
 use super::{bf16_matmul, cpu};
 use candle_core::backend::BackendStorage;
 use candle_core::op::Add;
 use candle_core::{
-    bail, CpuStorage, CudaStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Module, Result, Shape,
-    Storage, Tensor, WithDType,
+    bail, CpuStorage, CudaStorage, CustomOp1, CustomOp2, CustomOp3, DType, Device, Layout, Module,
+    Result, Shape, Storage, Tensor, WithDType,
 };
 use candle_nn::VarBuilder;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -847,26 +847,37 @@ impl CustomOp3 for FusedLinear {
     }
 }
 
-/// `Σ_rows grad` of a `[rows, out]` gradient: the bias gradient. On the CPU
-/// one pass adding row after row (vectorized, in f32 for 16-bit types:
+/// `Σ_rows grad` of a `[rows, out]` gradient: the bias gradient. On the
+/// CPU one pass adding row after row (vectorized, in f32 for 16-bit types:
 /// Candle's `sum(0)` walks the columns with a stride and adds in the
-/// element type); elsewhere Candle's `sum(0)`.
+/// element type); on CUDA in f32, bf16 and f16 zero-nccl's column sums (a
+/// warp reads adjacent columns, f32 sums in a fixed order, rounded once);
+/// elsewhere, f64 on CUDA included, Candle's `sum(0)`.
 fn column_sums(grad: &Tensor) -> Result<Tensor> {
-    if !grad.device().is_cpu() {
-        return grad.sum(0);
-    }
+    const WHAT: &str = "the Linear output gradient";
     let (_, out) = grad.dims2()?;
-    let sums = cpu::with_cpu(grad, "the Linear output gradient", |storage, layout| {
-        Ok(dispatch_float!(storage.dtype(), "Linear", |T| {
-            let values = cpu::slice::<T>(storage, layout, "the Linear output gradient")?;
-            let mut sums = vec![<T as Elem>::Acc::ZERO; out];
-            for row in values.chunks_exact(out.max(1)) {
-                for (s, &v) in sums.iter_mut().zip(row) {
-                    *s += v.acc();
-                }
-            }
-            T::to_cpu_storage_owned(sums.into_iter().map(T::from_acc).collect())
-        }))
-    })?;
-    Ok(tensor_from(Storage::Cpu(sums), out))
+    match grad.device() {
+        Device::Cpu => {
+            let sums = cpu::with_cpu(grad, WHAT, |storage, layout| {
+                Ok(dispatch_float!(storage.dtype(), "Linear", |T| {
+                    let values = cpu::slice::<T>(storage, layout, WHAT)?;
+                    let mut sums = vec![<T as Elem>::Acc::ZERO; out];
+                    for row in values.chunks_exact(out.max(1)) {
+                        for (s, &v) in sums.iter_mut().zip(row) {
+                            *s += v.acc();
+                        }
+                    }
+                    T::to_cpu_storage_owned(sums.into_iter().map(T::from_acc).collect())
+                }))
+            })?;
+            Ok(tensor_from(Storage::Cpu(sums), out))
+        }
+        Device::Cuda(_) if matches!(grad.dtype(), DType::F32 | DType::BF16 | DType::F16) => {
+            let sums = with_cuda(grad, WHAT, |storage, layout| {
+                cuda::column_sums((storage, layout))
+            })?;
+            Ok(tensor_from(Storage::Cuda(sums), out))
+        }
+        _ => grad.sum(0),
+    }
 }

@@ -662,6 +662,15 @@ __device__ __forceinline__ void norm_backward_columns(const T* __restrict__ x,
     }
 }
 
+// Column c of partials [chunks, n] summed in chunk order: the one order
+// every column pass's result is added in, so it is deterministic.
+__device__ __forceinline__ float chunk_sum(const float* __restrict__ partial, long long c, int n,
+                                           int chunks) {
+    float s = 0.f;
+    for (int k = 0; k < chunks; ++k) s += partial[(long long)k * n + c];
+    return s;
+}
+
 // Backward, pass 3: dw[c] and db[c] from the chunks' partials, in order.
 template <typename T>
 __device__ __forceinline__ void norm_backward_finish(const float* __restrict__ partial,
@@ -669,13 +678,8 @@ __device__ __forceinline__ void norm_backward_finish(const float* __restrict__ p
                                                      int n, int chunks) {
     for (long long c = (long long)blockIdx.x * blockDim.x + threadIdx.x; c < n;
          c += (long long)gridDim.x * blockDim.x) {
-        float sw = 0.f, sb = 0.f;
-        for (int k = 0; k < chunks; ++k) {
-            sw += partial[(long long)k * n + c];
-            sb += partial[((long long)chunks + k) * n + c];
-        }
-        dw[c] = from_f32<T>(sw);
-        db[c] = from_f32<T>(sb);
+        dw[c] = from_f32<T>(chunk_sum(partial, c, n, chunks));
+        db[c] = from_f32<T>(chunk_sum(partial + (long long)chunks * n, c, n, chunks));
     }
 }
 
@@ -711,6 +715,61 @@ extern "C" __global__ void norm_backward_finish_##SUFFIX(const float* partial, T
 DEFINE_NORM(float, f32)
 DEFINE_NORM(bf16, bf16)
 DEFINE_NORM(f16, f16)
+
+// ===========================================================================
+// Column sums of a row-major [rows, n] (a Linear's bias gradient), in f32,
+// deterministic: the norm backward's column pass and finish without the
+// normalized input. Candle's sum(0) reads each column with a stride of n
+// (and adds f16 in f16); here a warp reads 32 adjacent columns of a row.
+// ===========================================================================
+// Pass 1: block (32, NORM_COL_ROWS) sums its chunk of rows for 32 columns;
+// grid (ceil(n / 32), chunks). Partials [chunks, n], f32.
+template <typename T>
+__device__ __forceinline__ void column_sums_partial(const T* __restrict__ g,
+                                                    float* __restrict__ partial, long long rows,
+                                                    int n, long long rows_per_chunk) {
+    __shared__ float ssum[NORM_COL_ROWS][32];
+    const int tx = threadIdx.x, ty = threadIdx.y;
+    const int c = blockIdx.x * 32 + tx;
+    const long long chunk = blockIdx.y;
+    const long long r0 = chunk * rows_per_chunk;
+    const long long r1 = min(rows, r0 + rows_per_chunk);
+    float s = 0.f;
+    if (c < n) {
+        for (long long r = r0 + ty; r < r1; r += NORM_COL_ROWS) s += to_f32(g[r * n + c]);
+    }
+    ssum[ty][tx] = s;
+    __syncthreads();
+    if (ty == 0 && c < n) {
+        for (int k = 1; k < NORM_COL_ROWS; ++k) s += ssum[k][tx];
+        partial[chunk * n + c] = s;
+    }
+}
+
+// Pass 2: sums[c] from the chunks' partials, in order, rounded once to T.
+template <typename T>
+__device__ __forceinline__ void column_sums_finish(const float* __restrict__ partial,
+                                                   T* __restrict__ sums, int n, int chunks) {
+    for (long long c = (long long)blockIdx.x * blockDim.x + threadIdx.x; c < n;
+         c += (long long)gridDim.x * blockDim.x) {
+        sums[c] = from_f32<T>(chunk_sum(partial, c, n, chunks));
+    }
+}
+
+#define DEFINE_COLUMN_SUMS(T, SUFFIX)                                                     \
+extern "C" __global__ void column_sums_partial_##SUFFIX(const T* g, float* partial,        \
+                                                        long long rows, int n,             \
+                                                        long long rows_per_chunk) {        \
+    column_sums_partial<T>(g, partial, rows, n, rows_per_chunk);                          \
+}                                                                                         \
+extern "C" __global__ void column_sums_finish_##SUFFIX(const float* partial, T* sums,     \
+                                                       int n, int chunks) {               \
+    column_sums_finish<T>(partial, sums, n, chunks);                                      \
+}
+
+DEFINE_COLUMN_SUMS(float, f32)
+DEFINE_COLUMN_SUMS(bf16, bf16)
+DEFINE_COLUMN_SUMS(f16, f16)
 
 // ===========================================================================
 // Activations: kind 0 = GELU (tanh approximation), 1 = GELU (erf), 2 = SiLU.

@@ -2,8 +2,8 @@
 //! self-attention (FlashAttention-2 forward and backward), LayerNorm and
 //! RMSNorm (forward, alone or with the residual add before it, and
 //! backward), GELU/SiLU, SwiGLU, rotary embeddings (forward and backward),
-//! cross-entropy, and an embedding table's gradient, for f32, bf16 and f16
-//! storage, computing in f32.
+//! cross-entropy, column sums (a Linear's bias gradient) and an embedding
+//! table's gradient, for f32, bf16 and f16 storage, computing in f32.
 //! zero-candle's custom ops launch them through [`LayerKernels`]; each
 //! kernel has a CPU reference there.
 //!
@@ -22,8 +22,9 @@
 //! `dO V^T` twice). A K/V head's dK/dV block sums over its group of query
 //! heads in order. Norm backward is a row pass (dx, and the row
 //! statistics) and a column pass over fixed chunks of rows (dw, db) summed
-//! in a fixed order. The embedding gradient sorts the lookup's rows by id,
-//! then sums each id's rows in their order.
+//! in a fixed order; the column sums are that column pass alone. The
+//! embedding gradient sorts the lookup's rows by id, then sums each id's
+//! rows in their order.
 //!
 //! ```no_run
 //! # fn main() -> zero_nccl::Result<()> {
@@ -41,6 +42,7 @@
 mod attention;
 mod elementwise;
 mod embedding;
+mod reduce;
 mod rotary;
 
 pub use attention::{AttentionShape, MAX_HEAD_DIM};
@@ -66,7 +68,7 @@ pub const LAYER_SOURCE: &str = concat!(
 );
 
 /// Every kernel [`LayerKernels::new`] loads from [`LAYER_SOURCE`].
-pub const LAYER_KERNEL_NAMES: [&str; 89] = [
+pub const LAYER_KERNEL_NAMES: [&str; 95] = [
     "attention_forward_d64_f32",
     "attention_backward_dq_d64_f32",
     "attention_backward_dkdv_d64_f32",
@@ -115,6 +117,12 @@ pub const LAYER_KERNEL_NAMES: [&str; 89] = [
     "norm_backward_rows_f16",
     "norm_backward_columns_f16",
     "norm_backward_finish_f16",
+    "column_sums_partial_f32",
+    "column_sums_finish_f32",
+    "column_sums_partial_bf16",
+    "column_sums_finish_bf16",
+    "column_sums_partial_f16",
+    "column_sums_finish_f16",
     "activation_forward_f32",
     "activation_backward_f32",
     "bias_activation_forward_f32",
@@ -235,10 +243,20 @@ pub enum Normalization {
 
 /// Threads of a block in the 1-D launches (8 warps).
 const BLOCK: u32 = 256;
-/// Rows per chunk the norm backward's column pass aims at, and the most
-/// chunks it makes (bounding its f32 partials to `2 * 512 * n`).
-const NORM_ROWS_PER_CHUNK: usize = 128;
-const NORM_MAX_CHUNKS: usize = 512;
+/// Rows per chunk the column passes (the norm backward's, the column sums)
+/// aim at, and the most chunks they make (bounding their f32 partials to
+/// 512 rows of `n` per sum).
+const ROWS_PER_CHUNK: usize = 128;
+const MAX_CHUNKS: usize = 512;
+
+/// `(chunks, rows_per_chunk)` of a column pass over `rows` rows: every
+/// chunk but the last holds `rows_per_chunk` rows and none is empty, so
+/// each chunk's partial is written. One chunk for no rows.
+fn row_chunks(rows: usize) -> (usize, usize) {
+    let chunks = rows.div_ceil(ROWS_PER_CHUNK).clamp(1, MAX_CHUNKS);
+    let rows_per_chunk = rows.div_ceil(chunks).max(1);
+    (rows.div_ceil(rows_per_chunk).max(1), rows_per_chunk)
+}
 
 /// How a kernel's threads map onto its data; [`LayerKernels::config`] turns
 /// it into a grid, in one place.
@@ -282,6 +300,8 @@ pub struct LayerKernels {
     norm_backward_rows: [CudaFunction; 3],
     norm_backward_columns: [CudaFunction; 3],
     norm_backward_finish: [CudaFunction; 3],
+    column_sums_partial: [CudaFunction; 3],
+    column_sums_finish: [CudaFunction; 3],
     activation_forward: [CudaFunction; 3],
     activation_backward: [CudaFunction; 3],
     bias_activation_forward: [CudaFunction; 3],
@@ -418,6 +438,8 @@ impl LayerKernels {
                 norm_backward_rows: per_element(&module, "norm_backward_rows")?,
                 norm_backward_columns: per_element(&module, "norm_backward_columns")?,
                 norm_backward_finish: per_element(&module, "norm_backward_finish")?,
+                column_sums_partial: per_element(&module, "column_sums_partial")?,
+                column_sums_finish: per_element(&module, "column_sums_finish")?,
                 activation_forward: per_element(&module, "activation_forward")?,
                 activation_backward: per_element(&module, "activation_backward")?,
                 bias_activation_forward: per_element(&module, "bias_activation_forward")?,
@@ -657,9 +679,7 @@ impl LayerKernels {
             stream.memset_zeros(db)?;
             return Ok(());
         };
-        let chunks = rows.div_ceil(NORM_ROWS_PER_CHUNK).clamp(1, NORM_MAX_CHUNKS);
-        let rows_per_chunk = rows.div_ceil(chunks);
-        let chunks = rows.div_ceil(rows_per_chunk);
+        let (chunks, rows_per_chunk) = row_chunks(rows);
         let Some(columns_cfg) = self.config(OP, Launch::Columns { n, chunks })? else {
             return Ok(());
         };
@@ -916,6 +936,8 @@ mod tests {
                 "norm_backward_rows",
                 "norm_backward_columns",
                 "norm_backward_finish",
+                "column_sums_partial",
+                "column_sums_finish",
                 "activation_forward",
                 "activation_backward",
                 "bias_activation_forward",
@@ -972,12 +994,31 @@ mod tests {
     fn block_shapes_match_the_source() {
         // The 256-thread blocks of cross-entropy and of the embedding
         // gradient (launched as `Launch::Elements` and `Launch::Segments`),
-        // and the 32 x 8 of the norm backward's column pass (attention's:
-        // attention.rs).
+        // and the 32 x 8 of the column passes, the norm backward's and the
+        // column sums' (attention's: attention.rs).
         assert!(LAYER_SOURCE.contains("#define CE_THREADS 256"));
         assert!(LAYER_SOURCE.contains("#define EMB_THREADS 256"));
         assert_eq!(BLOCK, 256);
         assert!(LAYER_SOURCE.contains("#define NORM_COL_ROWS 8"));
+    }
+
+    #[test]
+    fn row_chunks_cover_the_rows_without_an_empty_chunk() {
+        assert_eq!(row_chunks(0), (1, 1));
+        assert_eq!(row_chunks(1), (1, 1));
+        assert_eq!(row_chunks(129), (2, 65));
+        assert_eq!(row_chunks(1001), (8, 126));
+        // The cap: 547 chunks of 128 would be wanted; 511 of 137 are made.
+        assert_eq!(row_chunks(70_001), (511, 137));
+        for rows in (1..5000).chain([65_535, 65_536, 65_537, 1 << 20, 10_000_019]) {
+            let (chunks, per_chunk) = row_chunks(rows);
+            assert!((1..=MAX_CHUNKS).contains(&chunks), "{rows}: {chunks}");
+            assert!(chunks * per_chunk >= rows, "{rows}: rows left over");
+            assert!(
+                (chunks - 1) * per_chunk < rows,
+                "{rows}: an empty last chunk"
+            );
+        }
     }
 
     #[test]

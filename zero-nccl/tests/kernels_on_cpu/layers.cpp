@@ -1,5 +1,5 @@
 // LayerNorm/RmsNorm (alone and after a residual add), cross-entropy, SwiGLU,
-// rotary-embedding and a Linear's bias + activation kernels of src/kernels/layers.cu on the CPU (see
+// rotary-embedding, a Linear's bias + activation and column-sum kernels of src/kernels/layers.cu on the CPU (see
 // shim.h), against double-precision references: grids capped so that grid-stride loops run, the weight and
 // bias gradients' chunked sums as layers.rs launches them, ignore index,
 // u32 and i64 targets, NaN where PyTorch gives NaN, and the 16-bit types'
@@ -140,6 +140,26 @@ template<class T> double bias_activation_test(long long rows,int width,int kind,
   return worst(ry,Y);
 }
 
+// column_sums_partial_<T> then column_sums_finish_<T> over g [rows, n],
+// chunked and launched as layers.rs's LayerKernels::column_sums (the finish's
+// grid capped at `cap`), against a double-precision sum of the stored values.
+template<class T> double column_sums_test(long long rows,int n,unsigned cap,unsigned seed,long long*chunks_out,
+    void(*partial_pass)(const T*,float*,long long,int,long long),void(*finish)(const float*,T*,int,int)){
+  std::mt19937 rng(seed); std::normal_distribution<float> nd(0,1);
+  std::vector<float> gf(rows*n); for(auto&v:gf)v=nd(rng)+0.25f;
+  auto g=narrow16<T>(gf);
+  std::vector<T> sums(n,from_f32<T>(9.f));
+  long long chunks=std::clamp<long long>((rows+127)/128,1,512); long long rpc=(rows+chunks-1)/chunks; chunks=(rows+rpc-1)/rpc;
+  *chunks_out=chunks;
+  std::vector<float> partial(chunks*n,NAN);
+  launch({(unsigned)((n+31)/32),(unsigned)chunks,1},{32,8,1},[&]{partial_pass(g.data(),partial.data(),rows,n,rpc);});
+  launch({std::min<unsigned>((n+255)/256,cap),1,1},{256,1,1},[&]{finish(partial.data(),sums.data(),n,(int)chunks);});
+  auto G=widen(g);
+  std::vector<double> want(n,0);
+  for(long long r=0;r<rows;r++) for(int c=0;c<n;c++) want[c]+=G[r*n+c];
+  return worst(want,widen(sums));
+}
+
 static int failures = 0;
 
 static void expect(bool ok, const char* what) {
@@ -237,8 +257,35 @@ int main() {
             }
         }
     }
-    printf("norms (alone and after a residual add), cross-entropy, SwiGLU, rotary embeddings and a "
-           "Linear's bias + activation on the CPU: %s\n",
+    // rows not multiples of 8 nor of the chunks (300: 3 chunks of 100; 1001:
+    // 8 of 126, the last 119), n not of 32; n = 300 takes two finish blocks,
+    // one grid-striding at cap 1. 70001 rows hit the cap of 512 chunks (511
+    // of 137): f32 and one column only, as each block is 256 host threads.
+    for (long long rows : {1LL, 7LL, 129LL, 300LL, 1001LL}) {
+        for (int n : {1, 33, 300}) {
+            for (unsigned cap : {1u, 4096u}) {
+                long long chunks;
+                unsigned seed = (unsigned)(rows * n + cap);
+                double e32 = column_sums_test<float>(rows, n, cap, seed, &chunks, column_sums_partial_f32,
+                                                     column_sums_finish_f32);
+                double eb = column_sums_test<bf16>(rows, n, cap, seed + 1, &chunks, column_sums_partial_bf16,
+                                                   column_sums_finish_bf16);
+                double eh = column_sums_test<f16>(rows, n, cap, seed + 2, &chunks, column_sums_partial_f16,
+                                                  column_sums_finish_f16);
+                snprintf(what, sizeof what, "column sums %lldx%d (%lld chunks), cap %u: error f32 %g, bf16 %g, f16 %g",
+                         rows, n, chunks, cap, e32, eb, eh);
+                expect(e32 <= 1e-5 && eb <= 4e-3 && eh <= 5e-4, what);
+            }
+        }
+    }
+    {
+        long long chunks;
+        double e = column_sums_test<float>(70001, 1, 4096, 7, &chunks, column_sums_partial_f32, column_sums_finish_f32);
+        snprintf(what, sizeof what, "column sums 70001x1 (%lld chunks): error %g", chunks, e);
+        expect(chunks == 511 && e <= 1e-5, what);
+    }
+    printf("norms (alone and after a residual add), cross-entropy, SwiGLU, rotary embeddings, a "
+           "Linear's bias + activation and column sums on the CPU: %s\n",
            failures ? "FAILED" : "ok");
     return failures ? 1 : 0;
 }

@@ -517,6 +517,22 @@ pub(crate) fn bias_activation_forward(
     })
 }
 
+/// `Σ_rows grad` of a contiguous `[rows, n]` gradient (a Linear's bias
+/// gradient), summed in f32 in a fixed order and rounded once.
+pub(crate) fn column_sums(grad: Arg) -> Result<CudaStorage> {
+    const OP: &str = "Linear bias gradient";
+    let (rows, n) = grad.1.shape().dims2()?;
+    let device = grad.0.device.clone();
+    by_dtype!(grad.0.dtype(), OP, |T| {
+        let values = view::<T>(OP, "the output gradient", grad)?;
+        let mut sums = alloc_out::<T>(&device, n)?;
+        launch_on(OP, grad, |kernels, stream| {
+            kernels.column_sums(stream, rows, &values, &mut out(&mut sums, n))
+        })?;
+        Ok(CudaStorage::wrap_cuda_slice(sums, device))
+    })
+}
+
 pub(crate) fn swiglu_forward(gate: Arg, up: Arg) -> Result<CudaStorage> {
     const OP: &str = "swiglu";
     let device = gate.0.device.clone();

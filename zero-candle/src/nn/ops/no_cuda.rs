@@ -123,6 +123,10 @@ pub(crate) fn rotary_embedding(
     no_cuda()
 }
 
+pub(crate) fn column_sums(_grad: Arg) -> Result<CudaStorage> {
+    no_cuda()
+}
+
 pub(crate) fn swiglu_forward(_gate: Arg, _up: Arg) -> Result<CudaStorage> {
     no_cuda()
 }
