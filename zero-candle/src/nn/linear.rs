@@ -579,7 +579,7 @@ impl FusedLinear {
     /// GEMM with the bias (and a tanh-GELU) in its epilogue where cuBLASLt
     /// takes the operands, then [`FusedLinear::finish_cuda`] for an
     /// activation the GEMM did not apply. Else Candle's GEMM, then the bias
-    /// and the activation in one kernel (or the bias's broadcast add alone).
+    /// and the activation in one kernel (or the bias alone, in place).
     fn forward_cuda(
         &self,
         x: (&CudaStorage, &Layout),
@@ -618,6 +618,14 @@ impl FusedLinear {
                     )?;
                     activated.keep(tensor_from(Storage::Cuda(pre), shape.clone()));
                     Ok((y, shape))
+                }
+                // Candle's GEMM, then the bias added in place (Candle's
+                // broadcast add would index every element through the
+                // shape, into a new buffer).
+                (None, Some(bias)) if bias.1.is_contiguous() && shape.elem_count() > 0 => {
+                    let (mut pre, _, _) = matmul_xwt(x.0, x.1, w.0, w.1)?;
+                    cuda::bias_add(&mut pre, shape.elem_count(), bias)?;
+                    Ok((pre, shape))
                 }
                 _ => {
                     let (pre, shape) = forward_generic(x, w, bias)?;

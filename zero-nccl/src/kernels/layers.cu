@@ -824,16 +824,24 @@ DEFINE_ACTIVATION(f16, f16)
 
 // A Linear layer's epilogue after a plain GEMM, in one pass over its
 // row-major [rows, width] output: pre += bias (per column), rounded to T as
-// a bias add rounds it, and y = act(pre). pre stays for the backward.
+// a bias add rounds it, and y = act(pre). pre stays for the backward. With
+// kind < 0 there is no activation: the bias is added in place and y is not
+// written. Each thread steps its column along with its index (no division
+// per element).
 #define DEFINE_BIAS_ACTIVATION(T, SUFFIX)                                                 \
 extern "C" __global__ void bias_activation_forward_##SUFFIX(T* pre, const T* bias, T* y,  \
                                                             long long n, int width,       \
                                                             int kind) {                   \
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;           \
-         i += (long long)gridDim.x * blockDim.x) {                                        \
-        const T sum = from_f32<T>(to_f32(pre[i]) + to_f32(bias[i % width]));              \
+    const long long stride = (long long)gridDim.x * blockDim.x;                           \
+    const int step = (int)(stride % width);                                               \
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;                       \
+    int col = (int)(i % width);                                                           \
+    for (; i < n; i += stride) {                                                          \
+        const T sum = from_f32<T>(to_f32(pre[i]) + to_f32(bias[col]));                    \
         pre[i] = sum;                                                                     \
-        y[i] = from_f32<T>(activation(kind, to_f32(sum)));                                \
+        if (kind >= 0) y[i] = from_f32<T>(activation(kind, to_f32(sum)));                 \
+        col += step;                                                                      \
+        if (col >= width) col -= width;                                                   \
     }                                                                                     \
 }
 

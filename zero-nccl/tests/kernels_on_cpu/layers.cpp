@@ -1,5 +1,5 @@
 // LayerNorm/RmsNorm (alone and after a residual add), cross-entropy, SwiGLU,
-// rotary-embedding, a Linear's bias + activation and column-sum kernels of src/kernels/layers.cu on the CPU (see
+// rotary-embedding, a Linear's bias (+ activation) and column-sum kernels of src/kernels/layers.cu on the CPU (see
 // shim.h), against double-precision references: grids capped so that grid-stride loops run, the weight and
 // bias gradients' chunked sums as layers.rs launches them, ignore index,
 // u32 and i64 targets, NaN where PyTorch gives NaN, and the 16-bit types'
@@ -112,6 +112,24 @@ template<class T> double residual_norm_test(long long rows,int n,int remove_mean
   for(long long row=0;row<rows;row++){ double mean=0; if(remove_mean){for(int j=0;j<n;j++)mean+=H[row*n+j]; mean/=n;} double var=0; for(int j=0;j<n;j++){double c=H[row*n+j]-mean; var+=c*c;} var/=n; double rstd=1/sqrt(var+eps);
     for(int j=0;j<n;j++) ry[row*n+j]=(H[row*n+j]-mean)*rstd*W[j]+(has_bias?B[j]:0);}
   return worst(ry,Y);
+}
+
+// bias_activation_forward_<T> with kind -1 (the bias alone, in place) on
+// [rows, width], grid capped at `cap`: pre is exactly pre + bias rounded to
+// T, and y is never written.
+template<class T> bool bias_add_test(long long rows,int width,unsigned cap,unsigned seed,
+    void(*fused)(T*,const T*,T*,long long,int,int)){
+  std::mt19937 rng(seed); std::normal_distribution<float> nd(0,1);
+  long long n=rows*width;
+  std::vector<float> pf(n),bf(width); for(auto&v:pf)v=nd(rng)*3; for(auto&v:bf)v=nd(rng);
+  auto pre=narrow16<T>(pf), bias=narrow16<T>(bf);
+  std::vector<T> sums(n), y(n, from_f32<T>(7.f));
+  for(long long i=0;i<n;i++) sums[i]=from_f32<T>(to_f32(pre[i])+to_f32(bias[i%width]));
+  unsigned blocks=std::min<unsigned>((unsigned)((n+255)/256),cap);
+  launch({blocks,1,1},{256,1,1},[&]{fused(pre.data(),bias.data(),y.data(),n,width,-1);});
+  bool ok=true;
+  for(long long i=0;i<n;i++) ok &= to_f32(pre[i])==to_f32(sums[i]) && to_f32(y[i])==7.f;
+  return ok;
 }
 
 // bias_activation_forward_<T> on [rows, width] (grid capped at `cap`)
@@ -255,6 +273,16 @@ int main() {
                          kind, rows, width, cap, e32, eb, eh, x32, xb, xh);
                 expect(e32 <= 1e-6 && eb <= 4e-3 && eh <= 5e-4 && x32 && xb && xh, what);
             }
+        }
+    }
+    for (auto [rows, width] : {std::array<int, 2>{1, 1}, {7, 33}, {5, 256}, {3, 1000}, {9, 100}}) {
+        for (unsigned cap : {1u, 3u, 4096u}) {
+            unsigned seed = rows * width + cap;
+            bool ok = bias_add_test<float>(rows, width, cap, seed, bias_activation_forward_f32) &&
+                      bias_add_test<bf16>(rows, width, cap, seed + 1, bias_activation_forward_bf16) &&
+                      bias_add_test<f16>(rows, width, cap, seed + 2, bias_activation_forward_f16);
+            snprintf(what, sizeof what, "bias alone, %dx%d, cap %u", rows, width, cap);
+            expect(ok, what);
         }
     }
     // rows not multiples of 8 nor of the chunks (300: 3 chunks of 100; 1001:

@@ -533,6 +533,22 @@ pub(crate) fn column_sums(grad: Arg) -> Result<CudaStorage> {
     })
 }
 
+/// A Linear layer's bias after a plain GEMM: `pre` (its contiguous
+/// `[rows, out]` product, a storage of its own) gets `bias` added in place.
+pub(crate) fn bias_add(pre: &mut CudaStorage, len: usize, bias: Arg) -> Result<()> {
+    const OP: &str = "Linear bias";
+    let device = pre.device.clone();
+    by_dtype!(pre.dtype(), OP, |T| {
+        let bias = view::<T>(OP, "the bias", bias)?;
+        let kernels = kernels(OP, &device)?;
+        let stream = device.cuda_stream();
+        let pre = pre.as_cuda_slice_mut::<T>()?;
+        kernels
+            .bias_add(&stream, &mut pre.slice_mut(..len), &bias)
+            .map_err(|e| kernel_error(OP, e))
+    })
+}
+
 pub(crate) fn swiglu_forward(gate: Arg, up: Arg) -> Result<CudaStorage> {
     const OP: &str = "swiglu";
     let device = gate.0.device.clone();

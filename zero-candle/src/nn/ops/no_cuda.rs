@@ -143,6 +143,10 @@ pub(crate) fn embedding_backward(_ids: Arg, _grad: Arg, _vocab: usize) -> Result
     no_cuda()
 }
 
+pub(crate) fn bias_add(_pre: &mut CudaStorage, _len: usize, _bias: Arg) -> Result<()> {
+    no_cuda()
+}
+
 pub(crate) fn bias_activation_forward(
     _kind: Activation,
     _pre: &mut CudaStorage,

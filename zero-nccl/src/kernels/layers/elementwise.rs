@@ -1,6 +1,7 @@
 //! Element-wise launches for [`LayerKernels`] (`activation_*`,
 //! `bias_activation_forward_*`, `swiglu_*` in layers.cu): one thread per
-//! element, the activation chosen by [`ActivationKind`].
+//! element, the activation chosen by [`ActivationKind`] (or none: the bias
+//! add alone).
 
 use super::{check_len, int_arg, ActivationKind, Launch, LayerElement, LayerKernels};
 use crate::{Error, Result};
@@ -73,10 +74,38 @@ impl LayerKernels {
         y: &mut impl DevicePtrMut<E>,
     ) -> Result<()> {
         const OP: &str = "bias_activation_forward";
+        check_len(OP, "y", y.len(), pre.len())?;
+        let (y, _g) = y.device_ptr_mut(stream);
+        self.bias_epilogue(OP, stream, kind as i32, pre, bias, Some(y))
+    }
+
+    /// `pre += bias` in place over a row-major `[rows, width]` `pre`, per
+    /// column (a Linear layer's bias after a plain GEMM, no activation).
+    pub fn bias_add<E: LayerElement>(
+        &self,
+        stream: &Arc<CudaStream>,
+        pre: &mut impl DevicePtrMut<E>,
+        bias: &impl DevicePtr<E>,
+    ) -> Result<()> {
+        self.bias_epilogue("bias_add", stream, -1, pre, bias, None)
+    }
+
+    /// Launches `bias_activation_forward_*` with activation `kind` (`-1`:
+    /// none, `y` unused) and output `y`, a device pointer of `pre.len()`
+    /// elements.
+    fn bias_epilogue<E: LayerElement>(
+        &self,
+        op: &'static str,
+        stream: &Arc<CudaStream>,
+        kind: i32,
+        pre: &mut impl DevicePtrMut<E>,
+        bias: &impl DevicePtr<E>,
+        y: Option<u64>,
+    ) -> Result<()> {
         let width = bias.len();
         if width == 0 || pre.len() % width != 0 {
             return Err(Error::from(zero_core::Error::Unsupported {
-                op: OP,
+                op,
                 detail: format!(
                     "the output has {} elements, not a whole number of rows of the bias's {width}; \
                      the bias must have the size of the output's last dimension",
@@ -84,16 +113,15 @@ impl LayerKernels {
                 ),
             }));
         }
-        check_len(OP, "y", y.len(), pre.len())?;
-        let Some(cfg) = self.config(OP, Launch::Elements(pre.len()))? else {
+        let Some(cfg) = self.config(op, Launch::Elements(pre.len()))? else {
             return Ok(());
         };
         let n = pre.len() as i64;
-        let width = int_arg(OP, "the bias's length", width)?;
-        let kind = kind as i32;
+        let width = int_arg(op, "the bias's length", width)?;
         let (pre, _g0) = pre.device_ptr_mut(stream);
         let (bias, _g1) = bias.device_ptr(stream);
-        let (y, _g2) = y.device_ptr_mut(stream);
+        // Without an activation the kernel never writes y: pass pre's.
+        let y = y.unwrap_or(pre);
         let mut launch = stream.launch_builder(&self.bias_activation_forward[E::INDEX]);
         launch
             .arg(&pre)
