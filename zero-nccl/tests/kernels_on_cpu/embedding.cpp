@@ -77,7 +77,7 @@ int main() {
     const unsigned vocab = 40;
     for (long long n : {1LL, 7LL, 256LL, 300LL, 513LL})
         for (int dim : {1, 5, 300})
-            for (unsigned cap : {3u, 64u}) {
+            for (unsigned cap : {3u, 17u}) {
                 const unsigned seed = (unsigned)(n * dim + cap);
                 const bool outside = n % 2 == 1;
                 auto u = random_ids<unsigned>(n, vocab, outside, seed);
