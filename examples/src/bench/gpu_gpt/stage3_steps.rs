@@ -8,8 +8,10 @@
 //! other stage's is device work or the stream waiting on the gathers. Stage
 //! 3 runs with the device's gather budgets and, beside them, with the
 //! host's (a layer in 1 MiB pieces, the budgets every memory had before
-//! they followed the memory), and the fetcher's counters say how many
-//! gathers a step issued and how many requests found none issued ahead.
+//! they followed the memory), and with the device's budgets and 32 MiB
+//! buckets (a collective per bucket of a layer: the default 4 MiB makes
+//! about seven per layer); the fetcher's counters say how many gathers a
+//! step issued and how many requests found none issued ahead.
 
 use super::{
     hooked_gpt, open_device, random_ids, synchronize, BenchResult, BATCH, CONFIG, SHARED_RANKS,
@@ -38,16 +40,26 @@ enum Case {
     Stage3,
     /// Stage 3 with the host's budgets (`GatherBudgets::HOST`).
     Stage3Pieces,
+    /// Stage 3 with the device's budgets and buckets eight times the
+    /// default 4 MiB: a layer of the 12 x 768 GPT (28 MB in f32) gathered
+    /// in one or two collectives instead of seven.
+    Stage3LargeBuckets,
 }
 
 impl Case {
-    const ALL: [Case; 3] = [Case::Stage2, Case::Stage3, Case::Stage3Pieces];
+    const ALL: [Case; 4] = [
+        Case::Stage2,
+        Case::Stage3,
+        Case::Stage3Pieces,
+        Case::Stage3LargeBuckets,
+    ];
 
     fn name(self) -> &'static str {
         match self {
             Case::Stage2 => "s2",
             Case::Stage3 => "s3",
             Case::Stage3Pieces => "s3_host_budgets",
+            Case::Stage3LargeBuckets => "s3_32mib_buckets",
         }
     }
 
@@ -64,6 +76,9 @@ impl Case {
                     .with_prefetch_bytes(host.prefetch_bytes)
                     .with_max_live_bytes(host.max_live_bytes)
             }
+            Case::Stage3LargeBuckets => config
+                .with_stage(Stage::Parameters)
+                .with_bucket_bytes(32 << 20),
         }
     }
 }
