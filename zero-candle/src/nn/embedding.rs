@@ -314,7 +314,11 @@ fn scatter_rows_cuda(vocab: usize, dim: usize, ids: &Tensor, grad: &Tensor) -> R
     let grad = grad.contiguous()?;
     let table = with_cuda(&ids, "the embedding ids", |ids_storage, ids_layout| {
         with_cuda(&grad, "the embedding gradient", |g_storage, g_layout| {
-            cuda::embedding_backward((ids_storage, ids_layout), (g_storage, g_layout), vocab)
+            cuda::embedding_backward(
+                (ids_storage, ids_layout),
+                (g_storage, g_layout),
+                (vocab, dim),
+            )
         })
     })?;
     Ok(tensor_from(Storage::Cuda(table), (vocab, dim)))

@@ -742,17 +742,16 @@ pub(crate) fn cross_entropy_backward(
 /// lookup's ids (u32 or i64) and its output gradient `[ids, dim]`: each
 /// id's rows summed in f32 in their order (see
 /// [`LayerKernels::embedding_backward`]).
-pub(crate) fn embedding_backward(ids: Arg, grad: Arg, vocab: usize) -> Result<CudaStorage> {
+pub(crate) fn embedding_backward(
+    ids: Arg,
+    grad: Arg,
+    (vocab, dim): (usize, usize),
+) -> Result<CudaStorage> {
     const OP: &str = "Embedding backward";
     let device = grad.0.device.clone();
     let ids = targets_of(OP, ids)?;
     by_dtype!(grad.0.dtype(), OP, |T| {
         let grad_view = view::<T>(OP, "the output gradient", grad)?;
-        let rows = match &ids {
-            Targets::U32(t) => t.len(),
-            Targets::I64(t) => t.len(),
-        };
-        let dim = grad_view.len().checked_div(rows).unwrap_or(0);
         let len = vocab * dim;
         let mut table = alloc_out::<T>(&device, len)?;
         launch_on(OP, grad, |kernels, stream| {

@@ -139,7 +139,11 @@ pub(crate) fn swiglu_backward(
     no_cuda()
 }
 
-pub(crate) fn embedding_backward(_ids: Arg, _grad: Arg, _vocab: usize) -> Result<CudaStorage> {
+pub(crate) fn embedding_backward(
+    _ids: Arg,
+    _grad: Arg,
+    _table: (usize, usize),
+) -> Result<CudaStorage> {
     no_cuda()
 }
 
