@@ -603,29 +603,20 @@ impl FusedLinear {
                 Ok((y, shape))
             }
             Some(GemmOutput::Product(pre)) => self.finish_cuda(pre, shape),
-            None => match (&self.activated, bias) {
-                // Candle's GEMM, then the bias and the activation in one
-                // pass over its product.
-                (Some(activated), Some(bias))
-                    if bias.1.is_contiguous() && shape.elem_count() > 0 =>
-                {
+            // Candle's GEMM, then the bias (and the activation) in one pass
+            // over its product, in place (Candle's broadcast add would index
+            // every element through the shape, into a new buffer).
+            None => match bias {
+                Some(bias) if bias.1.is_contiguous() && shape.elem_count() > 0 => {
                     let (mut pre, _, _) = matmul_xwt(x.0, x.1, w.0, w.1)?;
-                    let y = cuda::bias_activation_forward(
-                        activated.kind,
-                        &mut pre,
-                        shape.elem_count(),
-                        bias,
-                    )?;
-                    activated.keep(tensor_from(Storage::Cuda(pre), shape.clone()));
-                    Ok((y, shape))
-                }
-                // Candle's GEMM, then the bias added in place (Candle's
-                // broadcast add would index every element through the
-                // shape, into a new buffer).
-                (None, Some(bias)) if bias.1.is_contiguous() && shape.elem_count() > 0 => {
-                    let (mut pre, _, _) = matmul_xwt(x.0, x.1, w.0, w.1)?;
-                    cuda::bias_add(&mut pre, shape.elem_count(), bias)?;
-                    Ok((pre, shape))
+                    let y = cuda::bias_epilogue(activation, &mut pre, shape.elem_count(), bias)?;
+                    match (y, &self.activated) {
+                        (Some(y), Some(activated)) => {
+                            activated.keep(tensor_from(Storage::Cuda(pre), shape.clone()));
+                            Ok((y, shape))
+                        }
+                        _ => Ok((pre, shape)),
+                    }
                 }
                 _ => {
                     let (pre, shape) = forward_generic(x, w, bias)?;

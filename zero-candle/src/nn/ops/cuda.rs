@@ -487,33 +487,34 @@ pub(crate) fn activation_backward(kind: Activation, x: Arg, grad: Arg) -> Result
     })
 }
 
-/// A Linear layer's epilogue after a plain GEMM: `pre` (its contiguous
-/// `[rows, out]` product, a storage of its own) gets `bias` added in place
-/// and `act(pre)` is returned, one pass.
-pub(crate) fn bias_activation_forward(
-    kind: Activation,
+/// A Linear layer's epilogue after a plain GEMM, one pass: `pre` (its
+/// contiguous `[rows, out]` product, a storage of its own) gets `bias` added
+/// in place; with an activation, `act(pre)` is returned.
+pub(crate) fn bias_epilogue(
+    activation: Option<Activation>,
     pre: &mut CudaStorage,
     len: usize,
     bias: Arg,
-) -> Result<CudaStorage> {
-    const OP: &str = "Linear bias + activation";
+) -> Result<Option<CudaStorage>> {
+    const OP: &str = "Linear bias";
     let device = pre.device.clone();
     by_dtype!(pre.dtype(), OP, |T| {
         let bias = view::<T>(OP, "the bias", bias)?;
-        let mut y = alloc_out::<T>(&device, len)?;
         let kernels = kernels(OP, &device)?;
         let stream = device.cuda_stream();
-        let pre = pre.as_cuda_slice_mut::<T>()?;
-        kernels
-            .bias_activation_forward(
-                &stream,
-                activation_kind(kind),
-                &mut pre.slice_mut(..len),
-                &bias,
-                &mut out(&mut y, len),
-            )
-            .map_err(|e| kernel_error(OP, e))?;
-        Ok(CudaStorage::wrap_cuda_slice(y, device))
+        let pre = &mut pre.as_cuda_slice_mut::<T>()?.slice_mut(..len);
+        let launched = match activation {
+            None => kernels.bias_add(&stream, pre, &bias).map(|()| None),
+            Some(kind) => {
+                let mut y = alloc_out::<T>(&device, len)?;
+                let kind = activation_kind(kind);
+                kernels
+                    .bias_activation_forward(&stream, kind, pre, &bias, &mut out(&mut y, len))
+                    .map(|()| Some(y))
+            }
+        };
+        let y = launched.map_err(|e| kernel_error(OP, e))?;
+        Ok(y.map(|y| CudaStorage::wrap_cuda_slice(y, device)))
     })
 }
 
@@ -530,22 +531,6 @@ pub(crate) fn column_sums(grad: Arg) -> Result<CudaStorage> {
             kernels.column_sums(stream, rows, &values, &mut out(&mut sums, n))
         })?;
         Ok(CudaStorage::wrap_cuda_slice(sums, device))
-    })
-}
-
-/// A Linear layer's bias after a plain GEMM: `pre` (its contiguous
-/// `[rows, out]` product, a storage of its own) gets `bias` added in place.
-pub(crate) fn bias_add(pre: &mut CudaStorage, len: usize, bias: Arg) -> Result<()> {
-    const OP: &str = "Linear bias";
-    let device = pre.device.clone();
-    by_dtype!(pre.dtype(), OP, |T| {
-        let bias = view::<T>(OP, "the bias", bias)?;
-        let kernels = kernels(OP, &device)?;
-        let stream = device.cuda_stream();
-        let pre = pre.as_cuda_slice_mut::<T>()?;
-        kernels
-            .bias_add(&stream, &mut pre.slice_mut(..len), &bias)
-            .map_err(|e| kernel_error(OP, e))
     })
 }
 

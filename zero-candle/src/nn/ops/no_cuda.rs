@@ -147,16 +147,12 @@ pub(crate) fn embedding_backward(
     no_cuda()
 }
 
-pub(crate) fn bias_add(_pre: &mut CudaStorage, _len: usize, _bias: Arg) -> Result<()> {
-    no_cuda()
-}
-
-pub(crate) fn bias_activation_forward(
-    _kind: Activation,
+pub(crate) fn bias_epilogue(
+    _activation: Option<Activation>,
     _pre: &mut CudaStorage,
     _len: usize,
     _bias: Arg,
-) -> Result<CudaStorage> {
+) -> Result<Option<CudaStorage>> {
     no_cuda()
 }
 

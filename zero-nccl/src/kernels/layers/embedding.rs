@@ -15,7 +15,7 @@ impl LayerKernels {
     /// `i` and rounded once (in f32, bitwise a sequential sum), zero where
     /// `r` does not occur. An id outside `[0, vocab)` adds nowhere (the
     /// lookup refuses it). Costs `ids.len()²` comparisons on the device to
-    /// order the rows: about a millisecond for 65,536 ids.
+    /// order the rows (17 million for 4,096 ids).
     pub fn embedding_backward<E: LayerElement, I: TargetIndex>(
         &self,
         stream: &Arc<CudaStream>,
