@@ -559,8 +559,10 @@ preempt_and_resume() {
         fi
         wait_bounded "$wrapper" 30 || { cat "$log"; fail "preempt $name: still ran 30 s after SIG$signal"; }
         started=()
-        if [ "$status" -eq 0 ]; then
-            # It finished before the signal: a narrower window.
+        # It finished before the signal (or the signal reached mpirun after
+        # rank 0 logged `done:`, while it collected the ranks: Open MPI no
+        # longer forwards it then and dies of it): a narrower window.
+        if [ "$status" -eq 0 ] || { [ "$status" -gt 128 ] && grep -q "^done:" "$log"; }; then
             window_ms=$((window_ms / 2 + 1))
             continue
         fi
