@@ -5,7 +5,7 @@
 # block a host thread, __syncthreads() a barrier and mma.sync a warp-wide
 # product over the lanes' fragment registers, and the harnesses there
 # compare attention (both kernel families), the norms, the cross-entropy
-# and the embedding gradient against references. It checks the kernels'
+# and the embedding lookup and gradient against references. It checks the kernels'
 # indexing, fragment layouts, tiling, masking and reductions on a machine
 # without a GPU; the GPU tests (zero-candle/tests/gpu_layers.rs) still need a GPU.
 set -euo pipefail

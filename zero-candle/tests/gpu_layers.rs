@@ -655,6 +655,52 @@ fn embedding_gradient_matches_the_cpu_bitwise() -> Result<()> {
     Ok(())
 }
 
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn embedding_lookup_matches_the_cpu_and_makes_ids_outside_the_vocabulary_nan() -> Result<()> {
+    let device = gpu();
+    let (vocab, dim) = (50, 300);
+    let all: Vec<u32> = (0..1000u32)
+        .map(|i| (i * i + 7 * i) % vocab as u32)
+        .collect();
+    for dtype in DTYPES {
+        let table = values(&[vocab, dim], 5, 1.0, dtype)?;
+        let layer = Embedding::new(table.to_device(&device)?, dim, None);
+        for ids_dtype in [DType::U8, DType::U32, DType::I64] {
+            let ids = Tensor::new(all.as_slice(), &Device::Cpu)?.to_dtype(ids_dtype)?;
+            let on_gpu = layer.forward(&ids.to_device(&device)?)?;
+            let on_cpu = Embedding::new(table.clone(), dim, None).forward(&ids)?;
+            assert_eq!(
+                host(&on_gpu),
+                host(&on_cpu),
+                "{dtype:?} with {ids_dtype:?} ids"
+            );
+        }
+        // Ids outside the vocabulary: NaN rows, the others as on the CPU,
+        // and the context still works (no trap).
+        let cpu_layer = Embedding::new(table.clone(), dim, None);
+        let good = host(&cpu_layer.forward(&Tensor::new(&all[..10], &Device::Cpu)?)?);
+        for (ids_dtype, bad) in [(DType::U32, vocab as f64), (DType::I64, -2.0)] {
+            let mut with_bad: Vec<f64> = all[..10].iter().map(|&id| id as f64).collect();
+            with_bad[3] = bad;
+            let ids = Tensor::new(with_bad.as_slice(), &Device::Cpu)?.to_dtype(ids_dtype)?;
+            let ids = ids.to_device(&device)?;
+            let rows = host(&layer.forward(&ids)?);
+            for (i, (row, want)) in rows.chunks(dim).zip(good.chunks(dim)).enumerate() {
+                if i == 3 {
+                    assert!(
+                        row.iter().all(|v| v.is_nan()),
+                        "{dtype:?} {ids_dtype:?}: id {bad}"
+                    );
+                } else {
+                    assert_eq!(row, want, "{dtype:?} {ids_dtype:?}: row {i}");
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
 /// The gradient of an `Embedding`'s `[vocab, dim]` table when its lookup of
 /// `ids` gets the gradient `grad` (`[ids, dim]`).
 fn table_gradient(ids: &Tensor, grad: &Tensor, vocab: usize) -> Result<Tensor> {

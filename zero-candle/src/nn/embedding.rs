@@ -3,24 +3,30 @@
 
 use super::cpu;
 use super::grad_hook::{
-    announce, announce_gather, before_read, for_each_stretch, gather, route, row_parts,
-    GatheredParam, GradHook, RowPart,
+    announce, announce_gather, before_read, for_each_stretch, gather, route, GatheredParam,
+    GradHook, StretchView,
 };
 use super::ops::cuda;
-use super::storage::{on_device, owned_storage, tensor_from, with_cuda, OnDevice};
-use candle_core::backend::BackendStorage;
+use super::storage::{on_device, tensor_from, with_cuda, OnDevice};
+use candle_core::backend::{BackendDevice, BackendStorage};
+use candle_core::cpu_backend::CpuDevice;
 use candle_core::{
     bail, CpuStorage, CudaStorage, CustomOp2, DType, Device, Layout, Module, Result, Shape,
     Storage, Tensor, WithDType,
 };
 use candle_nn::VarBuilder;
+use std::ops::Range;
 use std::sync::{Arc, Mutex, PoisonError};
 
 /// An embedding table `[vocab, hidden_size]` looked up by integer ids, as
 /// `candle_nn::Embedding`.
 ///
 /// The forward is one custom op over `(table, ids)` that gathers rows from
-/// the table's storage. Its backward builds the `[vocab, hidden_size]`
+/// the table's storage. An id outside the vocabulary is an error on the
+/// CPU; on CUDA (u32 or i64 ids) its row is NaN, as the cross-entropy's
+/// loss of such a target, since refusing it would wait for the GPU. A
+/// stage-3 table gathered in pieces is looked up a piece at a time, with
+/// the ids left on the device. Its backward builds the `[vocab, hidden_size]`
 /// gradient (rows of the output gradient added at their ids: one pass on the
 /// CPU; on CUDA the rows sorted by id, then each id's summed in f32) and
 /// hands it to the hook. The ids get no gradient.
@@ -83,10 +89,12 @@ impl Module for Embedding {
         let hook = self.hook.as_ref();
         before_read(hook, &[Some(&self.embeddings)])?;
         let lent = match gather(hook, Some(&self.embeddings), 0)? {
-            Some(first) if first.whole().is_none() => {
-                let rows = lookup_in_pieces(hook, &self.embeddings, first, &ids)?;
-                Some(Lent::Output(owned_storage(&rows, ROWS)?))
-            }
+            Some(first) if first.whole().is_none() => Some(Lent::Output(lookup_in_pieces(
+                hook,
+                &self.embeddings,
+                first,
+                &ids,
+            )?)),
             table => table.map(Lent::Table),
         };
         let rows = self.embeddings.apply_op2(
@@ -128,11 +136,13 @@ enum Lent {
 const ROWS: &str = "the embedding rows";
 
 impl FusedEmbedding {
-    /// The rows, from the table the forward lent (stage 3) or `table`.
+    /// The rows, from the table the forward lent (stage 3) or `table`,
+    /// looked up by `lookup`.
     fn rows<S: OnDevice>(
         &self,
         (table, table_layout): (&S, &Layout),
         (ids, ids_layout): (&S, &Layout),
+        lookup: impl FnOnce(&S, &Layout, &S, &Layout) -> Result<(S, Shape)>,
     ) -> Result<(S, Shape)> {
         let lent = self
             .lent
@@ -154,86 +164,133 @@ impl FusedEmbedding {
             })?,
             _ => (table, table_layout),
         };
-        gather_rows(table, table_layout, ids, ids_layout)
+        lookup(table, table_layout, ids, ids_layout)
     }
 }
 
-/// `table[ids]` with the table gathered in pieces: the rows wanted are
-/// taken out of each stretch in one selection (a row split over stretches
-/// put together from its columns), in id order, and the lookup is one more
-/// selection from those: a few launches per stretch, not a few per id.
+/// `table[ids]` with the table gathered in pieces: each stretch of each
+/// piece writes the elements of the rows that come from it (rows split over
+/// stretches get their columns from each), on the CPU from the ids checked
+/// there, on CUDA by a kernel per stretch with the ids left on the device.
+/// The stretches must cover the table.
 fn lookup_in_pieces(
     hook: Option<&Arc<dyn GradHook>>,
     table: &Tensor,
     first: GatheredParam,
     ids: &Tensor,
-) -> Result<Tensor> {
+) -> Result<Storage> {
     let (vocab, dim) = table.dims2()?;
-    let device = table.device();
-    let ids = row_ids(ids, vocab)?;
-    let wanted: std::collections::BTreeSet<usize> = ids.iter().copied().collect();
-    // The wanted rows by their first id, in blocks of consecutive wanted
-    // ids (copied out of the piece, so that the piece can go), and the
-    // parts of split rows: (first column, values).
-    let mut blocks: std::collections::BTreeMap<usize, Tensor> = Default::default();
-    let mut split: std::collections::BTreeMap<usize, Vec<(usize, Tensor)>> = Default::default();
-    for_each_stretch(hook, table, Some(first), |values, stretch| {
-        for part in row_parts(values, dim) {
-            match part {
-                RowPart::Rows { rows, at } => {
-                    let local: Vec<u32> = wanted
-                        .range(rows.clone())
-                        .map(|&id| (id - rows.start) as u32)
-                        .collect();
-                    let Some(&first_local) = local.first() else {
-                        continue;
-                    };
-                    let run = stretch
-                        .tensor(at..at + rows.len() * dim, device)?
-                        .reshape((rows.len(), dim))?;
-                    let local = Tensor::new(local.as_slice(), device)?;
-                    blocks.insert(
-                        rows.start + first_local as usize,
-                        run.index_select(&local, 0)?,
-                    );
-                }
-                RowPart::Partial { row, cols, at } if wanted.contains(&row) => {
-                    let values = stretch.tensor(at..at + cols.len(), device)?;
-                    split.entry(row).or_default().push((cols.start, values));
-                }
-                RowPart::Partial { .. } => {}
-            }
+    let shape = Shape::from((ids.dim(0)?, dim));
+    let (mut out, ids) = match table.device() {
+        Device::Cpu => (
+            Storage::Cpu(CpuDevice.zeros_impl(&shape, table.dtype())?),
+            PieceIds::Rows(row_ids(ids, vocab)?),
+        ),
+        Device::Cuda(device) => {
+            let ids = match ids.dtype() {
+                DType::U8 => ids.to_dtype(DType::U32)?,
+                _ => ids.contiguous()?,
+            };
+            (
+                Storage::Cuda(device.zeros_impl(&shape, table.dtype())?),
+                PieceIds::Device(ids),
+            )
         }
+        other => bail!("zero-candle Embedding: stage 3 gathers on the CPU or CUDA, not {other:?}"),
+    };
+    let mut covered = Vec::new();
+    for_each_stretch(hook, table, Some(first), |values, stretch| {
+        let StretchView::Piece { piece, at } = stretch else {
+            bail!("zero-candle Embedding: internal: a table in pieces lent its own values")
+        };
+        if shape.elem_count() > 0 {
+            copy_rows(
+                &ids,
+                (piece.storage(), at.clone()),
+                values.clone(),
+                (vocab, dim),
+                &mut out,
+            )?;
+        }
+        covered.push(values);
         Ok(())
     })?;
-    for (id, mut row) in split {
-        row.sort_by_key(|(col, _)| *col);
-        let row: Vec<Tensor> = row.into_iter().map(|(_, v)| v).collect();
-        let row = Tensor::cat(&row, 0)?;
-        if row.dim(0)? != dim {
-            bail!("zero-candle Embedding: the gathered pieces of the table miss part of row {id}")
+    check_cover(covered, vocab * dim)?;
+    Ok(out)
+}
+
+/// The ids of a lookup in pieces: on the CPU checked row numbers, on CUDA
+/// contiguous u32 or i64 ids on the device.
+enum PieceIds {
+    Rows(Vec<usize>),
+    Device(Tensor),
+}
+
+/// The rows of the lookup that the stretch at `at` of `part` (elements
+/// `values` of the `[vocab, dim]` table) holds, into `out`.
+fn copy_rows(
+    ids: &PieceIds,
+    (part, at): (&Storage, Range<usize>),
+    values: Range<usize>,
+    (vocab, dim): (usize, usize),
+    out: &mut Storage,
+) -> Result<()> {
+    match (ids, part, out) {
+        (PieceIds::Rows(rows), Storage::Cpu(part), Storage::Cpu(out)) => {
+            fn copy<T: Copy>(out: &mut [T], part: &[T], values: Range<usize>, rows: &[usize]) {
+                let dim = out.len() / rows.len();
+                for (out, &row) in out.chunks_exact_mut(dim).zip(rows) {
+                    let (start, end) = (row * dim, (row + 1) * dim);
+                    let (lo, hi) = (start.max(values.start), end.min(values.end));
+                    if lo < hi {
+                        out[lo - start..hi - start]
+                            .copy_from_slice(&part[lo - values.start..hi - values.start]);
+                    }
+                }
+            }
+            if at.end > cpu::storage_len(part) {
+                bail!("zero-candle Embedding: internal: a gathered piece has no elements {at:?}")
+            }
+            match (part, out) {
+                (CpuStorage::F32(p), CpuStorage::F32(o)) => copy(o, &p[at], values, rows),
+                (CpuStorage::F64(p), CpuStorage::F64(o)) => copy(o, &p[at], values, rows),
+                (CpuStorage::BF16(p), CpuStorage::BF16(o)) => copy(o, &p[at], values, rows),
+                (CpuStorage::F16(p), CpuStorage::F16(o)) => copy(o, &p[at], values, rows),
+                (p, _) => bail!(
+                    "zero-candle Embedding: a table of {:?} in pieces; stage 3 gathers f32, f64, \
+                     bf16 or f16",
+                    p.dtype()
+                ),
+            }
+            Ok(())
         }
-        blocks.insert(id, row.reshape((1, dim))?);
+        (PieceIds::Device(ids), Storage::Cuda(part), Storage::Cuda(out)) => {
+            with_cuda(ids, "the embedding ids", |ids, layout| {
+                cuda::embedding_lookup((ids, layout), (part, at), values, (vocab, dim), out)
+            })
+        }
+        _ => bail!(
+            "zero-candle Embedding: a gathered piece of the table on another device than the \
+             table; keep the model on one device"
+        ),
     }
-    if ids.is_empty() {
-        return Tensor::zeros((0, dim), table.dtype(), device);
+}
+
+/// Fails unless the element ranges `covered` are `0..len`, each once.
+fn check_cover(mut covered: Vec<Range<usize>>, len: usize) -> Result<()> {
+    covered.sort_by_key(|values| values.start);
+    let mut next = 0;
+    let ends = covered.iter().map(|values| (values.start, values.end));
+    for (start, end) in ends.chain([(len, len)]) {
+        if start > next {
+            bail!("zero-candle Embedding: the gathered pieces of the table miss its elements {next}..{start}")
+        }
+        if start < next {
+            bail!("zero-candle Embedding: the gathered pieces of the table hold its elements {start}..{next} twice")
+        }
+        next = end;
     }
-    let blocks: Vec<Tensor> = blocks.into_values().collect();
-    let found = Tensor::cat(&blocks, 0)?;
-    if found.dim(0)? != wanted.len() {
-        bail!(
-            "zero-candle Embedding: the gathered pieces of the table hold {} of the {} rows looked up",
-            found.dim(0)?,
-            wanted.len()
-        )
-    }
-    // Each id's place among the wanted rows, in id order.
-    let order: Vec<usize> = wanted.into_iter().collect();
-    let places: Vec<u32> = ids
-        .iter()
-        .map(|id| order.partition_point(|&w| w < *id) as u32)
-        .collect();
-    found.index_select(&Tensor::new(places.as_slice(), device)?, 0)
+    Ok(())
 }
 
 fn gather_rows<S: BackendStorage>(
@@ -249,6 +306,38 @@ fn gather_rows<S: BackendStorage>(
     Ok((rows, Shape::from((count, dim))))
 }
 
+/// The lookup on CUDA: zero-nccl's kernel where it takes the types (the
+/// rows of ids outside the vocabulary NaN), else Candle's `index_select`
+/// (which traps on such an id).
+fn lookup_cuda(
+    table: &CudaStorage,
+    table_layout: &Layout,
+    ids: &CudaStorage,
+    ids_layout: &Layout,
+) -> Result<(CudaStorage, Shape)> {
+    let (vocab, dim) = table_layout.shape().dims2()?;
+    let shape = Shape::from((ids_layout.shape().dims1()?, dim));
+    match table_layout.contiguous_offsets() {
+        Some((start, end))
+            if has_cuda_kernel(ids.dtype(), table.dtype()) && shape.elem_count() > 0 =>
+        {
+            // SAFETY: the kernel writes every element of the rows: the
+            // table's values, or NaN for an id outside it.
+            let mut rows = unsafe { table.device().alloc_uninit(&shape, table.dtype()) }?;
+            let whole = (table, start..end);
+            cuda::embedding_lookup(
+                (ids, ids_layout),
+                whole,
+                0..vocab * dim,
+                (vocab, dim),
+                &mut rows,
+            )?;
+            Ok((rows, shape))
+        }
+        _ => gather_rows(table, table_layout, ids, ids_layout),
+    }
+}
+
 impl CustomOp2 for FusedEmbedding {
     fn name(&self) -> &'static str {
         "zero-embedding"
@@ -261,7 +350,7 @@ impl CustomOp2 for FusedEmbedding {
         ids: &CpuStorage,
         ids_layout: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        self.rows((table, table_layout), (ids, ids_layout))
+        self.rows((table, table_layout), (ids, ids_layout), gather_rows)
     }
 
     fn cuda_fwd(
@@ -271,7 +360,7 @@ impl CustomOp2 for FusedEmbedding {
         ids: &CudaStorage,
         ids_layout: &Layout,
     ) -> Result<(CudaStorage, Shape)> {
-        self.rows((table, table_layout), (ids, ids_layout))
+        self.rows((table, table_layout), (ids, ids_layout), lookup_cuda)
     }
 
     fn bwd(
@@ -287,7 +376,7 @@ impl CustomOp2 for FusedEmbedding {
         let (vocab, dim) = table.dims2()?;
         let grad_table = if table.device().is_cpu() {
             scatter_rows_cpu(vocab, dim, ids, grad)?
-        } else if table.device().is_cuda() && has_cuda_kernel(ids, grad) {
+        } else if table.device().is_cuda() && has_cuda_kernel(ids.dtype(), grad.dtype()) {
             scatter_rows_cuda(vocab, dim, ids, grad)?
         } else {
             // Other devices and types: Candle's own index_add, as candle-nn's
@@ -298,11 +387,11 @@ impl CustomOp2 for FusedEmbedding {
     }
 }
 
-/// Whether zero-nccl's embedding gradient takes these ids and this
-/// gradient: u32 or i64 ids, f32, bf16 or f16 values.
-fn has_cuda_kernel(ids: &Tensor, grad: &Tensor) -> bool {
-    matches!(ids.dtype(), DType::U32 | DType::I64)
-        && matches!(grad.dtype(), DType::F32 | DType::BF16 | DType::F16)
+/// Whether zero-nccl's embedding kernels take these ids and values: u32 or
+/// i64 ids, f32, bf16 or f16 values.
+fn has_cuda_kernel(ids: DType, values: DType) -> bool {
+    matches!(ids, DType::U32 | DType::I64)
+        && matches!(values, DType::F32 | DType::BF16 | DType::F16)
 }
 
 /// The table's gradient on CUDA: the lookup's rows sorted by id, then each
@@ -369,7 +458,6 @@ fn scatter_typed<T: WithDType>(
 /// The ids (on the CPU) as row numbers, each checked against the
 /// vocabulary.
 fn row_ids(ids: &Tensor, vocab: usize) -> Result<Vec<usize>> {
-    // Ids on a GPU (a table gathered in pieces there) are read on the host.
     let ids = &ids.to_device(&Device::Cpu)?;
     cpu::with_cpu(ids, "the embedding ids", |storage, layout| {
         match storage.dtype() {
@@ -402,4 +490,24 @@ fn scatter_rows_cpu(vocab: usize, dim: usize, ids: &Tensor, grad: &Tensor) -> Re
             ),
         },
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    #[allow(clippy::single_range_in_vec_init)] // one piece, one stretch
+    fn the_pieces_must_cover_the_table_once() {
+        assert!(check_cover(vec![5..9, 0..5, 9..12], 12).is_ok());
+        assert!(check_cover(vec![0..0, 0..12], 12).is_ok());
+        let err = check_cover(vec![0..4, 6..12], 12).unwrap_err().to_string();
+        assert!(err.contains("miss its elements 4..6"), "{err}");
+        let err = check_cover(vec![0..6, 4..12], 12).unwrap_err().to_string();
+        assert!(err.contains("hold its elements 4..6 twice"), "{err}");
+        let err = check_cover(vec![0..10], 12).unwrap_err().to_string();
+        assert!(err.contains("miss its elements 10..12"), "{err}");
+        let err = check_cover(vec![0..14], 12).unwrap_err().to_string();
+        assert!(err.contains("hold its elements 12..14 twice"), "{err}");
+    }
 }

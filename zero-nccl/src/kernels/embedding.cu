@@ -1,8 +1,18 @@
 // ===========================================================================
-// An embedding table's gradient: table[ids[i]] += grad[i] for every row i of
-// the lookup, every id's rows summed in f32 in the order they come (so f32
-// is bitwise the CPU's sequential sum) and rounded once. Appended to
-// layers.cu (LAYER_SOURCE), whose types and conversions it uses.
+// An embedding lookup and its table's gradient. Appended to layers.cu
+// (LAYER_SOURCE), whose types and conversions they use.
+//
+// The lookup, out[i] = table[ids[i]], reads the table a stretch at a time:
+// `part` holds elements [first, first + len) of the row-major table (the
+// whole table: first 0), and each launch writes the elements of `out` that
+// come from it, so that a table gathered in pieces is looked up piece by
+// piece with the ids on the device. The rows of ids outside [0, vocab) are
+// NaN (written by every launch), as cross-entropy's losses of bad targets,
+// where an index_select would trap and poison the context.
+//
+// The gradient: table[ids[i]] += grad[i] for every row i of the lookup,
+// every id's rows summed in f32 in the order they come (so f32 is bitwise
+// the CPU's sequential sum) and rounded once.
 //
 // Deterministic, no atomics, and parallel over the distinct ids, where a
 // thread per column walking every id in turn (Candle's index_add) runs a
@@ -15,8 +25,7 @@
 //    EMB_THREADS columns; at the first position of each id, each thread sums
 //    that id's rows of one column into the table. Rows of ids that do not
 //    occur are not written (the launch zeroes the table first).
-// An id outside [0, vocab) sorts last and is skipped: the forward's lookup
-// has refused it already.
+// An id outside [0, vocab) sorts last and is skipped (its lookup was NaN).
 // ===========================================================================
 #define EMB_THREADS 256
 
@@ -26,6 +35,28 @@ __device__ __forceinline__ unsigned int emb_row(const I* __restrict__ ids, long 
                                                 unsigned int vocab) {
     const long long id = (long long)ids[i];
     return id >= 0 && id < (long long)vocab ? (unsigned int)id : vocab;
+}
+
+// The lookup, grid (rows i of the lookup, grid-stride; columns /
+// EMB_THREADS), blocks of EMB_THREADS.
+template <typename T, typename I>
+__device__ __forceinline__ void embedding_lookup(const I* __restrict__ ids,
+                                                 const T* __restrict__ part,
+                                                 T* __restrict__ out, long long n, int dim,
+                                                 long long first, long long len,
+                                                 unsigned int vocab) {
+    const long long c = (long long)blockIdx.y * EMB_THREADS + threadIdx.x;
+    if (c >= dim) return;
+    for (long long i = blockIdx.x; i < n; i += gridDim.x) {
+        const unsigned int row = emb_row(ids, i, vocab);
+        T* const o = out + i * dim + c;
+        if (row == vocab) {
+            *o = from_f32<T>(QNAN);
+            continue;
+        }
+        const long long at = (long long)row * dim + c - first;
+        if (at >= 0 && at < len) *o = part[at];
+    }
 }
 
 // Pass 1, blocks of EMB_THREADS, grid-stride over blocks of rows.
@@ -94,7 +125,17 @@ embedding_backward_##SUFFIX##_##ISUFFIX(const I* ids, const unsigned int* order,
     embedding_backward<T, I>(ids, order, grad, table, n, dim, vocab);                      \
 }
 
+#define DEFINE_EMBEDDING_LOOKUP(T, SUFFIX, I, ISUFFIX)                                     \
+extern "C" __global__ void __launch_bounds__(EMB_THREADS)                                  \
+embedding_lookup_##SUFFIX##_##ISUFFIX(const I* ids, const T* part, T* out, long long n,    \
+                                      int dim, long long first, long long len,             \
+                                      unsigned int vocab) {                                \
+    embedding_lookup<T, I>(ids, part, out, n, dim, first, len, vocab);                     \
+}
+
 #define DEFINE_EMBEDDING(T, SUFFIX)                                                        \
+DEFINE_EMBEDDING_LOOKUP(T, SUFFIX, unsigned int, u32)                                      \
+DEFINE_EMBEDDING_LOOKUP(T, SUFFIX, long long, i64)                                         \
 DEFINE_EMBEDDING_BACKWARD(T, SUFFIX, unsigned int, u32)                                    \
 DEFINE_EMBEDDING_BACKWARD(T, SUFFIX, long long, i64)
 

@@ -3,7 +3,7 @@
 //! RMSNorm (forward, alone or with the residual add before it, and
 //! backward), GELU/SiLU, SwiGLU, rotary embeddings (forward and backward),
 //! cross-entropy, column sums (a Linear's bias gradient) and an embedding
-//! table's gradient, for f32, bf16 and f16 storage, computing in f32.
+//! lookup and its table's gradient, for f32, bf16 and f16 storage, computing in f32.
 //! zero-candle's custom ops launch them through [`LayerKernels`]; each
 //! kernel has a CPU reference there.
 //!
@@ -23,7 +23,8 @@
 //! heads in order. Norm backward is a row pass (dx, and the row
 //! statistics) and a column pass over fixed chunks of rows (dw, db) summed
 //! in a fixed order; the column sums are that column pass alone. The
-//! embedding gradient sorts the lookup's rows by id, then sums each id's
+//! embedding lookup reads the table a stretch at a time (a table gathered
+//! in pieces, with the ids on the device); its gradient sorts the lookup's rows by id, then sums each id's
 //! rows in their order.
 //!
 //! ```no_run
@@ -68,7 +69,7 @@ pub const LAYER_SOURCE: &str = concat!(
 );
 
 /// Every kernel [`LayerKernels::new`] loads from [`LAYER_SOURCE`].
-pub const LAYER_KERNEL_NAMES: [&str; 95] = [
+pub const LAYER_KERNEL_NAMES: [&str; 101] = [
     "attention_forward_d64_f32",
     "attention_backward_dq_d64_f32",
     "attention_backward_dkdv_d64_f32",
@@ -158,6 +159,12 @@ pub const LAYER_KERNEL_NAMES: [&str; 95] = [
     "cross_entropy_backward_f16_i64",
     "embedding_order_u32",
     "embedding_order_i64",
+    "embedding_lookup_f32_u32",
+    "embedding_lookup_f32_i64",
+    "embedding_lookup_bf16_u32",
+    "embedding_lookup_bf16_i64",
+    "embedding_lookup_f16_u32",
+    "embedding_lookup_f16_i64",
     "embedding_backward_f32_u32",
     "embedding_backward_f32_i64",
     "embedding_backward_bf16_u32",
@@ -315,6 +322,7 @@ pub struct LayerKernels {
     /// Per [`TargetIndex::INDEX`] (the ids' type).
     embedding_order: [CudaFunction; 2],
     /// Per [`LayerElement::INDEX`], then per [`TargetIndex::INDEX`].
+    embedding_lookup: [[CudaFunction; 2]; 3],
     embedding_backward: [[CudaFunction; 2]; 3],
     /// The cap of grid-stride launches.
     max_blocks: u32,
@@ -450,6 +458,7 @@ impl LayerKernels {
                 cross_entropy_loss: per_element_and_target(&module, "cross_entropy_loss")?,
                 cross_entropy_backward: per_element_and_target(&module, "cross_entropy_backward")?,
                 embedding_order: per_target(&module, "embedding_order")?,
+                embedding_lookup: per_element_and_target(&module, "embedding_lookup")?,
                 embedding_backward: per_element_and_target(&module, "embedding_backward")?,
                 max_blocks: max_blocks(ctx)?,
             })
@@ -951,6 +960,7 @@ mod tests {
             for family in [
                 "cross_entropy_loss",
                 "cross_entropy_backward",
+                "embedding_lookup",
                 "embedding_backward",
             ] {
                 for t in TARGET_NAMES {

@@ -750,6 +750,39 @@ pub(crate) fn embedding_backward(
     })
 }
 
+/// Writes into `out` (`[ids, dim]`) the rows of the lookup `table[ids]`
+/// that `part` holds: its elements `at` are elements `values` of the
+/// row-major `[vocab, dim]` table (see [`LayerKernels::embedding_lookup`]).
+/// Ids are u32 or i64; the rows of ids outside the vocabulary are NaN.
+pub(crate) fn embedding_lookup(
+    ids: Arg,
+    (part, at): (&CudaStorage, std::ops::Range<usize>),
+    values: std::ops::Range<usize>,
+    table: (usize, usize),
+    out: &mut CudaStorage,
+) -> Result<()> {
+    const OP: &str = "Embedding";
+    let ids_view = targets_of(OP, ids)?;
+    if part.dtype() != out.dtype() {
+        bail!(
+            "zero-candle {OP}: internal: a table part of {:?} looked up into rows of {:?}",
+            part.dtype(),
+            out.dtype()
+        )
+    }
+    by_dtype!(out.dtype(), OP, |T| {
+        if at.end > part.as_cuda_slice::<T>()?.len() {
+            bail!("zero-candle {OP}: internal: a gathered piece has no elements {at:?}")
+        }
+        let part = part.as_cuda_slice::<T>()?.slice(at);
+        let out = out.as_cuda_slice_mut::<T>()?;
+        launch_on(OP, ids, |kernels, stream| match &ids_view {
+            Targets::U32(t) => kernels.embedding_lookup(stream, table, t, &part, values, out),
+            Targets::I64(t) => kernels.embedding_lookup(stream, table, t, &part, values, out),
+        })
+    })
+}
+
 /// The cuBLASLt GEMM of `device`'s stream, made on first use (a handle and
 /// its 32 MiB workspace per stream).
 fn gemm(device: &CudaDevice) -> Result<Arc<Gemm>> {

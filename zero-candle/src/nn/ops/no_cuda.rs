@@ -147,6 +147,16 @@ pub(crate) fn embedding_backward(
     no_cuda()
 }
 
+pub(crate) fn embedding_lookup(
+    _ids: Arg,
+    _part: (&CudaStorage, std::ops::Range<usize>),
+    _values: std::ops::Range<usize>,
+    _table: (usize, usize),
+    _out: &mut CudaStorage,
+) -> Result<()> {
+    no_cuda()
+}
+
 pub(crate) fn bias_epilogue(
     _activation: Option<Activation>,
     _pre: &mut CudaStorage,

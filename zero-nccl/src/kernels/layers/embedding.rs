@@ -1,14 +1,73 @@
-//! An embedding table's gradient for [`LayerKernels`] (`embedding_*` in
-//! embedding.cu): the lookup's rows put in order of their ids, then each
-//! id's rows summed in f32, in their order, into its row of the table.
+//! An embedding lookup and its table's gradient for [`LayerKernels`]
+//! (`embedding_*` in embedding.cu). The lookup reads the table a stretch at
+//! a time; the gradient puts the lookup's rows in order of their ids, then
+//! sums each id's rows in f32, in their order, into its row of the table.
 //! Deterministic, no atomics.
 
 use super::{check_len, int_arg, Launch, LayerElement, LayerKernels, TargetIndex};
 use crate::{Error, Result};
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, PushKernelArg};
+use std::ops::Range;
 use std::sync::Arc;
 
 impl LayerKernels {
+    /// The part of the lookup `out[i] = table[ids[i]]` (`out` `[ids.len(),
+    /// dim]`) that `part` holds: `part` is elements `values` of the
+    /// row-major `[vocab, dim]` table (the whole table: `0..vocab * dim`),
+    /// and every element of `out` taken from those is written. Launched once
+    /// per stretch of a table gathered in pieces, `out` is whole once the
+    /// stretches cover the table. The rows of ids outside `[0, vocab)` are
+    /// NaN, written by every launch.
+    #[allow(clippy::too_many_arguments)]
+    pub fn embedding_lookup<E: LayerElement, I: TargetIndex>(
+        &self,
+        stream: &Arc<CudaStream>,
+        (vocab, dim): (usize, usize),
+        ids: &impl DevicePtr<I>,
+        part: &impl DevicePtr<E>,
+        values: Range<usize>,
+        out: &mut impl DevicePtrMut<E>,
+    ) -> Result<()> {
+        const OP: &str = "embedding_lookup";
+        let n = ids.len();
+        lookup_part(OP, (vocab, dim), &values, part.len())?;
+        check_len(OP, "out", out.len(), n * dim)?;
+        let vocab_arg = vocab_arg(OP, vocab)?;
+        let n_arg = i64::from(int_arg(OP, "ids", n)?);
+        let dim_arg = int_arg(OP, "the embedding width", dim)?;
+        // Within the table's vocab * dim elements, which the 32-bit vocab
+        // and int width keep within i64.
+        let (first, len) = (values.start as i64, values.len() as i64);
+        let Some(cfg) = self.config(
+            OP,
+            Launch::Segments {
+                rows: n,
+                columns: dim,
+            },
+        )?
+        else {
+            return Ok(());
+        };
+        let (ids, _g0) = ids.device_ptr(stream);
+        let (part, _g1) = part.device_ptr(stream);
+        let (out, _g2) = out.device_ptr_mut(stream);
+        let mut launch = stream.launch_builder(&self.embedding_lookup[E::INDEX][I::INDEX]);
+        launch
+            .arg(&ids)
+            .arg(&part)
+            .arg(&out)
+            .arg(&n_arg)
+            .arg(&dim_arg)
+            .arg(&first)
+            .arg(&len)
+            .arg(&vocab_arg);
+        // SAFETY: ids holds n `I`, out n * dim `E`, part the `len` elements
+        // read (at `id * dim + c - first` within `0..len` only); the
+        // arguments match `embedding_lookup_*_*`.
+        unsafe { launch.launch(cfg) }?;
+        Ok(())
+    }
+
     /// The gradient of an embedding lookup's `[vocab, dim]` table, written
     /// whole into `table`: row `r` is the sum of the rows `i` of `grad`
     /// (`[ids.len(), dim]`) with `ids[i] == r`, added in f32 in the order of
@@ -27,12 +86,7 @@ impl LayerKernels {
         const OP: &str = "embedding_backward";
         let n = ids.len();
         let dim = embedding_width(OP, vocab, table.len(), n, grad.len())?;
-        let vocab_arg = u32::try_from(vocab).map_err(|_| {
-            Error::from(zero_core::Error::Unsupported {
-                op: OP,
-                detail: format!("a vocabulary of {vocab} rows exceeds the kernels' 32-bit ids"),
-            })
-        })?;
+        let vocab_arg = vocab_arg(OP, vocab)?;
         let n_arg = i64::from(int_arg(OP, "ids", n)?);
         let dim_arg = int_arg(OP, "the embedding width", dim)?;
         stream.memset_zeros(table)?;
@@ -78,6 +132,37 @@ impl LayerKernels {
     }
 }
 
+/// `vocab` as the kernels' 32-bit argument.
+fn vocab_arg(op: &'static str, vocab: usize) -> Result<u32> {
+    u32::try_from(vocab).map_err(|_| {
+        Error::from(zero_core::Error::Unsupported {
+            op,
+            detail: format!("a vocabulary of {vocab} rows exceeds the kernels' 32-bit ids"),
+        })
+    })
+}
+
+/// Fails unless `values` lies in a `[vocab, dim]` table and `part_len`
+/// elements hold it.
+fn lookup_part(
+    op: &'static str,
+    (vocab, dim): (usize, usize),
+    values: &Range<usize>,
+    part_len: usize,
+) -> Result<()> {
+    let table = vocab.checked_mul(dim);
+    if values.start > values.end || table.is_none_or(|table| values.end > table) {
+        return Err(Error::from(zero_core::Error::Unsupported {
+            op,
+            detail: format!(
+                "elements {values:?} are not a stretch of a [{vocab}, {dim}] table; pass the \
+                 table elements the part holds"
+            ),
+        }));
+    }
+    check_len(op, "part", part_len, values.len())
+}
+
 /// The table's width: `table_len` is `vocab` rows of it, `grad_len` `ids`.
 fn embedding_width(
     op: &'static str,
@@ -106,6 +191,22 @@ fn embedding_width(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_lookup_part_must_be_a_stretch_of_the_table_and_hold_it() {
+        assert!(lookup_part("t", (10, 3), &(0..30), 30).is_ok());
+        assert!(lookup_part("t", (10, 3), &(7..12), 5).is_ok());
+        assert!(lookup_part("t", (10, 3), &(30..30), 0).is_ok());
+        let err = lookup_part("t", (10, 3), &(25..31), 6)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("25..31") && err.contains("[10, 3]"), "{err}");
+        let err = lookup_part("t", (10, 3), &(7..12), 6)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("part"), "{err}");
+        assert!(lookup_part("t", (usize::MAX, 3), &(0..1), 1).is_err());
+    }
 
     #[test]
     fn the_width_follows_the_table_and_the_gradient_must_match_it() {
