@@ -14,6 +14,7 @@ use std::sync::Arc;
 use std::thread::ThreadId;
 use std::time::{Duration, Instant};
 use zero_core::comm::MemoryKind;
+use zero_core::engine::UnitBucket;
 use zero_core::{Communicator, Element, ReduceOp, Result, Work};
 
 /// Device memory: buffers are `cudarc` [`CudaSlice`]s.
@@ -76,6 +77,29 @@ pub trait DeviceComm: Communicator<Memory = Cuda> + Sized {
     fn all_gather_in_place_event<T: Element>(
         &self,
         buf: &mut (impl DevicePtrMut<T> + ?Sized),
+    ) -> Result<CudaEvent>;
+
+    /// Several all-gathers as one collective (a stage-3 layer's buckets):
+    /// for each bucket, every rank's `shard[bucket.shard]` into
+    /// `buffer[bucket.at]`, in rank order. One NCCL group; on
+    /// `cuda-threads` one pass of the protocol (two host rendezvous for the
+    /// whole batch, not two per bucket). No buckets, nothing queued: the
+    /// event marks the compute stream's point.
+    fn all_gather_buckets_event<T: Element>(
+        &self,
+        shard: &CudaSlice<T>,
+        buffer: &mut CudaSlice<T>,
+        buckets: &[UnitBucket],
+    ) -> Result<CudaEvent>;
+
+    /// [`DeviceComm::all_gather_buckets_event`] in place: this rank's slot
+    /// of each bucket's place in `buffer` holds its chunk already
+    /// ([`DeviceComm::all_gather_in_place_event`]); `bucket.shard` gives
+    /// the chunk's length.
+    fn all_gather_buckets_in_place_event<T: Element>(
+        &self,
+        buffer: &mut CudaSlice<T>,
+        buckets: &[UnitBucket],
     ) -> Result<CudaEvent>;
 
     /// Blocks the host until everything queued on the compute stream so far
@@ -143,6 +167,57 @@ pub(crate) fn in_place_slot(len: usize, world_size: usize) -> zero_core::Result<
         });
     }
     Ok(len / world_size)
+}
+
+/// One all-gather of a batch ([`bucket_gathers`]): device addresses of this
+/// rank's chunk and of the gathered place, and the chunk's length.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct BucketGather {
+    pub send: u64,
+    pub recv: u64,
+    pub count: usize,
+}
+
+/// The all-gathers of `buckets` of `T`, from a shard at `shard` (address,
+/// length; `None`: in place, each chunk in this rank's slot of its place)
+/// into a buffer at `buffer`, each checked in bounds and `world_size`
+/// chunks long; with the bytes they send.
+pub(crate) fn bucket_gathers<T>(
+    shard: Option<(u64, usize)>,
+    (buffer, buffer_len): (u64, usize),
+    buckets: &[UnitBucket],
+    (rank, world_size): (usize, usize),
+) -> zero_core::Result<(Vec<BucketGather>, u64)> {
+    let elem = std::mem::size_of::<T>();
+    let address = |base: u64, at: usize| base + (at * elem) as u64;
+    let mut bytes = 0;
+    let gathers = buckets
+        .iter()
+        .map(|bucket| {
+            let (chunk, at) = (&bucket.shard, &bucket.at);
+            let count = chunk.len();
+            let in_shard = shard.is_none_or(|(_, len)| chunk.end <= len);
+            if !in_shard || at.end > buffer_len || at.len() != world_size * count {
+                return Err(zero_core::Error::State(format!(
+                    "internal: an all-gather of shard {chunk:?} into {at:?} of a {buffer_len}-element \
+                     buffer ({world_size} ranks; shard of {:?} elements) is out of bounds or not \
+                     {world_size} chunks",
+                    shard.map(|(_, len)| len)
+                )));
+            }
+            bytes += ring_bytes(at.len() * elem, world_size);
+            let send = match shard {
+                Some((base, _)) => address(base, chunk.start),
+                None => address(buffer, at.start + rank * count),
+            };
+            Ok(BucketGather {
+                send,
+                recv: address(buffer, at.start),
+                count,
+            })
+        })
+        .collect::<zero_core::Result<_>>()?;
+    Ok((gathers, bytes))
 }
 
 /// Bytes a rank sends in a ring collective over a buffer of `bytes`: `(N-1)/N`
@@ -295,7 +370,35 @@ fn poll_until(
 
 #[cfg(test)]
 mod tests {
-    use super::StreamOwner;
+    use super::*;
+
+    #[test]
+    fn bucket_gathers_address_each_chunk_and_its_place() {
+        let bucket =
+            |shard: std::ops::Range<usize>, at: std::ops::Range<usize>| UnitBucket { shard, at };
+        let buckets = [bucket(0..3, 0..6), bucket(3..5, 10..14)];
+        // From a shard of f32 at 1000 into a buffer at 5000, rank 1 of 2.
+        let (gathers, bytes) =
+            bucket_gathers::<f32>(Some((1000, 5)), (5000, 14), &buckets, (1, 2)).unwrap();
+        let gather = |send, recv, count| BucketGather { send, recv, count };
+        assert_eq!(gathers, [gather(1000, 5000, 3), gather(1012, 5040, 2)]);
+        assert_eq!(bytes, ring_bytes(24, 2) + ring_bytes(16, 2));
+        // In place: each chunk is this rank's slot of its place.
+        let (gathers, _) = bucket_gathers::<f32>(None, (5000, 14), &buckets, (1, 2)).unwrap();
+        assert_eq!(gathers, [gather(5012, 5000, 3), gather(5048, 5040, 2)]);
+        // Out of the shard, out of the buffer, not world_size chunks.
+        for (shard_len, buffer_len, buckets) in [
+            (4, 14, vec![bucket(3..5, 10..14)]),
+            (5, 13, vec![bucket(3..5, 10..14)]),
+            (5, 14, vec![bucket(3..5, 10..13)]),
+        ] {
+            let err =
+                bucket_gathers::<f32>(Some((0, shard_len)), (0, buffer_len), &buckets, (1, 2))
+                    .unwrap_err()
+                    .to_string();
+            assert!(err.contains("out of bounds or not 2 chunks"), "{err}");
+        }
+    }
 
     #[test]
     fn another_thread_than_the_owner_is_refused_with_what_to_do() {

@@ -6,8 +6,9 @@
 
 mod common;
 
+use zero_core::engine::UnitBucket;
 use zero_core::{Communicator, ReduceOp};
-use zero_nccl::NcclComm;
+use zero_nccl::{DeviceComm, NcclComm};
 
 fn comm() -> NcclComm {
     common::nccl_comm()
@@ -47,6 +48,36 @@ fn collectives_at_world_size_one() {
     assert!(
         comm.all_gather(&send, &mut bad).is_err(),
         "size mismatch must be an error"
+    );
+
+    // A layer's buckets in one NCCL group, from the shard and in place,
+    // around a gap the gathers leave alone.
+    let bucket = |shard: std::ops::Range<usize>, at| UnitBucket { shard, at };
+    let buckets = [
+        bucket(0..300, 0..300),
+        bucket(300..300, 300..300),
+        bucket(300..1000, 310..1010),
+    ];
+    let mut want = vec![-1.0f32; 1010];
+    want[..300].copy_from_slice(&host[..300]);
+    want[310..].copy_from_slice(&host[300..]);
+    let mut gathered = stream.clone_htod(&vec![-1.0f32; 1010]).expect("upload");
+    let done = comm
+        .all_gather_buckets_event(&send, &mut gathered, &buckets)
+        .expect("all_gather_buckets");
+    stream.wait(&done).expect("wait");
+    assert_eq!(stream.clone_dtoh(&gathered).expect("download"), want);
+    let mut in_place = stream.clone_htod(&want).expect("upload");
+    let done = comm
+        .all_gather_buckets_in_place_event(&mut in_place, &buckets)
+        .expect("all_gather_buckets in place");
+    stream.wait(&done).expect("wait");
+    assert_eq!(stream.clone_dtoh(&in_place).expect("download"), want);
+    let past = [bucket(0..1001, 0..1001)];
+    assert!(
+        comm.all_gather_buckets_event(&send, &mut gathered, &past)
+            .is_err(),
+        "a bucket past the shard must be an error"
     );
 
     let mut b = stream.clone_htod(&host).expect("upload");

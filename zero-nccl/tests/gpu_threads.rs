@@ -13,7 +13,7 @@ use half::bf16;
 use rand::{Rng, SeedableRng};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use zero_core::engine::{EngineConfig, HostGrad, NormType, Stage};
+use zero_core::engine::{EngineConfig, HostGrad, NormType, Stage, UnitBucket};
 use zero_core::optim::{AdamW, AdamWConfig, FunctionalOptimizer};
 use zero_core::{Communicator, DType, Element, Engine, Error, ParamInfo, ReduceOp, ThreadGroup};
 use zero_nccl::cudarc::driver::{CudaSlice, CudaStream, DeviceRepr};
@@ -160,6 +160,74 @@ fn collectives_match<T: Element + DeviceRepr + PartialEq + std::fmt::Debug>() {
             assert_eq!(gpu[r].2, host[r].2, "all_gather_varlen n={n} rank {r}");
         }
         assert_eq!(gpu[n - 1].3, host[n - 1].3, "gather_varlen n={n}");
+    }
+}
+
+/// A stage-3 layer's buckets per rank (one empty), as `DeviceGathers`
+/// gathers them, and the gap left in the buffer after the first.
+const BUCKETS: [usize; 3] = [5, 0, 11];
+const GAP: usize = 3;
+
+/// The buckets' places: each rank's chunks one after another in the
+/// shard; every rank's, in rank order, in the buffer.
+fn unit_buckets(n: usize) -> (Vec<UnitBucket>, usize) {
+    let (mut shard, mut at) = (0, 0);
+    let buckets = BUCKETS
+        .iter()
+        .enumerate()
+        .map(|(k, &len)| {
+            let bucket = UnitBucket {
+                shard: shard..shard + len,
+                at: at..at + n * len,
+            };
+            shard += len;
+            at += n * len + if k == 0 { GAP } else { 0 };
+            bucket
+        })
+        .collect();
+    (buckets, at)
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_layer_s_buckets_gather_in_one_pass_as_bucket_by_bucket() {
+    for n in 1..=4 {
+        let gpu = on_gpu(n, |c| {
+            let r = c.rank();
+            let (buckets, len) = unit_buckets(n);
+            let shard = up(&c, &values::<f32>(r, BUCKETS.iter().sum(), 12));
+            let mut gathered = up(&c, &vec![-1.0f32; len]);
+            let done = c.all_gather_buckets_event(&shard, &mut gathered, &buckets)?;
+            c.compute_stream().wait(&done).unwrap();
+            // In place: each rank's slot of each place holds its chunk.
+            let mut in_place = vec![-1.0f32; len];
+            let mine = values::<f32>(r, BUCKETS.iter().sum(), 12);
+            for bucket in &buckets {
+                let slot = bucket.at.start + r * bucket.shard.len();
+                in_place[slot..slot + bucket.shard.len()]
+                    .copy_from_slice(&mine[bucket.shard.clone()]);
+            }
+            let mut in_place = up(&c, &in_place);
+            let done = c.all_gather_buckets_in_place_event(&mut in_place, &buckets)?;
+            c.compute_stream().wait(&done).unwrap();
+            Ok((down(&c, &gathered), down(&c, &in_place)))
+        });
+        let host = on_threads(n, |c| {
+            let (buckets, len) = unit_buckets(n);
+            let mine = values::<f32>(c.rank(), BUCKETS.iter().sum(), 12);
+            let mut gathered = vec![-1.0f32; len];
+            for bucket in &buckets {
+                c.all_gather(
+                    &mine[bucket.shard.clone()],
+                    &mut gathered[bucket.at.clone()],
+                )?;
+            }
+            Ok(gathered)
+        });
+        for r in 0..n {
+            assert_eq!(gpu[r].0, host[r], "n={n} rank {r}");
+            assert_eq!(gpu[r].1, host[r], "in place, n={n} rank {r}");
+        }
     }
 }
 

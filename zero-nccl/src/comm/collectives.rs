@@ -3,13 +3,14 @@
 //! grouped sends and receives, and the checks on their buffers.
 
 use super::NcclComm;
-use crate::device_comm::{event_work, ring_bytes};
+use crate::device_comm::{bucket_gathers, event_work, ring_bytes};
 use crate::{Error, Result};
 use cudarc::driver::{CudaEvent, CudaSlice, DevicePtr, DevicePtrMut};
 use cudarc::nccl::{result as nccl, sys};
 use std::ffi::c_void;
 use std::sync::atomic::Ordering;
 use zero_core::comm::{check_counts, check_len, check_root};
+use zero_core::engine::UnitBucket;
 use zero_core::{DType, Element, ReduceOp, Work};
 
 /// The NCCL type of an element type.
@@ -222,6 +223,51 @@ impl NcclComm {
         // elements of `T` (checked above), and `src` its slot `rank`: NCCL's
         // in-place all-gather.
         unsafe { self.collective_event::<T>(Collective::AllGather, src, dst, count, bytes) }
+    }
+
+    /// [`DeviceComm::all_gather_buckets_event`](crate::DeviceComm::all_gather_buckets_event)
+    /// and its in-place form (`shard` `None`): the buckets' all-gathers in
+    /// one NCCL group.
+    pub(super) fn all_gather_buckets_event_raw<T: Element>(
+        &self,
+        shard: Option<&CudaSlice<T>>,
+        buffer: &mut CudaSlice<T>,
+        buckets: &[UnitBucket],
+    ) -> Result<CudaEvent> {
+        let len = buffer.len();
+        let shard = shard.map(|shard| (shard.len(), shard.device_ptr(&self.comm_stream)));
+        let (dst, _record_dst) = buffer.device_ptr_mut(&self.comm_stream);
+        let (gathers, bytes) = bucket_gathers::<T>(
+            shard.as_ref().map(|(len, (src, _))| (*src, *len)),
+            (dst, len),
+            buckets,
+            (self.rank, self.world_size),
+        )?;
+        let dtype = nccl_dtype(T::DTYPE);
+        self.issue("ncclAllGather", bytes, |comm, stream| {
+            let nccl_err = |call| move |e| Error::nccl(call, e);
+            nccl::group_start().map_err(nccl_err("ncclGroupStart"))?;
+            // Queue every gather before checking errors, so that a failure
+            // never leaves the group open.
+            let mut queued = Ok(());
+            for gather in &gathers {
+                if queued.is_err() {
+                    break;
+                }
+                let (src, dst) = (gather.send as *const c_void, gather.recv as *mut c_void);
+                // SAFETY: bucket_gathers checked each chunk within the shard
+                // (or this rank's slot of its place: NCCL's in-place form)
+                // and each place, world_size chunks, within the buffer;
+                // both are live device buffers of `T`.
+                queued = unsafe { nccl::all_gather(src, dst, gather.count, dtype, comm, stream) }
+                    .map(drop)
+                    .map_err(nccl_err("ncclAllGather"));
+            }
+            let ended = nccl::group_end()
+                .map(drop)
+                .map_err(nccl_err("ncclGroupEnd"));
+            queued.and(ended)
+        })
     }
 
     pub(super) fn broadcast_event<T: Element>(

@@ -8,13 +8,15 @@ use crate::device_comm::{ring_bytes, Cuda, DeviceComm};
 use crate::probe::guarded;
 use crate::Error;
 use cudarc::driver::{
-    CudaContext, CudaEvent, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, ValidAsZeroBits,
+    CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr,
+    ValidAsZeroBits,
 };
 use cudarc::nccl::{result as nccl, sys};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 use zero_core::comm::Buf;
+use zero_core::engine::UnitBucket;
 use zero_core::{Communicator, Element, ReduceOp, Work};
 
 /// `NCCL_SPLIT_NOCOLOR` from `nccl.h`: the rank takes no part in the new communicator.
@@ -277,6 +279,23 @@ impl DeviceComm for NcclComm {
         buf: &mut (impl DevicePtrMut<T> + ?Sized),
     ) -> zero_core::Result<CudaEvent> {
         Ok(self.all_gather_in_place_event_raw(buf)?)
+    }
+
+    fn all_gather_buckets_event<T: Element>(
+        &self,
+        shard: &CudaSlice<T>,
+        buffer: &mut CudaSlice<T>,
+        buckets: &[UnitBucket],
+    ) -> zero_core::Result<CudaEvent> {
+        Ok(self.all_gather_buckets_event_raw(Some(shard), buffer, buckets)?)
+    }
+
+    fn all_gather_buckets_in_place_event<T: Element>(
+        &self,
+        buffer: &mut CudaSlice<T>,
+        buckets: &[UnitBucket],
+    ) -> zero_core::Result<CudaEvent> {
+        Ok(self.all_gather_buckets_event_raw(None, buffer, buckets)?)
     }
 
     fn wait_compute(&self, op: &'static str) -> zero_core::Result<()> {

@@ -1,7 +1,8 @@
 //! What each rank of an in-process collective does, as plain data: the
-//! descriptor a rank posts to its peers ([`Posted`]), the check that every
-//! rank called the same collective ([`check_posted`]), and the copies and
-//! reductions a rank issues over its peers' buffers ([`steps`]).
+//! descriptors a rank posts to its peers ([`Posted`], one per collective of
+//! a batch: [`encode_posts`]), the check that every rank called the same
+//! collectives ([`check_posted`]), and the copies and reductions a rank
+//! issues over its peers' buffers ([`steps`]).
 //!
 //! [`CudaThreadComm`](crate::CudaThreadComm) runs these steps as device
 //! copies and reduction kernels; the tests below run them over host buffers
@@ -213,31 +214,75 @@ impl Posted {
     }
 }
 
-/// Decodes every rank's post (as gathered, in rank order) and checks that
+/// A rank's posts of one protocol pass (a batch of collectives that share
+/// its ready event), as it sends them: little-endian u64 words, the number
+/// of posts, then each post's word count and [`Posted::encode`].
+pub(crate) fn encode_posts(posts: &[Posted]) -> Vec<u8> {
+    let mut bytes = (posts.len() as u64).to_le_bytes().to_vec();
+    for post in posts {
+        let words = post.encode();
+        bytes.extend(((words.len() / 8) as u64).to_le_bytes());
+        bytes.extend(words);
+    }
+    bytes
+}
+
+/// The inverse of [`encode_posts`]; `None` for bytes it did not write.
+fn decode_posts(bytes: &[u8]) -> Option<Vec<Posted>> {
+    let word = |at: usize| -> Option<usize> {
+        let word = bytes.get(at..at + 8)?;
+        usize::try_from(u64::from_le_bytes(word.try_into().ok()?)).ok()
+    };
+    let count = word(0)?;
+    let mut at = 8;
+    let mut posts = Vec::new();
+    for _ in 0..count {
+        let end = word(at)?.checked_mul(8)?.checked_add(at + 8)?;
+        posts.push(Posted::decode(bytes.get(at + 8..end)?)?);
+        at = end;
+    }
+    (at == bytes.len()).then_some(posts)
+}
+
+/// A batch's calls, for errors.
+fn describe(posts: &[Posted]) -> String {
+    match posts {
+        [one] => one.call.describe(),
+        _ => {
+            let calls: Vec<String> = posts.iter().map(|post| post.call.describe()).collect();
+            format!("{} collectives at once ({})", calls.len(), calls.join(", "))
+        }
+    }
+}
+
+/// Decodes every rank's posts (as gathered, in rank order) and checks that
 /// they all called what `rank` called: a rank that failed its own checks
 /// fails every peer ([`Error::PeerFailed`] naming it), different calls are
-/// an [`Error::CollectiveMismatch`] naming both.
+/// an [`Error::CollectiveMismatch`] naming both. Returns the posts by
+/// collective of the batch, then by rank.
 pub(crate) fn check_posted(
     op: &'static str,
     seq: u64,
     rank: usize,
     gathered: &[Vec<u8>],
-) -> Result<Vec<Posted>> {
-    let posted: Vec<Posted> = gathered
+) -> Result<Vec<Vec<Posted>>> {
+    let posted: Vec<Vec<Posted>> = gathered
         .iter()
         .enumerate()
         .map(|(peer, bytes)| {
-            Posted::decode(bytes).ok_or_else(|| {
-                Error::State(format!(
-                    "{op} #{seq}: rank {peer} posted {} bytes that are not a collective's \
+            decode_posts(bytes)
+                .filter(|posts| !posts.is_empty())
+                .ok_or_else(|| {
+                    Error::State(format!(
+                        "{op} #{seq}: rank {peer} posted {} bytes that are not a collective's \
                      descriptor (a communicator of another version?)",
-                    bytes.len()
-                ))
-            })
+                        bytes.len()
+                    ))
+                })
         })
         .collect::<Result<_>>()?;
     let failed: Vec<usize> = (0..posted.len())
-        .filter(|&p| p != rank && posted[p].failed)
+        .filter(|&p| p != rank && posted[p].iter().any(|post| post.failed))
         .collect();
     if !failed.is_empty() {
         return Err(Error::PeerFailed {
@@ -247,21 +292,30 @@ pub(crate) fn check_posted(
             reason: "its arguments were refused (see that rank's error)".into(),
         });
     }
-    let this = &posted[rank].call;
+    let this = &posted[rank];
+    let same = |other: &[Posted]| {
+        other.len() == this.len() && other.iter().zip(this).all(|(o, t)| o.call == t.call)
+    };
     if let Some((other_rank, other)) = posted
         .iter()
         .enumerate()
-        .find(|(p, post)| *p != rank && !post.failed && post.call != *this)
+        .find(|(p, posts)| *p != rank && !posts.iter().any(|post| post.failed) && !same(posts))
     {
         return Err(Error::CollectiveMismatch {
             seq,
             rank,
-            this: this.describe(),
+            this: describe(this),
             other_rank,
-            other: other.call.describe(),
+            other: describe(other),
         });
     }
-    Ok(posted)
+    let mut by_call = vec![Vec::with_capacity(posted.len()); this.len()];
+    for posts in posted {
+        for (i, post) in posts.into_iter().enumerate() {
+            by_call[i].push(post);
+        }
+    }
+    Ok(by_call)
 }
 
 /// Which of a rank's two buffers an address names.
@@ -681,7 +735,7 @@ mod tests {
         assert_eq!(Posted::decode(&[0; 16]), None);
     }
 
-    fn post(kind: Kind, len: usize, failed: bool) -> Vec<u8> {
+    fn posted(kind: Kind, len: usize, failed: bool) -> Posted {
         Posted {
             call: Call {
                 kind,
@@ -693,7 +747,46 @@ mod tests {
             ready: 0,
             failed,
         }
-        .encode()
+    }
+
+    fn post(kind: Kind, len: usize, failed: bool) -> Vec<u8> {
+        encode_posts(&[posted(kind, len, failed)])
+    }
+
+    /// A batch of all-gathers of `lens`.
+    fn batch(lens: &[usize]) -> Vec<u8> {
+        let posts: Vec<Posted> = lens
+            .iter()
+            .map(|&len| posted(Kind::AllGather, len, false))
+            .collect();
+        encode_posts(&posts)
+    }
+
+    #[test]
+    fn batches_round_trip_and_must_match_call_by_call() {
+        let posts: Vec<Posted> = [(Kind::AllGather, 3), (Kind::Broadcast { root: 1 }, 9)]
+            .into_iter()
+            .map(|(kind, len)| posted(kind, len, false))
+            .collect();
+        assert_eq!(decode_posts(&encode_posts(&posts)), Some(posts.clone()));
+        let mut longer = encode_posts(&posts);
+        longer.push(0);
+        assert_eq!(decode_posts(&longer), None);
+        let by_call = check_posted("all_gather", 0, 1, &[batch(&[4, 5]), batch(&[4, 5])]).unwrap();
+        assert_eq!(by_call.len(), 2);
+        assert!(by_call.iter().all(|ranks| ranks.len() == 2));
+        assert_eq!(by_call[1][0].call.len, 5);
+        match check_posted("all_gather", 2, 0, &[batch(&[4, 5]), batch(&[4])]) {
+            Err(Error::CollectiveMismatch { this, other, .. }) => {
+                assert!(this.contains("2 collectives at once"), "{this}");
+                assert_eq!(other, "all_gather of 4 x f32");
+            }
+            other => panic!("expected a mismatch, got {other:?}"),
+        }
+        let err = check_posted("all_gather", 2, 0, &[batch(&[4, 5]), batch(&[4, 6])]).unwrap_err();
+        assert!(err.to_string().contains("of 6 x f32"), "{err}");
+        let err = check_posted("all_gather", 2, 0, &[batch(&[4]), batch(&[])]).unwrap_err();
+        assert!(err.to_string().contains("rank 1 posted 8 bytes"), "{err}");
     }
 
     #[test]
@@ -723,7 +816,8 @@ mod tests {
         let err = check_posted("all_reduce", 0, 1, &gathered).unwrap_err();
         assert!(err.to_string().contains("all_reduce(sum)"), "{err}");
         let same = vec![post(Kind::AllGather, 8, false); 3];
-        assert_eq!(check_posted("all_gather", 0, 1, &same).unwrap().len(), 3);
+        let by_call = check_posted("all_gather", 0, 1, &same).unwrap();
+        assert_eq!((by_call.len(), by_call[0].len()), (1, 3));
     }
 
     #[test]
@@ -747,5 +841,13 @@ mod tests {
         )
         .unwrap_err();
         assert!(err.to_string().contains("rank 0 posted 5 bytes"), "{err}");
+        // One refused collective of a batch fails the peers.
+        let mut refused = vec![posted(Kind::AllGather, 8, false); 2];
+        refused[1].failed = true;
+        let gathered = [encode_posts(&refused), batch(&[8, 8])];
+        match check_posted("all_gather", 1, 1, &gathered) {
+            Err(Error::PeerFailed { failed, .. }) => assert_eq!(failed, vec![0]),
+            other => panic!("expected the peer's failure, got {other:?}"),
+        }
     }
 }

@@ -2,8 +2,9 @@
 //!
 //! Each rank has its own compute and communication streams; the ranks share
 //! one GPU, or several GPUs of the process (with peer access between them).
-//! A collective is [`protocol::collective`] over the rank's streams: two
-//! host rendezvous of the ranks' [`ThreadComm`] (so the deadline, mismatch
+//! A collective, or a batch of them (a stage-3 layer's all-gathers), is
+//! [`protocol::collective`] over the rank's streams: two host rendezvous
+//! of the ranks' [`ThreadComm`] (so the deadline, mismatch
 //! and dead-peer semantics are the thread backend's) around device copies
 //! and the `reduce_ranks` kernel over the peers' buffers, ordered by events;
 //! the host waits on them only on the way out of a failed collective.
@@ -12,7 +13,7 @@ use super::collective::{Call, Kind};
 use super::protocol::{self, Lane};
 use crate::device_comm::Cuda;
 use crate::device_comm::{
-    event_work, host_wait, host_wait_handle, ring_bytes, DeviceComm, StreamOwner,
+    bucket_gathers, event_work, host_wait, host_wait_handle, ring_bytes, DeviceComm, StreamOwner,
 };
 use crate::kernels::{FusedKernels, MAX_LOCAL_RANKS};
 use crate::Error;
@@ -26,6 +27,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 use zero_core::comm::{check_len, Buf};
+use zero_core::engine::UnitBucket;
 use zero_core::{Communicator, DType, Element, ReduceOp, Result, ThreadComm, ThreadGroup, Work};
 
 /// One GPU of a group: its context and the kernels loaded in it.
@@ -399,6 +401,17 @@ impl CudaThreadComm {
         check: Result<()>,
         bytes: u64,
     ) -> Result<CudaEvent> {
+        self.batch(op, &[(call, addrs)], check, bytes)
+    }
+
+    /// Runs a batch of collectives in one pass of the protocol.
+    fn batch(
+        &self,
+        op: &'static str,
+        calls: &[(Call, (u64, u64))],
+        check: Result<()>,
+        bytes: u64,
+    ) -> Result<CudaEvent> {
         self.owner.check("CudaThreadComm")?;
         let mut previous = self.issuing.lock().unwrap_or_else(PoisonError::into_inner);
         self.gpu.ctx.bind_to_thread().map_err(Error::from)?;
@@ -409,17 +422,44 @@ impl CudaThreadComm {
             kernels: &self.gpu.kernels,
             timeout: self.timeout,
         };
-        let done = protocol::collective(
-            &self.host,
-            &lane,
-            &mut previous,
-            (op, seq),
-            &call,
-            addrs,
-            check,
-        )?;
+        let done = protocol::collective(&self.host, &lane, &mut previous, (op, seq), calls, check)?;
         self.bytes_sent.fetch_add(bytes, Ordering::Relaxed);
         Ok(done)
+    }
+
+    /// The all-gathers of `buckets` as one batch, from the shard at `shard`
+    /// (`None`: in place) into `buffer`. A refused bucket is posted as a
+    /// failure, so that the peers fail at once instead of waiting.
+    fn all_gather_buckets<T: Element>(
+        &self,
+        shard: Option<(u64, usize)>,
+        buffer: (u64, usize),
+        buckets: &[UnitBucket],
+    ) -> Result<CudaEvent> {
+        if buckets.is_empty() {
+            self.owner.check("CudaThreadComm")?;
+            self.gpu.ctx.bind_to_thread().map_err(Error::from)?;
+            return Ok(self.compute.record_event(None).map_err(Error::from)?);
+        }
+        let world = (self.host.rank(), self.host.world_size());
+        let (calls, check, bytes) = match bucket_gathers::<T>(shard, buffer, buckets, world) {
+            Ok((gathers, bytes)) => {
+                let calls = gathers
+                    .iter()
+                    .map(|g| (Self::call::<T>(Kind::AllGather, g.count), (g.send, g.recv)))
+                    .collect();
+                (calls, Ok(()), bytes)
+            }
+            Err(e) => {
+                let calls = buckets
+                    .iter()
+                    .map(|b| (Self::call::<T>(Kind::AllGather, b.shard.len()), (0, 0)))
+                    .collect();
+                (calls, Err(e), 0)
+            }
+        };
+        let calls: Vec<(Call, (u64, u64))> = calls;
+        self.batch("all_gather", &calls, check, bytes)
     }
 
     fn call<T: Element>(kind: Kind, len: usize) -> Call {
@@ -654,6 +694,28 @@ impl DeviceComm for CudaThreadComm {
             check,
             bytes,
         )
+    }
+
+    fn all_gather_buckets_event<T: Element>(
+        &self,
+        shard: &CudaSlice<T>,
+        buffer: &mut CudaSlice<T>,
+        buckets: &[UnitBucket],
+    ) -> Result<CudaEvent> {
+        let len = buffer.len();
+        let (src, _record_src) = shard.device_ptr(&self.comm_stream);
+        let (dst, _record_dst) = buffer.device_ptr_mut(&self.comm_stream);
+        self.all_gather_buckets::<T>(Some((src, shard.len())), (dst, len), buckets)
+    }
+
+    fn all_gather_buckets_in_place_event<T: Element>(
+        &self,
+        buffer: &mut CudaSlice<T>,
+        buckets: &[UnitBucket],
+    ) -> Result<CudaEvent> {
+        let len = buffer.len();
+        let (dst, _record) = buffer.device_ptr_mut(&self.comm_stream);
+        self.all_gather_buckets::<T>(None, (dst, len), buckets)
     }
 
     fn wait_compute(&self, op: &'static str) -> Result<()> {

@@ -15,6 +15,10 @@
 //!    are reused while a peer still reads or writes them. The event
 //!    recorded after that is the collective's completion.
 //!
+//! A batch of collectives (a stage-3 layer's all-gathers) runs as one: one
+//! ready event, its calls posted together and checked call by call, every
+//! call's steps issued in step 2, one completion.
+//!
 //! A failure in step 1 (a refused argument, mismatched calls) fails every
 //! rank there, before any work is queued. Once the posts check, every rank
 //! goes on to step 3's rendezvous whatever fails: it posts its failure with
@@ -34,7 +38,7 @@
 //! them, on a stream or on the host), and a communicator that is dropped
 //! leaves its last ones to its group.
 
-use super::collective::{check_posted, At, Call, Posted, Step};
+use super::collective::{check_posted, encode_posts, At, Call, Posted, Step};
 use zero_core::{Communicator, DType, Error, ReduceOp, Result, ThreadComm};
 
 /// Where a collective's work is queued: a rank's compute and comm streams.
@@ -93,39 +97,48 @@ pub(crate) trait Lane {
     ) -> Result<()>;
 }
 
-/// One collective, as the module's documentation describes. `check` is
-/// this rank's own validation of its arguments (posted, so that a refusal
-/// fails the peers at once); `send` and `recv` are the addresses of this
-/// rank's buffers (the same in place, or for an all-gather in place `send`
-/// is this rank's slot of `recv`; 0 for a buffer it does not have).
-/// `previous` holds this rank's events of its previous collective and
-/// receives this one's. Returns the completion event.
+/// One collective, or a batch of them in one pass, as the module's
+/// documentation describes. `check` is this rank's own validation of its
+/// arguments (posted, so that a refusal fails the peers at once); each call
+/// comes with the addresses of this rank's `send` and `recv` buffers (the
+/// same in place, or for an all-gather in place `send` is this rank's slot
+/// of `recv`; 0 for a buffer it does not have). A batch shares one ready
+/// event and the two rendezvous, and completes at one event. `previous`
+/// holds this rank's events of its previous pass and receives this one's.
+/// Returns the completion event.
 pub(crate) fn collective<L: Lane>(
     host: &ThreadComm,
     lane: &L,
     previous: &mut Vec<L::Event>,
     (op, seq): (&'static str, u64),
-    call: &Call,
-    (send, recv): (u64, u64),
+    calls: &[(Call, (u64, u64))],
     check: Result<()>,
 ) -> Result<L::Event> {
     let rank = host.rank();
+    if calls.is_empty() {
+        return Err(Error::State(format!(
+            "internal: {op} #{seq} is a batch of no collectives"
+        )));
+    }
     let ready = lane.record_compute()?;
-    let post = Posted {
-        call: call.clone(),
-        send,
-        recv,
-        ready: L::handle(&ready),
-        failed: check.is_err(),
-    };
-    let gathered = host.all_gather_bytes(&post.encode())?;
+    let posts: Vec<Posted> = calls
+        .iter()
+        .map(|(call, (send, recv))| Posted {
+            call: call.clone(),
+            send: *send,
+            recv: *recv,
+            ready: L::handle(&ready),
+            failed: check.is_err(),
+        })
+        .collect();
+    let gathered = host.all_gather_bytes(&encode_posts(&posts))?;
     check?;
     let posted = check_posted(op, seq, rank, &gathered)?;
     // Every peer has posted this collective, so none waits on the previous
     // one's events any more; from here on peers may wait on `ready`.
     previous.clear();
     previous.push(ready);
-    let issued = issue(lane, rank, host.world_size(), call, &posted);
+    let issued = issue(lane, rank, host.world_size(), &posted);
     let (read, issued) = match lane.record_comm() {
         Ok(read) => {
             let handle = L::handle(&read);
@@ -185,13 +198,23 @@ pub(crate) fn collective<L: Lane>(
     })
 }
 
-/// Waits on every rank's ready event and issues this rank's steps.
-fn issue<L: Lane>(lane: &L, rank: usize, n: usize, call: &Call, posted: &[Posted]) -> Result<()> {
-    for post in posted {
-        // SAFETY: each rank keeps its ready event until every rank has
-        // posted its next collective.
+/// Waits on every rank's ready event and issues this rank's steps of each
+/// collective of the batch (`posted`: by collective, then by rank).
+fn issue<L: Lane>(lane: &L, rank: usize, n: usize, posted: &[Vec<Posted>]) -> Result<()> {
+    for post in posted.first().into_iter().flatten() {
+        // SAFETY: each rank keeps its ready event (one per batch) until
+        // every rank has posted its next collective.
         unsafe { lane.wait(post.ready) }?;
     }
+    for posted in posted {
+        issue_steps(lane, rank, n, posted)?;
+    }
+    Ok(())
+}
+
+/// Issues this rank's steps of one collective (`posted`: every rank's).
+fn issue_steps<L: Lane>(lane: &L, rank: usize, n: usize, posted: &[Posted]) -> Result<()> {
+    let call = &posted[rank].call;
     let elem = call.dtype.size_in_bytes();
     let addrs = |at: &[At]| -> Vec<u64> { at.iter().map(|a| a.address(posted, elem)).collect() };
     for step in super::collective::steps(&call.kind, call.len, n, rank) {
@@ -507,6 +530,25 @@ mod tests {
             }
         }
 
+        /// One pass of the protocol over `calls`.
+        fn pass(
+            &mut self,
+            op: &'static str,
+            calls: &[(Call, (u64, u64))],
+            check: Result<()>,
+        ) -> Result<()> {
+            self.seq += 1;
+            collective(
+                &self.host,
+                &self.lane,
+                &mut self.previous,
+                (op, self.seq),
+                calls,
+                check,
+            )
+            .map(drop)
+        }
+
         fn run(
             &mut self,
             op: &'static str,
@@ -516,23 +558,9 @@ mod tests {
             recv: &mut [f32],
             check: Result<()>,
         ) -> Result<()> {
-            let call = Call {
-                kind,
-                dtype: DType::F32,
-                len,
-            };
-            self.seq += 1;
+            let call = f32_call(kind, len);
             let addrs = (send.as_ptr() as u64, recv.as_mut_ptr() as u64);
-            collective(
-                &self.host,
-                &self.lane,
-                &mut self.previous,
-                (op, self.seq),
-                &call,
-                addrs,
-                check,
-            )
-            .map(drop)
+            self.pass(op, &[(call, addrs)], check)
         }
 
         /// Any call, from `send` into `recv`.
@@ -543,63 +571,40 @@ mod tests {
             send: &[f32],
             recv: &mut [f32],
         ) -> Result<()> {
-            self.seq += 1;
             let addrs = (send.as_ptr() as u64, recv.as_mut_ptr() as u64);
-            collective(
-                &self.host,
-                &self.lane,
-                &mut self.previous,
-                (op, self.seq),
-                call,
-                addrs,
-                Ok(()),
-            )
-            .map(drop)
+            self.pass(op, &[(call.clone(), addrs)], Ok(()))
         }
 
         /// An in-place collective over `buf`.
         fn in_place(&mut self, op: &'static str, kind: Kind, buf: &mut [f32]) -> Result<()> {
-            let call = Call {
-                kind,
-                dtype: DType::F32,
-                len: buf.len(),
-            };
-            self.seq += 1;
             let ptr = buf.as_mut_ptr() as u64;
-            collective(
-                &self.host,
-                &self.lane,
-                &mut self.previous,
-                (op, self.seq),
-                &call,
-                (ptr, ptr),
-                Ok(()),
-            )
-            .map(drop)
+            self.pass(op, &[(f32_call(kind, buf.len()), (ptr, ptr))], Ok(()))
         }
 
-        /// An all-gather in place: this rank's slot of `buf` is what it
-        /// sends (stage 3's gathers from a host shard).
-        fn all_gather_in_place(&mut self, buf: &mut [f32]) -> Result<()> {
-            let len = buf.len() / self.host.world_size();
-            let call = Call {
-                kind: Kind::AllGather,
-                dtype: DType::F32,
-                len,
-            };
-            self.seq += 1;
-            let ptr = buf.as_mut_ptr() as u64;
-            let send = ptr + (self.host.rank() * len * std::mem::size_of::<f32>()) as u64;
-            collective(
-                &self.host,
-                &self.lane,
-                &mut self.previous,
-                ("all_gather", self.seq),
-                &call,
-                (send, ptr),
-                Ok(()),
-            )
-            .map(drop)
+        /// All-gathers in place of the pieces `at` of `buf`, in one pass:
+        /// this rank's slot of each piece is what it sends (stage 3's
+        /// gathers of a layer's buckets from a host shard).
+        fn all_gather_in_place(&mut self, buf: &mut [f32], at: &[Range<usize>]) -> Result<()> {
+            let (rank, n) = (self.host.rank(), self.host.world_size());
+            let base = buf.as_mut_ptr() as u64;
+            let address = |i: usize| base + (i * std::mem::size_of::<f32>()) as u64;
+            let calls: Vec<(Call, (u64, u64))> = at
+                .iter()
+                .map(|at| {
+                    let len = at.len() / n;
+                    let send = address(at.start + rank * len);
+                    (f32_call(Kind::AllGather, len), (send, address(at.start)))
+                })
+                .collect();
+            self.pass("all_gather", &calls, Ok(()))
+        }
+    }
+
+    fn f32_call(kind: Kind, len: usize) -> Call {
+        Call {
+            kind,
+            dtype: DType::F32,
+            len,
         }
     }
 
@@ -632,6 +637,9 @@ mod tests {
             }
         }
     }
+
+    /// The lengths per rank of the all-gather pieces after the first.
+    const PIECES: [usize; 3] = [7, 0, 20];
 
     #[test]
     fn collectives_through_the_protocol_give_the_thread_backend_s_results() {
@@ -670,11 +678,21 @@ mod tests {
                     &mut gathered,
                     Ok(()),
                 )?;
-                // In place: each rank's slot holds what it sends, the
-                // others stale values the gather overwrites.
-                let mut in_place = vec![f32::NAN; n * len];
-                in_place[r * len..(r + 1) * len].copy_from_slice(&values(r, len, 9));
-                rank.all_gather_in_place(&mut in_place)?;
+                // In place, a layer's buckets in one pass: each rank's slot
+                // of each piece holds what it sends, the others stale values
+                // the gather overwrites.
+                let mut in_place = vec![f32::NAN; n * (len + PIECES.iter().sum::<usize>())];
+                let mut at = Vec::new();
+                for (k, &piece) in [len].iter().chain(&PIECES).enumerate() {
+                    let start = at.last().map_or(0, |last: &Range<usize>| last.end);
+                    let slot = start + r * piece..start + (r + 1) * piece;
+                    in_place[slot].copy_from_slice(&values(r, piece, 9 + k));
+                    at.push(start..start + n * piece);
+                }
+                let before = rank.host.next_seq();
+                rank.all_gather_in_place(&mut in_place, &at)?;
+                // One pass: two host rendezvous, not two per piece.
+                assert_eq!(rank.host.next_seq() - before, 2);
                 out.push(gathered);
                 out.push(in_place);
                 let mut cast = values(r, len, 10);
@@ -699,7 +717,13 @@ mod tests {
                 let mut gathered = vec![0.0; n * len];
                 c.all_gather(&values(r, len, 9), &mut gathered)?;
                 out.push(gathered.clone());
-                out.push(gathered);
+                let mut pieces = gathered;
+                for (k, &piece) in PIECES.iter().enumerate() {
+                    let mut gathered = vec![0.0; n * piece];
+                    c.all_gather(&values(r, piece, 10 + k), &mut gathered)?;
+                    pieces.extend(gathered);
+                }
+                out.push(pieces);
                 let mut cast = values(r, len, 10);
                 c.broadcast(&mut cast, n - 1)?;
                 out.push(cast);

@@ -221,12 +221,13 @@ impl<C: DeviceComm> GatherMemory<f32> for DeviceGathers<C> {
         buffer: &mut DeviceGather,
     ) -> Result<()> {
         self.stream()?;
-        for bucket in buckets {
-            let (send, at) = in_bounds(bucket, shard.len(), buffer)?;
-            let send = shard.slice(send.clone());
-            let mut recv = buffer.values.slice_mut(at.clone());
-            // One stream: the last bucket's completion follows the others'.
-            buffer.done.event = Some(self.comm.all_gather_event(&send, &mut recv)?);
+        if !buckets.is_empty() {
+            // The unit's buckets in one collective (one NCCL group, one pass
+            // of cuda-threads' protocol), bounds checked there.
+            let done = self
+                .comm
+                .all_gather_buckets_event(shard, &mut buffer.values, buckets)?;
+            buffer.done.event = Some(done);
         }
         Ok(())
     }
@@ -259,9 +260,14 @@ impl<C: DeviceComm> GatherMemory<f32> for DeviceGathers<C> {
                     .memcpy_htod(&shard[send.clone()], &mut mine)
                     .map_err(cuda)?;
             }
-            let mut recv = buffer.values.slice_mut(at.clone());
-            // One stream: the last bucket's completion follows the others'.
-            buffer.done.event = Some(self.comm.all_gather_in_place_event(&mut recv)?);
+        }
+        if !buckets.is_empty() {
+            // Every chunk is in its slot: the buckets gathered in place, in
+            // one collective.
+            let done = self
+                .comm
+                .all_gather_buckets_in_place_event(&mut buffer.values, buckets)?;
+            buffer.done.event = Some(done);
         }
         // From page-locked memory the copies are asynchronous: its pages
         // stay locked (and the shard allocated) until they are done.
