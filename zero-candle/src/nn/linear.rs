@@ -607,7 +607,9 @@ impl FusedLinear {
             // over its product, in place (Candle's broadcast add would index
             // every element through the shape, into a new buffer).
             None => match bias {
-                Some(bias) if bias.1.is_contiguous() && shape.elem_count() > 0 => {
+                Some(bias)
+                    if bias.1.is_contiguous() && has_epilogue_kernel(bias.0.dtype(), &shape) =>
+                {
                     let (mut pre, _, _) = matmul_xwt(x.0, x.1, w.0, w.1)?;
                     let y = cuda::bias_epilogue(activation, &mut pre, shape.elem_count(), bias)?;
                     match (y, &self.activated) {
@@ -625,6 +627,13 @@ impl FusedLinear {
             },
         }
     }
+}
+
+/// Whether the bias epilogue's kernels take a product of `dtype` and
+/// `shape` (f32, bf16 or f16, not empty); else Candle's GEMM and
+/// broadcast add, as for f64.
+fn has_epilogue_kernel(dtype: DType, shape: &Shape) -> bool {
+    matches!(dtype, DType::F32 | DType::BF16 | DType::F16) && shape.elem_count() > 0
 }
 
 fn add_bias_cpu(out: &mut CpuStorage, bias: &CpuStorage, bias_layout: &Layout) -> Result<()> {
