@@ -13,8 +13,10 @@
 # "./train --backend nccl --model gpt --steps 20"); several parts run in
 # the order given (e.g. suite "./bench gpu-stage3" bench: one device call).
 # Exits non-zero if any test binary or the bench failed; the last lines
-# printed are a table of what passed. Each run is stopped after
-# GPU_CHECK_RUN_TIMEOUT seconds (default 600; rc 124 in the table).
+# printed are the failures found in the logs and a table of what passed.
+# Each run is stopped after GPU_CHECK_RUN_TIMEOUT seconds (default 600; rc
+# 124 in the table); GPU_CHECK_ARCHIVE=FILE.tar.xz packs every log into
+# FILE at the end.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bundle="$(realpath "${1:?usage: $0 BUNDLE.tar.xz [LOG_DIR] [suite|bench|train|all|CMD]...}")"
@@ -121,5 +123,15 @@ for what in "${parts[@]}"; do
     fi
 done
 cd "$root"
+# What failed, from every log (a bench reports a failed case and goes on,
+# then exits 1), before the table, so that both fit a short tail.
+echo "== failures in $logs:"
+found="$(grep -H -E 'failed: |panicked at|case\(s\) failed' "$logs"/*.log | head -60)"
+echo "${found:-(none)}"
 printf '%s\n' "${table[@]}"
+# GPU_CHECK_ARCHIVE=FILE.tar.xz: every log in one file (a device call
+# brings back few files).
+if [[ -n "${GPU_CHECK_ARCHIVE:-}" ]]; then
+    tar -C "$logs" -cJf "$GPU_CHECK_ARCHIVE" . && echo "logs: $GPU_CHECK_ARCHIVE"
+fi
 exit $failed

@@ -29,10 +29,10 @@ pub fn device_present() -> bool {
 /// Runs the GPU suite (after [`device_present`]).
 pub fn run(report: &mut Report) {
     if let Err(e) = adam_bandwidth(report) {
-        eprintln!("gpu.adam_bw_over_d2d failed: {e}");
+        report.failed("gpu.adam_bw_over_d2d", e);
     }
     if let Err(e) = stage2_steps(report) {
-        eprintln!("gpu.s2_over_plain_adamw failed: {e}");
+        report.failed("gpu.s2_over_plain_adamw", e);
     }
 }
 

@@ -148,6 +148,9 @@ pub fn main() {
         return;
     }
     report.print();
+    if !report.failures().is_empty() {
+        std::process::exit(1);
+    }
 }
 
 /// The GPU suites, where a CUDA device is present: `gpu` every GPU figure;

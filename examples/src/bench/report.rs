@@ -16,10 +16,11 @@ pub struct Figure {
     pub goal: Option<String>,
 }
 
-/// The figures of one benchmark run.
+/// The figures of one benchmark run, and the cases that failed.
 #[derive(Debug, Default)]
 pub struct Report {
     figures: Vec<Figure>,
+    failures: Vec<String>,
 }
 
 impl Report {
@@ -35,7 +36,22 @@ impl Report {
         });
     }
 
-    /// Prints the human table, then one JSON object per figure per line.
+    /// Records a case that failed (`what` failed: `error`), and prints it at
+    /// once on stderr; the run goes on, [`Report::print`] lists it again
+    /// and `bench` exits with status 1.
+    pub fn failed(&mut self, what: &str, error: impl std::fmt::Display) {
+        let line = format!("{what} failed: {error}");
+        eprintln!("{line}");
+        self.failures.push(line);
+    }
+
+    /// The cases that failed, as [`Report::failed`] recorded them.
+    pub fn failures(&self) -> &[String] {
+        &self.failures
+    }
+
+    /// Prints the human table, then one JSON object per figure per line,
+    /// then the failed cases (on stderr).
     pub fn print(&self) {
         println!("{:<36} {:>14} {:<8} goal", "figure", "value", "unit");
         for f in &self.figures {
@@ -53,5 +69,25 @@ impl Report {
                 Err(e) => eprintln!("cannot serialize figure {}: {e}", f.name),
             }
         }
+        if !self.failures.is_empty() {
+            eprintln!("{} case(s) failed:", self.failures.len());
+            for line in &self.failures {
+                eprintln!("  {line}");
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn failures_are_kept_beside_the_figures() {
+        let mut report = Report::default();
+        report.add("a.b", 1.0, "ratio", None);
+        report.failed("case x", "no device");
+        assert_eq!(report.failures(), ["case x failed: no device"]);
+        assert_eq!(report.figures.len(), 1);
     }
 }

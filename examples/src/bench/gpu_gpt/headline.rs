@@ -32,7 +32,7 @@ use zero_nccl::{CudaThreadComm, CudaThreadGroup, DeviceComm, DevicePool};
 /// rank trains on one sequence for three steps.
 pub fn headline(report: &mut Report) {
     if let Err(e) = headline_run(report) {
-        eprintln!("gpu headline benchmark failed: {e}");
+        report.failed("gpu headline benchmark", e);
     }
 }
 

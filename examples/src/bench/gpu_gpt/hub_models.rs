@@ -128,7 +128,7 @@ pub fn hub(report: &mut Report) {
     let (device, ctx) = match super::open_device() {
         Ok(opened) => opened,
         Err(e) => {
-            eprintln!("gpu hub benchmark failed: cannot open CUDA device 0: {e}");
+            report.failed("gpu hub benchmark (opening CUDA device 0)", e);
             return;
         }
     };
@@ -190,7 +190,7 @@ pub(super) fn against_transformers(
             Some(measured)
         }
         Err(e) => {
-            eprintln!("gpu {} benchmark: ours failed: {e}", case.name);
+            report.failed(&format!("gpu {} benchmark: ours", case.name), e);
             None
         }
     };
@@ -206,10 +206,8 @@ pub(super) fn against_transformers(
             Some(tokens_per_s)
         }
         Err(e) => {
-            eprintln!(
-                "gpu {} benchmark: {SHARED_RANKS} ranks failed: {e}",
-                case.name
-            );
+            let what = format!("gpu {} benchmark: {SHARED_RANKS} ranks", case.name);
+            report.failed(&what, e);
             None
         }
     });
@@ -235,10 +233,12 @@ pub(super) fn against_transformers(
     );
     // Ratios only between models of the same shape.
     if theirs.parameters != Some(params as u64) {
-        eprintln!(
-            "gpu {} benchmark: hf_peer.py trained {:?} parameters, ours has {params}; no \
-             transformers figures",
-            case.name, theirs.parameters,
+        report.failed(
+            &format!("gpu {} benchmark against transformers", case.name),
+            format!(
+                "hf_peer.py trained {:?} parameters, ours has {params}",
+                theirs.parameters
+            ),
         );
         return;
     }

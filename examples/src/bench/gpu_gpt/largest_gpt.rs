@@ -33,7 +33,7 @@ const TRIAL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(300);
 /// 5). `BENCH_LARGEST_MODES=plain` (or `offload`) runs one mode only.
 pub fn largest(report: &mut Report) {
     if let Err(e) = largest_run(report) {
-        eprintln!("gpu largest benchmark failed: {e}");
+        report.failed("gpu largest benchmark", e);
     }
 }
 

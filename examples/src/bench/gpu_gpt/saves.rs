@@ -25,7 +25,7 @@ const SCHEDULE: Schedule = Schedule {
 /// of checkpoints into the temporary directory).
 pub fn saves(report: &mut Report) {
     if let Err(e) = saves_run(report) {
-        eprintln!("gpu checkpoint benchmark failed: {e}");
+        report.failed("gpu checkpoint benchmark", e);
     }
 }
 
@@ -39,14 +39,15 @@ fn saves_run(report: &mut Report) -> BenchResult<()> {
         SCHEDULE.every
     );
     for (stage, name) in [(Stage::Gradients, "s2"), (Stage::Parameters, "s3")] {
-        let blocking = run_case(&device, &ctx, stage, Save::Blocking)?;
-        let background = run_case(&device, &ctx, stage, Save::Background)?;
-        report_saves(
-            report,
-            &format!("gpu.gpt_{name}_checkpoint"),
-            &blocking,
-            &background,
-        );
+        // A stage that fails leaves the other's figures.
+        let blocking = run_case(&device, &ctx, stage, Save::Blocking);
+        let background = blocking
+            .and_then(|blocking| Ok((blocking, run_case(&device, &ctx, stage, Save::Background)?)));
+        let figure = format!("gpu.gpt_{name}_checkpoint");
+        match background {
+            Ok((blocking, background)) => report_saves(report, &figure, &blocking, &background),
+            Err(e) => report.failed(&figure, e),
+        }
     }
     Ok(())
 }

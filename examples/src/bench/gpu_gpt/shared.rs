@@ -35,7 +35,8 @@ pub(super) fn shared_gpu(
         let (seconds, bytes_per_param, peak) = match measured {
             Ok(m) => m,
             Err(e) => {
-                eprintln!("gpu gpt benchmark: {SHARED_RANKS} ranks at {stage:?} failed: {e}");
+                let what = format!("gpu gpt benchmark: {SHARED_RANKS} ranks at {stage:?}");
+                report.failed(&what, e);
                 return;
             }
         };

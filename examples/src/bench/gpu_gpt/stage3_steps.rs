@@ -103,7 +103,7 @@ struct StepTimes([f64; 5]);
 /// `bench gpu-stage3` (not part of `bench gpu`).
 pub fn stage3(report: &mut Report) {
     if let Err(e) = stage3_run(report) {
-        eprintln!("gpu stage-3 breakdown failed: {e}");
+        report.failed("gpu stage-3 breakdown", e);
     }
 }
 
@@ -122,7 +122,10 @@ fn stage3_run(report: &mut Report) -> BenchResult<()> {
             synchronize(&device, &ctx)?;
             match measured {
                 Ok(phases) => cases.push((case, phases)),
-                Err(e) => eprintln!("gpu stage-3 breakdown: {dtype:?} {}: {e}", case.name()),
+                Err(e) => {
+                    let what = format!("gpu stage-3 breakdown: {dtype:?} {}", case.name());
+                    report.failed(&what, e);
+                }
             }
         }
         add_cases(
@@ -135,10 +138,13 @@ fn stage3_run(report: &mut Report) -> BenchResult<()> {
     for case in Case::ALL {
         match ranks_sharing(case) {
             Ok(phases) => cases.push((case, phases)),
-            Err(e) => eprintln!(
-                "gpu stage-3 breakdown: {SHARED_RANKS} ranks, {}: {e}",
-                case.name()
-            ),
+            Err(e) => {
+                let what = format!(
+                    "gpu stage-3 breakdown: {SHARED_RANKS} ranks, {}",
+                    case.name()
+                );
+                report.failed(&what, e);
+            }
         }
         synchronize(&device, &ctx)?;
     }

@@ -9,6 +9,7 @@ use super::{
 use crate::bench::Report;
 use crate::trainer::GptOps;
 use candle_core::{DType, Device, Tensor};
+use std::cell::RefCell;
 use zero_core::engine::{host_available_bytes, Offload};
 use zero_nccl::cudarc::driver::CudaContext;
 use zero_nccl::DevicePool;
@@ -29,7 +30,7 @@ pub fn run(report: &mut Report, part: Part) {
     let (device, ctx) = match open_device() {
         Ok(opened) => opened,
         Err(e) => {
-            eprintln!("gpu gpt benchmark failed: cannot open CUDA device 0: {e}");
+            report.failed("gpu gpt benchmark (opening CUDA device 0)", e);
             return;
         }
     };
@@ -49,13 +50,15 @@ pub fn run(report: &mut Report, part: Part) {
     let ids = match random_ids(&device, BATCH) {
         Ok(ids) => ids,
         Err(e) => {
-            eprintln!("gpu gpt benchmark failed: cannot put the batch on the GPU: {e}");
+            report.failed("gpu gpt benchmark (the batch on the GPU)", e);
             return;
         }
     };
 
     // One case at a time, each dropped (and the device drained) before the
-    // next is built, so that their memory does not overlap.
+    // next is built, so that their memory does not overlap. A case that
+    // fails is noted and reported with the others after them.
+    let failed_cases = RefCell::new(Vec::new());
     let case_on = |ids: &Tensor, name: &str, ops: GptOps, dtype: DType, variant: Variant| match ours(
         &device,
         &ctx,
@@ -67,7 +70,8 @@ pub fn run(report: &mut Report, part: Part) {
     ) {
         Ok(measured) => Some(measured),
         Err(e) => {
-            eprintln!("gpu gpt benchmark: {name} failed: {e}");
+            let what = format!("gpu gpt benchmark: {name}");
+            failed_cases.borrow_mut().push((what, e.to_string()));
             None
         }
     };
@@ -246,7 +250,7 @@ pub fn run(report: &mut Report, part: Part) {
                     offload_breakdown(report, "large_batch_offload", &plain, &offload);
                 }
             }
-            Err(e) => eprintln!("gpu gpt benchmark: no large batch on the GPU: {e}"),
+            Err(e) => report.failed("gpu gpt benchmark: the large batch on the GPU", e),
         }
     }
 
@@ -274,7 +278,7 @@ pub fn run(report: &mut Report, part: Part) {
     ) {
         Ok(measured) => Some(measured),
         Err(e) => {
-            eprintln!("gpu gpt benchmark: ours f32 stage 3 failed: {e}");
+            report.failed("gpu gpt benchmark: ours f32 stage 3", e);
             None
         }
     };
@@ -291,6 +295,9 @@ pub fn run(report: &mut Report, part: Part) {
             "B/param",
             None,
         );
+    }
+    for (what, e) in failed_cases.take() {
+        report.failed(&what, e);
     }
     shared::shared_gpu(report, &device, &ctx, pool.as_ref());
     if part == Part::Zero {
@@ -379,7 +386,7 @@ fn checkpointing(
     let ids = match random_ids(device, CKPT_BATCH) {
         Ok(ids) => ids,
         Err(e) => {
-            eprintln!("gpu gpt benchmark: no checkpointing figures: {e}");
+            report.failed("gpu gpt benchmark: checkpointing's batch on the GPU", e);
             return;
         }
     };
@@ -393,7 +400,8 @@ fn checkpointing(
     let (plain, recomputed) = match (run(false), run(true)) {
         (Ok(plain), Ok(recomputed)) => (plain, recomputed),
         (Err(e), _) | (_, Err(e)) => {
-            eprintln!("gpu gpt benchmark: checkpointing at batch {CKPT_BATCH} failed: {e}");
+            let what = format!("gpu gpt benchmark: checkpointing at batch {CKPT_BATCH}");
+            report.failed(&what, e);
             return;
         }
     };
