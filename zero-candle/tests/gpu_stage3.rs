@@ -268,27 +268,40 @@ fn stage_3_on_ranks_sharing_a_gpu_trains_stage_2_s_weights() {
 fn stage_3_checkpoints_cross_between_the_gpu_and_threads() {
     let config = config(Stage::Parameters, 128);
     let dir = tempfile::tempdir().expect("a temporary directory");
-    let (gpu_saved, threads_saved) = (dir.path().join("gpu"), dir.path().join("threads"));
-    // Saved by two GPU ranks, read back by two threads before any step.
-    let saved = on_gpu(2, DType::F32, &config, (0, 3), (None, Some(&gpu_saved)));
-    let resumed = ThreadGroup::new(2).run(|comm| {
-        train_rank(
-            comm,
-            &Device::Cpu,
+    let threads_saved = dir.path().join("threads");
+    // Saved by two GPU ranks (each build into a directory of its own: the
+    // two builds agree within rounding, not bit for bit), read back by two
+    // threads before any step.
+    for (i, built) in BUILDS.into_iter().enumerate() {
+        let gpu_saved = dir.path().join(format!("gpu-{i}"));
+        let steps = (0, 3);
+        let saved = on_gpu_built(
+            built,
+            2,
             DType::F32,
             &config,
-            (3, 0),
-            Some(&gpu_saved),
-            None,
-        )
-    });
-    for (rank, r) in resumed.into_iter().enumerate() {
-        let r = r.expect("no panic").expect("resumed on threads");
-        let diff = max_diff(&r.weights, &saved[rank].weights);
-        assert_eq!(
-            diff, 0.0,
-            "rank {rank}: threads read other weights than the GPU saved"
+            steps,
+            (None, Some(&gpu_saved)),
         );
+        let resumed = ThreadGroup::new(2).run(|comm| {
+            train_rank(
+                comm,
+                &Device::Cpu,
+                DType::F32,
+                &config,
+                (3, 0),
+                Some(&gpu_saved),
+                None,
+            )
+        });
+        for (rank, r) in resumed.into_iter().enumerate() {
+            let r = r.expect("no panic").expect("resumed on threads");
+            let diff = max_diff(&r.weights, &saved[rank].weights);
+            assert_eq!(
+                diff, 0.0,
+                "{built:?} rank {rank}: threads read other weights than the GPU saved"
+            );
+        }
     }
     // And back: saved by threads, read by GPU ranks.
     let saved = ThreadGroup::new(2).run(|comm| {

@@ -3,8 +3,9 @@
 //! `GELU_AUX_BIAS`) in the epilogue, against the host model of the same
 //! plan (`LinearGemm::reference`, f64): f32, bf16 and f16, with and without
 //! a bias, shapes off every tile size, and operands that start off
-//! cuBLASLt's 256-byte alignment (an offset view). Each case must find an
-//! algorithm.
+//! cuBLASLt's 256-byte alignment (an offset view; the bias and the aux
+//! matrix 16 bytes in, as `Gemm::linear` refuses less). Each case must
+//! find an algorithm; a bias aligned to less than 16 bytes is refused.
 //!
 //! Needs a GPU: `#[ignore]`d; `cargo test -p zero-nccl --features nccl
 //! --test gpu_gemm -- --ignored` on a GPU machine.
@@ -64,14 +65,38 @@ impl Element for f16 {
     const TOLERANCE: f64 = 2.0 / 2048.0;
 }
 
-/// Runs the plan of `rows x in -> out` on the device, each operand starting
-/// `offset` elements into its buffer, and compares it with the reference.
+/// Runs the plan of `rows x in -> out` on the device, the input, weight
+/// and output starting one element into their buffers and the bias and
+/// aux matrix `epilogue_offset` elements into theirs, and compares it with
+/// the reference.
 fn check<E: Element>(
     gemm: &Gemm,
     (rows, in_dim, out_dim): (usize, usize, usize),
     bias: bool,
     epilogue: Epilogue,
 ) {
+    let epilogue_offset = 16 / std::mem::size_of::<E>();
+    assert!(
+        run::<E>(
+            gemm,
+            (rows, in_dim, out_dim),
+            bias,
+            epilogue,
+            epilogue_offset
+        ),
+        "no cuBLASLt algorithm for {rows}x{in_dim}->{out_dim} (bias {bias}, {epilogue:?})"
+    );
+}
+
+/// [`check`] with the bias and aux matrix `epilogue_offset` elements in:
+/// whether cuBLASLt ran it (and then its values were checked).
+fn run<E: Element>(
+    gemm: &Gemm,
+    (rows, in_dim, out_dim): (usize, usize, usize),
+    bias: bool,
+    epilogue: Epilogue,
+    epilogue_offset: usize,
+) -> bool {
     let offset = 1;
     let stream = gemm.stream().clone();
     let plan = LinearGemm::new(rows, in_dim, out_dim).expect("a plan");
@@ -79,28 +104,28 @@ fn check<E: Element>(
         Epilogue::Plain => plan,
         Epilogue::GeluAux => plan.with_gelu_aux().expect("an aux matrix cuBLASLt takes"),
     };
-    let host = |seed: u64, n: usize| -> Vec<E> {
+    let host = |seed: u64, n: usize, offset: usize| -> Vec<E> {
         values(seed, n + offset)
             .into_iter()
             .map(E::from_f32)
             .collect()
     };
     let (x, w, b) = (
-        host(1, rows * in_dim),
-        host(2, out_dim * in_dim),
-        host(3, out_dim),
+        host(1, rows * in_dim, offset),
+        host(2, out_dim * in_dim, offset),
+        host(3, out_dim, epilogue_offset),
     );
     let upload = |v: &[E]| -> CudaSlice<E> { stream.clone_htod(v).expect("an upload") };
     let (dx, dw, db) = (upload(&x), upload(&w), upload(&b));
-    let alloc = || {
+    let alloc = |offset: usize| {
         stream
             .alloc_zeros::<E>(rows * out_dim + offset)
             .expect("an output")
     };
-    let (mut dy, mut dpre) = (alloc(), alloc());
+    let (mut dy, mut dpre) = (alloc(offset), alloc(epilogue_offset));
     let done = {
-        let bias_view = db.slice(offset..);
-        let mut pre_view = dpre.slice_mut(offset..);
+        let bias_view = db.slice(epilogue_offset..);
+        let mut pre_view = dpre.slice_mut(epilogue_offset..);
         gemm.linear(
             &plan,
             GemmCompute::F32,
@@ -112,12 +137,16 @@ fn check<E: Element>(
         )
         .expect("cuBLASLt's GEMM")
     };
+    if !done {
+        return false;
+    }
     let case = format!("{rows}x{in_dim}->{out_dim} (bias {bias}, {epilogue:?})");
-    assert!(done, "no cuBLASLt algorithm for {case}");
     let y: Vec<E> = stream.clone_dtoh(&dy).expect("a download");
     let pre: Vec<E> = stream.clone_dtoh(&dpre).expect("a download");
-    let wide = |v: &[E]| -> Vec<f64> { v[offset..].iter().map(|e| e.to_f64()).collect() };
-    let b_wide = wide(&b);
+    let wide_at =
+        |v: &[E], offset: usize| -> Vec<f64> { v[offset..].iter().map(|e| e.to_f64()).collect() };
+    let wide = |v: &[E]| wide_at(v, offset);
+    let b_wide = wide_at(&b, epilogue_offset);
     let want = plan.reference(&wide(&w), &wide(&x), bias.then_some(&b_wide[..]));
     // Tolerances scale with the pre-activation (GELU's slope is at most
     // about 1.13, so D's errors are of the same size).
@@ -133,8 +162,25 @@ fn check<E: Element>(
     };
     compare("D", &wide(&y), &want.d);
     if let Some(aux) = &want.aux {
-        compare("aux (the pre-activation)", &wide(&pre), aux);
+        compare(
+            "aux (the pre-activation)",
+            &wide_at(&pre, epilogue_offset),
+            aux,
+        );
     }
+    true
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_bias_or_aux_matrix_aligned_to_less_than_16_bytes_is_refused() {
+    let ctx = common::cuda_context();
+    let gemm = Gemm::new(ctx.default_stream()).unwrap_or_else(|e| panic!("cuBLASLt: {e}"));
+    let shape = (7, 65, 40);
+    assert!(!run::<f32>(&gemm, shape, true, Epilogue::Plain, 1));
+    assert!(!run::<bf16>(&gemm, shape, false, Epilogue::GeluAux, 1));
+    // Without a bias or aux matrix the other operands' offsets are taken.
+    assert!(run::<f32>(&gemm, shape, false, Epilogue::Plain, 1));
 }
 
 #[test]

@@ -290,7 +290,8 @@ impl Gemm {
     /// Queues `y = x·Wᵀ (+ bias)` on the stream as `plan` lays it out:
     /// `w` is `A`, `x` is `B`, `y` is `D`, and returns `true`; `false`
     /// (nothing queued) where cuBLASLt has no algorithm for the shape,
-    /// dtype and alignments, for the caller to take its own path. With
+    /// dtype and alignments (or a bias or pre-activation pointer is aligned
+    /// to less than 16 bytes), for the caller to take its own path. With
     /// [`GemmActivation::GeluAux`], `y` gets the GELU of it and `pre` (the
     /// aux matrix, required then and only then) the pre-activation. Checks
     /// every operand's length.
@@ -366,6 +367,9 @@ impl Gemm {
                 aux_ptr.as_ref().map_or(256, |(p, _)| alignment(*p)),
             ],
         };
+        if !epilogue_aligned(&key.align) {
+            return Ok(false);
+        }
         let described = Described::new::<E>(
             &key,
             bias_ptr.as_ref().map(|(p, _)| *p),
@@ -495,8 +499,8 @@ impl Described {
                 set_desc(desc, Attr::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias)?;
                 set_desc(desc, Attr::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &E::DATA)?;
             }
-            // The aux matrix's type is left at its default, `D`'s. The
-            // heuristic reads the pointer's alignment from here.
+            // The aux matrix's type is left at its default, `D`'s (its
+            // alignment checked by `epilogue_aligned`).
             if let (GemmActivation::GeluAux { aux_ld }, Some(aux)) = (plan.activation, aux) {
                 set_desc(desc, Attr::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux)?;
                 set_desc(desc, Attr::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &aux_ld)?;
@@ -539,9 +543,22 @@ impl Drop for Described {
     }
 }
 
+/// The fewest bytes the bias and aux pointers may be aligned to. The
+/// heuristic takes no alignment preference for them and may pick a kernel
+/// that assumes 16 (a misaligned-address fault, which poisons the
+/// context, as PyTorch found with a bias sliced out of a larger buffer):
+/// [`Gemm::linear`] refuses less, and the caller takes its own path.
+const EPILOGUE_ALIGN: u32 = 16;
+
+/// Whether the bias and aux operands of alignments `align` (A, B, bias,
+/// D, aux) are aligned as [`EPILOGUE_ALIGN`] asks.
+fn epilogue_aligned(align: &[u32; 5]) -> bool {
+    align[2] >= EPILOGUE_ALIGN && align[4] >= EPILOGUE_ALIGN
+}
+
 /// The heuristic's preferences: the workspace it may use and the operands'
-/// alignments (A, B, bias, D, aux; the bias's and the aux matrix's it reads
-/// from their pointers in the descriptor).
+/// alignments (A, B, C and D; it takes none for the bias and aux pointers,
+/// see [`EPILOGUE_ALIGN`]).
 struct Preference(sys::cublasLtMatmulPreference_t);
 
 impl Preference {
@@ -695,6 +712,21 @@ mod tests {
         assert!(LinearGemm::new(4, 4, 0).is_none());
         assert!(LinearGemm::new(1 << 31, 4, 4).is_none());
         assert!(LinearGemm::new((1 << 31) - 1, 4, 4).is_some());
+    }
+
+    #[test]
+    fn a_bias_or_aux_aligned_to_less_than_16_bytes_is_refused() {
+        assert!(epilogue_aligned(&[2, 2, 16, 2, 256]));
+        assert!(!epilogue_aligned(&[256, 256, 8, 256, 256]));
+        assert!(!epilogue_aligned(&[256, 256, 256, 256, 4]));
+        // A bias of bf16 sliced at an odd element.
+        assert!(!epilogue_aligned(&[
+            256,
+            256,
+            alignment(0x7f00_0000_0102),
+            256,
+            256
+        ]));
     }
 
     #[test]
