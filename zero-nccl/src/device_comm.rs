@@ -252,6 +252,14 @@ pub(crate) fn event_work<'a>(
 /// (`cudaStreamPerThread`), which Candle's `Device::new_cuda` uses.
 const PER_THREAD_STREAM: usize = 0x2;
 
+/// Whether `stream` is CUDA's per-thread default stream (Candle's
+/// `Device::new_cuda`): one handle that names another stream on every
+/// thread, so whatever is kept per stream (a workspace, an event) must be
+/// kept per thread for it.
+pub fn is_per_thread_stream(stream: &CudaStream) -> bool {
+    stream.cu_stream() as usize == PER_THREAD_STREAM
+}
+
 /// The thread a compute stream belongs to, where it is CUDA's per-thread
 /// default stream (Candle's `Device::new_cuda`): that handle names another
 /// stream on every thread, so work queued, recorded or waited on from
@@ -264,9 +272,7 @@ impl StreamOwner {
     /// `stream`'s owner: the calling thread for the per-thread default
     /// stream; none for a stream of its own, which any thread may use.
     pub fn of(stream: &CudaStream) -> Self {
-        Self(
-            (stream.cu_stream() as usize == PER_THREAD_STREAM).then(|| std::thread::current().id()),
-        )
+        Self(is_per_thread_stream(stream).then(|| std::thread::current().id()))
     }
 
     /// Fails unless this is the owner's thread (or there is no owner),

@@ -47,7 +47,7 @@ pub use rendezvous::Rendezvous;
 #[cfg(feature = "nccl")]
 pub use comm::{NcclComm, UNIQUE_ID_BYTES};
 #[cfg(feature = "nccl")]
-pub use device_comm::{Cuda, DeviceComm};
+pub use device_comm::{is_per_thread_stream, Cuda, DeviceComm};
 #[cfg(feature = "nccl")]
 pub use kernels::MAX_LOCAL_RANKS;
 #[cfg(feature = "nccl")]

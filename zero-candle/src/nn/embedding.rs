@@ -191,8 +191,10 @@ fn lookup_in_pieces(
                 DType::U8 => ids.to_dtype(DType::U32)?,
                 _ => ids.contiguous()?,
             };
+            // At least one element: CUDA allocates no empty buffer.
+            let len = Shape::from(shape.elem_count().max(1));
             (
-                Storage::Cuda(device.zeros_impl(&shape, table.dtype())?),
+                Storage::Cuda(device.zeros_impl(&len, table.dtype())?),
                 PieceIds::Device(ids),
             )
         }
@@ -318,20 +320,17 @@ fn lookup_cuda(
     let (vocab, dim) = table_layout.shape().dims2()?;
     let shape = Shape::from((ids_layout.shape().dims1()?, dim));
     match table_layout.contiguous_offsets() {
-        Some((start, end))
-            if has_cuda_kernel(ids.dtype(), table.dtype()) && shape.elem_count() > 0 =>
-        {
+        Some((start, end)) if has_cuda_kernel(ids.dtype(), table.dtype()) => {
             // SAFETY: the kernel writes every element of the rows: the
-            // table's values, or NaN for an id outside it.
-            let mut rows = unsafe { table.device().alloc_uninit(&shape, table.dtype()) }?;
-            let whole = (table, start..end);
-            cuda::embedding_lookup(
-                (ids, ids_layout),
-                whole,
-                0..vocab * dim,
-                (vocab, dim),
-                &mut rows,
-            )?;
+            // table's values, or NaN for an id outside it. At least one
+            // (CUDA allocates no empty buffer; no rows, no launch).
+            let len = Shape::from(shape.elem_count().max(1));
+            let mut rows = unsafe { table.device().alloc_uninit(&len, table.dtype()) }?;
+            if shape.elem_count() > 0 {
+                let whole = (table, start..end);
+                let (values, table) = (0..vocab * dim, (vocab, dim));
+                cuda::embedding_lookup((ids, ids_layout), whole, values, table, &mut rows)?;
+            }
             Ok((rows, shape))
         }
         _ => gather_rows(table, table_layout, ids, ids_layout),

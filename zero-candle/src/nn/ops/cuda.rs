@@ -784,14 +784,31 @@ pub(crate) fn embedding_lookup(
 }
 
 /// The cuBLASLt GEMM of `device`'s stream, made on first use (a handle and
-/// its 32 MiB workspace per stream).
+/// its 32 MiB workspace per stream). CUDA's per-thread default stream
+/// (`Device::new_cuda`) is another stream on every thread, with one handle:
+/// its GEMMs are kept per thread (two threads' GEMMs sharing one workspace
+/// would write over each other) and go with the thread.
 fn gemm(device: &CudaDevice) -> Result<Arc<Gemm>> {
     static CACHE: Cache<Gemm> = OnceLock::new();
+    thread_local! {
+        static PER_THREAD: std::cell::RefCell<HashMap<usize, Arc<Gemm>>> =
+            Default::default();
+    }
     let stream = device.cuda_stream();
+    let make = || Gemm::new(stream.clone()).map_err(linear_error);
+    if zero_nccl::is_per_thread_stream(&stream) {
+        let ctx = stream.context().cu_ctx() as usize;
+        return PER_THREAD.with(|cache| {
+            if let Some(gemm) = cache.borrow().get(&ctx) {
+                return Ok(gemm.clone());
+            }
+            let gemm = Arc::new(make()?);
+            cache.borrow_mut().insert(ctx, gemm.clone());
+            Ok(gemm)
+        });
+    }
     // The entry holds an Arc of the stream: its handle stays unique.
-    cached(&CACHE, stream.cu_stream() as usize, || {
-        Gemm::new(stream.clone()).map_err(linear_error)
-    })
+    cached(&CACHE, stream.cu_stream() as usize, make)
 }
 
 /// A failure of the cuBLASLt path as Candle's error, with the way back.
