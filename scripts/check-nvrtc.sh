@@ -25,4 +25,7 @@ fi
 export LD_LIBRARY_PATH="$root/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export PTXAS="$root/bin/ptxas"
 
-cargo test -p zero-nccl --features cuda --test nvrtc_ptx -- --ignored
+# The checks compile for real, not from the disk cache of earlier runs;
+# then the cache's own test, in a process of its own.
+ZERO_KERNEL_CACHE=off cargo test -p zero-nccl --features cuda --test nvrtc_ptx -- --ignored
+cargo test -p zero-nccl --features cuda --test nvrtc_cache -- --ignored

@@ -26,6 +26,7 @@ mod error;
 pub mod launch;
 mod local;
 pub mod memory;
+pub mod ptx_cache;
 pub mod rendezvous;
 
 #[cfg(feature = "cuda")]

@@ -26,6 +26,7 @@ pub mod layers;
 pub mod optim;
 
 use crate::probe::{ensure_library, guarded, Library};
+use crate::ptx_cache::PtxCache;
 use crate::{Error, Result};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut,
@@ -291,7 +292,9 @@ pub fn compile_ptx_for(arch: &str) -> Result<cudarc::nvrtc::Ptx> {
 /// [`layers::LAYER_SOURCE`]) to PTX for `arch` with [`compile_options`],
 /// once per process: every later call for the same source and
 /// architecture (another rank of a `CudaThreadGroup`, another engine)
-/// gets the same PTX without compiling again.
+/// gets the same PTX without compiling again. Across processes the PTX is
+/// kept on disk ([`crate::ptx_cache`], keyed by the source, the
+/// architecture, the options and NVRTC's version).
 pub(crate) fn compile_source(source: &'static str, arch: &str) -> Result<cudarc::nvrtc::Ptx> {
     type Key = (usize, usize, String);
     static COMPILED: OnceLock<Mutex<HashMap<Key, cudarc::nvrtc::Ptx>>> = OnceLock::new();
@@ -305,14 +308,45 @@ pub(crate) fn compile_source(source: &'static str, arch: &str) -> Result<cudarc:
     if let Some(ptx) = compiled.get(&key) {
         return Ok(ptx.clone());
     }
-    let ptx = guarded("compiling the fused kernels", || {
-        Ok(cudarc::nvrtc::compile_ptx_with_opts(
-            source,
-            compile_options(arch),
-        )?)
-    })?;
+    let disk = PtxCache::from_env().map(|cache| {
+        let options = compile_options(arch).options.join(" ");
+        let key = PtxCache::key(&[source, arch, &options, &nvrtc_version()]);
+        (cache, key)
+    });
+    let cached = disk.as_ref().and_then(|(cache, key)| cache.load(key));
+    let ptx = match cached {
+        Some(ptx) => cudarc::nvrtc::Ptx::from_src(ptx),
+        None => {
+            let ptx = guarded("compiling the fused kernels", || {
+                Ok(cudarc::nvrtc::compile_ptx_with_opts(
+                    source,
+                    compile_options(arch),
+                )?)
+            })?;
+            if let Some((cache, key)) = &disk {
+                cache.store(key, &ptx.to_src());
+            }
+            ptx
+        }
+    };
     compiled.insert(key, ptx.clone());
     Ok(ptx)
+}
+
+/// NVRTC's version as `major.minor` (`unknown` where it cannot say): part
+/// of the disk cache's key, since another NVRTC may compile otherwise.
+fn nvrtc_version() -> String {
+    let asked = guarded("asking NVRTC for its version", || {
+        let (mut major, mut minor): (std::ffi::c_int, std::ffi::c_int) = (0, 0);
+        // SAFETY: the call writes one int through each pointer.
+        let status = unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) };
+        Ok((status == cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS)
+            .then(|| format!("{major}.{minor}")))
+    });
+    match asked {
+        Ok(Some(version)) => version,
+        _ => "unknown".to_string(),
+    }
 }
 
 /// Compiles `source` with NVRTC for `ctx`'s device (see [`nvrtc_arch`]) and
