@@ -191,7 +191,7 @@ fn lookup_in_pieces(
                 DType::U8 => ids.to_dtype(DType::U32)?,
                 _ => ids.contiguous()?,
             };
-            // At least one element: CUDA allocates no empty buffer.
+            // At least one element, as every buffer of our CUDA ops.
             let len = Shape::from(shape.elem_count().max(1));
             (
                 Storage::Cuda(device.zeros_impl(&len, table.dtype())?),
@@ -322,8 +322,9 @@ fn lookup_cuda(
     match table_layout.contiguous_offsets() {
         Some((start, end)) if has_cuda_kernel(ids.dtype(), table.dtype()) => {
             // SAFETY: the kernel writes every element of the rows: the
-            // table's values, or NaN for an id outside it. At least one
-            // (CUDA allocates no empty buffer; no rows, no launch).
+            // table's values, or NaN for an id outside it. At least one,
+            // as every buffer of our CUDA ops; no rows, no launch (a
+            // launch of an empty grid is an error).
             let len = Shape::from(shape.elem_count().max(1));
             let mut rows = unsafe { table.device().alloc_uninit(&len, table.dtype()) }?;
             if shape.elem_count() > 0 {
