@@ -240,7 +240,9 @@ fn copy_rows(
     match (ids, part, out) {
         (PieceIds::Rows(rows), Storage::Cpu(part), Storage::Cpu(out)) => {
             fn copy<T: Copy>(out: &mut [T], part: &[T], values: Range<usize>, rows: &[usize]) {
-                let dim = out.len() / rows.len();
+                let Some(dim) = out.len().checked_div(rows.len()).filter(|&dim| dim > 0) else {
+                    return;
+                };
                 for (out, &row) in out.chunks_exact_mut(dim).zip(rows) {
                     let (start, end) = (row * dim, (row + 1) * dim);
                     let (lo, hi) = (start.max(values.start), end.min(values.end));
