@@ -287,10 +287,10 @@ fn check_cover(mut covered: Vec<Range<usize>>, len: usize) -> Result<()> {
     let ends = covered.iter().map(|values| (values.start, values.end));
     for (start, end) in ends.chain([(len, len)]) {
         if start > next {
-            bail!("zero-candle Embedding: the gathered pieces of the table miss its elements {next}..{start}")
+            bail!("zero-candle Embedding: internal: the gathered pieces of the table miss its elements {next}..{start}")
         }
         if start < next {
-            bail!("zero-candle Embedding: the gathered pieces of the table hold its elements {start}..{next} twice")
+            bail!("zero-candle Embedding: internal: the gathered pieces of the table hold its elements {start}..{next} twice")
         }
         next = end;
     }

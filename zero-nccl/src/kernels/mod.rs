@@ -308,9 +308,10 @@ pub(crate) fn compile_source(source: &'static str, arch: &str) -> Result<cudarc:
     if let Some(ptx) = compiled.get(&key) {
         return Ok(ptx.clone());
     }
+    let options = compile_options(arch);
     let disk = PtxCache::from_env().map(|cache| {
-        let options = compile_options(arch).options.join(" ");
-        let key = PtxCache::key(&[source, arch, &options, &nvrtc_version()]);
+        let flags = options.options.join(" ");
+        let key = PtxCache::key(&[source, arch, &flags, &nvrtc_version()]);
         (cache, key)
     });
     let cached = disk.as_ref().and_then(|(cache, key)| cache.load(key));
@@ -318,10 +319,7 @@ pub(crate) fn compile_source(source: &'static str, arch: &str) -> Result<cudarc:
         Some(ptx) => cudarc::nvrtc::Ptx::from_src(ptx),
         None => {
             let ptx = guarded("compiling the fused kernels", || {
-                Ok(cudarc::nvrtc::compile_ptx_with_opts(
-                    source,
-                    compile_options(arch),
-                )?)
+                Ok(cudarc::nvrtc::compile_ptx_with_opts(source, options)?)
             })?;
             if let Some((cache, key)) = &disk {
                 cache.store(key, &ptx.to_src());

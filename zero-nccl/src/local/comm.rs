@@ -442,24 +442,20 @@ impl CudaThreadComm {
             return Ok(self.compute.record_event(None).map_err(Error::from)?);
         }
         let world = (self.host.rank(), self.host.world_size());
-        let (calls, check, bytes) = match bucket_gathers::<T>(shard, buffer, buckets, world) {
-            Ok((gathers, bytes)) => {
-                let calls = gathers
-                    .iter()
-                    .map(|g| (Self::call::<T>(Kind::AllGather, g.count), (g.send, g.recv)))
-                    .collect();
-                (calls, Ok(()), bytes)
-            }
-            Err(e) => {
-                let calls = buckets
-                    .iter()
-                    .map(|b| (Self::call::<T>(Kind::AllGather, b.shard.len()), (0, 0)))
-                    .collect();
-                (calls, Err(e), 0)
-            }
-        };
-        let calls: Vec<(Call, (u64, u64))> = calls;
-        self.batch("all_gather", &calls, check, bytes)
+        let planned = bucket_gathers::<T>(shard, buffer, buckets, world);
+        // Refused, the calls are posted with no addresses.
+        let calls: Vec<(Call, (u64, u64))> = buckets
+            .iter()
+            .enumerate()
+            .map(|(i, bucket)| {
+                let addrs = planned
+                    .as_ref()
+                    .map_or((0, 0), |(g, _)| (g[i].send, g[i].recv));
+                (Self::call::<T>(Kind::AllGather, bucket.shard.len()), addrs)
+            })
+            .collect();
+        let bytes = planned.as_ref().map_or(0, |(_, bytes)| *bytes);
+        self.batch("all_gather", &calls, planned.map(drop), bytes)
     }
 
     fn call<T: Element>(kind: Kind, len: usize) -> Call {

@@ -771,10 +771,11 @@ pub(crate) fn embedding_lookup(
         )
     }
     by_dtype!(out.dtype(), OP, |T| {
-        if at.end > part.as_cuda_slice::<T>()?.len() {
+        let part = part.as_cuda_slice::<T>()?;
+        if at.end > part.len() {
             bail!("zero-candle {OP}: internal: a gathered piece has no elements {at:?}")
         }
-        let part = part.as_cuda_slice::<T>()?.slice(at);
+        let part = part.slice(at);
         let out = out.as_cuda_slice_mut::<T>()?;
         launch_on(OP, ids, |kernels, stream| match &ids_view {
             Targets::U32(t) => kernels.embedding_lookup(stream, table, t, &part, values, out),
