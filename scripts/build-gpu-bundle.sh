@@ -23,6 +23,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="$(realpath -m "${1:?usage: $0 OUT.tar.xz}")"
+mkdir -p "$(dirname "$out")"
 
 version="${CUDA_WHEELS_VERSION:-13.0}"
 wheels="/opt/cuda-wheels-$version"

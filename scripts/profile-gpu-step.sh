@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# A bf16 GPT step's kernels by GPU time, ours beside PyTorch's (`ncu`), on
+# a GPU machine; run through scripts/gpu-check.sh so that the bundle's
+# libraries are found, from inside the unpacked bundle:
+#   scripts/gpu-check.sh BUNDLE LOGS "$PWD/scripts/profile-gpu-step.sh OUT_DIR"
+# Both train the bench's GPT (12 x 768, context 256, 16 sequences, bf16,
+# PyTorch with SDPA) for PROFILE_STEPS steps (default 4) under
+# `ncu --metrics gpu__time_duration.sum` (clocks and caches left as they
+# are); OUT_DIR gets each side's CSV, and the table printed last is each
+# side's kernels by total time per step (the first step's one-off kernels
+# included), the top PROFILE_TOP (default 15).
+set -euo pipefail
+out="$(realpath -m "${1:?usage: $0 OUT_DIR}")"
+mkdir -p "$out"
+steps="${PROFILE_STEPS:-4}"
+shape=(--layers 12 --heads 12 --d-model 768 --context 256)
+ncu_args=(--clock-control none --cache-control none --csv --print-units base
+    --print-kernel-base function --metrics gpu__time_duration.sum)
+
+RANK=0 WORLD_SIZE=1 ncu "${ncu_args[@]}" --log-file "$out/ours.csv" ./train --backend nccl \
+    --model gpt "${shape[@]}" --batch-size 16 --precision bf16 --steps "$steps" --eval-every 0 \
+    >"$out/ours.log" 2>&1
+ncu "${ncu_args[@]}" --log-file "$out/torch.csv" python3 "${ZERO_PYTORCH_DIR:?}/gpt_peer.py" \
+    --device cuda --dtype bf16 --attention sdpa "${shape[@]}" --batch 16 --warmup 1 \
+    --steps "$((steps - 1))" >"$out/torch.log" 2>&1
+
+python3 - "$out" "$steps" "${PROFILE_TOP:-15}" <<'EOF'
+import csv, sys
+from collections import defaultdict
+
+out, steps, top = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+for side in ("ours", "torch"):
+    with open(f"{out}/{side}.csv") as f:
+        lines = [line for line in f if line.startswith('"')]
+    total, count = defaultdict(float), defaultdict(int)
+    for row in csv.DictReader(lines):
+        if row["Metric Name"] == "gpu__time_duration.sum":
+            value = float(row["Metric Value"].replace(",", ""))
+            total[row["Kernel Name"]] += value / 1e3
+            count[row["Kernel Name"]] += 1
+    whole = sum(total.values())
+    print(f"== {side}: {sum(count.values()) / steps:.0f} kernels, {whole / steps / 1e3:.2f} ms of "
+          f"kernel time per step ({steps} steps)")
+    for name, us in sorted(total.items(), key=lambda kv: -kv[1])[:top]:
+        print(f"  {us / steps:9.1f} us/step {100 * us / whole:5.1f}%  x{count[name] / steps:6.1f}  {name[:90]}")
+EOF
