@@ -364,3 +364,75 @@ fn a_layer_above_max_live_bytes_is_a_configuration_error() {
     .unwrap_err();
     assert!(e.to_string().contains("max_live_bytes"), "{e}");
 }
+
+/// The device's default budgets keep stage 3's gathers within the goal for
+/// the bench's GPT (12 x 768 in f32 on four ranks: at most 5 bytes per
+/// parameter and rank, the shard's 4 and 1 for what is gathered): a
+/// replayed pass over its large weights is all prefetched, with at most a
+/// byte per parameter gathered at once. Its 12 x 4 weights are the units;
+/// the gathers move nothing (the figure is the fetcher's bookkeeping).
+#[test]
+fn the_device_budgets_prefetch_a_gpt_pass_within_a_byte_per_parameter() {
+    let d = 768;
+    let lens: Vec<usize> = (0..12)
+        .flat_map(|_| [d * 3 * d, d * d, d * 4 * d, 4 * d * d])
+        .collect();
+    let starts: Vec<usize> = lens
+        .iter()
+        .scan(0, |at, &len| {
+            *at += len;
+            Some(*at - len)
+        })
+        .collect();
+    let units = lens
+        .iter()
+        .zip(&starts)
+        .map(|(&len, &start)| Unit {
+            buckets: vec![UnitBucket {
+                shard: start..start + len,
+                at: 0..len,
+            }],
+            len,
+        })
+        .collect();
+    let place = lens
+        .iter()
+        .enumerate()
+        .map(|(u, &len)| {
+            vec![Span {
+                unit: u,
+                at: 0..len,
+                values: 0..len,
+            }]
+        })
+        .collect();
+    let params: usize = lens.iter().sum();
+    let gather: Arc<GatherFn<f32>> = Arc::new(|_: &[f32], _: &mut [f32]| Ok(()));
+    let budgets = crate::engine::GatherBudgets::DEVICE;
+    let f = Fetcher::new(
+        units,
+        place,
+        vec![0.0; params],
+        HostGathers::new(gather),
+        (budgets.prefetch_bytes, budgets.max_live_bytes),
+        true,
+    )
+    .unwrap();
+    let order: Vec<usize> = (0..lens.len()).collect();
+    f.seed(&order, &[]);
+    for &u in &order {
+        let g = f.acquire(u, 0).unwrap();
+        f.release(g);
+    }
+    let stats = f.stats();
+    assert_eq!(
+        (stats.hits, stats.misses),
+        (lens.len() as u64, 0),
+        "{stats:?}"
+    );
+    assert!(
+        stats.peak_live_bytes <= params,
+        "{} gathered bytes for {params} parameters",
+        stats.peak_live_bytes
+    );
+}
