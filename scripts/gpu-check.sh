@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check, on a machine with a CUDA GPU, PyTorch and no Rust:
 #   scripts/gpu-check.sh BUNDLE.tar.xz [LOG_DIR] [PART...]
-# PART: suite, bench, train, all (the default), or a command.
+# PART: suite, bench, train, sanitize, all (the default), or a command.
 # BUNDLE comes from scripts/build-gpu-bundle.sh. Runs every test in the
 # bundle with --include-ignored (the GPU suite), then `bench gpu` from the
 # repository's root (so that it finds examples/pytorch/), then short trainer
@@ -9,6 +9,9 @@
 # rank on NCCL and four sharing the GPU with --backend cuda-threads, 38
 # runs: the table shows each one's final loss), logging each to LOG_DIR (default:
 # a temporary folder). `suite`, `bench` or `train` runs only that part;
+# `sanitize` (not part of `all`) runs the tests of failing ranks and of
+# teardown with gathers in flight under `compute-sanitizer` (memcheck: no
+# CUDA error but the failure each test expects, no access to freed memory);
 # anything else is run as a command inside the unpacked bundle (e.g.
 # "./train --backend nccl --model gpt --steps 20"); several parts run in
 # the order given (e.g. suite "./bench gpu-stage3": one device call).
@@ -122,7 +125,19 @@ for what in "${parts[@]}"; do
             done
         done
     fi
-    if [[ "$what" != all && "$what" != suite && "$what" != bench && "$what" != train ]]; then
+    if [[ "$what" == sanitize ]]; then
+        for check in \
+            "zero-candle.gpu_stage3 a_rank_failing_mid_forward_fails_its_peers_and_leaves_the_gpu_sound" \
+            "zero-candle.gpu_stage3 a_stage_3_optimizer_dropped_right_after_a_forward_or_a_step_leaves_the_gpu_sound" \
+            "zero-nccl.gpu_threads a_rank_that_dies_mid_forward_fails_its_peers_stage_3_gathers" \
+            "zero-nccl.gpu_threads a_rank_that_panics_fails_its_peers_within_the_deadline" \
+            "zero-nccl.gpu_threads different_calls_fail_every_rank_with_a_mismatch"; do
+            read -r binary test <<<"$check"
+            run "sanitize-$test" compute-sanitizer --tool memcheck --error-exitcode 99 \
+                "$unpacked/t/$binary" --include-ignored --test-threads=1 --exact "$test"
+        done
+    fi
+    if [[ "$what" != all && "$what" != suite && "$what" != bench && "$what" != train && "$what" != sanitize ]]; then
         extra=$((extra + 1))
         run "extra-$extra" bash -c "cd '$unpacked' && $what"
         tail -30 "$logs/extra-$extra.log"
