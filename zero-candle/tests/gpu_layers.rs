@@ -17,8 +17,8 @@
 
 use candle_core::{DType, Device, Module, Result, Tensor, Var};
 use zero_candle::nn::ops::{
-    causal_attention, causal_self_attention, cross_entropy, cross_entropy_with_ignore, gelu,
-    gelu_erf, rotary_embedding, silu, swiglu,
+    causal_attention, causal_self_attention, causal_self_attention_rows, cross_entropy,
+    cross_entropy_with_ignore, gelu, gelu_erf, rotary_embedding, silu, swiglu,
 };
 use zero_candle::nn::{set_linear_cublaslt, Activation, Embedding, LayerNorm, Linear, RmsNorm};
 
@@ -173,6 +173,13 @@ fn attention_matches_the_cpu() -> Result<()> {
                 &[&qkv],
                 &upstream,
                 &|x| causal_self_attention(&x[0], h),
+            )?;
+            compare(
+                &format!("attention over rows b{b} t{t} h{h} d{d}"),
+                dtype,
+                &[&qkv.flatten_to(1)?],
+                &upstream.flatten_to(1)?,
+                &|x| causal_self_attention_rows(&x[0], t, h),
             )?;
         }
     }

@@ -163,6 +163,42 @@ fn attention_takes_strided_input_and_refuses_bad_shapes() {
     assert!(err.contains("not supported"), "{err}");
 }
 
+#[test]
+fn attention_over_rows_is_the_op_over_sequences() {
+    // The same op: the same values and gradients bit for bit, in the rows'
+    // shape; a row count that is not whole sequences is refused.
+    for (i, &(batch, time, heads, head_dim)) in ATTENTION_SHAPES.iter().enumerate() {
+        let width = 3 * heads * head_dim;
+        let qkv =
+            Var::from_tensor(&(data(i as u64, &[batch, time, width], DType::F32) * 3.0).unwrap())
+                .unwrap();
+        let (y, dqkv) = value_and_grad(&qkv, |x| ops::causal_self_attention(x, heads).unwrap());
+        let rows = Var::from_tensor(&qkv.reshape((batch * time, width)).unwrap()).unwrap();
+        let (y_rows, dqkv_rows) = value_and_grad(&rows, |x| {
+            ops::causal_self_attention_rows(x, time, heads).unwrap()
+        });
+        assert_eq!(y_rows.dims(), &[batch * time, heads * head_dim]);
+        assert_eq!(values(&y_rows), values(&y), "{batch}x{time}: output");
+        assert_eq!(dqkv_rows.dims(), &[batch * time, width]);
+        assert_eq!(
+            values(&dqkv_rows),
+            values(&dqkv),
+            "{batch}x{time}: gradient"
+        );
+    }
+    let err = ops::causal_self_attention_rows(&data(1, &[10, 12], DType::F32), 4, 2)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("[batch * time, 3 * d]") && err.contains("time 4"),
+        "{err}"
+    );
+    let err = ops::causal_self_attention_rows(&data(1, &[2, 3, 12], DType::F32), 3, 2)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("[batch * time, 3 * d]"), "{err}");
+}
+
 /// Grouped-query attention composed of tensor ops: each K/V head repeated
 /// for its group of query heads (Llama's `repeat_kv`), then the composed
 /// masked softmax; q `[batch, time, heads, head_dim]`, k and v `[batch,

@@ -90,12 +90,15 @@ struct Block {
 }
 
 impl Block {
-    /// `x` `[batch, time, d]` through the block (pre-norm attention and MLP,
-    /// each with its residual).
+    /// `x`, rows `[batch * time, d]` (sequences of `time` rows), through
+    /// the block (pre-norm attention and MLP, each with its residual). Rows
+    /// throughout: Candle's backward sums every node's gradient into a
+    /// zeroed tensor of its own, so a reshape around each Linear would cost
+    /// two more passes over its gradients.
     fn forward(
         &self,
         x: &Tensor,
-        heads: usize,
+        (time, heads): (usize, usize),
         ops: GptOps,
         mask: Option<&Tensor>,
         dtype: DType,
@@ -104,10 +107,10 @@ impl Block {
         let h = match mask {
             None => {
                 let qkv = self.qkv.forward(&x_norm)?;
-                let y = ops::causal_self_attention(&qkv, heads)?;
+                let y = ops::causal_self_attention_rows(&qkv, time, heads)?;
                 self.attn_proj.forward(&y)?
             }
-            Some(mask) => self.composed_attention(&x_norm, heads, mask, dtype)?,
+            Some(mask) => self.composed_attention(&x_norm, (time, heads), mask, dtype)?,
         };
         // The fused ops add the residual in the norm's pass over the rows.
         let (x, normed) = match ops {
@@ -129,12 +132,12 @@ impl Block {
     fn composed_attention(
         &self,
         x: &Tensor,
-        heads: usize,
+        (time, heads): (usize, usize),
         mask: &Tensor,
         dtype: DType,
     ) -> candle_core::Result<Tensor> {
-        let (batch, time, d) = x.dims3()?;
-        let head_dim = d / heads;
+        let (rows, d) = x.dims2()?;
+        let (batch, head_dim) = (rows / time, d / heads);
         let qkv = self
             .qkv
             .forward(x)?
@@ -155,7 +158,7 @@ impl Block {
         let y = weights
             .matmul(&v)?
             .transpose(1, 2)?
-            .reshape((batch, time, d))?;
+            .reshape((rows, d))?;
         self.attn_proj.forward(&y)
     }
 }
@@ -349,27 +352,25 @@ impl Gpt {
         let mut x = self
             .wte
             .forward(ids)?
-            .broadcast_add(&self.wpe.forward(&positions)?)?;
+            .broadcast_add(&self.wpe.forward(&positions)?)?
+            .reshape((batch * time, self.config.d_model))?;
         let mask = match self.ops {
             GptOps::Fused => None,
             GptOps::Composed => Some(causal_mask(time, device)?),
         };
         let dtype = self.head.weight().dtype();
-        let (heads, ops) = (self.config.heads, self.ops);
+        let (shape, ops) = ((time, self.config.heads), self.ops);
         for (i, block) in self.blocks.iter().enumerate() {
             x = if self.checkpointed {
                 let (block, mask) = (block.clone(), mask.clone());
                 zero_candle::checkpoint(&format!("blocks.{i}"), &x, move |x| {
-                    block.forward(x, heads, ops, mask.as_ref(), dtype)
+                    block.forward(x, shape, ops, mask.as_ref(), dtype)
                 })?
             } else {
-                block.forward(&x, heads, ops, mask.as_ref(), dtype)?
+                block.forward(&x, shape, ops, mask.as_ref(), dtype)?
             };
         }
-        let x = self
-            .ln_f
-            .forward(&x)?
-            .reshape((batch * time, self.config.d_model))?;
+        let x = self.ln_f.forward(&x)?;
         // The tied head: the embedding table a second time.
         self.head.forward(&x)
     }

@@ -193,9 +193,10 @@ struct Block {
 }
 
 impl Block {
-    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+    /// `x` rows `[batch * time, width]` through the block.
+    fn forward(&self, x: &Tensor, time: usize) -> candle_core::Result<Tensor> {
         let qkv = self.c_attn.forward(&self.ln_1.forward(x)?)?;
-        let y = ops::causal_self_attention(&qkv, self.heads)?;
+        let y = ops::causal_self_attention_rows(&qkv, time, self.heads)?;
         let (x, normed) = self
             .ln_2
             .forward_residual(&self.attn_proj.forward(&y)?, x)?;
@@ -327,6 +328,13 @@ impl Gpt2 {
     /// A 16-bit model computes in its dtype, with the norms' statistics
     /// and the attention's softmax in f32.
     pub fn forward(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
+        let (batch, time) = ids.dims2()?;
+        self.logits_rows(ids)?
+            .reshape((batch, time, self.config.vocab_size))
+    }
+
+    /// [`Gpt2::forward`]'s logits as rows `[batch * time, vocab_size]`.
+    fn logits_rows(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
         let (_, time) = ids.dims2()?;
         if time > self.config.n_positions {
             candle_core::bail!(
@@ -338,22 +346,23 @@ impl Gpt2 {
         let x = self
             .wte
             .forward(ids)?
-            .broadcast_add(&self.wpe.forward(&positions)?)?;
+            .broadcast_add(&self.wpe.forward(&positions)?)?
+            .flatten_to(1)?;
         let x = super::through_blocks(
             &self.blocks,
             x,
             self.checkpointed,
             "transformer.h",
-            |block: &Block, x: &Tensor| block.forward(x),
+            move |block: &Block, x: &Tensor| block.forward(x, time),
         )?;
-        super::logits(&self.ln_f, &self.head, &x, self.config.vocab_size)
+        super::logits(&self.ln_f, &self.head, &x)
     }
 
     /// The mean cross-entropy (f32) of predicting each next token of `ids`
     /// `[batch, time + 1]`, as `transformers` computes it with
     /// `labels = ids`.
     pub fn loss(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
-        super::next_token_loss(ids, |inputs| self.forward(inputs))
+        super::next_token_loss(ids, |inputs| self.logits_rows(inputs))
     }
 
     /// The dtype the model computes in.

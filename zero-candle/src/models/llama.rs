@@ -447,8 +447,10 @@ struct Block {
 }
 
 impl Block {
-    fn forward(&self, x: &Tensor, rotation: &Rotation) -> candle_core::Result<Tensor> {
-        let (batch, time, _) = x.dims3()?;
+    /// `x` rows `[batch * time, hidden]` through the block.
+    fn forward(&self, x: &Tensor, time: usize, rotation: &Rotation) -> candle_core::Result<Tensor> {
+        let rows = x.dim(0)?;
+        let batch = rows / time;
         let h = self.input_layernorm.forward(x)?;
         let heads = |proj: &Linear, n| proj.forward(&h)?.reshape((batch, time, n, self.head_dim));
         let q = rotation.apply(&heads(&self.q_proj, self.heads)?)?;
@@ -456,11 +458,7 @@ impl Block {
         let v = heads(&self.v_proj, self.kv_heads)?;
         // Each key/value head serves `heads / kv_heads` consecutive query
         // heads (`repeat_kv`), inside the op: no repeated copies.
-        let y = ops::causal_attention(&q, &k, &v)?.reshape((
-            batch,
-            time,
-            self.heads * self.head_dim,
-        ))?;
+        let y = ops::causal_attention(&q, &k, &v)?.reshape((rows, self.heads * self.head_dim))?;
         let (x, h) = self
             .post_attention_layernorm
             .forward_residual(&self.o_proj.forward(&y)?, x)?;
@@ -600,6 +598,13 @@ impl Llama {
     /// in its dtype, with the norms' statistics and the attention's
     /// softmax in f32.
     pub fn forward(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
+        let (batch, time) = ids.dims2()?;
+        self.logits_rows(ids)?
+            .reshape((batch, time, self.config.vocab_size))
+    }
+
+    /// [`Llama::forward`]'s logits as rows `[batch * time, vocab_size]`.
+    fn logits_rows(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
         let (_, time) = ids.dims2()?;
         if let Some(window) = self.config.sliding_window.filter(|&w| time > w) {
             candle_core::bail!(
@@ -612,19 +617,19 @@ impl Llama {
             .get(&self.inv_freq, time, self.dtype(), ids.device())?;
         let x = super::through_blocks(
             &self.blocks,
-            self.embed_tokens.forward(ids)?,
+            self.embed_tokens.forward(ids)?.flatten_to(1)?,
             self.checkpointed,
             "model.layers",
-            move |block: &Block, x: &Tensor| block.forward(x, &rotation),
+            move |block: &Block, x: &Tensor| block.forward(x, time, &rotation),
         )?;
-        super::logits(&self.norm, &self.head, &x, self.config.vocab_size)
+        super::logits(&self.norm, &self.head, &x)
     }
 
     /// The mean cross-entropy (f32) of predicting each next token of `ids`
     /// `[batch, time + 1]`, as `transformers` computes it with
     /// `labels = ids`.
     pub fn loss(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
-        super::next_token_loss(ids, |inputs| self.forward(inputs))
+        super::next_token_loss(ids, |inputs| self.logits_rows(inputs))
     }
 
     /// The dtype the model computes in.

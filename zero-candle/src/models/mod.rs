@@ -13,8 +13,13 @@ pub use gpt2::{Gpt2, Gpt2Config};
 pub use llama::{Llama, LlamaConfig, Rope};
 
 /// The mean cross-entropy (f32) of predicting each next token of `ids`
-/// `[batch, time + 1]` from `logits` `[batch, time, vocab]` of its first
-/// `time`, as `transformers` computes it with `labels = ids`.
+/// `[batch, time + 1]` from `logits` rows `[batch * time, vocab]` of its
+/// first `time`, as `transformers` computes it with `labels = ids`.
+///
+/// The models keep their activations as rows `[batch * time, width]` from
+/// the embedding to the loss: Candle's backward sums every node's gradient
+/// into a zeroed tensor of its own, so a reshape around each Linear (or of
+/// the logits) would cost a full pass over its gradient, and a zeroed one.
 fn next_token_loss(
     ids: &candle_core::Tensor,
     logits: impl FnOnce(&candle_core::Tensor) -> candle_core::Result<candle_core::Tensor>,
@@ -22,7 +27,7 @@ fn next_token_loss(
     let time = ids.dim(1)? - 1;
     let inputs = ids.narrow(1, 0, time)?.contiguous()?;
     let targets = ids.narrow(1, 1, time)?.flatten_all()?;
-    crate::nn::ops::cross_entropy(&logits(&inputs)?.flatten_to(1)?, &targets)
+    crate::nn::ops::cross_entropy(&logits(&inputs)?, &targets)
 }
 
 /// `x` through `blocks` in turn (`forward(block, x)`), each recomputed in
@@ -53,17 +58,14 @@ where
     Ok(x)
 }
 
-/// Logits `[batch, time, vocab]`: the final norm of `x` `[batch, time,
-/// width]`, then the head.
+/// Logits rows `[batch * time, vocab]`: the final norm of `x` rows
+/// `[batch * time, width]`, then the head.
 fn logits(
     norm: &impl candle_core::Module,
     head: &crate::nn::Linear,
     x: &candle_core::Tensor,
-    vocab: usize,
 ) -> candle_core::Result<candle_core::Tensor> {
-    let (batch, time, width) = x.dims3()?;
-    let x = norm.forward(x)?.reshape((batch * time, width))?;
-    candle_core::Module::forward(head, &x)?.reshape((batch, time, vocab))
+    candle_core::Module::forward(head, &norm.forward(x)?)
 }
 
 /// `parse` of the `config.json` of the hub directory `hub`: an error names

@@ -37,14 +37,43 @@ use rayon::prelude::*;
 /// ```
 pub fn causal_self_attention(qkv: &Tensor, heads: usize) -> Result<Tensor> {
     let dims = AttentionDims::of(qkv, heads)?;
+    let out = Shape::from((dims.batch, dims.time, dims.d_model()));
+    causal_packed(qkv, dims, out)
+}
+
+/// [`causal_self_attention`] over rows: `qkv` `[batch * time, 3 * d]`,
+/// sequences of `time` rows one after the other, returning `[batch *
+/// time, d]`. A model that keeps its activations as rows between its
+/// Linear layers takes no reshape before or after the attention: Candle's
+/// backward sums each node's gradient into a zeroed tensor of its own, so
+/// a reshape costs a full pass over its gradient.
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// # fn main() -> candle_core::Result<()> {
+/// let qkv = Tensor::randn(0f32, 1.0, (2 * 5, 3 * 8), &Device::Cpu)?; // 2 sequences of 5
+/// let y = zero_candle::nn::ops::causal_self_attention_rows(&qkv, 5, 2)?;
+/// assert_eq!(y.dims(), &[10, 8]);
+/// # Ok(()) }
+/// ```
+pub fn causal_self_attention_rows(qkv: &Tensor, time: usize, heads: usize) -> Result<Tensor> {
+    let dims = AttentionDims::of_rows(qkv, time, heads)?;
+    let out = Shape::from((dims.batch * dims.time, dims.d_model()));
+    causal_packed(qkv, dims, out)
+}
+
+fn causal_packed(qkv: &Tensor, dims: AttentionDims, out: Shape) -> Result<Tensor> {
     qkv.contiguous()?.apply_op1(CausalAttention {
         dims,
+        out,
         lse: SavedSlot::default(),
     })
 }
 
 struct CausalAttention {
     dims: AttentionDims,
+    /// The output's shape: `[batch, time, d]` or rows `[batch * time, d]`.
+    out: Shape,
     /// The forward's log-sum-exp per `(batch, head, row)`.
     lse: SavedSlot,
 }
@@ -67,14 +96,14 @@ impl CustomOp1 for CausalAttention {
             )
         });
         self.lse.put(Saved::Cpu(lse));
-        Ok((y, Shape::from((dims.batch, dims.time, dims.d_model()))))
+        Ok((y, self.out.clone()))
     }
 
     fn cuda_fwd(&self, storage: &CudaStorage, layout: &Layout) -> Result<(CudaStorage, Shape)> {
         let dims = self.dims;
         let (y, lse) = cuda::attention_forward((storage, layout), &dims)?;
         self.lse.put(Saved::Cuda(lse));
-        Ok((y, Shape::from((dims.batch, dims.time, dims.d_model()))))
+        Ok((y, self.out.clone()))
     }
 
     fn bwd(&self, qkv: &Tensor, out: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {

@@ -41,13 +41,30 @@ impl AttentionDims {
     /// The dims of `qkv` `[batch, time, 3 * d]` split into `heads`, with
     /// the usual scale `1 / sqrt(head_dim)`.
     pub fn of(qkv: &Tensor, heads: usize) -> Result<Self> {
-        let (batch, time, width) = match qkv.dims() {
-            &[b, t, w] => (b, t, w),
+        match qkv.dims() {
+            &[batch, time, width] => Self::packed(qkv, batch, time, width, heads),
             dims => bail!(
                 "zero-candle causal_self_attention: qkv must be [batch, time, 3 * d] (the qkv \
                  Linear's output), got {dims:?}"
             ),
-        };
+        }
+    }
+
+    /// The dims of `qkv` `[batch * time, 3 * d]` (sequences of `time`
+    /// rows, one after the other) split into `heads`.
+    pub fn of_rows(qkv: &Tensor, time: usize, heads: usize) -> Result<Self> {
+        match qkv.dims() {
+            &[rows, width] if time > 0 && rows % time == 0 => {
+                Self::packed(qkv, rows / time, time, width, heads)
+            }
+            dims => bail!(
+                "zero-candle causal_self_attention_rows: qkv must be [batch * time, 3 * d] \
+                 (the qkv Linear's output over whole sequences) with time {time}, got {dims:?}"
+            ),
+        }
+    }
+
+    fn packed(qkv: &Tensor, batch: usize, time: usize, width: usize, heads: usize) -> Result<Self> {
         if heads == 0 || width == 0 || width % (3 * heads) != 0 {
             bail!(
                 "zero-candle causal_self_attention: the last dim of qkv {:?} must be 3 * heads * \

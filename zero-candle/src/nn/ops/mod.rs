@@ -30,7 +30,7 @@ pub(crate) use no_cuda as cuda;
 pub(crate) use activation::input_grad as activation_input_grad;
 pub use activation::{gelu, gelu_erf, silu};
 pub use activation_kind::Activation;
-pub use attention::{causal_attention, causal_self_attention};
+pub use attention::{causal_attention, causal_self_attention, causal_self_attention_rows};
 pub use attention_dims::AttentionDims;
 pub use cross_entropy::{cross_entropy, cross_entropy_with_ignore};
 pub use rotary::rotary_embedding;
