@@ -155,10 +155,7 @@ impl Block {
         // what autocast does for a 16-bit one.
         let scores = scores.to_dtype(DType::F32)?.broadcast_add(mask)?;
         let weights = candle_nn::ops::softmax(&scores, D::Minus1)?.to_dtype(dtype)?;
-        let y = weights
-            .matmul(&v)?
-            .transpose(1, 2)?
-            .reshape((rows, d))?;
+        let y = weights.matmul(&v)?.transpose(1, 2)?.reshape((rows, d))?;
         self.attn_proj.forward(&y)
     }
 }
