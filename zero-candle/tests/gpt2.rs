@@ -58,6 +58,9 @@ fn logits_loss_and_gradients_equal_transformers() {
 
     let logits = model.forward(&ids.narrow(1, 0, 16).unwrap()).unwrap();
     assert_eq!(logits.dims(), &[2, 16, config.vocab_size]);
+    // No positions: no logits, not an error.
+    let empty = model.forward(&ids.narrow(1, 0, 0).unwrap()).unwrap();
+    assert_eq!(empty.dims(), &[2, 0, config.vocab_size]);
     let err = relative_error(&values(&logits), &golden_f64(&golden, "logits"));
     assert!(err < 1e-5, "logits differ by {err:e} (relative)");
 

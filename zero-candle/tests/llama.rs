@@ -285,6 +285,9 @@ fn a_sliding_window_bounds_the_sequence_where_it_is_used() {
     let err = model.forward(&ids).unwrap_err().to_string();
     assert!(err.contains("sliding_window 8"), "{err}");
     assert!(model.forward(&ids.narrow(1, 0, 8).unwrap()).is_ok());
+    // No positions: no logits, not a panic.
+    let empty = model.forward(&ids.narrow(1, 0, 0).unwrap()).unwrap();
+    assert_eq!(empty.dims(), &[ids.dim(0).unwrap(), 0, mistral.vocab_size]);
 
     let mut qwen2 = config_of("qwen2");
     qwen2["sliding_window"] = 8.into();

@@ -450,7 +450,8 @@ impl Block {
     /// `x` rows `[batch * time, hidden]` through the block.
     fn forward(&self, x: &Tensor, time: usize, rotation: &Rotation) -> candle_core::Result<Tensor> {
         let rows = x.dim(0)?;
-        let batch = rows / time;
+        // No sequences when there are no positions.
+        let batch = rows / time.max(1);
         let h = self.input_layernorm.forward(x)?;
         let heads = |proj: &Linear, n| proj.forward(&h)?.reshape((batch, time, n, self.head_dim));
         let q = rotation.apply(&heads(&self.q_proj, self.heads)?)?;

@@ -57,6 +57,8 @@ impl AttentionDims {
             &[rows, width] if time > 0 && rows % time == 0 => {
                 Self::packed(qkv, rows / time, time, width, heads)
             }
+            // No positions: no sequences.
+            &[0, width] => Self::packed(qkv, 0, time, width, heads),
             dims => bail!(
                 "zero-candle causal_self_attention_rows: qkv must be [batch * time, 3 * d] \
                  (the qkv Linear's output over whole sequences) with time {time}, got {dims:?}"
