@@ -137,7 +137,8 @@ impl Block {
         dtype: DType,
     ) -> candle_core::Result<Tensor> {
         let (rows, d) = x.dims2()?;
-        let (batch, head_dim) = (rows / time, d / heads);
+        // No positions: no sequences.
+        let (batch, head_dim) = (rows / time.max(1), d / heads);
         let qkv = self
             .qkv
             .forward(x)?

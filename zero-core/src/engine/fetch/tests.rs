@@ -14,19 +14,37 @@ fn build<G: GatherMemory<f32>>(
     len: usize,
     budgets: (usize, usize),
     threaded: bool,
+    memory: (G::Shard, G),
+) -> Arc<Fetcher<f32, G>> {
+    build_lens(&vec![len; count], budgets, threaded, memory)
+}
+
+/// Units of `lens` elements over one rank, one after the other in the
+/// shard, one parameter per unit.
+fn build_lens<G: GatherMemory<f32>>(
+    lens: &[usize],
+    budgets: (usize, usize),
+    threaded: bool,
     (shard, gathers): (G::Shard, G),
 ) -> Arc<Fetcher<f32, G>> {
-    let units = (0..count)
-        .map(|u| Unit {
-            buckets: vec![UnitBucket {
-                shard: u * len..(u + 1) * len,
-                at: 0..len,
-            }],
-            len,
+    let mut start = 0;
+    let units = lens
+        .iter()
+        .map(|&len| {
+            start += len;
+            Unit {
+                buckets: vec![UnitBucket {
+                    shard: start - len..start,
+                    at: 0..len,
+                }],
+                len,
+            }
         })
         .collect();
-    let place = (0..count)
-        .map(|u| {
+    let place = lens
+        .iter()
+        .enumerate()
+        .map(|(u, &len)| {
             vec![Span {
                 unit: u,
                 at: 0..len,
@@ -377,47 +395,15 @@ fn the_device_budgets_prefetch_a_gpt_pass_within_a_byte_per_parameter() {
     let lens: Vec<usize> = (0..12)
         .flat_map(|_| [d * 3 * d, d * d, d * 4 * d, 4 * d * d])
         .collect();
-    let starts: Vec<usize> = lens
-        .iter()
-        .scan(0, |at, &len| {
-            *at += len;
-            Some(*at - len)
-        })
-        .collect();
-    let units = lens
-        .iter()
-        .zip(&starts)
-        .map(|(&len, &start)| Unit {
-            buckets: vec![UnitBucket {
-                shard: start..start + len,
-                at: 0..len,
-            }],
-            len,
-        })
-        .collect();
-    let place = lens
-        .iter()
-        .enumerate()
-        .map(|(u, &len)| {
-            vec![Span {
-                unit: u,
-                at: 0..len,
-                values: 0..len,
-            }]
-        })
-        .collect();
     let params: usize = lens.iter().sum();
     let gather: Arc<GatherFn<f32>> = Arc::new(|_: &[f32], _: &mut [f32]| Ok(()));
     let budgets = crate::engine::GatherBudgets::DEVICE;
-    let f = Fetcher::new(
-        units,
-        place,
-        vec![0.0; params],
-        HostGathers::new(gather),
+    let f = build_lens(
+        &lens,
         (budgets.prefetch_bytes, budgets.max_live_bytes),
         true,
-    )
-    .unwrap();
+        (vec![0.0; params], HostGathers::new(gather)),
+    );
     let order: Vec<usize> = (0..lens.len()).collect();
     f.seed(&order, &[]);
     for &u in &order {
