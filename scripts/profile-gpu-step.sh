@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# A bf16 GPT step's kernels by GPU time, ours beside PyTorch's (`ncu`), on
+# A GPT step's kernels by GPU time, ours beside PyTorch's (`ncu`), on
 # a GPU machine; run through scripts/gpu-check.sh so that the bundle's
 # libraries are found, from inside the unpacked bundle:
 #   scripts/gpu-check.sh BUNDLE LOGS "$PWD/scripts/profile-gpu-step.sh OUT_DIR"
-# Both train the bench's GPT (12 x 768, context 256, 16 sequences, bf16,
-# PyTorch with SDPA) for PROFILE_STEPS steps (default 4) under
+# Both train the bench's GPT (12 x 768, context 256, 16 sequences) in
+# PROFILE_PRECISION (bf16, the default, PyTorch with SDPA; or f32, PyTorch's
+# attention composed, as `bench gpu` compares them) for PROFILE_STEPS steps
+# (default 4) under
 # `ncu --metrics gpu__time_duration.sum` (clocks and caches left as they
 # are); OUT_DIR gets each side's CSV, and the table printed last is each
 # side's kernels by total time per step (the first step's one-off kernels
@@ -13,15 +15,21 @@ set -euo pipefail
 out="$(realpath -m "${1:?usage: $0 OUT_DIR}")"
 mkdir -p "$out"
 steps="${PROFILE_STEPS:-4}"
+precision="${PROFILE_PRECISION:-bf16}"
+case "$precision" in
+    bf16) attention=sdpa ;;
+    f32) attention=manual ;;
+    *) echo "PROFILE_PRECISION is bf16 or f32, not $precision" >&2; exit 2 ;;
+esac
 shape=(--layers 12 --heads 12 --d-model 768 --context 256)
 ncu_args=(--clock-control none --cache-control none --csv --print-units base
     --print-kernel-base function --metrics gpu__time_duration.sum)
 
 RANK=0 WORLD_SIZE=1 ncu "${ncu_args[@]}" --log-file "$out/ours.csv" ./train --backend nccl \
-    --model gpt "${shape[@]}" --batch-size 16 --precision bf16 --steps "$steps" --eval-every 0 \
+    --model gpt "${shape[@]}" --batch-size 16 --precision "$precision" --steps "$steps" --eval-every 0 \
     >"$out/ours.log" 2>&1
 ncu "${ncu_args[@]}" --log-file "$out/torch.csv" python3 "${ZERO_PYTORCH_DIR:?}/gpt_peer.py" \
-    --device cuda --dtype bf16 --attention sdpa "${shape[@]}" --batch 16 --warmup 1 \
+    --device cuda --dtype "$precision" --attention "$attention" "${shape[@]}" --batch 16 --warmup 1 \
     --steps "$((steps - 1))" >"$out/torch.log" 2>&1
 
 python3 - "$out" "$steps" "${PROFILE_TOP:-15}" <<'EOF'
