@@ -9,6 +9,9 @@
 - grouped attention in bf16: the same with ``enable_gqa=True`` (torch 2.5
   or newer), q ``[batch, --gqa-heads, T, --gqa-head-dim]``, k/v with
   ``--gqa-kv-heads`` heads;
+- the 1.1B Llama's attention in bf16 (``bench gpu``'s TinyLlama shape:
+  batch 4, T 2048, 32 query and 4 K/V heads of 64), and the same with 32
+  K/V heads (long sequences without the grouping);
 - LayerNorm: the backward of ``F.layer_norm`` over ``[rows, width]`` with
   weight and bias (the forward run once, then ``backward(retain_graph=True)``
   timed), upstream gradient of ones.
@@ -19,9 +22,10 @@ after ``--warmup``. It prints ONE line of JSON on stdout::
     {"device_name": ..., "torch_version": ...,
      "attn_fwd_bwd_ms_f32": ..., "attn_fwd_bwd_ms_bf16": ...,
      "layer_norm_bwd_ms_f32": ..., "layer_norm_bwd_ms_bf16": ...,
-     "attn_gqa_fwd_bwd_ms_bf16": ...}
+     "attn_gqa_fwd_bwd_ms_bf16": ..., "attn_llama_fwd_bwd_ms_bf16": ...,
+     "attn_llama_mha_fwd_bwd_ms_bf16": ...}
 
-(the last one missing when this torch's SDPA has no ``enable_gqa``).
+(the grouped ones missing when this torch's SDPA has no ``enable_gqa``).
 
 Exit codes: 0 on success, 2 when PyTorch cannot be imported, 3 when there is
 no CUDA device. Messages go to stderr.
@@ -101,21 +105,26 @@ def main():
 
         out[f"layer_norm_bwd_ms_{name}"] = time_ms(layer_norm_backward)
 
+    def grouped_ms(b, t, heads, kv_heads, d):
+        q = torch.randn(b, heads, t, d, device=device, dtype=torch.bfloat16, requires_grad=True)
+        k, v = (
+            torch.randn(b, kv_heads, t, d, device=device, dtype=torch.bfloat16, requires_grad=True)
+            for _ in range(2)
+        )
+
+        def grouped_attention():
+            q.grad = k.grad = v.grad = None
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            y.backward(torch.ones_like(y))
+
+        return time_ms(grouped_attention)
+
     gh, gkv, gd = args.gqa_heads, args.gqa_kv_heads, args.gqa_head_dim
-    q = torch.randn(b, gh, t, gd, device=device, dtype=torch.bfloat16, requires_grad=True)
-    k, v = (
-        torch.randn(b, gkv, t, gd, device=device, dtype=torch.bfloat16, requires_grad=True)
-        for _ in range(2)
-    )
-
-    def grouped_attention():
-        q.grad = k.grad = v.grad = None
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        y.backward(torch.ones_like(y))
-
     try:
-        out["attn_gqa_fwd_bwd_ms_bf16"] = time_ms(grouped_attention)
+        out["attn_gqa_fwd_bwd_ms_bf16"] = grouped_ms(b, t, gh, gkv, gd)
         out["gqa_shape"] = {"heads": gh, "kv_heads": gkv, "head_dim": gd}
+        out["attn_llama_fwd_bwd_ms_bf16"] = grouped_ms(4, 2048, 32, 4, 64)
+        out["attn_llama_mha_fwd_bwd_ms_bf16"] = grouped_ms(4, 2048, 32, 32, 64)
     except TypeError as e:  # no enable_gqa before torch 2.5
         print(f"grouped attention skipped: {e}", file=sys.stderr)
     print(json.dumps(out))

@@ -7,7 +7,8 @@
 //     reference of the inputs as stored: output, log-sum-exp, dQ, dK, dV;
 //  2. times forward + backward (4 launches) with CUDA events at the bench's
 //     shapes: the GPT's (batch 16, T 256, 12 heads of 64) on both kernel
-//     families, and grouped 32/8 heads of 128.
+//     families, grouped 32/8 heads of 128, and the 1.1B Llama's (batch 4,
+//     T 2048, 32/4 heads of 64) beside the same with 32 K/V heads.
 // scripts/check-attention-on-gpu.sh builds and runs it (sm_90 by default).
 // Exits non-zero when a comparison fails. zero-candle/tests/gpu_layers.rs
 // checks the same kernels through the Candle ops.
@@ -291,6 +292,10 @@ int main(int argc, char** argv) {
     report("gpt bf16 cuda-cores", gpt_bf16, cuda_cores_bf16(), iters);
     report("gpt bf16 tensor-cores", gpt_bf16, tensor_cores<bf16>(64), iters);
     report("gqa 32/8x128 bf16 tensor-cores", gqa, tensor_cores<bf16>(128), iters);
+    Call<bf16> llama(4, 2048, 32, 4, 64, false, 3);
+    report("llama 32/4x64 T2048 bf16 tensor-cores", llama, tensor_cores<bf16>(64), iters);
+    Call<bf16> llama_mha(4, 2048, 32, 32, 64, false, 4);
+    report("llama-mha 32/32x64 T2048 bf16 tensor-cores", llama_mha, tensor_cores<bf16>(64), iters);
     printf("attention on the GPU: %s\n", failures ? "FAILED" : "ok");
     return failures ? 1 : 0;
 }
