@@ -57,6 +57,14 @@ impl Collective {
     }
 }
 
+/// What a ring collective of `count` elements of `T` per rank from `src`
+/// into `dst` does at world size 1, where each is the identity: nothing in
+/// place (`None`), else a copy of this many bytes. `NcclComm` does that
+/// instead of launching NCCL's one-rank kernel.
+fn one_rank_copy<T>(src: u64, dst: u64, count: usize) -> Option<usize> {
+    (src != dst && count > 0).then(|| count * std::mem::size_of::<T>())
+}
+
 /// Address of element `offset` of a buffer of `T` at `ptr`.
 fn offset_ptr<T>(ptr: u64, offset: usize) -> u64 {
     ptr + (offset * std::mem::size_of::<T>()) as u64
@@ -131,7 +139,19 @@ impl NcclComm {
     ) -> Result<CudaEvent> {
         let call = collective.call();
         let dtype = nccl_dtype(T::DTYPE);
+        let alone = (self.world_size == 1).then(|| one_rank_copy::<T>(src, dst, count));
         self.issue(call, bytes, |comm, stream| {
+            if let Some(copy) = alone {
+                // SAFETY: `copy` is within the buffers of this function's
+                // contract; the comm stream orders it as NCCL's call would be.
+                return match copy {
+                    None => Ok(()),
+                    Some(bytes) => unsafe {
+                        cudarc::driver::result::memcpy_dtod_async(dst, src, bytes, stream.cast())
+                    }
+                    .map_err(Error::from),
+                };
+            }
             let (src, dst) = (src as *const c_void, dst as *mut c_void);
             // SAFETY: the buffers are as this function's contract requires.
             unsafe {
@@ -400,5 +420,20 @@ impl NcclComm {
                 .map_err(nccl_err("ncclGroupEnd"));
             queued.and(ended)
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::one_rank_copy;
+
+    #[test]
+    fn one_rank_collectives_copy_only_between_buffers() {
+        // In place (an all-reduce, or a gather into its own slot): nothing.
+        assert_eq!(one_rank_copy::<f32>(0x1000, 0x1000, 256), None);
+        // Into another buffer: every element, in the element's bytes.
+        assert_eq!(one_rank_copy::<f32>(0x1000, 0x9000, 256), Some(1024));
+        assert_eq!(one_rank_copy::<half::bf16>(0x1000, 0x9000, 256), Some(512));
+        assert_eq!(one_rank_copy::<f64>(0x1000, 0x9000, 0), None);
     }
 }
