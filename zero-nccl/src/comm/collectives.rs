@@ -65,6 +65,24 @@ fn one_rank_copy<T>(src: u64, dst: u64, count: usize) -> Option<usize> {
     (src != dst && count > 0).then(|| count * std::mem::size_of::<T>())
 }
 
+/// Queues on `stream` what a ring collective does at world size 1
+/// ([`one_rank_copy`]).
+///
+/// # Safety
+///
+/// `src` and `dst` address live device buffers of at least `count`
+/// elements of `T`.
+unsafe fn one_rank<T>(src: u64, dst: u64, count: usize, stream: sys::cudaStream_t) -> Result<()> {
+    match one_rank_copy::<T>(src, dst, count) {
+        None => Ok(()),
+        // SAFETY: both ranges are live device memory (the contract).
+        Some(bytes) => {
+            unsafe { cudarc::driver::result::memcpy_dtod_async(dst, src, bytes, stream.cast()) }
+                .map_err(Error::from)
+        }
+    }
+}
+
 /// Address of element `offset` of a buffer of `T` at `ptr`.
 fn offset_ptr<T>(ptr: u64, offset: usize) -> u64 {
     ptr + (offset * std::mem::size_of::<T>()) as u64
@@ -139,18 +157,10 @@ impl NcclComm {
     ) -> Result<CudaEvent> {
         let call = collective.call();
         let dtype = nccl_dtype(T::DTYPE);
-        let alone = (self.world_size == 1).then(|| one_rank_copy::<T>(src, dst, count));
         self.issue(call, bytes, |comm, stream| {
-            if let Some(copy) = alone {
-                // SAFETY: `copy` is within the buffers of this function's
-                // contract; the comm stream orders it as NCCL's call would be.
-                return match copy {
-                    None => Ok(()),
-                    Some(bytes) => unsafe {
-                        cudarc::driver::result::memcpy_dtod_async(dst, src, bytes, stream.cast())
-                    }
-                    .map_err(Error::from),
-                };
+            if self.world_size == 1 {
+                // SAFETY: as this function's contract requires.
+                return unsafe { one_rank::<T>(src, dst, count, stream) };
             }
             let (src, dst) = (src as *const c_void, dst as *mut c_void);
             // SAFETY: the buffers are as this function's contract requires.
@@ -265,6 +275,13 @@ impl NcclComm {
         )?;
         let dtype = nccl_dtype(T::DTYPE);
         self.issue("ncclAllGather", bytes, |comm, stream| {
+            if self.world_size == 1 {
+                for gather in &gathers {
+                    // SAFETY: checked by bucket_gathers as below.
+                    unsafe { one_rank::<T>(gather.send, gather.recv, gather.count, stream) }?;
+                }
+                return Ok(());
+            }
             let nccl_err = |call| move |e| Error::nccl(call, e);
             nccl::group_start().map_err(nccl_err("ncclGroupStart"))?;
             // Queue every gather before checking errors, so that a failure
