@@ -23,6 +23,11 @@
 // row (K for Q K^T) is two 32-bit loads; one whose k runs down a column (V
 // for P V) is four 16-bit loads.
 //
+// Streamed tiles pass through TC_STAGES(DMAX) shared-memory stages: at DMAX
+// 64 two, so the next tile's copies (cp.async, 16 bytes a thread) are in
+// flight while this one is computed (FlashAttention-2's prefetch); at 128
+// one (two would pass the 48 KB of static shared memory).
+//
 // Deterministic: dK/dV per key tile (one block sums over its query tiles
 // and its K/V head's query heads, in order), dQ per query tile, no atomics.
 // Head widths up to DMAX (64 or 128); columns past D are zero in shared
@@ -32,6 +37,7 @@
 #define TC_THREADS (TC_WARPS * 32)
 #define TC_ROWS 64  // rows per block tile and per streamed tile: 16 per warp
 #define TC_PAD 8    // 16-bit elements after each shared-memory row
+#define TC_STAGES(DMAX) ((DMAX) <= 64 ? 2 : 1)
 
 // D += A B for one warp: A 16 x 16 and B 16 x 8 of T (bf16 or f16), D f32.
 template <typename T>
@@ -111,9 +117,46 @@ __device__ __forceinline__ unsigned column_pair_at(const u16* p) {
     return pack16(p[0], p[P]);
 }
 
+// 16 bytes from global to shared memory without passing through registers
+// (cp.async, completed by cp_async_wait): the first `bytes` (0 to 16) from
+// `src`, zeros after them (nothing is read past them). The CPU harness
+// copies at once. Both addresses 16-byte aligned.
+__device__ __forceinline__ void cp_async16_bytes(void* dst, const void* src, int bytes) {
+#ifdef ZERO_LAYERS_ON_CPU
+    memcpy(dst, src, bytes);
+    memset((char*)dst + bytes, 0, 16 - bytes);
+#elif __CUDA_ARCH__ >= 800
+    unsigned at;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(at) : "l"(dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(at), "l"(src),
+                 "r"(bytes)
+                 : "memory");
+#else
+    __trap();
+#endif
+}
+// The same, all 16 bytes or (when !valid) zeros.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+    cp_async16_bytes(dst, src, valid ? 16 : 0);
+}
+// Closes this thread's group of copies issued since the last commit.
+__device__ __forceinline__ void cp_async_commit() {
+#if !defined(ZERO_LAYERS_ON_CPU) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+// Waits until at most N of this thread's committed groups are pending.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#if !defined(ZERO_LAYERS_ON_CPU) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
 // Rows [t0, t0 + TC_ROWS) of one head (columns [0, D) from `base`, rows
 // `stride` apart) into a shared tile, zero outside [0, T) x [0, D): 16-byte
-// loads when D, the stride and the base allow, else 16-bit ones.
+// copies (cp.async, pending until cp_async_wait) when D, the stride and the
+// base allow, else 16-bit loads and stores.
 template <typename T, int DMAX>
 __device__ __forceinline__ void tc_load_rows(u16* tile, const T* base, int stride, int t0,
                                              int T_, int D) {
@@ -123,15 +166,53 @@ __device__ __forceinline__ void tc_load_rows(u16* tile, const T* base, int strid
         constexpr int CHUNKS = DMAX / 8;
         for (int i = threadIdx.x; i < TC_ROWS * CHUNKS; i += TC_THREADS) {
             const int j = i / CHUNKS, c = (i % CHUNKS) * 8, t = t0 + j;
-            uint4 v = {0u, 0u, 0u, 0u};
-            if (t < T_ && c < D) v = *(const uint4*)(base + (size_t)t * stride + c);
-            *(uint4*)(tile + j * P + c) = v;
+            const bool in = t < T_ && c < D;
+            cp_async16(tile + j * P + c, in ? base + (size_t)t * stride + c : base, in);
         }
     } else {
         for (int i = threadIdx.x; i < TC_ROWS * DMAX; i += TC_THREADS) {
             const int j = i / DMAX, d = i % DMAX, t = t0 + j;
             tile[j * P + d] = (t < T_ && d < D) ? base[(size_t)t * stride + d].bits : (u16)0;
         }
+    }
+}
+
+// Rows staged by tc_load_rows, complete and visible to the whole block.
+__device__ __forceinline__ void tc_staged() {
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+}
+
+// Streams `tiles` tiles through S stages of shared memory (TC_STAGES):
+// `load(stage, i)` stages tile i (with tc_load_rows; plain stores too), and
+// `compute(stage, i)` reads it. With two stages tile i + 1's copies are in
+// flight while tile i is computed. A stage is filled again only after the
+// barrier that every thread passes once done reading it.
+template <int S, class Load, class Compute>
+__device__ __forceinline__ void tc_stream(int tiles, Load load, Compute compute) {
+    __syncthreads();  // what the block staged before (or streamed last) is consumed
+    if (S == 2 && tiles > 0) {
+        load(0, 0);
+        cp_async_commit();
+    }
+    for (int i = 0; i < tiles; ++i) {
+        const int stage = S == 2 ? i % 2 : 0;
+        if (i > 0) __syncthreads();  // tile i - 1 is consumed: its stage is free
+        if (S == 1) {
+            load(0, i);
+        } else if (i + 1 < tiles) {
+            load(stage ^ 1, i + 1);
+        }
+        cp_async_commit();
+        // This thread's copies of tile i are in (those of i + 1 may not be).
+        if (S == 2) {
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();  // and everyone's
+        compute(stage, i);
     }
 }
 
@@ -208,9 +289,9 @@ __device__ __forceinline__ float quad_max(float v) {
 template <typename T, int DMAX>
 __device__ __forceinline__ void attention_tc_forward(ATTN_FORWARD_PARAMS(T)) {
     constexpr int P = DMAX + TC_PAD;
-    constexpr int NT = TC_ROWS / 8, DT = DMAX / 8;
-    __shared__ __align__(16) u16 ks[TC_ROWS * P];
-    __shared__ __align__(16) u16 vs[TC_ROWS * P];
+    constexpr int NT = TC_ROWS / 8, DT = DMAX / 8, S = TC_STAGES(DMAX);
+    __shared__ __align__(16) u16 ks[S][TC_ROWS * P];
+    __shared__ __align__(16) u16 vs[S][TC_ROWS * P];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     // Heavy (late) query tiles first: causal work grows with the tile index.
     const int q0 = (gridDim.x - 1 - blockIdx.x) * TC_ROWS;
@@ -219,24 +300,26 @@ __device__ __forceinline__ void attention_tc_forward(ATTN_FORWARD_PARAMS(T)) {
     const T* kb = k + (size_t)b * T_ * kv_stride + (size_t)kvh * D;
     const T* vb = v + (size_t)b * T_ * kv_stride + (size_t)kvh * D;
 
-    tc_load_rows<T, DMAX>(ks, qb, q_stride, q0, T_, D);
-    __syncthreads();
+    tc_load_rows<T, DMAX>(ks[0], qb, q_stride, q0, T_, D);
+    tc_staged();
     unsigned qa[DMAX / 16][4];
-    a_fragments<DMAX>(qa, ks, warp, lane);
+    a_fragments<DMAX>(qa, ks[0], warp, lane);
 
     // This lane's rows: row0 (fragment elements 0, 1) and row0 + 8 (2, 3).
     const int row0 = q0 + warp * 16 + lane / 4;
     float o[DT][4], m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
 #pragma unroll
     for (int n = 0; n < DT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
-    const int last = min(q0 + TC_ROWS, T_) - 1;  // the block's last query row
-    for (int k0 = 0; k0 <= last; k0 += TC_ROWS) {
-        __syncthreads();  // the previous tile (or the staged Q) is consumed
-        tc_load_rows<T, DMAX>(ks, kb, kv_stride, k0, T_, D);
-        tc_load_rows<T, DMAX>(vs, vb, kv_stride, k0, T_, D);
-        __syncthreads();
+    // Key tiles up to the block's last query row.
+    const int tiles = (min(q0 + TC_ROWS, T_) - 1) / TC_ROWS + 1;
+    auto load = [&](int stage, int tile) {
+        tc_load_rows<T, DMAX>(ks[stage], kb, kv_stride, tile * TC_ROWS, T_, D);
+        tc_load_rows<T, DMAX>(vs[stage], vb, kv_stride, tile * TC_ROWS, T_, D);
+    };
+    tc_stream<S>(tiles, load, [&](int stage, int tile) {
+        const int k0 = tile * TC_ROWS;
         float s[NT][4];
-        rows_times_tile<T, DMAX>(s, qa, ks, lane);
+        rows_times_tile<T, DMAX>(s, qa, ks[stage], lane);
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const int row = row0 + 8 * r;
@@ -274,8 +357,8 @@ __device__ __forceinline__ void attention_tc_forward(ATTN_FORWARD_PARAMS(T)) {
                 o[n][2 * r + 1] *= alpha;
             }
         }
-        scores_times_tile<T, DMAX>(o, s, vs, lane);
-    }
+        scores_times_tile<T, DMAX>(o, s, vs[stage], lane);
+    });
     const int C = H * D;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -301,9 +384,9 @@ __device__ __forceinline__ void attention_tc_forward(ATTN_FORWARD_PARAMS(T)) {
 template <typename T, int DMAX>
 __device__ __forceinline__ void attention_tc_backward_dq(ATTN_DQ_PARAMS(T)) {
     constexpr int P = DMAX + TC_PAD;
-    constexpr int NT = TC_ROWS / 8, DT = DMAX / 8;
-    __shared__ __align__(16) u16 ks[TC_ROWS * P];
-    __shared__ __align__(16) u16 vs[TC_ROWS * P];
+    constexpr int NT = TC_ROWS / 8, DT = DMAX / 8, S = TC_STAGES(DMAX);
+    __shared__ __align__(16) u16 ks[S][TC_ROWS * P];
+    __shared__ __align__(16) u16 vs[S][TC_ROWS * P];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int q0 = (gridDim.x - 1 - blockIdx.x) * TC_ROWS;
     const int h = blockIdx.y, b = blockIdx.z, kvh = h / (H / KVH);
@@ -315,12 +398,12 @@ __device__ __forceinline__ void attention_tc_backward_dq(ATTN_DQ_PARAMS(T)) {
     const float* lse_bh = lse + ((size_t)b * H + h) * T_;
     const float* delta_bh = delta + ((size_t)b * H + h) * T_;
 
-    tc_load_rows<T, DMAX>(ks, qb, q_stride, q0, T_, D);
-    tc_load_rows<T, DMAX>(vs, dob, C, q0, T_, D);
-    __syncthreads();
+    tc_load_rows<T, DMAX>(ks[0], qb, q_stride, q0, T_, D);
+    tc_load_rows<T, DMAX>(vs[0], dob, C, q0, T_, D);
+    tc_staged();
     unsigned qa[DMAX / 16][4], da[DMAX / 16][4];
-    a_fragments<DMAX>(qa, ks, warp, lane);
-    a_fragments<DMAX>(da, vs, warp, lane);
+    a_fragments<DMAX>(qa, ks[0], warp, lane);
+    a_fragments<DMAX>(da, vs[0], warp, lane);
 
     const int row0 = q0 + warp * 16 + lane / 4;
     float row_lse[2], row_delta[2], dq_acc[DT][4];
@@ -332,15 +415,16 @@ __device__ __forceinline__ void attention_tc_backward_dq(ATTN_DQ_PARAMS(T)) {
     }
 #pragma unroll
     for (int n = 0; n < DT; ++n) dq_acc[n][0] = dq_acc[n][1] = dq_acc[n][2] = dq_acc[n][3] = 0.f;
-    const int last = min(q0 + TC_ROWS, T_) - 1;
-    for (int k0 = 0; k0 <= last; k0 += TC_ROWS) {
-        __syncthreads();
-        tc_load_rows<T, DMAX>(ks, kb, kv_stride, k0, T_, D);
-        tc_load_rows<T, DMAX>(vs, vb, kv_stride, k0, T_, D);
-        __syncthreads();
+    const int tiles = (min(q0 + TC_ROWS, T_) - 1) / TC_ROWS + 1;
+    auto load = [&](int stage, int tile) {
+        tc_load_rows<T, DMAX>(ks[stage], kb, kv_stride, tile * TC_ROWS, T_, D);
+        tc_load_rows<T, DMAX>(vs[stage], vb, kv_stride, tile * TC_ROWS, T_, D);
+    };
+    tc_stream<S>(tiles, load, [&](int stage, int tile) {
+        const int k0 = tile * TC_ROWS;
         float s[NT][4], dp[NT][4];
-        rows_times_tile<T, DMAX>(s, qa, ks, lane);
-        rows_times_tile<T, DMAX>(dp, da, vs, lane);
+        rows_times_tile<T, DMAX>(s, qa, ks[stage], lane);
+        rows_times_tile<T, DMAX>(dp, da, vs[stage], lane);
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
 #pragma unroll
@@ -352,8 +436,8 @@ __device__ __forceinline__ void attention_tc_backward_dq(ATTN_DQ_PARAMS(T)) {
                 s[n][i] = p * (dp[n][i] - row_delta[i / 2]);  // dS
             }
         }
-        scores_times_tile<T, DMAX>(dq_acc, s, ks, lane);
-    }
+        scores_times_tile<T, DMAX>(dq_acc, s, ks[stage], lane);
+    });
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int row = row0 + 8 * r;
@@ -371,10 +455,27 @@ __device__ __forceinline__ void attention_tc_backward_dq(ATTN_DQ_PARAMS(T)) {
     }
 }
 
+// Entries [t0, t0 + TC_ROWS) of a per-row f32 vector into shared memory,
+// 0 past T: 16-byte copies (pending until cp_async_wait) when aligned.
+__device__ __forceinline__ void tc_load_row_values(float* dst, const float* src, int t0, int T_) {
+    if (T_ % 4 == 0 && ((size_t)src & 15) == 0) {
+        for (int i = threadIdx.x; i < TC_ROWS / 4; i += TC_THREADS) {
+            const int t = t0 + 4 * i, left = t >= T_ ? 0 : min(4, T_ - t);
+            cp_async16_bytes(dst + 4 * i, left > 0 ? src + t : src, 4 * left);
+        }
+    } else {
+        for (int i = threadIdx.x; i < TC_ROWS; i += TC_THREADS) {
+            const int t = t0 + i;
+            dst[i] = t < T_ ? src[t] : 0.f;
+        }
+    }
+}
+
 // One sweep of a dK/dV block over its K/V head's query heads and their
 // query tiles from the keys' own tile on, accumulating dV (WANT_DV) and dK
 // (WANT_DK). The warp's rows are keys, so its products are the transposed
-// ones: S^T = K Q^T, dP^T = V dO^T, dV += P^T dO, dK += dS^T Q.
+// ones: S^T = K Q^T, dP^T = V dO^T, dV += P^T dO, dK += dS^T Q. Tiles
+// stream through TC_STAGES(DMAX) stages of `qs`, `dos`, `lse_s`, `delta_s`.
 template <typename T, int DMAX, bool WANT_DK, bool WANT_DV>
 __device__ __forceinline__ void dkdv_sweep(float (&dk_acc)[DMAX / 8][4],
                                            float (&dv_acc)[DMAX / 8][4],
@@ -382,47 +483,50 @@ __device__ __forceinline__ void dkdv_sweep(float (&dk_acc)[DMAX / 8][4],
                                            const unsigned (&va)[DMAX / 16][4], u16* qs,
                                            u16* dos, float* lse_s, float* delta_s,
                                            ATTN_DKDV_PARAMS(T)) {
-    constexpr int NT = TC_ROWS / 8;
+    constexpr int NT = TC_ROWS / 8, TILE = TC_ROWS * (DMAX + TC_PAD);
     const int lane = threadIdx.x % 32;
     const int k_first = blockIdx.x * TC_ROWS;
     const int kvh = blockIdx.y, b = blockIdx.z, group = H / KVH;
     const int C = H * D;
     // This lane's keys: key0 (fragment elements 0, 1) and key0 + 8 (2, 3).
     const int key0 = k_first + (threadIdx.x / 32) * 16 + lane / 4;
-    for (int h = kvh * group; h < (kvh + 1) * group; ++h) {
-        const T* qb = q + (size_t)b * T_ * q_stride + (size_t)h * D;
-        const T* dob = dout + (size_t)b * T_ * C + (size_t)h * D;
-        const float* lse_bh = lse + ((size_t)b * H + h) * T_;
-        const float* delta_bh = delta + ((size_t)b * H + h) * T_;
-        for (int q0 = k_first; q0 < T_; q0 += TC_ROWS) {
-            __syncthreads();  // the previous tile (or the staged K, V) is consumed
-            tc_load_rows<T, DMAX>(qs, qb, q_stride, q0, T_, D);
-            tc_load_rows<T, DMAX>(dos, dob, C, q0, T_, D);
-            for (int i = threadIdx.x; i < TC_ROWS; i += TC_THREADS) {
-                const int t = q0 + i;
-                lse_s[i] = t < T_ ? lse_bh[t] : 0.f;
-                delta_s[i] = t < T_ ? delta_bh[t] : 0.f;
-            }
-            __syncthreads();
-            float s[NT][4], dp[NT][4];
-            rows_times_tile<T, DMAX>(s, ka, qs, lane);
-            if (WANT_DK) rows_times_tile<T, DMAX>(dp, va, dos, lane);
+    // Tile i: query head kvh * group + i / per_head (in order), query rows
+    // from k_first + (i % per_head) * TC_ROWS.
+    const int per_head = (T_ - k_first + TC_ROWS - 1) / TC_ROWS;
+    auto load = [&](int stage, int tile) {
+        const int h = kvh * group + tile / per_head;
+        const int q0 = k_first + (tile % per_head) * TC_ROWS;
+        tc_load_rows<T, DMAX>(qs + stage * TILE, q + (size_t)b * T_ * q_stride + (size_t)h * D,
+                              q_stride, q0, T_, D);
+        tc_load_rows<T, DMAX>(dos + stage * TILE, dout + (size_t)b * T_ * C + (size_t)h * D, C,
+                              q0, T_, D);
+        tc_load_row_values(lse_s + stage * TC_ROWS, lse + ((size_t)b * H + h) * T_, q0, T_);
+        tc_load_row_values(delta_s + stage * TC_ROWS, delta + ((size_t)b * H + h) * T_, q0, T_);
+    };
+    tc_stream<TC_STAGES(DMAX)>(group * per_head, load, [&](int stage, int tile) {
+        const int q0 = k_first + (tile % per_head) * TC_ROWS;
+        const u16* qt = qs + stage * TILE;
+        const u16* dot = dos + stage * TILE;
+        const float* lse_t = lse_s + stage * TC_ROWS;
+        const float* delta_t = delta_s + stage * TC_ROWS;
+        float s[NT][4], dp[NT][4];
+        rows_times_tile<T, DMAX>(s, ka, qt, lane);
+        if (WANT_DK) rows_times_tile<T, DMAX>(dp, va, dot, lane);
 #pragma unroll
-            for (int n = 0; n < NT; ++n) {
+        for (int n = 0; n < NT; ++n) {
 #pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const int key = key0 + 8 * (i / 2);
-                    const int j = n * 8 + 2 * (lane % 4) + i % 2, query = q0 + j;
-                    const bool valid = key <= query && query < T_;
-                    const float p = valid ? __expf(s[n][i] * scale - lse_s[j]) : 0.f;
-                    s[n][i] = p;
-                    if (WANT_DK) dp[n][i] = p * (dp[n][i] - delta_s[j]);  // dS^T
-                }
+            for (int i = 0; i < 4; ++i) {
+                const int key = key0 + 8 * (i / 2);
+                const int j = n * 8 + 2 * (lane % 4) + i % 2, query = q0 + j;
+                const bool valid = key <= query && query < T_;
+                const float p = valid ? __expf(s[n][i] * scale - lse_t[j]) : 0.f;
+                s[n][i] = p;
+                if (WANT_DK) dp[n][i] = p * (dp[n][i] - delta_t[j]);  // dS^T
             }
-            if (WANT_DV) scores_times_tile<T, DMAX>(dv_acc, s, dos, lane);
-            if (WANT_DK) scores_times_tile<T, DMAX>(dk_acc, dp, qs, lane);
         }
-    }
+        if (WANT_DV) scores_times_tile<T, DMAX>(dv_acc, s, dot, lane);
+        if (WANT_DK) scores_times_tile<T, DMAX>(dk_acc, dp, qt, lane);
+    });
 }
 
 // Rows [key0, key0 + 8) and [key0 + 8, key0 + 16) of dK (times the scale)
@@ -455,11 +559,11 @@ __device__ __forceinline__ void store_key_rows(T* out, const float (&acc)[DMAX /
 // sweep of its own (recomputing S^T once more) before dK's.
 template <typename T, int DMAX>
 __device__ __forceinline__ void attention_tc_backward_dkdv(ATTN_DKDV_PARAMS(T)) {
-    constexpr int P = DMAX + TC_PAD, DT = DMAX / 8;
+    constexpr int P = DMAX + TC_PAD, DT = DMAX / 8, S = TC_STAGES(DMAX);
     constexpr bool TWO_SWEEPS = DMAX > 64;
-    __shared__ __align__(16) u16 qs[TC_ROWS * P];
-    __shared__ __align__(16) u16 dos[TC_ROWS * P];
-    __shared__ float lse_s[TC_ROWS], delta_s[TC_ROWS];
+    __shared__ __align__(16) u16 qs[S * TC_ROWS * P];
+    __shared__ __align__(16) u16 dos[S * TC_ROWS * P];
+    __shared__ __align__(16) float lse_s[S * TC_ROWS], delta_s[S * TC_ROWS];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     // Early key tiles see the most queries: natural order puts them first.
     const int k_first = blockIdx.x * TC_ROWS;
@@ -469,7 +573,7 @@ __device__ __forceinline__ void attention_tc_backward_dkdv(ATTN_DKDV_PARAMS(T)) 
 
     tc_load_rows<T, DMAX>(qs, k + kv_at, kv_stride, k_first, T_, D);
     tc_load_rows<T, DMAX>(dos, v + kv_at, kv_stride, k_first, T_, D);
-    __syncthreads();
+    tc_staged();
     unsigned ka[DMAX / 16][4], va[DMAX / 16][4];
     a_fragments<DMAX>(ka, qs, warp, lane);
     a_fragments<DMAX>(va, dos, warp, lane);

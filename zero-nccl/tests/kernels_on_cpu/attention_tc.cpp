@@ -4,7 +4,8 @@
 // attention_check.h): bf16 and f16, head widths 64 and 128 and narrower
 // ones (zero columns, 16-bit loads), T within one tile, across several and
 // odd, packed qkv and separate q, k, v with 4 query heads on 2 and on 1 K/V
-// heads, batch > 1. Exits non-zero on any failure.
+// heads, batch > 1; tiles streamed through two shared-memory stages at
+// width 64. Exits non-zero on any failure.
 #include "shim.h"
 #include "layers.cu"
 #include "attention_tc.cu"
@@ -51,6 +52,11 @@ int main() {
     cases<f16, 64>("f16 d64", F16_TOL);
     cases<bf16, 128>("bf16 d128", BF16_TOL);
     cases<f16, 128>("f16 d128", F16_TOL);
+    // T a multiple of 4 (the per-row values' 16-byte copies) over four
+    // tiles, two query heads per K/V head: a dK/dV block streams eight
+    // tiles through the stages, across its heads.
+    expect_attention<bf16, TensorCores<bf16, 64>>("bf16 d64", 1, 196, 4, 2, 64, false, BF16_TOL);
+    expect_attention<bf16, TensorCores<bf16, 128>>("bf16 d128", 1, 196, 4, 2, 128, false, BF16_TOL);
     expect_attention<f16, TensorCores<f16, 64>>("f16 d64", 1, 9, 3, 1, 5, false, F16_TOL);
     printf("attention (tensor cores) on the CPU: %s\n", failures ? "FAILED" : "ok");
     return failures ? 1 : 0;
