@@ -19,9 +19,9 @@
 // (g + 8 * (i / 2), 2t + i % 2). The lower-indexed element sits in the low
 // 16 bits. So a C fragment pair of n-tiles (2j, 2j + 1) is, rounded to 16
 // bits, the A fragment of k-step j: P and dS go from one product to the
-// next without leaving registers. A B operand whose k runs along a shared
-// row (K for Q K^T) is two 32-bit loads; one whose k runs down a column (V
-// for P V) is four 16-bit loads.
+// next without leaving registers. B operands come from shared memory by
+// ldmatrix, two mma's worth a load: plain where k runs along a shared row
+// (K for Q K^T), transposed where it runs down a column (V for P V).
 //
 // Streamed tiles pass through TC_STAGES(DMAX) shared-memory stages: at DMAX
 // 64 two, so the next tile's copies (cp.async, 16 bytes a thread) are in
@@ -111,10 +111,40 @@ __device__ __forceinline__ unsigned pack_f32(float lo, float hi) {
 __device__ __forceinline__ unsigned pair_at(const u16* p) {
     return *(const unsigned*)p;
 }
-// The two elements at rows r and r + 1 of one column.
-template <int P>
-__device__ __forceinline__ unsigned column_pair_at(const u16* p) {
-    return pack16(p[0], p[P]);
+
+#ifndef ZERO_LAYERS_ON_CPU
+// The shared-memory window address of a generic pointer into shared memory.
+__device__ __forceinline__ unsigned shared_address(const void* p) {
+    unsigned at;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(at) : "l"(p));
+    return at;
+}
+#endif
+
+// Four 8 x 8 matrices of 16-bit elements from shared memory in one
+// instruction (ldmatrix): lane l gives the address of row l % 8 of matrix
+// l / 8 (8 elements, 16-byte aligned), and register j of lane (g, t) gets
+// matrix j's elements (g, 2t) and (g, 2t + 1), or with TRANS (2t, g) and
+// (2t + 1, g), the first in the low 16 bits: B fragments of mma.m16n8k16
+// whose k runs along shared rows (plain) or down a column (TRANS).
+template <bool TRANS>
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const u16* row) {
+#ifdef ZERO_LAYERS_ON_CPU
+    shim_ldmatrix_x4(r, row, TRANS);
+#elif __CUDA_ARCH__ >= 800
+    const unsigned at = shared_address(row);
+    if (TRANS) {
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(at));
+    } else {
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(at));
+    }
+#else
+    __trap();
+#endif
 }
 
 // 16 bytes from global to shared memory without passing through registers
@@ -126,8 +156,7 @@ __device__ __forceinline__ void cp_async16_bytes(void* dst, const void* src, int
     memcpy(dst, src, bytes);
     memset((char*)dst + bytes, 0, 16 - bytes);
 #elif __CUDA_ARCH__ >= 800
-    unsigned at;
-    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(at) : "l"(dst));
+    const unsigned at = shared_address(dst);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(at), "l"(src),
                  "r"(bytes)
                  : "memory");
@@ -258,6 +287,10 @@ __device__ __forceinline__ void scores_times_tile(float (&acc)[DMAX / 8][4],
                                                   const float (&x)[TC_ROWS / 8][4],
                                                   const u16* tile, int lane) {
     constexpr int P = DMAX + TC_PAD;
+    // Matrix m = lane / 8 of an ldmatrix: rows 8 (m % 2) on of a k-step's
+    // 16, columns 8 (m / 2) on of a pair of n-tiles (registers 0, 1 for the
+    // first, 2, 3).
+    const u16* rows = tile + ((lane / 8) % 2 * 8 + lane % 8) * P + (lane / 16) * 8;
 #pragma unroll
     for (int kk = 0; kk < TC_ROWS / 16; ++kk) {
         const unsigned a[4] = {
@@ -266,12 +299,13 @@ __device__ __forceinline__ void scores_times_tile(float (&acc)[DMAX / 8][4],
             pack_f32<T>(x[2 * kk + 1][0], x[2 * kk + 1][1]),
             pack_f32<T>(x[2 * kk + 1][2], x[2 * kk + 1][3]),
         };
-        const u16* col = tile + (kk * 16 + 2 * (lane % 4)) * P + lane / 4;
 #pragma unroll
-        for (int n = 0; n < DMAX / 8; ++n) {
-            const unsigned b[2] = {column_pair_at<P>(col + n * 8),
-                                   column_pair_at<P>(col + 8 * P + n * 8)};
-            mma_m16n8k16<T>(acc[n], a, b);
+        for (int n = 0; n < DMAX / 8; n += 2) {
+            unsigned b[4];
+            ldmatrix_x4<true>(b, rows + kk * 16 * P + n * 8);
+            const unsigned b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+            mma_m16n8k16<T>(acc[n], a, b0);
+            mma_m16n8k16<T>(acc[n + 1], a, b1);
         }
     }
 }

@@ -1,9 +1,11 @@
 // Runs zero-nccl's CUDA C (src/kernels/layers.cu) on the CPU, for
 // scripts/check-kernels-on-cpu.sh: every CUDA thread of a block is a host
 // thread, __syncthreads() is a barrier of the block's threads, a warp
-// shuffle a barrier of its 32, and a warp's mma.sync (shim_mma_m16n8k16) a
+// shuffle a barrier of its 32, a warp's mma.sync (shim_mma_m16n8k16) a
 // barrier of its 32 around a product computed from every lane's fragment
-// registers, laid out as the PTX ISA documents. A barrier that some thread never reaches
+// registers, laid out as the PTX ISA documents, and ldmatrix
+// (shim_ldmatrix_x4) the same around the lanes' row addresses; cp.async
+// copies at once. A barrier that some thread never reaches
 // hangs the run (the script bounds it in time). What this cannot show:
 // races between threads that a barrier should have ordered but the host's
 // scheduling happened to, the GPU's approximate __expf, f16 NaN bits.
@@ -40,7 +42,9 @@ static inline float half_to_float(unsigned short b){_Float16 h; memcpy(&h,&b,2);
 static inline unsigned short float_to_half(float f){_Float16 h=(_Float16)f; unsigned short b; memcpy(&b,&h,2); return b;}
 // Fragment registers of one mma.m16n8k16 per lane; two sets, used in turn.
 struct MmaSlots { unsigned a[32][4]; unsigned b[32][2]; };
-struct Warp { std::barrier<> bar{32}; double buf[32]; MmaSlots mma[2]; };
+// Row addresses of one ldmatrix per lane; two sets, used in turn.
+struct LdSlots { const unsigned short* row[32]; };
+struct Warp { std::barrier<> bar{32}; double buf[32]; MmaSlots mma[2]; LdSlots ld[2]; };
 std::vector<std::unique_ptr<Warp>> g_warps;
 std::barrier<>* g_block = nullptr;
 thread_local int g_tid;
@@ -91,5 +95,25 @@ static inline void shim_mma_m16n8k16(float (&d)[4], const unsigned (&a)[4], cons
     float acc = d[i];
     for (int k = 0; k < 16; k++) acc += A(row, k) * B(k, col);
     d[i] = acc;
+  }
+}
+
+// ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16: lane l posts the
+// address of row l % 8 of matrix l / 8; register j of lane (g, t) = (lane
+// / 4, lane % 4) gets matrix j's elements (g, 2t) and (g, 2t + 1), or with
+// .trans (2t, g) and (2t + 1, g), the first in the low 16 bits. The two
+// address sets alternate as the mma's slots do.
+static inline void shim_ldmatrix_x4(unsigned (&r)[4], const unsigned short* row, bool trans) {
+  thread_local unsigned round = 0;
+  const int lane = g_tid % 32; Warp& w = *g_warps[g_tid / 32];
+  LdSlots& s = w.ld[round++ & 1];
+  s.row[lane] = row;
+  w.bar.arrive_and_wait();
+  const int g = lane / 4, t = lane % 4;
+  for (int j = 0; j < 4; j++) {
+    const unsigned short* const* m = s.row + 8 * j;
+    const unsigned lo = trans ? m[2 * t][g] : m[g][2 * t];
+    const unsigned hi = trans ? m[2 * t + 1][g] : m[g][2 * t + 1];
+    r[j] = lo | (hi << 16);
   }
 }
