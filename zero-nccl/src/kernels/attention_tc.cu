@@ -245,6 +245,21 @@ __device__ __forceinline__ void tc_stream(int tiles, Load load, Compute compute)
     }
 }
 
+// tc_stream over the key tiles [0, tiles) of one K/V head (rows from `kb`
+// and `vb`, `kv_stride` apart) into the stages of `ks` and `vs`: the
+// forward's and dQ's stream.
+template <typename T, int DMAX, class Compute>
+__device__ __forceinline__ void tc_stream_kv(u16 (*ks)[TC_ROWS * (DMAX + TC_PAD)],
+                                             u16 (*vs)[TC_ROWS * (DMAX + TC_PAD)], const T* kb,
+                                             const T* vb, int kv_stride, int tiles, int T_, int D,
+                                             Compute compute) {
+    auto load = [&](int stage, int tile) {
+        tc_load_rows<T, DMAX>(ks[stage], kb, kv_stride, tile * TC_ROWS, T_, D);
+        tc_load_rows<T, DMAX>(vs[stage], vb, kv_stride, tile * TC_ROWS, T_, D);
+    };
+    tc_stream<TC_STAGES(DMAX)>(tiles, load, compute);
+}
+
 // The A fragments of the warp's 16 rows of a staged tile, over DMAX columns.
 template <int DMAX>
 __device__ __forceinline__ void a_fragments(unsigned (&a)[DMAX / 16][4], const u16* tile,
@@ -346,11 +361,7 @@ __device__ __forceinline__ void attention_tc_forward(ATTN_FORWARD_PARAMS(T)) {
     for (int n = 0; n < DT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
     // Key tiles up to the block's last query row.
     const int tiles = (min(q0 + TC_ROWS, T_) - 1) / TC_ROWS + 1;
-    auto load = [&](int stage, int tile) {
-        tc_load_rows<T, DMAX>(ks[stage], kb, kv_stride, tile * TC_ROWS, T_, D);
-        tc_load_rows<T, DMAX>(vs[stage], vb, kv_stride, tile * TC_ROWS, T_, D);
-    };
-    tc_stream<S>(tiles, load, [&](int stage, int tile) {
+    tc_stream_kv<T, DMAX>(ks, vs, kb, vb, kv_stride, tiles, T_, D, [&](int stage, int tile) {
         const int k0 = tile * TC_ROWS;
         float s[NT][4];
         rows_times_tile<T, DMAX>(s, qa, ks[stage], lane);
@@ -450,11 +461,7 @@ __device__ __forceinline__ void attention_tc_backward_dq(ATTN_DQ_PARAMS(T)) {
 #pragma unroll
     for (int n = 0; n < DT; ++n) dq_acc[n][0] = dq_acc[n][1] = dq_acc[n][2] = dq_acc[n][3] = 0.f;
     const int tiles = (min(q0 + TC_ROWS, T_) - 1) / TC_ROWS + 1;
-    auto load = [&](int stage, int tile) {
-        tc_load_rows<T, DMAX>(ks[stage], kb, kv_stride, tile * TC_ROWS, T_, D);
-        tc_load_rows<T, DMAX>(vs[stage], vb, kv_stride, tile * TC_ROWS, T_, D);
-    };
-    tc_stream<S>(tiles, load, [&](int stage, int tile) {
+    tc_stream_kv<T, DMAX>(ks, vs, kb, vb, kv_stride, tiles, T_, D, [&](int stage, int tile) {
         const int k0 = tile * TC_ROWS;
         float s[NT][4], dp[NT][4];
         rows_times_tile<T, DMAX>(s, qa, ks[stage], lane);
