@@ -3,7 +3,8 @@
 # attention_tc.cu and embedding.cu) on the CPU: g++ compiles the kernels with
 # zero-nccl/tests/kernels_on_cpu/shim.h, which makes each CUDA thread of a
 # block a host thread, __syncthreads() a barrier, mma.sync a warp-wide
-# product over the lanes' fragment registers and ldmatrix a warp-wide load, and the harnesses there
+# product over the lanes' fragment registers and ldmatrix a warp-wide load,
+# and the harnesses there
 # compare attention (both kernel families), the norms, the cross-entropy
 # and the embedding lookup and gradient against references. It checks the kernels'
 # indexing, fragment layouts, tiling, masking and reductions on a machine

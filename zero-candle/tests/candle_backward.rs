@@ -1,4 +1,4 @@
-//! The workspace's Candle (`vendor/candle-core`, see its `PATCH.md`) keeps
+//! The workspace's Candle (`vendor/candle-core`, see `vendor/README.md`) keeps
 //! a tensor's first gradient as computed instead of adding it to a zeroed
 //! tensor, and still sums every gradient of a tensor used more than once,
 //! subtractions included. A first gradient kept as computed may be a view
@@ -8,6 +8,7 @@
 use candle_core::{
     CpuStorage, CustomOp1, DType, Device, Layout, Module, Result, Shape, Tensor, Var,
 };
+use rand::{rngs::StdRng, Rng, SeedableRng};
 use std::sync::{Arc, Mutex};
 
 /// Identity forward; backward returns three times the output's gradient
@@ -88,15 +89,8 @@ fn gradients_of_a_tensor_used_several_times_are_summed() -> Result<()> {
 
 /// Seeded values in [-1, 1).
 fn values(n: usize, seed: u64) -> Vec<f32> {
-    let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..n)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            (state >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-        })
-        .collect()
+    let mut rng = StdRng::seed_from_u64(seed);
+    (0..n).map(|_| rng.gen_range(-1.0..1.0)).collect()
 }
 
 /// The gradients of two inputs of `op` when its two outputs are stacked
