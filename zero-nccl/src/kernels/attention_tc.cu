@@ -6,8 +6,8 @@
 // attention there) and kernel arguments (ATTN_*_PARAMS) it shares.
 //
 // A block is TC_WARPS warps; each warp owns 16 rows (queries in the forward
-// and dQ, keys in dK/dV) of a TC_ROWS-row tile and streams TC_ROWS-row tiles
-// of the other side through shared memory, rows of DMAX + TC_PAD 16-bit
+// and dQ, keys in dK/dV) of a TC_ROWS-row tile and streams TC_KROWS-row
+// tiles of the other side through shared memory, rows of DMAX + TC_PAD 16-bit
 // elements (the padding puts the 8 rows a fragment load touches on distinct
 // banks). The warp's own rows (Q, or K and V) are staged through the same
 // buffers once and kept in registers as A fragments.
@@ -23,10 +23,11 @@
 // ldmatrix, two mma's worth a load: plain where k runs along a shared row
 // (K for Q K^T), transposed where it runs down a column (V for P V).
 //
-// Streamed tiles pass through TC_STAGES(DMAX) shared-memory stages: at DMAX
-// 64 two, so the next tile's copies (cp.async, 16 bytes a thread) are in
-// flight while this one is computed (FlashAttention-2's prefetch); at 128
-// one (two would pass the 48 KB of static shared memory).
+// Streamed tiles pass through two shared-memory stages, so the next tile's
+// copies (cp.async, 16 bytes a thread) are in flight while this one is
+// computed (FlashAttention-2's prefetch): 64 rows at DMAX 64, 32 at 128
+// (two stages of 64 would pass the 48 KB of static shared memory). The
+// block's own rows are staged through both stages at once.
 //
 // Deterministic: dK/dV per key tile (one block sums over its query tiles
 // and its K/V head's query heads, in order), dQ per query tile, no atomics.
@@ -35,9 +36,10 @@
 // ===========================================================================
 #define TC_WARPS 4
 #define TC_THREADS (TC_WARPS * 32)
-#define TC_ROWS 64  // rows per block tile and per streamed tile: 16 per warp
+#define TC_ROWS 64  // rows per block tile: 16 per warp
 #define TC_PAD 8    // 16-bit elements after each shared-memory row
-#define TC_STAGES(DMAX) ((DMAX) <= 64 ? 2 : 1)
+#define TC_KROWS(DMAX) ((DMAX) <= 64 ? 64 : 32)  // rows per streamed tile
+static_assert(2 * TC_KROWS(128) >= TC_ROWS, "two stages stage the block's own rows");
 
 // D += A B for one warp: A 16 x 16 and B 16 x 8 of T (bf16 or f16), D f32.
 template <typename T>
@@ -182,24 +184,24 @@ __device__ __forceinline__ void cp_async_wait() {
 #endif
 }
 
-// Rows [t0, t0 + TC_ROWS) of one head (columns [0, D) from `base`, rows
+// Rows [t0, t0 + ROWS) of one head (columns [0, D) from `base`, rows
 // `stride` apart) into a shared tile, zero outside [0, T) x [0, D): 16-byte
 // copies (cp.async, pending until cp_async_wait) when D, the stride and the
 // base allow, else 16-bit loads and stores.
-template <typename T, int DMAX>
+template <typename T, int DMAX, int ROWS>
 __device__ __forceinline__ void tc_load_rows(u16* tile, const T* base, int stride, int t0,
                                              int T_, int D) {
     constexpr int P = DMAX + TC_PAD;
     const bool wide = D % 8 == 0 && stride % 8 == 0 && ((size_t)base & 15) == 0;
     if (wide) {
         constexpr int CHUNKS = DMAX / 8;
-        for (int i = threadIdx.x; i < TC_ROWS * CHUNKS; i += TC_THREADS) {
+        for (int i = threadIdx.x; i < ROWS * CHUNKS; i += TC_THREADS) {
             const int j = i / CHUNKS, c = (i % CHUNKS) * 8, t = t0 + j;
             const bool in = t < T_ && c < D;
             cp_async16(tile + j * P + c, in ? base + (size_t)t * stride + c : base, in);
         }
     } else {
-        for (int i = threadIdx.x; i < TC_ROWS * DMAX; i += TC_THREADS) {
+        for (int i = threadIdx.x; i < ROWS * DMAX; i += TC_THREADS) {
             const int j = i / DMAX, d = i % DMAX, t = t0 + j;
             tile[j * P + d] = (t < T_ && d < D) ? base[(size_t)t * stride + d].bits : (u16)0;
         }
@@ -213,51 +215,42 @@ __device__ __forceinline__ void tc_staged() {
     __syncthreads();
 }
 
-// Streams `tiles` tiles through S stages of shared memory (TC_STAGES):
-// `load(stage, i)` stages tile i (with tc_load_rows; plain stores too), and
-// `compute(stage, i)` reads it. With two stages tile i + 1's copies are in
-// flight while tile i is computed. A stage is filled again only after the
-// barrier that every thread passes once done reading it.
-template <int S, class Load, class Compute>
+// Streams `tiles` tiles through two stages of shared memory: `load(stage,
+// i)` stages tile i (with tc_load_rows; plain stores too), and
+// `compute(stage, i)` reads it while tile i + 1's copies are in flight. A
+// stage is filled again only after the barrier that every thread passes
+// once done reading it.
+template <class Load, class Compute>
 __device__ __forceinline__ void tc_stream(int tiles, Load load, Compute compute) {
     __syncthreads();  // what the block staged before (or streamed last) is consumed
-    if (S == 2 && tiles > 0) {
+    if (tiles > 0) {
         load(0, 0);
         cp_async_commit();
     }
     for (int i = 0; i < tiles; ++i) {
-        const int stage = S == 2 ? i % 2 : 0;
+        const int stage = i % 2;
         if (i > 0) __syncthreads();  // tile i - 1 is consumed: its stage is free
-        if (S == 1) {
-            load(0, i);
-        } else if (i + 1 < tiles) {
-            load(stage ^ 1, i + 1);
-        }
+        if (i + 1 < tiles) load(stage ^ 1, i + 1);
         cp_async_commit();
-        // This thread's copies of tile i are in (those of i + 1 may not be).
-        if (S == 2) {
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
-        __syncthreads();  // and everyone's
+        cp_async_wait<1>();  // this thread's copies of tile i are in (not i + 1's)
+        __syncthreads();     // and everyone's
         compute(stage, i);
     }
 }
 
-// tc_stream over the key tiles [0, tiles) of one K/V head (rows from `kb`
-// and `vb`, `kv_stride` apart) into the stages of `ks` and `vs`: the
-// forward's and dQ's stream.
+// tc_stream over the key tiles [0, tiles) of one K/V head (TC_KROWS rows
+// from `kb` and `vb`, `kv_stride` apart) into the two stages of `ks` and
+// `vs`: the forward's and dQ's stream.
 template <typename T, int DMAX, class Compute>
-__device__ __forceinline__ void tc_stream_kv(u16 (*ks)[TC_ROWS * (DMAX + TC_PAD)],
-                                             u16 (*vs)[TC_ROWS * (DMAX + TC_PAD)], const T* kb,
-                                             const T* vb, int kv_stride, int tiles, int T_, int D,
+__device__ __forceinline__ void tc_stream_kv(u16* ks, u16* vs, const T* kb, const T* vb,
+                                             int kv_stride, int tiles, int T_, int D,
                                              Compute compute) {
+    constexpr int KR = TC_KROWS(DMAX), TILE = KR * (DMAX + TC_PAD);
     auto load = [&](int stage, int tile) {
-        tc_load_rows<T, DMAX>(ks[stage], kb, kv_stride, tile * TC_ROWS, T_, D);
-        tc_load_rows<T, DMAX>(vs[stage], vb, kv_stride, tile * TC_ROWS, T_, D);
+        tc_load_rows<T, DMAX, KR>(ks + stage * TILE, kb, kv_stride, tile * KR, T_, D);
+        tc_load_rows<T, DMAX, KR>(vs + stage * TILE, vb, kv_stride, tile * KR, T_, D);
     };
-    tc_stream<TC_STAGES(DMAX)>(tiles, load, compute);
+    tc_stream(tiles, load, compute);
 }
 
 // The A fragments of the warp's 16 rows of a staged tile, over DMAX columns.
@@ -276,14 +269,14 @@ __device__ __forceinline__ void a_fragments(unsigned (&a)[DMAX / 16][4], const u
 }
 
 // s[n] = A B for the n-tiles of 8 rows of `tile`, B[k][n] = tile[n][k]: the
-// warp's 16 rows (A) against the tile's TC_ROWS rows, over DMAX columns.
-template <typename T, int DMAX>
-__device__ __forceinline__ void rows_times_tile(float (&s)[TC_ROWS / 8][4],
+// warp's 16 rows (A) against the tile's KR rows, over DMAX columns.
+template <typename T, int DMAX, int KR>
+__device__ __forceinline__ void rows_times_tile(float (&s)[KR / 8][4],
                                                 const unsigned (&a)[DMAX / 16][4],
                                                 const u16* tile, int lane) {
     constexpr int P = DMAX + TC_PAD;
 #pragma unroll
-    for (int n = 0; n < TC_ROWS / 8; ++n) {
+    for (int n = 0; n < KR / 8; ++n) {
         s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
         const u16* row = tile + (n * 8 + lane / 4) * P + 2 * (lane % 4);
 #pragma unroll
@@ -294,12 +287,12 @@ __device__ __forceinline__ void rows_times_tile(float (&s)[TC_ROWS / 8][4],
     }
 }
 
-// acc += X tile, X the warp's 16 x TC_ROWS values in C-fragment layout
+// acc += X tile, X the warp's 16 x KR values in C-fragment layout
 // (rounded to T here), over the tile's rows: acc[n] covers columns
 // 8n..8n + 7 of the result, B[k][n] = tile[k][n].
-template <typename T, int DMAX>
+template <typename T, int DMAX, int KR>
 __device__ __forceinline__ void scores_times_tile(float (&acc)[DMAX / 8][4],
-                                                  const float (&x)[TC_ROWS / 8][4],
+                                                  const float (&x)[KR / 8][4],
                                                   const u16* tile, int lane) {
     constexpr int P = DMAX + TC_PAD;
     // Matrix m = lane / 8 of an ldmatrix: rows 8 (m % 2) on of a k-step's
@@ -307,7 +300,7 @@ __device__ __forceinline__ void scores_times_tile(float (&acc)[DMAX / 8][4],
     // first, 2, 3).
     const u16* rows = tile + ((lane / 8) % 2 * 8 + lane % 8) * P + (lane / 16) * 8;
 #pragma unroll
-    for (int kk = 0; kk < TC_ROWS / 16; ++kk) {
+    for (int kk = 0; kk < KR / 16; ++kk) {
         const unsigned a[4] = {
             pack_f32<T>(x[2 * kk][0], x[2 * kk][1]),
             pack_f32<T>(x[2 * kk][2], x[2 * kk][3]),
@@ -338,9 +331,10 @@ __device__ __forceinline__ float quad_max(float v) {
 template <typename T, int DMAX>
 __device__ __forceinline__ void attention_tc_forward(ATTN_FORWARD_PARAMS(T)) {
     constexpr int P = DMAX + TC_PAD;
-    constexpr int NT = TC_ROWS / 8, DT = DMAX / 8, S = TC_STAGES(DMAX);
-    __shared__ __align__(16) u16 ks[S][TC_ROWS * P];
-    __shared__ __align__(16) u16 vs[S][TC_ROWS * P];
+    constexpr int KR = TC_KROWS(DMAX), NT = KR / 8, DT = DMAX / 8, TILE = KR * P;
+    // Two stages of streamed tiles each; together at least the block's rows.
+    __shared__ __align__(16) u16 ks[2 * TILE];
+    __shared__ __align__(16) u16 vs[2 * TILE];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     // Heavy (late) query tiles first: causal work grows with the tile index.
     const int q0 = (gridDim.x - 1 - blockIdx.x) * TC_ROWS;
@@ -349,10 +343,10 @@ __device__ __forceinline__ void attention_tc_forward(ATTN_FORWARD_PARAMS(T)) {
     const T* kb = k + (size_t)b * T_ * kv_stride + (size_t)kvh * D;
     const T* vb = v + (size_t)b * T_ * kv_stride + (size_t)kvh * D;
 
-    tc_load_rows<T, DMAX>(ks[0], qb, q_stride, q0, T_, D);
+    tc_load_rows<T, DMAX, TC_ROWS>(ks, qb, q_stride, q0, T_, D);
     tc_staged();
     unsigned qa[DMAX / 16][4];
-    a_fragments<DMAX>(qa, ks[0], warp, lane);
+    a_fragments<DMAX>(qa, ks, warp, lane);
 
     // This lane's rows: row0 (fragment elements 0, 1) and row0 + 8 (2, 3).
     const int row0 = q0 + warp * 16 + lane / 4;
@@ -360,11 +354,11 @@ __device__ __forceinline__ void attention_tc_forward(ATTN_FORWARD_PARAMS(T)) {
 #pragma unroll
     for (int n = 0; n < DT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
     // Key tiles up to the block's last query row.
-    const int tiles = (min(q0 + TC_ROWS, T_) - 1) / TC_ROWS + 1;
+    const int tiles = (min(q0 + TC_ROWS, T_) - 1) / KR + 1;
     tc_stream_kv<T, DMAX>(ks, vs, kb, vb, kv_stride, tiles, T_, D, [&](int stage, int tile) {
-        const int k0 = tile * TC_ROWS;
+        const int k0 = tile * KR;
         float s[NT][4];
-        rows_times_tile<T, DMAX>(s, qa, ks[stage], lane);
+        rows_times_tile<T, DMAX, KR>(s, qa, ks + stage * TILE, lane);
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const int row = row0 + 8 * r;
@@ -402,7 +396,7 @@ __device__ __forceinline__ void attention_tc_forward(ATTN_FORWARD_PARAMS(T)) {
                 o[n][2 * r + 1] *= alpha;
             }
         }
-        scores_times_tile<T, DMAX>(o, s, vs[stage], lane);
+        scores_times_tile<T, DMAX, KR>(o, s, vs + stage * TILE, lane);
     });
     const int C = H * D;
 #pragma unroll
@@ -429,9 +423,10 @@ __device__ __forceinline__ void attention_tc_forward(ATTN_FORWARD_PARAMS(T)) {
 template <typename T, int DMAX>
 __device__ __forceinline__ void attention_tc_backward_dq(ATTN_DQ_PARAMS(T)) {
     constexpr int P = DMAX + TC_PAD;
-    constexpr int NT = TC_ROWS / 8, DT = DMAX / 8, S = TC_STAGES(DMAX);
-    __shared__ __align__(16) u16 ks[S][TC_ROWS * P];
-    __shared__ __align__(16) u16 vs[S][TC_ROWS * P];
+    constexpr int KR = TC_KROWS(DMAX), NT = KR / 8, DT = DMAX / 8, TILE = KR * P;
+    // Two stages of streamed tiles each; together at least the block's rows.
+    __shared__ __align__(16) u16 ks[2 * TILE];
+    __shared__ __align__(16) u16 vs[2 * TILE];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int q0 = (gridDim.x - 1 - blockIdx.x) * TC_ROWS;
     const int h = blockIdx.y, b = blockIdx.z, kvh = h / (H / KVH);
@@ -443,12 +438,12 @@ __device__ __forceinline__ void attention_tc_backward_dq(ATTN_DQ_PARAMS(T)) {
     const float* lse_bh = lse + ((size_t)b * H + h) * T_;
     const float* delta_bh = delta + ((size_t)b * H + h) * T_;
 
-    tc_load_rows<T, DMAX>(ks[0], qb, q_stride, q0, T_, D);
-    tc_load_rows<T, DMAX>(vs[0], dob, C, q0, T_, D);
+    tc_load_rows<T, DMAX, TC_ROWS>(ks, qb, q_stride, q0, T_, D);
+    tc_load_rows<T, DMAX, TC_ROWS>(vs, dob, C, q0, T_, D);
     tc_staged();
     unsigned qa[DMAX / 16][4], da[DMAX / 16][4];
-    a_fragments<DMAX>(qa, ks[0], warp, lane);
-    a_fragments<DMAX>(da, vs[0], warp, lane);
+    a_fragments<DMAX>(qa, ks, warp, lane);
+    a_fragments<DMAX>(da, vs, warp, lane);
 
     const int row0 = q0 + warp * 16 + lane / 4;
     float row_lse[2], row_delta[2], dq_acc[DT][4];
@@ -460,12 +455,12 @@ __device__ __forceinline__ void attention_tc_backward_dq(ATTN_DQ_PARAMS(T)) {
     }
 #pragma unroll
     for (int n = 0; n < DT; ++n) dq_acc[n][0] = dq_acc[n][1] = dq_acc[n][2] = dq_acc[n][3] = 0.f;
-    const int tiles = (min(q0 + TC_ROWS, T_) - 1) / TC_ROWS + 1;
+    const int tiles = (min(q0 + TC_ROWS, T_) - 1) / KR + 1;
     tc_stream_kv<T, DMAX>(ks, vs, kb, vb, kv_stride, tiles, T_, D, [&](int stage, int tile) {
-        const int k0 = tile * TC_ROWS;
+        const int k0 = tile * KR;
         float s[NT][4], dp[NT][4];
-        rows_times_tile<T, DMAX>(s, qa, ks[stage], lane);
-        rows_times_tile<T, DMAX>(dp, da, vs[stage], lane);
+        rows_times_tile<T, DMAX, KR>(s, qa, ks + stage * TILE, lane);
+        rows_times_tile<T, DMAX, KR>(dp, da, vs + stage * TILE, lane);
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
 #pragma unroll
@@ -477,7 +472,7 @@ __device__ __forceinline__ void attention_tc_backward_dq(ATTN_DQ_PARAMS(T)) {
                 s[n][i] = p * (dp[n][i] - row_delta[i / 2]);  // dS
             }
         }
-        scores_times_tile<T, DMAX>(dq_acc, s, ks[stage], lane);
+        scores_times_tile<T, DMAX, KR>(dq_acc, s, ks + stage * TILE, lane);
     });
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -496,16 +491,17 @@ __device__ __forceinline__ void attention_tc_backward_dq(ATTN_DQ_PARAMS(T)) {
     }
 }
 
-// Entries [t0, t0 + TC_ROWS) of a per-row f32 vector into shared memory,
-// 0 past T: 16-byte copies (pending until cp_async_wait) when aligned.
+// Entries [t0, t0 + ROWS) of a per-row f32 vector into shared memory, 0
+// past T: 16-byte copies (pending until cp_async_wait) when aligned.
+template <int ROWS>
 __device__ __forceinline__ void tc_load_row_values(float* dst, const float* src, int t0, int T_) {
     if (T_ % 4 == 0 && ((size_t)src & 15) == 0) {
-        for (int i = threadIdx.x; i < TC_ROWS / 4; i += TC_THREADS) {
+        for (int i = threadIdx.x; i < ROWS / 4; i += TC_THREADS) {
             const int t = t0 + 4 * i, left = t >= T_ ? 0 : min(4, T_ - t);
             cp_async16_bytes(dst + 4 * i, left > 0 ? src + t : src, 4 * left);
         }
     } else {
-        for (int i = threadIdx.x; i < TC_ROWS; i += TC_THREADS) {
+        for (int i = threadIdx.x; i < ROWS; i += TC_THREADS) {
             const int t = t0 + i;
             dst[i] = t < T_ ? src[t] : 0.f;
         }
@@ -516,7 +512,8 @@ __device__ __forceinline__ void tc_load_row_values(float* dst, const float* src,
 // query tiles from the keys' own tile on, accumulating dV (WANT_DV) and dK
 // (WANT_DK). The warp's rows are keys, so its products are the transposed
 // ones: S^T = K Q^T, dP^T = V dO^T, dV += P^T dO, dK += dS^T Q. Tiles
-// stream through TC_STAGES(DMAX) stages of `qs`, `dos`, `lse_s`, `delta_s`.
+// stream (TC_KROWS rows) through the two stages of `qs`, `dos`, `lse_s`,
+// `delta_s`.
 template <typename T, int DMAX, bool WANT_DK, bool WANT_DV>
 __device__ __forceinline__ void dkdv_sweep(float (&dk_acc)[DMAX / 8][4],
                                            float (&dv_acc)[DMAX / 8][4],
@@ -524,7 +521,7 @@ __device__ __forceinline__ void dkdv_sweep(float (&dk_acc)[DMAX / 8][4],
                                            const unsigned (&va)[DMAX / 16][4], u16* qs,
                                            u16* dos, float* lse_s, float* delta_s,
                                            ATTN_DKDV_PARAMS(T)) {
-    constexpr int NT = TC_ROWS / 8, TILE = TC_ROWS * (DMAX + TC_PAD);
+    constexpr int KR = TC_KROWS(DMAX), NT = KR / 8, TILE = KR * (DMAX + TC_PAD);
     const int lane = threadIdx.x % 32;
     const int k_first = blockIdx.x * TC_ROWS;
     const int kvh = blockIdx.y, b = blockIdx.z, group = H / KVH;
@@ -532,27 +529,27 @@ __device__ __forceinline__ void dkdv_sweep(float (&dk_acc)[DMAX / 8][4],
     // This lane's keys: key0 (fragment elements 0, 1) and key0 + 8 (2, 3).
     const int key0 = k_first + (threadIdx.x / 32) * 16 + lane / 4;
     // Tile i: query head kvh * group + i / per_head (in order), query rows
-    // from k_first + (i % per_head) * TC_ROWS.
-    const int per_head = (T_ - k_first + TC_ROWS - 1) / TC_ROWS;
+    // from k_first + (i % per_head) * KR.
+    const int per_head = (T_ - k_first + KR - 1) / KR;
     auto load = [&](int stage, int tile) {
         const int h = kvh * group + tile / per_head;
-        const int q0 = k_first + (tile % per_head) * TC_ROWS;
-        tc_load_rows<T, DMAX>(qs + stage * TILE, q + (size_t)b * T_ * q_stride + (size_t)h * D,
+        const int q0 = k_first + (tile % per_head) * KR;
+        tc_load_rows<T, DMAX, KR>(qs + stage * TILE, q + (size_t)b * T_ * q_stride + (size_t)h * D,
                               q_stride, q0, T_, D);
-        tc_load_rows<T, DMAX>(dos + stage * TILE, dout + (size_t)b * T_ * C + (size_t)h * D, C,
+        tc_load_rows<T, DMAX, KR>(dos + stage * TILE, dout + (size_t)b * T_ * C + (size_t)h * D, C,
                               q0, T_, D);
-        tc_load_row_values(lse_s + stage * TC_ROWS, lse + ((size_t)b * H + h) * T_, q0, T_);
-        tc_load_row_values(delta_s + stage * TC_ROWS, delta + ((size_t)b * H + h) * T_, q0, T_);
+        tc_load_row_values<KR>(lse_s + stage * KR, lse + ((size_t)b * H + h) * T_, q0, T_);
+        tc_load_row_values<KR>(delta_s + stage * KR, delta + ((size_t)b * H + h) * T_, q0, T_);
     };
-    tc_stream<TC_STAGES(DMAX)>(group * per_head, load, [&](int stage, int tile) {
-        const int q0 = k_first + (tile % per_head) * TC_ROWS;
+    tc_stream(group * per_head, load, [&](int stage, int tile) {
+        const int q0 = k_first + (tile % per_head) * KR;
         const u16* qt = qs + stage * TILE;
         const u16* dot = dos + stage * TILE;
-        const float* lse_t = lse_s + stage * TC_ROWS;
-        const float* delta_t = delta_s + stage * TC_ROWS;
+        const float* lse_t = lse_s + stage * KR;
+        const float* delta_t = delta_s + stage * KR;
         float s[NT][4], dp[NT][4];
-        rows_times_tile<T, DMAX>(s, ka, qt, lane);
-        if (WANT_DK) rows_times_tile<T, DMAX>(dp, va, dot, lane);
+        rows_times_tile<T, DMAX, KR>(s, ka, qt, lane);
+        if (WANT_DK) rows_times_tile<T, DMAX, KR>(dp, va, dot, lane);
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
 #pragma unroll
@@ -565,8 +562,8 @@ __device__ __forceinline__ void dkdv_sweep(float (&dk_acc)[DMAX / 8][4],
                 if (WANT_DK) dp[n][i] = p * (dp[n][i] - delta_t[j]);  // dS^T
             }
         }
-        if (WANT_DV) scores_times_tile<T, DMAX>(dv_acc, s, dot, lane);
-        if (WANT_DK) scores_times_tile<T, DMAX>(dk_acc, dp, qt, lane);
+        if (WANT_DV) scores_times_tile<T, DMAX, KR>(dv_acc, s, dot, lane);
+        if (WANT_DK) scores_times_tile<T, DMAX, KR>(dk_acc, dp, qt, lane);
     });
 }
 
@@ -600,11 +597,12 @@ __device__ __forceinline__ void store_key_rows(T* out, const float (&acc)[DMAX /
 // sweep of its own (recomputing S^T once more) before dK's.
 template <typename T, int DMAX>
 __device__ __forceinline__ void attention_tc_backward_dkdv(ATTN_DKDV_PARAMS(T)) {
-    constexpr int P = DMAX + TC_PAD, DT = DMAX / 8, S = TC_STAGES(DMAX);
+    constexpr int P = DMAX + TC_PAD, DT = DMAX / 8, KR = TC_KROWS(DMAX);
     constexpr bool TWO_SWEEPS = DMAX > 64;
-    __shared__ __align__(16) u16 qs[S * TC_ROWS * P];
-    __shared__ __align__(16) u16 dos[S * TC_ROWS * P];
-    __shared__ __align__(16) float lse_s[S * TC_ROWS], delta_s[S * TC_ROWS];
+    // Two stages of streamed tiles each; together at least the block's rows.
+    __shared__ __align__(16) u16 qs[2 * KR * P];
+    __shared__ __align__(16) u16 dos[2 * KR * P];
+    __shared__ __align__(16) float lse_s[2 * KR], delta_s[2 * KR];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     // Early key tiles see the most queries: natural order puts them first.
     const int k_first = blockIdx.x * TC_ROWS;
@@ -612,8 +610,8 @@ __device__ __forceinline__ void attention_tc_backward_dkdv(ATTN_DKDV_PARAMS(T)) 
     const size_t kv_at = (size_t)b * T_ * kv_stride + (size_t)kvh * D;
     const int key0 = k_first + warp * 16 + lane / 4;
 
-    tc_load_rows<T, DMAX>(qs, k + kv_at, kv_stride, k_first, T_, D);
-    tc_load_rows<T, DMAX>(dos, v + kv_at, kv_stride, k_first, T_, D);
+    tc_load_rows<T, DMAX, TC_ROWS>(qs, k + kv_at, kv_stride, k_first, T_, D);
+    tc_load_rows<T, DMAX, TC_ROWS>(dos, v + kv_at, kv_stride, k_first, T_, D);
     tc_staged();
     unsigned ka[DMAX / 16][4], va[DMAX / 16][4];
     a_fragments<DMAX>(ka, qs, warp, lane);

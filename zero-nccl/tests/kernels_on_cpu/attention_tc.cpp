@@ -4,8 +4,8 @@
 // attention_check.h): bf16 and f16, head widths 64 and 128 and narrower
 // ones (zero columns, 16-bit loads), T within one tile, across several and
 // odd, packed qkv and separate q, k, v with 4 query heads on 2 and on 1 K/V
-// heads, batch > 1; tiles streamed through two shared-memory stages at
-// width 64. Exits non-zero on any failure.
+// heads, batch > 1; tiles streamed through two shared-memory stages (32
+// rows at width 128 against the block's 64). Exits non-zero on any failure.
 #include "shim.h"
 #include "layers.cu"
 #include "attention_tc.cu"
