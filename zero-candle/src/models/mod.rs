@@ -17,9 +17,8 @@ pub use llama::{Llama, LlamaConfig, Rope};
 /// first `time`, as `transformers` computes it with `labels = ids`.
 ///
 /// The models keep their activations as rows `[batch * time, width]` from
-/// the embedding to the loss: Candle's backward sums every node's gradient
-/// into a zeroed tensor of its own, so a reshape around each Linear (or of
-/// the logits) would cost a full pass over its gradient, and a zeroed one.
+/// the embedding to the loss, the logits included: no reshape nodes (see
+/// [`crate::nn::ops::causal_self_attention_rows`]).
 fn next_token_loss(
     ids: &candle_core::Tensor,
     logits: impl FnOnce(&candle_core::Tensor) -> candle_core::Result<candle_core::Tensor>,

@@ -381,10 +381,9 @@ impl GatherBudgets {
 
     /// A device's: a GEMM per layer, not per piece (pieces only above
     /// 256 MiB); 32 MiB ahead, about a layer of the 12 x 768 GPT in f32,
-    /// and always the next layer (FSDP's one module ahead): DeepSpeed's
-    /// 200 MB (`stage3_prefetch_bucket_size`) held seven of that GPT's
-    /// layers gathered on an H200 (6.3 bytes per parameter and rank at four
-    /// ranks, against a goal of 5); DeepSpeed's 1e9 parameters alive
+    /// and always the next layer (FSDP's one module ahead; DeepSpeed's
+    /// 200 MB `stage3_prefetch_bucket_size` keeps seven such layers
+    /// gathered); DeepSpeed's 1e9 parameters alive
     /// (`stage3_max_live_parameters`).
     pub const DEVICE: Self = Self {
         prefetch_bytes: 32 << 20,

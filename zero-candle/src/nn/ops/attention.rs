@@ -44,9 +44,9 @@ pub fn causal_self_attention(qkv: &Tensor, heads: usize) -> Result<Tensor> {
 /// [`causal_self_attention`] over rows: `qkv` `[batch * time, 3 * d]`,
 /// sequences of `time` rows one after the other, returning `[batch *
 /// time, d]`. A model that keeps its activations as rows between its
-/// Linear layers takes no reshape before or after the attention: Candle's
-/// backward sums each node's gradient into a zeroed tensor of its own, so
-/// a reshape costs a full pass over its gradient.
+/// Linear layers takes no reshape before or after the attention; with
+/// Candle as published each reshape's backward costs a zeroed tensor and a
+/// pass over its gradient (`vendor/README.md`).
 ///
 /// ```
 /// use candle_core::{Device, Tensor};
