@@ -1,6 +1,7 @@
 //! Fused CUDA kernels, compiled once at run time with NVRTC: flatten and
-//! unflatten of gradient buckets (one launch per bucket, driven by a table of
-//! pieces in device memory), gradient scaling and norms, and the built-in
+//! unflatten of gradient buckets (one launch per bucket of up to
+//! [`PIECES_PER_LAUNCH`] pieces, their table passed in the launch's
+//! parameters), gradient scaling and norms, and the built-in
 //! optimizers' steps over a flat f32 shard (one launch per shard; see
 //! [`optim`]); and, from a second source, the fused transformer layers of
 //! zero-candle (attention, norms, activations, cross-entropy; see
@@ -73,11 +74,64 @@ fn range_entries<'a, T>(
     Ok((entries, guards))
 }
 
-/// The pieces of a flatten/unflatten, uploaded, with the launch grid.
-struct PieceTable {
-    table: CudaSlice<u64>,
+/// The most pieces one table-driven launch takes (`PIECES_PER_LAUNCH` in
+/// [`SOURCE`]): the table travels by value in the launch's parameters
+/// (1,536 bytes of CUDA's 4 KiB), so that a launch is one driver call with
+/// no table to allocate, upload and free; more pieces take more launches.
+pub const PIECES_PER_LAUNCH: usize = 64;
+
+/// A launch's table of pieces `(address, element offset in the flat
+/// buffer, length)`, passed by value (`Pieces` in [`SOURCE`]).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Pieces([u64; 3 * PIECES_PER_LAUNCH]);
+
+// SAFETY: plain data laid out as the kernel's `struct Pieces`.
+unsafe impl cudarc::driver::DeviceRepr for Pieces {}
+
+/// One table-driven launch: its pieces and its grid, x striding over the
+/// longest piece, y over the pieces.
+#[derive(Debug, PartialEq, Eq)]
+struct PieceLaunch {
+    table: Pieces,
     n_pieces: u32,
-    config: LaunchConfig,
+    grid: (u32, u32, u32),
+}
+
+/// The launches that cover the pieces `entries` `(address, offset, len)`
+/// over a flat buffer of `flat_len` elements, in their order, at most
+/// [`PIECES_PER_LAUNCH`] each; empty pieces are skipped. An error if a
+/// piece reaches past the flat buffer (nothing is launched then).
+fn piece_launches(
+    op: &'static str,
+    entries: &[(u64, usize, usize)],
+    flat_len: usize,
+) -> Result<Vec<PieceLaunch>> {
+    if let Some(&(_, offset, len)) = entries.iter().find(|&&(_, o, l)| o + l > flat_len) {
+        return Err(Error::from(zero_core::Error::BufferSize {
+            op,
+            what: "flat (offset + piece length)",
+            got: flat_len,
+            expected: offset + len,
+        }));
+    }
+    let pieces: Vec<_> = entries.iter().filter(|&&(_, _, len)| len > 0).collect();
+    Ok(pieces
+        .chunks(PIECES_PER_LAUNCH)
+        .map(|chunk| {
+            let mut table = Pieces([0; 3 * PIECES_PER_LAUNCH]);
+            for (slot, &&(ptr, offset, len)) in table.0.chunks_exact_mut(3).zip(chunk) {
+                slot.copy_from_slice(&[ptr, offset as u64, len as u64]);
+            }
+            let longest = chunk.iter().map(|&&(_, _, len)| len).max().unwrap_or(1);
+            let x = longest.div_ceil(BLOCK as usize).clamp(1, 1024) as u32;
+            PieceLaunch {
+                table,
+                n_pieces: chunk.len() as u32,
+                grid: (x, chunk.len() as u32, 1),
+            }
+        })
+        .collect())
 }
 
 /// A 16-bit float type of model weights and gradients (`bf16`, `f16`): the
@@ -752,59 +806,12 @@ impl FusedKernels {
         Ok(())
     }
 
-    fn table(
-        &self,
-        op: &'static str,
-        stream: &Arc<CudaStream>,
-        entries: &[(u64, usize, usize)],
-        flat_len: usize,
-    ) -> Result<Option<PieceTable>> {
-        let mut table = Vec::with_capacity(3 * entries.len());
-        let mut longest = 0;
-        for &(ptr, offset, len) in entries {
-            if offset + len > flat_len {
-                return Err(Error::from(zero_core::Error::BufferSize {
-                    op,
-                    what: "flat (offset + piece length)",
-                    got: flat_len,
-                    expected: offset + len,
-                }));
-            }
-            if len == 0 {
-                continue;
-            }
-            longest = longest.max(len);
-            table.extend_from_slice(&[ptr, offset as u64, len as u64]);
-        }
-        let n_pieces = table.len() / 3;
-        if n_pieces == 0 {
-            return Ok(None);
-        }
-        // SAFETY: every element is written by the copy right below before
-        // any kernel reads it (same stream).
-        let mut device_table = unsafe { stream.alloc::<u64>(table.len()) }?;
-        {
-            let (dst, _record) = device_table.device_ptr_mut(stream);
-            // SAFETY: `dst` holds table.len() u64. From pageable memory the
-            // driver stages `table` before returning, so dropping it after is
-            // fine, and no host synchronization happens.
-            unsafe { cudarc::driver::result::memcpy_htod_async(dst, &table, stream.cu_stream()) }?;
-        }
-        // x strides over the longest piece, y over the pieces.
-        let x = longest.div_ceil(BLOCK as usize).clamp(1, 1024) as u32;
-        let y = n_pieces.min(65535) as u32;
-        Ok(Some(PieceTable {
-            table: device_table,
-            n_pieces: n_pieces as u32,
-            config: blocks((x, y, 1)),
-        }))
-    }
-
     /// Launches the table-driven `kernel` over the pieces `entries` and the
     /// flat buffer of `flat_len` elements at the address `flat` returns
     /// (called only when there is something to launch): `(table, n_pieces,
     /// flat)`, the signature of every gather, scatter, widen and narrow
-    /// kernel.
+    /// kernel; one launch per [`PIECES_PER_LAUNCH`] pieces, in order on
+    /// `stream`.
     fn launch_table<'a>(
         &self,
         op: &'static str,
@@ -814,23 +821,27 @@ impl FusedKernels {
         flat_len: usize,
         flat: impl FnOnce() -> (u64, SyncOnDrop<'a>),
     ) -> Result<()> {
-        let Some(PieceTable {
+        let launches = piece_launches(op, entries, flat_len)?;
+        if launches.is_empty() {
+            return Ok(());
+        }
+        let (flat_ptr, _flat_guard) = flat();
+        for PieceLaunch {
             table,
             n_pieces,
-            config,
-        }) = self.table(op, stream, entries, flat_len)?
-        else {
-            return Ok(());
-        };
-        let (flat_ptr, _flat_guard) = flat();
-        let mut launch = stream.launch_builder(kernel);
-        launch.arg(&table).arg(&n_pieces).arg(&flat_ptr);
-        // SAFETY: the table's pointers and lengths come from live device
-        // buffers whose guards the caller holds across this launch, and the
-        // flat buffer's guard lives to the end of this function; offsets +
-        // lengths were checked against `flat_len`; the caller picks a kernel
-        // whose element types are those of the pieces and of `flat`.
-        unsafe { launch.launch(config) }?;
+            grid,
+        } in &launches
+        {
+            let mut launch = stream.launch_builder(kernel);
+            launch.arg(table).arg(n_pieces).arg(&flat_ptr);
+            // SAFETY: the table's pointers and lengths come from live device
+            // buffers whose guards the caller holds across this launch, and
+            // the flat buffer's guard lives to the end of this function;
+            // offsets + lengths were checked against `flat_len`; the caller
+            // picks a kernel whose element types are those of the pieces and
+            // of `flat`; the table is the kernel's `Pieces`, by value.
+            unsafe { launch.launch(blocks(*grid)) }?;
+        }
         Ok(())
     }
 }
@@ -838,6 +849,85 @@ impl FusedKernels {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `#define NAME VALUE` in [`SOURCE`].
+    fn source_define(name: &str) -> usize {
+        let line = SOURCE
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("#define {name} ")))
+            .unwrap_or_else(|| panic!("no #define {name} in source.cu"));
+        line.trim().parse().unwrap()
+    }
+
+    #[test]
+    fn the_kernels_tables_are_the_size_rust_passes() {
+        assert_eq!(source_define("PIECES_PER_LAUNCH"), PIECES_PER_LAUNCH);
+        assert_eq!(source_define("MAX_LOCAL_RANKS"), MAX_LOCAL_RANKS);
+        // CUDA's launch parameters hold 4 KiB before Volta-era extensions.
+        assert!(std::mem::size_of::<Pieces>() + 16 <= 4096);
+    }
+
+    #[test]
+    fn pieces_are_launched_in_order_at_most_a_table_at_a_time() {
+        // 130 pieces, every fifth empty: 104 to launch, 64 + 40.
+        let entries: Vec<(u64, usize, usize)> = (0..130)
+            .map(|i| {
+                (
+                    0x1000 + 8 * i as u64,
+                    10 * i,
+                    if i % 5 == 4 { 0 } else { i % 7 + 1 },
+                )
+            })
+            .collect();
+        let launches = piece_launches("test", &entries, 10 * 130).unwrap();
+        let counts: Vec<u32> = launches.iter().map(|l| l.n_pieces).collect();
+        assert_eq!(counts, [64, 40]);
+        let launched: Vec<(u64, usize, usize)> = launches
+            .iter()
+            .flat_map(|l| {
+                l.table.0[..3 * l.n_pieces as usize]
+                    .chunks(3)
+                    .map(|e| (e[0], e[1] as usize, e[2] as usize))
+            })
+            .collect();
+        let expected: Vec<_> = entries.iter().copied().filter(|e| e.2 > 0).collect();
+        assert_eq!(launched, expected);
+        for l in &launches {
+            // Unused slots stay zero; y walks the pieces.
+            assert!(l.table.0[3 * l.n_pieces as usize..].iter().all(|&v| v == 0));
+            assert_eq!(l.grid, (1, l.n_pieces, 1));
+        }
+    }
+
+    #[test]
+    fn a_launch_strides_over_its_longest_piece() {
+        let block = BLOCK as usize;
+        let entries = [(1, 0, 3), (2, 3, 5 * block + 1), (3, 5 * block + 4, 7)];
+        let launches = piece_launches("test", &entries, 1 << 20).unwrap();
+        assert_eq!(launches.len(), 1);
+        assert_eq!(launches[0].grid, (6, 3, 1));
+        // Grids stop at 1,024 blocks along x; the kernels stride past it.
+        let launches = piece_launches("test", &[(1, 0, 4096 * block)], 1 << 30).unwrap();
+        assert_eq!(launches[0].grid, (1024, 1, 1));
+    }
+
+    #[test]
+    fn nothing_to_copy_is_no_launch_and_a_piece_past_the_buffer_an_error() {
+        assert!(piece_launches("test", &[], 0).unwrap().is_empty());
+        assert!(piece_launches("test", &[(1, 4, 0), (2, 0, 0)], 4)
+            .unwrap()
+            .is_empty());
+        // The bad piece comes after 64 good ones: nothing is launched.
+        let mut entries: Vec<_> = (0..64).map(|i| (1, i, 1)).collect();
+        entries.push((2, 60, 5));
+        let e = piece_launches("flatten", &entries, 64)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("flatten") && e.contains("65") && e.contains("64"),
+            "{e}"
+        );
+    }
 
     /// What NVRTC 13.5 (the nvidia-cuda-nvrtc wheel) lists.
     const NVRTC_13: [i32; 13] = [75, 80, 86, 87, 88, 89, 90, 100, 103, 107, 110, 120, 121];

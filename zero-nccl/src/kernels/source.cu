@@ -16,25 +16,31 @@ __device__ __forceinline__ float lerp_torch(float self, float end, float weight)
 
 // ---- flatten / unflatten -------------------------------------------------
 // `table` holds 3 u64 per piece: device address of the piece, element offset
-// in the flat buffer, length in elements. blockIdx.y walks pieces, x walks
-// elements of a piece.
+// in the flat buffer, length in elements. It is passed by value, in the
+// launch's parameters (no device copy of it to allocate, upload and free per
+// launch), so a launch takes at most PIECES_PER_LAUNCH pieces.
+// blockIdx.y walks pieces, x walks elements of a piece.
+#define PIECES_PER_LAUNCH 64
+struct Pieces {
+    u64 e[3 * PIECES_PER_LAUNCH];
+};
 #define DEFINE_COPY(T, SUFFIX)                                                   \
-extern "C" __global__ void gather_pieces_##SUFFIX(const u64* table, unsigned int n_pieces, T* flat) { \
+extern "C" __global__ void gather_pieces_##SUFFIX(Pieces table, unsigned int n_pieces, T* flat) { \
     for (unsigned int p = blockIdx.y; p < n_pieces; p += gridDim.y) {            \
-        const T* src = (const T*)table[3 * p];                                   \
-        T* dst = flat + table[3 * p + 1];                                        \
-        u64 len = table[3 * p + 2];                                              \
+        const T* src = (const T*)table.e[3 * p];                                 \
+        T* dst = flat + table.e[3 * p + 1];                                      \
+        u64 len = table.e[3 * p + 2];                                            \
         for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < len;        \
              i += (u64)gridDim.x * blockDim.x) {                                 \
             dst[i] = src[i];                                                     \
         }                                                                        \
     }                                                                            \
 }                                                                                \
-extern "C" __global__ void scatter_pieces_##SUFFIX(const u64* table, unsigned int n_pieces, const T* flat) { \
+extern "C" __global__ void scatter_pieces_##SUFFIX(Pieces table, unsigned int n_pieces, const T* flat) { \
     for (unsigned int p = blockIdx.y; p < n_pieces; p += gridDim.y) {            \
-        T* dst = (T*)table[3 * p];                                               \
-        const T* src = flat + table[3 * p + 1];                                  \
-        u64 len = table[3 * p + 2];                                              \
+        T* dst = (T*)table.e[3 * p];                                             \
+        const T* src = flat + table.e[3 * p + 1];                                \
+        u64 len = table.e[3 * p + 2];                                            \
         for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < len;        \
              i += (u64)gridDim.x * blockDim.x) {                                 \
             dst[i] = src[i];                                                     \
@@ -47,11 +53,11 @@ DEFINE_COPY(unsigned int, b32)
 DEFINE_COPY(u64, b64)
 
 // Accumulating flatten for gradient accumulation: flat[offset + i] += src[i].
-extern "C" __global__ void gather_add_pieces_f32(const u64* table, unsigned int n_pieces, float* flat) {
+extern "C" __global__ void gather_add_pieces_f32(Pieces table, unsigned int n_pieces, float* flat) {
     for (unsigned int p = blockIdx.y; p < n_pieces; p += gridDim.y) {
-        const float* src = (const float*)table[3 * p];
-        float* dst = flat + table[3 * p + 1];
-        u64 len = table[3 * p + 2];
+        const float* src = (const float*)table.e[3 * p];
+        float* dst = flat + table.e[3 * p + 1];
+        u64 len = table.e[3 * p + 2];
         for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < len;
              i += (u64)gridDim.x * blockDim.x) {
             dst[i] += src[i];
@@ -91,33 +97,33 @@ __device__ __forceinline__ unsigned short narrow_f16(float f) {
 // gather_widen_*: flat[offset + i] = widen(src[i]) (or += with _add);
 // scatter_narrow_*: dst[i] = narrow(flat[offset + i]). Same table as above.
 #define DEFINE_CONVERT(SUFFIX)                                                   \
-extern "C" __global__ void gather_widen_##SUFFIX(const u64* table, unsigned int n_pieces, float* flat) { \
+extern "C" __global__ void gather_widen_##SUFFIX(Pieces table, unsigned int n_pieces, float* flat) { \
     for (unsigned int p = blockIdx.y; p < n_pieces; p += gridDim.y) {            \
-        const unsigned short* src = (const unsigned short*)table[3 * p];         \
-        float* dst = flat + table[3 * p + 1];                                    \
-        u64 len = table[3 * p + 2];                                              \
+        const unsigned short* src = (const unsigned short*)table.e[3 * p];       \
+        float* dst = flat + table.e[3 * p + 1];                                  \
+        u64 len = table.e[3 * p + 2];                                            \
         for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < len;        \
              i += (u64)gridDim.x * blockDim.x) {                                 \
             dst[i] = widen_##SUFFIX(src[i]);                                     \
         }                                                                        \
     }                                                                            \
 }                                                                                \
-extern "C" __global__ void gather_add_widen_##SUFFIX(const u64* table, unsigned int n_pieces, float* flat) { \
+extern "C" __global__ void gather_add_widen_##SUFFIX(Pieces table, unsigned int n_pieces, float* flat) { \
     for (unsigned int p = blockIdx.y; p < n_pieces; p += gridDim.y) {            \
-        const unsigned short* src = (const unsigned short*)table[3 * p];         \
-        float* dst = flat + table[3 * p + 1];                                    \
-        u64 len = table[3 * p + 2];                                              \
+        const unsigned short* src = (const unsigned short*)table.e[3 * p];       \
+        float* dst = flat + table.e[3 * p + 1];                                  \
+        u64 len = table.e[3 * p + 2];                                            \
         for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < len;        \
              i += (u64)gridDim.x * blockDim.x) {                                 \
             dst[i] += widen_##SUFFIX(src[i]);                                    \
         }                                                                        \
     }                                                                            \
 }                                                                                \
-extern "C" __global__ void scatter_narrow_##SUFFIX(const u64* table, unsigned int n_pieces, const float* flat) { \
+extern "C" __global__ void scatter_narrow_##SUFFIX(Pieces table, unsigned int n_pieces, const float* flat) { \
     for (unsigned int p = blockIdx.y; p < n_pieces; p += gridDim.y) {            \
-        unsigned short* dst = (unsigned short*)table[3 * p];                     \
-        const float* src = flat + table[3 * p + 1];                              \
-        u64 len = table[3 * p + 2];                                              \
+        unsigned short* dst = (unsigned short*)table.e[3 * p];                   \
+        const float* src = flat + table.e[3 * p + 1];                            \
+        u64 len = table.e[3 * p + 2];                                            \
         for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < len;        \
              i += (u64)gridDim.x * blockDim.x) {                                 \
             dst[i] = narrow_##SUFFIX(src[i]);                                    \
