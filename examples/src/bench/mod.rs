@@ -129,14 +129,15 @@ pub fn main() {
             "stage3" if !under_mpirun => stage3::run(&mut report),
             "hybrid" if !under_mpirun => hybrid::run(&mut report),
             "checkpoint" if !under_mpirun => checkpoint::run(&mut report),
-            "gpu" | "gpu-zero" | "gpu-headline" | "gpu-largest" | "gpu-hub" | "gpu-checkpoint"
-            | "gpu-stage3" => gpu_suite(name, &mut report),
+            "gpu" | "gpu-zero" | "gpu-headline" | "gpu-largest" | "gpu-hub" | "gpu-hub-profile"
+            | "gpu-checkpoint" | "gpu-stage3" => gpu_suite(name, &mut report),
             "optim" | "step" | "overlap" | "memory" | "precision" | "stage3" | "hybrid"
             | "checkpoint" | "gpt" | "hf" => {}
             other => {
                 eprintln!(
                     "unknown benchmark suite {other:?}; expected one of {all:?}, or gpu-zero, \
-                     gpu-headline, gpu-largest, gpu-hub, gpu-checkpoint or gpu-stage3"
+                     gpu-headline, gpu-largest, gpu-hub, gpu-hub-profile, gpu-checkpoint or \
+                     gpu-stage3"
                 );
                 std::process::exit(2);
             }
@@ -160,7 +161,8 @@ pub fn main() {
 /// fifth of the GPU's memory) stage 3's headline; `gpu-largest` (not among
 /// `all`: minutes of models that fill the GPU) the largest model trained
 /// with offload and without; `gpu-hub` only `gpu`'s hub models against
-/// `transformers`; `gpu-checkpoint` (not among `all`: it writes gigabytes)
+/// `transformers`; `gpu-hub-profile` one hub model's few steps, ours only,
+/// for a profiler; `gpu-checkpoint` (not among `all`: it writes gigabytes)
 /// background checkpoint saves of the GPT over blocking ones; `gpu-stage3`
 /// (not among `all`) where a stage-3 step's time goes beside stage 2's.
 #[cfg(feature = "nccl")]
@@ -173,6 +175,7 @@ fn gpu_suite(name: &str, report: &mut Report) {
         "gpu-headline" => gpu_gpt::headline(report),
         "gpu-largest" => gpu_gpt::largest(report),
         "gpu-hub" => gpu_gpt::hub(report),
+        "gpu-hub-profile" => gpu_gpt::hub_profile(report),
         "gpu-checkpoint" => gpu_gpt::saves(report),
         "gpu-stage3" => gpu_gpt::stage3(report),
         _ => {

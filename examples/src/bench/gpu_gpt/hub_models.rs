@@ -136,6 +136,57 @@ pub fn hub(report: &mut Report) {
     all_against_transformers(report, &device, &ctx, pool.as_ref());
 }
 
+/// `bench gpu-hub-profile` (for `scripts/profile-gpu-step.sh`'s
+/// `PROFILE_MODEL`): our side of one hub case alone, at one rank, no
+/// peer: `ZERO_BENCH_HUB_CASE` names it (`llama_1b`, the default, or
+/// `gpt2_small`), `ZERO_BENCH_HUB_STEPS` its steps (default 4: one
+/// untimed, the rest timed).
+pub fn hub_profile(report: &mut Report) {
+    let name = std::env::var("ZERO_BENCH_HUB_CASE").unwrap_or_else(|_| "llama_1b".into());
+    let Some(case) = [HubCase::gpt2_small(), HubCase::tinyllama()]
+        .into_iter()
+        .find(|c| c.name == name)
+    else {
+        report.failed(
+            "gpu hub profile",
+            format!("ZERO_BENCH_HUB_CASE is {name:?}; the cases are llama_1b and gpt2_small"),
+        );
+        return;
+    };
+    let steps = match std::env::var("ZERO_BENCH_HUB_STEPS").map(|s| s.parse::<usize>()) {
+        Err(_) => 4,
+        Ok(Ok(n)) if n >= 2 => n,
+        Ok(_) => {
+            report.failed(
+                "gpu hub profile",
+                "ZERO_BENCH_HUB_STEPS must be a whole number of at least 2",
+            );
+            return;
+        }
+    };
+    let (device, ctx) = match super::open_device() {
+        Ok(opened) => opened,
+        Err(e) => {
+            report.failed("gpu hub profile (opening CUDA device 0)", e);
+            return;
+        }
+    };
+    let pool = DevicePool::of(&ctx).ok();
+    let steps = Steps {
+        warmup: 1,
+        timed: steps - 1,
+    };
+    match one_rank(&device, &ctx, pool.as_ref(), &case, steps) {
+        Ok(measured) => report.add(
+            &case.figure("profiled_tokens_per_s"),
+            measured.tokens_per_s,
+            "tokens/s",
+            None,
+        ),
+        Err(e) => report.failed(&format!("gpu {} profile", case.name), e),
+    }
+}
+
 /// Both sides' optimizer: PyTorch's AdamW defaults at the suite's lr,
 /// passed to the peer as flags.
 fn adamw_config() -> AdamWConfig {
@@ -176,7 +227,7 @@ pub(super) fn against_transformers(
             ""
         }
     );
-    let ours = match one_rank(device, ctx, pool, case) {
+    let ours = match one_rank(device, ctx, pool, case, Steps::BENCH) {
         Ok(measured) => {
             report.add(
                 &case.figure("tokens_per_s"),
@@ -281,19 +332,34 @@ pub(super) fn against_transformers(
     }
 }
 
-/// The median time of `step` on `model`'s loss over `ids`, over `STEPS`
-/// steps after `WARMUP` (`sync` after each, `at_warmup` once the warm-up
-/// is done).
+/// Untimed and timed steps: `bench gpu`'s, or a profile's few.
+#[derive(Clone, Copy)]
+struct Steps {
+    warmup: usize,
+    timed: usize,
+}
+
+impl Steps {
+    const BENCH: Self = Self {
+        warmup: WARMUP,
+        timed: STEPS,
+    };
+}
+
+/// The median time of `step` on `model`'s loss over `ids`, over
+/// `steps.timed` steps after `steps.warmup` (`sync` after each,
+/// `at_warmup` once the warm-up is done).
 fn median_step(
+    steps: Steps,
     model: &CausalLm,
     ids: &Tensor,
     mut step: impl FnMut(&Tensor) -> BenchResult<bool>,
     mut sync: impl FnMut() -> BenchResult<()>,
     mut at_warmup: impl FnMut() -> BenchResult<()>,
 ) -> BenchResult<f64> {
-    let mut times = Vec::with_capacity(STEPS);
-    for i in 0..WARMUP + STEPS {
-        if i == WARMUP {
+    let mut times = Vec::with_capacity(steps.timed);
+    for i in 0..steps.warmup + steps.timed {
+        if i == steps.warmup {
             at_warmup()?;
         }
         let started = Instant::now();
@@ -301,7 +367,7 @@ fn median_step(
             return Err("backward_step did not complete a step at one micro-step".into());
         }
         sync()?;
-        if i >= WARMUP {
+        if i >= steps.warmup {
             times.push(started.elapsed().as_secs_f64());
         }
     }
@@ -318,6 +384,7 @@ fn one_rank(
     ctx: &CudaContext,
     pool: Option<&DevicePool>,
     case: &HubCase,
+    steps: Steps,
 ) -> BenchResult<Measured> {
     let ids = case.ids(case.batch, device)?;
     let measured = {
@@ -336,6 +403,7 @@ fn one_rank(
             &hook,
         )?;
         let seconds = median_step(
+            steps,
             &model,
             &ids,
             |loss| Ok(opt.backward_step(loss)?.is_some()),
@@ -391,6 +459,7 @@ fn ranks_sharing(device: &Device, ctx: &CudaContext, case: &HubCase) -> BenchRes
                 &hook,
             )?;
             median_step(
+                Steps::BENCH,
                 &model,
                 &ids,
                 |loss| Ok(opt.backward_step(loss)?.is_some()),

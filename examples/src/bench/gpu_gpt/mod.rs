@@ -44,7 +44,7 @@ mod stage3_steps;
 mod suite;
 
 pub use headline::headline;
-pub use hub_models::hub;
+pub use hub_models::{hub, hub_profile};
 pub use largest_gpt::{largest, largest_trial};
 pub use saves::saves;
 pub use stage3_steps::stage3;
