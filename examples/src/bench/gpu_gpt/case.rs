@@ -73,6 +73,10 @@ pub(super) struct Variant {
     /// The Linear layers' forward through cuBLASLt, the bias in the GEMM's
     /// epilogue (`set_linear_cublaslt`).
     pub(super) cublaslt: bool,
+    /// The case's buffers without cudarc's per-buffer events (two created
+    /// with each allocation and destroyed with it; on this context, which
+    /// has one stream, never recorded or waited on).
+    pub(super) untracked: bool,
 }
 
 /// Builds the GPT in `dtype` computing with `ops`, hooked to an
@@ -91,6 +95,13 @@ pub(super) fn ours(
 ) -> BenchResult<Measured> {
     // Process-wide: on for this case only.
     zero_candle::nn::set_linear_cublaslt(variant.cublaslt);
+    if variant.untracked {
+        // SAFETY: Candle's context here has one stream, its own (the
+        // communicator's stream belongs to another `CudaContext` object),
+        // so cudarc records and waits on no buffer's events either way;
+        // the engine orders its streams with events of its own.
+        unsafe { ctx.disable_event_tracking() };
+    }
     let measured = (|| -> BenchResult<Measured> {
         // No gradient norm and no clipping: the PyTorch peer computes neither.
         let (model, mut opt) = hooked_gpt(
@@ -156,6 +167,8 @@ pub(super) fn ours(
         })
     })();
     zero_candle::nn::set_linear_cublaslt(false);
+    // SAFETY: restores the default for the buffers of the cases after.
+    unsafe { ctx.enable_event_tracking() };
     let measured = measured?;
     // The case's model, optimizer and communicator are dropped; their
     // asynchronous frees complete before the next case is built.

@@ -17,8 +17,9 @@ use zero_nccl::{CudaThreadGroup, DeviceComm, DevicePool};
 /// GPU (the global batch of [`BATCH`] split between them): each rank's
 /// engine device bytes per parameter (its memory report, the model's
 /// weights included, and at stage 3 the gather buffers), the pool's peak
-/// per rank (at stage 3 it includes the first step, on whole weights), and
-/// stage 2's and 3's step times over stage 0's and 2's.
+/// per rank (at stage 3 it includes the first step, on whole weights),
+/// stage 2's and 3's step times over stage 0's and 2's, and stage 2's
+/// without cudarc's event tracking over with it.
 pub(super) fn shared_gpu(
     report: &mut Report,
     device: &Device,
@@ -31,7 +32,7 @@ pub(super) fn shared_gpu(
         (Stage::Gradients, "s2", "<= 8"),
         (Stage::Parameters, "s3", "<= 5"),
     ] {
-        let measured = ranks_sharing(device, ctx, pool, stage);
+        let measured = ranks_sharing(device, ctx, pool, stage, false);
         let (seconds, bytes_per_param, peak) = match measured {
             Ok(m) => m,
             Err(e) => {
@@ -57,6 +58,21 @@ pub(super) fn shared_gpu(
         }
         step_s.push(seconds);
     }
+    // Each rank's Candle stream puts its context in cudarc's multi-stream
+    // mode: every buffer a kernel touches is waited on and recorded. What
+    // that costs stage 2's step, against the same ranks without it.
+    match ranks_sharing(device, ctx, pool, Stage::Gradients, true) {
+        Ok((seconds, _, _)) => report.add(
+            &format!("gpu.gpt_f32_n{SHARED_RANKS}_s2_untracked_step_over_tracked"),
+            seconds / step_s[1],
+            "ratio",
+            None,
+        ),
+        Err(e) => report.failed(
+            &format!("gpu gpt benchmark: {SHARED_RANKS} ranks untracked"),
+            e,
+        ),
+    }
     report.add(
         &format!("gpu.gpt_f32_n{SHARED_RANKS}_s2_step_over_s0"),
         step_s[1] / step_s[0],
@@ -81,6 +97,7 @@ fn ranks_sharing(
     ctx: &CudaContext,
     pool: Option<&DevicePool>,
     stage: Stage,
+    untracked: bool,
 ) -> BenchResult<SharedFigures> {
     // The peak covers the warm-up steps too (the pool is not shared with
     // the rank threads); the first step's peak is the steady one's.
@@ -92,6 +109,13 @@ fn ranks_sharing(
         let rank = comm.rank();
         let trained = (|| -> BenchResult<(f64, f64, usize)> {
             let device = Device::new_cuda_with_stream(comm.context().ordinal())?;
+            if let (true, Device::Cuda(cuda)) = (untracked, &device) {
+                // SAFETY: before any buffer of this rank's Candle context
+                // exists; the context has one stream, Candle's, and the
+                // engine orders it with the communicator's streams (another
+                // `CudaContext` object) by events of its own.
+                unsafe { cuda.disable_event_tracking() };
+            }
             let ids = random_ids(&device, BATCH / SHARED_RANKS)?;
             let (model, mut opt) = hooked_gpt(
                 &device,

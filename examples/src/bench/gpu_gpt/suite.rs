@@ -110,6 +110,26 @@ pub fn run(report: &mut Report, part: Part) {
         }
     }
 
+    // The bf16 step waits on the host (the profile): what cudarc's events
+    // per allocation cost it.
+    let untracked = (part == Part::All)
+        .then(|| {
+            let variant = Variant {
+                untracked: true,
+                ..Variant::default()
+            };
+            case_with("ours bf16 untracked", GptOps::Fused, DType::BF16, variant)
+        })
+        .flatten();
+    if let (Some(plain), Some(untracked)) = (&bf16_fused, untracked) {
+        report.add(
+            "gpu.gpt_bf16_untracked_over_tracked",
+            untracked.tokens_per_s / plain.tokens_per_s,
+            "x",
+            None,
+        );
+    }
+
     if let Some(m) = &f32_fused {
         report.add("gpu.gpt_tokens_per_s", m.tokens_per_s, "tokens/s", None);
         if let Some(peak) = m.peak_bytes {
