@@ -258,13 +258,22 @@ static void report(const char* what, const Call<E>& call, const Kernels<E>& kern
            call.time_ms(kern, iters, 2), call.time_ms(kern, iters, 3));
 }
 
-// `attention check` compares only (for compute-sanitizer), `attention`
-// compares and times.
+// `attention check` compares only (for compute-sanitizer), `attention
+// profile` launches the 1.1B Llama's forward + backward once (for ncu),
+// `attention` compares and times.
 int main(int argc, char** argv) {
-    const bool timing = !(argc > 1 && std::string(argv[1]) == "check");
+    const std::string mode = argc > 1 ? argv[1] : "";
+    const bool timing = mode != "check";
     cudaDeviceProp prop;
     CHECK(cudaGetDeviceProperties(&prop, 0));
     printf("%s, sm_%d%d\n", prop.name, prop.major, prop.minor);
+    if (mode == "profile") {
+        Call<bf16> llama(4, 2048, 32, 4, 64, false, 3);
+        llama.run(tensor_cores<bf16>(64));
+        CHECK(cudaDeviceSynchronize());
+        CHECK(cudaGetLastError());
+        return 0;
+    }
     // The CPU harness's tolerances (attention_tc.cpp).
     for (int dmax : {64, 128}) {
         check<bf16>("bf16", dmax, 1, 1, 2, 2, dmax, true, 1e-2);
