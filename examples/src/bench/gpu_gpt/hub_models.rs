@@ -123,17 +123,29 @@ pub(super) fn all_against_transformers(
     }
 }
 
+/// CUDA device 0 with its memory pool, or `None` (reported as `what`'s
+/// failure).
+fn open_with_pool(
+    report: &mut Report,
+    what: &str,
+) -> Option<(Device, Arc<CudaContext>, Option<DevicePool>)> {
+    match super::open_device() {
+        Ok((device, ctx)) => {
+            let pool = DevicePool::of(&ctx).ok();
+            Some((device, ctx, pool))
+        }
+        Err(e) => {
+            report.failed(&format!("{what} (opening CUDA device 0)"), e);
+            None
+        }
+    }
+}
+
 /// `bench gpu-hub`: the hub cases alone.
 pub fn hub(report: &mut Report) {
-    let (device, ctx) = match super::open_device() {
-        Ok(opened) => opened,
-        Err(e) => {
-            report.failed("gpu hub benchmark (opening CUDA device 0)", e);
-            return;
-        }
-    };
-    let pool = DevicePool::of(&ctx).ok();
-    all_against_transformers(report, &device, &ctx, pool.as_ref());
+    if let Some((device, ctx, pool)) = open_with_pool(report, "gpu hub benchmark") {
+        all_against_transformers(report, &device, &ctx, pool.as_ref());
+    }
 }
 
 /// `bench gpu-hub-profile` (for `scripts/profile-gpu-step.sh`'s
@@ -164,14 +176,9 @@ pub fn hub_profile(report: &mut Report) {
             return;
         }
     };
-    let (device, ctx) = match super::open_device() {
-        Ok(opened) => opened,
-        Err(e) => {
-            report.failed("gpu hub profile (opening CUDA device 0)", e);
-            return;
-        }
+    let Some((device, ctx, pool)) = open_with_pool(report, "gpu hub profile") else {
+        return;
     };
-    let pool = DevicePool::of(&ctx).ok();
     let steps = Steps {
         warmup: 1,
         timed: steps - 1,
