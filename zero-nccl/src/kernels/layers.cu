@@ -103,10 +103,19 @@ __device__ __forceinline__ float warp_max(float v) {
 // columns d >= head_dim stay zero); columns d >= head_dim are zero in shared
 // memory and never stored.
 //
-// Tiles read lane-per-row (the streamed keys or queries) are swizzled so
-// that both lane-per-row and lane-per-column reads hit 32 distinct banks
-// without padding: element (j, d) sits at j*DMAX + ((d + j) mod DMAX).
-// Tiles read one row by the whole warp (broadcast) are plain.
+// Dot products over d read 4 columns at a time (16-byte shared loads): a
+// lane its own row of the streamed tile, the whole warp one row of the
+// block's (a broadcast), 1 + R loads for 4R multiply-adds where single
+// columns took 1 + R for R. Tiles read lane-per-row (the streamed keys or
+// queries) are swizzled by groups of 4 columns so that lane-per-row 16-byte
+// reads and lane-per-column 4-byte reads are both free of bank conflicts
+// without padding: element (j, d) sits at j*DMAX + 4 ((d/4 + j) mod
+// DMAX/4) + d mod 4. Tiles read one row by the whole warp are plain.
+// Sums over the streamed rows take each row's P (or dS) from shared memory,
+// 4 rows' in one broadcast load, instead of a shuffle per row and query.
+// Every sum adds in the order of d or of the rows, as one column at a time
+// would: columns past D and rows past T are zero in shared memory, so
+// rounding the loops up to 4 adds exact zeros.
 //
 // Every __syncthreads() sits in a loop whose bounds depend on the block
 // index only; row and key bounds are handled in arithmetic (masks), never
@@ -118,7 +127,30 @@ __device__ __forceinline__ float warp_max(float v) {
 
 template <int DMAX>
 __device__ __forceinline__ int swz(int j, int d) {
-    return j * DMAX + ((d + j) & (DMAX - 1));
+    return j * DMAX + ((((d >> 2) + j) & (DMAX / 4 - 1)) << 2) + (d & 3);
+}
+
+// Columns [d, d + 4) (d a multiple of 4) of row j of a swizzled tile, and
+// of a plain row.
+template <int DMAX>
+__device__ __forceinline__ float4 swz4(const float* tile, int j, int d) {
+    return *reinterpret_cast<const float4*>(tile + swz<DMAX>(j, d));
+}
+__device__ __forceinline__ float4 plain4(const float* at) {
+    return *reinterpret_cast<const float4*>(at);
+}
+
+// acc + a . b, multiply-adds in the order of the columns.
+__device__ __forceinline__ float dot4(float acc, float4 a, float4 b) {
+    acc += a.x * b.x;
+    acc += a.y * b.y;
+    acc += a.z * b.z;
+    return acc + a.w * b.w;
+}
+
+// D rounded up to the 4 columns a dot4 takes.
+__device__ __forceinline__ int round4(int n) {
+    return (n + 3) & ~3;
 }
 
 // Loads rows [t0, t0 + ROWS) of one head's slice at column offset `col` of
@@ -143,9 +175,10 @@ __device__ __forceinline__ void attention_forward(const T* __restrict__ q, const
                                                   float scale) {
     constexpr int BQ = ATTN_WARPS * R;
     constexpr int DPL = DMAX / 32;
-    __shared__ float qs[BQ * DMAX];          // plain: read by broadcast
-    __shared__ float ks[ATTN_KT * DMAX];     // swizzled: lane = key
-    __shared__ float vs[ATTN_KT * DMAX];     // plain: lane = column
+    __shared__ __align__(16) float qs[BQ * DMAX];       // plain: read by broadcast
+    __shared__ __align__(16) float ks[ATTN_KT * DMAX];  // swizzled: lane = key
+    __shared__ __align__(16) float vs[ATTN_KT * DMAX];  // plain: lane = column
+    __shared__ __align__(16) float ps[BQ * ATTN_KT];    // each row's P of the tile
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     // Heavy (late) query tiles first: causal work grows with the tile index.
     const int q0 = (gridDim.x - 1 - blockIdx.x) * BQ;
@@ -158,7 +191,7 @@ __device__ __forceinline__ void attention_forward(const T* __restrict__ q, const
     load_tile<T, DMAX, BQ, false>(qs, q + (size_t)b * T_ * q_stride + (size_t)h * D, q_stride,
                                   q0, T_, D);
 
-    float m[R], l[R], p[R], acc[R][DPL];
+    float m[R], l[R], acc[R][DPL];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
         m[r] = NEG_INF;
@@ -176,12 +209,13 @@ __device__ __forceinline__ void attention_forward(const T* __restrict__ q, const
         float s[R];
 #pragma unroll
         for (int r = 0; r < R; ++r) s[r] = 0.f;
-#pragma unroll 4
-        for (int d = 0; d < D; ++d) {
-            const float kv = ks[swz<DMAX>(lane, d)];
+#pragma unroll 1
+        for (int d = 0; d < D; d += 4) {
+            const float4 kv = swz4<DMAX>(ks, lane, d);
 #pragma unroll
-            for (int r = 0; r < R; ++r) s[r] += qs[(warp * R + r) * DMAX + d] * kv;
+            for (int r = 0; r < R; ++r) s[r] = dot4(s[r], plain4(qs + (warp * R + r) * DMAX + d), kv);
         }
+        float* pw = ps + warp * R * ATTN_KT;
 #pragma unroll
         for (int r = 0; r < R; ++r) {
             const int t = q0 + warp * R + r;
@@ -189,23 +223,32 @@ __device__ __forceinline__ void attention_forward(const T* __restrict__ q, const
             const float sc = valid ? s[r] * scale : NEG_INF;
             const float m_new = fmaxf(m[r], warp_max(sc));
             // m_new is -inf only on a padding row (t >= T), which stays empty.
-            p[r] = valid ? __expf(sc - m_new) : 0.f;
+            const float p = valid ? __expf(sc - m_new) : 0.f;
+            pw[r * ATTN_KT + lane] = p;
             const float alpha = m[r] == NEG_INF ? 0.f : __expf(m[r] - m_new);
-            l[r] = l[r] * alpha + warp_sum(p[r]);
+            l[r] = l[r] * alpha + warp_sum(p);
             m[r] = m_new;
 #pragma unroll
             for (int i = 0; i < DPL; ++i) acc[r][i] *= alpha;
         }
-        const int keys = min(ATTN_KT, T_ - k0);
-        for (int j = 0; j < keys; ++j) {
-            float v[DPL];
+        __syncwarp();  // the warp's P is written
+        const int keys = round4(min(ATTN_KT, T_ - k0));
+        for (int j = 0; j < keys; j += 4) {
+            float v[4][DPL];
 #pragma unroll
-            for (int i = 0; i < DPL; ++i) v[i] = vs[j * DMAX + lane + 32 * i];
+            for (int jj = 0; jj < 4; ++jj)
+#pragma unroll
+                for (int i = 0; i < DPL; ++i) v[jj][i] = vs[(j + jj) * DMAX + lane + 32 * i];
 #pragma unroll
             for (int r = 0; r < R; ++r) {
-                const float pj = __shfl_sync(FULL_MASK, p[r], j);
+                const float4 p4 = plain4(pw + r * ATTN_KT + j);
 #pragma unroll
-                for (int i = 0; i < DPL; ++i) acc[r][i] += pj * v[i];
+                for (int i = 0; i < DPL; ++i) {
+                    acc[r][i] += p4.x * v[0][i];
+                    acc[r][i] += p4.y * v[1][i];
+                    acc[r][i] += p4.z * v[2][i];
+                    acc[r][i] += p4.w * v[3][i];
+                }
             }
         }
     }
@@ -259,10 +302,13 @@ __device__ __forceinline__ void attention_backward_dq(
     float scale) {
     constexpr int BQ = ATTN_WARPS * R;
     constexpr int DPL = DMAX / 32;
-    __shared__ float qs[BQ * DMAX];       // plain: broadcast
-    __shared__ float dos[BQ * DMAX];      // plain: broadcast
-    __shared__ float ks[ATTN_KT * DMAX];  // swizzled: lane = key, then lane = column
-    __shared__ float vs[ATTN_KT * DMAX];  // swizzled: lane = key
+    __shared__ __align__(16) float qs[BQ * DMAX];       // plain: broadcast
+    __shared__ __align__(16) float dos[BQ * DMAX];      // plain: broadcast
+    __shared__ __align__(16) float ks[ATTN_KT * DMAX];  // swizzled: lane = key, then lane = column
+    // Swizzled: lane = key; then each row's dS of the tile (48 KiB of static
+    // shared memory hold no buffer of its own at DMAX 128).
+    __shared__ __align__(16) float vs[ATTN_KT * DMAX];
+    static_assert(BQ * ATTN_KT <= ATTN_KT * DMAX, "dS fits where V was");
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int q0 = (gridDim.x - 1 - blockIdx.x) * BQ;
     const int h = blockIdx.y, b = blockIdx.z, kvh = h / (H / KVH);
@@ -299,34 +345,43 @@ __device__ __forceinline__ void attention_backward_dq(
             s[r] = 0.f;
             dp[r] = 0.f;
         }
-#pragma unroll 4
-        for (int d = 0; d < D; ++d) {
-            const float kv = ks[swz<DMAX>(lane, d)];
-            const float vv = vs[swz<DMAX>(lane, d)];
+#pragma unroll 2
+        for (int d = 0; d < D; d += 4) {
+            const float4 kv = swz4<DMAX>(ks, lane, d);
+            const float4 vv = swz4<DMAX>(vs, lane, d);
 #pragma unroll
             for (int r = 0; r < R; ++r) {
-                s[r] += qs[(warp * R + r) * DMAX + d] * kv;
-                dp[r] += dos[(warp * R + r) * DMAX + d] * vv;
+                s[r] = dot4(s[r], plain4(qs + (warp * R + r) * DMAX + d), kv);
+                dp[r] = dot4(dp[r], plain4(dos + (warp * R + r) * DMAX + d), vv);
             }
         }
-        float ds[R];
+        __syncthreads();  // every warp is done with V: its dS goes there
+        float* dsw = vs + warp * R * ATTN_KT;
 #pragma unroll
         for (int r = 0; r < R; ++r) {
             const int t = q0 + warp * R + r;
             const bool valid = key <= t && t < T_;
             const float pr = valid ? __expf(s[r] * scale - row_lse[r]) : 0.f;
-            ds[r] = pr * (dp[r] - row_delta[r]);
+            dsw[r * ATTN_KT + lane] = pr * (dp[r] - row_delta[r]);
         }
-        const int keys = min(ATTN_KT, T_ - k0);
-        for (int j = 0; j < keys; ++j) {
-            float kj[DPL];
+        __syncwarp();  // the warp's dS is written
+        const int keys = round4(min(ATTN_KT, T_ - k0));
+        for (int j = 0; j < keys; j += 4) {
+            float kj[4][DPL];
 #pragma unroll
-            for (int i = 0; i < DPL; ++i) kj[i] = ks[swz<DMAX>(j, lane + 32 * i)];
+            for (int jj = 0; jj < 4; ++jj)
+#pragma unroll
+                for (int i = 0; i < DPL; ++i) kj[jj][i] = ks[swz<DMAX>(j + jj, lane + 32 * i)];
 #pragma unroll
             for (int r = 0; r < R; ++r) {
-                const float dsj = __shfl_sync(FULL_MASK, ds[r], j);
+                const float4 ds4 = plain4(dsw + r * ATTN_KT + j);
 #pragma unroll
-                for (int i = 0; i < DPL; ++i) dq[r][i] += dsj * kj[i];
+                for (int i = 0; i < DPL; ++i) {
+                    dq[r][i] += ds4.x * kj[0][i];
+                    dq[r][i] += ds4.y * kj[1][i];
+                    dq[r][i] += ds4.z * kj[2][i];
+                    dq[r][i] += ds4.w * kj[3][i];
+                }
             }
         }
     }
@@ -354,10 +409,14 @@ __device__ __forceinline__ void attention_backward_dkdv(
     int KVH, int D, float scale) {
     constexpr int KB = ATTN_WARPS * R;
     constexpr int DPL = DMAX / 32;
-    __shared__ float ks[KB * DMAX];        // plain: broadcast
-    __shared__ float vs[KB * DMAX];        // plain: broadcast
-    __shared__ float qs[ATTN_KT * DMAX];   // swizzled: lane = query, then lane = column
-    __shared__ float dos[ATTN_KT * DMAX];  // swizzled: lane = query, then lane = column
+    __shared__ __align__(16) float ks[KB * DMAX];        // plain: broadcast
+    __shared__ __align__(16) float vs[KB * DMAX];        // plain: broadcast
+    __shared__ __align__(16) float qs[ATTN_KT * DMAX];   // swizzled: lane = query, then lane = column
+    __shared__ __align__(16) float dos[ATTN_KT * DMAX];  // swizzled: lane = query, then lane = column
+    // Each key row's P and dS of a query tile pass through shared memory
+    // where the 48 KiB of static shared memory hold them (DMAX 64), by
+    // shuffles where not.
+    constexpr bool P_SHARED = DMAX <= 64;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     // Early key tiles see the most queries: natural order puts them first.
     const int k_first = blockIdx.x * KB;
@@ -396,14 +455,14 @@ __device__ __forceinline__ void attention_backward_dkdv(
                 s[r] = 0.f;
                 dp[r] = 0.f;
             }
-#pragma unroll 4
-            for (int d = 0; d < D; ++d) {
-                const float qv = qs[swz<DMAX>(lane, d)];
-                const float ov = dos[swz<DMAX>(lane, d)];
+#pragma unroll 1
+            for (int d = 0; d < D; d += 4) {
+                const float4 qv = swz4<DMAX>(qs, lane, d);
+                const float4 ov = swz4<DMAX>(dos, lane, d);
 #pragma unroll
                 for (int r = 0; r < R; ++r) {
-                    s[r] += qv * ks[(warp * R + r) * DMAX + d];
-                    dp[r] += ov * vs[(warp * R + r) * DMAX + d];
+                    s[r] = dot4(s[r], qv, plain4(ks + (warp * R + r) * DMAX + d));
+                    dp[r] = dot4(dp[r], ov, plain4(vs + (warp * R + r) * DMAX + d));
                 }
             }
             float p[R], ds[R];
@@ -414,23 +473,59 @@ __device__ __forceinline__ void attention_backward_dkdv(
                 p[r] = valid ? __expf(s[r] * scale - q_lse) : 0.f;
                 ds[r] = p[r] * (dp[r] - q_delta);
             }
-            const int queries = min(ATTN_KT, T_ - q0);
-            for (int j = 0; j < queries; ++j) {
-                float qj[DPL], oj[DPL];
+            // Adds row j's terms (its Q and dO values qj, oj; its P and dS
+            // for key r, pj(r) and dsj(r)) into dV and dK.
+            auto add_row = [&](const float (&qj)[DPL], const float (&oj)[DPL], int r, float pj,
+                               float dsj) {
 #pragma unroll
                 for (int i = 0; i < DPL; ++i) {
-                    qj[i] = qs[swz<DMAX>(j, lane + 32 * i)];
-                    oj[i] = dos[swz<DMAX>(j, lane + 32 * i)];
+                    dv[r][i] += pj * oj[i];
+                    dk[r][i] += dsj * qj[i];
                 }
+            };
+            if constexpr (P_SHARED) {
+                __shared__ __align__(16) float pds[2 * KB * ATTN_KT];
+                float* pw = pds + warp * 2 * R * ATTN_KT;
+                float* dsw = pw + R * ATTN_KT;
 #pragma unroll
                 for (int r = 0; r < R; ++r) {
-                    const float pj = __shfl_sync(FULL_MASK, p[r], j);
-                    const float dsj = __shfl_sync(FULL_MASK, ds[r], j);
+                    pw[r * ATTN_KT + lane] = p[r];
+                    dsw[r * ATTN_KT + lane] = ds[r];
+                }
+                __syncwarp();  // the warp's P and dS are written
+                const int queries = round4(min(ATTN_KT, T_ - q0));
+                for (int j = 0; j < queries; j += 4) {
+                    float qj[4][DPL], oj[4][DPL];
+#pragma unroll
+                    for (int jj = 0; jj < 4; ++jj)
+#pragma unroll
+                        for (int i = 0; i < DPL; ++i) {
+                            qj[jj][i] = qs[swz<DMAX>(j + jj, lane + 32 * i)];
+                            oj[jj][i] = dos[swz<DMAX>(j + jj, lane + 32 * i)];
+                        }
+#pragma unroll
+                    for (int r = 0; r < R; ++r) {
+                        const float4 p4 = plain4(pw + r * ATTN_KT + j);
+                        const float4 ds4 = plain4(dsw + r * ATTN_KT + j);
+                        add_row(qj[0], oj[0], r, p4.x, ds4.x);
+                        add_row(qj[1], oj[1], r, p4.y, ds4.y);
+                        add_row(qj[2], oj[2], r, p4.z, ds4.z);
+                        add_row(qj[3], oj[3], r, p4.w, ds4.w);
+                    }
+                }
+            } else {
+                const int queries = min(ATTN_KT, T_ - q0);
+                for (int j = 0; j < queries; ++j) {
+                    float qj[DPL], oj[DPL];
 #pragma unroll
                     for (int i = 0; i < DPL; ++i) {
-                        dv[r][i] += pj * oj[i];
-                        dk[r][i] += dsj * qj[i];
+                        qj[i] = qs[swz<DMAX>(j, lane + 32 * i)];
+                        oj[i] = dos[swz<DMAX>(j, lane + 32 * i)];
                     }
+#pragma unroll
+                    for (int r = 0; r < R; ++r)
+                        add_row(qj, oj, r, __shfl_sync(FULL_MASK, p[r], j),
+                                __shfl_sync(FULL_MASK, ds[r], j));
                 }
             }
         }

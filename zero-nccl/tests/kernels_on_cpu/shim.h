@@ -1,7 +1,7 @@
 // Runs zero-nccl's CUDA C (src/kernels/layers.cu) on the CPU, for
 // scripts/check-kernels-on-cpu.sh: every CUDA thread of a block is a host
 // thread, __syncthreads() is a barrier of the block's threads, a warp
-// shuffle a barrier of its 32, a warp's mma.sync (shim_mma_m16n8k16) a
+// shuffle or __syncwarp() a barrier of its 32, a warp's mma.sync (shim_mma_m16n8k16) a
 // barrier of its 32 around a product computed from every lane's fragment
 // registers, laid out as the PTX ISA documents, and ldmatrix
 // (shim_ldmatrix_x4) the same around the lanes' row addresses; cp.async
@@ -30,6 +30,7 @@ dim3 gridDim, blockDim;
 #define __launch_bounds__(...)
 #define __align__(n) __attribute__((aligned(n)))
 struct alignas(16) uint4 { unsigned x, y, z, w; };
+struct alignas(16) float4 { float x, y, z, w; };
 [[noreturn]] static inline void __trap(){ abort(); }
 #define __expf cuda_expf
 static inline float cuda_expf(float x){return expf(x);}
@@ -49,6 +50,7 @@ std::vector<std::unique_ptr<Warp>> g_warps;
 std::barrier<>* g_block = nullptr;
 thread_local int g_tid;
 static inline void __syncthreads(){ g_block->arrive_and_wait(); }
+static inline void __syncwarp(unsigned = 0xffffffffu){ g_warps[g_tid/32]->bar.arrive_and_wait(); }
 template<class V> static inline V shfl_idx(V v, int src){
   int lane = g_tid % 32; Warp& w = *g_warps[g_tid/32];
   w.buf[lane] = (double)v; w.bar.arrive_and_wait(); V r = (V)w.buf[src]; w.bar.arrive_and_wait(); return r;
