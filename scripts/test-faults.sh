@@ -28,8 +28,10 @@
 # FAULTS_KILLS=<n> sets the kills per backend (default 15);
 # FAULTS_PREEMPTS=<n> the preemptions per case (default 3).
 # Needs Open MPI (scripts/install-deps.sh), python3 and pgrep. Run from
-# anywhere; takes about 90 s on 2 cores once built (the release build of the
-# trainer takes a few minutes the first time).
+# anywhere; takes about 90 s on 2 cores once built. The trainer is the
+# dev-profile build that scripts/test-mpi.sh makes (same packages and
+# features), so that the test suite does not build every dependency again
+# in release.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -51,8 +53,8 @@ seed=${FAULTS_SEED:-$(( $(date +%s) % 100000 ))}
 RANDOM=$seed
 script_start=$(date +%s.%N)
 
-echo "== building train and weights-diff (release, --features mpi)"
-json=$(cargo build --release -p zero-examples --features mpi --bin train --bin weights-diff \
+echo "== building train and weights-diff (dev profile, --features mpi)"
+json=$(cargo build -p zero-examples --features mpi --bin train --bin weights-diff \
     --message-format=json)
 executable() {
     printf '%s\n' "$json" | grep -o "\"executable\":\"[^\"]*/$1\"" | sed -E 's/.*:"(.*)"/\1/' | tail -1
