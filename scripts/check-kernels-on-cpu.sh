@@ -15,9 +15,15 @@ cd "$(dirname "$0")/.."
 dir=zero-nccl/tests/kernels_on_cpu
 out="$(mktemp -d)"
 trap 'rm -rf "$out"' EXIT
+# The four compiles side by side (one core each).
+pids=()
 for test in attention attention_tc layers embedding; do
     g++ -std=c++20 -O2 -pthread -w -I "$dir" -I zero-nccl/src/kernels \
-        "$dir/$test.cpp" -o "$out/$test"
+        "$dir/$test.cpp" -o "$out/$test" &
+    pids+=("$!")
+done
+for pid in "${pids[@]}"; do
+    wait "$pid" || { echo "kernels on the CPU: a harness did not compile" >&2; exit 1; }
 done
 # A barrier some thread never reaches would hang: bound each run.
 status=0

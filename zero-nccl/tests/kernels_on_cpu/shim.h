@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <cstdlib>
 struct dim3 { unsigned x=1, y=1, z=1; };
 thread_local dim3 threadIdx, blockIdx;
@@ -57,14 +58,30 @@ template<class V> static inline V shfl_idx(V v, int src){
 }
 static inline float __shfl_sync(unsigned, float v, int src){ return shfl_idx(v, src & 31); }
 static inline float __shfl_xor_sync(unsigned, float v, int o){ return shfl_idx(v, (g_tid%32) ^ o); }
+// One host thread per CUDA thread of a block, for the whole launch: the
+// blocks run one after another (x fastest), each with a fresh block barrier
+// (a thread that returns drops out of it, as an exited CUDA thread leaves
+// __syncthreads) and fresh warps, made while every thread waits at the
+// boundary between blocks (shared memory is static: one block at a time).
 template<class F> void launch(dim3 grid, dim3 block, F f){
-  gridDim = grid; blockDim = block; int n = block.x*block.y*block.z;
-  for (unsigned bz=0;bz<grid.z;bz++) for (unsigned by=0;by<grid.y;by++) for (unsigned bx=0;bx<grid.x;bx++){
-    std::barrier<> bb(n); g_block=&bb; g_warps.clear(); for(int w=0;w<(n+31)/32;w++) g_warps.emplace_back(new Warp);
-    std::vector<std::thread> ts;
-    for (int t=0;t<n;t++) ts.emplace_back([&,t]{ g_tid=t; threadIdx.x=t%block.x; threadIdx.y=(t/block.x)%block.y; threadIdx.z=0; blockIdx.x=bx; blockIdx.y=by; blockIdx.z=bz; f(); g_block->arrive_and_drop(); });
-    for (auto& th: ts) th.join();
-  }
+  gridDim = grid; blockDim = block; const int n = block.x*block.y*block.z;
+  const unsigned blocks = grid.x*grid.y*grid.z;
+  std::optional<std::barrier<>> bb;
+  auto fresh = [&]() noexcept {
+    bb.emplace(n); g_block = &*bb;
+    g_warps.clear(); for(int w=0;w<(n+31)/32;w++) g_warps.emplace_back(new Warp);
+  };
+  fresh();
+  std::barrier boundary(n, fresh);
+  std::vector<std::thread> ts;
+  for (int t=0;t<n;t++) ts.emplace_back([&,t]{
+    g_tid=t; threadIdx.x=t%block.x; threadIdx.y=(t/block.x)%block.y; threadIdx.z=0;
+    for (unsigned i=0;i<blocks;i++){
+      blockIdx.x=i%grid.x; blockIdx.y=(i/grid.x)%grid.y; blockIdx.z=i/(grid.x*grid.y);
+      f(); g_block->arrive_and_drop(); boundary.arrive_and_wait();
+    }
+  });
+  for (auto& th: ts) th.join();
 }
 
 // mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.{bf16,f16}.f32 with
