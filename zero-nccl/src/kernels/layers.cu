@@ -153,6 +153,25 @@ __device__ __forceinline__ int round4(int n) {
     return (n + 3) & ~3;
 }
 
+// acc[r] += w[r][j] x[j] for the 4 streamed rows j = j0.. j0 + 3 in turn:
+// w is a warp's R rows of weights (P or dS, ATTN_KT a row in shared
+// memory), x the 4 rows' values at this lane's columns.
+template <int R, int DPL>
+__device__ __forceinline__ void add_rows4(float (&acc)[R][DPL], const float* w, int j0,
+                                          const float (&x)[4][DPL]) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const float4 w4 = plain4(w + r * ATTN_KT + j0);
+#pragma unroll
+        for (int i = 0; i < DPL; ++i) {
+            acc[r][i] += w4.x * x[0][i];
+            acc[r][i] += w4.y * x[1][i];
+            acc[r][i] += w4.z * x[2][i];
+            acc[r][i] += w4.w * x[3][i];
+        }
+    }
+}
+
 // Loads rows [t0, t0 + ROWS) of one head's slice at column offset `col` of
 // qkv-like rows (stride `row_stride`) into a ROWS x DMAX f32 tile, zero
 // outside [0, T) x [0, D); swizzled or plain.
@@ -239,17 +258,7 @@ __device__ __forceinline__ void attention_forward(const T* __restrict__ q, const
             for (int jj = 0; jj < 4; ++jj)
 #pragma unroll
                 for (int i = 0; i < DPL; ++i) v[jj][i] = vs[(j + jj) * DMAX + lane + 32 * i];
-#pragma unroll
-            for (int r = 0; r < R; ++r) {
-                const float4 p4 = plain4(pw + r * ATTN_KT + j);
-#pragma unroll
-                for (int i = 0; i < DPL; ++i) {
-                    acc[r][i] += p4.x * v[0][i];
-                    acc[r][i] += p4.y * v[1][i];
-                    acc[r][i] += p4.z * v[2][i];
-                    acc[r][i] += p4.w * v[3][i];
-                }
-            }
+            add_rows4<R, DPL>(acc, pw, j, v);
         }
     }
 #pragma unroll
@@ -372,17 +381,7 @@ __device__ __forceinline__ void attention_backward_dq(
             for (int jj = 0; jj < 4; ++jj)
 #pragma unroll
                 for (int i = 0; i < DPL; ++i) kj[jj][i] = ks[swz<DMAX>(j + jj, lane + 32 * i)];
-#pragma unroll
-            for (int r = 0; r < R; ++r) {
-                const float4 ds4 = plain4(dsw + r * ATTN_KT + j);
-#pragma unroll
-                for (int i = 0; i < DPL; ++i) {
-                    dq[r][i] += ds4.x * kj[0][i];
-                    dq[r][i] += ds4.y * kj[1][i];
-                    dq[r][i] += ds4.z * kj[2][i];
-                    dq[r][i] += ds4.w * kj[3][i];
-                }
-            }
+            add_rows4<R, DPL>(dq, dsw, j, kj);
         }
     }
 #pragma unroll
@@ -473,16 +472,6 @@ __device__ __forceinline__ void attention_backward_dkdv(
                 p[r] = valid ? __expf(s[r] * scale - q_lse) : 0.f;
                 ds[r] = p[r] * (dp[r] - q_delta);
             }
-            // Adds row j's terms (its Q and dO values qj, oj; its P and dS
-            // for key r, pj(r) and dsj(r)) into dV and dK.
-            auto add_row = [&](const float (&qj)[DPL], const float (&oj)[DPL], int r, float pj,
-                               float dsj) {
-#pragma unroll
-                for (int i = 0; i < DPL; ++i) {
-                    dv[r][i] += pj * oj[i];
-                    dk[r][i] += dsj * qj[i];
-                }
-            };
             if constexpr (P_SHARED) {
                 __shared__ __align__(16) float pds[2 * KB * ATTN_KT];
                 float* pw = pds + warp * 2 * R * ATTN_KT;
@@ -503,15 +492,8 @@ __device__ __forceinline__ void attention_backward_dkdv(
                             qj[jj][i] = qs[swz<DMAX>(j + jj, lane + 32 * i)];
                             oj[jj][i] = dos[swz<DMAX>(j + jj, lane + 32 * i)];
                         }
-#pragma unroll
-                    for (int r = 0; r < R; ++r) {
-                        const float4 p4 = plain4(pw + r * ATTN_KT + j);
-                        const float4 ds4 = plain4(dsw + r * ATTN_KT + j);
-                        add_row(qj[0], oj[0], r, p4.x, ds4.x);
-                        add_row(qj[1], oj[1], r, p4.y, ds4.y);
-                        add_row(qj[2], oj[2], r, p4.z, ds4.z);
-                        add_row(qj[3], oj[3], r, p4.w, ds4.w);
-                    }
+                    add_rows4<R, DPL>(dv, pw, j, oj);
+                    add_rows4<R, DPL>(dk, dsw, j, qj);
                 }
             } else {
                 const int queries = min(ATTN_KT, T_ - q0);
@@ -523,9 +505,15 @@ __device__ __forceinline__ void attention_backward_dkdv(
                         oj[i] = dos[swz<DMAX>(j, lane + 32 * i)];
                     }
 #pragma unroll
-                    for (int r = 0; r < R; ++r)
-                        add_row(qj, oj, r, __shfl_sync(FULL_MASK, p[r], j),
-                                __shfl_sync(FULL_MASK, ds[r], j));
+                    for (int r = 0; r < R; ++r) {
+                        const float pj = __shfl_sync(FULL_MASK, p[r], j);
+                        const float dsj = __shfl_sync(FULL_MASK, ds[r], j);
+#pragma unroll
+                        for (int i = 0; i < DPL; ++i) {
+                            dv[r][i] += pj * oj[i];
+                            dk[r][i] += dsj * qj[i];
+                        }
+                    }
                 }
             }
         }
