@@ -84,14 +84,22 @@ __device__ __forceinline__ unsigned short narrow_bf16(float f) {
     return (unsigned short)(x >> 16);
 }
 __device__ __forceinline__ float widen_f16(unsigned short h) {
+#ifdef ZERO_LAYERS_ON_CPU
+    return half_to_float(h);
+#else
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
     return f;
+#endif
 }
 __device__ __forceinline__ unsigned short narrow_f16(float f) {
+#ifdef ZERO_LAYERS_ON_CPU
+    return float_to_half(f);
+#else
     unsigned short h;
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
     return h;
+#endif
 }
 
 // gather_widen_*: flat[offset + i] = widen(src[i]) (or += with _add);

@@ -1,4 +1,4 @@
-// Runs zero-nccl's CUDA C (src/kernels/layers.cu) on the CPU, for
+// Runs zero-nccl's CUDA C (src/kernels/*.cu) on the CPU, for
 // scripts/check-kernels-on-cpu.sh: every CUDA thread of a block is a host
 // thread, __syncthreads() is a barrier of the block's threads, a warp
 // shuffle or __syncwarp() a barrier of its 32, a warp's mma.sync (shim_mma_m16n8k16) a
@@ -11,6 +11,7 @@
 // scheduling happened to, the GPU's approximate __expf, f16 NaN bits.
 #pragma once
 #define ZERO_LAYERS_ON_CPU 1
+#include <atomic>
 #include <barrier>
 #include <thread>
 #include <vector>
@@ -51,6 +52,12 @@ std::vector<std::unique_ptr<Warp>> g_warps;
 std::barrier<>* g_block = nullptr;
 thread_local int g_tid;
 static inline void __syncthreads(){ g_block->arrive_and_wait(); }
+static inline double atomicAdd(double* at, double v){ return std::atomic_ref<double>(*at).fetch_add(v); }
+static inline unsigned atomicMax(unsigned* at, unsigned v){
+  std::atomic_ref<unsigned> a(*at); unsigned old = a.load();
+  while (old < v && !a.compare_exchange_weak(old, v)) {}
+  return old;
+}
 static inline void __syncwarp(unsigned = 0xffffffffu){ g_warps[g_tid/32]->bar.arrive_and_wait(); }
 template<class V> static inline V shfl_idx(V v, int src){
   int lane = g_tid % 32; Warp& w = *g_warps[g_tid/32];
