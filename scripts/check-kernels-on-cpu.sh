@@ -18,19 +18,23 @@ cd "$(dirname "$0")/.."
 dir=zero-nccl/tests/kernels_on_cpu
 out="$(mktemp -d)"
 trap 'rm -rf "$out"' EXIT
+tests=(attention attention_tc layers embedding copies)
 # The compiles side by side.
 pids=()
-for test in attention attention_tc layers embedding copies; do
+for test in "${tests[@]}"; do
     g++ -std=c++20 -O2 -pthread -w -I "$dir" -I zero-nccl/src/kernels \
         "$dir/$test.cpp" -o "$out/$test" &
     pids+=("$!")
 done
-for pid in "${pids[@]}"; do
-    wait "$pid" || { echo "kernels on the CPU: a harness did not compile" >&2; exit 1; }
+for i in "${!tests[@]}"; do
+    wait "${pids[$i]}" || {
+        echo "kernels on the CPU: $dir/${tests[$i]}.cpp did not compile (g++'s errors above)" >&2
+        exit 1
+    }
 done
 # A barrier some thread never reaches would hang: bound each run.
 status=0
-for test in attention attention_tc layers embedding copies; do
+for test in "${tests[@]}"; do
     timeout 600 "$out/$test" || { echo "kernels on the CPU: $test failed (status $?)"; status=1; }
 done
 exit "$status"

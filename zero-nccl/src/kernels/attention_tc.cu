@@ -534,10 +534,10 @@ __device__ __forceinline__ void dkdv_sweep(float (&dk_acc)[DMAX / 8][4],
     auto load = [&](int stage, int tile) {
         const int h = kvh * group + tile / per_head;
         const int q0 = k_first + (tile % per_head) * KR;
-        tc_load_rows<T, DMAX, KR>(qs + stage * TILE, q + (size_t)b * T_ * q_stride + (size_t)h * D,
-                              q_stride, q0, T_, D);
-        tc_load_rows<T, DMAX, KR>(dos + stage * TILE, dout + (size_t)b * T_ * C + (size_t)h * D, C,
-                              q0, T_, D);
+        const T* qh = q + (size_t)b * T_ * q_stride + (size_t)h * D;
+        const T* doh = dout + (size_t)b * T_ * C + (size_t)h * D;
+        tc_load_rows<T, DMAX, KR>(qs + stage * TILE, qh, q_stride, q0, T_, D);
+        tc_load_rows<T, DMAX, KR>(dos + stage * TILE, doh, C, q0, T_, D);
         tc_load_row_values<KR>(lse_s + stage * KR, lse + ((size_t)b * H + h) * T_, q0, T_);
         tc_load_row_values<KR>(delta_s + stage * KR, delta + ((size_t)b * H + h) * T_, q0, T_);
     };

@@ -9,6 +9,7 @@
 // Exits non-zero on any failure.
 #include "shim.h"
 #include "source.cu"
+#include <algorithm>
 #include <cstdio>
 #include <random>
 

@@ -167,8 +167,10 @@ pub(super) fn ours(
         })
     })();
     zero_candle::nn::set_linear_cublaslt(false);
-    // SAFETY: restores the default for the buffers of the cases after.
-    unsafe { ctx.enable_event_tracking() };
+    if variant.untracked {
+        // SAFETY: restores the default for the buffers of the cases after.
+        unsafe { ctx.enable_event_tracking() };
+    }
     let measured = measured?;
     // The case's model, optimizer and communicator are dropped; their
     // asynchronous frees complete before the next case is built.
