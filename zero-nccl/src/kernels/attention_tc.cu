@@ -336,9 +336,8 @@ __device__ __forceinline__ void attention_tc_forward(ATTN_FORWARD_PARAMS(T)) {
     __shared__ __align__(16) u16 ks[2 * TILE];
     __shared__ __align__(16) u16 vs[2 * TILE];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    // Heavy (late) query tiles first: causal work grows with the tile index.
-    const int q0 = (gridDim.x - 1 - blockIdx.x) * TC_ROWS;
-    const int h = blockIdx.y, b = blockIdx.z, kvh = h / (H / KVH);
+    const int q0 = attn_query_tile(TC_ROWS);
+    const int h = attn_head(), b = attn_batch(), kvh = h / (H / KVH);
     const T* qb = q + (size_t)b * T_ * q_stride + (size_t)h * D;
     const T* kb = k + (size_t)b * T_ * kv_stride + (size_t)kvh * D;
     const T* vb = v + (size_t)b * T_ * kv_stride + (size_t)kvh * D;
@@ -428,8 +427,8 @@ __device__ __forceinline__ void attention_tc_backward_dq(ATTN_DQ_PARAMS(T)) {
     __shared__ __align__(16) u16 ks[2 * TILE];
     __shared__ __align__(16) u16 vs[2 * TILE];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int q0 = (gridDim.x - 1 - blockIdx.x) * TC_ROWS;
-    const int h = blockIdx.y, b = blockIdx.z, kvh = h / (H / KVH);
+    const int q0 = attn_query_tile(TC_ROWS);
+    const int h = attn_head(), b = attn_batch(), kvh = h / (H / KVH);
     const int C = H * D;
     const T* qb = q + (size_t)b * T_ * q_stride + (size_t)h * D;
     const T* kb = k + (size_t)b * T_ * kv_stride + (size_t)kvh * D;
@@ -523,8 +522,8 @@ __device__ __forceinline__ void dkdv_sweep(float (&dk_acc)[DMAX / 8][4],
                                            ATTN_DKDV_PARAMS(T)) {
     constexpr int KR = TC_KROWS(DMAX), NT = KR / 8, TILE = KR * (DMAX + TC_PAD);
     const int lane = threadIdx.x % 32;
-    const int k_first = blockIdx.x * TC_ROWS;
-    const int kvh = blockIdx.y, b = blockIdx.z, group = H / KVH;
+    const int k_first = attn_key_tile(TC_ROWS);
+    const int kvh = attn_head(), b = attn_batch(), group = H / KVH;
     const int C = H * D;
     // This lane's keys: key0 (fragment elements 0, 1) and key0 + 8 (2, 3).
     const int key0 = k_first + (threadIdx.x / 32) * 16 + lane / 4;
@@ -604,9 +603,8 @@ __device__ __forceinline__ void attention_tc_backward_dkdv(ATTN_DKDV_PARAMS(T)) 
     __shared__ __align__(16) u16 dos[2 * KR * P];
     __shared__ __align__(16) float lse_s[2 * KR], delta_s[2 * KR];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    // Early key tiles see the most queries: natural order puts them first.
-    const int k_first = blockIdx.x * TC_ROWS;
-    const int kvh = blockIdx.y, b = blockIdx.z;
+    const int k_first = attn_key_tile(TC_ROWS);
+    const int kvh = attn_head(), b = attn_batch();
     const size_t kv_at = (size_t)b * T_ * kv_stride + (size_t)kvh * D;
     const int key0 = k_first + warp * 16 + lane / 4;
 

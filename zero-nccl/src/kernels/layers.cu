@@ -92,9 +92,10 @@ __device__ __forceinline__ float warp_max(float v) {
 // rowmax + ln(rowsum) of the scaled, masked scores.
 //
 // One block holds BQ = ATTN_WARPS * R query rows (forward, dQ) of one
-// (batch, head), grid (tiles, H, B), or KB = ATTN_WARPS * R key rows
-// (dK/dV) of one (batch, K/V head), grid (tiles, KVH, B), which sums over
-// the K/V head's group of query heads in order (no atomics).
+// (batch, head), grid (H, B, tiles), or KB = ATTN_WARPS * R key rows
+// (dK/dV) of one (batch, K/V head), grid (KVH, B, tiles), which sums over
+// the K/V head's group of query heads in order (no atomics). The tiles go
+// last, ordered by work (attn_query_tile, attn_key_tile).
 // Within a warp the lanes take turns as the 32 keys (or queries) of the
 // tile being streamed through shared memory, for the dot products, and as
 // the head dimensions d = lane + 32*i of the accumulators (DPL = DMAX/32 per
@@ -124,6 +125,28 @@ __device__ __forceinline__ float warp_max(float v) {
 #define ATTN_WARPS 4
 #define ATTN_THREADS (ATTN_WARPS * 32)
 #define ATTN_KT 32   // keys (forward, dQ) or queries (dK/dV) per streamed tile
+
+// An attention block's place in its grid (heads, batch, tiles), for both
+// families. CUDA starts a grid's blocks about in the order of their linear
+// index (x fastest, z last), so with the tiles last, blockIdx.z ranks the
+// blocks by causal work across the whole grid and the heaviest start
+// first (longest-processing-time first: the last wave holds the lightest
+// blocks). A forward or dQ block's work grows with its query tile, a dK/dV
+// block's shrinks with its key tile.
+__device__ __forceinline__ int attn_head() {
+    return blockIdx.x;
+}
+__device__ __forceinline__ int attn_batch() {
+    return blockIdx.y;
+}
+// The first query row of a forward or dQ block of `rows` rows: the last tile first.
+__device__ __forceinline__ int attn_query_tile(int rows) {
+    return (gridDim.z - 1 - blockIdx.z) * rows;
+}
+// The first key row of a dK/dV block of `rows` rows: the first tile first.
+__device__ __forceinline__ int attn_key_tile(int rows) {
+    return blockIdx.z * rows;
+}
 
 template <int DMAX>
 __device__ __forceinline__ int swz(int j, int d) {
@@ -199,9 +222,8 @@ __device__ __forceinline__ void attention_forward(const T* __restrict__ q, const
     __shared__ __align__(16) float vs[ATTN_KT * DMAX];  // plain: lane = column
     __shared__ __align__(16) float ps[BQ * ATTN_KT];    // each row's P of the tile
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    // Heavy (late) query tiles first: causal work grows with the tile index.
-    const int q0 = (gridDim.x - 1 - blockIdx.x) * BQ;
-    const int h = blockIdx.y, b = blockIdx.z, kvh = h / (H / KVH);
+    const int q0 = attn_query_tile(BQ);
+    const int h = attn_head(), b = attn_batch(), kvh = h / (H / KVH);
     const int C = H * D;
     // k and v are parameters (constant memory): one offset for both keeps
     // a register pair free.
@@ -319,8 +341,8 @@ __device__ __forceinline__ void attention_backward_dq(
     __shared__ __align__(16) float vs[ATTN_KT * DMAX];
     static_assert(BQ * ATTN_KT <= ATTN_KT * DMAX, "dS fits where V was");
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int q0 = (gridDim.x - 1 - blockIdx.x) * BQ;
-    const int h = blockIdx.y, b = blockIdx.z, kvh = h / (H / KVH);
+    const int q0 = attn_query_tile(BQ);
+    const int h = attn_head(), b = attn_batch(), kvh = h / (H / KVH);
     const int C = H * D;
     const T* qb = q + (size_t)b * T_ * q_stride + (size_t)h * D;
     const T* kb = k + (size_t)b * T_ * kv_stride + (size_t)kvh * D;
@@ -417,9 +439,8 @@ __device__ __forceinline__ void attention_backward_dkdv(
     // shuffles where not.
     constexpr bool P_SHARED = DMAX <= 64;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    // Early key tiles see the most queries: natural order puts them first.
-    const int k_first = blockIdx.x * KB;
-    const int kvh = blockIdx.y, b = blockIdx.z, group = H / KVH;
+    const int k_first = attn_key_tile(KB);
+    const int kvh = attn_head(), b = attn_batch(), group = H / KVH;
     const int C = H * D;
     const size_t kv_at = (size_t)b * T_ * kv_stride + (size_t)kvh * D;
 

@@ -292,6 +292,34 @@ enum Launch {
     Segments { rows: usize, columns: usize },
 }
 
+/// The grid of an attention launch, `(heads, batch, tiles)` for tiles of
+/// `rows` of `time` positions, or `None` when there is nothing to do; else
+/// the dimension past CUDA's limit `(what, value, limit)`. CUDA starts a
+/// grid's blocks about in linear order, z last: with the tiles in z the
+/// kernels rank the blocks by work (`attn_query_tile`, `attn_key_tile` in
+/// layers.cu), the heaviest first across the whole grid.
+fn attention_grid(
+    time: usize,
+    rows: usize,
+    heads: usize,
+    batch: usize,
+) -> std::result::Result<Option<(u32, u32, u32)>, (&'static str, usize, usize)> {
+    let tiles = time.div_ceil(rows);
+    if tiles == 0 || heads == 0 || batch == 0 {
+        return Ok(None);
+    }
+    for (what, value, limit) in [
+        ("heads", heads, i32::MAX as usize),
+        ("batch", batch, 65535),
+        ("time tiles", tiles, 65535),
+    ] {
+        if value > limit {
+            return Err((what, value, limit));
+        }
+    }
+    Ok(Some((heads as u32, batch as u32, tiles as u32)))
+}
+
 /// The layer kernels, compiled once and loaded into one device's context.
 /// Every method queues its launches on the given stream and returns without
 /// waiting; buffers are checked against each other first.
@@ -504,26 +532,13 @@ impl LayerKernels {
                 rows,
                 heads,
                 batch,
-            } => {
-                let tiles = time.div_ceil(rows);
-                if tiles == 0 || heads == 0 || batch == 0 {
-                    return Ok(None);
-                }
-                if tiles > i32::MAX as usize {
-                    return Err(too_large("time tiles", tiles, i32::MAX as usize));
-                }
-                if heads > 65535 {
-                    return Err(too_large("heads", heads, 65535));
-                }
-                if batch > 65535 {
-                    return Err(too_large("batch", batch, 65535));
-                }
-                Some(LaunchConfig {
-                    grid_dim: (tiles as u32, heads as u32, batch as u32),
+            } => attention_grid(time, rows, heads, batch)
+                .map_err(|(what, value, limit)| too_large(what, value, limit))?
+                .map(|grid_dim| LaunchConfig {
+                    grid_dim,
                     block_dim: (ATTENTION_THREADS, 1, 1),
                     shared_mem_bytes: 0,
-                })
-            }
+                }),
             Launch::Columns { n, chunks } => {
                 if n == 0 || chunks == 0 {
                     return Ok(None);
@@ -925,6 +940,27 @@ impl LayerKernels {
 mod tests {
     use super::attention::{HEAD_DIM_VARIANTS, TENSOR_CORE_NAMES};
     use super::*;
+
+    #[test]
+    fn attention_grids_put_the_tiles_last_for_the_kernels_to_rank_by_work() {
+        assert_eq!(attention_grid(2048, 64, 32, 4), Ok(Some((32, 4, 32))));
+        assert_eq!(attention_grid(65, 64, 3, 2), Ok(Some((3, 2, 2))));
+        for empty in [(0, 64, 1, 1), (1, 64, 0, 1), (1, 64, 1, 0)] {
+            assert_eq!(attention_grid(empty.0, empty.1, empty.2, empty.3), Ok(None));
+        }
+        assert_eq!(
+            attention_grid(16 * 65536, 16, 1, 1),
+            Err(("time tiles", 65536, 65535))
+        );
+        assert_eq!(
+            attention_grid(16, 16, 1, 65536),
+            Err(("batch", 65536, 65535))
+        );
+        // Both families read the grid so: the last query tile first, the
+        // first key tile first (the CPU harnesses run them on such grids).
+        assert!(LAYER_SOURCE.contains("return (gridDim.z - 1 - blockIdx.z) * rows;"));
+        assert!(LAYER_SOURCE.contains("return blockIdx.z * rows;"));
+    }
 
     /// The names `LayerKernels::new` builds, in its order.
     fn loaded_names() -> Vec<String> {

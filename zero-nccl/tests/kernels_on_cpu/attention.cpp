@@ -11,17 +11,17 @@ template <class E, int DMAX> struct CudaCores {
     static constexpr int R = DMAX == 64 ? ATTN_R_64 : ATTN_R_128, ROWS = ATTN_WARPS * R;
     static unsigned tiles(const AttentionCall<E>& c) { return (c.T + ROWS - 1) / ROWS; }
     static void forward(const AttentionCall<E>& c) {
-        launch({tiles(c), (unsigned)c.H, (unsigned)c.B}, {ATTN_THREADS, 1, 1}, [&] {
+        launch({(unsigned)c.H, (unsigned)c.B, tiles(c)}, {ATTN_THREADS, 1, 1}, [&] {
             attention_forward<E, DMAX, R>(c.q, c.k, c.v, c.y, c.lse, c.q_stride, c.kv_stride, c.T, c.H, c.KVH,
                                           c.D, c.scale);
         });
     }
     static void backward_kv_q(const AttentionCall<E>& c) {
-        launch({tiles(c), (unsigned)c.KVH, (unsigned)c.B}, {ATTN_THREADS, 1, 1}, [&] {
+        launch({(unsigned)c.KVH, (unsigned)c.B, tiles(c)}, {ATTN_THREADS, 1, 1}, [&] {
             attention_backward_dkdv<E, DMAX, R>(c.q, c.k, c.v, c.dout, c.lse, c.delta, c.dk, c.dv, c.q_stride,
                                                 c.kv_stride, c.T, c.H, c.KVH, c.D, c.scale);
         });
-        launch({tiles(c), (unsigned)c.H, (unsigned)c.B}, {ATTN_THREADS, 1, 1}, [&] {
+        launch({(unsigned)c.H, (unsigned)c.B, tiles(c)}, {ATTN_THREADS, 1, 1}, [&] {
             attention_backward_dq<E, DMAX, R>(c.q, c.k, c.v, c.dout, c.lse, c.delta, c.dq, c.q_stride,
                                               c.kv_stride, c.T, c.H, c.KVH, c.D, c.scale);
         });

@@ -15,17 +15,17 @@
 template <class E, int DMAX> struct TensorCores {
     static unsigned tiles(const AttentionCall<E>& c) { return (c.T + TC_ROWS - 1) / TC_ROWS; }
     static void forward(const AttentionCall<E>& c) {
-        launch({tiles(c), (unsigned)c.H, (unsigned)c.B}, {TC_THREADS, 1, 1}, [&] {
+        launch({(unsigned)c.H, (unsigned)c.B, tiles(c)}, {TC_THREADS, 1, 1}, [&] {
             attention_tc_forward<E, DMAX>(c.q, c.k, c.v, c.y, c.lse, c.q_stride, c.kv_stride, c.T, c.H, c.KVH,
                                           c.D, c.scale);
         });
     }
     static void backward_kv_q(const AttentionCall<E>& c) {
-        launch({tiles(c), (unsigned)c.KVH, (unsigned)c.B}, {TC_THREADS, 1, 1}, [&] {
+        launch({(unsigned)c.KVH, (unsigned)c.B, tiles(c)}, {TC_THREADS, 1, 1}, [&] {
             attention_tc_backward_dkdv<E, DMAX>(c.q, c.k, c.v, c.dout, c.lse, c.delta, c.dk, c.dv, c.q_stride,
                                                 c.kv_stride, c.T, c.H, c.KVH, c.D, c.scale);
         });
-        launch({tiles(c), (unsigned)c.H, (unsigned)c.B}, {TC_THREADS, 1, 1}, [&] {
+        launch({(unsigned)c.H, (unsigned)c.B, tiles(c)}, {TC_THREADS, 1, 1}, [&] {
             attention_tc_backward_dq<E, DMAX>(c.q, c.k, c.v, c.dout, c.lse, c.delta, c.dq, c.q_stride,
                                               c.kv_stride, c.T, c.H, c.KVH, c.D, c.scale);
         });

@@ -129,14 +129,14 @@ template <class E> struct Call {
         const float scale = 1.f / sqrtf((float)D);
         const unsigned tiles = (T + kern.rows - 1) / kern.rows;
         if (only < 0 || only == 0)
-            kern.forward<<<dim3(tiles, H, B), 128>>>(q, k, v, y, lse, q_stride, kv_stride, T, H, KVH, D, scale);
+            kern.forward<<<dim3(H, B, tiles), 128>>>(q, k, v, y, lse, q_stride, kv_stride, T, H, KVH, D, scale);
         const unsigned rows = B * T * H;
         if (only < 0 || only == 1) kern.delta<<<(rows + 7) / 8, 256>>>(y, dout, delta, B, T, H, D);
         if (only < 0 || only == 2)
-            kern.dkdv<<<dim3(tiles, KVH, B), 128>>>(q, k, v, dout, lse, delta, dk, dv, q_stride, kv_stride, T,
+            kern.dkdv<<<dim3(KVH, B, tiles), 128>>>(q, k, v, dout, lse, delta, dk, dv, q_stride, kv_stride, T,
                                                      H, KVH, D, scale);
         if (only < 0 || only == 3)
-            kern.dq<<<dim3(tiles, H, B), 128>>>(q, k, v, dout, lse, delta, dq, q_stride, kv_stride, T, H, KVH,
+            kern.dq<<<dim3(H, B, tiles), 128>>>(q, k, v, dout, lse, delta, dq, q_stride, kv_stride, T, H, KVH,
                                                  D, scale);
     }
 
