@@ -292,18 +292,21 @@ enum Launch {
     Segments { rows: usize, columns: usize },
 }
 
+/// A grid dimension past CUDA's limit: `(what, value, limit)`.
+type PastLimit = (&'static str, usize, usize);
+
 /// The grid of an attention launch, `(heads, batch, tiles)` for tiles of
 /// `rows` of `time` positions, or `None` when there is nothing to do; else
-/// the dimension past CUDA's limit `(what, value, limit)`. CUDA starts a
-/// grid's blocks about in linear order, z last: with the tiles in z the
-/// kernels rank the blocks by work (`attn_query_tile`, `attn_key_tile` in
-/// layers.cu), the heaviest first across the whole grid.
+/// the dimension past CUDA's limit. CUDA starts a grid's blocks about in
+/// linear order, z last: with the tiles in z the kernels rank the blocks
+/// by work (`attn_query_tile`, `attn_key_tile` in layers.cu), the heaviest
+/// first across the whole grid.
 fn attention_grid(
     time: usize,
     rows: usize,
     heads: usize,
     batch: usize,
-) -> std::result::Result<Option<(u32, u32, u32)>, (&'static str, usize, usize)> {
+) -> std::result::Result<Option<(u32, u32, u32)>, PastLimit> {
     let tiles = time.div_ceil(rows);
     if tiles == 0 || heads == 0 || batch == 0 {
         return Ok(None);
