@@ -18,7 +18,6 @@ use zero_core::comm::{Host, MemoryKind};
 use zero_core::engine::{
     Engine, FetcherOf, GatherMemory, HostGrad, HostMemory, ParamAccess, ParamCopy, ShardMemory,
 };
-use zero_core::optim::FunctionalOptimizer;
 use zero_core::{Communicator, DType, Element};
 
 /// The engine memory of communicator `C`'s memory kind, and the bridge
@@ -30,11 +29,7 @@ pub trait CandleMemory<T: Element + WithDType, C: Communicator + 'static>: Memor
     /// Checks the variables (sorted by name, floating point) and builds the
     /// memory; may adjust the communicator (CUDA: order it with Candle's
     /// stream).
-    fn build(
-        named: &[(String, Var)],
-        comm: C,
-        optimizer: &dyn FunctionalOptimizer<T>,
-    ) -> Result<(C, Self::Memory)>;
+    fn build(named: &[(String, Var)], comm: C) -> Result<(C, Self::Memory)>;
 
     /// Calls `f` with one gradient slot per variable (`None` where `grads`
     /// has none).
@@ -168,11 +163,7 @@ pub type MemoryOf<T, C> = <<C as Communicator>::Memory as CandleMemory<T, C>>::M
 impl<T: Element + WithDType, C: Communicator<Memory = Host> + 'static> CandleMemory<T, C> for Host {
     type Memory = HostMemory;
 
-    fn build(
-        _named: &[(String, Var)],
-        comm: C,
-        _optimizer: &dyn FunctionalOptimizer<T>,
-    ) -> Result<(C, HostMemory)> {
+    fn build(_named: &[(String, Var)], comm: C) -> Result<(C, HostMemory)> {
         Ok((comm, HostMemory))
     }
 

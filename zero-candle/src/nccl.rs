@@ -26,7 +26,6 @@ use std::cell::RefCell;
 use std::ops::Range;
 use std::sync::Arc;
 use zero_core::engine::{Engine, OffloadMemory};
-use zero_core::optim::FunctionalOptimizer;
 use zero_nccl::cudarc::driver::{CudaSlice, CudaView};
 use zero_nccl::{
     Cuda, CudaMemory, DeviceComm, DeviceGather, DeviceParams, DeviceView, DeviceViewMut, NcclComm,
@@ -35,7 +34,8 @@ use zero_nccl::{
 /// [`ZeroOptimizer`] on GPUs over NCCL: f32 variables on the
 /// communicator's GPU (or bf16/f16 ones, with f32 master weights, f32
 /// optimizer state and gradients reduced in f32), a built-in optimizer of `zero-core` (SGD, Adam,
-/// AdamW, Adagrad, RMSprop) whose hyperparameters drive fused CUDA kernels.
+/// AdamW, Adagrad, RMSprop) whose hyperparameters drive fused CUDA kernels, or any optimizer
+/// offloaded (`EngineConfig::with_offload(Offload::Optimizer, threads)`: the host steps it).
 ///
 /// ```no_run
 /// use candle_core::{DType, Device};
@@ -69,11 +69,7 @@ impl<C: DeviceComm> CandleMemory<f32, C> for Cuda {
     /// `EngineConfig::offload`.
     type Memory = OffloadMemory<CudaMemory>;
 
-    fn build(
-        named: &[(String, Var)],
-        comm: C,
-        optimizer: &dyn FunctionalOptimizer<f32>,
-    ) -> Result<(C, OffloadMemory<CudaMemory>)> {
+    fn build(named: &[(String, Var)], comm: C) -> Result<(C, OffloadMemory<CudaMemory>)> {
         let mut stream = None;
         for (name, var) in named {
             if !matches!(var.dtype(), DType::F32 | DType::BF16 | DType::F16) {
@@ -118,7 +114,7 @@ impl<C: DeviceComm> CandleMemory<f32, C> for Cuda {
             Some(s) if !Arc::ptr_eq(&s, comm.compute_stream()) => comm.with_compute_stream(s)?,
             _ => comm,
         };
-        let memory = CudaMemory::new(&comm, optimizer)?;
+        let memory = CudaMemory::new(&comm)?;
         Ok((comm, OffloadMemory::new(memory)))
     }
 

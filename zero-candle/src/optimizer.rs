@@ -171,7 +171,7 @@ where
             let dtype = zero_dtype(name, var.dtype())?;
             params.push(ParamInfo::new(name.clone(), var.dims().to_vec(), dtype));
         }
-        let (comm, memory) = C::Memory::build(&named, comm, optimizer.as_ref())?;
+        let (comm, memory) = C::Memory::build(&named, comm)?;
         let engine = Engine::with_memory(comm, memory, params, optimizer, config)?;
         let (names, vars): (Vec<String>, Vec<Var>) = named.into_iter().unzip();
         if sync_start {

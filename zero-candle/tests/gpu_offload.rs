@@ -12,7 +12,8 @@ use candle_core::{DType, Device, Module};
 use std::path::Path;
 use zero_candle::{NcclZeroOptimizer, ZeroHook, ZeroOptimizer};
 use zero_core::engine::{EngineConfig, MemoryReport, Offload, OffloadTimes, Overlap, Stage};
-use zero_core::optim::{AdamW, AdamWConfig};
+use zero_core::optim::{AdamW, AdamWConfig, FunctionalOptimizer, Simple, SimpleOptimizer};
+use zero_core::serde::{Deserialize, Serialize};
 use zero_core::{Communicator, ThreadGroup};
 use zero_nccl::NcclComm;
 
@@ -21,6 +22,47 @@ use gpu_support::{assert_builds_agree, batch, hooked_mlp, max_diff, mlp, weights
 
 fn adamw() -> Box<AdamW<f32>> {
     Box::new(AdamW::new(AdamWConfig::default().with_lr(1e-2)).expect("AdamW"))
+}
+
+/// Builds a run's optimizer.
+type MakeOptimizer = fn() -> Box<dyn FunctionalOptimizer<f32>>;
+
+#[derive(Clone, Serialize, Deserialize)]
+#[serde(crate = "zero_core::serde")]
+struct HeavyBallConfig {
+    lr: f64,
+    momentum: f64,
+}
+
+/// A user's optimizer, which no fused kernel runs: `v = momentum v + g`,
+/// `p -= lr v`.
+struct HeavyBall;
+
+impl SimpleOptimizer<f32> for HeavyBall {
+    type Config = HeavyBallConfig;
+    const KIND: &'static str = "heavy_ball";
+    const STATE: &'static [&'static str] = &["velocity"];
+
+    fn update(
+        c: &HeavyBallConfig,
+        _: u64,
+        param: &mut [f32],
+        grad: &[f32],
+        state: &mut [Vec<f32>],
+    ) {
+        for ((p, &g), v) in param.iter_mut().zip(grad).zip(&mut state[0]) {
+            *v = c.momentum as f32 * *v + g;
+            *p -= c.lr as f32 * *v;
+        }
+    }
+}
+
+fn heavy_ball() -> Box<dyn FunctionalOptimizer<f32>> {
+    let config = HeavyBallConfig {
+        lr: 0.05,
+        momentum: 0.9,
+    };
+    Box::new(Simple::<HeavyBall, f32>::new(config).expect("HeavyBall"))
 }
 
 fn config(offload: Offload) -> EngineConfig {
@@ -43,7 +85,7 @@ fn interleaved(offload: Offload) -> EngineConfig {
 /// backward ends); otherwise they come as slots after a plain backward.
 fn train_gpu_built(
     built: Built,
-    dtype: DType,
+    (dtype, make): (DType, MakeOptimizer),
     config: EngineConfig,
     (first, steps): (usize, usize),
     load: Option<&Path>,
@@ -63,7 +105,7 @@ fn train_gpu_built(
             (varmap, Box::new(model))
         }
     };
-    let mut opt = NcclZeroOptimizer::new(&varmap, comm, config, adamw())
+    let mut opt = NcclZeroOptimizer::new(&varmap, comm, config, make())
         .and_then(|opt| match &hook {
             Some(hook) => opt.with_hook(hook),
             None => Ok(opt),
@@ -94,8 +136,28 @@ fn train_gpu(
     load: Option<&Path>,
     save: Option<&Path>,
 ) -> (Vec<(String, Vec<f32>)>, MemoryReport, OffloadTimes) {
-    let [trainer, own] = BUILDS
-        .map(|built| train_gpu_built(built, dtype, config.clone(), (first, steps), load, save));
+    train_gpu_with((dtype, || adamw()), config, first, steps, load, save)
+}
+
+/// [`train_gpu`] with the optimizer `make` builds.
+fn train_gpu_with(
+    (dtype, make): (DType, MakeOptimizer),
+    config: EngineConfig,
+    first: usize,
+    steps: usize,
+    load: Option<&Path>,
+    save: Option<&Path>,
+) -> (Vec<(String, Vec<f32>)>, MemoryReport, OffloadTimes) {
+    let [trainer, own] = BUILDS.map(|built| {
+        train_gpu_built(
+            built,
+            (dtype, make),
+            config.clone(),
+            (first, steps),
+            load,
+            save,
+        )
+    });
     assert_builds_agree(
         dtype,
         max_diff(&trainer.0, &own.0),
@@ -147,6 +209,57 @@ fn offload_trains_the_weights_of_stage_2_on_the_gpu() {
             "{dtype:?}: the device holds {} with offload, {} without",
             report.on_device(),
             plain_report.on_device()
+        );
+    }
+}
+
+/// An optimizer with no fused kernel is refused on the GPU alone, with
+/// offload named as the way; offloaded, the host steps it and the GPU
+/// trains the weights the same model trains on threads.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_custom_optimizer_trains_on_the_gpu_offloaded() {
+    let comm = NcclComm::single(0).unwrap_or_else(|e| panic!("NcclComm::single(0) failed: {e}"));
+    let device = Built::AsTheTrainer.device(0).expect("a CUDA device 0");
+    let (varmap, _) = mlp(&device, DType::F32);
+    let err = NcclZeroOptimizer::new(&varmap, comm, config(Offload::None), heavy_ball())
+        .err()
+        .expect("no kernel runs HeavyBall")
+        .to_string();
+    assert!(
+        err.contains("\"heavy_ball\" has no fused CUDA kernel")
+            && err.contains("Offload::Optimizer"),
+        "{err}"
+    );
+    for overlap in [Overlap::None, Overlap::Interleaved] {
+        let offloaded = config(Offload::Optimizer).with_overlap(overlap);
+        let (gpu, report, _) =
+            train_gpu_with((DType::F32, heavy_ball), offloaded, 0, 6, None, None);
+        assert!(
+            report.optimizer_state > 0 && report.offloaded > 0,
+            "{report:?}"
+        );
+        let threads = ThreadGroup::new(1).run(|comm| {
+            let (varmap, model) = mlp(&Device::Cpu, DType::F32);
+            let mut opt =
+                ZeroOptimizer::<_, f32>::new(&varmap, comm, config(Offload::None), heavy_ball())?;
+            for s in 0..6 {
+                let (x, y) = batch(&Device::Cpu, DType::F32, s);
+                let loss = candle_nn::loss::mse(&model.forward(&x)?, &y)?;
+                opt.backward_step(&loss)?;
+            }
+            Ok::<_, zero_candle::Error>(weights(&varmap))
+        });
+        let on_threads = threads
+            .into_iter()
+            .next()
+            .expect("one rank")
+            .expect("no panic")
+            .expect("trained on threads");
+        let diff = max_diff(&gpu, &on_threads);
+        assert!(
+            diff <= 1e-4,
+            "{overlap:?}: the GPU's weights differ from the threads' by {diff}"
         );
     }
 }

@@ -9,6 +9,7 @@
 
 mod common;
 
+use common::lion::lion;
 use common::{
     assert_close, hooked_micro_step, make_opt, run, Model, Opt, PlanCheck, Seen, Synthetic,
 };
@@ -247,6 +248,57 @@ fn offload_over_threads_matches_the_plain_host_engine() {
         Ok(train(&mut e, &model, Path::Hooked, 2, 3)?.0)
     });
     assert_eq!(plain, offloaded);
+}
+
+/// A device memory that steps some optimizers only (as the CUDA memory runs
+/// the built-ins' kernels) refuses a custom one at construction, naming
+/// it; offloaded, the host steps it (the device is never asked to), and it
+/// trains the weights it trains on the host engine, bit for bit.
+#[test]
+fn a_custom_optimizer_the_device_cannot_step_runs_offloaded() {
+    let model = Synthetic::medium();
+    let lion = || -> Box<dyn FunctionalOptimizer<f64>> { Box::new(lion(0.01, (0.9, 0.99), 0.1)) };
+    let device = |inline| {
+        OffloadMemory::new(PlanCheck::new(Arc::default(), inline).stepping_only(&["adam"]))
+    };
+    for world in [1, 2] {
+        for stage in [Stage::OptimizerState, Stage::Gradients, Stage::Parameters] {
+            let config = config(stage, Overlap::AfterBackward, 2);
+            let what = format!("N={world} {stage:?}");
+            let host = run(world, |comm| {
+                let mut e = Engine::new(comm, model.infos(), lion(), config.clone())?;
+                Ok(train(&mut e, &model, Path::Hooked, 2, 3)?.0)
+            });
+            for inline in [false, true] {
+                let refused = run(world, |comm| {
+                    Ok(Engine::with_memory(
+                        comm,
+                        device(inline),
+                        model.infos(),
+                        lion(),
+                        config.clone(),
+                    )
+                    .err()
+                    .map(|e| e.to_string()))
+                });
+                for err in refused {
+                    let err = err.unwrap_or_else(|| panic!("{what}: the device took Lion"));
+                    assert!(err.contains("\"lion\": no kernel here"), "{what}: {err}");
+                }
+                let offloaded = run(world, |comm| {
+                    let mut e = Engine::with_memory(
+                        comm,
+                        device(inline),
+                        model.infos(),
+                        lion(),
+                        config.clone().with_offload(Offload::Optimizer, 2),
+                    )?;
+                    Ok(train(&mut e, &model, Path::Hooked, 2, 3)?.0)
+                });
+                assert_eq!(offloaded, host, "{what} inline {inline}: weights differ");
+            }
+        }
+    }
 }
 
 fn bf16_model() -> Vec<ParamInfo> {

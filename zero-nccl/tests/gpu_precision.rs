@@ -325,7 +325,7 @@ fn widening_and_narrowing_kernels_match_the_half_crate() {
 fn gathers_in_sixteen_bits_round_on_the_wire() {
     use zero_core::engine::ShardMemory;
     let comm = comm();
-    let mut memory = zero_nccl::CudaMemory::new(&comm, adam().as_ref()).unwrap();
+    let mut memory = zero_nccl::CudaMemory::new(&comm).unwrap();
     let stream = comm.compute_stream().clone();
     let values: Vec<f32> = (0..1000).map(|i| 1.0 + i as f32 * 1e-4).collect();
     let send = stream.clone_htod(&values).unwrap();
@@ -360,7 +360,7 @@ fn gathers_in_sixteen_bits_round_on_the_wire() {
 fn packed_sixteen_bit_chunks_gather_as_their_f32_values_would() {
     use zero_core::engine::{pack_narrow, packed_len, PackedGathers, ShardMemory};
     let comm = comm();
-    let mut memory = zero_nccl::CudaMemory::new(&comm, adam().as_ref()).unwrap();
+    let mut memory = zero_nccl::CudaMemory::new(&comm).unwrap();
     let stream = comm.compute_stream().clone();
     let values: Vec<f32> = (0..999).map(|i| (i as f32 - 500.0) * 1.37e-3).collect();
     let send = stream.clone_htod(&values).unwrap();

@@ -12,7 +12,6 @@
 mod common;
 
 use zero_core::engine::{HostBuffer, HostTransfers, ShardMemory};
-use zero_core::optim::{Adam, AdamConfig};
 use zero_nccl::cudarc::driver::CudaSlice;
 use zero_nccl::{CudaMemory, DeviceComm, NcclComm};
 
@@ -27,8 +26,7 @@ const LEN: usize = 64 << 20;
 /// The memory for `comm` (its transfers on a stream of their own with
 /// `copy_stream`) and a page-locked host buffer of [`LEN`].
 fn memory_and_host(comm: &NcclComm, copy_stream: bool) -> (impl Memory, HostBuffer<f32>) {
-    let adam = Adam::new(AdamConfig::default()).unwrap();
-    let mut memory = CudaMemory::new(comm, &adam).unwrap();
+    let mut memory = CudaMemory::new(comm).unwrap();
     if copy_stream {
         HostTransfers::<f32, NcclComm>::copy_stream(&mut memory).unwrap();
     }

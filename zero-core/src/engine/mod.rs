@@ -294,6 +294,10 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         config: EngineConfig,
     ) -> Result<Self> {
         check_rank_consistency(&comm, &params, &config, optimizer.as_ref())?;
+        // The same on every rank (the check above): each refuses alike.
+        if config.offload != Offload::Optimizer {
+            memory.check_optimizer(optimizer.as_ref())?;
+        }
         let (comm, groups) = groups::split(comm, &config, memory.narrows_wire())?;
         let ShardSetup { params, plan, .. } = ShardSetup::new(
             params,

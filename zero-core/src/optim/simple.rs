@@ -64,9 +64,10 @@ use std::marker::PhantomData;
 /// # Ok::<(), zero_core::Error>(())
 /// ```
 ///
-/// A custom optimizer runs where the engine steps on the host (the thread
-/// and MPI backends); the GPU engine steps its built-ins with fused
-/// kernels and refuses other kinds.
+/// A custom optimizer runs where the engine steps on the host: the thread
+/// and MPI backends, and a GPU model whose optimizer is offloaded
+/// (`EngineConfig::with_offload`). Without offload the GPU engine steps
+/// its built-ins with fused kernels and refuses other kinds.
 pub trait SimpleOptimizer<T: Element>: Send + Sync + 'static {
     /// One parameter group's hyperparameters, a struct serialized as a JSON
     /// object under PyTorch's names (`lr` required; a pair such as `betas`

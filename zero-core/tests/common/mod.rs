@@ -3,6 +3,7 @@
 //! optimizer with whole-parameter keys) and helpers to run ranks.
 #![allow(dead_code)]
 
+pub mod lion;
 mod plan_check;
 #[allow(unused_imports)]
 pub use plan_check::{PlanCheck, Seen};

@@ -128,6 +128,9 @@ pub struct PlanCheck {
     /// While deferring: the reductions fenced (known complete to what is
     /// queued after the fence).
     fenced: usize,
+    /// The optimizer kinds it steps, as a device with kernels for some
+    /// only; `None`: any.
+    steps_only: Option<&'static [&'static str]>,
 }
 
 /// What lands each queued copy (a download's write, an upload's check),
@@ -199,7 +202,15 @@ impl PlanCheck {
             deferring: None,
             reading: Vec::new(),
             fenced: 0,
+            steps_only: None,
         }
+    }
+
+    /// Steps only optimizers of these kinds, as the CUDA memory runs the
+    /// built-ins' kernels only, refusing the others at construction.
+    pub fn stepping_only(mut self, kinds: &'static [&'static str]) -> Self {
+        self.steps_only = Some(kinds);
+        self
     }
 
     /// Counts a reduction issued while deferring, which reads `send`.
@@ -245,6 +256,7 @@ impl<T: Element, C: Communicator<Memory = Host>> ShardMemory<T, C> for PlanCheck
         grads: &Vec<T>,
         plan: ShardStep<'_>,
     ) -> Result<()> {
+        ShardMemory::<T, C>::check_optimizer(self, optimizer)?;
         self.seen
             .lock()
             .expect("no test thread panicked")
@@ -252,8 +264,23 @@ impl<T: Element, C: Communicator<Memory = Host>> ShardMemory<T, C> for PlanCheck
         <HostMemory as ShardMemory<T, C>>::step(&mut self.inner, optimizer, params, grads, plan)
     }
 
+    fn check_optimizer(&self, optimizer: &dyn FunctionalOptimizer<T>) -> Result<()> {
+        match self.steps_only {
+            Some(kinds) if !kinds.contains(&optimizer.kind()) => {
+                Err(zero_core::Error::Config(format!(
+                    "{:?}: no kernel here (the test's device steps {kinds:?})",
+                    optimizer.kind()
+                )))
+            }
+            _ => Ok(()),
+        }
+    }
+
     fn fork(&self) -> Option<Self> {
-        (!self.inline).then(|| Self::sharing(self.seen.clone(), false, self.queued.clone()))
+        (!self.inline).then(|| Self {
+            steps_only: self.steps_only,
+            ..Self::sharing(self.seen.clone(), false, self.queued.clone())
+        })
     }
 
     /// Posing as a device: collectives complete when settled.

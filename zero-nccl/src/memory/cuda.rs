@@ -40,7 +40,7 @@ pub fn cuda_engine<C: DeviceComm>(
     optimizer: Box<dyn FunctionalOptimizer<f32>>,
     config: EngineConfig,
 ) -> Result<CudaEngine<C>> {
-    let memory = CudaMemory::new(&comm, optimizer.as_ref())?;
+    let memory = CudaMemory::new(&comm)?;
     Engine::with_memory(comm, memory, params, optimizer, config)
 }
 
@@ -308,9 +308,9 @@ impl std::fmt::Debug for CudaMemory {
 
 impl CudaMemory {
     /// Compiles the fused kernels for `comm`'s GPU (a few hundred
-    /// milliseconds) and checks that `optimizer` has a device kernel.
-    pub fn new(comm: &impl DeviceComm, optimizer: &dyn FunctionalOptimizer<f32>) -> Result<Self> {
-        DeviceOptimizer::check_kind(optimizer)?;
+    /// milliseconds). The engine checks that its optimizer has a device
+    /// kernel unless it is offloaded ([`ShardMemory::check_optimizer`]).
+    pub fn new(comm: &impl DeviceComm) -> Result<Self> {
         let kernels = FusedKernels::new(comm.context()).map_err(nccl)?;
         let stream = comm.compute_stream().clone();
         let owner = StreamOwner::of(&stream);
@@ -420,6 +420,10 @@ impl<C: DeviceComm> ShardMemory<f32, C> for CudaMemory {
 
     fn grad_len(grad: &DeviceView<'_>) -> usize {
         grad.len()
+    }
+
+    fn check_optimizer(&self, optimizer: &dyn FunctionalOptimizer<f32>) -> Result<()> {
+        DeviceOptimizer::check_kind(optimizer)
     }
 
     fn alloc_zeroed(&mut self, numel: usize) -> Result<CudaSlice<f32>> {

@@ -100,8 +100,9 @@ impl DeviceOptimizer {
     fn unsupported(kind: &str) -> Error {
         Error::Config(format!(
             "optimizer {kind:?} has no fused CUDA kernel; the CUDA engine runs {}. Use one of \
-             them, or train through host memory (threads or MPI backend), which runs any \
-             FunctionalOptimizer",
+             them, or offload the optimizer (`EngineConfig::with_offload(Offload::Optimizer, \
+             threads)` through zero-candle's optimizer), whose step on the host runs any \
+             FunctionalOptimizer, or train through host memory (threads or MPI backend)",
             DEVICE_KINDS.join(", ")
         ))
     }

@@ -655,6 +655,10 @@ impl<T: Element, C: Communicator, D: HostTransfers<T, C>> ShardMemory<T, C> for 
         }
     }
 
+    fn check_optimizer(&self, optimizer: &dyn FunctionalOptimizer<T>) -> Result<()> {
+        self.device.check_optimizer(optimizer)
+    }
+
     fn state_bytes(&self, optimizer: &dyn FunctionalOptimizer<T>) -> usize {
         if self.offload {
             optimizer.state_bytes()

@@ -384,6 +384,16 @@ pub trait ShardMemory<T: Element, C: Communicator>: Send + 'static {
         root: usize,
     ) -> Result<()>;
 
+    /// Fails unless this memory can step `optimizer` itself: a device
+    /// memory whose step runs kernels for some kinds only refuses the rest
+    /// with an error naming the ones it runs. The engine asks at
+    /// construction, and not when the optimizer is offloaded (the host
+    /// steps any optimizer). The default steps any.
+    fn check_optimizer(&self, optimizer: &dyn FunctionalOptimizer<T>) -> Result<()> {
+        let _ = optimizer;
+        Ok(())
+    }
+
     /// Steps the active pieces of `plan`: `params[piece.range]` from
     /// `grads[piece.range]`. `optimizer` holds the hyperparameters (and, on
     /// the host, the state).
