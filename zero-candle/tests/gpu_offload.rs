@@ -126,8 +126,7 @@ fn train_gpu_built(
     (weights(&varmap), opt.memory_report(), times)
 }
 
-/// [`train_gpu_built`] with the device built both ways ([`BUILDS`]): the
-/// weights agree, and the trainer's build's run is returned.
+/// [`train_gpu_with`] AdamW.
 fn train_gpu(
     dtype: DType,
     config: EngineConfig,
@@ -139,7 +138,9 @@ fn train_gpu(
     train_gpu_with((dtype, || adamw()), config, first, steps, load, save)
 }
 
-/// [`train_gpu`] with the optimizer `make` builds.
+/// [`train_gpu_built`] with the optimizer `make` builds and the device
+/// built both ways ([`BUILDS`]): the weights agree, and the trainer's
+/// build's run is returned.
 fn train_gpu_with(
     (dtype, make): (DType, MakeOptimizer),
     config: EngineConfig,
@@ -213,6 +214,35 @@ fn offload_trains_the_weights_of_stage_2_on_the_gpu() {
     }
 }
 
+/// Trains `steps` on one rank of the thread backend (f32, no offload), from
+/// the checkpoint `load` if given: the weights.
+fn train_threads(
+    make: MakeOptimizer,
+    load: Option<&Path>,
+    steps: std::ops::Range<usize>,
+) -> Vec<(String, Vec<f32>)> {
+    let threads = ThreadGroup::new(1).run(|comm| {
+        assert_eq!(comm.world_size(), 1);
+        let (varmap, model) = mlp(&Device::Cpu, DType::F32);
+        let mut opt = ZeroOptimizer::<_, f32>::new(&varmap, comm, config(Offload::None), make())?;
+        if let Some(dir) = load {
+            opt.load_checkpoint(dir)?;
+        }
+        for s in steps.clone() {
+            let (x, y) = batch(&Device::Cpu, DType::F32, s);
+            let loss = candle_nn::loss::mse(&model.forward(&x)?, &y)?;
+            opt.backward_step(&loss)?;
+        }
+        Ok::<_, zero_candle::Error>(weights(&varmap))
+    });
+    threads
+        .into_iter()
+        .next()
+        .expect("one rank")
+        .expect("no panic")
+        .expect("trained on threads")
+}
+
 /// An optimizer with no fused kernel is refused on the GPU alone, with
 /// offload named as the way; offloaded, the host steps it and the GPU
 /// trains the weights the same model trains on threads.
@@ -239,23 +269,7 @@ fn a_custom_optimizer_trains_on_the_gpu_offloaded() {
             report.optimizer_state > 0 && report.offloaded > 0,
             "{report:?}"
         );
-        let threads = ThreadGroup::new(1).run(|comm| {
-            let (varmap, model) = mlp(&Device::Cpu, DType::F32);
-            let mut opt =
-                ZeroOptimizer::<_, f32>::new(&varmap, comm, config(Offload::None), heavy_ball())?;
-            for s in 0..6 {
-                let (x, y) = batch(&Device::Cpu, DType::F32, s);
-                let loss = candle_nn::loss::mse(&model.forward(&x)?, &y)?;
-                opt.backward_step(&loss)?;
-            }
-            Ok::<_, zero_candle::Error>(weights(&varmap))
-        });
-        let on_threads = threads
-            .into_iter()
-            .next()
-            .expect("one rank")
-            .expect("no panic")
-            .expect("trained on threads");
+        let on_threads = train_threads(heavy_ball, None, 0..6);
         let diff = max_diff(&gpu, &on_threads);
         assert!(
             diff <= 1e-4,
@@ -310,24 +324,7 @@ fn an_offloaded_checkpoint_resumes_without_offload_and_on_threads() {
     );
     assert!(max_diff(&whole, &offloaded) <= 1e-5);
     // On threads, from the offloaded checkpoint.
-    let threads = ThreadGroup::new(1).run(|comm| {
-        assert_eq!(comm.world_size(), 1);
-        let (varmap, model) = mlp(&Device::Cpu, DType::F32);
-        let mut opt = ZeroOptimizer::<_, f32>::new(&varmap, comm, config(Offload::None), adamw())?;
-        opt.load_checkpoint(dir.path())?;
-        for s in 3..6 {
-            let (x, y) = batch(&Device::Cpu, DType::F32, s);
-            let loss = candle_nn::loss::mse(&model.forward(&x)?, &y)?;
-            opt.backward_step(&loss)?;
-        }
-        Ok::<_, zero_candle::Error>(weights(&varmap))
-    });
-    let on_threads = threads
-        .into_iter()
-        .next()
-        .expect("one rank")
-        .expect("no panic")
-        .expect("trained on threads");
+    let on_threads = train_threads(|| adamw(), Some(dir.path()), 3..6);
     assert!(
         max_diff(&whole, &on_threads) <= 1e-4,
         "threads resume: {}",
