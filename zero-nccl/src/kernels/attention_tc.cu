@@ -29,6 +29,10 @@
 // (two stages of 64 would pass the 48 KB of static shared memory). The
 // block's own rows are staged through both stages at once.
 //
+// The causal and length masks apply only on the tiles that need them (on
+// the diagonal and at the end of the sequence; tc_tile_visible): the other
+// tiles' scores go straight to the softmax, with the same values.
+//
 // Deterministic: dK/dV per key tile (one block sums over its query tiles
 // and its K/V head's query heads, in order), dQ per query tile, no atomics.
 // Head widths up to DMAX (64 or 128); columns past D are zero in shared
@@ -318,6 +322,14 @@ __device__ __forceinline__ void scores_times_tile(float (&acc)[DMAX / 8][4],
     }
 }
 
+// Whether every key up to `last_key` is visible to every row of a tile
+// whose rows are [first_row, end_row): no causal or length mask to apply
+// (all but the tiles on the diagonal and at the end of the sequence).
+__device__ __forceinline__ bool tc_tile_visible(int last_key, int first_row, int end_row,
+                                                int T_) {
+    return last_key <= first_row && end_row <= T_;
+}
+
 // The sum (or max) over the 4 lanes that share a fragment row.
 __device__ __forceinline__ float quad_sum(float v) {
     v += __shfl_xor_sync(FULL_MASK, v, 1);
@@ -359,30 +371,39 @@ __device__ __forceinline__ void attention_tc_forward(ATTN_FORWARD_PARAMS(T)) {
         float s[NT][4];
         rows_times_tile<T, DMAX, KR>(s, qa, ks + stage * TILE, lane);
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int row = row0 + 8 * r;
-            float mx = NEG_INF;
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) s[n][i] *= scale;
+        // The causal and length masks, on the tiles that need them.
+        if (!tc_tile_visible(k0 + KR - 1, q0, q0 + TC_ROWS, T_)) {
 #pragma unroll
             for (int n = 0; n < NT; ++n) {
 #pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int key = k0 + n * 8 + 2 * (lane % 4) + e;
+                for (int i = 0; i < 4; ++i) {
+                    const int row = row0 + 8 * (i / 2);
+                    const int key = k0 + n * 8 + 2 * (lane % 4) + i % 2;
                     // key <= row < T: key < T
-                    const float sc = key <= row && row < T_ ? s[n][2 * r + e] * scale : NEG_INF;
-                    s[n][2 * r + e] = sc;
-                    mx = fmaxf(mx, sc);
+                    if (!(key <= row && row < T_)) s[n][i] = NEG_INF;
                 }
             }
+        }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float mx = NEG_INF;
+#pragma unroll
+            for (int n = 0; n < NT; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
             const float m_new = fmaxf(m[r], quad_max(mx));
-            // m_new is -inf only on a padding row (row >= T), which stays empty.
+            // m_new is -inf only on a row with no visible key yet (a padding
+            // row, row >= T, which stays empty): its exponents are taken
+            // from 0, so that a masked score still gives exp(-inf) = 0.
             const float alpha = m[r] == NEG_INF ? 0.f : __expf(m[r] - m_new);
+            const float m_use = m_new == NEG_INF ? 0.f : m_new;
             float sum = 0.f;
 #pragma unroll
             for (int n = 0; n < NT; ++n) {
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
-                    const float sc = s[n][2 * r + e];
-                    const float p = sc == NEG_INF ? 0.f : __expf(sc - m_new);
+                    const float p = __expf(s[n][2 * r + e] - m_use);
                     s[n][2 * r + e] = p;
                     sum += p;
                 }
@@ -461,16 +482,25 @@ __device__ __forceinline__ void attention_tc_backward_dq(ATTN_DQ_PARAMS(T)) {
         rows_times_tile<T, DMAX, KR>(s, qa, ks + stage * TILE, lane);
         rows_times_tile<T, DMAX, KR>(dp, da, vs + stage * TILE, lane);
 #pragma unroll
-        for (int n = 0; n < NT; ++n) {
+        for (int n = 0; n < NT; ++n)
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int row = row0 + 8 * (i / 2);
-                const int key = k0 + n * 8 + 2 * (lane % 4) + i % 2;
-                const bool valid = key <= row && row < T_;
-                const float p = valid ? __expf(s[n][i] * scale - row_lse[i / 2]) : 0.f;
-                s[n][i] = p * (dp[n][i] - row_delta[i / 2]);  // dS
+            for (int i = 0; i < 4; ++i) s[n][i] = __expf(s[n][i] * scale - row_lse[i / 2]);  // P
+        // The causal and length masks, on the tiles that need them.
+        if (!tc_tile_visible(k0 + KR - 1, q0, q0 + TC_ROWS, T_)) {
+#pragma unroll
+            for (int n = 0; n < NT; ++n) {
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int row = row0 + 8 * (i / 2);
+                    const int key = k0 + n * 8 + 2 * (lane % 4) + i % 2;
+                    if (!(key <= row && row < T_)) s[n][i] = 0.f;
+                }
             }
         }
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) s[n][i] *= dp[n][i] - row_delta[i / 2];  // dS
         scores_times_tile<T, DMAX, KR>(dq_acc, s, ks + stage * TILE, lane);
     });
 #pragma unroll
@@ -549,17 +579,33 @@ __device__ __forceinline__ void dkdv_sweep(float (&dk_acc)[DMAX / 8][4],
         float s[NT][4], dp[NT][4];
         rows_times_tile<T, DMAX, KR>(s, ka, qt, lane);
         if (WANT_DK) rows_times_tile<T, DMAX, KR>(dp, va, dot, lane);
+        // Column j of the tile is query q0 + j: 2t + 8n + {0, 1}.
+        const float* lse_c = lse_t + 2 * (lane % 4);
 #pragma unroll
-        for (int n = 0; n < NT; ++n) {
+        for (int n = 0; n < NT; ++n)
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int key = key0 + 8 * (i / 2);
-                const int j = n * 8 + 2 * (lane % 4) + i % 2, query = q0 + j;
-                const bool valid = key <= query && query < T_;
-                const float p = valid ? __expf(s[n][i] * scale - lse_t[j]) : 0.f;
-                s[n][i] = p;
-                if (WANT_DK) dp[n][i] = p * (dp[n][i] - delta_t[j]);  // dS^T
+            for (int i = 0; i < 4; ++i)
+                s[n][i] = __expf(s[n][i] * scale - lse_c[n * 8 + i % 2]);  // P^T
+        // The causal and length masks, on the tiles that need them: the
+        // block's keys [k_first, k_first + TC_ROWS) against the tile's
+        // queries [q0, q0 + KR).
+        if (!tc_tile_visible(k_first + TC_ROWS - 1, q0, q0 + KR, T_)) {
+#pragma unroll
+            for (int n = 0; n < NT; ++n) {
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int key = key0 + 8 * (i / 2);
+                    const int query = q0 + n * 8 + 2 * (lane % 4) + i % 2;
+                    if (!(key <= query && query < T_)) s[n][i] = 0.f;
+                }
             }
+        }
+        if (WANT_DK) {
+            const float* delta_c = delta_t + 2 * (lane % 4);
+#pragma unroll
+            for (int n = 0; n < NT; ++n)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) dp[n][i] = s[n][i] * (dp[n][i] - delta_c[n * 8 + i % 2]);  // dS^T
         }
         if (WANT_DV) scores_times_tile<T, DMAX, KR>(dv_acc, s, dot, lane);
         if (WANT_DK) scores_times_tile<T, DMAX, KR>(dk_acc, dp, qt, lane);
