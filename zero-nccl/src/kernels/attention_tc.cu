@@ -330,6 +330,27 @@ __device__ __forceinline__ bool tc_tile_visible(int last_key, int first_row, int
     return last_key <= first_row && end_row <= T_;
 }
 
+// Sets the C-fragment elements of x that the causal and length masks hide
+// to `fill`: element (n, i) of this lane is row row0 + 8 (i / 2), column
+// col0 + 8n + 2 (lane % 4) + i % 2, the rows queries and the columns keys
+// (forward, dQ) or, with KEY_ROWS, the rows keys and the columns queries
+// (dK/dV). A query sees the keys up to its own position, below T.
+template <bool KEY_ROWS, int NT>
+__device__ __forceinline__ void tc_mask(float (&x)[NT][4], float fill, int row0, int col0,
+                                        int T_, int lane) {
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int row = row0 + 8 * (i / 2);
+            const int col = col0 + n * 8 + 2 * (lane % 4) + i % 2;
+            const int query = KEY_ROWS ? col : row, key = KEY_ROWS ? row : col;
+            // key <= query < T: key < T
+            if (!(key <= query && query < T_)) x[n][i] = fill;
+        }
+    }
+}
+
 // The sum (or max) over the 4 lanes that share a fragment row.
 __device__ __forceinline__ float quad_sum(float v) {
     v += __shfl_xor_sync(FULL_MASK, v, 1);
@@ -376,16 +397,7 @@ __device__ __forceinline__ void attention_tc_forward(ATTN_FORWARD_PARAMS(T)) {
             for (int i = 0; i < 4; ++i) s[n][i] *= scale;
         // The causal and length masks, on the tiles that need them.
         if (!tc_tile_visible(k0 + KR - 1, q0, q0 + TC_ROWS, T_)) {
-#pragma unroll
-            for (int n = 0; n < NT; ++n) {
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const int row = row0 + 8 * (i / 2);
-                    const int key = k0 + n * 8 + 2 * (lane % 4) + i % 2;
-                    // key <= row < T: key < T
-                    if (!(key <= row && row < T_)) s[n][i] = NEG_INF;
-                }
-            }
+            tc_mask<false>(s, NEG_INF, row0, k0, T_, lane);
         }
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
@@ -487,15 +499,7 @@ __device__ __forceinline__ void attention_tc_backward_dq(ATTN_DQ_PARAMS(T)) {
             for (int i = 0; i < 4; ++i) s[n][i] = __expf(s[n][i] * scale - row_lse[i / 2]);  // P
         // The causal and length masks, on the tiles that need them.
         if (!tc_tile_visible(k0 + KR - 1, q0, q0 + TC_ROWS, T_)) {
-#pragma unroll
-            for (int n = 0; n < NT; ++n) {
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const int row = row0 + 8 * (i / 2);
-                    const int key = k0 + n * 8 + 2 * (lane % 4) + i % 2;
-                    if (!(key <= row && row < T_)) s[n][i] = 0.f;
-                }
-            }
+            tc_mask<false>(s, 0.f, row0, k0, T_, lane);
         }
 #pragma unroll
         for (int n = 0; n < NT; ++n)
@@ -590,15 +594,7 @@ __device__ __forceinline__ void dkdv_sweep(float (&dk_acc)[DMAX / 8][4],
         // block's keys [k_first, k_first + TC_ROWS) against the tile's
         // queries [q0, q0 + KR).
         if (!tc_tile_visible(k_first + TC_ROWS - 1, q0, q0 + KR, T_)) {
-#pragma unroll
-            for (int n = 0; n < NT; ++n) {
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const int key = key0 + 8 * (i / 2);
-                    const int query = q0 + n * 8 + 2 * (lane % 4) + i % 2;
-                    if (!(key <= query && query < T_)) s[n][i] = 0.f;
-                }
-            }
+            tc_mask<true>(s, 0.f, key0, q0, T_, lane);
         }
         if (WANT_DK) {
             const float* delta_c = delta_t + 2 * (lane % 4);
