@@ -1,8 +1,9 @@
 //! Llama from a hub directory against `transformers` itself: the fixtures in
 //! `tests/fixtures/llama/` (tiny random `LlamaForCausalLM`s with grouped
 //! key/value heads, one with an untied head and one tied with llama3 RoPE
-//! scaling, and the logits, loss, gradients and one SGD step each computes on
-//! a fixed batch) are made by `make_fixtures.py` there.
+//! scaling; a Mistral, a Qwen2 and a Qwen3; and the logits, loss, gradients
+//! and one SGD step each computes on a fixed batch) are made by
+//! `make_fixtures.py` there.
 
 mod hub_support;
 
@@ -32,9 +33,20 @@ fn model_of(fixture: &str) -> &str {
 fn logits_loss_and_gradients_equal_transformers() {
     let golden = golden();
     let ids = input_ids(&golden);
-    for (fixture, variables) in [("gqa", 21), ("tied", 20), ("mistral", 21), ("qwen2", 27)] {
+    let cases = [
+        ("gqa", 21),
+        ("tied", 20),
+        ("mistral", 21),
+        ("qwen2", 27),
+        ("qwen3", 24),
+    ];
+    for (fixture, variables) in cases {
         let (config, map) = Llama::open_hub(fixtures().join(fixture)).unwrap();
-        assert_eq!(config.tie_word_embeddings, fixture == "tied");
+        assert_eq!(
+            config.tie_word_embeddings,
+            matches!(fixture, "tied" | "qwen3")
+        );
+        assert_eq!(config.qk_norm, fixture == "qwen3");
         let model = Llama::new(map.builder(DType::F32, &Device::Cpu), &config, None).unwrap();
         map.materialize_all().unwrap();
         let case = fixture;
@@ -72,7 +84,7 @@ fn logits_loss_and_gradients_equal_transformers() {
 #[test]
 fn loading_then_saving_reproduces_the_checkpoint_tensor_for_tensor() {
     let ids = input_ids(&golden());
-    for fixture in ["gqa", "gqa-sharded", "tied", "qwen2"] {
+    for fixture in ["gqa", "gqa-sharded", "tied", "qwen2", "qwen3"] {
         let dir = fixtures().join(fixture);
         for (stage, world) in [(Stage::Ddp, 1), (Stage::Parameters, 2)] {
             let out = tempfile::tempdir().unwrap();
@@ -103,6 +115,7 @@ fn one_sgd_step_equals_torch_at_stage_0_and_at_stage_3_on_two_ranks() {
         ("tied", Stage::Parameters, 2, 20),
         ("mistral", Stage::Ddp, 1, 21),
         ("qwen2", Stage::Parameters, 2, 27),
+        ("qwen3", Stage::Parameters, 2, 24),
     ] {
         let out = tempfile::tempdir().unwrap();
         Run::new(stage, world, 1).train(&fixtures().join(fixture), &ids, out.path());
@@ -192,7 +205,7 @@ fn both_config_forms_read_alike_and_llama3_scales_the_low_frequencies() {
     let gqa = LlamaConfig::from_json(&config_of("gqa")).unwrap();
     assert_eq!((gqa.num_attention_heads, gqa.num_key_value_heads), (4, 2));
     assert!(gqa.rope.llama3.is_none() && gqa.rope.theta == 10000.0);
-    for fixture in ["gqa", "tied", "qwen2"] {
+    for fixture in ["gqa", "tied", "qwen2", "qwen3"] {
         let config = LlamaConfig::from_json(&config_of(fixture)).unwrap();
         let stored: usize = hub_tensors(&fixtures().join(fixture))
             .values()

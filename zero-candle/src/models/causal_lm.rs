@@ -1,6 +1,7 @@
 //! [`CausalLm`]: whichever supported model a hub checkpoint holds, chosen
 //! by its `config.json`'s `model_type` ([`HubConfig`]).
 
+use super::llama::{self, LLAMA_TYPES};
 use super::{Gpt2, Gpt2Config, Llama, LlamaConfig};
 use crate::hub::{HubDir, HubLayout};
 use crate::nn::GradHook;
@@ -9,15 +10,12 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use std::sync::Arc;
 
-/// The `model_type`s [`HubConfig`] reads.
-const KNOWN: &str = "\"gpt2\", \"llama\", \"mistral\" and \"qwen2\"";
-
 /// The config of a supported hub checkpoint.
 #[derive(Clone, Debug, PartialEq)]
 pub enum HubConfig {
     /// `model_type` `gpt2`.
     Gpt2(Gpt2Config),
-    /// `model_type` `llama`, `mistral` or `qwen2`.
+    /// `model_type` `llama`, `mistral`, `qwen2` or `qwen3`.
     Llama(LlamaConfig),
 }
 
@@ -27,11 +25,13 @@ impl HubConfig {
     pub fn from_json(config: &serde_json::Value) -> std::result::Result<Self, String> {
         match config.get("model_type").and_then(|v| v.as_str()) {
             Some("gpt2") => Gpt2Config::from_json(config).map(Self::Gpt2),
-            Some("llama" | "mistral" | "qwen2") => LlamaConfig::from_json(config).map(Self::Llama),
+            Some(kind) if llama::reads(kind) => LlamaConfig::from_json(config).map(Self::Llama),
             Some(other) => Err(format!(
-                "`model_type` is {other:?}; the models here are {KNOWN}"
+                "`model_type` is {other:?}; the models here are \"gpt2\", {LLAMA_TYPES}"
             )),
-            None => Err(format!("no `model_type`; the models here are {KNOWN}")),
+            None => Err(format!(
+                "no `model_type`; the models here are \"gpt2\", {LLAMA_TYPES}"
+            )),
         }
     }
 
@@ -83,8 +83,8 @@ impl HubConfig {
     }
 }
 
-/// A causal language model of the hub: GPT-2 or Llama (Mistral and Qwen2
-/// included).
+/// A causal language model of the hub: GPT-2 or Llama (Mistral, Qwen2 and
+/// Qwen3 included).
 pub enum CausalLm {
     /// GPT-2.
     Gpt2(Gpt2),

@@ -1,9 +1,11 @@
 //! Llama (`LlamaForCausalLM`): a token embedding, pre-norm blocks of
 //! grouped-query attention with rotary position embeddings and a SwiGLU
 //! MLP, RMS norms, and a head of its own or tied to the embedding. Mistral
-//! (`MistralForCausalLM`) and Qwen2 (`Qwen2ForCausalLM`) share its layout:
-//! Mistral with a sliding window (sequences up to the window), Qwen2 with
-//! biases on the query, key and value projections.
+//! (`MistralForCausalLM`), Qwen2 (`Qwen2ForCausalLM`) and Qwen3
+//! (`Qwen3ForCausalLM`) share its layout: Mistral with a sliding window
+//! (sequences up to the window), Qwen2 with biases on the query, key and
+//! value projections, Qwen3 with an RMS norm on each query and key head
+//! before the rotation.
 //!
 //! The variables carry the hub's names (`model.embed_tokens.weight`,
 //! `model.layers.{i}.self_attn.q_proj.weight`, ..., `model.norm.weight`,
@@ -73,6 +75,10 @@ pub struct LlamaConfig {
     pub qkv_bias: bool,
     /// The output projection has a bias (Llama with `attention_bias`).
     pub o_bias: bool,
+    /// Each query and key head is RMS-normalized over its `head_dim`
+    /// before the rotation, with a weight per layer shared by the heads
+    /// (Qwen3's `self_attn.q_norm` and `self_attn.k_norm`).
+    pub qk_norm: bool,
     /// Each position attends to at most this many (Mistral's and Qwen2's
     /// `sliding_window`, where used): longer sequences are refused, as
     /// windowed attention is not implemented here.
@@ -131,16 +137,54 @@ fn fixed() -> [(&'static str, serde_json::Value); 2] {
     [("hidden_act", "silu".into()), ("mlp_bias", false.into())]
 }
 
-/// The families read as Llama: `model_type`, their architectures, and
-/// whether the query, key and value projections always have biases.
-const FAMILIES: [(&str, [&str; 2], bool); 3] = [
-    ("llama", ["LlamaForCausalLM", "LlamaModel"], false),
-    ("mistral", ["MistralForCausalLM", "MistralModel"], false),
-    ("qwen2", ["Qwen2ForCausalLM", "Qwen2Model"], true),
+/// A family read as Llama: what sets it apart.
+struct Family {
+    model_type: &'static str,
+    architectures: [&'static str; 2],
+    /// The query, key and value projections always have biases.
+    qkv_bias: bool,
+    /// The query and key heads are RMS-normalized.
+    qk_norm: bool,
+}
+
+/// The families read as Llama.
+const FAMILIES: [Family; 4] = [
+    Family {
+        model_type: "llama",
+        architectures: ["LlamaForCausalLM", "LlamaModel"],
+        qkv_bias: false,
+        qk_norm: false,
+    },
+    Family {
+        model_type: "mistral",
+        architectures: ["MistralForCausalLM", "MistralModel"],
+        qkv_bias: false,
+        qk_norm: false,
+    },
+    Family {
+        model_type: "qwen2",
+        architectures: ["Qwen2ForCausalLM", "Qwen2Model"],
+        qkv_bias: true,
+        qk_norm: false,
+    },
+    Family {
+        model_type: "qwen3",
+        architectures: ["Qwen3ForCausalLM", "Qwen3Model"],
+        qkv_bias: false,
+        qk_norm: true,
+    },
 ];
 
+/// Whether `model_type` `kind` is read as Llama.
+pub(crate) fn reads(kind: &str) -> bool {
+    FAMILIES.iter().any(|f| f.model_type == kind)
+}
+
+/// The `model_type`s read as Llama, for messages.
+pub(crate) const LLAMA_TYPES: &str = "\"llama\", \"mistral\", \"qwen2\" and \"qwen3\"";
+
 impl LlamaConfig {
-    /// Reads a hub `config.json` of a Llama, Mistral or Qwen2 (by
+    /// Reads a hub `config.json` of a Llama, Mistral, Qwen2 or Qwen3 (by
     /// `model_type`; Llama without one): an error names the key whose value
     /// this model cannot honour (another architecture, MLP biases, an
     /// activation other than SiLU, a rotary scaling other than `llama3`,
@@ -152,12 +196,12 @@ impl LlamaConfig {
             .get("model_type")
             .and_then(|v| v.as_str())
             .unwrap_or("llama");
-        let Some(&(_, architectures, qwen_biases)) = FAMILIES.iter().find(|f| f.0 == kind) else {
+        let Some(family) = FAMILIES.iter().find(|f| f.model_type == kind) else {
             return Err(format!(
-                "`model_type` is {kind:?}; this model reads \"llama\", \"mistral\" and \"qwen2\""
+                "`model_type` is {kind:?}; this model reads {LLAMA_TYPES}"
             ));
         };
-        super::check_architectures(config, &architectures)?;
+        super::check_architectures(config, &family.architectures)?;
         for (key, implemented) in fixed() {
             if let Some(value) = config.get(key) {
                 if !value.is_null() && *value != implemented {
@@ -187,8 +231,9 @@ impl LlamaConfig {
             rope: rope_of(config)?,
             tie_word_embeddings: plain.tie_word_embeddings,
             initializer_range: plain.initializer_range,
-            qkv_bias: plain.attention_bias || qwen_biases,
+            qkv_bias: plain.attention_bias || family.qkv_bias,
             o_bias: plain.attention_bias,
+            qk_norm: family.qk_norm,
             sliding_window,
         };
         parsed.validate()?;
@@ -240,7 +285,8 @@ impl LlamaConfig {
             self.num_key_value_heads * self.head_dim,
         );
         let biases = if self.qkv_bias { q + 2 * kv } else { 0 } + if self.o_bias { d } else { 0 };
-        let per_layer = 2 * d + 2 * d * q + 2 * d * kv + 3 * d * inner + biases;
+        let qk_norms = if self.qk_norm { 2 * self.head_dim } else { 0 };
+        let per_layer = 2 * d + 2 * d * q + 2 * d * kv + 3 * d * inner + biases + qk_norms;
         let head = if self.tie_word_embeddings {
             0
         } else {
@@ -437,6 +483,8 @@ struct Block {
     k_proj: Linear,
     v_proj: Linear,
     o_proj: Linear,
+    /// Qwen3's norms of each query and key head.
+    qk_norms: Option<(RmsNorm, RmsNorm)>,
     post_attention_layernorm: RmsNorm,
     gate_proj: Linear,
     up_proj: Linear,
@@ -454,8 +502,16 @@ impl Block {
         let batch = rows / time.max(1);
         let h = self.input_layernorm.forward(x)?;
         let heads = |proj: &Linear, n| proj.forward(&h)?.reshape((batch, time, n, self.head_dim));
-        let q = rotation.apply(&heads(&self.q_proj, self.heads)?)?;
-        let k = rotation.apply(&heads(&self.k_proj, self.kv_heads)?)?;
+        // Qwen3 normalizes each head's row of `head_dim` values.
+        let normed = |x: Tensor, norm: Option<&RmsNorm>| match norm {
+            Some(norm) => norm
+                .forward(&x.reshape((rows * x.dim(2)?, self.head_dim))?)?
+                .reshape(x.shape()),
+            None => Ok(x),
+        };
+        let (q_norm, k_norm) = self.qk_norms.as_ref().map(|(q, k)| (q, k)).unzip();
+        let q = rotation.apply(&normed(heads(&self.q_proj, self.heads)?, q_norm)?)?;
+        let k = rotation.apply(&normed(heads(&self.k_proj, self.kv_heads)?, k_norm)?)?;
         let v = heads(&self.v_proj, self.kv_heads)?;
         // Each key/value head serves `heads / kv_heads` consecutive query
         // heads (`repeat_kv`), inside the op: no repeated copies.
@@ -518,10 +574,11 @@ impl Llama {
             Ok(Linear::new(w, b, hook.clone()))
         };
         let linear = |vb: VarBuilder, d_in, d_out| linear_b(vb, d_in, d_out, false);
-        let norm = |vb: VarBuilder| -> Result<RmsNorm> {
-            let w = vb.get_with_hints(d, "weight", Init::Const(1.0))?;
+        let norm_of = |vb: VarBuilder, width: usize| -> Result<RmsNorm> {
+            let w = vb.get_with_hints(width, "weight", Init::Const(1.0))?;
             Ok(RmsNorm::new(w, config.rms_norm_eps, hook.clone()))
         };
+        let norm = |vb: VarBuilder| norm_of(vb, d);
         let model = vb.pp("model");
         let embed = model.get_with_hints((config.vocab_size, d), "embed_tokens.weight", normal)?;
         let mut blocks = Vec::with_capacity(config.num_hidden_layers);
@@ -535,6 +592,13 @@ impl Llama {
                 k_proj: linear_b(attn.pp("k_proj"), d, kv, config.qkv_bias)?,
                 v_proj: linear_b(attn.pp("v_proj"), d, kv, config.qkv_bias)?,
                 o_proj: linear_b(attn.pp("o_proj"), q, d, config.o_bias)?,
+                qk_norms: match config.qk_norm {
+                    true => Some((
+                        norm_of(attn.pp("q_norm"), config.head_dim)?,
+                        norm_of(attn.pp("k_norm"), config.head_dim)?,
+                    )),
+                    false => None,
+                },
                 post_attention_layernorm: norm(vb.pp("post_attention_layernorm"))?,
                 gate_proj: linear(mlp.pp("gate_proj"), d, config.intermediate_size)?,
                 up_proj: linear(mlp.pp("up_proj"), d, config.intermediate_size)?,

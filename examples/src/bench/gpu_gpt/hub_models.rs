@@ -77,6 +77,7 @@ impl HubCase {
             initializer_range: 0.02,
             qkv_bias: false,
             o_bias: false,
+            qk_norm: false,
             sliding_window: None,
         };
         Self {
