@@ -1,7 +1,7 @@
 //! The fused layers on a GPU against the same ops on the CPU (the
 //! reference): values and gradients (inputs, and the norms' weight and
-//! bias) of causal attention (packed, and split with grouped K/V heads;
-//! bf16 and f16 on tensor cores from sm_80), LayerNorm/RMSNorm (also after
+//! bias) of causal attention (packed, and split with grouped K/V heads,
+//! also within sliding windows; bf16 and f16 on tensor cores from sm_80), LayerNorm/RMSNorm (also after
 //! a residual add), GELU (both forms), SiLU, SwiGLU, rotary embeddings,
 //! cross-entropy and the `Embedding` table's gradient, and `Linear` (alone,
 //! and with its activation in one op, `forward_activated`; its bias gradient
@@ -18,7 +18,8 @@
 use candle_core::{DType, Device, Module, Result, Tensor, Var};
 use zero_candle::nn::ops::{
     causal_attention, causal_self_attention, causal_self_attention_rows, cross_entropy,
-    cross_entropy_with_ignore, gelu, gelu_erf, rotary_embedding, silu, swiglu,
+    cross_entropy_with_ignore, gelu, gelu_erf, rotary_embedding, silu, sliding_window_attention,
+    swiglu,
 };
 use zero_candle::nn::{set_linear_cublaslt, Activation, Embedding, LayerNorm, Linear, RmsNorm};
 
@@ -214,6 +215,34 @@ fn grouped_attention_matches_the_cpu() -> Result<()> {
                 &upstream,
                 &|x| causal_attention(&x[0], &x[1], &x[2]),
             )?;
+        }
+    }
+    Ok(())
+}
+
+/// Sliding windows on both kernel families: only itself, within a key
+/// tile, a tile's rows and one more, across tiles; both tensor-core widths
+/// (tiles of 64 and 32 keys) and the CUDA-core kernels (f32).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn sliding_window_attention_matches_the_cpu() -> Result<()> {
+    let shapes = [(1, 196, 4, 2, 64), (2, 139, 2, 2, 128), (1, 70, 4, 1, 48)];
+    for dtype in DTYPES {
+        for (seed, &(b, t, h, kvh, d)) in shapes.iter().enumerate() {
+            for window in [1, 17, 33, 65, 100] {
+                let seed = 100 * seed as u64 + window as u64;
+                let q = values(&[b, t, h, d], seed, 2.0, dtype)?;
+                let k = values(&[b, t, kvh, d], seed + 1, 2.0, dtype)?;
+                let v = values(&[b, t, kvh, d], seed + 2, 2.0, dtype)?;
+                let upstream = values(&[b, t, h, d], seed + 3, 1.0, dtype)?;
+                compare(
+                    &format!("window {window} attention b{b} t{t} h{h} kv{kvh} d{d}"),
+                    dtype,
+                    &[&q, &k, &v],
+                    &upstream,
+                    &|x| sliding_window_attention(&x[0], &x[1], &x[2], window),
+                )?;
+            }
         }
     }
     Ok(())

@@ -113,7 +113,7 @@ fn one_sgd_step_equals_torch_at_stage_0_and_at_stage_3_on_two_ranks() {
         ("gqa", Stage::Ddp, 1, 21),
         ("gqa-sharded", Stage::Parameters, 2, 21),
         ("tied", Stage::Parameters, 2, 20),
-        ("mistral", Stage::Ddp, 1, 21),
+        ("mistral", Stage::Parameters, 2, 21),
         ("qwen2", Stage::Parameters, 2, 27),
         ("qwen3", Stage::Parameters, 2, 24),
     ] {
@@ -283,37 +283,79 @@ fn causal_lm_opens_either_model_by_its_model_type() {
     assert!(err.contains("model_type") && err.contains("llama"), "{err}");
 }
 
-/// Mistral's sliding window bounds the sequences it takes (windowed
-/// attention is not implemented); Qwen2's applies only where switched on.
+/// The sliding windows read as `transformers` applies them (the fixtures'
+/// goldens check them in use: Mistral's window of 5 in every layer, Qwen3's
+/// of 6 in its second layer, both shorter than the batch): Mistral in
+/// every layer; Qwen only where `use_sliding_window` is on, in the layers
+/// `layer_types` names or, in files without it, from `max_window_layers`
+/// on; `sliding_window` missing is transformers' 4096, null none.
 #[test]
-fn a_sliding_window_bounds_the_sequence_where_it_is_used() {
-    let golden = golden();
-    let ids = input_ids(&golden).narrow(1, 0, 16).unwrap();
-    let mut mistral = LlamaConfig::from_json(&config_of("mistral")).unwrap();
-    assert_eq!(mistral.sliding_window, Some(64));
-    mistral.sliding_window = Some(8);
-    let map = zero_candle::ShardedVarMap::seeded(0);
-    let model = Llama::new(map.builder(DType::F32, &Device::Cpu), &mistral, None).unwrap();
-    map.materialize_all().unwrap();
-    let err = model.forward(&ids).unwrap_err().to_string();
-    assert!(err.contains("sliding_window 8"), "{err}");
-    assert!(model.forward(&ids.narrow(1, 0, 8).unwrap()).is_ok());
-    // No positions: no logits, not a panic.
-    let empty = model.forward(&ids.narrow(1, 0, 0).unwrap()).unwrap();
-    assert_eq!(empty.dims(), &[ids.dim(0).unwrap(), 0, mistral.vocab_size]);
+fn sliding_windows_apply_where_transformers_applies_them() {
+    use zero_candle::models::SlidingWindow;
+    let window =
+        |config: &serde_json::Value| LlamaConfig::from_json(config).unwrap().sliding_window;
+    let mistral = config_of("mistral");
+    let every = |size| {
+        Some(SlidingWindow {
+            size,
+            layers: vec![true, true],
+        })
+    };
+    assert_eq!(window(&mistral), every(5));
+    let mut missing = mistral.clone();
+    missing.as_object_mut().unwrap().remove("sliding_window");
+    assert_eq!(window(&missing), every(4096));
+    let mut null = mistral.clone();
+    null["sliding_window"] = serde_json::Value::Null;
+    assert_eq!(window(&null), None);
 
-    let mut qwen2 = config_of("qwen2");
-    qwen2["sliding_window"] = 8.into();
-    assert_eq!(LlamaConfig::from_json(&qwen2).unwrap().sliding_window, None);
-    qwen2["use_sliding_window"] = true.into();
-    qwen2["layer_types"] = serde_json::json!(["full_attention", "sliding_attention"]);
-    assert_eq!(
-        LlamaConfig::from_json(&qwen2).unwrap().sliding_window,
-        Some(8)
+    let qwen3 = config_of("qwen3");
+    let second = Some(SlidingWindow {
+        size: 6,
+        layers: vec![false, true],
+    });
+    assert_eq!(window(&qwen3), second);
+    // transformers 4's form: no layer_types, max_window_layers says.
+    let mut old = qwen3.clone();
+    old.as_object_mut().unwrap().remove("layer_types");
+    assert_eq!(window(&old), second);
+    old["max_window_layers"] = 0.into();
+    assert_eq!(window(&old), every(6));
+    old["max_window_layers"] = 2.into();
+    assert_eq!(window(&old), None, "no layer from 2 on");
+    let mut off = qwen3.clone();
+    off["use_sliding_window"] = false.into();
+    assert_eq!(window(&off), None);
+    // Qwen2's default (use_sliding_window false) and Llama's (none).
+    assert_eq!(window(&config_of("qwen2")), None);
+    let mut llama = config_of("gqa");
+    llama["sliding_window"] = 4.into();
+    assert_eq!(window(&llama), None);
+
+    let mut short = qwen3.clone();
+    short["layer_types"] = serde_json::json!(["sliding_attention"]);
+    let err = LlamaConfig::from_json(&short).unwrap_err();
+    assert!(
+        err.contains("layer_types") && err.contains("2 layers"),
+        "{err}"
     );
+    let mut zero = mistral;
+    zero["sliding_window"] = 0.into();
+    let err = LlamaConfig::from_json(&zero).unwrap_err();
+    assert!(err.contains("sliding_window"), "{err}");
     assert!(
         LlamaConfig::from_json(&config_of("qwen2"))
             .unwrap()
             .qkv_bias
     );
+
+    // A windowed model takes sequences longer than its window, and none.
+    let config = LlamaConfig::from_json(&config_of("mistral")).unwrap();
+    let map = zero_candle::ShardedVarMap::seeded(0);
+    let model = Llama::new(map.builder(DType::F32, &Device::Cpu), &config, None).unwrap();
+    map.materialize_all().unwrap();
+    let ids = input_ids(&golden()).narrow(1, 0, 16).unwrap();
+    assert_eq!(model.forward(&ids).unwrap().dims(), &[2, 16, 384]);
+    let empty = model.forward(&ids.narrow(1, 0, 0).unwrap()).unwrap();
+    assert_eq!(empty.dims(), &[2, 0, config.vocab_size]);
 }

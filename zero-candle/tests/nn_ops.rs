@@ -12,6 +12,12 @@ use zero_candle::nn::ops;
 /// Causal attention composed of tensor ops: the mask as a tensor, the
 /// `[batch, heads, time, time]` scores and softmax materialized.
 fn composed_attention(qkv: &Tensor, heads: usize) -> Tensor {
+    composed_windowed_attention(qkv, heads, None)
+}
+
+/// [`composed_attention`] where query `i` sees keys `i - window < j <= i`
+/// only (`transformers`' sliding-window mask).
+fn composed_windowed_attention(qkv: &Tensor, heads: usize, window: Option<usize>) -> Tensor {
     let (batch, time, width) = qkv.dims3().unwrap();
     let head_dim = width / (3 * heads);
     let qkv = qkv.reshape((batch, time, 3, heads, head_dim)).unwrap();
@@ -29,8 +35,9 @@ fn composed_attention(qkv: &Tensor, heads: usize) -> Tensor {
     let scores = (q.matmul(&k.t().unwrap().contiguous().unwrap()).unwrap()
         / (head_dim as f64).sqrt())
     .unwrap();
+    let seen = |i: usize, j: usize| j <= i && window.is_none_or(|w| i - j < w);
     let mask: Vec<f64> = (0..time)
-        .flat_map(|i| (0..time).map(move |j| if j <= i { 0.0 } else { f64::NEG_INFINITY }))
+        .flat_map(|i| (0..time).map(move |j| if seen(i, j) { 0.0 } else { f64::NEG_INFINITY }))
         .collect();
     let mask = Tensor::from_vec(mask, (time, time), &Device::Cpu)
         .unwrap()
@@ -204,6 +211,11 @@ fn attention_over_rows_is_the_op_over_sequences() {
 /// masked softmax; q `[batch, time, heads, head_dim]`, k and v `[batch,
 /// time, kv_heads, head_dim]`, output as q.
 fn composed_grouped_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Tensor {
+    composed_grouped_windowed(q, k, v, None)
+}
+
+/// [`composed_grouped_attention`] within a sliding window.
+fn composed_grouped_windowed(q: &Tensor, k: &Tensor, v: &Tensor, window: Option<usize>) -> Tensor {
     let (batch, time, heads, head_dim) = q.dims4().unwrap();
     let kv_heads = k.dim(2).unwrap();
     let repeat = |x: &Tensor| {
@@ -223,7 +235,7 @@ fn composed_grouped_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Tensor {
         2,
     )
     .unwrap();
-    composed_attention(&qkv, heads)
+    composed_windowed_attention(&qkv, heads, window)
         .reshape((batch, time, heads, head_dim))
         .unwrap()
 }
@@ -299,6 +311,70 @@ fn grouped_attention_matches_repeated_heads_in_f32_f64_and_16_bits() {
             }
         }
     }
+}
+
+/// Sliding windows against the composed masked softmax: values and the
+/// three gradients, a window of one (each query itself), within and across
+/// the sequence, and as long as it or longer (plain causal attention,
+/// bitwise); a window of 0 is an error.
+#[test]
+fn sliding_window_attention_matches_the_masked_softmax() {
+    let (batch, time, heads, kv_heads, head_dim) = (2, 19, 4, 2, 8);
+    for (dtype, tol) in [
+        (DType::F64, 1e-10),
+        (DType::F32, 2e-5),
+        (DType::BF16, 1.6e-2),
+    ] {
+        let input = |seed: u64, h: usize| {
+            (data(seed, &[batch, time, h, head_dim], DType::F32) * 3.0)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap()
+        };
+        let (q, k, v) = (input(40, heads), input(41, kv_heads), input(42, kv_heads));
+        let vars = [&q, &k, &v].map(|t| Var::from_tensor(t).unwrap());
+        let reference_dtype = if dtype == DType::F64 {
+            dtype
+        } else {
+            DType::F32
+        };
+        let wide =
+            [&q, &k, &v].map(|t| Var::from_tensor(&t.to_dtype(reference_dtype).unwrap()).unwrap());
+        let causal = grouped_value_and_grads([&vars[0], &vars[1], &vars[2]], |q, k, v| {
+            ops::causal_attention(q, k, v).unwrap()
+        });
+        for window in [1, 4, 11, time - 1, time, 3 * time] {
+            let what = format!("{dtype:?}, window {window}");
+            let got = grouped_value_and_grads([&vars[0], &vars[1], &vars[2]], |q, k, v| {
+                ops::sliding_window_attention(q, k, v, window).unwrap()
+            });
+            let want = grouped_value_and_grads([&wide[0], &wide[1], &wide[2]], |q, k, v| {
+                composed_grouped_windowed(q, k, v, Some(window))
+            });
+            for (i, name) in ["output", "dq", "dk", "dv"].iter().enumerate() {
+                let value = got[i].to_dtype(reference_dtype).unwrap();
+                assert_close(&format!("{what}: {name}"), &value, &want[i], tol);
+                if window >= time {
+                    let (a, b) = (&got[i], &causal[i]);
+                    let same = a.to_dtype(DType::F64).unwrap().flatten_all().unwrap();
+                    let plain = b.to_dtype(DType::F64).unwrap().flatten_all().unwrap();
+                    assert_eq!(values(&same), values(&plain), "{what}: {name} is causal's");
+                }
+            }
+            if window < time - 1 {
+                // The window hides keys that plain causal attention sees.
+                let moved = (&got[0] - &causal[0]).unwrap().abs().unwrap();
+                let moved = moved.to_dtype(DType::F64).unwrap().max_all().unwrap();
+                assert!(moved.to_scalar::<f64>().unwrap() > 1e-2, "{what}");
+            }
+        }
+    }
+    let t = |shape: &[usize]| data(1, shape, DType::F32);
+    let err =
+        ops::sliding_window_attention(&t(&[1, 4, 2, 8]), &t(&[1, 4, 2, 8]), &t(&[1, 4, 2, 8]), 0)
+            .unwrap_err()
+            .to_string();
+    assert!(err.contains("window of at least 1"), "{err}");
 }
 
 #[test]

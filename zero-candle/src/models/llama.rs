@@ -2,10 +2,10 @@
 //! grouped-query attention with rotary position embeddings and a SwiGLU
 //! MLP, RMS norms, and a head of its own or tied to the embedding. Mistral
 //! (`MistralForCausalLM`), Qwen2 (`Qwen2ForCausalLM`) and Qwen3
-//! (`Qwen3ForCausalLM`) share its layout: Mistral with a sliding window
-//! (sequences up to the window), Qwen2 with biases on the query, key and
-//! value projections, Qwen3 with an RMS norm on each query and key head
-//! before the rotation.
+//! (`Qwen3ForCausalLM`) share its layout: Mistral with sliding-window
+//! attention, Qwen2 with biases on the query, key and value projections
+//! (and sliding windows where switched on), Qwen3 with an RMS norm on each
+//! query and key head before the rotation.
 //!
 //! The variables carry the hub's names (`model.embed_tokens.weight`,
 //! `model.layers.{i}.self_attn.q_proj.weight`, ..., `model.norm.weight`,
@@ -79,12 +79,24 @@ pub struct LlamaConfig {
     /// before the rotation, with a weight per layer shared by the heads
     /// (Qwen3's `self_attn.q_norm` and `self_attn.k_norm`).
     pub qk_norm: bool,
-    /// Each position attends to at most this many (Mistral's and Qwen2's
-    /// `sliding_window`, where used): longer sequences are refused, as
-    /// windowed attention is not implemented here.
-    pub sliding_window: Option<usize>,
+    /// Sliding-window attention, where the config asks for it (Mistral's
+    /// `sliding_window`; Qwen2's and Qwen3's where `use_sliding_window`
+    /// is on, in the layers `layer_types` or `max_window_layers` say).
+    pub sliding_window: Option<SlidingWindow>,
     /// The standard deviation of a fresh model's weights.
     pub initializer_range: f64,
+}
+
+/// Sliding-window attention: each position of the layers that use it
+/// attends to at most `size` positions, its own included (`transformers`'
+/// mask: key `j` is seen by query `i` when `i - size < j <= i`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct SlidingWindow {
+    /// Positions each query sees, its own included (at least 1).
+    pub size: usize,
+    /// Per layer, whether it attends within the window (the others attend
+    /// to every position up to their own).
+    pub layers: Vec<bool>,
 }
 
 /// The keys of `config.json` read as they are.
@@ -109,12 +121,13 @@ struct Plain {
     initializer_range: f64,
     #[serde(default)]
     attention_bias: bool,
+    /// Qwen's switch for `sliding_window` (off when absent).
     #[serde(default)]
-    sliding_window: Option<usize>,
-    /// Qwen2's switch for `sliding_window`.
-    #[serde(default)]
-    use_sliding_window: Option<bool>,
-    /// Qwen2's attention per layer (transformers 5).
+    use_sliding_window: bool,
+    /// Qwen's first windowed layer, where `layer_types` does not say.
+    #[serde(default = "default_max_window_layers")]
+    max_window_layers: usize,
+    /// Qwen's attention per layer (transformers 5).
     #[serde(default)]
     layer_types: Option<Vec<String>>,
 }
@@ -131,6 +144,27 @@ fn default_initializer_range() -> f64 {
     0.02
 }
 
+/// `transformers`' `max_window_layers` (Qwen2, Qwen3).
+fn default_max_window_layers() -> usize {
+    28
+}
+
+/// `transformers`' `sliding_window` where a Mistral or Qwen file leaves it
+/// out.
+const DEFAULT_WINDOW: usize = 4096;
+
+/// How a family reads `sliding_window`.
+#[derive(Clone, Copy, PartialEq)]
+enum Windows {
+    /// It does not (Llama).
+    Never,
+    /// In every layer (Mistral).
+    EveryLayer,
+    /// Where `use_sliding_window` is on, in the layers `layer_types` names
+    /// (or from `max_window_layers` on) (Qwen2, Qwen3).
+    Switched,
+}
+
 /// Settings of a Llama config.json this model does not implement, with the
 /// value it implements; any other value is an error naming the key.
 fn fixed() -> [(&'static str, serde_json::Value); 2] {
@@ -145,6 +179,7 @@ struct Family {
     qkv_bias: bool,
     /// The query and key heads are RMS-normalized.
     qk_norm: bool,
+    windows: Windows,
 }
 
 /// The families read as Llama.
@@ -154,24 +189,28 @@ const FAMILIES: [Family; 4] = [
         architectures: ["LlamaForCausalLM", "LlamaModel"],
         qkv_bias: false,
         qk_norm: false,
+        windows: Windows::Never,
     },
     Family {
         model_type: "mistral",
         architectures: ["MistralForCausalLM", "MistralModel"],
         qkv_bias: false,
         qk_norm: false,
+        windows: Windows::EveryLayer,
     },
     Family {
         model_type: "qwen2",
         architectures: ["Qwen2ForCausalLM", "Qwen2Model"],
         qkv_bias: true,
         qk_norm: false,
+        windows: Windows::Switched,
     },
     Family {
         model_type: "qwen3",
         architectures: ["Qwen3ForCausalLM", "Qwen3Model"],
         qkv_bias: false,
         qk_norm: true,
+        windows: Windows::Switched,
     },
 ];
 
@@ -213,7 +252,7 @@ impl LlamaConfig {
         }
         let plain = Plain::deserialize(config).map_err(|e| format!("{e}"))?;
         let heads = plain.num_attention_heads;
-        let sliding_window = sliding_window_of(&plain)?;
+        let sliding_window = sliding_window_of(config, &plain, family.windows)?;
         let parsed = Self {
             vocab_size: plain.vocab_size,
             hidden_size: plain.hidden_size,
@@ -274,6 +313,18 @@ impl LlamaConfig {
         if self.rope.theta.is_nan() || self.rope.theta <= 0.0 {
             return Err(format!("`rope_theta` {} must be positive", self.rope.theta));
         }
+        if let Some(window) = &self.sliding_window {
+            if window.size == 0 {
+                return Err("`sliding_window` is 0; a position sees at least itself".into());
+            }
+            if window.layers.len() != self.num_hidden_layers {
+                return Err(format!(
+                    "`layer_types` has {} entries for {} layers",
+                    window.layers.len(),
+                    self.num_hidden_layers
+                ));
+            }
+        }
         Ok(())
     }
 
@@ -329,15 +380,16 @@ impl Llama3Scaling {
     }
 }
 
-/// The window the attention is limited to: Mistral's `sliding_window`,
-/// Qwen2's where `use_sliding_window` is on (and, in transformers 5's
-/// form, some layer's type is `sliding_attention`).
-fn sliding_window_of(plain: &Plain) -> std::result::Result<Option<usize>, String> {
-    let used = match (&plain.layer_types, plain.use_sliding_window) {
-        (_, Some(false)) => false,
-        (Some(types), _) => types.iter().any(|t| t == "sliding_attention"),
-        (None, _) => true,
-    };
+/// The sliding window as `transformers` applies it: Mistral's
+/// `sliding_window` in every layer; Qwen's where `use_sliding_window` is on,
+/// in the layers whose `layer_types` entry is `sliding_attention` (without
+/// `layer_types`, those from `max_window_layers` on). `None` where no layer
+/// uses one.
+fn sliding_window_of(
+    config: &serde_json::Value,
+    plain: &Plain,
+    windows: Windows,
+) -> std::result::Result<Option<SlidingWindow>, String> {
     if let Some(types) = &plain.layer_types {
         if let Some(other) = types
             .iter()
@@ -348,7 +400,28 @@ fn sliding_window_of(plain: &Plain) -> std::result::Result<Option<usize>, String
             ));
         }
     }
-    Ok(plain.sliding_window.filter(|_| used))
+    let size = match config.get("sliding_window") {
+        None => Some(DEFAULT_WINDOW),
+        Some(v) if v.is_null() => None,
+        Some(v) => Some(
+            v.as_u64()
+                .and_then(|w| usize::try_from(w).ok())
+                .ok_or_else(|| format!("`sliding_window` is {v}; a whole number is expected"))?,
+        ),
+    };
+    let n = plain.num_hidden_layers;
+    let layers = match windows {
+        Windows::Never => return Ok(None),
+        Windows::Switched if !plain.use_sliding_window => return Ok(None),
+        Windows::EveryLayer => vec![true; n],
+        Windows::Switched => match &plain.layer_types {
+            Some(types) => types.iter().map(|t| t == "sliding_attention").collect(),
+            None => (0..n).map(|i| i >= plain.max_window_layers).collect(),
+        },
+    };
+    Ok(size
+        .filter(|_| layers.contains(&true))
+        .map(|size| SlidingWindow { size, layers }))
 }
 
 /// The rotary settings: `rope_parameters` (transformers 5) or
@@ -492,6 +565,8 @@ struct Block {
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
+    /// The sliding window of this layer, if it has one.
+    window: Option<usize>,
 }
 
 impl Block {
@@ -515,7 +590,11 @@ impl Block {
         let v = heads(&self.v_proj, self.kv_heads)?;
         // Each key/value head serves `heads / kv_heads` consecutive query
         // heads (`repeat_kv`), inside the op: no repeated copies.
-        let y = ops::causal_attention(&q, &k, &v)?.reshape((rows, self.heads * self.head_dim))?;
+        let y = match self.window {
+            Some(window) => ops::sliding_window_attention(&q, &k, &v, window)?,
+            None => ops::causal_attention(&q, &k, &v)?,
+        };
+        let y = y.reshape((rows, self.heads * self.head_dim))?;
         let (x, h) = self
             .post_attention_layernorm
             .forward_residual(&self.o_proj.forward(&y)?, x)?;
@@ -606,6 +685,11 @@ impl Llama {
                 heads: config.num_attention_heads,
                 kv_heads: config.num_key_value_heads,
                 head_dim: config.head_dim,
+                window: config
+                    .sliding_window
+                    .as_ref()
+                    .filter(|w| w.layers[i])
+                    .map(|w| w.size),
             });
         }
         let head = if config.tie_word_embeddings {
@@ -671,12 +755,6 @@ impl Llama {
     /// [`Llama::forward`]'s logits as rows `[batch * time, vocab_size]`.
     fn logits_rows(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
         let (_, time) = ids.dims2()?;
-        if let Some(window) = self.config.sliding_window.filter(|&w| time > w) {
-            candle_core::bail!(
-                "a sequence of {time} tokens is longer than the model's sliding_window {window}; \
-                 windowed attention is not implemented: use sequences of at most {window}"
-            );
-        }
         let rotation = self
             .rotations
             .get(&self.inv_freq, time, self.dtype(), ids.device())?;

@@ -10,7 +10,7 @@ pub mod llama;
 
 pub use causal_lm::{CausalLm, HubConfig};
 pub use gpt2::{Gpt2, Gpt2Config};
-pub use llama::{Llama, LlamaConfig, Rope};
+pub use llama::{Llama, LlamaConfig, Rope, SlidingWindow};
 
 /// The mean cross-entropy (f32) of predicting each next token of `ids`
 /// `[batch, time + 1]` from `logits` rows `[batch * time, vocab]` of its

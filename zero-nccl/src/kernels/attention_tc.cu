@@ -29,9 +29,11 @@
 // (two stages of 64 would pass the 48 KB of static shared memory). The
 // block's own rows are staged through both stages at once.
 //
-// The causal and length masks apply only on the tiles that need them (on
-// the diagonal and at the end of the sequence; tc_tile_visible): the other
-// tiles' scores go straight to the softmax, with the same values.
+// The causal, window and length masks (attn_visible in layers.cu) apply
+// only on the tiles that need them (on the diagonal, at the window's far
+// edge and at the end of the sequence; tc_tile_visible): the other tiles'
+// scores go straight to the softmax, with the same values. Tiles wholly
+// outside the window are not streamed.
 //
 // Deterministic: dK/dV per key tile (one block sums over its query tiles
 // and its K/V head's query heads, in order), dQ per query tile, no atomics.
@@ -242,20 +244,23 @@ __device__ __forceinline__ void tc_stream(int tiles, Load load, Compute compute)
     }
 }
 
-// tc_stream over the key tiles [0, tiles) of one K/V head (TC_KROWS rows
-// from `kb` and `vb`, `kv_stride` apart) into the two stages of `ks` and
-// `vs`: the forward's and dQ's stream.
+// tc_stream over the key tiles [first, first + tiles) of one K/V head
+// (TC_KROWS rows from `kb` and `vb`, `kv_stride` apart) into the two stages
+// of `ks` and `vs`, `compute(stage, tile)` given the tile's own index: the
+// forward's and dQ's stream.
 template <typename T, int DMAX, class Compute>
 __device__ __forceinline__ void tc_stream_kv(u16* ks, u16* vs, const T* kb, const T* vb,
-                                             int kv_stride, int tiles, int T_, int D,
+                                             int kv_stride, int first, int tiles, int T_, int D,
                                              Compute compute) {
     constexpr int KR = TC_KROWS(DMAX), TILE = KR * (DMAX + TC_PAD);
-    auto load = [&](int stage, int tile) {
-        tc_load_rows<T, DMAX, KR>(ks + stage * TILE, kb, kv_stride, tile * KR, T_, D);
-        tc_load_rows<T, DMAX, KR>(vs + stage * TILE, vb, kv_stride, tile * KR, T_, D);
+    auto load = [&](int stage, int i) {
+        const int t0 = (first + i) * KR;
+        tc_load_rows<T, DMAX, KR>(ks + stage * TILE, kb, kv_stride, t0, T_, D);
+        tc_load_rows<T, DMAX, KR>(vs + stage * TILE, vb, kv_stride, t0, T_, D);
     };
-    tc_stream(tiles, load, compute);
+    tc_stream(tiles, load, [&](int stage, int i) { compute(stage, first + i); });
 }
+
 
 // The A fragments of the warp's 16 rows of a staged tile, over DMAX columns.
 template <int DMAX>
@@ -322,22 +327,22 @@ __device__ __forceinline__ void scores_times_tile(float (&acc)[DMAX / 8][4],
     }
 }
 
-// Whether every key up to `last_key` is visible to every row of a tile
-// whose rows are [first_row, end_row): no causal or length mask to apply
-// (all but the tiles on the diagonal and at the end of the sequence).
-__device__ __forceinline__ bool tc_tile_visible(int last_key, int first_row, int end_row,
-                                                int T_) {
-    return last_key <= first_row && end_row <= T_;
+// Whether every key of [first_key, last_key] is visible to every query of
+// [first_query, end_query): no mask to apply (all but the tiles on the
+// diagonal, at the window's far edge and at the end of the sequence).
+__device__ __forceinline__ bool tc_tile_visible(int first_key, int last_key, int first_query,
+                                                int end_query, int T_, int W) {
+    return last_key <= first_query && end_query <= T_ && end_query - 1 - first_key < W;
 }
 
-// Sets the C-fragment elements of x that the causal and length masks hide
-// to `fill`: element (n, i) of this lane is row row0 + 8 (i / 2), column
+// Sets the C-fragment elements of x that the masks hide (attn_visible) to
+// `fill`: element (n, i) of this lane is row row0 + 8 (i / 2), column
 // col0 + 8n + 2 (lane % 4) + i % 2, the rows queries and the columns keys
 // (forward, dQ) or, with KEY_ROWS, the rows keys and the columns queries
-// (dK/dV). A query sees the keys up to its own position, below T.
+// (dK/dV).
 template <bool KEY_ROWS, int NT>
 __device__ __forceinline__ void tc_mask(float (&x)[NT][4], float fill, int row0, int col0,
-                                        int T_, int lane) {
+                                        int T_, int W, int lane) {
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
 #pragma unroll
@@ -345,8 +350,7 @@ __device__ __forceinline__ void tc_mask(float (&x)[NT][4], float fill, int row0,
             const int row = row0 + 8 * (i / 2);
             const int col = col0 + n * 8 + 2 * (lane % 4) + i % 2;
             const int query = KEY_ROWS ? col : row, key = KEY_ROWS ? row : col;
-            // key <= query < T: key < T
-            if (!(key <= query && query < T_)) x[n][i] = fill;
+            if (!attn_visible(key, query, T_, W)) x[n][i] = fill;
         }
     }
 }
@@ -385,9 +389,11 @@ __device__ __forceinline__ void attention_tc_forward(ATTN_FORWARD_PARAMS(T)) {
     float o[DT][4], m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
 #pragma unroll
     for (int n = 0; n < DT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
-    // Key tiles up to the block's last query row.
-    const int tiles = (min(q0 + TC_ROWS, T_) - 1) / KR + 1;
-    tc_stream_kv<T, DMAX>(ks, vs, kb, vb, kv_stride, tiles, T_, D, [&](int stage, int tile) {
+    // Key tiles from the first key the block's first row sees up to its
+    // last row.
+    const int first = attn_first_key(q0, W) / KR;
+    const int tiles = (min(q0 + TC_ROWS, T_) - 1) / KR + 1 - first;
+    tc_stream_kv<T, DMAX>(ks, vs, kb, vb, kv_stride, first, tiles, T_, D, [&](int stage, int tile) {
         const int k0 = tile * KR;
         float s[NT][4];
         rows_times_tile<T, DMAX, KR>(s, qa, ks + stage * TILE, lane);
@@ -395,9 +401,9 @@ __device__ __forceinline__ void attention_tc_forward(ATTN_FORWARD_PARAMS(T)) {
         for (int n = 0; n < NT; ++n)
 #pragma unroll
             for (int i = 0; i < 4; ++i) s[n][i] *= scale;
-        // The causal and length masks, on the tiles that need them.
-        if (!tc_tile_visible(k0 + KR - 1, q0, q0 + TC_ROWS, T_)) {
-            tc_mask<false>(s, NEG_INF, row0, k0, T_, lane);
+        // The masks, on the tiles that need them.
+        if (!tc_tile_visible(k0, k0 + KR - 1, q0, q0 + TC_ROWS, T_, W)) {
+            tc_mask<false>(s, NEG_INF, row0, k0, T_, W, lane);
         }
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
@@ -406,8 +412,9 @@ __device__ __forceinline__ void attention_tc_forward(ATTN_FORWARD_PARAMS(T)) {
             for (int n = 0; n < NT; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
             const float m_new = fmaxf(m[r], quad_max(mx));
             // m_new is -inf only on a row with no visible key yet (a padding
-            // row, row >= T, which stays empty): its exponents are taken
-            // from 0, so that a masked score still gives exp(-inf) = 0.
+            // row, row >= T, which stays empty, or one whose window starts
+            // past this tile): its exponents are taken from 0, so that a
+            // masked score still gives exp(-inf) = 0.
             const float alpha = m[r] == NEG_INF ? 0.f : __expf(m[r] - m_new);
             const float m_use = m_new == NEG_INF ? 0.f : m_new;
             float sum = 0.f;
@@ -487,8 +494,9 @@ __device__ __forceinline__ void attention_tc_backward_dq(ATTN_DQ_PARAMS(T)) {
     }
 #pragma unroll
     for (int n = 0; n < DT; ++n) dq_acc[n][0] = dq_acc[n][1] = dq_acc[n][2] = dq_acc[n][3] = 0.f;
-    const int tiles = (min(q0 + TC_ROWS, T_) - 1) / KR + 1;
-    tc_stream_kv<T, DMAX>(ks, vs, kb, vb, kv_stride, tiles, T_, D, [&](int stage, int tile) {
+    const int first = attn_first_key(q0, W) / KR;
+    const int tiles = (min(q0 + TC_ROWS, T_) - 1) / KR + 1 - first;
+    tc_stream_kv<T, DMAX>(ks, vs, kb, vb, kv_stride, first, tiles, T_, D, [&](int stage, int tile) {
         const int k0 = tile * KR;
         float s[NT][4], dp[NT][4];
         rows_times_tile<T, DMAX, KR>(s, qa, ks + stage * TILE, lane);
@@ -497,9 +505,9 @@ __device__ __forceinline__ void attention_tc_backward_dq(ATTN_DQ_PARAMS(T)) {
         for (int n = 0; n < NT; ++n)
 #pragma unroll
             for (int i = 0; i < 4; ++i) s[n][i] = __expf(s[n][i] * scale - row_lse[i / 2]);  // P
-        // The causal and length masks, on the tiles that need them.
-        if (!tc_tile_visible(k0 + KR - 1, q0, q0 + TC_ROWS, T_)) {
-            tc_mask<false>(s, 0.f, row0, k0, T_, lane);
+        // The masks, on the tiles that need them.
+        if (!tc_tile_visible(k0, k0 + KR - 1, q0, q0 + TC_ROWS, T_, W)) {
+            tc_mask<false>(s, 0.f, row0, k0, T_, W, lane);
         }
 #pragma unroll
         for (int n = 0; n < NT; ++n)
@@ -542,7 +550,8 @@ __device__ __forceinline__ void tc_load_row_values(float* dst, const float* src,
 }
 
 // One sweep of a dK/dV block over its K/V head's query heads and their
-// query tiles from the keys' own tile on, accumulating dV (WANT_DV) and dK
+// query tiles from the keys' own tile up to the last query that sees one of
+// the keys, accumulating dV (WANT_DV) and dK
 // (WANT_DK). The warp's rows are keys, so its products are the transposed
 // ones: S^T = K Q^T, dP^T = V dO^T, dV += P^T dO, dK += dS^T Q. Tiles
 // stream (TC_KROWS rows) through the two stages of `qs`, `dos`, `lse_s`,
@@ -563,7 +572,8 @@ __device__ __forceinline__ void dkdv_sweep(float (&dk_acc)[DMAX / 8][4],
     const int key0 = k_first + (threadIdx.x / 32) * 16 + lane / 4;
     // Tile i: query head kvh * group + i / per_head (in order), query rows
     // from k_first + (i % per_head) * KR.
-    const int per_head = (T_ - k_first + KR - 1) / KR;
+    const int q_end = attn_query_end(k_first + TC_ROWS - 1, T_, W);
+    const int per_head = (q_end - k_first + KR - 1) / KR;
     auto load = [&](int stage, int tile) {
         const int h = kvh * group + tile / per_head;
         const int q0 = k_first + (tile % per_head) * KR;
@@ -590,11 +600,11 @@ __device__ __forceinline__ void dkdv_sweep(float (&dk_acc)[DMAX / 8][4],
 #pragma unroll
             for (int i = 0; i < 4; ++i)
                 s[n][i] = __expf(s[n][i] * scale - lse_c[n * 8 + i % 2]);  // P^T
-        // The causal and length masks, on the tiles that need them: the
-        // block's keys [k_first, k_first + TC_ROWS) against the tile's
-        // queries [q0, q0 + KR).
-        if (!tc_tile_visible(k_first + TC_ROWS - 1, q0, q0 + KR, T_)) {
-            tc_mask<true>(s, 0.f, key0, q0, T_, lane);
+        // The masks, on the tiles that need them: the block's keys
+        // [k_first, k_first + TC_ROWS) against the tile's queries [q0, q0 +
+        // KR).
+        if (!tc_tile_visible(k_first, k_first + TC_ROWS - 1, q0, q0 + KR, T_, W)) {
+            tc_mask<true>(s, 0.f, key0, q0, T_, W, lane);
         }
         if (WANT_DK) {
             const float* delta_c = delta_t + 2 * (lane % 4);

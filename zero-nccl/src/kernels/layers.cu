@@ -83,6 +83,11 @@ __device__ __forceinline__ float warp_max(float v) {
 // ===========================================================================
 // Causal self-attention, FlashAttention-2 scheme on CUDA cores.
 //
+// Query t sees keys (t - W, t] (attn_visible): the causal mask within a
+// sliding window of W positions, itself included; W = T is plain causal
+// attention (layers/attention.rs passes min(window, T)). Blocks stream only
+// the tiles that hold keys (or queries, dK/dV) they see.
+//
 // q, k, v are row-major [B, T, *] with row strides q_stride (q) and
 // kv_stride (k, v): the query of head h at columns h*D.., the key and value
 // of K/V head h / (H / KVH) at kvh*D... A packed qkv [B, T, 3*C] (C = H*D,
@@ -146,6 +151,21 @@ __device__ __forceinline__ int attn_query_tile(int rows) {
 // The first key row of a dK/dV block of `rows` rows: the first tile first.
 __device__ __forceinline__ int attn_key_tile(int rows) {
     return blockIdx.z * rows;
+}
+
+// Whether query `query` sees key `key`: at or before it, fewer than W
+// positions back, and below T.
+__device__ __forceinline__ bool attn_visible(int key, int query, int T_, int W) {
+    return key <= query && query - key < W && query < T_;
+}
+// The first key that query `query` sees.
+__device__ __forceinline__ int attn_first_key(int query, int W) {
+    return max(0, query - W + 1);
+}
+// The end (exclusive) of the queries that see any of the keys up to
+// `last_key`.
+__device__ __forceinline__ int attn_query_end(int last_key, int T_, int W) {
+    return min(T_, last_key + W);
 }
 
 template <int DMAX>
@@ -214,7 +234,7 @@ __device__ __forceinline__ void attention_forward(const T* __restrict__ q, const
                                                   const T* __restrict__ v, T* __restrict__ y,
                                                   float* __restrict__ lse, int q_stride,
                                                   int kv_stride, int T_, int H, int KVH, int D,
-                                                  float scale) {
+                                                  int W, float scale) {
     constexpr int BQ = ATTN_WARPS * R;
     constexpr int DPL = DMAX / 32;
     __shared__ __align__(16) float qs[BQ * DMAX];       // plain: read by broadcast
@@ -241,7 +261,8 @@ __device__ __forceinline__ void attention_forward(const T* __restrict__ q, const
         for (int i = 0; i < DPL; ++i) acc[r][i] = 0.f;
     }
     const int last = min(q0 + BQ, T_) - 1;  // the block's last query row
-    for (int k0 = 0; k0 <= last; k0 += ATTN_KT) {
+    // From the tile of the first key the block's first row sees.
+    for (int k0 = attn_first_key(q0, W) / ATTN_KT * ATTN_KT; k0 <= last; k0 += ATTN_KT) {
         __syncthreads();  // the previous tile is consumed (and qs is written)
         load_tile<T, DMAX, ATTN_KT, true>(ks, k + kv_at, kv_stride, k0, T_, D);
         load_tile<T, DMAX, ATTN_KT, false>(vs, v + kv_at, kv_stride, k0, T_, D);
@@ -260,10 +281,12 @@ __device__ __forceinline__ void attention_forward(const T* __restrict__ q, const
 #pragma unroll
         for (int r = 0; r < R; ++r) {
             const int t = q0 + warp * R + r;
-            const bool valid = key <= t && t < T_;  // key <= t < T: key < T
+            const bool valid = attn_visible(key, t, T_, W);  // key <= t < T: key < T
             const float sc = valid ? s[r] * scale : NEG_INF;
             const float m_new = fmaxf(m[r], warp_max(sc));
-            // m_new is -inf only on a padding row (t >= T), which stays empty.
+            // m_new is -inf only on a row that sees no key yet (a padding
+            // row, t >= T, which stays empty, or one whose window starts
+            // past this tile): its p are 0 and its alpha 0.
             const float p = valid ? __expf(sc - m_new) : 0.f;
             pw[r * ATTN_KT + lane] = p;
             const float alpha = m[r] == NEG_INF ? 0.f : __expf(m[r] - m_new);
@@ -329,7 +352,7 @@ template <typename T, int DMAX, int R>
 __device__ __forceinline__ void attention_backward_dq(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
-    T* __restrict__ dq_out, int q_stride, int kv_stride, int T_, int H, int KVH, int D,
+    T* __restrict__ dq_out, int q_stride, int kv_stride, int T_, int H, int KVH, int D, int W,
     float scale) {
     constexpr int BQ = ATTN_WARPS * R;
     constexpr int DPL = DMAX / 32;
@@ -364,7 +387,7 @@ __device__ __forceinline__ void attention_backward_dq(
         for (int i = 0; i < DPL; ++i) dq[r][i] = 0.f;
     }
     const int last = min(q0 + BQ, T_) - 1;
-    for (int k0 = 0; k0 <= last; k0 += ATTN_KT) {
+    for (int k0 = attn_first_key(q0, W) / ATTN_KT * ATTN_KT; k0 <= last; k0 += ATTN_KT) {
         __syncthreads();
         load_tile<T, DMAX, ATTN_KT, true>(ks, kb, kv_stride, k0, T_, D);
         load_tile<T, DMAX, ATTN_KT, true>(vs, vb, kv_stride, k0, T_, D);
@@ -391,7 +414,7 @@ __device__ __forceinline__ void attention_backward_dq(
 #pragma unroll
         for (int r = 0; r < R; ++r) {
             const int t = q0 + warp * R + r;
-            const bool valid = key <= t && t < T_;
+            const bool valid = attn_visible(key, t, T_, W);
             const float pr = valid ? __expf(s[r] * scale - row_lse[r]) : 0.f;
             dsw[r * ATTN_KT + lane] = pr * (dp[r] - row_delta[r]);
         }
@@ -421,13 +444,13 @@ __device__ __forceinline__ void attention_backward_dq(
 }
 
 // dK and dV of KB key rows of one K/V head: for each query head of its
-// group in turn, stream the query tiles at or after the keys.
+// group in turn, stream the query tiles at or after the keys that see them.
 template <typename T, int DMAX, int R>
 __device__ __forceinline__ void attention_backward_dkdv(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
     T* __restrict__ dk_out, T* __restrict__ dv_out, int q_stride, int kv_stride, int T_, int H,
-    int KVH, int D, float scale) {
+    int KVH, int D, int W, float scale) {
     constexpr int KB = ATTN_WARPS * R;
     constexpr int DPL = DMAX / 32;
     __shared__ __align__(16) float ks[KB * DMAX];        // plain: broadcast
@@ -461,7 +484,8 @@ __device__ __forceinline__ void attention_backward_dkdv(
         const T* dobase = dout + (size_t)b * T_ * C + (size_t)h * D;
         const float* lse_bh = lse + ((size_t)b * H + h) * T_;
         const float* delta_bh = delta + ((size_t)b * H + h) * T_;
-        for (int q0 = (k_first / ATTN_KT) * ATTN_KT; q0 < T_; q0 += ATTN_KT) {
+        const int q_end = attn_query_end(k_first + KB - 1, T_, W);
+        for (int q0 = (k_first / ATTN_KT) * ATTN_KT; q0 < q_end; q0 += ATTN_KT) {
             __syncthreads();
             load_tile<T, DMAX, ATTN_KT, true>(qs, qb, q_stride, q0, T_, D);
             load_tile<T, DMAX, ATTN_KT, true>(dos, dobase, (size_t)C, q0, T_, D);
@@ -489,7 +513,7 @@ __device__ __forceinline__ void attention_backward_dkdv(
 #pragma unroll
             for (int r = 0; r < R; ++r) {
                 const int key = k_first + warp * R + r;
-                const bool valid = key <= query && query < T_;
+                const bool valid = attn_visible(key, query, T_, W);
                 p[r] = valid ? __expf(s[r] * scale - q_lse) : 0.f;
                 ds[r] = p[r] * (dp[r] - q_delta);
             }
@@ -565,19 +589,19 @@ __device__ __forceinline__ void attention_backward_dkdv(
 // tensor-core ones in attention_tc.cu too), so that one launch serves both.
 #define ATTN_FORWARD_PARAMS(T)                                                            \
     const T *q, const T *k, const T *v, T *y, float *lse, int q_stride, int kv_stride,    \
-        int T_, int H, int KVH, int D, float scale
-#define ATTN_FORWARD_ARGS q, k, v, y, lse, q_stride, kv_stride, T_, H, KVH, D, scale
+        int T_, int H, int KVH, int D, int W, float scale
+#define ATTN_FORWARD_ARGS q, k, v, y, lse, q_stride, kv_stride, T_, H, KVH, D, W, scale
 #define ATTN_DQ_PARAMS(T)                                                                 \
     const T *q, const T *k, const T *v, const T *dout, const float *lse,                  \
         const float *delta, T *dq, int q_stride, int kv_stride, int T_, int H, int KVH,   \
-        int D, float scale
-#define ATTN_DQ_ARGS q, k, v, dout, lse, delta, dq, q_stride, kv_stride, T_, H, KVH, D, scale
+        int D, int W, float scale
+#define ATTN_DQ_ARGS q, k, v, dout, lse, delta, dq, q_stride, kv_stride, T_, H, KVH, D, W, scale
 #define ATTN_DKDV_PARAMS(T)                                                               \
     const T *q, const T *k, const T *v, const T *dout, const float *lse,                  \
         const float *delta, T *dk, T *dv, int q_stride, int kv_stride, int T_, int H,     \
-        int KVH, int D, float scale
+        int KVH, int D, int W, float scale
 #define ATTN_DKDV_ARGS                                                                    \
-    q, k, v, dout, lse, delta, dk, dv, q_stride, kv_stride, T_, H, KVH, D, scale
+    q, k, v, dout, lse, delta, dk, dv, q_stride, kv_stride, T_, H, KVH, D, W, scale
 
 // The forward's bound says one block per SM suffices: without it, ptxas
 // caps the d=64 forward at 96 registers and spills (114 fit).

@@ -1,7 +1,7 @@
 // The CUDA-core attention kernels of src/kernels/layers.cu on the CPU (see
 // shim.h and attention_check.h): T around and across the tiles, head widths
 // below the compiled width (zero lanes), f32 and 16-bit, packed qkv and
-// grouped K/V heads. Exits non-zero on any failure.
+// grouped K/V heads, causal and within sliding windows. Exits non-zero on any failure.
 #include "shim.h"
 #include "layers.cu"
 #include "attention_check.h"
@@ -13,17 +13,17 @@ template <class E, int DMAX> struct CudaCores {
     static void forward(const AttentionCall<E>& c) {
         launch({(unsigned)c.H, (unsigned)c.B, tiles(c)}, {ATTN_THREADS, 1, 1}, [&] {
             attention_forward<E, DMAX, R>(c.q, c.k, c.v, c.y, c.lse, c.q_stride, c.kv_stride, c.T, c.H, c.KVH,
-                                          c.D, c.scale);
+                                          c.D, c.W, c.scale);
         });
     }
     static void backward_kv_q(const AttentionCall<E>& c) {
         launch({(unsigned)c.KVH, (unsigned)c.B, tiles(c)}, {ATTN_THREADS, 1, 1}, [&] {
             attention_backward_dkdv<E, DMAX, R>(c.q, c.k, c.v, c.dout, c.lse, c.delta, c.dk, c.dv, c.q_stride,
-                                                c.kv_stride, c.T, c.H, c.KVH, c.D, c.scale);
+                                                c.kv_stride, c.T, c.H, c.KVH, c.D, c.W, c.scale);
         });
         launch({(unsigned)c.H, (unsigned)c.B, tiles(c)}, {ATTN_THREADS, 1, 1}, [&] {
             attention_backward_dq<E, DMAX, R>(c.q, c.k, c.v, c.dout, c.lse, c.delta, c.dq, c.q_stride,
-                                              c.kv_stride, c.T, c.H, c.KVH, c.D, c.scale);
+                                              c.kv_stride, c.T, c.H, c.KVH, c.D, c.W, c.scale);
         });
     }
 };
@@ -42,6 +42,14 @@ int main() {
     }
     expect_attention<bf16, CudaCores<bf16, 128>>("bf16 d128", 1, 17, 2, 2, 128, true, 2e-2);
     expect_attention<bf16, CudaCores<bf16, 64>>("bf16 d64", 2, 29, 4, 2, 64, false, 2e-2);
+    // Sliding windows: only itself, within a tile, across tiles, all but
+    // one key, T, past T.
+    for (int window : {1, 5, 33, 40, 69, 70, 200}) {
+        expect_attention<float, CudaCores<float, 64>>("f32 d64", 2, 70, 2, 2, 48, true, 1e-5, window);
+        expect_attention<float, CudaCores<float, 128>>("f32 d128", 1, 45, 4, 1, 96, false, 1e-5, window);
+    }
+    expect_attention<float, CudaCores<float, 64>>("f32 d64", 2, 97, 4, 2, 64, false, 1e-5, 17);
+    expect_attention<bf16, CudaCores<bf16, 64>>("bf16 d64", 1, 70, 4, 2, 64, false, 2e-2, 20);
     printf("attention (CUDA cores) on the CPU: %s\n", failures ? "FAILED" : "ok");
     return failures ? 1 : 0;
 }

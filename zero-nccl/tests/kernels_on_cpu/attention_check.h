@@ -1,8 +1,8 @@
 // One attention call of either kernel family of src/kernels/ (layers.cu's
 // CUDA-core kernels, attention_tc.cu's tensor-core ones) on the CPU (see
 // shim.h), against a double-precision reference of the same function:
-// packed qkv or separate q, k, v with grouped K/V heads, forward output,
-// log-sum-exp and the three gradients. Canaries after every output catch
+// packed qkv or separate q, k, v with grouped K/V heads, causal or within
+// a sliding window, forward output, log-sum-exp and the three gradients. Canaries after every output catch
 // writes out of bounds. Used by attention.cpp and attention_tc.cpp.
 #pragma once
 #include <algorithm>
@@ -20,6 +20,7 @@ template <class E> struct AttentionCall {
     E *y, *dq, *dk, *dv;
     float *lse, *delta;
     int q_stride, kv_stride, B, T, H, KVH, D;
+    int W;  // the window, min(window, T) as layers/attention.rs passes it
     float scale;
 };
 
@@ -39,8 +40,10 @@ static double relative(const std::vector<double>& ref, const std::vector<double>
 }
 
 // `Family` has static forward(call) and backward_kv_q(call) (dK/dV then dQ).
+// `window` 0: plain causal attention.
 template <class E, class Family>
-AttentionErrors check_attention(int B, int T, int H, int KVH, int D, bool packed, unsigned seed) {
+AttentionErrors check_attention(int B, int T, int H, int KVH, int D, bool packed, int window,
+                                unsigned seed) {
     const int C = H * D, KC = KVH * D;
     const size_t rows = (size_t)B * T;
     const int q_stride = packed ? 3 * C : C, kv_stride = packed ? 3 * C : KC;
@@ -69,6 +72,8 @@ AttentionErrors check_attention(int B, int T, int H, int KVH, int D, bool packed
     call.q_stride = q_stride;
     call.kv_stride = kv_stride;
     call.B = B, call.T = T, call.H = H, call.KVH = KVH, call.D = D;
+    const int W = window > 0 ? std::min(window, T) : T;
+    call.W = W;
     call.scale = 1.f / sqrtf((float)D);
     Family::forward(call);
     const unsigned delta_rows = B * T * H;
@@ -103,27 +108,29 @@ AttentionErrors check_attention(int B, int T, int H, int KVH, int D, bool packed
         for (int h = 0; h < H; h++) {
             const int g = h / (H / KVH);
             for (int i = 0; i < T; i++) {
+                // The keys query i sees: (i - W, i].
+                const int j0 = std::max(0, i - W + 1);
                 double m = -1e300;
-                for (int j = 0; j <= i; j++) {
+                for (int j = j0; j <= i; j++) {
                     double a = 0;
                     for (int d = 0; d < D; d++) a += Q(b, i, h, d) * K(b, j, g, d);
                     s[j] = a * scale;
                     m = std::max(m, s[j]);
                 }
                 double l = 0;
-                for (int j = 0; j <= i; j++) l += exp(s[j] - m);
+                for (int j = j0; j <= i; j++) l += exp(s[j] - m);
                 const double L = m + log(l);
                 rlse[((size_t)b * H + h) * T + i] = L;
                 glse[((size_t)b * H + h) * T + i] = lse[((size_t)b * H + h) * T + i];
-                for (int j = 0; j <= i; j++) p[j] = exp(s[j] - L);
+                for (int j = j0; j <= i; j++) p[j] = exp(s[j] - L);
                 double Di = 0;
                 for (int d = 0; d < D; d++) Di += G(b, i, h, d) * O(b, i, h, d);
                 for (int d = 0; d < D; d++) {
                     double a = 0;
-                    for (int j = 0; j <= i; j++) a += p[j] * V(b, j, g, d);
+                    for (int j = j0; j <= i; j++) a += p[j] * V(b, j, g, d);
                     ry[((size_t)b * T + i) * C + h * D + d] = a;
                 }
-                for (int j = 0; j <= i; j++) {
+                for (int j = j0; j <= i; j++) {
                     double dp = 0;
                     for (int d = 0; d < D; d++) dp += G(b, i, h, d) * V(b, j, g, d);
                     const double ds = p[j] * (dp - Di);
@@ -159,13 +166,15 @@ AttentionErrors check_attention(int B, int T, int H, int KVH, int D, bool packed
 static int failures = 0;
 
 template <class E, class Family>
-void expect_attention(const char* what, int B, int T, int H, int KVH, int D, bool packed, double tol) {
-    const AttentionErrors e = check_attention<E, Family>(B, T, H, KVH, D, packed, T * 7 + D + H * 3 + KVH);
+void expect_attention(const char* what, int B, int T, int H, int KVH, int D, bool packed, double tol,
+                      int window = 0) {
+    const AttentionErrors e =
+        check_attention<E, Family>(B, T, H, KVH, D, packed, window, T * 7 + D + H * 3 + KVH + window);
     const bool ok = e.worst() <= tol;
-    printf("%s %s: batch %d, T %d, %d heads / %d K/V heads of %d, %s: errors y %.2g lse %.2g dq %.2g dk %.2g "
-           "dv %.2g%s (tolerance %g)\n",
-           ok ? "ok  " : "FAIL", what, B, T, H, KVH, D, packed ? "packed" : "separate", e.y, e.lse, e.dq, e.dk,
-           e.dv, e.out_of_bounds ? ", WRITE OUT OF BOUNDS" : "", tol);
+    printf("%s %s: batch %d, T %d, %d heads / %d K/V heads of %d, %s, window %d: errors y %.2g lse %.2g dq %.2g "
+           "dk %.2g dv %.2g%s (tolerance %g)\n",
+           ok ? "ok  " : "FAIL", what, B, T, H, KVH, D, packed ? "packed" : "separate", window, e.y, e.lse, e.dq,
+           e.dk, e.dv, e.out_of_bounds ? ", WRITE OUT OF BOUNDS" : "", tol);
     fflush(stdout);
     if (!ok) failures++;
 }

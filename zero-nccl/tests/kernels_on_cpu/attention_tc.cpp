@@ -4,8 +4,9 @@
 // attention_check.h): bf16 and f16, head widths 64 and 128 and narrower
 // ones (zero columns, 16-bit loads), T within one tile, across several and
 // odd, packed qkv and separate q, k, v with 4 query heads on 2 and on 1 K/V
-// heads, batch > 1; tiles streamed through two shared-memory stages (32
-// rows at width 128 against the block's 64). Exits non-zero on any failure.
+// heads, batch > 1, causal and within sliding windows; tiles streamed
+// through two shared-memory stages (32 rows at width 128 against the
+// block's 64). Exits non-zero on any failure.
 #include "shim.h"
 #include "layers.cu"
 #include "attention_tc.cu"
@@ -17,17 +18,17 @@ template <class E, int DMAX> struct TensorCores {
     static void forward(const AttentionCall<E>& c) {
         launch({(unsigned)c.H, (unsigned)c.B, tiles(c)}, {TC_THREADS, 1, 1}, [&] {
             attention_tc_forward<E, DMAX>(c.q, c.k, c.v, c.y, c.lse, c.q_stride, c.kv_stride, c.T, c.H, c.KVH,
-                                          c.D, c.scale);
+                                          c.D, c.W, c.scale);
         });
     }
     static void backward_kv_q(const AttentionCall<E>& c) {
         launch({(unsigned)c.KVH, (unsigned)c.B, tiles(c)}, {TC_THREADS, 1, 1}, [&] {
             attention_tc_backward_dkdv<E, DMAX>(c.q, c.k, c.v, c.dout, c.lse, c.delta, c.dk, c.dv, c.q_stride,
-                                                c.kv_stride, c.T, c.H, c.KVH, c.D, c.scale);
+                                                c.kv_stride, c.T, c.H, c.KVH, c.D, c.W, c.scale);
         });
         launch({(unsigned)c.H, (unsigned)c.B, tiles(c)}, {TC_THREADS, 1, 1}, [&] {
             attention_tc_backward_dq<E, DMAX>(c.q, c.k, c.v, c.dout, c.lse, c.delta, c.dq, c.q_stride,
-                                              c.kv_stride, c.T, c.H, c.KVH, c.D, c.scale);
+                                              c.kv_stride, c.T, c.H, c.KVH, c.D, c.W, c.scale);
         });
     }
 };
@@ -58,6 +59,15 @@ int main() {
     expect_attention<bf16, TensorCores<bf16, 64>>("bf16 d64", 1, 196, 4, 2, 64, false, BF16_TOL);
     expect_attention<bf16, TensorCores<bf16, 128>>("bf16 d128", 1, 196, 4, 2, 128, false, BF16_TOL);
     expect_attention<f16, TensorCores<f16, 64>>("f16 d64", 1, 9, 3, 1, 5, false, F16_TOL);
+    // Sliding windows: only itself, within a tile, a streamed tile's rows
+    // (64 at width 64, 32 at 128) and one more, across tiles, past T;
+    // blocks whose first tiles are skipped and whose tiles are masked at
+    // the window's far edge.
+    for (int window : {1, 17, 32, 64, 65, 100, 300}) {
+        expect_attention<bf16, TensorCores<bf16, 64>>("bf16 d64", 1, 196, 4, 2, 64, false, BF16_TOL, window);
+        expect_attention<bf16, TensorCores<bf16, 128>>("bf16 d128", 2, 139, 2, 2, 128, true, BF16_TOL, window);
+    }
+    expect_attention<f16, TensorCores<f16, 64>>("f16 d64", 1, 150, 4, 1, 40, false, F16_TOL, 70);
     printf("attention (tensor cores) on the CPU: %s\n", failures ? "FAILED" : "ok");
     return failures ? 1 : 0;
 }

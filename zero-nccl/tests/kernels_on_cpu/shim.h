@@ -41,6 +41,7 @@ static inline float __uint_as_float(unsigned i){float f; memcpy(&f,&i,4); return
 static inline unsigned __float_as_uint(float f){unsigned i; memcpy(&i,&f,4); return i;}
 static inline int min(int a,int b){return a<b?a:b;}
 static inline long long min(long long a,long long b){return a<b?a:b;}
+static inline int max(int a,int b){return a>b?a:b;}
 static inline float half_to_float(unsigned short b){_Float16 h; memcpy(&h,&b,2); return (float)h;}
 static inline unsigned short float_to_half(float f){_Float16 h=(_Float16)f; unsigned short b; memcpy(&b,&h,2); return b;}
 // Fragment registers of one mma.m16n8k16 per lane; two sets, used in turn.

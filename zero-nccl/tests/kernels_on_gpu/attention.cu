@@ -3,12 +3,14 @@
 // them as layers/attention.rs does (grids, blocks, packed and split
 // operands) and
 //  1. compares the tensor-core kernels (bf16, f16; widths 64 and 128;
-//     packed, grouped 4/2, 4/1 and 32/8 heads) against a double-precision
-//     reference of the inputs as stored: output, log-sum-exp, dQ, dK, dV;
+//     packed, grouped 4/2, 4/1 and 32/8 heads; causal and within sliding
+//     windows) against a double-precision reference of the inputs as
+//     stored: output, log-sum-exp, dQ, dK, dV;
 //  2. times forward + backward (4 launches) with CUDA events at the bench's
 //     shapes: the GPT's (batch 16, T 256, 12 heads of 64) on both kernel
 //     families, grouped 32/8 heads of 128, and the 1.1B Llama's (batch 4,
-//     T 2048, 32/4 heads of 64) beside the same with 32 K/V heads.
+//     T 2048, 32/4 heads of 64) beside the same with 32 K/V heads and
+//     within a window of 512 positions.
 // scripts/check-attention-on-gpu.sh builds and runs it (sm_90 by default).
 // Exits non-zero when a comparison fails. zero-candle/tests/gpu_layers.rs
 // checks the same kernels through the Candle ops.
@@ -82,6 +84,7 @@ static Kernels<bf16> cuda_cores_bf16() {
 // One call's device buffers; packed: q holds qkv (dq dqkv), k and v point in.
 template <class E> struct Call {
     int B, T, H, KVH, D;
+    int W;  // the window as the kernels take it: min(window, T)
     bool packed;
     int q_stride, kv_stride;
     size_t q_len, kv_len, out_len, lse_len;
@@ -89,8 +92,10 @@ template <class E> struct Call {
     float *lse, *delta;
     std::vector<E> hq, hk, hv, hdout;
 
-    Call(int B_, int T_, int H_, int KVH_, int D_, bool packed_, unsigned seed)
-        : B(B_), T(T_), H(H_), KVH(KVH_), D(D_), packed(packed_) {
+    // `window` 0: plain causal attention.
+    Call(int B_, int T_, int H_, int KVH_, int D_, bool packed_, unsigned seed, int window = 0)
+        : B(B_), T(T_), H(H_), KVH(KVH_), D(D_), W(window > 0 ? std::min(window, T_) : T_),
+          packed(packed_) {
         const int C = H * D, KC = KVH * D;
         q_stride = packed ? C + 2 * KC : C;
         kv_stride = packed ? q_stride : KC;
@@ -129,15 +134,15 @@ template <class E> struct Call {
         const float scale = 1.f / sqrtf((float)D);
         const unsigned tiles = (T + kern.rows - 1) / kern.rows;
         if (only < 0 || only == 0)
-            kern.forward<<<dim3(H, B, tiles), 128>>>(q, k, v, y, lse, q_stride, kv_stride, T, H, KVH, D, scale);
+            kern.forward<<<dim3(H, B, tiles), 128>>>(q, k, v, y, lse, q_stride, kv_stride, T, H, KVH, D, W, scale);
         const unsigned rows = B * T * H;
         if (only < 0 || only == 1) kern.delta<<<(rows + 7) / 8, 256>>>(y, dout, delta, B, T, H, D);
         if (only < 0 || only == 2)
             kern.dkdv<<<dim3(KVH, B, tiles), 128>>>(q, k, v, dout, lse, delta, dk, dv, q_stride, kv_stride, T,
-                                                     H, KVH, D, scale);
+                                                     H, KVH, D, W, scale);
         if (only < 0 || only == 3)
             kern.dq<<<dim3(H, B, tiles), 128>>>(q, k, v, dout, lse, delta, dq, q_stride, kv_stride, T, H, KVH,
-                                                 D, scale);
+                                                 D, W, scale);
     }
 
     // The largest error of y, dq, dk, dv relative to the reference's largest
@@ -168,26 +173,27 @@ template <class E> struct Call {
             for (int h = 0; h < H; h++) {
                 const int g = h / (H / KVH);
                 for (int i = 0; i < T; i++) {
+                    const int j0 = std::max(0, i - W + 1);  // the keys (i - W, i]
                     double m = -1e300;
-                    for (int j = 0; j <= i; j++) {
+                    for (int j = j0; j <= i; j++) {
                         double a = 0;
                         for (int d = 0; d < D; d++) a += Q(b, i, h, d) * K(b, j, g, d);
                         s[j] = a * scale;
                         m = std::max(m, s[j]);
                     }
                     double l = 0;
-                    for (int j = 0; j <= i; j++) l += exp(s[j] - m);
+                    for (int j = j0; j <= i; j++) l += exp(s[j] - m);
                     const double L = m + log(l);
                     lse_err = std::max(lse_err, fabs(L - glse[((size_t)b * H + h) * T + i]));
-                    for (int j = 0; j <= i; j++) p[j] = exp(s[j] - L);
+                    for (int j = j0; j <= i; j++) p[j] = exp(s[j] - L);
                     double Di = 0;
                     for (int d = 0; d < D; d++) Di += G(b, i, h, d) * O(b, i, h, d);
                     for (int d = 0; d < D; d++) {
                         double a = 0;
-                        for (int j = 0; j <= i; j++) a += p[j] * V(b, j, g, d);
+                        for (int j = j0; j <= i; j++) a += p[j] * V(b, j, g, d);
                         ry[((size_t)b * T + i) * C + h * D + d] = a;
                     }
-                    for (int j = 0; j <= i; j++) {
+                    for (int j = j0; j <= i; j++) {
                         double dp = 0;
                         for (int d = 0; d < D; d++) dp += G(b, i, h, d) * V(b, j, g, d);
                         const double ds = p[j] * (dp - Di);
@@ -236,10 +242,11 @@ template <class E> struct Call {
 static int failures = 0;
 
 template <class E>
-static void check(const char* dtype, int dmax, int B, int T, int H, int KVH, int D, bool packed, double tol) {
-    printf("%s d%d: batch %d, T %d, %d heads / %d K/V heads of %d, %s\n", dtype, dmax, B, T, H, KVH, D,
-           packed ? "packed" : "split");
-    Call<E> call(B, T, H, KVH, D, packed, T * 7 + D + H);
+static void check(const char* dtype, int dmax, int B, int T, int H, int KVH, int D, bool packed, double tol,
+                  int window = 0) {
+    printf("%s d%d: batch %d, T %d, %d heads / %d K/V heads of %d, %s, window %d\n", dtype, dmax, B, T, H, KVH,
+           D, packed ? "packed" : "split", window);
+    Call<E> call(B, T, H, KVH, D, packed, T * 7 + D + H + window, window);
     call.run(tensor_cores<E>(dmax));
     CHECK(cudaDeviceSynchronize());
     CHECK(cudaGetLastError());
@@ -284,6 +291,7 @@ int main(int argc, char** argv) {
         check<f16>("f16", dmax, 2, 139, 2, 2, dmax, true, 2e-3);
         check<f16>("f16", dmax, 2, 77, 4, 2, dmax, false, 2e-3);
         check<f16>("f16", dmax, 1, 45, 2, 2, dmax - 27, true, 2e-3);
+        for (int window : {1, 17, 65, 100}) check<bf16>("bf16", dmax, 1, 196, 4, 2, dmax, false, 1e-2, window);
     }
     check<bf16>("bf16", 128, 1, 200, 32, 8, 128, false, 1e-2);
     if (!timing) {
@@ -305,6 +313,8 @@ int main(int argc, char** argv) {
     report("llama 32/4x64 T2048 bf16 tensor-cores", llama, tensor_cores<bf16>(64), iters);
     Call<bf16> llama_mha(4, 2048, 32, 32, 64, false, 4);
     report("llama-mha 32/32x64 T2048 bf16 tensor-cores", llama_mha, tensor_cores<bf16>(64), iters);
+    Call<bf16> llama_window(4, 2048, 32, 4, 64, false, 3, 512);
+    report("llama 32/4x64 T2048 window 512 bf16 tensor-cores", llama_window, tensor_cores<bf16>(64), iters);
     printf("attention on the GPU: %s\n", failures ? "FAILED" : "ok");
     return failures ? 1 : 0;
 }

@@ -173,7 +173,37 @@ impl CustomOp1 for CausalAttention {
 /// # Ok(()) }
 /// ```
 pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
-    let dims = AttentionDims::of_split(q, k, v)?;
+    split_attention(q, k, v, AttentionDims::of_split(q, k, v)?)
+}
+
+/// [`causal_attention`] within a sliding window: query `t` attends to keys
+/// `t - window < j <= t` only, `window` positions with its own (Mistral's
+/// and Qwen's `sliding_window`, as `transformers` masks it). A window of at
+/// least the sequence's length is [`causal_attention`]. The kernels
+/// compute and stream only the key tiles inside the window.
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// # fn main() -> candle_core::Result<()> {
+/// let q = Tensor::randn(0f32, 1.0, (1, 6, 2, 4), &Device::Cpu)?;
+/// let k = Tensor::randn(0f32, 1.0, (1, 6, 1, 4), &Device::Cpu)?;
+/// let v = Tensor::randn(0f32, 1.0, (1, 6, 1, 4), &Device::Cpu)?;
+/// // Each position sees itself and the two before it.
+/// let y = zero_candle::nn::ops::sliding_window_attention(&q, &k, &v, 3)?;
+/// assert_eq!(y.dims(), &[1, 6, 2, 4]);
+/// # Ok(()) }
+/// ```
+pub fn sliding_window_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    window: usize,
+) -> Result<Tensor> {
+    let dims = AttentionDims::of_split(q, k, v)?.with_window(window)?;
+    split_attention(q, k, v, dims)
+}
+
+fn split_attention(q: &Tensor, k: &Tensor, v: &Tensor, dims: AttentionDims) -> Result<Tensor> {
     q.contiguous()?.apply_op3(
         &k.contiguous()?,
         &v.contiguous()?,
@@ -437,7 +467,8 @@ impl<A: Accum> Widened<A> {
 /// time, heads * head_dim]` and the log-sum-exp `[batch, heads, time]`.
 ///
 /// Row `i` of head `h` (K/V head `g = h / (heads / kv_heads)`): scores
-/// `s_j = scale · q_i·k_j` for `j <= i`, `m = max s`, `l = Σ exp(s_j - m)`,
+/// `s_j = scale · q_i·k_j` for the keys it sees (`j <= i`, within the
+/// window), `m = max s`, `l = Σ exp(s_j - m)`,
 /// `y_i = Σ exp(s_j - m) v_j / l`, `lse_i = m + ln l`.
 fn forward<T: Elem>(operands: &Operands<T>, dims: &AttentionDims) -> (Vec<T>, Vec<T::Acc>) {
     let AttentionDims {
@@ -468,8 +499,10 @@ fn forward<T: Elem>(operands: &Operands<T>, dims: &AttentionDims) -> (Vec<T>, Ve
                 let g = h / group;
                 for i in 0..time {
                     let q_i = q.row(i, h);
-                    let scores = &mut scores[..=i];
-                    for (j, s) in scores.iter_mut().enumerate() {
+                    // Keys j0..=i, scores[j - j0].
+                    let j0 = dims.first_key(i);
+                    let scores = &mut scores[j0..=i];
+                    for (j, s) in (j0..).zip(scores.iter_mut()) {
                         *s = scale * dot(q_i, k.row(j, g));
                     }
                     let max = scores
@@ -481,7 +514,7 @@ fn forward<T: Elem>(operands: &Operands<T>, dims: &AttentionDims) -> (Vec<T>, Ve
                     }
                     let sum = scores.iter().fold(T::Acc::ZERO, |a, &p| a + p);
                     acc.fill(T::Acc::ZERO);
-                    for (j, &p) in scores.iter().enumerate() {
+                    for (j, &p) in (j0..).zip(scores.iter()) {
                         axpy(&mut acc, p, v.row(j, g));
                     }
                     let inv = T::Acc::ONE / sum;
@@ -586,27 +619,29 @@ fn backward<T: Elem>(
                     let q_i = q.row(i, h);
                     let g_i = &g[i * d + h * hd..][..hd];
                     let lse_i = lse[h * time + i];
-                    let (p, ds) = (&mut p[..=i], &mut ds[..=i]);
+                    // Keys j0..=i, p[j - j0] and ds[j - j0].
+                    let j0 = dims.first_key(i);
+                    let (p, ds) = (&mut p[j0..=i], &mut ds[j0..=i]);
                     // Each quantity in a pass of its own over the row's
                     // keys, so that the exponentials and products vectorize.
-                    for (j, p) in p.iter_mut().enumerate() {
+                    for (j, p) in (j0..).zip(p.iter_mut()) {
                         *p = scale * dot(q_i, k.row(j, h / group));
                     }
                     for p in p.iter_mut() {
                         *p = (*p - lse_i).exp();
                     }
-                    for (j, ds) in ds.iter_mut().enumerate() {
+                    for (j, ds) in (j0..).zip(ds.iter_mut()) {
                         *ds = dot(g_i, v.row(j, h / group));
                     }
                     for (ds, &p) in ds.iter_mut().zip(p.iter()) {
                         *ds = scale * p * (*ds - delta[i]);
                     }
-                    for j in 0..=i {
-                        axpy(&mut dv[j * kv + kv_at..][..hd], p[j], g_i);
-                        axpy(&mut dk[j * kv + kv_at..][..hd], ds[j], q_i);
+                    for (j, (&p, &ds)) in (j0..).zip(p.iter().zip(ds.iter())) {
+                        axpy(&mut dv[j * kv + kv_at..][..hd], p, g_i);
+                        axpy(&mut dk[j * kv + kv_at..][..hd], ds, q_i);
                     }
                     let dq_i = &mut dq[i * d + h * hd..][..hd];
-                    for (j, &ds) in ds.iter().enumerate() {
+                    for (j, &ds) in (j0..).zip(ds.iter()) {
                         axpy(dq_i, ds, k.row(j, h / group));
                     }
                 }

@@ -20,6 +20,9 @@ use candle_core::{bail, Result, Tensor};
 /// head_dim]` with `kv_heads` dividing `heads`: query head `h` attends with
 /// K/V head `h / (heads / kv_heads)` (grouped-query attention); the output
 /// is `[batch, time, heads, head_dim]`.
+///
+/// With a [`window`](AttentionDims::window), query `t` attends to keys
+/// `t - window < j <= t` only (sliding-window attention).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AttentionDims {
     /// Sequences.
@@ -35,6 +38,9 @@ pub struct AttentionDims {
     /// The factor on `q · k` (`1 / sqrt(head_dim)`), in f32 as the CUDA
     /// kernels take it.
     pub scale: f32,
+    /// Each query attends to at most this many positions, its own
+    /// included; `None`: every position up to its own.
+    pub window: Option<usize>,
 }
 
 impl AttentionDims {
@@ -82,6 +88,7 @@ impl AttentionDims {
             kv_heads: heads,
             head_dim,
             scale: 1.0 / (head_dim as f32).sqrt(),
+            window: None,
         })
     }
 
@@ -128,7 +135,28 @@ impl AttentionDims {
             kv_heads,
             head_dim,
             scale: 1.0 / (head_dim as f32).sqrt(),
+            window: None,
         })
+    }
+
+    /// These dims with each query attending to at most `window` positions,
+    /// its own included: an error for a window of 0.
+    pub fn with_window(self, window: usize) -> Result<Self> {
+        if window == 0 {
+            bail!(
+                "zero-candle attention: a sliding window of 0 positions; a query sees at least \
+                 itself, so use a window of at least 1"
+            );
+        }
+        Ok(Self {
+            window: Some(window),
+            ..self
+        })
+    }
+
+    /// The first key query `t` sees.
+    pub(super) fn first_key(&self, t: usize) -> usize {
+        self.window.map_or(0, |w| (t + 1).saturating_sub(w))
     }
 
     /// `1 / sqrt(head_dim)` computed in `A` (the CPU kernels': f64 ones

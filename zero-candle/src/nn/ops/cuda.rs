@@ -172,6 +172,7 @@ fn attention_shape(dims: &AttentionDims) -> AttentionShape {
         kv_heads: dims.kv_heads,
         head_dim: dims.head_dim,
         scale: dims.scale,
+        window: dims.window,
     }
 }
 

@@ -1,5 +1,6 @@
 //! Fused transformer ops with their own backward: causal attention (over a
-//! packed `qkv`, or separate `q`, `k`, `v` with grouped K/V heads),
+//! packed `qkv`, or separate `q`, `k`, `v` with grouped K/V heads, also
+//! within a sliding window),
 //! GELU (tanh and erf forms), SiLU, SwiGLU's gate, rotary embeddings and
 //! cross-entropy, each one custom op on the CPU and on CUDA.
 //!
@@ -30,7 +31,9 @@ pub(crate) use no_cuda as cuda;
 pub(crate) use activation::input_grad as activation_input_grad;
 pub use activation::{gelu, gelu_erf, silu};
 pub use activation_kind::Activation;
-pub use attention::{causal_attention, causal_self_attention, causal_self_attention_rows};
+pub use attention::{
+    causal_attention, causal_self_attention, causal_self_attention_rows, sliding_window_attention,
+};
 pub use attention_dims::AttentionDims;
 pub use cross_entropy::{cross_entropy, cross_entropy_with_ignore};
 pub use rotary::rotary_embedding;

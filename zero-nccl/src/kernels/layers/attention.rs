@@ -40,7 +40,8 @@ const TENSOR_CORE_ROWS: usize = 64;
 /// `[batch, time, heads * head_dim]` and `k`, `v` `[batch, time, kv_heads *
 /// head_dim]`, with output `[batch, time, heads * head_dim]` and
 /// log-sum-exp `[batch, heads, time]` f32. Query head `h` attends with K/V
-/// head `h / (heads / kv_heads)`.
+/// head `h / (heads / kv_heads)`; query `t` to keys `t - window < j <= t`
+/// (all keys up to `t` without a window).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AttentionShape {
     /// Sequences.
@@ -56,6 +57,10 @@ pub struct AttentionShape {
     pub head_dim: usize,
     /// The factor on `q · k` (usually `1 / sqrt(head_dim)`).
     pub scale: f32,
+    /// Sliding-window attention: each query attends to at most this many
+    /// positions, its own included (at least 1). `None`: every position up
+    /// to its own.
+    pub window: Option<usize>,
 }
 
 impl AttentionShape {
@@ -187,6 +192,8 @@ struct CheckedAttention {
     heads: i32,
     kv_heads: i32,
     head_dim: i32,
+    /// The window the kernels take: at most `time` (which is no window).
+    window: i32,
     scale: f32,
     packed_strides: [i32; 2],
     split_strides: [i32; 2],
@@ -223,6 +230,14 @@ impl CheckedAttention {
                 ),
             }));
         }
+        if shape.window == Some(0) {
+            return Err(Error::from(zero_core::Error::Unsupported {
+                op,
+                detail: "a sliding window of 0 positions: a query sees at least itself; use a \
+                         window of at least 1"
+                    .into(),
+            }));
+        }
         // Kernels index a row with int: the packed row must fit.
         let packed = int_arg(
             op,
@@ -235,6 +250,11 @@ impl CheckedAttention {
             heads: int_arg(op, "heads", shape.heads)?,
             kv_heads: int_arg(op, "kv_heads", shape.kv_heads)?,
             head_dim: int_arg(op, "head_dim", d)?,
+            window: int_arg(
+                op,
+                "time",
+                shape.window.unwrap_or(shape.time).min(shape.time),
+            )?,
             scale: shape.scale,
             packed_strides: [packed, packed],
             split_strides: [
@@ -273,6 +293,7 @@ impl CheckedAttention {
             .arg(&self.heads)
             .arg(&self.kv_heads)
             .arg(&self.head_dim)
+            .arg(&self.window)
             .arg(&self.scale);
         // SAFETY: the arguments are the kernel's and the buffers fit the
         // shape, as the caller promises.
@@ -556,6 +577,28 @@ mod tests {
         assert_eq!(TENSOR_CORE_ROWS, 64);
     }
 
+    /// Every attention kernel's parameters end with the strides and the
+    /// shape in the order [`CheckedAttention::launch`] passes them.
+    #[test]
+    fn kernel_parameters_end_in_the_launch_s_order() {
+        for name in ["ATTN_FORWARD_PARAMS", "ATTN_DQ_PARAMS", "ATTN_DKDV_PARAMS"] {
+            let at = LAYER_SOURCE
+                .find(&format!("#define {name}(T)"))
+                .unwrap_or_else(|| panic!("{name} is defined"));
+            let mut params = String::new();
+            for line in LAYER_SOURCE[at..].lines().skip(1) {
+                params.push_str(line.trim_end_matches('\\'));
+                if !line.ends_with('\\') {
+                    break;
+                }
+            }
+            let params = params.split_whitespace().collect::<Vec<_>>().join(" ");
+            let tail =
+                "int q_stride, int kv_stride, int T_, int H, int KVH, int D, int W, float scale";
+            assert!(params.ends_with(tail), "{name}: {params}");
+        }
+    }
+
     #[test]
     fn tensor_cores_start_at_sm_80() {
         assert_eq!(arch_number("compute_90"), 90);
@@ -577,6 +620,7 @@ mod tests {
             kv_heads: 2,
             head_dim: 64,
             scale: 0.125,
+            window: None,
         };
         let checked = CheckedAttention::new("t", &shape).unwrap();
         assert_eq!(checked.packed_strides, [12 * 64, 12 * 64]);
@@ -602,6 +646,7 @@ mod tests {
             kv_heads: 2,
             head_dim: 8,
             scale: 0.5,
+            window: None,
         };
         let lens = [shape.q_len(), shape.kv_len(), shape.kv_len()];
         shape.check_split_lens("t", ["q", "k", "v"], lens).unwrap();
@@ -610,6 +655,28 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("dv"), "{err}");
+    }
+
+    /// The kernels take the window as at most `time` (no window is `time`),
+    /// and refuse an empty one.
+    #[test]
+    fn windows_pass_as_at_most_time_and_are_never_empty() {
+        let shape = AttentionShape {
+            batch: 1,
+            time: 100,
+            heads: 2,
+            kv_heads: 2,
+            head_dim: 8,
+            scale: 0.5,
+            window: None,
+        };
+        let window = |window| CheckedAttention::new("t", &AttentionShape { window, ..shape });
+        assert_eq!(window(None).unwrap().window, 100);
+        assert_eq!(window(Some(1)).unwrap().window, 1);
+        assert_eq!(window(Some(64)).unwrap().window, 64);
+        assert_eq!(window(Some(1 << 40)).unwrap().window, 100);
+        let err = window(Some(0)).unwrap_err().to_string();
+        assert!(err.contains("window of at least 1"), "{err}");
     }
 
     #[test]
@@ -632,6 +699,7 @@ mod tests {
             kv_heads: 3,
             head_dim: 4,
             scale: 0.5,
+            window: None,
         };
         assert_eq!(shape.qkv_len(), 2 * 5 * 36);
         assert_eq!(shape.out_len(), 2 * 5 * 12);
