@@ -17,7 +17,7 @@ use zero_core::optim::{
 };
 use zero_core::{DType, Engine, ParamInfo, ThreadGroup};
 use zero_nccl::cudarc::driver::CudaSlice;
-use zero_nccl::{cuda_engine, DeviceView, NcclComm};
+use zero_nccl::{cuda_engine, DevicePool, DeviceView, NcclComm};
 
 fn comm() -> NcclComm {
     NcclComm::single(0).unwrap_or_else(|e| panic!("this test needs a CUDA GPU and libnccl: {e}"))
@@ -170,6 +170,25 @@ fn cuda_memory_accumulates_like_host_memory() {
     let host = host_result(&config, adam, 9);
     let device = device_result(comm, &config, adam(), 9);
     assert_close(&device, &host, "accumulation");
+}
+
+/// The engine leaves the device's pool keeping what is freed (CUDA's
+/// default threshold of 0 hands it back at every synchronization), and a
+/// user can set it back.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn the_engine_keeps_freed_device_memory_in_the_pool() {
+    let comm = comm();
+    let pool = DevicePool::of(comm.context()).unwrap();
+    pool.set_release_threshold(0).unwrap();
+    assert_eq!(pool.release_threshold().unwrap(), 0);
+    let adam = Box::new(Adam::new(AdamConfig::default()).unwrap());
+    let engine = cuda_engine(comm, params(), adam, EngineConfig::default()).unwrap();
+    assert_eq!(pool.release_threshold().unwrap(), DevicePool::RETAIN_ALL);
+    pool.set_release_threshold(1 << 30).unwrap();
+    assert_eq!(pool.release_threshold().unwrap(), 1 << 30);
+    drop(engine);
+    pool.retain_freed().unwrap();
 }
 
 #[test]

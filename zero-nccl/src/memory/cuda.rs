@@ -308,10 +308,21 @@ impl std::fmt::Debug for CudaMemory {
 
 impl CudaMemory {
     /// Compiles the fused kernels for `comm`'s GPU (a few hundred
-    /// milliseconds). The engine checks that its optimizer has a device
-    /// kernel unless it is offloaded ([`ShardMemory::check_optimizer`]).
+    /// milliseconds), and makes the device's memory pool keep what is freed
+    /// ([`DevicePool::retain_freed`](crate::DevicePool::retain_freed)). The
+    /// engine checks that its optimizer has a device kernel unless it is
+    /// offloaded ([`ShardMemory::check_optimizer`]).
     pub fn new(comm: &impl DeviceComm) -> Result<Self> {
         let kernels = FusedKernels::new(comm.context()).map_err(nccl)?;
+        // Training allocates its activations again every step: keep what
+        // is freed in the device's pool instead of mapping it again after
+        // each synchronization. (Without pools, Candle allocates with
+        // cuMemAlloc and there is nothing to keep.)
+        if comm.context().has_async_alloc() {
+            if let Err(e) = crate::DevicePool::of(comm.context()).and_then(|p| p.retain_freed()) {
+                tracing::warn!("the device's memory pool keeps CUDA's release threshold: {e}");
+            }
+        }
         let stream = comm.compute_stream().clone();
         let owner = StreamOwner::of(&stream);
         Ok(Self {

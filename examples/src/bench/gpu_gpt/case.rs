@@ -77,6 +77,10 @@ pub(super) struct Variant {
     /// with each allocation and destroyed with it; on this context, which
     /// has one stream, never recorded or waited on).
     pub(super) untracked: bool,
+    /// The device's pool at CUDA's default release threshold (0: freed
+    /// memory handed back at every synchronization) instead of the
+    /// engine's, which keeps it.
+    pub(super) released: bool,
 }
 
 /// Builds the GPT in `dtype` computing with `ops`, hooked to an
@@ -125,6 +129,10 @@ pub(super) fn ours(
                 }),
         )?;
         let model = model.with_ops(ops).with_checkpointing(variant.checkpointed);
+        if variant.released {
+            let pool = pool.ok_or("the released case needs the device's memory pool")?;
+            pool.set_release_threshold(0)?;
+        }
 
         let mut times = Vec::with_capacity(STEPS);
         let mut offload_before = OffloadTimes::default();
@@ -167,6 +175,9 @@ pub(super) fn ours(
         })
     })();
     zero_candle::nn::set_linear_cublaslt(false);
+    if let (true, Some(pool)) = (variant.released, pool) {
+        pool.retain_freed()?;
+    }
     if variant.untracked {
         // SAFETY: restores the default for the buffers of the cases after.
         unsafe { ctx.enable_event_tracking() };

@@ -130,6 +130,30 @@ pub fn run(report: &mut Report, part: Part) {
         );
     }
 
+    // What the engine's pool setting (freed memory kept) saves: the same
+    // steps with CUDA's default release threshold.
+    let released = Variant {
+        released: true,
+        ..Variant::default()
+    };
+    for (name, dtype, retained) in [
+        ("f32", DType::F32, &f32_fused),
+        ("bf16", DType::BF16, &bf16_fused),
+    ] {
+        let case_name = format!("ours {name} released");
+        let measured = (part == Part::All && pool.is_some())
+            .then(|| case_with(&case_name, GptOps::Fused, dtype, released))
+            .flatten();
+        if let (Some(retained), Some(released)) = (retained, measured) {
+            report.add(
+                &format!("gpu.gpt_{name}_released_over_retained"),
+                released.tokens_per_s / retained.tokens_per_s,
+                "x",
+                None,
+            );
+        }
+    }
+
     if let Some(m) = &f32_fused {
         report.add("gpu.gpt_tokens_per_s", m.tokens_per_s, "tokens/s", None);
         if let Some(peak) = m.peak_bytes {
