@@ -400,15 +400,6 @@ fn sliding_window_of(
             ));
         }
     }
-    let size = match config.get("sliding_window") {
-        None => Some(DEFAULT_WINDOW),
-        Some(v) if v.is_null() => None,
-        Some(v) => Some(
-            v.as_u64()
-                .and_then(|w| usize::try_from(w).ok())
-                .ok_or_else(|| format!("`sliding_window` is {v}; a whole number is expected"))?,
-        ),
-    };
     let n = plain.num_hidden_layers;
     let layers = match windows {
         Windows::Never => return Ok(None),
@@ -418,6 +409,15 @@ fn sliding_window_of(
             Some(types) => types.iter().map(|t| t == "sliding_attention").collect(),
             None => (0..n).map(|i| i >= plain.max_window_layers).collect(),
         },
+    };
+    let size = match config.get("sliding_window") {
+        None => Some(DEFAULT_WINDOW),
+        Some(v) if v.is_null() => None,
+        Some(v) => Some(
+            v.as_u64()
+                .and_then(|w| usize::try_from(w).ok())
+                .ok_or_else(|| format!("`sliding_window` is {v}; a whole number is expected"))?,
+        ),
     };
     Ok(size
         .filter(|_| layers.contains(&true))
@@ -584,7 +584,10 @@ impl Block {
                 .reshape(x.shape()),
             None => Ok(x),
         };
-        let (q_norm, k_norm) = self.qk_norms.as_ref().map(|(q, k)| (q, k)).unzip();
+        let (q_norm, k_norm) = match &self.qk_norms {
+            Some((q, k)) => (Some(q), Some(k)),
+            None => (None, None),
+        };
         let q = rotation.apply(&normed(heads(&self.q_proj, self.heads)?, q_norm)?)?;
         let k = rotation.apply(&normed(heads(&self.k_proj, self.kv_heads)?, k_norm)?)?;
         let v = heads(&self.v_proj, self.kv_heads)?;

@@ -261,7 +261,6 @@ __device__ __forceinline__ void tc_stream_kv(u16* ks, u16* vs, const T* kb, cons
     tc_stream(tiles, load, [&](int stage, int i) { compute(stage, first + i); });
 }
 
-
 // The A fragments of the warp's 16 rows of a staged tile, over DMAX columns.
 template <int DMAX>
 __device__ __forceinline__ void a_fragments(unsigned (&a)[DMAX / 16][4], const u16* tile,
@@ -551,11 +550,10 @@ __device__ __forceinline__ void tc_load_row_values(float* dst, const float* src,
 
 // One sweep of a dK/dV block over its K/V head's query heads and their
 // query tiles from the keys' own tile up to the last query that sees one of
-// the keys, accumulating dV (WANT_DV) and dK
-// (WANT_DK). The warp's rows are keys, so its products are the transposed
-// ones: S^T = K Q^T, dP^T = V dO^T, dV += P^T dO, dK += dS^T Q. Tiles
-// stream (TC_KROWS rows) through the two stages of `qs`, `dos`, `lse_s`,
-// `delta_s`.
+// the keys, accumulating dV (WANT_DV) and dK (WANT_DK). The warp's rows are
+// keys, so its products are the transposed ones: S^T = K Q^T, dP^T = V
+// dO^T, dV += P^T dO, dK += dS^T Q. Tiles stream (TC_KROWS rows) through the
+// two stages of `qs`, `dos`, `lse_s`, `delta_s`.
 template <typename T, int DMAX, bool WANT_DK, bool WANT_DV>
 __device__ __forceinline__ void dkdv_sweep(float (&dk_acc)[DMAX / 8][4],
                                            float (&dv_acc)[DMAX / 8][4],

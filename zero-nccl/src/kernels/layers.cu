@@ -281,7 +281,7 @@ __device__ __forceinline__ void attention_forward(const T* __restrict__ q, const
 #pragma unroll
         for (int r = 0; r < R; ++r) {
             const int t = q0 + warp * R + r;
-            const bool valid = attn_visible(key, t, T_, W);  // key <= t < T: key < T
+            const bool valid = attn_visible(key, t, T_, W);
             const float sc = valid ? s[r] * scale : NEG_INF;
             const float m_new = fmaxf(m[r], warp_max(sc));
             // m_new is -inf only on a row that sees no key yet (a padding
