@@ -13,7 +13,7 @@ use hub_support::{
 };
 use std::path::{Path, PathBuf};
 use zero_candle::hub::HubDir;
-use zero_candle::models::{Llama, LlamaConfig};
+use zero_candle::models::{Llama, LlamaConfig, RopeScaling};
 use zero_core::engine::Stage;
 
 fn fixtures() -> PathBuf {
@@ -189,7 +189,7 @@ fn both_config_forms_read_alike_and_llama3_scales_the_low_frequencies() {
         LlamaConfig::from_json(&new).unwrap(),
     );
     assert_eq!(a, b);
-    assert!(a.rope.llama3.is_some());
+    assert!(matches!(a.rope.scaling, RopeScaling::Llama3(_)));
     // Wavelengths 6.3 (kept), 63 (blended), 628 and 6283 (divided by 8).
     let plain: Vec<f64> = (0..4)
         .map(|i| 10000f64.powf(-(2.0 * i as f64) / 8.0))
@@ -204,7 +204,7 @@ fn both_config_forms_read_alike_and_llama3_scales_the_low_frequencies() {
     assert!((scaled[3] - plain[3] / 8.0).abs() < 1e-15);
     let gqa = LlamaConfig::from_json(&config_of("gqa")).unwrap();
     assert_eq!((gqa.num_attention_heads, gqa.num_key_value_heads), (4, 2));
-    assert!(gqa.rope.llama3.is_none() && gqa.rope.theta == 10000.0);
+    assert!(gqa.rope.scaling == RopeScaling::None && gqa.rope.theta == 10000.0);
     for fixture in ["gqa", "tied", "qwen2", "qwen3"] {
         let config = LlamaConfig::from_json(&config_of(fixture)).unwrap();
         let stored: usize = hub_tensors(&fixtures().join(fixture))
@@ -215,10 +215,70 @@ fn both_config_forms_read_alike_and_llama3_scales_the_low_frequencies() {
     }
 }
 
+/// YaRN's frequencies and attention factor against `transformers`' own
+/// (`rope_golden.json`: parameter sets the fixture models do not use:
+/// `mscale` and `mscale_all_dim`, an explicit `attention_factor`, no
+/// truncation, other betas, `factor` from the context lengths), read from
+/// both config forms; `linear` divides every frequency.
+#[test]
+fn yarn_and_linear_scaling_are_transformers() {
+    let golden: Vec<serde_json::Value> =
+        serde_json::from_slice(&std::fs::read(fixtures().join("rope_golden.json")).unwrap())
+            .unwrap();
+    assert_eq!(golden.len(), 5);
+    for case in &golden {
+        let head_dim = case["head_dim"].as_u64().unwrap() as usize;
+        let positions = case["max_position_embeddings"].clone();
+        let params = case["rope_parameters"].clone();
+        let mut old_params = params.clone();
+        let theta = old_params
+            .as_object_mut()
+            .unwrap()
+            .remove("rope_theta")
+            .unwrap();
+        let forms = [
+            serde_json::json!({"max_position_embeddings": positions, "rope_parameters": params}),
+            serde_json::json!({
+                "max_position_embeddings": positions,
+                "rope_theta": theta,
+                "rope_scaling": old_params,
+            }),
+        ];
+        for config in forms {
+            let mut full = config_of("gqa");
+            full.as_object_mut().unwrap().remove("rope_parameters");
+            for (key, value) in config.as_object().unwrap() {
+                full[key] = value.clone();
+            }
+            full["head_dim"] = head_dim.into();
+            let parsed = LlamaConfig::from_json(&full).unwrap();
+            assert!(matches!(parsed.rope.scaling, RopeScaling::Yarn(_)));
+            let want: Vec<f64> = serde_json::from_value(case["inv_freq"].clone()).unwrap();
+            let got = parsed.inv_freq();
+            assert_eq!(got.len(), want.len());
+            // transformers computes them in f32.
+            let err = relative_error(&got, &want);
+            assert!(err < 1e-6, "{params}: frequencies differ by {err:e}");
+            let factor = case["attention_factor"].as_f64().unwrap();
+            let got = parsed.rope.attention_factor();
+            assert!((got - factor).abs() < 1e-12, "{params}: {got} vs {factor}");
+        }
+    }
+    let mistral = LlamaConfig::from_json(&config_of("mistral")).unwrap();
+    let mut plain = config_of("mistral");
+    plain["rope_parameters"]["rope_type"] = "default".into();
+    let plain = LlamaConfig::from_json(&plain).unwrap();
+    assert_eq!(mistral.rope.scaling, RopeScaling::Linear { factor: 2.0 });
+    for (scaled, plain) in mistral.inv_freq().iter().zip(plain.inv_freq()) {
+        assert_eq!(*scaled, plain / 2.0);
+    }
+    assert_eq!(mistral.rope.attention_factor(), 1.0);
+}
+
 #[test]
 fn unusable_configs_are_errors_naming_the_key() {
     let base = config_of("gqa");
-    let cases: [(&str, serde_json::Value, &str); 8] = [
+    let cases: [(&str, serde_json::Value, &str); 11] = [
         ("model_type", "gemma".into(), "model_type"),
         (
             "architectures",
@@ -236,9 +296,20 @@ fn unusable_configs_are_errors_naming_the_key() {
         ("head_dim", 7.into(), "head_dim"),
         (
             "rope_parameters",
-            serde_json::json!({"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}),
+            serde_json::json!({"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0}),
             "rope_parameters",
         ),
+        (
+            "rope_parameters",
+            serde_json::json!({"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}),
+            "original_max_position_embeddings",
+        ),
+        (
+            "rope_parameters",
+            serde_json::json!({"rope_type": "linear", "rope_theta": 10000.0, "factor": -1.0}),
+            "factor",
+        ),
+        ("partial_rotary_factor", 0.5.into(), "partial_rotary_factor"),
     ];
     for (key, value, named) in cases {
         let mut config = base.clone();

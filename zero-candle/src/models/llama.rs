@@ -11,6 +11,7 @@
 //! `model.layers.{i}.self_attn.q_proj.weight`, ..., `model.norm.weight`,
 //! `lm_head.weight` when the head is untied), stored as they are.
 
+use super::rope::Rope;
 use crate::hub::{HubDir, HubLayout};
 use crate::nn::{ops, Embedding, GradHook, Linear, RmsNorm};
 use crate::{Error, Result, ShardedVarMap};
@@ -18,31 +19,6 @@ use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{Init, VarBuilder};
 use serde::Deserialize;
 use std::sync::{Arc, Mutex, PoisonError};
-
-/// Rotary embeddings: the base and, for Llama 3.1 and later, the scaling
-/// of the low frequencies (`rope_type` `llama3`).
-#[derive(Clone, Debug, PartialEq)]
-pub struct Rope {
-    /// The base of the frequencies (`rope_theta`).
-    pub theta: f64,
-    /// `llama3` scaling, `None` for the plain (`default`) one.
-    pub llama3: Option<Llama3Scaling>,
-}
-
-/// The `llama3` frequency scaling (`rope_parameters` or `rope_scaling`).
-#[derive(Clone, Debug, PartialEq, Deserialize)]
-pub struct Llama3Scaling {
-    /// How much the low frequencies are divided by.
-    pub factor: f64,
-    /// Wavelengths above `original_max_position_embeddings /
-    /// low_freq_factor` are scaled by `factor`.
-    pub low_freq_factor: f64,
-    /// Wavelengths below `original_max_position_embeddings /
-    /// high_freq_factor` are kept; those between are blended.
-    pub high_freq_factor: f64,
-    /// The context the model was trained with before scaling.
-    pub original_max_position_embeddings: f64,
-}
 
 /// The `config.json` of a Llama checkpoint: what shapes the model.
 #[derive(Clone, Debug, PartialEq)]
@@ -267,7 +243,7 @@ impl LlamaConfig {
             },
             max_position_embeddings: plain.max_position_embeddings,
             rms_norm_eps: plain.rms_norm_eps,
-            rope: rope_of(config)?,
+            rope: Rope::from_json(config, plain.max_position_embeddings)?,
             tie_word_embeddings: plain.tie_word_embeddings,
             initializer_range: plain.initializer_range,
             qkv_bias: plain.attention_bias || family.qkv_bias,
@@ -310,9 +286,7 @@ impl LlamaConfig {
                 self.head_dim
             ));
         }
-        if self.rope.theta.is_nan() || self.rope.theta <= 0.0 {
-            return Err(format!("`rope_theta` {} must be positive", self.rope.theta));
-        }
+        self.rope.validate()?;
         if let Some(window) = &self.sliding_window {
             if window.size == 0 {
                 return Err("`sliding_window` is 0; a position sees at least itself".into());
@@ -347,36 +321,9 @@ impl LlamaConfig {
     }
 
     /// The rotary frequencies `1 / theta^(2i / head_dim)`, `i < head_dim /
-    /// 2`, with `llama3` scaling applied as `transformers` applies it.
+    /// 2`, scaled as `transformers` scales them ([`Rope::inv_freq`]).
     pub fn inv_freq(&self) -> Vec<f64> {
-        let half = self.head_dim / 2;
-        (0..half)
-            .map(|i| {
-                let freq = 1.0 / self.rope.theta.powf(2.0 * i as f64 / self.head_dim as f64);
-                match &self.rope.llama3 {
-                    Some(scaling) => scaling.apply(freq),
-                    None => freq,
-                }
-            })
-            .collect()
-    }
-}
-
-impl Llama3Scaling {
-    /// One frequency scaled: low ones divided by `factor`, high ones kept,
-    /// those between blended.
-    fn apply(&self, freq: f64) -> f64 {
-        let old = self.original_max_position_embeddings;
-        let wavelen = 2.0 * std::f64::consts::PI / freq;
-        if wavelen < old / self.high_freq_factor {
-            freq
-        } else if wavelen > old / self.low_freq_factor {
-            freq / self.factor
-        } else {
-            let smooth = (old / wavelen - self.low_freq_factor)
-                / (self.high_freq_factor - self.low_freq_factor);
-            (1.0 - smooth) * freq / self.factor + smooth * freq
-        }
+        self.rope.inv_freq(self.head_dim)
     }
 }
 
@@ -424,47 +371,10 @@ fn sliding_window_of(
         .map(|size| SlidingWindow { size, layers }))
 }
 
-/// The rotary settings: `rope_parameters` (transformers 5) or
-/// `rope_theta` with `rope_scaling`.
-fn rope_of(config: &serde_json::Value) -> std::result::Result<Rope, String> {
-    let (params, key) = match config.get("rope_parameters") {
-        Some(p) if !p.is_null() => (Some(p), "rope_parameters"),
-        _ => match config.get("rope_scaling") {
-            Some(s) if !s.is_null() => (Some(s), "rope_scaling"),
-            _ => (None, "rope_scaling"),
-        },
-    };
-    let theta = params
-        .and_then(|p| p.get("rope_theta"))
-        .or_else(|| config.get("rope_theta"))
-        .map(|v| {
-            v.as_f64()
-                .ok_or_else(|| format!("`rope_theta` is {v}; a number is expected"))
-        })
-        .transpose()?
-        .unwrap_or(10_000.0);
-    let kind = params
-        .and_then(|p| p.get("rope_type").or_else(|| p.get("type")))
-        .and_then(|v| v.as_str())
-        .unwrap_or("default");
-    let llama3 = match kind {
-        "default" => None,
-        "llama3" => Some(
-            Llama3Scaling::deserialize(params.unwrap_or(&serde_json::Value::Null))
-                .map_err(|e| format!("`{key}` of type llama3: {e}"))?,
-        ),
-        other => {
-            return Err(format!(
-                "`{key}` has rope_type {other:?}; only \"default\" and \"llama3\" are supported"
-            ))
-        }
-    };
-    Ok(Rope { theta, llama3 })
-}
-
 /// The cosines and sines of positions `0..len`, `[len, head_dim / 2]`
-/// each, in the model's dtype (rounded from f32, as `transformers` rounds
-/// its tables to the activations' dtype).
+/// each, times the rotation's attention factor (YaRN's), in the model's
+/// dtype (rounded from f32, as `transformers` rounds its tables to the
+/// activations' dtype).
 #[derive(Clone)]
 struct Rotation {
     cos: Tensor,
@@ -473,7 +383,7 @@ struct Rotation {
 
 impl Rotation {
     fn new(
-        inv_freq: &[f64],
+        (inv_freq, factor): (&[f64], f64),
         len: usize,
         dtype: DType,
         device: &Device,
@@ -483,9 +393,16 @@ impl Rotation {
             .flat_map(|t| inv_freq.iter().map(move |&f| t as f32 * f as f32))
             .collect();
         let angles = Tensor::from_vec(angles, (len, inv_freq.len()), device)?;
+        let scaled = |table: Tensor| {
+            if factor == 1.0 {
+                Ok(table)
+            } else {
+                table * factor
+            }
+        };
         Ok(Self {
-            cos: angles.cos()?.to_dtype(dtype)?,
-            sin: angles.sin()?.to_dtype(dtype)?,
+            cos: scaled(angles.cos()?)?.to_dtype(dtype)?,
+            sin: scaled(angles.sin()?)?.to_dtype(dtype)?,
         })
     }
 
@@ -512,19 +429,27 @@ impl Rotation {
 /// The rotation tables a model has built, one per dtype and device, each
 /// as long as the longest sequence asked for so far: a forward narrows one
 /// instead of computing and uploading its table again.
-#[derive(Default)]
-struct RotationCache(Mutex<Vec<(DType, Device, Rotation)>>);
+struct RotationCache {
+    /// The rotary frequencies.
+    inv_freq: Vec<f64>,
+    /// The factor on the cosines and sines.
+    factor: f64,
+    tables: Mutex<Vec<(DType, Device, Rotation)>>,
+}
 
 impl RotationCache {
+    /// No tables yet, of the rotation `rope` gives heads of `head_dim`.
+    fn new(rope: &Rope, head_dim: usize) -> Self {
+        Self {
+            inv_freq: rope.inv_freq(head_dim),
+            factor: rope.attention_factor(),
+            tables: Mutex::default(),
+        }
+    }
+
     /// The tables of positions `0..time` in `dtype` on `device`.
-    fn get(
-        &self,
-        inv_freq: &[f64],
-        time: usize,
-        dtype: DType,
-        device: &Device,
-    ) -> candle_core::Result<Rotation> {
-        let mut tables = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+    fn get(&self, time: usize, dtype: DType, device: &Device) -> candle_core::Result<Rotation> {
+        let mut tables = self.tables.lock().unwrap_or_else(PoisonError::into_inner);
         let slot = tables
             .iter()
             .position(|(d, dev, _)| *d == dtype && dev.same_device(device));
@@ -536,7 +461,7 @@ impl RotationCache {
         // Growing by at least twice the length keeps rebuilds rare when
         // sequences lengthen one token at a time.
         let len = slot.map_or(time, |i| time.max(2 * tables[i].2.len()));
-        let built = Rotation::new(inv_freq, len, dtype, device)?;
+        let built = Rotation::new((&self.inv_freq, self.factor), len, dtype, device)?;
         let rotation = built.narrow(time)?;
         match slot {
             Some(i) => tables[i].2 = built,
@@ -615,7 +540,6 @@ pub struct Llama {
     /// `lm_head`, or the embedding's table again when tied (a second
     /// hooked use: the engine adds both gradients).
     head: Linear,
-    inv_freq: Vec<f64>,
     /// The rotary tables, built once per dtype and device.
     rotations: RotationCache,
     /// Each block recomputed in backward (activation checkpointing).
@@ -706,8 +630,7 @@ impl Llama {
             blocks,
             norm: norm(model.pp("norm"))?,
             head,
-            inv_freq: config.inv_freq(),
-            rotations: RotationCache::default(),
+            rotations: RotationCache::new(&config.rope, config.head_dim),
             checkpointed: false,
         })
     }
@@ -758,9 +681,7 @@ impl Llama {
     /// [`Llama::forward`]'s logits as rows `[batch * time, vocab_size]`.
     fn logits_rows(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
         let (_, time) = ids.dims2()?;
-        let rotation = self
-            .rotations
-            .get(&self.inv_freq, time, self.dtype(), ids.device())?;
+        let rotation = self.rotations.get(time, self.dtype(), ids.device())?;
         let x = super::through_blocks(
             &self.blocks,
             self.embed_tokens.forward(ids)?.flatten_to(1)?,
@@ -791,6 +712,7 @@ impl Llama {
 
 #[cfg(test)]
 mod tests {
+    use super::super::rope::RopeScaling;
     use super::*;
 
     fn values(t: &Tensor) -> Vec<f32> {
@@ -799,25 +721,42 @@ mod tests {
 
     #[test]
     fn the_rotation_cache_narrows_its_table_and_grows_it_when_asked_for_more() {
-        let inv_freq = [1.0, 0.1, 0.01];
-        let cache = RotationCache::default();
+        let rope = Rope {
+            theta: 100.0,
+            scaling: RopeScaling::None,
+        };
+        let cache = RotationCache::new(&rope, 6);
+        let plain: Vec<f64> = (0..3).map(|i| 1.0 / 100f64.powf(i as f64 / 3.0)).collect();
+        assert_eq!(cache.inv_freq, plain);
         let device = Device::Cpu;
-        let long = cache.get(&inv_freq, 5, DType::F32, &device).unwrap();
-        let short = cache.get(&inv_freq, 3, DType::F32, &device).unwrap();
-        let fresh = Rotation::new(&inv_freq, 3, DType::F32, &device).unwrap();
+        let long = cache.get(5, DType::F32, &device).unwrap();
+        let short = cache.get(3, DType::F32, &device).unwrap();
+        let fresh = Rotation::new((&cache.inv_freq, 1.0), 3, DType::F32, &device).unwrap();
         assert_eq!((long.len(), short.len()), (5, 3));
         assert_eq!(values(&short.cos), values(&fresh.cos));
         assert_eq!(values(&short.sin), values(&fresh.sin));
         // A narrowed view of the one table, not a table of its own.
-        assert_eq!(cache.0.lock().unwrap().len(), 1);
-        let longer = cache.get(&inv_freq, 7, DType::F32, &device).unwrap();
+        assert_eq!(cache.tables.lock().unwrap().len(), 1);
+        let longer = cache.get(7, DType::F32, &device).unwrap();
         assert_eq!(longer.len(), 7);
         assert_eq!(
-            cache.0.lock().unwrap()[0].2.len(),
+            cache.tables.lock().unwrap()[0].2.len(),
             10,
             "grown to twice the old length"
         );
-        cache.get(&inv_freq, 3, DType::BF16, &device).unwrap();
-        assert_eq!(cache.0.lock().unwrap().len(), 2, "one table per dtype");
+        cache.get(3, DType::BF16, &device).unwrap();
+        assert_eq!(cache.tables.lock().unwrap().len(), 2, "one table per dtype");
+    }
+
+    /// YaRN's attention factor multiplies the cosines and sines.
+    #[test]
+    fn an_attention_factor_scales_the_tables() {
+        let inv_freq = [1.0, 0.1];
+        let plain = Rotation::new((&inv_freq, 1.0), 4, DType::F32, &Device::Cpu).unwrap();
+        let scaled = Rotation::new((&inv_freq, 1.5), 4, DType::F32, &Device::Cpu).unwrap();
+        for (a, b) in [(&plain.cos, &scaled.cos), (&plain.sin, &scaled.sin)] {
+            let want: Vec<f32> = values(a).iter().map(|v| v * 1.5).collect();
+            assert_eq!(values(b), want);
+        }
     }
 }

@@ -7,10 +7,12 @@
 mod causal_lm;
 pub mod gpt2;
 pub mod llama;
+pub mod rope;
 
 pub use causal_lm::{CausalLm, HubConfig};
 pub use gpt2::{Gpt2, Gpt2Config};
-pub use llama::{Llama, LlamaConfig, Rope, SlidingWindow};
+pub use llama::{Llama, LlamaConfig, SlidingWindow};
+pub use rope::{Llama3Scaling, Rope, RopeScaling, YarnScaling};
 
 /// The mean cross-entropy (f32) of predicting each next token of `ids`
 /// `[batch, time + 1]` from `logits` rows `[batch * time, vocab]` of its

@@ -17,7 +17,7 @@ use candle_core::{DType, Device, Tensor};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use std::sync::Arc;
 use std::time::Instant;
-use zero_candle::models::{CausalLm, Gpt2Config, HubConfig, LlamaConfig, Rope};
+use zero_candle::models::{CausalLm, Gpt2Config, HubConfig, LlamaConfig, Rope, RopeScaling};
 use zero_candle::nn::GradHook;
 use zero_candle::{NcclZeroOptimizer, ShardedVarMap, ZeroHook, ZeroOptimizer};
 use zero_core::engine::{EngineConfig, Stage};
@@ -71,7 +71,7 @@ impl HubCase {
             rms_norm_eps: 1e-5,
             rope: Rope {
                 theta: 10_000.0,
-                llama3: None,
+                scaling: RopeScaling::None,
             },
             tie_word_embeddings: false,
             initializer_range: 0.02,

@@ -1,0 +1,264 @@
+//! Rotary position embeddings' settings as `transformers` reads them from a
+//! Llama-family `config.json`: the base and the frequency scaling
+//! (`default`, `linear`, `llama3`, `yarn`), and the frequencies and the
+//! factor on the cosines and sines they give.
+
+use serde::Deserialize;
+
+/// Rotary embeddings: the base of the frequencies and their scaling.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Rope {
+    /// The base of the frequencies (`rope_theta`).
+    pub theta: f64,
+    /// How the frequencies are scaled (`rope_type`).
+    pub scaling: RopeScaling,
+}
+
+/// A `rope_type` and its parameters.
+#[derive(Clone, Debug, PartialEq)]
+pub enum RopeScaling {
+    /// `default`: the frequencies as they are.
+    None,
+    /// `linear`: every frequency divided by `factor` (positions
+    /// interpolated).
+    Linear {
+        /// How much the frequencies are divided by.
+        factor: f64,
+    },
+    /// `llama3` (Llama 3.1 and later): the low frequencies divided.
+    Llama3(Llama3Scaling),
+    /// `yarn` (Qwen's long contexts, DeepSeek): low frequencies
+    /// interpolated, high ones kept, a ramp between, and the cosines and
+    /// sines scaled.
+    Yarn(YarnScaling),
+}
+
+/// The `llama3` frequency scaling.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+pub struct Llama3Scaling {
+    /// How much the low frequencies are divided by.
+    pub factor: f64,
+    /// Wavelengths above `original_max_position_embeddings /
+    /// low_freq_factor` are scaled by `factor`.
+    pub low_freq_factor: f64,
+    /// Wavelengths below `original_max_position_embeddings /
+    /// high_freq_factor` are kept; those between are blended.
+    pub high_freq_factor: f64,
+    /// The context the model was trained with before scaling.
+    pub original_max_position_embeddings: f64,
+}
+
+/// The `yarn` frequency scaling (YaRN, arXiv 2309.00071), as `transformers`
+/// computes it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct YarnScaling {
+    /// How much the interpolated frequencies are divided by.
+    pub factor: f64,
+    /// The context the model was trained with before scaling.
+    pub original_max_position_embeddings: f64,
+    /// Rotations over the original context above which a frequency is kept
+    /// (`beta_fast`, 32 by default).
+    pub beta_fast: f64,
+    /// Rotations below which it is interpolated (`beta_slow`, 1).
+    pub beta_slow: f64,
+    /// The ramp's ends rounded outwards to whole dimensions (`truncate`,
+    /// on by default).
+    pub truncate: bool,
+    /// The factor on the cosines and sines (`attention_factor`, else from
+    /// `factor`, `mscale` and `mscale_all_dim`).
+    pub attention_factor: f64,
+}
+
+impl Rope {
+    /// The settings of `config` (a hub `config.json`): `rope_parameters`
+    /// (transformers 5) or `rope_theta` with `rope_scaling` (earlier
+    /// files); `max_positions` is its `max_position_embeddings`. An error
+    /// names the key it cannot honour.
+    pub(crate) fn from_json(
+        config: &serde_json::Value,
+        max_positions: usize,
+    ) -> Result<Self, String> {
+        let (params, key) = match config.get("rope_parameters") {
+            Some(p) if !p.is_null() => (Some(p), "rope_parameters"),
+            _ => match config.get("rope_scaling") {
+                Some(s) if !s.is_null() => (Some(s), "rope_scaling"),
+                _ => (None, "rope_scaling"),
+            },
+        };
+        // A value of the rotary parameters, else of the config itself.
+        let value = |name: &str| {
+            params
+                .and_then(|p| p.get(name))
+                .or_else(|| config.get(name))
+                .filter(|v| !v.is_null())
+        };
+        let number = |name: &str| {
+            value(name)
+                .map(|v| {
+                    v.as_f64()
+                        .ok_or_else(|| format!("`{name}` is {v}; a number is expected"))
+                })
+                .transpose()
+        };
+        if let Some(partial) = number("partial_rotary_factor")?.filter(|&f| f != 1.0) {
+            return Err(format!(
+                "`partial_rotary_factor` is {partial}; rotary embeddings over whole heads only"
+            ));
+        }
+        let theta = number("rope_theta")?.unwrap_or(10_000.0);
+        let kind = params
+            .and_then(|p| p.get("rope_type").or_else(|| p.get("type")))
+            .and_then(|v| v.as_str())
+            .unwrap_or("default");
+        let required = |name: &str| {
+            number(name)?.ok_or_else(|| format!("`{key}` of type {kind} has no `{name}`"))
+        };
+        let scaling = match kind {
+            "default" => RopeScaling::None,
+            "linear" => RopeScaling::Linear {
+                factor: required("factor")?,
+            },
+            "llama3" => RopeScaling::Llama3(
+                Llama3Scaling::deserialize(params.unwrap_or(&serde_json::Value::Null))
+                    .map_err(|e| format!("`{key}` of type llama3: {e}"))?,
+            ),
+            "yarn" => {
+                let original = required("original_max_position_embeddings")?;
+                let factor = number("factor")?.unwrap_or(max_positions as f64 / original);
+                // As Python's `or`: a missing or zero value takes the default.
+                let or = |name: &str, default: f64| -> Result<f64, String> {
+                    Ok(number(name)?.filter(|&v| v != 0.0).unwrap_or(default))
+                };
+                let attention_factor = match number("attention_factor")? {
+                    Some(f) => f,
+                    None => match (or("mscale", 0.0)?, or("mscale_all_dim", 0.0)?) {
+                        (m, all) if m != 0.0 && all != 0.0 => {
+                            yarn_mscale(factor, m) / yarn_mscale(factor, all)
+                        }
+                        _ => yarn_mscale(factor, 1.0),
+                    },
+                };
+                RopeScaling::Yarn(YarnScaling {
+                    factor,
+                    original_max_position_embeddings: original,
+                    beta_fast: or("beta_fast", 32.0)?,
+                    beta_slow: or("beta_slow", 1.0)?,
+                    truncate: value("truncate").and_then(|v| v.as_bool()).unwrap_or(true),
+                    attention_factor,
+                })
+            }
+            other => {
+                return Err(format!(
+                    "`{key}` has rope_type {other:?}; \"default\", \"linear\", \"llama3\" and \
+                     \"yarn\" are supported"
+                ))
+            }
+        };
+        let rope = Self { theta, scaling };
+        rope.validate()?;
+        Ok(rope)
+    }
+
+    /// Checks that the settings give finite, positive frequencies.
+    pub(crate) fn validate(&self) -> Result<(), String> {
+        if self.theta.is_nan() || self.theta <= 0.0 {
+            return Err(format!("`rope_theta` {} must be positive", self.theta));
+        }
+        let factor = match &self.scaling {
+            RopeScaling::None => return Ok(()),
+            RopeScaling::Linear { factor } => *factor,
+            RopeScaling::Llama3(scaling) => scaling.factor,
+            RopeScaling::Yarn(scaling) => scaling.factor,
+        };
+        if factor.is_nan() || factor <= 0.0 {
+            return Err(format!(
+                "the rotary scaling's `factor` {factor} must be positive"
+            ));
+        }
+        Ok(())
+    }
+
+    /// The rotary frequencies of a head of `head_dim`: `1 / theta^(2i /
+    /// head_dim)` for `i < head_dim / 2`, scaled as `transformers` scales
+    /// them.
+    pub fn inv_freq(&self, head_dim: usize) -> Vec<f64> {
+        let half = head_dim / 2;
+        let plain = |i: usize| 1.0 / self.theta.powf(2.0 * i as f64 / head_dim as f64);
+        match &self.scaling {
+            RopeScaling::None => (0..half).map(plain).collect(),
+            RopeScaling::Linear { factor } => (0..half).map(|i| plain(i) / factor).collect(),
+            RopeScaling::Llama3(scaling) => (0..half).map(|i| scaling.apply(plain(i))).collect(),
+            RopeScaling::Yarn(scaling) => scaling.inv_freq(self.theta, head_dim),
+        }
+    }
+
+    /// The factor on the cosines and sines (YaRN's attention factor; 1
+    /// otherwise).
+    pub fn attention_factor(&self) -> f64 {
+        match &self.scaling {
+            RopeScaling::Yarn(scaling) => scaling.attention_factor,
+            _ => 1.0,
+        }
+    }
+}
+
+impl Llama3Scaling {
+    /// One frequency scaled: low ones divided by `factor`, high ones kept,
+    /// those between blended.
+    fn apply(&self, freq: f64) -> f64 {
+        let old = self.original_max_position_embeddings;
+        let wavelen = 2.0 * std::f64::consts::PI / freq;
+        if wavelen < old / self.high_freq_factor {
+            freq
+        } else if wavelen > old / self.low_freq_factor {
+            freq / self.factor
+        } else {
+            let smooth = (old / wavelen - self.low_freq_factor)
+                / (self.high_freq_factor - self.low_freq_factor);
+            (1.0 - smooth) * freq / self.factor + smooth * freq
+        }
+    }
+}
+
+/// YaRN's `get_mscale`: `0.1 mscale ln(scale) + 1`, 1 for no scaling.
+fn yarn_mscale(scale: f64, mscale: f64) -> f64 {
+    if scale <= 1.0 {
+        1.0
+    } else {
+        0.1 * mscale * scale.ln() + 1.0
+    }
+}
+
+impl YarnScaling {
+    /// The frequencies of a head of `head_dim`: each plain frequency kept
+    /// (extrapolated) below the ramp's start, divided by `factor`
+    /// (interpolated) past its end, and blended linearly between, the
+    /// ramp running over the dimensions whose wavelengths make `beta_fast`
+    /// to `beta_slow` rotations over the original context.
+    fn inv_freq(&self, theta: f64, head_dim: usize) -> Vec<f64> {
+        let dim = head_dim as f64;
+        // The dimension at which a frequency makes `rotations` turns over
+        // the original context.
+        let correction = |rotations: f64| {
+            dim * (self.original_max_position_embeddings / (rotations * 2.0 * std::f64::consts::PI))
+                .ln()
+                / (2.0 * theta.ln())
+        };
+        let (mut low, mut high) = (correction(self.beta_fast), correction(self.beta_slow));
+        if self.truncate {
+            (low, high) = (low.floor(), high.ceil());
+        }
+        let (low, mut high) = (low.max(0.0), high.min(dim - 1.0));
+        if low == high {
+            high += 0.001;
+        }
+        (0..head_dim / 2)
+            .map(|i| {
+                let plain = 1.0 / theta.powf(2.0 * i as f64 / dim);
+                let ramp = ((i as f64 - low) / (high - low)).clamp(0.0, 1.0);
+                let kept = 1.0 - ramp;
+                plain / self.factor * (1.0 - kept) + plain * kept
+            })
+            .collect()
+    }
+}
