@@ -278,7 +278,7 @@ fn yarn_and_linear_scaling_are_transformers() {
 #[test]
 fn unusable_configs_are_errors_naming_the_key() {
     let base = config_of("gqa");
-    let cases: [(&str, serde_json::Value, &str); 11] = [
+    let cases: [(&str, serde_json::Value, &str); 12] = [
         ("model_type", "gemma".into(), "model_type"),
         (
             "architectures",
@@ -310,6 +310,7 @@ fn unusable_configs_are_errors_naming_the_key() {
             "factor",
         ),
         ("partial_rotary_factor", 0.5.into(), "partial_rotary_factor"),
+        ("pad_token_id", 384.into(), "pad_token_id"),
     ];
     for (key, value, named) in cases {
         let mut config = base.clone();

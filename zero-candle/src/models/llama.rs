@@ -61,6 +61,10 @@ pub struct LlamaConfig {
     pub sliding_window: Option<SlidingWindow>,
     /// The standard deviation of a fresh model's weights.
     pub initializer_range: f64,
+    /// The padding token (`pad_token_id`): its embedding row gets no
+    /// gradient from the lookup, as `torch.nn.Embedding`'s `padding_idx`
+    /// (a tied head still trains it).
+    pub pad_token_id: Option<u32>,
 }
 
 /// Sliding-window attention: each position of the layers that use it
@@ -97,6 +101,8 @@ struct Plain {
     initializer_range: f64,
     #[serde(default)]
     attention_bias: bool,
+    #[serde(default)]
+    pad_token_id: Option<u32>,
     /// Qwen's switch for `sliding_window` (off when absent).
     #[serde(default)]
     use_sliding_window: bool,
@@ -250,6 +256,7 @@ impl LlamaConfig {
             o_bias: plain.attention_bias,
             qk_norm: family.qk_norm,
             sliding_window,
+            pad_token_id: plain.pad_token_id,
         };
         parsed.validate()?;
         Ok(parsed)
@@ -287,6 +294,12 @@ impl LlamaConfig {
             ));
         }
         self.rope.validate()?;
+        if let Some(pad) = self.pad_token_id.filter(|&p| p as usize >= self.vocab_size) {
+            return Err(format!(
+                "`pad_token_id` {pad} is outside the vocabulary of {}",
+                self.vocab_size
+            ));
+        }
         if let Some(window) = &self.sliding_window {
             if window.size == 0 {
                 return Err("`sliding_window` is 0; a position sees at least itself".into());
@@ -684,7 +697,7 @@ impl Llama {
         let rotation = self.rotations.get(time, self.dtype(), ids.device())?;
         let x = super::through_blocks(
             &self.blocks,
-            self.embed_tokens.forward(ids)?.flatten_to(1)?,
+            self.embed(ids)?,
             self.checkpointed,
             "model.layers",
             move |block: &Block, x: &Tensor| block.forward(x, time, &rotation),
@@ -697,6 +710,19 @@ impl Llama {
     /// `labels = ids`.
     pub fn loss(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
         super::next_token_loss(ids, |inputs| self.logits_rows(inputs))
+    }
+
+    /// The token embeddings of `ids` as rows `[batch * time, hidden]`; the
+    /// padding token's rows pass no gradient back to the table.
+    fn embed(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
+        let rows = self.embed_tokens.forward(ids)?.flatten_to(1)?;
+        let Some(pad) = self.config.pad_token_id else {
+            return Ok(rows);
+        };
+        let padding = ids.flatten_all()?.eq(pad)?.unsqueeze(1)?;
+        padding
+            .broadcast_as(rows.shape())?
+            .where_cond(&rows.detach(), &rows)
     }
 
     /// The dtype the model computes in.

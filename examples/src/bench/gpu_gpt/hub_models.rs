@@ -79,6 +79,7 @@ impl HubCase {
             o_bias: false,
             qk_norm: false,
             sliding_window: None,
+            pad_token_id: None,
         };
         Self {
             name: "llama_1b",
