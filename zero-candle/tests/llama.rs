@@ -39,6 +39,7 @@ fn logits_loss_and_gradients_equal_transformers() {
         ("mistral", 21),
         ("qwen2", 27),
         ("qwen3", 24),
+        ("phi3", 15),
     ];
     for (fixture, variables) in cases {
         let (config, map) = Llama::open_hub(fixtures().join(fixture)).unwrap();
@@ -47,6 +48,7 @@ fn logits_loss_and_gradients_equal_transformers() {
             matches!(fixture, "tied" | "qwen3")
         );
         assert_eq!(config.qk_norm, fixture == "qwen3");
+        assert_eq!(config.fused_projections, fixture == "phi3");
         let model = Llama::new(map.builder(DType::F32, &Device::Cpu), &config, None).unwrap();
         map.materialize_all().unwrap();
         let case = fixture;
@@ -84,7 +86,7 @@ fn logits_loss_and_gradients_equal_transformers() {
 #[test]
 fn loading_then_saving_reproduces_the_checkpoint_tensor_for_tensor() {
     let ids = input_ids(&golden());
-    for fixture in ["gqa", "gqa-sharded", "tied", "qwen2", "qwen3"] {
+    for fixture in ["gqa", "gqa-sharded", "tied", "qwen2", "qwen3", "phi3"] {
         let dir = fixtures().join(fixture);
         for (stage, world) in [(Stage::Ddp, 1), (Stage::Parameters, 2)] {
             let out = tempfile::tempdir().unwrap();
@@ -116,6 +118,7 @@ fn one_sgd_step_equals_torch_at_stage_0_and_at_stage_3_on_two_ranks() {
         ("mistral", Stage::Parameters, 2, 21),
         ("qwen2", Stage::Parameters, 2, 27),
         ("qwen3", Stage::Parameters, 2, 24),
+        ("phi3", Stage::Parameters, 2, 15),
     ] {
         let out = tempfile::tempdir().unwrap();
         Run::new(stage, world, 1).train(&fixtures().join(fixture), &ids, out.path());
@@ -205,7 +208,7 @@ fn both_config_forms_read_alike_and_llama3_scales_the_low_frequencies() {
     let gqa = LlamaConfig::from_json(&config_of("gqa")).unwrap();
     assert_eq!((gqa.num_attention_heads, gqa.num_key_value_heads), (4, 2));
     assert!(gqa.rope.scaling == RopeScaling::None && gqa.rope.theta == 10000.0);
-    for fixture in ["gqa", "tied", "qwen2", "qwen3"] {
+    for fixture in ["gqa", "tied", "qwen2", "qwen3", "phi3"] {
         let config = LlamaConfig::from_json(&config_of(fixture)).unwrap();
         let stored: usize = hub_tensors(&fixtures().join(fixture))
             .values()
@@ -312,6 +315,14 @@ fn unusable_configs_are_errors_naming_the_key() {
         ("partial_rotary_factor", 0.5.into(), "partial_rotary_factor"),
         ("pad_token_id", 384.into(), "pad_token_id"),
     ];
+    // Phi-3's longrope (which transformers also reads from "su" and "yarn").
+    for kind in ["longrope", "su", "yarn"] {
+        let mut phi3 = config_of("phi3");
+        phi3["rope_parameters"]["rope_type"] = kind.into();
+        phi3["rope_parameters"]["factor"] = 4.0.into();
+        let err = LlamaConfig::from_json(&phi3).unwrap_err();
+        assert!(err.contains("longrope"), "{kind}: {err}");
+    }
     for (key, value, named) in cases {
         let mut config = base.clone();
         config[key] = value;
@@ -380,6 +391,12 @@ fn sliding_windows_apply_where_transformers_applies_them() {
     let mut null = mistral.clone();
     null["sliding_window"] = serde_json::Value::Null;
     assert_eq!(window(&null), None);
+    // Phi-3's: every layer, none where the file leaves it out.
+    let phi3 = config_of("phi3");
+    assert_eq!(window(&phi3), every(7));
+    let mut missing = phi3.clone();
+    missing.as_object_mut().unwrap().remove("sliding_window");
+    assert_eq!(window(&missing), None);
 
     let qwen3 = config_of("qwen3");
     let second = Some(SlidingWindow {

@@ -15,7 +15,7 @@ use std::sync::Arc;
 pub enum HubConfig {
     /// `model_type` `gpt2`.
     Gpt2(Gpt2Config),
-    /// `model_type` `llama`, `mistral`, `qwen2` or `qwen3`.
+    /// `model_type` `llama`, `mistral`, `qwen2`, `qwen3` or `phi3`.
     Llama(LlamaConfig),
 }
 
@@ -83,8 +83,8 @@ impl HubConfig {
     }
 }
 
-/// A causal language model of the hub: GPT-2 or Llama (Mistral, Qwen2 and
-/// Qwen3 included).
+/// A causal language model of the hub: GPT-2 or Llama (Mistral, Qwen2,
+/// Qwen3 and Phi-3 included).
 pub enum CausalLm {
     /// GPT-2.
     Gpt2(Gpt2),

@@ -5,7 +5,9 @@
 //! (`Qwen3ForCausalLM`) share its layout: Mistral with sliding-window
 //! attention, Qwen2 with biases on the query, key and value projections
 //! (and sliding windows where switched on), Qwen3 with an RMS norm on each
-//! query and key head before the rotation.
+//! query and key head before the rotation. Phi-3 (`Phi3ForCausalLM`) too,
+//! its query, key and value projections one weight (`qkv_proj`) and its gate
+//! and up projections another (`gate_up_proj`).
 //!
 //! The variables carry the hub's names (`model.embed_tokens.weight`,
 //! `model.layers.{i}.self_attn.q_proj.weight`, ..., `model.norm.weight`,
@@ -51,6 +53,11 @@ pub struct LlamaConfig {
     pub qkv_bias: bool,
     /// The output projection has a bias (Llama with `attention_bias`).
     pub o_bias: bool,
+    /// The query, key and value projections are one weight
+    /// (`self_attn.qkv_proj`: queries, then keys, then values) and the gate
+    /// and up projections another (`mlp.gate_up_proj`: gate, then up), as
+    /// Phi-3 stores them.
+    pub fused_projections: bool,
     /// Each query and key head is RMS-normalized over its `head_dim`
     /// before the rotation, with a weight per layer shared by the heads
     /// (Qwen3's `self_attn.q_norm` and `self_attn.k_norm`).
@@ -140,8 +147,9 @@ const DEFAULT_WINDOW: usize = 4096;
 enum Windows {
     /// It does not (Llama).
     Never,
-    /// In every layer (Mistral).
-    EveryLayer,
+    /// In every layer (Mistral, Phi-3), `missing` where the file leaves
+    /// `sliding_window` out (transformers' default).
+    EveryLayer { missing: Option<usize> },
     /// Where `use_sliding_window` is on, in the layers `layer_types` names
     /// (or from `max_window_layers` on) (Qwen2, Qwen3).
     Switched,
@@ -161,16 +169,19 @@ struct Family {
     qkv_bias: bool,
     /// The query and key heads are RMS-normalized.
     qk_norm: bool,
+    /// Phi-3's `qkv_proj` and `gate_up_proj`.
+    fused: bool,
     windows: Windows,
 }
 
 /// The families read as Llama.
-const FAMILIES: [Family; 4] = [
+const FAMILIES: [Family; 5] = [
     Family {
         model_type: "llama",
         architectures: ["LlamaForCausalLM", "LlamaModel"],
         qkv_bias: false,
         qk_norm: false,
+        fused: false,
         windows: Windows::Never,
     },
     Family {
@@ -178,13 +189,17 @@ const FAMILIES: [Family; 4] = [
         architectures: ["MistralForCausalLM", "MistralModel"],
         qkv_bias: false,
         qk_norm: false,
-        windows: Windows::EveryLayer,
+        fused: false,
+        windows: Windows::EveryLayer {
+            missing: Some(DEFAULT_WINDOW),
+        },
     },
     Family {
         model_type: "qwen2",
         architectures: ["Qwen2ForCausalLM", "Qwen2Model"],
         qkv_bias: true,
         qk_norm: false,
+        fused: false,
         windows: Windows::Switched,
     },
     Family {
@@ -192,7 +207,16 @@ const FAMILIES: [Family; 4] = [
         architectures: ["Qwen3ForCausalLM", "Qwen3Model"],
         qkv_bias: false,
         qk_norm: true,
+        fused: false,
         windows: Windows::Switched,
+    },
+    Family {
+        model_type: "phi3",
+        architectures: ["Phi3ForCausalLM", "Phi3Model"],
+        qkv_bias: false,
+        qk_norm: false,
+        fused: true,
+        windows: Windows::EveryLayer { missing: None },
     },
 ];
 
@@ -202,10 +226,10 @@ pub(crate) fn reads(kind: &str) -> bool {
 }
 
 /// The `model_type`s read as Llama, for messages.
-pub(crate) const LLAMA_TYPES: &str = "\"llama\", \"mistral\", \"qwen2\" and \"qwen3\"";
+pub(crate) const LLAMA_TYPES: &str = "\"llama\", \"mistral\", \"qwen2\", \"qwen3\" and \"phi3\"";
 
 impl LlamaConfig {
-    /// Reads a hub `config.json` of a Llama, Mistral, Qwen2 or Qwen3 (by
+    /// Reads a hub `config.json` of a Llama, Mistral, Qwen2, Qwen3 or Phi-3 (by
     /// `model_type`; Llama without one): an error names the key whose value
     /// this model cannot honour (another architecture, MLP biases, an
     /// activation other than SiLU, a rotary scaling other than `llama3`,
@@ -233,6 +257,19 @@ impl LlamaConfig {
             }
         }
         let plain = Plain::deserialize(config).map_err(|e| format!("{e}"))?;
+        if family.fused {
+            // transformers reads Phi-3's "su" and "yarn" as its "longrope".
+            let rope_type = ["rope_parameters", "rope_scaling"]
+                .iter()
+                .filter_map(|key| config.get(*key))
+                .find_map(|p| p.get("rope_type").or_else(|| p.get("type"))?.as_str());
+            if let Some(kind @ ("su" | "yarn" | "longrope")) = rope_type {
+                return Err(format!(
+                    "`rope_scaling` has rope_type {kind:?}, Phi-3's longrope, which is not \
+                     supported"
+                ));
+            }
+        }
         let heads = plain.num_attention_heads;
         let sliding_window = sliding_window_of(config, &plain, family.windows)?;
         let parsed = Self {
@@ -252,8 +289,10 @@ impl LlamaConfig {
             rope: Rope::from_json(config, plain.max_position_embeddings)?,
             tie_word_embeddings: plain.tie_word_embeddings,
             initializer_range: plain.initializer_range,
-            qkv_bias: plain.attention_bias || family.qkv_bias,
-            o_bias: plain.attention_bias,
+            // Phi-3's projections have no biases whatever the file says.
+            qkv_bias: !family.fused && (plain.attention_bias || family.qkv_bias),
+            o_bias: !family.fused && plain.attention_bias,
+            fused_projections: family.fused,
             qk_norm: family.qk_norm,
             sliding_window,
             pad_token_id: plain.pad_token_id,
@@ -364,14 +403,18 @@ fn sliding_window_of(
     let layers = match windows {
         Windows::Never => return Ok(None),
         Windows::Switched if !plain.use_sliding_window => return Ok(None),
-        Windows::EveryLayer => vec![true; n],
+        Windows::EveryLayer { .. } => vec![true; n],
         Windows::Switched => match &plain.layer_types {
             Some(types) => types.iter().map(|t| t == "sliding_attention").collect(),
             None => (0..n).map(|i| i >= plain.max_window_layers).collect(),
         },
     };
+    let missing = match windows {
+        Windows::EveryLayer { missing } => missing,
+        _ => Some(DEFAULT_WINDOW),
+    };
     let size = match config.get("sliding_window") {
-        None => Some(DEFAULT_WINDOW),
+        None => missing,
         Some(v) if v.is_null() => None,
         Some(v) => Some(
             v.as_u64()
@@ -490,21 +533,53 @@ impl RotationCache {
 #[derive(Clone)]
 struct Block {
     input_layernorm: RmsNorm,
-    q_proj: Linear,
-    k_proj: Linear,
-    v_proj: Linear,
+    qkv: Projections<3>,
     o_proj: Linear,
     /// Qwen3's norms of each query and key head.
     qk_norms: Option<(RmsNorm, RmsNorm)>,
     post_attention_layernorm: RmsNorm,
-    gate_proj: Linear,
-    up_proj: Linear,
+    gate_up: Projections<2>,
     down_proj: Linear,
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
     /// The sliding window of this layer, if it has one.
     window: Option<usize>,
+}
+
+/// Projections of the same input: one Linear each, or one Linear whose
+/// output holds them side by side (Phi-3's `qkv_proj`, `gate_up_proj`).
+#[derive(Clone)]
+enum Projections<const N: usize> {
+    Separate([Linear; N]),
+    /// The Linear and each projection's width, in order.
+    Fused(Linear, [usize; N]),
+}
+
+impl<const N: usize> Projections<N> {
+    /// The N projections of `h` rows (columns of one product when fused).
+    fn forward(&self, h: &Tensor) -> candle_core::Result<[Tensor; N]> {
+        let outputs: Vec<Tensor> = match self {
+            Self::Separate(linears) => linears
+                .iter()
+                .map(|l| l.forward(h))
+                .collect::<candle_core::Result<_>>()?,
+            Self::Fused(linear, widths) => {
+                let all = linear.forward(h)?;
+                let mut at = 0;
+                widths
+                    .iter()
+                    .map(|&w| {
+                        at += w;
+                        all.narrow(1, at - w, w)
+                    })
+                    .collect::<candle_core::Result<_>>()?
+            }
+        };
+        Ok(outputs
+            .try_into()
+            .unwrap_or_else(|_| unreachable!("N outputs")))
+    }
 }
 
 impl Block {
@@ -514,7 +589,8 @@ impl Block {
         // No sequences when there are no positions.
         let batch = rows / time.max(1);
         let h = self.input_layernorm.forward(x)?;
-        let heads = |proj: &Linear, n| proj.forward(&h)?.reshape((batch, time, n, self.head_dim));
+        let [q, k, v] = self.qkv.forward(&h)?;
+        let heads = |x: Tensor, n| x.reshape((batch, time, n, self.head_dim));
         // Qwen3 normalizes each head's row of `head_dim` values.
         let normed = |x: Tensor, norm: Option<&RmsNorm>| match norm {
             Some(norm) => norm
@@ -526,9 +602,9 @@ impl Block {
             Some((q, k)) => (Some(q), Some(k)),
             None => (None, None),
         };
-        let q = rotation.apply(&normed(heads(&self.q_proj, self.heads)?, q_norm)?)?;
-        let k = rotation.apply(&normed(heads(&self.k_proj, self.kv_heads)?, k_norm)?)?;
-        let v = heads(&self.v_proj, self.kv_heads)?;
+        let q = rotation.apply(&normed(heads(q, self.heads)?, q_norm)?)?;
+        let k = rotation.apply(&normed(heads(k, self.kv_heads)?, k_norm)?)?;
+        let v = heads(v, self.kv_heads)?;
         // Each key/value head serves `heads / kv_heads` consecutive query
         // heads (`repeat_kv`), inside the op: no repeated copies.
         let y = match self.window {
@@ -539,7 +615,8 @@ impl Block {
         let (x, h) = self
             .post_attention_layernorm
             .forward_residual(&self.o_proj.forward(&y)?, x)?;
-        let gated = ops::swiglu(&self.gate_proj.forward(&h)?, &self.up_proj.forward(&h)?)?;
+        let [gate, up] = self.gate_up.forward(&h)?;
+        let gated = ops::swiglu(&gate, &up)?;
         x + self.down_proj.forward(&gated)?
     }
 }
@@ -607,9 +684,16 @@ impl Llama {
             let mlp = vb.pp("mlp");
             blocks.push(Block {
                 input_layernorm: norm(vb.pp("input_layernorm"))?,
-                q_proj: linear_b(attn.pp("q_proj"), d, q, config.qkv_bias)?,
-                k_proj: linear_b(attn.pp("k_proj"), d, kv, config.qkv_bias)?,
-                v_proj: linear_b(attn.pp("v_proj"), d, kv, config.qkv_bias)?,
+                qkv: match config.fused_projections {
+                    true => {
+                        Projections::Fused(linear(attn.pp("qkv_proj"), d, q + 2 * kv)?, [q, kv, kv])
+                    }
+                    false => Projections::Separate([
+                        linear_b(attn.pp("q_proj"), d, q, config.qkv_bias)?,
+                        linear_b(attn.pp("k_proj"), d, kv, config.qkv_bias)?,
+                        linear_b(attn.pp("v_proj"), d, kv, config.qkv_bias)?,
+                    ]),
+                },
                 o_proj: linear_b(attn.pp("o_proj"), q, d, config.o_bias)?,
                 qk_norms: match config.qk_norm {
                     true => Some((
@@ -619,8 +703,16 @@ impl Llama {
                     false => None,
                 },
                 post_attention_layernorm: norm(vb.pp("post_attention_layernorm"))?,
-                gate_proj: linear(mlp.pp("gate_proj"), d, config.intermediate_size)?,
-                up_proj: linear(mlp.pp("up_proj"), d, config.intermediate_size)?,
+                gate_up: match config.fused_projections {
+                    true => Projections::Fused(
+                        linear(mlp.pp("gate_up_proj"), d, 2 * config.intermediate_size)?,
+                        [config.intermediate_size; 2],
+                    ),
+                    false => Projections::Separate([
+                        linear(mlp.pp("gate_proj"), d, config.intermediate_size)?,
+                        linear(mlp.pp("up_proj"), d, config.intermediate_size)?,
+                    ]),
+                },
                 down_proj: linear(mlp.pp("down_proj"), config.intermediate_size, d)?,
                 heads: config.num_attention_heads,
                 kv_heads: config.num_key_value_heads,

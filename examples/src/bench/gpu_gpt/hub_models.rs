@@ -78,6 +78,7 @@ impl HubCase {
             qkv_bias: false,
             o_bias: false,
             qk_norm: false,
+            fused_projections: false,
             sliding_window: None,
             pad_token_id: None,
         };
