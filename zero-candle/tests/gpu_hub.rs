@@ -1,4 +1,6 @@
-//! The hub models (GPT-2 and Llama) on the GPU against `transformers`: the
+//! The hub models (GPT-2 and the Llama family: Llama with grouped and tied
+//! heads, Qwen2 with YaRN, Qwen3 with its head norms and a sliding window,
+//! Phi-3 with fused projections) on the GPU against `transformers`: the
 //! fixtures of `tests/fixtures/{gpt2,llama}` (tiny random models and the
 //! logits and one SGD step `transformers` and `torch.optim.SGD` compute in
 //! f64) trained at stage 3, at one rank on NCCL with the device built as
@@ -28,11 +30,13 @@ const TOLERANCE: f64 = 1e-4;
 
 /// The fixture folders with their golden file and the prefix of their
 /// golden names.
-const FIXTURES: [(&str, &str); 4] = [
+const FIXTURES: [(&str, &str); 6] = [
     ("gpt2/tiny", ""),
     ("llama/gqa", "gqa."),
     ("llama/tied", "tied."),
+    ("llama/qwen2", "qwen2."),
     ("llama/qwen3", "qwen3."),
+    ("llama/phi3", "phi3."),
 ];
 
 /// The fixtures: under the current directory when it is the repository's
