@@ -222,14 +222,15 @@ fn both_config_forms_read_alike_and_llama3_scales_the_low_frequencies() {
 /// (`rope_golden.json`: parameter sets the fixture models do not use:
 /// `mscale` and `mscale_all_dim`, an explicit `attention_factor`, no
 /// truncation, other betas, `factor` from the context lengths), read from
-/// both config forms; `linear` divides every frequency.
+/// both config forms; `linear` divides every frequency; `dynamic` keeps
+/// them up to its context and refuses longer sequences.
 #[test]
 fn yarn_and_linear_scaling_are_transformers() {
-    let golden: Vec<serde_json::Value> =
+    let yarn: Vec<serde_json::Value> =
         serde_json::from_slice(&std::fs::read(fixtures().join("rope_golden.json")).unwrap())
             .unwrap();
-    assert_eq!(golden.len(), 5);
-    for case in &golden {
+    assert_eq!(yarn.len(), 5);
+    for case in &yarn {
         let head_dim = case["head_dim"].as_u64().unwrap() as usize;
         let positions = case["max_position_embeddings"].clone();
         let params = case["rope_parameters"].clone();
@@ -276,6 +277,23 @@ fn yarn_and_linear_scaling_are_transformers() {
         assert_eq!(*scaled, plain / 2.0);
     }
     assert_eq!(mistral.rope.attention_factor(), 1.0);
+
+    // `dynamic` is the plain rotation up to max_position_embeddings (as
+    // transformers computes it there); past it, refused.
+    let mut dynamic = config_of("gqa");
+    dynamic["rope_parameters"]["rope_type"] = "dynamic".into();
+    dynamic["rope_parameters"]["factor"] = 2.0.into();
+    dynamic["max_position_embeddings"] = 12.into();
+    let config = LlamaConfig::from_json(&dynamic).unwrap();
+    let plain = LlamaConfig::from_json(&config_of("gqa")).unwrap();
+    assert_eq!(config.inv_freq(), plain.inv_freq());
+    let map = zero_candle::ShardedVarMap::seeded(0);
+    let model = Llama::new(map.builder(DType::F32, &Device::Cpu), &config, None).unwrap();
+    map.materialize_all().unwrap();
+    let ids = input_ids(&golden());
+    assert!(model.forward(&ids.narrow(1, 0, 12).unwrap()).is_ok());
+    let err = model.forward(&ids.narrow(1, 0, 13).unwrap()).unwrap_err();
+    assert!(err.to_string().contains("dynamic"), "{err}");
 }
 
 #[test]
@@ -299,7 +317,7 @@ fn unusable_configs_are_errors_naming_the_key() {
         ("head_dim", 7.into(), "head_dim"),
         (
             "rope_parameters",
-            serde_json::json!({"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0}),
+            serde_json::json!({"rope_type": "longrope", "rope_theta": 10000.0, "factor": 4.0}),
             "rope_parameters",
         ),
         (

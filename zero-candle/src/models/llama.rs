@@ -786,6 +786,13 @@ impl Llama {
     /// [`Llama::forward`]'s logits as rows `[batch * time, vocab_size]`.
     fn logits_rows(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
         let (_, time) = ids.dims2()?;
+        if let Some(longest) = self.config.rope.longest_sequence().filter(|&n| time > n) {
+            candle_core::bail!(
+                "a sequence of {time} tokens is longer than max_position_embeddings {longest}, past \
+                 which `dynamic` RoPE scaling changes the frequencies (not implemented here): use \
+                 sequences of at most {longest}"
+            );
+        }
         let rotation = self.rotations.get(time, self.dtype(), ids.device())?;
         let x = super::through_blocks(
             &self.blocks,

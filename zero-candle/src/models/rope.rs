@@ -1,7 +1,7 @@
 //! Rotary position embeddings' settings as `transformers` reads them from a
 //! Llama-family `config.json`: the base and the frequency scaling
-//! (`default`, `linear`, `llama3`, `yarn`), and the frequencies and the
-//! factor on the cosines and sines they give.
+//! (`default`, `linear`, `dynamic`, `llama3`, `yarn`), and the frequencies
+//! and the factor on the cosines and sines they give.
 
 use serde::Deserialize;
 
@@ -24,6 +24,16 @@ pub enum RopeScaling {
     Linear {
         /// How much the frequencies are divided by.
         factor: f64,
+    },
+    /// `dynamic` (NTK-aware): the frequencies as they are up to
+    /// `max_position_embeddings`, a larger base past it. Only the first
+    /// is implemented: longer sequences are refused
+    /// ([`Rope::longest_sequence`]).
+    Dynamic {
+        /// How much the base grows past the context (unused here).
+        factor: f64,
+        /// The context up to which the frequencies are plain.
+        max_positions: usize,
     },
     /// `llama3` (Llama 3.1 and later): the low frequencies divided.
     Llama3(Llama3Scaling),
@@ -118,6 +128,10 @@ impl Rope {
             "linear" => RopeScaling::Linear {
                 factor: required("factor")?,
             },
+            "dynamic" => RopeScaling::Dynamic {
+                factor: required("factor")?,
+                max_positions,
+            },
             "llama3" => RopeScaling::Llama3(
                 Llama3Scaling::deserialize(params.unwrap_or(&serde_json::Value::Null))
                     .map_err(|e| format!("`{key}` of type llama3: {e}"))?,
@@ -149,8 +163,8 @@ impl Rope {
             }
             other => {
                 return Err(format!(
-                    "`{key}` has rope_type {other:?}; \"default\", \"linear\", \"llama3\" and \
-                     \"yarn\" are supported"
+                    "`{key}` has rope_type {other:?}; \"default\", \"linear\", \"dynamic\", \
+                     \"llama3\" and \"yarn\" are supported"
                 ))
             }
         };
@@ -166,7 +180,7 @@ impl Rope {
         }
         let factor = match &self.scaling {
             RopeScaling::None => return Ok(()),
-            RopeScaling::Linear { factor } => *factor,
+            RopeScaling::Linear { factor } | RopeScaling::Dynamic { factor, .. } => *factor,
             RopeScaling::Llama3(scaling) => scaling.factor,
             RopeScaling::Yarn(scaling) => scaling.factor,
         };
@@ -185,10 +199,19 @@ impl Rope {
         let half = head_dim / 2;
         let plain = |i: usize| 1.0 / self.theta.powf(2.0 * i as f64 / head_dim as f64);
         match &self.scaling {
-            RopeScaling::None => (0..half).map(plain).collect(),
+            RopeScaling::None | RopeScaling::Dynamic { .. } => (0..half).map(plain).collect(),
             RopeScaling::Linear { factor } => (0..half).map(|i| plain(i) / factor).collect(),
             RopeScaling::Llama3(scaling) => (0..half).map(|i| scaling.apply(plain(i))).collect(),
             RopeScaling::Yarn(scaling) => scaling.inv_freq(self.theta, head_dim),
+        }
+    }
+
+    /// The longest sequence these frequencies hold for: `dynamic` scaling
+    /// changes them past its context, which is not implemented.
+    pub fn longest_sequence(&self) -> Option<usize> {
+        match self.scaling {
+            RopeScaling::Dynamic { max_positions, .. } => Some(max_positions),
+            _ => None,
         }
     }
 
