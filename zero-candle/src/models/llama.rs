@@ -13,7 +13,7 @@
 //! `model.layers.{i}.self_attn.q_proj.weight`, ..., `model.norm.weight`,
 //! `lm_head.weight` when the head is untied), stored as they are.
 
-use super::rope::Rope;
+use super::rope::{Rope, RopeScaling};
 use crate::hub::{HubDir, HubLayout};
 use crate::nn::{ops, Embedding, GradHook, Linear, RmsNorm};
 use crate::{Error, Result, ShardedVarMap};
@@ -171,6 +171,8 @@ struct Family {
     qk_norm: bool,
     /// Phi-3's `qkv_proj` and `gate_up_proj`.
     fused: bool,
+    /// "su" and "yarn" mean longrope (Phi-3).
+    longrope: bool,
     windows: Windows,
 }
 
@@ -182,6 +184,7 @@ const FAMILIES: [Family; 5] = [
         qkv_bias: false,
         qk_norm: false,
         fused: false,
+        longrope: false,
         windows: Windows::Never,
     },
     Family {
@@ -190,6 +193,7 @@ const FAMILIES: [Family; 5] = [
         qkv_bias: false,
         qk_norm: false,
         fused: false,
+        longrope: false,
         windows: Windows::EveryLayer {
             missing: Some(DEFAULT_WINDOW),
         },
@@ -200,6 +204,7 @@ const FAMILIES: [Family; 5] = [
         qkv_bias: true,
         qk_norm: false,
         fused: false,
+        longrope: false,
         windows: Windows::Switched,
     },
     Family {
@@ -208,6 +213,7 @@ const FAMILIES: [Family; 5] = [
         qkv_bias: false,
         qk_norm: true,
         fused: false,
+        longrope: false,
         windows: Windows::Switched,
     },
     Family {
@@ -216,6 +222,7 @@ const FAMILIES: [Family; 5] = [
         qkv_bias: false,
         qk_norm: false,
         fused: true,
+        longrope: true,
         windows: Windows::EveryLayer { missing: None },
     },
 ];
@@ -257,19 +264,6 @@ impl LlamaConfig {
             }
         }
         let plain = Plain::deserialize(config).map_err(|e| format!("{e}"))?;
-        if family.fused {
-            // transformers reads Phi-3's "su" and "yarn" as its "longrope".
-            let rope_type = ["rope_parameters", "rope_scaling"]
-                .iter()
-                .filter_map(|key| config.get(*key))
-                .find_map(|p| p.get("rope_type").or_else(|| p.get("type"))?.as_str());
-            if let Some(kind @ ("su" | "yarn" | "longrope")) = rope_type {
-                return Err(format!(
-                    "`rope_scaling` has rope_type {kind:?}, Phi-3's longrope, which is not \
-                     supported"
-                ));
-            }
-        }
         let heads = plain.num_attention_heads;
         let sliding_window = sliding_window_of(config, &plain, family.windows)?;
         let parsed = Self {
@@ -286,7 +280,7 @@ impl LlamaConfig {
             },
             max_position_embeddings: plain.max_position_embeddings,
             rms_norm_eps: plain.rms_norm_eps,
-            rope: Rope::from_json(config, plain.max_position_embeddings)?,
+            rope: Rope::from_json(config, plain.max_position_embeddings, family.longrope)?,
             tie_word_embeddings: plain.tie_word_embeddings,
             initializer_range: plain.initializer_range,
             // Phi-3's projections have no biases whatever the file says.
@@ -335,17 +329,22 @@ impl LlamaConfig {
         self.rope.validate()?;
         if let Some(pad) = self.pad_token_id.filter(|&p| p as usize >= self.vocab_size) {
             return Err(format!(
-                "`pad_token_id` {pad} is outside the vocabulary of {}",
+                "`pad_token_id` {pad} is outside the vocabulary of {}: set it to a token id \
+                 below that, or to null",
                 self.vocab_size
             ));
         }
         if let Some(window) = &self.sliding_window {
             if window.size == 0 {
-                return Err("`sliding_window` is 0; a position sees at least itself".into());
+                return Err(
+                    "`sliding_window` is 0; a position sees at least itself: set it to at least \
+                     1, or to null for no window"
+                        .into(),
+                );
             }
             if window.layers.len() != self.num_hidden_layers {
                 return Err(format!(
-                    "`layer_types` has {} entries for {} layers",
+                    "`layer_types` has {} entries for {} layers; give one per layer",
                     window.layers.len(),
                     self.num_hidden_layers
                 ));
@@ -786,7 +785,8 @@ impl Llama {
     /// [`Llama::forward`]'s logits as rows `[batch * time, vocab_size]`.
     fn logits_rows(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
         let (_, time) = ids.dims2()?;
-        if let Some(longest) = self.config.rope.longest_sequence().filter(|&n| time > n) {
+        let longest = self.config.max_position_embeddings;
+        if matches!(self.config.rope.scaling, RopeScaling::Dynamic { .. }) && time > longest {
             candle_core::bail!(
                 "a sequence of {time} tokens is longer than max_position_embeddings {longest}, past \
                  which `dynamic` RoPE scaling changes the frequencies (not implemented here): use \
@@ -837,7 +837,6 @@ impl Llama {
 
 #[cfg(test)]
 mod tests {
-    use super::super::rope::RopeScaling;
     use super::*;
 
     fn values(t: &Tensor) -> Vec<f32> {

@@ -27,13 +27,10 @@ pub enum RopeScaling {
     },
     /// `dynamic` (NTK-aware): the frequencies as they are up to
     /// `max_position_embeddings`, a larger base past it. Only the first
-    /// is implemented: longer sequences are refused
-    /// ([`Rope::longest_sequence`]).
+    /// is implemented: the models refuse longer sequences.
     Dynamic {
         /// How much the base grows past the context (unused here).
         factor: f64,
-        /// The context up to which the frequencies are plain.
-        max_positions: usize,
     },
     /// `llama3` (Llama 3.1 and later): the low frequencies divided.
     Llama3(Llama3Scaling),
@@ -82,11 +79,14 @@ pub struct YarnScaling {
 impl Rope {
     /// The settings of `config` (a hub `config.json`): `rope_parameters`
     /// (transformers 5) or `rope_theta` with `rope_scaling` (earlier
-    /// files); `max_positions` is its `max_position_embeddings`. An error
-    /// names the key it cannot honour.
+    /// files); `max_positions` is its `max_position_embeddings`; with
+    /// `longrope_family` (Phi-3), "su" and "yarn" mean longrope, as
+    /// `transformers` reads them there. An error names the key it cannot
+    /// honour.
     pub(crate) fn from_json(
         config: &serde_json::Value,
         max_positions: usize,
+        longrope_family: bool,
     ) -> Result<Self, String> {
         let (params, key) = match config.get("rope_parameters") {
             Some(p) if !p.is_null() => (Some(p), "rope_parameters"),
@@ -124,13 +124,19 @@ impl Rope {
             number(name)?.ok_or_else(|| format!("`{key}` of type {kind} has no `{name}`"))
         };
         let scaling = match kind {
+            "su" | "yarn" | "longrope" if longrope_family => {
+                return Err(format!(
+                    "`{key}` has rope_type {kind:?}, which transformers reads as Phi-3's \
+                     longrope, not supported here: use a checkpoint without long-context \
+                     scaling (Phi-3's 4k ones)"
+                ))
+            }
             "default" => RopeScaling::None,
             "linear" => RopeScaling::Linear {
                 factor: required("factor")?,
             },
             "dynamic" => RopeScaling::Dynamic {
                 factor: required("factor")?,
-                max_positions,
             },
             "llama3" => RopeScaling::Llama3(
                 Llama3Scaling::deserialize(params.unwrap_or(&serde_json::Value::Null))
@@ -206,15 +212,6 @@ impl Rope {
         }
     }
 
-    /// The longest sequence these frequencies hold for: `dynamic` scaling
-    /// changes them past its context, which is not implemented.
-    pub fn longest_sequence(&self) -> Option<usize> {
-        match self.scaling {
-            RopeScaling::Dynamic { max_positions, .. } => Some(max_positions),
-            _ => None,
-        }
-    }
-
     /// The factor on the cosines and sines (YaRN's attention factor; 1
     /// otherwise).
     pub fn attention_factor(&self) -> f64 {
@@ -278,9 +275,9 @@ impl YarnScaling {
         (0..head_dim / 2)
             .map(|i| {
                 let plain = 1.0 / theta.powf(2.0 * i as f64 / dim);
+                // 0: kept, 1: interpolated.
                 let ramp = ((i as f64 - low) / (high - low)).clamp(0.0, 1.0);
-                let kept = 1.0 - ramp;
-                plain / self.factor * (1.0 - kept) + plain * kept
+                plain / self.factor * ramp + plain * (1.0 - ramp)
             })
             .collect()
     }

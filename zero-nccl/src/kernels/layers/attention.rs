@@ -252,7 +252,7 @@ impl CheckedAttention {
             head_dim: int_arg(op, "head_dim", d)?,
             window: int_arg(
                 op,
-                "time",
+                "window",
                 shape.window.unwrap_or(shape.time).min(shape.time),
             )?,
             scale: shape.scale,
