@@ -107,6 +107,7 @@ fn stage_3_on_two_ranks_fine_tunes_what_one_rank_does_and_saves_the_hub_layout()
         "llama/qwen2",
         "llama/qwen3",
         "llama/phi3",
+        "llama/gemma",
     ];
     for fixture_name in fixtures {
         let hub = fixture(fixture_name);

@@ -1,6 +1,7 @@
 //! The hub models (GPT-2 and the Llama family: Llama with grouped and tied
 //! heads, Qwen2 with YaRN, Qwen3 with its head norms and a sliding window,
-//! Phi-3 with fused projections) on the GPU against `transformers`: the
+//! Phi-3 with fused projections, Gemma and Gemma 3 with their offset norms
+//! and GELU-gated MLP) on the GPU against `transformers`: the
 //! fixtures of `tests/fixtures/{gpt2,llama}` (tiny random models and the
 //! logits and one SGD step `transformers` and `torch.optim.SGD` compute in
 //! f64) trained at stage 3, at one rank on NCCL with the device built as
@@ -30,13 +31,15 @@ const TOLERANCE: f64 = 1e-4;
 
 /// The fixture folders with their golden file and the prefix of their
 /// golden names.
-const FIXTURES: [(&str, &str); 6] = [
+const FIXTURES: [(&str, &str); 8] = [
     ("gpt2/tiny", ""),
     ("llama/gqa", "gqa."),
     ("llama/tied", "tied."),
     ("llama/qwen2", "qwen2."),
     ("llama/qwen3", "qwen3."),
     ("llama/phi3", "phi3."),
+    ("llama/gemma", "gemma."),
+    ("llama/gemma3", "gemma3."),
 ];
 
 /// The fixtures: under the current directory when it is the repository's

@@ -1,7 +1,8 @@
 //! The fused layers on a GPU against the same ops on the CPU (the
 //! reference): values and gradients (inputs, and the norms' weight and
 //! bias) of causal attention (packed, and split with grouped K/V heads,
-//! also within sliding windows; bf16 and f16 on tensor cores from sm_80), LayerNorm/RMSNorm (also after
+//! also within sliding windows; bf16 and f16 on tensor cores from sm_80;
+//! heads of 256, wider than the kernels, composed), LayerNorm/RMSNorm (also after
 //! a residual add), GELU (both forms), SiLU, SwiGLU, rotary embeddings,
 //! cross-entropy and the `Embedding` table's gradient, and `Linear` (alone,
 //! and with its activation in one op, `forward_activated`; its bias gradient
@@ -248,6 +249,47 @@ fn sliding_window_attention_matches_the_cpu() -> Result<()> {
     Ok(())
 }
 
+/// Heads of 256 (Gemma's), wider than the fused kernels take: the split
+/// attention runs composed of Candle's ops on CUDA, grouped and not,
+/// windowed and not, one position and several, and matches the fused CPU
+/// op (which rounds once where the composition rounds the scores and the
+/// weights to the input type: within the same few ulps).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn wide_head_attention_runs_composed_and_matches_the_cpu() -> Result<()> {
+    // (batch, time, heads, kv_heads, head_dim)
+    let shapes = [
+        (2, 33, 4, 2, 256),
+        (1, 1, 4, 2, 256),
+        (1, 70, 8, 1, 256),
+        (2, 17, 2, 2, 256),
+    ];
+    for dtype in DTYPES {
+        for (seed, &(b, t, h, kvh, d)) in shapes.iter().enumerate() {
+            for window in [None, Some(1), Some(5)] {
+                let seed = 1000 + 10 * seed as u64 + window.unwrap_or(0) as u64;
+                let q = values(&[b, t, h, d], seed, 2.0, dtype)?;
+                let k = values(&[b, t, kvh, d], seed + 1, 2.0, dtype)?;
+                let v = values(&[b, t, kvh, d], seed + 2, 2.0, dtype)?;
+                let upstream = values(&[b, t, h, d], seed + 3, 1.0, dtype)?;
+                compare(
+                    &format!("wide attention window {window:?} b{b} t{t} h{h} kv{kvh} d{d}"),
+                    dtype,
+                    &[&q, &k, &v],
+                    &upstream,
+                    &|x| match window {
+                        Some(w) => sliding_window_attention(&x[0], &x[1], &x[2], w),
+                        None => causal_attention(&x[0], &x[1], &x[2]),
+                    },
+                )?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The packed form has no composed fallback: a head wider than the
+/// kernels is an error that names it.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn head_dim_above_128_is_a_clear_error() -> Result<()> {

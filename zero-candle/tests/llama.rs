@@ -1,9 +1,9 @@
 //! Llama from a hub directory against `transformers` itself: the fixtures in
 //! `tests/fixtures/llama/` (tiny random `LlamaForCausalLM`s with grouped
 //! key/value heads, one with an untied head and one tied with llama3 RoPE
-//! scaling; a Mistral, a Qwen2 and a Qwen3; and the logits, loss, gradients
-//! and one SGD step each computes on a fixed batch) are made by
-//! `make_fixtures.py` there.
+//! scaling; a Mistral, a Qwen2, a Qwen3, a Phi-3, a Gemma and a Gemma 3; and
+//! the logits, loss, gradients and one SGD step each computes on a fixed
+//! batch) are made by `make_fixtures.py` there.
 
 mod hub_support;
 
@@ -40,14 +40,16 @@ fn logits_loss_and_gradients_equal_transformers() {
         ("qwen2", 27),
         ("qwen3", 24),
         ("phi3", 15),
+        ("gemma", 20),
+        ("gemma3", 28),
     ];
     for (fixture, variables) in cases {
         let (config, map) = Llama::open_hub(fixtures().join(fixture)).unwrap();
         assert_eq!(
             config.tie_word_embeddings,
-            matches!(fixture, "tied" | "qwen3")
+            matches!(fixture, "tied" | "qwen3" | "gemma" | "gemma3")
         );
-        assert_eq!(config.qk_norm, fixture == "qwen3");
+        assert_eq!(config.qk_norm, matches!(fixture, "qwen3" | "gemma3"));
         assert_eq!(config.fused_projections, fixture == "phi3");
         let model = Llama::new(map.builder(DType::F32, &Device::Cpu), &config, None).unwrap();
         map.materialize_all().unwrap();
@@ -86,7 +88,15 @@ fn logits_loss_and_gradients_equal_transformers() {
 #[test]
 fn loading_then_saving_reproduces_the_checkpoint_tensor_for_tensor() {
     let ids = input_ids(&golden());
-    for fixture in ["gqa", "gqa-sharded", "tied", "qwen2", "qwen3", "phi3"] {
+    for fixture in [
+        "gqa",
+        "gqa-sharded",
+        "tied",
+        "qwen2",
+        "qwen3",
+        "phi3",
+        "gemma3",
+    ] {
         let dir = fixtures().join(fixture);
         for (stage, world) in [(Stage::Ddp, 1), (Stage::Parameters, 2)] {
             let out = tempfile::tempdir().unwrap();
@@ -119,6 +129,8 @@ fn one_sgd_step_equals_torch_at_stage_0_and_at_stage_3_on_two_ranks() {
         ("qwen2", Stage::Parameters, 2, 27),
         ("qwen3", Stage::Parameters, 2, 24),
         ("phi3", Stage::Parameters, 2, 15),
+        ("gemma", Stage::Parameters, 2, 20),
+        ("gemma3", Stage::Parameters, 2, 28),
     ] {
         let out = tempfile::tempdir().unwrap();
         Run::new(stage, world, 1).train(&fixtures().join(fixture), &ids, out.path());
@@ -208,7 +220,7 @@ fn both_config_forms_read_alike_and_llama3_scales_the_low_frequencies() {
     let gqa = LlamaConfig::from_json(&config_of("gqa")).unwrap();
     assert_eq!((gqa.num_attention_heads, gqa.num_key_value_heads), (4, 2));
     assert!(gqa.rope.scaling == RopeScaling::None && gqa.rope.theta == 10000.0);
-    for fixture in ["gqa", "tied", "qwen2", "qwen3", "phi3"] {
+    for fixture in ["gqa", "tied", "qwen2", "qwen3", "phi3", "gemma", "gemma3"] {
         let config = LlamaConfig::from_json(&config_of(fixture)).unwrap();
         let stored: usize = hub_tensors(&fixtures().join(fixture))
             .values()
@@ -300,7 +312,7 @@ fn yarn_and_linear_scaling_are_transformers() {
 fn unusable_configs_are_errors_naming_the_key() {
     let base = config_of("gqa");
     let cases: [(&str, serde_json::Value, &str); 12] = [
-        ("model_type", "gemma".into(), "model_type"),
+        ("model_type", "gemma2".into(), "model_type"),
         (
             "architectures",
             serde_json::json!(["MistralForCausalLM"]),
@@ -379,9 +391,13 @@ fn causal_lm_opens_either_model_by_its_model_type() {
     assert!(matches!(config, HubConfig::Gpt2(_)));
     assert_eq!(config.max_positions(), (32, "n_positions"));
     let mut other = config_of("gqa");
-    other["model_type"] = "gemma".into();
+    other["model_type"] = "gemma2".into();
     let err = HubConfig::from_json(&other).unwrap_err();
     assert!(err.contains("model_type") && err.contains("llama"), "{err}");
+    assert!(err.contains("attention scores"), "Gemma 2's reason: {err}");
+    other["model_type"] = "gemma3".into();
+    let err = HubConfig::from_json(&other).unwrap_err();
+    assert!(err.contains("gemma3_text"), "{err}");
 }
 
 /// The sliding windows read as `transformers` applies them (the fixtures'
@@ -465,4 +481,116 @@ fn sliding_windows_apply_where_transformers_applies_them() {
     assert_eq!(model.forward(&ids).unwrap().dims(), &[2, 16, 384]);
     let empty = model.forward(&ids.narrow(1, 0, 0).unwrap()).unwrap();
     assert_eq!(empty.dims(), &[2, 0, config.vocab_size]);
+}
+
+/// Gemma's settings read as `transformers` reads them: Gemma 3's rotary
+/// parameters per layer type (transformers 5) and its earlier form
+/// (`rope_theta`, `rope_scaling` for the full layers, `rope_local_base_freq`
+/// for the sliding ones, `sliding_window_pattern` for the layer types) read
+/// alike; Gemma's defaults (a tied head, heads of 256) and its legacy
+/// `hidden_act` "gelu" (the tanh form); what the model does not implement
+/// refused by name.
+#[test]
+fn gemma_configs_read_as_transformers_reads_them() {
+    use zero_candle::models::{Rope, SlidingWindow};
+    use zero_candle::nn::Activation;
+    let new = config_of("gemma3");
+    let parsed = LlamaConfig::from_json(&new).unwrap();
+    assert_eq!(
+        parsed.sliding_window,
+        Some(SlidingWindow {
+            size: 5,
+            layers: vec![true, false],
+        })
+    );
+    assert_eq!(
+        parsed.rope,
+        Rope {
+            theta: 1e6,
+            scaling: RopeScaling::Linear { factor: 2.0 },
+        }
+    );
+    assert_eq!(
+        parsed.local_rope,
+        Some(Rope {
+            theta: 100.0,
+            scaling: RopeScaling::None,
+        })
+    );
+    assert_eq!(parsed.query_pre_attn_scalar, Some(12.0));
+    assert_eq!(parsed.final_logit_softcapping, Some(0.5));
+    assert_eq!(parsed.norm_weight_offset, 1.0);
+    assert_eq!(parsed.embedding_scale, Some(32f64.sqrt()));
+    assert_eq!(parsed.mlp_activation, Activation::Gelu);
+    assert!(parsed.output_norms && parsed.qk_norm && parsed.tie_word_embeddings);
+
+    let mut old = new.clone();
+    let object = old.as_object_mut().unwrap();
+    let mut rope = object.remove("rope_parameters").unwrap();
+    object.remove("layer_types");
+    object.remove("_sliding_window_pattern");
+    object.insert("sliding_window_pattern".into(), 2.into());
+    object.insert(
+        "rope_theta".into(),
+        rope["full_attention"]["rope_theta"].take(),
+    );
+    rope["full_attention"]
+        .as_object_mut()
+        .unwrap()
+        .remove("rope_theta");
+    object.insert("rope_scaling".into(), rope["full_attention"].clone());
+    object.insert(
+        "rope_local_base_freq".into(),
+        rope["sliding_attention"]["rope_theta"].clone(),
+    );
+    assert_eq!(LlamaConfig::from_json(&old).unwrap(), parsed);
+    // Without any: transformers' bases (1e6 and 10,000), one layer in six
+    // attending in full.
+    let object = old.as_object_mut().unwrap();
+    for key in [
+        "rope_theta",
+        "rope_scaling",
+        "rope_local_base_freq",
+        "sliding_window_pattern",
+    ] {
+        object.remove(key);
+    }
+    object.insert("num_hidden_layers".into(), 7.into());
+    let defaults = LlamaConfig::from_json(&old).unwrap();
+    assert_eq!(
+        (defaults.rope.theta, defaults.rope.scaling),
+        (1e6, RopeScaling::None)
+    );
+    assert_eq!(defaults.local_rope.map(|r| r.theta), Some(1e4));
+    let layers = defaults.sliding_window.unwrap().layers;
+    assert_eq!(layers, [true, true, true, true, true, false, true]);
+
+    let gemma = config_of("gemma");
+    let parsed = LlamaConfig::from_json(&gemma).unwrap();
+    assert!(!parsed.output_norms && !parsed.qk_norm && parsed.local_rope.is_none());
+    assert_eq!(parsed.query_pre_attn_scalar, None);
+    assert_eq!(parsed.norm_weight_offset, 1.0);
+    let mut legacy = gemma.clone();
+    legacy["hidden_act"] = "gelu".into();
+    let object = legacy.as_object_mut().unwrap();
+    object.remove("head_dim");
+    object.remove("tie_word_embeddings");
+    let legacy = LlamaConfig::from_json(&legacy).unwrap();
+    assert_eq!(legacy.mlp_activation, Activation::Gelu);
+    assert_eq!(legacy.head_dim, 256, "transformers' default");
+    assert!(legacy.tie_word_embeddings, "transformers' default");
+
+    let refused: [(&str, &str, serde_json::Value); 5] = [
+        ("gemma3", "attn_logit_softcapping", 50.0.into()),
+        ("gemma3", "use_bidirectional_attention", true.into()),
+        ("gemma3", "hidden_activation", "gelu".into()),
+        ("gemma", "hidden_act", "silu".into()),
+        ("gemma3", "final_logit_softcapping", 0.0.into()),
+    ];
+    for (fixture, key, value) in refused {
+        let mut config = config_of(fixture);
+        config[key] = value;
+        let err = LlamaConfig::from_json(&config).unwrap_err();
+        assert!(err.contains(key), "{fixture} {key}: {err}");
+    }
 }

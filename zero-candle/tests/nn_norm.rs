@@ -11,6 +11,10 @@
 //! `forward_residual` (the residual add fused into the norm) is checked
 //! against `x + residual` then `forward`: the same values and gradients,
 //! bit for bit, in every dtype.
+//!
+//! A weight offset (Gemma's `x̂ · (1 + w)`) is checked, through `forward`
+//! and `forward_residual`, against the slow paths given `w + 1` as their
+//! weight, which Candle differentiates through the add.
 
 mod nn_support;
 
@@ -40,12 +44,19 @@ struct Outcome {
     grad_bias: Option<Tensor>,
 }
 
-fn assert_outcomes_close(got: &Outcome, want: &Outcome, tol: f64) {
-    assert_close("output", &got.y, &want.y, tol);
-    assert_close("∂x", &got.grad_x, &want.grad_x, tol);
-    assert_close("∂weight", &got.grad_weight, &want.grad_weight, tol);
-    if let (Some(g), Some(w)) = (&got.grad_bias, &want.grad_bias) {
-        assert_close("∂bias", g, w, tol);
+fn assert_outcomes_close(what: &str, got: &Outcome, want: &Outcome, tol: f64) {
+    assert_close(&format!("{what}: output"), &got.y, &want.y, tol);
+    assert_close(&format!("{what}: ∂x"), &got.grad_x, &want.grad_x, tol);
+    assert_close(
+        &format!("{what}: ∂weight"),
+        &got.grad_weight,
+        &want.grad_weight,
+        tol,
+    );
+    match (&got.grad_bias, &want.grad_bias) {
+        (Some(g), Some(w)) => assert_close(&format!("{what}: ∂bias"), g, w, tol),
+        (None, None) => {}
+        _ => panic!("{what}: ∂bias present in one run only"),
     }
 }
 
@@ -137,7 +148,7 @@ fn f32_and_f64_match_the_plain_ops_reference() {
                 let x = var(10, shape, dtype);
                 let (got, varmap) = ours(kind, dtype, &x, 20);
                 let want = reference(kind, dtype, &x, &varmap, 20);
-                assert_outcomes_close(&got, &want, tol);
+                assert_outcomes_close(&format!("{kind:?} {dtype:?} {shape:?}"), &got, &want, tol);
             }
         }
     }
@@ -161,7 +172,7 @@ fn half_precision_matches_the_f32_reference_to_its_precision() {
                 grad_bias: got.grad_bias.as_ref().map(up),
             };
             // The reference's loss weights are f32 values, ours 16-bit ones.
-            assert_outcomes_close(&got, &want, tol);
+            assert_outcomes_close(&format!("{kind:?} {dtype:?}"), &got, &want, tol);
         }
     }
 }
@@ -249,6 +260,13 @@ impl Norm {
             )),
             Kind::LayerNormNoBias => Norm::Layer(nn::LayerNorm::new_no_bias(weight, EPS, hook)),
             Kind::RmsNorm => Norm::Rms(nn::RmsNorm::new(weight, EPS, hook)),
+        }
+    }
+
+    fn with_weight_offset(self, offset: f64) -> Self {
+        match self {
+            Norm::Layer(n) => Norm::Layer(n.with_weight_offset(offset)),
+            Norm::Rms(n) => Norm::Rms(n.with_weight_offset(offset)),
         }
     }
 
@@ -428,4 +446,158 @@ fn the_fused_residual_add_refuses_mismatched_inputs() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("last dimension"), "{err}");
+}
+
+/// Gemma's offset: its RMSNorm scales by `1 + w`.
+const OFFSET: f64 = 1.0;
+
+/// How [`offset_run`] normalizes `h = x + residual`.
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum OffsetPath {
+    /// `h` added by Candle, then our layer's `forward`.
+    Forward,
+    /// Our layer's `forward_residual`.
+    Residual,
+    /// `h` added by Candle, then `x̂ · (w + OFFSET) (+ b)` in plain ops:
+    /// candle-nn's slow paths with `w + OFFSET` as their weight.
+    Composed,
+}
+
+/// `kind` with a weight offset of [`OFFSET`] over a weight centred on zero
+/// (as Gemma's checkpoints store it), on `h = x + residual`, computed in
+/// `dtype` from inputs drawn in `input_dtype` (so that a 16-bit run and its
+/// f32 reference see the same values). Our layer's parameter gradients
+/// come from the hook when `hooked`, else from the `GradStore`.
+fn offset_run(
+    kind: Kind,
+    path: OffsetPath,
+    (input_dtype, dtype): (DType, DType),
+    hooked: bool,
+) -> Outcome {
+    let input = |seed: u64, shape: &[usize], scale: f64| {
+        let values = (data(seed, shape, input_dtype) * scale).unwrap();
+        Var::from_tensor(&values.to_dtype(dtype).unwrap()).unwrap()
+    };
+    let shape = [2, 3, SIZE];
+    let x = input(60, &shape, 2.0);
+    let residual = input(61, &shape, 1.0);
+    let weight = input(62, &[SIZE], 0.5);
+    let bias = input(63, &[SIZE], 1.0);
+    let recorder = Recorder::new();
+    let y = if path == OffsetPath::Composed {
+        let h = (x.as_tensor() + residual.as_tensor()).unwrap();
+        let scale = (weight.as_tensor() + OFFSET).unwrap();
+        let eps = EPS as f32;
+        match kind {
+            Kind::LayerNorm => candle_nn::ops::layer_norm_slow(&h, &scale, &bias, eps),
+            Kind::LayerNormNoBias => {
+                let zeros = Tensor::zeros(SIZE, dtype, &Device::Cpu).unwrap();
+                candle_nn::ops::layer_norm_slow(&h, &scale, &zeros, eps)
+            }
+            Kind::RmsNorm => candle_nn::ops::rms_norm_slow(&h, &scale, eps),
+        }
+        .unwrap()
+    } else {
+        let norm = Norm::new(
+            kind,
+            &weight,
+            &bias,
+            if hooked { hook(&recorder) } else { None },
+        )
+        .with_weight_offset(OFFSET);
+        let fused = path == OffsetPath::Residual;
+        norm.run(fused, x.as_tensor(), residual.as_tensor()).1
+    };
+    let grads = weighted_sum(&y, 64).backward().unwrap();
+    let param_grad = |v: &Var| {
+        if hooked && path != OffsetPath::Composed {
+            assert!(
+                grads.get(v).is_none(),
+                "the hook took the parameter's gradient"
+            );
+            recorder.grad_of(v)
+        } else {
+            grads.get(v).unwrap().clone()
+        }
+    };
+    Outcome {
+        grad_x: grads.get(x.as_tensor()).unwrap().clone(),
+        grad_weight: param_grad(&weight),
+        grad_bias: (kind == Kind::LayerNorm).then(|| param_grad(&bias)),
+        y,
+    }
+}
+
+/// The offset enters the output and the input's gradient (`ĝ = g·(1 + w)`:
+/// with `w` near zero, a `dx` computed from `w` alone is far off), and the
+/// weight's gradient reaches the hook as the composition computes it.
+#[test]
+fn a_weight_offset_scales_by_one_plus_w_in_f32_and_f64() {
+    for (dtype, tol) in [(DType::F32, 1e-6), (DType::F64, 1e-12)] {
+        for kind in KINDS {
+            let want = offset_run(kind, OffsetPath::Composed, (dtype, dtype), false);
+            for path in [OffsetPath::Forward, OffsetPath::Residual] {
+                for hooked in [false, true] {
+                    let got = offset_run(kind, path, (dtype, dtype), hooked);
+                    let what = format!("{kind:?} {dtype:?} {path:?} hooked {hooked}");
+                    assert_outcomes_close(&what, &got, &want, tol);
+                }
+            }
+        }
+    }
+}
+
+/// In 16 bits `1 + w` is summed in f32, as transformers' Gemma does, and
+/// the result rounded once: within bf16's precision of the f32 composition
+/// on the same (rounded) inputs.
+#[test]
+fn a_weight_offset_in_bf16_matches_the_f32_composition_to_its_precision() {
+    let up = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+    for kind in KINDS {
+        let want = offset_run(kind, OffsetPath::Composed, (DType::BF16, DType::F32), false);
+        for path in [OffsetPath::Forward, OffsetPath::Residual] {
+            let got = offset_run(kind, path, (DType::BF16, DType::BF16), true);
+            assert_eq!(got.y.dtype(), DType::BF16);
+            let got = Outcome {
+                y: up(&got.y),
+                grad_x: up(&got.grad_x),
+                grad_weight: up(&got.grad_weight),
+                grad_bias: got.grad_bias.as_ref().map(up),
+            };
+            assert_outcomes_close(&format!("{kind:?} {path:?}"), &got, &want, 2e-2);
+        }
+    }
+}
+
+/// No offset is the plain `x̂ · w`, down to the sign of a zero: a weight of
+/// `-0.0` gives `-0.0 · x̂`, which `w + 0.0` would turn into `+0.0 · x̂`.
+#[test]
+fn no_weight_offset_is_the_plain_scale_down_to_the_sign_of_zero() {
+    let weight = Tensor::new(&[-0.0f32, 0.0, 1.5, -2.0], &Device::Cpu).unwrap();
+    let x = data(70, &[6, 4], DType::F32);
+    let residual = data(71, &[6, 4], DType::F32);
+    let plain = nn::RmsNorm::new(weight.clone(), EPS, None);
+    assert_eq!(plain.weight_offset(), 0.0);
+    let zero = nn::RmsNorm::new(weight.clone(), EPS, None).with_weight_offset(0.0);
+    let want = candle_nn::ops::rms_norm_slow(&(&x + &residual).unwrap(), &weight, EPS as f32)
+        .unwrap()
+        .to_vec2::<f32>()
+        .unwrap();
+    for norm in [&plain, &zero] {
+        let (_, y_residual) = norm.forward_residual(&x, &residual).unwrap();
+        let y_plain = norm.forward(&(&x + &residual).unwrap()).unwrap();
+        for y in [y_plain, y_residual] {
+            for (row, want_row) in y.to_vec2::<f32>().unwrap().iter().zip(&want) {
+                for (g, w) in row[..2].iter().zip(&want_row[..2]) {
+                    assert_eq!(g.to_bits(), w.to_bits(), "{row:?} vs {want_row:?}");
+                }
+                for (g, w) in row[2..].iter().zip(&want_row[2..]) {
+                    assert!((g - w).abs() <= 1e-6 * w.abs().max(1.0), "{g} vs {w}");
+                }
+            }
+        }
+    }
+    let layer = nn::LayerNorm::new_no_bias(weight, EPS, None).with_weight_offset(1.0);
+    assert_eq!(layer.weight_offset(), 1.0);
+    assert_eq!(layer.clone().with_weight_offset(0.0).weight_offset(), 0.0);
 }

@@ -785,9 +785,15 @@ fn composed_swiglu(gate: &Tensor, up: &Tensor) -> Tensor {
     (gate.silu().unwrap() * up).unwrap()
 }
 
+/// Gemma's MLP gate composed of tensor ops: `gelu(gate) * up`, GELU's tanh
+/// form (transformers' `gelu_pytorch_tanh`).
+fn composed_geglu(gate: &Tensor, up: &Tensor) -> Tensor {
+    (gate.gelu().unwrap() * up).unwrap()
+}
+
 /// The output and both inputs' gradients of `f(gate, up)` under
 /// [`weighted_sum`].
-fn swiglu_value_and_grads(
+fn gated_value_and_grads(
     gate: &Var,
     up: &Var,
     f: impl Fn(&Tensor, &Tensor) -> Tensor,
@@ -796,6 +802,49 @@ fn swiglu_value_and_grads(
     let grads = weighted_sum(&y, 97).backward().unwrap();
     let grad = |x: &Var| grads.get(x.as_tensor()).expect("a gradient").clone();
     [y.clone(), grad(gate), grad(up)]
+}
+
+type GatedFn = fn(&Tensor, &Tensor) -> candle_core::Result<Tensor>;
+
+/// `fused` against `composed` for each `(dtype, tolerance)` of `cases`, on
+/// gates of a few units (the activation's curved part and both tails):
+/// the output and both gradients, 16-bit runs against the f32 composition
+/// on the same (rounded) inputs.
+fn assert_gated_matches(
+    fused: GatedFn,
+    composed: fn(&Tensor, &Tensor) -> Tensor,
+    cases: &[(DType, f64)],
+) {
+    let shapes: [&[usize]; 4] = [&[1], &[3, 37], &[2, 5, 11], &[4, 9000]];
+    for &(dtype, tol) in cases {
+        for (i, shape) in shapes.iter().enumerate() {
+            let what = format!("{dtype:?} {shape:?}");
+            let seed = 90 + 2 * i as u64;
+            let gate = (data(seed, shape, DType::F32) * 6.0)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap();
+            let up = (data(seed + 1, shape, DType::F32) * 2.0)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap();
+            let wide = |t: &Tensor| t.to_dtype(dtype.max_f32()).unwrap();
+            let var = |t: &Tensor| Var::from_tensor(t).unwrap();
+            let [y, dgate, dup] =
+                gated_value_and_grads(&var(&gate), &var(&up), |g, u| fused(g, u).unwrap());
+            let [y_ref, dgate_ref, dup_ref] =
+                gated_value_and_grads(&var(&wide(&gate)), &var(&wide(&up)), composed);
+            assert_eq!(y.dtype(), dtype, "{what}");
+            assert_close(&format!("{what}: output"), &wide(&y), &y_ref, tol);
+            assert_close(
+                &format!("{what}: gate gradient"),
+                &wide(&dgate),
+                &dgate_ref,
+                tol,
+            );
+            assert_close(&format!("{what}: up gradient"), &wide(&dup), &dup_ref, tol);
+        }
+    }
 }
 
 #[test]
@@ -808,37 +857,21 @@ fn swiglu_matches_silu_times_up_in_f32_f64_and_16_bits() {
         (DType::BF16, 1.6e-2),
         (DType::F16, 2e-3),
     ];
-    let shapes: [&[usize]; 4] = [&[1], &[3, 37], &[2, 5, 11], &[4, 9000]];
-    for (dtype, tol) in cases {
-        for (i, shape) in shapes.iter().enumerate() {
-            let what = format!("{dtype:?} {shape:?}");
-            let seed = 90 + 2 * i as u64;
-            // Gates of a few units: silu's curved part and both tails.
-            let gate = (data(seed, shape, DType::F32) * 6.0)
-                .unwrap()
-                .to_dtype(dtype)
-                .unwrap();
-            let up = (data(seed + 1, shape, DType::F32) * 2.0)
-                .unwrap()
-                .to_dtype(dtype)
-                .unwrap();
-            let wide = |t: &Tensor| t.to_dtype(dtype.max_f32()).unwrap();
-            let var = |t: &Tensor| Var::from_tensor(t).unwrap();
-            let [y, dgate, dup] =
-                swiglu_value_and_grads(&var(&gate), &var(&up), |g, u| ops::swiglu(g, u).unwrap());
-            let [y_ref, dgate_ref, dup_ref] =
-                swiglu_value_and_grads(&var(&wide(&gate)), &var(&wide(&up)), composed_swiglu);
-            assert_eq!(y.dtype(), dtype, "{what}");
-            assert_close(&format!("{what}: output"), &wide(&y), &y_ref, tol);
-            assert_close(
-                &format!("{what}: gate gradient"),
-                &wide(&dgate),
-                &dgate_ref,
-                tol,
-            );
-            assert_close(&format!("{what}: up gradient"), &wide(&dup), &dup_ref, tol);
-        }
-    }
+    assert_gated_matches(ops::swiglu, composed_swiglu, &cases);
+}
+
+#[test]
+fn geglu_matches_gelu_times_up_in_f32_f64_and_16_bits() {
+    // Candle's GELU derivative uses a rounded √(2/π) (0.797885), and its
+    // forward libm's tanh, ours one within 3e-7 of it: agreement to 1e-5,
+    // as for `ops::gelu`.
+    let cases = [
+        (DType::F64, 1e-5),
+        (DType::F32, 1e-5),
+        (DType::BF16, 1.6e-2),
+        (DType::F16, 2e-3),
+    ];
+    assert_gated_matches(ops::geglu, composed_geglu, &cases);
 }
 
 #[test]
@@ -858,4 +891,21 @@ fn swiglu_takes_strided_input_and_refuses_mismatches() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("gate is F32 but up is F16"), "{err}");
+}
+
+#[test]
+fn geglu_takes_strided_input_and_names_itself_in_errors() {
+    let gate = data(113, &[7, 5], DType::F32).t().unwrap();
+    let up = data(114, &[5, 7], DType::F32);
+    let y = ops::geglu(&gate, &up).unwrap();
+    assert_close("strided gate", &y, &composed_geglu(&gate, &up), 1e-5);
+    // Not SwiGLU's values: the activation is GELU.
+    assert!(values(&y) != values(&composed_swiglu(&gate, &up)));
+    let err = ops::geglu(&up, &data(115, &[5, 6], DType::F32))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("geglu: gate has shape [5, 7] but up has [5, 6]"),
+        "{err}"
+    );
 }

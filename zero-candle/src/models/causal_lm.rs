@@ -15,7 +15,8 @@ use std::sync::Arc;
 pub enum HubConfig {
     /// `model_type` `gpt2`.
     Gpt2(Gpt2Config),
-    /// `model_type` `llama`, `mistral`, `qwen2`, `qwen3` or `phi3`.
+    /// `model_type` `llama`, `mistral`, `qwen2`, `qwen3`, `phi3`, `gemma` or
+    /// `gemma3_text`.
     Llama(LlamaConfig),
 }
 
@@ -27,7 +28,8 @@ impl HubConfig {
             Some("gpt2") => Gpt2Config::from_json(config).map(Self::Gpt2),
             Some(kind) if llama::reads(kind) => LlamaConfig::from_json(config).map(Self::Llama),
             Some(other) => Err(format!(
-                "`model_type` is {other:?}; the models here are \"gpt2\", {LLAMA_TYPES}"
+                "`model_type` is {other:?}; the models here are \"gpt2\", {LLAMA_TYPES}{}",
+                llama::why_not(other)
             )),
             None => Err(format!(
                 "no `model_type`; the models here are \"gpt2\", {LLAMA_TYPES}"
@@ -84,7 +86,10 @@ impl HubConfig {
 }
 
 /// A causal language model of the hub: GPT-2 or Llama (Mistral, Qwen2,
-/// Qwen3 and Phi-3 included).
+/// Qwen3, Phi-3, Gemma and Gemma 3 included).
+// A program holds one or two models: the variants' sizes do not matter, and
+// boxing one would only change how callers match them.
+#[allow(clippy::large_enum_variant)]
 pub enum CausalLm {
     /// GPT-2.
     Gpt2(Gpt2),

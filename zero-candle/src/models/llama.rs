@@ -7,7 +7,12 @@
 //! (and sliding windows where switched on), Qwen3 with an RMS norm on each
 //! query and key head before the rotation. Phi-3 (`Phi3ForCausalLM`) too,
 //! its query, key and value projections one weight (`qkv_proj`) and its gate
-//! and up projections another (`gate_up_proj`).
+//! and up projections another (`gate_up_proj`). And Gemma
+//! (`GemmaForCausalLM`): RMS norms that scale by `1 + weight`, the token
+//! embeddings times `√hidden_size`, a GELU-gated MLP; Gemma 3's text model
+//! (`Gemma3ForCausalLM`) adds norms of each query and key head and of the
+//! attention's and the MLP's outputs, its own score scale, a rotation of its
+//! own in the sliding-window layers and soft-capped logits.
 //!
 //! The variables carry the hub's names (`model.embed_tokens.weight`,
 //! `model.layers.{i}.self_attn.q_proj.weight`, ..., `model.norm.weight`,
@@ -15,7 +20,7 @@
 
 use super::rope::{Rope, RopeScaling};
 use crate::hub::{HubDir, HubLayout};
-use crate::nn::{ops, Embedding, GradHook, Linear, RmsNorm};
+use crate::nn::{ops, Activation, Embedding, GradHook, Linear, RmsNorm};
 use crate::{Error, Result, ShardedVarMap};
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{Init, VarBuilder};
@@ -72,6 +77,32 @@ pub struct LlamaConfig {
     /// gradient from the lookup, as `torch.nn.Embedding`'s `padding_idx`
     /// (a tied head still trains it).
     pub pad_token_id: Option<u32>,
+    /// The MLP's gate: `act(gate_proj(x)) * up_proj(x)` with SiLU (Llama's
+    /// SwiGLU) or GELU's tanh form (Gemma's `gelu_pytorch_tanh`).
+    pub mlp_activation: Activation,
+    /// Added to every RMS norm's weight before it scales: 1 for Gemma,
+    /// whose norms compute `x̂ (1 + weight)` with the weight stored centred
+    /// on zero; 0 for Llama.
+    pub norm_weight_offset: f64,
+    /// The token embeddings are multiplied by this (Gemma's
+    /// `√hidden_size`, rounded to the model's dtype as `transformers`
+    /// rounds it).
+    pub embedding_scale: Option<f64>,
+    /// Gemma 3's norms of the attention's output and of the MLP's
+    /// (`post_attention_layernorm`, `post_feedforward_layernorm`), each
+    /// before its residual add; the MLP's input norm is then
+    /// `pre_feedforward_layernorm`.
+    pub output_norms: bool,
+    /// Attention scores scaled by `query_pre_attn_scalar^-1/2` rather than
+    /// `head_dim^-1/2` (Gemma 3).
+    pub query_pre_attn_scalar: Option<f64>,
+    /// The logits capped as `cap · tanh(logits / cap)` (Gemma 3's
+    /// `final_logit_softcapping`).
+    pub final_logit_softcapping: Option<f64>,
+    /// The rotation of the sliding-window layers where it differs from
+    /// [`LlamaConfig::rope`] (Gemma 3's `sliding_attention` parameters, or
+    /// `rope_local_base_freq`).
+    pub local_rope: Option<Rope>,
 }
 
 /// Sliding-window attention: each position of the layers that use it
@@ -103,7 +134,7 @@ struct Plain {
     #[serde(default = "default_eps")]
     rms_norm_eps: f64,
     #[serde(default)]
-    tie_word_embeddings: bool,
+    tie_word_embeddings: Option<bool>,
     #[serde(default = "default_initializer_range")]
     initializer_range: f64,
     #[serde(default)]
@@ -116,9 +147,21 @@ struct Plain {
     /// Qwen's first windowed layer, where `layer_types` does not say.
     #[serde(default = "default_max_window_layers")]
     max_window_layers: usize,
-    /// Qwen's attention per layer (transformers 5).
+    /// Qwen's and Gemma 3's attention per layer (transformers 5).
     #[serde(default)]
     layer_types: Option<Vec<String>>,
+    /// Gemma 3's windowed layers where `layer_types` does not say: all but
+    /// every this-many-th (transformers 5 writes it with a leading `_`).
+    #[serde(default, alias = "_sliding_window_pattern")]
+    sliding_window_pattern: Option<usize>,
+    #[serde(default)]
+    query_pre_attn_scalar: Option<f64>,
+    #[serde(default)]
+    final_logit_softcapping: Option<f64>,
+    #[serde(default)]
+    attn_logit_softcapping: Option<f64>,
+    #[serde(default)]
+    use_bidirectional_attention: Option<bool>,
 }
 
 fn default_positions() -> usize {
@@ -145,6 +188,9 @@ const DEFAULT_WINDOW: usize = 4096;
 /// How a family reads `sliding_window`.
 #[derive(Clone, Copy, PartialEq)]
 enum Windows {
+    /// In the layers `layer_types` names, or all but every
+    /// `sliding_window_pattern`-th (6 when absent) (Gemma 3).
+    Typed,
     /// It does not (Llama).
     Never,
     /// In every layer (Mistral, Phi-3), `missing` where the file leaves
@@ -155,10 +201,26 @@ enum Windows {
     Switched,
 }
 
+/// `transformers`' `sliding_window_pattern` (Gemma 3).
+const DEFAULT_WINDOW_PATTERN: usize = 6;
+
 /// Settings of a Llama config.json this model does not implement, with the
 /// value it implements; any other value is an error naming the key.
-fn fixed() -> [(&'static str, serde_json::Value); 2] {
-    [("hidden_act", "silu".into()), ("mlp_bias", false.into())]
+fn fixed() -> [(&'static str, serde_json::Value); 1] {
+    [("mlp_bias", false.into())]
+}
+
+/// What a Gemma generation changes from Llama.
+#[derive(Clone, Copy, PartialEq)]
+enum Gemma {
+    /// Norms scaling by `1 + weight`, embeddings times `√hidden_size`, a
+    /// GELU-gated MLP (`hidden_act`), heads of 256 and a tied head unless
+    /// the file says otherwise.
+    One,
+    /// Gemma's, with `hidden_activation`, norms of the attention's and the
+    /// MLP's outputs, `query_pre_attn_scalar`, `final_logit_softcapping`,
+    /// and the rotary parameters per layer type.
+    Three,
 }
 
 /// A family read as Llama: what sets it apart.
@@ -174,10 +236,12 @@ struct Family {
     /// "su" and "yarn" mean longrope (Phi-3).
     longrope: bool,
     windows: Windows,
+    /// Gemma's differences, where it is one.
+    gemma: Option<Gemma>,
 }
 
 /// The families read as Llama.
-const FAMILIES: [Family; 5] = [
+const FAMILIES: [Family; 7] = [
     Family {
         model_type: "llama",
         architectures: ["LlamaForCausalLM", "LlamaModel"],
@@ -186,6 +250,7 @@ const FAMILIES: [Family; 5] = [
         fused: false,
         longrope: false,
         windows: Windows::Never,
+        gemma: None,
     },
     Family {
         model_type: "mistral",
@@ -197,6 +262,7 @@ const FAMILIES: [Family; 5] = [
         windows: Windows::EveryLayer {
             missing: Some(DEFAULT_WINDOW),
         },
+        gemma: None,
     },
     Family {
         model_type: "qwen2",
@@ -206,6 +272,7 @@ const FAMILIES: [Family; 5] = [
         fused: false,
         longrope: false,
         windows: Windows::Switched,
+        gemma: None,
     },
     Family {
         model_type: "qwen3",
@@ -215,6 +282,7 @@ const FAMILIES: [Family; 5] = [
         fused: false,
         longrope: false,
         windows: Windows::Switched,
+        gemma: None,
     },
     Family {
         model_type: "phi3",
@@ -224,6 +292,27 @@ const FAMILIES: [Family; 5] = [
         fused: true,
         longrope: true,
         windows: Windows::EveryLayer { missing: None },
+        gemma: None,
+    },
+    Family {
+        model_type: "gemma",
+        architectures: ["GemmaForCausalLM", "GemmaModel"],
+        qkv_bias: false,
+        qk_norm: false,
+        fused: false,
+        longrope: false,
+        windows: Windows::Never,
+        gemma: Some(Gemma::One),
+    },
+    Family {
+        model_type: "gemma3_text",
+        architectures: ["Gemma3ForCausalLM", "Gemma3TextModel"],
+        qkv_bias: false,
+        qk_norm: true,
+        fused: false,
+        longrope: false,
+        windows: Windows::Typed,
+        gemma: Some(Gemma::Three),
     },
 ];
 
@@ -232,17 +321,30 @@ pub(crate) fn reads(kind: &str) -> bool {
     FAMILIES.iter().any(|f| f.model_type == kind)
 }
 
+/// Why a relative of the families here is not read, for messages.
+pub(crate) fn why_not(kind: &str) -> &'static str {
+    match kind {
+        "gemma2" => " (Gemma 2 caps its attention scores, which the fused attention does not)",
+        "gemma3" => {
+            " (a Gemma 3 with vision: the text-only checkpoints, model_type \"gemma3_text\", \
+             are read)"
+        }
+        _ => "",
+    }
+}
+
 /// The `model_type`s read as Llama, for messages.
-pub(crate) const LLAMA_TYPES: &str = "\"llama\", \"mistral\", \"qwen2\", \"qwen3\" and \"phi3\"";
+pub(crate) const LLAMA_TYPES: &str =
+    "\"llama\", \"mistral\", \"qwen2\", \"qwen3\", \"phi3\", \"gemma\" and \"gemma3_text\"";
 
 impl LlamaConfig {
-    /// Reads a hub `config.json` of a Llama, Mistral, Qwen2, Qwen3 or Phi-3 (by
-    /// `model_type`; Llama without one): an error names the key whose value
-    /// this model cannot honour (another architecture, MLP biases, an
-    /// activation other than SiLU, a rotary scaling other than `llama3`,
-    /// ...). Reads the rotary settings from `rope_parameters`
-    /// (transformers 5) or from `rope_theta` and `rope_scaling` (earlier
-    /// files).
+    /// Reads a hub `config.json` of a Llama, Mistral, Qwen2, Qwen3, Phi-3,
+    /// Gemma or Gemma 3 text model (by `model_type`; Llama without one): an
+    /// error names the key whose value this model cannot honour (another
+    /// architecture, MLP biases, another activation, a rotary scaling it
+    /// does not implement, Gemma's capped attention scores, ...). Reads the
+    /// rotary settings from `rope_parameters` (transformers 5) or from
+    /// `rope_theta` and `rope_scaling` (earlier files).
     pub fn from_json(config: &serde_json::Value) -> std::result::Result<Self, String> {
         let kind = config
             .get("model_type")
@@ -250,7 +352,8 @@ impl LlamaConfig {
             .unwrap_or("llama");
         let Some(family) = FAMILIES.iter().find(|f| f.model_type == kind) else {
             return Err(format!(
-                "`model_type` is {kind:?}; this model reads {LLAMA_TYPES}"
+                "`model_type` is {kind:?}; this model reads {LLAMA_TYPES}{}",
+                why_not(kind)
             ));
         };
         super::check_architectures(config, &family.architectures)?;
@@ -266,6 +369,18 @@ impl LlamaConfig {
         let plain = Plain::deserialize(config).map_err(|e| format!("{e}"))?;
         let heads = plain.num_attention_heads;
         let sliding_window = sliding_window_of(config, &plain, family.windows)?;
+        let gemma = family.gemma;
+        if gemma.is_some() {
+            refuse_gemma_settings(&plain)?;
+        }
+        let (rope, local_rope) = match gemma {
+            Some(Gemma::Three) => gemma3_ropes(config, plain.max_position_embeddings)?,
+            _ => (
+                Rope::from_json(config, plain.max_position_embeddings, family.longrope)?,
+                None,
+            ),
+        };
+        let three = |value: Option<f64>| value.filter(|_| gemma == Some(Gemma::Three));
         let parsed = Self {
             vocab_size: plain.vocab_size,
             hidden_size: plain.hidden_size,
@@ -275,13 +390,15 @@ impl LlamaConfig {
             num_key_value_heads: plain.num_key_value_heads.unwrap_or(heads),
             head_dim: match plain.head_dim {
                 Some(width) => width,
+                // transformers' default for Gemma.
+                None if gemma.is_some() => 256,
                 None if heads > 0 => plain.hidden_size / heads,
                 None => 0,
             },
             max_position_embeddings: plain.max_position_embeddings,
             rms_norm_eps: plain.rms_norm_eps,
-            rope: Rope::from_json(config, plain.max_position_embeddings, family.longrope)?,
-            tie_word_embeddings: plain.tie_word_embeddings,
+            rope,
+            tie_word_embeddings: plain.tie_word_embeddings.unwrap_or(gemma.is_some()),
             initializer_range: plain.initializer_range,
             // Phi-3's projections have no biases whatever the file says.
             qkv_bias: !family.fused && (plain.attention_bias || family.qkv_bias),
@@ -290,6 +407,13 @@ impl LlamaConfig {
             qk_norm: family.qk_norm,
             sliding_window,
             pad_token_id: plain.pad_token_id,
+            mlp_activation: mlp_activation(config, gemma)?,
+            norm_weight_offset: if gemma.is_some() { 1.0 } else { 0.0 },
+            embedding_scale: gemma.map(|_| (plain.hidden_size as f64).sqrt()),
+            output_norms: gemma == Some(Gemma::Three),
+            query_pre_attn_scalar: three(plain.query_pre_attn_scalar),
+            final_logit_softcapping: three(plain.final_logit_softcapping),
+            local_rope,
         };
         parsed.validate()?;
         Ok(parsed)
@@ -327,6 +451,18 @@ impl LlamaConfig {
             ));
         }
         self.rope.validate()?;
+        if let Some(local) = &self.local_rope {
+            local.validate()?;
+        }
+        let positive = [
+            ("query_pre_attn_scalar", self.query_pre_attn_scalar),
+            ("final_logit_softcapping", self.final_logit_softcapping),
+        ];
+        for (key, value) in positive {
+            if let Some(v) = value.filter(|v| !(*v > 0.0 && v.is_finite())) {
+                return Err(format!("`{key}` is {v}; set a positive number, or null"));
+            }
+        }
         if let Some(pad) = self.pad_token_id.filter(|&p| p as usize >= self.vocab_size) {
             return Err(format!(
                 "`pad_token_id` {pad} is outside the vocabulary of {}: set it to a token id \
@@ -362,7 +498,8 @@ impl LlamaConfig {
         );
         let biases = if self.qkv_bias { q + 2 * kv } else { 0 } + if self.o_bias { d } else { 0 };
         let qk_norms = if self.qk_norm { 2 * self.head_dim } else { 0 };
-        let per_layer = 2 * d + 2 * d * q + 2 * d * kv + 3 * d * inner + biases + qk_norms;
+        let norms = if self.output_norms { 4 * d } else { 2 * d };
+        let per_layer = norms + 2 * d * q + 2 * d * kv + 3 * d * inner + biases + qk_norms;
         let head = if self.tie_word_embeddings {
             0
         } else {
@@ -399,13 +536,24 @@ fn sliding_window_of(
         }
     }
     let n = plain.num_hidden_layers;
+    let typed = |types: &Vec<String>| types.iter().map(|t| t == "sliding_attention").collect();
     let layers = match windows {
         Windows::Never => return Ok(None),
         Windows::Switched if !plain.use_sliding_window => return Ok(None),
         Windows::EveryLayer { .. } => vec![true; n],
         Windows::Switched => match &plain.layer_types {
-            Some(types) => types.iter().map(|t| t == "sliding_attention").collect(),
+            Some(types) => typed(types),
             None => (0..n).map(|i| i >= plain.max_window_layers).collect(),
+        },
+        Windows::Typed => match &plain.layer_types {
+            Some(types) => typed(types),
+            None => match plain
+                .sliding_window_pattern
+                .unwrap_or(DEFAULT_WINDOW_PATTERN)
+            {
+                0 => return Err("`sliding_window_pattern` is 0; set it to at least 1".into()),
+                pattern => (0..n).map(|i| (i + 1) % pattern != 0).collect(),
+            },
         },
     };
     let missing = match windows {
@@ -424,6 +572,91 @@ fn sliding_window_of(
     Ok(size
         .filter(|_| layers.contains(&true))
         .map(|size| SlidingWindow { size, layers }))
+}
+
+/// The MLP's activation: SiLU for Llama (`hidden_act`); GELU's tanh form for
+/// Gemma (`hidden_act`, where transformers reads `gelu` as the tanh form too)
+/// and Gemma 3 (`hidden_activation`).
+fn mlp_activation(
+    config: &serde_json::Value,
+    gemma: Option<Gemma>,
+) -> std::result::Result<Activation, String> {
+    const TANH: [&str; 2] = ["gelu_pytorch_tanh", "gelu_new"];
+    let (key, accepted): (&str, &[&str]) = match gemma {
+        None => ("hidden_act", &["silu"]),
+        Some(Gemma::One) => ("hidden_act", &["gelu_pytorch_tanh", "gelu_new", "gelu"]),
+        Some(Gemma::Three) => ("hidden_activation", &TANH),
+    };
+    match config.get(key).filter(|v| !v.is_null()) {
+        Some(value) if !accepted.iter().any(|a| value == a) => Err(format!(
+            "`{key}` is {value}; only {} is supported",
+            accepted.join(" or ")
+        )),
+        _ if gemma.is_some() => Ok(Activation::Gelu),
+        _ => Ok(Activation::Silu),
+    }
+}
+
+/// An error naming the first Gemma setting this model does not implement.
+fn refuse_gemma_settings(plain: &Plain) -> std::result::Result<(), String> {
+    if let Some(cap) = plain.attn_logit_softcapping {
+        return Err(format!(
+            "`attn_logit_softcapping` is {cap}; the fused attention does not cap scores (Gemma \
+             2's): use a checkpoint whose config sets it to null"
+        ));
+    }
+    if plain.use_bidirectional_attention == Some(true) {
+        return Err(
+            "`use_bidirectional_attention` is true; only causal attention is supported".into(),
+        );
+    }
+    Ok(())
+}
+
+/// Gemma 3's rotations: the full-attention layers' and the sliding-window
+/// layers', from `rope_parameters` per layer type (transformers 5) or from
+/// `rope_theta` (default 1e6) with `rope_scaling` and `rope_local_base_freq`
+/// (default 10,000) (earlier files). The local one is `None` where it is the
+/// same as the global one.
+fn gemma3_ropes(
+    config: &serde_json::Value,
+    max_positions: usize,
+) -> std::result::Result<(Rope, Option<Rope>), String> {
+    use serde_json::{json, Value};
+    let get = |key: &str| config.get(key).filter(|v| !v.is_null());
+    let per_type = get("rope_parameters")
+        .filter(|p| p.get("full_attention").is_some() || p.get("sliding_attention").is_some());
+    let (global, local) = match per_type {
+        Some(p) => (
+            p.get("full_attention").cloned(),
+            p.get("sliding_attention").cloned(),
+        ),
+        None => (
+            get("rope_parameters").or(get("rope_scaling")).cloned(),
+            None,
+        ),
+    };
+    // One layer type's parameters as a config of their own, the base
+    // defaulted as transformers defaults it.
+    let rope = |params: Option<Value>, theta_key: &str, default: f64| {
+        let mut params = params.unwrap_or_else(|| json!({"rope_type": "default"}));
+        if !params.is_object() {
+            return Err(format!(
+                "`rope_parameters` is {params}; an object is expected"
+            ));
+        }
+        if params.get("rope_theta").is_none_or(Value::is_null) {
+            params["rope_theta"] = get(theta_key).cloned().unwrap_or(default.into());
+        }
+        let mut alone = json!({ "rope_parameters": params });
+        if let Some(partial) = get("partial_rotary_factor") {
+            alone["partial_rotary_factor"] = partial.clone();
+        }
+        Rope::from_json(&alone, max_positions, false)
+    };
+    let global = rope(global, "rope_theta", 1e6)?;
+    let local = rope(local, "rope_local_base_freq", 1e4)?;
+    Ok((global.clone(), (local != global).then_some(local)))
 }
 
 /// The cosines and sines of positions `0..len`, `[len, head_dim / 2]`
@@ -527,23 +760,38 @@ impl RotationCache {
 }
 
 /// One pre-norm block: `x + attn(input_layernorm(x))`, then `x +
-/// mlp(post_attention_layernorm(x))`, the first add in the second norm's
-/// pass ([`RmsNorm::forward_residual`]).
+/// mlp(mlp_norm(x))`, the first add in the second norm's pass
+/// ([`RmsNorm::forward_residual`]); with Gemma 3's output norms, `x +
+/// attn_out_norm(attn(..))` and `x + mlp_out_norm(mlp(..))`.
 #[derive(Clone)]
 struct Block {
     input_layernorm: RmsNorm,
     qkv: Projections<3>,
     o_proj: Linear,
-    /// Qwen3's norms of each query and key head.
+    /// Qwen3's and Gemma 3's norms of each query and key head.
     qk_norms: Option<(RmsNorm, RmsNorm)>,
-    post_attention_layernorm: RmsNorm,
+    /// Gemma 3's norm of the attention's output (its
+    /// `post_attention_layernorm`).
+    attn_out_norm: Option<RmsNorm>,
+    /// The MLP's input norm: Llama's `post_attention_layernorm`, Gemma 3's
+    /// `pre_feedforward_layernorm`.
+    mlp_norm: RmsNorm,
     gate_up: Projections<2>,
+    activation: Activation,
     down_proj: Linear,
+    /// Gemma 3's norm of the MLP's output (`post_feedforward_layernorm`).
+    mlp_out_norm: Option<RmsNorm>,
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
+    /// The queries' factor that turns the fused attention's `head_dim^-1/2`
+    /// into the model's score scale (Gemma 3's `query_pre_attn_scalar`).
+    query_factor: Option<f64>,
     /// The sliding window of this layer, if it has one.
     window: Option<usize>,
+    /// This layer rotates with the local rotation (Gemma 3's sliding
+    /// layers).
+    local_rotation: bool,
 }
 
 /// Projections of the same input: one Linear each, or one Linear whose
@@ -583,7 +831,16 @@ impl<const N: usize> Projections<N> {
 
 impl Block {
     /// `x` rows `[batch * time, hidden]` through the block.
-    fn forward(&self, x: &Tensor, time: usize, rotation: &Rotation) -> candle_core::Result<Tensor> {
+    fn forward(
+        &self,
+        x: &Tensor,
+        time: usize,
+        rotations: &Rotations,
+    ) -> candle_core::Result<Tensor> {
+        let rotation = match (&rotations.local, self.local_rotation) {
+            (Some(local), true) => local,
+            _ => &rotations.global,
+        };
         let rows = x.dim(0)?;
         // No sequences when there are no positions.
         let batch = rows / time.max(1);
@@ -602,6 +859,10 @@ impl Block {
             None => (None, None),
         };
         let q = rotation.apply(&normed(heads(q, self.heads)?, q_norm)?)?;
+        let q = match self.query_factor {
+            Some(factor) => q.affine(factor, 0.0)?,
+            None => q,
+        };
         let k = rotation.apply(&normed(heads(k, self.kv_heads)?, k_norm)?)?;
         let v = heads(v, self.kv_heads)?;
         // Each key/value head serves `heads / kv_heads` consecutive query
@@ -611,13 +872,33 @@ impl Block {
             None => ops::causal_attention(&q, &k, &v)?,
         };
         let y = y.reshape((rows, self.heads * self.head_dim))?;
-        let (x, h) = self
-            .post_attention_layernorm
-            .forward_residual(&self.o_proj.forward(&y)?, x)?;
+        let attended = normed_output(self.o_proj.forward(&y)?, self.attn_out_norm.as_ref())?;
+        let (x, h) = self.mlp_norm.forward_residual(&attended, x)?;
         let [gate, up] = self.gate_up.forward(&h)?;
-        let gated = ops::swiglu(&gate, &up)?;
-        x + self.down_proj.forward(&gated)?
+        let gated = match self.activation {
+            Activation::Silu => ops::swiglu(&gate, &up)?,
+            Activation::Gelu => ops::geglu(&gate, &up)?,
+            other => candle_core::bail!("no gated MLP with {other:?}"),
+        };
+        let mlp = normed_output(self.down_proj.forward(&gated)?, self.mlp_out_norm.as_ref())?;
+        x + mlp
     }
+}
+
+/// `y`, or its norm where the model has one (Gemma 3's output norms).
+fn normed_output(y: Tensor, norm: Option<&RmsNorm>) -> candle_core::Result<Tensor> {
+    match norm {
+        Some(norm) => norm.forward(&y),
+        None => Ok(y),
+    }
+}
+
+/// The rotations a forward applies: every layer's, and the sliding layers'
+/// where they differ (Gemma 3).
+#[derive(Clone)]
+struct Rotations {
+    global: Rotation,
+    local: Option<Rotation>,
 }
 
 /// Llama with its language-model head, built from [`crate::nn`]'s layers.
@@ -631,6 +912,8 @@ pub struct Llama {
     head: Linear,
     /// The rotary tables, built once per dtype and device.
     rotations: RotationCache,
+    /// The sliding layers' tables where they differ (Gemma 3).
+    local_rotations: Option<RotationCache>,
     /// Each block recomputed in backward (activation checkpointing).
     checkpointed: bool,
 }
@@ -641,7 +924,7 @@ impl Llama {
     /// them, a rank's shard only at stage 3), with layers that hand their
     /// gradients to `hook`. A fresh model is initialized as `transformers`
     /// does: weights normal with standard deviation `initializer_range`,
-    /// norms one.
+    /// norms scaling by one (Gemma's weights zero).
     pub fn new(
         vb: VarBuilder,
         config: &LlamaConfig,
@@ -669,11 +952,19 @@ impl Llama {
             Ok(Linear::new(w, b, hook.clone()))
         };
         let linear = |vb: VarBuilder, d_in, d_out| linear_b(vb, d_in, d_out, false);
+        let offset = config.norm_weight_offset;
         let norm_of = |vb: VarBuilder, width: usize| -> Result<RmsNorm> {
-            let w = vb.get_with_hints(width, "weight", Init::Const(1.0))?;
-            Ok(RmsNorm::new(w, config.rms_norm_eps, hook.clone()))
+            let w = vb.get_with_hints(width, "weight", Init::Const(1.0 - offset))?;
+            Ok(RmsNorm::new(w, config.rms_norm_eps, hook.clone()).with_weight_offset(offset))
         };
         let norm = |vb: VarBuilder| norm_of(vb, d);
+        let output_norm = |vb: VarBuilder| -> Result<Option<RmsNorm>> {
+            config.output_norms.then(|| norm(vb)).transpose()
+        };
+        let query_factor = config
+            .query_pre_attn_scalar
+            .map(|scalar| (config.head_dim as f64 / scalar).sqrt())
+            .filter(|&factor| factor != 1.0);
         let model = vb.pp("model");
         let embed = model.get_with_hints((config.vocab_size, d), "embed_tokens.weight", normal)?;
         let mut blocks = Vec::with_capacity(config.num_hidden_layers);
@@ -701,7 +992,11 @@ impl Llama {
                     )),
                     false => None,
                 },
-                post_attention_layernorm: norm(vb.pp("post_attention_layernorm"))?,
+                attn_out_norm: output_norm(vb.pp("post_attention_layernorm"))?,
+                mlp_norm: match config.output_norms {
+                    true => norm(vb.pp("pre_feedforward_layernorm"))?,
+                    false => norm(vb.pp("post_attention_layernorm"))?,
+                },
                 gate_up: match config.fused_projections {
                     true => Projections::Fused(
                         linear(mlp.pp("gate_up_proj"), d, 2 * config.intermediate_size)?,
@@ -712,15 +1007,19 @@ impl Llama {
                         linear(mlp.pp("up_proj"), d, config.intermediate_size)?,
                     ]),
                 },
+                activation: config.mlp_activation,
                 down_proj: linear(mlp.pp("down_proj"), config.intermediate_size, d)?,
+                mlp_out_norm: output_norm(vb.pp("post_feedforward_layernorm"))?,
                 heads: config.num_attention_heads,
                 kv_heads: config.num_key_value_heads,
                 head_dim: config.head_dim,
+                query_factor,
                 window: config
                     .sliding_window
                     .as_ref()
                     .filter(|w| w.layers[i])
                     .map(|w| w.size),
+                local_rotation: config.sliding_window.as_ref().is_some_and(|w| w.layers[i]),
             });
         }
         let head = if config.tie_word_embeddings {
@@ -735,6 +1034,10 @@ impl Llama {
             norm: norm(model.pp("norm"))?,
             head,
             rotations: RotationCache::new(&config.rope, config.head_dim),
+            local_rotations: config
+                .local_rope
+                .as_ref()
+                .map(|rope| RotationCache::new(rope, config.head_dim)),
             checkpointed: false,
         })
     }
@@ -793,15 +1096,26 @@ impl Llama {
                  sequences of at most {longest}"
             );
         }
-        let rotation = self.rotations.get(time, self.dtype(), ids.device())?;
+        let (dtype, device) = (self.dtype(), ids.device());
+        let rotations = Rotations {
+            global: self.rotations.get(time, dtype, device)?,
+            local: match &self.local_rotations {
+                Some(cache) => Some(cache.get(time, dtype, device)?),
+                None => None,
+            },
+        };
         let x = super::through_blocks(
             &self.blocks,
             self.embed(ids)?,
             self.checkpointed,
             "model.layers",
-            move |block: &Block, x: &Tensor| block.forward(x, time, &rotation),
+            move |block: &Block, x: &Tensor| block.forward(x, time, &rotations),
         )?;
-        super::logits(&self.norm, &self.head, &x)
+        let logits = super::logits(&self.norm, &self.head, &x)?;
+        match self.config.final_logit_softcapping {
+            Some(cap) => (logits / cap)?.tanh()? * cap,
+            None => Ok(logits),
+        }
     }
 
     /// The mean cross-entropy (f32) of predicting each next token of `ids`
@@ -811,17 +1125,29 @@ impl Llama {
         super::next_token_loss(ids, |inputs| self.logits_rows(inputs))
     }
 
-    /// The token embeddings of `ids` as rows `[batch * time, hidden]`; the
-    /// padding token's rows pass no gradient back to the table.
+    /// The token embeddings of `ids` as rows `[batch * time, hidden]`
+    /// (times Gemma's scale); the padding token's rows pass no gradient
+    /// back to the table.
     fn embed(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
         let rows = self.embed_tokens.forward(ids)?.flatten_to(1)?;
-        let Some(pad) = self.config.pad_token_id else {
-            return Ok(rows);
+        let rows = match self.config.pad_token_id {
+            Some(pad) => {
+                let padding = ids.flatten_all()?.eq(pad)?.unsqueeze(1)?;
+                padding
+                    .broadcast_as(rows.shape())?
+                    .where_cond(&rows.detach(), &rows)?
+            }
+            None => rows,
         };
-        let padding = ids.flatten_all()?.eq(pad)?.unsqueeze(1)?;
-        padding
-            .broadcast_as(rows.shape())?
-            .where_cond(&rows.detach(), &rows)
+        match self.config.embedding_scale {
+            // The scale rounded to the model's dtype, as transformers
+            // rounds it (`embed_scale.to(weight.dtype)`).
+            Some(scale) => {
+                let scale = Tensor::new(scale as f32, rows.device())?.to_dtype(rows.dtype())?;
+                rows.broadcast_mul(&scale)
+            }
+            None => Ok(rows),
+        }
     }
 
     /// The dtype the model computes in.

@@ -21,6 +21,10 @@
 //! whose backward is unchanged. `h` is rounded to the input type before it
 //! is normalized, as a separate add rounds it, so values and gradients are
 //! the unfused pair's.
+//!
+//! [`LayerNorm::with_weight_offset`] scales by `offset + weight` instead of
+//! `weight` (Gemma's RMSNorm, `x̂ · (1 + weight)`), the sum taken where the
+//! statistics are, in f32 for 16-bit inputs.
 
 use super::cpu;
 use super::elem::{dispatch_float, Accum, Elem};
@@ -39,6 +43,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 /// Layer normalization over the last dimension, as `candle_nn::LayerNorm`:
 /// `y = (x - mean) / √(var + eps) · weight + bias` (or, without
 /// `remove_mean`, RMS normalization `y = x / √(mean(x²) + eps) · weight`).
+/// With a [weight offset](LayerNorm::with_weight_offset) the scale is
+/// `weight_offset + weight` instead of `weight`.
 ///
 /// Statistics are accumulated in f32 for f16/bf16 inputs (and in the
 /// input's own type for f32/f64), as candle-nn does.
@@ -48,6 +54,7 @@ pub struct LayerNorm {
     bias: Option<Tensor>,
     remove_mean: bool,
     eps: f64,
+    weight_offset: f64,
     hook: Option<Arc<dyn GradHook>>,
 }
 
@@ -61,6 +68,7 @@ impl LayerNorm {
             bias: Some(bias),
             remove_mean: true,
             eps,
+            weight_offset: 0.0,
             hook,
         }
     }
@@ -73,6 +81,7 @@ impl LayerNorm {
             bias: None,
             remove_mean: true,
             eps,
+            weight_offset: 0.0,
             hook,
         }
     }
@@ -85,6 +94,7 @@ impl LayerNorm {
             bias: None,
             remove_mean: false,
             eps,
+            weight_offset: 0.0,
             hook,
         }
     }
@@ -107,6 +117,55 @@ impl LayerNorm {
     /// Whether the mean is subtracted (false: RMS normalization).
     pub fn remove_mean(&self) -> bool {
         self.remove_mean
+    }
+
+    /// The layer with its output scaled by `offset + weight` instead of
+    /// `weight`: `y = x̂ · (offset + weight) (+ bias)`, the sum taken in the
+    /// statistics' precision (f32 for 16-bit inputs). Gemma's RMSNorm is
+    /// `x̂ · (1 + weight)`, its checkpoints storing the weight centred on
+    /// zero: load them unchanged with an offset of `1.0`. The weight's
+    /// gradient is `Σ_rows g·x̂` whatever the offset; the input's sees the
+    /// whole scale `offset + weight`. The default is `0.0`, the plain
+    /// `x̂ · weight`.
+    ///
+    /// ```
+    /// use candle_core::{DType, Device, Module, Tensor};
+    /// use zero_candle::nn::RmsNorm;
+    ///
+    /// # fn main() -> candle_core::Result<()> {
+    /// let zeros = Tensor::zeros(4, DType::F32, &Device::Cpu)?;
+    /// let gemma = RmsNorm::new(zeros, 1e-6, None).with_weight_offset(1.0);
+    /// let ones = RmsNorm::new(Tensor::ones(4, DType::F32, &Device::Cpu)?, 1e-6, None);
+    /// let x = Tensor::randn(0f32, 1.0, (2, 4), &Device::Cpu)?;
+    /// assert_eq!(gemma.forward(&x)?.to_vec2::<f32>()?, ones.forward(&x)?.to_vec2::<f32>()?);
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn with_weight_offset(mut self, offset: f64) -> Self {
+        self.weight_offset = offset;
+        self
+    }
+
+    /// The offset added to the weight before it scales the output (`0.0`
+    /// unless set with [`LayerNorm::with_weight_offset`]).
+    pub fn weight_offset(&self) -> f64 {
+        self.weight_offset
+    }
+
+    /// The scalars the kernels take, the offset as they add it: no offset
+    /// as `-0.0`, since `w + -0.0` is `w` for every `w`, where `w + 0.0`
+    /// would turn a weight of `-0.0` into `+0.0` (and the sign of a zero
+    /// output with it).
+    fn scalars(&self) -> NormScalars {
+        NormScalars {
+            eps: self.eps,
+            remove_mean: self.remove_mean,
+            weight_offset: if self.weight_offset == 0.0 {
+                -0.0
+            } else {
+                self.weight_offset
+            },
+        }
     }
 
     /// The hook the layer's parameter gradients go to.
@@ -183,7 +242,7 @@ impl LayerNorm {
         const RESIDUAL: &str = "the residual";
         const WEIGHT: &str = "the LayerNorm weight";
         const BIAS: &str = "the LayerNorm bias";
-        let (eps, remove_mean) = (self.eps, self.remove_mean);
+        let scalars = self.scalars();
         if x.device().is_cuda() {
             return with_cuda(x, X, |x_storage, x_layout| {
                 with_cuda(residual, RESIDUAL, |r_storage, r_layout| {
@@ -194,8 +253,9 @@ impl LayerNorm {
                                 (r_storage, r_layout),
                                 (w_storage, w_layout),
                                 bias,
-                                eps,
-                                remove_mean,
+                                scalars.eps,
+                                scalars.remove_mean,
+                                scalars.weight_offset,
                             )?;
                             Ok((Storage::Cuda(h), Storage::Cuda(y)))
                         })
@@ -219,8 +279,7 @@ impl LayerNorm {
                                 cpu::slice::<T>(r_storage, r_layout, RESIDUAL)?,
                                 cpu::slice::<T>(w_storage, w_layout, WEIGHT)?,
                                 bias,
-                                eps,
-                                remove_mean,
+                                scalars,
                             ))
                         })
                     })
@@ -240,8 +299,7 @@ impl LayerNorm {
         computed: Option<Storage>,
     ) -> Result<Tensor> {
         let op = FusedNorm {
-            eps: self.eps,
-            remove_mean: self.remove_mean,
+            scalars: self.scalars(),
             hook: self.hook.clone(),
             computed: Mutex::new(computed),
         };
@@ -306,7 +364,15 @@ impl LayerNorm {
         };
         let variance = (x.sqr()?.sum_keepdim(D::Minus1)? / size as f64)?;
         let normed = x.broadcast_div(&(variance + self.eps)?.sqrt()?)?;
-        let y = normed.to_dtype(x_dtype)?.broadcast_mul(&weight)?;
+        let y = if self.weight_offset == 0.0 {
+            normed.to_dtype(x_dtype)?.broadcast_mul(&weight)?
+        } else {
+            // The scale `offset + w` in the statistics' precision, as the
+            // fused op takes it: a zero-centred 16-bit weight plus 1 rounded
+            // to 16 bits would lose most of its bits.
+            let scale = (weight.to_dtype(internal_dtype)? + self.weight_offset)?;
+            normed.broadcast_mul(&scale)?.to_dtype(x_dtype)?
+        };
         match bias {
             Some(bias) => y.broadcast_add(&bias),
             None => Ok(y),
@@ -321,6 +387,7 @@ impl std::fmt::Debug for LayerNorm {
             .field("bias", &self.bias.as_ref().map(|b| b.shape()))
             .field("remove_mean", &self.remove_mean)
             .field("eps", &self.eps)
+            .field("weight_offset", &self.weight_offset)
             .field("hooked", &self.hook.is_some())
             .finish()
     }
@@ -361,6 +428,7 @@ pub fn layer_norm<C: Into<LayerNormConfig>>(
         bias: layer.bias().cloned(),
         remove_mean: layer.remove_mean(),
         eps: layer.eps(),
+        weight_offset: 0.0,
         hook,
     })
 }
@@ -407,6 +475,18 @@ impl RmsNorm {
         self.0.eps()
     }
 
+    /// The norm with its output scaled by `offset + weight`: Gemma's
+    /// `x̂ · (1 + weight)` with `offset = 1.0`, over the zero-centred weight
+    /// its checkpoints store. See [`LayerNorm::with_weight_offset`].
+    pub fn with_weight_offset(self, offset: f64) -> Self {
+        Self(self.0.with_weight_offset(offset))
+    }
+
+    /// The offset added to the weight (`0.0` unless set).
+    pub fn weight_offset(&self) -> f64 {
+        self.0.weight_offset()
+    }
+
     /// `(h, y)` with `h = x + residual` and `y` the RMS norm of `h`, in one
     /// pass: see [`LayerNorm::forward_residual`].
     pub fn forward_residual(&self, x: &Tensor, residual: &Tensor) -> Result<(Tensor, Tensor)> {
@@ -439,12 +519,20 @@ pub fn rms_norm(
 /// The op `(x [.., n], weight [n][, bias [n]])`, on the CPU and CUDA (other
 /// devices never reach it: see [`LayerNorm::forward`]).
 struct FusedNorm {
-    eps: f64,
-    remove_mean: bool,
+    scalars: NormScalars,
     hook: Option<Arc<dyn GradHook>>,
     /// The output when the fused pass of [`LayerNorm::forward_residual`]
     /// computed it before the op ran, taken by the forward.
     computed: Mutex<Option<Storage>>,
+}
+
+/// A norm's scalars, as its kernels take them.
+#[derive(Clone, Copy, Debug)]
+struct NormScalars {
+    eps: f64,
+    remove_mean: bool,
+    /// Added to the weight: the output is `x̂ · (weight_offset + w) (+ b)`.
+    weight_offset: f64,
 }
 
 /// The op `(x, residual) -> x + residual` of
@@ -526,7 +614,7 @@ impl FusedNorm {
     }
 
     fn op_name(&self) -> &'static str {
-        if self.remove_mean {
+        if self.scalars.remove_mean {
             "zero-layer-norm"
         } else {
             "zero-rms-norm"
@@ -557,7 +645,14 @@ impl FusedNorm {
     ) -> Result<(CudaStorage, Shape)> {
         let y = match self.computed()? {
             Some(y) => y,
-            None => cuda::norm_forward(x, weight, bias, self.eps, self.remove_mean)?,
+            None => cuda::norm_forward(
+                x,
+                weight,
+                bias,
+                self.scalars.eps,
+                self.scalars.remove_mean,
+                self.scalars.weight_offset,
+            )?,
         };
         Ok((y, x.1.shape().clone()))
     }
@@ -576,7 +671,7 @@ impl FusedNorm {
             }
             None => None,
         };
-        let y = norm_forward(x, weight, bias, self.eps, self.remove_mean);
+        let y = norm_forward(x, weight, bias, self.scalars);
         Ok(T::to_cpu_storage_owned(y))
     }
 
@@ -646,8 +741,9 @@ impl FusedNorm {
                             (x_storage, x_layout),
                             (w_storage, w_layout),
                             (g_storage, g_layout),
-                            self.eps,
-                            self.remove_mean,
+                            self.scalars.eps,
+                            self.scalars.remove_mean,
+                            self.scalars.weight_offset,
                             want.x,
                         )
                     },
@@ -689,8 +785,7 @@ impl FusedNorm {
                                     g_layout,
                                     "the LayerNorm output gradient",
                                 )?,
-                                self.eps,
-                                self.remove_mean,
+                                self.scalars,
                                 want.x,
                             ))
                         },
@@ -839,18 +934,26 @@ fn row_stats<T: Elem>(row: &[T], eps: T::Acc, remove_mean: bool) -> (T::Acc, T::
     (mean, T::Acc::ONE / (sum_sq / n + eps).sqrt())
 }
 
-/// `y = (x - mean)·rstd·w + b` per row of `weight.len()` elements.
+/// The per-column scale of the output, `weight_offset + w`, in `T::Acc`:
+/// computed once per call, read by every row.
+fn scales<T: Elem>(weight: &[T], weight_offset: f64) -> Vec<T::Acc> {
+    let offset = T::Acc::cast(weight_offset);
+    weight.iter().map(|&w| w.acc() + offset).collect()
+}
+
+/// `y = (x - mean)·rstd·(offset + w) + b` per row of `weight.len()`
+/// elements.
 fn norm_forward<T: Elem>(
     x: &[T],
     weight: &[T],
     bias: Option<&[T]>,
-    eps: f64,
-    remove_mean: bool,
+    scalars: NormScalars,
 ) -> Vec<T> {
-    let eps = T::Acc::cast(eps);
+    let eps = T::Acc::cast(scalars.eps);
+    let scale = scales(weight, scalars.weight_offset);
     let mut y = Vec::with_capacity(x.len());
     for row in x.chunks_exact(weight.len()) {
-        normalize_row(row, weight, bias, eps, remove_mean, &mut y);
+        normalize_row(row, &scale, bias, eps, scalars.remove_mean, &mut y);
     }
     y
 }
@@ -863,10 +966,10 @@ fn residual_norm_forward<T: Elem>(
     residual: &[T],
     weight: &[T],
     bias: Option<&[T]>,
-    eps: f64,
-    remove_mean: bool,
+    scalars: NormScalars,
 ) -> (CpuStorage, CpuStorage) {
-    let eps = T::Acc::cast(eps);
+    let eps = T::Acc::cast(scalars.eps);
+    let scale = scales(weight, scalars.weight_offset);
     let size = weight.len();
     let mut h = Vec::with_capacity(x.len());
     let mut y = Vec::with_capacity(x.len());
@@ -878,15 +981,16 @@ fn residual_norm_forward<T: Elem>(
                 .zip(residual_row)
                 .map(|(&a, &b)| T::from_acc(a.acc() + b.acc())),
         );
-        normalize_row(&h[start..], weight, bias, eps, remove_mean, &mut y);
+        normalize_row(&h[start..], &scale, bias, eps, scalars.remove_mean, &mut y);
     }
     (T::to_cpu_storage_owned(h), T::to_cpu_storage_owned(y))
 }
 
-/// One row of [`norm_forward`], appended to `y`.
+/// One row of [`norm_forward`], appended to `y`, with `scale` the
+/// [`scales`] of the weight.
 fn normalize_row<T: Elem>(
     row: &[T],
-    weight: &[T],
+    scale: &[T::Acc],
     bias: Option<&[T]>,
     eps: T::Acc,
     remove_mean: bool,
@@ -896,14 +1000,14 @@ fn normalize_row<T: Elem>(
     match bias {
         Some(bias) => y.extend(
             row.iter()
-                .zip(weight)
+                .zip(scale)
                 .zip(bias)
-                .map(|((&v, &w), &b)| T::from_acc((v.acc() - mean) * rstd * w.acc() + b.acc())),
+                .map(|((&v, &s), &b)| T::from_acc((v.acc() - mean) * rstd * s + b.acc())),
         ),
         None => y.extend(
             row.iter()
-                .zip(weight)
-                .map(|(&v, &w)| T::from_acc((v.acc() - mean) * rstd * w.acc())),
+                .zip(scale)
+                .map(|(&v, &s)| T::from_acc((v.acc() - mean) * rstd * s)),
         ),
     }
 }
@@ -911,21 +1015,22 @@ fn normalize_row<T: Elem>(
 /// The gradients of [`norm_forward`] given the output gradient `grad`:
 /// `∂x` (when `want_x`), and `∂w`, `∂b` accumulated over rows in `T::Acc`.
 ///
-/// With `x̂ = (x - mean)·rstd` and `ĝ = g·w` per row of `n`:
+/// With `x̂ = (x - mean)·rstd` and `ĝ = g·(offset + w)` per row of `n`:
 /// `∂x = rstd·(ĝ - mean(ĝ) - x̂·mean(ĝ·x̂))` (no `mean(ĝ)` term for RMS),
-/// `∂w = Σ_rows g·x̂`, `∂b = Σ_rows g`.
+/// `∂w = Σ_rows g·x̂` (the offset is a constant), `∂b = Σ_rows g`.
 #[allow(clippy::type_complexity)]
 fn norm_backward<T: Elem>(
     x: &[T],
     weight: &[T],
     grad: &[T],
-    eps: f64,
-    remove_mean: bool,
+    scalars: NormScalars,
     want_x: bool,
 ) -> (Option<Vec<T>>, Vec<T::Acc>, Vec<T::Acc>) {
     let size = weight.len();
     let n = T::Acc::cast(size as f64);
-    let eps = T::Acc::cast(eps);
+    let eps = T::Acc::cast(scalars.eps);
+    let remove_mean = scalars.remove_mean;
+    let scale = scales(weight, scalars.weight_offset);
     let mut grad_x = want_x.then(|| Vec::with_capacity(x.len()));
     let mut grad_weight = vec![T::Acc::ZERO; size];
     let mut grad_bias = vec![T::Acc::ZERO; size];
@@ -936,7 +1041,7 @@ fn norm_backward<T: Elem>(
         for j in 0..size {
             let x_hat = (row[j].acc() - mean) * rstd;
             let g = grad_row[j].acc();
-            let g_hat = g * weight[j].acc();
+            let g_hat = g * scale[j];
             sum_g_hat += g_hat;
             sum_g_hat_x_hat += g_hat * x_hat;
             grad_weight[j] += g * x_hat;
@@ -951,10 +1056,48 @@ fn norm_backward<T: Elem>(
             let mean_g_hat_x_hat = sum_g_hat_x_hat / n;
             grad_x.extend((0..size).map(|j| {
                 let x_hat = (row[j].acc() - mean) * rstd;
-                let g_hat = grad_row[j].acc() * weight[j].acc();
+                let g_hat = grad_row[j].acc() * scale[j];
                 T::from_acc(rstd * (g_hat - mean_g_hat - x_hat * mean_g_hat_x_hat))
             }));
         }
     }
     (grad_x, grad_weight, grad_bias)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The tensor-ops path (devices without the fused op) computes what the
+    /// fused op does, with and without a weight offset; here it runs on the
+    /// CPU. In bf16 both sum `offset + w` in f32.
+    #[test]
+    fn the_tensor_ops_path_takes_the_weight_offset() -> Result<()> {
+        let cpu = &Device::Cpu;
+        let x = (Tensor::arange(0f32, 24.0, cpu)? * 0.37)?
+            .sin()?
+            .reshape((3, 8))?;
+        let weight = ((Tensor::arange(0f32, 8.0, cpu)? / 8.0)? - 0.5)?;
+        let bias = (Tensor::arange(0f32, 8.0, cpu)? / 10.0)?;
+        for (dtype, tol) in [(DType::F32, 1e-6), (DType::BF16, 1e-2)] {
+            let (x, weight, bias) = (
+                x.to_dtype(dtype)?,
+                weight.to_dtype(dtype)?,
+                bias.to_dtype(dtype)?,
+            );
+            for offset in [0.0, 1.0] {
+                for norm in [
+                    LayerNorm::rms_norm(weight.clone(), 1e-5, None),
+                    LayerNorm::new(weight.clone(), bias.clone(), 1e-5, None),
+                ] {
+                    let norm = norm.with_weight_offset(offset);
+                    let fused = norm.forward(&x)?.to_dtype(DType::F32)?;
+                    let slow = norm.forward_with_tensor_ops(&x)?.to_dtype(DType::F32)?;
+                    let diff = (fused - slow)?.abs()?.max_all()?.to_scalar::<f32>()?;
+                    assert!(diff <= tol, "{norm:?} {dtype:?}: differ by {diff}");
+                }
+            }
+        }
+        Ok(())
+    }
 }

@@ -59,14 +59,16 @@
 //!   cuBLASLt's epilogue).
 //! - [`LayerNorm`] ([`layer_norm`], [`layer_norm_no_bias`]) and [`RmsNorm`]
 //!   ([`rms_norm`]) have a real backward for their weight and bias (candle-nn
-//!   0.11's contiguous fast paths have none, and cut the graph there), and
+//!   0.11's contiguous fast paths have none, and cut the graph there),
 //!   `forward_residual`, a pre-norm block's `x + residual` and the norm of
-//!   the sum in one pass.
+//!   the sum in one pass, and `with_weight_offset`, a scale of
+//!   `offset + weight` (Gemma's RMSNorm: `x̂ · (1 + weight)`).
 //! - [`tap`] hands any other variable's gradient to the hook, at the cost of
 //!   a copy of the variable per forward.
 //! - [`ops`] has the parameter-free parts of a transformer as single ops
 //!   with their own backward: causal self-attention over a packed `qkv`
-//!   or over q, k, v with grouped K/V heads (no `time x time` tensor kept), GELU, SiLU and cross-entropy.
+//!   or over q, k, v with grouped K/V heads (no `time x time` tensor kept), GELU, SiLU, the gated
+//!   MLP's `act(gate) * up` (SwiGLU, GeGLU) and cross-entropy.
 //!
 //! Constructors create their variables through the `VarBuilder` with
 //! candle-nn's names, shapes and initializations (they call candle-nn's own

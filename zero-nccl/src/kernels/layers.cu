@@ -1,8 +1,8 @@
 // Fused transformer layers of zero-candle, compiled at run time with NVRTC
 // (no headers): causal self-attention (FlashAttention-2 scheme, forward and
 // backward), LayerNorm/RMSNorm (forward, also fused with the residual add
-// before it, and backward), GELU/SiLU, SwiGLU, rotary embeddings, and
-// cross-entropy. Each kernel mirrors a CPU reference in zero-candle's
+// before it, and backward), GELU/SiLU, the gated MLP's act(gate) * up
+// (SwiGLU, GeGLU), rotary embeddings, and cross-entropy. Each kernel mirrors a CPU reference in zero-candle's
 // `nn::ops` / `nn::layer_norm`, computes in f32 whatever the storage type,
 // and rounds once when it stores (to nearest, ties to even).
 //
@@ -636,6 +636,9 @@ DEFINE_ATTENTION(f16, f16)
 // LayerNorm (remove_mean = 1) and RMSNorm (remove_mean = 0) over the last
 // dimension n of [rows, n]: one warp per row, statistics in f32, variance
 // around the mean in a second pass over the row (never E[x^2] - mean^2).
+// The output is scaled by w_offset + w, summed in f32: Gemma's RMSNorm
+// takes 1 + w (its checkpoints store w centred on zero); -0.f adds nothing
+// to any w, not even the sign of a zero.
 // ===========================================================================
 template <typename T>
 __device__ __forceinline__ void row_stats(const T* xr, int n, float eps, int remove_mean,
@@ -657,17 +660,17 @@ __device__ __forceinline__ void row_stats(const T* xr, int n, float eps, int rem
     *rstd_out = 1.f / sqrtf(var + eps);
 }
 
-// One row by one warp: yr = (xr - mean) * rstd * w (+ b when has_bias; `b`
-// is then read, else not).
+// One row by one warp: yr = (xr - mean) * rstd * (w_offset + w) (+ b when
+// has_bias; `b` is then read, else not).
 template <typename T>
-__device__ __forceinline__ void norm_row(const T* xr, const T* __restrict__ w,
+__device__ __forceinline__ void norm_row(const T* xr, const T* __restrict__ w, float w_offset,
                                          const T* __restrict__ bias, int has_bias,
                                          T* __restrict__ yr, int n, float eps, int remove_mean) {
     const int lane = threadIdx.x % 32;
     float mean, rstd;
     row_stats<T>(xr, n, eps, remove_mean, &mean, &rstd);
     for (int j = lane; j < n; j += 32) {
-        float v = (to_f32(xr[j]) - mean) * rstd * to_f32(w[j]);
+        float v = (to_f32(xr[j]) - mean) * rstd * (to_f32(w[j]) + w_offset);
         if (has_bias) v += to_f32(bias[j]);
         yr[j] = from_f32<T>(v);
     }
@@ -675,13 +678,13 @@ __device__ __forceinline__ void norm_row(const T* xr, const T* __restrict__ w,
 
 template <typename T>
 __device__ __forceinline__ void norm_forward(const T* __restrict__ x, const T* __restrict__ w,
-                                             const T* __restrict__ bias, int has_bias,
-                                             T* __restrict__ y, long long rows, int n,
-                                             float eps, int remove_mean) {
+                                             float w_offset, const T* __restrict__ bias,
+                                             int has_bias, T* __restrict__ y, long long rows,
+                                             int n, float eps, int remove_mean) {
     const long long warps = (long long)gridDim.x * (blockDim.x / 32);
     for (long long row = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
          row < rows; row += warps) {
-        norm_row<T>(x + row * n, w, bias, has_bias, y + row * n, n, eps, remove_mean);
+        norm_row<T>(x + row * n, w, w_offset, bias, has_bias, y + row * n, n, eps, remove_mean);
     }
 }
 
@@ -692,7 +695,7 @@ __device__ __forceinline__ void norm_forward(const T* __restrict__ x, const T* _
 template <typename T>
 __device__ __forceinline__ void residual_norm_forward(const T* __restrict__ x,
                                                       const T* __restrict__ residual,
-                                                      const T* __restrict__ w,
+                                                      const T* __restrict__ w, float w_offset,
                                                       const T* __restrict__ bias, int has_bias,
                                                       T* __restrict__ h, T* __restrict__ y,
                                                       long long rows, int n, float eps,
@@ -705,17 +708,18 @@ __device__ __forceinline__ void residual_norm_forward(const T* __restrict__ x,
         const T* rr = residual + row * n;
         T* hr = h + row * n;
         for (int j = lane; j < n; j += 32) hr[j] = from_f32<T>(to_f32(xr[j]) + to_f32(rr[j]));
-        norm_row<T>(hr, w, bias, has_bias, y + row * n, n, eps, remove_mean);
+        norm_row<T>(hr, w, w_offset, bias, has_bias, y + row * n, n, eps, remove_mean);
     }
 }
 
 // Backward, pass 1 (one warp per row): recomputes mean and rstd, keeps them
 // in stats ([rows] means, then [rows] rstds, f32) for the column pass, and
-// with want_dx writes dx = rstd (g^ - mean(g^) - x^ mean(g^ x^)), g^ = g w,
-// x^ = (x - mean) rstd (no mean(g^) term for RMSNorm).
+// with want_dx writes dx = rstd (g^ - mean(g^) - x^ mean(g^ x^)),
+// g^ = g (w_offset + w), x^ = (x - mean) rstd (no mean(g^) term for
+// RMSNorm).
 template <typename T>
 __device__ __forceinline__ void norm_backward_rows(const T* __restrict__ x,
-                                                   const T* __restrict__ w,
+                                                   const T* __restrict__ w, float w_offset,
                                                    const T* __restrict__ g, T* __restrict__ dx,
                                                    float* __restrict__ stats, long long rows,
                                                    int n, float eps, int remove_mean,
@@ -735,7 +739,7 @@ __device__ __forceinline__ void norm_backward_rows(const T* __restrict__ x,
         if (!want_dx) continue;
         float sum_g = 0.f, sum_gx = 0.f;
         for (int j = lane; j < n; j += 32) {
-            const float gh = to_f32(gr[j]) * to_f32(w[j]);
+            const float gh = to_f32(gr[j]) * (to_f32(w[j]) + w_offset);
             const float xh = (to_f32(xr[j]) - mean) * rstd;
             sum_g += gh;
             sum_gx += gh * xh;
@@ -744,7 +748,7 @@ __device__ __forceinline__ void norm_backward_rows(const T* __restrict__ x,
         const float mean_gx = warp_sum(sum_gx) / (float)n;
         T* dxr = dx + row * n;
         for (int j = lane; j < n; j += 32) {
-            const float gh = to_f32(gr[j]) * to_f32(w[j]);
+            const float gh = to_f32(gr[j]) * (to_f32(w[j]) + w_offset);
             const float xh = (to_f32(xr[j]) - mean) * rstd;
             dxr[j] = from_f32<T>(rstd * (gh - mean_g - xh * mean_gx));
         }
@@ -753,7 +757,8 @@ __device__ __forceinline__ void norm_backward_rows(const T* __restrict__ x,
 
 // Backward, pass 2: block (32, 8) sums g x^ and g over its chunk of rows for
 // 32 columns; grid (ceil(n / 32), chunks). Partials [chunks, n] for dw, then
-// [chunks, n] for db, f32, summed in a fixed order.
+// [chunks, n] for db, f32, summed in a fixed order. dw does not depend on
+// w (nor on w_offset): this pass never reads it.
 #define NORM_COL_ROWS 8
 template <typename T>
 __device__ __forceinline__ void norm_backward_columns(const T* __restrict__ x,
@@ -812,21 +817,25 @@ __device__ __forceinline__ void norm_backward_finish(const float* __restrict__ p
 }
 
 #define DEFINE_NORM(T, SUFFIX)                                                             \
-extern "C" __global__ void norm_forward_##SUFFIX(const T* x, const T* w, const T* b,       \
-                                                 int has_bias, T* y, long long rows, int n, \
-                                                 float eps, int remove_mean) {             \
-    norm_forward<T>(x, w, b, has_bias, y, rows, n, eps, remove_mean);                      \
+extern "C" __global__ void norm_forward_##SUFFIX(const T* x, const T* w, float w_offset,   \
+                                                 const T* b, int has_bias, T* y,           \
+                                                 long long rows, int n, float eps,         \
+                                                 int remove_mean) {                        \
+    norm_forward<T>(x, w, w_offset, b, has_bias, y, rows, n, eps, remove_mean);            \
 }                                                                                          \
 extern "C" __global__ void residual_norm_forward_##SUFFIX(                                \
-    const T* x, const T* residual, const T* w, const T* b, int has_bias, T* h, T* y,         \
-    long long rows, int n, float eps, int remove_mean) {                                   \
-    residual_norm_forward<T>(x, residual, w, b, has_bias, h, y, rows, n, eps, remove_mean); \
+    const T* x, const T* residual, const T* w, float w_offset, const T* b, int has_bias,   \
+    T* h, T* y, long long rows, int n, float eps, int remove_mean) {                       \
+    residual_norm_forward<T>(x, residual, w, w_offset, b, has_bias, h, y, rows, n, eps,    \
+                             remove_mean);                                                 \
 }                                                                                          \
-extern "C" __global__ void norm_backward_rows_##SUFFIX(const T* x, const T* w, const T* g, \
-                                                       T* dx, float* stats, long long rows, \
-                                                       int n, float eps, int remove_mean,  \
+extern "C" __global__ void norm_backward_rows_##SUFFIX(const T* x, const T* w,            \
+                                                       float w_offset, const T* g, T* dx,  \
+                                                       float* stats, long long rows, int n, \
+                                                       float eps, int remove_mean,         \
                                                        int want_dx) {                      \
-    norm_backward_rows<T>(x, w, g, dx, stats, rows, n, eps, remove_mean, want_dx);         \
+    norm_backward_rows<T>(x, w, w_offset, g, dx, stats, rows, n, eps, remove_mean,         \
+                          want_dx);                                                        \
 }                                                                                          \
 extern "C" __global__ void norm_backward_columns_##SUFFIX(const T* x, const T* g,          \
                                                           const float* stats,              \
@@ -978,34 +987,33 @@ DEFINE_BIAS_ACTIVATION(bf16, bf16)
 DEFINE_BIAS_ACTIVATION(f16, f16)
 
 // ===========================================================================
-// SwiGLU's gate, y = silu(gate) * up, and its backward in one pass:
-// dgate = dy * up * silu'(gate), dup = dy * silu(gate). One thread per
+// A gated MLP's gate, y = act(gate) * up (SwiGLU: kind 2, SiLU; GeGLU: kind
+// 0, GELU's tanh form), and its backward in one pass:
+// dgate = dy * up * act'(gate), dup = dy * act(gate). One thread per
 // element, grid-stride.
 // ===========================================================================
-#define DEFINE_SWIGLU(T, SUFFIX)                                                          \
-extern "C" __global__ void swiglu_forward_##SUFFIX(const T* gate, const T* up, T* y,      \
-                                                   long long n) {                         \
+#define DEFINE_GATED(T, SUFFIX)                                                           \
+extern "C" __global__ void gated_forward_##SUFFIX(const T* gate, const T* up, T* y,       \
+                                                  long long n, int kind) {                \
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;           \
          i += (long long)gridDim.x * blockDim.x) {                                        \
-        const float g = to_f32(gate[i]);                                                  \
-        y[i] = from_f32<T>(g / (1.f + expf(-g)) * to_f32(up[i]));                         \
+        y[i] = from_f32<T>(activation(kind, to_f32(gate[i])) * to_f32(up[i]));            \
     }                                                                                     \
 }                                                                                         \
-extern "C" __global__ void swiglu_backward_##SUFFIX(const T* gate, const T* up,           \
-                                                    const T* grad, T* dgate, T* dup,      \
-                                                    long long n) {                        \
+extern "C" __global__ void gated_backward_##SUFFIX(const T* gate, const T* up,            \
+                                                   const T* grad, T* dgate, T* dup,       \
+                                                   long long n, int kind) {               \
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;           \
          i += (long long)gridDim.x * blockDim.x) {                                        \
         const float g = to_f32(gate[i]), dy = to_f32(grad[i]);                            \
-        const float s = 1.f / (1.f + expf(-g));                                           \
-        dgate[i] = from_f32<T>(dy * to_f32(up[i]) * (s * (1.f + g * (1.f - s))));         \
-        dup[i] = from_f32<T>(dy * g * s);                                                 \
+        dgate[i] = from_f32<T>(dy * to_f32(up[i]) * activation_derivative(kind, g));      \
+        dup[i] = from_f32<T>(dy * activation(kind, g));                                   \
     }                                                                                     \
 }
 
-DEFINE_SWIGLU(float, f32)
-DEFINE_SWIGLU(bf16, bf16)
-DEFINE_SWIGLU(f16, f16)
+DEFINE_GATED(float, f32)
+DEFINE_GATED(bf16, bf16)
+DEFINE_GATED(f16, f16)
 
 // ===========================================================================
 // Rotary embeddings in `rotate_half`'s convention: x is [B, T, H, D], the

@@ -1,7 +1,9 @@
 //! The fused transformer layers' CUDA kernels ([`LAYER_SOURCE`]): causal
 //! self-attention (FlashAttention-2 forward and backward), LayerNorm and
 //! RMSNorm (forward, alone or with the residual add before it, and
-//! backward), GELU/SiLU, SwiGLU, rotary embeddings (forward and backward),
+//! backward; the weight optionally offset, as Gemma's `1 + w`), GELU/SiLU,
+//! the gated MLP's `act(gate) * up` (SwiGLU, GeGLU), rotary embeddings
+//! (forward and backward),
 //! cross-entropy, column sums (a Linear's bias gradient) and an embedding
 //! lookup and its table's gradient, for f32, bf16 and f16 storage, computing in f32.
 //! zero-candle's custom ops launch them through [`LayerKernels`]; each
@@ -133,12 +135,12 @@ pub const LAYER_KERNEL_NAMES: [&str; 101] = [
     "activation_forward_f16",
     "activation_backward_f16",
     "bias_activation_forward_f16",
-    "swiglu_forward_f32",
-    "swiglu_backward_f32",
-    "swiglu_forward_bf16",
-    "swiglu_backward_bf16",
-    "swiglu_forward_f16",
-    "swiglu_backward_f16",
+    "gated_forward_f32",
+    "gated_backward_f32",
+    "gated_forward_bf16",
+    "gated_backward_bf16",
+    "gated_forward_f16",
+    "gated_backward_f16",
     "rotary_f32",
     "rotary_bf16",
     "rotary_f16",
@@ -227,8 +229,9 @@ impl TargetIndex for i64 {
     const INDEX: usize = 1;
 }
 
-/// Which element-wise activation [`LayerKernels::activation_forward`]
-/// computes (the kernels' `kind` argument).
+/// Which element-wise activation [`LayerKernels::activation_forward`] (and
+/// [`LayerKernels::gated_forward`]'s gate) computes (the kernels' `kind`
+/// argument).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ActivationKind {
     /// `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`.
@@ -343,8 +346,8 @@ pub struct LayerKernels {
     activation_forward: [CudaFunction; 3],
     activation_backward: [CudaFunction; 3],
     bias_activation_forward: [CudaFunction; 3],
-    swiglu_forward: [CudaFunction; 3],
-    swiglu_backward: [CudaFunction; 3],
+    gated_forward: [CudaFunction; 3],
+    gated_backward: [CudaFunction; 3],
     rotary: [CudaFunction; 3],
     cross_entropy_lse: [CudaFunction; 3],
     /// Per [`LayerElement::INDEX`], then per [`TargetIndex::INDEX`].
@@ -482,8 +485,8 @@ impl LayerKernels {
                 activation_forward: per_element(&module, "activation_forward")?,
                 activation_backward: per_element(&module, "activation_backward")?,
                 bias_activation_forward: per_element(&module, "bias_activation_forward")?,
-                swiglu_forward: per_element(&module, "swiglu_forward")?,
-                swiglu_backward: per_element(&module, "swiglu_backward")?,
+                gated_forward: per_element(&module, "gated_forward")?,
+                gated_backward: per_element(&module, "gated_backward")?,
                 rotary: per_element(&module, "rotary")?,
                 cross_entropy_lse: per_element(&module, "cross_entropy_lse")?,
                 cross_entropy_loss: per_element_and_target(&module, "cross_entropy_loss")?,
@@ -573,14 +576,18 @@ impl LayerKernels {
     }
 
     /// LayerNorm or RMSNorm over the last dimension: `x` is `[rows, n]` with
-    /// `n = weight.len()`; `y = (x - mean) * rstd * weight (+ bias)`, the
-    /// statistics in f32, the variance around the mean (two passes).
+    /// `n = weight.len()`; `y = (x - mean) * rstd * (weight_offset + weight)
+    /// (+ bias)`, the statistics and the sum `weight_offset + weight` in
+    /// f32, the variance around the mean (two passes). Gemma's RMSNorm
+    /// scales by `1 + weight` (`weight_offset = 1.0`); `-0.0` adds nothing
+    /// to any weight.
     #[allow(clippy::too_many_arguments)]
     pub fn norm_forward<E: LayerElement>(
         &self,
         stream: &Arc<CudaStream>,
         norm: Normalization,
         eps: f32,
+        weight_offset: f32,
         x: &impl DevicePtr<E>,
         weight: &impl DevicePtr<E>,
         bias: Option<&dyn DevicePtr<E>>,
@@ -606,6 +613,7 @@ impl LayerKernels {
         launch
             .arg(&x)
             .arg(&w)
+            .arg(&weight_offset)
             .arg(&b)
             .arg(&has_bias)
             .arg(&y)
@@ -630,6 +638,7 @@ impl LayerKernels {
         stream: &Arc<CudaStream>,
         norm: Normalization,
         eps: f32,
+        weight_offset: f32,
         x: &impl DevicePtr<E>,
         residual: &impl DevicePtr<E>,
         weight: &impl DevicePtr<E>,
@@ -660,6 +669,7 @@ impl LayerKernels {
             .arg(&x)
             .arg(&r)
             .arg(&w)
+            .arg(&weight_offset)
             .arg(&b)
             .arg(&has_bias)
             .arg(&h)
@@ -677,7 +687,9 @@ impl LayerKernels {
     /// The backward of [`LayerKernels::norm_forward`] for upstream gradient
     /// `grad` (`[rows, n]`): `dx` (when given) and the weight's and bias's
     /// gradients `dw`, `db` (`[n]`, summed over rows in a fixed order). The
-    /// row statistics are recomputed from `x`. Three launches, with f32
+    /// row statistics are recomputed from `x`. `dx` scales the gradient by
+    /// `weight_offset + weight`, as the forward scaled `y`; `dw` is
+    /// `Σ_rows grad * x̂` whatever the offset. Three launches, with f32
     /// scratch allocated on `stream`.
     #[allow(clippy::too_many_arguments)]
     pub fn norm_backward<E: LayerElement>(
@@ -685,6 +697,7 @@ impl LayerKernels {
         stream: &Arc<CudaStream>,
         norm: Normalization,
         eps: f32,
+        weight_offset: f32,
         x: &impl DevicePtr<E>,
         weight: &impl DevicePtr<E>,
         grad: &impl DevicePtr<E>,
@@ -739,6 +752,7 @@ impl LayerKernels {
             launch
                 .arg(&x)
                 .arg(&w)
+                .arg(&weight_offset)
                 .arg(&g)
                 .arg(&dx)
                 .arg(&stats)
@@ -989,8 +1003,8 @@ mod tests {
                 "activation_forward",
                 "activation_backward",
                 "bias_activation_forward",
-                "swiglu_forward",
-                "swiglu_backward",
+                "gated_forward",
+                "gated_backward",
                 "rotary",
                 "cross_entropy_lse",
             ] {

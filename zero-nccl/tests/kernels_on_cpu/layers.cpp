@@ -1,7 +1,7 @@
-// LayerNorm/RmsNorm (alone and after a residual add), cross-entropy, SwiGLU,
-// rotary-embedding, a Linear's bias (+ activation) and column-sum kernels of src/kernels/layers.cu on the CPU (see
-// shim.h), against double-precision references: grids capped so that grid-stride loops run, the weight and
-// bias gradients' chunked sums as layers.rs launches them, ignore index,
+// LayerNorm/RmsNorm (alone and after a residual add, with and without a weight offset), cross-entropy, the
+// gated MLP's act(gate) * up, rotary-embedding, a Linear's bias (+ activation) and column-sum kernels of
+// src/kernels/layers.cu on the CPU (see shim.h), against double-precision references: grids capped so that
+// grid-stride loops run, the weight and bias gradients' chunked sums as layers.rs launches them, ignore index,
 // u32 and i64 targets, NaN where PyTorch gives NaN, and the 16-bit types'
 // single rounding. Exits non-zero on any failure.
 #include "shim.h"
@@ -10,22 +10,23 @@
 #include <random>
 #include <algorithm>
 #include <array>
-double norm_test(long long rows,int n,int remove_mean,int has_bias,bool want_dx,unsigned seed){
+// The norm kernels on [rows, n], scaled by w_offset + w (Gemma's 1 + w with w_offset 1, w centred on zero).
+double norm_test(long long rows,int n,int remove_mean,int has_bias,bool want_dx,unsigned seed,float w_offset){
   std::mt19937 rng(seed); std::normal_distribution<float> nd(0,1);
   std::vector<float> x(rows*n),w(n),b(n),g(rows*n),y(rows*n,9),dx(rows*n,9),dw(n,9),db(n,9);
   for(auto&v:x)v=nd(rng)*2+1; for(auto&v:w)v=nd(rng); for(auto&v:b)v=nd(rng); for(auto&v:g)v=nd(rng);
   float eps=1e-5f; unsigned cap=4; // small cap to exercise grid-stride
-  launch({std::min<unsigned>((rows+7)/8,cap),1,1},{256,1,1},[&]{norm_forward<float>(x.data(),w.data(),b.data(),has_bias,y.data(),rows,n,eps,remove_mean);});
+  launch({std::min<unsigned>((rows+7)/8,cap),1,1},{256,1,1},[&]{norm_forward<float>(x.data(),w.data(),w_offset,b.data(),has_bias,y.data(),rows,n,eps,remove_mean);});
   // chunking as layers.rs
   long long chunks=std::clamp<long long>((rows+127)/128,1,512); long long rpc=(rows+chunks-1)/chunks; chunks=(rows+rpc-1)/rpc;
   std::vector<float> stats(2*rows), partial(2*chunks*n);
-  launch({std::min<unsigned>((rows+7)/8,cap),1,1},{256,1,1},[&]{norm_backward_rows<float>(x.data(),w.data(),g.data(),dx.data(),stats.data(),rows,n,eps,remove_mean,want_dx);});
+  launch({std::min<unsigned>((rows+7)/8,cap),1,1},{256,1,1},[&]{norm_backward_rows<float>(x.data(),w.data(),w_offset,g.data(),dx.data(),stats.data(),rows,n,eps,remove_mean,want_dx);});
   launch({(unsigned)((n+31)/32),(unsigned)chunks,1},{32,8,1},[&]{norm_backward_columns<float>(x.data(),g.data(),stats.data(),partial.data(),rows,n,rpc);});
   launch({std::min<unsigned>((n+255)/256,cap),1,1},{256,1,1},[&]{norm_backward_finish<float>(partial.data(),dw.data(),db.data(),n,(int)chunks);});
   double err=0; std::vector<double> rdw(n,0),rdb(n,0);
   for(long long r=0;r<rows;r++){ double mean=0; if(remove_mean){for(int j=0;j<n;j++)mean+=x[r*n+j]; mean/=n;} double var=0; for(int j=0;j<n;j++){double c=x[r*n+j]-mean; var+=c*c;} var/=n; double rstd=1/sqrt(var+eps);
-    double sg=0,sgx=0; for(int j=0;j<n;j++){double xh=(x[r*n+j]-mean)*rstd; double yy=xh*w[j]+(has_bias?b[j]:0); err=std::max(err,fabs(yy-y[r*n+j])); double gh=g[r*n+j]*w[j]; sg+=gh; sgx+=gh*xh; rdw[j]+=g[r*n+j]*xh; rdb[j]+=g[r*n+j];}
-    if(want_dx) for(int j=0;j<n;j++){double xh=(x[r*n+j]-mean)*rstd; double gh=g[r*n+j]*w[j]; double d=rstd*(gh-(remove_mean?sg/n:0)-xh*sgx/n); err=std::max(err,fabs(d-dx[r*n+j]));}}
+    double sg=0,sgx=0; for(int j=0;j<n;j++){double xh=(x[r*n+j]-mean)*rstd; double s=(double)w[j]+w_offset; double yy=xh*s+(has_bias?b[j]:0); err=std::max(err,fabs(yy-y[r*n+j])); double gh=g[r*n+j]*s; sg+=gh; sgx+=gh*xh; rdw[j]+=g[r*n+j]*xh; rdb[j]+=g[r*n+j];}
+    if(want_dx) for(int j=0;j<n;j++){double xh=(x[r*n+j]-mean)*rstd; double gh=g[r*n+j]*((double)w[j]+w_offset); double d=rstd*(gh-(remove_mean?sg/n:0)-xh*sgx/n); err=std::max(err,fabs(d-dx[r*n+j]));}}
   for(int j=0;j<n;j++){err=std::max(err,fabs(rdw[j]-dw[j])/std::max(1.0,fabs(rdw[j]))); err=std::max(err,fabs(rdb[j]-db[j])/std::max(1.0,fabs(rdb[j])));}
   return err;
 }
@@ -75,34 +76,43 @@ template<class T> double rotary_test(int B,int time,int H,int D,unsigned cap,uns
   return std::max(worst(ry,widen(y)),worst(rdx,widen(dx)));
 }
 
-// swiglu_forward_<T> and swiglu_backward_<T> over n elements, grid capped.
-template<class T> double swiglu_test(long long n,unsigned cap,unsigned seed,
-    void(*fwd)(const T*,const T*,T*,long long),void(*bwd)(const T*,const T*,const T*,T*,T*,long long)){
+// Activation `kind` (0 GELU tanh form, 1 GELU erf, 2 SiLU) at x in double, and its slope there.
+static double activation_ref(int kind,double x,double*slope){
+  if(kind==0){ const double c=sqrt(2/M_PI), k=0.044715, t=tanh(c*(x+k*x*x*x));
+    *slope=0.5*(1+t)+0.5*x*(1-t*t)*c*(1+3*k*x*x); return 0.5*x*(1+t); }
+  if(kind==1){ const double cdf=0.5*(1+erf(x/sqrt(2.0))); *slope=cdf+x*exp(-0.5*x*x)/sqrt(2*M_PI); return x*cdf; }
+  const double s=1/(1+exp(-x)); *slope=s*(1+x*(1-s)); return x*s;
+}
+
+// gated_forward_<T> and gated_backward_<T> (act(gate) * up and both gradients) with activation `kind` over
+// n elements, grid capped.
+template<class T> double gated_test(long long n,unsigned cap,unsigned seed,int kind,
+    void(*fwd)(const T*,const T*,T*,long long,int),void(*bwd)(const T*,const T*,const T*,T*,T*,long long,int)){
   std::mt19937 rng(seed); std::normal_distribution<float> nd(0,1);
   std::vector<float> gf(n),uf(n),df(n); for(auto&v:gf)v=nd(rng)*4; for(auto&v:uf)v=nd(rng); for(auto&v:df)v=nd(rng);
   auto gate=narrow16<T>(gf), up=narrow16<T>(uf), dy=narrow16<T>(df);
   std::vector<T> y(n), dgate(n), dup(n);
   unsigned blocks=std::min<unsigned>((unsigned)((n+255)/256),cap);
-  launch({blocks,1,1},{256,1,1},[&]{fwd(gate.data(),up.data(),y.data(),n);});
-  launch({blocks,1,1},{256,1,1},[&]{bwd(gate.data(),up.data(),dy.data(),dgate.data(),dup.data(),n);});
+  launch({blocks,1,1},{256,1,1},[&]{fwd(gate.data(),up.data(),y.data(),n,kind);});
+  launch({blocks,1,1},{256,1,1},[&]{bwd(gate.data(),up.data(),dy.data(),dgate.data(),dup.data(),n,kind);});
   auto Gt=widen(gate), U=widen(up), D=widen(dy);
   std::vector<double> ry(n), rdg(n), rdu(n);
-  for(long long i=0;i<n;i++){ double g=Gt[i], s=1/(1+exp(-g)); ry[i]=g*s*U[i]; rdu[i]=D[i]*g*s; rdg[i]=D[i]*U[i]*s*(1+g*(1-s)); }
+  for(long long i=0;i<n;i++){ double slope, a=activation_ref(kind,Gt[i],&slope); ry[i]=a*U[i]; rdu[i]=D[i]*a; rdg[i]=D[i]*U[i]*slope; }
   return std::max({worst(ry,widen(y)),worst(rdg,widen(dgate)),worst(rdu,widen(dup))});
 }
 
 // residual_norm_forward<T> over [rows, n], grid capped: h must be x +
 // residual rounded once to T, and y bit for bit what norm_forward gives for
 // that h (the unfused pair), itself within tolerance of a double reference.
-template<class T> double residual_norm_test(long long rows,int n,int remove_mean,int has_bias,unsigned cap,unsigned seed,bool* exact){
+template<class T> double residual_norm_test(long long rows,int n,int remove_mean,int has_bias,float w_offset,unsigned cap,unsigned seed,bool* exact){
   std::mt19937 rng(seed); std::normal_distribution<float> nd(0,1);
   std::vector<float> xf(rows*n),rf(rows*n),wf(n),bf(n);
   for(auto&v:xf)v=nd(rng)*2+1; for(auto&v:rf)v=nd(rng); for(auto&v:wf)v=nd(rng); for(auto&v:bf)v=nd(rng);
   auto x=narrow16<T>(xf), r=narrow16<T>(rf), w=narrow16<T>(wf), b=narrow16<T>(bf);
   std::vector<T> h(rows*n), y(rows*n), y_unfused(rows*n);
   float eps=1e-5f; unsigned blocks=std::min<unsigned>((rows+7)/8,cap);
-  launch({blocks,1,1},{256,1,1},[&]{residual_norm_forward<T>(x.data(),r.data(),w.data(),b.data(),has_bias,h.data(),y.data(),rows,n,eps,remove_mean);});
-  launch({blocks,1,1},{256,1,1},[&]{norm_forward<T>(h.data(),w.data(),b.data(),has_bias,y_unfused.data(),rows,n,eps,remove_mean);});
+  launch({blocks,1,1},{256,1,1},[&]{residual_norm_forward<T>(x.data(),r.data(),w.data(),w_offset,b.data(),has_bias,h.data(),y.data(),rows,n,eps,remove_mean);});
+  launch({blocks,1,1},{256,1,1},[&]{norm_forward<T>(h.data(),w.data(),w_offset,b.data(),has_bias,y_unfused.data(),rows,n,eps,remove_mean);});
   auto X=widen(x), R=widen(r), H=widen(h), W=widen(w), B=widen(b), Y=widen(y), YU=widen(y_unfused);
   *exact=true;
   for(long long i=0;i<rows*n;i++){
@@ -110,7 +120,7 @@ template<class T> double residual_norm_test(long long rows,int n,int remove_mean
   }
   std::vector<double> ry(rows*n);
   for(long long row=0;row<rows;row++){ double mean=0; if(remove_mean){for(int j=0;j<n;j++)mean+=H[row*n+j]; mean/=n;} double var=0; for(int j=0;j<n;j++){double c=H[row*n+j]-mean; var+=c*c;} var/=n; double rstd=1/sqrt(var+eps);
-    for(int j=0;j<n;j++) ry[row*n+j]=(H[row*n+j]-mean)*rstd*W[j]+(has_bias?B[j]:0);}
+    for(int j=0;j<n;j++) ry[row*n+j]=(H[row*n+j]-mean)*rstd*(W[j]+w_offset)+(has_bias?B[j]:0);}
   return worst(ry,Y);
 }
 
@@ -189,30 +199,40 @@ static void expect(bool ok, const char* what) {
 
 int main() {
     char what[160];
-    for (long long rows : {1LL, 7LL, 33LL, 300LL})
-        for (int n : {1, 5, 32, 33, 100})
-            for (int rm : {0, 1})
-                for (int hb : {0, 1}) {
-                    double e = norm_test(rows, n, rm, hb, (rows + n) % 2 == 0, rows * n + rm);
-                    snprintf(what, sizeof what, "norm rows %lld, n %d, remove_mean %d, bias %d: error %g",
-                             rows, n, rm, hb, e);
-                    expect(e <= 1e-4, what);
+    // Weight offsets: none (-0, as zero-candle passes it) on every shape, and Gemma's 1 (over w centred on
+    // zero) on a few.
+    auto offset_shapes = [](float off, long long rows, int n) {
+        return off == 0.f || ((rows == 7 || rows == 33) && (n == 5 || n == 33));
+    };
+    for (float off : {-0.f, 1.f})
+        for (long long rows : {1LL, 7LL, 33LL, 300LL})
+            for (int n : {1, 5, 32, 33, 100})
+                for (int rm : {0, 1})
+                    for (int hb : {0, 1}) {
+                        if (!offset_shapes(off, rows, n)) continue;
+                        double e = norm_test(rows, n, rm, hb, (rows + n) % 2 == 0, rows * n + rm, off);
+                        snprintf(what, sizeof what,
+                                 "norm rows %lld, n %d, remove_mean %d, bias %d, weight offset %g: error %g",
+                                 rows, n, rm, hb, off, e);
+                        expect(e <= 1e-4, what);
+                    }
+    for (float off : {-0.f, 1.f})
+        for (long long rows : {1LL, 7LL, 33LL, 300LL})
+            for (int n : {1, 5, 32, 33, 100})
+                for (int rm : {0, 1}) {
+                    if (!offset_shapes(off, rows, n)) continue;
+                    int hb = (int)((rows + n) % 2);
+                    unsigned cap = rows % 2 ? 2u : 4096u;
+                    bool e32x, ebx, ehx;
+                    double e32 = residual_norm_test<float>(rows, n, rm, hb, off, cap, rows * n + rm, &e32x);
+                    double eb = residual_norm_test<bf16>(rows, n, rm, hb, off, cap, rows * n + rm + 1, &ebx);
+                    double eh = residual_norm_test<f16>(rows, n, rm, hb, off, cap, rows * n + rm + 2, &ehx);
+                    snprintf(what, sizeof what,
+                             "residual norm rows %lld, n %d, remove_mean %d, bias %d, weight offset %g: error "
+                             "f32 %g, bf16 %g, f16 %g; equal to the unfused pair %d %d %d",
+                             rows, n, rm, hb, off, e32, eb, eh, e32x, ebx, ehx);
+                    expect(e32 <= 1e-4 && eb <= 4e-3 && eh <= 5e-4 && e32x && ebx && ehx, what);
                 }
-    for (long long rows : {1LL, 7LL, 33LL, 300LL})
-        for (int n : {1, 5, 32, 33, 100})
-            for (int rm : {0, 1}) {
-                int hb = (int)((rows + n) % 2);
-                unsigned cap = rows % 2 ? 2u : 4096u;
-                bool e32x, ebx, ehx;
-                double e32 = residual_norm_test<float>(rows, n, rm, hb, cap, rows * n + rm, &e32x);
-                double eb = residual_norm_test<bf16>(rows, n, rm, hb, cap, rows * n + rm + 1, &ebx);
-                double eh = residual_norm_test<f16>(rows, n, rm, hb, cap, rows * n + rm + 2, &ehx);
-                snprintf(what, sizeof what,
-                         "residual norm rows %lld, n %d, remove_mean %d, bias %d: error f32 %g, bf16 %g, "
-                         "f16 %g; equal to the unfused pair %d %d %d",
-                         rows, n, rm, hb, e32, eb, eh, e32x, ebx, ehx);
-                expect(e32 <= 1e-4 && eb <= 4e-3 && eh <= 5e-4 && e32x && ebx && ehx, what);
-            }
     for (long long V : {1LL, 3LL, 256LL, 300LL, 1000LL}) {
         long long rows = 5;
         std::vector<long long> t = {0, V - 1, -100, V / 2, 0};
@@ -246,14 +266,18 @@ int main() {
             expect(e32 <= 1e-6 && eb <= 4e-3 && eh <= 5e-4, what);
         }
     }
-    for (long long n : {1LL, 255LL, 257LL, 5000LL}) {
-        for (unsigned cap : {1u, 4096u}) {
-            double e32 = swiglu_test<float>(n, cap, n, swiglu_forward_f32, swiglu_backward_f32);
-            double eb = swiglu_test<bf16>(n, cap, n + 1, swiglu_forward_bf16, swiglu_backward_bf16);
-            double eh = swiglu_test<f16>(n, cap, n + 2, swiglu_forward_f16, swiglu_backward_f16);
-            snprintf(what, sizeof what, "swiglu n %lld, cap %u: error f32 %g, bf16 %g, f16 %g", n, cap,
-                     e32, eb, eh);
-            expect(e32 <= 1e-6 && eb <= 4e-3 && eh <= 5e-4, what);
+    // Kind 2 is SwiGLU's gate, kind 0 GeGLU's.
+    for (int kind : {0, 1, 2}) {
+        for (long long n : {1LL, 255LL, 257LL, 5000LL}) {
+            for (unsigned cap : {1u, 4096u}) {
+                unsigned seed = (unsigned)(n + 3 * kind);
+                double e32 = gated_test<float>(n, cap, seed, kind, gated_forward_f32, gated_backward_f32);
+                double eb = gated_test<bf16>(n, cap, seed + 1, kind, gated_forward_bf16, gated_backward_bf16);
+                double eh = gated_test<f16>(n, cap, seed + 2, kind, gated_forward_f16, gated_backward_f16);
+                snprintf(what, sizeof what, "gated activation %d, n %lld, cap %u: error f32 %g, bf16 %g, f16 %g",
+                         kind, n, cap, e32, eb, eh);
+                expect(e32 <= 1e-6 && eb <= 4e-3 && eh <= 5e-4, what);
+            }
         }
     }
     for (auto [rows, width] : {std::array<int, 2>{1, 1}, {7, 33}, {5, 256}, {3, 1000}}) {
@@ -312,8 +336,9 @@ int main() {
         snprintf(what, sizeof what, "column sums 70001x1 (%lld chunks): error %g", chunks, e);
         expect(chunks == 511 && e <= 1e-5, what);
     }
-    printf("norms (alone and after a residual add), cross-entropy, SwiGLU, rotary embeddings, a "
-           "Linear's bias + activation and column sums on the CPU: %s\n",
+    printf("norms (alone and after a residual add, with a weight offset), cross-entropy, gated "
+           "activations (SwiGLU, GeGLU), rotary embeddings, a Linear's bias + activation and column sums on "
+           "the CPU: %s\n",
            failures ? "FAILED" : "ok");
     return failures ? 1 : 0;
 }

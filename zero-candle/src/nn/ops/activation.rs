@@ -18,7 +18,7 @@ const INV_SQRT_2PI: f64 = 0.398_942_280_401_432_7;
 
 /// GELU (tanh form) at `x` and its slope there.
 #[inline(always)]
-fn gelu_tanh<A: Accum>(x: A) -> (A, A) {
+pub(super) fn gelu_tanh<A: Accum>(x: A) -> (A, A) {
     let (half, one) = (A::cast(0.5), A::ONE);
     let c = A::cast(SQRT_2_OVER_PI);
     let k = A::cast(0.044715);
@@ -29,7 +29,7 @@ fn gelu_tanh<A: Accum>(x: A) -> (A, A) {
 
 /// GELU (erf form) at `x` and its slope there.
 #[inline(always)]
-fn gelu_erf_at<A: Accum>(x: A) -> (A, A) {
+pub(super) fn gelu_erf_at<A: Accum>(x: A) -> (A, A) {
     let half = A::cast(0.5);
     let cdf = half * (A::ONE + (x * A::cast(std::f64::consts::FRAC_1_SQRT_2)).erf());
     let pdf = A::cast(INV_SQRT_2PI) * (-half * x * x).exp();

@@ -8,8 +8,8 @@ use super::attention_dims::AttentionDims;
 use super::cuda;
 use candle_core::backend::BackendStorage;
 use candle_core::{
-    CpuStorage, CudaStorage, CustomOp1, CustomOp3, Layout, Result, Shape, Storage, Tensor,
-    WithDType,
+    CpuStorage, CudaStorage, CustomOp1, CustomOp3, DType, Layout, Result, Shape, Storage, Tensor,
+    WithDType, D,
 };
 use rayon::prelude::*;
 
@@ -25,7 +25,9 @@ use rayon::prelude::*;
 /// inputs compute in f32. On CUDA one kernel does the forward and two the
 /// backward, over every batch and head; bf16 and f16 on sm_80 and newer run
 /// on tensor cores (their products take `P` and `dS` rounded to the input
-/// type, as FlashAttention-2 does). Heads up to 128 wide.
+/// type, as FlashAttention-2 does). The CPU takes heads of any width, the
+/// CUDA kernels heads up to 128 wide (a wider head is an error here; the
+/// split form, [`causal_attention`], runs it composed).
 ///
 /// ```
 /// use candle_core::{Device, Tensor};
@@ -161,6 +163,11 @@ impl CustomOp1 for CausalAttention {
 ///
 /// The same op as [`causal_self_attention`] otherwise: only the output and
 /// the rows' log-sum-exp are kept for backward, on the CPU and on CUDA.
+/// On CUDA that holds for heads up to 128 wide; a wider head (Gemma's are
+/// 256) runs composed of Candle's ops instead, as `transformers`' eager
+/// attention does: correct, but it keeps the `[batch, heads, time, time]`
+/// scores and weights for backward, so its memory grows with `time²`. The
+/// CPU runs the fused op at any width.
 ///
 /// ```
 /// use candle_core::{Device, Tensor};
@@ -180,7 +187,9 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
 /// `t - window < j <= t` only, `window` positions with its own (Mistral's
 /// and Qwen's `sliding_window`, as `transformers` masks it). A window of at
 /// least the sequence's length is [`causal_attention`]. The kernels
-/// compute and stream only the key tiles inside the window.
+/// compute and stream only the key tiles inside the window. On CUDA a head
+/// wider than 128 runs composed, as [`causal_attention`] says: every
+/// query's scores over the whole sequence, the window as a banded mask.
 ///
 /// ```
 /// use candle_core::{Device, Tensor};
@@ -203,15 +212,115 @@ pub fn sliding_window_attention(
     split_attention(q, k, v, dims)
 }
 
+/// The widest head the fused CUDA attention kernels take: zero-nccl's
+/// `kernels::layers::MAX_HEAD_DIM`, which zero-candle can name only with
+/// its `cuda` feature, so it is repeated here (a unit test keeps the two
+/// equal). A wider head on CUDA runs [`composed_attention`].
+const FUSED_CUDA_HEAD_DIM: usize = 128;
+
+/// How one split attention call runs.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum SplitPath {
+    /// [`SplitAttention`], one custom op.
+    Fused,
+    /// [`composed_attention`]: CUDA, where the head is wider than the
+    /// kernels take.
+    Composed,
+}
+
+impl SplitPath {
+    fn of(on_cuda: bool, dims: &AttentionDims) -> Self {
+        if on_cuda && dims.head_dim > FUSED_CUDA_HEAD_DIM {
+            Self::Composed
+        } else {
+            Self::Fused
+        }
+    }
+}
+
 fn split_attention(q: &Tensor, k: &Tensor, v: &Tensor, dims: AttentionDims) -> Result<Tensor> {
-    q.contiguous()?.apply_op3(
-        &k.contiguous()?,
-        &v.contiguous()?,
-        SplitAttention {
-            dims,
-            lse: SavedSlot::default(),
-        },
-    )
+    match SplitPath::of(q.device().is_cuda(), &dims) {
+        SplitPath::Fused => q.contiguous()?.apply_op3(
+            &k.contiguous()?,
+            &v.contiguous()?,
+            SplitAttention {
+                dims,
+                lse: SavedSlot::default(),
+            },
+        ),
+        SplitPath::Composed => composed_attention(q, k, v, dims),
+    }
+}
+
+/// [`causal_attention`] (within `dims`' window, if any) composed of
+/// Candle's tensor ops, each with its own backward: `transformers`' eager
+/// attention. `q` goes to `[batch, heads, time, head_dim]`; `k` and `v`
+/// to `[batch, kv_heads, time, head_dim]`, each K/V head repeated for its
+/// group of query heads (`repeat_kv`: head `h` gets K/V head `h / group`);
+/// the scores `q kᵀ / √head_dim` are computed in the input type, the
+/// causal (and banded) mask of 0 and -inf is added and the softmax taken
+/// in f32 (f64 for f64 input), the weights rounded back to the input type
+/// and multiplied with `v`.
+///
+/// The fallback where the fused kernels cannot run (CUDA heads wider than
+/// [`FUSED_CUDA_HEAD_DIM`]), not a fast path: the `[batch, heads, time,
+/// time]` scores, in the input type and in f32, and the weights are kept
+/// until backward.
+pub(crate) fn composed_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    dims: AttentionDims,
+) -> Result<Tensor> {
+    let AttentionDims {
+        batch,
+        time,
+        heads,
+        kv_heads,
+        head_dim,
+        ..
+    } = dims;
+    let group = heads / kv_heads;
+    let dtype = q.dtype();
+    let softmax_dtype = if dtype == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    };
+    let q = q.transpose(1, 2)?.contiguous()?;
+    let repeat_kv = |x: &Tensor| {
+        let x = x.transpose(1, 2)?;
+        if group == 1 {
+            return x.contiguous();
+        }
+        x.unsqueeze(2)?
+            .expand((batch, kv_heads, group, time, head_dim))?
+            .reshape((batch, heads, time, head_dim))
+    };
+    let (k, v) = (repeat_kv(k)?, repeat_kv(v)?);
+    let scores = q.matmul(&k.t()?)?.affine(dims.scale_in::<f64>(), 0.0)?;
+    let mask: Vec<f32> = (0..time)
+        .flat_map(|i| {
+            (0..time).map(move |j| {
+                if (dims.first_key(i)..=i).contains(&j) {
+                    0.0
+                } else {
+                    f32::NEG_INFINITY
+                }
+            })
+        })
+        .collect();
+    let mask = Tensor::from_vec(mask, (time, time), q.device())?.to_dtype(softmax_dtype)?;
+    let scores = scores.to_dtype(softmax_dtype)?.broadcast_add(&mask)?;
+    // Candle's reductions refuse empty tensors; no positions have no
+    // weights to normalize.
+    let weights = if scores.elem_count() == 0 {
+        scores
+    } else {
+        candle_nn::ops::softmax(&scores, D::Minus1)?
+    };
+    let weights = weights.to_dtype(dtype)?;
+    weights.matmul(&v)?.transpose(1, 2)?.contiguous()
 }
 
 struct SplitAttention {
@@ -653,4 +762,174 @@ fn backward<T: Elem>(
             }
         });
     grads
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Var};
+    use rand::rngs::StdRng;
+    use rand::{Rng, SeedableRng};
+
+    /// Seeded values in `[-scale, scale)` as a variable of `dtype`.
+    fn var(seed: u64, shape: &[usize], scale: f32, dtype: DType) -> Result<Var> {
+        let mut rng = StdRng::seed_from_u64(seed);
+        let n: usize = shape.iter().product();
+        let values: Vec<f32> = (0..n).map(|_| rng.gen_range(-scale..scale)).collect();
+        Var::from_tensor(&Tensor::from_vec(values, shape, &Device::Cpu)?.to_dtype(dtype)?)
+    }
+
+    /// The output of `attention` on `q`, `k`, `v` and their gradients
+    /// under `Σ y·upstream` (an upstream that is not uniform, so that a
+    /// misplaced gradient shows).
+    fn value_and_grads(
+        [q, k, v]: [&Var; 3],
+        upstream: &Tensor,
+        attention: impl Fn(&Tensor, &Tensor, &Tensor) -> Result<Tensor>,
+    ) -> Result<Vec<Tensor>> {
+        let y = attention(q.as_tensor(), k.as_tensor(), v.as_tensor())?;
+        let grads = (&y * upstream)?
+            .to_dtype(DType::F32)?
+            .sum_all()?
+            .backward()?;
+        let mut out = vec![y];
+        for x in [q, k, v] {
+            let grad = grads.get(x.as_tensor()).cloned();
+            out.push(grad.ok_or_else(|| candle_core::Error::Msg("no gradient".into()))?);
+        }
+        Ok(out)
+    }
+
+    /// `|got - want| <= tol · max |want|` element for element.
+    fn assert_close(what: &str, got: &Tensor, want: &Tensor, tol: f32) -> Result<()> {
+        assert_eq!(got.dims(), want.dims(), "{what}: shapes");
+        assert_eq!(got.dtype(), want.dtype(), "{what}: dtypes");
+        let [got, want] = [got, want].map(|t| t.to_dtype(DType::F32)?.flatten_all()?.to_vec1());
+        let (got, want): (Vec<f32>, Vec<f32>) = (got?, want?);
+        let scale = want.iter().fold(f32::MIN_POSITIVE, |m, w| m.max(w.abs()));
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert!(
+                (g - w).abs() <= tol * scale,
+                "{what}: element {i} is {g:e}, want {w:e} (tolerance {tol:e} x {scale:e})"
+            );
+        }
+        Ok(())
+    }
+
+    /// Compares [`composed_attention`] with the fused CPU op, output and
+    /// the gradients of q, k and v, at each `(batch, time, heads,
+    /// kv_heads, head_dim)` and window.
+    fn composed_matches_fused(
+        dtype: DType,
+        shapes: &[(usize, usize, usize, usize, usize)],
+        windows: &[Option<usize>],
+        tol: f32,
+    ) -> Result<()> {
+        for (seed, &(b, t, h, kvh, d)) in shapes.iter().enumerate() {
+            for &window in windows {
+                let seed = 10 * seed as u64;
+                let q = var(seed, &[b, t, h, d], 2.0, dtype)?;
+                let k = var(seed + 1, &[b, t, kvh, d], 2.0, dtype)?;
+                let v = var(seed + 2, &[b, t, kvh, d], 2.0, dtype)?;
+                let upstream = var(seed + 3, &[b, t, h, d], 1.0, dtype)?;
+                let dims = AttentionDims::of_split(&q, &k, &v)?;
+                let dims = match window {
+                    Some(w) => dims.with_window(w)?,
+                    None => dims,
+                };
+                let inputs = [&q, &k, &v];
+                let fused = value_and_grads(inputs, &upstream, |q, k, v| match window {
+                    Some(w) => sliding_window_attention(q, k, v, w),
+                    None => causal_attention(q, k, v),
+                })?;
+                let composed = value_and_grads(inputs, &upstream, |q, k, v| {
+                    composed_attention(q, k, v, dims)
+                })?;
+                for (name, (got, want)) in ["output", "dq", "dk", "dv"]
+                    .iter()
+                    .zip(composed.iter().zip(&fused))
+                {
+                    let what = format!("{dtype:?} b{b} t{t} h{h} kv{kvh} d{d} window {window:?}");
+                    assert_close(&format!("{what} {name}"), got, want, tol)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Groups of 2 and 4 query heads per K/V head and plain multi-head
+    /// attention, Gemma's width and a narrow one, one position and
+    /// several; no window, windows shorter than the sequence and of one
+    /// position. A wrong mask or a wrong head grouping is off by the
+    /// values' own size, far beyond the tolerance.
+    const SHAPES: [(usize, usize, usize, usize, usize); 6] = [
+        (2, 9, 4, 2, 256),
+        (1, 1, 4, 2, 256),
+        (1, 13, 4, 1, 256),
+        (2, 11, 4, 2, 8),
+        (1, 1, 2, 1, 8),
+        (1, 6, 3, 3, 16),
+    ];
+    const WINDOWS: [Option<usize>; 4] = [None, Some(1), Some(3), Some(7)];
+
+    #[test]
+    fn composed_attention_matches_the_fused_op_in_f32() -> Result<()> {
+        composed_matches_fused(DType::F32, &SHAPES, &WINDOWS, 1e-5)
+    }
+
+    /// 16-bit: the composed attention rounds the scores and the weights to
+    /// the input type (as `transformers` does), the fused op rounds once,
+    /// so they agree to a few units in the last place of the type, the
+    /// tolerance `tests/gpu_layers.rs` gives CUDA against the CPU.
+    #[test]
+    fn composed_attention_matches_the_fused_op_in_16_bits() -> Result<()> {
+        composed_matches_fused(DType::BF16, &SHAPES, &WINDOWS, 4.0 / 256.0)?;
+        composed_matches_fused(DType::F16, &SHAPES, &WINDOWS, 4.0 / 2048.0)
+    }
+
+    /// No sequences or no positions: empty outputs and gradients, as the
+    /// fused op gives.
+    #[test]
+    fn composed_attention_of_no_positions_is_empty() -> Result<()> {
+        for (b, t) in [(0, 5), (2, 0)] {
+            let q = var(1, &[b, t, 4, 256], 1.0, DType::F32)?;
+            let k = var(2, &[b, t, 2, 256], 1.0, DType::F32)?;
+            let v = var(3, &[b, t, 2, 256], 1.0, DType::F32)?;
+            let dims = AttentionDims::of_split(&q, &k, &v)?;
+            let upstream = q.ones_like()?;
+            let got = value_and_grads([&q, &k, &v], &upstream, |q, k, v| {
+                composed_attention(q, k, v, dims)
+            })?;
+            let shapes: Vec<&[usize]> = got.iter().map(|t| t.dims()).collect();
+            assert_eq!(shapes, [q.dims(), q.dims(), k.dims(), v.dims()]);
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn only_wide_heads_on_cuda_run_composed() -> Result<()> {
+        let dims = |d: usize| {
+            let q = Tensor::zeros((1, 2, 4, d), DType::F32, &Device::Cpu)?;
+            let kv = Tensor::zeros((1, 2, 2, d), DType::F32, &Device::Cpu)?;
+            AttentionDims::of_split(&q, &kv, &kv)
+        };
+        let wide = FUSED_CUDA_HEAD_DIM + 1;
+        assert_eq!(SplitPath::of(true, &dims(wide)?), SplitPath::Composed);
+        assert_eq!(SplitPath::of(true, &dims(256)?), SplitPath::Composed);
+        assert_eq!(
+            SplitPath::of(true, &dims(FUSED_CUDA_HEAD_DIM)?),
+            SplitPath::Fused
+        );
+        assert_eq!(SplitPath::of(false, &dims(256)?), SplitPath::Fused);
+        Ok(())
+    }
+
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn the_fused_cuda_width_is_zero_nccls() {
+        assert_eq!(
+            FUSED_CUDA_HEAD_DIM,
+            zero_nccl::kernels::layers::MAX_HEAD_DIM
+        );
+    }
 }

@@ -331,12 +331,15 @@ fn normalization(remove_mean: bool) -> Normalization {
     }
 }
 
+/// The norm of `x`, scaled by `weight_offset + weight` (plus `bias`), in
+/// one kernel.
 pub(crate) fn norm_forward(
     x: Arg,
     weight: Arg,
     bias: Option<Arg>,
     eps: f64,
     remove_mean: bool,
+    weight_offset: f64,
 ) -> Result<CudaStorage> {
     const OP: &str = "LayerNorm";
     let device = x.0.device.clone();
@@ -351,6 +354,7 @@ pub(crate) fn norm_forward(
                 stream,
                 normalization(remove_mean),
                 eps as f32,
+                weight_offset as f32,
                 &input,
                 &weight,
                 bias.as_ref().map(|b| b as &dyn DevicePtr<T>),
@@ -361,7 +365,8 @@ pub(crate) fn norm_forward(
     })
 }
 
-/// `(h, y)`: `h = x + residual` and `y` the norm of `h`, in one kernel.
+/// `(h, y)`: `h = x + residual` and `y` the norm of `h` (as
+/// [`norm_forward`]), in one kernel.
 pub(crate) fn residual_norm_forward(
     x: Arg,
     residual: Arg,
@@ -369,6 +374,7 @@ pub(crate) fn residual_norm_forward(
     bias: Option<Arg>,
     eps: f64,
     remove_mean: bool,
+    weight_offset: f64,
 ) -> Result<(CudaStorage, CudaStorage)> {
     const OP: &str = "LayerNorm after a residual add";
     let device = x.0.device.clone();
@@ -385,6 +391,7 @@ pub(crate) fn residual_norm_forward(
                 stream,
                 normalization(remove_mean),
                 eps as f32,
+                weight_offset as f32,
                 &input,
                 &residual,
                 &weight,
@@ -400,6 +407,7 @@ pub(crate) fn residual_norm_forward(
     })
 }
 
+/// `(dx, dw, db)` of [`norm_forward`] (`dx` when `want_x`).
 #[allow(clippy::type_complexity)]
 pub(crate) fn norm_backward(
     x: Arg,
@@ -407,6 +415,7 @@ pub(crate) fn norm_backward(
     grad: Arg,
     eps: f64,
     remove_mean: bool,
+    weight_offset: f64,
     want_x: bool,
 ) -> Result<(Option<CudaStorage>, CudaStorage, CudaStorage)> {
     const OP: &str = "LayerNorm backward";
@@ -429,6 +438,7 @@ pub(crate) fn norm_backward(
                 stream,
                 normalization(remove_mean),
                 eps as f32,
+                weight_offset as f32,
                 &input,
                 &weight,
                 &grad,
@@ -535,8 +545,9 @@ pub(crate) fn column_sums(grad: Arg) -> Result<CudaStorage> {
     })
 }
 
-pub(crate) fn swiglu_forward(gate: Arg, up: Arg) -> Result<CudaStorage> {
-    const OP: &str = "swiglu";
+/// `act(gate) * up` (SwiGLU's gate for SiLU, GeGLU's for GELU).
+pub(crate) fn gated_forward(kind: Activation, gate: Arg, up: Arg) -> Result<CudaStorage> {
+    const OP: &str = "gated activation";
     let device = gate.0.device.clone();
     by_dtype!(gate.0.dtype(), OP, |T| {
         let gate_view = view::<T>(OP, "the gate", gate)?;
@@ -544,14 +555,26 @@ pub(crate) fn swiglu_forward(gate: Arg, up: Arg) -> Result<CudaStorage> {
         let len = gate_view.len();
         let mut y = alloc_out::<T>(&device, len)?;
         launch_on(OP, gate, |kernels, stream| {
-            kernels.swiglu_forward(stream, &gate_view, &up, &mut out(&mut y, len))
+            kernels.gated_forward(
+                stream,
+                activation_kind(kind),
+                &gate_view,
+                &up,
+                &mut out(&mut y, len),
+            )
         })?;
         Ok(CudaStorage::wrap_cuda_slice(y, device))
     })
 }
 
-pub(crate) fn swiglu_backward(gate: Arg, up: Arg, grad: Arg) -> Result<(CudaStorage, CudaStorage)> {
-    const OP: &str = "swiglu backward";
+/// `(dgate, dup)` of [`gated_forward`] for the output gradient `grad`.
+pub(crate) fn gated_backward(
+    kind: Activation,
+    gate: Arg,
+    up: Arg,
+    grad: Arg,
+) -> Result<(CudaStorage, CudaStorage)> {
+    const OP: &str = "gated activation backward";
     let device = gate.0.device.clone();
     by_dtype!(gate.0.dtype(), OP, |T| {
         let gate_view = view::<T>(OP, "the gate", gate)?;
@@ -561,8 +584,9 @@ pub(crate) fn swiglu_backward(gate: Arg, up: Arg, grad: Arg) -> Result<(CudaStor
         let mut dgate = alloc_out::<T>(&device, len)?;
         let mut dup = alloc_out::<T>(&device, len)?;
         launch_on(OP, gate, |kernels, stream| {
-            kernels.swiglu_backward(
+            kernels.gated_backward(
                 stream,
+                activation_kind(kind),
                 &gate_view,
                 &up,
                 &grad,

@@ -1,8 +1,8 @@
 //! Fused transformer ops with their own backward: causal attention (over a
 //! packed `qkv`, or separate `q`, `k`, `v` with grouped K/V heads, also
 //! within a sliding window),
-//! GELU (tanh and erf forms), SiLU, SwiGLU's gate, rotary embeddings and
-//! cross-entropy, each one custom op on the CPU and on CUDA.
+//! GELU (tanh and erf forms), SiLU, SwiGLU's and GeGLU's gates, rotary
+//! embeddings and cross-entropy, each one custom op on the CPU and on CUDA.
 //!
 //! Candle composes these from element-wise and reduction ops, and keeps
 //! every intermediate until backward (a `[batch, heads, T, T]` tensor
@@ -37,7 +37,7 @@ pub use attention::{
 pub use attention_dims::AttentionDims;
 pub use cross_entropy::{cross_entropy, cross_entropy_with_ignore};
 pub use rotary::rotary_embedding;
-pub use swiglu::swiglu;
+pub use swiglu::{geglu, swiglu};
 
 /// What a cuBLASLt GEMM of a `Linear` wrote (`cuda::linear_forward`).
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]

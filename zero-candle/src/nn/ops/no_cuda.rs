@@ -60,6 +60,7 @@ pub(crate) fn norm_forward(
     _bias: Option<Arg>,
     _eps: f64,
     _remove_mean: bool,
+    _weight_offset: f64,
 ) -> Result<CudaStorage> {
     no_cuda()
 }
@@ -71,6 +72,7 @@ pub(crate) fn residual_norm_forward(
     _bias: Option<Arg>,
     _eps: f64,
     _remove_mean: bool,
+    _weight_offset: f64,
 ) -> Result<(CudaStorage, CudaStorage)> {
     no_cuda()
 }
@@ -82,6 +84,7 @@ pub(crate) fn norm_backward(
     _grad: Arg,
     _eps: f64,
     _remove_mean: bool,
+    _weight_offset: f64,
     _want_x: bool,
 ) -> Result<(Option<CudaStorage>, CudaStorage, CudaStorage)> {
     no_cuda()
@@ -127,11 +130,12 @@ pub(crate) fn column_sums(_grad: Arg) -> Result<CudaStorage> {
     no_cuda()
 }
 
-pub(crate) fn swiglu_forward(_gate: Arg, _up: Arg) -> Result<CudaStorage> {
+pub(crate) fn gated_forward(_kind: Activation, _gate: Arg, _up: Arg) -> Result<CudaStorage> {
     no_cuda()
 }
 
-pub(crate) fn swiglu_backward(
+pub(crate) fn gated_backward(
+    _kind: Activation,
     _gate: Arg,
     _up: Arg,
     _grad: Arg,

@@ -1,18 +1,18 @@
-//! SwiGLU's gate, `silu(gate) * up`, as one op whose backward gives both
-//! gradients in one pass.
+//! The gate of a gated MLP, `act(gate) * up`, as one op whose backward
+//! gives both gradients in one pass: SwiGLU (`silu`, Llama's) and GeGLU
+//! (tanh-form `gelu`, Gemma's).
 
 use super::super::cpu;
 use super::super::elem::{dispatch_float, Accum, Elem};
 use super::super::storage::{tensor_from, with_cuda};
-use super::activation::silu_at;
+use super::activation::{gelu_erf_at, gelu_tanh, silu_at};
+use super::activation_kind::Activation;
 use super::cuda;
 use candle_core::backend::BackendStorage;
 use candle_core::{
     bail, CpuStorage, CudaStorage, CustomOp2, Layout, Result, Shape, Storage, Tensor, WithDType,
 };
 use rayon::prelude::*;
-
-const OP: &str = "swiglu";
 
 /// Elements per parallel chunk: large enough that splitting pays.
 const CHUNK: usize = 1 << 14;
@@ -34,41 +34,108 @@ const CHUNK: usize = 1 << 14;
 /// # Ok(()) }
 /// ```
 pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
-    if gate.dims() != up.dims() {
-        bail!(
-            "zero-candle {OP}: gate has shape {:?} but up has {:?}; pass the two projections \
-             of the same input",
-            gate.dims(),
-            up.dims()
-        )
-    }
-    if gate.dtype() != up.dtype() {
-        bail!(
-            "zero-candle {OP}: gate is {:?} but up is {:?}; convert one with .to_dtype()",
-            gate.dtype(),
-            up.dtype()
-        )
-    }
-    gate.contiguous()?.apply_op2(&up.contiguous()?, SwiGlu)
+    Gated(Activation::Silu).apply(gate, up)
 }
 
-struct SwiGlu;
+/// `gelu(gate) * up` with GELU's tanh form (`Tensor::gelu`), element-wise,
+/// the gated unit of a GeGLU MLP: Gemma's `act_fn(gate_proj(x)) *
+/// up_proj(x)` with transformers' `gelu_pytorch_tanh`. One op, as
+/// [`swiglu`]: the backward computes `grad * up * gelu'(gate)` and
+/// `grad * gelu(gate)` in one pass. `gate` and `up` have the same shape and
+/// dtype; 16-bit inputs compute in f32 and round once.
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// # fn main() -> candle_core::Result<()> {
+/// let gate = Tensor::new(&[-1f32, 0.0, 2.0], &Device::Cpu)?;
+/// let up = Tensor::new(&[3f32, 5.0, 0.5], &Device::Cpu)?;
+/// let y = zero_candle::nn::ops::geglu(&gate, &up)?.to_vec1::<f32>()?;
+/// assert!((y[2] - 0.5 * 1.9546).abs() < 1e-4);
+/// # Ok(()) }
+/// ```
+pub fn geglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    Gated(Activation::Gelu).apply(gate, up)
+}
 
-/// `silu(gate) * up`, in parallel chunks.
-fn forward<T: Elem>(gate: &[T], up: &[T]) -> Vec<T> {
+/// The op `(gate, up) -> act(gate) * up` for its activation.
+struct Gated(Activation);
+
+impl Gated {
+    /// The op's name in errors.
+    fn what(&self) -> &'static str {
+        match self.0 {
+            Activation::Silu => "swiglu",
+            Activation::Gelu => "geglu",
+            Activation::GeluErf => "geglu (erf)",
+        }
+    }
+
+    fn apply(self, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+        let what = self.what();
+        if gate.dims() != up.dims() {
+            bail!(
+                "zero-candle {what}: gate has shape {:?} but up has {:?}; pass the two \
+                 projections of the same input",
+                gate.dims(),
+                up.dims()
+            )
+        }
+        if gate.dtype() != up.dtype() {
+            bail!(
+                "zero-candle {what}: gate is {:?} but up is {:?}; convert one with .to_dtype()",
+                gate.dtype(),
+                up.dtype()
+            )
+        }
+        gate.contiguous()?.apply_op2(&up.contiguous()?, self)
+    }
+
+    /// `act(gate) * up` on the CPU, each activation its own loop.
+    fn forward<T: Elem>(&self, gate: &[T], up: &[T]) -> Vec<T> {
+        match self.0 {
+            Activation::Gelu => forward(gate, up, gelu_tanh),
+            Activation::GeluErf => forward(gate, up, gelu_erf_at),
+            Activation::Silu => forward(gate, up, silu_at),
+        }
+    }
+
+    /// `(dgate, dup)` on the CPU, each activation its own loop.
+    fn backward<T: Elem>(&self, gate: &[T], up: &[T], grad: &[T]) -> (Vec<T>, Vec<T>) {
+        match self.0 {
+            Activation::Gelu => backward(gate, up, grad, gelu_tanh),
+            Activation::GeluErf => backward(gate, up, grad, gelu_erf_at),
+            Activation::Silu => backward(gate, up, grad, silu_at),
+        }
+    }
+}
+
+/// `act(gate) * up`, in parallel chunks, `act` giving `(value, slope)`.
+/// Generic over `act` so that each activation gets its own loop, inlined.
+#[inline(always)]
+fn forward<T: Elem>(
+    gate: &[T],
+    up: &[T],
+    act: impl Fn(T::Acc) -> (T::Acc, T::Acc) + Sync,
+) -> Vec<T> {
     let mut out = vec![T::from_acc(T::Acc::ZERO); gate.len()];
     out.par_chunks_mut(CHUNK)
         .zip(gate.par_chunks(CHUNK).zip(up.par_chunks(CHUNK)))
         .for_each(|(out, (gate, up))| {
             for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
-                *o = T::from_acc(silu_at(g.acc()).0 * u.acc());
+                *o = T::from_acc(act(g.acc()).0 * u.acc());
             }
         });
     out
 }
 
 /// `(dgate, dup)` for the output gradient `grad`, in parallel chunks.
-fn backward<T: Elem>(gate: &[T], up: &[T], grad: &[T]) -> (Vec<T>, Vec<T>) {
+#[inline(always)]
+fn backward<T: Elem>(
+    gate: &[T],
+    up: &[T],
+    grad: &[T],
+    act: impl Fn(T::Acc) -> (T::Acc, T::Acc) + Sync,
+) -> (Vec<T>, Vec<T>) {
     let zero = T::from_acc(T::Acc::ZERO);
     let (mut dgate, mut dup) = (vec![zero; gate.len()], vec![zero; gate.len()]);
     dgate
@@ -80,18 +147,22 @@ fn backward<T: Elem>(gate: &[T], up: &[T], grad: &[T]) -> (Vec<T>, Vec<T>) {
             let outs = dgate.iter_mut().zip(dup.iter_mut());
             let ins = gate.iter().zip(up).zip(grad);
             for ((dg, du), ((&g, &u), &dy)) in outs.zip(ins) {
-                let (silu, slope) = silu_at(g.acc());
+                let (value, slope) = act(g.acc());
                 let dy = dy.acc();
                 *dg = T::from_acc(dy * u.acc() * slope);
-                *du = T::from_acc(dy * silu);
+                *du = T::from_acc(dy * value);
             }
         });
     (dgate, dup)
 }
 
-impl CustomOp2 for SwiGlu {
+impl CustomOp2 for Gated {
     fn name(&self) -> &'static str {
-        "zero-swiglu"
+        match self.0 {
+            Activation::Silu => "zero-swiglu",
+            Activation::Gelu => "zero-geglu",
+            Activation::GeluErf => "zero-geglu-erf",
+        }
     }
 
     fn cpu_fwd(
@@ -101,10 +172,10 @@ impl CustomOp2 for SwiGlu {
         up: &CpuStorage,
         up_layout: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let y = dispatch_float!(gate.dtype(), OP, |T| {
+        let y = dispatch_float!(gate.dtype(), self.what(), |T| {
             let gate = cpu::slice::<T>(gate, gate_layout, "the gate")?;
             let up = cpu::slice::<T>(up, up_layout, "up")?;
-            T::to_cpu_storage_owned(forward(gate, up))
+            T::to_cpu_storage_owned(self.forward(gate, up))
         });
         Ok((y, gate_layout.shape().clone()))
     }
@@ -116,7 +187,7 @@ impl CustomOp2 for SwiGlu {
         up: &CudaStorage,
         up_layout: &Layout,
     ) -> Result<(CudaStorage, Shape)> {
-        let y = cuda::swiglu_forward((gate, gate_layout), (up, up_layout))?;
+        let y = cuda::gated_forward(self.0, (gate, gate_layout), (up, up_layout))?;
         Ok((y, gate_layout.shape().clone()))
     }
 
@@ -133,7 +204,7 @@ impl CustomOp2 for SwiGlu {
             let (dgate, dup) = with_cuda(gate, "the gate", |gs, gl| {
                 with_cuda(up, "up", |us, ul| {
                     with_cuda(&grad, "the output gradient", |ds, dl| {
-                        cuda::swiglu_backward((gs, gl), (us, ul), (ds, dl))
+                        cuda::gated_backward(self.0, (gs, gl), (us, ul), (ds, dl))
                     })
                 })
             })?;
@@ -142,8 +213,8 @@ impl CustomOp2 for SwiGlu {
             let (dgate, dup) = cpu::with_cpu(gate, "the gate", |gs, gl| {
                 cpu::with_cpu(up, "up", |us, ul| {
                     cpu::with_cpu(&grad, "the output gradient", |ds, dl| {
-                        Ok(dispatch_float!(gs.dtype(), OP, |T| {
-                            let (dgate, dup) = backward::<T>(
+                        Ok(dispatch_float!(gs.dtype(), self.what(), |T| {
+                            let (dgate, dup) = self.backward::<T>(
                                 cpu::slice::<T>(gs, gl, "the gate")?,
                                 cpu::slice::<T>(us, ul, "up")?,
                                 cpu::slice::<T>(ds, dl, "the output gradient")?,

@@ -1,5 +1,5 @@
 //! Element-wise launches for [`LayerKernels`] (`activation_*`,
-//! `bias_activation_forward_*`, `swiglu_*` in layers.cu): one thread per
+//! `bias_activation_forward_*`, `gated_*` in layers.cu): one thread per
 //! element, the activation chosen by [`ActivationKind`] (or none: the bias
 //! add alone).
 
@@ -136,45 +136,49 @@ impl LayerKernels {
         Ok(())
     }
 
-    /// `y = silu(gate) * up`, element-wise (SwiGLU's gate).
-    pub fn swiglu_forward<E: LayerElement>(
+    /// `y = act(gate) * up`, element-wise: SwiGLU's gate with
+    /// [`ActivationKind::Silu`], GeGLU's with [`ActivationKind::Gelu`].
+    pub fn gated_forward<E: LayerElement>(
         &self,
         stream: &Arc<CudaStream>,
+        kind: ActivationKind,
         gate: &impl DevicePtr<E>,
         up: &impl DevicePtr<E>,
         y: &mut impl DevicePtrMut<E>,
     ) -> Result<()> {
-        const OP: &str = "swiglu_forward";
+        const OP: &str = "gated_forward";
         check_len(OP, "up", up.len(), gate.len())?;
         check_len(OP, "y", y.len(), gate.len())?;
         let Some(cfg) = self.config(OP, Launch::Elements(gate.len()))? else {
             return Ok(());
         };
         let n = gate.len() as i64;
+        let kind = kind as i32;
         let (gate, _g0) = gate.device_ptr(stream);
         let (up, _g1) = up.device_ptr(stream);
         let (y, _g2) = y.device_ptr_mut(stream);
-        let mut launch = stream.launch_builder(&self.swiglu_forward[E::INDEX]);
-        launch.arg(&gate).arg(&up).arg(&y).arg(&n);
+        let mut launch = stream.launch_builder(&self.gated_forward[E::INDEX]);
+        launch.arg(&gate).arg(&up).arg(&y).arg(&n).arg(&kind);
         // SAFETY: gate, up and y hold n `E`; the arguments match
-        // `swiglu_forward_*`.
+        // `gated_forward_*`.
         unsafe { launch.launch(cfg) }?;
         Ok(())
     }
 
-    /// Both gradients of [`LayerKernels::swiglu_forward`] in one pass:
-    /// `dgate = grad * up * silu'(gate)`, `dup = grad * silu(gate)`.
+    /// Both gradients of [`LayerKernels::gated_forward`] in one pass:
+    /// `dgate = grad * up * act'(gate)`, `dup = grad * act(gate)`.
     #[allow(clippy::too_many_arguments)]
-    pub fn swiglu_backward<E: LayerElement>(
+    pub fn gated_backward<E: LayerElement>(
         &self,
         stream: &Arc<CudaStream>,
+        kind: ActivationKind,
         gate: &impl DevicePtr<E>,
         up: &impl DevicePtr<E>,
         grad: &impl DevicePtr<E>,
         dgate: &mut impl DevicePtrMut<E>,
         dup: &mut impl DevicePtrMut<E>,
     ) -> Result<()> {
-        const OP: &str = "swiglu_backward";
+        const OP: &str = "gated_backward";
         let n = gate.len();
         check_len(OP, "up", up.len(), n)?;
         check_len(OP, "grad", grad.len(), n)?;
@@ -184,21 +188,23 @@ impl LayerKernels {
             return Ok(());
         };
         let n = n as i64;
+        let kind = kind as i32;
         let (gate, _g0) = gate.device_ptr(stream);
         let (up, _g1) = up.device_ptr(stream);
         let (g, _g2) = grad.device_ptr(stream);
         let (dgate, _g3) = dgate.device_ptr_mut(stream);
         let (dup, _g4) = dup.device_ptr_mut(stream);
-        let mut launch = stream.launch_builder(&self.swiglu_backward[E::INDEX]);
+        let mut launch = stream.launch_builder(&self.gated_backward[E::INDEX]);
         launch
             .arg(&gate)
             .arg(&up)
             .arg(&g)
             .arg(&dgate)
             .arg(&dup)
-            .arg(&n);
+            .arg(&n)
+            .arg(&kind);
         // SAFETY: every buffer holds n `E`; the arguments match
-        // `swiglu_backward_*`.
+        // `gated_backward_*`.
         unsafe { launch.launch(cfg) }?;
         Ok(())
     }
