@@ -1,7 +1,7 @@
 //! The hub models (GPT-2 and the Llama family: Llama with grouped and tied
 //! heads, Qwen2 with YaRN, Qwen3 with its head norms and a sliding window,
-//! Phi-3 with fused projections, Gemma and Gemma 3 with their offset norms
-//! and GELU-gated MLP) on the GPU against `transformers`: the
+//! Phi-3 with fused projections, Gemma, Gemma 2 and Gemma 3 with their
+//! offset norms, GELU-gated MLP and capped scores and logits) on the GPU against `transformers`: the
 //! fixtures of `tests/fixtures/{gpt2,llama}` (tiny random models and the
 //! logits and one SGD step `transformers` and `torch.optim.SGD` compute in
 //! f64) trained at stage 3, at one rank on NCCL with the device built as
@@ -31,7 +31,7 @@ const TOLERANCE: f64 = 1e-4;
 
 /// The fixture folders with their golden file and the prefix of their
 /// golden names.
-const FIXTURES: [(&str, &str); 8] = [
+const FIXTURES: [(&str, &str); 9] = [
     ("gpt2/tiny", ""),
     ("llama/gqa", "gqa."),
     ("llama/tied", "tied."),
@@ -40,6 +40,7 @@ const FIXTURES: [(&str, &str); 8] = [
     ("llama/phi3", "phi3."),
     ("llama/gemma", "gemma."),
     ("llama/gemma3", "gemma3."),
+    ("llama/gemma2", "gemma2."),
 ];
 
 /// The fixtures: under the current directory when it is the repository's

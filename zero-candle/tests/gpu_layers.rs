@@ -3,7 +3,8 @@
 //! bias) of causal attention (packed, and split with grouped K/V heads,
 //! also within sliding windows; bf16 and f16 on tensor cores from sm_80;
 //! heads of 256, wider than the kernels, composed), LayerNorm/RMSNorm (also after
-//! a residual add), GELU (both forms), SiLU, SwiGLU, rotary embeddings,
+//! a residual add; RMSNorm also with Gemma's weight offset), GELU (both
+//! forms), SiLU, SwiGLU, GeGLU, rotary embeddings,
 //! cross-entropy and the `Embedding` table's gradient, and `Linear` (alone,
 //! and with its activation in one op, `forward_activated`; its bias gradient
 //! also over up to 70001 rows, in f64 too) through Candle's GEMM and through cuBLASLt
@@ -19,8 +20,8 @@
 use candle_core::{DType, Device, Module, Result, Tensor, Var};
 use zero_candle::nn::ops::{
     causal_attention, causal_self_attention, causal_self_attention_rows, cross_entropy,
-    cross_entropy_with_ignore, gelu, gelu_erf, rotary_embedding, silu, sliding_window_attention,
-    swiglu,
+    cross_entropy_with_ignore, geglu, gelu, gelu_erf, rotary_embedding, silu,
+    sliding_window_attention, swiglu,
 };
 use zero_candle::nn::{set_linear_cublaslt, Activation, Embedding, LayerNorm, Linear, RmsNorm};
 
@@ -326,6 +327,19 @@ fn layer_norm_and_rms_norm_match_the_cpu() -> Result<()> {
                 &upstream,
                 &|t| RmsNorm::new(t[1].clone(), 1e-5, None).forward(&t[0]),
             )?;
+            // Gemma's: a weight centred on zero, scaling by 1 + w.
+            let centred = values(&[n], 90 + seed, 0.5, dtype)?;
+            compare(
+                &format!("RmsNorm with a weight offset {shape:?}"),
+                dtype,
+                &[&x, &centred],
+                &upstream,
+                &|t| {
+                    RmsNorm::new(t[1].clone(), 1e-5, None)
+                        .with_weight_offset(1.0)
+                        .forward(&t[0])
+                },
+            )?;
         }
     }
     Ok(())
@@ -365,6 +379,17 @@ fn norms_after_a_residual_add_match_the_cpu() -> Result<()> {
                 &[&x, &residual, &w],
                 &upstream,
                 &|t| stack(RmsNorm::new(t[2].clone(), 1e-5, None).forward_residual(&t[0], &t[1])?),
+            )?;
+            let centred = (&w - 1.0)?;
+            compare(
+                &format!("RmsNorm with a weight offset after a residual add {shape:?}"),
+                dtype,
+                &[&x, &residual, &centred],
+                &upstream,
+                &|t| {
+                    let norm = RmsNorm::new(t[2].clone(), 1e-5, None).with_weight_offset(1.0);
+                    stack(norm.forward_residual(&t[0], &t[1])?)
+                },
             )?;
             // On the GPU too, `h` is the add's, bit for bit.
             let (x, residual) = (x.to_device(&gpu())?, residual.to_device(&gpu())?);
@@ -541,7 +566,7 @@ fn compare_linear(
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
-fn swiglu_matches_the_cpu() -> Result<()> {
+fn swiglu_and_geglu_match_the_cpu() -> Result<()> {
     let shapes: [&[usize]; 3] = [&[1], &[1000], &[3, 257]];
     for dtype in DTYPES {
         for (seed, shape) in shapes.iter().enumerate() {
@@ -555,6 +580,13 @@ fn swiglu_matches_the_cpu() -> Result<()> {
                 &[&gate, &up],
                 &upstream,
                 &|t| swiglu(&t[0], &t[1]),
+            )?;
+            compare(
+                &format!("geglu {shape:?}"),
+                dtype,
+                &[&gate, &up],
+                &upstream,
+                &|t| geglu(&t[0], &t[1]),
             )?;
         }
     }

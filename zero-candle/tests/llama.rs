@@ -1,7 +1,7 @@
 //! Llama from a hub directory against `transformers` itself: the fixtures in
 //! `tests/fixtures/llama/` (tiny random `LlamaForCausalLM`s with grouped
 //! key/value heads, one with an untied head and one tied with llama3 RoPE
-//! scaling; a Mistral, a Qwen2, a Qwen3, a Phi-3, a Gemma and a Gemma 3; and
+//! scaling; a Mistral, a Qwen2, a Qwen3, a Phi-3 and Gemma 1, 2 and 3; and
 //! the logits, loss, gradients and one SGD step each computes on a fixed
 //! batch) are made by `make_fixtures.py` there.
 
@@ -42,12 +42,13 @@ fn logits_loss_and_gradients_equal_transformers() {
         ("phi3", 15),
         ("gemma", 20),
         ("gemma3", 28),
+        ("gemma2", 24),
     ];
     for (fixture, variables) in cases {
         let (config, map) = Llama::open_hub(fixtures().join(fixture)).unwrap();
         assert_eq!(
             config.tie_word_embeddings,
-            matches!(fixture, "tied" | "qwen3" | "gemma" | "gemma3")
+            matches!(fixture, "tied" | "qwen3" | "gemma" | "gemma3" | "gemma2")
         );
         assert_eq!(config.qk_norm, matches!(fixture, "qwen3" | "gemma3"));
         assert_eq!(config.fused_projections, fixture == "phi3");
@@ -131,6 +132,7 @@ fn one_sgd_step_equals_torch_at_stage_0_and_at_stage_3_on_two_ranks() {
         ("phi3", Stage::Parameters, 2, 15),
         ("gemma", Stage::Parameters, 2, 20),
         ("gemma3", Stage::Parameters, 2, 28),
+        ("gemma2", Stage::Parameters, 2, 24),
     ] {
         let out = tempfile::tempdir().unwrap();
         Run::new(stage, world, 1).train(&fixtures().join(fixture), &ids, out.path());
@@ -220,7 +222,9 @@ fn both_config_forms_read_alike_and_llama3_scales_the_low_frequencies() {
     let gqa = LlamaConfig::from_json(&config_of("gqa")).unwrap();
     assert_eq!((gqa.num_attention_heads, gqa.num_key_value_heads), (4, 2));
     assert!(gqa.rope.scaling == RopeScaling::None && gqa.rope.theta == 10000.0);
-    for fixture in ["gqa", "tied", "qwen2", "qwen3", "phi3", "gemma", "gemma3"] {
+    for fixture in [
+        "gqa", "tied", "qwen2", "qwen3", "phi3", "gemma", "gemma3", "gemma2",
+    ] {
         let config = LlamaConfig::from_json(&config_of(fixture)).unwrap();
         let stored: usize = hub_tensors(&fixtures().join(fixture))
             .values()
@@ -312,7 +316,7 @@ fn yarn_and_linear_scaling_are_transformers() {
 fn unusable_configs_are_errors_naming_the_key() {
     let base = config_of("gqa");
     let cases: [(&str, serde_json::Value, &str); 12] = [
-        ("model_type", "gemma2".into(), "model_type"),
+        ("model_type", "falcon".into(), "model_type"),
         (
             "architectures",
             serde_json::json!(["MistralForCausalLM"]),
@@ -391,10 +395,9 @@ fn causal_lm_opens_either_model_by_its_model_type() {
     assert!(matches!(config, HubConfig::Gpt2(_)));
     assert_eq!(config.max_positions(), (32, "n_positions"));
     let mut other = config_of("gqa");
-    other["model_type"] = "gemma2".into();
+    other["model_type"] = "falcon".into();
     let err = HubConfig::from_json(&other).unwrap_err();
     assert!(err.contains("model_type") && err.contains("llama"), "{err}");
-    assert!(err.contains("attention scores"), "Gemma 2's reason: {err}");
     other["model_type"] = "gemma3".into();
     let err = HubConfig::from_json(&other).unwrap_err();
     assert!(err.contains("gemma3_text"), "{err}");
@@ -483,7 +486,8 @@ fn sliding_windows_apply_where_transformers_applies_them() {
     assert_eq!(empty.dims(), &[2, 0, config.vocab_size]);
 }
 
-/// Gemma's settings read as `transformers` reads them: Gemma 3's rotary
+/// Gemma's settings read as `transformers` reads them: Gemma 2's windows
+/// and caps; Gemma 3's rotary
 /// parameters per layer type (transformers 5) and its earlier form
 /// (`rope_theta`, `rope_scaling` for the full layers, `rope_local_base_freq`
 /// for the sliding ones, `sliding_window_pattern` for the layer types) read
@@ -580,9 +584,35 @@ fn gemma_configs_read_as_transformers_reads_them() {
     assert_eq!(legacy.head_dim, 256, "transformers' default");
     assert!(legacy.tie_word_embeddings, "transformers' default");
 
-    let refused: [(&str, &str, serde_json::Value); 5] = [
-        ("gemma3", "attn_logit_softcapping", 50.0.into()),
+    // Gemma 2: every other layer windowed where layer_types does not say,
+    // its scores capped; Gemma 3 reads no cap on the scores, as
+    // transformers applies none.
+    let mut gemma2 = config_of("gemma2");
+    let parsed = LlamaConfig::from_json(&gemma2).unwrap();
+    assert_eq!(parsed.attn_logit_softcapping, Some(1.0));
+    assert_eq!(parsed.final_logit_softcapping, Some(0.5));
+    assert!(parsed.output_norms && !parsed.qk_norm && parsed.local_rope.is_none());
+    gemma2.as_object_mut().unwrap().remove("layer_types");
+    gemma2["num_hidden_layers"] = 3.into();
+    let layers = LlamaConfig::from_json(&gemma2)
+        .unwrap()
+        .sliding_window
+        .unwrap()
+        .layers;
+    assert_eq!(layers, [true, false, true]);
+    let mut capped = config_of("gemma3");
+    capped["attn_logit_softcapping"] = 50.0.into();
+    assert_eq!(
+        LlamaConfig::from_json(&capped)
+            .unwrap()
+            .attn_logit_softcapping,
+        None
+    );
+
+    let refused: [(&str, &str, serde_json::Value); 6] = [
+        ("gemma2", "attn_logit_softcapping", (-1.0).into()),
         ("gemma3", "use_bidirectional_attention", true.into()),
+        ("gemma2", "hidden_activation", "relu".into()),
         ("gemma3", "hidden_activation", "gelu".into()),
         ("gemma", "hidden_act", "silu".into()),
         ("gemma3", "final_logit_softcapping", 0.0.into()),

@@ -87,9 +87,6 @@ impl HubConfig {
 
 /// A causal language model of the hub: GPT-2 or Llama (Mistral, Qwen2,
 /// Qwen3, Phi-3, Gemma and Gemma 3 included).
-// A program holds one or two models: the variants' sizes do not matter, and
-// boxing one would only change how callers match them.
-#[allow(clippy::large_enum_variant)]
 pub enum CausalLm {
     /// GPT-2.
     Gpt2(Gpt2),

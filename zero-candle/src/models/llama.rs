@@ -9,10 +9,12 @@
 //! its query, key and value projections one weight (`qkv_proj`) and its gate
 //! and up projections another (`gate_up_proj`). And Gemma
 //! (`GemmaForCausalLM`): RMS norms that scale by `1 + weight`, the token
-//! embeddings times `√hidden_size`, a GELU-gated MLP; Gemma 3's text model
-//! (`Gemma3ForCausalLM`) adds norms of each query and key head and of the
-//! attention's and the MLP's outputs, its own score scale, a rotation of its
-//! own in the sliding-window layers and soft-capped logits.
+//! embeddings times `√hidden_size`, a GELU-gated MLP; Gemma 2
+//! (`Gemma2ForCausalLM`) adds norms of the attention's and the MLP's
+//! outputs, its own score scale, windows in every other layer and
+//! soft-capped scores and logits; Gemma 3's text model (`Gemma3ForCausalLM`)
+//! has Gemma 2's norms and scale, norms of each query and key head, a
+//! rotation of its own in the sliding-window layers and capped logits.
 //!
 //! The variables carry the hub's names (`model.embed_tokens.weight`,
 //! `model.layers.{i}.self_attn.q_proj.weight`, ..., `model.norm.weight`,
@@ -88,15 +90,19 @@ pub struct LlamaConfig {
     /// `√hidden_size`, rounded to the model's dtype as `transformers`
     /// rounds it).
     pub embedding_scale: Option<f64>,
-    /// Gemma 3's norms of the attention's output and of the MLP's
+    /// Gemma 2's and 3's norms of the attention's output and of the MLP's
     /// (`post_attention_layernorm`, `post_feedforward_layernorm`), each
     /// before its residual add; the MLP's input norm is then
     /// `pre_feedforward_layernorm`.
     pub output_norms: bool,
     /// Attention scores scaled by `query_pre_attn_scalar^-1/2` rather than
-    /// `head_dim^-1/2` (Gemma 3).
+    /// `head_dim^-1/2` (Gemma 2 and 3).
     pub query_pre_attn_scalar: Option<f64>,
-    /// The logits capped as `cap · tanh(logits / cap)` (Gemma 3's
+    /// The attention scores capped as `cap · tanh(scores / cap)` before the
+    /// mask (Gemma 2's `attn_logit_softcapping`; computed in composed ops,
+    /// [`ops::softcapped_attention`]).
+    pub attn_logit_softcapping: Option<f64>,
+    /// The logits capped as `cap · tanh(logits / cap)` (Gemma 2's and 3's
     /// `final_logit_softcapping`).
     pub final_logit_softcapping: Option<f64>,
     /// The rotation of the sliding-window layers where it differs from
@@ -189,8 +195,8 @@ const DEFAULT_WINDOW: usize = 4096;
 #[derive(Clone, Copy, PartialEq)]
 enum Windows {
     /// In the layers `layer_types` names, or all but every
-    /// `sliding_window_pattern`-th (6 when absent) (Gemma 3).
-    Typed,
+    /// `sliding_window_pattern`-th (`pattern` when absent) (Gemma 2, 3).
+    Typed { pattern: usize },
     /// It does not (Llama).
     Never,
     /// In every layer (Mistral, Phi-3), `missing` where the file leaves
@@ -200,9 +206,6 @@ enum Windows {
     /// (or from `max_window_layers` on) (Qwen2, Qwen3).
     Switched,
 }
-
-/// `transformers`' `sliding_window_pattern` (Gemma 3).
-const DEFAULT_WINDOW_PATTERN: usize = 6;
 
 /// Settings of a Llama config.json this model does not implement, with the
 /// value it implements; any other value is an error naming the key.
@@ -218,8 +221,12 @@ enum Gemma {
     /// the file says otherwise.
     One,
     /// Gemma's, with `hidden_activation`, norms of the attention's and the
-    /// MLP's outputs, `query_pre_attn_scalar`, `final_logit_softcapping`,
-    /// and the rotary parameters per layer type.
+    /// MLP's outputs, `query_pre_attn_scalar`, `attn_logit_softcapping`
+    /// and `final_logit_softcapping`.
+    Two,
+    /// Gemma 2's without `attn_logit_softcapping` (which transformers
+    /// does not apply), with norms of each query and key head and the
+    /// rotary parameters per layer type.
     Three,
 }
 
@@ -241,7 +248,7 @@ struct Family {
 }
 
 /// The families read as Llama.
-const FAMILIES: [Family; 7] = [
+const FAMILIES: [Family; 8] = [
     Family {
         model_type: "llama",
         architectures: ["LlamaForCausalLM", "LlamaModel"],
@@ -305,13 +312,23 @@ const FAMILIES: [Family; 7] = [
         gemma: Some(Gemma::One),
     },
     Family {
+        model_type: "gemma2",
+        architectures: ["Gemma2ForCausalLM", "Gemma2Model"],
+        qkv_bias: false,
+        qk_norm: false,
+        fused: false,
+        longrope: false,
+        windows: Windows::Typed { pattern: 2 },
+        gemma: Some(Gemma::Two),
+    },
+    Family {
         model_type: "gemma3_text",
         architectures: ["Gemma3ForCausalLM", "Gemma3TextModel"],
         qkv_bias: false,
         qk_norm: true,
         fused: false,
         longrope: false,
-        windows: Windows::Typed,
+        windows: Windows::Typed { pattern: 6 },
         gemma: Some(Gemma::Three),
     },
 ];
@@ -324,7 +341,6 @@ pub(crate) fn reads(kind: &str) -> bool {
 /// Why a relative of the families here is not read, for messages.
 pub(crate) fn why_not(kind: &str) -> &'static str {
     match kind {
-        "gemma2" => " (Gemma 2 caps its attention scores, which the fused attention does not)",
         "gemma3" => {
             " (a Gemma 3 with vision: the text-only checkpoints, model_type \"gemma3_text\", \
              are read)"
@@ -335,14 +351,14 @@ pub(crate) fn why_not(kind: &str) -> &'static str {
 
 /// The `model_type`s read as Llama, for messages.
 pub(crate) const LLAMA_TYPES: &str =
-    "\"llama\", \"mistral\", \"qwen2\", \"qwen3\", \"phi3\", \"gemma\" and \"gemma3_text\"";
+    "\"llama\", \"mistral\", \"qwen2\", \"qwen3\", \"phi3\", \"gemma\", \"gemma2\" and \"gemma3_text\"";
 
 impl LlamaConfig {
     /// Reads a hub `config.json` of a Llama, Mistral, Qwen2, Qwen3, Phi-3,
-    /// Gemma or Gemma 3 text model (by `model_type`; Llama without one): an
-    /// error names the key whose value this model cannot honour (another
-    /// architecture, MLP biases, another activation, a rotary scaling it
-    /// does not implement, Gemma's capped attention scores, ...). Reads the
+    /// Gemma, Gemma 2 or Gemma 3 text model (by `model_type`; Llama without
+    /// one): an error names the key whose value this model cannot honour
+    /// (another architecture, MLP biases, another activation, a rotary
+    /// scaling it does not implement, bidirectional attention, ...). Reads the
     /// rotary settings from `rope_parameters` (transformers 5) or from
     /// `rope_theta` and `rope_scaling` (earlier files).
     pub fn from_json(config: &serde_json::Value) -> std::result::Result<Self, String> {
@@ -380,7 +396,8 @@ impl LlamaConfig {
                 None,
             ),
         };
-        let three = |value: Option<f64>| value.filter(|_| gemma == Some(Gemma::Three));
+        // Gemma 2's and 3's settings (Gemma reads none of them).
+        let later = |value: Option<f64>| value.filter(|_| gemma.is_some_and(|g| g != Gemma::One));
         let parsed = Self {
             vocab_size: plain.vocab_size,
             hidden_size: plain.hidden_size,
@@ -410,9 +427,12 @@ impl LlamaConfig {
             mlp_activation: mlp_activation(config, gemma)?,
             norm_weight_offset: if gemma.is_some() { 1.0 } else { 0.0 },
             embedding_scale: gemma.map(|_| (plain.hidden_size as f64).sqrt()),
-            output_norms: gemma == Some(Gemma::Three),
-            query_pre_attn_scalar: three(plain.query_pre_attn_scalar),
-            final_logit_softcapping: three(plain.final_logit_softcapping),
+            output_norms: gemma.is_some_and(|g| g != Gemma::One),
+            query_pre_attn_scalar: later(plain.query_pre_attn_scalar),
+            attn_logit_softcapping: plain
+                .attn_logit_softcapping
+                .filter(|_| gemma == Some(Gemma::Two)),
+            final_logit_softcapping: later(plain.final_logit_softcapping),
             local_rope,
         };
         parsed.validate()?;
@@ -456,6 +476,7 @@ impl LlamaConfig {
         }
         let positive = [
             ("query_pre_attn_scalar", self.query_pre_attn_scalar),
+            ("attn_logit_softcapping", self.attn_logit_softcapping),
             ("final_logit_softcapping", self.final_logit_softcapping),
         ];
         for (key, value) in positive {
@@ -545,12 +566,9 @@ fn sliding_window_of(
             Some(types) => typed(types),
             None => (0..n).map(|i| i >= plain.max_window_layers).collect(),
         },
-        Windows::Typed => match &plain.layer_types {
+        Windows::Typed { pattern } => match &plain.layer_types {
             Some(types) => typed(types),
-            None => match plain
-                .sliding_window_pattern
-                .unwrap_or(DEFAULT_WINDOW_PATTERN)
-            {
+            None => match plain.sliding_window_pattern.unwrap_or(pattern) {
                 0 => return Err("`sliding_window_pattern` is 0; set it to at least 1".into()),
                 pattern => (0..n).map(|i| (i + 1) % pattern != 0).collect(),
             },
@@ -585,7 +603,7 @@ fn mlp_activation(
     let (key, accepted): (&str, &[&str]) = match gemma {
         None => ("hidden_act", &["silu"]),
         Some(Gemma::One) => ("hidden_act", &["gelu_pytorch_tanh", "gelu_new", "gelu"]),
-        Some(Gemma::Three) => ("hidden_activation", &TANH),
+        Some(Gemma::Two | Gemma::Three) => ("hidden_activation", &TANH),
     };
     match config.get(key).filter(|v| !v.is_null()) {
         Some(value) if !accepted.iter().any(|a| value == a) => Err(format!(
@@ -599,12 +617,6 @@ fn mlp_activation(
 
 /// An error naming the first Gemma setting this model does not implement.
 fn refuse_gemma_settings(plain: &Plain) -> std::result::Result<(), String> {
-    if let Some(cap) = plain.attn_logit_softcapping {
-        return Err(format!(
-            "`attn_logit_softcapping` is {cap}; the fused attention does not cap scores (Gemma \
-             2's): use a checkpoint whose config sets it to null"
-        ));
-    }
     if plain.use_bidirectional_attention == Some(true) {
         return Err(
             "`use_bidirectional_attention` is true; only causal attention is supported".into(),
@@ -761,7 +773,7 @@ impl RotationCache {
 
 /// One pre-norm block: `x + attn(input_layernorm(x))`, then `x +
 /// mlp(mlp_norm(x))`, the first add in the second norm's pass
-/// ([`RmsNorm::forward_residual`]); with Gemma 3's output norms, `x +
+/// ([`RmsNorm::forward_residual`]); with Gemma 2's and 3's output norms, `x +
 /// attn_out_norm(attn(..))` and `x + mlp_out_norm(mlp(..))`.
 #[derive(Clone)]
 struct Block {
@@ -770,23 +782,25 @@ struct Block {
     o_proj: Linear,
     /// Qwen3's and Gemma 3's norms of each query and key head.
     qk_norms: Option<(RmsNorm, RmsNorm)>,
-    /// Gemma 3's norm of the attention's output (its
+    /// Gemma 2's and 3's norm of the attention's output (their
     /// `post_attention_layernorm`).
     attn_out_norm: Option<RmsNorm>,
-    /// The MLP's input norm: Llama's `post_attention_layernorm`, Gemma 3's
+    /// The MLP's input norm: Llama's `post_attention_layernorm`, Gemma 2's and 3's
     /// `pre_feedforward_layernorm`.
     mlp_norm: RmsNorm,
     gate_up: Projections<2>,
     activation: Activation,
     down_proj: Linear,
-    /// Gemma 3's norm of the MLP's output (`post_feedforward_layernorm`).
+    /// Gemma 2's and 3's norm of the MLP's output (`post_feedforward_layernorm`).
     mlp_out_norm: Option<RmsNorm>,
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
     /// The queries' factor that turns the fused attention's `head_dim^-1/2`
-    /// into the model's score scale (Gemma 3's `query_pre_attn_scalar`).
+    /// into the model's score scale (Gemma's `query_pre_attn_scalar`).
     query_factor: Option<f64>,
+    /// Gemma 2's cap on the attention scores.
+    score_cap: Option<f64>,
     /// The sliding window of this layer, if it has one.
     window: Option<usize>,
     /// This layer rotates with the local rotation (Gemma 3's sliding
@@ -867,9 +881,10 @@ impl Block {
         let v = heads(v, self.kv_heads)?;
         // Each key/value head serves `heads / kv_heads` consecutive query
         // heads (`repeat_kv`), inside the op: no repeated copies.
-        let y = match self.window {
-            Some(window) => ops::sliding_window_attention(&q, &k, &v, window)?,
-            None => ops::causal_attention(&q, &k, &v)?,
+        let y = match (self.score_cap, self.window) {
+            (Some(cap), window) => ops::softcapped_attention(&q, &k, &v, window, cap)?,
+            (None, Some(window)) => ops::sliding_window_attention(&q, &k, &v, window)?,
+            (None, None) => ops::causal_attention(&q, &k, &v)?,
         };
         let y = y.reshape((rows, self.heads * self.head_dim))?;
         let attended = normed_output(self.o_proj.forward(&y)?, self.attn_out_norm.as_ref())?;
@@ -885,7 +900,8 @@ impl Block {
     }
 }
 
-/// `y`, or its norm where the model has one (Gemma 3's output norms).
+/// `y`, or its norm where the model has one (Gemma 2's and 3's output
+/// norms).
 fn normed_output(y: Tensor, norm: Option<&RmsNorm>) -> candle_core::Result<Tensor> {
     match norm {
         Some(norm) => norm.forward(&y),
@@ -903,7 +919,7 @@ struct Rotations {
 
 /// Llama with its language-model head, built from [`crate::nn`]'s layers.
 pub struct Llama {
-    config: LlamaConfig,
+    config: Box<LlamaConfig>,
     embed_tokens: Embedding,
     blocks: Vec<Block>,
     norm: RmsNorm,
@@ -1014,6 +1030,7 @@ impl Llama {
                 kv_heads: config.num_key_value_heads,
                 head_dim: config.head_dim,
                 query_factor,
+                score_cap: config.attn_logit_softcapping,
                 window: config
                     .sliding_window
                     .as_ref()
@@ -1028,7 +1045,7 @@ impl Llama {
             linear(vb.pp("lm_head"), d, config.vocab_size)?
         };
         Ok(Self {
-            config: config.clone(),
+            config: Box::new(config.clone()),
             embed_tokens: Embedding::new(embed, d, hook.clone()),
             blocks,
             norm: norm(model.pp("norm"))?,

@@ -17,7 +17,7 @@ use candle_core::{DType, Device, Tensor};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use std::sync::Arc;
 use std::time::Instant;
-use zero_candle::models::{CausalLm, Gpt2Config, HubConfig, LlamaConfig, Rope, RopeScaling};
+use zero_candle::models::{CausalLm, Gpt2Config, HubConfig, LlamaConfig};
 use zero_candle::nn::GradHook;
 use zero_candle::{NcclZeroOptimizer, ShardedVarMap, ZeroHook, ZeroOptimizer};
 use zero_core::engine::{EngineConfig, Stage};
@@ -59,29 +59,21 @@ impl HubCase {
     /// TinyLlama-1.1B's shape (`hf_peer.py`'s `tinyllama`) at stage 3, 4
     /// sequences of 2048 tokens.
     pub(super) fn tinyllama() -> Self {
-        let config = LlamaConfig {
-            vocab_size: 32000,
-            hidden_size: 2048,
-            intermediate_size: 5632,
-            num_hidden_layers: 22,
-            num_attention_heads: 32,
-            num_key_value_heads: 4,
-            head_dim: 64,
-            max_position_embeddings: 2048,
-            rms_norm_eps: 1e-5,
-            rope: Rope {
-                theta: 10_000.0,
-                scaling: RopeScaling::None,
-            },
-            tie_word_embeddings: false,
-            initializer_range: 0.02,
-            qkv_bias: false,
-            o_bias: false,
-            qk_norm: false,
-            fused_projections: false,
-            sliding_window: None,
-            pad_token_id: None,
-        };
+        // TinyLlama's config.json, as a user's checkpoint gives it.
+        let config = LlamaConfig::from_json(&serde_json::json!({
+            "model_type": "llama",
+            "vocab_size": 32000,
+            "hidden_size": 2048,
+            "intermediate_size": 5632,
+            "num_hidden_layers": 22,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 4,
+            "max_position_embeddings": 2048,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 10000.0,
+            "tie_word_embeddings": false,
+        }))
+        .expect("TinyLlama's shape is a valid config");
         Self {
             name: "llama_1b",
             config: HubConfig::Llama(config),

@@ -212,6 +212,45 @@ pub fn sliding_window_attention(
     split_attention(q, k, v, dims)
 }
 
+/// [`causal_attention`] (within `window` positions when given, as
+/// [`sliding_window_attention`]) with every score capped as `cap ·
+/// tanh(score / cap)` before the mask: Gemma 2's
+/// `attn_logit_softcapping`. No fused kernel caps scores, so this runs
+/// composed of Candle's ops on every device, as `transformers`' eager
+/// attention does: it keeps the `[batch, heads, time, time]` scores and
+/// weights for backward.
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// # fn main() -> candle_core::Result<()> {
+/// let q = Tensor::randn(0f32, 1.0, (1, 6, 2, 4), &Device::Cpu)?;
+/// let k = Tensor::randn(0f32, 1.0, (1, 6, 1, 4), &Device::Cpu)?;
+/// let v = Tensor::randn(0f32, 1.0, (1, 6, 1, 4), &Device::Cpu)?;
+/// let y = zero_candle::nn::ops::softcapped_attention(&q, &k, &v, Some(3), 50.0)?;
+/// assert_eq!(y.dims(), &[1, 6, 2, 4]);
+/// # Ok(()) }
+/// ```
+pub fn softcapped_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    window: Option<usize>,
+    cap: f64,
+) -> Result<Tensor> {
+    if !(cap > 0.0 && cap.is_finite()) {
+        candle_core::bail!(
+            "zero-candle softcapped_attention: the cap is {cap}; pass a positive number (or use \
+             causal_attention for no cap)"
+        )
+    }
+    let dims = AttentionDims::of_split(q, k, v)?;
+    let dims = match window {
+        Some(window) => dims.with_window(window)?,
+        None => dims,
+    };
+    composed_attention(q, k, v, dims, Some(cap))
+}
+
 /// The widest head the fused CUDA attention kernels take: zero-nccl's
 /// `kernels::layers::MAX_HEAD_DIM`, which zero-candle can name only with
 /// its `cuda` feature, so it is repeated here (a unit test keeps the two
@@ -248,7 +287,7 @@ fn split_attention(q: &Tensor, k: &Tensor, v: &Tensor, dims: AttentionDims) -> R
                 lse: SavedSlot::default(),
             },
         ),
-        SplitPath::Composed => composed_attention(q, k, v, dims),
+        SplitPath::Composed => composed_attention(q, k, v, dims, None),
     }
 }
 
@@ -257,8 +296,9 @@ fn split_attention(q: &Tensor, k: &Tensor, v: &Tensor, dims: AttentionDims) -> R
 /// attention. `q` goes to `[batch, heads, time, head_dim]`; `k` and `v`
 /// to `[batch, kv_heads, time, head_dim]`, each K/V head repeated for its
 /// group of query heads (`repeat_kv`: head `h` gets K/V head `h / group`);
-/// the scores `q kᵀ / √head_dim` are computed in the input type, the
-/// causal (and banded) mask of 0 and -inf is added and the softmax taken
+/// the scores `q kᵀ / √head_dim` are computed in the input type (and
+/// capped as `cap · tanh(s / cap)` there, with a `cap`), the causal (and
+/// banded) mask of 0 and -inf is added and the softmax taken
 /// in f32 (f64 for f64 input), the weights rounded back to the input type
 /// and multiplied with `v`.
 ///
@@ -271,6 +311,7 @@ pub(crate) fn composed_attention(
     k: &Tensor,
     v: &Tensor,
     dims: AttentionDims,
+    cap: Option<f64>,
 ) -> Result<Tensor> {
     let AttentionDims {
         batch,
@@ -299,6 +340,10 @@ pub(crate) fn composed_attention(
     };
     let (k, v) = (repeat_kv(k)?, repeat_kv(v)?);
     let scores = q.matmul(&k.t()?)?.affine(dims.scale_in::<f64>(), 0.0)?;
+    let scores = match cap {
+        Some(cap) => ((scores / cap)?.tanh()? * cap)?,
+        None => scores,
+    };
     let mask: Vec<f32> = (0..time)
         .flat_map(|i| {
             (0..time).map(move |j| {
@@ -843,7 +888,7 @@ mod tests {
                     None => causal_attention(q, k, v),
                 })?;
                 let composed = value_and_grads(inputs, &upstream, |q, k, v| {
-                    composed_attention(q, k, v, dims)
+                    composed_attention(q, k, v, dims, None)
                 })?;
                 for (name, (got, want)) in ["output", "dq", "dk", "dv"]
                     .iter()
@@ -853,6 +898,81 @@ mod tests {
                     assert_close(&format!("{what} {name}"), got, want, tol)?;
                 }
             }
+        }
+        Ok(())
+    }
+
+    /// Capped scores: a cap far above every score is the plain attention
+    /// (output and gradients); a cap that bites gives, per query, the
+    /// softmax of `cap · tanh(s / cap)` over its window, computed here in
+    /// f64 from the inputs; a cap that is not positive is an error.
+    #[test]
+    fn softcapped_attention_caps_the_scores_before_the_mask() -> Result<()> {
+        let (b, t, h, kvh, d) = (2, 7, 4, 2, 8);
+        let q = var(1, &[b, t, h, d], 2.0, DType::F32)?;
+        let k = var(2, &[b, t, kvh, d], 2.0, DType::F32)?;
+        let v = var(3, &[b, t, kvh, d], 2.0, DType::F32)?;
+        let upstream = var(4, &[b, t, h, d], 1.0, DType::F32)?;
+        for window in [None, Some(3)] {
+            let plain = value_and_grads([&q, &k, &v], &upstream, |q, k, v| match window {
+                Some(w) => sliding_window_attention(q, k, v, w),
+                None => causal_attention(q, k, v),
+            })?;
+            let loose = value_and_grads([&q, &k, &v], &upstream, |q, k, v| {
+                softcapped_attention(q, k, v, window, 1e9)
+            })?;
+            for (name, (got, want)) in ["output", "dq", "dk", "dv"]
+                .iter()
+                .zip(loose.iter().zip(&plain))
+            {
+                assert_close(&format!("cap 1e9 {window:?} {name}"), got, want, 1e-5)?;
+            }
+            let cap = 0.5;
+            let capped = softcapped_attention(&q, &k, &v, window, cap)?;
+            let [qv, kv, vv] = [&q, &k, &v].map(|x| x.flatten_all()?.to_vec1::<f32>());
+            let (qv, kv, vv) = (qv?, kv?, vv?);
+            let mut want = vec![0f32; b * t * h * d];
+            for (bi, ti, hi) in
+                (0..b).flat_map(|bi| (0..t).flat_map(move |ti| (0..h).map(move |hi| (bi, ti, hi))))
+            {
+                let kh = hi / (h / kvh);
+                let row = |x: &[f32], at: usize, heads: usize, head: usize| -> Vec<f64> {
+                    let start = ((bi * t + at) * heads + head) * d;
+                    x[start..start + d].iter().map(|&v| v as f64).collect()
+                };
+                let first = window.map_or(0, |w| (ti + 1).saturating_sub(w));
+                let qi = row(&qv, ti, h, hi);
+                let scores: Vec<f64> = (first..=ti)
+                    .map(|j| {
+                        let s: f64 = qi
+                            .iter()
+                            .zip(row(&kv, j, kvh, kh))
+                            .map(|(a, b)| a * b)
+                            .sum();
+                        cap * (s / (d as f64).sqrt() / cap).tanh()
+                    })
+                    .collect();
+                let top = scores.iter().cloned().fold(f64::MIN, f64::max);
+                let weights: Vec<f64> = scores.iter().map(|s| (s - top).exp()).collect();
+                let total: f64 = weights.iter().sum();
+                let out = &mut want[((bi * t + ti) * h + hi) * d..][..d];
+                for (j, w) in (first..=ti).zip(&weights) {
+                    for (o, x) in out.iter_mut().zip(row(&vv, j, kvh, kh)) {
+                        *o += (w / total * x) as f32;
+                    }
+                }
+            }
+            let want = Tensor::from_vec(want, (b, t, h, d), &Device::Cpu)?;
+            assert_close(&format!("cap {cap} {window:?}"), &capped, &want, 1e-5)?;
+            let uncapped = &plain[0];
+            let apart = (&capped - uncapped)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            assert!(apart > 1e-2, "a cap of {cap} changes the output ({apart})");
+        }
+        for cap in [0.0, -1.0, f64::NAN] {
+            assert!(
+                softcapped_attention(&q, &k, &v, None, cap).is_err(),
+                "cap {cap}"
+            );
         }
         Ok(())
     }
@@ -898,7 +1018,7 @@ mod tests {
             let dims = AttentionDims::of_split(&q, &k, &v)?;
             let upstream = q.ones_like()?;
             let got = value_and_grads([&q, &k, &v], &upstream, |q, k, v| {
-                composed_attention(q, k, v, dims)
+                composed_attention(q, k, v, dims, None)
             })?;
             let shapes: Vec<&[usize]> = got.iter().map(|t| t.dims()).collect();
             assert_eq!(shapes, [q.dims(), q.dims(), k.dims(), v.dims()]);

@@ -33,6 +33,7 @@ pub use activation::{gelu, gelu_erf, silu};
 pub use activation_kind::Activation;
 pub use attention::{
     causal_attention, causal_self_attention, causal_self_attention_rows, sliding_window_attention,
+    softcapped_attention,
 };
 pub use attention_dims::AttentionDims;
 pub use cross_entropy::{cross_entropy, cross_entropy_with_ignore};
