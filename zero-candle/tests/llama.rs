@@ -43,6 +43,7 @@ fn logits_loss_and_gradients_equal_transformers() {
         ("gemma", 20),
         ("gemma3", 28),
         ("gemma2", 24),
+        ("phi3long", 15),
     ];
     for (fixture, variables) in cases {
         let (config, map) = Llama::open_hub(fixtures().join(fixture)).unwrap();
@@ -51,7 +52,7 @@ fn logits_loss_and_gradients_equal_transformers() {
             matches!(fixture, "tied" | "qwen3" | "gemma" | "gemma3" | "gemma2")
         );
         assert_eq!(config.qk_norm, matches!(fixture, "qwen3" | "gemma3"));
-        assert_eq!(config.fused_projections, fixture == "phi3");
+        assert_eq!(config.fused_projections, fixture.starts_with("phi3"));
         let model = Llama::new(map.builder(DType::F32, &Device::Cpu), &config, None).unwrap();
         map.materialize_all().unwrap();
         let case = fixture;
@@ -133,6 +134,7 @@ fn one_sgd_step_equals_torch_at_stage_0_and_at_stage_3_on_two_ranks() {
         ("gemma", Stage::Parameters, 2, 20),
         ("gemma3", Stage::Parameters, 2, 28),
         ("gemma2", Stage::Parameters, 2, 24),
+        ("phi3long", Stage::Parameters, 2, 15),
     ] {
         let out = tempfile::tempdir().unwrap();
         Run::new(stage, world, 1).train(&fixtures().join(fixture), &ids, out.path());
@@ -223,7 +225,7 @@ fn both_config_forms_read_alike_and_llama3_scales_the_low_frequencies() {
     assert_eq!((gqa.num_attention_heads, gqa.num_key_value_heads), (4, 2));
     assert!(gqa.rope.scaling == RopeScaling::None && gqa.rope.theta == 10000.0);
     for fixture in [
-        "gqa", "tied", "qwen2", "qwen3", "phi3", "gemma", "gemma3", "gemma2",
+        "gqa", "tied", "qwen2", "qwen3", "phi3", "gemma", "gemma3", "gemma2", "phi3long",
     ] {
         let config = LlamaConfig::from_json(&config_of(fixture)).unwrap();
         let stored: usize = hub_tensors(&fixtures().join(fixture))
@@ -349,14 +351,6 @@ fn unusable_configs_are_errors_naming_the_key() {
         ("partial_rotary_factor", 0.5.into(), "partial_rotary_factor"),
         ("pad_token_id", 384.into(), "pad_token_id"),
     ];
-    // Phi-3's longrope (which transformers also reads from "su" and "yarn").
-    for kind in ["longrope", "su", "yarn"] {
-        let mut phi3 = config_of("phi3");
-        phi3["rope_parameters"]["rope_type"] = kind.into();
-        phi3["rope_parameters"]["factor"] = 4.0.into();
-        let err = LlamaConfig::from_json(&phi3).unwrap_err();
-        assert!(err.contains("longrope"), "{kind}: {err}");
-    }
     for (key, value, named) in cases {
         let mut config = base.clone();
         config[key] = value;
@@ -623,4 +617,60 @@ fn gemma_configs_read_as_transformers_reads_them() {
         let err = LlamaConfig::from_json(&config).unwrap_err();
         assert!(err.contains(key), "{fixture} {key}: {err}");
     }
+}
+
+/// Phi-3's long-context rotation as `transformers` applies it (the golden
+/// batch of 16 tokens, past the original context of 12, rotates with the
+/// long factors, its first 8 tokens with the short ones; half of each head
+/// rotates), read from "longrope" and from the "su" and "yarn" Phi-3's
+/// files name it by; factors that do not fit the rotated half refused.
+#[test]
+fn longrope_switches_factors_past_the_original_context() {
+    use zero_candle::models::LongRopeScaling;
+    let golden = golden();
+    let (config, map) = Llama::open_hub(fixtures().join("phi3long")).unwrap();
+    assert_eq!((config.head_dim, config.rotary_dim), (8, 4));
+    let RopeScaling::LongRope(LongRopeScaling {
+        original_max_position_embeddings,
+        attention_factor,
+        ..
+    }) = &config.rope.scaling
+    else {
+        panic!("{:?}", config.rope)
+    };
+    assert_eq!(*original_max_position_embeddings, 12);
+    let factor = 128.0f64 / 12.0;
+    let want = (1.0 + factor.ln() / 12f64.ln()).sqrt();
+    assert!((attention_factor - want).abs() < 1e-12);
+    let model = Llama::new(map.builder(DType::F32, &Device::Cpu), &config, None).unwrap();
+    map.materialize_all().unwrap();
+    let ids = input_ids(&golden);
+    let short = model.forward(&ids.narrow(1, 0, 8).unwrap()).unwrap();
+    let err = relative_error(&values(&short), &values(&golden["phi3long.logits_short"]));
+    assert!(err < 1e-5, "short factors: logits differ by {err:e}");
+    // The same positions rotated with the long factors differ.
+    let long = model.forward(&ids.narrow(1, 0, 16).unwrap()).unwrap();
+    let first = long.narrow(1, 0, 8).unwrap();
+    assert!(relative_error(&values(&first), &values(&short)) > 1e-3);
+
+    for kind in ["su", "yarn"] {
+        let mut old = config_of("phi3long");
+        old["rope_parameters"]["rope_type"] = kind.into();
+        assert_eq!(LlamaConfig::from_json(&old).unwrap(), config, "{kind}");
+    }
+    let mut wrong = config_of("phi3long");
+    wrong["rope_parameters"]["long_factor"] = serde_json::json!([1.0, 2.0, 3.0]);
+    let err = LlamaConfig::from_json(&wrong).unwrap_err();
+    assert!(err.contains("long_factor"), "{err}");
+    let mut missing = config_of("phi3long");
+    missing["rope_parameters"]
+        .as_object_mut()
+        .unwrap()
+        .remove("short_factor");
+    let err = LlamaConfig::from_json(&missing).unwrap_err();
+    assert!(err.contains("short_factor"), "{err}");
+    let mut partial = config_of("phi3long");
+    partial["rope_parameters"]["partial_rotary_factor"] = 1.5.into();
+    let err = LlamaConfig::from_json(&partial).unwrap_err();
+    assert!(err.contains("partial_rotary_factor"), "{err}");
 }

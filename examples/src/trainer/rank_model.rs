@@ -18,7 +18,7 @@ pub(super) enum Model<'a> {
     Mlp(Mlp, &'a Dataset),
     Gpt(Gpt, &'a TextData),
     /// `--hf`: a Hugging Face GPT-2 or Llama.
-    Hub(CausalLm, &'a HubText),
+    Hub(Box<CausalLm>, &'a HubText),
 }
 
 impl<'a> Model<'a> {
@@ -44,8 +44,10 @@ impl<'a> Model<'a> {
                 text,
             ),
             TrainingData::Hub(hub) => Self::Hub(
-                CausalLm::new(map.builder(dtype, device), &hub.config, hook)?
-                    .with_checkpointing(args.checkpoint_activations),
+                Box::new(
+                    CausalLm::new(map.builder(dtype, device), &hub.config, hook)?
+                        .with_checkpointing(args.checkpoint_activations),
+                ),
                 hub.as_ref(),
             ),
         })

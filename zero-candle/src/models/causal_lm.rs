@@ -11,12 +11,15 @@ use candle_nn::VarBuilder;
 use std::sync::Arc;
 
 /// The config of a supported hub checkpoint.
+// Read once per run: the variants' sizes do not matter, and boxing one
+// would only change how callers match them.
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone, Debug, PartialEq)]
 pub enum HubConfig {
     /// `model_type` `gpt2`.
     Gpt2(Gpt2Config),
-    /// `model_type` `llama`, `mistral`, `qwen2`, `qwen3`, `phi3`, `gemma` or
-    /// `gemma3_text`.
+    /// `model_type` `llama`, `mistral`, `qwen2`, `qwen3`, `phi3`, `gemma`,
+    /// `gemma2` or `gemma3_text`.
     Llama(LlamaConfig),
 }
 
@@ -86,7 +89,7 @@ impl HubConfig {
 }
 
 /// A causal language model of the hub: GPT-2 or Llama (Mistral, Qwen2,
-/// Qwen3, Phi-3, Gemma and Gemma 3 included).
+/// Qwen3, Phi-3 and Gemma 1-3 included).
 pub enum CausalLm {
     /// GPT-2.
     Gpt2(Gpt2),

@@ -47,6 +47,9 @@ pub struct LlamaConfig {
     pub num_key_value_heads: usize,
     /// Width of one head.
     pub head_dim: usize,
+    /// The values of each head that rotate, its first ones (`head_dim`, or
+    /// Phi-3's `head_dim · partial_rotary_factor`); the rest pass through.
+    pub rotary_dim: usize,
     /// The longest sequence the model is meant for.
     pub max_position_embeddings: usize,
     /// The RMS norms' epsilon.
@@ -240,8 +243,9 @@ struct Family {
     qk_norm: bool,
     /// Phi-3's `qkv_proj` and `gate_up_proj`.
     fused: bool,
-    /// "su" and "yarn" mean longrope (Phi-3).
-    longrope: bool,
+    /// "su" and "yarn" mean longrope, and part of each head may rotate
+    /// (`partial_rotary_factor`) (Phi-3).
+    phi3_rope: bool,
     windows: Windows,
     /// Gemma's differences, where it is one.
     gemma: Option<Gemma>,
@@ -255,7 +259,7 @@ const FAMILIES: [Family; 8] = [
         qkv_bias: false,
         qk_norm: false,
         fused: false,
-        longrope: false,
+        phi3_rope: false,
         windows: Windows::Never,
         gemma: None,
     },
@@ -265,7 +269,7 @@ const FAMILIES: [Family; 8] = [
         qkv_bias: false,
         qk_norm: false,
         fused: false,
-        longrope: false,
+        phi3_rope: false,
         windows: Windows::EveryLayer {
             missing: Some(DEFAULT_WINDOW),
         },
@@ -277,7 +281,7 @@ const FAMILIES: [Family; 8] = [
         qkv_bias: true,
         qk_norm: false,
         fused: false,
-        longrope: false,
+        phi3_rope: false,
         windows: Windows::Switched,
         gemma: None,
     },
@@ -287,7 +291,7 @@ const FAMILIES: [Family; 8] = [
         qkv_bias: false,
         qk_norm: true,
         fused: false,
-        longrope: false,
+        phi3_rope: false,
         windows: Windows::Switched,
         gemma: None,
     },
@@ -297,7 +301,7 @@ const FAMILIES: [Family; 8] = [
         qkv_bias: false,
         qk_norm: false,
         fused: true,
-        longrope: true,
+        phi3_rope: true,
         windows: Windows::EveryLayer { missing: None },
         gemma: None,
     },
@@ -307,7 +311,7 @@ const FAMILIES: [Family; 8] = [
         qkv_bias: false,
         qk_norm: false,
         fused: false,
-        longrope: false,
+        phi3_rope: false,
         windows: Windows::Never,
         gemma: Some(Gemma::One),
     },
@@ -317,7 +321,7 @@ const FAMILIES: [Family; 8] = [
         qkv_bias: false,
         qk_norm: false,
         fused: false,
-        longrope: false,
+        phi3_rope: false,
         windows: Windows::Typed { pattern: 2 },
         gemma: Some(Gemma::Two),
     },
@@ -327,7 +331,7 @@ const FAMILIES: [Family; 8] = [
         qkv_bias: false,
         qk_norm: true,
         fused: false,
-        longrope: false,
+        phi3_rope: false,
         windows: Windows::Typed { pattern: 6 },
         gemma: Some(Gemma::Three),
     },
@@ -392,9 +396,20 @@ impl LlamaConfig {
         let (rope, local_rope) = match gemma {
             Some(Gemma::Three) => gemma3_ropes(config, plain.max_position_embeddings)?,
             _ => (
-                Rope::from_json(config, plain.max_position_embeddings, family.longrope)?,
+                Rope::from_json(config, plain.max_position_embeddings, family.phi3_rope)?,
                 None,
             ),
+        };
+        let head_dim = match plain.head_dim {
+            Some(width) => width,
+            // transformers' default for Gemma.
+            None if gemma.is_some() => 256,
+            None if heads > 0 => plain.hidden_size / heads,
+            None => 0,
+        };
+        let rotary_dim = match family.phi3_rope {
+            true => (head_dim as f64 * super::rope::partial_rotary_factor(config)?) as usize,
+            false => head_dim,
         };
         // Gemma 2's and 3's settings (Gemma reads none of them).
         let later = |value: Option<f64>| value.filter(|_| gemma.is_some_and(|g| g != Gemma::One));
@@ -405,13 +420,8 @@ impl LlamaConfig {
             num_hidden_layers: plain.num_hidden_layers,
             num_attention_heads: heads,
             num_key_value_heads: plain.num_key_value_heads.unwrap_or(heads),
-            head_dim: match plain.head_dim {
-                Some(width) => width,
-                // transformers' default for Gemma.
-                None if gemma.is_some() => 256,
-                None if heads > 0 => plain.hidden_size / heads,
-                None => 0,
-            },
+            head_dim,
+            rotary_dim,
             max_position_embeddings: plain.max_position_embeddings,
             rms_norm_eps: plain.rms_norm_eps,
             rope,
@@ -464,13 +474,15 @@ impl LlamaConfig {
                 self.num_attention_heads, self.num_key_value_heads
             ));
         }
-        if self.head_dim % 2 != 0 {
+        if self.rotary_dim % 2 != 0 || self.rotary_dim == 0 || self.rotary_dim > self.head_dim {
             return Err(format!(
-                "`head_dim` {} is odd; rotary embeddings rotate pairs",
-                self.head_dim
+                "heads of {} rotate {} values; rotary embeddings rotate pairs, at least one: \
+                 check `head_dim` and `partial_rotary_factor`",
+                self.head_dim, self.rotary_dim
             ));
         }
         self.rope.validate()?;
+        self.rope.validate_for(self.rotary_dim)?;
         if let Some(local) = &self.local_rope {
             local.validate()?;
         }
@@ -529,10 +541,11 @@ impl LlamaConfig {
         self.num_hidden_layers * per_layer + self.vocab_size * d + d + head
     }
 
-    /// The rotary frequencies `1 / theta^(2i / head_dim)`, `i < head_dim /
-    /// 2`, scaled as `transformers` scales them ([`Rope::inv_freq`]).
+    /// The rotary frequencies `1 / theta^(2i / rotary_dim)`, `i <
+    /// rotary_dim / 2`, scaled as `transformers` scales them
+    /// ([`Rope::inv_freq`]).
     pub fn inv_freq(&self) -> Vec<f64> {
-        self.rope.inv_freq(self.head_dim)
+        self.rope.inv_freq(self.rotary_dim)
     }
 }
 
@@ -720,9 +733,16 @@ impl Rotation {
     }
 
     /// `x * cos + rotate_half(x) * sin` for `x` `[batch, time, heads,
-    /// head_dim]`, in one op.
+    /// head_dim]`, in one op; where the tables rotate fewer values than a
+    /// head holds (Phi-3's `partial_rotary_factor`), the first ones, the
+    /// rest passed through.
     fn apply(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        ops::rotary_embedding(x, &self.cos, &self.sin)
+        let (rotated, width) = (2 * self.cos.dim(1)?, x.dim(3)?);
+        if rotated == width {
+            return ops::rotary_embedding(x, &self.cos, &self.sin);
+        }
+        let turned = ops::rotary_embedding(&x.narrow(3, 0, rotated)?, &self.cos, &self.sin)?;
+        Tensor::cat(&[&turned, &x.narrow(3, rotated, width - rotated)?], 3)
     }
 }
 
@@ -738,11 +758,12 @@ struct RotationCache {
 }
 
 impl RotationCache {
-    /// No tables yet, of the rotation `rope` gives heads of `head_dim`.
-    fn new(rope: &Rope, head_dim: usize) -> Self {
+    /// No tables yet, of the frequencies `inv_freq` and the factor on the
+    /// cosines and sines.
+    fn new(inv_freq: Vec<f64>, factor: f64) -> Self {
         Self {
-            inv_freq: rope.inv_freq(head_dim),
-            factor: rope.attention_factor(),
+            inv_freq,
+            factor,
             tables: Mutex::default(),
         }
     }
@@ -768,6 +789,35 @@ impl RotationCache {
             None => tables.push((dtype, device.clone(), built)),
         }
         Ok(rotation)
+    }
+}
+
+/// A rotation's tables: one cache, or longrope's two, its short factors'
+/// up to its original context and its long factors' past it.
+struct RopeTables {
+    short: RotationCache,
+    /// The length past which the long tables rotate, and their cache.
+    long: Option<(usize, RotationCache)>,
+}
+
+impl RopeTables {
+    /// No tables yet, of the rotation `rope` gives the first `rotary_dim`
+    /// values of each head.
+    fn new(rope: &Rope, rotary_dim: usize) -> Self {
+        let cache =
+            |time| RotationCache::new(rope.inv_freq_at(rotary_dim, time), rope.attention_factor());
+        Self {
+            short: cache(0),
+            long: rope.switches_after().map(|after| (after, cache(after + 1))),
+        }
+    }
+
+    /// The tables of sequences of `time` positions in `dtype` on `device`.
+    fn get(&self, time: usize, dtype: DType, device: &Device) -> candle_core::Result<Rotation> {
+        match &self.long {
+            Some((after, long)) if time > *after => long.get(time, dtype, device),
+            _ => self.short.get(time, dtype, device),
+        }
     }
 }
 
@@ -927,9 +977,9 @@ pub struct Llama {
     /// hooked use: the engine adds both gradients).
     head: Linear,
     /// The rotary tables, built once per dtype and device.
-    rotations: RotationCache,
+    rotations: RopeTables,
     /// The sliding layers' tables where they differ (Gemma 3).
-    local_rotations: Option<RotationCache>,
+    local_rotations: Option<RopeTables>,
     /// Each block recomputed in backward (activation checkpointing).
     checkpointed: bool,
 }
@@ -1050,11 +1100,11 @@ impl Llama {
             blocks,
             norm: norm(model.pp("norm"))?,
             head,
-            rotations: RotationCache::new(&config.rope, config.head_dim),
+            rotations: RopeTables::new(&config.rope, config.rotary_dim),
             local_rotations: config
                 .local_rope
                 .as_ref()
-                .map(|rope| RotationCache::new(rope, config.head_dim)),
+                .map(|rope| RopeTables::new(rope, config.rotary_dim)),
             checkpointed: false,
         })
     }
@@ -1192,7 +1242,7 @@ mod tests {
             theta: 100.0,
             scaling: RopeScaling::None,
         };
-        let cache = RotationCache::new(&rope, 6);
+        let cache = RotationCache::new(rope.inv_freq(6), rope.attention_factor());
         let plain: Vec<f64> = (0..3).map(|i| 1.0 / 100f64.powf(i as f64 / 3.0)).collect();
         assert_eq!(cache.inv_freq, plain);
         let device = Device::Cpu;

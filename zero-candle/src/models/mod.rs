@@ -12,7 +12,7 @@ pub mod rope;
 pub use causal_lm::{CausalLm, HubConfig};
 pub use gpt2::{Gpt2, Gpt2Config};
 pub use llama::{Llama, LlamaConfig, SlidingWindow};
-pub use rope::{Llama3Scaling, Rope, RopeScaling, YarnScaling};
+pub use rope::{Llama3Scaling, LongRopeScaling, Rope, RopeScaling, YarnScaling};
 
 /// The mean cross-entropy (f32) of predicting each next token of `ids`
 /// `[batch, time + 1]` from `logits` rows `[batch * time, vocab]` of its

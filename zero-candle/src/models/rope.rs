@@ -1,7 +1,7 @@
 //! Rotary position embeddings' settings as `transformers` reads them from a
 //! Llama-family `config.json`: the base and the frequency scaling
-//! (`default`, `linear`, `dynamic`, `llama3`, `yarn`), and the frequencies
-//! and the factor on the cosines and sines they give.
+//! (`default`, `linear`, `dynamic`, `llama3`, `yarn`, `longrope`), and the
+//! frequencies and the factor on the cosines and sines they give.
 
 use serde::Deserialize;
 
@@ -38,6 +38,28 @@ pub enum RopeScaling {
     /// interpolated, high ones kept, a ramp between, and the cosines and
     /// sines scaled.
     Yarn(YarnScaling),
+    /// `longrope` (Phi-3's long contexts, and the "su" and "yarn" its files
+    /// name it by): each frequency divided by its own factor, short ones up
+    /// to the original context and long ones past it, and the cosines and
+    /// sines scaled.
+    LongRope(LongRopeScaling),
+}
+
+/// The `longrope` frequency scaling, as `transformers` computes it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LongRopeScaling {
+    /// One divisor per rotated pair, for sequences up to
+    /// `original_max_position_embeddings`.
+    pub short_factor: Vec<f64>,
+    /// One divisor per rotated pair, for longer sequences.
+    pub long_factor: Vec<f64>,
+    /// The context the model was trained with before scaling: a sequence
+    /// longer than this rotates with `long_factor`.
+    pub original_max_position_embeddings: usize,
+    /// The factor on the cosines and sines (`attention_factor`, else
+    /// `√(1 + ln(factor) / ln(original))` with `factor` the contexts'
+    /// ratio).
+    pub attention_factor: f64,
 }
 
 /// The `llama3` frequency scaling.
@@ -80,13 +102,13 @@ impl Rope {
     /// The settings of `config` (a hub `config.json`): `rope_parameters`
     /// (transformers 5) or `rope_theta` with `rope_scaling` (earlier
     /// files); `max_positions` is its `max_position_embeddings`; with
-    /// `longrope_family` (Phi-3), "su" and "yarn" mean longrope, as
-    /// `transformers` reads them there. An error names the key it cannot
-    /// honour.
+    /// `phi3`, "su" and "yarn" mean longrope and `partial_rotary_factor` is
+    /// allowed (read by [`partial_rotary_factor`]), as `transformers`
+    /// reads them there. An error names the key it cannot honour.
     pub(crate) fn from_json(
         config: &serde_json::Value,
         max_positions: usize,
-        longrope_family: bool,
+        phi3: bool,
     ) -> Result<Self, String> {
         let (params, key) = match config.get("rope_parameters") {
             Some(p) if !p.is_null() => (Some(p), "rope_parameters"),
@@ -110,9 +132,10 @@ impl Rope {
                 })
                 .transpose()
         };
-        if let Some(partial) = number("partial_rotary_factor")?.filter(|&f| f != 1.0) {
+        if let Some(partial) = number("partial_rotary_factor")?.filter(|&f| f != 1.0 && !phi3) {
             return Err(format!(
-                "`partial_rotary_factor` is {partial}; rotary embeddings over whole heads only"
+                "`partial_rotary_factor` is {partial}; rotary embeddings over whole heads only \
+                 (Phi-3's rotate part of each head)"
             ));
         }
         let theta = number("rope_theta")?.unwrap_or(10_000.0);
@@ -123,13 +146,35 @@ impl Rope {
         let required = |name: &str| {
             number(name)?.ok_or_else(|| format!("`{key}` of type {kind} has no `{name}`"))
         };
+        let factors = |name: &str| -> Result<Vec<f64>, String> {
+            let list = value(name).and_then(|v| v.as_array()).ok_or_else(|| {
+                format!("`{key}` of type longrope has no `{name}` (a list of numbers)")
+            })?;
+            list.iter()
+                .map(|v| v.as_f64().filter(|f| *f > 0.0 && f.is_finite()))
+                .collect::<Option<Vec<f64>>>()
+                .ok_or_else(|| {
+                    format!(
+                        "`{name}` holds {v}; positive numbers are expected",
+                        v = value(name).unwrap_or(&serde_json::Value::Null)
+                    )
+                })
+        };
         let scaling = match kind {
-            "su" | "yarn" | "longrope" if longrope_family => {
-                return Err(format!(
-                    "`{key}` has rope_type {kind:?}, which transformers reads as Phi-3's \
-                     longrope, not supported here: use a checkpoint without long-context \
-                     scaling (Phi-3's 4k ones)"
-                ))
+            "su" | "yarn" | "longrope" if phi3 || kind == "longrope" => {
+                let original = required("original_max_position_embeddings")?;
+                let factor = number("factor")?.unwrap_or(max_positions as f64 / original);
+                let attention_factor = match number("attention_factor")? {
+                    Some(f) => f,
+                    None if factor <= 1.0 => 1.0,
+                    None => (1.0 + factor.ln() / original.ln()).sqrt(),
+                };
+                RopeScaling::LongRope(LongRopeScaling {
+                    short_factor: factors("short_factor")?,
+                    long_factor: factors("long_factor")?,
+                    original_max_position_embeddings: original as usize,
+                    attention_factor,
+                })
             }
             "default" => RopeScaling::None,
             "linear" => RopeScaling::Linear {
@@ -170,7 +215,7 @@ impl Rope {
             other => {
                 return Err(format!(
                     "`{key}` has rope_type {other:?}; \"default\", \"linear\", \"dynamic\", \
-                     \"llama3\" and \"yarn\" are supported"
+                     \"llama3\", \"yarn\" and \"longrope\" are supported"
                 ))
             }
         };
@@ -186,6 +231,7 @@ impl Rope {
         }
         let factor = match &self.scaling {
             RopeScaling::None => return Ok(()),
+            RopeScaling::LongRope(scaling) => scaling.attention_factor,
             RopeScaling::Linear { factor } | RopeScaling::Dynamic { factor, .. } => *factor,
             RopeScaling::Llama3(scaling) => scaling.factor,
             RopeScaling::Yarn(scaling) => scaling.factor,
@@ -198,13 +244,33 @@ impl Rope {
         Ok(())
     }
 
-    /// The rotary frequencies of a head of `head_dim`: `1 / theta^(2i /
-    /// head_dim)` for `i < head_dim / 2`, scaled as `transformers` scales
-    /// them.
+    /// The rotary frequencies of a head of `head_dim` (its rotated part):
+    /// `1 / theta^(2i / head_dim)` for `i < head_dim / 2`, scaled as
+    /// `transformers` scales them (`longrope`: with its short factors).
     pub fn inv_freq(&self, head_dim: usize) -> Vec<f64> {
+        self.inv_freq_at(head_dim, 0)
+    }
+
+    /// [`Rope::inv_freq`] for sequences of `time` positions: `longrope`'s
+    /// long factors past its original context, the same frequencies at
+    /// every length otherwise.
+    pub fn inv_freq_at(&self, head_dim: usize, time: usize) -> Vec<f64> {
         let half = head_dim / 2;
         let plain = |i: usize| 1.0 / self.theta.powf(2.0 * i as f64 / head_dim as f64);
         match &self.scaling {
+            RopeScaling::LongRope(scaling) => {
+                let factors = match time > scaling.original_max_position_embeddings {
+                    true => &scaling.long_factor,
+                    false => &scaling.short_factor,
+                };
+                // As transformers: the divisor in f32, times the power.
+                (0..half)
+                    .map(|i| {
+                        1.0 / (factors[i] as f32 as f64
+                            * self.theta.powf(2.0 * i as f64 / head_dim as f64))
+                    })
+                    .collect()
+            }
             RopeScaling::None | RopeScaling::Dynamic { .. } => (0..half).map(plain).collect(),
             RopeScaling::Linear { factor } => (0..half).map(|i| plain(i) / factor).collect(),
             RopeScaling::Llama3(scaling) => (0..half).map(|i| scaling.apply(plain(i))).collect(),
@@ -212,13 +278,43 @@ impl Rope {
         }
     }
 
-    /// The factor on the cosines and sines (YaRN's attention factor; 1
-    /// otherwise).
+    /// The factor on the cosines and sines (YaRN's and longrope's attention
+    /// factor; 1 otherwise).
     pub fn attention_factor(&self) -> f64 {
         match &self.scaling {
             RopeScaling::Yarn(scaling) => scaling.attention_factor,
+            RopeScaling::LongRope(scaling) => scaling.attention_factor,
             _ => 1.0,
         }
+    }
+
+    /// The sequence length past which the frequencies change (`longrope`'s
+    /// original context), if they do.
+    pub fn switches_after(&self) -> Option<usize> {
+        match &self.scaling {
+            RopeScaling::LongRope(scaling) => Some(scaling.original_max_position_embeddings),
+            _ => None,
+        }
+    }
+
+    /// Checks that `longrope`'s factors give one divisor per rotated pair of
+    /// a head that rotates `rotary_dim` values.
+    pub(crate) fn validate_for(&self, rotary_dim: usize) -> Result<(), String> {
+        if let RopeScaling::LongRope(scaling) = &self.scaling {
+            for (name, factors) in [
+                ("short_factor", &scaling.short_factor),
+                ("long_factor", &scaling.long_factor),
+            ] {
+                if factors.len() != rotary_dim / 2 {
+                    return Err(format!(
+                        "`{name}` has {} entries; a head rotating {rotary_dim} values takes {}",
+                        factors.len(),
+                        rotary_dim / 2
+                    ));
+                }
+            }
+        }
+        Ok(())
     }
 }
 
@@ -237,6 +333,27 @@ impl Llama3Scaling {
                 / (self.high_freq_factor - self.low_freq_factor);
             (1.0 - smooth) * freq / self.factor + smooth * freq
         }
+    }
+}
+
+/// The `partial_rotary_factor` of `config` (in `rope_parameters`,
+/// `rope_scaling` or at the top), 1 when absent: the fraction of each head
+/// that rotates (Phi-3's families; others refuse it when reading their
+/// [`Rope`]).
+pub(crate) fn partial_rotary_factor(config: &serde_json::Value) -> Result<f64, String> {
+    let found = ["rope_parameters", "rope_scaling"]
+        .iter()
+        .filter_map(|key| config.get(key).and_then(|p| p.get("partial_rotary_factor")))
+        .chain(config.get("partial_rotary_factor"))
+        .find(|v| !v.is_null());
+    match found {
+        None => Ok(1.0),
+        Some(v) => match v.as_f64() {
+            Some(f) if f > 0.0 && f <= 1.0 => Ok(f),
+            _ => Err(format!(
+                "`partial_rotary_factor` is {v}; a number in (0, 1] is expected"
+            )),
+        },
     }
 }
 
