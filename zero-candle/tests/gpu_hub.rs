@@ -1,7 +1,9 @@
 //! The hub models (GPT-2 and the Llama family: Llama with grouped and tied
 //! heads, Qwen2 with YaRN, Qwen3 with its head norms and a sliding window,
 //! Phi-3 with fused projections, Gemma, Gemma 2 and Gemma 3 with their
-//! offset norms, GELU-gated MLP and capped scores and logits) on the GPU against `transformers`: the
+//! offset norms, GELU-gated MLP and capped scores and logits, Phi-3 with
+//! longrope and half-rotated heads, SmolLM3 with a NoPE layer, Granite with
+//! its multipliers) on the GPU against `transformers`: the
 //! fixtures of `tests/fixtures/{gpt2,llama}` (tiny random models and the
 //! logits and one SGD step `transformers` and `torch.optim.SGD` compute in
 //! f64) trained at stage 3, at one rank on NCCL with the device built as
@@ -31,7 +33,7 @@ const TOLERANCE: f64 = 1e-4;
 
 /// The fixture folders with their golden file and the prefix of their
 /// golden names.
-const FIXTURES: [(&str, &str); 9] = [
+const FIXTURES: [(&str, &str); 12] = [
     ("gpt2/tiny", ""),
     ("llama/gqa", "gqa."),
     ("llama/tied", "tied."),
@@ -41,6 +43,9 @@ const FIXTURES: [(&str, &str); 9] = [
     ("llama/gemma", "gemma."),
     ("llama/gemma3", "gemma3."),
     ("llama/gemma2", "gemma2."),
+    ("llama/phi3long", "phi3long."),
+    ("llama/smollm3", "smollm3."),
+    ("llama/granite", "granite."),
 ];
 
 /// The fixtures: under the current directory when it is the repository's

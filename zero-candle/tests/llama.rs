@@ -1,7 +1,8 @@
 //! Llama from a hub directory against `transformers` itself: the fixtures in
 //! `tests/fixtures/llama/` (tiny random `LlamaForCausalLM`s with grouped
 //! key/value heads, one with an untied head and one tied with llama3 RoPE
-//! scaling; a Mistral, a Qwen2, a Qwen3, a Phi-3 and Gemma 1, 2 and 3; and
+//! scaling; a Mistral, a Qwen2, a Qwen3, Phi-3 (also with longrope), Gemma
+//! 1, 2 and 3, a SmolLM3 and a Granite; and
 //! the logits, loss, gradients and one SGD step each computes on a fixed
 //! batch) are made by `make_fixtures.py` there.
 
@@ -44,12 +45,17 @@ fn logits_loss_and_gradients_equal_transformers() {
         ("gemma3", 28),
         ("gemma2", 24),
         ("phi3long", 15),
+        ("smollm3", 20),
+        ("granite", 21),
     ];
     for (fixture, variables) in cases {
         let (config, map) = Llama::open_hub(fixtures().join(fixture)).unwrap();
         assert_eq!(
             config.tie_word_embeddings,
-            matches!(fixture, "tied" | "qwen3" | "gemma" | "gemma3" | "gemma2")
+            matches!(
+                fixture,
+                "tied" | "qwen3" | "gemma" | "gemma3" | "gemma2" | "smollm3"
+            )
         );
         assert_eq!(config.qk_norm, matches!(fixture, "qwen3" | "gemma3"));
         assert_eq!(config.fused_projections, fixture.starts_with("phi3"));
@@ -135,6 +141,8 @@ fn one_sgd_step_equals_torch_at_stage_0_and_at_stage_3_on_two_ranks() {
         ("gemma3", Stage::Parameters, 2, 28),
         ("gemma2", Stage::Parameters, 2, 24),
         ("phi3long", Stage::Parameters, 2, 15),
+        ("smollm3", Stage::Parameters, 2, 20),
+        ("granite", Stage::Parameters, 2, 21),
     ] {
         let out = tempfile::tempdir().unwrap();
         Run::new(stage, world, 1).train(&fixtures().join(fixture), &ids, out.path());
@@ -226,6 +234,7 @@ fn both_config_forms_read_alike_and_llama3_scales_the_low_frequencies() {
     assert!(gqa.rope.scaling == RopeScaling::None && gqa.rope.theta == 10000.0);
     for fixture in [
         "gqa", "tied", "qwen2", "qwen3", "phi3", "gemma", "gemma3", "gemma2", "phi3long",
+        "smollm3", "granite",
     ] {
         let config = LlamaConfig::from_json(&config_of(fixture)).unwrap();
         let stored: usize = hub_tensors(&fixtures().join(fixture))
@@ -515,7 +524,7 @@ fn gemma_configs_read_as_transformers_reads_them() {
             scaling: RopeScaling::None,
         })
     );
-    assert_eq!(parsed.query_pre_attn_scalar, Some(12.0));
+    assert_eq!(parsed.attention_scale, Some(12f64.powf(-0.5)));
     assert_eq!(parsed.final_logit_softcapping, Some(0.5));
     assert_eq!(parsed.norm_weight_offset, 1.0);
     assert_eq!(parsed.embedding_scale, Some(32f64.sqrt()));
@@ -566,7 +575,7 @@ fn gemma_configs_read_as_transformers_reads_them() {
     let gemma = config_of("gemma");
     let parsed = LlamaConfig::from_json(&gemma).unwrap();
     assert!(!parsed.output_norms && !parsed.qk_norm && parsed.local_rope.is_none());
-    assert_eq!(parsed.query_pre_attn_scalar, None);
+    assert_eq!(parsed.attention_scale, None);
     assert_eq!(parsed.norm_weight_offset, 1.0);
     let mut legacy = gemma.clone();
     legacy["hidden_act"] = "gelu".into();
@@ -673,4 +682,81 @@ fn longrope_switches_factors_past_the_original_context() {
     partial["rope_parameters"]["partial_rotary_factor"] = 1.5.into();
     let err = LlamaConfig::from_json(&partial).unwrap_err();
     assert!(err.contains("partial_rotary_factor"), "{err}");
+}
+
+/// SmolLM3's layers without rotary embeddings and Granite's multipliers
+/// read as `transformers` reads them (the goldens check them in use): the
+/// NoPE layers from `no_rope_layers` or every fourth, windows only where
+/// `use_sliding_window` is on (in the NoPE layers where `layer_types` does
+/// not say); Granite's multipliers of 1 are none; what does not fit,
+/// refused by name.
+#[test]
+fn smollm3_and_granite_configs_read_as_transformers_reads_them() {
+    use zero_candle::models::SlidingWindow;
+    let smollm3 = config_of("smollm3");
+    let parsed = LlamaConfig::from_json(&smollm3).unwrap();
+    assert_eq!(parsed.rotated_layers, Some(vec![true, false]));
+    let windowed = Some(SlidingWindow {
+        size: 5,
+        layers: vec![false, true],
+    });
+    assert_eq!(parsed.sliding_window, windowed);
+    assert!(parsed.tie_word_embeddings);
+    let mut old = smollm3.clone();
+    let object = old.as_object_mut().unwrap();
+    object.remove("layer_types");
+    object.remove("no_rope_layers");
+    object.remove("rope_parameters");
+    object.insert("num_hidden_layers".into(), 5.into());
+    let defaults = LlamaConfig::from_json(&old).unwrap();
+    assert_eq!(defaults.rope.theta, 2e6, "SmolLM3's default base");
+    let every_fourth = vec![true, true, true, false, true];
+    assert_eq!(defaults.rotated_layers.as_ref(), Some(&every_fourth));
+    let nope: Vec<bool> = every_fourth.iter().map(|r| !r).collect();
+    assert_eq!(defaults.sliding_window.unwrap().layers, nope);
+    old["use_sliding_window"] = false.into();
+    assert_eq!(LlamaConfig::from_json(&old).unwrap().sliding_window, None);
+
+    let granite = LlamaConfig::from_json(&config_of("granite")).unwrap();
+    assert_eq!(
+        (
+            granite.embedding_scale,
+            granite.attention_scale,
+            granite.residual_multiplier,
+            granite.logits_scaling
+        ),
+        (Some(3.0), Some(0.2), Some(0.5), Some(4.0))
+    );
+    let mut plain = config_of("granite");
+    for key in [
+        "embedding_multiplier",
+        "attention_multiplier",
+        "residual_multiplier",
+        "logits_scaling",
+    ] {
+        plain[key] = 1.0.into();
+    }
+    let plain = LlamaConfig::from_json(&plain).unwrap();
+    assert_eq!(plain.attention_scale, None);
+    assert_eq!(plain.residual_multiplier, None);
+    // Llama reads none of them.
+    let mut llama = config_of("gqa");
+    llama["residual_multiplier"] = 0.5.into();
+    assert_eq!(
+        LlamaConfig::from_json(&llama).unwrap().residual_multiplier,
+        None
+    );
+
+    let refused: [(&str, &str, serde_json::Value); 4] = [
+        ("smollm3", "no_rope_layers", serde_json::json!([1, 2])),
+        ("smollm3", "no_rope_layers", serde_json::json!([1])),
+        ("granite", "logits_scaling", 0.0.into()),
+        ("granite", "residual_multiplier", (-1.0).into()),
+    ];
+    for (fixture, key, value) in refused {
+        let mut config = config_of(fixture);
+        config[key] = value;
+        let err = LlamaConfig::from_json(&config).unwrap_err();
+        assert!(err.contains(key), "{fixture} {key}: {err}");
+    }
 }

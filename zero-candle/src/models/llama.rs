@@ -15,6 +15,9 @@
 //! soft-capped scores and logits; Gemma 3's text model (`Gemma3ForCausalLM`)
 //! has Gemma 2's norms and scale, norms of each query and key head, a
 //! rotation of its own in the sliding-window layers and capped logits.
+//! SmolLM3 (`SmolLM3ForCausalLM`): layers without rotary embeddings
+//! (`no_rope_layers`). Granite (`GraniteForCausalLM`): multipliers on the
+//! embeddings, the scores, the residual branches and the logits.
 //!
 //! The variables carry the hub's names (`model.embed_tokens.weight`,
 //! `model.layers.{i}.self_attn.q_proj.weight`, ..., `model.norm.weight`,
@@ -90,17 +93,26 @@ pub struct LlamaConfig {
     /// on zero; 0 for Llama.
     pub norm_weight_offset: f64,
     /// The token embeddings are multiplied by this (Gemma's
-    /// `√hidden_size`, rounded to the model's dtype as `transformers`
-    /// rounds it).
+    /// `√hidden_size`, Granite's `embedding_multiplier`), rounded to the
+    /// model's dtype.
     pub embedding_scale: Option<f64>,
     /// Gemma 2's and 3's norms of the attention's output and of the MLP's
     /// (`post_attention_layernorm`, `post_feedforward_layernorm`), each
     /// before its residual add; the MLP's input norm is then
     /// `pre_feedforward_layernorm`.
     pub output_norms: bool,
-    /// Attention scores scaled by `query_pre_attn_scalar^-1/2` rather than
-    /// `head_dim^-1/2` (Gemma 2 and 3).
-    pub query_pre_attn_scalar: Option<f64>,
+    /// The attention scores' scale where it is not `head_dim^-1/2`:
+    /// Gemma 2's and 3's `query_pre_attn_scalar^-1/2`, Granite's
+    /// `attention_multiplier`.
+    pub attention_scale: Option<f64>,
+    /// Each residual branch (the attention's output, the MLP's) multiplied
+    /// by this before its add (Granite's `residual_multiplier`).
+    pub residual_multiplier: Option<f64>,
+    /// The logits divided by this (Granite's `logits_scaling`).
+    pub logits_scaling: Option<f64>,
+    /// Per layer, whether it applies rotary embeddings (SmolLM3's
+    /// `no_rope_layers`: 1 rotates, 0 does not); `None`: every layer.
+    pub rotated_layers: Option<Vec<bool>>,
     /// The attention scores capped as `cap · tanh(scores / cap)` before the
     /// mask (Gemma 2's `attn_logit_softcapping`; computed in composed ops,
     /// [`ops::softcapped_attention`]).
@@ -171,6 +183,26 @@ struct Plain {
     attn_logit_softcapping: Option<f64>,
     #[serde(default)]
     use_bidirectional_attention: Option<bool>,
+    /// SmolLM3's layers with (1) and without (0) rotary embeddings.
+    #[serde(default)]
+    no_rope_layers: Option<Vec<u8>>,
+    /// SmolLM3's NoPE layers where `no_rope_layers` does not say: every
+    /// this-many-th.
+    #[serde(default = "default_no_rope_interval")]
+    no_rope_layer_interval: usize,
+    #[serde(default)]
+    embedding_multiplier: Option<f64>,
+    #[serde(default)]
+    attention_multiplier: Option<f64>,
+    #[serde(default)]
+    residual_multiplier: Option<f64>,
+    #[serde(default)]
+    logits_scaling: Option<f64>,
+}
+
+/// `transformers`' `no_rope_layer_interval` (SmolLM3).
+fn default_no_rope_interval() -> usize {
+    4
 }
 
 fn default_positions() -> usize {
@@ -200,6 +232,9 @@ enum Windows {
     /// In the layers `layer_types` names, or all but every
     /// `sliding_window_pattern`-th (`pattern` when absent) (Gemma 2, 3).
     Typed { pattern: usize },
+    /// Where `use_sliding_window` is on, in the layers `layer_types` names
+    /// (or those without rotary embeddings) (SmolLM3).
+    NoRope,
     /// It does not (Llama).
     Never,
     /// In every layer (Mistral, Phi-3), `missing` where the file leaves
@@ -249,10 +284,18 @@ struct Family {
     windows: Windows,
     /// Gemma's differences, where it is one.
     gemma: Option<Gemma>,
+    /// `no_rope_layers` is read (SmolLM3).
+    nope_layers: bool,
+    /// Granite's multipliers are read.
+    multipliers: bool,
+    /// The head is tied where the file does not say.
+    tied_by_default: bool,
+    /// `rope_theta` where the file does not say.
+    default_theta: f64,
 }
 
 /// The families read as Llama.
-const FAMILIES: [Family; 8] = [
+const FAMILIES: [Family; 10] = [
     Family {
         model_type: "llama",
         architectures: ["LlamaForCausalLM", "LlamaModel"],
@@ -262,6 +305,10 @@ const FAMILIES: [Family; 8] = [
         phi3_rope: false,
         windows: Windows::Never,
         gemma: None,
+        nope_layers: false,
+        multipliers: false,
+        tied_by_default: false,
+        default_theta: 10_000.0,
     },
     Family {
         model_type: "mistral",
@@ -274,6 +321,10 @@ const FAMILIES: [Family; 8] = [
             missing: Some(DEFAULT_WINDOW),
         },
         gemma: None,
+        nope_layers: false,
+        multipliers: false,
+        tied_by_default: false,
+        default_theta: 10_000.0,
     },
     Family {
         model_type: "qwen2",
@@ -284,6 +335,10 @@ const FAMILIES: [Family; 8] = [
         phi3_rope: false,
         windows: Windows::Switched,
         gemma: None,
+        nope_layers: false,
+        multipliers: false,
+        tied_by_default: false,
+        default_theta: 10_000.0,
     },
     Family {
         model_type: "qwen3",
@@ -294,6 +349,10 @@ const FAMILIES: [Family; 8] = [
         phi3_rope: false,
         windows: Windows::Switched,
         gemma: None,
+        nope_layers: false,
+        multipliers: false,
+        tied_by_default: false,
+        default_theta: 10_000.0,
     },
     Family {
         model_type: "phi3",
@@ -304,6 +363,10 @@ const FAMILIES: [Family; 8] = [
         phi3_rope: true,
         windows: Windows::EveryLayer { missing: None },
         gemma: None,
+        nope_layers: false,
+        multipliers: false,
+        tied_by_default: false,
+        default_theta: 10_000.0,
     },
     Family {
         model_type: "gemma",
@@ -314,6 +377,10 @@ const FAMILIES: [Family; 8] = [
         phi3_rope: false,
         windows: Windows::Never,
         gemma: Some(Gemma::One),
+        nope_layers: false,
+        multipliers: false,
+        tied_by_default: true,
+        default_theta: 10_000.0,
     },
     Family {
         model_type: "gemma2",
@@ -324,6 +391,10 @@ const FAMILIES: [Family; 8] = [
         phi3_rope: false,
         windows: Windows::Typed { pattern: 2 },
         gemma: Some(Gemma::Two),
+        nope_layers: false,
+        multipliers: false,
+        tied_by_default: true,
+        default_theta: 10_000.0,
     },
     Family {
         model_type: "gemma3_text",
@@ -334,6 +405,38 @@ const FAMILIES: [Family; 8] = [
         phi3_rope: false,
         windows: Windows::Typed { pattern: 6 },
         gemma: Some(Gemma::Three),
+        nope_layers: false,
+        multipliers: false,
+        tied_by_default: true,
+        default_theta: 10_000.0,
+    },
+    Family {
+        model_type: "smollm3",
+        architectures: ["SmolLM3ForCausalLM", "SmolLM3Model"],
+        qkv_bias: false,
+        qk_norm: false,
+        fused: false,
+        phi3_rope: false,
+        windows: Windows::NoRope,
+        gemma: None,
+        nope_layers: true,
+        multipliers: false,
+        tied_by_default: true,
+        default_theta: 2_000_000.0,
+    },
+    Family {
+        model_type: "granite",
+        architectures: ["GraniteForCausalLM", "GraniteModel"],
+        qkv_bias: false,
+        qk_norm: false,
+        fused: false,
+        phi3_rope: false,
+        windows: Windows::Never,
+        gemma: None,
+        nope_layers: false,
+        multipliers: true,
+        tied_by_default: false,
+        default_theta: 10_000.0,
     },
 ];
 
@@ -355,12 +458,13 @@ pub(crate) fn why_not(kind: &str) -> &'static str {
 
 /// The `model_type`s read as Llama, for messages.
 pub(crate) const LLAMA_TYPES: &str =
-    "\"llama\", \"mistral\", \"qwen2\", \"qwen3\", \"phi3\", \"gemma\", \"gemma2\" and \"gemma3_text\"";
+    "\"llama\", \"mistral\", \"qwen2\", \"qwen3\", \"phi3\", \"gemma\", \"gemma2\", \
+     \"gemma3_text\", \"smollm3\" and \"granite\"";
 
 impl LlamaConfig {
     /// Reads a hub `config.json` of a Llama, Mistral, Qwen2, Qwen3, Phi-3,
-    /// Gemma, Gemma 2 or Gemma 3 text model (by `model_type`; Llama without
-    /// one): an error names the key whose value this model cannot honour
+    /// Gemma, Gemma 2, Gemma 3 text, SmolLM3 or Granite model (by
+    /// `model_type`; Llama without one): an error names the key whose value this model cannot honour
     /// (another architecture, MLP biases, another activation, a rotary
     /// scaling it does not implement, bidirectional attention, ...). Reads the
     /// rotary settings from `rope_parameters` (transformers 5) or from
@@ -388,7 +492,12 @@ impl LlamaConfig {
         }
         let plain = Plain::deserialize(config).map_err(|e| format!("{e}"))?;
         let heads = plain.num_attention_heads;
-        let sliding_window = sliding_window_of(config, &plain, family.windows)?;
+        let rotated_layers = match family.nope_layers {
+            true => Some(rotated_layers(&plain)?),
+            false => None,
+        };
+        let sliding_window =
+            sliding_window_of(config, &plain, family.windows, rotated_layers.as_deref())?;
         let gemma = family.gemma;
         if gemma.is_some() {
             refuse_gemma_settings(&plain)?;
@@ -396,7 +505,12 @@ impl LlamaConfig {
         let (rope, local_rope) = match gemma {
             Some(Gemma::Three) => gemma3_ropes(config, plain.max_position_embeddings)?,
             _ => (
-                Rope::from_json(config, plain.max_position_embeddings, family.phi3_rope)?,
+                Rope::from_json(
+                    config,
+                    plain.max_position_embeddings,
+                    family.phi3_rope,
+                    family.default_theta,
+                )?,
                 None,
             ),
         };
@@ -411,6 +525,8 @@ impl LlamaConfig {
             true => (head_dim as f64 * super::rope::partial_rotary_factor(config)?) as usize,
             false => head_dim,
         };
+        // Granite's multipliers (1, the default, is none).
+        let granite = |value: Option<f64>| value.filter(|&v| family.multipliers && v != 1.0);
         // Gemma 2's and 3's settings (Gemma reads none of them).
         let later = |value: Option<f64>| value.filter(|_| gemma.is_some_and(|g| g != Gemma::One));
         let parsed = Self {
@@ -425,7 +541,7 @@ impl LlamaConfig {
             max_position_embeddings: plain.max_position_embeddings,
             rms_norm_eps: plain.rms_norm_eps,
             rope,
-            tie_word_embeddings: plain.tie_word_embeddings.unwrap_or(gemma.is_some()),
+            tie_word_embeddings: plain.tie_word_embeddings.unwrap_or(family.tied_by_default),
             initializer_range: plain.initializer_range,
             // Phi-3's projections have no biases whatever the file says.
             qkv_bias: !family.fused && (plain.attention_bias || family.qkv_bias),
@@ -436,9 +552,18 @@ impl LlamaConfig {
             pad_token_id: plain.pad_token_id,
             mlp_activation: mlp_activation(config, gemma)?,
             norm_weight_offset: if gemma.is_some() { 1.0 } else { 0.0 },
-            embedding_scale: gemma.map(|_| (plain.hidden_size as f64).sqrt()),
+            embedding_scale: match gemma {
+                Some(_) => Some((plain.hidden_size as f64).sqrt()),
+                None => granite(plain.embedding_multiplier),
+            },
             output_norms: gemma.is_some_and(|g| g != Gemma::One),
-            query_pre_attn_scalar: later(plain.query_pre_attn_scalar),
+            attention_scale: match gemma {
+                Some(_) => later(plain.query_pre_attn_scalar).map(|scalar| scalar.powf(-0.5)),
+                None => granite(plain.attention_multiplier),
+            },
+            residual_multiplier: granite(plain.residual_multiplier),
+            logits_scaling: granite(plain.logits_scaling),
+            rotated_layers,
             attn_logit_softcapping: plain
                 .attn_logit_softcapping
                 .filter(|_| gemma == Some(Gemma::Two)),
@@ -486,8 +611,28 @@ impl LlamaConfig {
         if let Some(local) = &self.local_rope {
             local.validate()?;
         }
+        if let Some(layers) = self
+            .rotated_layers
+            .as_ref()
+            .filter(|l| l.len() != self.num_hidden_layers)
+        {
+            return Err(format!(
+                "`no_rope_layers` has {} entries for {} layers; give one per layer",
+                layers.len(),
+                self.num_hidden_layers
+            ));
+        }
         let positive = [
-            ("query_pre_attn_scalar", self.query_pre_attn_scalar),
+            (
+                "attention scale (`query_pre_attn_scalar`, `attention_multiplier`)",
+                self.attention_scale,
+            ),
+            (
+                "embedding scale (`embedding_multiplier`)",
+                self.embedding_scale,
+            ),
+            ("residual_multiplier", self.residual_multiplier),
+            ("logits_scaling", self.logits_scaling),
             ("attn_logit_softcapping", self.attn_logit_softcapping),
             ("final_logit_softcapping", self.final_logit_softcapping),
         ];
@@ -558,6 +703,7 @@ fn sliding_window_of(
     config: &serde_json::Value,
     plain: &Plain,
     windows: Windows,
+    rotated_layers: Option<&[bool]>,
 ) -> std::result::Result<Option<SlidingWindow>, String> {
     if let Some(types) = &plain.layer_types {
         if let Some(other) = types
@@ -573,7 +719,12 @@ fn sliding_window_of(
     let typed = |types: &Vec<String>| types.iter().map(|t| t == "sliding_attention").collect();
     let layers = match windows {
         Windows::Never => return Ok(None),
-        Windows::Switched if !plain.use_sliding_window => return Ok(None),
+        Windows::Switched | Windows::NoRope if !plain.use_sliding_window => return Ok(None),
+        Windows::NoRope => match (&plain.layer_types, rotated_layers) {
+            (Some(types), _) => typed(types),
+            (None, Some(rotated)) => rotated.iter().map(|r| !r).collect(),
+            (None, None) => vec![false; n],
+        },
         Windows::EveryLayer { .. } => vec![true; n],
         Windows::Switched => match &plain.layer_types {
             Some(types) => typed(types),
@@ -589,6 +740,7 @@ fn sliding_window_of(
     };
     let missing = match windows {
         Windows::EveryLayer { missing } => missing,
+        Windows::NoRope => None,
         _ => Some(DEFAULT_WINDOW),
     };
     let size = match config.get("sliding_window") {
@@ -603,6 +755,26 @@ fn sliding_window_of(
     Ok(size
         .filter(|_| layers.contains(&true))
         .map(|size| SlidingWindow { size, layers }))
+}
+
+/// SmolLM3's layers with rotary embeddings: `no_rope_layers` (1 rotates, 0
+/// does not), or all but every `no_rope_layer_interval`-th.
+fn rotated_layers(plain: &Plain) -> std::result::Result<Vec<bool>, String> {
+    match (&plain.no_rope_layers, plain.no_rope_layer_interval) {
+        (Some(flags), _) => flags
+            .iter()
+            .map(|&f| match f {
+                0 | 1 => Ok(f == 1),
+                other => Err(format!(
+                    "`no_rope_layers` holds {other}; 1 (rotary) or 0 (none) per layer"
+                )),
+            })
+            .collect(),
+        (None, 0) => Err("`no_rope_layer_interval` is 0; set it to at least 1".into()),
+        (None, every) => Ok((0..plain.num_hidden_layers)
+            .map(|i| (i + 1) % every != 0)
+            .collect()),
+    }
 }
 
 /// The MLP's activation: SiLU for Llama (`hidden_act`); GELU's tanh form for
@@ -677,7 +849,7 @@ fn gemma3_ropes(
         if let Some(partial) = get("partial_rotary_factor") {
             alone["partial_rotary_factor"] = partial.clone();
         }
-        Rope::from_json(&alone, max_positions, false)
+        Rope::from_json(&alone, max_positions, false, default)
     };
     let global = rope(global, "rope_theta", 1e6)?;
     let local = rope(local, "rope_local_base_freq", 1e4)?;
@@ -847,8 +1019,14 @@ struct Block {
     kv_heads: usize,
     head_dim: usize,
     /// The queries' factor that turns the fused attention's `head_dim^-1/2`
-    /// into the model's score scale (Gemma's `query_pre_attn_scalar`).
+    /// into the model's score scale (Gemma's `query_pre_attn_scalar`,
+    /// Granite's `attention_multiplier`).
     query_factor: Option<f64>,
+    /// Granite's factor on each residual branch.
+    residual_multiplier: Option<f64>,
+    /// This layer applies rotary embeddings (all but SmolLM3's NoPE
+    /// layers).
+    rotates: bool,
     /// Gemma 2's cap on the attention scores.
     score_cap: Option<f64>,
     /// The sliding window of this layer, if it has one.
@@ -922,12 +1100,16 @@ impl Block {
             Some((q, k)) => (Some(q), Some(k)),
             None => (None, None),
         };
-        let q = rotation.apply(&normed(heads(q, self.heads)?, q_norm)?)?;
+        let rotated = |x: Tensor| match self.rotates {
+            true => rotation.apply(&x),
+            false => Ok(x),
+        };
+        let q = rotated(normed(heads(q, self.heads)?, q_norm)?)?;
         let q = match self.query_factor {
             Some(factor) => q.affine(factor, 0.0)?,
             None => q,
         };
-        let k = rotation.apply(&normed(heads(k, self.kv_heads)?, k_norm)?)?;
+        let k = rotated(normed(heads(k, self.kv_heads)?, k_norm)?)?;
         let v = heads(v, self.kv_heads)?;
         // Each key/value head serves `heads / kv_heads` consecutive query
         // heads (`repeat_kv`), inside the op: no repeated copies.
@@ -937,7 +1119,14 @@ impl Block {
             (None, None) => ops::causal_attention(&q, &k, &v)?,
         };
         let y = y.reshape((rows, self.heads * self.head_dim))?;
-        let attended = normed_output(self.o_proj.forward(&y)?, self.attn_out_norm.as_ref())?;
+        let scaled = |branch: Tensor| match self.residual_multiplier {
+            Some(factor) => branch.affine(factor, 0.0),
+            None => Ok(branch),
+        };
+        let attended = scaled(normed_output(
+            self.o_proj.forward(&y)?,
+            self.attn_out_norm.as_ref(),
+        )?)?;
         let (x, h) = self.mlp_norm.forward_residual(&attended, x)?;
         let [gate, up] = self.gate_up.forward(&h)?;
         let gated = match self.activation {
@@ -945,7 +1134,10 @@ impl Block {
             Activation::Gelu => ops::geglu(&gate, &up)?,
             other => candle_core::bail!("no gated MLP with {other:?}"),
         };
-        let mlp = normed_output(self.down_proj.forward(&gated)?, self.mlp_out_norm.as_ref())?;
+        let mlp = scaled(normed_output(
+            self.down_proj.forward(&gated)?,
+            self.mlp_out_norm.as_ref(),
+        )?)?;
         x + mlp
     }
 }
@@ -1028,8 +1220,8 @@ impl Llama {
             config.output_norms.then(|| norm(vb)).transpose()
         };
         let query_factor = config
-            .query_pre_attn_scalar
-            .map(|scalar| (config.head_dim as f64 / scalar).sqrt())
+            .attention_scale
+            .map(|scale| scale * (config.head_dim as f64).sqrt())
             .filter(|&factor| factor != 1.0);
         let model = vb.pp("model");
         let embed = model.get_with_hints((config.vocab_size, d), "embed_tokens.weight", normal)?;
@@ -1080,6 +1272,8 @@ impl Llama {
                 kv_heads: config.num_key_value_heads,
                 head_dim: config.head_dim,
                 query_factor,
+                residual_multiplier: config.residual_multiplier,
+                rotates: config.rotated_layers.as_ref().is_none_or(|r| r[i]),
                 score_cap: config.attn_logit_softcapping,
                 window: config
                     .sliding_window
@@ -1179,6 +1373,10 @@ impl Llama {
             move |block: &Block, x: &Tensor| block.forward(x, time, &rotations),
         )?;
         let logits = super::logits(&self.norm, &self.head, &x)?;
+        let logits = match self.config.logits_scaling {
+            Some(scaling) => (logits / scaling)?,
+            None => logits,
+        };
         match self.config.final_logit_softcapping {
             Some(cap) => (logits / cap)?.tanh()? * cap,
             None => Ok(logits),

@@ -101,7 +101,8 @@ pub struct YarnScaling {
 impl Rope {
     /// The settings of `config` (a hub `config.json`): `rope_parameters`
     /// (transformers 5) or `rope_theta` with `rope_scaling` (earlier
-    /// files); `max_positions` is its `max_position_embeddings`; with
+    /// files), `rope_theta` `default_theta` where absent;
+    /// `max_positions` is its `max_position_embeddings`; with
     /// `phi3`, "su" and "yarn" mean longrope and `partial_rotary_factor` is
     /// allowed (read by [`partial_rotary_factor`]), as `transformers`
     /// reads them there. An error names the key it cannot honour.
@@ -109,6 +110,7 @@ impl Rope {
         config: &serde_json::Value,
         max_positions: usize,
         phi3: bool,
+        default_theta: f64,
     ) -> Result<Self, String> {
         let (params, key) = match config.get("rope_parameters") {
             Some(p) if !p.is_null() => (Some(p), "rope_parameters"),
@@ -138,7 +140,7 @@ impl Rope {
                  (Phi-3's rotate part of each head)"
             ));
         }
-        let theta = number("rope_theta")?.unwrap_or(10_000.0);
+        let theta = number("rope_theta")?.unwrap_or(default_theta);
         let kind = params
             .and_then(|p| p.get("rope_type").or_else(|| p.get("type")))
             .and_then(|v| v.as_str())
