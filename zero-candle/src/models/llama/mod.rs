@@ -1,0 +1,657 @@
+//! Llama (`LlamaForCausalLM`): a token embedding, pre-norm blocks of
+//! grouped-query attention with rotary position embeddings and a SwiGLU
+//! MLP, RMS norms, and a head of its own or tied to the embedding. Mistral
+//! (`MistralForCausalLM`), Qwen2 (`Qwen2ForCausalLM`) and Qwen3
+//! (`Qwen3ForCausalLM`) share its layout: Mistral with sliding-window
+//! attention, Qwen2 with biases on the query, key and value projections
+//! (and sliding windows where switched on), Qwen3 with an RMS norm on each
+//! query and key head before the rotation. Phi-3 (`Phi3ForCausalLM`) too,
+//! its query, key and value projections one weight (`qkv_proj`) and its gate
+//! and up projections another (`gate_up_proj`). And Gemma
+//! (`GemmaForCausalLM`): RMS norms that scale by `1 + weight`, the token
+//! embeddings times `√hidden_size`, a GELU-gated MLP; Gemma 2
+//! (`Gemma2ForCausalLM`) adds norms of the attention's and the MLP's
+//! outputs, its own score scale, windows in every other layer and
+//! soft-capped scores and logits; Gemma 3's text model (`Gemma3ForCausalLM`)
+//! has Gemma 2's norms and scale, norms of each query and key head, a
+//! rotation of its own in the sliding-window layers and capped logits.
+//! SmolLM3 (`SmolLM3ForCausalLM`): layers without rotary embeddings
+//! (`no_rope_layers`). Granite (`GraniteForCausalLM`): multipliers on the
+//! embeddings, the scores, the residual branches and the logits.
+//!
+//! The variables carry the hub's names (`model.embed_tokens.weight`,
+//! `model.layers.{i}.self_attn.q_proj.weight`, ..., `model.norm.weight`,
+//! `lm_head.weight` when the head is untied), stored as they are.
+
+mod config;
+
+pub(crate) use config::{reads, why_not, LLAMA_TYPES};
+pub use config::{LlamaConfig, SlidingWindow};
+
+use super::rope::{Rope, RopeScaling};
+use crate::hub::HubLayout;
+use crate::nn::{ops, Activation, Embedding, GradHook, Linear, RmsNorm};
+use crate::{Error, Result, ShardedVarMap};
+use candle_core::{DType, Device, Module, Tensor};
+use candle_nn::{Init, VarBuilder};
+use std::sync::{Arc, Mutex, PoisonError};
+
+/// The cosines and sines of positions `0..len`, `[len, head_dim / 2]`
+/// each, times the rotation's attention factor (YaRN's), in the model's
+/// dtype (rounded from f32, as `transformers` rounds its tables to the
+/// activations' dtype).
+#[derive(Clone)]
+struct Rotation {
+    cos: Tensor,
+    sin: Tensor,
+}
+
+impl Rotation {
+    fn new(
+        (inv_freq, factor): (&[f64], f64),
+        len: usize,
+        dtype: DType,
+        device: &Device,
+    ) -> candle_core::Result<Self> {
+        // f32 as transformers computes them.
+        let angles: Vec<f32> = (0..len)
+            .flat_map(|t| inv_freq.iter().map(move |&f| t as f32 * f as f32))
+            .collect();
+        let angles = Tensor::from_vec(angles, (len, inv_freq.len()), device)?;
+        let scaled = |table: Tensor| {
+            if factor == 1.0 {
+                Ok(table)
+            } else {
+                table * factor
+            }
+        };
+        Ok(Self {
+            cos: scaled(angles.cos()?)?.to_dtype(dtype)?,
+            sin: scaled(angles.sin()?)?.to_dtype(dtype)?,
+        })
+    }
+
+    fn len(&self) -> usize {
+        self.cos.dims()[0]
+    }
+
+    /// The first `time` positions (a view: a position's row does not
+    /// depend on the table's length).
+    fn narrow(&self, time: usize) -> candle_core::Result<Self> {
+        Ok(Self {
+            cos: self.cos.narrow(0, 0, time)?,
+            sin: self.sin.narrow(0, 0, time)?,
+        })
+    }
+
+    /// `x * cos + rotate_half(x) * sin` for `x` `[batch, time, heads,
+    /// head_dim]`, in one op; where the tables rotate fewer values than a
+    /// head holds (Phi-3's `partial_rotary_factor`), the first ones, the
+    /// rest passed through.
+    fn apply(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let (rotated, width) = (2 * self.cos.dim(1)?, x.dim(3)?);
+        if rotated == width {
+            return ops::rotary_embedding(x, &self.cos, &self.sin);
+        }
+        let turned = ops::rotary_embedding(&x.narrow(3, 0, rotated)?, &self.cos, &self.sin)?;
+        Tensor::cat(&[&turned, &x.narrow(3, rotated, width - rotated)?], 3)
+    }
+}
+
+/// The rotation tables a model has built, one per dtype and device, each
+/// as long as the longest sequence asked for so far: a forward narrows one
+/// instead of computing and uploading its table again.
+struct RotationCache {
+    /// The rotary frequencies.
+    inv_freq: Vec<f64>,
+    /// The factor on the cosines and sines.
+    factor: f64,
+    tables: Mutex<Vec<(DType, Device, Rotation)>>,
+}
+
+impl RotationCache {
+    /// No tables yet, of the frequencies `inv_freq` and the factor on the
+    /// cosines and sines.
+    fn new(inv_freq: Vec<f64>, factor: f64) -> Self {
+        Self {
+            inv_freq,
+            factor,
+            tables: Mutex::default(),
+        }
+    }
+
+    /// The tables of positions `0..time` in `dtype` on `device`.
+    fn get(&self, time: usize, dtype: DType, device: &Device) -> candle_core::Result<Rotation> {
+        let mut tables = self.tables.lock().unwrap_or_else(PoisonError::into_inner);
+        let slot = tables
+            .iter()
+            .position(|(d, dev, _)| *d == dtype && dev.same_device(device));
+        if let Some(i) = slot {
+            if tables[i].2.len() >= time {
+                return tables[i].2.narrow(time);
+            }
+        }
+        // Growing by at least twice the length keeps rebuilds rare when
+        // sequences lengthen one token at a time.
+        let len = slot.map_or(time, |i| time.max(2 * tables[i].2.len()));
+        let built = Rotation::new((&self.inv_freq, self.factor), len, dtype, device)?;
+        let rotation = built.narrow(time)?;
+        match slot {
+            Some(i) => tables[i].2 = built,
+            None => tables.push((dtype, device.clone(), built)),
+        }
+        Ok(rotation)
+    }
+}
+
+/// A rotation's tables: one cache, or longrope's two, its short factors'
+/// up to its original context and its long factors' past it.
+struct RopeTables {
+    short: RotationCache,
+    /// The length past which the long tables rotate, and their cache.
+    long: Option<(usize, RotationCache)>,
+}
+
+impl RopeTables {
+    /// No tables yet, of the rotation `rope` gives the first `rotary_dim`
+    /// values of each head.
+    fn new(rope: &Rope, rotary_dim: usize) -> Self {
+        let cache =
+            |time| RotationCache::new(rope.inv_freq_at(rotary_dim, time), rope.attention_factor());
+        Self {
+            short: cache(0),
+            long: rope.switches_after().map(|after| (after, cache(after + 1))),
+        }
+    }
+
+    /// The tables of sequences of `time` positions in `dtype` on `device`.
+    fn get(&self, time: usize, dtype: DType, device: &Device) -> candle_core::Result<Rotation> {
+        match &self.long {
+            Some((after, long)) if time > *after => long.get(time, dtype, device),
+            _ => self.short.get(time, dtype, device),
+        }
+    }
+}
+
+/// One pre-norm block: `x + attn(input_layernorm(x))`, then `x +
+/// mlp(mlp_norm(x))`, the first add in the second norm's pass
+/// ([`RmsNorm::forward_residual`]); with Gemma 2's and 3's output norms, `x +
+/// attn_out_norm(attn(..))` and `x + mlp_out_norm(mlp(..))`.
+#[derive(Clone)]
+struct Block {
+    input_layernorm: RmsNorm,
+    qkv: Projections<3>,
+    o_proj: Linear,
+    /// Qwen3's and Gemma 3's norms of each query and key head.
+    qk_norms: Option<(RmsNorm, RmsNorm)>,
+    /// Gemma 2's and 3's norm of the attention's output (their
+    /// `post_attention_layernorm`).
+    attn_out_norm: Option<RmsNorm>,
+    /// The MLP's input norm: Llama's `post_attention_layernorm`, Gemma 2's and 3's
+    /// `pre_feedforward_layernorm`.
+    mlp_norm: RmsNorm,
+    gate_up: Projections<2>,
+    activation: Activation,
+    down_proj: Linear,
+    /// Gemma 2's and 3's norm of the MLP's output (`post_feedforward_layernorm`).
+    mlp_out_norm: Option<RmsNorm>,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    /// The queries' factor that turns the fused attention's `head_dim^-1/2`
+    /// into the model's score scale (Gemma's `query_pre_attn_scalar`,
+    /// Granite's `attention_multiplier`).
+    query_factor: Option<f64>,
+    /// Granite's factor on each residual branch.
+    residual_multiplier: Option<f64>,
+    /// This layer applies rotary embeddings (all but SmolLM3's NoPE
+    /// layers).
+    rotates: bool,
+    /// Gemma 2's cap on the attention scores.
+    score_cap: Option<f64>,
+    /// The sliding window of this layer, if it has one.
+    window: Option<usize>,
+    /// This layer rotates with the local rotation (Gemma 3's sliding
+    /// layers).
+    local_rotation: bool,
+}
+
+/// Projections of the same input: one Linear each, or one Linear whose
+/// output holds them side by side (Phi-3's `qkv_proj`, `gate_up_proj`).
+#[derive(Clone)]
+enum Projections<const N: usize> {
+    Separate([Linear; N]),
+    /// The Linear and each projection's width, in order.
+    Fused(Linear, [usize; N]),
+}
+
+impl<const N: usize> Projections<N> {
+    /// The N projections of `h` rows (columns of one product when fused).
+    fn forward(&self, h: &Tensor) -> candle_core::Result<[Tensor; N]> {
+        let outputs: Vec<Tensor> = match self {
+            Self::Separate(linears) => linears
+                .iter()
+                .map(|l| l.forward(h))
+                .collect::<candle_core::Result<_>>()?,
+            Self::Fused(linear, widths) => {
+                let all = linear.forward(h)?;
+                let mut at = 0;
+                widths
+                    .iter()
+                    .map(|&w| {
+                        at += w;
+                        all.narrow(1, at - w, w)
+                    })
+                    .collect::<candle_core::Result<_>>()?
+            }
+        };
+        Ok(outputs
+            .try_into()
+            .unwrap_or_else(|_| unreachable!("N outputs")))
+    }
+}
+
+impl Block {
+    /// `x` rows `[batch * time, hidden]` through the block.
+    fn forward(
+        &self,
+        x: &Tensor,
+        time: usize,
+        rotations: &Rotations,
+    ) -> candle_core::Result<Tensor> {
+        let rotation = match (&rotations.local, self.local_rotation) {
+            (Some(local), true) => local,
+            _ => &rotations.global,
+        };
+        let rows = x.dim(0)?;
+        // No sequences when there are no positions.
+        let batch = rows / time.max(1);
+        let h = self.input_layernorm.forward(x)?;
+        let [q, k, v] = self.qkv.forward(&h)?;
+        let heads = |x: Tensor, n| x.reshape((batch, time, n, self.head_dim));
+        // Qwen3 normalizes each head's row of `head_dim` values.
+        let normed = |x: Tensor, norm: Option<&RmsNorm>| match norm {
+            Some(norm) => norm
+                .forward(&x.reshape((rows * x.dim(2)?, self.head_dim))?)?
+                .reshape(x.shape()),
+            None => Ok(x),
+        };
+        let (q_norm, k_norm) = match &self.qk_norms {
+            Some((q, k)) => (Some(q), Some(k)),
+            None => (None, None),
+        };
+        let rotated = |x: Tensor| match self.rotates {
+            true => rotation.apply(&x),
+            false => Ok(x),
+        };
+        let q = rotated(normed(heads(q, self.heads)?, q_norm)?)?;
+        let q = match self.query_factor {
+            Some(factor) => q.affine(factor, 0.0)?,
+            None => q,
+        };
+        let k = rotated(normed(heads(k, self.kv_heads)?, k_norm)?)?;
+        let v = heads(v, self.kv_heads)?;
+        // Each key/value head serves `heads / kv_heads` consecutive query
+        // heads (`repeat_kv`), inside the op: no repeated copies.
+        let y = match (self.score_cap, self.window) {
+            (Some(cap), window) => ops::softcapped_attention(&q, &k, &v, window, cap)?,
+            (None, Some(window)) => ops::sliding_window_attention(&q, &k, &v, window)?,
+            (None, None) => ops::causal_attention(&q, &k, &v)?,
+        };
+        let y = y.reshape((rows, self.heads * self.head_dim))?;
+        let scaled = |branch: Tensor| match self.residual_multiplier {
+            Some(factor) => branch.affine(factor, 0.0),
+            None => Ok(branch),
+        };
+        let attended = scaled(normed_output(
+            self.o_proj.forward(&y)?,
+            self.attn_out_norm.as_ref(),
+        )?)?;
+        let (x, h) = self.mlp_norm.forward_residual(&attended, x)?;
+        let [gate, up] = self.gate_up.forward(&h)?;
+        let gated = match self.activation {
+            Activation::Silu => ops::swiglu(&gate, &up)?,
+            Activation::Gelu => ops::geglu(&gate, &up)?,
+            other => candle_core::bail!("no gated MLP with {other:?}"),
+        };
+        let mlp = scaled(normed_output(
+            self.down_proj.forward(&gated)?,
+            self.mlp_out_norm.as_ref(),
+        )?)?;
+        x + mlp
+    }
+}
+
+/// `y`, or its norm where the model has one (Gemma 2's and 3's output
+/// norms).
+fn normed_output(y: Tensor, norm: Option<&RmsNorm>) -> candle_core::Result<Tensor> {
+    match norm {
+        Some(norm) => norm.forward(&y),
+        None => Ok(y),
+    }
+}
+
+/// The rotations a forward applies: every layer's, and the sliding layers'
+/// where they differ (Gemma 3).
+#[derive(Clone)]
+struct Rotations {
+    global: Rotation,
+    local: Option<Rotation>,
+}
+
+/// Llama with its language-model head, built from [`crate::nn`]'s layers.
+pub struct Llama {
+    config: Box<LlamaConfig>,
+    embed_tokens: Embedding,
+    blocks: Vec<Block>,
+    norm: RmsNorm,
+    /// `lm_head`, or the embedding's table again when tied (a second
+    /// hooked use: the engine adds both gradients).
+    head: Linear,
+    /// The rotary tables, built once per dtype and device.
+    rotations: RopeTables,
+    /// The sliding layers' tables where they differ (Gemma 3).
+    local_rotations: Option<RopeTables>,
+    /// Each block recomputed in backward (activation checkpointing).
+    checkpointed: bool,
+}
+
+impl Llama {
+    /// Creates the variables through `vb` (from a [`ShardedVarMap`]'s
+    /// builder they are deferred until `ZeroOptimizer::new_sharded` fills
+    /// them, a rank's shard only at stage 3), with layers that hand their
+    /// gradients to `hook`. A fresh model is initialized as `transformers`
+    /// does: weights normal with standard deviation `initializer_range`,
+    /// norms scaling by one (Gemma's weights zero).
+    pub fn new(
+        vb: VarBuilder,
+        config: &LlamaConfig,
+        hook: Option<Arc<dyn GradHook>>,
+    ) -> Result<Self> {
+        config.validate().map_err(|detail| Error::Variable {
+            name: "<llama config>".into(),
+            detail,
+        })?;
+        let d = config.hidden_size;
+        let (q, kv) = (
+            config.num_attention_heads * config.head_dim,
+            config.num_key_value_heads * config.head_dim,
+        );
+        let normal = Init::Randn {
+            mean: 0.0,
+            stdev: config.initializer_range,
+        };
+        let linear_b = |vb: VarBuilder, d_in, d_out, bias: bool| -> Result<Linear> {
+            let w = vb.get_with_hints((d_out, d_in), "weight", normal)?;
+            let b = match bias {
+                true => Some(vb.get_with_hints(d_out, "bias", Init::Const(0.0))?),
+                false => None,
+            };
+            Ok(Linear::new(w, b, hook.clone()))
+        };
+        let linear = |vb: VarBuilder, d_in, d_out| linear_b(vb, d_in, d_out, false);
+        let offset = config.norm_weight_offset;
+        let norm_of = |vb: VarBuilder, width: usize| -> Result<RmsNorm> {
+            let w = vb.get_with_hints(width, "weight", Init::Const(1.0 - offset))?;
+            Ok(RmsNorm::new(w, config.rms_norm_eps, hook.clone()).with_weight_offset(offset))
+        };
+        let norm = |vb: VarBuilder| norm_of(vb, d);
+        let output_norm = |vb: VarBuilder| -> Result<Option<RmsNorm>> {
+            config.output_norms.then(|| norm(vb)).transpose()
+        };
+        let query_factor = config
+            .attention_scale
+            .map(|scale| scale * (config.head_dim as f64).sqrt())
+            .filter(|&factor| factor != 1.0);
+        let model = vb.pp("model");
+        let embed = model.get_with_hints((config.vocab_size, d), "embed_tokens.weight", normal)?;
+        let mut blocks = Vec::with_capacity(config.num_hidden_layers);
+        for i in 0..config.num_hidden_layers {
+            let vb = model.pp(format!("layers.{i}"));
+            let attn = vb.pp("self_attn");
+            let mlp = vb.pp("mlp");
+            blocks.push(Block {
+                input_layernorm: norm(vb.pp("input_layernorm"))?,
+                qkv: match config.fused_projections {
+                    true => {
+                        Projections::Fused(linear(attn.pp("qkv_proj"), d, q + 2 * kv)?, [q, kv, kv])
+                    }
+                    false => Projections::Separate([
+                        linear_b(attn.pp("q_proj"), d, q, config.qkv_bias)?,
+                        linear_b(attn.pp("k_proj"), d, kv, config.qkv_bias)?,
+                        linear_b(attn.pp("v_proj"), d, kv, config.qkv_bias)?,
+                    ]),
+                },
+                o_proj: linear_b(attn.pp("o_proj"), q, d, config.o_bias)?,
+                qk_norms: match config.qk_norm {
+                    true => Some((
+                        norm_of(attn.pp("q_norm"), config.head_dim)?,
+                        norm_of(attn.pp("k_norm"), config.head_dim)?,
+                    )),
+                    false => None,
+                },
+                attn_out_norm: output_norm(vb.pp("post_attention_layernorm"))?,
+                mlp_norm: match config.output_norms {
+                    true => norm(vb.pp("pre_feedforward_layernorm"))?,
+                    false => norm(vb.pp("post_attention_layernorm"))?,
+                },
+                gate_up: match config.fused_projections {
+                    true => Projections::Fused(
+                        linear(mlp.pp("gate_up_proj"), d, 2 * config.intermediate_size)?,
+                        [config.intermediate_size; 2],
+                    ),
+                    false => Projections::Separate([
+                        linear(mlp.pp("gate_proj"), d, config.intermediate_size)?,
+                        linear(mlp.pp("up_proj"), d, config.intermediate_size)?,
+                    ]),
+                },
+                activation: config.mlp_activation,
+                down_proj: linear(mlp.pp("down_proj"), config.intermediate_size, d)?,
+                mlp_out_norm: output_norm(vb.pp("post_feedforward_layernorm"))?,
+                heads: config.num_attention_heads,
+                kv_heads: config.num_key_value_heads,
+                head_dim: config.head_dim,
+                query_factor,
+                residual_multiplier: config.residual_multiplier,
+                rotates: config.rotated_layers.as_ref().is_none_or(|r| r[i]),
+                score_cap: config.attn_logit_softcapping,
+                window: config
+                    .sliding_window
+                    .as_ref()
+                    .filter(|w| w.layers[i])
+                    .map(|w| w.size),
+                local_rotation: config.sliding_window.as_ref().is_some_and(|w| w.layers[i]),
+            });
+        }
+        let head = if config.tie_word_embeddings {
+            Linear::new(embed.clone(), None, hook.clone())
+        } else {
+            linear(vb.pp("lm_head"), d, config.vocab_size)?
+        };
+        Ok(Self {
+            config: Box::new(config.clone()),
+            embed_tokens: Embedding::new(embed, d, hook.clone()),
+            blocks,
+            norm: norm(model.pp("norm"))?,
+            head,
+            rotations: RopeTables::new(&config.rope, config.rotary_dim),
+            local_rotations: config
+                .local_rope
+                .as_ref()
+                .map(|rope| RopeTables::new(rope, config.rotary_dim)),
+            checkpointed: false,
+        })
+    }
+
+    /// Opens a hub directory of a Llama checkpoint: its config, and a
+    /// [`ShardedVarMap`] whose variables come from its weights (build the
+    /// model with [`Llama::new`] through the map's builder). Errors name
+    /// the config key or the file that is unusable.
+    pub fn open_hub(dir: impl AsRef<std::path::Path>) -> Result<(LlamaConfig, ShardedVarMap)> {
+        super::open_hub_as(dir, LlamaConfig::from_hub, Self::hub_layout)
+    }
+
+    /// Where the variables sit in a hub checkpoint: under their own names;
+    /// with a tied head, `lm_head.weight` (where a file keeps it) is the
+    /// token embedding again.
+    pub fn hub_layout(config: &LlamaConfig) -> HubLayout {
+        let layout = HubLayout::new();
+        if config.tie_word_embeddings {
+            layout.with_tied("lm_head.weight", "model.embed_tokens.weight")
+        } else {
+            layout
+        }
+    }
+
+    /// The model's config.
+    pub fn config(&self) -> &LlamaConfig {
+        &self.config
+    }
+
+    /// With `on`, each block keeps only its input for backward and runs
+    /// again there ([`crate::checkpoint`]): the same gradients, one block's
+    /// activations at a time.
+    pub fn with_checkpointing(mut self, on: bool) -> Self {
+        self.checkpointed = on;
+        self
+    }
+
+    /// Logits `[batch, time, vocab_size]` for token ids `[batch, time]`
+    /// (u32); position `t` predicts token `t + 1`. A 16-bit model computes
+    /// in its dtype, with the norms' statistics and the attention's
+    /// softmax in f32.
+    pub fn forward(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
+        let (batch, time) = ids.dims2()?;
+        self.logits_rows(ids)?
+            .reshape((batch, time, self.config.vocab_size))
+    }
+
+    /// [`Llama::forward`]'s logits as rows `[batch * time, vocab_size]`.
+    fn logits_rows(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
+        let (_, time) = ids.dims2()?;
+        let longest = self.config.max_position_embeddings;
+        if matches!(self.config.rope.scaling, RopeScaling::Dynamic { .. }) && time > longest {
+            candle_core::bail!(
+                "a sequence of {time} tokens is longer than max_position_embeddings {longest}, past \
+                 which `dynamic` RoPE scaling changes the frequencies (not implemented here): use \
+                 sequences of at most {longest}"
+            );
+        }
+        let (dtype, device) = (self.dtype(), ids.device());
+        let rotations = Rotations {
+            global: self.rotations.get(time, dtype, device)?,
+            local: match &self.local_rotations {
+                Some(cache) => Some(cache.get(time, dtype, device)?),
+                None => None,
+            },
+        };
+        let x = super::through_blocks(
+            &self.blocks,
+            self.embed(ids)?,
+            self.checkpointed,
+            "model.layers",
+            move |block: &Block, x: &Tensor| block.forward(x, time, &rotations),
+        )?;
+        let logits = super::logits(&self.norm, &self.head, &x)?;
+        let logits = match self.config.logits_scaling {
+            Some(scaling) => (logits / scaling)?,
+            None => logits,
+        };
+        match self.config.final_logit_softcapping {
+            Some(cap) => (logits / cap)?.tanh()? * cap,
+            None => Ok(logits),
+        }
+    }
+
+    /// The mean cross-entropy (f32) of predicting each next token of `ids`
+    /// `[batch, time + 1]`, as `transformers` computes it with
+    /// `labels = ids`.
+    pub fn loss(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
+        super::next_token_loss(ids, |inputs| self.logits_rows(inputs))
+    }
+
+    /// The token embeddings of `ids` as rows `[batch * time, hidden]`
+    /// (times Gemma's scale); the padding token's rows pass no gradient
+    /// back to the table.
+    fn embed(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
+        let rows = self.embed_tokens.forward(ids)?.flatten_to(1)?;
+        let rows = match self.config.pad_token_id {
+            Some(pad) => {
+                let padding = ids.flatten_all()?.eq(pad)?.unsqueeze(1)?;
+                padding
+                    .broadcast_as(rows.shape())?
+                    .where_cond(&rows.detach(), &rows)?
+            }
+            None => rows,
+        };
+        match self.config.embedding_scale {
+            // The scale rounded to the model's dtype, as transformers
+            // rounds it (`embed_scale.to(weight.dtype)`).
+            Some(scale) => {
+                let scale = Tensor::new(scale as f32, rows.device())?.to_dtype(rows.dtype())?;
+                rows.broadcast_mul(&scale)
+            }
+            None => Ok(rows),
+        }
+    }
+
+    /// The dtype the model computes in.
+    pub fn dtype(&self) -> DType {
+        self.head.weight().dtype()
+    }
+
+    /// The device the model's variables live on.
+    pub fn device(&self) -> &Device {
+        self.head.weight().device()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn values(t: &Tensor) -> Vec<f32> {
+        t.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+    }
+
+    #[test]
+    fn the_rotation_cache_narrows_its_table_and_grows_it_when_asked_for_more() {
+        let rope = Rope {
+            theta: 100.0,
+            scaling: RopeScaling::None,
+        };
+        let cache = RotationCache::new(rope.inv_freq(6), rope.attention_factor());
+        let plain: Vec<f64> = (0..3).map(|i| 1.0 / 100f64.powf(i as f64 / 3.0)).collect();
+        assert_eq!(cache.inv_freq, plain);
+        let device = Device::Cpu;
+        let long = cache.get(5, DType::F32, &device).unwrap();
+        let short = cache.get(3, DType::F32, &device).unwrap();
+        let fresh = Rotation::new((&cache.inv_freq, 1.0), 3, DType::F32, &device).unwrap();
+        assert_eq!((long.len(), short.len()), (5, 3));
+        assert_eq!(values(&short.cos), values(&fresh.cos));
+        assert_eq!(values(&short.sin), values(&fresh.sin));
+        // A narrowed view of the one table, not a table of its own.
+        assert_eq!(cache.tables.lock().unwrap().len(), 1);
+        let longer = cache.get(7, DType::F32, &device).unwrap();
+        assert_eq!(longer.len(), 7);
+        assert_eq!(
+            cache.tables.lock().unwrap()[0].2.len(),
+            10,
+            "grown to twice the old length"
+        );
+        cache.get(3, DType::BF16, &device).unwrap();
+        assert_eq!(cache.tables.lock().unwrap().len(), 2, "one table per dtype");
+    }
+
+    /// YaRN's attention factor multiplies the cosines and sines.
+    #[test]
+    fn an_attention_factor_scales_the_tables() {
+        let inv_freq = [1.0, 0.1];
+        let plain = Rotation::new((&inv_freq, 1.0), 4, DType::F32, &Device::Cpu).unwrap();
+        let scaled = Rotation::new((&inv_freq, 1.5), 4, DType::F32, &Device::Cpu).unwrap();
+        for (a, b) in [(&plain.cos, &scaled.cos), (&plain.sin, &scaled.sin)] {
+            let want: Vec<f32> = values(a).iter().map(|v| v * 1.5).collect();
+            assert_eq!(values(b), want);
+        }
+    }
+}
