@@ -3,7 +3,7 @@
 //! Phi-3 with fused projections, Gemma, Gemma 2 and Gemma 3 with their
 //! offset norms, GELU-gated MLP and capped scores and logits, Phi-3 with
 //! longrope and half-rotated heads, SmolLM3 with a NoPE layer, Granite with
-//! its multipliers) on the GPU against `transformers`: the
+//! its multipliers, OLMo 2 and 3 with their output norms) on the GPU against `transformers`: the
 //! fixtures of `tests/fixtures/{gpt2,llama}` (tiny random models and the
 //! logits and one SGD step `transformers` and `torch.optim.SGD` compute in
 //! f64) trained at stage 3, at one rank on NCCL with the device built as
@@ -33,7 +33,7 @@ const TOLERANCE: f64 = 1e-4;
 
 /// The fixture folders with their golden file and the prefix of their
 /// golden names.
-const FIXTURES: [(&str, &str); 12] = [
+const FIXTURES: [(&str, &str); 14] = [
     ("gpt2/tiny", ""),
     ("llama/gqa", "gqa."),
     ("llama/tied", "tied."),
@@ -46,6 +46,8 @@ const FIXTURES: [(&str, &str); 12] = [
     ("llama/phi3long", "phi3long."),
     ("llama/smollm3", "smollm3."),
     ("llama/granite", "granite."),
+    ("llama/olmo2", "olmo2."),
+    ("llama/olmo3", "olmo3."),
 ];
 
 /// The fixtures: under the current directory when it is the repository's

@@ -2,7 +2,7 @@
 //! `tests/fixtures/llama/` (tiny random `LlamaForCausalLM`s with grouped
 //! key/value heads, one with an untied head and one tied with llama3 RoPE
 //! scaling; a Mistral, a Qwen2, a Qwen3, Phi-3 (also with longrope), Gemma
-//! 1, 2 and 3, a SmolLM3 and a Granite; and
+//! 1, 2 and 3, a SmolLM3, a Granite, an OLMo 2 and an OLMo 3; and
 //! the logits, loss, gradients and one SGD step each computes on a fixed
 //! batch) are made by `make_fixtures.py` there.
 
@@ -47,6 +47,8 @@ fn logits_loss_and_gradients_equal_transformers() {
         ("phi3long", 15),
         ("smollm3", 20),
         ("granite", 21),
+        ("olmo2", 25),
+        ("olmo3", 25),
     ];
     for (fixture, variables) in cases {
         let (config, map) = Llama::open_hub(fixtures().join(fixture)).unwrap();
@@ -57,7 +59,9 @@ fn logits_loss_and_gradients_equal_transformers() {
                 "tied" | "qwen3" | "gemma" | "gemma3" | "gemma2" | "smollm3"
             )
         );
-        assert_eq!(config.qk_norm, matches!(fixture, "qwen3" | "gemma3"));
+        let per_head = matches!(fixture, "qwen3" | "gemma3");
+        let whole = fixture.starts_with("olmo");
+        assert_eq!(config.qk_norm.is_some(), per_head || whole);
         assert_eq!(config.fused_projections, fixture.starts_with("phi3"));
         let model = Llama::new(map.builder(DType::F32, &Device::Cpu), &config, None).unwrap();
         map.materialize_all().unwrap();
@@ -143,6 +147,8 @@ fn one_sgd_step_equals_torch_at_stage_0_and_at_stage_3_on_two_ranks() {
         ("phi3long", Stage::Parameters, 2, 15),
         ("smollm3", Stage::Parameters, 2, 20),
         ("granite", Stage::Parameters, 2, 21),
+        ("olmo2", Stage::Parameters, 2, 25),
+        ("olmo3", Stage::Parameters, 2, 25),
     ] {
         let out = tempfile::tempdir().unwrap();
         Run::new(stage, world, 1).train(&fixtures().join(fixture), &ids, out.path());
@@ -234,7 +240,7 @@ fn both_config_forms_read_alike_and_llama3_scales_the_low_frequencies() {
     assert!(gqa.rope.scaling == RopeScaling::None && gqa.rope.theta == 10000.0);
     for fixture in [
         "gqa", "tied", "qwen2", "qwen3", "phi3", "gemma", "gemma3", "gemma2", "phi3long",
-        "smollm3", "granite",
+        "smollm3", "granite", "olmo2", "olmo3",
     ] {
         let config = LlamaConfig::from_json(&config_of(fixture)).unwrap();
         let stored: usize = hub_tensors(&fixtures().join(fixture))
@@ -499,7 +505,7 @@ fn sliding_windows_apply_where_transformers_applies_them() {
 /// refused by name.
 #[test]
 fn gemma_configs_read_as_transformers_reads_them() {
-    use zero_candle::models::{Rope, SlidingWindow};
+    use zero_candle::models::{QkNorm, Rope, SlidingWindow};
     use zero_candle::nn::Activation;
     let new = config_of("gemma3");
     let parsed = LlamaConfig::from_json(&new).unwrap();
@@ -529,7 +535,8 @@ fn gemma_configs_read_as_transformers_reads_them() {
     assert_eq!(parsed.norm_weight_offset, 1.0);
     assert_eq!(parsed.embedding_scale, Some(32f64.sqrt()));
     assert_eq!(parsed.mlp_activation, Activation::Gelu);
-    assert!(parsed.output_norms && parsed.qk_norm && parsed.tie_word_embeddings);
+    assert!(parsed.output_norms && parsed.input_norms && parsed.tie_word_embeddings);
+    assert_eq!(parsed.qk_norm, Some(QkNorm::PerHead));
 
     let mut old = new.clone();
     let object = old.as_object_mut().unwrap();
@@ -574,7 +581,7 @@ fn gemma_configs_read_as_transformers_reads_them() {
 
     let gemma = config_of("gemma");
     let parsed = LlamaConfig::from_json(&gemma).unwrap();
-    assert!(!parsed.output_norms && !parsed.qk_norm && parsed.local_rope.is_none());
+    assert!(!parsed.output_norms && parsed.qk_norm.is_none() && parsed.local_rope.is_none());
     assert_eq!(parsed.attention_scale, None);
     assert_eq!(parsed.norm_weight_offset, 1.0);
     let mut legacy = gemma.clone();
@@ -594,7 +601,7 @@ fn gemma_configs_read_as_transformers_reads_them() {
     let parsed = LlamaConfig::from_json(&gemma2).unwrap();
     assert_eq!(parsed.attn_logit_softcapping, Some(1.0));
     assert_eq!(parsed.final_logit_softcapping, Some(0.5));
-    assert!(parsed.output_norms && !parsed.qk_norm && parsed.local_rope.is_none());
+    assert!(parsed.output_norms && parsed.qk_norm.is_none() && parsed.local_rope.is_none());
     gemma2.as_object_mut().unwrap().remove("layer_types");
     gemma2["num_hidden_layers"] = 3.into();
     let layers = LlamaConfig::from_json(&gemma2)

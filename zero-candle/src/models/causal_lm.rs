@@ -19,7 +19,7 @@ pub enum HubConfig {
     /// `model_type` `gpt2`.
     Gpt2(Gpt2Config),
     /// `model_type` `llama`, `mistral`, `qwen2`, `qwen3`, `phi3`, `gemma`,
-    /// `gemma2`, `gemma3_text`, `smollm3` or `granite`.
+    /// `gemma2`, `gemma3_text`, `smollm3`, `granite`, `olmo2` or `olmo3`.
     Llama(LlamaConfig),
 }
 
@@ -89,7 +89,7 @@ impl HubConfig {
 }
 
 /// A causal language model of the hub: GPT-2 or Llama (Mistral, Qwen2,
-/// Qwen3, Phi-3, Gemma 1-3, SmolLM3 and Granite included).
+/// Qwen3, Phi-3, Gemma 1-3, SmolLM3, Granite and OLMo 2-3 included).
 pub enum CausalLm {
     /// GPT-2.
     Gpt2(Gpt2),

@@ -45,10 +45,14 @@ pub struct LlamaConfig {
     /// and up projections another (`mlp.gate_up_proj`: gate, then up), as
     /// Phi-3 stores them.
     pub fused_projections: bool,
-    /// Each query and key head is RMS-normalized over its `head_dim`
-    /// before the rotation, with a weight per layer shared by the heads
-    /// (Qwen3's `self_attn.q_norm` and `self_attn.k_norm`).
-    pub qk_norm: bool,
+    /// The queries and keys are RMS-normalized before the rotation
+    /// (`self_attn.q_norm` and `self_attn.k_norm`): each head (Qwen3's,
+    /// Gemma 3's) or each projection whole (OLMo 2's).
+    pub qk_norm: Option<QkNorm>,
+    /// Each block normalizes its input and the MLP's (Llama's
+    /// `input_layernorm` and `post_attention_layernorm`); without, OLMo 2's
+    /// blocks normalize only the outputs ([`LlamaConfig::output_norms`]).
+    pub input_norms: bool,
     /// Sliding-window attention, where the config asks for it (Mistral's
     /// `sliding_window`; Qwen2's and Qwen3's where `use_sliding_window`
     /// is on, in the layers `layer_types` or `max_window_layers` say).
@@ -95,9 +99,19 @@ pub struct LlamaConfig {
     /// `final_logit_softcapping`).
     pub final_logit_softcapping: Option<f64>,
     /// The rotation of the sliding-window layers where it differs from
-    /// [`LlamaConfig::rope`] (Gemma 3's `sliding_attention` parameters, or
-    /// `rope_local_base_freq`).
+    /// [`LlamaConfig::rope`] (Gemma 3's and OLMo 3's `sliding_attention`
+    /// parameters, or Gemma 3's `rope_local_base_freq`).
     pub local_rope: Option<Rope>,
+}
+
+/// Where the queries and keys are normalized.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QkNorm {
+    /// Each head over its `head_dim`, one weight shared by the heads
+    /// (Qwen3, Gemma 3).
+    PerHead,
+    /// Each projection over all its heads (OLMo 2).
+    Projection,
 }
 
 /// Sliding-window attention: each position of the layers that use it
@@ -248,8 +262,10 @@ struct Family {
     architectures: [&'static str; 2],
     /// The query, key and value projections always have biases.
     qkv_bias: bool,
-    /// The query and key heads are RMS-normalized.
-    qk_norm: bool,
+    /// The queries and keys are RMS-normalized.
+    qk_norm: Option<QkNorm>,
+    /// The blocks normalize their inputs (all but OLMo 2).
+    input_norms: bool,
     /// Phi-3's `qkv_proj` and `gate_up_proj`.
     fused: bool,
     /// "su" and "yarn" mean longrope, and part of each head may rotate
@@ -266,6 +282,8 @@ struct Family {
     tied_by_default: bool,
     /// `rope_theta` where the file does not say.
     default_theta: f64,
+    /// The rotary parameters are given per layer type (Gemma 3, OLMo 3).
+    typed_rope: Option<TypedRope>,
 }
 
 /// Llama itself: what the other families differ from.
@@ -273,7 +291,8 @@ const LLAMA: Family = Family {
     model_type: "llama",
     architectures: ["LlamaForCausalLM", "LlamaModel"],
     qkv_bias: false,
-    qk_norm: false,
+    qk_norm: None,
+    input_norms: true,
     fused: false,
     phi3_rope: false,
     windows: Windows::Never,
@@ -282,6 +301,7 @@ const LLAMA: Family = Family {
     multipliers: false,
     tied_by_default: false,
     default_theta: 10_000.0,
+    typed_rope: None,
 };
 
 /// Gemma's settings common to its generations.
@@ -293,8 +313,18 @@ const GEMMA: Family = Family {
     ..LLAMA
 };
 
+/// OLMo 2: norms after the attention and the MLP instead of before, the
+/// queries and keys normalized over whole projections.
+const OLMO2: Family = Family {
+    model_type: "olmo2",
+    architectures: ["Olmo2ForCausalLM", "Olmo2Model"],
+    qk_norm: Some(QkNorm::Projection),
+    input_norms: false,
+    ..LLAMA
+};
+
 /// The families read as Llama.
-const FAMILIES: [Family; 10] = [
+const FAMILIES: [Family; 12] = [
     LLAMA,
     Family {
         model_type: "mistral",
@@ -314,7 +344,7 @@ const FAMILIES: [Family; 10] = [
     Family {
         model_type: "qwen3",
         architectures: ["Qwen3ForCausalLM", "Qwen3Model"],
-        qk_norm: true,
+        qk_norm: Some(QkNorm::PerHead),
         windows: Windows::Switched,
         ..LLAMA
     },
@@ -337,9 +367,14 @@ const FAMILIES: [Family; 10] = [
     Family {
         model_type: "gemma3_text",
         architectures: ["Gemma3ForCausalLM", "Gemma3TextModel"],
-        qk_norm: true,
+        qk_norm: Some(QkNorm::PerHead),
         windows: Windows::Typed { pattern: 6 },
         gemma: Some(Gemma::Three),
+        typed_rope: Some(TypedRope {
+            global_theta: 1e6,
+            local_theta_key: Some("rope_local_base_freq"),
+            local_theta: 1e4,
+        }),
         ..GEMMA
     },
     Family {
@@ -356,6 +391,20 @@ const FAMILIES: [Family; 10] = [
         architectures: ["GraniteForCausalLM", "GraniteModel"],
         multipliers: true,
         ..LLAMA
+    },
+    OLMO2,
+    Family {
+        model_type: "olmo3",
+        architectures: ["Olmo3ForCausalLM", "Olmo3Model"],
+        windows: Windows::Typed { pattern: 4 },
+        // transformers gives an earlier file's `rope_theta` to the full
+        // layers only; the sliding ones keep the default.
+        typed_rope: Some(TypedRope {
+            global_theta: 5e5,
+            local_theta_key: None,
+            local_theta: 5e5,
+        }),
+        ..OLMO2
     },
 ];
 
@@ -378,12 +427,13 @@ pub(crate) fn why_not(kind: &str) -> &'static str {
 /// The `model_type`s read as Llama, for messages.
 pub(crate) const LLAMA_TYPES: &str =
     "\"llama\", \"mistral\", \"qwen2\", \"qwen3\", \"phi3\", \"gemma\", \"gemma2\", \
-     \"gemma3_text\", \"smollm3\" and \"granite\"";
+     \"gemma3_text\", \"smollm3\", \"granite\", \"olmo2\" and \"olmo3\"";
 
 impl LlamaConfig {
     /// Reads a hub `config.json` of a Llama, Mistral, Qwen2, Qwen3, Phi-3,
-    /// Gemma, Gemma 2, Gemma 3 text, SmolLM3 or Granite model (by
-    /// `model_type`; Llama without one): an error names the key whose value this model cannot honour
+    /// Gemma, Gemma 2, Gemma 3 text, SmolLM3, Granite, OLMo 2 or OLMo 3
+    /// model (by `model_type`; Llama without one): an error names the key
+    /// whose value this model cannot honour
     /// (another architecture, MLP biases, another activation, a rotary
     /// scaling it does not implement, bidirectional attention, ...). Reads the
     /// rotary settings from `rope_parameters` (transformers 5) or from
@@ -421,9 +471,9 @@ impl LlamaConfig {
         if gemma.is_some() {
             refuse_gemma_settings(&plain)?;
         }
-        let (rope, local_rope) = match gemma {
-            Some(Gemma::Three) => gemma3_ropes(config, plain.max_position_embeddings)?,
-            _ => (
+        let (rope, local_rope) = match family.typed_rope {
+            Some(typed) => typed_ropes(config, plain.max_position_embeddings, typed)?,
+            None => (
                 Rope::from_json(
                     config,
                     plain.max_position_embeddings,
@@ -469,6 +519,7 @@ impl LlamaConfig {
             o_bias: !family.fused && plain.attention_bias,
             fused_projections: family.fused,
             qk_norm: family.qk_norm,
+            input_norms: family.input_norms,
             sliding_window,
             pad_token_id: plain.pad_token_id,
             mlp_activation: mlp_activation(config, gemma)?,
@@ -477,7 +528,7 @@ impl LlamaConfig {
                 Some(_) => Some((plain.hidden_size as f64).sqrt()),
                 None => granite(plain.embedding_multiplier),
             },
-            output_norms: gemma.is_some_and(|g| g != Gemma::One),
+            output_norms: gemma.is_some_and(|g| g != Gemma::One) || !family.input_norms,
             attention_scale: match gemma {
                 Some(_) => later(plain.query_pre_attn_scalar).map(|scalar| scalar.powf(-0.5)),
                 None => granite(plain.attention_multiplier),
@@ -596,8 +647,12 @@ impl LlamaConfig {
             self.num_key_value_heads * self.head_dim,
         );
         let biases = if self.qkv_bias { q + 2 * kv } else { 0 } + if self.o_bias { d } else { 0 };
-        let qk_norms = if self.qk_norm { 2 * self.head_dim } else { 0 };
-        let norms = if self.output_norms { 4 * d } else { 2 * d };
+        let qk_norms = match self.qk_norm {
+            Some(QkNorm::PerHead) => 2 * self.head_dim,
+            Some(QkNorm::Projection) => q + kv,
+            None => 0,
+        };
+        let norms = 2 * d * (self.input_norms as usize + self.output_norms as usize);
         let per_layer = norms + 2 * d * q + 2 * d * kv + 3 * d * inner + biases + qk_norms;
         let head = if self.tie_word_embeddings {
             0
@@ -731,14 +786,28 @@ fn refuse_gemma_settings(plain: &Plain) -> std::result::Result<(), String> {
     Ok(())
 }
 
-/// Gemma 3's rotations: the full-attention layers' and the sliding-window
-/// layers', from `rope_parameters` per layer type (transformers 5) or from
-/// `rope_theta` (default 1e6) with `rope_scaling` and `rope_local_base_freq`
-/// (default 10,000) (earlier files). The local one is `None` where it is the
-/// same as the global one.
-fn gemma3_ropes(
+/// Rotary parameters per layer type (Gemma 3, OLMo 3): the bases where a
+/// file leaves them out, as `transformers` defaults them.
+#[derive(Clone, Copy)]
+struct TypedRope {
+    /// The full-attention layers' `rope_theta` where absent.
+    global_theta: f64,
+    /// The key of the sliding layers' base in earlier files (Gemma 3's
+    /// `rope_local_base_freq`), if any.
+    local_theta_key: Option<&'static str>,
+    /// The sliding layers' base where absent.
+    local_theta: f64,
+}
+
+/// The rotations of the full-attention layers and of the sliding-window
+/// layers, from `rope_parameters` per layer type (transformers 5) or from
+/// `rope_theta` with `rope_scaling` for the full layers and `typed`'s local
+/// key for the sliding ones (earlier files). The local one is `None` where
+/// it is the same as the global one.
+fn typed_ropes(
     config: &serde_json::Value,
     max_positions: usize,
+    typed: TypedRope,
 ) -> std::result::Result<(Rope, Option<Rope>), String> {
     use serde_json::{json, Value};
     let get = |key: &str| config.get(key).filter(|v| !v.is_null());
@@ -756,7 +825,7 @@ fn gemma3_ropes(
     };
     // One layer type's parameters as a config of their own, the base
     // defaulted as transformers defaults it.
-    let rope = |params: Option<Value>, theta_key: &str, default: f64| {
+    let rope = |params: Option<Value>, theta_key: Option<&str>, default: f64| {
         let mut params = params.unwrap_or_else(|| json!({"rope_type": "default"}));
         if !params.is_object() {
             return Err(format!(
@@ -764,7 +833,7 @@ fn gemma3_ropes(
             ));
         }
         if params.get("rope_theta").is_none_or(Value::is_null) {
-            params["rope_theta"] = get(theta_key).cloned().unwrap_or(default.into());
+            params["rope_theta"] = theta_key.and_then(get).cloned().unwrap_or(default.into());
         }
         let mut alone = json!({ "rope_parameters": params });
         if let Some(partial) = get("partial_rotary_factor") {
@@ -772,7 +841,7 @@ fn gemma3_ropes(
         }
         Rope::from_json(&alone, max_positions, false, default)
     };
-    let global = rope(global, "rope_theta", 1e6)?;
-    let local = rope(local, "rope_local_base_freq", 1e4)?;
+    let global = rope(global, Some("rope_theta"), typed.global_theta)?;
+    let local = rope(local, typed.local_theta_key, typed.local_theta)?;
     Ok((global.clone(), (local != global).then_some(local)))
 }

@@ -17,7 +17,10 @@
 //! rotation of its own in the sliding-window layers and capped logits.
 //! SmolLM3 (`SmolLM3ForCausalLM`): layers without rotary embeddings
 //! (`no_rope_layers`). Granite (`GraniteForCausalLM`): multipliers on the
-//! embeddings, the scores, the residual branches and the logits.
+//! embeddings, the scores, the residual branches and the logits. OLMo 2
+//! (`Olmo2ForCausalLM`) and 3: norms of the attention's and the MLP's
+//! outputs instead of their inputs, the queries and keys normalized over
+//! whole projections (OLMo 3: windows in three layers of four).
 //!
 //! The variables carry the hub's names (`model.embed_tokens.weight`,
 //! `model.layers.{i}.self_attn.q_proj.weight`, ..., `model.norm.weight`,
@@ -26,7 +29,7 @@
 mod config;
 
 pub(crate) use config::{reads, why_not, LLAMA_TYPES};
-pub use config::{LlamaConfig, SlidingWindow};
+pub use config::{LlamaConfig, QkNorm, SlidingWindow};
 
 use super::rope::{Rope, RopeScaling};
 use crate::hub::HubLayout;
@@ -179,17 +182,19 @@ impl RopeTables {
 /// attn_out_norm(attn(..))` and `x + mlp_out_norm(mlp(..))`.
 #[derive(Clone)]
 struct Block {
-    input_layernorm: RmsNorm,
+    /// The attention's input norm (all but OLMo 2's blocks).
+    input_layernorm: Option<RmsNorm>,
     qkv: Projections<3>,
     o_proj: Linear,
-    /// Qwen3's and Gemma 3's norms of each query and key head.
-    qk_norms: Option<(RmsNorm, RmsNorm)>,
+    /// The norms of the queries and the keys: Qwen3's and Gemma 3's of
+    /// each head, OLMo 2's of each whole projection.
+    qk_norms: Option<(QkNorm, RmsNorm, RmsNorm)>,
     /// Gemma 2's and 3's norm of the attention's output (their
     /// `post_attention_layernorm`).
     attn_out_norm: Option<RmsNorm>,
     /// The MLP's input norm: Llama's `post_attention_layernorm`, Gemma 2's and 3's
-    /// `pre_feedforward_layernorm`.
-    mlp_norm: RmsNorm,
+    /// `pre_feedforward_layernorm` (none in OLMo 2).
+    mlp_norm: Option<RmsNorm>,
     gate_up: Projections<2>,
     activation: Activation,
     down_proj: Linear,
@@ -266,8 +271,18 @@ impl Block {
         let rows = x.dim(0)?;
         // No sequences when there are no positions.
         let batch = rows / time.max(1);
-        let h = self.input_layernorm.forward(x)?;
+        let h = match &self.input_layernorm {
+            Some(norm) => norm.forward(x)?,
+            None => x.clone(),
+        };
         let [q, k, v] = self.qkv.forward(&h)?;
+        // OLMo 2 normalizes each projection whole.
+        let (q, k) = match &self.qk_norms {
+            Some((QkNorm::Projection, q_norm, k_norm)) => {
+                (q_norm.forward(&q)?, k_norm.forward(&k)?)
+            }
+            _ => (q, k),
+        };
         let heads = |x: Tensor, n| x.reshape((batch, time, n, self.head_dim));
         // Qwen3 normalizes each head's row of `head_dim` values.
         let normed = |x: Tensor, norm: Option<&RmsNorm>| match norm {
@@ -277,8 +292,8 @@ impl Block {
             None => Ok(x),
         };
         let (q_norm, k_norm) = match &self.qk_norms {
-            Some((q, k)) => (Some(q), Some(k)),
-            None => (None, None),
+            Some((QkNorm::PerHead, q, k)) => (Some(q), Some(k)),
+            _ => (None, None),
         };
         let rotated = |x: Tensor| match self.rotates {
             true => rotation.apply(&x),
@@ -307,7 +322,13 @@ impl Block {
             self.o_proj.forward(&y)?,
             self.attn_out_norm.as_ref(),
         )?)?;
-        let (x, h) = self.mlp_norm.forward_residual(&attended, x)?;
+        let (x, h) = match &self.mlp_norm {
+            Some(norm) => norm.forward_residual(&attended, x)?,
+            None => {
+                let x = (x + attended)?;
+                (x.clone(), x)
+            }
+        };
         let [gate, up] = self.gate_up.forward(&h)?;
         let gated = match self.activation {
             Activation::Silu => ops::swiglu(&gate, &up)?,
@@ -411,7 +432,10 @@ impl Llama {
             let attn = vb.pp("self_attn");
             let mlp = vb.pp("mlp");
             blocks.push(Block {
-                input_layernorm: norm(vb.pp("input_layernorm"))?,
+                input_layernorm: match config.input_norms {
+                    true => Some(norm(vb.pp("input_layernorm"))?),
+                    false => None,
+                },
                 qkv: match config.fused_projections {
                     true => {
                         Projections::Fused(linear(attn.pp("qkv_proj"), d, q + 2 * kv)?, [q, kv, kv])
@@ -424,16 +448,23 @@ impl Llama {
                 },
                 o_proj: linear_b(attn.pp("o_proj"), q, d, config.o_bias)?,
                 qk_norms: match config.qk_norm {
-                    true => Some((
+                    Some(QkNorm::PerHead) => Some((
+                        QkNorm::PerHead,
                         norm_of(attn.pp("q_norm"), config.head_dim)?,
                         norm_of(attn.pp("k_norm"), config.head_dim)?,
                     )),
-                    false => None,
+                    Some(QkNorm::Projection) => Some((
+                        QkNorm::Projection,
+                        norm_of(attn.pp("q_norm"), q)?,
+                        norm_of(attn.pp("k_norm"), kv)?,
+                    )),
+                    None => None,
                 },
                 attn_out_norm: output_norm(vb.pp("post_attention_layernorm"))?,
-                mlp_norm: match config.output_norms {
-                    true => norm(vb.pp("pre_feedforward_layernorm"))?,
-                    false => norm(vb.pp("post_attention_layernorm"))?,
+                mlp_norm: match (config.input_norms, config.output_norms) {
+                    (false, _) => None,
+                    (true, true) => Some(norm(vb.pp("pre_feedforward_layernorm"))?),
+                    (true, false) => Some(norm(vb.pp("post_attention_layernorm"))?),
                 },
                 gate_up: match config.fused_projections {
                     true => Projections::Fused(
