@@ -410,6 +410,15 @@ fn causal_lm_opens_either_model_by_its_model_type() {
     other["model_type"] = "gemma3".into();
     let err = HubConfig::from_json(&other).unwrap_err();
     assert!(err.contains("gemma3_text"), "{err}");
+    // Dropout, which training leaves out, is reported (the trainer says so).
+    let quiet = HubConfig::from_json(&config_of("phi3")).unwrap();
+    assert!(!quiet.asks_for_dropout());
+    for key in ["attention_dropout", "resid_pdrop", "embd_pdrop"] {
+        let mut config = config_of("phi3");
+        config[key] = 0.1.into();
+        let config = HubConfig::from_json(&config).unwrap();
+        assert!(config.asks_for_dropout(), "{key}");
+    }
 }
 
 /// The sliding windows read as `transformers` applies them (the fixtures'

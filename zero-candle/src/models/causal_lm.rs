@@ -83,7 +83,7 @@ impl HubConfig {
     pub fn asks_for_dropout(&self) -> bool {
         match self {
             Self::Gpt2(config) => config.asks_for_dropout(),
-            Self::Llama(_) => false,
+            Self::Llama(config) => config.dropout > 0.0,
         }
     }
 }

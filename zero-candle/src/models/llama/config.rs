@@ -91,6 +91,10 @@ pub struct LlamaConfig {
     /// Per layer, whether it applies rotary embeddings (SmolLM3's
     /// `no_rope_layers`: 1 rotates, 0 does not); `None`: every layer.
     pub rotated_layers: Option<Vec<bool>>,
+    /// The largest dropout probability the config asks for
+    /// (`attention_dropout`, Phi-3's `resid_pdrop` and `embd_pdrop`), which
+    /// training here leaves out.
+    pub dropout: f64,
     /// The attention scores capped as `cap · tanh(scores / cap)` before the
     /// mask (Gemma 2's `attn_logit_softcapping`; computed in composed ops,
     /// [`crate::nn::ops::softcapped_attention`]).
@@ -186,6 +190,12 @@ struct Plain {
     residual_multiplier: Option<f64>,
     #[serde(default)]
     logits_scaling: Option<f64>,
+    #[serde(default)]
+    attention_dropout: Option<f64>,
+    #[serde(default)]
+    resid_pdrop: Option<f64>,
+    #[serde(default)]
+    embd_pdrop: Option<f64>,
 }
 
 /// `transformers`' `no_rope_layer_interval` (SmolLM3).
@@ -536,6 +546,10 @@ impl LlamaConfig {
             residual_multiplier: granite(plain.residual_multiplier),
             logits_scaling: granite(plain.logits_scaling),
             rotated_layers,
+            dropout: [plain.attention_dropout, plain.resid_pdrop, plain.embd_pdrop]
+                .into_iter()
+                .flatten()
+                .fold(0.0, f64::max),
             attn_logit_softcapping: plain
                 .attn_logit_softcapping
                 .filter(|_| gemma == Some(Gemma::Two)),
