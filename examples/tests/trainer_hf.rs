@@ -127,6 +127,7 @@ fn stage_3_on_two_ranks_fine_tunes_what_one_rank_does_and_saves_the_hub_layout()
         ("llama/gemma", "adamw"),
         ("llama/gemma2", "sgd"),
         ("llama/gemma3", "sgd"),
+        ("llama/gemma3mm", "sgd"),
         ("llama/phi3long", "sgd"),
         ("llama/smollm3", "sgd"),
         ("llama/granite", "sgd"),

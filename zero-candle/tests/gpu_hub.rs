@@ -33,7 +33,7 @@ const TOLERANCE: f64 = 1e-4;
 
 /// The fixture folders with their golden file and the prefix of their
 /// golden names.
-const FIXTURES: [(&str, &str); 14] = [
+const FIXTURES: [(&str, &str); 15] = [
     ("gpt2/tiny", ""),
     ("llama/gqa", "gqa."),
     ("llama/tied", "tied."),
@@ -48,6 +48,7 @@ const FIXTURES: [(&str, &str); 14] = [
     ("llama/granite", "granite."),
     ("llama/olmo2", "olmo2."),
     ("llama/olmo3", "olmo3."),
+    ("llama/gemma3mm", "gemma3mm."),
 ];
 
 /// The fixtures: under the current directory when it is the repository's

@@ -49,6 +49,7 @@ fn logits_loss_and_gradients_equal_transformers() {
         ("granite", 21),
         ("olmo2", 25),
         ("olmo3", 25),
+        ("gemma3mm", 28),
     ];
     for (fixture, variables) in cases {
         let (config, map) = Llama::open_hub(fixtures().join(fixture)).unwrap();
@@ -56,10 +57,10 @@ fn logits_loss_and_gradients_equal_transformers() {
             config.tie_word_embeddings,
             matches!(
                 fixture,
-                "tied" | "qwen3" | "gemma" | "gemma3" | "gemma2" | "smollm3"
+                "tied" | "qwen3" | "gemma" | "gemma3" | "gemma2" | "smollm3" | "gemma3mm"
             )
         );
-        let per_head = matches!(fixture, "qwen3" | "gemma3");
+        let per_head = matches!(fixture, "qwen3" | "gemma3" | "gemma3mm");
         let whole = fixture.starts_with("olmo");
         assert_eq!(config.qk_norm.is_some(), per_head || whole);
         assert_eq!(config.fused_projections, fixture.starts_with("phi3"));
@@ -108,6 +109,7 @@ fn loading_then_saving_reproduces_the_checkpoint_tensor_for_tensor() {
         "qwen3",
         "phi3",
         "gemma3",
+        "gemma3mm",
     ] {
         let dir = fixtures().join(fixture);
         for (stage, world) in [(Stage::Ddp, 1), (Stage::Parameters, 2)] {
@@ -149,6 +151,7 @@ fn one_sgd_step_equals_torch_at_stage_0_and_at_stage_3_on_two_ranks() {
         ("granite", Stage::Parameters, 2, 21),
         ("olmo2", Stage::Parameters, 2, 25),
         ("olmo3", Stage::Parameters, 2, 25),
+        ("gemma3mm", Stage::Parameters, 2, 62),
     ] {
         let out = tempfile::tempdir().unwrap();
         Run::new(stage, world, 1).train(&fixtures().join(fixture), &ids, out.path());
@@ -407,9 +410,17 @@ fn causal_lm_opens_either_model_by_its_model_type() {
     other["model_type"] = "falcon".into();
     let err = HubConfig::from_json(&other).unwrap_err();
     assert!(err.contains("model_type") && err.contains("llama"), "{err}");
+    // Gemma 3 with vision: its text model, from `text_config`.
     other["model_type"] = "gemma3".into();
+    other["architectures"] = serde_json::json!(["Gemma3ForConditionalGeneration"]);
     let err = HubConfig::from_json(&other).unwrap_err();
-    assert!(err.contains("gemma3_text"), "{err}");
+    assert!(err.contains("text_config"), "{err}");
+    let multimodal = HubConfig::from_json(&config_of("gemma3mm")).unwrap();
+    let HubConfig::Llama(multimodal) = multimodal else {
+        panic!("{multimodal:?}")
+    };
+    assert!(multimodal.text_of_multimodal && multimodal.qk_norm.is_some());
+    assert_eq!(multimodal.sliding_window.unwrap().layers, [true, false]);
     // Dropout, which training leaves out, is reported (the trainer says so).
     let quiet = HubConfig::from_json(&config_of("phi3")).unwrap();
     assert!(!quiet.asks_for_dropout());

@@ -9,10 +9,15 @@ use std::collections::{BTreeMap, BTreeSet};
 /// what `transformers` saves as `transformer.h.0.attn.c_attn.weight`);
 /// some are stored transposed (GPT-2's Conv1D weights are `[in, out]`,
 /// the variable is a Linear's `[out, in]`); a tensor may hold a variable
-/// again (a head tied to the embedding, when a file keeps it).
+/// again (a head tied to the embedding, when a file keeps it); the model
+/// may be part of a larger one whose file names its variables under a
+/// prefix of their own (Gemma 3's text model as `language_model.model.*`
+/// beside its vision tower).
 #[derive(Clone, Debug, Default)]
 pub struct HubLayout {
     optional_prefix: Option<String>,
+    /// Variable-name prefix -> the tensor-name prefix it is stored under.
+    renamed: Option<(String, String)>,
     transposed: BTreeSet<String>,
     /// Tensor name -> the variable it repeats.
     tied: BTreeMap<String, String>,
@@ -27,6 +32,18 @@ impl HubLayout {
     /// Variables whose names start with `prefix` may be stored without it.
     pub fn with_optional_prefix(mut self, prefix: impl Into<String>) -> Self {
         self.optional_prefix = Some(prefix.into());
+        self
+    }
+
+    /// Variables whose names start with `var_prefix` are stored under
+    /// `tensor_prefix` instead (`"model."` as `"language_model.model."`);
+    /// a file's other tensors are the larger model's, kept as they are.
+    pub fn with_renamed_prefix(
+        mut self,
+        var_prefix: impl Into<String>,
+        tensor_prefix: impl Into<String>,
+    ) -> Self {
+        self.renamed = Some((var_prefix.into(), tensor_prefix.into()));
         self
     }
 
@@ -48,9 +65,16 @@ impl HubLayout {
         self.transposed.contains(var)
     }
 
-    /// The name of `var`'s tensor in `dir`: its own, else without the
-    /// optional prefix; `None` if `dir` has neither.
+    /// The name of `var`'s tensor in `dir`: its own (renamed where the
+    /// layout renames it), else without the optional prefix; `None` if
+    /// `dir` has neither.
     pub fn tensor_of(&self, dir: &HubDir, var: &str) -> Option<String> {
+        if let Some((var_prefix, tensor_prefix)) = &self.renamed {
+            if let Some(rest) = var.strip_prefix(var_prefix.as_str()) {
+                let name = format!("{tensor_prefix}{rest}");
+                return dir.tensor(&name).is_some().then_some(name);
+            }
+        }
         if dir.tensor(var).is_some() {
             return Some(var.to_string());
         }
@@ -63,6 +87,12 @@ impl HubLayout {
     /// is tied to; `None` for a tensor the model does not train (a buffer).
     pub fn var_of(&self, tensor: &str, vars: &[String]) -> Option<usize> {
         let find = |name: &str| vars.iter().position(|v| v == name);
+        if let Some((var_prefix, tensor_prefix)) = &self.renamed {
+            return match tensor.strip_prefix(tensor_prefix.as_str()) {
+                Some(rest) => find(&format!("{var_prefix}{rest}")),
+                None => self.tied.get(tensor).and_then(|var| find(var)),
+            };
+        }
         find(tensor)
             .or_else(|| find(&format!("{}{tensor}", self.optional_prefix.as_deref()?)))
             .or_else(|| find(self.tied.get(tensor)?))

@@ -19,7 +19,8 @@ pub enum HubConfig {
     /// `model_type` `gpt2`.
     Gpt2(Gpt2Config),
     /// `model_type` `llama`, `mistral`, `qwen2`, `qwen3`, `phi3`, `gemma`,
-    /// `gemma2`, `gemma3_text`, `smollm3`, `granite`, `olmo2` or `olmo3`.
+    /// `gemma2`, `gemma3_text`, `gemma3` (its text model), `smollm3`,
+    /// `granite`, `olmo2` or `olmo3`.
     Llama(LlamaConfig),
 }
 
@@ -31,8 +32,7 @@ impl HubConfig {
             Some("gpt2") => Gpt2Config::from_json(config).map(Self::Gpt2),
             Some(kind) if llama::reads(kind) => LlamaConfig::from_json(config).map(Self::Llama),
             Some(other) => Err(format!(
-                "`model_type` is {other:?}; the models here are \"gpt2\", {LLAMA_TYPES}{}",
-                llama::why_not(other)
+                "`model_type` is {other:?}; the models here are \"gpt2\", {LLAMA_TYPES}"
             )),
             None => Err(format!(
                 "no `model_type`; the models here are \"gpt2\", {LLAMA_TYPES}"

@@ -91,6 +91,11 @@ pub struct LlamaConfig {
     /// Per layer, whether it applies rotary embeddings (SmolLM3's
     /// `no_rope_layers`: 1 rotates, 0 does not); `None`: every layer.
     pub rotated_layers: Option<Vec<bool>>,
+    /// The checkpoint holds this model as the text model of Gemma 3 with
+    /// vision (`model_type` `gemma3`, the config in `text_config`): its
+    /// tensors under `language_model.`, the vision tower's beside them,
+    /// kept as they are and saved back unchanged.
+    pub text_of_multimodal: bool,
     /// The largest dropout probability the config asks for
     /// (`attention_dropout`, Phi-3's `resid_pdrop` and `embd_pdrop`), which
     /// training here leaves out.
@@ -420,24 +425,13 @@ const FAMILIES: [Family; 12] = [
 
 /// Whether `model_type` `kind` is read as Llama.
 pub(crate) fn reads(kind: &str) -> bool {
-    FAMILIES.iter().any(|f| f.model_type == kind)
-}
-
-/// Why a relative of the families here is not read, for messages.
-pub(crate) fn why_not(kind: &str) -> &'static str {
-    match kind {
-        "gemma3" => {
-            " (a Gemma 3 with vision: the text-only checkpoints, model_type \"gemma3_text\", \
-             are read)"
-        }
-        _ => "",
-    }
+    kind == "gemma3" || FAMILIES.iter().any(|f| f.model_type == kind)
 }
 
 /// The `model_type`s read as Llama, for messages.
 pub(crate) const LLAMA_TYPES: &str =
     "\"llama\", \"mistral\", \"qwen2\", \"qwen3\", \"phi3\", \"gemma\", \"gemma2\", \
-     \"gemma3_text\", \"smollm3\", \"granite\", \"olmo2\" and \"olmo3\"";
+     \"gemma3_text\", \"gemma3\" (its text model), \"smollm3\", \"granite\", \"olmo2\" and \"olmo3\"";
 
 impl LlamaConfig {
     /// Reads a hub `config.json` of a Llama, Mistral, Qwen2, Qwen3, Phi-3,
@@ -453,10 +447,12 @@ impl LlamaConfig {
             .get("model_type")
             .and_then(|v| v.as_str())
             .unwrap_or("llama");
+        if kind == "gemma3" {
+            return Self::from_gemma3_with_vision(config);
+        }
         let Some(family) = FAMILIES.iter().find(|f| f.model_type == kind) else {
             return Err(format!(
-                "`model_type` is {kind:?}; this model reads {LLAMA_TYPES}{}",
-                why_not(kind)
+                "`model_type` is {kind:?}; this model reads {LLAMA_TYPES}"
             ));
         };
         crate::models::check_architectures(config, &family.architectures)?;
@@ -546,6 +542,7 @@ impl LlamaConfig {
             residual_multiplier: granite(plain.residual_multiplier),
             logits_scaling: granite(plain.logits_scaling),
             rotated_layers,
+            text_of_multimodal: false,
             dropout: [plain.attention_dropout, plain.resid_pdrop, plain.embd_pdrop]
                 .into_iter()
                 .flatten()
@@ -557,6 +554,24 @@ impl LlamaConfig {
             local_rope,
         };
         parsed.validate()?;
+        Ok(parsed)
+    }
+
+    /// Gemma 3 with vision: its `text_config` read as `gemma3_text`'s.
+    fn from_gemma3_with_vision(config: &serde_json::Value) -> std::result::Result<Self, String> {
+        crate::models::check_architectures(config, &["Gemma3ForConditionalGeneration"])?;
+        let Some(serde_json::Value::Object(text)) = config.get("text_config") else {
+            return Err("`model_type` is \"gemma3\" but there is no `text_config`".into());
+        };
+        let mut text = text.clone();
+        text.insert("model_type".into(), "gemma3_text".into());
+        text.remove("architectures");
+        if let Some(tied) = config.get("tie_word_embeddings") {
+            text.entry("tie_word_embeddings").or_insert(tied.clone());
+        }
+        let mut parsed = Self::from_json(&serde_json::Value::Object(text))
+            .map_err(|e| format!("`text_config`: {e}"))?;
+        parsed.text_of_multimodal = true;
         Ok(parsed)
     }
 

@@ -28,7 +28,7 @@
 
 mod config;
 
-pub(crate) use config::{reads, why_not, LLAMA_TYPES};
+pub(crate) use config::{reads, LLAMA_TYPES};
 pub use config::{LlamaConfig, QkNorm, SlidingWindow};
 
 use super::rope::{Rope, RopeScaling};
@@ -522,11 +522,15 @@ impl Llama {
         super::open_hub_as(dir, LlamaConfig::from_hub, Self::hub_layout)
     }
 
-    /// Where the variables sit in a hub checkpoint: under their own names;
-    /// with a tied head, `lm_head.weight` (where a file keeps it) is the
-    /// token embedding again.
+    /// Where the variables sit in a hub checkpoint: under their own names
+    /// (Gemma 3 with vision: `model.*` as `language_model.model.*`); with a
+    /// tied head, `lm_head.weight` (where a file keeps it) is the token
+    /// embedding again.
     pub fn hub_layout(config: &LlamaConfig) -> HubLayout {
-        let layout = HubLayout::new();
+        let layout = match config.text_of_multimodal {
+            true => HubLayout::new().with_renamed_prefix("model.", "language_model.model."),
+            false => HubLayout::new(),
+        };
         if config.tie_word_embeddings {
             layout.with_tied("lm_head.weight", "model.embed_tokens.weight")
         } else {
