@@ -435,13 +435,14 @@ pub(crate) const LLAMA_TYPES: &str =
 
 impl LlamaConfig {
     /// Reads a hub `config.json` of a Llama, Mistral, Qwen2, Qwen3, Phi-3,
-    /// Gemma, Gemma 2, Gemma 3 text, SmolLM3, Granite, OLMo 2 or OLMo 3
-    /// model (by `model_type`; Llama without one): an error names the key
-    /// whose value this model cannot honour
-    /// (another architecture, MLP biases, another activation, a rotary
-    /// scaling it does not implement, bidirectional attention, ...). Reads the
-    /// rotary settings from `rope_parameters` (transformers 5) or from
-    /// `rope_theta` and `rope_scaling` (earlier files).
+    /// Gemma, Gemma 2, Gemma 3 (text, or the text model of one with
+    /// vision), SmolLM3, Granite, OLMo 2 or OLMo 3 model (by `model_type`;
+    /// Llama without one): an error names the key whose value this model
+    /// cannot honour (another architecture, MLP biases, another
+    /// activation, a rotary scaling it does not implement, bidirectional
+    /// attention, ...). Reads the rotary settings from `rope_parameters`
+    /// (transformers 5) or from `rope_theta` and `rope_scaling` (earlier
+    /// files).
     pub fn from_json(config: &serde_json::Value) -> std::result::Result<Self, String> {
         let kind = config
             .get("model_type")

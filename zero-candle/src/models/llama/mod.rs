@@ -268,14 +268,51 @@ impl Block {
             (Some(local), true) => local,
             _ => &rotations.global,
         };
-        let rows = x.dim(0)?;
-        // No sequences when there are no positions.
-        let batch = rows / time.max(1);
         let h = match &self.input_layernorm {
             Some(norm) => norm.forward(x)?,
             None => x.clone(),
         };
-        let [q, k, v] = self.qkv.forward(&h)?;
+        let y = self.attention(&h, time, rotation)?;
+        let scaled = |branch: Tensor| match self.residual_multiplier {
+            Some(factor) => branch.affine(factor, 0.0),
+            None => Ok(branch),
+        };
+        let attended = scaled(normed_output(
+            self.o_proj.forward(&y)?,
+            self.attn_out_norm.as_ref(),
+        )?)?;
+        let (x, h) = match &self.mlp_norm {
+            Some(norm) => norm.forward_residual(&attended, x)?,
+            None => {
+                let x = (x + attended)?;
+                (x.clone(), x)
+            }
+        };
+        let [gate, up] = self.gate_up.forward(&h)?;
+        let gated = match self.activation {
+            Activation::Silu => ops::swiglu(&gate, &up)?,
+            Activation::Gelu => ops::geglu(&gate, &up)?,
+            other => candle_core::bail!("no gated MLP with {other:?}"),
+        };
+        let mlp = scaled(normed_output(
+            self.down_proj.forward(&gated)?,
+            self.mlp_out_norm.as_ref(),
+        )?)?;
+        x + mlp
+    }
+
+    /// The attention of `h` rows `[batch * time, hidden]`, before the
+    /// output projection: rows `[batch * time, heads * head_dim]`.
+    fn attention(
+        &self,
+        h: &Tensor,
+        time: usize,
+        rotation: &Rotation,
+    ) -> candle_core::Result<Tensor> {
+        let rows = h.dim(0)?;
+        // No sequences when there are no positions.
+        let batch = rows / time.max(1);
+        let [q, k, v] = self.qkv.forward(h)?;
         // OLMo 2 normalizes each projection whole.
         let (q, k) = match &self.qk_norms {
             Some((QkNorm::Projection, q_norm, k_norm)) => {
@@ -313,33 +350,7 @@ impl Block {
             (None, Some(window)) => ops::sliding_window_attention(&q, &k, &v, window)?,
             (None, None) => ops::causal_attention(&q, &k, &v)?,
         };
-        let y = y.reshape((rows, self.heads * self.head_dim))?;
-        let scaled = |branch: Tensor| match self.residual_multiplier {
-            Some(factor) => branch.affine(factor, 0.0),
-            None => Ok(branch),
-        };
-        let attended = scaled(normed_output(
-            self.o_proj.forward(&y)?,
-            self.attn_out_norm.as_ref(),
-        )?)?;
-        let (x, h) = match &self.mlp_norm {
-            Some(norm) => norm.forward_residual(&attended, x)?,
-            None => {
-                let x = (x + attended)?;
-                (x.clone(), x)
-            }
-        };
-        let [gate, up] = self.gate_up.forward(&h)?;
-        let gated = match self.activation {
-            Activation::Silu => ops::swiglu(&gate, &up)?,
-            Activation::Gelu => ops::geglu(&gate, &up)?,
-            other => candle_core::bail!("no gated MLP with {other:?}"),
-        };
-        let mlp = scaled(normed_output(
-            self.down_proj.forward(&gated)?,
-            self.mlp_out_norm.as_ref(),
-        )?)?;
-        x + mlp
+        y.reshape((rows, self.heads * self.head_dim))
     }
 }
 
