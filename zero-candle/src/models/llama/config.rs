@@ -562,7 +562,12 @@ impl LlamaConfig {
     fn from_gemma3_with_vision(config: &serde_json::Value) -> std::result::Result<Self, String> {
         crate::models::check_architectures(config, &["Gemma3ForConditionalGeneration"])?;
         let Some(serde_json::Value::Object(text)) = config.get("text_config") else {
-            return Err("`model_type` is \"gemma3\" but there is no `text_config`".into());
+            return Err(
+                "`model_type` is \"gemma3\" but there is no `text_config` object, which holds the \
+                 text model's settings in Gemma 3's checkpoints: use the config.json the \
+                 checkpoint came with"
+                    .into(),
+            );
         };
         let mut text = text.clone();
         text.insert("model_type".into(), "gemma3_text".into());
@@ -810,7 +815,9 @@ fn mlp_activation(
 fn refuse_gemma_settings(plain: &Plain) -> std::result::Result<(), String> {
     if plain.use_bidirectional_attention == Some(true) {
         return Err(
-            "`use_bidirectional_attention` is true; only causal attention is supported".into(),
+            "`use_bidirectional_attention` is true; only causal attention is supported: use a \
+             causal (generative) checkpoint, or set it to false to fine-tune this one as one"
+                .into(),
         );
     }
     Ok(())

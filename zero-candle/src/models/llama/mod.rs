@@ -631,12 +631,10 @@ impl Llama {
             None => rows,
         };
         match self.config.embedding_scale {
-            // The scale rounded to the model's dtype, as transformers
-            // rounds it (`embed_scale.to(weight.dtype)`).
-            Some(scale) => {
-                let scale = Tensor::new(scale as f32, rows.device())?.to_dtype(rows.dtype())?;
-                rows.broadcast_mul(&scale)
-            }
+            // The scale as transformers takes it (an f32 buffer rounded
+            // to the weights' dtype: `affine` rounds its factor to the
+            // rows' dtype), with no tensor uploaded per step.
+            Some(scale) => rows.affine(scale as f32 as f64, 0.0),
             None => Ok(rows),
         }
     }

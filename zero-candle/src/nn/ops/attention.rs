@@ -344,18 +344,21 @@ pub(crate) fn composed_attention(
         Some(cap) => ((scores / cap)?.tanh()? * cap)?,
         None => scores,
     };
-    let mask: Vec<f32> = (0..time)
-        .flat_map(|i| {
-            (0..time).map(move |j| {
-                if (dims.first_key(i)..=i).contains(&j) {
-                    0.0
-                } else {
-                    f32::NEG_INFINITY
-                }
-            })
-        })
-        .collect();
-    let mask = Tensor::from_vec(mask, (time, time), q.device())?.to_dtype(softmax_dtype)?;
+    // Query i sees key j where 0 <= i - j < window (the fused op's
+    // `first_key`), built on the device: no [time, time] table uploaded per
+    // call.
+    let device = q.device();
+    let window = dims.window.unwrap_or(time).max(1) as f64;
+    let positions = Tensor::arange(0f32, time as f32, device)?;
+    let behind = positions
+        .unsqueeze(1)?
+        .broadcast_sub(&positions.unsqueeze(0)?)?;
+    let visible = (behind.ge(0f64)? * behind.lt(window)?)?;
+    let (seen, hidden) = (
+        Tensor::zeros((time, time), softmax_dtype, device)?,
+        Tensor::full(f32::NEG_INFINITY, (time, time), device)?.to_dtype(softmax_dtype)?,
+    );
+    let mask = visible.where_cond(&seen, &hidden)?;
     let scores = scores.to_dtype(softmax_dtype)?.broadcast_add(&mask)?;
     // Candle's reductions refuse empty tensors; no positions have no
     // weights to normalize.
