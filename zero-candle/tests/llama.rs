@@ -50,6 +50,10 @@ fn logits_loss_and_gradients_equal_transformers() {
         ("olmo2", 25),
         ("olmo3", 25),
         ("gemma3mm", 28),
+        ("mixtral", 41),
+        ("qwen2moe", 41),
+        ("qwen3moe", 69),
+        ("olmoe", 45),
     ];
     for (fixture, variables) in cases {
         let (config, map) = Llama::open_hub(fixtures().join(fixture)).unwrap();
@@ -60,7 +64,7 @@ fn logits_loss_and_gradients_equal_transformers() {
                 "tied" | "qwen3" | "gemma" | "gemma3" | "gemma2" | "smollm3" | "gemma3mm"
             )
         );
-        let per_head = matches!(fixture, "qwen3" | "gemma3" | "gemma3mm");
+        let per_head = matches!(fixture, "qwen3" | "qwen3moe" | "gemma3" | "gemma3mm");
         let whole = fixture.starts_with("olmo");
         assert_eq!(config.qk_norm.is_some(), per_head || whole);
         assert_eq!(config.fused_projections, fixture.starts_with("phi3"));
@@ -110,6 +114,8 @@ fn loading_then_saving_reproduces_the_checkpoint_tensor_for_tensor() {
         "phi3",
         "gemma3",
         "gemma3mm",
+        "mixtral",
+        "qwen2moe",
     ] {
         let dir = fixtures().join(fixture);
         for (stage, world) in [(Stage::Ddp, 1), (Stage::Parameters, 2)] {
@@ -152,6 +158,13 @@ fn one_sgd_step_equals_torch_at_stage_0_and_at_stage_3_on_two_ranks() {
         ("olmo2", Stage::Parameters, 2, 25),
         ("olmo3", Stage::Parameters, 2, 25),
         ("gemma3mm", Stage::Parameters, 2, 62),
+        // With the load-balancing loss at one rank: that loss is not a
+        // mean over tokens, so each rank's own over its half of the batch
+        // (as under DDP) is not the whole batch's.
+        ("mixtral", Stage::Parameters, 1, 41),
+        ("qwen2moe", Stage::Parameters, 2, 41),
+        ("qwen3moe", Stage::Parameters, 1, 69),
+        ("olmoe", Stage::Parameters, 2, 45),
     ] {
         let out = tempfile::tempdir().unwrap();
         Run::new(stage, world, 1).train(&fixtures().join(fixture), &ids, out.path());
@@ -176,8 +189,15 @@ fn one_sgd_step_equals_torch_at_stage_0_and_at_stage_3_on_two_ranks() {
 /// every tensor changed.
 #[test]
 fn stage_3_on_four_ranks_equals_stage_0_on_one() {
+    // OLMoE: a mixture whose ranks route different tokens.
+    for fixture in ["gqa", "olmoe"] {
+        four_ranks_train_what_one_does(fixture);
+    }
+}
+
+fn four_ranks_train_what_one_does(fixture: &str) {
     let ids = four_windows(&input_ids(&golden()));
-    let dir = fixtures().join("gqa");
+    let dir = fixtures().join(fixture);
     let mut results = Vec::new();
     let checkpointed = Run {
         checkpointed: true,
@@ -197,9 +217,49 @@ fn stage_3_on_four_ranks_equals_stage_0_on_one() {
     for (name, (_, _, bytes)) in &results[0] {
         for (run, result) in runs[1..].iter().zip(&results[1..]) {
             let err = relative_error(&f32_values(&result[name].2), &f32_values(bytes));
-            assert!(err < 1e-5, "{name}: {run:?} differs by {err:e}");
+            assert!(err < 1e-5, "{fixture}: {name}: {run:?} differs by {err:e}");
         }
-        assert_ne!(bytes, &initial[name].2, "{name} did not train");
+        assert_ne!(bytes, &initial[name].2, "{fixture}: {name} did not train");
+    }
+}
+
+/// One token reaches 2 of OLMoE's 4 experts per layer: the other two run
+/// on a row that counts zero, so the logits are still transformers' and
+/// their gradients are zeros (present, as transformers 5's fused expert
+/// weights give them), the chosen ones' not.
+#[test]
+fn experts_no_token_chose_get_zero_gradients() {
+    let golden = golden();
+    let ids = input_ids(&golden).narrow(0, 0, 1).unwrap();
+    let (config, map) = Llama::open_hub(fixtures().join("olmoe")).unwrap();
+    let model = Llama::new(map.builder(DType::F32, &Device::Cpu), &config, None).unwrap();
+    map.materialize_all().unwrap();
+    let logits = model.forward(&ids.narrow(1, 0, 1).unwrap()).unwrap();
+    let theirs = golden["olmoe.logits"].narrow(0, 0, 1).unwrap();
+    let err = relative_error(&values(&logits), &values(&theirs.narrow(1, 0, 1).unwrap()));
+    assert!(err < 1e-5, "logits differ by {err:e}");
+    let grads = model
+        .loss(&ids.narrow(1, 0, 2).unwrap())
+        .unwrap()
+        .backward()
+        .unwrap();
+    let vars = map.varmap().data().lock().unwrap().clone();
+    for layer in 0..config.num_hidden_layers {
+        let idle = (0..4)
+            .filter(|e| {
+                let zero = ["gate_proj", "up_proj", "down_proj"].map(|part| {
+                    let name = format!("model.layers.{layer}.mlp.experts.{e}.{part}.weight");
+                    let grad = grads.get(vars[&name].as_tensor()).expect("a gradient");
+                    values(grad).iter().all(|&g| g == 0.0)
+                });
+                assert!(
+                    zero.iter().all(|&z| z == zero[0]),
+                    "layer {layer}: expert {e}"
+                );
+                zero[0]
+            })
+            .count();
+        assert_eq!(idle, 2, "layer {layer}: experts without a token");
     }
 }
 
@@ -785,5 +845,128 @@ fn smollm3_and_granite_configs_read_as_transformers_reads_them() {
         config[key] = value;
         let err = LlamaConfig::from_json(&config).unwrap_err();
         assert!(err.contains(key), "{fixture} {key}: {err}");
+    }
+}
+
+/// The mixtures' settings as `transformers` reads them: the fixtures', the
+/// defaults where a file is silent, and errors naming what cannot be
+/// honoured.
+#[test]
+fn moe_configs_read_as_transformers_reads_them() {
+    use zero_candle::models::{MoeConfig, MoeStyle};
+    let moe = |config: &serde_json::Value| -> MoeConfig {
+        LlamaConfig::from_json(config).unwrap().moe.unwrap()
+    };
+    let mixtral = moe(&config_of("mixtral"));
+    assert_eq!(
+        mixtral,
+        MoeConfig {
+            num_experts: 4,
+            experts_per_token: 2,
+            expert_size: 48,
+            normalize: true,
+            shared_expert_size: None,
+            layers: vec![true, true],
+            aux_loss_coef: Some(0.5),
+            style: MoeStyle::Mixtral,
+        }
+    );
+    let qwen2 = moe(&config_of("qwen2moe"));
+    assert_eq!(
+        (qwen2.expert_size, qwen2.shared_expert_size, qwen2.normalize),
+        (24, Some(40), false)
+    );
+    assert_eq!(
+        (qwen2.layers, qwen2.aux_loss_coef),
+        (vec![false, true], None)
+    );
+    let qwen3 = moe(&config_of("qwen3moe"));
+    assert_eq!(
+        (qwen3.num_experts, qwen3.experts_per_token, qwen3.normalize),
+        (8, 3, true)
+    );
+    assert_eq!(qwen3.style, MoeStyle::Qwen);
+    let olmoe = LlamaConfig::from_json(&config_of("olmoe")).unwrap();
+    assert_eq!(olmoe.qk_norm, Some(zero_candle::models::QkNorm::Projection));
+    assert!(olmoe.input_norms && !olmoe.output_norms);
+    assert_eq!(olmoe.moe.as_ref().unwrap().expert_size, 48);
+    // Each mixture layer: its router and its experts (plus Qwen2's shared
+    // expert and gate) in place of the dense MLP.
+    let dense = LlamaConfig::from_json(&config_of("gqa")).unwrap();
+    let (d, inner) = (32, 48);
+    assert_eq!(
+        LlamaConfig::from_json(&config_of("mixtral"))
+            .unwrap()
+            .num_params(),
+        dense.num_params() + 2 * (4 * (d + 3 * d * inner) - 3 * d * inner)
+    );
+
+    // transformers' defaults where the file is silent.
+    let mut silent = config_of("qwen2moe");
+    for key in [
+        "num_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        "shared_expert_intermediate_size",
+        "norm_topk_prob",
+        "mlp_only_layers",
+        "router_aux_loss_coef",
+    ] {
+        silent.as_object_mut().unwrap().remove(key);
+    }
+    silent["output_router_logits"] = true.into();
+    silent["decoder_sparse_step"] = 2.into();
+    let defaults = moe(&silent);
+    assert_eq!(
+        (
+            defaults.num_experts,
+            defaults.experts_per_token,
+            defaults.expert_size
+        ),
+        (60, 4, 1408)
+    );
+    assert_eq!(defaults.shared_expert_size, Some(5632));
+    assert_eq!(defaults.layers, vec![false, true], "every second layer");
+    assert_eq!(defaults.aux_loss_coef, Some(0.001));
+    let mut jitter = config_of("mixtral");
+    jitter["router_jitter_noise"] = 0.1.into();
+    assert_eq!(
+        LlamaConfig::from_json(&jitter).unwrap().dropout,
+        0.1,
+        "reported as left out, as dropout is"
+    );
+
+    let cases: [(&str, &str, serde_json::Value, &str); 5] = [
+        (
+            "qwen3moe",
+            "use_sliding_window",
+            true.into(),
+            "use_sliding_window",
+        ),
+        ("olmoe", "clip_qkv", 8.0.into(), "clip_qkv"),
+        (
+            "mixtral",
+            "num_experts_per_tok",
+            5.into(),
+            "num_experts_per_tok",
+        ),
+        (
+            "qwen2moe",
+            "mlp_only_layers",
+            serde_json::json!([2]),
+            "mlp_only_layers",
+        ),
+        (
+            "qwen2moe",
+            "decoder_sparse_step",
+            0.into(),
+            "decoder_sparse_step",
+        ),
+    ];
+    for (fixture, key, value, named) in cases {
+        let mut config = config_of(fixture);
+        config[key] = value;
+        let err = LlamaConfig::from_json(&config).unwrap_err();
+        assert!(err.contains(named), "{fixture} {key}: {err}");
     }
 }

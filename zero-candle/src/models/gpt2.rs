@@ -351,9 +351,9 @@ impl Gpt2 {
         let x = super::through_blocks(
             &self.blocks,
             x,
-            self.checkpointed,
-            "transformer.h",
+            (self.checkpointed, "transformer.h"),
             move |block: &Block, x: &Tensor| block.forward(x, time),
+            Ok,
         )?;
         super::logits(&self.ln_f, &self.head, &x)
     }

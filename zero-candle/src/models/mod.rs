@@ -11,7 +11,7 @@ pub mod rope;
 
 pub use causal_lm::{CausalLm, HubConfig};
 pub use gpt2::{Gpt2, Gpt2Config};
-pub use llama::{Llama, LlamaConfig, QkNorm, SlidingWindow};
+pub use llama::{Llama, LlamaConfig, MoeConfig, MoeStyle, QkNorm, SlidingWindow};
 pub use rope::{Llama3Scaling, LongRopeScaling, Rope, RopeScaling, YarnScaling};
 
 /// The mean cross-entropy (f32) of predicting each next token of `ids`
@@ -32,13 +32,15 @@ fn next_token_loss(
 }
 
 /// `x` through `blocks` in turn (`forward(block, x)`), each recomputed in
-/// backward under the name `{prefix}.{i}` when `checkpointed`.
+/// backward under the name `{prefix}.{i}` when `checkpointed`; `next` turns
+/// each block's output into the next block's input (a block's output may
+/// carry more than the residual stream, which `next` takes off).
 fn through_blocks<B, F>(
     blocks: &[B],
     mut x: candle_core::Tensor,
-    checkpointed: bool,
-    prefix: &str,
+    (checkpointed, prefix): (bool, &str),
     forward: F,
+    mut next: impl FnMut(candle_core::Tensor) -> candle_core::Result<candle_core::Tensor>,
 ) -> candle_core::Result<candle_core::Tensor>
 where
     B: Clone + Send + Sync + 'static,
@@ -49,12 +51,12 @@ where
         + 'static,
 {
     for (i, block) in blocks.iter().enumerate() {
-        x = if checkpointed {
+        x = next(if checkpointed {
             let (block, forward) = (block.clone(), forward.clone());
             crate::checkpoint(&format!("{prefix}.{i}"), &x, move |x| forward(&block, x))?
         } else {
             forward(block, &x)?
-        };
+        })?;
     }
     Ok(x)
 }

@@ -111,6 +111,106 @@ pub struct LlamaConfig {
     /// [`LlamaConfig::rope`] (Gemma 3's and OLMo 3's `sliding_attention`
     /// parameters, or Gemma 3's `rope_local_base_freq`).
     pub local_rope: Option<Rope>,
+    /// A sparse mixture of experts in place of the MLP (Mixtral,
+    /// Qwen2-MoE, Qwen3-MoE, OLMoE), in the layers it names.
+    pub moe: Option<MoeConfig>,
+}
+
+/// A sparse mixture of experts: a router (`gate`, no bias) gives each token
+/// a probability per expert, the token goes through the
+/// `experts_per_token` most probable ones (gated MLPs of `expert_size`,
+/// the model's activation), and their outputs are summed, each times its
+/// probability.
+///
+/// Every expert runs in every forward, on the tokens routed to it or, when
+/// none are, on one token whose output counts zero: each rank gathers the
+/// same parameters at stage 3 however its tokens are routed, and an expert
+/// no token chose gets a zero gradient, as `transformers` 5 (whose experts
+/// are one fused weight) gives it. The load-balancing loss is each rank's
+/// own, over its tokens (as under DDP).
+#[derive(Clone, Debug, PartialEq)]
+pub struct MoeConfig {
+    /// Experts per layer (`num_local_experts`, `num_experts`).
+    pub num_experts: usize,
+    /// Experts each token goes through (`num_experts_per_tok`).
+    pub experts_per_token: usize,
+    /// Width of each expert's MLP (`moe_intermediate_size`; Mixtral's and
+    /// OLMoE's `intermediate_size`).
+    pub expert_size: usize,
+    /// The chosen experts' probabilities are divided by their sum
+    /// (`norm_topk_prob`; always in Mixtral).
+    pub normalize: bool,
+    /// Qwen2-MoE's shared expert (`shared_expert_intermediate_size` wide),
+    /// which every token goes through, its output times
+    /// `sigmoid(shared_expert_gate(x))`.
+    pub shared_expert_size: Option<usize>,
+    /// Per layer, whether its MLP is the mixture; the others have a dense
+    /// MLP of `intermediate_size` (Qwen's `mlp_only_layers` and
+    /// `decoder_sparse_step`).
+    pub layers: Vec<bool>,
+    /// The load-balancing loss's weight where the config asks for it
+    /// (`output_router_logits`, `router_aux_loss_coef`): the loss adds
+    /// `coef · num_experts · Σ_e f_e · P_e` over all the mixture layers'
+    /// tokens, `f_e` the share of choices that went to expert `e` and `P_e`
+    /// its mean probability (Switch Transformer's, as `transformers`
+    /// computes it).
+    pub aux_loss_coef: Option<f64>,
+    /// How the experts are named and weighted.
+    pub style: MoeStyle,
+}
+
+/// The two layouts of a mixture of experts in hub checkpoints.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MoeStyle {
+    /// Mixtral's: `block_sparse_moe.gate`, `block_sparse_moe.experts.{e}.w1`
+    /// (gate), `w3` (up) and `w2` (down); the outputs scaled by the
+    /// probabilities in f32.
+    Mixtral,
+    /// Qwen2-MoE's, Qwen3-MoE's and OLMoE's: `mlp.gate`,
+    /// `mlp.experts.{e}.{gate,up,down}_proj`; the probabilities rounded to
+    /// the model's dtype first.
+    Qwen,
+}
+
+impl MoeConfig {
+    /// Checks that the mixture is buildable in a model of `layers` layers.
+    fn validate(&self, layers: usize) -> std::result::Result<(), String> {
+        crate::models::check_positive(&[
+            ("num_experts", self.num_experts),
+            ("num_experts_per_tok", self.experts_per_token),
+            ("moe_intermediate_size", self.expert_size),
+            (
+                "shared_expert_intermediate_size",
+                self.shared_expert_size.unwrap_or(1),
+            ),
+        ])?;
+        if self.experts_per_token > self.num_experts {
+            return Err(format!(
+                "`num_experts_per_tok` {} is more than the {} experts",
+                self.experts_per_token, self.num_experts
+            ));
+        }
+        if self.layers.len() != layers {
+            return Err(format!(
+                "the mixture names {} layers of {layers}; give one flag per layer",
+                self.layers.len()
+            ));
+        }
+        match self.aux_loss_coef {
+            Some(c) if !c.is_finite() => Err(format!(
+                "`router_aux_loss_coef` is {c}; set a finite number"
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    /// The parameters of one mixture layer in a model `hidden` wide.
+    pub fn num_params(&self, hidden: usize) -> usize {
+        let shared = self
+            .shared_expert_size
+            .map_or(0, |s| 3 * hidden * s + hidden);
+        self.num_experts * (hidden + 3 * hidden * self.expert_size) + shared
+    }
 }
 
 /// Where the queries and keys are normalized.
@@ -201,6 +301,31 @@ struct Plain {
     resid_pdrop: Option<f64>,
     #[serde(default)]
     embd_pdrop: Option<f64>,
+    /// Qwen2-MoE's switch for the query, key and value biases.
+    #[serde(default)]
+    qkv_bias: Option<bool>,
+    #[serde(default, alias = "num_local_experts")]
+    num_experts: Option<usize>,
+    #[serde(default)]
+    num_experts_per_tok: Option<usize>,
+    #[serde(default)]
+    moe_intermediate_size: Option<usize>,
+    #[serde(default)]
+    norm_topk_prob: Option<bool>,
+    #[serde(default)]
+    shared_expert_intermediate_size: Option<usize>,
+    #[serde(default)]
+    decoder_sparse_step: Option<usize>,
+    #[serde(default)]
+    mlp_only_layers: Option<Vec<usize>>,
+    #[serde(default)]
+    output_router_logits: bool,
+    #[serde(default)]
+    router_aux_loss_coef: Option<f64>,
+    #[serde(default)]
+    router_jitter_noise: Option<f64>,
+    #[serde(default)]
+    clip_qkv: Option<f64>,
 }
 
 /// `transformers`' `no_rope_layer_interval` (SmolLM3).
@@ -246,6 +371,10 @@ enum Windows {
     /// Where `use_sliding_window` is on, in the layers `layer_types` names
     /// (or from `max_window_layers` on) (Qwen2, Qwen3).
     Switched,
+    /// Windows this model does not place as `transformers` does: an error
+    /// where `use_sliding_window` is on (Qwen2-MoE, Qwen3-MoE, whose
+    /// published checkpoints all have it off).
+    Unsupported,
 }
 
 /// Settings of a Llama config.json this model does not implement, with the
@@ -299,6 +428,29 @@ struct Family {
     default_theta: f64,
     /// The rotary parameters are given per layer type (Gemma 3, OLMo 3).
     typed_rope: Option<TypedRope>,
+    /// The MLP is a mixture of experts.
+    moe: Option<MoeFamily>,
+}
+
+/// How a family's config describes its mixture of experts: `transformers`'
+/// defaults for what a file leaves out.
+#[derive(Clone, Copy)]
+struct MoeFamily {
+    style: MoeStyle,
+    num_experts: usize,
+    experts_per_token: usize,
+    /// `moe_intermediate_size` where the file leaves it out; `None`: the
+    /// experts are `intermediate_size` wide (Mixtral, OLMoE).
+    expert_size: Option<usize>,
+    /// `norm_topk_prob` where the file leaves it out; `None`: always
+    /// normalized (Mixtral).
+    normalize: Option<bool>,
+    /// `shared_expert_intermediate_size` where the file leaves it out, for
+    /// a family with a shared expert (Qwen2-MoE).
+    shared_expert_size: Option<usize>,
+    /// `decoder_sparse_step` and `mlp_only_layers` are read (Qwen).
+    sparse_layers: bool,
+    aux_loss_coef: f64,
 }
 
 /// Llama itself: what the other families differ from.
@@ -317,6 +469,7 @@ const LLAMA: Family = Family {
     tied_by_default: false,
     default_theta: 10_000.0,
     typed_rope: None,
+    moe: None,
 };
 
 /// Gemma's settings common to its generations.
@@ -338,8 +491,20 @@ const OLMO2: Family = Family {
     ..LLAMA
 };
 
+/// Qwen2-MoE's mixture, which Qwen3-MoE's and OLMoE's differ from.
+const QWEN2_MOE: MoeFamily = MoeFamily {
+    style: MoeStyle::Qwen,
+    num_experts: 60,
+    experts_per_token: 4,
+    expert_size: Some(1408),
+    normalize: Some(false),
+    shared_expert_size: Some(5632),
+    sparse_layers: true,
+    aux_loss_coef: 0.001,
+};
+
 /// The families read as Llama.
-const FAMILIES: [Family; 12] = [
+const FAMILIES: [Family; 16] = [
     LLAMA,
     Family {
         model_type: "mistral",
@@ -421,6 +586,60 @@ const FAMILIES: [Family; 12] = [
         }),
         ..OLMO2
     },
+    Family {
+        model_type: "mixtral",
+        architectures: ["MixtralForCausalLM", "MixtralModel"],
+        windows: Windows::EveryLayer { missing: None },
+        default_theta: 1_000_000.0,
+        moe: Some(MoeFamily {
+            style: MoeStyle::Mixtral,
+            num_experts: 8,
+            experts_per_token: 2,
+            expert_size: None,
+            normalize: None,
+            shared_expert_size: None,
+            sparse_layers: false,
+            ..QWEN2_MOE
+        }),
+        ..LLAMA
+    },
+    Family {
+        model_type: "qwen2_moe",
+        architectures: ["Qwen2MoeForCausalLM", "Qwen2MoeModel"],
+        qkv_bias: true,
+        windows: Windows::Unsupported,
+        moe: Some(QWEN2_MOE),
+        ..LLAMA
+    },
+    Family {
+        model_type: "qwen3_moe",
+        architectures: ["Qwen3MoeForCausalLM", "Qwen3MoeModel"],
+        qk_norm: Some(QkNorm::PerHead),
+        windows: Windows::Unsupported,
+        moe: Some(MoeFamily {
+            num_experts: 128,
+            experts_per_token: 8,
+            expert_size: Some(768),
+            shared_expert_size: None,
+            ..QWEN2_MOE
+        }),
+        ..LLAMA
+    },
+    Family {
+        model_type: "olmoe",
+        architectures: ["OlmoeForCausalLM", "OlmoeModel"],
+        qk_norm: Some(QkNorm::Projection),
+        moe: Some(MoeFamily {
+            num_experts: 64,
+            experts_per_token: 8,
+            expert_size: None,
+            shared_expert_size: None,
+            sparse_layers: false,
+            aux_loss_coef: 0.01,
+            ..QWEN2_MOE
+        }),
+        ..LLAMA
+    },
 ];
 
 /// Whether `model_type` `kind` is read as Llama.
@@ -431,7 +650,8 @@ pub(crate) fn reads(kind: &str) -> bool {
 /// The `model_type`s read as Llama, for messages.
 pub(crate) const LLAMA_TYPES: &str =
     "\"llama\", \"mistral\", \"qwen2\", \"qwen3\", \"phi3\", \"gemma\", \"gemma2\", \
-     \"gemma3_text\", \"gemma3\" (its text model), \"smollm3\", \"granite\", \"olmo2\" and \"olmo3\"";
+     \"gemma3_text\", \"gemma3\" (its text model), \"smollm3\", \"granite\", \"olmo2\", \"olmo3\", \
+     \"mixtral\", \"qwen2_moe\", \"qwen3_moe\" and \"olmoe\"";
 
 impl LlamaConfig {
     /// Reads a hub `config.json` of a Llama, Mistral, Qwen2, Qwen3, Phi-3,
@@ -474,6 +694,12 @@ impl LlamaConfig {
         };
         let sliding_window =
             sliding_window_of(config, &plain, family.windows, rotated_layers.as_deref())?;
+        if let Some(clip) = plain.clip_qkv {
+            return Err(format!(
+                "`clip_qkv` is {clip}; clipping the queries, keys and values is not implemented \
+                 here: set it to null"
+            ));
+        }
         let gemma = family.gemma;
         if gemma.is_some() {
             refuse_gemma_settings(&plain)?;
@@ -522,7 +748,8 @@ impl LlamaConfig {
             tie_word_embeddings: plain.tie_word_embeddings.unwrap_or(family.tied_by_default),
             initializer_range: plain.initializer_range,
             // Phi-3's projections have no biases whatever the file says.
-            qkv_bias: !family.fused && (plain.attention_bias || family.qkv_bias),
+            qkv_bias: !family.fused
+                && (plain.attention_bias || plain.qkv_bias.unwrap_or(family.qkv_bias)),
             o_bias: !family.fused && plain.attention_bias,
             fused_projections: family.fused,
             qk_norm: family.qk_norm,
@@ -544,15 +771,21 @@ impl LlamaConfig {
             logits_scaling: granite(plain.logits_scaling),
             rotated_layers,
             text_of_multimodal: false,
-            dropout: [plain.attention_dropout, plain.resid_pdrop, plain.embd_pdrop]
-                .into_iter()
-                .flatten()
-                .fold(0.0, f64::max),
+            dropout: [
+                plain.attention_dropout,
+                plain.resid_pdrop,
+                plain.embd_pdrop,
+                plain.router_jitter_noise,
+            ]
+            .into_iter()
+            .flatten()
+            .fold(0.0, f64::max),
             attn_logit_softcapping: plain
                 .attn_logit_softcapping
                 .filter(|_| gemma == Some(Gemma::Two)),
             final_logit_softcapping: later(plain.final_logit_softcapping),
             local_rope,
+            moe: family.moe.map(|moe| moe_of(&plain, moe)).transpose()?,
         };
         parsed.validate()?;
         Ok(parsed)
@@ -612,6 +845,9 @@ impl LlamaConfig {
                  check `head_dim` and `partial_rotary_factor`",
                 self.head_dim, self.rotary_dim
             ));
+        }
+        if let Some(moe) = &self.moe {
+            moe.validate(self.num_hidden_layers)?;
         }
         self.rope.validate()?;
         self.rope.validate_for(self.rotary_dim)?;
@@ -688,13 +924,19 @@ impl LlamaConfig {
             None => 0,
         };
         let norms = 2 * d * (self.input_norms as usize + self.output_norms as usize);
-        let per_layer = norms + 2 * d * q + 2 * d * kv + 3 * d * inner + biases + qk_norms;
+        let per_layer = norms + 2 * d * q + 2 * d * kv + biases + qk_norms;
+        let mlps: usize = (0..self.num_hidden_layers)
+            .map(|i| match &self.moe {
+                Some(moe) if moe.layers[i] => moe.num_params(d),
+                _ => 3 * d * inner,
+            })
+            .sum();
         let head = if self.tie_word_embeddings {
             0
         } else {
             self.vocab_size * d
         };
-        self.num_hidden_layers * per_layer + self.vocab_size * d + d + head
+        self.num_hidden_layers * per_layer + mlps + self.vocab_size * d + d + head
     }
 
     /// The rotary frequencies `1 / theta^(2i / rotary_dim)`, `i <
@@ -726,10 +968,17 @@ fn sliding_window_of(
             ));
         }
     }
+    if windows == Windows::Unsupported && plain.use_sliding_window {
+        return Err(
+            "`use_sliding_window` is true; this model type's sliding windows are not implemented \
+             here: set it to false (as the published checkpoints have it)"
+                .into(),
+        );
+    }
     let n = plain.num_hidden_layers;
     let typed = |types: &Vec<String>| types.iter().map(|t| t == "sliding_attention").collect();
     let layers = match windows {
-        Windows::Never => return Ok(None),
+        Windows::Never | Windows::Unsupported => return Ok(None),
         Windows::Switched | Windows::NoRope if !plain.use_sliding_window => return Ok(None),
         Windows::NoRope => match (&plain.layer_types, rotated_layers) {
             (Some(types), _) => typed(types),
@@ -786,6 +1035,52 @@ fn rotated_layers(plain: &Plain) -> std::result::Result<Vec<bool>, String> {
             .map(|i| (i + 1) % every != 0)
             .collect()),
     }
+}
+
+/// The mixture of experts `plain` describes, `family`'s defaults where it
+/// is silent.
+fn moe_of(plain: &Plain, family: MoeFamily) -> std::result::Result<MoeConfig, String> {
+    let n = plain.num_hidden_layers;
+    let layers = match family.sparse_layers {
+        false => vec![true; n],
+        true => {
+            let only = plain.mlp_only_layers.clone().unwrap_or_default();
+            if let Some(past) = only.iter().find(|&&i| i >= n) {
+                return Err(format!(
+                    "`mlp_only_layers` names layer {past} of {n}; name layers below {n}"
+                ));
+            }
+            let step = plain.decoder_sparse_step.unwrap_or(1);
+            if step == 0 {
+                return Err("`decoder_sparse_step` is 0; set it to at least 1".into());
+            }
+            (0..n)
+                .map(|i| !only.contains(&i) && (i + 1) % step == 0)
+                .collect()
+        }
+    };
+    Ok(MoeConfig {
+        num_experts: plain.num_experts.unwrap_or(family.num_experts),
+        experts_per_token: plain
+            .num_experts_per_tok
+            .unwrap_or(family.experts_per_token),
+        expert_size: match family.expert_size {
+            Some(default) => plain.moe_intermediate_size.unwrap_or(default),
+            None => plain.intermediate_size,
+        },
+        normalize: match family.normalize {
+            Some(default) => plain.norm_topk_prob.unwrap_or(default),
+            None => true,
+        },
+        shared_expert_size: family
+            .shared_expert_size
+            .map(|default| plain.shared_expert_intermediate_size.unwrap_or(default)),
+        layers,
+        aux_loss_coef: plain
+            .output_router_logits
+            .then(|| plain.router_aux_loss_coef.unwrap_or(family.aux_loss_coef)),
+        style: family.style,
+    })
 }
 
 /// The MLP's activation: SiLU for Llama (`hidden_act`); GELU's tanh form for

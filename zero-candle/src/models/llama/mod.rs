@@ -27,16 +27,18 @@
 //! `lm_head.weight` when the head is untied), stored as they are.
 
 mod config;
+mod mlp;
 
 pub(crate) use config::{reads, LLAMA_TYPES};
-pub use config::{LlamaConfig, QkNorm, SlidingWindow};
+pub use config::{LlamaConfig, MoeConfig, MoeStyle, QkNorm, SlidingWindow};
 
 use super::rope::{Rope, RopeScaling};
 use crate::hub::HubLayout;
-use crate::nn::{ops, Activation, Embedding, GradHook, Linear, RmsNorm};
+use crate::nn::{ops, Embedding, GradHook, Linear, RmsNorm};
 use crate::{Error, Result, ShardedVarMap};
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{Init, VarBuilder};
+use mlp::{Experts, FeedForward, Mlp};
 use std::sync::{Arc, Mutex, PoisonError};
 
 /// The cosines and sines of positions `0..len`, `[len, head_dim / 2]`
@@ -195,9 +197,7 @@ struct Block {
     /// The MLP's input norm: Llama's `post_attention_layernorm`, Gemma 2's and 3's
     /// `pre_feedforward_layernorm` (none in OLMo 2).
     mlp_norm: Option<RmsNorm>,
-    gate_up: Projections<2>,
-    activation: Activation,
-    down_proj: Linear,
+    mlp: FeedForward,
     /// Gemma 2's and 3's norm of the MLP's output (`post_feedforward_layernorm`).
     mlp_out_norm: Option<RmsNorm>,
     heads: usize,
@@ -257,13 +257,16 @@ impl<const N: usize> Projections<N> {
 }
 
 impl Block {
-    /// `x` rows `[batch * time, hidden]` through the block.
+    /// `x` rows `[batch * time, hidden]` through the block; with
+    /// `with_router_logits`, a mixture's router logits `[batch * time,
+    /// num_experts]` too.
     fn forward(
         &self,
         x: &Tensor,
         time: usize,
         rotations: &Rotations,
-    ) -> candle_core::Result<Tensor> {
+        with_router_logits: bool,
+    ) -> candle_core::Result<(Tensor, Option<Tensor>)> {
         let rotation = match (&rotations.local, self.local_rotation) {
             (Some(local), true) => local,
             _ => &rotations.global,
@@ -288,17 +291,9 @@ impl Block {
                 (x.clone(), x)
             }
         };
-        let [gate, up] = self.gate_up.forward(&h)?;
-        let gated = match self.activation {
-            Activation::Silu => ops::swiglu(&gate, &up)?,
-            Activation::Gelu => ops::geglu(&gate, &up)?,
-            other => candle_core::bail!("no gated MLP with {other:?}"),
-        };
-        let mlp = scaled(normed_output(
-            self.down_proj.forward(&gated)?,
-            self.mlp_out_norm.as_ref(),
-        )?)?;
-        x + mlp
+        let (y, router_logits) = self.mlp.forward(&h, with_router_logits)?;
+        let mlp = scaled(normed_output(y, self.mlp_out_norm.as_ref())?)?;
+        Ok(((x + mlp)?, router_logits))
     }
 
     /// The attention of `h` rows `[batch * time, hidden]`, before the
@@ -351,6 +346,15 @@ impl Block {
             (None, None) => ops::causal_attention(&q, &k, &v)?,
         };
         y.reshape((rows, self.heads * self.head_dim))
+    }
+}
+
+/// Where a block's mixture sits: Mixtral's `block_sparse_moe`, the others'
+/// `mlp`.
+fn moe_prefix(moe: &MoeConfig) -> &'static str {
+    match moe.style {
+        MoeStyle::Mixtral => "block_sparse_moe",
+        MoeStyle::Qwen => "mlp",
     }
 }
 
@@ -435,6 +439,31 @@ impl Llama {
             .attention_scale
             .map(|scale| scale * (config.head_dim as f64).sqrt())
             .filter(|&factor| factor != 1.0);
+        // A gated MLP `width` wide under Llama's names.
+        let dense = |vb: VarBuilder, width| -> Result<Mlp> {
+            Ok(Mlp {
+                gate_up: Projections::Separate([
+                    linear(vb.pp("gate_proj"), d, width)?,
+                    linear(vb.pp("up_proj"), d, width)?,
+                ]),
+                down: linear(vb.pp("down_proj"), width, d)?,
+                activation: config.mlp_activation,
+            })
+        };
+        // One expert of a mixture, under its style's names.
+        let expert = |vb: VarBuilder, moe: &MoeConfig| -> Result<Mlp> {
+            match moe.style {
+                MoeStyle::Qwen => dense(vb, moe.expert_size),
+                MoeStyle::Mixtral => Ok(Mlp {
+                    gate_up: Projections::Separate([
+                        linear(vb.pp("w1"), d, moe.expert_size)?,
+                        linear(vb.pp("w3"), d, moe.expert_size)?,
+                    ]),
+                    down: linear(vb.pp("w2"), moe.expert_size, d)?,
+                    activation: config.mlp_activation,
+                }),
+            }
+        };
         let model = vb.pp("model");
         let embed = model.get_with_hints((config.vocab_size, d), "embed_tokens.weight", normal)?;
         let mut blocks = Vec::with_capacity(config.num_hidden_layers);
@@ -477,18 +506,33 @@ impl Llama {
                     (true, true) => Some(norm(vb.pp("pre_feedforward_layernorm"))?),
                     (true, false) => Some(norm(vb.pp("post_attention_layernorm"))?),
                 },
-                gate_up: match config.fused_projections {
-                    true => Projections::Fused(
-                        linear(mlp.pp("gate_up_proj"), d, 2 * config.intermediate_size)?,
-                        [config.intermediate_size; 2],
-                    ),
-                    false => Projections::Separate([
-                        linear(mlp.pp("gate_proj"), d, config.intermediate_size)?,
-                        linear(mlp.pp("up_proj"), d, config.intermediate_size)?,
-                    ]),
+                mlp: match &config.moe {
+                    Some(moe) if moe.layers[i] => FeedForward::Experts(Box::new(Experts {
+                        router: linear(vb.pp(moe_prefix(moe)).pp("gate"), d, moe.num_experts)?,
+                        experts: (0..moe.num_experts)
+                            .map(|e| expert(vb.pp(moe_prefix(moe)).pp(format!("experts.{e}")), moe))
+                            .collect::<Result<_>>()?,
+                        shared: match moe.shared_expert_size {
+                            Some(width) => Some((
+                                dense(mlp.pp("shared_expert"), width)?,
+                                linear(mlp.pp("shared_expert_gate"), d, 1)?,
+                            )),
+                            None => None,
+                        },
+                        top_k: moe.experts_per_token,
+                        normalize: moe.normalize,
+                        weights_in_model_dtype: moe.style == MoeStyle::Qwen,
+                    })),
+                    _ if config.fused_projections => FeedForward::Dense(Mlp {
+                        gate_up: Projections::Fused(
+                            linear(mlp.pp("gate_up_proj"), d, 2 * config.intermediate_size)?,
+                            [config.intermediate_size; 2],
+                        ),
+                        down: linear(mlp.pp("down_proj"), config.intermediate_size, d)?,
+                        activation: config.mlp_activation,
+                    }),
+                    _ => FeedForward::Dense(dense(mlp, config.intermediate_size)?),
                 },
-                activation: config.mlp_activation,
-                down_proj: linear(mlp.pp("down_proj"), config.intermediate_size, d)?,
                 mlp_out_norm: output_norm(vb.pp("post_feedforward_layernorm"))?,
                 heads: config.num_attention_heads,
                 kv_heads: config.num_key_value_heads,
@@ -568,12 +612,18 @@ impl Llama {
     /// softmax in f32.
     pub fn forward(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
         let (batch, time) = ids.dims2()?;
-        self.logits_rows(ids)?
+        self.logits_rows(ids, false)?
+            .0
             .reshape((batch, time, self.config.vocab_size))
     }
 
-    /// [`Llama::forward`]'s logits as rows `[batch * time, vocab_size]`.
-    fn logits_rows(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
+    /// [`Llama::forward`]'s logits as rows `[batch * time, vocab_size]`;
+    /// with `with_router_logits`, each mixture layer's router logits.
+    fn logits_rows(
+        &self,
+        ids: &Tensor,
+        with_router_logits: bool,
+    ) -> candle_core::Result<(Tensor, Vec<Tensor>)> {
         let (_, time) = ids.dims2()?;
         let longest = self.config.max_position_embeddings;
         if matches!(self.config.rope.scaling, RopeScaling::Dynamic { .. }) && time > longest {
@@ -591,29 +641,66 @@ impl Llama {
                 None => None,
             },
         };
+        // A mixture layer's router logits leave its block (checkpointed
+        // or not) as columns beside the residual stream.
+        let width = self.config.hidden_size;
+        let mut router_logits = Vec::new();
         let x = super::through_blocks(
             &self.blocks,
             self.embed(ids)?,
-            self.checkpointed,
-            "model.layers",
-            move |block: &Block, x: &Tensor| block.forward(x, time, &rotations),
+            (self.checkpointed, "model.layers"),
+            move |block: &Block, x: &Tensor| match block.forward(
+                x,
+                time,
+                &rotations,
+                with_router_logits,
+            )? {
+                (y, Some(logits)) => Tensor::cat(&[&y, &logits], 1),
+                (y, None) => Ok(y),
+            },
+            |out: Tensor| {
+                let columns = out.dim(1)?;
+                if columns == width {
+                    return Ok(out);
+                }
+                router_logits.push(out.narrow(1, width, columns - width)?);
+                out.narrow(1, 0, width)?.contiguous()
+            },
         )?;
         let logits = super::logits(&self.norm, &self.head, &x)?;
         let logits = match self.config.logits_scaling {
             Some(scaling) => (logits / scaling)?,
             None => logits,
         };
-        match self.config.final_logit_softcapping {
-            Some(cap) => (logits / cap)?.tanh()? * cap,
-            None => Ok(logits),
-        }
+        let logits = match self.config.final_logit_softcapping {
+            Some(cap) => ((logits / cap)?.tanh()? * cap)?,
+            None => logits,
+        };
+        Ok((logits, router_logits))
     }
 
     /// The mean cross-entropy (f32) of predicting each next token of `ids`
     /// `[batch, time + 1]`, as `transformers` computes it with
-    /// `labels = ids`.
+    /// `labels = ids`; plus, where the config asks for it, the mixture's
+    /// load-balancing loss times its weight ([`MoeConfig::aux_loss_coef`]).
     pub fn loss(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
-        super::next_token_loss(ids, |inputs| self.logits_rows(inputs))
+        let balanced = self
+            .config
+            .moe
+            .as_ref()
+            .and_then(|moe| Some((moe, moe.aux_loss_coef?)));
+        let mut router_logits = Vec::new();
+        let loss = super::next_token_loss(ids, |inputs| {
+            let (logits, routers) = self.logits_rows(inputs, balanced.is_some())?;
+            router_logits = routers;
+            Ok(logits)
+        })?;
+        match balanced {
+            Some((moe, coef)) if !router_logits.is_empty() => {
+                loss + mlp::load_balancing_loss(&router_logits, moe)?.affine(coef, 0.0)?
+            }
+            _ => Ok(loss),
+        }
     }
 
     /// The token embeddings of `ids` as rows `[batch * time, hidden]`

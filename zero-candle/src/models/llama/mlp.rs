@@ -1,0 +1,226 @@
+//! A block's MLP: one gated MLP, or a sparse mixture of them (Mixtral,
+//! Qwen2-MoE, Qwen3-MoE, OLMoE).
+
+use super::Projections;
+use crate::nn::{ops, Activation, Linear};
+use candle_core::{DType, Module, Tensor, D};
+
+/// `down(act(gate(x)) * up(x))`.
+#[derive(Clone)]
+pub(super) struct Mlp {
+    pub(super) gate_up: Projections<2>,
+    pub(super) down: Linear,
+    pub(super) activation: Activation,
+}
+
+impl Mlp {
+    /// The MLP of `h` rows `[tokens, hidden]`.
+    fn forward(&self, h: &Tensor) -> candle_core::Result<Tensor> {
+        let [gate, up] = self.gate_up.forward(h)?;
+        let gated = match self.activation {
+            Activation::Silu => ops::swiglu(&gate, &up)?,
+            Activation::Gelu => ops::geglu(&gate, &up)?,
+            other => candle_core::bail!("no gated MLP with {other:?}"),
+        };
+        self.down.forward(&gated)
+    }
+}
+
+/// A block's feed-forward half.
+#[derive(Clone)]
+pub(super) enum FeedForward {
+    Dense(Mlp),
+    Experts(Box<Experts>),
+}
+
+impl FeedForward {
+    /// The output for `h` rows `[tokens, hidden]`, and a mixture's router
+    /// logits `[tokens, num_experts]` when `with_router_logits`.
+    pub(super) fn forward(
+        &self,
+        h: &Tensor,
+        with_router_logits: bool,
+    ) -> candle_core::Result<(Tensor, Option<Tensor>)> {
+        match self {
+            Self::Dense(mlp) => Ok((mlp.forward(h)?, None)),
+            Self::Experts(experts) => {
+                let (y, logits) = experts.forward(h)?;
+                Ok((y, with_router_logits.then_some(logits)))
+            }
+        }
+    }
+}
+
+/// A sparse mixture of experts ([`super::MoeConfig`]).
+#[derive(Clone)]
+pub(super) struct Experts {
+    /// `gate`: `[num_experts, hidden]`, no bias.
+    pub(super) router: Linear,
+    pub(super) experts: Vec<Mlp>,
+    /// Qwen2-MoE's shared expert and its gate (`[1, hidden]`).
+    pub(super) shared: Option<(Mlp, Linear)>,
+    pub(super) top_k: usize,
+    pub(super) normalize: bool,
+    /// The probabilities are rounded to the model's dtype before they
+    /// scale the outputs (Qwen's); else the outputs are scaled in f32
+    /// (Mixtral's).
+    pub(super) weights_in_model_dtype: bool,
+}
+
+impl Experts {
+    /// The mixture's output for `h` rows `[tokens, hidden]`, and the router
+    /// logits `[tokens, num_experts]`.
+    fn forward(&self, h: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
+        let (tokens, dtype, device) = (h.dim(0)?, h.dtype(), h.device());
+        let logits = self.router.forward(h)?;
+        let probs = candle_nn::ops::softmax(&logits.to_dtype(DType::F32)?, D::Minus1)?;
+        let chosen = top_k(&probs, self.top_k)?;
+        let mut weights = probs.gather(&chosen, 1)?;
+        if self.normalize {
+            weights = weights.broadcast_div(&weights.sum_keepdim(1)?)?;
+        }
+        if self.weights_in_model_dtype {
+            weights = weights.to_dtype(dtype)?;
+        }
+        let routes = Routes::new(&chosen.to_vec2::<u32>()?, self.experts.len());
+        // One gather of every expert's rows, one scaling and one add back:
+        // expert by expert, in order, as transformers adds them.
+        let rows = Tensor::from_vec(routes.rows.clone(), routes.rows.len(), device)?;
+        let inputs = h.index_select(&rows, 0)?;
+        let mut outputs = Vec::with_capacity(self.experts.len());
+        for (expert, range) in self.experts.iter().zip(&routes.ranges) {
+            outputs.push(expert.forward(&inputs.narrow(0, range.start, range.len())?)?);
+        }
+        let outputs = Tensor::cat(&outputs, 0)?;
+        let slots = Tensor::from_vec(routes.slots.clone(), routes.slots.len(), device)?;
+        // The idle experts' rows count zero.
+        let scale = Tensor::cat(
+            &[
+                &weights.flatten_all()?,
+                &Tensor::zeros(1, weights.dtype(), device)?,
+            ],
+            0,
+        )?
+        .index_select(&slots, 0)?
+        .unsqueeze(1)?;
+        let scaled = match scale.dtype() == dtype {
+            true => outputs.broadcast_mul(&scale)?,
+            false => outputs
+                .to_dtype(scale.dtype())?
+                .broadcast_mul(&scale)?
+                .to_dtype(dtype)?,
+        };
+        let mut y =
+            Tensor::zeros((tokens, h.dim(1)?), dtype, device)?.index_add(&rows, &scaled, 0)?;
+        if let Some((mlp, gate)) = &self.shared {
+            let shared = mlp.forward(h)?;
+            let opened = candle_nn::ops::sigmoid(&gate.forward(h)?)?;
+            y = (y + shared.broadcast_mul(&opened)?)?;
+        }
+        Ok((y, logits))
+    }
+}
+
+/// Switch Transformer's load-balancing loss over the mixture layers' router
+/// logits (each `[tokens, num_experts]`), as `transformers` computes it
+/// (`load_balancing_loss_func`, no attention mask): `num_experts · Σ_e f_e ·
+/// P_e`, `f_e` the choices of expert `e` over all layers' tokens per token
+/// (the top `experts_per_token` of each, counted; no gradient), `P_e` the
+/// mean of its probability; f32.
+pub(super) fn load_balancing_loss(
+    router_logits: &[Tensor],
+    moe: &super::MoeConfig,
+) -> candle_core::Result<Tensor> {
+    let mut counts = vec![0f32; moe.num_experts];
+    let (mut rows, mut prob_sums) = (0, Vec::with_capacity(router_logits.len()));
+    for logits in router_logits {
+        let probs = candle_nn::ops::softmax(&logits.to_dtype(DType::F32)?, D::Minus1)?;
+        for row in top_k(&probs, moe.experts_per_token)?.to_vec2::<u32>()? {
+            for e in row {
+                counts[e as usize] += 1.0;
+            }
+        }
+        rows += probs.dim(0)?;
+        prob_sums.push(probs.sum(0)?);
+    }
+    let share =
+        (Tensor::from_vec(counts, moe.num_experts, router_logits[0].device())? / rows as f64)?;
+    let probability = (Tensor::stack(&prob_sums, 0)?.sum(0)? / rows as f64)?;
+    (share * probability)?.sum_all()? * moe.num_experts as f64
+}
+
+/// The `k` largest of each row of `probs` `[tokens, experts]`: their
+/// columns `[tokens, k]` (u32), largest first.
+pub(super) fn top_k(probs: &Tensor, k: usize) -> candle_core::Result<Tensor> {
+    probs
+        .arg_sort_last_dim(false)?
+        .narrow(1, 0, k)?
+        .contiguous()
+}
+
+/// Which rows each expert takes: `rows[ranges[e]]` are expert `e`'s (in
+/// token order), `slots` the same entries' places in the flattened
+/// `[tokens, k]` choices (the index of the probability that scales each);
+/// an expert no token chose takes row 0 with the slot `tokens · k`, whose
+/// scale is zero.
+struct Routes {
+    rows: Vec<u32>,
+    slots: Vec<u32>,
+    ranges: Vec<std::ops::Range<usize>>,
+}
+
+impl Routes {
+    /// The routes of `chosen` (per token, its experts) over `experts`.
+    fn new(chosen: &[Vec<u32>], experts: usize) -> Self {
+        let mut per_expert = vec![Vec::new(); experts];
+        for (token, row) in chosen.iter().enumerate() {
+            for (j, &e) in row.iter().enumerate() {
+                per_expert[e as usize].push((token, token * row.len() + j));
+            }
+        }
+        let idle = chosen.iter().map(Vec::len).sum::<usize>();
+        let (mut rows, mut slots, mut ranges) = (Vec::new(), Vec::new(), Vec::new());
+        for routed in per_expert {
+            let start = rows.len();
+            if routed.is_empty() {
+                rows.push(0);
+                slots.push(idle as u32);
+            }
+            for (token, slot) in routed {
+                rows.push(token as u32);
+                slots.push(slot as u32);
+            }
+            ranges.push(start..rows.len());
+        }
+        Self {
+            rows,
+            slots,
+            ranges,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn routes_group_the_tokens_by_expert_and_give_idle_experts_a_zero_row() {
+        // Three tokens, two experts each, of four.
+        let routes = Routes::new(&[vec![2, 0], vec![0, 3], vec![3, 2]], 4);
+        assert_eq!(routes.rows, vec![0, 1, 0, 0, 2, 1, 2]);
+        assert_eq!(routes.slots, vec![1, 2, 6, 0, 5, 3, 4]);
+        assert_eq!(routes.ranges, vec![0..2, 2..3, 3..5, 5..7]);
+    }
+
+    #[test]
+    fn top_k_takes_the_largest_first() {
+        let probs = Tensor::new(
+            &[[0.1f32, 0.5, 0.3, 0.1], [0.7, 0.0, 0.1, 0.2]],
+            &candle_core::Device::Cpu,
+        )
+        .unwrap();
+        let chosen = top_k(&probs, 2).unwrap().to_vec2::<u32>().unwrap();
+        assert_eq!(chosen, vec![vec![1, 2], vec![0, 3]]);
+    }
+}
