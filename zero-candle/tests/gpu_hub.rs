@@ -3,7 +3,9 @@
 //! Phi-3 with fused projections, Gemma, Gemma 2 and Gemma 3 with their
 //! offset norms, GELU-gated MLP and capped scores and logits, Phi-3 with
 //! longrope and half-rotated heads, SmolLM3 with a NoPE layer, Granite with
-//! its multipliers, OLMo 2 and 3 with their output norms) on the GPU against `transformers`: the
+//! its multipliers, OLMo 2 and 3 with their output norms, the mixtures of
+//! experts of Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE) on the GPU against
+//! `transformers`: the
 //! fixtures of `tests/fixtures/{gpt2,llama}` (tiny random models and the
 //! logits and one SGD step `transformers` and `torch.optim.SGD` compute in
 //! f64) trained at stage 3, at one rank on NCCL with the device built as
@@ -33,7 +35,7 @@ const TOLERANCE: f64 = 1e-4;
 
 /// The fixture folders with their golden file and the prefix of their
 /// golden names.
-const FIXTURES: [(&str, &str); 15] = [
+const FIXTURES: [(&str, &str); 17] = [
     ("gpt2/tiny", ""),
     ("llama/gqa", "gqa."),
     ("llama/tied", "tied."),
@@ -49,6 +51,15 @@ const FIXTURES: [(&str, &str); 15] = [
     ("llama/olmo2", "olmo2."),
     ("llama/olmo3", "olmo3."),
     ("llama/gemma3mm", "gemma3mm."),
+    ("llama/qwen2moe", "qwen2moe."),
+    ("llama/olmoe", "olmoe."),
+];
+
+/// Mixtures with the load-balancing loss, which is each rank's own (not a
+/// mean over tokens): at one rank only.
+const BALANCED: [(&str, &str); 2] = [
+    ("llama/mixtral", "mixtral."),
+    ("llama/qwen3moe", "qwen3moe."),
 ];
 
 /// The fixtures: under the current directory when it is the repository's
@@ -128,7 +139,7 @@ fn check_step(fixture: &str, prefix: &str, golden: &Golden, out: &Path, case: &s
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn one_rank_on_nccl_computes_the_logits_and_the_step_of_transformers() {
-    for (fixture, prefix) in FIXTURES {
+    for &(fixture, prefix) in FIXTURES.iter().chain(&BALANCED) {
         let golden = golden_of(fixture);
         let out = tempfile::tempdir().unwrap();
         let comm = NcclComm::single(0).unwrap_or_else(|e| panic!("NcclComm::single(0): {e}"));

@@ -2,7 +2,8 @@
 //! `tests/fixtures/llama/` (tiny random `LlamaForCausalLM`s with grouped
 //! key/value heads, one with an untied head and one tied with llama3 RoPE
 //! scaling; a Mistral, a Qwen2, a Qwen3, Phi-3 (also with longrope), Gemma
-//! 1, 2 and 3, a SmolLM3, a Granite, an OLMo 2 and an OLMo 3; and
+//! 1, 2 and 3, a SmolLM3, a Granite, an OLMo 2 and an OLMo 3, and the
+//! mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE; and
 //! the logits, loss, gradients and one SGD step each computes on a fixed
 //! batch) are made by `make_fixtures.py` there.
 

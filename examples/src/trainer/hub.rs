@@ -40,7 +40,7 @@ impl HubText {
         }
         if config.asks_for_dropout() && !args.quiet {
             eprintln!(
-                "note: {} asks for dropout; fine-tuning here applies none",
+                "note: {} asks for dropout (or router jitter); fine-tuning here applies none",
                 dir.join(zero_candle::hub::CONFIG_FILE).display()
             );
         }

@@ -79,7 +79,8 @@ impl HubConfig {
         }
     }
 
-    /// Whether the config asks for dropout, which training here leaves out.
+    /// Whether the config asks for dropout (or Mixtral's router jitter),
+    /// which training here leaves out.
     pub fn asks_for_dropout(&self) -> bool {
         match self {
             Self::Gpt2(config) => config.asks_for_dropout(),
@@ -89,7 +90,8 @@ impl HubConfig {
 }
 
 /// A causal language model of the hub: GPT-2 or Llama (Mistral, Qwen2,
-/// Qwen3, Phi-3, Gemma 1-3, SmolLM3, Granite and OLMo 2-3 included).
+/// Qwen3, Phi-3, Gemma 1-3, SmolLM3, Granite, OLMo 2-3, Mixtral, Qwen2-MoE,
+/// Qwen3-MoE and OLMoE included).
 pub enum CausalLm {
     /// GPT-2.
     Gpt2(Gpt2),

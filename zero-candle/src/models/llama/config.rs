@@ -97,8 +97,8 @@ pub struct LlamaConfig {
     /// kept as they are and saved back unchanged.
     pub text_of_multimodal: bool,
     /// The largest dropout probability the config asks for
-    /// (`attention_dropout`, Phi-3's `resid_pdrop` and `embd_pdrop`), which
-    /// training here leaves out.
+    /// (`attention_dropout`, Phi-3's `resid_pdrop` and `embd_pdrop`), or
+    /// Mixtral's `router_jitter_noise`, which training here leaves out.
     pub dropout: f64,
     /// The attention scores capped as `cap · tanh(scores / cap)` before the
     /// mask (Gemma 2's `attn_logit_softcapping`; computed in composed ops,

@@ -20,7 +20,10 @@
 //! embeddings, the scores, the residual branches and the logits. OLMo 2
 //! (`Olmo2ForCausalLM`) and 3: norms of the attention's and the MLP's
 //! outputs instead of their inputs, the queries and keys normalized over
-//! whole projections (OLMo 3: windows in three layers of four).
+//! whole projections (OLMo 3: windows in three layers of four). And the
+//! mixtures of experts in place of the MLP ([`MoeConfig`]): Mixtral
+//! (`MixtralForCausalLM`), Qwen2-MoE (with a shared expert), Qwen3-MoE
+//! and OLMoE.
 //!
 //! The variables carry the hub's names (`model.embed_tokens.weight`,
 //! `model.layers.{i}.self_attn.q_proj.weight`, ..., `model.norm.weight`,
