@@ -162,7 +162,7 @@ fn stage_3_on_two_ranks_fine_tunes_what_one_rank_does_and_saves_the_hub_layout()
 
 #[test]
 fn a_bf16_fine_tune_trains_and_saves_in_the_checkpoints_dtype() {
-    for name in ["gpt2/tiny", "llama/gqa"] {
+    for name in ["gpt2/tiny", "llama/gqa", "llama/mixtral", "llama/qwen2moe"] {
         let dir = tempfile::tempdir().unwrap();
         let out = dir.path().join("out");
         let hub = fixture(name);

@@ -1,9 +1,11 @@
-//! `bench hf`: a GPT-2 and a Llama read from hub directories, against
+//! `bench hf`: a GPT-2, a Llama and a Mixtral read from hub directories, against
 //! `transformers` on the same cores. The models are zero-candle's fixtures
 //! `zero-candle/tests/fixtures/gpt2/tiny` (a random `GPT2LMHeadModel`: 2
 //! layers, n_embd 32, 4 heads, vocabulary 384) and `llama/gqa` (a random
 //! `LlamaForCausalLM`: 2 layers, hidden 32, 4 query heads sharing 2
-//! key/value heads, an untied head), opened with [`CausalLm::open_hub`]
+//! key/value heads, an untied head) and `llama/mixtral` (the same shape
+//! with 4 experts of 48 per MLP, 2 per token, the load-balancing loss on),
+//! opened with [`CausalLm::open_hub`]
 //! and trained by [`ZeroOptimizer`] on the thread backend (stage 2, AdamW)
 //! at world size 1 and 2; the peer (`examples/pytorch/hf_peer.py`) loads
 //! the same directory with AutoModelForCausalLM.from_pretrained and trains
@@ -31,7 +33,11 @@ use zero_core::{Communicator, ThreadComm, ThreadGroup};
 /// The fixtures' directory, relative to the repository's root.
 const FIXTURES: &str = "zero-candle/tests/fixtures";
 /// The models measured: their figures' names and their fixtures.
-const MODELS: [(&str, &str); 2] = [("tiny_gpt2", "gpt2/tiny"), ("tiny_llama", "llama/gqa")];
+const MODELS: [(&str, &str); 3] = [
+    ("tiny_gpt2", "gpt2/tiny"),
+    ("tiny_llama", "llama/gqa"),
+    ("tiny_mixtral", "llama/mixtral"),
+];
 /// Sequences per step, over all ranks.
 const BATCH: usize = 16;
 /// Predicted tokens per sequence: the fixture's `n_positions`.
@@ -134,7 +140,7 @@ fn peer_args(model: PathBuf, threads: usize) -> HfPeerArgs {
     }
 }
 
-/// Adds, per model (`tiny_gpt2`, `tiny_llama`), `hf.<model>_tokens_per_s`
+/// Adds, per model (`tiny_gpt2`, `tiny_llama`, `tiny_mixtral`), `hf.<model>_tokens_per_s`
 /// (world size 1), its value at N=2 (`_n2_`), transformers' as
 /// `hf.<model>_transformers_tokens_per_s` and the ratio of the first over
 /// it, `hf.<model>_over_transformers`.
