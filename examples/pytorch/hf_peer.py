@@ -79,6 +79,27 @@ RANDOM_SHAPES = {
             "tie_word_embeddings": False,
         },
     ),
+    # A small Qwen3-MoE (13.6M parameters): 4 layers of 256, 8 query heads
+    # of 32 sharing 4 key/value heads, every MLP 32 experts of 128 with 4
+    # per token (normalized), vocabulary 384, untied.
+    "qwen3moe_small": (
+        "Qwen3MoeConfig",
+        {
+            "vocab_size": 384,
+            "hidden_size": 256,
+            "intermediate_size": 512,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 4,
+            "head_dim": 32,
+            "num_experts": 32,
+            "num_experts_per_tok": 4,
+            "moe_intermediate_size": 128,
+            "norm_topk_prob": True,
+            "max_position_embeddings": 512,
+            "tie_word_embeddings": False,
+        },
+    ),
 }
 
 

@@ -179,7 +179,21 @@ pub enum HfModel {
     /// A fresh Llama of TinyLlama-1.1B's shape with seeded random weights
     /// (`--random tinyllama`).
     RandomTinyLlama,
+    /// A fresh small Qwen3-MoE with seeded random weights (`--random
+    /// qwen3moe_small`): [`QWEN3_MOE_SMALL`]'s shape.
+    RandomQwen3MoeSmall,
 }
+
+/// `hf_peer.py`'s `qwen3moe_small` as a `config.json`: 4 layers of 256, 8
+/// query heads of 32 sharing 4 key/value heads, every MLP 32 experts of 128
+/// with 4 per token, vocabulary 384, untied (13.6M parameters).
+pub const QWEN3_MOE_SMALL: &str = r#"{
+    "model_type": "qwen3_moe", "vocab_size": 384, "hidden_size": 256,
+    "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8,
+    "num_key_value_heads": 4, "head_dim": 32, "num_experts": 32, "num_experts_per_tok": 4,
+    "moe_intermediate_size": 128, "norm_topk_prob": true, "max_position_embeddings": 512,
+    "tie_word_embeddings": false
+}"#;
 
 /// The options of `hf_peer.py`, one field per flag.
 #[derive(Clone, Debug, PartialEq)]
@@ -244,6 +258,7 @@ impl HfPeerArgs {
             HfModel::Dir(dir) => vec!["--model-dir".to_string(), dir.display().to_string()],
             HfModel::RandomSmall => vec!["--random".to_string(), "small".into()],
             HfModel::RandomTinyLlama => vec!["--random".to_string(), "tinyllama".into()],
+            HfModel::RandomQwen3MoeSmall => vec!["--random".to_string(), "qwen3moe_small".into()],
         };
         args.extend([
             "--context".into(),

@@ -83,14 +83,17 @@ impl Experts {
             weights = weights.to_dtype(dtype)?;
         }
         let routes = Routes::new(&chosen.to_vec2::<u32>()?, self.experts.len());
-        // One gather of every expert's rows, one scaling and one add back:
-        // expert by expert, in order, as transformers adds them.
-        let rows = Tensor::from_vec(routes.rows.clone(), routes.rows.len(), device)?;
-        let inputs = h.index_select(&rows, 0)?;
+        // Each expert gathers its own rows (backward adds them into `h`'s
+        // gradient, `tokens` rows each: a narrow of one gather of all of
+        // them would add a gradient as large as all the choices per
+        // expert); one scaling and one add back, expert by expert in order,
+        // as transformers adds them.
         let mut outputs = Vec::with_capacity(self.experts.len());
         for (expert, range) in self.experts.iter().zip(&routes.ranges) {
-            outputs.push(expert.forward(&inputs.narrow(0, range.start, range.len())?)?);
+            let rows = Tensor::new(&routes.rows[range.clone()], device)?;
+            outputs.push(expert.forward(&h.index_select(&rows, 0)?)?);
         }
+        let rows = Tensor::from_vec(routes.rows.clone(), routes.rows.len(), device)?;
         let outputs = Tensor::cat(&outputs, 0)?;
         let slots = Tensor::from_vec(routes.slots.clone(), routes.slots.len(), device)?;
         // The idle experts' rows count zero.
