@@ -380,6 +380,13 @@ pub fn init_global_threadpool() {
 }
 
 fn default_num_threads() -> usize {
+    // Counted once: `num_cpus::get_physical` parses /proc/cpuinfo, and
+    // every CPU matmul asks (zero-rs).
+    static COUNT: OnceLock<usize> = OnceLock::new();
+    *COUNT.get_or_init(count_default_threads)
+}
+
+fn count_default_threads() -> usize {
     let physical = {
         #[cfg(target_os = "macos")]
         {
