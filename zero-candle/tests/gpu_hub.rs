@@ -4,7 +4,7 @@
 //! offset norms, GELU-gated MLP and capped scores and logits, Phi-3 with
 //! longrope and half-rotated heads, SmolLM3 with a NoPE layer, Granite with
 //! its multipliers, OLMo 2 and 3 with their output norms, the mixtures of
-//! experts of Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE) on the GPU against
+//! experts of Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE and FlexOlmo) on the GPU against
 //! `transformers`: the
 //! fixtures of `tests/fixtures/{gpt2,llama}` (tiny random models and the
 //! logits and one SGD step `transformers` and `torch.optim.SGD` compute in
@@ -35,7 +35,7 @@ const TOLERANCE: f64 = 1e-4;
 
 /// The fixture folders with their golden file and the prefix of their
 /// golden names.
-const FIXTURES: [(&str, &str); 17] = [
+const FIXTURES: [(&str, &str); 18] = [
     ("gpt2/tiny", ""),
     ("llama/gqa", "gqa."),
     ("llama/tied", "tied."),
@@ -53,6 +53,7 @@ const FIXTURES: [(&str, &str); 17] = [
     ("llama/gemma3mm", "gemma3mm."),
     ("llama/qwen2moe", "qwen2moe."),
     ("llama/olmoe", "olmoe."),
+    ("llama/flexolmo", "flexolmo."),
 ];
 
 /// Mixtures with the load-balancing loss, which is each rank's own (not a

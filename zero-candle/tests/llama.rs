@@ -3,7 +3,8 @@
 //! key/value heads, one with an untied head and one tied with llama3 RoPE
 //! scaling; a Mistral, a Qwen2, a Qwen3, Phi-3 (also with longrope), Gemma
 //! 1, 2 and 3, a SmolLM3, a Granite, an OLMo 2 and an OLMo 3, and the
-//! mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE; and
+//! mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE and FlexOlmo;
+//! and
 //! the logits, loss, gradients and one SGD step each computes on a fixed
 //! batch) are made by `make_fixtures.py` there.
 
@@ -55,6 +56,7 @@ fn logits_loss_and_gradients_equal_transformers() {
         ("qwen2moe", 41),
         ("qwen3moe", 69),
         ("olmoe", 45),
+        ("flexolmo", 45),
     ];
     for (fixture, variables) in cases {
         let (config, map) = Llama::open_hub(fixtures().join(fixture)).unwrap();
@@ -66,7 +68,7 @@ fn logits_loss_and_gradients_equal_transformers() {
             )
         );
         let per_head = matches!(fixture, "qwen3" | "qwen3moe" | "gemma3" | "gemma3mm");
-        let whole = fixture.starts_with("olmo");
+        let whole = fixture.starts_with("olmo") || fixture == "flexolmo";
         assert_eq!(config.qk_norm.is_some(), per_head || whole);
         assert_eq!(config.fused_projections, fixture.starts_with("phi3"));
         let model = Llama::new(map.builder(DType::F32, &Device::Cpu), &config, None).unwrap();
@@ -166,6 +168,7 @@ fn one_sgd_step_equals_torch_at_stage_0_and_at_stage_3_on_two_ranks() {
         ("qwen2moe", Stage::Parameters, 2, 41),
         ("qwen3moe", Stage::Parameters, 1, 69),
         ("olmoe", Stage::Parameters, 2, 45),
+        ("flexolmo", Stage::Parameters, 2, 45),
     ] {
         let out = tempfile::tempdir().unwrap();
         Run::new(stage, world, 1).train(&fixtures().join(fixture), &ids, out.path());
@@ -891,6 +894,20 @@ fn moe_configs_read_as_transformers_reads_them() {
     assert_eq!(olmoe.qk_norm, Some(zero_candle::models::QkNorm::Projection));
     assert!(olmoe.input_norms && !olmoe.output_norms);
     assert_eq!(olmoe.moe.as_ref().unwrap().expert_size, 48);
+    // FlexOlmo: OLMo 2's norms of the outputs, OLMoE's mixture.
+    let flex = LlamaConfig::from_json(&config_of("flexolmo")).unwrap();
+    assert!(!flex.input_norms && flex.output_norms);
+    assert_eq!(flex.qk_norm, Some(zero_candle::models::QkNorm::Projection));
+    let flex_moe = flex.moe.unwrap();
+    assert_eq!(
+        (
+            flex_moe.num_experts,
+            flex_moe.experts_per_token,
+            flex_moe.expert_size
+        ),
+        (4, 2, 48)
+    );
+    assert!(!flex_moe.normalize && flex_moe.aux_loss_coef.is_none());
     // Each mixture layer: its router and its experts (plus Qwen2's shared
     // expert and gate) in place of the dense MLP.
     let dense = LlamaConfig::from_json(&config_of("gqa")).unwrap();

@@ -91,7 +91,7 @@ impl HubConfig {
 
 /// A causal language model of the hub: GPT-2 or Llama (Mistral, Qwen2,
 /// Qwen3, Phi-3, Gemma 1-3, SmolLM3, Granite, OLMo 2-3, Mixtral, Qwen2-MoE,
-/// Qwen3-MoE and OLMoE included).
+/// Qwen3-MoE, OLMoE and FlexOlmo included).
 pub enum CausalLm {
     /// GPT-2.
     Gpt2(Gpt2),

@@ -503,8 +503,19 @@ const QWEN2_MOE: MoeFamily = MoeFamily {
     aux_loss_coef: 0.001,
 };
 
+/// OLMoE's mixture, which FlexOlmo's differs from.
+const OLMOE_MOE: MoeFamily = MoeFamily {
+    num_experts: 64,
+    experts_per_token: 8,
+    expert_size: None,
+    shared_expert_size: None,
+    sparse_layers: false,
+    aux_loss_coef: 0.01,
+    ..QWEN2_MOE
+};
+
 /// The families read as Llama.
-const FAMILIES: [Family; 16] = [
+const FAMILIES: [Family; 17] = [
     LLAMA,
     Family {
         model_type: "mistral",
@@ -629,16 +640,19 @@ const FAMILIES: [Family; 16] = [
         model_type: "olmoe",
         architectures: ["OlmoeForCausalLM", "OlmoeModel"],
         qk_norm: Some(QkNorm::Projection),
-        moe: Some(MoeFamily {
-            num_experts: 64,
-            experts_per_token: 8,
-            expert_size: None,
-            shared_expert_size: None,
-            sparse_layers: false,
-            aux_loss_coef: 0.01,
-            ..QWEN2_MOE
-        }),
+        moe: Some(OLMOE_MOE),
         ..LLAMA
+    },
+    Family {
+        model_type: "flex_olmo",
+        architectures: ["FlexOlmoForCausalLM", "FlexOlmoModel"],
+        default_theta: 500_000.0,
+        moe: Some(MoeFamily {
+            num_experts: 7,
+            experts_per_token: 5,
+            ..OLMOE_MOE
+        }),
+        ..OLMO2
     },
 ];
 
@@ -651,13 +665,14 @@ pub(crate) fn reads(kind: &str) -> bool {
 pub(crate) const LLAMA_TYPES: &str =
     "\"llama\", \"mistral\", \"qwen2\", \"qwen3\", \"phi3\", \"gemma\", \"gemma2\", \
      \"gemma3_text\", \"gemma3\" (its text model), \"smollm3\", \"granite\", \"olmo2\", \"olmo3\", \
-     \"mixtral\", \"qwen2_moe\", \"qwen3_moe\" and \"olmoe\"";
+     \"mixtral\", \"qwen2_moe\", \"qwen3_moe\", \"olmoe\" and \"flex_olmo\"";
 
 impl LlamaConfig {
     /// Reads a hub `config.json` of a Llama, Mistral, Qwen2, Qwen3, Phi-3,
     /// Gemma, Gemma 2, Gemma 3 (text, or the text model of one with
-    /// vision), SmolLM3, Granite, OLMo 2 or OLMo 3 model (by `model_type`;
-    /// Llama without one): an error names the key whose value this model
+    /// vision), SmolLM3, Granite, OLMo 2, OLMo 3, Mixtral, Qwen2-MoE,
+    /// Qwen3-MoE, OLMoE or FlexOlmo model (by `model_type`; Llama without
+    /// one): an error names the key whose value this model
     /// cannot honour (another architecture, MLP biases, another
     /// activation, a rotary scaling it does not implement, bidirectional
     /// attention, ...). Reads the rotary settings from `rope_parameters`

@@ -22,8 +22,8 @@
 //! outputs instead of their inputs, the queries and keys normalized over
 //! whole projections (OLMo 3: windows in three layers of four). And the
 //! mixtures of experts in place of the MLP ([`MoeConfig`]): Mixtral
-//! (`MixtralForCausalLM`), Qwen2-MoE (with a shared expert), Qwen3-MoE
-//! and OLMoE.
+//! (`MixtralForCausalLM`), Qwen2-MoE (with a shared expert), Qwen3-MoE,
+//! OLMoE and FlexOlmo (OLMo 2's norms).
 //!
 //! The variables carry the hub's names (`model.embed_tokens.weight`,
 //! `model.layers.{i}.self_attn.q_proj.weight`, ..., `model.norm.weight`,
