@@ -166,7 +166,7 @@ pub enum MoeStyle {
     /// (gate), `w3` (up) and `w2` (down); the outputs scaled by the
     /// probabilities in f32.
     Mixtral,
-    /// Qwen2-MoE's, Qwen3-MoE's and OLMoE's: `mlp.gate`,
+    /// Qwen2-MoE's, Qwen3-MoE's, OLMoE's and FlexOlmo's: `mlp.gate`,
     /// `mlp.experts.{e}.{gate,up,down}_proj`; the probabilities rounded to
     /// the model's dtype first.
     Qwen,
