@@ -3,7 +3,11 @@
 
 use super::Projections;
 use crate::nn::{ops, Activation, Linear};
-use candle_core::{DType, Module, Tensor, D};
+use candle_core::backend::{BackendDevice, BackendStorage};
+use candle_core::{
+    CpuStorage, CudaStorage, CustomOp1, DType, Layout, Module, Shape, Storage, Tensor, D,
+};
+use std::sync::{Arc, Mutex, PoisonError};
 
 /// `down(act(gate(x)) * up(x))`.
 #[derive(Clone)]
@@ -72,6 +76,12 @@ impl Experts {
     /// logits `[tokens, num_experts]`.
     fn forward(&self, h: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
         let (tokens, dtype, device) = (h.dim(0)?, h.dtype(), h.device());
+        // Each expert gathers its rows; their gradients meet in one add
+        // into `h`'s ([`Collect`]), not one add as large as `h` per expert.
+        // The router reads the same output, which so always has a gradient
+        // of its own for `Collect`'s backward to add to.
+        let pending = Pending::default();
+        let h = &h.apply_op1(Collect(pending.clone()))?;
         let logits = self.router.forward(h)?;
         let probs = candle_nn::ops::softmax(&logits.to_dtype(DType::F32)?, D::Minus1)?;
         let chosen = top_k(&probs, self.top_k)?;
@@ -83,15 +93,15 @@ impl Experts {
             weights = weights.to_dtype(dtype)?;
         }
         let routes = Routes::new(&chosen.to_vec2::<u32>()?, self.experts.len());
-        // Each expert gathers its own rows (backward adds them into `h`'s
-        // gradient, `tokens` rows each: a narrow of one gather of all of
-        // them would add a gradient as large as all the choices per
-        // expert); one scaling and one add back, expert by expert in order,
-        // as transformers adds them.
+        // One scaling and one add back, expert by expert in order, as
+        // transformers adds them.
         let mut outputs = Vec::with_capacity(self.experts.len());
         for (expert, range) in self.experts.iter().zip(&routes.ranges) {
-            let rows = Tensor::new(&routes.rows[range.clone()], device)?;
-            outputs.push(expert.forward(&h.index_select(&rows, 0)?)?);
+            let rows = ExpertRows {
+                rows: Tensor::new(&routes.rows[range.clone()], device)?,
+                pending: pending.clone(),
+            };
+            outputs.push(expert.forward(&h.apply_op1(rows)?)?);
         }
         let rows = Tensor::from_vec(routes.rows.clone(), routes.rows.len(), device)?;
         let outputs = Tensor::cat(&outputs, 0)?;
@@ -121,6 +131,121 @@ impl Experts {
             y = (y + shared.broadcast_mul(&opened)?)?;
         }
         Ok((y, logits))
+    }
+}
+
+/// The gradients of the experts' rows (the rows, u32, and their gradient)
+/// that backward has reached, waiting for [`Collect`]'s backward.
+type Pending = Arc<Mutex<Vec<(Tensor, Tensor)>>>;
+
+/// The identity on the mixture's input, whose backward adds the gradients
+/// its [`ExpertRows`] left in `Pending` into the input's, in one
+/// `index_add`. Backward reaches it after every expert (they read its
+/// output), and only through it: each expert's rows cost their own size,
+/// where an `index_select` per expert would add a gradient as large as
+/// the input per expert (`index_add` copies its destination), and a
+/// `narrow` of one gather of all rows one as large as all the rows.
+struct Collect(Pending);
+
+/// Rows `rows` of its input (an `index_select` along the first dimension)
+/// whose backward leaves their gradient to [`Collect`].
+struct ExpertRows {
+    rows: Tensor,
+    pending: Pending,
+}
+
+/// A contiguous copy of `storage` seen through `layout`.
+fn copied<S>(storage: &S, layout: &Layout) -> candle_core::Result<S>
+where
+    S: BackendStorage,
+    S::Device: BackendDevice<Storage = S>,
+{
+    let mut out = storage
+        .device()
+        .zeros_impl(layout.shape(), storage.dtype())?;
+    storage.copy_strided_src(&mut out, 0, layout)?;
+    Ok(out)
+}
+
+impl CustomOp1 for Collect {
+    fn name(&self) -> &'static str {
+        "zero-moe-collect"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        Ok((copied(s, l)?, l.shape().clone()))
+    }
+
+    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
+        Ok((copied(s, l)?, l.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        _arg: &Tensor,
+        _res: &Tensor,
+        grad_res: &Tensor,
+    ) -> candle_core::Result<Option<Tensor>> {
+        let pending = std::mem::take(&mut *self.0.lock().unwrap_or_else(PoisonError::into_inner));
+        if pending.is_empty() {
+            return Ok(Some(grad_res.clone()));
+        }
+        let (rows, grads): (Vec<Tensor>, Vec<Tensor>) = pending.into_iter().unzip();
+        let rows = Tensor::cat(&rows, 0)?;
+        let grads = Tensor::cat(&grads, 0)?.to_dtype(grad_res.dtype())?;
+        Ok(Some(grad_res.contiguous()?.index_add(&rows, &grads, 0)?))
+    }
+}
+
+impl ExpertRows {
+    /// The rows of `s` (its layout `l`) on a backend whose storage `pick`
+    /// finds in the row indices' storage.
+    fn select<S: BackendStorage>(
+        &self,
+        s: &S,
+        l: &Layout,
+        pick: impl FnOnce(&Storage) -> Option<&S>,
+    ) -> candle_core::Result<(S, Shape)> {
+        let (ids, ids_layout) = self.rows.storage_and_layout();
+        let Some(ids) = pick(&ids) else {
+            candle_core::bail!("the experts' rows are on another device than their input");
+        };
+        let out = s.index_select(ids, l, ids_layout, 0)?;
+        let shape = Shape::from((self.rows.dim(0)?, l.dims()[1]));
+        Ok((out, shape))
+    }
+}
+
+impl CustomOp1 for ExpertRows {
+    fn name(&self) -> &'static str {
+        "zero-moe-expert-rows"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        self.select(s, l, |ids| match ids {
+            Storage::Cpu(ids) => Some(ids),
+            _ => None,
+        })
+    }
+
+    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
+        self.select(s, l, |ids| match ids {
+            Storage::Cuda(ids) => Some(ids),
+            _ => None,
+        })
+    }
+
+    fn bwd(
+        &self,
+        _arg: &Tensor,
+        _res: &Tensor,
+        grad_res: &Tensor,
+    ) -> candle_core::Result<Option<Tensor>> {
+        self.pending
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push((self.rows.clone(), grad_res.clone()));
+        Ok(None)
     }
 }
 
