@@ -954,6 +954,33 @@ fn moe_configs_read_as_transformers_reads_them() {
         "reported as left out, as dropout is"
     );
 
+    // A file holding a layer's experts fused, as transformers 5 holds them
+    // in memory: the error says how to get the per-expert layout.
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::copy(
+        fixtures().join("qwen2moe/config.json"),
+        dir.path().join("config.json"),
+    )
+    .unwrap();
+    let fused = candle_core::Tensor::zeros((4, 48, 32), DType::F32, &Device::Cpu).unwrap();
+    candle_core::safetensors::save(
+        &std::collections::HashMap::from([("model.layers.1.mlp.experts.gate_up_proj", fused)]),
+        dir.path().join("model.safetensors"),
+    )
+    .unwrap();
+    for err in [
+        Llama::open_hub(dir.path()).err().unwrap().to_string(),
+        zero_candle::models::CausalLm::open_hub(dir.path())
+            .err()
+            .unwrap()
+            .to_string(),
+    ] {
+        assert!(
+            err.contains("experts.gate_up_proj") && err.contains("save_pretrained"),
+            "{err}"
+        );
+    }
+
     let cases: [(&str, &str, serde_json::Value, &str); 5] = [
         (
             "qwen3moe",

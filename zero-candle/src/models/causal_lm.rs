@@ -43,7 +43,11 @@ impl HubConfig {
     /// The config of the hub directory `hub` ([`HubConfig::from_json`]),
     /// an error naming its `config.json` and the key.
     pub fn from_hub(hub: &HubDir) -> Result<Self> {
-        super::config_of(hub, Self::from_json)
+        let config = super::config_of(hub, Self::from_json)?;
+        if let Self::Llama(llama) = &config {
+            llama.check_files(hub)?;
+        }
+        Ok(config)
     }
 
     /// Where the model's variables sit in its checkpoints.

@@ -830,9 +830,37 @@ impl LlamaConfig {
     }
 
     /// The config of the hub directory `hub` ([`LlamaConfig::from_json`]),
-    /// an error naming its `config.json` and the key.
+    /// an error naming its `config.json` and the key, or saying that the
+    /// weights store a mixture's experts fused.
     pub fn from_hub(hub: &HubDir) -> crate::Result<Self> {
-        crate::models::config_of(hub, Self::from_json)
+        let config = crate::models::config_of(hub, Self::from_json)?;
+        config.check_files(hub)?;
+        Ok(config)
+    }
+
+    /// An error where `hub`'s weights hold a mixture's experts as one
+    /// tensor per layer (`mlp.experts.gate_up_proj`, as `transformers` 5
+    /// holds them in memory) instead of one weight per expert, as its
+    /// `save_pretrained` writes them and this model reads them.
+    pub(crate) fn check_files(&self, hub: &HubDir) -> crate::Result<()> {
+        if self.moe.is_none() {
+            return Ok(());
+        }
+        let fused = hub
+            .names()
+            .find(|n| n.ends_with(".experts.gate_up_proj") || n.ends_with(".experts.down_proj"));
+        match fused {
+            Some(name) => Err(crate::Error::Hub {
+                path: hub.dir().to_path_buf(),
+                detail: format!(
+                    "holds the experts of a layer fused in one tensor ({name}); this model reads \
+                     one weight per expert (`experts.0.gate_proj.weight`, ...), as \
+                     transformers' save_pretrained writes them: load the checkpoint with \
+                     transformers and save it again with save_pretrained"
+                ),
+            }),
+            None => Ok(()),
+        }
     }
 
     /// Checks that the shape is buildable.
