@@ -31,9 +31,11 @@
 
 mod config;
 mod mlp;
+mod moe;
 
 pub(crate) use config::{reads, LLAMA_TYPES};
-pub use config::{LlamaConfig, MoeConfig, MoeStyle, QkNorm, SlidingWindow};
+pub use config::{LlamaConfig, QkNorm, SlidingWindow};
+pub use moe::{MoeConfig, MoeStyle};
 
 use super::rope::{Rope, RopeScaling};
 use crate::hub::HubLayout;
