@@ -141,11 +141,11 @@ pub struct SlidingWindow {
 
 /// The keys of `config.json` read as they are.
 #[derive(Deserialize)]
-pub(super) struct Plain {
+struct Plain {
     vocab_size: usize,
     hidden_size: usize,
-    pub(super) intermediate_size: usize,
-    pub(super) num_hidden_layers: usize,
+    intermediate_size: usize,
+    num_hidden_layers: usize,
     num_attention_heads: usize,
     #[serde(default)]
     num_key_value_heads: Option<usize>,
@@ -208,24 +208,6 @@ pub(super) struct Plain {
     /// Qwen2-MoE's switch for the query, key and value biases.
     #[serde(default)]
     qkv_bias: Option<bool>,
-    #[serde(default, alias = "num_local_experts")]
-    pub(super) num_experts: Option<usize>,
-    #[serde(default)]
-    pub(super) num_experts_per_tok: Option<usize>,
-    #[serde(default)]
-    pub(super) moe_intermediate_size: Option<usize>,
-    #[serde(default)]
-    pub(super) norm_topk_prob: Option<bool>,
-    #[serde(default)]
-    pub(super) shared_expert_intermediate_size: Option<usize>,
-    #[serde(default)]
-    pub(super) decoder_sparse_step: Option<usize>,
-    #[serde(default)]
-    pub(super) mlp_only_layers: Option<Vec<usize>>,
-    #[serde(default)]
-    pub(super) output_router_logits: bool,
-    #[serde(default)]
-    pub(super) router_aux_loss_coef: Option<f64>,
     #[serde(default)]
     router_jitter_noise: Option<f64>,
     #[serde(default)]
@@ -660,7 +642,7 @@ impl LlamaConfig {
                 .filter(|_| gemma == Some(Gemma::Two)),
             final_logit_softcapping: later(plain.final_logit_softcapping),
             local_rope,
-            moe: family.moe.map(|moe| moe_of(&plain, moe)).transpose()?,
+            moe: family.moe.map(|moe| moe_of(config, moe)).transpose()?,
         };
         parsed.validate()?;
         Ok(parsed)

@@ -1,9 +1,9 @@
 //! [`MoeConfig`]: a mixture of experts in place of the MLP, and how each
 //! family's `config.json` describes one.
 
-use super::config::Plain;
 use super::LlamaConfig;
 use crate::hub::HubDir;
+use serde::Deserialize;
 
 /// A sparse mixture of experts: a router (`gate`, no bias) gives each token
 /// a probability per expert, the token goes through the
@@ -146,9 +146,38 @@ pub(super) const OLMOE_MOE: MoeFamily = MoeFamily {
     ..QWEN2_MOE
 };
 
-/// The mixture of experts `plain` describes, `family`'s defaults where it
+/// The keys of `config.json` that describe a mixture, read as they are.
+#[derive(Deserialize)]
+struct MoeKeys {
+    num_hidden_layers: usize,
+    intermediate_size: usize,
+    #[serde(default, alias = "num_local_experts")]
+    num_experts: Option<usize>,
+    #[serde(default)]
+    num_experts_per_tok: Option<usize>,
+    #[serde(default)]
+    moe_intermediate_size: Option<usize>,
+    #[serde(default)]
+    norm_topk_prob: Option<bool>,
+    #[serde(default)]
+    shared_expert_intermediate_size: Option<usize>,
+    #[serde(default)]
+    decoder_sparse_step: Option<usize>,
+    #[serde(default)]
+    mlp_only_layers: Option<Vec<usize>>,
+    #[serde(default)]
+    output_router_logits: bool,
+    #[serde(default)]
+    router_aux_loss_coef: Option<f64>,
+}
+
+/// The mixture of experts `config` describes, `family`'s defaults where it
 /// is silent.
-pub(super) fn moe_of(plain: &Plain, family: MoeFamily) -> std::result::Result<MoeConfig, String> {
+pub(super) fn moe_of(
+    config: &serde_json::Value,
+    family: MoeFamily,
+) -> std::result::Result<MoeConfig, String> {
+    let plain = MoeKeys::deserialize(config).map_err(|e| format!("{e}"))?;
     let n = plain.num_hidden_layers;
     let layers = match family.sparse_layers {
         false => vec![true; n],
