@@ -207,10 +207,17 @@ fn four_ranks_train_what_one_does(fixture: &str) {
         checkpointed: true,
         ..Run::new(Stage::Parameters, 2, 3)
     };
+    // Weights gathered a few hundred values at a time: each expert's in
+    // pieces.
+    let in_pieces = Run {
+        gather_bytes: Some(1 << 10),
+        ..Run::new(Stage::Parameters, 2, 3)
+    };
     let runs = [
         Run::new(Stage::Ddp, 1, 3),
         Run::new(Stage::Parameters, 4, 3),
         checkpointed,
+        in_pieces,
     ];
     for run in runs {
         let out = tempfile::tempdir().unwrap();

@@ -89,6 +89,7 @@ mod bf16_matmul;
 mod cpu;
 mod elem;
 mod embedding;
+mod experts;
 mod grad_hook;
 mod layer_norm;
 mod linear;
@@ -97,6 +98,7 @@ mod storage;
 mod tap;
 
 pub use embedding::{embedding, Embedding};
+pub(crate) use experts::ExpertMlps;
 pub use grad_hook::{GatheredParam, GiveBack, GradCollector, GradHook, Stretch};
 pub use layer_norm::{layer_norm, layer_norm_no_bias, rms_norm, LayerNorm, RmsNorm};
 pub use linear::{linear, linear_b, linear_cublaslt, linear_no_bias, set_linear_cublaslt, Linear};

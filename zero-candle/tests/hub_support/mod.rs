@@ -66,14 +66,16 @@ pub fn hub_tensors(dir: &Path) -> BTreeMap<String, (String, Vec<usize>, Vec<u8>)
         .collect()
 }
 
-/// How a run trains: its stage, ranks and SGD steps (lr [`LR`]), and
-/// whether each block is recomputed in backward.
+/// How a run trains: its stage, ranks and SGD steps (lr [`LR`]), whether
+/// each block is recomputed in backward, and the bytes stage 3 gathers at
+/// a time if not the default.
 #[derive(Clone, Copy, Debug)]
 pub struct Run {
     pub stage: Stage,
     pub world: usize,
     pub steps: usize,
     pub checkpointed: bool,
+    pub gather_bytes: Option<usize>,
 }
 
 impl Run {
@@ -83,6 +85,7 @@ impl Run {
             world,
             steps,
             checkpointed: false,
+            gather_bytes: None,
         }
     }
 
@@ -113,10 +116,13 @@ impl Run {
             Some(as_hook),
         )?
         .with_checkpointing(self.checkpointed);
-        let engine = EngineConfig::default()
+        let mut engine = EngineConfig::default()
             .with_stage(self.stage)
             .with_persist_numel(64)
             .with_bucket_bytes(16 << 10);
+        if let Some(bytes) = self.gather_bytes {
+            engine = engine.with_gather_bytes(bytes);
+        }
         let sgd = Sgd::new(SgdConfig::default().with_lr(LR))?;
         let mut opt = ZeroOptimizer::new_sharded(&map, comm, engine, Box::new(sgd), &hook)?;
         let rows = ids.dim(0)? / world;

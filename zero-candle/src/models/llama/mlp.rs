@@ -2,7 +2,7 @@
 //! Qwen2-MoE, Qwen3-MoE, OLMoE).
 
 use super::Projections;
-use crate::nn::{ops, Activation, Linear};
+use crate::nn::{ops, Activation, ExpertMlps, Linear};
 use candle_core::backend::{BackendDevice, BackendStorage};
 use candle_core::{
     CpuStorage, CudaStorage, CustomOp1, DType, Layout, Module, Shape, Storage, Tensor, D,
@@ -69,19 +69,51 @@ pub(super) struct Experts {
     /// scale the outputs (Qwen's); else the outputs are scaled in f32
     /// (Mixtral's).
     pub(super) weights_in_model_dtype: bool,
+    /// The experts as one op, when their gradients go to a hook.
+    grouped: Option<ExpertMlps>,
 }
 
 impl Experts {
+    /// A mixture of `experts`, routed by `router` to `top_k` of them per
+    /// token (their probabilities renormalized when `normalize`), with
+    /// Qwen2-MoE's `shared` expert if any. With a hook the experts run as
+    /// one op per layer ([`ExpertMlps`]); without one, or with biases, each
+    /// is its own layers.
+    pub(super) fn new(
+        router: Linear,
+        experts: Vec<Mlp>,
+        shared: Option<(Mlp, Linear)>,
+        (top_k, normalize, weights_in_model_dtype): (usize, bool, bool),
+    ) -> candle_core::Result<Self> {
+        let grouped = match grouped_weights(&experts) {
+            Some((weights, activation, hook)) => Some(ExpertMlps::new(weights, activation, hook)?),
+            None => None,
+        };
+        Ok(Self {
+            router,
+            experts,
+            shared,
+            top_k,
+            normalize,
+            weights_in_model_dtype,
+            grouped,
+        })
+    }
+
     /// The mixture's output for `h` rows `[tokens, hidden]`, and the router
     /// logits `[tokens, num_experts]`.
     fn forward(&self, h: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
         let (tokens, dtype, device) = (h.dim(0)?, h.dtype(), h.device());
-        // Each expert gathers its rows; their gradients meet in one add
-        // into `h`'s ([`Collect`]), not one add as large as `h` per expert.
-        // The router reads the same output, which so always has a gradient
-        // of its own for `Collect`'s backward to add to.
+        // Unhooked, each expert gathers its rows; their gradients meet in
+        // one add into `h`'s ([`Collect`]), not one add as large as `h` per
+        // expert. The router reads the same output, which so always has a
+        // gradient of its own for `Collect`'s backward to add to. Hooked,
+        // the experts are one op whose backward adds them.
         let pending = Pending::default();
-        let h = &h.apply_op1(Collect(pending.clone()))?;
+        let h = &match self.grouped {
+            Some(_) => h.clone(),
+            None => h.apply_op1(Collect(pending.clone()))?,
+        };
         let logits = self.router.forward(h)?;
         let probs = candle_nn::ops::softmax(&logits.to_dtype(DType::F32)?, D::Minus1)?;
         let chosen = top_k(&probs, self.top_k)?;
@@ -95,16 +127,21 @@ impl Experts {
         let routes = Routes::new(&chosen.to_vec2::<u32>()?, self.experts.len());
         // One scaling and one add back, expert by expert in order, as
         // transformers adds them.
-        let mut outputs = Vec::with_capacity(self.experts.len());
-        for (expert, range) in self.experts.iter().zip(&routes.ranges) {
-            let rows = ExpertRows {
-                rows: Tensor::new(&routes.rows[range.clone()], device)?,
-                pending: pending.clone(),
-            };
-            outputs.push(expert.forward(&h.apply_op1(rows)?)?);
-        }
+        let outputs = match &self.grouped {
+            Some(grouped) => grouped.forward(h, &routes.rows, &routes.ranges)?,
+            None => {
+                let mut outputs = Vec::with_capacity(self.experts.len());
+                for (expert, range) in self.experts.iter().zip(&routes.ranges) {
+                    let rows = ExpertRows {
+                        rows: Tensor::new(&routes.rows[range.clone()], device)?,
+                        pending: pending.clone(),
+                    };
+                    outputs.push(expert.forward(&h.apply_op1(rows)?)?);
+                }
+                Tensor::cat(&outputs, 0)?
+            }
+        };
         let rows = Tensor::from_vec(routes.rows.clone(), routes.rows.len(), device)?;
-        let outputs = Tensor::cat(&outputs, 0)?;
         let slots = Tensor::from_vec(routes.slots.clone(), routes.slots.len(), device)?;
         // The idle experts' rows count zero.
         let scale = Tensor::cat(
@@ -132,6 +169,32 @@ impl Experts {
         }
         Ok((y, logits))
     }
+}
+
+/// The experts' `[gate, up, down]` weights, activation and hook, when
+/// they can run as one op: every projection a separate Linear without a
+/// bias, all hooked by one hook.
+#[allow(clippy::type_complexity)]
+fn grouped_weights(
+    experts: &[Mlp],
+) -> Option<(Vec<[Tensor; 3]>, Activation, Arc<dyn crate::nn::GradHook>)> {
+    let first = experts.first()?;
+    let hook = first.down.hook()?.clone();
+    let mut weights = Vec::with_capacity(experts.len());
+    for expert in experts {
+        let Projections::Separate([gate, up]) = &expert.gate_up else {
+            return None;
+        };
+        let layers = [gate, up, &expert.down];
+        let plain = layers
+            .iter()
+            .all(|l| l.bias().is_none() && l.hook().is_some_and(|h| Arc::ptr_eq(h, &hook)));
+        if !plain || expert.activation != first.activation {
+            return None;
+        }
+        weights.push(layers.map(|l| l.weight().clone()));
+    }
+    Some((weights, first.activation, hook))
 }
 
 /// The gradients of the experts' rows (the rows, u32, and their gradient)

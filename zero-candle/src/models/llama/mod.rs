@@ -512,22 +512,24 @@ impl Llama {
                     (true, false) => Some(norm(vb.pp("post_attention_layernorm"))?),
                 },
                 mlp: match &config.moe {
-                    Some(moe) if moe.layers[i] => FeedForward::Experts(Box::new(Experts {
-                        router: linear(vb.pp(moe_prefix(moe)).pp("gate"), d, moe.num_experts)?,
-                        experts: (0..moe.num_experts)
+                    Some(moe) if moe.layers[i] => FeedForward::Experts(Box::new(Experts::new(
+                        linear(vb.pp(moe_prefix(moe)).pp("gate"), d, moe.num_experts)?,
+                        (0..moe.num_experts)
                             .map(|e| expert(vb.pp(moe_prefix(moe)).pp(format!("experts.{e}")), moe))
                             .collect::<Result<_>>()?,
-                        shared: match moe.shared_expert_size {
+                        match moe.shared_expert_size {
                             Some(width) => Some((
                                 dense(mlp.pp("shared_expert"), width)?,
                                 linear(mlp.pp("shared_expert_gate"), d, 1)?,
                             )),
                             None => None,
                         },
-                        top_k: moe.experts_per_token,
-                        normalize: moe.normalize,
-                        weights_in_model_dtype: moe.style == MoeStyle::Qwen,
-                    })),
+                        (
+                            moe.experts_per_token,
+                            moe.normalize,
+                            moe.style == MoeStyle::Qwen,
+                        ),
+                    )?)),
                     _ if config.fused_projections => FeedForward::Dense(Mlp {
                         gate_up: Projections::Fused(
                             linear(mlp.pp("gate_up_proj"), d, 2 * config.intermediate_size)?,

@@ -38,6 +38,7 @@ pub use attention::{
 pub use attention_dims::AttentionDims;
 pub use cross_entropy::{cross_entropy, cross_entropy_with_ignore};
 pub use rotary::rotary_embedding;
+pub(crate) use swiglu::{gated, gated_cpu, gated_grads, gated_grads_cpu};
 pub use swiglu::{geglu, swiglu};
 
 /// What a cuBLASLt GEMM of a `Linear` wrote (`cuda::linear_forward`).

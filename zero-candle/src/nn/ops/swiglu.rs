@@ -198,6 +198,14 @@ impl CustomOp2 for Gated {
         _y: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let (dgate, dup) = self.grads(gate, up, grad)?;
+        Ok((Some(dgate), Some(dup)))
+    }
+}
+
+impl Gated {
+    /// `(dgate, dup)` for the output gradient `grad`.
+    fn grads(&self, gate: &Tensor, up: &Tensor, grad: &Tensor) -> Result<(Tensor, Tensor)> {
         let grad = grad.contiguous()?;
         let shape = gate.shape().clone();
         let (dgate, dup) = if gate.device().is_cuda() {
@@ -226,9 +234,37 @@ impl CustomOp2 for Gated {
             })?;
             (Storage::Cpu(dgate), Storage::Cpu(dup))
         };
-        Ok((
-            Some(tensor_from(dgate, shape.clone())),
-            Some(tensor_from(dup, shape)),
-        ))
+        Ok((tensor_from(dgate, shape.clone()), tensor_from(dup, shape)))
     }
+}
+
+/// `act(gate) * up` (`kind`: SwiGLU's SiLU, GeGLU's GELUs), as [`swiglu`].
+pub(crate) fn gated(kind: Activation, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    Gated(kind).apply(gate, up)
+}
+
+/// [`gated`]'s gradients `(dgate, dup)` for its output's `grad`; `gate`
+/// and `up` contiguous.
+pub(crate) fn gated_grads(
+    kind: Activation,
+    gate: &Tensor,
+    up: &Tensor,
+    grad: &Tensor,
+) -> Result<(Tensor, Tensor)> {
+    Gated(kind).grads(gate, up, grad)
+}
+
+/// [`gated`] over CPU slices.
+pub(crate) fn gated_cpu<T: Elem>(kind: Activation, gate: &[T], up: &[T]) -> Vec<T> {
+    Gated(kind).forward(gate, up)
+}
+
+/// [`gated_grads`] over CPU slices.
+pub(crate) fn gated_grads_cpu<T: Elem>(
+    kind: Activation,
+    gate: &[T],
+    up: &[T],
+    grad: &[T],
+) -> (Vec<T>, Vec<T>) {
+    Gated(kind).backward(gate, up, grad)
 }

@@ -1,0 +1,812 @@
+//! A mixture's experts as one op: gated MLPs without biases over the rows
+//! routed to each, their weight gradients handed to the hook.
+
+use super::cpu;
+use super::grad_hook::{assemble, before_read, gather, route, GatheredParam, GradHook};
+use super::ops::{gated, gated_cpu, gated_grads, gated_grads_cpu, Activation};
+use super::storage::{on_device, owned_storage, OnDevice};
+use candle_core::{
+    bail, CpuStorage, CudaStorage, CustomOp1, DType, Layout, Result, Shape, Storage, Tensor,
+};
+use gemm::Parallelism;
+use rayon::prelude::*;
+use std::ops::Range;
+use std::sync::{Arc, Mutex, PoisonError};
+
+/// The experts of a mixture layer, `down(act(gate(x)) * up(x))` each, run
+/// as one op per layer: each expert's rows are a slice of the routed rows,
+/// its products plain GEMMs over its weights, the backward one pass that
+/// hands every expert's three weight gradients to the hook (an expert with
+/// no rows gets zeros) and adds the rows' gradients into the input's.
+/// On the CPU in f32 the experts run in parallel, one core each, where
+/// their weights are the variables' own (every stage but 3); at stage 3 an
+/// expert's weights are gathered, used and given back before the next's.
+/// Elsewhere (CUDA, other dtypes) each expert is a few tensor ops, still
+/// one graph node per layer.
+///
+/// Only with a hook: without one the gradients belong in the `GradStore`,
+/// which only ops taking the weights as inputs can fill (one [`Linear`]
+/// per projection).
+///
+/// [`Linear`]: super::Linear
+#[derive(Clone)]
+pub(crate) struct ExpertMlps {
+    /// Per expert: gate and up `[width, hidden]`, down `[hidden, width]`.
+    weights: Arc<[[Tensor; 3]]>,
+    activation: Activation,
+    hook: Arc<dyn GradHook>,
+}
+
+/// One expert's rows: their input, products and output, `[rows, ..]`.
+struct ExpertRows {
+    out: Vec<f32>,
+    gate: Vec<f32>,
+    up: Vec<f32>,
+}
+
+/// What the forward keeps for the backward.
+struct Saved {
+    /// The rows of the input each routed row is (`[routed]`, u32).
+    rows: Tensor,
+    /// The gate and up products of every routed row, `[routed, width]`.
+    gate: Tensor,
+    up: Tensor,
+}
+
+/// The op `h [tokens, hidden] -> [routed, hidden]`, its result computed
+/// before it ran.
+struct ExpertsOp {
+    experts: ExpertMlps,
+    ranges: Arc<[Range<usize>]>,
+    output: Mutex<Option<Storage>>,
+    saved: Saved,
+}
+
+const OUTPUT: &str = "the experts' output";
+
+impl ExpertMlps {
+    /// The experts whose `[gate, up, down]` weights are `weights`, all of
+    /// one width and hidden size; their gradients go to `hook`, which
+    /// their layers have already been announced to.
+    pub(crate) fn new(
+        weights: Vec<[Tensor; 3]>,
+        activation: Activation,
+        hook: Arc<dyn GradHook>,
+    ) -> Result<Self> {
+        let Some([gate, ..]) = weights.first() else {
+            bail!("zero-candle experts: a mixture needs at least one expert")
+        };
+        let (width, hidden) = gate.dims2()?;
+        for (e, [gate, up, down]) in weights.iter().enumerate() {
+            let shapes = [gate.dims(), up.dims(), down.dims()];
+            if shapes != [&[width, hidden][..], &[width, hidden], &[hidden, width]] {
+                bail!(
+                    "zero-candle experts: expert {e}'s gate, up and down are {shapes:?}; every \
+                     expert's must be [{width}, {hidden}], [{width}, {hidden}], [{hidden}, {width}]"
+                )
+            }
+        }
+        Ok(Self {
+            weights: weights.into(),
+            activation,
+            hook,
+        })
+    }
+
+    /// Expert `e`'s MLP over rows `rows[ranges[e]]` of `h` `[tokens,
+    /// hidden]`, for every expert: `[rows.len(), hidden]`, in the order of
+    /// `rows`. `ranges` cover `rows` in order.
+    pub(crate) fn forward(
+        &self,
+        h: &Tensor,
+        rows: &[u32],
+        ranges: &[Range<usize>],
+    ) -> Result<Tensor> {
+        if ranges.len() != self.weights.len() || ranges.last().map(|r| r.end) != Some(rows.len()) {
+            bail!(
+                "zero-candle experts: {} row ranges ending at {:?} for {} experts over {} rows",
+                ranges.len(),
+                ranges.last().map(|r| r.end),
+                self.weights.len(),
+                rows.len()
+            )
+        }
+        let all: Vec<Option<&Tensor>> = self.weights.iter().flatten().map(Some).collect();
+        before_read(Some(&self.hook), &all)?;
+        let h = h.contiguous()?;
+        let rows_t = Tensor::new(rows, h.device())?;
+        let x = h.detach().index_select(&rows_t, 0)?;
+        let (out, gate, up) = match cpu_f32(&x) {
+            true => self.forward_cpu(&x, ranges)?,
+            false => self.forward_tensors(&x, ranges)?,
+        };
+        let op = ExpertsOp {
+            experts: self.clone(),
+            ranges: ranges.into(),
+            output: Mutex::new(Some(owned_storage(&out, OUTPUT)?)),
+            saved: Saved {
+                rows: rows_t,
+                gate,
+                up,
+            },
+        };
+        h.apply_op1(op)
+    }
+
+    /// Each expert's weights lent for one computation, in order: the
+    /// variables' own runs of experts together, each lent one alone.
+    fn runs(&self) -> Result<Vec<Run>> {
+        let mut runs: Vec<Run> = Vec::new();
+        for (e, weights) in self.weights.iter().enumerate() {
+            let lent = weights
+                .iter()
+                .map(|w| gather(Some(&self.hook), Some(w), 0))
+                .collect::<Result<Vec<_>>>()?;
+            if lent.iter().all(Option::is_none) {
+                if let Some(Run::Own(range)) = runs.last_mut() {
+                    range.end = e + 1;
+                } else {
+                    runs.push(Run::Own(e..e + 1));
+                }
+                continue;
+            }
+            let mut values = Vec::with_capacity(3);
+            for (w, first) in weights.iter().zip(lent) {
+                values.push(Values::of(&self.hook, w, first)?);
+            }
+            runs.push(Run::Lent(e, values));
+        }
+        Ok(runs)
+    }
+
+    /// The forward over `x` `[routed, hidden]` on the CPU in f32: the
+    /// output and the gate and up products.
+    fn forward_cpu(&self, x: &Tensor, ranges: &[Range<usize>]) -> Result<(Tensor, Tensor, Tensor)> {
+        let (routed, hidden) = x.dims2()?;
+        let width = self.weights[0][0].dim(0)?;
+        let dims = Dims { hidden, width };
+        let done = with_f32s([x], |[x]| {
+            self.run_cpu(|e, w, par| {
+                let rows = &x[ranges[e].start * hidden..ranges[e].end * hidden];
+                dims.forward(rows, w, self.activation, par)
+            })
+        })?;
+        let cat = |part: fn(&ExpertRows) -> &[f32], cols: usize| {
+            let all: Vec<f32> = done.iter().flat_map(|r| part(r).iter().copied()).collect();
+            Tensor::from_vec(all, (routed, cols), x.device())
+        };
+        Ok((
+            cat(|r| &r.out, hidden)?,
+            cat(|r| &r.gate, width)?,
+            cat(|r| &r.up, width)?,
+        ))
+    }
+
+    /// `expert(e, [gate, up, down], parallelism)` for every expert `e`, in
+    /// order, on f32 CPU weights: runs of experts with their own weights
+    /// in parallel (one core each), one with lent weights alone (on all).
+    fn run_cpu<T: Send>(
+        &self,
+        expert: impl Fn(usize, &[&[f32]], Parallelism) -> T + Sync,
+    ) -> Result<Vec<T>> {
+        let mut done = Vec::with_capacity(self.weights.len());
+        for run in self.runs()? {
+            match run {
+                Run::Own(experts) => {
+                    let weights = self.weights[experts.clone()].iter().flatten();
+                    let guards: Vec<_> = weights.map(|w| w.storage_and_layout()).collect();
+                    let slices = read_f32(&guards)?;
+                    let results: Vec<T> = experts
+                        .into_par_iter()
+                        .zip(slices.par_chunks(3))
+                        .map(|(e, w)| expert(e, w, Parallelism::None))
+                        .collect();
+                    done.extend(results);
+                }
+                Run::Lent(e, values) => {
+                    let assembled = values.iter().filter_map(|v| match v {
+                        Values::Assembled(t) => Some(t.storage_and_layout()),
+                        Values::Whole(_) => None,
+                    });
+                    let guards: Vec<_> = assembled.collect();
+                    let mut assembled = read_f32(&guards)?.into_iter();
+                    let mut w = Vec::with_capacity(3);
+                    for v in &values {
+                        w.push(match v {
+                            Values::Whole(lent) => whole_f32(lent)?,
+                            Values::Assembled(_) => assembled.next().expect("one per assembled"),
+                        });
+                    }
+                    let threads = Parallelism::Rayon(rayon::current_num_threads());
+                    done.push(expert(e, &w, threads));
+                }
+            }
+        }
+        Ok(done)
+    }
+
+    /// The forward over `x` `[routed, hidden]` as tensor ops, an expert
+    /// at a time.
+    fn forward_tensors(
+        &self,
+        x: &Tensor,
+        ranges: &[Range<usize>],
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let (mut outs, mut gates, mut ups) = (vec![], vec![], vec![]);
+        for_each_expert(self, |e, [wg, wu, wd]| {
+            let x = x.narrow(0, ranges[e].start, ranges[e].len())?;
+            let gate = x.matmul(&wg.t()?)?;
+            let up = x.matmul(&wu.t()?)?;
+            outs.push(gated(self.activation, &gate, &up)?.matmul(&wd.t()?)?);
+            gates.push(gate);
+            ups.push(up);
+            Ok(())
+        })?;
+        Ok((
+            Tensor::cat(&outs, 0)?,
+            Tensor::cat(&gates, 0)?,
+            Tensor::cat(&ups, 0)?,
+        ))
+    }
+}
+
+/// Runs `f(e, [gate, up, down])` for every expert in order, with its
+/// weights as tensors (the variables', or copies of what the hook lends,
+/// given back before the next expert's are gathered).
+fn for_each_expert(
+    experts: &ExpertMlps,
+    mut f: impl FnMut(usize, [&Tensor; 3]) -> Result<()>,
+) -> Result<()> {
+    for (e, weights) in experts.weights.iter().enumerate() {
+        let mut tensors = Vec::with_capacity(3);
+        for w in weights {
+            let first = gather(Some(&experts.hook), Some(w), 0)?;
+            tensors.push(match first {
+                None => w.detach(),
+                Some(first) => assemble(Some(&experts.hook), w, Some(first))?,
+            });
+        }
+        f(e, [&tensors[0], &tensors[1], &tensors[2]])?;
+    }
+    Ok(())
+}
+
+/// Experts computed together: a run of those whose weights are the
+/// variables' own, or one whose weights the hook lent.
+enum Run {
+    Own(Range<usize>),
+    Lent(usize, Vec<Values>),
+}
+
+/// A weight's values lent by the hook: whole, or assembled from pieces.
+enum Values {
+    Whole(GatheredParam),
+    Assembled(Tensor),
+}
+
+impl Values {
+    fn of(hook: &Arc<dyn GradHook>, w: &Tensor, first: Option<GatheredParam>) -> Result<Self> {
+        Ok(match first {
+            Some(first) if first.whole().is_some() => Self::Whole(first),
+            first => Self::Assembled(assemble(Some(hook), w, first)?),
+        })
+    }
+}
+
+/// A weight the hook lent whole, as f32 CPU values.
+fn whole_f32(lent: &GatheredParam) -> Result<&[f32]> {
+    match lent.whole_on::<CpuStorage>() {
+        Some((storage, layout)) => cpu::slice::<f32>(storage, layout, "a gathered expert"),
+        None => bail!("zero-candle experts: a gathered weight is not on the CPU"),
+    }
+}
+
+/// Storages held for reading, and their layouts.
+type Held<'a> = (candle_core::StorageRef<'a>, &'a Layout);
+
+/// The f32 CPU values of `held` storages (contiguous).
+fn read_f32<'a>(held: &'a [Held<'_>]) -> Result<Vec<&'a [f32]>> {
+    held.iter()
+        .map(|(storage, layout)| match &**storage {
+            Storage::Cpu(storage) => cpu::slice::<f32>(storage, layout, "the experts' tensors"),
+            _ => bail!("zero-candle experts: the weights are not on the CPU but the input is"),
+        })
+        .collect()
+}
+
+/// `f` over the f32 CPU values of contiguous `tensors`.
+fn with_f32s<R, const N: usize>(
+    tensors: [&Tensor; N],
+    f: impl FnOnce([&[f32]; N]) -> Result<R>,
+) -> Result<R> {
+    let held: Vec<_> = tensors.iter().map(|t| t.storage_and_layout()).collect();
+    let values = read_f32(&held)?;
+    f(values
+        .try_into()
+        .unwrap_or_else(|_| unreachable!("N tensors")))
+}
+
+/// Whether `t` is an f32 CPU tensor (the experts' own CPU path).
+fn cpu_f32(t: &Tensor) -> bool {
+    t.device().is_cpu() && t.dtype() == DType::F32
+}
+
+/// An expert's sizes.
+#[derive(Clone, Copy)]
+struct Dims {
+    hidden: usize,
+    width: usize,
+}
+
+/// `dst [m, n] (+)= a · b`, each operand a row-major matrix or the
+/// transpose of one.
+struct Gemm<'a> {
+    m: usize,
+    n: usize,
+    k: usize,
+    a: Operand<'a>,
+    b: Operand<'a>,
+}
+
+/// A `[rows, cols]` operand: `values` row-major, read transposed when
+/// `transposed` (then `values` is `[cols, rows]`).
+#[derive(Clone, Copy)]
+struct Operand<'a> {
+    values: &'a [f32],
+    transposed: bool,
+}
+
+fn plain(values: &[f32]) -> Operand<'_> {
+    Operand {
+        values,
+        transposed: false,
+    }
+}
+
+fn transposed(values: &[f32]) -> Operand<'_> {
+    Operand {
+        values,
+        transposed: true,
+    }
+}
+
+impl Gemm<'_> {
+    /// Runs the product into `dst`, adding to it when `accumulate`.
+    fn run(&self, dst: &mut [f32], accumulate: bool, parallelism: Parallelism) {
+        let (m, n, k) = (self.m, self.n, self.k);
+        assert!(
+            dst.len() == m * n,
+            "a {m}x{n} product into {} values",
+            dst.len()
+        );
+        // (row stride, column stride) of a [rows, cols] operand.
+        let strides = |op: &Operand, rows: usize, cols: usize| {
+            assert!(
+                op.values.len() == rows * cols,
+                "an operand of the wrong size"
+            );
+            match op.transposed {
+                false => (cols as isize, 1),
+                true => (1, rows as isize),
+            }
+        };
+        let (a_rs, a_cs) = strides(&self.a, m, k);
+        let (b_rs, b_cs) = strides(&self.b, k, n);
+        if m == 0 || n == 0 {
+            return;
+        }
+        if k == 0 {
+            if !accumulate {
+                dst.fill(0.0);
+            }
+            return;
+        }
+        // SAFETY: every operand holds exactly its rows x cols values
+        // (asserted), and the strides above address inside them; `dst` is
+        // m x n, row-major, and borrowed mutably here alone.
+        unsafe {
+            gemm::gemm(
+                m,
+                n,
+                k,
+                dst.as_mut_ptr(),
+                1,
+                n as isize,
+                accumulate,
+                self.a.values.as_ptr(),
+                a_cs,
+                a_rs,
+                self.b.values.as_ptr(),
+                b_cs,
+                b_rs,
+                1.0,
+                1.0,
+                false,
+                false,
+                false,
+                parallelism,
+            )
+        }
+    }
+
+    fn into_new(self, parallelism: Parallelism) -> Vec<f32> {
+        let mut dst = vec![0f32; self.m * self.n];
+        self.run(&mut dst, false, parallelism);
+        dst
+    }
+}
+
+impl Dims {
+    /// Rows `x` `[r, hidden]` through the expert of weights `w` (gate,
+    /// up, down).
+    fn forward(
+        self,
+        x: &[f32],
+        w: &[&[f32]],
+        activation: Activation,
+        par: Parallelism,
+    ) -> ExpertRows {
+        let (h, i, r) = (self.hidden, self.width, x.len() / self.hidden);
+        let product = |weight: &[f32]| {
+            Gemm {
+                m: r,
+                n: i,
+                k: h,
+                a: plain(x),
+                b: transposed(weight),
+            }
+            .into_new(par)
+        };
+        let (gate, up) = (product(w[0]), product(w[1]));
+        let mid = gated_cpu(activation, &gate, &up);
+        let out = Gemm {
+            m: r,
+            n: h,
+            k: i,
+            a: plain(&mid),
+            b: transposed(w[2]),
+        }
+        .into_new(par);
+        ExpertRows { out, gate, up }
+    }
+
+    /// The backward of [`Dims::forward`] for the output gradient `g`
+    /// `[r, hidden]`: the rows' gradient and the weights' (gate, up,
+    /// down).
+    #[allow(clippy::too_many_arguments)]
+    fn backward(
+        self,
+        x: &[f32],
+        gate: &[f32],
+        up: &[f32],
+        g: &[f32],
+        w: &[&[f32]],
+        activation: Activation,
+        par: Parallelism,
+    ) -> (Vec<f32>, [Vec<f32>; 3]) {
+        let (h, i, r) = (self.hidden, self.width, x.len() / self.hidden);
+        let mid = gated_cpu(activation, gate, up);
+        let d_down = Gemm {
+            m: h,
+            n: i,
+            k: r,
+            a: transposed(g),
+            b: plain(&mid),
+        }
+        .into_new(par);
+        let d_mid = Gemm {
+            m: r,
+            n: i,
+            k: h,
+            a: plain(g),
+            b: plain(w[2]),
+        }
+        .into_new(par);
+        let (d_gate_rows, d_up_rows) = gated_grads_cpu(activation, gate, up, &d_mid);
+        let weight_grad = |d: &[f32]| {
+            Gemm {
+                m: i,
+                n: h,
+                k: r,
+                a: transposed(d),
+                b: plain(x),
+            }
+            .into_new(par)
+        };
+        let (d_gate, d_up) = (weight_grad(&d_gate_rows), weight_grad(&d_up_rows));
+        let mut dx = Gemm {
+            m: r,
+            n: h,
+            k: i,
+            a: plain(&d_gate_rows),
+            b: plain(w[0]),
+        }
+        .into_new(par);
+        Gemm {
+            m: r,
+            n: h,
+            k: i,
+            a: plain(&d_up_rows),
+            b: plain(w[1]),
+        }
+        .run(&mut dx, true, par);
+        (dx, [d_gate, d_up, d_down])
+    }
+}
+
+impl CustomOp1 for ExpertsOp {
+    fn name(&self) -> &'static str {
+        "zero-experts"
+    }
+
+    fn cpu_fwd(&self, _s: &CpuStorage, _l: &Layout) -> Result<(CpuStorage, Shape)> {
+        self.output()
+    }
+
+    fn cuda_fwd(&self, _s: &CudaStorage, _l: &Layout) -> Result<(CudaStorage, Shape)> {
+        self.output()
+    }
+
+    fn bwd(&self, h: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        let grad = grad.contiguous()?;
+        let x = h.detach().contiguous()?.index_select(&self.saved.rows, 0)?;
+        let (dx, grads) = match cpu_f32(&x) {
+            true => self.backward_cpu(&x, &grad)?,
+            false => self.backward_tensors(&x, &grad)?,
+        };
+        // Every expert's three gradients, expert by expert, in order.
+        for (weights, grads) in self.experts.weights.iter().zip(grads) {
+            for (w, g) in weights.iter().zip(grads) {
+                // A frozen weight (untracked) takes no gradient.
+                if w.track_op() && route(Some(&self.experts.hook), w, g)?.is_some() {
+                    bail!(
+                        "zero-candle experts: a weight that is not a variable has no place for \
+                         its gradient; build the experts over variables"
+                    )
+                }
+            }
+        }
+        let dh = h.detach().zeros_like()?;
+        Ok(Some(dh.index_add(&self.saved.rows, &dx, 0)?))
+    }
+}
+
+impl ExpertsOp {
+    fn output<S: OnDevice>(&self) -> Result<(S, Shape)> {
+        let Some(output) = self
+            .output
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
+        else {
+            bail!("zero-candle experts: internal: the op ran twice on one forward's output")
+        };
+        let hidden = self.experts.weights[0][2].dim(0)?;
+        let routed = self.saved.rows.dim(0)?;
+        Ok((on_device(output, OUTPUT)?, Shape::from((routed, hidden))))
+    }
+
+    /// The backward on the CPU in f32: the routed rows' gradient and each
+    /// expert's weights'.
+    fn backward_cpu(&self, x: &Tensor, grad: &Tensor) -> Result<(Tensor, Vec<[Tensor; 3]>)> {
+        let experts = &self.experts;
+        let (routed, hidden) = x.dims2()?;
+        let width = experts.weights[0][0].dim(0)?;
+        let dims = Dims { hidden, width };
+        let (gate, up) = (&self.saved.gate, &self.saved.up);
+        let done = with_f32s([x, grad, gate, up], |[x, g, gate, up]| {
+            experts.run_cpu(|e, w, par| {
+                let range = &self.ranges[e];
+                let rows = range.start * hidden..range.end * hidden;
+                let mid = range.start * width..range.end * width;
+                let (x, g) = (&x[rows.clone()], &g[rows]);
+                let (gate, up) = (&gate[mid.clone()], &up[mid]);
+                dims.backward(x, gate, up, g, w, experts.activation, par)
+            })
+        })?;
+        let device = x.device();
+        let mut dx = Vec::with_capacity(routed * hidden);
+        let mut grads = Vec::with_capacity(done.len());
+        for (rows, [d_gate, d_up, d_down]) in done {
+            dx.extend_from_slice(&rows);
+            grads.push([
+                Tensor::from_vec(d_gate, (width, hidden), device)?,
+                Tensor::from_vec(d_up, (width, hidden), device)?,
+                Tensor::from_vec(d_down, (hidden, width), device)?,
+            ]);
+        }
+        Ok((Tensor::from_vec(dx, (routed, hidden), device)?, grads))
+    }
+
+    /// The backward as tensor ops, an expert at a time.
+    fn backward_tensors(&self, x: &Tensor, grad: &Tensor) -> Result<(Tensor, Vec<[Tensor; 3]>)> {
+        let activation = self.experts.activation;
+        let (mut dx, mut grads) = (Vec::new(), Vec::new());
+        for_each_expert(&self.experts, |e, [wg, wu, wd]| {
+            let range = &self.ranges[e];
+            let rows = |t: &Tensor| t.narrow(0, range.start, range.len());
+            let (x, g) = (rows(x)?, rows(grad)?);
+            let (gate, up) = (rows(&self.saved.gate)?, rows(&self.saved.up)?);
+            let mid = gated(activation, &gate, &up)?;
+            let d_down = g.t()?.matmul(&mid)?;
+            let d_mid = g.matmul(wd)?;
+            let (d_gate_rows, d_up_rows) = gated_grads(activation, &gate, &up, &d_mid)?;
+            let d_gate = d_gate_rows.t()?.matmul(&x)?;
+            let d_up = d_up_rows.t()?.matmul(&x)?;
+            dx.push((d_gate_rows.matmul(wg)? + d_up_rows.matmul(wu)?)?);
+            grads.push([d_gate, d_up, d_down]);
+            Ok(())
+        })?;
+        Ok((Tensor::cat(&dx, 0)?, grads))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::nn::GradCollector;
+    use candle_core::{Device, Var};
+
+    /// A `shape` tensor of fixed values in about ±`scale`, different for
+    /// each `seed`.
+    fn fixed(shape: (usize, usize), seed: usize, scale: f64, dtype: DType) -> Tensor {
+        let n = shape.0 * shape.1;
+        let values: Vec<f64> = (0..n)
+            .map(|i| scale * ((i * 7 + seed * 131) as f64 * 0.61).sin())
+            .collect();
+        Tensor::from_vec(values, shape, &Device::Cpu)
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap()
+    }
+
+    /// `[gate, up, down]` variables of `experts` experts of `width` over
+    /// `hidden`.
+    fn weights(experts: usize, hidden: usize, width: usize, dtype: DType) -> Vec<[Var; 3]> {
+        let var = |shape: (usize, usize), seed: usize| {
+            Var::from_tensor(&fixed(shape, seed, 0.5, dtype)).unwrap()
+        };
+        (0..experts)
+            .map(|e| {
+                [
+                    var((width, hidden), 3 * e),
+                    var((width, hidden), 3 * e + 1),
+                    var((hidden, width), 3 * e + 2),
+                ]
+            })
+            .collect()
+    }
+
+    /// The experts composed of Candle's ops, each over its rows.
+    fn composed(
+        h: &Tensor,
+        weights: &[[Var; 3]],
+        rows: &[u32],
+        ranges: &[Range<usize>],
+        activation: Activation,
+    ) -> Tensor {
+        let outs: Vec<Tensor> = weights
+            .iter()
+            .zip(ranges)
+            .map(|([wg, wu, wd], range)| {
+                let ids = Tensor::new(&rows[range.clone()], h.device()).unwrap();
+                let x = h.index_select(&ids, 0).unwrap();
+                let gate = x.matmul(&wg.t().unwrap()).unwrap();
+                let up = x.matmul(&wu.t().unwrap()).unwrap();
+                let gate = match activation {
+                    Activation::Silu => gate.silu().unwrap(),
+                    _ => gate.gelu().unwrap(),
+                };
+                (gate * up).unwrap().matmul(&wd.t().unwrap()).unwrap()
+            })
+            .collect();
+        Tensor::cat(&outs, 0).unwrap()
+    }
+
+    /// The largest difference of `a` from `b` over `b`'s largest value.
+    fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
+        let max = |t: &Tensor| -> f64 {
+            let t = t.abs().unwrap().flatten_all().unwrap().max(0).unwrap();
+            t.to_dtype(DType::F64).unwrap().to_scalar().unwrap()
+        };
+        max(&(a - b).unwrap()) / max(b).max(1e-30)
+    }
+
+    /// The op's output, input gradient and every weight gradient equal
+    /// the composition's, on the CPU's own path (f32) and the tensor ops'
+    /// (f64), SiLU and GELU, with an expert that no row reaches (its
+    /// gradients present and zero).
+    #[test]
+    fn the_op_is_the_composition_of_candles_ops() {
+        // Six tokens; expert 1 takes none, expert 2 takes a token twice.
+        let rows = [0u32, 3, 5, 1, 1, 2, 4, 0];
+        let ranges = [0..3, 3..3, 3..5, 5..8];
+        for (dtype, tolerance) in [(DType::F32, 1e-5), (DType::F64, 1e-12)] {
+            for activation in [Activation::Silu, Activation::Gelu] {
+                let case = format!("{dtype:?} {activation:?}");
+                // Candle's GELU backward takes its constants to six digits.
+                let tolerance = match activation {
+                    Activation::Gelu => f64::max(tolerance, 1e-5),
+                    _ => tolerance,
+                };
+                let weights = weights(4, 8, 5, dtype);
+                let h = Var::from_tensor(&fixed((6, 8), 100, 1.0, dtype)).unwrap();
+                let probe = fixed((8, 8), 101, 1.0, dtype);
+                let theirs = composed(&h, &weights, &rows, &ranges, activation);
+                let their_grads = (&theirs * &probe)
+                    .unwrap()
+                    .sum_all()
+                    .unwrap()
+                    .backward()
+                    .unwrap();
+
+                let collector = Arc::new(GradCollector::new());
+                let tensors = weights
+                    .iter()
+                    .map(|ws| ws.each_ref().map(|w| w.as_tensor().clone()))
+                    .collect();
+                let experts = ExpertMlps::new(tensors, activation, collector.clone()).unwrap();
+                let ours = experts.forward(&h, &rows, &ranges).unwrap();
+                assert!(
+                    max_diff(&ours, &theirs) < tolerance,
+                    "{case}: outputs differ"
+                );
+                let our_grads = (&ours * &probe)
+                    .unwrap()
+                    .sum_all()
+                    .unwrap()
+                    .backward()
+                    .unwrap();
+                let dh = |grads: &candle_core::backprop::GradStore| grads.get(&h).unwrap().clone();
+                let diff = max_diff(&dh(&our_grads), &dh(&their_grads));
+                assert!(
+                    diff < tolerance,
+                    "{case}: input gradients differ by {diff:e}"
+                );
+                for (e, ws) in weights.iter().enumerate() {
+                    for (w, part) in ws.iter().zip(["gate", "up", "down"]) {
+                        assert!(
+                            our_grads.get(w).is_none(),
+                            "{case}: the hook's, not Candle's"
+                        );
+                        let ours = collector.get(w).expect("every expert's gradient");
+                        let theirs = match their_grads.get(w) {
+                            Some(g) => g.clone(),
+                            None => w.zeros_like().unwrap(),
+                        };
+                        let diff = max_diff(&ours, &theirs);
+                        assert!(
+                            diff < tolerance,
+                            "{case}: expert {e}'s {part} differs by {diff:e}"
+                        );
+                        if e == 1 {
+                            let zero = ours.abs().unwrap().sum_all().unwrap();
+                            let zero = zero.to_dtype(DType::F64).unwrap().to_scalar::<f64>();
+                            assert_eq!(zero.unwrap(), 0.0, "{case}: expert 1 took no rows");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn mismatched_shapes_and_ranges_are_errors() {
+        let collector: Arc<dyn GradHook> = Arc::new(GradCollector::new());
+        let mut ws: Vec<[Tensor; 3]> = weights(2, 8, 5, DType::F32)
+            .iter()
+            .map(|ws| ws.each_ref().map(|w| w.as_tensor().clone()))
+            .collect();
+        let experts = ExpertMlps::new(ws.clone(), Activation::Silu, collector.clone()).unwrap();
+        let h = Tensor::zeros((3, 8), DType::F32, &Device::Cpu).unwrap();
+        let err = experts
+            .forward(&h, &[0, 1, 2], &[0..1, 1..2, 2..3])
+            .unwrap_err();
+        assert!(err.to_string().contains("3 row ranges"), "{err}");
+        ws[1][2] = Tensor::zeros((8, 4), DType::F32, &Device::Cpu).unwrap();
+        let err = ExpertMlps::new(ws, Activation::Silu, collector)
+            .err()
+            .expect("a narrower down projection");
+        assert!(err.to_string().contains("expert 1's"), "{err}");
+    }
+}
