@@ -234,6 +234,11 @@ impl ExpertMlps {
     ) -> Result<(Tensor, Tensor, Tensor)> {
         let (mut outs, mut gates, mut ups) = (vec![], vec![], vec![]);
         for_each_expert(self, |e, [wg, wu, wd]| {
+            // An expert without rows still gathers (stage 3's gathers
+            // match across ranks) but runs no empty product.
+            if ranges[e].is_empty() {
+                return Ok(());
+            }
             let x = x.narrow(0, ranges[e].start, ranges[e].len())?;
             let gate = x.matmul(&wg.t()?)?;
             let up = x.matmul(&wu.t()?)?;
@@ -242,11 +247,21 @@ impl ExpertMlps {
             ups.push(up);
             Ok(())
         })?;
+        let [gate, up, down] = &self.weights[0];
         Ok((
-            Tensor::cat(&outs, 0)?,
-            Tensor::cat(&gates, 0)?,
-            Tensor::cat(&ups, 0)?,
+            cat_rows(&outs, down, x.dtype())?,
+            cat_rows(&gates, gate, x.dtype())?,
+            cat_rows(&ups, up, x.dtype())?,
         ))
+    }
+}
+
+/// `parts` (rows of `weight`'s first dimension's width) one after another;
+/// no rows when there are none.
+fn cat_rows(parts: &[Tensor], weight: &Tensor, dtype: DType) -> Result<Tensor> {
+    match parts {
+        [] => Tensor::zeros((0, weight.dim(0)?), dtype, weight.device()),
+        parts => Tensor::cat(parts, 0),
     }
 }
 
@@ -280,14 +295,14 @@ enum Run {
 
 /// A weight's values lent by the hook: whole, or assembled from pieces.
 enum Values {
-    Whole(GatheredParam),
+    Whole(Box<GatheredParam>),
     Assembled(Tensor),
 }
 
 impl Values {
     fn of(hook: &Arc<dyn GradHook>, w: &Tensor, first: Option<GatheredParam>) -> Result<Self> {
         Ok(match first {
-            Some(first) if first.whole().is_some() => Self::Whole(first),
+            Some(first) if first.whole().is_some() => Self::Whole(Box::new(first)),
             first => Self::Assembled(assemble(Some(hook), w, first)?),
         })
     }
@@ -624,6 +639,10 @@ impl ExpertsOp {
         let (mut dx, mut grads) = (Vec::new(), Vec::new());
         for_each_expert(&self.experts, |e, [wg, wu, wd]| {
             let range = &self.ranges[e];
+            if range.is_empty() {
+                grads.push([wg.zeros_like()?, wu.zeros_like()?, wd.zeros_like()?]);
+                return Ok(());
+            }
             let rows = |t: &Tensor| t.narrow(0, range.start, range.len());
             let (x, g) = (rows(x)?, rows(grad)?);
             let (gate, up) = (rows(&self.saved.gate)?, rows(&self.saved.up)?);
@@ -637,7 +656,12 @@ impl ExpertsOp {
             grads.push([d_gate, d_up, d_down]);
             Ok(())
         })?;
-        Ok((Tensor::cat(&dx, 0)?, grads))
+        let hidden = self.experts.weights[0][2].dim(0)?;
+        let dx = match &dx[..] {
+            [] => Tensor::zeros((0, hidden), x.dtype(), x.device())?,
+            dx => Tensor::cat(dx, 0)?,
+        };
+        Ok((dx, grads))
     }
 }
 
