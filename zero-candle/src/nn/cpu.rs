@@ -1,5 +1,6 @@
 //! Reading CPU storage as typed slices, for the fused layers' CPU kernels.
 
+use candle_core::backend::{BackendDevice, BackendStorage};
 use candle_core::{bail, CpuStorage, Layout, Result, Storage, Tensor, WithDType};
 
 /// The elements of a contiguous `layout` in `storage`, as `T`.
@@ -51,17 +52,22 @@ pub(crate) fn with_cpu_opt<R>(
     }
 }
 
-/// A copy of a CPU tensor's values as a storage of its own (contiguous,
-/// from offset 0): a result computed before a custom op runs, for the op
-/// to hand out.
+/// A CPU tensor's values as a storage of their own (contiguous, from
+/// offset 0): a result computed before a custom op runs, for the op to
+/// hand out. A view (strided, offset, or part of its storage) is copied.
 pub(crate) fn owned_storage(tensor: &Tensor, what: &str) -> Result<CpuStorage> {
-    let tensor = tensor.contiguous()?;
-    with_cpu(&tensor, what, |storage, layout| {
-        if layout.start_offset() == 0 && layout.shape().elem_count() == storage_len(storage) {
+    with_cpu(tensor, what, |storage, layout| {
+        let exact = layout.is_contiguous()
+            && layout.start_offset() == 0
+            && layout.shape().elem_count() == storage_len(storage);
+        if exact {
             return Ok(storage.clone());
         }
-        let copy = tensor.copy()?;
-        with_cpu(&copy, what, |storage, _| Ok(storage.clone()))
+        let mut copy = storage
+            .device()
+            .zeros_impl(layout.shape(), storage.dtype())?;
+        storage.copy_strided_src(&mut copy, 0, layout)?;
+        Ok(copy)
     })
 }
 
@@ -76,5 +82,28 @@ pub(crate) fn storage_len(storage: &CpuStorage) -> usize {
         CpuStorage::F32(v) => v.len(),
         CpuStorage::F64(v) => v.len(),
         _ => 0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    /// A view's values, not its whole storage: a narrowed tensor (an
+    /// offset and a part), a transposed one (strided).
+    #[test]
+    fn a_view_owns_its_values_only() {
+        let t = Tensor::arange(0f32, 12., &Device::Cpu).unwrap();
+        let values = |storage: CpuStorage| match storage {
+            CpuStorage::F32(v) => v,
+            other => panic!("{:?}", other.dtype()),
+        };
+        let part = t.narrow(0, 5, 4).unwrap();
+        assert_eq!(values(owned_storage(&part, "t").unwrap()), [5., 6., 7., 8.]);
+        let strided = t.reshape((3, 4)).unwrap().t().unwrap();
+        let expected: Vec<f32> = strided.flatten_all().unwrap().to_vec1().unwrap();
+        assert_eq!(values(owned_storage(&strided, "t").unwrap()), expected);
+        assert_eq!(values(owned_storage(&t, "t").unwrap()).len(), 12);
     }
 }

@@ -2,7 +2,9 @@
 //! routed to each, their weight gradients handed to the hook.
 
 use super::cpu;
-use super::grad_hook::{assemble, before_read, gather, route, GatheredParam, GradHook};
+use super::grad_hook::{
+    assemble, before_read, gather, route, GatheredParam, GradHook, StretchView,
+};
 use super::ops::{gated, gated_cpu, gated_grads, gated_grads_cpu, Activation};
 use super::storage::{on_device, owned_storage, OnDevice};
 use candle_core::{
@@ -204,17 +206,19 @@ impl ExpertMlps {
                     done.extend(results);
                 }
                 Run::Lent(e, values) => {
-                    let assembled = values.iter().filter_map(|v| match v {
-                        Values::Assembled(t) => Some(t.storage_and_layout()),
+                    let held = values.iter().filter_map(|v| match v {
+                        Values::Own(t) | Values::Assembled(t) => Some(t.storage_and_layout()),
                         Values::Whole(_) => None,
                     });
-                    let guards: Vec<_> = assembled.collect();
-                    let mut assembled = read_f32(&guards)?.into_iter();
+                    let guards: Vec<_> = held.collect();
+                    let mut held = read_f32(&guards)?.into_iter();
                     let mut w = Vec::with_capacity(3);
                     for v in &values {
                         w.push(match v {
                             Values::Whole(lent) => whole_f32(lent)?,
-                            Values::Assembled(_) => assembled.next().expect("one per assembled"),
+                            Values::Own(_) | Values::Assembled(_) => {
+                                held.next().expect("one per tensor")
+                            }
                         });
                     }
                     let threads = Parallelism::Rayon(rayon::current_num_threads());
@@ -233,6 +237,8 @@ impl ExpertMlps {
         ranges: &[Range<usize>],
     ) -> Result<(Tensor, Tensor, Tensor)> {
         let (mut outs, mut gates, mut ups) = (vec![], vec![], vec![]);
+        let [gate, _, down] = &self.weights[0];
+        let (wide, narrow) = (gate.dims2()?, down.dims2()?);
         for_each_expert(self, |e, [wg, wu, wd]| {
             // An expert without rows still gathers (stage 3's gathers
             // match across ranks) but runs no empty product.
@@ -240,9 +246,9 @@ impl ExpertMlps {
                 return Ok(());
             }
             let x = x.narrow(0, ranges[e].start, ranges[e].len())?;
-            let gate = x.matmul(&wg.t()?)?;
-            let up = x.matmul(&wu.t()?)?;
-            outs.push(gated(self.activation, &gate, &up)?.matmul(&wd.t()?)?);
+            let gate = wg.product(&x, wide, true)?;
+            let up = wu.product(&x, wide, true)?;
+            outs.push(wd.product(&gated(self.activation, &gate, &up)?, narrow, true)?);
             gates.push(gate);
             ups.push(up);
             Ok(())
@@ -266,22 +272,19 @@ fn cat_rows(parts: &[Tensor], weight: &Tensor, dtype: DType) -> Result<Tensor> {
 }
 
 /// Runs `f(e, [gate, up, down])` for every expert in order, with its
-/// weights as tensors (the variables', or copies of what the hook lends,
-/// given back before the next expert's are gathered).
+/// weights' values (the variables', or what the hook lends, given back
+/// before the next expert's are gathered).
 fn for_each_expert(
     experts: &ExpertMlps,
-    mut f: impl FnMut(usize, [&Tensor; 3]) -> Result<()>,
+    mut f: impl FnMut(usize, [&Values; 3]) -> Result<()>,
 ) -> Result<()> {
     for (e, weights) in experts.weights.iter().enumerate() {
-        let mut tensors = Vec::with_capacity(3);
+        let mut values = Vec::with_capacity(3);
         for w in weights {
             let first = gather(Some(&experts.hook), Some(w), 0)?;
-            tensors.push(match first {
-                None => w.detach(),
-                Some(first) => assemble(Some(&experts.hook), w, Some(first))?,
-            });
+            values.push(Values::of(&experts.hook, w, first)?);
         }
-        f(e, [&tensors[0], &tensors[1], &tensors[2]])?;
+        f(e, [&values[0], &values[1], &values[2]])?;
     }
     Ok(())
 }
@@ -293,8 +296,10 @@ enum Run {
     Lent(usize, Vec<Values>),
 }
 
-/// A weight's values lent by the hook: whole, or assembled from pieces.
+/// A weight's values for one computation: the variable's own, or lent by
+/// the hook, whole (read in place) or assembled from its pieces.
 enum Values {
+    Own(Tensor),
     Whole(Box<GatheredParam>),
     Assembled(Tensor),
 }
@@ -302,9 +307,26 @@ enum Values {
 impl Values {
     fn of(hook: &Arc<dyn GradHook>, w: &Tensor, first: Option<GatheredParam>) -> Result<Self> {
         Ok(match first {
+            None => Self::Own(w.detach()),
             Some(first) if first.whole().is_some() => Self::Whole(Box::new(first)),
             first => Self::Assembled(assemble(Some(hook), w, first)?),
         })
+    }
+
+    /// `lhs · W` for this weight `W` of `dims`, or `lhs · Wᵀ` when
+    /// `transposed`; a lent weight read where it lies.
+    fn product(&self, lhs: &Tensor, dims: (usize, usize), transposed: bool) -> Result<Tensor> {
+        match self {
+            Self::Own(w) | Self::Assembled(w) => match transposed {
+                true => lhs.matmul(&w.t()?),
+                false => lhs.matmul(w),
+            },
+            Self::Whole(lent) => {
+                let at = lent.stretches()[0].at.clone();
+                let view = StretchView::Piece { piece: lent, at };
+                view.matmul(lhs, 0, dims, transposed)
+            }
+        }
     }
 }
 
@@ -637,10 +659,16 @@ impl ExpertsOp {
     fn backward_tensors(&self, x: &Tensor, grad: &Tensor) -> Result<(Tensor, Vec<[Tensor; 3]>)> {
         let activation = self.experts.activation;
         let (mut dx, mut grads) = (Vec::new(), Vec::new());
+        let [gate, _, down] = &self.experts.weights[0];
+        let (wide, narrow) = (gate.dims2()?, down.dims2()?);
         for_each_expert(&self.experts, |e, [wg, wu, wd]| {
             let range = &self.ranges[e];
             if range.is_empty() {
-                grads.push([wg.zeros_like()?, wu.zeros_like()?, wd.zeros_like()?]);
+                let zeros = self.experts.weights[e]
+                    .each_ref()
+                    .map(|w| w.detach().zeros_like());
+                let [g, u, d] = zeros;
+                grads.push([g?, u?, d?]);
                 return Ok(());
             }
             let rows = |t: &Tensor| t.narrow(0, range.start, range.len());
@@ -648,11 +676,13 @@ impl ExpertsOp {
             let (gate, up) = (rows(&self.saved.gate)?, rows(&self.saved.up)?);
             let mid = gated(activation, &gate, &up)?;
             let d_down = g.t()?.matmul(&mid)?;
-            let d_mid = g.matmul(wd)?;
+            let d_mid = wd.product(&g, narrow, false)?;
             let (d_gate_rows, d_up_rows) = gated_grads(activation, &gate, &up, &d_mid)?;
             let d_gate = d_gate_rows.t()?.matmul(&x)?;
             let d_up = d_up_rows.t()?.matmul(&x)?;
-            dx.push((d_gate_rows.matmul(wg)? + d_up_rows.matmul(wu)?)?);
+            dx.push(
+                (wg.product(&d_gate_rows, wide, false)? + wu.product(&d_up_rows, wide, false)?)?,
+            );
             grads.push([d_gate, d_up, d_down]);
             Ok(())
         })?;
@@ -773,7 +803,8 @@ mod tests {
                 let ours = experts.forward(&h, &rows, &ranges).unwrap();
                 assert!(
                     max_diff(&ours, &theirs) < tolerance,
-                    "{case}: outputs differ"
+                    "{case}: outputs differ by {:e}",
+                    max_diff(&ours, &theirs)
                 );
                 let our_grads = (&ours * &probe)
                     .unwrap()
@@ -809,6 +840,131 @@ mod tests {
                             assert_eq!(zero.unwrap(), 0.0, "{case}: expert 1 took no rows");
                         }
                     }
+                }
+            }
+        }
+    }
+
+    /// A hook that lends its own copy of each weight's values (the
+    /// variables hold zeros), whole or in two pieces split mid-row, as
+    /// stage 3 does, and keeps the gradients.
+    struct Lending {
+        values: std::collections::HashMap<candle_core::TensorId, Tensor>,
+        in_pieces: bool,
+        grads: GradCollector,
+    }
+
+    struct Dropped;
+
+    impl crate::nn::GiveBack for Dropped {
+        fn give_back(&self, _tag: usize, _storage: Storage) {}
+    }
+
+    impl GradHook for Lending {
+        fn grad_ready(&self, var: &Var, grad: Tensor) -> Result<()> {
+            self.grads.grad_ready(var, grad)
+        }
+
+        fn gather(&self, var: &Var, piece: usize) -> Result<Option<GatheredParam>> {
+            let Some(values) = self.values.get(&var.id()) else {
+                return Ok(None);
+            };
+            let n = values.elem_count();
+            let split = if self.in_pieces { n / 2 + 1 } else { n };
+            let range = match piece {
+                0 => 0..split,
+                1 if split < n => split..n,
+                _ => return Ok(None),
+            };
+            let flat = values.flatten_all()?.narrow(0, range.start, range.len())?;
+            let stretch = crate::nn::Stretch {
+                at: 0..range.len(),
+                values: range,
+            };
+            let storage = crate::nn::storage::owned_storage(&flat, "a lent weight")?;
+            Ok(Some(GatheredParam::new(
+                storage,
+                vec![stretch],
+                values.shape(),
+                0,
+                Arc::new(Dropped),
+            )))
+        }
+    }
+
+    /// Weights lent by the hook, whole and in pieces, on the CPU's own path
+    /// (f32) and the tensor ops' (f64), are computed with as the
+    /// variables' own: the variables hold zeros, so a forward or backward
+    /// that read them instead would differ.
+    #[test]
+    fn lent_weights_are_read_whole_and_in_pieces() {
+        let rows = [0u32, 3, 5, 1, 1, 2, 4, 0];
+        let ranges = [0..3, 3..3, 3..5, 5..8];
+        for (dtype, tolerance) in [(DType::F32, 1e-5), (DType::F64, 1e-12)] {
+            for in_pieces in [false, true] {
+                let case = format!("{dtype:?}, in pieces: {in_pieces}");
+                let real = weights(4, 8, 5, dtype);
+                let h = Var::from_tensor(&fixed((6, 8), 100, 1.0, dtype)).unwrap();
+                let probe = fixed((8, 8), 101, 1.0, dtype);
+                let theirs = composed(&h, &real, &rows, &ranges, Activation::Silu);
+                let their_grads = (&theirs * &probe)
+                    .unwrap()
+                    .sum_all()
+                    .unwrap()
+                    .backward()
+                    .unwrap();
+
+                let zeroed: Vec<[Var; 3]> = real
+                    .iter()
+                    .map(|ws| {
+                        ws.each_ref()
+                            .map(|w| Var::zeros(w.shape(), dtype, &Device::Cpu).unwrap())
+                    })
+                    .collect();
+                let values = zeroed
+                    .iter()
+                    .flatten()
+                    .zip(real.iter().flatten())
+                    .map(|(z, r)| (z.id(), r.as_tensor().detach()))
+                    .collect();
+                let hook = Arc::new(Lending {
+                    values,
+                    in_pieces,
+                    grads: GradCollector::new(),
+                });
+                let tensors = zeroed
+                    .iter()
+                    .map(|ws| ws.each_ref().map(|w| w.as_tensor().clone()))
+                    .collect();
+                let experts = ExpertMlps::new(tensors, Activation::Silu, hook.clone()).unwrap();
+                let ours = experts.forward(&h, &rows, &ranges).unwrap();
+                assert!(
+                    max_diff(&ours, &theirs) < tolerance,
+                    "{case}: outputs differ by {:e}",
+                    max_diff(&ours, &theirs)
+                );
+                let our_grads = (&ours * &probe)
+                    .unwrap()
+                    .sum_all()
+                    .unwrap()
+                    .backward()
+                    .unwrap();
+                let diff = max_diff(our_grads.get(&h).unwrap(), their_grads.get(&h).unwrap());
+                assert!(
+                    diff < tolerance,
+                    "{case}: input gradients differ by {diff:e}"
+                );
+                for (z, r) in zeroed.iter().flatten().zip(real.iter().flatten()) {
+                    let ours = hook.grads.get(z).expect("every weight's gradient");
+                    let theirs = match their_grads.get(r) {
+                        Some(g) => g.clone(),
+                        None => r.zeros_like().unwrap(),
+                    };
+                    let diff = max_diff(&ours, &theirs);
+                    assert!(
+                        diff < tolerance,
+                        "{case}: a weight's gradient differs by {diff:e}"
+                    );
                 }
             }
         }
