@@ -39,11 +39,24 @@ pub(crate) struct ExpertMlps {
     hook: Arc<dyn GradHook>,
 }
 
-/// One expert's rows: their input, products and output, `[rows, ..]`.
-struct ExpertRows {
-    out: Vec<f32>,
-    gate: Vec<f32>,
-    up: Vec<f32>,
+/// Where one expert's forward writes its rows' output and gate and up
+/// products, `[rows, ..]`.
+struct ExpertRows<'a> {
+    out: &'a mut [f32],
+    gate: &'a mut [f32],
+    up: &'a mut [f32],
+}
+
+/// `values` (rows of `cols`) cut into each range's rows.
+fn rows_of<'a>(values: &'a mut [f32], ranges: &[Range<usize>], cols: usize) -> Vec<&'a mut [f32]> {
+    let mut rest = values;
+    let mut parts = Vec::with_capacity(ranges.len());
+    for range in ranges {
+        let (part, tail) = std::mem::take(&mut rest).split_at_mut(range.len() * cols);
+        parts.push(part);
+        rest = tail;
+    }
+    parts
 }
 
 /// What the forward keeps for the backward.
@@ -120,12 +133,15 @@ impl ExpertMlps {
         let x = h.detach().index_select(&rows_t, 0)?;
         let (out, gate, up) = match cpu_f32(&x) {
             true => self.forward_cpu(&x, ranges)?,
-            false => self.forward_tensors(&x, ranges)?,
+            false => {
+                let (out, gate, up) = self.forward_tensors(&x, ranges)?;
+                (owned_storage(&out, OUTPUT)?, gate, up)
+            }
         };
         let op = ExpertsOp {
             experts: self.clone(),
             ranges: ranges.into(),
-            output: Mutex::new(Some(owned_storage(&out, OUTPUT)?)),
+            output: Mutex::new(Some(out)),
             saved: Saved {
                 rows: rows_t,
                 gate,
@@ -162,46 +178,64 @@ impl ExpertMlps {
     }
 
     /// The forward over `x` `[routed, hidden]` on the CPU in f32: the
-    /// output and the gate and up products.
-    fn forward_cpu(&self, x: &Tensor, ranges: &[Range<usize>]) -> Result<(Tensor, Tensor, Tensor)> {
+    /// output's storage and the gate and up products, each expert writing
+    /// its rows.
+    fn forward_cpu(
+        &self,
+        x: &Tensor,
+        ranges: &[Range<usize>],
+    ) -> Result<(Storage, Tensor, Tensor)> {
         let (routed, hidden) = x.dims2()?;
         let width = self.weights[0][0].dim(0)?;
         let dims = Dims { hidden, width };
-        let done = with_f32s([x], |[x]| {
-            self.run_cpu(|e, w, par| {
-                let rows = &x[ranges[e].start * hidden..ranges[e].end * hidden];
-                dims.forward(rows, w, self.activation, par)
+        let (mut out, mut gate, mut up) = (
+            vec![0f32; routed * hidden],
+            vec![0f32; routed * width],
+            vec![0f32; routed * width],
+        );
+        let sinks: Vec<_> = rows_of(&mut out, ranges, hidden)
+            .into_iter()
+            .zip(rows_of(&mut gate, ranges, width))
+            .zip(rows_of(&mut up, ranges, width))
+            .map(|((out, gate), up)| ExpertRows { out, gate, up })
+            .collect();
+        with_f32s([x], |[x]| {
+            self.run_cpu(sinks, |e, w, par, rows| {
+                let x = &x[ranges[e].start * hidden..ranges[e].end * hidden];
+                dims.forward(x, w, self.activation, par, rows)
             })
         })?;
-        let cat = |part: fn(&ExpertRows) -> &[f32], cols: usize| {
-            let all: Vec<f32> = done.iter().flat_map(|r| part(r).iter().copied()).collect();
-            Tensor::from_vec(all, (routed, cols), x.device())
-        };
+        let device = x.device();
         Ok((
-            cat(|r| &r.out, hidden)?,
-            cat(|r| &r.gate, width)?,
-            cat(|r| &r.up, width)?,
+            Storage::Cpu(CpuStorage::F32(out)),
+            Tensor::from_vec(gate, (routed, width), device)?,
+            Tensor::from_vec(up, (routed, width), device)?,
         ))
     }
 
-    /// `expert(e, [gate, up, down], parallelism)` for every expert `e`, in
-    /// order, on f32 CPU weights: runs of experts with their own weights
-    /// in parallel (one core each), one with lent weights alone (on all).
-    fn run_cpu<T: Send>(
+    /// `expert(e, [gate, up, down], parallelism, sink)` for every expert
+    /// `e`, in order, on f32 CPU weights, `sinks[e]` where it writes: runs
+    /// of experts with their own weights in parallel (one core each), one
+    /// with lent weights alone (on all cores).
+    fn run_cpu<S: Send, T: Send>(
         &self,
-        expert: impl Fn(usize, &[&[f32]], Parallelism) -> T + Sync,
+        sinks: Vec<S>,
+        expert: impl Fn(usize, &[&[f32]], Parallelism, S) -> T + Sync,
     ) -> Result<Vec<T>> {
         let mut done = Vec::with_capacity(self.weights.len());
+        let mut sinks = sinks.into_iter();
         for run in self.runs()? {
             match run {
                 Run::Own(experts) => {
                     let weights = self.weights[experts.clone()].iter().flatten();
                     let guards: Vec<_> = weights.map(|w| w.storage_and_layout()).collect();
                     let slices = read_f32(&guards)?;
+                    let run_sinks: Vec<S> = sinks.by_ref().take(experts.len()).collect();
                     let results: Vec<T> = experts
                         .into_par_iter()
                         .zip(slices.par_chunks(3))
-                        .map(|(e, w)| expert(e, w, Parallelism::None))
+                        .zip(run_sinks)
+                        .map(|((e, w), sink)| expert(e, w, Parallelism::None, sink))
                         .collect();
                     done.extend(results);
                 }
@@ -222,7 +256,8 @@ impl ExpertMlps {
                         });
                     }
                     let threads = Parallelism::Rayon(rayon::current_num_threads());
-                    done.push(expert(e, &w, threads));
+                    let sink = sinks.next().expect("a sink per expert");
+                    done.push(expert(e, &w, threads, sink));
                 }
             }
         }
@@ -475,16 +510,17 @@ impl Gemm<'_> {
 
 impl Dims {
     /// Rows `x` `[r, hidden]` through the expert of weights `w` (gate,
-    /// up, down).
+    /// up, down), into `rows`.
     fn forward(
         self,
         x: &[f32],
         w: &[&[f32]],
         activation: Activation,
         par: Parallelism,
-    ) -> ExpertRows {
+        rows: ExpertRows,
+    ) {
         let (h, i, r) = (self.hidden, self.width, x.len() / self.hidden);
-        let product = |weight: &[f32]| {
+        let product = |weight: &[f32], dst: &mut [f32]| {
             Gemm {
                 m: r,
                 n: i,
@@ -492,24 +528,24 @@ impl Dims {
                 a: plain(x),
                 b: transposed(weight),
             }
-            .into_new(par)
+            .run(dst, false, par)
         };
-        let (gate, up) = (product(w[0]), product(w[1]));
-        let mid = gated_cpu(activation, &gate, &up);
-        let out = Gemm {
+        product(w[0], rows.gate);
+        product(w[1], rows.up);
+        let mid = gated_cpu(activation, rows.gate, rows.up);
+        Gemm {
             m: r,
             n: h,
             k: i,
             a: plain(&mid),
             b: transposed(w[2]),
         }
-        .into_new(par);
-        ExpertRows { out, gate, up }
+        .run(rows.out, false, par);
     }
 
     /// The backward of [`Dims::forward`] for the output gradient `g`
-    /// `[r, hidden]`: the rows' gradient and the weights' (gate, up,
-    /// down).
+    /// `[r, hidden]`: the rows' gradient into `dx`, and the weights'
+    /// (gate, up, down).
     #[allow(clippy::too_many_arguments)]
     fn backward(
         self,
@@ -520,7 +556,8 @@ impl Dims {
         w: &[&[f32]],
         activation: Activation,
         par: Parallelism,
-    ) -> (Vec<f32>, [Vec<f32>; 3]) {
+        dx: &mut [f32],
+    ) -> [Vec<f32>; 3] {
         let (h, i, r) = (self.hidden, self.width, x.len() / self.hidden);
         let mid = gated_cpu(activation, gate, up);
         let d_down = Gemm {
@@ -551,23 +588,17 @@ impl Dims {
             .into_new(par)
         };
         let (d_gate, d_up) = (weight_grad(&d_gate_rows), weight_grad(&d_up_rows));
-        let mut dx = Gemm {
-            m: r,
-            n: h,
-            k: i,
-            a: plain(&d_gate_rows),
-            b: plain(w[0]),
+        for (rows, weight, accumulate) in [(&d_gate_rows, w[0], false), (&d_up_rows, w[1], true)] {
+            Gemm {
+                m: r,
+                n: h,
+                k: i,
+                a: plain(rows),
+                b: plain(weight),
+            }
+            .run(dx, accumulate, par);
         }
-        .into_new(par);
-        Gemm {
-            m: r,
-            n: h,
-            k: i,
-            a: plain(&d_up_rows),
-            b: plain(w[1]),
-        }
-        .run(&mut dx, true, par);
-        (dx, [d_gate, d_up, d_down])
+        [d_gate, d_up, d_down]
     }
 }
 
@@ -631,21 +662,21 @@ impl ExpertsOp {
         let width = experts.weights[0][0].dim(0)?;
         let dims = Dims { hidden, width };
         let (gate, up) = (&self.saved.gate, &self.saved.up);
+        let mut dx = vec![0f32; routed * hidden];
+        let sinks = rows_of(&mut dx, &self.ranges, hidden);
         let done = with_f32s([x, grad, gate, up], |[x, g, gate, up]| {
-            experts.run_cpu(|e, w, par| {
+            experts.run_cpu(sinks, |e, w, par, dx| {
                 let range = &self.ranges[e];
                 let rows = range.start * hidden..range.end * hidden;
                 let mid = range.start * width..range.end * width;
                 let (x, g) = (&x[rows.clone()], &g[rows]);
                 let (gate, up) = (&gate[mid.clone()], &up[mid]);
-                dims.backward(x, gate, up, g, w, experts.activation, par)
+                dims.backward(x, gate, up, g, w, experts.activation, par, dx)
             })
         })?;
         let device = x.device();
-        let mut dx = Vec::with_capacity(routed * hidden);
         let mut grads = Vec::with_capacity(done.len());
-        for (rows, [d_gate, d_up, d_down]) in done {
-            dx.extend_from_slice(&rows);
+        for [d_gate, d_up, d_down] in done {
             grads.push([
                 Tensor::from_vec(d_gate, (width, hidden), device)?,
                 Tensor::from_vec(d_up, (width, hidden), device)?,
