@@ -322,20 +322,19 @@ pub(super) fn load_balancing_loss(
     router_logits: &[Tensor],
     moe: &super::MoeConfig,
 ) -> candle_core::Result<Tensor> {
-    let mut counts = vec![0f32; moe.num_experts];
+    let device = router_logits[0].device();
+    // Counted on the device: no read of the choices back to the host.
+    let mut counts = Tensor::zeros(moe.num_experts, DType::F32, device)?;
     let (mut rows, mut prob_sums) = (0, Vec::with_capacity(router_logits.len()));
     for logits in router_logits {
         let probs = candle_nn::ops::softmax(&logits.to_dtype(DType::F32)?, D::Minus1)?;
-        for row in top_k(&probs, moe.experts_per_token)?.to_vec2::<u32>()? {
-            for e in row {
-                counts[e as usize] += 1.0;
-            }
-        }
+        let chosen = top_k(&probs, moe.experts_per_token)?.flatten_all()?;
+        let ones = Tensor::ones(chosen.dim(0)?, DType::F32, device)?;
+        counts = counts.index_add(&chosen, &ones, 0)?;
         rows += probs.dim(0)?;
         prob_sums.push(probs.sum(0)?);
     }
-    let share =
-        (Tensor::from_vec(counts, moe.num_experts, router_logits[0].device())? / rows as f64)?;
+    let share = (counts / rows as f64)?;
     let probability = (Tensor::stack(&prob_sums, 0)?.sum(0)? / rows as f64)?;
     (share * probability)?.sum_all()? * moe.num_experts as f64
 }
