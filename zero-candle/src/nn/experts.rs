@@ -117,11 +117,14 @@ impl ExpertMlps {
         rows: &[u32],
         ranges: &[Range<usize>],
     ) -> Result<Tensor> {
-        if ranges.len() != self.weights.len() || ranges.last().map(|r| r.end) != Some(rows.len()) {
+        let in_order = ranges
+            .iter()
+            .try_fold(0, |at, r| (r.start == at).then_some(r.end));
+        if ranges.len() != self.weights.len() || in_order != Some(rows.len()) {
             bail!(
-                "zero-candle experts: {} row ranges ending at {:?} for {} experts over {} rows",
+                "zero-candle experts: {} row ranges {ranges:?} for {} experts over {} rows; \
+                 give each expert one range, in order, covering the rows",
                 ranges.len(),
-                ranges.last().map(|r| r.end),
                 self.weights.len(),
                 rows.len()
             )
@@ -1014,6 +1017,8 @@ mod tests {
             .forward(&h, &[0, 1, 2], &[0..1, 1..2, 2..3])
             .unwrap_err();
         assert!(err.to_string().contains("3 row ranges"), "{err}");
+        let err = experts.forward(&h, &[0, 1, 2], &[0..1, 2..3]).unwrap_err();
+        assert!(err.to_string().contains("one range, in order"), "{err}");
         ws[1][2] = Tensor::zeros((8, 4), DType::F32, &Device::Cpu).unwrap();
         let err = ExpertMlps::new(ws, Activation::Silu, collector)
             .err()
