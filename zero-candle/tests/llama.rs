@@ -15,8 +15,10 @@ use hub_support::{
     f32_values, four_windows, hub_tensors, input_ids, relative_error, values, Golden, Run,
 };
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use zero_candle::hub::HubDir;
 use zero_candle::models::{Llama, LlamaConfig, RopeScaling};
+use zero_candle::nn::{GradCollector, GradHook};
 use zero_core::engine::Stage;
 
 fn fixtures() -> PathBuf {
@@ -234,43 +236,63 @@ fn four_ranks_train_what_one_does(fixture: &str) {
     }
 }
 
-/// One token reaches 2 of OLMoE's 4 experts per layer: the other two run
-/// on a row that counts zero, so the logits are still transformers' and
-/// their gradients are zeros (present, as transformers 5's fused expert
-/// weights give them), the chosen ones' not.
+/// One token reaches 2 of OLMoE's 4 experts per layer: the logits are
+/// still transformers', the other two experts' gradients are zeros
+/// (present, as transformers 5's fused expert weights give them), the
+/// chosen ones' not, with the experts as one op (hooked) as without.
 #[test]
 fn experts_no_token_chose_get_zero_gradients() {
     let golden = golden();
     let ids = input_ids(&golden).narrow(0, 0, 1).unwrap();
-    let (config, map) = Llama::open_hub(fixtures().join("olmoe")).unwrap();
-    let model = Llama::new(map.builder(DType::F32, &Device::Cpu), &config, None).unwrap();
-    map.materialize_all().unwrap();
-    let logits = model.forward(&ids.narrow(1, 0, 1).unwrap()).unwrap();
-    let theirs = golden["olmoe.logits"].narrow(0, 0, 1).unwrap();
-    let err = relative_error(&values(&logits), &values(&theirs.narrow(1, 0, 1).unwrap()));
-    assert!(err < 1e-5, "logits differ by {err:e}");
-    let grads = model
-        .loss(&ids.narrow(1, 0, 2).unwrap())
-        .unwrap()
-        .backward()
-        .unwrap();
-    let vars = map.varmap().data().lock().unwrap().clone();
-    for layer in 0..config.num_hidden_layers {
-        let idle = (0..4)
-            .filter(|e| {
-                let zero = ["gate_proj", "up_proj", "down_proj"].map(|part| {
-                    let name = format!("model.layers.{layer}.mlp.experts.{e}.{part}.weight");
-                    let grad = grads.get(vars[&name].as_tensor()).expect("a gradient");
-                    values(grad).iter().all(|&g| g == 0.0)
-                });
-                assert!(
-                    zero.iter().all(|&z| z == zero[0]),
-                    "layer {layer}: expert {e}"
-                );
-                zero[0]
-            })
-            .count();
-        assert_eq!(idle, 2, "layer {layer}: experts without a token");
+    // Unhooked (one Linear per projection, idle experts on a zero-weighted
+    // row) and hooked (the experts' op, idle experts computing nothing):
+    // the same gradients.
+    let mut per_path = Vec::new();
+    for hooked in [false, true] {
+        let (config, map) = Llama::open_hub(fixtures().join("olmoe")).unwrap();
+        let collector = Arc::new(GradCollector::new());
+        let hook: Option<Arc<dyn GradHook>> = hooked.then(|| collector.clone() as _);
+        let model = Llama::new(map.builder(DType::F32, &Device::Cpu), &config, hook).unwrap();
+        map.materialize_all().unwrap();
+        let logits = model.forward(&ids.narrow(1, 0, 1).unwrap()).unwrap();
+        let theirs = golden["olmoe.logits"].narrow(0, 0, 1).unwrap();
+        let err = relative_error(&values(&logits), &values(&theirs.narrow(1, 0, 1).unwrap()));
+        assert!(err < 1e-5, "hooked {hooked}: logits differ by {err:e}");
+        let mut grads = model
+            .loss(&ids.narrow(1, 0, 2).unwrap())
+            .unwrap()
+            .backward()
+            .unwrap();
+        collector.merge_into(&mut grads).unwrap();
+        let vars = map.varmap().data().lock().unwrap().clone();
+        let mut expert_grads = Vec::new();
+        for layer in 0..config.num_hidden_layers {
+            let idle = (0..4)
+                .filter(|e| {
+                    let zero = ["gate_proj", "up_proj", "down_proj"].map(|part| {
+                        let name = format!("model.layers.{layer}.mlp.experts.{e}.{part}.weight");
+                        let grad = values(grads.get(vars[&name].as_tensor()).expect("a gradient"));
+                        let zero = grad.iter().all(|&g| g == 0.0);
+                        expert_grads.push((name, grad));
+                        zero
+                    });
+                    assert!(
+                        zero.iter().all(|&z| z == zero[0]),
+                        "hooked {hooked}: layer {layer}: expert {e}"
+                    );
+                    zero[0]
+                })
+                .count();
+            assert_eq!(
+                idle, 2,
+                "hooked {hooked}: layer {layer}: experts without a token"
+            );
+        }
+        per_path.push(expert_grads);
+    }
+    for ((name, plain), (_, hooked)) in per_path[0].iter().zip(&per_path[1]) {
+        let err = relative_error(hooked, plain);
+        assert!(err < 1e-5, "{name}: the experts' op differs by {err:e}");
     }
 }
 

@@ -124,7 +124,14 @@ impl Experts {
         if self.weights_in_model_dtype {
             weights = weights.to_dtype(dtype)?;
         }
-        let routes = Routes::new(&chosen.to_vec2::<u32>()?, self.experts.len());
+        // The experts' op gives an expert without rows its zero gradient
+        // itself; one Linear per projection needs a row to report one.
+        let with_idle_rows = self.grouped.is_none();
+        let routes = Routes::new(
+            &chosen.to_vec2::<u32>()?,
+            self.experts.len(),
+            with_idle_rows,
+        );
         // One scaling and one add back, expert by expert in order, as
         // transformers adds them.
         let outputs = match &self.grouped {
@@ -350,9 +357,10 @@ pub(super) fn top_k(probs: &Tensor, k: usize) -> candle_core::Result<Tensor> {
 
 /// Which rows each expert takes: `rows[ranges[e]]` are expert `e`'s (in
 /// token order), `slots` the same entries' places in the flattened
-/// `[tokens, k]` choices (the index of the probability that scales each);
-/// an expert no token chose takes row 0 with the slot `tokens · k`, whose
-/// scale is zero.
+/// `[tokens, k]` choices (the index of the probability that scales each).
+/// An expert no token chose takes nothing, or, `with_idle_rows` (for
+/// layers that only report a gradient they compute), row 0 with the slot
+/// `tokens · k`, whose scale is zero.
 struct Routes {
     rows: Vec<u32>,
     slots: Vec<u32>,
@@ -361,7 +369,7 @@ struct Routes {
 
 impl Routes {
     /// The routes of `chosen` (per token, its experts) over `experts`.
-    fn new(chosen: &[Vec<u32>], experts: usize) -> Self {
+    fn new(chosen: &[Vec<u32>], experts: usize, with_idle_rows: bool) -> Self {
         let mut per_expert = vec![Vec::new(); experts];
         for (token, row) in chosen.iter().enumerate() {
             for (j, &e) in row.iter().enumerate() {
@@ -372,7 +380,7 @@ impl Routes {
         let (mut rows, mut slots, mut ranges) = (Vec::new(), Vec::new(), Vec::new());
         for routed in per_expert {
             let start = rows.len();
-            if routed.is_empty() {
+            if routed.is_empty() && with_idle_rows {
                 rows.push(0);
                 slots.push(idle as u32);
             }
@@ -395,12 +403,17 @@ mod tests {
     use super::*;
 
     #[test]
-    fn routes_group_the_tokens_by_expert_and_give_idle_experts_a_zero_row() {
+    fn routes_group_the_tokens_by_expert_and_give_idle_experts_a_zero_row_if_asked() {
         // Three tokens, two experts each, of four.
-        let routes = Routes::new(&[vec![2, 0], vec![0, 3], vec![3, 2]], 4);
+        let chosen = [vec![2, 0], vec![0, 3], vec![3, 2]];
+        let routes = Routes::new(&chosen, 4, true);
         assert_eq!(routes.rows, vec![0, 1, 0, 0, 2, 1, 2]);
         assert_eq!(routes.slots, vec![1, 2, 6, 0, 5, 3, 4]);
         assert_eq!(routes.ranges, vec![0..2, 2..3, 3..5, 5..7]);
+        let routes = Routes::new(&chosen, 4, false);
+        assert_eq!(routes.rows, vec![0, 1, 0, 2, 1, 2]);
+        assert_eq!(routes.slots, vec![1, 2, 0, 5, 3, 4]);
+        assert_eq!(routes.ranges, vec![0..2, 2..2, 2..4, 4..6]);
     }
 
     #[test]
