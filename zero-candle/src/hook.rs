@@ -231,9 +231,10 @@ where
         for node in loss.sorted_nodes() {
             if node.is_variable() {
                 expect(node.id(), &inner);
-            } else if let Some(vars) = crate::recompute::block_vars(node.id()) {
-                // A checkpointed block: its variables' gradients come when
-                // backward reaches it (they are not in the outer graph).
+            } else if let Some(vars) = crate::nn::vars_behind(node.id()) {
+                // A checkpointed block or a mixture's experts: their
+                // variables' gradients come when backward reaches the op
+                // (they are not in the outer graph).
                 for &id in vars.iter() {
                     expect(id, &inner);
                 }

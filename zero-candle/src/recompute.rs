@@ -37,6 +37,7 @@
 //! recomputed output differ from the first, and backward fails with an
 //! error naming the block rather than computing wrong gradients.
 
+use crate::nn::{vars_behind, Behind};
 use candle_core::backend::BackendStorage;
 use candle_core::backprop::GradStore;
 use candle_core::{
@@ -44,33 +45,15 @@ use candle_core::{
     Var,
 };
 use std::cell::RefCell;
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 
 /// A block's forward.
 type Block = dyn Fn(&Tensor) -> Result<Tensor> + Send + Sync;
-
-/// The variables inside each live checkpointed block, by the id of its
-/// output, in the order backward reaches them (for the hook's prediction).
-fn registry() -> &'static Mutex<HashMap<TensorId, Arc<Vec<TensorId>>>> {
-    static REGISTRY: OnceLock<Mutex<HashMap<TensorId, Arc<Vec<TensorId>>>>> = OnceLock::new();
-    REGISTRY.get_or_init(Mutex::default)
-}
 
 thread_local! {
     /// Gradients of variables inside checkpointed blocks that backward
     /// computed on this thread and no hook took, for [`merge_pending`].
     static PENDING: RefCell<Vec<(TensorId, Tensor)>> = const { RefCell::new(Vec::new()) };
-}
-
-/// The variables inside the checkpointed block whose output is `id`, in
-/// backward order; `None` if `id` is no checkpointed block's output.
-pub(crate) fn block_vars(id: TensorId) -> Option<Arc<Vec<TensorId>>> {
-    registry()
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner)
-        .get(&id)
-        .cloned()
 }
 
 /// Runs `f(x)` without keeping what it computes for backward: only `x`
@@ -89,12 +72,15 @@ where
     // The first forward, on a detached input: its graph (every
     // intermediate) goes when `y` does, right here.
     let y = f(&x.detach())?;
-    let vars: Vec<TensorId> = y
-        .sorted_nodes()
-        .into_iter()
-        .filter(|node| node.is_variable())
-        .map(Tensor::id)
-        .collect();
+    // Its variables in backward order, those behind ops inside it (a
+    // mixture's experts) included.
+    let mut vars: Vec<TensorId> = Vec::new();
+    for node in y.sorted_nodes() {
+        match node.is_variable() {
+            true => vars.push(node.id()),
+            false => vars.extend(vars_behind(node.id()).iter().flat_map(|v| v.iter())),
+        }
+    }
     let output = y.detach().contiguous()?;
     drop(y);
     let op = Checkpointed {
@@ -102,16 +88,11 @@ where
         f: Arc::new(f),
         output: Mutex::new(Some(output)),
         vars: Arc::new(vars),
-        registered: Arc::new(Mutex::new(None)),
+        behind: Arc::default(),
     };
-    let vars = op.vars.clone();
-    let registered = op.registered.clone();
+    let (vars, behind) = (op.vars.clone(), op.behind.clone());
     let out = x.apply_op1(op)?;
-    registry()
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner)
-        .insert(out.id(), vars);
-    *registered.lock().unwrap_or_else(PoisonError::into_inner) = Some(out.id());
+    behind.place(out.id(), vars);
     Ok(out)
 }
 
@@ -141,24 +122,8 @@ struct Checkpointed {
     /// The first forward's output, until the op's forward hands it over.
     output: Mutex<Option<Tensor>>,
     vars: Arc<Vec<TensorId>>,
-    /// The output's id once registered (removed when the graph goes).
-    registered: Arc<Mutex<Option<TensorId>>>,
-}
-
-impl Drop for Checkpointed {
-    fn drop(&mut self) {
-        let id = self
-            .registered
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take();
-        if let Some(id) = id {
-            registry()
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .remove(&id);
-        }
-    }
+    /// `vars` recorded behind the output, until the graph goes.
+    behind: Arc<Behind>,
 }
 
 impl Checkpointed {

@@ -3,7 +3,7 @@
 
 use super::cpu;
 use super::grad_hook::{
-    assemble, before_read, gather, route, GatheredParam, GradHook, StretchView,
+    assemble, before_read, gather, route, Behind, GatheredParam, GradHook, StretchView,
 };
 use super::ops::{gated, gated_cpu, gated_grads, gated_grads_cpu, Activation};
 use super::storage::{on_device, owned_storage, OnDevice};
@@ -75,6 +75,8 @@ struct ExpertsOp {
     ranges: Arc<[Range<usize>]>,
     output: Mutex<Option<Storage>>,
     saved: Saved,
+    /// The weights behind the output, for the hook to predict them.
+    behind: Arc<Behind>,
 }
 
 const OUTPUT: &str = "the experts' output";
@@ -150,8 +152,14 @@ impl ExpertMlps {
                 gate,
                 up,
             },
+            behind: Arc::default(),
         };
-        h.apply_op1(op)
+        let behind = op.behind.clone();
+        let out = h.apply_op1(op)?;
+        // The weights' gradients in the order the backward hands them over.
+        let tracked = self.weights.iter().flatten().filter(|w| w.track_op());
+        behind.place(out.id(), Arc::new(tracked.map(Tensor::id).collect()));
+        Ok(out)
     }
 
     /// Each expert's weights lent for one computation, in order: the
@@ -732,7 +740,7 @@ impl ExpertsOp {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::nn::GradCollector;
+    use crate::nn::{vars_behind, GradCollector};
     use candle_core::{Device, Var};
 
     /// A `shape` tensor of fixed values in about ±`scale`, different for
@@ -829,6 +837,10 @@ mod tests {
             .collect();
         let experts = ExpertMlps::new(tensors, activation, hook).unwrap();
         let ours = experts.forward(&h, &rows, &ranges).unwrap();
+        // The hook sees every weight behind the output, in backward order.
+        let behind = vars_behind(ours.id()).expect("the weights behind the output");
+        let ids: Vec<_> = vars.iter().flatten().map(|w| w.id()).collect();
+        assert_eq!(*behind, ids, "{case}");
         let diff = max_diff(&ours, &theirs);
         assert!(diff < tolerance, "{case}: outputs differ by {diff:e}");
         let our_grads = backward(&ours);
@@ -972,6 +984,24 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// The record of the weights behind an output goes with the graph.
+    #[test]
+    fn the_weights_behind_are_forgotten_with_the_graph() {
+        let weights = weights(2, 8, 5, DType::F32);
+        let tensors = weights
+            .iter()
+            .map(|ws| ws.each_ref().map(|w| w.as_tensor().clone()))
+            .collect();
+        let hook: Arc<dyn GradHook> = Arc::new(GradCollector::new());
+        let experts = ExpertMlps::new(tensors, Activation::Silu, hook).unwrap();
+        let h = Var::from_tensor(&fixed((3, 8), 7, 1.0, DType::F32)).unwrap();
+        let out = experts.forward(&h, &[0, 1, 2], &[0..2, 2..3]).unwrap();
+        let id = out.id();
+        assert_eq!(vars_behind(id).map(|v| v.len()), Some(6));
+        drop(out);
+        assert!(vars_behind(id).is_none());
     }
 
     #[test]

@@ -9,7 +9,7 @@ use candle_core::{
 };
 use std::collections::HashMap;
 use std::ops::Range;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
 
 /// Receives parameter gradients during `loss.backward()`, the moment each is
 /// computed.
@@ -106,6 +106,54 @@ pub trait GradHook: Send + Sync {
     fn gather(&self, var: &Var, piece: usize) -> Result<Option<GatheredParam>> {
         let _ = (var, piece);
         Ok(None)
+    }
+}
+
+/// Variables whose gradients an op's backward hands to the hook although
+/// they are not its inputs (a checkpointed block's, a mixture's experts'),
+/// by the id of the op's output, in the order it hands them over: where
+/// `loss.sorted_nodes()` cannot see them, and the hook must predict them.
+fn behind_registry() -> &'static Mutex<HashMap<TensorId, Arc<Vec<TensorId>>>> {
+    static REGISTRY: OnceLock<Mutex<HashMap<TensorId, Arc<Vec<TensorId>>>>> = OnceLock::new();
+    REGISTRY.get_or_init(Mutex::default)
+}
+
+/// The variables behind the op whose output is `node` ([`Behind`]), in
+/// backward order; `None` for any other node.
+pub(crate) fn vars_behind(node: TensorId) -> Option<Arc<Vec<TensorId>>> {
+    behind_registry()
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .get(&node)
+        .cloned()
+}
+
+/// An op's record of the variables behind its output (see
+/// [`vars_behind`]), kept by the op: made before the op runs, placed once
+/// its output exists, forgotten when the op (its graph) goes.
+#[derive(Default)]
+pub(crate) struct Behind(Mutex<Option<TensorId>>);
+
+impl Behind {
+    /// Records `vars` behind `output`.
+    pub(crate) fn place(&self, output: TensorId, vars: Arc<Vec<TensorId>>) {
+        behind_registry()
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(output, vars);
+        *self.0.lock().unwrap_or_else(PoisonError::into_inner) = Some(output);
+    }
+}
+
+impl Drop for Behind {
+    fn drop(&mut self) {
+        let placed = self.0.lock().unwrap_or_else(PoisonError::into_inner).take();
+        if let Some(id) = placed {
+            behind_registry()
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .remove(&id);
+        }
     }
 }
 

@@ -99,6 +99,7 @@ mod tap;
 
 pub use embedding::{embedding, Embedding};
 pub(crate) use experts::ExpertMlps;
+pub(crate) use grad_hook::{vars_behind, Behind};
 pub use grad_hook::{GatheredParam, GiveBack, GradCollector, GradHook, Stretch};
 pub use layer_norm::{layer_norm, layer_norm_no_bias, rms_norm, LayerNorm, RmsNorm};
 pub use linear::{linear, linear_b, linear_cublaslt, linear_no_bias, set_linear_cublaslt, Linear};
