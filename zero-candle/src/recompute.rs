@@ -38,7 +38,7 @@
 //! error naming the block rather than computing wrong gradients.
 
 use crate::nn::{vars_behind, Behind};
-use candle_core::backend::BackendStorage;
+use candle_core::backend::{BackendDevice, BackendStorage};
 use candle_core::backprop::GradStore;
 use candle_core::{
     CpuStorage, CudaStorage, CustomOp1, DType, Layout, Result, Shape, Storage, Tensor, TensorId,
@@ -176,9 +176,10 @@ impl CustomOp1 for Checkpointed {
                 self.name
             )
         }
-        // d(sum(y * g))/dy is g exactly: the block's backward gets the
-        // gradient it would have got without the checkpoint.
-        let grads = y.mul(&grad_res.detach())?.sum_all()?.backward()?;
+        // The block's backward gets the gradient it would have got without
+        // the checkpoint, `g` itself, from an op whose backward hands it
+        // over (no product with `y`, no sum, no ones).
+        let grads = y.apply_op1(Seed(grad_res.detach()))?.backward()?;
         PENDING.with(|pending| {
             let mut pending = pending.borrow_mut();
             for &id in self.vars.iter() {
@@ -191,9 +192,40 @@ impl CustomOp1 for Checkpointed {
     }
 }
 
+/// A scalar over `y` whose backward gives `y` the gradient `g`: the seed
+/// of the recomputed block's backward.
+struct Seed(Tensor);
+
+impl CustomOp1 for Seed {
+    fn name(&self) -> &'static str {
+        "zero-checkpoint-seed"
+    }
+
+    fn cpu_fwd(&self, storage: &CpuStorage, _layout: &Layout) -> Result<(CpuStorage, Shape)> {
+        let zero = storage
+            .device()
+            .zeros_impl(&Shape::from(()), storage.dtype())?;
+        Ok((zero, Shape::from(())))
+    }
+
+    fn cuda_fwd(&self, storage: &CudaStorage, _layout: &Layout) -> Result<(CudaStorage, Shape)> {
+        let zero = storage
+            .device()
+            .zeros_impl(&Shape::from(()), storage.dtype())?;
+        Ok((zero, Shape::from(())))
+    }
+
+    fn bwd(&self, _y: &Tensor, _res: &Tensor, _grad_res: &Tensor) -> Result<Option<Tensor>> {
+        Ok(Some(self.0.clone()))
+    }
+}
+
 /// Whether `a` and `b` differ anywhere (NaN in the same place in both
 /// counts as equal: a step that overflowed recomputes its NaN).
 fn differs(a: &Tensor, b: &Tensor) -> Result<bool> {
+    if let Some(differ) = f32_differs(a, b) {
+        return Ok(differ);
+    }
     let count = |t: Tensor| -> Result<f64> {
         t.to_dtype(DType::F32)?
             .sum_all()?
@@ -207,4 +239,58 @@ fn differs(a: &Tensor, b: &Tensor) -> Result<bool> {
     // NaN != NaN: positions where both are NaN.
     let both_nan = count((a.ne(a)? * b.ne(b)?)?)?;
     Ok(unequal > both_nan)
+}
+
+/// [`differs`] over contiguous f32 CPU tensors, read in place (no mask);
+/// `None` for others.
+fn f32_differs(a: &Tensor, b: &Tensor) -> Option<bool> {
+    let (sa, la) = a.storage_and_layout();
+    let (sb, lb) = b.storage_and_layout();
+    let (Storage::Cpu(CpuStorage::F32(va)), Storage::Cpu(CpuStorage::F32(vb))) = (&*sa, &*sb)
+    else {
+        return None;
+    };
+    let ((a0, a1), (b0, b1)) = (la.contiguous_offsets()?, lb.contiguous_offsets()?);
+    let (va, vb) = (&va[a0..a1], &vb[b0..b1]);
+    Some(
+        va.len() != vb.len()
+            || va
+                .iter()
+                .zip(vb)
+                .any(|(x, y)| x != y && !(x.is_nan() && y.is_nan())),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    /// Read in place (f32, CPU, views included) or through tensor ops,
+    /// the same answer: equal values, NaN where both have one, agree; any
+    /// other difference does not.
+    #[test]
+    fn differs_counts_nan_in_the_same_place_as_equal() {
+        let t = |v: &[f32]| Tensor::new(v, &Device::Cpu).unwrap();
+        let nan = f32::NAN;
+        let cases = [
+            (t(&[1.0, 2.0, nan]), t(&[1.0, 2.0, nan]), false),
+            (t(&[1.0, 2.0, 3.0]), t(&[1.0, 2.5, 3.0]), true),
+            (t(&[1.0, nan, 3.0]), t(&[1.0, 2.0, 3.0]), true),
+            (
+                t(&[0.0, 7.0, 1.0, 2.0]).narrow(0, 2, 2).unwrap(),
+                t(&[1.0, 2.0]),
+                false,
+            ),
+        ];
+        for (a, b, expected) in cases {
+            assert_eq!(differs(&a, &b).unwrap(), expected, "{a} {b}");
+            let (a64, b64) = (
+                a.to_dtype(DType::F64).unwrap(),
+                b.to_dtype(DType::F64).unwrap(),
+            );
+            assert_eq!(f32_differs(&a64, &b64), None);
+            assert_eq!(differs(&a64, &b64).unwrap(), expected, "f64: {a} {b}");
+        }
+    }
 }
