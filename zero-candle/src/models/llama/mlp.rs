@@ -2,11 +2,9 @@
 //! Qwen2-MoE, Qwen3-MoE, OLMoE).
 
 use super::Projections;
-use crate::nn::{ops, Activation, ExpertMlps, Linear};
+use crate::nn::{ops, Activation, ExpertMlps, Linear, OnDevice};
 use candle_core::backend::{BackendDevice, BackendStorage};
-use candle_core::{
-    CpuStorage, CudaStorage, CustomOp1, DType, Layout, Module, Shape, Storage, Tensor, D,
-};
+use candle_core::{CpuStorage, CudaStorage, CustomOp1, DType, Layout, Module, Shape, Tensor, D};
 use std::sync::{Arc, Mutex, PoisonError};
 
 /// `down(act(gate(x)) * up(x))`.
@@ -268,17 +266,14 @@ impl CustomOp1 for Collect {
 }
 
 impl ExpertRows {
-    /// The rows of `s` (its layout `l`) on a backend whose storage `pick`
-    /// finds in the row indices' storage.
-    fn select<S: BackendStorage>(
-        &self,
-        s: &S,
-        l: &Layout,
-        pick: impl FnOnce(&Storage) -> Option<&S>,
-    ) -> candle_core::Result<(S, Shape)> {
+    /// The rows of `s` (its layout `l`), the row indices on its device.
+    fn select<S: OnDevice>(&self, s: &S, l: &Layout) -> candle_core::Result<(S, Shape)> {
         let (ids, ids_layout) = self.rows.storage_and_layout();
-        let Some(ids) = pick(&ids) else {
-            candle_core::bail!("the experts' rows are on another device than their input");
+        let Some(ids) = S::of(&ids) else {
+            candle_core::bail!(
+                "the experts' rows are on another device than their input; keep the model and \
+                 its inputs on one device"
+            );
         };
         let out = s.index_select(ids, l, ids_layout, 0)?;
         let shape = Shape::from((self.rows.dim(0)?, l.dims()[1]));
@@ -292,17 +287,11 @@ impl CustomOp1 for ExpertRows {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        self.select(s, l, |ids| match ids {
-            Storage::Cpu(ids) => Some(ids),
-            _ => None,
-        })
+        self.select(s, l)
     }
 
     fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
-        self.select(s, l, |ids| match ids {
-            Storage::Cuda(ids) => Some(ids),
-            _ => None,
-        })
+        self.select(s, l)
     }
 
     fn bwd(
