@@ -111,31 +111,32 @@ impl ExpertMlps {
     }
 
     /// Expert `e`'s MLP over rows `rows[ranges[e]]` of `h` `[tokens,
-    /// hidden]`, for every expert: `[rows.len(), hidden]`, in the order of
-    /// `rows`. `ranges` cover `rows` in order.
+    /// hidden]`, for every expert: `[routed, hidden]`, in the order of
+    /// `rows` (`[routed]`, u32, on `h`'s device). `ranges` cover `rows` in
+    /// order.
     pub(crate) fn forward(
         &self,
         h: &Tensor,
-        rows: &[u32],
+        rows: &Tensor,
         ranges: &[Range<usize>],
     ) -> Result<Tensor> {
+        let routed = rows.dim(0)?;
         let in_order = ranges
             .iter()
             .try_fold(0, |at, r| (r.start == at).then_some(r.end));
-        if ranges.len() != self.weights.len() || in_order != Some(rows.len()) {
+        if ranges.len() != self.weights.len() || in_order != Some(routed) {
             bail!(
                 "zero-candle experts: {} row ranges {ranges:?} for {} experts over {} rows; \
                  give each expert one range, in order, covering the rows",
                 ranges.len(),
                 self.weights.len(),
-                rows.len()
+                routed
             )
         }
         let all: Vec<Option<&Tensor>> = self.weights.iter().flatten().map(Some).collect();
         before_read(Some(&self.hook), &all)?;
         let h = h.contiguous()?;
-        let rows_t = Tensor::new(rows, h.device())?;
-        let x = h.detach().index_select(&rows_t, 0)?;
+        let x = h.detach().index_select(rows, 0)?;
         let (out, gate, up) = match cpu_f32(&x) {
             true => self.forward_cpu(&x, ranges)?,
             false => {
@@ -148,7 +149,7 @@ impl ExpertMlps {
             ranges: ranges.into(),
             output: Mutex::new(Some(out)),
             saved: Saved {
-                rows: rows_t,
+                rows: rows.clone(),
                 gate,
                 up,
             },
@@ -380,7 +381,10 @@ impl Values {
 fn whole_f32(lent: &GatheredParam) -> Result<&[f32]> {
     match lent.whole_on::<CpuStorage>() {
         Some((storage, layout)) => cpu::slice::<f32>(storage, layout, "a gathered expert"),
-        None => bail!("zero-candle experts: a gathered weight is not on the CPU"),
+        None => bail!(
+            "zero-candle experts: a gathered weight is not on the CPU but the input is; keep the \
+             model and its inputs on one device"
+        ),
     }
 }
 
@@ -392,7 +396,10 @@ fn read_f32<'a>(held: &'a [Held<'_>]) -> Result<Vec<&'a [f32]>> {
     held.iter()
         .map(|(storage, layout)| match &**storage {
             Storage::Cpu(storage) => cpu::slice::<f32>(storage, layout, "the experts' tensors"),
-            _ => bail!("zero-candle experts: the weights are not on the CPU but the input is"),
+            _ => bail!(
+                "zero-candle experts: the weights are not on the CPU but the input is; keep the \
+                 model and its inputs on one device"
+            ),
         })
         .collect()
 }
@@ -836,7 +843,8 @@ mod tests {
             .map(|ws| ws.each_ref().map(|w| w.as_tensor().clone()))
             .collect();
         let experts = ExpertMlps::new(tensors, activation, hook).unwrap();
-        let ours = experts.forward(&h, &rows, &ranges).unwrap();
+        let ids = Tensor::new(&rows, &Device::Cpu).unwrap();
+        let ours = experts.forward(&h, &ids, &ranges).unwrap();
         // The hook sees every weight behind the output, in backward order.
         let behind = vars_behind(ours.id()).expect("the weights behind the output");
         let ids: Vec<_> = vars.iter().flatten().map(|w| w.id()).collect();
@@ -997,7 +1005,8 @@ mod tests {
         let hook: Arc<dyn GradHook> = Arc::new(GradCollector::new());
         let experts = ExpertMlps::new(tensors, Activation::Silu, hook).unwrap();
         let h = Var::from_tensor(&fixed((3, 8), 7, 1.0, DType::F32)).unwrap();
-        let out = experts.forward(&h, &[0, 1, 2], &[0..2, 2..3]).unwrap();
+        let rows = Tensor::new(&[0u32, 1, 2], &Device::Cpu).unwrap();
+        let out = experts.forward(&h, &rows, &[0..2, 2..3]).unwrap();
         let id = out.id();
         assert_eq!(vars_behind(id).map(|v| v.len()), Some(6));
         drop(out);
@@ -1013,11 +1022,10 @@ mod tests {
             .collect();
         let experts = ExpertMlps::new(ws.clone(), Activation::Silu, collector.clone()).unwrap();
         let h = Tensor::zeros((3, 8), DType::F32, &Device::Cpu).unwrap();
-        let err = experts
-            .forward(&h, &[0, 1, 2], &[0..1, 1..2, 2..3])
-            .unwrap_err();
+        let rows = Tensor::new(&[0u32, 1, 2], &Device::Cpu).unwrap();
+        let err = experts.forward(&h, &rows, &[0..1, 1..2, 2..3]).unwrap_err();
         assert!(err.to_string().contains("3 row ranges"), "{err}");
-        let err = experts.forward(&h, &[0, 1, 2], &[0..1, 2..3]).unwrap_err();
+        let err = experts.forward(&h, &rows, &[0..1, 2..3]).unwrap_err();
         assert!(err.to_string().contains("one range, in order"), "{err}");
         ws[1][2] = Tensor::zeros((8, 4), DType::F32, &Device::Cpu).unwrap();
         let err = ExpertMlps::new(ws, Activation::Silu, collector)

@@ -132,8 +132,9 @@ impl Experts {
         );
         // One scaling and one add back, expert by expert in order, as
         // transformers adds them.
+        let rows = Tensor::new(routes.rows.as_slice(), device)?;
         let outputs = match &self.grouped {
-            Some(grouped) => grouped.forward(h, &routes.rows, &routes.ranges)?,
+            Some(grouped) => grouped.forward(h, &rows, &routes.ranges)?,
             None => {
                 let mut outputs = Vec::with_capacity(self.experts.len());
                 for (expert, range) in self.experts.iter().zip(&routes.ranges) {
@@ -146,7 +147,6 @@ impl Experts {
                 Tensor::cat(&outputs, 0)?
             }
         };
-        let rows = Tensor::from_vec(routes.rows.clone(), routes.rows.len(), device)?;
         let slots = Tensor::from_vec(routes.slots.clone(), routes.slots.len(), device)?;
         // The idle experts' rows count zero.
         let scale = Tensor::cat(
