@@ -48,27 +48,15 @@ pub(super) fn against_torch(
                     "gpu.gpt_over_torch",
                     m.tokens_per_s / torch.tokens_per_s,
                     "ratio",
-                    Some(">= 0.7"),
+                    Some(">= 1.0"),
                 );
             }
-            if let Some(theirs) = torch.peak_bytes {
-                report.add("gpu.torch_gpt_peak_gb", theirs as f64 / 1e9, "GB", None);
-            }
-            match (f32_fused.and_then(|m| m.peak_bytes), torch.peak_bytes) {
-                (Some(ours), Some(theirs)) => report.add(
-                    "gpu.gpt_peak_over_torch",
-                    ours as f64 / theirs as f64,
-                    "ratio",
-                    Some("<= 1.3"),
-                ),
-                (None, _) => {
-                    println!("gpu gpt benchmark: no gpu.gpt_peak_over_torch: our peak is unknown")
-                }
-                (_, None) => println!(
-                    "gpu gpt benchmark: no gpu.gpt_peak_over_torch: gpt_peer.py reported no \
-                     peak memory"
-                ),
-            }
+            peaks(
+                report,
+                ("gpu.torch_gpt_peak_gb", "gpu.gpt_peak_over_torch"),
+                f32_fused,
+                torch.peak_bytes,
+            );
         }
         Err(e) => println!(
             "gpu gpt benchmark: no PyTorch f32 figures (gpu.gpt_over_torch, \
@@ -88,12 +76,38 @@ pub(super) fn against_torch(
                     "gpu.gpt_bf16_over_torch_sdpa",
                     m.tokens_per_s / torch.tokens_per_s,
                     "ratio",
-                    Some(">= 0.5"),
+                    Some(">= 0.9"),
                 );
             }
+            peaks(
+                report,
+                (
+                    "gpu.torch_sdpa_bf16_peak_gb",
+                    "gpu.gpt_bf16_peak_over_torch_sdpa",
+                ),
+                bf16_fused,
+                torch.peak_bytes,
+            );
         }
         Err(e) => println!(
-            "gpu gpt benchmark: no PyTorch bf16 figures (gpu.gpt_bf16_over_torch_sdpa): {e}"
+            "gpu gpt benchmark: no PyTorch bf16 figures (gpu.gpt_bf16_over_torch_sdpa, \
+             gpu.gpt_bf16_peak_over_torch_sdpa): {e}"
         ),
+    }
+}
+
+/// PyTorch's peak device memory (`names.0`, in GB) and ours over it
+/// (`names.1`), where both are known; else why not.
+fn peaks(report: &mut Report, names: (&str, &str), ours: Option<&Measured>, theirs: Option<u64>) {
+    let (peak, ratio) = names;
+    if let Some(theirs) = theirs {
+        report.add(peak, theirs as f64 / 1e9, "GB", None);
+    }
+    match (ours.and_then(|m| m.peak_bytes), theirs) {
+        (Some(ours), Some(theirs)) => {
+            report.add(ratio, ours as f64 / theirs as f64, "ratio", Some("<= 1.0"))
+        }
+        (None, _) => println!("gpu gpt benchmark: no {ratio}: our peak is unknown"),
+        (_, None) => println!("gpu gpt benchmark: no {ratio}: gpt_peer.py reported no peak memory"),
     }
 }
