@@ -19,7 +19,7 @@ use crate::precision::RoundedPool;
 use crate::{Error, Result, ZeroOptimizer};
 use candle_core::backend::BackendStorage;
 use candle_core::backprop::GradStore;
-use candle_core::cuda_backend::{CudaStorage, CudaStorageSlice};
+use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorage, CudaStorageSlice};
 use candle_core::{CpuStorage, DType, Device, Layout, Storage, Tensor, Var};
 use half::{bf16, f16};
 use std::cell::RefCell;
@@ -178,10 +178,10 @@ impl<C: DeviceComm> CandleMemory<f32, C> for Cuda {
         }
     }
 
-    /// The gathered buffer up to the unit's last stretch converted by
-    /// Candle (the stretches keep their places; a pooled buffer's tail,
-    /// left from a larger unit, is not converted); the f32 buffer goes
-    /// back at once.
+    /// The gathered buffer up to the unit's last stretch rounded to the
+    /// 16-bit `dtype` in one launch of the engine's narrowing kernel (the
+    /// stretches keep their places; a pooled buffer's tail, left from a
+    /// larger unit, is not converted); the f32 buffer goes back at once.
     fn round(
         buffer: DeviceGather,
         (stretches, _packed): (&Arc<[Stretch]>, &Arc<[Stretch]>),
@@ -189,28 +189,67 @@ impl<C: DeviceComm> CandleMemory<f32, C> for Cuda {
         device: &Device,
         _pool: &Arc<RoundedPool>,
     ) -> (Result<Rounded>, Option<DeviceGather>) {
+        let Device::Cuda(cuda) = device else {
+            return (Err(not_on_the_gpu()), Some(buffer));
+        };
         let used = stretches.iter().map(|s| s.at.end).max().unwrap_or(0);
         let numel = used.max(1).min(buffer.values().len());
-        let storage = match lend(buffer, device) {
-            Ok(storage) => storage,
-            Err(e) => return (Err(e), None),
-        };
-        let rounded = storage.to_dtype(&Layout::contiguous(numel), dtype);
-        let back = take_back(storage);
-        let rounded = rounded.map_err(Error::from).map(|rounded| {
+        // Makes Candle's stream (the compute stream) wait for the gather.
+        let values = buffer.into_values();
+        let rounded = narrowed(&values, numel, dtype, cuda).map(|rounded| {
             let lender: Arc<dyn GiveBack> = Arc::new(DropStorage);
             (Storage::Cuda(rounded), Arc::clone(stretches), lender)
         });
-        (rounded, back)
+        (rounded, Some(DeviceGather::new(values, cuda.cuda_stream())))
     }
+}
+
+/// `values[..numel]` rounded to nearest even in the 16-bit `dtype`, a new
+/// storage on `device`'s stream (which reads `values` after what it has
+/// queued so far).
+fn narrowed(
+    values: &CudaSlice<f32>,
+    numel: usize,
+    dtype: DType,
+    device: &CudaDevice,
+) -> Result<CudaStorage> {
+    fn into<H: zero_nccl::kernels::Half + CudaDType>(
+        values: &CudaSlice<f32>,
+        numel: usize,
+        device: &CudaDevice,
+    ) -> Result<CudaStorage> {
+        let kernels = crate::nn::ops::cuda::fused_kernels("stage 3's rounding", device)?;
+        let stream = device.cuda_stream();
+        // SAFETY: the narrowing below writes every element before the
+        // storage is read.
+        let mut out = unsafe { stream.alloc::<H>(numel) }
+            .map_err(|e| Error::Zero(zero_nccl::Error::from(e).into()))?;
+        kernels
+            .narrow_ranges(&stream, values, &mut [(0, &mut out, 0..numel)])
+            .map_err(|e| Error::Zero(e.into()))?;
+        Ok(CudaStorage::wrap_cuda_slice(out, device.clone()))
+    }
+    match dtype {
+        DType::BF16 => into::<bf16>(values, numel, device),
+        DType::F16 => into::<f16>(values, numel, device),
+        other => Err(Error::Zero(zero_core::Error::State(format!(
+            "stage 3 rounds gathered f32 weights to bf16 or f16 on the GPU, not {other:?}; \
+             use an f32, bf16 or f16 model"
+        )))),
+    }
+}
+
+/// The error of a stage-3 layer off the GPU.
+fn not_on_the_gpu() -> Error {
+    Error::Zero(zero_core::Error::State(
+        "stage 3 on the GPU lends gathered parameters to layers on the GPU only".into(),
+    ))
 }
 
 /// A gathered buffer as a Candle storage on `device` (no copy).
 fn lend(buffer: DeviceGather, device: &Device) -> Result<CudaStorage> {
     let Device::Cuda(device) = device else {
-        return Err(Error::Zero(zero_core::Error::State(
-            "stage 3 on the GPU lends gathered parameters to layers on the GPU only".into(),
-        )));
+        return Err(not_on_the_gpu());
     };
     Ok(CudaStorage::wrap_cuda_slice(
         buffer.into_values(),

@@ -3,9 +3,11 @@
 // f16, widening add) and scatters back (copy, narrowing to bf16 and f16),
 // each launch's table of up to PIECES_PER_LAUNCH pieces passed by value as
 // kernels/mod.rs passes it, on grids smaller than the pieces so that both
-// grid-stride loops run. Every element of the flat buffer or of a piece is
-// checked bitwise: copied or added where a piece covers it, untouched
-// elsewhere; the bf16 rounding against an independent round-to-nearest-even.
+// grid-stride loops run (the conversions' four-at-a-time loops too, with
+// pieces at multiples of four elements and lengths that leave a tail).
+// Every element of the flat buffer or of a piece is checked bitwise:
+// copied or added where a piece covers it, untouched elsewhere; the bf16
+// rounding against an independent round-to-nearest-even.
 // Exits non-zero on any failure.
 #include "shim.h"
 #include "source.cu"
@@ -33,11 +35,17 @@ static unsigned short bf16_ref(float f) {
 
 // Pieces of random lengths (some empty) at disjoint random offsets of a
 // flat buffer of `flat_len` elements: (offset, len), in a shuffled order.
-static std::vector<std::pair<size_t, size_t>> layout(std::mt19937& rng, int n, size_t& flat_len) {
+// With `quads`, every offset is a multiple of four elements, so that the
+// conversions take their four-at-a-time path on every piece (the pieces'
+// own buffers are fresh allocations, aligned); without, some do by chance.
+static std::vector<std::pair<size_t, size_t>> layout(std::mt19937& rng, int n, size_t& flat_len,
+                                                     bool quads = false) {
     std::vector<std::pair<size_t, size_t>> pieces;
     size_t at = 0;
     for (int p = 0; p < n; p++) {
-        const size_t gap = rng() % 5, len = p % 7 == 3 ? 0 : 1 + rng() % 700;
+        size_t gap = rng() % 5;
+        const size_t len = p % 7 == 3 ? 0 : 1 + rng() % 700;
+        if (quads) gap += (4 - (at + gap) % 4) % 4;
         pieces.push_back({at + gap, len});
         at += gap + len;
     }
@@ -116,10 +124,11 @@ static void copies_of_width(std::mt19937& rng, const char* what) {
 
 // The f32 flat buffer against 16-bit pieces: widening gather, widening add,
 // narrowing scatter; and the f32 add.
-static void conversions(std::mt19937& rng, bool bf) {
-    const char* name = bf ? "bf16" : "f16";
+static void conversions(std::mt19937& rng, bool bf, bool quads) {
+    const char* name = bf ? (quads ? "bf16, pieces at multiples of 4" : "bf16")
+                          : (quads ? "f16, pieces at multiples of 4" : "f16");
     size_t flat_len = 0;
-    const auto pieces = layout(rng, 40, flat_len);
+    const auto pieces = layout(rng, 40, flat_len, quads);
     auto widen_ref = [&](unsigned short h) { return bf ? __uint_as_float((unsigned)h << 16) : half_to_float(h); };
     auto narrow_ref = [&](float f) { return bf ? bf16_ref(f) : float_to_half(f); };
     std::vector<std::vector<unsigned short>> srcs;
@@ -181,8 +190,10 @@ int main() {
         copies_of_width<unsigned short>(rng, "b16 copies");
         copies_of_width<unsigned int>(rng, "b32 copies");
         copies_of_width<unsigned long long>(rng, "b64 copies");
-        conversions(rng, true);
-        conversions(rng, false);
+        for (bool quads : {false, true}) {
+            conversions(rng, true, quads);
+            conversions(rng, false, quads);
+        }
     }
     printf("table-driven copies on the CPU: %s\n", failures ? "FAILED" : "ok");
     return failures ? 1 : 0;

@@ -33,6 +33,7 @@ dim3 gridDim, blockDim;
 #define __align__(n) __attribute__((aligned(n)))
 struct alignas(16) uint4 { unsigned x, y, z, w; };
 struct alignas(16) float4 { float x, y, z, w; };
+struct alignas(8) uint2 { unsigned x, y; };
 [[noreturn]] static inline void __trap(){ abort(); }
 #define __expf cuda_expf
 static inline float cuda_expf(float x){return expf(x);}

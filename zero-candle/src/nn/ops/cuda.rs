@@ -24,6 +24,7 @@ use zero_nccl::kernels::layers::{
     ActivationKind, AttentionShape, LayerElement, LayerKernels, Normalization, RotaryShape,
     RotaryTurn,
 };
+use zero_nccl::kernels::FusedKernels;
 
 /// A CUDA storage with its layout.
 pub(crate) type Arg<'a> = (&'a CudaStorage, &'a Layout);
@@ -98,6 +99,18 @@ fn kernels(op: &str, device: &CudaDevice) -> Result<Arc<LayerKernels>> {
     // kernels hold an Arc of it, so it outlives every entry.
     cached(&CACHE, ctx.cu_ctx() as usize, || {
         LayerKernels::new(ctx).map_err(|e| kernel_error(op, e))
+    })
+}
+
+/// The engine's kernels (copies, conversions, optimizers) of `device`'s
+/// context, compiled on first use: for what a layer's storage needs of
+/// them, as stage 3's rounding of gathered weights.
+pub(crate) fn fused_kernels(op: &str, device: &CudaDevice) -> Result<Arc<FusedKernels>> {
+    static CACHE: Cache<FusedKernels> = OnceLock::new();
+    let stream = device.cuda_stream();
+    let ctx = stream.context();
+    cached(&CACHE, ctx.cu_ctx() as usize, || {
+        FusedKernels::new(ctx).map_err(|e| kernel_error(op, e))
     })
 }
 
