@@ -1,10 +1,12 @@
 //! Which optimizer launches one step on CUDA memory makes.
 //!
 //! The fused optimizer kernels step a contiguous shard range with one set of
-//! hyperparameters and one step count (Adam's bias corrections). A bucket's
-//! owned pieces usually share both, so a bucket is one launch; a piece that
-//! skips a step (no gradient) or sits in another parameter group splits it.
-//! Pure logic, tested without a GPU.
+//! hyperparameters and one step count (Adam's bias corrections). Owned
+//! pieces usually share both, so a run of touching buckets stepped together
+//! (stage 3's whole shard after backward: a thousand buckets of a 1B model)
+//! is one launch; a piece that skips a step (no gradient), sits in another
+//! parameter group, or a bucket left out splits it. Pure logic, tested
+//! without a GPU.
 
 use std::ops::Range;
 
@@ -36,22 +38,26 @@ pub struct Segment {
 
 /// The launches of one step: for each bucket (a shard range) in order, the
 /// active pieces cut at the bucket's bounds, merged while neighbours share
-/// group and step and no inactive piece lies between them. Buckets marked
-/// inactive in `bucket_active` get no launch.
+/// group and step and no inactive piece lies between them, across the
+/// bound of two buckets that touch. Buckets marked inactive in
+/// `bucket_active` get no launch and end the segment before them.
 pub fn plan_segments(
     buckets: &[Range<usize>],
     bucket_active: &[bool],
     pieces: &[PieceSlot],
 ) -> Vec<Segment> {
     let mut out: Vec<Segment> = Vec::new();
-    for (bucket, _) in buckets
-        .iter()
-        .zip(bucket_active)
-        .filter(|(_, &active)| active)
-    {
-        // Whether the last segment may still grow: false after an inactive
-        // piece or at a bucket boundary.
-        let mut open = false;
+    // Whether the last segment may still grow: false after an inactive
+    // piece or bucket, and where a bucket does not start at the end of the
+    // one before (what lies between is not this step's).
+    let mut open = false;
+    let mut previous_end = None;
+    for (bucket, &active) in buckets.iter().zip(bucket_active) {
+        open &= active && previous_end == Some(bucket.start);
+        previous_end = Some(bucket.end);
+        if !active {
+            continue;
+        }
         for piece in pieces {
             let start = piece.range.start.max(bucket.start);
             let end = piece.range.end.min(bucket.end);
@@ -104,10 +110,24 @@ mod tests {
     }
 
     #[test]
-    fn buckets_cut_pieces_and_never_merge_across_a_boundary() {
+    fn touching_buckets_of_alike_pieces_are_one_launch() {
         let pieces = [slot(0..40, 0, 1, true), slot(40..64, 0, 1, true)];
         let got = plan_segments(&[0..32, 32..64], &[true, true], &pieces);
-        assert_eq!(got, vec![seg(0..32, 0, 1), seg(32..64, 0, 1)]);
+        assert_eq!(got, vec![seg(0..64, 0, 1)]);
+        // A piece of another group or step at the bound still splits.
+        let pieces = [slot(0..32, 0, 1, true), slot(32..64, 1, 1, true)];
+        let got = plan_segments(&[0..32, 32..64], &[true, true], &pieces);
+        assert_eq!(got, vec![seg(0..32, 0, 1), seg(32..64, 1, 1)]);
+    }
+
+    #[test]
+    fn a_bucket_left_out_or_a_gap_between_buckets_splits_the_launch() {
+        let pieces = [slot(0..96, 0, 1, true)];
+        let got = plan_segments(&[0..32, 32..64, 64..96], &[true, false, true], &pieces);
+        assert_eq!(got, vec![seg(0..32, 0, 1), seg(64..96, 0, 1)]);
+        // Buckets that do not touch: what lies between is not stepped.
+        let got = plan_segments(&[0..32, 40..96], &[true, true], &pieces);
+        assert_eq!(got, vec![seg(0..32, 0, 1), seg(40..96, 0, 1)]);
     }
 
     #[test]
@@ -141,8 +161,9 @@ mod tests {
 
     #[test]
     fn segments_cover_exactly_the_active_elements_plus_interior_padding() {
-        // A property over many layouts: every active piece element is in
-        // exactly one segment, no inactive piece element is in any.
+        // A property over many layouts: every element of an active piece in
+        // an active bucket is in exactly one segment, no other piece element
+        // is in any.
         for seed in 0u64..200 {
             let mut state = seed.wrapping_mul(6364136223846793005).wrapping_add(1);
             let mut next = |m: u64| {
@@ -171,7 +192,10 @@ mod tests {
                 buckets.push(b..(b + len).min(at));
                 b += len;
             }
-            let active = vec![true; buckets.len()];
+            // Some buckets left out (stepped early, or frozen).
+            let active: Vec<bool> = buckets.iter().map(|_| next(5) != 0).collect();
+            let bucket_active =
+                |i: usize| active[buckets.iter().position(|b| b.contains(&i)).unwrap()];
             let segments = plan_segments(&buckets, &active, &pieces);
             let mut covered = vec![0u32; at];
             for s in &segments {
@@ -181,7 +205,7 @@ mod tests {
             }
             for p in &pieces {
                 for i in p.range.clone() {
-                    let want = u32::from(p.active);
+                    let want = u32::from(p.active && bucket_active(i));
                     assert_eq!(covered[i], want, "seed {seed}, element {i} of {p:?}");
                 }
                 if p.active {
