@@ -85,20 +85,25 @@ static double activation_ref(int kind,double x,double*slope){
 }
 
 // gated_forward_<T> and gated_backward_<T> (act(gate) * up and both gradients) with activation `kind` over
-// n elements, grid capped.
-template<class T> double gated_test(long long n,unsigned cap,unsigned seed,int kind,
+// n elements, grid capped; every buffer `skew` elements past an aligned start (1: the one-at-a-time path
+// throughout, 0: 16 bytes a thread where n allows). Elements outside [skew, skew + n) must stay untouched.
+template<class T> double gated_test(long long n,unsigned cap,unsigned seed,int kind,int skew,
     void(*fwd)(const T*,const T*,T*,long long,int),void(*bwd)(const T*,const T*,const T*,T*,T*,long long,int)){
   std::mt19937 rng(seed); std::normal_distribution<float> nd(0,1);
-  std::vector<float> gf(n),uf(n),df(n); for(auto&v:gf)v=nd(rng)*4; for(auto&v:uf)v=nd(rng); for(auto&v:df)v=nd(rng);
+  const long long len=n+skew+1;
+  std::vector<float> gf(len),uf(len),df(len); for(auto&v:gf)v=nd(rng)*4; for(auto&v:uf)v=nd(rng); for(auto&v:df)v=nd(rng);
   auto gate=narrow16<T>(gf), up=narrow16<T>(uf), dy=narrow16<T>(df);
-  std::vector<T> y(n), dgate(n), dup(n);
+  const std::vector<float> canary(len,-77.f);
+  auto y=narrow16<T>(canary), dgate=narrow16<T>(canary), dup=narrow16<T>(canary);
   unsigned blocks=std::min<unsigned>((unsigned)((n+255)/256),cap);
-  launch({blocks,1,1},{256,1,1},[&]{fwd(gate.data(),up.data(),y.data(),n,kind);});
-  launch({blocks,1,1},{256,1,1},[&]{bwd(gate.data(),up.data(),dy.data(),dgate.data(),dup.data(),n,kind);});
-  auto Gt=widen(gate), U=widen(up), D=widen(dy);
+  launch({blocks,1,1},{256,1,1},[&]{fwd(gate.data()+skew,up.data()+skew,y.data()+skew,n,kind);});
+  launch({blocks,1,1},{256,1,1},[&]{bwd(gate.data()+skew,up.data()+skew,dy.data()+skew,dgate.data()+skew,dup.data()+skew,n,kind);});
+  auto Gt=widen(gate), U=widen(up), D=widen(dy), Y=widen(y), DG=widen(dgate), DU=widen(dup);
   std::vector<double> ry(n), rdg(n), rdu(n);
-  for(long long i=0;i<n;i++){ double slope, a=activation_ref(kind,Gt[i],&slope); ry[i]=a*U[i]; rdu[i]=D[i]*a; rdg[i]=D[i]*U[i]*slope; }
-  return std::max({worst(ry,widen(y)),worst(rdg,widen(dgate)),worst(rdu,widen(dup))});
+  for(long long i=0;i<n;i++){ const long long j=i+skew; double slope, a=activation_ref(kind,Gt[j],&slope); ry[i]=a*U[j]; rdu[i]=D[j]*a; rdg[i]=D[j]*U[j]*slope; }
+  for(long long j=0;j<len;j++) if((j<skew||j>=skew+n)&&(Y[j]!=-77.f||DG[j]!=-77.f||DU[j]!=-77.f)) return 1e9;
+  auto part=[&](const std::vector<float>& v){ return std::vector<float>(v.begin()+skew,v.begin()+skew+n); };
+  return std::max({worst(ry,part(Y)),worst(rdg,part(DG)),worst(rdu,part(DU))});
 }
 
 // residual_norm_forward<T> over [rows, n], grid capped: h must be x +
@@ -270,13 +275,16 @@ int main() {
     for (int kind : {0, 1, 2}) {
         for (long long n : {1LL, 255LL, 257LL, 5000LL}) {
             for (unsigned cap : {1u, 4096u}) {
-                unsigned seed = (unsigned)(n + 3 * kind);
-                double e32 = gated_test<float>(n, cap, seed, kind, gated_forward_f32, gated_backward_f32);
-                double eb = gated_test<bf16>(n, cap, seed + 1, kind, gated_forward_bf16, gated_backward_bf16);
-                double eh = gated_test<f16>(n, cap, seed + 2, kind, gated_forward_f16, gated_backward_f16);
-                snprintf(what, sizeof what, "gated activation %d, n %lld, cap %u: error f32 %g, bf16 %g, f16 %g",
-                         kind, n, cap, e32, eb, eh);
-                expect(e32 <= 1e-6 && eb <= 4e-3 && eh <= 5e-4, what);
+                for (int skew : {0, 1}) {
+                    unsigned seed = (unsigned)(n + 3 * kind + 7 * skew);
+                    double e32 = gated_test<float>(n, cap, seed, kind, skew, gated_forward_f32, gated_backward_f32);
+                    double eb = gated_test<bf16>(n, cap, seed + 1, kind, skew, gated_forward_bf16, gated_backward_bf16);
+                    double eh = gated_test<f16>(n, cap, seed + 2, kind, skew, gated_forward_f16, gated_backward_f16);
+                    snprintf(what, sizeof what,
+                             "gated activation %d, n %lld, cap %u, skew %d: error f32 %g, bf16 %g, f16 %g",
+                             kind, n, cap, skew, e32, eb, eh);
+                    expect(e32 <= 1e-6 && eb <= 4e-3 && eh <= 5e-4, what);
+                }
             }
         }
     }
