@@ -108,7 +108,28 @@ __device__ __forceinline__ unsigned short narrow_f16(float f) {
 // accesses (a whole fresh allocation is, and so is its part at a multiple
 // of four elements) a thread converts four elements at a time, the rest
 // one at a time: the same values either way, in fewer, wider accesses.
-#define QUADS_ALIGNED(f32s, h16s) ((((u64)(f32s)) & 15) == 0 && (((u64)(h16s)) & 7) == 0)
+//
+// convert_pieces calls quad(piece, at, q) for each four elements q of each piece of
+// `table` where the piece (16-bit, at address `piece`) and its place in the
+// flat buffer (f32, at address `at`) are aligned for it, and
+// one(piece, at, i) for every other element i.
+template <typename Quad, typename One>
+__device__ __forceinline__ void convert_pieces(const Pieces& table, unsigned int n_pieces,
+                                               const float* flat, Quad quad, One one) {
+    const u64 first = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    const u64 stride = (u64)gridDim.x * blockDim.x;
+    for (unsigned int p = blockIdx.y; p < n_pieces; p += gridDim.y) {
+        const u64 piece = table.e[3 * p];
+        const u64 at = (u64)(flat + table.e[3 * p + 1]);
+        const u64 len = table.e[3 * p + 2];
+        u64 done = 0;
+        if ((at & 15) == 0 && (piece & 7) == 0) {
+            done = len / 4 * 4;
+            for (u64 q = first; q < len / 4; q += stride) quad(piece, at, q);
+        }
+        for (u64 i = done + first; i < len; i += stride) one(piece, at, i);
+    }
+}
 #define WIDEN_QUAD(SUFFIX, h, f)                                                 \
     f.x = widen_##SUFFIX((unsigned short)(h.x & 0xFFFFu));                       \
     f.y = widen_##SUFFIX((unsigned short)(h.x >> 16));                           \
@@ -116,78 +137,48 @@ __device__ __forceinline__ unsigned short narrow_f16(float f) {
     f.w = widen_##SUFFIX((unsigned short)(h.y >> 16));
 #define DEFINE_CONVERT(SUFFIX)                                                   \
 extern "C" __global__ void gather_widen_##SUFFIX(Pieces table, unsigned int n_pieces, float* flat) { \
-    const u64 first = (u64)blockIdx.x * blockDim.x + threadIdx.x;                \
-    const u64 stride = (u64)gridDim.x * blockDim.x;                              \
-    for (unsigned int p = blockIdx.y; p < n_pieces; p += gridDim.y) {            \
-        const unsigned short* src = (const unsigned short*)table.e[3 * p];       \
-        float* dst = flat + table.e[3 * p + 1];                                  \
-        u64 len = table.e[3 * p + 2];                                            \
-        u64 done = 0;                                                            \
-        if (QUADS_ALIGNED(dst, src)) {                                           \
-            done = len / 4 * 4;                                                  \
-            for (u64 q = first; q < len / 4; q += stride) {                      \
-                const uint2 h = reinterpret_cast<const uint2*>(src)[q];          \
-                float4 f;                                                        \
-                WIDEN_QUAD(SUFFIX, h, f)                                         \
-                reinterpret_cast<float4*>(dst)[q] = f;                           \
-            }                                                                    \
-        }                                                                        \
-        for (u64 i = done + first; i < len; i += stride) {                       \
-            dst[i] = widen_##SUFFIX(src[i]);                                     \
-        }                                                                        \
-    }                                                                            \
+    convert_pieces(table, n_pieces, flat,                                        \
+        [](u64 src, u64 dst, u64 q) {                                            \
+            const uint2 h = ((const uint2*)src)[q];                              \
+            float4 f;                                                            \
+            WIDEN_QUAD(SUFFIX, h, f)                                             \
+            ((float4*)dst)[q] = f;                                               \
+        },                                                                       \
+        [](u64 src, u64 dst, u64 i) {                                            \
+            ((float*)dst)[i] = widen_##SUFFIX(((const unsigned short*)src)[i]);  \
+        });                                                                      \
 }                                                                                \
 extern "C" __global__ void gather_add_widen_##SUFFIX(Pieces table, unsigned int n_pieces, float* flat) { \
-    const u64 first = (u64)blockIdx.x * blockDim.x + threadIdx.x;                \
-    const u64 stride = (u64)gridDim.x * blockDim.x;                              \
-    for (unsigned int p = blockIdx.y; p < n_pieces; p += gridDim.y) {            \
-        const unsigned short* src = (const unsigned short*)table.e[3 * p];       \
-        float* dst = flat + table.e[3 * p + 1];                                  \
-        u64 len = table.e[3 * p + 2];                                            \
-        u64 done = 0;                                                            \
-        if (QUADS_ALIGNED(dst, src)) {                                           \
-            done = len / 4 * 4;                                                  \
-            for (u64 q = first; q < len / 4; q += stride) {                      \
-                const uint2 h = reinterpret_cast<const uint2*>(src)[q];          \
-                float4 f;                                                        \
-                WIDEN_QUAD(SUFFIX, h, f)                                         \
-                float4 sum = reinterpret_cast<float4*>(dst)[q];                  \
-                sum.x += f.x;                                                    \
-                sum.y += f.y;                                                    \
-                sum.z += f.z;                                                    \
-                sum.w += f.w;                                                    \
-                reinterpret_cast<float4*>(dst)[q] = sum;                         \
-            }                                                                    \
-        }                                                                        \
-        for (u64 i = done + first; i < len; i += stride) {                       \
-            dst[i] += widen_##SUFFIX(src[i]);                                    \
-        }                                                                        \
-    }                                                                            \
+    convert_pieces(table, n_pieces, flat,                                        \
+        [](u64 src, u64 dst, u64 q) {                                            \
+            const uint2 h = ((const uint2*)src)[q];                              \
+            float4 f;                                                            \
+            WIDEN_QUAD(SUFFIX, h, f)                                             \
+            float4 sum = ((float4*)dst)[q];                                      \
+            sum.x += f.x;                                                        \
+            sum.y += f.y;                                                        \
+            sum.z += f.z;                                                        \
+            sum.w += f.w;                                                        \
+            ((float4*)dst)[q] = sum;                                             \
+        },                                                                       \
+        [](u64 src, u64 dst, u64 i) {                                            \
+            ((float*)dst)[i] += widen_##SUFFIX(((const unsigned short*)src)[i]); \
+        });                                                                      \
 }                                                                                \
 extern "C" __global__ void scatter_narrow_##SUFFIX(Pieces table, unsigned int n_pieces, const float* flat) { \
-    const u64 first = (u64)blockIdx.x * blockDim.x + threadIdx.x;                \
-    const u64 stride = (u64)gridDim.x * blockDim.x;                              \
-    for (unsigned int p = blockIdx.y; p < n_pieces; p += gridDim.y) {            \
-        unsigned short* dst = (unsigned short*)table.e[3 * p];                   \
-        const float* src = flat + table.e[3 * p + 1];                            \
-        u64 len = table.e[3 * p + 2];                                            \
-        u64 done = 0;                                                            \
-        if (QUADS_ALIGNED(src, dst)) {                                           \
-            done = len / 4 * 4;                                                  \
-            for (u64 q = first; q < len / 4; q += stride) {                      \
-                const float4 f = reinterpret_cast<const float4*>(src)[q];        \
-                uint2 h;                                                         \
-                h.x = (unsigned int)narrow_##SUFFIX(f.x) |                       \
-                      ((unsigned int)narrow_##SUFFIX(f.y) << 16);                \
-                h.y = (unsigned int)narrow_##SUFFIX(f.z) |                       \
-                      ((unsigned int)narrow_##SUFFIX(f.w) << 16);                \
-                reinterpret_cast<uint2*>(dst)[q] = h;                            \
-            }                                                                    \
-        }                                                                        \
-        for (u64 i = done + first; i < len; i += stride) {                       \
-            dst[i] = narrow_##SUFFIX(src[i]);                                    \
-        }                                                                        \
-    }                                                                            \
+    convert_pieces(table, n_pieces, flat,                                        \
+        [](u64 dst, u64 src, u64 q) {                                            \
+            const float4 f = ((const float4*)src)[q];                            \
+            uint2 h;                                                             \
+            h.x = (unsigned int)narrow_##SUFFIX(f.x) |                           \
+                  ((unsigned int)narrow_##SUFFIX(f.y) << 16);                    \
+            h.y = (unsigned int)narrow_##SUFFIX(f.z) |                           \
+                  ((unsigned int)narrow_##SUFFIX(f.w) << 16);                    \
+            ((uint2*)dst)[q] = h;                                                \
+        },                                                                       \
+        [](u64 dst, u64 src, u64 i) {                                            \
+            ((unsigned short*)dst)[i] = narrow_##SUFFIX(((const float*)src)[i]); \
+        });                                                                      \
 }
 
 DEFINE_CONVERT(bf16)
