@@ -15,11 +15,15 @@
 # anything else is run as a command inside the unpacked bundle (e.g.
 # "./train --backend nccl --model gpt --steps 20"); several parts run in
 # the order given (e.g. suite "./bench gpu-stage3": one device call).
-# Exits non-zero if any test binary or the bench failed; the last lines
-# printed are the failures found in the logs and a table of what passed.
+# Exits non-zero if any test binary or the bench failed or was skipped;
+# the last lines printed are the failures found in the logs and a table
+# of what passed.
 # Each run is stopped after GPU_CHECK_RUN_TIMEOUT seconds (default 600; rc
-# 124 in the table); GPU_CHECK_ARCHIVE=FILE.tar.xz packs every log into
-# FILE at the end.
+# 124 in the table); with GPU_CHECK_DEADLINE=SECONDS, also when that many
+# seconds have passed since the script started, and the runs after it are
+# skipped (rc "-" in the table), so that the table and the archive are
+# written within a device call's limit; GPU_CHECK_ARCHIVE=FILE.tar.xz packs
+# every log into FILE at the end.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bundle="$(realpath "${1:?usage: $0 BUNDLE.tar.xz [LOG_DIR] [suite|bench|train|all|CMD]...}")"
@@ -61,8 +65,18 @@ run() {
     local name="$1"
     shift
     local start=$SECONDS
+    local limit="${GPU_CHECK_RUN_TIMEOUT:-600}"
+    if [[ -n "${GPU_CHECK_DEADLINE:-}" ]]; then
+        local left=$((GPU_CHECK_DEADLINE - SECONDS))
+        if ((left < 5)); then
+            table+=("$(printf '%-34s rc=%-3s %4ss  %s' "$name" - 0 "skipped: GPU_CHECK_DEADLINE")")
+            failed=1
+            return
+        fi
+        ((left < limit)) && limit=$left
+    fi
     # A hung run (a collective a peer never joins) fails alone, not the check.
-    timeout -k 10 "${GPU_CHECK_RUN_TIMEOUT:-600}" "$@" >"$logs/$name.log" 2>&1
+    timeout -k 5 "$limit" "$@" >"$logs/$name.log" 2>&1
     local rc=$?
     local summary
     summary="$(grep -E '^test result:|^done: final loss' "$logs/$name.log" | tail -1)"
@@ -89,7 +103,7 @@ for what in "${parts[@]}"; do
     fi
     if [[ "$what" == all || "$what" == bench ]]; then
         run bench-gpu "$unpacked/bench" gpu
-        grep -E 'gpu\.|failed|skipped' "$logs/bench-gpu.log" | tail -40
+        [[ -f "$logs/bench-gpu.log" ]] && grep -E 'gpu\.|failed|skipped' "$logs/bench-gpu.log" | tail -40
     fi
     if [[ "$what" == all || "$what" == train ]]; then
         for model in mlp gpt; do
@@ -140,14 +154,14 @@ for what in "${parts[@]}"; do
     if [[ "$what" != all && "$what" != suite && "$what" != bench && "$what" != train && "$what" != sanitize ]]; then
         extra=$((extra + 1))
         run "extra-$extra" bash -c "cd '$unpacked' && $what"
-        tail -30 "$logs/extra-$extra.log"
+        [[ -f "$logs/extra-$extra.log" ]] && tail -30 "$logs/extra-$extra.log"
     fi
 done
 cd "$root"
 # What failed, from every log (a bench reports a failed case and goes on,
 # then exits 1), before the table, so that both fit a short tail.
 echo "== failures in $logs:"
-found="$(grep -H -E 'failed: |panicked at|case\(s\) failed' "$logs"/*.log | head -60)"
+found="$(grep -H -E 'failed: |panicked at|case\(s\) failed' "$logs"/*.log 2>/dev/null | head -60)"
 echo "${found:-(none)}"
 printf '%s\n' "${table[@]}"
 # GPU_CHECK_ARCHIVE=FILE.tar.xz: every log in one file (a device call
