@@ -21,6 +21,11 @@ pub(super) struct Measured {
     pub(super) engine_host_bytes_per_param: f64,
     /// The median step, milliseconds.
     pub(super) step_ms: f64,
+    /// The host's medians, milliseconds from a step's start until the
+    /// forward returned and until `backward_step` returned (before the
+    /// drain): near `step_ms`, the host paces the step (or waits inside
+    /// it); far below, the GPU does.
+    pub(super) issued_ms: [f64; 2],
     /// Offload's host times, per timed step on average.
     pub(super) offload_ms: OffloadMs,
 }
@@ -135,6 +140,7 @@ pub(super) fn ours(
         }
 
         let mut times = Vec::with_capacity(STEPS);
+        let mut issued = [(); 2].map(|()| Vec::with_capacity(STEPS));
         let mut offload_before = OffloadTimes::default();
         for step in 0..WARMUP + STEPS {
             if step == WARMUP {
@@ -147,16 +153,24 @@ pub(super) fn ours(
             }
             let started = Instant::now();
             let loss = model.loss(ids)?;
+            let forward_issued = started.elapsed();
             if opt.backward_step(&loss)?.is_none() {
                 return Err("backward_step did not complete a step at one micro-step".into());
             }
+            let step_issued = started.elapsed();
             synchronize(device, ctx)?;
             if step >= WARMUP {
                 times.push(started.elapsed().as_secs_f64());
+                issued[0].push(forward_issued.as_secs_f64());
+                issued[1].push(step_issued.as_secs_f64());
             }
         }
         let peak_bytes = pool.map(DevicePool::high_water).transpose()?;
-        times.sort_by(f64::total_cmp);
+        let median_ms = |mut times: Vec<f64>| {
+            times.sort_by(f64::total_cmp);
+            times[times.len() / 2] * 1e3
+        };
+        let step_ms = median_ms(times);
         let numel = opt
             .vars()
             .iter()
@@ -164,13 +178,13 @@ pub(super) fn ours(
             .sum::<usize>()
             .max(1) as f64;
         let memory = opt.memory_report();
-        let median = times[times.len() / 2];
         Ok(Measured {
-            tokens_per_s: (ids.dim(0)? * CONFIG.context) as f64 / median,
+            tokens_per_s: (ids.dim(0)? * CONFIG.context) as f64 / (step_ms / 1e3),
             peak_bytes,
             engine_device_bytes_per_param: memory.on_device() as f64 / numel,
             engine_host_bytes_per_param: memory.offloaded as f64 / numel,
-            step_ms: median * 1e3,
+            step_ms,
+            issued_ms: issued.map(median_ms),
             offload_ms: OffloadMs::between(offload_before, opt.engine().counters().offload),
         })
     })();
