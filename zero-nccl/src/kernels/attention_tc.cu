@@ -5,12 +5,17 @@
 // conversions, layouts (q/k/v strides, grouped K/V heads: see the CUDA-core
 // attention there) and kernel arguments (ATTN_*_PARAMS) it shares.
 //
-// A block is TC_WARPS warps; each warp owns 16 rows (queries in the forward
-// and dQ, keys in dK/dV) of a TC_ROWS-row tile and streams TC_KROWS-row
-// tiles of the other side through shared memory, rows of DMAX + TC_PAD 16-bit
-// elements (the padding puts the 8 rows a fragment load touches on distinct
-// banks). The warp's own rows (Q, or K and V) are staged through the same
-// buffers once and kept in registers as A fragments.
+// A block is TC_WARPS warps; each warp owns MT m-tiles of 16 rows (queries
+// in the forward, TC_MT: two at DMAX 64, one at 128; queries in dQ and keys
+// in dK/dV, one) of the block's tile and streams tiles of the other side through
+// shared memory, rows of DMAX + TC_PAD 16-bit elements (the padding puts
+// the 8 rows a fragment load touches on distinct banks). The warp's own
+// rows (Q, or K and V) are staged through the same buffers once and kept in
+// registers as A fragments; each B fragment loaded from a streamed tile
+// serves all of the warp's m-tiles (FlashAttention-2's 32 rows a warp in
+// the forward), so two m-tiles read shared memory half as much per product.
+// A warp skips a streamed tile that none of its rows sees (past its last
+// row, or before its first row's window): the block's other warps may.
 //
 // Fragments (PTX ISA, "Matrix Fragments for mma.m16n8k16"): with g = lane / 4
 // and t = lane % 4, A (16 x 16, row-major) register i holds the two
@@ -21,7 +26,8 @@
 // bits, the A fragment of k-step j: P and dS go from one product to the
 // next without leaving registers. B operands come from shared memory by
 // ldmatrix, two mma's worth a load: plain where k runs along a shared row
-// (K for Q K^T), transposed where it runs down a column (V for P V).
+// (K for Q K^T, two k-steps of one n-tile), transposed where it runs down a
+// column (V for P V, one k-step of two n-tiles).
 //
 // Streamed tiles pass through two shared-memory stages, so the next tile's
 // copies (cp.async, 16 bytes a thread) are in flight while this one is
@@ -42,10 +48,14 @@
 // ===========================================================================
 #define TC_WARPS 4
 #define TC_THREADS (TC_WARPS * 32)
-#define TC_ROWS 64  // rows per block tile: 16 per warp
+#define TC_ROWS 64  // rows per dQ and dK/dV block: 16 per warp
+// 16-row m-tiles per warp in the forward. Two at DMAX 64 (249 registers
+// for sm_90, no spills); dQ's two m-tiles' P and dP as well take 255 and
+// spill, dK/dV's and DMAX 128's do not fit.
+#define TC_MT(DMAX) ((DMAX) <= 64 ? 2 : 1)
+#define TC_QROWS(DMAX) (TC_WARPS * 16 * TC_MT(DMAX))  // query rows per forward block
 #define TC_PAD 8    // 16-bit elements after each shared-memory row
 #define TC_KROWS(DMAX) ((DMAX) <= 64 ? 64 : 32)  // rows per streamed tile
-static_assert(2 * TC_KROWS(128) >= TC_ROWS, "two stages stage the block's own rows");
 
 // D += A B for one warp: A 16 x 16 and B 16 x 8 of T (bf16 or f16), D f32.
 template <typename T>
@@ -244,15 +254,15 @@ __device__ __forceinline__ void tc_stream(int tiles, Load load, Compute compute)
     }
 }
 
-// tc_stream over the key tiles [first, first + tiles) of one K/V head
-// (TC_KROWS rows from `kb` and `vb`, `kv_stride` apart) into the two stages
-// of `ks` and `vs`, `compute(stage, tile)` given the tile's own index: the
+// tc_stream over the key tiles [first, first + tiles) of one K/V head (KR
+// rows from `kb` and `vb`, `kv_stride` apart) into the two stages of `ks`
+// and `vs`, `compute(stage, tile)` given the tile's own index: the
 // forward's and dQ's stream.
-template <typename T, int DMAX, class Compute>
+template <typename T, int DMAX, int KR, class Compute>
 __device__ __forceinline__ void tc_stream_kv(u16* ks, u16* vs, const T* kb, const T* vb,
                                              int kv_stride, int first, int tiles, int T_, int D,
                                              Compute compute) {
-    constexpr int KR = TC_KROWS(DMAX), TILE = KR * (DMAX + TC_PAD);
+    constexpr int TILE = KR * (DMAX + TC_PAD);
     auto load = [&](int stage, int i) {
         const int t0 = (first + i) * KR;
         tc_load_rows<T, DMAX, KR>(ks + stage * TILE, kb, kv_stride, t0, T_, D);
@@ -261,46 +271,73 @@ __device__ __forceinline__ void tc_stream_kv(u16* ks, u16* vs, const T* kb, cons
     tc_stream(tiles, load, [&](int stage, int i) { compute(stage, first + i); });
 }
 
-// The A fragments of the warp's 16 rows of a staged tile, over DMAX columns.
-template <int DMAX>
-__device__ __forceinline__ void a_fragments(unsigned (&a)[DMAX / 16][4], const u16* tile,
-                                            int warp, int lane) {
-    constexpr int P = DMAX + TC_PAD;
-    const u16* row = tile + (warp * 16 + lane / 4) * P + 2 * (lane % 4);
-#pragma unroll
-    for (int kk = 0; kk < DMAX / 16; ++kk) {
-        a[kk][0] = pair_at(row + kk * 16);
-        a[kk][1] = pair_at(row + 8 * P + kk * 16);
-        a[kk][2] = pair_at(row + kk * 16 + 8);
-        a[kk][3] = pair_at(row + 8 * P + kk * 16 + 8);
-    }
-}
-
-// s[n] = A B for the n-tiles of 8 rows of `tile`, B[k][n] = tile[n][k]: the
-// warp's 16 rows (A) against the tile's KR rows, over DMAX columns.
-template <typename T, int DMAX, int KR>
-__device__ __forceinline__ void rows_times_tile(float (&s)[KR / 8][4],
-                                                const unsigned (&a)[DMAX / 16][4],
-                                                const u16* tile, int lane) {
+// The A fragments of MT m-tiles of 16 rows of a staged tile, from its row
+// `first` on, over DMAX columns.
+template <int DMAX, int MT>
+__device__ __forceinline__ void a_fragments(unsigned (&a)[MT][DMAX / 16][4], const u16* tile,
+                                            int first, int lane) {
     constexpr int P = DMAX + TC_PAD;
 #pragma unroll
-    for (int n = 0; n < KR / 8; ++n) {
-        s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
-        const u16* row = tile + (n * 8 + lane / 4) * P + 2 * (lane % 4);
+    for (int mt = 0; mt < MT; ++mt) {
+        const u16* row = tile + (first + 16 * mt + lane / 4) * P + 2 * (lane % 4);
 #pragma unroll
         for (int kk = 0; kk < DMAX / 16; ++kk) {
-            const unsigned b[2] = {pair_at(row + kk * 16), pair_at(row + kk * 16 + 8)};
-            mma_m16n8k16<T>(s[n], a[kk], b);
+            a[mt][kk][0] = pair_at(row + kk * 16);
+            a[mt][kk][1] = pair_at(row + 8 * P + kk * 16);
+            a[mt][kk][2] = pair_at(row + kk * 16 + 8);
+            a[mt][kk][3] = pair_at(row + 8 * P + kk * 16 + 8);
         }
     }
 }
 
-// acc += X tile, X the warp's 16 x KR values in C-fragment layout
-// (rounded to T here), over the tile's rows: acc[n] covers columns
-// 8n..8n + 7 of the result, B[k][n] = tile[k][n].
-template <typename T, int DMAX, int KR>
-__device__ __forceinline__ void scores_times_tile(float (&acc)[DMAX / 8][4],
-                                                  const float (&x)[KR / 8][4],
+// s[mt][n] = A_mt B for the n-tiles of 8 rows of `tile`, B[k][n] =
+// tile[n][k]: the warp's MT m-tiles (A) against the tile's KR rows, over
+// DMAX columns, k-steps in order. With two m-tiles, each ldmatrix holds
+// two k-steps of one n-tile for both; with one, 4-byte loads keep the
+// registers (and the dQ and dK/dV blocks per SM) where they were.
+template <typename T, int DMAX, int KR, int MT>
+__device__ __forceinline__ void rows_times_tile(float (&s)[MT][KR / 8][4],
+                                                const unsigned (&a)[MT][DMAX / 16][4],
+                                                const u16* tile, int lane) {
+    constexpr int P = DMAX + TC_PAD;
+    static_assert(DMAX % 32 == 0, "k-steps go in pairs");
+    // Matrix j = lane / 8 of an ldmatrix: the n-tile's 8 rows, columns 8j
+    // on from the pair's first k-step (registers 0, 1 its B fragment, 2, 3
+    // the next one's).
+    const u16* rows = tile + (lane % 8) * P + (lane / 8) * 8;
+#pragma unroll
+    for (int n = 0; n < KR / 8; ++n) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.f;
+        if constexpr (MT == 1) {
+            const u16* row = tile + (n * 8 + lane / 4) * P + 2 * (lane % 4);
+#pragma unroll
+            for (int kk = 0; kk < DMAX / 16; ++kk) {
+                const unsigned b[2] = {pair_at(row + kk * 16), pair_at(row + kk * 16 + 8)};
+                mma_m16n8k16<T>(s[0][n], a[0][kk], b);
+            }
+        } else {
+#pragma unroll
+            for (int kk = 0; kk < DMAX / 16; kk += 2) {
+                unsigned b[4];
+                ldmatrix_x4<false>(b, rows + n * 8 * P + kk * 16);
+                const unsigned b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma_m16n8k16<T>(s[mt][n], a[mt][kk], b0);
+                    mma_m16n8k16<T>(s[mt][n], a[mt][kk + 1], b1);
+                }
+            }
+        }
+    }
+}
+
+// acc[mt] += X_mt tile, X_mt the warp's m-tile mt of 16 x KR values in
+// C-fragment layout (rounded to T here), over the tile's rows in order:
+// acc[mt][n] covers columns 8n..8n + 7 of the result, B[k][n] = tile[k][n].
+template <typename T, int DMAX, int KR, int MT>
+__device__ __forceinline__ void scores_times_tile(float (&acc)[MT][DMAX / 8][4],
+                                                  const float (&x)[MT][KR / 8][4],
                                                   const u16* tile, int lane) {
     constexpr int P = DMAX + TC_PAD;
     // Matrix m = lane / 8 of an ldmatrix: rows 8 (m % 2) on of a k-step's
@@ -309,19 +346,24 @@ __device__ __forceinline__ void scores_times_tile(float (&acc)[DMAX / 8][4],
     const u16* rows = tile + ((lane / 8) % 2 * 8 + lane % 8) * P + (lane / 16) * 8;
 #pragma unroll
     for (int kk = 0; kk < KR / 16; ++kk) {
-        const unsigned a[4] = {
-            pack_f32<T>(x[2 * kk][0], x[2 * kk][1]),
-            pack_f32<T>(x[2 * kk][2], x[2 * kk][3]),
-            pack_f32<T>(x[2 * kk + 1][0], x[2 * kk + 1][1]),
-            pack_f32<T>(x[2 * kk + 1][2], x[2 * kk + 1][3]),
-        };
+        unsigned a[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            a[mt][0] = pack_f32<T>(x[mt][2 * kk][0], x[mt][2 * kk][1]);
+            a[mt][1] = pack_f32<T>(x[mt][2 * kk][2], x[mt][2 * kk][3]);
+            a[mt][2] = pack_f32<T>(x[mt][2 * kk + 1][0], x[mt][2 * kk + 1][1]);
+            a[mt][3] = pack_f32<T>(x[mt][2 * kk + 1][2], x[mt][2 * kk + 1][3]);
+        }
 #pragma unroll
         for (int n = 0; n < DMAX / 8; n += 2) {
             unsigned b[4];
             ldmatrix_x4<true>(b, rows + kk * 16 * P + n * 8);
             const unsigned b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
-            mma_m16n8k16<T>(acc[n], a, b0);
-            mma_m16n8k16<T>(acc[n + 1], a, b1);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                mma_m16n8k16<T>(acc[mt][n], a[mt], b0);
+                mma_m16n8k16<T>(acc[mt][n + 1], a[mt], b1);
+            }
         }
     }
 }
@@ -364,94 +406,119 @@ __device__ __forceinline__ float quad_max(float v) {
     return fmaxf(v, __shfl_xor_sync(FULL_MASK, v, 2));
 }
 
+// Whether a warp whose query rows are [first_row, last_row] skips the key
+// tile [k0, k0 + KR): every key after its last row, or before the window of
+// its first (a row's window starts later the later the row). Warp-uniform.
+__device__ __forceinline__ bool tc_warp_skips(int k0, int KR, int first_row, int last_row, int W) {
+    return k0 > last_row || k0 + KR - 1 < attn_first_key(first_row, W);
+}
+
 template <typename T, int DMAX>
 __device__ __forceinline__ void attention_tc_forward(ATTN_FORWARD_PARAMS(T)) {
-    constexpr int P = DMAX + TC_PAD;
+    constexpr int P = DMAX + TC_PAD, MT = TC_MT(DMAX), ROWS = TC_QROWS(DMAX);
     constexpr int KR = TC_KROWS(DMAX), NT = KR / 8, DT = DMAX / 8, TILE = KR * P;
-    // Two stages of streamed tiles each; together at least the block's rows.
+    static_assert(2 * KR >= ROWS, "the two stages stage the block's own rows");
     __shared__ __align__(16) u16 ks[2 * TILE];
     __shared__ __align__(16) u16 vs[2 * TILE];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int q0 = attn_query_tile(TC_ROWS);
+    const int q0 = attn_query_tile(ROWS);
     const int h = attn_head(), b = attn_batch(), kvh = h / (H / KVH);
     const T* qb = q + (size_t)b * T_ * q_stride + (size_t)h * D;
     const T* kb = k + (size_t)b * T_ * kv_stride + (size_t)kvh * D;
     const T* vb = v + (size_t)b * T_ * kv_stride + (size_t)kvh * D;
 
-    tc_load_rows<T, DMAX, TC_ROWS>(ks, qb, q_stride, q0, T_, D);
+    tc_load_rows<T, DMAX, ROWS>(ks, qb, q_stride, q0, T_, D);
     tc_staged();
-    unsigned qa[DMAX / 16][4];
-    a_fragments<DMAX>(qa, ks, warp, lane);
+    unsigned qa[MT][DMAX / 16][4];
+    a_fragments<DMAX, MT>(qa, ks, warp * 16 * MT, lane);
 
-    // This lane's rows: row0 (fragment elements 0, 1) and row0 + 8 (2, 3).
-    const int row0 = q0 + warp * 16 + lane / 4;
-    float o[DT][4], m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
+    // The warp's rows, and this lane's: row0 + 16 mt (fragment elements 0,
+    // 1 of m-tile mt) and row0 + 16 mt + 8 (2, 3).
+    const int warp_first = q0 + warp * 16 * MT, warp_last = warp_first + 16 * MT - 1;
+    const int row0 = warp_first + lane / 4;
+    float o[MT][DT][4], m[MT][2], l[MT][2];
 #pragma unroll
-    for (int n = 0; n < DT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+    for (int mt = 0; mt < MT; ++mt) {
+        m[mt][0] = m[mt][1] = NEG_INF;
+        l[mt][0] = l[mt][1] = 0.f;
+#pragma unroll
+        for (int n = 0; n < DT; ++n) o[mt][n][0] = o[mt][n][1] = o[mt][n][2] = o[mt][n][3] = 0.f;
+    }
     // Key tiles from the first key the block's first row sees up to its
     // last row.
     const int first = attn_first_key(q0, W) / KR;
-    const int tiles = (min(q0 + TC_ROWS, T_) - 1) / KR + 1 - first;
-    tc_stream_kv<T, DMAX>(ks, vs, kb, vb, kv_stride, first, tiles, T_, D, [&](int stage, int tile) {
+    const int tiles = (min(q0 + ROWS, T_) - 1) / KR + 1 - first;
+    tc_stream_kv<T, DMAX, KR>(ks, vs, kb, vb, kv_stride, first, tiles, T_, D, [&](int stage, int tile) {
         const int k0 = tile * KR;
-        float s[NT][4];
-        rows_times_tile<T, DMAX, KR>(s, qa, ks + stage * TILE, lane);
+        // A tile no row of the warp sees changes none of its rows.
+        if (tc_warp_skips(k0, KR, warp_first, warp_last, W)) return;
+        float s[MT][NT][4];
+        rows_times_tile<T, DMAX, KR, MT>(s, qa, ks + stage * TILE, lane);
 #pragma unroll
-        for (int n = 0; n < NT; ++n)
+        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-            for (int i = 0; i < 4; ++i) s[n][i] *= scale;
+            for (int n = 0; n < NT; ++n)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) s[mt][n][i] *= scale;
         // The masks, on the tiles that need them.
-        if (!tc_tile_visible(k0, k0 + KR - 1, q0, q0 + TC_ROWS, T_, W)) {
-            tc_mask<false>(s, NEG_INF, row0, k0, T_, W, lane);
+        if (!tc_tile_visible(k0, k0 + KR - 1, warp_first, warp_last + 1, T_, W)) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) tc_mask<false>(s[mt], NEG_INF, row0 + 16 * mt, k0, T_, W, lane);
         }
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            float mx = NEG_INF;
+        for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-            for (int n = 0; n < NT; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
-            const float m_new = fmaxf(m[r], quad_max(mx));
-            // m_new is -inf only on a row with no visible key yet (a padding
-            // row, row >= T, which stays empty, or one whose window starts
-            // past this tile): its exponents are taken from 0, so that a
-            // masked score still gives exp(-inf) = 0.
-            const float alpha = m[r] == NEG_INF ? 0.f : __expf(m[r] - m_new);
-            const float m_use = m_new == NEG_INF ? 0.f : m_new;
-            float sum = 0.f;
+            for (int r = 0; r < 2; ++r) {
+                float mx = NEG_INF;
 #pragma unroll
-            for (int n = 0; n < NT; ++n) {
+                for (int n = 0; n < NT; ++n) mx = fmaxf(mx, fmaxf(s[mt][n][2 * r], s[mt][n][2 * r + 1]));
+                const float m_new = fmaxf(m[mt][r], quad_max(mx));
+                // m_new is -inf only on a row with no visible key yet (a
+                // padding row, row >= T, which stays empty, or one whose
+                // window starts past this tile): its exponents are taken from
+                // 0, so that a masked score still gives exp(-inf) = 0.
+                const float alpha = m[mt][r] == NEG_INF ? 0.f : __expf(m[mt][r] - m_new);
+                const float m_use = m_new == NEG_INF ? 0.f : m_new;
+                float sum = 0.f;
 #pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const float p = __expf(s[n][2 * r + e] - m_use);
-                    s[n][2 * r + e] = p;
-                    sum += p;
+                for (int n = 0; n < NT; ++n) {
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const float p = __expf(s[mt][n][2 * r + e] - m_use);
+                        s[mt][n][2 * r + e] = p;
+                        sum += p;
+                    }
+                }
+                l[mt][r] = l[mt][r] * alpha + quad_sum(sum);
+                m[mt][r] = m_new;
+#pragma unroll
+                for (int n = 0; n < DT; ++n) {
+                    o[mt][n][2 * r] *= alpha;
+                    o[mt][n][2 * r + 1] *= alpha;
                 }
             }
-            l[r] = l[r] * alpha + quad_sum(sum);
-            m[r] = m_new;
-#pragma unroll
-            for (int n = 0; n < DT; ++n) {
-                o[n][2 * r] *= alpha;
-                o[n][2 * r + 1] *= alpha;
-            }
         }
-        scores_times_tile<T, DMAX, KR>(o, s, vs + stage * TILE, lane);
+        scores_times_tile<T, DMAX, KR, MT>(o, s, vs + stage * TILE, lane);
     });
     const int C = H * D;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int row = row0 + 8 * r;
-        if (row < T_) {
-            const float inv = 1.f / l[r];
-            T* yr = y + ((size_t)b * T_ + row) * C + (size_t)h * D;
+    for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-            for (int n = 0; n < DT; ++n) {
+        for (int r = 0; r < 2; ++r) {
+            const int row = row0 + 16 * mt + 8 * r;
+            if (row < T_) {
+                const float inv = 1.f / l[mt][r];
+                T* yr = y + ((size_t)b * T_ + row) * C + (size_t)h * D;
 #pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int d = n * 8 + 2 * (lane % 4) + e;
-                    if (d < D) yr[d] = from_f32<T>(o[n][2 * r + e] * inv);
+                for (int n = 0; n < DT; ++n) {
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int d = n * 8 + 2 * (lane % 4) + e;
+                        if (d < D) yr[d] = from_f32<T>(o[mt][n][2 * r + e] * inv);
+                    }
                 }
+                if (lane % 4 == 0) lse[((size_t)b * H + h) * T_ + row] = m[mt][r] + logf(l[mt][r]);
             }
-            if (lane % 4 == 0) lse[((size_t)b * H + h) * T_ + row] = m[r] + logf(l[r]);
         }
     }
 }
@@ -460,13 +527,13 @@ __device__ __forceinline__ void attention_tc_forward(ATTN_FORWARD_PARAMS(T)) {
 // dS = P (dP - D), dQ += dS K.
 template <typename T, int DMAX>
 __device__ __forceinline__ void attention_tc_backward_dq(ATTN_DQ_PARAMS(T)) {
-    constexpr int P = DMAX + TC_PAD;
+    constexpr int P = DMAX + TC_PAD, MT = 1, ROWS = TC_ROWS;
     constexpr int KR = TC_KROWS(DMAX), NT = KR / 8, DT = DMAX / 8, TILE = KR * P;
-    // Two stages of streamed tiles each; together at least the block's rows.
+    static_assert(2 * KR >= ROWS, "the two stages stage the block's own rows");
     __shared__ __align__(16) u16 ks[2 * TILE];
     __shared__ __align__(16) u16 vs[2 * TILE];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int q0 = attn_query_tile(TC_ROWS);
+    const int q0 = attn_query_tile(ROWS);
     const int h = attn_head(), b = attn_batch(), kvh = h / (H / KVH);
     const int C = H * D;
     const T* qb = q + (size_t)b * T_ * q_stride + (size_t)h * D;
@@ -476,55 +543,71 @@ __device__ __forceinline__ void attention_tc_backward_dq(ATTN_DQ_PARAMS(T)) {
     const float* lse_bh = lse + ((size_t)b * H + h) * T_;
     const float* delta_bh = delta + ((size_t)b * H + h) * T_;
 
-    tc_load_rows<T, DMAX, TC_ROWS>(ks, qb, q_stride, q0, T_, D);
-    tc_load_rows<T, DMAX, TC_ROWS>(vs, dob, C, q0, T_, D);
+    tc_load_rows<T, DMAX, ROWS>(ks, qb, q_stride, q0, T_, D);
+    tc_load_rows<T, DMAX, ROWS>(vs, dob, C, q0, T_, D);
     tc_staged();
-    unsigned qa[DMAX / 16][4], da[DMAX / 16][4];
-    a_fragments<DMAX>(qa, ks, warp, lane);
-    a_fragments<DMAX>(da, vs, warp, lane);
+    unsigned qa[MT][DMAX / 16][4], da[MT][DMAX / 16][4];
+    a_fragments<DMAX, MT>(qa, ks, warp * 16 * MT, lane);
+    a_fragments<DMAX, MT>(da, vs, warp * 16 * MT, lane);
 
-    const int row0 = q0 + warp * 16 + lane / 4;
-    float row_lse[2], row_delta[2], dq_acc[DT][4];
+    const int warp_first = q0 + warp * 16 * MT, warp_last = warp_first + 16 * MT - 1;
+    const int row0 = warp_first + lane / 4;
+    float row_lse[MT][2], row_delta[MT][2], dq_acc[MT][DT][4];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int row = row0 + 8 * r;
-        row_lse[r] = row < T_ ? lse_bh[row] : 0.f;
-        row_delta[r] = row < T_ ? delta_bh[row] : 0.f;
-    }
+    for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-    for (int n = 0; n < DT; ++n) dq_acc[n][0] = dq_acc[n][1] = dq_acc[n][2] = dq_acc[n][3] = 0.f;
-    const int first = attn_first_key(q0, W) / KR;
-    const int tiles = (min(q0 + TC_ROWS, T_) - 1) / KR + 1 - first;
-    tc_stream_kv<T, DMAX>(ks, vs, kb, vb, kv_stride, first, tiles, T_, D, [&](int stage, int tile) {
-        const int k0 = tile * KR;
-        float s[NT][4], dp[NT][4];
-        rows_times_tile<T, DMAX, KR>(s, qa, ks + stage * TILE, lane);
-        rows_times_tile<T, DMAX, KR>(dp, da, vs + stage * TILE, lane);
-#pragma unroll
-        for (int n = 0; n < NT; ++n)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) s[n][i] = __expf(s[n][i] * scale - row_lse[i / 2]);  // P
-        // The masks, on the tiles that need them.
-        if (!tc_tile_visible(k0, k0 + KR - 1, q0, q0 + TC_ROWS, T_, W)) {
-            tc_mask<false>(s, 0.f, row0, k0, T_, W, lane);
+        for (int r = 0; r < 2; ++r) {
+            const int row = row0 + 16 * mt + 8 * r;
+            row_lse[mt][r] = row < T_ ? lse_bh[row] : 0.f;
+            row_delta[mt][r] = row < T_ ? delta_bh[row] : 0.f;
         }
 #pragma unroll
-        for (int n = 0; n < NT; ++n)
+        for (int n = 0; n < DT; ++n)
+            dq_acc[mt][n][0] = dq_acc[mt][n][1] = dq_acc[mt][n][2] = dq_acc[mt][n][3] = 0.f;
+    }
+    const int first = attn_first_key(q0, W) / KR;
+    const int tiles = (min(q0 + ROWS, T_) - 1) / KR + 1 - first;
+    tc_stream_kv<T, DMAX, KR>(ks, vs, kb, vb, kv_stride, first, tiles, T_, D, [&](int stage, int tile) {
+        const int k0 = tile * KR;
+        // A tile no row of the warp sees adds nothing to its rows.
+        if (tc_warp_skips(k0, KR, warp_first, warp_last, W)) return;
+        float s[MT][NT][4], dp[MT][NT][4];
+        rows_times_tile<T, DMAX, KR, MT>(s, qa, ks + stage * TILE, lane);
+        rows_times_tile<T, DMAX, KR, MT>(dp, da, vs + stage * TILE, lane);
 #pragma unroll
-            for (int i = 0; i < 4; ++i) s[n][i] *= dp[n][i] - row_delta[i / 2];  // dS
-        scores_times_tile<T, DMAX, KR>(dq_acc, s, ks + stage * TILE, lane);
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int n = 0; n < NT; ++n)
+#pragma unroll
+                for (int i = 0; i < 4; ++i)
+                    s[mt][n][i] = __expf(s[mt][n][i] * scale - row_lse[mt][i / 2]);  // P
+        // The masks, on the tiles that need them.
+        if (!tc_tile_visible(k0, k0 + KR - 1, warp_first, warp_last + 1, T_, W)) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) tc_mask<false>(s[mt], 0.f, row0 + 16 * mt, k0, T_, W, lane);
+        }
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int n = 0; n < NT; ++n)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) s[mt][n][i] *= dp[mt][n][i] - row_delta[mt][i / 2];  // dS
+        scores_times_tile<T, DMAX, KR, MT>(dq_acc, s, ks + stage * TILE, lane);
     });
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int row = row0 + 8 * r;
-        if (row < T_) {
-            T* out = dq + ((size_t)b * T_ + row) * q_stride + (size_t)h * D;
+    for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-            for (int n = 0; n < DT; ++n) {
+        for (int r = 0; r < 2; ++r) {
+            const int row = row0 + 16 * mt + 8 * r;
+            if (row < T_) {
+                T* out = dq + ((size_t)b * T_ + row) * q_stride + (size_t)h * D;
 #pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int d = n * 8 + 2 * (lane % 4) + e;
-                    if (d < D) out[d] = from_f32<T>(dq_acc[n][2 * r + e] * scale);
+                for (int n = 0; n < DT; ++n) {
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int d = n * 8 + 2 * (lane % 4) + e;
+                        if (d < D) out[d] = from_f32<T>(dq_acc[mt][n][2 * r + e] * scale);
+                    }
                 }
             }
         }
@@ -553,12 +636,13 @@ __device__ __forceinline__ void tc_load_row_values(float* dst, const float* src,
 // the keys, accumulating dV (WANT_DV) and dK (WANT_DK). The warp's rows are
 // keys, so its products are the transposed ones: S^T = K Q^T, dP^T = V
 // dO^T, dV += P^T dO, dK += dS^T Q. Tiles stream (TC_KROWS rows) through the
-// two stages of `qs`, `dos`, `lse_s`, `delta_s`.
+// two stages of `qs`, `dos`, `lse_s`, `delta_s`. One m-tile a warp (its
+// accumulators for both gradients leave no registers for a second).
 template <typename T, int DMAX, bool WANT_DK, bool WANT_DV>
-__device__ __forceinline__ void dkdv_sweep(float (&dk_acc)[DMAX / 8][4],
-                                           float (&dv_acc)[DMAX / 8][4],
-                                           const unsigned (&ka)[DMAX / 16][4],
-                                           const unsigned (&va)[DMAX / 16][4], u16* qs,
+__device__ __forceinline__ void dkdv_sweep(float (&dk_acc)[1][DMAX / 8][4],
+                                           float (&dv_acc)[1][DMAX / 8][4],
+                                           const unsigned (&ka)[1][DMAX / 16][4],
+                                           const unsigned (&va)[1][DMAX / 16][4], u16* qs,
                                            u16* dos, float* lse_s, float* delta_s,
                                            ATTN_DKDV_PARAMS(T)) {
     constexpr int KR = TC_KROWS(DMAX), NT = KR / 8, TILE = KR * (DMAX + TC_PAD);
@@ -588,31 +672,32 @@ __device__ __forceinline__ void dkdv_sweep(float (&dk_acc)[DMAX / 8][4],
         const u16* dot = dos + stage * TILE;
         const float* lse_t = lse_s + stage * KR;
         const float* delta_t = delta_s + stage * KR;
-        float s[NT][4], dp[NT][4];
-        rows_times_tile<T, DMAX, KR>(s, ka, qt, lane);
-        if (WANT_DK) rows_times_tile<T, DMAX, KR>(dp, va, dot, lane);
+        float s[1][NT][4], dp[1][NT][4];
+        rows_times_tile<T, DMAX, KR, 1>(s, ka, qt, lane);
+        if (WANT_DK) rows_times_tile<T, DMAX, KR, 1>(dp, va, dot, lane);
         // Column j of the tile is query q0 + j: 2t + 8n + {0, 1}.
         const float* lse_c = lse_t + 2 * (lane % 4);
 #pragma unroll
         for (int n = 0; n < NT; ++n)
 #pragma unroll
             for (int i = 0; i < 4; ++i)
-                s[n][i] = __expf(s[n][i] * scale - lse_c[n * 8 + i % 2]);  // P^T
+                s[0][n][i] = __expf(s[0][n][i] * scale - lse_c[n * 8 + i % 2]);  // P^T
         // The masks, on the tiles that need them: the block's keys
         // [k_first, k_first + TC_ROWS) against the tile's queries [q0, q0 +
         // KR).
         if (!tc_tile_visible(k_first, k_first + TC_ROWS - 1, q0, q0 + KR, T_, W)) {
-            tc_mask<true>(s, 0.f, key0, q0, T_, W, lane);
+            tc_mask<true>(s[0], 0.f, key0, q0, T_, W, lane);
         }
         if (WANT_DK) {
             const float* delta_c = delta_t + 2 * (lane % 4);
 #pragma unroll
             for (int n = 0; n < NT; ++n)
 #pragma unroll
-                for (int i = 0; i < 4; ++i) dp[n][i] = s[n][i] * (dp[n][i] - delta_c[n * 8 + i % 2]);  // dS^T
+                for (int i = 0; i < 4; ++i)
+                    dp[0][n][i] = s[0][n][i] * (dp[0][n][i] - delta_c[n * 8 + i % 2]);  // dS^T
         }
-        if (WANT_DV) scores_times_tile<T, DMAX, KR>(dv_acc, s, dot, lane);
-        if (WANT_DK) scores_times_tile<T, DMAX, KR>(dk_acc, dp, qt, lane);
+        if (WANT_DV) scores_times_tile<T, DMAX, KR, 1>(dv_acc, s, dot, lane);
+        if (WANT_DK) scores_times_tile<T, DMAX, KR, 1>(dk_acc, dp, qt, lane);
     });
 }
 
@@ -648,6 +733,7 @@ template <typename T, int DMAX>
 __device__ __forceinline__ void attention_tc_backward_dkdv(ATTN_DKDV_PARAMS(T)) {
     constexpr int P = DMAX + TC_PAD, DT = DMAX / 8, KR = TC_KROWS(DMAX);
     constexpr bool TWO_SWEEPS = DMAX > 64;
+    static_assert(2 * KR >= TC_ROWS, "the two stages stage the block's own rows");
     // Two stages of streamed tiles each; together at least the block's rows.
     __shared__ __align__(16) u16 qs[2 * KR * P];
     __shared__ __align__(16) u16 dos[2 * KR * P];
@@ -661,28 +747,28 @@ __device__ __forceinline__ void attention_tc_backward_dkdv(ATTN_DKDV_PARAMS(T)) 
     tc_load_rows<T, DMAX, TC_ROWS>(qs, k + kv_at, kv_stride, k_first, T_, D);
     tc_load_rows<T, DMAX, TC_ROWS>(dos, v + kv_at, kv_stride, k_first, T_, D);
     tc_staged();
-    unsigned ka[DMAX / 16][4], va[DMAX / 16][4];
-    a_fragments<DMAX>(ka, qs, warp, lane);
-    a_fragments<DMAX>(va, dos, warp, lane);
+    unsigned ka[1][DMAX / 16][4], va[1][DMAX / 16][4];
+    a_fragments<DMAX, 1>(ka, qs, warp * 16, lane);
+    a_fragments<DMAX, 1>(va, dos, warp * 16, lane);
 
-    float dk_acc[DT][4], dv_acc[DT][4];
+    float dk_acc[1][DT][4], dv_acc[1][DT][4];
 #pragma unroll
     for (int n = 0; n < DT; ++n) {
-        dk_acc[n][0] = dk_acc[n][1] = dk_acc[n][2] = dk_acc[n][3] = 0.f;
-        dv_acc[n][0] = dv_acc[n][1] = dv_acc[n][2] = dv_acc[n][3] = 0.f;
+        dk_acc[0][n][0] = dk_acc[0][n][1] = dk_acc[0][n][2] = dk_acc[0][n][3] = 0.f;
+        dv_acc[0][n][0] = dv_acc[0][n][1] = dv_acc[0][n][2] = dv_acc[0][n][3] = 0.f;
     }
     if (TWO_SWEEPS) {
         dkdv_sweep<T, DMAX, false, true>(dk_acc, dv_acc, ka, va, qs, dos, lse_s, delta_s,
                                          ATTN_DKDV_ARGS);
-        store_key_rows<T, DMAX>(dv, dv_acc, 1.f, key0, T_, D, kv_at, kv_stride);
+        store_key_rows<T, DMAX>(dv, dv_acc[0], 1.f, key0, T_, D, kv_at, kv_stride);
         dkdv_sweep<T, DMAX, true, false>(dk_acc, dv_acc, ka, va, qs, dos, lse_s, delta_s,
                                          ATTN_DKDV_ARGS);
     } else {
         dkdv_sweep<T, DMAX, true, true>(dk_acc, dv_acc, ka, va, qs, dos, lse_s, delta_s,
                                         ATTN_DKDV_ARGS);
-        store_key_rows<T, DMAX>(dv, dv_acc, 1.f, key0, T_, D, kv_at, kv_stride);
+        store_key_rows<T, DMAX>(dv, dv_acc[0], 1.f, key0, T_, D, kv_at, kv_stride);
     }
-    store_key_rows<T, DMAX>(dk, dk_acc, scale, key0, T_, D, kv_at, kv_stride);
+    store_key_rows<T, DMAX>(dk, dk_acc[0], scale, key0, T_, D, kv_at, kv_stride);
 }
 
 #define DEFINE_ATTENTION_TC_DMAX(T, SUFFIX, DMAX)                                         \

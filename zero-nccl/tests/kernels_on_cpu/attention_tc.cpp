@@ -6,27 +6,30 @@
 // odd, packed qkv and separate q, k, v with 4 query heads on 2 and on 1 K/V
 // heads, batch > 1, causal and within sliding windows; tiles streamed
 // through two shared-memory stages (32 rows at width 128 against the
-// block's 64). Exits non-zero on any failure.
+// block's 64); forward blocks of 128 queries at width 64 (two m-tiles a
+// warp), whose warps skip the tiles none of their rows sees. Exits non-zero
+// on any failure.
 #include "shim.h"
 #include "layers.cu"
 #include "attention_tc.cu"
 #include "attention_check.h"
 
-// Launches as layers/attention.rs does: TC_THREADS threads, TC_ROWS rows per block.
+// Launches as layers/attention.rs does: TC_THREADS threads, TC_QROWS(DMAX)
+// query rows per forward block, TC_ROWS rows per dK/dV and dQ block.
 template <class E, int DMAX> struct TensorCores {
-    static unsigned tiles(const AttentionCall<E>& c) { return (c.T + TC_ROWS - 1) / TC_ROWS; }
+    static unsigned tiles(const AttentionCall<E>& c, int rows) { return (c.T + rows - 1) / rows; }
     static void forward(const AttentionCall<E>& c) {
-        launch({(unsigned)c.H, (unsigned)c.B, tiles(c)}, {TC_THREADS, 1, 1}, [&] {
+        launch({(unsigned)c.H, (unsigned)c.B, tiles(c, TC_QROWS(DMAX))}, {TC_THREADS, 1, 1}, [&] {
             attention_tc_forward<E, DMAX>(c.q, c.k, c.v, c.y, c.lse, c.q_stride, c.kv_stride, c.T, c.H, c.KVH,
                                           c.D, c.W, c.scale);
         });
     }
     static void backward_kv_q(const AttentionCall<E>& c) {
-        launch({(unsigned)c.KVH, (unsigned)c.B, tiles(c)}, {TC_THREADS, 1, 1}, [&] {
+        launch({(unsigned)c.KVH, (unsigned)c.B, tiles(c, TC_ROWS)}, {TC_THREADS, 1, 1}, [&] {
             attention_tc_backward_dkdv<E, DMAX>(c.q, c.k, c.v, c.dout, c.lse, c.delta, c.dk, c.dv, c.q_stride,
                                                 c.kv_stride, c.T, c.H, c.KVH, c.D, c.W, c.scale);
         });
-        launch({(unsigned)c.H, (unsigned)c.B, tiles(c)}, {TC_THREADS, 1, 1}, [&] {
+        launch({(unsigned)c.H, (unsigned)c.B, tiles(c, TC_ROWS)}, {TC_THREADS, 1, 1}, [&] {
             attention_tc_backward_dq<E, DMAX>(c.q, c.k, c.v, c.dout, c.lse, c.delta, c.dq, c.q_stride,
                                               c.kv_stride, c.T, c.H, c.KVH, c.D, c.W, c.scale);
         });
@@ -62,8 +65,9 @@ int main() {
     // Sliding windows: only itself, within a tile, a streamed tile's rows
     // (64 at width 64, 32 at 128) and one more, across tiles, past T;
     // blocks whose first tiles are skipped and whose tiles are masked at
-    // the window's far edge.
-    for (int window : {1, 17, 32, 64, 65, 100, 300}) {
+    // the window's far edge; 66: a d64 forward warp (32 rows) whose first
+    // row's window starts on a tile's last key, which it must not skip.
+    for (int window : {1, 17, 32, 64, 65, 66, 100, 300}) {
         expect_attention<bf16, TensorCores<bf16, 64>>("bf16 d64", 1, 196, 4, 2, 64, false, BF16_TOL, window);
         expect_attention<bf16, TensorCores<bf16, 128>>("bf16 d128", 2, 139, 2, 2, 128, true, BF16_TOL, window);
     }

@@ -30,9 +30,22 @@ pub(super) const ATTENTION_THREADS: u32 = 128;
 /// Query (forward, dQ) or key (dK/dV) rows per attention block, per head
 /// width variant (`ATTN_WARPS * ATTN_R_<DMAX>` in layers.cu).
 const ATTENTION_ROWS: [usize; 2] = [32, 16];
-/// The same for the tensor-core kernels, both widths (`TC_ROWS` in
-/// attention_tc.cu); their blocks are 128 threads too (`TC_THREADS`).
-const TENSOR_CORE_ROWS: usize = 64;
+/// The same for the tensor-core kernels: query rows per forward block per
+/// head width variant (`TC_QROWS(DMAX)` in attention_tc.cu: two m-tiles of
+/// 16 a warp at 64, one at 128), rows per dQ and dK/dV block (`TC_ROWS`);
+/// their blocks are 128 threads too (`TC_THREADS`).
+const TENSOR_CORE_ROWS: BlockRows = BlockRows {
+    forward: [128, 64],
+    backward: 64,
+};
+
+/// The tensor-core family's rows per block: per head width variant for the
+/// forward (query rows), and for dQ and dK/dV (query and key rows).
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct BlockRows {
+    forward: [usize; 2],
+    backward: usize,
+}
 
 /// The shape of one causal self-attention call, over a packed `qkv`
 /// `[batch, time, (heads + 2 * kv_heads) * head_dim]` (queries, then keys,
@@ -170,14 +183,19 @@ impl AttentionKernels {
     }
 
     /// The kernels of head-width `variant` that run attention in `E` on this
-    /// device, and their rows per block: the tensor-core family for bf16
-    /// and f16 from sm_80, else the CUDA-core one.
-    fn for_element<E: LayerElement>(&self, variant: usize) -> (&AttentionFunctions, usize) {
+    /// device, and their rows per block, `[forward, backward]` (the
+    /// backward's dQ and dK/dV blocks alike): the tensor-core family for
+    /// bf16 and f16 from sm_80, else the CUDA-core one.
+    fn for_element<E: LayerElement>(&self, variant: usize) -> (&AttentionFunctions, [usize; 2]) {
         match E::TENSOR_CORE_INDEX {
-            Some(index) if self.tensor_cores => {
-                (&self.tensor_core[index][variant], TENSOR_CORE_ROWS)
+            Some(index) if self.tensor_cores => (
+                &self.tensor_core[index][variant],
+                [TENSOR_CORE_ROWS.forward[variant], TENSOR_CORE_ROWS.backward],
+            ),
+            _ => {
+                let rows = ATTENTION_ROWS[variant];
+                (&self.cuda_core[E::INDEX][variant], [rows, rows])
             }
-            _ => (&self.cuda_core[E::INDEX][variant], ATTENTION_ROWS[variant]),
         }
     }
 }
@@ -396,7 +414,7 @@ impl LayerKernels {
     ) -> Result<()> {
         check_len(op, "y", y.len(), shape.out_len())?;
         check_len(op, "lse", lse.len(), shape.lse_len())?;
-        let (kernels, rows) = self.attention.for_element::<E>(checked.variant);
+        let (kernels, [rows, _]) = self.attention.for_element::<E>(checked.variant);
         let Some(cfg) = self.attention_config(op, shape.time, rows, shape.heads, shape.batch)?
         else {
             return Ok(());
@@ -489,7 +507,7 @@ impl LayerKernels {
         check_len(op, "out", out.len(), shape.out_len())?;
         check_len(op, "lse", lse.len(), shape.lse_len())?;
         check_len(op, "grad_out", grad_out.len(), shape.out_len())?;
-        let (kernels, rows) = self.attention.for_element::<E>(checked.variant);
+        let (kernels, [_, rows]) = self.attention.for_element::<E>(checked.variant);
         let (time, batch) = (shape.time, shape.batch);
         let Some(dq_cfg) = self.attention_config(op, time, rows, shape.heads, batch)? else {
             return Ok(());
@@ -574,7 +592,17 @@ mod tests {
         assert!(LAYER_SOURCE.contains("#define TC_ROWS 64"));
         assert!(LAYER_SOURCE.contains("#define TC_THREADS (TC_WARPS * 32)"));
         assert!(LAYER_SOURCE.contains("#define TC_WARPS 4"));
-        assert_eq!(TENSOR_CORE_ROWS, 64);
+        // TC_QROWS(DMAX) = TC_WARPS * 16 * TC_MT(DMAX).
+        assert!(LAYER_SOURCE.contains("#define TC_MT(DMAX) ((DMAX) <= 64 ? 2 : 1)"));
+        assert!(LAYER_SOURCE.contains("#define TC_QROWS(DMAX) (TC_WARPS * 16 * TC_MT(DMAX))"));
+        assert_eq!(HEAD_DIM_VARIANTS, [64, 128]);
+        assert_eq!(
+            TENSOR_CORE_ROWS,
+            BlockRows {
+                forward: [4 * 16 * 2, 4 * 16],
+                backward: 64
+            }
+        );
     }
 
     /// Every attention kernel's parameters end with the strides and the
