@@ -705,6 +705,9 @@ impl GradStore {
     fn accumulate(&mut self, tensor: &Tensor, grad: &Tensor) -> Result<()> {
         match self.0.entry(tensor.id()) {
             Entry::Occupied(mut entry) => {
+                #[cfg(feature = "cuda")]
+                let sum = crate::cuda_backend::grad_sum::grad_sum(entry.get(), grad)?;
+                #[cfg(not(feature = "cuda"))]
                 let sum = entry.get().add(grad)?;
                 entry.insert(sum);
             }

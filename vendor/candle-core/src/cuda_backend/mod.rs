@@ -19,6 +19,7 @@ pub mod cudnn;
 pub mod cutile;
 mod device;
 mod error;
+pub(crate) mod grad_sum;
 mod utils;
 pub use device::{CudaDevice, DeviceId};
 pub use error::{CudaError, WrapErr};
