@@ -632,28 +632,90 @@ DEFINE_ATTENTION(float, f32)
 DEFINE_ATTENTION(bf16, bf16)
 DEFINE_ATTENTION(f16, f16)
 
+// 16 bytes of T: what one wide access of an element-wise kernel moves.
+template <typename T>
+union Pack16 {
+    uint4 raw;
+    T v[16 / sizeof(T)];
+};
+__device__ __forceinline__ bool aligned16(const void* p) { return (((u64)p) & 15) == 0; }
+
 // ===========================================================================
 // LayerNorm (remove_mean = 1) and RMSNorm (remove_mean = 0) over the last
 // dimension n of [rows, n]: one warp per row, statistics in f32, variance
 // around the mean in a second pass over the row (never E[x^2] - mean^2).
+// The row passes move 16 bytes of each buffer a lane where n and the
+// buffers allow (the Llama's H200 profile: one element a lane ran at about
+// a quarter of the memory's bandwidth), else one element.
 // The output is scaled by w_offset + w, summed in f32: Gemma's RMSNorm
 // takes 1 + w (its checkpoints store w centred on zero); -0.f adds nothing
 // to any w, not even the sign of a zero.
 // ===========================================================================
-template <typename T>
+// N consecutive elements of a row from element j, in f32: one 16-byte
+// access where N of T are 16 bytes (the caller checked the alignment),
+// else N = 1, one element.
+template <typename T, int N>
+__device__ __forceinline__ void load_n(float (&out)[N], const T* p, int j) {
+    static_assert(N == 1 || N * sizeof(T) == 16, "one element or 16 bytes");
+    if constexpr (N == 1) {
+        out[0] = to_f32(p[j]);
+    } else {
+        Pack16<T> v;
+        v.raw = *reinterpret_cast<const uint4*>(p + j);
+#pragma unroll
+        for (int k = 0; k < N; k++) out[k] = to_f32(v.v[k]);
+    }
+}
+template <typename T, int N>
+__device__ __forceinline__ void store_n(T* p, int j, const float (&in)[N]) {
+    if constexpr (N == 1) {
+        p[j] = from_f32<T>(in[0]);
+    } else {
+        Pack16<T> v;
+#pragma unroll
+        for (int k = 0; k < N; k++) v.v[k] = from_f32<T>(in[k]);
+        *reinterpret_cast<uint4*>(p + j) = v.raw;
+    }
+}
+
+// The norms' row passes take N elements of each buffer at a time: 16 bytes
+// (NORM_WIDE) where n and every buffer allow it, else one. A lane's
+// elements are j = N lane + 32 N i + k, its sums add them in that order.
+#define NORM_WIDE(T) (16 / (int)sizeof(T))
+__device__ __forceinline__ bool all_aligned16() { return true; }
+template <class... Rest>
+__device__ __forceinline__ bool all_aligned16(const void* p, Rest... rest) {
+    return aligned16(p) && all_aligned16(rest...);
+}
+template <typename T, class... Buffers>
+__device__ __forceinline__ bool norm_wide(int n, Buffers... buffers) {
+    return n % NORM_WIDE(T) == 0 && all_aligned16(buffers...);
+}
+#define NORM_ROW_LOOP(j, N) for (int j = (N) * (threadIdx.x % 32); j < n; j += 32 * (N))
+
+template <typename T, int N>
 __device__ __forceinline__ void row_stats(const T* xr, int n, float eps, int remove_mean,
                                           float* mean_out, float* rstd_out) {
-    const int lane = threadIdx.x % 32;
     float mean = 0.f;
     if (remove_mean) {
         float sum = 0.f;
-        for (int j = lane; j < n; j += 32) sum += to_f32(xr[j]);
+        NORM_ROW_LOOP(j, N) {
+            float v[N];
+            load_n<T, N>(v, xr, j);
+#pragma unroll
+            for (int k = 0; k < N; k++) sum += v[k];
+        }
         mean = warp_sum(sum) / (float)n;
     }
     float sq = 0.f;
-    for (int j = lane; j < n; j += 32) {
-        const float c = to_f32(xr[j]) - mean;
-        sq += c * c;
+    NORM_ROW_LOOP(j, N) {
+        float v[N];
+        load_n<T, N>(v, xr, j);
+#pragma unroll
+        for (int k = 0; k < N; k++) {
+            const float c = v[k] - mean;
+            sq += c * c;
+        }
     }
     const float var = warp_sum(sq) / (float)n;
     *mean_out = mean;
@@ -662,29 +724,48 @@ __device__ __forceinline__ void row_stats(const T* xr, int n, float eps, int rem
 
 // One row by one warp: yr = (xr - mean) * rstd * (w_offset + w) (+ b when
 // has_bias; `b` is then read, else not).
-template <typename T>
+template <typename T, int N>
 __device__ __forceinline__ void norm_row(const T* xr, const T* __restrict__ w, float w_offset,
                                          const T* __restrict__ bias, int has_bias,
                                          T* __restrict__ yr, int n, float eps, int remove_mean) {
-    const int lane = threadIdx.x % 32;
     float mean, rstd;
-    row_stats<T>(xr, n, eps, remove_mean, &mean, &rstd);
-    for (int j = lane; j < n; j += 32) {
-        float v = (to_f32(xr[j]) - mean) * rstd * (to_f32(w[j]) + w_offset);
-        if (has_bias) v += to_f32(bias[j]);
-        yr[j] = from_f32<T>(v);
+    row_stats<T, N>(xr, n, eps, remove_mean, &mean, &rstd);
+    NORM_ROW_LOOP(j, N) {
+        float x[N], wv[N], b[N];
+        load_n<T, N>(x, xr, j);
+        load_n<T, N>(wv, w, j);
+        if (has_bias) load_n<T, N>(b, bias, j);
+#pragma unroll
+        for (int k = 0; k < N; k++) {
+            x[k] = (x[k] - mean) * rstd * (wv[k] + w_offset);
+            if (has_bias) x[k] += b[k];
+        }
+        store_n<T, N>(yr, j, x);
     }
 }
 
+template <typename T, int N>
+__device__ __forceinline__ void norm_forward_n(const T* __restrict__ x, const T* __restrict__ w,
+                                               float w_offset, const T* __restrict__ bias,
+                                               int has_bias, T* __restrict__ y, long long rows,
+                                               int n, float eps, int remove_mean) {
+    const long long warps = (long long)gridDim.x * (blockDim.x / 32);
+    for (long long row = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+         row < rows; row += warps) {
+        norm_row<T, N>(x + row * n, w, w_offset, bias, has_bias, y + row * n, n, eps,
+                       remove_mean);
+    }
+}
 template <typename T>
 __device__ __forceinline__ void norm_forward(const T* __restrict__ x, const T* __restrict__ w,
                                              float w_offset, const T* __restrict__ bias,
                                              int has_bias, T* __restrict__ y, long long rows,
                                              int n, float eps, int remove_mean) {
-    const long long warps = (long long)gridDim.x * (blockDim.x / 32);
-    for (long long row = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-         row < rows; row += warps) {
-        norm_row<T>(x + row * n, w, w_offset, bias, has_bias, y + row * n, n, eps, remove_mean);
+    if (norm_wide<T>(n, x, w, has_bias ? bias : w, y)) {
+        norm_forward_n<T, NORM_WIDE(T)>(x, w, w_offset, bias, has_bias, y, rows, n, eps,
+                                        remove_mean);
+    } else {
+        norm_forward_n<T, 1>(x, w, w_offset, bias, has_bias, y, rows, n, eps, remove_mean);
     }
 }
 
@@ -692,6 +773,28 @@ __device__ __forceinline__ void norm_forward(const T* __restrict__ x, const T* _
 // rounded to T as a separate add would round it, then y = norm(h) from
 // those rounded values, so both equal the unfused pair's. Each lane reads
 // back only the elements of h it wrote itself (no barrier), from cache.
+template <typename T, int N>
+__device__ __forceinline__ void residual_norm_forward_n(
+    const T* __restrict__ x, const T* __restrict__ residual, const T* __restrict__ w,
+    float w_offset, const T* __restrict__ bias, int has_bias, T* __restrict__ h,
+    T* __restrict__ y, long long rows, int n, float eps, int remove_mean) {
+    const long long warps = (long long)gridDim.x * (blockDim.x / 32);
+    for (long long row = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+         row < rows; row += warps) {
+        const T* xr = x + row * n;
+        const T* rr = residual + row * n;
+        T* hr = h + row * n;
+        NORM_ROW_LOOP(j, N) {
+            float a[N], b[N];
+            load_n<T, N>(a, xr, j);
+            load_n<T, N>(b, rr, j);
+#pragma unroll
+            for (int k = 0; k < N; k++) a[k] += b[k];
+            store_n<T, N>(hr, j, a);
+        }
+        norm_row<T, N>(hr, w, w_offset, bias, has_bias, y + row * n, n, eps, remove_mean);
+    }
+}
 template <typename T>
 __device__ __forceinline__ void residual_norm_forward(const T* __restrict__ x,
                                                       const T* __restrict__ residual,
@@ -700,15 +803,12 @@ __device__ __forceinline__ void residual_norm_forward(const T* __restrict__ x,
                                                       T* __restrict__ h, T* __restrict__ y,
                                                       long long rows, int n, float eps,
                                                       int remove_mean) {
-    const int lane = threadIdx.x % 32;
-    const long long warps = (long long)gridDim.x * (blockDim.x / 32);
-    for (long long row = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-         row < rows; row += warps) {
-        const T* xr = x + row * n;
-        const T* rr = residual + row * n;
-        T* hr = h + row * n;
-        for (int j = lane; j < n; j += 32) hr[j] = from_f32<T>(to_f32(xr[j]) + to_f32(rr[j]));
-        norm_row<T>(hr, w, w_offset, bias, has_bias, y + row * n, n, eps, remove_mean);
+    if (norm_wide<T>(n, x, residual, w, has_bias ? bias : w, h, y)) {
+        residual_norm_forward_n<T, NORM_WIDE(T)>(x, residual, w, w_offset, bias, has_bias, h,
+                                                 y, rows, n, eps, remove_mean);
+    } else {
+        residual_norm_forward_n<T, 1>(x, residual, w, w_offset, bias, has_bias, h, y, rows, n,
+                                      eps, remove_mean);
     }
 }
 
@@ -717,13 +817,13 @@ __device__ __forceinline__ void residual_norm_forward(const T* __restrict__ x,
 // with want_dx writes dx = rstd (g^ - mean(g^) - x^ mean(g^ x^)),
 // g^ = g (w_offset + w), x^ = (x - mean) rstd (no mean(g^) term for
 // RMSNorm).
-template <typename T>
-__device__ __forceinline__ void norm_backward_rows(const T* __restrict__ x,
-                                                   const T* __restrict__ w, float w_offset,
-                                                   const T* __restrict__ g, T* __restrict__ dx,
-                                                   float* __restrict__ stats, long long rows,
-                                                   int n, float eps, int remove_mean,
-                                                   int want_dx) {
+template <typename T, int N>
+__device__ __forceinline__ void norm_backward_rows_n(const T* __restrict__ x,
+                                                     const T* __restrict__ w, float w_offset,
+                                                     const T* __restrict__ g, T* __restrict__ dx,
+                                                     float* __restrict__ stats, long long rows,
+                                                     int n, float eps, int remove_mean,
+                                                     int want_dx) {
     const int lane = threadIdx.x % 32;
     const long long warps = (long long)gridDim.x * (blockDim.x / 32);
     for (long long row = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
@@ -731,27 +831,57 @@ __device__ __forceinline__ void norm_backward_rows(const T* __restrict__ x,
         const T* xr = x + row * n;
         const T* gr = g + row * n;
         float mean, rstd;
-        row_stats<T>(xr, n, eps, remove_mean, &mean, &rstd);
+        row_stats<T, N>(xr, n, eps, remove_mean, &mean, &rstd);
         if (lane == 0) {
             stats[row] = mean;
             stats[rows + row] = rstd;
         }
         if (!want_dx) continue;
         float sum_g = 0.f, sum_gx = 0.f;
-        for (int j = lane; j < n; j += 32) {
-            const float gh = to_f32(gr[j]) * (to_f32(w[j]) + w_offset);
-            const float xh = (to_f32(xr[j]) - mean) * rstd;
-            sum_g += gh;
-            sum_gx += gh * xh;
+        NORM_ROW_LOOP(j, N) {
+            float gv[N], wv[N], xv[N];
+            load_n<T, N>(gv, gr, j);
+            load_n<T, N>(wv, w, j);
+            load_n<T, N>(xv, xr, j);
+#pragma unroll
+            for (int k = 0; k < N; k++) {
+                const float gh = gv[k] * (wv[k] + w_offset);
+                const float xh = (xv[k] - mean) * rstd;
+                sum_g += gh;
+                sum_gx += gh * xh;
+            }
         }
         const float mean_g = remove_mean ? warp_sum(sum_g) / (float)n : 0.f;
         const float mean_gx = warp_sum(sum_gx) / (float)n;
         T* dxr = dx + row * n;
-        for (int j = lane; j < n; j += 32) {
-            const float gh = to_f32(gr[j]) * (to_f32(w[j]) + w_offset);
-            const float xh = (to_f32(xr[j]) - mean) * rstd;
-            dxr[j] = from_f32<T>(rstd * (gh - mean_g - xh * mean_gx));
+        NORM_ROW_LOOP(j, N) {
+            float gv[N], wv[N], xv[N];
+            load_n<T, N>(gv, gr, j);
+            load_n<T, N>(wv, w, j);
+            load_n<T, N>(xv, xr, j);
+#pragma unroll
+            for (int k = 0; k < N; k++) {
+                const float gh = gv[k] * (wv[k] + w_offset);
+                const float xh = (xv[k] - mean) * rstd;
+                gv[k] = rstd * (gh - mean_g - xh * mean_gx);
+            }
+            store_n<T, N>(dxr, j, gv);
         }
+    }
+}
+template <typename T>
+__device__ __forceinline__ void norm_backward_rows(const T* __restrict__ x,
+                                                   const T* __restrict__ w, float w_offset,
+                                                   const T* __restrict__ g, T* __restrict__ dx,
+                                                   float* __restrict__ stats, long long rows,
+                                                   int n, float eps, int remove_mean,
+                                                   int want_dx) {
+    if (norm_wide<T>(n, x, w, g, want_dx ? (const T*)dx : x)) {
+        norm_backward_rows_n<T, NORM_WIDE(T)>(x, w, w_offset, g, dx, stats, rows, n, eps,
+                                              remove_mean, want_dx);
+    } else {
+        norm_backward_rows_n<T, 1>(x, w, w_offset, g, dx, stats, rows, n, eps, remove_mean,
+                                   want_dx);
     }
 }
 
@@ -991,13 +1121,6 @@ DEFINE_BIAS_ACTIVATION(f16, f16)
 // 0, GELU's tanh form), and its backward in one pass:
 // dgate = dy * up * act'(gate), dup = dy * act(gate). Grid-stride.
 // ===========================================================================
-// 16 bytes of T: what one wide access of an element-wise kernel moves.
-template <typename T>
-union Pack16 {
-    uint4 raw;
-    T v[16 / sizeof(T)];
-};
-__device__ __forceinline__ bool aligned16(const void* p) { return (((u64)p) & 15) == 0; }
 
 // Where every buffer is 16-byte aligned (whole fresh allocations are), each
 // thread takes 16 bytes of each at a time (8 bf16 or f16, 4 f32), the last

@@ -11,16 +11,21 @@
 #include <algorithm>
 #include <array>
 // The norm kernels on [rows, n], scaled by w_offset + w (Gemma's 1 + w with w_offset 1, w centred on zero).
-double norm_test(long long rows,int n,int remove_mean,int has_bias,bool want_dx,unsigned seed,float w_offset){
+// With skew, x, g, y and dx sit one element past a 16-byte boundary: the row passes take one element at a
+// time, not 16 bytes.
+double norm_test(long long rows,int n,int remove_mean,int has_bias,bool want_dx,unsigned seed,float w_offset,int skew=0){
   std::mt19937 rng(seed); std::normal_distribution<float> nd(0,1);
   std::vector<float> x(rows*n),w(n),b(n),g(rows*n),y(rows*n,9),dx(rows*n,9),dw(n,9),db(n,9);
   for(auto&v:x)v=nd(rng)*2+1; for(auto&v:w)v=nd(rng); for(auto&v:b)v=nd(rng); for(auto&v:g)v=nd(rng);
+  std::vector<float> X(rows*n+4),G(rows*n+4),Y(rows*n+4,9),DX(rows*n+4,9);
+  std::copy(x.begin(),x.end(),X.begin()+skew); std::copy(g.begin(),g.end(),G.begin()+skew);
   float eps=1e-5f; unsigned cap=4; // small cap to exercise grid-stride
-  launch({std::min<unsigned>((rows+7)/8,cap),1,1},{256,1,1},[&]{norm_forward<float>(x.data(),w.data(),w_offset,b.data(),has_bias,y.data(),rows,n,eps,remove_mean);});
+  launch({std::min<unsigned>((rows+7)/8,cap),1,1},{256,1,1},[&]{norm_forward<float>(X.data()+skew,w.data(),w_offset,b.data(),has_bias,Y.data()+skew,rows,n,eps,remove_mean);});
   // chunking as layers.rs
   long long chunks=std::clamp<long long>((rows+127)/128,1,512); long long rpc=(rows+chunks-1)/chunks; chunks=(rows+rpc-1)/rpc;
   std::vector<float> stats(2*rows), partial(2*chunks*n);
-  launch({std::min<unsigned>((rows+7)/8,cap),1,1},{256,1,1},[&]{norm_backward_rows<float>(x.data(),w.data(),w_offset,g.data(),dx.data(),stats.data(),rows,n,eps,remove_mean,want_dx);});
+  launch({std::min<unsigned>((rows+7)/8,cap),1,1},{256,1,1},[&]{norm_backward_rows<float>(X.data()+skew,w.data(),w_offset,G.data()+skew,DX.data()+skew,stats.data(),rows,n,eps,remove_mean,want_dx);});
+  std::copy(Y.begin()+skew,Y.begin()+skew+rows*n,y.begin()); std::copy(DX.begin()+skew,DX.begin()+skew+rows*n,dx.begin());
   launch({(unsigned)((n+31)/32),(unsigned)chunks,1},{32,8,1},[&]{norm_backward_columns<float>(x.data(),g.data(),stats.data(),partial.data(),rows,n,rpc);});
   launch({std::min<unsigned>((n+255)/256,cap),1,1},{256,1,1},[&]{norm_backward_finish<float>(partial.data(),dw.data(),db.data(),n,(int)chunks);});
   double err=0; std::vector<double> rdw(n,0),rdb(n,0);
@@ -221,6 +226,14 @@ int main() {
                                  rows, n, rm, hb, off, e);
                         expect(e <= 1e-4, what);
                     }
+    // 16 bytes at a time where n is a multiple of 4 (f32) and the buffers allow; one element at a time
+    // for the same shapes one element off.
+    for (int skew : {0, 1})
+        for (int n : {64, 260}) {
+            double e = norm_test(33, n, 1, 1, true, 77 + n + skew, 0.f, skew);
+            snprintf(what, sizeof what, "norm rows 33, n %d, skew %d: error %g", n, skew, e);
+            expect(e <= 1e-4, what);
+        }
     for (float off : {-0.f, 1.f})
         for (long long rows : {1LL, 7LL, 33LL, 300LL})
             for (int n : {1, 5, 32, 33, 100})
