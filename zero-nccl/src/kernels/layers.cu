@@ -655,7 +655,7 @@ __device__ __forceinline__ bool aligned16(const void* p) { return (((u64)p) & 15
 // access where N of T are 16 bytes (the caller checked the alignment),
 // else N = 1, one element.
 template <typename T, int N>
-__device__ __forceinline__ void load_n(float (&out)[N], const T* p, int j) {
+__device__ __forceinline__ void load_n(float (&out)[N], const T* p, long long j) {
     static_assert(N == 1 || N * sizeof(T) == 16, "one element or 16 bytes");
     if constexpr (N == 1) {
         out[0] = to_f32(p[j]);
@@ -667,7 +667,7 @@ __device__ __forceinline__ void load_n(float (&out)[N], const T* p, int j) {
     }
 }
 template <typename T, int N>
-__device__ __forceinline__ void store_n(T* p, int j, const float (&in)[N]) {
+__device__ __forceinline__ void store_n(T* p, long long j, const float (&in)[N]) {
     if constexpr (N == 1) {
         p[j] = from_f32<T>(in[0]);
     } else {
@@ -1208,25 +1208,51 @@ DEFINE_GATED(f16, f16)
 //   y[d] = x[d] cos - x[d + D/2] sin,  y[d + D/2] = x[d + D/2] cos + x[d] sin.
 // The backward is the same kernel on the output gradient with sign = -1 (a
 // rotation's transpose is the rotation by the opposite angle). One thread
-// per pair, grid-stride over rows * D/2 pairs (a row is one head of one
-// position).
+// per N pairs (d..d + N - 1 with their partners; 16 bytes of each buffer
+// where half and the buffers allow, else one pair), grid-stride over rows *
+// D/2 pairs (a row is one head of one position). Each element is computed
+// alike either way.
 // ===========================================================================
+template <typename T, int N>
+__device__ __forceinline__ void rotary_n(const T* __restrict__ x,
+                                         const T* __restrict__ cos_table,
+                                         const T* __restrict__ sin_table, T* __restrict__ y,
+                                         long long pairs, int half, int heads, int time,
+                                         float sign) {
+    const int per_row = half / N;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < pairs / N;
+         i += (long long)gridDim.x * blockDim.x) {
+        const long long row = i / per_row;
+        const int d = (int)(i - row * per_row) * N;
+        const int t = (int)((row / heads) % time);
+        const long long at = row * 2 * half + d;
+        const long long angle = (long long)t * half + d;
+        float a[N], b[N], c[N], s[N];
+        load_n<T, N>(a, x, at);
+        load_n<T, N>(b, x + half, at);
+        load_n<T, N>(c, cos_table, angle);
+        load_n<T, N>(s, sin_table, angle);
+#pragma unroll
+        for (int k = 0; k < N; k++) {
+            const float sk = sign * s[k];
+            const float lo = a[k] * c[k] - b[k] * sk, hi = b[k] * c[k] + a[k] * sk;
+            a[k] = lo;
+            b[k] = hi;
+        }
+        store_n<T, N>(y, at, a);
+        store_n<T, N>(y + half, at, b);
+    }
+}
 template <typename T>
 __device__ __forceinline__ void rotary(const T* __restrict__ x, const T* __restrict__ cos_table,
                                        const T* __restrict__ sin_table, T* __restrict__ y,
                                        long long pairs, int half, int heads, int time,
                                        float sign) {
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < pairs;
-         i += (long long)gridDim.x * blockDim.x) {
-        const long long row = i / half;
-        const int d = (int)(i - row * half);
-        const int t = (int)((row / heads) % time);
-        const long long at = row * 2 * half + d;
-        const long long angle = (long long)t * half + d;
-        const float a = to_f32(x[at]), b = to_f32(x[at + half]);
-        const float c = to_f32(cos_table[angle]), s = sign * to_f32(sin_table[angle]);
-        y[at] = from_f32<T>(a * c - b * s);
-        y[at + half] = from_f32<T>(b * c + a * s);
+    constexpr int N = 16 / sizeof(T);
+    if (half % N == 0 && all_aligned16(x, x + half, cos_table, sin_table, y, y + half)) {
+        rotary_n<T, N>(x, cos_table, sin_table, y, pairs, half, heads, time, sign);
+    } else {
+        rotary_n<T, 1>(x, cos_table, sin_table, y, pairs, half, heads, time, sign);
     }
 }
 
