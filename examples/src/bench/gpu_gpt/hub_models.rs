@@ -200,6 +200,18 @@ struct Measured {
     tokens_per_s: f64,
     /// Bytes; `None` when the pool's high-water mark cannot be read.
     peak_bytes: Option<u64>,
+    /// The median step and the host's median time until `backward_step`
+    /// returned, seconds.
+    times: StepTimes,
+}
+
+/// A step's median wall time and the host's median time to issue it (until
+/// `backward_step` returned, before the drain): near the step, the host
+/// paces it or waits inside it; far below, the GPU does.
+#[derive(Clone, Copy)]
+struct StepTimes {
+    step: f64,
+    issued: f64,
 }
 
 /// Trains `case` on both sides, ours first (dropped, its memory freed,
@@ -240,6 +252,14 @@ pub(super) fn against_transformers(
             if let Some(peak) = measured.peak_bytes {
                 report.add(&case.figure("peak_gb"), peak as f64 / 1e9, "GB", None);
             }
+            let StepTimes { step, issued } = measured.times;
+            report.add(&case.figure("step_ms"), step * 1e3, "ms", None);
+            report.add(
+                &case.figure("host_step_issued_ms"),
+                issued * 1e3,
+                "ms",
+                None,
+            );
             Some(measured)
         }
         Err(e) => {
@@ -348,7 +368,7 @@ impl Steps {
     };
 }
 
-/// The median time of `step` on `model`'s loss over `ids`, over
+/// The median times of `step` on `model`'s loss over `ids`, over
 /// `steps.timed` steps after `steps.warmup` (`sync` after each,
 /// `at_warmup` once the warm-up is done).
 fn median_step(
@@ -358,8 +378,8 @@ fn median_step(
     mut step: impl FnMut(&Tensor) -> BenchResult<bool>,
     mut sync: impl FnMut() -> BenchResult<()>,
     mut at_warmup: impl FnMut() -> BenchResult<()>,
-) -> BenchResult<f64> {
-    let mut times = Vec::with_capacity(steps.timed);
+) -> BenchResult<StepTimes> {
+    let (mut times, mut issued) = (Vec::new(), Vec::new());
     for i in 0..steps.warmup + steps.timed {
         if i == steps.warmup {
             at_warmup()?;
@@ -368,13 +388,21 @@ fn median_step(
         if !step(&model.loss(ids)?)? {
             return Err("backward_step did not complete a step at one micro-step".into());
         }
+        let step_issued = started.elapsed();
         sync()?;
         if i >= steps.warmup {
             times.push(started.elapsed().as_secs_f64());
+            issued.push(step_issued.as_secs_f64());
         }
     }
-    times.sort_by(f64::total_cmp);
-    Ok(times[times.len() / 2])
+    let median = |mut times: Vec<f64>| {
+        times.sort_by(f64::total_cmp);
+        times[times.len() / 2]
+    };
+    Ok(StepTimes {
+        step: median(times),
+        issued: median(issued),
+    })
 }
 
 /// `case` in bf16 with `NcclZeroOptimizer` at one rank on one seeded batch:
@@ -404,7 +432,7 @@ fn one_rank(
             Box::new(AdamW::new(adamw_config())?),
             &hook,
         )?;
-        let seconds = median_step(
+        let times = median_step(
             steps,
             &model,
             &ids,
@@ -418,8 +446,9 @@ fn one_rank(
             },
         )?;
         Measured {
-            tokens_per_s: (case.batch * case.context) as f64 / seconds,
+            tokens_per_s: (case.batch * case.context) as f64 / times.step,
             peak_bytes: pool.map(DevicePool::high_water).transpose()?,
+            times,
         }
     };
     // The model, optimizer and communicator are dropped; their
@@ -468,6 +497,7 @@ fn ranks_sharing(device: &Device, ctx: &CudaContext, case: &HubCase) -> BenchRes
                 || Ok(device.synchronize()?),
                 || Ok(device.synchronize()?),
             )
+            .map(|times| times.step)
         })();
         Ok(trained.map_err(|e| format!("rank {rank}: {e}")))
     })?;
