@@ -68,6 +68,48 @@ template <> __device__ __forceinline__ f16 from_f32<f16>(float f) {
     return r;
 }
 
+// ---- 16-byte accesses ----------------------------------------------------
+// 16 bytes of T: what one wide access of an element-wise kernel moves.
+template <typename T>
+union Pack16 {
+    uint4 raw;
+    T v[16 / sizeof(T)];
+};
+__device__ __forceinline__ bool aligned16(const void* p) { return (((u64)p) & 15) == 0; }
+
+__device__ __forceinline__ bool all_aligned16() { return true; }
+template <class... Rest>
+__device__ __forceinline__ bool all_aligned16(const void* p, Rest... rest) {
+    return aligned16(p) && all_aligned16(rest...);
+}
+
+// N consecutive elements from element j, in f32: one 16-byte
+// access where N of T are 16 bytes (the caller checked the alignment),
+// else N = 1, one element.
+template <typename T, int N>
+__device__ __forceinline__ void load_n(float (&out)[N], const T* p, long long j) {
+    static_assert(N == 1 || N * sizeof(T) == 16, "one element or 16 bytes");
+    if constexpr (N == 1) {
+        out[0] = to_f32(p[j]);
+    } else {
+        Pack16<T> v;
+        v.raw = *reinterpret_cast<const uint4*>(p + j);
+#pragma unroll
+        for (int k = 0; k < N; k++) out[k] = to_f32(v.v[k]);
+    }
+}
+template <typename T, int N>
+__device__ __forceinline__ void store_n(T* p, long long j, const float (&in)[N]) {
+    if constexpr (N == 1) {
+        p[j] = from_f32<T>(in[0]);
+    } else {
+        Pack16<T> v;
+#pragma unroll
+        for (int k = 0; k < N; k++) v.v[k] = from_f32<T>(in[k]);
+        *reinterpret_cast<uint4*>(p + j) = v.raw;
+    }
+}
+
 // ---- warp and block reductions -------------------------------------------
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
@@ -322,28 +364,52 @@ __device__ __forceinline__ void attention_forward(const T* __restrict__ q, const
     }
 }
 
-// D_i = sum_d dO[i, d] * O[i, d] per (b, t, h), into delta [B, H, T] f32:
-// one warp per row, rows in memory order (b, t, h).
+// D_i = sum_d dO[i, d] * O[i, d] per (b, t, h), into delta [B, H, T] f32,
+// rows in memory order (b, t, h). L lanes of a warp per row (the fewest
+// that cover its N-element pieces, a power of two up to 32), each piece 16
+// bytes of each buffer where D and the buffers allow, else one element;
+// the L lanes' sums are added by a butterfly.
+template <typename T, int N>
+__device__ __forceinline__ void attention_backward_delta_n(const T* __restrict__ out,
+                                                           const T* __restrict__ dout,
+                                                           float* __restrict__ delta, int B,
+                                                           int T_, int H, int D) {
+    int L = 1;
+    while (L < 32 && L * N < D) L *= 2;
+    const int lane = threadIdx.x % 32, sub = lane % L, per_warp = 32 / L;
+    const long long warps = (long long)gridDim.x * (blockDim.x / 32);
+    const long long rows = (long long)B * T_ * H;
+    for (long long first = ((long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32) * per_warp;
+         first < rows; first += warps * per_warp) {
+        const long long row = first + lane / L;
+        float sum = 0.f;
+        if (row < rows) {
+            for (int d = sub * N; d < D; d += L * N) {
+                float o[N], g[N];
+                load_n<T, N>(o, out, row * D + d);
+                load_n<T, N>(g, dout, row * D + d);
+#pragma unroll
+                for (int k = 0; k < N; k++) sum += o[k] * g[k];
+            }
+        }
+        for (int o = L / 2; o > 0; o /= 2) sum += __shfl_xor_sync(FULL_MASK, sum, o);
+        if (sub == 0 && row < rows) {
+            const long long h = row % H, bt = row / H;
+            const long long t = bt % T_, b = bt / T_;
+            delta[(b * H + h) * T_ + t] = sum;
+        }
+    }
+}
 template <typename T>
 __device__ __forceinline__ void attention_backward_delta(const T* __restrict__ out,
                                                          const T* __restrict__ dout,
                                                          float* __restrict__ delta, int B, int T_,
                                                          int H, int D) {
-    const int lane = threadIdx.x % 32;
-    const long long warps = (long long)gridDim.x * (blockDim.x / 32);
-    const long long rows = (long long)B * T_ * H;
-    for (long long row = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-         row < rows; row += warps) {
-        const T* o = out + row * D;
-        const T* g = dout + row * D;
-        float sum = 0.f;
-        for (int d = lane; d < D; d += 32) sum += to_f32(o[d]) * to_f32(g[d]);
-        sum = warp_sum(sum);
-        if (lane == 0) {
-            const long long h = row % H, bt = row / H;
-            const long long t = bt % T_, b = bt / T_;
-            delta[(b * H + h) * T_ + t] = sum;
-        }
+    constexpr int N = 16 / sizeof(T);
+    if (D % N == 0 && all_aligned16(out, dout)) {
+        attention_backward_delta_n<T, N>(out, dout, delta, B, T_, H, D);
+    } else {
+        attention_backward_delta_n<T, 1>(out, dout, delta, B, T_, H, D);
     }
 }
 
@@ -632,14 +698,6 @@ DEFINE_ATTENTION(float, f32)
 DEFINE_ATTENTION(bf16, bf16)
 DEFINE_ATTENTION(f16, f16)
 
-// 16 bytes of T: what one wide access of an element-wise kernel moves.
-template <typename T>
-union Pack16 {
-    uint4 raw;
-    T v[16 / sizeof(T)];
-};
-__device__ __forceinline__ bool aligned16(const void* p) { return (((u64)p) & 15) == 0; }
-
 // ===========================================================================
 // LayerNorm (remove_mean = 1) and RMSNorm (remove_mean = 0) over the last
 // dimension n of [rows, n]: one warp per row, statistics in f32, variance
@@ -651,42 +709,10 @@ __device__ __forceinline__ bool aligned16(const void* p) { return (((u64)p) & 15
 // takes 1 + w (its checkpoints store w centred on zero); -0.f adds nothing
 // to any w, not even the sign of a zero.
 // ===========================================================================
-// N consecutive elements of a row from element j, in f32: one 16-byte
-// access where N of T are 16 bytes (the caller checked the alignment),
-// else N = 1, one element.
-template <typename T, int N>
-__device__ __forceinline__ void load_n(float (&out)[N], const T* p, long long j) {
-    static_assert(N == 1 || N * sizeof(T) == 16, "one element or 16 bytes");
-    if constexpr (N == 1) {
-        out[0] = to_f32(p[j]);
-    } else {
-        Pack16<T> v;
-        v.raw = *reinterpret_cast<const uint4*>(p + j);
-#pragma unroll
-        for (int k = 0; k < N; k++) out[k] = to_f32(v.v[k]);
-    }
-}
-template <typename T, int N>
-__device__ __forceinline__ void store_n(T* p, long long j, const float (&in)[N]) {
-    if constexpr (N == 1) {
-        p[j] = from_f32<T>(in[0]);
-    } else {
-        Pack16<T> v;
-#pragma unroll
-        for (int k = 0; k < N; k++) v.v[k] = from_f32<T>(in[k]);
-        *reinterpret_cast<uint4*>(p + j) = v.raw;
-    }
-}
-
 // The norms' row passes take N elements of each buffer at a time: 16 bytes
 // (NORM_WIDE) where n and every buffer allow it, else one. A lane's
 // elements are j = N lane + 32 N i + k, its sums add them in that order.
 #define NORM_WIDE(T) (16 / (int)sizeof(T))
-__device__ __forceinline__ bool all_aligned16() { return true; }
-template <class... Rest>
-__device__ __forceinline__ bool all_aligned16(const void* p, Rest... rest) {
-    return aligned16(p) && all_aligned16(rest...);
-}
 template <typename T, class... Buffers>
 __device__ __forceinline__ bool norm_wide(int n, Buffers... buffers) {
     return n % NORM_WIDE(T) == 0 && all_aligned16(buffers...);
