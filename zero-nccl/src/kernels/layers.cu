@@ -110,6 +110,26 @@ __device__ __forceinline__ void store_n(T* p, long long j, const float (&in)[N])
     }
 }
 
+// Element-wise over n elements, grid-stride: f(Lanes<M>{}, i) for the M
+// elements from i; M = N (16 bytes of each buffer) where `wide`, the
+// elements after the last whole chunk and all of them otherwise one at a
+// time (M = 1).
+template <int V>
+struct Lanes {
+    static constexpr int value = V;
+};
+template <int N, class F>
+__device__ __forceinline__ void elementwise(long long n, bool wide, F f) {
+    const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    long long done = 0;
+    if (wide) {
+        done = n / N * N;
+        for (long long c = first; c < n / N; c += stride) f(Lanes<N>{}, c * N);
+    }
+    for (long long i = done + first; i < n; i += stride) f(Lanes<1>{}, i);
+}
+
 // ---- warp and block reductions -------------------------------------------
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
@@ -1095,20 +1115,41 @@ __device__ __forceinline__ float activation_derivative(int kind, float x) {
     }
 }
 
+// y = act(x) and dx = g act'(x), 16 bytes of each buffer a thread where
+// they allow.
+template <typename T>
+__device__ __forceinline__ void activation_forward(const T* x, T* y, long long n, int kind) {
+    elementwise<16 / sizeof(T)>(n, all_aligned16(x, y), [&](auto lanes, long long i) {
+        constexpr int M = decltype(lanes)::value;
+        float v[M];
+        load_n<T, M>(v, x, i);
+#pragma unroll
+        for (int k = 0; k < M; k++) v[k] = activation(kind, v[k]);
+        store_n<T, M>(y, i, v);
+    });
+}
+template <typename T>
+__device__ __forceinline__ void activation_backward(const T* x, const T* g, T* dx, long long n,
+                                                    int kind) {
+    elementwise<16 / sizeof(T)>(n, all_aligned16(x, g, dx), [&](auto lanes, long long i) {
+        constexpr int M = decltype(lanes)::value;
+        float xv[M], gv[M];
+        load_n<T, M>(xv, x, i);
+        load_n<T, M>(gv, g, i);
+#pragma unroll
+        for (int k = 0; k < M; k++) gv[k] *= activation_derivative(kind, xv[k]);
+        store_n<T, M>(dx, i, gv);
+    });
+}
+
 #define DEFINE_ACTIVATION(T, SUFFIX)                                                      \
 extern "C" __global__ void activation_forward_##SUFFIX(const T* x, T* y, long long n,     \
                                                        int kind) {                        \
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;           \
-         i += (long long)gridDim.x * blockDim.x) {                                        \
-        y[i] = from_f32<T>(activation(kind, to_f32(x[i])));                               \
-    }                                                                                     \
+    activation_forward<T>(x, y, n, kind);                                                 \
 }                                                                                         \
 extern "C" __global__ void activation_backward_##SUFFIX(const T* x, const T* g, T* dx,    \
                                                         long long n, int kind) {          \
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;           \
-         i += (long long)gridDim.x * blockDim.x) {                                        \
-        dx[i] = from_f32<T>(to_f32(g[i]) * activation_derivative(kind, to_f32(x[i])));    \
-    }                                                                                     \
+    activation_backward<T>(x, g, dx, n, kind);                                            \
 }
 
 DEFINE_ACTIVATION(float, f32)
@@ -1180,62 +1221,36 @@ DEFINE_BIAS_ACTIVATION(f16, f16)
 template <typename T>
 __device__ __forceinline__ void gated_forward(const T* gate, const T* up, T* y, long long n,
                                               int kind) {
-    const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    const long long stride = (long long)gridDim.x * blockDim.x;
-    constexpr int N = 16 / sizeof(T);
-    long long done = 0;
-    if (aligned16(gate) && aligned16(up) && aligned16(y)) {
-        done = n / N * N;
-        for (long long c = first; c < n / N; c += stride) {
-            Pack16<T> g, u, out;
-            g.raw = reinterpret_cast<const uint4*>(gate)[c];
-            u.raw = reinterpret_cast<const uint4*>(up)[c];
+    elementwise<16 / sizeof(T)>(n, all_aligned16(gate, up, y), [&](auto lanes, long long i) {
+        constexpr int M = decltype(lanes)::value;
+        float g[M], u[M];
+        load_n<T, M>(g, gate, i);
+        load_n<T, M>(u, up, i);
 #pragma unroll
-            for (int k = 0; k < N; k++) {
-                out.v[k] = from_f32<T>(activation(kind, to_f32(g.v[k])) * to_f32(u.v[k]));
-            }
-            reinterpret_cast<uint4*>(y)[c] = out.raw;
-        }
-    }
-    for (long long i = done + first; i < n; i += stride) {
-        y[i] = from_f32<T>(activation(kind, to_f32(gate[i])) * to_f32(up[i]));
-    }
-}
-
-template <typename T>
-__device__ __forceinline__ void gated_backward_at(const T* gate, const T* up, const T* grad,
-                                                  T* dgate, T* dup, long long i, int kind) {
-    const float g = to_f32(gate[i]), dy = to_f32(grad[i]);
-    dgate[i] = from_f32<T>(dy * to_f32(up[i]) * activation_derivative(kind, g));
-    dup[i] = from_f32<T>(dy * activation(kind, g));
+        for (int k = 0; k < M; k++) g[k] = activation(kind, g[k]) * u[k];
+        store_n<T, M>(y, i, g);
+    });
 }
 
 template <typename T>
 __device__ __forceinline__ void gated_backward(const T* gate, const T* up, const T* grad,
                                                T* dgate, T* dup, long long n, int kind) {
-    const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    const long long stride = (long long)gridDim.x * blockDim.x;
-    constexpr int N = 16 / sizeof(T);
-    long long done = 0;
-    if (aligned16(gate) && aligned16(up) && aligned16(grad) && aligned16(dgate) &&
-        aligned16(dup)) {
-        done = n / N * N;
-        for (long long c = first; c < n / N; c += stride) {
-            Pack16<T> g, u, dy, dg, du;
-            g.raw = reinterpret_cast<const uint4*>(gate)[c];
-            u.raw = reinterpret_cast<const uint4*>(up)[c];
-            dy.raw = reinterpret_cast<const uint4*>(grad)[c];
+    elementwise<16 / sizeof(T)>(
+        n, all_aligned16(gate, up, grad, dgate, dup), [&](auto lanes, long long i) {
+            constexpr int M = decltype(lanes)::value;
+            float g[M], u[M], dy[M];
+            load_n<T, M>(g, gate, i);
+            load_n<T, M>(u, up, i);
+            load_n<T, M>(dy, grad, i);
 #pragma unroll
-            for (int k = 0; k < N; k++) {
-                gated_backward_at(g.v, u.v, dy.v, dg.v, du.v, k, kind);
+            for (int k = 0; k < M; k++) {
+                const float act = activation(kind, g[k]);
+                g[k] = dy[k] * u[k] * activation_derivative(kind, g[k]);
+                u[k] = dy[k] * act;
             }
-            reinterpret_cast<uint4*>(dgate)[c] = dg.raw;
-            reinterpret_cast<uint4*>(dup)[c] = du.raw;
-        }
-    }
-    for (long long i = done + first; i < n; i += stride) {
-        gated_backward_at(gate, up, grad, dgate, dup, i, kind);
-    }
+            store_n<T, M>(dgate, i, g);
+            store_n<T, M>(dup, i, u);
+        });
 }
 
 #define DEFINE_GATED(T, SUFFIX)                                                           \

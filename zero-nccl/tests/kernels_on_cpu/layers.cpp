@@ -1,5 +1,5 @@
 // LayerNorm/RmsNorm (alone and after a residual add, with and without a weight offset), cross-entropy, the
-// gated MLP's act(gate) * up, rotary-embedding, a Linear's bias (+ activation) and column-sum kernels of
+// gated MLP's act(gate) * up, the activations alone, rotary-embedding, a Linear's bias (+ activation) and column-sum kernels of
 // src/kernels/layers.cu on the CPU (see shim.h), against double-precision references: grids capped so that
 // grid-stride loops run, the weight and bias gradients' chunked sums as layers.rs launches them, ignore index,
 // u32 and i64 targets, NaN where PyTorch gives NaN, and the 16-bit types'
@@ -109,6 +109,27 @@ template<class T> double gated_test(long long n,unsigned cap,unsigned seed,int k
   for(long long j=0;j<len;j++) if((j<skew||j>=skew+n)&&(Y[j]!=-77.f||DG[j]!=-77.f||DU[j]!=-77.f)) return 1e9;
   auto part=[&](const std::vector<float>& v){ return std::vector<float>(v.begin()+skew,v.begin()+skew+n); };
   return std::max({worst(ry,part(Y)),worst(rdg,part(DG)),worst(rdu,part(DU))});
+}
+
+// activation_forward_<T> and activation_backward_<T> (act(x), g act'(x)) over n elements laid out as in
+// gated_test (skew 1: one at a time; 0: 16 bytes a thread where n allows), canaries around them.
+template<class T> double activation_test(long long n,unsigned cap,unsigned seed,int kind,int skew,
+    void(*fwd)(const T*,T*,long long,int),void(*bwd)(const T*,const T*,T*,long long,int)){
+  std::mt19937 rng(seed); std::normal_distribution<float> nd(0,1);
+  const long long len=n+skew+1;
+  std::vector<float> xf(len),gf(len); for(auto&v:xf)v=nd(rng)*4; for(auto&v:gf)v=nd(rng);
+  auto x=narrow16<T>(xf), g=narrow16<T>(gf);
+  const std::vector<float> canary(len,-77.f);
+  auto y=narrow16<T>(canary), dx=narrow16<T>(canary);
+  unsigned blocks=std::min<unsigned>((unsigned)((n+255)/256),cap);
+  launch({blocks,1,1},{256,1,1},[&]{fwd(x.data()+skew,y.data()+skew,n,kind);});
+  launch({blocks,1,1},{256,1,1},[&]{bwd(x.data()+skew,g.data()+skew,dx.data()+skew,n,kind);});
+  auto X=widen(x), G=widen(g), Y=widen(y), DX=widen(dx);
+  std::vector<double> ry(n), rdx(n);
+  for(long long i=0;i<n;i++){ const long long j=i+skew; double slope; ry[i]=activation_ref(kind,X[j],&slope); rdx[i]=G[j]*slope; }
+  for(long long j=0;j<len;j++) if((j<skew||j>=skew+n)&&(Y[j]!=-77.f||DX[j]!=-77.f)) return 1e9;
+  auto part=[&](const std::vector<float>& v){ return std::vector<float>(v.begin()+skew,v.begin()+skew+n); };
+  return std::max(worst(ry,part(Y)),worst(rdx,part(DX)));
 }
 
 // residual_norm_forward<T> over [rows, n], grid capped: h must be x +
@@ -297,6 +318,13 @@ int main() {
                              "gated activation %d, n %lld, cap %u, skew %d: error f32 %g, bf16 %g, f16 %g",
                              kind, n, cap, skew, e32, eb, eh);
                     expect(e32 <= 1e-6 && eb <= 4e-3 && eh <= 5e-4, what);
+                    e32 = activation_test<float>(n, cap, seed, kind, skew, activation_forward_f32, activation_backward_f32);
+                    eb = activation_test<bf16>(n, cap, seed + 1, kind, skew, activation_forward_bf16, activation_backward_bf16);
+                    eh = activation_test<f16>(n, cap, seed + 2, kind, skew, activation_forward_f16, activation_backward_f16);
+                    snprintf(what, sizeof what,
+                             "activation %d, n %lld, cap %u, skew %d: error f32 %g, bf16 %g, f16 %g",
+                             kind, n, cap, skew, e32, eb, eh);
+                    expect(e32 <= 1e-6 && eb <= 4e-3 && eh <= 5e-4, what);
                 }
             }
         }
@@ -358,7 +386,7 @@ int main() {
         expect(chunks == 511 && e <= 1e-5, what);
     }
     printf("norms (alone and after a residual add, with a weight offset), cross-entropy, gated "
-           "activations (SwiGLU, GeGLU), rotary embeddings, a Linear's bias + activation and column sums on "
+           "activations (SwiGLU, GeGLU), activations alone, rotary embeddings, a Linear's bias + activation and column sums on "
            "the CPU: %s\n",
            failures ? "FAILED" : "ok");
     return failures ? 1 : 0;
