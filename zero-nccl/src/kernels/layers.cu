@@ -883,35 +883,37 @@ __device__ __forceinline__ void norm_backward_rows_n(const T* __restrict__ x,
             stats[rows + row] = rstd;
         }
         if (!want_dx) continue;
-        float sum_g = 0.f, sum_gx = 0.f;
-        NORM_ROW_LOOP(j, N) {
-            float gv[N], wv[N], xv[N];
-            load_n<T, N>(gv, gr, j);
+        // g^ and x^ of this lane's N elements from j.
+        auto hats = [&](int j, float (&gh)[N], float (&xh)[N]) {
+            float wv[N];
+            load_n<T, N>(gh, gr, j);
             load_n<T, N>(wv, w, j);
-            load_n<T, N>(xv, xr, j);
+            load_n<T, N>(xh, xr, j);
 #pragma unroll
             for (int k = 0; k < N; k++) {
-                const float gh = gv[k] * (wv[k] + w_offset);
-                const float xh = (xv[k] - mean) * rstd;
-                sum_g += gh;
-                sum_gx += gh * xh;
+                gh[k] *= wv[k] + w_offset;
+                xh[k] = (xh[k] - mean) * rstd;
+            }
+        };
+        float sum_g = 0.f, sum_gx = 0.f;
+        NORM_ROW_LOOP(j, N) {
+            float gh[N], xh[N];
+            hats(j, gh, xh);
+#pragma unroll
+            for (int k = 0; k < N; k++) {
+                sum_g += gh[k];
+                sum_gx += gh[k] * xh[k];
             }
         }
         const float mean_g = remove_mean ? warp_sum(sum_g) / (float)n : 0.f;
         const float mean_gx = warp_sum(sum_gx) / (float)n;
         T* dxr = dx + row * n;
         NORM_ROW_LOOP(j, N) {
-            float gv[N], wv[N], xv[N];
-            load_n<T, N>(gv, gr, j);
-            load_n<T, N>(wv, w, j);
-            load_n<T, N>(xv, xr, j);
+            float gh[N], xh[N];
+            hats(j, gh, xh);
 #pragma unroll
-            for (int k = 0; k < N; k++) {
-                const float gh = gv[k] * (wv[k] + w_offset);
-                const float xh = (xv[k] - mean) * rstd;
-                gv[k] = rstd * (gh - mean_g - xh * mean_gx);
-            }
-            store_n<T, N>(dxr, j, gv);
+            for (int k = 0; k < N; k++) gh[k] = rstd * (gh[k] - mean_g - xh[k] * mean_gx);
+            store_n<T, N>(dxr, j, gh);
         }
     }
 }
