@@ -30,6 +30,17 @@ const HEAD_DIM: usize = 64;
 const GQA_HEADS: usize = 32;
 const GQA_KV_HEADS: usize = 8;
 const GQA_HEAD_DIM: usize = 128;
+
+/// A grouped attention call's shape, `[batch, time, heads, kv_heads,
+/// head_dim]`: the grouped case at the GPT's batch and time, and the 1.1B
+/// Llama's (`bench gpu`'s TinyLlama; `kernel_times.py`'s `attn_llama`).
+const GROUPED: [[usize; 5]; 2] = [
+    [BATCH, TIME, GQA_HEADS, GQA_KV_HEADS, GQA_HEAD_DIM],
+    [4, 2048, 32, 4, 64],
+];
+/// Their figures' names: `gpu.attn_{name}_fwd_bwd_ms_bf16`, and PyTorch's
+/// in `kernel_times.py`'s JSON.
+const GROUPED_NAMES: [&str; 2] = ["gqa", "llama"];
 const WARMUP: usize = 3;
 const ITERS: usize = 20;
 
@@ -37,7 +48,7 @@ type BenchResult<T> = Result<T, Box<dyn std::error::Error>>;
 
 /// Runs the fused-layer suite (after `gpu::device_present`).
 pub fn run(report: &mut Report) {
-    let (ours, our_gqa) = match ours(report) {
+    let (ours, our_grouped) = match ours(report) {
         Ok(ours) => ours,
         Err(e) => {
             report.failed("gpu layer benchmarks", e);
@@ -80,20 +91,32 @@ pub fn run(report: &mut Report) {
                     Some("<= 2.0"),
                 );
             }
-            match torch.get("attn_gqa_fwd_bwd_ms_bf16") {
-                Some(&gqa) => {
-                    report.add("gpu.torch_attn_gqa_fwd_bwd_ms_bf16", gqa, "ms", None);
-                    report.add(
-                        "gpu.attn_gqa_over_torch_bf16",
-                        our_gqa / gqa,
-                        "ratio",
-                        Some("<= 1.3"),
-                    );
+            // The Llama's shape is reported only: its goal is its step's.
+            for ((name, ours), goal) in GROUPED_NAMES
+                .into_iter()
+                .zip(our_grouped)
+                .zip([Some("<= 1.3"), None])
+            {
+                match torch.get(&format!("attn_{name}_fwd_bwd_ms_bf16")) {
+                    Some(&theirs) => {
+                        report.add(
+                            &format!("gpu.torch_attn_{name}_fwd_bwd_ms_bf16"),
+                            theirs,
+                            "ms",
+                            None,
+                        );
+                        report.add(
+                            &format!("gpu.attn_{name}_over_torch_bf16"),
+                            ours / theirs,
+                            "ratio",
+                            goal,
+                        );
+                    }
+                    None => eprintln!(
+                        "kernel_times.py reported no {name} figure (SDPA's enable_gqa needs \
+                         torch 2.5 or newer)"
+                    ),
                 }
-                None => eprintln!(
-                    "kernel_times.py reported no grouped figure (SDPA's enable_gqa needs torch \
-                     2.5 or newer)"
-                ),
             }
         }
         Err(e) => println!("gpu layer benchmarks: PyTorch comparison skipped: {e}"),
@@ -114,9 +137,12 @@ fn time_ms(stream: &Arc<CudaStream>, mut f: impl FnMut() -> BenchResult<()>) -> 
     Ok(start.elapsed_ms(&end)? as f64 / ITERS as f64)
 }
 
-/// Our figures, `[(attention, LayerNorm backward); f32, bf16]` and the
-/// grouped attention in bf16, in ms.
-fn ours(report: &mut Report) -> BenchResult<([(f64, f64); 2], f64)> {
+/// Our figures in ms: `[(attention, LayerNorm backward); f32, bf16]`, and
+/// the grouped attention in bf16 at [`GROUPED`]'s shapes.
+type OurTimes = ([(f64, f64); 2], [f64; 2]);
+
+/// Times our kernels on GPU 0 and reports each time.
+fn ours(report: &mut Report) -> BenchResult<OurTimes> {
     let device = Device::new_cuda(0)?;
     let Device::Cuda(cuda) = &device else {
         return Err("Device::new_cuda returned a non-CUDA device".into());
@@ -161,28 +187,29 @@ fn ours(report: &mut Report) -> BenchResult<([(f64, f64); 2], f64)> {
         );
         figures[i] = (attn_ms, norm_ms);
     }
-    let randn = |heads: usize| -> BenchResult<Var> {
-        let shape = (BATCH, TIME, heads, GQA_HEAD_DIM);
-        let t = Tensor::randn(0f32, 1.0, shape, &device)?.to_dtype(DType::BF16)?;
-        Ok(Var::from_tensor(&t)?)
-    };
-    let (q, k, v) = (
-        randn(GQA_HEADS)?,
-        randn(GQA_KV_HEADS)?,
-        randn(GQA_KV_HEADS)?,
-    );
-    let gqa_ms = time_ms(&stream, || {
-        let y = causal_attention(q.as_tensor(), k.as_tensor(), v.as_tensor())?;
-        let grads = y.backward()?;
-        drop(grads);
-        Ok(())
-    })?;
-    report.add("gpu.attn_gqa_fwd_bwd_ms_bf16", gqa_ms, "ms", None);
+    let mut grouped = [0.0; 2];
+    for ((ms, [batch, time, heads, kv_heads, head_dim]), name) in
+        grouped.iter_mut().zip(GROUPED).zip(GROUPED_NAMES)
+    {
+        let randn = |heads: usize| -> BenchResult<Var> {
+            let shape = (batch, time, heads, head_dim);
+            let t = Tensor::randn(0f32, 1.0, shape, &device)?.to_dtype(DType::BF16)?;
+            Ok(Var::from_tensor(&t)?)
+        };
+        let (q, k, v) = (randn(heads)?, randn(kv_heads)?, randn(kv_heads)?);
+        *ms = time_ms(&stream, || {
+            let y = causal_attention(q.as_tensor(), k.as_tensor(), v.as_tensor())?;
+            let grads = y.backward()?;
+            drop(grads);
+            Ok(())
+        })?;
+        report.add(&format!("gpu.attn_{name}_fwd_bwd_ms_bf16"), *ms, "ms", None);
+    }
     // A failure here keeps the comparisons above.
     if let Err(e) = embedding_figures(report, &device, &stream) {
         report.failed("gpu.embedding_over_candle", e);
     }
-    Ok((figures, gqa_ms))
+    Ok((figures, grouped))
 }
 
 /// GPT-2's token table and the GPT benchmark's ids per step.
