@@ -176,28 +176,30 @@ fn launch<T: cudarc::driver::DeviceRepr>(
     Ok(Some(out))
 }
 
-/// The kernel `name` on `dev`'s context, compiled once per architecture;
-/// `None` before sm_80 or where NVRTC fails.
+/// The kernel `name` on `dev`'s context, its PTX compiled once per context
+/// (the step path pays a map lookup, not a capability query); `None` before
+/// sm_80 or where NVRTC fails.
 fn function(dev: &CudaDevice, name: &str) -> Result<Option<CudaFunction>> {
-    let (major, minor) = dev.cuda_stream().context().compute_capability().w()?;
-    if major < 8 {
-        return Ok(None);
-    }
-    let arch = format!("compute_{major}{minor}");
-    static PTX: OnceLock<Mutex<HashMap<String, Option<Arc<str>>>>> = OnceLock::new();
+    static PTX: OnceLock<Mutex<HashMap<usize, Option<Arc<str>>>>> = OnceLock::new();
+    let stream = dev.cuda_stream();
+    let context = stream.context();
     let ptx = PTX
         .get_or_init(Default::default)
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner())
-        .entry(arch.clone())
+        .entry(context.cu_ctx() as usize)
         .or_insert_with(|| {
+            let (major, minor) = context.compute_capability().ok()?;
+            if major < 8 {
+                return None;
+            }
+            let arch = format!("compute_{major}{minor}");
             let options = cudarc::nvrtc::CompileOptions {
                 arch: Some(Box::leak(arch.into_boxed_str())),
                 ..Default::default()
             };
-            cudarc::nvrtc::compile_ptx_with_opts(SOURCE, options)
-                .ok()
-                .map(|ptx| ptx.to_src().into())
+            let ptx = cudarc::nvrtc::compile_ptx_with_opts(SOURCE, options).ok()?;
+            Some(ptx.to_src().into())
         })
         .clone();
     let Some(ptx) = ptx else {
