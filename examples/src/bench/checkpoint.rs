@@ -18,7 +18,7 @@
 //! cores with training, which slows the steps between saves;
 //! `checkpoint.*_step_over_plain` reports that.
 
-use super::Report;
+use super::{median, Report};
 use crate::trainer::Mlp;
 use candle_core::Device;
 use rand::SeedableRng;
@@ -185,12 +185,6 @@ where
         every: EVERY,
     };
     timed_saves(&mut opt, save, root, schedule, step, || Ok(()))
-}
-
-/// The median of `values`.
-fn median(mut values: Vec<f64>) -> f64 {
-    values.sort_by(f64::total_cmp);
-    values.get(values.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
 /// Per save the slowest rank's times; rank 0's median step.

@@ -1,17 +1,12 @@
 //! `bench comm`: the thread backend's collectives against plain memory
 //! copies, and small all-reduce latency.
 
-use super::Report;
+use super::{median, Report};
 use std::sync::Barrier;
 use std::time::Instant;
 use zero_core::prelude::*;
 
 const MIB: usize = 1 << 20;
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
 
 /// Two threads each copying `bytes` between their own buffers, started
 /// together; seconds until both are done, median of `reps`.

@@ -14,7 +14,7 @@
 //! case alike; each figure is a median.
 
 use super::torch_peer::{run_gpt_peer, PeerArgs};
-use super::{interleaved_medians, Report};
+use super::{interleaved_medians, median, Report};
 use crate::heap;
 use crate::trainer::{Gpt, GptConfig, GptOps, TextData};
 use candle_core::{Device, Tensor};
@@ -69,11 +69,6 @@ fn batch(
     let first = (step * world_size * BATCH) as u64;
     let ids = text.windows_at(first, rank, BATCH, context, 0);
     Tensor::from_vec(ids, (BATCH, context + 1), &Device::Cpu)
-}
-
-fn median(mut times: Vec<f64>) -> f64 {
-    times.sort_by(f64::total_cmp);
-    times[times.len() / 2]
 }
 
 /// One engine run: the median step time after `warmup`, and the most heap

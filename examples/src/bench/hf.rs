@@ -21,7 +21,7 @@
 use super::torch_peer::{
     run_hf_peer, HfModel, HfPeerArgs, PeerDevice, PeerDtype, PeerFigures, QWEN3_MOE_SMALL,
 };
-use super::{interleaved_medians, Report};
+use super::{interleaved_medians, median, Report};
 use candle_core::{DType, Device, Tensor};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use std::path::PathBuf;
@@ -108,11 +108,6 @@ pub fn fixture_dir(fixture: &str) -> PathBuf {
         .join("..")
         .join(FIXTURES)
         .join(fixture)
-}
-
-fn median(mut times: Vec<f64>) -> f64 {
-    times.sort_by(f64::total_cmp);
-    times[times.len() / 2]
 }
 
 /// Rank 0's median step time (batch, forward, backward, step) over `STEPS`

@@ -44,6 +44,12 @@ fn random_batch(
     ))
 }
 
+/// The median of `values` (the upper one of an even count; NaN if empty).
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values.get(values.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
 /// Measures each of `names` `rounds` times with `measure(case)`, the cases
 /// alternating so that drift in the machine's load affects each alike, and
 /// returns each case's median; on a failure, the failing case's name and
@@ -59,13 +65,7 @@ fn interleaved_medians(
             values[case].push(measure(case).map_err(|e| format!("{name} failed: {e}"))?);
         }
     }
-    Ok(values
-        .iter_mut()
-        .map(|v| {
-            v.sort_by(f64::total_cmp);
-            v[v.len() / 2]
-        })
-        .collect())
+    Ok(values.into_iter().map(median).collect())
 }
 
 /// Runs the suite named by the first command-line argument (all if none).

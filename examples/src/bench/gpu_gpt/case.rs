@@ -166,10 +166,7 @@ pub(super) fn ours(
             }
         }
         let peak_bytes = pool.map(DevicePool::high_water).transpose()?;
-        let median_ms = |mut times: Vec<f64>| {
-            times.sort_by(f64::total_cmp);
-            times[times.len() / 2] * 1e3
-        };
+        let median_ms = |times| crate::bench::median(times) * 1e3;
         let step_ms = median_ms(times);
         let numel = opt
             .vars()

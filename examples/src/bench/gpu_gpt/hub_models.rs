@@ -395,13 +395,9 @@ fn median_step(
             issued.push(step_issued.as_secs_f64());
         }
     }
-    let median = |mut times: Vec<f64>| {
-        times.sort_by(f64::total_cmp);
-        times[times.len() / 2]
-    };
     Ok(StepTimes {
-        step: median(times),
-        issued: median(issued),
+        step: crate::bench::median(times),
+        issued: crate::bench::median(issued),
     })
 }
 
