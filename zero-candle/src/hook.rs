@@ -524,9 +524,11 @@ where
             .map_err(candle_core::Error::wrap)?;
         let unit = gathered.unit();
         let device = var.device();
-        if var.dtype() == <T as WithDType>::DTYPE {
-            let storage = C::Memory::lend(gathered.into_buffer(), device)
-                .map_err(candle_core::Error::wrap)?;
+        let buffer = gathered.into_buffer();
+        // In the model's dtype already: the masters, or masters the memory
+        // rounded before gathering them.
+        if var.dtype() == C::Memory::gathered_dtype(&buffer) {
+            let storage = C::Memory::lend(buffer, device).map_err(candle_core::Error::wrap)?;
             return Ok(Some(GatheredParam::new(
                 storage,
                 stretches,
@@ -540,7 +542,7 @@ where
         // storage of their own; the gathered masters go back at once.
         let packed = &sharded.packed[i][piece];
         let (rounded, buffer) = C::Memory::round(
-            gathered.into_buffer(),
+            buffer,
             (&stretches, packed),
             var.dtype(),
             device,

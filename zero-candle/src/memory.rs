@@ -111,6 +111,14 @@ pub trait CandleMemory<T: Element + WithDType, C: Communicator + 'static>: Memor
     /// is not one).
     fn take_back(storage: Storage) -> Option<GatherBuffer<T, C, Self>>;
 
+    /// The dtype a gathered buffer holds: `T`'s, unless the memory gathers
+    /// in a 16-bit model's dtype (then a layer of that dtype computes with
+    /// the buffer as it is, lent, not rounded).
+    fn gathered_dtype(buffer: &GatherBuffer<T, C, Self>) -> candle_core::DType {
+        let _ = buffer;
+        <T as WithDType>::DTYPE
+    }
+
     /// Stage 3 under master weights: the `stretches` of gathered masters
     /// rounded to the model's `dtype` (what the write-back would give a
     /// replicated weight) in a storage of their own on `device`, with

@@ -28,7 +28,8 @@ use std::sync::Arc;
 use zero_core::engine::{Engine, OffloadMemory};
 use zero_nccl::cudarc::driver::{CudaSlice, CudaView};
 use zero_nccl::{
-    Cuda, CudaMemory, DeviceComm, DeviceGather, DeviceParams, DeviceView, DeviceViewMut, NcclComm,
+    Cuda, CudaMemory, DeviceComm, DeviceGather, DeviceParams, DeviceView, DeviceViewMut,
+    GatherValues, NcclComm,
 };
 
 /// [`ZeroOptimizer`] on GPUs over NCCL: f32 variables on the
@@ -178,6 +179,14 @@ impl<C: DeviceComm> CandleMemory<f32, C> for Cuda {
         }
     }
 
+    fn gathered_dtype(buffer: &DeviceGather) -> DType {
+        match buffer.values() {
+            GatherValues::F32(_) => DType::F32,
+            GatherValues::BF16(_) => DType::BF16,
+            GatherValues::F16(_) => DType::F16,
+        }
+    }
+
     /// The gathered buffer up to the unit's last stretch rounded to the
     /// 16-bit `dtype` in one launch of the engine's narrowing kernel (the
     /// stretches keep their places; a pooled buffer's tail, left from a
@@ -195,7 +204,20 @@ impl<C: DeviceComm> CandleMemory<f32, C> for Cuda {
         let used = stretches.iter().map(|s| s.at.end).max().unwrap_or(0);
         let numel = used.max(1).min(buffer.values().len());
         // Makes Candle's stream (the compute stream) wait for the gather.
-        let values = buffer.into_values();
+        let values = match buffer.into_values() {
+            GatherValues::F32(values) => values,
+            // Gathered in a 16-bit dtype: the layers lend those as they are.
+            other => {
+                let error = Error::Zero(zero_core::Error::State(format!(
+                    "internal: stage 3 asked to round a gather already in {:?} to {dtype:?}",
+                    other.dtype()
+                )));
+                return (
+                    Err(error),
+                    Some(DeviceGather::new(other, cuda.cuda_stream())),
+                );
+            }
+        };
         let rounded = narrowed(&values, numel, dtype, cuda).map(|rounded| {
             let lender: Arc<dyn GiveBack> = Arc::new(DropStorage);
             (Storage::Cuda(rounded), Arc::clone(stretches), lender)
@@ -251,21 +273,24 @@ fn lend(buffer: DeviceGather, device: &Device) -> Result<CudaStorage> {
     let Device::Cuda(device) = device else {
         return Err(not_on_the_gpu());
     };
-    Ok(CudaStorage::wrap_cuda_slice(
-        buffer.into_values(),
-        device.clone(),
-    ))
+    let device = device.clone();
+    Ok(match buffer.into_values() {
+        GatherValues::F32(values) => CudaStorage::wrap_cuda_slice(values, device),
+        GatherValues::BF16(values) => CudaStorage::wrap_cuda_slice(values, device),
+        GatherValues::F16(values) => CudaStorage::wrap_cuda_slice(values, device),
+    })
 }
 
 /// The buffer of a storage [`lend`] made.
 fn take_back(storage: CudaStorage) -> Option<DeviceGather> {
-    match storage {
-        CudaStorage {
-            slice: CudaStorageSlice::F32(values),
-            device,
-        } => Some(DeviceGather::new(values, device.cuda_stream())),
-        _ => None,
-    }
+    let CudaStorage { slice, device } = storage;
+    let values = match slice {
+        CudaStorageSlice::F32(values) => GatherValues::F32(values),
+        CudaStorageSlice::BF16(values) => GatherValues::BF16(values),
+        CudaStorageSlice::F16(values) => GatherValues::F16(values),
+        _ => return None,
+    };
+    Some(DeviceGather::new(values, device.cuda_stream()))
 }
 
 /// Lets a lent storage go (Candle frees it on its stream).

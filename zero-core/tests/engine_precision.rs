@@ -8,12 +8,13 @@
 
 mod common;
 
-use common::run;
+use common::{run, PlanCheck, Seen};
 use half::bf16;
 use std::path::Path;
+use std::sync::{Arc, Mutex};
 use zero_core::checkpoint::Manifest;
 use zero_core::engine::HostGrad;
-use zero_core::engine::{CastParams, DynamicLossScale, LossScale};
+use zero_core::engine::{CastParams, DynamicLossScale, Fetcher, GatherMemory, LossScale};
 use zero_core::optim::{Adam, AdamConfig, Sgd, SgdConfig};
 use zero_core::{Communicator, DType, Engine, EngineConfig, FunctionalOptimizer, ParamInfo, Stage};
 
@@ -476,4 +477,116 @@ fn checkpoints_load_across_precisions_world_sizes_and_stages() {
         engine.step(&slots, &mut replica)?;
         Ok(())
     });
+}
+
+/// Each parameter `fetcher` shards gathered whole, and its number of
+/// gathered pieces.
+fn whole<G: GatherMemory<f32>>(
+    fetcher: &Fetcher<f32, G>,
+    n: usize,
+) -> zero_core::Result<(Vec<Vec<f32>>, Vec<usize>)> {
+    let full = (0..n)
+        .map(|p| fetcher.gather_full(p))
+        .collect::<zero_core::Result<Vec<_>>>()?;
+    Ok((full, (0..n).map(|p| fetcher.pieces(p)).collect()))
+}
+
+/// What one rank's stage-3 run below ends with: each parameter gathered
+/// whole, the dtype the memory was asked to gather in, and each
+/// parameter's number of gathered pieces.
+type Gathered = (Vec<Vec<f32>>, Option<DType>, Vec<usize>);
+
+/// Stage 3 over `infos` on `world` ranks: sharded before the first step,
+/// three SGD steps whose updates lie below half a bf16 ulp of the weights
+/// (so the masters move and their bf16 rounding does not), then every
+/// parameter gathered whole. `device`: the memory poses as a device
+/// ([`PlanCheck`]); else the engine runs on host memory.
+fn stage_3_gathers(
+    infos: &[ParamInfo],
+    world: usize,
+    config: &EngineConfig,
+    device: bool,
+) -> Vec<Gathered> {
+    run(world, |comm| {
+        let seen = Arc::new(Mutex::new(Seen::default()));
+        let sgd = Box::new(Sgd::new(SgdConfig::default().with_lr(1e-4))?);
+        let (infos, config) = (infos.to_vec(), config.clone());
+        let mut replica = CastParams(bf16_init(&infos));
+        let grads: Vec<Vec<f32>> = infos.iter().map(|p| vec![1.0; p.numel()]).collect();
+        let slots: Vec<Option<HostGrad<'_, f32>>> = grads.iter().map(|g| Some(g.into())).collect();
+        let all = vec![true; infos.len()];
+        let (full, pieces) = if device {
+            let memory = PlanCheck::new(seen.clone(), true);
+            let mut engine = Engine::with_memory(comm, memory, infos.clone(), sgd, config)?;
+            let fetcher = engine.shard_parameters(&all, &mut replica)?;
+            for _ in 0..3 {
+                engine.step(&slots, &mut replica)?;
+            }
+            whole(&fetcher, infos.len())?
+        } else {
+            let mut engine = Engine::<f32, _>::new(comm, infos.clone(), sgd, config)?;
+            let fetcher = engine.shard_parameters(&all, &mut replica)?;
+            for _ in 0..3 {
+                engine.step(&slots, &mut replica)?;
+            }
+            whole(&fetcher, infos.len())?
+        };
+        let asked = seen.lock().expect("no test thread panicked").gathered_in;
+        Ok((full, asked, pieces))
+    })
+}
+
+#[test]
+fn stage_3_gathers_a_bf16_model_in_bf16_where_the_memory_can() {
+    let infos = bf16_infos();
+    let base = EngineConfig::default()
+        .with_stage(Stage::Parameters)
+        .with_bucket_bytes(64)
+        .with_persist_numel(0)
+        .with_gather_bytes(40);
+    let in_masters = base.clone().with_gather_in_param_dtype(false);
+    for world in [1, 2] {
+        let what = format!("N={world}");
+        let masters = stage_3_gathers(&infos, world, &in_masters, true);
+        let narrowed = stage_3_gathers(&infos, world, &base, true);
+        let host = stage_3_gathers(&infos, world, &base, false);
+        for rank in 0..world {
+            let (masters, asked, wide_pieces) = &masters[rank];
+            assert_eq!(
+                *asked, None,
+                "{what}: gathers in the master dtype when told to"
+            );
+            let (rounded, asked, narrow_pieces) = &narrowed[rank];
+            assert_eq!(
+                *asked,
+                Some(DType::BF16),
+                "{what}: gathers in the model's dtype"
+            );
+            let mut moved = 0;
+            for (p, (m, r)) in masters.iter().zip(rounded).enumerate() {
+                let want: Vec<f32> = m.iter().map(|&v| bf16::from_f32(v).to_f32()).collect();
+                assert_eq!(*r, want, "{what} param {p}: the masters rounded to bf16");
+                moved += m.iter().zip(r).filter(|(m, r)| m != r).count();
+            }
+            assert!(
+                moved > 0,
+                "{what}: the masters moved below bf16's resolution"
+            );
+            // The budgets count two bytes a gathered element: a piece of
+            // 40 bytes holds twice the elements.
+            assert!(
+                narrow_pieces.iter().zip(wide_pieces).all(|(n, w)| n < w),
+                "{what}: pieces {narrow_pieces:?} in bf16, {wide_pieces:?} in f32"
+            );
+            // Host memory gathers the masters whatever it is asked.
+            assert_eq!(
+                host[rank].0, *masters,
+                "{what}: host memory gathers masters"
+            );
+        }
+    }
+    // An f32 model has no 16-bit dtype to gather in.
+    let f32_infos = as_dtype(&infos, DType::F32);
+    let (_, asked, _) = &stage_3_gathers(&f32_infos, 1, &base, true)[0];
+    assert_eq!(*asked, None, "an f32 model gathers in f32");
 }

@@ -54,7 +54,9 @@ pub use kernels::MAX_LOCAL_RANKS;
 #[cfg(feature = "nccl")]
 pub use local::{CudaThreadComm, CudaThreadGroup};
 #[cfg(feature = "nccl")]
-pub use memory::{cuda_engine, CudaEngine, CudaMemory, DeviceGather, DeviceGathers, DeviceParams};
+pub use memory::{
+    cuda_engine, CudaEngine, CudaMemory, DeviceGather, DeviceGathers, DeviceParams, GatherValues,
+};
 #[cfg(feature = "cuda")]
 pub use memory::{DeviceView, DeviceViewMut, ViewElement};
 #[cfg(feature = "cuda")]

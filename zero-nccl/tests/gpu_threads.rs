@@ -501,7 +501,11 @@ fn stage_3_on_ranks_sharing_a_gpu_gathers_the_host_engine_s_weights() {
                         for piece in 0..fetcher.pieces(p) {
                             let g = fetcher.acquire(p, piece)?;
                             for (at, places) in g.spans() {
-                                let part = g.buffer().values().slice(at.clone());
+                                let zero_nccl::GatherValues::F32(gathered) = g.buffer().values()
+                                else {
+                                    panic!("an f32 model gathers in f32");
+                                };
+                                let part = gathered.slice(at.clone());
                                 out[places.clone()]
                                     .copy_from_slice(&stream.clone_dtoh(&part).unwrap());
                             }

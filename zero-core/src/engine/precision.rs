@@ -87,6 +87,12 @@ pub(super) struct Wire {
     /// sends nothing, so it gathers in `T` (rounding there would only add
     /// two conversion passes; the write-back rounds the same).
     pub gather: DType,
+    /// Stage 3: the 16-bit dtype its gathers may carry, at any world size:
+    /// the parameters', when they share one narrower than `T` and the
+    /// configuration gathers in the parameters' dtype. The layers compute
+    /// in it anyway, so gathering in it replaces their rounding at every
+    /// use with one rounding of each rank's chunk before it is sent.
+    pub stage3_gather: Option<DType>,
     /// The dtype gradients travel in: the master dtype unless the
     /// configuration asks for the parameters' (`reduce_in_param_dtype`).
     pub reduce: DType,
@@ -133,6 +139,7 @@ impl Wire {
             } else {
                 T::DTYPE
             },
+            stage3_gather: (narrow && config.gather_in_param_dtype).then_some(param_dtype),
             reduce,
             replica: config.replica_reduce_dtype.unwrap_or(reduce),
             packed_write_back: (narrow && config.gather_in_param_dtype && gathers_packed)

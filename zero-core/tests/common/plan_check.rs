@@ -31,6 +31,8 @@ pub struct Seen {
     pub fences: usize,
     /// Stage 3's all-gathers (one per bucket of a gathered unit).
     pub gathers: usize,
+    /// The 16-bit dtype stage 3's gathers were asked to carry.
+    pub gathered_in: Option<DType>,
     /// Offload's downloads queued into page-locked host memory.
     pub queued_downloads: usize,
     /// Offload's uploads queued from page-locked host memory.
@@ -312,6 +314,7 @@ impl<T: Element, C: Communicator<Memory = Host>> ShardMemory<T, C> for PlanCheck
             host: host_gathers(comm),
             device: self.inline,
             seen: self.seen.clone(),
+            narrow: None,
         })
     }
 
@@ -735,11 +738,14 @@ impl<T: Element, C: Communicator<Memory = Host>> HostTransfers<T, C> for PlanChe
 
 /// Stage 3's gathers of a [`PlanCheck`]: host gathers that count their
 /// collectives in `seen` and, where the memory poses as a device, take a
-/// device's budgets ([`GatherBudgets::DEVICE`]).
+/// device's budgets ([`GatherBudgets::DEVICE`]) and gather in a 16-bit
+/// dtype when asked, as the CUDA memory does (each value rounded to it;
+/// the buffer keeps them widened to `T`).
 pub struct PosedGathers<T> {
     host: HostGathers<T>,
     device: bool,
     seen: Arc<Mutex<Seen>>,
+    narrow: Option<DType>,
 }
 
 impl<T: Element> GatherMemory<T> for PosedGathers<T> {
@@ -751,6 +757,21 @@ impl<T: Element> GatherMemory<T> for PosedGathers<T> {
             true => GatherBudgets::DEVICE,
             false => GatherBudgets::HOST,
         }
+    }
+
+    fn gather_in(&mut self, dtype: DType) {
+        self.seen
+            .lock()
+            .expect("no test thread panicked")
+            .gathered_in = Some(dtype);
+        if self.device {
+            self.narrow = Some(dtype);
+        }
+    }
+
+    fn element_bytes(&self) -> usize {
+        self.narrow
+            .map_or(std::mem::size_of::<T>(), DType::size_in_bytes)
     }
 
     fn shard_len(shard: &Vec<T>) -> usize {
@@ -780,7 +801,18 @@ impl<T: Element> GatherMemory<T> for PosedGathers<T> {
         buffer: &mut Vec<T>,
     ) -> Result<()> {
         self.seen.lock().expect("no test thread panicked").gathers += buckets.len();
-        self.host.gather_from_host(shard, buckets, buffer)
+        self.host.gather_from_host(shard, buckets, buffer)?;
+        let round = match self.narrow {
+            Some(DType::BF16) => |v: f64| half::bf16::from_f64(v).to_f64(),
+            Some(DType::F16) => |v: f64| half::f16::from_f64(v).to_f64(),
+            _ => return Ok(()),
+        };
+        for bucket in buckets {
+            for v in &mut buffer[bucket.at.clone()] {
+                *v = T::from_f64(round(v.to_f64()));
+            }
+        }
+        Ok(())
     }
 
     fn read(&self, buffer: &Vec<T>, range: Range<usize>, out: &mut [T]) -> Result<()> {

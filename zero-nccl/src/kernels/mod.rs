@@ -782,6 +782,45 @@ impl FusedKernels {
         Ok(())
     }
 
+    /// Narrows `flat[offset..offset + at.len()]` into `dst[at]` for each
+    /// `(offset, at)`, rounding to nearest even, in one launch on `stream`
+    /// (a table's worth at a time): stage 3's chunks rounded into their
+    /// slots of one 16-bit gather buffer.
+    pub fn narrow_into<H: Half>(
+        &self,
+        stream: &Arc<CudaStream>,
+        flat: &(impl DevicePtr<f32> + ?Sized),
+        dst: &mut (impl DevicePtrMut<H> + ?Sized),
+        pieces: &[(usize, Range<usize>)],
+    ) -> Result<()> {
+        if let Some((_, at)) = pieces.iter().find(|(_, at)| at.end > dst.len()) {
+            return Err(Error::from(zero_core::Error::BufferSize {
+                op: "narrow_into",
+                what: "destination buffer",
+                got: dst.len(),
+                expected: at.end,
+            }));
+        }
+        let (ptr, guard) = dst.device_ptr_mut(stream);
+        let entries: Vec<(u64, usize, usize)> = pieces
+            .iter()
+            .map(|(offset, at)| {
+                let start = ptr + (at.start * std::mem::size_of::<H>()) as u64;
+                (start, *offset, at.len())
+            })
+            .collect();
+        self.launch_table(
+            "narrow_into",
+            stream,
+            &self.narrow[H::INDEX],
+            &entries,
+            flat.len(),
+            || flat.device_ptr(stream),
+        )?;
+        drop(guard);
+        Ok(())
+    }
+
     /// Copies `flat[offset..offset + dst.len()]` into each piece `(offset, dst)`,
     /// in one launch on `stream`.
     pub fn unflatten<T: Element>(

@@ -258,7 +258,8 @@ fn gather_widen<H: Half + zero_core::Element>(
 /// The engine's buffers on one GPU: fused kernels, the norm accumulator,
 /// and the optimizer's device state.
 pub struct CudaMemory {
-    kernels: FusedKernels,
+    /// Shared with stage 3's gathers, which round chunks to 16 bits.
+    kernels: Arc<FusedKernels>,
     stream: Arc<CudaStream>,
     norm: NormAccumulator,
     /// Created at the first step or state import, when the pieces are known.
@@ -313,7 +314,7 @@ impl CudaMemory {
     /// engine checks that its optimizer has a device kernel unless it is
     /// offloaded ([`ShardMemory::check_optimizer`]).
     pub fn new(comm: &impl DeviceComm) -> Result<Self> {
-        let kernels = FusedKernels::new(comm.context()).map_err(nccl)?;
+        let kernels = Arc::new(FusedKernels::new(comm.context()).map_err(nccl)?);
         // Training allocates its activations again every step: keep what
         // is freed in the device's pool instead of mapping it again after
         // each synchronization. (Without pools, Candle allocates with
@@ -456,6 +457,7 @@ impl<C: DeviceComm> ShardMemory<f32, C> for CudaMemory {
             ));
         }
         Ok(DeviceGathers::new(comm)
+            .with_kernels(Arc::clone(&self.kernels))
             .tracking(self.transfers.pending())
             .owned_by(self.owner))
     }

@@ -48,7 +48,7 @@ mod view;
 #[cfg(feature = "nccl")]
 pub use cuda::{cuda_engine, CudaEngine, CudaMemory, DeviceParams};
 #[cfg(feature = "nccl")]
-pub use gathers::{DeviceGather, DeviceGathers};
+pub use gathers::{DeviceGather, DeviceGathers, GatherValues};
 #[cfg(feature = "cuda")]
 pub use optimizer::DEVICE_KINDS;
 #[cfg(feature = "cuda")]

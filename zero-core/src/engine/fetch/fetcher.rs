@@ -157,7 +157,7 @@ impl<T: crate::Element, G: GatherMemory<T>> Fetcher<T, G> {
         threaded: bool,
     ) -> Result<Arc<Self>> {
         let (prefetch_bytes, max_live_bytes) = budgets;
-        let elem_bytes = std::mem::size_of::<T>();
+        let elem_bytes = gathers.element_bytes();
         let (pieces, members) = pieces_and_members(units.len(), &place);
         if let Some(u) = units.iter().find(|u| u.len * elem_bytes > max_live_bytes) {
             return Err(Error::Config(format!(

@@ -3,7 +3,7 @@
 
 use super::units::UnitBucket;
 use crate::engine::GatherBudgets;
-use crate::{Error, Result};
+use crate::{DType, Error, Result};
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -40,6 +40,22 @@ pub trait GatherMemory<T>: Send + Sync + 'static {
     /// memory says otherwise (a device: [`GatherBudgets::DEVICE`]).
     fn default_budgets(&self) -> GatherBudgets {
         GatherBudgets::HOST
+    }
+
+    /// Stage 3 under master weights, asked once before the first gather:
+    /// gather in the model's 16-bit `dtype` where this memory can (each
+    /// rank's chunk rounded before it is sent: half the bytes, and layers
+    /// compute with the buffer as it is instead of rounding it at every
+    /// use). Default: the gathers stay in `T`.
+    fn gather_in(&mut self, dtype: DType) {
+        let _ = dtype;
+    }
+
+    /// Bytes one gathered element takes in a buffer (`T`'s unless
+    /// [`GatherMemory::gather_in`] narrowed the gathers): what the
+    /// budgets count.
+    fn element_bytes(&self) -> usize {
+        std::mem::size_of::<T>()
     }
 
     /// Elements of `shard`.
@@ -83,7 +99,8 @@ pub trait GatherMemory<T>: Send + Sync + 'static {
         Ok(())
     }
 
-    /// Copies `buffer[range]` into `out` (on the host), after its gather.
+    /// Copies `buffer[range]` into `out` (on the host), after its gather
+    /// (values gathered in a narrower dtype, widened).
     fn read(&self, buffer: &Self::Buffer, range: Range<usize>, out: &mut [T]) -> Result<()>;
 
     /// Bytes the gathers' communicator has sent

@@ -88,6 +88,14 @@ impl<T: Element, G: GatherMemory<T>> GatherMemory<T> for OffloadGathers<G> {
         self.0.default_budgets()
     }
 
+    fn gather_in(&mut self, dtype: DType) {
+        self.0.gather_in(dtype);
+    }
+
+    fn element_bytes(&self) -> usize {
+        self.0.element_bytes()
+    }
+
     fn shard_len(shard: &Self::Shard) -> usize {
         match shard {
             Placed::Device(shard) => G::shard_len(shard),

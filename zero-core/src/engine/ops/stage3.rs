@@ -54,9 +54,10 @@ where
             )));
         }
         self.window.refuse_mid("shard_parameters")?;
-        // With master weights the shard holds them: the gathers carry the
-        // masters (in `T`), and the framework rounds what it computes with
-        // to the model's dtype, as the write-back would have.
+        // With master weights the shard holds them. A memory that can
+        // gathers them rounded to the model's 16-bit dtype (the values the
+        // write-back would give); otherwise the gathers carry the masters
+        // (in `T`) and the framework rounds what it computes with.
         let persist = self.config.persist_numel;
         let mask: Vec<bool> = (self.params.iter().zip(gatherable))
             .map(|(p, &g)| g && p.trainable && p.numel() > persist)
@@ -79,10 +80,13 @@ where
             Error::State("internal: a split over every rank left this rank out".into())
         })?;
         let threaded = gather_comm.concurrent_groups();
-        let gathers = self.memory.gathers(gather_comm)?;
+        let mut gathers = self.memory.gathers(gather_comm)?;
+        if let Some(dtype) = self.wire.stage3_gather {
+            gathers.gather_in(dtype);
+        }
         // Unset budgets are the memory's (a device gathers whole layers).
         let budgets = self.config.gather_budgets(gathers.default_budgets());
-        let piece_len = budgets.gather_bytes / size_of::<T>();
+        let piece_len = budgets.gather_bytes / gathers.element_bytes();
         let (units, place) = gather_units(&self.sharding, &self.params, &mask, piece_len, world)?;
         // The shard moves to the fetcher between steps: one copy.
         let shard = self
