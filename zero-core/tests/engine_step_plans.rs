@@ -168,3 +168,64 @@ fn a_memory_with_asynchronous_collectives_reduces_during_backward_on_the_calling
         }
     }
 }
+
+/// A gradient handed over whole lands on the zeros of a fresh bucket
+/// buffer: it is copied there, not added (one read of the buffer less); a
+/// second gradient of the same weight (a weight used twice) is added.
+#[test]
+fn a_whole_first_gradient_is_copied_into_its_bucket_and_a_second_added() {
+    let model = Synthetic::medium();
+    let n = model.infos().len();
+    for world in [1, 2] {
+        for twice in [false, true] {
+            let what = format!("N={world}, last weight twice: {twice}");
+            let config = EngineConfig::default()
+                .with_stage(Stage::Gradients)
+                .with_bucket_bytes(96);
+            let expected = reference_trajectory(&model, Opt::Adam, world, 1, 2);
+            let seen: Vec<Arc<Mutex<Seen>>> = (0..world).map(|_| Arc::default()).collect();
+            let trajectories = run(world, |comm| {
+                let rank = comm.rank();
+                let memory = PlanCheck::new(seen[rank].clone(), false);
+                let mut e = Engine::with_memory(
+                    comm,
+                    memory,
+                    model.infos(),
+                    make_opt(Opt::Adam, false),
+                    config.clone(),
+                )?;
+                let mut params = model.init();
+                let mut out = Vec::new();
+                for s in 0..2 {
+                    let g = model.grads(&params, rank, s);
+                    let calls = |p: usize| if twice && p == 0 { 2 } else { 1 };
+                    let order: Vec<(usize, usize)> = (0..n).rev().map(|p| (p, calls(p))).collect();
+                    e.begin_backward(&order, &mut params)?;
+                    for p in (0..n).rev() {
+                        if calls(p) == 2 {
+                            let half: Vec<f64> = g[p].iter().map(|x| x / 2.0).collect();
+                            e.accumulate_param(p, .., (&half).into())?;
+                            e.accumulate_param(p, .., (&half).into())?;
+                        } else {
+                            e.accumulate_param(p, .., (&g[p]).into())?;
+                        }
+                    }
+                    let none: Vec<Option<HostGrad<'_, f64>>> = vec![None; n];
+                    e.step(&none, &mut params)?;
+                    out.push(params.clone());
+                }
+                Ok(out)
+            });
+            assert_trajectories(&trajectories, &expected[..2], 1e-9, &what);
+            for seen in &seen {
+                let (copied, added) = seen.lock().expect("no panic").flattened;
+                assert!(copied > 0, "{what}: nothing copied");
+                if twice {
+                    assert!(added > 0, "{what}: the second gradient was not added");
+                } else {
+                    assert_eq!(added, 0, "{what}: a first gradient was added");
+                }
+            }
+        }
+    }
+}

@@ -33,6 +33,8 @@ pub struct Seen {
     pub gathers: usize,
     /// The 16-bit dtype stage 3's gathers were asked to carry.
     pub gathered_in: Option<DType>,
+    /// Gradient pieces flattened into a buffer by copying, and by adding.
+    pub flattened: (usize, usize),
     /// Offload's downloads queued into page-locked host memory.
     pub queued_downloads: usize,
     /// Offload's uploads queued from page-locked host memory.
@@ -330,6 +332,13 @@ impl<T: Element, C: Communicator<Memory = Host>> ShardMemory<T, C> for PlanCheck
         add: bool,
     ) -> Result<()> {
         self.written(buffer);
+        {
+            let mut seen = self.seen.lock().expect("no test thread panicked");
+            match add {
+                false => seen.flattened.0 += pieces.len(),
+                true => seen.flattened.1 += pieces.len(),
+            }
+        }
         <HostMemory as ShardMemory<T, C>>::flatten(&mut self.inner, buffer, pieces, add)
     }
 

@@ -87,7 +87,11 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> PassParts<'_, T, C, M> {
             }
             let buffer = slot.as_mut().expect("filled above");
             let covered = piece.range.len();
-            self.memory.flatten(buffer, &[piece], true)?;
+            // A run's first gradient, whole, lands on the zeros
+            // `take_buffer` gives: copied, not added (no read of them).
+            let first =
+                pass.filled[r] == 0 && pass.seen_calls[r] == 0 && covered == run.param_range.len();
+            self.memory.flatten(buffer, &[piece], !first)?;
             pass.filled[r] += covered;
             if pass.filled[r] < run.param_range.len() {
                 continue;
