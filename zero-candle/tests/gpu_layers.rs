@@ -6,7 +6,8 @@
 //! a residual add; RMSNorm also with Gemma's weight offset), GELU (both
 //! forms), SiLU, SwiGLU, GeGLU, rotary embeddings,
 //! cross-entropy and the `Embedding` table's gradient, and `Linear` (alone,
-//! and with its activation in one op, `forward_activated`; its bias gradient
+//! with its activation in one op, `forward_activated`, and on its input,
+//! `forward_on_activated`; its bias gradient
 //! also over up to 70001 rows, in f64 too) through Candle's GEMM and through cuBLASLt
 //! (`set_linear_cublaslt`, tanh-GELU in its epilogue), in f32, bf16 and f16, at shapes that are not multiples of the kernels'
 //! tiles (T = 1, 7, 65, 200; head_dim 32, 48, 64, 128; a single row).
@@ -463,6 +464,24 @@ fn linear_with_its_activation_matches_the_cpu() -> Result<()> {
         }
     }
     set_linear_cublaslt(false);
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn linear_on_its_activated_input_matches_the_cpu() -> Result<()> {
+    // The activation on the input, computed again in the backward
+    // (`forward_on_activated`, the GPTs' MLP projection).
+    let shapes = [(1, 1, 8), (7, 65, 33), (64, 3072, 768)];
+    let activations = [Activation::Gelu, Activation::GeluErf, Activation::Silu];
+    for dtype in DTYPES {
+        for activation in activations {
+            let what = format!("{activation:?} then Linear");
+            compare_linear(&what, dtype, &shapes, 80, &|layer, x| {
+                layer.forward_on_activated(x, activation)
+            })?;
+        }
+    }
     Ok(())
 }
 

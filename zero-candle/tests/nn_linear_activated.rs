@@ -1,9 +1,11 @@
 //! `Linear::forward_activated` (the layer and its activation as one op)
 //! against the unfused pair `ops::gelu(&layer.forward(x)?)` (and
-//! `gelu_erf`, `silu`) over the same variables: the same output, input
-//! gradient and hook calls (`∂b`, then `∂W`), element for element; and
-//! against Candle's own composed ops (`Tensor::gelu`, ...) within rounding,
-//! which checks the derivative the two share.
+//! `gelu_erf`, `silu`), and `Linear::forward_on_activated` (an activation
+//! on the layer's input, kept as `x`, computed again in the backward)
+//! against `layer.forward(&ops::gelu(x)?)`, over the same variables: the
+//! same output, input gradient and hook calls (`∂b`, then `∂W`), element
+//! for element; and against Candle's own composed ops (`Tensor::gelu`,
+//! ...) within rounding, which checks the derivative they share.
 
 mod nn_support;
 
@@ -18,13 +20,40 @@ const IN: usize = 24;
 const OUT: usize = 10;
 const ACTIVATIONS: [Activation; 3] = [Activation::Gelu, Activation::GeluErf, Activation::Silu];
 
-/// The unfused pair: the layer, then the activation op.
-fn pair(layer: &Linear, x: &Tensor, activation: Activation) -> Tensor {
-    let pre = layer.forward(x).unwrap();
+/// Which side of the layer the activation is on.
+#[derive(Clone, Copy, Debug)]
+enum Side {
+    /// `act(x·Wᵀ + b)`: `forward_activated`.
+    Output,
+    /// `act(x)·Wᵀ + b`: `forward_on_activated`.
+    Input,
+}
+
+const SIDES: [Side; 2] = [Side::Output, Side::Input];
+
+/// The activation op alone.
+fn activate(x: &Tensor, activation: Activation) -> Tensor {
     match activation {
-        Activation::Gelu => ops::gelu(&pre),
-        Activation::GeluErf => ops::gelu_erf(&pre),
-        Activation::Silu => ops::silu(&pre),
+        Activation::Gelu => ops::gelu(x),
+        Activation::GeluErf => ops::gelu_erf(x),
+        Activation::Silu => ops::silu(x),
+    }
+    .unwrap()
+}
+
+/// The unfused pair: the layer and the activation op, on `side`.
+fn pair(layer: &Linear, x: &Tensor, activation: Activation, side: Side) -> Tensor {
+    match side {
+        Side::Output => activate(&layer.forward(x).unwrap(), activation),
+        Side::Input => layer.forward(&activate(x, activation)).unwrap(),
+    }
+}
+
+/// The fused layer: the layer and its activation on `side` as one op.
+fn fused(layer: &Linear, x: &Tensor, activation: Activation, side: Side) -> Tensor {
+    match side {
+        Side::Output => layer.forward_activated(x, activation),
+        Side::Input => layer.forward_on_activated(x, activation),
     }
     .unwrap()
 }
@@ -42,7 +71,7 @@ fn composed(pre: &Tensor, activation: Activation) -> Tensor {
 /// The fused layer and the unfused pair over the same variables, each with
 /// its own recorder; `x` may be strided. Asks for equal values everywhere
 /// and the same hook calls in the same order.
-fn compare(bias: bool, x: &Tensor, activation: Activation) {
+fn compare(bias: bool, x: &Tensor, activation: Activation, side: Side) {
     let dtype = x.dtype();
     let varmap = VarMap::new();
     let vb = VarBuilder::from_varmap(&varmap, dtype, &Device::Cpu);
@@ -50,10 +79,13 @@ fn compare(bias: bool, x: &Tensor, activation: Activation) {
     let fused = nn::linear_b(IN, OUT, bias, vb.pp("fc"), hook(&fused_calls)).unwrap();
     let unfused = nn::linear_b(IN, OUT, bias, vb.pp("fc"), hook(&pair_calls)).unwrap();
     assert_eq!(fused.weight().id(), unfused.weight().id());
-    let case = format!("{activation:?} {dtype:?} bias {bias} x {:?}", x.dims());
+    let case = format!(
+        "{activation:?} on the {side:?} {dtype:?} bias {bias} x {:?}",
+        x.dims()
+    );
 
-    let got_y = fused.forward_activated(x, activation).unwrap();
-    let want_y = pair(&unfused, x, activation);
+    let got_y = self::fused(&fused, x, activation, side);
+    let want_y = pair(&unfused, x, activation, side);
     assert_equal(&format!("{case}: output"), &got_y, &want_y);
     let got = weighted_sum(&got_y, 2).backward().unwrap();
     let want = weighted_sum(&want_y, 2).backward().unwrap();
@@ -85,9 +117,17 @@ fn compare(bias: bool, x: &Tensor, activation: Activation) {
 fn every_activation_and_dtype_matches_the_unfused_pair_exactly() {
     for dtype in [DType::F32, DType::F64, DType::BF16, DType::F16] {
         for activation in ACTIVATIONS {
-            for bias in [true, false] {
-                compare(bias, var(1, &[7, IN], dtype).as_tensor(), activation);
-                compare(bias, var(3, &[3, 5, IN], dtype).as_tensor(), activation);
+            for (bias, side) in [true, false]
+                .into_iter()
+                .flat_map(|b| SIDES.map(|s| (b, s)))
+            {
+                compare(bias, var(1, &[7, IN], dtype).as_tensor(), activation, side);
+                compare(
+                    bias,
+                    var(3, &[3, 5, IN], dtype).as_tensor(),
+                    activation,
+                    side,
+                );
             }
         }
     }
@@ -95,16 +135,16 @@ fn every_activation_and_dtype_matches_the_unfused_pair_exactly() {
 
 #[test]
 fn strided_and_untracked_inputs_match_the_unfused_pair() {
-    for activation in ACTIVATIONS {
+    for (activation, side) in ACTIVATIONS.into_iter().flat_map(|a| SIDES.map(|s| (a, s))) {
         let strided = var(4, &[5, IN, 3], DType::F32)
             .as_tensor()
             .transpose(1, 2)
             .unwrap();
         assert!(!strided.is_contiguous());
-        compare(true, &strided, activation);
+        compare(true, &strided, activation, side);
         let t = var(5, &[IN, 6], DType::BF16).as_tensor().t().unwrap();
-        compare(false, &t, activation);
-        compare(true, &data(6, &[4, IN], DType::F32), activation);
+        compare(false, &t, activation, side);
+        compare(true, &data(6, &[4, IN], DType::F32), activation, side);
     }
 }
 
@@ -116,7 +156,7 @@ fn values_and_gradients_agree_with_candles_composed_ops() {
     // Candle's GELU derivative has 6-digit constants: gradients agree to
     // about 1e-6 in f64 too.
     for (dtype, tol, grad_tol) in [(DType::F32, 1e-5, 1e-5), (DType::F64, 1e-12, 1e-5)] {
-        for activation in ACTIVATIONS {
+        for (activation, side) in ACTIVATIONS.into_iter().flat_map(|a| SIDES.map(|s| (a, s))) {
             let varmap = VarMap::new();
             let vb = VarBuilder::from_varmap(&varmap, dtype, &Device::Cpu);
             let reference = candle_nn::linear(IN, OUT, vb.pp("fc")).unwrap();
@@ -124,9 +164,12 @@ fn values_and_gradients_agree_with_candles_composed_ops() {
             // Inputs scaled so that the pre-activations reach GELU's and
             // SiLU's curved parts, both tails included.
             let x = Var::from_tensor(&(data(7, &[3, 4, IN], dtype) * 4.0).unwrap()).unwrap();
-            let case = format!("{activation:?} {dtype:?}");
-            let want_y = composed(&reference.forward(&x).unwrap(), activation);
-            let got_y = layer.forward_activated(&x, activation).unwrap();
+            let case = format!("{activation:?} on the {side:?} {dtype:?}");
+            let want_y = match side {
+                Side::Output => composed(&reference.forward(&x).unwrap(), activation),
+                Side::Input => reference.forward(&composed(&x, activation)).unwrap(),
+            };
+            let got_y = fused(&layer, &x, activation, side);
             assert_close(&format!("{case}: output"), &got_y, &want_y, tol);
             let want = weighted_sum(&want_y, 8).backward().unwrap();
             let got = weighted_sum(&got_y, 8).backward().unwrap();
@@ -208,7 +251,7 @@ impl GradHook for Lender {
 #[test]
 fn gathered_weights_whole_or_in_pieces_give_the_unfused_values() {
     for pieces in [1, 2] {
-        for activation in ACTIVATIONS {
+        for (activation, side) in ACTIVATIONS.into_iter().flat_map(|a| SIDES.map(|s| (a, s))) {
             let dtype = DType::F32;
             let (w, b) = (data(9, &[OUT, IN], dtype), data(10, &[OUT], dtype));
             let recorder = Recorder::new();
@@ -235,9 +278,9 @@ fn gathered_weights_whole_or_in_pieces_give_the_unfused_values() {
                 nn_support::hook(&want_calls),
             );
             let x = var(11, &[2, 3, IN], dtype);
-            let case = format!("{activation:?} in {pieces} piece(s)");
-            let got_y = sharded.forward_activated(&x, activation).unwrap();
-            let want_y = pair(&whole, &x, activation);
+            let case = format!("{activation:?} on the {side:?} in {pieces} piece(s)");
+            let got_y = fused(&sharded, &x, activation, side);
+            let want_y = pair(&whole, &x, activation, side);
             // Pieces sum a split row's parts in f32 in another order.
             assert_close(&format!("{case}: output"), &got_y, &want_y, 1e-6);
             let got = weighted_sum(&got_y, 12).backward().unwrap();

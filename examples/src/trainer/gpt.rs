@@ -67,9 +67,10 @@ impl GptConfig {
 /// to rounding); the memory kept for backward and the time are not.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum GptOps {
-    /// `zero_candle::nn::ops`: causal attention, the MLP's first Linear
-    /// with its GELU (`Linear::forward_activated`) and cross-entropy as
-    /// single ops that keep only what their backward needs.
+    /// `zero_candle::nn::ops`: causal attention, the MLP's GELU with its
+    /// second Linear (`Linear::forward_on_activated`, which keeps the
+    /// hidden layer once) and cross-entropy as single ops that keep only
+    /// what their backward needs.
     #[default]
     Fused,
     /// The same functions composed of Candle's tensor ops (a mask tensor,
@@ -120,11 +121,15 @@ impl Block {
                 (x, normed)
             }
         };
-        let h = match ops {
-            GptOps::Fused => self.fc.forward_activated(&normed, Activation::Gelu)?,
-            GptOps::Composed => self.fc.forward(&normed)?.gelu()?,
+        // Fused: the GELU on the projection's input, so the graph keeps
+        // the hidden layer once (recomputed for the backward).
+        let mlp = match ops {
+            GptOps::Fused => self
+                .mlp_proj
+                .forward_on_activated(&self.fc.forward(&normed)?, Activation::Gelu)?,
+            GptOps::Composed => self.mlp_proj.forward(&self.fc.forward(&normed)?.gelu()?)?,
         };
-        x + self.mlp_proj.forward(&h)?
+        x + mlp
     }
 
     /// Attention composed of Candle's ops ([`GptOps::Composed`]).

@@ -200,8 +200,10 @@ impl Block {
         let (x, normed) = self
             .ln_2
             .forward_residual(&self.attn_proj.forward(&y)?, x)?;
-        let h = self.c_fc.forward_activated(&normed, self.gelu)?;
-        x + self.mlp_proj.forward(&h)?
+        // The GELU on the projection's input: the graph keeps the hidden
+        // layer once.
+        let h = self.c_fc.forward(&normed)?;
+        x + self.mlp_proj.forward_on_activated(&h, self.gelu)?
     }
 }
 

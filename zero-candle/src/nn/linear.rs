@@ -28,7 +28,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 /// out as `[out, in]`, no zero-filled accumulator) and hands both to the
 /// hook, then computes `∂x = g·W`. Inputs of any rank `[.., in]` are
 /// flattened to `[rows, in]` (a copy only when `x` is not contiguous).
-/// [`Linear::forward_activated`] applies an activation in the same op.
+/// [`Linear::forward_activated`] applies an activation in the same op,
+/// and [`Linear::forward_on_activated`] one to its input.
 #[derive(Clone)]
 pub struct Linear {
     weight: Tensor,
@@ -86,7 +87,58 @@ impl Linear {
     /// # Ok(()) }
     /// ```
     pub fn forward_activated(&self, x: &Tensor, activation: Activation) -> Result<Tensor> {
-        self.apply(x, Some(activation))
+        self.apply(x, Sides::output(activation))
+    }
+
+    /// `act(x)·Wᵀ + b` as one op, the values and gradients of
+    /// `layer.forward(&ops::gelu(x)?)` (and of `gelu_erf`, `silu`), keeping
+    /// `x` for the backward and never `act(x)`: the forward computes
+    /// `act(x)` for its product and lets it go, the backward computes it
+    /// again for `∂W`, then `∂x = (g·W) ⊙ act'(x)`. An MLP `fc` then `proj`
+    /// written `proj.forward_on_activated(&fc.forward(x)?, act)` keeps one
+    /// `[rows, hidden]` tensor per block where `fc.forward_activated`
+    /// followed by `proj.forward` keeps two (llm.c's GELU recompute), for
+    /// one more pass over it in the backward.
+    ///
+    /// ```
+    /// # fn main() -> candle_core::Result<()> {
+    /// use candle_core::{Device, Module, Tensor};
+    /// use zero_candle::nn::{ops, Activation, Linear};
+    ///
+    /// let w = Tensor::new(&[[1f32, -2.0], [0.5, 1.0]], &Device::Cpu)?;
+    /// let layer = Linear::new(w, None, None);
+    /// let h = Tensor::new(&[[0.3f32, -0.7]], &Device::Cpu)?;
+    /// let fused = layer.forward_on_activated(&h, Activation::Gelu)?;
+    /// let pair = layer.forward(&ops::gelu(&h)?)?;
+    /// assert_eq!(fused.to_vec2::<f32>()?, pair.to_vec2::<f32>()?);
+    /// # Ok(()) }
+    /// ```
+    pub fn forward_on_activated(&self, x: &Tensor, activation: Activation) -> Result<Tensor> {
+        self.apply(x, Sides::input(activation))
+    }
+}
+
+/// The activations around one [`FusedLinear`]: on its input, on its
+/// output.
+#[derive(Clone, Copy, Default)]
+struct Sides {
+    input: Option<Activation>,
+    output: Option<Activation>,
+}
+
+impl Sides {
+    fn output(kind: Activation) -> Self {
+        Self {
+            output: Some(kind),
+            ..Self::default()
+        }
+    }
+
+    fn input(kind: Activation) -> Self {
+        Self {
+            input: Some(kind),
+            ..Self::default()
+        }
     }
 }
 
@@ -120,13 +172,13 @@ pub fn linear_cublaslt() -> bool {
 
 impl Module for Linear {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        self.apply(x, None)
+        self.apply(x, Sides::default())
     }
 }
 
 impl Linear {
-    /// `x·Wᵀ + b`, then `activation` if any, as one op.
-    fn apply(&self, x: &Tensor, activation: Option<Activation>) -> Result<Tensor> {
+    /// `act(x)·Wᵀ + b`, then its activation, each if any, as one op.
+    fn apply(&self, x: &Tensor, sides: Sides) -> Result<Tensor> {
         let dims = x.dims();
         let Some((&in_dim, leading)) = dims.split_last() else {
             bail!(
@@ -143,6 +195,12 @@ impl Linear {
         } else {
             x.reshape((rows, in_dim))?
         };
+        // The product's input: `act(x)`, made here for the forward only
+        // (the op keeps `x`).
+        let product_input = sides
+            .input
+            .map(|kind| kind.apply(&x_rows.detach()))
+            .transpose()?;
         // Stage 3: the weights the hook keeps sharded, gathered for this
         // forward only (the op gives them back as soon as it has run). A
         // weight gathered in pieces is computed with here, a piece at a
@@ -153,7 +211,7 @@ impl Linear {
         let bias = gather(hook, self.bias.as_ref(), 0)?;
         let in_pieces = |g: &Option<GatheredParam>| g.as_ref().is_some_and(|g| g.whole().is_none());
         let lent = if in_pieces(&weight) || in_pieces(&bias) {
-            let x = x_rows.detach();
+            let x = product_input.clone().unwrap_or_else(|| x_rows.detach());
             let mut y = match weight {
                 Some(first) if first.whole().is_none() => {
                     forward_in_pieces(hook, &self.weight, first, &x)?
@@ -174,7 +232,11 @@ impl Linear {
         let op = FusedLinear {
             hook: self.hook.clone(),
             lent: Mutex::new(Some(lent)),
-            activated: activation.map(|kind| Activated {
+            input: sides.input.map(|kind| ActivatedInput {
+                kind,
+                values: Mutex::new(product_input),
+            }),
+            activated: sides.output.map(|kind| Activated {
                 kind,
                 pre: Mutex::new(None),
             }),
@@ -242,8 +304,17 @@ struct FusedLinear {
     /// The forward's gathered weights (stage 3), taken and dropped by the
     /// forward: the op lives on in the graph until backward, they must not.
     lent: Mutex<Option<Lent>>,
+    /// The activation applied to the input before the product, if any.
+    input: Option<ActivatedInput>,
     /// The activation applied to `x·Wᵀ + b`, if any.
     activated: Option<Activated>,
+}
+
+/// An activation on the op's input `x`, and `act(x)` for the forward to
+/// compute with, which takes it: the graph keeps `x` alone.
+struct ActivatedInput {
+    kind: Activation,
+    values: Mutex<Option<Tensor>>,
 }
 
 /// An activation after the layer, and the pre-activation `x·Wᵀ + b` the
@@ -423,6 +494,45 @@ impl FusedLinear {
                 bias: None,
                 output: None,
             })
+    }
+}
+
+impl FusedLinear {
+    /// `act(x)`, prepared for the forward, when the op has an input
+    /// activation (taken: the op lives on in the graph, it must not).
+    fn product_input(&self) -> Result<Option<Tensor>> {
+        let Some(input) = &self.input else {
+            return Ok(None);
+        };
+        match input
+            .values
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
+        {
+            Some(values) => Ok(Some(values)),
+            None => bail!(
+                "zero-candle Linear: internal: the forward of an activated input ran twice, or \
+                 without its activation"
+            ),
+        }
+    }
+}
+
+/// Calls `f` with the storage and layout of `input` when given (the
+/// activated input), else with `x`'s.
+fn with_input<S: OnDevice, R>(
+    input: Option<&Tensor>,
+    x: (&S, &Layout),
+    f: impl FnOnce(&S, &Layout) -> Result<R>,
+) -> Result<R> {
+    let Some(input) = input else {
+        return f(x.0, x.1);
+    };
+    let (storage, layout) = input.storage_and_layout();
+    match S::of(&storage) {
+        Some(storage) => f(storage, layout),
+        None => bail!("zero-candle Linear: internal: the activated input is on another device"),
     }
 }
 
@@ -683,9 +793,35 @@ impl FusedLinear {
         }
     }
 
+    /// The gradients of `(x, W, b)` given the op's output gradient: with
+    /// an input activation, `act(x)` computed again for the product's,
+    /// then `∂x = ∂act(x) ⊙ act'(x)`.
     fn backward(
         &self,
         x: &Tensor,
+        w: &Tensor,
+        b: Option<&Tensor>,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let grad = self.pre_grad(grad)?;
+        let Some(input) = &self.input else {
+            return self.product_backward((x, x.track_op()), w, b, &grad);
+        };
+        let activated = input.kind.apply(&x.detach())?;
+        let (grad_a, grad_w, grad_b) =
+            self.product_backward((&activated, x.track_op()), w, b, &grad)?;
+        drop(activated);
+        let grad_x = grad_a
+            .map(|g| activation_input_grad(input.kind, &x.detach(), &g))
+            .transpose()?;
+        Ok((grad_x, grad_w, grad_b))
+    }
+
+    /// The gradients of `(x, W, b)` for `x·Wᵀ + b` given its output
+    /// gradient; `∂x` only when `wants_x`.
+    fn product_backward(
+        &self,
+        (x, wants_x): (&Tensor, bool),
         w: &Tensor,
         b: Option<&Tensor>,
         grad: &Tensor,
@@ -721,7 +857,7 @@ impl FusedLinear {
         };
         // Stage 3 gathers the weight again for ∂x, after ∂W has gone to the
         // hook, and gives it back at once.
-        let grad_x = if x.track_op() {
+        let grad_x = if wants_x {
             match gather(hook, Some(w), 0)? {
                 Some(gathered) if gathered.whole().is_some() => {
                     Some(grad.apply_op1_no_bwd(&MatmulGathered(gathered))?)
@@ -751,15 +887,21 @@ impl CustomOp2 for FusedLinear {
         w: &CpuStorage,
         w_layout: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
+        let input = self.product_input()?;
         let lent = match self.lent(x_layout, w_layout)? {
             Ok(lent) => lent,
             Err((pre, shape)) => return self.finish_cpu(pre, None, shape),
         };
         let (w, w_layout) = pick(&lent.weight, (w, w_layout))?;
-        let (product, rows, out_dim) = match bf16_matmul::xwt(x, x_layout, w, w_layout)? {
-            Some(done) => done,
-            None => matmul_xwt(x, x_layout, w, w_layout)?,
-        };
+        let (product, rows, out_dim) =
+            with_input(
+                input.as_ref(),
+                (x, x_layout),
+                |x, x_layout| match bf16_matmul::xwt(x, x_layout, w, w_layout)? {
+                    Some(done) => Ok(done),
+                    None => matmul_xwt(x, x_layout, w, w_layout),
+                },
+            )?;
         self.finish_cpu(product, None, Shape::from((rows, out_dim)))
     }
 
@@ -770,12 +912,15 @@ impl CustomOp2 for FusedLinear {
         w: &CudaStorage,
         w_layout: &Layout,
     ) -> Result<(CudaStorage, Shape)> {
+        let input = self.product_input()?;
         let lent = match self.lent(x_layout, w_layout)? {
             Ok(lent) => lent,
             Err((pre, shape)) => return self.finish_cuda(pre, shape),
         };
         let w = pick(&lent.weight, (w, w_layout))?;
-        self.forward_cuda((x, x_layout), w, None)
+        with_input(input.as_ref(), (x, x_layout), |x, x_layout| {
+            self.forward_cuda((x, x_layout), w, None)
+        })
     }
 
     fn bwd(
@@ -785,7 +930,7 @@ impl CustomOp2 for FusedLinear {
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let (grad_x, grad_w, _) = self.backward(x, w, None, &self.pre_grad(grad)?)?;
+        let (grad_x, grad_w, _) = self.backward(x, w, None, grad)?;
         Ok((grad_x, grad_w))
     }
 }
@@ -804,16 +949,22 @@ impl CustomOp3 for FusedLinear {
         b: &CpuStorage,
         b_layout: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
+        let input = self.product_input()?;
         let lent = match self.lent(x_layout, w_layout)? {
             Ok(lent) => lent,
             Err((pre, shape)) => return self.finish_cpu(pre, None, shape),
         };
         let (w, w_layout) = pick(&lent.weight, (w, w_layout))?;
         let (b, b_layout) = pick(&lent.bias, (b, b_layout))?;
-        let (out, rows, out_dim) = match bf16_matmul::xwt(x, x_layout, w, w_layout)? {
-            Some(done) => done,
-            None => matmul_xwt(x, x_layout, w, w_layout)?,
-        };
+        let (out, rows, out_dim) =
+            with_input(
+                input.as_ref(),
+                (x, x_layout),
+                |x, x_layout| match bf16_matmul::xwt(x, x_layout, w, w_layout)? {
+                    Some(done) => Ok(done),
+                    None => matmul_xwt(x, x_layout, w, w_layout),
+                },
+            )?;
         check_bias(b_layout, out_dim)?;
         if b.dtype() != out.dtype() {
             bail!(
@@ -834,13 +985,16 @@ impl CustomOp3 for FusedLinear {
         b: &CudaStorage,
         b_layout: &Layout,
     ) -> Result<(CudaStorage, Shape)> {
+        let input = self.product_input()?;
         let lent = match self.lent(x_layout, w_layout)? {
             Ok(lent) => lent,
             Err((pre, shape)) => return self.finish_cuda(pre, shape),
         };
         let w = pick(&lent.weight, (w, w_layout))?;
         let b = pick(&lent.bias, (b, b_layout))?;
-        self.forward_cuda((x, x_layout), w, Some(b))
+        with_input(input.as_ref(), (x, x_layout), |x, x_layout| {
+            self.forward_cuda((x, x_layout), w, Some(b))
+        })
     }
 
     fn bwd(
@@ -851,7 +1005,7 @@ impl CustomOp3 for FusedLinear {
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        self.backward(x, w, Some(b), &self.pre_grad(grad)?)
+        self.backward(x, w, Some(b), grad)
     }
 }
 

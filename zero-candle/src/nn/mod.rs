@@ -56,7 +56,9 @@
 //!   [`Linear::forward_activated`] applies an [`Activation`] (GELU, either
 //!   form, or SiLU) in the same op, keeping the pre-activation for the
 //!   backward (on CUDA with [`set_linear_cublaslt`], tanh-GELU in
-//!   cuBLASLt's epilogue).
+//!   cuBLASLt's epilogue); [`Linear::forward_on_activated`] applies one to
+//!   its input, keeping the input alone (the activation is computed again
+//!   in the backward): an MLP's hidden layer kept once, not twice.
 //! - [`LayerNorm`] ([`layer_norm`], [`layer_norm_no_bias`]) and [`RmsNorm`]
 //!   ([`rms_norm`]) have a real backward for their weight and bias (candle-nn
 //!   0.11's contiguous fast paths have none, and cut the graph there),

@@ -135,7 +135,7 @@ impl Activation {
         }
     }
 
-    fn apply(self, x: &Tensor) -> Result<Tensor> {
+    pub(crate) fn apply(self, x: &Tensor) -> Result<Tensor> {
         x.contiguous()?.apply_op1(ActivationOp(self))
     }
 }
