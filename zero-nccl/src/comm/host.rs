@@ -86,12 +86,18 @@ impl NcclComm {
     }
 
     /// [`DeviceComm::all_reduce_host`](crate::DeviceComm::all_reduce_host),
-    /// through device memory.
+    /// through device memory. On one rank every reduction leaves the values
+    /// as they are: nothing goes to the device, so the host does not wait
+    /// for the compute stream to drain (the engine all-reduces a few host
+    /// values every step: the graph's fingerprint, the trainable mask).
     pub(super) fn all_reduce_host_raw(&self, values: &mut [f64], op: ReduceOp) -> Result<()> {
         if values.is_empty() {
             return Ok(());
         }
         self.owner.check("NcclComm")?;
+        if self.world_size == 1 {
+            return Ok(());
+        }
         self.ctx.bind_to_thread()?;
         let mut buf = self.compute.clone_htod(values)?;
         let done = self.all_reduce_event_raw(&mut buf, op)?;
