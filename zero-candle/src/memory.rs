@@ -16,7 +16,8 @@ use std::ops::Range;
 use std::sync::Arc;
 use zero_core::comm::{Host, MemoryKind};
 use zero_core::engine::{
-    Engine, FetcherOf, GatherMemory, HostGrad, HostMemory, ParamAccess, ParamCopy, ShardMemory,
+    Engine, FetcherOf, GatherMemory, HostGather, HostGrad, HostMemory, ParamAccess, ParamCopy,
+    ShardMemory,
 };
 use zero_core::{Communicator, DType, Element};
 
@@ -232,32 +233,59 @@ impl<T: Element + WithDType, C: Communicator<Memory = Host> + 'static> CandleMem
         Ok(engine.shard_from_start(order, mask, &mut store)?)
     }
 
-    fn lend(buffer: Vec<T>, _device: &Device) -> Result<Storage> {
-        Ok(Storage::Cpu(T::to_cpu_storage_owned(buffer)))
+    fn lend(buffer: HostGather<T>, _device: &Device) -> Result<Storage> {
+        Ok(Storage::Cpu(match buffer {
+            HostGather::Wide(values) => T::to_cpu_storage_owned(values),
+            HostGather::BF16(values) => CpuStorage::BF16(values),
+            HostGather::F16(values) => CpuStorage::F16(values),
+        }))
     }
 
-    fn take_back(storage: Storage) -> Option<Vec<T>> {
-        match storage {
-            // Lent as it came back (same dtype); were it not, the pool
-            // would allocate a new buffer next time.
-            Storage::Cpu(storage) => Some(T::cpu_storage_data(storage).unwrap_or_default()),
-            _ => None,
+    fn take_back(storage: Storage) -> Option<HostGather<T>> {
+        // Lent as it came back (same dtype); were it not, the pool would
+        // allocate a new buffer next time.
+        let Storage::Cpu(storage) = storage else {
+            return None;
+        };
+        Some(match storage {
+            storage
+                if candle_core::backend::BackendStorage::dtype(&storage)
+                    == <T as WithDType>::DTYPE =>
+            {
+                HostGather::Wide(T::cpu_storage_data(storage).unwrap_or_default())
+            }
+            CpuStorage::BF16(values) => HostGather::BF16(values),
+            CpuStorage::F16(values) => HostGather::F16(values),
+            _ => return None,
+        })
+    }
+
+    fn gathered_dtype(buffer: &HostGather<T>) -> candle_core::DType {
+        match buffer {
+            HostGather::Wide(_) => <T as WithDType>::DTYPE,
+            HostGather::BF16(_) => candle_core::DType::BF16,
+            HostGather::F16(_) => candle_core::DType::F16,
         }
     }
 
     fn round(
-        buffer: Vec<T>,
+        buffer: HostGather<T>,
         (stretches, packed): (&Arc<[Stretch]>, &Arc<[Stretch]>),
         dtype: candle_core::DType,
         _device: &Device,
         pool: &Arc<RoundedPool>,
-    ) -> (Result<Rounded>, Option<Vec<T>>) {
-        let rounded = pool
-            .round(&buffer, stretches, packed, dtype)
-            .map(|rounded| {
-                let lender: Arc<dyn GiveBack> = pool.clone();
-                (Storage::Cpu(rounded), Arc::clone(packed), lender)
-            });
+    ) -> (Result<Rounded>, Option<HostGather<T>>) {
+        let HostGather::Wide(values) = &buffer else {
+            let error = crate::Error::Zero(zero_core::Error::State(format!(
+                "internal: stage 3 asked to round a gather already in {:?} to {dtype:?}",
+                buffer.dtype()
+            )));
+            return (Err(error), Some(buffer));
+        };
+        let rounded = pool.round(values, stretches, packed, dtype).map(|rounded| {
+            let lender: Arc<dyn GiveBack> = pool.clone();
+            (Storage::Cpu(rounded), Arc::clone(packed), lender)
+        });
         (rounded, Some(buffer))
     }
 }

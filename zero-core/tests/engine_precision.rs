@@ -479,28 +479,40 @@ fn checkpoints_load_across_precisions_world_sizes_and_stages() {
     });
 }
 
-/// Each parameter `fetcher` shards gathered whole, and its number of
-/// gathered pieces.
+/// What one rank's stage-3 run below ends with: each parameter gathered
+/// whole, the dtype the memory was asked to gather in, each parameter's
+/// number of gathered pieces, and the bytes the gathers sent.
+struct Gathered {
+    full: Vec<Vec<f32>>,
+    asked: Option<DType>,
+    pieces: Vec<usize>,
+    sent: u64,
+}
+
+/// Each parameter `fetcher` shards gathered whole, its pieces and the
+/// bytes sent.
 fn whole<G: GatherMemory<f32>>(
     fetcher: &Fetcher<f32, G>,
     n: usize,
-) -> zero_core::Result<(Vec<Vec<f32>>, Vec<usize>)> {
+    asked: Option<DType>,
+) -> zero_core::Result<Gathered> {
     let full = (0..n)
         .map(|p| fetcher.gather_full(p))
         .collect::<zero_core::Result<Vec<_>>>()?;
-    Ok((full, (0..n).map(|p| fetcher.pieces(p)).collect()))
+    Ok(Gathered {
+        full,
+        asked,
+        pieces: (0..n).map(|p| fetcher.pieces(p)).collect(),
+        sent: fetcher.bytes_sent(),
+    })
 }
-
-/// What one rank's stage-3 run below ends with: each parameter gathered
-/// whole, the dtype the memory was asked to gather in, and each
-/// parameter's number of gathered pieces.
-type Gathered = (Vec<Vec<f32>>, Option<DType>, Vec<usize>);
 
 /// Stage 3 over `infos` on `world` ranks: sharded before the first step,
 /// three SGD steps whose updates lie below half a bf16 ulp of the weights
 /// (so the masters move and their bf16 rounding does not), then every
 /// parameter gathered whole. `device`: the memory poses as a device
-/// ([`PlanCheck`]); else the engine runs on host memory.
+/// ([`PlanCheck`], which records what it is asked); else the engine runs
+/// on host memory.
 fn stage_3_gathers(
     infos: &[ParamInfo],
     world: usize,
@@ -515,29 +527,28 @@ fn stage_3_gathers(
         let grads: Vec<Vec<f32>> = infos.iter().map(|p| vec![1.0; p.numel()]).collect();
         let slots: Vec<Option<HostGrad<'_, f32>>> = grads.iter().map(|g| Some(g.into())).collect();
         let all = vec![true; infos.len()];
-        let (full, pieces) = if device {
+        if device {
             let memory = PlanCheck::new(seen.clone(), true);
             let mut engine = Engine::with_memory(comm, memory, infos.clone(), sgd, config)?;
             let fetcher = engine.shard_parameters(&all, &mut replica)?;
             for _ in 0..3 {
                 engine.step(&slots, &mut replica)?;
             }
-            whole(&fetcher, infos.len())?
+            let asked = seen.lock().expect("no test thread panicked").gathered_in;
+            whole(&fetcher, infos.len(), asked)
         } else {
             let mut engine = Engine::<f32, _>::new(comm, infos.clone(), sgd, config)?;
             let fetcher = engine.shard_parameters(&all, &mut replica)?;
             for _ in 0..3 {
                 engine.step(&slots, &mut replica)?;
             }
-            whole(&fetcher, infos.len())?
-        };
-        let asked = seen.lock().expect("no test thread panicked").gathered_in;
-        Ok((full, asked, pieces))
+            whole(&fetcher, infos.len(), None)
+        }
     })
 }
 
 #[test]
-fn stage_3_gathers_a_bf16_model_in_bf16_where_the_memory_can() {
+fn stage_3_gathers_a_bf16_model_in_bf16() {
     let infos = bf16_infos();
     let base = EngineConfig::default()
         .with_stage(Stage::Parameters)
@@ -546,47 +557,48 @@ fn stage_3_gathers_a_bf16_model_in_bf16_where_the_memory_can() {
         .with_gather_bytes(40);
     let in_masters = base.clone().with_gather_in_param_dtype(false);
     for world in [1, 2] {
-        let what = format!("N={world}");
-        let masters = stage_3_gathers(&infos, world, &in_masters, true);
-        let narrowed = stage_3_gathers(&infos, world, &base, true);
-        let host = stage_3_gathers(&infos, world, &base, false);
-        for rank in 0..world {
-            let (masters, asked, wide_pieces) = &masters[rank];
-            assert_eq!(
-                *asked, None,
-                "{what}: gathers in the master dtype when told to"
-            );
-            let (rounded, asked, narrow_pieces) = &narrowed[rank];
-            assert_eq!(
-                *asked,
-                Some(DType::BF16),
-                "{what}: gathers in the model's dtype"
-            );
-            let mut moved = 0;
-            for (p, (m, r)) in masters.iter().zip(rounded).enumerate() {
-                let want: Vec<f32> = m.iter().map(|&v| bf16::from_f32(v).to_f32()).collect();
-                assert_eq!(*r, want, "{what} param {p}: the masters rounded to bf16");
-                moved += m.iter().zip(r).filter(|(m, r)| m != r).count();
+        for device in [true, false] {
+            let what = format!("N={world}, {}", if device { "device" } else { "host" });
+            let masters = stage_3_gathers(&infos, world, &in_masters, device);
+            let narrowed = stage_3_gathers(&infos, world, &base, device);
+            for (wide, narrow) in masters.iter().zip(&narrowed) {
+                if device {
+                    assert_eq!(wide.asked, None, "{what}: asked to gather in f32");
+                    assert_eq!(narrow.asked, Some(DType::BF16), "{what}: asked for bf16");
+                }
+                let mut moved = 0;
+                for (p, (m, r)) in wide.full.iter().zip(&narrow.full).enumerate() {
+                    let want: Vec<f32> = m.iter().map(|&v| bf16::from_f32(v).to_f32()).collect();
+                    assert_eq!(*r, want, "{what} param {p}: the masters rounded to bf16");
+                    moved += m.iter().zip(r).filter(|(m, r)| m != r).count();
+                }
+                assert!(
+                    moved > 0,
+                    "{what}: the masters moved below bf16's resolution"
+                );
+                // The budgets count two bytes a gathered element: a piece
+                // of 40 bytes holds twice the elements.
+                assert!(
+                    narrow.pieces.iter().zip(&wide.pieces).all(|(n, w)| n < w),
+                    "{what}: pieces {:?} in bf16, {:?} in f32",
+                    narrow.pieces,
+                    wide.pieces
+                );
+                // Half the bytes on the wire (the thread backend counts
+                // what each rank sends; one rank sends nothing).
+                if world > 1 {
+                    assert!(
+                        wide.sent > 0 && narrow.sent * 2 <= wide.sent,
+                        "{what}: {} bytes sent in bf16, {} in f32",
+                        narrow.sent,
+                        wide.sent
+                    );
+                }
             }
-            assert!(
-                moved > 0,
-                "{what}: the masters moved below bf16's resolution"
-            );
-            // The budgets count two bytes a gathered element: a piece of
-            // 40 bytes holds twice the elements.
-            assert!(
-                narrow_pieces.iter().zip(wide_pieces).all(|(n, w)| n < w),
-                "{what}: pieces {narrow_pieces:?} in bf16, {wide_pieces:?} in f32"
-            );
-            // Host memory gathers the masters whatever it is asked.
-            assert_eq!(
-                host[rank].0, *masters,
-                "{what}: host memory gathers masters"
-            );
         }
     }
     // An f32 model has no 16-bit dtype to gather in.
     let f32_infos = as_dtype(&infos, DType::F32);
-    let (_, asked, _) = &stage_3_gathers(&f32_infos, 1, &base, true)[0];
-    assert_eq!(*asked, None, "an f32 model gathers in f32");
+    let gathered = &stage_3_gathers(&f32_infos, 1, &base, true)[0];
+    assert_eq!(gathered.asked, None, "an f32 model gathers in f32");
 }

@@ -18,7 +18,7 @@ use zero_core::{Communicator, Engine, Error, Result, ThreadComm, ThreadGroup};
 
 /// The values of parameter `p`: gathered through `fetcher` piece by piece
 /// when it is sharded, else the replica's.
-fn values<G: GatherMemory<f64, Buffer = Vec<f64>>>(
+fn values<G: GatherMemory<f64, Buffer = zero_core::engine::HostGather<f64>>>(
     fetcher: Option<&Arc<Fetcher<f64, G>>>,
     replica: &[Vec<f64>],
     p: usize,
@@ -30,7 +30,11 @@ fn values<G: GatherMemory<f64, Buffer = Vec<f64>>>(
     for piece in 0..fetcher.pieces(p) {
         let gathered = fetcher.acquire(p, piece)?;
         for (at, places) in gathered.spans() {
-            out[places.clone()].copy_from_slice(&gathered.buffer()[at.clone()]);
+            let buffer = gathered
+                .buffer()
+                .as_wide()
+                .expect("f64 values gathered as such");
+            out[places.clone()].copy_from_slice(&buffer[at.clone()]);
         }
         fetcher.release(gathered);
     }

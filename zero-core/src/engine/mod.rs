@@ -71,7 +71,9 @@ pub use config::{
 };
 pub use consistency::check_rank_consistency;
 pub use deferred::{ParamAccess, Refresh};
-pub use fetch::{FetchStats, Fetcher, GatherFn, GatherMemory, Gathered, HostGathers, UnitBucket};
+pub use fetch::{
+    FetchStats, Fetcher, GatherFn, GatherMemory, Gathered, HostGather, HostGathers, UnitBucket,
+};
 pub use host_buffer::{HostBuffer, HostLock, HostPin, HostRegion, Landing};
 pub use layout::{Layout, Run};
 pub use memory::MemoryReport;

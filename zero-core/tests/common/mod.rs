@@ -475,7 +475,7 @@ pub trait TestMemory:
     Gathers = Self::G,
 >
 {
-    type G: GatherMemory<f64, Buffer = Vec<f64>>;
+    type G: GatherMemory<f64, Buffer = zero_core::engine::HostGather<f64>>;
 }
 
 impl TestMemory for HostMemory {

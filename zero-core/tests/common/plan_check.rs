@@ -7,9 +7,9 @@ use std::ops::Range;
 use std::sync::{Arc, Mutex};
 use zero_core::comm::Host;
 use zero_core::engine::{
-    host_gathers, Deferral, GatherBudgets, GatherMemory, GradPiece, HostGathers, HostGrad,
-    HostMemory, HostTransfers, NormType, PackedGathers, ParamCopy, ParamStore, ShardMemory,
-    ShardStep, StepPiece, UnitBucket,
+    host_gathers, Deferral, GatherBudgets, GatherMemory, GradPiece, HostGather, HostGathers,
+    HostGrad, HostMemory, HostTransfers, NormType, PackedGathers, ParamCopy, ParamStore,
+    ShardMemory, ShardStep, StepPiece, UnitBucket,
 };
 use zero_core::optim::OptimizerState;
 use zero_core::{Communicator, DType, Element, FunctionalOptimizer, ReduceOp, Result};
@@ -316,7 +316,6 @@ impl<T: Element, C: Communicator<Memory = Host>> ShardMemory<T, C> for PlanCheck
             host: host_gathers(comm),
             device: self.inline,
             seen: self.seen.clone(),
-            narrow: None,
         })
     }
 
@@ -746,20 +745,18 @@ impl<T: Element, C: Communicator<Memory = Host>> HostTransfers<T, C> for PlanChe
 }
 
 /// Stage 3's gathers of a [`PlanCheck`]: host gathers that count their
-/// collectives in `seen` and, where the memory poses as a device, take a
-/// device's budgets ([`GatherBudgets::DEVICE`]) and gather in a 16-bit
-/// dtype when asked, as the CUDA memory does (each value rounded to it;
-/// the buffer keeps them widened to `T`).
+/// collectives in `seen` (and the 16-bit dtype they are asked to gather
+/// in) and, where the memory poses as a device, take a device's budgets
+/// ([`GatherBudgets::DEVICE`]).
 pub struct PosedGathers<T> {
     host: HostGathers<T>,
     device: bool,
     seen: Arc<Mutex<Seen>>,
-    narrow: Option<DType>,
 }
 
 impl<T: Element> GatherMemory<T> for PosedGathers<T> {
     type Shard = Vec<T>;
-    type Buffer = Vec<T>;
+    type Buffer = HostGather<T>;
 
     fn default_budgets(&self) -> GatherBudgets {
         match self.device {
@@ -773,25 +770,22 @@ impl<T: Element> GatherMemory<T> for PosedGathers<T> {
             .lock()
             .expect("no test thread panicked")
             .gathered_in = Some(dtype);
-        if self.device {
-            self.narrow = Some(dtype);
-        }
+        self.host.gather_in(dtype);
     }
 
     fn element_bytes(&self) -> usize {
-        self.narrow
-            .map_or(std::mem::size_of::<T>(), DType::size_in_bytes)
+        self.host.element_bytes()
     }
 
     fn shard_len(shard: &Vec<T>) -> usize {
         shard.len()
     }
 
-    fn capacity(buffer: &Vec<T>) -> usize {
+    fn capacity(buffer: &HostGather<T>) -> usize {
         <HostGathers<T> as GatherMemory<T>>::capacity(buffer)
     }
 
-    fn buffer(&self, reuse: Option<Vec<T>>, len: usize) -> Result<Vec<T>> {
+    fn buffer(&self, reuse: Option<HostGather<T>>, len: usize) -> Result<HostGather<T>> {
         self.host.buffer(reuse, len)
     }
 
@@ -799,7 +793,12 @@ impl<T: Element> GatherMemory<T> for PosedGathers<T> {
         self.host.bytes_sent()
     }
 
-    fn gather(&self, shard: &Vec<T>, buckets: &[UnitBucket], buffer: &mut Vec<T>) -> Result<()> {
+    fn gather(
+        &self,
+        shard: &Vec<T>,
+        buckets: &[UnitBucket],
+        buffer: &mut HostGather<T>,
+    ) -> Result<()> {
         self.gather_from_host(shard, buckets, buffer)
     }
 
@@ -807,24 +806,13 @@ impl<T: Element> GatherMemory<T> for PosedGathers<T> {
         &self,
         shard: &[T],
         buckets: &[UnitBucket],
-        buffer: &mut Vec<T>,
+        buffer: &mut HostGather<T>,
     ) -> Result<()> {
         self.seen.lock().expect("no test thread panicked").gathers += buckets.len();
-        self.host.gather_from_host(shard, buckets, buffer)?;
-        let round = match self.narrow {
-            Some(DType::BF16) => |v: f64| half::bf16::from_f64(v).to_f64(),
-            Some(DType::F16) => |v: f64| half::f16::from_f64(v).to_f64(),
-            _ => return Ok(()),
-        };
-        for bucket in buckets {
-            for v in &mut buffer[bucket.at.clone()] {
-                *v = T::from_f64(round(v.to_f64()));
-            }
-        }
-        Ok(())
+        self.host.gather_from_host(shard, buckets, buffer)
     }
 
-    fn read(&self, buffer: &Vec<T>, range: Range<usize>, out: &mut [T]) -> Result<()> {
+    fn read(&self, buffer: &HostGather<T>, range: Range<usize>, out: &mut [T]) -> Result<()> {
         self.host.read(buffer, range, out)
     }
 }

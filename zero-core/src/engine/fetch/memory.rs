@@ -4,6 +4,7 @@
 use super::units::UnitBucket;
 use crate::engine::GatherBudgets;
 use crate::{DType, Error, Result};
+use half::{bf16, f16};
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -112,11 +113,69 @@ pub trait GatherMemory<T>: Send + Sync + 'static {
 }
 
 /// Stage 3's gathers in host memory: vectors, gathered by `all_gather`
-/// (a collective on the fetcher's own communicator).
+/// (a collective on the fetcher's own communicator), or, asked to gather
+/// in a 16-bit dtype ([`GatherMemory::gather_in`]) and given the 16-bit
+/// collectives ([`HostGathers::narrowing`]), each rank's chunk rounded to
+/// it and gathered as such: half the bytes on the wire and in the buffer.
 pub struct HostGathers<T> {
     all_gather: Arc<GatherFn<T>>,
     /// What the communicator behind `all_gather` has sent, where known.
     sent: Option<Arc<dyn Fn() -> u64 + Send + Sync>>,
+    /// The all-gathers of 16-bit values, where given.
+    narrowing: Option<Narrowing>,
+    /// The 16-bit dtype the gathers are in, once asked.
+    narrow: Option<DType>,
+}
+
+/// [`HostGathers`]' all-gathers of bf16 and of f16 values.
+struct Narrowing {
+    bf16: Arc<GatherFn<bf16>>,
+    f16: Arc<GatherFn<f16>>,
+}
+
+/// A buffer of [`HostGathers`]: the gathered values in `T`, or rounded to
+/// a 16-bit model's dtype.
+#[derive(Debug)]
+pub enum HostGather<T> {
+    /// In the engine's element type.
+    Wide(Vec<T>),
+    /// Rounded to bf16.
+    BF16(Vec<bf16>),
+    /// Rounded to f16.
+    F16(Vec<f16>),
+}
+
+impl<T: crate::Element> HostGather<T> {
+    /// The element type held.
+    pub fn dtype(&self) -> DType {
+        match self {
+            Self::Wide(_) => T::DTYPE,
+            Self::BF16(_) => DType::BF16,
+            Self::F16(_) => DType::F16,
+        }
+    }
+
+    /// The values, where they are in `T`.
+    pub fn as_wide(&self) -> Option<&[T]> {
+        match self {
+            Self::Wide(values) => Some(values),
+            _ => None,
+        }
+    }
+
+    /// Elements held.
+    pub fn len(&self) -> usize {
+        match self {
+            Self::Wide(values) => values.len(),
+            Self::BF16(values) => values.len(),
+            Self::F16(values) => values.len(),
+        }
+    }
+
+    /// Whether it holds nothing.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
 }
 
 impl<T> HostGathers<T> {
@@ -125,6 +184,8 @@ impl<T> HostGathers<T> {
         Self {
             all_gather,
             sent: None,
+            narrowing: None,
+            narrow: None,
         }
     }
 
@@ -136,32 +197,98 @@ impl<T> HostGathers<T> {
             ..self
         }
     }
+
+    /// These gathers, able to gather in bf16 and f16 with `bf16` and
+    /// `f16` (all-gathers on the same communicator).
+    pub fn narrowing(self, bf16: Arc<GatherFn<bf16>>, f16: Arc<GatherFn<f16>>) -> Self {
+        Self {
+            narrowing: Some(Narrowing { bf16, f16 }),
+            ..self
+        }
+    }
+}
+
+/// `len` elements of `buffer`'s kind (`reuse`'d when it is one with room;
+/// else freed before the new one is made).
+fn host_buffer<V: Copy + Default>(reuse: Option<Vec<V>>, len: usize) -> Vec<V> {
+    let mut buffer = reuse.unwrap_or_default();
+    if buffer.capacity() < len {
+        drop(std::mem::take(&mut buffer));
+        buffer = Vec::with_capacity(len);
+    }
+    buffer.resize(len, V::default());
+    buffer
+}
+
+/// Each bucket's chunk of `shard`, rounded to `H`, all-gathered into its
+/// place in `buffer` by `all_gather`.
+fn gather_narrowed<T: crate::Element, H: crate::Element>(
+    all_gather: &GatherFn<H>,
+    shard: &[T],
+    buckets: &[UnitBucket],
+    buffer: &mut [H],
+) -> Result<()> {
+    let mut chunk = Vec::new();
+    for bucket in buckets {
+        let send = &shard[bucket.shard.clone()];
+        chunk.clear();
+        chunk.resize(send.len(), H::default());
+        crate::dtype::convert_slice(send, &mut chunk);
+        all_gather(&chunk, &mut buffer[bucket.at.clone()])?;
+    }
+    Ok(())
 }
 
 impl<T: crate::Element> GatherMemory<T> for HostGathers<T> {
     type Shard = Vec<T>;
-    type Buffer = Vec<T>;
+    type Buffer = HostGather<T>;
+
+    /// Only with the 16-bit collectives, to bf16 or f16, from a wider `T`.
+    fn gather_in(&mut self, dtype: DType) {
+        let narrower = dtype.size_in_bytes() < T::DTYPE.size_in_bytes();
+        if self.narrowing.is_some() && matches!(dtype, DType::BF16 | DType::F16) && narrower {
+            self.narrow = Some(dtype);
+        }
+    }
+
+    fn element_bytes(&self) -> usize {
+        self.narrow
+            .map_or(std::mem::size_of::<T>(), DType::size_in_bytes)
+    }
 
     fn shard_len(shard: &Vec<T>) -> usize {
         shard.len()
     }
 
-    fn capacity(buffer: &Vec<T>) -> usize {
-        buffer.capacity()
-    }
-
-    fn buffer(&self, reuse: Option<Vec<T>>, len: usize) -> Result<Vec<T>> {
-        let mut buffer = reuse.unwrap_or_default();
-        if buffer.capacity() < len {
-            // Freed before the larger one is made.
-            drop(std::mem::take(&mut buffer));
-            buffer = Vec::with_capacity(len);
+    fn capacity(buffer: &HostGather<T>) -> usize {
+        match buffer {
+            HostGather::Wide(values) => values.capacity(),
+            HostGather::BF16(values) => values.capacity(),
+            HostGather::F16(values) => values.capacity(),
         }
-        buffer.resize(len, T::default());
-        Ok(buffer)
     }
 
-    fn gather(&self, shard: &Vec<T>, buckets: &[UnitBucket], buffer: &mut Vec<T>) -> Result<()> {
+    fn buffer(&self, reuse: Option<HostGather<T>>, len: usize) -> Result<HostGather<T>> {
+        Ok(match (self.narrow, reuse) {
+            (Some(DType::BF16), Some(HostGather::BF16(v))) => {
+                HostGather::BF16(host_buffer(Some(v), len))
+            }
+            (Some(DType::BF16), _) => HostGather::BF16(host_buffer(None, len)),
+            (Some(DType::F16), Some(HostGather::F16(v))) => {
+                HostGather::F16(host_buffer(Some(v), len))
+            }
+            (Some(DType::F16), _) => HostGather::F16(host_buffer(None, len)),
+            (_, Some(HostGather::Wide(v))) => HostGather::Wide(host_buffer(Some(v), len)),
+            (_, _) => HostGather::Wide(host_buffer(None, len)),
+        })
+    }
+
+    fn gather(
+        &self,
+        shard: &Vec<T>,
+        buckets: &[UnitBucket],
+        buffer: &mut HostGather<T>,
+    ) -> Result<()> {
         self.gather_from_host(shard, buckets, buffer)
     }
 
@@ -169,16 +296,35 @@ impl<T: crate::Element> GatherMemory<T> for HostGathers<T> {
         &self,
         shard: &[T],
         buckets: &[UnitBucket],
-        buffer: &mut Vec<T>,
+        buffer: &mut HostGather<T>,
     ) -> Result<()> {
-        for bucket in buckets {
-            (self.all_gather)(&shard[bucket.shard.clone()], &mut buffer[bucket.at.clone()])?;
+        match (buffer, &self.narrowing) {
+            (HostGather::Wide(buffer), _) => {
+                for bucket in buckets {
+                    (self.all_gather)(
+                        &shard[bucket.shard.clone()],
+                        &mut buffer[bucket.at.clone()],
+                    )?;
+                }
+                Ok(())
+            }
+            (HostGather::BF16(buffer), Some(n)) => {
+                gather_narrowed(&*n.bf16, shard, buckets, buffer)
+            }
+            (HostGather::F16(buffer), Some(n)) => gather_narrowed(&*n.f16, shard, buckets, buffer),
+            (buffer, None) => Err(Error::State(format!(
+                "internal: a {:?} stage-3 buffer for gathers without 16-bit collectives",
+                buffer.dtype()
+            ))),
         }
-        Ok(())
     }
 
-    fn read(&self, buffer: &Vec<T>, range: Range<usize>, out: &mut [T]) -> Result<()> {
-        out.copy_from_slice(&buffer[range]);
+    fn read(&self, buffer: &HostGather<T>, range: Range<usize>, out: &mut [T]) -> Result<()> {
+        match buffer {
+            HostGather::Wide(values) => out.copy_from_slice(&values[range]),
+            HostGather::BF16(values) => crate::dtype::convert_slice(&values[range], out),
+            HostGather::F16(values) => crate::dtype::convert_slice(&values[range], out),
+        }
         Ok(())
     }
 

@@ -50,6 +50,6 @@ mod worker;
 
 pub use board::FetchStats;
 pub use fetcher::{Fetcher, Gathered};
-pub use memory::{GatherFn, GatherMemory, HostGathers};
+pub use memory::{GatherFn, GatherMemory, HostGather, HostGathers};
 pub use units::UnitBucket;
 pub(super) use units::{Span, Unit};

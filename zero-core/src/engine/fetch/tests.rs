@@ -241,7 +241,7 @@ fn use_units(f: &Fetcher<f32>, order: &[usize], len: usize) {
         let g = f.acquire(u, 0).unwrap();
         let want: Vec<f32> = (u * len..(u + 1) * len).map(|i| i as f32).collect();
         let at = g.whole().expect("one piece");
-        assert_eq!(&g.buffer()[at], &want[..], "unit {u}");
+        assert_eq!(&g.buffer().as_wide().unwrap()[at], &want[..], "unit {u}");
         f.release(g);
     }
 }

@@ -392,11 +392,15 @@ impl<T: Element, C: Communicator<Memory = Host>> HostTransfers<T, C> for HostMem
 /// Stage 3's gathers on host memory over `comm`.
 pub fn host_gathers<T: Element, C: Communicator<Memory = Host>>(comm: C) -> HostGathers<T> {
     let comm = Arc::new(comm);
-    let counted = Arc::clone(&comm);
+    let (counted, bf16s, f16s) = (Arc::clone(&comm), Arc::clone(&comm), Arc::clone(&comm));
     HostGathers::new(Arc::new(move |send: &[T], recv: &mut [T]| {
         comm.all_gather(send, recv)
     }))
     .counting(Arc::new(move || counted.bytes_sent()))
+    .narrowing(
+        Arc::new(move |send: &[half::bf16], recv: &mut [half::bf16]| bf16s.all_gather(send, recv)),
+        Arc::new(move |send: &[half::f16], recv: &mut [half::f16]| f16s.all_gather(send, recv)),
+    )
 }
 
 /// Adds (`add`) or copies `src` into `dst`, in host memory.
