@@ -1360,27 +1360,42 @@ __device__ __forceinline__ void lse_combine(float& m, float& s, float m2, float 
     m = mx;
 }
 
-// Pass 1, one block (CE_THREADS) per row: saved[row] = logsumexp(row).
+// Whether every row of logits [rows, V] (and of `other`, its gradient,
+// when given) starts on 16 bytes and holds whole 16-byte chunks: then a
+// thread reads 16 bytes at a time, else one element.
 template <typename T>
-__device__ __forceinline__ void cross_entropy_lse(const T* __restrict__ logits,
-                                                  float* __restrict__ saved, long long rows,
-                                                  long long V) {
+__device__ __forceinline__ bool ce_wide(long long V, const T* logits, const T* other) {
+    return V % (16 / sizeof(T)) == 0 && all_aligned16(logits, other);
+}
+
+// Pass 1, one block (CE_THREADS) per row: saved[row] = logsumexp(row),
+// N elements a read (16 bytes, or one).
+template <typename T, int N>
+__device__ __forceinline__ void cross_entropy_lse_n(const T* __restrict__ logits,
+                                                    float* __restrict__ saved, long long rows,
+                                                    long long V) {
     __shared__ float sm[CE_THREADS / 32], ss[CE_THREADS / 32];
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
         const T* xr = logits + row * V;
         float m = NEG_INF, s = 0.f;
-        for (long long v = threadIdx.x; v < V; v += CE_THREADS) {
-            const float x = to_f32(xr[v]);
-            if (x == NEG_INF) continue;  // contributes exp(-inf) = 0
-            // A NaN x takes the max too: (m, s) = (NaN, NaN), never the
-            // (-inf, NaN) that lse_combine would drop as empty; from then on
-            // s stays NaN and so does the row's log-sum-exp (and the loss).
-            if (x > m || x != x) {
-                s = s * expf(m - x) + 1.f;  // m = -inf: s = 0 * 0 + 1
-                m = x;
-            } else {
-                s += expf(x - m);  // a NaN m makes s NaN
+        for (long long v = (long long)threadIdx.x * N; v < V; v += (long long)CE_THREADS * N) {
+            float xs[N];
+            load_n<T, N>(xs, xr, v);
+#pragma unroll
+            for (int k = 0; k < N; ++k) {
+                const float x = xs[k];
+                if (x == NEG_INF) continue;  // contributes exp(-inf) = 0
+                // A NaN x takes the max too: (m, s) = (NaN, NaN), never the
+                // (-inf, NaN) that lse_combine would drop as empty; from then
+                // on s stays NaN and so does the row's log-sum-exp (and the
+                // loss).
+                if (x > m || x != x) {
+                    s = s * expf(m - x) + 1.f;  // m = -inf: s = 0 * 0 + 1
+                    m = x;
+                } else {
+                    s += expf(x - m);  // a NaN m makes s NaN
+                }
             }
         }
 #pragma unroll
@@ -1400,6 +1415,17 @@ __device__ __forceinline__ void cross_entropy_lse(const T* __restrict__ logits,
             for (int w = 1; w < CE_THREADS / 32; ++w) lse_combine(mt, st, sm[w], ss[w]);
             saved[row] = mt + logf(st);
         }
+    }
+}
+
+template <typename T>
+__device__ __forceinline__ void cross_entropy_lse(const T* __restrict__ logits,
+                                                  float* __restrict__ saved, long long rows,
+                                                  long long V) {
+    if (ce_wide(V, logits, logits)) {
+        cross_entropy_lse_n<T, 16 / sizeof(T)>(logits, saved, rows, V);
+    } else {
+        cross_entropy_lse_n<T, 1>(logits, saved, rows, V);
     }
 }
 
@@ -1452,7 +1478,42 @@ __device__ __forceinline__ void cross_entropy_loss(const T* __restrict__ logits,
 
 // Backward, one block per row: dlogits = grad / count (softmax - onehot),
 // zero on ignored rows, NaN on rows whose target is out of range. grad is
-// read on the device (one f32).
+// read on the device (one f32). N elements a read and a write (16 bytes, or
+// one).
+template <typename T, typename I, int N>
+__device__ __forceinline__ void cross_entropy_backward_n(const T* __restrict__ logits,
+                                                         const I* __restrict__ targets,
+                                                         const float* __restrict__ saved,
+                                                         const float* __restrict__ grad,
+                                                         T* __restrict__ dlogits, long long rows,
+                                                         long long V, int has_ignore,
+                                                         long long ignore_index) {
+    for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
+        long long t;
+        bool in_range;
+        const bool counted = ce_target(targets, row, V, has_ignore, ignore_index, &t, &in_range);
+        const T* xr = logits + row * V;
+        T* dr = dlogits + row * V;
+        const float factor = counted ? grad[0] / saved[rows] : 0.f;
+        const float row_lse = saved[row];
+        for (long long v = (long long)threadIdx.x * N; v < V; v += (long long)blockDim.x * N) {
+            float d[N];
+            if (!counted) {
+#pragma unroll
+                for (int k = 0; k < N; ++k) d[k] = 0.f;
+            } else {
+                load_n<T, N>(d, xr, v);
+#pragma unroll
+                for (int k = 0; k < N; ++k) {
+                    const float sm = expf(d[k] - row_lse);
+                    d[k] = in_range ? factor * (sm - (v + k == t ? 1.f : 0.f)) : QNAN;
+                }
+            }
+            store_n<T, N>(dr, v, d);
+        }
+    }
+}
+
 template <typename T, typename I>
 __device__ __forceinline__ void cross_entropy_backward(const T* __restrict__ logits,
                                                        const I* __restrict__ targets,
@@ -1461,23 +1522,12 @@ __device__ __forceinline__ void cross_entropy_backward(const T* __restrict__ log
                                                        T* __restrict__ dlogits, long long rows,
                                                        long long V, int has_ignore,
                                                        long long ignore_index) {
-    for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
-        long long t;
-        bool in_range;
-        const bool counted = ce_target(targets, row, V, has_ignore, ignore_index, &t, &in_range);
-        const T* xr = logits + row * V;
-        T* dr = dlogits + row * V;
-        if (!counted) {
-            for (long long v = threadIdx.x; v < V; v += blockDim.x) dr[v] = from_f32<T>(0.f);
-            continue;
-        }
-        const float factor = grad[0] / saved[rows];
-        const float row_lse = saved[row];
-        for (long long v = threadIdx.x; v < V; v += blockDim.x) {
-            const float sm = expf(to_f32(xr[v]) - row_lse);
-            const float d = in_range ? factor * (sm - (v == t ? 1.f : 0.f)) : QNAN;
-            dr[v] = from_f32<T>(d);
-        }
+    if (ce_wide(V, logits, (const T*)dlogits)) {
+        cross_entropy_backward_n<T, I, 16 / sizeof(T)>(logits, targets, saved, grad, dlogits,
+                                                       rows, V, has_ignore, ignore_index);
+    } else {
+        cross_entropy_backward_n<T, I, 1>(logits, targets, saved, grad, dlogits, rows, V,
+                                          has_ignore, ignore_index);
     }
 }
 
