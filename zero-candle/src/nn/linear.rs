@@ -536,6 +536,21 @@ fn with_input<S: OnDevice, R>(
     }
 }
 
+/// `x·Wᵀ` on the CPU (`x` the activated input when given): its product
+/// and `(rows, out)`.
+fn product_cpu(
+    input: Option<&Tensor>,
+    x: (&CpuStorage, &Layout),
+    (w, w_layout): (&CpuStorage, &Layout),
+) -> Result<(CpuStorage, usize, usize)> {
+    with_input(input, x, |x, x_layout| {
+        match bf16_matmul::xwt(x, x_layout, w, w_layout)? {
+            Some(done) => Ok(done),
+            None => matmul_xwt(x, x_layout, w, w_layout),
+        }
+    })
+}
+
 /// The storage to compute with: the gathered one when there is one.
 fn pick<'a, S: OnDevice>(
     lent: &'a Option<GatheredParam>,
@@ -893,15 +908,7 @@ impl CustomOp2 for FusedLinear {
             Err((pre, shape)) => return self.finish_cpu(pre, None, shape),
         };
         let (w, w_layout) = pick(&lent.weight, (w, w_layout))?;
-        let (product, rows, out_dim) =
-            with_input(
-                input.as_ref(),
-                (x, x_layout),
-                |x, x_layout| match bf16_matmul::xwt(x, x_layout, w, w_layout)? {
-                    Some(done) => Ok(done),
-                    None => matmul_xwt(x, x_layout, w, w_layout),
-                },
-            )?;
+        let (product, rows, out_dim) = product_cpu(input.as_ref(), (x, x_layout), (w, w_layout))?;
         self.finish_cpu(product, None, Shape::from((rows, out_dim)))
     }
 
@@ -956,15 +963,7 @@ impl CustomOp3 for FusedLinear {
         };
         let (w, w_layout) = pick(&lent.weight, (w, w_layout))?;
         let (b, b_layout) = pick(&lent.bias, (b, b_layout))?;
-        let (out, rows, out_dim) =
-            with_input(
-                input.as_ref(),
-                (x, x_layout),
-                |x, x_layout| match bf16_matmul::xwt(x, x_layout, w, w_layout)? {
-                    Some(done) => Ok(done),
-                    None => matmul_xwt(x, x_layout, w, w_layout),
-                },
-            )?;
+        let (out, rows, out_dim) = product_cpu(input.as_ref(), (x, x_layout), (w, w_layout))?;
         check_bias(b_layout, out_dim)?;
         if b.dtype() != out.dtype() {
             bail!(
