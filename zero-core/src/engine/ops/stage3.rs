@@ -35,24 +35,12 @@ where
         params: &mut M::Params<'_>,
     ) -> Result<Arc<FetcherOf<T, C, M>>> {
         self.finish_gathers()?;
-        if self.config.stage != Stage::Parameters {
-            return Err(Error::Config(format!(
-                "shard_parameters needs stage 3; this engine runs stage {}",
-                self.config.stage.number()
-            )));
-        }
-        if self.fetcher().is_some() {
-            return Err(Error::State(
-                "shard_parameters was already called; the parameters are sharded".into(),
-            ));
-        }
-        if gatherable.len() != self.params.len() {
-            return Err(Error::Config(format!(
-                "shard_parameters: got {} flags for {} parameters; pass one per parameter",
-                gatherable.len(),
-                self.params.len()
-            )));
-        }
+        let sharded = self.fetcher().is_some();
+        check_shardable(
+            self.config.stage,
+            sharded,
+            (gatherable.len(), self.params.len()),
+        )?;
         self.window.refuse_mid("shard_parameters")?;
         // With master weights the shard holds them. A memory that can
         // gathers them rounded to the model's 16-bit dtype (the values the
@@ -250,4 +238,26 @@ impl<T: Element, C: Communicator, M: ShardMemory<T, C>> Engine<T, C, M> {
         fetcher.put_shard(shard?);
         result
     }
+}
+
+/// The errors of a [`Engine::shard_parameters`] call on an engine of
+/// `stage`, `sharded` already, given `flags` flags for `params` parameters.
+fn check_shardable(stage: Stage, sharded: bool, (flags, params): (usize, usize)) -> Result<()> {
+    if stage != Stage::Parameters {
+        return Err(Error::Config(format!(
+            "shard_parameters needs stage 3; this engine runs stage {}",
+            stage.number()
+        )));
+    }
+    if sharded {
+        return Err(Error::State(
+            "shard_parameters was already called; the parameters are sharded".into(),
+        ));
+    }
+    if flags != params {
+        return Err(Error::Config(format!(
+            "shard_parameters: got {flags} flags for {params} parameters; pass one per parameter"
+        )));
+    }
+    Ok(())
 }
