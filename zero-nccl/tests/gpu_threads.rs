@@ -470,7 +470,8 @@ fn stage_3_on_ranks_sharing_a_gpu_gathers_the_host_engine_s_weights() {
                         for piece in 0..fetcher.pieces(p) {
                             let g = fetcher.acquire(p, piece)?;
                             for (at, places) in g.spans() {
-                                out[places.clone()].copy_from_slice(&g.buffer()[at.clone()]);
+                                let gathered = g.buffer().as_wide().expect("f32 gathered in f32");
+                                out[places.clone()].copy_from_slice(&gathered[at.clone()]);
                             }
                             fetcher.release(g);
                         }
