@@ -336,22 +336,17 @@ impl<C: DeviceComm> DeviceGathers<C> {
 }
 
 /// `values[range]` copied to the host and widened into `out`.
-fn read_widened<H: DeviceRepr + Copy + Default>(
+fn read_widened<H: Element + DeviceRepr>(
     stream: &Arc<CudaStream>,
     values: &CudaSlice<H>,
     range: Range<usize>,
     out: &mut [f32],
-) -> Result<()>
-where
-    f32: From<H>,
-{
+) -> Result<()> {
     let mut narrow = vec![H::default(); range.len()];
     stream
         .memcpy_dtoh(&values.slice(range), &mut narrow)
         .map_err(cuda)?;
-    for (o, h) in out.iter_mut().zip(narrow) {
-        *o = f32::from(h);
-    }
+    zero_core::engine::convert_slice(&narrow, out);
     Ok(())
 }
 

@@ -162,20 +162,6 @@ impl<T: crate::Element> HostGather<T> {
             _ => None,
         }
     }
-
-    /// Elements held.
-    pub fn len(&self) -> usize {
-        match self {
-            Self::Wide(values) => values.len(),
-            Self::BF16(values) => values.len(),
-            Self::F16(values) => values.len(),
-        }
-    }
-
-    /// Whether it holds nothing.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
 }
 
 impl<T> HostGathers<T> {
