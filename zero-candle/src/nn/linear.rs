@@ -6,7 +6,7 @@ use super::grad_hook::{
     announce, announce_gather, assemble, before_read, for_each_stretch, gather, gemm_operand,
     route, route_blocks, row_parts, GatheredParam, GradHook, RowPart,
 };
-use super::ops::{activation_input_grad, cuda, Activation, GemmOutput};
+use super::ops::{activation_input_grad, cuda, recompute_with_input_grad, Activation, GemmOutput};
 use super::storage::{on_device, owned_storage, tensor_from, with_cuda, OnDevice};
 use super::{bf16_matmul, cpu};
 use candle_core::backend::BackendStorage;
@@ -808,9 +808,11 @@ impl FusedLinear {
         }
     }
 
-    /// The gradients of `(x, W, b)` given the op's output gradient: with
-    /// an input activation, `act(x)` computed again for the product's,
-    /// then `∂x = ∂act(x) ⊙ act'(x)`.
+    /// The gradients of `(x, W, b)` given the op's output gradient. With an
+    /// input activation `act(x)` is computed again for the weight's
+    /// gradient: where `x` wants a gradient, in the same pass over `x` as
+    /// `∂x = ∂act(x) ⊙ act'(x)` (after the product's `∂act(x)`), as llm.c
+    /// recomputes its GELU.
     fn backward(
         &self,
         x: &Tensor,
@@ -818,22 +820,31 @@ impl FusedLinear {
         b: Option<&Tensor>,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let grad = self.pre_grad(grad)?;
+        let grad = self.pre_grad(grad)?.contiguous()?;
         let Some(input) = &self.input else {
             return self.product_backward((x, x.track_op()), w, b, &grad);
         };
-        let activated = input.kind.apply(&x.detach())?;
-        let (grad_a, grad_w, grad_b) =
-            self.product_backward((&activated, x.track_op()), w, b, &grad)?;
-        drop(activated);
-        let grad_x = grad_a
-            .map(|g| activation_input_grad(input.kind, &x.detach(), &g))
-            .transpose()?;
-        Ok((grad_x, grad_w, grad_b))
+        if !(x.track_op() && w.track_op()) {
+            // One of the two passes alone: no ∂x, or no ∂W to recompute for.
+            let activated = input.kind.apply(&x.detach())?;
+            let (grad_a, grad_w, grad_b) =
+                self.product_backward((&activated, x.track_op()), w, b, &grad)?;
+            drop(activated);
+            let grad_x = grad_a
+                .map(|g| activation_input_grad(input.kind, &x.detach(), &g))
+                .transpose()?;
+            return Ok((grad_x, grad_w, grad_b));
+        }
+        // The bias before the weight, as product_backward hands them over.
+        let grad_b = self.bias_grad(b, &grad)?;
+        let grad_a = self.input_grad(w, &grad)?;
+        let (activated, grad_x) = recompute_with_input_grad(input.kind, &x.detach(), grad_a)?;
+        let grad_w = self.weight_grad(w, &activated, &grad)?;
+        Ok((Some(grad_x), grad_w, grad_b))
     }
 
-    /// The gradients of `(x, W, b)` for `x·Wᵀ + b` given its output
-    /// gradient; `∂x` only when `wants_x`.
+    /// The gradients of `(x, W, b)` for `x·Wᵀ + b` given its contiguous
+    /// output gradient; `∂x` only when `wants_x`.
     fn product_backward(
         &self,
         (x, wants_x): (&Tensor, bool),
@@ -841,52 +852,64 @@ impl FusedLinear {
         b: Option<&Tensor>,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let hook = self.hook.as_ref();
-        let grad = grad.contiguous()?;
         // Parameters first, bias before weight (their order in
         // `sorted_nodes`), so the hook can move them while ∂x is computed.
         // Arguments that need no gradient (untracked input, frozen weight)
         // cost nothing.
-        let grad_b = match b {
-            Some(b) if b.track_op() => route(hook, b, column_sums(&grad)?)?,
-            _ => None,
-        };
-        // ∂W a block of rows at a time where the hook takes blocks: the
-        // whole gradient (as large as the weight) never exists.
-        let grad_w = if w.track_op() {
-            let (out_dim, in_dim) = w.dims2()?;
-            let size = w.dtype().size_in_bytes();
-            route_blocks(
-                hook,
-                w,
-                |bytes| bf16_matmul::row_blocks(out_dim, in_dim, size, bytes),
-                |rows| match bf16_matmul::grad_weight(&grad, x, rows.clone())? {
-                    Some(grad_w) => Ok(grad_w),
-                    None => gemm_operand(grad.narrow(1, rows.start, rows.len())?)?
-                        .t()?
-                        .matmul(&x.detach()),
-                },
-            )?
-        } else {
-            None
-        };
-        // Stage 3 gathers the weight again for ∂x, after ∂W has gone to the
-        // hook, and gives it back at once.
-        let grad_x = if wants_x {
-            match gather(hook, Some(w), 0)? {
-                Some(gathered) if gathered.whole().is_some() => {
-                    Some(grad.apply_op1_no_bwd(&MatmulGathered(gathered))?)
-                }
-                Some(first) => Some(grad_input_in_pieces(hook, w, first, &grad)?),
-                None => match bf16_matmul::grad_input(&grad, w)? {
-                    Some(grad_x) => Some(grad_x),
-                    None => Some(grad.matmul(&w.detach())?),
-                },
-            }
-        } else {
-            None
+        let grad_b = self.bias_grad(b, grad)?;
+        let grad_w = self.weight_grad(w, x, grad)?;
+        let grad_x = match wants_x {
+            true => Some(self.input_grad(w, grad)?),
+            false => None,
         };
         Ok((grad_x, grad_w, grad_b))
+    }
+
+    /// The bias's gradient (the output gradient's column sums), handed to
+    /// the hook; `None` without a tracked bias or once the hook took it.
+    fn bias_grad(&self, b: Option<&Tensor>, grad: &Tensor) -> Result<Option<Tensor>> {
+        match b {
+            Some(b) if b.track_op() => route(self.hook.as_ref(), b, column_sums(grad)?),
+            _ => Ok(None),
+        }
+    }
+
+    /// `∂W = gradᵀ·x`, handed to the hook a block of rows at a time where
+    /// it takes blocks: the whole gradient (as large as the weight) never
+    /// exists. `None` for a frozen weight or once the hook took it.
+    fn weight_grad(&self, w: &Tensor, x: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        if !w.track_op() {
+            return Ok(None);
+        }
+        let (out_dim, in_dim) = w.dims2()?;
+        let size = w.dtype().size_in_bytes();
+        route_blocks(
+            self.hook.as_ref(),
+            w,
+            |bytes| bf16_matmul::row_blocks(out_dim, in_dim, size, bytes),
+            |rows| match bf16_matmul::grad_weight(grad, x, rows.clone())? {
+                Some(grad_w) => Ok(grad_w),
+                None => gemm_operand(grad.narrow(1, rows.start, rows.len())?)?
+                    .t()?
+                    .matmul(&x.detach()),
+            },
+        )
+    }
+
+    /// `∂x = grad·W`. Stage 3 gathers the weight again for it and gives it
+    /// back at once.
+    fn input_grad(&self, w: &Tensor, grad: &Tensor) -> Result<Tensor> {
+        let hook = self.hook.as_ref();
+        match gather(hook, Some(w), 0)? {
+            Some(gathered) if gathered.whole().is_some() => {
+                grad.apply_op1_no_bwd(&MatmulGathered(gathered))
+            }
+            Some(first) => grad_input_in_pieces(hook, w, first, grad),
+            None => match bf16_matmul::grad_input(grad, w)? {
+                Some(grad_x) => Ok(grad_x),
+                None => grad.matmul(&w.detach()),
+            },
+        }
     }
 }
 

@@ -1117,6 +1117,25 @@ __device__ __forceinline__ float activation_derivative(int kind, float x) {
     }
 }
 
+// act(x) and act'(x) from one evaluation of the transcendental (the same
+// values as activation() and activation_derivative(), bit for bit).
+__device__ __forceinline__ void activation_both(int kind, float x, float& y, float& slope) {
+    if (kind == 0) {
+        const float t = tanhf(GELU_K * (x + GELU_C * x * x * x));
+        y = 0.5f * x * (1.f + t);
+        slope = 0.5f * (1.f + t) + 0.5f * x * (1.f - t * t) * GELU_K * (1.f + 3.f * GELU_C * x * x);
+    } else if (kind == 1) {
+        const float cdf = 0.5f * (1.f + erff(x * 0.70710678118654752f));
+        y = x * cdf;
+        slope = cdf + x * expf(-0.5f * x * x) * 0.3989422804014327f;
+    } else {
+        const float e = expf(-x);
+        const float s = 1.f / (1.f + e);
+        y = x / (1.f + e);
+        slope = s * (1.f + x * (1.f - s));
+    }
+}
+
 // y = act(x) and dx = g act'(x), 16 bytes of each buffer a thread where
 // they allow.
 template <typename T>
@@ -1144,6 +1163,28 @@ __device__ __forceinline__ void activation_backward(const T* x, const T* g, T* d
     });
 }
 
+// A layer's backward with the activation on its input (the forward kept x
+// alone): y = act(x), recomputed for the weight's gradient, and g = g act'(x)
+// in place, the input's gradient, in one pass over x.
+template <typename T>
+__device__ __forceinline__ void activation_recompute_backward(const T* x, T* g, T* y,
+                                                              long long n, int kind) {
+    elementwise<16 / sizeof(T)>(n, all_aligned16(x, g, y), [&](auto lanes, long long i) {
+        constexpr int M = decltype(lanes)::value;
+        float xv[M], gv[M], yv[M];
+        load_n<T, M>(xv, x, i);
+        load_n<T, M>(gv, g, i);
+#pragma unroll
+        for (int k = 0; k < M; k++) {
+            float slope;
+            activation_both(kind, xv[k], yv[k], slope);
+            gv[k] *= slope;
+        }
+        store_n<T, M>(y, i, yv);
+        store_n<T, M>(g, i, gv);
+    });
+}
+
 #define DEFINE_ACTIVATION(T, SUFFIX)                                                      \
 extern "C" __global__ void activation_forward_##SUFFIX(const T* x, T* y, long long n,     \
                                                        int kind) {                        \
@@ -1152,6 +1193,10 @@ extern "C" __global__ void activation_forward_##SUFFIX(const T* x, T* y, long lo
 extern "C" __global__ void activation_backward_##SUFFIX(const T* x, const T* g, T* dx,    \
                                                         long long n, int kind) {          \
     activation_backward<T>(x, g, dx, n, kind);                                            \
+}                                                                                         \
+extern "C" __global__ void activation_recompute_backward_##SUFFIX(const T* x, T* g, T* y, \
+                                                                  long long n, int kind) { \
+    activation_recompute_backward<T>(x, g, y, n, kind);                                   \
 }
 
 DEFINE_ACTIVATION(float, f32)

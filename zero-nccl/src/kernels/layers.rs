@@ -71,7 +71,7 @@ pub const LAYER_SOURCE: &str = concat!(
 );
 
 /// Every kernel [`LayerKernels::new`] loads from [`LAYER_SOURCE`].
-pub const LAYER_KERNEL_NAMES: [&str; 101] = [
+pub const LAYER_KERNEL_NAMES: [&str; 104] = [
     "attention_forward_d64_f32",
     "attention_backward_dq_d64_f32",
     "attention_backward_dkdv_d64_f32",
@@ -128,12 +128,15 @@ pub const LAYER_KERNEL_NAMES: [&str; 101] = [
     "column_sums_finish_f16",
     "activation_forward_f32",
     "activation_backward_f32",
+    "activation_recompute_backward_f32",
     "bias_activation_forward_f32",
     "activation_forward_bf16",
     "activation_backward_bf16",
+    "activation_recompute_backward_bf16",
     "bias_activation_forward_bf16",
     "activation_forward_f16",
     "activation_backward_f16",
+    "activation_recompute_backward_f16",
     "bias_activation_forward_f16",
     "gated_forward_f32",
     "gated_backward_f32",
@@ -345,6 +348,7 @@ pub struct LayerKernels {
     column_sums_finish: [CudaFunction; 3],
     activation_forward: [CudaFunction; 3],
     activation_backward: [CudaFunction; 3],
+    activation_recompute_backward: [CudaFunction; 3],
     bias_activation_forward: [CudaFunction; 3],
     gated_forward: [CudaFunction; 3],
     gated_backward: [CudaFunction; 3],
@@ -484,6 +488,10 @@ impl LayerKernels {
                 column_sums_finish: per_element(&module, "column_sums_finish")?,
                 activation_forward: per_element(&module, "activation_forward")?,
                 activation_backward: per_element(&module, "activation_backward")?,
+                activation_recompute_backward: per_element(
+                    &module,
+                    "activation_recompute_backward",
+                )?,
                 bias_activation_forward: per_element(&module, "bias_activation_forward")?,
                 gated_forward: per_element(&module, "gated_forward")?,
                 gated_backward: per_element(&module, "gated_backward")?,
@@ -1002,6 +1010,7 @@ mod tests {
                 "column_sums_finish",
                 "activation_forward",
                 "activation_backward",
+                "activation_recompute_backward",
                 "bias_activation_forward",
                 "gated_forward",
                 "gated_backward",

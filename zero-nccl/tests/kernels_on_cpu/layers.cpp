@@ -1,5 +1,5 @@
 // LayerNorm/RmsNorm (alone and after a residual add, with and without a weight offset), cross-entropy, the
-// gated MLP's act(gate) * up, the activations alone, rotary-embedding, a Linear's bias (+ activation) and column-sum kernels of
+// gated MLP's act(gate) * up, the activations alone (and recomputed with their backward), rotary-embedding, a Linear's bias (+ activation) and column-sum kernels of
 // src/kernels/layers.cu on the CPU (see shim.h), against double-precision references: grids capped so that
 // grid-stride loops run, the weight and bias gradients' chunked sums as layers.rs launches them, ignore index,
 // u32 and i64 targets, NaN where PyTorch gives NaN, and the 16-bit types'
@@ -122,9 +122,12 @@ template<class T> double gated_test(long long n,unsigned cap,unsigned seed,int k
 }
 
 // activation_forward_<T> and activation_backward_<T> (act(x), g act'(x)) over n elements laid out as in
-// gated_test (skew 1: one at a time; 0: 16 bytes a thread where n allows), canaries around them.
-template<class T> double activation_test(long long n,unsigned cap,unsigned seed,int kind,int skew,
-    void(*fwd)(const T*,T*,long long,int),void(*bwd)(const T*,const T*,T*,long long,int)){
+// gated_test (skew 1: one at a time; 0: 16 bytes a thread where n allows), canaries around them; and
+// activation_recompute_backward_<T> (both in one pass, g act'(x) in place of g): bit for bit the pair's
+// (*exact), nothing written outside the n elements.
+template<class T> double activation_test(long long n,unsigned cap,unsigned seed,int kind,int skew,bool*exact,
+    void(*fwd)(const T*,T*,long long,int),void(*bwd)(const T*,const T*,T*,long long,int),
+    void(*both)(const T*,T*,T*,long long,int)){
   std::mt19937 rng(seed); std::normal_distribution<float> nd(0,1);
   const long long len=n+skew+1;
   std::vector<float> xf(len),gf(len); for(auto&v:xf)v=nd(rng)*4; for(auto&v:gf)v=nd(rng);
@@ -134,6 +137,10 @@ template<class T> double activation_test(long long n,unsigned cap,unsigned seed,
   unsigned blocks=std::min<unsigned>((unsigned)((n+255)/256),cap);
   launch({blocks,1,1},{256,1,1},[&]{fwd(x.data()+skew,y.data()+skew,n,kind);});
   launch({blocks,1,1},{256,1,1},[&]{bwd(x.data()+skew,g.data()+skew,dx.data()+skew,n,kind);});
+  auto g_inout=g, y_both=narrow16<T>(canary);
+  for(long long j=0;j<len;j++) if(j<skew||j>=skew+n) g_inout[j]=from_f32<T>(-77.f);
+  launch({blocks,1,1},{256,1,1},[&]{both(x.data()+skew,g_inout.data()+skew,y_both.data()+skew,n,kind);});
+  *exact=widen(y_both)==widen(y) && widen(g_inout)==widen(dx);
   auto X=widen(x), G=widen(g), Y=widen(y), DX=widen(dx);
   std::vector<double> ry(n), rdx(n);
   for(long long i=0;i<n;i++){ const long long j=i+skew; double slope; ry[i]=activation_ref(kind,X[j],&slope); rdx[i]=G[j]*slope; }
@@ -340,13 +347,18 @@ int main() {
                              "gated activation %d, n %lld, cap %u, skew %d: error f32 %g, bf16 %g, f16 %g",
                              kind, n, cap, skew, e32, eb, eh);
                     expect(e32 <= 1e-6 && eb <= 4e-3 && eh <= 5e-4, what);
-                    e32 = activation_test<float>(n, cap, seed, kind, skew, activation_forward_f32, activation_backward_f32);
-                    eb = activation_test<bf16>(n, cap, seed + 1, kind, skew, activation_forward_bf16, activation_backward_bf16);
-                    eh = activation_test<f16>(n, cap, seed + 2, kind, skew, activation_forward_f16, activation_backward_f16);
+                    bool x32, xb, xh;
+                    e32 = activation_test<float>(n, cap, seed, kind, skew, &x32, activation_forward_f32,
+                                                 activation_backward_f32, activation_recompute_backward_f32);
+                    eb = activation_test<bf16>(n, cap, seed + 1, kind, skew, &xb, activation_forward_bf16,
+                                               activation_backward_bf16, activation_recompute_backward_bf16);
+                    eh = activation_test<f16>(n, cap, seed + 2, kind, skew, &xh, activation_forward_f16,
+                                              activation_backward_f16, activation_recompute_backward_f16);
                     snprintf(what, sizeof what,
-                             "activation %d, n %lld, cap %u, skew %d: error f32 %g, bf16 %g, f16 %g",
-                             kind, n, cap, skew, e32, eb, eh);
-                    expect(e32 <= 1e-6 && eb <= 4e-3 && eh <= 5e-4, what);
+                             "activation %d, n %lld, cap %u, skew %d: error f32 %g, bf16 %g, f16 %g; in one "
+                             "pass equal to the pair %d %d %d",
+                             kind, n, cap, skew, e32, eb, eh, x32, xb, xh);
+                    expect(e32 <= 1e-6 && eb <= 4e-3 && eh <= 5e-4 && x32 && xb && xh, what);
                 }
             }
         }

@@ -7,9 +7,11 @@ use super::activation_kind::Activation;
 use super::cuda;
 use candle_core::backend::BackendStorage;
 use candle_core::{
-    CpuStorage, CudaStorage, CustomOp1, Layout, Result, Shape, Storage, Tensor, WithDType,
+    bail, CpuStorage, CudaStorage, CustomOp1, InplaceOp2, Layout, Result, Shape, Storage, Tensor,
+    WithDType,
 };
 use rayon::prelude::*;
+use std::sync::{Mutex, PoisonError};
 
 /// √(2/π), GELU's tanh constant.
 const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
@@ -75,6 +77,28 @@ fn map_elements<T: Elem>(
     out
 }
 
+/// `y[i] = f(x[i])` and `grad[i] *= slope` in one pass (the values of
+/// [`map_elements`] without and with the gradient, bit for bit), in
+/// parallel chunks.
+#[inline(always)]
+fn map_with_grad<T: Elem>(
+    x: &[T],
+    grad: &mut [T],
+    f: impl Fn(T::Acc) -> (T::Acc, T::Acc) + Sync,
+) -> Vec<T> {
+    let mut y = vec![T::from_acc(T::Acc::ZERO); x.len()];
+    y.par_chunks_mut(CHUNK)
+        .zip(x.par_chunks(CHUNK).zip(grad.par_chunks_mut(CHUNK)))
+        .for_each(|(y, (x, grad))| {
+            for ((y, &x), g) in y.iter_mut().zip(x).zip(grad) {
+                let (value, slope) = f(x.acc());
+                *y = T::from_acc(value);
+                *g = T::from_acc(g.acc() * slope);
+            }
+        });
+    y
+}
+
 /// `pre[i] += bias[i % width]` and `y[i] = f(pre[i])` in one pass over
 /// `[rows, width]` rows, in parallel chunks of whole rows. The sum is
 /// rounded to `T` before the activation reads it, as a bias add followed by
@@ -109,6 +133,15 @@ impl Activation {
             Activation::Gelu => map_elements(x, grad, gelu_tanh),
             Activation::GeluErf => map_elements(x, grad, gelu_erf_at),
             Activation::Silu => map_elements(x, grad, silu_at),
+        }
+    }
+
+    /// The activation of `x`, and `grad` multiplied by its slope in place.
+    fn map_with_grad<T: Elem>(self, x: &[T], grad: &mut [T]) -> Vec<T> {
+        match self {
+            Activation::Gelu => map_with_grad(x, grad, gelu_tanh),
+            Activation::GeluErf => map_with_grad(x, grad, gelu_erf_at),
+            Activation::Silu => map_with_grad(x, grad, silu_at),
         }
     }
 
@@ -226,4 +259,181 @@ pub(crate) fn input_grad(kind: Activation, x: &Tensor, grad: &Tensor) -> Result<
         )
     })?;
     Ok(tensor_from(Storage::Cpu(dx), shape))
+}
+
+/// `act(x)` and the gradient of `x` given that of `act(x)`, `grad`, in one
+/// pass over `x` (one evaluation of the activation's transcendental per
+/// element): the backward of a layer that applies `kind` to its input and
+/// kept `x` alone, which needs `act(x)` again for its weight's gradient.
+/// The values are those of `kind`'s forward and [`input_grad`], bit for
+/// bit. `grad` becomes `x`'s gradient in place: its storage must be the
+/// caller's alone (a product just computed).
+pub(crate) fn recompute_with_input_grad(
+    kind: Activation,
+    x: &Tensor,
+    grad: Tensor,
+) -> Result<(Tensor, Tensor)> {
+    let x = x.contiguous()?;
+    if grad.shape() != x.shape() || grad.dtype() != x.dtype() {
+        bail!(
+            "zero-candle {}: the gradient is {:?} {:?}, the input {:?} {:?}",
+            kind.op_name(),
+            grad.dtype(),
+            grad.shape(),
+            x.dtype(),
+            x.shape()
+        )
+    }
+    let grad = grad.contiguous()?;
+    let op = RecomputeWithGrad {
+        kind,
+        activated: Mutex::new(None),
+    };
+    grad.inplace_op2(&x, &op)?;
+    let activated = op
+        .activated
+        .into_inner()
+        .unwrap_or_else(PoisonError::into_inner);
+    match activated {
+        Some(values) => Ok((tensor_from(values, x.shape().clone()), grad)),
+        None => bail!(
+            "zero-candle {}: the recompute produced no values",
+            kind.op_name()
+        ),
+    }
+}
+
+/// [`recompute_with_input_grad`]'s op, in place on the gradient; the
+/// activation's values come out through `activated`.
+struct RecomputeWithGrad {
+    kind: Activation,
+    activated: Mutex<Option<Storage>>,
+}
+
+impl RecomputeWithGrad {
+    fn keep(&self, values: Storage) {
+        *self
+            .activated
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Some(values);
+    }
+}
+
+/// `grad`'s elements of a contiguous `layout` and the same number of `x`'s,
+/// as `T`.
+fn grad_and_input<'a, T: Elem>(
+    grad: &'a mut [T],
+    grad_layout: &Layout,
+    x: &'a CpuStorage,
+    x_layout: &Layout,
+) -> Result<(&'a mut [T], &'a [T])> {
+    let x = cpu::slice::<T>(x, x_layout, "the activation's input")?;
+    let Some((start, end)) = grad_layout.contiguous_offsets() else {
+        bail!("zero-candle: the activation's gradient must be contiguous here")
+    };
+    if end - start != x.len() {
+        bail!(
+            "zero-candle: the activation's gradient has {} elements, its input {}",
+            end - start,
+            x.len()
+        )
+    }
+    Ok((&mut grad[start..end], x))
+}
+
+impl InplaceOp2 for RecomputeWithGrad {
+    fn name(&self) -> &'static str {
+        "zero-activation-recompute-backward"
+    }
+
+    fn cpu_fwd(
+        &self,
+        grad: &mut CpuStorage,
+        grad_layout: &Layout,
+        x: &CpuStorage,
+        x_layout: &Layout,
+    ) -> Result<()> {
+        let kind = self.kind;
+        let values = match grad {
+            CpuStorage::F32(g) => {
+                let (g, x) = grad_and_input::<f32>(g, grad_layout, x, x_layout)?;
+                CpuStorage::F32(kind.map_with_grad(x, g))
+            }
+            CpuStorage::F64(g) => {
+                let (g, x) = grad_and_input::<f64>(g, grad_layout, x, x_layout)?;
+                CpuStorage::F64(kind.map_with_grad(x, g))
+            }
+            CpuStorage::BF16(g) => {
+                let (g, x) = grad_and_input::<half::bf16>(g, grad_layout, x, x_layout)?;
+                CpuStorage::BF16(kind.map_with_grad(x, g))
+            }
+            CpuStorage::F16(g) => {
+                let (g, x) = grad_and_input::<half::f16>(g, grad_layout, x, x_layout)?;
+                CpuStorage::F16(kind.map_with_grad(x, g))
+            }
+            other => bail!(
+                "zero-candle {}: {:?} is not a float dtype",
+                kind.op_name(),
+                other.dtype()
+            ),
+        };
+        self.keep(Storage::Cpu(values));
+        Ok(())
+    }
+
+    fn cuda_fwd(
+        &self,
+        grad: &mut CudaStorage,
+        grad_layout: &Layout,
+        x: &CudaStorage,
+        x_layout: &Layout,
+    ) -> Result<()> {
+        let values =
+            cuda::activation_recompute_backward(self.kind, (x, x_layout), (grad, grad_layout))?;
+        self.keep(Storage::Cuda(values));
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{DType, Device};
+
+    #[test]
+    fn the_recompute_gives_the_forward_and_input_gradient_writing_the_gradient_in_place() {
+        for kind in [Activation::Gelu, Activation::GeluErf, Activation::Silu] {
+            for dtype in [DType::F32, DType::F64, DType::BF16, DType::F16] {
+                let x = Tensor::randn(0f32, 3.0, (5, 37), &Device::Cpu).unwrap();
+                let x = x.to_dtype(dtype).unwrap();
+                let grad = Tensor::randn(0f32, 1.0, (5, 37), &Device::Cpu).unwrap();
+                let grad = grad.to_dtype(dtype).unwrap();
+                let want_y = kind.apply(&x).unwrap();
+                let want_dx = input_grad(kind, &x, &grad).unwrap();
+                // A second handle on the gradient's storage sees ∂x: in place.
+                let same_storage = grad.clone();
+                let (y, dx) = recompute_with_input_grad(kind, &x, grad).unwrap();
+                let bits = |t: &Tensor| {
+                    let t = t.to_dtype(DType::F64).unwrap().flatten_all().unwrap();
+                    let values = t.to_vec1::<f64>().unwrap();
+                    values.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+                };
+                assert_eq!(bits(&y), bits(&want_y), "{kind:?} {dtype:?}: act(x)");
+                assert_eq!(bits(&dx), bits(&want_dx), "{kind:?} {dtype:?}: ∂x");
+                assert_eq!(
+                    bits(&same_storage),
+                    bits(&want_dx),
+                    "{kind:?} {dtype:?}: in place"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_gradient_of_another_shape_is_refused() {
+        let x = Tensor::zeros((4, 3), DType::F32, &Device::Cpu).unwrap();
+        let grad = Tensor::zeros((3, 4), DType::F32, &Device::Cpu).unwrap();
+        let err = recompute_with_input_grad(Activation::Gelu, &x, grad).unwrap_err();
+        assert!(err.to_string().contains("the gradient is"), "{err}");
+    }
 }

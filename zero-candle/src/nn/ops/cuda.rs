@@ -511,6 +511,49 @@ pub(crate) fn activation_backward(kind: Activation, x: Arg, grad: Arg) -> Result
     })
 }
 
+/// A layer's backward with `kind` on its input `x`, one pass over `x`:
+/// `grad` (contiguous, the gradient of `act(x)`) becomes `grad ⊙ act'(x)` in
+/// place, and `act(x)` is returned, the values of [`activation_forward`]
+/// and [`activation_backward`].
+pub(crate) fn activation_recompute_backward(
+    kind: Activation,
+    x: Arg,
+    grad: (&mut CudaStorage, &Layout),
+) -> Result<CudaStorage> {
+    const OP: &str = "activation recompute backward";
+    let device = x.0.device.clone();
+    by_dtype!(x.0.dtype(), OP, |T| {
+        let input = view::<T>(OP, "the input", x)?;
+        let len = input.len();
+        let (storage, layout) = grad;
+        let Some((start, end)) = layout.contiguous_offsets() else {
+            bail!(
+                "zero-candle {OP}: the gradient is not contiguous; call .contiguous() on it first"
+            )
+        };
+        if storage.dtype() != T::DTYPE || end - start != len {
+            bail!(
+                "zero-candle {OP}: the gradient is {:?} of {} elements, the input {:?} of {len}",
+                storage.dtype(),
+                end - start,
+                T::DTYPE
+            );
+        }
+        let grad = &mut storage.as_cuda_slice_mut::<T>()?.slice_mut(start..end);
+        let mut y = alloc_out::<T>(&device, len)?;
+        launch_on(OP, x, |kernels, stream| {
+            kernels.activation_recompute_backward(
+                stream,
+                activation_kind(kind),
+                &input,
+                grad,
+                &mut out(&mut y, len),
+            )
+        })?;
+        Ok(CudaStorage::wrap_cuda_slice(y, device))
+    })
+}
+
 /// A Linear layer's epilogue after a plain GEMM, one pass: `pre` (its
 /// contiguous `[rows, out]` product, a storage of its own) gets `bias` added
 /// in place; with an activation, `act(pre)` is returned.

@@ -29,6 +29,7 @@ mod swiglu;
 pub(crate) use no_cuda as cuda;
 
 pub(crate) use activation::input_grad as activation_input_grad;
+pub(crate) use activation::recompute_with_input_grad;
 pub use activation::{gelu, gelu_erf, silu};
 pub use activation_kind::Activation;
 pub use attention::{

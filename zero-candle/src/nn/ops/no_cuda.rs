@@ -98,6 +98,14 @@ pub(crate) fn activation_backward(_kind: Activation, _x: Arg, _grad: Arg) -> Res
     no_cuda()
 }
 
+pub(crate) fn activation_recompute_backward(
+    _kind: Activation,
+    _x: Arg,
+    _grad: (&mut CudaStorage, &Layout),
+) -> Result<CudaStorage> {
+    no_cuda()
+}
+
 pub(crate) fn cross_entropy_forward(
     _logits: Arg,
     _targets: Arg,

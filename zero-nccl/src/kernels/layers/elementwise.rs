@@ -61,6 +61,40 @@ impl LayerKernels {
         Ok(())
     }
 
+    /// A layer's backward with `act` on its input `x` (which the forward
+    /// kept alone), one pass over `x`: `y = act(x)`, recomputed for the
+    /// weight's gradient, and `grad *= act'(x)` in place, the gradient of
+    /// `x` from that of `act(x)`. The values of
+    /// [`activation_forward`](Self::activation_forward) and
+    /// [`activation_backward`](Self::activation_backward), bit for bit.
+    pub fn activation_recompute_backward<E: LayerElement>(
+        &self,
+        stream: &Arc<CudaStream>,
+        kind: ActivationKind,
+        x: &impl DevicePtr<E>,
+        grad: &mut impl DevicePtrMut<E>,
+        y: &mut impl DevicePtrMut<E>,
+    ) -> Result<()> {
+        const OP: &str = "activation_recompute_backward";
+        check_len(OP, "grad", grad.len(), x.len())?;
+        check_len(OP, "y", y.len(), x.len())?;
+        let Some(cfg) = self.config(OP, Launch::Elements(x.len()))? else {
+            return Ok(());
+        };
+        let n = x.len() as i64;
+        let kind = kind as i32;
+        let (x, _g0) = x.device_ptr(stream);
+        let (g, _g1) = grad.device_ptr_mut(stream);
+        let (y, _g2) = y.device_ptr_mut(stream);
+        let mut launch = stream.launch_builder(&self.activation_recompute_backward[E::INDEX]);
+        launch.arg(&x).arg(&g).arg(&y).arg(&n).arg(&kind);
+        // SAFETY: x, grad and y hold n `E` (grad written in place: each
+        // element is read before its thread writes it); the arguments match
+        // `activation_recompute_backward_*`.
+        unsafe { launch.launch(cfg) }?;
+        Ok(())
+    }
+
     /// A Linear layer's epilogue after a plain GEMM, one pass over its
     /// row-major `[rows, width]` output `pre`: `pre += bias` (per column,
     /// in place: it stays as the pre-activation for the backward) and
