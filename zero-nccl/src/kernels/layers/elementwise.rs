@@ -5,7 +5,7 @@
 
 use super::{check_len, int_arg, ActivationKind, Launch, LayerElement, LayerKernels};
 use crate::{Error, Result};
-use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaStream, DevicePtr, DevicePtrMut, PushKernelArg};
 use std::sync::Arc;
 
 impl LayerKernels {
@@ -45,20 +45,20 @@ impl LayerKernels {
         const OP: &str = "activation_backward";
         check_len(OP, "grad", grad.len(), x.len())?;
         check_len(OP, "dx", dx.len(), x.len())?;
-        let Some(cfg) = self.config(OP, Launch::Elements(x.len()))? else {
-            return Ok(());
-        };
-        let n = x.len() as i64;
-        let kind = kind as i32;
-        let (x, _g0) = x.device_ptr(stream);
+        let (x_ptr, _g0) = x.device_ptr(stream);
         let (g, _g1) = grad.device_ptr(stream);
         let (dx, _g2) = dx.device_ptr_mut(stream);
-        let mut launch = stream.launch_builder(&self.activation_backward[E::INDEX]);
-        launch.arg(&x).arg(&g).arg(&dx).arg(&n).arg(&kind);
-        // SAFETY: x, grad and dx hold n `E`; the arguments match
-        // `activation_backward_*`.
-        unsafe { launch.launch(cfg) }?;
-        Ok(())
+        // SAFETY: x, grad and dx hold x.len() `E`, the kernel's x, g and dx.
+        unsafe {
+            self.activation_pass(
+                OP,
+                &self.activation_backward[E::INDEX],
+                stream,
+                kind,
+                x.len(),
+                [x_ptr, g, dx],
+            )
+        }
     }
 
     /// A layer's backward with `act` on its input `x` (which the forward
@@ -78,19 +78,38 @@ impl LayerKernels {
         const OP: &str = "activation_recompute_backward";
         check_len(OP, "grad", grad.len(), x.len())?;
         check_len(OP, "y", y.len(), x.len())?;
-        let Some(cfg) = self.config(OP, Launch::Elements(x.len()))? else {
-            return Ok(());
-        };
-        let n = x.len() as i64;
-        let kind = kind as i32;
-        let (x, _g0) = x.device_ptr(stream);
+        let (x_ptr, _g0) = x.device_ptr(stream);
         let (g, _g1) = grad.device_ptr_mut(stream);
         let (y, _g2) = y.device_ptr_mut(stream);
-        let mut launch = stream.launch_builder(&self.activation_recompute_backward[E::INDEX]);
-        launch.arg(&x).arg(&g).arg(&y).arg(&n).arg(&kind);
-        // SAFETY: x, grad and y hold n `E` (grad written in place: each
-        // element is read before its thread writes it); the arguments match
-        // `activation_recompute_backward_*`.
+        let function = &self.activation_recompute_backward[E::INDEX];
+        // SAFETY: x, grad and y hold x.len() `E`, the kernel's x, g (read
+        // by each thread before it writes it) and y.
+        unsafe { self.activation_pass(OP, function, stream, kind, x.len(), [x_ptr, g, y]) }
+    }
+
+    /// Launches `function`, an activation pass of `(a, b, c, n, kind)` over
+    /// `n` elements.
+    ///
+    /// # Safety
+    /// The three pointers hold `n` elements each of the kernel's type, in
+    /// the roles `function`'s arguments give them, and stay alive until it
+    /// has run (stream order).
+    unsafe fn activation_pass(
+        &self,
+        op: &'static str,
+        function: &CudaFunction,
+        stream: &Arc<CudaStream>,
+        kind: ActivationKind,
+        n: usize,
+        [a, b, c]: [u64; 3],
+    ) -> Result<()> {
+        let Some(cfg) = self.config(op, Launch::Elements(n))? else {
+            return Ok(());
+        };
+        let (n, kind) = (n as i64, kind as i32);
+        let mut launch = stream.launch_builder(function);
+        launch.arg(&a).arg(&b).arg(&c).arg(&n).arg(&kind);
+        // SAFETY: the caller's promise; the arguments match the kernel's.
         unsafe { launch.launch(cfg) }?;
         Ok(())
     }
