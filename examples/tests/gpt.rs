@@ -370,8 +370,50 @@ fn max_abs(a: &Tensor, b: &Tensor) -> f32 {
 /// composed ops' values and gradients.
 #[test]
 fn the_tied_embedding_gets_the_sum_of_the_embedding_and_head_gradients() {
-    for ops in [GptOps::Fused, GptOps::Composed] {
+    for ops in [GptOps::Fused, GptOps::FusedGeluKept, GptOps::Composed] {
         tied_embedding_gradients(ops);
+    }
+}
+
+/// The GELU on the projection's input (recomputed in the backward) and in
+/// the first Linear's epilogue (kept) compute the same bits: the same
+/// rounded pre-activation goes through the same activation either way.
+#[test]
+fn the_gelu_on_the_projection_s_input_gives_the_bits_of_the_gelu_kept() {
+    let config = GptConfig {
+        layers: 2,
+        heads: 2,
+        d_model: 16,
+        context: 8,
+    };
+    let ids: Vec<u32> = (0..3 * 9).map(|i| (i * 53 % 256) as u32).collect();
+    let ids = Tensor::from_vec(ids, (3, 9), &Device::Cpu).unwrap();
+    let run = |ops: GptOps| {
+        let varmap = VarMap::new();
+        let model = Gpt::new(&varmap, config, 5, &Device::Cpu)
+            .unwrap()
+            .with_ops(ops);
+        let loss = model.loss(&ids).unwrap();
+        let grads = loss.backward().unwrap();
+        let data = varmap.data().lock().unwrap();
+        let mut names: Vec<String> = data.keys().cloned().collect();
+        names.sort();
+        let grads: Vec<Vec<f32>> = names
+            .iter()
+            .map(|name| {
+                let grad = grads.get(data[name].as_tensor()).unwrap();
+                grad.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+            })
+            .collect();
+        (loss.to_scalar::<f32>().unwrap(), names, grads)
+    };
+    let (on_input, kept) = (run(GptOps::Fused), run(GptOps::FusedGeluKept));
+    assert_eq!(on_input.0.to_bits(), kept.0.to_bits(), "the losses");
+    assert_eq!(on_input.1, kept.1);
+    for (name, (a, b)) in on_input.1.iter().zip(on_input.2.iter().zip(&kept.2)) {
+        assert!(a.iter().any(|v| *v != 0.0), "{name}: a gradient of zeros");
+        let same = a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+        assert!(same, "{name}: the gradients differ");
     }
 }
 

@@ -4,7 +4,8 @@
 //!   rank: the README's run) computing with the fused ops
 //!   ([`GptOps::Fused`]) and with Candle's composed ones
 //!   ([`GptOps::Composed`]), and the process's peak heap of each at
-//!   context 256;
+//!   context 256; the same for the fused ops with the MLP's GELU kept
+//!   ([`GptOps::FusedGeluKept`]) rather than recomputed in the backward;
 //! - the same model and global batch trained by PyTorch on the same cores
 //!   (`examples/pytorch/gpt_peer.py`, when torch is installed);
 //! - the engine's fixed price at world size 1 against a plain candle-nn
@@ -200,7 +201,13 @@ fn throughput(report: &mut Report) -> Result<(), String> {
             false
         }
     };
-    let mut names = vec!["fused N=2", "composed N=2", "fused W=1", "plain candle"];
+    let mut names = vec![
+        "fused N=2",
+        "composed N=2",
+        "fused W=1",
+        "plain candle",
+        "fused, GELU kept N=2",
+    ];
     if torch {
         names.push("pytorch");
     }
@@ -225,6 +232,15 @@ fn throughput(report: &mut Report) -> Result<(), String> {
         .step_s),
         2 => Ok(engine_run(&text, CONFIG.context, 1, GptOps::Fused, WARMUP, STEPS)?.step_s),
         3 => plain_step(&text),
+        4 => Ok(engine_run(
+            &text,
+            CONFIG.context,
+            WORLD_SIZE,
+            GptOps::FusedGeluKept,
+            WARMUP,
+            STEPS,
+        )?
+        .step_s),
         _ => torch_step(),
     })?;
     let tokens = (WORLD_SIZE * BATCH * CONFIG.context) as f64;
@@ -237,8 +253,15 @@ fn throughput(report: &mut Report) -> Result<(), String> {
         "x",
         Some(">= 1.5"),
     );
+    // What the GELU's recompute costs (or saves) against keeping it.
+    report.add(
+        "gpt.gelu_recomputed_over_kept",
+        medians[4] / medians[0],
+        "x",
+        None,
+    );
     if torch {
-        let torch = tokens / medians[4];
+        let torch = tokens / medians[5];
         report.add("gpt.torch_tokens_per_s", torch, "tokens/s", None);
         report.add("gpt.fused_over_torch", fused / torch, "x", None);
     }
@@ -257,8 +280,9 @@ fn throughput(report: &mut Report) -> Result<(), String> {
 /// composed (the README's run otherwise).
 fn long_context_heap(report: &mut Report) -> Result<(), String> {
     let text = text(LONG_CONTEXT)?;
-    let mut peaks = [0.0f64; 2];
-    for (peak, ops) in peaks.iter_mut().zip([GptOps::Fused, GptOps::Composed]) {
+    let mut peaks = [0.0f64; 3];
+    let cases = [GptOps::Fused, GptOps::Composed, GptOps::FusedGeluKept];
+    for (peak, ops) in peaks.iter_mut().zip(cases) {
         let run = engine_run(&text, LONG_CONTEXT, WORLD_SIZE, ops, 0, MEMORY_STEPS)?;
         let Some(bytes) = run.peak_heap else {
             println!("bench gpt: no heap figure: the counting allocator is not installed");
@@ -278,6 +302,12 @@ fn long_context_heap(report: &mut Report) -> Result<(), String> {
         peaks[0] / peaks[1],
         "x",
         Some("<= 0.6"),
+    );
+    report.add(
+        "gpt.ctx256_gelu_recomputed_over_kept_heap",
+        peaks[0] / peaks[2],
+        "x",
+        None,
     );
     Ok(())
 }

@@ -73,6 +73,12 @@ pub enum GptOps {
     /// what their backward needs.
     #[default]
     Fused,
+    /// [`GptOps::Fused`] with the MLP's GELU in its first Linear's
+    /// epilogue (`Linear::forward_activated`): no recompute in the
+    /// backward, but the graph keeps the hidden layer twice (the
+    /// pre-activation and the GELU the projection reads). The benches
+    /// measure what the recompute buys against it.
+    FusedGeluKept,
     /// The same functions composed of Candle's tensor ops (a mask tensor,
     /// a `[batch, heads, time, time]` softmax, `Tensor::gelu`,
     /// `candle_nn::loss::cross_entropy`), each intermediate kept for
@@ -114,7 +120,7 @@ impl Block {
         };
         // The fused ops add the residual in the norm's pass over the rows.
         let (x, normed) = match ops {
-            GptOps::Fused => self.ln2.forward_residual(&h, x)?,
+            GptOps::Fused | GptOps::FusedGeluKept => self.ln2.forward_residual(&h, x)?,
             GptOps::Composed => {
                 let x = (x + h)?;
                 let normed = self.ln2.forward(&x)?;
@@ -127,6 +133,9 @@ impl Block {
             GptOps::Fused => self
                 .mlp_proj
                 .forward_on_activated(&self.fc.forward(&normed)?, Activation::Gelu)?,
+            GptOps::FusedGeluKept => self
+                .mlp_proj
+                .forward(&self.fc.forward_activated(&normed, Activation::Gelu)?)?,
             GptOps::Composed => self.mlp_proj.forward(&self.fc.forward(&normed)?.gelu()?)?,
         };
         x + mlp
@@ -357,7 +366,7 @@ impl Gpt {
             .broadcast_add(&self.wpe.forward(&positions)?)?
             .reshape((batch * time, self.config.d_model))?;
         let mask = match self.ops {
-            GptOps::Fused => None,
+            GptOps::Fused | GptOps::FusedGeluKept => None,
             GptOps::Composed => Some(causal_mask(time, device)?),
         };
         let dtype = self.head.weight().dtype();
@@ -387,7 +396,7 @@ impl Gpt {
         match self.ops {
             // The fused loss reads 16-bit logits in f32 and returns an f32
             // loss (a 16-bit loss would overflow under loss scaling).
-            GptOps::Fused => ops::cross_entropy(&logits, &targets),
+            GptOps::Fused | GptOps::FusedGeluKept => ops::cross_entropy(&logits, &targets),
             GptOps::Composed => {
                 candle_nn::loss::cross_entropy(&logits.to_dtype(DType::F32)?, &targets)
             }

@@ -110,6 +110,40 @@ pub fn run(report: &mut Report, part: Part) {
         }
     }
 
+    // The MLP's GELU recomputed in the backward (the default: the hidden
+    // layer kept once) against kept from the forward (kept twice).
+    for (name, dtype, recomputed) in [
+        ("f32", DType::F32, &f32_fused),
+        ("bf16", DType::BF16, &bf16_fused),
+    ] {
+        let kept = (part == Part::All)
+            .then(|| {
+                case(
+                    &format!("ours {name} GELU kept"),
+                    GptOps::FusedGeluKept,
+                    dtype,
+                )
+            })
+            .flatten();
+        let (Some(recomputed), Some(kept)) = (recomputed, kept) else {
+            continue;
+        };
+        report.add(
+            &format!("gpu.gpt_{name}_gelu_recomputed_over_kept"),
+            recomputed.tokens_per_s / kept.tokens_per_s,
+            "x",
+            None,
+        );
+        if let (Some(a), Some(b)) = (recomputed.peak_bytes, kept.peak_bytes) {
+            report.add(
+                &format!("gpu.gpt_{name}_gelu_recomputed_peak_over_kept"),
+                a as f64 / b as f64,
+                "x",
+                None,
+            );
+        }
+    }
+
     // The bf16 step waits on the host (the profile): what cudarc's events
     // per allocation cost it.
     let untracked = (part == Part::All)
