@@ -261,11 +261,7 @@ impl<T: Element + WithDType, C: Communicator<Memory = Host> + 'static> CandleMem
     }
 
     fn gathered_dtype(buffer: &HostGather<T>) -> candle_core::DType {
-        match buffer {
-            HostGather::Wide(_) => <T as WithDType>::DTYPE,
-            HostGather::BF16(_) => candle_core::DType::BF16,
-            HostGather::F16(_) => candle_core::DType::F16,
-        }
+        crate::optimizer::weights::candle_dtype(buffer.dtype())
     }
 
     fn round(

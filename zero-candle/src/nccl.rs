@@ -180,11 +180,7 @@ impl<C: DeviceComm> CandleMemory<f32, C> for Cuda {
     }
 
     fn gathered_dtype(buffer: &DeviceGather) -> DType {
-        match buffer.values() {
-            GatherValues::F32(_) => DType::F32,
-            GatherValues::BF16(_) => DType::BF16,
-            GatherValues::F16(_) => DType::F16,
-        }
+        crate::optimizer::weights::candle_dtype(buffer.values().dtype())
     }
 
     /// The gathered buffer up to the unit's last stretch rounded to the

@@ -97,12 +97,12 @@ impl Linear {
     /// `act(x)·Wᵀ + b` as one op, the values and gradients of
     /// `layer.forward(&ops::gelu(x)?)` (and of `gelu_erf`, `silu`), keeping
     /// `x` for the backward and never `act(x)`: the forward computes
-    /// `act(x)` for its product and lets it go, the backward computes it
-    /// again for `∂W`, then `∂x = (g·W) ⊙ act'(x)`. An MLP `fc` then `proj`
-    /// written `proj.forward_on_activated(&fc.forward(x)?, act)` keeps one
+    /// `act(x)` for its product and lets it go; the backward computes
+    /// `g·W`, then `act(x)` again (for `∂W`) in the same pass over `x` as
+    /// `∂x = (g·W) ⊙ act'(x)`. An MLP `fc` then `proj` written
+    /// `proj.forward_on_activated(&fc.forward(x)?, act)` keeps one
     /// `[rows, hidden]` tensor per block where `fc.forward_activated`
-    /// followed by `proj.forward` keeps two (llm.c's GELU recompute), for
-    /// one more pass over it in the backward.
+    /// followed by `proj.forward` keeps two (llm.c's GELU recompute).
     ///
     /// ```
     /// # fn main() -> candle_core::Result<()> {

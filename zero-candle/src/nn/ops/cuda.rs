@@ -121,6 +121,22 @@ fn kernel_error(op: &str, e: zero_nccl::Error) -> candle_core::Error {
 
 /// The contiguous elements of `arg` as a typed view.
 fn view<'a, T: Float>(op: &str, what: &str, arg: Arg<'a>) -> Result<CudaView<'a, T>> {
+    let range = typed_range::<T>(op, what, arg)?;
+    Ok(arg.0.as_cuda_slice::<T>()?.slice(range))
+}
+
+/// [`view`], writable.
+fn view_mut<'a, T: Float>(
+    op: &str,
+    what: &str,
+    (storage, layout): (&'a mut CudaStorage, &Layout),
+) -> Result<CudaViewMut<'a, T>> {
+    let range = typed_range::<T>(op, what, (storage, layout))?;
+    Ok(storage.as_cuda_slice_mut::<T>()?.slice_mut(range))
+}
+
+/// The elements of `arg`, checked contiguous and of `T`.
+fn typed_range<T: Float>(op: &str, what: &str, arg: Arg) -> Result<std::ops::Range<usize>> {
     let (storage, layout) = arg;
     let Some((start, end)) = layout.contiguous_offsets() else {
         bail!(
@@ -137,7 +153,7 @@ fn view<'a, T: Float>(op: &str, what: &str, arg: Arg<'a>) -> Result<CudaView<'a,
             T::DTYPE
         );
     }
-    Ok(storage.as_cuda_slice::<T>()?.slice(start..end))
+    Ok(start..end)
 }
 
 /// The elements a float CUDA storage holds (`None` for other dtypes).
@@ -525,21 +541,8 @@ pub(crate) fn activation_recompute_backward(
     by_dtype!(x.0.dtype(), OP, |T| {
         let input = view::<T>(OP, "the input", x)?;
         let len = input.len();
-        let (storage, layout) = grad;
-        let Some((start, end)) = layout.contiguous_offsets() else {
-            bail!(
-                "zero-candle {OP}: the gradient is not contiguous; call .contiguous() on it first"
-            )
-        };
-        if storage.dtype() != T::DTYPE || end - start != len {
-            bail!(
-                "zero-candle {OP}: the gradient is {:?} of {} elements, the input {:?} of {len}",
-                storage.dtype(),
-                end - start,
-                T::DTYPE
-            );
-        }
-        let grad = &mut storage.as_cuda_slice_mut::<T>()?.slice_mut(start..end);
+        // Its length against the input's: checked by the launch.
+        let grad = &mut view_mut::<T>(OP, "the gradient", grad)?;
         let mut y = alloc_out::<T>(&device, len)?;
         launch_on(OP, x, |kernels, stream| {
             kernels.activation_recompute_backward(
