@@ -261,7 +261,7 @@ impl<T: Element + WithDType, C: Communicator<Memory = Host> + 'static> CandleMem
     }
 
     fn gathered_dtype(buffer: &HostGather<T>) -> candle_core::DType {
-        crate::optimizer::weights::candle_dtype(buffer.dtype())
+        candle_dtype(buffer.dtype())
     }
 
     fn round(
@@ -442,5 +442,15 @@ where
         values: &<MemoryOf<T, C> as ShardMemory<T, C>>::Buffer,
     ) -> zero_core::Result<()> {
         self.with(|params| memory.write_params(params, copies, values))
+    }
+}
+
+/// The Candle dtype of a zero-rs one.
+pub(crate) fn candle_dtype(dtype: DType) -> candle_core::DType {
+    match dtype {
+        DType::F32 => candle_core::DType::F32,
+        DType::F64 => candle_core::DType::F64,
+        DType::BF16 => candle_core::DType::BF16,
+        DType::F16 => candle_core::DType::F16,
     }
 }

@@ -180,7 +180,7 @@ impl<C: DeviceComm> CandleMemory<f32, C> for Cuda {
     }
 
     fn gathered_dtype(buffer: &DeviceGather) -> DType {
-        crate::optimizer::weights::candle_dtype(buffer.values().dtype())
+        crate::memory::candle_dtype(buffer.values().dtype())
     }
 
     /// The gathered buffer up to the unit's last stretch rounded to the

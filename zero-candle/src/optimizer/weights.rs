@@ -2,7 +2,7 @@
 //! time: the one writer behind `save_weights` and `save_hub`.
 
 use super::{lent, ZeroOptimizer};
-use crate::memory::CandleMemory;
+use crate::memory::{candle_dtype, CandleMemory};
 use crate::{Error, Result};
 use candle_core::{Tensor, WithDType};
 use std::path::PathBuf;
@@ -209,16 +209,6 @@ fn saved_bytes(whole: &Tensor, saved: &SavedTensor<'_>) -> Result<Vec<u8>> {
         });
     }
     tensor_bytes(&tensor.to_dtype(dtype)?)
-}
-
-/// The Candle dtype of a zero-rs one.
-pub(crate) fn candle_dtype(dtype: DType) -> candle_core::DType {
-    match dtype {
-        DType::F32 => candle_core::DType::F32,
-        DType::F64 => candle_core::DType::F64,
-        DType::BF16 => candle_core::DType::BF16,
-        DType::F16 => candle_core::DType::F16,
-    }
 }
 
 /// A tensor's elements as little-endian bytes, row-major, in its dtype.
