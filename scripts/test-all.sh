@@ -8,6 +8,8 @@ cd "$(dirname "$0")/.."
 ./scripts/install-deps.sh
 # No module imports another that imports it back (python3, seconds).
 python3 scripts/import-circles.py
+# vendor/candle-core is the published crate with vendor/*.patch applied.
+./scripts/check-vendor.sh
 # A one-off build needs no incremental cache (it doubles the target folder).
 export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
 cargo test --workspace --all-targets

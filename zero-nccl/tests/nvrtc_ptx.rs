@@ -2,7 +2,8 @@
 //! library's own `SOURCE` (and the layers' `LAYER_SOURCE`) with its own
 //! options for the architecture it would pick on an A100 and an H100,
 //! assembles the PTX for sm_80 and sm_90, and checks that every kernel
-//! `FusedKernels::new` (`LayerKernels::new`) loads is an entry of it.
+//! `FusedKernels::new` (`LayerKernels::new`) loads is an entry of it; the
+//! same for the vendored Candle's gradient sums (`vendor/README.md`).
 //!
 //! `scripts/check-nvrtc.sh` installs NVRTC and `ptxas` from PyPI wheels and
 //! runs these with `--ignored`; `ptxas` is `$PTXAS`, else the one on `PATH`.
@@ -115,6 +116,35 @@ fn kernels_compile_with_nvrtc_and_assemble_for_ampere_and_hopper() {
             );
         }
         assemble(&ptx, sm, "fused-kernels");
+    }
+}
+
+/// The vendored candle-core's gradient-sum kernels, compiled as it compiles
+/// them (`grad_sum.rs`: NVRTC's defaults, `compute_{major}{minor}`): where
+/// NVRTC refuses them, the backward falls back to Candle's kernel without a
+/// word, so only this check tells.
+const GRAD_SUM_SOURCE: &str = include_str!("../../vendor/candle-core/src/cuda_backend/grad_sum.cu");
+
+#[test]
+#[ignore = "needs NVRTC and ptxas: run scripts/check-nvrtc.sh"]
+fn vendored_gradient_sums_compile_with_nvrtc_and_assemble_for_ampere_and_hopper() {
+    supported_archs();
+    for sm in ["sm_80", "sm_90"] {
+        let arch = sm.replace("sm_", "compute_");
+        let options = cudarc::nvrtc::CompileOptions {
+            arch: Some(Box::leak(arch.clone().into_boxed_str())),
+            ..Default::default()
+        };
+        let ptx = cudarc::nvrtc::compile_ptx_with_opts(GRAD_SUM_SOURCE, options)
+            .unwrap_or_else(|e| panic!("NVRTC rejected the gradient sums for {arch}: {e}"))
+            .to_src();
+        for name in ["grad_sum_bf16", "grad_sum_f16", "grad_sum_f32"] {
+            assert!(
+                ptx.contains(&format!(".entry {name}(")),
+                "the PTX for {arch} has no entry {name}, which grad_sum.rs loads"
+            );
+        }
+        assemble(&ptx, sm, "grad-sum");
     }
 }
 
