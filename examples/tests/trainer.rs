@@ -268,6 +268,35 @@ fn bad_flags_and_files_are_clear_errors_not_panics() {
     }
 }
 
+/// `--save` and `--plot` are written at the end of a run: a path that
+/// cannot be written fails before the first step, not after the last.
+#[test]
+fn an_unwritable_output_fails_before_training() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("missing");
+    for flag in ["--save", "--plot"] {
+        let path = missing.join("out");
+        let flags = [
+            "--model",
+            "gpt",
+            "--steps",
+            "2",
+            flag,
+            path.to_str().unwrap(),
+        ];
+        let (ok, stderr) = train_binary(&flags);
+        assert!(!ok, "{flag} into a missing folder should fail");
+        assert!(
+            stderr.contains(flag) && stderr.contains("does not exist"),
+            "{flag}: {stderr}"
+        );
+        assert!(
+            !stderr.contains("step 1:"),
+            "{flag}: trained first: {stderr}"
+        );
+    }
+}
+
 #[cfg(not(feature = "nccl"))]
 #[test]
 fn the_nccl_backend_without_its_feature_says_how_to_build_it() {

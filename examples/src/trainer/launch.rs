@@ -2,6 +2,7 @@
 //! GPU) and how their results become one.
 
 use super::config::{engine_config, model_vars, preemption, validate};
+use super::outputs::check_outputs;
 use super::rank_model::Model;
 use super::train_loop::{train_loop, LoopContext};
 use super::{Args, Backend, Precision, Summary, TrainError, TrainingData};
@@ -111,6 +112,9 @@ where
     C: zero_nccl::DeviceComm,
 {
     let (rank, world_size) = (comm.rank(), comm.world_size());
+    if rank == 0 {
+        check_outputs(args)?;
+    }
     let map = model_vars(args, data)?;
     let hook = zero_candle::ZeroHook::<C, f32>::new();
     let model = Model::new(args, data, &map, &device, hook.clone())?;
@@ -258,6 +262,9 @@ pub fn train_rank<C: Communicator<Memory = Host> + 'static>(
     data: &TrainingData,
     preemption: &Preemption,
 ) -> Result<Summary, TrainError> {
+    if comm.rank() == 0 {
+        check_outputs(args)?;
+    }
     // The engine's element type: f32 (the master weights of a 16-bit
     // model), or the model's own without master weights.
     match (args.precision, args.no_master_weights) {

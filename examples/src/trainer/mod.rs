@@ -12,6 +12,7 @@ mod launch;
 mod metrics;
 mod model;
 mod optimizers;
+mod outputs;
 mod plot;
 mod progress;
 mod rank_model;

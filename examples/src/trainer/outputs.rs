@@ -1,0 +1,139 @@
+//! The files a run writes only at its end (`--save`, `--plot`,
+//! `--save-hf`), checked before it trains: a path that cannot be written
+//! would otherwise fail after the whole run and lose what it trained.
+
+use super::{Args, TrainError};
+use std::path::{Path, PathBuf};
+
+/// Fails, naming the flag and what to do, where `--save`, `--plot` or
+/// `--save-hf` could not be written: a file path that is a folder, a
+/// folder that does not exist (a file's) or is a file, or a folder this
+/// process cannot create files in (tried with a file of its own, removed at
+/// once). Runs on the rank that writes them.
+pub(super) fn check_outputs(args: &Args) -> Result<(), TrainError> {
+    for (flag, path) in [("--save", &args.save), ("--plot", &args.plot)] {
+        let Some(path) = path else { continue };
+        if path.is_dir() {
+            return Err(unwritable(flag, path, "is a folder; give a file's path"));
+        }
+        let folder = match path.parent() {
+            Some(parent) if !parent.as_os_str().is_empty() => parent,
+            _ => Path::new("."),
+        };
+        if !folder.is_dir() {
+            return Err(unwritable(
+                flag,
+                path,
+                &format!(
+                    "its folder {} does not exist (or is not a folder); create it first",
+                    folder.display()
+                ),
+            ));
+        }
+        can_create_in(flag, path, folder)?;
+    }
+    if let Some(dir) = &args.save_hf {
+        // The folders that do not exist yet are created when it is written;
+        // the nearest one that does must be a folder this process can write.
+        let existing = dir
+            .ancestors()
+            .find(|a| a.as_os_str().is_empty() || a.exists());
+        let existing = match existing {
+            Some(a) if a.as_os_str().is_empty() => Path::new("."),
+            Some(a) => a,
+            None => Path::new("/"),
+        };
+        if !existing.is_dir() {
+            return Err(unwritable(
+                "--save-hf",
+                dir,
+                &format!("{} is a file, not a folder", existing.display()),
+            ));
+        }
+        can_create_in("--save-hf", dir, existing)?;
+    }
+    Ok(())
+}
+
+/// Whether a file can be created in `folder` (a temporary one, removed).
+fn can_create_in(flag: &str, path: &Path, folder: &Path) -> Result<(), TrainError> {
+    tempfile::Builder::new()
+        .prefix(".train-write-check")
+        .tempfile_in(folder)
+        .map(drop)
+        .map_err(|e| {
+            unwritable(
+                flag,
+                path,
+                &format!("cannot create files in {}: {e}", folder.display()),
+            )
+        })
+}
+
+fn unwritable(flag: &str, path: &Path, why: &str) -> TrainError {
+    TrainError::Data {
+        path: PathBuf::from(path),
+        detail: format!(
+            "{flag} cannot be written there: {why} (checked before training, so that the \
+             run's result is not lost at its end)"
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    fn args(extra: &[&str]) -> Args {
+        let mut argv = vec!["train"];
+        argv.extend_from_slice(extra);
+        Args::try_parse_from(argv).expect("flags parse")
+    }
+
+    fn refused(extra: &[&str]) -> String {
+        match check_outputs(&args(extra)) {
+            Err(e) => e.to_string(),
+            Ok(()) => panic!("{extra:?} passed the check"),
+        }
+    }
+
+    #[test]
+    fn writable_paths_pass_and_leave_nothing_behind() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("w.safetensors");
+        let plot = dir.path().join("loss.png");
+        let hf = dir.path().join("new").join("model");
+        let extra = [
+            "--save",
+            file.to_str().unwrap(),
+            "--plot",
+            plot.to_str().unwrap(),
+            "--save-hf",
+            hf.to_str().unwrap(),
+        ];
+        check_outputs(&args(&extra)).unwrap();
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+        // No output flags: nothing to check.
+        check_outputs(&args(&[])).unwrap();
+    }
+
+    #[test]
+    fn unwritable_paths_are_refused_naming_the_flag() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("a-file");
+        std::fs::write(&file, b"x").unwrap();
+        let missing = dir.path().join("missing").join("w.safetensors");
+        let under_file = file.join("loss.png");
+        let folder = dir.path().to_str().unwrap();
+
+        let e = refused(&["--save", missing.to_str().unwrap()]);
+        assert!(e.contains("--save") && e.contains("does not exist"), "{e}");
+        let e = refused(&["--save", folder]);
+        assert!(e.contains("--save") && e.contains("is a folder"), "{e}");
+        let e = refused(&["--plot", under_file.to_str().unwrap()]);
+        assert!(e.contains("--plot") && e.contains("not a folder"), "{e}");
+        let e = refused(&["--save-hf", file.join("out").to_str().unwrap()]);
+        assert!(e.contains("--save-hf") && e.contains("is a file"), "{e}");
+    }
+}
