@@ -1,15 +1,18 @@
-//! The files a run writes only at its end (`--save`, `--plot`,
-//! `--save-hf`), checked before it trains: a path that cannot be written
-//! would otherwise fail after the whole run and lose what it trained.
+//! Where a run writes what it trained (`--save`, `--plot`, `--save-hf` at
+//! its end, `--checkpoint-dir` along the way), checked before it trains: a
+//! path that cannot be written would otherwise fail after the run, or at
+//! its first checkpoint, and lose what it trained.
 
 use super::{Args, TrainError};
 use std::path::{Path, PathBuf};
 
-/// Fails, naming the flag and what to do, where `--save`, `--plot` or
-/// `--save-hf` could not be written: a file path that is a folder, a
-/// folder that does not exist (a file's) or is a file, or a folder this
-/// process cannot create files in (tried with a file of its own, removed at
-/// once). Runs on the rank that writes them.
+/// Fails, naming the flag and what to do, where `--save`, `--plot`,
+/// `--save-hf` or `--checkpoint-dir` could not be written: a file path
+/// that is a folder, a file's folder that does not exist, a folder (or the
+/// nearest existing one above it) that is a file, or a folder this process
+/// cannot create files in (tried with a file of its own, removed at once).
+/// Runs on rank 0 (the one rank that writes the end's files; checkpoints
+/// go to one folder that every rank writes into).
 pub(super) fn check_outputs(args: &Args) -> Result<(), TrainError> {
     for (flag, path) in [("--save", &args.save), ("--plot", &args.plot)] {
         let Some(path) = path else { continue };
@@ -32,27 +35,34 @@ pub(super) fn check_outputs(args: &Args) -> Result<(), TrainError> {
         }
         can_create_in(flag, path, folder)?;
     }
-    if let Some(dir) = &args.save_hf {
-        // The folders that do not exist yet are created when it is written;
-        // the nearest one that does must be a folder this process can write.
-        let existing = dir
-            .ancestors()
-            .find(|a| a.as_os_str().is_empty() || a.exists());
-        let existing = match existing {
-            Some(a) if a.as_os_str().is_empty() => Path::new("."),
-            Some(a) => a,
-            None => Path::new("/"),
-        };
-        if !existing.is_dir() {
-            return Err(unwritable(
-                "--save-hf",
-                dir,
-                &format!("{} is a file, not a folder", existing.display()),
-            ));
+    for (flag, dir) in [
+        ("--save-hf", &args.save_hf),
+        ("--checkpoint-dir", &args.checkpoint_dir),
+    ] {
+        if let Some(dir) = dir {
+            check_folder(flag, dir)?;
         }
-        can_create_in("--save-hf", dir, existing)?;
     }
     Ok(())
+}
+
+/// A folder written into (created with its parents if missing): the
+/// nearest of it and its ancestors that exists must be a folder this
+/// process can write.
+fn check_folder(flag: &str, dir: &Path) -> Result<(), TrainError> {
+    let existing = dir
+        .ancestors()
+        .find(|a| a.as_os_str().is_empty() || a.exists())
+        .filter(|a| !a.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    if !existing.is_dir() {
+        return Err(unwritable(
+            flag,
+            dir,
+            &format!("{} is a file, not a folder", existing.display()),
+        ));
+    }
+    can_create_in(flag, dir, existing)
 }
 
 /// Whether a file can be created in `folder` (a temporary one, removed).
@@ -104,6 +114,7 @@ mod tests {
         let file = dir.path().join("w.safetensors");
         let plot = dir.path().join("loss.png");
         let hf = dir.path().join("new").join("model");
+        let checkpoints = dir.path().join("checkpoints");
         let extra = [
             "--save",
             file.to_str().unwrap(),
@@ -111,6 +122,8 @@ mod tests {
             plot.to_str().unwrap(),
             "--save-hf",
             hf.to_str().unwrap(),
+            "--checkpoint-dir",
+            checkpoints.to_str().unwrap(),
         ];
         check_outputs(&args(&extra)).unwrap();
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
@@ -135,5 +148,10 @@ mod tests {
         assert!(e.contains("--plot") && e.contains("not a folder"), "{e}");
         let e = refused(&["--save-hf", file.join("out").to_str().unwrap()]);
         assert!(e.contains("--save-hf") && e.contains("is a file"), "{e}");
+        let e = refused(&["--checkpoint-dir", file.to_str().unwrap()]);
+        assert!(
+            e.contains("--checkpoint-dir") && e.contains("is a file"),
+            "{e}"
+        );
     }
 }

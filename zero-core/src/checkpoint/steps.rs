@@ -263,6 +263,13 @@ impl StepCheckpoints {
     /// Fails, saying so, if `path` does not exist or holds neither.
     pub fn resolve(path: impl AsRef<Path>) -> Result<PathBuf> {
         let path = path.as_ref();
+        if path.exists() && !path.is_dir() {
+            return Err(checkpoint_error(
+                path,
+                "is a file, not a checkpoint directory; give the --checkpoint-dir of the run to \
+                 resume, or one of its step-<N> directories",
+            ));
+        }
         if let Some(latest) = Self::new(path).latest()? {
             return Ok(latest);
         }
@@ -453,6 +460,10 @@ mod tests {
         let checkpoints = StepCheckpoints::new(root.path().join("ckpt"));
         let missing = StepCheckpoints::resolve(checkpoints.dir()).unwrap_err();
         assert!(missing.to_string().contains("does not exist"), "{missing}");
+        let file = root.path().join("a-file");
+        fs::write(&file, b"x").unwrap();
+        let not_a_dir = StepCheckpoints::resolve(&file).unwrap_err();
+        assert!(not_a_dir.to_string().contains("is a file"), "{not_a_dir}");
         let three = save(&checkpoints, 3);
         checkpoints.commit(3).unwrap();
         let six = save(&checkpoints, 6);
