@@ -260,7 +260,7 @@ impl StepCheckpoints {
     /// it holds a manifest (a named step directory, `DIR/step-000123`, or
     /// a checkpoint saved straight into a directory of its own).
     ///
-    /// Fails, saying so, if `path` does not exist or holds neither.
+    /// Fails, saying so, if `path` does not exist, is a file or holds neither.
     pub fn resolve(path: impl AsRef<Path>) -> Result<PathBuf> {
         let path = path.as_ref();
         if path.exists() && !path.is_dir() {
