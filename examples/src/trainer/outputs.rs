@@ -23,17 +23,14 @@ pub(super) fn check_outputs(args: &Args) -> Result<(), TrainError> {
             Some(parent) if !parent.as_os_str().is_empty() => parent,
             _ => Path::new("."),
         };
-        if !folder.is_dir() {
-            return Err(unwritable(
-                flag,
-                path,
-                &format!(
-                    "its folder {} does not exist (or is not a folder); create it first",
-                    folder.display()
-                ),
-            ));
+        if !folder.exists() {
+            let why = format!(
+                "its folder {} does not exist; create it first",
+                folder.display()
+            );
+            return Err(unwritable(flag, path, &why));
         }
-        can_create_in(flag, path, folder)?;
+        writable_folder(flag, path, folder)?;
     }
     for (flag, dir) in [
         ("--save-hf", &args.save_hf),
@@ -52,21 +49,18 @@ pub(super) fn check_outputs(args: &Args) -> Result<(), TrainError> {
 fn check_folder(flag: &str, dir: &Path) -> Result<(), TrainError> {
     let existing = dir
         .ancestors()
-        .find(|a| a.as_os_str().is_empty() || a.exists())
-        .filter(|a| !a.as_os_str().is_empty())
+        .find(|a| !a.as_os_str().is_empty() && a.exists())
         .unwrap_or(Path::new("."));
-    if !existing.is_dir() {
-        return Err(unwritable(
-            flag,
-            dir,
-            &format!("{} is a file, not a folder", existing.display()),
-        ));
-    }
-    can_create_in(flag, dir, existing)
+    writable_folder(flag, dir, existing)
 }
 
-/// Whether a file can be created in `folder` (a temporary one, removed).
-fn can_create_in(flag: &str, path: &Path, folder: &Path) -> Result<(), TrainError> {
+/// Whether `folder`, which exists, is a folder a file can be created in (a
+/// temporary one, removed).
+fn writable_folder(flag: &str, path: &Path, folder: &Path) -> Result<(), TrainError> {
+    if !folder.is_dir() {
+        let why = format!("{} is a file, not a folder", folder.display());
+        return Err(unwritable(flag, path, &why));
+    }
     tempfile::Builder::new()
         .prefix(".train-write-check")
         .tempfile_in(folder)
