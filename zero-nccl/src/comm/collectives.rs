@@ -88,6 +88,18 @@ fn offset_ptr<T>(ptr: u64, offset: usize) -> u64 {
     ptr + (offset * std::mem::size_of::<T>()) as u64
 }
 
+/// What a collective waits for before it starts on the comm stream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum After {
+    /// The work queued on the compute stream so far: the collective reads
+    /// or writes buffers that kernels fill or read.
+    Compute,
+    /// Only the comm stream's own earlier work: the collective's buffers
+    /// were just staged from the host on the comm stream, so it need not
+    /// wait for the compute stream to drain (nor the host that waits on it).
+    CommStream,
+}
+
 /// Who receives a variable-length gather.
 #[derive(Clone, Copy)]
 pub(super) enum Receivers {
@@ -108,10 +120,24 @@ impl NcclComm {
         bytes: u64,
         call: impl FnOnce(sys::ncclComm_t, sys::cudaStream_t) -> Result<()>,
     ) -> Result<CudaEvent> {
+        self.issue_after(After::Compute, op, bytes, call)
+    }
+
+    /// [`issue`](Self::issue), the comm stream ordered after the compute
+    /// stream only when `after` says so.
+    pub(super) fn issue_after(
+        &self,
+        after: After,
+        op: &'static str,
+        bytes: u64,
+        call: impl FnOnce(sys::ncclComm_t, sys::cudaStream_t) -> Result<()>,
+    ) -> Result<CudaEvent> {
         self.owner.check("NcclComm")?;
         self.ctx.bind_to_thread()?;
-        let ready = self.compute.record_event(None)?;
-        self.comm_stream.wait(&ready)?;
+        if after == After::Compute {
+            let ready = self.compute.record_event(None)?;
+            self.comm_stream.wait(&ready)?;
+        }
         {
             let comm = self.lock(op)?;
             call(comm.0, self.cu_stream())?;
@@ -139,7 +165,8 @@ impl NcclComm {
     /// Issues `collective` from the device address `src` into `dst` (the
     /// same address when in place) with `count` elements of `T` per rank
     /// (NCCL's `count`, `recvcount` or `sendcount`), counting `bytes` as
-    /// sent. The one place the four ring collectives call NCCL.
+    /// sent, once the comm stream is ordered after what `after` names. The
+    /// one place the four ring collectives call NCCL.
     ///
     /// # Safety
     ///
@@ -149,6 +176,7 @@ impl NcclComm {
     /// all-gather's destination, and `count` in the other side of those two.
     unsafe fn collective_event<T: Element>(
         &self,
+        after: After,
         collective: Collective,
         src: u64,
         dst: u64,
@@ -157,7 +185,7 @@ impl NcclComm {
     ) -> Result<CudaEvent> {
         let call = collective.call();
         let dtype = nccl_dtype(T::DTYPE);
-        self.issue(call, bytes, |comm, stream| {
+        self.issue_after(after, call, bytes, |comm, stream| {
             if self.world_size == 1 {
                 // SAFETY: as this function's contract requires.
                 return unsafe { one_rank::<T>(src, dst, count, stream) };
@@ -200,13 +228,26 @@ impl NcclComm {
         buf: &mut (impl DevicePtrMut<T> + ?Sized),
         op: ReduceOp,
     ) -> Result<CudaEvent> {
+        self.all_reduce_event_after(After::Compute, buf, op)
+    }
+
+    /// [`all_reduce_event_raw`](Self::all_reduce_event_raw) ordered after
+    /// what `after` names.
+    pub(super) fn all_reduce_event_after<T: Element>(
+        &self,
+        after: After,
+        buf: &mut (impl DevicePtrMut<T> + ?Sized),
+        op: ReduceOp,
+    ) -> Result<CudaEvent> {
         let count = buf.len();
         let bytes = 2 * ring_bytes(buf.num_bytes(), self.world_size);
         let (ptr, _record) = buf.device_ptr_mut(&self.comm_stream);
         // SAFETY: in place over `count` elements of a live device buffer of
         // `T`; the buffer stays borrowed until the returned event's Work is
         // waited.
-        unsafe { self.collective_event::<T>(Collective::AllReduce(op), ptr, ptr, count, bytes) }
+        unsafe {
+            self.collective_event::<T>(after, Collective::AllReduce(op), ptr, ptr, count, bytes)
+        }
     }
 
     pub(super) fn reduce_scatter_event_raw<T: Element>(
@@ -222,7 +263,16 @@ impl NcclComm {
         let (dst, _record_dst) = recv.device_ptr_mut(&self.comm_stream);
         // SAFETY: `send` holds world_size * count and `recv` count elements
         // of `T` (checked above); both are live device buffers.
-        unsafe { self.collective_event::<T>(Collective::ReduceScatter(op), src, dst, count, bytes) }
+        unsafe {
+            self.collective_event::<T>(
+                After::Compute,
+                Collective::ReduceScatter(op),
+                src,
+                dst,
+                count,
+                bytes,
+            )
+        }
     }
 
     pub(super) fn all_gather_event_raw<T: Element>(
@@ -237,7 +287,16 @@ impl NcclComm {
         let (dst, _record_dst) = recv.device_ptr_mut(&self.comm_stream);
         // SAFETY: `send` holds count and `recv` world_size * count elements
         // of `T` (checked above); both are live device buffers.
-        unsafe { self.collective_event::<T>(Collective::AllGather, src, dst, count, bytes) }
+        unsafe {
+            self.collective_event::<T>(
+                After::Compute,
+                Collective::AllGather,
+                src,
+                dst,
+                count,
+                bytes,
+            )
+        }
     }
 
     /// [`DeviceComm::all_gather_in_place_event`](crate::DeviceComm::all_gather_in_place_event).
@@ -252,7 +311,16 @@ impl NcclComm {
         // SAFETY: `buf` is a live device buffer of world_size * count
         // elements of `T` (checked above), and `src` its slot `rank`: NCCL's
         // in-place all-gather.
-        unsafe { self.collective_event::<T>(Collective::AllGather, src, dst, count, bytes) }
+        unsafe {
+            self.collective_event::<T>(
+                After::Compute,
+                Collective::AllGather,
+                src,
+                dst,
+                count,
+                bytes,
+            )
+        }
     }
 
     /// [`DeviceComm::all_gather_buckets_event`](crate::DeviceComm::all_gather_buckets_event)
@@ -318,7 +386,14 @@ impl NcclComm {
         let (ptr, _record) = buf.device_ptr_mut(&self.comm_stream);
         // SAFETY: in place over `count` elements of a live device buffer.
         unsafe {
-            self.collective_event::<T>(Collective::Broadcast { root }, ptr, ptr, count, bytes)
+            self.collective_event::<T>(
+                After::Compute,
+                Collective::Broadcast { root },
+                ptr,
+                ptr,
+                count,
+                bytes,
+            )
         }
     }
 
@@ -332,6 +407,7 @@ impl NcclComm {
         counts: &[usize],
         recv: Option<&mut R>,
         receivers: Receivers,
+        after: After,
     ) -> Result<CudaEvent> {
         self.check_counts(op, counts, send.len())?;
         let total: usize = counts.iter().sum();
@@ -378,7 +454,7 @@ impl NcclComm {
         let dst = dst_guard.as_mut().map(|(ptr, _)| *ptr);
         let (rank, world_size) = (self.rank, self.world_size);
         let cu_stream = self.comm_stream.cu_stream();
-        self.issue(op, bytes, |comm, stream| {
+        self.issue_after(after, op, bytes, |comm, stream| {
             if let Some(dst) = dst {
                 if counts[rank] > 0 {
                     // SAFETY: both ranges lie inside live device buffers of

@@ -1,7 +1,10 @@
 //! The collectives that wait on the host: byte gathers and host values,
-//! staged through device memory, each wait bounded by the deadline.
+//! staged through device memory on the comm stream, each wait bounded by
+//! the deadline. Their buffers come from the host, so they wait for no
+//! kernel: the host does not wait for the compute stream to drain (only for
+//! the comm stream's earlier collectives).
 
-use super::collectives::Receivers;
+use super::collectives::{After, Receivers};
 use super::NcclComm;
 use crate::device_comm::ring_bytes;
 use crate::{Error, Result};
@@ -65,7 +68,7 @@ impl NcclComm {
         let bytes = ring_bytes(recv.num_bytes(), self.world_size);
         let (src, _record_src) = send.device_ptr(&self.comm_stream);
         let (dst, _record_dst) = recv.device_ptr_mut(&self.comm_stream);
-        self.issue(op, bytes, |comm, stream| {
+        self.issue_after(After::CommStream, op, bytes, |comm, stream| {
             // SAFETY: callers allocate `recv` with world_size * count elements.
             unsafe { nccl::all_gather(src as *const _, dst as *mut _, count, dtype, comm, stream) }
                 .map(drop)
@@ -86,10 +89,11 @@ impl NcclComm {
     }
 
     /// [`DeviceComm::all_reduce_host`](crate::DeviceComm::all_reduce_host),
-    /// through device memory. On one rank every reduction leaves the values
-    /// as they are: nothing goes to the device, so the host does not wait
-    /// for the compute stream to drain (the engine all-reduces a few host
-    /// values every step: the graph's fingerprint, the trainable mask).
+    /// through device memory on the comm stream. On one rank every
+    /// reduction leaves the values as they are: nothing goes to the device.
+    /// The engine all-reduces a few host values every step (the graph's
+    /// fingerprint, the trainable mask): on neither path does the host wait
+    /// for the compute stream to drain.
     pub(super) fn all_reduce_host_raw(&self, values: &mut [f64], op: ReduceOp) -> Result<()> {
         if values.is_empty() {
             return Ok(());
@@ -99,16 +103,16 @@ impl NcclComm {
             return Ok(());
         }
         self.ctx.bind_to_thread()?;
-        let mut buf = self.compute.clone_htod(values)?;
-        let done = self.all_reduce_event_raw(&mut buf, op)?;
+        let stream = &self.comm_stream;
+        let mut buf = stream.clone_htod(values)?;
+        let done = self.all_reduce_event_after(After::CommStream, &mut buf, op)?;
         self.host_wait("all_reduce (host values)", &done)?;
-        self.compute.wait(&done)?;
-        self.compute.memcpy_dtoh(&buf, values)?;
+        stream.memcpy_dtoh(&buf, values)?;
         Ok(())
     }
 
     /// [`DeviceComm::gather_varlen_host`](crate::DeviceComm::gather_varlen_host),
-    /// staged through device memory.
+    /// staged through device memory on the comm stream.
     pub(super) fn gather_varlen_host_raw<T: Element + DeviceRepr + ValidAsZeroBits>(
         &self,
         send: &[T],
@@ -119,14 +123,12 @@ impl NcclComm {
         self.owner.check("NcclComm")?;
         self.ctx.bind_to_thread()?;
         self.check_root("gather_varlen", root)?;
+        let stream = &self.comm_stream;
         // cudarc cannot allocate zero bytes: stage through one spare element.
-        let mut send_dev = self.compute.alloc_zeros::<T>(send.len().max(1))?;
-        let mut recv_dev = self
-            .compute
-            .alloc_zeros::<T>(recv.as_ref().map_or(1, |r| r.len().max(1)))?;
+        let mut send_dev = stream.alloc_zeros::<T>(send.len().max(1))?;
+        let mut recv_dev = stream.alloc_zeros::<T>(recv.as_ref().map_or(1, |r| r.len().max(1)))?;
         if !send.is_empty() {
-            self.compute
-                .memcpy_htod(send, &mut send_dev.slice_mut(0..send.len()))?;
+            stream.memcpy_htod(send, &mut send_dev.slice_mut(0..send.len()))?;
         }
         let recv_len = recv.as_ref().map(|r| r.len());
         let done = {
@@ -137,13 +139,13 @@ impl NcclComm {
                 counts,
                 recv_view.as_mut(),
                 Receivers::Root(root),
+                After::CommStream,
             )?
         };
         self.host_wait("gather_varlen", &done)?;
-        self.compute.wait(&done)?;
         if let Some(out) = recv {
             let len = out.len();
-            self.compute.memcpy_dtoh(&recv_dev.slice(0..len), out)?;
+            stream.memcpy_dtoh(&recv_dev.slice(0..len), out)?;
         }
         Ok(())
     }

@@ -1,7 +1,7 @@
 //! [`NcclComm`] as a [`Communicator`] and a [`DeviceComm`]: the trait
 //! methods over the collectives of the sibling modules, and `split`.
 
-use super::collectives::{nccl_dtype, nccl_op, Receivers};
+use super::collectives::{nccl_dtype, nccl_op, After, Receivers};
 use super::handle::RawComm;
 use super::NcclComm;
 use crate::device_comm::{ring_bytes, Cuda, DeviceComm};
@@ -116,7 +116,14 @@ impl Communicator for NcclComm {
         root: usize,
     ) -> zero_core::Result<()> {
         self.check_root("gather_varlen", root)?;
-        let done = self.varlen_event("gather_varlen", send, counts, recv, Receivers::Root(root))?;
+        let done = self.varlen_event(
+            "gather_varlen",
+            send,
+            counts,
+            recv,
+            Receivers::Root(root),
+            After::Compute,
+        )?;
         self.work(done).wait()
     }
 
@@ -132,6 +139,7 @@ impl Communicator for NcclComm {
             counts,
             Some(recv),
             Receivers::All,
+            After::Compute,
         )?;
         self.work(done).wait()
     }
