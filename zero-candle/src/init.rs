@@ -73,6 +73,15 @@ pub trait ParamSource: Send + Sync {
         let _ = (name, shape);
         Ok(())
     }
+
+    /// The shape of the tensor `name` where the source holds one (a file's
+    /// tensor); `None` for a source that computes its values (a seed).
+    /// What lets a model read a tensor it does not train (a buffer, such as
+    /// GLM-4.5's `e_score_correction_bias`) without knowing its shape.
+    fn shape_of(&self, name: &str) -> Option<Vec<usize>> {
+        let _ = name;
+        None
+    }
 }
 
 /// Counter-based initialization: element `i` of parameter `name` is a
@@ -233,6 +242,10 @@ impl ParamSource for SafetensorsInit {
             .get(name)
             .ok_or_else(|| missing(&self.file, name))?;
         Ok(tensor.read_range_as(range, out)?)
+    }
+
+    fn shape_of(&self, name: &str) -> Option<Vec<usize>> {
+        self.file.get(name).map(|tensor| tensor.shape.clone())
     }
 
     fn check(&self, name: &str, shape: &[usize]) -> Result<()> {
@@ -601,20 +614,26 @@ impl SimpleBackend for ShardedVarMap {
         Ok(ShardedVarMap::get(self, s, name, h, dtype, dev)?)
     }
 
-    fn get_unchecked(
-        &self,
-        name: &str,
-        _dtype: DType,
-        _dev: &Device,
-    ) -> candle_core::Result<Tensor> {
-        candle_core::bail!(
-            "a ShardedVarMap creates variables with a shape: ask for {name:?} with get (a \
-             VarBuilder's get_with_hints)"
-        )
+    /// A tensor the source holds that the model reads but does not train
+    /// (a buffer): whole on every rank, in `dtype` on `dev`, and not a
+    /// variable (no optimizer sees it; a hub save copies the file's tensor
+    /// back as it was). An error where the source holds no such tensor (a
+    /// seed computes only variables).
+    fn get_unchecked(&self, name: &str, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
+        let Some(shape) = self.source().shape_of(name) else {
+            candle_core::bail!(
+                "{name:?}: the ShardedVarMap's source holds no tensor of that name (a seeded one \
+                 holds none); variables are created with a shape (a VarBuilder's get_with_hints)"
+            )
+        };
+        let values = self.values(name, &shape, Init::Const(0.0), dtype)?;
+        Tensor::from_storage(Storage::Cpu(values), shape, BackpropOp::none(), false).to_device(dev)
     }
 
+    /// Whether `name` is a variable created here or a tensor the source
+    /// holds ([`get_unchecked`](SimpleBackend::get_unchecked) reads it).
     fn contains_tensor(&self, name: &str) -> bool {
-        lock(self.inner.varmap.data()).contains_key(name)
+        lock(self.inner.varmap.data()).contains_key(name) || self.source().shape_of(name).is_some()
     }
 }
 

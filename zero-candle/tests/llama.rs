@@ -59,6 +59,8 @@ fn logits_loss_and_gradients_equal_transformers() {
         ("qwen3moe", 69),
         ("olmoe", 45),
         ("flexolmo", 45),
+        // Its routing bias is a buffer of the file, not a variable.
+        ("glm4moe", 56),
     ];
     for (fixture, variables) in cases {
         let (config, map) = Llama::open_hub(fixtures().join(fixture)).unwrap();
@@ -69,7 +71,10 @@ fn logits_loss_and_gradients_equal_transformers() {
                 "tied" | "qwen3" | "gemma" | "gemma3" | "gemma2" | "smollm3" | "gemma3mm"
             )
         );
-        let per_head = matches!(fixture, "qwen3" | "qwen3moe" | "gemma3" | "gemma3mm");
+        let per_head = matches!(
+            fixture,
+            "qwen3" | "qwen3moe" | "gemma3" | "gemma3mm" | "glm4moe"
+        );
         let whole = fixture.starts_with("olmo") || fixture == "flexolmo";
         assert_eq!(config.qk_norm.is_some(), per_head || whole);
         assert_eq!(config.fused_projections, fixture.starts_with("phi3"));
@@ -121,6 +126,7 @@ fn loading_then_saving_reproduces_the_checkpoint_tensor_for_tensor() {
         "gemma3mm",
         "mixtral",
         "qwen2moe",
+        "glm4moe",
     ] {
         let dir = fixtures().join(fixture);
         for (stage, world) in [(Stage::Ddp, 1), (Stage::Parameters, 2)] {
@@ -171,6 +177,8 @@ fn one_sgd_step_equals_torch_at_stage_0_and_at_stage_3_on_two_ranks() {
         ("qwen3moe", Stage::Parameters, 1, 69),
         ("olmoe", Stage::Parameters, 2, 45),
         ("flexolmo", Stage::Parameters, 2, 45),
+        // The routing bias saved back as it was read.
+        ("glm4moe", Stage::Parameters, 2, 57),
     ] {
         let out = tempfile::tempdir().unwrap();
         Run::new(stage, world, 1).train(&fixtures().join(fixture), &ids, out.path());
@@ -190,13 +198,74 @@ fn one_sgd_step_equals_torch_at_stage_0_and_at_stage_3_on_two_ranks() {
     }
 }
 
+/// GLM-4.5's routing bias is a buffer: read whole from the checkpoint
+/// through the builder (a tensor of the source, not a variable), zeros in a
+/// fresh model, whose source (a seed) holds no tensors.
+#[test]
+fn glm_routing_bias_is_a_buffer_of_the_checkpoint() {
+    let dir = fixtures().join("glm4moe");
+    let name = "model.layers.1.mlp.gate.e_score_correction_bias";
+    let (config, map) = Llama::open_hub(&dir).unwrap();
+    let vb = map.builder(DType::F32, &Device::Cpu);
+    assert!(vb.contains_tensor(name));
+    let read = values(&vb.get_unchecked(name).unwrap());
+    let file = HubDir::open(&dir).unwrap();
+    assert_eq!(read, file.tensor(name).unwrap().to_vec_as::<f64>().unwrap());
+    assert!(read.iter().any(|&b| b != 0.0));
+    Llama::new(vb, &config, None).unwrap();
+    let vars = map.varmap().data().lock().unwrap().clone();
+    assert!(!vars.contains_key(name), "a buffer is not a variable");
+    assert!(vars.contains_key("model.layers.1.mlp.gate.weight"));
+
+    // A checkpoint's tensors the model does not build (GLM-4.5's
+    // multi-token prediction layer, `model.layers.{num_hidden_layers}.*`)
+    // load and are saved back as they were, beside the buffer.
+    let with_mtp = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, with_mtp.path().join(path.file_name().unwrap())).unwrap();
+    }
+    let mut tensors =
+        candle_core::safetensors::load(dir.join("model.safetensors"), &Device::Cpu).unwrap();
+    let mtp = "model.layers.2.eh_proj.weight";
+    let extra = candle_core::Tensor::arange(0f32, 64.0, &Device::Cpu).unwrap();
+    tensors.insert(mtp.to_string(), extra.reshape((2, 32)).unwrap());
+    candle_core::safetensors::save(&tensors, with_mtp.path().join("model.safetensors")).unwrap();
+    let out = tempfile::tempdir().unwrap();
+    Run::new(Stage::Parameters, 2, 1).train(with_mtp.path(), &input_ids(&golden()), out.path());
+    let saved = HubDir::open(out.path()).unwrap();
+    for kept in [mtp, name] {
+        assert_eq!(
+            saved.tensor(kept).unwrap().to_vec_as::<f64>().unwrap(),
+            HubDir::open(with_mtp.path())
+                .unwrap()
+                .tensor(kept)
+                .unwrap()
+                .to_vec_as::<f64>()
+                .unwrap(),
+            "{kept}"
+        );
+    }
+
+    let fresh = zero_candle::ShardedVarMap::seeded(3);
+    let vb = fresh.builder(DType::F32, &Device::Cpu);
+    assert!(!vb.contains_tensor(name));
+    let err = vb.get_unchecked(name).unwrap_err().to_string();
+    assert!(err.contains("holds no tensor"), "{err}");
+    let model = Llama::new(vb, &config, None).unwrap();
+    fresh.materialize_all().unwrap();
+    let ids = input_ids(&golden());
+    let loss = values(&model.loss(&ids).unwrap())[0];
+    assert!(loss.is_finite() && loss > 0.0, "{loss}");
+}
+
 /// Stage 3 at 4 ranks, and at 2 with each block recomputed in backward,
 /// train what one rank at stage 0 trains (three steps over 4 windows),
 /// every tensor changed.
 #[test]
 fn stage_3_on_four_ranks_equals_stage_0_on_one() {
-    // OLMoE: a mixture whose ranks route different tokens.
-    for fixture in ["gqa", "olmoe"] {
+    // OLMoE and GLM-4.5: mixtures whose ranks route different tokens.
+    for fixture in ["gqa", "olmoe", "glm4moe"] {
         four_ranks_train_what_one_does(fixture);
     }
 }
@@ -232,7 +301,11 @@ fn four_ranks_train_what_one_does(fixture: &str) {
             let err = relative_error(&f32_values(&result[name].2), &f32_values(bytes));
             assert!(err < 1e-5, "{fixture}: {name}: {run:?} differs by {err:e}");
         }
-        assert_ne!(bytes, &initial[name].2, "{fixture}: {name} did not train");
+        // A buffer (GLM-4.5's routing bias) is saved as it was read.
+        match name.ends_with(".e_score_correction_bias") {
+            true => assert_eq!(bytes, &initial[name].2, "{fixture}: {name} changed"),
+            false => assert_ne!(bytes, &initial[name].2, "{fixture}: {name} did not train"),
+        }
     }
 }
 
@@ -886,7 +959,7 @@ fn smollm3_and_granite_configs_read_as_transformers_reads_them() {
 /// honoured.
 #[test]
 fn moe_configs_read_as_transformers_reads_them() {
-    use zero_candle::models::{MoeConfig, MoeStyle};
+    use zero_candle::models::{MoeConfig, MoeRouting, MoeStyle};
     let moe = |config: &serde_json::Value| -> MoeConfig {
         LlamaConfig::from_json(config).unwrap().moe.unwrap()
     };
@@ -902,6 +975,7 @@ fn moe_configs_read_as_transformers_reads_them() {
             layers: vec![true, true],
             aux_loss_coef: Some(0.5),
             style: MoeStyle::Mixtral,
+            routing: MoeRouting::Softmax,
         }
     );
     let qwen2 = moe(&config_of("qwen2moe"));
@@ -975,6 +1049,87 @@ fn moe_configs_read_as_transformers_reads_them() {
     assert_eq!(defaults.shared_expert_size, Some(5632));
     assert_eq!(defaults.layers, vec![false, true], "every second layer");
     assert_eq!(defaults.aux_loss_coef, Some(0.001));
+    // GLM-4.5: the grouped sigmoid router, shared experts as one MLP, the
+    // first layers dense; transformers' defaults where the file is silent.
+    let glm = LlamaConfig::from_json(&config_of("glm4moe")).unwrap();
+    assert_eq!(glm.qk_norm, Some(zero_candle::models::QkNorm::PerHead));
+    assert!(
+        glm.qkv_bias && !glm.o_bias,
+        "attention_bias is q's, k's and v's"
+    );
+    assert_eq!((glm.head_dim, glm.rotary_dim), (16, 8));
+    assert_eq!(
+        glm.moe.clone().unwrap(),
+        MoeConfig {
+            num_experts: 8,
+            experts_per_token: 3,
+            expert_size: 16,
+            normalize: true,
+            shared_expert_size: Some(32),
+            layers: vec![false, true],
+            aux_loss_coef: None,
+            style: MoeStyle::Glm,
+            routing: MoeRouting::Sigmoid {
+                groups: 4,
+                top_groups: 2,
+                scale: 2.5,
+            },
+        }
+    );
+    let mut silent = config_of("glm4moe");
+    for key in [
+        "n_routed_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        "n_shared_experts",
+        "n_group",
+        "topk_group",
+        "routed_scaling_factor",
+        "first_k_dense_replace",
+        "norm_topk_prob",
+        "use_qk_norm",
+        "rope_parameters",
+    ] {
+        silent.as_object_mut().unwrap().remove(key);
+    }
+    silent["output_router_logits"] = true.into();
+    let defaults = LlamaConfig::from_json(&silent).unwrap();
+    assert_eq!((defaults.qk_norm, defaults.rotary_dim), (None, 8));
+    let defaults = defaults.moe.unwrap();
+    assert_eq!(
+        (
+            defaults.num_experts,
+            defaults.experts_per_token,
+            defaults.expert_size,
+            defaults.shared_expert_size,
+            defaults.normalize,
+        ),
+        (128, 8, 1408, Some(1408), true)
+    );
+    assert_eq!(defaults.layers, vec![false, true]);
+    assert_eq!(
+        defaults.routing,
+        MoeRouting::Sigmoid {
+            groups: 1,
+            top_groups: 1,
+            scale: 1.0
+        }
+    );
+    assert_eq!(defaults.aux_loss_coef, None, "transformers adds none");
+    // The shared experts (no gate) and the router in each mixture layer.
+    assert_eq!(
+        glm.num_params(),
+        LlamaConfig::from_json(&config_of("glm4moe"))
+            .map(|mut dense| {
+                dense.moe = None;
+                dense.num_params()
+            })
+            .unwrap()
+            + 8 * (d + 3 * d * 16)
+            + 3 * d * 32
+            - 3 * d * inner
+    );
+
     let mut jitter = config_of("mixtral");
     jitter["router_jitter_noise"] = 0.1.into();
     assert_eq!(
@@ -1010,7 +1165,15 @@ fn moe_configs_read_as_transformers_reads_them() {
         );
     }
 
-    let cases: [(&str, &str, serde_json::Value, &str); 5] = [
+    let cases: [(&str, &str, serde_json::Value, &str); 8] = [
+        ("glm4moe", "n_group", 3.into(), "n_group"),
+        ("glm4moe", "topk_group", 5.into(), "topk_group"),
+        (
+            "glm4moe",
+            "num_experts_per_tok",
+            5.into(),
+            "num_experts_per_tok",
+        ),
         (
             "qwen3moe",
             "use_sliding_window",

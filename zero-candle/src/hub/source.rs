@@ -112,4 +112,13 @@ impl ParamSource for HubSource {
     fn check(&self, name: &str, shape: &[usize]) -> Result<()> {
         self.tensor(name, shape).map(drop)
     }
+
+    fn shape_of(&self, name: &str) -> Option<Vec<usize>> {
+        let tensor = self.layout.tensor_of(&self.dir, name)?;
+        let mut shape = self.dir.tensor(&tensor)?.shape.clone();
+        if self.layout.is_transposed(name) {
+            shape.reverse();
+        }
+        Some(shape)
+    }
 }

@@ -98,18 +98,29 @@ pub struct YarnScaling {
     pub attention_factor: f64,
 }
 
+/// How a family reads its rotary settings beyond Llama's.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub(crate) struct RopeDialect {
+    /// "su" and "yarn" mean longrope (Phi-3).
+    pub(crate) longrope_names: bool,
+    /// `partial_rotary_factor` is read (by [`partial_rotary_factor`]), this
+    /// where the file leaves it out: the first part of each head rotates
+    /// (Phi-3, GLM-4.5); `None`: whole heads only.
+    pub(crate) partial: Option<f64>,
+}
+
 impl Rope {
     /// The settings of `config` (a hub `config.json`): `rope_parameters`
     /// (transformers 5) or `rope_theta` with `rope_scaling` (earlier
     /// files), `rope_theta` `default_theta` where absent;
-    /// `max_positions` is its `max_position_embeddings`; with
-    /// `phi3`, "su" and "yarn" mean longrope and `partial_rotary_factor` is
-    /// allowed (read by [`partial_rotary_factor`]), as `transformers`
-    /// reads them there. An error names the key it cannot honour.
+    /// `max_positions` is its `max_position_embeddings`; `dialect` says
+    /// whether "su" and "yarn" mean longrope and whether
+    /// `partial_rotary_factor` is allowed, as `transformers` reads them for
+    /// the family. An error names the key it cannot honour.
     pub(crate) fn from_json(
         config: &serde_json::Value,
         max_positions: usize,
-        phi3: bool,
+        dialect: RopeDialect,
         default_theta: f64,
     ) -> Result<Self, String> {
         let (params, key) = match config.get("rope_parameters") {
@@ -134,10 +145,12 @@ impl Rope {
                 })
                 .transpose()
         };
-        if let Some(partial) = number("partial_rotary_factor")?.filter(|&f| f != 1.0 && !phi3) {
+        if let Some(partial) =
+            number("partial_rotary_factor")?.filter(|&f| f != 1.0 && dialect.partial.is_none())
+        {
             return Err(format!(
                 "`partial_rotary_factor` is {partial}; rotary embeddings over whole heads only \
-                 (Phi-3's rotate part of each head)"
+                 (Phi-3's and GLM-4.5's rotate part of each head)"
             ));
         }
         let theta = number("rope_theta")?.unwrap_or(default_theta);
@@ -163,7 +176,7 @@ impl Rope {
                 })
         };
         let scaling = match kind {
-            "su" | "yarn" | "longrope" if phi3 || kind == "longrope" => {
+            "su" | "yarn" | "longrope" if dialect.longrope_names || kind == "longrope" => {
                 let original = required("original_max_position_embeddings")?;
                 let factor = number("factor")?.unwrap_or(max_positions as f64 / original);
                 let attention_factor = match number("attention_factor")? {
@@ -339,17 +352,20 @@ impl Llama3Scaling {
 }
 
 /// The `partial_rotary_factor` of `config` (in `rope_parameters`,
-/// `rope_scaling` or at the top), 1 when absent: the fraction of each head
-/// that rotates (Phi-3's families; others refuse it when reading their
-/// [`Rope`]).
-pub(crate) fn partial_rotary_factor(config: &serde_json::Value) -> Result<f64, String> {
+/// `rope_scaling` or at the top), `missing` when absent: the fraction of
+/// each head that rotates (Phi-3's and GLM-4.5's families; others refuse it
+/// when reading their [`Rope`]).
+pub(crate) fn partial_rotary_factor(
+    config: &serde_json::Value,
+    missing: f64,
+) -> Result<f64, String> {
     let found = ["rope_parameters", "rope_scaling"]
         .iter()
         .filter_map(|key| config.get(key).and_then(|p| p.get("partial_rotary_factor")))
         .chain(config.get("partial_rotary_factor"))
         .find(|v| !v.is_null());
     match found {
-        None => Ok(1.0),
+        None => Ok(missing),
         Some(v) => match v.as_f64() {
             Some(f) if f > 0.0 && f <= 1.0 => Ok(f),
             _ => Err(format!(

@@ -1,9 +1,9 @@
 //! [`LlamaConfig`]: a Llama-family `config.json` read as `transformers`
 //! reads it, each family's differences from Llama in one table.
 
-use super::moe::{moe_of, MoeConfig, MoeFamily, MoeStyle, OLMOE_MOE, QWEN2_MOE};
+use super::moe::{moe_of, MoeConfig, MoeFamily, MoeStyle, GLM4_MOE, OLMOE_MOE, QWEN2_MOE};
 use crate::hub::HubDir;
-use crate::models::rope::Rope;
+use crate::models::rope::{Rope, RopeDialect};
 use crate::nn::Activation;
 use serde::Deserialize;
 
@@ -208,6 +208,9 @@ struct Plain {
     /// Qwen2-MoE's switch for the query, key and value biases.
     #[serde(default)]
     qkv_bias: Option<bool>,
+    /// GLM-4.5's switch for the query and key norms.
+    #[serde(default)]
+    use_qk_norm: bool,
     #[serde(default)]
     router_jitter_noise: Option<f64>,
     #[serde(default)]
@@ -292,15 +295,21 @@ struct Family {
     architectures: [&'static str; 2],
     /// The query, key and value projections always have biases.
     qkv_bias: bool,
+    /// `attention_bias` gives the output projection a bias too (all but
+    /// GLM-4.5, whose `attention_bias` is the query's, key's and value's).
+    o_bias: bool,
+    /// `use_qk_norm` switches on an RMS norm of each query and key head
+    /// (GLM-4.5).
+    switched_qk_norm: bool,
     /// The queries and keys are RMS-normalized.
     qk_norm: Option<QkNorm>,
     /// The blocks normalize their inputs (all but OLMo 2).
     input_norms: bool,
     /// Phi-3's `qkv_proj` and `gate_up_proj`.
     fused: bool,
-    /// "su" and "yarn" mean longrope, and part of each head may rotate
-    /// (`partial_rotary_factor`) (Phi-3).
-    phi3_rope: bool,
+    /// How the rotary settings are read beyond Llama's: Phi-3's "su" and
+    /// "yarn" meaning longrope, part of each head rotating (Phi-3, GLM-4.5).
+    rope: RopeDialect,
     windows: Windows,
     /// Gemma's differences, where it is one.
     gemma: Option<Gemma>,
@@ -323,10 +332,15 @@ const LLAMA: Family = Family {
     model_type: "llama",
     architectures: ["LlamaForCausalLM", "LlamaModel"],
     qkv_bias: false,
+    o_bias: true,
+    switched_qk_norm: false,
     qk_norm: None,
     input_norms: true,
     fused: false,
-    phi3_rope: false,
+    rope: RopeDialect {
+        longrope_names: false,
+        partial: None,
+    },
     windows: Windows::Never,
     gemma: None,
     nope_layers: false,
@@ -357,7 +371,7 @@ const OLMO2: Family = Family {
 };
 
 /// The families read as Llama.
-const FAMILIES: [Family; 17] = [
+const FAMILIES: [Family; 18] = [
     LLAMA,
     Family {
         model_type: "mistral",
@@ -385,7 +399,10 @@ const FAMILIES: [Family; 17] = [
         model_type: "phi3",
         architectures: ["Phi3ForCausalLM", "Phi3Model"],
         fused: true,
-        phi3_rope: true,
+        rope: RopeDialect {
+            longrope_names: true,
+            partial: Some(1.0),
+        },
         windows: Windows::EveryLayer { missing: None },
         ..LLAMA
     },
@@ -496,6 +513,18 @@ const FAMILIES: [Family; 17] = [
         }),
         ..OLMO2
     },
+    Family {
+        model_type: "glm4_moe",
+        architectures: ["Glm4MoeForCausalLM", "Glm4MoeModel"],
+        o_bias: false,
+        switched_qk_norm: true,
+        rope: RopeDialect {
+            longrope_names: false,
+            partial: Some(0.5),
+        },
+        moe: Some(GLM4_MOE),
+        ..LLAMA
+    },
 ];
 
 /// Whether `model_type` `kind` is read as Llama.
@@ -507,13 +536,14 @@ pub(crate) fn reads(kind: &str) -> bool {
 pub(crate) const LLAMA_TYPES: &str =
     "\"llama\", \"mistral\", \"qwen2\", \"qwen3\", \"phi3\", \"gemma\", \"gemma2\", \
      \"gemma3_text\", \"gemma3\" (its text model), \"smollm3\", \"granite\", \"olmo2\", \"olmo3\", \
-     \"mixtral\", \"qwen2_moe\", \"qwen3_moe\", \"olmoe\" and \"flex_olmo\"";
+     \"mixtral\", \"qwen2_moe\", \"qwen3_moe\", \"olmoe\", \"flex_olmo\" and \"glm4_moe\"";
 
 impl LlamaConfig {
     /// Reads a hub `config.json` of a Llama, Mistral, Qwen2, Qwen3, Phi-3,
     /// Gemma, Gemma 2, Gemma 3 (text, or the text model of one with
     /// vision), SmolLM3, Granite, OLMo 2, OLMo 3, Mixtral, Qwen2-MoE,
-    /// Qwen3-MoE, OLMoE or FlexOlmo model (by `model_type`; Llama without
+    /// Qwen3-MoE, OLMoE, FlexOlmo or GLM-4.5 (`glm4_moe`) model (by
+    /// `model_type`; Llama without
     /// one): an error names the key whose value this model
     /// cannot honour (another architecture, MLP biases, another
     /// activation, a rotary scaling it does not implement, bidirectional
@@ -567,7 +597,7 @@ impl LlamaConfig {
                 Rope::from_json(
                     config,
                     plain.max_position_embeddings,
-                    family.phi3_rope,
+                    family.rope,
                     family.default_theta,
                 )?,
                 None,
@@ -580,11 +610,12 @@ impl LlamaConfig {
             None if heads > 0 => plain.hidden_size / heads,
             None => 0,
         };
-        let rotary_dim = match family.phi3_rope {
-            true => {
-                (head_dim as f64 * crate::models::rope::partial_rotary_factor(config)?) as usize
+        let rotary_dim = match family.rope.partial {
+            Some(missing) => {
+                (head_dim as f64 * crate::models::rope::partial_rotary_factor(config, missing)?)
+                    as usize
             }
-            false => head_dim,
+            None => head_dim,
         };
         // Granite's multipliers (1, the default, is none).
         let granite = |value: Option<f64>| value.filter(|&v| family.multipliers && v != 1.0);
@@ -607,9 +638,12 @@ impl LlamaConfig {
             // Phi-3's projections have no biases whatever the file says.
             qkv_bias: !family.fused
                 && (plain.attention_bias || plain.qkv_bias.unwrap_or(family.qkv_bias)),
-            o_bias: !family.fused && plain.attention_bias,
+            o_bias: !family.fused && family.o_bias && plain.attention_bias,
             fused_projections: family.fused,
-            qk_norm: family.qk_norm,
+            qk_norm: match family.switched_qk_norm && plain.use_qk_norm {
+                true => Some(QkNorm::PerHead),
+                false => family.qk_norm,
+            },
             input_norms: family.input_norms,
             sliding_window,
             pad_token_id: plain.pad_token_id,
@@ -985,7 +1019,7 @@ fn typed_ropes(
         if let Some(partial) = get("partial_rotary_factor") {
             alone["partial_rotary_factor"] = partial.clone();
         }
-        Rope::from_json(&alone, max_positions, false, default)
+        Rope::from_json(&alone, max_positions, RopeDialect::default(), default)
     };
     let global = rope(global, Some("rope_theta"), typed.global_theta)?;
     let local = rope(local, typed.local_theta_key, typed.local_theta)?;

@@ -1,5 +1,5 @@
 //! A block's MLP: one gated MLP, or a sparse mixture of them (Mixtral,
-//! Qwen2-MoE, Qwen3-MoE, OLMoE).
+//! Qwen2-MoE, Qwen3-MoE, OLMoE, GLM-4.5).
 
 use super::Projections;
 use crate::nn::{ops, Activation, ExpertMlps, Linear, OnDevice};
@@ -53,14 +53,32 @@ impl FeedForward {
     }
 }
 
+/// How a mixture's router weighs its experts ([`super::MoeRouting`]).
+#[derive(Clone)]
+pub(super) enum Routing {
+    /// A softmax over the experts, the most probable chosen.
+    Softmax,
+    /// GLM-4.5's sigmoid scores (in f32), chosen by score plus `bias`
+    /// within the best groups.
+    Sigmoid {
+        /// `e_score_correction_bias`, one per expert.
+        bias: Vec<f32>,
+        groups: usize,
+        top_groups: usize,
+        scale: f64,
+    },
+}
+
 /// A sparse mixture of experts ([`super::MoeConfig`]).
 #[derive(Clone)]
 pub(super) struct Experts {
     /// `gate`: `[num_experts, hidden]`, no bias.
     pub(super) router: Linear,
+    pub(super) routing: Routing,
     pub(super) experts: Vec<Mlp>,
-    /// Qwen2-MoE's shared expert and its gate (`[1, hidden]`).
-    pub(super) shared: Option<(Mlp, Linear)>,
+    /// A shared expert that every token goes through, with Qwen2-MoE's gate
+    /// (`[1, hidden]`) on its output, or none (GLM-4.5's).
+    pub(super) shared: Option<(Mlp, Option<Linear>)>,
     pub(super) top_k: usize,
     pub(super) normalize: bool,
     /// The probabilities are rounded to the model's dtype before they
@@ -72,15 +90,15 @@ pub(super) struct Experts {
 }
 
 impl Experts {
-    /// A mixture of `experts`, routed by `router` to `top_k` of them per
-    /// token (their probabilities renormalized when `normalize`), with
-    /// Qwen2-MoE's `shared` expert if any. With a hook the experts run as
-    /// one op per layer ([`ExpertMlps`]); without one, or with biases, each
-    /// is its own layers.
+    /// A mixture of `experts`, routed by `router` as `routing` says to
+    /// `top_k` of them per token (their weights renormalized when
+    /// `normalize`), with a `shared` expert if any. With a hook the experts
+    /// run as one op per layer ([`ExpertMlps`]); without one, or with
+    /// biases, each is its own layers.
     pub(super) fn new(
-        router: Linear,
+        (router, routing): (Linear, Routing),
         experts: Vec<Mlp>,
-        shared: Option<(Mlp, Linear)>,
+        shared: Option<(Mlp, Option<Linear>)>,
         (top_k, normalize, weights_in_model_dtype): (usize, bool, bool),
     ) -> candle_core::Result<Self> {
         let grouped = match grouped_weights(&experts) {
@@ -89,6 +107,7 @@ impl Experts {
         };
         Ok(Self {
             router,
+            routing,
             experts,
             shared,
             top_k,
@@ -112,24 +131,14 @@ impl Experts {
             Some(_) => h.clone(),
             None => h.apply_op1(Collect(pending.clone()))?,
         };
-        let logits = self.router.forward(h)?;
-        let probs = candle_nn::ops::softmax(&logits.to_dtype(DType::F32)?, D::Minus1)?;
-        let chosen = top_k(&probs, self.top_k)?;
-        let mut weights = probs.gather(&chosen, 1)?;
-        if self.normalize {
-            weights = weights.broadcast_div(&weights.sum_keepdim(1)?)?;
-        }
+        let (logits, chosen, mut weights) = self.route(h)?;
         if self.weights_in_model_dtype {
             weights = weights.to_dtype(dtype)?;
         }
         // The experts' op gives an expert without rows its zero gradient
         // itself; one Linear per projection needs a row to report one.
         let with_idle_rows = self.grouped.is_none();
-        let routes = Routes::new(
-            &chosen.to_vec2::<u32>()?,
-            self.experts.len(),
-            with_idle_rows,
-        );
+        let routes = Routes::new(&chosen, self.experts.len(), with_idle_rows);
         // One scaling and one add back, expert by expert in order, as
         // transformers adds them.
         let rows = Tensor::new(routes.rows.as_slice(), device)?;
@@ -169,11 +178,103 @@ impl Experts {
             Tensor::zeros((tokens, h.dim(1)?), dtype, device)?.index_add(&rows, &scaled, 0)?;
         if let Some((mlp, gate)) = &self.shared {
             let shared = mlp.forward(h)?;
-            let opened = candle_nn::ops::sigmoid(&gate.forward(h)?)?;
-            y = (y + shared.broadcast_mul(&opened)?)?;
+            y = match gate {
+                Some(gate) => {
+                    let opened = candle_nn::ops::sigmoid(&gate.forward(h)?)?;
+                    (y + shared.broadcast_mul(&opened)?)?
+                }
+                None => (y + shared)?,
+            };
         }
         Ok((y, logits))
     }
+
+    /// The router's logits for `h` rows, each token's chosen experts and
+    /// their weights `[tokens, top_k]` (f32, with the gradient to the
+    /// router).
+    fn route(&self, h: &Tensor) -> candle_core::Result<(Tensor, Vec<Vec<u32>>, Tensor)> {
+        let (logits, chosen, weights) = match &self.routing {
+            Routing::Softmax => {
+                let logits = self.router.forward(h)?;
+                let probs = candle_nn::ops::softmax(&logits.to_dtype(DType::F32)?, D::Minus1)?;
+                let chosen = top_k(&probs, self.top_k)?;
+                let weights = probs.gather(&chosen, 1)?;
+                let weights = match self.normalize {
+                    true => weights.broadcast_div(&weights.sum_keepdim(1)?)?,
+                    false => weights,
+                };
+                (logits, chosen.to_vec2::<u32>()?, weights)
+            }
+            Routing::Sigmoid {
+                bias,
+                groups,
+                top_groups,
+                scale,
+            } => {
+                let logits = self.router.forward(h)?;
+                let scores = candle_nn::ops::sigmoid(&logits.to_dtype(DType::F32)?)?;
+                let chosen = grouped_top_k(
+                    &scores.to_vec2::<f32>()?,
+                    bias,
+                    (*groups, *top_groups),
+                    self.top_k,
+                );
+                let index = Tensor::new(chosen.clone(), h.device())?;
+                let weights = scores.gather(&index, 1)?;
+                let weights = match self.normalize {
+                    true => weights.broadcast_div(&(weights.sum_keepdim(1)? + 1e-20)?)?,
+                    false => weights,
+                };
+                let weights = match *scale == 1.0 {
+                    true => weights,
+                    false => (weights * *scale)?,
+                };
+                (logits, chosen, weights)
+            }
+        };
+        Ok((logits, chosen, weights))
+    }
+}
+
+/// GLM-4.5's choice ([`super::MoeRouting::Sigmoid`]) for each row of
+/// `scores` `[tokens, experts]`: the `k` experts of highest `score + bias`
+/// among the `top_groups` of `groups` equal groups whose two highest
+/// `score + bias` sum highest, highest first (ties to the lower index).
+fn grouped_top_k(
+    scores: &[Vec<f32>],
+    bias: &[f32],
+    (groups, top_groups): (usize, usize),
+    k: usize,
+) -> Vec<Vec<u32>> {
+    let experts = bias.len();
+    let per_group = experts / groups.max(1);
+    // Indices by descending value (ties to the lower index).
+    let ranked = |values: &[f32], among: &mut Vec<usize>| {
+        among.sort_by(|&a, &b| values[b].total_cmp(&values[a]).then(a.cmp(&b)));
+    };
+    scores
+        .iter()
+        .map(|row| {
+            let choice: Vec<f32> = row.iter().zip(bias).map(|(s, b)| s + b).collect();
+            let mut among: Vec<usize> = (0..experts).collect();
+            if top_groups < groups {
+                let group_scores: Vec<f32> = choice
+                    .chunks(per_group)
+                    .map(|group| {
+                        let mut best: Vec<usize> = (0..group.len()).collect();
+                        ranked(group, &mut best);
+                        group[best[0]] + group[best[1]]
+                    })
+                    .collect();
+                let mut chosen_groups: Vec<usize> = (0..groups).collect();
+                ranked(&group_scores, &mut chosen_groups);
+                chosen_groups.truncate(top_groups);
+                among.retain(|e| chosen_groups.contains(&(e / per_group)));
+            }
+            ranked(&choice, &mut among);
+            among.iter().take(k).map(|&e| e as u32).collect()
+        })
+        .collect()
 }
 
 /// The experts' `[gate, up, down]` weights, activation and hook, when
@@ -414,5 +515,35 @@ mod tests {
         .unwrap();
         let chosen = top_k(&probs, 2).unwrap().to_vec2::<u32>().unwrap();
         assert_eq!(chosen, vec![vec![1, 2], vec![0, 3]]);
+    }
+
+    #[test]
+    fn grouped_top_k_chooses_by_score_plus_bias_within_the_best_groups() {
+        let scores = vec![vec![0.9f32, 0.1, 0.5, 0.6, 0.2, 0.3]];
+        let no_bias = [0.0; 6];
+        // One group: the best three by score.
+        assert_eq!(
+            grouped_top_k(&scores, &no_bias, (1, 1), 3),
+            vec![vec![0, 3, 2]]
+        );
+        // Three groups of two, ranked by their two best (1.0, 1.1, 0.5):
+        // the best two groups' experts only.
+        assert_eq!(
+            grouped_top_k(&scores, &no_bias, (3, 2), 3),
+            vec![vec![0, 3, 2]]
+        );
+        assert_eq!(
+            grouped_top_k(&scores, &no_bias, (3, 1), 2),
+            vec![vec![3, 2]],
+            "group 1 (0.5 + 0.6) beats group 0 (0.9 + 0.1)"
+        );
+        // The bias moves the choice (and the groups' ranks), not the scores.
+        let bias = [0.0, 0.0, 0.0, 0.0, 1.0, 0.0];
+        assert_eq!(grouped_top_k(&scores, &bias, (3, 1), 2), vec![vec![4, 5]]);
+        // Ties go to the lower index.
+        assert_eq!(
+            grouped_top_k(&[vec![0.5f32; 4]], &[0.0; 4], (2, 1), 2),
+            vec![vec![0, 1]]
+        );
     }
 }

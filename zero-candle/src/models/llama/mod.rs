@@ -35,7 +35,7 @@ mod moe;
 
 pub(crate) use config::{reads, LLAMA_TYPES};
 pub use config::{LlamaConfig, QkNorm, SlidingWindow};
-pub use moe::{MoeConfig, MoeStyle};
+pub use moe::{MoeConfig, MoeRouting, MoeStyle};
 
 use super::rope::{Rope, RopeScaling};
 use crate::hub::HubLayout;
@@ -43,7 +43,7 @@ use crate::nn::{ops, Embedding, GradHook, Linear, RmsNorm};
 use crate::{Error, Result, ShardedVarMap};
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{Init, VarBuilder};
-use mlp::{Experts, FeedForward, Mlp};
+use mlp::{Experts, FeedForward, Mlp, Routing};
 use std::sync::{Arc, Mutex, PoisonError};
 
 /// The cosines and sines of positions `0..len`, `[len, head_dim / 2]`
@@ -359,8 +359,30 @@ impl Block {
 fn moe_prefix(moe: &MoeConfig) -> &'static str {
     match moe.style {
         MoeStyle::Mixtral => "block_sparse_moe",
-        MoeStyle::Qwen => "mlp",
+        MoeStyle::Qwen | MoeStyle::Glm => "mlp",
     }
+}
+
+/// The f32 values of the buffer `name` of `width` under `vb` (a tensor of
+/// the checkpoint the model reads but does not train: see
+/// [`ShardedVarMap`]'s `get_unchecked`), zeros where the source holds none
+/// (a fresh model, as `transformers` initializes one).
+fn buffer(vb: &VarBuilder, name: &str, width: usize) -> Result<Vec<f32>> {
+    if !vb.contains_tensor(name) {
+        return Ok(vec![0.0; width]);
+    }
+    let values = vb.get_unchecked_dtype(name, DType::F32)?;
+    if values.dims() != [width] {
+        return Err(Error::Variable {
+            name: format!("{}.{name}", vb.prefix()),
+            detail: format!(
+                "the checkpoint holds it as {:?}, the model built from its config.json needs \
+                 [{width}]; does config.json describe these weights?",
+                values.dims()
+            ),
+        });
+    }
+    Ok(values.to_device(&Device::Cpu)?.to_vec1::<f32>()?)
 }
 
 /// `y`, or its norm where the model has one (Gemma 2's and 3's output
@@ -458,7 +480,7 @@ impl Llama {
         // One expert of a mixture, under its style's names.
         let expert = |vb: VarBuilder, moe: &MoeConfig| -> Result<Mlp> {
             match moe.style {
-                MoeStyle::Qwen => dense(vb, moe.expert_size),
+                MoeStyle::Qwen | MoeStyle::Glm => dense(vb, moe.expert_size),
                 MoeStyle::Mixtral => Ok(Mlp {
                     gate_up: Projections::Separate([
                         linear(vb.pp("w1"), d, moe.expert_size)?,
@@ -467,6 +489,27 @@ impl Llama {
                     down: linear(vb.pp("w2"), moe.expert_size, d)?,
                     activation: config.mlp_activation,
                 }),
+            }
+        };
+        // A mixture's router, with GLM-4.5's bias that steers its choice (a
+        // buffer of the checkpoint, zero in a fresh model as in
+        // transformers).
+        let router = |vb: VarBuilder, moe: &MoeConfig| -> Result<(Linear, Routing)> {
+            match moe.routing {
+                MoeRouting::Softmax => Ok((linear(vb, d, moe.num_experts)?, Routing::Softmax)),
+                MoeRouting::Sigmoid {
+                    groups,
+                    top_groups,
+                    scale,
+                } => Ok((
+                    linear(vb.clone(), d, moe.num_experts)?,
+                    Routing::Sigmoid {
+                        bias: buffer(&vb, "e_score_correction_bias", moe.num_experts)?,
+                        groups,
+                        top_groups,
+                        scale,
+                    },
+                )),
             }
         };
         let model = vb.pp("model");
@@ -513,16 +556,19 @@ impl Llama {
                 },
                 mlp: match &config.moe {
                     Some(moe) if moe.layers[i] => FeedForward::Experts(Box::new(Experts::new(
-                        linear(vb.pp(moe_prefix(moe)).pp("gate"), d, moe.num_experts)?,
+                        router(vb.pp(moe_prefix(moe)).pp("gate"), moe)?,
                         (0..moe.num_experts)
                             .map(|e| expert(vb.pp(moe_prefix(moe)).pp(format!("experts.{e}")), moe))
                             .collect::<Result<_>>()?,
-                        match moe.shared_expert_size {
-                            Some(width) => Some((
+                        match (moe.shared_expert_size, moe.style) {
+                            (Some(width), MoeStyle::Glm) => {
+                                Some((dense(mlp.pp("shared_experts"), width)?, None))
+                            }
+                            (Some(width), _) => Some((
                                 dense(mlp.pp("shared_expert"), width)?,
-                                linear(mlp.pp("shared_expert_gate"), d, 1)?,
+                                Some(linear(mlp.pp("shared_expert_gate"), d, 1)?),
                             )),
-                            None => None,
+                            (None, _) => None,
                         },
                         (
                             moe.experts_per_token,

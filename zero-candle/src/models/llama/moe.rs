@@ -46,6 +46,32 @@ pub struct MoeConfig {
     pub aux_loss_coef: Option<f64>,
     /// How the experts are named and weighted.
     pub style: MoeStyle,
+    /// How the router chooses the experts and weighs them.
+    pub routing: MoeRouting,
+}
+
+/// How a mixture's router turns its logits into each token's experts and
+/// their weights.
+#[derive(Clone, Debug, PartialEq)]
+pub enum MoeRouting {
+    /// A softmax over the experts; the `experts_per_token` most probable,
+    /// weighted by their probabilities (Mixtral, Qwen, OLMoE).
+    Softmax,
+    /// GLM-4.5's (DeepSeek-V3's): each expert's score is `sigmoid(logit)`
+    /// in f32. A token chooses by `score + bias` (the
+    /// checkpoint's `e_score_correction_bias`, which steers the choice
+    /// only and is not trained): among the experts of the `top_groups` of
+    /// `groups` equal groups whose two best sum highest, the
+    /// `experts_per_token` best. Their weights are their scores (divided
+    /// by their sum when normalized) times `scale`.
+    Sigmoid {
+        /// `n_group`.
+        groups: usize,
+        /// `topk_group`.
+        top_groups: usize,
+        /// `routed_scaling_factor`.
+        scale: f64,
+    },
 }
 
 /// The two layouts of a mixture of experts in hub checkpoints.
@@ -59,6 +85,13 @@ pub enum MoeStyle {
     /// `mlp.experts.{e}.{gate,up,down}_proj`; the probabilities rounded to
     /// the model's dtype first.
     Qwen,
+    /// GLM-4.5's: Qwen's names, beside the router (`mlp.gate.weight`) the
+    /// buffer `mlp.gate.e_score_correction_bias`, and shared experts without
+    /// a gate (`mlp.shared_experts.{gate,up,down}_proj`); the outputs scaled
+    /// in f32. The router's weight is in the model's dtype, as every
+    /// variable is (`transformers` keeps it in f32 in a 16-bit model: there
+    /// its logits, here rounded to 16 bits before the sigmoid).
+    Glm,
 }
 
 impl MoeConfig {
@@ -85,6 +118,39 @@ impl MoeConfig {
                 self.layers.len()
             ));
         }
+        if let MoeRouting::Sigmoid {
+            groups,
+            top_groups,
+            scale,
+        } = self.routing
+        {
+            crate::models::check_positive(&[("n_group", groups), ("topk_group", top_groups)])?;
+            if self.num_experts % groups != 0 || self.num_experts / groups < 2 {
+                return Err(format!(
+                    "{} experts in `n_group` {groups} groups: each group needs the same number of \
+                     experts, at least 2 (a group is ranked by its two best)",
+                    self.num_experts
+                ));
+            }
+            if top_groups > groups {
+                return Err(format!(
+                    "`topk_group` {top_groups} is more than the {groups} groups"
+                ));
+            }
+            if self.experts_per_token > top_groups * (self.num_experts / groups) {
+                return Err(format!(
+                    "`num_experts_per_tok` {} is more than the {} experts of the `topk_group` \
+                     {top_groups} chosen groups",
+                    self.experts_per_token,
+                    top_groups * (self.num_experts / groups)
+                ));
+            }
+            if !scale.is_finite() {
+                return Err(format!(
+                    "`routed_scaling_factor` is {scale}; set a finite number"
+                ));
+            }
+        }
         match self.aux_loss_coef {
             Some(c) if !c.is_finite() => Err(format!(
                 "`router_aux_loss_coef` is {c}; set a finite number"
@@ -95,9 +161,11 @@ impl MoeConfig {
 
     /// The parameters of one mixture layer in a model `hidden` wide.
     pub fn num_params(&self, hidden: usize) -> usize {
+        // Qwen2-MoE's shared expert has a gate, GLM-4.5's do not.
+        let gate = usize::from(self.style == MoeStyle::Qwen);
         let shared = self
             .shared_expert_size
-            .map_or(0, |s| 3 * hidden * s + hidden);
+            .map_or(0, |s| 3 * hidden * s + gate * hidden);
         self.num_experts * (hidden + 3 * hidden * self.expert_size) + shared
     }
 }
@@ -122,6 +190,20 @@ pub(super) struct MoeFamily {
     pub(super) sparse_layers: bool,
     pub(super) aux_loss_coef: f64,
 }
+
+/// GLM-4.5's mixture (`glm4_moe`): the sigmoid router, `n_shared_experts`
+/// shared experts of `moe_intermediate_size` as one MLP, the first
+/// `first_k_dense_replace` layers dense; no load-balancing loss.
+pub(super) const GLM4_MOE: MoeFamily = MoeFamily {
+    style: MoeStyle::Glm,
+    num_experts: 128,
+    experts_per_token: 8,
+    expert_size: Some(1408),
+    normalize: Some(true),
+    shared_expert_size: None,
+    sparse_layers: false,
+    aux_loss_coef: 0.0,
+};
 
 /// Qwen2-MoE's mixture, which Qwen3-MoE's and OLMoE's differ from.
 pub(super) const QWEN2_MOE: MoeFamily = MoeFamily {
@@ -151,7 +233,7 @@ pub(super) const OLMOE_MOE: MoeFamily = MoeFamily {
 struct MoeKeys {
     num_hidden_layers: usize,
     intermediate_size: usize,
-    #[serde(default, alias = "num_local_experts")]
+    #[serde(default, alias = "num_local_experts", alias = "n_routed_experts")]
     num_experts: Option<usize>,
     #[serde(default)]
     num_experts_per_tok: Option<usize>,
@@ -169,6 +251,17 @@ struct MoeKeys {
     output_router_logits: bool,
     #[serde(default)]
     router_aux_loss_coef: Option<f64>,
+    /// GLM-4.5's.
+    #[serde(default)]
+    n_shared_experts: Option<usize>,
+    #[serde(default)]
+    routed_scaling_factor: Option<f64>,
+    #[serde(default)]
+    n_group: Option<usize>,
+    #[serde(default)]
+    topk_group: Option<usize>,
+    #[serde(default)]
+    first_k_dense_replace: Option<usize>,
 }
 
 /// The mixture of experts `config` describes, `family`'s defaults where it
@@ -179,7 +272,13 @@ pub(super) fn moe_of(
 ) -> std::result::Result<MoeConfig, String> {
     let plain = MoeKeys::deserialize(config).map_err(|e| format!("{e}"))?;
     let n = plain.num_hidden_layers;
+    let glm = family.style == MoeStyle::Glm;
     let layers = match family.sparse_layers {
+        // GLM-4.5's first layers are dense.
+        false if glm => {
+            let dense = plain.first_k_dense_replace.unwrap_or(1);
+            (0..n).map(|i| i >= dense).collect()
+        }
         false => vec![true; n],
         true => {
             let only = plain.mlp_only_layers.clone().unwrap_or_default();
@@ -197,27 +296,41 @@ pub(super) fn moe_of(
                 .collect()
         }
     };
+    let expert_size = match family.expert_size {
+        Some(default) => plain.moe_intermediate_size.unwrap_or(default),
+        None => plain.intermediate_size,
+    };
+    // GLM-4.5's shared experts are one MLP as wide as all of them.
+    let shared_expert_size = match glm {
+        true => Some(expert_size * plain.n_shared_experts.unwrap_or(1)).filter(|&s| s > 0),
+        false => family
+            .shared_expert_size
+            .map(|default| plain.shared_expert_intermediate_size.unwrap_or(default)),
+    };
     Ok(MoeConfig {
         num_experts: plain.num_experts.unwrap_or(family.num_experts),
         experts_per_token: plain
             .num_experts_per_tok
             .unwrap_or(family.experts_per_token),
-        expert_size: match family.expert_size {
-            Some(default) => plain.moe_intermediate_size.unwrap_or(default),
-            None => plain.intermediate_size,
-        },
+        expert_size,
         normalize: match family.normalize {
             Some(default) => plain.norm_topk_prob.unwrap_or(default),
             None => true,
         },
-        shared_expert_size: family
-            .shared_expert_size
-            .map(|default| plain.shared_expert_intermediate_size.unwrap_or(default)),
+        shared_expert_size,
         layers,
-        aux_loss_coef: plain
-            .output_router_logits
+        // transformers adds no load-balancing loss to GLM-4.5's.
+        aux_loss_coef: (plain.output_router_logits && !glm)
             .then(|| plain.router_aux_loss_coef.unwrap_or(family.aux_loss_coef)),
         style: family.style,
+        routing: match glm {
+            true => MoeRouting::Sigmoid {
+                groups: plain.n_group.unwrap_or(1),
+                top_groups: plain.topk_group.unwrap_or(1),
+                scale: plain.routed_scaling_factor.unwrap_or(1.0),
+            },
+            false => MoeRouting::Softmax,
+        },
     })
 }
 
