@@ -1,11 +1,13 @@
-//! `bench hf`: a GPT-2, a Llama and a Mixtral read from hub directories, against
+//! `bench hf`: a GPT-2, a Llama, a Mixtral and a GLM-4.5 read from hub directories, against
 //! `transformers` on the same cores. The models are zero-candle's fixtures
 //! `zero-candle/tests/fixtures/gpt2/tiny` (a random `GPT2LMHeadModel`: 2
 //! layers, n_embd 32, 4 heads, vocabulary 384) and `llama/gqa` (a random
 //! `LlamaForCausalLM`: 2 layers, hidden 32, 4 query heads sharing 2
 //! key/value heads, an untied head) and `llama/mixtral` (the same shape
-//! with 4 experts of 48 per MLP, 2 per token, the load-balancing loss on),
-//! opened with [`CausalLm::open_hub`], and a small Qwen3-MoE with random
+//! with 4 experts of 48 per MLP, 2 per token, the load-balancing loss on)
+//! and `llama/glm4moe` (a dense layer, then 8 experts of 16 in 4 groups, 3
+//! per token, beside the shared experts), opened with
+//! [`CausalLm::open_hub`], and a small Qwen3-MoE with random
 //! weights ([`QWEN3_MOE_SMALL`]: 32 experts of 128 per MLP, 4 per token;
 //! `transformers` builds its own of the same shape),
 //! and trained by [`ZeroOptimizer`] on the thread backend (stage 2, AdamW)
@@ -37,10 +39,11 @@ use zero_core::{Communicator, ThreadComm, ThreadGroup};
 /// The fixtures' directory, relative to the repository's root.
 const FIXTURES: &str = "zero-candle/tests/fixtures";
 /// The models measured: their figures' names and where they come from.
-const MODELS: [(&str, Model); 4] = [
+const MODELS: [(&str, Model); 5] = [
     ("tiny_gpt2", Model::Fixture("gpt2/tiny")),
     ("tiny_llama", Model::Fixture("llama/gqa")),
     ("tiny_mixtral", Model::Fixture("llama/mixtral")),
+    ("tiny_glm4moe", Model::Fixture("llama/glm4moe")),
     ("qwen3moe_small", Model::Qwen3MoeSmall),
 ];
 
@@ -179,7 +182,7 @@ fn peer_args(model: HfModel, threads: usize) -> HfPeerArgs {
 }
 
 /// Adds, per model (`tiny_gpt2`, `tiny_llama`, `tiny_mixtral`,
-/// `qwen3moe_small`), `hf.<model>_tokens_per_s` (world size 1), its value
+/// `tiny_glm4moe`, `qwen3moe_small`), `hf.<model>_tokens_per_s` (world size 1), its value
 /// at N=2 (`_n2_`), transformers' as `hf.<model>_transformers_tokens_per_s`
 /// and the ratio of the first over it, `hf.<model>_over_transformers`.
 pub fn run(report: &mut Report) {
