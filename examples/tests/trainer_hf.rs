@@ -169,6 +169,7 @@ fn a_bf16_fine_tune_trains_and_saves_in_the_checkpoints_dtype() {
         ("llama/mixtral", 2),
         ("llama/qwen2moe", 2),
         ("llama/glm4moe", 3),
+        ("llama/minimaxm2", 2),
     ] {
         let dir = tempfile::tempdir().unwrap();
         let out = dir.path().join("out");

@@ -59,8 +59,9 @@ fn logits_loss_and_gradients_equal_transformers() {
         ("qwen3moe", 69),
         ("olmoe", 45),
         ("flexolmo", 45),
-        // Its routing bias is a buffer of the file, not a variable.
+        // Their routing biases are buffers of the file, not variables.
         ("glm4moe", 56),
+        ("minimaxm2", 45),
     ];
     for (fixture, variables) in cases {
         let (config, map) = Llama::open_hub(fixtures().join(fixture)).unwrap();
@@ -75,7 +76,7 @@ fn logits_loss_and_gradients_equal_transformers() {
             fixture,
             "qwen3" | "qwen3moe" | "gemma3" | "gemma3mm" | "glm4moe"
         );
-        let whole = fixture.starts_with("olmo") || fixture == "flexolmo";
+        let whole = fixture.starts_with("olmo") || matches!(fixture, "flexolmo" | "minimaxm2");
         assert_eq!(config.qk_norm.is_some(), per_head || whole);
         assert_eq!(config.fused_projections, fixture.starts_with("phi3"));
         let model = Llama::new(map.builder(DType::F32, &Device::Cpu), &config, None).unwrap();
@@ -127,6 +128,7 @@ fn loading_then_saving_reproduces_the_checkpoint_tensor_for_tensor() {
         "mixtral",
         "qwen2moe",
         "glm4moe",
+        "minimaxm2",
     ] {
         let dir = fixtures().join(fixture);
         for (stage, world) in [(Stage::Ddp, 1), (Stage::Parameters, 2)] {
@@ -177,8 +179,9 @@ fn one_sgd_step_equals_torch_at_stage_0_and_at_stage_3_on_two_ranks() {
         ("qwen3moe", Stage::Parameters, 1, 69),
         ("olmoe", Stage::Parameters, 2, 45),
         ("flexolmo", Stage::Parameters, 2, 45),
-        // The routing bias saved back as it was read.
+        // The routing biases saved back as they were read.
         ("glm4moe", Stage::Parameters, 2, 57),
+        ("minimaxm2", Stage::Parameters, 1, 47),
     ] {
         let out = tempfile::tempdir().unwrap();
         Run::new(stage, world, 1).train(&fixtures().join(fixture), &ids, out.path());
@@ -1129,6 +1132,42 @@ fn moe_configs_read_as_transformers_reads_them() {
             + 3 * d * 32
             - 3 * d * inner
     );
+
+    // MiniMax-M2: Mixtral's mixture with the sigmoid router, neither grouped
+    // nor scaled; its released files' `rotary_dim` in place of a factor.
+    let minimax = LlamaConfig::from_json(&config_of("minimaxm2")).unwrap();
+    assert_eq!(
+        minimax.qk_norm,
+        Some(zero_candle::models::QkNorm::Projection)
+    );
+    assert_eq!((minimax.head_dim, minimax.rotary_dim), (16, 8));
+    let minimax_moe = minimax.moe.unwrap();
+    assert_eq!(
+        (
+            minimax_moe.style,
+            minimax_moe.normalize,
+            minimax_moe.aux_loss_coef
+        ),
+        (MoeStyle::MiniMax, true, Some(0.5))
+    );
+    assert_eq!(
+        minimax_moe.routing,
+        MoeRouting::Sigmoid {
+            groups: 1,
+            top_groups: 1,
+            scale: 1.0
+        }
+    );
+    let mut legacy = config_of("minimaxm2");
+    legacy.as_object_mut().unwrap().remove("rope_parameters");
+    legacy["rope_theta"] = 5e6.into();
+    legacy["rotary_dim"] = 4.into();
+    let legacy = LlamaConfig::from_json(&legacy).unwrap();
+    assert_eq!(
+        legacy.rotary_dim, 4,
+        "rotary_dim read where no factor is given"
+    );
+    assert_eq!(legacy.rope, minimax.rope);
 
     let mut jitter = config_of("mixtral");
     jitter["router_jitter_noise"] = 0.1.into();

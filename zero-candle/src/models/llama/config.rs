@@ -1,7 +1,9 @@
 //! [`LlamaConfig`]: a Llama-family `config.json` read as `transformers`
 //! reads it, each family's differences from Llama in one table.
 
-use super::moe::{moe_of, MoeConfig, MoeFamily, MoeStyle, GLM4_MOE, OLMOE_MOE, QWEN2_MOE};
+use super::moe::{
+    moe_of, MoeConfig, MoeFamily, MoeStyle, GLM4_MOE, MINIMAX_M2_MOE, OLMOE_MOE, QWEN2_MOE,
+};
 use crate::hub::HubDir;
 use crate::models::rope::{Rope, RopeDialect};
 use crate::nn::Activation;
@@ -371,7 +373,7 @@ const OLMO2: Family = Family {
 };
 
 /// The families read as Llama.
-const FAMILIES: [Family; 18] = [
+const FAMILIES: [Family; 19] = [
     LLAMA,
     Family {
         model_type: "mistral",
@@ -525,6 +527,18 @@ const FAMILIES: [Family; 18] = [
         moe: Some(GLM4_MOE),
         ..LLAMA
     },
+    Family {
+        model_type: "minimax_m2",
+        architectures: ["MiniMaxM2ForCausalLM", "MiniMaxM2Model"],
+        qk_norm: Some(QkNorm::Projection),
+        rope: RopeDialect {
+            longrope_names: false,
+            partial: Some(1.0),
+        },
+        default_theta: 5_000_000.0,
+        moe: Some(MINIMAX_M2_MOE),
+        ..LLAMA
+    },
 ];
 
 /// Whether `model_type` `kind` is read as Llama.
@@ -536,14 +550,15 @@ pub(crate) fn reads(kind: &str) -> bool {
 pub(crate) const LLAMA_TYPES: &str =
     "\"llama\", \"mistral\", \"qwen2\", \"qwen3\", \"phi3\", \"gemma\", \"gemma2\", \
      \"gemma3_text\", \"gemma3\" (its text model), \"smollm3\", \"granite\", \"olmo2\", \"olmo3\", \
-     \"mixtral\", \"qwen2_moe\", \"qwen3_moe\", \"olmoe\", \"flex_olmo\" and \"glm4_moe\"";
+     \"mixtral\", \"qwen2_moe\", \"qwen3_moe\", \"olmoe\", \"flex_olmo\", \"glm4_moe\" and \
+     \"minimax_m2\"";
 
 impl LlamaConfig {
     /// Reads a hub `config.json` of a Llama, Mistral, Qwen2, Qwen3, Phi-3,
     /// Gemma, Gemma 2, Gemma 3 (text, or the text model of one with
     /// vision), SmolLM3, Granite, OLMo 2, OLMo 3, Mixtral, Qwen2-MoE,
-    /// Qwen3-MoE, OLMoE, FlexOlmo or GLM-4.5 (`glm4_moe`) model (by
-    /// `model_type`; Llama without
+    /// Qwen3-MoE, OLMoE, FlexOlmo, GLM-4.5 (`glm4_moe`) or MiniMax-M2 model
+    /// (by `model_type`; Llama without
     /// one): an error names the key whose value this model
     /// cannot honour (another architecture, MLP biases, another
     /// activation, a rotary scaling it does not implement, bidirectional
@@ -611,7 +626,13 @@ impl LlamaConfig {
             None => 0,
         };
         let rotary_dim = match family.rope.partial {
+            // MiniMax-M2's released files give `rotary_dim` instead of a
+            // factor (read as transformers reads it: the factor wins).
             Some(missing) => {
+                let missing = match config.get("rotary_dim").and_then(|v| v.as_f64()) {
+                    Some(width) if head_dim > 0 => width / head_dim as f64,
+                    _ => missing,
+                };
                 (head_dim as f64 * crate::models::rope::partial_rotary_factor(config, missing)?)
                     as usize
             }

@@ -66,6 +66,8 @@ pub(super) enum Routing {
         groups: usize,
         top_groups: usize,
         scale: f64,
+        /// Added to the chosen scores' sum before it divides them.
+        epsilon: f64,
     },
 }
 
@@ -210,6 +212,7 @@ impl Experts {
                 groups,
                 top_groups,
                 scale,
+                epsilon,
             } => {
                 let logits = self.router.forward(h)?;
                 let scores = candle_nn::ops::sigmoid(&logits.to_dtype(DType::F32)?)?;
@@ -222,7 +225,14 @@ impl Experts {
                 let index = Tensor::new(chosen.clone(), h.device())?;
                 let weights = scores.gather(&index, 1)?;
                 let weights = match self.normalize {
-                    true => weights.broadcast_div(&(weights.sum_keepdim(1)? + 1e-20)?)?,
+                    true => {
+                        let sum = weights.sum_keepdim(1)?;
+                        let sum = match *epsilon == 0.0 {
+                            true => sum,
+                            false => (sum + *epsilon)?,
+                        };
+                        weights.broadcast_div(&sum)?
+                    }
                     false => weights,
                 };
                 let weights = match *scale == 1.0 {

@@ -354,21 +354,20 @@ impl Block {
     }
 }
 
-/// Where a block's mixture sits: Mixtral's `block_sparse_moe`, the others'
-/// `mlp`.
-fn moe_prefix(moe: &MoeConfig) -> &'static str {
-    match moe.style {
-        MoeStyle::Mixtral => "block_sparse_moe",
-        MoeStyle::Qwen | MoeStyle::Glm => "mlp",
-    }
-}
-
 /// The f32 values of the buffer `name` of `width` under `vb` (a tensor of
 /// the checkpoint the model reads but does not train: see
 /// [`ShardedVarMap`]'s `get_unchecked`), zeros where the source holds none
-/// (a fresh model, as `transformers` initializes one).
-fn buffer(vb: &VarBuilder, name: &str, width: usize) -> Result<Vec<f32>> {
+/// (a fresh model, as `transformers` initializes one). A checkpoint that
+/// holds `beside` (a variable next to the buffer) but not the buffer gets
+/// zeros with a warning, as `transformers` initializes a missing one.
+fn buffer(vb: &VarBuilder, (name, beside): (&str, &str), width: usize) -> Result<Vec<f32>> {
     if !vb.contains_tensor(name) {
+        if vb.contains_tensor(beside) {
+            tracing::warn!(
+                "{}.{name} is not in the checkpoint: zeros, as transformers initializes it",
+                vb.prefix()
+            );
+        }
         return Ok(vec![0.0; width]);
     }
     let values = vb.get_unchecked_dtype(name, DType::F32)?;
@@ -479,9 +478,9 @@ impl Llama {
         };
         // One expert of a mixture, under its style's names.
         let expert = |vb: VarBuilder, moe: &MoeConfig| -> Result<Mlp> {
-            match moe.style {
-                MoeStyle::Qwen | MoeStyle::Glm => dense(vb, moe.expert_size),
-                MoeStyle::Mixtral => Ok(Mlp {
+            match moe.style.w_names() {
+                false => dense(vb, moe.expert_size),
+                true => Ok(Mlp {
                     gate_up: Projections::Separate([
                         linear(vb.pp("w1"), d, moe.expert_size)?,
                         linear(vb.pp("w3"), d, moe.expert_size)?,
@@ -495,19 +494,26 @@ impl Llama {
         // buffer of the checkpoint, zero in a fresh model as in
         // transformers).
         let router = |vb: VarBuilder, moe: &MoeConfig| -> Result<(Linear, Routing)> {
+            let gate = linear(vb.pp("gate"), d, moe.num_experts)?;
             match moe.routing {
-                MoeRouting::Softmax => Ok((linear(vb, d, moe.num_experts)?, Routing::Softmax)),
+                MoeRouting::Softmax => Ok((gate, Routing::Softmax)),
                 MoeRouting::Sigmoid {
                     groups,
                     top_groups,
                     scale,
                 } => Ok((
-                    linear(vb.clone(), d, moe.num_experts)?,
+                    gate,
                     Routing::Sigmoid {
-                        bias: buffer(&vb, "e_score_correction_bias", moe.num_experts)?,
+                        bias: buffer(&vb, (moe.style.bias_name(), "gate.weight"), moe.num_experts)?,
                         groups,
                         top_groups,
                         scale,
+                        // transformers divides GLM-4.5's sums plus 1e-20.
+                        epsilon: if moe.style == MoeStyle::Glm {
+                            1e-20
+                        } else {
+                            0.0
+                        },
                     },
                 )),
             }
@@ -556,9 +562,11 @@ impl Llama {
                 },
                 mlp: match &config.moe {
                     Some(moe) if moe.layers[i] => FeedForward::Experts(Box::new(Experts::new(
-                        router(vb.pp(moe_prefix(moe)).pp("gate"), moe)?,
+                        router(vb.pp(moe.style.prefix()), moe)?,
                         (0..moe.num_experts)
-                            .map(|e| expert(vb.pp(moe_prefix(moe)).pp(format!("experts.{e}")), moe))
+                            .map(|e| {
+                                expert(vb.pp(moe.style.prefix()).pp(format!("experts.{e}")), moe)
+                            })
                             .collect::<Result<_>>()?,
                         match (moe.shared_expert_size, moe.style) {
                             (Some(width), MoeStyle::Glm) => {

@@ -92,6 +92,33 @@ pub enum MoeStyle {
     /// variable is (`transformers` keeps it in f32 in a 16-bit model: there
     /// its logits, here rounded to 16 bits before the sigmoid).
     Glm,
+    /// MiniMax-M2's: Mixtral's names and f32 scaling, the sigmoid router's
+    /// bias beside it (`block_sparse_moe.e_score_correction_bias`).
+    MiniMax,
+}
+
+impl MoeStyle {
+    /// Where a block's mixture sits: Mixtral's and MiniMax-M2's
+    /// `block_sparse_moe`, the others' `mlp`.
+    pub(super) fn prefix(self) -> &'static str {
+        match self {
+            Self::Mixtral | Self::MiniMax => "block_sparse_moe",
+            Self::Qwen | Self::Glm => "mlp",
+        }
+    }
+
+    /// The routing bias's name under the mixture's prefix.
+    pub(super) fn bias_name(self) -> &'static str {
+        match self {
+            Self::MiniMax => "e_score_correction_bias",
+            _ => "gate.e_score_correction_bias",
+        }
+    }
+
+    /// The experts' weights are named `w1`, `w3` and `w2` (Mixtral's).
+    pub(super) fn w_names(self) -> bool {
+        matches!(self, Self::Mixtral | Self::MiniMax)
+    }
 }
 
 impl MoeConfig {
@@ -228,6 +255,19 @@ pub(super) const OLMOE_MOE: MoeFamily = MoeFamily {
     ..QWEN2_MOE
 };
 
+/// MiniMax-M2's mixture: Mixtral's with the sigmoid router (its choices
+/// always normalized, neither grouped nor scaled).
+pub(super) const MINIMAX_M2_MOE: MoeFamily = MoeFamily {
+    style: MoeStyle::MiniMax,
+    num_experts: 256,
+    experts_per_token: 8,
+    expert_size: None,
+    normalize: None,
+    shared_expert_size: None,
+    sparse_layers: false,
+    aux_loss_coef: 0.001,
+};
+
 /// The keys of `config.json` that describe a mixture, read as they are.
 #[derive(Deserialize)]
 struct MoeKeys {
@@ -323,7 +363,7 @@ pub(super) fn moe_of(
         aux_loss_coef: (plain.output_router_logits && !glm)
             .then(|| plain.router_aux_loss_coef.unwrap_or(family.aux_loss_coef)),
         style: family.style,
-        routing: match glm {
+        routing: match glm || family.style == MoeStyle::MiniMax {
             true => MoeRouting::Sigmoid {
                 groups: plain.n_group.unwrap_or(1),
                 top_groups: plain.topk_group.unwrap_or(1),
