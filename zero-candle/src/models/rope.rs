@@ -105,7 +105,7 @@ pub(crate) struct RopeDialect {
     pub(crate) longrope_names: bool,
     /// `partial_rotary_factor` is read (by [`partial_rotary_factor`]), this
     /// where the file leaves it out: the first part of each head rotates
-    /// (Phi-3, GLM-4.5); `None`: whole heads only.
+    /// (Phi-3, GLM-4.5, MiniMax-M2); `None`: whole heads only.
     pub(crate) partial: Option<f64>,
 }
 
@@ -150,7 +150,7 @@ impl Rope {
         {
             return Err(format!(
                 "`partial_rotary_factor` is {partial}; rotary embeddings over whole heads only \
-                 (Phi-3's and GLM-4.5's rotate part of each head)"
+                 (Phi-3's, GLM-4.5's and MiniMax-M2's rotate part of each head)"
             ));
         }
         let theta = number("rope_theta")?.unwrap_or(default_theta);
@@ -353,7 +353,7 @@ impl Llama3Scaling {
 
 /// The `partial_rotary_factor` of `config` (in `rope_parameters`,
 /// `rope_scaling` or at the top), `missing` when absent: the fraction of
-/// each head that rotates (Phi-3's and GLM-4.5's families; others refuse it
+/// each head that rotates (Phi-3's, GLM-4.5's and MiniMax-M2's; others refuse it
 /// when reading their [`Rope`]).
 pub(crate) fn partial_rotary_factor(
     config: &serde_json::Value,

@@ -310,7 +310,8 @@ struct Family {
     /// Phi-3's `qkv_proj` and `gate_up_proj`.
     fused: bool,
     /// How the rotary settings are read beyond Llama's: Phi-3's "su" and
-    /// "yarn" meaning longrope, part of each head rotating (Phi-3, GLM-4.5).
+    /// "yarn" meaning longrope, part of each head rotating (Phi-3, GLM-4.5,
+    /// MiniMax-M2).
     rope: RopeDialect,
     windows: Windows,
     /// Gemma's differences, where it is one.

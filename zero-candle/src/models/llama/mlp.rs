@@ -1,5 +1,5 @@
 //! A block's MLP: one gated MLP, or a sparse mixture of them (Mixtral,
-//! Qwen2-MoE, Qwen3-MoE, OLMoE, GLM-4.5).
+//! Qwen2-MoE, Qwen3-MoE, OLMoE, GLM-4.5, MiniMax-M2).
 
 use super::Projections;
 use crate::nn::{ops, Activation, ExpertMlps, Linear, OnDevice};
@@ -58,8 +58,8 @@ impl FeedForward {
 pub(super) enum Routing {
     /// A softmax over the experts, the most probable chosen.
     Softmax,
-    /// GLM-4.5's sigmoid scores (in f32), chosen by score plus `bias`
-    /// within the best groups.
+    /// GLM-4.5's and MiniMax-M2's sigmoid scores (in f32), chosen by score
+    /// plus `bias` within the best groups.
     Sigmoid {
         /// `e_score_correction_bias`, one per expert.
         bias: Vec<f32>,
@@ -79,7 +79,7 @@ pub(super) struct Experts {
     pub(super) routing: Routing,
     pub(super) experts: Vec<Mlp>,
     /// A shared expert that every token goes through, with Qwen2-MoE's gate
-    /// (`[1, hidden]`) on its output, or none (GLM-4.5's).
+    /// (`[1, hidden]`) on its output, or without one (GLM-4.5's).
     pub(super) shared: Option<(Mlp, Option<Linear>)>,
     pub(super) top_k: usize,
     pub(super) normalize: bool,

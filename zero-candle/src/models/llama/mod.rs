@@ -23,7 +23,10 @@
 //! whole projections (OLMo 3: windows in three layers of four). And the
 //! mixtures of experts in place of the MLP ([`MoeConfig`]): Mixtral
 //! (`MixtralForCausalLM`), Qwen2-MoE (with a shared expert), Qwen3-MoE,
-//! OLMoE and FlexOlmo (OLMo 2's norms).
+//! OLMoE, FlexOlmo (OLMo 2's norms), GLM-4.5 (`Glm4MoeForCausalLM`: a
+//! sigmoid router steered by a bias, shared experts, dense first layers)
+//! and MiniMax-M2 (`MiniMaxM2ForCausalLM`: that router on Mixtral's
+//! mixture).
 //!
 //! The variables carry the hub's names (`model.embed_tokens.weight`,
 //! `model.layers.{i}.self_attn.q_proj.weight`, ..., `model.norm.weight`,
@@ -490,9 +493,8 @@ impl Llama {
                 }),
             }
         };
-        // A mixture's router, with GLM-4.5's bias that steers its choice (a
-        // buffer of the checkpoint, zero in a fresh model as in
-        // transformers).
+        // A mixture's router; the sigmoid one's bias that steers its choice
+        // (GLM-4.5's, MiniMax-M2's) is a buffer of the checkpoint.
         let router = |vb: VarBuilder, moe: &MoeConfig| -> Result<(Linear, Routing)> {
             let gate = linear(vb.pp("gate"), d, moe.num_experts)?;
             match moe.routing {
