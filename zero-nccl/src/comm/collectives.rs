@@ -174,7 +174,7 @@ impl NcclComm {
     /// `collective` reads and writes for `count`: `count` elements each in
     /// place, `world_size * count` in reduce-scatter's source and
     /// all-gather's destination, and `count` in the other side of those two.
-    unsafe fn collective_event<T: Element>(
+    unsafe fn collective_event_after<T: Element>(
         &self,
         after: After,
         collective: Collective,
@@ -209,6 +209,26 @@ impl NcclComm {
             .map(drop)
             .map_err(|e| Error::nccl(call, e))
         })
+    }
+
+    /// [`collective_event_after`](Self::collective_event_after) the compute
+    /// stream's work so far.
+    ///
+    /// # Safety
+    ///
+    /// As for `collective_event_after`.
+    unsafe fn collective_event<T: Element>(
+        &self,
+        collective: Collective,
+        src: u64,
+        dst: u64,
+        count: usize,
+        bytes: u64,
+    ) -> Result<CudaEvent> {
+        // SAFETY: the caller's contract is the callee's.
+        unsafe {
+            self.collective_event_after::<T>(After::Compute, collective, src, dst, count, bytes)
+        }
     }
 
     /// Fails unless the gathered side of a reduce-scatter or all-gather
@@ -246,7 +266,14 @@ impl NcclComm {
         // `T`; the buffer stays borrowed until the returned event's Work is
         // waited.
         unsafe {
-            self.collective_event::<T>(after, Collective::AllReduce(op), ptr, ptr, count, bytes)
+            self.collective_event_after::<T>(
+                after,
+                Collective::AllReduce(op),
+                ptr,
+                ptr,
+                count,
+                bytes,
+            )
         }
     }
 
@@ -263,16 +290,7 @@ impl NcclComm {
         let (dst, _record_dst) = recv.device_ptr_mut(&self.comm_stream);
         // SAFETY: `send` holds world_size * count and `recv` count elements
         // of `T` (checked above); both are live device buffers.
-        unsafe {
-            self.collective_event::<T>(
-                After::Compute,
-                Collective::ReduceScatter(op),
-                src,
-                dst,
-                count,
-                bytes,
-            )
-        }
+        unsafe { self.collective_event::<T>(Collective::ReduceScatter(op), src, dst, count, bytes) }
     }
 
     pub(super) fn all_gather_event_raw<T: Element>(
@@ -287,16 +305,7 @@ impl NcclComm {
         let (dst, _record_dst) = recv.device_ptr_mut(&self.comm_stream);
         // SAFETY: `send` holds count and `recv` world_size * count elements
         // of `T` (checked above); both are live device buffers.
-        unsafe {
-            self.collective_event::<T>(
-                After::Compute,
-                Collective::AllGather,
-                src,
-                dst,
-                count,
-                bytes,
-            )
-        }
+        unsafe { self.collective_event::<T>(Collective::AllGather, src, dst, count, bytes) }
     }
 
     /// [`DeviceComm::all_gather_in_place_event`](crate::DeviceComm::all_gather_in_place_event).
@@ -311,16 +320,7 @@ impl NcclComm {
         // SAFETY: `buf` is a live device buffer of world_size * count
         // elements of `T` (checked above), and `src` its slot `rank`: NCCL's
         // in-place all-gather.
-        unsafe {
-            self.collective_event::<T>(
-                After::Compute,
-                Collective::AllGather,
-                src,
-                dst,
-                count,
-                bytes,
-            )
-        }
+        unsafe { self.collective_event::<T>(Collective::AllGather, src, dst, count, bytes) }
     }
 
     /// [`DeviceComm::all_gather_buckets_event`](crate::DeviceComm::all_gather_buckets_event)
@@ -386,14 +386,7 @@ impl NcclComm {
         let (ptr, _record) = buf.device_ptr_mut(&self.comm_stream);
         // SAFETY: in place over `count` elements of a live device buffer.
         unsafe {
-            self.collective_event::<T>(
-                After::Compute,
-                Collective::Broadcast { root },
-                ptr,
-                ptr,
-                count,
-                bytes,
-            )
+            self.collective_event::<T>(Collective::Broadcast { root }, ptr, ptr, count, bytes)
         }
     }
 
