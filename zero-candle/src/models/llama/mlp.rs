@@ -61,8 +61,9 @@ pub(super) enum Routing {
     /// GLM-4.5's and MiniMax-M2's sigmoid scores (in f32), chosen by score
     /// plus `bias` within the best groups.
     Sigmoid {
-        /// `e_score_correction_bias`, one per expert.
-        bias: Vec<f32>,
+        /// `e_score_correction_bias`, f32 `[num_experts]` on the model's
+        /// device.
+        bias: Tensor,
         groups: usize,
         top_groups: usize,
         scale: f64,
@@ -216,12 +217,17 @@ impl Experts {
             } => {
                 let logits = self.router.forward(h)?;
                 let scores = candle_nn::ops::sigmoid(&logits.to_dtype(DType::F32)?)?;
-                let chosen = grouped_top_k(
-                    &scores.to_vec2::<f32>()?,
-                    bias,
-                    (*groups, *top_groups),
-                    self.top_k,
-                );
+                // The choice only: no gradient flows through it.
+                let choice = scores.detach().broadcast_add(bias)?;
+                let chosen = match *top_groups < *groups {
+                    // DeepSeek-V3's groups, on the host.
+                    true => grouped_top_k(
+                        &choice.to_vec2::<f32>()?,
+                        (*groups, *top_groups),
+                        self.top_k,
+                    ),
+                    false => top_k(&choice, self.top_k)?.to_vec2::<u32>()?,
+                };
                 let index = Tensor::new(chosen.clone(), h.device())?;
                 let weights = scores.gather(&index, 1)?;
                 let weights = match self.normalize {
@@ -246,26 +252,25 @@ impl Experts {
     }
 }
 
-/// GLM-4.5's choice ([`super::MoeRouting::Sigmoid`]) for each row of
-/// `scores` `[tokens, experts]`: the `k` experts of highest `score + bias`
-/// among the `top_groups` of `groups` equal groups whose two highest
-/// `score + bias` sum highest, highest first (ties to the lower index).
+/// The grouped choice of [`super::MoeRouting::Sigmoid`] for each row of
+/// `choice` `[tokens, experts]` (score plus bias): the `k` experts of
+/// highest value among the `top_groups` of `groups` equal groups whose two
+/// highest values sum highest, highest first (ties to the lower index).
 fn grouped_top_k(
-    scores: &[Vec<f32>],
-    bias: &[f32],
+    choice: &[Vec<f32>],
     (groups, top_groups): (usize, usize),
     k: usize,
 ) -> Vec<Vec<u32>> {
-    let experts = bias.len();
-    let per_group = experts / groups.max(1);
+    use rayon::prelude::*;
     // Indices by descending value (ties to the lower index).
     let ranked = |values: &[f32], among: &mut Vec<usize>| {
         among.sort_by(|&a, &b| values[b].total_cmp(&values[a]).then(a.cmp(&b)));
     };
-    scores
-        .iter()
-        .map(|row| {
-            let choice: Vec<f32> = row.iter().zip(bias).map(|(s, b)| s + b).collect();
+    choice
+        .par_iter()
+        .map(|choice| {
+            let experts = choice.len();
+            let per_group = experts / groups.max(1);
             let mut among: Vec<usize> = (0..experts).collect();
             if top_groups < groups {
                 let group_scores: Vec<f32> = choice
@@ -281,7 +286,7 @@ fn grouped_top_k(
                 chosen_groups.truncate(top_groups);
                 among.retain(|e| chosen_groups.contains(&(e / per_group)));
             }
-            ranked(&choice, &mut among);
+            ranked(choice, &mut among);
             among.iter().take(k).map(|&e| e as u32).collect()
         })
         .collect()
@@ -528,31 +533,24 @@ mod tests {
     }
 
     #[test]
-    fn grouped_top_k_chooses_by_score_plus_bias_within_the_best_groups() {
-        let scores = vec![vec![0.9f32, 0.1, 0.5, 0.6, 0.2, 0.3]];
-        let no_bias = [0.0; 6];
-        // One group: the best three by score.
-        assert_eq!(
-            grouped_top_k(&scores, &no_bias, (1, 1), 3),
-            vec![vec![0, 3, 2]]
-        );
+    fn grouped_top_k_chooses_within_the_best_groups() {
+        let choice = vec![
+            vec![0.9f32, 0.1, 0.5, 0.6, 0.2, 0.3],
+            vec![0.9f32, 0.1, 0.5, 0.6, 1.2, 0.3],
+        ];
+        // One group: the best three.
+        assert_eq!(grouped_top_k(&choice[..1], (1, 1), 3), vec![vec![0, 3, 2]]);
         // Three groups of two, ranked by their two best (1.0, 1.1, 0.5):
         // the best two groups' experts only.
+        assert_eq!(grouped_top_k(&choice[..1], (3, 2), 3), vec![vec![0, 3, 2]]);
         assert_eq!(
-            grouped_top_k(&scores, &no_bias, (3, 2), 3),
-            vec![vec![0, 3, 2]]
+            grouped_top_k(&choice, (3, 1), 2),
+            vec![vec![3, 2], vec![4, 5]],
+            "group 1 (0.5 + 0.6) beats group 0 (0.9 + 0.1); then group 2 (1.2 + 0.3)"
         );
-        assert_eq!(
-            grouped_top_k(&scores, &no_bias, (3, 1), 2),
-            vec![vec![3, 2]],
-            "group 1 (0.5 + 0.6) beats group 0 (0.9 + 0.1)"
-        );
-        // The bias moves the choice (and the groups' ranks), not the scores.
-        let bias = [0.0, 0.0, 0.0, 0.0, 1.0, 0.0];
-        assert_eq!(grouped_top_k(&scores, &bias, (3, 1), 2), vec![vec![4, 5]]);
         // Ties go to the lower index.
         assert_eq!(
-            grouped_top_k(&[vec![0.5f32; 4]], &[0.0; 4], (2, 1), 2),
+            grouped_top_k(&[vec![0.5f32; 4]], (2, 1), 2),
             vec![vec![0, 1]]
         );
     }

@@ -357,13 +357,13 @@ impl Block {
     }
 }
 
-/// The f32 values of the buffer `name` of `width` under `vb` (a tensor of
+/// The buffer `name` of `width` under `vb`, f32 on its device (a tensor of
 /// the checkpoint the model reads but does not train: see
 /// [`ShardedVarMap`]'s `get_unchecked`), zeros where the source holds none
 /// (a fresh model, as `transformers` initializes one). A checkpoint that
 /// holds `beside` (a variable next to the buffer) but not the buffer gets
 /// zeros with a warning, as `transformers` initializes a missing one.
-fn buffer(vb: &VarBuilder, (name, beside): (&str, &str), width: usize) -> Result<Vec<f32>> {
+fn buffer(vb: &VarBuilder, (name, beside): (&str, &str), width: usize) -> Result<Tensor> {
     if !vb.contains_tensor(name) {
         if vb.contains_tensor(beside) {
             tracing::warn!(
@@ -371,7 +371,7 @@ fn buffer(vb: &VarBuilder, (name, beside): (&str, &str), width: usize) -> Result
                 vb.prefix()
             );
         }
-        return Ok(vec![0.0; width]);
+        return Ok(Tensor::zeros(width, DType::F32, vb.device())?);
     }
     let values = vb.get_unchecked_dtype(name, DType::F32)?;
     if values.dims() != [width] {
@@ -384,7 +384,7 @@ fn buffer(vb: &VarBuilder, (name, beside): (&str, &str), width: usize) -> Result
             ),
         });
     }
-    Ok(values.to_device(&Device::Cpu)?.to_vec1::<f32>()?)
+    Ok(values.to_device(vb.device())?)
 }
 
 /// `y`, or its norm where the model has one (Gemma 2's and 3's output
