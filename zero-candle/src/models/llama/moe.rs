@@ -6,10 +6,10 @@ use crate::hub::HubDir;
 use serde::Deserialize;
 
 /// A sparse mixture of experts: a router (`gate`, no bias) gives each token
-/// a probability per expert, the token goes through the
-/// `experts_per_token` most probable ones (gated MLPs of `expert_size`,
-/// the model's activation), and their outputs are summed, each times its
-/// probability.
+/// a score per expert, the token goes through the `experts_per_token` it
+/// chooses ([`MoeRouting`]: the most probable, or the best scores plus a
+/// bias), gated MLPs of `expert_size` with the model's activation, and
+/// their outputs are summed, each times its weight.
 ///
 /// Every expert runs in every forward, on the tokens routed to it or, when
 /// none are, on one token whose output counts zero: each rank gathers the
@@ -57,8 +57,8 @@ pub enum MoeRouting {
     /// A softmax over the experts; the `experts_per_token` most probable,
     /// weighted by their probabilities (Mixtral, Qwen, OLMoE).
     Softmax,
-    /// GLM-4.5's (DeepSeek-V3's): each expert's score is `sigmoid(logit)`
-    /// in f32. A token chooses by `score + bias` (the
+    /// GLM-4.5's and MiniMax-M2's (DeepSeek-V3's): each expert's score is
+    /// `sigmoid(logit)` in f32. A token chooses by `score + bias` (the
     /// checkpoint's `e_score_correction_bias`, which steers the choice
     /// only and is not trained): among the experts of the `top_groups` of
     /// `groups` equal groups whose two best sum highest, the
@@ -74,7 +74,7 @@ pub enum MoeRouting {
     },
 }
 
-/// The two layouts of a mixture of experts in hub checkpoints.
+/// The layouts of a mixture of experts in hub checkpoints.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum MoeStyle {
     /// Mixtral's: `block_sparse_moe.gate`, `block_sparse_moe.experts.{e}.w1`
@@ -291,7 +291,7 @@ struct MoeKeys {
     output_router_logits: bool,
     #[serde(default)]
     router_aux_loss_coef: Option<f64>,
-    /// GLM-4.5's.
+    /// GLM-4.5's (DeepSeek-V3's).
     #[serde(default)]
     n_shared_experts: Option<usize>,
     #[serde(default)]
