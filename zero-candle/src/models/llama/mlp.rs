@@ -196,58 +196,55 @@ impl Experts {
     /// their weights `[tokens, top_k]` (f32, with the gradient to the
     /// router).
     fn route(&self, h: &Tensor) -> candle_core::Result<(Tensor, Vec<Vec<u32>>, Tensor)> {
-        let (logits, chosen, weights) = match &self.routing {
+        let logits = self.router.forward(h)?;
+        let wide = logits.to_dtype(DType::F32)?;
+        // Each expert's score, and the experts each token chooses: their
+        // indices on the device and on the host.
+        let (scores, index, chosen) = match &self.routing {
             Routing::Softmax => {
-                let logits = self.router.forward(h)?;
-                let probs = candle_nn::ops::softmax(&logits.to_dtype(DType::F32)?, D::Minus1)?;
-                let chosen = top_k(&probs, self.top_k)?;
-                let weights = probs.gather(&chosen, 1)?;
-                let weights = match self.normalize {
-                    true => weights.broadcast_div(&weights.sum_keepdim(1)?)?,
-                    false => weights,
-                };
-                (logits, chosen.to_vec2::<u32>()?, weights)
+                let probs = candle_nn::ops::softmax(&wide, D::Minus1)?;
+                let index = top_k(&probs, self.top_k)?;
+                let chosen = index.to_vec2::<u32>()?;
+                (probs, index, chosen)
             }
             Routing::Sigmoid {
                 bias,
                 groups,
                 top_groups,
-                scale,
-                epsilon,
+                ..
             } => {
-                let logits = self.router.forward(h)?;
-                let scores = candle_nn::ops::sigmoid(&logits.to_dtype(DType::F32)?)?;
+                let scores = candle_nn::ops::sigmoid(&wide)?;
                 // The choice only: no gradient flows through it.
                 let choice = scores.detach().broadcast_add(bias)?;
-                let chosen = match *top_groups < *groups {
+                if top_groups < groups {
                     // DeepSeek-V3's groups, on the host.
-                    true => grouped_top_k(
-                        &choice.to_vec2::<f32>()?,
-                        (*groups, *top_groups),
-                        self.top_k,
-                    ),
-                    false => top_k(&choice, self.top_k)?.to_vec2::<u32>()?,
-                };
-                let index = Tensor::new(chosen.clone(), h.device())?;
-                let weights = scores.gather(&index, 1)?;
-                let weights = match self.normalize {
-                    true => {
-                        let sum = weights.sum_keepdim(1)?;
-                        let sum = match *epsilon == 0.0 {
-                            true => sum,
-                            false => (sum + *epsilon)?,
-                        };
-                        weights.broadcast_div(&sum)?
-                    }
-                    false => weights,
-                };
-                let weights = match *scale == 1.0 {
-                    true => weights,
-                    false => (weights * *scale)?,
-                };
-                (logits, chosen, weights)
+                    let rows = choice.to_vec2::<f32>()?;
+                    let chosen = grouped_top_k(&rows, (*groups, *top_groups), self.top_k);
+                    let index = Tensor::new(chosen.clone(), h.device())?;
+                    (scores, index, chosen)
+                } else {
+                    let index = top_k(&choice, self.top_k)?;
+                    let chosen = index.to_vec2::<u32>()?;
+                    (scores, index, chosen)
+                }
             }
         };
+        let (epsilon, scale) = match &self.routing {
+            Routing::Softmax => (0.0, 1.0),
+            Routing::Sigmoid { epsilon, scale, .. } => (*epsilon, *scale),
+        };
+        let mut weights = scores.gather(&index, 1)?;
+        if self.normalize {
+            let sum = weights.sum_keepdim(1)?;
+            let sum = match epsilon == 0.0 {
+                true => sum,
+                false => (sum + epsilon)?,
+            };
+            weights = weights.broadcast_div(&sum)?;
+        }
+        if scale != 1.0 {
+            weights = (weights * scale)?;
+        }
         Ok((logits, chosen, weights))
     }
 }
