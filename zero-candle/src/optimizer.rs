@@ -3,6 +3,7 @@
 pub(crate) mod weights;
 
 use crate::hook::ZeroHook;
+use crate::hub::Arrangement;
 use crate::init::ShardedVarMap;
 use crate::memory::{CandleMemory, MemoryOf};
 use crate::stage3::holds_values;
@@ -476,7 +477,7 @@ where
                 shape: var.dims().to_vec(),
                 from: Saved::Var {
                     index,
-                    transpose: false,
+                    arrangement: Arrangement::AsIs,
                 },
             });
         }

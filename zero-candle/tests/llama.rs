@@ -3,20 +3,19 @@
 //! key/value heads, one with an untied head and one tied with llama3 RoPE
 //! scaling; a Mistral, a Qwen2, a Qwen3, Phi-3 (also with longrope), Gemma
 //! 1, 2 and 3, a SmolLM3, a Granite, an OLMo 2 and an OLMo 3, and the
-//! mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE and FlexOlmo;
-//! and
-//! the logits, loss, gradients and one SGD step each computes on a fixed
+//! mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo,
+//! GLM-4.5 and MiniMax-M2, and GLM-4 (`glm`, `glm4`); and the logits, loss, gradients and one SGD step each computes on a fixed
 //! batch) are made by `make_fixtures.py` there.
 
 mod hub_support;
 
-use candle_core::{DType, Device};
+use candle_core::{DType, Device, Tensor};
 use hub_support::{
     f32_values, four_windows, hub_tensors, input_ids, relative_error, values, Golden, Run,
 };
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use zero_candle::hub::HubDir;
+use zero_candle::hub::{Arrangement, HubDir};
 use zero_candle::models::{Llama, LlamaConfig, RopeScaling};
 use zero_candle::nn::{GradCollector, GradHook};
 use zero_core::engine::Stage;
@@ -62,6 +61,8 @@ fn logits_loss_and_gradients_equal_transformers() {
         // Their routing biases are buffers of the file, not variables.
         ("glm4moe", 56),
         ("minimaxm2", 45),
+        ("glm", 25),
+        ("glm4", 29),
     ];
     for (fixture, variables) in cases {
         let (config, map) = Llama::open_hub(fixtures().join(fixture)).unwrap();
@@ -78,7 +79,13 @@ fn logits_loss_and_gradients_equal_transformers() {
         );
         let whole = fixture.starts_with("olmo") || matches!(fixture, "flexolmo" | "minimaxm2");
         assert_eq!(config.qk_norm.is_some(), per_head || whole);
-        assert_eq!(config.fused_projections, fixture.starts_with("phi3"));
+        assert_eq!(config.fused_qkv, fixture.starts_with("phi3"));
+        assert_eq!(
+            config.fused_gate_up,
+            fixture.starts_with("phi3") || matches!(fixture, "glm" | "glm4")
+        );
+        assert_eq!(config.rope_interleaved, matches!(fixture, "glm" | "glm4"));
+        let layout = Llama::hub_layout(&config);
         let model = Llama::new(map.builder(DType::F32, &Device::Cpu), &config, None).unwrap();
         map.materialize_all().unwrap();
         let case = fixture;
@@ -106,8 +113,19 @@ fn logits_loss_and_gradients_equal_transformers() {
         assert_eq!(vars.len(), variables, "{case}: one variable per tensor");
         for (name, var) in &vars {
             let grad = grads.get(var.as_tensor()).unwrap();
-            let theirs = values(&golden[&format!("{fixture}.grad.{name}")]);
-            let err = relative_error(&values(grad), &theirs);
+            let theirs = golden[&format!("{fixture}.grad.{name}")].clone();
+            // GLM's queries and keys: the variable's rows in rotate_half's
+            // order, the file's (and transformers') interleaved.
+            let theirs = match layout.arrangement(name) {
+                Arrangement::RowsPermuted(rows) => {
+                    let rows: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
+                    theirs
+                        .index_select(&Tensor::new(rows.as_slice(), &Device::Cpu).unwrap(), 0)
+                        .unwrap()
+                }
+                _ => theirs,
+            };
+            let err = relative_error(&values(grad), &values(&theirs));
             assert!(err < 1e-5, "{case}: gradient of {name} differs by {err:e}");
         }
     }
@@ -129,6 +147,8 @@ fn loading_then_saving_reproduces_the_checkpoint_tensor_for_tensor() {
         "qwen2moe",
         "glm4moe",
         "minimaxm2",
+        "glm",
+        "glm4",
     ] {
         let dir = fixtures().join(fixture);
         for (stage, world) in [(Stage::Ddp, 1), (Stage::Parameters, 2)] {
@@ -182,6 +202,8 @@ fn one_sgd_step_equals_torch_at_stage_0_and_at_stage_3_on_two_ranks() {
         // The routing biases saved back as they were read.
         ("glm4moe", Stage::Parameters, 2, 57),
         ("minimaxm2", Stage::Parameters, 1, 47),
+        ("glm", Stage::Parameters, 2, 25),
+        ("glm4", Stage::Parameters, 2, 29),
     ] {
         let out = tempfile::tempdir().unwrap();
         Run::new(stage, world, 1).train(&fixtures().join(fixture), &ids, out.path());
@@ -268,7 +290,7 @@ fn glm_routing_bias_is_a_buffer_of_the_checkpoint() {
 #[test]
 fn stage_3_on_four_ranks_equals_stage_0_on_one() {
     // OLMoE and GLM-4.5: mixtures whose ranks route different tokens.
-    for fixture in ["gqa", "olmoe", "glm4moe"] {
+    for fixture in ["gqa", "olmoe", "glm4moe", "glm4"] {
         four_ranks_train_what_one_does(fixture);
     }
 }
@@ -878,6 +900,64 @@ fn longrope_switches_factors_past_the_original_context() {
     partial["rope_parameters"]["partial_rotary_factor"] = 1.5.into();
     let err = LlamaConfig::from_json(&partial).unwrap_err();
     assert!(err.contains("partial_rotary_factor"), "{err}");
+}
+
+/// GLM-4's configs read as `transformers` reads them, and the query and
+/// key rows the layout reorders (the goldens check them in use).
+#[test]
+fn glm_configs_read_as_transformers_reads_them() {
+    use zero_candle::models::NormNames;
+    let glm = LlamaConfig::from_json(&config_of("glm")).unwrap();
+    assert!(glm.qkv_bias && !glm.o_bias && glm.fused_gate_up && !glm.fused_qkv);
+    assert!(glm.rope_interleaved && !glm.output_norms);
+    assert_eq!((glm.head_dim, glm.rotary_dim), (16, 8));
+    let glm4 = LlamaConfig::from_json(&config_of("glm4")).unwrap();
+    assert!(glm4.input_norms && glm4.output_norms && glm4.rope_interleaved);
+    assert_eq!(glm4.norm_names, NormNames::Glm4);
+    // transformers' defaults where the file is silent: biases on q, k and
+    // v, heads of 128, half of each rotating.
+    for fixture in ["glm", "glm4"] {
+        let mut silent = config_of(fixture);
+        let object = silent.as_object_mut().unwrap();
+        for key in ["attention_bias", "head_dim", "rope_parameters"] {
+            object.remove(key);
+        }
+        object.insert("hidden_size".into(), 512.into());
+        let parsed = LlamaConfig::from_json(&silent).unwrap();
+        assert!(parsed.qkv_bias && !parsed.o_bias, "{fixture}");
+        assert_eq!((parsed.head_dim, parsed.rotary_dim), (128, 64), "{fixture}");
+        silent["attention_bias"] = false.into();
+        let parsed = LlamaConfig::from_json(&silent).unwrap();
+        assert!(!parsed.qkv_bias && !parsed.o_bias, "{fixture}");
+    }
+    // The rows reordered: each head's first 8 values rotate as pairs (x0,
+    // x1), (x2, x3), ..., which rotate_half's order holds as x0, x2, x4,
+    // x6, x1, x3, x5, x7; the other 8 stay.
+    let layout = Llama::hub_layout(&glm);
+    let Arrangement::RowsPermuted(q) = layout.arrangement("model.layers.1.self_attn.q_proj.bias")
+    else {
+        panic!("the query biases keep their order")
+    };
+    assert_eq!(q.len(), 64);
+    assert_eq!(
+        &q[16..32],
+        &[16, 18, 20, 22, 17, 19, 21, 23, 24, 25, 26, 27, 28, 29, 30, 31]
+    );
+    assert!(matches!(
+        layout.arrangement("model.layers.0.self_attn.k_proj.weight"),
+        Arrangement::RowsPermuted(k) if k.len() == 32
+    ));
+    for untouched in [
+        "model.layers.0.self_attn.v_proj.weight",
+        "model.layers.0.self_attn.o_proj.weight",
+        "model.layers.0.mlp.gate_up_proj.weight",
+    ] {
+        assert_eq!(
+            *layout.arrangement(untouched),
+            Arrangement::AsIs,
+            "{untouched}"
+        );
+    }
 }
 
 /// SmolLM3's layers without rotary embeddings and Granite's multipliers

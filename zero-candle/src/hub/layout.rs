@@ -1,14 +1,30 @@
 //! How a model's variables sit in a hub checkpoint.
 
 use super::HubDir;
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+/// How a variable's values are arranged in its hub tensor.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum Arrangement {
+    /// As the variable holds them.
+    #[default]
+    AsIs,
+    /// A 2-d variable `[a, b]` stored `[b, a]`.
+    Transposed,
+    /// The variable's row `r` (its first dimension's) is the tensor's row
+    /// `rows[r]`: GLM's queries and keys, whose rotated pairs the
+    /// checkpoint interleaves and the model holds as halves.
+    RowsPermuted(Arc<[usize]>),
+}
 
 /// How a model's variables map onto the tensors of a hub checkpoint: a
 /// variable is the tensor of the same name, or of that name without an
 /// optional prefix (GPT-2's first checkpoints name `h.0.attn.c_attn.weight`
 /// what `transformers` saves as `transformer.h.0.attn.c_attn.weight`);
 /// some are stored transposed (GPT-2's Conv1D weights are `[in, out]`,
-/// the variable is a Linear's `[out, in]`); a tensor may hold a variable
+/// the variable is a Linear's `[out, in]`), or with their rows in another
+/// order (GLM's interleaved rotary pairs); a tensor may hold a variable
 /// again (a head tied to the embedding, when a file keeps it); the model
 /// may be part of a larger one whose file names its variables under a
 /// prefix of their own (Gemma 3's text model as `language_model.model.*`
@@ -18,7 +34,7 @@ pub struct HubLayout {
     optional_prefix: Option<String>,
     /// Variable-name prefix -> the tensor-name prefix it is stored under.
     renamed: Option<(String, String)>,
-    transposed: BTreeSet<String>,
+    arranged: BTreeMap<String, Arrangement>,
     /// Tensor name -> the variable it repeats.
     tied: BTreeMap<String, String>,
 }
@@ -49,8 +65,23 @@ impl HubLayout {
 
     /// The variable `var` (2-d) is stored transposed.
     pub fn with_transposed(mut self, var: impl Into<String>) -> Self {
-        self.transposed.insert(var.into());
+        self.arranged.insert(var.into(), Arrangement::Transposed);
         self
+    }
+
+    /// The variable `var`'s row `r` is its tensor's row `rows[r]`:
+    /// `rows` is a permutation of the variable's first dimension (rows of
+    /// a 1-d variable are its elements).
+    pub fn with_rows_permuted(mut self, var: impl Into<String>, rows: Arc<[usize]>) -> Self {
+        self.arranged
+            .insert(var.into(), Arrangement::RowsPermuted(rows));
+        self
+    }
+
+    /// How `var`'s values are arranged in its tensor.
+    pub fn arrangement(&self, var: &str) -> &Arrangement {
+        const AS_IS: &Arrangement = &Arrangement::AsIs;
+        self.arranged.get(var).unwrap_or(AS_IS)
     }
 
     /// A tensor named `tensor`, where a file has one, holds variable `var`
@@ -62,7 +93,7 @@ impl HubLayout {
 
     /// Whether `var` is stored transposed.
     pub fn is_transposed(&self, var: &str) -> bool {
-        self.transposed.contains(var)
+        *self.arrangement(var) == Arrangement::Transposed
     }
 
     /// The name of `var`'s tensor in `dir`: its own (renamed where the

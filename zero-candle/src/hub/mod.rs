@@ -8,7 +8,7 @@ mod layout;
 mod save;
 mod source;
 
-pub use layout::HubLayout;
+pub use layout::{Arrangement, HubLayout};
 pub use source::HubSource;
 
 use crate::{Error, Result};

@@ -20,8 +20,9 @@ where
     /// checkpoint it was loaded from: the same files (one
     /// `model.safetensors`, or the index and its shards), tensor names,
     /// dtypes (each variable's values converted to the file's dtype; a
-    /// sharded one's from the engine's masters) and orientation (`layout`'s
-    /// transposed variables written back transposed), tensors the model does
+    /// sharded one's from the engine's masters) and arrangement (`layout`'s
+    /// transposed variables written back transposed, its reordered rows
+    /// put back), tensors the model does
     /// not train copied as they are, and `from`'s other files (`config.json`,
     /// the tokenizer's) copied beside them, so that `transformers` loads `dir` unchanged. Rank 0 writes, one tensor at
     /// a time (at stage 3 each sharded variable is gathered for its tensor
@@ -55,7 +56,7 @@ where
                 let source = match layout.var_of(name, &names) {
                     Some(index) => Saved::Var {
                         index,
-                        transpose: layout.is_transposed(&names[index]),
+                        arrangement: layout.arrangement(&names[index]).clone(),
                     },
                     None => Saved::Bytes(tensor.data),
                 };

@@ -1,6 +1,6 @@
 //! A hub checkpoint as the source of a model's initial values.
 
-use super::{HubDir, HubLayout};
+use super::{Arrangement, HubDir, HubLayout};
 use crate::init::ParamSource;
 use crate::{Error, Result};
 use candle_nn::Init;
@@ -11,7 +11,7 @@ use std::sync::Arc;
 /// ([`ShardedVarMap::new`](crate::ShardedVarMap::new) with this source):
 /// memory-mapped, so at stage 3 a rank reads only its shard of each large
 /// variable, whatever the tensor's dtype in the file (converted), transposed
-/// where the [`HubLayout`] says.
+/// or with its rows reordered where the [`HubLayout`] says.
 #[derive(Clone, Debug)]
 pub struct HubSource {
     dir: Arc<HubDir>,
@@ -65,8 +65,30 @@ impl HubSource {
                 ),
             });
         }
+        if let Arrangement::RowsPermuted(rows) = self.layout.arrangement(var) {
+            if !is_permutation(rows, shape.first().copied().unwrap_or(0)) {
+                return Err(Error::Variable {
+                    name: var.into(),
+                    detail: format!(
+                        "its layout reorders its rows by {} indices that are not a permutation of \
+                         its {} rows; the layout does not fit this model",
+                        rows.len(),
+                        shape.first().copied().unwrap_or(0)
+                    ),
+                });
+            }
+        }
         Ok(tensor)
     }
+}
+
+/// Whether `rows` holds each of `0..len` once.
+fn is_permutation(rows: &[usize], len: usize) -> bool {
+    let mut seen = vec![false; len];
+    rows.len() == len
+        && rows
+            .iter()
+            .all(|&r| r < len && !std::mem::replace(&mut seen[r], true))
 }
 
 impl ParamSource for HubSource {
@@ -79,8 +101,24 @@ impl ParamSource for HubSource {
         out: &mut [f64],
     ) -> Result<()> {
         let tensor = self.tensor(name, shape)?;
-        if !self.layout.is_transposed(name) {
-            return Ok(tensor.read_range_as(range, out)?);
+        match self.layout.arrangement(name) {
+            Arrangement::AsIs => return Ok(tensor.read_range_as(range, out)?),
+            Arrangement::RowsPermuted(rows) => {
+                // Each of the variable's rows in the range is a run of the
+                // tensor's row it comes from.
+                let cols = shape.iter().skip(1).product::<usize>().max(1);
+                let mut at = range.start;
+                while at < range.end {
+                    let (row, col) = (at / cols, at % cols);
+                    let len = (cols - col).min(range.end - at);
+                    let from = rows[row] * cols + col;
+                    let start = at - range.start;
+                    tensor.read_range_as(from..from + len, &mut out[start..start + len])?;
+                    at += len;
+                }
+                return Ok(());
+            }
+            Arrangement::Transposed => {}
         }
         // The variable is [rows, cols], the file [cols, rows]: the
         // variable's rows `first..=last` are a contiguous run of each of the
@@ -120,5 +158,19 @@ impl ParamSource for HubSource {
             shape.reverse();
         }
         Some(shape)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::is_permutation;
+
+    #[test]
+    fn a_permutation_holds_each_row_once() {
+        assert!(is_permutation(&[2, 0, 1], 3));
+        assert!(is_permutation(&[], 0));
+        assert!(!is_permutation(&[0, 0, 1], 3), "a row twice");
+        assert!(!is_permutation(&[0, 1, 3], 3), "a row past the end");
+        assert!(!is_permutation(&[0, 1], 3), "a row missing");
     }
 }

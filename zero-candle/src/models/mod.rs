@@ -11,7 +11,9 @@ pub mod rope;
 
 pub use causal_lm::{CausalLm, HubConfig};
 pub use gpt2::{Gpt2, Gpt2Config};
-pub use llama::{Llama, LlamaConfig, MoeConfig, MoeRouting, MoeStyle, QkNorm, SlidingWindow};
+pub use llama::{
+    Llama, LlamaConfig, MoeConfig, MoeRouting, MoeStyle, NormNames, QkNorm, SlidingWindow,
+};
 pub use rope::{Llama3Scaling, LongRopeScaling, Rope, RopeScaling, YarnScaling};
 
 /// The mean cross-entropy (f32) of predicting each next token of `ids`

@@ -107,6 +107,36 @@ pub(crate) struct RopeDialect {
     /// where the file leaves it out: the first part of each head rotates
     /// (Phi-3, GLM-4.5, MiniMax-M2); `None`: whole heads only.
     pub(crate) partial: Option<f64>,
+    /// The checkpoint's heads rotate interleaved pairs (GLM-4's
+    /// `rotate_half`, which pairs `x(2i)` with `x(2i+1)`); see
+    /// [`halves_from_interleaved`].
+    pub(crate) interleaved: bool,
+}
+
+/// Row `r` of the result is the row of `heads` heads of `head_dim` (each
+/// rotating its first `rotary_dim` values as interleaved pairs, `(x0,
+/// x1), (x2, x3), …`) that holds the value rotate_half's order puts at
+/// `r`: `x0, x2, …, x1, x3, …`, then the values that do not rotate as
+/// they are. Queries and keys reordered alike give the same scores, and
+/// rotate_half rotates pair `i` with the frequency the interleaved
+/// rotation gives it.
+pub(crate) fn halves_from_interleaved(
+    heads: usize,
+    head_dim: usize,
+    rotary_dim: usize,
+) -> Vec<usize> {
+    let half = rotary_dim / 2;
+    (0..heads * head_dim)
+        .map(|row| {
+            let (head, i) = (row / head_dim, row % head_dim);
+            let within = match i {
+                i if i < half => 2 * i,
+                i if i < rotary_dim => 2 * (i - half) + 1,
+                i => i,
+            };
+            head * head_dim + within
+        })
+        .collect()
 }
 
 impl Rope {
@@ -150,7 +180,7 @@ impl Rope {
         {
             return Err(format!(
                 "`partial_rotary_factor` is {partial}; rotary embeddings over whole heads only \
-                 (Phi-3's, GLM-4.5's and MiniMax-M2's rotate part of each head)"
+                 (Phi-3's, GLM's and MiniMax-M2's rotate part of each head)"
             ));
         }
         let theta = number("rope_theta")?.unwrap_or(default_theta);

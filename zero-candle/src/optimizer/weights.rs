@@ -2,6 +2,7 @@
 //! time: the one writer behind `save_weights` and `save_hub`.
 
 use super::{lent, ZeroOptimizer};
+use crate::hub::Arrangement;
 use crate::memory::{candle_dtype, CandleMemory};
 use crate::{Error, Result};
 use candle_core::{Tensor, WithDType};
@@ -26,9 +27,12 @@ pub(crate) struct SavedTensor<'a> {
 
 /// Where a saved tensor's values come from.
 pub(crate) enum Saved<'a> {
-    /// Variable `index`'s full values, rounded to the file's dtype; with
-    /// `transpose`, a 2-d variable `[a, b]` written as `[b, a]`.
-    Var { index: usize, transpose: bool },
+    /// Variable `index`'s full values, rounded to the file's dtype and
+    /// arranged as the file holds them.
+    Var {
+        index: usize,
+        arrangement: Arrangement,
+    },
     /// These bytes, as they are (a tensor the model does not train,
     /// borrowed from the file it was read from).
     Bytes(&'a [u8]),
@@ -99,11 +103,11 @@ where
             let var = &self.vars[index];
             let dims = var.dims().to_vec();
             let tensor = |&(f, t): &(usize, usize)| &files[f].tensors[t];
-            let transposed = |place| {
+            let as_is = |place| {
                 matches!(
                     tensor(place).from,
                     Saved::Var {
-                        transpose: true,
+                        arrangement: Arrangement::AsIs,
                         ..
                     }
                 )
@@ -111,7 +115,7 @@ where
             let sharded = fetcher.as_ref().is_some_and(|f| f.is_sharded(index));
             let whole = if !sharded {
                 Some(var.as_tensor().clone())
-            } else if places.len() == 1 && !transposed(&places[0]) {
+            } else if places.len() == 1 && as_is(&places[0]) {
                 // Piece by piece from the shards, in the tensor's order.
                 let (f, t) = places[0];
                 let dtype = candle_dtype(files[f].tensors[t].dtype);
@@ -188,13 +192,26 @@ where
     }
 }
 
-/// A variable's whole values as `saved`'s bytes: transposed if it asks,
+/// A variable's whole values as `saved`'s bytes: arranged as it asks,
 /// rounded to its dtype.
 fn saved_bytes(whole: &Tensor, saved: &SavedTensor<'_>) -> Result<Vec<u8>> {
-    let tensor = match saved.from {
+    let tensor = match &saved.from {
         Saved::Var {
-            transpose: true, ..
+            arrangement: Arrangement::Transposed,
+            ..
         } => whole.t()?.contiguous()?,
+        Saved::Var {
+            arrangement: Arrangement::RowsPermuted(rows),
+            ..
+        } => {
+            // The file's row `rows[r]` is the variable's row `r`.
+            let mut from = vec![0u32; rows.len()];
+            for (r, &f) in rows.iter().enumerate() {
+                from[f] = r as u32;
+            }
+            let from = Tensor::new(from.as_slice(), whole.device())?;
+            whole.index_select(&from, 0)?
+        }
         _ => whole.clone(),
     };
     let dtype = candle_dtype(saved.dtype);

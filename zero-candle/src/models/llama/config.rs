@@ -44,10 +44,19 @@ pub struct LlamaConfig {
     /// The output projection has a bias (Llama with `attention_bias`).
     pub o_bias: bool,
     /// The query, key and value projections are one weight
-    /// (`self_attn.qkv_proj`: queries, then keys, then values) and the gate
-    /// and up projections another (`mlp.gate_up_proj`: gate, then up), as
-    /// Phi-3 stores them.
-    pub fused_projections: bool,
+    /// (`self_attn.qkv_proj`: queries, then keys, then values), as Phi-3
+    /// stores them.
+    pub fused_qkv: bool,
+    /// The gate and up projections are one weight (`mlp.gate_up_proj`:
+    /// gate, then up), as Phi-3 and GLM-4 store them.
+    pub fused_gate_up: bool,
+    /// The checkpoint's queries and keys rotate interleaved pairs
+    /// (GLM's `(x0, x1), (x2, x3), …`). The model rotates halves
+    /// (`rotate_half`'s `(x0, x(r/2)), …`) whatever the checkpoint: for
+    /// these its query and key rows are reordered on load and put back on
+    /// save ([`Llama::hub_layout`](super::Llama::hub_layout)), which
+    /// changes no score.
+    pub rope_interleaved: bool,
     /// The queries and keys are RMS-normalized before the rotation
     /// (`self_attn.q_norm` and `self_attn.k_norm`): each head (Qwen3's,
     /// Gemma 3's) or each projection whole (OLMo 2's).
@@ -80,8 +89,10 @@ pub struct LlamaConfig {
     /// Gemma 2's and 3's norms of the attention's output and of the MLP's
     /// (`post_attention_layernorm`, `post_feedforward_layernorm`), each
     /// before its residual add; the MLP's input norm is then
-    /// `pre_feedforward_layernorm`.
+    /// `pre_feedforward_layernorm` (GLM-4's: [`NormNames::Glm4`]).
     pub output_norms: bool,
+    /// The names of the norms where the blocks normalize outputs.
+    pub norm_names: NormNames,
     /// The attention scores' scale where it is not `head_dim^-1/2`:
     /// Gemma 2's and 3's `query_pre_attn_scalar^-1/2`, Granite's
     /// `attention_multiplier`.
@@ -117,6 +128,47 @@ pub struct LlamaConfig {
     /// A sparse mixture of experts in place of the MLP (Mixtral,
     /// Qwen2-MoE, Qwen3-MoE, OLMoE), in the layers it names.
     pub moe: Option<MoeConfig>,
+}
+
+/// The names of a block's norms where it normalizes the attention's and
+/// the MLP's outputs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum NormNames {
+    /// Gemma 2's (and OLMo 2's): `post_attention_layernorm` after the
+    /// attention, `pre_feedforward_layernorm` before the MLP,
+    /// `post_feedforward_layernorm` after it.
+    #[default]
+    Gemma,
+    /// GLM-4's: `post_self_attn_layernorm` after the attention,
+    /// `post_attention_layernorm` before the MLP (Llama's name),
+    /// `post_mlp_layernorm` after it.
+    Glm4,
+}
+
+impl NormNames {
+    /// The norm of the attention's output.
+    pub(super) fn attention_output(self) -> &'static str {
+        match self {
+            Self::Gemma => "post_attention_layernorm",
+            Self::Glm4 => "post_self_attn_layernorm",
+        }
+    }
+
+    /// The norm of the MLP's input, in blocks that also normalize outputs.
+    pub(super) fn mlp_input(self) -> &'static str {
+        match self {
+            Self::Gemma => "pre_feedforward_layernorm",
+            Self::Glm4 => "post_attention_layernorm",
+        }
+    }
+
+    /// The norm of the MLP's output.
+    pub(super) fn mlp_output(self) -> &'static str {
+        match self {
+            Self::Gemma => "post_feedforward_layernorm",
+            Self::Glm4 => "post_mlp_layernorm",
+        }
+    }
 }
 
 /// Where the queries and keys are normalized.
@@ -162,7 +214,7 @@ struct Plain {
     #[serde(default = "default_initializer_range")]
     initializer_range: f64,
     #[serde(default)]
-    attention_bias: bool,
+    attention_bias: Option<bool>,
     #[serde(default)]
     pad_token_id: Option<u32>,
     /// Qwen's switch for `sliding_window` (off when absent).
@@ -297,6 +349,8 @@ struct Family {
     architectures: [&'static str; 2],
     /// The query, key and value projections always have biases.
     qkv_bias: bool,
+    /// `attention_bias` where the file does not say (GLM's is on).
+    attention_bias: bool,
     /// `attention_bias` gives the output projection a bias too (all but
     /// GLM-4.5, whose `attention_bias` is the query's, key's and value's).
     o_bias: bool,
@@ -307,8 +361,16 @@ struct Family {
     qk_norm: Option<QkNorm>,
     /// The blocks normalize their inputs (all but OLMo 2).
     input_norms: bool,
-    /// Phi-3's `qkv_proj` and `gate_up_proj`.
-    fused: bool,
+    /// Phi-3's `qkv_proj`.
+    fused_qkv: bool,
+    /// Phi-3's and GLM's `gate_up_proj`.
+    fused_gate_up: bool,
+    /// The blocks normalize the attention's and the MLP's outputs, under
+    /// these names (GLM-4; Gemma 2's and OLMo 2's come with them).
+    output_norms: Option<NormNames>,
+    /// `head_dim` where the file does not say (GLM's 128); else
+    /// `hidden_size / num_attention_heads`.
+    default_head_dim: Option<usize>,
     /// How the rotary settings are read beyond Llama's: Phi-3's "su" and
     /// "yarn" meaning longrope, part of each head rotating (Phi-3, GLM-4.5,
     /// MiniMax-M2).
@@ -335,14 +397,19 @@ const LLAMA: Family = Family {
     model_type: "llama",
     architectures: ["LlamaForCausalLM", "LlamaModel"],
     qkv_bias: false,
+    attention_bias: false,
     o_bias: true,
     switched_qk_norm: false,
     qk_norm: None,
     input_norms: true,
-    fused: false,
+    fused_qkv: false,
+    fused_gate_up: false,
+    output_norms: None,
+    default_head_dim: None,
     rope: RopeDialect {
         longrope_names: false,
         partial: None,
+        interleaved: false,
     },
     windows: Windows::Never,
     gemma: None,
@@ -373,8 +440,26 @@ const OLMO2: Family = Family {
     ..LLAMA
 };
 
+/// GLM-4 (`glm`, GLM-4-9B): biases on q, k and v by default (none on o),
+/// gate and up in one weight, half of each head rotating as interleaved
+/// pairs.
+const GLM: Family = Family {
+    model_type: "glm",
+    architectures: ["GlmForCausalLM", "GlmModel"],
+    attention_bias: true,
+    o_bias: false,
+    fused_gate_up: true,
+    default_head_dim: Some(128),
+    rope: RopeDialect {
+        partial: Some(0.5),
+        interleaved: true,
+        ..LLAMA.rope
+    },
+    ..LLAMA
+};
+
 /// The families read as Llama.
-const FAMILIES: [Family; 19] = [
+const FAMILIES: [Family; 21] = [
     LLAMA,
     Family {
         model_type: "mistral",
@@ -401,10 +486,12 @@ const FAMILIES: [Family; 19] = [
     Family {
         model_type: "phi3",
         architectures: ["Phi3ForCausalLM", "Phi3Model"],
-        fused: true,
+        fused_qkv: true,
+        fused_gate_up: true,
         rope: RopeDialect {
             longrope_names: true,
             partial: Some(1.0),
+            interleaved: false,
         },
         windows: Windows::EveryLayer { missing: None },
         ..LLAMA
@@ -522,8 +609,8 @@ const FAMILIES: [Family; 19] = [
         o_bias: false,
         switched_qk_norm: true,
         rope: RopeDialect {
-            longrope_names: false,
             partial: Some(0.5),
+            ..LLAMA.rope
         },
         moe: Some(GLM4_MOE),
         ..LLAMA
@@ -533,12 +620,19 @@ const FAMILIES: [Family; 19] = [
         architectures: ["MiniMaxM2ForCausalLM", "MiniMaxM2Model"],
         qk_norm: Some(QkNorm::Projection),
         rope: RopeDialect {
-            longrope_names: false,
             partial: Some(1.0),
+            ..LLAMA.rope
         },
         default_theta: 5_000_000.0,
         moe: Some(MINIMAX_M2_MOE),
         ..LLAMA
+    },
+    GLM,
+    Family {
+        model_type: "glm4",
+        architectures: ["Glm4ForCausalLM", "Glm4Model"],
+        output_norms: Some(NormNames::Glm4),
+        ..GLM
     },
 ];
 
@@ -551,15 +645,15 @@ pub(crate) fn reads(kind: &str) -> bool {
 pub(crate) const LLAMA_TYPES: &str =
     "\"llama\", \"mistral\", \"qwen2\", \"qwen3\", \"phi3\", \"gemma\", \"gemma2\", \
      \"gemma3_text\", \"gemma3\" (its text model), \"smollm3\", \"granite\", \"olmo2\", \"olmo3\", \
-     \"mixtral\", \"qwen2_moe\", \"qwen3_moe\", \"olmoe\", \"flex_olmo\", \"glm4_moe\" and \
-     \"minimax_m2\"";
+     \"mixtral\", \"qwen2_moe\", \"qwen3_moe\", \"olmoe\", \"flex_olmo\", \"glm4_moe\", \
+     \"minimax_m2\", \"glm\" and \"glm4\"";
 
 impl LlamaConfig {
     /// Reads a hub `config.json` of a Llama, Mistral, Qwen2, Qwen3, Phi-3,
     /// Gemma, Gemma 2, Gemma 3 (text, or the text model of one with
     /// vision), SmolLM3, Granite, OLMo 2, OLMo 3, Mixtral, Qwen2-MoE,
-    /// Qwen3-MoE, OLMoE, FlexOlmo, GLM-4.5 (`glm4_moe`) or MiniMax-M2 model
-    /// (by `model_type`; Llama without
+    /// Qwen3-MoE, OLMoE, FlexOlmo, GLM-4.5 (`glm4_moe`), MiniMax-M2 or GLM-4
+    /// (`glm`, `glm4`) model (by `model_type`; Llama without
     /// one): an error names the key whose value this model
     /// cannot honour (another architecture, MLP biases, another
     /// activation, a rotary scaling it does not implement, bidirectional
@@ -619,7 +713,7 @@ impl LlamaConfig {
                 None,
             ),
         };
-        let head_dim = match plain.head_dim {
+        let head_dim = match plain.head_dim.or(family.default_head_dim) {
             Some(width) => width,
             // transformers' default for Gemma.
             None if gemma.is_some() => 256,
@@ -641,6 +735,7 @@ impl LlamaConfig {
         };
         // Granite's multipliers (1, the default, is none).
         let granite = |value: Option<f64>| value.filter(|&v| family.multipliers && v != 1.0);
+        let attention_bias = plain.attention_bias.unwrap_or(family.attention_bias);
         // Gemma 2's and 3's settings (Gemma reads none of them).
         let later = |value: Option<f64>| value.filter(|_| gemma.is_some_and(|g| g != Gemma::One));
         let parsed = Self {
@@ -658,10 +753,12 @@ impl LlamaConfig {
             tie_word_embeddings: plain.tie_word_embeddings.unwrap_or(family.tied_by_default),
             initializer_range: plain.initializer_range,
             // Phi-3's projections have no biases whatever the file says.
-            qkv_bias: !family.fused
-                && (plain.attention_bias || plain.qkv_bias.unwrap_or(family.qkv_bias)),
-            o_bias: !family.fused && family.o_bias && plain.attention_bias,
-            fused_projections: family.fused,
+            qkv_bias: !family.fused_qkv
+                && (attention_bias || plain.qkv_bias.unwrap_or(family.qkv_bias)),
+            o_bias: !family.fused_qkv && family.o_bias && attention_bias,
+            fused_qkv: family.fused_qkv,
+            fused_gate_up: family.fused_gate_up,
+            rope_interleaved: family.rope.interleaved,
             qk_norm: match family.switched_qk_norm && plain.use_qk_norm {
                 true => Some(QkNorm::PerHead),
                 false => family.qk_norm,
@@ -675,7 +772,10 @@ impl LlamaConfig {
                 Some(_) => Some((plain.hidden_size as f64).sqrt()),
                 None => granite(plain.embedding_multiplier),
             },
-            output_norms: gemma.is_some_and(|g| g != Gemma::One) || !family.input_norms,
+            output_norms: family.output_norms.is_some()
+                || gemma.is_some_and(|g| g != Gemma::One)
+                || !family.input_norms,
+            norm_names: family.output_norms.unwrap_or_default(),
             attention_scale: match gemma {
                 Some(_) => later(plain.query_pre_attn_scalar).map(|scalar| scalar.powf(-0.5)),
                 None => granite(plain.attention_multiplier),

@@ -37,10 +37,10 @@ mod mlp;
 mod moe;
 
 pub(crate) use config::{reads, LLAMA_TYPES};
-pub use config::{LlamaConfig, QkNorm, SlidingWindow};
+pub use config::{LlamaConfig, NormNames, QkNorm, SlidingWindow};
 pub use moe::{MoeConfig, MoeRouting, MoeStyle};
 
-use super::rope::{Rope, RopeScaling};
+use super::rope::{halves_from_interleaved, Rope, RopeScaling};
 use crate::hub::HubLayout;
 use crate::nn::{ops, Embedding, GradHook, Linear, RmsNorm};
 use crate::{Error, Result, ShardedVarMap};
@@ -389,6 +389,46 @@ fn buffer(vb: &VarBuilder, (name, beside): (&str, &str), width: usize) -> Result
 
 /// `y`, or its norm where the model has one (Gemma 2's and 3's output
 /// norms).
+/// The query and key variables whose rows [`Llama::hub_layout`] reorders
+/// where the checkpoint rotates interleaved pairs, with each one's order
+/// ([`halves_from_interleaved`] per projection).
+fn interleaved_rows(config: &LlamaConfig) -> Vec<(String, Arc<[usize]>)> {
+    let (d, r) = (config.head_dim, config.rotary_dim);
+    let q = halves_from_interleaved(config.num_attention_heads, d, r);
+    let k = halves_from_interleaved(config.num_key_value_heads, d, r);
+    let head: Arc<[usize]> = halves_from_interleaved(1, d, r).into();
+    let mut qkv = q.clone();
+    qkv.extend(k.iter().map(|&row| row + q.len()));
+    qkv.extend(q.len() + k.len()..q.len() + 2 * k.len());
+    let [q, k, qkv] = [q, k, qkv].map(Arc::<[usize]>::from);
+    let mut vars = Vec::new();
+    for i in 0..config.num_hidden_layers {
+        let attn = format!("model.layers.{i}.self_attn");
+        let projections = match config.fused_qkv {
+            true => vec![("qkv_proj", &qkv)],
+            false => vec![("q_proj", &q), ("k_proj", &k)],
+        };
+        for (name, rows) in projections {
+            vars.push((format!("{attn}.{name}.weight"), rows.clone()));
+            if config.qkv_bias {
+                vars.push((format!("{attn}.{name}.bias"), rows.clone()));
+            }
+        }
+        match config.qk_norm {
+            Some(QkNorm::PerHead) => {
+                vars.push((format!("{attn}.q_norm.weight"), head.clone()));
+                vars.push((format!("{attn}.k_norm.weight"), head.clone()));
+            }
+            Some(QkNorm::Projection) => {
+                vars.push((format!("{attn}.q_norm.weight"), q.clone()));
+                vars.push((format!("{attn}.k_norm.weight"), k.clone()));
+            }
+            None => {}
+        }
+    }
+    vars
+}
+
 fn normed_output(y: Tensor, norm: Option<&RmsNorm>) -> candle_core::Result<Tensor> {
     match norm {
         Some(norm) => norm.forward(&y),
@@ -532,7 +572,7 @@ impl Llama {
                     true => Some(norm(vb.pp("input_layernorm"))?),
                     false => None,
                 },
-                qkv: match config.fused_projections {
+                qkv: match config.fused_qkv {
                     true => {
                         Projections::Fused(linear(attn.pp("qkv_proj"), d, q + 2 * kv)?, [q, kv, kv])
                     }
@@ -556,10 +596,10 @@ impl Llama {
                     )),
                     None => None,
                 },
-                attn_out_norm: output_norm(vb.pp("post_attention_layernorm"))?,
+                attn_out_norm: output_norm(vb.pp(config.norm_names.attention_output()))?,
                 mlp_norm: match (config.input_norms, config.output_norms) {
                     (false, _) => None,
-                    (true, true) => Some(norm(vb.pp("pre_feedforward_layernorm"))?),
+                    (true, true) => Some(norm(vb.pp(config.norm_names.mlp_input()))?),
                     (true, false) => Some(norm(vb.pp("post_attention_layernorm"))?),
                 },
                 mlp: match &config.moe {
@@ -586,7 +626,7 @@ impl Llama {
                             moe.style == MoeStyle::Qwen,
                         ),
                     )?)),
-                    _ if config.fused_projections => FeedForward::Dense(Mlp {
+                    _ if config.fused_gate_up => FeedForward::Dense(Mlp {
                         gate_up: Projections::Fused(
                             linear(mlp.pp("gate_up_proj"), d, 2 * config.intermediate_size)?,
                             [config.intermediate_size; 2],
@@ -596,7 +636,7 @@ impl Llama {
                     }),
                     _ => FeedForward::Dense(dense(mlp, config.intermediate_size)?),
                 },
-                mlp_out_norm: output_norm(vb.pp("post_feedforward_layernorm"))?,
+                mlp_out_norm: output_norm(vb.pp(config.norm_names.mlp_output()))?,
                 heads: config.num_attention_heads,
                 kv_heads: config.num_key_value_heads,
                 head_dim: config.head_dim,
@@ -643,17 +683,23 @@ impl Llama {
     /// Where the variables sit in a hub checkpoint: under their own names
     /// (Gemma 3 with vision: `model.*` as `language_model.model.*`); with a
     /// tied head, `lm_head.weight` (where a file keeps it) is the token
-    /// embedding again.
+    /// embedding again; where the checkpoint rotates interleaved pairs
+    /// ([`LlamaConfig::rope_interleaved`]), the rows of the query and key
+    /// projections (and of their norms) reordered to rotate_half's.
     pub fn hub_layout(config: &LlamaConfig) -> HubLayout {
-        let layout = match config.text_of_multimodal {
+        let mut layout = match config.text_of_multimodal {
             true => HubLayout::new().with_renamed_prefix("model.", "language_model.model."),
             false => HubLayout::new(),
         };
         if config.tie_word_embeddings {
-            layout.with_tied("lm_head.weight", "model.embed_tokens.weight")
-        } else {
-            layout
+            layout = layout.with_tied("lm_head.weight", "model.embed_tokens.weight");
         }
+        if config.rope_interleaved {
+            for (var, rows) in interleaved_rows(config) {
+                layout = layout.with_rows_permuted(var, rows);
+            }
+        }
+        layout
     }
 
     /// The model's config.
