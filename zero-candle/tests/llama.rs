@@ -63,6 +63,8 @@ fn logits_loss_and_gradients_equal_transformers() {
         ("minimaxm2", 45),
         ("glm", 25),
         ("glm4", 29),
+        ("cohere", 18),
+        ("cohere2", 18),
     ];
     for (fixture, variables) in cases {
         let (config, map) = Llama::open_hub(fixtures().join(fixture)).unwrap();
@@ -70,7 +72,15 @@ fn logits_loss_and_gradients_equal_transformers() {
             config.tie_word_embeddings,
             matches!(
                 fixture,
-                "tied" | "qwen3" | "gemma" | "gemma3" | "gemma2" | "smollm3" | "gemma3mm"
+                "tied"
+                    | "qwen3"
+                    | "gemma"
+                    | "gemma3"
+                    | "gemma2"
+                    | "smollm3"
+                    | "gemma3mm"
+                    | "cohere"
+                    | "cohere2"
             )
         );
         let per_head = matches!(
@@ -84,7 +94,11 @@ fn logits_loss_and_gradients_equal_transformers() {
             config.fused_gate_up,
             fixture.starts_with("phi3") || matches!(fixture, "glm" | "glm4")
         );
-        assert_eq!(config.rope_interleaved, matches!(fixture, "glm" | "glm4"));
+        assert_eq!(
+            config.rope_interleaved,
+            matches!(fixture, "glm" | "glm4" | "cohere" | "cohere2")
+        );
+        assert_eq!(config.layer_norms, fixture.starts_with("cohere"));
         let layout = Llama::hub_layout(&config);
         let model = Llama::new(map.builder(DType::F32, &Device::Cpu), &config, None).unwrap();
         map.materialize_all().unwrap();
@@ -149,6 +163,7 @@ fn loading_then_saving_reproduces_the_checkpoint_tensor_for_tensor() {
         "minimaxm2",
         "glm",
         "glm4",
+        "cohere2",
     ] {
         let dir = fixtures().join(fixture);
         for (stage, world) in [(Stage::Ddp, 1), (Stage::Parameters, 2)] {
@@ -204,6 +219,8 @@ fn one_sgd_step_equals_torch_at_stage_0_and_at_stage_3_on_two_ranks() {
         ("minimaxm2", Stage::Parameters, 1, 47),
         ("glm", Stage::Parameters, 2, 25),
         ("glm4", Stage::Parameters, 2, 29),
+        ("cohere", Stage::Parameters, 2, 18),
+        ("cohere2", Stage::Parameters, 2, 18),
     ] {
         let out = tempfile::tempdir().unwrap();
         Run::new(stage, world, 1).train(&fixtures().join(fixture), &ids, out.path());
@@ -900,6 +917,56 @@ fn longrope_switches_factors_past_the_original_context() {
     partial["rope_parameters"]["partial_rotary_factor"] = 1.5.into();
     let err = LlamaConfig::from_json(&partial).unwrap_err();
     assert!(err.contains("partial_rotary_factor"), "{err}");
+}
+
+/// Cohere's configs read as `transformers` reads them (the goldens check
+/// them in use): LayerNorms and their epsilon, parallel blocks, the logits'
+/// scale, Cohere 2's rotation in its sliding layers only; Command R+'s
+/// per-head norms refused by name.
+#[test]
+fn cohere_configs_read_as_transformers_reads_them() {
+    let cohere = LlamaConfig::from_json(&config_of("cohere")).unwrap();
+    assert!(cohere.layer_norms && cohere.parallel_blocks && cohere.rope_interleaved);
+    assert!(cohere.tie_word_embeddings && cohere.sliding_window.is_none());
+    assert_eq!(cohere.logit_scale, Some(0.25));
+    assert_eq!(cohere.rotated_layers, None, "every layer rotates");
+    let cohere2 = LlamaConfig::from_json(&config_of("cohere2")).unwrap();
+    assert_eq!(cohere2.logit_scale, Some(0.0625));
+    assert_eq!(
+        cohere2.sliding_window.as_ref().unwrap().layers,
+        [true, false]
+    );
+    assert_eq!(cohere2.rotated_layers, Some(vec![true, false]));
+    // transformers' defaults where the file is silent: the scale 0.0625,
+    // epsilon 1e-5, a tied head; Cohere 2's window of 4096 in three layers
+    // of four, which alone rotate.
+    let mut silent = config_of("cohere2");
+    let object = silent.as_object_mut().unwrap();
+    for key in [
+        "logit_scale",
+        "layer_norm_eps",
+        "tie_word_embeddings",
+        "sliding_window",
+        "layer_types",
+    ] {
+        object.remove(key);
+    }
+    object.insert("num_hidden_layers".into(), 8.into());
+    let parsed = LlamaConfig::from_json(&silent).unwrap();
+    assert_eq!(
+        (parsed.logit_scale, parsed.rms_norm_eps),
+        (Some(0.0625), 1e-5)
+    );
+    assert!(parsed.tie_word_embeddings);
+    let window = parsed.sliding_window.unwrap();
+    assert_eq!(window.size, 4096);
+    let pattern = [true, true, true, false, true, true, true, false];
+    assert_eq!(window.layers, pattern);
+    assert_eq!(parsed.rotated_layers.unwrap(), pattern);
+    let mut plus = config_of("cohere");
+    plus["use_qk_norm"] = true.into();
+    let err = LlamaConfig::from_json(&plus).unwrap_err();
+    assert!(err.contains("use_qk_norm"), "{err}");
 }
 
 /// GLM-4's configs read as `transformers` reads them, and the query and

@@ -32,8 +32,14 @@ pub struct LlamaConfig {
     pub rotary_dim: usize,
     /// The longest sequence the model is meant for.
     pub max_position_embeddings: usize,
-    /// The RMS norms' epsilon.
+    /// The norms' epsilon (`rms_norm_eps`; Cohere's `layer_norm_eps`).
     pub rms_norm_eps: f64,
+    /// The norms subtract the mean before they scale (Cohere's LayerNorm
+    /// without a bias); else RMS norms.
+    pub layer_norms: bool,
+    /// Each block's attention and MLP read the same normed input and both
+    /// add to the residual (Cohere's `x + attn(norm(x)) + mlp(norm(x))`).
+    pub parallel_blocks: bool,
     /// Rotary embeddings.
     pub rope: Rope,
     /// The head is the token embedding (no `lm_head.weight` of its own).
@@ -102,6 +108,8 @@ pub struct LlamaConfig {
     pub residual_multiplier: Option<f64>,
     /// The logits divided by this (Granite's `logits_scaling`).
     pub logits_scaling: Option<f64>,
+    /// The logits multiplied by this (Cohere's `logit_scale`).
+    pub logit_scale: Option<f64>,
     /// Per layer, whether it applies rotary embeddings (SmolLM3's
     /// `no_rope_layers`: 1 rotates, 0 does not); `None`: every layer.
     pub rotated_layers: Option<Vec<bool>>,
@@ -266,6 +274,10 @@ struct Plain {
     #[serde(default)]
     use_qk_norm: bool,
     #[serde(default)]
+    layer_norm_eps: Option<f64>,
+    #[serde(default)]
+    logit_scale: Option<f64>,
+    #[serde(default)]
     router_jitter_noise: Option<f64>,
     #[serde(default)]
     clip_qkv: Option<f64>,
@@ -380,6 +392,10 @@ struct Family {
     gemma: Option<Gemma>,
     /// `no_rope_layers` is read (SmolLM3).
     nope_layers: bool,
+    /// Cohere's: LayerNorms without bias, parallel blocks, `logit_scale`.
+    cohere: bool,
+    /// Only the sliding-window layers rotate (Cohere 2).
+    rotary_in_windows_only: bool,
     /// Granite's multipliers are read.
     multipliers: bool,
     /// The head is tied where the file does not say.
@@ -414,6 +430,8 @@ const LLAMA: Family = Family {
     windows: Windows::Never,
     gemma: None,
     nope_layers: false,
+    cohere: false,
+    rotary_in_windows_only: false,
     multipliers: false,
     tied_by_default: false,
     default_theta: 10_000.0,
@@ -458,8 +476,23 @@ const GLM: Family = Family {
     ..LLAMA
 };
 
+/// Cohere's Command R (`cohere`): LayerNorms without bias, one per block
+/// before the attention and the MLP side by side, every head rotating as
+/// interleaved pairs, the logits times `logit_scale`, the head tied.
+const COHERE: Family = Family {
+    model_type: "cohere",
+    architectures: ["CohereForCausalLM", "CohereModel"],
+    cohere: true,
+    tied_by_default: true,
+    rope: RopeDialect {
+        interleaved: true,
+        ..LLAMA.rope
+    },
+    ..LLAMA
+};
+
 /// The families read as Llama.
-const FAMILIES: [Family; 21] = [
+const FAMILIES: [Family; 23] = [
     LLAMA,
     Family {
         model_type: "mistral",
@@ -634,6 +667,14 @@ const FAMILIES: [Family; 21] = [
         output_norms: Some(NormNames::Glm4),
         ..GLM
     },
+    COHERE,
+    Family {
+        model_type: "cohere2",
+        architectures: ["Cohere2ForCausalLM", "Cohere2Model"],
+        windows: Windows::Typed { pattern: 4 },
+        rotary_in_windows_only: true,
+        ..COHERE
+    },
 ];
 
 /// Whether `model_type` `kind` is read as Llama.
@@ -646,14 +687,15 @@ pub(crate) const LLAMA_TYPES: &str =
     "\"llama\", \"mistral\", \"qwen2\", \"qwen3\", \"phi3\", \"gemma\", \"gemma2\", \
      \"gemma3_text\", \"gemma3\" (its text model), \"smollm3\", \"granite\", \"olmo2\", \"olmo3\", \
      \"mixtral\", \"qwen2_moe\", \"qwen3_moe\", \"olmoe\", \"flex_olmo\", \"glm4_moe\", \
-     \"minimax_m2\", \"glm\" and \"glm4\"";
+     \"minimax_m2\", \"glm\", \"glm4\", \"cohere\" and \"cohere2\"";
 
 impl LlamaConfig {
     /// Reads a hub `config.json` of a Llama, Mistral, Qwen2, Qwen3, Phi-3,
     /// Gemma, Gemma 2, Gemma 3 (text, or the text model of one with
     /// vision), SmolLM3, Granite, OLMo 2, OLMo 3, Mixtral, Qwen2-MoE,
-    /// Qwen3-MoE, OLMoE, FlexOlmo, GLM-4.5 (`glm4_moe`), MiniMax-M2 or GLM-4
-    /// (`glm`, `glm4`) model (by `model_type`; Llama without
+    /// Qwen3-MoE, OLMoE, FlexOlmo, GLM-4.5 (`glm4_moe`), MiniMax-M2, GLM-4
+    /// (`glm`, `glm4`) or Cohere (`cohere`, `cohere2`) model (by
+    /// `model_type`; Llama without
     /// one): an error names the key whose value this model
     /// cannot honour (another architecture, MLP biases, another
     /// activation, a rotary scaling it does not implement, bidirectional
@@ -691,6 +733,22 @@ impl LlamaConfig {
         };
         let sliding_window =
             sliding_window_of(config, &plain, family.windows, rotated_layers.as_deref())?;
+        // Cohere 2 rotates in its sliding layers only (none without a
+        // window, as transformers does).
+        let rotated_layers = match family.rotary_in_windows_only {
+            true => Some(match &sliding_window {
+                Some(window) => window.layers.clone(),
+                None => vec![false; plain.num_hidden_layers],
+            }),
+            false => rotated_layers,
+        };
+        if family.cohere && plain.use_qk_norm {
+            return Err(
+                "`use_qk_norm` is true: Command R+'s norms of each query and key head, each with \
+                 weights of its own, are not implemented here"
+                    .into(),
+            );
+        }
         if let Some(clip) = plain.clip_qkv {
             return Err(format!(
                 "`clip_qkv` is {clip}; clipping the queries, keys and values is not implemented \
@@ -748,7 +806,12 @@ impl LlamaConfig {
             head_dim,
             rotary_dim,
             max_position_embeddings: plain.max_position_embeddings,
-            rms_norm_eps: plain.rms_norm_eps,
+            rms_norm_eps: match family.cohere {
+                true => plain.layer_norm_eps.unwrap_or(1e-5),
+                false => plain.rms_norm_eps,
+            },
+            layer_norms: family.cohere,
+            parallel_blocks: family.cohere,
             rope,
             tie_word_embeddings: plain.tie_word_embeddings.unwrap_or(family.tied_by_default),
             initializer_range: plain.initializer_range,
@@ -782,6 +845,10 @@ impl LlamaConfig {
             },
             residual_multiplier: granite(plain.residual_multiplier),
             logits_scaling: granite(plain.logits_scaling),
+            logit_scale: match family.cohere {
+                true => Some(plain.logit_scale.unwrap_or(0.0625)).filter(|&s| s != 1.0),
+                false => None,
+            },
             rotated_layers,
             text_of_multimodal: false,
             dropout: [
@@ -865,6 +932,13 @@ impl LlamaConfig {
         if let Some(moe) = &self.moe {
             moe.validate(self.num_hidden_layers)?;
         }
+        if self.parallel_blocks && (self.output_norms || !self.input_norms) {
+            return Err(
+                "parallel blocks (Cohere's) have one input norm and no output norms; set \
+                 `input_norms` and clear `output_norms`"
+                    .into(),
+            );
+        }
         self.rope.validate()?;
         self.rope.validate_for(self.rotary_dim)?;
         if let Some(local) = &self.local_rope {
@@ -939,7 +1013,10 @@ impl LlamaConfig {
             Some(QkNorm::Projection) => q + kv,
             None => 0,
         };
-        let norms = 2 * d * (self.input_norms as usize + self.output_norms as usize);
+        let norms = match self.parallel_blocks {
+            true => d,
+            false => 2 * d * (self.input_norms as usize + self.output_norms as usize),
+        };
         let per_layer = norms + 2 * d * q + 2 * d * kv + biases + qk_norms;
         let mlps: usize = (0..self.num_hidden_layers)
             .map(|i| match &self.moe {

@@ -26,11 +26,18 @@
 //! OLMoE, FlexOlmo (OLMo 2's norms), GLM-4.5 (`Glm4MoeForCausalLM`: a
 //! sigmoid router steered by a bias, shared experts, dense first layers)
 //! and MiniMax-M2 (`MiniMaxM2ForCausalLM`: that router on Mixtral's
-//! mixture).
+//! mixture). GLM-4 (`GlmForCausalLM`, `Glm4ForCausalLM`: half of each
+//! head rotating as interleaved pairs, gate and up in one weight; GLM-4-0414
+//! with output norms) and Cohere (`CohereForCausalLM`, `Cohere2ForCausalLM`:
+//! LayerNorms without bias, the attention and the MLP side by side, the
+//! logits scaled).
 //!
 //! The variables carry the hub's names (`model.embed_tokens.weight`,
 //! `model.layers.{i}.self_attn.q_proj.weight`, ..., `model.norm.weight`,
-//! `lm_head.weight` when the head is untied), stored as they are.
+//! `lm_head.weight` when the head is untied), stored as they are but for
+//! the query and key rows of models whose checkpoints rotate interleaved
+//! pairs (GLM's, Cohere's), held in rotate_half's order
+//! ([`Llama::hub_layout`]).
 
 mod config;
 mod mlp;
@@ -42,7 +49,7 @@ pub use moe::{MoeConfig, MoeRouting, MoeStyle};
 
 use super::rope::{halves_from_interleaved, Rope, RopeScaling};
 use crate::hub::HubLayout;
-use crate::nn::{ops, Embedding, GradHook, Linear, RmsNorm};
+use crate::nn::{ops, Embedding, GradHook, LayerNorm, Linear};
 use crate::{Error, Result, ShardedVarMap};
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{Init, VarBuilder};
@@ -188,26 +195,30 @@ impl RopeTables {
 
 /// One pre-norm block: `x + attn(input_layernorm(x))`, then `x +
 /// mlp(mlp_norm(x))`, the first add in the second norm's pass
-/// ([`RmsNorm::forward_residual`]); with Gemma 2's and 3's output norms, `x +
-/// attn_out_norm(attn(..))` and `x + mlp_out_norm(mlp(..))`.
+/// ([`LayerNorm::forward_residual`]); with Gemma 2's and 3's output norms, `x +
+/// attn_out_norm(attn(..))` and `x + mlp_out_norm(mlp(..))`; Cohere's
+/// parallel blocks: `x + attn(h) + mlp(h)`, `h = input_layernorm(x)`. The
+/// norms are RMS norms (Cohere's LayerNorms without bias).
 #[derive(Clone)]
 struct Block {
     /// The attention's input norm (all but OLMo 2's blocks).
-    input_layernorm: Option<RmsNorm>,
+    input_layernorm: Option<LayerNorm>,
     qkv: Projections<3>,
     o_proj: Linear,
     /// The norms of the queries and the keys: Qwen3's and Gemma 3's of
     /// each head, OLMo 2's of each whole projection.
-    qk_norms: Option<(QkNorm, RmsNorm, RmsNorm)>,
+    qk_norms: Option<(QkNorm, LayerNorm, LayerNorm)>,
     /// Gemma 2's and 3's norm of the attention's output (their
     /// `post_attention_layernorm`).
-    attn_out_norm: Option<RmsNorm>,
+    attn_out_norm: Option<LayerNorm>,
     /// The MLP's input norm: Llama's `post_attention_layernorm`, Gemma 2's and 3's
     /// `pre_feedforward_layernorm` (none in OLMo 2).
-    mlp_norm: Option<RmsNorm>,
+    mlp_norm: Option<LayerNorm>,
     mlp: FeedForward,
     /// Gemma 2's and 3's norm of the MLP's output (`post_feedforward_layernorm`).
-    mlp_out_norm: Option<RmsNorm>,
+    mlp_out_norm: Option<LayerNorm>,
+    /// The MLP reads the attention's input (Cohere's parallel blocks).
+    parallel: bool,
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
@@ -292,6 +303,10 @@ impl Block {
             self.o_proj.forward(&y)?,
             self.attn_out_norm.as_ref(),
         )?)?;
+        if self.parallel {
+            let (y, router_logits) = self.mlp.forward(&h, with_router_logits)?;
+            return Ok((((x + attended)? + y)?, router_logits));
+        }
         let (x, h) = match &self.mlp_norm {
             Some(norm) => norm.forward_residual(&attended, x)?,
             None => {
@@ -325,7 +340,7 @@ impl Block {
         };
         let heads = |x: Tensor, n| x.reshape((batch, time, n, self.head_dim));
         // Qwen3 normalizes each head's row of `head_dim` values.
-        let normed = |x: Tensor, norm: Option<&RmsNorm>| match norm {
+        let normed = |x: Tensor, norm: Option<&LayerNorm>| match norm {
             Some(norm) => norm
                 .forward(&x.reshape((rows * x.dim(2)?, self.head_dim))?)?
                 .reshape(x.shape()),
@@ -429,7 +444,7 @@ fn interleaved_rows(config: &LlamaConfig) -> Vec<(String, Arc<[usize]>)> {
     vars
 }
 
-fn normed_output(y: Tensor, norm: Option<&RmsNorm>) -> candle_core::Result<Tensor> {
+fn normed_output(y: Tensor, norm: Option<&LayerNorm>) -> candle_core::Result<Tensor> {
     match norm {
         Some(norm) => norm.forward(&y),
         None => Ok(y),
@@ -449,7 +464,7 @@ pub struct Llama {
     config: Box<LlamaConfig>,
     embed_tokens: Embedding,
     blocks: Vec<Block>,
-    norm: RmsNorm,
+    norm: LayerNorm,
     /// `lm_head`, or the embedding's table again when tied (a second
     /// hooked use: the engine adds both gradients).
     head: Linear,
@@ -496,12 +511,17 @@ impl Llama {
         };
         let linear = |vb: VarBuilder, d_in, d_out| linear_b(vb, d_in, d_out, false);
         let offset = config.norm_weight_offset;
-        let norm_of = |vb: VarBuilder, width: usize| -> Result<RmsNorm> {
+        let norm_of = |vb: VarBuilder, width: usize| -> Result<LayerNorm> {
             let w = vb.get_with_hints(width, "weight", Init::Const(1.0 - offset))?;
-            Ok(RmsNorm::new(w, config.rms_norm_eps, hook.clone()).with_weight_offset(offset))
+            let (eps, hook) = (config.rms_norm_eps, hook.clone());
+            Ok(match config.layer_norms {
+                true => LayerNorm::new_no_bias(w, eps, hook),
+                false => LayerNorm::rms_norm(w, eps, hook),
+            }
+            .with_weight_offset(offset))
         };
         let norm = |vb: VarBuilder| norm_of(vb, d);
-        let output_norm = |vb: VarBuilder| -> Result<Option<RmsNorm>> {
+        let output_norm = |vb: VarBuilder| -> Result<Option<LayerNorm>> {
             config.output_norms.then(|| norm(vb)).transpose()
         };
         let query_factor = config
@@ -599,6 +619,7 @@ impl Llama {
                 attn_out_norm: output_norm(vb.pp(config.norm_names.attention_output()))?,
                 mlp_norm: match (config.input_norms, config.output_norms) {
                     (false, _) => None,
+                    _ if config.parallel_blocks => None,
                     (true, true) => Some(norm(vb.pp(config.norm_names.mlp_input()))?),
                     (true, false) => Some(norm(vb.pp("post_attention_layernorm"))?),
                 },
@@ -637,6 +658,7 @@ impl Llama {
                     _ => FeedForward::Dense(dense(mlp, config.intermediate_size)?),
                 },
                 mlp_out_norm: output_norm(vb.pp(config.norm_names.mlp_output()))?,
+                parallel: config.parallel_blocks,
                 heads: config.num_attention_heads,
                 kv_heads: config.num_key_value_heads,
                 head_dim: config.head_dim,
@@ -779,6 +801,10 @@ impl Llama {
         let logits = super::logits(&self.norm, &self.head, &x)?;
         let logits = match self.config.logits_scaling {
             Some(scaling) => (logits / scaling)?,
+            None => logits,
+        };
+        let logits = match self.config.logit_scale {
+            Some(scale) => (logits * scale)?,
             None => logits,
         };
         let logits = match self.config.final_logit_softcapping {
