@@ -65,6 +65,8 @@ fn logits_loss_and_gradients_equal_transformers() {
         ("glm4", 29),
         ("cohere", 18),
         ("cohere2", 18),
+        // Biases on every projection (`use_bias`).
+        ("ernie", 34),
     ];
     for (fixture, variables) in cases {
         let (config, map) = Llama::open_hub(fixtures().join(fixture)).unwrap();
@@ -81,6 +83,7 @@ fn logits_loss_and_gradients_equal_transformers() {
                     | "gemma3mm"
                     | "cohere"
                     | "cohere2"
+                    | "ernie"
             )
         );
         let per_head = matches!(
@@ -96,7 +99,7 @@ fn logits_loss_and_gradients_equal_transformers() {
         );
         assert_eq!(
             config.rope_interleaved,
-            matches!(fixture, "glm" | "glm4" | "cohere" | "cohere2")
+            matches!(fixture, "glm" | "glm4" | "cohere" | "cohere2" | "ernie")
         );
         assert_eq!(config.layer_norms, fixture.starts_with("cohere"));
         let layout = Llama::hub_layout(&config);
@@ -164,6 +167,7 @@ fn loading_then_saving_reproduces_the_checkpoint_tensor_for_tensor() {
         "glm",
         "glm4",
         "cohere2",
+        "ernie",
     ] {
         let dir = fixtures().join(fixture);
         for (stage, world) in [(Stage::Ddp, 1), (Stage::Parameters, 2)] {
@@ -221,6 +225,7 @@ fn one_sgd_step_equals_torch_at_stage_0_and_at_stage_3_on_two_ranks() {
         ("glm4", Stage::Parameters, 2, 29),
         ("cohere", Stage::Parameters, 2, 18),
         ("cohere2", Stage::Parameters, 2, 18),
+        ("ernie", Stage::Parameters, 2, 34),
     ] {
         let out = tempfile::tempdir().unwrap();
         Run::new(stage, world, 1).train(&fixtures().join(fixture), &ids, out.path());
@@ -543,7 +548,7 @@ fn yarn_and_linear_scaling_are_transformers() {
 #[test]
 fn unusable_configs_are_errors_naming_the_key() {
     let base = config_of("gqa");
-    let cases: [(&str, serde_json::Value, &str); 12] = [
+    let cases: [(&str, serde_json::Value, &str); 11] = [
         ("model_type", "falcon".into(), "model_type"),
         (
             "architectures",
@@ -555,7 +560,6 @@ fn unusable_configs_are_errors_naming_the_key() {
             serde_json::json!(["full_attention", "linear_attention"]),
             "layer_types",
         ),
-        ("mlp_bias", true.into(), "mlp_bias"),
         ("hidden_act", "gelu".into(), "hidden_act"),
         ("num_key_value_heads", 3.into(), "num_key_value_heads"),
         ("head_dim", 7.into(), "head_dim"),
@@ -594,6 +598,29 @@ fn unusable_configs_are_errors_naming_the_key() {
         assert!(err.contains(named), "{key}: {err}");
         assert!(err.contains("config.json"), "{key}: {err}");
     }
+    // `mlp_bias` is Llama's (and SmolLM3's and Granite's): Mistral's MLPs
+    // have none.
+    let mut mistral = config_of("mistral");
+    mistral["mlp_bias"] = true.into();
+    let err = LlamaConfig::from_json(&mistral).unwrap_err();
+    assert!(err.contains("mlp_bias"), "{err}");
+    let mut biased = base.clone();
+    biased["mlp_bias"] = true.into();
+    let parsed = LlamaConfig::from_json(&biased).unwrap();
+    assert!(parsed.mlp_bias && !parsed.qkv_bias);
+    let map = zero_candle::ShardedVarMap::seeded(0);
+    Llama::new(map.builder(DType::F32, &Device::Cpu), &parsed, None).unwrap();
+    let vars = map.varmap().data().lock().unwrap().clone();
+    for projection in ["gate_proj", "up_proj", "down_proj"] {
+        let bias = format!("model.layers.1.mlp.{projection}.bias");
+        assert!(vars.contains_key(&bias), "no {bias}");
+    }
+    let count: usize = vars.values().map(|v| v.elem_count()).sum();
+    assert_eq!(
+        count,
+        parsed.num_params(),
+        "the biases counted by the config"
+    );
 }
 
 /// `CausalLm` opens whichever model a directory holds, by `model_type`.

@@ -49,6 +49,10 @@ pub struct LlamaConfig {
     pub qkv_bias: bool,
     /// The output projection has a bias (Llama with `attention_bias`).
     pub o_bias: bool,
+    /// The dense MLPs' projections have biases (Llama's `mlp_bias`,
+    /// ERNIE's `use_bias`; a mixture's shared experts too, never its
+    /// routed ones).
+    pub mlp_bias: bool,
     /// The query, key and value projections are one weight
     /// (`self_attn.qkv_proj`: queries, then keys, then values), as Phi-3
     /// stores them.
@@ -276,6 +280,10 @@ struct Plain {
     #[serde(default)]
     layer_norm_eps: Option<f64>,
     #[serde(default)]
+    mlp_bias: Option<bool>,
+    #[serde(default)]
+    use_bias: Option<bool>,
+    #[serde(default)]
     logit_scale: Option<f64>,
     #[serde(default)]
     router_jitter_noise: Option<f64>,
@@ -334,10 +342,6 @@ enum Windows {
 
 /// Settings of a Llama config.json this model does not implement, with the
 /// value it implements; any other value is an error naming the key.
-fn fixed() -> [(&'static str, serde_json::Value); 1] {
-    [("mlp_bias", false.into())]
-}
-
 /// What a Gemma generation changes from Llama.
 #[derive(Clone, Copy, PartialEq)]
 enum Gemma {
@@ -363,6 +367,10 @@ struct Family {
     qkv_bias: bool,
     /// `attention_bias` where the file does not say (GLM's is on).
     attention_bias: bool,
+    /// `mlp_bias` gives the MLPs biases (Llama, SmolLM3, Granite).
+    reads_mlp_bias: bool,
+    /// `use_bias` gives every projection a bias (ERNIE 4.5).
+    reads_use_bias: bool,
     /// `attention_bias` gives the output projection a bias too (all but
     /// GLM-4.5, whose `attention_bias` is the query's, key's and value's).
     o_bias: bool,
@@ -408,12 +416,15 @@ struct Family {
     moe: Option<MoeFamily>,
 }
 
-/// Llama itself: what the other families differ from.
+/// Llama itself (but for `mlp_bias`, which its family list reads): what the
+/// other families differ from.
 const LLAMA: Family = Family {
     model_type: "llama",
     architectures: ["LlamaForCausalLM", "LlamaModel"],
     qkv_bias: false,
     attention_bias: false,
+    reads_mlp_bias: false,
+    reads_use_bias: false,
     o_bias: true,
     switched_qk_norm: false,
     qk_norm: None,
@@ -491,9 +502,29 @@ const COHERE: Family = Family {
     ..LLAMA
 };
 
+/// ERNIE 4.5 (`ernie4_5`): every head rotating as interleaved pairs (as
+/// GLM's), `use_bias` giving every projection a bias, heads of 128 and a
+/// tied head by default.
+const ERNIE: Family = Family {
+    model_type: "ernie4_5",
+    architectures: ["Ernie4_5ForCausalLM", "Ernie4_5Model"],
+    reads_use_bias: true,
+    default_head_dim: Some(128),
+    tied_by_default: true,
+    default_theta: 500_000.0,
+    rope: RopeDialect {
+        interleaved: true,
+        ..LLAMA.rope
+    },
+    ..LLAMA
+};
+
 /// The families read as Llama.
-const FAMILIES: [Family; 23] = [
-    LLAMA,
+const FAMILIES: [Family; 24] = [
+    Family {
+        reads_mlp_bias: true,
+        ..LLAMA
+    },
     Family {
         model_type: "mistral",
         architectures: ["MistralForCausalLM", "MistralModel"],
@@ -552,6 +583,7 @@ const FAMILIES: [Family; 23] = [
     },
     Family {
         model_type: "smollm3",
+        reads_mlp_bias: true,
         architectures: ["SmolLM3ForCausalLM", "SmolLM3Model"],
         windows: Windows::NoRope,
         nope_layers: true,
@@ -561,6 +593,7 @@ const FAMILIES: [Family; 23] = [
     },
     Family {
         model_type: "granite",
+        reads_mlp_bias: true,
         architectures: ["GraniteForCausalLM", "GraniteModel"],
         multipliers: true,
         ..LLAMA
@@ -675,6 +708,7 @@ const FAMILIES: [Family; 23] = [
         rotary_in_windows_only: true,
         ..COHERE
     },
+    ERNIE,
 ];
 
 /// Whether `model_type` `kind` is read as Llama.
@@ -687,15 +721,15 @@ pub(crate) const LLAMA_TYPES: &str =
     "\"llama\", \"mistral\", \"qwen2\", \"qwen3\", \"phi3\", \"gemma\", \"gemma2\", \
      \"gemma3_text\", \"gemma3\" (its text model), \"smollm3\", \"granite\", \"olmo2\", \"olmo3\", \
      \"mixtral\", \"qwen2_moe\", \"qwen3_moe\", \"olmoe\", \"flex_olmo\", \"glm4_moe\", \
-     \"minimax_m2\", \"glm\", \"glm4\", \"cohere\" and \"cohere2\"";
+     \"minimax_m2\", \"glm\", \"glm4\", \"cohere\", \"cohere2\" and \"ernie4_5\"";
 
 impl LlamaConfig {
     /// Reads a hub `config.json` of a Llama, Mistral, Qwen2, Qwen3, Phi-3,
     /// Gemma, Gemma 2, Gemma 3 (text, or the text model of one with
     /// vision), SmolLM3, Granite, OLMo 2, OLMo 3, Mixtral, Qwen2-MoE,
     /// Qwen3-MoE, OLMoE, FlexOlmo, GLM-4.5 (`glm4_moe`), MiniMax-M2, GLM-4
-    /// (`glm`, `glm4`) or Cohere (`cohere`, `cohere2`) model (by
-    /// `model_type`; Llama without
+    /// (`glm`, `glm4`), Cohere (`cohere`, `cohere2`) or ERNIE 4.5
+    /// (`ernie4_5`) model (by `model_type`; Llama without
     /// one): an error names the key whose value this model
     /// cannot honour (another architecture, MLP biases, another
     /// activation, a rotary scaling it does not implement, bidirectional
@@ -716,16 +750,12 @@ impl LlamaConfig {
             ));
         };
         crate::models::check_architectures(config, &family.architectures)?;
-        for (key, implemented) in fixed() {
-            if let Some(value) = config.get(key) {
-                if !value.is_null() && *value != implemented {
-                    return Err(format!(
-                        "`{key}` is {value}; only {implemented} is supported"
-                    ));
-                }
-            }
-        }
         let plain = Plain::deserialize(config).map_err(|e| format!("{e}"))?;
+        if plain.mlp_bias == Some(true) && !family.reads_mlp_bias {
+            return Err(format!(
+                "`mlp_bias` is true; {kind}'s MLPs have no biases in transformers: set it to false"
+            ));
+        }
         let heads = plain.num_attention_heads;
         let rotated_layers = match family.nope_layers {
             true => Some(rotated_layers(&plain)?),
@@ -793,7 +823,8 @@ impl LlamaConfig {
         };
         // Granite's multipliers (1, the default, is none).
         let granite = |value: Option<f64>| value.filter(|&v| family.multipliers && v != 1.0);
-        let attention_bias = plain.attention_bias.unwrap_or(family.attention_bias);
+        let use_bias = family.reads_use_bias && plain.use_bias == Some(true);
+        let attention_bias = plain.attention_bias.unwrap_or(family.attention_bias) || use_bias;
         // Gemma 2's and 3's settings (Gemma reads none of them).
         let later = |value: Option<f64>| value.filter(|_| gemma.is_some_and(|g| g != Gemma::One));
         let parsed = Self {
@@ -819,6 +850,7 @@ impl LlamaConfig {
             qkv_bias: !family.fused_qkv
                 && (attention_bias || plain.qkv_bias.unwrap_or(family.qkv_bias)),
             o_bias: !family.fused_qkv && family.o_bias && attention_bias,
+            mlp_bias: use_bias || (family.reads_mlp_bias && plain.mlp_bias == Some(true)),
             fused_qkv: family.fused_qkv,
             fused_gate_up: family.fused_gate_up,
             rope_interleaved: family.rope.interleaved,
@@ -1021,7 +1053,7 @@ impl LlamaConfig {
         let mlps: usize = (0..self.num_hidden_layers)
             .map(|i| match &self.moe {
                 Some(moe) if moe.layers[i] => moe.num_params(d),
-                _ => 3 * d * inner,
+                _ => 3 * d * inner + if self.mlp_bias { 2 * inner + d } else { 0 },
             })
             .sum();
         let head = if self.tie_word_embeddings {

@@ -30,13 +30,14 @@
 //! head rotating as interleaved pairs, gate and up in one weight; GLM-4-0414
 //! with output norms) and Cohere (`CohereForCausalLM`, `Cohere2ForCausalLM`:
 //! LayerNorms without bias, the attention and the MLP side by side, the
-//! logits scaled).
+//! logits scaled). ERNIE 4.5 (`Ernie4_5ForCausalLM`: interleaved pairs,
+//! biases on every projection).
 //!
 //! The variables carry the hub's names (`model.embed_tokens.weight`,
 //! `model.layers.{i}.self_attn.q_proj.weight`, ..., `model.norm.weight`,
 //! `lm_head.weight` when the head is untied), stored as they are but for
 //! the query and key rows of models whose checkpoints rotate interleaved
-//! pairs (GLM's, Cohere's), held in rotate_half's order
+//! pairs (GLM's, Cohere's, ERNIE's), held in rotate_half's order
 //! ([`Llama::hub_layout`]).
 
 mod config;
@@ -528,21 +529,23 @@ impl Llama {
             .attention_scale
             .map(|scale| scale * (config.head_dim as f64).sqrt())
             .filter(|&factor| factor != 1.0);
-        // A gated MLP `width` wide under Llama's names.
-        let dense = |vb: VarBuilder, width| -> Result<Mlp> {
+        // A gated MLP `width` wide under Llama's names, with biases if
+        // `bias`.
+        let gated = |vb: VarBuilder, width, bias| -> Result<Mlp> {
             Ok(Mlp {
                 gate_up: Projections::Separate([
-                    linear(vb.pp("gate_proj"), d, width)?,
-                    linear(vb.pp("up_proj"), d, width)?,
+                    linear_b(vb.pp("gate_proj"), d, width, bias)?,
+                    linear_b(vb.pp("up_proj"), d, width, bias)?,
                 ]),
-                down: linear(vb.pp("down_proj"), width, d)?,
+                down: linear_b(vb.pp("down_proj"), width, d, bias)?,
                 activation: config.mlp_activation,
             })
         };
+        let dense = |vb: VarBuilder, width| gated(vb, width, config.mlp_bias);
         // One expert of a mixture, under its style's names.
         let expert = |vb: VarBuilder, moe: &MoeConfig| -> Result<Mlp> {
             match moe.style.w_names() {
-                false => dense(vb, moe.expert_size),
+                false => gated(vb, moe.expert_size, false),
                 true => Ok(Mlp {
                     gate_up: Projections::Separate([
                         linear(vb.pp("w1"), d, moe.expert_size)?,
@@ -649,10 +652,20 @@ impl Llama {
                     )?)),
                     _ if config.fused_gate_up => FeedForward::Dense(Mlp {
                         gate_up: Projections::Fused(
-                            linear(mlp.pp("gate_up_proj"), d, 2 * config.intermediate_size)?,
+                            linear_b(
+                                mlp.pp("gate_up_proj"),
+                                d,
+                                2 * config.intermediate_size,
+                                config.mlp_bias,
+                            )?,
                             [config.intermediate_size; 2],
                         ),
-                        down: linear(mlp.pp("down_proj"), config.intermediate_size, d)?,
+                        down: linear_b(
+                            mlp.pp("down_proj"),
+                            config.intermediate_size,
+                            d,
+                            config.mlp_bias,
+                        )?,
                         activation: config.mlp_activation,
                     }),
                     _ => FeedForward::Dense(dense(mlp, config.intermediate_size)?),
