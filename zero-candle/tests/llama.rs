@@ -67,6 +67,7 @@ fn logits_loss_and_gradients_equal_transformers() {
         ("cohere2", 18),
         // Biases on every projection (`use_bias`).
         ("ernie", 34),
+        ("erniemoe", 45),
     ];
     for (fixture, variables) in cases {
         let (config, map) = Llama::open_hub(fixtures().join(fixture)).unwrap();
@@ -84,6 +85,7 @@ fn logits_loss_and_gradients_equal_transformers() {
                     | "cohere"
                     | "cohere2"
                     | "ernie"
+                    | "erniemoe"
             )
         );
         let per_head = matches!(
@@ -99,7 +101,10 @@ fn logits_loss_and_gradients_equal_transformers() {
         );
         assert_eq!(
             config.rope_interleaved,
-            matches!(fixture, "glm" | "glm4" | "cohere" | "cohere2" | "ernie")
+            matches!(
+                fixture,
+                "glm" | "glm4" | "cohere" | "cohere2" | "ernie" | "erniemoe"
+            )
         );
         assert_eq!(config.layer_norms, fixture.starts_with("cohere"));
         let layout = Llama::hub_layout(&config);
@@ -168,6 +173,7 @@ fn loading_then_saving_reproduces_the_checkpoint_tensor_for_tensor() {
         "glm4",
         "cohere2",
         "ernie",
+        "erniemoe",
     ] {
         let dir = fixtures().join(fixture);
         for (stage, world) in [(Stage::Ddp, 1), (Stage::Parameters, 2)] {
@@ -226,6 +232,7 @@ fn one_sgd_step_equals_torch_at_stage_0_and_at_stage_3_on_two_ranks() {
         ("cohere", Stage::Parameters, 2, 18),
         ("cohere2", Stage::Parameters, 2, 18),
         ("ernie", Stage::Parameters, 2, 34),
+        ("erniemoe", Stage::Parameters, 2, 46),
     ] {
         let out = tempfile::tempdir().unwrap();
         Run::new(stage, world, 1).train(&fixtures().join(fixture), &ids, out.path());
@@ -312,7 +319,7 @@ fn glm_routing_bias_is_a_buffer_of_the_checkpoint() {
 #[test]
 fn stage_3_on_four_ranks_equals_stage_0_on_one() {
     // OLMoE and GLM-4.5: mixtures whose ranks route different tokens.
-    for fixture in ["gqa", "olmoe", "glm4moe", "glm4"] {
+    for fixture in ["gqa", "olmoe", "glm4moe", "glm4", "erniemoe"] {
         four_ranks_train_what_one_does(fixture);
     }
 }
@@ -944,6 +951,86 @@ fn longrope_switches_factors_past_the_original_context() {
     partial["rope_parameters"]["partial_rotary_factor"] = 1.5.into();
     let err = LlamaConfig::from_json(&partial).unwrap_err();
     assert!(err.contains("partial_rotary_factor"), "{err}");
+}
+
+/// ERNIE 4.5's configs read as `transformers` reads them (the goldens check
+/// them in use): `use_bias` on every projection, the mixture's layers,
+/// router and shared experts, transformers' defaults where the file is
+/// silent; what is not implemented, refused by name.
+#[test]
+fn ernie_configs_read_as_transformers_reads_them() {
+    use zero_candle::models::{MoeConfig, MoeRouting, MoeStyle};
+    let ernie = LlamaConfig::from_json(&config_of("ernie")).unwrap();
+    assert!(ernie.qkv_bias && ernie.o_bias && ernie.mlp_bias && ernie.rope_interleaved);
+    let mut silent = config_of("ernie");
+    let object = silent.as_object_mut().unwrap();
+    for key in [
+        "head_dim",
+        "rope_parameters",
+        "use_bias",
+        "tie_word_embeddings",
+    ] {
+        object.remove(key);
+    }
+    let parsed = LlamaConfig::from_json(&silent).unwrap();
+    assert_eq!(parsed.head_dim, 128);
+    assert_eq!(parsed.rope.theta, 500_000.0);
+    assert!(parsed.tie_word_embeddings && !parsed.qkv_bias && !parsed.mlp_bias);
+    let moe = |config: &serde_json::Value| LlamaConfig::from_json(config).map(|c| c.moe.unwrap());
+    assert_eq!(
+        moe(&config_of("erniemoe")).unwrap(),
+        MoeConfig {
+            num_experts: 8,
+            experts_per_token: 3,
+            expert_size: 16,
+            normalize: true,
+            shared_expert_size: Some(32),
+            layers: vec![false, true],
+            aux_loss_coef: None,
+            style: MoeStyle::Ernie,
+            routing: MoeRouting::BiasedSoftmax { min_sum: 1e-12 },
+        }
+    );
+    let mut silent = config_of("erniemoe");
+    let object = silent.as_object_mut().unwrap();
+    for key in [
+        "moe_num_experts",
+        "moe_k",
+        "moe_intermediate_size",
+        "moe_num_shared_experts",
+        "moe_layer_start_index",
+        "moe_layer_end_index",
+        "moe_layer_interval",
+        "moe_norm_min",
+    ] {
+        object.remove(key);
+    }
+    object.insert("num_hidden_layers".into(), 4.into());
+    let defaults = moe(&silent).unwrap();
+    assert_eq!(
+        (
+            defaults.num_experts,
+            defaults.experts_per_token,
+            defaults.expert_size
+        ),
+        (64, 6, 1536)
+    );
+    assert_eq!(defaults.shared_expert_size, Some(2 * 1536));
+    assert_eq!(defaults.layers, [false, true, true, true]);
+    silent["moe_layer_interval"] = 2.into();
+    silent["moe_layer_end_index"] = 2.into();
+    assert_eq!(moe(&silent).unwrap().layers, [false, true, false, false]);
+    for (key, value) in [
+        ("output_router_logits", serde_json::Value::from(true)),
+        ("use_bias", true.into()),
+        ("moe_norm_min", (-1.0).into()),
+        ("moe_layer_interval", 0.into()),
+    ] {
+        let mut config = config_of("erniemoe");
+        config[key] = value;
+        let err = moe(&config).unwrap_err();
+        assert!(err.contains(key), "{key}: {err}");
+    }
 }
 
 /// Cohere's configs read as `transformers` reads them (the goldens check

@@ -2,7 +2,8 @@
 //! reads it, each family's differences from Llama in one table.
 
 use super::moe::{
-    moe_of, MoeConfig, MoeFamily, MoeStyle, GLM4_MOE, MINIMAX_M2_MOE, OLMOE_MOE, QWEN2_MOE,
+    moe_of, MoeConfig, MoeFamily, MoeStyle, ERNIE4_5_MOE, GLM4_MOE, MINIMAX_M2_MOE, OLMOE_MOE,
+    QWEN2_MOE,
 };
 use crate::hub::HubDir;
 use crate::models::rope::{Rope, RopeDialect};
@@ -520,7 +521,7 @@ const ERNIE: Family = Family {
 };
 
 /// The families read as Llama.
-const FAMILIES: [Family; 24] = [
+const FAMILIES: [Family; 25] = [
     Family {
         reads_mlp_bias: true,
         ..LLAMA
@@ -709,6 +710,12 @@ const FAMILIES: [Family; 24] = [
         ..COHERE
     },
     ERNIE,
+    Family {
+        model_type: "ernie4_5_moe",
+        architectures: ["Ernie4_5_MoeForCausalLM", "Ernie4_5_MoeModel"],
+        moe: Some(ERNIE4_5_MOE),
+        ..ERNIE
+    },
 ];
 
 /// Whether `model_type` `kind` is read as Llama.
@@ -721,7 +728,7 @@ pub(crate) const LLAMA_TYPES: &str =
     "\"llama\", \"mistral\", \"qwen2\", \"qwen3\", \"phi3\", \"gemma\", \"gemma2\", \
      \"gemma3_text\", \"gemma3\" (its text model), \"smollm3\", \"granite\", \"olmo2\", \"olmo3\", \
      \"mixtral\", \"qwen2_moe\", \"qwen3_moe\", \"olmoe\", \"flex_olmo\", \"glm4_moe\", \
-     \"minimax_m2\", \"glm\", \"glm4\", \"cohere\", \"cohere2\" and \"ernie4_5\"";
+     \"minimax_m2\", \"glm\", \"glm4\", \"cohere\", \"cohere2\", \"ernie4_5\" and \"ernie4_5_moe\"";
 
 impl LlamaConfig {
     /// Reads a hub `config.json` of a Llama, Mistral, Qwen2, Qwen3, Phi-3,
@@ -729,7 +736,7 @@ impl LlamaConfig {
     /// vision), SmolLM3, Granite, OLMo 2, OLMo 3, Mixtral, Qwen2-MoE,
     /// Qwen3-MoE, OLMoE, FlexOlmo, GLM-4.5 (`glm4_moe`), MiniMax-M2, GLM-4
     /// (`glm`, `glm4`), Cohere (`cohere`, `cohere2`) or ERNIE 4.5
-    /// (`ernie4_5`) model (by `model_type`; Llama without
+    /// (`ernie4_5`, `ernie4_5_moe`) model (by `model_type`; Llama without
     /// one): an error names the key whose value this model
     /// cannot honour (another architecture, MLP biases, another
     /// activation, a rotary scaling it does not implement, bidirectional
@@ -824,6 +831,13 @@ impl LlamaConfig {
         // Granite's multipliers (1, the default, is none).
         let granite = |value: Option<f64>| value.filter(|&v| family.multipliers && v != 1.0);
         let use_bias = family.reads_use_bias && plain.use_bias == Some(true);
+        if use_bias && family.moe.is_some() {
+            return Err(
+                "`use_bias` is true: ERNIE 4.5's mixtures with biases (on the head too) are not \
+                 implemented here"
+                    .into(),
+            );
+        }
         let attention_bias = plain.attention_bias.unwrap_or(family.attention_bias) || use_bias;
         // Gemma 2's and 3's settings (Gemma reads none of them).
         let later = |value: Option<f64>| value.filter(|_| gemma.is_some_and(|g| g != Gemma::One));

@@ -1,5 +1,5 @@
 //! A block's MLP: one gated MLP, or a sparse mixture of them (Mixtral,
-//! Qwen2-MoE, Qwen3-MoE, OLMoE, GLM-4.5, MiniMax-M2).
+//! Qwen2-MoE, Qwen3-MoE, OLMoE, GLM-4.5, MiniMax-M2, ERNIE 4.5).
 
 use super::Projections;
 use crate::nn::{ops, Activation, ExpertMlps, Linear, OnDevice};
@@ -70,6 +70,15 @@ pub(super) enum Routing {
         /// Added to the chosen scores' sum before it divides them.
         epsilon: f64,
     },
+    /// ERNIE 4.5's softmax probabilities (in f32), chosen by probability
+    /// plus `bias`.
+    BiasedSoftmax {
+        /// `e_score_correction_bias`, f32 `[num_experts]` on the model's
+        /// device.
+        bias: Tensor,
+        /// The least sum that divides the chosen probabilities.
+        min_sum: f64,
+    },
 }
 
 /// A sparse mixture of experts ([`super::MoeConfig`]).
@@ -80,7 +89,7 @@ pub(super) struct Experts {
     pub(super) routing: Routing,
     pub(super) experts: Vec<Mlp>,
     /// A shared expert that every token goes through, with Qwen2-MoE's gate
-    /// (`[1, hidden]`) on its output, or without one (GLM-4.5's).
+    /// (`[1, hidden]`) on its output, or without one (GLM-4.5's, ERNIE's).
     pub(super) shared: Option<(Mlp, Option<Linear>)>,
     pub(super) top_k: usize,
     pub(super) normalize: bool,
@@ -207,6 +216,13 @@ impl Experts {
                 let chosen = index.to_vec2::<u32>()?;
                 (probs, index, chosen)
             }
+            Routing::BiasedSoftmax { bias, .. } => {
+                let probs = candle_nn::ops::softmax(&wide, D::Minus1)?;
+                // The choice only: no gradient flows through it.
+                let index = top_k(&probs.detach().broadcast_add(bias)?, self.top_k)?;
+                let chosen = index.to_vec2::<u32>()?;
+                (probs, index, chosen)
+            }
             Routing::Sigmoid {
                 bias,
                 groups,
@@ -229,17 +245,20 @@ impl Experts {
                 }
             }
         };
-        let (epsilon, scale) = match &self.routing {
-            Routing::Softmax => (0.0, 1.0),
-            Routing::Sigmoid { epsilon, scale, .. } => (*epsilon, *scale),
+        let (epsilon, scale, min_sum) = match &self.routing {
+            Routing::Softmax => (0.0, 1.0, 0.0),
+            Routing::Sigmoid { epsilon, scale, .. } => (*epsilon, *scale, 0.0),
+            Routing::BiasedSoftmax { min_sum, .. } => (0.0, 1.0, *min_sum),
         };
         let mut weights = scores.gather(&index, 1)?;
         if self.normalize {
-            let sum = weights.sum_keepdim(1)?;
-            let sum = match epsilon == 0.0 {
-                true => sum,
-                false => (sum + epsilon)?,
-            };
+            let mut sum = weights.sum_keepdim(1)?;
+            if epsilon != 0.0 {
+                sum = (sum + epsilon)?;
+            }
+            if min_sum != 0.0 {
+                sum = sum.maximum(min_sum)?;
+            }
             weights = weights.broadcast_div(&sum)?;
         }
         if scale != 1.0 {

@@ -31,7 +31,8 @@
 //! with output norms) and Cohere (`CohereForCausalLM`, `Cohere2ForCausalLM`:
 //! LayerNorms without bias, the attention and the MLP side by side, the
 //! logits scaled). ERNIE 4.5 (`Ernie4_5ForCausalLM`: interleaved pairs,
-//! biases on every projection).
+//! biases on every projection; `Ernie4_5_MoeForCausalLM`: mixtures chosen
+//! by probability plus a bias, shared experts).
 //!
 //! The variables carry the hub's names (`model.embed_tokens.weight`,
 //! `model.layers.{i}.self_attn.q_proj.weight`, ..., `model.norm.weight`,
@@ -390,6 +391,11 @@ fn buffer(vb: &VarBuilder, (name, beside): (&str, &str), width: usize) -> Result
         return Ok(Tensor::zeros(width, DType::F32, vb.device())?);
     }
     let values = vb.get_unchecked_dtype(name, DType::F32)?;
+    // ERNIE 4.5 keeps its bias as one row.
+    let values = match values.dims() {
+        [1, w] if *w == width => values.flatten_all()?,
+        _ => values,
+    };
     if values.dims() != [width] {
         return Err(Error::Variable {
             name: format!("{}.{name}", vb.prefix()),
@@ -581,6 +587,13 @@ impl Llama {
                         },
                     },
                 )),
+                MoeRouting::BiasedSoftmax { min_sum } => Ok((
+                    gate,
+                    Routing::BiasedSoftmax {
+                        bias: buffer(&vb, (moe.style.bias_name(), "gate.weight"), moe.num_experts)?,
+                        min_sum,
+                    },
+                )),
             }
         };
         let model = vb.pp("model");
@@ -634,20 +647,20 @@ impl Llama {
                                 expert(vb.pp(moe.style.prefix()).pp(format!("experts.{e}")), moe)
                             })
                             .collect::<Result<_>>()?,
-                        match (moe.shared_expert_size, moe.style) {
-                            (Some(width), MoeStyle::Glm) => {
+                        match moe.shared_expert_size {
+                            Some(width) if moe.style.ungated_shared_experts() => {
                                 Some((dense(mlp.pp("shared_experts"), width)?, None))
                             }
-                            (Some(width), _) => Some((
+                            Some(width) => Some((
                                 dense(mlp.pp("shared_expert"), width)?,
                                 Some(linear(mlp.pp("shared_expert_gate"), d, 1)?),
                             )),
-                            (None, _) => None,
+                            None => None,
                         },
                         (
                             moe.experts_per_token,
                             moe.normalize,
-                            moe.style == MoeStyle::Qwen,
+                            moe.style.weights_in_model_dtype(),
                         ),
                     )?)),
                     _ if config.fused_gate_up => FeedForward::Dense(Mlp {

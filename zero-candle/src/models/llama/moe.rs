@@ -72,6 +72,15 @@ pub enum MoeRouting {
         /// `routed_scaling_factor`.
         scale: f64,
     },
+    /// ERNIE 4.5's: a softmax over the experts in f32; a token chooses the
+    /// `experts_per_token` best by probability plus the checkpoint's
+    /// `moe_statics.e_score_correction_bias` (not trained); their weights
+    /// are their probabilities divided by their sum, or by `min_sum`
+    /// (`moe_norm_min`) where the sum is smaller.
+    BiasedSoftmax {
+        /// `moe_norm_min`.
+        min_sum: f64,
+    },
 }
 
 /// The layouts of a mixture of experts in hub checkpoints.
@@ -95,6 +104,11 @@ pub enum MoeStyle {
     /// MiniMax-M2's: Mixtral's names and f32 scaling, the sigmoid router's
     /// bias beside it (`block_sparse_moe.e_score_correction_bias`).
     MiniMax,
+    /// ERNIE 4.5's: Qwen's names and rounding, the router's bias
+    /// `mlp.moe_statics.e_score_correction_bias` (`[1, num_experts]`),
+    /// shared experts without a gate as GLM-4.5's; the router's weight in
+    /// the model's dtype (`transformers` keeps it in f32), as GLM-4.5's.
+    Ernie,
 }
 
 impl MoeStyle {
@@ -103,7 +117,7 @@ impl MoeStyle {
     pub(super) fn prefix(self) -> &'static str {
         match self {
             Self::Mixtral | Self::MiniMax => "block_sparse_moe",
-            Self::Qwen | Self::Glm => "mlp",
+            Self::Qwen | Self::Glm | Self::Ernie => "mlp",
         }
     }
 
@@ -111,6 +125,7 @@ impl MoeStyle {
     pub(super) fn bias_name(self) -> &'static str {
         match self {
             Self::MiniMax => "e_score_correction_bias",
+            Self::Ernie => "moe_statics.e_score_correction_bias",
             _ => "gate.e_score_correction_bias",
         }
     }
@@ -118,6 +133,19 @@ impl MoeStyle {
     /// The experts' weights are named `w1`, `w3` and `w2` (Mixtral's).
     pub(super) fn w_names(self) -> bool {
         matches!(self, Self::Mixtral | Self::MiniMax)
+    }
+
+    /// The routing weights are rounded to the model's dtype before they
+    /// scale the experts' outputs (else the outputs are scaled in f32).
+    pub(super) fn weights_in_model_dtype(self) -> bool {
+        matches!(self, Self::Qwen | Self::Ernie)
+    }
+
+    /// The shared experts are one MLP without a gate (GLM-4.5's, ERNIE
+    /// 4.5's), under `shared_experts`; else Qwen2-MoE's `shared_expert`
+    /// with its `shared_expert_gate`.
+    pub(super) fn ungated_shared_experts(self) -> bool {
+        matches!(self, Self::Glm | Self::Ernie)
     }
 }
 
@@ -178,6 +206,13 @@ impl MoeConfig {
                 ));
             }
         }
+        if let MoeRouting::BiasedSoftmax { min_sum } = self.routing {
+            if !(min_sum.is_finite() && min_sum >= 0.0) {
+                return Err(format!(
+                    "`moe_norm_min` is {min_sum}; set a finite number of at least 0"
+                ));
+            }
+        }
         match self.aux_loss_coef {
             Some(c) if !c.is_finite() => Err(format!(
                 "`router_aux_loss_coef` is {c}; set a finite number"
@@ -188,7 +223,7 @@ impl MoeConfig {
 
     /// The parameters of one mixture layer in a model `hidden` wide.
     pub fn num_params(&self, hidden: usize) -> usize {
-        // Qwen2-MoE's shared expert has a gate, GLM-4.5's do not.
+        // Qwen2-MoE's shared expert has a gate, GLM-4.5's and ERNIE's do not.
         let gate = usize::from(self.style == MoeStyle::Qwen);
         let shared = self
             .shared_expert_size
@@ -268,14 +303,33 @@ pub(super) const MINIMAX_M2_MOE: MoeFamily = MoeFamily {
     aux_loss_coef: 0.001,
 };
 
+/// ERNIE 4.5's mixture (`ernie4_5_moe`): the biased softmax router,
+/// `moe_num_shared_experts` shared experts of `moe_intermediate_size` as
+/// one MLP, mixtures from layer `moe_layer_start_index` (1).
+pub(super) const ERNIE4_5_MOE: MoeFamily = MoeFamily {
+    style: MoeStyle::Ernie,
+    num_experts: 64,
+    experts_per_token: 6,
+    expert_size: Some(1536),
+    normalize: None,
+    shared_expert_size: None,
+    sparse_layers: false,
+    aux_loss_coef: 0.001,
+};
+
 /// The keys of `config.json` that describe a mixture, read as they are.
 #[derive(Deserialize)]
 struct MoeKeys {
     num_hidden_layers: usize,
     intermediate_size: usize,
-    #[serde(default, alias = "num_local_experts", alias = "n_routed_experts")]
+    #[serde(
+        default,
+        alias = "num_local_experts",
+        alias = "n_routed_experts",
+        alias = "moe_num_experts"
+    )]
     num_experts: Option<usize>,
-    #[serde(default)]
+    #[serde(default, alias = "moe_k")]
     num_experts_per_tok: Option<usize>,
     #[serde(default)]
     moe_intermediate_size: Option<usize>,
@@ -291,8 +345,8 @@ struct MoeKeys {
     output_router_logits: bool,
     #[serde(default)]
     router_aux_loss_coef: Option<f64>,
-    /// GLM-4.5's (DeepSeek-V3's).
-    #[serde(default)]
+    /// GLM-4.5's (DeepSeek-V3's); ERNIE 4.5's `moe_num_shared_experts`.
+    #[serde(default, alias = "moe_num_shared_experts")]
     n_shared_experts: Option<usize>,
     #[serde(default)]
     routed_scaling_factor: Option<f64>,
@@ -302,6 +356,16 @@ struct MoeKeys {
     topk_group: Option<usize>,
     #[serde(default)]
     first_k_dense_replace: Option<usize>,
+    /// ERNIE 4.5's mixture layers: `(i + 1) % interval == 0` from `start`
+    /// to `end` (-1: the last), both included.
+    #[serde(default)]
+    moe_layer_start_index: Option<usize>,
+    #[serde(default)]
+    moe_layer_end_index: Option<i64>,
+    #[serde(default)]
+    moe_layer_interval: Option<usize>,
+    #[serde(default)]
+    moe_norm_min: Option<f64>,
 }
 
 /// The mixture of experts `config` describes, `family`'s defaults where it
@@ -313,11 +377,28 @@ pub(super) fn moe_of(
     let plain = MoeKeys::deserialize(config).map_err(|e| format!("{e}"))?;
     let n = plain.num_hidden_layers;
     let glm = family.style == MoeStyle::Glm;
+    let ernie = family.style == MoeStyle::Ernie;
     let layers = match family.sparse_layers {
         // GLM-4.5's first layers are dense.
         false if glm => {
             let dense = plain.first_k_dense_replace.unwrap_or(1);
             (0..n).map(|i| i >= dense).collect()
+        }
+        false if ernie => {
+            let start = plain.moe_layer_start_index.unwrap_or(1);
+            let end = match plain.moe_layer_end_index.unwrap_or(-1) {
+                -1 => n.saturating_sub(1),
+                end => usize::try_from(end).map_err(|_| {
+                    format!("`moe_layer_end_index` is {end}; a layer index or -1 is expected")
+                })?,
+            };
+            let every = plain.moe_layer_interval.unwrap_or(1);
+            if every == 0 {
+                return Err("`moe_layer_interval` is 0; set it to at least 1".into());
+            }
+            (0..n)
+                .map(|i| (i + 1) % every == 0 && i >= start && i <= end)
+                .collect()
         }
         false => vec![true; n],
         true => {
@@ -340,9 +421,20 @@ pub(super) fn moe_of(
         Some(default) => plain.moe_intermediate_size.unwrap_or(default),
         None => plain.intermediate_size,
     };
-    // GLM-4.5's shared experts are one MLP as wide as all of them.
-    let shared_expert_size = match glm {
-        true => Some(expert_size * plain.n_shared_experts.unwrap_or(1)).filter(|&s| s > 0),
+    if ernie && plain.output_router_logits {
+        return Err(
+            "`output_router_logits` is true: ERNIE 4.5's load-balancing loss is not implemented \
+             here; set it to false"
+                .into(),
+        );
+    }
+    // GLM-4.5's and ERNIE's shared experts are one MLP as wide as all of
+    // them.
+    let shared_expert_size = match family.style.ungated_shared_experts() {
+        true => {
+            let shared = plain.n_shared_experts.unwrap_or(if ernie { 2 } else { 1 });
+            Some(expert_size * shared).filter(|&s| s > 0)
+        }
         false => family
             .shared_expert_size
             .map(|default| plain.shared_expert_intermediate_size.unwrap_or(default)),
@@ -363,13 +455,16 @@ pub(super) fn moe_of(
         aux_loss_coef: (plain.output_router_logits && !glm)
             .then(|| plain.router_aux_loss_coef.unwrap_or(family.aux_loss_coef)),
         style: family.style,
-        routing: match glm || family.style == MoeStyle::MiniMax {
-            true => MoeRouting::Sigmoid {
+        routing: match family.style {
+            MoeStyle::Glm | MoeStyle::MiniMax => MoeRouting::Sigmoid {
                 groups: plain.n_group.unwrap_or(1),
                 top_groups: plain.topk_group.unwrap_or(1),
                 scale: plain.routed_scaling_factor.unwrap_or(1.0),
             },
-            false => MoeRouting::Softmax,
+            MoeStyle::Ernie => MoeRouting::BiasedSoftmax {
+                min_sum: plain.moe_norm_min.unwrap_or(1e-12),
+            },
+            MoeStyle::Mixtral | MoeStyle::Qwen => MoeRouting::Softmax,
         },
     })
 }
