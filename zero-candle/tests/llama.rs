@@ -68,6 +68,7 @@ fn logits_loss_and_gradients_equal_transformers() {
         // Biases on every projection (`use_bias`).
         ("ernie", 34),
         ("erniemoe", 45),
+        ("dots1", 58),
     ];
     for (fixture, variables) in cases {
         let (config, map) = Llama::open_hub(fixtures().join(fixture)).unwrap();
@@ -90,7 +91,7 @@ fn logits_loss_and_gradients_equal_transformers() {
         );
         let per_head = matches!(
             fixture,
-            "qwen3" | "qwen3moe" | "gemma3" | "gemma3mm" | "glm4moe"
+            "qwen3" | "qwen3moe" | "gemma3" | "gemma3mm" | "glm4moe" | "dots1"
         );
         let whole = fixture.starts_with("olmo") || matches!(fixture, "flexolmo" | "minimaxm2");
         assert_eq!(config.qk_norm.is_some(), per_head || whole);
@@ -174,6 +175,7 @@ fn loading_then_saving_reproduces_the_checkpoint_tensor_for_tensor() {
         "cohere2",
         "ernie",
         "erniemoe",
+        "dots1",
     ] {
         let dir = fixtures().join(fixture);
         for (stage, world) in [(Stage::Ddp, 1), (Stage::Parameters, 2)] {
@@ -233,6 +235,7 @@ fn one_sgd_step_equals_torch_at_stage_0_and_at_stage_3_on_two_ranks() {
         ("cohere2", Stage::Parameters, 2, 18),
         ("ernie", Stage::Parameters, 2, 34),
         ("erniemoe", Stage::Parameters, 2, 46),
+        ("dots1", Stage::Parameters, 2, 59),
     ] {
         let out = tempfile::tempdir().unwrap();
         Run::new(stage, world, 1).train(&fixtures().join(fixture), &ids, out.path());
@@ -1031,6 +1034,42 @@ fn ernie_configs_read_as_transformers_reads_them() {
         let err = moe(&config).unwrap_err();
         assert!(err.contains(key), "{key}: {err}");
     }
+}
+
+/// dots.llm1's config read as `transformers` reads it (the goldens check
+/// it in use): GLM-4.5's router unnormalized by default, every layer a
+/// mixture by default, windows from `max_window_layers` (62) on without a
+/// switch.
+#[test]
+fn dots1_config_reads_as_transformers_reads_it() {
+    use zero_candle::models::{MoeRouting, QkNorm};
+    let dots = LlamaConfig::from_json(&config_of("dots1")).unwrap();
+    assert!(dots.qkv_bias && dots.o_bias && dots.qk_norm == Some(QkNorm::PerHead));
+    assert_eq!(dots.sliding_window.as_ref().unwrap().layers, [false, true]);
+    let moe = dots.moe.unwrap();
+    assert!(!moe.normalize && moe.layers == [false, true]);
+    assert_eq!(moe.shared_expert_size, Some(32));
+    assert_eq!(
+        moe.routing,
+        MoeRouting::Sigmoid {
+            groups: 4,
+            top_groups: 2,
+            scale: 2.5
+        }
+    );
+    let mut silent = config_of("dots1");
+    let object = silent.as_object_mut().unwrap();
+    for key in ["layer_types", "norm_topk_prob", "first_k_dense_replace"] {
+        object.remove(key);
+    }
+    object.insert("num_hidden_layers".into(), 3.into());
+    let parsed = LlamaConfig::from_json(&silent).unwrap();
+    assert_eq!(parsed.sliding_window.unwrap().layers, [false, true, true]);
+    let moe = parsed.moe.unwrap();
+    assert!(!moe.normalize && moe.layers == [true, true, true]);
+    silent.as_object_mut().unwrap().remove("max_window_layers");
+    let parsed = LlamaConfig::from_json(&silent).unwrap();
+    assert!(parsed.sliding_window.is_none(), "windows from layer 62 on");
 }
 
 /// Cohere's configs read as `transformers` reads them (the goldens check

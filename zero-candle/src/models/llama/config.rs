@@ -2,8 +2,8 @@
 //! reads it, each family's differences from Llama in one table.
 
 use super::moe::{
-    moe_of, MoeConfig, MoeFamily, MoeStyle, ERNIE4_5_MOE, GLM4_MOE, MINIMAX_M2_MOE, OLMOE_MOE,
-    QWEN2_MOE,
+    moe_of, MoeConfig, MoeFamily, MoeStyle, DOTS1_MOE, ERNIE4_5_MOE, GLM4_MOE, MINIMAX_M2_MOE,
+    OLMOE_MOE, QWEN2_MOE,
 };
 use crate::hub::HubDir;
 use crate::models::rope::{Rope, RopeDialect};
@@ -234,8 +234,8 @@ struct Plain {
     #[serde(default)]
     use_sliding_window: bool,
     /// Qwen's first windowed layer, where `layer_types` does not say.
-    #[serde(default = "default_max_window_layers")]
-    max_window_layers: usize,
+    #[serde(default)]
+    max_window_layers: Option<usize>,
     /// Qwen's and Gemma 3's attention per layer (transformers 5).
     #[serde(default)]
     layer_types: Option<Vec<String>>,
@@ -310,9 +310,7 @@ fn default_initializer_range() -> f64 {
 }
 
 /// `transformers`' `max_window_layers` (Qwen2, Qwen3).
-fn default_max_window_layers() -> usize {
-    28
-}
+const DEFAULT_MAX_WINDOW_LAYERS: usize = 28;
 
 /// `transformers`' `sliding_window` where a Mistral or Qwen file leaves it
 /// out.
@@ -335,14 +333,15 @@ enum Windows {
     /// Where `use_sliding_window` is on, in the layers `layer_types` names
     /// (or from `max_window_layers` on) (Qwen2, Qwen3).
     Switched,
+    /// In the layers `layer_types` names, or from `max_window_layers`
+    /// (`layers` when absent) on, without a switch (dots.llm1).
+    FromLayer { layers: usize },
     /// Windows this model does not place as `transformers` does: an error
     /// where `use_sliding_window` is on (Qwen2-MoE, Qwen3-MoE, whose
     /// published checkpoints all have it off).
     Unsupported,
 }
 
-/// Settings of a Llama config.json this model does not implement, with the
-/// value it implements; any other value is an error naming the key.
 /// What a Gemma generation changes from Llama.
 #[derive(Clone, Copy, PartialEq)]
 enum Gemma {
@@ -521,7 +520,7 @@ const ERNIE: Family = Family {
 };
 
 /// The families read as Llama.
-const FAMILIES: [Family; 25] = [
+const FAMILIES: [Family; 26] = [
     Family {
         reads_mlp_bias: true,
         ..LLAMA
@@ -716,6 +715,14 @@ const FAMILIES: [Family; 25] = [
         moe: Some(ERNIE4_5_MOE),
         ..ERNIE
     },
+    Family {
+        model_type: "dots1",
+        architectures: ["Dots1ForCausalLM", "Dots1Model"],
+        qk_norm: Some(QkNorm::PerHead),
+        windows: Windows::FromLayer { layers: 62 },
+        moe: Some(DOTS1_MOE),
+        ..LLAMA
+    },
 ];
 
 /// Whether `model_type` `kind` is read as Llama.
@@ -728,15 +735,15 @@ pub(crate) const LLAMA_TYPES: &str =
     "\"llama\", \"mistral\", \"qwen2\", \"qwen3\", \"phi3\", \"gemma\", \"gemma2\", \
      \"gemma3_text\", \"gemma3\" (its text model), \"smollm3\", \"granite\", \"olmo2\", \"olmo3\", \
      \"mixtral\", \"qwen2_moe\", \"qwen3_moe\", \"olmoe\", \"flex_olmo\", \"glm4_moe\", \
-     \"minimax_m2\", \"glm\", \"glm4\", \"cohere\", \"cohere2\", \"ernie4_5\" and \"ernie4_5_moe\"";
+     \"minimax_m2\", \"glm\", \"glm4\", \"cohere\", \"cohere2\", \"ernie4_5\", \"ernie4_5_moe\" and \"dots1\"";
 
 impl LlamaConfig {
     /// Reads a hub `config.json` of a Llama, Mistral, Qwen2, Qwen3, Phi-3,
     /// Gemma, Gemma 2, Gemma 3 (text, or the text model of one with
     /// vision), SmolLM3, Granite, OLMo 2, OLMo 3, Mixtral, Qwen2-MoE,
     /// Qwen3-MoE, OLMoE, FlexOlmo, GLM-4.5 (`glm4_moe`), MiniMax-M2, GLM-4
-    /// (`glm`, `glm4`), Cohere (`cohere`, `cohere2`) or ERNIE 4.5
-    /// (`ernie4_5`, `ernie4_5_moe`) model (by `model_type`; Llama without
+    /// (`glm`, `glm4`), Cohere (`cohere`, `cohere2`), ERNIE 4.5
+    /// (`ernie4_5`, `ernie4_5_moe`) or dots.llm1 (`dots1`) model (by `model_type`; Llama without
     /// one): an error names the key whose value this model
     /// cannot honour (another architecture, MLP biases, another
     /// activation, a rotary scaling it does not implement, bidirectional
@@ -1127,7 +1134,17 @@ fn sliding_window_of(
         Windows::EveryLayer { .. } => vec![true; n],
         Windows::Switched => match &plain.layer_types {
             Some(types) => typed(types),
-            None => (0..n).map(|i| i >= plain.max_window_layers).collect(),
+            None => {
+                let from = plain.max_window_layers.unwrap_or(DEFAULT_MAX_WINDOW_LAYERS);
+                (0..n).map(|i| i >= from).collect()
+            }
+        },
+        Windows::FromLayer { layers } => match &plain.layer_types {
+            Some(types) => typed(types),
+            None => {
+                let from = plain.max_window_layers.unwrap_or(layers);
+                (0..n).map(|i| i >= from).collect()
+            }
         },
         Windows::Typed { pattern } => match &plain.layer_types {
             Some(types) => typed(types),

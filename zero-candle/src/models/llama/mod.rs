@@ -32,7 +32,8 @@
 //! LayerNorms without bias, the attention and the MLP side by side, the
 //! logits scaled). ERNIE 4.5 (`Ernie4_5ForCausalLM`: interleaved pairs,
 //! biases on every projection; `Ernie4_5_MoeForCausalLM`: mixtures chosen
-//! by probability plus a bias, shared experts).
+//! by probability plus a bias, shared experts). dots.llm1
+//! (`Dots1ForCausalLM`: Qwen3's attention, GLM-4.5's mixtures).
 //!
 //! The variables carry the hub's names (`model.embed_tokens.weight`,
 //! `model.layers.{i}.self_attn.q_proj.weight`, ..., `model.norm.weight`,

@@ -94,7 +94,7 @@ pub enum MoeStyle {
     /// `mlp.experts.{e}.{gate,up,down}_proj`; the probabilities rounded to
     /// the model's dtype first.
     Qwen,
-    /// GLM-4.5's: Qwen's names, beside the router (`mlp.gate.weight`) the
+    /// GLM-4.5's (and dots.llm1's): Qwen's names, beside the router (`mlp.gate.weight`) the
     /// buffer `mlp.gate.e_score_correction_bias`, and shared experts without
     /// a gate (`mlp.shared_experts.{gate,up,down}_proj`); the outputs scaled
     /// in f32. The router's weight is in the model's dtype, as every
@@ -250,6 +250,9 @@ pub(super) struct MoeFamily {
     pub(super) shared_expert_size: Option<usize>,
     /// `decoder_sparse_step` and `mlp_only_layers` are read (Qwen).
     pub(super) sparse_layers: bool,
+    /// `first_k_dense_replace` where the file leaves it out (GLM-4.5's
+    /// router: 1; dots.llm1's 0).
+    pub(super) first_dense: usize,
     pub(super) aux_loss_coef: f64,
 }
 
@@ -264,7 +267,16 @@ pub(super) const GLM4_MOE: MoeFamily = MoeFamily {
     normalize: Some(true),
     shared_expert_size: None,
     sparse_layers: false,
+    first_dense: 1,
     aux_loss_coef: 0.0,
+};
+
+/// dots.llm1's mixture (`dots1`): GLM-4.5's, its choices unnormalized and
+/// every layer a mixture unless the file says otherwise.
+pub(super) const DOTS1_MOE: MoeFamily = MoeFamily {
+    normalize: Some(false),
+    first_dense: 0,
+    ..GLM4_MOE
 };
 
 /// Qwen2-MoE's mixture, which Qwen3-MoE's and OLMoE's differ from.
@@ -276,6 +288,7 @@ pub(super) const QWEN2_MOE: MoeFamily = MoeFamily {
     normalize: Some(false),
     shared_expert_size: Some(5632),
     sparse_layers: true,
+    first_dense: 0,
     aux_loss_coef: 0.001,
 };
 
@@ -286,6 +299,7 @@ pub(super) const OLMOE_MOE: MoeFamily = MoeFamily {
     expert_size: None,
     shared_expert_size: None,
     sparse_layers: false,
+    first_dense: 0,
     aux_loss_coef: 0.01,
     ..QWEN2_MOE
 };
@@ -300,6 +314,7 @@ pub(super) const MINIMAX_M2_MOE: MoeFamily = MoeFamily {
     normalize: None,
     shared_expert_size: None,
     sparse_layers: false,
+    first_dense: 0,
     aux_loss_coef: 0.001,
 };
 
@@ -314,6 +329,7 @@ pub(super) const ERNIE4_5_MOE: MoeFamily = MoeFamily {
     normalize: None,
     shared_expert_size: None,
     sparse_layers: false,
+    first_dense: 0,
     aux_loss_coef: 0.001,
 };
 
@@ -381,7 +397,7 @@ pub(super) fn moe_of(
     let layers = match family.sparse_layers {
         // GLM-4.5's first layers are dense.
         false if glm => {
-            let dense = plain.first_k_dense_replace.unwrap_or(1);
+            let dense = plain.first_k_dense_replace.unwrap_or(family.first_dense);
             (0..n).map(|i| i >= dense).collect()
         }
         false if ernie => {
