@@ -69,6 +69,7 @@ fn logits_loss_and_gradients_equal_transformers() {
         ("ernie", 34),
         ("erniemoe", 45),
         ("dots1", 58),
+        ("cohereqk", 22),
     ];
     for (fixture, variables) in cases {
         let (config, map) = Llama::open_hub(fixtures().join(fixture)).unwrap();
@@ -87,13 +88,15 @@ fn logits_loss_and_gradients_equal_transformers() {
                     | "cohere2"
                     | "ernie"
                     | "erniemoe"
+                    | "cohereqk"
             )
         );
         let per_head = matches!(
             fixture,
             "qwen3" | "qwen3moe" | "gemma3" | "gemma3mm" | "glm4moe" | "dots1"
         );
-        let whole = fixture.starts_with("olmo") || matches!(fixture, "flexolmo" | "minimaxm2");
+        let whole =
+            fixture.starts_with("olmo") || matches!(fixture, "flexolmo" | "minimaxm2" | "cohereqk");
         assert_eq!(config.qk_norm.is_some(), per_head || whole);
         assert_eq!(config.fused_qkv, fixture.starts_with("phi3"));
         assert_eq!(
@@ -104,7 +107,7 @@ fn logits_loss_and_gradients_equal_transformers() {
             config.rope_interleaved,
             matches!(
                 fixture,
-                "glm" | "glm4" | "cohere" | "cohere2" | "ernie" | "erniemoe"
+                "glm" | "glm4" | "cohere" | "cohere2" | "ernie" | "erniemoe" | "cohereqk"
             )
         );
         assert_eq!(config.layer_norms, fixture.starts_with("cohere"));
@@ -141,9 +144,12 @@ fn logits_loss_and_gradients_equal_transformers() {
             // order, the file's (and transformers') interleaved.
             let theirs = match layout.arrangement(name) {
                 Arrangement::RowsPermuted(rows) => {
-                    let rows: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
+                    let index: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
+                    let index = Tensor::new(index.as_slice(), &Device::Cpu).unwrap();
                     theirs
-                        .index_select(&Tensor::new(rows.as_slice(), &Device::Cpu).unwrap(), 0)
+                        .reshape((rows.len(), theirs.elem_count() / rows.len()))
+                        .and_then(|t| t.index_select(&index, 0))
+                        .and_then(|t| t.reshape(theirs.shape()))
                         .unwrap()
                 }
                 _ => theirs,
@@ -176,6 +182,7 @@ fn loading_then_saving_reproduces_the_checkpoint_tensor_for_tensor() {
         "ernie",
         "erniemoe",
         "dots1",
+        "cohereqk",
     ] {
         let dir = fixtures().join(fixture);
         for (stage, world) in [(Stage::Ddp, 1), (Stage::Parameters, 2)] {
@@ -236,6 +243,7 @@ fn one_sgd_step_equals_torch_at_stage_0_and_at_stage_3_on_two_ranks() {
         ("ernie", Stage::Parameters, 2, 34),
         ("erniemoe", Stage::Parameters, 2, 46),
         ("dots1", Stage::Parameters, 2, 59),
+        ("cohereqk", Stage::Parameters, 2, 22),
     ] {
         let out = tempfile::tempdir().unwrap();
         Run::new(stage, world, 1).train(&fixtures().join(fixture), &ids, out.path());
@@ -1074,10 +1082,11 @@ fn dots1_config_reads_as_transformers_reads_it() {
 
 /// Cohere's configs read as `transformers` reads them (the goldens check
 /// them in use): LayerNorms and their epsilon, parallel blocks, the logits'
-/// scale, Cohere 2's rotation in its sliding layers only; Command R+'s
-/// per-head norms refused by name.
+/// scale, Cohere 2's rotation in its sliding layers only, Command R+'s
+/// norms of each head with weights of its own.
 #[test]
 fn cohere_configs_read_as_transformers_reads_them() {
+    use zero_candle::models::QkNorm;
     let cohere = LlamaConfig::from_json(&config_of("cohere")).unwrap();
     assert!(cohere.layer_norms && cohere.parallel_blocks && cohere.rope_interleaved);
     assert!(cohere.tie_word_embeddings && cohere.sliding_window.is_none());
@@ -1116,10 +1125,15 @@ fn cohere_configs_read_as_transformers_reads_them() {
     let pattern = [true, true, true, false, true, true, true, false];
     assert_eq!(window.layers, pattern);
     assert_eq!(parsed.rotated_layers.unwrap(), pattern);
-    let mut plus = config_of("cohere");
-    plus["use_qk_norm"] = true.into();
-    let err = LlamaConfig::from_json(&plus).unwrap_err();
-    assert!(err.contains("use_qk_norm"), "{err}");
+    let plus = LlamaConfig::from_json(&config_of("cohereqk")).unwrap();
+    assert_eq!(plus.qk_norm, Some(QkNorm::HeadWeights));
+    // The norms' weights reorder element by element, as their heads' rows.
+    let layout = Llama::hub_layout(&plus);
+    let Arrangement::RowsPermuted(k) = layout.arrangement("model.layers.0.self_attn.k_norm.weight")
+    else {
+        panic!("the key norm keeps its order")
+    };
+    assert_eq!(&k[8..16], &[8, 10, 12, 14, 9, 11, 13, 15]);
 }
 
 /// GLM-4's configs read as `transformers` reads them, and the query and

@@ -12,9 +12,10 @@ pub enum Arrangement {
     AsIs,
     /// A 2-d variable `[a, b]` stored `[b, a]`.
     Transposed,
-    /// The variable's row `r` (its first dimension's) is the tensor's row
-    /// `rows[r]`: GLM's queries and keys, whose rotated pairs the
-    /// checkpoint interleaves and the model holds as halves.
+    /// The variable viewed as `rows.len()` rows of equal length: its row
+    /// `r` is the tensor's row `rows[r]` (GLM's queries and keys, whose
+    /// rotated pairs the checkpoint interleaves and the model holds as
+    /// halves).
     RowsPermuted(Arc<[usize]>),
 }
 
@@ -69,9 +70,10 @@ impl HubLayout {
         self
     }
 
-    /// The variable `var`'s row `r` is its tensor's row `rows[r]`:
-    /// `rows` is a permutation of the variable's first dimension (rows of
-    /// a 1-d variable are its elements).
+    /// The variable `var`, viewed as `rows.len()` rows of equal length (a
+    /// Linear weight's rows, a bias's or a norm's elements), has as its row
+    /// `r` its tensor's row `rows[r]`: `rows` is a permutation of
+    /// `0..rows.len()`.
     pub fn with_rows_permuted(mut self, var: impl Into<String>, rows: Arc<[usize]>) -> Self {
         self.arranged
             .insert(var.into(), Arrangement::RowsPermuted(rows));

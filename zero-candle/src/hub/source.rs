@@ -66,14 +66,15 @@ impl HubSource {
             });
         }
         if let Arrangement::RowsPermuted(rows) = self.layout.arrangement(var) {
-            if !is_permutation(rows, shape.first().copied().unwrap_or(0)) {
+            let numel = shape.iter().product::<usize>();
+            let fits = rows.is_empty() && numel == 0 || !rows.is_empty() && numel % rows.len() == 0;
+            if !fits || !is_permutation(rows, rows.len()) {
                 return Err(Error::Variable {
                     name: var.into(),
                     detail: format!(
-                        "its layout reorders its rows by {} indices that are not a permutation of \
-                         its {} rows; the layout does not fit this model",
+                        "its layout reorders it as {} rows, which are not a permutation of equal \
+                         rows of its {numel} elements; the layout does not fit this model",
                         rows.len(),
-                        shape.first().copied().unwrap_or(0)
                     ),
                 });
             }
@@ -106,7 +107,7 @@ impl ParamSource for HubSource {
             Arrangement::RowsPermuted(rows) => {
                 // Each of the variable's rows in the range is a run of the
                 // tensor's row it comes from.
-                let cols = shape.iter().skip(1).product::<usize>().max(1);
+                let cols = shape.iter().product::<usize>() / rows.len().max(1);
                 let mut at = range.start;
                 while at < range.end {
                     let (row, col) = (at / cols, at % cols);

@@ -210,7 +210,11 @@ fn saved_bytes(whole: &Tensor, saved: &SavedTensor<'_>) -> Result<Vec<u8>> {
                 from[f] = r as u32;
             }
             let from = Tensor::new(from.as_slice(), whole.device())?;
-            whole.index_select(&from, 0)?
+            let rows = (rows.len(), whole.elem_count() / rows.len().max(1));
+            whole
+                .reshape(rows)?
+                .index_select(&from, 0)?
+                .reshape(whole.shape())?
         }
         _ => whole.clone(),
     };

@@ -192,6 +192,10 @@ pub enum QkNorm {
     PerHead,
     /// Each projection over all its heads (OLMo 2).
     Projection,
+    /// Each head over its `head_dim`, with weights of its own (`[heads,
+    /// head_dim]`: Command R+'s `use_qk_norm`, its norms of the model's
+    /// kind).
+    HeadWeights,
 }
 
 /// Sliding-window attention: each position of the layers that use it
@@ -786,13 +790,6 @@ impl LlamaConfig {
             }),
             false => rotated_layers,
         };
-        if family.cohere && plain.use_qk_norm {
-            return Err(
-                "`use_qk_norm` is true: Command R+'s norms of each query and key head, each with \
-                 weights of its own, are not implemented here"
-                    .into(),
-            );
-        }
         if let Some(clip) = plain.clip_qkv {
             return Err(format!(
                 "`clip_qkv` is {clip}; clipping the queries, keys and values is not implemented \
@@ -875,7 +872,8 @@ impl LlamaConfig {
             fused_qkv: family.fused_qkv,
             fused_gate_up: family.fused_gate_up,
             rope_interleaved: family.rope.interleaved,
-            qk_norm: match family.switched_qk_norm && plain.use_qk_norm {
+            qk_norm: match (family.switched_qk_norm || family.cohere) && plain.use_qk_norm {
+                true if family.cohere => Some(QkNorm::HeadWeights),
                 true => Some(QkNorm::PerHead),
                 false => family.qk_norm,
             },
@@ -1063,7 +1061,7 @@ impl LlamaConfig {
         let biases = if self.qkv_bias { q + 2 * kv } else { 0 } + if self.o_bias { d } else { 0 };
         let qk_norms = match self.qk_norm {
             Some(QkNorm::PerHead) => 2 * self.head_dim,
-            Some(QkNorm::Projection) => q + kv,
+            Some(QkNorm::Projection | QkNorm::HeadWeights) => q + kv,
             None => 0,
         };
         let norms = match self.parallel_blocks {

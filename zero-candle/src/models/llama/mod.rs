@@ -209,8 +209,9 @@ struct Block {
     qkv: Projections<3>,
     o_proj: Linear,
     /// The norms of the queries and the keys: Qwen3's and Gemma 3's of
-    /// each head, OLMo 2's of each whole projection.
-    qk_norms: Option<(QkNorm, LayerNorm, LayerNorm)>,
+    /// each head, OLMo 2's of each whole projection, Command R+'s of each
+    /// head with weights of its own.
+    qk_norms: Option<QkNorms>,
     /// Gemma 2's and 3's norm of the attention's output (their
     /// `post_attention_layernorm`).
     attn_out_norm: Option<LayerNorm>,
@@ -241,6 +242,59 @@ struct Block {
     /// This layer rotates with the local rotation (Gemma 3's sliding
     /// layers).
     local_rotation: bool,
+}
+
+/// A block's norms of its queries and keys.
+#[derive(Clone)]
+enum QkNorms {
+    /// One norm layer each: of each head, its weights shared by the heads
+    /// ([`QkNorm::PerHead`]), or of the whole projection
+    /// ([`QkNorm::Projection`]).
+    Layers(QkNorm, LayerNorm, LayerNorm),
+    /// Each head with weights of its own ([`QkNorm::HeadWeights`]).
+    HeadWeights(HeadNorm, HeadNorm),
+}
+
+/// Command R+'s norm of each query or key head, `weight` `[heads,
+/// head_dim]` a row per head: the statistics and the scale in f32 (a 16-bit
+/// input rounded once, after the scale, as `transformers` rounds it), of
+/// Candle's ops; the weight read through [`crate::nn::tap`], so its
+/// gradient reaches the hook.
+#[derive(Clone)]
+struct HeadNorm {
+    weight: Tensor,
+    eps: f64,
+    /// The mean subtracted first (Cohere's LayerNorm); else an RMS norm.
+    remove_mean: bool,
+    hook: Option<Arc<dyn GradHook>>,
+}
+
+impl HeadNorm {
+    /// `x` `[batch, time, heads, head_dim]` normalized head by head.
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let weight = match (&self.hook, self.weight.is_variable()) {
+            (Some(hook), true) => crate::nn::tap(
+                &candle_core::Var::from_tensor(&self.weight)?,
+                Some(hook.clone()),
+            )?,
+            _ => self.weight.clone(),
+        };
+        let dtype = x.dtype();
+        let wide = match dtype {
+            DType::F64 => DType::F64,
+            _ => DType::F32,
+        };
+        let x = x.to_dtype(wide)?;
+        let x = match self.remove_mean {
+            true => x.broadcast_sub(&x.mean_keepdim(3)?)?,
+            false => x,
+        };
+        let variance = x.sqr()?.mean_keepdim(3)?;
+        let normed = x.broadcast_div(&(variance + self.eps)?.sqrt()?)?;
+        normed
+            .broadcast_mul(&weight.to_dtype(wide)?)?
+            .to_dtype(dtype)
+    }
 }
 
 /// Projections of the same input: one Linear each, or one Linear whose
@@ -336,33 +390,31 @@ impl Block {
         let [q, k, v] = self.qkv.forward(h)?;
         // OLMo 2 normalizes each projection whole.
         let (q, k) = match &self.qk_norms {
-            Some((QkNorm::Projection, q_norm, k_norm)) => {
+            Some(QkNorms::Layers(QkNorm::Projection, q_norm, k_norm)) => {
                 (q_norm.forward(&q)?, k_norm.forward(&k)?)
             }
             _ => (q, k),
         };
         let heads = |x: Tensor, n| x.reshape((batch, time, n, self.head_dim));
-        // Qwen3 normalizes each head's row of `head_dim` values.
-        let normed = |x: Tensor, norm: Option<&LayerNorm>| match norm {
-            Some(norm) => norm
+        // Qwen3 normalizes each head's row of `head_dim` values, its
+        // weights shared by the heads; Command R+ each head with its own.
+        let normed = |x: Tensor, query: bool| match &self.qk_norms {
+            Some(QkNorms::Layers(QkNorm::PerHead, q, k)) => if query { q } else { k }
                 .forward(&x.reshape((rows * x.dim(2)?, self.head_dim))?)?
                 .reshape(x.shape()),
-            None => Ok(x),
-        };
-        let (q_norm, k_norm) = match &self.qk_norms {
-            Some((QkNorm::PerHead, q, k)) => (Some(q), Some(k)),
-            _ => (None, None),
+            Some(QkNorms::HeadWeights(q, k)) => if query { q } else { k }.forward(&x),
+            _ => Ok(x),
         };
         let rotated = |x: Tensor| match self.rotates {
             true => rotation.apply(&x),
             false => Ok(x),
         };
-        let q = rotated(normed(heads(q, self.heads)?, q_norm)?)?;
+        let q = rotated(normed(heads(q, self.heads)?, true)?)?;
         let q = match self.query_factor {
             Some(factor) => q.affine(factor, 0.0)?,
             None => q,
         };
-        let k = rotated(normed(heads(k, self.kv_heads)?, k_norm)?)?;
+        let k = rotated(normed(heads(k, self.kv_heads)?, false)?)?;
         let v = heads(v, self.kv_heads)?;
         // Each key/value head serves `heads / kv_heads` consecutive query
         // heads (`repeat_kv`), inside the op: no repeated copies.
@@ -442,7 +494,9 @@ fn interleaved_rows(config: &LlamaConfig) -> Vec<(String, Arc<[usize]>)> {
                 vars.push((format!("{attn}.q_norm.weight"), head.clone()));
                 vars.push((format!("{attn}.k_norm.weight"), head.clone()));
             }
-            Some(QkNorm::Projection) => {
+            // Command R+'s `[heads, head_dim]` weights reorder as the
+            // projections' rows, element by element.
+            Some(QkNorm::Projection | QkNorm::HeadWeights) => {
                 vars.push((format!("{attn}.q_norm.weight"), q.clone()));
                 vars.push((format!("{attn}.k_norm.weight"), k.clone()));
             }
@@ -529,6 +583,14 @@ impl Llama {
             .with_weight_offset(offset))
         };
         let norm = |vb: VarBuilder| norm_of(vb, d);
+        let head_norm = |vb: VarBuilder, heads: usize| -> Result<HeadNorm> {
+            Ok(HeadNorm {
+                weight: vb.get_with_hints((heads, config.head_dim), "weight", Init::Const(1.0))?,
+                eps: config.rms_norm_eps,
+                remove_mean: config.layer_norms,
+                hook: hook.clone(),
+            })
+        };
         let output_norm = |vb: VarBuilder| -> Result<Option<LayerNorm>> {
             config.output_norms.then(|| norm(vb)).transpose()
         };
@@ -621,15 +683,19 @@ impl Llama {
                 },
                 o_proj: linear_b(attn.pp("o_proj"), q, d, config.o_bias)?,
                 qk_norms: match config.qk_norm {
-                    Some(QkNorm::PerHead) => Some((
+                    Some(QkNorm::PerHead) => Some(QkNorms::Layers(
                         QkNorm::PerHead,
                         norm_of(attn.pp("q_norm"), config.head_dim)?,
                         norm_of(attn.pp("k_norm"), config.head_dim)?,
                     )),
-                    Some(QkNorm::Projection) => Some((
+                    Some(QkNorm::Projection) => Some(QkNorms::Layers(
                         QkNorm::Projection,
                         norm_of(attn.pp("q_norm"), q)?,
                         norm_of(attn.pp("k_norm"), kv)?,
+                    )),
+                    Some(QkNorm::HeadWeights) => Some(QkNorms::HeadWeights(
+                        head_norm(attn.pp("q_norm"), config.num_attention_heads)?,
+                        head_norm(attn.pp("k_norm"), config.num_key_value_heads)?,
                     )),
                     None => None,
                 },
