@@ -3,7 +3,6 @@
 pub(crate) mod weights;
 
 use crate::hook::ZeroHook;
-use crate::hub::Arrangement;
 use crate::init::ShardedVarMap;
 use crate::memory::{CandleMemory, MemoryOf};
 use crate::stage3::holds_values;
@@ -13,7 +12,7 @@ use candle_core::{Tensor, Var, WithDType};
 use candle_nn::VarMap;
 use std::path::Path;
 use std::sync::Arc;
-use weights::{Saved, SavedTensor, WeightsFile};
+use weights::{Saved, SavedTensor, Stored, WeightsFile};
 use zero_core::checkpoint::Manifest;
 use zero_core::engine::{
     Engine, EngineConfig, FetchStats, MemoryReport, SaveOptions, SavedCheckpoint, Stage, StepReport,
@@ -477,7 +476,7 @@ where
                 shape: var.dims().to_vec(),
                 from: Saved::Var {
                     index,
-                    arrangement: Arrangement::AsIs,
+                    arrangement: Stored::AsIs,
                 },
             });
         }

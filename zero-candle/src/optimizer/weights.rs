@@ -2,7 +2,6 @@
 //! time: the one writer behind `save_weights` and `save_hub`.
 
 use super::{lent, ZeroOptimizer};
-use crate::hub::Arrangement;
 use crate::memory::{candle_dtype, CandleMemory};
 use crate::{Error, Result};
 use candle_core::{Tensor, WithDType};
@@ -25,14 +24,24 @@ pub(crate) struct SavedTensor<'a> {
     pub(crate) from: Saved<'a>,
 }
 
+/// How a saved variable's values are arranged in its tensor (the hub
+/// layout's [`Arrangement`](crate::hub::Arrangement), which `save_hub`
+/// turns into this).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Stored {
+    AsIs,
+    /// A 2-d variable `[a, b]` written `[b, a]`.
+    Transposed,
+    /// The variable viewed as `rows.len()` equal rows, its row `r` written
+    /// as the tensor's row `rows[r]`.
+    RowsPermuted(std::sync::Arc<[usize]>),
+}
+
 /// Where a saved tensor's values come from.
 pub(crate) enum Saved<'a> {
     /// Variable `index`'s full values, rounded to the file's dtype and
     /// arranged as the file holds them.
-    Var {
-        index: usize,
-        arrangement: Arrangement,
-    },
+    Var { index: usize, arrangement: Stored },
     /// These bytes, as they are (a tensor the model does not train,
     /// borrowed from the file it was read from).
     Bytes(&'a [u8]),
@@ -107,7 +116,7 @@ where
                 matches!(
                     tensor(place).from,
                     Saved::Var {
-                        arrangement: Arrangement::AsIs,
+                        arrangement: Stored::AsIs,
                         ..
                     }
                 )
@@ -197,11 +206,11 @@ where
 fn saved_bytes(whole: &Tensor, saved: &SavedTensor<'_>) -> Result<Vec<u8>> {
     let tensor = match &saved.from {
         Saved::Var {
-            arrangement: Arrangement::Transposed,
+            arrangement: Stored::Transposed,
             ..
         } => whole.t()?.contiguous()?,
         Saved::Var {
-            arrangement: Arrangement::RowsPermuted(rows),
+            arrangement: Stored::RowsPermuted(rows),
             ..
         } => {
             // The file's row `rows[r]` is the variable's row `r`.
