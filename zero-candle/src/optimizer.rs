@@ -12,7 +12,7 @@ use candle_core::{Tensor, Var, WithDType};
 use candle_nn::VarMap;
 use std::path::Path;
 use std::sync::Arc;
-use weights::{Saved, SavedTensor, Stored, WeightsFile};
+use weights::{Arrangement, Saved, SavedTensor, WeightsFile};
 use zero_core::checkpoint::Manifest;
 use zero_core::engine::{
     Engine, EngineConfig, FetchStats, MemoryReport, SaveOptions, SavedCheckpoint, Stage, StepReport,
@@ -476,7 +476,7 @@ where
                 shape: var.dims().to_vec(),
                 from: Saved::Var {
                     index,
-                    arrangement: Stored::AsIs,
+                    arrangement: Arrangement::AsIs,
                 },
             });
         }

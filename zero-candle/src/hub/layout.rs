@@ -1,23 +1,8 @@
 //! How a model's variables sit in a hub checkpoint.
 
-use super::HubDir;
+use super::{Arrangement, HubDir};
 use std::collections::BTreeMap;
 use std::sync::Arc;
-
-/// How a variable's values are arranged in its hub tensor.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub enum Arrangement {
-    /// As the variable holds them.
-    #[default]
-    AsIs,
-    /// A 2-d variable `[a, b]` stored `[b, a]`.
-    Transposed,
-    /// The variable viewed as `rows.len()` rows of equal length: its row
-    /// `r` is the tensor's row `rows[r]` (GLM's queries and keys, whose
-    /// rotated pairs the checkpoint interleaves and the model holds as
-    /// halves).
-    RowsPermuted(Arc<[usize]>),
-}
 
 /// How a model's variables map onto the tensors of a hub checkpoint: a
 /// variable is the tensor of the same name, or of that name without an

@@ -8,7 +8,8 @@ mod layout;
 mod save;
 mod source;
 
-pub use layout::{Arrangement, HubLayout};
+pub use crate::optimizer::weights::Arrangement;
+pub use layout::HubLayout;
 pub use source::HubSource;
 
 use crate::{Error, Result};

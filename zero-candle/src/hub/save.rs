@@ -1,9 +1,9 @@
 //! `ZeroOptimizer::save_hub`: the trained variables written back in the
 //! layout of the hub checkpoint they came from.
 
-use super::{hub_error, Arrangement, HubDir, HubLayout, INDEX_FILE, WEIGHTS_FILE};
+use super::{hub_error, HubDir, HubLayout, INDEX_FILE, WEIGHTS_FILE};
 use crate::memory::CandleMemory;
-use crate::optimizer::weights::{Saved, SavedTensor, Stored, WeightsFile};
+use crate::optimizer::weights::{Saved, SavedTensor, WeightsFile};
 use crate::{Error, Result, ZeroOptimizer};
 use candle_core::WithDType;
 use std::io::Write;
@@ -56,11 +56,7 @@ where
                 let source = match layout.var_of(name, &names) {
                     Some(index) => Saved::Var {
                         index,
-                        arrangement: match layout.arrangement(&names[index]) {
-                            Arrangement::AsIs => Stored::AsIs,
-                            Arrangement::Transposed => Stored::Transposed,
-                            Arrangement::RowsPermuted(rows) => Stored::RowsPermuted(rows.clone()),
-                        },
+                        arrangement: layout.arrangement(&names[index]).clone(),
                     },
                     None => Saved::Bytes(tensor.data),
                 };

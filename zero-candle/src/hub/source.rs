@@ -68,12 +68,13 @@ impl HubSource {
         if let Arrangement::RowsPermuted(rows) = self.layout.arrangement(var) {
             let numel = shape.iter().product::<usize>();
             let fits = rows.is_empty() && numel == 0 || !rows.is_empty() && numel % rows.len() == 0;
-            if !fits || !is_permutation(rows, rows.len()) {
+            if !fits || !is_permutation(rows) {
                 return Err(Error::Variable {
                     name: var.into(),
                     detail: format!(
                         "its layout reorders it as {} rows, which are not a permutation of equal \
-                         rows of its {numel} elements; the layout does not fit this model",
+                         rows of its {numel} elements: the layout was built for another model; build it \
+                         from this model's config (`Llama::hub_layout`, `Gpt2::hub_layout`)",
                         rows.len(),
                     ),
                 });
@@ -83,13 +84,11 @@ impl HubSource {
     }
 }
 
-/// Whether `rows` holds each of `0..len` once.
-fn is_permutation(rows: &[usize], len: usize) -> bool {
-    let mut seen = vec![false; len];
-    rows.len() == len
-        && rows
-            .iter()
-            .all(|&r| r < len && !std::mem::replace(&mut seen[r], true))
+/// Whether `rows` holds each of `0..rows.len()` once.
+fn is_permutation(rows: &[usize]) -> bool {
+    let mut seen = vec![false; rows.len()];
+    rows.iter()
+        .all(|&r| r < seen.len() && !std::mem::replace(&mut seen[r], true))
 }
 
 impl ParamSource for HubSource {
@@ -168,10 +167,10 @@ mod tests {
 
     #[test]
     fn a_permutation_holds_each_row_once() {
-        assert!(is_permutation(&[2, 0, 1], 3));
-        assert!(is_permutation(&[], 0));
-        assert!(!is_permutation(&[0, 0, 1], 3), "a row twice");
-        assert!(!is_permutation(&[0, 1, 3], 3), "a row past the end");
-        assert!(!is_permutation(&[0, 1], 3), "a row missing");
+        assert!(is_permutation(&[2, 0, 1]));
+        assert!(is_permutation(&[]));
+        assert!(!is_permutation(&[0, 0, 1]), "a row twice");
+        assert!(!is_permutation(&[0, 1, 3]), "a row past the end");
+        assert!(!is_permutation(&[1, 2]), "a row missing");
     }
 }

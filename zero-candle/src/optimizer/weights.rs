@@ -24,16 +24,19 @@ pub(crate) struct SavedTensor<'a> {
     pub(crate) from: Saved<'a>,
 }
 
-/// How a saved variable's values are arranged in its tensor (the hub
-/// layout's [`Arrangement`](crate::hub::Arrangement), which `save_hub`
-/// turns into this).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) enum Stored {
+/// How a variable's values are arranged in its tensor of a file (a
+/// [`HubLayout`](crate::hub::HubLayout) says, for a hub checkpoint).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum Arrangement {
+    /// As the variable holds them.
+    #[default]
     AsIs,
-    /// A 2-d variable `[a, b]` written `[b, a]`.
+    /// A 2-d variable `[a, b]` stored `[b, a]`.
     Transposed,
-    /// The variable viewed as `rows.len()` equal rows, its row `r` written
-    /// as the tensor's row `rows[r]`.
+    /// The variable viewed as `rows.len()` rows of equal length: its row
+    /// `r` is the tensor's row `rows[r]` (GLM's queries and keys, whose
+    /// rotated pairs the checkpoint interleaves and the model holds as
+    /// halves).
     RowsPermuted(std::sync::Arc<[usize]>),
 }
 
@@ -41,7 +44,10 @@ pub(crate) enum Stored {
 pub(crate) enum Saved<'a> {
     /// Variable `index`'s full values, rounded to the file's dtype and
     /// arranged as the file holds them.
-    Var { index: usize, arrangement: Stored },
+    Var {
+        index: usize,
+        arrangement: Arrangement,
+    },
     /// These bytes, as they are (a tensor the model does not train,
     /// borrowed from the file it was read from).
     Bytes(&'a [u8]),
@@ -116,7 +122,7 @@ where
                 matches!(
                     tensor(place).from,
                     Saved::Var {
-                        arrangement: Stored::AsIs,
+                        arrangement: Arrangement::AsIs,
                         ..
                     }
                 )
@@ -206,11 +212,11 @@ where
 fn saved_bytes(whole: &Tensor, saved: &SavedTensor<'_>) -> Result<Vec<u8>> {
     let tensor = match &saved.from {
         Saved::Var {
-            arrangement: Stored::Transposed,
+            arrangement: Arrangement::Transposed,
             ..
         } => whole.t()?.contiguous()?,
         Saved::Var {
-            arrangement: Stored::RowsPermuted(rows),
+            arrangement: Arrangement::RowsPermuted(rows),
             ..
         } => {
             // The file's row `rows[r]` is the variable's row `r`.

@@ -838,7 +838,8 @@ impl LlamaConfig {
         if use_bias && family.moe.is_some() {
             return Err(
                 "`use_bias` is true: ERNIE 4.5's mixtures with biases (on the head too) are not \
-                 implemented here"
+                 implemented here (the released mixtures have none; a checkpoint without them \
+                 loads with it false)"
                     .into(),
             );
         }
