@@ -173,6 +173,9 @@ fn a_bf16_fine_tune_trains_and_saves_in_the_checkpoints_dtype() {
         // Reordered query and key rows put back in bf16's rounding.
         ("llama/glm4", 2),
         ("llama/cohere2", 3),
+        // Biased LayerNorms and an MLP without a gate.
+        ("llama/starcoder2", 3),
+        ("llama/phi", 2),
     ] {
         let dir = tempfile::tempdir().unwrap();
         let out = dir.path().join("out");

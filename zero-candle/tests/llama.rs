@@ -4,7 +4,8 @@
 //! scaling; a Mistral, a Qwen2, a Qwen3, Phi-3 (also with longrope), Gemma
 //! 1, 2 and 3, a SmolLM3, a Granite, an OLMo 2 and an OLMo 3, and the
 //! mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo,
-//! GLM-4.5 and MiniMax-M2, and GLM-4 (`glm`, `glm4`); and the logits, loss, gradients and one SGD step each computes on a fixed
+//! GLM-4.5 and MiniMax-M2, GLM-4 (`glm`, `glm4`), Cohere, ERNIE 4.5,
+//! dots.llm1, StarCoder2 and Phi; and the logits, loss, gradients and one SGD step each computes on a fixed
 //! batch) are made by `make_fixtures.py` there.
 
 mod hub_support;
@@ -70,6 +71,10 @@ fn logits_loss_and_gradients_equal_transformers() {
         ("erniemoe", 45),
         ("dots1", 58),
         ("cohereqk", 22),
+        // LayerNorms with biases, biases on every projection.
+        ("starcoder2", 35),
+        // Phi's names, the head's bias, biased head norms.
+        ("phi", 41),
     ];
     for (fixture, variables) in cases {
         let (config, map) = Llama::open_hub(fixtures().join(fixture)).unwrap();
@@ -89,11 +94,12 @@ fn logits_loss_and_gradients_equal_transformers() {
                     | "ernie"
                     | "erniemoe"
                     | "cohereqk"
+                    | "starcoder2"
             )
         );
         let per_head = matches!(
             fixture,
-            "qwen3" | "qwen3moe" | "gemma3" | "gemma3mm" | "glm4moe" | "dots1"
+            "qwen3" | "qwen3moe" | "gemma3" | "gemma3mm" | "glm4moe" | "dots1" | "phi"
         );
         let whole =
             fixture.starts_with("olmo") || matches!(fixture, "flexolmo" | "minimaxm2" | "cohereqk");
@@ -110,7 +116,14 @@ fn logits_loss_and_gradients_equal_transformers() {
                 "glm" | "glm4" | "cohere" | "cohere2" | "ernie" | "erniemoe" | "cohereqk"
             )
         );
-        assert_eq!(config.layer_norms, fixture.starts_with("cohere"));
+        assert_eq!(
+            config.layer_norms,
+            fixture.starts_with("cohere") || matches!(fixture, "starcoder2" | "phi")
+        );
+        assert_eq!(
+            config.ungated_mlp.is_some(),
+            matches!(fixture, "starcoder2" | "phi")
+        );
         let layout = Llama::hub_layout(&config);
         let model = Llama::new(map.builder(DType::F32, &Device::Cpu), &config, None).unwrap();
         map.materialize_all().unwrap();
@@ -183,6 +196,8 @@ fn loading_then_saving_reproduces_the_checkpoint_tensor_for_tensor() {
         "erniemoe",
         "dots1",
         "cohereqk",
+        "starcoder2",
+        "phi",
     ] {
         let dir = fixtures().join(fixture);
         for (stage, world) in [(Stage::Ddp, 1), (Stage::Parameters, 2)] {
@@ -244,6 +259,8 @@ fn one_sgd_step_equals_torch_at_stage_0_and_at_stage_3_on_two_ranks() {
         ("erniemoe", Stage::Parameters, 2, 46),
         ("dots1", Stage::Parameters, 2, 59),
         ("cohereqk", Stage::Parameters, 2, 22),
+        ("starcoder2", Stage::Parameters, 2, 35),
+        ("phi", Stage::Parameters, 2, 41),
     ] {
         let out = tempfile::tempdir().unwrap();
         Run::new(stage, world, 1).train(&fixtures().join(fixture), &ids, out.path());
@@ -473,8 +490,23 @@ fn both_config_forms_read_alike_and_llama3_scales_the_low_frequencies() {
     assert_eq!((gqa.num_attention_heads, gqa.num_key_value_heads), (4, 2));
     assert!(gqa.rope.scaling == RopeScaling::None && gqa.rope.theta == 10000.0);
     for fixture in [
-        "gqa", "tied", "qwen2", "qwen3", "phi3", "gemma", "gemma3", "gemma2", "phi3long",
-        "smollm3", "granite", "olmo2", "olmo3",
+        "gqa",
+        "tied",
+        "qwen2",
+        "qwen3",
+        "phi3",
+        "gemma",
+        "gemma3",
+        "gemma2",
+        "phi3long",
+        "smollm3",
+        "granite",
+        "olmo2",
+        "olmo3",
+        "cohere",
+        "ernie",
+        "starcoder2",
+        "phi",
     ] {
         let config = LlamaConfig::from_json(&config_of(fixture)).unwrap();
         let stored: usize = hub_tensors(&fixtures().join(fixture))
@@ -1134,6 +1166,89 @@ fn cohere_configs_read_as_transformers_reads_them() {
         panic!("the key norm keeps its order")
     };
     assert_eq!(&k[8..16], &[8, 10, 12, 14, 9, 11, 13, 15]);
+}
+
+/// Starcoder2's config read as `transformers` reads it: `use_bias` on by
+/// default, `norm_epsilon`, `hidden_act` as `ACT2FN` takes it, windows in
+/// every layer where the file sets one.
+#[test]
+fn starcoder2_configs_read_as_transformers_reads_them() {
+    use zero_candle::models::UngatedMlp;
+    use zero_candle::nn::Activation;
+    let config = LlamaConfig::from_json(&config_of("starcoder2")).unwrap();
+    assert!(config.layer_norms && config.norm_bias && !config.parallel_blocks);
+    assert!(config.qkv_bias && config.o_bias && config.mlp_bias);
+    assert_eq!(config.ungated_mlp, Some(UngatedMlp::CFc));
+    assert_eq!(config.mlp_activation, Activation::Gelu);
+    assert_eq!(config.sliding_window.unwrap().layers, [true, true]);
+    // Silent: biases, epsilon 1e-5, tanh GELU, a tied head, no window.
+    let mut silent = config_of("starcoder2");
+    let object = silent.as_object_mut().unwrap();
+    for key in [
+        "use_bias",
+        "norm_epsilon",
+        "rms_norm_eps",
+        "hidden_act",
+        "tie_word_embeddings",
+        "sliding_window",
+    ] {
+        object.remove(key);
+    }
+    let parsed = LlamaConfig::from_json(&silent).unwrap();
+    assert!(parsed.qkv_bias && parsed.o_bias && parsed.mlp_bias && parsed.norm_bias);
+    assert_eq!(parsed.rms_norm_eps, 1e-5);
+    assert_eq!(parsed.mlp_activation, Activation::Gelu);
+    assert!(parsed.tie_word_embeddings && parsed.sliding_window.is_none());
+    // Without biases the projections have none; the LayerNorms keep theirs.
+    let mut plain = config_of("starcoder2");
+    plain["use_bias"] = false.into();
+    plain["norm_epsilon"] = 1e-3.into();
+    plain["hidden_act"] = "gelu".into();
+    let parsed = LlamaConfig::from_json(&plain).unwrap();
+    assert!(!parsed.qkv_bias && !parsed.o_bias && !parsed.mlp_bias && parsed.norm_bias);
+    assert_eq!(parsed.rms_norm_eps, 1e-3);
+    assert_eq!(parsed.mlp_activation, Activation::GeluErf);
+    let stored: usize = hub_tensors(&fixtures().join("starcoder2"))
+        .values()
+        .map(|(_, shape, _)| shape.iter().product::<usize>())
+        .sum();
+    let biases = 2 * (32 + 2 * 16 + 32 + 48 + 32);
+    assert_eq!(parsed.num_params(), stored - biases);
+    plain["hidden_act"] = "relu".into();
+    let err = LlamaConfig::from_json(&plain).unwrap_err();
+    assert!(err.contains("`hidden_act` is \"relu\""), "{err}");
+}
+
+/// Phi's config read as `transformers` reads it: biases whatever the file
+/// says, half of each head rotating by default, `qk_layernorm`, Phi's
+/// names; a tied head with its bias refused.
+#[test]
+fn phi_configs_read_as_transformers_reads_them() {
+    use zero_candle::models::{LayerNames, QkNorm, UngatedMlp};
+    use zero_candle::nn::Activation;
+    let config = LlamaConfig::from_json(&config_of("phi")).unwrap();
+    assert!(config.layer_norms && config.norm_bias && config.parallel_blocks);
+    assert!(config.qkv_bias && config.o_bias && config.mlp_bias && config.head_bias);
+    assert_eq!(config.ungated_mlp, Some(UngatedMlp::Fc));
+    assert_eq!(config.layer_names, LayerNames::Phi);
+    assert_eq!(config.qk_norm, Some(QkNorm::PerHead));
+    assert_eq!((config.head_dim, config.rotary_dim), (8, 6));
+    assert_eq!(config.mlp_activation, Activation::Gelu);
+    let mut silent = config_of("phi");
+    let object = silent.as_object_mut().unwrap();
+    for key in ["qk_layernorm", "hidden_act", "rope_parameters"] {
+        object.remove(key);
+    }
+    object.insert("attention_bias".into(), false.into());
+    let parsed = LlamaConfig::from_json(&silent).unwrap();
+    assert_eq!(parsed.qk_norm, None);
+    assert_eq!(parsed.rotary_dim, 4, "half of each head by default");
+    assert!(parsed.qkv_bias && parsed.o_bias && parsed.mlp_bias);
+    assert_eq!(parsed.mlp_activation, Activation::Gelu);
+    let mut tied = config_of("phi");
+    tied["tie_word_embeddings"] = true.into();
+    let err = LlamaConfig::from_json(&tied).unwrap_err();
+    assert!(err.contains("untie it"), "{err}");
 }
 
 /// GLM-4's configs read as `transformers` reads them, and the query and

@@ -12,7 +12,8 @@ pub mod rope;
 pub use causal_lm::{CausalLm, HubConfig};
 pub use gpt2::{Gpt2, Gpt2Config};
 pub use llama::{
-    Llama, LlamaConfig, MoeConfig, MoeRouting, MoeStyle, NormNames, QkNorm, SlidingWindow,
+    LayerNames, Llama, LlamaConfig, MoeConfig, MoeRouting, MoeStyle, NormNames, QkNorm,
+    SlidingWindow, UngatedMlp,
 };
 pub use rope::{Llama3Scaling, LongRopeScaling, Rope, RopeScaling, YarnScaling};
 

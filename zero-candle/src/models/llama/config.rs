@@ -33,11 +33,16 @@ pub struct LlamaConfig {
     pub rotary_dim: usize,
     /// The longest sequence the model is meant for.
     pub max_position_embeddings: usize,
-    /// The norms' epsilon (`rms_norm_eps`; Cohere's `layer_norm_eps`).
+    /// The norms' epsilon (`rms_norm_eps`; Cohere's `layer_norm_eps`,
+    /// Starcoder2's `norm_epsilon`).
     pub rms_norm_eps: f64,
     /// The norms subtract the mean before they scale (Cohere's LayerNorm
     /// without a bias); else RMS norms.
     pub layer_norms: bool,
+    /// The LayerNorms add a bias after they scale (`weight` and `bias`:
+    /// Starcoder2's `nn.LayerNorm`); only with
+    /// [`LlamaConfig::layer_norms`].
+    pub norm_bias: bool,
     /// Each block's attention and MLP read the same normed input and both
     /// add to the residual (Cohere's `x + attn(norm(x)) + mlp(norm(x))`).
     pub parallel_blocks: bool,
@@ -87,8 +92,19 @@ pub struct LlamaConfig {
     /// (a tied head still trains it).
     pub pad_token_id: Option<u32>,
     /// The MLP's gate: `act(gate_proj(x)) * up_proj(x)` with SiLU (Llama's
-    /// SwiGLU) or GELU's tanh form (Gemma's `gelu_pytorch_tanh`).
+    /// SwiGLU) or GELU's tanh form (Gemma's `gelu_pytorch_tanh`); without
+    /// a gate ([`LlamaConfig::ungated_mlp`]), the activation between its
+    /// two projections.
     pub mlp_activation: Activation,
+    /// The dense MLPs have no gate: `down(act(up(x)))`, under these names
+    /// (Starcoder2's `c_fc` and `c_proj`, Phi's `fc1` and `fc2`); `None`:
+    /// Llama's gated MLP.
+    pub ungated_mlp: Option<UngatedMlp>,
+    /// The names of the output projection, the query and key norms and the
+    /// final norm (Phi's differ from Llama's).
+    pub layer_names: LayerNames,
+    /// The untied head has a bias (`lm_head.bias`: Phi's).
+    pub head_bias: bool,
     /// Added to every RMS norm's weight before it scales: 1 for Gemma,
     /// whose norms compute `x̂ (1 + weight)` with the weight stored centred
     /// on zero; 0 for Llama.
@@ -180,6 +196,63 @@ impl NormNames {
         match self {
             Self::Gemma => "post_feedforward_layernorm",
             Self::Glm4 => "post_mlp_layernorm",
+        }
+    }
+}
+
+/// The names of an MLP without a gate, `down(act(up(x)))`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum UngatedMlp {
+    /// Starcoder2's: `mlp.c_fc` (up), `mlp.c_proj` (down).
+    CFc,
+    /// Phi's: `mlp.fc1` (up), `mlp.fc2` (down).
+    Fc,
+}
+
+impl UngatedMlp {
+    /// The up and the down projection's names under `mlp`.
+    pub(super) fn names(self) -> [&'static str; 2] {
+        match self {
+            Self::CFc => ["c_fc", "c_proj"],
+            Self::Fc => ["fc1", "fc2"],
+        }
+    }
+}
+
+/// The names of the layers a family names its own way.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum LayerNames {
+    /// Llama's: `self_attn.o_proj`, `self_attn.q_norm` and `k_norm`,
+    /// `model.norm`.
+    #[default]
+    Llama,
+    /// Phi's: `self_attn.dense`, `self_attn.q_layernorm` and
+    /// `k_layernorm`, `model.final_layernorm`.
+    Phi,
+}
+
+impl LayerNames {
+    /// The attention's output projection, under `self_attn`.
+    pub(super) fn output_projection(self) -> &'static str {
+        match self {
+            Self::Llama => "o_proj",
+            Self::Phi => "dense",
+        }
+    }
+
+    /// The query and the key norm, under `self_attn`.
+    pub(super) fn qk_norms(self) -> [&'static str; 2] {
+        match self {
+            Self::Llama => ["q_norm", "k_norm"],
+            Self::Phi => ["q_layernorm", "k_layernorm"],
+        }
+    }
+
+    /// The norm after the last block, under `model`.
+    pub(super) fn final_norm(self) -> &'static str {
+        match self {
+            Self::Llama => "norm",
+            Self::Phi => "final_layernorm",
         }
     }
 }
@@ -276,13 +349,20 @@ struct Plain {
     resid_pdrop: Option<f64>,
     #[serde(default)]
     embd_pdrop: Option<f64>,
+    #[serde(default)]
+    residual_dropout: Option<f64>,
+    #[serde(default)]
+    embedding_dropout: Option<f64>,
     /// Qwen2-MoE's switch for the query, key and value biases.
     #[serde(default)]
     qkv_bias: Option<bool>,
     /// GLM-4.5's switch for the query and key norms.
     #[serde(default)]
     use_qk_norm: bool,
+    /// Phi's switch for the query and key norms.
     #[serde(default)]
+    qk_layernorm: bool,
+    #[serde(default, alias = "norm_epsilon")]
     layer_norm_eps: Option<f64>,
     #[serde(default)]
     mlp_bias: Option<bool>,
@@ -373,8 +453,13 @@ struct Family {
     attention_bias: bool,
     /// `mlp_bias` gives the MLPs biases (Llama, SmolLM3, Granite).
     reads_mlp_bias: bool,
-    /// `use_bias` gives every projection a bias (ERNIE 4.5).
+    /// `use_bias` gives every projection a bias (ERNIE 4.5, Starcoder2).
     reads_use_bias: bool,
+    /// `use_bias` where the file does not say (Starcoder2's is on).
+    default_use_bias: bool,
+    /// Every projection and the head have biases, whatever the file says;
+    /// Phi's names; parallel blocks; `qk_layernorm` read (Phi).
+    phi: bool,
     /// `attention_bias` gives the output projection a bias too (all but
     /// GLM-4.5, whose `attention_bias` is the query's, key's and value's).
     o_bias: bool,
@@ -406,6 +491,10 @@ struct Family {
     nope_layers: bool,
     /// Cohere's: LayerNorms without bias, parallel blocks, `logit_scale`.
     cohere: bool,
+    /// LayerNorms with a bias, their epsilon `norm_epsilon` (Starcoder2).
+    biased_layer_norms: bool,
+    /// The MLP has no gate (Starcoder2).
+    ungated_mlp: Option<UngatedMlp>,
     /// Only the sliding-window layers rotate (Cohere 2).
     rotary_in_windows_only: bool,
     /// Granite's multipliers are read.
@@ -429,6 +518,8 @@ const LLAMA: Family = Family {
     attention_bias: false,
     reads_mlp_bias: false,
     reads_use_bias: false,
+    default_use_bias: false,
+    phi: false,
     o_bias: true,
     switched_qk_norm: false,
     qk_norm: None,
@@ -446,6 +537,8 @@ const LLAMA: Family = Family {
     gemma: None,
     nope_layers: false,
     cohere: false,
+    biased_layer_norms: false,
+    ungated_mlp: None,
     rotary_in_windows_only: false,
     multipliers: false,
     tied_by_default: false,
@@ -524,7 +617,7 @@ const ERNIE: Family = Family {
 };
 
 /// The families read as Llama.
-const FAMILIES: [Family; 26] = [
+const FAMILIES: [Family; 28] = [
     Family {
         reads_mlp_bias: true,
         ..LLAMA
@@ -727,6 +820,36 @@ const FAMILIES: [Family; 26] = [
         moe: Some(DOTS1_MOE),
         ..LLAMA
     },
+    // Starcoder2: LayerNorms with biases, `use_bias` (on by default) on
+    // every projection, an MLP without a gate, windows in every layer
+    // where the file sets one, the head tied by default.
+    Family {
+        model_type: "starcoder2",
+        architectures: ["Starcoder2ForCausalLM", "Starcoder2Model"],
+        reads_use_bias: true,
+        default_use_bias: true,
+        biased_layer_norms: true,
+        ungated_mlp: Some(UngatedMlp::CFc),
+        windows: Windows::EveryLayer { missing: None },
+        tied_by_default: true,
+        ..LLAMA
+    },
+    // Phi (1, 1.5, 2): LayerNorms with biases, one per block before the
+    // attention and the MLP side by side, biases everywhere (the head's
+    // too), an MLP without a gate, half of each head rotating by default,
+    // Phi's names.
+    Family {
+        model_type: "phi",
+        architectures: ["PhiForCausalLM", "PhiModel"],
+        phi: true,
+        biased_layer_norms: true,
+        ungated_mlp: Some(UngatedMlp::Fc),
+        rope: RopeDialect {
+            partial: Some(0.5),
+            ..LLAMA.rope
+        },
+        ..LLAMA
+    },
 ];
 
 /// Whether `model_type` `kind` is read as Llama.
@@ -739,7 +862,7 @@ pub(crate) const LLAMA_TYPES: &str =
     "\"llama\", \"mistral\", \"qwen2\", \"qwen3\", \"phi3\", \"gemma\", \"gemma2\", \
      \"gemma3_text\", \"gemma3\" (its text model), \"smollm3\", \"granite\", \"olmo2\", \"olmo3\", \
      \"mixtral\", \"qwen2_moe\", \"qwen3_moe\", \"olmoe\", \"flex_olmo\", \"glm4_moe\", \
-     \"minimax_m2\", \"glm\", \"glm4\", \"cohere\", \"cohere2\", \"ernie4_5\", \"ernie4_5_moe\" and \"dots1\"";
+     \"minimax_m2\", \"glm\", \"glm4\", \"cohere\", \"cohere2\", \"ernie4_5\", \"ernie4_5_moe\", \"dots1\", \"starcoder2\" and \"phi\"";
 
 impl LlamaConfig {
     /// Reads a hub `config.json` of a Llama, Mistral, Qwen2, Qwen3, Phi-3,
@@ -747,8 +870,8 @@ impl LlamaConfig {
     /// vision), SmolLM3, Granite, OLMo 2, OLMo 3, Mixtral, Qwen2-MoE,
     /// Qwen3-MoE, OLMoE, FlexOlmo, GLM-4.5 (`glm4_moe`), MiniMax-M2, GLM-4
     /// (`glm`, `glm4`), Cohere (`cohere`, `cohere2`), ERNIE 4.5
-    /// (`ernie4_5`, `ernie4_5_moe`) or dots.llm1 (`dots1`) model (by `model_type`; Llama without
-    /// one): an error names the key whose value this model
+    /// (`ernie4_5`, `ernie4_5_moe`), dots.llm1 (`dots1`), Starcoder2 or Phi model
+    /// (by `model_type`; Llama without one): an error names the key whose value this model
     /// cannot honour (another architecture, MLP biases, another
     /// activation, a rotary scaling it does not implement, bidirectional
     /// attention, ...). Reads the rotary settings from `rope_parameters`
@@ -834,7 +957,8 @@ impl LlamaConfig {
         };
         // Granite's multipliers (1, the default, is none).
         let granite = |value: Option<f64>| value.filter(|&v| family.multipliers && v != 1.0);
-        let use_bias = family.reads_use_bias && plain.use_bias == Some(true);
+        let use_bias = family.phi
+            || family.reads_use_bias && plain.use_bias.unwrap_or(family.default_use_bias);
         if use_bias && family.moe.is_some() {
             return Err(
                 "`use_bias` is true: ERNIE 4.5's mixtures with biases (on the head too) are not \
@@ -856,12 +980,13 @@ impl LlamaConfig {
             head_dim,
             rotary_dim,
             max_position_embeddings: plain.max_position_embeddings,
-            rms_norm_eps: match family.cohere {
+            rms_norm_eps: match family.cohere || family.biased_layer_norms {
                 true => plain.layer_norm_eps.unwrap_or(1e-5),
                 false => plain.rms_norm_eps,
             },
-            layer_norms: family.cohere,
-            parallel_blocks: family.cohere,
+            layer_norms: family.cohere || family.biased_layer_norms,
+            norm_bias: family.biased_layer_norms,
+            parallel_blocks: family.cohere || family.phi,
             rope,
             tie_word_embeddings: plain.tie_word_embeddings.unwrap_or(family.tied_by_default),
             initializer_range: plain.initializer_range,
@@ -876,12 +1001,19 @@ impl LlamaConfig {
             qk_norm: match (family.switched_qk_norm || family.cohere) && plain.use_qk_norm {
                 true if family.cohere => Some(QkNorm::HeadWeights),
                 true => Some(QkNorm::PerHead),
+                false if family.phi && plain.qk_layernorm => Some(QkNorm::PerHead),
                 false => family.qk_norm,
             },
             input_norms: family.input_norms,
             sliding_window,
             pad_token_id: plain.pad_token_id,
-            mlp_activation: mlp_activation(config, gemma)?,
+            mlp_activation: mlp_activation(config, gemma, family.ungated_mlp.is_some())?,
+            ungated_mlp: family.ungated_mlp,
+            layer_names: match family.phi {
+                true => LayerNames::Phi,
+                false => LayerNames::Llama,
+            },
+            head_bias: family.phi,
             norm_weight_offset: if gemma.is_some() { 1.0 } else { 0.0 },
             embedding_scale: match gemma {
                 Some(_) => Some((plain.hidden_size as f64).sqrt()),
@@ -907,6 +1039,8 @@ impl LlamaConfig {
                 plain.attention_dropout,
                 plain.resid_pdrop,
                 plain.embd_pdrop,
+                plain.residual_dropout,
+                plain.embedding_dropout,
                 plain.router_jitter_noise,
             ]
             .into_iter()
@@ -984,6 +1118,25 @@ impl LlamaConfig {
         if let Some(moe) = &self.moe {
             moe.validate(self.num_hidden_layers)?;
         }
+        if self.norm_bias && !self.layer_norms {
+            return Err(
+                "norms with a bias are LayerNorms; set `layer_norms` or clear `norm_bias`".into(),
+            );
+        }
+        if self.ungated_mlp.is_some() && (self.fused_gate_up || self.moe.is_some()) {
+            return Err(
+                "an MLP without a gate has no fused gate and up projections and no mixture of \
+                 experts here; clear `fused_gate_up` and `moe`, or `ungated_mlp`"
+                    .into(),
+            );
+        }
+        if self.head_bias && self.tie_word_embeddings {
+            return Err(
+                "a head with a bias tied to the embedding is not implemented here; untie it \
+                 (`tie_word_embeddings` false) or clear `head_bias`"
+                    .into(),
+            );
+        }
         if self.parallel_blocks && (self.output_norms || !self.input_norms) {
             return Err(
                 "parallel blocks (Cohere's) have one input norm and no output norms; set \
@@ -1060,28 +1213,36 @@ impl LlamaConfig {
             self.num_key_value_heads * self.head_dim,
         );
         let biases = if self.qkv_bias { q + 2 * kv } else { 0 } + if self.o_bias { d } else { 0 };
+        // Norms of the model's kind: with a bias where its norms have one.
+        let biased = 1 + self.norm_bias as usize;
         let qk_norms = match self.qk_norm {
-            Some(QkNorm::PerHead) => 2 * self.head_dim,
-            Some(QkNorm::Projection | QkNorm::HeadWeights) => q + kv,
+            Some(QkNorm::PerHead) => 2 * self.head_dim * biased,
+            Some(QkNorm::Projection) => (q + kv) * biased,
+            Some(QkNorm::HeadWeights) => q + kv,
             None => 0,
         };
+        let norm = d * biased;
         let norms = match self.parallel_blocks {
-            true => d,
-            false => 2 * d * (self.input_norms as usize + self.output_norms as usize),
+            true => norm,
+            false => 2 * norm * (self.input_norms as usize + self.output_norms as usize),
         };
         let per_layer = norms + 2 * d * q + 2 * d * kv + biases + qk_norms;
         let mlps: usize = (0..self.num_hidden_layers)
             .map(|i| match &self.moe {
                 Some(moe) if moe.layers[i] => moe.num_params(d),
-                _ => 3 * d * inner + if self.mlp_bias { 2 * inner + d } else { 0 },
+                _ => {
+                    let projections = 2 + self.ungated_mlp.is_none() as usize;
+                    let biases = (projections - 1) * inner + d;
+                    projections * d * inner + if self.mlp_bias { biases } else { 0 }
+                }
             })
             .sum();
         let head = if self.tie_word_embeddings {
             0
         } else {
-            self.vocab_size * d
+            self.vocab_size * (d + self.head_bias as usize)
         };
-        self.num_hidden_layers * per_layer + mlps + self.vocab_size * d + d + head
+        self.num_hidden_layers * per_layer + mlps + self.vocab_size * d + norm + head
     }
 
     /// The rotary frequencies `1 / theta^(2i / rotary_dim)`, `i <
@@ -1194,22 +1355,42 @@ fn rotated_layers(plain: &Plain) -> std::result::Result<Vec<bool>, String> {
 
 /// The MLP's activation: SiLU for Llama (`hidden_act`); GELU's tanh form for
 /// Gemma (`hidden_act`, where transformers reads `gelu` as the tanh form too)
-/// and Gemma 3 (`hidden_activation`).
+/// and Gemma 3 (`hidden_activation`); for an MLP without a gate
+/// (Starcoder2's), `hidden_act` as `transformers`' `ACT2FN` reads it: GELU's
+/// tanh forms, exact GELU (`gelu`) or SiLU.
 fn mlp_activation(
     config: &serde_json::Value,
     gemma: Option<Gemma>,
+    ungated: bool,
 ) -> std::result::Result<Activation, String> {
     const TANH: [&str; 2] = ["gelu_pytorch_tanh", "gelu_new"];
+    const UNGATED: [(&str, Activation); 5] = [
+        ("gelu_pytorch_tanh", Activation::Gelu),
+        ("gelu_new", Activation::Gelu),
+        ("gelu_fast", Activation::Gelu),
+        ("gelu", Activation::GeluErf),
+        ("silu", Activation::Silu),
+    ];
     let (key, accepted): (&str, &[&str]) = match gemma {
+        _ if ungated => (
+            "hidden_act",
+            &["gelu_pytorch_tanh", "gelu_new", "gelu_fast", "gelu", "silu"],
+        ),
         None => ("hidden_act", &["silu"]),
         Some(Gemma::One) => ("hidden_act", &["gelu_pytorch_tanh", "gelu_new", "gelu"]),
         Some(Gemma::Two | Gemma::Three) => ("hidden_activation", &TANH),
     };
-    match config.get(key).filter(|v| !v.is_null()) {
+    let value = config.get(key).filter(|v| !v.is_null());
+    match value {
         Some(value) if !accepted.iter().any(|a| value == a) => Err(format!(
             "`{key}` is {value}; only {} is supported",
             accepted.join(" or ")
         )),
+        // Starcoder2's default.
+        _ if ungated => Ok(UNGATED
+            .iter()
+            .find(|(name, _)| value.is_some_and(|v| v == name))
+            .map_or(Activation::Gelu, |&(_, kind)| kind)),
         _ if gemma.is_some() => Ok(Activation::Gelu),
         _ => Ok(Activation::Silu),
     }

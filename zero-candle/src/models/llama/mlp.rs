@@ -28,10 +28,21 @@ impl Mlp {
     }
 }
 
+/// `down(act(up(x)))`: an MLP without a gate (Starcoder2's), the
+/// activation recomputed in the down projection's backward
+/// ([`Linear::forward_on_activated`]) rather than kept.
+#[derive(Clone)]
+pub(super) struct Ungated {
+    pub(super) up: Linear,
+    pub(super) down: Linear,
+    pub(super) activation: Activation,
+}
+
 /// A block's feed-forward half.
 #[derive(Clone)]
 pub(super) enum FeedForward {
     Dense(Mlp),
+    Ungated(Ungated),
     Experts(Box<Experts>),
 }
 
@@ -45,6 +56,11 @@ impl FeedForward {
     ) -> candle_core::Result<(Tensor, Option<Tensor>)> {
         match self {
             Self::Dense(mlp) => Ok((mlp.forward(h)?, None)),
+            Self::Ungated(mlp) => Ok((
+                mlp.down
+                    .forward_on_activated(&mlp.up.forward(h)?, mlp.activation)?,
+                None,
+            )),
             Self::Experts(experts) => {
                 let (y, logits) = experts.forward(h)?;
                 Ok((y, with_router_logits.then_some(logits)))

@@ -33,7 +33,10 @@
 //! logits scaled). ERNIE 4.5 (`Ernie4_5ForCausalLM`: interleaved pairs,
 //! biases on every projection; `Ernie4_5_MoeForCausalLM`: mixtures chosen
 //! by probability plus a bias, shared experts). dots.llm1
-//! (`Dots1ForCausalLM`: Qwen3's attention, GLM-4.5's mixtures).
+//! (`Dots1ForCausalLM`: Qwen3's attention, GLM-4.5's mixtures). StarCoder2
+//! (`Starcoder2ForCausalLM`: LayerNorms with biases, biases on every
+//! projection, an MLP without a gate) and Phi (`PhiForCausalLM`: those,
+//! Cohere's parallel blocks, a head with a bias, its own names).
 //!
 //! The variables carry the hub's names (`model.embed_tokens.weight`,
 //! `model.layers.{i}.self_attn.q_proj.weight`, ..., `model.norm.weight`,
@@ -47,7 +50,7 @@ mod mlp;
 mod moe;
 
 pub(crate) use config::{reads, LLAMA_TYPES};
-pub use config::{LlamaConfig, NormNames, QkNorm, SlidingWindow};
+pub use config::{LayerNames, LlamaConfig, NormNames, QkNorm, SlidingWindow, UngatedMlp};
 pub use moe::{MoeConfig, MoeRouting, MoeStyle};
 
 use super::rope::{halves_from_interleaved, Rope, RopeScaling};
@@ -56,7 +59,7 @@ use crate::nn::{ops, Embedding, GradHook, LayerNorm, Linear};
 use crate::{Error, Result, ShardedVarMap};
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{Init, VarBuilder};
-use mlp::{Experts, FeedForward, Mlp, Routing};
+use mlp::{Experts, FeedForward, Mlp, Routing, Ungated};
 use std::sync::{Arc, Mutex, PoisonError};
 
 /// The cosines and sines of positions `0..len`, `[len, head_dim / 2]`
@@ -576,9 +579,13 @@ impl Llama {
         let norm_of = |vb: VarBuilder, width: usize| -> Result<LayerNorm> {
             let w = vb.get_with_hints(width, "weight", Init::Const(1.0 - offset))?;
             let (eps, hook) = (config.rms_norm_eps, hook.clone());
-            Ok(match config.layer_norms {
-                true => LayerNorm::new_no_bias(w, eps, hook),
-                false => LayerNorm::rms_norm(w, eps, hook),
+            Ok(match (config.layer_norms, config.norm_bias) {
+                (true, true) => {
+                    let b = vb.get_with_hints(width, "bias", Init::Const(0.0))?;
+                    LayerNorm::new(w, b, eps, hook)
+                }
+                (true, false) => LayerNorm::new_no_bias(w, eps, hook),
+                (false, _) => LayerNorm::rms_norm(w, eps, hook),
             }
             .with_weight_offset(offset))
         };
@@ -681,13 +688,21 @@ impl Llama {
                         linear_b(attn.pp("v_proj"), d, kv, config.qkv_bias)?,
                     ]),
                 },
-                o_proj: linear_b(attn.pp("o_proj"), q, d, config.o_bias)?,
+                o_proj: linear_b(
+                    attn.pp(config.layer_names.output_projection()),
+                    q,
+                    d,
+                    config.o_bias,
+                )?,
                 qk_norms: match config.qk_norm {
-                    Some(QkNorm::PerHead) => Some(QkNorms::Layers(
-                        QkNorm::PerHead,
-                        norm_of(attn.pp("q_norm"), config.head_dim)?,
-                        norm_of(attn.pp("k_norm"), config.head_dim)?,
-                    )),
+                    Some(QkNorm::PerHead) => {
+                        let [q_norm, k_norm] = config.layer_names.qk_norms();
+                        Some(QkNorms::Layers(
+                            QkNorm::PerHead,
+                            norm_of(attn.pp(q_norm), config.head_dim)?,
+                            norm_of(attn.pp(k_norm), config.head_dim)?,
+                        ))
+                    }
                     Some(QkNorm::Projection) => Some(QkNorms::Layers(
                         QkNorm::Projection,
                         norm_of(attn.pp("q_norm"), q)?,
@@ -748,7 +763,18 @@ impl Llama {
                         )?,
                         activation: config.mlp_activation,
                     }),
-                    _ => FeedForward::Dense(dense(mlp, config.intermediate_size)?),
+                    _ => match config.ungated_mlp {
+                        Some(names) => {
+                            let [up, down] = names.names();
+                            let (width, bias) = (config.intermediate_size, config.mlp_bias);
+                            FeedForward::Ungated(Ungated {
+                                up: linear_b(mlp.pp(up), d, width, bias)?,
+                                down: linear_b(mlp.pp(down), width, d, bias)?,
+                                activation: config.mlp_activation,
+                            })
+                        }
+                        None => FeedForward::Dense(dense(mlp, config.intermediate_size)?),
+                    },
                 },
                 mlp_out_norm: output_norm(vb.pp(config.norm_names.mlp_output()))?,
                 parallel: config.parallel_blocks,
@@ -770,13 +796,13 @@ impl Llama {
         let head = if config.tie_word_embeddings {
             Linear::new(embed.clone(), None, hook.clone())
         } else {
-            linear(vb.pp("lm_head"), d, config.vocab_size)?
+            linear_b(vb.pp("lm_head"), d, config.vocab_size, config.head_bias)?
         };
         Ok(Self {
             config: Box::new(config.clone()),
             embed_tokens: Embedding::new(embed, d, hook.clone()),
             blocks,
-            norm: norm(model.pp("norm"))?,
+            norm: norm(model.pp(config.layer_names.final_norm()))?,
             head,
             rotations: RopeTables::new(&config.rope, config.rotary_dim),
             local_rotations: config
