@@ -176,6 +176,8 @@ fn a_bf16_fine_tune_trains_and_saves_in_the_checkpoints_dtype() {
         // Biased LayerNorms and an MLP without a gate.
         ("llama/starcoder2", 3),
         ("llama/phi", 2),
+        ("llama/arcee", 2),
+        ("llama/nemotron", 3),
     ] {
         let dir = tempfile::tempdir().unwrap();
         let out = dir.path().join("out");

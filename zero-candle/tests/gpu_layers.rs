@@ -449,7 +449,12 @@ fn linear_with_its_activation_matches_the_cpu() -> Result<()> {
     // epilogue (its aux matrix wants a multiple of 8), 33 keeps it out of
     // the GEMM.
     let shapes = [(1, 1, 8), (7, 65, 33), (64, 768, 3072)];
-    let activations = [Activation::Gelu, Activation::GeluErf, Activation::Silu];
+    let activations = [
+        Activation::Gelu,
+        Activation::GeluErf,
+        Activation::Silu,
+        Activation::Relu2,
+    ];
     // Process-wide, as `linear_through_cublaslt_matches_the_cpu` sets it:
     // either path must match the CPU.
     for cublaslt in [false, true] {
@@ -473,7 +478,12 @@ fn linear_on_its_activated_input_matches_the_cpu() -> Result<()> {
     // The activation on the input, computed again in the backward
     // (`forward_on_activated`, the GPTs' MLP projection).
     let shapes = [(1, 1, 8), (7, 65, 33), (64, 3072, 768)];
-    let activations = [Activation::Gelu, Activation::GeluErf, Activation::Silu];
+    let activations = [
+        Activation::Gelu,
+        Activation::GeluErf,
+        Activation::Silu,
+        Activation::Relu2,
+    ];
     for dtype in DTYPES {
         for activation in activations {
             let what = format!("{activation:?} then Linear");

@@ -5,7 +5,7 @@
 //! 1, 2 and 3, a SmolLM3, a Granite, an OLMo 2 and an OLMo 3, and the
 //! mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo,
 //! GLM-4.5 and MiniMax-M2, GLM-4 (`glm`, `glm4`), Cohere, ERNIE 4.5,
-//! dots.llm1, StarCoder2 and Phi; and the logits, loss, gradients and one SGD step each computes on a fixed
+//! dots.llm1, StarCoder2, Phi, Arcee and Nemotron; and the logits, loss, gradients and one SGD step each computes on a fixed
 //! batch) are made by `make_fixtures.py` there.
 
 mod hub_support;
@@ -75,6 +75,9 @@ fn logits_loss_and_gradients_equal_transformers() {
         ("starcoder2", 35),
         // Phi's names, the head's bias, biased head norms.
         ("phi", 41),
+        // Squared ReLU between up and down; LayerNorm1P.
+        ("arcee", 19),
+        ("nemotron", 36),
     ];
     for (fixture, variables) in cases {
         let (config, map) = Llama::open_hub(fixtures().join(fixture)).unwrap();
@@ -118,11 +121,11 @@ fn logits_loss_and_gradients_equal_transformers() {
         );
         assert_eq!(
             config.layer_norms,
-            fixture.starts_with("cohere") || matches!(fixture, "starcoder2" | "phi")
+            fixture.starts_with("cohere") || matches!(fixture, "starcoder2" | "phi" | "nemotron")
         );
         assert_eq!(
             config.ungated_mlp.is_some(),
-            matches!(fixture, "starcoder2" | "phi")
+            matches!(fixture, "starcoder2" | "phi" | "arcee" | "nemotron")
         );
         let layout = Llama::hub_layout(&config);
         let model = Llama::new(map.builder(DType::F32, &Device::Cpu), &config, None).unwrap();
@@ -198,6 +201,7 @@ fn loading_then_saving_reproduces_the_checkpoint_tensor_for_tensor() {
         "cohereqk",
         "starcoder2",
         "phi",
+        "nemotron",
     ] {
         let dir = fixtures().join(fixture);
         for (stage, world) in [(Stage::Ddp, 1), (Stage::Parameters, 2)] {
@@ -261,6 +265,8 @@ fn one_sgd_step_equals_torch_at_stage_0_and_at_stage_3_on_two_ranks() {
         ("cohereqk", Stage::Parameters, 2, 22),
         ("starcoder2", Stage::Parameters, 2, 35),
         ("phi", Stage::Parameters, 2, 41),
+        ("arcee", Stage::Parameters, 2, 19),
+        ("nemotron", Stage::Parameters, 2, 36),
     ] {
         let out = tempfile::tempdir().unwrap();
         Run::new(stage, world, 1).train(&fixtures().join(fixture), &ids, out.path());
@@ -507,6 +513,8 @@ fn both_config_forms_read_alike_and_llama3_scales_the_low_frequencies() {
         "ernie",
         "starcoder2",
         "phi",
+        "arcee",
+        "nemotron",
     ] {
         let config = LlamaConfig::from_json(&config_of(fixture)).unwrap();
         let stored: usize = hub_tensors(&fixtures().join(fixture))
@@ -1249,6 +1257,38 @@ fn phi_configs_read_as_transformers_reads_them() {
     tied["tie_word_embeddings"] = true.into();
     let err = LlamaConfig::from_json(&tied).unwrap_err();
     assert!(err.contains("untie it"), "{err}");
+}
+
+/// Arcee's and Nemotron's configs read as `transformers` reads them:
+/// squared ReLU by default, Nemotron's norms scaling by `1 + weight`
+/// (`norm_eps`) with half of each head rotating by default.
+#[test]
+fn arcee_and_nemotron_configs_read_as_transformers_reads_them() {
+    use zero_candle::models::UngatedMlp;
+    use zero_candle::nn::Activation;
+    for fixture in ["arcee", "nemotron"] {
+        let config = LlamaConfig::from_json(&config_of(fixture)).unwrap();
+        assert_eq!(config.ungated_mlp, Some(UngatedMlp::UpDown), "{fixture}");
+        assert_eq!(config.mlp_activation, Activation::Relu2, "{fixture}");
+        let mut silent = config_of(fixture);
+        silent.as_object_mut().unwrap().remove("hidden_act");
+        let parsed = LlamaConfig::from_json(&silent).unwrap();
+        assert_eq!(parsed.mlp_activation, Activation::Relu2, "{fixture}");
+        let mut silu = config_of(fixture);
+        silu["hidden_act"] = "silu".into();
+        let parsed = LlamaConfig::from_json(&silu).unwrap();
+        assert_eq!(parsed.mlp_activation, Activation::Silu, "{fixture}");
+    }
+    let arcee = LlamaConfig::from_json(&config_of("arcee")).unwrap();
+    assert!(!arcee.layer_norms && !arcee.mlp_bias && arcee.norm_weight_offset == 0.0);
+    let nemotron = LlamaConfig::from_json(&config_of("nemotron")).unwrap();
+    assert!(nemotron.layer_norms && nemotron.norm_bias);
+    assert!(nemotron.mlp_bias && nemotron.qkv_bias && nemotron.o_bias);
+    assert_eq!(nemotron.norm_weight_offset, 1.0);
+    assert_eq!((nemotron.head_dim, nemotron.rotary_dim), (8, 4));
+    let mut eps = config_of("nemotron");
+    eps["norm_eps"] = 1e-3.into();
+    assert_eq!(LlamaConfig::from_json(&eps).unwrap().rms_norm_eps, 1e-3);
 }
 
 /// GLM-4's configs read as `transformers` reads them, and the query and

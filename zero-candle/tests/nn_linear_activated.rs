@@ -18,7 +18,12 @@ use zero_candle::nn::{self, ops, Activation, GatheredParam, GiveBack, GradHook, 
 
 const IN: usize = 24;
 const OUT: usize = 10;
-const ACTIVATIONS: [Activation; 3] = [Activation::Gelu, Activation::GeluErf, Activation::Silu];
+const ACTIVATIONS: [Activation; 4] = [
+    Activation::Gelu,
+    Activation::GeluErf,
+    Activation::Silu,
+    Activation::Relu2,
+];
 
 /// Which side of the layer the activation is on.
 #[derive(Clone, Copy, Debug)]
@@ -37,6 +42,7 @@ fn activate(x: &Tensor, activation: Activation) -> Tensor {
         Activation::Gelu => ops::gelu(x),
         Activation::GeluErf => ops::gelu_erf(x),
         Activation::Silu => ops::silu(x),
+        Activation::Relu2 => ops::relu2(x),
     }
     .unwrap()
 }
@@ -64,6 +70,7 @@ fn composed(pre: &Tensor, activation: Activation) -> Tensor {
         Activation::Gelu => pre.gelu(),
         Activation::GeluErf => pre.gelu_erf(),
         Activation::Silu => pre.silu(),
+        Activation::Relu2 => pre.relu().and_then(|r| r.sqr()),
     }
     .unwrap()
 }

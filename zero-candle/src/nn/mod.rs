@@ -54,7 +54,7 @@
 //!   the weight's storage in place, the backward computes the input
 //!   gradient and hands the weight (and bias) gradient to the hook.
 //!   [`Linear::forward_activated`] applies an [`Activation`] (GELU, either
-//!   form, or SiLU) in the same op, keeping the pre-activation for the
+//!   form, SiLU or squared ReLU) in the same op, keeping the pre-activation for the
 //!   backward (on CUDA with [`set_linear_cublaslt`], tanh-GELU in
 //!   cuBLASLt's epilogue); [`Linear::forward_on_activated`] applies one to
 //!   its input, keeping the input alone (the activation is computed again
@@ -69,7 +69,7 @@
 //!   a copy of the variable per forward.
 //! - [`ops`] has the parameter-free parts of a transformer as single ops
 //!   with their own backward: causal self-attention over a packed `qkv`
-//!   or over q, k, v with grouped K/V heads (no `time x time` tensor kept), GELU, SiLU, the gated
+//!   or over q, k, v with grouped K/V heads (no `time x time` tensor kept), GELU, SiLU, squared ReLU, the gated
 //!   MLP's `act(gate) * up` (SwiGLU, GeGLU) and cross-entropy.
 //!
 //! Constructors create their variables through the `VarBuilder` with

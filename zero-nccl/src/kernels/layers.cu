@@ -1087,7 +1087,8 @@ DEFINE_COLUMN_SUMS(bf16, bf16)
 DEFINE_COLUMN_SUMS(f16, f16)
 
 // ===========================================================================
-// Activations: kind 0 = GELU (tanh approximation), 1 = GELU (erf), 2 = SiLU.
+// Activations: kind 0 = GELU (tanh approximation), 1 = GELU (erf), 2 = SiLU,
+// 3 = squared ReLU.
 // ===========================================================================
 #define GELU_K 0.7978845608f  // sqrt(2 / pi)
 #define GELU_C 0.044715f
@@ -1098,8 +1099,11 @@ __device__ __forceinline__ float activation(int kind, float x) {
         return 0.5f * x * (1.f + t);
     } else if (kind == 1) {
         return 0.5f * x * (1.f + erff(x * 0.70710678118654752f));
-    } else {
+    } else if (kind == 2) {
         return x / (1.f + expf(-x));
+    } else {
+        const float r = fmaxf(x, 0.f);
+        return r * r;
     }
 }
 
@@ -1111,9 +1115,11 @@ __device__ __forceinline__ float activation_derivative(int kind, float x) {
         // 1 / sqrt(2 pi)
         return 0.5f * (1.f + erff(x * 0.70710678118654752f)) +
                x * expf(-0.5f * x * x) * 0.3989422804014327f;
-    } else {
+    } else if (kind == 2) {
         const float s = 1.f / (1.f + expf(-x));
         return s * (1.f + x * (1.f - s));
+    } else {
+        return 2.f * fmaxf(x, 0.f);
     }
 }
 
@@ -1128,6 +1134,10 @@ __device__ __forceinline__ void activation_both(int kind, float x, float& y, flo
         const float cdf = 0.5f * (1.f + erff(x * 0.70710678118654752f));
         y = x * cdf;
         slope = cdf + x * expf(-0.5f * x * x) * 0.3989422804014327f;
+    } else if (kind == 3) {
+        const float r = fmaxf(x, 0.f);
+        y = r * r;
+        slope = 2.f * r;
     } else {
         const float e = expf(-x);
         const float s = 1.f / (1.f + e);

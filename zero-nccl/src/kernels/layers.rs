@@ -243,6 +243,8 @@ pub enum ActivationKind {
     GeluErf = 1,
     /// `x / (1 + exp(-x))`.
     Silu = 2,
+    /// `max(x, 0)^2`.
+    Relu2 = 3,
 }
 
 /// Which normalization the norm kernels compute over the last dimension.

@@ -91,11 +91,12 @@ template<class T> double rotary_test(int B,int time,int H,int D,unsigned cap,uns
   return std::max(worst(ry,widen(y)),worst(rdx,widen(dx)));
 }
 
-// Activation `kind` (0 GELU tanh form, 1 GELU erf, 2 SiLU) at x in double, and its slope there.
+// Activation `kind` (0 GELU tanh form, 1 GELU erf, 2 SiLU, 3 squared ReLU) at x in double, and its slope there.
 static double activation_ref(int kind,double x,double*slope){
   if(kind==0){ const double c=sqrt(2/M_PI), k=0.044715, t=tanh(c*(x+k*x*x*x));
     *slope=0.5*(1+t)+0.5*x*(1-t*t)*c*(1+3*k*x*x); return 0.5*x*(1+t); }
   if(kind==1){ const double cdf=0.5*(1+erf(x/sqrt(2.0))); *slope=cdf+x*exp(-0.5*x*x)/sqrt(2*M_PI); return x*cdf; }
+  if(kind==3){ const double r=x>0?x:0; *slope=2*r; return r*r; }
   const double s=1/(1+exp(-x)); *slope=s*(1+x*(1-s)); return x*s;
 }
 
@@ -212,7 +213,8 @@ template<class T> double bias_activation_test(long long rows,int width,int kind,
   for(long long i=0;i<n;i++){ double x=S[i];
     ry[i]= kind==0 ? 0.5*x*(1+tanh(sqrt(2/M_PI)*(x+0.044715*x*x*x)))
          : kind==1 ? 0.5*x*(1+erf(x/sqrt(2.0)))
-         : x/(1+exp(-x)); }
+         : kind==2 ? x/(1+exp(-x))
+         : (x>0?x:0)*(x>0?x:0); }
   return worst(ry,Y);
 }
 
@@ -335,7 +337,7 @@ int main() {
         }
     }
     // Kind 2 is SwiGLU's gate, kind 0 GeGLU's.
-    for (int kind : {0, 1, 2}) {
+    for (int kind : {0, 1, 2, 3}) {
         for (long long n : {1LL, 255LL, 257LL, 5000LL}) {
             for (unsigned cap : {1u, 4096u}) {
                 for (int skew : {0, 1}) {
@@ -364,7 +366,7 @@ int main() {
         }
     }
     for (auto [rows, width] : {std::array<int, 2>{1, 1}, {7, 33}, {5, 256}, {3, 1000}}) {
-        for (int kind : {0, 1, 2}) {
+        for (int kind : {0, 1, 2, 3}) {
             for (unsigned cap : {1u, 4096u}) {
                 bool x32, xb, xh;
                 unsigned seed = rows * width + kind;

@@ -207,6 +207,8 @@ pub enum UngatedMlp {
     CFc,
     /// Phi's: `mlp.fc1` (up), `mlp.fc2` (down).
     Fc,
+    /// Nemotron's and Arcee's: `mlp.up_proj`, `mlp.down_proj`.
+    UpDown,
 }
 
 impl UngatedMlp {
@@ -215,6 +217,16 @@ impl UngatedMlp {
         match self {
             Self::CFc => ["c_fc", "c_proj"],
             Self::Fc => ["fc1", "fc2"],
+            Self::UpDown => ["up_proj", "down_proj"],
+        }
+    }
+
+    /// The activation where the file names none (`transformers`' default
+    /// `hidden_act` of the family).
+    fn default_activation(self) -> Activation {
+        match self {
+            Self::CFc | Self::Fc => Activation::Gelu,
+            Self::UpDown => Activation::Relu2,
         }
     }
 }
@@ -362,7 +374,7 @@ struct Plain {
     /// Phi's switch for the query and key norms.
     #[serde(default)]
     qk_layernorm: bool,
-    #[serde(default, alias = "norm_epsilon")]
+    #[serde(default, alias = "norm_epsilon", alias = "norm_eps")]
     layer_norm_eps: Option<f64>,
     #[serde(default)]
     mlp_bias: Option<bool>,
@@ -491,8 +503,12 @@ struct Family {
     nope_layers: bool,
     /// Cohere's: LayerNorms without bias, parallel blocks, `logit_scale`.
     cohere: bool,
-    /// LayerNorms with a bias, their epsilon `norm_epsilon` (Starcoder2).
+    /// LayerNorms with a bias, their epsilon `norm_epsilon` (Starcoder2),
+    /// `layer_norm_eps` (Phi) or `norm_eps` (Nemotron).
     biased_layer_norms: bool,
+    /// The norms scale by `1 + weight` (Nemotron's LayerNorm1P; Gemma's
+    /// RMS norms come with [`Gemma`]).
+    norm_plus_one: bool,
     /// The MLP has no gate (Starcoder2).
     ungated_mlp: Option<UngatedMlp>,
     /// Only the sliding-window layers rotate (Cohere 2).
@@ -538,6 +554,7 @@ const LLAMA: Family = Family {
     nope_layers: false,
     cohere: false,
     biased_layer_norms: false,
+    norm_plus_one: false,
     ungated_mlp: None,
     rotary_in_windows_only: false,
     multipliers: false,
@@ -617,7 +634,7 @@ const ERNIE: Family = Family {
 };
 
 /// The families read as Llama.
-const FAMILIES: [Family; 28] = [
+const FAMILIES: [Family; 30] = [
     Family {
         reads_mlp_bias: true,
         ..LLAMA
@@ -850,6 +867,30 @@ const FAMILIES: [Family; 28] = [
         },
         ..LLAMA
     },
+    // Arcee (AFM): Llama with an MLP without a gate, squared ReLU.
+    Family {
+        model_type: "arcee",
+        architectures: ["ArceeForCausalLM", "ArceeModel"],
+        reads_mlp_bias: true,
+        ungated_mlp: Some(UngatedMlp::UpDown),
+        ..LLAMA
+    },
+    // Nemotron (Minitron, Nemotron-4): LayerNorms with biases scaling by
+    // `1 + weight` (LayerNorm1P), Arcee's MLP, half of each head rotating by
+    // default.
+    Family {
+        model_type: "nemotron",
+        architectures: ["NemotronForCausalLM", "NemotronModel"],
+        reads_mlp_bias: true,
+        biased_layer_norms: true,
+        norm_plus_one: true,
+        ungated_mlp: Some(UngatedMlp::UpDown),
+        rope: RopeDialect {
+            partial: Some(0.5),
+            ..LLAMA.rope
+        },
+        ..LLAMA
+    },
 ];
 
 /// Whether `model_type` `kind` is read as Llama.
@@ -862,7 +903,7 @@ pub(crate) const LLAMA_TYPES: &str =
     "\"llama\", \"mistral\", \"qwen2\", \"qwen3\", \"phi3\", \"gemma\", \"gemma2\", \
      \"gemma3_text\", \"gemma3\" (its text model), \"smollm3\", \"granite\", \"olmo2\", \"olmo3\", \
      \"mixtral\", \"qwen2_moe\", \"qwen3_moe\", \"olmoe\", \"flex_olmo\", \"glm4_moe\", \
-     \"minimax_m2\", \"glm\", \"glm4\", \"cohere\", \"cohere2\", \"ernie4_5\", \"ernie4_5_moe\", \"dots1\", \"starcoder2\" and \"phi\"";
+     \"minimax_m2\", \"glm\", \"glm4\", \"cohere\", \"cohere2\", \"ernie4_5\", \"ernie4_5_moe\", \"dots1\", \"starcoder2\", \"phi\", \"arcee\" and \"nemotron\"";
 
 impl LlamaConfig {
     /// Reads a hub `config.json` of a Llama, Mistral, Qwen2, Qwen3, Phi-3,
@@ -870,8 +911,8 @@ impl LlamaConfig {
     /// vision), SmolLM3, Granite, OLMo 2, OLMo 3, Mixtral, Qwen2-MoE,
     /// Qwen3-MoE, OLMoE, FlexOlmo, GLM-4.5 (`glm4_moe`), MiniMax-M2, GLM-4
     /// (`glm`, `glm4`), Cohere (`cohere`, `cohere2`), ERNIE 4.5
-    /// (`ernie4_5`, `ernie4_5_moe`), dots.llm1 (`dots1`), Starcoder2 or Phi model
-    /// (by `model_type`; Llama without one): an error names the key whose value this model
+    /// (`ernie4_5`, `ernie4_5_moe`), dots.llm1 (`dots1`), Starcoder2, Phi, Arcee or
+    /// Nemotron model (by `model_type`; Llama without one): an error names the key whose value this model
     /// cannot honour (another architecture, MLP biases, another
     /// activation, a rotary scaling it does not implement, bidirectional
     /// attention, ...). Reads the rotary settings from `rope_parameters`
@@ -1007,14 +1048,18 @@ impl LlamaConfig {
             input_norms: family.input_norms,
             sliding_window,
             pad_token_id: plain.pad_token_id,
-            mlp_activation: mlp_activation(config, gemma, family.ungated_mlp.is_some())?,
+            mlp_activation: mlp_activation(config, gemma, family.ungated_mlp)?,
             ungated_mlp: family.ungated_mlp,
             layer_names: match family.phi {
                 true => LayerNames::Phi,
                 false => LayerNames::Llama,
             },
             head_bias: family.phi,
-            norm_weight_offset: if gemma.is_some() { 1.0 } else { 0.0 },
+            norm_weight_offset: if gemma.is_some() || family.norm_plus_one {
+                1.0
+            } else {
+                0.0
+            },
             embedding_scale: match gemma {
                 Some(_) => Some((plain.hidden_size as f64).sqrt()),
                 None => granite(plain.embedding_multiplier),
@@ -1356,41 +1401,41 @@ fn rotated_layers(plain: &Plain) -> std::result::Result<Vec<bool>, String> {
 /// The MLP's activation: SiLU for Llama (`hidden_act`); GELU's tanh form for
 /// Gemma (`hidden_act`, where transformers reads `gelu` as the tanh form too)
 /// and Gemma 3 (`hidden_activation`); for an MLP without a gate
-/// (Starcoder2's), `hidden_act` as `transformers`' `ACT2FN` reads it: GELU's
-/// tanh forms, exact GELU (`gelu`) or SiLU.
+/// (StarCoder2's, Phi's, Nemotron's, Arcee's), `hidden_act` as
+/// `transformers`' `ACT2FN` reads it: GELU's tanh forms, exact GELU
+/// (`gelu`), SiLU or squared ReLU (`relu2`), the family's default where the
+/// file names none.
 fn mlp_activation(
     config: &serde_json::Value,
     gemma: Option<Gemma>,
-    ungated: bool,
+    ungated: Option<UngatedMlp>,
 ) -> std::result::Result<Activation, String> {
     const TANH: [&str; 2] = ["gelu_pytorch_tanh", "gelu_new"];
-    const UNGATED: [(&str, Activation); 5] = [
+    const UNGATED: [(&str, Activation); 6] = [
         ("gelu_pytorch_tanh", Activation::Gelu),
         ("gelu_new", Activation::Gelu),
         ("gelu_fast", Activation::Gelu),
         ("gelu", Activation::GeluErf),
         ("silu", Activation::Silu),
+        ("relu2", Activation::Relu2),
     ];
+    let ungated_names = UNGATED.map(|(name, _)| name);
     let (key, accepted): (&str, &[&str]) = match gemma {
-        _ if ungated => (
-            "hidden_act",
-            &["gelu_pytorch_tanh", "gelu_new", "gelu_fast", "gelu", "silu"],
-        ),
+        _ if ungated.is_some() => ("hidden_act", &ungated_names),
         None => ("hidden_act", &["silu"]),
         Some(Gemma::One) => ("hidden_act", &["gelu_pytorch_tanh", "gelu_new", "gelu"]),
         Some(Gemma::Two | Gemma::Three) => ("hidden_activation", &TANH),
     };
     let value = config.get(key).filter(|v| !v.is_null());
-    match value {
-        Some(value) if !accepted.iter().any(|a| value == a) => Err(format!(
+    match (value, ungated) {
+        (Some(value), _) if !accepted.iter().any(|a| value == a) => Err(format!(
             "`{key}` is {value}; only {} is supported",
             accepted.join(" or ")
         )),
-        // Starcoder2's default.
-        _ if ungated => Ok(UNGATED
+        (_, Some(mlp)) => Ok(UNGATED
             .iter()
             .find(|(name, _)| value.is_some_and(|v| v == name))
-            .map_or(Activation::Gelu, |&(_, kind)| kind)),
+            .map_or(mlp.default_activation(), |&(_, kind)| kind)),
         _ if gemma.is_some() => Ok(Activation::Gelu),
         _ => Ok(Activation::Silu),
     }

@@ -36,7 +36,9 @@
 //! (`Dots1ForCausalLM`: Qwen3's attention, GLM-4.5's mixtures). StarCoder2
 //! (`Starcoder2ForCausalLM`: LayerNorms with biases, biases on every
 //! projection, an MLP without a gate) and Phi (`PhiForCausalLM`: those,
-//! Cohere's parallel blocks, a head with a bias, its own names).
+//! Cohere's parallel blocks, a head with a bias, its own names). Arcee
+//! (`ArceeForCausalLM`: an MLP without a gate, squared ReLU) and Nemotron
+//! (`NemotronForCausalLM`: that MLP, LayerNorms scaling by `1 + weight`).
 //!
 //! The variables carry the hub's names (`model.embed_tokens.weight`,
 //! `model.layers.{i}.self_attn.q_proj.weight`, ..., `model.norm.weight`,

@@ -46,6 +46,13 @@ pub(super) fn silu_at<A: Accum>(x: A) -> (A, A) {
     (x * s, s * (one + x * (one - s)))
 }
 
+/// Squared ReLU at `x` and its slope there.
+#[inline(always)]
+pub(super) fn relu2_at<A: Accum>(x: A) -> (A, A) {
+    let r = if x > A::ZERO { x } else { A::ZERO };
+    (r * r, A::cast(2.0) * r)
+}
+
 /// `out[i] = f(x[i])` (with `grad`: `out[i] = grad[i] · slope`), in
 /// parallel chunks. Generic over `f` so that each activation gets its own
 /// loop, inlined and (for f32) vectorized.
@@ -133,6 +140,7 @@ impl Activation {
             Activation::Gelu => map_elements(x, grad, gelu_tanh),
             Activation::GeluErf => map_elements(x, grad, gelu_erf_at),
             Activation::Silu => map_elements(x, grad, silu_at),
+            Activation::Relu2 => map_elements(x, grad, relu2_at),
         }
     }
 
@@ -142,6 +150,7 @@ impl Activation {
             Activation::Gelu => map_with_grad(x, grad, gelu_tanh),
             Activation::GeluErf => map_with_grad(x, grad, gelu_erf_at),
             Activation::Silu => map_with_grad(x, grad, silu_at),
+            Activation::Relu2 => map_with_grad(x, grad, relu2_at),
         }
     }
 
@@ -157,6 +166,7 @@ impl Activation {
             Activation::Gelu => add_bias_and_map(pre, bias, gelu_tanh),
             Activation::GeluErf => add_bias_and_map(pre, bias, gelu_erf_at),
             Activation::Silu => add_bias_and_map(pre, bias, silu_at),
+            Activation::Relu2 => add_bias_and_map(pre, bias, relu2_at),
         }
     }
 
@@ -165,6 +175,7 @@ impl Activation {
             Activation::Gelu => "zero-gelu",
             Activation::GeluErf => "zero-gelu-erf",
             Activation::Silu => "zero-silu",
+            Activation::Relu2 => "zero-relu2",
         }
     }
 
@@ -197,6 +208,20 @@ pub fn gelu_erf(x: &Tensor) -> Result<Tensor> {
 /// SiLU (swish), as `Tensor::silu`, in one op (see [`gelu`]).
 pub fn silu(x: &Tensor) -> Result<Tensor> {
     Activation::Silu.apply(x)
+}
+
+/// Squared ReLU, `max(x, 0)²` (`transformers`' `relu2`), in one op (see
+/// [`gelu`]).
+///
+/// ```
+/// # fn main() -> candle_core::Result<()> {
+/// let x = candle_core::Tensor::new(&[-1f32, 0.5, 3.0], &candle_core::Device::Cpu)?;
+/// let y = zero_candle::nn::ops::relu2(&x)?;
+/// assert_eq!(y.to_vec1::<f32>()?, [0.0, 0.25, 9.0]);
+/// # Ok(()) }
+/// ```
+pub fn relu2(x: &Tensor) -> Result<Tensor> {
+    Activation::Relu2.apply(x)
 }
 
 struct ActivationOp(Activation);
@@ -402,7 +427,12 @@ mod tests {
 
     #[test]
     fn the_recompute_gives_the_forward_and_input_gradient_writing_the_gradient_in_place() {
-        for kind in [Activation::Gelu, Activation::GeluErf, Activation::Silu] {
+        for kind in [
+            Activation::Gelu,
+            Activation::GeluErf,
+            Activation::Silu,
+            Activation::Relu2,
+        ] {
             for dtype in [DType::F32, DType::F64, DType::BF16, DType::F16] {
                 let x = Tensor::randn(0f32, 3.0, (5, 37), &Device::Cpu).unwrap();
                 let x = x.to_dtype(dtype).unwrap();

@@ -11,4 +11,7 @@ pub enum Activation {
     GeluErf,
     /// SiLU (`Tensor::silu`): `x / (1 + exp(-x))`.
     Silu,
+    /// Squared ReLU (`transformers`' `relu2`: Primer's, Nemotron's and
+    /// Arcee's MLPs): `max(x, 0)²`.
+    Relu2,
 }

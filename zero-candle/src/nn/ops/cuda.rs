@@ -489,6 +489,7 @@ fn activation_kind(kind: Activation) -> ActivationKind {
         Activation::Gelu => ActivationKind::Gelu,
         Activation::GeluErf => ActivationKind::GeluErf,
         Activation::Silu => ActivationKind::Silu,
+        Activation::Relu2 => ActivationKind::Relu2,
     }
 }
 

@@ -30,7 +30,7 @@ pub(crate) use no_cuda as cuda;
 
 pub(crate) use activation::input_grad as activation_input_grad;
 pub(crate) use activation::recompute_with_input_grad;
-pub use activation::{gelu, gelu_erf, silu};
+pub use activation::{gelu, gelu_erf, relu2, silu};
 pub use activation_kind::Activation;
 pub use attention::{
     causal_attention, causal_self_attention, causal_self_attention_rows, sliding_window_attention,

@@ -5,7 +5,7 @@
 use super::super::cpu;
 use super::super::elem::{dispatch_float, Accum, Elem};
 use super::super::storage::{tensor_from, with_cuda};
-use super::activation::{gelu_erf_at, gelu_tanh, silu_at};
+use super::activation::{gelu_erf_at, gelu_tanh, relu2_at, silu_at};
 use super::activation_kind::Activation;
 use super::cuda;
 use candle_core::backend::BackendStorage;
@@ -67,6 +67,7 @@ impl Gated {
             Activation::Silu => "swiglu",
             Activation::Gelu => "geglu",
             Activation::GeluErf => "geglu (erf)",
+            Activation::Relu2 => "relu2-gated",
         }
     }
 
@@ -96,6 +97,7 @@ impl Gated {
             Activation::Gelu => forward(gate, up, gelu_tanh),
             Activation::GeluErf => forward(gate, up, gelu_erf_at),
             Activation::Silu => forward(gate, up, silu_at),
+            Activation::Relu2 => forward(gate, up, relu2_at),
         }
     }
 
@@ -105,6 +107,7 @@ impl Gated {
             Activation::Gelu => backward(gate, up, grad, gelu_tanh),
             Activation::GeluErf => backward(gate, up, grad, gelu_erf_at),
             Activation::Silu => backward(gate, up, grad, silu_at),
+            Activation::Relu2 => backward(gate, up, grad, relu2_at),
         }
     }
 }
@@ -162,6 +165,7 @@ impl CustomOp2 for Gated {
             Activation::Silu => "zero-swiglu",
             Activation::Gelu => "zero-geglu",
             Activation::GeluErf => "zero-geglu-erf",
+            Activation::Relu2 => "zero-relu2-gated",
         }
     }
 
