@@ -178,6 +178,7 @@ fn a_bf16_fine_tune_trains_and_saves_in_the_checkpoints_dtype() {
         ("llama/phi", 2),
         ("llama/arcee", 2),
         ("llama/nemotron", 3),
+        ("llama/exaone4", 3),
     ] {
         let dir = tempfile::tempdir().unwrap();
         let out = dir.path().join("out");

@@ -5,7 +5,7 @@
 //! 1, 2 and 3, a SmolLM3, a Granite, an OLMo 2 and an OLMo 3, and the
 //! mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo,
 //! GLM-4.5 and MiniMax-M2, GLM-4 (`glm`, `glm4`), Cohere, ERNIE 4.5,
-//! dots.llm1, StarCoder2, Phi, Arcee and Nemotron; and the logits, loss, gradients and one SGD step each computes on a fixed
+//! dots.llm1, StarCoder2, Phi, Arcee, Nemotron, EXAONE 4 and Seed-OSS; and the logits, loss, gradients and one SGD step each computes on a fixed
 //! batch) are made by `make_fixtures.py` there.
 
 mod hub_support;
@@ -78,6 +78,8 @@ fn logits_loss_and_gradients_equal_transformers() {
         // Squared ReLU between up and down; LayerNorm1P.
         ("arcee", 19),
         ("nemotron", 36),
+        ("exaone4", 25),
+        ("seedoss", 35),
     ];
     for (fixture, variables) in cases {
         let (config, map) = Llama::open_hub(fixtures().join(fixture)).unwrap();
@@ -102,7 +104,7 @@ fn logits_loss_and_gradients_equal_transformers() {
         );
         let per_head = matches!(
             fixture,
-            "qwen3" | "qwen3moe" | "gemma3" | "gemma3mm" | "glm4moe" | "dots1" | "phi"
+            "qwen3" | "qwen3moe" | "gemma3" | "gemma3mm" | "glm4moe" | "dots1" | "phi" | "exaone4"
         );
         let whole =
             fixture.starts_with("olmo") || matches!(fixture, "flexolmo" | "minimaxm2" | "cohereqk");
@@ -202,6 +204,8 @@ fn loading_then_saving_reproduces_the_checkpoint_tensor_for_tensor() {
         "starcoder2",
         "phi",
         "nemotron",
+        "exaone4",
+        "seedoss",
     ] {
         let dir = fixtures().join(fixture);
         for (stage, world) in [(Stage::Ddp, 1), (Stage::Parameters, 2)] {
@@ -267,6 +271,8 @@ fn one_sgd_step_equals_torch_at_stage_0_and_at_stage_3_on_two_ranks() {
         ("phi", Stage::Parameters, 2, 41),
         ("arcee", Stage::Parameters, 2, 19),
         ("nemotron", Stage::Parameters, 2, 36),
+        ("exaone4", Stage::Parameters, 2, 25),
+        ("seedoss", Stage::Parameters, 2, 35),
     ] {
         let out = tempfile::tempdir().unwrap();
         Run::new(stage, world, 1).train(&fixtures().join(fixture), &ids, out.path());
@@ -515,6 +521,8 @@ fn both_config_forms_read_alike_and_llama3_scales_the_low_frequencies() {
         "phi",
         "arcee",
         "nemotron",
+        "exaone4",
+        "seedoss",
     ] {
         let config = LlamaConfig::from_json(&config_of(fixture)).unwrap();
         let stored: usize = hub_tensors(&fixtures().join(fixture))
@@ -1289,6 +1297,62 @@ fn arcee_and_nemotron_configs_read_as_transformers_reads_them() {
     let mut eps = config_of("nemotron");
     eps["norm_eps"] = 1e-3.into();
     assert_eq!(LlamaConfig::from_json(&eps).unwrap().rms_norm_eps, 1e-3);
+}
+
+/// EXAONE 4's config read as `transformers` reads it: OLMo 2's norms with
+/// norms of each head, windows by `layer_types` or `sliding_window_pattern`
+/// (a number, or letters), only the windowed layers rotating, every layer
+/// without windows. Seed-OSS's output bias apart from the others'.
+#[test]
+fn exaone4_and_seed_oss_configs_read_as_transformers_reads_them() {
+    use zero_candle::models::QkNorm;
+    let exaone = LlamaConfig::from_json(&config_of("exaone4")).unwrap();
+    assert!(!exaone.input_norms && exaone.output_norms);
+    assert_eq!(exaone.qk_norm, Some(QkNorm::PerHead));
+    assert_eq!(exaone.sliding_window.unwrap().layers, [true, false]);
+    assert_eq!(exaone.rotated_layers, Some(vec![true, false]));
+    let mut letters = config_of("exaone4");
+    let object = letters.as_object_mut().unwrap();
+    object.remove("layer_types");
+    object.insert("num_hidden_layers".into(), 8.into());
+    object.insert("sliding_window_pattern".into(), "LLLG".into());
+    let parsed = LlamaConfig::from_json(&letters).unwrap();
+    let pattern = [true, true, true, false, true, true, true, false];
+    assert_eq!(parsed.sliding_window.unwrap().layers, pattern);
+    assert_eq!(parsed.rotated_layers.unwrap(), pattern);
+    letters["sliding_window_pattern"] = 4.into();
+    let parsed = LlamaConfig::from_json(&letters).unwrap();
+    assert_eq!(parsed.sliding_window.unwrap().layers, pattern);
+    letters["sliding_window_pattern"] = "LLX".into();
+    let err = LlamaConfig::from_json(&letters).unwrap_err();
+    assert!(err.contains("letters L"), "{err}");
+    // No window: every layer attends to all and rotates.
+    let mut full = config_of("exaone4");
+    full["sliding_window"] = serde_json::Value::Null;
+    let parsed = LlamaConfig::from_json(&full).unwrap();
+    assert!(parsed.sliding_window.is_none() && parsed.rotated_layers.is_none());
+
+    let seed = LlamaConfig::from_json(&config_of("seedoss")).unwrap();
+    assert!(seed.qkv_bias && seed.o_bias && seed.mlp_bias);
+    assert_eq!(seed.head_dim, 16);
+    // transformers' defaults: q, k and v biased, o not, heads of 128; the
+    // released files' dropout 0.1 read (training here leaves it out).
+    let mut silent = config_of("seedoss");
+    let object = silent.as_object_mut().unwrap();
+    for key in [
+        "attention_bias",
+        "attention_out_bias",
+        "mlp_bias",
+        "head_dim",
+        "attention_dropout",
+        "residual_dropout",
+    ] {
+        object.remove(key);
+    }
+    object.insert("attention_dropout".into(), 0.1.into());
+    let parsed = LlamaConfig::from_json(&silent).unwrap();
+    assert!(parsed.qkv_bias && !parsed.o_bias && !parsed.mlp_bias);
+    assert_eq!((parsed.head_dim, parsed.dropout), (128, 0.1));
 }
 
 /// GLM-4's configs read as `transformers` reads them, and the query and

@@ -331,7 +331,7 @@ struct Plain {
     /// Gemma 3's windowed layers where `layer_types` does not say: all but
     /// every this-many-th (transformers 5 writes it with a leading `_`).
     #[serde(default, alias = "_sliding_window_pattern")]
-    sliding_window_pattern: Option<usize>,
+    sliding_window_pattern: Option<WindowPattern>,
     #[serde(default)]
     query_pre_attn_scalar: Option<f64>,
     #[serde(default)]
@@ -365,6 +365,9 @@ struct Plain {
     residual_dropout: Option<f64>,
     #[serde(default)]
     embedding_dropout: Option<f64>,
+    /// Seed-OSS's switch for the output projection's bias.
+    #[serde(default)]
+    attention_out_bias: Option<bool>,
     /// Qwen2-MoE's switch for the query, key and value biases.
     #[serde(default)]
     qkv_bias: Option<bool>,
@@ -386,6 +389,38 @@ struct Plain {
     router_jitter_noise: Option<f64>,
     #[serde(default)]
     clip_qkv: Option<f64>,
+}
+
+/// Gemma's and EXAONE 4's `sliding_window_pattern`: every this-many-th
+/// layer full, or (EXAONE 4) letters repeating over the layers, `L` a
+/// sliding one and `G` a full one (`"LLLG"`).
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum WindowPattern {
+    Every(usize),
+    Letters(String),
+}
+
+impl WindowPattern {
+    /// Per layer of `n`, whether it is windowed.
+    fn layers(&self, n: usize) -> std::result::Result<Vec<bool>, String> {
+        match self {
+            Self::Every(0) => Err("`sliding_window_pattern` is 0; set it to at least 1".into()),
+            &Self::Every(every) => Ok((0..n).map(|i| (i + 1) % every != 0).collect()),
+            Self::Letters(letters)
+                if letters.is_empty() || letters.chars().any(|c| !matches!(c, 'L' | 'G')) =>
+            {
+                Err(format!(
+                    "`sliding_window_pattern` is {letters:?}; give a number, or letters L \
+                     (sliding) and G (full), one per layer, repeating"
+                ))
+            }
+            Self::Letters(letters) => {
+                let letters: Vec<char> = letters.chars().collect();
+                Ok((0..n).map(|i| letters[i % letters.len()] == 'L').collect())
+            }
+        }
+    }
 }
 
 /// `transformers`' `no_rope_layer_interval` (SmolLM3).
@@ -513,6 +548,12 @@ struct Family {
     ungated_mlp: Option<UngatedMlp>,
     /// Only the sliding-window layers rotate (Cohere 2).
     rotary_in_windows_only: bool,
+    /// With no window in any layer, every layer rotates (EXAONE 4; Cohere 2's
+    /// none).
+    rotary_without_windows: bool,
+    /// `attention_out_bias` gives the output projection its bias, apart
+    /// from `attention_bias`'s query, key and value ones (Seed-OSS).
+    reads_attention_out_bias: bool,
     /// Granite's multipliers are read.
     multipliers: bool,
     /// The head is tied where the file does not say.
@@ -557,6 +598,8 @@ const LLAMA: Family = Family {
     norm_plus_one: false,
     ungated_mlp: None,
     rotary_in_windows_only: false,
+    rotary_without_windows: false,
+    reads_attention_out_bias: false,
     multipliers: false,
     tied_by_default: false,
     default_theta: 10_000.0,
@@ -634,7 +677,7 @@ const ERNIE: Family = Family {
 };
 
 /// The families read as Llama.
-const FAMILIES: [Family; 30] = [
+const FAMILIES: [Family; 32] = [
     Family {
         reads_mlp_bias: true,
         ..LLAMA
@@ -891,6 +934,30 @@ const FAMILIES: [Family; 30] = [
         },
         ..LLAMA
     },
+    // EXAONE 4: OLMo 2's norms of the outputs, Qwen3's norms of each query
+    // and key head, windows in three layers of four which alone rotate (all
+    // rotate without windows).
+    Family {
+        model_type: "exaone4",
+        architectures: ["Exaone4ForCausalLM", "Exaone4Model"],
+        qk_norm: Some(QkNorm::PerHead),
+        windows: Windows::Typed { pattern: 4 },
+        rotary_in_windows_only: true,
+        rotary_without_windows: true,
+        ..OLMO2
+    },
+    // Seed-OSS: biases on q, k and v by default (`attention_bias`), on o
+    // where `attention_out_bias`, MLP biases where `mlp_bias`, heads of
+    // 128 by default.
+    Family {
+        model_type: "seed_oss",
+        architectures: ["SeedOssForCausalLM", "SeedOssModel"],
+        attention_bias: true,
+        reads_attention_out_bias: true,
+        reads_mlp_bias: true,
+        default_head_dim: Some(128),
+        ..LLAMA
+    },
 ];
 
 /// Whether `model_type` `kind` is read as Llama.
@@ -903,7 +970,7 @@ pub(crate) const LLAMA_TYPES: &str =
     "\"llama\", \"mistral\", \"qwen2\", \"qwen3\", \"phi3\", \"gemma\", \"gemma2\", \
      \"gemma3_text\", \"gemma3\" (its text model), \"smollm3\", \"granite\", \"olmo2\", \"olmo3\", \
      \"mixtral\", \"qwen2_moe\", \"qwen3_moe\", \"olmoe\", \"flex_olmo\", \"glm4_moe\", \
-     \"minimax_m2\", \"glm\", \"glm4\", \"cohere\", \"cohere2\", \"ernie4_5\", \"ernie4_5_moe\", \"dots1\", \"starcoder2\", \"phi\", \"arcee\" and \"nemotron\"";
+     \"minimax_m2\", \"glm\", \"glm4\", \"cohere\", \"cohere2\", \"ernie4_5\", \"ernie4_5_moe\", \"dots1\", \"starcoder2\", \"phi\", \"arcee\", \"nemotron\", \"exaone4\" and \"seed_oss\"";
 
 impl LlamaConfig {
     /// Reads a hub `config.json` of a Llama, Mistral, Qwen2, Qwen3, Phi-3,
@@ -911,8 +978,8 @@ impl LlamaConfig {
     /// vision), SmolLM3, Granite, OLMo 2, OLMo 3, Mixtral, Qwen2-MoE,
     /// Qwen3-MoE, OLMoE, FlexOlmo, GLM-4.5 (`glm4_moe`), MiniMax-M2, GLM-4
     /// (`glm`, `glm4`), Cohere (`cohere`, `cohere2`), ERNIE 4.5
-    /// (`ernie4_5`, `ernie4_5_moe`), dots.llm1 (`dots1`), Starcoder2, Phi, Arcee or
-    /// Nemotron model (by `model_type`; Llama without one): an error names the key whose value this model
+    /// (`ernie4_5`, `ernie4_5_moe`), dots.llm1 (`dots1`), Starcoder2, Phi, Arcee,
+    /// Nemotron, EXAONE 4 or Seed-OSS model (by `model_type`; Llama without one): an error names the key whose value this model
     /// cannot honour (another architecture, MLP biases, another
     /// activation, a rotary scaling it does not implement, bidirectional
     /// attention, ...). Reads the rotary settings from `rope_parameters`
@@ -945,14 +1012,14 @@ impl LlamaConfig {
         };
         let sliding_window =
             sliding_window_of(config, &plain, family.windows, rotated_layers.as_deref())?;
-        // Cohere 2 rotates in its sliding layers only (none without a
-        // window, as transformers does).
-        let rotated_layers = match family.rotary_in_windows_only {
-            true => Some(match &sliding_window {
-                Some(window) => window.layers.clone(),
-                None => vec![false; plain.num_hidden_layers],
-            }),
-            false => rotated_layers,
+        // Cohere 2 and EXAONE 4 rotate in their sliding layers only;
+        // without a window, Cohere 2 in none, EXAONE 4 in every one (as
+        // transformers does).
+        let rotated_layers = match (family.rotary_in_windows_only, &sliding_window) {
+            (true, Some(window)) => Some(window.layers.clone()),
+            (true, None) if family.rotary_without_windows => None,
+            (true, None) => Some(vec![false; plain.num_hidden_layers]),
+            (false, _) => rotated_layers,
         };
         if let Some(clip) = plain.clip_qkv {
             return Err(format!(
@@ -1034,7 +1101,10 @@ impl LlamaConfig {
             // Phi-3's projections have no biases whatever the file says.
             qkv_bias: !family.fused_qkv
                 && (attention_bias || plain.qkv_bias.unwrap_or(family.qkv_bias)),
-            o_bias: !family.fused_qkv && family.o_bias && attention_bias,
+            o_bias: match family.reads_attention_out_bias {
+                true => plain.attention_out_bias.unwrap_or(false),
+                false => !family.fused_qkv && family.o_bias && attention_bias,
+            },
             mlp_bias: use_bias || (family.reads_mlp_bias && plain.mlp_bias == Some(true)),
             fused_qkv: family.fused_qkv,
             fused_gate_up: family.fused_gate_up,
@@ -1353,9 +1423,9 @@ fn sliding_window_of(
         },
         Windows::Typed { pattern } => match &plain.layer_types {
             Some(types) => typed(types),
-            None => match plain.sliding_window_pattern.unwrap_or(pattern) {
-                0 => return Err("`sliding_window_pattern` is 0; set it to at least 1".into()),
-                pattern => (0..n).map(|i| (i + 1) % pattern != 0).collect(),
+            None => match &plain.sliding_window_pattern {
+                Some(given) => given.layers(n)?,
+                None => WindowPattern::Every(pattern).layers(n)?,
             },
         },
     };

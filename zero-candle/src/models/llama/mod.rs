@@ -39,6 +39,9 @@
 //! Cohere's parallel blocks, a head with a bias, its own names). Arcee
 //! (`ArceeForCausalLM`: an MLP without a gate, squared ReLU) and Nemotron
 //! (`NemotronForCausalLM`: that MLP, LayerNorms scaling by `1 + weight`).
+//! EXAONE 4 (`Exaone4ForCausalLM`: OLMo 2's norms, Qwen3's head norms,
+//! Cohere 2's windows) and Seed-OSS (`SeedOssForCausalLM`: the output
+//! projection's bias apart).
 //!
 //! The variables carry the hub's names (`model.embed_tokens.weight`,
 //! `model.layers.{i}.self_attn.q_proj.weight`, ..., `model.norm.weight`,
