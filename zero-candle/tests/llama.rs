@@ -5,7 +5,7 @@
 //! 1, 2 and 3, a SmolLM3, a Granite, an OLMo 2 and an OLMo 3, and the
 //! mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo,
 //! GLM-4.5 and MiniMax-M2, GLM-4 (`glm`, `glm4`), Cohere, ERNIE 4.5,
-//! dots.llm1, StarCoder2, Phi, Arcee, Nemotron, EXAONE 4 and Seed-OSS; and the logits, loss, gradients and one SGD step each computes on a fixed
+//! dots.llm1, StarCoder2, Phi, Arcee, Nemotron, EXAONE 4, Seed-OSS and GPT-NeoX; and the logits, loss, gradients and one SGD step each computes on a fixed
 //! batch) are made by `make_fixtures.py` there.
 
 mod hub_support;
@@ -80,6 +80,8 @@ fn logits_loss_and_gradients_equal_transformers() {
         ("nemotron", 36),
         ("exaone4", 25),
         ("seedoss", 35),
+        // query_key_value's rows head by head in the file.
+        ("gptneox", 28),
     ];
     for (fixture, variables) in cases {
         let (config, map) = Llama::open_hub(fixtures().join(fixture)).unwrap();
@@ -109,7 +111,10 @@ fn logits_loss_and_gradients_equal_transformers() {
         let whole =
             fixture.starts_with("olmo") || matches!(fixture, "flexolmo" | "minimaxm2" | "cohereqk");
         assert_eq!(config.qk_norm.is_some(), per_head || whole);
-        assert_eq!(config.fused_qkv, fixture.starts_with("phi3"));
+        assert_eq!(
+            config.fused_qkv,
+            fixture.starts_with("phi3") || fixture == "gptneox"
+        );
         assert_eq!(
             config.fused_gate_up,
             fixture.starts_with("phi3") || matches!(fixture, "glm" | "glm4")
@@ -123,11 +128,15 @@ fn logits_loss_and_gradients_equal_transformers() {
         );
         assert_eq!(
             config.layer_norms,
-            fixture.starts_with("cohere") || matches!(fixture, "starcoder2" | "phi" | "nemotron")
+            fixture.starts_with("cohere")
+                || matches!(fixture, "starcoder2" | "phi" | "nemotron" | "gptneox")
         );
         assert_eq!(
             config.ungated_mlp.is_some(),
-            matches!(fixture, "starcoder2" | "phi" | "arcee" | "nemotron")
+            matches!(
+                fixture,
+                "starcoder2" | "phi" | "arcee" | "nemotron" | "gptneox"
+            )
         );
         let layout = Llama::hub_layout(&config);
         let model = Llama::new(map.builder(DType::F32, &Device::Cpu), &config, None).unwrap();
@@ -206,6 +215,7 @@ fn loading_then_saving_reproduces_the_checkpoint_tensor_for_tensor() {
         "nemotron",
         "exaone4",
         "seedoss",
+        "gptneox",
     ] {
         let dir = fixtures().join(fixture);
         for (stage, world) in [(Stage::Ddp, 1), (Stage::Parameters, 2)] {
@@ -273,6 +283,7 @@ fn one_sgd_step_equals_torch_at_stage_0_and_at_stage_3_on_two_ranks() {
         ("nemotron", Stage::Parameters, 2, 36),
         ("exaone4", Stage::Parameters, 2, 25),
         ("seedoss", Stage::Parameters, 2, 35),
+        ("gptneox", Stage::Parameters, 2, 28),
     ] {
         let out = tempfile::tempdir().unwrap();
         Run::new(stage, world, 1).train(&fixtures().join(fixture), &ids, out.path());
@@ -523,6 +534,7 @@ fn both_config_forms_read_alike_and_llama3_scales_the_low_frequencies() {
         "nemotron",
         "exaone4",
         "seedoss",
+        "gptneox",
     ] {
         let config = LlamaConfig::from_json(&config_of(fixture)).unwrap();
         let stored: usize = hub_tensors(&fixtures().join(fixture))
@@ -1353,6 +1365,55 @@ fn exaone4_and_seed_oss_configs_read_as_transformers_reads_them() {
     let parsed = LlamaConfig::from_json(&silent).unwrap();
     assert!(parsed.qkv_bias && !parsed.o_bias && !parsed.mlp_bias);
     assert_eq!((parsed.head_dim, parsed.dropout), (128, 0.1));
+}
+
+/// GPT-NeoX's config read as `transformers` reads it, in its transformers 4
+/// form too (`rotary_pct`, `rotary_emb_base`: Pythia's files); the fused
+/// projection's rows reordered head by head.
+#[test]
+fn gpt_neox_configs_read_as_transformers_reads_them() {
+    use zero_candle::models::{LayerNames, UngatedMlp};
+    use zero_candle::nn::Activation;
+    let config = LlamaConfig::from_json(&config_of("gptneox")).unwrap();
+    assert!(config.parallel_blocks && config.parallel_mlp_norm && config.qkv_per_head);
+    assert!(config.layer_norms && config.norm_bias && config.fused_qkv);
+    assert!(config.qkv_bias && config.o_bias && config.mlp_bias);
+    assert_eq!(config.layer_names, LayerNames::NeoX);
+    assert_eq!(config.ungated_mlp, Some(UngatedMlp::NeoX));
+    assert_eq!(config.mlp_activation, Activation::GeluErf);
+    assert_eq!((config.head_dim, config.rotary_dim), (8, 2));
+    // Pythia's form: the rotary keys of transformers 4, no attention_bias.
+    let mut old = config_of("gptneox");
+    let object = old.as_object_mut().unwrap();
+    for key in ["rope_parameters", "attention_bias", "hidden_act"] {
+        object.remove(key);
+    }
+    object.insert("rotary_pct".into(), 0.5.into());
+    object.insert("rotary_emb_base".into(), 500.into());
+    object.insert("use_parallel_residual".into(), false.into());
+    let parsed = LlamaConfig::from_json(&old).unwrap();
+    assert_eq!((parsed.rotary_dim, parsed.rope.theta), (4, 500.0));
+    assert!(parsed.qkv_bias && parsed.o_bias && parsed.mlp_bias);
+    assert_eq!(parsed.mlp_activation, Activation::GeluErf);
+    assert!(!parsed.parallel_blocks && !parsed.parallel_mlp_norm);
+    // Without attention biases the MLP keeps its own.
+    old["attention_bias"] = false.into();
+    let parsed = LlamaConfig::from_json(&old).unwrap();
+    assert!(!parsed.qkv_bias && !parsed.o_bias && parsed.mlp_bias);
+    // Query rows first, head by head: head 1's queries are the file's rows
+    // 24..32 (after head 0's queries, keys and values).
+    let layout = Llama::hub_layout(&config);
+    let Arrangement::RowsPermuted(rows) =
+        layout.arrangement("gpt_neox.layers.1.attention.query_key_value.weight")
+    else {
+        panic!("the fused rows keep the file's order")
+    };
+    assert_eq!(&rows[8..16], &[24, 25, 26, 27, 28, 29, 30, 31]);
+    assert_eq!(&rows[32..34], &[8, 9], "head 0's keys");
+    let mut grouped = config_of("gptneox");
+    grouped["num_key_value_heads"] = 2.into();
+    let err = LlamaConfig::from_json(&grouped).unwrap_err();
+    assert!(err.contains("as many key/value heads"), "{err}");
 }
 
 /// GLM-4's configs read as `transformers` reads them, and the query and

@@ -46,6 +46,9 @@ pub struct LlamaConfig {
     /// Each block's attention and MLP read the same normed input and both
     /// add to the residual (Cohere's `x + attn(norm(x)) + mlp(norm(x))`).
     pub parallel_blocks: bool,
+    /// In parallel blocks the MLP reads a norm of its own of the block's
+    /// input (GPT-NeoX's `x + attn(norm1(x)) + mlp(norm2(x))`).
+    pub parallel_mlp_norm: bool,
     /// Rotary embeddings.
     pub rope: Rope,
     /// The head is the token embedding (no `lm_head.weight` of its own).
@@ -63,6 +66,11 @@ pub struct LlamaConfig {
     /// (`self_attn.qkv_proj`: queries, then keys, then values), as Phi-3
     /// stores them.
     pub fused_qkv: bool,
+    /// The fused projection's rows are head by head in the checkpoint (a
+    /// head's query, key and value rows together: GPT-NeoX's
+    /// `query_key_value`), reordered on load into queries, keys, values and
+    /// put back on save.
+    pub qkv_per_head: bool,
     /// The gate and up projections are one weight (`mlp.gate_up_proj`:
     /// gate, then up), as Phi-3 and GLM-4 store them.
     pub fused_gate_up: bool,
@@ -209,6 +217,8 @@ pub enum UngatedMlp {
     Fc,
     /// Nemotron's and Arcee's: `mlp.up_proj`, `mlp.down_proj`.
     UpDown,
+    /// GPT-NeoX's: `mlp.dense_h_to_4h`, `mlp.dense_4h_to_h`.
+    NeoX,
 }
 
 impl UngatedMlp {
@@ -218,6 +228,7 @@ impl UngatedMlp {
             Self::CFc => ["c_fc", "c_proj"],
             Self::Fc => ["fc1", "fc2"],
             Self::UpDown => ["up_proj", "down_proj"],
+            Self::NeoX => ["dense_h_to_4h", "dense_4h_to_h"],
         }
     }
 
@@ -227,6 +238,7 @@ impl UngatedMlp {
         match self {
             Self::CFc | Self::Fc => Activation::Gelu,
             Self::UpDown => Activation::Relu2,
+            Self::NeoX => Activation::GeluErf,
         }
     }
 }
@@ -241,30 +253,75 @@ pub enum LayerNames {
     /// Phi's: `self_attn.dense`, `self_attn.q_layernorm` and
     /// `k_layernorm`, `model.final_layernorm`.
     Phi,
+    /// GPT-NeoX's: `gpt_neox.embed_in`, `gpt_neox.layers.{i}.attention`
+    /// with `query_key_value` and `dense`, `gpt_neox.final_layer_norm`,
+    /// `embed_out`.
+    NeoX,
 }
 
 impl LayerNames {
-    /// The attention's output projection, under `self_attn`.
-    pub(super) fn output_projection(self) -> &'static str {
+    /// What the model's tensors but the head's sit under.
+    pub(super) fn model(self) -> &'static str {
         match self {
-            Self::Llama => "o_proj",
-            Self::Phi => "dense",
+            Self::Llama | Self::Phi => "model",
+            Self::NeoX => "gpt_neox",
         }
     }
 
-    /// The query and the key norm, under `self_attn`.
+    /// The token embedding, under [`LayerNames::model`].
+    pub(super) fn embedding(self) -> &'static str {
+        match self {
+            Self::Llama | Self::Phi => "embed_tokens",
+            Self::NeoX => "embed_in",
+        }
+    }
+
+    /// A block's attention, under its layer.
+    pub(super) fn attention(self) -> &'static str {
+        match self {
+            Self::Llama | Self::Phi => "self_attn",
+            Self::NeoX => "attention",
+        }
+    }
+
+    /// The query, key and value projections in one, under the attention.
+    pub(super) fn fused_qkv(self) -> &'static str {
+        match self {
+            Self::Llama | Self::Phi => "qkv_proj",
+            Self::NeoX => "query_key_value",
+        }
+    }
+
+    /// The attention's output projection, under the attention.
+    pub(super) fn output_projection(self) -> &'static str {
+        match self {
+            Self::Llama => "o_proj",
+            Self::Phi | Self::NeoX => "dense",
+        }
+    }
+
+    /// The query and the key norm, under the attention.
     pub(super) fn qk_norms(self) -> [&'static str; 2] {
         match self {
-            Self::Llama => ["q_norm", "k_norm"],
+            Self::Llama | Self::NeoX => ["q_norm", "k_norm"],
             Self::Phi => ["q_layernorm", "k_layernorm"],
         }
     }
 
-    /// The norm after the last block, under `model`.
+    /// The norm after the last block, under [`LayerNames::model`].
     pub(super) fn final_norm(self) -> &'static str {
         match self {
             Self::Llama => "norm",
             Self::Phi => "final_layernorm",
+            Self::NeoX => "final_layer_norm",
+        }
+    }
+
+    /// The untied head.
+    pub(super) fn head(self) -> &'static str {
+        match self {
+            Self::Llama | Self::Phi => "lm_head",
+            Self::NeoX => "embed_out",
         }
     }
 }
@@ -377,6 +434,11 @@ struct Plain {
     /// Phi's switch for the query and key norms.
     #[serde(default)]
     qk_layernorm: bool,
+    /// GPT-NeoX's switch for its parallel blocks.
+    #[serde(default)]
+    use_parallel_residual: Option<bool>,
+    #[serde(default)]
+    hidden_dropout: Option<f64>,
     #[serde(default, alias = "norm_epsilon", alias = "norm_eps")]
     layer_norm_eps: Option<f64>,
     #[serde(default)]
@@ -389,6 +451,24 @@ struct Plain {
     router_jitter_noise: Option<f64>,
     #[serde(default)]
     clip_qkv: Option<f64>,
+}
+
+/// GPT-NeoX's config with its transformers 4 rotary keys as later files
+/// write them: `rotary_pct` as `partial_rotary_factor`, `rotary_emb_base`
+/// as `rope_theta` (where those are absent).
+fn neox_rotary_keys(config: &serde_json::Value) -> serde_json::Value {
+    let mut config = config.clone();
+    if let Some(object) = config.as_object_mut() {
+        for (old, new) in [
+            ("rotary_pct", "partial_rotary_factor"),
+            ("rotary_emb_base", "rope_theta"),
+        ] {
+            if let Some(value) = object.remove(old) {
+                object.entry(new).or_insert(value);
+            }
+        }
+    }
+    config
 }
 
 /// Gemma's and EXAONE 4's `sliding_window_pattern`: every this-many-th
@@ -507,6 +587,10 @@ struct Family {
     /// Every projection and the head have biases, whatever the file says;
     /// Phi's names; parallel blocks; `qk_layernorm` read (Phi).
     phi: bool,
+    /// GPT-NeoX's names, its rows of `query_key_value` head by head, its
+    /// parallel blocks (`use_parallel_residual`) with a norm for each
+    /// branch, its MLP biased whatever the file says.
+    neox: bool,
     /// `attention_bias` gives the output projection a bias too (all but
     /// GLM-4.5, whose `attention_bias` is the query's, key's and value's).
     o_bias: bool,
@@ -577,6 +661,7 @@ const LLAMA: Family = Family {
     reads_use_bias: false,
     default_use_bias: false,
     phi: false,
+    neox: false,
     o_bias: true,
     switched_qk_norm: false,
     qk_norm: None,
@@ -677,7 +762,7 @@ const ERNIE: Family = Family {
 };
 
 /// The families read as Llama.
-const FAMILIES: [Family; 32] = [
+const FAMILIES: [Family; 33] = [
     Family {
         reads_mlp_bias: true,
         ..LLAMA
@@ -958,6 +1043,24 @@ const FAMILIES: [Family; 32] = [
         default_head_dim: Some(128),
         ..LLAMA
     },
+    // GPT-NeoX (Pythia): biased LayerNorms, q, k and v in one weight head by
+    // head, biases on the attention by default and on the MLP always, an MLP
+    // without a gate (exact GELU), parallel blocks with a norm per branch
+    // by default, a quarter of each head rotating by default.
+    Family {
+        model_type: "gpt_neox",
+        architectures: ["GPTNeoXForCausalLM", "GPTNeoXModel"],
+        neox: true,
+        attention_bias: true,
+        fused_qkv: true,
+        biased_layer_norms: true,
+        ungated_mlp: Some(UngatedMlp::NeoX),
+        rope: RopeDialect {
+            partial: Some(0.25),
+            ..LLAMA.rope
+        },
+        ..LLAMA
+    },
 ];
 
 /// Whether `model_type` `kind` is read as Llama.
@@ -970,7 +1073,7 @@ pub(crate) const LLAMA_TYPES: &str =
     "\"llama\", \"mistral\", \"qwen2\", \"qwen3\", \"phi3\", \"gemma\", \"gemma2\", \
      \"gemma3_text\", \"gemma3\" (its text model), \"smollm3\", \"granite\", \"olmo2\", \"olmo3\", \
      \"mixtral\", \"qwen2_moe\", \"qwen3_moe\", \"olmoe\", \"flex_olmo\", \"glm4_moe\", \
-     \"minimax_m2\", \"glm\", \"glm4\", \"cohere\", \"cohere2\", \"ernie4_5\", \"ernie4_5_moe\", \"dots1\", \"starcoder2\", \"phi\", \"arcee\", \"nemotron\", \"exaone4\" and \"seed_oss\"";
+     \"minimax_m2\", \"glm\", \"glm4\", \"cohere\", \"cohere2\", \"ernie4_5\", \"ernie4_5_moe\", \"dots1\", \"starcoder2\", \"phi\", \"arcee\", \"nemotron\", \"exaone4\", \"seed_oss\" and \"gpt_neox\"";
 
 impl LlamaConfig {
     /// Reads a hub `config.json` of a Llama, Mistral, Qwen2, Qwen3, Phi-3,
@@ -979,7 +1082,8 @@ impl LlamaConfig {
     /// Qwen3-MoE, OLMoE, FlexOlmo, GLM-4.5 (`glm4_moe`), MiniMax-M2, GLM-4
     /// (`glm`, `glm4`), Cohere (`cohere`, `cohere2`), ERNIE 4.5
     /// (`ernie4_5`, `ernie4_5_moe`), dots.llm1 (`dots1`), Starcoder2, Phi, Arcee,
-    /// Nemotron, EXAONE 4 or Seed-OSS model (by `model_type`; Llama without one): an error names the key whose value this model
+    /// Nemotron, EXAONE 4, Seed-OSS or GPT-NeoX model (by `model_type`; Llama without
+    /// one): an error names the key whose value this model
     /// cannot honour (another architecture, MLP biases, another
     /// activation, a rotary scaling it does not implement, bidirectional
     /// attention, ...). Reads the rotary settings from `rope_parameters`
@@ -997,6 +1101,14 @@ impl LlamaConfig {
             return Err(format!(
                 "`model_type` is {kind:?}; this model reads {LLAMA_TYPES}"
             ));
+        };
+        let renamed;
+        let config = match family.neox {
+            true => {
+                renamed = neox_rotary_keys(config);
+                &renamed
+            }
+            false => config,
         };
         crate::models::check_architectures(config, &family.architectures)?;
         let plain = Plain::deserialize(config).map_err(|e| format!("{e}"))?;
@@ -1076,6 +1188,12 @@ impl LlamaConfig {
             );
         }
         let attention_bias = plain.attention_bias.unwrap_or(family.attention_bias) || use_bias;
+        // Phi-3's fused projections have no biases whatever the file says;
+        // GPT-NeoX's follow `attention_bias`.
+        let biased_attention = !family.fused_qkv || family.neox;
+        let parallel_blocks = family.cohere
+            || family.phi
+            || family.neox && plain.use_parallel_residual.unwrap_or(true);
         // Gemma 2's and 3's settings (Gemma reads none of them).
         let later = |value: Option<f64>| value.filter(|_| gemma.is_some_and(|g| g != Gemma::One));
         let parsed = Self {
@@ -1094,18 +1212,21 @@ impl LlamaConfig {
             },
             layer_norms: family.cohere || family.biased_layer_norms,
             norm_bias: family.biased_layer_norms,
-            parallel_blocks: family.cohere || family.phi,
+            parallel_blocks,
+            parallel_mlp_norm: family.neox && parallel_blocks,
+            qkv_per_head: family.neox,
             rope,
             tie_word_embeddings: plain.tie_word_embeddings.unwrap_or(family.tied_by_default),
             initializer_range: plain.initializer_range,
-            // Phi-3's projections have no biases whatever the file says.
-            qkv_bias: !family.fused_qkv
+            qkv_bias: biased_attention
                 && (attention_bias || plain.qkv_bias.unwrap_or(family.qkv_bias)),
             o_bias: match family.reads_attention_out_bias {
                 true => plain.attention_out_bias.unwrap_or(false),
-                false => !family.fused_qkv && family.o_bias && attention_bias,
+                false => biased_attention && family.o_bias && attention_bias,
             },
-            mlp_bias: use_bias || (family.reads_mlp_bias && plain.mlp_bias == Some(true)),
+            mlp_bias: use_bias
+                || family.neox
+                || (family.reads_mlp_bias && plain.mlp_bias == Some(true)),
             fused_qkv: family.fused_qkv,
             fused_gate_up: family.fused_gate_up,
             rope_interleaved: family.rope.interleaved,
@@ -1120,9 +1241,10 @@ impl LlamaConfig {
             pad_token_id: plain.pad_token_id,
             mlp_activation: mlp_activation(config, gemma, family.ungated_mlp)?,
             ungated_mlp: family.ungated_mlp,
-            layer_names: match family.phi {
-                true => LayerNames::Phi,
-                false => LayerNames::Llama,
+            layer_names: match (family.phi, family.neox) {
+                (true, _) => LayerNames::Phi,
+                (_, true) => LayerNames::NeoX,
+                _ => LayerNames::Llama,
             },
             head_bias: family.phi,
             norm_weight_offset: if gemma.is_some() || family.norm_plus_one {
@@ -1156,6 +1278,7 @@ impl LlamaConfig {
                 plain.embd_pdrop,
                 plain.residual_dropout,
                 plain.embedding_dropout,
+                plain.hidden_dropout,
                 plain.router_jitter_noise,
             ]
             .into_iter()
@@ -1242,6 +1365,25 @@ impl LlamaConfig {
             return Err(
                 "an MLP without a gate has no fused gate and up projections and no mixture of \
                  experts here; clear `fused_gate_up` and `moe`, or `ungated_mlp`"
+                    .into(),
+            );
+        }
+        if self.parallel_mlp_norm && !self.parallel_blocks {
+            return Err(
+                "the MLP's own norm in parallel blocks needs parallel blocks; set \
+                 `parallel_blocks` or clear `parallel_mlp_norm`"
+                    .into(),
+            );
+        }
+        if self.qkv_per_head
+            && (!self.fused_qkv
+                || self.rope_interleaved
+                || self.num_key_value_heads != self.num_attention_heads)
+        {
+            return Err(
+                "rows head by head are those of a fused query, key and value projection with as \
+                 many key/value heads as query heads, rotating halves; set `fused_qkv` and \
+                 `num_key_value_heads`, clear `rope_interleaved`, or clear `qkv_per_head`"
                     .into(),
             );
         }
@@ -1338,7 +1480,7 @@ impl LlamaConfig {
         };
         let norm = d * biased;
         let norms = match self.parallel_blocks {
-            true => norm,
+            true => norm * (1 + self.parallel_mlp_norm as usize),
             false => 2 * norm * (self.input_norms as usize + self.output_norms as usize),
         };
         let per_layer = norms + 2 * d * q + 2 * d * kv + biases + qk_norms;

@@ -41,7 +41,9 @@
 //! (`NemotronForCausalLM`: that MLP, LayerNorms scaling by `1 + weight`).
 //! EXAONE 4 (`Exaone4ForCausalLM`: OLMo 2's norms, Qwen3's head norms,
 //! Cohere 2's windows) and Seed-OSS (`SeedOssForCausalLM`: the output
-//! projection's bias apart).
+//! projection's bias apart). GPT-NeoX (`GPTNeoXForCausalLM`, Pythia: its
+//! own names, q, k and v in one weight head by head, a norm for each of its
+//! parallel branches).
 //!
 //! The variables carry the hub's names (`model.embed_tokens.weight`,
 //! `model.layers.{i}.self_attn.q_proj.weight`, ..., `model.norm.weight`,
@@ -369,6 +371,11 @@ impl Block {
             self.attn_out_norm.as_ref(),
         )?)?;
         if self.parallel {
+            // GPT-NeoX's MLP reads a norm of its own.
+            let h = match &self.mlp_norm {
+                Some(norm) => norm.forward(x)?,
+                None => h,
+            };
             let (y, router_logits) = self.mlp.forward(&h, with_router_logits)?;
             return Ok((((x + attended)? + y)?, router_logits));
         }
@@ -512,6 +519,19 @@ fn interleaved_rows(config: &LlamaConfig) -> Vec<(String, Arc<[usize]>)> {
         }
     }
     vars
+}
+
+/// The rows of a fused query, key and value projection stored head by head
+/// (GPT-NeoX's `[heads, 3, head_dim]`), in the model's order (queries,
+/// keys, values): row `r` of the variable is the checkpoint's row
+/// `rows[r]`.
+fn qkv_from_heads(config: &LlamaConfig) -> Arc<[usize]> {
+    let (heads, width) = (config.num_attention_heads, config.head_dim);
+    (0..3)
+        .flat_map(|part| {
+            (0..heads).flat_map(move |h| (0..width).map(move |d| (3 * h + part) * width + d))
+        })
+        .collect()
 }
 
 fn normed_output(y: Tensor, norm: Option<&LayerNorm>) -> candle_core::Result<Tensor> {
@@ -671,12 +691,16 @@ impl Llama {
                 )),
             }
         };
-        let model = vb.pp("model");
-        let embed = model.get_with_hints((config.vocab_size, d), "embed_tokens.weight", normal)?;
+        let names = config.layer_names;
+        let model = vb.pp(names.model());
+        let embed =
+            model
+                .pp(names.embedding())
+                .get_with_hints((config.vocab_size, d), "weight", normal)?;
         let mut blocks = Vec::with_capacity(config.num_hidden_layers);
         for i in 0..config.num_hidden_layers {
             let vb = model.pp(format!("layers.{i}"));
-            let attn = vb.pp("self_attn");
+            let attn = vb.pp(names.attention());
             let mlp = vb.pp("mlp");
             blocks.push(Block {
                 input_layernorm: match config.input_norms {
@@ -685,7 +709,9 @@ impl Llama {
                 },
                 qkv: match config.fused_qkv {
                     true => {
-                        Projections::Fused(linear(attn.pp("qkv_proj"), d, q + 2 * kv)?, [q, kv, kv])
+                        let fused = attn.pp(names.fused_qkv());
+                        let qkv = linear_b(fused, d, q + 2 * kv, config.qkv_bias)?;
+                        Projections::Fused(qkv, [q, kv, kv])
                     }
                     false => Projections::Separate([
                         linear_b(attn.pp("q_proj"), d, q, config.qkv_bias)?,
@@ -693,15 +719,10 @@ impl Llama {
                         linear_b(attn.pp("v_proj"), d, kv, config.qkv_bias)?,
                     ]),
                 },
-                o_proj: linear_b(
-                    attn.pp(config.layer_names.output_projection()),
-                    q,
-                    d,
-                    config.o_bias,
-                )?,
+                o_proj: linear_b(attn.pp(names.output_projection()), q, d, config.o_bias)?,
                 qk_norms: match config.qk_norm {
                     Some(QkNorm::PerHead) => {
-                        let [q_norm, k_norm] = config.layer_names.qk_norms();
+                        let [q_norm, k_norm] = names.qk_norms();
                         Some(QkNorms::Layers(
                             QkNorm::PerHead,
                             norm_of(attn.pp(q_norm), config.head_dim)?,
@@ -722,7 +743,7 @@ impl Llama {
                 attn_out_norm: output_norm(vb.pp(config.norm_names.attention_output()))?,
                 mlp_norm: match (config.input_norms, config.output_norms) {
                     (false, _) => None,
-                    _ if config.parallel_blocks => None,
+                    _ if config.parallel_blocks && !config.parallel_mlp_norm => None,
                     (true, true) => Some(norm(vb.pp(config.norm_names.mlp_input()))?),
                     (true, false) => Some(norm(vb.pp("post_attention_layernorm"))?),
                 },
@@ -801,13 +822,13 @@ impl Llama {
         let head = if config.tie_word_embeddings {
             Linear::new(embed.clone(), None, hook.clone())
         } else {
-            linear_b(vb.pp("lm_head"), d, config.vocab_size, config.head_bias)?
+            linear_b(vb.pp(names.head()), d, config.vocab_size, config.head_bias)?
         };
         Ok(Self {
             config: Box::new(config.clone()),
             embed_tokens: Embedding::new(embed, d, hook.clone()),
             blocks,
-            norm: norm(model.pp(config.layer_names.final_norm()))?,
+            norm: norm(model.pp(names.final_norm()))?,
             head,
             rotations: RopeTables::new(&config.rope, config.rotary_dim),
             local_rotations: config
@@ -837,12 +858,31 @@ impl Llama {
             true => HubLayout::new().with_renamed_prefix("model.", "language_model.model."),
             false => HubLayout::new(),
         };
+        let names = config.layer_names;
         if config.tie_word_embeddings {
-            layout = layout.with_tied("lm_head.weight", "model.embed_tokens.weight");
+            layout = layout.with_tied(
+                format!("{}.weight", names.head()),
+                format!("{}.{}.weight", names.model(), names.embedding()),
+            );
         }
         if config.rope_interleaved {
             for (var, rows) in interleaved_rows(config) {
                 layout = layout.with_rows_permuted(var, rows);
+            }
+        }
+        if config.qkv_per_head {
+            let rows = qkv_from_heads(config);
+            for i in 0..config.num_hidden_layers {
+                let fused = format!(
+                    "{}.layers.{i}.{}.{}",
+                    names.model(),
+                    names.attention(),
+                    names.fused_qkv()
+                );
+                layout = layout.with_rows_permuted(format!("{fused}.weight"), rows.clone());
+                if config.qkv_bias {
+                    layout = layout.with_rows_permuted(format!("{fused}.bias"), rows.clone());
+                }
             }
         }
         layout
