@@ -181,6 +181,8 @@ fn a_bf16_fine_tune_trains_and_saves_in_the_checkpoints_dtype() {
         ("llama/exaone4", 3),
         // Rows head by head put back in bf16.
         ("llama/gptneox", 3),
+        // A tapped norm weight per head.
+        ("llama/stablelm", 3),
     ] {
         let dir = tempfile::tempdir().unwrap();
         let out = dir.path().join("out");

@@ -5,7 +5,7 @@
 //! 1, 2 and 3, a SmolLM3, a Granite, an OLMo 2 and an OLMo 3, and the
 //! mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo,
 //! GLM-4.5 and MiniMax-M2, GLM-4 (`glm`, `glm4`), Cohere, ERNIE 4.5,
-//! dots.llm1, StarCoder2, Phi, Arcee, Nemotron, EXAONE 4, Seed-OSS and GPT-NeoX; and the logits, loss, gradients and one SGD step each computes on a fixed
+//! dots.llm1, StarCoder2, Phi, Arcee, Nemotron, EXAONE 4, Seed-OSS, GPT-NeoX and StableLM; and the logits, loss, gradients and one SGD step each computes on a fixed
 //! batch) are made by `make_fixtures.py` there.
 
 mod hub_support;
@@ -82,6 +82,9 @@ fn logits_loss_and_gradients_equal_transformers() {
         ("seedoss", 35),
         // query_key_value's rows head by head in the file.
         ("gptneox", 28),
+        // A tensor per head's norm.
+        ("stablelm", 44),
+        ("stablelmpar", 22),
     ];
     for (fixture, variables) in cases {
         let (config, map) = Llama::open_hub(fixtures().join(fixture)).unwrap();
@@ -108,8 +111,8 @@ fn logits_loss_and_gradients_equal_transformers() {
             fixture,
             "qwen3" | "qwen3moe" | "gemma3" | "gemma3mm" | "glm4moe" | "dots1" | "phi" | "exaone4"
         );
-        let whole =
-            fixture.starts_with("olmo") || matches!(fixture, "flexolmo" | "minimaxm2" | "cohereqk");
+        let whole = fixture.starts_with("olmo")
+            || matches!(fixture, "flexolmo" | "minimaxm2" | "cohereqk" | "stablelm");
         assert_eq!(config.qk_norm.is_some(), per_head || whole);
         assert_eq!(
             config.fused_qkv,
@@ -129,6 +132,7 @@ fn logits_loss_and_gradients_equal_transformers() {
         assert_eq!(
             config.layer_norms,
             fixture.starts_with("cohere")
+                || fixture.starts_with("stablelm")
                 || matches!(fixture, "starcoder2" | "phi" | "nemotron" | "gptneox")
         );
         assert_eq!(
@@ -216,6 +220,8 @@ fn loading_then_saving_reproduces_the_checkpoint_tensor_for_tensor() {
         "exaone4",
         "seedoss",
         "gptneox",
+        "stablelm",
+        "stablelmpar",
     ] {
         let dir = fixtures().join(fixture);
         for (stage, world) in [(Stage::Ddp, 1), (Stage::Parameters, 2)] {
@@ -284,6 +290,8 @@ fn one_sgd_step_equals_torch_at_stage_0_and_at_stage_3_on_two_ranks() {
         ("exaone4", Stage::Parameters, 2, 25),
         ("seedoss", Stage::Parameters, 2, 35),
         ("gptneox", Stage::Parameters, 2, 28),
+        ("stablelm", Stage::Parameters, 2, 44),
+        ("stablelmpar", Stage::Parameters, 2, 22),
     ] {
         let out = tempfile::tempdir().unwrap();
         Run::new(stage, world, 1).train(&fixtures().join(fixture), &ids, out.path());
@@ -535,6 +543,8 @@ fn both_config_forms_read_alike_and_llama3_scales_the_low_frequencies() {
         "exaone4",
         "seedoss",
         "gptneox",
+        "stablelm",
+        "stablelmpar",
     ] {
         let config = LlamaConfig::from_json(&config_of(fixture)).unwrap();
         let stored: usize = hub_tensors(&fixtures().join(fixture))
@@ -1414,6 +1424,25 @@ fn gpt_neox_configs_read_as_transformers_reads_them() {
     grouped["num_key_value_heads"] = 2.into();
     let err = LlamaConfig::from_json(&grouped).unwrap_err();
     assert!(err.contains("as many key/value heads"), "{err}");
+}
+
+/// StableLM's configs read as `transformers` reads them: its switches
+/// (`use_qkv_bias`, `qk_layernorm`, `use_parallel_residual`) and a quarter
+/// of each head rotating by default.
+#[test]
+fn stablelm_configs_read_as_transformers_reads_them() {
+    use zero_candle::models::{LayerNames, QkNorm};
+    let config = LlamaConfig::from_json(&config_of("stablelm")).unwrap();
+    assert!(config.layer_norms && config.norm_bias && !config.parallel_blocks);
+    assert!(config.qkv_bias && !config.o_bias && !config.mlp_bias);
+    assert_eq!(config.qk_norm, Some(QkNorm::HeadWeights));
+    assert_eq!(config.layer_names, LayerNames::StableLm);
+    assert_eq!(config.rotary_dim, 4);
+    let parallel = LlamaConfig::from_json(&config_of("stablelmpar")).unwrap();
+    assert!(parallel.parallel_blocks && !parallel.parallel_mlp_norm);
+    assert!(!parallel.qkv_bias && parallel.qk_norm.is_none());
+    assert_eq!(parallel.rotary_dim, 2, "a quarter of each head by default");
+    assert!(parallel.ungated_mlp.is_none(), "StableLM's MLP is gated");
 }
 
 /// GLM-4's configs read as `transformers` reads them, and the query and

@@ -257,13 +257,17 @@ pub enum LayerNames {
     /// with `query_key_value` and `dense`, `gpt_neox.final_layer_norm`,
     /// `embed_out`.
     NeoX,
+    /// StableLM's: Llama's, but for the norms of each query and key head,
+    /// `self_attn.q_layernorm.norms.{h}` and `k_layernorm.norms.{h}`, a
+    /// tensor per head.
+    StableLm,
 }
 
 impl LayerNames {
     /// What the model's tensors but the head's sit under.
     pub(super) fn model(self) -> &'static str {
         match self {
-            Self::Llama | Self::Phi => "model",
+            Self::Llama | Self::Phi | Self::StableLm => "model",
             Self::NeoX => "gpt_neox",
         }
     }
@@ -271,7 +275,7 @@ impl LayerNames {
     /// The token embedding, under [`LayerNames::model`].
     pub(super) fn embedding(self) -> &'static str {
         match self {
-            Self::Llama | Self::Phi => "embed_tokens",
+            Self::Llama | Self::Phi | Self::StableLm => "embed_tokens",
             Self::NeoX => "embed_in",
         }
     }
@@ -279,7 +283,7 @@ impl LayerNames {
     /// A block's attention, under its layer.
     pub(super) fn attention(self) -> &'static str {
         match self {
-            Self::Llama | Self::Phi => "self_attn",
+            Self::Llama | Self::Phi | Self::StableLm => "self_attn",
             Self::NeoX => "attention",
         }
     }
@@ -287,7 +291,7 @@ impl LayerNames {
     /// The query, key and value projections in one, under the attention.
     pub(super) fn fused_qkv(self) -> &'static str {
         match self {
-            Self::Llama | Self::Phi => "qkv_proj",
+            Self::Llama | Self::Phi | Self::StableLm => "qkv_proj",
             Self::NeoX => "query_key_value",
         }
     }
@@ -295,7 +299,7 @@ impl LayerNames {
     /// The attention's output projection, under the attention.
     pub(super) fn output_projection(self) -> &'static str {
         match self {
-            Self::Llama => "o_proj",
+            Self::Llama | Self::StableLm => "o_proj",
             Self::Phi | Self::NeoX => "dense",
         }
     }
@@ -304,14 +308,20 @@ impl LayerNames {
     pub(super) fn qk_norms(self) -> [&'static str; 2] {
         match self {
             Self::Llama | Self::NeoX => ["q_norm", "k_norm"],
-            Self::Phi => ["q_layernorm", "k_layernorm"],
+            Self::Phi | Self::StableLm => ["q_layernorm", "k_layernorm"],
         }
+    }
+
+    /// The norms of each query and key head hold a tensor per head
+    /// (`norms.{h}.weight`) rather than one `[heads, head_dim]` weight.
+    pub(super) fn head_norm_per_head(self) -> bool {
+        self == Self::StableLm
     }
 
     /// The norm after the last block, under [`LayerNames::model`].
     pub(super) fn final_norm(self) -> &'static str {
         match self {
-            Self::Llama => "norm",
+            Self::Llama | Self::StableLm => "norm",
             Self::Phi => "final_layernorm",
             Self::NeoX => "final_layer_norm",
         }
@@ -320,7 +330,7 @@ impl LayerNames {
     /// The untied head.
     pub(super) fn head(self) -> &'static str {
         match self {
-            Self::Llama | Self::Phi => "lm_head",
+            Self::Llama | Self::Phi | Self::StableLm => "lm_head",
             Self::NeoX => "embed_out",
         }
     }
@@ -434,7 +444,10 @@ struct Plain {
     /// Phi's switch for the query and key norms.
     #[serde(default)]
     qk_layernorm: bool,
-    /// GPT-NeoX's switch for its parallel blocks.
+    /// StableLM's switch for the query, key and value biases.
+    #[serde(default)]
+    use_qkv_bias: Option<bool>,
+    /// GPT-NeoX's and StableLM's switch for their parallel blocks.
     #[serde(default)]
     use_parallel_residual: Option<bool>,
     #[serde(default)]
@@ -591,6 +604,9 @@ struct Family {
     /// parallel blocks (`use_parallel_residual`) with a norm for each
     /// branch, its MLP biased whatever the file says.
     neox: bool,
+    /// StableLM's switches: `use_qkv_bias`, `qk_layernorm` (a LayerNorm of
+    /// each head, a tensor per head), `use_parallel_residual` (one norm).
+    stablelm: bool,
     /// `attention_bias` gives the output projection a bias too (all but
     /// GLM-4.5, whose `attention_bias` is the query's, key's and value's).
     o_bias: bool,
@@ -662,6 +678,7 @@ const LLAMA: Family = Family {
     default_use_bias: false,
     phi: false,
     neox: false,
+    stablelm: false,
     o_bias: true,
     switched_qk_norm: false,
     qk_norm: None,
@@ -762,7 +779,7 @@ const ERNIE: Family = Family {
 };
 
 /// The families read as Llama.
-const FAMILIES: [Family; 33] = [
+const FAMILIES: [Family; 34] = [
     Family {
         reads_mlp_bias: true,
         ..LLAMA
@@ -1061,6 +1078,21 @@ const FAMILIES: [Family; 33] = [
         },
         ..LLAMA
     },
+    // StableLM (2): biased LayerNorms, q, k and v biased where
+    // `use_qkv_bias`, LayerNorms of each head where `qk_layernorm`,
+    // parallel blocks with one norm where `use_parallel_residual`, a
+    // quarter of each head rotating by default.
+    Family {
+        model_type: "stablelm",
+        architectures: ["StableLmForCausalLM", "StableLmModel"],
+        stablelm: true,
+        biased_layer_norms: true,
+        rope: RopeDialect {
+            partial: Some(0.25),
+            ..LLAMA.rope
+        },
+        ..LLAMA
+    },
 ];
 
 /// Whether `model_type` `kind` is read as Llama.
@@ -1073,7 +1105,7 @@ pub(crate) const LLAMA_TYPES: &str =
     "\"llama\", \"mistral\", \"qwen2\", \"qwen3\", \"phi3\", \"gemma\", \"gemma2\", \
      \"gemma3_text\", \"gemma3\" (its text model), \"smollm3\", \"granite\", \"olmo2\", \"olmo3\", \
      \"mixtral\", \"qwen2_moe\", \"qwen3_moe\", \"olmoe\", \"flex_olmo\", \"glm4_moe\", \
-     \"minimax_m2\", \"glm\", \"glm4\", \"cohere\", \"cohere2\", \"ernie4_5\", \"ernie4_5_moe\", \"dots1\", \"starcoder2\", \"phi\", \"arcee\", \"nemotron\", \"exaone4\", \"seed_oss\" and \"gpt_neox\"";
+     \"minimax_m2\", \"glm\", \"glm4\", \"cohere\", \"cohere2\", \"ernie4_5\", \"ernie4_5_moe\", \"dots1\", \"starcoder2\", \"phi\", \"arcee\", \"nemotron\", \"exaone4\", \"seed_oss\", \"gpt_neox\" and \"stablelm\"";
 
 impl LlamaConfig {
     /// Reads a hub `config.json` of a Llama, Mistral, Qwen2, Qwen3, Phi-3,
@@ -1082,8 +1114,8 @@ impl LlamaConfig {
     /// Qwen3-MoE, OLMoE, FlexOlmo, GLM-4.5 (`glm4_moe`), MiniMax-M2, GLM-4
     /// (`glm`, `glm4`), Cohere (`cohere`, `cohere2`), ERNIE 4.5
     /// (`ernie4_5`, `ernie4_5_moe`), dots.llm1 (`dots1`), Starcoder2, Phi, Arcee,
-    /// Nemotron, EXAONE 4, Seed-OSS or GPT-NeoX model (by `model_type`; Llama without
-    /// one): an error names the key whose value this model
+    /// Nemotron, EXAONE 4, Seed-OSS, GPT-NeoX or StableLM model (by `model_type`; Llama
+    /// without one): an error names the key whose value this model
     /// cannot honour (another architecture, MLP biases, another
     /// activation, a rotary scaling it does not implement, bidirectional
     /// attention, ...). Reads the rotary settings from `rope_parameters`
@@ -1193,7 +1225,8 @@ impl LlamaConfig {
         let biased_attention = !family.fused_qkv || family.neox;
         let parallel_blocks = family.cohere
             || family.phi
-            || family.neox && plain.use_parallel_residual.unwrap_or(true);
+            || family.neox && plain.use_parallel_residual.unwrap_or(true)
+            || family.stablelm && plain.use_parallel_residual == Some(true);
         // Gemma 2's and 3's settings (Gemma reads none of them).
         let later = |value: Option<f64>| value.filter(|_| gemma.is_some_and(|g| g != Gemma::One));
         let parsed = Self {
@@ -1219,7 +1252,9 @@ impl LlamaConfig {
             tie_word_embeddings: plain.tie_word_embeddings.unwrap_or(family.tied_by_default),
             initializer_range: plain.initializer_range,
             qkv_bias: biased_attention
-                && (attention_bias || plain.qkv_bias.unwrap_or(family.qkv_bias)),
+                && (attention_bias
+                    || plain.qkv_bias.unwrap_or(family.qkv_bias)
+                    || family.stablelm && plain.use_qkv_bias == Some(true)),
             o_bias: match family.reads_attention_out_bias {
                 true => plain.attention_out_bias.unwrap_or(false),
                 false => biased_attention && family.o_bias && attention_bias,
@@ -1234,6 +1269,7 @@ impl LlamaConfig {
                 true if family.cohere => Some(QkNorm::HeadWeights),
                 true => Some(QkNorm::PerHead),
                 false if family.phi && plain.qk_layernorm => Some(QkNorm::PerHead),
+                false if family.stablelm && plain.qk_layernorm => Some(QkNorm::HeadWeights),
                 false => family.qk_norm,
             },
             input_norms: family.input_norms,
@@ -1241,9 +1277,10 @@ impl LlamaConfig {
             pad_token_id: plain.pad_token_id,
             mlp_activation: mlp_activation(config, gemma, family.ungated_mlp)?,
             ungated_mlp: family.ungated_mlp,
-            layer_names: match (family.phi, family.neox) {
-                (true, _) => LayerNames::Phi,
-                (_, true) => LayerNames::NeoX,
+            layer_names: match (family.phi, family.neox, family.stablelm) {
+                (true, _, _) => LayerNames::Phi,
+                (_, true, _) => LayerNames::NeoX,
+                (_, _, true) => LayerNames::StableLm,
                 _ => LayerNames::Llama,
             },
             head_bias: family.phi,

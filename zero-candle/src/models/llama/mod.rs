@@ -43,7 +43,9 @@
 //! Cohere 2's windows) and Seed-OSS (`SeedOssForCausalLM`: the output
 //! projection's bias apart). GPT-NeoX (`GPTNeoXForCausalLM`, Pythia: its
 //! own names, q, k and v in one weight head by head, a norm for each of its
-//! parallel branches).
+//! parallel branches). StableLM (`StableLmForCausalLM`: biased
+//! LayerNorms, a LayerNorm of each query and key head with a tensor per
+//! head, parallel blocks where asked).
 //!
 //! The variables carry the hub's names (`model.embed_tokens.weight`,
 //! `model.layers.{i}.self_attn.q_proj.weight`, ..., `model.norm.weight`,
@@ -265,14 +267,16 @@ enum QkNorms {
     HeadWeights(HeadNorm, HeadNorm),
 }
 
-/// Command R+'s norm of each query or key head, `weight` `[heads,
-/// head_dim]` a row per head: the statistics and the scale in f32 (a 16-bit
+/// Command R+'s and StableLM's norm of each query or key head, with
+/// weights a row per head: the statistics and the scale in f32 (a 16-bit
 /// input rounded once, after the scale, as `transformers` rounds it), of
-/// Candle's ops; the weight read through [`crate::nn::tap`], so its
-/// gradient reaches the hook.
+/// Candle's ops; the weights read through [`crate::nn::tap`], so their
+/// gradients reach the hook.
 #[derive(Clone)]
 struct HeadNorm {
-    weight: Tensor,
+    /// One `[heads, head_dim]` weight (Command R+'s), or a `[head_dim]`
+    /// weight per head (StableLM's).
+    weights: Vec<Tensor>,
     eps: f64,
     /// The mean subtracted first (Cohere's LayerNorm); else an RMS norm.
     remove_mean: bool,
@@ -282,12 +286,21 @@ struct HeadNorm {
 impl HeadNorm {
     /// `x` `[batch, time, heads, head_dim]` normalized head by head.
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let weight = match (&self.hook, self.weight.is_variable()) {
-            (Some(hook), true) => crate::nn::tap(
-                &candle_core::Var::from_tensor(&self.weight)?,
-                Some(hook.clone()),
-            )?,
-            _ => self.weight.clone(),
+        let tapped = |weight: &Tensor| match (&self.hook, weight.is_variable()) {
+            (Some(hook), true) => {
+                crate::nn::tap(&candle_core::Var::from_tensor(weight)?, Some(hook.clone()))
+            }
+            _ => Ok(weight.clone()),
+        };
+        let weight = match self.weights.as_slice() {
+            [whole] => tapped(whole)?,
+            heads => {
+                let heads: Vec<Tensor> = heads
+                    .iter()
+                    .map(tapped)
+                    .collect::<candle_core::Result<_>>()?;
+                Tensor::stack(&heads, 0)?
+            }
         };
         let dtype = x.dtype();
         let wide = match dtype {
@@ -616,8 +629,20 @@ impl Llama {
         };
         let norm = |vb: VarBuilder| norm_of(vb, d);
         let head_norm = |vb: VarBuilder, heads: usize| -> Result<HeadNorm> {
+            let width = config.head_dim;
             Ok(HeadNorm {
-                weight: vb.get_with_hints((heads, config.head_dim), "weight", Init::Const(1.0))?,
+                weights: match config.layer_names.head_norm_per_head() {
+                    true => (0..heads)
+                        .map(|h| {
+                            vb.pp(format!("norms.{h}")).get_with_hints(
+                                width,
+                                "weight",
+                                Init::Const(1.0),
+                            )
+                        })
+                        .collect::<std::result::Result<_, _>>()?,
+                    false => vec![vb.get_with_hints((heads, width), "weight", Init::Const(1.0))?],
+                },
                 eps: config.rms_norm_eps,
                 remove_mean: config.layer_norms,
                 hook: hook.clone(),
@@ -734,10 +759,13 @@ impl Llama {
                         norm_of(attn.pp("q_norm"), q)?,
                         norm_of(attn.pp("k_norm"), kv)?,
                     )),
-                    Some(QkNorm::HeadWeights) => Some(QkNorms::HeadWeights(
-                        head_norm(attn.pp("q_norm"), config.num_attention_heads)?,
-                        head_norm(attn.pp("k_norm"), config.num_key_value_heads)?,
-                    )),
+                    Some(QkNorm::HeadWeights) => {
+                        let [q_norm, k_norm] = names.qk_norms();
+                        Some(QkNorms::HeadWeights(
+                            head_norm(attn.pp(q_norm), config.num_attention_heads)?,
+                            head_norm(attn.pp(k_norm), config.num_key_value_heads)?,
+                        ))
+                    }
                     None => None,
                 },
                 attn_out_norm: output_norm(vb.pp(config.norm_names.attention_output()))?,
