@@ -183,6 +183,8 @@ fn a_bf16_fine_tune_trains_and_saves_in_the_checkpoints_dtype() {
         ("llama/gptneox", 3),
         // A tapped norm weight per head.
         ("llama/stablelm", 3),
+        // Norms without parameters.
+        ("llama/olmo", 3),
     ] {
         let dir = tempfile::tempdir().unwrap();
         let out = dir.path().join("out");

@@ -5,7 +5,7 @@
 //! 1, 2 and 3, a SmolLM3, a Granite, an OLMo 2 and an OLMo 3, and the
 //! mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo,
 //! GLM-4.5 and MiniMax-M2, GLM-4 (`glm`, `glm4`), Cohere, ERNIE 4.5,
-//! dots.llm1, StarCoder2, Phi, Arcee, Nemotron, EXAONE 4, Seed-OSS, GPT-NeoX and StableLM; and the logits, loss, gradients and one SGD step each computes on a fixed
+//! dots.llm1, StarCoder2, Phi, Arcee, Nemotron, EXAONE 4, Seed-OSS, GPT-NeoX, StableLM and OLMo; and the logits, loss, gradients and one SGD step each computes on a fixed
 //! batch) are made by `make_fixtures.py` there.
 
 mod hub_support;
@@ -85,6 +85,8 @@ fn logits_loss_and_gradients_equal_transformers() {
         // A tensor per head's norm.
         ("stablelm", 44),
         ("stablelmpar", 22),
+        // Norms without parameters; clamped projections.
+        ("olmo", 16),
     ];
     for (fixture, variables) in cases {
         let (config, map) = Llama::open_hub(fixtures().join(fixture)).unwrap();
@@ -111,8 +113,10 @@ fn logits_loss_and_gradients_equal_transformers() {
             fixture,
             "qwen3" | "qwen3moe" | "gemma3" | "gemma3mm" | "glm4moe" | "dots1" | "phi" | "exaone4"
         );
-        let whole = fixture.starts_with("olmo")
-            || matches!(fixture, "flexolmo" | "minimaxm2" | "cohereqk" | "stablelm");
+        let whole = matches!(
+            fixture,
+            "olmo2" | "olmo3" | "olmoe" | "flexolmo" | "minimaxm2" | "cohereqk" | "stablelm"
+        );
         assert_eq!(config.qk_norm.is_some(), per_head || whole);
         assert_eq!(
             config.fused_qkv,
@@ -133,7 +137,10 @@ fn logits_loss_and_gradients_equal_transformers() {
             config.layer_norms,
             fixture.starts_with("cohere")
                 || fixture.starts_with("stablelm")
-                || matches!(fixture, "starcoder2" | "phi" | "nemotron" | "gptneox")
+                || matches!(
+                    fixture,
+                    "starcoder2" | "phi" | "nemotron" | "gptneox" | "olmo"
+                )
         );
         assert_eq!(
             config.ungated_mlp.is_some(),
@@ -222,6 +229,7 @@ fn loading_then_saving_reproduces_the_checkpoint_tensor_for_tensor() {
         "gptneox",
         "stablelm",
         "stablelmpar",
+        "olmo",
     ] {
         let dir = fixtures().join(fixture);
         for (stage, world) in [(Stage::Ddp, 1), (Stage::Parameters, 2)] {
@@ -292,6 +300,7 @@ fn one_sgd_step_equals_torch_at_stage_0_and_at_stage_3_on_two_ranks() {
         ("gptneox", Stage::Parameters, 2, 28),
         ("stablelm", Stage::Parameters, 2, 44),
         ("stablelmpar", Stage::Parameters, 2, 22),
+        ("olmo", Stage::Parameters, 2, 16),
     ] {
         let out = tempfile::tempdir().unwrap();
         Run::new(stage, world, 1).train(&fixtures().join(fixture), &ids, out.path());
@@ -545,6 +554,7 @@ fn both_config_forms_read_alike_and_llama3_scales_the_low_frequencies() {
         "gptneox",
         "stablelm",
         "stablelmpar",
+        "olmo",
     ] {
         let config = LlamaConfig::from_json(&config_of(fixture)).unwrap();
         let stored: usize = hub_tensors(&fixtures().join(fixture))
@@ -636,8 +646,10 @@ fn yarn_and_linear_scaling_are_transformers() {
 #[test]
 fn unusable_configs_are_errors_naming_the_key() {
     let base = config_of("gqa");
-    let cases: [(&str, serde_json::Value, &str); 11] = [
+    let cases: [(&str, serde_json::Value, &str); 12] = [
         ("model_type", "falcon".into(), "model_type"),
+        // Llama clamps no projections.
+        ("clip_qkv", 8.0.into(), "clip_qkv"),
         (
             "architectures",
             serde_json::json!(["MistralForCausalLM"]),
@@ -1445,6 +1457,28 @@ fn stablelm_configs_read_as_transformers_reads_them() {
     assert!(parallel.ungated_mlp.is_none(), "StableLM's MLP is gated");
 }
 
+/// OLMo's config read as `transformers` reads it: LayerNorms without
+/// parameters (epsilon 1e-5 whatever the file says), `clip_qkv`, which
+/// OLMoE reads too.
+#[test]
+fn olmo_configs_read_as_transformers_reads_them() {
+    let olmo = LlamaConfig::from_json(&config_of("olmo")).unwrap();
+    assert!(olmo.layer_norms && !olmo.norm_weights && !olmo.norm_bias);
+    assert_eq!((olmo.clip_qkv, olmo.rms_norm_eps), (Some(0.25), 1e-5));
+    let mut silent = config_of("olmo");
+    silent["clip_qkv"] = serde_json::Value::Null;
+    silent["rms_norm_eps"] = 1e-3.into();
+    let parsed = LlamaConfig::from_json(&silent).unwrap();
+    assert_eq!((parsed.clip_qkv, parsed.rms_norm_eps), (None, 1e-5));
+    let mut olmoe = config_of("olmoe");
+    olmoe["clip_qkv"] = 8.0.into();
+    assert_eq!(LlamaConfig::from_json(&olmoe).unwrap().clip_qkv, Some(8.0));
+    let mut negative = config_of("olmo");
+    negative["clip_qkv"] = (-1.0).into();
+    let err = LlamaConfig::from_json(&negative).unwrap_err();
+    assert!(err.contains("`clip_qkv` is -1"), "{err}");
+}
+
 /// GLM-4's configs read as `transformers` reads them, and the query and
 /// key rows the layout reorders (the goldens check them in use).
 #[test]
@@ -1827,7 +1861,7 @@ fn moe_configs_read_as_transformers_reads_them() {
         );
     }
 
-    let cases: [(&str, &str, serde_json::Value, &str); 8] = [
+    let cases: [(&str, &str, serde_json::Value, &str); 7] = [
         ("glm4moe", "n_group", 3.into(), "n_group"),
         ("glm4moe", "topk_group", 5.into(), "topk_group"),
         (
@@ -1842,7 +1876,6 @@ fn moe_configs_read_as_transformers_reads_them() {
             true.into(),
             "use_sliding_window",
         ),
-        ("olmoe", "clip_qkv", 8.0.into(), "clip_qkv"),
         (
             "mixtral",
             "num_experts_per_tok",

@@ -43,6 +43,12 @@ pub struct LlamaConfig {
     /// Starcoder2's `nn.LayerNorm`); only with
     /// [`LlamaConfig::layer_norms`].
     pub norm_bias: bool,
+    /// The norms scale by a weight of their own; without, OLMo's LayerNorms
+    /// have no parameters (only with [`LlamaConfig::layer_norms`]).
+    pub norm_weights: bool,
+    /// The query, key and value projections' outputs clamped to `[-clip,
+    /// clip]` (OLMo's and OLMoE's `clip_qkv`), no gradient past the bounds.
+    pub clip_qkv: Option<f64>,
     /// Each block's attention and MLP read the same normed input and both
     /// add to the residual (Cohere's `x + attn(norm(x)) + mlp(norm(x))`).
     pub parallel_blocks: bool,
@@ -644,6 +650,11 @@ struct Family {
     /// The norms scale by `1 + weight` (Nemotron's LayerNorm1P; Gemma's
     /// RMS norms come with [`Gemma`]).
     norm_plus_one: bool,
+    /// LayerNorms without parameters, their epsilon 1e-5 whatever the file
+    /// says (OLMo's).
+    parameter_free_norms: bool,
+    /// `clip_qkv` is read (OLMo, OLMoE).
+    reads_clip_qkv: bool,
     /// The MLP has no gate (Starcoder2).
     ungated_mlp: Option<UngatedMlp>,
     /// Only the sliding-window layers rotate (Cohere 2).
@@ -698,6 +709,8 @@ const LLAMA: Family = Family {
     cohere: false,
     biased_layer_norms: false,
     norm_plus_one: false,
+    parameter_free_norms: false,
+    reads_clip_qkv: false,
     ungated_mlp: None,
     rotary_in_windows_only: false,
     rotary_without_windows: false,
@@ -779,7 +792,7 @@ const ERNIE: Family = Family {
 };
 
 /// The families read as Llama.
-const FAMILIES: [Family; 34] = [
+const FAMILIES: [Family; 35] = [
     Family {
         reads_mlp_bias: true,
         ..LLAMA
@@ -913,6 +926,7 @@ const FAMILIES: [Family; 34] = [
     Family {
         model_type: "olmoe",
         architectures: ["OlmoeForCausalLM", "OlmoeModel"],
+        reads_clip_qkv: true,
         qk_norm: Some(QkNorm::Projection),
         moe: Some(OLMOE_MOE),
         ..LLAMA
@@ -1093,6 +1107,14 @@ const FAMILIES: [Family; 34] = [
         },
         ..LLAMA
     },
+    // OLMo (1): Llama with LayerNorms without parameters, `clip_qkv`.
+    Family {
+        model_type: "olmo",
+        architectures: ["OlmoForCausalLM", "OlmoModel"],
+        parameter_free_norms: true,
+        reads_clip_qkv: true,
+        ..LLAMA
+    },
 ];
 
 /// Whether `model_type` `kind` is read as Llama.
@@ -1105,7 +1127,7 @@ pub(crate) const LLAMA_TYPES: &str =
     "\"llama\", \"mistral\", \"qwen2\", \"qwen3\", \"phi3\", \"gemma\", \"gemma2\", \
      \"gemma3_text\", \"gemma3\" (its text model), \"smollm3\", \"granite\", \"olmo2\", \"olmo3\", \
      \"mixtral\", \"qwen2_moe\", \"qwen3_moe\", \"olmoe\", \"flex_olmo\", \"glm4_moe\", \
-     \"minimax_m2\", \"glm\", \"glm4\", \"cohere\", \"cohere2\", \"ernie4_5\", \"ernie4_5_moe\", \"dots1\", \"starcoder2\", \"phi\", \"arcee\", \"nemotron\", \"exaone4\", \"seed_oss\", \"gpt_neox\" and \"stablelm\"";
+     \"minimax_m2\", \"glm\", \"glm4\", \"cohere\", \"cohere2\", \"ernie4_5\", \"ernie4_5_moe\", \"dots1\", \"starcoder2\", \"phi\", \"arcee\", \"nemotron\", \"exaone4\", \"seed_oss\", \"gpt_neox\", \"stablelm\" and \"olmo\"";
 
 impl LlamaConfig {
     /// Reads a hub `config.json` of a Llama, Mistral, Qwen2, Qwen3, Phi-3,
@@ -1114,8 +1136,8 @@ impl LlamaConfig {
     /// Qwen3-MoE, OLMoE, FlexOlmo, GLM-4.5 (`glm4_moe`), MiniMax-M2, GLM-4
     /// (`glm`, `glm4`), Cohere (`cohere`, `cohere2`), ERNIE 4.5
     /// (`ernie4_5`, `ernie4_5_moe`), dots.llm1 (`dots1`), Starcoder2, Phi, Arcee,
-    /// Nemotron, EXAONE 4, Seed-OSS, GPT-NeoX or StableLM model (by `model_type`; Llama
-    /// without one): an error names the key whose value this model
+    /// Nemotron, EXAONE 4, Seed-OSS, GPT-NeoX, StableLM or OLMo model (by `model_type`;
+    /// Llama without one): an error names the key whose value this model
     /// cannot honour (another architecture, MLP biases, another
     /// activation, a rotary scaling it does not implement, bidirectional
     /// attention, ...). Reads the rotary settings from `rope_parameters`
@@ -1165,7 +1187,7 @@ impl LlamaConfig {
             (true, None) => Some(vec![false; plain.num_hidden_layers]),
             (false, _) => rotated_layers,
         };
-        if let Some(clip) = plain.clip_qkv {
+        if let Some(clip) = plain.clip_qkv.filter(|_| !family.reads_clip_qkv) {
             return Err(format!(
                 "`clip_qkv` is {clip}; clipping the queries, keys and values is not implemented \
                  here: set it to null"
@@ -1240,10 +1262,13 @@ impl LlamaConfig {
             rotary_dim,
             max_position_embeddings: plain.max_position_embeddings,
             rms_norm_eps: match family.cohere || family.biased_layer_norms {
+                _ if family.parameter_free_norms => 1e-5,
                 true => plain.layer_norm_eps.unwrap_or(1e-5),
                 false => plain.rms_norm_eps,
             },
-            layer_norms: family.cohere || family.biased_layer_norms,
+            layer_norms: family.cohere || family.biased_layer_norms || family.parameter_free_norms,
+            norm_weights: !family.parameter_free_norms,
+            clip_qkv: plain.clip_qkv.filter(|_| family.reads_clip_qkv),
             norm_bias: family.biased_layer_norms,
             parallel_blocks,
             parallel_mlp_norm: family.neox && parallel_blocks,
@@ -1393,6 +1418,19 @@ impl LlamaConfig {
         if let Some(moe) = &self.moe {
             moe.validate(self.num_hidden_layers)?;
         }
+        if !self.norm_weights && (!self.layer_norms || self.norm_bias || self.qk_norm.is_some()) {
+            return Err(
+                "norms without parameters are LayerNorms without a bias, and there are no query \
+                 or key norms; set `layer_norms`, clear `norm_bias` and `qk_norm`, or set \
+                 `norm_weights`"
+                    .into(),
+            );
+        }
+        if let Some(clip) = self.clip_qkv.filter(|c| !(*c > 0.0 && c.is_finite())) {
+            return Err(format!(
+                "`clip_qkv` is {clip}; set a positive number, or null for no clamp"
+            ));
+        }
         if self.norm_bias && !self.layer_norms {
             return Err(
                 "norms with a bias are LayerNorms; set `layer_norms` or clear `norm_bias`".into(),
@@ -1508,7 +1546,7 @@ impl LlamaConfig {
         );
         let biases = if self.qkv_bias { q + 2 * kv } else { 0 } + if self.o_bias { d } else { 0 };
         // Norms of the model's kind: with a bias where its norms have one.
-        let biased = 1 + self.norm_bias as usize;
+        let biased = (1 + self.norm_bias as usize) * self.norm_weights as usize;
         let qk_norms = match self.qk_norm {
             Some(QkNorm::PerHead) => 2 * self.head_dim * biased,
             Some(QkNorm::Projection) => (q + kv) * biased,

@@ -45,7 +45,8 @@
 //! own names, q, k and v in one weight head by head, a norm for each of its
 //! parallel branches). StableLM (`StableLmForCausalLM`: biased
 //! LayerNorms, a LayerNorm of each query and key head with a tensor per
-//! head, parallel blocks where asked).
+//! head, parallel blocks where asked). OLMo (`OlmoForCausalLM`: LayerNorms
+//! without parameters, the projections clamped).
 //!
 //! The variables carry the hub's names (`model.embed_tokens.weight`,
 //! `model.layers.{i}.self_attn.q_proj.weight`, ..., `model.norm.weight`,
@@ -244,6 +245,8 @@ struct Block {
     query_factor: Option<f64>,
     /// Granite's factor on each residual branch.
     residual_multiplier: Option<f64>,
+    /// OLMo's clamp of the queries, keys and values.
+    clip_qkv: Option<f64>,
     /// This layer applies rotary embeddings (all but SmolLM3's NoPE
     /// layers).
     rotates: bool,
@@ -416,6 +419,12 @@ impl Block {
         // No sequences when there are no positions.
         let batch = rows / time.max(1);
         let [q, k, v] = self.qkv.forward(h)?;
+        // OLMo's clamp of the projections.
+        let [q, k, v] = match self.clip_qkv {
+            Some(clip) => [q, k, v].map(|x| x.clamp(-clip, clip)),
+            None => [q, k, v].map(Ok),
+        };
+        let (q, k, v) = (q?, k?, v?);
         // OLMo 2 normalizes each projection whole.
         let (q, k) = match &self.qk_norms {
             Some(QkNorms::Layers(QkNorm::Projection, q_norm, k_norm)) => {
@@ -615,7 +624,11 @@ impl Llama {
         let linear = |vb: VarBuilder, d_in, d_out| linear_b(vb, d_in, d_out, false);
         let offset = config.norm_weight_offset;
         let norm_of = |vb: VarBuilder, width: usize| -> Result<LayerNorm> {
-            let w = vb.get_with_hints(width, "weight", Init::Const(1.0 - offset))?;
+            let w = match config.norm_weights {
+                true => vb.get_with_hints(width, "weight", Init::Const(1.0 - offset))?,
+                // OLMo's: ones, no variable.
+                false => Tensor::ones(width, vb.dtype(), vb.device())?,
+            };
             let (eps, hook) = (config.rms_norm_eps, hook.clone());
             Ok(match (config.layer_norms, config.norm_bias) {
                 (true, true) => {
@@ -837,6 +850,7 @@ impl Llama {
                 head_dim: config.head_dim,
                 query_factor,
                 residual_multiplier: config.residual_multiplier,
+                clip_qkv: config.clip_qkv,
                 rotates: config.rotated_layers.as_ref().is_none_or(|r| r[i]),
                 score_cap: config.attn_logit_softcapping,
                 window: config
