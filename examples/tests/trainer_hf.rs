@@ -185,6 +185,7 @@ fn a_bf16_fine_tune_trains_and_saves_in_the_checkpoints_dtype() {
         ("llama/stablelm", 3),
         // Norms without parameters.
         ("llama/olmo", 3),
+        ("llama/nanochat", 3),
     ] {
         let dir = tempfile::tempdir().unwrap();
         let out = dir.path().join("out");

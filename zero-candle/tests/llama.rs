@@ -5,7 +5,7 @@
 //! 1, 2 and 3, a SmolLM3, a Granite, an OLMo 2 and an OLMo 3, and the
 //! mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo,
 //! GLM-4.5 and MiniMax-M2, GLM-4 (`glm`, `glm4`), Cohere, ERNIE 4.5,
-//! dots.llm1, StarCoder2, Phi, Arcee, Nemotron, EXAONE 4, Seed-OSS, GPT-NeoX, StableLM and OLMo; and the logits, loss, gradients and one SGD step each computes on a fixed
+//! dots.llm1, StarCoder2, Phi, Arcee, Nemotron, EXAONE 4, Seed-OSS, GPT-NeoX, StableLM, OLMo and NanoChat; and the logits, loss, gradients and one SGD step each computes on a fixed
 //! batch) are made by `make_fixtures.py` there.
 
 mod hub_support;
@@ -87,6 +87,7 @@ fn logits_loss_and_gradients_equal_transformers() {
         ("stablelmpar", 22),
         // Norms without parameters; clamped projections.
         ("olmo", 16),
+        ("nanochat", 14),
     ];
     for (fixture, variables) in cases {
         let (config, map) = Llama::open_hub(fixtures().join(fixture)).unwrap();
@@ -111,7 +112,15 @@ fn logits_loss_and_gradients_equal_transformers() {
         );
         let per_head = matches!(
             fixture,
-            "qwen3" | "qwen3moe" | "gemma3" | "gemma3mm" | "glm4moe" | "dots1" | "phi" | "exaone4"
+            "qwen3"
+                | "qwen3moe"
+                | "gemma3"
+                | "gemma3mm"
+                | "glm4moe"
+                | "dots1"
+                | "phi"
+                | "exaone4"
+                | "nanochat"
         );
         let whole = matches!(
             fixture,
@@ -146,7 +155,7 @@ fn logits_loss_and_gradients_equal_transformers() {
             config.ungated_mlp.is_some(),
             matches!(
                 fixture,
-                "starcoder2" | "phi" | "arcee" | "nemotron" | "gptneox"
+                "starcoder2" | "phi" | "arcee" | "nemotron" | "gptneox" | "nanochat"
             )
         );
         let layout = Llama::hub_layout(&config);
@@ -230,6 +239,7 @@ fn loading_then_saving_reproduces_the_checkpoint_tensor_for_tensor() {
         "stablelm",
         "stablelmpar",
         "olmo",
+        "nanochat",
     ] {
         let dir = fixtures().join(fixture);
         for (stage, world) in [(Stage::Ddp, 1), (Stage::Parameters, 2)] {
@@ -301,6 +311,7 @@ fn one_sgd_step_equals_torch_at_stage_0_and_at_stage_3_on_two_ranks() {
         ("stablelm", Stage::Parameters, 2, 44),
         ("stablelmpar", Stage::Parameters, 2, 22),
         ("olmo", Stage::Parameters, 2, 16),
+        ("nanochat", Stage::Parameters, 2, 14),
     ] {
         let out = tempfile::tempdir().unwrap();
         Run::new(stage, world, 1).train(&fixtures().join(fixture), &ids, out.path());
@@ -555,6 +566,7 @@ fn both_config_forms_read_alike_and_llama3_scales_the_low_frequencies() {
         "stablelm",
         "stablelmpar",
         "olmo",
+        "nanochat",
     ] {
         let config = LlamaConfig::from_json(&config_of(fixture)).unwrap();
         let stored: usize = hub_tensors(&fixtures().join(fixture))
@@ -1477,6 +1489,32 @@ fn olmo_configs_read_as_transformers_reads_them() {
     negative["clip_qkv"] = (-1.0).into();
     let err = LlamaConfig::from_json(&negative).unwrap_err();
     assert!(err.contains("`clip_qkv` is -1"), "{err}");
+}
+
+/// NanoChat's config read as `transformers` reads it: RMS norms without
+/// parameters (the embeddings' too), squared ReLU and a cap of 15 on the
+/// logits by default.
+#[test]
+fn nanochat_configs_read_as_transformers_reads_them() {
+    use zero_candle::models::{QkNorm, UngatedMlp};
+    use zero_candle::nn::Activation;
+    let config = LlamaConfig::from_json(&config_of("nanochat")).unwrap();
+    assert!(!config.layer_norms && !config.norm_weights && config.embedding_norm);
+    assert!(
+        config.rope_negated,
+        "nanochat's rotate_half turns the other way"
+    );
+    assert_eq!(config.qk_norm, Some(QkNorm::PerHead));
+    assert_eq!(config.ungated_mlp, Some(UngatedMlp::Fc));
+    assert_eq!(config.final_logit_softcapping, Some(2.0));
+    let mut silent = config_of("nanochat");
+    for key in ["final_logit_softcapping", "hidden_act"] {
+        silent.as_object_mut().unwrap().remove(key);
+    }
+    let parsed = LlamaConfig::from_json(&silent).unwrap();
+    assert_eq!(parsed.final_logit_softcapping, Some(15.0));
+    assert_eq!(parsed.mlp_activation, Activation::Relu2);
+    assert_eq!(parsed.rms_norm_eps, 1e-5, "the file's epsilon");
 }
 
 /// GLM-4's configs read as `transformers` reads them, and the query and

@@ -105,6 +105,12 @@ pub struct LlamaConfig {
     /// gradient from the lookup, as `torch.nn.Embedding`'s `padding_idx`
     /// (a tied head still trains it).
     pub pad_token_id: Option<u32>,
+    /// The final norm also normalizes the token embeddings before the first
+    /// block (NanoChat's, whose norms have no parameters).
+    pub embedding_norm: bool,
+    /// The queries and keys turn by the negative angles (NanoChat's
+    /// `rotate_half` swaps its halves the other way: `[x2, -x1]`).
+    pub rope_negated: bool,
     /// The MLP's gate: `act(gate_proj(x)) * up_proj(x)` with SiLU (Llama's
     /// SwiGLU) or GELU's tanh form (Gemma's `gelu_pytorch_tanh`); without
     /// a gate ([`LlamaConfig::ungated_mlp`]), the activation between its
@@ -235,16 +241,6 @@ impl UngatedMlp {
             Self::Fc => ["fc1", "fc2"],
             Self::UpDown => ["up_proj", "down_proj"],
             Self::NeoX => ["dense_h_to_4h", "dense_4h_to_h"],
-        }
-    }
-
-    /// The activation where the file names none (`transformers`' default
-    /// `hidden_act` of the family).
-    fn default_activation(self) -> Activation {
-        match self {
-            Self::CFc | Self::Fc => Activation::Gelu,
-            Self::UpDown => Activation::Relu2,
-            Self::NeoX => Activation::GeluErf,
         }
     }
 }
@@ -655,8 +651,17 @@ struct Family {
     parameter_free_norms: bool,
     /// `clip_qkv` is read (OLMo, OLMoE).
     reads_clip_qkv: bool,
-    /// The MLP has no gate (Starcoder2).
-    ungated_mlp: Option<UngatedMlp>,
+    /// The MLP has no gate (Starcoder2), its activation this where the
+    /// file names none (`transformers`' default `hidden_act`).
+    ungated_mlp: Option<(UngatedMlp, Activation)>,
+    /// The final norm also normalizes the embeddings before the first block
+    /// (NanoChat's).
+    embedding_norm: bool,
+    /// The rotation turns by the negative angles (NanoChat's).
+    rope_negated: bool,
+    /// `final_logit_softcapping` is read, this where the file leaves it out
+    /// (NanoChat's 15).
+    final_softcap: Option<Option<f64>>,
     /// Only the sliding-window layers rotate (Cohere 2).
     rotary_in_windows_only: bool,
     /// With no window in any layer, every layer rotates (EXAONE 4; Cohere 2's
@@ -712,6 +717,9 @@ const LLAMA: Family = Family {
     parameter_free_norms: false,
     reads_clip_qkv: false,
     ungated_mlp: None,
+    embedding_norm: false,
+    rope_negated: false,
+    final_softcap: None,
     rotary_in_windows_only: false,
     rotary_without_windows: false,
     reads_attention_out_bias: false,
@@ -792,7 +800,7 @@ const ERNIE: Family = Family {
 };
 
 /// The families read as Llama.
-const FAMILIES: [Family; 35] = [
+const FAMILIES: [Family; 36] = [
     Family {
         reads_mlp_bias: true,
         ..LLAMA
@@ -1005,7 +1013,7 @@ const FAMILIES: [Family; 35] = [
         reads_use_bias: true,
         default_use_bias: true,
         biased_layer_norms: true,
-        ungated_mlp: Some(UngatedMlp::CFc),
+        ungated_mlp: Some((UngatedMlp::CFc, Activation::Gelu)),
         windows: Windows::EveryLayer { missing: None },
         tied_by_default: true,
         ..LLAMA
@@ -1019,7 +1027,7 @@ const FAMILIES: [Family; 35] = [
         architectures: ["PhiForCausalLM", "PhiModel"],
         phi: true,
         biased_layer_norms: true,
-        ungated_mlp: Some(UngatedMlp::Fc),
+        ungated_mlp: Some((UngatedMlp::Fc, Activation::Gelu)),
         rope: RopeDialect {
             partial: Some(0.5),
             ..LLAMA.rope
@@ -1031,7 +1039,7 @@ const FAMILIES: [Family; 35] = [
         model_type: "arcee",
         architectures: ["ArceeForCausalLM", "ArceeModel"],
         reads_mlp_bias: true,
-        ungated_mlp: Some(UngatedMlp::UpDown),
+        ungated_mlp: Some((UngatedMlp::UpDown, Activation::Relu2)),
         ..LLAMA
     },
     // Nemotron (Minitron, Nemotron-4): LayerNorms with biases scaling by
@@ -1043,7 +1051,7 @@ const FAMILIES: [Family; 35] = [
         reads_mlp_bias: true,
         biased_layer_norms: true,
         norm_plus_one: true,
-        ungated_mlp: Some(UngatedMlp::UpDown),
+        ungated_mlp: Some((UngatedMlp::UpDown, Activation::Relu2)),
         rope: RopeDialect {
             partial: Some(0.5),
             ..LLAMA.rope
@@ -1085,7 +1093,7 @@ const FAMILIES: [Family; 35] = [
         attention_bias: true,
         fused_qkv: true,
         biased_layer_norms: true,
-        ungated_mlp: Some(UngatedMlp::NeoX),
+        ungated_mlp: Some((UngatedMlp::NeoX, Activation::GeluErf)),
         rope: RopeDialect {
             partial: Some(0.25),
             ..LLAMA.rope
@@ -1115,6 +1123,20 @@ const FAMILIES: [Family; 35] = [
         reads_clip_qkv: true,
         ..LLAMA
     },
+    // NanoChat: RMS norms without parameters (of the embeddings too, and of
+    // each query and key head), an MLP without a gate (`fc1`, squared ReLU,
+    // `fc2`), the logits capped (15 by default).
+    Family {
+        model_type: "nanochat",
+        architectures: ["NanoChatForCausalLM", "NanoChatModel"],
+        qk_norm: Some(QkNorm::PerHead),
+        parameter_free_norms: true,
+        embedding_norm: true,
+        rope_negated: true,
+        ungated_mlp: Some((UngatedMlp::Fc, Activation::Relu2)),
+        final_softcap: Some(Some(15.0)),
+        ..LLAMA
+    },
 ];
 
 /// Whether `model_type` `kind` is read as Llama.
@@ -1127,7 +1149,7 @@ pub(crate) const LLAMA_TYPES: &str =
     "\"llama\", \"mistral\", \"qwen2\", \"qwen3\", \"phi3\", \"gemma\", \"gemma2\", \
      \"gemma3_text\", \"gemma3\" (its text model), \"smollm3\", \"granite\", \"olmo2\", \"olmo3\", \
      \"mixtral\", \"qwen2_moe\", \"qwen3_moe\", \"olmoe\", \"flex_olmo\", \"glm4_moe\", \
-     \"minimax_m2\", \"glm\", \"glm4\", \"cohere\", \"cohere2\", \"ernie4_5\", \"ernie4_5_moe\", \"dots1\", \"starcoder2\", \"phi\", \"arcee\", \"nemotron\", \"exaone4\", \"seed_oss\", \"gpt_neox\", \"stablelm\" and \"olmo\"";
+     \"minimax_m2\", \"glm\", \"glm4\", \"cohere\", \"cohere2\", \"ernie4_5\", \"ernie4_5_moe\", \"dots1\", \"starcoder2\", \"phi\", \"arcee\", \"nemotron\", \"exaone4\", \"seed_oss\", \"gpt_neox\", \"stablelm\", \"olmo\" and \"nanochat\"";
 
 impl LlamaConfig {
     /// Reads a hub `config.json` of a Llama, Mistral, Qwen2, Qwen3, Phi-3,
@@ -1136,8 +1158,8 @@ impl LlamaConfig {
     /// Qwen3-MoE, OLMoE, FlexOlmo, GLM-4.5 (`glm4_moe`), MiniMax-M2, GLM-4
     /// (`glm`, `glm4`), Cohere (`cohere`, `cohere2`), ERNIE 4.5
     /// (`ernie4_5`, `ernie4_5_moe`), dots.llm1 (`dots1`), Starcoder2, Phi, Arcee,
-    /// Nemotron, EXAONE 4, Seed-OSS, GPT-NeoX, StableLM or OLMo model (by `model_type`;
-    /// Llama without one): an error names the key whose value this model
+    /// Nemotron, EXAONE 4, Seed-OSS, GPT-NeoX, StableLM, OLMo or NanoChat model (by
+    /// `model_type`; Llama without one): an error names the key whose value this model
     /// cannot honour (another architecture, MLP biases, another
     /// activation, a rotary scaling it does not implement, bidirectional
     /// attention, ...). Reads the rotary settings from `rope_parameters`
@@ -1262,11 +1284,14 @@ impl LlamaConfig {
             rotary_dim,
             max_position_embeddings: plain.max_position_embeddings,
             rms_norm_eps: match family.cohere || family.biased_layer_norms {
-                _ if family.parameter_free_norms => 1e-5,
+                // OLMo's fixed epsilon.
+                _ if family.parameter_free_norms && !family.embedding_norm => 1e-5,
                 true => plain.layer_norm_eps.unwrap_or(1e-5),
                 false => plain.rms_norm_eps,
             },
-            layer_norms: family.cohere || family.biased_layer_norms || family.parameter_free_norms,
+            layer_norms: family.cohere
+                || family.biased_layer_norms
+                || family.parameter_free_norms && !family.embedding_norm,
             norm_weights: !family.parameter_free_norms,
             clip_qkv: plain.clip_qkv.filter(|_| family.reads_clip_qkv),
             norm_bias: family.biased_layer_norms,
@@ -1300,8 +1325,10 @@ impl LlamaConfig {
             input_norms: family.input_norms,
             sliding_window,
             pad_token_id: plain.pad_token_id,
-            mlp_activation: mlp_activation(config, gemma, family.ungated_mlp)?,
-            ungated_mlp: family.ungated_mlp,
+            mlp_activation: mlp_activation(config, gemma, family.ungated_mlp.map(|(_, a)| a))?,
+            ungated_mlp: family.ungated_mlp.map(|(names, _)| names),
+            embedding_norm: family.embedding_norm,
+            rope_negated: family.rope_negated,
             layer_names: match (family.phi, family.neox, family.stablelm) {
                 (true, _, _) => LayerNames::Phi,
                 (_, true, _) => LayerNames::NeoX,
@@ -1349,7 +1376,10 @@ impl LlamaConfig {
             attn_logit_softcapping: plain
                 .attn_logit_softcapping
                 .filter(|_| gemma == Some(Gemma::Two)),
-            final_logit_softcapping: later(plain.final_logit_softcapping),
+            final_logit_softcapping: match family.final_softcap {
+                Some(missing) => plain.final_logit_softcapping.or(missing),
+                None => later(plain.final_logit_softcapping),
+            },
             local_rope,
             moe: family.moe.map(|moe| moe_of(config, moe)).transpose()?,
         };
@@ -1418,11 +1448,17 @@ impl LlamaConfig {
         if let Some(moe) = &self.moe {
             moe.validate(self.num_hidden_layers)?;
         }
-        if !self.norm_weights && (!self.layer_norms || self.norm_bias || self.qk_norm.is_some()) {
+        if !self.norm_weights && (self.norm_bias || self.norm_weight_offset != 0.0) {
             return Err(
-                "norms without parameters are LayerNorms without a bias, and there are no query \
-                 or key norms; set `layer_norms`, clear `norm_bias` and `qk_norm`, or set \
-                 `norm_weights`"
+                "norms without parameters have no bias and no weight offset; clear `norm_bias` \
+                 and `norm_weight_offset`, or set `norm_weights`"
+                    .into(),
+            );
+        }
+        if self.embedding_norm && self.norm_weights {
+            return Err(
+                "the final norm normalizes the embeddings only without parameters (NanoChat's); \
+                 clear `norm_weights` or `embedding_norm`"
                     .into(),
             );
         }
@@ -1695,7 +1731,7 @@ fn rotated_layers(plain: &Plain) -> std::result::Result<Vec<bool>, String> {
 fn mlp_activation(
     config: &serde_json::Value,
     gemma: Option<Gemma>,
-    ungated: Option<UngatedMlp>,
+    ungated: Option<Activation>,
 ) -> std::result::Result<Activation, String> {
     const TANH: [&str; 2] = ["gelu_pytorch_tanh", "gelu_new"];
     const UNGATED: [(&str, Activation); 6] = [
@@ -1719,10 +1755,10 @@ fn mlp_activation(
             "`{key}` is {value}; only {} is supported",
             accepted.join(" or ")
         )),
-        (_, Some(mlp)) => Ok(UNGATED
+        (_, Some(missing)) => Ok(UNGATED
             .iter()
             .find(|(name, _)| value.is_some_and(|v| v == name))
-            .map_or(mlp.default_activation(), |&(_, kind)| kind)),
+            .map_or(missing, |&(_, kind)| kind)),
         _ if gemma.is_some() => Ok(Activation::Gelu),
         _ => Ok(Activation::Silu),
     }

@@ -46,7 +46,9 @@
 //! parallel branches). StableLM (`StableLmForCausalLM`: biased
 //! LayerNorms, a LayerNorm of each query and key head with a tensor per
 //! head, parallel blocks where asked). OLMo (`OlmoForCausalLM`: LayerNorms
-//! without parameters, the projections clamped).
+//! without parameters, the projections clamped). NanoChat
+//! (`NanoChatForCausalLM`: RMS norms without parameters, the embeddings'
+//! too, squared ReLU, rotation by the negative angles, capped logits).
 //!
 //! The variables carry the hub's names (`model.embed_tokens.weight`,
 //! `model.layers.{i}.self_attn.q_proj.weight`, ..., `model.norm.weight`,
@@ -190,10 +192,17 @@ struct RopeTables {
 
 impl RopeTables {
     /// No tables yet, of the rotation `rope` gives the first `rotary_dim`
-    /// values of each head.
-    fn new(rope: &Rope, rotary_dim: usize) -> Self {
-        let cache =
-            |time| RotationCache::new(rope.inv_freq_at(rotary_dim, time), rope.attention_factor());
+    /// values of each head; by the negative angles where `negated`
+    /// (NanoChat's: its sines negated).
+    fn new(rope: &Rope, rotary_dim: usize, negated: bool) -> Self {
+        let frequencies = |time| {
+            let inv_freq = rope.inv_freq_at(rotary_dim, time);
+            match negated {
+                true => inv_freq.into_iter().map(|f| -f).collect(),
+                false => inv_freq,
+            }
+        };
+        let cache = |time| RotationCache::new(frequencies(time), rope.attention_factor());
         Self {
             short: cache(0),
             long: rope.switches_after().map(|after| (after, cache(after + 1))),
@@ -872,11 +881,11 @@ impl Llama {
             blocks,
             norm: norm(model.pp(names.final_norm()))?,
             head,
-            rotations: RopeTables::new(&config.rope, config.rotary_dim),
+            rotations: RopeTables::new(&config.rope, config.rotary_dim, config.rope_negated),
             local_rotations: config
                 .local_rope
                 .as_ref()
-                .map(|rope| RopeTables::new(rope, config.rotary_dim)),
+                .map(|rope| RopeTables::new(rope, config.rotary_dim, config.rope_negated)),
             checkpointed: false,
         })
     }
@@ -1058,12 +1067,17 @@ impl Llama {
             }
             None => rows,
         };
-        match self.config.embedding_scale {
+        let rows = match self.config.embedding_scale {
             // The scale as transformers takes it (an f32 buffer rounded
             // to the weights' dtype: `affine` rounds its factor to the
             // rows' dtype), with no tensor uploaded per step.
-            Some(scale) => rows.affine(scale as f32 as f64, 0.0),
-            None => Ok(rows),
+            Some(scale) => rows.affine(scale as f32 as f64, 0.0)?,
+            None => rows,
+        };
+        match self.config.embedding_norm {
+            // NanoChat's: the final norm (without parameters) first here.
+            true => self.norm.forward(&rows),
+            false => Ok(rows),
         }
     }
 
