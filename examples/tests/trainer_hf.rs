@@ -186,6 +186,7 @@ fn a_bf16_fine_tune_trains_and_saves_in_the_checkpoints_dtype() {
         // Norms without parameters.
         ("llama/olmo", 3),
         ("llama/nanochat", 3),
+        ("llama/hunyuan", 2),
     ] {
         let dir = tempfile::tempdir().unwrap();
         let out = dir.path().join("out");

@@ -5,7 +5,7 @@
 //! 1, 2 and 3, a SmolLM3, a Granite, an OLMo 2 and an OLMo 3, and the
 //! mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo,
 //! GLM-4.5 and MiniMax-M2, GLM-4 (`glm`, `glm4`), Cohere, ERNIE 4.5,
-//! dots.llm1, StarCoder2, Phi, Arcee, Nemotron, EXAONE 4, Seed-OSS, GPT-NeoX, StableLM, OLMo and NanoChat; and the logits, loss, gradients and one SGD step each computes on a fixed
+//! dots.llm1, StarCoder2, Phi, Arcee, Nemotron, EXAONE 4, Seed-OSS, GPT-NeoX, StableLM, OLMo, NanoChat and Hunyuan; and the logits, loss, gradients and one SGD step each computes on a fixed
 //! batch) are made by `make_fixtures.py` there.
 
 mod hub_support;
@@ -88,6 +88,8 @@ fn logits_loss_and_gradients_equal_transformers() {
         // Norms without parameters; clamped projections.
         ("olmo", 16),
         ("nanochat", 14),
+        // Norms of the rotated heads; NTK alpha.
+        ("hunyuan", 25),
     ];
     for (fixture, variables) in cases {
         let (config, map) = Llama::open_hub(fixtures().join(fixture)).unwrap();
@@ -121,6 +123,7 @@ fn logits_loss_and_gradients_equal_transformers() {
                 | "phi"
                 | "exaone4"
                 | "nanochat"
+                | "hunyuan"
         );
         let whole = matches!(
             fixture,
@@ -240,6 +243,7 @@ fn loading_then_saving_reproduces_the_checkpoint_tensor_for_tensor() {
         "stablelmpar",
         "olmo",
         "nanochat",
+        "hunyuan",
     ] {
         let dir = fixtures().join(fixture);
         for (stage, world) in [(Stage::Ddp, 1), (Stage::Parameters, 2)] {
@@ -312,6 +316,7 @@ fn one_sgd_step_equals_torch_at_stage_0_and_at_stage_3_on_two_ranks() {
         ("stablelmpar", Stage::Parameters, 2, 22),
         ("olmo", Stage::Parameters, 2, 16),
         ("nanochat", Stage::Parameters, 2, 14),
+        ("hunyuan", Stage::Parameters, 2, 25),
     ] {
         let out = tempfile::tempdir().unwrap();
         Run::new(stage, world, 1).train(&fixtures().join(fixture), &ids, out.path());
@@ -567,6 +572,7 @@ fn both_config_forms_read_alike_and_llama3_scales_the_low_frequencies() {
         "stablelmpar",
         "olmo",
         "nanochat",
+        "hunyuan",
     ] {
         let config = LlamaConfig::from_json(&config_of(fixture)).unwrap();
         let stored: usize = hub_tensors(&fixtures().join(fixture))
@@ -1515,6 +1521,46 @@ fn nanochat_configs_read_as_transformers_reads_them() {
     assert_eq!(parsed.final_logit_softcapping, Some(15.0));
     assert_eq!(parsed.mlp_activation, Activation::Relu2);
     assert_eq!(parsed.rms_norm_eps, 1e-5, "the file's epsilon");
+}
+
+/// Hunyuan's config read as `transformers` reads it: norms of the rotated
+/// heads under its names, its "dynamic" rotation with an `alpha` as NTK's
+/// static base (in transformers 4's form too); without `alpha`, dynamic.
+#[test]
+fn hunyuan_configs_read_as_transformers_reads_them() {
+    use zero_candle::models::{LayerNames, QkNorm};
+    let config = LlamaConfig::from_json(&config_of("hunyuan")).unwrap();
+    assert_eq!(config.qk_norm, Some(QkNorm::PerHead));
+    assert!(config.qk_norm_after_rotation);
+    assert_eq!(config.layer_names, LayerNames::Hunyuan);
+    let base = 10000.0 * 1000f64.powf(8.0 / 6.0);
+    assert!(
+        (config.rope.theta - base).abs() < 1e-6 * base,
+        "{}",
+        config.rope.theta
+    );
+    assert_eq!(config.rope.scaling, RopeScaling::None);
+    let mut old = config_of("hunyuan");
+    let object = old.as_object_mut().unwrap();
+    object.remove("rope_parameters");
+    object.insert("rope_theta".into(), 10000.0.into());
+    object.insert(
+        "rope_scaling".into(),
+        serde_json::json!({"type": "dynamic", "alpha": 1000.0, "factor": 1.0}),
+    );
+    assert_eq!(LlamaConfig::from_json(&old).unwrap().rope, config.rope);
+    let mut zero = old.clone();
+    zero["rope_scaling"]["alpha"] = 0.0.into();
+    let err = LlamaConfig::from_json(&zero).unwrap_err();
+    assert!(err.contains("alpha"), "{err}");
+    let mut plain = old.clone();
+    plain["rope_scaling"] = serde_json::json!({"type": "dynamic", "factor": 2.0});
+    let dynamic = LlamaConfig::from_json(&plain).unwrap();
+    assert!(
+        matches!(dynamic.rope.scaling, RopeScaling::Dynamic { .. }),
+        "{:?}",
+        dynamic.rope
+    );
 }
 
 /// GLM-4's configs read as `transformers` reads them, and the query and

@@ -111,6 +111,9 @@ pub struct LlamaConfig {
     /// The queries and keys turn by the negative angles (NanoChat's
     /// `rotate_half` swaps its halves the other way: `[x2, -x1]`).
     pub rope_negated: bool,
+    /// The query and key norms read the heads after the rotation
+    /// (Hunyuan's); else before it.
+    pub qk_norm_after_rotation: bool,
     /// The MLP's gate: `act(gate_proj(x)) * up_proj(x)` with SiLU (Llama's
     /// SwiGLU) or GELU's tanh form (Gemma's `gelu_pytorch_tanh`); without
     /// a gate ([`LlamaConfig::ungated_mlp`]), the activation between its
@@ -263,13 +266,16 @@ pub enum LayerNames {
     /// `self_attn.q_layernorm.norms.{h}` and `k_layernorm.norms.{h}`, a
     /// tensor per head.
     StableLm,
+    /// Hunyuan's: Llama's, but for the query and key norms,
+    /// `self_attn.query_layernorm` and `key_layernorm`.
+    Hunyuan,
 }
 
 impl LayerNames {
     /// What the model's tensors but the head's sit under.
     pub(super) fn model(self) -> &'static str {
         match self {
-            Self::Llama | Self::Phi | Self::StableLm => "model",
+            Self::Llama | Self::Phi | Self::StableLm | Self::Hunyuan => "model",
             Self::NeoX => "gpt_neox",
         }
     }
@@ -277,7 +283,7 @@ impl LayerNames {
     /// The token embedding, under [`LayerNames::model`].
     pub(super) fn embedding(self) -> &'static str {
         match self {
-            Self::Llama | Self::Phi | Self::StableLm => "embed_tokens",
+            Self::Llama | Self::Phi | Self::StableLm | Self::Hunyuan => "embed_tokens",
             Self::NeoX => "embed_in",
         }
     }
@@ -285,7 +291,7 @@ impl LayerNames {
     /// A block's attention, under its layer.
     pub(super) fn attention(self) -> &'static str {
         match self {
-            Self::Llama | Self::Phi | Self::StableLm => "self_attn",
+            Self::Llama | Self::Phi | Self::StableLm | Self::Hunyuan => "self_attn",
             Self::NeoX => "attention",
         }
     }
@@ -293,7 +299,7 @@ impl LayerNames {
     /// The query, key and value projections in one, under the attention.
     pub(super) fn fused_qkv(self) -> &'static str {
         match self {
-            Self::Llama | Self::Phi | Self::StableLm => "qkv_proj",
+            Self::Llama | Self::Phi | Self::StableLm | Self::Hunyuan => "qkv_proj",
             Self::NeoX => "query_key_value",
         }
     }
@@ -301,7 +307,7 @@ impl LayerNames {
     /// The attention's output projection, under the attention.
     pub(super) fn output_projection(self) -> &'static str {
         match self {
-            Self::Llama | Self::StableLm => "o_proj",
+            Self::Llama | Self::StableLm | Self::Hunyuan => "o_proj",
             Self::Phi | Self::NeoX => "dense",
         }
     }
@@ -311,6 +317,7 @@ impl LayerNames {
         match self {
             Self::Llama | Self::NeoX => ["q_norm", "k_norm"],
             Self::Phi | Self::StableLm => ["q_layernorm", "k_layernorm"],
+            Self::Hunyuan => ["query_layernorm", "key_layernorm"],
         }
     }
 
@@ -323,7 +330,7 @@ impl LayerNames {
     /// The norm after the last block, under [`LayerNames::model`].
     pub(super) fn final_norm(self) -> &'static str {
         match self {
-            Self::Llama | Self::StableLm => "norm",
+            Self::Llama | Self::StableLm | Self::Hunyuan => "norm",
             Self::Phi => "final_layernorm",
             Self::NeoX => "final_layer_norm",
         }
@@ -332,7 +339,7 @@ impl LayerNames {
     /// The untied head.
     pub(super) fn head(self) -> &'static str {
         match self {
-            Self::Llama | Self::Phi | Self::StableLm => "lm_head",
+            Self::Llama | Self::Phi | Self::StableLm | Self::Hunyuan => "lm_head",
             Self::NeoX => "embed_out",
         }
     }
@@ -484,6 +491,72 @@ fn neox_rotary_keys(config: &serde_json::Value) -> serde_json::Value {
         }
     }
     config
+}
+
+/// Hunyuan's config with its "dynamic" rotation with an `alpha` (NTK-aware
+/// scaling, static: `transformers`' `ntk_alpha`) as the default rotation
+/// of base `rope_theta · alpha^(d / (d - 2))`, `d` the head's width.
+fn ntk_alpha_as_theta(
+    config: &serde_json::Value,
+) -> std::result::Result<serde_json::Value, String> {
+    let mut config = config.clone();
+    let Some(key) = ["rope_parameters", "rope_scaling"].into_iter().find(|key| {
+        config
+            .get(key)
+            .and_then(|p| p.get("alpha"))
+            .is_some_and(|a| !a.is_null())
+    }) else {
+        return Ok(config);
+    };
+    let params = &config[key];
+    let kind = params.get("rope_type").or_else(|| params.get("type"));
+    if kind.and_then(|k| k.as_str()) != Some("dynamic") {
+        return Ok(config);
+    }
+    let alpha = params["alpha"]
+        .as_f64()
+        .filter(|a| *a > 0.0)
+        .ok_or_else(|| {
+            format!(
+                "`{key}.alpha` is {}; a positive number is expected",
+                params["alpha"]
+            )
+        })?;
+    let theta = params
+        .get("rope_theta")
+        .or_else(|| config.get("rope_theta"))
+        .and_then(|t| t.as_f64())
+        .unwrap_or(10_000.0);
+    let heads = config
+        .get("num_attention_heads")
+        .and_then(|h| h.as_u64())
+        .unwrap_or(0);
+    let hidden = config
+        .get("hidden_size")
+        .and_then(|h| h.as_u64())
+        .unwrap_or(0);
+    let width = match config.get("head_dim").and_then(|d| d.as_u64()) {
+        Some(width) => width,
+        None if heads > 0 => hidden / heads,
+        None => 0,
+    } as f64;
+    if width <= 2.0 {
+        return Err(format!(
+            "heads of {width} values with an NTK `alpha`; the rotation needs heads wider than 2"
+        ));
+    }
+    let base = theta * alpha.powf(width / (width - 2.0));
+    let object = config
+        .as_object_mut()
+        .expect("a config with a rotation is an object");
+    object.insert(
+        "rope_parameters".into(),
+        serde_json::json!({"rope_type": "default", "rope_theta": base}),
+    );
+    for old in ["rope_scaling", "rope_theta"] {
+        object.remove(old);
+    }
+    Ok(config)
 }
 
 /// Gemma's and EXAONE 4's `sliding_window_pattern`: every this-many-th
@@ -659,6 +732,9 @@ struct Family {
     embedding_norm: bool,
     /// The rotation turns by the negative angles (NanoChat's).
     rope_negated: bool,
+    /// Hunyuan's names and norms of the rotated query and key heads, and
+    /// its rotation's `alpha` (NTK: the base times `alpha^(d / (d - 2))`).
+    hunyuan: bool,
     /// `final_logit_softcapping` is read, this where the file leaves it out
     /// (NanoChat's 15).
     final_softcap: Option<Option<f64>>,
@@ -719,6 +795,7 @@ const LLAMA: Family = Family {
     ungated_mlp: None,
     embedding_norm: false,
     rope_negated: false,
+    hunyuan: false,
     final_softcap: None,
     rotary_in_windows_only: false,
     rotary_without_windows: false,
@@ -800,7 +877,7 @@ const ERNIE: Family = Family {
 };
 
 /// The families read as Llama.
-const FAMILIES: [Family; 36] = [
+const FAMILIES: [Family; 37] = [
     Family {
         reads_mlp_bias: true,
         ..LLAMA
@@ -1137,6 +1214,16 @@ const FAMILIES: [Family; 36] = [
         final_softcap: Some(Some(15.0)),
         ..LLAMA
     },
+    // Hunyuan (dense): RMS norms of each query and key head after the
+    // rotation, under its names; its files' "dynamic" rotation with an
+    // `alpha` is NTK's, static.
+    Family {
+        model_type: "hunyuan_v1_dense",
+        architectures: ["HunYuanDenseV1ForCausalLM", "HunYuanDenseV1Model"],
+        qk_norm: Some(QkNorm::PerHead),
+        hunyuan: true,
+        ..LLAMA
+    },
 ];
 
 /// Whether `model_type` `kind` is read as Llama.
@@ -1149,7 +1236,7 @@ pub(crate) const LLAMA_TYPES: &str =
     "\"llama\", \"mistral\", \"qwen2\", \"qwen3\", \"phi3\", \"gemma\", \"gemma2\", \
      \"gemma3_text\", \"gemma3\" (its text model), \"smollm3\", \"granite\", \"olmo2\", \"olmo3\", \
      \"mixtral\", \"qwen2_moe\", \"qwen3_moe\", \"olmoe\", \"flex_olmo\", \"glm4_moe\", \
-     \"minimax_m2\", \"glm\", \"glm4\", \"cohere\", \"cohere2\", \"ernie4_5\", \"ernie4_5_moe\", \"dots1\", \"starcoder2\", \"phi\", \"arcee\", \"nemotron\", \"exaone4\", \"seed_oss\", \"gpt_neox\", \"stablelm\", \"olmo\" and \"nanochat\"";
+     \"minimax_m2\", \"glm\", \"glm4\", \"cohere\", \"cohere2\", \"ernie4_5\", \"ernie4_5_moe\", \"dots1\", \"starcoder2\", \"phi\", \"arcee\", \"nemotron\", \"exaone4\", \"seed_oss\", \"gpt_neox\", \"stablelm\", \"olmo\", \"nanochat\" and \"hunyuan_v1_dense\"";
 
 impl LlamaConfig {
     /// Reads a hub `config.json` of a Llama, Mistral, Qwen2, Qwen3, Phi-3,
@@ -1158,8 +1245,8 @@ impl LlamaConfig {
     /// Qwen3-MoE, OLMoE, FlexOlmo, GLM-4.5 (`glm4_moe`), MiniMax-M2, GLM-4
     /// (`glm`, `glm4`), Cohere (`cohere`, `cohere2`), ERNIE 4.5
     /// (`ernie4_5`, `ernie4_5_moe`), dots.llm1 (`dots1`), Starcoder2, Phi, Arcee,
-    /// Nemotron, EXAONE 4, Seed-OSS, GPT-NeoX, StableLM, OLMo or NanoChat model (by
-    /// `model_type`; Llama without one): an error names the key whose value this model
+    /// Nemotron, EXAONE 4, Seed-OSS, GPT-NeoX, StableLM, OLMo, NanoChat or Hunyuan model
+    /// (by `model_type`; Llama without one): an error names the key whose value this model
     /// cannot honour (another architecture, MLP biases, another
     /// activation, a rotary scaling it does not implement, bidirectional
     /// attention, ...). Reads the rotary settings from `rope_parameters`
@@ -1179,12 +1266,16 @@ impl LlamaConfig {
             ));
         };
         let renamed;
-        let config = match family.neox {
-            true => {
+        let config = match (family.neox, family.hunyuan) {
+            (true, _) => {
                 renamed = neox_rotary_keys(config);
                 &renamed
             }
-            false => config,
+            (_, true) => {
+                renamed = ntk_alpha_as_theta(config)?;
+                &renamed
+            }
+            _ => config,
         };
         crate::models::check_architectures(config, &family.architectures)?;
         let plain = Plain::deserialize(config).map_err(|e| format!("{e}"))?;
@@ -1329,10 +1420,12 @@ impl LlamaConfig {
             ungated_mlp: family.ungated_mlp.map(|(names, _)| names),
             embedding_norm: family.embedding_norm,
             rope_negated: family.rope_negated,
-            layer_names: match (family.phi, family.neox, family.stablelm) {
-                (true, _, _) => LayerNames::Phi,
-                (_, true, _) => LayerNames::NeoX,
-                (_, _, true) => LayerNames::StableLm,
+            qk_norm_after_rotation: family.hunyuan,
+            layer_names: match (family.phi, family.neox, family.stablelm, family.hunyuan) {
+                (true, ..) => LayerNames::Phi,
+                (_, true, ..) => LayerNames::NeoX,
+                (_, _, true, _) => LayerNames::StableLm,
+                (.., true) => LayerNames::Hunyuan,
                 _ => LayerNames::Llama,
             },
             head_bias: family.phi,

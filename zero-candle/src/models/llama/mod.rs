@@ -49,6 +49,8 @@
 //! without parameters, the projections clamped). NanoChat
 //! (`NanoChatForCausalLM`: RMS norms without parameters, the embeddings'
 //! too, squared ReLU, rotation by the negative angles, capped logits).
+//! Hunyuan (`HunYuanDenseV1ForCausalLM`: norms of the rotated query and key
+//! heads, NTK's `alpha`).
 //!
 //! The variables carry the hub's names (`model.embed_tokens.weight`,
 //! `model.layers.{i}.self_attn.q_proj.weight`, ..., `model.norm.weight`,
@@ -256,6 +258,8 @@ struct Block {
     residual_multiplier: Option<f64>,
     /// OLMo's clamp of the queries, keys and values.
     clip_qkv: Option<f64>,
+    /// The query and key norms read the rotated heads (Hunyuan's).
+    norm_after_rotation: bool,
     /// This layer applies rotary embeddings (all but SmolLM3's NoPE
     /// layers).
     rotates: bool,
@@ -455,12 +459,17 @@ impl Block {
             true => rotation.apply(&x),
             false => Ok(x),
         };
-        let q = rotated(normed(heads(q, self.heads)?, true)?)?;
+        // Hunyuan normalizes the rotated heads.
+        let turned = |x: Tensor, query: bool| match self.norm_after_rotation {
+            true => normed(rotated(x)?, query),
+            false => rotated(normed(x, query)?),
+        };
+        let q = turned(heads(q, self.heads)?, true)?;
         let q = match self.query_factor {
             Some(factor) => q.affine(factor, 0.0)?,
             None => q,
         };
-        let k = rotated(normed(heads(k, self.kv_heads)?, false)?)?;
+        let k = turned(heads(k, self.kv_heads)?, false)?;
         let v = heads(v, self.kv_heads)?;
         // Each key/value head serves `heads / kv_heads` consecutive query
         // heads (`repeat_kv`), inside the op: no repeated copies.
@@ -860,6 +869,7 @@ impl Llama {
                 query_factor,
                 residual_multiplier: config.residual_multiplier,
                 clip_qkv: config.clip_qkv,
+                norm_after_rotation: config.qk_norm_after_rotation,
                 rotates: config.rotated_layers.as_ref().is_none_or(|r| r[i]),
                 score_cap: config.attn_logit_softcapping,
                 window: config
