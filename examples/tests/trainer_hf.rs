@@ -187,6 +187,8 @@ fn a_bf16_fine_tune_trains_and_saves_in_the_checkpoints_dtype() {
         ("llama/olmo", 3),
         ("llama/nanochat", 3),
         ("llama/hunyuan", 2),
+        ("llama/jais2", 3),
+        ("llama/helium", 3),
     ] {
         let dir = tempfile::tempdir().unwrap();
         let out = dir.path().join("out");

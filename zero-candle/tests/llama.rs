@@ -5,7 +5,7 @@
 //! 1, 2 and 3, a SmolLM3, a Granite, an OLMo 2 and an OLMo 3, and the
 //! mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo,
 //! GLM-4.5 and MiniMax-M2, GLM-4 (`glm`, `glm4`), Cohere, ERNIE 4.5,
-//! dots.llm1, StarCoder2, Phi, Arcee, Nemotron, EXAONE 4, Seed-OSS, GPT-NeoX, StableLM, OLMo, NanoChat and Hunyuan; and the logits, loss, gradients and one SGD step each computes on a fixed
+//! dots.llm1, StarCoder2, Phi, Arcee, Nemotron, EXAONE 4, Seed-OSS, GPT-NeoX, StableLM, OLMo, NanoChat, Hunyuan, Jais 2 and Helium; and the logits, loss, gradients and one SGD step each computes on a fixed
 //! batch) are made by `make_fixtures.py` there.
 
 mod hub_support;
@@ -90,6 +90,8 @@ fn logits_loss_and_gradients_equal_transformers() {
         ("nanochat", 14),
         // Norms of the rotated heads; NTK alpha.
         ("hunyuan", 25),
+        ("jais2", 36),
+        ("helium", 27),
     ];
     for (fixture, variables) in cases {
         let (config, map) = Llama::open_hub(fixtures().join(fixture)).unwrap();
@@ -142,7 +144,14 @@ fn logits_loss_and_gradients_equal_transformers() {
             config.rope_interleaved,
             matches!(
                 fixture,
-                "glm" | "glm4" | "cohere" | "cohere2" | "ernie" | "erniemoe" | "cohereqk"
+                "glm"
+                    | "glm4"
+                    | "cohere"
+                    | "cohere2"
+                    | "ernie"
+                    | "erniemoe"
+                    | "cohereqk"
+                    | "helium"
             )
         );
         assert_eq!(
@@ -151,14 +160,14 @@ fn logits_loss_and_gradients_equal_transformers() {
                 || fixture.starts_with("stablelm")
                 || matches!(
                     fixture,
-                    "starcoder2" | "phi" | "nemotron" | "gptneox" | "olmo"
+                    "starcoder2" | "phi" | "nemotron" | "gptneox" | "olmo" | "jais2"
                 )
         );
         assert_eq!(
             config.ungated_mlp.is_some(),
             matches!(
                 fixture,
-                "starcoder2" | "phi" | "arcee" | "nemotron" | "gptneox" | "nanochat"
+                "starcoder2" | "phi" | "arcee" | "nemotron" | "gptneox" | "nanochat" | "jais2"
             )
         );
         let layout = Llama::hub_layout(&config);
@@ -244,6 +253,8 @@ fn loading_then_saving_reproduces_the_checkpoint_tensor_for_tensor() {
         "olmo",
         "nanochat",
         "hunyuan",
+        "jais2",
+        "helium",
     ] {
         let dir = fixtures().join(fixture);
         for (stage, world) in [(Stage::Ddp, 1), (Stage::Parameters, 2)] {
@@ -317,6 +328,8 @@ fn one_sgd_step_equals_torch_at_stage_0_and_at_stage_3_on_two_ranks() {
         ("olmo", Stage::Parameters, 2, 16),
         ("nanochat", Stage::Parameters, 2, 14),
         ("hunyuan", Stage::Parameters, 2, 25),
+        ("jais2", Stage::Parameters, 2, 36),
+        ("helium", Stage::Parameters, 2, 27),
     ] {
         let out = tempfile::tempdir().unwrap();
         Run::new(stage, world, 1).train(&fixtures().join(fixture), &ids, out.path());
@@ -573,6 +586,8 @@ fn both_config_forms_read_alike_and_llama3_scales_the_low_frequencies() {
         "olmo",
         "nanochat",
         "hunyuan",
+        "jais2",
+        "helium",
     ] {
         let config = LlamaConfig::from_json(&config_of(fixture)).unwrap();
         let stored: usize = hub_tensors(&fixtures().join(fixture))
@@ -1561,6 +1576,37 @@ fn hunyuan_configs_read_as_transformers_reads_them() {
         "{:?}",
         dynamic.rope
     );
+}
+
+/// Jais 2's and Helium's configs read as `transformers` reads them: their
+/// defaults where the files are silent (Jais 2's biases, Helium's heads of
+/// 128 and epsilon 1e-8).
+#[test]
+fn jais2_and_helium_configs_read_as_transformers_reads_them() {
+    use zero_candle::nn::Activation;
+    let mut jais = config_of("jais2");
+    for key in ["attention_bias", "mlp_bias", "hidden_act"] {
+        jais.as_object_mut().unwrap().remove(key);
+    }
+    let parsed = LlamaConfig::from_json(&jais).unwrap();
+    assert!(parsed.qkv_bias && parsed.o_bias && parsed.mlp_bias && parsed.norm_bias);
+    assert_eq!(parsed.mlp_activation, Activation::Relu2);
+    jais["mlp_bias"] = false.into();
+    assert!(!LlamaConfig::from_json(&jais).unwrap().mlp_bias);
+    let helium = LlamaConfig::from_json(&config_of("helium")).unwrap();
+    assert!(helium.rope_interleaved && helium.qkv_bias && !helium.o_bias);
+    let mut silent = config_of("helium");
+    for key in ["head_dim", "rms_norm_eps"] {
+        silent.as_object_mut().unwrap().remove(key);
+    }
+    let parsed = LlamaConfig::from_json(&silent).unwrap();
+    assert_eq!((parsed.head_dim, parsed.rms_norm_eps), (128, 1e-8));
+    let llama = LlamaConfig::from_json(&serde_json::json!({
+        "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
+        "num_hidden_layers": 1, "num_attention_heads": 2
+    }))
+    .unwrap();
+    assert_eq!(llama.rms_norm_eps, 1e-6, "Llama's default");
 }
 
 /// GLM-4's configs read as `transformers` reads them, and the query and

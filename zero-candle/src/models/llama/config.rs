@@ -385,8 +385,8 @@ struct Plain {
     head_dim: Option<usize>,
     #[serde(default = "default_positions")]
     max_position_embeddings: usize,
-    #[serde(default = "default_eps")]
-    rms_norm_eps: f64,
+    #[serde(default)]
+    rms_norm_eps: Option<f64>,
     #[serde(default)]
     tie_word_embeddings: Option<bool>,
     #[serde(default = "default_initializer_range")]
@@ -600,10 +600,6 @@ fn default_positions() -> usize {
     2048
 }
 
-fn default_eps() -> f64 {
-    1e-6
-}
-
 fn default_initializer_range() -> f64 {
     0.02
 }
@@ -672,6 +668,10 @@ struct Family {
     reads_use_bias: bool,
     /// `use_bias` where the file does not say (Starcoder2's is on).
     default_use_bias: bool,
+    /// `mlp_bias` where the file does not say (Jais 2's is on).
+    default_mlp_bias: bool,
+    /// `rms_norm_eps` where the file does not say (Helium's 1e-8).
+    default_rms_eps: f64,
     /// Every projection and the head have biases, whatever the file says;
     /// Phi's names; parallel blocks; `qk_layernorm` read (Phi).
     phi: bool,
@@ -768,6 +768,8 @@ const LLAMA: Family = Family {
     reads_mlp_bias: false,
     reads_use_bias: false,
     default_use_bias: false,
+    default_mlp_bias: false,
+    default_rms_eps: 1e-6,
     phi: false,
     neox: false,
     stablelm: false,
@@ -877,7 +879,7 @@ const ERNIE: Family = Family {
 };
 
 /// The families read as Llama.
-const FAMILIES: [Family; 37] = [
+const FAMILIES: [Family; 39] = [
     Family {
         reads_mlp_bias: true,
         ..LLAMA
@@ -1224,6 +1226,34 @@ const FAMILIES: [Family; 37] = [
         hunyuan: true,
         ..LLAMA
     },
+    // Jais 2: biased LayerNorms, biases on every projection by default
+    // (`attention_bias`, `mlp_bias`), an MLP without a gate (squared ReLU).
+    Family {
+        model_type: "jais2",
+        architectures: ["Jais2ForCausalLM", "Jais2Model"],
+        attention_bias: true,
+        reads_mlp_bias: true,
+        default_mlp_bias: true,
+        biased_layer_norms: true,
+        ungated_mlp: Some((UngatedMlp::UpDown, Activation::Relu2)),
+        ..LLAMA
+    },
+    // Helium (Kyutai): every head rotating as interleaved pairs, q, k and v
+    // biased where `attention_bias` (o never), heads of 128 and epsilon
+    // 1e-8 by default.
+    Family {
+        model_type: "helium",
+        architectures: ["HeliumForCausalLM", "HeliumModel"],
+        o_bias: false,
+        reads_mlp_bias: true,
+        default_head_dim: Some(128),
+        default_rms_eps: 1e-8,
+        rope: RopeDialect {
+            interleaved: true,
+            ..LLAMA.rope
+        },
+        ..LLAMA
+    },
 ];
 
 /// Whether `model_type` `kind` is read as Llama.
@@ -1236,7 +1266,7 @@ pub(crate) const LLAMA_TYPES: &str =
     "\"llama\", \"mistral\", \"qwen2\", \"qwen3\", \"phi3\", \"gemma\", \"gemma2\", \
      \"gemma3_text\", \"gemma3\" (its text model), \"smollm3\", \"granite\", \"olmo2\", \"olmo3\", \
      \"mixtral\", \"qwen2_moe\", \"qwen3_moe\", \"olmoe\", \"flex_olmo\", \"glm4_moe\", \
-     \"minimax_m2\", \"glm\", \"glm4\", \"cohere\", \"cohere2\", \"ernie4_5\", \"ernie4_5_moe\", \"dots1\", \"starcoder2\", \"phi\", \"arcee\", \"nemotron\", \"exaone4\", \"seed_oss\", \"gpt_neox\", \"stablelm\", \"olmo\", \"nanochat\" and \"hunyuan_v1_dense\"";
+     \"minimax_m2\", \"glm\", \"glm4\", \"cohere\", \"cohere2\", \"ernie4_5\", \"ernie4_5_moe\", \"dots1\", \"starcoder2\", \"phi\", \"arcee\", \"nemotron\", \"exaone4\", \"seed_oss\", \"gpt_neox\", \"stablelm\", \"olmo\", \"nanochat\", \"hunyuan_v1_dense\", \"jais2\" and \"helium\"";
 
 impl LlamaConfig {
     /// Reads a hub `config.json` of a Llama, Mistral, Qwen2, Qwen3, Phi-3,
@@ -1245,8 +1275,8 @@ impl LlamaConfig {
     /// Qwen3-MoE, OLMoE, FlexOlmo, GLM-4.5 (`glm4_moe`), MiniMax-M2, GLM-4
     /// (`glm`, `glm4`), Cohere (`cohere`, `cohere2`), ERNIE 4.5
     /// (`ernie4_5`, `ernie4_5_moe`), dots.llm1 (`dots1`), Starcoder2, Phi, Arcee,
-    /// Nemotron, EXAONE 4, Seed-OSS, GPT-NeoX, StableLM, OLMo, NanoChat or Hunyuan model
-    /// (by `model_type`; Llama without one): an error names the key whose value this model
+    /// Nemotron, EXAONE 4, Seed-OSS, GPT-NeoX, StableLM, OLMo, NanoChat, Hunyuan, Jais 2 or
+    /// Helium model (by `model_type`; Llama without one): an error names the key whose value this model
     /// cannot honour (another architecture, MLP biases, another
     /// activation, a rotary scaling it does not implement, bidirectional
     /// attention, ...). Reads the rotary settings from `rope_parameters`
@@ -1378,7 +1408,7 @@ impl LlamaConfig {
                 // OLMo's fixed epsilon.
                 _ if family.parameter_free_norms && !family.embedding_norm => 1e-5,
                 true => plain.layer_norm_eps.unwrap_or(1e-5),
-                false => plain.rms_norm_eps,
+                false => plain.rms_norm_eps.unwrap_or(family.default_rms_eps),
             },
             layer_norms: family.cohere
                 || family.biased_layer_norms
@@ -1402,7 +1432,7 @@ impl LlamaConfig {
             },
             mlp_bias: use_bias
                 || family.neox
-                || (family.reads_mlp_bias && plain.mlp_bias == Some(true)),
+                || (family.reads_mlp_bias && plain.mlp_bias.unwrap_or(family.default_mlp_bias)),
             fused_qkv: family.fused_qkv,
             fused_gate_up: family.fused_gate_up,
             rope_interleaved: family.rope.interleaved,

@@ -50,7 +50,9 @@
 //! (`NanoChatForCausalLM`: RMS norms without parameters, the embeddings'
 //! too, squared ReLU, rotation by the negative angles, capped logits).
 //! Hunyuan (`HunYuanDenseV1ForCausalLM`: norms of the rotated query and key
-//! heads, NTK's `alpha`).
+//! heads, NTK's `alpha`). Jais 2 (`Jais2ForCausalLM`: Nemotron's MLP, biased
+//! LayerNorms and projections) and Helium (`HeliumForCausalLM`: interleaved
+//! rotary pairs).
 //!
 //! The variables carry the hub's names (`model.embed_tokens.weight`,
 //! `model.layers.{i}.self_attn.q_proj.weight`, ..., `model.norm.weight`,
