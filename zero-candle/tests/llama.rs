@@ -5,7 +5,7 @@
 //! 1, 2 and 3, a SmolLM3, a Granite, an OLMo 2 and an OLMo 3, and the
 //! mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo,
 //! GLM-4.5 and MiniMax-M2, GLM-4 (`glm`, `glm4`), Cohere, ERNIE 4.5,
-//! dots.llm1, StarCoder2, Phi, Arcee, Nemotron, EXAONE 4, Seed-OSS, GPT-NeoX, StableLM, OLMo, NanoChat, Hunyuan, Jais 2 and Helium; and the logits, loss, gradients and one SGD step each computes on a fixed
+//! dots.llm1, StarCoder2, Phi, Arcee, Nemotron, EXAONE 4, Seed-OSS, GPT-NeoX, StableLM, OLMo, NanoChat, Hunyuan, Jais 2, Helium, Ministral and CWM; and the logits, loss, gradients and one SGD step each computes on a fixed
 //! batch) are made by `make_fixtures.py` there.
 
 mod hub_support;
@@ -92,6 +92,8 @@ fn logits_loss_and_gradients_equal_transformers() {
         ("hunyuan", 25),
         ("jais2", 36),
         ("helium", 27),
+        ("ministral", 21),
+        ("cwm", 21),
     ];
     for (fixture, variables) in cases {
         let (config, map) = Llama::open_hub(fixtures().join(fixture)).unwrap();
@@ -255,6 +257,7 @@ fn loading_then_saving_reproduces_the_checkpoint_tensor_for_tensor() {
         "hunyuan",
         "jais2",
         "helium",
+        "cwm",
     ] {
         let dir = fixtures().join(fixture);
         for (stage, world) in [(Stage::Ddp, 1), (Stage::Parameters, 2)] {
@@ -330,6 +333,8 @@ fn one_sgd_step_equals_torch_at_stage_0_and_at_stage_3_on_two_ranks() {
         ("hunyuan", Stage::Parameters, 2, 25),
         ("jais2", Stage::Parameters, 2, 36),
         ("helium", Stage::Parameters, 2, 27),
+        ("ministral", Stage::Parameters, 2, 21),
+        ("cwm", Stage::Parameters, 2, 21),
     ] {
         let out = tempfile::tempdir().unwrap();
         Run::new(stage, world, 1).train(&fixtures().join(fixture), &ids, out.path());
@@ -588,6 +593,8 @@ fn both_config_forms_read_alike_and_llama3_scales_the_low_frequencies() {
         "hunyuan",
         "jais2",
         "helium",
+        "ministral",
+        "cwm",
     ] {
         let config = LlamaConfig::from_json(&config_of(fixture)).unwrap();
         let stored: usize = hub_tensors(&fixtures().join(fixture))
@@ -1607,6 +1614,44 @@ fn jais2_and_helium_configs_read_as_transformers_reads_them() {
     }))
     .unwrap();
     assert_eq!(llama.rms_norm_eps, 1e-6, "Llama's default");
+}
+
+/// Ministral's and CWM's windows where `layer_types` puts them, and where
+/// their files leave it out: Ministral's in every layer, CWM's in all but
+/// every fourth from the first, of 8192 by default; CWM's default rotation.
+#[test]
+fn ministral_and_cwm_configs_read_as_transformers_reads_them() {
+    let ministral = LlamaConfig::from_json(&config_of("ministral")).unwrap();
+    assert_eq!(ministral.sliding_window.unwrap().layers, [true, false]);
+    let cwm = LlamaConfig::from_json(&config_of("cwm")).unwrap();
+    let window = cwm.sliding_window.clone().unwrap();
+    assert_eq!((window.size, window.layers), (5, vec![false, true]));
+    assert!(matches!(cwm.rope.scaling, RopeScaling::Llama3(_)));
+    let mut silent = config_of("cwm");
+    for key in ["layer_types", "sliding_window", "rope_parameters"] {
+        silent.as_object_mut().unwrap().remove(key);
+    }
+    silent["num_hidden_layers"] = 8.into();
+    let parsed = LlamaConfig::from_json(&silent).unwrap();
+    let window = parsed.sliding_window.unwrap();
+    let pattern = [false, true, true, true, false, true, true, true];
+    assert_eq!(
+        (window.size, window.layers.as_slice()),
+        (8192, &pattern[..])
+    );
+    assert_eq!(parsed.rope, cwm.rope, "the default rotation is the file's");
+    let mut silent = config_of("ministral");
+    silent.as_object_mut().unwrap().remove("layer_types");
+    let window = LlamaConfig::from_json(&silent)
+        .unwrap()
+        .sliding_window
+        .unwrap();
+    assert_eq!(window.layers, [true, true]);
+    silent["sliding_window"] = serde_json::Value::Null;
+    assert!(LlamaConfig::from_json(&silent)
+        .unwrap()
+        .sliding_window
+        .is_none());
 }
 
 /// GLM-4's configs read as `transformers` reads them, and the query and

@@ -559,6 +559,21 @@ fn ntk_alpha_as_theta(
     Ok(config)
 }
 
+/// `config` with `rope` (a `rope_parameters` object) where it gives no
+/// rotation (none of `rope_parameters`, `rope_scaling`, `rope_theta`).
+fn with_default_rope(config: &serde_json::Value, rope: &str) -> serde_json::Value {
+    let mut config = config.clone();
+    let given = ["rope_parameters", "rope_scaling", "rope_theta"]
+        .iter()
+        .any(|key| config.get(key).is_some_and(|v| !v.is_null()));
+    if let (false, Some(object)) = (given, config.as_object_mut()) {
+        let rope: serde_json::Value =
+            serde_json::from_str(rope).expect("a family's default rotation is JSON");
+        object.insert("rope_parameters".into(), rope);
+    }
+    config
+}
+
 /// Gemma's and EXAONE 4's `sliding_window_pattern`: every this-many-th
 /// layer full, or (EXAONE 4) letters repeating over the layers, `L` a
 /// sliding one and `G` a full one (`"LLLG"`).
@@ -631,6 +646,10 @@ enum Windows {
     /// In the layers `layer_types` names, or from `max_window_layers`
     /// (`layers` when absent) on, without a switch (dots.llm1).
     FromLayer { layers: usize },
+    /// In the layers `layer_types` names, else in every layer (Ministral,
+    /// `every` 1) or in all but every `every`-th from the first (CWM's
+    /// 4); `missing` where the file leaves `sliding_window` out.
+    Listed { every: usize, missing: usize },
     /// Windows this model does not place as `transformers` does: an error
     /// where `use_sliding_window` is on (Qwen2-MoE, Qwen3-MoE, whose
     /// published checkpoints all have it off).
@@ -735,6 +754,9 @@ struct Family {
     /// Hunyuan's names and norms of the rotated query and key heads, and
     /// its rotation's `alpha` (NTK: the base times `alpha^(d / (d - 2))`).
     hunyuan: bool,
+    /// The rotation (a `rope_parameters` object) where the file gives none
+    /// (CWM's).
+    default_rope: Option<&'static str>,
     /// `final_logit_softcapping` is read, this where the file leaves it out
     /// (NanoChat's 15).
     final_softcap: Option<Option<f64>>,
@@ -798,6 +820,7 @@ const LLAMA: Family = Family {
     embedding_norm: false,
     rope_negated: false,
     hunyuan: false,
+    default_rope: None,
     final_softcap: None,
     rotary_in_windows_only: false,
     rotary_without_windows: false,
@@ -879,7 +902,7 @@ const ERNIE: Family = Family {
 };
 
 /// The families read as Llama.
-const FAMILIES: [Family; 39] = [
+const FAMILIES: [Family; 41] = [
     Family {
         reads_mlp_bias: true,
         ..LLAMA
@@ -1254,7 +1277,35 @@ const FAMILIES: [Family; 39] = [
         },
         ..LLAMA
     },
+    // Ministral: Mistral's, its windows in the layers `layer_types` names
+    // (every layer by default).
+    Family {
+        model_type: "ministral",
+        architectures: ["MinistralForCausalLM", "MinistralModel"],
+        windows: Windows::Listed {
+            every: 1,
+            missing: DEFAULT_WINDOW,
+        },
+        ..LLAMA
+    },
+    // CWM (Code World Model): windows of 8192 in the layers `layer_types`
+    // names (all but every fourth from the first by default); llama3
+    // scaling by default.
+    Family {
+        model_type: "cwm",
+        architectures: ["CwmForCausalLM", "CwmModel"],
+        windows: Windows::Listed {
+            every: 4,
+            missing: 8192,
+        },
+        default_rope: Some(CWM_ROPE),
+        ..LLAMA
+    },
 ];
+
+/// CWM's rotation where its file gives none (`transformers`' default).
+const CWM_ROPE: &str = r#"{"rope_type": "llama3", "rope_theta": 1000000.0, "factor": 16.0,
+    "high_freq_factor": 4.0, "low_freq_factor": 1.0, "original_max_position_embeddings": 8192}"#;
 
 /// Whether `model_type` `kind` is read as Llama.
 pub(crate) fn reads(kind: &str) -> bool {
@@ -1266,7 +1317,7 @@ pub(crate) const LLAMA_TYPES: &str =
     "\"llama\", \"mistral\", \"qwen2\", \"qwen3\", \"phi3\", \"gemma\", \"gemma2\", \
      \"gemma3_text\", \"gemma3\" (its text model), \"smollm3\", \"granite\", \"olmo2\", \"olmo3\", \
      \"mixtral\", \"qwen2_moe\", \"qwen3_moe\", \"olmoe\", \"flex_olmo\", \"glm4_moe\", \
-     \"minimax_m2\", \"glm\", \"glm4\", \"cohere\", \"cohere2\", \"ernie4_5\", \"ernie4_5_moe\", \"dots1\", \"starcoder2\", \"phi\", \"arcee\", \"nemotron\", \"exaone4\", \"seed_oss\", \"gpt_neox\", \"stablelm\", \"olmo\", \"nanochat\", \"hunyuan_v1_dense\", \"jais2\" and \"helium\"";
+     \"minimax_m2\", \"glm\", \"glm4\", \"cohere\", \"cohere2\", \"ernie4_5\", \"ernie4_5_moe\", \"dots1\", \"starcoder2\", \"phi\", \"arcee\", \"nemotron\", \"exaone4\", \"seed_oss\", \"gpt_neox\", \"stablelm\", \"olmo\", \"nanochat\", \"hunyuan_v1_dense\", \"jais2\", \"helium\", \"ministral\" and \"cwm\"";
 
 impl LlamaConfig {
     /// Reads a hub `config.json` of a Llama, Mistral, Qwen2, Qwen3, Phi-3,
@@ -1275,8 +1326,8 @@ impl LlamaConfig {
     /// Qwen3-MoE, OLMoE, FlexOlmo, GLM-4.5 (`glm4_moe`), MiniMax-M2, GLM-4
     /// (`glm`, `glm4`), Cohere (`cohere`, `cohere2`), ERNIE 4.5
     /// (`ernie4_5`, `ernie4_5_moe`), dots.llm1 (`dots1`), Starcoder2, Phi, Arcee,
-    /// Nemotron, EXAONE 4, Seed-OSS, GPT-NeoX, StableLM, OLMo, NanoChat, Hunyuan, Jais 2 or
-    /// Helium model (by `model_type`; Llama without one): an error names the key whose value this model
+    /// Nemotron, EXAONE 4, Seed-OSS, GPT-NeoX, StableLM, OLMo, NanoChat, Hunyuan, Jais 2,
+    /// Helium, Ministral or CWM model (by `model_type`; Llama without one): an error names the key whose value this model
     /// cannot honour (another architecture, MLP biases, another
     /// activation, a rotary scaling it does not implement, bidirectional
     /// attention, ...). Reads the rotary settings from `rope_parameters`
@@ -1296,13 +1347,17 @@ impl LlamaConfig {
             ));
         };
         let renamed;
-        let config = match (family.neox, family.hunyuan) {
-            (true, _) => {
+        let config = match (family.neox, family.hunyuan, family.default_rope) {
+            (true, ..) => {
                 renamed = neox_rotary_keys(config);
                 &renamed
             }
-            (_, true) => {
+            (_, true, _) => {
                 renamed = ntk_alpha_as_theta(config)?;
+                &renamed
+            }
+            (.., Some(rope)) => {
+                renamed = with_default_rope(config, rope);
                 &renamed
             }
             _ => config,
@@ -1797,6 +1852,11 @@ fn sliding_window_of(
                 (0..n).map(|i| i >= from).collect()
             }
         },
+        Windows::Listed { every, .. } => match &plain.layer_types {
+            Some(types) => typed(types),
+            None if every <= 1 => vec![true; n],
+            None => (0..n).map(|i| i % every != 0).collect(),
+        },
         Windows::Typed { pattern } => match &plain.layer_types {
             Some(types) => typed(types),
             None => match &plain.sliding_window_pattern {
@@ -1807,6 +1867,7 @@ fn sliding_window_of(
     };
     let missing = match windows {
         Windows::EveryLayer { missing } => missing,
+        Windows::Listed { missing, .. } => Some(missing),
         Windows::NoRope => None,
         _ => Some(DEFAULT_WINDOW),
     };

@@ -52,7 +52,8 @@
 //! Hunyuan (`HunYuanDenseV1ForCausalLM`: norms of the rotated query and key
 //! heads, NTK's `alpha`). Jais 2 (`Jais2ForCausalLM`: Nemotron's MLP, biased
 //! LayerNorms and projections) and Helium (`HeliumForCausalLM`: interleaved
-//! rotary pairs).
+//! rotary pairs). Ministral and CWM (`MinistralForCausalLM`,
+//! `CwmForCausalLM`: windows in the layers `layer_types` names).
 //!
 //! The variables carry the hub's names (`model.embed_tokens.weight`,
 //! `model.layers.{i}.self_attn.q_proj.weight`, ..., `model.norm.weight`,
