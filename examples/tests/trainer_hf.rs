@@ -190,6 +190,7 @@ fn a_bf16_fine_tune_trains_and_saves_in_the_checkpoints_dtype() {
         ("llama/jais2", 3),
         ("llama/helium", 3),
         ("llama/cwm", 2),
+        ("llama/solaropen", 3),
     ] {
         let dir = tempfile::tempdir().unwrap();
         let out = dir.path().join("out");

@@ -5,7 +5,7 @@
 //! 1, 2 and 3, a SmolLM3, a Granite, an OLMo 2 and an OLMo 3, and the
 //! mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo,
 //! GLM-4.5 and MiniMax-M2, GLM-4 (`glm`, `glm4`), Cohere, ERNIE 4.5,
-//! dots.llm1, StarCoder2, Phi, Arcee, Nemotron, EXAONE 4, Seed-OSS, GPT-NeoX, StableLM, OLMo, NanoChat, Hunyuan, Jais 2, Helium, Ministral and CWM; and the logits, loss, gradients and one SGD step each computes on a fixed
+//! dots.llm1, StarCoder2, Phi, Arcee, Nemotron, EXAONE 4, Seed-OSS, GPT-NeoX, StableLM, OLMo, NanoChat, Hunyuan, Jais 2, Helium, Ministral, CWM and Solar Open; and the logits, loss, gradients and one SGD step each computes on a fixed
 //! batch) are made by `make_fixtures.py` there.
 
 mod hub_support;
@@ -94,6 +94,8 @@ fn logits_loss_and_gradients_equal_transformers() {
         ("helium", 27),
         ("ministral", 21),
         ("cwm", 21),
+        // Its routing biases are buffers.
+        ("solaropen", 77),
     ];
     for (fixture, variables) in cases {
         let (config, map) = Llama::open_hub(fixtures().join(fixture)).unwrap();
@@ -258,6 +260,7 @@ fn loading_then_saving_reproduces_the_checkpoint_tensor_for_tensor() {
         "jais2",
         "helium",
         "cwm",
+        "solaropen",
     ] {
         let dir = fixtures().join(fixture);
         for (stage, world) in [(Stage::Ddp, 1), (Stage::Parameters, 2)] {
@@ -335,6 +338,7 @@ fn one_sgd_step_equals_torch_at_stage_0_and_at_stage_3_on_two_ranks() {
         ("helium", Stage::Parameters, 2, 27),
         ("ministral", Stage::Parameters, 2, 21),
         ("cwm", Stage::Parameters, 2, 21),
+        ("solaropen", Stage::Parameters, 2, 79),
     ] {
         let out = tempfile::tempdir().unwrap();
         Run::new(stage, world, 1).train(&fixtures().join(fixture), &ids, out.path());
@@ -1652,6 +1656,40 @@ fn ministral_and_cwm_configs_read_as_transformers_reads_them() {
         .unwrap()
         .sliding_window
         .is_none());
+}
+
+/// Solar Open's config read as `transformers` reads it: GLM-4.5's router in
+/// every layer, no `intermediate_size` needed.
+#[test]
+fn solar_open_config_reads_as_transformers_reads_it() {
+    use zero_candle::models::{MoeRouting, MoeStyle};
+    let config = LlamaConfig::from_json(&config_of("solaropen")).unwrap();
+    let moe = config.moe.clone().unwrap();
+    assert_eq!(moe.layers, [true, true], "no dense layer");
+    assert_eq!(moe.style, MoeStyle::Glm);
+    assert!(matches!(
+        moe.routing,
+        MoeRouting::Sigmoid {
+            groups: 4,
+            top_groups: 2,
+            ..
+        }
+    ));
+    assert_eq!((moe.expert_size, moe.shared_expert_size), (16, Some(16)));
+    assert!(config.qkv_bias && !config.o_bias && config.qk_norm.is_none());
+    assert_eq!((config.head_dim, config.rotary_dim), (8, 8));
+    assert_eq!(config.intermediate_size, 16, "the experts' width");
+    let mut silent = config_of("solaropen");
+    silent
+        .as_object_mut()
+        .unwrap()
+        .remove("moe_intermediate_size");
+    let parsed = LlamaConfig::from_json(&silent).unwrap();
+    assert_eq!(parsed.moe.unwrap().expert_size, 1280);
+    let mut mixtral = config_of("mixtral");
+    mixtral.as_object_mut().unwrap().remove("intermediate_size");
+    let err = LlamaConfig::from_json(&mixtral).unwrap_err();
+    assert!(err.contains("intermediate_size"), "{err}");
 }
 
 /// GLM-4's configs read as `transformers` reads them, and the query and

@@ -2,8 +2,8 @@
 //! reads it, each family's differences from Llama in one table.
 
 use super::moe::{
-    moe_of, MoeConfig, MoeFamily, MoeStyle, DOTS1_MOE, ERNIE4_5_MOE, GLM4_MOE, MINIMAX_M2_MOE,
-    OLMOE_MOE, QWEN2_MOE,
+    expert_size_of, moe_of, MoeConfig, MoeFamily, MoeStyle, DOTS1_MOE, ERNIE4_5_MOE, GLM4_MOE,
+    MINIMAX_M2_MOE, OLMOE_MOE, QWEN2_MOE, SOLAR_OPEN_MOE,
 };
 use crate::hub::HubDir;
 use crate::models::rope::{Rope, RopeDialect};
@@ -376,7 +376,9 @@ pub struct SlidingWindow {
 struct Plain {
     vocab_size: usize,
     hidden_size: usize,
-    intermediate_size: usize,
+    /// Absent from Solar Open's files, whose every layer is a mixture.
+    #[serde(default)]
+    intermediate_size: Option<usize>,
     num_hidden_layers: usize,
     num_attention_heads: usize,
     #[serde(default)]
@@ -902,7 +904,7 @@ const ERNIE: Family = Family {
 };
 
 /// The families read as Llama.
-const FAMILIES: [Family; 41] = [
+const FAMILIES: [Family; 42] = [
     Family {
         reads_mlp_bias: true,
         ..LLAMA
@@ -1301,6 +1303,17 @@ const FAMILIES: [Family; 41] = [
         default_rope: Some(CWM_ROPE),
         ..LLAMA
     },
+    // Solar Open: Llama's attention (q, k and v biased where
+    // `attention_bias`, o never), every layer GLM-4.5's mixture.
+    Family {
+        model_type: "solar_open",
+        architectures: ["SolarOpenForCausalLM", "SolarOpenModel"],
+        o_bias: false,
+        default_head_dim: Some(128),
+        default_theta: 1_000_000.0,
+        moe: Some(SOLAR_OPEN_MOE),
+        ..LLAMA
+    },
 ];
 
 /// CWM's rotation where its file gives none (`transformers`' default).
@@ -1317,7 +1330,7 @@ pub(crate) const LLAMA_TYPES: &str =
     "\"llama\", \"mistral\", \"qwen2\", \"qwen3\", \"phi3\", \"gemma\", \"gemma2\", \
      \"gemma3_text\", \"gemma3\" (its text model), \"smollm3\", \"granite\", \"olmo2\", \"olmo3\", \
      \"mixtral\", \"qwen2_moe\", \"qwen3_moe\", \"olmoe\", \"flex_olmo\", \"glm4_moe\", \
-     \"minimax_m2\", \"glm\", \"glm4\", \"cohere\", \"cohere2\", \"ernie4_5\", \"ernie4_5_moe\", \"dots1\", \"starcoder2\", \"phi\", \"arcee\", \"nemotron\", \"exaone4\", \"seed_oss\", \"gpt_neox\", \"stablelm\", \"olmo\", \"nanochat\", \"hunyuan_v1_dense\", \"jais2\", \"helium\", \"ministral\" and \"cwm\"";
+     \"minimax_m2\", \"glm\", \"glm4\", \"cohere\", \"cohere2\", \"ernie4_5\", \"ernie4_5_moe\", \"dots1\", \"starcoder2\", \"phi\", \"arcee\", \"nemotron\", \"exaone4\", \"seed_oss\", \"gpt_neox\", \"stablelm\", \"olmo\", \"nanochat\", \"hunyuan_v1_dense\", \"jais2\", \"helium\", \"ministral\", \"cwm\" and \"solar_open\"";
 
 impl LlamaConfig {
     /// Reads a hub `config.json` of a Llama, Mistral, Qwen2, Qwen3, Phi-3,
@@ -1327,7 +1340,7 @@ impl LlamaConfig {
     /// (`glm`, `glm4`), Cohere (`cohere`, `cohere2`), ERNIE 4.5
     /// (`ernie4_5`, `ernie4_5_moe`), dots.llm1 (`dots1`), Starcoder2, Phi, Arcee,
     /// Nemotron, EXAONE 4, Seed-OSS, GPT-NeoX, StableLM, OLMo, NanoChat, Hunyuan, Jais 2,
-    /// Helium, Ministral or CWM model (by `model_type`; Llama without one): an error names the key whose value this model
+    /// Helium, Ministral, CWM or Solar Open model (by `model_type`; Llama without one): an error names the key whose value this model
     /// cannot honour (another architecture, MLP biases, another
     /// activation, a rotary scaling it does not implement, bidirectional
     /// attention, ...). Reads the rotary settings from `rope_parameters`
@@ -1370,6 +1383,12 @@ impl LlamaConfig {
             ));
         }
         let heads = plain.num_attention_heads;
+        // Solar Open's dense width is its experts' (it has no dense layer).
+        let intermediate_size = match (plain.intermediate_size, family.moe) {
+            (Some(width), _) => width,
+            (None, Some(moe)) if family.model_type == "solar_open" => expert_size_of(config, moe)?,
+            (None, _) => return Err("missing field `intermediate_size`".into()),
+        };
         let rotated_layers = match family.nope_layers {
             true => Some(rotated_layers(&plain)?),
             false => None,
@@ -1452,7 +1471,7 @@ impl LlamaConfig {
         let parsed = Self {
             vocab_size: plain.vocab_size,
             hidden_size: plain.hidden_size,
-            intermediate_size: plain.intermediate_size,
+            intermediate_size,
             num_hidden_layers: plain.num_hidden_layers,
             num_attention_heads: heads,
             num_key_value_heads: plain.num_key_value_heads.unwrap_or(heads),

@@ -53,7 +53,8 @@
 //! heads, NTK's `alpha`). Jais 2 (`Jais2ForCausalLM`: Nemotron's MLP, biased
 //! LayerNorms and projections) and Helium (`HeliumForCausalLM`: interleaved
 //! rotary pairs). Ministral and CWM (`MinistralForCausalLM`,
-//! `CwmForCausalLM`: windows in the layers `layer_types` names).
+//! `CwmForCausalLM`: windows in the layers `layer_types` names). Solar Open
+//! (`SolarOpenForCausalLM`: GLM-4.5's mixture in every layer).
 //!
 //! The variables carry the hub's names (`model.embed_tokens.weight`,
 //! `model.layers.{i}.self_attn.q_proj.weight`, ..., `model.norm.weight`,

@@ -271,6 +271,32 @@ pub(super) const GLM4_MOE: MoeFamily = MoeFamily {
     aux_loss_coef: 0.0,
 };
 
+/// Solar Open's mixture (`solar_open`): GLM-4.5's in every layer, experts
+/// of 1280 by default.
+pub(super) const SOLAR_OPEN_MOE: MoeFamily = MoeFamily {
+    expert_size: Some(1280),
+    first_dense: 0,
+    ..GLM4_MOE
+};
+
+/// The width of `family`'s experts in `config`: `moe_intermediate_size`, or
+/// the family's default.
+pub(super) fn expert_size_of(
+    config: &serde_json::Value,
+    family: MoeFamily,
+) -> std::result::Result<usize, String> {
+    match (config.get("moe_intermediate_size"), family.expert_size) {
+        (Some(width), _) if !width.is_null() => width
+            .as_u64()
+            .and_then(|w| usize::try_from(w).ok())
+            .ok_or_else(|| {
+                format!("`moe_intermediate_size` is {width}; a whole number is expected")
+            }),
+        (_, Some(default)) => Ok(default),
+        (_, None) => Err("missing field `intermediate_size`".into()),
+    }
+}
+
 /// dots.llm1's mixture (`dots1`): GLM-4.5's, its choices unnormalized and
 /// every layer a mixture unless the file says otherwise.
 pub(super) const DOTS1_MOE: MoeFamily = MoeFamily {
@@ -337,7 +363,8 @@ pub(super) const ERNIE4_5_MOE: MoeFamily = MoeFamily {
 #[derive(Deserialize)]
 struct MoeKeys {
     num_hidden_layers: usize,
-    intermediate_size: usize,
+    #[serde(default)]
+    intermediate_size: Option<usize>,
     #[serde(
         default,
         alias = "num_local_experts",
@@ -435,7 +462,9 @@ pub(super) fn moe_of(
     };
     let expert_size = match family.expert_size {
         Some(default) => plain.moe_intermediate_size.unwrap_or(default),
-        None => plain.intermediate_size,
+        None => plain
+            .intermediate_size
+            .ok_or("missing field `intermediate_size`")?,
     };
     if ernie && plain.output_router_logits {
         return Err(
