@@ -1,0 +1,745 @@
+//! Each family read as Llama, and what sets it apart: one table.
+
+use super::super::moe::{
+    MoeFamily, MoeStyle, DOTS1_MOE, ERNIE4_5_MOE, GLM4_MOE, MINIMAX_M2_MOE, OLMOE_MOE, QWEN2_MOE,
+    SOLAR_OPEN_MOE,
+};
+use super::keys::TypedRope;
+use super::{NormNames, QkNorm, UngatedMlp};
+use crate::models::rope::RopeDialect;
+use crate::nn::Activation;
+
+/// `transformers`' `max_window_layers` (Qwen2, Qwen3).
+pub(super) const DEFAULT_MAX_WINDOW_LAYERS: usize = 28;
+
+/// `transformers`' `sliding_window` where a Mistral or Qwen file leaves it
+/// out.
+pub(super) const DEFAULT_WINDOW: usize = 4096;
+
+/// How a family reads `sliding_window`.
+#[derive(Clone, Copy, PartialEq)]
+pub(super) enum Windows {
+    /// In the layers `layer_types` names, or all but every
+    /// `sliding_window_pattern`-th (`pattern` when absent) (Gemma 2, 3).
+    Typed { pattern: usize },
+    /// Where `use_sliding_window` is on, in the layers `layer_types` names
+    /// (or those without rotary embeddings) (SmolLM3).
+    NoRope,
+    /// It does not (Llama).
+    Never,
+    /// In every layer (Mistral, Phi-3), `missing` where the file leaves
+    /// `sliding_window` out (transformers' default).
+    EveryLayer { missing: Option<usize> },
+    /// Where `use_sliding_window` is on, in the layers `layer_types` names
+    /// (or from `max_window_layers` on) (Qwen2, Qwen3).
+    Switched,
+    /// In the layers `layer_types` names, or from `max_window_layers`
+    /// (`layers` when absent) on, without a switch (dots.llm1).
+    FromLayer { layers: usize },
+    /// In the layers `layer_types` names, else in every layer (Ministral,
+    /// `every` 1) or in all but every `every`-th from the first (CWM's
+    /// 4); `missing` where the file leaves `sliding_window` out.
+    Listed { every: usize, missing: usize },
+    /// Windows this model does not place as `transformers` does: an error
+    /// where `use_sliding_window` is on (Qwen2-MoE, Qwen3-MoE, whose
+    /// published checkpoints all have it off).
+    Unsupported,
+}
+
+/// What a Gemma generation changes from Llama.
+#[derive(Clone, Copy, PartialEq)]
+pub(super) enum Gemma {
+    /// Norms scaling by `1 + weight`, embeddings times `√hidden_size`, a
+    /// GELU-gated MLP (`hidden_act`), heads of 256 and a tied head unless
+    /// the file says otherwise.
+    One,
+    /// Gemma's, with `hidden_activation`, norms of the attention's and the
+    /// MLP's outputs, `query_pre_attn_scalar`, `attn_logit_softcapping`
+    /// and `final_logit_softcapping`.
+    Two,
+    /// Gemma 2's without `attn_logit_softcapping` (which transformers
+    /// does not apply), with norms of each query and key head and the
+    /// rotary parameters per layer type.
+    Three,
+}
+
+/// A family read as Llama: what sets it apart.
+pub(super) struct Family {
+    pub(super) model_type: &'static str,
+    pub(super) architectures: [&'static str; 2],
+    /// The query, key and value projections always have biases.
+    pub(super) qkv_bias: bool,
+    /// `attention_bias` where the file does not say (GLM's is on).
+    pub(super) attention_bias: bool,
+    /// `mlp_bias` gives the MLPs biases (Llama, SmolLM3, Granite).
+    pub(super) reads_mlp_bias: bool,
+    /// `use_bias` gives every projection a bias (ERNIE 4.5, Starcoder2).
+    pub(super) reads_use_bias: bool,
+    /// `use_bias` where the file does not say (Starcoder2's is on).
+    pub(super) default_use_bias: bool,
+    /// `mlp_bias` where the file does not say (Jais 2's is on).
+    pub(super) default_mlp_bias: bool,
+    /// `rms_norm_eps` where the file does not say (Helium's 1e-8).
+    pub(super) default_rms_eps: f64,
+    /// Every projection and the head have biases, whatever the file says;
+    /// Phi's names; parallel blocks; `qk_layernorm` read (Phi).
+    pub(super) phi: bool,
+    /// GPT-NeoX's names, its rows of `query_key_value` head by head, its
+    /// parallel blocks (`use_parallel_residual`) with a norm for each
+    /// branch, its MLP biased whatever the file says.
+    pub(super) neox: bool,
+    /// StableLM's switches: `use_qkv_bias`, `qk_layernorm` (a LayerNorm of
+    /// each head, a tensor per head), `use_parallel_residual` (one norm).
+    pub(super) stablelm: bool,
+    /// `attention_bias` gives the output projection a bias too (all but
+    /// GLM-4.5, whose `attention_bias` is the query's, key's and value's).
+    pub(super) o_bias: bool,
+    /// `use_qk_norm` switches on an RMS norm of each query and key head
+    /// (GLM-4.5).
+    pub(super) switched_qk_norm: bool,
+    /// The queries and keys are RMS-normalized.
+    pub(super) qk_norm: Option<QkNorm>,
+    /// The blocks normalize their inputs (all but OLMo 2).
+    pub(super) input_norms: bool,
+    /// Phi-3's `qkv_proj`.
+    pub(super) fused_qkv: bool,
+    /// Phi-3's and GLM's `gate_up_proj`.
+    pub(super) fused_gate_up: bool,
+    /// The blocks normalize the attention's and the MLP's outputs, under
+    /// these names (GLM-4; Gemma 2's and OLMo 2's come with them).
+    pub(super) output_norms: Option<NormNames>,
+    /// `head_dim` where the file does not say (GLM's 128); else
+    /// `hidden_size / num_attention_heads`.
+    pub(super) default_head_dim: Option<usize>,
+    /// How the rotary settings are read beyond Llama's: Phi-3's "su" and
+    /// "yarn" meaning longrope, part of each head rotating (Phi-3, GLM-4.5,
+    /// MiniMax-M2).
+    pub(super) rope: RopeDialect,
+    pub(super) windows: Windows,
+    /// Gemma's differences, where it is one.
+    pub(super) gemma: Option<Gemma>,
+    /// `no_rope_layers` is read (SmolLM3).
+    pub(super) nope_layers: bool,
+    /// Cohere's: LayerNorms without bias, parallel blocks, `logit_scale`.
+    pub(super) cohere: bool,
+    /// LayerNorms with a bias, their epsilon `norm_epsilon` (Starcoder2),
+    /// `layer_norm_eps` (Phi) or `norm_eps` (Nemotron).
+    pub(super) biased_layer_norms: bool,
+    /// The norms scale by `1 + weight` (Nemotron's LayerNorm1P; Gemma's
+    /// RMS norms come with [`Gemma`]).
+    pub(super) norm_plus_one: bool,
+    /// LayerNorms without parameters, their epsilon 1e-5 whatever the file
+    /// says (OLMo's).
+    pub(super) parameter_free_norms: bool,
+    /// `clip_qkv` is read (OLMo, OLMoE).
+    pub(super) reads_clip_qkv: bool,
+    /// The MLP has no gate (Starcoder2), its activation this where the
+    /// file names none (`transformers`' default `hidden_act`).
+    pub(super) ungated_mlp: Option<(UngatedMlp, Activation)>,
+    /// The final norm also normalizes the embeddings before the first block
+    /// (NanoChat's).
+    pub(super) embedding_norm: bool,
+    /// The rotation turns by the negative angles (NanoChat's).
+    pub(super) rope_negated: bool,
+    /// Hunyuan's names and norms of the rotated query and key heads, and
+    /// its rotation's `alpha` (NTK: the base times `alpha^(d / (d - 2))`).
+    pub(super) hunyuan: bool,
+    /// The rotation (a `rope_parameters` object) where the file gives none
+    /// (CWM's).
+    pub(super) default_rope: Option<&'static str>,
+    /// `final_logit_softcapping` is read, this where the file leaves it out
+    /// (NanoChat's 15).
+    pub(super) final_softcap: Option<Option<f64>>,
+    /// Only the sliding-window layers rotate (Cohere 2).
+    pub(super) rotary_in_windows_only: bool,
+    /// With no window in any layer, every layer rotates (EXAONE 4; Cohere 2's
+    /// none).
+    pub(super) rotary_without_windows: bool,
+    /// `attention_out_bias` gives the output projection its bias, apart
+    /// from `attention_bias`'s query, key and value ones (Seed-OSS).
+    pub(super) reads_attention_out_bias: bool,
+    /// Granite's multipliers are read.
+    pub(super) multipliers: bool,
+    /// The head is tied where the file does not say.
+    pub(super) tied_by_default: bool,
+    /// `rope_theta` where the file does not say.
+    pub(super) default_theta: f64,
+    /// The rotary parameters are given per layer type (Gemma 3, OLMo 3).
+    pub(super) typed_rope: Option<TypedRope>,
+    /// The MLP is a mixture of experts.
+    pub(super) moe: Option<MoeFamily>,
+}
+
+/// Llama itself (but for `mlp_bias`, which its family list reads): what the
+/// other families differ from.
+pub(super) const LLAMA: Family = Family {
+    model_type: "llama",
+    architectures: ["LlamaForCausalLM", "LlamaModel"],
+    qkv_bias: false,
+    attention_bias: false,
+    reads_mlp_bias: false,
+    reads_use_bias: false,
+    default_use_bias: false,
+    default_mlp_bias: false,
+    default_rms_eps: 1e-6,
+    phi: false,
+    neox: false,
+    stablelm: false,
+    o_bias: true,
+    switched_qk_norm: false,
+    qk_norm: None,
+    input_norms: true,
+    fused_qkv: false,
+    fused_gate_up: false,
+    output_norms: None,
+    default_head_dim: None,
+    rope: RopeDialect {
+        longrope_names: false,
+        partial: None,
+        interleaved: false,
+    },
+    windows: Windows::Never,
+    gemma: None,
+    nope_layers: false,
+    cohere: false,
+    biased_layer_norms: false,
+    norm_plus_one: false,
+    parameter_free_norms: false,
+    reads_clip_qkv: false,
+    ungated_mlp: None,
+    embedding_norm: false,
+    rope_negated: false,
+    hunyuan: false,
+    default_rope: None,
+    final_softcap: None,
+    rotary_in_windows_only: false,
+    rotary_without_windows: false,
+    reads_attention_out_bias: false,
+    multipliers: false,
+    tied_by_default: false,
+    default_theta: 10_000.0,
+    typed_rope: None,
+    moe: None,
+};
+
+/// Gemma's settings common to its generations.
+pub(super) const GEMMA: Family = Family {
+    model_type: "gemma",
+    architectures: ["GemmaForCausalLM", "GemmaModel"],
+    gemma: Some(Gemma::One),
+    tied_by_default: true,
+    ..LLAMA
+};
+
+/// OLMo 2: norms after the attention and the MLP instead of before, the
+/// queries and keys normalized over whole projections.
+pub(super) const OLMO2: Family = Family {
+    model_type: "olmo2",
+    architectures: ["Olmo2ForCausalLM", "Olmo2Model"],
+    qk_norm: Some(QkNorm::Projection),
+    input_norms: false,
+    ..LLAMA
+};
+
+/// GLM-4 (`glm`, GLM-4-9B): biases on q, k and v by default (none on o),
+/// gate and up in one weight, half of each head rotating as interleaved
+/// pairs.
+pub(super) const GLM: Family = Family {
+    model_type: "glm",
+    architectures: ["GlmForCausalLM", "GlmModel"],
+    attention_bias: true,
+    o_bias: false,
+    fused_gate_up: true,
+    default_head_dim: Some(128),
+    rope: RopeDialect {
+        partial: Some(0.5),
+        interleaved: true,
+        ..LLAMA.rope
+    },
+    ..LLAMA
+};
+
+/// Cohere's Command R (`cohere`): LayerNorms without bias, one per block
+/// before the attention and the MLP side by side, every head rotating as
+/// interleaved pairs, the logits times `logit_scale`, the head tied.
+pub(super) const COHERE: Family = Family {
+    model_type: "cohere",
+    architectures: ["CohereForCausalLM", "CohereModel"],
+    cohere: true,
+    tied_by_default: true,
+    rope: RopeDialect {
+        interleaved: true,
+        ..LLAMA.rope
+    },
+    ..LLAMA
+};
+
+/// ERNIE 4.5 (`ernie4_5`): every head rotating as interleaved pairs (as
+/// GLM's), `use_bias` giving every projection a bias, heads of 128 and a
+/// tied head by default.
+pub(super) const ERNIE: Family = Family {
+    model_type: "ernie4_5",
+    architectures: ["Ernie4_5ForCausalLM", "Ernie4_5Model"],
+    reads_use_bias: true,
+    default_head_dim: Some(128),
+    tied_by_default: true,
+    default_theta: 500_000.0,
+    rope: RopeDialect {
+        interleaved: true,
+        ..LLAMA.rope
+    },
+    ..LLAMA
+};
+
+/// The families read as Llama.
+pub(super) const FAMILIES: [Family; 42] = [
+    Family {
+        reads_mlp_bias: true,
+        ..LLAMA
+    },
+    Family {
+        model_type: "mistral",
+        architectures: ["MistralForCausalLM", "MistralModel"],
+        windows: Windows::EveryLayer {
+            missing: Some(DEFAULT_WINDOW),
+        },
+        ..LLAMA
+    },
+    Family {
+        model_type: "qwen2",
+        architectures: ["Qwen2ForCausalLM", "Qwen2Model"],
+        qkv_bias: true,
+        windows: Windows::Switched,
+        ..LLAMA
+    },
+    Family {
+        model_type: "qwen3",
+        architectures: ["Qwen3ForCausalLM", "Qwen3Model"],
+        qk_norm: Some(QkNorm::PerHead),
+        windows: Windows::Switched,
+        ..LLAMA
+    },
+    Family {
+        model_type: "phi3",
+        architectures: ["Phi3ForCausalLM", "Phi3Model"],
+        fused_qkv: true,
+        fused_gate_up: true,
+        rope: RopeDialect {
+            longrope_names: true,
+            partial: Some(1.0),
+            interleaved: false,
+        },
+        windows: Windows::EveryLayer { missing: None },
+        ..LLAMA
+    },
+    GEMMA,
+    Family {
+        model_type: "gemma2",
+        architectures: ["Gemma2ForCausalLM", "Gemma2Model"],
+        windows: Windows::Typed { pattern: 2 },
+        gemma: Some(Gemma::Two),
+        ..GEMMA
+    },
+    Family {
+        model_type: "gemma3_text",
+        architectures: ["Gemma3ForCausalLM", "Gemma3TextModel"],
+        qk_norm: Some(QkNorm::PerHead),
+        windows: Windows::Typed { pattern: 6 },
+        gemma: Some(Gemma::Three),
+        typed_rope: Some(TypedRope {
+            global_theta: 1e6,
+            local_theta_key: Some("rope_local_base_freq"),
+            local_theta: 1e4,
+        }),
+        ..GEMMA
+    },
+    Family {
+        model_type: "smollm3",
+        reads_mlp_bias: true,
+        architectures: ["SmolLM3ForCausalLM", "SmolLM3Model"],
+        windows: Windows::NoRope,
+        nope_layers: true,
+        tied_by_default: true,
+        default_theta: 2_000_000.0,
+        ..LLAMA
+    },
+    Family {
+        model_type: "granite",
+        reads_mlp_bias: true,
+        architectures: ["GraniteForCausalLM", "GraniteModel"],
+        multipliers: true,
+        ..LLAMA
+    },
+    OLMO2,
+    Family {
+        model_type: "olmo3",
+        architectures: ["Olmo3ForCausalLM", "Olmo3Model"],
+        windows: Windows::Typed { pattern: 4 },
+        // transformers gives an earlier file's `rope_theta` to the full
+        // layers only; the sliding ones keep the default.
+        typed_rope: Some(TypedRope {
+            global_theta: 5e5,
+            local_theta_key: None,
+            local_theta: 5e5,
+        }),
+        ..OLMO2
+    },
+    Family {
+        model_type: "mixtral",
+        architectures: ["MixtralForCausalLM", "MixtralModel"],
+        windows: Windows::EveryLayer { missing: None },
+        default_theta: 1_000_000.0,
+        moe: Some(MoeFamily {
+            style: MoeStyle::Mixtral,
+            num_experts: 8,
+            experts_per_token: 2,
+            expert_size: None,
+            normalize: None,
+            shared_expert_size: None,
+            sparse_layers: false,
+            ..QWEN2_MOE
+        }),
+        ..LLAMA
+    },
+    Family {
+        model_type: "qwen2_moe",
+        architectures: ["Qwen2MoeForCausalLM", "Qwen2MoeModel"],
+        qkv_bias: true,
+        windows: Windows::Unsupported,
+        moe: Some(QWEN2_MOE),
+        ..LLAMA
+    },
+    Family {
+        model_type: "qwen3_moe",
+        architectures: ["Qwen3MoeForCausalLM", "Qwen3MoeModel"],
+        qk_norm: Some(QkNorm::PerHead),
+        windows: Windows::Unsupported,
+        moe: Some(MoeFamily {
+            num_experts: 128,
+            experts_per_token: 8,
+            expert_size: Some(768),
+            shared_expert_size: None,
+            ..QWEN2_MOE
+        }),
+        ..LLAMA
+    },
+    Family {
+        model_type: "olmoe",
+        architectures: ["OlmoeForCausalLM", "OlmoeModel"],
+        reads_clip_qkv: true,
+        qk_norm: Some(QkNorm::Projection),
+        moe: Some(OLMOE_MOE),
+        ..LLAMA
+    },
+    Family {
+        model_type: "flex_olmo",
+        architectures: ["FlexOlmoForCausalLM", "FlexOlmoModel"],
+        default_theta: 500_000.0,
+        moe: Some(MoeFamily {
+            num_experts: 7,
+            experts_per_token: 5,
+            ..OLMOE_MOE
+        }),
+        ..OLMO2
+    },
+    Family {
+        model_type: "glm4_moe",
+        architectures: ["Glm4MoeForCausalLM", "Glm4MoeModel"],
+        o_bias: false,
+        switched_qk_norm: true,
+        rope: RopeDialect {
+            partial: Some(0.5),
+            ..LLAMA.rope
+        },
+        moe: Some(GLM4_MOE),
+        ..LLAMA
+    },
+    Family {
+        model_type: "minimax_m2",
+        architectures: ["MiniMaxM2ForCausalLM", "MiniMaxM2Model"],
+        qk_norm: Some(QkNorm::Projection),
+        rope: RopeDialect {
+            partial: Some(1.0),
+            ..LLAMA.rope
+        },
+        default_theta: 5_000_000.0,
+        moe: Some(MINIMAX_M2_MOE),
+        ..LLAMA
+    },
+    GLM,
+    Family {
+        model_type: "glm4",
+        architectures: ["Glm4ForCausalLM", "Glm4Model"],
+        output_norms: Some(NormNames::Glm4),
+        ..GLM
+    },
+    COHERE,
+    Family {
+        model_type: "cohere2",
+        architectures: ["Cohere2ForCausalLM", "Cohere2Model"],
+        windows: Windows::Typed { pattern: 4 },
+        rotary_in_windows_only: true,
+        ..COHERE
+    },
+    ERNIE,
+    Family {
+        model_type: "ernie4_5_moe",
+        architectures: ["Ernie4_5_MoeForCausalLM", "Ernie4_5_MoeModel"],
+        moe: Some(ERNIE4_5_MOE),
+        ..ERNIE
+    },
+    Family {
+        model_type: "dots1",
+        architectures: ["Dots1ForCausalLM", "Dots1Model"],
+        qk_norm: Some(QkNorm::PerHead),
+        windows: Windows::FromLayer { layers: 62 },
+        moe: Some(DOTS1_MOE),
+        ..LLAMA
+    },
+    // Starcoder2: LayerNorms with biases, `use_bias` (on by default) on
+    // every projection, an MLP without a gate, windows in every layer
+    // where the file sets one, the head tied by default.
+    Family {
+        model_type: "starcoder2",
+        architectures: ["Starcoder2ForCausalLM", "Starcoder2Model"],
+        reads_use_bias: true,
+        default_use_bias: true,
+        biased_layer_norms: true,
+        ungated_mlp: Some((UngatedMlp::CFc, Activation::Gelu)),
+        windows: Windows::EveryLayer { missing: None },
+        tied_by_default: true,
+        ..LLAMA
+    },
+    // Phi (1, 1.5, 2): LayerNorms with biases, one per block before the
+    // attention and the MLP side by side, biases everywhere (the head's
+    // too), an MLP without a gate, half of each head rotating by default,
+    // Phi's names.
+    Family {
+        model_type: "phi",
+        architectures: ["PhiForCausalLM", "PhiModel"],
+        phi: true,
+        biased_layer_norms: true,
+        ungated_mlp: Some((UngatedMlp::Fc, Activation::Gelu)),
+        rope: RopeDialect {
+            partial: Some(0.5),
+            ..LLAMA.rope
+        },
+        ..LLAMA
+    },
+    // Arcee (AFM): Llama with an MLP without a gate, squared ReLU.
+    Family {
+        model_type: "arcee",
+        architectures: ["ArceeForCausalLM", "ArceeModel"],
+        reads_mlp_bias: true,
+        ungated_mlp: Some((UngatedMlp::UpDown, Activation::Relu2)),
+        ..LLAMA
+    },
+    // Nemotron (Minitron, Nemotron-4): LayerNorms with biases scaling by
+    // `1 + weight` (LayerNorm1P), Arcee's MLP, half of each head rotating by
+    // default.
+    Family {
+        model_type: "nemotron",
+        architectures: ["NemotronForCausalLM", "NemotronModel"],
+        reads_mlp_bias: true,
+        biased_layer_norms: true,
+        norm_plus_one: true,
+        ungated_mlp: Some((UngatedMlp::UpDown, Activation::Relu2)),
+        rope: RopeDialect {
+            partial: Some(0.5),
+            ..LLAMA.rope
+        },
+        ..LLAMA
+    },
+    // EXAONE 4: OLMo 2's norms of the outputs, Qwen3's norms of each query
+    // and key head, windows in three layers of four which alone rotate (all
+    // rotate without windows).
+    Family {
+        model_type: "exaone4",
+        architectures: ["Exaone4ForCausalLM", "Exaone4Model"],
+        qk_norm: Some(QkNorm::PerHead),
+        windows: Windows::Typed { pattern: 4 },
+        rotary_in_windows_only: true,
+        rotary_without_windows: true,
+        ..OLMO2
+    },
+    // Seed-OSS: biases on q, k and v by default (`attention_bias`), on o
+    // where `attention_out_bias`, MLP biases where `mlp_bias`, heads of
+    // 128 by default.
+    Family {
+        model_type: "seed_oss",
+        architectures: ["SeedOssForCausalLM", "SeedOssModel"],
+        attention_bias: true,
+        reads_attention_out_bias: true,
+        reads_mlp_bias: true,
+        default_head_dim: Some(128),
+        ..LLAMA
+    },
+    // GPT-NeoX (Pythia): biased LayerNorms, q, k and v in one weight head by
+    // head, biases on the attention by default and on the MLP always, an MLP
+    // without a gate (exact GELU), parallel blocks with a norm per branch
+    // by default, a quarter of each head rotating by default.
+    Family {
+        model_type: "gpt_neox",
+        architectures: ["GPTNeoXForCausalLM", "GPTNeoXModel"],
+        neox: true,
+        attention_bias: true,
+        fused_qkv: true,
+        biased_layer_norms: true,
+        ungated_mlp: Some((UngatedMlp::NeoX, Activation::GeluErf)),
+        rope: RopeDialect {
+            partial: Some(0.25),
+            ..LLAMA.rope
+        },
+        ..LLAMA
+    },
+    // StableLM (2): biased LayerNorms, q, k and v biased where
+    // `use_qkv_bias`, LayerNorms of each head where `qk_layernorm`,
+    // parallel blocks with one norm where `use_parallel_residual`, a
+    // quarter of each head rotating by default.
+    Family {
+        model_type: "stablelm",
+        architectures: ["StableLmForCausalLM", "StableLmModel"],
+        stablelm: true,
+        biased_layer_norms: true,
+        rope: RopeDialect {
+            partial: Some(0.25),
+            ..LLAMA.rope
+        },
+        ..LLAMA
+    },
+    // OLMo (1): Llama with LayerNorms without parameters, `clip_qkv`.
+    Family {
+        model_type: "olmo",
+        architectures: ["OlmoForCausalLM", "OlmoModel"],
+        parameter_free_norms: true,
+        reads_clip_qkv: true,
+        ..LLAMA
+    },
+    // NanoChat: RMS norms without parameters (of the embeddings too, and of
+    // each query and key head), an MLP without a gate (`fc1`, squared ReLU,
+    // `fc2`), the logits capped (15 by default).
+    Family {
+        model_type: "nanochat",
+        architectures: ["NanoChatForCausalLM", "NanoChatModel"],
+        qk_norm: Some(QkNorm::PerHead),
+        parameter_free_norms: true,
+        embedding_norm: true,
+        rope_negated: true,
+        ungated_mlp: Some((UngatedMlp::Fc, Activation::Relu2)),
+        final_softcap: Some(Some(15.0)),
+        ..LLAMA
+    },
+    // Hunyuan (dense): RMS norms of each query and key head after the
+    // rotation, under its names; its files' "dynamic" rotation with an
+    // `alpha` is NTK's, static.
+    Family {
+        model_type: "hunyuan_v1_dense",
+        architectures: ["HunYuanDenseV1ForCausalLM", "HunYuanDenseV1Model"],
+        qk_norm: Some(QkNorm::PerHead),
+        hunyuan: true,
+        ..LLAMA
+    },
+    // Jais 2: biased LayerNorms, biases on every projection by default
+    // (`attention_bias`, `mlp_bias`), an MLP without a gate (squared ReLU).
+    Family {
+        model_type: "jais2",
+        architectures: ["Jais2ForCausalLM", "Jais2Model"],
+        attention_bias: true,
+        reads_mlp_bias: true,
+        default_mlp_bias: true,
+        biased_layer_norms: true,
+        ungated_mlp: Some((UngatedMlp::UpDown, Activation::Relu2)),
+        ..LLAMA
+    },
+    // Helium (Kyutai): every head rotating as interleaved pairs, q, k and v
+    // biased where `attention_bias` (o never), heads of 128 and epsilon
+    // 1e-8 by default.
+    Family {
+        model_type: "helium",
+        architectures: ["HeliumForCausalLM", "HeliumModel"],
+        o_bias: false,
+        reads_mlp_bias: true,
+        default_head_dim: Some(128),
+        default_rms_eps: 1e-8,
+        rope: RopeDialect {
+            interleaved: true,
+            ..LLAMA.rope
+        },
+        ..LLAMA
+    },
+    // Ministral: Mistral's, its windows in the layers `layer_types` names
+    // (every layer by default).
+    Family {
+        model_type: "ministral",
+        architectures: ["MinistralForCausalLM", "MinistralModel"],
+        windows: Windows::Listed {
+            every: 1,
+            missing: DEFAULT_WINDOW,
+        },
+        ..LLAMA
+    },
+    // CWM (Code World Model): windows of 8192 in the layers `layer_types`
+    // names (all but every fourth from the first by default); llama3
+    // scaling by default.
+    Family {
+        model_type: "cwm",
+        architectures: ["CwmForCausalLM", "CwmModel"],
+        windows: Windows::Listed {
+            every: 4,
+            missing: 8192,
+        },
+        default_rope: Some(CWM_ROPE),
+        ..LLAMA
+    },
+    // Solar Open: Llama's attention (q, k and v biased where
+    // `attention_bias`, o never), every layer GLM-4.5's mixture.
+    Family {
+        model_type: "solar_open",
+        architectures: ["SolarOpenForCausalLM", "SolarOpenModel"],
+        o_bias: false,
+        default_head_dim: Some(128),
+        default_theta: 1_000_000.0,
+        moe: Some(SOLAR_OPEN_MOE),
+        ..LLAMA
+    },
+];
+
+/// CWM's rotation where its file gives none (`transformers`' default).
+pub(super) const CWM_ROPE: &str = r#"{"rope_type": "llama3", "rope_theta": 1000000.0, "factor": 16.0,
+    "high_freq_factor": 4.0, "low_freq_factor": 1.0, "original_max_position_embeddings": 8192}"#;
+
+/// Whether `model_type` `kind` is read as Llama.
+pub(crate) fn reads(kind: &str) -> bool {
+    kind == "gemma3" || FAMILIES.iter().any(|f| f.model_type == kind)
+}
+
+/// The `model_type`s read as Llama, for messages.
+pub(crate) const LLAMA_TYPES: &str =
+    "\"llama\", \"mistral\", \"qwen2\", \"qwen3\", \"phi3\", \"gemma\", \"gemma2\", \
+     \"gemma3_text\", \"gemma3\" (its text model), \"smollm3\", \"granite\", \"olmo2\", \
+     \"olmo3\", \"mixtral\", \"qwen2_moe\", \"qwen3_moe\", \"olmoe\", \"flex_olmo\", \
+     \"glm4_moe\", \"minimax_m2\", \"glm\", \"glm4\", \"cohere\", \"cohere2\", \
+     \"ernie4_5\", \"ernie4_5_moe\", \"dots1\", \"starcoder2\", \"phi\", \"arcee\", \
+     \"nemotron\", \"exaone4\", \"seed_oss\", \"gpt_neox\", \"stablelm\", \"olmo\", \
+     \"nanochat\", \"hunyuan_v1_dense\", \"jais2\", \"helium\", \"ministral\", \"cwm\" \
+     and \"solar_open\"";
+
+#[cfg(test)]
+mod tests {
+    use super::{FAMILIES, LLAMA_TYPES};
+
+    #[test]
+    fn the_messages_name_every_family_once() {
+        for family in &FAMILIES {
+            let quoted = format!("\"{}\"", family.model_type);
+            assert_eq!(
+                LLAMA_TYPES.matches(&quoted).count(),
+                1,
+                "{} in LLAMA_TYPES",
+                family.model_type
+            );
+        }
+        let named = LLAMA_TYPES.matches('"').count() / 2;
+        assert_eq!(named, FAMILIES.len() + 1, "the families and gemma3");
+    }
+}

@@ -1,0 +1,481 @@
+//! The keys of a Llama-family `config.json` as they are, and what reads
+//! them: the sliding windows, the rotated layers, the MLP's activation, the
+//! rotary parameters per layer type, and the older or family-specific keys
+//! rewritten into the ones the rest reads.
+
+use super::families::{Gemma, Windows, DEFAULT_MAX_WINDOW_LAYERS, DEFAULT_WINDOW};
+use super::SlidingWindow;
+use crate::models::rope::{Rope, RopeDialect};
+use crate::nn::Activation;
+use serde::Deserialize;
+
+/// The keys of `config.json` read as they are.
+#[derive(Deserialize)]
+pub(super) struct Plain {
+    pub(super) vocab_size: usize,
+    pub(super) hidden_size: usize,
+    /// Absent from Solar Open's files, whose every layer is a mixture.
+    #[serde(default)]
+    pub(super) intermediate_size: Option<usize>,
+    pub(super) num_hidden_layers: usize,
+    pub(super) num_attention_heads: usize,
+    #[serde(default)]
+    pub(super) num_key_value_heads: Option<usize>,
+    #[serde(default)]
+    pub(super) head_dim: Option<usize>,
+    #[serde(default = "default_positions")]
+    pub(super) max_position_embeddings: usize,
+    #[serde(default)]
+    pub(super) rms_norm_eps: Option<f64>,
+    #[serde(default)]
+    pub(super) tie_word_embeddings: Option<bool>,
+    #[serde(default = "default_initializer_range")]
+    pub(super) initializer_range: f64,
+    #[serde(default)]
+    pub(super) attention_bias: Option<bool>,
+    #[serde(default)]
+    pub(super) pad_token_id: Option<u32>,
+    /// Qwen's switch for `sliding_window` (off when absent).
+    #[serde(default)]
+    pub(super) use_sliding_window: bool,
+    /// Qwen's first windowed layer, where `layer_types` does not say.
+    #[serde(default)]
+    pub(super) max_window_layers: Option<usize>,
+    /// Qwen's and Gemma 3's attention per layer (transformers 5).
+    #[serde(default)]
+    pub(super) layer_types: Option<Vec<String>>,
+    /// Gemma 3's windowed layers where `layer_types` does not say: all but
+    /// every this-many-th (transformers 5 writes it with a leading `_`).
+    #[serde(default, alias = "_sliding_window_pattern")]
+    pub(super) sliding_window_pattern: Option<WindowPattern>,
+    #[serde(default)]
+    pub(super) query_pre_attn_scalar: Option<f64>,
+    #[serde(default)]
+    pub(super) final_logit_softcapping: Option<f64>,
+    #[serde(default)]
+    pub(super) attn_logit_softcapping: Option<f64>,
+    #[serde(default)]
+    pub(super) use_bidirectional_attention: Option<bool>,
+    /// SmolLM3's layers with (1) and without (0) rotary embeddings.
+    #[serde(default)]
+    pub(super) no_rope_layers: Option<Vec<u8>>,
+    /// SmolLM3's NoPE layers where `no_rope_layers` does not say: every
+    /// this-many-th.
+    #[serde(default = "default_no_rope_interval")]
+    pub(super) no_rope_layer_interval: usize,
+    #[serde(default)]
+    pub(super) embedding_multiplier: Option<f64>,
+    #[serde(default)]
+    pub(super) attention_multiplier: Option<f64>,
+    #[serde(default)]
+    pub(super) residual_multiplier: Option<f64>,
+    #[serde(default)]
+    pub(super) logits_scaling: Option<f64>,
+    #[serde(default)]
+    pub(super) attention_dropout: Option<f64>,
+    #[serde(default)]
+    pub(super) resid_pdrop: Option<f64>,
+    #[serde(default)]
+    pub(super) embd_pdrop: Option<f64>,
+    #[serde(default)]
+    pub(super) residual_dropout: Option<f64>,
+    #[serde(default)]
+    pub(super) embedding_dropout: Option<f64>,
+    /// Seed-OSS's switch for the output projection's bias.
+    #[serde(default)]
+    pub(super) attention_out_bias: Option<bool>,
+    /// Qwen2-MoE's switch for the query, key and value biases.
+    #[serde(default)]
+    pub(super) qkv_bias: Option<bool>,
+    /// GLM-4.5's switch for the query and key norms.
+    #[serde(default)]
+    pub(super) use_qk_norm: bool,
+    /// Phi's switch for the query and key norms.
+    #[serde(default)]
+    pub(super) qk_layernorm: bool,
+    /// StableLM's switch for the query, key and value biases.
+    #[serde(default)]
+    pub(super) use_qkv_bias: Option<bool>,
+    /// GPT-NeoX's and StableLM's switch for their parallel blocks.
+    #[serde(default)]
+    pub(super) use_parallel_residual: Option<bool>,
+    #[serde(default)]
+    pub(super) hidden_dropout: Option<f64>,
+    #[serde(default, alias = "norm_epsilon", alias = "norm_eps")]
+    pub(super) layer_norm_eps: Option<f64>,
+    #[serde(default)]
+    pub(super) mlp_bias: Option<bool>,
+    #[serde(default)]
+    pub(super) use_bias: Option<bool>,
+    #[serde(default)]
+    pub(super) logit_scale: Option<f64>,
+    #[serde(default)]
+    pub(super) router_jitter_noise: Option<f64>,
+    #[serde(default)]
+    pub(super) clip_qkv: Option<f64>,
+}
+
+/// GPT-NeoX's config with its transformers 4 rotary keys as later files
+/// write them: `rotary_pct` as `partial_rotary_factor`, `rotary_emb_base`
+/// as `rope_theta` (where those are absent).
+pub(super) fn neox_rotary_keys(config: &serde_json::Value) -> serde_json::Value {
+    let mut config = config.clone();
+    if let Some(object) = config.as_object_mut() {
+        for (old, new) in [
+            ("rotary_pct", "partial_rotary_factor"),
+            ("rotary_emb_base", "rope_theta"),
+        ] {
+            if let Some(value) = object.remove(old) {
+                object.entry(new).or_insert(value);
+            }
+        }
+    }
+    config
+}
+
+/// Hunyuan's config with its "dynamic" rotation with an `alpha` (NTK-aware
+/// scaling, static: `transformers`' `ntk_alpha`) as the default rotation
+/// of base `rope_theta · alpha^(d / (d - 2))`, `d` the head's width.
+pub(super) fn ntk_alpha_as_theta(
+    config: &serde_json::Value,
+) -> std::result::Result<serde_json::Value, String> {
+    let mut config = config.clone();
+    let Some(key) = ["rope_parameters", "rope_scaling"].into_iter().find(|key| {
+        config
+            .get(key)
+            .and_then(|p| p.get("alpha"))
+            .is_some_and(|a| !a.is_null())
+    }) else {
+        return Ok(config);
+    };
+    let params = &config[key];
+    let kind = params.get("rope_type").or_else(|| params.get("type"));
+    if kind.and_then(|k| k.as_str()) != Some("dynamic") {
+        return Ok(config);
+    }
+    let alpha = params["alpha"]
+        .as_f64()
+        .filter(|a| *a > 0.0)
+        .ok_or_else(|| {
+            format!(
+                "`{key}.alpha` is {}; a positive number is expected",
+                params["alpha"]
+            )
+        })?;
+    let theta = params
+        .get("rope_theta")
+        .or_else(|| config.get("rope_theta"))
+        .and_then(|t| t.as_f64())
+        .unwrap_or(10_000.0);
+    let heads = config
+        .get("num_attention_heads")
+        .and_then(|h| h.as_u64())
+        .unwrap_or(0);
+    let hidden = config
+        .get("hidden_size")
+        .and_then(|h| h.as_u64())
+        .unwrap_or(0);
+    let width = match config.get("head_dim").and_then(|d| d.as_u64()) {
+        Some(width) => width,
+        None if heads > 0 => hidden / heads,
+        None => 0,
+    } as f64;
+    if width <= 2.0 {
+        return Err(format!(
+            "heads of {width} values with an NTK `alpha`; the rotation needs heads wider than 2"
+        ));
+    }
+    let base = theta * alpha.powf(width / (width - 2.0));
+    let object = config
+        .as_object_mut()
+        .expect("a config with a rotation is an object");
+    object.insert(
+        "rope_parameters".into(),
+        serde_json::json!({"rope_type": "default", "rope_theta": base}),
+    );
+    for old in ["rope_scaling", "rope_theta"] {
+        object.remove(old);
+    }
+    Ok(config)
+}
+
+/// `config` with `rope` (a `rope_parameters` object) where it gives no
+/// rotation (none of `rope_parameters`, `rope_scaling`, `rope_theta`).
+pub(super) fn with_default_rope(config: &serde_json::Value, rope: &str) -> serde_json::Value {
+    let mut config = config.clone();
+    let given = ["rope_parameters", "rope_scaling", "rope_theta"]
+        .iter()
+        .any(|key| config.get(key).is_some_and(|v| !v.is_null()));
+    if let (false, Some(object)) = (given, config.as_object_mut()) {
+        let rope: serde_json::Value =
+            serde_json::from_str(rope).expect("a family's default rotation is JSON");
+        object.insert("rope_parameters".into(), rope);
+    }
+    config
+}
+
+/// Gemma's and EXAONE 4's `sliding_window_pattern`: every this-many-th
+/// layer full, or (EXAONE 4) letters repeating over the layers, `L` a
+/// sliding one and `G` a full one (`"LLLG"`).
+#[derive(Deserialize)]
+#[serde(untagged)]
+pub(super) enum WindowPattern {
+    Every(usize),
+    Letters(String),
+}
+
+impl WindowPattern {
+    /// Per layer of `n`, whether it is windowed.
+    fn layers(&self, n: usize) -> std::result::Result<Vec<bool>, String> {
+        match self {
+            Self::Every(0) => Err("`sliding_window_pattern` is 0; set it to at least 1".into()),
+            &Self::Every(every) => Ok((0..n).map(|i| (i + 1) % every != 0).collect()),
+            Self::Letters(letters)
+                if letters.is_empty() || letters.chars().any(|c| !matches!(c, 'L' | 'G')) =>
+            {
+                Err(format!(
+                    "`sliding_window_pattern` is {letters:?}; give a number, or letters L \
+                     (sliding) and G (full), one per layer, repeating"
+                ))
+            }
+            Self::Letters(letters) => {
+                let letters: Vec<char> = letters.chars().collect();
+                Ok((0..n).map(|i| letters[i % letters.len()] == 'L').collect())
+            }
+        }
+    }
+}
+
+/// `transformers`' `no_rope_layer_interval` (SmolLM3).
+fn default_no_rope_interval() -> usize {
+    4
+}
+
+fn default_positions() -> usize {
+    2048
+}
+
+fn default_initializer_range() -> f64 {
+    0.02
+}
+
+/// The sliding window as `transformers` applies it: Mistral's
+/// `sliding_window` in every layer; Qwen's where `use_sliding_window` is on,
+/// in the layers whose `layer_types` entry is `sliding_attention` (without
+/// `layer_types`, those from `max_window_layers` on). `None` where no layer
+/// uses one.
+pub(super) fn sliding_window_of(
+    config: &serde_json::Value,
+    plain: &Plain,
+    windows: Windows,
+    rotated_layers: Option<&[bool]>,
+) -> std::result::Result<Option<SlidingWindow>, String> {
+    if let Some(types) = &plain.layer_types {
+        if let Some(other) = types
+            .iter()
+            .find(|t| !["full_attention", "sliding_attention"].contains(&t.as_str()))
+        {
+            return Err(format!(
+                "`layer_types` has {other:?}; full and sliding attention only"
+            ));
+        }
+    }
+    if windows == Windows::Unsupported && plain.use_sliding_window {
+        return Err(
+            "`use_sliding_window` is true; this model type's sliding windows are not implemented \
+             here: set it to false (as the published checkpoints have it)"
+                .into(),
+        );
+    }
+    let n = plain.num_hidden_layers;
+    let typed = |types: &Vec<String>| types.iter().map(|t| t == "sliding_attention").collect();
+    let layers = match windows {
+        Windows::Never | Windows::Unsupported => return Ok(None),
+        Windows::Switched | Windows::NoRope if !plain.use_sliding_window => return Ok(None),
+        Windows::NoRope => match (&plain.layer_types, rotated_layers) {
+            (Some(types), _) => typed(types),
+            (None, Some(rotated)) => rotated.iter().map(|r| !r).collect(),
+            (None, None) => vec![false; n],
+        },
+        Windows::EveryLayer { .. } => vec![true; n],
+        Windows::Switched => match &plain.layer_types {
+            Some(types) => typed(types),
+            None => {
+                let from = plain.max_window_layers.unwrap_or(DEFAULT_MAX_WINDOW_LAYERS);
+                (0..n).map(|i| i >= from).collect()
+            }
+        },
+        Windows::FromLayer { layers } => match &plain.layer_types {
+            Some(types) => typed(types),
+            None => {
+                let from = plain.max_window_layers.unwrap_or(layers);
+                (0..n).map(|i| i >= from).collect()
+            }
+        },
+        Windows::Listed { every, .. } => match &plain.layer_types {
+            Some(types) => typed(types),
+            None if every <= 1 => vec![true; n],
+            None => (0..n).map(|i| i % every != 0).collect(),
+        },
+        Windows::Typed { pattern } => match &plain.layer_types {
+            Some(types) => typed(types),
+            None => match &plain.sliding_window_pattern {
+                Some(given) => given.layers(n)?,
+                None => WindowPattern::Every(pattern).layers(n)?,
+            },
+        },
+    };
+    let missing = match windows {
+        Windows::EveryLayer { missing } => missing,
+        Windows::Listed { missing, .. } => Some(missing),
+        Windows::NoRope => None,
+        _ => Some(DEFAULT_WINDOW),
+    };
+    let size = match config.get("sliding_window") {
+        None => missing,
+        Some(v) if v.is_null() => None,
+        Some(v) => Some(
+            v.as_u64()
+                .and_then(|w| usize::try_from(w).ok())
+                .ok_or_else(|| format!("`sliding_window` is {v}; a whole number is expected"))?,
+        ),
+    };
+    Ok(size
+        .filter(|_| layers.contains(&true))
+        .map(|size| SlidingWindow { size, layers }))
+}
+
+/// SmolLM3's layers with rotary embeddings: `no_rope_layers` (1 rotates, 0
+/// does not), or all but every `no_rope_layer_interval`-th.
+pub(super) fn rotated_layers(plain: &Plain) -> std::result::Result<Vec<bool>, String> {
+    match (&plain.no_rope_layers, plain.no_rope_layer_interval) {
+        (Some(flags), _) => flags
+            .iter()
+            .map(|&f| match f {
+                0 | 1 => Ok(f == 1),
+                other => Err(format!(
+                    "`no_rope_layers` holds {other}; 1 (rotary) or 0 (none) per layer"
+                )),
+            })
+            .collect(),
+        (None, 0) => Err("`no_rope_layer_interval` is 0; set it to at least 1".into()),
+        (None, every) => Ok((0..plain.num_hidden_layers)
+            .map(|i| (i + 1) % every != 0)
+            .collect()),
+    }
+}
+
+/// The MLP's activation: SiLU for Llama (`hidden_act`); GELU's tanh form for
+/// Gemma (`hidden_act`, where transformers reads `gelu` as the tanh form too)
+/// and Gemma 3 (`hidden_activation`); for an MLP without a gate
+/// (StarCoder2's, Phi's, Nemotron's, Arcee's), `hidden_act` as
+/// `transformers`' `ACT2FN` reads it: GELU's tanh forms, exact GELU
+/// (`gelu`), SiLU or squared ReLU (`relu2`), the family's default where the
+/// file names none.
+pub(super) fn mlp_activation(
+    config: &serde_json::Value,
+    gemma: Option<Gemma>,
+    ungated: Option<Activation>,
+) -> std::result::Result<Activation, String> {
+    const TANH: [&str; 2] = ["gelu_pytorch_tanh", "gelu_new"];
+    const UNGATED: [(&str, Activation); 6] = [
+        ("gelu_pytorch_tanh", Activation::Gelu),
+        ("gelu_new", Activation::Gelu),
+        ("gelu_fast", Activation::Gelu),
+        ("gelu", Activation::GeluErf),
+        ("silu", Activation::Silu),
+        ("relu2", Activation::Relu2),
+    ];
+    let ungated_names = UNGATED.map(|(name, _)| name);
+    let (key, accepted): (&str, &[&str]) = match gemma {
+        _ if ungated.is_some() => ("hidden_act", &ungated_names),
+        None => ("hidden_act", &["silu"]),
+        Some(Gemma::One) => ("hidden_act", &["gelu_pytorch_tanh", "gelu_new", "gelu"]),
+        Some(Gemma::Two | Gemma::Three) => ("hidden_activation", &TANH),
+    };
+    let value = config.get(key).filter(|v| !v.is_null());
+    match (value, ungated) {
+        (Some(value), _) if !accepted.iter().any(|a| value == a) => Err(format!(
+            "`{key}` is {value}; only {} is supported",
+            accepted.join(" or ")
+        )),
+        (_, Some(missing)) => Ok(UNGATED
+            .iter()
+            .find(|(name, _)| value.is_some_and(|v| v == name))
+            .map_or(missing, |&(_, kind)| kind)),
+        _ if gemma.is_some() => Ok(Activation::Gelu),
+        _ => Ok(Activation::Silu),
+    }
+}
+
+/// An error naming the first Gemma setting this model does not implement.
+pub(super) fn refuse_gemma_settings(plain: &Plain) -> std::result::Result<(), String> {
+    if plain.use_bidirectional_attention == Some(true) {
+        return Err(
+            "`use_bidirectional_attention` is true; only causal attention is supported: use a \
+             causal (generative) checkpoint, or set it to false to fine-tune this one as one"
+                .into(),
+        );
+    }
+    Ok(())
+}
+
+/// Rotary parameters per layer type (Gemma 3, OLMo 3): the bases where a
+/// file leaves them out, as `transformers` defaults them.
+#[derive(Clone, Copy)]
+pub(super) struct TypedRope {
+    /// The full-attention layers' `rope_theta` where absent.
+    pub(super) global_theta: f64,
+    /// The key of the sliding layers' base in earlier files (Gemma 3's
+    /// `rope_local_base_freq`), if any.
+    pub(super) local_theta_key: Option<&'static str>,
+    /// The sliding layers' base where absent.
+    pub(super) local_theta: f64,
+}
+
+/// The rotations of the full-attention layers and of the sliding-window
+/// layers, from `rope_parameters` per layer type (transformers 5) or from
+/// `rope_theta` with `rope_scaling` for the full layers and `typed`'s local
+/// key for the sliding ones (earlier files). The local one is `None` where
+/// it is the same as the global one.
+pub(super) fn typed_ropes(
+    config: &serde_json::Value,
+    max_positions: usize,
+    typed: TypedRope,
+) -> std::result::Result<(Rope, Option<Rope>), String> {
+    use serde_json::{json, Value};
+    let get = |key: &str| config.get(key).filter(|v| !v.is_null());
+    let per_type = get("rope_parameters")
+        .filter(|p| p.get("full_attention").is_some() || p.get("sliding_attention").is_some());
+    let (global, local) = match per_type {
+        Some(p) => (
+            p.get("full_attention").cloned(),
+            p.get("sliding_attention").cloned(),
+        ),
+        None => (
+            get("rope_parameters").or(get("rope_scaling")).cloned(),
+            None,
+        ),
+    };
+    // One layer type's parameters as a config of their own, the base
+    // defaulted as transformers defaults it.
+    let rope = |params: Option<Value>, theta_key: Option<&str>, default: f64| {
+        let mut params = params.unwrap_or_else(|| json!({"rope_type": "default"}));
+        if !params.is_object() {
+            return Err(format!(
+                "`rope_parameters` is {params}; an object is expected"
+            ));
+        }
+        if params.get("rope_theta").is_none_or(Value::is_null) {
+            params["rope_theta"] = theta_key.and_then(get).cloned().unwrap_or(default.into());
+        }
+        let mut alone = json!({ "rope_parameters": params });
+        if let Some(partial) = get("partial_rotary_factor") {
+            alone["partial_rotary_factor"] = partial.clone();
+        }
+        Rope::from_json(&alone, max_positions, RopeDialect::default(), default)
+    };
+    let global = rope(global, Some("rope_theta"), typed.global_theta)?;
+    let local = rope(local, typed.local_theta_key, typed.local_theta)?;
+    Ok((global.clone(), (local != global).then_some(local)))
+}

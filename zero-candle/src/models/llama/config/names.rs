@@ -1,0 +1,164 @@
+//! The names a family gives its layers where they differ from Llama's.
+
+/// The names of a block's norms where it normalizes the attention's and
+/// the MLP's outputs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum NormNames {
+    /// Gemma 2's (and OLMo 2's): `post_attention_layernorm` after the
+    /// attention, `pre_feedforward_layernorm` before the MLP,
+    /// `post_feedforward_layernorm` after it.
+    #[default]
+    Gemma,
+    /// GLM-4's: `post_self_attn_layernorm` after the attention,
+    /// `post_attention_layernorm` before the MLP (Llama's name),
+    /// `post_mlp_layernorm` after it.
+    Glm4,
+}
+
+impl NormNames {
+    /// The norm of the attention's output.
+    pub(crate) fn attention_output(self) -> &'static str {
+        match self {
+            Self::Gemma => "post_attention_layernorm",
+            Self::Glm4 => "post_self_attn_layernorm",
+        }
+    }
+
+    /// The norm of the MLP's input, in blocks that also normalize outputs.
+    pub(crate) fn mlp_input(self) -> &'static str {
+        match self {
+            Self::Gemma => "pre_feedforward_layernorm",
+            Self::Glm4 => "post_attention_layernorm",
+        }
+    }
+
+    /// The norm of the MLP's output.
+    pub(crate) fn mlp_output(self) -> &'static str {
+        match self {
+            Self::Gemma => "post_feedforward_layernorm",
+            Self::Glm4 => "post_mlp_layernorm",
+        }
+    }
+}
+
+/// The names of an MLP without a gate, `down(act(up(x)))`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum UngatedMlp {
+    /// Starcoder2's: `mlp.c_fc` (up), `mlp.c_proj` (down).
+    CFc,
+    /// Phi's: `mlp.fc1` (up), `mlp.fc2` (down).
+    Fc,
+    /// Nemotron's and Arcee's: `mlp.up_proj`, `mlp.down_proj`.
+    UpDown,
+    /// GPT-NeoX's: `mlp.dense_h_to_4h`, `mlp.dense_4h_to_h`.
+    NeoX,
+}
+
+impl UngatedMlp {
+    /// The up and the down projection's names under `mlp`.
+    pub(crate) fn names(self) -> [&'static str; 2] {
+        match self {
+            Self::CFc => ["c_fc", "c_proj"],
+            Self::Fc => ["fc1", "fc2"],
+            Self::UpDown => ["up_proj", "down_proj"],
+            Self::NeoX => ["dense_h_to_4h", "dense_4h_to_h"],
+        }
+    }
+}
+
+/// The names of the layers a family names its own way.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum LayerNames {
+    /// Llama's: `self_attn.o_proj`, `self_attn.q_norm` and `k_norm`,
+    /// `model.norm`.
+    #[default]
+    Llama,
+    /// Phi's: `self_attn.dense`, `self_attn.q_layernorm` and
+    /// `k_layernorm`, `model.final_layernorm`.
+    Phi,
+    /// GPT-NeoX's: `gpt_neox.embed_in`, `gpt_neox.layers.{i}.attention`
+    /// with `query_key_value` and `dense`, `gpt_neox.final_layer_norm`,
+    /// `embed_out`.
+    NeoX,
+    /// StableLM's: Llama's, but for the norms of each query and key head,
+    /// `self_attn.q_layernorm.norms.{h}` and `k_layernorm.norms.{h}`, a
+    /// tensor per head.
+    StableLm,
+    /// Hunyuan's: Llama's, but for the query and key norms,
+    /// `self_attn.query_layernorm` and `key_layernorm`.
+    Hunyuan,
+}
+
+impl LayerNames {
+    /// What the model's tensors but the head's sit under.
+    pub(crate) fn model(self) -> &'static str {
+        match self {
+            Self::Llama | Self::Phi | Self::StableLm | Self::Hunyuan => "model",
+            Self::NeoX => "gpt_neox",
+        }
+    }
+
+    /// The token embedding, under [`LayerNames::model`].
+    pub(crate) fn embedding(self) -> &'static str {
+        match self {
+            Self::Llama | Self::Phi | Self::StableLm | Self::Hunyuan => "embed_tokens",
+            Self::NeoX => "embed_in",
+        }
+    }
+
+    /// A block's attention, under its layer.
+    pub(crate) fn attention(self) -> &'static str {
+        match self {
+            Self::Llama | Self::Phi | Self::StableLm | Self::Hunyuan => "self_attn",
+            Self::NeoX => "attention",
+        }
+    }
+
+    /// The query, key and value projections in one, under the attention.
+    pub(crate) fn fused_qkv(self) -> &'static str {
+        match self {
+            Self::Llama | Self::Phi | Self::StableLm | Self::Hunyuan => "qkv_proj",
+            Self::NeoX => "query_key_value",
+        }
+    }
+
+    /// The attention's output projection, under the attention.
+    pub(crate) fn output_projection(self) -> &'static str {
+        match self {
+            Self::Llama | Self::StableLm | Self::Hunyuan => "o_proj",
+            Self::Phi | Self::NeoX => "dense",
+        }
+    }
+
+    /// The query and the key norm, under the attention.
+    pub(crate) fn qk_norms(self) -> [&'static str; 2] {
+        match self {
+            Self::Llama | Self::NeoX => ["q_norm", "k_norm"],
+            Self::Phi | Self::StableLm => ["q_layernorm", "k_layernorm"],
+            Self::Hunyuan => ["query_layernorm", "key_layernorm"],
+        }
+    }
+
+    /// The norms of each query and key head hold a tensor per head
+    /// (`norms.{h}.weight`) rather than one `[heads, head_dim]` weight.
+    pub(crate) fn head_norm_per_head(self) -> bool {
+        self == Self::StableLm
+    }
+
+    /// The norm after the last block, under [`LayerNames::model`].
+    pub(crate) fn final_norm(self) -> &'static str {
+        match self {
+            Self::Llama | Self::StableLm | Self::Hunyuan => "norm",
+            Self::Phi => "final_layernorm",
+            Self::NeoX => "final_layer_norm",
+        }
+    }
+
+    /// The untied head.
+    pub(crate) fn head(self) -> &'static str {
+        match self {
+            Self::Llama | Self::Phi | Self::StableLm | Self::Hunyuan => "lm_head",
+            Self::NeoX => "embed_out",
+        }
+    }
+}
