@@ -191,6 +191,8 @@ fn a_bf16_fine_tune_trains_and_saves_in_the_checkpoints_dtype() {
         ("llama/helium", 3),
         ("llama/cwm", 2),
         ("llama/solaropen", 3),
+        // The text model of a multimodal checkpoint, its tower saved back.
+        ("llama/mistral3mm", 3),
     ] {
         let dir = tempfile::tempdir().unwrap();
         let out = dir.path().join("out");

@@ -5,7 +5,7 @@
 //! 1, 2 and 3, a SmolLM3, a Granite, an OLMo 2 and an OLMo 3, and the
 //! mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo,
 //! GLM-4.5 and MiniMax-M2, GLM-4 (`glm`, `glm4`), Cohere, ERNIE 4.5,
-//! dots.llm1, StarCoder2, Phi, Arcee, Nemotron, EXAONE 4, Seed-OSS, GPT-NeoX, StableLM, OLMo, NanoChat, Hunyuan, Jais 2, Helium, Ministral, CWM and Solar Open; and the logits, loss, gradients and one SGD step each computes on a fixed
+//! dots.llm1, StarCoder2, Phi, Arcee, Nemotron, EXAONE 4, Seed-OSS, GPT-NeoX, StableLM, OLMo, NanoChat, Hunyuan, Jais 2, Helium, Ministral, CWM, Solar Open, Ministral 3 and Mistral 3's text model; and the logits, loss, gradients and one SGD step each computes on a fixed
 //! batch) are made by `make_fixtures.py` there.
 
 mod hub_support;
@@ -96,6 +96,9 @@ fn logits_loss_and_gradients_equal_transformers() {
         ("cwm", 21),
         // Its routing biases are buffers.
         ("solaropen", 77),
+        // Queries scaled by position; Mistral 3's text model.
+        ("ministral3", 21),
+        ("mistral3mm", 21),
     ];
     for (fixture, variables) in cases {
         let (config, map) = Llama::open_hub(fixtures().join(fixture)).unwrap();
@@ -261,6 +264,7 @@ fn loading_then_saving_reproduces_the_checkpoint_tensor_for_tensor() {
         "helium",
         "cwm",
         "solaropen",
+        "mistral3mm",
     ] {
         let dir = fixtures().join(fixture);
         for (stage, world) in [(Stage::Ddp, 1), (Stage::Parameters, 2)] {
@@ -339,6 +343,8 @@ fn one_sgd_step_equals_torch_at_stage_0_and_at_stage_3_on_two_ranks() {
         ("ministral", Stage::Parameters, 2, 21),
         ("cwm", Stage::Parameters, 2, 21),
         ("solaropen", Stage::Parameters, 2, 79),
+        ("ministral3", Stage::Parameters, 2, 21),
+        ("mistral3mm", Stage::Parameters, 2, 36),
     ] {
         let out = tempfile::tempdir().unwrap();
         Run::new(stage, world, 1).train(&fixtures().join(fixture), &ids, out.path());
@@ -800,6 +806,20 @@ fn causal_lm_opens_either_model_by_its_model_type() {
     };
     assert!(multimodal.text_of_multimodal && multimodal.qk_norm.is_some());
     assert_eq!(multimodal.sliding_window.unwrap().layers, [true, false]);
+    // Mistral 3: Mistral or Ministral 3 inside, its head tied as the outer
+    // config says (tied where it is silent, as transformers' default).
+    let mistral3 = LlamaConfig::from_json(&config_of("mistral3mm")).unwrap();
+    assert!(mistral3.text_of_multimodal && !mistral3.tie_word_embeddings);
+    assert!(matches!(mistral3.rope.scaling, RopeScaling::Yarn(_)));
+    let mut silent = config_of("mistral3mm");
+    silent
+        .as_object_mut()
+        .unwrap()
+        .remove("tie_word_embeddings");
+    assert!(LlamaConfig::from_json(&silent).unwrap().tie_word_embeddings);
+    silent["text_config"]["model_type"] = "qwen2".into();
+    let err = LlamaConfig::from_json(&silent).unwrap_err();
+    assert!(err.contains("text_config.model_type"), "{err}");
     // Dropout, which training leaves out, is reported (the trainer says so).
     let quiet = HubConfig::from_json(&config_of("phi3")).unwrap();
     assert!(!quiet.asks_for_dropout());
@@ -1690,6 +1710,32 @@ fn solar_open_config_reads_as_transformers_reads_it() {
     mixtral.as_object_mut().unwrap().remove("intermediate_size");
     let err = LlamaConfig::from_json(&mixtral).unwrap_err();
     assert!(err.contains("intermediate_size"), "{err}");
+}
+
+/// Ministral 3's config read as `transformers` reads it: its default YaRN
+/// rotation, the queries scaled by position past the original context.
+#[test]
+fn ministral3_configs_read_as_transformers_reads_them() {
+    let config = LlamaConfig::from_json(&config_of("ministral3")).unwrap();
+    let scale = config.position_scale.unwrap();
+    assert_eq!((scale.beta, scale.every), (0.5, 4));
+    let factors = scale.factors(9);
+    assert_eq!(&factors[..4], &[1.0; 4]);
+    assert!((factors[4] - (1.0 + 0.5 * 2f32.ln())).abs() < 1e-7);
+    assert!((factors[8] - (1.0 + 0.5 * 3f32.ln())).abs() < 1e-7);
+    let mut silent = config_of("ministral3");
+    silent.as_object_mut().unwrap().remove("rope_parameters");
+    let parsed = LlamaConfig::from_json(&silent).unwrap();
+    let scale = parsed.position_scale.unwrap();
+    assert_eq!((scale.beta, scale.every), (0.1, 16384));
+    assert_eq!(parsed.rope.theta, 1e6);
+    assert!(matches!(parsed.rope.scaling, RopeScaling::Yarn(_)));
+    let mut no_context = config_of("ministral3");
+    let rope = no_context["rope_parameters"].as_object_mut().unwrap();
+    rope.remove("original_max_position_embeddings");
+    rope.insert("rope_type".into(), "default".into());
+    let err = LlamaConfig::from_json(&no_context).unwrap_err();
+    assert!(err.contains("original_max_position_embeddings"), "{err}");
 }
 
 /// GLM-4's configs read as `transformers` reads them, and the query and

@@ -54,7 +54,10 @@
 //! LayerNorms and projections) and Helium (`HeliumForCausalLM`: interleaved
 //! rotary pairs). Ministral and CWM (`MinistralForCausalLM`,
 //! `CwmForCausalLM`: windows in the layers `layer_types` names). Solar Open
-//! (`SolarOpenForCausalLM`: GLM-4.5's mixture in every layer).
+//! (`SolarOpenForCausalLM`: GLM-4.5's mixture in every layer). Ministral 3
+//! (`Ministral3ForCausalLM`: YaRN, the queries scaled by position past the
+//! original context), and the text model of Mistral 3
+//! (`Mistral3ForConditionalGeneration`: Mistral Small 3, Ministral 3).
 //!
 //! The variables carry the hub's names (`model.embed_tokens.weight`,
 //! `model.layers.{i}.self_attn.q_proj.weight`, ..., `model.norm.weight`,
@@ -68,7 +71,9 @@ mod mlp;
 mod moe;
 
 pub(crate) use config::{reads, LLAMA_TYPES};
-pub use config::{LayerNames, LlamaConfig, NormNames, QkNorm, SlidingWindow, UngatedMlp};
+pub use config::{
+    LayerNames, LlamaConfig, NormNames, PositionScale, QkNorm, SlidingWindow, UngatedMlp,
+};
 pub use moe::{MoeConfig, MoeRouting, MoeStyle};
 
 use super::rope::{halves_from_interleaved, Rope, RopeScaling};
@@ -264,6 +269,8 @@ struct Block {
     clip_qkv: Option<f64>,
     /// The query and key norms read the rotated heads (Hunyuan's).
     norm_after_rotation: bool,
+    /// Ministral 3's scale of the queries by position.
+    position_scale: Option<PositionScale>,
     /// This layer applies rotary embeddings (all but SmolLM3's NoPE
     /// layers).
     rotates: bool,
@@ -471,6 +478,14 @@ impl Block {
         let q = turned(heads(q, self.heads)?, true)?;
         let q = match self.query_factor {
             Some(factor) => q.affine(factor, 0.0)?,
+            None => q,
+        };
+        // Ministral 3's scale by position, 1 up to its original context.
+        let q = match self.position_scale.filter(|s| time > s.every) {
+            Some(scale) => {
+                let factors = Tensor::from_vec(scale.factors(time), (1, time, 1, 1), q.device())?;
+                q.broadcast_mul(&factors.to_dtype(q.dtype())?)?
+            }
             None => q,
         };
         let k = turned(heads(k, self.kv_heads)?, false)?;
@@ -874,6 +889,7 @@ impl Llama {
                 residual_multiplier: config.residual_multiplier,
                 clip_qkv: config.clip_qkv,
                 norm_after_rotation: config.qk_norm_after_rotation,
+                position_scale: config.position_scale,
                 rotates: config.rotated_layers.as_ref().is_none_or(|r| r[i]),
                 score_cap: config.attn_logit_softcapping,
                 window: config
@@ -920,7 +936,9 @@ impl Llama {
     /// projections (and of their norms) reordered to rotate_half's.
     pub fn hub_layout(config: &LlamaConfig) -> HubLayout {
         let mut layout = match config.text_of_multimodal {
-            true => HubLayout::new().with_renamed_prefix("model.", "language_model.model."),
+            // Every variable under `language_model.` (a tied head's file
+            // tensor, if any, copied back as read).
+            true => HubLayout::new().with_renamed_prefix("", "language_model."),
             false => HubLayout::new(),
         };
         let names = config.layer_names;

@@ -147,6 +147,9 @@ pub(super) struct Family {
     /// The rotation (a `rope_parameters` object) where the file gives none
     /// (CWM's).
     pub(super) default_rope: Option<&'static str>,
+    /// The rotary parameters' `llama_4_scaling_beta` scales the queries by
+    /// position (Ministral 3).
+    pub(super) position_scaled: bool,
     /// `final_logit_softcapping` is read, this where the file leaves it out
     /// (NanoChat's 15).
     pub(super) final_softcap: Option<Option<f64>>,
@@ -211,6 +214,7 @@ pub(super) const LLAMA: Family = Family {
     rope_negated: false,
     hunyuan: false,
     default_rope: None,
+    position_scaled: false,
     final_softcap: None,
     rotary_in_windows_only: false,
     rotary_without_windows: false,
@@ -292,7 +296,7 @@ pub(super) const ERNIE: Family = Family {
 };
 
 /// The families read as Llama.
-pub(super) const FAMILIES: [Family; 42] = [
+pub(super) const FAMILIES: [Family; 43] = [
     Family {
         reads_mlp_bias: true,
         ..LLAMA
@@ -702,7 +706,25 @@ pub(super) const FAMILIES: [Family; 42] = [
         moe: Some(SOLAR_OPEN_MOE),
         ..LLAMA
     },
+    // Ministral 3 (the text model of Mistral's Ministral 3 and Mistral
+    // Small 3): Mistral's, YaRN by default, the queries scaled by position
+    // past the original context (`llama_4_scaling_beta`).
+    Family {
+        model_type: "ministral3",
+        architectures: ["Ministral3ForCausalLM", "Ministral3Model"],
+        windows: Windows::EveryLayer { missing: None },
+        default_rope: Some(MINISTRAL3_ROPE),
+        position_scaled: true,
+        default_theta: 1_000_000.0,
+        ..LLAMA
+    },
 ];
+
+/// Ministral 3's rotation where its file gives none (`transformers`'
+/// default).
+pub(super) const MINISTRAL3_ROPE: &str = r#"{"rope_type": "yarn", "rope_theta": 1000000.0,
+    "factor": 16.0, "original_max_position_embeddings": 16384, "beta_fast": 32.0,
+    "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.1}"#;
 
 /// CWM's rotation where its file gives none (`transformers`' default).
 pub(super) const CWM_ROPE: &str = r#"{"rope_type": "llama3", "rope_theta": 1000000.0, "factor": 16.0,
@@ -710,7 +732,7 @@ pub(super) const CWM_ROPE: &str = r#"{"rope_type": "llama3", "rope_theta": 10000
 
 /// Whether `model_type` `kind` is read as Llama.
 pub(crate) fn reads(kind: &str) -> bool {
-    kind == "gemma3" || FAMILIES.iter().any(|f| f.model_type == kind)
+    matches!(kind, "gemma3" | "mistral3") || FAMILIES.iter().any(|f| f.model_type == kind)
 }
 
 /// The `model_type`s read as Llama, for messages.
@@ -721,8 +743,8 @@ pub(crate) const LLAMA_TYPES: &str =
      \"glm4_moe\", \"minimax_m2\", \"glm\", \"glm4\", \"cohere\", \"cohere2\", \
      \"ernie4_5\", \"ernie4_5_moe\", \"dots1\", \"starcoder2\", \"phi\", \"arcee\", \
      \"nemotron\", \"exaone4\", \"seed_oss\", \"gpt_neox\", \"stablelm\", \"olmo\", \
-     \"nanochat\", \"hunyuan_v1_dense\", \"jais2\", \"helium\", \"ministral\", \"cwm\" \
-     and \"solar_open\"";
+     \"nanochat\", \"hunyuan_v1_dense\", \"jais2\", \"helium\", \"ministral\", \"cwm\", \
+     \"solar_open\", \"ministral3\" and \"mistral3\" (its text model)";
 
 #[cfg(test)]
 mod tests {
@@ -740,6 +762,10 @@ mod tests {
             );
         }
         let named = LLAMA_TYPES.matches('"').count() / 2;
-        assert_eq!(named, FAMILIES.len() + 1, "the families and gemma3");
+        assert_eq!(
+            named,
+            FAMILIES.len() + 2,
+            "the families, gemma3 and mistral3"
+        );
     }
 }

@@ -168,10 +168,14 @@ pub struct LlamaConfig {
     /// `no_rope_layers`: 1 rotates, 0 does not); `None`: every layer.
     pub rotated_layers: Option<Vec<bool>>,
     /// The checkpoint holds this model as the text model of Gemma 3 with
-    /// vision (`model_type` `gemma3`, the config in `text_config`): its
-    /// tensors under `language_model.`, the vision tower's beside them,
-    /// kept as they are and saved back unchanged.
+    /// vision (`model_type` `gemma3`) or of Mistral 3 (`mistral3`: Mistral
+    /// Small 3, Ministral 3), the config in `text_config`: its tensors
+    /// under `language_model.`, the vision tower's and the projector's
+    /// beside them, kept as they are and saved back unchanged.
     pub text_of_multimodal: bool,
+    /// The queries scaled by position (Ministral 3's
+    /// `llama_4_scaling_beta`).
+    pub position_scale: Option<PositionScale>,
     /// The largest dropout probability the config asks for
     /// (`attention_dropout`, Phi-3's `resid_pdrop` and `embd_pdrop`), or
     /// Mixtral's `router_jitter_noise`, which training here leaves out.
@@ -190,6 +194,58 @@ pub struct LlamaConfig {
     /// A sparse mixture of experts in place of the MLP (Mixtral,
     /// Qwen2-MoE, Qwen3-MoE, OLMoE), in the layers it names.
     pub moe: Option<MoeConfig>,
+}
+
+/// Llama 4's and Ministral 3's scale of the queries by position: the query
+/// at position `t` times `1 + beta · ln(1 + ⌊t / every⌋)`, 1 within the
+/// first `every` positions.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PositionScale {
+    /// `llama_4_scaling_beta`.
+    pub beta: f64,
+    /// The rotary parameters' `original_max_position_embeddings`.
+    pub every: usize,
+}
+
+impl PositionScale {
+    /// The factors of positions `0..time`.
+    pub fn factors(&self, time: usize) -> Vec<f32> {
+        let every = self.every.max(1);
+        (0..time)
+            .map(|t| (1.0 + self.beta * (1.0 + (t / every) as f64).ln()) as f32)
+            .collect()
+    }
+}
+
+/// The position scale a Ministral 3 config's rotary parameters give
+/// (`llama_4_scaling_beta` over `original_max_position_embeddings`), none
+/// where they name no beta.
+fn position_scale_of(
+    config: &serde_json::Value,
+) -> std::result::Result<Option<PositionScale>, String> {
+    let Some(params) = ["rope_parameters", "rope_scaling"]
+        .iter()
+        .find_map(|key| config.get(key).filter(|p| p.is_object()))
+    else {
+        return Ok(None);
+    };
+    let Some(beta) = params.get("llama_4_scaling_beta").filter(|b| !b.is_null()) else {
+        return Ok(None);
+    };
+    let beta = beta
+        .as_f64()
+        .filter(|b| b.is_finite())
+        .ok_or_else(|| format!("`llama_4_scaling_beta` is {beta}; a number is expected"))?;
+    let every = params
+        .get("original_max_position_embeddings")
+        .and_then(|v| v.as_u64())
+        .and_then(|v| usize::try_from(v).ok())
+        .filter(|&v| v > 0)
+        .ok_or(
+            "`llama_4_scaling_beta` scales the queries past `original_max_position_embeddings`, \
+             which the rotary parameters do not give: add it",
+        )?;
+    Ok(Some(PositionScale { beta, every }))
 }
 
 /// Where the queries and keys are normalized.
@@ -237,8 +293,8 @@ impl LlamaConfig {
             .get("model_type")
             .and_then(|v| v.as_str())
             .unwrap_or("llama");
-        if kind == "gemma3" {
-            return Self::from_gemma3_with_vision(config);
+        if matches!(kind, "gemma3" | "mistral3") {
+            return Self::from_text_of_multimodal(config, kind);
         }
         let Some(family) = FAMILIES.iter().find(|f| f.model_type == kind) else {
             return Err(format!(
@@ -444,6 +500,10 @@ impl LlamaConfig {
             },
             rotated_layers,
             text_of_multimodal: false,
+            position_scale: match family.position_scaled {
+                true => position_scale_of(config)?,
+                false => None,
+            },
             dropout: [
                 plain.attention_dropout,
                 plain.resid_pdrop,
@@ -471,21 +531,48 @@ impl LlamaConfig {
     }
 
     /// Gemma 3 with vision: its `text_config` read as `gemma3_text`'s.
-    fn from_gemma3_with_vision(config: &serde_json::Value) -> std::result::Result<Self, String> {
-        crate::models::check_architectures(config, &["Gemma3ForConditionalGeneration"])?;
+    fn from_text_of_multimodal(
+        config: &serde_json::Value,
+        kind: &str,
+    ) -> std::result::Result<Self, String> {
+        let architecture = match kind {
+            "gemma3" => "Gemma3ForConditionalGeneration",
+            _ => "Mistral3ForConditionalGeneration",
+        };
+        crate::models::check_architectures(config, &[architecture])?;
         let Some(serde_json::Value::Object(text)) = config.get("text_config") else {
-            return Err(
-                "`model_type` is \"gemma3\" but there is no `text_config` object, which holds the \
-                 text model's settings in Gemma 3's checkpoints: use the config.json the \
+            return Err(format!(
+                "`model_type` is {kind:?} but there is no `text_config` object, which holds the \
+                 text model's settings in {architecture}'s checkpoints: use the config.json the \
                  checkpoint came with"
-                    .into(),
-            );
+            ));
         };
         let mut text = text.clone();
-        text.insert("model_type".into(), "gemma3_text".into());
         text.remove("architectures");
-        if let Some(tied) = config.get("tie_word_embeddings") {
-            text.entry("tie_word_embeddings").or_insert(tied.clone());
+        let tied = config.get("tie_word_embeddings").filter(|t| !t.is_null());
+        if kind == "gemma3" {
+            text.insert("model_type".into(), "gemma3_text".into());
+            if let Some(tied) = tied {
+                text.entry("tie_word_embeddings").or_insert(tied.clone());
+            }
+        } else {
+            // Mistral 3's text model is Mistral or Ministral 3; its head is
+            // tied as the outer config says (`transformers`' default: tied).
+            let inner = text
+                .get("model_type")
+                .and_then(|t| t.as_str())
+                .unwrap_or("mistral");
+            if !matches!(inner, "mistral" | "ministral3") {
+                return Err(format!(
+                    "`text_config.model_type` is {inner:?}; Mistral 3's text model is \"mistral\" \
+                     or \"ministral3\" here"
+                ));
+            }
+            text.insert("model_type".into(), inner.into());
+            text.insert(
+                "tie_word_embeddings".into(),
+                tied.cloned().unwrap_or(serde_json::Value::Bool(true)),
+            );
         }
         let mut parsed = Self::from_json(&serde_json::Value::Object(text))
             .map_err(|e| format!("`text_config`: {e}"))?;
