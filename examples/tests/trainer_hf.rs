@@ -193,6 +193,7 @@ fn a_bf16_fine_tune_trains_and_saves_in_the_checkpoints_dtype() {
         ("llama/solaropen", 3),
         // The text model of a multimodal checkpoint, its tower saved back.
         ("llama/mistral3mm", 3),
+        ("llama/gptj", 3),
     ] {
         let dir = tempfile::tempdir().unwrap();
         let out = dir.path().join("out");

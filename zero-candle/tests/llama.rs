@@ -5,7 +5,7 @@
 //! 1, 2 and 3, a SmolLM3, a Granite, an OLMo 2 and an OLMo 3, and the
 //! mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo,
 //! GLM-4.5 and MiniMax-M2, GLM-4 (`glm`, `glm4`), Cohere, ERNIE 4.5,
-//! dots.llm1, StarCoder2, Phi, Arcee, Nemotron, EXAONE 4, Seed-OSS, GPT-NeoX, StableLM, OLMo, NanoChat, Hunyuan, Jais 2, Helium, Ministral, CWM, Solar Open, Ministral 3 and Mistral 3's text model; and the logits, loss, gradients and one SGD step each computes on a fixed
+//! dots.llm1, StarCoder2, Phi, Arcee, Nemotron, EXAONE 4, Seed-OSS, GPT-NeoX, StableLM, OLMo, NanoChat, Hunyuan, Jais 2, Helium, Ministral, CWM, Solar Open, Ministral 3, Mistral 3's text model and GPT-J; and the logits, loss, gradients and one SGD step each computes on a fixed
 //! batch) are made by `make_fixtures.py` there.
 
 mod hub_support;
@@ -99,6 +99,8 @@ fn logits_loss_and_gradients_equal_transformers() {
         // Queries scaled by position; Mistral 3's text model.
         ("ministral3", 21),
         ("mistral3mm", 21),
+        // GPT-2's keys; interleaved pairs in part of each head.
+        ("gptj", 25),
     ];
     for (fixture, variables) in cases {
         let (config, map) = Llama::open_hub(fixtures().join(fixture)).unwrap();
@@ -159,6 +161,7 @@ fn logits_loss_and_gradients_equal_transformers() {
                     | "erniemoe"
                     | "cohereqk"
                     | "helium"
+                    | "gptj"
             )
         );
         assert_eq!(
@@ -167,14 +170,21 @@ fn logits_loss_and_gradients_equal_transformers() {
                 || fixture.starts_with("stablelm")
                 || matches!(
                     fixture,
-                    "starcoder2" | "phi" | "nemotron" | "gptneox" | "olmo" | "jais2"
+                    "starcoder2" | "phi" | "nemotron" | "gptneox" | "olmo" | "jais2" | "gptj"
                 )
         );
         assert_eq!(
             config.ungated_mlp.is_some(),
             matches!(
                 fixture,
-                "starcoder2" | "phi" | "arcee" | "nemotron" | "gptneox" | "nanochat" | "jais2"
+                "starcoder2"
+                    | "phi"
+                    | "arcee"
+                    | "nemotron"
+                    | "gptneox"
+                    | "nanochat"
+                    | "jais2"
+                    | "gptj"
             )
         );
         let layout = Llama::hub_layout(&config);
@@ -265,6 +275,7 @@ fn loading_then_saving_reproduces_the_checkpoint_tensor_for_tensor() {
         "cwm",
         "solaropen",
         "mistral3mm",
+        "gptj",
     ] {
         let dir = fixtures().join(fixture);
         for (stage, world) in [(Stage::Ddp, 1), (Stage::Parameters, 2)] {
@@ -345,6 +356,7 @@ fn one_sgd_step_equals_torch_at_stage_0_and_at_stage_3_on_two_ranks() {
         ("solaropen", Stage::Parameters, 2, 79),
         ("ministral3", Stage::Parameters, 2, 21),
         ("mistral3mm", Stage::Parameters, 2, 36),
+        ("gptj", Stage::Parameters, 2, 25),
     ] {
         let out = tempfile::tempdir().unwrap();
         Run::new(stage, world, 1).train(&fixtures().join(fixture), &ids, out.path());
@@ -605,6 +617,7 @@ fn both_config_forms_read_alike_and_llama3_scales_the_low_frequencies() {
         "helium",
         "ministral",
         "cwm",
+        "gptj",
     ] {
         let config = LlamaConfig::from_json(&config_of(fixture)).unwrap();
         let stored: usize = hub_tensors(&fixtures().join(fixture))
@@ -1736,6 +1749,32 @@ fn ministral3_configs_read_as_transformers_reads_them() {
     rope.insert("rope_type".into(), "default".into());
     let err = LlamaConfig::from_json(&no_context).unwrap_err();
     assert!(err.contains("original_max_position_embeddings"), "{err}");
+}
+
+/// GPT-J's config read as `transformers` reads it: GPT-2's keys, `n_inner`
+/// (4 `n_embd` where null), `rotary_dim` (the whole head where null).
+#[test]
+fn gptj_configs_read_as_transformers_reads_them() {
+    use zero_candle::models::{LayerNames, UngatedMlp};
+    let config = LlamaConfig::from_json(&config_of("gptj")).unwrap();
+    assert_eq!(
+        (
+            config.hidden_size,
+            config.intermediate_size,
+            config.num_hidden_layers
+        ),
+        (32, 48, 2)
+    );
+    assert_eq!((config.head_dim, config.rotary_dim), (8, 4));
+    assert!(config.parallel_blocks && config.rope_interleaved && config.head_bias);
+    assert!(!config.qkv_bias && !config.o_bias && config.mlp_bias && config.norm_bias);
+    assert_eq!(config.layer_names, LayerNames::GptJ);
+    assert_eq!(config.ungated_mlp, Some(UngatedMlp::FcInOut));
+    let mut silent = config_of("gptj");
+    silent["n_inner"] = serde_json::Value::Null;
+    silent["rotary_dim"] = serde_json::Value::Null;
+    let parsed = LlamaConfig::from_json(&silent).unwrap();
+    assert_eq!((parsed.intermediate_size, parsed.rotary_dim), (128, 8));
 }
 
 /// GLM-4's configs read as `transformers` reads them, and the query and

@@ -58,6 +58,8 @@
 //! (`Ministral3ForCausalLM`: YaRN, the queries scaled by position past the
 //! original context), and the text model of Mistral 3
 //! (`Mistral3ForConditionalGeneration`: Mistral Small 3, Ministral 3).
+//! GPT-J (`GPTJForCausalLM`: GPT-2's keys and names, parallel blocks, part
+//! of each head rotating as interleaved pairs).
 //!
 //! The variables carry the hub's names (`model.embed_tokens.weight`,
 //! `model.layers.{i}.self_attn.q_proj.weight`, ..., `model.norm.weight`,
@@ -551,10 +553,17 @@ fn interleaved_rows(config: &LlamaConfig) -> Vec<(String, Arc<[usize]>)> {
     qkv.extend(q.len() + k.len()..q.len() + 2 * k.len());
     let [q, k, qkv] = [q, k, qkv].map(Arc::<[usize]>::from);
     let mut vars = Vec::new();
+    let names = config.layer_names;
+    let [q_norm, k_norm] = names.qk_norms();
     for i in 0..config.num_hidden_layers {
-        let attn = format!("model.layers.{i}.self_attn");
+        let attn = format!(
+            "{}.{}.{i}.{}",
+            names.model(),
+            names.layers(),
+            names.attention()
+        );
         let projections = match config.fused_qkv {
-            true => vec![("qkv_proj", &qkv)],
+            true => vec![(names.fused_qkv(), &qkv)],
             false => vec![("q_proj", &q), ("k_proj", &k)],
         };
         for (name, rows) in projections {
@@ -565,14 +574,14 @@ fn interleaved_rows(config: &LlamaConfig) -> Vec<(String, Arc<[usize]>)> {
         }
         match config.qk_norm {
             Some(QkNorm::PerHead) => {
-                vars.push((format!("{attn}.q_norm.weight"), head.clone()));
-                vars.push((format!("{attn}.k_norm.weight"), head.clone()));
+                vars.push((format!("{attn}.{q_norm}.weight"), head.clone()));
+                vars.push((format!("{attn}.{k_norm}.weight"), head.clone()));
             }
             // Command R+'s `[heads, head_dim]` weights reorder as the
             // projections' rows, element by element.
             Some(QkNorm::Projection | QkNorm::HeadWeights) => {
-                vars.push((format!("{attn}.q_norm.weight"), q.clone()));
-                vars.push((format!("{attn}.k_norm.weight"), k.clone()));
+                vars.push((format!("{attn}.{q_norm}.weight"), q.clone()));
+                vars.push((format!("{attn}.{k_norm}.weight"), k.clone()));
             }
             None => {}
         }
@@ -774,12 +783,12 @@ impl Llama {
                 .get_with_hints((config.vocab_size, d), "weight", normal)?;
         let mut blocks = Vec::with_capacity(config.num_hidden_layers);
         for i in 0..config.num_hidden_layers {
-            let vb = model.pp(format!("layers.{i}"));
+            let vb = model.pp(format!("{}.{i}", names.layers()));
             let attn = vb.pp(names.attention());
             let mlp = vb.pp("mlp");
             blocks.push(Block {
                 input_layernorm: match config.input_norms {
-                    true => Some(norm(vb.pp("input_layernorm"))?),
+                    true => Some(norm(vb.pp(names.input_norm()))?),
                     false => None,
                 },
                 qkv: match config.fused_qkv {
@@ -957,8 +966,9 @@ impl Llama {
             let rows = qkv_from_heads(config);
             for i in 0..config.num_hidden_layers {
                 let fused = format!(
-                    "{}.layers.{i}.{}.{}",
+                    "{}.{}.{i}.{}.{}",
                     names.model(),
+                    names.layers(),
                     names.attention(),
                     names.fused_qkv()
                 );

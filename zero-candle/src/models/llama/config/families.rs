@@ -91,6 +91,10 @@ pub(super) struct Family {
     /// StableLM's switches: `use_qkv_bias`, `qk_layernorm` (a LayerNorm of
     /// each head, a tensor per head), `use_parallel_residual` (one norm).
     pub(super) stablelm: bool,
+    /// GPT-J's: GPT-2's keys (`n_embd`, ...), its names, parallel blocks
+    /// after one norm, the MLP and the head biased, `rotary_dim` values of
+    /// each head rotating as interleaved pairs.
+    pub(super) gptj: bool,
     /// `attention_bias` gives the output projection a bias too (all but
     /// GLM-4.5, whose `attention_bias` is the query's, key's and value's).
     pub(super) o_bias: bool,
@@ -188,6 +192,7 @@ pub(super) const LLAMA: Family = Family {
     phi: false,
     neox: false,
     stablelm: false,
+    gptj: false,
     o_bias: true,
     switched_qk_norm: false,
     qk_norm: None,
@@ -296,7 +301,7 @@ pub(super) const ERNIE: Family = Family {
 };
 
 /// The families read as Llama.
-pub(super) const FAMILIES: [Family; 43] = [
+pub(super) const FAMILIES: [Family; 44] = [
     Family {
         reads_mlp_bias: true,
         ..LLAMA
@@ -718,6 +723,23 @@ pub(super) const FAMILIES: [Family; 43] = [
         default_theta: 1_000_000.0,
         ..LLAMA
     },
+    // GPT-J: GPT-2's keys, parallel blocks after one biased LayerNorm, q,
+    // k, v and out without biases, `fc_in` -> GELU -> `fc_out`, the first
+    // `rotary_dim` values of each head rotating as interleaved pairs, the
+    // head biased.
+    Family {
+        model_type: "gptj",
+        architectures: ["GPTJForCausalLM", "GPTJModel"],
+        gptj: true,
+        biased_layer_norms: true,
+        ungated_mlp: Some((UngatedMlp::FcInOut, Activation::Gelu)),
+        rope: RopeDialect {
+            partial: Some(1.0),
+            interleaved: true,
+            ..LLAMA.rope
+        },
+        ..LLAMA
+    },
 ];
 
 /// Ministral 3's rotation where its file gives none (`transformers`'
@@ -744,7 +766,8 @@ pub(crate) const LLAMA_TYPES: &str =
      \"ernie4_5\", \"ernie4_5_moe\", \"dots1\", \"starcoder2\", \"phi\", \"arcee\", \
      \"nemotron\", \"exaone4\", \"seed_oss\", \"gpt_neox\", \"stablelm\", \"olmo\", \
      \"nanochat\", \"hunyuan_v1_dense\", \"jais2\", \"helium\", \"ministral\", \"cwm\", \
-     \"solar_open\", \"ministral3\" and \"mistral3\" (its text model)";
+     \"solar_open\", \"ministral3\", \"gptj\" and \"mistral3\" (its text \
+     model)";
 
 #[cfg(test)]
 mod tests {

@@ -133,6 +133,47 @@ pub(super) fn neox_rotary_keys(config: &serde_json::Value) -> serde_json::Value 
     config
 }
 
+/// GPT-J's config with GPT-2's keys as Llama's (`n_embd` as `hidden_size`,
+/// `n_inner` as `intermediate_size`, 4 `n_embd` where null, ...), its
+/// `rotary_dim` as a `partial_rotary_factor` (the whole head where null).
+pub(super) fn gptj_keys(config: &serde_json::Value) -> serde_json::Value {
+    let mut config = config.clone();
+    let Some(object) = config.as_object_mut() else {
+        return config;
+    };
+    // GPT-J's MLP is `n_inner` wide whatever else the file says.
+    object.remove("intermediate_size");
+    for (old, new) in [
+        ("n_embd", "hidden_size"),
+        ("n_layer", "num_hidden_layers"),
+        ("n_head", "num_attention_heads"),
+        ("n_positions", "max_position_embeddings"),
+        ("n_inner", "intermediate_size"),
+        ("layer_norm_epsilon", "layer_norm_eps"),
+        ("activation_function", "hidden_act"),
+        ("attn_pdrop", "attention_dropout"),
+    ] {
+        if let Some(value) = object.remove(old) {
+            object.entry(new).or_insert(value);
+        }
+    }
+    let hidden = object.get("hidden_size").and_then(|h| h.as_u64());
+    if object.get("intermediate_size").is_none_or(|v| v.is_null()) {
+        if let Some(hidden) = hidden {
+            object.insert("intermediate_size".into(), (4 * hidden).into());
+        }
+    }
+    let heads = object.get("num_attention_heads").and_then(|h| h.as_u64());
+    let rotary = object.remove("rotary_dim").and_then(|r| r.as_u64());
+    if let (Some(hidden), Some(heads), Some(rotary)) = (hidden, heads, rotary) {
+        if heads > 0 && hidden >= heads {
+            let factor = rotary as f64 / (hidden / heads) as f64;
+            object.insert("partial_rotary_factor".into(), factor.into());
+        }
+    }
+    config
+}
+
 /// Hunyuan's config with its "dynamic" rotation with an `alpha` (NTK-aware
 /// scaling, static: `transformers`' `ntk_alpha`) as the default rotation
 /// of base `rope_theta · alpha^(d / (d - 2))`, `d` the head's width.

@@ -15,8 +15,8 @@ use crate::models::rope::Rope;
 use crate::nn::Activation;
 use families::{Gemma, FAMILIES};
 use keys::{
-    mlp_activation, neox_rotary_keys, ntk_alpha_as_theta, refuse_gemma_settings, rotated_layers,
-    sliding_window_of, typed_ropes, with_default_rope, Plain,
+    gptj_keys, mlp_activation, neox_rotary_keys, ntk_alpha_as_theta, refuse_gemma_settings,
+    rotated_layers, sliding_window_of, typed_ropes, with_default_rope, Plain,
 };
 use serde::Deserialize;
 
@@ -302,7 +302,15 @@ impl LlamaConfig {
             ));
         };
         let renamed;
-        let config = match (family.neox, family.hunyuan, family.default_rope) {
+        let config = match (
+            family.neox || family.gptj,
+            family.hunyuan,
+            family.default_rope,
+        ) {
+            (true, ..) if family.gptj => {
+                renamed = gptj_keys(config);
+                &renamed
+            }
             (true, ..) => {
                 renamed = neox_rotary_keys(config);
                 &renamed
@@ -406,6 +414,7 @@ impl LlamaConfig {
         let biased_attention = !family.fused_qkv || family.neox;
         let parallel_blocks = family.cohere
             || family.phi
+            || family.gptj
             || family.neox && plain.use_parallel_residual.unwrap_or(true)
             || family.stablelm && plain.use_parallel_residual == Some(true);
         // Gemma 2's and 3's settings (Gemma reads none of them).
@@ -448,6 +457,7 @@ impl LlamaConfig {
             },
             mlp_bias: use_bias
                 || family.neox
+                || family.gptj
                 || (family.reads_mlp_bias && plain.mlp_bias.unwrap_or(family.default_mlp_bias)),
             fused_qkv: family.fused_qkv,
             fused_gate_up: family.fused_gate_up,
@@ -468,13 +478,14 @@ impl LlamaConfig {
             rope_negated: family.rope_negated,
             qk_norm_after_rotation: family.hunyuan,
             layer_names: match (family.phi, family.neox, family.stablelm, family.hunyuan) {
+                _ if family.gptj => LayerNames::GptJ,
                 (true, ..) => LayerNames::Phi,
                 (_, true, ..) => LayerNames::NeoX,
                 (_, _, true, _) => LayerNames::StableLm,
                 (.., true) => LayerNames::Hunyuan,
                 _ => LayerNames::Llama,
             },
-            head_bias: family.phi,
+            head_bias: family.phi || family.gptj,
             norm_weight_offset: if gemma.is_some() || family.norm_plus_one {
                 1.0
             } else {

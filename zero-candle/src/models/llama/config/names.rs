@@ -48,6 +48,8 @@ pub enum UngatedMlp {
     CFc,
     /// Phi's: `mlp.fc1` (up), `mlp.fc2` (down).
     Fc,
+    /// GPT-J's: `mlp.fc_in`, `mlp.fc_out`.
+    FcInOut,
     /// Nemotron's and Arcee's: `mlp.up_proj`, `mlp.down_proj`.
     UpDown,
     /// GPT-NeoX's: `mlp.dense_h_to_4h`, `mlp.dense_4h_to_h`.
@@ -60,6 +62,7 @@ impl UngatedMlp {
         match self {
             Self::CFc => ["c_fc", "c_proj"],
             Self::Fc => ["fc1", "fc2"],
+            Self::FcInOut => ["fc_in", "fc_out"],
             Self::UpDown => ["up_proj", "down_proj"],
             Self::NeoX => ["dense_h_to_4h", "dense_4h_to_h"],
         }
@@ -87,6 +90,9 @@ pub enum LayerNames {
     /// Hunyuan's: Llama's, but for the query and key norms,
     /// `self_attn.query_layernorm` and `key_layernorm`.
     Hunyuan,
+    /// GPT-J's: `transformer.wte`, `transformer.h.{i}` with `ln_1` and
+    /// `attn.{q,k,v,out}_proj`, `transformer.ln_f`, `lm_head`.
+    GptJ,
 }
 
 impl LayerNames {
@@ -95,6 +101,7 @@ impl LayerNames {
         match self {
             Self::Llama | Self::Phi | Self::StableLm | Self::Hunyuan => "model",
             Self::NeoX => "gpt_neox",
+            Self::GptJ => "transformer",
         }
     }
 
@@ -102,6 +109,7 @@ impl LayerNames {
     pub(crate) fn embedding(self) -> &'static str {
         match self {
             Self::Llama | Self::Phi | Self::StableLm | Self::Hunyuan => "embed_tokens",
+            Self::GptJ => "wte",
             Self::NeoX => "embed_in",
         }
     }
@@ -110,14 +118,31 @@ impl LayerNames {
     pub(crate) fn attention(self) -> &'static str {
         match self {
             Self::Llama | Self::Phi | Self::StableLm | Self::Hunyuan => "self_attn",
+            Self::GptJ => "attn",
             Self::NeoX => "attention",
+        }
+    }
+
+    /// The blocks, under [`LayerNames::model`] (`{layers}.{i}`).
+    pub(crate) fn layers(self) -> &'static str {
+        match self {
+            Self::GptJ => "h",
+            _ => "layers",
+        }
+    }
+
+    /// A block's input norm, under its layer.
+    pub(crate) fn input_norm(self) -> &'static str {
+        match self {
+            Self::GptJ => "ln_1",
+            _ => "input_layernorm",
         }
     }
 
     /// The query, key and value projections in one, under the attention.
     pub(crate) fn fused_qkv(self) -> &'static str {
         match self {
-            Self::Llama | Self::Phi | Self::StableLm | Self::Hunyuan => "qkv_proj",
+            Self::Llama | Self::Phi | Self::StableLm | Self::Hunyuan | Self::GptJ => "qkv_proj",
             Self::NeoX => "query_key_value",
         }
     }
@@ -127,13 +152,14 @@ impl LayerNames {
         match self {
             Self::Llama | Self::StableLm | Self::Hunyuan => "o_proj",
             Self::Phi | Self::NeoX => "dense",
+            Self::GptJ => "out_proj",
         }
     }
 
     /// The query and the key norm, under the attention.
     pub(crate) fn qk_norms(self) -> [&'static str; 2] {
         match self {
-            Self::Llama | Self::NeoX => ["q_norm", "k_norm"],
+            Self::Llama | Self::NeoX | Self::GptJ => ["q_norm", "k_norm"],
             Self::Phi | Self::StableLm => ["q_layernorm", "k_layernorm"],
             Self::Hunyuan => ["query_layernorm", "key_layernorm"],
         }
@@ -151,13 +177,14 @@ impl LayerNames {
             Self::Llama | Self::StableLm | Self::Hunyuan => "norm",
             Self::Phi => "final_layernorm",
             Self::NeoX => "final_layer_norm",
+            Self::GptJ => "ln_f",
         }
     }
 
     /// The untied head.
     pub(crate) fn head(self) -> &'static str {
         match self {
-            Self::Llama | Self::Phi | Self::StableLm | Self::Hunyuan => "lm_head",
+            Self::Llama | Self::Phi | Self::StableLm | Self::Hunyuan | Self::GptJ => "lm_head",
             Self::NeoX => "embed_out",
         }
     }
