@@ -552,6 +552,16 @@ fn config_of(fixture: &str) -> serde_json::Value {
         .unwrap()
 }
 
+/// `config_of(fixture)` without `keys` (the file silent on them).
+fn config_without(fixture: &str, keys: &[&str]) -> serde_json::Value {
+    let mut config = config_of(fixture);
+    let object = config.as_object_mut().unwrap();
+    for key in keys {
+        object.remove(*key);
+    }
+    config
+}
+
 /// transformers 5 writes the rotary settings as `rope_parameters`, 4 as
 /// `rope_theta` and `rope_scaling`: both read as the same config, whose
 /// llama3 frequencies are transformers' (the tied golden's logits check
@@ -1309,18 +1319,17 @@ fn starcoder2_configs_read_as_transformers_reads_them() {
     assert_eq!(config.mlp_activation, Activation::Gelu);
     assert_eq!(config.sliding_window.unwrap().layers, [true, true]);
     // Silent: biases, epsilon 1e-5, tanh GELU, a tied head, no window.
-    let mut silent = config_of("starcoder2");
-    let object = silent.as_object_mut().unwrap();
-    for key in [
-        "use_bias",
-        "norm_epsilon",
-        "rms_norm_eps",
-        "hidden_act",
-        "tie_word_embeddings",
-        "sliding_window",
-    ] {
-        object.remove(key);
-    }
+    let silent = config_without(
+        "starcoder2",
+        &[
+            "use_bias",
+            "norm_epsilon",
+            "rms_norm_eps",
+            "hidden_act",
+            "tie_word_embeddings",
+            "sliding_window",
+        ],
+    );
     let parsed = LlamaConfig::from_json(&silent).unwrap();
     assert!(parsed.qkv_bias && parsed.o_bias && parsed.mlp_bias && parsed.norm_bias);
     assert_eq!(parsed.rms_norm_eps, 1e-5);
@@ -1572,10 +1581,7 @@ fn nanochat_configs_read_as_transformers_reads_them() {
     assert_eq!(config.qk_norm, Some(QkNorm::PerHead));
     assert_eq!(config.ungated_mlp, Some(UngatedMlp::Fc));
     assert_eq!(config.final_logit_softcapping, Some(2.0));
-    let mut silent = config_of("nanochat");
-    for key in ["final_logit_softcapping", "hidden_act"] {
-        silent.as_object_mut().unwrap().remove(key);
-    }
+    let silent = config_without("nanochat", &["final_logit_softcapping", "hidden_act"]);
     let parsed = LlamaConfig::from_json(&silent).unwrap();
     assert_eq!(parsed.final_logit_softcapping, Some(15.0));
     assert_eq!(parsed.mlp_activation, Activation::Relu2);
@@ -1628,10 +1634,7 @@ fn hunyuan_configs_read_as_transformers_reads_them() {
 #[test]
 fn jais2_and_helium_configs_read_as_transformers_reads_them() {
     use zero_candle::nn::Activation;
-    let mut jais = config_of("jais2");
-    for key in ["attention_bias", "mlp_bias", "hidden_act"] {
-        jais.as_object_mut().unwrap().remove(key);
-    }
+    let mut jais = config_without("jais2", &["attention_bias", "mlp_bias", "hidden_act"]);
     let parsed = LlamaConfig::from_json(&jais).unwrap();
     assert!(parsed.qkv_bias && parsed.o_bias && parsed.mlp_bias && parsed.norm_bias);
     assert_eq!(parsed.mlp_activation, Activation::Relu2);
@@ -1639,10 +1642,7 @@ fn jais2_and_helium_configs_read_as_transformers_reads_them() {
     assert!(!LlamaConfig::from_json(&jais).unwrap().mlp_bias);
     let helium = LlamaConfig::from_json(&config_of("helium")).unwrap();
     assert!(helium.rope_interleaved && helium.qkv_bias && !helium.o_bias);
-    let mut silent = config_of("helium");
-    for key in ["head_dim", "rms_norm_eps"] {
-        silent.as_object_mut().unwrap().remove(key);
-    }
+    let silent = config_without("helium", &["head_dim", "rms_norm_eps"]);
     let parsed = LlamaConfig::from_json(&silent).unwrap();
     assert_eq!((parsed.head_dim, parsed.rms_norm_eps), (128, 1e-8));
     let llama = LlamaConfig::from_json(&serde_json::json!({
@@ -1664,10 +1664,7 @@ fn ministral_and_cwm_configs_read_as_transformers_reads_them() {
     let window = cwm.sliding_window.clone().unwrap();
     assert_eq!((window.size, window.layers), (5, vec![false, true]));
     assert!(matches!(cwm.rope.scaling, RopeScaling::Llama3(_)));
-    let mut silent = config_of("cwm");
-    for key in ["layer_types", "sliding_window", "rope_parameters"] {
-        silent.as_object_mut().unwrap().remove(key);
-    }
+    let mut silent = config_without("cwm", &["layer_types", "sliding_window", "rope_parameters"]);
     silent["num_hidden_layers"] = 8.into();
     let parsed = LlamaConfig::from_json(&silent).unwrap();
     let window = parsed.sliding_window.unwrap();
@@ -1981,18 +1978,18 @@ fn moe_configs_read_as_transformers_reads_them() {
     );
 
     // transformers' defaults where the file is silent.
-    let mut silent = config_of("qwen2moe");
-    for key in [
-        "num_experts",
-        "num_experts_per_tok",
-        "moe_intermediate_size",
-        "shared_expert_intermediate_size",
-        "norm_topk_prob",
-        "mlp_only_layers",
-        "router_aux_loss_coef",
-    ] {
-        silent.as_object_mut().unwrap().remove(key);
-    }
+    let mut silent = config_without(
+        "qwen2moe",
+        &[
+            "num_experts",
+            "num_experts_per_tok",
+            "moe_intermediate_size",
+            "shared_expert_intermediate_size",
+            "norm_topk_prob",
+            "mlp_only_layers",
+            "router_aux_loss_coef",
+        ],
+    );
     silent["output_router_logits"] = true.into();
     silent["decoder_sparse_step"] = 2.into();
     let defaults = moe(&silent);
@@ -2034,22 +2031,22 @@ fn moe_configs_read_as_transformers_reads_them() {
             },
         }
     );
-    let mut silent = config_of("glm4moe");
-    for key in [
-        "n_routed_experts",
-        "num_experts_per_tok",
-        "moe_intermediate_size",
-        "n_shared_experts",
-        "n_group",
-        "topk_group",
-        "routed_scaling_factor",
-        "first_k_dense_replace",
-        "norm_topk_prob",
-        "use_qk_norm",
-        "rope_parameters",
-    ] {
-        silent.as_object_mut().unwrap().remove(key);
-    }
+    let mut silent = config_without(
+        "glm4moe",
+        &[
+            "n_routed_experts",
+            "num_experts_per_tok",
+            "moe_intermediate_size",
+            "n_shared_experts",
+            "n_group",
+            "topk_group",
+            "routed_scaling_factor",
+            "first_k_dense_replace",
+            "norm_topk_prob",
+            "use_qk_norm",
+            "rope_parameters",
+        ],
+    );
     silent["output_router_logits"] = true.into();
     let defaults = LlamaConfig::from_json(&silent).unwrap();
     assert_eq!((defaults.qk_norm, defaults.rotary_dim), (None, 8));

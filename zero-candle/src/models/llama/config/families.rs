@@ -4,7 +4,6 @@ use super::super::moe::{
     MoeFamily, MoeStyle, DOTS1_MOE, ERNIE4_5_MOE, GLM4_MOE, MINIMAX_M2_MOE, OLMOE_MOE, QWEN2_MOE,
     SOLAR_OPEN_MOE,
 };
-use super::keys::TypedRope;
 use super::{NormNames, QkNorm, UngatedMlp};
 use crate::models::rope::RopeDialect;
 use crate::nn::Activation;
@@ -44,6 +43,19 @@ pub(super) enum Windows {
     /// where `use_sliding_window` is on (Qwen2-MoE, Qwen3-MoE, whose
     /// published checkpoints all have it off).
     Unsupported,
+}
+
+/// Rotary parameters per layer type (Gemma 3, OLMo 3): the bases where a
+/// file leaves them out, as `transformers` defaults them.
+#[derive(Clone, Copy)]
+pub(super) struct TypedRope {
+    /// The full-attention layers' `rope_theta` where absent.
+    pub(super) global_theta: f64,
+    /// The key of the sliding layers' base in earlier files (Gemma 3's
+    /// `rope_local_base_freq`), if any.
+    pub(super) local_theta_key: Option<&'static str>,
+    /// The sliding layers' base where absent.
+    pub(super) local_theta: f64,
 }
 
 /// What a Gemma generation changes from Llama.

@@ -3,7 +3,7 @@
 //! rotary parameters per layer type, and the older or family-specific keys
 //! rewritten into the ones the rest reads.
 
-use super::families::{Gemma, Windows, DEFAULT_MAX_WINDOW_LAYERS, DEFAULT_WINDOW};
+use super::families::{Gemma, TypedRope, Windows, DEFAULT_MAX_WINDOW_LAYERS, DEFAULT_WINDOW};
 use super::SlidingWindow;
 use crate::models::rope::{Rope, RopeDialect};
 use crate::nn::Activation;
@@ -459,19 +459,6 @@ pub(super) fn refuse_gemma_settings(plain: &Plain) -> std::result::Result<(), St
         );
     }
     Ok(())
-}
-
-/// Rotary parameters per layer type (Gemma 3, OLMo 3): the bases where a
-/// file leaves them out, as `transformers` defaults them.
-#[derive(Clone, Copy)]
-pub(super) struct TypedRope {
-    /// The full-attention layers' `rope_theta` where absent.
-    pub(super) global_theta: f64,
-    /// The key of the sliding layers' base in earlier files (Gemma 3's
-    /// `rope_local_base_freq`), if any.
-    pub(super) local_theta_key: Option<&'static str>,
-    /// The sliding layers' base where absent.
-    pub(super) local_theta: f64,
 }
 
 /// The rotations of the full-attention layers and of the sliding-window
