@@ -235,8 +235,9 @@ impl RopeTables {
 /// mlp(mlp_norm(x))`, the first add in the second norm's pass
 /// ([`LayerNorm::forward_residual`]); with Gemma 2's and 3's output norms, `x +
 /// attn_out_norm(attn(..))` and `x + mlp_out_norm(mlp(..))`; Cohere's
-/// parallel blocks: `x + attn(h) + mlp(h)`, `h = input_layernorm(x)`. The
-/// norms are RMS norms (Cohere's LayerNorms without bias).
+/// parallel blocks: `x + attn(h) + mlp(h)`, `h = input_layernorm(x)` (GPT-NeoX's
+/// with `mlp(mlp_norm(x))`). The norms are RMS norms or LayerNorms (with or
+/// without a bias, or OLMo's without parameters), as the config says.
 #[derive(Clone)]
 struct Block {
     /// The attention's input norm (all but OLMo 2's blocks).
