@@ -5,7 +5,7 @@
 //! 1, 2 and 3, a SmolLM3, a Granite, an OLMo 2 and an OLMo 3, and the
 //! mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo,
 //! GLM-4.5 and MiniMax-M2, GLM-4 (`glm`, `glm4`), Cohere, ERNIE 4.5,
-//! dots.llm1, StarCoder2, Phi, Arcee, Nemotron, EXAONE 4, Seed-OSS, GPT-NeoX, StableLM, OLMo, NanoChat, Hunyuan, Jais 2, Helium, Ministral, CWM, Solar Open, Ministral 3, Mistral 3's text model and GPT-J; and the logits, loss, gradients and one SGD step each computes on a fixed
+//! dots.llm1, StarCoder2, Phi, Arcee, Nemotron, EXAONE 4, Seed-OSS, GPT-NeoX, StableLM, OLMo, NanoChat, Hunyuan, Jais 2, Helium, Ministral, CWM, Solar Open, Ministral 3, Mistral 3's text model, GPT-J and Falcon; and the logits, loss, gradients and one SGD step each computes on a fixed
 //! batch) are made by `make_fixtures.py` there.
 
 mod hub_support;
@@ -101,6 +101,10 @@ fn logits_loss_and_gradients_equal_transformers() {
         ("mistral3mm", 21),
         // GPT-2's keys; interleaved pairs in part of each head.
         ("gptj", 25),
+        // One key and one value head; group by group; head by head.
+        ("falcon", 15),
+        ("falconnew", 28),
+        ("falconseq", 19),
     ];
     for (fixture, variables) in cases {
         let (config, map) = Llama::open_hub(fixtures().join(fixture)).unwrap();
@@ -121,6 +125,8 @@ fn logits_loss_and_gradients_equal_transformers() {
                     | "erniemoe"
                     | "cohereqk"
                     | "starcoder2"
+                    | "falcon"
+                    | "falconseq"
             )
         );
         let per_head = matches!(
@@ -143,7 +149,7 @@ fn logits_loss_and_gradients_equal_transformers() {
         assert_eq!(config.qk_norm.is_some(), per_head || whole);
         assert_eq!(
             config.fused_qkv,
-            fixture.starts_with("phi3") || fixture == "gptneox"
+            fixture.starts_with("phi3") || fixture.starts_with("falcon") || fixture == "gptneox"
         );
         assert_eq!(
             config.fused_gate_up,
@@ -168,6 +174,7 @@ fn logits_loss_and_gradients_equal_transformers() {
             config.layer_norms,
             fixture.starts_with("cohere")
                 || fixture.starts_with("stablelm")
+                || fixture.starts_with("falcon")
                 || matches!(
                     fixture,
                     "starcoder2" | "phi" | "nemotron" | "gptneox" | "olmo" | "jais2" | "gptj"
@@ -185,6 +192,9 @@ fn logits_loss_and_gradients_equal_transformers() {
                     | "nanochat"
                     | "jais2"
                     | "gptj"
+                    | "falcon"
+                    | "falconnew"
+                    | "falconseq"
             )
         );
         let layout = Llama::hub_layout(&config);
@@ -276,6 +286,9 @@ fn loading_then_saving_reproduces_the_checkpoint_tensor_for_tensor() {
         "solaropen",
         "mistral3mm",
         "gptj",
+        "falcon",
+        "falconnew",
+        "falconseq",
     ] {
         let dir = fixtures().join(fixture);
         for (stage, world) in [(Stage::Ddp, 1), (Stage::Parameters, 2)] {
@@ -357,6 +370,9 @@ fn one_sgd_step_equals_torch_at_stage_0_and_at_stage_3_on_two_ranks() {
         ("ministral3", Stage::Parameters, 2, 21),
         ("mistral3mm", Stage::Parameters, 2, 36),
         ("gptj", Stage::Parameters, 2, 25),
+        ("falcon", Stage::Parameters, 2, 15),
+        ("falconnew", Stage::Parameters, 2, 28),
+        ("falconseq", Stage::Parameters, 2, 19),
     ] {
         let out = tempfile::tempdir().unwrap();
         Run::new(stage, world, 1).train(&fixtures().join(fixture), &ids, out.path());
@@ -628,6 +644,9 @@ fn both_config_forms_read_alike_and_llama3_scales_the_low_frequencies() {
         "ministral",
         "cwm",
         "gptj",
+        "falcon",
+        "falconnew",
+        "falconseq",
     ] {
         let config = LlamaConfig::from_json(&config_of(fixture)).unwrap();
         let stored: usize = hub_tensors(&fixtures().join(fixture))
@@ -720,7 +739,7 @@ fn yarn_and_linear_scaling_are_transformers() {
 fn unusable_configs_are_errors_naming_the_key() {
     let base = config_of("gqa");
     let cases: [(&str, serde_json::Value, &str); 12] = [
-        ("model_type", "falcon".into(), "model_type"),
+        ("model_type", "bloom".into(), "model_type"),
         // Llama clamps no projections.
         ("clip_qkv", 8.0.into(), "clip_qkv"),
         (
@@ -815,7 +834,7 @@ fn causal_lm_opens_either_model_by_its_model_type() {
     assert!(matches!(config, HubConfig::Gpt2(_)));
     assert_eq!(config.max_positions(), (32, "n_positions"));
     let mut other = config_of("gqa");
-    other["model_type"] = "falcon".into();
+    other["model_type"] = "bloom".into();
     let err = HubConfig::from_json(&other).unwrap_err();
     assert!(err.contains("model_type") && err.contains("llama"), "{err}");
     // Gemma 3 with vision: its text model, from `text_config`.
@@ -1518,10 +1537,11 @@ fn gpt_neox_configs_read_as_transformers_reads_them() {
     };
     assert_eq!(&rows[8..16], &[24, 25, 26, 27, 28, 29, 30, 31]);
     assert_eq!(&rows[32..34], &[8, 9], "head 0's keys");
+    // GPT-NeoX groups no heads, whatever the file says.
     let mut grouped = config_of("gptneox");
     grouped["num_key_value_heads"] = 2.into();
-    let err = LlamaConfig::from_json(&grouped).unwrap_err();
-    assert!(err.contains("as many key/value heads"), "{err}");
+    let parsed = LlamaConfig::from_json(&grouped).unwrap();
+    assert_eq!(parsed.num_key_value_heads, parsed.num_attention_heads);
 }
 
 /// StableLM's configs read as `transformers` reads them: its switches
@@ -1772,6 +1792,57 @@ fn gptj_configs_read_as_transformers_reads_them() {
     silent["rotary_dim"] = serde_json::Value::Null;
     let parsed = LlamaConfig::from_json(&silent).unwrap();
     assert_eq!((parsed.intermediate_size, parsed.rotary_dim), (128, 8));
+}
+
+/// Falcon's configs read as `transformers` reads them: its architectures'
+/// key/value heads, row orders and blocks, its RefinedWeb keys; ALiBi
+/// refused.
+#[test]
+fn falcon_configs_read_as_transformers_reads_them() {
+    use zero_candle::models::LayerNames;
+    let seven = LlamaConfig::from_json(&config_of("falcon")).unwrap();
+    assert_eq!(seven.num_key_value_heads, 1);
+    assert!(seven.fused_qkv && !seven.qkv_per_head && seven.parallel_blocks);
+    assert!(!seven.parallel_mlp_norm && !seven.qkv_bias && seven.tie_word_embeddings);
+    assert_eq!(
+        (seven.layer_names, seven.intermediate_size),
+        (LayerNames::Falcon, 48)
+    );
+    let new = LlamaConfig::from_json(&config_of("falconnew")).unwrap();
+    assert_eq!(new.num_key_value_heads, 2);
+    assert!(new.qkv_per_head && new.parallel_blocks && new.parallel_mlp_norm);
+    assert!(new.qkv_bias && new.o_bias && new.mlp_bias);
+    // Group by group: K/V head 1's two query heads are the file's heads 4
+    // and 5 (after group 0's two queries, key and value).
+    let layout = Llama::hub_layout(&new);
+    let Arrangement::RowsPermuted(rows) =
+        layout.arrangement("transformer.h.0.self_attention.query_key_value.weight")
+    else {
+        panic!("the fused rows keep the file's order")
+    };
+    assert_eq!(rows[16], 4 * 8, "query head 2");
+    assert_eq!(rows[32], 2 * 8, "key head 0");
+    assert_eq!(rows[48], 3 * 8, "value head 0");
+    let sequential = LlamaConfig::from_json(&config_of("falconseq")).unwrap();
+    assert_eq!(sequential.num_key_value_heads, 4);
+    assert!(sequential.qkv_per_head && !sequential.parallel_blocks);
+    // One norm in the new architecture where `num_ln_in_parallel_attn` is 1.
+    let mut one = config_of("falconnew");
+    one["num_ln_in_parallel_attn"] = 1.into();
+    assert!(!LlamaConfig::from_json(&one).unwrap().parallel_mlp_norm);
+    // RefinedWeb's keys.
+    let mut old = config_without(
+        "falcon",
+        &["hidden_size", "num_attention_heads", "ffn_hidden_size"],
+    );
+    old["n_embed"] = 32.into();
+    old["n_head"] = 4.into();
+    let parsed = LlamaConfig::from_json(&old).unwrap();
+    assert_eq!((parsed.hidden_size, parsed.intermediate_size), (32, 128));
+    let mut alibi = config_of("falcon");
+    alibi["alibi"] = true.into();
+    let err = LlamaConfig::from_json(&alibi).unwrap_err();
+    assert!(err.contains("alibi"), "{err}");
 }
 
 /// GLM-4's configs read as `transformers` reads them, and the query and

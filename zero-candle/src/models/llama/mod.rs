@@ -59,7 +59,8 @@
 //! original context), and the text model of Mistral 3
 //! (`Mistral3ForConditionalGeneration`: Mistral Small 3, Ministral 3).
 //! GPT-J (`GPTJForCausalLM`: GPT-2's keys and names, parallel blocks, part
-//! of each head rotating as interleaved pairs).
+//! of each head rotating as interleaved pairs). Falcon (`FalconForCausalLM`:
+//! q, k and v in one weight in each architecture's order, parallel blocks).
 //!
 //! The variables carry the hub's names (`model.embed_tokens.weight`,
 //! `model.layers.{i}.self_attn.q_proj.weight`, ..., `model.norm.weight`,
@@ -590,16 +591,27 @@ fn interleaved_rows(config: &LlamaConfig) -> Vec<(String, Arc<[usize]>)> {
     vars
 }
 
-/// The rows of a fused query, key and value projection stored head by head
-/// (GPT-NeoX's `[heads, 3, head_dim]`), in the model's order (queries,
-/// keys, values): row `r` of the variable is the checkpoint's row
-/// `rows[r]`.
+/// The rows of a fused query, key and value projection stored group by
+/// group (Falcon's `[kv_heads, heads / kv_heads + 2, head_dim]`: a K/V
+/// head's query heads, then its key and its value; GPT-NeoX's `[heads, 3,
+/// head_dim]`, a group per head), in the model's order (queries, keys,
+/// values): row `r` of the variable is the checkpoint's row `rows[r]`.
 fn qkv_from_heads(config: &LlamaConfig) -> Arc<[usize]> {
-    let (heads, width) = (config.num_attention_heads, config.head_dim);
-    (0..3)
-        .flat_map(|part| {
-            (0..heads).flat_map(move |h| (0..width).map(move |d| (3 * h + part) * width + d))
-        })
+    let (heads, kv_heads, width) = (
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        config.head_dim,
+    );
+    let group = heads / kv_heads.max(1);
+    // The checkpoint's head (in head_dim rows) of each query, key and value
+    // head in the model's order.
+    let queries = (0..heads).map(|h| (h / group) * (group + 2) + h % group);
+    let keys = (0..kv_heads).map(|g| g * (group + 2) + group);
+    let values = (0..kv_heads).map(|g| g * (group + 2) + group + 1);
+    queries
+        .chain(keys)
+        .chain(values)
+        .flat_map(|head| (0..width).map(move |d| head * width + d))
         .collect()
 }
 
@@ -788,9 +800,10 @@ impl Llama {
             let attn = vb.pp(names.attention());
             let mlp = vb.pp("mlp");
             blocks.push(Block {
-                input_layernorm: match config.input_norms {
-                    true => Some(norm(vb.pp(names.input_norm()))?),
-                    false => None,
+                input_layernorm: match (config.input_norms, config.parallel_mlp_norm) {
+                    (true, true) => Some(norm(vb.pp(names.branch_norms()[0]))?),
+                    (true, false) => Some(norm(vb.pp(names.input_norm()))?),
+                    (false, _) => None,
                 },
                 qkv: match config.fused_qkv {
                     true => {
@@ -833,7 +846,10 @@ impl Llama {
                     (false, _) => None,
                     _ if config.parallel_blocks && !config.parallel_mlp_norm => None,
                     (true, true) => Some(norm(vb.pp(config.norm_names.mlp_input()))?),
-                    (true, false) => Some(norm(vb.pp("post_attention_layernorm"))?),
+                    (true, false) => Some(norm(vb.pp(match config.parallel_mlp_norm {
+                        true => names.branch_norms()[1],
+                        false => "post_attention_layernorm",
+                    }))?),
                 },
                 mlp: match &config.moe {
                     Some(moe) if moe.layers[i] => FeedForward::Experts(Box::new(Experts::new(

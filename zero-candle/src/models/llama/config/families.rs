@@ -107,6 +107,10 @@ pub(super) struct Family {
     /// after one norm, the MLP and the head biased, `rotary_dim` values of
     /// each head rotating as interleaved pairs.
     pub(super) gptj: bool,
+    /// Falcon's: its keys and names, and its switches
+    /// (`new_decoder_architecture`, `multi_query`, `parallel_attn`,
+    /// `num_ln_in_parallel_attn`, `bias`).
+    pub(super) falcon: bool,
     /// `attention_bias` gives the output projection a bias too (all but
     /// GLM-4.5, whose `attention_bias` is the query's, key's and value's).
     pub(super) o_bias: bool,
@@ -205,6 +209,7 @@ pub(super) const LLAMA: Family = Family {
     neox: false,
     stablelm: false,
     gptj: false,
+    falcon: false,
     o_bias: true,
     switched_qk_norm: false,
     qk_norm: None,
@@ -313,7 +318,7 @@ pub(super) const ERNIE: Family = Family {
 };
 
 /// The families read as Llama.
-pub(super) const FAMILIES: [Family; 44] = [
+pub(super) const FAMILIES: [Family; 45] = [
     Family {
         reads_mlp_bias: true,
         ..LLAMA
@@ -752,6 +757,21 @@ pub(super) const FAMILIES: [Family; 44] = [
         },
         ..LLAMA
     },
+    // Falcon: biased LayerNorms, q, k and v in one weight (head by head, or
+    // group by group in the new architecture, or all queries then one key
+    // and one value with `multi_query`), parallel blocks (a norm per branch
+    // in the new architecture), an MLP without a gate (exact GELU), biases
+    // where `bias`, the head tied by default.
+    Family {
+        model_type: "falcon",
+        architectures: ["FalconForCausalLM", "FalconModel"],
+        falcon: true,
+        fused_qkv: true,
+        biased_layer_norms: true,
+        ungated_mlp: Some((UngatedMlp::NeoX, Activation::GeluErf)),
+        tied_by_default: true,
+        ..LLAMA
+    },
 ];
 
 /// Ministral 3's rotation where its file gives none (`transformers`'
@@ -778,8 +798,8 @@ pub(crate) const LLAMA_TYPES: &str =
      \"ernie4_5\", \"ernie4_5_moe\", \"dots1\", \"starcoder2\", \"phi\", \"arcee\", \
      \"nemotron\", \"exaone4\", \"seed_oss\", \"gpt_neox\", \"stablelm\", \"olmo\", \
      \"nanochat\", \"hunyuan_v1_dense\", \"jais2\", \"helium\", \"ministral\", \"cwm\", \
-     \"solar_open\", \"ministral3\", \"gptj\" and \"mistral3\" (its text \
-     model)";
+     \"solar_open\", \"ministral3\", \"gptj\", \"falcon\" and \"mistral3\" \
+     (its text model)";
 
 #[cfg(test)]
 mod tests {

@@ -121,6 +121,8 @@ pub(super) struct Plain {
 pub(super) fn neox_rotary_keys(config: &serde_json::Value) -> serde_json::Value {
     let mut config = config.clone();
     if let Some(object) = config.as_object_mut() {
+        // GPT-NeoX groups no key/value heads whatever the file says.
+        object.remove("num_key_value_heads");
         for (old, new) in [
             ("rotary_pct", "partial_rotary_factor"),
             ("rotary_emb_base", "rope_theta"),
@@ -172,6 +174,86 @@ pub(super) fn gptj_keys(config: &serde_json::Value) -> serde_json::Value {
         }
     }
     config
+}
+
+/// Falcon's switches, as `transformers` defaults them.
+pub(super) struct FalconSwitches {
+    /// The new decoder architecture (Falcon 40B, 180B, 2): q, k and v group
+    /// by group, a norm per branch unless `num_ln_in_parallel_attn` is 1.
+    pub(super) new_architecture: bool,
+    /// One key and one value head (the old architecture's `multi_query`).
+    pub(super) multi_query: bool,
+    pub(super) parallel: bool,
+    pub(super) norm_per_branch: bool,
+    pub(super) bias: bool,
+}
+
+/// Falcon's config with its keys as Llama's (`num_kv_heads`,
+/// `layer_norm_epsilon`, `activation`, `ffn_hidden_size`, 4 `hidden_size`
+/// where null; the RefinedWeb files' `n_embed`, `n_head`, `n_layer`), the
+/// key/value heads as its architecture has them, and its switches; ALiBi
+/// refused.
+pub(super) fn falcon_keys(
+    config: &serde_json::Value,
+) -> std::result::Result<(serde_json::Value, FalconSwitches), String> {
+    let mut config = config.clone();
+    let flag =
+        |key: &str, default: bool| config.get(key).and_then(|v| v.as_bool()).unwrap_or(default);
+    if flag("alibi", false) {
+        return Err(
+            "`alibi` is true: ALiBi (Falcon-RW's positions) is not implemented here; this reads \
+             Falcon's rotary models"
+                .into(),
+        );
+    }
+    let new_architecture = flag("new_decoder_architecture", false);
+    let switches = FalconSwitches {
+        new_architecture,
+        multi_query: !new_architecture && flag("multi_query", true),
+        parallel: new_architecture || flag("parallel_attn", true),
+        norm_per_branch: new_architecture
+            && config
+                .get("num_ln_in_parallel_attn")
+                .and_then(|n| n.as_u64())
+                .is_none_or(|n| n == 2),
+        bias: flag("bias", false),
+    };
+    let Some(object) = config.as_object_mut() else {
+        return Ok((config, switches));
+    };
+    // Falcon's MLP is `ffn_hidden_size` wide whatever else the file says.
+    object.remove("num_key_value_heads");
+    object.remove("intermediate_size");
+    for (old, new) in [
+        ("n_embed", "hidden_size"),
+        ("n_head", "num_attention_heads"),
+        ("n_layer", "num_hidden_layers"),
+        ("layer_norm_epsilon", "layer_norm_eps"),
+        ("activation", "hidden_act"),
+        ("ffn_hidden_size", "intermediate_size"),
+    ] {
+        if let Some(value) = object.remove(old).filter(|v| !v.is_null()) {
+            object.insert(new.into(), value);
+        }
+    }
+    let hidden = object.get("hidden_size").and_then(|h| h.as_u64());
+    if let (None, Some(hidden)) = (object.get("intermediate_size"), hidden) {
+        object.insert("intermediate_size".into(), (4 * hidden).into());
+    }
+    let heads = object.get("num_attention_heads").cloned();
+    let kv_heads = match (switches.new_architecture, switches.multi_query) {
+        (true, _) => object
+            .remove("num_kv_heads")
+            .filter(|v| !v.is_null())
+            .or(heads),
+        (false, true) => Some(1.into()),
+        (false, false) => heads,
+    };
+    object.remove("num_kv_heads");
+    if let Some(kv_heads) = kv_heads {
+        object.insert("num_key_value_heads".into(), kv_heads);
+    }
+    Ok((config, switches))
 }
 
 /// Hunyuan's config with its "dynamic" rotation with an `alpha` (NTK-aware

@@ -15,8 +15,9 @@ use crate::models::rope::Rope;
 use crate::nn::Activation;
 use families::{Gemma, FAMILIES};
 use keys::{
-    gptj_keys, mlp_activation, neox_rotary_keys, ntk_alpha_as_theta, refuse_gemma_settings,
-    rotated_layers, sliding_window_of, typed_ropes, with_default_rope, Plain,
+    falcon_keys, gptj_keys, mlp_activation, neox_rotary_keys, ntk_alpha_as_theta,
+    refuse_gemma_settings, rotated_layers, sliding_window_of, typed_ropes, with_default_rope,
+    Plain,
 };
 use serde::Deserialize;
 
@@ -301,6 +302,18 @@ impl LlamaConfig {
                 "`model_type` is {kind:?}; this model reads {LLAMA_TYPES}"
             ));
         };
+        let (falconed, falcon);
+        let config = match family.falcon {
+            true => {
+                let (keys, switches) = falcon_keys(config)?;
+                (falconed, falcon) = (keys, Some(switches));
+                &falconed
+            }
+            false => {
+                falcon = None;
+                config
+            }
+        };
         let renamed;
         let config = match (
             family.neox || family.gptj,
@@ -399,6 +412,7 @@ impl LlamaConfig {
         // Granite's multipliers (1, the default, is none).
         let granite = |value: Option<f64>| value.filter(|&v| family.multipliers && v != 1.0);
         let use_bias = family.phi
+            || falcon.as_ref().is_some_and(|f| f.bias)
             || family.reads_use_bias && plain.use_bias.unwrap_or(family.default_use_bias);
         if use_bias && family.moe.is_some() {
             return Err(
@@ -411,10 +425,11 @@ impl LlamaConfig {
         let attention_bias = plain.attention_bias.unwrap_or(family.attention_bias) || use_bias;
         // Phi-3's fused projections have no biases whatever the file says;
         // GPT-NeoX's follow `attention_bias`.
-        let biased_attention = !family.fused_qkv || family.neox;
+        let biased_attention = !family.fused_qkv || family.neox || family.falcon;
         let parallel_blocks = family.cohere
             || family.phi
             || family.gptj
+            || falcon.as_ref().is_some_and(|f| f.parallel)
             || family.neox && plain.use_parallel_residual.unwrap_or(true)
             || family.stablelm && plain.use_parallel_residual == Some(true);
         // Gemma 2's and 3's settings (Gemma reads none of them).
@@ -442,8 +457,11 @@ impl LlamaConfig {
             clip_qkv: plain.clip_qkv.filter(|_| family.reads_clip_qkv),
             norm_bias: family.biased_layer_norms,
             parallel_blocks,
-            parallel_mlp_norm: family.neox && parallel_blocks,
-            qkv_per_head: family.neox,
+            parallel_mlp_norm: family.neox && parallel_blocks
+                || falcon.as_ref().is_some_and(|f| f.norm_per_branch),
+            // Falcon's fused rows are in the model's order only with one key
+            // and one value head.
+            qkv_per_head: family.neox || falcon.as_ref().is_some_and(|f| !f.multi_query),
             rope,
             tie_word_embeddings: plain.tie_word_embeddings.unwrap_or(family.tied_by_default),
             initializer_range: plain.initializer_range,
@@ -479,6 +497,7 @@ impl LlamaConfig {
             qk_norm_after_rotation: family.hunyuan,
             layer_names: match (family.phi, family.neox, family.stablelm, family.hunyuan) {
                 _ if family.gptj => LayerNames::GptJ,
+                _ if family.falcon => LayerNames::Falcon,
                 (true, ..) => LayerNames::Phi,
                 (_, true, ..) => LayerNames::NeoX,
                 (_, _, true, _) => LayerNames::StableLm,
@@ -667,15 +686,11 @@ impl LlamaConfig {
                     .into(),
             );
         }
-        if self.qkv_per_head
-            && (!self.fused_qkv
-                || self.rope_interleaved
-                || self.num_key_value_heads != self.num_attention_heads)
-        {
+        if self.qkv_per_head && (!self.fused_qkv || self.rope_interleaved) {
             return Err(
-                "rows head by head are those of a fused query, key and value projection with as \
-                 many key/value heads as query heads, rotating halves; set `fused_qkv` and \
-                 `num_key_value_heads`, clear `rope_interleaved`, or clear `qkv_per_head`"
+                "rows group by group are those of a fused query, key and value projection whose \
+                 heads rotate halves; set `fused_qkv` and clear `rope_interleaved`, or clear \
+                 `qkv_per_head`"
                     .into(),
             );
         }

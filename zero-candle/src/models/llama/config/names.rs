@@ -93,6 +93,10 @@ pub enum LayerNames {
     /// GPT-J's: `transformer.wte`, `transformer.h.{i}` with `ln_1` and
     /// `attn.{q,k,v,out}_proj`, `transformer.ln_f`, `lm_head`.
     GptJ,
+    /// Falcon's: `transformer.word_embeddings`, `transformer.h.{i}` with
+    /// `self_attention.query_key_value` and `dense` (and `ln_attn`, `ln_mlp`
+    /// where each branch has its norm), `transformer.ln_f`, `lm_head`.
+    Falcon,
 }
 
 impl LayerNames {
@@ -101,7 +105,7 @@ impl LayerNames {
         match self {
             Self::Llama | Self::Phi | Self::StableLm | Self::Hunyuan => "model",
             Self::NeoX => "gpt_neox",
-            Self::GptJ => "transformer",
+            Self::GptJ | Self::Falcon => "transformer",
         }
     }
 
@@ -110,6 +114,7 @@ impl LayerNames {
         match self {
             Self::Llama | Self::Phi | Self::StableLm | Self::Hunyuan => "embed_tokens",
             Self::GptJ => "wte",
+            Self::Falcon => "word_embeddings",
             Self::NeoX => "embed_in",
         }
     }
@@ -119,6 +124,7 @@ impl LayerNames {
         match self {
             Self::Llama | Self::Phi | Self::StableLm | Self::Hunyuan => "self_attn",
             Self::GptJ => "attn",
+            Self::Falcon => "self_attention",
             Self::NeoX => "attention",
         }
     }
@@ -126,7 +132,7 @@ impl LayerNames {
     /// The blocks, under [`LayerNames::model`] (`{layers}.{i}`).
     pub(crate) fn layers(self) -> &'static str {
         match self {
-            Self::GptJ => "h",
+            Self::GptJ | Self::Falcon => "h",
             _ => "layers",
         }
     }
@@ -139,11 +145,20 @@ impl LayerNames {
         }
     }
 
+    /// The norms of a parallel block whose branches each have one (GPT-NeoX's
+    /// and Falcon's), under its layer: the attention's, the MLP's.
+    pub(crate) fn branch_norms(self) -> [&'static str; 2] {
+        match self {
+            Self::Falcon => ["ln_attn", "ln_mlp"],
+            _ => ["input_layernorm", "post_attention_layernorm"],
+        }
+    }
+
     /// The query, key and value projections in one, under the attention.
     pub(crate) fn fused_qkv(self) -> &'static str {
         match self {
             Self::Llama | Self::Phi | Self::StableLm | Self::Hunyuan | Self::GptJ => "qkv_proj",
-            Self::NeoX => "query_key_value",
+            Self::NeoX | Self::Falcon => "query_key_value",
         }
     }
 
@@ -151,7 +166,7 @@ impl LayerNames {
     pub(crate) fn output_projection(self) -> &'static str {
         match self {
             Self::Llama | Self::StableLm | Self::Hunyuan => "o_proj",
-            Self::Phi | Self::NeoX => "dense",
+            Self::Phi | Self::NeoX | Self::Falcon => "dense",
             Self::GptJ => "out_proj",
         }
     }
@@ -159,7 +174,7 @@ impl LayerNames {
     /// The query and the key norm, under the attention.
     pub(crate) fn qk_norms(self) -> [&'static str; 2] {
         match self {
-            Self::Llama | Self::NeoX | Self::GptJ => ["q_norm", "k_norm"],
+            Self::Llama | Self::NeoX | Self::GptJ | Self::Falcon => ["q_norm", "k_norm"],
             Self::Phi | Self::StableLm => ["q_layernorm", "k_layernorm"],
             Self::Hunyuan => ["query_layernorm", "key_layernorm"],
         }
@@ -177,14 +192,19 @@ impl LayerNames {
             Self::Llama | Self::StableLm | Self::Hunyuan => "norm",
             Self::Phi => "final_layernorm",
             Self::NeoX => "final_layer_norm",
-            Self::GptJ => "ln_f",
+            Self::GptJ | Self::Falcon => "ln_f",
         }
     }
 
     /// The untied head.
     pub(crate) fn head(self) -> &'static str {
         match self {
-            Self::Llama | Self::Phi | Self::StableLm | Self::Hunyuan | Self::GptJ => "lm_head",
+            Self::Llama
+            | Self::Phi
+            | Self::StableLm
+            | Self::Hunyuan
+            | Self::GptJ
+            | Self::Falcon => "lm_head",
             Self::NeoX => "embed_out",
         }
     }
