@@ -1742,6 +1742,34 @@ fn solar_open_config_reads_as_transformers_reads_it() {
     assert!(err.contains("intermediate_size"), "{err}");
 }
 
+/// A config that ties the head while the files hold a head of their own
+/// (Mistral Small's: Mistral 3's outer config ties by default) reads as
+/// untied, as `transformers` 5 unties it, and the model is transformers';
+/// files without a head of their own stay tied.
+#[test]
+fn a_head_the_files_hold_apart_is_untied_whatever_the_config_says() {
+    let golden = golden();
+    let ids = input_ids(&golden);
+    let dir = tempfile::tempdir().unwrap();
+    let from = fixtures().join("mistral3mm");
+    for entry in std::fs::read_dir(&from).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, dir.path().join(path.file_name().unwrap())).unwrap();
+    }
+    let silent = config_without("mistral3mm", &["tie_word_embeddings"]);
+    std::fs::write(dir.path().join("config.json"), silent.to_string()).unwrap();
+    assert!(LlamaConfig::from_json(&silent).unwrap().tie_word_embeddings);
+    let (config, map) = Llama::open_hub(dir.path()).unwrap();
+    assert!(!config.tie_word_embeddings, "the files hold their own head");
+    let model = Llama::new(map.builder(DType::F32, &Device::Cpu), &config, None).unwrap();
+    map.materialize_all().unwrap();
+    let logits = model.forward(&ids.narrow(1, 0, 16).unwrap()).unwrap();
+    let err = relative_error(&values(&logits), &values(&golden["mistral3mm.logits"]));
+    assert!(err < 1e-5, "logits differ by {err:e}");
+    let (tied, _) = Llama::open_hub(fixtures().join("tied")).unwrap();
+    assert!(tied.tie_word_embeddings, "no head of its own in the files");
+}
+
 /// Ministral 3's config read as `transformers` reads it: its default YaRN
 /// rotation, the queries scaled by position past the original context.
 #[test]

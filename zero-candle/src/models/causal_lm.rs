@@ -43,9 +43,9 @@ impl HubConfig {
     /// The config of the hub directory `hub` ([`HubConfig::from_json`]),
     /// an error naming its `config.json` and the key.
     pub fn from_hub(hub: &HubDir) -> Result<Self> {
-        let config = super::config_of(hub, Self::from_json)?;
-        if let Self::Llama(llama) = &config {
-            llama.check_files(hub)?;
+        let mut config = super::config_of(hub, Self::from_json)?;
+        if let Self::Llama(llama) = &mut config {
+            llama.settle_with_files(hub)?;
         }
         Ok(config)
     }

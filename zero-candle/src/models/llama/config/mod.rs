@@ -614,9 +614,46 @@ impl LlamaConfig {
     /// an error naming its `config.json` and the key, or saying that the
     /// weights store a mixture's experts fused.
     pub fn from_hub(hub: &HubDir) -> crate::Result<Self> {
-        let config = crate::models::config_of(hub, Self::from_json)?;
-        config.check_files(hub)?;
+        let mut config = crate::models::config_of(hub, Self::from_json)?;
+        config.settle_with_files(hub)?;
         Ok(config)
+    }
+
+    /// What the config leaves to the files: an error where they store a
+    /// mixture's experts fused ([`LlamaConfig::check_files`]); and a head
+    /// the config ties but the files hold apart from the embedding, with
+    /// other values, untied, as `transformers` 5 unties it (warning that the
+    /// config and the checkpoint disagree). Mistral 3's outer config, for
+    /// one, ties by default while Mistral Small's files hold their own
+    /// head.
+    pub(crate) fn settle_with_files(&mut self, hub: &HubDir) -> crate::Result<()> {
+        self.check_files(hub)?;
+        if !self.tie_word_embeddings {
+            return Ok(());
+        }
+        let layout = super::super::Llama::hub_layout(self);
+        let names = self.layer_names;
+        let head = format!("{}.weight", names.head());
+        let embedding = format!("{}.{}.weight", names.model(), names.embedding());
+        let tensor = |var: &str| {
+            layout
+                .tensor_of(hub, var)
+                .and_then(|name| Some((hub.tensor(&name)?, name)))
+        };
+        if let (Some((head, name)), Some((embedding, _))) = (tensor(&head), tensor(&embedding)) {
+            let same = head.dtype == embedding.dtype
+                && head.shape == embedding.shape
+                && head.data == embedding.data;
+            if !same {
+                tracing::warn!(
+                    "config.json ties the head to the embedding, but {} holds {name} apart, with \
+                     other values: the head is untied, as transformers unties it",
+                    hub.dir().display()
+                );
+                self.tie_word_embeddings = false;
+            }
+        }
+        Ok(())
     }
 
     /// Checks that the shape is buildable.
