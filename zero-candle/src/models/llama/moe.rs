@@ -293,7 +293,7 @@ pub(super) fn expert_size_of(
                 format!("`moe_intermediate_size` is {width}; a whole number is expected")
             }),
         (_, Some(default)) => Ok(default),
-        (_, None) => Err("missing field `intermediate_size`".into()),
+        (_, None) => Err("missing field `intermediate_size` (the MLP's width): use the config.json the checkpoint came with".into()),
     }
 }
 
@@ -464,7 +464,7 @@ pub(super) fn moe_of(
         Some(default) => plain.moe_intermediate_size.unwrap_or(default),
         None => plain
             .intermediate_size
-            .ok_or("missing field `intermediate_size`")?,
+            .ok_or("missing field `intermediate_size` (the MLP's width): use the config.json the checkpoint came with")?,
     };
     if ernie && plain.output_router_logits {
         return Err(

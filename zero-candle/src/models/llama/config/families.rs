@@ -4,7 +4,7 @@ use super::super::moe::{
     MoeFamily, MoeStyle, DOTS1_MOE, ERNIE4_5_MOE, GLM4_MOE, MINIMAX_M2_MOE, OLMOE_MOE, QWEN2_MOE,
     SOLAR_OPEN_MOE,
 };
-use super::{NormNames, QkNorm, UngatedMlp};
+use super::{LayerNames, NormNames, QkNorm, UngatedMlp};
 use crate::models::rope::RopeDialect;
 use crate::nn::Activation;
 
@@ -117,6 +117,8 @@ pub(super) struct Family {
     /// `use_qk_norm` switches on an RMS norm of each query and key head
     /// (GLM-4.5).
     pub(super) switched_qk_norm: bool,
+    /// The names of the layers that differ from Llama's.
+    pub(super) names: LayerNames,
     /// The queries and keys are RMS-normalized.
     pub(super) qk_norm: Option<QkNorm>,
     /// The blocks normalize their inputs (all but OLMo 2).
@@ -212,6 +214,7 @@ pub(super) const LLAMA: Family = Family {
     falcon: false,
     o_bias: true,
     switched_qk_norm: false,
+    names: LayerNames::Llama,
     qk_norm: None,
     input_norms: true,
     fused_qkv: false,
@@ -544,6 +547,7 @@ pub(super) const FAMILIES: [Family; 45] = [
         model_type: "phi",
         architectures: ["PhiForCausalLM", "PhiModel"],
         phi: true,
+        names: LayerNames::Phi,
         biased_layer_norms: true,
         ungated_mlp: Some((UngatedMlp::Fc, Activation::Gelu)),
         rope: RopeDialect {
@@ -608,6 +612,7 @@ pub(super) const FAMILIES: [Family; 45] = [
         model_type: "gpt_neox",
         architectures: ["GPTNeoXForCausalLM", "GPTNeoXModel"],
         neox: true,
+        names: LayerNames::NeoX,
         attention_bias: true,
         fused_qkv: true,
         biased_layer_norms: true,
@@ -626,6 +631,7 @@ pub(super) const FAMILIES: [Family; 45] = [
         model_type: "stablelm",
         architectures: ["StableLmForCausalLM", "StableLmModel"],
         stablelm: true,
+        names: LayerNames::StableLm,
         biased_layer_norms: true,
         rope: RopeDialect {
             partial: Some(0.25),
@@ -663,6 +669,7 @@ pub(super) const FAMILIES: [Family; 45] = [
         architectures: ["HunYuanDenseV1ForCausalLM", "HunYuanDenseV1Model"],
         qk_norm: Some(QkNorm::PerHead),
         hunyuan: true,
+        names: LayerNames::Hunyuan,
         ..LLAMA
     },
     // Jais 2: biased LayerNorms, biases on every projection by default
@@ -748,6 +755,7 @@ pub(super) const FAMILIES: [Family; 45] = [
         model_type: "gptj",
         architectures: ["GPTJForCausalLM", "GPTJModel"],
         gptj: true,
+        names: LayerNames::GptJ,
         biased_layer_norms: true,
         ungated_mlp: Some((UngatedMlp::FcInOut, Activation::Gelu)),
         rope: RopeDialect {
@@ -766,6 +774,7 @@ pub(super) const FAMILIES: [Family; 45] = [
         model_type: "falcon",
         architectures: ["FalconForCausalLM", "FalconModel"],
         falcon: true,
+        names: LayerNames::Falcon,
         fused_qkv: true,
         biased_layer_norms: true,
         ungated_mlp: Some((UngatedMlp::NeoX, Activation::GeluErf)),

@@ -115,6 +115,16 @@ pub(super) struct Plain {
     pub(super) clip_qkv: Option<f64>,
 }
 
+/// `object`'s keys `old` renamed `new` (a null dropped; where the file also
+/// gives `new`, its value stays).
+fn rename_keys(object: &mut serde_json::Map<String, serde_json::Value>, renames: &[(&str, &str)]) {
+    for &(old, new) in renames {
+        if let Some(value) = object.remove(old).filter(|v| !v.is_null()) {
+            object.entry(new).or_insert(value);
+        }
+    }
+}
+
 /// GPT-NeoX's config with its transformers 4 rotary keys as later files
 /// write them: `rotary_pct` as `partial_rotary_factor`, `rotary_emb_base`
 /// as `rope_theta` (where those are absent).
@@ -123,14 +133,13 @@ pub(super) fn neox_rotary_keys(config: &serde_json::Value) -> serde_json::Value 
     if let Some(object) = config.as_object_mut() {
         // GPT-NeoX groups no key/value heads whatever the file says.
         object.remove("num_key_value_heads");
-        for (old, new) in [
-            ("rotary_pct", "partial_rotary_factor"),
-            ("rotary_emb_base", "rope_theta"),
-        ] {
-            if let Some(value) = object.remove(old) {
-                object.entry(new).or_insert(value);
-            }
-        }
+        rename_keys(
+            object,
+            &[
+                ("rotary_pct", "partial_rotary_factor"),
+                ("rotary_emb_base", "rope_theta"),
+            ],
+        );
     }
     config
 }
@@ -145,22 +154,21 @@ pub(super) fn gptj_keys(config: &serde_json::Value) -> serde_json::Value {
     };
     // GPT-J's MLP is `n_inner` wide whatever else the file says.
     object.remove("intermediate_size");
-    for (old, new) in [
-        ("n_embd", "hidden_size"),
-        ("n_layer", "num_hidden_layers"),
-        ("n_head", "num_attention_heads"),
-        ("n_positions", "max_position_embeddings"),
-        ("n_inner", "intermediate_size"),
-        ("layer_norm_epsilon", "layer_norm_eps"),
-        ("activation_function", "hidden_act"),
-        ("attn_pdrop", "attention_dropout"),
-    ] {
-        if let Some(value) = object.remove(old) {
-            object.entry(new).or_insert(value);
-        }
-    }
+    rename_keys(
+        object,
+        &[
+            ("n_embd", "hidden_size"),
+            ("n_layer", "num_hidden_layers"),
+            ("n_head", "num_attention_heads"),
+            ("n_positions", "max_position_embeddings"),
+            ("n_inner", "intermediate_size"),
+            ("layer_norm_epsilon", "layer_norm_eps"),
+            ("activation_function", "hidden_act"),
+            ("attn_pdrop", "attention_dropout"),
+        ],
+    );
     let hidden = object.get("hidden_size").and_then(|h| h.as_u64());
-    if object.get("intermediate_size").is_none_or(|v| v.is_null()) {
+    if object.get("intermediate_size").is_none() {
         if let Some(hidden) = hidden {
             object.insert("intermediate_size".into(), (4 * hidden).into());
         }
@@ -176,11 +184,10 @@ pub(super) fn gptj_keys(config: &serde_json::Value) -> serde_json::Value {
     config
 }
 
-/// Falcon's switches, as `transformers` defaults them.
+/// Falcon's switches, as `transformers` defaults them (the new decoder
+/// architecture, Falcon 40B, 180B and 2, implying them parallel, not
+/// `multi_query`, and a norm per branch unless `num_ln_in_parallel_attn` is 1).
 pub(super) struct FalconSwitches {
-    /// The new decoder architecture (Falcon 40B, 180B, 2): q, k and v group
-    /// by group, a norm per branch unless `num_ln_in_parallel_attn` is 1.
-    pub(super) new_architecture: bool,
     /// One key and one value head (the old architecture's `multi_query`).
     pub(super) multi_query: bool,
     pub(super) parallel: bool,
@@ -208,7 +215,6 @@ pub(super) fn falcon_keys(
     }
     let new_architecture = flag("new_decoder_architecture", false);
     let switches = FalconSwitches {
-        new_architecture,
         multi_query: !new_architecture && flag("multi_query", true),
         parallel: new_architecture || flag("parallel_attn", true),
         norm_per_branch: new_architecture
@@ -224,24 +230,23 @@ pub(super) fn falcon_keys(
     // Falcon's MLP is `ffn_hidden_size` wide whatever else the file says.
     object.remove("num_key_value_heads");
     object.remove("intermediate_size");
-    for (old, new) in [
-        ("n_embed", "hidden_size"),
-        ("n_head", "num_attention_heads"),
-        ("n_layer", "num_hidden_layers"),
-        ("layer_norm_epsilon", "layer_norm_eps"),
-        ("activation", "hidden_act"),
-        ("ffn_hidden_size", "intermediate_size"),
-    ] {
-        if let Some(value) = object.remove(old).filter(|v| !v.is_null()) {
-            object.insert(new.into(), value);
-        }
-    }
+    rename_keys(
+        object,
+        &[
+            ("n_embed", "hidden_size"),
+            ("n_head", "num_attention_heads"),
+            ("n_layer", "num_hidden_layers"),
+            ("layer_norm_epsilon", "layer_norm_eps"),
+            ("activation", "hidden_act"),
+            ("ffn_hidden_size", "intermediate_size"),
+        ],
+    );
     let hidden = object.get("hidden_size").and_then(|h| h.as_u64());
     if let (None, Some(hidden)) = (object.get("intermediate_size"), hidden) {
         object.insert("intermediate_size".into(), (4 * hidden).into());
     }
     let heads = object.get("num_attention_heads").cloned();
-    let kv_heads = match (switches.new_architecture, switches.multi_query) {
+    let kv_heads = match (new_architecture, switches.multi_query) {
         (true, _) => object
             .remove("num_kv_heads")
             .filter(|v| !v.is_null())

@@ -302,42 +302,24 @@ impl LlamaConfig {
                 "`model_type` is {kind:?}; this model reads {LLAMA_TYPES}"
             ));
         };
-        let (falconed, falcon);
-        let config = match family.falcon {
-            true => {
-                let (keys, switches) = falcon_keys(config)?;
-                (falconed, falcon) = (keys, Some(switches));
-                &falconed
-            }
-            false => {
-                falcon = None;
-                config
-            }
+        // A family's own keys rewritten as the ones read below.
+        let mut falcon = None;
+        let rewritten = if family.falcon {
+            let (keys, switches) = falcon_keys(config)?;
+            falcon = Some(switches);
+            Some(keys)
+        } else if family.gptj {
+            Some(gptj_keys(config))
+        } else if family.neox {
+            Some(neox_rotary_keys(config))
+        } else if family.hunyuan {
+            Some(ntk_alpha_as_theta(config)?)
+        } else {
+            family
+                .default_rope
+                .map(|rope| with_default_rope(config, rope))
         };
-        let renamed;
-        let config = match (
-            family.neox || family.gptj,
-            family.hunyuan,
-            family.default_rope,
-        ) {
-            (true, ..) if family.gptj => {
-                renamed = gptj_keys(config);
-                &renamed
-            }
-            (true, ..) => {
-                renamed = neox_rotary_keys(config);
-                &renamed
-            }
-            (_, true, _) => {
-                renamed = ntk_alpha_as_theta(config)?;
-                &renamed
-            }
-            (.., Some(rope)) => {
-                renamed = with_default_rope(config, rope);
-                &renamed
-            }
-            _ => config,
-        };
+        let config = rewritten.as_ref().unwrap_or(config);
         crate::models::check_architectures(config, &family.architectures)?;
         let plain = Plain::deserialize(config).map_err(|e| format!("{e}"))?;
         if plain.mlp_bias == Some(true) && !family.reads_mlp_bias {
@@ -350,7 +332,7 @@ impl LlamaConfig {
         let intermediate_size = match (plain.intermediate_size, family.moe) {
             (Some(width), _) => width,
             (None, Some(moe)) if family.model_type == "solar_open" => expert_size_of(config, moe)?,
-            (None, _) => return Err("missing field `intermediate_size`".into()),
+            (None, _) => return Err("missing field `intermediate_size` (the MLP's width): use the config.json the checkpoint came with".into()),
         };
         let rotated_layers = match family.nope_layers {
             true => Some(rotated_layers(&plain)?),
@@ -495,15 +477,7 @@ impl LlamaConfig {
             embedding_norm: family.embedding_norm,
             rope_negated: family.rope_negated,
             qk_norm_after_rotation: family.hunyuan,
-            layer_names: match (family.phi, family.neox, family.stablelm, family.hunyuan) {
-                _ if family.gptj => LayerNames::GptJ,
-                _ if family.falcon => LayerNames::Falcon,
-                (true, ..) => LayerNames::Phi,
-                (_, true, ..) => LayerNames::NeoX,
-                (_, _, true, _) => LayerNames::StableLm,
-                (.., true) => LayerNames::Hunyuan,
-                _ => LayerNames::Llama,
-            },
+            layer_names: family.names,
             head_bias: family.phi || family.gptj,
             norm_weight_offset: if gemma.is_some() || family.norm_plus_one {
                 1.0
