@@ -105,6 +105,10 @@ fn logits_loss_and_gradients_equal_transformers() {
         ("falcon", 15),
         ("falconnew", 28),
         ("falconseq", 19),
+        // The latent attention; DeepSeek-V2's grouped softmax router.
+        ("deepseekv2", 52),
+        ("deepseekv3", 52),
+        ("glm4moelite", 52),
     ];
     for (fixture, variables) in cases {
         let (config, map) = Llama::open_hub(fixtures().join(fixture)).unwrap();
@@ -168,7 +172,13 @@ fn logits_loss_and_gradients_equal_transformers() {
                     | "cohereqk"
                     | "helium"
                     | "gptj"
+                    | "deepseekv2"
+                    | "deepseekv3"
             )
+        );
+        assert_eq!(
+            config.latent_attention.is_some(),
+            matches!(fixture, "deepseekv2" | "deepseekv3" | "glm4moelite")
         );
         assert_eq!(
             config.layer_norms,
@@ -289,6 +299,9 @@ fn loading_then_saving_reproduces_the_checkpoint_tensor_for_tensor() {
         "falcon",
         "falconnew",
         "falconseq",
+        "deepseekv2",
+        "deepseekv3",
+        "glm4moelite",
     ] {
         let dir = fixtures().join(fixture);
         for (stage, world) in [(Stage::Ddp, 1), (Stage::Parameters, 2)] {
@@ -373,6 +386,10 @@ fn one_sgd_step_equals_torch_at_stage_0_and_at_stage_3_on_two_ranks() {
         ("falcon", Stage::Parameters, 2, 15),
         ("falconnew", Stage::Parameters, 2, 28),
         ("falconseq", Stage::Parameters, 2, 19),
+        ("deepseekv2", Stage::Parameters, 2, 52),
+        // The routing biases saved back as they were read.
+        ("deepseekv3", Stage::Parameters, 2, 53),
+        ("glm4moelite", Stage::Parameters, 2, 53),
     ] {
         let out = tempfile::tempdir().unwrap();
         Run::new(stage, world, 1).train(&fixtures().join(fixture), &ids, out.path());
@@ -2290,6 +2307,163 @@ fn moe_configs_read_as_transformers_reads_them() {
         ),
     ];
     for (fixture, key, value, named) in cases {
+        let mut config = config_of(fixture);
+        config[key] = value;
+        let err = LlamaConfig::from_json(&config).unwrap_err();
+        assert!(err.contains(named), "{fixture} {key}: {err}");
+    }
+}
+
+/// DeepSeek-V2's, V3's and GLM-4.7-Flash's configs: the latent attention's
+/// widths, `transformers`' defaults where a file is silent, the score
+/// scale YaRN's `mscale_all_dim` gives, the routers, and the refusals.
+#[test]
+fn latent_attention_configs_read_as_transformers_reads_them() {
+    use zero_candle::models::{LatentAttention, MoeRouting, MoeStyle};
+    let v2 = LlamaConfig::from_json(&config_of("deepseekv2")).unwrap();
+    assert_eq!(
+        v2.latent_attention,
+        Some(LatentAttention {
+            query_rank: None,
+            kv_rank: 12,
+            nope_dim: 8,
+            value_dim: 6,
+        })
+    );
+    assert_eq!(
+        (v2.head_dim, v2.rotary_dim, v2.num_key_value_heads),
+        (12, 4, 4)
+    );
+    assert!(v2.rope_interleaved && v2.qkv_bias && v2.o_bias);
+    // 12^-1/2 times get_mscale(4, 0.5)².
+    let mscale = 0.1 * 0.5 * 4f64.ln() + 1.0;
+    let scale = v2.attention_scale.unwrap();
+    assert!(
+        (scale - mscale * mscale / 12f64.sqrt()).abs() < 1e-12,
+        "{scale}"
+    );
+    let moe = v2.moe.clone().unwrap();
+    assert_eq!(moe.style, MoeStyle::DeepSeek);
+    assert_eq!(
+        moe.routing,
+        MoeRouting::GroupedSoftmax {
+            groups: 4,
+            top_groups: 3,
+            scale: 2.0
+        }
+    );
+    assert!(!moe.normalize && moe.aux_loss_coef.is_none());
+    assert_eq!(
+        (moe.layers.as_slice(), moe.shared_expert_size),
+        (&[false, true][..], Some(32))
+    );
+
+    // The released files' keys, the rest transformers' defaults.
+    let v3 = LlamaConfig::from_json(&serde_json::json!({
+        "model_type": "deepseek_v3",
+        "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
+        "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 128,
+        "head_dim": 64,
+        "rope_scaling": {"type": "yarn", "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+            "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1},
+        "rope_theta": 10000, "max_position_embeddings": 163840
+    }))
+    .unwrap();
+    assert_eq!(
+        v3.latent_attention,
+        Some(LatentAttention {
+            query_rank: Some(1536),
+            kv_rank: 512,
+            nope_dim: 128,
+            value_dim: 128,
+        })
+    );
+    assert_eq!(
+        (v3.head_dim, v3.rotary_dim, v3.num_key_value_heads),
+        (192, 64, 4)
+    );
+    assert!(v3.rope_interleaved && !v3.qkv_bias);
+    let mscale = 0.1 * 40f64.ln() + 1.0;
+    let scale = v3.attention_scale.unwrap();
+    assert!(
+        (scale - mscale * mscale / 192f64.sqrt()).abs() < 1e-12,
+        "{scale}"
+    );
+    let moe = v3.moe.clone().unwrap();
+    assert_eq!(moe.style, MoeStyle::Glm);
+    assert_eq!(
+        moe.routing,
+        MoeRouting::Sigmoid {
+            groups: 8,
+            top_groups: 4,
+            scale: 2.5
+        }
+    );
+    assert_eq!(
+        (moe.num_experts, moe.experts_per_token, moe.expert_size),
+        (256, 8, 2048)
+    );
+    assert!(moe.normalize);
+    assert_eq!(
+        moe.layers,
+        [false, false, false, true],
+        "3 dense layers first"
+    );
+
+    let lite = LlamaConfig::from_json(&config_of("glm4moelite")).unwrap();
+    assert!(!lite.rope_interleaved && lite.attention_scale.is_none());
+    assert_eq!(lite.moe.as_ref().unwrap().layers, [true, false]);
+    let mut default_layers = config_of("glm4moelite");
+    default_layers
+        .as_object_mut()
+        .unwrap()
+        .remove("mlp_layer_types");
+    let parsed = LlamaConfig::from_json(&default_layers).unwrap();
+    assert_eq!(parsed.moe.unwrap().layers, [false, true]);
+
+    // The num_params of each model: its stored tensors but the routing
+    // biases (buffers).
+    for fixture in ["deepseekv2", "deepseekv3", "glm4moelite"] {
+        let config = LlamaConfig::from_json(&config_of(fixture)).unwrap();
+        let stored: usize = hub_tensors(&fixtures().join(fixture))
+            .iter()
+            .filter(|(name, _)| !name.ends_with("e_score_correction_bias"))
+            .map(|(_, (_, shape, _))| shape.iter().product::<usize>())
+            .sum();
+        assert_eq!(config.num_params(), stored, "{fixture}");
+    }
+
+    let refused = [
+        (
+            "deepseekv2",
+            "topk_method",
+            "noaux_tc".into(),
+            "topk_method",
+        ),
+        ("deepseekv2", "n_group", serde_json::Value::Null, "n_group"),
+        ("deepseekv2", "v_head_dim", 13.into(), "v_head_dim"),
+        ("deepseekv2", "n_group", 3.into(), "n_group"),
+        (
+            "glm4moelite",
+            "mlp_layer_types",
+            serde_json::json!(["sparse"]),
+            "mlp_layer_types",
+        ),
+        (
+            "glm4moelite",
+            "mlp_layer_types",
+            serde_json::json!(["sparse", "moe"]),
+            "mlp_layer_types",
+        ),
+        (
+            "deepseekv3",
+            "rope_parameters",
+            serde_json::json!({"rope_type": "linear", "rope_theta": 10000.0,
+                "mscale_all_dim": 1.0}),
+            "factor",
+        ),
+    ];
+    for (fixture, key, value, named) in refused {
         let mut config = config_of(fixture);
         config[key] = value;
         let err = LlamaConfig::from_json(&config).unwrap_err();

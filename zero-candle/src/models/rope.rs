@@ -406,7 +406,7 @@ pub(crate) fn partial_rotary_factor(
 }
 
 /// YaRN's `get_mscale`: `0.1 mscale ln(scale) + 1`, 1 for no scaling.
-fn yarn_mscale(scale: f64, mscale: f64) -> f64 {
+pub(crate) fn yarn_mscale(scale: f64, mscale: f64) -> f64 {
     if scale <= 1.0 {
         1.0
     } else {

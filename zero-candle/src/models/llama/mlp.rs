@@ -86,6 +86,13 @@ pub(super) enum Routing {
         /// Added to the chosen scores' sum before it divides them.
         epsilon: f64,
     },
+    /// DeepSeek-V2's softmax probabilities (in f32), the most probable
+    /// chosen within the groups whose most probable are the most probable.
+    GroupedSoftmax {
+        groups: usize,
+        top_groups: usize,
+        scale: f64,
+    },
     /// ERNIE 4.5's softmax probabilities (in f32), chosen by probability
     /// plus `bias`.
     BiasedSoftmax {
@@ -232,6 +239,22 @@ impl Experts {
                 let chosen = index.to_vec2::<u32>()?;
                 (probs, index, chosen)
             }
+            Routing::GroupedSoftmax {
+                groups, top_groups, ..
+            } if top_groups < groups => {
+                let probs = candle_nn::ops::softmax(&wide, D::Minus1)?;
+                // DeepSeek-V2's groups, on the host.
+                let rows = probs.detach().to_vec2::<f32>()?;
+                let chosen = grouped_top_k(&rows, (*groups, *top_groups, 1), self.top_k);
+                let index = Tensor::new(chosen.clone(), h.device())?;
+                (probs, index, chosen)
+            }
+            Routing::GroupedSoftmax { .. } => {
+                let probs = candle_nn::ops::softmax(&wide, D::Minus1)?;
+                let index = top_k(&probs, self.top_k)?;
+                let chosen = index.to_vec2::<u32>()?;
+                (probs, index, chosen)
+            }
             Routing::BiasedSoftmax { bias, .. } => {
                 let probs = candle_nn::ops::softmax(&wide, D::Minus1)?;
                 // The choice only: no gradient flows through it.
@@ -251,7 +274,7 @@ impl Experts {
                 if top_groups < groups {
                     // DeepSeek-V3's groups, on the host.
                     let rows = choice.to_vec2::<f32>()?;
-                    let chosen = grouped_top_k(&rows, (*groups, *top_groups), self.top_k);
+                    let chosen = grouped_top_k(&rows, (*groups, *top_groups, 2), self.top_k);
                     let index = Tensor::new(chosen.clone(), h.device())?;
                     (scores, index, chosen)
                 } else {
@@ -264,6 +287,7 @@ impl Experts {
         let (epsilon, scale, min_sum) = match &self.routing {
             Routing::Softmax => (0.0, 1.0, 0.0),
             Routing::Sigmoid { epsilon, scale, .. } => (*epsilon, *scale, 0.0),
+            Routing::GroupedSoftmax { scale, .. } => (0.0, *scale, 0.0),
             Routing::BiasedSoftmax { min_sum, .. } => (0.0, 1.0, *min_sum),
         };
         let mut weights = scores.gather(&index, 1)?;
@@ -284,13 +308,15 @@ impl Experts {
     }
 }
 
-/// The grouped choice of [`super::MoeRouting::Sigmoid`] for each row of
-/// `choice` `[tokens, experts]` (score plus bias): the `k` experts of
-/// highest value among the `top_groups` of `groups` equal groups whose two
-/// highest values sum highest, highest first (ties to the lower index).
+/// The grouped choice of [`super::MoeRouting::Sigmoid`] and
+/// [`super::MoeRouting::GroupedSoftmax`] for each row of `choice` `[tokens,
+/// experts]` (score plus bias, or probability): the `k` experts of highest
+/// value among the `top_groups` of `groups` equal groups whose `best`
+/// highest values (DeepSeek-V3's two, V2's one) sum highest, highest first
+/// (ties to the lower index).
 fn grouped_top_k(
     choice: &[Vec<f32>],
-    (groups, top_groups): (usize, usize),
+    (groups, top_groups, best): (usize, usize, usize),
     k: usize,
 ) -> Vec<Vec<u32>> {
     use rayon::prelude::*;
@@ -308,9 +334,9 @@ fn grouped_top_k(
                 let group_scores: Vec<f32> = choice
                     .chunks(per_group)
                     .map(|group| {
-                        let mut best: Vec<usize> = (0..group.len()).collect();
-                        ranked(group, &mut best);
-                        group[best[0]] + group[best[1]]
+                        let mut ranks: Vec<usize> = (0..group.len()).collect();
+                        ranked(group, &mut ranks);
+                        ranks.iter().take(best).map(|&e| group[e]).sum::<f32>()
                     })
                     .collect();
                 let mut chosen_groups: Vec<usize> = (0..groups).collect();
@@ -571,18 +597,30 @@ mod tests {
             vec![0.9f32, 0.1, 0.5, 0.6, 1.2, 0.3],
         ];
         // One group: the best three.
-        assert_eq!(grouped_top_k(&choice[..1], (1, 1), 3), vec![vec![0, 3, 2]]);
+        assert_eq!(
+            grouped_top_k(&choice[..1], (1, 1, 2), 3),
+            vec![vec![0, 3, 2]]
+        );
         // Three groups of two, ranked by their two best (1.0, 1.1, 0.5):
         // the best two groups' experts only.
-        assert_eq!(grouped_top_k(&choice[..1], (3, 2), 3), vec![vec![0, 3, 2]]);
         assert_eq!(
-            grouped_top_k(&choice, (3, 1), 2),
+            grouped_top_k(&choice[..1], (3, 2, 2), 3),
+            vec![vec![0, 3, 2]]
+        );
+        assert_eq!(
+            grouped_top_k(&choice, (3, 1, 2), 2),
             vec![vec![3, 2], vec![4, 5]],
             "group 1 (0.5 + 0.6) beats group 0 (0.9 + 0.1); then group 2 (1.2 + 0.3)"
         );
+        // Ranked by their best alone (DeepSeek-V2's), group 0 (0.9) wins
+        // the first row, group 2 (1.2) the second.
+        assert_eq!(
+            grouped_top_k(&choice, (3, 1, 1), 2),
+            vec![vec![0, 1], vec![4, 5]]
+        );
         // Ties go to the lower index.
         assert_eq!(
-            grouped_top_k(&[vec![0.5f32; 4]], (2, 1), 2),
+            grouped_top_k(&[vec![0.5f32; 4]], (2, 1, 2), 2),
             vec![vec![0, 1]]
         );
     }

@@ -61,6 +61,9 @@
 //! GPT-J (`GPTJForCausalLM`: GPT-2's keys and names, parallel blocks, part
 //! of each head rotating as interleaved pairs). Falcon (`FalconForCausalLM`:
 //! q, k and v in one weight in each architecture's order, parallel blocks).
+//! DeepSeek-V2 and V3 (`DeepseekV2ForCausalLM`, `DeepseekV3ForCausalLM`)
+//! and GLM-4.7-Flash (`Glm4MoeLiteForCausalLM`): multi-head latent
+//! attention ([`LatentAttention`]) and their mixtures.
 //!
 //! The variables carry the hub's names (`model.embed_tokens.weight`,
 //! `model.layers.{i}.self_attn.q_proj.weight`, ..., `model.norm.weight`,
@@ -70,12 +73,14 @@
 //! ([`Llama::hub_layout`]).
 
 mod config;
+mod latent;
 mod mlp;
 mod moe;
 
 pub(crate) use config::{reads, LLAMA_TYPES};
 pub use config::{
-    LayerNames, LlamaConfig, NormNames, PositionScale, QkNorm, SlidingWindow, UngatedMlp,
+    LatentAttention, LayerNames, LlamaConfig, NormNames, PositionScale, QkNorm, SlidingWindow,
+    UngatedMlp, LATENT_NORM_EPS,
 };
 pub use moe::{MoeConfig, MoeRouting, MoeStyle};
 
@@ -85,6 +90,7 @@ use crate::nn::{ops, Embedding, GradHook, LayerNorm, Linear};
 use crate::{Error, Result, ShardedVarMap};
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{Init, VarBuilder};
+use latent::{latent_rows, Latent, LatentQuery};
 use mlp::{Experts, FeedForward, Mlp, Routing, Ungated};
 use std::sync::{Arc, Mutex, PoisonError};
 
@@ -243,7 +249,7 @@ impl RopeTables {
 struct Block {
     /// The attention's input norm (all but OLMo 2's blocks).
     input_layernorm: Option<LayerNorm>,
-    qkv: Projections<3>,
+    qkv: AttentionInput,
     o_proj: Linear,
     /// The norms of the queries and the keys: Qwen3's and Gemma 3's of
     /// each head, OLMo 2's of each whole projection, Command R+'s of each
@@ -263,6 +269,9 @@ struct Block {
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
+    /// The width of each value head: `head_dim` but in a latent
+    /// attention.
+    value_dim: usize,
     /// The queries' factor that turns the fused attention's `head_dim^-1/2`
     /// into the model's score scale (Gemma's `query_pre_attn_scalar`,
     /// Granite's `attention_multiplier`).
@@ -285,6 +294,15 @@ struct Block {
     /// This layer rotates with the local rotation (Gemma 3's sliding
     /// layers).
     local_rotation: bool,
+}
+
+/// Where a block's queries, keys and values come from.
+#[derive(Clone)]
+enum AttentionInput {
+    /// Projections of the block's input.
+    Projections(Projections<3>),
+    /// DeepSeek-V2's latent attention.
+    Latent(Box<Latent>),
 }
 
 /// A block's norms of its queries and keys.
@@ -436,7 +454,7 @@ impl Block {
     }
 
     /// The attention of `h` rows `[batch * time, hidden]`, before the
-    /// output projection: rows `[batch * time, heads * head_dim]`.
+    /// output projection: rows `[batch * time, heads * value_dim]`.
     fn attention(
         &self,
         h: &Tensor,
@@ -446,7 +464,53 @@ impl Block {
         let rows = h.dim(0)?;
         // No sequences when there are no positions.
         let batch = rows / time.max(1);
-        let [q, k, v] = self.qkv.forward(h)?;
+        let [q, k, v] = match &self.qkv {
+            AttentionInput::Projections(qkv) => {
+                self.projected_heads(qkv, h, (batch, time), rotation)?
+            }
+            AttentionInput::Latent(latent) => {
+                latent.heads(h, (batch, time), |x| rotation.apply(x))?
+            }
+        };
+        let q = match self.query_factor {
+            Some(factor) => q.affine(factor, 0.0)?,
+            None => q,
+        };
+        // Ministral 3's scale by position, 1 up to its original context.
+        let q = match self.position_scale.filter(|s| time > s.every) {
+            Some(scale) => {
+                let factors = Tensor::from_vec(scale.factors(time), (1, time, 1, 1), q.device())?;
+                q.broadcast_mul(&factors.to_dtype(q.dtype())?)?
+            }
+            None => q,
+        };
+        // Each key/value head serves `heads / kv_heads` consecutive query
+        // heads (`repeat_kv`), inside the op: no repeated copies.
+        let y = match (self.score_cap, self.window) {
+            (Some(cap), window) => ops::softcapped_attention(&q, &k, &v, window, cap)?,
+            (None, Some(window)) => ops::sliding_window_attention(&q, &k, &v, window)?,
+            (None, None) => ops::causal_attention(&q, &k, &v)?,
+        };
+        // A latent attention's values were padded to the heads' width.
+        let y = match self.value_dim < self.head_dim {
+            true => y.narrow(3, 0, self.value_dim)?,
+            false => y,
+        };
+        y.reshape((rows, self.heads * self.value_dim))
+    }
+
+    /// The queries, keys and values `[batch, time, heads or kv_heads,
+    /// head_dim]` that `qkv` projects from `h` rows, clamped, normalized
+    /// and rotated as the block says.
+    fn projected_heads(
+        &self,
+        qkv: &Projections<3>,
+        h: &Tensor,
+        (batch, time): (usize, usize),
+        rotation: &Rotation,
+    ) -> candle_core::Result<[Tensor; 3]> {
+        let rows = h.dim(0)?;
+        let [q, k, v] = qkv.forward(h)?;
         // OLMo's clamp of the projections.
         let [q, k, v] = match self.clip_qkv {
             Some(clip) => [q, k, v].map(|x| x.clamp(-clip, clip)),
@@ -479,29 +543,11 @@ impl Block {
             true => normed(rotated(x)?, query),
             false => rotated(normed(x, query)?),
         };
-        let q = turned(heads(q, self.heads)?, true)?;
-        let q = match self.query_factor {
-            Some(factor) => q.affine(factor, 0.0)?,
-            None => q,
-        };
-        // Ministral 3's scale by position, 1 up to its original context.
-        let q = match self.position_scale.filter(|s| time > s.every) {
-            Some(scale) => {
-                let factors = Tensor::from_vec(scale.factors(time), (1, time, 1, 1), q.device())?;
-                q.broadcast_mul(&factors.to_dtype(q.dtype())?)?
-            }
-            None => q,
-        };
-        let k = turned(heads(k, self.kv_heads)?, false)?;
-        let v = heads(v, self.kv_heads)?;
-        // Each key/value head serves `heads / kv_heads` consecutive query
-        // heads (`repeat_kv`), inside the op: no repeated copies.
-        let y = match (self.score_cap, self.window) {
-            (Some(cap), window) => ops::softcapped_attention(&q, &k, &v, window, cap)?,
-            (None, Some(window)) => ops::sliding_window_attention(&q, &k, &v, window)?,
-            (None, None) => ops::causal_attention(&q, &k, &v)?,
-        };
-        y.reshape((rows, self.heads * self.head_dim))
+        Ok([
+            turned(heads(q, self.heads)?, true)?,
+            turned(heads(k, self.kv_heads)?, false)?,
+            heads(v, self.kv_heads)?,
+        ])
     }
 }
 
@@ -779,6 +825,18 @@ impl Llama {
                         },
                     },
                 )),
+                MoeRouting::GroupedSoftmax {
+                    groups,
+                    top_groups,
+                    scale,
+                } => Ok((
+                    gate,
+                    Routing::GroupedSoftmax {
+                        groups,
+                        top_groups,
+                        scale,
+                    },
+                )),
                 MoeRouting::BiasedSoftmax { min_sum } => Ok((
                     gate,
                     Routing::BiasedSoftmax {
@@ -788,6 +846,44 @@ impl Llama {
                 )),
             }
         };
+        // DeepSeek-V2's latent attention under `attn`.
+        let latent = |attn: &VarBuilder, shape: LatentAttention| -> Result<Latent> {
+            let heads = config.num_attention_heads;
+            let bias = config.qkv_bias;
+            let latent_norm = |vb: VarBuilder, width| -> Result<LayerNorm> {
+                let w = vb.get_with_hints(width, "weight", Init::Const(1.0))?;
+                Ok(LayerNorm::rms_norm(w, LATENT_NORM_EPS, hook.clone()))
+            };
+            let q = heads * config.head_dim;
+            Ok(Latent {
+                query: match shape.query_rank {
+                    Some(rank) => LatentQuery::Ranked(
+                        linear_b(attn.pp("q_a_proj"), d, rank, bias)?,
+                        latent_norm(attn.pp("q_a_layernorm"), rank)?,
+                        linear(attn.pp("q_b_proj"), rank, q)?,
+                    ),
+                    None => LatentQuery::Direct(linear(attn.pp("q_proj"), d, q)?),
+                },
+                kv_a: linear_b(
+                    attn.pp("kv_a_proj_with_mqa"),
+                    d,
+                    shape.kv_rank + config.rotary_dim,
+                    bias,
+                )?,
+                kv_norm: latent_norm(attn.pp("kv_a_layernorm"), shape.kv_rank)?,
+                kv_b: linear(
+                    attn.pp("kv_b_proj"),
+                    shape.kv_rank,
+                    heads * (shape.nope_dim + shape.value_dim),
+                )?,
+                heads,
+                shape,
+                rotary_dim: config.rotary_dim,
+            })
+        };
+        let value_dim = config
+            .latent_attention
+            .map_or(config.head_dim, |l| l.value_dim);
         let names = config.layer_names;
         let model = vb.pp(names.model());
         let embed =
@@ -805,19 +901,25 @@ impl Llama {
                     (true, false) => Some(norm(vb.pp(names.input_norm()))?),
                     (false, _) => None,
                 },
-                qkv: match config.fused_qkv {
-                    true => {
+                qkv: match (config.latent_attention, config.fused_qkv) {
+                    (Some(shape), _) => AttentionInput::Latent(Box::new(latent(&attn, shape)?)),
+                    (None, true) => {
                         let fused = attn.pp(names.fused_qkv());
                         let qkv = linear_b(fused, d, q + 2 * kv, config.qkv_bias)?;
-                        Projections::Fused(qkv, [q, kv, kv])
+                        AttentionInput::Projections(Projections::Fused(qkv, [q, kv, kv]))
                     }
-                    false => Projections::Separate([
+                    (None, false) => AttentionInput::Projections(Projections::Separate([
                         linear_b(attn.pp("q_proj"), d, q, config.qkv_bias)?,
                         linear_b(attn.pp("k_proj"), d, kv, config.qkv_bias)?,
                         linear_b(attn.pp("v_proj"), d, kv, config.qkv_bias)?,
-                    ]),
+                    ])),
                 },
-                o_proj: linear_b(attn.pp(names.output_projection()), q, d, config.o_bias)?,
+                o_proj: linear_b(
+                    attn.pp(names.output_projection()),
+                    config.num_attention_heads * value_dim,
+                    d,
+                    config.o_bias,
+                )?,
                 qk_norms: match config.qk_norm {
                     Some(QkNorm::PerHead) => {
                         let [q_norm, k_norm] = names.qk_norms();
@@ -911,6 +1013,7 @@ impl Llama {
                 heads: config.num_attention_heads,
                 kv_heads: config.num_key_value_heads,
                 head_dim: config.head_dim,
+                value_dim,
                 query_factor,
                 residual_multiplier: config.residual_multiplier,
                 clip_qkv: config.clip_qkv,
@@ -974,10 +1077,13 @@ impl Llama {
                 format!("{}.{}.weight", names.model(), names.embedding()),
             );
         }
-        if config.rope_interleaved {
-            for (var, rows) in interleaved_rows(config) {
-                layout = layout.with_rows_permuted(var, rows);
-            }
+        let reordered = match &config.latent_attention {
+            Some(latent) => latent_rows(config, latent),
+            None if config.rope_interleaved => interleaved_rows(config),
+            None => Vec::new(),
+        };
+        for (var, rows) in reordered {
+            layout = layout.with_rows_permuted(var, rows);
         }
         if config.qkv_per_head {
             let rows = qkv_from_heads(config);

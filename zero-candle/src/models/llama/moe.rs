@@ -72,6 +72,20 @@ pub enum MoeRouting {
         /// `routed_scaling_factor`.
         scale: f64,
     },
+    /// DeepSeek-V2's: a softmax over the experts in f32; a token chooses
+    /// the `experts_per_token` most probable among the experts of the
+    /// `top_groups` of `groups` equal groups whose most probable expert is
+    /// the most probable (`group_limited_greedy`; one group of all,
+    /// `greedy`). Their weights are their probabilities, never
+    /// normalized, times `scale`.
+    GroupedSoftmax {
+        /// `n_group`.
+        groups: usize,
+        /// `topk_group`.
+        top_groups: usize,
+        /// `routed_scaling_factor`.
+        scale: f64,
+    },
     /// ERNIE 4.5's: a softmax over the experts in f32; a token chooses the
     /// `experts_per_token` best by probability plus the checkpoint's
     /// `moe_statics.e_score_correction_bias` (not trained); their weights
@@ -104,6 +118,9 @@ pub enum MoeStyle {
     /// MiniMax-M2's: Mixtral's names and f32 scaling, the sigmoid router's
     /// bias beside it (`block_sparse_moe.e_score_correction_bias`).
     MiniMax,
+    /// DeepSeek-V2's: GLM-4.5's names, shared experts and f32 scaling,
+    /// without a routing bias.
+    DeepSeek,
     /// ERNIE 4.5's: Qwen's names and rounding, the router's bias
     /// `mlp.moe_statics.e_score_correction_bias` (`[1, num_experts]`),
     /// shared experts without a gate as GLM-4.5's; the router's weight in
@@ -117,7 +134,7 @@ impl MoeStyle {
     pub(super) fn prefix(self) -> &'static str {
         match self {
             Self::Mixtral | Self::MiniMax => "block_sparse_moe",
-            Self::Qwen | Self::Glm | Self::Ernie => "mlp",
+            Self::Qwen | Self::Glm | Self::DeepSeek | Self::Ernie => "mlp",
         }
     }
 
@@ -145,7 +162,7 @@ impl MoeStyle {
     /// 4.5's), under `shared_experts`; else Qwen2-MoE's `shared_expert`
     /// with its `shared_expert_gate`.
     pub(super) fn ungated_shared_experts(self) -> bool {
-        matches!(self, Self::Glm | Self::Ernie)
+        matches!(self, Self::Glm | Self::DeepSeek | Self::Ernie)
     }
 }
 
@@ -177,13 +194,23 @@ impl MoeConfig {
             groups,
             top_groups,
             scale,
+        }
+        | MoeRouting::GroupedSoftmax {
+            groups,
+            top_groups,
+            scale,
         } = self.routing
         {
+            // The sigmoid router ranks a group by its two best experts.
+            let least = match self.routing {
+                MoeRouting::Sigmoid { .. } => 2,
+                _ => 1,
+            };
             crate::models::check_positive(&[("n_group", groups), ("topk_group", top_groups)])?;
-            if self.num_experts % groups != 0 || self.num_experts / groups < 2 {
+            if self.num_experts % groups != 0 || self.num_experts / groups < least {
                 return Err(format!(
                     "{} experts in `n_group` {groups} groups: each group needs the same number of \
-                     experts, at least 2 (a group is ranked by its two best)",
+                     experts, at least {least} (a group is ranked by its {least} best)",
                     self.num_experts
                 ));
             }
@@ -253,6 +280,13 @@ pub(super) struct MoeFamily {
     /// `first_k_dense_replace` where the file leaves it out (GLM-4.5's
     /// router: 1; dots.llm1's 0).
     pub(super) first_dense: usize,
+    /// `mlp_layer_types` (`"dense"`, `"sparse"`) says which layers are
+    /// mixtures where the file gives it (GLM-4.7-Flash).
+    pub(super) layer_types: bool,
+    /// `n_group` and `topk_group` where the file leaves them out.
+    pub(super) groups: (usize, usize),
+    /// `routed_scaling_factor` where the file leaves it out.
+    pub(super) scale: f64,
     pub(super) aux_loss_coef: f64,
 }
 
@@ -268,7 +302,47 @@ pub(super) const GLM4_MOE: MoeFamily = MoeFamily {
     shared_expert_size: None,
     sparse_layers: false,
     first_dense: 1,
+    layer_types: false,
+    groups: (1, 1),
+    scale: 1.0,
     aux_loss_coef: 0.0,
+};
+
+/// DeepSeek-V3's mixture (`deepseek_v3`): GLM-4.5's router and shared
+/// experts, `transformers`' defaults (256 experts of 2048, 8 per token from
+/// the 4 best of 8 groups, times 2.5, the first 3 layers dense).
+pub(super) const DEEPSEEK_V3_MOE: MoeFamily = MoeFamily {
+    num_experts: 256,
+    expert_size: Some(2048),
+    first_dense: 3,
+    groups: (8, 4),
+    scale: 2.5,
+    ..GLM4_MOE
+};
+
+/// GLM-4.7-Flash's mixture (`glm4_moe_lite`): GLM-4.5's, in the layers
+/// `mlp_layer_types` names sparse (all but the first by default).
+pub(super) const GLM4_MOE_LITE_MOE: MoeFamily = MoeFamily {
+    num_experts: 64,
+    experts_per_token: 4,
+    expert_size: Some(1536),
+    layer_types: true,
+    scale: 1.8,
+    ..GLM4_MOE
+};
+
+/// DeepSeek-V2's mixture (`deepseek_v2`): the grouped softmax router
+/// (`topk_method`), `n_shared_experts` (2) shared experts as one MLP,
+/// from layer `first_k_dense_replace` (0) on; 64 experts of 1407, 6 per
+/// token (the released files' number; `transformers` has no default).
+pub(super) const DEEPSEEK_V2_MOE: MoeFamily = MoeFamily {
+    style: MoeStyle::DeepSeek,
+    num_experts: 64,
+    experts_per_token: 6,
+    expert_size: Some(1407),
+    normalize: Some(false),
+    first_dense: 0,
+    ..GLM4_MOE
 };
 
 /// Solar Open's mixture (`solar_open`): GLM-4.5's in every layer, experts
@@ -315,6 +389,9 @@ pub(super) const QWEN2_MOE: MoeFamily = MoeFamily {
     shared_expert_size: Some(5632),
     sparse_layers: true,
     first_dense: 0,
+    layer_types: false,
+    groups: (1, 1),
+    scale: 1.0,
     aux_loss_coef: 0.001,
 };
 
@@ -341,6 +418,9 @@ pub(super) const MINIMAX_M2_MOE: MoeFamily = MoeFamily {
     shared_expert_size: None,
     sparse_layers: false,
     first_dense: 0,
+    layer_types: false,
+    groups: (1, 1),
+    scale: 1.0,
     aux_loss_coef: 0.001,
 };
 
@@ -356,6 +436,9 @@ pub(super) const ERNIE4_5_MOE: MoeFamily = MoeFamily {
     shared_expert_size: None,
     sparse_layers: false,
     first_dense: 0,
+    layer_types: false,
+    groups: (1, 1),
+    scale: 1.0,
     aux_loss_coef: 0.001,
 };
 
@@ -409,6 +492,12 @@ struct MoeKeys {
     moe_layer_interval: Option<usize>,
     #[serde(default)]
     moe_norm_min: Option<f64>,
+    /// DeepSeek-V2's choice: `greedy` or `group_limited_greedy`.
+    #[serde(default)]
+    topk_method: Option<String>,
+    /// GLM-4.7-Flash's `"dense"` and `"sparse"` layers.
+    #[serde(default)]
+    mlp_layer_types: Option<Vec<String>>,
 }
 
 /// The mixture of experts `config` describes, `family`'s defaults where it
@@ -420,10 +509,30 @@ pub(super) fn moe_of(
     let plain = MoeKeys::deserialize(config).map_err(|e| format!("{e}"))?;
     let n = plain.num_hidden_layers;
     let glm = family.style == MoeStyle::Glm;
+    let deepseek = family.style == MoeStyle::DeepSeek;
     let ernie = family.style == MoeStyle::Ernie;
     let layers = match family.sparse_layers {
-        // GLM-4.5's first layers are dense.
-        false if glm => {
+        false if family.layer_types && plain.mlp_layer_types.is_some() => {
+            let types = plain.mlp_layer_types.as_deref().unwrap_or_default();
+            if types.len() != n {
+                return Err(format!(
+                    "`mlp_layer_types` has {} entries for {n} layers; give one per layer",
+                    types.len()
+                ));
+            }
+            types
+                .iter()
+                .map(|t| match t.as_str() {
+                    "sparse" => Ok(true),
+                    "dense" => Ok(false),
+                    other => Err(format!(
+                        "`mlp_layer_types` holds {other:?}; each entry is \"dense\" or \"sparse\""
+                    )),
+                })
+                .collect::<Result<_, _>>()?
+        }
+        // GLM-4.5's and DeepSeek's first layers are dense.
+        false if glm || deepseek => {
             let dense = plain.first_k_dense_replace.unwrap_or(family.first_dense);
             (0..n).map(|i| i >= dense).collect()
         }
@@ -477,7 +586,9 @@ pub(super) fn moe_of(
     // them.
     let shared_expert_size = match family.style.ungated_shared_experts() {
         true => {
-            let shared = plain.n_shared_experts.unwrap_or(if ernie { 2 } else { 1 });
+            let shared = plain
+                .n_shared_experts
+                .unwrap_or(if ernie || deepseek { 2 } else { 1 });
             Some(expert_size * shared).filter(|&s| s > 0)
         }
         false => family
@@ -491,21 +602,51 @@ pub(super) fn moe_of(
             .unwrap_or(family.experts_per_token),
         expert_size,
         normalize: match family.normalize {
+            // DeepSeek-V2's router never normalizes.
+            Some(_) if deepseek => false,
             Some(default) => plain.norm_topk_prob.unwrap_or(default),
             None => true,
         },
         shared_expert_size,
         layers,
-        // transformers adds no load-balancing loss to GLM-4.5's.
-        aux_loss_coef: (plain.output_router_logits && !glm)
+        // transformers adds no load-balancing loss to GLM-4.5's or
+        // DeepSeek's.
+        aux_loss_coef: (plain.output_router_logits && !glm && !deepseek)
             .then(|| plain.router_aux_loss_coef.unwrap_or(family.aux_loss_coef)),
         style: family.style,
         routing: match family.style {
             MoeStyle::Glm | MoeStyle::MiniMax => MoeRouting::Sigmoid {
-                groups: plain.n_group.unwrap_or(1),
-                top_groups: plain.topk_group.unwrap_or(1),
-                scale: plain.routed_scaling_factor.unwrap_or(1.0),
+                groups: plain.n_group.unwrap_or(family.groups.0),
+                top_groups: plain.topk_group.unwrap_or(family.groups.1),
+                scale: plain.routed_scaling_factor.unwrap_or(family.scale),
             },
+            MoeStyle::DeepSeek => {
+                let (groups, top_groups) = match plain.topk_method.as_deref().unwrap_or("greedy") {
+                    "greedy" => (1, 1),
+                    "group_limited_greedy" => (
+                        plain.n_group.ok_or(
+                            "`topk_method` is \"group_limited_greedy\" but `n_group` is not \
+                             set: give the number of expert groups",
+                        )?,
+                        plain.topk_group.ok_or(
+                            "`topk_method` is \"group_limited_greedy\" but `topk_group` is not \
+                             set: give the number of groups each token chooses from",
+                        )?,
+                    ),
+                    other => {
+                        return Err(format!(
+                            "`topk_method` is {other:?}; DeepSeek-V2 chooses \"greedy\" or \
+                             \"group_limited_greedy\" (DeepSeek-V3's \"noaux_tc\" is \
+                             model_type \"deepseek_v3\")"
+                        ))
+                    }
+                };
+                MoeRouting::GroupedSoftmax {
+                    groups,
+                    top_groups,
+                    scale: plain.routed_scaling_factor.unwrap_or(family.scale),
+                }
+            }
             MoeStyle::Ernie => MoeRouting::BiasedSoftmax {
                 min_sum: plain.moe_norm_min.unwrap_or(1e-12),
             },

@@ -1,8 +1,8 @@
 //! Each family read as Llama, and what sets it apart: one table.
 
 use super::super::moe::{
-    MoeFamily, MoeStyle, DOTS1_MOE, ERNIE4_5_MOE, GLM4_MOE, MINIMAX_M2_MOE, OLMOE_MOE, QWEN2_MOE,
-    SOLAR_OPEN_MOE,
+    MoeFamily, MoeStyle, DEEPSEEK_V2_MOE, DEEPSEEK_V3_MOE, DOTS1_MOE, ERNIE4_5_MOE, GLM4_MOE,
+    GLM4_MOE_LITE_MOE, MINIMAX_M2_MOE, OLMOE_MOE, QWEN2_MOE, SOLAR_OPEN_MOE,
 };
 use super::{LayerNames, NormNames, QkNorm, UngatedMlp};
 use crate::models::rope::RopeDialect;
@@ -193,6 +193,11 @@ pub(super) struct Family {
     pub(super) typed_rope: Option<TypedRope>,
     /// The MLP is a mixture of experts.
     pub(super) moe: Option<MoeFamily>,
+    /// DeepSeek-V2's latent attention
+    /// ([`super::LatentAttention`]); `Some(true)`: `rope_interleave`
+    /// says whether the rotated values are stored as interleaved pairs
+    /// (DeepSeek-V3's), `Some(false)`: they always are (DeepSeek-V2's).
+    pub(super) latent: Option<bool>,
 }
 
 /// Llama itself (but for `mlp_bias`, which its family list reads): what the
@@ -249,6 +254,7 @@ pub(super) const LLAMA: Family = Family {
     default_theta: 10_000.0,
     typed_rope: None,
     moe: None,
+    latent: None,
 };
 
 /// Gemma's settings common to its generations.
@@ -321,7 +327,7 @@ pub(super) const ERNIE: Family = Family {
 };
 
 /// The families read as Llama.
-pub(super) const FAMILIES: [Family; 45] = [
+pub(super) const FAMILIES: [Family; 48] = [
     Family {
         reads_mlp_bias: true,
         ..LLAMA
@@ -781,6 +787,38 @@ pub(super) const FAMILIES: [Family; 45] = [
         tied_by_default: true,
         ..LLAMA
     },
+    // DeepSeek-V2 (and V2-Lite): the latent attention, its rotated values
+    // as interleaved pairs; from layer `first_k_dense_replace` on, a
+    // mixture chosen by softmax probability (within the best groups with
+    // `group_limited_greedy`), beside shared experts.
+    Family {
+        model_type: "deepseek_v2",
+        architectures: ["DeepseekV2ForCausalLM", "DeepseekV2Model"],
+        latent: Some(false),
+        moe: Some(DEEPSEEK_V2_MOE),
+        ..LLAMA
+    },
+    // DeepSeek-V3 (and Kimi K2, Moonlight): the latent attention
+    // (`rope_interleave`), GLM-4.5's mixture from layer
+    // `first_k_dense_replace` (3) on.
+    Family {
+        model_type: "deepseek_v3",
+        architectures: ["DeepseekV3ForCausalLM", "DeepseekV3Model"],
+        latent: Some(true),
+        moe: Some(DEEPSEEK_V3_MOE),
+        ..LLAMA
+    },
+    // GLM-4.7-Flash (`glm4_moe_lite`): DeepSeek-V3's latent attention,
+    // GLM-4.5's mixture in the layers `mlp_layer_types` names sparse (all
+    // but the first by default).
+    Family {
+        model_type: "glm4_moe_lite",
+        architectures: ["Glm4MoeLiteForCausalLM", "Glm4MoeLiteModel"],
+        latent: Some(true),
+        default_rms_eps: 1e-5,
+        moe: Some(GLM4_MOE_LITE_MOE),
+        ..LLAMA
+    },
 ];
 
 /// Ministral 3's rotation where its file gives none (`transformers`'
@@ -807,8 +845,8 @@ pub(crate) const LLAMA_TYPES: &str =
      \"ernie4_5\", \"ernie4_5_moe\", \"dots1\", \"starcoder2\", \"phi\", \"arcee\", \
      \"nemotron\", \"exaone4\", \"seed_oss\", \"gpt_neox\", \"stablelm\", \"olmo\", \
      \"nanochat\", \"hunyuan_v1_dense\", \"jais2\", \"helium\", \"ministral\", \"cwm\", \
-     \"solar_open\", \"ministral3\", \"gptj\", \"falcon\" and \"mistral3\" \
-     (its text model)";
+     \"solar_open\", \"ministral3\", \"gptj\", \"falcon\", \"deepseek_v2\", \
+     \"deepseek_v3\", \"glm4_moe_lite\" and \"mistral3\" (its text model)";
 
 #[cfg(test)]
 mod tests {

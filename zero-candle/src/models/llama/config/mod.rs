@@ -4,9 +4,11 @@
 
 mod families;
 mod keys;
+mod latent;
 mod names;
 
 pub(crate) use families::{reads, LLAMA_TYPES};
+pub use latent::{LatentAttention, LATENT_NORM_EPS};
 pub use names::{LayerNames, NormNames, UngatedMlp};
 
 use super::moe::{expert_size_of, moe_of, MoeConfig};
@@ -19,6 +21,7 @@ use keys::{
     refuse_gemma_settings, rotated_layers, sliding_window_of, typed_ropes, with_default_rope,
     Plain,
 };
+use latent::{latent_of, score_mscale};
 use serde::Deserialize;
 
 /// The `config.json` of a Llama checkpoint: what shapes the model.
@@ -195,6 +198,9 @@ pub struct LlamaConfig {
     /// A sparse mixture of experts in place of the MLP (Mixtral,
     /// Qwen2-MoE, Qwen3-MoE, OLMoE), in the layers it names.
     pub moe: Option<MoeConfig>,
+    /// The keys and values from one latent per token (DeepSeek-V2's
+    /// multi-head latent attention); every head its own K/V head.
+    pub latent_attention: Option<LatentAttention>,
 }
 
 /// Llama 4's and Ministral 3's scale of the queries by position: the query
@@ -283,7 +289,9 @@ impl LlamaConfig {
     /// (`glm`, `glm4`), Cohere (`cohere`, `cohere2`), ERNIE 4.5
     /// (`ernie4_5`, `ernie4_5_moe`), dots.llm1 (`dots1`), Starcoder2, Phi, Arcee,
     /// Nemotron, EXAONE 4, Seed-OSS, GPT-NeoX, StableLM, OLMo, NanoChat, Hunyuan, Jais 2,
-    /// Helium, Ministral, CWM or Solar Open model (by `model_type`; Llama without one): an error names the key whose value this model
+    /// Helium, Ministral, CWM, Solar Open, Ministral 3, GPT-J, Falcon,
+    /// DeepSeek-V2, DeepSeek-V3 or GLM-4.7-Flash (`glm4_moe_lite`) model
+    /// (by `model_type`; Llama without one): an error names the key whose value this model
     /// cannot honour (another architecture, MLP biases, another
     /// activation, a rotary scaling it does not implement, bidirectional
     /// attention, ...). Reads the rotary settings from `rope_parameters`
@@ -378,7 +386,18 @@ impl LlamaConfig {
             None if heads > 0 => plain.hidden_size / heads,
             None => 0,
         };
+        // DeepSeek-V2's latent attention: heads of `qk_nope_head_dim +
+        // qk_rope_head_dim`, the second part rotating.
+        let latent = match family.latent {
+            Some(switched) => Some(latent_of(config, switched)?),
+            None => None,
+        };
+        let head_dim = match latent {
+            Some((latent, rope, _)) => latent.nope_dim + rope,
+            None => head_dim,
+        };
         let rotary_dim = match family.rope.partial {
+            _ if latent.is_some() => latent.map_or(0, |(_, rope, _)| rope),
             // MiniMax-M2's released files give `rotary_dim` instead of a
             // factor (read as transformers reads it: the factor wins).
             Some(missing) => {
@@ -422,7 +441,10 @@ impl LlamaConfig {
             intermediate_size,
             num_hidden_layers: plain.num_hidden_layers,
             num_attention_heads: heads,
-            num_key_value_heads: plain.num_key_value_heads.unwrap_or(heads),
+            num_key_value_heads: match latent {
+                Some(_) => heads,
+                None => plain.num_key_value_heads.unwrap_or(heads),
+            },
             head_dim,
             rotary_dim,
             max_position_embeddings: plain.max_position_embeddings,
@@ -461,7 +483,7 @@ impl LlamaConfig {
                 || (family.reads_mlp_bias && plain.mlp_bias.unwrap_or(family.default_mlp_bias)),
             fused_qkv: family.fused_qkv,
             fused_gate_up: family.fused_gate_up,
-            rope_interleaved: family.rope.interleaved,
+            rope_interleaved: latent.map_or(family.rope.interleaved, |(_, _, i)| i),
             qk_norm: match (family.switched_qk_norm || family.cohere) && plain.use_qk_norm {
                 true if family.cohere => Some(QkNorm::HeadWeights),
                 true => Some(QkNorm::PerHead),
@@ -494,6 +516,9 @@ impl LlamaConfig {
             norm_names: family.output_norms.unwrap_or_default(),
             attention_scale: match gemma {
                 Some(_) => later(plain.query_pre_attn_scalar).map(|scalar| scalar.powf(-0.5)),
+                None if latent.is_some() => Some(score_mscale(config)?)
+                    .filter(|&m| m != 1.0)
+                    .map(|m| m / (head_dim as f64).sqrt()),
                 None => granite(plain.attention_multiplier),
             },
             residual_multiplier: granite(plain.residual_multiplier),
@@ -529,6 +554,7 @@ impl LlamaConfig {
             },
             local_rope,
             moe: family.moe.map(|moe| moe_of(config, moe)).transpose()?,
+            latent_attention: latent.map(|(latent, _, _)| latent),
         };
         parsed.validate()?;
         Ok(parsed)
@@ -658,6 +684,21 @@ impl LlamaConfig {
         }
         if let Some(moe) = &self.moe {
             moe.validate(self.num_hidden_layers)?;
+        }
+        if let Some(latent) = &self.latent_attention {
+            latent.validate(self.head_dim, self.rotary_dim)?;
+            if self.num_key_value_heads != self.num_attention_heads
+                || self.fused_qkv
+                || self.qk_norm.is_some()
+                || self.clip_qkv.is_some()
+            {
+                return Err(
+                    "a latent attention has a K/V head per query head, no fused projection, no \
+                     query or key norms and no clamp; set `num_key_value_heads` to \
+                     `num_attention_heads` and clear the others"
+                        .into(),
+                );
+            }
         }
         if !self.norm_weights && (self.norm_bias || self.norm_weight_offset != 0.0) {
             return Err(
@@ -801,7 +842,15 @@ impl LlamaConfig {
             true => norm * (1 + self.parallel_mlp_norm as usize),
             false => 2 * norm * (self.input_norms as usize + self.output_norms as usize),
         };
-        let per_layer = norms + 2 * d * q + 2 * d * kv + biases + qk_norms;
+        let attention = match &self.latent_attention {
+            Some(latent) => latent.num_params(
+                d,
+                (self.num_attention_heads, self.head_dim, self.rotary_dim),
+                self.qkv_bias,
+            ),
+            None => 2 * d * q + 2 * d * kv + biases + qk_norms,
+        };
+        let per_layer = norms + attention;
         let mlps: usize = (0..self.num_hidden_layers)
             .map(|i| match &self.moe {
                 Some(moe) if moe.layers[i] => moe.num_params(d),

@@ -1,0 +1,179 @@
+//! [`LatentAttention`]: DeepSeek-V2's multi-head latent attention, and how
+//! a `config.json` describes it.
+
+use serde::Deserialize;
+
+/// The epsilon of the latent attention's own RMS norms (`q_a_layernorm`,
+/// `kv_a_layernorm`): `transformers` builds them with its RMS norm's
+/// default, whatever `rms_norm_eps` says.
+pub const LATENT_NORM_EPS: f64 = 1e-6;
+
+/// Multi-head latent attention (DeepSeek-V2's MLA, also DeepSeek-V3's and
+/// GLM-4.7-Flash's). The keys and values of every head come from one
+/// latent of `kv_rank` values per token (`kv_a_proj_with_mqa`, then its
+/// RMS norm `kv_a_layernorm` and the up projection `kv_b_proj` to each
+/// head's `nope_dim` key values and `value_dim` values), beside one
+/// rotated key part of [`crate::models::llama::LlamaConfig::rotary_dim`]
+/// values that every head shares. The queries come from `q_proj`, or
+/// through a latent of `query_rank` values (`q_a_proj`, `q_a_layernorm`,
+/// `q_b_proj`). Each query and key head is `nope_dim + rotary_dim` wide
+/// (the config's `head_dim`); the scores are scaled by that width's
+/// inverse square root (times the square of YaRN's `mscale_all_dim`
+/// factor, as the config's `attention_scale`).
+///
+/// With `attention_bias`, `q_a_proj`, `kv_a_proj_with_mqa` and `o_proj`
+/// have biases (`q_proj`, `q_b_proj` and `kv_b_proj` never do).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LatentAttention {
+    /// `q_lora_rank`: the queries' latent width; `None`: one `q_proj`.
+    pub query_rank: Option<usize>,
+    /// `kv_lora_rank`: the keys' and values' latent width.
+    pub kv_rank: usize,
+    /// `qk_nope_head_dim`: the values of each query and key head that do
+    /// not rotate.
+    pub nope_dim: usize,
+    /// `v_head_dim`: the width of each value head (at most a query head's).
+    pub value_dim: usize,
+}
+
+/// The keys of `config.json` that describe the latent attention, with
+/// `transformers`' defaults (DeepSeek-V2's and V3's; GLM-4.7-Flash's
+/// files give them all).
+#[derive(Deserialize)]
+struct LatentKeys {
+    #[serde(default = "default_query_rank")]
+    q_lora_rank: Option<usize>,
+    #[serde(default = "default_kv_rank")]
+    kv_lora_rank: usize,
+    #[serde(default = "default_nope_dim")]
+    qk_nope_head_dim: usize,
+    #[serde(default = "default_rope_dim")]
+    qk_rope_head_dim: usize,
+    #[serde(default = "default_value_dim")]
+    v_head_dim: usize,
+    /// DeepSeek-V3's: the rotated values stored as interleaved pairs.
+    #[serde(default)]
+    rope_interleave: Option<bool>,
+}
+
+fn default_query_rank() -> Option<usize> {
+    Some(1536)
+}
+fn default_kv_rank() -> usize {
+    512
+}
+fn default_nope_dim() -> usize {
+    128
+}
+fn default_rope_dim() -> usize {
+    64
+}
+fn default_value_dim() -> usize {
+    128
+}
+
+/// What a latent family's `config.json` gives: the attention, the rotated
+/// width of each head (`qk_rope_head_dim`) and whether the rotated values
+/// are stored as interleaved pairs (`rope_interleave`, true where absent;
+/// DeepSeek-V2's always are, `switched` false).
+pub(super) fn latent_of(
+    config: &serde_json::Value,
+    switched: bool,
+) -> std::result::Result<(LatentAttention, usize, bool), String> {
+    let keys = LatentKeys::deserialize(config).map_err(|e| format!("{e}"))?;
+    let latent = LatentAttention {
+        query_rank: keys.q_lora_rank,
+        kv_rank: keys.kv_lora_rank,
+        nope_dim: keys.qk_nope_head_dim,
+        value_dim: keys.v_head_dim,
+    };
+    let interleaved = !switched || keys.rope_interleave.unwrap_or(true);
+    Ok((latent, keys.qk_rope_head_dim, interleaved))
+}
+
+impl LatentAttention {
+    /// Checks the widths against a model's `head_dim` (a query or key
+    /// head's) and `rotary_dim`.
+    pub(super) fn validate(
+        &self,
+        head_dim: usize,
+        rotary_dim: usize,
+    ) -> std::result::Result<(), String> {
+        crate::models::check_positive(&[
+            ("q_lora_rank", self.query_rank.unwrap_or(1)),
+            ("kv_lora_rank", self.kv_rank),
+            ("v_head_dim", self.value_dim),
+        ])?;
+        if self.nope_dim + rotary_dim != head_dim {
+            return Err(format!(
+                "a latent attention's heads are `qk_nope_head_dim` {} + `qk_rope_head_dim` {} \
+                 wide, but `head_dim` is {head_dim}; set `head_dim` to their sum",
+                self.nope_dim, rotary_dim
+            ));
+        }
+        if self.value_dim > head_dim {
+            return Err(format!(
+                "`v_head_dim` {} is wider than the query and key heads ({head_dim}); a latent \
+                 attention with wider values is not implemented here",
+                self.value_dim
+            ));
+        }
+        Ok(())
+    }
+
+    /// The attention's parameters in one layer of a model `hidden` wide
+    /// with `heads` heads `head_dim` wide, rotating `rope` values each;
+    /// with `bias`, those of `q_a_proj`, `kv_a_proj_with_mqa` and `o_proj`.
+    pub(super) fn num_params(
+        &self,
+        hidden: usize,
+        (heads, head_dim, rope): (usize, usize, usize),
+        bias: bool,
+    ) -> usize {
+        let q = heads * head_dim;
+        let query = match self.query_rank {
+            Some(rank) => hidden * rank + rank * usize::from(bias) + rank + rank * q,
+            None => hidden * q,
+        };
+        let kv_a = (hidden + usize::from(bias)) * (self.kv_rank + rope);
+        let kv_b = self.kv_rank * heads * (self.nope_dim + self.value_dim);
+        let o = heads * self.value_dim * hidden + hidden * usize::from(bias);
+        query + kv_a + self.kv_rank + kv_b + o
+    }
+}
+
+/// The factor on a latent attention's score scale that its rotary
+/// parameters give: YaRN's `get_mscale(factor, mscale_all_dim)` squared
+/// where the rotation is scaled (`rope_type` other than `default`) and
+/// `mscale_all_dim` is set, as DeepSeek-V2's attention multiplies its
+/// `qk_head_dim^-1/2` by it; 1 otherwise.
+pub(super) fn score_mscale(config: &serde_json::Value) -> std::result::Result<f64, String> {
+    let Some((key, params)) = ["rope_parameters", "rope_scaling"]
+        .iter()
+        .find_map(|key| Some((*key, config.get(key).filter(|p| p.is_object())?)))
+    else {
+        return Ok(1.0);
+    };
+    let kind = ["rope_type", "type"]
+        .iter()
+        .find_map(|k| params.get(k).and_then(|v| v.as_str()))
+        .unwrap_or("default");
+    let all_dims = params
+        .get("mscale_all_dim")
+        .and_then(|v| v.as_f64())
+        .unwrap_or(0.0);
+    if kind == "default" || all_dims == 0.0 {
+        return Ok(1.0);
+    }
+    let factor = params
+        .get("factor")
+        .and_then(|v| v.as_f64())
+        .filter(|f| f.is_finite())
+        .ok_or_else(|| {
+            format!(
+                "`{key}` sets `mscale_all_dim`, which scales the attention by the rotation's \
+                 `factor`, but gives no `factor`: add it"
+            )
+        })?;
+    Ok(crate::models::rope::yarn_mscale(factor, all_dims).powi(2))
+}
