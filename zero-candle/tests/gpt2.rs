@@ -241,6 +241,16 @@ fn unusable_checkpoints_are_errors_naming_the_key_or_the_tensor() {
     let err = open_error(deep);
     assert!(err.contains("transformer.h.2."), "{err}");
 
+    // Quantized weights (FP8 blocks, MXFP4, GPTQ, ...): refused by name
+    // before any tensor is read.
+    let mut quantized = tiny_config();
+    quantized["quantization_config"] = serde_json::json!({"quant_method": "fp8"});
+    let err = open_error(quantized);
+    assert!(
+        err.contains("quantization_config") && err.contains("\"fp8\""),
+        "{err}"
+    );
+
     let empty = tempfile::tempdir().unwrap();
     std::fs::write(empty.path().join("config.json"), "{}").unwrap();
     let err = Gpt2::open_hub(empty.path()).err().unwrap().to_string();

@@ -350,9 +350,10 @@ pub struct Args {
     /// Write the final weights here (safetensors).
     #[arg(long)]
     pub save: Option<PathBuf>,
-    /// Fine-tune this Hugging Face GPT-2, Llama, Mistral, Qwen2, Qwen3 or
-    /// Phi-3 directory (`config.json`, `model.safetensors` or an index with its
-    /// shards, `tokenizer.json`) instead of `--model`: the shape comes from
+    /// Fine-tune this Hugging Face GPT-2 or Llama-family (Mistral, Qwen,
+    /// Gemma, Phi, DeepSeek and the others docs/hub.md lists) directory
+    /// (`config.json`, `model.safetensors` or an index with its shards,
+    /// `tokenizer.json`) instead of `--model`: the shape comes from
     /// its config (`--layers`, `--heads`, `--d-model` are not used), `--data`
     /// is tokenized with its tokenizer (documents joined by its end-of-text
     /// token), and at stage 3 each rank reads only its shard of the weights.

@@ -62,6 +62,7 @@ impl HubDir {
             ));
         }
         let config = read_json(&dir.join(CONFIG_FILE))?;
+        refuse_quantized(&config).map_err(|detail| hub_error(&dir.join(CONFIG_FILE), detail))?;
         let index_path = dir.join(INDEX_FILE);
         let (files, tensors, sharded) = if index_path.is_file() {
             let (files, tensors) = open_index(&dir, &index_path)?;
@@ -186,4 +187,23 @@ fn open_index(dir: &Path, index_path: &Path) -> Result<(Files, BTreeMap<String, 
         tensors.insert(name.clone(), file);
     }
     Ok((files, tensors))
+}
+
+/// An error where `config` describes quantized weights
+/// (`quantization_config`: DeepSeek-V3's and Kimi K2's FP8 blocks,
+/// gpt-oss's MXFP4, GPTQ, AWQ, bitsandbytes): training here reads f32,
+/// f64, bf16 and f16 weights.
+fn refuse_quantized(config: &serde_json::Value) -> std::result::Result<(), String> {
+    let Some(quantization) = config.get("quantization_config").filter(|q| !q.is_null()) else {
+        return Ok(());
+    };
+    let method = quantization
+        .get("quant_method")
+        .and_then(|m| m.as_str())
+        .unwrap_or("unnamed");
+    Err(format!(
+        "`quantization_config` says the weights are quantized ({method:?}); fine-tuning here \
+         reads f32, bf16 or f16 weights: use the model's bf16 release, or dequantize it (load it \
+         with transformers, dequantized, and save_pretrained it in bf16) and remove the key"
+    ))
 }
