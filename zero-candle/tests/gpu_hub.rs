@@ -63,9 +63,9 @@ const BALANCED: [(&str, &str); 2] = [
     ("llama/qwen3moe", "qwen3moe."),
 ];
 
-/// The families read since (GLM-4.5 to GLM-4.7-Flash, and Mistral): at
+/// The families read since (GLM-4.5 to Mistral 4, and Mistral): at
 /// one rank (MiniMax-M2's load-balancing loss is each rank's own).
-const LATER: [(&str, &str); 37] = [
+const LATER: [(&str, &str); 38] = [
     ("llama/mistral", "mistral."),
     ("llama/glm4moe", "glm4moe."),
     ("llama/minimaxm2", "minimaxm2."),
@@ -103,6 +103,7 @@ const LATER: [(&str, &str); 37] = [
     ("llama/deepseekv2", "deepseekv2."),
     ("llama/deepseekv3", "deepseekv3."),
     ("llama/glm4moelite", "glm4moelite."),
+    ("llama/mistral4", "mistral4."),
 ];
 
 /// The fixtures: under the current directory when it is the repository's

@@ -109,6 +109,8 @@ fn logits_loss_and_gradients_equal_transformers() {
         ("deepseekv2", 52),
         ("deepseekv3", 52),
         ("glm4moelite", 52),
+        // Queries scaled by position; groups ranked by their two best.
+        ("mistral4", 52),
     ];
     for (fixture, variables) in cases {
         let (config, map) = Llama::open_hub(fixtures().join(fixture)).unwrap();
@@ -174,11 +176,15 @@ fn logits_loss_and_gradients_equal_transformers() {
                     | "gptj"
                     | "deepseekv2"
                     | "deepseekv3"
+                    | "mistral4"
             )
         );
         assert_eq!(
             config.latent_attention.is_some(),
-            matches!(fixture, "deepseekv2" | "deepseekv3" | "glm4moelite")
+            matches!(
+                fixture,
+                "deepseekv2" | "deepseekv3" | "glm4moelite" | "mistral4"
+            )
         );
         assert_eq!(
             config.layer_norms,
@@ -302,6 +308,7 @@ fn loading_then_saving_reproduces_the_checkpoint_tensor_for_tensor() {
         "deepseekv2",
         "deepseekv3",
         "glm4moelite",
+        "mistral4",
     ] {
         let dir = fixtures().join(fixture);
         for (stage, world) in [(Stage::Ddp, 1), (Stage::Parameters, 2)] {
@@ -390,6 +397,8 @@ fn one_sgd_step_equals_torch_at_stage_0_and_at_stage_3_on_two_ranks() {
         // The routing biases saved back as they were read.
         ("deepseekv3", Stage::Parameters, 2, 53),
         ("glm4moelite", Stage::Parameters, 2, 53),
+        // Its experts fused in two tensors per layer, as transformers 5 saves them.
+        ("mistral4", Stage::Parameters, 2, 30),
     ] {
         let out = tempfile::tempdir().unwrap();
         Run::new(stage, world, 1).train(&fixtures().join(fixture), &ids, out.path());
@@ -2245,8 +2254,9 @@ fn moe_configs_read_as_transformers_reads_them() {
         "reported as left out, as dropout is"
     );
 
-    // A file holding a layer's experts fused, as transformers 5 holds them
-    // in memory: the error says how to get the per-expert layout.
+    // A file holding a layer's experts fused, as transformers 5 holds them:
+    // read as such, each expert's projection a part of its layer's tensor
+    // (Mistral 4's fixture trains and saves through it).
     let dir = tempfile::tempdir().unwrap();
     std::fs::copy(
         fixtures().join("qwen2moe/config.json"),
@@ -2259,18 +2269,26 @@ fn moe_configs_read_as_transformers_reads_them() {
         dir.path().join("model.safetensors"),
     )
     .unwrap();
-    for err in [
-        Llama::open_hub(dir.path()).err().unwrap().to_string(),
-        zero_candle::models::CausalLm::open_hub(dir.path())
-            .err()
+    let hub = HubDir::open(dir.path()).unwrap();
+    let config = LlamaConfig::from_hub(&hub).unwrap();
+    assert!(config.fused_experts);
+    let layout = Llama::hub_layout(&config);
+    assert_eq!(
+        layout.fused_part("model.layers.1.mlp.experts.gate_up_proj.3.up.weight"),
+        Some(("model.layers.1.mlp.experts.gate_up_proj", 7, 8))
+    );
+    assert_eq!(
+        layout.tensor_of(
+            &hub,
+            "model.layers.1.mlp.experts.gate_up_proj.0.gate.weight"
+        ),
+        Some("model.layers.1.mlp.experts.gate_up_proj".into())
+    );
+    assert!(
+        !LlamaConfig::from_hub(&HubDir::open(fixtures().join("qwen2moe")).unwrap())
             .unwrap()
-            .to_string(),
-    ] {
-        assert!(
-            err.contains("experts.gate_up_proj") && err.contains("save_pretrained"),
-            "{err}"
-        );
-    }
+            .fused_experts
+    );
 
     let cases: [(&str, &str, serde_json::Value, &str); 7] = [
         ("glm4moe", "n_group", 3.into(), "n_group"),
@@ -2319,7 +2337,7 @@ fn moe_configs_read_as_transformers_reads_them() {
 /// scale YaRN's `mscale_all_dim` gives, the routers, and the refusals.
 #[test]
 fn latent_attention_configs_read_as_transformers_reads_them() {
-    use zero_candle::models::{LatentAttention, MoeRouting, MoeStyle};
+    use zero_candle::models::{LatentAttention, MoeRouting, MoeStyle, PositionScale};
     let v2 = LlamaConfig::from_json(&config_of("deepseekv2")).unwrap();
     assert_eq!(
         v2.latent_attention,
@@ -2349,6 +2367,7 @@ fn latent_attention_configs_read_as_transformers_reads_them() {
         MoeRouting::GroupedSoftmax {
             groups: 4,
             top_groups: 3,
+            ranked_by: 1,
             scale: 2.0
         }
     );
@@ -2421,9 +2440,58 @@ fn latent_attention_configs_read_as_transformers_reads_them() {
     let parsed = LlamaConfig::from_json(&default_layers).unwrap();
     assert_eq!(parsed.moe.unwrap().layers, [false, true]);
 
+    // Mistral 4: groups ranked by their two best, normalized; the position
+    // scale; YaRN by default.
+    let m4 = LlamaConfig::from_json(&config_of("mistral4")).unwrap();
+    let moe = m4.moe.clone().unwrap();
+    assert_eq!(
+        moe.routing,
+        MoeRouting::GroupedSoftmax {
+            groups: 4,
+            top_groups: 2,
+            ranked_by: 2,
+            scale: 1.5
+        }
+    );
+    assert!(moe.normalize);
+    assert_eq!(
+        (moe.style, moe.shared_expert_size),
+        (MoeStyle::DeepSeek, Some(16))
+    );
+    assert_eq!(
+        m4.position_scale,
+        Some(PositionScale {
+            beta: 0.5,
+            every: 4
+        })
+    );
+    let silent = LlamaConfig::from_json(&config_without(
+        "mistral4",
+        &[
+            "rope_parameters",
+            "n_shared_experts",
+            "norm_topk_prob",
+            "routed_scaling_factor",
+        ],
+    ))
+    .unwrap();
+    assert!(matches!(
+        silent.rope.scaling,
+        RopeScaling::Yarn(ref y) if y.factor == 128.0
+    ));
+    assert_eq!(silent.position_scale.map(|p| p.every), Some(8192));
+    let mscale = 0.1 * 128f64.ln() + 1.0;
+    let scale = silent.attention_scale.unwrap();
+    assert!(
+        (scale - mscale * mscale / 12f64.sqrt()).abs() < 1e-12,
+        "{scale}"
+    );
+    let moe = silent.moe.unwrap();
+    assert!(moe.normalize && moe.shared_expert_size == Some(16));
+
     // The num_params of each model: its stored tensors but the routing
     // biases (buffers).
-    for fixture in ["deepseekv2", "deepseekv3", "glm4moelite"] {
+    for fixture in ["deepseekv2", "deepseekv3", "glm4moelite", "mistral4"] {
         let config = LlamaConfig::from_json(&config_of(fixture)).unwrap();
         let stored: usize = hub_tensors(&fixtures().join(fixture))
             .iter()

@@ -14,7 +14,9 @@ use std::sync::Arc;
 /// again (a head tied to the embedding, when a file keeps it); the model
 /// may be part of a larger one whose file names its variables under a
 /// prefix of their own (Gemma 3's text model as `language_model.model.*`
-/// beside its vision tower).
+/// beside its vision tower); a tensor may hold several variables one after
+/// another (a mixture's experts fused in one tensor, as `transformers` 5
+/// holds them).
 #[derive(Clone, Debug, Default)]
 pub struct HubLayout {
     optional_prefix: Option<String>,
@@ -23,6 +25,10 @@ pub struct HubLayout {
     arranged: BTreeMap<String, Arrangement>,
     /// Tensor name -> the variable it repeats.
     tied: BTreeMap<String, String>,
+    /// Tensor name -> the variables it holds one after another.
+    fused: BTreeMap<String, Arc<[String]>>,
+    /// Variable name -> its fused tensor and its place there.
+    parts: BTreeMap<String, (String, usize)>,
 }
 
 impl HubLayout {
@@ -65,6 +71,37 @@ impl HubLayout {
         self
     }
 
+    /// The tensor `tensor` holds the variables `parts`, of equal sizes, one
+    /// after another (their elements in order, as a concatenation along
+    /// the first dimension): a mixture's experts fused in one tensor
+    /// (`mlp.experts.gate_up_proj` `[experts, 2 * width, hidden]` holding
+    /// each expert's gate and up weights in turn). The parts' names must
+    /// sort in this order with no other variable's between them: the
+    /// engine orders the variables by name, and the tensor is written from
+    /// its parts as they come.
+    pub fn with_fused(mut self, tensor: impl Into<String>, parts: Vec<String>) -> Self {
+        let tensor = tensor.into();
+        for (at, part) in parts.iter().enumerate() {
+            self.parts.insert(part.clone(), (tensor.clone(), at));
+        }
+        self.fused.insert(tensor, parts.into());
+        self
+    }
+
+    /// The fused tensor that holds `var`, its place among the parts and
+    /// their number ([`HubLayout::with_fused`]).
+    pub fn fused_part(&self, var: &str) -> Option<(&str, usize, usize)> {
+        let (tensor, at) = self.parts.get(var)?;
+        let count = self.fused.get(tensor).map_or(0, |p| p.len());
+        Some((tensor.as_str(), *at, count))
+    }
+
+    /// The variables the tensor `tensor` holds one after another, if the
+    /// layout fuses it.
+    pub fn parts_of(&self, tensor: &str) -> Option<&[String]> {
+        self.fused.get(tensor).map(|p| &p[..])
+    }
+
     /// How `var`'s values are arranged in its tensor.
     pub fn arrangement(&self, var: &str) -> &Arrangement {
         const AS_IS: &Arrangement = &Arrangement::AsIs;
@@ -87,6 +124,9 @@ impl HubLayout {
     /// layout renames it), else without the optional prefix; `None` if
     /// `dir` has neither.
     pub fn tensor_of(&self, dir: &HubDir, var: &str) -> Option<String> {
+        if let Some((tensor, _, _)) = self.fused_part(var) {
+            return dir.tensor(tensor).is_some().then(|| tensor.to_string());
+        }
         if let Some((var_prefix, tensor_prefix)) = &self.renamed {
             if let Some(rest) = var.strip_prefix(var_prefix.as_str()) {
                 let name = format!("{tensor_prefix}{rest}");

@@ -53,12 +53,29 @@ where
                 let Some(tensor) = from.tensor(name) else {
                     continue;
                 };
-                let source = match layout.var_of(name, &names) {
-                    Some(index) => Saved::Var {
+                let source = match (layout.parts_of(name), layout.var_of(name, &names)) {
+                    (Some(parts), _) => Saved::Vars(
+                        parts
+                            .iter()
+                            .map(|part| {
+                                names.iter().position(|v| v == part).ok_or_else(|| {
+                                    Error::Variable {
+                                        name: part.clone(),
+                                        detail: format!(
+                                            "the layout puts it in {name}, but the model has no \
+                                             such variable: build the layout from this model's \
+                                             config"
+                                        ),
+                                    }
+                                })
+                            })
+                            .collect::<Result<_>>()?,
+                    ),
+                    (None, Some(index)) => Saved::Var {
                         index,
                         arrangement: layout.arrangement(&names[index]).clone(),
                     },
-                    None => Saved::Bytes(tensor.data),
+                    (None, None) => Saved::Bytes(tensor.data),
                 };
                 saved.push(SavedTensor {
                     name: name.to_string(),

@@ -54,6 +54,25 @@ impl HubSource {
         if self.layout.is_transposed(var) {
             expected.reverse();
         }
+        if let Some((name, _, count)) = self.layout.fused_part(var) {
+            // One of `count` equal parts, one after another.
+            let numel = shape.iter().product::<usize>();
+            let holds = tensor.shape.iter().product::<usize>() == count * numel
+                && tensor.shape.last() == shape.last();
+            if !holds {
+                return Err(Error::Variable {
+                    name: var.into(),
+                    detail: format!(
+                        "{} holds it as one of {count} parts of {name} {:?}, the model built from \
+                         its config.json needs parts of {shape:?}; does config.json describe these \
+                         weights?",
+                        self.dir.dir().display(),
+                        tensor.shape
+                    ),
+                });
+            }
+            return Ok(tensor);
+        }
         if tensor.shape != expected {
             return Err(Error::Variable {
                 name: var.into(),
@@ -101,6 +120,10 @@ impl ParamSource for HubSource {
         out: &mut [f64],
     ) -> Result<()> {
         let tensor = self.tensor(name, shape)?;
+        if let Some((_, at, _)) = self.layout.fused_part(name) {
+            let offset = at * shape.iter().product::<usize>();
+            return Ok(tensor.read_range_as(offset + range.start..offset + range.end, out)?);
+        }
         match self.layout.arrangement(name) {
             Arrangement::AsIs => return Ok(tensor.read_range_as(range, out)?),
             Arrangement::RowsPermuted(rows) => {
@@ -154,6 +177,12 @@ impl ParamSource for HubSource {
     fn shape_of(&self, name: &str) -> Option<Vec<usize>> {
         let tensor = self.layout.tensor_of(&self.dir, name)?;
         let mut shape = self.dir.tensor(&tensor)?.shape.clone();
+        if let Some((_, _, count)) = self.layout.fused_part(name) {
+            // A part: the tensor's rows split `count` ways.
+            let last = *shape.last()?;
+            let numel = shape.iter().product::<usize>();
+            return Some(vec![numel / count.max(1) / last.max(1), last]);
+        }
         if self.layout.is_transposed(name) {
             shape.reverse();
         }

@@ -51,6 +51,9 @@ pub(crate) enum Saved<'a> {
     /// These bytes, as they are (a tensor the model does not train,
     /// borrowed from the file it was read from).
     Bytes(&'a [u8]),
+    /// These variables' values one after another, each as it is (a
+    /// mixture's experts fused in one tensor); their indices consecutive.
+    Vars(Vec<usize>),
 }
 
 impl<C, T> ZeroOptimizer<C, T>
@@ -71,15 +74,39 @@ where
         // In each file, the variables' tensors in collective order, then the
         // copied bytes: the order the loop below produces them in.
         for file in &mut files {
-            file.tensors.sort_by_key(|t| match t.from {
-                Saved::Var { index, .. } => index,
+            file.tensors.sort_by_key(|t| match &t.from {
+                Saved::Var { index, .. } => *index,
+                Saved::Vars(indices) => indices.first().copied().unwrap_or(usize::MAX),
                 Saved::Bytes(_) => usize::MAX,
             });
         }
         let mut destinations: Vec<Vec<(usize, usize)>> = vec![Vec::new(); self.vars.len()];
         for (f, file) in files.iter().enumerate() {
             for (t, tensor) in file.tensors.iter().enumerate() {
-                if let Saved::Var { index, .. } = tensor.from {
+                let indices = match &tensor.from {
+                    Saved::Var { index, .. } => vec![*index],
+                    Saved::Vars(indices) => {
+                        // Written as the variables are visited: one after
+                        // another, with no other tensor's between them.
+                        let first = indices.first().copied().unwrap_or(0);
+                        if indices
+                            .iter()
+                            .enumerate()
+                            .any(|(i, &index)| index != first + i)
+                        {
+                            return Err(Error::Variable {
+                                name: tensor.name.clone(),
+                                detail: "holds variables whose names do not sort one after \
+                                         another (a fused tensor's parts must be consecutive in \
+                                         the engine's order, by name)"
+                                    .into(),
+                            });
+                        }
+                        indices.clone()
+                    }
+                    Saved::Bytes(_) => Vec::new(),
+                };
+                for index in indices {
                     let Some(slot) = destinations.get_mut(index) else {
                         return Err(Error::Variable {
                             name: tensor.name.clone(),
@@ -124,7 +151,7 @@ where
                     Saved::Var {
                         arrangement: Arrangement::AsIs,
                         ..
-                    }
+                    } | Saved::Vars(_)
                 )
             };
             let sharded = fetcher.as_ref().is_some_and(|f| f.is_sharded(index));
@@ -183,7 +210,7 @@ where
             };
             let copied = file.tensors.iter().try_for_each(|t| match &t.from {
                 Saved::Bytes(bytes) => w.write(bytes),
-                Saved::Var { .. } => Ok(()),
+                Saved::Var { .. } | Saved::Vars(_) => Ok(()),
             });
             if let Err(e) = copied.and_then(|()| w.finish().map(drop)) {
                 failure.get_or_insert(e.into());
@@ -234,7 +261,14 @@ fn saved_bytes(whole: &Tensor, saved: &SavedTensor<'_>) -> Result<Vec<u8>> {
         _ => whole.clone(),
     };
     let dtype = candle_dtype(saved.dtype);
-    if tensor.dims() != saved.shape.as_slice() {
+    let fits = match &saved.from {
+        // One part of several, of equal sizes.
+        Saved::Vars(parts) => {
+            tensor.elem_count() * parts.len() == saved.shape.iter().product::<usize>()
+        }
+        _ => tensor.dims() == saved.shape.as_slice(),
+    };
+    if !fits {
         return Err(Error::Variable {
             name: saved.name.clone(),
             detail: format!(

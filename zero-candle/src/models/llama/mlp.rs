@@ -91,6 +91,8 @@ pub(super) enum Routing {
     GroupedSoftmax {
         groups: usize,
         top_groups: usize,
+        /// How many of a group's best rank it.
+        ranked_by: usize,
         scale: f64,
     },
     /// ERNIE 4.5's softmax probabilities (in f32), chosen by probability
@@ -240,12 +242,15 @@ impl Experts {
                 (probs, index, chosen)
             }
             Routing::GroupedSoftmax {
-                groups, top_groups, ..
+                groups,
+                top_groups,
+                ranked_by,
+                ..
             } if top_groups < groups => {
                 let probs = candle_nn::ops::softmax(&wide, D::Minus1)?;
                 // DeepSeek-V2's groups, on the host.
                 let rows = probs.detach().to_vec2::<f32>()?;
-                let chosen = grouped_top_k(&rows, (*groups, *top_groups, 1), self.top_k);
+                let chosen = grouped_top_k(&rows, (*groups, *top_groups, *ranked_by), self.top_k);
                 let index = Tensor::new(chosen.clone(), h.device())?;
                 (probs, index, chosen)
             }
@@ -287,7 +292,8 @@ impl Experts {
         let (epsilon, scale, min_sum) = match &self.routing {
             Routing::Softmax => (0.0, 1.0, 0.0),
             Routing::Sigmoid { epsilon, scale, .. } => (*epsilon, *scale, 0.0),
-            Routing::GroupedSoftmax { scale, .. } => (0.0, *scale, 0.0),
+            // Mistral 4 adds 1e-20 to the sum (DeepSeek-V2 never divides).
+            Routing::GroupedSoftmax { scale, .. } => (1e-20, *scale, 0.0),
             Routing::BiasedSoftmax { min_sum, .. } => (0.0, 1.0, *min_sum),
         };
         let mut weights = scores.gather(&index, 1)?;

@@ -61,9 +61,10 @@
 //! GPT-J (`GPTJForCausalLM`: GPT-2's keys and names, parallel blocks, part
 //! of each head rotating as interleaved pairs). Falcon (`FalconForCausalLM`:
 //! q, k and v in one weight in each architecture's order, parallel blocks).
-//! DeepSeek-V2 and V3 (`DeepseekV2ForCausalLM`, `DeepseekV3ForCausalLM`)
-//! and GLM-4.7-Flash (`Glm4MoeLiteForCausalLM`): multi-head latent
-//! attention ([`LatentAttention`]) and their mixtures.
+//! DeepSeek-V2 and V3 (`DeepseekV2ForCausalLM`, `DeepseekV3ForCausalLM`),
+//! GLM-4.7-Flash (`Glm4MoeLiteForCausalLM`) and Mistral 4
+//! (`Mistral4ForCausalLM`): multi-head latent attention
+//! ([`LatentAttention`]) and their mixtures.
 //!
 //! The variables carry the hub's names (`model.embed_tokens.weight`,
 //! `model.layers.{i}.self_attn.q_proj.weight`, ..., `model.norm.weight`,
@@ -551,6 +552,30 @@ impl Block {
     }
 }
 
+/// The names of expert `e`'s gate, up and down projections under its
+/// mixture's prefix: the files' own (`experts.{e}.gate_proj`, Mixtral's
+/// `experts.{e}.w1`, ...), or, where the files fuse the experts
+/// ([`LlamaConfig::fused_experts`]), names under each fused tensor's that
+/// sort in its order (`experts.gate_up_proj.{e}.gate`, `.up`,
+/// `experts.down_proj.{e}`, `e` zero-padded): the engine orders the
+/// variables by name, and a fused tensor is written from its parts one
+/// after another.
+fn expert_vars(config: &LlamaConfig, moe: &MoeConfig, e: usize) -> [String; 3] {
+    if config.fused_experts {
+        let digits = moe.num_experts.saturating_sub(1).max(1).to_string().len();
+        return [
+            format!("experts.gate_up_proj.{e:0digits$}.gate"),
+            format!("experts.gate_up_proj.{e:0digits$}.up"),
+            format!("experts.down_proj.{e:0digits$}"),
+        ];
+    }
+    let [gate, up, down] = match moe.style.w_names() {
+        true => ["w1", "w3", "w2"],
+        false => ["gate_proj", "up_proj", "down_proj"],
+    };
+    [gate, up, down].map(|name| format!("experts.{e}.{name}"))
+}
+
 /// The buffer `name` of `width` under `vb`, f32 on its device (a tensor of
 /// the checkpoint the model reads but does not train: see
 /// [`ShardedVarMap`]'s `get_unchecked`), zeros where the source holds none
@@ -787,18 +812,23 @@ impl Llama {
         };
         let dense = |vb: VarBuilder, width| gated(vb, width, config.mlp_bias);
         // One expert of a mixture, under its style's names.
-        let expert = |vb: VarBuilder, moe: &MoeConfig| -> Result<Mlp> {
-            match moe.style.w_names() {
-                false => gated(vb, moe.expert_size, false),
-                true => Ok(Mlp {
-                    gate_up: Projections::Separate([
-                        linear(vb.pp("w1"), d, moe.expert_size)?,
-                        linear(vb.pp("w3"), d, moe.expert_size)?,
-                    ]),
-                    down: linear(vb.pp("w2"), moe.expert_size, d)?,
-                    activation: config.mlp_activation,
-                }),
-            }
+        // A mixture's experts under `vb`, named as the files hold them
+        // ([`expert_vars`]).
+        let experts = |vb: VarBuilder, moe: &MoeConfig| -> Result<Vec<Mlp>> {
+            let width = moe.expert_size;
+            (0..moe.num_experts)
+                .map(|e| {
+                    let [gate, up, down] = expert_vars(config, moe, e);
+                    Ok(Mlp {
+                        gate_up: Projections::Separate([
+                            linear(vb.pp(gate), d, width)?,
+                            linear(vb.pp(up), d, width)?,
+                        ]),
+                        down: linear(vb.pp(down), width, d)?,
+                        activation: config.mlp_activation,
+                    })
+                })
+                .collect()
         };
         // A mixture's router; the sigmoid one's bias that steers its choice
         // (GLM-4.5's, MiniMax-M2's) is a buffer of the checkpoint.
@@ -828,12 +858,14 @@ impl Llama {
                 MoeRouting::GroupedSoftmax {
                     groups,
                     top_groups,
+                    ranked_by,
                     scale,
                 } => Ok((
                     gate,
                     Routing::GroupedSoftmax {
                         groups,
                         top_groups,
+                        ranked_by,
                         scale,
                     },
                 )),
@@ -956,11 +988,7 @@ impl Llama {
                 mlp: match &config.moe {
                     Some(moe) if moe.layers[i] => FeedForward::Experts(Box::new(Experts::new(
                         router(vb.pp(moe.style.prefix()), moe)?,
-                        (0..moe.num_experts)
-                            .map(|e| {
-                                expert(vb.pp(moe.style.prefix()).pp(format!("experts.{e}")), moe)
-                            })
-                            .collect::<Result<_>>()?,
+                        experts(vb.pp(moe.style.prefix()), moe)?,
                         match moe.shared_expert_size {
                             Some(width) if moe.style.ungated_shared_experts() => {
                                 Some((dense(mlp.pp("shared_experts"), width)?, None))
@@ -1084,6 +1112,25 @@ impl Llama {
         };
         for (var, rows) in reordered {
             layout = layout.with_rows_permuted(var, rows);
+        }
+        if let Some(moe) = config.moe.as_ref().filter(|_| config.fused_experts) {
+            for i in (0..config.num_hidden_layers).filter(|&i| moe.layers[i]) {
+                let mixture = format!(
+                    "{}.{}.{i}.{}",
+                    names.model(),
+                    names.layers(),
+                    moe.style.prefix()
+                );
+                let var = |name: &str| format!("{mixture}.{name}.weight");
+                let parts = (0..moe.num_experts).map(|e| expert_vars(config, moe, e));
+                let gate_up = parts.clone().flat_map(|[g, u, _]| [var(&g), var(&u)]);
+                layout = layout
+                    .with_fused(format!("{mixture}.experts.gate_up_proj"), gate_up.collect())
+                    .with_fused(
+                        format!("{mixture}.experts.down_proj"),
+                        parts.map(|[_, _, down]| var(&down)).collect(),
+                    );
+            }
         }
         if config.qkv_per_head {
             let rows = qkv_from_heads(config);

@@ -72,17 +72,21 @@ pub enum MoeRouting {
         /// `routed_scaling_factor`.
         scale: f64,
     },
-    /// DeepSeek-V2's: a softmax over the experts in f32; a token chooses
-    /// the `experts_per_token` most probable among the experts of the
-    /// `top_groups` of `groups` equal groups whose most probable expert is
-    /// the most probable (`group_limited_greedy`; one group of all,
-    /// `greedy`). Their weights are their probabilities, never
-    /// normalized, times `scale`.
+    /// DeepSeek-V2's and Mistral 4's: a softmax over the experts in f32;
+    /// a token chooses the `experts_per_token` most probable among the
+    /// experts of the `top_groups` of `groups` equal groups whose
+    /// `ranked_by` most probable experts sum highest (DeepSeek-V2's
+    /// `group_limited_greedy`: its best; Mistral 4's: its two best; one
+    /// group of all, V2's `greedy`). Their weights are their probabilities
+    /// (divided by their sum plus 1e-20 when normalized: Mistral 4's
+    /// `norm_topk_prob`, never DeepSeek-V2's) times `scale`.
     GroupedSoftmax {
         /// `n_group`.
         groups: usize,
         /// `topk_group`.
         top_groups: usize,
+        /// How many of a group's best rank it.
+        ranked_by: usize,
         /// `routed_scaling_factor`.
         scale: f64,
     },
@@ -199,12 +203,13 @@ impl MoeConfig {
             groups,
             top_groups,
             scale,
+            ..
         } = self.routing
         {
             // The sigmoid router ranks a group by its two best experts.
             let least = match self.routing {
-                MoeRouting::Sigmoid { .. } => 2,
-                _ => 1,
+                MoeRouting::GroupedSoftmax { ranked_by, .. } => ranked_by,
+                _ => 2,
             };
             crate::models::check_positive(&[("n_group", groups), ("topk_group", top_groups)])?;
             if self.num_experts % groups != 0 || self.num_experts / groups < least {
@@ -269,12 +274,21 @@ pub(super) struct MoeFamily {
     /// `moe_intermediate_size` where the file leaves it out; `None`: the
     /// experts are `intermediate_size` wide (Mixtral, OLMoE).
     pub(super) expert_size: Option<usize>,
-    /// `norm_topk_prob` where the file leaves it out; `None`: always
-    /// normalized (Mixtral).
-    pub(super) normalize: Option<bool>,
+    /// Whether the chosen experts' weights are divided by their sum.
+    pub(super) normalize: Normalize,
+    /// How many of a group's best probabilities rank it in the grouped
+    /// softmax router (DeepSeek-V2's one, Mistral 4's two).
+    pub(super) group_rank: usize,
+    /// `topk_method` says whether the grouped softmax router uses its
+    /// groups (DeepSeek-V2's `group_limited_greedy`; Mistral 4 always
+    /// does).
+    pub(super) reads_topk_method: bool,
     /// `shared_expert_intermediate_size` where the file leaves it out, for
     /// a family with a shared expert (Qwen2-MoE).
     pub(super) shared_expert_size: Option<usize>,
+    /// `n_shared_experts` where the file leaves it out, for a family whose
+    /// shared experts are one MLP without a gate (GLM-4.5's).
+    pub(super) shared_experts: usize,
     /// `decoder_sparse_step` and `mlp_only_layers` are read (Qwen).
     pub(super) sparse_layers: bool,
     /// `first_k_dense_replace` where the file leaves it out (GLM-4.5's
@@ -290,6 +304,17 @@ pub(super) struct MoeFamily {
     pub(super) aux_loss_coef: f64,
 }
 
+/// Whether a family divides the chosen experts' weights by their sum.
+#[derive(Clone, Copy)]
+pub(super) enum Normalize {
+    /// Always (Mixtral).
+    Always,
+    /// Never (DeepSeek-V2).
+    Never,
+    /// As `norm_topk_prob` says, this where the file leaves it out.
+    Key(bool),
+}
+
 /// GLM-4.5's mixture (`glm4_moe`): the sigmoid router, `n_shared_experts`
 /// shared experts of `moe_intermediate_size` as one MLP, the first
 /// `first_k_dense_replace` layers dense; no load-balancing loss.
@@ -298,8 +323,11 @@ pub(super) const GLM4_MOE: MoeFamily = MoeFamily {
     num_experts: 128,
     experts_per_token: 8,
     expert_size: Some(1408),
-    normalize: Some(true),
+    normalize: Normalize::Key(true),
+    group_rank: 2,
+    reads_topk_method: false,
     shared_expert_size: None,
+    shared_experts: 1,
     sparse_layers: false,
     first_dense: 1,
     layer_types: false,
@@ -340,9 +368,26 @@ pub(super) const DEEPSEEK_V2_MOE: MoeFamily = MoeFamily {
     num_experts: 64,
     experts_per_token: 6,
     expert_size: Some(1407),
-    normalize: Some(false),
+    normalize: Normalize::Never,
+    group_rank: 1,
+    reads_topk_method: true,
+    shared_experts: 2,
     first_dense: 0,
     ..GLM4_MOE
+};
+
+/// Mistral 4's mixture (`mistral4`): DeepSeek-V2's names and softmax
+/// router, its groups ranked by their two best, the choices normalized;
+/// 128 experts of 2048, 4 per token, a shared expert, every layer.
+pub(super) const MISTRAL4_MOE: MoeFamily = MoeFamily {
+    num_experts: 128,
+    experts_per_token: 4,
+    expert_size: Some(2048),
+    normalize: Normalize::Key(true),
+    group_rank: 2,
+    reads_topk_method: false,
+    shared_experts: 1,
+    ..DEEPSEEK_V2_MOE
 };
 
 /// Solar Open's mixture (`solar_open`): GLM-4.5's in every layer, experts
@@ -374,7 +419,7 @@ pub(super) fn expert_size_of(
 /// dots.llm1's mixture (`dots1`): GLM-4.5's, its choices unnormalized and
 /// every layer a mixture unless the file says otherwise.
 pub(super) const DOTS1_MOE: MoeFamily = MoeFamily {
-    normalize: Some(false),
+    normalize: Normalize::Key(false),
     first_dense: 0,
     ..GLM4_MOE
 };
@@ -385,8 +430,11 @@ pub(super) const QWEN2_MOE: MoeFamily = MoeFamily {
     num_experts: 60,
     experts_per_token: 4,
     expert_size: Some(1408),
-    normalize: Some(false),
+    normalize: Normalize::Key(false),
+    group_rank: 2,
+    reads_topk_method: false,
     shared_expert_size: Some(5632),
+    shared_experts: 0,
     sparse_layers: true,
     first_dense: 0,
     layer_types: false,
@@ -414,8 +462,11 @@ pub(super) const MINIMAX_M2_MOE: MoeFamily = MoeFamily {
     num_experts: 256,
     experts_per_token: 8,
     expert_size: None,
-    normalize: None,
+    normalize: Normalize::Always,
+    group_rank: 2,
+    reads_topk_method: false,
     shared_expert_size: None,
+    shared_experts: 0,
     sparse_layers: false,
     first_dense: 0,
     layer_types: false,
@@ -432,8 +483,11 @@ pub(super) const ERNIE4_5_MOE: MoeFamily = MoeFamily {
     num_experts: 64,
     experts_per_token: 6,
     expert_size: Some(1536),
-    normalize: None,
+    normalize: Normalize::Always,
+    group_rank: 2,
+    reads_topk_method: false,
     shared_expert_size: None,
+    shared_experts: 2,
     sparse_layers: false,
     first_dense: 0,
     layer_types: false,
@@ -586,9 +640,7 @@ pub(super) fn moe_of(
     // them.
     let shared_expert_size = match family.style.ungated_shared_experts() {
         true => {
-            let shared = plain
-                .n_shared_experts
-                .unwrap_or(if ernie || deepseek { 2 } else { 1 });
+            let shared = plain.n_shared_experts.unwrap_or(family.shared_experts);
             Some(expert_size * shared).filter(|&s| s > 0)
         }
         false => family
@@ -602,10 +654,9 @@ pub(super) fn moe_of(
             .unwrap_or(family.experts_per_token),
         expert_size,
         normalize: match family.normalize {
-            // DeepSeek-V2's router never normalizes.
-            Some(_) if deepseek => false,
-            Some(default) => plain.norm_topk_prob.unwrap_or(default),
-            None => true,
+            Normalize::Always => true,
+            Normalize::Never => false,
+            Normalize::Key(default) => plain.norm_topk_prob.unwrap_or(default),
         },
         shared_expert_size,
         layers,
@@ -621,8 +672,16 @@ pub(super) fn moe_of(
                 scale: plain.routed_scaling_factor.unwrap_or(family.scale),
             },
             MoeStyle::DeepSeek => {
-                let (groups, top_groups) = match plain.topk_method.as_deref().unwrap_or("greedy") {
+                let method = match family.reads_topk_method {
+                    true => plain.topk_method.as_deref().unwrap_or("greedy"),
+                    false => "group_limited_greedy",
+                };
+                let (groups, top_groups) = match method {
                     "greedy" => (1, 1),
+                    _ if !family.reads_topk_method => (
+                        plain.n_group.unwrap_or(family.groups.0),
+                        plain.topk_group.unwrap_or(family.groups.1),
+                    ),
                     "group_limited_greedy" => (
                         plain.n_group.ok_or(
                             "`topk_method` is \"group_limited_greedy\" but `n_group` is not \
@@ -644,6 +703,7 @@ pub(super) fn moe_of(
                 MoeRouting::GroupedSoftmax {
                     groups,
                     top_groups,
+                    ranked_by: family.group_rank,
                     scale: plain.routed_scaling_factor.unwrap_or(family.scale),
                 }
             }
@@ -656,28 +716,16 @@ pub(super) fn moe_of(
 }
 
 impl LlamaConfig {
-    /// An error where `hub`'s weights hold a mixture's experts as one
-    /// tensor per layer (`mlp.experts.gate_up_proj`, as `transformers` 5
-    /// holds them in memory) instead of one weight per expert, as its
-    /// `save_pretrained` writes them and this model reads them.
-    pub(crate) fn check_files(&self, hub: &HubDir) -> crate::Result<()> {
-        if self.moe.is_none() {
-            return Ok(());
-        }
-        let fused = hub
-            .names()
-            .find(|n| n.ends_with(".experts.gate_up_proj") || n.ends_with(".experts.down_proj"));
-        match fused {
-            Some(name) => Err(crate::Error::Hub {
-                path: hub.dir().to_path_buf(),
-                detail: format!(
-                    "holds the experts of a layer fused in one tensor ({name}); this model reads \
-                     one weight per expert (`experts.0.gate_proj.weight`, ...), as \
-                     transformers' save_pretrained writes them: load the checkpoint with \
-                     transformers and save it again with save_pretrained"
-                ),
-            }),
-            None => Ok(()),
-        }
+    /// Reads from `hub`'s weights whether they hold each mixture layer's
+    /// experts fused in two tensors (`experts.gate_up_proj`, `[experts, 2 *
+    /// width, hidden]`, and `experts.down_proj`, `[experts, hidden,
+    /// width]`: `transformers` 5's own layout, which its `save_pretrained`
+    /// writes for the models it has no older layout for, Mistral 4's) or
+    /// one weight per expert ([`LlamaConfig::fused_experts`]).
+    pub(crate) fn settle_experts(&mut self, hub: &HubDir) {
+        self.fused_experts = self.moe.is_some()
+            && hub
+                .names()
+                .any(|n| n.ends_with(".experts.gate_up_proj") || n.ends_with(".experts.down_proj"));
     }
 }

@@ -1,8 +1,9 @@
 //! Each family read as Llama, and what sets it apart: one table.
 
 use super::super::moe::{
-    MoeFamily, MoeStyle, DEEPSEEK_V2_MOE, DEEPSEEK_V3_MOE, DOTS1_MOE, ERNIE4_5_MOE, GLM4_MOE,
-    GLM4_MOE_LITE_MOE, MINIMAX_M2_MOE, OLMOE_MOE, QWEN2_MOE, SOLAR_OPEN_MOE,
+    MoeFamily, MoeStyle, Normalize, DEEPSEEK_V2_MOE, DEEPSEEK_V3_MOE, DOTS1_MOE, ERNIE4_5_MOE,
+    GLM4_MOE, GLM4_MOE_LITE_MOE, MINIMAX_M2_MOE, MISTRAL4_MOE, OLMOE_MOE, QWEN2_MOE,
+    SOLAR_OPEN_MOE,
 };
 use super::{LayerNames, NormNames, QkNorm, UngatedMlp};
 use crate::models::rope::RopeDialect;
@@ -327,7 +328,7 @@ pub(super) const ERNIE: Family = Family {
 };
 
 /// The families read as Llama.
-pub(super) const FAMILIES: [Family; 48] = [
+pub(super) static FAMILIES: [Family; 49] = [
     Family {
         reads_mlp_bias: true,
         ..LLAMA
@@ -429,7 +430,7 @@ pub(super) const FAMILIES: [Family; 48] = [
             num_experts: 8,
             experts_per_token: 2,
             expert_size: None,
-            normalize: None,
+            normalize: Normalize::Always,
             shared_expert_size: None,
             sparse_layers: false,
             ..QWEN2_MOE
@@ -819,7 +820,32 @@ pub(super) const FAMILIES: [Family; 48] = [
         moe: Some(GLM4_MOE_LITE_MOE),
         ..LLAMA
     },
+    // Mistral 4: DeepSeek-V3's latent attention with Ministral 3's scale of
+    // the queries by position, YaRN by default; in every layer a mixture
+    // chosen by softmax probability within the best groups (by their two
+    // best), normalized, beside a shared expert.
+    Family {
+        model_type: "mistral4",
+        architectures: ["Mistral4ForCausalLM", "Mistral4Model"],
+        latent: Some(true),
+        position_scaled: true,
+        default_rope: Some(MISTRAL4_ROPE),
+        rope: RopeDialect {
+            // Its files give the rotated share of each head, which the
+            // latent attention's widths say.
+            partial: Some(1.0),
+            ..LLAMA.rope
+        },
+        moe: Some(MISTRAL4_MOE),
+        ..LLAMA
+    },
 ];
+
+/// Mistral 4's rotation where its file gives none (`transformers`'
+/// default).
+pub(super) const MISTRAL4_ROPE: &str = r#"{"rope_type": "yarn", "rope_theta": 10000.0,
+    "factor": 128.0, "original_max_position_embeddings": 8192, "beta_fast": 32.0,
+    "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.1}"#;
 
 /// Ministral 3's rotation where its file gives none (`transformers`'
 /// default).
@@ -846,7 +872,7 @@ pub(crate) const LLAMA_TYPES: &str =
      \"nemotron\", \"exaone4\", \"seed_oss\", \"gpt_neox\", \"stablelm\", \"olmo\", \
      \"nanochat\", \"hunyuan_v1_dense\", \"jais2\", \"helium\", \"ministral\", \"cwm\", \
      \"solar_open\", \"ministral3\", \"gptj\", \"falcon\", \"deepseek_v2\", \
-     \"deepseek_v3\", \"glm4_moe_lite\" and \"mistral3\" (its text model)";
+     \"deepseek_v3\", \"glm4_moe_lite\", \"mistral4\" and \"mistral3\" (its text model)";
 
 #[cfg(test)]
 mod tests {

@@ -201,6 +201,13 @@ pub struct LlamaConfig {
     /// The keys and values from one latent per token (DeepSeek-V2's
     /// multi-head latent attention); every head its own K/V head.
     pub latent_attention: Option<LatentAttention>,
+    /// The checkpoint holds each mixture layer's experts fused in two
+    /// tensors (`experts.gate_up_proj` and `experts.down_proj`, as
+    /// `transformers` 5 holds them), not one weight per expert: the
+    /// variables stay one per expert's projection, each a part of its
+    /// fused tensor ([`crate::hub::HubLayout::with_fused`]). Read from the
+    /// files by [`LlamaConfig::from_hub`].
+    pub fused_experts: bool,
 }
 
 /// Llama 4's and Ministral 3's scale of the queries by position: the query
@@ -290,7 +297,7 @@ impl LlamaConfig {
     /// (`ernie4_5`, `ernie4_5_moe`), dots.llm1 (`dots1`), Starcoder2, Phi, Arcee,
     /// Nemotron, EXAONE 4, Seed-OSS, GPT-NeoX, StableLM, OLMo, NanoChat, Hunyuan, Jais 2,
     /// Helium, Ministral, CWM, Solar Open, Ministral 3, GPT-J, Falcon,
-    /// DeepSeek-V2, DeepSeek-V3 or GLM-4.7-Flash (`glm4_moe_lite`) model
+    /// DeepSeek-V2, DeepSeek-V3, GLM-4.7-Flash (`glm4_moe_lite`) or Mistral 4 model
     /// (by `model_type`; Llama without one): an error names the key whose value this model
     /// cannot honour (another architecture, MLP biases, another
     /// activation, a rotary scaling it does not implement, bidirectional
@@ -555,6 +562,7 @@ impl LlamaConfig {
             local_rope,
             moe: family.moe.map(|moe| moe_of(config, moe)).transpose()?,
             latent_attention: latent.map(|(latent, _, _)| latent),
+            fused_experts: false,
         };
         parsed.validate()?;
         Ok(parsed)
@@ -592,10 +600,10 @@ impl LlamaConfig {
                 .get("model_type")
                 .and_then(|t| t.as_str())
                 .unwrap_or("mistral");
-            if !matches!(inner, "mistral" | "ministral3") {
+            if !matches!(inner, "mistral" | "ministral3" | "mistral4") {
                 return Err(format!(
-                    "`text_config.model_type` is {inner:?}; Mistral 3's text model is \"mistral\" \
-                     or \"ministral3\" here"
+                    "`text_config.model_type` is {inner:?}; Mistral 3's text model is \"mistral\", \
+                     \"ministral3\" or \"mistral4\" here"
                 ));
             }
             text.insert("model_type".into(), inner.into());
@@ -611,23 +619,23 @@ impl LlamaConfig {
     }
 
     /// The config of the hub directory `hub` ([`LlamaConfig::from_json`]),
-    /// an error naming its `config.json` and the key, or saying that the
-    /// weights store a mixture's experts fused.
+    /// or an error naming its `config.json` and the key; whether its
+    /// weights hold a mixture's experts fused is read from them.
     pub fn from_hub(hub: &HubDir) -> crate::Result<Self> {
         let mut config = crate::models::config_of(hub, Self::from_json)?;
         config.settle_with_files(hub)?;
         Ok(config)
     }
 
-    /// What the config leaves to the files: an error where they store a
-    /// mixture's experts fused ([`LlamaConfig::check_files`]); and a head
+    /// What the config leaves to the files: whether they hold a mixture's
+    /// experts fused ([`LlamaConfig::fused_experts`]); and a head
     /// the config ties but the files hold apart from the embedding, with
     /// other values, untied, as `transformers` 5 unties it (warning that the
     /// config and the checkpoint disagree). Mistral 3's outer config, for
     /// one, ties by default while Mistral Small's files hold their own
     /// head.
     pub(crate) fn settle_with_files(&mut self, hub: &HubDir) -> crate::Result<()> {
-        self.check_files(hub)?;
+        self.settle_experts(hub);
         if !self.tie_word_embeddings {
             return Ok(());
         }
