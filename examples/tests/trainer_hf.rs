@@ -201,6 +201,7 @@ fn a_bf16_fine_tune_trains_and_saves_in_the_checkpoints_dtype() {
         ("llama/deepseekv3", 2),
         ("llama/glm4moelite", 3),
         ("llama/mistral4", 2),
+        ("llama/internlm3", 3),
     ] {
         let dir = tempfile::tempdir().unwrap();
         let out = dir.path().join("out");

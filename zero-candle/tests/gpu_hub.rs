@@ -65,7 +65,7 @@ const BALANCED: [(&str, &str); 2] = [
 
 /// The families read since (GLM-4.5 to Mistral 4, and Mistral): at
 /// one rank (MiniMax-M2's load-balancing loss is each rank's own).
-const LATER: [(&str, &str); 38] = [
+const LATER: [(&str, &str); 40] = [
     ("llama/mistral", "mistral."),
     ("llama/glm4moe", "glm4moe."),
     ("llama/minimaxm2", "minimaxm2."),
@@ -104,6 +104,8 @@ const LATER: [(&str, &str); 38] = [
     ("llama/deepseekv3", "deepseekv3."),
     ("llama/glm4moelite", "glm4moelite."),
     ("llama/mistral4", "mistral4."),
+    ("llama/internlm3", "internlm3."),
+    ("llama/iquestcoder", "iquestcoder."),
 ];
 
 /// The fixtures: under the current directory when it is the repository's

@@ -111,6 +111,9 @@ fn logits_loss_and_gradients_equal_transformers() {
         ("glm4moelite", 52),
         // Queries scaled by position; groups ranked by their two best.
         ("mistral4", 52),
+        // Run as Llama by transformers.
+        ("internlm3", 35),
+        ("iquestcoder", 21),
     ];
     for (fixture, variables) in cases {
         let (config, map) = Llama::open_hub(fixtures().join(fixture)).unwrap();
@@ -309,6 +312,7 @@ fn loading_then_saving_reproduces_the_checkpoint_tensor_for_tensor() {
         "deepseekv3",
         "glm4moelite",
         "mistral4",
+        "internlm3",
     ] {
         let dir = fixtures().join(fixture);
         for (stage, world) in [(Stage::Ddp, 1), (Stage::Parameters, 2)] {
@@ -399,6 +403,8 @@ fn one_sgd_step_equals_torch_at_stage_0_and_at_stage_3_on_two_ranks() {
         ("glm4moelite", Stage::Parameters, 2, 53),
         // Its experts fused in two tensors per layer, as transformers 5 saves them.
         ("mistral4", Stage::Parameters, 2, 30),
+        ("internlm3", Stage::Parameters, 2, 35),
+        ("iquestcoder", Stage::Parameters, 2, 21),
     ] {
         let out = tempfile::tempdir().unwrap();
         Run::new(stage, world, 1).train(&fixtures().join(fixture), &ids, out.path());
@@ -673,6 +679,8 @@ fn both_config_forms_read_alike_and_llama3_scales_the_low_frequencies() {
         "falcon",
         "falconnew",
         "falconseq",
+        "internlm3",
+        "iquestcoder",
     ] {
         let config = LlamaConfig::from_json(&config_of(fixture)).unwrap();
         let stored: usize = hub_tensors(&fixtures().join(fixture))
@@ -2537,4 +2545,35 @@ fn latent_attention_configs_read_as_transformers_reads_them() {
         let err = LlamaConfig::from_json(&config).unwrap_err();
         assert!(err.contains(named), "{fixture} {key}: {err}");
     }
+}
+
+/// InternLM3's and IQuest-Coder's configs, which `transformers` runs as
+/// Llama's: their defaults, InternLM3's `qkv_bias` and `bias` (its released
+/// files' keys) read as `attention_bias` and `mlp_bias`, and
+/// IQuest-Coder's refusal of windows.
+#[test]
+fn internlm3_and_iquestcoder_configs_read_as_transformers_reads_them() {
+    let saved = LlamaConfig::from_json(&config_of("internlm3")).unwrap();
+    assert!(saved.qkv_bias && saved.o_bias && saved.mlp_bias);
+    let mut released = config_without("internlm3", &["attention_bias", "mlp_bias", "head_dim"]);
+    released["qkv_bias"] = true.into();
+    released["bias"] = true.into();
+    released["architectures"] = serde_json::json!(["InternLM3ForCausalLM"]);
+    let parsed = LlamaConfig::from_json(&released).unwrap();
+    assert!(parsed.qkv_bias && parsed.o_bias && parsed.mlp_bias);
+    assert_eq!(parsed.head_dim, 128, "transformers' default");
+    released["bias"] = false.into();
+    assert!(!LlamaConfig::from_json(&released).unwrap().mlp_bias);
+
+    let silent = LlamaConfig::from_json(&config_without(
+        "iquestcoder",
+        &["head_dim", "rms_norm_eps"],
+    ))
+    .unwrap();
+    assert_eq!((silent.head_dim, silent.rms_norm_eps), (128, 1e-5));
+    let mut windowed = config_of("iquestcoder");
+    windowed["use_sliding_window"] = true.into();
+    windowed["sliding_window"] = 4.into();
+    let err = LlamaConfig::from_json(&windowed).unwrap_err();
+    assert!(err.contains("use_sliding_window"), "{err}");
 }

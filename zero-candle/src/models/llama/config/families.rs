@@ -194,6 +194,9 @@ pub(super) struct Family {
     pub(super) typed_rope: Option<TypedRope>,
     /// The MLP is a mixture of experts.
     pub(super) moe: Option<MoeFamily>,
+    /// Keys read as others where those are absent (InternLM3's
+    /// `qkv_bias` as `attention_bias`).
+    pub(super) key_aliases: &'static [(&'static str, &'static str)],
     /// DeepSeek-V2's latent attention
     /// ([`super::LatentAttention`]); `Some(true)`: `rope_interleave`
     /// says whether the rotated values are stored as interleaved pairs
@@ -256,6 +259,7 @@ pub(super) const LLAMA: Family = Family {
     typed_rope: None,
     moe: None,
     latent: None,
+    key_aliases: &[],
 };
 
 /// Gemma's settings common to its generations.
@@ -328,7 +332,7 @@ pub(super) const ERNIE: Family = Family {
 };
 
 /// The families read as Llama.
-pub(super) static FAMILIES: [Family; 49] = [
+pub(super) static FAMILIES: [Family; 51] = [
     Family {
         reads_mlp_bias: true,
         ..LLAMA
@@ -839,6 +843,30 @@ pub(super) static FAMILIES: [Family; 49] = [
         moe: Some(MISTRAL4_MOE),
         ..LLAMA
     },
+    // InternLM3: Llama (`transformers` runs it as Llama) with heads of 128
+    // and `rms_norm_eps` 1e-5 by default, its files' `qkv_bias` and `bias`
+    // read as `attention_bias` and `mlp_bias`.
+    Family {
+        model_type: "internlm3",
+        architectures: ["InternLM3ForCausalLM", "LlamaForCausalLM"],
+        reads_mlp_bias: true,
+        default_head_dim: Some(128),
+        default_rms_eps: 1e-5,
+        key_aliases: &[("qkv_bias", "attention_bias"), ("bias", "mlp_bias")],
+        ..LLAMA
+    },
+    // IQuest-Coder: Llama (run as Llama) with heads of 128 and
+    // `rms_norm_eps` 1e-5 by default; `use_sliding_window` refused, as
+    // `transformers` refuses it.
+    Family {
+        model_type: "iquestcoder",
+        architectures: ["IQuestCoderForCausalLM", "LlamaForCausalLM"],
+        reads_mlp_bias: true,
+        default_head_dim: Some(128),
+        default_rms_eps: 1e-5,
+        windows: Windows::Unsupported,
+        ..LLAMA
+    },
 ];
 
 /// Mistral 4's rotation where its file gives none (`transformers`'
@@ -872,7 +900,8 @@ pub(crate) const LLAMA_TYPES: &str =
      \"nemotron\", \"exaone4\", \"seed_oss\", \"gpt_neox\", \"stablelm\", \"olmo\", \
      \"nanochat\", \"hunyuan_v1_dense\", \"jais2\", \"helium\", \"ministral\", \"cwm\", \
      \"solar_open\", \"ministral3\", \"gptj\", \"falcon\", \"deepseek_v2\", \
-     \"deepseek_v3\", \"glm4_moe_lite\", \"mistral4\" and \"mistral3\" (its text model)";
+     \"deepseek_v3\", \"glm4_moe_lite\", \"mistral4\", \"internlm3\", \"iquestcoder\" and \
+     \"mistral3\" (its text model)";
 
 #[cfg(test)]
 mod tests {

@@ -117,7 +117,10 @@ pub(super) struct Plain {
 
 /// `object`'s keys `old` renamed `new` (a null dropped; where the file also
 /// gives `new`, its value stays).
-fn rename_keys(object: &mut serde_json::Map<String, serde_json::Value>, renames: &[(&str, &str)]) {
+pub(super) fn rename_keys(
+    object: &mut serde_json::Map<String, serde_json::Value>,
+    renames: &[(&str, &str)],
+) {
     for &(old, new) in renames {
         if let Some(value) = object.remove(old).filter(|v| !v.is_null()) {
             object.entry(new).or_insert(value);

@@ -317,7 +317,20 @@ impl LlamaConfig {
                 "`model_type` is {kind:?}; this model reads {LLAMA_TYPES}"
             ));
         };
-        // A family's own keys rewritten as the ones read below.
+        // A family's aliases, and its own keys rewritten as the ones read
+        // below.
+        let aliased;
+        let config = match family.key_aliases {
+            [] => config,
+            aliases => {
+                let mut renamed = config.clone();
+                if let Some(object) = renamed.as_object_mut() {
+                    keys::rename_keys(object, aliases);
+                }
+                aliased = renamed;
+                &aliased
+            }
+        };
         let mut falcon = None;
         let rewritten = if family.falcon {
             let (keys, switches) = falcon_keys(config)?;
