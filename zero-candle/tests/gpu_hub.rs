@@ -65,7 +65,7 @@ const BALANCED: [(&str, &str); 2] = [
 
 /// The families read since (GLM-4.5 to Mistral 4, and Mistral): at
 /// one rank (MiniMax-M2's load-balancing loss is each rank's own).
-const LATER: [(&str, &str); 40] = [
+const LATER: [(&str, &str); 41] = [
     ("llama/mistral", "mistral."),
     ("llama/glm4moe", "glm4moe."),
     ("llama/minimaxm2", "minimaxm2."),
@@ -106,6 +106,7 @@ const LATER: [(&str, &str); 40] = [
     ("llama/mistral4", "mistral4."),
     ("llama/internlm3", "internlm3."),
     ("llama/iquestcoder", "iquestcoder."),
+    ("llama/granitemoe", "granitemoe."),
 ];
 
 /// The fixtures: under the current directory when it is the repository's

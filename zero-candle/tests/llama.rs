@@ -114,6 +114,8 @@ fn logits_loss_and_gradients_equal_transformers() {
         // Run as Llama by transformers.
         ("internlm3", 35),
         ("iquestcoder", 21),
+        // Its experts fused in its files under its own names.
+        ("granitemoe", 41),
     ];
     for (fixture, variables) in cases {
         let (config, map) = Llama::open_hub(fixtures().join(fixture)).unwrap();
@@ -313,6 +315,7 @@ fn loading_then_saving_reproduces_the_checkpoint_tensor_for_tensor() {
         "glm4moelite",
         "mistral4",
         "internlm3",
+        "granitemoe",
     ] {
         let dir = fixtures().join(fixture);
         for (stage, world) in [(Stage::Ddp, 1), (Stage::Parameters, 2)] {
@@ -405,6 +408,7 @@ fn one_sgd_step_equals_torch_at_stage_0_and_at_stage_3_on_two_ranks() {
         ("mistral4", Stage::Parameters, 2, 30),
         ("internlm3", Stage::Parameters, 2, 35),
         ("iquestcoder", Stage::Parameters, 2, 21),
+        ("granitemoe", Stage::Parameters, 2, 21),
     ] {
         let out = tempfile::tempdir().unwrap();
         Run::new(stage, world, 1).train(&fixtures().join(fixture), &ids, out.path());

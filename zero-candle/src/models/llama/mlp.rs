@@ -95,6 +95,9 @@ pub(super) enum Routing {
         ranked_by: usize,
         scale: f64,
     },
+    /// Granite MoE's: the experts of highest logit (in f32), weighted by
+    /// the softmax of their logits.
+    TopKSoftmax,
     /// ERNIE 4.5's softmax probabilities (in f32), chosen by probability
     /// plus `bias`.
     BiasedSoftmax {
@@ -260,6 +263,11 @@ impl Experts {
                 let chosen = index.to_vec2::<u32>()?;
                 (probs, index, chosen)
             }
+            Routing::TopKSoftmax => {
+                let index = top_k(&wide, self.top_k)?;
+                let chosen = index.to_vec2::<u32>()?;
+                (wide.clone(), index, chosen)
+            }
             Routing::BiasedSoftmax { bias, .. } => {
                 let probs = candle_nn::ops::softmax(&wide, D::Minus1)?;
                 // The choice only: no gradient flows through it.
@@ -290,13 +298,17 @@ impl Experts {
             }
         };
         let (epsilon, scale, min_sum) = match &self.routing {
-            Routing::Softmax => (0.0, 1.0, 0.0),
+            Routing::Softmax | Routing::TopKSoftmax => (0.0, 1.0, 0.0),
             Routing::Sigmoid { epsilon, scale, .. } => (*epsilon, *scale, 0.0),
             // Mistral 4 adds 1e-20 to the sum (DeepSeek-V2 never divides).
             Routing::GroupedSoftmax { scale, .. } => (1e-20, *scale, 0.0),
             Routing::BiasedSoftmax { min_sum, .. } => (0.0, 1.0, *min_sum),
         };
         let mut weights = scores.gather(&index, 1)?;
+        if let Routing::TopKSoftmax = self.routing {
+            // The chosen logits' softmax.
+            weights = candle_nn::ops::softmax(&weights, D::Minus1)?;
+        }
         if self.normalize {
             let mut sum = weights.sum_keepdim(1)?;
             if epsilon != 0.0 {

@@ -64,7 +64,10 @@
 //! DeepSeek-V2 and V3 (`DeepseekV2ForCausalLM`, `DeepseekV3ForCausalLM`),
 //! GLM-4.7-Flash (`Glm4MoeLiteForCausalLM`) and Mistral 4
 //! (`Mistral4ForCausalLM`): multi-head latent attention
-//! ([`LatentAttention`]) and their mixtures.
+//! ([`LatentAttention`]) and their mixtures. InternLM3 and IQuest-Coder
+//! (which `transformers` runs as Llama), and Granite MoE
+//! (`GraniteMoeForCausalLM`: Granite's multipliers, a mixture whose experts
+//! its files fuse).
 //!
 //! The variables carry the hub's names (`model.embed_tokens.weight`,
 //! `model.layers.{i}.self_attn.q_proj.weight`, ..., `model.norm.weight`,
@@ -557,16 +560,17 @@ impl Block {
 /// `experts.{e}.w1`, ...), or, where the files fuse the experts
 /// ([`LlamaConfig::fused_experts`]), names under each fused tensor's that
 /// sort in its order (`experts.gate_up_proj.{e}.gate`, `.up`,
-/// `experts.down_proj.{e}`, `e` zero-padded): the engine orders the
-/// variables by name, and a fused tensor is written from its parts one
-/// after another.
+/// `experts.down_proj.{e}`, `e` zero-padded; Granite MoE's
+/// `input_linear.{e}.gate`, ...): the engine orders the variables by name,
+/// and a fused tensor is written from its parts one after another.
 fn expert_vars(config: &LlamaConfig, moe: &MoeConfig, e: usize) -> [String; 3] {
     if config.fused_experts {
         let digits = moe.num_experts.saturating_sub(1).max(1).to_string().len();
+        let [(_, gate_up), (_, down)] = moe.style.fused_names();
         return [
-            format!("experts.gate_up_proj.{e:0digits$}.gate"),
-            format!("experts.gate_up_proj.{e:0digits$}.up"),
-            format!("experts.down_proj.{e:0digits$}"),
+            format!("{gate_up}.{e:0digits$}.gate"),
+            format!("{gate_up}.{e:0digits$}.up"),
+            format!("{down}.{e:0digits$}"),
         ];
     }
     let [gate, up, down] = match moe.style.w_names() {
@@ -833,9 +837,10 @@ impl Llama {
         // A mixture's router; the sigmoid one's bias that steers its choice
         // (GLM-4.5's, MiniMax-M2's) is a buffer of the checkpoint.
         let router = |vb: VarBuilder, moe: &MoeConfig| -> Result<(Linear, Routing)> {
-            let gate = linear(vb.pp("gate"), d, moe.num_experts)?;
+            let gate = linear(vb.pp(moe.style.router_name()), d, moe.num_experts)?;
             match moe.routing {
                 MoeRouting::Softmax => Ok((gate, Routing::Softmax)),
+                MoeRouting::TopKSoftmax => Ok((gate, Routing::TopKSoftmax)),
                 MoeRouting::Sigmoid {
                     groups,
                     top_groups,
@@ -1124,10 +1129,11 @@ impl Llama {
                 let var = |name: &str| format!("{mixture}.{name}.weight");
                 let parts = (0..moe.num_experts).map(|e| expert_vars(config, moe, e));
                 let gate_up = parts.clone().flat_map(|[g, u, _]| [var(&g), var(&u)]);
+                let [(gate_up_tensor, _), (down_tensor, _)] = moe.style.fused_names();
                 layout = layout
-                    .with_fused(format!("{mixture}.experts.gate_up_proj"), gate_up.collect())
+                    .with_fused(format!("{mixture}.{gate_up_tensor}"), gate_up.collect())
                     .with_fused(
-                        format!("{mixture}.experts.down_proj"),
+                        format!("{mixture}.{down_tensor}"),
                         parts.map(|[_, _, down]| var(&down)).collect(),
                     );
             }

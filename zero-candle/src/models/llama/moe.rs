@@ -90,6 +90,10 @@ pub enum MoeRouting {
         /// `routed_scaling_factor`.
         scale: f64,
     },
+    /// Granite MoE's (and gpt-oss's): a token chooses the
+    /// `experts_per_token` experts of highest logit (f32); their weights
+    /// are the softmax of those logits alone.
+    TopKSoftmax,
     /// ERNIE 4.5's: a softmax over the experts in f32; a token chooses the
     /// `experts_per_token` best by probability plus the checkpoint's
     /// `moe_statics.e_score_correction_bias` (not trained); their weights
@@ -125,6 +129,11 @@ pub enum MoeStyle {
     /// DeepSeek-V2's: GLM-4.5's names, shared experts and f32 scaling,
     /// without a routing bias.
     DeepSeek,
+    /// Granite MoE's: `block_sparse_moe.router.layer`, the experts fused
+    /// in `block_sparse_moe.input_linear.weight` (gate and up) and
+    /// `output_linear.weight` (down) in every file, the weights rounded to
+    /// the model's dtype.
+    Granite,
     /// ERNIE 4.5's: Qwen's names and rounding, the router's bias
     /// `mlp.moe_statics.e_score_correction_bias` (`[1, num_experts]`),
     /// shared experts without a gate as GLM-4.5's; the router's weight in
@@ -137,7 +146,7 @@ impl MoeStyle {
     /// `block_sparse_moe`, the others' `mlp`.
     pub(super) fn prefix(self) -> &'static str {
         match self {
-            Self::Mixtral | Self::MiniMax => "block_sparse_moe",
+            Self::Mixtral | Self::MiniMax | Self::Granite => "block_sparse_moe",
             Self::Qwen | Self::Glm | Self::DeepSeek | Self::Ernie => "mlp",
         }
     }
@@ -151,6 +160,30 @@ impl MoeStyle {
         }
     }
 
+    /// The router's name under the mixture's prefix.
+    pub(super) fn router_name(self) -> &'static str {
+        match self {
+            Self::Granite => "router.layer",
+            _ => "gate",
+        }
+    }
+
+    /// The names of the tensors that hold the experts fused, under the
+    /// mixture's prefix, and the stems of their parts' variables: Granite
+    /// MoE's own, else `transformers` 5's.
+    pub(super) fn fused_names(self) -> [(&'static str, &'static str); 2] {
+        match self {
+            Self::Granite => [
+                ("input_linear.weight", "input_linear"),
+                ("output_linear.weight", "output_linear"),
+            ],
+            _ => [
+                ("experts.gate_up_proj", "experts.gate_up_proj"),
+                ("experts.down_proj", "experts.down_proj"),
+            ],
+        }
+    }
+
     /// The experts' weights are named `w1`, `w3` and `w2` (Mixtral's).
     pub(super) fn w_names(self) -> bool {
         matches!(self, Self::Mixtral | Self::MiniMax)
@@ -159,7 +192,7 @@ impl MoeStyle {
     /// The routing weights are rounded to the model's dtype before they
     /// scale the experts' outputs (else the outputs are scaled in f32).
     pub(super) fn weights_in_model_dtype(self) -> bool {
-        matches!(self, Self::Qwen | Self::Ernie)
+        matches!(self, Self::Qwen | Self::Ernie | Self::Granite)
     }
 
     /// The shared experts are one MLP without a gate (GLM-4.5's, ERNIE
@@ -388,6 +421,21 @@ pub(super) const MISTRAL4_MOE: MoeFamily = MoeFamily {
     reads_topk_method: false,
     shared_experts: 1,
     ..DEEPSEEK_V2_MOE
+};
+
+/// Granite MoE's mixture (`granitemoe`): experts of `intermediate_size`
+/// (8, 2 per token), chosen by logit and weighted by the softmax of the
+/// chosen logits, in every layer; the load-balancing loss where
+/// `output_router_logits`.
+pub(super) const GRANITE_MOE: MoeFamily = MoeFamily {
+    style: MoeStyle::Granite,
+    num_experts: 8,
+    experts_per_token: 2,
+    expert_size: None,
+    normalize: Normalize::Never,
+    shared_expert_size: None,
+    sparse_layers: false,
+    ..MINIMAX_M2_MOE
 };
 
 /// Solar Open's mixture (`solar_open`): GLM-4.5's in every layer, experts
@@ -711,6 +759,7 @@ pub(super) fn moe_of(
                 min_sum: plain.moe_norm_min.unwrap_or(1e-12),
             },
             MoeStyle::Mixtral | MoeStyle::Qwen => MoeRouting::Softmax,
+            MoeStyle::Granite => MoeRouting::TopKSoftmax,
         },
     })
 }
@@ -723,9 +772,12 @@ impl LlamaConfig {
     /// writes for the models it has no older layout for, Mistral 4's) or
     /// one weight per expert ([`LlamaConfig::fused_experts`]).
     pub(crate) fn settle_experts(&mut self, hub: &HubDir) {
-        self.fused_experts = self.moe.is_some()
-            && hub
+        self.fused_experts = match &self.moe {
+            Some(moe) if moe.style == MoeStyle::Granite => true,
+            Some(_) => hub
                 .names()
-                .any(|n| n.ends_with(".experts.gate_up_proj") || n.ends_with(".experts.down_proj"));
+                .any(|n| n.ends_with(".experts.gate_up_proj") || n.ends_with(".experts.down_proj")),
+            None => false,
+        };
     }
 }

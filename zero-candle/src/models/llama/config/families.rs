@@ -2,7 +2,7 @@
 
 use super::super::moe::{
     MoeFamily, MoeStyle, Normalize, DEEPSEEK_V2_MOE, DEEPSEEK_V3_MOE, DOTS1_MOE, ERNIE4_5_MOE,
-    GLM4_MOE, GLM4_MOE_LITE_MOE, MINIMAX_M2_MOE, MISTRAL4_MOE, OLMOE_MOE, QWEN2_MOE,
+    GLM4_MOE, GLM4_MOE_LITE_MOE, GRANITE_MOE, MINIMAX_M2_MOE, MISTRAL4_MOE, OLMOE_MOE, QWEN2_MOE,
     SOLAR_OPEN_MOE,
 };
 use super::{LayerNames, NormNames, QkNorm, UngatedMlp};
@@ -332,7 +332,7 @@ pub(super) const ERNIE: Family = Family {
 };
 
 /// The families read as Llama.
-pub(super) static FAMILIES: [Family; 51] = [
+pub(super) static FAMILIES: [Family; 52] = [
     Family {
         reads_mlp_bias: true,
         ..LLAMA
@@ -867,6 +867,16 @@ pub(super) static FAMILIES: [Family; 51] = [
         windows: Windows::Unsupported,
         ..LLAMA
     },
+    // Granite MoE: Granite's multipliers, in every layer a mixture chosen by
+    // logit and weighted by the chosen logits' softmax, its experts fused in
+    // `input_linear` and `output_linear`.
+    Family {
+        model_type: "granitemoe",
+        architectures: ["GraniteMoeForCausalLM", "GraniteMoeModel"],
+        multipliers: true,
+        moe: Some(GRANITE_MOE),
+        ..LLAMA
+    },
 ];
 
 /// Mistral 4's rotation where its file gives none (`transformers`'
@@ -900,8 +910,8 @@ pub(crate) const LLAMA_TYPES: &str =
      \"nemotron\", \"exaone4\", \"seed_oss\", \"gpt_neox\", \"stablelm\", \"olmo\", \
      \"nanochat\", \"hunyuan_v1_dense\", \"jais2\", \"helium\", \"ministral\", \"cwm\", \
      \"solar_open\", \"ministral3\", \"gptj\", \"falcon\", \"deepseek_v2\", \
-     \"deepseek_v3\", \"glm4_moe_lite\", \"mistral4\", \"internlm3\", \"iquestcoder\" and \
-     \"mistral3\" (its text model)";
+     \"deepseek_v3\", \"glm4_moe_lite\", \"mistral4\", \"internlm3\", \"iquestcoder\", \
+     \"granitemoe\" and \"mistral3\" (its text model)";
 
 #[cfg(test)]
 mod tests {

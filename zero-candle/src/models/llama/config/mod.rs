@@ -297,7 +297,8 @@ impl LlamaConfig {
     /// (`ernie4_5`, `ernie4_5_moe`), dots.llm1 (`dots1`), Starcoder2, Phi, Arcee,
     /// Nemotron, EXAONE 4, Seed-OSS, GPT-NeoX, StableLM, OLMo, NanoChat, Hunyuan, Jais 2,
     /// Helium, Ministral, CWM, Solar Open, Ministral 3, GPT-J, Falcon,
-    /// DeepSeek-V2, DeepSeek-V3, GLM-4.7-Flash (`glm4_moe_lite`) or Mistral 4 model
+    /// DeepSeek-V2, DeepSeek-V3, GLM-4.7-Flash (`glm4_moe_lite`), Mistral 4,
+    /// InternLM3, IQuest-Coder or Granite MoE model
     /// (by `model_type`; Llama without one): an error names the key whose value this model
     /// cannot honour (another architecture, MLP biases, another
     /// activation, a rotary scaling it does not implement, bidirectional
@@ -575,7 +576,11 @@ impl LlamaConfig {
             local_rope,
             moe: family.moe.map(|moe| moe_of(config, moe)).transpose()?,
             latent_attention: latent.map(|(latent, _, _)| latent),
-            fused_experts: false,
+            // Granite MoE's files always fuse the experts; the others' say so
+            // by their names (`settle_experts`).
+            fused_experts: family
+                .moe
+                .is_some_and(|moe| moe.style == super::moe::MoeStyle::Granite),
         };
         parsed.validate()?;
         Ok(parsed)
