@@ -203,6 +203,7 @@ fn a_bf16_fine_tune_trains_and_saves_in_the_checkpoints_dtype() {
         ("llama/mistral4", 2),
         ("llama/internlm3", 3),
         ("llama/granitemoe", 3),
+        ("llama/granitemoeshared", 2),
     ] {
         let dir = tempfile::tempdir().unwrap();
         let out = dir.path().join("out");

@@ -63,9 +63,9 @@ const BALANCED: [(&str, &str); 2] = [
     ("llama/qwen3moe", "qwen3moe."),
 ];
 
-/// The families read since (GLM-4.5 to Mistral 4, and Mistral): at
+/// The families read since (GLM-4.5 to Granite MoE, and Mistral): at
 /// one rank (MiniMax-M2's load-balancing loss is each rank's own).
-const LATER: [(&str, &str); 41] = [
+const LATER: [(&str, &str); 42] = [
     ("llama/mistral", "mistral."),
     ("llama/glm4moe", "glm4moe."),
     ("llama/minimaxm2", "minimaxm2."),
@@ -107,6 +107,7 @@ const LATER: [(&str, &str); 41] = [
     ("llama/internlm3", "internlm3."),
     ("llama/iquestcoder", "iquestcoder."),
     ("llama/granitemoe", "granitemoe."),
+    ("llama/granitemoeshared", "granitemoeshared."),
 ];
 
 /// The fixtures: under the current directory when it is the repository's

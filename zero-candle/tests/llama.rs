@@ -116,6 +116,8 @@ fn logits_loss_and_gradients_equal_transformers() {
         ("iquestcoder", 21),
         // Its experts fused in its files under its own names.
         ("granitemoe", 41),
+        // A shared MLP whose gate and up are one weight.
+        ("granitemoeshared", 45),
     ];
     for (fixture, variables) in cases {
         let (config, map) = Llama::open_hub(fixtures().join(fixture)).unwrap();
@@ -316,6 +318,7 @@ fn loading_then_saving_reproduces_the_checkpoint_tensor_for_tensor() {
         "mistral4",
         "internlm3",
         "granitemoe",
+        "granitemoeshared",
     ] {
         let dir = fixtures().join(fixture);
         for (stage, world) in [(Stage::Ddp, 1), (Stage::Parameters, 2)] {
@@ -409,6 +412,7 @@ fn one_sgd_step_equals_torch_at_stage_0_and_at_stage_3_on_two_ranks() {
         ("internlm3", Stage::Parameters, 2, 35),
         ("iquestcoder", Stage::Parameters, 2, 21),
         ("granitemoe", Stage::Parameters, 2, 21),
+        ("granitemoeshared", Stage::Parameters, 2, 25),
     ] {
         let out = tempfile::tempdir().unwrap();
         Run::new(stage, world, 1).train(&fixtures().join(fixture), &ids, out.path());
@@ -2580,4 +2584,35 @@ fn internlm3_and_iquestcoder_configs_read_as_transformers_reads_them() {
     windowed["sliding_window"] = 4.into();
     let err = LlamaConfig::from_json(&windowed).unwrap_err();
     assert!(err.contains("use_sliding_window"), "{err}");
+}
+
+/// Granite MoE's configs: its files always fuse the experts, the router by
+/// logit, the load-balancing loss's default weight, and the shared MLP
+/// only where `granitemoeshared` gives it a width.
+#[test]
+fn granite_moe_configs_read_as_transformers_reads_them() {
+    use zero_candle::models::{MoeRouting, MoeStyle};
+    let granite = LlamaConfig::from_json(&config_of("granitemoe")).unwrap();
+    assert!(granite.fused_experts, "whatever the files hold");
+    let moe = granite.moe.clone().unwrap();
+    assert_eq!(
+        (moe.style, &moe.routing, moe.normalize),
+        (MoeStyle::Granite, &MoeRouting::TopKSoftmax, false)
+    );
+    assert_eq!((moe.shared_expert_size, moe.aux_loss_coef), (None, None));
+    let mut balanced = config_of("granitemoe");
+    balanced["output_router_logits"] = true.into();
+    balanced["shared_intermediate_size"] = 24.into();
+    let moe = LlamaConfig::from_json(&balanced).unwrap().moe.unwrap();
+    assert_eq!(moe.aux_loss_coef, Some(0.001));
+    assert_eq!(moe.shared_expert_size, None, "granitemoe has no shared MLP");
+
+    let shared = LlamaConfig::from_json(&config_of("granitemoeshared")).unwrap();
+    assert_eq!(shared.moe.unwrap().shared_expert_size, Some(24));
+    let none = LlamaConfig::from_json(&config_without(
+        "granitemoeshared",
+        &["shared_intermediate_size"],
+    ))
+    .unwrap();
+    assert_eq!(none.moe.unwrap().shared_expert_size, None, "0 by default");
 }

@@ -995,6 +995,20 @@ impl Llama {
                         router(vb.pp(moe.style.prefix()), moe)?,
                         experts(vb.pp(moe.style.prefix()), moe)?,
                         match moe.shared_expert_size {
+                            Some(width) if moe.style == MoeStyle::Granite => {
+                                let shared = vb.pp("shared_mlp");
+                                Some((
+                                    Mlp {
+                                        gate_up: Projections::Fused(
+                                            linear(shared.pp("input_linear"), d, 2 * width)?,
+                                            [width; 2],
+                                        ),
+                                        down: linear(shared.pp("output_linear"), width, d)?,
+                                        activation: config.mlp_activation,
+                                    },
+                                    None,
+                                ))
+                            }
                             Some(width) if moe.style.ungated_shared_experts() => {
                                 Some((dense(mlp.pp("shared_experts"), width)?, None))
                             }

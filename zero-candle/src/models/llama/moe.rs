@@ -132,7 +132,9 @@ pub enum MoeStyle {
     /// Granite MoE's: `block_sparse_moe.router.layer`, the experts fused
     /// in `block_sparse_moe.input_linear.weight` (gate and up) and
     /// `output_linear.weight` (down) in every file, the weights rounded to
-    /// the model's dtype.
+    /// the model's dtype; a shared MLP (`granitemoeshared`) beside the
+    /// block's mixture, `shared_mlp.input_linear` (gate and up) and
+    /// `output_linear`.
     Granite,
     /// ERNIE 4.5's: Qwen's names and rounding, the router's bias
     /// `mlp.moe_statics.e_score_correction_bias` (`[1, num_experts]`),
@@ -438,6 +440,14 @@ pub(super) const GRANITE_MOE: MoeFamily = MoeFamily {
     ..MINIMAX_M2_MOE
 };
 
+/// Granite MoE with a shared MLP (`granitemoeshared`):
+/// `shared_intermediate_size` wide (none where 0, the default), its gate and
+/// up in one weight (`shared_mlp.input_linear`), beside the mixture.
+pub(super) const GRANITE_MOE_SHARED: MoeFamily = MoeFamily {
+    shared_expert_size: Some(0),
+    ..GRANITE_MOE
+};
+
 /// Solar Open's mixture (`solar_open`): GLM-4.5's in every layer, experts
 /// of 1280 by default.
 pub(super) const SOLAR_OPEN_MOE: MoeFamily = MoeFamily {
@@ -565,6 +575,9 @@ struct MoeKeys {
     norm_topk_prob: Option<bool>,
     #[serde(default)]
     shared_expert_intermediate_size: Option<usize>,
+    /// Granite MoE's shared MLP (0: none).
+    #[serde(default)]
+    shared_intermediate_size: Option<usize>,
     #[serde(default)]
     decoder_sparse_step: Option<usize>,
     #[serde(default)]
@@ -691,6 +704,11 @@ pub(super) fn moe_of(
             let shared = plain.n_shared_experts.unwrap_or(family.shared_experts);
             Some(expert_size * shared).filter(|&s| s > 0)
         }
+        // Granite's shared MLP, where its family has one.
+        false if family.style == MoeStyle::Granite => family
+            .shared_expert_size
+            .map(|default| plain.shared_intermediate_size.unwrap_or(default))
+            .filter(|&s| s > 0),
         false => family
             .shared_expert_size
             .map(|default| plain.shared_expert_intermediate_size.unwrap_or(default)),

@@ -2,8 +2,8 @@
 
 use super::super::moe::{
     MoeFamily, MoeStyle, Normalize, DEEPSEEK_V2_MOE, DEEPSEEK_V3_MOE, DOTS1_MOE, ERNIE4_5_MOE,
-    GLM4_MOE, GLM4_MOE_LITE_MOE, GRANITE_MOE, MINIMAX_M2_MOE, MISTRAL4_MOE, OLMOE_MOE, QWEN2_MOE,
-    SOLAR_OPEN_MOE,
+    GLM4_MOE, GLM4_MOE_LITE_MOE, GRANITE_MOE, GRANITE_MOE_SHARED, MINIMAX_M2_MOE, MISTRAL4_MOE,
+    OLMOE_MOE, QWEN2_MOE, SOLAR_OPEN_MOE,
 };
 use super::{LayerNames, NormNames, QkNorm, UngatedMlp};
 use crate::models::rope::RopeDialect;
@@ -332,7 +332,7 @@ pub(super) const ERNIE: Family = Family {
 };
 
 /// The families read as Llama.
-pub(super) static FAMILIES: [Family; 52] = [
+pub(super) static FAMILIES: [Family; 53] = [
     Family {
         reads_mlp_bias: true,
         ..LLAMA
@@ -877,6 +877,14 @@ pub(super) static FAMILIES: [Family; 52] = [
         moe: Some(GRANITE_MOE),
         ..LLAMA
     },
+    // Granite MoE with a shared MLP beside each mixture.
+    Family {
+        model_type: "granitemoeshared",
+        architectures: ["GraniteMoeSharedForCausalLM", "GraniteMoeSharedModel"],
+        multipliers: true,
+        moe: Some(GRANITE_MOE_SHARED),
+        ..LLAMA
+    },
 ];
 
 /// Mistral 4's rotation where its file gives none (`transformers`'
@@ -911,7 +919,7 @@ pub(crate) const LLAMA_TYPES: &str =
      \"nanochat\", \"hunyuan_v1_dense\", \"jais2\", \"helium\", \"ministral\", \"cwm\", \
      \"solar_open\", \"ministral3\", \"gptj\", \"falcon\", \"deepseek_v2\", \
      \"deepseek_v3\", \"glm4_moe_lite\", \"mistral4\", \"internlm3\", \"iquestcoder\", \
-     \"granitemoe\" and \"mistral3\" (its text model)";
+     \"granitemoe\", \"granitemoeshared\" and \"mistral3\" (its text model)";
 
 #[cfg(test)]
 mod tests {
