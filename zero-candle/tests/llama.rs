@@ -2616,3 +2616,53 @@ fn granite_moe_configs_read_as_transformers_reads_them() {
     .unwrap();
     assert_eq!(none.moe.unwrap().shared_expert_size, None, "0 by default");
 }
+
+/// Every family's norm epsilon where its config.json is silent is
+/// `transformers`' default: `fixtures/llama/config_defaults.json`, written
+/// by `make_config_defaults.py` beside it from each config class.
+#[test]
+fn a_silent_norm_epsilon_is_transformers_default_in_every_family() {
+    let defaults: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(fixtures().join("config_defaults.json")).unwrap())
+            .unwrap();
+    let keys = [
+        "rms_norm_eps",
+        "layer_norm_eps",
+        "norm_eps",
+        "layer_norm_epsilon",
+        "norm_epsilon",
+    ];
+    let (mut checked, mut wrong) = (0, Vec::new());
+    for entry in std::fs::read_dir(fixtures()).unwrap() {
+        let path = entry.unwrap().path().join("config.json");
+        if !path.is_file() {
+            continue;
+        }
+        let mut config: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        // A multimodal model's text model by its own type.
+        let text = config.get("text_config").unwrap_or(&config);
+        let kind = text["model_type"].as_str().unwrap().to_string();
+        let Some(eps) = defaults["norm_eps"][&kind].as_f64() else {
+            continue; // fixed by the model (OLMo's)
+        };
+        // Silent at the top and in a multimodal model's `text_config`.
+        let map = config.as_object_mut().unwrap();
+        for key in keys {
+            map.remove(key);
+            if let Some(text) = map.get_mut("text_config").and_then(|t| t.as_object_mut()) {
+                text.remove(key);
+            }
+        }
+        let parsed = LlamaConfig::from_json(&config).unwrap();
+        if parsed.rms_norm_eps != eps {
+            wrong.push(format!(
+                "{kind}: {} (transformers {eps})",
+                parsed.rms_norm_eps
+            ));
+        }
+        checked += 1;
+    }
+    assert!(wrong.is_empty(), "{wrong:#?}");
+    assert!(checked > 50, "{checked} fixtures");
+}

@@ -275,6 +275,7 @@ pub(super) const GEMMA: Family = Family {
 /// queries and keys normalized over whole projections.
 pub(super) const OLMO2: Family = Family {
     model_type: "olmo2",
+    default_rms_eps: 1e-5,
     architectures: ["Olmo2ForCausalLM", "Olmo2Model"],
     qk_norm: Some(QkNorm::Projection),
     input_norms: false,
@@ -286,6 +287,7 @@ pub(super) const OLMO2: Family = Family {
 /// pairs.
 pub(super) const GLM: Family = Family {
     model_type: "glm",
+    default_rms_eps: 1.5625e-7,
     architectures: ["GlmForCausalLM", "GlmModel"],
     attention_bias: true,
     o_bias: false,
@@ -319,6 +321,7 @@ pub(super) const COHERE: Family = Family {
 /// tied head by default.
 pub(super) const ERNIE: Family = Family {
     model_type: "ernie4_5",
+    default_rms_eps: 1e-5,
     architectures: ["Ernie4_5ForCausalLM", "Ernie4_5Model"],
     reads_use_bias: true,
     default_head_dim: Some(128),
@@ -361,6 +364,7 @@ pub(super) static FAMILIES: [Family; 53] = [
     },
     Family {
         model_type: "phi3",
+        default_rms_eps: 1e-5,
         architectures: ["Phi3ForCausalLM", "Phi3Model"],
         fused_qkv: true,
         fused_gate_up: true,
@@ -426,6 +430,7 @@ pub(super) static FAMILIES: [Family; 53] = [
     },
     Family {
         model_type: "mixtral",
+        default_rms_eps: 1e-5,
         architectures: ["MixtralForCausalLM", "MixtralModel"],
         windows: Windows::EveryLayer { missing: None },
         default_theta: 1_000_000.0,
@@ -465,6 +470,7 @@ pub(super) static FAMILIES: [Family; 53] = [
     },
     Family {
         model_type: "olmoe",
+        default_rms_eps: 1e-5,
         architectures: ["OlmoeForCausalLM", "OlmoeModel"],
         reads_clip_qkv: true,
         qk_norm: Some(QkNorm::Projection),
@@ -473,6 +479,7 @@ pub(super) static FAMILIES: [Family; 53] = [
     },
     Family {
         model_type: "flex_olmo",
+        default_rms_eps: 1e-6,
         architectures: ["FlexOlmoForCausalLM", "FlexOlmoModel"],
         default_theta: 500_000.0,
         moe: Some(MoeFamily {
@@ -484,6 +491,7 @@ pub(super) static FAMILIES: [Family; 53] = [
     },
     Family {
         model_type: "glm4_moe",
+        default_rms_eps: 1e-5,
         architectures: ["Glm4MoeForCausalLM", "Glm4MoeModel"],
         o_bias: false,
         switched_qk_norm: true,
@@ -570,6 +578,7 @@ pub(super) static FAMILIES: [Family; 53] = [
     // Arcee (AFM): Llama with an MLP without a gate, squared ReLU.
     Family {
         model_type: "arcee",
+        default_rms_eps: 1e-5,
         architectures: ["ArceeForCausalLM", "ArceeModel"],
         reads_mlp_bias: true,
         ungated_mlp: Some((UngatedMlp::UpDown, Activation::Relu2)),
@@ -677,6 +686,7 @@ pub(super) static FAMILIES: [Family; 53] = [
     // `alpha` is NTK's, static.
     Family {
         model_type: "hunyuan_v1_dense",
+        default_rms_eps: 1e-5,
         architectures: ["HunYuanDenseV1ForCausalLM", "HunYuanDenseV1Model"],
         qk_norm: Some(QkNorm::PerHead),
         hunyuan: true,
@@ -727,6 +737,7 @@ pub(super) static FAMILIES: [Family; 53] = [
     // scaling by default.
     Family {
         model_type: "cwm",
+        default_rms_eps: 1e-5,
         architectures: ["CwmForCausalLM", "CwmModel"],
         windows: Windows::Listed {
             every: 4,
@@ -739,6 +750,7 @@ pub(super) static FAMILIES: [Family; 53] = [
     // `attention_bias`, o never), every layer GLM-4.5's mixture.
     Family {
         model_type: "solar_open",
+        default_rms_eps: 1e-5,
         architectures: ["SolarOpenForCausalLM", "SolarOpenModel"],
         o_bias: false,
         default_head_dim: Some(128),
@@ -751,6 +763,7 @@ pub(super) static FAMILIES: [Family; 53] = [
     // past the original context (`llama_4_scaling_beta`).
     Family {
         model_type: "ministral3",
+        default_rms_eps: 1e-5,
         architectures: ["Ministral3ForCausalLM", "Ministral3Model"],
         windows: Windows::EveryLayer { missing: None },
         default_rope: Some(MINISTRAL3_ROPE),
