@@ -2666,3 +2666,35 @@ fn a_silent_norm_epsilon_is_transformers_default_in_every_family() {
     assert!(wrong.is_empty(), "{wrong:#?}");
     assert!(checked > 50, "{checked} fixtures");
 }
+
+/// Each fixture's rotary base and tied head where its config.json is silent
+/// on them are `transformers`' (`config_defaults.json`'s `silent`, from each
+/// config class loaded without the key).
+#[test]
+fn a_silent_rotary_base_or_tied_head_is_transformers_default() {
+    let defaults: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(fixtures().join("config_defaults.json")).unwrap())
+            .unwrap();
+    let silent = defaults["silent"].as_object().unwrap();
+    let mut wrong = Vec::new();
+    for (fixture, expected) in silent {
+        let without = |keys: &[&str]| LlamaConfig::from_json(&config_without(fixture, keys));
+        let rope = without(&["rope_parameters", "rope_theta", "rope_scaling"]).unwrap();
+        if let Some(theta) = expected["rope_theta"].as_f64() {
+            if rope.rope.theta != theta {
+                wrong.push(format!(
+                    "{fixture}: rope_theta {} (transformers {theta})",
+                    rope.rope.theta
+                ));
+            }
+        }
+        let tied = without(&["tie_word_embeddings"])
+            .unwrap()
+            .tie_word_embeddings;
+        if Some(tied) != expected["tie_word_embeddings"].as_bool() {
+            wrong.push(format!("{fixture}: tie_word_embeddings {tied}"));
+        }
+    }
+    assert!(wrong.is_empty(), "{wrong:#?}");
+    assert!(silent.len() > 50, "{} fixtures", silent.len());
+}

@@ -306,6 +306,7 @@ pub(super) const GLM: Family = Family {
 /// interleaved pairs, the logits times `logit_scale`, the head tied.
 pub(super) const COHERE: Family = Family {
     model_type: "cohere",
+    default_theta: 500_000.0,
     architectures: ["CohereForCausalLM", "CohereModel"],
     cohere: true,
     tied_by_default: true,
@@ -524,6 +525,7 @@ pub(super) static FAMILIES: [Family; 53] = [
     COHERE,
     Family {
         model_type: "cohere2",
+        default_theta: 10_000.0,
         architectures: ["Cohere2ForCausalLM", "Cohere2Model"],
         windows: Windows::Typed { pattern: 4 },
         rotary_in_windows_only: true,
@@ -710,6 +712,7 @@ pub(super) static FAMILIES: [Family; 53] = [
     // 1e-8 by default.
     Family {
         model_type: "helium",
+        default_theta: 100_000.0,
         architectures: ["HeliumForCausalLM", "HeliumModel"],
         o_bias: false,
         reads_mlp_bias: true,
