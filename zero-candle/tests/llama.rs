@@ -2667,11 +2667,11 @@ fn a_silent_norm_epsilon_is_transformers_default_in_every_family() {
     assert!(checked > 50, "{checked} fixtures");
 }
 
-/// Each fixture's rotary base and tied head where its config.json is silent
-/// on them are `transformers`' (`config_defaults.json`'s `silent`, from each
-/// config class loaded without the key).
+/// Each fixture's rotary base, head width and tied head where its
+/// config.json is silent on them are `transformers`' (`config_defaults.json`'s
+/// `silent`, from each config class loaded without the key).
 #[test]
-fn a_silent_rotary_base_or_tied_head_is_transformers_default() {
+fn a_silent_rotary_base_head_width_or_tied_head_is_transformers_default() {
     let defaults: serde_json::Value =
         serde_json::from_slice(&std::fs::read(fixtures().join("config_defaults.json")).unwrap())
             .unwrap();
@@ -2686,6 +2686,12 @@ fn a_silent_rotary_base_or_tied_head_is_transformers_default() {
                     "{fixture}: rope_theta {} (transformers {theta})",
                     rope.rope.theta
                 ));
+            }
+        }
+        if let Some(width) = expected["head_dim"].as_u64() {
+            let ours = without(&["head_dim"]).unwrap().head_dim;
+            if ours as u64 != width {
+                wrong.push(format!("{fixture}: head_dim {ours} (transformers {width})"));
             }
         }
         let tied = without(&["tie_word_embeddings"])

@@ -358,6 +358,7 @@ pub(super) static FAMILIES: [Family; 53] = [
     },
     Family {
         model_type: "qwen3",
+        default_head_dim: Some(128),
         architectures: ["Qwen3ForCausalLM", "Qwen3Model"],
         qk_norm: Some(QkNorm::PerHead),
         windows: Windows::Switched,
@@ -505,6 +506,7 @@ pub(super) static FAMILIES: [Family; 53] = [
     },
     Family {
         model_type: "minimax_m2",
+        default_head_dim: Some(128),
         architectures: ["MiniMaxM2ForCausalLM", "MiniMaxM2Model"],
         qk_norm: Some(QkNorm::Projection),
         rope: RopeDialect {
@@ -534,6 +536,7 @@ pub(super) static FAMILIES: [Family; 53] = [
     ERNIE,
     Family {
         model_type: "ernie4_5_moe",
+        default_head_dim: None,
         architectures: ["Ernie4_5_MoeForCausalLM", "Ernie4_5_MoeModel"],
         moe: Some(ERNIE4_5_MOE),
         ..ERNIE
@@ -740,6 +743,7 @@ pub(super) static FAMILIES: [Family; 53] = [
     // scaling by default.
     Family {
         model_type: "cwm",
+        default_head_dim: Some(128),
         default_rms_eps: 1e-5,
         architectures: ["CwmForCausalLM", "CwmModel"],
         windows: Windows::Listed {
@@ -766,6 +770,7 @@ pub(super) static FAMILIES: [Family; 53] = [
     // past the original context (`llama_4_scaling_beta`).
     Family {
         model_type: "ministral3",
+        default_head_dim: Some(128),
         default_rms_eps: 1e-5,
         architectures: ["Ministral3ForCausalLM", "Ministral3Model"],
         windows: Windows::EveryLayer { missing: None },
