@@ -2667,11 +2667,13 @@ fn a_silent_norm_epsilon_is_transformers_default_in_every_family() {
     assert!(checked > 50, "{checked} fixtures");
 }
 
-/// Each fixture's rotary base, head width and tied head where its
+/// Each fixture's rotary base, head width, tied head and mixture settings
+/// (experts, experts per token, their width, the routing scale) where its
 /// config.json is silent on them are `transformers`' (`config_defaults.json`'s
 /// `silent`, from each config class loaded without the key).
 #[test]
-fn a_silent_rotary_base_head_width_or_tied_head_is_transformers_default() {
+fn a_silent_setting_is_transformers_default_in_every_fixture() {
+    use zero_candle::models::MoeRouting;
     let defaults: serde_json::Value =
         serde_json::from_slice(&std::fs::read(fixtures().join("config_defaults.json")).unwrap())
             .unwrap();
@@ -2692,6 +2694,46 @@ fn a_silent_rotary_base_head_width_or_tied_head_is_transformers_default() {
             let ours = without(&["head_dim"]).unwrap().head_dim;
             if ours as u64 != width {
                 wrong.push(format!("{fixture}: head_dim {ours} (transformers {width})"));
+            }
+        }
+        // A mixture's settings, each under whichever name its file uses.
+        let mixture_keys: [(&[&str], fn(&zero_candle::models::MoeConfig) -> f64); 4] = [
+            (&["num_experts_per_tok", "moe_k"], |m| {
+                m.experts_per_token as f64
+            }),
+            (&["moe_intermediate_size"], |m| m.expert_size as f64),
+            (&["routed_scaling_factor"], |m| match m.routing {
+                MoeRouting::Sigmoid { scale, .. } | MoeRouting::GroupedSoftmax { scale, .. } => {
+                    scale
+                }
+                _ => 1.0,
+            }),
+            (
+                &[
+                    "num_local_experts",
+                    "n_routed_experts",
+                    "num_experts",
+                    "moe_num_experts",
+                ],
+                |m| m.num_experts as f64,
+            ),
+        ];
+        for (keys, ours) in mixture_keys {
+            let Some(value) = expected[keys[0]].as_f64() else {
+                continue;
+            };
+            // Where the default does not fit the fixture's other settings
+            // (8 experts per token in 4 chosen of 8), the config is refused
+            // here (transformers runs it); nothing to compare.
+            let Ok(parsed) = without(keys) else {
+                continue;
+            };
+            let got = ours(parsed.moe.as_ref().unwrap());
+            if got != value {
+                wrong.push(format!(
+                    "{fixture}: {} {got} (transformers {value})",
+                    keys[0]
+                ));
             }
         }
         let tied = without(&["tie_word_embeddings"])
