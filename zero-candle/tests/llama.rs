@@ -2667,6 +2667,9 @@ fn a_silent_norm_epsilon_is_transformers_default_in_every_family() {
     assert!(checked > 50, "{checked} fixtures");
 }
 
+/// A number a mixture's config holds.
+type MoeSetting = fn(&zero_candle::models::MoeConfig) -> f64;
+
 /// Each fixture's rotary base, head width, tied head and mixture settings
 /// (experts, experts per token, their width, the routing scale) where its
 /// config.json is silent on them are `transformers`' (`config_defaults.json`'s
@@ -2697,7 +2700,7 @@ fn a_silent_setting_is_transformers_default_in_every_fixture() {
             }
         }
         // A mixture's settings, each under whichever name its file uses.
-        let mixture_keys: [(&[&str], fn(&zero_candle::models::MoeConfig) -> f64); 4] = [
+        let mixture_keys: [(&[&str], MoeSetting); 4] = [
             (&["num_experts_per_tok", "moe_k"], |m| {
                 m.experts_per_token as f64
             }),
