@@ -117,12 +117,7 @@ pub(super) fn latent_rows(
     let names = config.layer_names;
     let mut vars = Vec::new();
     for i in 0..config.num_hidden_layers {
-        let attn = format!(
-            "{}.{}.{i}.{}",
-            names.model(),
-            names.layers(),
-            names.attention()
-        );
+        let attn = names.attention_at(i);
         let up = match latent.query_rank {
             Some(_) => "q_b_proj",
             None => "q_proj",

@@ -86,8 +86,9 @@ pub(super) enum Routing {
         /// Added to the chosen scores' sum before it divides them.
         epsilon: f64,
     },
-    /// DeepSeek-V2's softmax probabilities (in f32), the most probable
-    /// chosen within the groups whose most probable are the most probable.
+    /// DeepSeek-V2's and Mistral 4's softmax probabilities (in f32), the
+    /// most probable chosen within the groups whose `ranked_by` best sum
+    /// highest.
     GroupedSoftmax {
         groups: usize,
         top_groups: usize,

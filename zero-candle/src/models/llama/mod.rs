@@ -633,12 +633,7 @@ fn interleaved_rows(config: &LlamaConfig) -> Vec<(String, Arc<[usize]>)> {
     let names = config.layer_names;
     let [q_norm, k_norm] = names.qk_norms();
     for i in 0..config.num_hidden_layers {
-        let attn = format!(
-            "{}.{}.{i}.{}",
-            names.model(),
-            names.layers(),
-            names.attention()
-        );
+        let attn = names.attention_at(i);
         let projections = match config.fused_qkv {
             true => vec![(names.fused_qkv(), &qkv)],
             false => vec![("q_proj", &q), ("k_proj", &k)],
@@ -1155,13 +1150,7 @@ impl Llama {
         if config.qkv_per_head {
             let rows = qkv_from_heads(config);
             for i in 0..config.num_hidden_layers {
-                let fused = format!(
-                    "{}.{}.{i}.{}.{}",
-                    names.model(),
-                    names.layers(),
-                    names.attention(),
-                    names.fused_qkv()
-                );
+                let fused = format!("{}.{}", names.attention_at(i), names.fused_qkv());
                 layout = layout.with_rows_permuted(format!("{fused}.weight"), rows.clone());
                 if config.qkv_bias {
                     layout = layout.with_rows_permuted(format!("{fused}.bias"), rows.clone());

@@ -129,6 +129,16 @@ impl LayerNames {
         }
     }
 
+    /// Layer `layer`'s attention, in full (`model.layers.{layer}.self_attn`).
+    pub(crate) fn attention_at(self, layer: usize) -> String {
+        format!(
+            "{}.{}.{layer}.{}",
+            self.model(),
+            self.layers(),
+            self.attention()
+        )
+    }
+
     /// The blocks, under [`LayerNames::model`] (`{layers}.{i}`).
     pub(crate) fn layers(self) -> &'static str {
         match self {
