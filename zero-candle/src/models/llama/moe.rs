@@ -126,8 +126,8 @@ pub enum MoeStyle {
     /// MiniMax-M2's: Mixtral's names and f32 scaling, the sigmoid router's
     /// bias beside it (`block_sparse_moe.e_score_correction_bias`).
     MiniMax,
-    /// DeepSeek-V2's: GLM-4.5's names, shared experts and f32 scaling,
-    /// without a routing bias.
+    /// DeepSeek-V2's and Mistral 4's: GLM-4.5's names, shared experts and
+    /// f32 scaling, without a routing bias.
     DeepSeek,
     /// Granite MoE's: `block_sparse_moe.router.layer`, the experts fused
     /// in `block_sparse_moe.input_linear.weight` (gate and up) and
@@ -197,9 +197,10 @@ impl MoeStyle {
         matches!(self, Self::Qwen | Self::Ernie | Self::Granite)
     }
 
-    /// The shared experts are one MLP without a gate (GLM-4.5's, ERNIE
-    /// 4.5's), under `shared_experts`; else Qwen2-MoE's `shared_expert`
-    /// with its `shared_expert_gate`.
+    /// The shared experts are one MLP without a gate (GLM-4.5's,
+    /// DeepSeek's, ERNIE 4.5's), under `shared_experts`; else Qwen2-MoE's
+    /// `shared_expert` with its `shared_expert_gate` (Granite's shared MLP
+    /// is its own: [`MoeStyle::Granite`]).
     pub(super) fn ungated_shared_experts(self) -> bool {
         matches!(self, Self::Glm | Self::DeepSeek | Self::Ernie)
     }
