@@ -118,6 +118,8 @@ fn logits_loss_and_gradients_equal_transformers() {
         ("granitemoe", 41),
         // A shared MLP whose gate and up are one weight.
         ("granitemoeshared", 45),
+        // Its routing bias beside the router, a buffer.
+        ("exaonemoe", 50),
     ];
     for (fixture, variables) in cases {
         let (config, map) = Llama::open_hub(fixtures().join(fixture)).unwrap();
@@ -152,6 +154,7 @@ fn logits_loss_and_gradients_equal_transformers() {
                 | "dots1"
                 | "phi"
                 | "exaone4"
+                | "exaonemoe"
                 | "nanochat"
                 | "hunyuan"
         );
@@ -319,6 +322,7 @@ fn loading_then_saving_reproduces_the_checkpoint_tensor_for_tensor() {
         "internlm3",
         "granitemoe",
         "granitemoeshared",
+        "exaonemoe",
     ] {
         let dir = fixtures().join(fixture);
         for (stage, world) in [(Stage::Ddp, 1), (Stage::Parameters, 2)] {
@@ -413,6 +417,7 @@ fn one_sgd_step_equals_torch_at_stage_0_and_at_stage_3_on_two_ranks() {
         ("iquestcoder", Stage::Parameters, 2, 21),
         ("granitemoe", Stage::Parameters, 2, 21),
         ("granitemoeshared", Stage::Parameters, 2, 25),
+        ("exaonemoe", Stage::Parameters, 2, 51),
     ] {
         let out = tempfile::tempdir().unwrap();
         Run::new(stage, world, 1).train(&fixtures().join(fixture), &ids, out.path());

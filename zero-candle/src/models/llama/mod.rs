@@ -848,7 +848,7 @@ impl Llama {
                         top_groups,
                         scale,
                         // transformers divides GLM-4.5's sums plus 1e-20.
-                        epsilon: if moe.style == MoeStyle::Glm {
+                        epsilon: if matches!(moe.style, MoeStyle::Glm | MoeStyle::Exaone) {
                             1e-20
                         } else {
                             0.0

@@ -129,6 +129,9 @@ pub enum MoeStyle {
     /// DeepSeek-V2's and Mistral 4's: GLM-4.5's names, shared experts and
     /// f32 scaling, without a routing bias.
     DeepSeek,
+    /// EXAONE MoE's: GLM-4.5's, the routing bias beside the router
+    /// (`mlp.e_score_correction_bias`).
+    Exaone,
     /// Granite MoE's: `block_sparse_moe.router.layer`, the experts fused
     /// in `block_sparse_moe.input_linear.weight` (gate and up) and
     /// `output_linear.weight` (down) in every file, the weights rounded to
@@ -149,14 +152,14 @@ impl MoeStyle {
     pub(super) fn prefix(self) -> &'static str {
         match self {
             Self::Mixtral | Self::MiniMax | Self::Granite => "block_sparse_moe",
-            Self::Qwen | Self::Glm | Self::DeepSeek | Self::Ernie => "mlp",
+            Self::Qwen | Self::Glm | Self::DeepSeek | Self::Exaone | Self::Ernie => "mlp",
         }
     }
 
     /// The routing bias's name under the mixture's prefix.
     pub(super) fn bias_name(self) -> &'static str {
         match self {
-            Self::MiniMax => "e_score_correction_bias",
+            Self::MiniMax | Self::Exaone => "e_score_correction_bias",
             Self::Ernie => "moe_statics.e_score_correction_bias",
             _ => "gate.e_score_correction_bias",
         }
@@ -202,7 +205,10 @@ impl MoeStyle {
     /// `shared_expert` with its `shared_expert_gate` (Granite's shared MLP
     /// is its own: [`MoeStyle::Granite`]).
     pub(super) fn ungated_shared_experts(self) -> bool {
-        matches!(self, Self::Glm | Self::DeepSeek | Self::Ernie)
+        matches!(
+            self,
+            Self::Glm | Self::DeepSeek | Self::Exaone | Self::Ernie
+        )
     }
 }
 
@@ -449,6 +455,19 @@ pub(super) const GRANITE_MOE_SHARED: MoeFamily = MoeFamily {
     ..GRANITE_MOE
 };
 
+/// EXAONE MoE's mixture (`exaone_moe`): GLM-4.5's router and shared
+/// experts, the bias beside the router; 64 experts of 1024, 8 per token,
+/// times 2.5, the layers `mlp_layer_types` names sparse (after the first
+/// `first_k_dense_replace`, 1, by default).
+pub(super) const EXAONE_MOE: MoeFamily = MoeFamily {
+    style: MoeStyle::Exaone,
+    num_experts: 64,
+    expert_size: Some(1024),
+    layer_types: true,
+    scale: 2.5,
+    ..GLM4_MOE
+};
+
 /// Solar Open's mixture (`solar_open`): GLM-4.5's in every layer, experts
 /// of 1280 by default.
 pub(super) const SOLAR_OPEN_MOE: MoeFamily = MoeFamily {
@@ -624,7 +643,7 @@ pub(super) fn moe_of(
 ) -> std::result::Result<MoeConfig, String> {
     let plain = MoeKeys::deserialize(config).map_err(|e| format!("{e}"))?;
     let n = plain.num_hidden_layers;
-    let glm = family.style == MoeStyle::Glm;
+    let glm = matches!(family.style, MoeStyle::Glm | MoeStyle::Exaone);
     let deepseek = family.style == MoeStyle::DeepSeek;
     let ernie = family.style == MoeStyle::Ernie;
     let layers = match family.sparse_layers {
@@ -733,7 +752,7 @@ pub(super) fn moe_of(
             .then(|| plain.router_aux_loss_coef.unwrap_or(family.aux_loss_coef)),
         style: family.style,
         routing: match family.style {
-            MoeStyle::Glm | MoeStyle::MiniMax => MoeRouting::Sigmoid {
+            MoeStyle::Glm | MoeStyle::Exaone | MoeStyle::MiniMax => MoeRouting::Sigmoid {
                 groups: plain.n_group.unwrap_or(family.groups.0),
                 top_groups: plain.topk_group.unwrap_or(family.groups.1),
                 scale: plain.routed_scaling_factor.unwrap_or(family.scale),

@@ -2,8 +2,8 @@
 
 use super::super::moe::{
     MoeFamily, MoeStyle, Normalize, DEEPSEEK_V2_MOE, DEEPSEEK_V3_MOE, DOTS1_MOE, ERNIE4_5_MOE,
-    GLM4_MOE, GLM4_MOE_LITE_MOE, GRANITE_MOE, GRANITE_MOE_SHARED, MINIMAX_M2_MOE, MISTRAL4_MOE,
-    OLMOE_MOE, QWEN2_MOE, SOLAR_OPEN_MOE,
+    EXAONE_MOE, GLM4_MOE, GLM4_MOE_LITE_MOE, GRANITE_MOE, GRANITE_MOE_SHARED, MINIMAX_M2_MOE,
+    MISTRAL4_MOE, OLMOE_MOE, QWEN2_MOE, SOLAR_OPEN_MOE,
 };
 use super::{LayerNames, NormNames, QkNorm, UngatedMlp};
 use crate::models::rope::RopeDialect;
@@ -336,7 +336,7 @@ pub(super) const ERNIE: Family = Family {
 };
 
 /// The families read as Llama.
-pub(super) static FAMILIES: [Family; 53] = [
+pub(super) static FAMILIES: [Family; 54] = [
     Family {
         reads_mlp_bias: true,
         ..LLAMA
@@ -906,6 +906,21 @@ pub(super) static FAMILIES: [Family; 53] = [
         moe: Some(GRANITE_MOE_SHARED),
         ..LLAMA
     },
+    // EXAONE MoE (K-EXAONE): EXAONE 4's attention (head norms, windows in
+    // three layers of four which alone rotate) in pre-norm blocks, GLM-4.5's
+    // mixture with its bias beside the router, `num_shared_experts`.
+    Family {
+        model_type: "exaone_moe",
+        architectures: ["ExaoneMoeForCausalLM", "ExaoneMoeModel"],
+        default_rms_eps: 1e-5,
+        qk_norm: Some(QkNorm::PerHead),
+        windows: Windows::Typed { pattern: 4 },
+        rotary_in_windows_only: true,
+        rotary_without_windows: true,
+        key_aliases: &[("num_shared_experts", "n_shared_experts")],
+        moe: Some(EXAONE_MOE),
+        ..LLAMA
+    },
 ];
 
 /// Mistral 4's rotation where its file gives none (`transformers`'
@@ -940,7 +955,7 @@ pub(crate) const LLAMA_TYPES: &str =
      \"nanochat\", \"hunyuan_v1_dense\", \"jais2\", \"helium\", \"ministral\", \"cwm\", \
      \"solar_open\", \"ministral3\", \"gptj\", \"falcon\", \"deepseek_v2\", \
      \"deepseek_v3\", \"glm4_moe_lite\", \"mistral4\", \"internlm3\", \"iquestcoder\", \
-     \"granitemoe\", \"granitemoeshared\" and \"mistral3\" (its text model)";
+     \"granitemoe\", \"granitemoeshared\", \"exaone_moe\" and \"mistral3\" (its text model)";
 
 #[cfg(test)]
 mod tests {

@@ -298,8 +298,8 @@ impl LlamaConfig {
     /// Nemotron, EXAONE 4, Seed-OSS, GPT-NeoX, StableLM, OLMo, NanoChat, Hunyuan, Jais 2,
     /// Helium, Ministral, CWM, Solar Open, Ministral 3, GPT-J, Falcon,
     /// DeepSeek-V2, DeepSeek-V3, GLM-4.7-Flash (`glm4_moe_lite`), Mistral 4,
-    /// InternLM3, IQuest-Coder or Granite MoE (`granitemoe`,
-    /// `granitemoeshared`) model
+    /// InternLM3, IQuest-Coder, Granite MoE (`granitemoe`,
+    /// `granitemoeshared`) or EXAONE MoE model
     /// (by `model_type`; Llama without one): an error names the key whose value this model
     /// cannot honour (another architecture, MLP biases, another
     /// activation, a rotary scaling it does not implement, bidirectional
