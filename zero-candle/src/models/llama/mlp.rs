@@ -239,12 +239,6 @@ impl Experts {
         // Each expert's score, and the experts each token chooses: their
         // indices on the device and on the host.
         let (scores, index, chosen) = match &self.routing {
-            Routing::Softmax => {
-                let probs = candle_nn::ops::softmax(&wide, D::Minus1)?;
-                let index = top_k(&probs, self.top_k)?;
-                let chosen = index.to_vec2::<u32>()?;
-                (probs, index, chosen)
-            }
             Routing::GroupedSoftmax {
                 groups,
                 top_groups,
@@ -258,7 +252,8 @@ impl Experts {
                 let index = Tensor::new(chosen.clone(), h.device())?;
                 (probs, index, chosen)
             }
-            Routing::GroupedSoftmax { .. } => {
+            // Ungrouped, DeepSeek-V2's choice is Mixtral's.
+            Routing::Softmax | Routing::GroupedSoftmax { .. } => {
                 let probs = candle_nn::ops::softmax(&wide, D::Minus1)?;
                 let index = top_k(&probs, self.top_k)?;
                 let chosen = index.to_vec2::<u32>()?;

@@ -810,7 +810,6 @@ impl Llama {
             })
         };
         let dense = |vb: VarBuilder, width| gated(vb, width, config.mlp_bias);
-        // One expert of a mixture, under its style's names.
         // A mixture's experts under `vb`, named as the files hold them
         // ([`expert_vars`]).
         let experts = |vb: VarBuilder, moe: &MoeConfig| -> Result<Vec<Mlp>> {

@@ -758,17 +758,22 @@ pub(super) fn moe_of(
                 scale: plain.routed_scaling_factor.unwrap_or(family.scale),
             },
             MoeStyle::DeepSeek => {
-                let method = match family.reads_topk_method {
-                    true => plain.topk_method.as_deref().unwrap_or("greedy"),
-                    false => "group_limited_greedy",
-                };
-                let (groups, top_groups) = match method {
-                    "greedy" => (1, 1),
-                    _ if !family.reads_topk_method => (
+                // Mistral 4 always uses its groups; DeepSeek-V2 as
+                // `topk_method` says.
+                let defaults = || {
+                    (
                         plain.n_group.unwrap_or(family.groups.0),
                         plain.topk_group.unwrap_or(family.groups.1),
-                    ),
-                    "group_limited_greedy" => (
+                    )
+                };
+                let method = plain
+                    .topk_method
+                    .as_deref()
+                    .filter(|_| family.reads_topk_method);
+                let (groups, top_groups) = match method {
+                    None if !family.reads_topk_method => defaults(),
+                    None | Some("greedy") => (1, 1),
+                    Some("group_limited_greedy") => (
                         plain.n_group.ok_or(
                             "`topk_method` is \"group_limited_greedy\" but `n_group` is not \
                              set: give the number of expert groups",
@@ -778,7 +783,7 @@ pub(super) fn moe_of(
                              set: give the number of groups each token chooses from",
                         )?,
                     ),
-                    other => {
+                    Some(other) => {
                         return Err(format!(
                             "`topk_method` is {other:?}; DeepSeek-V2 chooses \"greedy\" or \
                              \"group_limited_greedy\" (DeepSeek-V3's \"noaux_tc\" is \
