@@ -3,7 +3,9 @@
 
 use super::super::cpu;
 use super::super::elem::{dispatch_float, Accum, Elem};
-use super::super::storage::{tensor_from, with_cuda, Saved, SavedSlot};
+use super::super::grad_hook::{before_read, route, GradHook};
+use super::super::storage::{on_device, owned_storage, tensor_from, with_cuda, Saved, SavedSlot};
+use super::super::tap;
 use super::attention_dims::AttentionDims;
 use super::cuda;
 use candle_core::backend::BackendStorage;
@@ -12,6 +14,7 @@ use candle_core::{
     WithDType, D,
 };
 use rayon::prelude::*;
+use std::sync::{Arc, Mutex, PoisonError};
 
 /// Causal self-attention `softmax(q kᵀ / √head_dim + mask) v` per head,
 /// over the packed `qkv` `[batch, time, 3 * d]` a GPT's `qkv` Linear
@@ -248,7 +251,142 @@ pub fn softcapped_attention(
         Some(window) => dims.with_window(window)?,
         None => dims,
     };
-    composed_attention(q, k, v, dims, Some(cap))
+    composed_attention(q, k, v, dims, Some(cap), None)
+}
+
+/// [`causal_attention`] (within `window` positions when given, as
+/// [`sliding_window_attention`]) with an attention sink per query head:
+/// `sinks` `[heads]` are logits that join each row's softmax beside its
+/// scores and take their share of the weight to nowhere (a value of zero),
+/// gpt-oss's `sinks`, as `transformers` computes them. The scores are
+/// scaled by `head_dim^-1/2`.
+///
+/// With a `hook` and `sinks` a variable, this is the fused op: its forward
+/// rescales each row's output by the weight the keys kept and adds the sink
+/// to the row's log-sum-exp, which the backward then reads as it is; the
+/// sinks' gradient, `−Σ exp(sink − lse)·rowsum(dO∘O)` over the batch and
+/// the rows, goes to the hook. Otherwise (or on CUDA with heads wider than
+/// 128) it runs composed of Candle's ops, as [`softcapped_attention`] does,
+/// the sinks' gradient wherever their tensor's goes.
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// # fn main() -> candle_core::Result<()> {
+/// let q = Tensor::randn(0f32, 1.0, (1, 6, 2, 4), &Device::Cpu)?;
+/// let k = Tensor::randn(0f32, 1.0, (1, 6, 1, 4), &Device::Cpu)?;
+/// let v = Tensor::randn(0f32, 1.0, (1, 6, 1, 4), &Device::Cpu)?;
+/// let sinks = Tensor::new(&[0.5f32, -1.0], &Device::Cpu)?;
+/// let y = zero_candle::nn::ops::sink_attention(&q, &k, &v, &sinks, Some(3), None)?;
+/// assert_eq!(y.dims(), &[1, 6, 2, 4]);
+/// # Ok(()) }
+/// ```
+pub fn sink_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    sinks: &Tensor,
+    window: Option<usize>,
+    hook: Option<Arc<dyn GradHook>>,
+) -> Result<Tensor> {
+    let dims = AttentionDims::of_split(q, k, v)?;
+    let dims = match window {
+        Some(window) => dims.with_window(window)?,
+        None => dims,
+    };
+    if sinks.dims() != [dims.heads] {
+        candle_core::bail!(
+            "zero-candle sink_attention: the sinks are {:?}, the queries have {} heads; give one \
+             sink per query head",
+            sinks.dims(),
+            dims.heads
+        )
+    }
+    let fused = SplitPath::of(q.device().is_cuda(), &dims) == SplitPath::Fused;
+    match hook {
+        Some(hook) if fused && sinks.is_variable() => {
+            before_read(Some(&hook), &[Some(sinks)])?;
+            let values = sinks.detach().to_dtype(DType::F32)?.copy()?;
+            q.contiguous()?.apply_op3(
+                &k.contiguous()?,
+                &v.contiguous()?,
+                SplitAttention {
+                    dims,
+                    lse: SavedSlot::default(),
+                    sinks: Some(Sinks {
+                        values,
+                        param: sinks.clone(),
+                        hook,
+                        weights: Mutex::default(),
+                    }),
+                },
+            )
+        }
+        hook => {
+            let sinks = match (hook, sinks.is_variable()) {
+                (Some(hook), true) => tap(&candle_core::Var::from_tensor(sinks)?, Some(hook))?,
+                _ => sinks.clone(),
+            };
+            composed_attention(q, k, v, dims, None, Some(&sinks))
+        }
+    }
+}
+
+/// The sinks of a fused [`sink_attention`].
+struct Sinks {
+    /// Their values when the forward ran, f32 `[heads]`.
+    values: Tensor,
+    /// The variable, and the hook its gradient goes to.
+    param: Tensor,
+    hook: Arc<dyn GradHook>,
+    /// `exp(sink − lse)` per `(batch, head, row)` (the sink's weight in the
+    /// row's softmax), from the forward for the backward.
+    weights: Mutex<Option<Tensor>>,
+}
+
+impl Sinks {
+    /// The attention's output `y` `[batch, time, heads, head_dim]` and its
+    /// rows' log-sum-exp `lse` `[batch, heads, time]` with the sinks in
+    /// each row's softmax: `lse' = log(exp(lse) + exp(sink))`, `y' = y ·
+    /// exp(lse − lse')`.
+    fn join(&self, y: Tensor, lse: Tensor) -> Result<(Tensor, Tensor)> {
+        if lse.elem_count() == 0 {
+            return Ok((y, lse));
+        }
+        let sinks = self.values.to_dtype(lse.dtype())?.reshape((1, (), 1))?;
+        let top = lse.broadcast_maximum(&sinks)?;
+        let total = (lse.broadcast_sub(&top)?.exp()? + sinks.broadcast_sub(&top)?.exp()?)?;
+        let joined = (top + total.log()?)?;
+        let kept = (&lse - &joined)?.exp()?.transpose(1, 2)?.unsqueeze(3)?;
+        let y = y
+            .to_dtype(kept.dtype())?
+            .broadcast_mul(&kept)?
+            .to_dtype(y.dtype())?;
+        *self.weights.lock().unwrap_or_else(PoisonError::into_inner) =
+            Some(sinks.broadcast_sub(&joined)?.exp()?);
+        Ok((y, joined))
+    }
+
+    /// Hands the sinks' gradient for the output `out` and its gradient
+    /// `grad` to the hook.
+    fn backward(&self, out: &Tensor, grad: &Tensor) -> Result<()> {
+        let weights = self.weights.lock().unwrap_or_else(PoisonError::into_inner);
+        let Some(weights) = weights.as_ref() else {
+            candle_core::bail!("zero-candle sink_attention: backward ran without its forward")
+        };
+        // rowsum(dO∘O) per (batch, row, head), as (batch, head, row).
+        let dots = (grad.to_dtype(weights.dtype())? * out.to_dtype(weights.dtype())?)?
+            .sum(3)?
+            .transpose(1, 2)?;
+        let grad = (weights * dots)?.sum((0, 2))?.neg()?;
+        let grad = grad.to_dtype(self.param.dtype())?;
+        if route(Some(&self.hook), &self.param, grad)?.is_some() {
+            candle_core::bail!(
+                "zero-candle sink_attention: the sinks are not a variable, so their gradient has \
+                 no place; build them as one"
+            )
+        }
+        Ok(())
+    }
 }
 
 /// The widest head the fused CUDA attention kernels take: zero-nccl's
@@ -285,9 +423,10 @@ fn split_attention(q: &Tensor, k: &Tensor, v: &Tensor, dims: AttentionDims) -> R
             SplitAttention {
                 dims,
                 lse: SavedSlot::default(),
+                sinks: None,
             },
         ),
-        SplitPath::Composed => composed_attention(q, k, v, dims, None),
+        SplitPath::Composed => composed_attention(q, k, v, dims, None, None),
     }
 }
 
@@ -299,8 +438,9 @@ fn split_attention(q: &Tensor, k: &Tensor, v: &Tensor, dims: AttentionDims) -> R
 /// the scores `q kᵀ / √head_dim` are computed in the input type (and
 /// capped as `cap · tanh(s / cap)` there, with a `cap`), the causal (and
 /// banded) mask of 0 and -inf is added and the softmax taken
-/// in f32 (f64 for f64 input), the weights rounded back to the input type
-/// and multiplied with `v`.
+/// in f32 (f64 for f64 input), with `sinks` `[heads]` as one more column
+/// of each row that is dropped after it (gpt-oss's), the weights rounded
+/// back to the input type and multiplied with `v`.
 ///
 /// The fallback where the fused kernels cannot run (CUDA heads wider than
 /// [`FUSED_CUDA_HEAD_DIM`]), not a fast path: the `[batch, heads, time,
@@ -312,6 +452,7 @@ pub(crate) fn composed_attention(
     v: &Tensor,
     dims: AttentionDims,
     cap: Option<f64>,
+    sinks: Option<&Tensor>,
 ) -> Result<Tensor> {
     let AttentionDims {
         batch,
@@ -360,12 +501,26 @@ pub(crate) fn composed_attention(
     );
     let mask = visible.where_cond(&seen, &hidden)?;
     let scores = scores.to_dtype(softmax_dtype)?.broadcast_add(&mask)?;
+    let scores = match sinks {
+        Some(sinks) => {
+            let column = sinks
+                .to_dtype(softmax_dtype)?
+                .reshape((1, heads, 1, 1))?
+                .broadcast_as((batch, heads, time, 1))?;
+            Tensor::cat(&[&scores, &column], 3)?
+        }
+        None => scores,
+    };
     // Candle's reductions refuse empty tensors; no positions have no
     // weights to normalize.
     let weights = if scores.elem_count() == 0 {
         scores
     } else {
         candle_nn::ops::softmax(&scores, D::Minus1)?
+    };
+    let weights = match sinks {
+        Some(_) => weights.narrow(3, 0, time)?,
+        None => weights,
     };
     let weights = weights.to_dtype(dtype)?;
     weights.matmul(&v)?.transpose(1, 2)?.contiguous()
@@ -375,6 +530,7 @@ struct SplitAttention {
     dims: AttentionDims,
     /// The forward's log-sum-exp per `(batch, head, row)`.
     lse: SavedSlot,
+    sinks: Option<Sinks>,
 }
 
 const SPLIT_OP: &str = "causal_attention";
@@ -407,8 +563,8 @@ impl CustomOp3 for SplitAttention {
                 <T as Elem>::Acc::to_cpu_storage_owned(lse),
             )
         });
-        self.lse.put(Saved::Cpu(lse));
-        Ok((y, split_shape(&dims)))
+        let y = self.finish(Storage::Cpu(y), Storage::Cpu(lse))?;
+        Ok((on_device(y, SPLIT_OP)?, split_shape(&dims)))
     }
 
     fn cuda_fwd(
@@ -423,8 +579,8 @@ impl CustomOp3 for SplitAttention {
         let dims = self.dims;
         let (y, lse) =
             cuda::attention_forward_split([(q, q_layout), (k, k_layout), (v, v_layout)], &dims)?;
-        self.lse.put(Saved::Cuda(lse));
-        Ok((y, split_shape(&dims)))
+        let y = self.finish(Storage::Cuda(y), Storage::Cuda(lse))?;
+        Ok((on_device(y, SPLIT_OP)?, split_shape(&dims)))
     }
 
     fn bwd(
@@ -489,11 +645,42 @@ impl CustomOp3 for SplitAttention {
                 Ok(grads.map(Storage::Cuda))
             }
         })?;
+        if let Some(sinks) = &self.sinks {
+            sinks.backward(out, &grad)?;
+        }
         Ok((
             Some(tensor_from(dq, q_shape)),
             Some(tensor_from(dk, kv_shape.clone())),
             Some(tensor_from(dv, kv_shape)),
         ))
+    }
+}
+
+impl SplitAttention {
+    /// The forward's output `y`, with the sinks joined where there are
+    /// any; its rows' log-sum-exp `lse` (joined likewise) saved for the
+    /// backward.
+    fn finish(&self, y: Storage, lse: Storage) -> Result<Storage> {
+        let (y, lse) = match &self.sinks {
+            None => (y, lse),
+            Some(sinks) => {
+                let d = self.dims;
+                let (y, lse) = sinks.join(
+                    tensor_from(y, split_shape(&d)),
+                    tensor_from(lse, (d.batch, d.heads, d.time)),
+                )?;
+                (
+                    owned_storage(&y, "the attention output")?,
+                    owned_storage(&lse, "the attention's row statistics")?,
+                )
+            }
+        };
+        self.lse.put(match lse {
+            Storage::Cpu(lse) => Saved::Cpu(lse),
+            Storage::Cuda(lse) => Saved::Cuda(lse),
+            _ => candle_core::bail!("zero-candle {SPLIT_OP}: runs on the CPU and on CUDA only"),
+        });
+        Ok(y)
     }
 }
 
@@ -891,7 +1078,7 @@ mod tests {
                     None => causal_attention(q, k, v),
                 })?;
                 let composed = value_and_grads(inputs, &upstream, |q, k, v| {
-                    composed_attention(q, k, v, dims, None)
+                    composed_attention(q, k, v, dims, None, None)
                 })?;
                 for (name, (got, want)) in ["output", "dq", "dk", "dv"]
                     .iter()
@@ -1021,11 +1208,87 @@ mod tests {
             let dims = AttentionDims::of_split(&q, &k, &v)?;
             let upstream = q.ones_like()?;
             let got = value_and_grads([&q, &k, &v], &upstream, |q, k, v| {
-                composed_attention(q, k, v, dims, None)
+                composed_attention(q, k, v, dims, None, None)
             })?;
             let shapes: Vec<&[usize]> = got.iter().map(|t| t.dims()).collect();
             assert_eq!(shapes, [q.dims(), q.dims(), k.dims(), v.dims()]);
         }
+        Ok(())
+    }
+
+    /// The fused sinks (gradient to a hook) against the composed ones
+    /// (gradient in the `GradStore`): output and the gradients of q, k, v
+    /// and the sinks, with and without a window, grouped and not.
+    fn sinks_fused_match_composed(dtype: DType, tol: f32) -> Result<()> {
+        use crate::nn::GradCollector;
+        for (seed, &(b, t, h, kvh, d)) in SHAPES[3..].iter().enumerate() {
+            for window in [None, Some(3)] {
+                let seed = 100 + 10 * seed as u64;
+                let q = var(seed, &[b, t, h, d], 2.0, dtype)?;
+                let k = var(seed + 1, &[b, t, kvh, d], 2.0, dtype)?;
+                let v = var(seed + 2, &[b, t, kvh, d], 2.0, dtype)?;
+                let sinks = var(seed + 3, &[h], 3.0, dtype)?;
+                let upstream = var(seed + 4, &[b, t, h, d], 1.0, dtype)?;
+                let collector = Arc::new(GradCollector::new());
+                let hook: Arc<dyn GradHook> = collector.clone();
+                let fused = value_and_grads([&q, &k, &v], &upstream, |q, k, v| {
+                    sink_attention(q, k, v, &sinks, window, Some(hook.clone()))
+                })?;
+                let fused_sinks = collector.get(&sinks).expect("the sinks' gradient");
+                let y = sink_attention(&q, &k, &v, &sinks, window, None)?;
+                let grads = (&y * upstream.as_tensor())?
+                    .to_dtype(DType::F32)?
+                    .sum_all()?
+                    .backward()?;
+                let composed_sinks = grads.get(&sinks).expect("the sinks' gradient");
+                let what = format!("{dtype:?} b{b} t{t} h{h} kv{kvh} d{d} window {window:?}");
+                assert_close(&format!("{what} output"), &y, &fused[0], tol)?;
+                for (name, (x, got)) in ["dq", "dk", "dv"]
+                    .iter()
+                    .zip([&q, &k, &v].iter().zip(&fused[1..]))
+                {
+                    let want = grads.get(x.as_tensor()).expect("a gradient");
+                    assert_close(&format!("{what} {name}"), got, want, tol)?;
+                }
+                assert_close(&format!("{what} dsinks"), &fused_sinks, composed_sinks, tol)?;
+                // The sinks take weight: the output is not the plain one.
+                let plain = match window {
+                    Some(w) => sliding_window_attention(&q, &k, &v, w)?,
+                    None => causal_attention(&q, &k, &v)?,
+                };
+                let apart = (plain - &y)?.abs()?.to_dtype(DType::F32)?.max_all()?;
+                assert!(
+                    apart.to_scalar::<f32>()? > 1e-2,
+                    "{what}: the sinks change nothing"
+                );
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn sink_attention_fused_equals_composed() -> Result<()> {
+        sinks_fused_match_composed(DType::F32, 1e-5)?;
+        sinks_fused_match_composed(DType::BF16, 4.0 / 256.0)
+    }
+
+    /// A sink far below every score takes no weight: the plain attention;
+    /// one sink per query head or an error.
+    #[test]
+    fn a_sink_far_below_the_scores_is_the_plain_attention() -> Result<()> {
+        let q = var(1, &[2, 7, 4, 8], 1.0, DType::F32)?;
+        let k = var(2, &[2, 7, 2, 8], 1.0, DType::F32)?;
+        let v = var(3, &[2, 7, 2, 8], 1.0, DType::F32)?;
+        let sinks = Var::from_tensor(&Tensor::full(-1e4f32, 4, &Device::Cpu)?)?;
+        let hook: Arc<dyn GradHook> = Arc::new(crate::nn::GradCollector::new());
+        let plain = causal_attention(&q, &k, &v)?;
+        for hook in [None, Some(hook)] {
+            let y = sink_attention(&q, &k, &v, &sinks, None, hook)?;
+            assert_close("far sinks", &y, &plain, 1e-6)?;
+        }
+        let three = Tensor::zeros(3, DType::F32, &Device::Cpu)?;
+        let err = sink_attention(&q, &k, &v, &three, None, None).unwrap_err();
+        assert!(err.to_string().contains("one sink per query head"), "{err}");
         Ok(())
     }
 

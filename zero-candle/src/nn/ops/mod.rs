@@ -33,8 +33,8 @@ pub(crate) use activation::recompute_with_input_grad;
 pub use activation::{gelu, gelu_erf, relu2, silu};
 pub use activation_kind::Activation;
 pub use attention::{
-    causal_attention, causal_self_attention, causal_self_attention_rows, sliding_window_attention,
-    softcapped_attention,
+    causal_attention, causal_self_attention, causal_self_attention_rows, sink_attention,
+    sliding_window_attention, softcapped_attention,
 };
 pub use attention_dims::AttentionDims;
 pub use cross_entropy::{cross_entropy, cross_entropy_with_ignore};
