@@ -63,9 +63,9 @@ const BALANCED: [(&str, &str); 2] = [
     ("llama/qwen3moe", "qwen3moe."),
 ];
 
-/// The families read since (GLM-4.5 to EXAONE MoE, and Mistral): at
+/// The families read since (GLM-4.5 to gpt-oss, and Mistral): at
 /// one rank (MiniMax-M2's load-balancing loss is each rank's own).
-const LATER: [(&str, &str); 43] = [
+const LATER: [(&str, &str); 44] = [
     ("llama/mistral", "mistral."),
     ("llama/glm4moe", "glm4moe."),
     ("llama/minimaxm2", "minimaxm2."),
@@ -109,6 +109,7 @@ const LATER: [(&str, &str); 43] = [
     ("llama/granitemoe", "granitemoe."),
     ("llama/granitemoeshared", "granitemoeshared."),
     ("llama/exaonemoe", "exaonemoe."),
+    ("llama/gptoss", "gptoss."),
 ];
 
 /// The fixtures: under the current directory when it is the repository's

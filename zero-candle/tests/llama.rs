@@ -120,6 +120,8 @@ fn logits_loss_and_gradients_equal_transformers() {
         ("granitemoeshared", 45),
         // Its routing bias beside the router, a buffer.
         ("exaonemoe", 50),
+        // Sinks; experts with biases, fused and transposed in the files.
+        ("gptoss", 61),
     ];
     for (fixture, variables) in cases {
         let (config, map) = Llama::open_hub(fixtures().join(fixture)).unwrap();
@@ -323,6 +325,7 @@ fn loading_then_saving_reproduces_the_checkpoint_tensor_for_tensor() {
         "granitemoe",
         "granitemoeshared",
         "exaonemoe",
+        "gptoss",
     ] {
         let dir = fixtures().join(fixture);
         for (stage, world) in [(Stage::Ddp, 1), (Stage::Parameters, 2)] {
@@ -418,6 +421,9 @@ fn one_sgd_step_equals_torch_at_stage_0_and_at_stage_3_on_two_ranks() {
         ("granitemoe", Stage::Parameters, 2, 21),
         ("granitemoeshared", Stage::Parameters, 2, 25),
         ("exaonemoe", Stage::Parameters, 2, 51),
+        // Sinks through the hook; its load-balancing loss at one rank (as
+        // Mixtral's).
+        ("gptoss", Stage::Parameters, 1, 37),
     ] {
         let out = tempfile::tempdir().unwrap();
         Run::new(stage, world, 1).train(&fixtures().join(fixture), &ids, out.path());
@@ -1235,6 +1241,7 @@ fn ernie_configs_read_as_transformers_reads_them() {
             aux_loss_coef: None,
             style: MoeStyle::Ernie,
             routing: MoeRouting::BiasedSoftmax { min_sum: 1e-12 },
+            clamped_swiglu: None,
         }
     );
     let mut silent = config_of("erniemoe");
@@ -2077,6 +2084,7 @@ fn moe_configs_read_as_transformers_reads_them() {
             aux_loss_coef: Some(0.5),
             style: MoeStyle::Mixtral,
             routing: MoeRouting::Softmax,
+            clamped_swiglu: None,
         }
     );
     let qwen2 = moe(&config_of("qwen2moe"));
@@ -2175,6 +2183,7 @@ fn moe_configs_read_as_transformers_reads_them() {
                 top_groups: 2,
                 scale: 2.5,
             },
+            clamped_swiglu: None,
         }
     );
     let mut silent = config_without(

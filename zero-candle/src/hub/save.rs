@@ -1,7 +1,7 @@
 //! `ZeroOptimizer::save_hub`: the trained variables written back in the
 //! layout of the hub checkpoint they came from.
 
-use super::{hub_error, HubDir, HubLayout, INDEX_FILE, WEIGHTS_FILE};
+use super::{hub_error, Arrangement, HubDir, HubLayout, INDEX_FILE, WEIGHTS_FILE};
 use crate::memory::CandleMemory;
 use crate::optimizer::weights::{Saved, SavedTensor, WeightsFile};
 use crate::{Error, Result, ZeroOptimizer};
@@ -54,8 +54,11 @@ where
                     continue;
                 };
                 let source = match (layout.parts_of(name), layout.var_of(name, &names)) {
-                    (Some(parts), _) => Saved::Vars(
-                        parts
+                    (Some(parts), _) => Saved::Vars {
+                        arrangement: parts
+                            .first()
+                            .map_or(Arrangement::AsIs, |p| layout.arrangement(p).clone()),
+                        indices: parts
                             .iter()
                             .map(|part| {
                                 names.iter().position(|v| v == part).ok_or_else(|| {
@@ -70,7 +73,7 @@ where
                                 })
                             })
                             .collect::<Result<_>>()?,
-                    ),
+                    },
                     (None, Some(index)) => Saved::Var {
                         index,
                         arrangement: layout.arrangement(&names[index]).clone(),

@@ -55,10 +55,11 @@ impl HubSource {
             expected.reverse();
         }
         if let Some((name, _, count)) = self.layout.fused_part(var) {
-            // One of `count` equal parts, one after another.
+            // One of `count` equal parts, one after another (each stored
+            // transposed where the layout says).
             let numel = shape.iter().product::<usize>();
             let holds = tensor.shape.iter().product::<usize>() == count * numel
-                && tensor.shape.last() == shape.last();
+                && tensor.shape.last() == expected.last();
             if !holds {
                 return Err(Error::Variable {
                     name: var.into(),
@@ -120,12 +121,15 @@ impl ParamSource for HubSource {
         out: &mut [f64],
     ) -> Result<()> {
         let tensor = self.tensor(name, shape)?;
-        if let Some((_, at, _)) = self.layout.fused_part(name) {
-            let offset = at * shape.iter().product::<usize>();
-            return Ok(tensor.read_range_as(offset + range.start..offset + range.end, out)?);
-        }
+        // A fused tensor's part starts where the parts before it end.
+        let offset = match self.layout.fused_part(name) {
+            Some((_, at, _)) => at * shape.iter().product::<usize>(),
+            None => 0,
+        };
         match self.layout.arrangement(name) {
-            Arrangement::AsIs => return Ok(tensor.read_range_as(range, out)?),
+            Arrangement::AsIs => {
+                return Ok(tensor.read_range_as(offset + range.start..offset + range.end, out)?)
+            }
             Arrangement::RowsPermuted(rows) => {
                 // Each of the variable's rows in the range is a run of the
                 // tensor's row it comes from.
@@ -134,7 +138,7 @@ impl ParamSource for HubSource {
                 while at < range.end {
                     let (row, col) = (at / cols, at % cols);
                     let len = (cols - col).min(range.end - at);
-                    let from = rows[row] * cols + col;
+                    let from = offset + rows[row] * cols + col;
                     let start = at - range.start;
                     tensor.read_range_as(from..from + len, &mut out[start..start + len])?;
                     at += len;
@@ -158,7 +162,7 @@ impl ParamSource for HubSource {
         let (first, last) = (range.start / cols, (range.end - 1) / cols);
         let mut run = vec![0f64; last - first + 1];
         for col in 0..cols {
-            let start = col * rows + first;
+            let start = offset + col * rows + first;
             tensor.read_range_as(start..start + run.len(), &mut run)?;
             for (i, &value) in run.iter().enumerate() {
                 let element = (first + i) * cols + col;
@@ -178,10 +182,16 @@ impl ParamSource for HubSource {
         let tensor = self.layout.tensor_of(&self.dir, name)?;
         let mut shape = self.dir.tensor(&tensor)?.shape.clone();
         if let Some((_, _, count)) = self.layout.fused_part(name) {
-            // A part: the tensor's rows split `count` ways.
-            let last = *shape.last()?;
-            let numel = shape.iter().product::<usize>();
-            return Some(vec![numel / count.max(1) / last.max(1), last]);
+            // A part: the tensor's first dimension counting the parts, or
+            // its rows split `count` ways.
+            shape = match shape.split_first() {
+                Some((&first, rest)) if first == count => rest.to_vec(),
+                _ => {
+                    let last = *shape.last()?;
+                    let numel = shape.iter().product::<usize>();
+                    vec![numel / count.max(1) / last.max(1), last]
+                }
+            };
         }
         if self.layout.is_transposed(name) {
             shape.reverse();

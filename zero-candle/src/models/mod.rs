@@ -12,8 +12,8 @@ pub mod rope;
 pub use causal_lm::{CausalLm, HubConfig};
 pub use gpt2::{Gpt2, Gpt2Config};
 pub use llama::{
-    LatentAttention, LayerNames, Llama, LlamaConfig, MoeConfig, MoeRouting, MoeStyle, NormNames,
-    PositionScale, QkNorm, SlidingWindow, UngatedMlp, LATENT_NORM_EPS,
+    ClampedSwiglu, LatentAttention, LayerNames, Llama, LlamaConfig, MoeConfig, MoeRouting,
+    MoeStyle, NormNames, PositionScale, QkNorm, SlidingWindow, UngatedMlp, LATENT_NORM_EPS,
 };
 pub use rope::{Llama3Scaling, LongRopeScaling, Rope, RopeScaling, YarnScaling};
 

@@ -51,9 +51,13 @@ pub(crate) enum Saved<'a> {
     /// These bytes, as they are (a tensor the model does not train,
     /// borrowed from the file it was read from).
     Bytes(&'a [u8]),
-    /// These variables' values one after another, each as it is (a
-    /// mixture's experts fused in one tensor); their indices consecutive.
-    Vars(Vec<usize>),
+    /// These variables' values one after another, each arranged as
+    /// `arrangement` says (a mixture's experts fused in one tensor); their
+    /// indices consecutive.
+    Vars {
+        indices: Vec<usize>,
+        arrangement: Arrangement,
+    },
 }
 
 impl<C, T> ZeroOptimizer<C, T>
@@ -76,7 +80,7 @@ where
         for file in &mut files {
             file.tensors.sort_by_key(|t| match &t.from {
                 Saved::Var { index, .. } => *index,
-                Saved::Vars(indices) => indices.first().copied().unwrap_or(usize::MAX),
+                Saved::Vars { indices, .. } => indices.first().copied().unwrap_or(usize::MAX),
                 Saved::Bytes(_) => usize::MAX,
             });
         }
@@ -85,7 +89,7 @@ where
             for (t, tensor) in file.tensors.iter().enumerate() {
                 let indices = match &tensor.from {
                     Saved::Var { index, .. } => vec![*index],
-                    Saved::Vars(indices) => {
+                    Saved::Vars { indices, .. } => {
                         // Written as the variables are visited: one after
                         // another, with no other tensor's between them.
                         let first = indices.first().copied().unwrap_or(0);
@@ -151,7 +155,10 @@ where
                     Saved::Var {
                         arrangement: Arrangement::AsIs,
                         ..
-                    } | Saved::Vars(_)
+                    } | Saved::Vars {
+                        arrangement: Arrangement::AsIs,
+                        ..
+                    }
                 )
             };
             let sharded = fetcher.as_ref().is_some_and(|f| f.is_sharded(index));
@@ -210,7 +217,7 @@ where
             };
             let copied = file.tensors.iter().try_for_each(|t| match &t.from {
                 Saved::Bytes(bytes) => w.write(bytes),
-                Saved::Var { .. } | Saved::Vars(_) => Ok(()),
+                Saved::Var { .. } | Saved::Vars { .. } => Ok(()),
             });
             if let Err(e) = copied.and_then(|()| w.finish().map(drop)) {
                 failure.get_or_insert(e.into());
@@ -237,15 +244,13 @@ where
 /// A variable's whole values as `saved`'s bytes: arranged as it asks,
 /// rounded to its dtype.
 fn saved_bytes(whole: &Tensor, saved: &SavedTensor<'_>) -> Result<Vec<u8>> {
-    let tensor = match &saved.from {
-        Saved::Var {
-            arrangement: Arrangement::Transposed,
-            ..
-        } => whole.t()?.contiguous()?,
-        Saved::Var {
-            arrangement: Arrangement::RowsPermuted(rows),
-            ..
-        } => {
+    let arrangement = match &saved.from {
+        Saved::Var { arrangement, .. } | Saved::Vars { arrangement, .. } => arrangement,
+        Saved::Bytes(_) => &Arrangement::AsIs,
+    };
+    let tensor = match arrangement {
+        Arrangement::Transposed => whole.t()?.contiguous()?,
+        Arrangement::RowsPermuted(rows) => {
             // The file's row `rows[r]` is the variable's row `r`.
             let mut from = vec![0u32; rows.len()];
             for (r, &f) in rows.iter().enumerate() {
@@ -258,12 +263,12 @@ fn saved_bytes(whole: &Tensor, saved: &SavedTensor<'_>) -> Result<Vec<u8>> {
                 .index_select(&from, 0)?
                 .reshape(whole.shape())?
         }
-        _ => whole.clone(),
+        Arrangement::AsIs => whole.clone(),
     };
     let dtype = candle_dtype(saved.dtype);
     let fits = match &saved.from {
         // One part of several, of equal sizes.
-        Saved::Vars(parts) => {
+        Saved::Vars { indices: parts, .. } => {
             tensor.elem_count() * parts.len() == saved.shape.iter().product::<usize>()
         }
         _ => tensor.dims() == saved.shape.as_slice(),

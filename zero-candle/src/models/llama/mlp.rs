@@ -1,30 +1,47 @@
 //! A block's MLP: one gated MLP, or a sparse mixture of them (Mixtral,
 //! Qwen2-MoE, Qwen3-MoE, OLMoE, GLM-4.5, MiniMax-M2, ERNIE 4.5).
 
+use super::moe::ClampedSwiglu;
 use super::Projections;
 use crate::nn::{ops, Activation, ExpertMlps, Linear, OnDevice};
 use candle_core::backend::{BackendDevice, BackendStorage};
 use candle_core::{CpuStorage, CudaStorage, CustomOp1, DType, Layout, Module, Shape, Tensor, D};
 use std::sync::{Arc, Mutex, PoisonError};
 
-/// `down(act(gate(x)) * up(x))`.
+/// `down(act(gate(x)) * up(x))`, or gpt-oss's clamped unit in place of
+/// `act(gate) * up`.
 #[derive(Clone)]
 pub(super) struct Mlp {
     pub(super) gate_up: Projections<2>,
     pub(super) down: Linear,
     pub(super) activation: Activation,
+    pub(super) clamped: Option<ClampedSwiglu>,
 }
 
 impl Mlp {
     /// The MLP of `h` rows `[tokens, hidden]`.
     fn forward(&self, h: &Tensor) -> candle_core::Result<Tensor> {
         let [gate, up] = self.gate_up.forward(h)?;
-        let gated = match self.activation {
-            Activation::Silu => ops::swiglu(&gate, &up)?,
-            Activation::Gelu => ops::geglu(&gate, &up)?,
-            other => candle_core::bail!("no gated MLP with {other:?}"),
+        let gated = match (self.clamped, self.activation) {
+            (Some(clamped), _) => clamped.apply(&gate, &up)?,
+            (None, Activation::Silu) => ops::swiglu(&gate, &up)?,
+            (None, Activation::Gelu) => ops::geglu(&gate, &up)?,
+            (None, other) => candle_core::bail!("no gated MLP with {other:?}"),
         };
         self.down.forward(&gated)
+    }
+}
+
+impl ClampedSwiglu {
+    /// `(clamp(up, -limit, limit) + 1) · g · σ(alpha · g)`, `g =
+    /// min(gate, limit)`, of Candle's ops in the inputs' dtype (as
+    /// `transformers` computes it); a value at a bound passes half its
+    /// gradient (Candle's), where torch's clamp passes it whole.
+    fn apply(&self, gate: &Tensor, up: &Tensor) -> candle_core::Result<Tensor> {
+        let gate = gate.minimum(self.limit)?;
+        let up = up.clamp(-self.limit, self.limit)?;
+        let opened = candle_nn::ops::sigmoid(&gate.affine(self.alpha, 0.0)?)?;
+        (up + 1.0)? * (gate * opened)?
     }
 }
 
@@ -382,7 +399,7 @@ fn grouped_weights(
         let plain = layers
             .iter()
             .all(|l| l.bias().is_none() && l.hook().is_some_and(|h| Arc::ptr_eq(h, &hook)));
-        if !plain || expert.activation != first.activation {
+        if !plain || expert.activation != first.activation || expert.clamped.is_some() {
             return None;
         }
         weights.push(layers.map(|l| l.weight().clone()));

@@ -86,7 +86,7 @@ pub use config::{
     LatentAttention, LayerNames, LlamaConfig, NormNames, PositionScale, QkNorm, SlidingWindow,
     UngatedMlp, LATENT_NORM_EPS,
 };
-pub use moe::{MoeConfig, MoeRouting, MoeStyle};
+pub use moe::{ClampedSwiglu, MoeConfig, MoeRouting, MoeStyle};
 
 use super::rope::{halves_from_interleaved, Rope, RopeScaling};
 use crate::hub::HubLayout;
@@ -293,6 +293,9 @@ struct Block {
     rotates: bool,
     /// Gemma 2's cap on the attention scores.
     score_cap: Option<f64>,
+    /// gpt-oss's sink per query head `[heads]`, and the hook its gradient
+    /// goes to.
+    sinks: Option<(Tensor, Option<Arc<dyn GradHook>>)>,
     /// The sliding window of this layer, if it has one.
     window: Option<usize>,
     /// This layer rotates with the local rotation (Gemma 3's sliding
@@ -380,6 +383,9 @@ enum Projections<const N: usize> {
     Separate([Linear; N]),
     /// The Linear and each projection's width, in order.
     Fused(Linear, [usize; N]),
+    /// One Linear whose output columns take the projections in turn:
+    /// column `N·j + p` is projection `p`'s `j` (gpt-oss's `gate_up_proj`).
+    Interleaved(Linear),
 }
 
 impl<const N: usize> Projections<N> {
@@ -399,6 +405,14 @@ impl<const N: usize> Projections<N> {
                         at += w;
                         all.narrow(1, at - w, w)
                     })
+                    .collect::<candle_core::Result<_>>()?
+            }
+            Self::Interleaved(linear) => {
+                let all = linear.forward(h)?;
+                let (rows, width) = all.dims2()?;
+                let all = all.reshape((rows, width / N, N))?;
+                (0..N)
+                    .map(|p| all.narrow(2, p, 1)?.squeeze(2))
                     .collect::<candle_core::Result<_>>()?
             }
         };
@@ -490,10 +504,13 @@ impl Block {
         };
         // Each key/value head serves `heads / kv_heads` consecutive query
         // heads (`repeat_kv`), inside the op: no repeated copies.
-        let y = match (self.score_cap, self.window) {
-            (Some(cap), window) => ops::softcapped_attention(&q, &k, &v, window, cap)?,
-            (None, Some(window)) => ops::sliding_window_attention(&q, &k, &v, window)?,
-            (None, None) => ops::causal_attention(&q, &k, &v)?,
+        let y = match (self.score_cap, &self.sinks, self.window) {
+            (Some(cap), _, window) => ops::softcapped_attention(&q, &k, &v, window, cap)?,
+            (None, Some((sinks, hook)), window) => {
+                ops::sink_attention(&q, &k, &v, sinks, window, hook.clone())?
+            }
+            (None, None, Some(window)) => ops::sliding_window_attention(&q, &k, &v, window)?,
+            (None, None, None) => ops::causal_attention(&q, &k, &v)?,
         };
         // A latent attention's values were padded to the heads' width.
         let y = match self.value_dim < self.head_dim {
@@ -579,6 +596,23 @@ fn expert_vars(config: &LlamaConfig, moe: &MoeConfig, e: usize) -> [String; 3] {
     };
     [gate, up, down].map(|name| format!("experts.{e}.{name}"))
 }
+
+/// The names of gpt-oss's expert `e`'s variables under its mixture's
+/// prefix: its parts of the fused `experts.gate_up_proj`,
+/// `gate_up_proj_bias`, `down_proj` and `down_proj_bias` (`e` zero-padded,
+/// so that a tensor's parts sort together and in order).
+fn gpt_oss_expert_vars(moe: &MoeConfig, e: usize) -> [String; 4] {
+    let digits = moe.num_experts.saturating_sub(1).max(1).to_string().len();
+    GPT_OSS_FUSED.map(|tensor| format!("experts.{tensor}.{e:0digits$}"))
+}
+
+/// gpt-oss's fused expert tensors, in [`gpt_oss_expert_vars`]' order.
+const GPT_OSS_FUSED: [&str; 4] = [
+    "gate_up_proj",
+    "gate_up_proj_bias",
+    "down_proj",
+    "down_proj_bias",
+];
 
 /// The buffer `name` of `width` under `vb`, f32 on its device (a tensor of
 /// the checkpoint the model reads but does not train: see
@@ -807,6 +841,7 @@ impl Llama {
                 ]),
                 down: linear_b(vb.pp("down_proj"), width, d, bias)?,
                 activation: config.mlp_activation,
+                clamped: None,
             })
         };
         let dense = |vb: VarBuilder, width| gated(vb, width, config.mlp_bias);
@@ -814,6 +849,31 @@ impl Llama {
         // ([`expert_vars`]).
         let experts = |vb: VarBuilder, moe: &MoeConfig| -> Result<Vec<Mlp>> {
             let width = moe.expert_size;
+            if moe.style == MoeStyle::GptOss {
+                return (0..moe.num_experts)
+                    .map(|e| {
+                        // Each projection a Linear over its parts of the
+                        // fused tensors: weight and bias.
+                        let [gate_up, gate_up_bias, down, down_bias] = gpt_oss_expert_vars(moe, e);
+                        let part = |weight: &str, bias: &str, d_in, d_out| -> Result<Linear> {
+                            let w = vb.get_with_hints((d_out, d_in), weight, normal)?;
+                            let b = vb.get_with_hints(d_out, bias, Init::Const(0.0))?;
+                            Ok(Linear::new(w, Some(b), hook.clone()))
+                        };
+                        Ok(Mlp {
+                            gate_up: Projections::Interleaved(part(
+                                &gate_up,
+                                &gate_up_bias,
+                                d,
+                                2 * width,
+                            )?),
+                            down: part(&down, &down_bias, width, d)?,
+                            activation: config.mlp_activation,
+                            clamped: moe.clamped_swiglu,
+                        })
+                    })
+                    .collect();
+            }
             (0..moe.num_experts)
                 .map(|e| {
                     let [gate, up, down] = expert_vars(config, moe, e);
@@ -824,6 +884,7 @@ impl Llama {
                         ]),
                         down: linear(vb.pp(down), width, d)?,
                         activation: config.mlp_activation,
+                        clamped: None,
                     })
                 })
                 .collect()
@@ -831,7 +892,12 @@ impl Llama {
         // A mixture's router; the sigmoid one's bias that steers its choice
         // (GLM-4.5's, MiniMax-M2's) is a buffer of the checkpoint.
         let router = |vb: VarBuilder, moe: &MoeConfig| -> Result<(Linear, Routing)> {
-            let gate = linear(vb.pp(moe.style.router_name()), d, moe.num_experts)?;
+            let gate = linear_b(
+                vb.pp(moe.style.router_name()),
+                d,
+                moe.num_experts,
+                moe.style.biased(),
+            )?;
             match moe.routing {
                 MoeRouting::Softmax => Ok((gate, Routing::Softmax)),
                 MoeRouting::TopKSoftmax => Ok((gate, Routing::TopKSoftmax)),
@@ -999,6 +1065,7 @@ impl Llama {
                                         ),
                                         down: linear(shared.pp("output_linear"), width, d)?,
                                         activation: config.mlp_activation,
+                                        clamped: None,
                                     },
                                     None,
                                 ))
@@ -1035,6 +1102,7 @@ impl Llama {
                             config.mlp_bias,
                         )?,
                         activation: config.mlp_activation,
+                        clamped: None,
                     }),
                     _ => match config.ungated_mlp {
                         Some(names) => {
@@ -1062,6 +1130,13 @@ impl Llama {
                 position_scale: config.position_scale,
                 rotates: config.rotated_layers.as_ref().is_none_or(|r| r[i]),
                 score_cap: config.attn_logit_softcapping,
+                sinks: match config.attention_sinks {
+                    true => Some((
+                        attn.get_with_hints(config.num_attention_heads, "sinks", normal)?,
+                        hook.clone(),
+                    )),
+                    false => None,
+                },
                 window: config
                     .sliding_window
                     .as_ref()
@@ -1134,6 +1209,22 @@ impl Llama {
                     names.layers(),
                     moe.style.prefix()
                 );
+                if moe.style == MoeStyle::GptOss {
+                    // Each projection's parts `[in, out]` in the files, a
+                    // Linear's `[out, in]` here.
+                    let parts = |k: usize| -> Vec<String> {
+                        (0..moe.num_experts)
+                            .map(|e| format!("{mixture}.{}", gpt_oss_expert_vars(moe, e)[k]))
+                            .collect()
+                    };
+                    for (k, tensor) in GPT_OSS_FUSED.iter().enumerate() {
+                        layout = layout.with_fused(format!("{mixture}.experts.{tensor}"), parts(k));
+                    }
+                    for var in parts(0).into_iter().chain(parts(2)) {
+                        layout = layout.with_transposed(var);
+                    }
+                    continue;
+                }
                 let var = |name: &str| format!("{mixture}.{name}.weight");
                 let parts = (0..moe.num_experts).map(|e| expert_vars(config, moe, e));
                 let gate_up = parts.clone().flat_map(|[g, u, _]| [var(&g), var(&u)]);

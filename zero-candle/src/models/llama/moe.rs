@@ -48,6 +48,19 @@ pub struct MoeConfig {
     pub style: MoeStyle,
     /// How the router chooses the experts and weighs them.
     pub routing: MoeRouting,
+    /// gpt-oss's experts' activation in place of the model's
+    /// (`swiglu_alpha`, `swiglu_limit`).
+    pub clamped_swiglu: Option<ClampedSwiglu>,
+}
+
+/// gpt-oss's gated unit: `(clamp(up, -limit, limit) + 1) · g · σ(alpha ·
+/// g)` with `g = min(gate, limit)`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ClampedSwiglu {
+    /// `swiglu_alpha`.
+    pub alpha: f64,
+    /// `swiglu_limit`.
+    pub limit: f64,
 }
 
 /// How a mixture's router turns its logits into each token's experts and
@@ -139,6 +152,12 @@ pub enum MoeStyle {
     /// block's mixture, `shared_mlp.input_linear` (gate and up) and
     /// `output_linear`.
     Granite,
+    /// gpt-oss's: `mlp.router` with a bias; the experts fused in every
+    /// file, with biases, gate and up interleaved and each projection
+    /// stored `[in, out]` (`mlp.experts.gate_up_proj` `[experts, hidden, 2 *
+    /// width]`, `gate_up_proj_bias`, `down_proj`, `down_proj_bias`); the
+    /// weights rounded to the model's dtype.
+    GptOss,
     /// ERNIE 4.5's: Qwen's names and rounding, the router's bias
     /// `mlp.moe_statics.e_score_correction_bias` (`[1, num_experts]`),
     /// shared experts without a gate as GLM-4.5's; the router's weight in
@@ -152,7 +171,9 @@ impl MoeStyle {
     pub(super) fn prefix(self) -> &'static str {
         match self {
             Self::Mixtral | Self::MiniMax | Self::Granite => "block_sparse_moe",
-            Self::Qwen | Self::Glm | Self::DeepSeek | Self::Exaone | Self::Ernie => "mlp",
+            Self::Qwen | Self::Glm | Self::DeepSeek | Self::Exaone | Self::Ernie | Self::GptOss => {
+                "mlp"
+            }
         }
     }
 
@@ -169,6 +190,7 @@ impl MoeStyle {
     pub(super) fn router_name(self) -> &'static str {
         match self {
             Self::Granite => "router.layer",
+            Self::GptOss => "router",
             _ => "gate",
         }
     }
@@ -197,7 +219,15 @@ impl MoeStyle {
     /// The routing weights are rounded to the model's dtype before they
     /// scale the experts' outputs (else the outputs are scaled in f32).
     pub(super) fn weights_in_model_dtype(self) -> bool {
-        matches!(self, Self::Qwen | Self::Ernie | Self::Granite)
+        matches!(
+            self,
+            Self::Qwen | Self::Ernie | Self::Granite | Self::GptOss
+        )
+    }
+
+    /// The router and the experts have biases (gpt-oss's).
+    pub(super) fn biased(self) -> bool {
+        self == Self::GptOss
     }
 
     /// The shared experts are one MLP without a gate (GLM-4.5's,
@@ -280,6 +310,14 @@ impl MoeConfig {
                 ));
             }
         }
+        if let Some(ClampedSwiglu { alpha, limit }) = self.clamped_swiglu {
+            if !(alpha.is_finite() && limit.is_finite() && limit > 0.0) {
+                return Err(format!(
+                    "`swiglu_alpha` is {alpha} and `swiglu_limit` {limit}; set finite numbers, \
+                     the limit above 0"
+                ));
+            }
+        }
         if let MoeRouting::BiasedSoftmax { min_sum } = self.routing {
             if !(min_sum.is_finite() && min_sum >= 0.0) {
                 return Err(format!(
@@ -302,7 +340,12 @@ impl MoeConfig {
         let shared = self
             .shared_expert_size
             .map_or(0, |s| 3 * hidden * s + gate * hidden);
-        self.num_experts * (hidden + 3 * hidden * self.expert_size) + shared
+        // gpt-oss's router and experts have biases.
+        let biases = match self.style.biased() {
+            true => 1 + 2 * self.expert_size + hidden,
+            false => 0,
+        };
+        self.num_experts * (hidden + 3 * hidden * self.expert_size + biases) + shared
     }
 }
 
@@ -466,6 +509,17 @@ pub(super) const EXAONE_MOE: MoeFamily = MoeFamily {
     layer_types: true,
     scale: 2.5,
     ..GLM4_MOE
+};
+
+/// gpt-oss's mixture (`gpt_oss`): experts of `intermediate_size` with
+/// biases (128, 4 per token), chosen by logit plus the router's bias and
+/// weighted by the softmax of the chosen logits, in every layer; the
+/// load-balancing loss where `output_router_logits`.
+pub(super) const GPT_OSS_MOE: MoeFamily = MoeFamily {
+    style: MoeStyle::GptOss,
+    num_experts: 128,
+    experts_per_token: 4,
+    ..GRANITE_MOE
 };
 
 /// Solar Open's mixture (`solar_open`): GLM-4.5's in every layer, experts
@@ -633,6 +687,11 @@ struct MoeKeys {
     /// GLM-4.7-Flash's `"dense"` and `"sparse"` layers.
     #[serde(default)]
     mlp_layer_types: Option<Vec<String>>,
+    /// gpt-oss's clamped SwiGLU.
+    #[serde(default)]
+    swiglu_alpha: Option<f64>,
+    #[serde(default)]
+    swiglu_limit: Option<f64>,
 }
 
 /// The mixture of experts `config` describes, `family`'s defaults where it
@@ -802,8 +861,12 @@ pub(super) fn moe_of(
                 min_sum: plain.moe_norm_min.unwrap_or(1e-12),
             },
             MoeStyle::Mixtral | MoeStyle::Qwen => MoeRouting::Softmax,
-            MoeStyle::Granite => MoeRouting::TopKSoftmax,
+            MoeStyle::Granite | MoeStyle::GptOss => MoeRouting::TopKSoftmax,
         },
+        clamped_swiglu: (family.style == MoeStyle::GptOss).then(|| ClampedSwiglu {
+            alpha: plain.swiglu_alpha.unwrap_or(1.702),
+            limit: plain.swiglu_limit.unwrap_or(7.0),
+        }),
     })
 }
 
@@ -816,7 +879,7 @@ impl LlamaConfig {
     /// one weight per expert ([`LlamaConfig::fused_experts`]).
     pub(crate) fn settle_experts(&mut self, hub: &HubDir) {
         self.fused_experts = match &self.moe {
-            Some(moe) if moe.style == MoeStyle::Granite => true,
+            Some(moe) if matches!(moe.style, MoeStyle::Granite | MoeStyle::GptOss) => true,
             Some(_) => hub
                 .names()
                 .any(|n| n.ends_with(".experts.gate_up_proj") || n.ends_with(".experts.down_proj")),

@@ -2,8 +2,8 @@
 
 use super::super::moe::{
     MoeFamily, MoeStyle, Normalize, DEEPSEEK_V2_MOE, DEEPSEEK_V3_MOE, DOTS1_MOE, ERNIE4_5_MOE,
-    EXAONE_MOE, GLM4_MOE, GLM4_MOE_LITE_MOE, GRANITE_MOE, GRANITE_MOE_SHARED, MINIMAX_M2_MOE,
-    MISTRAL4_MOE, OLMOE_MOE, QWEN2_MOE, SOLAR_OPEN_MOE,
+    EXAONE_MOE, GLM4_MOE, GLM4_MOE_LITE_MOE, GPT_OSS_MOE, GRANITE_MOE, GRANITE_MOE_SHARED,
+    MINIMAX_M2_MOE, MISTRAL4_MOE, OLMOE_MOE, QWEN2_MOE, SOLAR_OPEN_MOE,
 };
 use super::{LayerNames, NormNames, QkNorm, UngatedMlp};
 use crate::models::rope::RopeDialect;
@@ -20,8 +20,9 @@ pub(super) const DEFAULT_WINDOW: usize = 4096;
 #[derive(Clone, Copy, PartialEq)]
 pub(super) enum Windows {
     /// In the layers `layer_types` names, or all but every
-    /// `sliding_window_pattern`-th (`pattern` when absent) (Gemma 2, 3).
-    Typed { pattern: usize },
+    /// `sliding_window_pattern`-th (`pattern` when absent) (Gemma 2, 3);
+    /// `missing` where the file leaves `sliding_window` out.
+    Typed { pattern: usize, missing: usize },
     /// Where `use_sliding_window` is on, in the layers `layer_types` names
     /// (or those without rotary embeddings) (SmolLM3).
     NoRope,
@@ -202,6 +203,8 @@ pub(super) struct Family {
     /// says whether the rotated values are stored as interleaved pairs
     /// (DeepSeek-V3's), `Some(false)`: they always are (DeepSeek-V2's).
     pub(super) latent: Option<bool>,
+    /// A sink per query head (gpt-oss's `self_attn.sinks`).
+    pub(super) sinks: bool,
 }
 
 /// Llama itself (but for `mlp_bias`, which its family list reads): what the
@@ -259,6 +262,7 @@ pub(super) const LLAMA: Family = Family {
     typed_rope: None,
     moe: None,
     latent: None,
+    sinks: false,
     key_aliases: &[],
 };
 
@@ -336,7 +340,7 @@ pub(super) const ERNIE: Family = Family {
 };
 
 /// The families read as Llama.
-pub(super) static FAMILIES: [Family; 54] = [
+pub(super) static FAMILIES: [Family; 55] = [
     Family {
         reads_mlp_bias: true,
         ..LLAMA
@@ -382,7 +386,10 @@ pub(super) static FAMILIES: [Family; 54] = [
     Family {
         model_type: "gemma2",
         architectures: ["Gemma2ForCausalLM", "Gemma2Model"],
-        windows: Windows::Typed { pattern: 2 },
+        windows: Windows::Typed {
+            pattern: 2,
+            missing: DEFAULT_WINDOW,
+        },
         gemma: Some(Gemma::Two),
         ..GEMMA
     },
@@ -390,7 +397,10 @@ pub(super) static FAMILIES: [Family; 54] = [
         model_type: "gemma3_text",
         architectures: ["Gemma3ForCausalLM", "Gemma3TextModel"],
         qk_norm: Some(QkNorm::PerHead),
-        windows: Windows::Typed { pattern: 6 },
+        windows: Windows::Typed {
+            pattern: 6,
+            missing: DEFAULT_WINDOW,
+        },
         gemma: Some(Gemma::Three),
         typed_rope: Some(TypedRope {
             global_theta: 1e6,
@@ -420,7 +430,10 @@ pub(super) static FAMILIES: [Family; 54] = [
     Family {
         model_type: "olmo3",
         architectures: ["Olmo3ForCausalLM", "Olmo3Model"],
-        windows: Windows::Typed { pattern: 4 },
+        windows: Windows::Typed {
+            pattern: 4,
+            missing: DEFAULT_WINDOW,
+        },
         // transformers gives an earlier file's `rope_theta` to the full
         // layers only; the sliding ones keep the default.
         typed_rope: Some(TypedRope {
@@ -529,7 +542,10 @@ pub(super) static FAMILIES: [Family; 54] = [
         model_type: "cohere2",
         default_theta: 10_000.0,
         architectures: ["Cohere2ForCausalLM", "Cohere2Model"],
-        windows: Windows::Typed { pattern: 4 },
+        windows: Windows::Typed {
+            pattern: 4,
+            missing: DEFAULT_WINDOW,
+        },
         rotary_in_windows_only: true,
         ..COHERE
     },
@@ -612,7 +628,10 @@ pub(super) static FAMILIES: [Family; 54] = [
         model_type: "exaone4",
         architectures: ["Exaone4ForCausalLM", "Exaone4Model"],
         qk_norm: Some(QkNorm::PerHead),
-        windows: Windows::Typed { pattern: 4 },
+        windows: Windows::Typed {
+            pattern: 4,
+            missing: DEFAULT_WINDOW,
+        },
         rotary_in_windows_only: true,
         rotary_without_windows: true,
         ..OLMO2
@@ -914,14 +933,42 @@ pub(super) static FAMILIES: [Family; 54] = [
         architectures: ["ExaoneMoeForCausalLM", "ExaoneMoeModel"],
         default_rms_eps: 1e-5,
         qk_norm: Some(QkNorm::PerHead),
-        windows: Windows::Typed { pattern: 4 },
+        windows: Windows::Typed {
+            pattern: 4,
+            missing: DEFAULT_WINDOW,
+        },
         rotary_in_windows_only: true,
         rotary_without_windows: true,
         key_aliases: &[("num_shared_experts", "n_shared_experts")],
         moe: Some(EXAONE_MOE),
         ..LLAMA
     },
+    // gpt-oss: a sink per query head, windows in every other layer from the
+    // first, biases on the attention, YaRN by default; a mixture in every
+    // layer, its experts with biases and the clamped SwiGLU, fused in the
+    // files.
+    Family {
+        model_type: "gpt_oss",
+        architectures: ["GptOssForCausalLM", "GptOssModel"],
+        default_rms_eps: 1e-5,
+        attention_bias: true,
+        default_head_dim: Some(64),
+        windows: Windows::Typed {
+            pattern: 2,
+            missing: 128,
+        },
+        default_theta: 150_000.0,
+        default_rope: Some(GPT_OSS_ROPE),
+        sinks: true,
+        moe: Some(GPT_OSS_MOE),
+        ..LLAMA
+    },
 ];
+
+/// gpt-oss's rotation where its file gives none (`transformers`' default).
+pub(super) const GPT_OSS_ROPE: &str = r#"{"rope_type": "yarn", "rope_theta": 150000.0,
+    "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": false,
+    "original_max_position_embeddings": 4096}"#;
 
 /// Mistral 4's rotation where its file gives none (`transformers`'
 /// default).
@@ -955,7 +1002,8 @@ pub(crate) const LLAMA_TYPES: &str =
      \"nanochat\", \"hunyuan_v1_dense\", \"jais2\", \"helium\", \"ministral\", \"cwm\", \
      \"solar_open\", \"ministral3\", \"gptj\", \"falcon\", \"deepseek_v2\", \
      \"deepseek_v3\", \"glm4_moe_lite\", \"mistral4\", \"internlm3\", \"iquestcoder\", \
-     \"granitemoe\", \"granitemoeshared\", \"exaone_moe\" and \"mistral3\" (its text model)";
+     \"granitemoe\", \"granitemoeshared\", \"exaone_moe\", \"gpt_oss\" and \"mistral3\" (its text \
+     model)";
 
 #[cfg(test)]
 mod tests {

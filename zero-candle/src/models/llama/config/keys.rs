@@ -448,7 +448,7 @@ pub(super) fn sliding_window_of(
             None if every <= 1 => vec![true; n],
             None => (0..n).map(|i| i % every != 0).collect(),
         },
-        Windows::Typed { pattern } => match &plain.layer_types {
+        Windows::Typed { pattern, .. } => match &plain.layer_types {
             Some(types) => typed(types),
             None => match &plain.sliding_window_pattern {
                 Some(given) => given.layers(n)?,
@@ -458,7 +458,7 @@ pub(super) fn sliding_window_of(
     };
     let missing = match windows {
         Windows::EveryLayer { missing } => missing,
-        Windows::Listed { missing, .. } => Some(missing),
+        Windows::Listed { missing, .. } | Windows::Typed { missing, .. } => Some(missing),
         Windows::NoRope => None,
         _ => Some(DEFAULT_WINDOW),
     };

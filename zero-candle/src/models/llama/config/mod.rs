@@ -208,6 +208,10 @@ pub struct LlamaConfig {
     /// fused tensor ([`crate::hub::HubLayout::with_fused`]). Read from the
     /// files by [`LlamaConfig::from_hub`].
     pub fused_experts: bool,
+    /// A sink per query head (`self_attn.sinks`): a logit in each row's
+    /// softmax whose share goes nowhere (gpt-oss's;
+    /// [`crate::nn::ops::sink_attention`]).
+    pub attention_sinks: bool,
 }
 
 /// Llama 4's and Ministral 3's scale of the queries by position: the query
@@ -579,9 +583,13 @@ impl LlamaConfig {
             latent_attention: latent.map(|(latent, _, _)| latent),
             // Granite MoE's files always fuse the experts; the others' say so
             // by their names (`settle_experts`).
-            fused_experts: family
-                .moe
-                .is_some_and(|moe| moe.style == super::moe::MoeStyle::Granite),
+            fused_experts: family.moe.is_some_and(|moe| {
+                matches!(
+                    moe.style,
+                    super::moe::MoeStyle::Granite | super::moe::MoeStyle::GptOss
+                )
+            }),
+            attention_sinks: family.sinks,
         };
         parsed.validate()?;
         Ok(parsed)
@@ -877,7 +885,8 @@ impl LlamaConfig {
             ),
             None => 2 * d * q + 2 * d * kv + biases + qk_norms,
         };
-        let per_layer = norms + attention;
+        let sinks = self.num_attention_heads * self.attention_sinks as usize;
+        let per_layer = norms + attention + sinks;
         let mlps: usize = (0..self.num_hidden_layers)
             .map(|i| match &self.moe {
                 Some(moe) if moe.layers[i] => moe.num_params(d),
