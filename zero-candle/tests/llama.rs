@@ -2631,6 +2631,94 @@ fn granite_moe_configs_read_as_transformers_reads_them() {
     assert_eq!(none.moe.unwrap().shared_expert_size, None, "0 by default");
 }
 
+/// gpt-oss's config read as `transformers` reads it: the released 20B's
+/// and 120B's files (in `transformers` 4's form, which their bf16 copies
+/// keep) count the parameters `transformers` builds (20,914,757,184 and
+/// 116,829,156,672); where a file is silent, windows of 128 in every other
+/// layer from the first, YaRN (factor 32 over 4,096 positions, not
+/// truncated) on a base of 150,000, the clamped SwiGLU's 1.702 and 7.
+#[test]
+fn gpt_oss_configs_read_as_transformers_reads_them() {
+    use zero_candle::models::{ClampedSwiglu, MoeRouting, MoeStyle};
+    let released = |layers: usize, experts: usize| {
+        serde_json::json!({
+            "architectures": ["GptOssForCausalLM"], "attention_bias": true,
+            "attention_dropout": 0.0, "eos_token_id": 200002, "experts_per_token": 4,
+            "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880,
+            "initial_context_length": 4096, "initializer_range": 0.02,
+            "intermediate_size": 2880,
+            "layer_types": (0..layers)
+                .map(|i| if i % 2 == 0 { "sliding_attention" } else { "full_attention" })
+                .collect::<Vec<_>>(),
+            "max_position_embeddings": 131072, "model_type": "gpt_oss",
+            "num_attention_heads": 64, "num_experts_per_tok": 4, "num_hidden_layers": layers,
+            "num_key_value_heads": 8, "num_local_experts": experts,
+            "output_router_logits": false, "pad_token_id": 199999, "rms_norm_eps": 1e-05,
+            "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                "original_max_position_embeddings": 4096, "rope_type": "yarn", "truncate": false},
+            "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128,
+            "swiglu_limit": 7.0, "tie_word_embeddings": false, "use_cache": true,
+            "vocab_size": 201088
+        })
+    };
+    for (layers, experts, params) in [(24, 32, 20_914_757_184), (36, 128, 116_829_156_672)] {
+        let config = LlamaConfig::from_json(&released(layers, experts)).unwrap();
+        assert_eq!(config.num_params(), params, "{layers} layers");
+        assert!(config.attention_sinks && config.qkv_bias && config.o_bias && config.fused_experts);
+        let moe = config.moe.unwrap();
+        assert_eq!(
+            (moe.style, &moe.routing, moe.normalize, moe.aux_loss_coef),
+            (MoeStyle::GptOss, &MoeRouting::TopKSoftmax, false, None)
+        );
+        assert_eq!((moe.num_experts, moe.experts_per_token), (experts, 4));
+        let window = config.sliding_window.unwrap();
+        assert_eq!(window.size, 128);
+        assert_eq!(
+            window.layers,
+            (0..layers).map(|i| i % 2 == 0).collect::<Vec<_>>()
+        );
+    }
+    let silent = config_without(
+        "gptoss",
+        &[
+            "sliding_window",
+            "layer_types",
+            "rope_parameters",
+            "swiglu_alpha",
+            "swiglu_limit",
+            "router_aux_loss_coef",
+            "head_dim",
+            "attention_bias",
+        ],
+    );
+    let parsed = LlamaConfig::from_json(&silent).unwrap();
+    let window = parsed.sliding_window.unwrap();
+    assert_eq!((window.size, window.layers), (128, vec![true, false]));
+    assert_eq!((parsed.head_dim, parsed.qkv_bias), (64, true));
+    assert_eq!(parsed.rope.theta, 150_000.0);
+    let RopeScaling::Yarn(yarn) = &parsed.rope.scaling else {
+        panic!("{:?}", parsed.rope.scaling)
+    };
+    assert_eq!(
+        (yarn.factor, yarn.original_max_position_embeddings),
+        (32.0, 4096.0)
+    );
+    assert!(!yarn.truncate);
+    let moe = parsed.moe.unwrap();
+    assert_eq!(
+        moe.clamped_swiglu,
+        Some(ClampedSwiglu {
+            alpha: 1.702,
+            limit: 7.0
+        })
+    );
+    assert_eq!(moe.aux_loss_coef, Some(0.001), "output_router_logits is on");
+    let mut unbounded = config_of("gptoss");
+    unbounded["swiglu_limit"] = 0.into();
+    let err = LlamaConfig::from_json(&unbounded).unwrap_err();
+    assert!(err.contains("swiglu_limit"), "{err}");
+}
+
 /// Every family's norm epsilon where its config.json is silent is
 /// `transformers`' default: `fixtures/llama/config_defaults.json`, written
 /// by `make_config_defaults.py` beside it from each config class.
