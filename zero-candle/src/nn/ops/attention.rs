@@ -3,18 +3,19 @@
 
 use super::super::cpu;
 use super::super::elem::{dispatch_float, Accum, Elem};
-use super::super::grad_hook::{before_read, route, GradHook};
+use super::super::grad_hook::{before_read, GradHook};
 use super::super::storage::{on_device, owned_storage, tensor_from, with_cuda, Saved, SavedSlot};
 use super::super::tap;
 use super::attention_dims::AttentionDims;
 use super::cuda;
+use super::sinks::Sinks;
 use candle_core::backend::BackendStorage;
 use candle_core::{
     CpuStorage, CudaStorage, CustomOp1, CustomOp3, DType, Layout, Result, Shape, Storage, Tensor,
     WithDType, D,
 };
 use rayon::prelude::*;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 
 /// Causal self-attention `softmax(q kᵀ / √head_dim + mask) v` per head,
 /// over the packed `qkv` `[batch, time, 3 * d]` a GPT's `qkv` Linear
@@ -305,19 +306,13 @@ pub fn sink_attention(
     match hook {
         Some(hook) if fused && sinks.is_variable() => {
             before_read(Some(&hook), &[Some(sinks)])?;
-            let values = sinks.detach().to_dtype(DType::F32)?.copy()?;
             q.contiguous()?.apply_op3(
                 &k.contiguous()?,
                 &v.contiguous()?,
                 SplitAttention {
                     dims,
                     lse: SavedSlot::default(),
-                    sinks: Some(Sinks {
-                        values,
-                        param: sinks.clone(),
-                        hook,
-                        weights: Mutex::default(),
-                    }),
+                    sinks: Some(Sinks::new(sinks, hook)?),
                 },
             )
         }
@@ -328,64 +323,6 @@ pub fn sink_attention(
             };
             composed_attention(q, k, v, dims, None, Some(&sinks))
         }
-    }
-}
-
-/// The sinks of a fused [`sink_attention`].
-struct Sinks {
-    /// Their values when the forward ran, f32 `[heads]`.
-    values: Tensor,
-    /// The variable, and the hook its gradient goes to.
-    param: Tensor,
-    hook: Arc<dyn GradHook>,
-    /// `exp(sink − lse)` per `(batch, head, row)` (the sink's weight in the
-    /// row's softmax), from the forward for the backward.
-    weights: Mutex<Option<Tensor>>,
-}
-
-impl Sinks {
-    /// The attention's output `y` `[batch, time, heads, head_dim]` and its
-    /// rows' log-sum-exp `lse` `[batch, heads, time]` with the sinks in
-    /// each row's softmax: `lse' = log(exp(lse) + exp(sink))`, `y' = y ·
-    /// exp(lse − lse')`.
-    fn join(&self, y: Tensor, lse: Tensor) -> Result<(Tensor, Tensor)> {
-        if lse.elem_count() == 0 {
-            return Ok((y, lse));
-        }
-        let sinks = self.values.to_dtype(lse.dtype())?.reshape((1, (), 1))?;
-        let top = lse.broadcast_maximum(&sinks)?;
-        let total = (lse.broadcast_sub(&top)?.exp()? + sinks.broadcast_sub(&top)?.exp()?)?;
-        let joined = (top + total.log()?)?;
-        let kept = (&lse - &joined)?.exp()?.transpose(1, 2)?.unsqueeze(3)?;
-        let y = y
-            .to_dtype(kept.dtype())?
-            .broadcast_mul(&kept)?
-            .to_dtype(y.dtype())?;
-        *self.weights.lock().unwrap_or_else(PoisonError::into_inner) =
-            Some(sinks.broadcast_sub(&joined)?.exp()?);
-        Ok((y, joined))
-    }
-
-    /// Hands the sinks' gradient for the output `out` and its gradient
-    /// `grad` to the hook.
-    fn backward(&self, out: &Tensor, grad: &Tensor) -> Result<()> {
-        let weights = self.weights.lock().unwrap_or_else(PoisonError::into_inner);
-        let Some(weights) = weights.as_ref() else {
-            candle_core::bail!("zero-candle sink_attention: backward ran without its forward")
-        };
-        // rowsum(dO∘O) per (batch, row, head), as (batch, head, row).
-        let dots = (grad.to_dtype(weights.dtype())? * out.to_dtype(weights.dtype())?)?
-            .sum(3)?
-            .transpose(1, 2)?;
-        let grad = (weights * dots)?.sum((0, 2))?.neg()?;
-        let grad = grad.to_dtype(self.param.dtype())?;
-        if route(Some(&self.hook), &self.param, grad)?.is_some() {
-            candle_core::bail!(
-                "zero-candle sink_attention: the sinks are not a variable, so their gradient has \
-                 no place; build them as one"
-            )
-        }
-        Ok(())
     }
 }
 

@@ -24,6 +24,7 @@ pub(crate) mod cuda;
 pub(crate) mod no_cuda;
 mod rotary;
 mod rotary_dims;
+mod sinks;
 mod swiglu;
 #[cfg(not(feature = "cuda"))]
 pub(crate) use no_cuda as cuda;
