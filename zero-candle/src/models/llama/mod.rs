@@ -76,6 +76,7 @@
 //! pairs (GLM's, Cohere's, ERNIE's), held in rotate_half's order
 //! ([`Llama::hub_layout`]).
 
+mod build;
 mod config;
 mod latent;
 mod mlp;
@@ -92,10 +93,11 @@ use super::rope::{halves_from_interleaved, Rope, RopeScaling};
 use crate::hub::HubLayout;
 use crate::nn::{ops, Embedding, GradHook, LayerNorm, Linear};
 use crate::{Error, Result, ShardedVarMap};
+use build::Builder;
 use candle_core::{DType, Device, Module, Tensor};
-use candle_nn::{Init, VarBuilder};
-use latent::{latent_rows, Latent, LatentQuery};
-use mlp::{Experts, FeedForward, Mlp, Routing, Ungated};
+use candle_nn::VarBuilder;
+use latent::{latent_rows, Latent};
+use mlp::FeedForward;
 use std::sync::{Arc, Mutex, PoisonError};
 
 /// The cosines and sines of positions `0..len`, `[len, head_dim / 2]`
@@ -768,393 +770,27 @@ impl Llama {
             detail,
         })?;
         let d = config.hidden_size;
-        let (q, kv) = (
-            config.num_attention_heads * config.head_dim,
-            config.num_key_value_heads * config.head_dim,
-        );
-        let normal = Init::Randn {
-            mean: 0.0,
-            stdev: config.initializer_range,
-        };
-        let linear_b = |vb: VarBuilder, d_in, d_out, bias: bool| -> Result<Linear> {
-            let w = vb.get_with_hints((d_out, d_in), "weight", normal)?;
-            let b = match bias {
-                true => Some(vb.get_with_hints(d_out, "bias", Init::Const(0.0))?),
-                false => None,
-            };
-            Ok(Linear::new(w, b, hook.clone()))
-        };
-        let linear = |vb: VarBuilder, d_in, d_out| linear_b(vb, d_in, d_out, false);
-        let offset = config.norm_weight_offset;
-        let norm_of = |vb: VarBuilder, width: usize| -> Result<LayerNorm> {
-            let w = match config.norm_weights {
-                true => vb.get_with_hints(width, "weight", Init::Const(1.0 - offset))?,
-                // OLMo's: ones, no variable.
-                false => Tensor::ones(width, vb.dtype(), vb.device())?,
-            };
-            let (eps, hook) = (config.rms_norm_eps, hook.clone());
-            Ok(match (config.layer_norms, config.norm_bias) {
-                (true, true) => {
-                    let b = vb.get_with_hints(width, "bias", Init::Const(0.0))?;
-                    LayerNorm::new(w, b, eps, hook)
-                }
-                (true, false) => LayerNorm::new_no_bias(w, eps, hook),
-                (false, _) => LayerNorm::rms_norm(w, eps, hook),
-            }
-            .with_weight_offset(offset))
-        };
-        let norm = |vb: VarBuilder| norm_of(vb, d);
-        let head_norm = |vb: VarBuilder, heads: usize| -> Result<HeadNorm> {
-            let width = config.head_dim;
-            Ok(HeadNorm {
-                weights: match config.layer_names.head_norm_per_head() {
-                    true => (0..heads)
-                        .map(|h| {
-                            vb.pp(format!("norms.{h}")).get_with_hints(
-                                width,
-                                "weight",
-                                Init::Const(1.0),
-                            )
-                        })
-                        .collect::<std::result::Result<_, _>>()?,
-                    false => vec![vb.get_with_hints((heads, width), "weight", Init::Const(1.0))?],
-                },
-                eps: config.rms_norm_eps,
-                remove_mean: config.layer_norms,
-                hook: hook.clone(),
-            })
-        };
-        let output_norm = |vb: VarBuilder| -> Result<Option<LayerNorm>> {
-            config.output_norms.then(|| norm(vb)).transpose()
-        };
-        let query_factor = config
-            .attention_scale
-            .map(|scale| scale * (config.head_dim as f64).sqrt())
-            .filter(|&factor| factor != 1.0);
-        // A gated MLP `width` wide under Llama's names, with biases if
-        // `bias`.
-        let gated = |vb: VarBuilder, width, bias| -> Result<Mlp> {
-            Ok(Mlp {
-                gate_up: Projections::Separate([
-                    linear_b(vb.pp("gate_proj"), d, width, bias)?,
-                    linear_b(vb.pp("up_proj"), d, width, bias)?,
-                ]),
-                down: linear_b(vb.pp("down_proj"), width, d, bias)?,
-                activation: config.mlp_activation,
-                clamped: None,
-            })
-        };
-        let dense = |vb: VarBuilder, width| gated(vb, width, config.mlp_bias);
-        // A mixture's experts under `vb`, named as the files hold them
-        // ([`expert_vars`]).
-        let experts = |vb: VarBuilder, moe: &MoeConfig| -> Result<Vec<Mlp>> {
-            let width = moe.expert_size;
-            if moe.style == MoeStyle::GptOss {
-                return (0..moe.num_experts)
-                    .map(|e| {
-                        // Each projection a Linear over its parts of the
-                        // fused tensors: weight and bias.
-                        let [gate_up, gate_up_bias, down, down_bias] = gpt_oss_expert_vars(moe, e);
-                        let part = |weight: &str, bias: &str, d_in, d_out| -> Result<Linear> {
-                            let w = vb.get_with_hints((d_out, d_in), weight, normal)?;
-                            let b = vb.get_with_hints(d_out, bias, Init::Const(0.0))?;
-                            Ok(Linear::new(w, Some(b), hook.clone()))
-                        };
-                        Ok(Mlp {
-                            gate_up: Projections::Interleaved(part(
-                                &gate_up,
-                                &gate_up_bias,
-                                d,
-                                2 * width,
-                            )?),
-                            down: part(&down, &down_bias, width, d)?,
-                            activation: config.mlp_activation,
-                            clamped: moe.clamped_swiglu,
-                        })
-                    })
-                    .collect();
-            }
-            (0..moe.num_experts)
-                .map(|e| {
-                    let [gate, up, down] = expert_vars(config, moe, e);
-                    Ok(Mlp {
-                        gate_up: Projections::Separate([
-                            linear(vb.pp(gate), d, width)?,
-                            linear(vb.pp(up), d, width)?,
-                        ]),
-                        down: linear(vb.pp(down), width, d)?,
-                        activation: config.mlp_activation,
-                        clamped: None,
-                    })
-                })
-                .collect()
-        };
-        // A mixture's router; the sigmoid one's bias that steers its choice
-        // (GLM-4.5's, MiniMax-M2's) is a buffer of the checkpoint.
-        let router = |vb: VarBuilder, moe: &MoeConfig| -> Result<(Linear, Routing)> {
-            let gate = linear_b(
-                vb.pp(moe.style.router_name()),
-                d,
-                moe.num_experts,
-                moe.style.biased(),
-            )?;
-            match moe.routing {
-                MoeRouting::Softmax => Ok((gate, Routing::Softmax)),
-                MoeRouting::TopKSoftmax => Ok((gate, Routing::TopKSoftmax)),
-                MoeRouting::Sigmoid {
-                    groups,
-                    top_groups,
-                    scale,
-                } => Ok((
-                    gate,
-                    Routing::Sigmoid {
-                        bias: buffer(&vb, (moe.style.bias_name(), "gate.weight"), moe.num_experts)?,
-                        groups,
-                        top_groups,
-                        scale,
-                        // transformers divides GLM-4.5's sums plus 1e-20.
-                        epsilon: if matches!(moe.style, MoeStyle::Glm | MoeStyle::Exaone) {
-                            1e-20
-                        } else {
-                            0.0
-                        },
-                    },
-                )),
-                MoeRouting::GroupedSoftmax {
-                    groups,
-                    top_groups,
-                    ranked_by,
-                    scale,
-                } => Ok((
-                    gate,
-                    Routing::GroupedSoftmax {
-                        groups,
-                        top_groups,
-                        ranked_by,
-                        scale,
-                    },
-                )),
-                MoeRouting::BiasedSoftmax { min_sum } => Ok((
-                    gate,
-                    Routing::BiasedSoftmax {
-                        bias: buffer(&vb, (moe.style.bias_name(), "gate.weight"), moe.num_experts)?,
-                        min_sum,
-                    },
-                )),
-            }
-        };
-        // DeepSeek-V2's latent attention under `attn`.
-        let latent = |attn: &VarBuilder, shape: LatentAttention| -> Result<Latent> {
-            let heads = config.num_attention_heads;
-            let bias = config.qkv_bias;
-            let latent_norm = |vb: VarBuilder, width| -> Result<LayerNorm> {
-                let w = vb.get_with_hints(width, "weight", Init::Const(1.0))?;
-                Ok(LayerNorm::rms_norm(w, LATENT_NORM_EPS, hook.clone()))
-            };
-            let q = heads * config.head_dim;
-            Ok(Latent {
-                query: match shape.query_rank {
-                    Some(rank) => LatentQuery::Ranked(
-                        linear_b(attn.pp("q_a_proj"), d, rank, bias)?,
-                        latent_norm(attn.pp("q_a_layernorm"), rank)?,
-                        linear(attn.pp("q_b_proj"), rank, q)?,
-                    ),
-                    None => LatentQuery::Direct(linear(attn.pp("q_proj"), d, q)?),
-                },
-                kv_a: linear_b(
-                    attn.pp("kv_a_proj_with_mqa"),
-                    d,
-                    shape.kv_rank + config.rotary_dim,
-                    bias,
-                )?,
-                kv_norm: latent_norm(attn.pp("kv_a_layernorm"), shape.kv_rank)?,
-                kv_b: linear(
-                    attn.pp("kv_b_proj"),
-                    shape.kv_rank,
-                    heads * (shape.nope_dim + shape.value_dim),
-                )?,
-                heads,
-                shape,
-                rotary_dim: config.rotary_dim,
-            })
-        };
-        let value_dim = config
-            .latent_attention
-            .map_or(config.head_dim, |l| l.value_dim);
+        let build = Builder::new(config, hook.clone());
         let names = config.layer_names;
         let model = vb.pp(names.model());
-        let embed =
-            model
-                .pp(names.embedding())
-                .get_with_hints((config.vocab_size, d), "weight", normal)?;
-        let mut blocks = Vec::with_capacity(config.num_hidden_layers);
-        for i in 0..config.num_hidden_layers {
-            let vb = model.pp(format!("{}.{i}", names.layers()));
-            let attn = vb.pp(names.attention());
-            let mlp = vb.pp("mlp");
-            blocks.push(Block {
-                input_layernorm: match (config.input_norms, config.parallel_mlp_norm) {
-                    (true, true) => Some(norm(vb.pp(names.branch_norms()[0]))?),
-                    (true, false) => Some(norm(vb.pp(names.input_norm()))?),
-                    (false, _) => None,
-                },
-                qkv: match (config.latent_attention, config.fused_qkv) {
-                    (Some(shape), _) => AttentionInput::Latent(Box::new(latent(&attn, shape)?)),
-                    (None, true) => {
-                        let fused = attn.pp(names.fused_qkv());
-                        let qkv = linear_b(fused, d, q + 2 * kv, config.qkv_bias)?;
-                        AttentionInput::Projections(Projections::Fused(qkv, [q, kv, kv]))
-                    }
-                    (None, false) => AttentionInput::Projections(Projections::Separate([
-                        linear_b(attn.pp("q_proj"), d, q, config.qkv_bias)?,
-                        linear_b(attn.pp("k_proj"), d, kv, config.qkv_bias)?,
-                        linear_b(attn.pp("v_proj"), d, kv, config.qkv_bias)?,
-                    ])),
-                },
-                o_proj: linear_b(
-                    attn.pp(names.output_projection()),
-                    config.num_attention_heads * value_dim,
-                    d,
-                    config.o_bias,
-                )?,
-                qk_norms: match config.qk_norm {
-                    Some(QkNorm::PerHead) => {
-                        let [q_norm, k_norm] = names.qk_norms();
-                        Some(QkNorms::Layers(
-                            QkNorm::PerHead,
-                            norm_of(attn.pp(q_norm), config.head_dim)?,
-                            norm_of(attn.pp(k_norm), config.head_dim)?,
-                        ))
-                    }
-                    Some(QkNorm::Projection) => Some(QkNorms::Layers(
-                        QkNorm::Projection,
-                        norm_of(attn.pp("q_norm"), q)?,
-                        norm_of(attn.pp("k_norm"), kv)?,
-                    )),
-                    Some(QkNorm::HeadWeights) => {
-                        let [q_norm, k_norm] = names.qk_norms();
-                        Some(QkNorms::HeadWeights(
-                            head_norm(attn.pp(q_norm), config.num_attention_heads)?,
-                            head_norm(attn.pp(k_norm), config.num_key_value_heads)?,
-                        ))
-                    }
-                    None => None,
-                },
-                attn_out_norm: output_norm(vb.pp(config.norm_names.attention_output()))?,
-                mlp_norm: match (config.input_norms, config.output_norms) {
-                    (false, _) => None,
-                    _ if config.parallel_blocks && !config.parallel_mlp_norm => None,
-                    (true, true) => Some(norm(vb.pp(config.norm_names.mlp_input()))?),
-                    (true, false) => Some(norm(vb.pp(match config.parallel_mlp_norm {
-                        true => names.branch_norms()[1],
-                        false => "post_attention_layernorm",
-                    }))?),
-                },
-                mlp: match &config.moe {
-                    Some(moe) if moe.layers[i] => FeedForward::Experts(Box::new(Experts::new(
-                        router(vb.pp(moe.style.prefix()), moe)?,
-                        experts(vb.pp(moe.style.prefix()), moe)?,
-                        match moe.shared_expert_size {
-                            Some(width) if moe.style == MoeStyle::Granite => {
-                                let shared = vb.pp("shared_mlp");
-                                Some((
-                                    Mlp {
-                                        gate_up: Projections::Fused(
-                                            linear(shared.pp("input_linear"), d, 2 * width)?,
-                                            [width; 2],
-                                        ),
-                                        down: linear(shared.pp("output_linear"), width, d)?,
-                                        activation: config.mlp_activation,
-                                        clamped: None,
-                                    },
-                                    None,
-                                ))
-                            }
-                            Some(width) if moe.style.ungated_shared_experts() => {
-                                Some((dense(mlp.pp("shared_experts"), width)?, None))
-                            }
-                            Some(width) => Some((
-                                dense(mlp.pp("shared_expert"), width)?,
-                                Some(linear(mlp.pp("shared_expert_gate"), d, 1)?),
-                            )),
-                            None => None,
-                        },
-                        (
-                            moe.experts_per_token,
-                            moe.normalize,
-                            moe.style.weights_in_model_dtype(),
-                        ),
-                    )?)),
-                    _ if config.fused_gate_up => FeedForward::Dense(Mlp {
-                        gate_up: Projections::Fused(
-                            linear_b(
-                                mlp.pp("gate_up_proj"),
-                                d,
-                                2 * config.intermediate_size,
-                                config.mlp_bias,
-                            )?,
-                            [config.intermediate_size; 2],
-                        ),
-                        down: linear_b(
-                            mlp.pp("down_proj"),
-                            config.intermediate_size,
-                            d,
-                            config.mlp_bias,
-                        )?,
-                        activation: config.mlp_activation,
-                        clamped: None,
-                    }),
-                    _ => match config.ungated_mlp {
-                        Some(names) => {
-                            let [up, down] = names.names();
-                            let (width, bias) = (config.intermediate_size, config.mlp_bias);
-                            FeedForward::Ungated(Ungated {
-                                up: linear_b(mlp.pp(up), d, width, bias)?,
-                                down: linear_b(mlp.pp(down), width, d, bias)?,
-                                activation: config.mlp_activation,
-                            })
-                        }
-                        None => FeedForward::Dense(dense(mlp, config.intermediate_size)?),
-                    },
-                },
-                mlp_out_norm: output_norm(vb.pp(config.norm_names.mlp_output()))?,
-                parallel: config.parallel_blocks,
-                heads: config.num_attention_heads,
-                kv_heads: config.num_key_value_heads,
-                head_dim: config.head_dim,
-                value_dim,
-                query_factor,
-                residual_multiplier: config.residual_multiplier,
-                clip_qkv: config.clip_qkv,
-                norm_after_rotation: config.qk_norm_after_rotation,
-                position_scale: config.position_scale,
-                rotates: config.rotated_layers.as_ref().is_none_or(|r| r[i]),
-                score_cap: config.attn_logit_softcapping,
-                sinks: match config.attention_sinks {
-                    true => Some((
-                        attn.get_with_hints(config.num_attention_heads, "sinks", normal)?,
-                        hook.clone(),
-                    )),
-                    false => None,
-                },
-                window: config
-                    .sliding_window
-                    .as_ref()
-                    .filter(|w| w.layers[i])
-                    .map(|w| w.size),
-                local_rotation: config.sliding_window.as_ref().is_some_and(|w| w.layers[i]),
-            });
-        }
+        let embed = model.pp(names.embedding()).get_with_hints(
+            (config.vocab_size, d),
+            "weight",
+            build.normal,
+        )?;
+        let blocks = (0..config.num_hidden_layers)
+            .map(|i| build.block(model.pp(format!("{}.{i}", names.layers())), i))
+            .collect::<Result<Vec<_>>>()?;
         let head = if config.tie_word_embeddings {
             Linear::new(embed.clone(), None, hook.clone())
         } else {
-            linear_b(vb.pp(names.head()), d, config.vocab_size, config.head_bias)?
+            build.linear_b(vb.pp(names.head()), d, config.vocab_size, config.head_bias)?
         };
         Ok(Self {
             config: Box::new(config.clone()),
             embed_tokens: Embedding::new(embed, d, hook.clone()),
             blocks,
-            norm: norm(model.pp(names.final_norm()))?,
+            norm: build.norm(model.pp(names.final_norm()))?,
             head,
             rotations: RopeTables::new(&config.rope, config.rotary_dim, config.rope_negated),
             local_rotations: config
