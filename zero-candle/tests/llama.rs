@@ -1242,6 +1242,7 @@ fn ernie_configs_read_as_transformers_reads_them() {
             style: MoeStyle::Ernie,
             routing: MoeRouting::BiasedSoftmax { min_sum: 1e-12 },
             clamped_swiglu: None,
+            router_in_f32: true,
         }
     );
     let mut silent = config_of("erniemoe");
@@ -2085,6 +2086,7 @@ fn moe_configs_read_as_transformers_reads_them() {
             style: MoeStyle::Mixtral,
             routing: MoeRouting::Softmax,
             clamped_swiglu: None,
+            router_in_f32: false,
         }
     );
     let qwen2 = moe(&config_of("qwen2moe"));
@@ -2184,6 +2186,7 @@ fn moe_configs_read_as_transformers_reads_them() {
                 scale: 2.5,
             },
             clamped_swiglu: None,
+            router_in_f32: true,
         }
     );
     let mut silent = config_without(
@@ -2391,6 +2394,10 @@ fn latent_attention_configs_read_as_transformers_reads_them() {
         "{scale}"
     );
     let moe = v2.moe.clone().unwrap();
+    // transformers computes DeepSeek-V2's router in f32, Mistral 4's in the
+    // model's dtype.
+    let mistral4 = LlamaConfig::from_json(&config_of("mistral4")).unwrap();
+    assert!(moe.router_in_f32 && !mistral4.moe.unwrap().router_in_f32);
     assert_eq!(moe.style, MoeStyle::DeepSeek);
     assert_eq!(
         moe.routing,

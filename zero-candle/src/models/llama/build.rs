@@ -260,6 +260,7 @@ impl<'a> Builder<'a> {
                 moe.experts_per_token,
                 moe.normalize,
                 moe.style.weights_in_model_dtype(),
+                moe.router_in_f32,
             ),
         )?)
     }

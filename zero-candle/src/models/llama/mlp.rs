@@ -3,9 +3,11 @@
 
 use super::moe::ClampedSwiglu;
 use super::Projections;
-use crate::nn::{ops, Activation, ExpertMlps, Linear, OnDevice};
+use crate::nn::{ops, tap, Activation, ExpertMlps, Linear, OnDevice};
 use candle_core::backend::{BackendDevice, BackendStorage};
-use candle_core::{CpuStorage, CudaStorage, CustomOp1, DType, Layout, Module, Shape, Tensor, D};
+use candle_core::{
+    CpuStorage, CudaStorage, CustomOp1, DType, Layout, Module, Shape, Tensor, Var, D,
+};
 use std::sync::{Arc, Mutex, PoisonError};
 
 /// `down(act(gate(x)) * up(x))`, or gpt-oss's clamped unit in place of
@@ -143,6 +145,8 @@ pub(super) struct Experts {
     /// scale the outputs (Qwen's); else the outputs are scaled in f32
     /// (Mixtral's).
     pub(super) weights_in_model_dtype: bool,
+    /// The router's logits are computed in f32 ([`super::MoeConfig::router_in_f32`]).
+    pub(super) router_in_f32: bool,
     /// The experts as one op, when their gradients go to a hook.
     grouped: Option<ExpertMlps>,
 }
@@ -157,7 +161,7 @@ impl Experts {
         (router, routing): (Linear, Routing),
         experts: Vec<Mlp>,
         shared: Option<(Mlp, Option<Linear>)>,
-        (top_k, normalize, weights_in_model_dtype): (usize, bool, bool),
+        (top_k, normalize, weights_in_model_dtype, router_in_f32): (usize, bool, bool, bool),
     ) -> candle_core::Result<Self> {
         let grouped = match grouped_weights(&experts) {
             Some((weights, activation, hook)) => Some(ExpertMlps::new(weights, activation, hook)?),
@@ -171,6 +175,7 @@ impl Experts {
             top_k,
             normalize,
             weights_in_model_dtype,
+            router_in_f32,
             grouped,
         })
     }
@@ -251,7 +256,10 @@ impl Experts {
     /// their weights `[tokens, top_k]` (f32, with the gradient to the
     /// router).
     fn route(&self, h: &Tensor) -> candle_core::Result<(Tensor, Vec<Vec<u32>>, Tensor)> {
-        let logits = self.router.forward(h)?;
+        let logits = match self.router_in_f32 {
+            true => logits_in_f32(&self.router, h)?,
+            false => self.router.forward(h)?,
+        };
         let wide = logits.to_dtype(DType::F32)?;
         // Each expert's score, and the experts each token chooses: their
         // indices on the device and on the host.
@@ -379,6 +387,24 @@ fn grouped_top_k(
             among.iter().take(k).map(|&e| e as u32).collect()
         })
         .collect()
+}
+
+/// The logits `h·Wᵀ` of a `router` without a bias computed in f32 from a
+/// 16-bit `h` and `W` (as `transformers` computes DeepSeek's, GLM-4.5's
+/// and ERNIE 4.5's), the weight read through the router's hook
+/// ([`tap`]: a copy, the router being small) and its gradient handed
+/// to it; an f32 or f64 model's router as it is.
+fn logits_in_f32(router: &Linear, h: &Tensor) -> candle_core::Result<Tensor> {
+    let weight = router.weight();
+    if matches!(h.dtype(), DType::F32 | DType::F64) || router.bias().is_some() {
+        return router.forward(h);
+    }
+    let weight = match weight.is_variable() {
+        true => tap(&Var::from_tensor(weight)?, router.hook().cloned())?,
+        false => weight.clone(),
+    };
+    h.to_dtype(DType::F32)?
+        .matmul(&weight.to_dtype(DType::F32)?.t()?)
 }
 
 /// The experts' `[gate, up, down]` weights, activation and hook, when
@@ -595,6 +621,39 @@ impl Routes {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// In a bf16 model an f32 router's logits are the f32 product of the
+    /// bf16 input and weight, not the bf16 product; its weight's gradient
+    /// reaches the hook, in the weight's dtype.
+    #[test]
+    fn a_router_in_f32_computes_its_logits_in_f32() -> candle_core::Result<()> {
+        use crate::nn::{GradCollector, GradHook};
+        let device = candle_core::Device::Cpu;
+        let bf16 = |shape: (usize, usize)| {
+            Tensor::randn(0f32, 1.0, shape, &device)?.to_dtype(DType::BF16)
+        };
+        let w = Var::from_tensor(&bf16((8, 64))?)?;
+        let h = bf16((5, 64))?;
+        let collector = Arc::new(GradCollector::new());
+        let hook: Arc<dyn GradHook> = collector.clone();
+        let router = Linear::new(w.as_tensor().clone(), None, Some(hook));
+        let logits = logits_in_f32(&router, &h)?;
+        let wide = |t: &Tensor| t.to_dtype(DType::F32);
+        let want = wide(&h)?.matmul(&wide(w.as_tensor())?.t()?)?;
+        assert_eq!(logits.dtype(), DType::F32);
+        assert_eq!(logits.to_vec2::<f32>()?, want.to_vec2::<f32>()?);
+        let rounded = wide(&router.forward(&h)?)?;
+        let apart = (rounded - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert!(apart > 0.0, "the bf16 product is rounded");
+        logits.sum_all()?.backward()?;
+        let grad = collector.get(&w).expect("the router's gradient");
+        assert_eq!(grad.dtype(), DType::BF16);
+        // ∂/∂W of Σ h·Wᵀ: each row of W gets the column sums of h.
+        let sums = wide(&h)?.sum_keepdim(0)?.broadcast_as((8, 64))?;
+        let off = (wide(&grad)? - sums)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert!(off < 0.05, "the weight's gradient is off by {off}");
+        Ok(())
+    }
 
     #[test]
     fn routes_group_the_tokens_by_expert_and_give_idle_experts_a_zero_row_if_asked() {

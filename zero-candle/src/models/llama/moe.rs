@@ -51,6 +51,10 @@ pub struct MoeConfig {
     /// gpt-oss's experts' activation in place of the model's
     /// (`swiglu_alpha`, `swiglu_limit`).
     pub clamped_swiglu: Option<ClampedSwiglu>,
+    /// The router's logits are computed in f32 from a 16-bit model's input
+    /// and weight, as `transformers` computes DeepSeek's, GLM-4.5's and
+    /// ERNIE 4.5's (else in the model's dtype).
+    pub router_in_f32: bool,
 }
 
 /// gpt-oss's gated unit: `(clamp(up, -limit, limit) + 1) · g · σ(alpha ·
@@ -132,9 +136,7 @@ pub enum MoeStyle {
     /// GLM-4.5's (and dots.llm1's): Qwen's names, beside the router (`mlp.gate.weight`) the
     /// buffer `mlp.gate.e_score_correction_bias`, and shared experts without
     /// a gate (`mlp.shared_experts.{gate,up,down}_proj`); the outputs scaled
-    /// in f32. The router's weight is in the model's dtype, as every
-    /// variable is (`transformers` keeps it in f32 in a 16-bit model: there
-    /// its logits, here rounded to 16 bits before the sigmoid).
+    /// in f32.
     Glm,
     /// MiniMax-M2's: Mixtral's names and f32 scaling, the sigmoid router's
     /// bias beside it (`block_sparse_moe.e_score_correction_bias`).
@@ -160,8 +162,7 @@ pub enum MoeStyle {
     GptOss,
     /// ERNIE 4.5's: Qwen's names and rounding, the router's bias
     /// `mlp.moe_statics.e_score_correction_bias` (`[1, num_experts]`),
-    /// shared experts without a gate as GLM-4.5's; the router's weight in
-    /// the model's dtype (`transformers` keeps it in f32), as GLM-4.5's.
+    /// shared experts without a gate as GLM-4.5's.
     Ernie,
 }
 
@@ -387,6 +388,8 @@ pub(super) struct MoeFamily {
     /// `routed_scaling_factor` where the file leaves it out.
     pub(super) scale: f64,
     pub(super) aux_loss_coef: f64,
+    /// [`MoeConfig::router_in_f32`].
+    pub(super) router_in_f32: bool,
 }
 
 /// Whether a family divides the chosen experts' weights by their sum.
@@ -419,6 +422,7 @@ pub(super) const GLM4_MOE: MoeFamily = MoeFamily {
     groups: (1, 1),
     scale: 1.0,
     aux_loss_coef: 0.0,
+    router_in_f32: true,
 };
 
 /// DeepSeek-V3's mixture (`deepseek_v3`): GLM-4.5's router and shared
@@ -472,6 +476,7 @@ pub(super) const MISTRAL4_MOE: MoeFamily = MoeFamily {
     group_rank: 2,
     reads_topk_method: false,
     shared_experts: 1,
+    router_in_f32: false,
     ..DEEPSEEK_V2_MOE
 };
 
@@ -573,6 +578,7 @@ pub(super) const QWEN2_MOE: MoeFamily = MoeFamily {
     groups: (1, 1),
     scale: 1.0,
     aux_loss_coef: 0.001,
+    router_in_f32: false,
 };
 
 /// OLMoE's mixture, which FlexOlmo's differs from.
@@ -605,6 +611,7 @@ pub(super) const MINIMAX_M2_MOE: MoeFamily = MoeFamily {
     groups: (1, 1),
     scale: 1.0,
     aux_loss_coef: 0.001,
+    router_in_f32: false,
 };
 
 /// ERNIE 4.5's mixture (`ernie4_5_moe`): the biased softmax router,
@@ -626,6 +633,7 @@ pub(super) const ERNIE4_5_MOE: MoeFamily = MoeFamily {
     groups: (1, 1),
     scale: 1.0,
     aux_loss_coef: 0.001,
+    router_in_f32: true,
 };
 
 /// The keys of `config.json` that describe a mixture, read as they are.
@@ -863,6 +871,7 @@ pub(super) fn moe_of(
             MoeStyle::Mixtral | MoeStyle::Qwen => MoeRouting::Softmax,
             MoeStyle::Granite | MoeStyle::GptOss => MoeRouting::TopKSoftmax,
         },
+        router_in_f32: family.router_in_f32,
         clamped_swiglu: (family.style == MoeStyle::GptOss).then(|| ClampedSwiglu {
             alpha: plain.swiglu_alpha.unwrap_or(1.702),
             limit: plain.swiglu_limit.unwrap_or(7.0),
