@@ -1,7 +1,8 @@
 //! The fused layers on a GPU against the same ops on the CPU (the
 //! reference): values and gradients (inputs, and the norms' weight and
 //! bias) of causal attention (packed, and split with grouped K/V heads,
-//! also within sliding windows; bf16 and f16 on tensor cores from sm_80;
+//! also within sliding windows and with gpt-oss's sinks; bf16 and f16 on
+//! tensor cores from sm_80;
 //! heads of 256, wider than the kernels, composed), LayerNorm/RMSNorm (also after
 //! a residual add; RMSNorm also with Gemma's weight offset), GELU (both
 //! forms), SiLU, SwiGLU, GeGLU, rotary embeddings,
@@ -21,7 +22,7 @@
 use candle_core::{DType, Device, Module, Result, Tensor, Var};
 use zero_candle::nn::ops::{
     causal_attention, causal_self_attention, causal_self_attention_rows, cross_entropy,
-    cross_entropy_with_ignore, geglu, gelu, gelu_erf, rotary_embedding, silu,
+    cross_entropy_with_ignore, geglu, gelu, gelu_erf, rotary_embedding, silu, sink_attention,
     sliding_window_attention, swiglu,
 };
 use zero_candle::nn::{set_linear_cublaslt, Activation, Embedding, LayerNorm, Linear, RmsNorm};
@@ -245,6 +246,66 @@ fn sliding_window_attention_matches_the_cpu() -> Result<()> {
                     &upstream,
                     &|x| sliding_window_attention(&x[0], &x[1], &x[2], window),
                 )?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// gpt-oss's sinks joined to the fused attention (their gradient to a
+/// hook), windowed and not, on both tensor-core widths and the CUDA cores
+/// (f32): output and the gradients of q, k, v and the sinks against the CPU.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn sink_attention_matches_the_cpu() -> Result<()> {
+    use std::sync::Arc;
+    use zero_candle::nn::{GradCollector, GradHook};
+    for dtype in DTYPES {
+        for (seed, &(b, t, h, kvh, d)) in [(1, 70, 4, 2, 64), (2, 33, 4, 1, 128)].iter().enumerate()
+        {
+            for window in [None, Some(17)] {
+                let seed = 1000 + 10 * seed as u64;
+                let on = |device: &Device| -> Result<Vec<Tensor>> {
+                    let var = |shape: &[usize], seed, scale| {
+                        Var::from_tensor(&values(shape, seed, scale, dtype)?.to_device(device)?)
+                    };
+                    let (q, k, v) = (
+                        var(&[b, t, h, d], seed, 2.0)?,
+                        var(&[b, t, kvh, d], seed + 1, 2.0)?,
+                        var(&[b, t, kvh, d], seed + 2, 2.0)?,
+                    );
+                    let sinks = var(&[h], seed + 3, 3.0)?;
+                    let upstream =
+                        values(&[b, t, h, d], seed + 4, 1.0, dtype)?.to_device(device)?;
+                    let collector = Arc::new(GradCollector::new());
+                    let hook: Arc<dyn GradHook> = collector.clone();
+                    let y = sink_attention(&q, &k, &v, &sinks, window, Some(hook))?;
+                    let grads = (&y * upstream)?
+                        .to_dtype(DType::F32)?
+                        .sum_all()?
+                        .backward()?;
+                    let mut out = vec![y];
+                    for x in [&q, &k, &v] {
+                        out.push(grads.get(x).cloned().expect("a gradient"));
+                    }
+                    out.push(collector.get(&sinks).expect("the sinks' gradient"));
+                    Ok(out)
+                };
+                let (cpu, gpu) = (on(&Device::Cpu)?, on(&gpu())?);
+                assert!(gpu[0].device().is_cuda(), "the GPU run left the GPU");
+                let what = format!("sinks b{b} t{t} h{h} kv{kvh} d{d} window {window:?}");
+                for (name, (g, c)) in ["output", "dq", "dk", "dv", "dsinks"]
+                    .iter()
+                    .zip(gpu.iter().zip(&cpu))
+                {
+                    assert_close(
+                        &format!("{what} {name}"),
+                        g,
+                        c,
+                        dtype,
+                        8.0 * f32::EPSILON * 3.0,
+                    );
+                }
             }
         }
     }

@@ -39,11 +39,12 @@ use zero_core::{Communicator, ThreadComm, ThreadGroup};
 /// The fixtures' directory, relative to the repository's root.
 const FIXTURES: &str = "zero-candle/tests/fixtures";
 /// The models measured: their figures' names and where they come from.
-const MODELS: [(&str, Model); 5] = [
+const MODELS: [(&str, Model); 6] = [
     ("tiny_gpt2", Model::Fixture("gpt2/tiny")),
     ("tiny_llama", Model::Fixture("llama/gqa")),
     ("tiny_mixtral", Model::Fixture("llama/mixtral")),
     ("tiny_glm4moe", Model::Fixture("llama/glm4moe")),
+    ("tiny_gptoss", Model::Fixture("llama/gptoss")),
     ("qwen3moe_small", Model::Qwen3MoeSmall),
 ];
 
@@ -182,7 +183,7 @@ fn peer_args(model: HfModel, threads: usize) -> HfPeerArgs {
 }
 
 /// Adds, per model (`tiny_gpt2`, `tiny_llama`, `tiny_mixtral`,
-/// `tiny_glm4moe`, `qwen3moe_small`), `hf.<model>_tokens_per_s` (world size 1), its value
+/// `tiny_glm4moe`, `tiny_gptoss`, `qwen3moe_small`), `hf.<model>_tokens_per_s` (world size 1), its value
 /// at N=2 (`_n2_`), transformers' as `hf.<model>_transformers_tokens_per_s`
 /// and the ratio of the first over it, `hf.<model>_over_transformers`.
 pub fn run(report: &mut Report) {

@@ -629,9 +629,8 @@ mod tests {
     fn a_router_in_f32_computes_its_logits_in_f32() -> candle_core::Result<()> {
         use crate::nn::{GradCollector, GradHook};
         let device = candle_core::Device::Cpu;
-        let bf16 = |shape: (usize, usize)| {
-            Tensor::randn(0f32, 1.0, shape, &device)?.to_dtype(DType::BF16)
-        };
+        let bf16 =
+            |shape: (usize, usize)| Tensor::randn(0f32, 1.0, shape, &device)?.to_dtype(DType::BF16);
         let w = Var::from_tensor(&bf16((8, 64))?)?;
         let h = bf16((5, 64))?;
         let collector = Arc::new(GradCollector::new());
@@ -650,7 +649,10 @@ mod tests {
         assert_eq!(grad.dtype(), DType::BF16);
         // ∂/∂W of Σ h·Wᵀ: each row of W gets the column sums of h.
         let sums = wide(&h)?.sum_keepdim(0)?.broadcast_as((8, 64))?;
-        let off = (wide(&grad)? - sums)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        let off = (wide(&grad)? - sums)?
+            .abs()?
+            .max_all()?
+            .to_scalar::<f32>()?;
         assert!(off < 0.05, "the weight's gradient is off by {off}");
         Ok(())
     }
