@@ -1,8 +1,10 @@
 //! `tap`: a parameter that is not in a fused layer, with its gradient sent to the hook.
 
-use super::grad_hook::{route, GradHook};
+use super::grad_hook::{assemble, gather, route, GradHook};
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CudaStorage, CustomOp1, Layout, Result, Shape, Tensor, Var};
+use candle_core::{
+    CpuStorage, CudaStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor, Var,
+};
 use std::sync::Arc;
 
 /// The variable `var` as a tensor to compute with, whose gradient goes to
@@ -15,7 +17,8 @@ use std::sync::Arc;
 /// scales, positional tables); large weights belong in the fused
 /// [`Linear`](super::Linear) and [`Embedding`](super::Embedding), which read
 /// them in place. Tap inside every forward: the copy is a snapshot of `var`
-/// at the time of the call.
+/// at the time of the call. A variable the hook keeps sharded (stage 3,
+/// when a fused layer also reads it) is gathered whole for the copy.
 ///
 /// With `None` it returns `var`'s own tensor (no copy) and the gradient goes
 /// to the `GradStore` as usual.
@@ -40,13 +43,22 @@ pub fn tap(var: &Var, hook: Option<Arc<dyn GradHook>>) -> Result<Tensor> {
     match hook {
         Some(hook) => {
             hook.before_read(var)?;
-            var.as_tensor().apply_op1(Tap { hook })
+            let param = var.as_tensor();
+            match gather(Some(&hook), Some(param), 0)? {
+                Some(first) => {
+                    let values =
+                        assemble(Some(&hook), param, Some(first))?.to_dtype(param.dtype())?;
+                    param.apply_op2(&values, Tap { hook })
+                }
+                None => param.apply_op1(Tap { hook }),
+            }
         }
         None => Ok(var.as_tensor().clone()),
     }
 }
 
-/// The identity op behind [`tap`].
+/// The identity op behind [`tap`]; as a binary op, the variable (sharded,
+/// its storage empty) and its gathered values.
 struct Tap {
     hook: Arc<dyn GradHook>,
 }
@@ -75,5 +87,41 @@ impl CustomOp1 for Tap {
 
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
         route(Some(&self.hook), arg, grad.clone())
+    }
+}
+
+impl CustomOp2 for Tap {
+    fn name(&self) -> &'static str {
+        "zero-tap-gathered"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        values: &CpuStorage,
+        layout: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        copy(values, layout)
+    }
+
+    fn cuda_fwd(
+        &self,
+        _: &CudaStorage,
+        _: &Layout,
+        values: &CudaStorage,
+        layout: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        copy(values, layout)
+    }
+
+    fn bwd(
+        &self,
+        arg: &Tensor,
+        _values: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        Ok((route(Some(&self.hook), arg, grad.clone())?, None))
     }
 }
