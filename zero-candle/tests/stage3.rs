@@ -38,10 +38,14 @@ struct Net {
     norm: nn::LayerNorm,
     head: nn::Linear,
     varmap: VarMap,
+    hook: Option<Arc<dyn GradHook>>,
+    /// The first layer's (sharded) weight also read through [`nn::tap`],
+    /// as a 16-bit MoE's f32 router reads its Linear's.
+    tap_first: bool,
 }
 
 impl Net {
-    fn new(hook: Option<Arc<dyn GradHook>>) -> candle_core::Result<Self> {
+    fn new(hook: Option<Arc<dyn GradHook>>, tap_first: bool) -> candle_core::Result<Self> {
         let varmap = VarMap::new();
         let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
         let emb = nn::embedding(VOCAB, HIDDEN, vb.pp("emb"), hook.clone())?;
@@ -49,7 +53,7 @@ impl Net {
             .map(|i| nn::linear(HIDDEN, HIDDEN, vb.pp(format!("l{i}")), hook.clone()))
             .collect::<candle_core::Result<Vec<_>>>()?;
         let norm = nn::layer_norm(HIDDEN, 1e-5, vb.pp("norm"), hook.clone())?;
-        let head = nn::Linear::new(emb.embeddings().clone(), None, hook);
+        let head = nn::Linear::new(emb.embeddings().clone(), None, hook.clone());
         nn_support::seed_varmap(&varmap, 7)?;
         Ok(Self {
             emb,
@@ -57,6 +61,8 @@ impl Net {
             norm,
             head,
             varmap,
+            hook,
+            tap_first,
         })
     }
 
@@ -72,6 +78,11 @@ impl Net {
             if skip != Some(i) {
                 h = (&h + layer.forward(&h)?.tanh()?)?;
             }
+        }
+        if self.tap_first {
+            let weight = candle_core::Var::from_tensor(self.layers[0].weight())?;
+            let weight = nn::tap(&weight, self.hook.clone())?;
+            h = (&h + h.broadcast_matmul(&weight.t()?)?.sin()?)?;
         }
         let logits = self.head.forward(&self.norm.forward(&h)?)?.flatten_to(1)?;
         candle_nn::loss::cross_entropy(&logits, &targets.flatten_all()?)
@@ -97,6 +108,8 @@ struct Plan {
     skip: Option<(usize, Option<usize>, usize)>,
     /// Forward-only passes before each step.
     evals: usize,
+    /// The model taps its first layer's weight too.
+    tap_first: bool,
 }
 
 type Weights = Vec<(String, Vec<f32>)>;
@@ -109,7 +122,7 @@ fn train(
 ) -> zero_candle::Result<(ZeroOptimizer<ThreadComm>, Net)> {
     let rank = comm.rank();
     let hook = ZeroHook::<ThreadComm, f32>::new();
-    let net = Net::new(Some(hook.clone()))?;
+    let net = Net::new(Some(hook.clone()), plan.tap_first)?;
     let adamw = AdamW::new(AdamWConfig::default().with_lr(1e-2))?;
     let mut opt =
         ZeroOptimizer::new(&net.varmap, comm, config.clone(), Box::new(adamw))?.with_hook(&hook)?;
@@ -172,6 +185,34 @@ fn stage_3_trains_the_weights_of_stage_2() {
     let reference = run(3, &config(Stage::Gradients).with_grad_accum_steps(2), plan);
     let sharded = run(3, &config(Stage::Parameters).with_grad_accum_steps(2), plan);
     assert_eq!(reference, sharded, "accumulation");
+}
+
+#[test]
+fn a_sharded_weight_a_tap_also_reads_trains_the_weights_of_stage_2() {
+    // The tap copies the gathered values and hands its gradient to the
+    // hook beside the Linear's: gathered whole, the arithmetic of stage 2
+    // (the same weights bitwise); in pieces, the Linear's products add in
+    // another order (see the test of pieces above: within 1e-5).
+    let plan = Plan {
+        steps: 3,
+        tap_first: true,
+        ..Plan::default()
+    };
+    for world in [1, 2] {
+        let reference = run(world, &config(Stage::Gradients), plan);
+        let whole = run(world, &config(Stage::Parameters), plan);
+        assert_eq!(reference, whole, "world {world}");
+        let pieces = run(
+            world,
+            &config(Stage::Parameters).with_gather_bytes(40),
+            plan,
+        );
+        let most = max_difference(&reference, &pieces);
+        assert!(
+            most < 1e-5,
+            "world {world}, pieces: weights differ by {most}"
+        );
+    }
 }
 
 /// The largest difference between two runs' weights.
@@ -421,7 +462,7 @@ fn stage_3_checkpoints_resume_at_any_stage_and_world_size() {
     // Loaded by stage 2 at three ranks, and by stage 3 at four after it
     // sharded (the sharded parameters' values go to their shards only).
     let s2 = ThreadGroup::new(3).run(|comm| -> zero_candle::Result<Weights> {
-        let net = Net::new(None)?;
+        let net = Net::new(None, false)?;
         let adamw = AdamW::new(AdamWConfig::default().with_lr(1e-2))?;
         let mut opt =
             ZeroOptimizer::new(&net.varmap, comm, config(Stage::Gradients), Box::new(adamw))?;
