@@ -183,9 +183,10 @@ fn peer_args(model: HfModel, threads: usize) -> HfPeerArgs {
 }
 
 /// Adds, per model (`tiny_gpt2`, `tiny_llama`, `tiny_mixtral`,
-/// `tiny_glm4moe`, `tiny_gptoss`, `qwen3moe_small`), `hf.<model>_tokens_per_s` (world size 1), its value
-/// at N=2 (`_n2_`), transformers' as `hf.<model>_transformers_tokens_per_s`
-/// and the ratio of the first over it, `hf.<model>_over_transformers`.
+/// `tiny_glm4moe`, `tiny_gptoss`, `qwen3moe_small`),
+/// `hf.<model>_tokens_per_s` (world size 1), its value at N=2 (`_n2_`),
+/// transformers' as `hf.<model>_transformers_tokens_per_s` and the ratio
+/// of the first over it, `hf.<model>_over_transformers`.
 pub fn run(report: &mut Report) {
     for (name, model) in MODELS {
         println!(
