@@ -2578,8 +2578,8 @@ fn latent_attention_configs_read_as_transformers_reads_them() {
 
 /// InternLM3's and IQuest-Coder's configs, which `transformers` runs as
 /// Llama's: their defaults, InternLM3's `qkv_bias` and `bias` (its released
-/// files' keys) read as `attention_bias` and `mlp_bias`, and
-/// IQuest-Coder's refusal of windows.
+/// files' keys) read as `attention_bias` and `mlp_bias` and refused where
+/// they differ, and IQuest-Coder's refusal of windows.
 #[test]
 fn internlm3_and_iquestcoder_configs_read_as_transformers_reads_them() {
     let saved = LlamaConfig::from_json(&config_of("internlm3")).unwrap();
@@ -2592,7 +2592,20 @@ fn internlm3_and_iquestcoder_configs_read_as_transformers_reads_them() {
     assert!(parsed.qkv_bias && parsed.o_bias && parsed.mlp_bias);
     assert_eq!(parsed.head_dim, 128, "transformers' default");
     released["bias"] = false.into();
-    assert!(!LlamaConfig::from_json(&released).unwrap().mlp_bias);
+    released["qkv_bias"] = false.into();
+    let plain = LlamaConfig::from_json(&released).unwrap();
+    assert!(!plain.qkv_bias && !plain.o_bias && !plain.mlp_bias);
+    // As transformers refuses them: Llama's one switch cannot hold both.
+    for (qkv, bias) in [(true, false), (false, true)] {
+        released["qkv_bias"] = qkv.into();
+        released["bias"] = bias.into();
+        let err = LlamaConfig::from_json(&released).unwrap_err();
+        assert!(err.contains("`qkv_bias` differs from its `bias`"), "{err}");
+    }
+    released.as_object_mut().unwrap().remove("bias");
+    released["qkv_bias"] = true.into();
+    let err = LlamaConfig::from_json(&released).unwrap_err();
+    assert!(err.contains("set both the same"), "{err}");
 
     let silent = LlamaConfig::from_json(&config_without(
         "iquestcoder",

@@ -361,6 +361,19 @@ impl LlamaConfig {
                 "`mlp_bias` is true; {kind}'s MLPs have no biases in transformers: set it to false"
             ));
         }
+        // InternLM3's files name q, k and v's biases (`qkv_bias`) apart from
+        // o's and the MLP's (`bias`); Llama's layout, which transformers
+        // runs it as, has one switch for all four projections.
+        if family.model_type == "internlm3"
+            && plain.attention_bias.unwrap_or(false) != plain.mlp_bias.unwrap_or(false)
+        {
+            return Err(
+                "InternLM3's `qkv_bias` differs from its `bias`: transformers (and this model) \
+                 runs it as Llama, whose attention has one bias switch for q, k, v and o; set \
+                 both the same"
+                    .into(),
+            );
+        }
         let heads = plain.num_attention_heads;
         // Solar Open's dense width is its experts' (it has no dense layer).
         let intermediate_size = match (plain.intermediate_size, family.moe) {
