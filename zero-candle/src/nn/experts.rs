@@ -1,25 +1,25 @@
-//! A mixture's experts as one op: gated MLPs without biases over the rows
-//! routed to each, their weight gradients handed to the hook.
+//! A mixture's experts as one op: gated MLPs over the rows routed to each,
+//! their weight (and bias) gradients handed to the hook.
 
 use super::cpu;
 use super::grad_hook::{
     assemble, before_read, gather, route, Behind, GatheredParam, GradHook, StretchView,
 };
-use super::ops::{gated, gated_cpu, gated_grads, gated_grads_cpu, Activation};
+use super::ops::Gating;
 use super::storage::{on_device, owned_storage, OnDevice};
 use candle_core::{
-    bail, CpuStorage, CudaStorage, CustomOp1, DType, Layout, Result, Shape, Storage, Tensor,
+    bail, CpuStorage, CudaStorage, CustomOp1, DType, Layout, Result, Shape, Storage, Tensor, D,
 };
 use gemm::Parallelism;
 use rayon::prelude::*;
 use std::ops::Range;
 use std::sync::{Arc, Mutex, PoisonError};
 
-/// The experts of a mixture layer, `down(act(gate(x)) * up(x))` each, run
+/// The experts of a mixture layer, `down(unit(gate(x), up(x)))` each, run
 /// as one op per layer: each expert's rows are a slice of the routed rows,
 /// its products plain GEMMs over its weights, the backward one pass that
-/// hands every expert's three weight gradients to the hook (an expert with
-/// no rows gets zeros) and adds the rows' gradients into the input's.
+/// hands every expert's gradients to the hook (an expert with no rows gets
+/// zeros) and adds the rows' gradients into the input's.
 /// On the CPU in f32 the experts run in parallel, one core each, where
 /// their weights are the variables' own (every stage but 3); at stage 3 an
 /// expert's weights are gathered, used and given back before the next's.
@@ -33,11 +33,47 @@ use std::sync::{Arc, Mutex, PoisonError};
 /// [`Linear`]: super::Linear
 #[derive(Clone)]
 pub(crate) struct ExpertMlps {
-    /// Per expert: gate and up `[width, hidden]`, down `[hidden, width]`.
-    weights: Arc<[[Tensor; 3]]>,
-    activation: Activation,
+    /// Per expert, its variables in `form`'s order.
+    weights: Arc<[Vec<Tensor>]>,
+    form: ExpertForm,
+    gating: Gating,
     hook: Arc<dyn GradHook>,
 }
+
+/// How an expert's variables hold its projections.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum ExpertForm {
+    /// `[gate, up, down]`: gate and up `[width, hidden]`, down `[hidden,
+    /// width]`, no biases (Mixtral's, Qwen's and most mixtures').
+    Separate,
+    /// `[gate_up, gate_up_bias, down, down_bias]` (gpt-oss's): gate_up
+    /// `[2 width, hidden]` whose rows alternate gate's and up's, its bias
+    /// `[2 width]` alike, down `[hidden, width]` and its bias `[hidden]`.
+    Interleaved,
+}
+
+impl ExpertForm {
+    /// The expert's variables' shapes for its `width` and `hidden` size.
+    fn shapes(self, width: usize, hidden: usize) -> Vec<Vec<usize>> {
+        match self {
+            Self::Separate => vec![
+                vec![width, hidden],
+                vec![width, hidden],
+                vec![hidden, width],
+            ],
+            Self::Interleaved => vec![
+                vec![2 * width, hidden],
+                vec![2 * width],
+                vec![hidden, width],
+                vec![hidden],
+            ],
+        }
+    }
+}
+
+/// Where the down projection's weight is among an expert's variables, in
+/// either form.
+const DOWN: usize = 2;
 
 /// Where one expert's forward writes its rows' output and gate and up
 /// products, `[rows, ..]`.
@@ -63,7 +99,8 @@ fn rows_of<'a>(values: &'a mut [f32], ranges: &[Range<usize>], cols: usize) -> V
 struct Saved {
     /// The rows of the input each routed row is (`[routed]`, u32).
     rows: Tensor,
-    /// The gate and up products of every routed row, `[routed, width]`.
+    /// The gate and up products of every routed row (their biases added),
+    /// `[routed, width]`.
     gate: Tensor,
     up: Tensor,
 }
@@ -82,31 +119,48 @@ struct ExpertsOp {
 const OUTPUT: &str = "the experts' output";
 
 impl ExpertMlps {
-    /// The experts whose `[gate, up, down]` weights are `weights`, all of
-    /// one width and hidden size; their gradients go to `hook`, which
-    /// their layers have already been announced to.
+    /// The experts whose variables are `weights` (each expert's in `form`'s
+    /// order), all of one width and hidden size, `gating` their unit; their
+    /// gradients go to `hook`, which their layers have already been
+    /// announced to.
     pub(crate) fn new(
-        weights: Vec<[Tensor; 3]>,
-        activation: Activation,
+        weights: Vec<Vec<Tensor>>,
+        form: ExpertForm,
+        gating: Gating,
         hook: Arc<dyn GradHook>,
     ) -> Result<Self> {
-        let Some([gate, ..]) = weights.first() else {
+        let Some(first) = weights.first() else {
             bail!("zero-candle experts: a mixture needs at least one expert")
         };
-        let (width, hidden) = gate.dims2()?;
-        for (e, [gate, up, down]) in weights.iter().enumerate() {
-            let shapes = [gate.dims(), up.dims(), down.dims()];
-            if shapes != [&[width, hidden][..], &[width, hidden], &[hidden, width]] {
+        let Some((hidden, width)) = first.get(DOWN).and_then(|d| d.dims2().ok()) else {
+            bail!("zero-candle experts: expert 0's variables do not hold a {form:?} expert")
+        };
+        let shapes = form.shapes(width, hidden);
+        for (e, vars) in weights.iter().enumerate() {
+            let theirs: Vec<&[usize]> = vars.iter().map(|v| v.dims()).collect();
+            if theirs != shapes.iter().map(|s| &s[..]).collect::<Vec<_>>() {
                 bail!(
-                    "zero-candle experts: expert {e}'s gate, up and down are {shapes:?}; every \
-                     expert's must be [{width}, {hidden}], [{width}, {hidden}], [{hidden}, {width}]"
+                    "zero-candle experts: expert {e}'s variables are {theirs:?}; every {form:?} \
+                     expert's must be {shapes:?}"
                 )
             }
         }
         Ok(Self {
             weights: weights.into(),
-            activation,
+            form,
+            gating,
             hook,
+        })
+    }
+
+    /// The experts' sizes.
+    fn dims(&self) -> Result<Dims> {
+        let (hidden, width) = self.weights[0][DOWN].dims2()?;
+        Ok(Dims {
+            hidden,
+            width,
+            form: self.form,
+            gating: self.gating,
         })
     }
 
@@ -157,13 +211,13 @@ impl ExpertMlps {
         };
         let behind = op.behind.clone();
         let out = h.apply_op1(op)?;
-        // The weights' gradients in the order the backward hands them over.
+        // The variables' gradients in the order the backward hands them over.
         let tracked = self.weights.iter().flatten().filter(|w| w.track_op());
         behind.place(out.id(), Arc::new(tracked.map(Tensor::id).collect()));
         Ok(out)
     }
 
-    /// Each expert's weights lent for one computation, in order: the
+    /// Each expert's variables lent for one computation, in order: the
     /// variables' own runs of experts together, each lent one alone.
     fn runs(&self) -> Result<Vec<Run>> {
         let mut runs: Vec<Run> = Vec::new();
@@ -180,7 +234,7 @@ impl ExpertMlps {
                 }
                 continue;
             }
-            let mut values = Vec::with_capacity(3);
+            let mut values = Vec::with_capacity(weights.len());
             for (w, first) in weights.iter().zip(lent) {
                 values.push(Values::of(&self.hook, w, first)?);
             }
@@ -197,9 +251,9 @@ impl ExpertMlps {
         x: &Tensor,
         ranges: &[Range<usize>],
     ) -> Result<(Storage, Tensor, Tensor)> {
-        let (routed, hidden) = x.dims2()?;
-        let width = self.weights[0][0].dim(0)?;
-        let dims = Dims { hidden, width };
+        let routed = x.dim(0)?;
+        let dims = self.dims()?;
+        let (hidden, width) = (dims.hidden, dims.width);
         let (mut out, mut gate, mut up) = (
             vec![0f32; routed * hidden],
             vec![0f32; routed * width],
@@ -214,7 +268,7 @@ impl ExpertMlps {
         with_f32s([x], |[x]| {
             self.run_cpu(sinks, |e, w, par, rows| {
                 let x = &x[ranges[e].start * hidden..ranges[e].end * hidden];
-                dims.forward(x, w, self.activation, par, rows)
+                dims.forward(x, w, par, rows)
             })
         })?;
         let device = x.device();
@@ -225,15 +279,16 @@ impl ExpertMlps {
         ))
     }
 
-    /// `expert(e, [gate, up, down], parallelism, sink)` for every expert
-    /// `e`, in order, on f32 CPU weights, `sinks[e]` where it writes: runs
-    /// of experts with their own weights in parallel (one core each), one
-    /// with lent weights alone (on all cores).
+    /// `expert(e, variables, parallelism, sink)` for every expert `e`, in
+    /// order, on f32 CPU values, `sinks[e]` where it writes: runs of
+    /// experts with their own variables in parallel (one core each), one
+    /// with lent variables alone (on all cores).
     fn run_cpu<S: Send, T: Send>(
         &self,
         sinks: Vec<S>,
         expert: impl Fn(usize, &[&[f32]], Parallelism, S) -> T + Sync,
     ) -> Result<Vec<T>> {
+        let vars = self.weights[0].len();
         let mut done = Vec::with_capacity(self.weights.len());
         let mut sinks = sinks.into_iter();
         for run in self.runs()? {
@@ -245,7 +300,7 @@ impl ExpertMlps {
                     let run_sinks: Vec<S> = sinks.by_ref().take(experts.len()).collect();
                     let results: Vec<T> = experts
                         .into_par_iter()
-                        .zip(slices.par_chunks(3))
+                        .zip(slices.par_chunks(vars))
                         .zip(run_sinks)
                         .map(|((e, w), sink)| expert(e, w, Parallelism::None, sink))
                         .collect();
@@ -258,7 +313,7 @@ impl ExpertMlps {
                     });
                     let guards: Vec<_> = held.collect();
                     let mut held = read_f32(&guards)?.into_iter();
-                    let mut w = Vec::with_capacity(3);
+                    let mut w = Vec::with_capacity(vars);
                     for v in &values {
                         w.push(match v {
                             Values::Whole(lent) => whole_f32(lent)?,
@@ -283,55 +338,49 @@ impl ExpertMlps {
         x: &Tensor,
         ranges: &[Range<usize>],
     ) -> Result<(Tensor, Tensor, Tensor)> {
+        let dims = self.dims()?;
         let (mut outs, mut gates, mut ups) = (vec![], vec![], vec![]);
-        let [gate, _, down] = &self.weights[0];
-        let (wide, narrow) = (gate.dims2()?, down.dims2()?);
-        for_each_expert(self, |e, [wg, wu, wd]| {
+        for_each_expert(self, |e, values| {
             // An expert without rows still gathers (stage 3's gathers
             // match across ranks) but runs no empty product.
             if ranges[e].is_empty() {
                 return Ok(());
             }
             let x = x.narrow(0, ranges[e].start, ranges[e].len())?;
-            let gate = wg.product(&x, wide, true)?;
-            let up = wu.product(&x, wide, true)?;
-            outs.push(wd.product(&gated(self.activation, &gate, &up)?, narrow, true)?);
+            let (gate, up) = dims.gate_up_tensors(&x, values)?;
+            let mid = self.gating.forward(&gate, &up)?;
+            outs.push(dims.down_tensors(&mid, values)?);
             gates.push(gate);
             ups.push(up);
             Ok(())
         })?;
-        let [gate, up, down] = &self.weights[0];
+        let empty = |cols| Tensor::zeros((0, cols), x.dtype(), x.device());
+        let cat = |parts: &[Tensor], cols| match parts {
+            [] => empty(cols),
+            parts => Tensor::cat(parts, 0),
+        };
         Ok((
-            cat_rows(&outs, down, x.dtype())?,
-            cat_rows(&gates, gate, x.dtype())?,
-            cat_rows(&ups, up, x.dtype())?,
+            cat(&outs, dims.hidden)?,
+            cat(&gates, dims.width)?,
+            cat(&ups, dims.width)?,
         ))
     }
 }
 
-/// `parts` (rows of `weight`'s first dimension's width) one after another;
-/// no rows when there are none.
-fn cat_rows(parts: &[Tensor], weight: &Tensor, dtype: DType) -> Result<Tensor> {
-    match parts {
-        [] => Tensor::zeros((0, weight.dim(0)?), dtype, weight.device()),
-        parts => Tensor::cat(parts, 0),
-    }
-}
-
-/// Runs `f(e, [gate, up, down])` for every expert in order, with its
-/// weights' values (the variables', or what the hook lends, given back
-/// before the next expert's are gathered).
+/// Runs `f(e, values)` for every expert in order, with its variables'
+/// values (the variables', or what the hook lends, given back before the
+/// next expert's are gathered).
 fn for_each_expert(
     experts: &ExpertMlps,
-    mut f: impl FnMut(usize, [&Values; 3]) -> Result<()>,
+    mut f: impl FnMut(usize, &[Values]) -> Result<()>,
 ) -> Result<()> {
     for (e, weights) in experts.weights.iter().enumerate() {
-        let mut values = Vec::with_capacity(3);
+        let mut values = Vec::with_capacity(weights.len());
         for w in weights {
             let first = gather(Some(&experts.hook), Some(w), 0)?;
             values.push(Values::of(&experts.hook, w, first)?);
         }
-        f(e, [&values[0], &values[1], &values[2]])?;
+        f(e, &values)?;
     }
     Ok(())
 }
@@ -343,8 +392,8 @@ enum Run {
     Lent(usize, Vec<Values>),
 }
 
-/// A weight's values for one computation: the variable's own, or lent by
-/// the hook, whole (read in place) or assembled from its pieces.
+/// A variable's values for one computation: the variable's own, or lent
+/// by the hook, whole (read in place) or assembled from its pieces.
 enum Values {
     Own(Tensor),
     Whole(Box<GatheredParam>),
@@ -372,6 +421,18 @@ impl Values {
                 let at = lent.stretches()[0].at.clone();
                 let view = StretchView::Piece { piece: lent, at };
                 view.matmul(lhs, 0, dims, transposed)
+            }
+        }
+    }
+
+    /// The values as a 1-d tensor of `len` on `device` (a copy of a lent
+    /// one: biases).
+    fn flat(&self, len: usize, device: &candle_core::Device) -> Result<Tensor> {
+        match self {
+            Self::Own(t) | Self::Assembled(t) => t.flatten_all(),
+            Self::Whole(lent) => {
+                let at = lent.stretches()[0].at.clone();
+                StretchView::Piece { piece: lent, at }.tensor(0..len, device)
             }
         }
     }
@@ -421,11 +482,13 @@ fn cpu_f32(t: &Tensor) -> bool {
     t.device().is_cpu() && t.dtype() == DType::F32
 }
 
-/// An expert's sizes.
+/// An expert's sizes, form and unit.
 #[derive(Clone, Copy)]
 struct Dims {
     hidden: usize,
     width: usize,
+    form: ExpertForm,
+    gating: Gating,
 }
 
 /// `dst [m, n] (+)= a · b`, each operand a row-major matrix or the
@@ -438,18 +501,21 @@ struct Gemm<'a> {
     b: Operand<'a>,
 }
 
-/// A `[rows, cols]` operand: `values` row-major, read transposed when
-/// `transposed` (then `values` is `[cols, rows]`).
+/// A `[rows, cols]` operand: `values` a row-major matrix whose rows lie
+/// `pitch` apart, read transposed when `transposed` (then that matrix is
+/// `[cols, rows]`).
 #[derive(Clone, Copy)]
 struct Operand<'a> {
     values: &'a [f32],
     transposed: bool,
+    pitch: Option<usize>,
 }
 
 fn plain(values: &[f32]) -> Operand<'_> {
     Operand {
         values,
         transposed: false,
+        pitch: None,
     }
 }
 
@@ -457,6 +523,17 @@ fn transposed(values: &[f32]) -> Operand<'_> {
     Operand {
         values,
         transposed: true,
+        pitch: None,
+    }
+}
+
+impl Operand<'_> {
+    /// The same matrix with its rows `pitch` apart.
+    fn pitched(self, pitch: usize) -> Self {
+        Self {
+            pitch: Some(pitch),
+            ..self
+        }
     }
 }
 
@@ -471,13 +548,22 @@ impl Gemm<'_> {
         );
         // (row stride, column stride) of a [rows, cols] operand.
         let strides = |op: &Operand, rows: usize, cols: usize| {
-            assert!(
-                op.values.len() == rows * cols,
-                "an operand of the wrong size"
-            );
+            let (held_rows, held_cols) = match op.transposed {
+                false => (rows, cols),
+                true => (cols, rows),
+            };
+            let pitch = op.pitch.unwrap_or(held_cols);
+            let fits = match (op.pitch, held_rows) {
+                (None, _) => op.values.len() == held_rows * held_cols,
+                (Some(_), 0) => true,
+                (Some(_), rows) => {
+                    pitch >= held_cols && op.values.len() >= (rows - 1) * pitch + held_cols
+                }
+            };
+            assert!(fits, "an operand of the wrong size");
             match op.transposed {
-                false => (cols as isize, 1),
-                true => (1, rows as isize),
+                false => (pitch as isize, 1),
+                true => (1, pitch as isize),
             }
         };
         let (a_rs, a_cs) = strides(&self.a, m, k);
@@ -491,9 +577,9 @@ impl Gemm<'_> {
             }
             return;
         }
-        // SAFETY: every operand holds exactly its rows x cols values
-        // (asserted), and the strides above address inside them; `dst` is
-        // m x n, row-major, and borrowed mutably here alone.
+        // SAFETY: every operand holds its rows x cols values at its strides
+        // (asserted), which address inside it; `dst` is m x n, row-major,
+        // and borrowed mutably here alone.
         unsafe {
             gemm::gemm(
                 m,
@@ -526,44 +612,83 @@ impl Gemm<'_> {
     }
 }
 
+/// `rows` (of `bias.len()` values) plus `bias`, each row.
+fn add_bias(rows: &mut [f32], bias: &[f32]) {
+    for row in rows.chunks_exact_mut(bias.len()) {
+        for (v, b) in row.iter_mut().zip(bias) {
+            *v += b;
+        }
+    }
+}
+
+/// The column sums of `rows` of `cols` values.
+fn column_sums(rows: &[f32], cols: usize) -> Vec<f32> {
+    let mut sums = vec![0f32; cols];
+    for row in rows.chunks_exact(cols) {
+        for (s, v) in sums.iter_mut().zip(row) {
+            *s += v;
+        }
+    }
+    sums
+}
+
 impl Dims {
-    /// Rows `x` `[r, hidden]` through the expert of weights `w` (gate,
-    /// up, down), into `rows`.
-    fn forward(
-        self,
-        x: &[f32],
-        w: &[&[f32]],
-        activation: Activation,
-        par: Parallelism,
-        rows: ExpertRows,
-    ) {
+    /// The gate's and up's weights among an expert's variables `w`, as
+    /// `[width, hidden]` operands.
+    fn gate_up<'a>(self, w: &[&'a [f32]]) -> [Operand<'a>; 2] {
+        let h = self.hidden;
+        match self.form {
+            ExpertForm::Separate => [plain(w[0]), plain(w[1])],
+            ExpertForm::Interleaved => {
+                [plain(w[0]).pitched(2 * h), plain(&w[0][h..]).pitched(2 * h)]
+            }
+        }
+    }
+
+    /// Rows `x` `[r, hidden]` through the expert of variables `w`, into
+    /// `rows`.
+    fn forward(self, x: &[f32], w: &[&[f32]], par: Parallelism, rows: ExpertRows) {
         let (h, i, r) = (self.hidden, self.width, x.len() / self.hidden);
-        let product = |weight: &[f32], dst: &mut [f32]| {
+        for (weight, dst) in self
+            .gate_up(w)
+            .into_iter()
+            .zip([&mut *rows.gate, &mut *rows.up])
+        {
+            let b = Operand {
+                transposed: true,
+                ..weight
+            };
             Gemm {
                 m: r,
                 n: i,
                 k: h,
                 a: plain(x),
-                b: transposed(weight),
+                b,
             }
-            .run(dst, false, par)
-        };
-        product(w[0], rows.gate);
-        product(w[1], rows.up);
-        let mid = gated_cpu(activation, rows.gate, rows.up);
+            .run(dst, false, par);
+        }
+        if self.form == ExpertForm::Interleaved {
+            let (gate_bias, up_bias): (Vec<f32>, Vec<f32>) =
+                w[1].chunks_exact(2).map(|p| (p[0], p[1])).unzip();
+            add_bias(rows.gate, &gate_bias);
+            add_bias(rows.up, &up_bias);
+        }
+        let mid = self.gating.cpu(rows.gate, rows.up);
         Gemm {
             m: r,
             n: h,
             k: i,
             a: plain(&mid),
-            b: transposed(w[2]),
+            b: transposed(w[DOWN]),
         }
         .run(rows.out, false, par);
+        if self.form == ExpertForm::Interleaved {
+            add_bias(rows.out, w[3]);
+        }
     }
 
     /// The backward of [`Dims::forward`] for the output gradient `g`
-    /// `[r, hidden]`: the rows' gradient into `dx`, and the weights'
-    /// (gate, up, down).
+    /// `[r, hidden]`: the rows' gradient into `dx`, and the variables'.
     #[allow(clippy::too_many_arguments)]
     fn backward(
         self,
@@ -572,12 +697,12 @@ impl Dims {
         up: &[f32],
         g: &[f32],
         w: &[&[f32]],
-        activation: Activation,
         par: Parallelism,
         dx: &mut [f32],
-    ) -> [Vec<f32>; 3] {
+    ) -> Vec<Vec<f32>> {
         let (h, i, r) = (self.hidden, self.width, x.len() / self.hidden);
-        let mid = gated_cpu(activation, gate, up);
+        let down = w[DOWN];
+        let mid = self.gating.cpu(gate, up);
         let d_down = Gemm {
             m: h,
             n: i,
@@ -591,10 +716,10 @@ impl Dims {
             n: i,
             k: h,
             a: plain(g),
-            b: plain(w[2]),
+            b: plain(down),
         }
         .into_new(par);
-        let (d_gate_rows, d_up_rows) = gated_grads_cpu(activation, gate, up, &d_mid);
+        let (d_gate_rows, d_up_rows) = self.gating.grads_cpu(gate, up, &d_mid);
         let weight_grad = |d: &[f32]| {
             Gemm {
                 m: i,
@@ -606,17 +731,74 @@ impl Dims {
             .into_new(par)
         };
         let (d_gate, d_up) = (weight_grad(&d_gate_rows), weight_grad(&d_up_rows));
-        for (rows, weight, accumulate) in [(&d_gate_rows, w[0], false), (&d_up_rows, w[1], true)] {
+        let [gate_w, up_w] = self.gate_up(w);
+        for (rows, weight, accumulate) in [(&d_gate_rows, gate_w, false), (&d_up_rows, up_w, true)]
+        {
             Gemm {
                 m: r,
                 n: h,
                 k: i,
                 a: plain(rows),
-                b: plain(weight),
+                b: weight,
             }
             .run(dx, accumulate, par);
         }
-        [d_gate, d_up, d_down]
+        match self.form {
+            ExpertForm::Separate => vec![d_gate, d_up, d_down],
+            ExpertForm::Interleaved => {
+                let interleave = |a: &[f32], b: &[f32], len: usize| -> Vec<f32> {
+                    let pairs = a.chunks_exact(len).zip(b.chunks_exact(len));
+                    pairs.flat_map(|(a, b)| [a, b]).flatten().copied().collect()
+                };
+                let (gate_sums, up_sums) =
+                    (column_sums(&d_gate_rows, i), column_sums(&d_up_rows, i));
+                vec![
+                    interleave(&d_gate, &d_up, h),
+                    interleave(&gate_sums, &up_sums, 1),
+                    d_down,
+                    column_sums(g, h),
+                ]
+            }
+        }
+    }
+
+    /// The gate and up products of rows `x` (their biases added), of an
+    /// expert's `values`, as tensor ops.
+    fn gate_up_tensors(self, x: &Tensor, values: &[Values]) -> Result<(Tensor, Tensor)> {
+        let (h, i) = (self.hidden, self.width);
+        match self.form {
+            ExpertForm::Separate => Ok((
+                values[0].product(x, (i, h), true)?,
+                values[1].product(x, (i, h), true)?,
+            )),
+            ExpertForm::Interleaved => {
+                let bias = values[1].flat(2 * i, x.device())?.to_dtype(x.dtype())?;
+                let both = values[0]
+                    .product(x, (2 * i, h), true)?
+                    .broadcast_add(&bias)?
+                    .reshape((x.dim(0)?, i, 2))?;
+                let half = |p| {
+                    both.narrow(D::Minus1, p, 1)?
+                        .squeeze(D::Minus1)?
+                        .contiguous()
+                };
+                Ok((half(0)?, half(1)?))
+            }
+        }
+    }
+
+    /// The down projection of `mid` (its bias added), as tensor ops.
+    fn down_tensors(self, mid: &Tensor, values: &[Values]) -> Result<Tensor> {
+        let out = values[DOWN].product(mid, (self.hidden, self.width), true)?;
+        match self.form {
+            ExpertForm::Separate => Ok(out),
+            ExpertForm::Interleaved => {
+                let bias = values[3]
+                    .flat(self.hidden, mid.device())?
+                    .to_dtype(mid.dtype())?;
+                out.broadcast_add(&bias)
+            }
+        }
     }
 }
 
@@ -640,7 +822,7 @@ impl CustomOp1 for ExpertsOp {
             true => self.backward_cpu(&x, &grad)?,
             false => self.backward_tensors(&x, &grad)?,
         };
-        // Every expert's three gradients, expert by expert, in order.
+        // Every expert's gradients, expert by expert, in order.
         for (weights, grads) in self.experts.weights.iter().zip(grads) {
             for (w, g) in weights.iter().zip(grads) {
                 // A frozen weight (untracked) takes no gradient.
@@ -667,18 +849,18 @@ impl ExpertsOp {
         else {
             bail!("zero-candle experts: internal: the op ran twice on one forward's output")
         };
-        let hidden = self.experts.weights[0][2].dim(0)?;
+        let hidden = self.experts.dims()?.hidden;
         let routed = self.saved.rows.dim(0)?;
         Ok((on_device(output, OUTPUT)?, Shape::from((routed, hidden))))
     }
 
     /// The backward on the CPU in f32: the routed rows' gradient and each
-    /// expert's weights'.
-    fn backward_cpu(&self, x: &Tensor, grad: &Tensor) -> Result<(Tensor, Vec<[Tensor; 3]>)> {
+    /// expert's variables'.
+    fn backward_cpu(&self, x: &Tensor, grad: &Tensor) -> Result<(Tensor, Vec<Vec<Tensor>>)> {
         let experts = &self.experts;
-        let (routed, hidden) = x.dims2()?;
-        let width = experts.weights[0][0].dim(0)?;
-        let dims = Dims { hidden, width };
+        let routed = x.dim(0)?;
+        let dims = experts.dims()?;
+        let (hidden, width) = (dims.hidden, dims.width);
         let (gate, up) = (&self.saved.gate, &self.saved.up);
         let mut dx = vec![0f32; routed * hidden];
         let sinks = rows_of(&mut dx, &self.ranges, hidden);
@@ -689,55 +871,69 @@ impl ExpertsOp {
                 let mid = range.start * width..range.end * width;
                 let (x, g) = (&x[rows.clone()], &g[rows]);
                 let (gate, up) = (&gate[mid.clone()], &up[mid]);
-                dims.backward(x, gate, up, g, w, experts.activation, par, dx)
+                dims.backward(x, gate, up, g, w, par, dx)
             })
         })?;
         let device = x.device();
         let mut grads = Vec::with_capacity(done.len());
-        for [d_gate, d_up, d_down] in done {
-            grads.push([
-                Tensor::from_vec(d_gate, (width, hidden), device)?,
-                Tensor::from_vec(d_up, (width, hidden), device)?,
-                Tensor::from_vec(d_down, (hidden, width), device)?,
-            ]);
+        for (vars, expert) in experts.weights.iter().zip(done) {
+            let tensors = vars.iter().zip(expert);
+            grads.push(
+                tensors
+                    .map(|(var, g)| Tensor::from_vec(g, var.shape(), device))
+                    .collect::<Result<Vec<_>>>()?,
+            );
         }
         Ok((Tensor::from_vec(dx, (routed, hidden), device)?, grads))
     }
 
     /// The backward as tensor ops, an expert at a time.
-    fn backward_tensors(&self, x: &Tensor, grad: &Tensor) -> Result<(Tensor, Vec<[Tensor; 3]>)> {
-        let activation = self.experts.activation;
+    fn backward_tensors(&self, x: &Tensor, grad: &Tensor) -> Result<(Tensor, Vec<Vec<Tensor>>)> {
+        let dims = self.experts.dims()?;
+        let (h, i) = (dims.hidden, dims.width);
         let (mut dx, mut grads) = (Vec::new(), Vec::new());
-        let [gate, _, down] = &self.experts.weights[0];
-        let (wide, narrow) = (gate.dims2()?, down.dims2()?);
-        for_each_expert(&self.experts, |e, [wg, wu, wd]| {
+        for_each_expert(&self.experts, |e, values| {
             let range = &self.ranges[e];
             if range.is_empty() {
                 let zeros = self.experts.weights[e]
-                    .each_ref()
+                    .iter()
                     .map(|w| w.detach().zeros_like());
-                let [g, u, d] = zeros;
-                grads.push([g?, u?, d?]);
+                grads.push(zeros.collect::<Result<Vec<_>>>()?);
                 return Ok(());
             }
             let rows = |t: &Tensor| t.narrow(0, range.start, range.len());
             let (x, g) = (rows(x)?, rows(grad)?);
             let (gate, up) = (rows(&self.saved.gate)?, rows(&self.saved.up)?);
-            let mid = gated(activation, &gate, &up)?;
+            let mid = dims.gating.forward(&gate, &up)?;
             let d_down = g.t()?.matmul(&mid)?;
-            let d_mid = wd.product(&g, narrow, false)?;
-            let (d_gate_rows, d_up_rows) = gated_grads(activation, &gate, &up, &d_mid)?;
-            let d_gate = d_gate_rows.t()?.matmul(&x)?;
-            let d_up = d_up_rows.t()?.matmul(&x)?;
-            dx.push(
-                (wg.product(&d_gate_rows, wide, false)? + wu.product(&d_up_rows, wide, false)?)?,
-            );
-            grads.push([d_gate, d_up, d_down]);
+            let d_mid = values[DOWN].product(&g, (h, i), false)?;
+            let (d_gate_rows, d_up_rows) = dims.gating.grads(&gate, &up, &d_mid)?;
+            match dims.form {
+                ExpertForm::Separate => {
+                    let d_gate = d_gate_rows.t()?.matmul(&x)?;
+                    let d_up = d_up_rows.t()?.matmul(&x)?;
+                    dx.push(
+                        (values[0].product(&d_gate_rows, (i, h), false)?
+                            + values[1].product(&d_up_rows, (i, h), false)?)?,
+                    );
+                    grads.push(vec![d_gate, d_up, d_down]);
+                }
+                ExpertForm::Interleaved => {
+                    let d_both = Tensor::stack(&[&d_gate_rows, &d_up_rows], 2)?
+                        .reshape((range.len(), 2 * i))?;
+                    dx.push(values[0].product(&d_both, (2 * i, h), false)?);
+                    grads.push(vec![
+                        d_both.t()?.matmul(&x)?,
+                        d_both.sum(0)?,
+                        d_down,
+                        g.sum(0)?,
+                    ]);
+                }
+            }
             Ok(())
         })?;
-        let hidden = self.experts.weights[0][2].dim(0)?;
         let dx = match &dx[..] {
-            [] => Tensor::zeros((0, hidden), x.dtype(), x.device())?,
+            [] => Tensor::zeros((0, h), x.dtype(), x.device())?,
             dx => Tensor::cat(dx, 0)?,
         };
         Ok((dx, grads))
@@ -747,6 +943,7 @@ impl ExpertsOp {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::nn::Activation;
     use crate::nn::{vars_behind, GradCollector};
     use candle_core::{Device, Var};
 
@@ -763,44 +960,82 @@ mod tests {
             .unwrap()
     }
 
-    /// `[gate, up, down]` variables of `experts` experts of `width` over
-    /// `hidden`.
-    fn weights(experts: usize, hidden: usize, width: usize, dtype: DType) -> Vec<[Var; 3]> {
-        let var = |shape: (usize, usize), seed: usize| {
-            Var::from_tensor(&fixed(shape, seed, 0.5, dtype)).unwrap()
-        };
+    /// The variables of `experts` experts of `width` over `hidden` in
+    /// `form`'s order and shapes.
+    fn weights(
+        experts: usize,
+        hidden: usize,
+        width: usize,
+        form: ExpertForm,
+        dtype: DType,
+    ) -> Vec<Vec<Var>> {
+        let shapes = form.shapes(width, hidden);
         (0..experts)
             .map(|e| {
-                [
-                    var((width, hidden), 3 * e),
-                    var((width, hidden), 3 * e + 1),
-                    var((hidden, width), 3 * e + 2),
-                ]
+                let vars = shapes.iter().enumerate().map(|(v, shape)| {
+                    let n = shape.iter().product();
+                    let values = fixed((n, 1), 4 * e + v, 0.5, dtype).reshape(&shape[..]);
+                    Var::from_tensor(&values.unwrap()).unwrap()
+                });
+                vars.collect()
             })
             .collect()
+    }
+
+    /// The variables' tensors, as `ExpertMlps::new` takes them.
+    fn tensors(vars: &[Vec<Var>]) -> Vec<Vec<Tensor>> {
+        let expert = |ws: &Vec<Var>| ws.iter().map(|w| w.as_tensor().clone()).collect();
+        vars.iter().map(expert).collect()
+    }
+
+    /// One expert of Candle's ops over its rows `x`: `form`'s projections
+    /// of its variables `w`, `gating`'s unit (the clamped one with Candle's
+    /// `minimum` and `clamp`).
+    fn composed_expert(x: &Tensor, w: &[Var], form: ExpertForm, gating: Gating) -> Tensor {
+        let product = |w: &Var| x.matmul(&w.t().unwrap()).unwrap();
+        let (gate, up, down_bias) = match form {
+            ExpertForm::Separate => (product(&w[0]), product(&w[1]), None),
+            ExpertForm::Interleaved => {
+                let both = product(&w[0]).broadcast_add(&w[1]).unwrap();
+                let width = both.dim(1).unwrap() / 2;
+                let pairs = both.reshape((x.dim(0).unwrap(), width, 2)).unwrap();
+                let half = |p| pairs.narrow(2, p, 1).unwrap().squeeze(2).unwrap();
+                (half(0), half(1), Some(&w[3]))
+            }
+        };
+        let mid = match gating {
+            Gating::Act(Activation::Silu) => (gate.silu().unwrap() * up).unwrap(),
+            Gating::Act(_) => (gate.gelu().unwrap() * up).unwrap(),
+            Gating::Clamped { alpha, limit } => {
+                let gate = gate.minimum(limit).unwrap();
+                let up = up.clamp(-limit, limit).unwrap();
+                let opened = candle_nn::ops::sigmoid(&gate.affine(alpha, 0.0).unwrap()).unwrap();
+                ((up + 1.0).unwrap() * (gate * opened).unwrap()).unwrap()
+            }
+        };
+        let out = mid.matmul(&w[DOWN].t().unwrap()).unwrap();
+        match down_bias {
+            Some(bias) => out.broadcast_add(bias).unwrap(),
+            None => out,
+        }
     }
 
     /// The experts composed of Candle's ops, each over its rows.
     fn composed(
         h: &Tensor,
-        weights: &[[Var; 3]],
+        weights: &[Vec<Var>],
         rows: &[u32],
         ranges: &[Range<usize>],
-        activation: Activation,
+        form: ExpertForm,
+        gating: Gating,
     ) -> Tensor {
         let outs: Vec<Tensor> = weights
             .iter()
             .zip(ranges)
-            .map(|([wg, wu, wd], range)| {
+            .map(|(w, range)| {
                 let ids = Tensor::new(&rows[range.clone()], h.device()).unwrap();
                 let x = h.index_select(&ids, 0).unwrap();
-                let gate = x.matmul(&wg.t().unwrap()).unwrap();
-                let up = x.matmul(&wu.t().unwrap()).unwrap();
-                let gate = match activation {
-                    Activation::Silu => gate.silu().unwrap(),
-                    _ => gate.gelu().unwrap(),
-                };
-                (gate * up).unwrap().matmul(&wd.t().unwrap()).unwrap()
+                composed_expert(&x, w, form, gating)
             })
             .collect();
         Tensor::cat(&outs, 0).unwrap()
@@ -822,11 +1057,11 @@ mod tests {
     #[allow(clippy::too_many_arguments)]
     fn check_against_composition(
         case: &str,
-        real: &[[Var; 3]],
-        vars: &[[Var; 3]],
+        real: &[Vec<Var>],
+        vars: &[Vec<Var>],
         hook: Arc<dyn GradHook>,
         kept: &dyn Fn(&Var) -> Option<Tensor>,
-        activation: Activation,
+        (form, gating): (ExpertForm, Gating),
         dtype: DType,
         tolerance: f64,
     ) {
@@ -836,13 +1071,9 @@ mod tests {
         let h = Var::from_tensor(&fixed((6, 8), 100, 1.0, dtype)).unwrap();
         let probe = fixed((8, 8), 101, 1.0, dtype);
         let backward = |y: &Tensor| (y * &probe).unwrap().sum_all().unwrap().backward().unwrap();
-        let theirs = composed(&h, real, &rows, &ranges, activation);
+        let theirs = composed(&h, real, &rows, &ranges, form, gating);
         let their_grads = backward(&theirs);
-        let tensors = vars
-            .iter()
-            .map(|ws| ws.each_ref().map(|w| w.as_tensor().clone()))
-            .collect();
-        let experts = ExpertMlps::new(tensors, activation, hook).unwrap();
+        let experts = ExpertMlps::new(tensors(vars), form, gating, hook).unwrap();
         let ids = Tensor::new(&rows, &Device::Cpu).unwrap();
         let ours = experts.forward(&h, &ids, &ranges).unwrap();
         // The hook sees every weight behind the output, in backward order.
@@ -858,7 +1089,7 @@ mod tests {
             "{case}: input gradients differ by {diff:e}"
         );
         for (e, (ws, rs)) in vars.iter().zip(real).enumerate() {
-            for ((w, r), part) in ws.iter().zip(rs).zip(["gate", "up", "down"]) {
+            for (v, (w, r)) in ws.iter().zip(rs).enumerate() {
                 assert!(
                     our_grads.get(w).is_none(),
                     "{case}: the hook's, not Candle's"
@@ -871,34 +1102,49 @@ mod tests {
                 let diff = max_diff(&ours, &theirs);
                 assert!(
                     diff < tolerance,
-                    "{case}: expert {e}'s {part} differs by {diff:e}"
+                    "{case}: expert {e}'s variable {v} differs by {diff:e}"
                 );
             }
         }
     }
 
-    /// The op's output, input gradient and every weight gradient equal
+    /// The forms and units checked: SiLU and GELU over separate
+    /// projections, gpt-oss's clamped unit (a limit some values pass) over
+    /// interleaved ones with biases.
+    const CASES: [(ExpertForm, Gating); 3] = [
+        (ExpertForm::Separate, Gating::Act(Activation::Silu)),
+        (ExpertForm::Separate, Gating::Act(Activation::Gelu)),
+        (
+            ExpertForm::Interleaved,
+            Gating::Clamped {
+                alpha: 1.702,
+                limit: 0.5,
+            },
+        ),
+    ];
+
+    /// The op's output, input gradient and every variable's gradient equal
     /// the composition's, on the CPU's own path (f32) and the tensor ops'
-    /// (f64), SiLU and GELU, with an expert that no row reaches (its
-    /// gradients present and zero).
+    /// (f64), in every form and unit, with an expert that no row reaches
+    /// (its gradients present and zero).
     #[test]
     fn the_op_is_the_composition_of_candles_ops() {
         for (dtype, tolerance) in [(DType::F32, 1e-5), (DType::F64, 1e-12)] {
-            for activation in [Activation::Silu, Activation::Gelu] {
+            for (form, gating) in CASES {
                 // Candle's GELU backward takes its constants to six digits.
-                let tolerance = match activation {
-                    Activation::Gelu => f64::max(tolerance, 1e-5),
+                let tolerance = match gating {
+                    Gating::Act(Activation::Gelu) => f64::max(tolerance, 1e-5),
                     _ => tolerance,
                 };
-                let weights = weights(4, 8, 5, dtype);
+                let weights = weights(4, 8, 5, form, dtype);
                 let collector = Arc::new(GradCollector::new());
                 check_against_composition(
-                    &format!("{dtype:?} {activation:?}"),
+                    &format!("{dtype:?} {form:?} {gating:?}"),
                     &weights,
                     &weights,
                     collector.clone(),
                     &|w| collector.get(w),
-                    activation,
+                    (form, gating),
                     dtype,
                     tolerance,
                 );
@@ -960,13 +1206,19 @@ mod tests {
     #[test]
     fn lent_weights_are_read_whole_and_in_pieces() {
         for (dtype, tolerance) in [(DType::F32, 1e-5), (DType::F64, 1e-12)] {
-            for in_pieces in [false, true] {
-                let real = weights(4, 8, 5, dtype);
-                let zeroed: Vec<[Var; 3]> = real
+            for (in_pieces, (form, gating)) in [
+                (false, CASES[0]),
+                (true, CASES[0]),
+                (false, CASES[2]),
+                (true, CASES[2]),
+            ] {
+                let real = weights(4, 8, 5, form, dtype);
+                let zeroed: Vec<Vec<Var>> = real
                     .iter()
                     .map(|ws| {
-                        ws.each_ref()
+                        ws.iter()
                             .map(|w| Var::zeros(w.shape(), dtype, &Device::Cpu).unwrap())
+                            .collect()
                     })
                     .collect();
                 let values = zeroed
@@ -981,12 +1233,12 @@ mod tests {
                     grads: GradCollector::new(),
                 });
                 check_against_composition(
-                    &format!("{dtype:?}, in pieces: {in_pieces}"),
+                    &format!("{dtype:?} {form:?}, in pieces: {in_pieces}"),
                     &real,
                     &zeroed,
                     hook.clone(),
                     &|w| hook.grads.get(w),
-                    Activation::Silu,
+                    (form, gating),
                     dtype,
                     tolerance,
                 );
@@ -997,13 +1249,10 @@ mod tests {
     /// The record of the weights behind an output goes with the graph.
     #[test]
     fn the_weights_behind_are_forgotten_with_the_graph() {
-        let weights = weights(2, 8, 5, DType::F32);
-        let tensors = weights
-            .iter()
-            .map(|ws| ws.each_ref().map(|w| w.as_tensor().clone()))
-            .collect();
+        let weights = weights(2, 8, 5, ExpertForm::Separate, DType::F32);
         let hook: Arc<dyn GradHook> = Arc::new(GradCollector::new());
-        let experts = ExpertMlps::new(tensors, Activation::Silu, hook).unwrap();
+        let silu = Gating::Act(Activation::Silu);
+        let experts = ExpertMlps::new(tensors(&weights), ExpertForm::Separate, silu, hook).unwrap();
         let h = Var::from_tensor(&fixed((3, 8), 7, 1.0, DType::F32)).unwrap();
         let rows = Tensor::new(&[0u32, 1, 2], &Device::Cpu).unwrap();
         let out = experts.forward(&h, &rows, &[0..2, 2..3]).unwrap();
@@ -1016,11 +1265,9 @@ mod tests {
     #[test]
     fn mismatched_shapes_and_ranges_are_errors() {
         let collector: Arc<dyn GradHook> = Arc::new(GradCollector::new());
-        let mut ws: Vec<[Tensor; 3]> = weights(2, 8, 5, DType::F32)
-            .iter()
-            .map(|ws| ws.each_ref().map(|w| w.as_tensor().clone()))
-            .collect();
-        let experts = ExpertMlps::new(ws.clone(), Activation::Silu, collector.clone()).unwrap();
+        let mut ws = tensors(&weights(2, 8, 5, ExpertForm::Separate, DType::F32));
+        let (form, silu) = (ExpertForm::Separate, Gating::Act(Activation::Silu));
+        let experts = ExpertMlps::new(ws.clone(), form, silu, collector.clone()).unwrap();
         let h = Tensor::zeros((3, 8), DType::F32, &Device::Cpu).unwrap();
         let rows = Tensor::new(&[0u32, 1, 2], &Device::Cpu).unwrap();
         let err = experts.forward(&h, &rows, &[0..1, 1..2, 2..3]).unwrap_err();
@@ -1028,9 +1275,13 @@ mod tests {
         let err = experts.forward(&h, &rows, &[0..1, 2..3]).unwrap_err();
         assert!(err.to_string().contains("one range, in order"), "{err}");
         ws[1][2] = Tensor::zeros((8, 4), DType::F32, &Device::Cpu).unwrap();
-        let err = ExpertMlps::new(ws, Activation::Silu, collector)
+        let err = ExpertMlps::new(ws.clone(), form, silu, collector.clone())
             .err()
             .expect("a narrower down projection");
         assert!(err.to_string().contains("expert 1's"), "{err}");
+        let err = ExpertMlps::new(ws, ExpertForm::Interleaved, silu, collector)
+            .err()
+            .expect("separate projections read as interleaved ones");
+        assert!(err.to_string().contains("Interleaved"), "{err}");
     }
 }

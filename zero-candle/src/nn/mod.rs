@@ -100,7 +100,7 @@ mod storage;
 mod tap;
 
 pub use embedding::{embedding, Embedding};
-pub(crate) use experts::ExpertMlps;
+pub(crate) use experts::{ExpertForm, ExpertMlps};
 pub(crate) use grad_hook::{vars_behind, Behind};
 pub use grad_hook::{GatheredParam, GiveBack, GradCollector, GradHook, Stretch};
 pub use layer_norm::{layer_norm, layer_norm_no_bias, rms_norm, LayerNorm, RmsNorm};

@@ -3,7 +3,8 @@
 
 use super::moe::ClampedSwiglu;
 use super::Projections;
-use crate::nn::{ops, tap, Activation, ExpertMlps, Linear, OnDevice};
+use crate::nn::ops::Gating;
+use crate::nn::{ops, tap, Activation, ExpertForm, ExpertMlps, Linear, OnDevice};
 use candle_core::backend::{BackendDevice, BackendStorage};
 use candle_core::{
     CpuStorage, CudaStorage, CustomOp1, DType, Layout, Module, Shape, Tensor, Var, D,
@@ -25,25 +26,14 @@ impl Mlp {
     fn forward(&self, h: &Tensor) -> candle_core::Result<Tensor> {
         let [gate, up] = self.gate_up.forward(h)?;
         let gated = match (self.clamped, self.activation) {
-            (Some(clamped), _) => clamped.apply(&gate, &up)?,
+            (Some(ClampedSwiglu { alpha, limit }), _) => {
+                ops::clamped_swiglu(&gate, &up, alpha, limit)?
+            }
             (None, Activation::Silu) => ops::swiglu(&gate, &up)?,
             (None, Activation::Gelu) => ops::geglu(&gate, &up)?,
             (None, other) => candle_core::bail!("no gated MLP with {other:?}"),
         };
         self.down.forward(&gated)
-    }
-}
-
-impl ClampedSwiglu {
-    /// `(clamp(up, -limit, limit) + 1) · g · σ(alpha · g)`, `g =
-    /// min(gate, limit)`, of Candle's ops in the inputs' dtype (as
-    /// `transformers` computes it); a value at a bound passes half its
-    /// gradient (Candle's), where torch's clamp passes it whole.
-    fn apply(&self, gate: &Tensor, up: &Tensor) -> candle_core::Result<Tensor> {
-        let gate = gate.minimum(self.limit)?;
-        let up = up.clamp(-self.limit, self.limit)?;
-        let opened = candle_nn::ops::sigmoid(&gate.affine(self.alpha, 0.0)?)?;
-        (up + 1.0)? * (gate * opened)?
     }
 }
 
@@ -155,8 +145,9 @@ impl Experts {
     /// A mixture of `experts`, routed by `router` as `routing` says to
     /// `top_k` of them per token (their weights renormalized when
     /// `normalize`), with a `shared` expert if any. With a hook the experts
-    /// run as one op per layer ([`ExpertMlps`]); without one, or with
-    /// biases, each is its own layers.
+    /// run as one op per layer ([`ExpertMlps`]); without one, or in a form
+    /// the op does not take (biases on separate projections), each is its
+    /// own layers.
     pub(super) fn new(
         (router, routing): (Linear, Routing),
         experts: Vec<Mlp>,
@@ -164,7 +155,9 @@ impl Experts {
         (top_k, normalize, weights_in_model_dtype, router_in_f32): (usize, bool, bool, bool),
     ) -> candle_core::Result<Self> {
         let grouped = match grouped_weights(&experts) {
-            Some((weights, activation, hook)) => Some(ExpertMlps::new(weights, activation, hook)?),
+            Some((weights, form, gating, hook)) => {
+                Some(ExpertMlps::new(weights, form, gating, hook)?)
+            }
             None => None,
         };
         Ok(Self {
@@ -407,30 +400,51 @@ fn logits_in_f32(router: &Linear, h: &Tensor) -> candle_core::Result<Tensor> {
         .matmul(&weight.to_dtype(DType::F32)?.t()?)
 }
 
-/// The experts' `[gate, up, down]` weights, activation and hook, when
-/// they can run as one op: every projection a separate Linear without a
-/// bias, all hooked by one hook.
+/// The experts' variables, form, unit and hook, when they can run as one
+/// op ([`ExpertMlps`]): every projection a Linear hooked by one hook,
+/// either separate without biases or gpt-oss's interleaved pair with
+/// biases on it and on down.
 #[allow(clippy::type_complexity)]
 fn grouped_weights(
     experts: &[Mlp],
-) -> Option<(Vec<[Tensor; 3]>, Activation, Arc<dyn crate::nn::GradHook>)> {
+) -> Option<(
+    Vec<Vec<Tensor>>,
+    ExpertForm,
+    Gating,
+    Arc<dyn crate::nn::GradHook>,
+)> {
     let first = experts.first()?;
     let hook = first.down.hook()?.clone();
+    let form = match first.gate_up {
+        Projections::Separate(_) => ExpertForm::Separate,
+        Projections::Interleaved(_) => ExpertForm::Interleaved,
+        Projections::Fused(..) => return None,
+    };
+    let gating = match first.clamped {
+        Some(ClampedSwiglu { alpha, limit }) => Gating::Clamped { alpha, limit },
+        None => Gating::Act(first.activation),
+    };
     let mut weights = Vec::with_capacity(experts.len());
     for expert in experts {
-        let Projections::Separate([gate, up]) = &expert.gate_up else {
-            return None;
+        let (layers, biased) = match (&expert.gate_up, form) {
+            (Projections::Separate([gate, up]), ExpertForm::Separate) => {
+                (vec![gate, up, &expert.down], false)
+            }
+            (Projections::Interleaved(gate_up), ExpertForm::Interleaved) => {
+                (vec![gate_up, &expert.down], true)
+            }
+            _ => return None,
         };
-        let layers = [gate, up, &expert.down];
-        let plain = layers
-            .iter()
-            .all(|l| l.bias().is_none() && l.hook().is_some_and(|h| Arc::ptr_eq(h, &hook)));
-        if !plain || expert.activation != first.activation || expert.clamped.is_some() {
+        let hooked = layers.iter().all(|l| {
+            l.bias().is_some() == biased && l.hook().is_some_and(|h| Arc::ptr_eq(h, &hook))
+        });
+        if !hooked || expert.activation != first.activation || expert.clamped != first.clamped {
             return None;
         }
-        weights.push(layers.map(|l| l.weight().clone()));
+        let vars = layers.iter().flat_map(|l| [Some(l.weight()), l.bias()]);
+        weights.push(vars.flatten().cloned().collect());
     }
-    Some((weights, first.activation, hook))
+    Some((weights, form, gating, hook))
 }
 
 /// The gradients of the experts' rows (the rows, u32, and their gradient)

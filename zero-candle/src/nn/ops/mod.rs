@@ -17,6 +17,7 @@ mod activation;
 mod activation_kind;
 mod attention;
 mod attention_dims;
+mod clamped;
 mod cross_entropy;
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda;
@@ -38,9 +39,10 @@ pub use attention::{
     sliding_window_attention, softcapped_attention,
 };
 pub use attention_dims::AttentionDims;
+pub use clamped::clamped_swiglu;
+pub(crate) use clamped::Gating;
 pub use cross_entropy::{cross_entropy, cross_entropy_with_ignore};
 pub use rotary::rotary_embedding;
-pub(crate) use swiglu::{gated, gated_cpu, gated_grads, gated_grads_cpu};
 pub use swiglu::{geglu, swiglu};
 
 /// What a cuBLASLt GEMM of a `Linear` wrote (`cuda::linear_forward`).
