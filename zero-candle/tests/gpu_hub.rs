@@ -110,6 +110,7 @@ const LATER: [(&str, &str); 44] = [
     ("llama/granitemoeshared", "granitemoeshared."),
     ("llama/exaonemoe", "exaonemoe."),
     ("llama/gptoss", "gptoss."),
+    ("llama/exaone", "exaone."),
 ];
 
 /// The fixtures: under the current directory when it is the repository's

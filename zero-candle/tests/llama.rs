@@ -122,6 +122,8 @@ fn logits_loss_and_gradients_equal_transformers() {
         ("exaonemoe", 50),
         // Sinks; experts with biases, fused and transposed in the files.
         ("gptoss", 61),
+        // Run as Llama under its own names and keys.
+        ("exaone", 21),
     ];
     for (fixture, variables) in cases {
         let (config, map) = Llama::open_hub(fixtures().join(fixture)).unwrap();
@@ -326,6 +328,7 @@ fn loading_then_saving_reproduces_the_checkpoint_tensor_for_tensor() {
         "granitemoeshared",
         "exaonemoe",
         "gptoss",
+        "exaone",
     ] {
         let dir = fixtures().join(fixture);
         for (stage, world) in [(Stage::Ddp, 1), (Stage::Parameters, 2)] {
@@ -424,6 +427,8 @@ fn one_sgd_step_equals_torch_at_stage_0_and_at_stage_3_on_two_ranks() {
         // Sinks through the hook; its load-balancing loss at one rank (as
         // Mixtral's).
         ("gptoss", Stage::Parameters, 1, 37),
+        // Saved back under its own names.
+        ("exaone", Stage::Parameters, 2, 21),
     ] {
         let out = tempfile::tempdir().unwrap();
         Run::new(stage, world, 1).train(&fixtures().join(fixture), &ids, out.path());
@@ -700,6 +705,7 @@ fn both_config_forms_read_alike_and_llama3_scales_the_low_frequencies() {
         "falconseq",
         "internlm3",
         "iquestcoder",
+        "exaone",
     ] {
         let config = LlamaConfig::from_json(&config_of(fixture)).unwrap();
         let stored: usize = hub_tensors(&fixtures().join(fixture))
@@ -2618,6 +2624,59 @@ fn internlm3_and_iquestcoder_configs_read_as_transformers_reads_them() {
     windowed["sliding_window"] = 4.into();
     let err = LlamaConfig::from_json(&windowed).unwrap_err();
     assert!(err.contains("use_sliding_window"), "{err}");
+}
+
+/// EXAONE 3's config as its released files give it (`num_layers`,
+/// `layer_norm_epsilon`, `activation_function`; the fixture's) and as
+/// `transformers` saves it (Llama's keys), read alike; silent, its
+/// defaults: `rms_norm_eps` 1e-5, 8 key/value heads, rotary base 500,000.
+#[test]
+fn exaone_configs_read_as_transformers_reads_them() {
+    let released = config_of("exaone");
+    let config = LlamaConfig::from_json(&released).unwrap();
+    assert_eq!(
+        (
+            config.num_hidden_layers,
+            config.rms_norm_eps,
+            config.num_key_value_heads
+        ),
+        (2, 1e-5, 2)
+    );
+    let mut saved = released.clone();
+    let object = saved.as_object_mut().unwrap();
+    for (theirs, ours) in [
+        ("num_layers", "num_hidden_layers"),
+        ("layer_norm_epsilon", "rms_norm_eps"),
+        ("activation_function", "hidden_act"),
+    ] {
+        let value = object.remove(theirs).unwrap();
+        object.insert(ours.into(), value);
+    }
+    object.insert(
+        "architectures".into(),
+        serde_json::json!(["LlamaForCausalLM"]),
+    );
+    assert_eq!(LlamaConfig::from_json(&saved).unwrap(), config);
+    // The activation is read from its key (Llama's MLP takes SiLU only).
+    let mut relu = released.clone();
+    relu["activation_function"] = "relu".into();
+    let err = LlamaConfig::from_json(&relu).unwrap_err();
+    assert!(err.contains("\"relu\""), "{err}");
+    let mut silent = config_without(
+        "exaone",
+        &[
+            "layer_norm_epsilon",
+            "num_key_value_heads",
+            "rope_theta",
+            "rope_scaling",
+        ],
+    );
+    // Heads enough for the default's 8 key/value heads.
+    silent["num_attention_heads"] = 16.into();
+    silent["head_dim"] = 2.into();
+    let silent = LlamaConfig::from_json(&silent).unwrap();
+    assert_eq!((silent.rms_norm_eps, silent.num_key_value_heads), (1e-5, 8));
+    assert_eq!(silent.rope.theta, 500_000.0);
 }
 
 /// Granite MoE's configs: its files always fuse the experts, the router by

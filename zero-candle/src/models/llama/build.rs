@@ -109,15 +109,17 @@ impl<'a> Builder<'a> {
         self.config.output_norms.then(|| self.norm(vb)).transpose()
     }
 
-    /// A gated MLP `width` wide under Llama's names, with biases if `bias`.
+    /// A gated MLP `width` wide under the family's names (Llama's but for
+    /// EXAONE 3's), with biases if `bias`.
     fn gated(&self, vb: VarBuilder, width: usize, bias: bool) -> Result<Mlp> {
         let d = self.config.hidden_size;
+        let [gate, up, down] = self.config.layer_names.gated_mlp();
         Ok(Mlp {
             gate_up: Projections::Separate([
-                self.linear_b(vb.pp("gate_proj"), d, width, bias)?,
-                self.linear_b(vb.pp("up_proj"), d, width, bias)?,
+                self.linear_b(vb.pp(gate), d, width, bias)?,
+                self.linear_b(vb.pp(up), d, width, bias)?,
             ]),
-            down: self.linear_b(vb.pp("down_proj"), width, d, bias)?,
+            down: self.linear_b(vb.pp(down), width, d, bias)?,
             activation: self.config.mlp_activation,
             clamped: None,
         })
@@ -428,7 +430,7 @@ impl<'a> Builder<'a> {
                 (true, true) => Some(self.norm(vb.pp(config.norm_names.mlp_input()))?),
                 (true, false) => Some(self.norm(vb.pp(match config.parallel_mlp_norm {
                     true => names.branch_norms()[1],
-                    false => "post_attention_layernorm",
+                    false => names.mlp_norm(),
                 }))?),
             },
             mlp: self.feed_forward(&vb, i)?,

@@ -198,6 +198,9 @@ pub(super) struct Family {
     /// Keys read as others where those are absent (InternLM3's
     /// `qkv_bias` as `attention_bias`).
     pub(super) key_aliases: &'static [(&'static str, &'static str)],
+    /// `num_key_value_heads` where the file does not say (EXAONE 3's 8;
+    /// else every query head's own).
+    pub(super) default_kv_heads: Option<usize>,
     /// DeepSeek-V2's latent attention
     /// ([`super::LatentAttention`]); `Some(true)`: `rope_interleave`
     /// says whether the rotated values are stored as interleaved pairs
@@ -264,6 +267,7 @@ pub(super) const LLAMA: Family = Family {
     latent: None,
     sinks: false,
     key_aliases: &[],
+    default_kv_heads: None,
 };
 
 /// Gemma's settings common to its generations.
@@ -340,7 +344,7 @@ pub(super) const ERNIE: Family = Family {
 };
 
 /// The families read as Llama.
-pub(super) static FAMILIES: [Family; 55] = [
+pub(super) static FAMILIES: [Family; 56] = [
     Family {
         reads_mlp_bias: true,
         ..LLAMA
@@ -907,6 +911,26 @@ pub(super) static FAMILIES: [Family; 55] = [
         windows: Windows::Unsupported,
         ..LLAMA
     },
+    // EXAONE 3 and 3.5: Llama (`transformers` runs them as Llama) under
+    // their own names (`transformer.h.{i}.attn.attention`, `ln_1`, `ln_2`,
+    // `mlp.c_fc_0`, ...) and keys (`num_layers`, `layer_norm_epsilon`,
+    // `activation_function`); rotary base 500,000, `rms_norm_eps` 1e-5 and
+    // 8 key/value heads by default.
+    Family {
+        model_type: "exaone",
+        architectures: ["ExaoneForCausalLM", "LlamaForCausalLM"],
+        names: LayerNames::Exaone,
+        reads_mlp_bias: true,
+        default_rms_eps: 1e-5,
+        default_theta: 500_000.0,
+        default_kv_heads: Some(8),
+        key_aliases: &[
+            ("num_layers", "num_hidden_layers"),
+            ("layer_norm_epsilon", "rms_norm_eps"),
+            ("activation_function", "hidden_act"),
+        ],
+        ..LLAMA
+    },
     // Granite MoE: Granite's multipliers, in every layer a mixture chosen by
     // logit and weighted by the chosen logits' softmax, its experts fused in
     // `input_linear` and `output_linear`.
@@ -1001,7 +1025,7 @@ pub(crate) const LLAMA_TYPES: &str =
      \"nemotron\", \"exaone4\", \"seed_oss\", \"gpt_neox\", \"stablelm\", \"olmo\", \
      \"nanochat\", \"hunyuan_v1_dense\", \"jais2\", \"helium\", \"ministral\", \"cwm\", \
      \"solar_open\", \"ministral3\", \"gptj\", \"falcon\", \"deepseek_v2\", \
-     \"deepseek_v3\", \"glm4_moe_lite\", \"mistral4\", \"internlm3\", \"iquestcoder\", \
+     \"deepseek_v3\", \"glm4_moe_lite\", \"mistral4\", \"internlm3\", \"iquestcoder\", \"exaone\", \
      \"granitemoe\", \"granitemoeshared\", \"exaone_moe\", \"gpt_oss\" and \"mistral3\" (its text \
      model)";
 

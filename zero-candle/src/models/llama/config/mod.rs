@@ -482,7 +482,10 @@ impl LlamaConfig {
             num_attention_heads: heads,
             num_key_value_heads: match latent {
                 Some(_) => heads,
-                None => plain.num_key_value_heads.unwrap_or(heads),
+                None => plain
+                    .num_key_value_heads
+                    .or(family.default_kv_heads)
+                    .unwrap_or(heads),
             },
             head_dim,
             rotary_dim,

@@ -97,6 +97,10 @@ pub enum LayerNames {
     /// `self_attention.query_key_value` and `dense` (and `ln_attn`, `ln_mlp`
     /// where each branch has its norm), `transformer.ln_f`, `lm_head`.
     Falcon,
+    /// EXAONE 3's: `transformer.wte`, `transformer.h.{i}` with `ln_1`,
+    /// `attn.attention.{q,k,v,out}_proj`, `ln_2` and `mlp.c_fc_0` (gate),
+    /// `c_fc_1` (up), `c_proj` (down), `transformer.ln_f`, `lm_head`.
+    Exaone,
 }
 
 impl LayerNames {
@@ -105,7 +109,7 @@ impl LayerNames {
         match self {
             Self::Llama | Self::Phi | Self::StableLm | Self::Hunyuan => "model",
             Self::NeoX => "gpt_neox",
-            Self::GptJ | Self::Falcon => "transformer",
+            Self::GptJ | Self::Falcon | Self::Exaone => "transformer",
         }
     }
 
@@ -113,7 +117,7 @@ impl LayerNames {
     pub(crate) fn embedding(self) -> &'static str {
         match self {
             Self::Llama | Self::Phi | Self::StableLm | Self::Hunyuan => "embed_tokens",
-            Self::GptJ => "wte",
+            Self::GptJ | Self::Exaone => "wte",
             Self::Falcon => "word_embeddings",
             Self::NeoX => "embed_in",
         }
@@ -124,6 +128,7 @@ impl LayerNames {
         match self {
             Self::Llama | Self::Phi | Self::StableLm | Self::Hunyuan => "self_attn",
             Self::GptJ => "attn",
+            Self::Exaone => "attn.attention",
             Self::Falcon => "self_attention",
             Self::NeoX => "attention",
         }
@@ -142,7 +147,7 @@ impl LayerNames {
     /// The blocks, under [`LayerNames::model`] (`{layers}.{i}`).
     pub(crate) fn layers(self) -> &'static str {
         match self {
-            Self::GptJ | Self::Falcon => "h",
+            Self::GptJ | Self::Falcon | Self::Exaone => "h",
             _ => "layers",
         }
     }
@@ -150,8 +155,24 @@ impl LayerNames {
     /// A block's input norm, under its layer.
     pub(crate) fn input_norm(self) -> &'static str {
         match self {
-            Self::GptJ => "ln_1",
+            Self::GptJ | Self::Exaone => "ln_1",
             _ => "input_layernorm",
+        }
+    }
+
+    /// A pre-norm block's norm before its MLP, under its layer.
+    pub(crate) fn mlp_norm(self) -> &'static str {
+        match self {
+            Self::Exaone => "ln_2",
+            _ => "post_attention_layernorm",
+        }
+    }
+
+    /// A gated MLP's gate, up and down projections, under its `mlp`.
+    pub(crate) fn gated_mlp(self) -> [&'static str; 3] {
+        match self {
+            Self::Exaone => ["c_fc_0", "c_fc_1", "c_proj"],
+            _ => ["gate_proj", "up_proj", "down_proj"],
         }
     }
 
@@ -167,7 +188,12 @@ impl LayerNames {
     /// The query, key and value projections in one, under the attention.
     pub(crate) fn fused_qkv(self) -> &'static str {
         match self {
-            Self::Llama | Self::Phi | Self::StableLm | Self::Hunyuan | Self::GptJ => "qkv_proj",
+            Self::Llama
+            | Self::Phi
+            | Self::StableLm
+            | Self::Hunyuan
+            | Self::GptJ
+            | Self::Exaone => "qkv_proj",
             Self::NeoX | Self::Falcon => "query_key_value",
         }
     }
@@ -177,14 +203,16 @@ impl LayerNames {
         match self {
             Self::Llama | Self::StableLm | Self::Hunyuan => "o_proj",
             Self::Phi | Self::NeoX | Self::Falcon => "dense",
-            Self::GptJ => "out_proj",
+            Self::GptJ | Self::Exaone => "out_proj",
         }
     }
 
     /// The query and the key norm, under the attention.
     pub(crate) fn qk_norms(self) -> [&'static str; 2] {
         match self {
-            Self::Llama | Self::NeoX | Self::GptJ | Self::Falcon => ["q_norm", "k_norm"],
+            Self::Llama | Self::NeoX | Self::GptJ | Self::Falcon | Self::Exaone => {
+                ["q_norm", "k_norm"]
+            }
             Self::Phi | Self::StableLm => ["q_layernorm", "k_layernorm"],
             Self::Hunyuan => ["query_layernorm", "key_layernorm"],
         }
@@ -202,7 +230,7 @@ impl LayerNames {
             Self::Llama | Self::StableLm | Self::Hunyuan => "norm",
             Self::Phi => "final_layernorm",
             Self::NeoX => "final_layer_norm",
-            Self::GptJ | Self::Falcon => "ln_f",
+            Self::GptJ | Self::Falcon | Self::Exaone => "ln_f",
         }
     }
 
@@ -214,7 +242,8 @@ impl LayerNames {
             | Self::StableLm
             | Self::Hunyuan
             | Self::GptJ
-            | Self::Falcon => "lm_head",
+            | Self::Falcon
+            | Self::Exaone => "lm_head",
             Self::NeoX => "embed_out",
         }
     }
