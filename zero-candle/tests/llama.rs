@@ -2657,11 +2657,12 @@ fn exaone_configs_read_as_transformers_reads_them() {
         serde_json::json!(["LlamaForCausalLM"]),
     );
     assert_eq!(LlamaConfig::from_json(&saved).unwrap(), config);
-    // The activation is read from its key (Llama's MLP takes SiLU only).
+    // The activation is read from its key (Llama's MLP takes SiLU only),
+    // an error naming the key the file gave.
     let mut relu = released.clone();
     relu["activation_function"] = "relu".into();
     let err = LlamaConfig::from_json(&relu).unwrap_err();
-    assert!(err.contains("\"relu\""), "{err}");
+    assert!(err.contains("`activation_function` is \"relu\""), "{err}");
     let mut silent = config_without(
         "exaone",
         &[

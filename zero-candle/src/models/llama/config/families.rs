@@ -196,7 +196,8 @@ pub(super) struct Family {
     /// The MLP is a mixture of experts.
     pub(super) moe: Option<MoeFamily>,
     /// Keys read as others where those are absent (InternLM3's
-    /// `qkv_bias` as `attention_bias`).
+    /// `qkv_bias` as `attention_bias`, EXAONE 3's `num_layers` as
+    /// `num_hidden_layers`); errors name the key the file gave.
     pub(super) key_aliases: &'static [(&'static str, &'static str)],
     /// `num_key_value_heads` where the file does not say (EXAONE 3's 8;
     /// else every query head's own).

@@ -15,7 +15,7 @@ use super::moe::{expert_size_of, moe_of, MoeConfig};
 use crate::hub::HubDir;
 use crate::models::rope::Rope;
 use crate::nn::Activation;
-use families::{Gemma, FAMILIES};
+use families::{Family, Gemma, FAMILIES};
 use keys::{
     falcon_keys, gptj_keys, mlp_activation, neox_rotary_keys, ntk_alpha_as_theta,
     refuse_gemma_settings, rotated_layers, sliding_window_of, typed_ropes, with_default_rope,
@@ -302,8 +302,8 @@ impl LlamaConfig {
     /// Nemotron, EXAONE 4, Seed-OSS, GPT-NeoX, StableLM, OLMo, NanoChat, Hunyuan, Jais 2,
     /// Helium, Ministral, CWM, Solar Open, Ministral 3, GPT-J, Falcon,
     /// DeepSeek-V2, DeepSeek-V3, GLM-4.7-Flash (`glm4_moe_lite`), Mistral 4,
-    /// InternLM3, IQuest-Coder, Granite MoE (`granitemoe`,
-    /// `granitemoeshared`) or EXAONE MoE model
+    /// InternLM3, IQuest-Coder, EXAONE 3, Granite MoE (`granitemoe`,
+    /// `granitemoeshared`), EXAONE MoE or gpt-oss model
     /// (by `model_type`; Llama without one): an error names the key whose value this model
     /// cannot honour (another architecture, MLP biases, another
     /// activation, a rotary scaling it does not implement, bidirectional
@@ -323,20 +323,34 @@ impl LlamaConfig {
                 "`model_type` is {kind:?}; this model reads {LLAMA_TYPES}"
             ));
         };
-        // A family's aliases, and its own keys rewritten as the ones read
-        // below.
-        let aliased;
-        let config = match family.key_aliases {
-            [] => config,
+        // A family's aliases, read as the keys they stand for; an error
+        // names the key the file gave.
+        match family.key_aliases {
+            [] => Self::of_family(config, family, kind),
             aliases => {
                 let mut renamed = config.clone();
                 if let Some(object) = renamed.as_object_mut() {
                     keys::rename_keys(object, aliases);
                 }
-                aliased = renamed;
-                &aliased
+                Self::of_family(&renamed, family, kind).map_err(|mut err| {
+                    for (theirs, ours) in aliases {
+                        if config.get(theirs).is_some() {
+                            err = err.replace(&format!("`{ours}`"), &format!("`{theirs}`"));
+                        }
+                    }
+                    err
+                })
             }
-        };
+        }
+    }
+
+    /// [`LlamaConfig::from_json`] for `family`'s `config` (of `model_type`
+    /// `kind`), its aliases read.
+    fn of_family(
+        config: &serde_json::Value,
+        family: &'static Family,
+        kind: &str,
+    ) -> std::result::Result<Self, String> {
         let mut falcon = None;
         let rewritten = if family.falcon {
             let (keys, switches) = falcon_keys(config)?;
