@@ -327,6 +327,19 @@ mod tests {
                 .unwrap();
             assert_eq!(max_diff(&dgate, grads.get(&g).unwrap()), 0.0);
             assert_eq!(max_diff(&dup, grads.get(&u).unwrap()), 0.0);
+            // So are those of Candle's ops that other devices take (in the
+            // inputs' dtype: bf16's rounded more often).
+            let (dgate, dup) = op.composed_grads(&g, &u, &probe).unwrap();
+            let diff = max_diff(&dgate, grads.get(&g).unwrap());
+            assert!(
+                diff < 2.0 * tolerance,
+                "{dtype:?}: composed ∂gate differs by {diff:e}"
+            );
+            let diff = max_diff(&dup, grads.get(&u).unwrap());
+            assert!(
+                diff < 2.0 * tolerance,
+                "{dtype:?}: composed ∂up differs by {diff:e}"
+            );
         }
     }
 
