@@ -111,6 +111,7 @@ const LATER: [(&str, &str); 44] = [
     ("llama/exaonemoe", "exaonemoe."),
     ("llama/gptoss", "gptoss."),
     ("llama/exaone", "exaone."),
+    ("llama/hunyuanmoe", "hunyuanmoe."),
 ];
 
 /// The fixtures: under the current directory when it is the repository's

@@ -124,6 +124,8 @@ fn logits_loss_and_gradients_equal_transformers() {
         ("gptoss", 61),
         // Run as Llama under its own names and keys.
         ("exaone", 21),
+        // A router of its own name beside a shared MLP.
+        ("hunyuanmoe", 51),
     ];
     for (fixture, variables) in cases {
         let (config, map) = Llama::open_hub(fixtures().join(fixture)).unwrap();
@@ -161,6 +163,7 @@ fn logits_loss_and_gradients_equal_transformers() {
                 | "exaonemoe"
                 | "nanochat"
                 | "hunyuan"
+                | "hunyuanmoe"
         );
         let whole = matches!(
             fixture,
@@ -329,6 +332,7 @@ fn loading_then_saving_reproduces_the_checkpoint_tensor_for_tensor() {
         "exaonemoe",
         "gptoss",
         "exaone",
+        "hunyuanmoe",
     ] {
         let dir = fixtures().join(fixture);
         for (stage, world) in [(Stage::Ddp, 1), (Stage::Parameters, 2)] {
@@ -429,6 +433,7 @@ fn one_sgd_step_equals_torch_at_stage_0_and_at_stage_3_on_two_ranks() {
         ("gptoss", Stage::Parameters, 1, 37),
         // Saved back under its own names.
         ("exaone", Stage::Parameters, 2, 21),
+        ("hunyuanmoe", Stage::Parameters, 2, 51),
     ] {
         let out = tempfile::tempdir().unwrap();
         Run::new(stage, world, 1).train(&fixtures().join(fixture), &ids, out.path());
@@ -2680,6 +2685,30 @@ fn exaone_configs_read_as_transformers_reads_them() {
     assert_eq!(silent.rope.theta, 500_000.0);
 }
 
+/// Hunyuan MoE's configs: `moe_topk` a number or one per layer (refused
+/// where the layers differ), experts and the shared MLP of
+/// `intermediate_size`, no load-balancing loss whatever
+/// `output_router_logits` says (as `transformers` adds none).
+#[test]
+fn hunyuan_moe_configs_read_as_transformers_reads_them() {
+    let config = LlamaConfig::from_json(&config_of("hunyuanmoe")).unwrap();
+    let moe = config.moe.clone().unwrap();
+    assert_eq!(
+        (moe.num_experts, moe.experts_per_token, moe.expert_size),
+        (4, 2, 48)
+    );
+    assert_eq!(moe.shared_expert_size, Some(48));
+    assert!(moe.normalize && moe.router_in_f32);
+    let mut per_layer = config_of("hunyuanmoe");
+    per_layer["moe_topk"] = serde_json::json!([2, 2]);
+    per_layer["output_router_logits"] = true.into();
+    let parsed = LlamaConfig::from_json(&per_layer).unwrap().moe.unwrap();
+    assert_eq!((parsed.experts_per_token, parsed.aux_loss_coef), (2, None));
+    per_layer["moe_topk"] = serde_json::json!([2, 3]);
+    let err = LlamaConfig::from_json(&per_layer).unwrap_err();
+    assert!(err.contains("differ by layer"), "{err}");
+}
+
 /// Granite MoE's configs: its files always fuse the experts, the router by
 /// logit, the load-balancing loss's default weight, and the shared MLP
 /// only where `granitemoeshared` gives it a width.
@@ -2883,7 +2912,7 @@ fn a_silent_setting_is_transformers_default_in_every_fixture() {
         }
         // A mixture's settings, each under whichever name its file uses.
         let mixture_keys: [(&[&str], MoeSetting); 4] = [
-            (&["num_experts_per_tok", "moe_k"], |m| {
+            (&["num_experts_per_tok", "moe_k", "moe_topk"], |m| {
                 m.experts_per_token as f64
             }),
             (&["moe_intermediate_size"], |m| m.expert_size as f64),

@@ -245,6 +245,9 @@ impl<'a> Builder<'a> {
                     None,
                 ))
             }
+            Some(width) if moe.style == MoeStyle::Hunyuan => {
+                Some((self.dense(mlp.pp("shared_mlp"), width)?, None))
+            }
             Some(width) if moe.style.ungated_shared_experts() => {
                 Some((self.dense(mlp.pp("shared_experts"), width)?, None))
             }

@@ -50,7 +50,8 @@
 //! (`NanoChatForCausalLM`: RMS norms without parameters, the embeddings'
 //! too, squared ReLU, rotation by the negative angles, capped logits).
 //! Hunyuan (`HunYuanDenseV1ForCausalLM`: norms of the rotated query and key
-//! heads, NTK's `alpha`). Jais 2 (`Jais2ForCausalLM`: Nemotron's MLP, biased
+//! heads, NTK's `alpha`; `HunYuanMoEV1ForCausalLM`: a mixture beside a shared
+//! MLP in every layer). Jais 2 (`Jais2ForCausalLM`: Nemotron's MLP, biased
 //! LayerNorms and projections) and Helium (`HeliumForCausalLM`: interleaved
 //! rotary pairs). Ministral and CWM (`MinistralForCausalLM`,
 //! `CwmForCausalLM`: windows in the layers `layer_types` names). Solar Open
@@ -64,10 +65,12 @@
 //! DeepSeek-V2 and V3 (`DeepseekV2ForCausalLM`, `DeepseekV3ForCausalLM`),
 //! GLM-4.7-Flash (`Glm4MoeLiteForCausalLM`) and Mistral 4
 //! (`Mistral4ForCausalLM`): multi-head latent attention
-//! ([`LatentAttention`]) and their mixtures. InternLM3 and IQuest-Coder
-//! (which `transformers` runs as Llama), and Granite MoE
-//! (`GraniteMoeForCausalLM`: Granite's multipliers, a mixture whose experts
-//! its files fuse).
+//! ([`LatentAttention`]) and their mixtures. InternLM3, IQuest-Coder and
+//! EXAONE 3 (which `transformers` runs as Llama; EXAONE 3 under its files'
+//! names, [`LayerNames::Exaone`]), Granite MoE (`GraniteMoeForCausalLM`:
+//! Granite's multipliers, a mixture whose experts its files fuse), EXAONE
+//! MoE and gpt-oss (`GptOssForCausalLM`: attention sinks, experts with
+//! biases and a clamped SwiGLU).
 //!
 //! The variables carry the hub's names (`model.embed_tokens.weight`,
 //! `model.layers.{i}.self_attn.q_proj.weight`, ..., `model.norm.weight`,

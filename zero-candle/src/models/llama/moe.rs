@@ -164,6 +164,10 @@ pub enum MoeStyle {
     /// `mlp.moe_statics.e_score_correction_bias` (`[1, num_experts]`),
     /// shared experts without a gate as GLM-4.5's.
     Ernie,
+    /// Hunyuan MoE's: the router `mlp.gate.wg` (its logits in f32), Qwen's
+    /// names for the experts, a shared MLP of `intermediate_size` without a
+    /// gate (`mlp.shared_mlp`); the outputs scaled in f32.
+    Hunyuan,
 }
 
 impl MoeStyle {
@@ -172,9 +176,13 @@ impl MoeStyle {
     pub(super) fn prefix(self) -> &'static str {
         match self {
             Self::Mixtral | Self::MiniMax | Self::Granite => "block_sparse_moe",
-            Self::Qwen | Self::Glm | Self::DeepSeek | Self::Exaone | Self::Ernie | Self::GptOss => {
-                "mlp"
-            }
+            Self::Qwen
+            | Self::Glm
+            | Self::DeepSeek
+            | Self::Exaone
+            | Self::Ernie
+            | Self::GptOss
+            | Self::Hunyuan => "mlp",
         }
     }
 
@@ -192,6 +200,7 @@ impl MoeStyle {
         match self {
             Self::Granite => "router.layer",
             Self::GptOss => "router",
+            Self::Hunyuan => "gate.wg",
             _ => "gate",
         }
     }
@@ -636,6 +645,21 @@ pub(super) const ERNIE4_5_MOE: MoeFamily = MoeFamily {
     router_in_f32: true,
 };
 
+/// Hunyuan MoE's mixture (`hunyuan_v1_moe`): in every layer experts of
+/// `intermediate_size` (`transformers`' defaults: 1 of them, 1 per token),
+/// chosen by softmax, normalized, beside a shared MLP as wide; no
+/// load-balancing loss.
+pub(super) const HUNYUAN_MOE: MoeFamily = MoeFamily {
+    style: MoeStyle::Hunyuan,
+    num_experts: 1,
+    experts_per_token: 1,
+    expert_size: None,
+    normalize: Normalize::Always,
+    aux_loss_coef: 0.0,
+    router_in_f32: true,
+    ..MINIMAX_M2_MOE
+};
+
 /// The keys of `config.json` that describe a mixture, read as they are.
 #[derive(Deserialize)]
 struct MoeKeys {
@@ -649,7 +673,13 @@ struct MoeKeys {
         alias = "moe_num_experts"
     )]
     num_experts: Option<usize>,
-    #[serde(default, alias = "moe_k")]
+    /// Hunyuan's `moe_topk` is a number or one per layer (all equal here).
+    #[serde(
+        default,
+        alias = "moe_k",
+        alias = "moe_topk",
+        deserialize_with = "one_or_same"
+    )]
     num_experts_per_tok: Option<usize>,
     #[serde(default)]
     moe_intermediate_size: Option<usize>,
@@ -702,6 +732,30 @@ struct MoeKeys {
     swiglu_limit: Option<f64>,
 }
 
+/// A number, or a list of one number per layer that are all the same (a
+/// number per layer that differs is refused).
+fn one_or_same<'de, D: serde::Deserializer<'de>>(
+    deserializer: D,
+) -> std::result::Result<Option<usize>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum OneOrMany {
+        One(usize),
+        Many(Vec<usize>),
+    }
+    match Option::<OneOrMany>::deserialize(deserializer)? {
+        None => Ok(None),
+        Some(OneOrMany::One(n)) => Ok(Some(n)),
+        Some(OneOrMany::Many(list)) => match list.split_first() {
+            Some((&first, rest)) if rest.iter().all(|&n| n == first) => Ok(Some(first)),
+            _ => Err(serde::de::Error::custom(format!(
+                "experts per token {list:?} differ by layer (or none is given); this model \
+                 chooses as many in every layer: give one number"
+            ))),
+        },
+    }
+}
+
 /// The mixture of experts `config` describes, `family`'s defaults where it
 /// is silent.
 pub(super) fn moe_of(
@@ -713,6 +767,7 @@ pub(super) fn moe_of(
     let glm = matches!(family.style, MoeStyle::Glm | MoeStyle::Exaone);
     let deepseek = family.style == MoeStyle::DeepSeek;
     let ernie = family.style == MoeStyle::Ernie;
+    let hunyuan = family.style == MoeStyle::Hunyuan;
     let layers = match family.sparse_layers {
         false if family.layer_types && plain.mlp_layer_types.is_some() => {
             let types = plain.mlp_layer_types.as_deref().unwrap_or_default();
@@ -791,6 +846,12 @@ pub(super) fn moe_of(
             let shared = plain.n_shared_experts.unwrap_or(family.shared_experts);
             Some(expert_size * shared).filter(|&s| s > 0)
         }
+        // Hunyuan's shared MLP is as wide as the dense one.
+        false if hunyuan => Some(
+            plain
+                .intermediate_size
+                .ok_or("missing field `intermediate_size` (the MLP's width): use the config.json the checkpoint came with")?,
+        ),
         // Granite's shared MLP, where its family has one.
         false if family.style == MoeStyle::Granite => family
             .shared_expert_size
@@ -813,9 +874,9 @@ pub(super) fn moe_of(
         },
         shared_expert_size,
         layers,
-        // transformers adds no load-balancing loss to GLM-4.5's or
-        // DeepSeek's.
-        aux_loss_coef: (plain.output_router_logits && !glm && !deepseek)
+        // transformers adds no load-balancing loss to GLM-4.5's,
+        // DeepSeek's or Hunyuan's.
+        aux_loss_coef: (plain.output_router_logits && !glm && !deepseek && !hunyuan)
             .then(|| plain.router_aux_loss_coef.unwrap_or(family.aux_loss_coef)),
         style: family.style,
         routing: match family.style {
@@ -868,7 +929,7 @@ pub(super) fn moe_of(
             MoeStyle::Ernie => MoeRouting::BiasedSoftmax {
                 min_sum: plain.moe_norm_min.unwrap_or(1e-12),
             },
-            MoeStyle::Mixtral | MoeStyle::Qwen => MoeRouting::Softmax,
+            MoeStyle::Mixtral | MoeStyle::Qwen | MoeStyle::Hunyuan => MoeRouting::Softmax,
             MoeStyle::Granite | MoeStyle::GptOss => MoeRouting::TopKSoftmax,
         },
         router_in_f32: family.router_in_f32,

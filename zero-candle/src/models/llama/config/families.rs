@@ -3,7 +3,7 @@
 use super::super::moe::{
     MoeFamily, MoeStyle, Normalize, DEEPSEEK_V2_MOE, DEEPSEEK_V3_MOE, DOTS1_MOE, ERNIE4_5_MOE,
     EXAONE_MOE, GLM4_MOE, GLM4_MOE_LITE_MOE, GPT_OSS_MOE, GRANITE_MOE, GRANITE_MOE_SHARED,
-    MINIMAX_M2_MOE, MISTRAL4_MOE, OLMOE_MOE, QWEN2_MOE, SOLAR_OPEN_MOE,
+    HUNYUAN_MOE, MINIMAX_M2_MOE, MISTRAL4_MOE, OLMOE_MOE, QWEN2_MOE, SOLAR_OPEN_MOE,
 };
 use super::{LayerNames, NormNames, QkNorm, UngatedMlp};
 use crate::models::rope::RopeDialect;
@@ -345,7 +345,7 @@ pub(super) const ERNIE: Family = Family {
 };
 
 /// The families read as Llama.
-pub(super) static FAMILIES: [Family; 56] = [
+pub(super) static FAMILIES: [Family; 57] = [
     Family {
         reads_mlp_bias: true,
         ..LLAMA
@@ -722,6 +722,18 @@ pub(super) static FAMILIES: [Family; 56] = [
         names: LayerNames::Hunyuan,
         ..LLAMA
     },
+    // Hunyuan MoE: Hunyuan's attention; in every layer a mixture of
+    // experts (`mlp.gate.wg`, softmax, normalized) beside a shared MLP.
+    Family {
+        model_type: "hunyuan_v1_moe",
+        default_rms_eps: 1e-5,
+        architectures: ["HunYuanMoEV1ForCausalLM", "HunYuanMoEV1Model"],
+        qk_norm: Some(QkNorm::PerHead),
+        hunyuan: true,
+        names: LayerNames::Hunyuan,
+        moe: Some(HUNYUAN_MOE),
+        ..LLAMA
+    },
     // Jais 2: biased LayerNorms, biases on every projection by default
     // (`attention_bias`, `mlp_bias`), an MLP without a gate (squared ReLU).
     Family {
@@ -1024,7 +1036,7 @@ pub(crate) const LLAMA_TYPES: &str =
      \"glm4_moe\", \"minimax_m2\", \"glm\", \"glm4\", \"cohere\", \"cohere2\", \
      \"ernie4_5\", \"ernie4_5_moe\", \"dots1\", \"starcoder2\", \"phi\", \"arcee\", \
      \"nemotron\", \"exaone4\", \"seed_oss\", \"gpt_neox\", \"stablelm\", \"olmo\", \
-     \"nanochat\", \"hunyuan_v1_dense\", \"jais2\", \"helium\", \"ministral\", \"cwm\", \
+     \"nanochat\", \"hunyuan_v1_dense\", \"hunyuan_v1_moe\", \"jais2\", \"helium\", \"ministral\", \"cwm\", \
      \"solar_open\", \"ministral3\", \"gptj\", \"falcon\", \"deepseek_v2\", \
      \"deepseek_v3\", \"glm4_moe_lite\", \"mistral4\", \"internlm3\", \"iquestcoder\", \"exaone\", \
      \"granitemoe\", \"granitemoeshared\", \"exaone_moe\", \"gpt_oss\" and \"mistral3\" (its text \

@@ -299,7 +299,8 @@ impl LlamaConfig {
     /// Qwen3-MoE, OLMoE, FlexOlmo, GLM-4.5 (`glm4_moe`), MiniMax-M2, GLM-4
     /// (`glm`, `glm4`), Cohere (`cohere`, `cohere2`), ERNIE 4.5
     /// (`ernie4_5`, `ernie4_5_moe`), dots.llm1 (`dots1`), Starcoder2, Phi, Arcee,
-    /// Nemotron, EXAONE 4, Seed-OSS, GPT-NeoX, StableLM, OLMo, NanoChat, Hunyuan, Jais 2,
+    /// Nemotron, EXAONE 4, Seed-OSS, GPT-NeoX, StableLM, OLMo, NanoChat, Hunyuan (dense
+    /// and MoE), Jais 2,
     /// Helium, Ministral, CWM, Solar Open, Ministral 3, GPT-J, Falcon,
     /// DeepSeek-V2, DeepSeek-V3, GLM-4.7-Flash (`glm4_moe_lite`), Mistral 4,
     /// InternLM3, IQuest-Coder, EXAONE 3, Granite MoE (`granitemoe`,
