@@ -112,6 +112,7 @@ const LATER: [(&str, &str); 44] = [
     ("llama/gptoss", "gptoss."),
     ("llama/exaone", "exaone."),
     ("llama/hunyuanmoe", "hunyuanmoe."),
+    ("llama/sarvammoe", "sarvammoe."),
 ];
 
 /// The fixtures: under the current directory when it is the repository's

@@ -126,6 +126,8 @@ fn logits_loss_and_gradients_equal_transformers() {
         ("exaone", 21),
         // A router of its own name beside a shared MLP.
         ("hunyuanmoe", 51),
+        // GLM-4.5's under its own names, q, k and v fused.
+        ("sarvammoe", 48),
     ];
     for (fixture, variables) in cases {
         let (config, map) = Llama::open_hub(fixtures().join(fixture)).unwrap();
@@ -164,6 +166,7 @@ fn logits_loss_and_gradients_equal_transformers() {
                 | "nanochat"
                 | "hunyuan"
                 | "hunyuanmoe"
+                | "sarvammoe"
         );
         let whole = matches!(
             fixture,
@@ -172,7 +175,9 @@ fn logits_loss_and_gradients_equal_transformers() {
         assert_eq!(config.qk_norm.is_some(), per_head || whole);
         assert_eq!(
             config.fused_qkv,
-            fixture.starts_with("phi3") || fixture.starts_with("falcon") || fixture == "gptneox"
+            fixture.starts_with("phi3")
+                || fixture.starts_with("falcon")
+                || matches!(fixture, "gptneox" | "sarvammoe")
         );
         assert_eq!(
             config.fused_gate_up,
@@ -333,6 +338,7 @@ fn loading_then_saving_reproduces_the_checkpoint_tensor_for_tensor() {
         "gptoss",
         "exaone",
         "hunyuanmoe",
+        "sarvammoe",
     ] {
         let dir = fixtures().join(fixture);
         for (stage, world) in [(Stage::Ddp, 1), (Stage::Parameters, 2)] {
@@ -434,6 +440,8 @@ fn one_sgd_step_equals_torch_at_stage_0_and_at_stage_3_on_two_ranks() {
         // Saved back under its own names.
         ("exaone", Stage::Parameters, 2, 21),
         ("hunyuanmoe", Stage::Parameters, 2, 51),
+        // The routing bias saved back as it was read, under its own name.
+        ("sarvammoe", Stage::Parameters, 2, 49),
     ] {
         let out = tempfile::tempdir().unwrap();
         Run::new(stage, world, 1).train(&fixtures().join(fixture), &ids, out.path());
@@ -2707,6 +2715,39 @@ fn hunyuan_moe_configs_read_as_transformers_reads_them() {
     per_layer["moe_topk"] = serde_json::json!([2, 3]);
     let err = LlamaConfig::from_json(&per_layer).unwrap_err();
     assert!(err.contains("differ by layer"), "{err}");
+}
+
+/// Sarvam MoE's configs: its released keys (`num_experts`,
+/// `num_shared_experts`, `use_qkv_bias`) read as GLM-4.5's, the head norms
+/// on unless `use_qk_norm` is false, the whole head rotating and a base of
+/// 8,000,000 by default.
+#[test]
+fn sarvam_moe_configs_read_as_transformers_reads_them() {
+    let saved = LlamaConfig::from_json(&config_of("sarvammoe")).unwrap();
+    let mut released = config_without(
+        "sarvammoe",
+        &[
+            "n_routed_experts",
+            "n_shared_experts",
+            "attention_bias",
+            "use_qk_norm",
+            "rope_parameters",
+        ],
+    );
+    released["num_experts"] = 8.into();
+    released["num_shared_experts"] = 2.into();
+    released["use_qkv_bias"] = true.into();
+    let parsed = LlamaConfig::from_json(&released).unwrap();
+    assert_eq!(parsed.moe, saved.moe);
+    assert!(parsed.qkv_bias && !parsed.o_bias);
+    assert_eq!(
+        parsed.qk_norm,
+        Some(zero_candle::models::QkNorm::PerHead),
+        "on by default"
+    );
+    assert_eq!((parsed.rotary_dim, parsed.rope.theta), (16, 8_000_000.0));
+    released["use_qk_norm"] = false.into();
+    assert_eq!(LlamaConfig::from_json(&released).unwrap().qk_norm, None);
 }
 
 /// Granite MoE's configs: its files always fuse the experts, the router by

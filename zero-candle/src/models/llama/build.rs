@@ -197,7 +197,10 @@ impl<'a> Builder<'a> {
                 top_groups,
                 scale,
                 // transformers divides GLM-4.5's sums plus 1e-20.
-                epsilon: if matches!(moe.style, MoeStyle::Glm | MoeStyle::Exaone) {
+                epsilon: if matches!(
+                    moe.style,
+                    MoeStyle::Glm | MoeStyle::Exaone | MoeStyle::Sarvam
+                ) {
                     1e-20
                 } else {
                     0.0

@@ -51,7 +51,8 @@
 //! too, squared ReLU, rotation by the negative angles, capped logits).
 //! Hunyuan (`HunYuanDenseV1ForCausalLM`: norms of the rotated query and key
 //! heads, NTK's `alpha`; `HunYuanMoEV1ForCausalLM`: a mixture beside a shared
-//! MLP in every layer). Jais 2 (`Jais2ForCausalLM`: Nemotron's MLP, biased
+//! MLP in every layer). Sarvam MoE (`sarvam_moe`: GLM-4.5's model under its
+//! files' names, [`LayerNames::Sarvam`]). Jais 2 (`Jais2ForCausalLM`: Nemotron's MLP, biased
 //! LayerNorms and projections) and Helium (`HeliumForCausalLM`: interleaved
 //! rotary pairs). Ministral and CWM (`MinistralForCausalLM`,
 //! `CwmForCausalLM`: windows in the layers `layer_types` names). Solar Open

@@ -164,6 +164,8 @@ pub enum MoeStyle {
     /// `mlp.moe_statics.e_score_correction_bias` (`[1, num_experts]`),
     /// shared experts without a gate as GLM-4.5's.
     Ernie,
+    /// Sarvam MoE's: GLM-4.5's, the routing bias `mlp.gate.expert_bias`.
+    Sarvam,
     /// Hunyuan MoE's: the router `mlp.gate.wg` (its logits in f32), Qwen's
     /// names for the experts, a shared MLP of `intermediate_size` without a
     /// gate (`mlp.shared_mlp`); the outputs scaled in f32.
@@ -182,7 +184,8 @@ impl MoeStyle {
             | Self::Exaone
             | Self::Ernie
             | Self::GptOss
-            | Self::Hunyuan => "mlp",
+            | Self::Hunyuan
+            | Self::Sarvam => "mlp",
         }
     }
 
@@ -191,6 +194,7 @@ impl MoeStyle {
         match self {
             Self::MiniMax | Self::Exaone => "e_score_correction_bias",
             Self::Ernie => "moe_statics.e_score_correction_bias",
+            Self::Sarvam => "gate.expert_bias",
             _ => "gate.e_score_correction_bias",
         }
     }
@@ -247,7 +251,7 @@ impl MoeStyle {
     pub(super) fn ungated_shared_experts(self) -> bool {
         matches!(
             self,
-            Self::Glm | Self::DeepSeek | Self::Exaone | Self::Ernie
+            Self::Glm | Self::DeepSeek | Self::Exaone | Self::Ernie | Self::Sarvam
         )
     }
 }
@@ -645,6 +649,18 @@ pub(super) const ERNIE4_5_MOE: MoeFamily = MoeFamily {
     router_in_f32: true,
 };
 
+/// Sarvam MoE's mixture (`sarvam_moe`): GLM-4.5's, its bias under its own
+/// name; 128 experts of 1024, 6 per token, times 2.5, the first layer
+/// dense.
+pub(super) const SARVAM_MOE: MoeFamily = MoeFamily {
+    style: MoeStyle::Sarvam,
+    num_experts: 128,
+    experts_per_token: 6,
+    expert_size: Some(1024),
+    scale: 2.5,
+    ..GLM4_MOE
+};
+
 /// Hunyuan MoE's mixture (`hunyuan_v1_moe`): in every layer experts of
 /// `intermediate_size` (`transformers`' defaults: 1 of them, 1 per token),
 /// chosen by softmax, normalized, beside a shared MLP as wide; no
@@ -764,7 +780,10 @@ pub(super) fn moe_of(
 ) -> std::result::Result<MoeConfig, String> {
     let plain = MoeKeys::deserialize(config).map_err(|e| format!("{e}"))?;
     let n = plain.num_hidden_layers;
-    let glm = matches!(family.style, MoeStyle::Glm | MoeStyle::Exaone);
+    let glm = matches!(
+        family.style,
+        MoeStyle::Glm | MoeStyle::Exaone | MoeStyle::Sarvam
+    );
     let deepseek = family.style == MoeStyle::DeepSeek;
     let ernie = family.style == MoeStyle::Ernie;
     let hunyuan = family.style == MoeStyle::Hunyuan;
@@ -880,11 +899,13 @@ pub(super) fn moe_of(
             .then(|| plain.router_aux_loss_coef.unwrap_or(family.aux_loss_coef)),
         style: family.style,
         routing: match family.style {
-            MoeStyle::Glm | MoeStyle::Exaone | MoeStyle::MiniMax => MoeRouting::Sigmoid {
-                groups: plain.n_group.unwrap_or(family.groups.0),
-                top_groups: plain.topk_group.unwrap_or(family.groups.1),
-                scale: plain.routed_scaling_factor.unwrap_or(family.scale),
-            },
+            MoeStyle::Glm | MoeStyle::Exaone | MoeStyle::Sarvam | MoeStyle::MiniMax => {
+                MoeRouting::Sigmoid {
+                    groups: plain.n_group.unwrap_or(family.groups.0),
+                    top_groups: plain.topk_group.unwrap_or(family.groups.1),
+                    scale: plain.routed_scaling_factor.unwrap_or(family.scale),
+                }
+            }
             MoeStyle::DeepSeek => {
                 // Mistral 4 always uses its groups; DeepSeek-V2 as
                 // `topk_method` says.

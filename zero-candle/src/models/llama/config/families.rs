@@ -3,7 +3,7 @@
 use super::super::moe::{
     MoeFamily, MoeStyle, Normalize, DEEPSEEK_V2_MOE, DEEPSEEK_V3_MOE, DOTS1_MOE, ERNIE4_5_MOE,
     EXAONE_MOE, GLM4_MOE, GLM4_MOE_LITE_MOE, GPT_OSS_MOE, GRANITE_MOE, GRANITE_MOE_SHARED,
-    HUNYUAN_MOE, MINIMAX_M2_MOE, MISTRAL4_MOE, OLMOE_MOE, QWEN2_MOE, SOLAR_OPEN_MOE,
+    HUNYUAN_MOE, MINIMAX_M2_MOE, MISTRAL4_MOE, OLMOE_MOE, QWEN2_MOE, SARVAM_MOE, SOLAR_OPEN_MOE,
 };
 use super::{LayerNames, NormNames, QkNorm, UngatedMlp};
 use crate::models::rope::RopeDialect;
@@ -345,7 +345,7 @@ pub(super) const ERNIE: Family = Family {
 };
 
 /// The families read as Llama.
-pub(super) static FAMILIES: [Family; 57] = [
+pub(super) static FAMILIES: [Family; 58] = [
     Family {
         reads_mlp_bias: true,
         ..LLAMA
@@ -722,6 +722,34 @@ pub(super) static FAMILIES: [Family; 57] = [
         names: LayerNames::Hunyuan,
         ..LLAMA
     },
+    // Sarvam MoE: GLM-4.5 (`transformers` runs it as GLM-4.5) under its
+    // files' names (`LayerNames::Sarvam`: q, k and v in one weight), the
+    // head norms on by default (`use_qk_norm`), the whole head rotating,
+    // rotary base 8,000,000, heads of 64 and 4 key/value heads by default;
+    // its released keys `num_shared_experts` and `use_qkv_bias` read as
+    // GLM-4.5's.
+    Family {
+        model_type: "sarvam_moe",
+        architectures: ["SarvamMoEForCausalLM", "Glm4MoeForCausalLM"],
+        names: LayerNames::Sarvam,
+        fused_qkv: true,
+        o_bias: false,
+        switched_qk_norm: true,
+        qk_norm: Some(QkNorm::PerHead),
+        default_head_dim: Some(64),
+        default_kv_heads: Some(4),
+        default_theta: 8_000_000.0,
+        rope: RopeDialect {
+            partial: Some(1.0),
+            ..LLAMA.rope
+        },
+        key_aliases: &[
+            ("num_shared_experts", "n_shared_experts"),
+            ("use_qkv_bias", "attention_bias"),
+        ],
+        moe: Some(SARVAM_MOE),
+        ..LLAMA
+    },
     // Hunyuan MoE: Hunyuan's attention; in every layer a mixture of
     // experts (`mlp.gate.wg`, softmax, normalized) beside a shared MLP.
     Family {
@@ -1036,7 +1064,7 @@ pub(crate) const LLAMA_TYPES: &str =
      \"glm4_moe\", \"minimax_m2\", \"glm\", \"glm4\", \"cohere\", \"cohere2\", \
      \"ernie4_5\", \"ernie4_5_moe\", \"dots1\", \"starcoder2\", \"phi\", \"arcee\", \
      \"nemotron\", \"exaone4\", \"seed_oss\", \"gpt_neox\", \"stablelm\", \"olmo\", \
-     \"nanochat\", \"hunyuan_v1_dense\", \"hunyuan_v1_moe\", \"jais2\", \"helium\", \"ministral\", \"cwm\", \
+     \"nanochat\", \"hunyuan_v1_dense\", \"hunyuan_v1_moe\", \"sarvam_moe\", \"jais2\", \"helium\", \"ministral\", \"cwm\", \
      \"solar_open\", \"ministral3\", \"gptj\", \"falcon\", \"deepseek_v2\", \
      \"deepseek_v3\", \"glm4_moe_lite\", \"mistral4\", \"internlm3\", \"iquestcoder\", \"exaone\", \
      \"granitemoe\", \"granitemoeshared\", \"exaone_moe\", \"gpt_oss\" and \"mistral3\" (its text \

@@ -87,9 +87,10 @@ pub(super) struct Plain {
     /// Qwen2-MoE's switch for the query, key and value biases.
     #[serde(default)]
     pub(super) qkv_bias: Option<bool>,
-    /// GLM-4.5's switch for the query and key norms.
+    /// GLM-4.5's switch for the query and key norms (Sarvam MoE's, on by
+    /// default).
     #[serde(default)]
-    pub(super) use_qk_norm: bool,
+    pub(super) use_qk_norm: Option<bool>,
     /// Phi's switch for the query and key norms.
     #[serde(default)]
     pub(super) qk_layernorm: bool,

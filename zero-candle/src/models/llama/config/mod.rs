@@ -300,7 +300,7 @@ impl LlamaConfig {
     /// (`glm`, `glm4`), Cohere (`cohere`, `cohere2`), ERNIE 4.5
     /// (`ernie4_5`, `ernie4_5_moe`), dots.llm1 (`dots1`), Starcoder2, Phi, Arcee,
     /// Nemotron, EXAONE 4, Seed-OSS, GPT-NeoX, StableLM, OLMo, NanoChat, Hunyuan (dense
-    /// and MoE), Jais 2,
+    /// and MoE), Sarvam MoE, Jais 2,
     /// Helium, Ministral, CWM, Solar Open, Ministral 3, GPT-J, Falcon,
     /// DeepSeek-V2, DeepSeek-V3, GLM-4.7-Flash (`glm4_moe_lite`), Mistral 4,
     /// InternLM3, IQuest-Coder, EXAONE 3, Granite MoE (`granitemoe`,
@@ -479,8 +479,9 @@ impl LlamaConfig {
         }
         let attention_bias = plain.attention_bias.unwrap_or(family.attention_bias) || use_bias;
         // Phi-3's fused projections have no biases whatever the file says;
-        // GPT-NeoX's follow `attention_bias`.
-        let biased_attention = !family.fused_qkv || family.neox || family.falcon;
+        // GPT-NeoX's and Sarvam MoE's follow `attention_bias`.
+        let biased_attention =
+            !family.fused_qkv || family.neox || family.falcon || family.names == LayerNames::Sarvam;
         let parallel_blocks = family.cohere
             || family.phi
             || family.gptj
@@ -541,12 +542,16 @@ impl LlamaConfig {
             fused_qkv: family.fused_qkv,
             fused_gate_up: family.fused_gate_up,
             rope_interleaved: latent.map_or(family.rope.interleaved, |(_, _, i)| i),
-            qk_norm: match (family.switched_qk_norm || family.cohere) && plain.use_qk_norm {
-                true if family.cohere => Some(QkNorm::HeadWeights),
-                true => Some(QkNorm::PerHead),
-                false if family.phi && plain.qk_layernorm => Some(QkNorm::PerHead),
-                false if family.stablelm && plain.qk_layernorm => Some(QkNorm::HeadWeights),
-                false => family.qk_norm,
+            qk_norm: match plain
+                .use_qk_norm
+                .filter(|_| family.switched_qk_norm || family.cohere)
+            {
+                Some(true) if family.cohere => Some(QkNorm::HeadWeights),
+                Some(true) => Some(QkNorm::PerHead),
+                Some(false) => None,
+                None if family.phi && plain.qk_layernorm => Some(QkNorm::PerHead),
+                None if family.stablelm && plain.qk_layernorm => Some(QkNorm::HeadWeights),
+                None => family.qk_norm,
             },
             input_norms: family.input_norms,
             sliding_window,

@@ -97,6 +97,10 @@ pub enum LayerNames {
     /// `self_attention.query_key_value` and `dense` (and `ln_attn`, `ln_mlp`
     /// where each branch has its norm), `transformer.ln_f`, `lm_head`.
     Falcon,
+    /// Sarvam MoE's: `model.word_embeddings`, `model.layers.{i}.attention`
+    /// with `query_key_value`, `dense`, `query_layernorm` and
+    /// `key_layernorm`.
+    Sarvam,
     /// EXAONE 3's: `transformer.wte`, `transformer.h.{i}` with `ln_1`,
     /// `attn.attention.{q,k,v,out}_proj`, `ln_2` and `mlp.c_fc_0` (gate),
     /// `c_fc_1` (up), `c_proj` (down), `transformer.ln_f`, `lm_head`.
@@ -107,7 +111,7 @@ impl LayerNames {
     /// What the model's tensors but the head's sit under.
     pub(crate) fn model(self) -> &'static str {
         match self {
-            Self::Llama | Self::Phi | Self::StableLm | Self::Hunyuan => "model",
+            Self::Llama | Self::Phi | Self::StableLm | Self::Hunyuan | Self::Sarvam => "model",
             Self::NeoX => "gpt_neox",
             Self::GptJ | Self::Falcon | Self::Exaone => "transformer",
         }
@@ -118,7 +122,7 @@ impl LayerNames {
         match self {
             Self::Llama | Self::Phi | Self::StableLm | Self::Hunyuan => "embed_tokens",
             Self::GptJ | Self::Exaone => "wte",
-            Self::Falcon => "word_embeddings",
+            Self::Falcon | Self::Sarvam => "word_embeddings",
             Self::NeoX => "embed_in",
         }
     }
@@ -130,7 +134,7 @@ impl LayerNames {
             Self::GptJ => "attn",
             Self::Exaone => "attn.attention",
             Self::Falcon => "self_attention",
-            Self::NeoX => "attention",
+            Self::NeoX | Self::Sarvam => "attention",
         }
     }
 
@@ -194,7 +198,7 @@ impl LayerNames {
             | Self::Hunyuan
             | Self::GptJ
             | Self::Exaone => "qkv_proj",
-            Self::NeoX | Self::Falcon => "query_key_value",
+            Self::NeoX | Self::Falcon | Self::Sarvam => "query_key_value",
         }
     }
 
@@ -202,7 +206,7 @@ impl LayerNames {
     pub(crate) fn output_projection(self) -> &'static str {
         match self {
             Self::Llama | Self::StableLm | Self::Hunyuan => "o_proj",
-            Self::Phi | Self::NeoX | Self::Falcon => "dense",
+            Self::Phi | Self::NeoX | Self::Falcon | Self::Sarvam => "dense",
             Self::GptJ | Self::Exaone => "out_proj",
         }
     }
@@ -214,7 +218,7 @@ impl LayerNames {
                 ["q_norm", "k_norm"]
             }
             Self::Phi | Self::StableLm => ["q_layernorm", "k_layernorm"],
-            Self::Hunyuan => ["query_layernorm", "key_layernorm"],
+            Self::Hunyuan | Self::Sarvam => ["query_layernorm", "key_layernorm"],
         }
     }
 
@@ -227,7 +231,7 @@ impl LayerNames {
     /// The norm after the last block, under [`LayerNames::model`].
     pub(crate) fn final_norm(self) -> &'static str {
         match self {
-            Self::Llama | Self::StableLm | Self::Hunyuan => "norm",
+            Self::Llama | Self::StableLm | Self::Hunyuan | Self::Sarvam => "norm",
             Self::Phi => "final_layernorm",
             Self::NeoX => "final_layer_norm",
             Self::GptJ | Self::Falcon | Self::Exaone => "ln_f",
@@ -243,7 +247,8 @@ impl LayerNames {
             | Self::Hunyuan
             | Self::GptJ
             | Self::Falcon
-            | Self::Exaone => "lm_head",
+            | Self::Exaone
+            | Self::Sarvam => "lm_head",
             Self::NeoX => "embed_out",
         }
     }
