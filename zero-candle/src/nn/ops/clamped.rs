@@ -1,17 +1,9 @@
-//! gpt-oss's clamped SwiGLU as one op, and [`Gating`], the gated unit a
-//! mixture's experts apply (an activation's, or the clamped one).
+//! gpt-oss's clamped SwiGLU: the unit, its slopes and its composition of
+//! Candle's ops; the op is [`Gating::Clamped`]'s (`swiglu.rs`).
 
-use super::super::cpu;
-use super::super::elem::{dispatch_float, Accum, Elem};
-use super::super::storage::tensor_from;
-use super::activation_kind::Activation;
-use super::swiglu::{gated, gated_cpu, gated_grads, gated_grads_cpu};
-use candle_core::backend::BackendStorage;
-use candle_core::{bail, CpuStorage, CustomOp2, Layout, Result, Shape, Storage, Tensor, WithDType};
-use rayon::prelude::*;
-
-/// Elements per parallel chunk: large enough that splitting pays.
-const CHUNK: usize = 1 << 14;
+use super::super::elem::Accum;
+use super::swiglu::Gating;
+use candle_core::{Result, Tensor};
 
 /// gpt-oss's gated unit, `(clamp(up, -limit, limit) + 1) · g · σ(alpha ·
 /// g)` with `g = min(gate, limit)`, element-wise (`transformers`'
@@ -33,33 +25,19 @@ const CHUNK: usize = 1 << 14;
 /// # Ok(()) }
 /// ```
 pub fn clamped_swiglu(gate: &Tensor, up: &Tensor, alpha: f64, limit: f64) -> Result<Tensor> {
-    let op = Clamped { alpha, limit };
-    if gate.dims() != up.dims() || gate.dtype() != up.dtype() {
-        bail!(
-            "zero-candle clamped swiglu: gate is {:?} {:?} but up is {:?} {:?}; pass the two \
-             projections of the same input",
-            gate.dtype(),
-            gate.dims(),
-            up.dtype(),
-            up.dims()
-        )
-    }
-    match gate.device().is_cpu() {
-        true => gate.contiguous()?.apply_op2(&up.contiguous()?, op),
-        false => op.composed(gate, up),
-    }
+    Gating::Clamped { alpha, limit }.forward(gate, up)
 }
 
 /// The clamped unit's constants.
 #[derive(Clone, Copy, Debug, PartialEq)]
-struct Clamped {
-    alpha: f64,
-    limit: f64,
+pub(super) struct Clamped {
+    pub(super) alpha: f64,
+    pub(super) limit: f64,
 }
 
 impl Clamped {
     /// The unit of Candle's ops.
-    fn composed(&self, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    pub(super) fn composed(&self, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
         let gate = gate.minimum(self.limit)?;
         let up = up.clamp(-self.limit, self.limit)?;
         let opened = candle_nn::ops::sigmoid(&gate.affine(self.alpha, 0.0)?)?;
@@ -68,7 +46,7 @@ impl Clamped {
 
     /// `(dgate, dup)` for the output gradient `grad`, of Candle's ops in
     /// the inputs' dtype; a bound passes the whole gradient.
-    fn composed_grads(
+    pub(super) fn composed_grads(
         &self,
         gate: &Tensor,
         up: &Tensor,
@@ -93,7 +71,7 @@ impl Clamped {
 
     /// The unit and its slopes at one element: `(value, ∂gate, ∂up)`.
     #[inline(always)]
-    fn at<A: Accum>(&self, gate: A, up: A) -> (A, A, A) {
+    pub(super) fn at<A: Accum>(&self, gate: A, up: A) -> (A, A, A) {
         let (one, limit, alpha) = (A::ONE, A::cast(self.limit), A::cast(self.alpha));
         let g = if gate > limit { limit } else { gate };
         let u = if up > limit {
@@ -117,149 +95,6 @@ impl Clamped {
             unit
         };
         ((u + one) * unit, dgate, dup)
-    }
-
-    fn forward<T: Elem>(&self, gate: &[T], up: &[T]) -> Vec<T> {
-        let mut out = vec![T::from_acc(T::Acc::ZERO); gate.len()];
-        out.par_chunks_mut(CHUNK)
-            .zip(gate.par_chunks(CHUNK).zip(up.par_chunks(CHUNK)))
-            .for_each(|(out, (gate, up))| {
-                for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
-                    *o = T::from_acc(self.at(g.acc(), u.acc()).0);
-                }
-            });
-        out
-    }
-
-    fn backward<T: Elem>(&self, gate: &[T], up: &[T], grad: &[T]) -> (Vec<T>, Vec<T>) {
-        let zero = T::from_acc(T::Acc::ZERO);
-        let (mut dgate, mut dup) = (vec![zero; gate.len()], vec![zero; gate.len()]);
-        dgate
-            .par_chunks_mut(CHUNK)
-            .zip(dup.par_chunks_mut(CHUNK))
-            .zip(gate.par_chunks(CHUNK))
-            .zip(up.par_chunks(CHUNK).zip(grad.par_chunks(CHUNK)))
-            .for_each(|(((dgate, dup), gate), (up, grad))| {
-                let outs = dgate.iter_mut().zip(dup.iter_mut());
-                let ins = gate.iter().zip(up).zip(grad);
-                for ((dg, du), ((&g, &u), &dy)) in outs.zip(ins) {
-                    let (_, slope_gate, slope_up) = self.at(g.acc(), u.acc());
-                    let dy = dy.acc();
-                    *dg = T::from_acc(dy * slope_gate);
-                    *du = T::from_acc(dy * slope_up);
-                }
-            });
-        (dgate, dup)
-    }
-
-    /// `(dgate, dup)` on the CPU.
-    fn grads_cpu(&self, gate: &Tensor, up: &Tensor, grad: &Tensor) -> Result<(Tensor, Tensor)> {
-        let grad = grad.contiguous()?;
-        let shape = gate.shape().clone();
-        let (dgate, dup) = cpu::with_cpu(gate, "the gate", |gs, gl| {
-            cpu::with_cpu(up, "up", |us, ul| {
-                cpu::with_cpu(&grad, "the output gradient", |ds, dl| {
-                    Ok(dispatch_float!(gs.dtype(), "clamped swiglu", |T| {
-                        let (dgate, dup) = self.backward::<T>(
-                            cpu::slice::<T>(gs, gl, "the gate")?,
-                            cpu::slice::<T>(us, ul, "up")?,
-                            cpu::slice::<T>(ds, dl, "the output gradient")?,
-                        );
-                        (T::to_cpu_storage_owned(dgate), T::to_cpu_storage_owned(dup))
-                    }))
-                })
-            })
-        })?;
-        Ok((
-            tensor_from(Storage::Cpu(dgate), shape.clone()),
-            tensor_from(Storage::Cpu(dup), shape),
-        ))
-    }
-}
-
-impl CustomOp2 for Clamped {
-    fn name(&self) -> &'static str {
-        "zero-clamped-swiglu"
-    }
-
-    fn cpu_fwd(
-        &self,
-        gate: &CpuStorage,
-        gate_layout: &Layout,
-        up: &CpuStorage,
-        up_layout: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let y = dispatch_float!(gate.dtype(), "clamped swiglu", |T| {
-            let gate = cpu::slice::<T>(gate, gate_layout, "the gate")?;
-            let up = cpu::slice::<T>(up, up_layout, "up")?;
-            T::to_cpu_storage_owned(self.forward(gate, up))
-        });
-        Ok((y, gate_layout.shape().clone()))
-    }
-
-    fn bwd(
-        &self,
-        gate: &Tensor,
-        up: &Tensor,
-        _y: &Tensor,
-        grad: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let (dgate, dup) = self.grads_cpu(gate, up, grad)?;
-        Ok((Some(dgate), Some(dup)))
-    }
-}
-
-/// The gated unit of an MLP: `act(gate) · up`, or gpt-oss's clamped one.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub(crate) enum Gating {
-    Act(Activation),
-    Clamped { alpha: f64, limit: f64 },
-}
-
-impl Gating {
-    /// The unit over CPU slices.
-    pub(crate) fn cpu<T: Elem>(self, gate: &[T], up: &[T]) -> Vec<T> {
-        match self {
-            Self::Act(kind) => gated_cpu(kind, gate, up),
-            Self::Clamped { alpha, limit } => Clamped { alpha, limit }.forward(gate, up),
-        }
-    }
-
-    /// `(dgate, dup)` over CPU slices for the output gradient `grad`.
-    pub(crate) fn grads_cpu<T: Elem>(self, gate: &[T], up: &[T], grad: &[T]) -> (Vec<T>, Vec<T>) {
-        match self {
-            Self::Act(kind) => gated_grads_cpu(kind, gate, up, grad),
-            Self::Clamped { alpha, limit } => Clamped { alpha, limit }.backward(gate, up, grad),
-        }
-    }
-
-    /// The unit of `gate` and `up` tensors (their values only: no graph
-    /// for the clamped unit off the CPU).
-    pub(crate) fn forward(self, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
-        match self {
-            Self::Act(kind) => gated(kind, gate, up),
-            Self::Clamped { alpha, limit } => clamped_swiglu(gate, up, alpha, limit),
-        }
-    }
-
-    /// `(dgate, dup)` for the output gradient `grad`; `gate` and `up`
-    /// contiguous.
-    pub(crate) fn grads(
-        self,
-        gate: &Tensor,
-        up: &Tensor,
-        grad: &Tensor,
-    ) -> Result<(Tensor, Tensor)> {
-        match self {
-            Self::Act(kind) => gated_grads(kind, gate, up, grad),
-            Self::Clamped { alpha, limit } => {
-                let op = Clamped { alpha, limit };
-                match gate.device().is_cpu() {
-                    true => op.grads_cpu(gate, up, grad),
-                    false => op.composed_grads(gate, up, grad),
-                }
-            }
-        }
     }
 }
 

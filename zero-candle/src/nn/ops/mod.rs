@@ -40,9 +40,9 @@ pub use attention::{
 };
 pub use attention_dims::AttentionDims;
 pub use clamped::clamped_swiglu;
-pub(crate) use clamped::Gating;
 pub use cross_entropy::{cross_entropy, cross_entropy_with_ignore};
 pub use rotary::rotary_embedding;
+pub(crate) use swiglu::Gating;
 pub use swiglu::{geglu, swiglu};
 
 /// What a cuBLASLt GEMM of a `Linear` wrote (`cuda::linear_forward`).

@@ -1,12 +1,14 @@
 //! The gate of a gated MLP, `act(gate) * up`, as one op whose backward
-//! gives both gradients in one pass: SwiGLU (`silu`, Llama's) and GeGLU
-//! (tanh-form `gelu`, Gemma's).
+//! gives both gradients in one pass: SwiGLU (`silu`, Llama's), GeGLU
+//! (tanh-form `gelu`, Gemma's) and gpt-oss's clamped SwiGLU
+//! ([`super::clamped_swiglu`]); [`Gating`] names the unit.
 
 use super::super::cpu;
 use super::super::elem::{dispatch_float, Accum, Elem};
 use super::super::storage::{tensor_from, with_cuda};
 use super::activation::{gelu_erf_at, gelu_tanh, relu2_at, silu_at};
 use super::activation_kind::Activation;
+use super::clamped::Clamped;
 use super::cuda;
 use candle_core::backend::BackendStorage;
 use candle_core::{
@@ -34,7 +36,7 @@ const CHUNK: usize = 1 << 14;
 /// # Ok(()) }
 /// ```
 pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
-    Gated(Activation::Silu).apply(gate, up)
+    Gating::Act(Activation::Silu).forward(gate, up)
 }
 
 /// `gelu(gate) * up` with GELU's tanh form (`Tensor::gelu`), element-wise,
@@ -54,20 +56,64 @@ pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
 /// # Ok(()) }
 /// ```
 pub fn geglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
-    Gated(Activation::Gelu).apply(gate, up)
+    Gating::Act(Activation::Gelu).forward(gate, up)
 }
 
-/// The op `(gate, up) -> act(gate) * up` for its activation.
-struct Gated(Activation);
+/// The gated unit of an MLP: `act(gate) · up`, or gpt-oss's clamped one.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) enum Gating {
+    Act(Activation),
+    Clamped { alpha: f64, limit: f64 },
+}
+
+impl Gating {
+    /// The unit of `gate` and `up` (of one shape and dtype), one op with its
+    /// backward (the clamped unit off the CPU: Candle's ops).
+    pub(crate) fn forward(self, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+        Gated(self).apply(gate, up)
+    }
+
+    /// `(dgate, dup)` for the output gradient `grad`; `gate` and `up`
+    /// contiguous.
+    pub(crate) fn grads(
+        self,
+        gate: &Tensor,
+        up: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Tensor, Tensor)> {
+        Gated(self).grads(gate, up, grad)
+    }
+
+    /// The unit over CPU slices.
+    pub(crate) fn cpu<T: Elem>(self, gate: &[T], up: &[T]) -> Vec<T> {
+        Gated(self).forward(gate, up)
+    }
+
+    /// `(dgate, dup)` over CPU slices for the output gradient `grad`.
+    pub(crate) fn grads_cpu<T: Elem>(self, gate: &[T], up: &[T], grad: &[T]) -> (Vec<T>, Vec<T>) {
+        Gated(self).backward(gate, up, grad)
+    }
+}
+
+/// The op `(gate, up) -> unit(gate, up)`.
+struct Gated(Gating);
+
+/// An activation's gradients of `act(g) · u`: `act` its `(value, slope)`
+/// at `g`.
+#[inline(always)]
+fn act_grads<A: Accum>((value, slope): (A, A), u: A, dy: A) -> (A, A) {
+    (dy * u * slope, dy * value)
+}
 
 impl Gated {
     /// The op's name in errors.
     fn what(&self) -> &'static str {
         match self.0 {
-            Activation::Silu => "swiglu",
-            Activation::Gelu => "geglu",
-            Activation::GeluErf => "geglu (erf)",
-            Activation::Relu2 => "relu2-gated",
+            Gating::Act(Activation::Silu) => "swiglu",
+            Gating::Act(Activation::Gelu) => "geglu",
+            Gating::Act(Activation::GeluErf) => "geglu (erf)",
+            Gating::Act(Activation::Relu2) => "relu2-gated",
+            Gating::Clamped { .. } => "clamped swiglu",
         }
     }
 
@@ -88,56 +134,82 @@ impl Gated {
                 up.dtype()
             )
         }
-        gate.contiguous()?.apply_op2(&up.contiguous()?, self)
-    }
-
-    /// `act(gate) * up` on the CPU, each activation its own loop.
-    fn forward<T: Elem>(&self, gate: &[T], up: &[T]) -> Vec<T> {
         match self.0 {
-            Activation::Gelu => forward(gate, up, gelu_tanh),
-            Activation::GeluErf => forward(gate, up, gelu_erf_at),
-            Activation::Silu => forward(gate, up, silu_at),
-            Activation::Relu2 => forward(gate, up, relu2_at),
+            // No kernel of its own off the CPU.
+            Gating::Clamped { alpha, limit } if !gate.device().is_cpu() => {
+                Clamped { alpha, limit }.composed(gate, up)
+            }
+            _ => gate.contiguous()?.apply_op2(&up.contiguous()?, self),
         }
     }
 
-    /// `(dgate, dup)` on the CPU, each activation its own loop.
+    /// The unit on the CPU, each its own loop.
+    fn forward<T: Elem>(&self, gate: &[T], up: &[T]) -> Vec<T> {
+        match self.0 {
+            Gating::Act(Activation::Gelu) => forward(gate, up, |g, u| gelu_tanh(g).0 * u),
+            Gating::Act(Activation::GeluErf) => forward(gate, up, |g, u| gelu_erf_at(g).0 * u),
+            Gating::Act(Activation::Silu) => forward(gate, up, |g, u| silu_at(g).0 * u),
+            Gating::Act(Activation::Relu2) => forward(gate, up, |g, u| relu2_at(g).0 * u),
+            Gating::Clamped { alpha, limit } => {
+                let unit = Clamped { alpha, limit };
+                forward(gate, up, |g, u| unit.at(g, u).0)
+            }
+        }
+    }
+
+    /// `(dgate, dup)` on the CPU, each unit its own loop.
     fn backward<T: Elem>(&self, gate: &[T], up: &[T], grad: &[T]) -> (Vec<T>, Vec<T>) {
         match self.0 {
-            Activation::Gelu => backward(gate, up, grad, gelu_tanh),
-            Activation::GeluErf => backward(gate, up, grad, gelu_erf_at),
-            Activation::Silu => backward(gate, up, grad, silu_at),
-            Activation::Relu2 => backward(gate, up, grad, relu2_at),
+            Gating::Act(Activation::Gelu) => {
+                backward(gate, up, grad, |g, u, dy| act_grads(gelu_tanh(g), u, dy))
+            }
+            Gating::Act(Activation::GeluErf) => {
+                backward(gate, up, grad, |g, u, dy| act_grads(gelu_erf_at(g), u, dy))
+            }
+            Gating::Act(Activation::Silu) => {
+                backward(gate, up, grad, |g, u, dy| act_grads(silu_at(g), u, dy))
+            }
+            Gating::Act(Activation::Relu2) => {
+                backward(gate, up, grad, |g, u, dy| act_grads(relu2_at(g), u, dy))
+            }
+            Gating::Clamped { alpha, limit } => {
+                let unit = Clamped { alpha, limit };
+                backward(gate, up, grad, |g, u, dy| {
+                    let (_, slope_gate, slope_up) = unit.at(g, u);
+                    (dy * slope_gate, dy * slope_up)
+                })
+            }
         }
     }
 }
 
-/// `act(gate) * up`, in parallel chunks, `act` giving `(value, slope)`.
-/// Generic over `act` so that each activation gets its own loop, inlined.
+/// `unit(gate, up)`, in parallel chunks. Generic over `unit` so that each
+/// gets its own loop, inlined.
 #[inline(always)]
 fn forward<T: Elem>(
     gate: &[T],
     up: &[T],
-    act: impl Fn(T::Acc) -> (T::Acc, T::Acc) + Sync,
+    unit: impl Fn(T::Acc, T::Acc) -> T::Acc + Sync,
 ) -> Vec<T> {
     let mut out = vec![T::from_acc(T::Acc::ZERO); gate.len()];
     out.par_chunks_mut(CHUNK)
         .zip(gate.par_chunks(CHUNK).zip(up.par_chunks(CHUNK)))
         .for_each(|(out, (gate, up))| {
             for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
-                *o = T::from_acc(act(g.acc()).0 * u.acc());
+                *o = T::from_acc(unit(g.acc(), u.acc()));
             }
         });
     out
 }
 
-/// `(dgate, dup)` for the output gradient `grad`, in parallel chunks.
+/// `(dgate, dup)` for the output gradient `grad`, in parallel chunks,
+/// `grads(gate, up, dy)` giving both at one element.
 #[inline(always)]
 fn backward<T: Elem>(
     gate: &[T],
     up: &[T],
     grad: &[T],
-    act: impl Fn(T::Acc) -> (T::Acc, T::Acc) + Sync,
+    grads: impl Fn(T::Acc, T::Acc, T::Acc) -> (T::Acc, T::Acc) + Sync,
 ) -> (Vec<T>, Vec<T>) {
     let zero = T::from_acc(T::Acc::ZERO);
     let (mut dgate, mut dup) = (vec![zero; gate.len()], vec![zero; gate.len()]);
@@ -150,10 +222,9 @@ fn backward<T: Elem>(
             let outs = dgate.iter_mut().zip(dup.iter_mut());
             let ins = gate.iter().zip(up).zip(grad);
             for ((dg, du), ((&g, &u), &dy)) in outs.zip(ins) {
-                let (value, slope) = act(g.acc());
-                let dy = dy.acc();
-                *dg = T::from_acc(dy * u.acc() * slope);
-                *du = T::from_acc(dy * value);
+                let (d_gate, d_up) = grads(g.acc(), u.acc(), dy.acc());
+                *dg = T::from_acc(d_gate);
+                *du = T::from_acc(d_up);
             }
         });
     (dgate, dup)
@@ -162,10 +233,11 @@ fn backward<T: Elem>(
 impl CustomOp2 for Gated {
     fn name(&self) -> &'static str {
         match self.0 {
-            Activation::Silu => "zero-swiglu",
-            Activation::Gelu => "zero-geglu",
-            Activation::GeluErf => "zero-geglu-erf",
-            Activation::Relu2 => "zero-relu2-gated",
+            Gating::Act(Activation::Silu) => "zero-swiglu",
+            Gating::Act(Activation::Gelu) => "zero-geglu",
+            Gating::Act(Activation::GeluErf) => "zero-geglu-erf",
+            Gating::Act(Activation::Relu2) => "zero-relu2-gated",
+            Gating::Clamped { .. } => "zero-clamped-swiglu",
         }
     }
 
@@ -191,7 +263,13 @@ impl CustomOp2 for Gated {
         up: &CudaStorage,
         up_layout: &Layout,
     ) -> Result<(CudaStorage, Shape)> {
-        let y = cuda::gated_forward(self.0, (gate, gate_layout), (up, up_layout))?;
+        let Gating::Act(kind) = self.0 else {
+            bail!(
+                "zero-candle {}: internal: no CUDA kernel (Candle's ops compose it)",
+                self.what()
+            )
+        };
+        let y = cuda::gated_forward(kind, (gate, gate_layout), (up, up_layout))?;
         Ok((y, gate_layout.shape().clone()))
     }
 
@@ -212,63 +290,38 @@ impl Gated {
     fn grads(&self, gate: &Tensor, up: &Tensor, grad: &Tensor) -> Result<(Tensor, Tensor)> {
         let grad = grad.contiguous()?;
         let shape = gate.shape().clone();
-        let (dgate, dup) = if gate.device().is_cuda() {
-            let (dgate, dup) = with_cuda(gate, "the gate", |gs, gl| {
-                with_cuda(up, "up", |us, ul| {
-                    with_cuda(&grad, "the output gradient", |ds, dl| {
-                        cuda::gated_backward(self.0, (gs, gl), (us, ul), (ds, dl))
+        let (dgate, dup) = match self.0 {
+            Gating::Clamped { alpha, limit } if !gate.device().is_cpu() => {
+                return Clamped { alpha, limit }.composed_grads(gate, up, &grad);
+            }
+            Gating::Act(kind) if gate.device().is_cuda() => {
+                let (dgate, dup) = with_cuda(gate, "the gate", |gs, gl| {
+                    with_cuda(up, "up", |us, ul| {
+                        with_cuda(&grad, "the output gradient", |ds, dl| {
+                            cuda::gated_backward(kind, (gs, gl), (us, ul), (ds, dl))
+                        })
                     })
-                })
-            })?;
-            (Storage::Cuda(dgate), Storage::Cuda(dup))
-        } else {
-            let (dgate, dup) = cpu::with_cpu(gate, "the gate", |gs, gl| {
-                cpu::with_cpu(up, "up", |us, ul| {
-                    cpu::with_cpu(&grad, "the output gradient", |ds, dl| {
-                        Ok(dispatch_float!(gs.dtype(), self.what(), |T| {
-                            let (dgate, dup) = self.backward::<T>(
-                                cpu::slice::<T>(gs, gl, "the gate")?,
-                                cpu::slice::<T>(us, ul, "up")?,
-                                cpu::slice::<T>(ds, dl, "the output gradient")?,
-                            );
-                            (T::to_cpu_storage_owned(dgate), T::to_cpu_storage_owned(dup))
-                        }))
+                })?;
+                (Storage::Cuda(dgate), Storage::Cuda(dup))
+            }
+            _ => {
+                let (dgate, dup) = cpu::with_cpu(gate, "the gate", |gs, gl| {
+                    cpu::with_cpu(up, "up", |us, ul| {
+                        cpu::with_cpu(&grad, "the output gradient", |ds, dl| {
+                            Ok(dispatch_float!(gs.dtype(), self.what(), |T| {
+                                let (dgate, dup) = self.backward::<T>(
+                                    cpu::slice::<T>(gs, gl, "the gate")?,
+                                    cpu::slice::<T>(us, ul, "up")?,
+                                    cpu::slice::<T>(ds, dl, "the output gradient")?,
+                                );
+                                (T::to_cpu_storage_owned(dgate), T::to_cpu_storage_owned(dup))
+                            }))
+                        })
                     })
-                })
-            })?;
-            (Storage::Cpu(dgate), Storage::Cpu(dup))
+                })?;
+                (Storage::Cpu(dgate), Storage::Cpu(dup))
+            }
         };
         Ok((tensor_from(dgate, shape.clone()), tensor_from(dup, shape)))
     }
-}
-
-/// `act(gate) * up` (`kind`: SwiGLU's SiLU, GeGLU's GELUs), as [`swiglu`].
-pub(crate) fn gated(kind: Activation, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
-    Gated(kind).apply(gate, up)
-}
-
-/// [`gated`]'s gradients `(dgate, dup)` for its output's `grad`; `gate`
-/// and `up` contiguous.
-pub(crate) fn gated_grads(
-    kind: Activation,
-    gate: &Tensor,
-    up: &Tensor,
-    grad: &Tensor,
-) -> Result<(Tensor, Tensor)> {
-    Gated(kind).grads(gate, up, grad)
-}
-
-/// [`gated`] over CPU slices.
-pub(crate) fn gated_cpu<T: Elem>(kind: Activation, gate: &[T], up: &[T]) -> Vec<T> {
-    Gated(kind).forward(gate, up)
-}
-
-/// [`gated_grads`] over CPU slices.
-pub(crate) fn gated_grads_cpu<T: Elem>(
-    kind: Activation,
-    gate: &[T],
-    up: &[T],
-    grad: &[T],
-) -> (Vec<T>, Vec<T>) {
-    Gated(kind).backward(gate, up, grad)
 }
