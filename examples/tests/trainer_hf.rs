@@ -209,6 +209,7 @@ fn a_bf16_fine_tune_trains_and_saves_in_the_checkpoints_dtype() {
         ("llama/exaone", 3),
         ("llama/hunyuanmoe", 3),
         ("llama/sarvammoe", 3),
+        ("llama/sarvammla", 3),
     ] {
         let dir = tempfile::tempdir().unwrap();
         let out = dir.path().join("out");

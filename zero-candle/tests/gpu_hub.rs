@@ -113,6 +113,7 @@ const LATER: [(&str, &str); 44] = [
     ("llama/exaone", "exaone."),
     ("llama/hunyuanmoe", "hunyuanmoe."),
     ("llama/sarvammoe", "sarvammoe."),
+    ("llama/sarvammla", "sarvammla."),
 ];
 
 /// The fixtures: under the current directory when it is the repository's

@@ -128,6 +128,8 @@ fn logits_loss_and_gradients_equal_transformers() {
         ("hunyuanmoe", 51),
         // GLM-4.5's under its own names, q, k and v fused.
         ("sarvammoe", 48),
+        // DeepSeek-V3's attention with one q_proj.
+        ("sarvammla", 48),
     ];
     for (fixture, variables) in cases {
         let (config, map) = Llama::open_hub(fixtures().join(fixture)).unwrap();
@@ -198,6 +200,7 @@ fn logits_loss_and_gradients_equal_transformers() {
                     | "gptj"
                     | "deepseekv2"
                     | "deepseekv3"
+                    | "sarvammla"
                     | "mistral4"
             )
         );
@@ -205,7 +208,7 @@ fn logits_loss_and_gradients_equal_transformers() {
             config.latent_attention.is_some(),
             matches!(
                 fixture,
-                "deepseekv2" | "deepseekv3" | "glm4moelite" | "mistral4"
+                "deepseekv2" | "deepseekv3" | "glm4moelite" | "mistral4" | "sarvammla"
             )
         );
         assert_eq!(
@@ -339,6 +342,7 @@ fn loading_then_saving_reproduces_the_checkpoint_tensor_for_tensor() {
         "exaone",
         "hunyuanmoe",
         "sarvammoe",
+        "sarvammla",
     ] {
         let dir = fixtures().join(fixture);
         for (stage, world) in [(Stage::Ddp, 1), (Stage::Parameters, 2)] {
@@ -442,6 +446,7 @@ fn one_sgd_step_equals_torch_at_stage_0_and_at_stage_3_on_two_ranks() {
         ("hunyuanmoe", Stage::Parameters, 2, 51),
         // The routing bias saved back as it was read, under its own name.
         ("sarvammoe", Stage::Parameters, 2, 49),
+        ("sarvammla", Stage::Parameters, 2, 49),
     ] {
         let out = tempfile::tempdir().unwrap();
         Run::new(stage, world, 1).train(&fixtures().join(fixture), &ids, out.path());
@@ -2748,6 +2753,61 @@ fn sarvam_moe_configs_read_as_transformers_reads_them() {
     assert_eq!((parsed.rotary_dim, parsed.rope.theta), (16, 8_000_000.0));
     released["use_qk_norm"] = false.into();
     assert_eq!(LlamaConfig::from_json(&released).unwrap().qk_norm, None);
+}
+
+/// Sarvam MLA's configs as its released files give them: without
+/// `q_lora_rank` one `q_proj` (DeepSeek-V3's default is a latent), the
+/// rotary scaling "deepseek_yarn" as YaRN, `num_shared_experts` as
+/// `n_shared_experts`; silent, 128 experts in one group, the first layer
+/// dense.
+#[test]
+fn sarvam_mla_configs_read_as_transformers_reads_them() {
+    let saved = LlamaConfig::from_json(&config_of("sarvammla")).unwrap();
+    let mut released = config_without(
+        "sarvammla",
+        &[
+            "q_lora_rank",
+            "n_shared_experts",
+            "rope_parameters",
+            "head_dim",
+        ],
+    );
+    released["num_shared_experts"] = 1.into();
+    // The released files' `head_dim` is vLLM's (kv_lora_rank + rope).
+    released["head_dim"] = 20.into();
+    let parsed = LlamaConfig::from_json(&released).unwrap();
+    assert_eq!(parsed, saved);
+    assert_eq!(parsed.latent_attention.unwrap().query_rank, None);
+    released["rope_scaling"] = serde_json::json!({
+        "type": "deepseek_yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+        "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0
+    });
+    let yarn = LlamaConfig::from_json(&released).unwrap();
+    assert!(
+        matches!(yarn.rope.scaling, RopeScaling::Yarn { .. }),
+        "{:?}",
+        yarn.rope
+    );
+    let silent = config_without(
+        "sarvammla",
+        &[
+            "n_routed_experts",
+            "n_group",
+            "topk_group",
+            "first_k_dense_replace",
+        ],
+    );
+    let moe = LlamaConfig::from_json(&silent).unwrap().moe.unwrap();
+    assert_eq!(moe.num_experts, 128);
+    assert_eq!(moe.layers, [false, true]);
+    assert!(matches!(
+        moe.routing,
+        zero_candle::models::MoeRouting::Sigmoid {
+            groups: 1,
+            top_groups: 1,
+            ..
+        }
+    ));
 }
 
 /// Granite MoE's configs: its files always fuse the experts, the router by

@@ -63,7 +63,8 @@
 //! GPT-J (`GPTJForCausalLM`: GPT-2's keys and names, parallel blocks, part
 //! of each head rotating as interleaved pairs). Falcon (`FalconForCausalLM`:
 //! q, k and v in one weight in each architecture's order, parallel blocks).
-//! DeepSeek-V2 and V3 (`DeepseekV2ForCausalLM`, `DeepseekV3ForCausalLM`),
+//! DeepSeek-V2 and V3 (`DeepseekV2ForCausalLM`, `DeepseekV3ForCausalLM`;
+//! Sarvam MLA, `sarvam_mla`, as V3),
 //! GLM-4.7-Flash (`Glm4MoeLiteForCausalLM`) and Mistral 4
 //! (`Mistral4ForCausalLM`): multi-head latent attention
 //! ([`LatentAttention`]) and their mixtures. InternLM3, IQuest-Coder and

@@ -649,6 +649,15 @@ pub(super) const ERNIE4_5_MOE: MoeFamily = MoeFamily {
     router_in_f32: true,
 };
 
+/// Sarvam MLA's mixture (`sarvam_mla`): DeepSeek-V3's over 128 experts,
+/// all in one group, the first layer dense.
+pub(super) const SARVAM_MLA_MOE: MoeFamily = MoeFamily {
+    num_experts: 128,
+    first_dense: 1,
+    groups: (1, 1),
+    ..DEEPSEEK_V3_MOE
+};
+
 /// Sarvam MoE's mixture (`sarvam_moe`): GLM-4.5's, its bias under its own
 /// name; 128 experts of 1024, 6 per token, times 2.5, the first layer
 /// dense.

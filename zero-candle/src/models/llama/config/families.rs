@@ -3,7 +3,8 @@
 use super::super::moe::{
     MoeFamily, MoeStyle, Normalize, DEEPSEEK_V2_MOE, DEEPSEEK_V3_MOE, DOTS1_MOE, ERNIE4_5_MOE,
     EXAONE_MOE, GLM4_MOE, GLM4_MOE_LITE_MOE, GPT_OSS_MOE, GRANITE_MOE, GRANITE_MOE_SHARED,
-    HUNYUAN_MOE, MINIMAX_M2_MOE, MISTRAL4_MOE, OLMOE_MOE, QWEN2_MOE, SARVAM_MOE, SOLAR_OPEN_MOE,
+    HUNYUAN_MOE, MINIMAX_M2_MOE, MISTRAL4_MOE, OLMOE_MOE, QWEN2_MOE, SARVAM_MLA_MOE, SARVAM_MOE,
+    SOLAR_OPEN_MOE,
 };
 use super::{LayerNames, NormNames, QkNorm, UngatedMlp};
 use crate::models::rope::RopeDialect;
@@ -345,7 +346,7 @@ pub(super) const ERNIE: Family = Family {
 };
 
 /// The families read as Llama.
-pub(super) static FAMILIES: [Family; 58] = [
+pub(super) static FAMILIES: [Family; 59] = [
     Family {
         reads_mlp_bias: true,
         ..LLAMA
@@ -898,6 +899,18 @@ pub(super) static FAMILIES: [Family; 58] = [
         moe: Some(DEEPSEEK_V3_MOE),
         ..LLAMA
     },
+    // Sarvam MLA (Sarvam-105B; run by `transformers` as DeepSeek-V3):
+    // one `q_proj` where `q_lora_rank` is absent, 128 experts in one group
+    // from layer 1 on by default; its released keys (`num_shared_experts`,
+    // "deepseek_yarn") read as DeepSeek-V3's.
+    Family {
+        model_type: "sarvam_mla",
+        architectures: ["SarvamMLAForCausalLM", "DeepseekV3ForCausalLM"],
+        latent: Some(true),
+        moe: Some(SARVAM_MLA_MOE),
+        key_aliases: &[("num_shared_experts", "n_shared_experts")],
+        ..LLAMA
+    },
     // GLM-4.7-Flash (`glm4_moe_lite`): DeepSeek-V3's latent attention,
     // GLM-4.5's mixture in the layers `mlp_layer_types` names sparse (all
     // but the first by default).
@@ -1066,7 +1079,7 @@ pub(crate) const LLAMA_TYPES: &str =
      \"nemotron\", \"exaone4\", \"seed_oss\", \"gpt_neox\", \"stablelm\", \"olmo\", \
      \"nanochat\", \"hunyuan_v1_dense\", \"hunyuan_v1_moe\", \"sarvam_moe\", \"jais2\", \"helium\", \"ministral\", \"cwm\", \
      \"solar_open\", \"ministral3\", \"gptj\", \"falcon\", \"deepseek_v2\", \
-     \"deepseek_v3\", \"glm4_moe_lite\", \"mistral4\", \"internlm3\", \"iquestcoder\", \"exaone\", \
+     \"deepseek_v3\", \"sarvam_mla\", \"glm4_moe_lite\", \"mistral4\", \"internlm3\", \"iquestcoder\", \"exaone\", \
      \"granitemoe\", \"granitemoeshared\", \"exaone_moe\", \"gpt_oss\" and \"mistral3\" (its text \
      model)";
 

@@ -18,8 +18,8 @@ use crate::nn::Activation;
 use families::{Family, Gemma, FAMILIES};
 use keys::{
     falcon_keys, gptj_keys, mlp_activation, neox_rotary_keys, ntk_alpha_as_theta,
-    refuse_gemma_settings, rotated_layers, sliding_window_of, typed_ropes, with_default_rope,
-    Plain,
+    refuse_gemma_settings, rotated_layers, sarvam_mla_keys, sliding_window_of, typed_ropes,
+    with_default_rope, Plain,
 };
 use latent::{latent_of, score_mscale};
 use serde::Deserialize;
@@ -300,7 +300,7 @@ impl LlamaConfig {
     /// (`glm`, `glm4`), Cohere (`cohere`, `cohere2`), ERNIE 4.5
     /// (`ernie4_5`, `ernie4_5_moe`), dots.llm1 (`dots1`), Starcoder2, Phi, Arcee,
     /// Nemotron, EXAONE 4, Seed-OSS, GPT-NeoX, StableLM, OLMo, NanoChat, Hunyuan (dense
-    /// and MoE), Sarvam MoE, Jais 2,
+    /// and MoE), Sarvam (MoE and MLA), Jais 2,
     /// Helium, Ministral, CWM, Solar Open, Ministral 3, GPT-J, Falcon,
     /// DeepSeek-V2, DeepSeek-V3, GLM-4.7-Flash (`glm4_moe_lite`), Mistral 4,
     /// InternLM3, IQuest-Coder, EXAONE 3, Granite MoE (`granitemoe`,
@@ -363,6 +363,8 @@ impl LlamaConfig {
             Some(neox_rotary_keys(config))
         } else if family.hunyuan {
             Some(ntk_alpha_as_theta(config)?)
+        } else if family.model_type == "sarvam_mla" {
+            Some(sarvam_mla_keys(config))
         } else {
             family
                 .default_rope
