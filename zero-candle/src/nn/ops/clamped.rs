@@ -1,32 +1,8 @@
 //! gpt-oss's clamped SwiGLU: the unit, its slopes and its composition of
-//! Candle's ops; the op is [`Gating::Clamped`]'s (`swiglu.rs`).
+//! Candle's ops; the op is `swiglu.rs`'s ([`super::clamped_swiglu`]).
 
 use super::super::elem::Accum;
-use super::swiglu::Gating;
 use candle_core::{Result, Tensor};
-
-/// gpt-oss's gated unit, `(clamp(up, -limit, limit) + 1) · g · σ(alpha ·
-/// g)` with `g = min(gate, limit)`, element-wise (`transformers`'
-/// `GptOssExperts._apply_gate`). On the CPU one op that keeps only its
-/// inputs and whose backward is one pass; 16-bit inputs compute in f32 and
-/// round once. A value at a bound passes its whole gradient, as torch's
-/// `clamp` does. Elsewhere Candle's ops compose it in the inputs' dtype
-/// (their `minimum` and `clamp` pass half the gradient at a bound).
-///
-/// ```
-/// use candle_core::{Device, Tensor};
-/// # fn main() -> candle_core::Result<()> {
-/// let gate = Tensor::new(&[-1f32, 9.0], &Device::Cpu)?;
-/// let up = Tensor::new(&[0.5f32, -8.0], &Device::Cpu)?;
-/// let y = zero_candle::nn::ops::clamped_swiglu(&gate, &up, 1.702, 7.0)?.to_vec1::<f32>()?;
-/// let unit = |g: f32| g / (1.0 + (-1.702 * g).exp());
-/// assert!((y[0] - 1.5 * unit(-1.0)).abs() < 1e-6);
-/// assert!((y[1] - -6.0 * unit(7.0)).abs() < 1e-5);
-/// # Ok(()) }
-/// ```
-pub fn clamped_swiglu(gate: &Tensor, up: &Tensor, alpha: f64, limit: f64) -> Result<Tensor> {
-    Gating::Clamped { alpha, limit }.forward(gate, up)
-}
 
 /// The clamped unit's constants.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -100,6 +76,7 @@ impl Clamped {
 
 #[cfg(test)]
 mod tests {
+    use super::super::swiglu::{clamped_swiglu, Gating};
     use super::*;
     use candle_core::{DType, Device, Var};
 

@@ -39,11 +39,10 @@ pub use attention::{
     sliding_window_attention, softcapped_attention,
 };
 pub use attention_dims::AttentionDims;
-pub use clamped::clamped_swiglu;
 pub use cross_entropy::{cross_entropy, cross_entropy_with_ignore};
 pub use rotary::rotary_embedding;
 pub(crate) use swiglu::Gating;
-pub use swiglu::{geglu, swiglu};
+pub use swiglu::{clamped_swiglu, geglu, swiglu};
 
 /// What a cuBLASLt GEMM of a `Linear` wrote (`cuda::linear_forward`).
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
