@@ -540,10 +540,27 @@ impl Operand<'_> {
 impl Gemm<'_> {
     /// Runs the product into `dst`, adding to it when `accumulate`.
     fn run(&self, dst: &mut [f32], accumulate: bool, parallelism: Parallelism) {
-        let (m, n, k) = (self.m, self.n, self.k);
+        let (m, n) = (self.m, self.n);
         assert!(
             dst.len() == m * n,
             "a {m}x{n} product into {} values",
+            dst.len()
+        );
+        self.run_pitched(dst, n, accumulate, parallelism);
+    }
+
+    /// [`Gemm::run`] into rows of `dst` `pitch` apart.
+    fn run_pitched(
+        &self,
+        dst: &mut [f32],
+        pitch: usize,
+        accumulate: bool,
+        parallelism: Parallelism,
+    ) {
+        let (m, n, k) = (self.m, self.n, self.k);
+        assert!(
+            pitch >= n && (m == 0 || dst.len() >= (m - 1) * pitch + n),
+            "a {m}x{n} product into {} values at a pitch of {pitch}",
             dst.len()
         );
         // (row stride, column stride) of a [rows, cols] operand.
@@ -578,8 +595,8 @@ impl Gemm<'_> {
             return;
         }
         // SAFETY: every operand holds its rows x cols values at its strides
-        // (asserted), which address inside it; `dst` is m x n, row-major,
-        // and borrowed mutably here alone.
+        // (asserted), which address inside it; `dst` holds m rows of n
+        // values `pitch` apart (asserted) and is borrowed mutably here alone.
         unsafe {
             gemm::gemm(
                 m,
@@ -587,7 +604,7 @@ impl Gemm<'_> {
                 k,
                 dst.as_mut_ptr(),
                 1,
-                n as isize,
+                pitch as isize,
                 accumulate,
                 self.a.values.as_ptr(),
                 a_cs,
@@ -612,24 +629,24 @@ impl Gemm<'_> {
     }
 }
 
-/// `rows` (of `bias.len()` values) plus `bias`, each row.
-fn add_bias(rows: &mut [f32], bias: &[f32]) {
-    for row in rows.chunks_exact_mut(bias.len()) {
-        for (v, b) in row.iter_mut().zip(bias) {
+/// `rows` plus a bias each: column `c`'s is `bias[c * step]` (gpt-oss's
+/// gate and up biases alternate in one variable).
+fn add_bias(rows: &mut [f32], bias: &[f32], step: usize) {
+    for row in rows.chunks_exact_mut(bias.len().div_ceil(step)) {
+        for (v, b) in row.iter_mut().zip(bias.iter().step_by(step)) {
             *v += b;
         }
     }
 }
 
-/// The column sums of `rows` of `cols` values.
-fn column_sums(rows: &[f32], cols: usize) -> Vec<f32> {
-    let mut sums = vec![0f32; cols];
-    for row in rows.chunks_exact(cols) {
-        for (s, v) in sums.iter_mut().zip(row) {
+/// Adds the column sums of `rows` into `sums`: column `c`'s into
+/// `sums[c * step]`, the values between left as they are.
+fn add_column_sums(rows: &[f32], sums: &mut [f32], step: usize) {
+    for row in rows.chunks_exact(sums.len().div_ceil(step)) {
+        for (s, v) in sums.iter_mut().step_by(step).zip(row) {
             *s += v;
         }
     }
-    sums
 }
 
 impl Dims {
@@ -668,10 +685,8 @@ impl Dims {
             .run(dst, false, par);
         }
         if self.form == ExpertForm::Interleaved {
-            let (gate_bias, up_bias): (Vec<f32>, Vec<f32>) =
-                w[1].chunks_exact(2).map(|p| (p[0], p[1])).unzip();
-            add_bias(rows.gate, &gate_bias);
-            add_bias(rows.up, &up_bias);
+            add_bias(rows.gate, w[1], 2);
+            add_bias(rows.up, &w[1][1..], 2);
         }
         let mid = self.gating.cpu(rows.gate, rows.up);
         Gemm {
@@ -683,7 +698,7 @@ impl Dims {
         }
         .run(rows.out, false, par);
         if self.form == ExpertForm::Interleaved {
-            add_bias(rows.out, w[3]);
+            add_bias(rows.out, w[3], 1);
         }
     }
 
@@ -720,17 +735,18 @@ impl Dims {
         }
         .into_new(par);
         let (d_gate_rows, d_up_rows) = self.gating.grads_cpu(gate, up, &d_mid);
-        let weight_grad = |d: &[f32]| {
-            Gemm {
+        // A `[width, hidden]` weight's gradient from its rows' `d`, into
+        // rows of `dst` `pitch` apart.
+        let weight_grad = |d: &[f32], dst: &mut [f32], pitch: usize| {
+            let product = Gemm {
                 m: i,
                 n: h,
                 k: r,
                 a: transposed(d),
                 b: plain(x),
-            }
-            .into_new(par)
+            };
+            product.run_pitched(dst, pitch, false, par)
         };
-        let (d_gate, d_up) = (weight_grad(&d_gate_rows), weight_grad(&d_up_rows));
         let [gate_w, up_w] = self.gate_up(w);
         for (rows, weight, accumulate) in [(&d_gate_rows, gate_w, false), (&d_up_rows, up_w, true)]
         {
@@ -744,20 +760,24 @@ impl Dims {
             .run(dx, accumulate, par);
         }
         match self.form {
-            ExpertForm::Separate => vec![d_gate, d_up, d_down],
+            ExpertForm::Separate => {
+                let (mut d_gate, mut d_up) = (vec![0f32; i * h], vec![0f32; i * h]);
+                weight_grad(&d_gate_rows, &mut d_gate, h);
+                weight_grad(&d_up_rows, &mut d_up, h);
+                vec![d_gate, d_up, d_down]
+            }
             ExpertForm::Interleaved => {
-                let interleave = |a: &[f32], b: &[f32], len: usize| -> Vec<f32> {
-                    let pairs = a.chunks_exact(len).zip(b.chunks_exact(len));
-                    pairs.flat_map(|(a, b)| [a, b]).flatten().copied().collect()
-                };
-                let (gate_sums, up_sums) =
-                    (column_sums(&d_gate_rows, i), column_sums(&d_up_rows, i));
-                vec![
-                    interleave(&d_gate, &d_up, h),
-                    interleave(&gate_sums, &up_sums, 1),
-                    d_down,
-                    column_sums(g, h),
-                ]
+                // Gate's and up's rows alternate in the variable: each
+                // product writes its rows in place, `2 h` apart.
+                let mut d_gate_up = vec![0f32; 2 * i * h];
+                let mut d_bias = vec![0f32; 2 * i];
+                for (d, first) in [(&d_gate_rows, 0), (&d_up_rows, 1)] {
+                    weight_grad(d, &mut d_gate_up[first * h..], 2 * h);
+                    add_column_sums(d, &mut d_bias[first..], 2);
+                }
+                let mut d_down_bias = vec![0f32; h];
+                add_column_sums(g, &mut d_down_bias, 1);
+                vec![d_gate_up, d_bias, d_down, d_down_bias]
             }
         }
     }
