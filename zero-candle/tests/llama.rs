@@ -2630,6 +2630,15 @@ fn internlm3_and_iquestcoder_configs_read_as_transformers_reads_them() {
     released["qkv_bias"] = true.into();
     let err = LlamaConfig::from_json(&released).unwrap_err();
     assert!(err.contains("set both the same"), "{err}");
+    // transformers' saved form: the error names its keys.
+    let mut saved_form = config_of("internlm3");
+    saved_form["attention_bias"] = true.into();
+    saved_form["mlp_bias"] = false.into();
+    let err = LlamaConfig::from_json(&saved_form).unwrap_err();
+    assert!(
+        err.contains("`attention_bias` differs from its `mlp_bias`"),
+        "{err}"
+    );
 
     let silent = LlamaConfig::from_json(&config_without(
         "iquestcoder",

@@ -6,6 +6,7 @@ use super::super::moe::{
     HUNYUAN_MOE, MINIMAX_M2_MOE, MISTRAL4_MOE, OLMOE_MOE, QWEN2_MOE, SARVAM_MLA_MOE, SARVAM_MOE,
     SOLAR_OPEN_MOE,
 };
+use super::latent::sarvam_mla_keys;
 use super::{LayerNames, NormNames, QkNorm, UngatedMlp};
 use crate::models::rope::RopeDialect;
 use crate::nn::Activation;
@@ -210,6 +211,19 @@ pub(super) struct Family {
     pub(super) latent: Option<bool>,
     /// A sink per query head (gpt-oss's `self_attn.sinks`).
     pub(super) sinks: bool,
+    /// The file's keys rewritten before they are read (Sarvam MLA's as
+    /// DeepSeek-V3's).
+    pub(super) key_rewrite: Option<fn(&serde_json::Value) -> serde_json::Value>,
+    /// The fused q, k and v follow `attention_bias` (GPT-NeoX, Falcon,
+    /// Sarvam MoE; Phi-3's have no biases whatever the file says).
+    pub(super) fused_qkv_biased: bool,
+    /// `attention_bias` and `mlp_bias` must agree: the files switch them
+    /// apart, but `transformers` runs the model as Llama, whose attention
+    /// has one switch for q, k, v and o (InternLM3).
+    pub(super) one_bias_switch: bool,
+    /// `intermediate_size` is the experts' width where the file leaves it
+    /// out (Solar Open, which has no dense layer).
+    pub(super) dense_width_of_experts: bool,
 }
 
 /// Llama itself (but for `mlp_bias`, which its family list reads): what the
@@ -270,6 +284,10 @@ pub(super) const LLAMA: Family = Family {
     sinks: false,
     key_aliases: &[],
     default_kv_heads: None,
+    key_rewrite: None,
+    fused_qkv_biased: false,
+    one_bias_switch: false,
+    dense_width_of_experts: false,
 };
 
 /// Gemma's settings common to its generations.
@@ -662,6 +680,7 @@ pub(super) static FAMILIES: [Family; 59] = [
         model_type: "gpt_neox",
         architectures: ["GPTNeoXForCausalLM", "GPTNeoXModel"],
         neox: true,
+        fused_qkv_biased: true,
         names: LayerNames::NeoX,
         attention_bias: true,
         fused_qkv: true,
@@ -733,6 +752,7 @@ pub(super) static FAMILIES: [Family; 59] = [
         model_type: "sarvam_moe",
         architectures: ["SarvamMoEForCausalLM", "Glm4MoeForCausalLM"],
         names: LayerNames::Sarvam,
+        fused_qkv_biased: true,
         fused_qkv: true,
         o_bias: false,
         switched_qk_norm: true,
@@ -828,6 +848,7 @@ pub(super) static FAMILIES: [Family; 59] = [
         default_head_dim: Some(128),
         default_theta: 1_000_000.0,
         moe: Some(SOLAR_OPEN_MOE),
+        dense_width_of_experts: true,
         ..LLAMA
     },
     // Ministral 3 (the text model of Mistral's Ministral 3 and Mistral
@@ -871,6 +892,7 @@ pub(super) static FAMILIES: [Family; 59] = [
         model_type: "falcon",
         architectures: ["FalconForCausalLM", "FalconModel"],
         falcon: true,
+        fused_qkv_biased: true,
         names: LayerNames::Falcon,
         fused_qkv: true,
         biased_layer_norms: true,
@@ -908,6 +930,7 @@ pub(super) static FAMILIES: [Family; 59] = [
         architectures: ["SarvamMLAForCausalLM", "DeepseekV3ForCausalLM"],
         latent: Some(true),
         moe: Some(SARVAM_MLA_MOE),
+        key_rewrite: Some(sarvam_mla_keys),
         key_aliases: &[("num_shared_experts", "n_shared_experts")],
         ..LLAMA
     },
@@ -951,6 +974,7 @@ pub(super) static FAMILIES: [Family; 59] = [
         default_head_dim: Some(128),
         default_rms_eps: 1e-5,
         key_aliases: &[("qkv_bias", "attention_bias"), ("bias", "mlp_bias")],
+        one_bias_switch: true,
         ..LLAMA
     },
     // IQuest-Coder: Llama (run as Llama) with heads of 128 and

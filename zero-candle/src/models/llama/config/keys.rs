@@ -148,31 +148,6 @@ pub(super) fn neox_rotary_keys(config: &serde_json::Value) -> serde_json::Value 
     config
 }
 
-/// Sarvam MLA's config as DeepSeek-V3's, as `transformers` reads it: one
-/// `q_proj` where `q_lora_rank` is absent (DeepSeek-V3's default is a
-/// latent), and its released files' rotary scaling "deepseek_yarn" as
-/// YaRN.
-pub(super) fn sarvam_mla_keys(config: &serde_json::Value) -> serde_json::Value {
-    let mut config = config.clone();
-    let Some(object) = config.as_object_mut() else {
-        return config;
-    };
-    object
-        .entry("q_lora_rank")
-        .or_insert(serde_json::Value::Null);
-    if let Some(scaling) = object
-        .get_mut("rope_scaling")
-        .and_then(|s| s.as_object_mut())
-    {
-        let named = |key: &str| scaling.get(key).and_then(|v| v.as_str()) == Some("deepseek_yarn");
-        if named("type") || named("rope_type") {
-            scaling.remove("type");
-            scaling.insert("rope_type".into(), "yarn".into());
-        }
-    }
-    config
-}
-
 /// GPT-J's config with GPT-2's keys as Llama's (`n_embd` as `hidden_size`,
 /// `n_inner` as `intermediate_size`, 4 `n_embd` where null, ...), its
 /// `rotary_dim` as a `partial_rotary_factor` (the whole head where null).

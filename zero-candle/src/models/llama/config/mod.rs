@@ -18,8 +18,8 @@ use crate::nn::Activation;
 use families::{Family, Gemma, FAMILIES};
 use keys::{
     falcon_keys, gptj_keys, mlp_activation, neox_rotary_keys, ntk_alpha_as_theta,
-    refuse_gemma_settings, rotated_layers, sarvam_mla_keys, sliding_window_of, typed_ropes,
-    with_default_rope, Plain,
+    refuse_gemma_settings, rotated_layers, sliding_window_of, typed_ropes, with_default_rope,
+    Plain,
 };
 use latent::{latent_of, score_mscale};
 use serde::Deserialize;
@@ -363,8 +363,8 @@ impl LlamaConfig {
             Some(neox_rotary_keys(config))
         } else if family.hunyuan {
             Some(ntk_alpha_as_theta(config)?)
-        } else if family.model_type == "sarvam_mla" {
-            Some(sarvam_mla_keys(config))
+        } else if let Some(rewrite) = family.key_rewrite {
+            Some(rewrite(config))
         } else {
             family
                 .default_rope
@@ -378,24 +378,20 @@ impl LlamaConfig {
                 "`mlp_bias` is true; {kind}'s MLPs have no biases in transformers: set it to false"
             ));
         }
-        // InternLM3's files name q, k and v's biases (`qkv_bias`) apart from
-        // o's and the MLP's (`bias`); Llama's layout, which transformers
-        // runs it as, has one switch for all four projections.
-        if family.model_type == "internlm3"
+        if family.one_bias_switch
             && plain.attention_bias.unwrap_or(false) != plain.mlp_bias.unwrap_or(false)
         {
-            return Err(
-                "InternLM3's `qkv_bias` differs from its `bias`: transformers (and this model) \
-                 runs it as Llama, whose attention has one bias switch for q, k, v and o; set \
-                 both the same"
-                    .into(),
-            );
+            return Err(format!(
+                "{kind}'s `attention_bias` differs from its `mlp_bias`: transformers (and this \
+                 model) runs it as Llama, whose attention has one bias switch for q, k, v and o; \
+                 set both the same"
+            ));
         }
         let heads = plain.num_attention_heads;
         // Solar Open's dense width is its experts' (it has no dense layer).
         let intermediate_size = match (plain.intermediate_size, family.moe) {
             (Some(width), _) => width,
-            (None, Some(moe)) if family.model_type == "solar_open" => expert_size_of(config, moe)?,
+            (None, Some(moe)) if family.dense_width_of_experts => expert_size_of(config, moe)?,
             (None, _) => return Err("missing field `intermediate_size` (the MLP's width): use the config.json the checkpoint came with".into()),
         };
         let rotated_layers = match family.nope_layers {
@@ -482,8 +478,7 @@ impl LlamaConfig {
         let attention_bias = plain.attention_bias.unwrap_or(family.attention_bias) || use_bias;
         // Phi-3's fused projections have no biases whatever the file says;
         // GPT-NeoX's and Sarvam MoE's follow `attention_bias`.
-        let biased_attention =
-            !family.fused_qkv || family.neox || family.falcon || family.names == LayerNames::Sarvam;
+        let biased_attention = !family.fused_qkv || family.fused_qkv_biased;
         let parallel_blocks = family.cohere
             || family.phi
             || family.gptj
