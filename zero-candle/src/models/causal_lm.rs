@@ -1,7 +1,7 @@
 //! [`CausalLm`]: whichever supported model a hub checkpoint holds, chosen
 //! by its `config.json`'s `model_type` ([`HubConfig`]).
 
-use super::llama::{self, LLAMA_TYPES};
+use super::llama::{self, llama_types};
 use super::{Gpt2, Gpt2Config, Llama, LlamaConfig};
 use crate::hub::{HubDir, HubLayout};
 use crate::nn::GradHook;
@@ -32,10 +32,12 @@ impl HubConfig {
             Some("gpt2") => Gpt2Config::from_json(config).map(Self::Gpt2),
             Some(kind) if llama::reads(kind) => LlamaConfig::from_json(config).map(Self::Llama),
             Some(other) => Err(format!(
-                "`model_type` is {other:?}; the models here are \"gpt2\", {LLAMA_TYPES}"
+                "`model_type` is {other:?}; the models here are \"gpt2\", {}",
+                llama_types()
             )),
             None => Err(format!(
-                "no `model_type`; the models here are \"gpt2\", {LLAMA_TYPES}"
+                "no `model_type`; the models here are \"gpt2\", {}",
+                llama_types()
             )),
         }
     }

@@ -87,7 +87,7 @@ mod latent;
 mod mlp;
 mod moe;
 
-pub(crate) use config::{reads, LLAMA_TYPES};
+pub(crate) use config::{llama_types, reads};
 pub use config::{
     LatentAttention, LayerNames, LlamaConfig, NormNames, PositionScale, QkNorm, SlidingWindow,
     UngatedMlp, LATENT_NORM_EPS,

@@ -3,7 +3,7 @@
 //! rotary parameters per layer type, and the older or family-specific keys
 //! rewritten into the ones the rest reads.
 
-use super::families::{Gemma, TypedRope, Windows, DEFAULT_MAX_WINDOW_LAYERS, DEFAULT_WINDOW};
+use super::family::{Gemma, TypedRope, Windows, DEFAULT_MAX_WINDOW_LAYERS, DEFAULT_WINDOW};
 use super::SlidingWindow;
 use crate::models::rope::{Rope, RopeDialect};
 use crate::nn::Activation;

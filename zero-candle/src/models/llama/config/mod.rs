@@ -3,11 +3,12 @@
 //! ([`families`]), the file's keys read in [`keys`].
 
 mod families;
+mod family;
 mod keys;
 mod latent;
 mod names;
 
-pub(crate) use families::{reads, LLAMA_TYPES};
+pub(crate) use families::{llama_types, reads};
 pub use latent::{LatentAttention, LATENT_NORM_EPS};
 pub use names::{LayerNames, NormNames, UngatedMlp};
 
@@ -15,7 +16,8 @@ use super::moe::{expert_size_of, moe_of, MoeConfig};
 use crate::hub::HubDir;
 use crate::models::rope::Rope;
 use crate::nn::Activation;
-use families::{Family, Gemma, FAMILIES};
+use families::FAMILIES;
+use family::{Family, Gemma};
 use keys::{
     falcon_keys, gptj_keys, mlp_activation, neox_rotary_keys, ntk_alpha_as_theta,
     refuse_gemma_settings, rotated_layers, sliding_window_of, typed_ropes, with_default_rope,
@@ -316,12 +318,13 @@ impl LlamaConfig {
             .get("model_type")
             .and_then(|v| v.as_str())
             .unwrap_or("llama");
-        if matches!(kind, "gemma3" | "mistral3") {
+        if families::TEXT_MODELS_OF.contains(&kind) {
             return Self::from_text_of_multimodal(config, kind);
         }
         let Some(family) = FAMILIES.iter().find(|f| f.model_type == kind) else {
             return Err(format!(
-                "`model_type` is {kind:?}; this model reads {LLAMA_TYPES}"
+                "`model_type` is {kind:?}; this model reads {}",
+                llama_types()
             ));
         };
         // A family's aliases, read as the keys they stand for; an error
