@@ -20,9 +20,22 @@ pub const LR: f64 = 0.5;
 
 pub type Golden = std::collections::HashMap<String, Tensor>;
 
-/// The `golden.safetensors` of a fixtures folder.
+/// The goldens of a fixtures folder: its `golden.safetensors`, or every
+/// file of its `golden/` folder (one per model) as one map.
 pub fn golden(fixtures: &Path) -> Golden {
-    candle_core::safetensors::load(fixtures.join("golden.safetensors"), &Device::Cpu).unwrap()
+    let folder = fixtures.join("golden");
+    if !folder.is_dir() {
+        return candle_core::safetensors::load(fixtures.join("golden.safetensors"), &Device::Cpu)
+            .unwrap();
+    }
+    let mut golden = Golden::new();
+    for file in std::fs::read_dir(&folder).unwrap() {
+        let path = file.unwrap().path();
+        if path.extension().is_some_and(|e| e == "safetensors") {
+            golden.extend(candle_core::safetensors::load(&path, &Device::Cpu).unwrap());
+        }
+    }
+    golden
 }
 
 /// The golden batch, `[2, 17]` token ids.
