@@ -210,6 +210,10 @@ fn a_bf16_fine_tune_trains_and_saves_in_the_checkpoints_dtype() {
         ("llama/hunyuanmoe", 3),
         ("llama/sarvammoe", 3),
         ("llama/sarvammla", 3),
+        ("llama/graniteswa", 3),
+        ("llama/granitemoeswa", 3),
+        ("llama/vaultgemma", 3),
+        ("llama/hyperclovax", 2),
     ] {
         let dir = tempfile::tempdir().unwrap();
         let out = dir.path().join("out");

@@ -114,6 +114,10 @@ const LATER: [(&str, &str); 44] = [
     ("llama/hunyuanmoe", "hunyuanmoe."),
     ("llama/sarvammoe", "sarvammoe."),
     ("llama/sarvammla", "sarvammla."),
+    ("llama/graniteswa", "graniteswa."),
+    ("llama/granitemoeswa", "granitemoeswa."),
+    ("llama/vaultgemma", "vaultgemma."),
+    ("llama/hyperclovax", "hyperclovax."),
 ];
 
 /// The fixtures: under the current directory when it is the repository's

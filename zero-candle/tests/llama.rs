@@ -130,6 +130,13 @@ fn logits_loss_and_gradients_equal_transformers() {
         ("sarvammoe", 48),
         // DeepSeek-V3's attention with one q_proj.
         ("sarvammla", 48),
+        // Sinks, a base per layer (none in one), windows.
+        ("graniteswa", 22),
+        ("granitemoeswa", 43),
+        // Gemma 2's without the norms of the outputs.
+        ("vaultgemma", 20),
+        // Norms of the outputs under its own names; logits times the scale.
+        ("hyperclovax", 25),
     ];
     for (fixture, variables) in cases {
         let (config, map) = Llama::open_hub(fixtures().join(fixture)).unwrap();
@@ -152,6 +159,8 @@ fn logits_loss_and_gradients_equal_transformers() {
                     | "starcoder2"
                     | "falcon"
                     | "falconseq"
+                    | "graniteswa"
+                    | "vaultgemma"
             )
         );
         let per_head = matches!(
@@ -343,6 +352,10 @@ fn loading_then_saving_reproduces_the_checkpoint_tensor_for_tensor() {
         "hunyuanmoe",
         "sarvammoe",
         "sarvammla",
+        "graniteswa",
+        "granitemoeswa",
+        "vaultgemma",
+        "hyperclovax",
     ] {
         let dir = fixtures().join(fixture);
         for (stage, world) in [(Stage::Ddp, 1), (Stage::Parameters, 2)] {
@@ -447,6 +460,10 @@ fn one_sgd_step_equals_torch_at_stage_0_and_at_stage_3_on_two_ranks() {
         // The routing bias saved back as it was read, under its own name.
         ("sarvammoe", Stage::Parameters, 2, 49),
         ("sarvammla", Stage::Parameters, 2, 49),
+        ("graniteswa", Stage::Parameters, 2, 22),
+        ("granitemoeswa", Stage::Parameters, 2, 23),
+        ("vaultgemma", Stage::Parameters, 2, 20),
+        ("hyperclovax", Stage::Parameters, 2, 25),
     ] {
         let out = tempfile::tempdir().unwrap();
         Run::new(stage, world, 1).train(&fixtures().join(fixture), &ids, out.path());
@@ -1073,6 +1090,22 @@ fn gemma_configs_read_as_transformers_reads_them() {
     assert_eq!(parsed.norm_weight_offset, 1.0);
     assert_eq!(parsed.embedding_scale, Some(32f64.sqrt()));
     assert_eq!(parsed.mlp_activation, Activation::Gelu);
+    // VaultGemma: Gemma 2's settings, its blocks normalizing their inputs
+    // alone.
+    let vault = LlamaConfig::from_json(&config_of("vaultgemma")).unwrap();
+    assert!(vault.input_norms && !vault.output_norms);
+    assert_eq!(
+        (vault.attn_logit_softcapping, vault.final_logit_softcapping),
+        (Some(1.0), Some(0.5))
+    );
+    assert_eq!(
+        (
+            vault.attention_scale,
+            vault.norm_weight_offset,
+            vault.mlp_activation
+        ),
+        (Some(12f64.powf(-0.5)), 1.0, Activation::Gelu)
+    );
     assert!(parsed.output_norms && parsed.input_norms && parsed.tie_word_embeddings);
     assert_eq!(parsed.qk_norm, Some(QkNorm::PerHead));
 
@@ -2848,6 +2881,121 @@ fn granite_moe_configs_read_as_transformers_reads_them() {
     ))
     .unwrap();
     assert_eq!(none.moe.unwrap().shared_expert_size, None, "0 by default");
+}
+
+/// HyperCLOVA X's config read as `transformers` reads it: `logits_scaling`
+/// multiplies the logits, and `use_post_norm` (on by default) switches the
+/// norms of the outputs.
+#[test]
+fn hyperclovax_configs_read_as_transformers_reads_them() {
+    let parsed = LlamaConfig::from_json(&config_of("hyperclovax")).unwrap();
+    assert_eq!(
+        (parsed.logit_scale, parsed.logits_scaling),
+        (Some(4.0), None)
+    );
+    assert!(parsed.output_norms && parsed.input_norms);
+    let silent =
+        LlamaConfig::from_json(&config_without("hyperclovax", &["use_post_norm"])).unwrap();
+    assert!(silent.output_norms, "on by default");
+    let mut off = config_of("hyperclovax");
+    off["use_post_norm"] = false.into();
+    let plain = LlamaConfig::from_json(&off).unwrap();
+    assert!(!plain.output_norms && plain.input_norms);
+}
+
+/// Granite SWA's and Granite MoE SWA's configs read as `transformers` reads
+/// them: where a file is silent, windows of 128 in all but every fourth
+/// layer from the first and every layer rotating at `rope_theta`;
+/// `layer_rope_theta` gives each layer's base (0: none), one per attention
+/// type here, anything else refused by name.
+#[test]
+fn granite_swa_configs_read_as_transformers_reads_them() {
+    use zero_candle::models::MoeStyle;
+    let fixture = LlamaConfig::from_json(&config_of("graniteswa")).unwrap();
+    assert!(fixture.attention_sinks);
+    assert_eq!(fixture.rotated_layers, Some(vec![false, true]));
+    assert_eq!(
+        (
+            fixture.rope.theta,
+            fixture.local_rope.as_ref().map(|r| r.theta)
+        ),
+        (20000.0, Some(100.0))
+    );
+    let window = fixture.sliding_window.as_ref().unwrap();
+    assert_eq!((window.size, window.layers.clone()), (5, vec![false, true]));
+
+    // A file that leaves the layers' settings out: every layer rotating at
+    // the one base, windows of 128 in three layers of four.
+    let mut silent = config_without(
+        "graniteswa",
+        &["layer_rope_theta", "layer_types", "sliding_window"],
+    );
+    silent["num_hidden_layers"] = 8.into();
+    let parsed = LlamaConfig::from_json(&silent).unwrap();
+    assert_eq!(parsed.rotated_layers, None);
+    assert_eq!(
+        (parsed.rope.theta, parsed.local_rope.is_none()),
+        (20000.0, true)
+    );
+    let window = parsed.sliding_window.unwrap();
+    assert_eq!(window.size, 128);
+    assert_eq!(window.layers, [0, 1, 1, 1, 0, 1, 1, 1].map(|w| w == 1));
+    let defaults = LlamaConfig::from_json(&config_without(
+        "graniteswa",
+        &["num_key_value_heads", "rms_norm_eps", "tie_word_embeddings"],
+    ))
+    .unwrap();
+    assert_eq!(
+        (
+            defaults.num_key_value_heads,
+            defaults.rms_norm_eps,
+            defaults.tie_word_embeddings
+        ),
+        (4, 1e-5, true)
+    );
+
+    // The same base in both attention types: one rotation.
+    let mut same = silent.clone();
+    same["layer_rope_theta"] = serde_json::json!([7000, 7000, 0, 7000, 7000, 7000, 7000, 7000]);
+    let parsed = LlamaConfig::from_json(&same).unwrap();
+    assert_eq!(
+        (parsed.rope.theta, parsed.local_rope.is_none()),
+        (7000.0, true)
+    );
+    assert!(
+        !parsed.rotated_layers.unwrap()[2],
+        "layer 2 does not rotate"
+    );
+    for (bases, says) in [
+        (serde_json::json!([1, 2]), "has 2 bases for 8 layers"),
+        (
+            serde_json::json!([0, 1, 2, 1, 0, 1, 1, 1]),
+            "gives the sliding layers the bases 1 and 2",
+        ),
+        (
+            serde_json::json!([1, 0, 0, 0, 2, 0, 0, 0]),
+            "gives the full-attention layers the bases 1 and 2",
+        ),
+        (serde_json::json!([0, -1, 0, 0, 0, 0, 0, 0]), "holds -1"),
+    ] {
+        let mut bad = silent.clone();
+        bad["layer_rope_theta"] = bases;
+        let err = LlamaConfig::from_json(&bad).unwrap_err();
+        assert!(
+            err.contains("`layer_rope_theta`") && err.contains(says),
+            "{err}"
+        );
+    }
+
+    let moe = LlamaConfig::from_json(&config_of("granitemoeswa")).unwrap();
+    assert!(moe.attention_sinks && moe.fused_experts);
+    assert_eq!((moe.rope.theta, moe.local_rope.is_none()), (20000.0, true));
+    assert_eq!(moe.rotated_layers, Some(vec![true, false]));
+    let mixture = moe.moe.unwrap();
+    assert_eq!(
+        (mixture.style, mixture.shared_expert_size),
+        (MoeStyle::GraniteSwa, None)
+    );
 }
 
 /// gpt-oss's config read as `transformers` reads it: the released 20B's

@@ -233,7 +233,7 @@ impl<'a> Builder<'a> {
         let (router, experts) = (self.router(&mixture, moe)?, self.experts(&mixture, moe)?);
         let mlp = vb.pp("mlp");
         let shared = match moe.shared_expert_size {
-            Some(width) if moe.style == MoeStyle::Granite => {
+            Some(width) if moe.style.granite() => {
                 let shared = vb.pp("shared_mlp");
                 Some((
                     Mlp {

@@ -72,7 +72,12 @@
 //! names, [`LayerNames::Exaone`]), Granite MoE (`GraniteMoeForCausalLM`:
 //! Granite's multipliers, a mixture whose experts its files fuse), EXAONE
 //! MoE and gpt-oss (`GptOssForCausalLM`: attention sinks, experts with
-//! biases and a clamped SwiGLU).
+//! biases and a clamped SwiGLU). Granite SWA and Granite MoE SWA
+//! (`GraniteSWAForCausalLM`, `GraniteMoeSWAForCausalLM`: windows, sinks, a
+//! rotary base per layer), VaultGemma (`VaultGemmaForCausalLM`: Gemma 2's
+//! without the norms of the outputs) and HyperCLOVA X
+//! (`HyperCLOVAXForCausalLM`: Granite's multipliers with norms of the
+//! outputs).
 //!
 //! The variables carry the hub's names (`model.embed_tokens.weight`,
 //! `model.layers.{i}.self_attn.q_proj.weight`, ..., `model.norm.weight`,

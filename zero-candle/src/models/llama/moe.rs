@@ -154,6 +154,10 @@ pub enum MoeStyle {
     /// block's mixture, `shared_mlp.input_linear` (gate and up) and
     /// `output_linear`.
     Granite,
+    /// Granite MoE SWA's: Granite MoE's under `transformers` 5's names
+    /// (`block_sparse_moe.router`, `block_sparse_moe.experts.gate_up_proj`
+    /// and `experts.down_proj`), the shared MLP Granite's.
+    GraniteSwa,
     /// gpt-oss's: `mlp.router` with a bias; the experts fused in every
     /// file, with biases, gate and up interleaved and each projection
     /// stored `[in, out]` (`mlp.experts.gate_up_proj` `[experts, hidden, 2 *
@@ -177,7 +181,7 @@ impl MoeStyle {
     /// `block_sparse_moe`, the others' `mlp`.
     pub(super) fn prefix(self) -> &'static str {
         match self {
-            Self::Mixtral | Self::MiniMax | Self::Granite => "block_sparse_moe",
+            Self::Mixtral | Self::MiniMax | Self::Granite | Self::GraniteSwa => "block_sparse_moe",
             Self::Qwen
             | Self::Glm
             | Self::DeepSeek
@@ -203,7 +207,7 @@ impl MoeStyle {
     pub(super) fn router_name(self) -> &'static str {
         match self {
             Self::Granite => "router.layer",
-            Self::GptOss => "router",
+            Self::GptOss | Self::GraniteSwa => "router",
             Self::Hunyuan => "gate.wg",
             _ => "gate",
         }
@@ -235,8 +239,14 @@ impl MoeStyle {
     pub(super) fn weights_in_model_dtype(self) -> bool {
         matches!(
             self,
-            Self::Qwen | Self::Ernie | Self::Granite | Self::GptOss
+            Self::Qwen | Self::Ernie | Self::Granite | Self::GraniteSwa | Self::GptOss
         )
+    }
+
+    /// Granite MoE's mixture, under either names: a shared MLP of its own,
+    /// the experts fused in every file.
+    pub(super) fn granite(self) -> bool {
+        matches!(self, Self::Granite | Self::GraniteSwa)
     }
 
     /// The router and the experts have biases (gpt-oss's).
@@ -514,6 +524,13 @@ pub(super) const GRANITE_MOE: MoeFamily = MoeFamily {
 pub(super) const GRANITE_MOE_SHARED: MoeFamily = MoeFamily {
     shared_expert_size: Some(0),
     ..GRANITE_MOE
+};
+
+/// Granite MoE SWA's mixture (`granitemoe_swa`): Granite MoE Shared's under
+/// `transformers` 5's names.
+pub(super) const GRANITE_MOE_SWA: MoeFamily = MoeFamily {
+    style: MoeStyle::GraniteSwa,
+    ..GRANITE_MOE_SHARED
 };
 
 /// EXAONE MoE's mixture (`exaone_moe`): GLM-4.5's router and shared
@@ -881,7 +898,7 @@ pub(super) fn moe_of(
                 .ok_or("missing field `intermediate_size` (the MLP's width): use the config.json the checkpoint came with")?,
         ),
         // Granite's shared MLP, where its family has one.
-        false if family.style == MoeStyle::Granite => family
+        false if family.style.granite() => family
             .shared_expert_size
             .map(|default| plain.shared_intermediate_size.unwrap_or(default))
             .filter(|&s| s > 0),
@@ -960,7 +977,7 @@ pub(super) fn moe_of(
                 min_sum: plain.moe_norm_min.unwrap_or(1e-12),
             },
             MoeStyle::Mixtral | MoeStyle::Qwen | MoeStyle::Hunyuan => MoeRouting::Softmax,
-            MoeStyle::Granite | MoeStyle::GptOss => MoeRouting::TopKSoftmax,
+            MoeStyle::Granite | MoeStyle::GraniteSwa | MoeStyle::GptOss => MoeRouting::TopKSoftmax,
         },
         router_in_f32: family.router_in_f32,
         clamped_swiglu: (family.style == MoeStyle::GptOss).then(|| ClampedSwiglu {
@@ -979,7 +996,7 @@ impl LlamaConfig {
     /// one weight per expert ([`LlamaConfig::fused_experts`]).
     pub(crate) fn settle_experts(&mut self, hub: &HubDir) {
         self.fused_experts = match &self.moe {
-            Some(moe) if matches!(moe.style, MoeStyle::Granite | MoeStyle::GptOss) => true,
+            Some(moe) if moe.style.granite() || moe.style == MoeStyle::GptOss => true,
             Some(_) => hub
                 .names()
                 .any(|n| n.ends_with(".experts.gate_up_proj") || n.ends_with(".experts.down_proj")),

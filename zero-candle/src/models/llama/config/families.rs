@@ -3,8 +3,8 @@
 use super::super::moe::{
     MoeFamily, MoeStyle, Normalize, DEEPSEEK_V2_MOE, DEEPSEEK_V3_MOE, DOTS1_MOE, ERNIE4_5_MOE,
     EXAONE_MOE, GLM4_MOE, GLM4_MOE_LITE_MOE, GPT_OSS_MOE, GRANITE_MOE, GRANITE_MOE_SHARED,
-    HUNYUAN_MOE, MINIMAX_M2_MOE, MISTRAL4_MOE, OLMOE_MOE, QWEN2_MOE, SARVAM_MLA_MOE, SARVAM_MOE,
-    SOLAR_OPEN_MOE,
+    GRANITE_MOE_SWA, HUNYUAN_MOE, MINIMAX_M2_MOE, MISTRAL4_MOE, OLMOE_MOE, QWEN2_MOE,
+    SARVAM_MLA_MOE, SARVAM_MOE, SOLAR_OPEN_MOE,
 };
 use super::family::{Family, Gemma, TypedRope, Windows, DEFAULT_WINDOW, LLAMA};
 use super::latent::sarvam_mla_keys;
@@ -86,7 +86,7 @@ pub(super) const ERNIE: Family = Family {
 };
 
 /// The families read as Llama.
-pub(super) static FAMILIES: [Family; 59] = [
+pub(super) static FAMILIES: [Family; 63] = [
     Family {
         reads_mlp_bias: true,
         ..LLAMA
@@ -137,6 +137,19 @@ pub(super) static FAMILIES: [Family; 59] = [
             missing: DEFAULT_WINDOW,
         },
         gemma: Some(Gemma::Two),
+        ..GEMMA
+    },
+    // VaultGemma: Gemma 2's without the norms of the outputs, the MLP's
+    // norm under Gemma 2's name.
+    Family {
+        model_type: "vaultgemma",
+        architectures: ["VaultGemmaForCausalLM", "VaultGemmaModel"],
+        names: LayerNames::VaultGemma,
+        windows: Windows::Typed {
+            pattern: 2,
+            missing: DEFAULT_WINDOW,
+        },
+        gemma: Some(Gemma::Vault),
         ..GEMMA
     },
     Family {
@@ -749,6 +762,49 @@ pub(super) static FAMILIES: [Family; 59] = [
         moe: Some(GRANITE_MOE_SHARED),
         ..LLAMA
     },
+    // HyperCLOVA X: Granite's multipliers but `logits_scaling` multiplying
+    // the logits, norms of the attention's and the MLP's outputs
+    // (`post_norm1`, `post_norm2`) where `use_post_norm` (on by default).
+    Family {
+        model_type: "hyperclovax",
+        architectures: ["HyperCLOVAXForCausalLM", "HyperCLOVAXModel"],
+        reads_mlp_bias: true,
+        multipliers: true,
+        output_norms: Some(NormNames::HyperClovaX),
+        switched_output_norms: true,
+        logits_scaling_multiplies: true,
+        ..LLAMA
+    },
+    // Granite SWA: Granite with windows of 128 in the layers `layer_types`
+    // names (all but every fourth from the first by default), a sink per
+    // query head, a base per layer (`layer_rope_theta`, 0 where the layer
+    // does not rotate); the head tied, `rms_norm_eps` 1e-5 and 4 key/value
+    // heads by default.
+    Family {
+        model_type: "granite_swa",
+        architectures: ["GraniteSWAForCausalLM", "GraniteSWAModel"],
+        reads_mlp_bias: true,
+        multipliers: true,
+        windows: GRANITE_SWA_WINDOWS,
+        sinks: true,
+        layer_thetas: true,
+        default_rms_eps: 1e-5,
+        tied_by_default: true,
+        default_kv_heads: Some(4),
+        ..LLAMA
+    },
+    // Granite MoE SWA: Granite MoE Shared's mixture (the shared MLP off by
+    // default) beneath Granite SWA's attention.
+    Family {
+        model_type: "granitemoe_swa",
+        architectures: ["GraniteMoeSWAForCausalLM", "GraniteMoeSWAModel"],
+        multipliers: true,
+        windows: GRANITE_SWA_WINDOWS,
+        sinks: true,
+        layer_thetas: true,
+        moe: Some(GRANITE_MOE_SWA),
+        ..LLAMA
+    },
     // EXAONE MoE (K-EXAONE): EXAONE 4's attention (head norms, windows in
     // three layers of four which alone rotate) in pre-norm blocks, GLM-4.5's
     // mixture with its bias beside the router, `num_shared_experts`.
@@ -788,6 +844,13 @@ pub(super) static FAMILIES: [Family; 59] = [
         ..LLAMA
     },
 ];
+
+/// Granite SWA's windows: of 128, in all but every fourth layer from the
+/// first where `layer_types` does not say.
+const GRANITE_SWA_WINDOWS: Windows = Windows::Listed {
+    every: 4,
+    missing: 128,
+};
 
 /// gpt-oss's rotation where its file gives none (`transformers`' default).
 pub(super) const GPT_OSS_ROPE: &str = r#"{"rope_type": "yarn", "rope_theta": 150000.0,

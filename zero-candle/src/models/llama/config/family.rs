@@ -71,6 +71,9 @@ pub(super) enum Gemma {
     /// does not apply), with norms of each query and key head and the
     /// rotary parameters per layer type.
     Three,
+    /// VaultGemma's: Gemma 2's without the norms of the attention's and
+    /// the MLP's outputs.
+    Vault,
 }
 
 /// A family read as Llama: what sets it apart.
@@ -218,6 +221,15 @@ pub(super) struct Family {
     /// `intermediate_size` is the experts' width where the file leaves it
     /// out (Solar Open, which has no dense layer).
     pub(super) dense_width_of_experts: bool,
+    /// `layer_rope_theta` gives each layer's base, 0 where it does not
+    /// rotate (Granite SWA).
+    pub(super) layer_thetas: bool,
+    /// `use_post_norm` switches [`Family::output_norms`] (on where absent:
+    /// HyperCLOVA X's peri-layer norms).
+    pub(super) switched_output_norms: bool,
+    /// Granite's `logits_scaling` multiplies the logits rather than
+    /// dividing them (HyperCLOVA X).
+    pub(super) logits_scaling_multiplies: bool,
 }
 
 /// Llama itself (but for `mlp_bias`, which its family list reads): what the
@@ -282,4 +294,7 @@ pub(super) const LLAMA: Family = Family {
     fused_qkv_biased: false,
     one_bias_switch: false,
     dense_width_of_experts: false,
+    layer_thetas: false,
+    switched_output_norms: false,
+    logits_scaling_multiplies: false,
 };

@@ -56,6 +56,9 @@ pub(super) struct Plain {
     pub(super) attn_logit_softcapping: Option<f64>,
     #[serde(default)]
     pub(super) use_bidirectional_attention: Option<bool>,
+    /// Granite SWA's base per layer, 0 where the layer does not rotate.
+    #[serde(default)]
+    pub(super) layer_rope_theta: Option<Vec<f64>>,
     /// SmolLM3's layers with (1) and without (0) rotary embeddings.
     #[serde(default)]
     pub(super) no_rope_layers: Option<Vec<u8>>,
@@ -71,6 +74,9 @@ pub(super) struct Plain {
     pub(super) residual_multiplier: Option<f64>,
     #[serde(default)]
     pub(super) logits_scaling: Option<f64>,
+    /// HyperCLOVA X's switch for the norms of the outputs (on when absent).
+    #[serde(default)]
+    pub(super) use_post_norm: Option<bool>,
     #[serde(default)]
     pub(super) attention_dropout: Option<f64>,
     #[serde(default)]
@@ -497,6 +503,73 @@ pub(super) fn rotated_layers(plain: &Plain) -> std::result::Result<Vec<bool>, St
     }
 }
 
+/// Granite SWA's `layer_rope_theta` (a base per layer, 0 where the layer
+/// does not rotate) as the layers that rotate and the rotations of the
+/// full-attention and the sliding layers (`rope` with their bases), as
+/// `transformers` builds a rotary embedding per base; `None` where the
+/// file gives no list (every layer `rope`'s base).
+pub(super) fn layer_thetas(
+    plain: &Plain,
+    window: Option<&SlidingWindow>,
+    rope: &Rope,
+) -> std::result::Result<Option<LayerRopes>, String> {
+    let Some(thetas) = &plain.layer_rope_theta else {
+        return Ok(None);
+    };
+    if thetas.len() != plain.num_hidden_layers {
+        return Err(format!(
+            "`layer_rope_theta` has {} bases for {} layers; give one per layer (0 for none)",
+            thetas.len(),
+            plain.num_hidden_layers
+        ));
+    }
+    if let Some(bad) = thetas.iter().find(|t| !(t.is_finite() && **t >= 0.0)) {
+        return Err(format!(
+            "`layer_rope_theta` holds {bad}; each base is positive, or 0 for none"
+        ));
+    }
+    let sliding = |i: usize| window.is_some_and(|w| w.layers[i]);
+    // One base per attention type: the model keeps one rotation for the
+    // full layers and one for the sliding ones.
+    let base_of =
+        |want_sliding: bool| -> std::result::Result<Option<f64>, String> {
+            let mut bases = (0..thetas.len())
+                .filter(|&i| sliding(i) == want_sliding && thetas[i] != 0.0)
+                .map(|i| thetas[i]);
+            let first = bases.next();
+            match bases.find(|&t| Some(t) != first) {
+                Some(other) => Err(format!(
+                "`layer_rope_theta` gives the {} layers the bases {} and {other}; one base per \
+                 attention type (full, sliding) is implemented here",
+                if want_sliding { "sliding" } else { "full-attention" },
+                first.unwrap_or_default()
+            )),
+                None => Ok(first),
+            }
+        };
+    let with_base = |theta: f64| Rope {
+        theta,
+        scaling: rope.scaling.clone(),
+    };
+    let (full, local) = (base_of(false)?, base_of(true)?);
+    let global = with_base(full.unwrap_or(rope.theta));
+    Ok(Some(LayerRopes {
+        rotated: thetas.iter().map(|&t| t != 0.0).collect(),
+        local: local.filter(|&t| t != global.theta).map(with_base),
+        global,
+    }))
+}
+
+/// The rotations [`layer_thetas`] reads.
+pub(super) struct LayerRopes {
+    /// Per layer, whether it rotates.
+    pub(super) rotated: Vec<bool>,
+    /// The full-attention layers' rotation.
+    pub(super) global: Rope,
+    /// The sliding layers', where its base differs.
+    pub(super) local: Option<Rope>,
+}
+
 /// The MLP's activation: SiLU for Llama (`hidden_act`); GELU's tanh form for
 /// Gemma (`hidden_act`, where transformers reads `gelu` as the tanh form too)
 /// and Gemma 3 (`hidden_activation`); for an MLP without a gate
@@ -523,7 +596,7 @@ pub(super) fn mlp_activation(
         _ if ungated.is_some() => ("hidden_act", &ungated_names),
         None => ("hidden_act", &["silu"]),
         Some(Gemma::One) => ("hidden_act", &["gelu_pytorch_tanh", "gelu_new", "gelu"]),
-        Some(Gemma::Two | Gemma::Three) => ("hidden_activation", &TANH),
+        Some(Gemma::Two | Gemma::Three | Gemma::Vault) => ("hidden_activation", &TANH),
     };
     let value = config.get(key).filter(|v| !v.is_null());
     match (value, ungated) {

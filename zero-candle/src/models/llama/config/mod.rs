@@ -19,7 +19,7 @@ use crate::nn::Activation;
 use families::FAMILIES;
 use family::{Family, Gemma};
 use keys::{
-    falcon_keys, gptj_keys, mlp_activation, neox_rotary_keys, ntk_alpha_as_theta,
+    falcon_keys, gptj_keys, layer_thetas, mlp_activation, neox_rotary_keys, ntk_alpha_as_theta,
     refuse_gemma_settings, rotated_layers, sliding_window_of, typed_ropes, with_default_rope,
     Plain,
 };
@@ -434,6 +434,15 @@ impl LlamaConfig {
                 None,
             ),
         };
+        // Granite SWA's base per layer.
+        let layer_ropes = match family.layer_thetas {
+            true => layer_thetas(&plain, sliding_window.as_ref(), &rope)?,
+            false => None,
+        };
+        let (rotated_layers, rope, local_rope) = match layer_ropes {
+            Some(ropes) => (Some(ropes.rotated), ropes.global, ropes.local),
+            None => (rotated_layers, rope, local_rope),
+        };
         let head_dim = match plain.head_dim.or(family.default_head_dim) {
             Some(width) => width,
             // transformers' default for Gemma.
@@ -573,7 +582,8 @@ impl LlamaConfig {
                 None => granite(plain.embedding_multiplier),
             },
             output_norms: family.output_norms.is_some()
-                || gemma.is_some_and(|g| g != Gemma::One)
+                && (!family.switched_output_norms || plain.use_post_norm.unwrap_or(true))
+                || matches!(gemma, Some(Gemma::Two | Gemma::Three))
                 || !family.input_norms,
             norm_names: family.output_norms.unwrap_or_default(),
             attention_scale: match gemma {
@@ -584,9 +594,11 @@ impl LlamaConfig {
                 None => granite(plain.attention_multiplier),
             },
             residual_multiplier: granite(plain.residual_multiplier),
-            logits_scaling: granite(plain.logits_scaling),
+            logits_scaling: granite(plain.logits_scaling)
+                .filter(|_| !family.logits_scaling_multiplies),
             logit_scale: match family.cohere {
                 true => Some(plain.logit_scale.unwrap_or(0.0625)).filter(|&s| s != 1.0),
+                false if family.logits_scaling_multiplies => granite(plain.logits_scaling),
                 false => None,
             },
             rotated_layers,
@@ -609,7 +621,7 @@ impl LlamaConfig {
             .fold(0.0, f64::max),
             attn_logit_softcapping: plain
                 .attn_logit_softcapping
-                .filter(|_| gemma == Some(Gemma::Two)),
+                .filter(|_| matches!(gemma, Some(Gemma::Two | Gemma::Vault))),
             final_logit_softcapping: match family.final_softcap {
                 Some(missing) => plain.final_logit_softcapping.or(missing),
                 None => later(plain.final_logit_softcapping),
@@ -620,10 +632,7 @@ impl LlamaConfig {
             // Granite MoE's files always fuse the experts; the others' say so
             // by their names (`settle_experts`).
             fused_experts: family.moe.is_some_and(|moe| {
-                matches!(
-                    moe.style,
-                    super::moe::MoeStyle::Granite | super::moe::MoeStyle::GptOss
-                )
+                moe.style.granite() || moe.style == super::moe::MoeStyle::GptOss
             }),
             attention_sinks: family.sinks,
         };

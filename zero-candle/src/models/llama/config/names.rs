@@ -13,6 +13,10 @@ pub enum NormNames {
     /// `post_attention_layernorm` before the MLP (Llama's name),
     /// `post_mlp_layernorm` after it.
     Glm4,
+    /// HyperCLOVA X's: `post_norm1` after the attention,
+    /// `post_attention_layernorm` before the MLP (Llama's name), `post_norm2`
+    /// after it.
+    HyperClovaX,
 }
 
 impl NormNames {
@@ -21,6 +25,7 @@ impl NormNames {
         match self {
             Self::Gemma => "post_attention_layernorm",
             Self::Glm4 => "post_self_attn_layernorm",
+            Self::HyperClovaX => "post_norm1",
         }
     }
 
@@ -28,7 +33,7 @@ impl NormNames {
     pub(crate) fn mlp_input(self) -> &'static str {
         match self {
             Self::Gemma => "pre_feedforward_layernorm",
-            Self::Glm4 => "post_attention_layernorm",
+            Self::Glm4 | Self::HyperClovaX => "post_attention_layernorm",
         }
     }
 
@@ -37,6 +42,7 @@ impl NormNames {
         match self {
             Self::Gemma => "post_feedforward_layernorm",
             Self::Glm4 => "post_mlp_layernorm",
+            Self::HyperClovaX => "post_norm2",
         }
     }
 }
@@ -105,13 +111,22 @@ pub enum LayerNames {
     /// `attn.attention.{q,k,v,out}_proj`, `ln_2` and `mlp.c_fc_0` (gate),
     /// `c_fc_1` (up), `c_proj` (down), `transformer.ln_f`, `lm_head`.
     Exaone,
+    /// VaultGemma's: Llama's, but for the norm before the MLP,
+    /// `pre_feedforward_layernorm` (Gemma 2's name; its blocks have no
+    /// norms of the outputs).
+    VaultGemma,
 }
 
 impl LayerNames {
     /// What the model's tensors but the head's sit under.
     pub(crate) fn model(self) -> &'static str {
         match self {
-            Self::Llama | Self::Phi | Self::StableLm | Self::Hunyuan | Self::Sarvam => "model",
+            Self::Llama
+            | Self::Phi
+            | Self::StableLm
+            | Self::Hunyuan
+            | Self::Sarvam
+            | Self::VaultGemma => "model",
             Self::NeoX => "gpt_neox",
             Self::GptJ | Self::Falcon | Self::Exaone => "transformer",
         }
@@ -120,7 +135,9 @@ impl LayerNames {
     /// The token embedding, under [`LayerNames::model`].
     pub(crate) fn embedding(self) -> &'static str {
         match self {
-            Self::Llama | Self::Phi | Self::StableLm | Self::Hunyuan => "embed_tokens",
+            Self::Llama | Self::Phi | Self::StableLm | Self::Hunyuan | Self::VaultGemma => {
+                "embed_tokens"
+            }
             Self::GptJ | Self::Exaone => "wte",
             Self::Falcon | Self::Sarvam => "word_embeddings",
             Self::NeoX => "embed_in",
@@ -130,7 +147,9 @@ impl LayerNames {
     /// A block's attention, under its layer.
     pub(crate) fn attention(self) -> &'static str {
         match self {
-            Self::Llama | Self::Phi | Self::StableLm | Self::Hunyuan => "self_attn",
+            Self::Llama | Self::Phi | Self::StableLm | Self::Hunyuan | Self::VaultGemma => {
+                "self_attn"
+            }
             Self::GptJ => "attn",
             Self::Exaone => "attn.attention",
             Self::Falcon => "self_attention",
@@ -168,6 +187,7 @@ impl LayerNames {
     pub(crate) fn mlp_norm(self) -> &'static str {
         match self {
             Self::Exaone => "ln_2",
+            Self::VaultGemma => "pre_feedforward_layernorm",
             _ => "post_attention_layernorm",
         }
     }
@@ -197,7 +217,8 @@ impl LayerNames {
             | Self::StableLm
             | Self::Hunyuan
             | Self::GptJ
-            | Self::Exaone => "qkv_proj",
+            | Self::Exaone
+            | Self::VaultGemma => "qkv_proj",
             Self::NeoX | Self::Falcon | Self::Sarvam => "query_key_value",
         }
     }
@@ -205,7 +226,7 @@ impl LayerNames {
     /// The attention's output projection, under the attention.
     pub(crate) fn output_projection(self) -> &'static str {
         match self {
-            Self::Llama | Self::StableLm | Self::Hunyuan => "o_proj",
+            Self::Llama | Self::StableLm | Self::Hunyuan | Self::VaultGemma => "o_proj",
             Self::Phi | Self::NeoX | Self::Falcon | Self::Sarvam => "dense",
             Self::GptJ | Self::Exaone => "out_proj",
         }
@@ -214,9 +235,12 @@ impl LayerNames {
     /// The query and the key norm, under the attention.
     pub(crate) fn qk_norms(self) -> [&'static str; 2] {
         match self {
-            Self::Llama | Self::NeoX | Self::GptJ | Self::Falcon | Self::Exaone => {
-                ["q_norm", "k_norm"]
-            }
+            Self::Llama
+            | Self::NeoX
+            | Self::GptJ
+            | Self::Falcon
+            | Self::Exaone
+            | Self::VaultGemma => ["q_norm", "k_norm"],
             Self::Phi | Self::StableLm => ["q_layernorm", "k_layernorm"],
             Self::Hunyuan | Self::Sarvam => ["query_layernorm", "key_layernorm"],
         }
@@ -231,7 +255,9 @@ impl LayerNames {
     /// The norm after the last block, under [`LayerNames::model`].
     pub(crate) fn final_norm(self) -> &'static str {
         match self {
-            Self::Llama | Self::StableLm | Self::Hunyuan | Self::Sarvam => "norm",
+            Self::Llama | Self::StableLm | Self::Hunyuan | Self::Sarvam | Self::VaultGemma => {
+                "norm"
+            }
             Self::Phi => "final_layernorm",
             Self::NeoX => "final_layer_norm",
             Self::GptJ | Self::Falcon | Self::Exaone => "ln_f",
@@ -248,7 +274,8 @@ impl LayerNames {
             | Self::GptJ
             | Self::Falcon
             | Self::Exaone
-            | Self::Sarvam => "lm_head",
+            | Self::Sarvam
+            | Self::VaultGemma => "lm_head",
             Self::NeoX => "embed_out",
         }
     }
