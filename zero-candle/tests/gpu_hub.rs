@@ -118,6 +118,7 @@ const LATER: [(&str, &str); 44] = [
     ("llama/granitemoeswa", "granitemoeswa."),
     ("llama/vaultgemma", "vaultgemma."),
     ("llama/hyperclovax", "hyperclovax."),
+    ("llama/minicpm3", "minicpm3."),
 ];
 
 /// The fixtures: under the current directory when it is the repository's

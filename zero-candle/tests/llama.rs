@@ -137,6 +137,8 @@ fn logits_loss_and_gradients_equal_transformers() {
         ("vaultgemma", 20),
         // Norms of the outputs under its own names; logits times the scale.
         ("hyperclovax", 25),
+        // The latent attention rotating halves; its multipliers.
+        ("minicpm3", 26),
     ];
     for (fixture, variables) in cases {
         let (config, map) = Llama::open_hub(fixtures().join(fixture)).unwrap();
@@ -161,6 +163,7 @@ fn logits_loss_and_gradients_equal_transformers() {
                     | "falconseq"
                     | "graniteswa"
                     | "vaultgemma"
+                    | "minicpm3"
             )
         );
         let per_head = matches!(
@@ -217,7 +220,7 @@ fn logits_loss_and_gradients_equal_transformers() {
             config.latent_attention.is_some(),
             matches!(
                 fixture,
-                "deepseekv2" | "deepseekv3" | "glm4moelite" | "mistral4" | "sarvammla"
+                "deepseekv2" | "deepseekv3" | "glm4moelite" | "mistral4" | "sarvammla" | "minicpm3"
             )
         );
         assert_eq!(
@@ -356,6 +359,7 @@ fn loading_then_saving_reproduces_the_checkpoint_tensor_for_tensor() {
         "granitemoeswa",
         "vaultgemma",
         "hyperclovax",
+        "minicpm3",
     ] {
         let dir = fixtures().join(fixture);
         for (stage, world) in [(Stage::Ddp, 1), (Stage::Parameters, 2)] {
@@ -464,6 +468,7 @@ fn one_sgd_step_equals_torch_at_stage_0_and_at_stage_3_on_two_ranks() {
         ("granitemoeswa", Stage::Parameters, 2, 23),
         ("vaultgemma", Stage::Parameters, 2, 20),
         ("hyperclovax", Stage::Parameters, 2, 25),
+        ("minicpm3", Stage::Parameters, 2, 26),
     ] {
         let out = tempfile::tempdir().unwrap();
         Run::new(stage, world, 1).train(&fixtures().join(fixture), &ids, out.path());
@@ -2881,6 +2886,45 @@ fn granite_moe_configs_read_as_transformers_reads_them() {
     ))
     .unwrap();
     assert_eq!(none.moe.unwrap().shared_expert_size, None, "0 by default");
+}
+
+/// MiniCPM3's config read as `transformers` reads it: its multipliers as
+/// Granite's (`scale_emb`, `scale_depth / √layers`, `hidden_size /
+/// dim_model_base`), their defaults and null forms, its latent widths'
+/// defaults, the rotated values as halves whatever `rope_interleave` says.
+#[test]
+fn minicpm3_configs_read_as_transformers_reads_them() {
+    let fixture = LlamaConfig::from_json(&config_of("minicpm3")).unwrap();
+    assert_eq!(fixture.embedding_scale, Some(3.0));
+    assert_eq!(fixture.residual_multiplier, Some(1.2 / 2f64.sqrt()));
+    assert_eq!(fixture.logits_scaling, Some(4.0));
+    assert!(!fixture.rope_interleaved);
+    let mut interleave = config_of("minicpm3");
+    interleave["rope_interleave"] = true.into();
+    assert!(
+        !LlamaConfig::from_json(&interleave)
+            .unwrap()
+            .rope_interleaved
+    );
+
+    let silent = LlamaConfig::from_json(&config_without(
+        "minicpm3",
+        &["scale_emb", "scale_depth", "dim_model_base", "q_lora_rank"],
+    ))
+    .unwrap();
+    assert_eq!(silent.embedding_scale, Some(12.0));
+    assert_eq!(silent.residual_multiplier, Some(1.4 / 2f64.sqrt()));
+    assert_eq!(silent.logits_scaling, Some(32.0 / 256.0));
+    assert_eq!(silent.latent_attention.unwrap().query_rank, Some(768));
+    // Null: √layers over √layers, and `hidden_size` over itself.
+    let mut null = config_of("minicpm3");
+    null["scale_depth"] = serde_json::Value::Null;
+    null["dim_model_base"] = serde_json::Value::Null;
+    let null = LlamaConfig::from_json(&null).unwrap();
+    assert_eq!(
+        (null.residual_multiplier, null.logits_scaling),
+        (None, None)
+    );
 }
 
 /// HyperCLOVA X's config read as `transformers` reads it: `logits_scaling`

@@ -7,7 +7,7 @@ use super::super::moe::{
     SARVAM_MLA_MOE, SARVAM_MOE, SOLAR_OPEN_MOE,
 };
 use super::family::{Family, Gemma, TypedRope, Windows, DEFAULT_WINDOW, LLAMA};
-use super::latent::sarvam_mla_keys;
+use super::latent::{minicpm3_keys, sarvam_mla_keys, LatentRope};
 use super::{LayerNames, NormNames, QkNorm, UngatedMlp};
 use crate::models::rope::RopeDialect;
 use crate::nn::Activation;
@@ -86,7 +86,7 @@ pub(super) const ERNIE: Family = Family {
 };
 
 /// The families read as Llama.
-pub(super) static FAMILIES: [Family; 63] = [
+pub(super) static FAMILIES: [Family; 64] = [
     Family {
         reads_mlp_bias: true,
         ..LLAMA
@@ -642,7 +642,7 @@ pub(super) static FAMILIES: [Family; 63] = [
     Family {
         model_type: "deepseek_v2",
         architectures: ["DeepseekV2ForCausalLM", "DeepseekV2Model"],
-        latent: Some(false),
+        latent: Some(LatentRope::Pairs),
         moe: Some(DEEPSEEK_V2_MOE),
         ..LLAMA
     },
@@ -652,7 +652,7 @@ pub(super) static FAMILIES: [Family; 63] = [
     Family {
         model_type: "deepseek_v3",
         architectures: ["DeepseekV3ForCausalLM", "DeepseekV3Model"],
-        latent: Some(true),
+        latent: Some(LatentRope::Switched),
         moe: Some(DEEPSEEK_V3_MOE),
         ..LLAMA
     },
@@ -663,7 +663,7 @@ pub(super) static FAMILIES: [Family; 63] = [
     Family {
         model_type: "sarvam_mla",
         architectures: ["SarvamMLAForCausalLM", "DeepseekV3ForCausalLM"],
-        latent: Some(true),
+        latent: Some(LatentRope::Switched),
         moe: Some(SARVAM_MLA_MOE),
         key_rewrite: Some(sarvam_mla_keys),
         key_aliases: &[("num_shared_experts", "n_shared_experts")],
@@ -675,7 +675,7 @@ pub(super) static FAMILIES: [Family; 63] = [
     Family {
         model_type: "glm4_moe_lite",
         architectures: ["Glm4MoeLiteForCausalLM", "Glm4MoeLiteModel"],
-        latent: Some(true),
+        latent: Some(LatentRope::Switched),
         default_rms_eps: 1e-5,
         moe: Some(GLM4_MOE_LITE_MOE),
         ..LLAMA
@@ -687,7 +687,7 @@ pub(super) static FAMILIES: [Family; 63] = [
     Family {
         model_type: "mistral4",
         architectures: ["Mistral4ForCausalLM", "Mistral4Model"],
-        latent: Some(true),
+        latent: Some(LatentRope::Switched),
         position_scaled: true,
         default_rope: Some(MISTRAL4_ROPE),
         rope: RopeDialect {
@@ -697,6 +697,19 @@ pub(super) static FAMILIES: [Family; 63] = [
             ..LLAMA.rope
         },
         moe: Some(MISTRAL4_MOE),
+        ..LLAMA
+    },
+    // MiniCPM3: DeepSeek-V2's latent attention rotating halves, a dense MLP
+    // in every layer, its multipliers read as Granite's (`minicpm3_keys`);
+    // `rms_norm_eps` 1e-5 and the head tied by default.
+    Family {
+        model_type: "minicpm3",
+        architectures: ["MiniCPM3ForCausalLM", "MiniCPM3Model"],
+        latent: Some(LatentRope::Halves),
+        multipliers: true,
+        key_rewrite: Some(minicpm3_keys),
+        default_rms_eps: 1e-5,
+        tied_by_default: true,
         ..LLAMA
     },
     // InternLM3: Llama (`transformers` runs it as Llama) with heads of 128

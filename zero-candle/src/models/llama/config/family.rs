@@ -1,6 +1,7 @@
 //! What sets a family read as Llama apart: [`Family`], and Llama itself.
 
 use super::super::moe::MoeFamily;
+use super::latent::LatentRope;
 use super::{LayerNames, NormNames, QkNorm, UngatedMlp};
 use crate::models::rope::RopeDialect;
 use crate::nn::Activation;
@@ -201,11 +202,9 @@ pub(super) struct Family {
     /// `num_key_value_heads` where the file does not say (EXAONE 3's 8;
     /// else every query head's own).
     pub(super) default_kv_heads: Option<usize>,
-    /// DeepSeek-V2's latent attention
-    /// ([`super::LatentAttention`]); `Some(true)`: `rope_interleave`
-    /// says whether the rotated values are stored as interleaved pairs
-    /// (DeepSeek-V3's), `Some(false)`: they always are (DeepSeek-V2's).
-    pub(super) latent: Option<bool>,
+    /// DeepSeek-V2's latent attention ([`super::LatentAttention`]), its
+    /// rotated values stored as this says.
+    pub(super) latent: Option<LatentRope>,
     /// A sink per query head (gpt-oss's `self_attn.sinks`).
     pub(super) sinks: bool,
     /// The file's keys rewritten before they are read (Sarvam MLA's as

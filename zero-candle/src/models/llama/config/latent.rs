@@ -72,13 +72,25 @@ fn default_value_dim() -> usize {
     128
 }
 
+/// How a latent family stores the rotated values of each head.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum LatentRope {
+    /// As interleaved pairs (DeepSeek-V2's).
+    Pairs,
+    /// As pairs where `rope_interleave` (true where absent) says so, else
+    /// as halves (DeepSeek-V3's).
+    Switched,
+    /// As halves, `rotate_half`'s (MiniCPM3's; `rope_interleave` is not
+    /// read, as `transformers` does not read it).
+    Halves,
+}
+
 /// What a latent family's `config.json` gives: the attention, the rotated
 /// width of each head (`qk_rope_head_dim`) and whether the rotated values
-/// are stored as interleaved pairs (`rope_interleave`, true where absent;
-/// DeepSeek-V2's always are, `switched` false).
+/// are stored as interleaved pairs.
 pub(super) fn latent_of(
     config: &serde_json::Value,
-    switched: bool,
+    stored: LatentRope,
 ) -> std::result::Result<(LatentAttention, usize, bool), String> {
     let keys = LatentKeys::deserialize(config).map_err(|e| format!("{e}"))?;
     let latent = LatentAttention {
@@ -87,7 +99,11 @@ pub(super) fn latent_of(
         nope_dim: keys.qk_nope_head_dim,
         value_dim: keys.v_head_dim,
     };
-    let interleaved = !switched || keys.rope_interleave.unwrap_or(true);
+    let interleaved = match stored {
+        LatentRope::Pairs => true,
+        LatentRope::Switched => keys.rope_interleave.unwrap_or(true),
+        LatentRope::Halves => false,
+    };
     Ok((latent, keys.qk_rope_head_dim, interleaved))
 }
 
@@ -199,6 +215,45 @@ pub(super) fn sarvam_mla_keys(config: &serde_json::Value) -> serde_json::Value {
             scaling.remove("type");
             scaling.insert("rope_type".into(), "yarn".into());
         }
+    }
+    config
+}
+
+/// MiniCPM3's config with its multipliers as Granite's, as `transformers`
+/// applies them: the embeddings times `scale_emb` (12 where absent), each
+/// residual branch times `scale_depth` (1.4; √layers where null) over
+/// √layers, the logits divided by `hidden_size / dim_model_base` (256;
+/// `hidden_size` where null); its latent widths' defaults where absent.
+pub(super) fn minicpm3_keys(config: &serde_json::Value) -> serde_json::Value {
+    let mut config = config.clone();
+    let Some(object) = config.as_object_mut() else {
+        return config;
+    };
+    let number = |key: &str| object.get(key).and_then(|v| v.as_f64());
+    let layers = number("num_hidden_layers").unwrap_or(62.0);
+    let hidden = number("hidden_size").unwrap_or(2560.0);
+    let given = |key: &str, default: f64| match object.get(key) {
+        None => Some(default),
+        Some(v) => v.as_f64(),
+    };
+    let embedding = given("scale_emb", 12.0).unwrap_or(12.0);
+    let depth = given("scale_depth", 1.4).unwrap_or(layers.sqrt());
+    let base = given("dim_model_base", 256.0).unwrap_or(hidden);
+    for (key, value) in [
+        ("embedding_multiplier", embedding),
+        ("residual_multiplier", depth / layers.sqrt()),
+        ("logits_scaling", hidden / base),
+    ] {
+        object.insert(key.into(), value.into());
+    }
+    for (key, width) in [
+        ("q_lora_rank", 768),
+        ("kv_lora_rank", 256),
+        ("qk_nope_head_dim", 64),
+        ("qk_rope_head_dim", 32),
+        ("v_head_dim", 64),
+    ] {
+        object.entry(key).or_insert(width.into());
     }
     config
 }

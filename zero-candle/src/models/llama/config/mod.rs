@@ -453,7 +453,7 @@ impl LlamaConfig {
         // DeepSeek-V2's latent attention: heads of `qk_nope_head_dim +
         // qk_rope_head_dim`, the second part rotating.
         let latent = match family.latent {
-            Some(switched) => Some(latent_of(config, switched)?),
+            Some(stored) => Some(latent_of(config, stored)?),
             None => None,
         };
         let head_dim = match latent {
