@@ -215,6 +215,7 @@ fn a_bf16_fine_tune_trains_and_saves_in_the_checkpoints_dtype() {
         ("llama/vaultgemma", 3),
         ("llama/hyperclovax", 2),
         ("llama/minicpm3", 3),
+        ("llama/apertus", 3),
     ] {
         let dir = tempfile::tempdir().unwrap();
         let out = dir.path().join("out");

@@ -119,6 +119,7 @@ const LATER: [(&str, &str); 44] = [
     ("llama/vaultgemma", "vaultgemma."),
     ("llama/hyperclovax", "hyperclovax."),
     ("llama/minicpm3", "minicpm3."),
+    ("llama/apertus", "apertus."),
 ];
 
 /// The fixtures: under the current directory when it is the repository's

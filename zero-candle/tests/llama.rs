@@ -139,6 +139,8 @@ fn logits_loss_and_gradients_equal_transformers() {
         ("hyperclovax", 25),
         // The latent attention rotating halves; its multipliers.
         ("minicpm3", 26),
+        // xIELU's parameters (its buffers are not variables).
+        ("apertus", 27),
     ];
     for (fixture, variables) in cases {
         let (config, map) = Llama::open_hub(fixtures().join(fixture)).unwrap();
@@ -181,6 +183,7 @@ fn logits_loss_and_gradients_equal_transformers() {
                 | "hunyuan"
                 | "hunyuanmoe"
                 | "sarvammoe"
+                | "apertus"
         );
         let whole = matches!(
             fixture,
@@ -240,6 +243,7 @@ fn logits_loss_and_gradients_equal_transformers() {
                 "starcoder2"
                     | "phi"
                     | "arcee"
+                    | "apertus"
                     | "nemotron"
                     | "gptneox"
                     | "nanochat"
@@ -360,6 +364,7 @@ fn loading_then_saving_reproduces_the_checkpoint_tensor_for_tensor() {
         "vaultgemma",
         "hyperclovax",
         "minicpm3",
+        "apertus",
     ] {
         let dir = fixtures().join(fixture);
         for (stage, world) in [(Stage::Ddp, 1), (Stage::Parameters, 2)] {
@@ -469,6 +474,8 @@ fn one_sgd_step_equals_torch_at_stage_0_and_at_stage_3_on_two_ranks() {
         ("vaultgemma", Stage::Parameters, 2, 20),
         ("hyperclovax", Stage::Parameters, 2, 25),
         ("minicpm3", Stage::Parameters, 2, 26),
+        // xIELU's buffers saved back as they were read.
+        ("apertus", Stage::Parameters, 2, 31),
     ] {
         let out = tempfile::tempdir().unwrap();
         Run::new(stage, world, 1).train(&fixtures().join(fixture), &ids, out.path());
@@ -2924,6 +2931,36 @@ fn minicpm3_configs_read_as_transformers_reads_them() {
     assert_eq!(
         (null.residual_multiplier, null.logits_scaling),
         (None, None)
+    );
+}
+
+/// Apertus's config read as `transformers` reads it: xIELU where
+/// `hidden_act` is "xielu" or absent, else the activation it names; its
+/// default rotation (llama3 over 8,192 positions, base 1.2e7).
+#[test]
+fn apertus_configs_read_as_transformers_reads_them() {
+    use zero_candle::nn::Activation;
+    let fixture = LlamaConfig::from_json(&config_of("apertus")).unwrap();
+    assert!(fixture.xielu && fixture.ungated_mlp.is_some());
+    let silent = LlamaConfig::from_json(&config_without("apertus", &["hidden_act"])).unwrap();
+    assert!(silent.xielu, "transformers' default");
+    let mut relu2 = config_of("apertus");
+    relu2["hidden_act"] = "relu2".into();
+    let relu2 = LlamaConfig::from_json(&relu2).unwrap();
+    assert_eq!(
+        (relu2.xielu, relu2.mlp_activation),
+        (false, Activation::Relu2)
+    );
+    let mut unknown = config_of("apertus");
+    unknown["hidden_act"] = "xielu2".into();
+    let err = LlamaConfig::from_json(&unknown).unwrap_err();
+    assert!(err.contains("`hidden_act`"), "{err}");
+    let rope = LlamaConfig::from_json(&config_without("apertus", &["rope_parameters"])).unwrap();
+    assert_eq!(rope.rope.theta, 12e6);
+    assert!(
+        matches!(rope.rope.scaling, RopeScaling::Llama3 { .. }),
+        "{:?}",
+        rope.rope.scaling
     );
 }
 

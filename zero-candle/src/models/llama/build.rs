@@ -3,6 +3,7 @@
 
 use super::latent::{Latent, LatentQuery};
 use super::mlp::{Experts, FeedForward, Mlp, Routing, Ungated};
+use super::xielu::Xielu;
 use super::{
     buffer, expert_vars, gpt_oss_expert_vars, AttentionInput, Block, HeadNorm, LatentAttention,
     LlamaConfig, MoeConfig, MoeRouting, MoeStyle, Projections, QkNorm, QkNorms, LATENT_NORM_EPS,
@@ -300,6 +301,10 @@ impl<'a> Builder<'a> {
                         up: self.linear_b(mlp.pp(up), d, width, bias)?,
                         down: self.linear_b(mlp.pp(down), width, d, bias)?,
                         activation: config.mlp_activation,
+                        xielu: match config.xielu {
+                            true => Some(Xielu::new(mlp.pp("act_fn"), self.hook.clone())?),
+                            false => None,
+                        },
                     })
                 }
                 None => FeedForward::Dense(self.dense(mlp, width)?),

@@ -2,6 +2,7 @@
 //! Qwen2-MoE, Qwen3-MoE, OLMoE, GLM-4.5, MiniMax-M2, ERNIE 4.5).
 
 use super::moe::ClampedSwiglu;
+use super::xielu::Xielu;
 use super::Projections;
 use crate::nn::ops::Gating;
 use crate::nn::{ops, tap, Activation, ExpertForm, ExpertMlps, Linear, OnDevice};
@@ -45,6 +46,8 @@ pub(super) struct Ungated {
     pub(super) up: Linear,
     pub(super) down: Linear,
     pub(super) activation: Activation,
+    /// xIELU in place of `activation` (Apertus), composed and kept.
+    pub(super) xielu: Option<Xielu>,
 }
 
 /// A block's feed-forward half.
@@ -65,11 +68,14 @@ impl FeedForward {
     ) -> candle_core::Result<(Tensor, Option<Tensor>)> {
         match self {
             Self::Dense(mlp) => Ok((mlp.forward(h)?, None)),
-            Self::Ungated(mlp) => Ok((
-                mlp.down
-                    .forward_on_activated(&mlp.up.forward(h)?, mlp.activation)?,
-                None,
-            )),
+            Self::Ungated(mlp) => {
+                let up = mlp.up.forward(h)?;
+                let y = match &mlp.xielu {
+                    Some(xielu) => mlp.down.forward(&xielu.forward(&up)?)?,
+                    None => mlp.down.forward_on_activated(&up, mlp.activation)?,
+                };
+                Ok((y, None))
+            }
             Self::Experts(experts) => {
                 let (y, logits) = experts.forward(h)?;
                 Ok((y, with_router_logits.then_some(logits)))

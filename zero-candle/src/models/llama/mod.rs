@@ -79,7 +79,8 @@
 //! rotary base per layer), VaultGemma (`VaultGemmaForCausalLM`: Gemma 2's
 //! without the norms of the outputs) and HyperCLOVA X
 //! (`HyperCLOVAXForCausalLM`: Granite's multipliers with norms of the
-//! outputs).
+//! outputs). Apertus (`ApertusForCausalLM`: head norms, an MLP without a
+//! gate through xIELU, whose parameters it trains).
 //!
 //! The variables carry the hub's names (`model.embed_tokens.weight`,
 //! `model.layers.{i}.self_attn.q_proj.weight`, ..., `model.norm.weight`,
@@ -94,6 +95,7 @@ mod latent;
 mod mlp;
 mod moe;
 mod rotation;
+mod xielu;
 
 pub(crate) use config::{llama_types, reads};
 pub use config::{

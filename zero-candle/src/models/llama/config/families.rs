@@ -86,7 +86,7 @@ pub(super) const ERNIE: Family = Family {
 };
 
 /// The families read as Llama.
-pub(super) static FAMILIES: [Family; 64] = [
+pub(super) static FAMILIES: [Family; 65] = [
     Family {
         reads_mlp_bias: true,
         ..LLAMA
@@ -712,6 +712,23 @@ pub(super) static FAMILIES: [Family; 64] = [
         tied_by_default: true,
         ..LLAMA
     },
+    // Apertus: Llama's attention with an RMS norm of each query and key
+    // head, the blocks' norms its own names (`attention_layernorm`,
+    // `feedforward_layernorm`), an MLP without a gate (`mlp.up_proj`, `mlp.down_proj`) through
+    // xIELU (its `hidden_act`, with parameters of its own) or the activation
+    // `hidden_act` names; llama3 scaling on a base of 12,000,000 and
+    // `rms_norm_eps` 1e-5 by default.
+    Family {
+        model_type: "apertus",
+        architectures: ["ApertusForCausalLM", "ApertusModel"],
+        names: LayerNames::Apertus,
+        qk_norm: Some(QkNorm::PerHead),
+        ungated_mlp: Some((UngatedMlp::UpDown, Activation::Relu2)),
+        xielu: true,
+        default_rope: Some(APERTUS_ROPE),
+        default_rms_eps: 1e-5,
+        ..LLAMA
+    },
     // InternLM3: Llama (`transformers` runs it as Llama) with heads of 128
     // and `rms_norm_eps` 1e-5 by default, its files' `qkv_bias` and `bias`
     // read as `attention_bias` and `mlp_bias`.
@@ -869,6 +886,11 @@ const GRANITE_SWA_WINDOWS: Windows = Windows::Listed {
 pub(super) const GPT_OSS_ROPE: &str = r#"{"rope_type": "yarn", "rope_theta": 150000.0,
     "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": false,
     "original_max_position_embeddings": 4096}"#;
+
+/// Apertus's rotation where its file gives none (`transformers`' default).
+pub(super) const APERTUS_ROPE: &str = r#"{"rope_type": "llama3", "rope_theta": 12000000.0,
+    "factor": 8.0, "original_max_position_embeddings": 8192, "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0}"#;
 
 /// Mistral 4's rotation where its file gives none (`transformers`'
 /// default).

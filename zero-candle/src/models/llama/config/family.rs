@@ -229,6 +229,9 @@ pub(super) struct Family {
     /// Granite's `logits_scaling` multiplies the logits rather than
     /// dividing them (HyperCLOVA X).
     pub(super) logits_scaling_multiplies: bool,
+    /// `hidden_act` "xielu" (the default) is xIELU with parameters of its
+    /// own in the MLP without a gate (Apertus).
+    pub(super) xielu: bool,
 }
 
 /// Llama itself (but for `mlp_bias`, which its family list reads): what the
@@ -296,4 +299,5 @@ pub(super) const LLAMA: Family = Family {
     layer_thetas: false,
     switched_output_norms: false,
     logits_scaling_multiplies: false,
+    xielu: false,
 };

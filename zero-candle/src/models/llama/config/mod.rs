@@ -214,6 +214,11 @@ pub struct LlamaConfig {
     /// softmax whose share goes nowhere (gpt-oss's;
     /// [`crate::nn::ops::sink_attention`]).
     pub attention_sinks: bool,
+    /// The MLP without a gate applies xIELU with parameters of its own
+    /// (Apertus's `hidden_act` "xielu": `mlp.act_fn.alpha_p` and `alpha_n`
+    /// trained, `beta` and `eps` buffers of the checkpoint); its
+    /// [`LlamaConfig::mlp_activation`] is then not used.
+    pub xielu: bool,
 }
 
 /// Llama 4's and Ministral 3's scale of the queries by position: the query
@@ -434,6 +439,12 @@ impl LlamaConfig {
                 None,
             ),
         };
+        // Apertus's xIELU (its `hidden_act` where the file names none).
+        let xielu = family.xielu
+            && config
+                .get("hidden_act")
+                .and_then(|v| v.as_str())
+                .is_none_or(|act| act == "xielu");
         // Granite SWA's base per layer.
         let layer_ropes = match family.layer_thetas {
             true => layer_thetas(&plain, sliding_window.as_ref(), &rope)?,
@@ -565,7 +576,10 @@ impl LlamaConfig {
             input_norms: family.input_norms,
             sliding_window,
             pad_token_id: plain.pad_token_id,
-            mlp_activation: mlp_activation(config, gemma, family.ungated_mlp.map(|(_, a)| a))?,
+            mlp_activation: match xielu {
+                true => Activation::Silu,
+                false => mlp_activation(config, gemma, family.ungated_mlp.map(|(_, a)| a))?,
+            },
             ungated_mlp: family.ungated_mlp.map(|(names, _)| names),
             embedding_norm: family.embedding_norm,
             rope_negated: family.rope_negated,
@@ -635,6 +649,7 @@ impl LlamaConfig {
                 moe.style.granite() || moe.style == super::moe::MoeStyle::GptOss
             }),
             attention_sinks: family.sinks,
+            xielu,
         };
         parsed.validate()?;
         Ok(parsed)
@@ -749,6 +764,13 @@ impl LlamaConfig {
             ("max_position_embeddings", self.max_position_embeddings),
         ];
         crate::models::check_positive(&sizes)?;
+        if self.xielu && self.ungated_mlp.is_none() {
+            return Err(
+                "`xielu` is set for a gated MLP; xIELU is the activation of an MLP without a \
+                 gate (`ungated_mlp`): set one, or clear `xielu`"
+                    .into(),
+            );
+        }
         if self.num_attention_heads % self.num_key_value_heads != 0 {
             return Err(format!(
                 "`num_attention_heads` {} is not a multiple of `num_key_value_heads` {}",
@@ -938,7 +960,9 @@ impl LlamaConfig {
                 _ => {
                     let projections = 2 + self.ungated_mlp.is_none() as usize;
                     let biases = (projections - 1) * inner + d;
-                    projections * d * inner + if self.mlp_bias { biases } else { 0 }
+                    // xIELU's alpha_p and alpha_n.
+                    let activation = 2 * self.xielu as usize;
+                    projections * d * inner + if self.mlp_bias { biases } else { 0 } + activation
                 }
             })
             .sum();

@@ -115,6 +115,9 @@ pub enum LayerNames {
     /// `pre_feedforward_layernorm` (Gemma 2's name; its blocks have no
     /// norms of the outputs).
     VaultGemma,
+    /// Apertus's: Llama's, but for the block's norms, `attention_layernorm`
+    /// and `feedforward_layernorm`.
+    Apertus,
 }
 
 impl LayerNames {
@@ -126,7 +129,8 @@ impl LayerNames {
             | Self::StableLm
             | Self::Hunyuan
             | Self::Sarvam
-            | Self::VaultGemma => "model",
+            | Self::VaultGemma
+            | Self::Apertus => "model",
             Self::NeoX => "gpt_neox",
             Self::GptJ | Self::Falcon | Self::Exaone => "transformer",
         }
@@ -135,9 +139,12 @@ impl LayerNames {
     /// The token embedding, under [`LayerNames::model`].
     pub(crate) fn embedding(self) -> &'static str {
         match self {
-            Self::Llama | Self::Phi | Self::StableLm | Self::Hunyuan | Self::VaultGemma => {
-                "embed_tokens"
-            }
+            Self::Llama
+            | Self::Phi
+            | Self::StableLm
+            | Self::Hunyuan
+            | Self::VaultGemma
+            | Self::Apertus => "embed_tokens",
             Self::GptJ | Self::Exaone => "wte",
             Self::Falcon | Self::Sarvam => "word_embeddings",
             Self::NeoX => "embed_in",
@@ -147,9 +154,12 @@ impl LayerNames {
     /// A block's attention, under its layer.
     pub(crate) fn attention(self) -> &'static str {
         match self {
-            Self::Llama | Self::Phi | Self::StableLm | Self::Hunyuan | Self::VaultGemma => {
-                "self_attn"
-            }
+            Self::Llama
+            | Self::Phi
+            | Self::StableLm
+            | Self::Hunyuan
+            | Self::VaultGemma
+            | Self::Apertus => "self_attn",
             Self::GptJ => "attn",
             Self::Exaone => "attn.attention",
             Self::Falcon => "self_attention",
@@ -179,6 +189,7 @@ impl LayerNames {
     pub(crate) fn input_norm(self) -> &'static str {
         match self {
             Self::GptJ | Self::Exaone => "ln_1",
+            Self::Apertus => "attention_layernorm",
             _ => "input_layernorm",
         }
     }
@@ -188,6 +199,7 @@ impl LayerNames {
         match self {
             Self::Exaone => "ln_2",
             Self::VaultGemma => "pre_feedforward_layernorm",
+            Self::Apertus => "feedforward_layernorm",
             _ => "post_attention_layernorm",
         }
     }
@@ -218,7 +230,8 @@ impl LayerNames {
             | Self::Hunyuan
             | Self::GptJ
             | Self::Exaone
-            | Self::VaultGemma => "qkv_proj",
+            | Self::VaultGemma
+            | Self::Apertus => "qkv_proj",
             Self::NeoX | Self::Falcon | Self::Sarvam => "query_key_value",
         }
     }
@@ -226,7 +239,9 @@ impl LayerNames {
     /// The attention's output projection, under the attention.
     pub(crate) fn output_projection(self) -> &'static str {
         match self {
-            Self::Llama | Self::StableLm | Self::Hunyuan | Self::VaultGemma => "o_proj",
+            Self::Llama | Self::StableLm | Self::Hunyuan | Self::VaultGemma | Self::Apertus => {
+                "o_proj"
+            }
             Self::Phi | Self::NeoX | Self::Falcon | Self::Sarvam => "dense",
             Self::GptJ | Self::Exaone => "out_proj",
         }
@@ -240,7 +255,8 @@ impl LayerNames {
             | Self::GptJ
             | Self::Falcon
             | Self::Exaone
-            | Self::VaultGemma => ["q_norm", "k_norm"],
+            | Self::VaultGemma
+            | Self::Apertus => ["q_norm", "k_norm"],
             Self::Phi | Self::StableLm => ["q_layernorm", "k_layernorm"],
             Self::Hunyuan | Self::Sarvam => ["query_layernorm", "key_layernorm"],
         }
@@ -255,9 +271,12 @@ impl LayerNames {
     /// The norm after the last block, under [`LayerNames::model`].
     pub(crate) fn final_norm(self) -> &'static str {
         match self {
-            Self::Llama | Self::StableLm | Self::Hunyuan | Self::Sarvam | Self::VaultGemma => {
-                "norm"
-            }
+            Self::Llama
+            | Self::StableLm
+            | Self::Hunyuan
+            | Self::Sarvam
+            | Self::VaultGemma
+            | Self::Apertus => "norm",
             Self::Phi => "final_layernorm",
             Self::NeoX => "final_layer_norm",
             Self::GptJ | Self::Falcon | Self::Exaone => "ln_f",
@@ -275,7 +294,8 @@ impl LayerNames {
             | Self::Falcon
             | Self::Exaone
             | Self::Sarvam
-            | Self::VaultGemma => "lm_head",
+            | Self::VaultGemma
+            | Self::Apertus => "lm_head",
             Self::NeoX => "embed_out",
         }
     }
