@@ -216,6 +216,7 @@ fn a_bf16_fine_tune_trains_and_saves_in_the_checkpoints_dtype() {
         ("llama/hyperclovax", 2),
         ("llama/minicpm3", 3),
         ("llama/apertus", 3),
+        ("llama/youtu", 2),
     ] {
         let dir = tempfile::tempdir().unwrap();
         let out = dir.path().join("out");

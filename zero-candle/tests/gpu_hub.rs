@@ -120,6 +120,7 @@ const LATER: [(&str, &str); 44] = [
     ("llama/hyperclovax", "hyperclovax."),
     ("llama/minicpm3", "minicpm3."),
     ("llama/apertus", "apertus."),
+    ("llama/youtu", "youtu."),
 ];
 
 /// The fixtures: under the current directory when it is the repository's

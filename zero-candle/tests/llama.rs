@@ -141,6 +141,8 @@ fn logits_loss_and_gradients_equal_transformers() {
         ("minicpm3", 26),
         // xIELU's parameters (its buffers are not variables).
         ("apertus", 27),
+        // The latent attention in every layer, dense MLPs.
+        ("youtu", 26),
     ];
     for (fixture, variables) in cases {
         let (config, map) = Llama::open_hub(fixtures().join(fixture)).unwrap();
@@ -166,6 +168,7 @@ fn logits_loss_and_gradients_equal_transformers() {
                     | "graniteswa"
                     | "vaultgemma"
                     | "minicpm3"
+                    | "youtu"
             )
         );
         let per_head = matches!(
@@ -217,13 +220,20 @@ fn logits_loss_and_gradients_equal_transformers() {
                     | "deepseekv3"
                     | "sarvammla"
                     | "mistral4"
+                    | "youtu"
             )
         );
         assert_eq!(
             config.latent_attention.is_some(),
             matches!(
                 fixture,
-                "deepseekv2" | "deepseekv3" | "glm4moelite" | "mistral4" | "sarvammla" | "minicpm3"
+                "deepseekv2"
+                    | "deepseekv3"
+                    | "glm4moelite"
+                    | "mistral4"
+                    | "sarvammla"
+                    | "minicpm3"
+                    | "youtu"
             )
         );
         assert_eq!(
@@ -365,6 +375,7 @@ fn loading_then_saving_reproduces_the_checkpoint_tensor_for_tensor() {
         "hyperclovax",
         "minicpm3",
         "apertus",
+        "youtu",
     ] {
         let dir = fixtures().join(fixture);
         for (stage, world) in [(Stage::Ddp, 1), (Stage::Parameters, 2)] {
@@ -476,6 +487,7 @@ fn one_sgd_step_equals_torch_at_stage_0_and_at_stage_3_on_two_ranks() {
         ("minicpm3", Stage::Parameters, 2, 26),
         // xIELU's buffers saved back as they were read.
         ("apertus", Stage::Parameters, 2, 31),
+        ("youtu", Stage::Parameters, 2, 26),
     ] {
         let out = tempfile::tempdir().unwrap();
         Run::new(stage, world, 1).train(&fixtures().join(fixture), &ids, out.path());

@@ -67,7 +67,8 @@
 //! Sarvam MLA, `sarvam_mla`, as V3),
 //! GLM-4.7-Flash (`Glm4MoeLiteForCausalLM`) and Mistral 4
 //! (`Mistral4ForCausalLM`): multi-head latent attention
-//! ([`LatentAttention`]) and their mixtures; MiniCPM3
+//! ([`LatentAttention`]) and their mixtures; Youtu-LLM
+//! (`YoutuForCausalLM`: DeepSeek-V3's attention, dense MLPs) and MiniCPM3
 //! (`MiniCPM3ForCausalLM`: the latent attention rotating halves, Granite's
 //! multipliers under its own keys). InternLM3, IQuest-Coder and
 //! EXAONE 3 (which `transformers` runs as Llama; EXAONE 3 under its files'

@@ -86,7 +86,7 @@ pub(super) const ERNIE: Family = Family {
 };
 
 /// The families read as Llama.
-pub(super) static FAMILIES: [Family; 65] = [
+pub(super) static FAMILIES: [Family; 66] = [
     Family {
         reads_mlp_bias: true,
         ..LLAMA
@@ -709,6 +709,15 @@ pub(super) static FAMILIES: [Family; 65] = [
         multipliers: true,
         key_rewrite: Some(minicpm3_keys),
         default_rms_eps: 1e-5,
+        tied_by_default: true,
+        ..LLAMA
+    },
+    // Youtu-LLM: DeepSeek-V3's latent attention (`rope_interleave`, on by
+    // default), a dense MLP in every layer, the head tied by default.
+    Family {
+        model_type: "youtu",
+        architectures: ["YoutuForCausalLM", "YoutuModel"],
+        latent: Some(LatentRope::Switched),
         tied_by_default: true,
         ..LLAMA
     },
