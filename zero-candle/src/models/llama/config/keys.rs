@@ -528,36 +528,48 @@ pub(super) fn layer_thetas(
             "`layer_rope_theta` holds {bad}; each base is positive, or 0 for none"
         ));
     }
-    let sliding = |i: usize| window.is_some_and(|w| w.layers[i]);
-    // One base per attention type: the model keeps one rotation for the
-    // full layers and one for the sliding ones.
-    let base_of =
-        |want_sliding: bool| -> std::result::Result<Option<f64>, String> {
-            let mut bases = (0..thetas.len())
-                .filter(|&i| sliding(i) == want_sliding && thetas[i] != 0.0)
-                .map(|i| thetas[i]);
-            let first = bases.next();
-            match bases.find(|&t| Some(t) != first) {
-                Some(other) => Err(format!(
-                "`layer_rope_theta` gives the {} layers the bases {} and {other}; one base per \
-                 attention type (full, sliding) is implemented here",
-                if want_sliding { "sliding" } else { "full-attention" },
-                first.unwrap_or_default()
-            )),
-                None => Ok(first),
-            }
-        };
+    let sliding: Vec<bool> = (0..thetas.len())
+        .map(|i| window.is_some_and(|w| w.layers[i]))
+        .collect();
     let with_base = |theta: f64| Rope {
         theta,
         scaling: rope.scaling.clone(),
     };
-    let (full, local) = (base_of(false)?, base_of(true)?);
+    let (full, local) = (
+        one_base(thetas, &sliding, false)?,
+        one_base(thetas, &sliding, true)?,
+    );
     let global = with_base(full.unwrap_or(rope.theta));
     Ok(Some(LayerRopes {
         rotated: thetas.iter().map(|&t| t != 0.0).collect(),
         local: local.filter(|&t| t != global.theta).map(with_base),
         global,
     }))
+}
+
+/// The one nonzero base of the sliding layers (`want_sliding`) or of the
+/// others: the model keeps one rotation for each attention type.
+fn one_base(
+    thetas: &[f64],
+    sliding: &[bool],
+    want_sliding: bool,
+) -> std::result::Result<Option<f64>, String> {
+    let mut bases = thetas
+        .iter()
+        .zip(sliding)
+        .filter(|&(&t, &s)| s == want_sliding && t != 0.0)
+        .map(|(&t, _)| t);
+    let first = bases.next();
+    match (first, bases.find(|&t| Some(t) != first)) {
+        (Some(first), Some(other)) => {
+            Err(format!(
+            "`layer_rope_theta` gives the {} layers the bases {first} and {other}; one base per \
+             attention type (full, sliding) is implemented here",
+            if want_sliding { "sliding" } else { "full-attention" },
+        ))
+        }
+        _ => Ok(first),
+    }
 }
 
 /// The rotations [`layer_thetas`] reads.
