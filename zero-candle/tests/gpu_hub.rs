@@ -18,6 +18,7 @@
 mod hub_support;
 
 use candle_core::{DType, Device, Tensor};
+use hub_support::gpu_fixtures::{BALANCED, FIXTURES, LATER};
 use hub_support::{input_ids, relative_error, values, Golden, LR};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -32,96 +33,6 @@ use zero_nccl::{CudaThreadGroup, DeviceComm, NcclComm};
 /// f32 on the GPU against f64: the CPU tests' 1e-5, with room for the
 /// GPU's summation orders.
 const TOLERANCE: f64 = 1e-4;
-
-/// The fixture folders with their golden file and the prefix of their
-/// golden names.
-const FIXTURES: [(&str, &str); 18] = [
-    ("gpt2/tiny", ""),
-    ("llama/gqa", "gqa."),
-    ("llama/tied", "tied."),
-    ("llama/qwen2", "qwen2."),
-    ("llama/qwen3", "qwen3."),
-    ("llama/phi3", "phi3."),
-    ("llama/gemma", "gemma."),
-    ("llama/gemma3", "gemma3."),
-    ("llama/gemma2", "gemma2."),
-    ("llama/phi3long", "phi3long."),
-    ("llama/smollm3", "smollm3."),
-    ("llama/granite", "granite."),
-    ("llama/olmo2", "olmo2."),
-    ("llama/olmo3", "olmo3."),
-    ("llama/gemma3mm", "gemma3mm."),
-    ("llama/qwen2moe", "qwen2moe."),
-    ("llama/olmoe", "olmoe."),
-    ("llama/flexolmo", "flexolmo."),
-];
-
-/// Mixtures with the load-balancing loss, which is each rank's own (not a
-/// mean over tokens): at one rank only.
-const BALANCED: [(&str, &str); 2] = [
-    ("llama/mixtral", "mixtral."),
-    ("llama/qwen3moe", "qwen3moe."),
-];
-
-/// The families read since (GLM-4.5 to gpt-oss, and Mistral): at
-/// one rank (MiniMax-M2's load-balancing loss is each rank's own).
-const LATER: [(&str, &str); 44] = [
-    ("llama/mistral", "mistral."),
-    ("llama/glm4moe", "glm4moe."),
-    ("llama/minimaxm2", "minimaxm2."),
-    ("llama/glm", "glm."),
-    ("llama/glm4", "glm4."),
-    ("llama/cohere", "cohere."),
-    ("llama/cohere2", "cohere2."),
-    ("llama/ernie", "ernie."),
-    ("llama/erniemoe", "erniemoe."),
-    ("llama/dots1", "dots1."),
-    ("llama/cohereqk", "cohereqk."),
-    ("llama/starcoder2", "starcoder2."),
-    ("llama/phi", "phi."),
-    ("llama/arcee", "arcee."),
-    ("llama/nemotron", "nemotron."),
-    ("llama/exaone4", "exaone4."),
-    ("llama/seedoss", "seedoss."),
-    ("llama/gptneox", "gptneox."),
-    ("llama/stablelm", "stablelm."),
-    ("llama/stablelmpar", "stablelmpar."),
-    ("llama/olmo", "olmo."),
-    ("llama/nanochat", "nanochat."),
-    ("llama/hunyuan", "hunyuan."),
-    ("llama/jais2", "jais2."),
-    ("llama/helium", "helium."),
-    ("llama/ministral", "ministral."),
-    ("llama/cwm", "cwm."),
-    ("llama/solaropen", "solaropen."),
-    ("llama/ministral3", "ministral3."),
-    ("llama/mistral3mm", "mistral3mm."),
-    ("llama/gptj", "gptj."),
-    ("llama/falcon", "falcon."),
-    ("llama/falconnew", "falconnew."),
-    ("llama/falconseq", "falconseq."),
-    ("llama/deepseekv2", "deepseekv2."),
-    ("llama/deepseekv3", "deepseekv3."),
-    ("llama/glm4moelite", "glm4moelite."),
-    ("llama/mistral4", "mistral4."),
-    ("llama/internlm3", "internlm3."),
-    ("llama/iquestcoder", "iquestcoder."),
-    ("llama/granitemoe", "granitemoe."),
-    ("llama/granitemoeshared", "granitemoeshared."),
-    ("llama/exaonemoe", "exaonemoe."),
-    ("llama/gptoss", "gptoss."),
-    ("llama/exaone", "exaone."),
-    ("llama/hunyuanmoe", "hunyuanmoe."),
-    ("llama/sarvammoe", "sarvammoe."),
-    ("llama/sarvammla", "sarvammla."),
-    ("llama/graniteswa", "graniteswa."),
-    ("llama/granitemoeswa", "granitemoeswa."),
-    ("llama/vaultgemma", "vaultgemma."),
-    ("llama/hyperclovax", "hyperclovax."),
-    ("llama/minicpm3", "minicpm3."),
-    ("llama/apertus", "apertus."),
-    ("llama/youtu", "youtu."),
-];
 
 /// The fixtures: under the current directory when it is the repository's
 /// root (a bundle built elsewhere runs there, `scripts/gpu-check.sh`), else
@@ -200,7 +111,7 @@ fn check_step(fixture: &str, prefix: &str, golden: &Golden, out: &Path, case: &s
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn one_rank_on_nccl_computes_the_logits_and_the_step_of_transformers() {
-    for &(fixture, prefix) in FIXTURES.iter().chain(&BALANCED).chain(&LATER) {
+    for &(fixture, prefix) in FIXTURES.iter().chain(BALANCED).chain(LATER) {
         let golden = golden_of(fixture);
         let out = tempfile::tempdir().unwrap();
         let comm = NcclComm::single(0).unwrap_or_else(|e| panic!("NcclComm::single(0): {e}"));
@@ -224,7 +135,7 @@ fn one_rank_on_nccl_computes_the_logits_and_the_step_of_transformers() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn two_ranks_sharing_the_gpu_take_the_step_of_transformers() {
-    for (fixture, prefix) in FIXTURES {
+    for &(fixture, prefix) in FIXTURES {
         let golden = golden_of(fixture);
         let out = tempfile::tempdir().unwrap();
         let (dir, ids) = (fixtures().join(fixture), input_ids(&golden));

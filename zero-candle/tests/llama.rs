@@ -34,6 +34,29 @@ fn model_of(fixture: &str) -> &str {
     fixture.trim_end_matches("-sharded")
 }
 
+/// Every Llama fixture runs on a GPU too (`gpu_hub.rs`'s lists, under its
+/// golden prefix): one added here and forgotten there fails on the CPU.
+#[test]
+fn every_fixture_is_among_the_gpu_tests() {
+    use hub_support::gpu_fixtures::{BALANCED, FIXTURES, LATER};
+    let listed: Vec<&(&str, &str)> = FIXTURES.iter().chain(BALANCED).chain(LATER).collect();
+    let mut checked = 0;
+    for entry in std::fs::read_dir(fixtures()).unwrap() {
+        let path = entry.unwrap().path();
+        let folder = path.file_name().unwrap().to_str().unwrap().to_string();
+        if !path.join("config.json").exists() || folder == "gqa-sharded" {
+            continue;
+        }
+        let (name, prefix) = (format!("llama/{folder}"), format!("{folder}."));
+        assert!(
+            listed.contains(&&(name.as_str(), prefix.as_str())),
+            "{name} is not among gpu_hub.rs's fixtures (hub_support/gpu_fixtures.rs)"
+        );
+        checked += 1;
+    }
+    assert!(checked > 70, "{checked} fixtures");
+}
+
 #[test]
 fn logits_loss_and_gradients_equal_transformers() {
     let golden = golden();

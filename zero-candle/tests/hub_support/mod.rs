@@ -4,6 +4,8 @@
 
 #![allow(dead_code)]
 
+pub mod gpu_fixtures;
+
 use candle_core::{DType, Device, Tensor};
 use std::collections::BTreeMap;
 use std::path::Path;

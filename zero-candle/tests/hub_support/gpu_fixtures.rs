@@ -1,0 +1,92 @@
+//! The fixtures `gpu_hub.rs` runs on a GPU, here so that the CPU tests
+//! (`llama.rs`) check that every fixture is among them.
+
+/// The fixture folders with their golden file and the prefix of their
+/// golden names.
+pub const FIXTURES: &[(&str, &str)] = &[
+    ("gpt2/tiny", ""),
+    ("llama/gqa", "gqa."),
+    ("llama/tied", "tied."),
+    ("llama/qwen2", "qwen2."),
+    ("llama/qwen3", "qwen3."),
+    ("llama/phi3", "phi3."),
+    ("llama/gemma", "gemma."),
+    ("llama/gemma3", "gemma3."),
+    ("llama/gemma2", "gemma2."),
+    ("llama/phi3long", "phi3long."),
+    ("llama/smollm3", "smollm3."),
+    ("llama/granite", "granite."),
+    ("llama/olmo2", "olmo2."),
+    ("llama/olmo3", "olmo3."),
+    ("llama/gemma3mm", "gemma3mm."),
+    ("llama/qwen2moe", "qwen2moe."),
+    ("llama/olmoe", "olmoe."),
+    ("llama/flexolmo", "flexolmo."),
+];
+
+/// Mixtures with the load-balancing loss, which is each rank's own (not a
+/// mean over tokens): at one rank only.
+pub const BALANCED: &[(&str, &str)] = &[
+    ("llama/mixtral", "mixtral."),
+    ("llama/qwen3moe", "qwen3moe."),
+];
+
+/// The families read since (GLM-4.5 to gpt-oss, and Mistral): at
+/// one rank (MiniMax-M2's load-balancing loss is each rank's own).
+pub const LATER: &[(&str, &str)] = &[
+    ("llama/mistral", "mistral."),
+    ("llama/glm4moe", "glm4moe."),
+    ("llama/minimaxm2", "minimaxm2."),
+    ("llama/glm", "glm."),
+    ("llama/glm4", "glm4."),
+    ("llama/cohere", "cohere."),
+    ("llama/cohere2", "cohere2."),
+    ("llama/ernie", "ernie."),
+    ("llama/erniemoe", "erniemoe."),
+    ("llama/dots1", "dots1."),
+    ("llama/cohereqk", "cohereqk."),
+    ("llama/starcoder2", "starcoder2."),
+    ("llama/phi", "phi."),
+    ("llama/arcee", "arcee."),
+    ("llama/nemotron", "nemotron."),
+    ("llama/exaone4", "exaone4."),
+    ("llama/seedoss", "seedoss."),
+    ("llama/gptneox", "gptneox."),
+    ("llama/stablelm", "stablelm."),
+    ("llama/stablelmpar", "stablelmpar."),
+    ("llama/olmo", "olmo."),
+    ("llama/nanochat", "nanochat."),
+    ("llama/hunyuan", "hunyuan."),
+    ("llama/jais2", "jais2."),
+    ("llama/helium", "helium."),
+    ("llama/ministral", "ministral."),
+    ("llama/cwm", "cwm."),
+    ("llama/solaropen", "solaropen."),
+    ("llama/ministral3", "ministral3."),
+    ("llama/mistral3mm", "mistral3mm."),
+    ("llama/gptj", "gptj."),
+    ("llama/falcon", "falcon."),
+    ("llama/falconnew", "falconnew."),
+    ("llama/falconseq", "falconseq."),
+    ("llama/deepseekv2", "deepseekv2."),
+    ("llama/deepseekv3", "deepseekv3."),
+    ("llama/glm4moelite", "glm4moelite."),
+    ("llama/mistral4", "mistral4."),
+    ("llama/internlm3", "internlm3."),
+    ("llama/iquestcoder", "iquestcoder."),
+    ("llama/granitemoe", "granitemoe."),
+    ("llama/granitemoeshared", "granitemoeshared."),
+    ("llama/exaonemoe", "exaonemoe."),
+    ("llama/gptoss", "gptoss."),
+    ("llama/exaone", "exaone."),
+    ("llama/hunyuanmoe", "hunyuanmoe."),
+    ("llama/sarvammoe", "sarvammoe."),
+    ("llama/sarvammla", "sarvammla."),
+    ("llama/graniteswa", "graniteswa."),
+    ("llama/granitemoeswa", "granitemoeswa."),
+    ("llama/vaultgemma", "vaultgemma."),
+    ("llama/hyperclovax", "hyperclovax."),
+    ("llama/minicpm3", "minicpm3."),
+    ("llama/apertus", "apertus."),
+    ("llama/youtu", "youtu."),
+];
