@@ -249,6 +249,12 @@ impl MoeStyle {
         matches!(self, Self::Granite | Self::GraniteSwa)
     }
 
+    /// Every file holds the experts fused (Granite MoE's, gpt-oss's); the
+    /// others' files say so by their names ([`LlamaConfig::settle_experts`]).
+    pub(super) fn fused_in_every_file(self) -> bool {
+        self.granite() || self == Self::GptOss
+    }
+
     /// The router and the experts have biases (gpt-oss's).
     pub(super) fn biased(self) -> bool {
         self == Self::GptOss
@@ -996,7 +1002,7 @@ impl LlamaConfig {
     /// one weight per expert ([`LlamaConfig::fused_experts`]).
     pub(crate) fn settle_experts(&mut self, hub: &HubDir) {
         self.fused_experts = match &self.moe {
-            Some(moe) if moe.style.granite() || moe.style == MoeStyle::GptOss => true,
+            Some(moe) if moe.style.fused_in_every_file() => true,
             Some(_) => hub
                 .names()
                 .any(|n| n.ends_with(".experts.gate_up_proj") || n.ends_with(".experts.down_proj")),

@@ -643,11 +643,9 @@ impl LlamaConfig {
             local_rope,
             moe: family.moe.map(|moe| moe_of(config, moe)).transpose()?,
             latent_attention: latent.map(|(latent, _, _)| latent),
-            // Granite MoE's files always fuse the experts; the others' say so
-            // by their names (`settle_experts`).
-            fused_experts: family.moe.is_some_and(|moe| {
-                moe.style.granite() || moe.style == super::moe::MoeStyle::GptOss
-            }),
+            fused_experts: family
+                .moe
+                .is_some_and(|moe| moe.style.fused_in_every_file()),
             attention_sinks: family.sinks,
             xielu,
         };
