@@ -8,6 +8,7 @@
 //! weights `[out, in]`, transposed on load and save by
 //! [`Gpt2::hub_layout`]. The head has no variable of its own.
 
+use super::config_json::{check_sizes, optional_size, read_keys, size};
 use crate::hub::{HubDir, HubLayout};
 use crate::nn::{ops, Activation, Embedding, GradHook, LayerNorm, Linear};
 use crate::{Error, Result, ShardedVarMap};
@@ -20,17 +21,22 @@ use std::sync::Arc;
 #[derive(Clone, Debug, PartialEq, Deserialize)]
 pub struct Gpt2Config {
     /// Tokens in the vocabulary.
+    #[serde(deserialize_with = "size")]
     pub vocab_size: usize,
     /// The longest sequence (positions) the model sees.
+    #[serde(deserialize_with = "size")]
     pub n_positions: usize,
     /// Width of the residual stream.
+    #[serde(deserialize_with = "size")]
     pub n_embd: usize,
     /// Transformer blocks.
+    #[serde(deserialize_with = "size")]
     pub n_layer: usize,
     /// Attention heads per block; divides `n_embd`.
+    #[serde(deserialize_with = "size")]
     pub n_head: usize,
     /// Width of the MLP (`None`: 4 * `n_embd`).
-    #[serde(default)]
+    #[serde(default, deserialize_with = "optional_size")]
     pub n_inner: Option<usize>,
     /// The layer norms' epsilon.
     #[serde(default = "default_epsilon")]
@@ -114,7 +120,7 @@ impl Gpt2Config {
                 }
             }
         }
-        let parsed = Self::deserialize(config).map_err(|e| format!("{e}"))?;
+        let parsed: Self = read_keys(config)?;
         parsed.validate()?;
         Ok(parsed)
     }
@@ -135,7 +141,7 @@ impl Gpt2Config {
             ("n_head", self.n_head),
             ("n_inner", self.inner()),
         ];
-        super::check_positive(&sizes)?;
+        check_sizes(&sizes)?;
         if self.n_embd % self.n_head != 0 {
             return Err(format!(
                 "`n_embd` {} is not a multiple of `n_head` {}",
@@ -147,7 +153,7 @@ impl Gpt2Config {
 
     /// The MLP's width.
     pub fn inner(&self) -> usize {
-        self.n_inner.unwrap_or(4 * self.n_embd)
+        self.n_inner.unwrap_or(self.n_embd.saturating_mul(4))
     }
 
     /// Whether the config asks for dropout, which training here leaves out

@@ -5,6 +5,7 @@
 //! ([`crate::hub`]).
 
 mod causal_lm;
+pub(crate) mod config_json;
 pub mod gpt2;
 pub mod llama;
 pub mod rope;
@@ -103,15 +104,6 @@ fn check_architectures(
             "`architectures` names {other:?}; this model reads {}",
             known[0]
         )),
-        None => Ok(()),
-    }
-}
-
-/// An error naming the first of `sizes` (a config key and its value) that
-/// is zero.
-fn check_positive(sizes: &[(&str, usize)]) -> std::result::Result<(), String> {
-    match sizes.iter().find(|(_, v)| *v == 0) {
-        Some((key, _)) => Err(format!("`{key}` must be positive")),
         None => Ok(()),
     }
 }

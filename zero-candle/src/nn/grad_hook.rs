@@ -326,17 +326,40 @@ pub(crate) fn before_read(
 }
 
 /// Piece `piece` of the full values of `param` if the hook keeps it
-/// sharded.
+/// sharded (`None` past the last piece). `None` for piece 0: the layer
+/// reads `param` itself, an error if it holds no values
+/// ([`check_holds_values`]).
 pub(crate) fn gather(
     hook: Option<&Arc<dyn GradHook>>,
     param: Option<&Tensor>,
     piece: usize,
 ) -> Result<Option<GatheredParam>> {
-    match (hook, param) {
+    let gathered = match (hook, param) {
         (Some(hook), Some(param)) if param.is_variable() => {
-            hook.gather(&Var::from_tensor(param)?, piece)
+            hook.gather(&Var::from_tensor(param)?, piece)?
         }
-        _ => Ok(None),
+        _ => None,
+    };
+    if gathered.is_none() && piece == 0 {
+        check_holds_values(&[param])?;
+    }
+    Ok(gathered)
+}
+
+/// An error for the first of `params` whose storage holds fewer values
+/// than its shape (Candle's kernels would read past it): a variable a
+/// [`crate::ShardedVarMap`] created deferred, read before the optimizer
+/// filled it, or a stage-3 shard read without the optimizer's hook.
+pub(crate) fn check_holds_values(params: &[Option<&Tensor>]) -> Result<()> {
+    match params.iter().flatten().find(|p| !crate::holds_values(p)) {
+        Some(param) => candle_core::bail!(
+            "zero-candle: a parameter {:?} holds no values yet: a ShardedVarMap's variables are \
+             filled by ZeroOptimizer::new_sharded (at stage 3 each rank's shard only, which the \
+             layers gather through the optimizer's hook); build the optimizer before the first \
+             forward and give the layers its hook, or call ShardedVarMap::materialize_all",
+            param.dims()
+        ),
+        None => Ok(()),
     }
 }
 

@@ -28,7 +28,7 @@
 
 use super::cpu;
 use super::elem::{dispatch_float, Elem};
-use super::grad_hook::{announce, before_read, route, GradHook};
+use super::grad_hook::{announce, before_read, check_holds_values, route, GradHook};
 use super::ops::cuda;
 use super::storage::{on_device, tensor_from, with_cuda, with_cuda_opt, OnDevice};
 use super::tap::tap;
@@ -214,10 +214,9 @@ impl LayerNorm {
                 residual.dtype()
             )
         }
-        before_read(
-            self.hook.as_ref(),
-            &[Some(&self.weight), self.bias.as_ref()],
-        )?;
+        let params = [Some(&self.weight), self.bias.as_ref()];
+        before_read(self.hook.as_ref(), &params)?;
+        check_holds_values(&params)?;
         let x = x.contiguous()?;
         let residual = residual.contiguous()?;
         let weight = self.weight.contiguous()?;
@@ -400,10 +399,9 @@ impl std::fmt::Debug for LayerNorm {
 impl Module for LayerNorm {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         self.check_input(x)?;
-        before_read(
-            self.hook.as_ref(),
-            &[Some(&self.weight), self.bias.as_ref()],
-        )?;
+        let params = [Some(&self.weight), self.bias.as_ref()];
+        before_read(self.hook.as_ref(), &params)?;
+        check_holds_values(&params)?;
         if !(x.device().is_cpu() || x.device().is_cuda()) {
             return self.forward_with_tensor_ops(x);
         }

@@ -3,6 +3,7 @@
 
 use super::LlamaConfig;
 use crate::hub::HubDir;
+use crate::models::config_json::{check_sizes, optional_size, read_keys, size};
 use serde::Deserialize;
 
 /// A sparse mixture of experts: a router (`gate`, no bias) gives each token
@@ -275,7 +276,7 @@ impl MoeStyle {
 impl MoeConfig {
     /// Checks that the mixture is buildable in a model of `layers` layers.
     pub(super) fn validate(&self, layers: usize) -> std::result::Result<(), String> {
-        crate::models::check_positive(&[
+        check_sizes(&[
             ("num_experts", self.num_experts),
             ("num_experts_per_tok", self.experts_per_token),
             ("moe_intermediate_size", self.expert_size),
@@ -313,7 +314,7 @@ impl MoeConfig {
                 MoeRouting::GroupedSoftmax { ranked_by, .. } => ranked_by,
                 _ => 2,
             };
-            crate::models::check_positive(&[("n_group", groups), ("topk_group", top_groups)])?;
+            check_sizes(&[("n_group", groups), ("topk_group", top_groups)])?;
             if self.num_experts % groups != 0 || self.num_experts / groups < least {
                 return Err(format!(
                     "{} experts in `n_group` {groups} groups: each group needs the same number of \
@@ -363,19 +364,22 @@ impl MoeConfig {
         }
     }
 
-    /// The parameters of one mixture layer in a model `hidden` wide.
-    pub fn num_params(&self, hidden: usize) -> usize {
+    /// The parameters of one mixture layer in a model `hidden` wide (in a
+    /// type no sizes up to the configs' bound overflow).
+    pub(crate) fn num_params(&self, hidden: usize) -> u128 {
+        let [hidden, experts, expert_size] =
+            [hidden, self.num_experts, self.expert_size].map(|n| n as u128);
         // Qwen2-MoE's shared expert has a gate, GLM-4.5's and ERNIE's do not.
-        let gate = usize::from(self.style == MoeStyle::Qwen);
+        let gate = u128::from(self.style == MoeStyle::Qwen);
         let shared = self
             .shared_expert_size
-            .map_or(0, |s| 3 * hidden * s + gate * hidden);
+            .map_or(0, |s| 3 * hidden * s as u128 + gate * hidden);
         // gpt-oss's router and experts have biases.
         let biases = match self.style.biased() {
-            true => 1 + 2 * self.expert_size + hidden,
+            true => 1 + 2 * expert_size + hidden,
             false => 0,
         };
-        self.num_experts * (hidden + 3 * hidden * self.expert_size + biases) + shared
+        experts * (hidden + 3 * hidden * expert_size + biases) + shared
     }
 }
 
@@ -711,14 +715,16 @@ pub(super) const HUNYUAN_MOE: MoeFamily = MoeFamily {
 /// The keys of `config.json` that describe a mixture, read as they are.
 #[derive(Deserialize)]
 struct MoeKeys {
+    #[serde(deserialize_with = "size")]
     num_hidden_layers: usize,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "optional_size")]
     intermediate_size: Option<usize>,
     #[serde(
         default,
         alias = "num_local_experts",
         alias = "n_routed_experts",
-        alias = "moe_num_experts"
+        alias = "moe_num_experts",
+        deserialize_with = "optional_size"
     )]
     num_experts: Option<usize>,
     /// Hunyuan's `moe_topk` is a number or one per layer (all equal here).
@@ -729,14 +735,14 @@ struct MoeKeys {
         deserialize_with = "one_or_same"
     )]
     num_experts_per_tok: Option<usize>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "optional_size")]
     moe_intermediate_size: Option<usize>,
     #[serde(default)]
     norm_topk_prob: Option<bool>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "optional_size")]
     shared_expert_intermediate_size: Option<usize>,
     /// Granite MoE's shared MLP (0: none).
-    #[serde(default)]
+    #[serde(default, deserialize_with = "optional_size")]
     shared_intermediate_size: Option<usize>,
     #[serde(default)]
     decoder_sparse_step: Option<usize>,
@@ -747,7 +753,11 @@ struct MoeKeys {
     #[serde(default)]
     router_aux_loss_coef: Option<f64>,
     /// GLM-4.5's (DeepSeek-V3's); ERNIE 4.5's `moe_num_shared_experts`.
-    #[serde(default, alias = "moe_num_shared_experts")]
+    #[serde(
+        default,
+        alias = "moe_num_shared_experts",
+        deserialize_with = "optional_size"
+    )]
     n_shared_experts: Option<usize>,
     #[serde(default)]
     routed_scaling_factor: Option<f64>,
@@ -810,7 +820,7 @@ pub(super) fn moe_of(
     config: &serde_json::Value,
     family: MoeFamily,
 ) -> std::result::Result<MoeConfig, String> {
-    let plain = MoeKeys::deserialize(config).map_err(|e| format!("{e}"))?;
+    let plain: MoeKeys = read_keys(config)?;
     let n = plain.num_hidden_layers;
     let glm = matches!(
         family.style,

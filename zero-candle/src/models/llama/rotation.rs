@@ -137,7 +137,9 @@ impl RopeTables {
         let cache = |time| RotationCache::new(frequencies(time), rope.attention_factor());
         Self {
             short: cache(0),
-            long: rope.switches_after().map(|after| (after, cache(after + 1))),
+            long: rope
+                .switches_after()
+                .map(|after| (after, cache(after.saturating_add(1)))),
         }
     }
 

@@ -3,7 +3,7 @@
 
 use super::super::cpu;
 use super::super::elem::{dispatch_float, Accum, Elem};
-use super::super::grad_hook::{before_read, GradHook};
+use super::super::grad_hook::{before_read, check_holds_values, GradHook};
 use super::super::storage::{on_device, owned_storage, tensor_from, with_cuda, Saved, SavedSlot};
 use super::super::tap;
 use super::attention_dims::AttentionDims;
@@ -306,6 +306,7 @@ pub fn sink_attention(
     match hook {
         Some(hook) if fused && sinks.is_variable() => {
             before_read(Some(&hook), &[Some(sinks)])?;
+            check_holds_values(&[Some(sinks)])?;
             q.contiguous()?.apply_op3(
                 &k.contiguous()?,
                 &v.contiguous()?,

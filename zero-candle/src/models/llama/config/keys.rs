@@ -5,6 +5,7 @@
 
 use super::family::{Gemma, TypedRope, Windows, DEFAULT_MAX_WINDOW_LAYERS, DEFAULT_WINDOW};
 use super::SlidingWindow;
+use crate::models::config_json::{optional_size, size};
 use crate::models::rope::{Rope, RopeDialect};
 use crate::nn::Activation;
 use serde::Deserialize;
@@ -12,16 +13,20 @@ use serde::Deserialize;
 /// The keys of `config.json` read as they are.
 #[derive(Deserialize)]
 pub(super) struct Plain {
+    #[serde(deserialize_with = "size")]
     pub(super) vocab_size: usize,
+    #[serde(deserialize_with = "size")]
     pub(super) hidden_size: usize,
     /// Absent from Solar Open's files, whose every layer is a mixture.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "optional_size")]
     pub(super) intermediate_size: Option<usize>,
+    #[serde(deserialize_with = "size")]
     pub(super) num_hidden_layers: usize,
+    #[serde(deserialize_with = "size")]
     pub(super) num_attention_heads: usize,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "optional_size")]
     pub(super) num_key_value_heads: Option<usize>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "optional_size")]
     pub(super) head_dim: Option<usize>,
     #[serde(default = "default_positions")]
     pub(super) max_position_embeddings: usize,
@@ -180,7 +185,7 @@ pub(super) fn gptj_keys(config: &serde_json::Value) -> serde_json::Value {
     let hidden = object.get("hidden_size").and_then(|h| h.as_u64());
     if object.get("intermediate_size").is_none() {
         if let Some(hidden) = hidden {
-            object.insert("intermediate_size".into(), (4 * hidden).into());
+            object.insert("intermediate_size".into(), hidden.saturating_mul(4).into());
         }
     }
     let heads = object.get("num_attention_heads").and_then(|h| h.as_u64());
@@ -253,7 +258,7 @@ pub(super) fn falcon_keys(
     );
     let hidden = object.get("hidden_size").and_then(|h| h.as_u64());
     if let (None, Some(hidden)) = (object.get("intermediate_size"), hidden) {
-        object.insert("intermediate_size".into(), (4 * hidden).into());
+        object.insert("intermediate_size".into(), hidden.saturating_mul(4).into());
     }
     let heads = object.get("num_attention_heads").cloned();
     let kv_heads = match (new_architecture, switches.multi_query) {

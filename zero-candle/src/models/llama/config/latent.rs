@@ -1,6 +1,7 @@
 //! [`LatentAttention`]: DeepSeek-V2's multi-head latent attention, and how
 //! a `config.json` describes it.
 
+use crate::models::config_json::{check_sizes, optional_size, read_keys, size};
 use serde::Deserialize;
 
 /// The epsilon of the latent attention's own RMS norms (`q_a_layernorm`,
@@ -41,15 +42,15 @@ pub struct LatentAttention {
 /// files give them all).
 #[derive(Deserialize)]
 struct LatentKeys {
-    #[serde(default = "default_query_rank")]
+    #[serde(default = "default_query_rank", deserialize_with = "optional_size")]
     q_lora_rank: Option<usize>,
-    #[serde(default = "default_kv_rank")]
+    #[serde(default = "default_kv_rank", deserialize_with = "size")]
     kv_lora_rank: usize,
-    #[serde(default = "default_nope_dim")]
+    #[serde(default = "default_nope_dim", deserialize_with = "size")]
     qk_nope_head_dim: usize,
-    #[serde(default = "default_rope_dim")]
+    #[serde(default = "default_rope_dim", deserialize_with = "size")]
     qk_rope_head_dim: usize,
-    #[serde(default = "default_value_dim")]
+    #[serde(default = "default_value_dim", deserialize_with = "size")]
     v_head_dim: usize,
     /// DeepSeek-V3's: the rotated values stored as interleaved pairs.
     #[serde(default)]
@@ -92,7 +93,7 @@ pub(super) fn latent_of(
     config: &serde_json::Value,
     stored: LatentRope,
 ) -> std::result::Result<(LatentAttention, usize, bool), String> {
-    let keys = LatentKeys::deserialize(config).map_err(|e| format!("{e}"))?;
+    let keys: LatentKeys = read_keys(config)?;
     let latent = LatentAttention {
         query_rank: keys.q_lora_rank,
         kv_rank: keys.kv_lora_rank,
@@ -115,7 +116,7 @@ impl LatentAttention {
         head_dim: usize,
         rotary_dim: usize,
     ) -> std::result::Result<(), String> {
-        crate::models::check_positive(&[
+        check_sizes(&[
             ("q_lora_rank", self.query_rank.unwrap_or(1)),
             ("kv_lora_rank", self.kv_rank),
             ("v_head_dim", self.value_dim),
@@ -145,16 +146,26 @@ impl LatentAttention {
         hidden: usize,
         (heads, head_dim, rope): (usize, usize, usize),
         bias: bool,
-    ) -> usize {
-        let q = heads * head_dim;
-        let query = match self.query_rank {
-            Some(rank) => hidden * rank + rank * usize::from(bias) + rank + rank * q,
+    ) -> u128 {
+        let [hidden, heads, head_dim, rope, kv_rank, nope_dim, value_dim] = [
+            hidden,
+            heads,
+            head_dim,
+            rope,
+            self.kv_rank,
+            self.nope_dim,
+            self.value_dim,
+        ]
+        .map(|n| n as u128);
+        let (q, bias) = (heads * head_dim, u128::from(bias));
+        let query = match self.query_rank.map(|rank| rank as u128) {
+            Some(rank) => hidden * rank + rank * bias + rank + rank * q,
             None => hidden * q,
         };
-        let kv_a = (hidden + usize::from(bias)) * (self.kv_rank + rope);
-        let kv_b = self.kv_rank * heads * (self.nope_dim + self.value_dim);
-        let o = heads * self.value_dim * hidden + hidden * usize::from(bias);
-        query + kv_a + self.kv_rank + kv_b + o
+        let kv_a = (hidden + bias) * (kv_rank + rope);
+        let kv_b = kv_rank * heads * (nope_dim + value_dim);
+        let o = heads * value_dim * hidden + hidden * bias;
+        query + kv_a + kv_rank + kv_b + o
     }
 }
 

@@ -14,6 +14,7 @@ pub use names::{LayerNames, NormNames, UngatedMlp};
 
 use super::moe::{expert_size_of, moe_of, MoeConfig};
 use crate::hub::HubDir;
+use crate::models::config_json::{check_sizes, read_keys};
 use crate::models::rope::Rope;
 use crate::nn::Activation;
 use families::FAMILIES;
@@ -24,7 +25,6 @@ use keys::{
     Plain,
 };
 use latent::{latent_of, score_mscale};
-use serde::Deserialize;
 
 /// The `config.json` of a Llama checkpoint: what shapes the model.
 #[derive(Clone, Debug, PartialEq)]
@@ -380,7 +380,7 @@ impl LlamaConfig {
         };
         let config = rewritten.as_ref().unwrap_or(config);
         crate::models::check_architectures(config, &family.architectures)?;
-        let plain = Plain::deserialize(config).map_err(|e| format!("{e}"))?;
+        let plain: Plain = read_keys(config)?;
         if plain.mlp_bias == Some(true) && !family.reads_mlp_bias {
             return Err(format!(
                 "`mlp_bias` is true; {kind}'s MLPs have no biases in transformers: set it to false"
@@ -759,9 +759,12 @@ impl LlamaConfig {
             ("num_attention_heads", self.num_attention_heads),
             ("num_key_value_heads", self.num_key_value_heads),
             ("head_dim", self.head_dim),
-            ("max_position_embeddings", self.max_position_embeddings),
         ];
-        crate::models::check_positive(&sizes)?;
+        check_sizes(&sizes)?;
+        // Compared with a sequence's length only: no bound.
+        if self.max_position_embeddings == 0 {
+            return Err("`max_position_embeddings` must be positive".into());
+        }
         if self.xielu && self.ungated_mlp.is_none() {
             return Err(
                 "`xielu` is set for a gated MLP; xIELU is the activation of an MLP without a \
@@ -918,58 +921,80 @@ impl LlamaConfig {
                 ));
             }
         }
+        let params = self.params();
+        if usize::try_from(params).is_err() {
+            return Err(format!(
+                "the sizes make a model of {params} parameters, more than this machine can                  count: check `num_hidden_layers` and the widths"
+            ));
+        }
         Ok(())
     }
 
-    /// The parameters of a model of this shape.
+    /// The parameters of a model of this shape (`usize::MAX` where they
+    /// are more: [`LlamaConfig::validate`] refuses such a shape).
     pub fn num_params(&self) -> usize {
-        let (d, inner) = (self.hidden_size, self.intermediate_size);
+        usize::try_from(self.params()).unwrap_or(usize::MAX)
+    }
+
+    /// [`LlamaConfig::num_params`] in a type no shape of sizes up to
+    /// [`MAX_SIZE`] overflows.
+    fn params(&self) -> u128 {
+        let [d, inner, head_dim, layers, vocab] = [
+            self.hidden_size,
+            self.intermediate_size,
+            self.head_dim,
+            self.num_hidden_layers,
+            self.vocab_size,
+        ]
+        .map(|n| n as u128);
         let (q, kv) = (
-            self.num_attention_heads * self.head_dim,
-            self.num_key_value_heads * self.head_dim,
+            self.num_attention_heads as u128 * head_dim,
+            self.num_key_value_heads as u128 * head_dim,
         );
         let biases = if self.qkv_bias { q + 2 * kv } else { 0 } + if self.o_bias { d } else { 0 };
         // Norms of the model's kind: with a bias where its norms have one.
-        let biased = (1 + self.norm_bias as usize) * self.norm_weights as usize;
+        let biased = (1 + self.norm_bias as u128) * self.norm_weights as u128;
         let qk_norms = match self.qk_norm {
-            Some(QkNorm::PerHead) => 2 * self.head_dim * biased,
+            Some(QkNorm::PerHead) => 2 * head_dim * biased,
             Some(QkNorm::Projection) => (q + kv) * biased,
             Some(QkNorm::HeadWeights) => q + kv,
             None => 0,
         };
         let norm = d * biased;
         let norms = match self.parallel_blocks {
-            true => norm * (1 + self.parallel_mlp_norm as usize),
-            false => 2 * norm * (self.input_norms as usize + self.output_norms as usize),
+            true => norm * (1 + self.parallel_mlp_norm as u128),
+            false => 2 * norm * (self.input_norms as u128 + self.output_norms as u128),
         };
         let attention = match &self.latent_attention {
             Some(latent) => latent.num_params(
-                d,
+                self.hidden_size,
                 (self.num_attention_heads, self.head_dim, self.rotary_dim),
                 self.qkv_bias,
             ),
             None => 2 * d * q + 2 * d * kv + biases + qk_norms,
         };
-        let sinks = self.num_attention_heads * self.attention_sinks as usize;
+        let sinks = self.num_attention_heads as u128 * self.attention_sinks as u128;
         let per_layer = norms + attention + sinks;
-        let mlps: usize = (0..self.num_hidden_layers)
-            .map(|i| match &self.moe {
-                Some(moe) if moe.layers[i] => moe.num_params(d),
-                _ => {
-                    let projections = 2 + self.ungated_mlp.is_none() as usize;
-                    let biases = (projections - 1) * inner + d;
-                    // xIELU's alpha_p and alpha_n.
-                    let activation = 2 * self.xielu as usize;
-                    projections * d * inner + if self.mlp_bias { biases } else { 0 } + activation
-                }
-            })
-            .sum();
-        let head = if self.tie_word_embeddings {
-            0
-        } else {
-            self.vocab_size * (d + self.head_bias as usize)
+        let dense = {
+            let projections = 2 + self.ungated_mlp.is_none() as u128;
+            let biases = (projections - 1) * inner + d;
+            // xIELU's alpha_p and alpha_n.
+            let activation = 2 * self.xielu as u128;
+            projections * d * inner + if self.mlp_bias { biases } else { 0 } + activation
         };
-        self.num_hidden_layers * per_layer + mlps + self.vocab_size * d + norm + head
+        let mlps = match &self.moe {
+            Some(moe) => {
+                let mixtures = moe.layers.iter().filter(|&&mixture| mixture).count() as u128;
+                mixtures * moe.num_params(self.hidden_size)
+                    + layers.saturating_sub(mixtures) * dense
+            }
+            None => layers * dense,
+        };
+        let head = match self.tie_word_embeddings {
+            true => 0,
+            false => vocab * (d + self.head_bias as u128),
+        };
+        layers * per_layer + mlps + vocab * d + norm + head
     }
 
     /// The rotary frequencies `1 / theta^(2i / rotary_dim)`, `i <

@@ -1,0 +1,283 @@
+//! What a user can get wrong is an error, never a panic or a hang:
+//!
+//! - every fixture's `config.json` with each key changed (to zero, to
+//!   negative, fractional and huge numbers, to other types, removed; lists
+//!   shortened, lengthened and with an entry changed; the same one level
+//!   down, in `rope_parameters` and the like): reading it gives an error or
+//!   a config; a config whose sizes are small builds a model that takes a
+//!   step on the CPU, or is an error; read beside the fixture's own weights
+//!   (which it may no longer match), it opens and trains one step, or is an
+//!   error;
+//! - a model whose variables a `ShardedVarMap` created, run before the
+//!   optimizer filled them.
+
+use candle_core::{DType, Device, Tensor};
+use serde_json::{json, Value};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::{Path, PathBuf};
+use zero_candle::models::{CausalLm, HubConfig};
+use zero_candle::{ZeroHook, ZeroOptimizer};
+use zero_core::engine::{EngineConfig, Stage};
+use zero_core::optim::{Sgd, SgdConfig};
+use zero_core::{ThreadComm, ThreadGroup};
+
+fn fixtures() -> Vec<PathBuf> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    let mut dirs = vec![root.join("gpt2/tiny")];
+    for entry in std::fs::read_dir(root.join("llama")).unwrap() {
+        let path = entry.unwrap().path();
+        if path.join("config.json").exists() {
+            dirs.push(path);
+        }
+    }
+    dirs.sort();
+    dirs
+}
+
+fn config_of(dir: &Path) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap()
+}
+
+/// Values to put in place of `value`: `huge` ones too.
+fn replacements(value: &Value, huge: bool) -> Vec<Value> {
+    let mut out = vec![
+        json!(0),
+        json!(1),
+        json!(-1),
+        json!(2),
+        json!(3),
+        json!(0.5),
+        json!(null),
+        json!(true),
+        json!("x"),
+        json!([]),
+        json!({}),
+    ];
+    if huge {
+        out.extend([
+            json!(1e9),
+            json!(f64::MAX),
+            json!(1u64 << 32),
+            json!(1u64 << 40),
+            json!(u64::MAX),
+        ]);
+    }
+    if let Some(n) = value.as_u64() {
+        out.extend([json!(n + 1), json!(n * 2), json!(n.saturating_sub(1))]);
+    }
+    if let Some(list) = value.as_array().filter(|l| !l.is_empty()) {
+        out.push(json!(list[..list.len() - 1]));
+        let mut longer = list.clone();
+        longer.push(list[0].clone());
+        out.push(json!(longer));
+        for i in 0..list.len() {
+            for entry in [
+                json!(0),
+                json!(-1),
+                json!(null),
+                json!("x"),
+                json!(u64::MAX),
+            ] {
+                let mut changed = list.clone();
+                changed[i] = entry;
+                out.push(json!(changed));
+            }
+        }
+    }
+    out
+}
+
+/// `base` with one key (or one key of an object it holds) removed or
+/// replaced, and what was done.
+fn variants(base: &Value, huge: bool) -> Vec<(String, Value)> {
+    let mut out = Vec::new();
+    for (key, value) in base.as_object().unwrap() {
+        let mut removed = base.clone();
+        removed.as_object_mut().unwrap().remove(key);
+        out.push((format!("without {key}"), removed));
+        for replacement in replacements(value, huge) {
+            let mut changed = base.clone();
+            changed[key] = replacement.clone();
+            out.push((format!("{key} = {replacement}"), changed));
+        }
+        for (inner, inner_value) in value.as_object().into_iter().flatten() {
+            let mut removed = base.clone();
+            removed[key].as_object_mut().unwrap().remove(inner);
+            out.push((format!("without {key}.{inner}"), removed));
+            for replacement in replacements(inner_value, huge) {
+                let mut changed = base.clone();
+                changed[key][inner] = replacement.clone();
+                out.push((format!("{key}.{inner} = {replacement}"), changed));
+            }
+        }
+    }
+    out
+}
+
+/// Runs `check` on every variant of every fixture's config, catching
+/// panics; the panics' messages, each with its fixture and variant, and
+/// how many variants `check` passed.
+fn panics_of(
+    huge: bool,
+    check: impl Fn(&Path, &Value) -> Result<(), String>,
+) -> (Vec<String>, usize) {
+    let (mut panics, mut passed) = (Vec::new(), 0);
+    let hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    for dir in fixtures() {
+        let name = dir
+            .strip_prefix(dir.parent().unwrap().parent().unwrap())
+            .unwrap();
+        for (what, config) in variants(&config_of(&dir), huge) {
+            match catch_unwind(AssertUnwindSafe(|| check(&dir, &config))) {
+                Ok(result) => passed += usize::from(result.is_ok()),
+                Err(panic) => {
+                    let message = panic
+                        .downcast_ref::<String>()
+                        .cloned()
+                        .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                        .unwrap_or_default();
+                    panics.push(format!("{}, {what}: {message}", name.display()));
+                }
+            }
+        }
+    }
+    std::panic::set_hook(hook);
+    (panics, passed)
+}
+
+/// Ids every fixture's vocabulary holds.
+fn ids() -> Tensor {
+    Tensor::new(&[[0u32, 1, 1, 0, 1, 0, 0, 1, 1]], &Device::Cpu).unwrap()
+}
+
+/// Reads `config`; where its model is small, builds it fresh on the CPU and
+/// takes one backward pass.
+fn read_and_build(config: &Value) -> Result<(), String> {
+    let config = HubConfig::from_json(config)?;
+    if config.num_params() > 3_000_000 {
+        return Ok(());
+    }
+    let map = candle_nn::VarMap::new();
+    let vb = candle_nn::VarBuilder::from_varmap(&map, DType::F32, &Device::Cpu);
+    let model = CausalLm::new(vb, &config, None).map_err(|e| e.to_string())?;
+    let loss = model.loss(&ids()).map_err(|e| e.to_string())?;
+    loss.backward().map_err(|e| e.to_string())?;
+    Ok(())
+}
+
+#[test]
+fn changed_configs_are_errors_or_models_never_panics() {
+    let (panics, built) = panics_of(true, |_, config| read_and_build(config));
+    assert!(
+        panics.is_empty(),
+        "{} panics:\n{}",
+        panics.len(),
+        panics.join("\n")
+    );
+    // Most changes keep a buildable model: the check reached the step.
+    assert!(built > 10_000, "{built} configs built");
+}
+
+/// Opens `config` beside the weights of the fixture `dir` and takes one
+/// SGD step at stage 0 on one rank.
+fn open_and_step(dir: &Path, config: &Value) -> Result<(), String> {
+    let out = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path
+            .extension()
+            .is_some_and(|e| e == "safetensors" || e == "json")
+        {
+            std::os::unix::fs::symlink(&path, out.path().join(path.file_name().unwrap())).unwrap();
+        }
+    }
+    std::fs::remove_file(out.path().join("config.json")).unwrap();
+    std::fs::write(out.path().join("config.json"), config.to_string()).unwrap();
+    let step = |comm: ThreadComm| -> zero_candle::Result<()> {
+        let hook = ZeroHook::<ThreadComm, f32>::new();
+        let (config, map) = CausalLm::open_hub(out.path())?;
+        if config.num_params() > 3_000_000 {
+            return Ok(());
+        }
+        let as_hook: std::sync::Arc<dyn zero_candle::nn::GradHook> = hook.clone();
+        let model = CausalLm::new(
+            map.builder(DType::F32, &Device::Cpu),
+            &config,
+            Some(as_hook),
+        )?;
+        let engine = EngineConfig::default().with_stage(Stage::Ddp);
+        let sgd = Sgd::new(SgdConfig::default().with_lr(0.1))?;
+        let mut opt = ZeroOptimizer::new_sharded(&map, comm, engine, Box::new(sgd), &hook)?;
+        opt.backward_step(&model.loss(&ids())?)?;
+        Ok(())
+    };
+    // A rank that panics is a panic here too.
+    match ThreadGroup::new(1).run(step).remove(0) {
+        Ok(stepped) => stepped.map_err(|e| e.to_string()),
+        Err(panicked) => panic!("{panicked}"),
+    }
+}
+
+#[test]
+fn changed_configs_beside_the_weights_are_errors_or_train_never_panics() {
+    let (panics, stepped) = panics_of(false, open_and_step);
+    assert!(
+        panics.is_empty(),
+        "{} panics:\n{}",
+        panics.len(),
+        panics.join("\n")
+    );
+    assert!(stepped > 5_000, "{stepped} configs stepped");
+}
+
+/// A width the file leaves out is made from another (GPT-J's and Falcon's
+/// MLPs four times the model's): from a huge one, an error too.
+#[test]
+fn a_default_width_made_from_a_huge_one_is_an_error() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama");
+    for (fixture, width, inner) in [
+        ("gptj", "n_embd", "n_inner"),
+        ("falcon", "hidden_size", "ffn_hidden_size"),
+    ] {
+        let mut config = config_of(&root.join(fixture));
+        config[width] = json!(u64::MAX);
+        config.as_object_mut().unwrap().remove(inner);
+        let err = HubConfig::from_json(&config).unwrap_err();
+        assert!(
+            err.contains("18446744073709551615 is above"),
+            "{fixture}: {err}"
+        );
+    }
+}
+
+/// A `ShardedVarMap`'s variables hold no values until the optimizer fills
+/// them: a model run before that, hooked or not, is an error naming the
+/// fix, in every family (Candle's kernels would read past the storage).
+#[test]
+fn a_model_run_before_its_optimizer_is_an_error() {
+    let hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    for dir in fixtures() {
+        let (config, map) = CausalLm::open_hub(&dir).unwrap();
+        let zero = ZeroHook::<ThreadComm, f32>::new();
+        let as_hook: std::sync::Arc<dyn zero_candle::nn::GradHook> = zero;
+        for hook in [None, Some(as_hook)] {
+            let hooked = hook.is_some();
+            let model =
+                CausalLm::new(map.builder(DType::F32, &Device::Cpu), &config, hook).unwrap();
+            let run = catch_unwind(AssertUnwindSafe(|| model.loss(&ids()).map(|_| ())));
+            let err = match run {
+                Ok(Ok(())) => panic!("{}: ran without values", dir.display()),
+                Ok(Err(e)) => e.to_string(),
+                Err(_) => panic!("{} (hooked: {hooked}): panicked", dir.display()),
+            };
+            assert!(
+                err.contains("ZeroOptimizer::new_sharded"),
+                "{}: {err}",
+                dir.display()
+            );
+        }
+    }
+    std::panic::set_hook(hook);
+}
