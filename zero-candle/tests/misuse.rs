@@ -182,21 +182,35 @@ fn changed_configs_are_errors_or_models_never_panics() {
 /// Opens `config` beside the weights of the fixture `dir` and takes one
 /// SGD step at stage 0 on one rank.
 fn open_and_step(dir: &Path, config: &Value) -> Result<(), String> {
+    let out = beside(dir, &["config.json"]);
+    std::fs::write(out.path().join("config.json"), config.to_string()).unwrap();
+    step_in(out.path())
+}
+
+/// A folder of links to the files of the fixture `dir` (`safetensors` and
+/// `json`) but `except`.
+fn beside(dir: &Path, except: &[&str]) -> tempfile::TempDir {
     let out = tempfile::tempdir().unwrap();
     for entry in std::fs::read_dir(dir).unwrap() {
         let path = entry.unwrap().path();
+        let name = path.file_name().unwrap();
         if path
             .extension()
             .is_some_and(|e| e == "safetensors" || e == "json")
+            && !except.iter().any(|e| name == *e)
         {
-            std::os::unix::fs::symlink(&path, out.path().join(path.file_name().unwrap())).unwrap();
+            std::os::unix::fs::symlink(&path, out.path().join(name)).unwrap();
         }
     }
-    std::fs::remove_file(out.path().join("config.json")).unwrap();
-    std::fs::write(out.path().join("config.json"), config.to_string()).unwrap();
+    out
+}
+
+/// Opens the hub folder `dir` and takes one SGD step at stage 0 on one
+/// rank (a model of more than 3M parameters is only opened).
+fn step_in(dir: &Path) -> Result<(), String> {
     let step = |comm: ThreadComm| -> zero_candle::Result<()> {
         let hook = ZeroHook::<ThreadComm, f32>::new();
-        let (config, map) = CausalLm::open_hub(out.path())?;
+        let (config, map) = CausalLm::open_hub(dir)?;
         if config.num_params() > 3_000_000 {
             return Ok(());
         }
@@ -280,4 +294,130 @@ fn a_model_run_before_its_optimizer_is_an_error() {
         }
     }
     std::panic::set_hook(hook);
+}
+
+/// `model.safetensors`' bytes as its header (JSON) and its data.
+fn split_safetensors(bytes: &[u8]) -> (Value, &[u8]) {
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    (
+        serde_json::from_slice(&bytes[8..8 + n]).unwrap(),
+        &bytes[8 + n..],
+    )
+}
+
+/// A safetensors file of `header` (and `pad` spaces after it) and `data`.
+fn join_safetensors(header: &Value, pad: usize, data: &[u8]) -> Vec<u8> {
+    let mut text = serde_json::to_vec(header).unwrap();
+    text.resize(text.len() + pad, b' ');
+    let mut bytes = (text.len() as u64).to_le_bytes().to_vec();
+    bytes.extend(text);
+    bytes.extend(data);
+    bytes
+}
+
+/// Each fixture's `model.safetensors` damaged (truncated; the header's
+/// length wrong; a tensor's dtype, shape or byte range changed in the
+/// header): opening it and stepping is an error, never a panic. And the
+/// same file with its header padded to every length (data not aligned to
+/// 8 bytes, which the format allows) trains.
+#[test]
+fn damaged_weights_are_errors_and_unaligned_ones_train() {
+    let hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    let mut panics = Vec::new();
+    for dir in fixtures() {
+        let Ok(bytes) = std::fs::read(dir.join("model.safetensors")) else {
+            continue;
+        };
+        let (header, data) = split_safetensors(&bytes);
+        let header_end = bytes.len() - data.len();
+        let mut damaged: Vec<(String, Vec<u8>)> =
+            [0, 4, 8, header_end / 2, header_end, bytes.len() - 1]
+                .into_iter()
+                .map(|len| (format!("truncated to {len} bytes"), bytes[..len].to_vec()))
+                .collect();
+        for len in [
+            0u64,
+            1,
+            (header_end - 8) as u64 - 1,
+            header_end as u64,
+            u64::MAX,
+        ] {
+            let mut changed = bytes.clone();
+            changed[..8].copy_from_slice(&len.to_le_bytes());
+            damaged.push((format!("header length {len}"), changed));
+        }
+        // The first and the last tensor's entries.
+        let names: Vec<&String> = header
+            .as_object()
+            .unwrap()
+            .keys()
+            .filter(|k| *k != "__metadata__")
+            .collect();
+        for name in [names[0], names[names.len() - 1]] {
+            let entry = &header[name];
+            let shape = entry["shape"].as_array().unwrap().clone();
+            let offsets = entry["data_offsets"].clone();
+            let mut changes: Vec<(&str, Value)> =
+                ["F16", "BF16", "F64", "I64", "U8", "BOOL", "F8_E4M3", "XX"]
+                    .into_iter()
+                    .map(|d| ("dtype", json!(d)))
+                    .collect();
+            let mut reversed = shape.clone();
+            reversed.reverse();
+            let mut wider = shape.clone();
+            wider[0] = json!(wider[0].as_u64().unwrap() + 1);
+            changes.extend([
+                ("shape", json!([])),
+                ("shape", json!([0])),
+                ("shape", json!([1])),
+                ("shape", json!(reversed)),
+                ("shape", json!(wider)),
+                ("shape", json!([u64::MAX, 2])),
+                ("data_offsets", json!([offsets[1], offsets[0]])),
+                ("data_offsets", json!([0, u64::MAX])),
+                ("data_offsets", json!([0, 4])),
+            ]);
+            for (key, value) in changes {
+                let mut changed = header.clone();
+                changed[name.as_str()][key] = value.clone();
+                damaged.push((
+                    format!("{name}.{key} = {value}"),
+                    join_safetensors(&changed, 0, data),
+                ));
+            }
+        }
+        for (what, weights) in damaged {
+            let out = beside(&dir, &["model.safetensors"]);
+            std::fs::write(out.path().join("model.safetensors"), weights).unwrap();
+            if let Err(panic) = catch_unwind(AssertUnwindSafe(|| step_in(out.path()))) {
+                let message = panic
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_default();
+                panics.push(format!("{}, {what}: {message}", dir.display()));
+            }
+        }
+        for pad in 1..8 {
+            let out = beside(&dir, &["model.safetensors"]);
+            std::fs::write(
+                out.path().join("model.safetensors"),
+                join_safetensors(&header, pad, data),
+            )
+            .unwrap();
+            match catch_unwind(AssertUnwindSafe(|| step_in(out.path()))) {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => panics.push(format!("{}, padded by {pad}: {e}", dir.display())),
+                Err(_) => panics.push(format!("{}, padded by {pad}: panicked", dir.display())),
+            }
+        }
+    }
+    std::panic::set_hook(hook);
+    assert!(
+        panics.is_empty(),
+        "{} failures:\n{}",
+        panics.len(),
+        panics.join("\n")
+    );
 }
