@@ -421,3 +421,93 @@ fn damaged_weights_are_errors_and_unaligned_ones_train() {
         panics.join("\n")
     );
 }
+
+/// Token ids a model cannot take (ids outside the vocabulary, of a float
+/// dtype, negative; not `[batch, time]`) are errors of the forward and of
+/// the loss in every family, never panics; so are ids a loss cannot take
+/// (no sequence, fewer than two positions: nothing to predict), whose
+/// forward gives its logits (none without a sequence or a position); i64
+/// and strided ids are read as u32 and contiguous ones.
+#[test]
+fn token_ids_a_model_cannot_take_are_errors() {
+    let hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    let mut failures = Vec::new();
+    for dir in fixtures() {
+        let config = HubConfig::from_json(&config_of(&dir)).unwrap();
+        let vocab = config.vocab_size() as u32;
+        let map = candle_nn::VarMap::new();
+        let vb = candle_nn::VarBuilder::from_varmap(&map, DType::F32, &Device::Cpu);
+        let model = CausalLm::new(vb, &config, None).unwrap();
+        let cpu = &Device::Cpu;
+        let strided = Tensor::new(&[[0u32, 1], [1, 0], [1, 1]], cpu)
+            .unwrap()
+            .t()
+            .unwrap();
+        // What each input gives: (forward, loss) succeed.
+        let cases = [
+            (
+                "an id of the vocabulary's size",
+                Tensor::new(&[[0u32, vocab, 1]], cpu),
+                (false, false),
+            ),
+            (
+                "an f32 id",
+                Tensor::new(&[[0f32, 1., 1.]], cpu),
+                (false, false),
+            ),
+            (
+                "a negative id",
+                Tensor::new(&[[0i64, -1, 1]], cpu),
+                (false, false),
+            ),
+            (
+                "ids [time]",
+                Tensor::new(&[0u32, 1, 1], cpu),
+                (false, false),
+            ),
+            (
+                "ids [1, 1, time]",
+                Tensor::new(&[[[0u32, 1, 1]]], cpu),
+                (false, false),
+            ),
+            (
+                "no sequence",
+                Tensor::zeros((0, 4), DType::U32, cpu),
+                (true, false),
+            ),
+            (
+                "no position",
+                Tensor::zeros((2, 0), DType::U32, cpu),
+                (true, false),
+            ),
+            ("one position", Tensor::new(&[[0u32]], cpu), (true, false)),
+            ("i64 ids", Tensor::new(&[[0i64, 1, 1]], cpu), (true, true)),
+            ("strided ids", Ok(strided), (true, true)),
+        ];
+        for (what, ids, expected) in cases {
+            let ids = ids.unwrap();
+            let forward = || model.forward(&ids).map(|_| ());
+            let loss = || model.loss(&ids).and_then(|l| l.backward()).map(|_| ());
+            for (pass, run, ok) in [
+                ("forward", &forward as &dyn Fn() -> _, expected.0),
+                ("loss", &loss, expected.1),
+            ] {
+                match catch_unwind(AssertUnwindSafe(run)) {
+                    Ok(result) if result.is_ok() == ok => {}
+                    Ok(result) => {
+                        failures.push(format!("{}, {what}, {pass}: {result:?}", dir.display()))
+                    }
+                    Err(_) => failures.push(format!("{}, {what}, {pass}: panicked", dir.display())),
+                }
+            }
+        }
+    }
+    std::panic::set_hook(hook);
+    assert!(
+        failures.is_empty(),
+        "{} failures:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+}

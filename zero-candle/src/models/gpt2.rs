@@ -336,14 +336,13 @@ impl Gpt2 {
     /// A 16-bit model computes in its dtype, with the norms' statistics
     /// and the attention's softmax in f32.
     pub fn forward(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
-        let (batch, time) = ids.dims2()?;
-        self.logits_rows(ids)?
-            .reshape((batch, time, self.config.vocab_size))
+        let dims = (self.config.vocab_size, self.dtype());
+        super::logits_of(ids, dims, |ids| self.logits_rows(ids))
     }
 
     /// [`Gpt2::forward`]'s logits as rows `[batch * time, vocab_size]`.
     fn logits_rows(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
-        let (_, time) = ids.dims2()?;
+        let (_, time) = super::ids_dims(ids)?;
         if time > self.config.n_positions {
             candle_core::bail!(
                 "a sequence of {time} tokens is longer than the model's n_positions {}",

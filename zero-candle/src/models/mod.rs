@@ -29,10 +29,42 @@ fn next_token_loss(
     ids: &candle_core::Tensor,
     logits: impl FnOnce(&candle_core::Tensor) -> candle_core::Result<candle_core::Tensor>,
 ) -> candle_core::Result<candle_core::Tensor> {
-    let time = ids.dim(1)? - 1;
+    let (batch, time) = ids_dims(ids)?;
+    if batch == 0 || time < 2 {
+        candle_core::bail!(
+            "token ids are {:?}: a loss needs a sequence of at least two tokens (each position \
+             predicts the next)",
+            ids.dims()
+        )
+    }
+    let time = time - 1;
     let inputs = ids.narrow(1, 0, time)?.contiguous()?;
     let targets = ids.narrow(1, 1, time)?.flatten_all()?;
     crate::nn::ops::cross_entropy(&logits(&inputs)?, &targets)
+}
+
+/// The `(batch, time)` of token ids `[batch, time]`; an error for other
+/// dims.
+fn ids_dims(ids: &candle_core::Tensor) -> candle_core::Result<(usize, usize)> {
+    match *ids.dims() {
+        [batch, time] => Ok((batch, time)),
+        _ => candle_core::bail!("token ids are {:?}: give them as [batch, time]", ids.dims()),
+    }
+}
+
+/// The logits `[batch, time, vocab]` of `ids` `[batch, time]` (`rows`
+/// computes them as rows `[batch * time, vocab]`); without a sequence or a
+/// position, none (the blocks do not run).
+fn logits_of(
+    ids: &candle_core::Tensor,
+    (vocab, dtype): (usize, candle_core::DType),
+    rows: impl FnOnce(&candle_core::Tensor) -> candle_core::Result<candle_core::Tensor>,
+) -> candle_core::Result<candle_core::Tensor> {
+    let (batch, time) = ids_dims(ids)?;
+    if batch * time == 0 {
+        return candle_core::Tensor::zeros((batch, time, vocab), dtype, ids.device());
+    }
+    rows(ids)?.reshape((batch, time, vocab))
 }
 
 /// `x` through `blocks` in turn (`forward(block, x)`), each recomputed in

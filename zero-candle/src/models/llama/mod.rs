@@ -777,10 +777,8 @@ impl Llama {
     /// in its dtype, with the norms' statistics and the attention's
     /// softmax in f32.
     pub fn forward(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
-        let (batch, time) = ids.dims2()?;
-        self.logits_rows(ids, false)?
-            .0
-            .reshape((batch, time, self.config.vocab_size))
+        let dims = (self.config.vocab_size, self.dtype());
+        super::logits_of(ids, dims, |ids| Ok(self.logits_rows(ids, false)?.0))
     }
 
     /// [`Llama::forward`]'s logits as rows `[batch * time, vocab_size]`;
@@ -790,7 +788,7 @@ impl Llama {
         ids: &Tensor,
         with_router_logits: bool,
     ) -> candle_core::Result<(Tensor, Vec<Tensor>)> {
-        let (_, time) = ids.dims2()?;
+        let (_, time) = super::ids_dims(ids)?;
         let longest = self.config.max_position_embeddings;
         if matches!(self.config.rope.scaling, RopeScaling::Dynamic { .. }) && time > longest {
             candle_core::bail!(
