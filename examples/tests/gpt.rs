@@ -230,6 +230,25 @@ fn bad_gpt_flags_and_missing_text_say_what_to_do() {
     argv[heads + 1] = "3".into();
     let err = run(&Args::parse_from(&argv)).unwrap_err().to_string();
     assert!(err.contains("--heads 3"), "{err}");
+    // The flags' ranges bound the shape; a `GptConfig` built in code whose
+    // parameter count would overflow is refused too.
+    let beyond = GptConfig {
+        layers: (1 << 24) + 1,
+        heads: 1,
+        d_model: 1,
+        context: 1,
+    };
+    let err = beyond.validate().unwrap_err().to_string();
+    assert!(err.contains("at most 16777216"), "{err}");
+    let huge = GptConfig {
+        layers: 1 << 24,
+        heads: 1,
+        d_model: 1 << 24,
+        context: 1,
+    };
+    let err = huge.validate().unwrap_err().to_string();
+    assert!(err.contains("more than this machine can count"), "{err}");
+    assert_eq!(huge.num_params(), usize::MAX);
     let mut argv = tiny(dir.path().join("absent.txt").to_str().unwrap());
     argv.extend(["--steps", "1"].map(String::from));
     let err = run(&Args::parse_from(&argv)).unwrap_err().to_string();

@@ -7,6 +7,7 @@ use super::{
     PartitionerArg, Precision, ReplicaDtype, TrainError, TrainingData,
 };
 use clap::ValueEnum;
+use zero_candle::models::MAX_SIZE;
 use zero_candle::ShardedVarMap;
 use zero_core::engine::{
     EngineConfig, LossScale, NormType, Offload, Overlap, PartitionerKind, Stage,
@@ -41,8 +42,22 @@ pub(super) fn validate(args: &Args) -> Result<(), TrainError> {
             args.betas
         )));
     }
-    if args.hidden.contains(&0) {
-        return Err(TrainError::Usage("--hidden widths must be positive".into()));
+    if args.hidden.iter().any(|&w| w == 0 || w > MAX_SIZE) {
+        return Err(TrainError::Usage(format!(
+            "--hidden widths must be positive and at most {MAX_SIZE}; got {:?}",
+            args.hidden
+        )));
+    }
+    for (flag, mb) in [
+        ("--prefetch-mb", args.prefetch_mb),
+        ("--gather-mb", args.gather_mb),
+        ("--max-live-mb", args.max_live_mb),
+    ] {
+        if let Some(mb) = mb.filter(|mb| !(*mb >= 0.0)) {
+            return Err(TrainError::Usage(format!(
+                "{flag} {mb} must be a number of MB, at least 0"
+            )));
+        }
     }
     if !(args.lr.is_finite() && args.lr >= 0.0) {
         return Err(TrainError::Usage(format!("--lr {} must be >= 0", args.lr)));

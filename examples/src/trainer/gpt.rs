@@ -16,6 +16,7 @@ use crate::trainer::TrainError;
 use candle_core::{DType, Device, Module, Tensor, D};
 use candle_nn::VarMap;
 use std::sync::Arc;
+use zero_candle::models::MAX_SIZE;
 use zero_candle::nn::{ops, Activation, Embedding, GradHook, LayerNorm, Linear};
 use zero_candle::ShardedVarMap;
 
@@ -38,10 +39,12 @@ pub struct GptConfig {
 impl GptConfig {
     /// Checks that the shape is buildable, naming the flag to change.
     pub fn validate(&self) -> Result<(), TrainError> {
-        if self.layers == 0 || self.heads == 0 || self.d_model == 0 || self.context == 0 {
-            return Err(TrainError::Usage(
-                "--layers, --heads, --d-model and --context must be positive".into(),
-            ));
+        let sizes = [self.layers, self.heads, self.d_model, self.context];
+        if sizes.iter().any(|&n| n == 0 || n > MAX_SIZE) {
+            return Err(TrainError::Usage(format!(
+                "--layers, --heads, --d-model and --context must be positive and at most \
+                 {MAX_SIZE}; got {sizes:?}"
+            )));
         }
         if self.d_model % self.heads != 0 {
             return Err(TrainError::Usage(format!(
@@ -49,16 +52,32 @@ impl GptConfig {
                 self.d_model, self.heads
             )));
         }
+        if usize::try_from(self.params()).is_err() {
+            return Err(TrainError::Usage(format!(
+                "--layers {} of --d-model {} make {} parameters, more than this machine can \
+                 count",
+                self.layers,
+                self.d_model,
+                self.params()
+            )));
+        }
         Ok(())
     }
 
     /// The parameters of a [`Gpt`] of this shape (the head is tied to the
     /// token embedding): per block two norms, the attention's input and
-    /// output projections and the MLP's two, with biases.
+    /// output projections and the MLP's two, with biases (`usize::MAX`
+    /// where more: [`GptConfig::validate`] refuses such a shape).
     pub fn num_params(&self) -> usize {
-        let d = self.d_model;
+        usize::try_from(self.params()).unwrap_or(usize::MAX)
+    }
+
+    /// [`GptConfig::num_params`] in a type sizes up to [`MAX_SIZE`] do not
+    /// overflow.
+    fn params(&self) -> u128 {
+        let [d, layers, context] = [self.d_model, self.layers, self.context].map(|n| n as u128);
         let per_layer = 12 * d * d + 13 * d;
-        self.layers * per_layer + (VOCAB + self.context) * d + 2 * d
+        layers * per_layer + (VOCAB as u128 + context) * d + 2 * d
     }
 }
 

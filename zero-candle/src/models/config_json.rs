@@ -7,7 +7,7 @@ use serde::de::{Deserialize, Deserializer, Error};
 /// heads, experts, tokens or positions. No model comes near it (the widest
 /// vocabularies hold about 2^18 tokens, the widest layers 2^17 values), and
 /// the products of four such sizes (a parameter count) fit in a `u128`.
-pub(crate) const MAX_SIZE: usize = 1 << 24;
+pub const MAX_SIZE: usize = 1 << 24;
 
 /// `T` read from `config` as serde reads it; an error names the key whose
 /// value does not fit (`` `num_hidden_layers`: invalid type: string "x",

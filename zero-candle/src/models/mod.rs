@@ -11,6 +11,7 @@ pub mod llama;
 pub mod rope;
 
 pub use causal_lm::{CausalLm, HubConfig};
+pub use config_json::MAX_SIZE;
 pub use gpt2::{Gpt2, Gpt2Config};
 pub use llama::{
     ClampedSwiglu, LatentAttention, LayerNames, Llama, LlamaConfig, MoeConfig, MoeRouting,
