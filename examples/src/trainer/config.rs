@@ -53,7 +53,7 @@ pub(super) fn validate(args: &Args) -> Result<(), TrainError> {
         ("--gather-mb", args.gather_mb),
         ("--max-live-mb", args.max_live_mb),
     ] {
-        if let Some(mb) = mb.filter(|mb| !(*mb >= 0.0)) {
+        if let Some(mb) = mb.filter(|mb| mb.is_nan() || *mb < 0.0) {
             return Err(TrainError::Usage(format!(
                 "{flag} {mb} must be a number of MB, at least 0"
             )));
