@@ -924,7 +924,8 @@ impl LlamaConfig {
         let params = self.params();
         if usize::try_from(params).is_err() {
             return Err(format!(
-                "the sizes make a model of {params} parameters, more than this machine can                  count: check `num_hidden_layers` and the widths"
+                "the sizes make a model of {params} parameters, more than this machine can \
+                 count: check `num_hidden_layers` and the widths"
             ));
         }
         Ok(())
@@ -937,7 +938,7 @@ impl LlamaConfig {
     }
 
     /// [`LlamaConfig::num_params`] in a type no shape of sizes up to
-    /// [`MAX_SIZE`] overflows.
+    /// [`MAX_SIZE`](crate::models::MAX_SIZE) overflows.
     fn params(&self) -> u128 {
         let [d, inner, head_dim, layers, vocab] = [
             self.hidden_size,
