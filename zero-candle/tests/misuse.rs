@@ -122,8 +122,6 @@ fn panics_of(
     check: impl Fn(&Path, &Value) -> Result<(), String>,
 ) -> (Vec<String>, usize) {
     let (mut panics, mut passed) = (Vec::new(), 0);
-    let hook = std::panic::take_hook();
-    std::panic::set_hook(Box::new(|_| {}));
     for dir in fixtures() {
         let name = dir
             .strip_prefix(dir.parent().unwrap().parent().unwrap())
@@ -132,18 +130,33 @@ fn panics_of(
             match catch_unwind(AssertUnwindSafe(|| check(&dir, &config))) {
                 Ok(result) => passed += usize::from(result.is_ok()),
                 Err(panic) => {
-                    let message = panic
-                        .downcast_ref::<String>()
-                        .cloned()
-                        .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-                        .unwrap_or_default();
+                    let message = panic_message(panic);
                     panics.push(format!("{}, {what}: {message}", name.display()));
                 }
             }
         }
     }
-    std::panic::set_hook(hook);
     (panics, passed)
+}
+
+/// What a caught panic says.
+fn panic_message(panic: Box<dyn std::any::Any + Send>) -> String {
+    match panic.downcast::<String>() {
+        Ok(message) => *message,
+        Err(panic) => panic
+            .downcast_ref::<&str>()
+            .map_or(String::new(), |s| s.to_string()),
+    }
+}
+
+/// Fails listing `failures`, if any.
+fn assert_none(failures: &[String]) {
+    assert!(
+        failures.is_empty(),
+        "{} failures:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
 }
 
 /// Ids every fixture's vocabulary holds.
@@ -169,12 +182,7 @@ fn read_and_build(config: &Value) -> Result<(), String> {
 #[test]
 fn changed_configs_are_errors_or_models_never_panics() {
     let (panics, built) = panics_of(true, |_, config| read_and_build(config));
-    assert!(
-        panics.is_empty(),
-        "{} panics:\n{}",
-        panics.len(),
-        panics.join("\n")
-    );
+    assert_none(&panics);
     // Most changes keep a buildable model: the check reached the step.
     assert!(built > 10_000, "{built} configs built");
 }
@@ -236,12 +244,7 @@ fn step_in(dir: &Path) -> Result<(), String> {
 #[test]
 fn changed_configs_beside_the_weights_are_errors_or_train_never_panics() {
     let (panics, stepped) = panics_of(false, open_and_step);
-    assert!(
-        panics.is_empty(),
-        "{} panics:\n{}",
-        panics.len(),
-        panics.join("\n")
-    );
+    assert_none(&panics);
     assert!(stepped > 5_000, "{stepped} configs stepped");
 }
 
@@ -270,8 +273,6 @@ fn a_default_width_made_from_a_huge_one_is_an_error() {
 /// fix, in every family (Candle's kernels would read past the storage).
 #[test]
 fn a_model_run_before_its_optimizer_is_an_error() {
-    let hook = std::panic::take_hook();
-    std::panic::set_hook(Box::new(|_| {}));
     for dir in fixtures() {
         let (config, map) = CausalLm::open_hub(&dir).unwrap();
         let zero = ZeroHook::<ThreadComm, f32>::new();
@@ -293,7 +294,6 @@ fn a_model_run_before_its_optimizer_is_an_error() {
             );
         }
     }
-    std::panic::set_hook(hook);
 }
 
 /// `model.safetensors`' bytes as its header (JSON) and its data.
@@ -322,8 +322,6 @@ fn join_safetensors(header: &Value, pad: usize, data: &[u8]) -> Vec<u8> {
 /// 8 bytes, which the format allows) trains.
 #[test]
 fn damaged_weights_are_errors_and_unaligned_ones_train() {
-    let hook = std::panic::take_hook();
-    std::panic::set_hook(Box::new(|_| {}));
     let mut panics = Vec::new();
     for dir in fixtures() {
         let Ok(bytes) = std::fs::read(dir.join("model.safetensors")) else {
@@ -391,11 +389,7 @@ fn damaged_weights_are_errors_and_unaligned_ones_train() {
             let out = beside(&dir, &["model.safetensors"]);
             std::fs::write(out.path().join("model.safetensors"), weights).unwrap();
             if let Err(panic) = catch_unwind(AssertUnwindSafe(|| step_in(out.path()))) {
-                let message = panic
-                    .downcast_ref::<String>()
-                    .cloned()
-                    .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-                    .unwrap_or_default();
+                let message = panic_message(panic);
                 panics.push(format!("{}, {what}: {message}", dir.display()));
             }
         }
@@ -413,13 +407,7 @@ fn damaged_weights_are_errors_and_unaligned_ones_train() {
             }
         }
     }
-    std::panic::set_hook(hook);
-    assert!(
-        panics.is_empty(),
-        "{} failures:\n{}",
-        panics.len(),
-        panics.join("\n")
-    );
+    assert_none(&panics);
 }
 
 /// Token ids a model cannot take (ids outside the vocabulary, of a float
@@ -430,8 +418,6 @@ fn damaged_weights_are_errors_and_unaligned_ones_train() {
 /// and strided ids are read as u32 and contiguous ones.
 #[test]
 fn token_ids_a_model_cannot_take_are_errors() {
-    let hook = std::panic::take_hook();
-    std::panic::set_hook(Box::new(|_| {}));
     let mut failures = Vec::new();
     for dir in fixtures() {
         let config = HubConfig::from_json(&config_of(&dir)).unwrap();
@@ -503,11 +489,5 @@ fn token_ids_a_model_cannot_take_are_errors() {
             }
         }
     }
-    std::panic::set_hook(hook);
-    assert!(
-        failures.is_empty(),
-        "{} failures:\n{}",
-        failures.len(),
-        failures.join("\n")
-    );
+    assert_none(&failures);
 }
