@@ -438,6 +438,11 @@ fn token_ids_a_model_cannot_take_are_errors() {
                 (false, false),
             ),
             (
+                "the largest u32 id",
+                Tensor::new(&[[0u32, u32::MAX, 1]], cpu),
+                (false, false),
+            ),
+            (
                 "an f32 id",
                 Tensor::new(&[[0f32, 1., 1.]], cpu),
                 (false, false),

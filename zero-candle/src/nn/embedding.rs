@@ -305,9 +305,23 @@ fn gather_rows<S: BackendStorage>(
 ) -> Result<(S, Shape)> {
     let (_vocab, dim) = table_layout.shape().dims2()?;
     let count = ids_layout.shape().dims1()?;
-    // Checks every id against the vocabulary.
+    // Checks every id against the vocabulary (but its type's largest).
     let rows = table.index_select(ids, table_layout, ids_layout, 0)?;
     Ok((rows, Shape::from((count, dim))))
+}
+
+/// The lookup on the CPU: every id checked against the vocabulary first
+/// (Candle's `index_select` reads an id of its type's largest value as a
+/// row of zeros), then Candle's `index_select`.
+fn lookup_cpu(
+    table: &CpuStorage,
+    table_layout: &Layout,
+    ids: &CpuStorage,
+    ids_layout: &Layout,
+) -> Result<(CpuStorage, Shape)> {
+    let (vocab, _) = table_layout.shape().dims2()?;
+    rows_of_storage(ids, ids_layout, vocab)?;
+    gather_rows(table, table_layout, ids, ids_layout)
 }
 
 /// The lookup on CUDA: zero-nccl's kernel where it takes the types (the
@@ -352,7 +366,7 @@ impl CustomOp2 for FusedEmbedding {
         ids: &CpuStorage,
         ids_layout: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        self.rows((table, table_layout), (ids, ids_layout), gather_rows)
+        self.rows((table, table_layout), (ids, ids_layout), lookup_cpu)
     }
 
     fn cuda_fwd(
@@ -462,15 +476,20 @@ fn scatter_typed<T: WithDType>(
 fn row_ids(ids: &Tensor, vocab: usize) -> Result<Vec<usize>> {
     let ids = &ids.to_device(&Device::Cpu)?;
     cpu::with_cpu(ids, "the embedding ids", |storage, layout| {
-        match storage.dtype() {
-            DType::U8 => row_numbers::<u8>(storage, layout, vocab),
-            DType::U32 => row_numbers::<u32>(storage, layout, vocab),
-            DType::I64 => row_numbers::<i64>(storage, layout, vocab),
-            other => bail!(
-                "zero-candle Embedding: ids of dtype {other:?} are not supported; use u8, u32 or i64"
-            ),
-        }
+        rows_of_storage(storage, layout, vocab)
     })
+}
+
+/// [`row_numbers`] of ids of any supported type.
+fn rows_of_storage(ids: &CpuStorage, layout: &Layout, vocab: usize) -> Result<Vec<usize>> {
+    match ids.dtype() {
+        DType::U8 => row_numbers::<u8>(ids, layout, vocab),
+        DType::U32 => row_numbers::<u32>(ids, layout, vocab),
+        DType::I64 => row_numbers::<i64>(ids, layout, vocab),
+        other => bail!(
+            "zero-candle Embedding: ids of dtype {other:?} are not supported; use u8, u32 or i64"
+        ),
+    }
 }
 
 fn scatter_rows_cpu(vocab: usize, dim: usize, ids: &Tensor, grad: &Tensor) -> Result<Tensor> {
