@@ -1,11 +1,12 @@
 //! Each family read as Llama, and what sets it apart: one table.
 
-use super::super::moe::{
-    MoeFamily, MoeStyle, Normalize, DEEPSEEK_V2_MOE, DEEPSEEK_V3_MOE, DOTS1_MOE, ERNIE4_5_MOE,
-    EXAONE_MOE, GLM4_MOE, GLM4_MOE_LITE_MOE, GPT_OSS_MOE, GRANITE_MOE, GRANITE_MOE_SHARED,
-    GRANITE_MOE_SWA, HUNYUAN_MOE, MINIMAX_M2_MOE, MISTRAL4_MOE, OLMOE_MOE, QWEN2_MOE,
-    SARVAM_MLA_MOE, SARVAM_MOE, SOLAR_OPEN_MOE,
+use super::super::moe::families::{
+    MoeFamily, Normalize, DEEPSEEK_V2_MOE, DEEPSEEK_V3_MOE, DOTS1_MOE, ERNIE4_5_MOE, EXAONE_MOE,
+    GLM4_MOE, GLM4_MOE_LITE_MOE, GPT_OSS_MOE, GRANITE_MOE, GRANITE_MOE_SHARED, GRANITE_MOE_SWA,
+    HUNYUAN_MOE, MINIMAX_M2_MOE, MISTRAL4_MOE, OLMOE_MOE, QWEN2_MOE, SARVAM_MLA_MOE, SARVAM_MOE,
+    SOLAR_OPEN_MOE,
 };
+use super::super::moe::MoeStyle;
 use super::family::{Family, Gemma, TypedRope, Windows, DEFAULT_WINDOW, LLAMA};
 use super::latent::{minicpm3_keys, sarvam_mla_keys, LatentRope};
 use super::{LayerNames, NormNames, QkNorm, UngatedMlp};

@@ -1,6 +1,6 @@
 //! What sets a family read as Llama apart: [`Family`], and Llama itself.
 
-use super::super::moe::MoeFamily;
+use super::super::moe::families::MoeFamily;
 use super::latent::LatentRope;
 use super::{LayerNames, NormNames, QkNorm, UngatedMlp};
 use crate::models::rope::RopeDialect;

@@ -7,12 +7,16 @@ mod family;
 mod keys;
 mod latent;
 mod names;
+mod position_scale;
 
 pub(crate) use families::{llama_types, reads};
 pub use latent::{LatentAttention, LATENT_NORM_EPS};
 pub use names::{LayerNames, NormNames, UngatedMlp};
+use position_scale::position_scale_of;
+pub use position_scale::PositionScale;
 
-use super::moe::{expert_size_of, moe_of, MoeConfig};
+use super::moe::families::expert_size_of;
+use super::moe::{moe_of, MoeConfig};
 use crate::hub::HubDir;
 use crate::models::config_json::{check_sizes, read_keys};
 use crate::models::rope::Rope;
@@ -219,58 +223,6 @@ pub struct LlamaConfig {
     /// trained, `beta` and `eps` buffers of the checkpoint); its
     /// [`LlamaConfig::mlp_activation`] is then not used.
     pub xielu: bool,
-}
-
-/// Llama 4's and Ministral 3's scale of the queries by position: the query
-/// at position `t` times `1 + beta · ln(1 + ⌊t / every⌋)`, 1 within the
-/// first `every` positions.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct PositionScale {
-    /// `llama_4_scaling_beta`.
-    pub beta: f64,
-    /// The rotary parameters' `original_max_position_embeddings`.
-    pub every: usize,
-}
-
-impl PositionScale {
-    /// The factors of positions `0..time`.
-    pub fn factors(&self, time: usize) -> Vec<f32> {
-        let every = self.every.max(1);
-        (0..time)
-            .map(|t| (1.0 + self.beta * (1.0 + (t / every) as f64).ln()) as f32)
-            .collect()
-    }
-}
-
-/// The position scale a Ministral 3 config's rotary parameters give
-/// (`llama_4_scaling_beta` over `original_max_position_embeddings`), none
-/// where they name no beta.
-fn position_scale_of(
-    config: &serde_json::Value,
-) -> std::result::Result<Option<PositionScale>, String> {
-    let Some(params) = ["rope_parameters", "rope_scaling"]
-        .iter()
-        .find_map(|key| config.get(key).filter(|p| p.is_object()))
-    else {
-        return Ok(None);
-    };
-    let Some(beta) = params.get("llama_4_scaling_beta").filter(|b| !b.is_null()) else {
-        return Ok(None);
-    };
-    let beta = beta
-        .as_f64()
-        .filter(|b| b.is_finite())
-        .ok_or_else(|| format!("`llama_4_scaling_beta` is {beta}; a number is expected"))?;
-    let every = params
-        .get("original_max_position_embeddings")
-        .and_then(|v| v.as_u64())
-        .and_then(|v| usize::try_from(v).ok())
-        .filter(|&v| v > 0)
-        .ok_or(
-            "`llama_4_scaling_beta` scales the queries past `original_max_position_embeddings`, \
-             which the rotary parameters do not give: add it",
-        )?;
-    Ok(Some(PositionScale { beta, every }))
 }
 
 /// Where the queries and keys are normalized.
