@@ -5,7 +5,9 @@
 # NVRTC or ptxas rejects, and a target architecture the toolkit dropped.
 # Installs NVRTC and ptxas (CUDA 13) from PyPI wheels into $CUDA_WHEELS
 # (default /opt/cuda-wheels, shared with check-cuda.sh), then runs
-# zero-nccl's tests/nvrtc_ptx.rs, which a plain `cargo test` leaves ignored.
+# zero-nccl's tests/nvrtc_ptx.rs, which a plain `cargo test` leaves ignored,
+# with the newest NVRTC 13 and again with NVRTC 13.0 (the GPU machines'
+# CUDA, which refuses some sources the newer one takes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -28,4 +30,10 @@ export PTXAS="$root/bin/ptxas"
 # The checks compile for real, not from the disk cache of earlier runs;
 # then the cache's own test, in a process of its own.
 ZERO_KERNEL_CACHE=off cargo test -p zero-nccl --features cuda --test nvrtc_ptx -- --ignored
+oldest="${wheels}-nvrtc-13.0"
+if ! compgen -G "$oldest/nvidia/cu13/lib/libnvrtc.so*" >/dev/null; then
+    (wheels="$oldest" && install_wheels "nvidia-cuda-nvrtc==13.0.*")
+fi
+LD_LIBRARY_PATH="$oldest/nvidia/cu13/lib:$LD_LIBRARY_PATH" ZERO_KERNEL_CACHE=off \
+    cargo test -p zero-nccl --features cuda --test nvrtc_ptx -- --ignored
 cargo test -p zero-nccl --features cuda --test nvrtc_cache -- --ignored

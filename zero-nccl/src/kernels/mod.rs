@@ -330,7 +330,14 @@ pub fn nvrtc_supported_archs() -> Result<Option<Vec<i32>>> {
 pub fn compile_options(arch: &str) -> cudarc::nvrtc::CompileOptions {
     cudarc::nvrtc::CompileOptions {
         // `arch` only takes a &'static str; the option is the same.
-        options: vec![format!("--gpu-architecture={arch}")],
+        // Every function of the sources is device code: NVRTC 13.0 (the
+        // GPU machines' CUDA) takes an unannotated function, the generic
+        // lambdas of `elementwise` included, for a host one without
+        // `--device-as-default-execution-space`; NVRTC 13.5 infers it.
+        options: vec![
+            format!("--gpu-architecture={arch}"),
+            "--device-as-default-execution-space".into(),
+        ],
         ..Default::default()
     }
 }
@@ -1033,7 +1040,13 @@ mod tests {
     #[test]
     fn compile_options_name_the_arch() {
         let options = compile_options("compute_90");
-        assert_eq!(options.options, ["--gpu-architecture=compute_90"]);
+        assert_eq!(
+            options.options,
+            [
+                "--gpu-architecture=compute_90",
+                "--device-as-default-execution-space"
+            ]
+        );
         assert_eq!(options.arch, None);
     }
 
