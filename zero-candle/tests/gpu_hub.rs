@@ -34,15 +34,46 @@ use zero_nccl::{CudaThreadGroup, DeviceComm, NcclComm};
 /// GPU's summation orders.
 const TOLERANCE: f64 = 1e-4;
 
-/// The fixtures: under the current directory when it is the repository's
-/// root (a bundle built elsewhere runs there, `scripts/gpu-check.sh`), else
+/// The fixtures: `ZERO_HUB_FIXTURES` where set (a part of them, from
+/// `scripts/gpu-hub-parts.sh`, for a device call that cannot carry them
+/// all), else under the current directory when it is the repository's root
+/// (a bundle built elsewhere runs there, `scripts/gpu-check.sh`), else
 /// beside this crate's sources.
 fn fixtures() -> PathBuf {
+    if let Some(dir) = std::env::var_os("ZERO_HUB_FIXTURES") {
+        return PathBuf::from(dir);
+    }
     let here = PathBuf::from("zero-candle/tests/fixtures");
     if here.is_dir() {
         return here;
     }
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
+}
+
+/// The fixtures of `list` to run: all of them, or with `ZERO_HUB_FIXTURES`
+/// those whose folder is there (named, and at least one).
+fn chosen<'a>(
+    list: impl Iterator<Item = &'a (&'static str, &'static str)>,
+) -> Vec<(&'static str, &'static str)> {
+    let all: Vec<_> = list.copied().collect();
+    if std::env::var_os("ZERO_HUB_FIXTURES").is_none() {
+        return all;
+    }
+    let (here, away): (Vec<_>, Vec<_>) = all
+        .into_iter()
+        .partition(|(f, _)| fixtures().join(f).is_dir());
+    let names = |v: &[(&str, &str)]| v.iter().map(|(f, _)| *f).collect::<Vec<_>>().join(" ");
+    println!(
+        "ZERO_HUB_FIXTURES: running {}; not here: {}",
+        names(&here),
+        names(&away)
+    );
+    assert!(
+        !here.is_empty(),
+        "ZERO_HUB_FIXTURES={:?} holds none of these fixtures",
+        fixtures()
+    );
+    here
 }
 
 fn golden_of(fixture: &str) -> Golden {
@@ -111,7 +142,7 @@ fn check_step(fixture: &str, prefix: &str, golden: &Golden, out: &Path, case: &s
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn one_rank_on_nccl_computes_the_logits_and_the_step_of_transformers() {
-    for &(fixture, prefix) in FIXTURES.iter().chain(BALANCED).chain(LATER) {
+    for (fixture, prefix) in chosen(FIXTURES.iter().chain(BALANCED).chain(LATER)) {
         let golden = golden_of(fixture);
         let out = tempfile::tempdir().unwrap();
         let comm = NcclComm::single(0).unwrap_or_else(|e| panic!("NcclComm::single(0): {e}"));
@@ -135,7 +166,7 @@ fn one_rank_on_nccl_computes_the_logits_and_the_step_of_transformers() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn two_ranks_sharing_the_gpu_take_the_step_of_transformers() {
-    for &(fixture, prefix) in FIXTURES {
+    for (fixture, prefix) in chosen(FIXTURES.iter()) {
         let golden = golden_of(fixture);
         let out = tempfile::tempdir().unwrap();
         let (dir, ids) = (fixtures().join(fixture), input_ids(&golden));
