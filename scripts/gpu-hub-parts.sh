@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Splits the hub fixtures (zero-candle/tests/fixtures: about 75 MB) into
+# Splits the hub fixtures (zero-candle/tests/fixtures: about 74 MB) into
 # PARTS folders of about equal size, for device calls that cannot carry
 # them all beside the GPU bundle:
 #   scripts/gpu-hub-parts.sh PARTS OUT_DIR
