@@ -10,7 +10,8 @@
 //! with its activation in one op, `forward_activated`, and on its input,
 //! `forward_on_activated`; its bias gradient
 //! also over up to 70001 rows, in f64 too) through Candle's GEMM and through cuBLASLt
-//! (`set_linear_cublaslt`, tanh-GELU in its epilogue), in f32, bf16 and f16, at shapes that are not multiples of the kernels'
+//! (`set_linear_cublaslt`: tanh-GELU in the forward's epilogue, the bias gradient in the
+//! weight gradient's), in f32, bf16 and f16, at shapes that are not multiples of the kernels'
 //! tiles (T = 1, 7, 65, 200; head_dim 32, 48, 64, 128; a single row).
 //!
 //! Both devices get the same input values (rounded to the dtype once, on the
@@ -499,7 +500,8 @@ fn linear_through_cublaslt_matches_the_cpu() -> Result<()> {
     for dtype in DTYPES {
         compare_linear("Linear", dtype, &shapes, 0, &|layer, x| layer.forward(x))?;
     }
-    set_linear_cublaslt(false);
+    // Back to the default.
+    set_linear_cublaslt(true);
     Ok(())
 }
 
@@ -529,7 +531,8 @@ fn linear_with_its_activation_matches_the_cpu() -> Result<()> {
             }
         }
     }
-    set_linear_cublaslt(false);
+    // Back to the default.
+    set_linear_cublaslt(true);
     Ok(())
 }
 
@@ -559,12 +562,26 @@ fn linear_on_its_activated_input_matches_the_cpu() -> Result<()> {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn linear_bias_gradient_matches_the_cpu() -> Result<()> {
-    // The bias gradient, zero-nccl's column sums on the GPU (Candle's
-    // `sum(0)` for f64), against the CPU's row-by-row sum: rows not
-    // multiples of the kernel's 8 row lanes nor of its chunks (129: two
-    // chunks, 1001: eight of 126, 70001: the 512-chunk cap, 511 of 137),
-    // widths not multiples of its 32 columns, and a [batch, time, in] input.
-    // Each sum is checked to come out bit for bit the same a second time.
+    // Either path: the weight-gradient GEMM's BGRADB epilogue through
+    // cuBLASLt, or zero-nccl's column sums (process-wide, as the tests
+    // above set it).
+    for cublaslt in [false, true] {
+        set_linear_cublaslt(cublaslt);
+        bias_gradients_match_the_cpu()?;
+    }
+    // Back to the default.
+    set_linear_cublaslt(true);
+    Ok(())
+}
+
+/// [`linear_bias_gradient_matches_the_cpu`] on the path set.
+fn bias_gradients_match_the_cpu() -> Result<()> {
+    // The bias gradient on the GPU (Candle's `sum(0)` for f64) against the
+    // CPU's row-by-row sum: rows not multiples of the column sums' 8 row
+    // lanes nor of their chunks (129: two chunks, 1001: eight of 126,
+    // 70001: the 512-chunk cap, 511 of 137), widths not multiples of their
+    // 32 columns, and a [batch, time, in] input. Each sum is checked to
+    // come out bit for bit the same a second time.
     let shapes: [(&[usize], usize); 6] = [
         (&[1, 1], 1),
         (&[7, 3], 33),

@@ -5,7 +5,10 @@
 //! a bias, shapes off every tile size, and operands that start off
 //! cuBLASLt's 256-byte alignment (an offset view; the bias and the aux
 //! matrix 16 bytes in, as `Gemm::linear` refuses less). Each case must
-//! find an algorithm; a bias aligned to less than 16 bytes is refused.
+//! find an algorithm; a bias aligned to less than 16 bytes is refused. The
+//! weight gradient with the bias gradient in its epilogue (`BGRADB`,
+//! `Gemm::weight_grad`) likewise, where cuBLASLt has an algorithm for it,
+//! which it must have for the GPT's shapes in bf16.
 //!
 //! Needs a GPU: `#[ignore]`d; `cargo test -p zero-nccl --features nccl
 //! --test gpu_gemm -- --ignored` on a GPU machine.
@@ -209,5 +212,104 @@ fn linear_gemm_with_gelu_aux_in_the_epilogue_matches_the_reference() {
             check::<bf16>(&gemm, shape, bias, Epilogue::GeluAux);
             check::<f16>(&gemm, shape, bias, Epilogue::GeluAux);
         }
+    }
+}
+
+/// [`Gemm::weight_grad`] over `rows x in -> out` against the row-major
+/// gradients a Linear layer wants (`LinearGemm::reference` is checked
+/// against them on the host; an f64 reference of the GPT's shapes would
+/// take minutes): `∂b` whole, `∂W` at every entry of a small weight and
+/// at about 4,096 spread over a large one. The input and output gradient
+/// start one element into their buffers, the bias gradient 16 bytes into
+/// its. Whether cuBLASLt ran it (and then both were checked).
+fn run_weight_grad<E: Element>(
+    gemm: &Gemm,
+    (rows, in_dim, out_dim): (usize, usize, usize),
+) -> bool {
+    let (offset, bias_offset) = (1, 16 / std::mem::size_of::<E>());
+    let stream = gemm.stream().clone();
+    let plan = LinearGemm::weight_grad(rows, in_dim, out_dim).expect("a plan");
+    let host = |seed: u64, n: usize| -> Vec<E> {
+        values(seed, n + offset)
+            .into_iter()
+            .map(E::from_f32)
+            .collect()
+    };
+    let (x, g) = (host(4, rows * in_dim), host(5, rows * out_dim));
+    let upload = |v: &[E]| -> CudaSlice<E> { stream.clone_htod(v).expect("an upload") };
+    let (dx, dg) = (upload(&x), upload(&g));
+    let alloc = |n: usize| stream.alloc_zeros::<E>(n).expect("an output");
+    let (mut dw, mut db) = (
+        alloc(out_dim * in_dim + offset),
+        alloc(out_dim + bias_offset),
+    );
+    let done = gemm
+        .weight_grad(
+            &plan,
+            GemmCompute::F32,
+            &dx.slice(offset..),
+            &dg.slice(offset..),
+            &mut dw.slice_mut(offset..),
+            &mut db.slice_mut(bias_offset..),
+        )
+        .expect("cuBLASLt's GEMM");
+    if !done {
+        return false;
+    }
+    let case = format!("weight gradient {rows}x{in_dim}->{out_dim}");
+    let wide =
+        |v: &[E], offset: usize| -> Vec<f64> { v[offset..].iter().map(|e| e.to_f64()).collect() };
+    let (x, g) = (wide(&x, offset), wide(&g, offset));
+    let got_w = wide(&stream.clone_dtoh(&dw).expect("a download"), offset);
+    let got_b = wide(&stream.clone_dtoh(&db).expect("a download"), bias_offset);
+    let stride = (out_dim * in_dim / 4096).max(1);
+    let (at, want_w): (Vec<usize>, Vec<f64>) = (0..out_dim * in_dim)
+        .step_by(stride)
+        .map(|at| {
+            let (o, i) = (at / in_dim, at % in_dim);
+            let sum: f64 = (0..rows)
+                .map(|r| g[r * out_dim + o] * x[r * in_dim + i])
+                .sum();
+            (at, sum)
+        })
+        .unzip();
+    let want_b: Vec<f64> = (0..out_dim)
+        .map(|o| (0..rows).map(|r| g[r * out_dim + o]).sum())
+        .collect();
+    let got_w: Vec<f64> = at.iter().map(|&at| got_w[at]).collect();
+    for (what, got, want) in [("∂W", &got_w, &want_w), ("∂b", &got_b, &want_b)] {
+        // Each relative to its largest magnitude, as the outputs round.
+        let scale = want.iter().fold(1e-6f64, |m, v| m.max(v.abs()));
+        for (i, (got, want)) in got.iter().zip(want).enumerate() {
+            assert!(
+                (got - want).abs() <= E::TOLERANCE * scale,
+                "{case} {what} [{i}]: got {got}, want {want}"
+            );
+        }
+    }
+    true
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn weight_gradient_with_the_bias_gradient_in_the_epilogue_matches_the_reference() {
+    let ctx = common::cuda_context();
+    let gemm = Gemm::new(ctx.default_stream()).unwrap_or_else(|e| panic!("cuBLASLt: {e}"));
+    // Any shape: checked where cuBLASLt takes it.
+    let mut ran = Vec::new();
+    for shape in [(1, 1, 1), (7, 65, 33), (129, 40, 24)] {
+        ran.push((shape, "f32", run_weight_grad::<f32>(&gemm, shape)));
+        ran.push((shape, "bf16", run_weight_grad::<bf16>(&gemm, shape)));
+        ran.push((shape, "f16", run_weight_grad::<f16>(&gemm, shape)));
+    }
+    println!("BGRADB ran (shape, dtype, ran): {ran:?}");
+    // The GPT's Linear layers (2048 rows of 768 features): cuBLASLt must
+    // take them in bf16, else the Linear backward keeps its column sums.
+    for shape in [(2048, 768, 2304), (2048, 768, 3072), (2048, 3072, 768)] {
+        assert!(
+            run_weight_grad::<bf16>(&gemm, shape),
+            "no cuBLASLt algorithm for the bf16 weight gradient {shape:?} with BGRADB"
+        );
+        run_weight_grad::<f32>(&gemm, shape);
     }
 }

@@ -55,8 +55,8 @@
 //!   gradient and hands the weight (and bias) gradient to the hook.
 //!   [`Linear::forward_activated`] applies an [`Activation`] (GELU, either
 //!   form, SiLU or squared ReLU) in the same op, keeping the pre-activation for the
-//!   backward (on CUDA with [`set_linear_cublaslt`], tanh-GELU in
-//!   cuBLASLt's epilogue); [`Linear::forward_on_activated`] applies one to
+//!   backward (on CUDA tanh-GELU in cuBLASLt's epilogue, as the bias and
+//!   its gradient: [`set_linear_cublaslt`]); [`Linear::forward_on_activated`] applies one to
 //!   its input, keeping the input alone (the activation is computed again
 //!   in the backward): an MLP's hidden layer kept once, not twice.
 //! - [`LayerNorm`] ([`layer_norm`], [`layer_norm_no_bias`]) and [`RmsNorm`]

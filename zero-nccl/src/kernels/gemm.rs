@@ -1,9 +1,12 @@
 //! A Linear layer's forward GEMM through cuBLASLt, its bias added in the
 //! GEMM's epilogue (`CUBLASLT_EPILOGUE_BIAS`): one kernel where a plain GEMM
 //! is followed by a broadcast add over the whole output. With
-//! [`GemmActivation::GeluAux`] the epilogue also applies the tanh-GELU and
+//! [`GemmEpilogue::GeluAux`] the epilogue also applies the tanh-GELU and
 //! writes the pre-activation to an aux matrix for the backward
-//! (`CUBLASLT_EPILOGUE_GELU_AUX_BIAS`, as llm.c's MLP does).
+//! (`CUBLASLT_EPILOGUE_GELU_AUX_BIAS`, as llm.c's MLP does). In the
+//! backward, [`LinearGemm::weight_grad`] computes the weight's gradient
+//! with the bias's in the same GEMM's epilogue (`CUBLASLT_EPILOGUE_BGRADB`,
+//! as Transformer Engine's weight-gradient GEMM does).
 //!
 //! [`LinearGemm`] maps the layer's row-major `y[rows, out] = x[rows, in] ·
 //! W[out, in]ᵀ + b[out]` onto cuBLASLt's column-major `D = op(A)·op(B) +
@@ -44,13 +47,13 @@ pub struct LinearGemm {
     pub ldb: i64,
     /// See `lda`.
     pub ldd: i64,
-    /// What the epilogue applies after the bias.
-    pub activation: GemmActivation,
+    /// What the epilogue does besides the product.
+    pub epilogue: GemmEpilogue,
 }
 
-/// What a [`LinearGemm`]'s epilogue applies to `D` after the bias.
+/// What a [`LinearGemm`]'s epilogue does besides the product.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum GemmActivation {
+pub enum GemmEpilogue {
     /// Nothing: `D = op(A)·op(B) (+ bias)` (`CUBLASLT_EPILOGUE_BIAS`, or
     /// `DEFAULT` without a bias).
     None,
@@ -63,6 +66,10 @@ pub enum GemmActivation {
         /// of 8, no less than `m`.
         aux_ld: i64,
     },
+    /// `D = op(A)·op(B)`, and the bias's gradient written to the bias
+    /// pointer: `op(B)`'s sums over `k`, one per column of `D`
+    /// (`CUBLASLT_EPILOGUE_BGRADB`).
+    BiasGradB,
 }
 
 /// GELU's tanh form, as cuBLASLt's epilogue computes it.
@@ -78,8 +85,10 @@ pub struct GemmReference {
     /// `D`, column-major with the plan's `ldd`.
     pub d: Vec<f64>,
     /// The pre-activation, column-major with its `aux_ld`
-    /// ([`GemmActivation::GeluAux`] only).
+    /// ([`GemmEpilogue::GeluAux`] only).
     pub aux: Option<Vec<f64>>,
+    /// The bias gradient, `n` sums ([`GemmEpilogue::BiasGradB`] only).
+    pub bias_grad: Option<Vec<f64>>,
 }
 
 impl LinearGemm {
@@ -101,7 +110,31 @@ impl LinearGemm {
             lda: in_dim as i64,
             ldb: in_dim as i64,
             ldd: out_dim as i64,
-            activation: GemmActivation::None,
+            epilogue: GemmEpilogue::None,
+        })
+    }
+
+    /// The plan of a Linear layer's weight gradient over `rows` rows,
+    /// `∂W[out, in] = gᵀ·x` for its contiguous row-major output gradient
+    /// `g[rows, out]` and input `x[rows, in]`, with the bias gradient
+    /// `Σ_rows g` in the epilogue. Row-major `∂W` is the column-major
+    /// `[in, out]` matrix `xᵀ·g`: `A` is `x` (the column-major
+    /// `[in, rows]` matrix, used as it is), `B` is `g` (the column-major
+    /// `[out, rows]` matrix, used transposed), `k` runs over the rows, so
+    /// the bias gradient, one sum per column of `D`, is one per output
+    /// feature. `None` where [`LinearGemm::new`] would be.
+    pub fn weight_grad(rows: usize, in_dim: usize, out_dim: usize) -> Option<Self> {
+        Self::new(rows, in_dim, out_dim)?;
+        Some(Self {
+            m: in_dim as u64,
+            n: out_dim as u64,
+            k: rows as u64,
+            transa: false,
+            transb: true,
+            lda: in_dim as i64,
+            ldb: out_dim as i64,
+            ldd: in_dim as i64,
+            epilogue: GemmEpilogue::BiasGradB,
         })
     }
 
@@ -115,16 +148,16 @@ impl LinearGemm {
             return None;
         }
         Some(Self {
-            activation: GemmActivation::GeluAux { aux_ld: self.ldd },
+            epilogue: GemmEpilogue::GeluAux { aux_ld: self.ldd },
             ..self
         })
     }
 
     /// Elements the aux matrix spans (0 without one).
     pub fn aux_len(&self) -> usize {
-        match self.activation {
-            GemmActivation::None => 0,
-            GemmActivation::GeluAux { aux_ld } => (aux_ld as u64 * self.n) as usize,
+        match self.epilogue {
+            GemmEpilogue::None | GemmEpilogue::BiasGradB => 0,
+            GemmEpilogue::GeluAux { aux_ld } => (aux_ld as u64 * self.n) as usize,
         }
     }
 
@@ -144,7 +177,9 @@ impl LinearGemm {
     /// What cuBLASLt computes for this plan, in f64, on host copies of the
     /// operands as it reads them (column-major, through the leading
     /// dimensions and transposes): `pre = op(A)·op(B) (+ bias per row)`,
-    /// `D = pre`, or `D = gelu(pre)` with `pre` as the aux matrix.
+    /// `D = pre`, or `D = gelu(pre)` with `pre` as the aux matrix; with
+    /// [`GemmEpilogue::BiasGradB`] `D = op(A)·op(B)` (no bias read) and
+    /// the sums of `op(B)` over `k`.
     pub fn reference(&self, a: &[f64], b: &[f64], bias: Option<&[f64]>) -> GemmReference {
         let (m, n, k) = (self.m as usize, self.n as usize, self.k as usize);
         let (lda, ldb, ldd) = (self.lda as usize, self.ldb as usize, self.ldd as usize);
@@ -157,9 +192,16 @@ impl LinearGemm {
             false => b[l + j * ldb],
         };
         let mut d = vec![0.0; ldd * n];
-        let mut aux = match self.activation {
-            GemmActivation::None => None,
-            GemmActivation::GeluAux { aux_ld } => Some((vec![0.0; aux_ld as usize * n], aux_ld)),
+        let mut aux = match self.epilogue {
+            GemmEpilogue::None | GemmEpilogue::BiasGradB => None,
+            GemmEpilogue::GeluAux { aux_ld } => Some((vec![0.0; aux_ld as usize * n], aux_ld)),
+        };
+        let (bias, bias_grad) = match self.epilogue {
+            GemmEpilogue::BiasGradB => {
+                let sums = (0..n).map(|j| (0..k).map(|l| op_b(l, j)).sum()).collect();
+                (None, Some(sums))
+            }
+            _ => (bias, None),
         };
         for j in 0..n {
             for i in 0..m {
@@ -177,6 +219,7 @@ impl LinearGemm {
         GemmReference {
             d,
             aux: aux.map(|(aux, _)| aux),
+            bias_grad,
         }
     }
 }
@@ -292,7 +335,7 @@ impl Gemm {
     /// (nothing queued) where cuBLASLt has no algorithm for the shape,
     /// dtype and alignments (or a bias or pre-activation pointer is aligned
     /// to less than 16 bytes), for the caller to take its own path. With
-    /// [`GemmActivation::GeluAux`], `y` gets the GELU of it and `pre` (the
+    /// [`GemmEpilogue::GeluAux`], `y` gets the GELU of it and `pre` (the
     /// aux matrix, required then and only then) the pre-activation. Checks
     /// every operand's length.
     #[allow(clippy::too_many_arguments)]
@@ -306,53 +349,96 @@ impl Gemm {
         y: &mut CudaViewMut<'_, E>,
         pre: Option<&mut CudaViewMut<'_, E>>,
     ) -> Result<bool> {
-        let (a_len, b_len, d_len) = plan.lens();
-        let short = |what: &'static str, got: usize, expected: usize| {
-            Error::from(zero_core::Error::BufferSize {
-                op: "linear_gemm",
-                what,
-                got,
-                expected,
-            })
-        };
-        if w.len() < a_len {
-            return Err(short("weight", w.len(), a_len));
-        }
-        if x.len() < b_len {
-            return Err(short("input", x.len(), b_len));
-        }
-        if y.len() < d_len {
-            return Err(short("output", y.len(), d_len));
-        }
+        check_lens(
+            plan,
+            [("weight", w.len()), ("input", x.len()), ("output", y.len())],
+        )?;
         if let Some(bias) = bias {
-            if bias.len() < plan.m as usize {
-                return Err(short("bias", bias.len(), plan.m as usize));
-            }
+            check_len("bias", bias.len(), plan.m as usize)?;
         }
-        match (plan.activation, &pre) {
-            (GemmActivation::None, None) => {}
-            (GemmActivation::GeluAux { .. }, Some(pre)) => {
-                if pre.len() < plan.aux_len() {
-                    return Err(short("pre-activation", pre.len(), plan.aux_len()));
-                }
+        match (plan.epilogue, &pre) {
+            (GemmEpilogue::None, None) => {}
+            (GemmEpilogue::GeluAux { .. }, Some(pre)) => {
+                check_len("pre-activation", pre.len(), plan.aux_len())?;
             }
-            (activation, pre) => {
-                return Err(Error::from(zero_core::Error::Unsupported {
-                    op: "linear_gemm",
-                    detail: format!(
-                        "the plan's epilogue is {activation:?} but {} pre-activation buffer \
-                         was given; pass one exactly for GemmActivation::GeluAux",
-                        if pre.is_some() { "a" } else { "no" }
-                    ),
-                }))
+            (epilogue, pre) => {
+                return Err(unsupported(format!(
+                    "the plan's epilogue is {epilogue:?} but {} pre-activation buffer was \
+                     given; pass one exactly for GemmEpilogue::GeluAux, and run \
+                     GemmEpilogue::BiasGradB with Gemm::weight_grad",
+                    if pre.is_some() { "a" } else { "no" }
+                )))
             }
         }
         let stream = &self.stream;
         let (a, _a) = w.device_ptr(stream);
         let (b, _b) = x.device_ptr(stream);
-        let bias_ptr = bias.map(|bias| bias.device_ptr(stream));
+        let bias = bias.map(|bias| bias.device_ptr(stream));
         let (d, _d) = y.device_ptr_mut(stream);
-        let aux_ptr = pre.map(|pre| pre.device_ptr_mut(stream));
+        let aux = pre.map(|pre| pre.device_ptr_mut(stream));
+        // The guards (`_a`, ..) hold the operands until the GEMM is queued.
+        self.queue::<E>(
+            plan,
+            compute,
+            [a, b, d],
+            bias.as_ref().map(|(p, _)| *p),
+            aux.as_ref().map(|(p, _)| *p),
+        )
+    }
+
+    /// Queues a Linear layer's weight and bias gradients as
+    /// [`LinearGemm::weight_grad`]'s `plan` lays them out, `∂W = gᵀ·x`
+    /// into `grad_w` (`D`) and `Σ_rows g` into `grad_b` (the epilogue's
+    /// bias gradient), from the output gradient `g` (`B`) and the input `x`
+    /// (`A`), and returns `true`; `false` (nothing queued) where cuBLASLt
+    /// has no algorithm for them, for the caller to compute both apart.
+    /// Checks every operand's length.
+    pub fn weight_grad<E: GemmElement>(
+        &self,
+        plan: &LinearGemm,
+        compute: GemmCompute,
+        x: &CudaView<'_, E>,
+        g: &CudaView<'_, E>,
+        grad_w: &mut CudaViewMut<'_, E>,
+        grad_b: &mut CudaViewMut<'_, E>,
+    ) -> Result<bool> {
+        if plan.epilogue != GemmEpilogue::BiasGradB {
+            return Err(unsupported(format!(
+                "Gemm::weight_grad runs GemmEpilogue::BiasGradB, not {:?}; make the plan with \
+                 LinearGemm::weight_grad",
+                plan.epilogue
+            )));
+        }
+        check_lens(
+            plan,
+            [
+                ("input", x.len()),
+                ("output gradient", g.len()),
+                ("weight gradient", grad_w.len()),
+            ],
+        )?;
+        check_len("bias gradient", grad_b.len(), plan.n as usize)?;
+        let stream = &self.stream;
+        let (a, _a) = x.device_ptr(stream);
+        let (b, _b) = g.device_ptr(stream);
+        let (d, _d) = grad_w.device_ptr_mut(stream);
+        let (bias, _bias) = grad_b.device_ptr_mut(stream);
+        self.queue::<E>(plan, compute, [a, b, d], Some(bias), None)
+    }
+
+    /// Queues `plan` on the stream over the device pointers `a`, `b`, `d`
+    /// and the epilogue's `bias` and `aux` (the callers checked their
+    /// lengths and hold them until this returns): `false` where their
+    /// alignments or cuBLASLt's heuristic rule it out.
+    fn queue<E: GemmElement>(
+        &self,
+        plan: &LinearGemm,
+        compute: GemmCompute,
+        [a, b, d]: [u64; 3],
+        bias: Option<u64>,
+        aux: Option<u64>,
+    ) -> Result<bool> {
+        let stream = &self.stream;
         let (work, _work) = self.workspace.device_ptr(stream);
         let key = AlgoKey {
             plan: *plan,
@@ -362,28 +448,24 @@ impl Gemm {
             align: [
                 alignment(a),
                 alignment(b),
-                bias_ptr.as_ref().map_or(256, |(p, _)| alignment(*p)),
+                bias.map_or(256, alignment),
                 alignment(d),
-                aux_ptr.as_ref().map_or(256, |(p, _)| alignment(*p)),
+                aux.map_or(256, alignment),
             ],
         };
         if !epilogue_aligned(&key.align) {
             return Ok(false);
         }
-        let described = Described::new::<E>(
-            &key,
-            bias_ptr.as_ref().map(|(p, _)| *p),
-            aux_ptr.as_ref().map(|(p, _)| *p),
-        )?;
+        let described = Described::new::<E>(&key, bias, aux)?;
         let Some(algo) = self.algo(&key, &described)? else {
             return Ok(false);
         };
         let (alpha, beta) = (1.0f32, 0.0f32);
         // SAFETY: the descriptors are live (`described`), the pointers are
         // the operands' on this stream (the bias and aux pointers are in
-        // the descriptor), held by their guards until the GEMM is queued,
-        // and each spans what the plan reads or writes (checked above); the
-        // workspace is the size announced.
+        // the descriptor), held by the callers until the GEMM is queued,
+        // and each spans what the plan reads or writes (the callers
+        // checked); the workspace is the size announced.
         unsafe {
             result::matmul(
                 self.handle,
@@ -482,11 +564,12 @@ impl Described {
         // `cublasOperation_t`, an int32: CUBLAS_OP_N 0, CUBLAS_OP_T 1.
         let op = |t: bool| i32::from(t);
         use sys::cublasLtEpilogue_t as Epilogue;
-        let epilogue = match (plan.activation, bias.is_some()) {
-            (GemmActivation::None, true) => Epilogue::CUBLASLT_EPILOGUE_BIAS,
-            (GemmActivation::None, false) => Epilogue::CUBLASLT_EPILOGUE_DEFAULT,
-            (GemmActivation::GeluAux { .. }, true) => Epilogue::CUBLASLT_EPILOGUE_GELU_AUX_BIAS,
-            (GemmActivation::GeluAux { .. }, false) => Epilogue::CUBLASLT_EPILOGUE_GELU_AUX,
+        let epilogue = match (plan.epilogue, bias.is_some()) {
+            (GemmEpilogue::None, true) => Epilogue::CUBLASLT_EPILOGUE_BIAS,
+            (GemmEpilogue::None, false) => Epilogue::CUBLASLT_EPILOGUE_DEFAULT,
+            (GemmEpilogue::GeluAux { .. }, true) => Epilogue::CUBLASLT_EPILOGUE_GELU_AUX_BIAS,
+            (GemmEpilogue::GeluAux { .. }, false) => Epilogue::CUBLASLT_EPILOGUE_GELU_AUX,
+            (GemmEpilogue::BiasGradB, _) => Epilogue::CUBLASLT_EPILOGUE_BGRADB,
         };
         use sys::cublasLtMatmulDescAttributes_t as Attr;
         // SAFETY: the descriptor is live; each value is the attribute's
@@ -501,7 +584,7 @@ impl Described {
             }
             // The aux matrix's type is left at its default, `D`'s (its
             // alignment checked by `epilogue_aligned`).
-            if let (GemmActivation::GeluAux { aux_ld }, Some(aux)) = (plan.activation, aux) {
+            if let (GemmEpilogue::GeluAux { aux_ld }, Some(aux)) = (plan.epilogue, aux) {
                 set_desc(desc, Attr::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux)?;
                 set_desc(desc, Attr::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &aux_ld)?;
             }
@@ -554,6 +637,36 @@ const EPILOGUE_ALIGN: u32 = 16;
 /// D, aux) are aligned as [`EPILOGUE_ALIGN`] asks.
 fn epilogue_aligned(align: &[u32; 5]) -> bool {
     align[2] >= EPILOGUE_ALIGN && align[4] >= EPILOGUE_ALIGN
+}
+
+/// An error unless the operands of `plan` (`A`, `B`, `D`, each named and
+/// with its length) have at least the elements it spans.
+fn check_lens(plan: &LinearGemm, operands: [(&'static str, usize); 3]) -> Result<()> {
+    let (a, b, d) = plan.lens();
+    for ((what, got), expected) in operands.into_iter().zip([a, b, d]) {
+        check_len(what, got, expected)?;
+    }
+    Ok(())
+}
+
+/// An error unless `what` has at least `expected` elements.
+fn check_len(what: &'static str, got: usize, expected: usize) -> Result<()> {
+    if got < expected {
+        return Err(Error::from(zero_core::Error::BufferSize {
+            op: "linear_gemm",
+            what,
+            got,
+            expected,
+        }));
+    }
+    Ok(())
+}
+
+fn unsupported(detail: String) -> Error {
+    Error::from(zero_core::Error::Unsupported {
+        op: "linear_gemm",
+        detail,
+    })
 }
 
 /// The heuristic's preferences: the workspace it may use and the operands'
@@ -667,8 +780,8 @@ mod tests {
                 .and_then(LinearGemm::with_gelu_aux)
                 .unwrap();
             assert_eq!(
-                plan.activation,
-                GemmActivation::GeluAux {
+                plan.epilogue,
+                GemmEpilogue::GeluAux {
                     aux_ld: out_dim as i64
                 }
             );
@@ -690,6 +803,43 @@ mod tests {
                 plan.reference(&w, &x, Some(&zeros))
             );
         }
+    }
+
+    #[test]
+    fn the_weight_gradient_plan_computes_both_parameter_gradients() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(13);
+        for (rows, in_dim, out_dim) in [(1, 1, 1), (3, 5, 7), (8, 16, 4), (5, 3, 9), (64, 2, 1)] {
+            let mut values = |n: usize| (0..n).map(|_| rng.gen_range(-1.0..1.0)).collect();
+            let (x, g): (Vec<f64>, Vec<f64>) = (values(rows * in_dim), values(rows * out_dim));
+            let plan = LinearGemm::weight_grad(rows, in_dim, out_dim).unwrap();
+            assert_eq!(plan.epilogue, GemmEpilogue::BiasGradB);
+            assert_eq!(plan.aux_len(), 0);
+            // cuBLASLt reads the row-major buffers as they are: x as A, g
+            // as B, and writes the row-major `[out, in]` ∂W as D.
+            assert_eq!(plan.lens(), (x.len(), g.len(), out_dim * in_dim));
+            let got = plan.reference(&x, &g, None);
+            assert_eq!(got.aux, None);
+            for o in 0..out_dim {
+                for i in 0..in_dim {
+                    let want: f64 = (0..rows)
+                        .map(|r| g[r * out_dim + o] * x[r * in_dim + i])
+                        .sum();
+                    let at = o * in_dim + i;
+                    assert!((got.d[at] - want).abs() < 1e-12, "∂W [{o}, {i}]");
+                }
+            }
+            let sums = got.bias_grad.as_ref().expect("the bias gradient");
+            assert_eq!(sums.len(), out_dim);
+            for (o, sum) in sums.iter().enumerate() {
+                let want: f64 = (0..rows).map(|r| g[r * out_dim + o]).sum();
+                assert!((sum - want).abs() < 1e-12, "∂b [{o}]");
+            }
+            // No bias is read: the epilogue writes one.
+            let zeros = vec![0.0; out_dim];
+            assert_eq!(plan.reference(&x, &g, Some(&zeros)), got);
+        }
+        assert_eq!(LinearGemm::weight_grad(0, 4, 4), None);
+        assert_eq!(LinearGemm::weight_grad(4, 4, 1 << 31), None);
     }
 
     #[test]

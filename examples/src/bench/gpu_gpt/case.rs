@@ -75,9 +75,10 @@ pub(super) struct Variant {
     /// Offload's write-back sends the f32 masters up (rounded on the
     /// device) instead of the weights rounded to bf16 on the host.
     pub(super) masters_up: bool,
-    /// The Linear layers' forward through cuBLASLt, the bias in the GEMM's
-    /// epilogue (`set_linear_cublaslt`).
-    pub(super) cublaslt: bool,
+    /// The Linear layers on Candle's GEMMs with the bias (and its
+    /// gradient) in kernels of their own (`set_linear_cublaslt(false)`),
+    /// instead of the default cuBLASLt GEMMs with them in the epilogues.
+    pub(super) candle_gemm: bool,
     /// The case's buffers without cudarc's per-buffer events (two created
     /// with each allocation and destroyed with it; on this context, which
     /// has one stream, never recorded or waited on).
@@ -102,8 +103,10 @@ pub(super) fn ours(
     dtype: DType,
     variant: Variant,
 ) -> BenchResult<Measured> {
-    // Process-wide: on for this case only.
-    zero_candle::nn::set_linear_cublaslt(variant.cublaslt);
+    // Process-wide: off for this case only (or off for every case, by
+    // `ZERO_LINEAR_CUBLASLT=0`).
+    let cublaslt = zero_candle::nn::linear_cublaslt();
+    zero_candle::nn::set_linear_cublaslt(cublaslt && !variant.candle_gemm);
     if variant.untracked {
         // SAFETY: Candle's context here has one stream, its own (the
         // communicator's stream belongs to another `CudaContext` object),
@@ -185,7 +188,7 @@ pub(super) fn ours(
             offload_ms: OffloadMs::between(offload_before, opt.engine().counters().offload),
         })
     })();
-    zero_candle::nn::set_linear_cublaslt(false);
+    zero_candle::nn::set_linear_cublaslt(cublaslt);
     if let (true, Some(pool)) = (variant.released, pool) {
         pool.retain_freed()?;
     }

@@ -85,22 +85,27 @@ pub fn run(report: &mut Report, part: Part) {
         .then(|| case("ours f32 composed", GptOps::Composed, DType::F32))
         .flatten();
     let bf16_fused = case("ours bf16 fused", GptOps::Fused, DType::BF16);
-    // The Linear layers' forward through cuBLASLt, the bias in the GEMM.
-    let cublaslt = Variant {
-        cublaslt: true,
+    // The Linear layers on Candle's GEMMs and our bias kernels, against
+    // the default: cuBLASLt with the bias (and GELU) in the forward GEMM's
+    // epilogue and the bias gradient in the weight gradient's.
+    let candle_gemm = Variant {
+        candle_gemm: true,
         ..Variant::default()
     };
-    let lt = |name: &str, dtype: DType| {
+    let plain = |name: &str, dtype: DType| {
         (part == Part::All)
-            .then(|| case_with(name, GptOps::Fused, dtype, cublaslt))
+            .then(|| case_with(name, GptOps::Fused, dtype, candle_gemm))
             .flatten()
     };
-    let (f32_lt, bf16_lt) = (
-        lt("ours f32 cuBLASLt", DType::F32),
-        lt("ours bf16 cuBLASLt", DType::BF16),
+    let (f32_plain, bf16_plain) = (
+        plain("ours f32 Candle GEMM", DType::F32),
+        plain("ours bf16 Candle GEMM", DType::BF16),
     );
-    for (name, plain, lt) in [("f32", &f32_fused, f32_lt), ("bf16", &bf16_fused, bf16_lt)] {
-        if let (Some(plain), Some(lt)) = (plain, lt) {
+    for (name, lt, plain) in [
+        ("f32", &f32_fused, f32_plain),
+        ("bf16", &bf16_fused, bf16_plain),
+    ] {
+        if let (Some(lt), Some(plain)) = (lt, plain) {
             report.add(
                 &format!("gpu.gpt_{name}_cublaslt_over_plain"),
                 lt.tokens_per_s / plain.tokens_per_s,

@@ -998,3 +998,46 @@ pub(crate) fn linear_forward(
         Ok(done.then(|| GemmOutput::Product(wrap(y))))
     })
 }
+
+/// A Linear layer's weight and bias gradients, `(∂W [out, in], ∂b [out])`,
+/// from its output gradient `grad [rows, out]` and input `x [rows, in]` in
+/// one cuBLASLt GEMM, the bias gradient in its epilogue (`BGRADB`). `None`
+/// where cuBLASLt does not take them (operands not contiguous or of mixed
+/// dtypes, no algorithm for the shape): the caller computes both apart.
+pub(crate) fn linear_param_grads(grad: Arg, x: Arg) -> Result<Option<(CudaStorage, CudaStorage)>> {
+    const OP: &str = "Linear weight gradient";
+    let (Ok((rows, out_dim)), Ok((x_rows, in_dim))) = (grad.1.shape().dims2(), x.1.shape().dims2())
+    else {
+        return Ok(None);
+    };
+    let dtype = grad.0.dtype();
+    let plain = |arg: Arg| arg.1.is_contiguous() && arg.0.dtype() == dtype;
+    let (Some(plan), Some(compute), true) = (
+        LinearGemm::weight_grad(rows, in_dim, out_dim),
+        gemm_compute(dtype),
+        x_rows == rows && plain(grad) && plain(x),
+    ) else {
+        return Ok(None);
+    };
+    let device = grad.0.device.clone();
+    let gemm = gemm(&device)?;
+    by_dtype!(dtype, OP, |T| {
+        let g = view::<T>(OP, "the output gradient", grad)?;
+        let input = view::<T>(OP, "the input", x)?;
+        let (w_len, b_len) = (out_dim * in_dim, out_dim);
+        let mut grad_w = alloc_out::<T>(&device, w_len)?;
+        let mut grad_b = alloc_out::<T>(&device, b_len)?;
+        let done = gemm
+            .weight_grad(
+                &plan,
+                compute,
+                &input,
+                &g,
+                &mut out(&mut grad_w, w_len),
+                &mut out(&mut grad_b, b_len),
+            )
+            .map_err(linear_error)?;
+        let wrap = |slice| CudaStorage::wrap_cuda_slice(slice, device.clone());
+        Ok(done.then(|| (wrap(grad_w), wrap(grad_b))))
+    })
+}

@@ -179,6 +179,14 @@ pub(crate) fn bias_epilogue(
 }
 
 /// Without CUDA the Linear layers keep their generic path.
+pub(crate) fn linear_param_grads(
+    _grad: Arg,
+    _x: Arg,
+) -> Result<Option<(CudaStorage, CudaStorage)>> {
+    Ok(None)
+}
+
+/// Without CUDA the Linear layers keep their generic path.
 pub(crate) fn linear_forward(
     _x: Arg,
     _w: Arg,
