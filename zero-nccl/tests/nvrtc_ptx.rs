@@ -6,13 +6,17 @@
 //! same for the vendored Candle's gradient sums (`vendor/README.md`).
 //!
 //! `scripts/check-nvrtc.sh` installs NVRTC and `ptxas` from PyPI wheels and
-//! runs these with `--ignored`; `ptxas` is `$PTXAS`, else the one on `PATH`.
+//! runs these with `--ignored`, once per NVRTC, naming the one it means to
+//! load in `ZERO_EXPECT_NVRTC`; `ptxas` is `$PTXAS`, else the one on
+//! `PATH`.
 #![cfg(feature = "cuda")]
 
 use std::path::PathBuf;
 use std::process::Command;
 use zero_nccl::kernels::layers::{compile_layer_ptx_for, LAYER_KERNEL_NAMES};
-use zero_nccl::kernels::{compile_ptx_for, nvrtc_arch, nvrtc_supported_archs, KERNEL_NAMES};
+use zero_nccl::kernels::{
+    compile_ptx_for, nvrtc_arch, nvrtc_supported_archs, nvrtc_version, KERNEL_NAMES,
+};
 
 const HOW: &str = "run scripts/check-nvrtc.sh, which installs NVRTC and ptxas";
 
@@ -211,4 +215,21 @@ fn a_target_this_nvrtc_dropped_is_refused_by_name() {
     // The library picks no such target, and says why on an old GPU.
     let err = nvrtc_arch((6, 0), Some(&supported)).expect_err("an arch for sm_60");
     assert!(err.to_string().contains("too old for this NVRTC"), "{err}");
+}
+
+/// The NVRTC these tests compiled with is the one the script meant to load
+/// (`ZERO_EXPECT_NVRTC`: `13.0`, or `13` for any 13): a library path that
+/// let another one load would pass the other tests against the wrong
+/// compiler.
+#[test]
+#[ignore = "needs NVRTC and ptxas: run scripts/check-nvrtc.sh"]
+fn the_nvrtc_loaded_is_the_one_the_script_asked_for() {
+    let want = std::env::var("ZERO_EXPECT_NVRTC").unwrap_or_else(|_| {
+        panic!("ZERO_EXPECT_NVRTC names the NVRTC to test (13.0, or 13); {HOW}")
+    });
+    let loaded = nvrtc_version();
+    assert!(
+        loaded == want || loaded.starts_with(&format!("{want}.")),
+        "NVRTC {loaded} was loaded where ZERO_EXPECT_NVRTC asks for {want}: check LD_LIBRARY_PATH"
+    );
 }

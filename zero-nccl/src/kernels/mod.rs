@@ -392,9 +392,10 @@ pub(crate) fn compile_source(source: &'static str, arch: &str) -> Result<cudarc:
     Ok(ptx)
 }
 
-/// NVRTC's version as `major.minor` (`unknown` where it cannot say): part
-/// of the disk cache's key, since another NVRTC may compile otherwise.
-fn nvrtc_version() -> String {
+/// The loaded NVRTC's version as `major.minor` (`unknown` where it cannot
+/// say): part of the disk cache's key, since another NVRTC may compile
+/// otherwise.
+pub fn nvrtc_version() -> String {
     let asked = guarded("asking NVRTC for its version", || {
         let (mut major, mut minor): (std::ffi::c_int, std::ffi::c_int) = (0, 0);
         // SAFETY: the call writes one int through each pointer.
