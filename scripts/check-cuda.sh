@@ -31,4 +31,6 @@ export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-target/cuda-check}"
 
 cargo check -p zero-nccl --features nccl --all-targets
 cargo check -p zero-candle --features nccl --all-targets
+# The layers' CUDA path without the engine's (feature `cuda` alone).
+cargo check -p zero-candle --features cuda
 cargo check -p zero-examples --features nccl --all-targets

@@ -4,6 +4,7 @@
 //! process, one GPU shared or several) implement it, so `CudaMemory` and
 //! zero-candle's optimizer run on either unchanged.
 
+use crate::stream::is_per_thread_stream;
 use crate::Error;
 use cudarc::driver::sys::{CUevent, CUresult};
 use cudarc::driver::{
@@ -246,18 +247,6 @@ pub(crate) fn event_work<'a>(
         }
         Ok(complete)
     })
-}
-
-/// The stream handle CUDA reads as "the calling thread's default stream"
-/// (`cudaStreamPerThread`), which Candle's `Device::new_cuda` uses.
-const PER_THREAD_STREAM: usize = 0x2;
-
-/// Whether `stream` is CUDA's per-thread default stream (Candle's
-/// `Device::new_cuda`): one handle that names another stream on every
-/// thread, so whatever is kept per stream (a workspace, an event) must be
-/// kept per thread for it.
-pub fn is_per_thread_stream(stream: &CudaStream) -> bool {
-    stream.cu_stream() as usize == PER_THREAD_STREAM
 }
 
 /// The thread a compute stream belongs to, where it is CUDA's per-thread

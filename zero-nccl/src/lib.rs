@@ -35,6 +35,8 @@ pub mod kernels;
 mod pool;
 #[cfg(feature = "cuda")]
 pub mod probe;
+#[cfg(feature = "cuda")]
+mod stream;
 
 #[cfg(feature = "nccl")]
 mod comm;
@@ -48,7 +50,7 @@ pub use rendezvous::Rendezvous;
 #[cfg(feature = "nccl")]
 pub use comm::{NcclComm, UNIQUE_ID_BYTES};
 #[cfg(feature = "nccl")]
-pub use device_comm::{is_per_thread_stream, Cuda, DeviceComm};
+pub use device_comm::{Cuda, DeviceComm};
 #[cfg(feature = "nccl")]
 pub use kernels::MAX_LOCAL_RANKS;
 #[cfg(feature = "nccl")]
@@ -63,6 +65,8 @@ pub use memory::{DeviceView, DeviceViewMut, ViewElement};
 pub use pool::DevicePool;
 #[cfg(feature = "cuda")]
 pub use probe::cuda_device_count;
+#[cfg(feature = "cuda")]
+pub use stream::is_per_thread_stream;
 
 /// Re-export of the `cudarc` this crate is built against, so that users
 /// name the same `CudaSlice`/`CudaStream` types.
