@@ -140,10 +140,13 @@ pub(super) fn train_loop(
             let micro_steps_done = (step - first_step) * accum + micro;
             let first_row = rows_consumed + micro_steps_done * (world_size * batch) as u64;
             let loss = model.batch_loss(args, first_row, world_size, rank, device)?;
-            loss_sum += loss.to_scalar::<f32>()? as f64;
             // The layers hand their gradients to the engine during
             // backward (none stays in Candle's GradStore).
             report = opt.backward_step(&loss)?;
+            // Read once the step is queued: on a GPU, reading it first
+            // would wait for the forward, the device idle while the host
+            // then queues the backward.
+            loss_sum += loss.to_scalar::<f32>()? as f64;
         }
         let report = report.ok_or_else(|| {
             TrainError::Internal("the last micro-step did not complete a step".into())
