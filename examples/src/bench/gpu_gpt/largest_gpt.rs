@@ -186,10 +186,11 @@ fn trial(config: GptConfig, offload: Offload) -> BenchResult<f32> {
     let mut last = f32::NAN;
     for _ in 0..2 {
         let loss = model.loss(&ids)?;
-        last = loss.to_dtype(DType::F32)?.to_scalar::<f32>()?;
         if opt.backward_step(&loss)?.is_none() {
             return Err("backward_step did not complete a step at one micro-step".into());
         }
+        // Read once the step is queued, as `train` does.
+        last = loss.to_dtype(DType::F32)?.to_scalar::<f32>()?;
     }
     synchronize(&device, &ctx)?;
     if !last.is_finite() {
