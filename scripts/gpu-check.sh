@@ -19,7 +19,9 @@
 # the last lines printed are the failures found in the logs and a table
 # of what passed.
 # Each run is stopped after GPU_CHECK_RUN_TIMEOUT seconds (default 600; rc
-# 124 in the table); with GPU_CHECK_DEADLINE=SECONDS, also when that many
+# 124 in the table), each test binary after GPU_CHECK_TEST_TIMEOUT (default
+# 240: the slowest, gpu_hub.rs on a third of its fixtures, takes 74 s on
+# an H200), so that one hung test leaves time for the rest; with GPU_CHECK_DEADLINE=SECONDS, also when that many
 # seconds have passed since the script started, and the runs after it are
 # skipped (rc "-" in the table), so that the table and the archive are
 # written within a device call's limit; GPU_CHECK_ARCHIVE=FILE.tar.xz packs
@@ -68,7 +70,7 @@ run() {
     local name="$1"
     shift
     local start=$SECONDS
-    local limit="${GPU_CHECK_RUN_TIMEOUT:-600}"
+    local limit="${RUN_LIMIT:-${GPU_CHECK_RUN_TIMEOUT:-600}}"
     if [[ -n "${GPU_CHECK_DEADLINE:-}" ]]; then
         local left=$((GPU_CHECK_DEADLINE - SECONDS))
         if ((left < 5)); then
@@ -105,7 +107,8 @@ for what in "${parts[@]}"; do
                 table+=("$(printf '%-34s rc=%-3s %4ss  %s' "$(basename "$t")" - 0 "skipped: GPU_CHECK_SKIP")")
                 continue
             fi
-            run "$(basename "$t")" "$t" --include-ignored --test-threads=1
+            RUN_LIMIT="${GPU_CHECK_TEST_TIMEOUT:-240}" \
+                run "$(basename "$t")" "$t" --include-ignored --test-threads=1
         done
     fi
     if [[ "$what" == all || "$what" == bench ]]; then
