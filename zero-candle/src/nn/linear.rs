@@ -723,10 +723,10 @@ impl FusedLinear {
         grad: &Tensor,
     ) -> Result<Option<(Option<Tensor>, Option<Tensor>)>> {
         let hook = self.hook.as_ref();
-        let whole = hook.is_none_or(|hook| hook.block_bytes().is_none());
         let Some(b) = b.filter(|b| b.track_op() && w.track_op()) else {
             return Ok(None);
         };
+        let whole = hook.is_none_or(|hook| hook.block_bytes().is_none());
         if !(whole && grad.device().is_cuda() && linear_cublaslt()) {
             return Ok(None);
         }

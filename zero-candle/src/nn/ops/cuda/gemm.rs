@@ -42,8 +42,8 @@ fn gemm(device: &CudaDevice) -> Result<Arc<Gemm>> {
 /// A failure of the cuBLASLt path as Candle's error, with the way back.
 fn linear_error(e: zero_nccl::Error) -> candle_core::Error {
     candle_core::Error::Msg(format!(
-        "zero-candle Linear on CUDA through cuBLASLt: {e}; \
-         zero_candle::nn::set_linear_cublaslt(false) keeps Candle's GEMM and bias add"
+        "zero-candle Linear on CUDA through cuBLASLt: {e}; ZERO_LINEAR_CUBLASLT=0 in the \
+         environment (or zero_candle::nn::set_linear_cublaslt(false)) keeps Candle's GEMMs"
     ))
 }
 
