@@ -352,6 +352,75 @@ fn gathers_in_sixteen_bits_round_on_the_wire() {
     }
 }
 
+/// A bucket's write-back: more parameters than a launch's table, of odd
+/// lengths and offsets, one of them written in two parts, in f32 and
+/// bf16; each copy's range gets its values (rounded in bf16) and nothing
+/// else is touched.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_buckets_write_back_writes_each_copy_and_nothing_else() {
+    use zero_core::engine::{ParamCopy, ShardMemory};
+    let comm = comm();
+    let mut memory = zero_nccl::CudaMemory::new(&comm).unwrap();
+    let stream = comm.compute_stream().clone();
+    let lens: Vec<usize> = (0..150).map(|p| 1 + (p * 7) % 37).collect();
+    // Parameter 3 in two parts, the second after parameter 4's copy.
+    let mut copies: Vec<ParamCopy> = Vec::new();
+    let mut at = 0;
+    for (param, &len) in lens.iter().enumerate() {
+        let param_range = if param == 3 { 0..len / 2 } else { len / 3..len };
+        copies.push(ParamCopy {
+            param,
+            param_range,
+            at,
+        });
+        at += len + param % 3;
+        if param == 4 {
+            copies.push(ParamCopy {
+                param: 3,
+                param_range: lens[3] / 2..lens[3],
+                at,
+            });
+            at += lens[3];
+        }
+    }
+    let values: Vec<f32> = (0..at).map(|i| 1.0 + i as f32 * 1.001e-3).collect();
+    let flat = stream.clone_htod(&values).unwrap();
+    let expect = |round: &dyn Fn(f32) -> f32, fill: f32| -> Vec<Vec<f32>> {
+        let mut want: Vec<Vec<f32>> = lens.iter().map(|&len| vec![fill; len]).collect();
+        for c in &copies {
+            for (i, x) in c.param_range.clone().zip(&values[c.at..]) {
+                want[c.param][i] = round(*x);
+            }
+        }
+        want
+    };
+    let mut f32s: Vec<CudaSlice<f32>> = lens
+        .iter()
+        .map(|&len| stream.clone_htod(&vec![-1f32; len]).unwrap())
+        .collect();
+    ShardMemory::<f32, NcclComm>::write_params(&mut memory, &mut f32s, &copies, &flat).unwrap();
+    let got: Vec<Vec<f32>> = f32s.iter().map(|p| stream.clone_dtoh(p).unwrap()).collect();
+    assert_eq!(got, expect(&|x| x, -1.0), "f32");
+    let mut bf16s: Vec<CudaSlice<bf16>> = lens
+        .iter()
+        .map(|&len| stream.clone_htod(&vec![bf16::from_f32(-1.0); len]).unwrap())
+        .collect();
+    ShardMemory::<f32, NcclComm>::write_params(&mut memory, &mut bf16s, &copies, &flat).unwrap();
+    let got: Vec<Vec<f32>> = bf16s
+        .iter()
+        .map(|p| {
+            stream
+                .clone_dtoh(p)
+                .unwrap()
+                .iter()
+                .map(|h| h.to_f32())
+                .collect()
+        })
+        .collect();
+    assert_eq!(got, expect(&|x| bf16::from_f32(x).to_f32(), -1.0), "bf16");
+}
+
 /// A chunk rounded to 16 bits and packed on the host (offload's
 /// write-back of a 16-bit model) gathers into the same values as the f32
 /// chunk gathered in that dtype, bit for bit: nothing is rounded twice.

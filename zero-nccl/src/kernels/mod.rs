@@ -753,20 +753,53 @@ impl FusedKernels {
 
     /// Narrows `flat[offset..offset + range.len()]` into element range
     /// `range` of each piece `(offset, dst, range)`, rounding to nearest
-    /// even, in one launch on `stream`: the write-back of 16-bit weights
-    /// from f32 values.
+    /// even, in one launch on `stream` (a table's worth at a time): the
+    /// write-back of 16-bit weights from f32 values.
     pub fn narrow_ranges<H: Half>(
         &self,
         stream: &Arc<CudaStream>,
         flat: &(impl DevicePtr<f32> + ?Sized),
         pieces: &mut [(usize, &mut dyn DevicePtrMut<H>, Range<usize>)],
     ) -> Result<()> {
+        self.write_ranges(
+            "narrow_ranges",
+            &self.narrow[H::INDEX],
+            stream,
+            flat,
+            pieces,
+        )
+    }
+
+    /// Copies `flat[offset..offset + range.len()]` into element range
+    /// `range` of each piece `(offset, dst, range)`, in one launch on
+    /// `stream` (a table's worth at a time): the write-back of f32 weights.
+    pub fn scatter_ranges(
+        &self,
+        stream: &Arc<CudaStream>,
+        flat: &(impl DevicePtr<f32> + ?Sized),
+        pieces: &mut [(usize, &mut dyn DevicePtrMut<f32>, Range<usize>)],
+    ) -> Result<()> {
+        let kernel = Self::copy_kernel::<f32>(&self.scatter);
+        self.write_ranges("scatter_ranges", kernel, stream, flat, pieces)
+    }
+
+    /// Launches the table-driven `kernel`, which reads f32 from `flat` and
+    /// writes `T`, over pieces `(offset, dst, range)`, each range inside
+    /// its destination.
+    fn write_ranges<T>(
+        &self,
+        op: &'static str,
+        kernel: &CudaFunction,
+        stream: &Arc<CudaStream>,
+        flat: &(impl DevicePtr<f32> + ?Sized),
+        pieces: &mut [(usize, &mut dyn DevicePtrMut<T>, Range<usize>)],
+    ) -> Result<()> {
         let mut guards: Vec<SyncOnDrop<'_>> = Vec::with_capacity(pieces.len());
         let mut entries = Vec::with_capacity(pieces.len());
         for (offset, dst, range) in pieces.iter_mut() {
-            if range.end > dst.len() {
+            if range.end > dst.len() || range.start > range.end {
                 return Err(Error::from(zero_core::Error::BufferSize {
-                    op: "narrow_ranges",
+                    op,
                     what: "destination piece",
                     got: dst.len(),
                     expected: range.end,
@@ -774,18 +807,12 @@ impl FusedKernels {
             }
             let (ptr, guard) = dst.device_ptr_mut(stream);
             guards.push(guard);
-            let start = ptr + (range.start * std::mem::size_of::<H>()) as u64;
+            let start = ptr + (range.start * std::mem::size_of::<T>()) as u64;
             entries.push((start, *offset, range.len()));
         }
-        let kernel = &self.narrow[H::INDEX];
-        self.launch_table(
-            "narrow_ranges",
-            stream,
-            kernel,
-            &entries,
-            flat.len(),
-            || flat.device_ptr(stream),
-        )?;
+        self.launch_table(op, stream, kernel, &entries, flat.len(), || {
+            flat.device_ptr(stream)
+        })?;
         drop(guards);
         Ok(())
     }

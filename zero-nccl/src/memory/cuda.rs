@@ -8,7 +8,7 @@ use super::segments::{plan_segments, PieceSlot};
 use super::view::{DeviceView, DeviceViewMut, ViewElement};
 use crate::device_comm::StreamOwner;
 use crate::kernels::Half;
-use crate::kernels::{FusedKernels, NormAccumulator, NormKind};
+use crate::kernels::{FusedKernels, NormAccumulator, NormKind, PIECES_PER_LAUNCH};
 use crate::{DeviceComm, NcclComm};
 use cudarc::driver::{
     CudaEvent, CudaSlice, CudaStream, CudaView, DevicePtr, DevicePtrMut, DriverError,
@@ -48,8 +48,9 @@ pub fn cuda_engine<C: DeviceComm>(
 /// buffer per parameter, in the engine's parameter order): f32, or bf16/f16
 /// for a 16-bit model (the engine then keeps f32 master weights).
 ///
-/// The engine asks for one parameter at a time and only queues work on the
-/// compute stream while it holds it.
+/// The engine reads one parameter at a time, writes a bucket's at once
+/// where the source lends them so ([`DeviceParams::with_params_mut`]),
+/// and only queues work on the compute stream while it holds them.
 pub trait DeviceParams {
     /// Calls `f` with parameter `param`'s device memory.
     fn with_param(
@@ -77,6 +78,23 @@ pub trait DeviceParams {
         param: usize,
         f: &mut dyn FnMut(DeviceViewMut<'_>) -> Result<()>,
     ) -> Result<()>;
+
+    /// Calls `f` with the writable device memory of the distinct
+    /// parameters `params`, in that order: all in one call where the source
+    /// can hold them at once (the engine then writes a bucket's parameters
+    /// in one launch instead of one each), else in consecutive runs, each
+    /// call given the next ones. By default one parameter a call, through
+    /// [`with_param_mut`](Self::with_param_mut).
+    fn with_params_mut(
+        &mut self,
+        params: &[usize],
+        f: &mut dyn FnMut(&mut [DeviceViewMut<'_>]) -> Result<()>,
+    ) -> Result<()> {
+        for &param in params {
+            self.with_param_mut(param, &mut |view| f(&mut [view]))?;
+        }
+        Ok(())
+    }
 }
 
 impl<E: ViewElement> DeviceParams for Vec<CudaSlice<E>> {
@@ -94,6 +112,26 @@ impl<E: ViewElement> DeviceParams for Vec<CudaSlice<E>> {
         f: &mut dyn FnMut(DeviceViewMut<'_>) -> Result<()>,
     ) -> Result<()> {
         f(E::view_mut(&mut self[param]))
+    }
+
+    fn with_params_mut(
+        &mut self,
+        params: &[usize],
+        f: &mut dyn FnMut(&mut [DeviceViewMut<'_>]) -> Result<()>,
+    ) -> Result<()> {
+        let count = self.len();
+        let mut slots: Vec<Option<&mut CudaSlice<E>>> = self.iter_mut().map(Some).collect();
+        let mut views = Vec::with_capacity(params.len());
+        for &param in params {
+            let slot = slots.get_mut(param).and_then(Option::take).ok_or_else(|| {
+                Error::State(format!(
+                    "internal: parameter {param} asked for twice at once, or not among the \
+                     {count} there are"
+                ))
+            })?;
+            views.push(E::view_mut(slot));
+        }
+        f(&mut views)
     }
 }
 
@@ -168,24 +206,60 @@ fn read_view(
     .map_err(nccl)
 }
 
-/// Copies `len` elements of the f32 buffer `src` from `src_at` into
-/// parameter view `dst` at `dst_at`, rounding to 16 bits where it holds them.
-fn write_view(
+/// Writes `buffer[c.at..]` into each parameter view of `views`, the
+/// destinations of `copies` in order: one launch per dtype present.
+fn write_views(
     kernels: &FusedKernels,
     stream: &Arc<CudaStream>,
-    src: &CudaSlice<f32>,
-    src_at: usize,
-    dst: DeviceViewMut<'_>,
-    dst_at: usize,
-    len: usize,
+    buffer: &CudaSlice<f32>,
+    copies: &[ParamCopy],
+    views: &mut [DeviceViewMut<'_>],
 ) -> Result<()> {
-    let range = dst_at..dst_at + len;
-    match dst {
-        DeviceViewMut::F32(dst) => return copy_range(stream, src, src_at, dst, dst_at, len),
-        DeviceViewMut::Bf16(dst) => kernels.narrow_ranges(stream, src, &mut [(src_at, dst, range)]),
-        DeviceViewMut::F16(dst) => kernels.narrow_ranges(stream, src, &mut [(src_at, dst, range)]),
+    let mut f32s: Vec<(usize, &mut dyn DevicePtrMut<f32>, Range<usize>)> = Vec::new();
+    let mut bf16s: Vec<(usize, &mut dyn DevicePtrMut<bf16>, Range<usize>)> = Vec::new();
+    let mut f16s: Vec<(usize, &mut dyn DevicePtrMut<f16>, Range<usize>)> = Vec::new();
+    for (c, view) in copies.iter().zip(views.iter_mut()) {
+        let range = c.param_range.clone();
+        match view {
+            DeviceViewMut::F32(dst) => f32s.push((c.at, &mut **dst, range)),
+            DeviceViewMut::Bf16(dst) => bf16s.push((c.at, &mut **dst, range)),
+            DeviceViewMut::F16(dst) => f16s.push((c.at, &mut **dst, range)),
+        }
     }
-    .map_err(nccl)
+    if !f32s.is_empty() {
+        kernels
+            .scatter_ranges(stream, buffer, &mut f32s)
+            .map_err(nccl)?;
+    }
+    if !bf16s.is_empty() {
+        kernels
+            .narrow_ranges(stream, buffer, &mut bf16s)
+            .map_err(nccl)?;
+    }
+    if !f16s.is_empty() {
+        kernels
+            .narrow_ranges(stream, buffer, &mut f16s)
+            .map_err(nccl)?;
+    }
+    Ok(())
+}
+
+/// `copies` cut into consecutive runs of distinct parameters (a source
+/// holds a parameter once at a time), each at most a launch's table.
+fn distinct_runs(copies: &[ParamCopy]) -> Vec<&[ParamCopy]> {
+    let mut runs = Vec::new();
+    let mut start = 0;
+    for (i, c) in copies.iter().enumerate() {
+        let run = &copies[start..i];
+        if run.len() == PIECES_PER_LAUNCH || run.iter().any(|r| r.param == c.param) {
+            runs.push(run);
+            start = i;
+        }
+    }
+    if start < copies.len() {
+        runs.push(&copies[start..]);
+    }
+    runs
 }
 
 fn check_range(op: &'static str, range: &Range<usize>, len: usize) -> Result<()> {
@@ -573,18 +647,22 @@ impl<C: DeviceComm> ShardMemory<f32, C> for CudaMemory {
         buffer: &CudaSlice<f32>,
     ) -> Result<()> {
         let stream = self.stream()?;
-        for c in copies {
-            params.with_param_mut(c.param, &mut |dst| {
-                write_view(
-                    &self.kernels,
-                    &stream,
-                    buffer,
-                    c.at,
-                    dst,
-                    c.param_range.start,
-                    c.param_range.len(),
-                )
+        for run in distinct_runs(copies) {
+            let ids: Vec<usize> = run.iter().map(|c| c.param).collect();
+            let mut done = 0;
+            params.with_params_mut(&ids, &mut |views| {
+                let part = run.get(done..done + views.len()).ok_or_else(|| {
+                    Error::State("internal: the parameters' source handed more than asked".into())
+                })?;
+                done += views.len();
+                write_views(&self.kernels, &stream, buffer, part, views)
             })?;
+            if done != run.len() {
+                return Err(Error::State(format!(
+                    "internal: the parameters' source handed {done} of the {} parameters asked",
+                    run.len()
+                )));
+            }
         }
         Ok(())
     }
@@ -932,4 +1010,54 @@ fn check_param_len(
             expected: len,
         })
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn copies(params: &[usize]) -> Vec<ParamCopy> {
+        params
+            .iter()
+            .enumerate()
+            .map(|(i, &param)| ParamCopy {
+                param,
+                param_range: 0..3,
+                at: 3 * i,
+            })
+            .collect()
+    }
+
+    fn run_params(runs: &[&[ParamCopy]]) -> Vec<Vec<usize>> {
+        runs.iter()
+            .map(|run| run.iter().map(|c| c.param).collect())
+            .collect()
+    }
+
+    #[test]
+    fn write_back_runs_hold_each_parameter_once_in_order() {
+        // A parameter written twice in one call (two runs of it in the
+        // bucket) starts a new run: a source lends it once at a time.
+        let all = copies(&[0, 1, 2, 1, 3, 3, 4]);
+        let runs = distinct_runs(&all);
+        assert_eq!(run_params(&runs), [vec![0, 1, 2], vec![1, 3], vec![3, 4]]);
+        assert_eq!(runs.concat(), all);
+        assert!(distinct_runs(&[]).is_empty());
+    }
+
+    #[test]
+    fn write_back_runs_fit_a_launch_table() {
+        let all = copies(&(0..150).collect::<Vec<_>>());
+        let runs = distinct_runs(&all);
+        let lens: Vec<usize> = runs.iter().map(|r| r.len()).collect();
+        assert_eq!(
+            lens,
+            [
+                PIECES_PER_LAUNCH,
+                PIECES_PER_LAUNCH,
+                150 - 2 * PIECES_PER_LAUNCH
+            ]
+        );
+        assert_eq!(runs.concat(), all);
+    }
 }

@@ -55,6 +55,16 @@ pub enum DeviceViewMut<'a> {
 }
 
 impl DeviceViewMut<'_> {
+    /// The same memory, lent again for a shorter while (to gather views of
+    /// different lifetimes into one list).
+    pub fn reborrow(&mut self) -> DeviceViewMut<'_> {
+        match self {
+            Self::F32(p) => DeviceViewMut::F32(&mut **p),
+            Self::Bf16(p) => DeviceViewMut::Bf16(&mut **p),
+            Self::F16(p) => DeviceViewMut::F16(&mut **p),
+        }
+    }
+
     /// Its length in elements.
     pub fn len(&self) -> usize {
         match self {
